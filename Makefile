@@ -1,0 +1,28 @@
+# make train : set up .venv and run the default job (python -m framework.train)
+# make test  : set up .venv and run the whole test suite
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes. Without CUDA, torch==2.13.0 comes
+# first so that the `torch>=2.6` range in pyproject.toml is already met by a CPU build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	if command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q 'torch>=2.6'; \
+	else $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+train: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m framework.train $(ARGS)
+
+test: setup
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) outputs multirun

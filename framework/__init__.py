@@ -1,0 +1,19 @@
+"""framework: DeepSpeed's ZeRO with a functional API.
+
+    import framework
+    cfg = framework.compose(["+stage=zero2", "optimizer=adamw", "train.steps=100"])
+    engine = framework.initialize(my_module, my_loss_fn, cfg)
+    state = engine.state
+    for batch in my_batches:                    # batch: a list of grad_accum micro batches
+        state, metrics = engine.train_step(state, batch)
+
+The command line (``python -m framework.train``) composes the same components with Hydra.
+"""
+from framework.build import Engine, initialize
+from framework.config import Config, compose
+from framework.errors import ConfigError, DataError, DistributedError, FrameworkError, TrainingError
+from framework.state import TrainState
+from framework.batch import Batch
+
+__all__ = ["Batch", "Config", "ConfigError", "DataError", "DistributedError", "Engine", "FrameworkError",
+           "TrainState", "TrainingError", "compose", "initialize"]

@@ -1,0 +1,77 @@
+"""Build components from a Config by registry name, and the library entry point.
+
+    engine = framework.initialize(my_module, my_loss_fn, framework.compose(["optimizer=lion"]))
+    state = engine.state
+    for batch in batches:
+        state, metrics = engine.train_step(state, batch)   # batch: grad_accum micro batches
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from framework.config import Config
+from framework.distributed import Dist, connect
+from framework.registry import registry
+from framework.state import TrainState
+from framework.step import Components, LossFn, build_train_step, init_state
+from framework.utils import tensors_in, tensor_bytes
+
+
+def component(cfg: Config, group: str):
+    """The registered component chosen for ``group`` in this config."""
+    return registry(group).get(cfg.choices[group])
+
+
+@dataclass(frozen=True)
+class Engine:
+    components: Components
+    state: TrainState
+    train_step: Callable
+    eval_step: Callable[[TrainState, list], float]
+
+    def memory(self, state: TrainState) -> dict[str, int]:
+        """Per-rank memory ledger in bytes (model states and communication buffers)."""
+        ledger = dict(self.components.stage.memory())
+        ledger["optimizer_state"] = tensor_bytes(tensors_in(state.opt_state))
+        ledger["total"] = sum(ledger.values())
+        return ledger
+
+
+def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | None = None,
+               position: int = 0) -> Engine:
+    """Shard ``module`` with the configured stage and return the initial state and step functions.
+
+    ``loss_fn(module, micro_batch) -> scalar`` is called once per micro batch. Without ``dist``
+    the process group described by the environment is joined (none at world size 1).
+    """
+    dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
+    policy = component(cfg, "precision").build(cfg.precision)
+    stage = component(cfg, "stage").build(cfg.stage, dist=dist)
+    module = module.to(dist.device)
+    setup = stage.setup(module, policy)
+    decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
+    optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
+    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
+                                                 total_steps=cfg.train.steps)
+    c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist)
+    return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
+
+
+def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:
+    """Mean loss over this rank's share of fixed batches, averaged over ranks (no grad)."""
+
+    def eval_step(state: TrainState, batches: list[Any]) -> float:
+        was_training = c.module.training
+        c.module.eval()
+        with torch.no_grad():
+            total = sum(c.loss_fn(c.module, b).float() for b in batches)
+        c.module.train(was_training)
+        total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
+        c.dist.all_reduce(total, what="validation loss all-reduce")
+        return total.item() / (len(batches) * c.dist.world)
+
+    return eval_step

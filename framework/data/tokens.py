@@ -1,0 +1,53 @@
+"""Pre-tokenised data: a flat little-endian uint16 ``.bin`` of token ids (nanoGPT's format).
+
+The file is memory-mapped, never loaded: each batch reads only its crops, so it scales to
+files larger than RAM. The last ``val_fraction`` of the tokens is the held-out split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from framework.data._base import CropSource, resolve_path
+from framework.errors import ConfigError, DataError
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class TokensConfig:
+    path: str               # relative paths: working directory first, then the repo root
+    vocab_size: int         # the tokenizer's size (e.g. 50304 for padded GPT-2)
+    val_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if not 1 <= self.vocab_size <= 1 << 16:
+            raise ConfigError(f"data.vocab_size must be in [1, 65536] for uint16 tokens, "
+                              f"got {self.vocab_size}")
+
+
+class TokensSource(CropSource):
+    def __init__(self, cfg: TokensConfig, *, seed: int, context: int) -> None:
+        path = resolve_path(cfg.path, key="data.path")
+        if path.stat().st_size % 2:
+            raise DataError(f"{path} has an odd number of bytes, so it is not a uint16 token "
+                            f"file; point data.path at a .bin of uint16 token ids")
+        if path.stat().st_size == 0:
+            raise DataError(f"{path} is empty; point data.path at a .bin of uint16 token ids")
+        data = np.memmap(path, dtype="<u2", mode="r")
+        split = int((1.0 - cfg.val_fraction) * len(data))
+        self.path = path
+        super().__init__(train=data[:split], val=data[split:], vocab_size=cfg.vocab_size,
+                         seed=seed, context=context, name=f"tokens {path}")
+
+    def describe(self) -> dict:
+        return {**super().describe(), "source": "tokens", "path": str(self.path)}
+
+
+def build(cfg: TokensConfig, *, seed: int, context: int) -> TokensSource:
+    return TokensSource(cfg, seed=seed, context=context)
+
+
+COMPONENT = Component(config=TokensConfig, build=build)

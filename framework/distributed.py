@@ -1,0 +1,102 @@
+"""The Dist value: rank, world size, device and the collectives the stages use.
+
+Collectives are no-ops at world size 1, so the same code runs on one process. Every
+collective names what it waits for, so a timeout (a peer died or stalled) ends the
+surviving ranks with one clear line instead of a hang or a bare gloo error.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+from framework.errors import ConfigError, DistributedError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    timeout_s: float
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            raise DistributedError(
+                f"rank {self.rank}/{self.world}: {what} failed after waiting up to {self.timeout_s:g}s "
+                f"(a peer rank died or stalled; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
+            ) from e
+
+    def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
+        if self.world == 1:
+            return None
+        return self._run(what, tdist.all_reduce, t, op=op, async_op=async_op)
+
+    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self._run(what, tdist.all_gather_object, out, obj)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast") -> None:
+        if self.world > 1:
+            self._run(what, tdist.broadcast, t, src=src)
+
+    def barrier(self, what: str = "barrier") -> None:
+        if self.world > 1:
+            # A tensor all-reduce rather than tdist.barrier: it honours the group timeout on gloo.
+            self.all_reduce(torch.zeros(1, device=self.device), what=what)
+
+
+def resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("dist.backend=nccl needs CUDA; use dist.backend=gloo (or auto) on CPU")
+    return backend
+
+
+def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None) -> Dist:
+    """Join (or reuse) the process group described by the environment.
+
+    Under torchrun or our own spawner RANK/WORLD_SIZE/MASTER_ADDR are set; without them this
+    is a single process and no group is created. The group is created once per process and
+    reused by later jobs of a multirun: re-creating it per job hangs under torchrun.
+    ``store_path``: rendezvous through a FileStore there (local spawned ranks) instead of
+    the TCP store named by MASTER_ADDR/MASTER_PORT.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    name = resolve_backend(backend)
+    device = torch.device("cuda", local_rank) if name == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not tdist.is_initialized():
+        store = tdist.FileStore(store_path, world) if store_path else None
+        tdist.init_process_group(name, rank=rank, world_size=world, store=store,
+                                 timeout=timedelta(seconds=timeout_s),
+                                 device_id=device if device.type == "cuda" else None)
+    if world > 1 and tdist.get_backend() != name:
+        raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
+                          f"cannot change within one process")
+    return Dist(rank, world, local_rank, device, name if world > 1 else None, timeout_s)
+
+
+def disconnect() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()

@@ -1,0 +1,21 @@
+"""Errors that the CLI turns into one line on stderr and a non-zero exit."""
+
+
+class FrameworkError(Exception):
+    """Base class for user-facing errors: the message says what is wrong and how to fix it."""
+
+
+class ConfigError(FrameworkError, ValueError):
+    """The configuration is invalid (unknown key, wrong type, incompatible choice)."""
+
+
+class DataError(FrameworkError):
+    """Input data is missing or malformed."""
+
+
+class TrainingError(FrameworkError):
+    """Training cannot continue (for example the fp16 loss scale hit its minimum)."""
+
+
+class DistributedError(FrameworkError):
+    """A collective failed or timed out (a peer rank died or stalled)."""

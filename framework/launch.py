@@ -1,0 +1,85 @@
+"""Run a validated config on 1 process, on dist.nproc spawned local ranks, or under torchrun.
+
+Spawned ranks rendezvous through a FileStore in a private temp folder and gloo is bound to
+the loopback interface, so nothing listens on a network address. Under torchrun the
+environment describes the group, which is created once per process and reused by every job
+of a multirun (re-creating it per job hangs under torchrun).
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from framework.config import Config
+from framework.distributed import Dist, connect, disconnect
+from framework.errors import DistributedError, FrameworkError
+from framework.loggers._base import RunInfo
+from framework.loop import train
+
+
+def launch(cfg: Config, run: RunInfo) -> dict:
+    """Train and return rank 0's summary."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
+        already = torch.distributed.is_initialized()
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+        if not already:
+            atexit.register(disconnect)
+        return train(cfg, _agree_run_dir(run, dist), dist)
+    if cfg.dist.nproc == 1:
+        return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
+    return _spawn(cfg, run)
+
+
+def _spawn(cfg: Config, run: RunInfo) -> dict:
+    store_dir = tempfile.mkdtemp(prefix="framework-rdzv-")
+    try:
+        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store")),
+                           nprocs=cfg.dist.nproc, join=True, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} exited with code {e.exit_code} "
+                             f"(its error is printed above); the other ranks were stopped") from None
+    except mp.ProcessRaisedException as e:
+        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
+                             f"{str(e).strip().splitlines()[-1]}") from None
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if not torch.cuda.is_available():
+        # Ranks share the host's cores; oversubscribed threads make every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
+        train(cfg, run, dist)
+    except FrameworkError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        disconnect()
+
+
+def _agree_run_dir(run: RunInfo, dist: Dist) -> RunInfo:
+    """Under torchrun each rank may resolve ${now:...} differently: use rank 0's folder."""
+    dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
+    mine = Path(dirs[dist.rank])
+    if dirs[0] != dirs[dist.rank] and mine.is_dir():
+        leftovers = {p.name for p in mine.iterdir()}
+        if leftovers <= {".hydra", "train.log"}:  # only what Hydra wrote for this rank
+            shutil.rmtree(mine, ignore_errors=True)
+    return replace(run, run_dir=Path(dirs[0]))
+
+
+__all__ = ["launch", "DistributedError"]

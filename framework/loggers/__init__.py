@@ -1,0 +1,1 @@
+"""Loggers (conf/logger): console, wandb, none. Rank 0 only."""

@@ -1,0 +1,17 @@
+"""none: no console output and no service (metrics.jsonl and summary.json are still written)."""
+from dataclasses import dataclass
+
+from framework.loggers._base import NullLogger, RunInfo
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class NoLoggerConfig:
+    pass
+
+
+def build(cfg: NoLoggerConfig, *, run: RunInfo) -> NullLogger:
+    return NullLogger()
+
+
+COMPONENT = Component(config=NoLoggerConfig, build=build)

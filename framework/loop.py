@@ -1,0 +1,81 @@
+"""The training loop of the CLI: build by registry name, then state, metrics = train_step(state, batch)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from statistics import fmean
+
+import torch
+
+from framework.build import component, initialize
+from framework.config import Config
+from framework.distributed import Dist
+from framework.loggers._base import NullLogger, RunInfo, RunRecord
+from framework.models.gpt import gpt_loss
+
+
+def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
+    """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
+    torch.manual_seed(cfg.seed)  # same model initialisation on every rank
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    engine = initialize(module, gpt_loss, cfg, dist)
+    torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
+    state = replace(engine.state, rng=torch.get_rng_state())
+
+    t = cfg.train
+    shard = dict(rank=dist.rank, world=dist.world)
+    val = data.val_batches(t.eval_batches, batch=t.micro_batch, **shard)
+    tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
+    logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
+    record = RunRecord(run.run_dir) if dist.is_main else None
+    losses, evals = [], []
+    try:
+        logger.start(cfg.to_dict(), t.steps)
+        t_start = t_window = time.perf_counter()
+        window = 0
+        while state.step < t.steps:
+            batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
+            state, m = engine.train_step(state, batch)
+            losses.append(m["loss"])
+            window += 1
+            if state.step % t.log_every == 0 or state.step == t.steps:
+                now = time.perf_counter()
+                rec = {"step": state.step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                       "loss_scale": m["loss_scale"], "skipped_steps": state.precision.skipped_steps,
+                       "tokens_per_s": tokens_per_step * window / (now - t_window),
+                       "eta_s": (now - t_start) / state.step * (t.steps - state.step)}
+                t_window, window = now, 0
+                _emit(logger, record, rec)
+            if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
+                evals.append(engine.eval_step(state, val))
+                _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
+        elapsed = time.perf_counter() - t_start
+        summary = {
+            "steps": state.step,
+            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
+            "val_loss": evals[-1] if evals else math.nan,
+            "tokens_per_s": tokens_per_step * state.step / elapsed,
+            "skipped_steps": state.precision.skipped_steps,
+            "elapsed_s": elapsed,
+            "world": dist.world,
+            "params": sum(p.numel() for p in module.parameters()),
+            "data": data.describe(),
+            "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
+            "config": cfg.to_dict(),
+        }
+        if record is not None:
+            record.finish(summary)
+        logger.finish(summary)
+        return summary
+    finally:
+        logger.close()
+        if record is not None:
+            record.close()
+
+
+def _emit(logger, record: RunRecord | None, rec: dict) -> None:
+    if record is not None:
+        record.log(rec)
+    logger.log(rec)

@@ -1,0 +1,212 @@
+"""A GPT in the nanoGPT mould, written with einops.
+
+Pre-LayerNorm blocks, causal attention through ``scaled_dot_product_attention`` (so the fused
+kernels are used where available), learned position embeddings, a 4x GELU MLP, optional
+biases, dropout and weight tying. Each transformer layer is a ``Block`` module because ZeRO-3
+gathers and releases parameters one Block at a time, and activation checkpointing wraps the
+same unit.
+
+Weight tying is done by reading ``wte.weight`` in the output projection rather than by
+aliasing a second ``nn.Linear`` to it: there is then exactly one tensor and one name for it,
+so nothing that swaps or shards parameters (ZeRO, offload, ``to_empty``) can break the tie
+silently.
+
+The presets (``gpt-nano`` ... ``gpt-1b``) share one schema; their values live in
+``conf/model/<name>.yaml`` and are mirrored in ``PRESETS`` for tests and docs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from framework.errors import ConfigError
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    vocab_size: int
+    context: int            # maximum sequence length (size of the position table)
+    n_layer: int
+    n_head: int
+    d_model: int
+    dropout: float = 0.0
+    bias: bool              # biases in Linear and LayerNorm layers (GPT-2 has them)
+    tie_weights: bool = True  # output projection reuses the token embedding matrix
+    activation_checkpointing: bool = False  # recompute each Block in backward to save memory
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "context", "n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by "
+                              f"model.n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+def count_params(cfg: GPTConfig) -> int:
+    """Exact parameter count of ``GPT(cfg)`` without building it (used for the 1B preset)."""
+    d, b = cfg.d_model, int(cfg.bias)
+    ln = d + b * d
+    attn = 3 * d * d + b * 3 * d + d * d + b * d
+    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
+    block = 2 * ln + attn + mlp
+    head = 0 if cfg.tie_weights else cfg.vocab_size * d
+    return cfg.vocab_size * d + cfg.context * d + cfg.n_layer * block + ln + head
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = rearrange(self.qkv(x), "b t (three h e) -> three b h t e", three=3, h=self.n_head)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer layer: the unit of ZeRO-3 gathering and of checkpointing."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = None if cfg.tie_weights else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """nanoGPT init; callable again after ``to_empty()`` when the model was built on meta."""
+        # Residual projections are scaled by 1/sqrt(2 * n_layer) so that the variance of the
+        # residual stream does not grow with depth (two residual adds per layer), as in GPT-2.
+        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(proj.weight, mean=0.0, std=residual_std)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The [vocab, d_model] output projection: the token embedding itself when tied."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied matrix counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """Token ids [B, T] -> fp32 logits [B, T, vocab]."""
+        t = idx.shape[1]
+        if t > self.cfg.context:
+            raise ValueError(f"sequence length {t} exceeds the model context {self.cfg.context}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        # Checkpointing only pays off when a backward pass will follow.
+        recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        logits = F.linear(self.ln_f(x), self.output_weight)
+        # Softmax / cross-entropy over a large vocabulary is where low precision hurts most.
+        return logits.float()
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` [B, T]; temperature 0 is greedy."""
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.context:])[:, -1, :]
+            if temperature == 0.0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx
+
+
+def gpt_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """Mean next-token cross-entropy of one micro batch ``(x, y)``, both int64 [B, T]."""
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(rearrange(logits, "b t v -> (b t) v"), rearrange(y, "b t -> (b t)"))
+
+
+def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:
+    """Build on the current default device; ``vocab_size`` (from the data source) overrides the YAML."""
+    if vocab_size is not None and vocab_size != cfg.vocab_size:
+        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
+    return GPT(cfg)
+
+
+# Mirrors conf/model/*.yaml (a test keeps them in sync). Parameter counts as reported by
+# GPT.num_params(), position embeddings included.
+PRESETS: dict[str, GPTConfig] = {
+    # The CPU baby GPT: ~0.80 M with the 65-character Shakespeare vocabulary.
+    "gpt-nano": GPTConfig(vocab_size=65, context=64, n_layer=4, n_head=4, d_model=128, bias=False),
+    # ~10.8 M (10.7 M without position embeddings).
+    "gpt-mini": GPTConfig(vocab_size=256, context=256, n_layer=6, n_head=6, d_model=384, bias=False),
+    # GPT-2 124 M (vocab padded to a multiple of 64 for fast matmuls).
+    "gpt2-small": GPTConfig(vocab_size=50304, context=1024, n_layer=12, n_head=12, d_model=768,
+                            bias=True),
+    # GPT-2 medium, ~355 M.
+    "gpt2-medium": GPTConfig(vocab_size=50304, context=1024, n_layer=24, n_head=16, d_model=1024,
+                             bias=True),
+    # The benchmark model: 1,416,744,960 parameters (~1.417 B) requires an untied output
+    # projection and biases; tied it would be 1.314 B.
+    "gpt-1b": GPTConfig(vocab_size=50304, context=1024, n_layer=24, n_head=16, d_model=2048,
+                        bias=True, tie_weights=False),
+}
+
+COMPONENTS: dict[str, Component] = {name: Component(config=GPTConfig, build=build) for name in PRESETS}

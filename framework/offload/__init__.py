@@ -1,0 +1,1 @@
+"""Offload targets (conf/offload): none (later cpu, nvme)."""

@@ -1,0 +1,262 @@
+"""Functional, optax-style gradient transformations over lists of flat fp32 tensors.
+
+An optimizer is a ``GradientTransformation``: ``init(params) -> state`` and
+``update(grads, state, params, lr) -> (updates, new_state)``; the caller then applies
+``p += u`` with ``apply_updates``. There is one flat tensor per parameter group, and a
+group may hold 100M+ elements, so every transform works in place:
+
+* the grads are scratch once the step is taken, so updates are written into their
+  storage (the returned ``updates`` alias the ``grads`` passed in);
+* state tensors (moments, buffers) are updated in place and shared by the returned state:
+  a state object must not be used again once it has been passed to ``update``;
+* where an update needs one more buffer than the grad and state provide (Lion, Adagrad),
+  the work is done in chunks through a bounded scratch buffer, never a full-size copy.
+
+Step counts are python ints so that no transform needs a device sync to read them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from framework.errors import ConfigError
+
+# Elements per chunk for the transforms that need a temporary: caps the scratch buffer at
+# 16 MiB (fp32) whatever the group size, and keeps per-chunk launch overhead negligible.
+_CHUNK = 1 << 22
+
+
+class GradientTransformation(NamedTuple):
+    init: Callable[[Sequence[Tensor]], Any]
+    update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+class ScaleByAdamState(NamedTuple):
+    count: int
+    mu: list[Tensor]
+    nu: list[Tensor]
+
+
+class ScaleByLionState(NamedTuple):
+    mu: list[Tensor]
+
+
+class TraceState(NamedTuple):
+    count: int
+    trace: list[Tensor]
+
+
+class ScaleByRssState(NamedTuple):
+    count: int
+    sum_of_squares: list[Tensor]
+
+
+def apply_updates(params: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
+    """``p += u`` for every group, in place."""
+    torch._foreach_add_(list(params), list(updates))
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Compose transforms left to right; the state is the tuple of the inner states."""
+
+    def init(params: Sequence[Tensor]) -> tuple[Any, ...]:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads: list[Tensor], state: tuple[Any, ...], params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], tuple[Any, ...]]:
+        if len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)}")
+        new_state = []
+        for transform, inner in zip(transforms, state):
+            grads, inner = transform.update(grads, inner, params, lr)
+            new_state.append(inner)
+        return grads, tuple(new_state)
+
+    return GradientTransformation(init, update)
+
+
+def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
+    """Aligned views of at most ``_CHUNK`` elements over same-sized tensors (no copies)."""
+    flat = [t.view(-1) for t in tensors]
+    for start in range(0, flat[0].numel(), _CHUNK):
+        yield tuple(t[start:start + _CHUNK] for t in flat)
+
+
+def _scratch(like: Tensor) -> Tensor:
+    return torch.empty(min(like.numel(), _CHUNK), dtype=like.dtype, device=like.device)
+
+
+def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
+                  ) -> GradientTransformation:
+    """Adam's direction ``m_hat / (sqrt(v_hat) + eps)``, op for op as torch's single-tensor Adam."""
+
+    def init(params: Sequence[Tensor]) -> ScaleByAdamState:
+        return ScaleByAdamState(0, [torch.zeros_like(p) for p in params],
+                                [torch.zeros_like(p) for p in params])
+
+    def update(grads: list[Tensor], state: ScaleByAdamState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], ScaleByAdamState]:
+        count = state.count + 1
+        torch._foreach_lerp_(state.mu, grads, 1 - b1)  # torch uses lerp, not mul+add
+        torch._foreach_mul_(state.nu, b2)
+        torch._foreach_addcmul_(state.nu, grads, grads, value=1 - b2)
+        bc1 = 1 - b1 ** count if bias_correction else 1.0
+        bc2_sqrt = (1 - b2 ** count) ** 0.5 if bias_correction else 1.0
+        for g, m, v in zip(grads, state.mu, state.nu):
+            # g is consumed: its storage holds the denominator, then the update.
+            torch.sqrt(v, out=g)
+            if bias_correction:
+                g.div_(bc2_sqrt)
+            g.add_(eps)
+            torch.div(m, g, out=g)
+            if bias_correction:
+                g.div_(bc1)
+        return grads, ScaleByAdamState(count, state.mu, state.nu)
+
+    return GradientTransformation(init, update)
+
+
+def add_decayed_weights(weight_decay: float, mask: Sequence[bool] | None = None
+                        ) -> GradientTransformation:
+    """``u += weight_decay * p`` for the groups whose mask entry is True (all if None).
+
+    Before the direction (Adam, SGD, Adagrad) this is L2 regularisation; after it and
+    before ``scale_by_lr`` it is decoupled decay ``p -= lr * wd * p`` (AdamW, Lion).
+    """
+
+    def init(params: Sequence[Tensor]) -> EmptyState:
+        if mask is not None and len(mask) != len(params):
+            raise ValueError(f"weight-decay mask has {len(mask)} entries for {len(params)} groups")
+        return EmptyState()
+
+    def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], EmptyState]:
+        flags = [True] * len(grads) if mask is None else mask
+        for u, p, decayed in zip(grads, params, flags):
+            if decayed and weight_decay != 0:
+                u.add_(p, alpha=weight_decay)
+        return grads, state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_lr() -> GradientTransformation:
+    """``u *= -lr``: the final step that turns a direction into a descent update."""
+
+    def init(params: Sequence[Tensor]) -> EmptyState:
+        return EmptyState()
+
+    def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], EmptyState]:
+        torch._foreach_mul_(grads, -lr)
+        return grads, state
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
+    """Lion (Chen et al. 2023): ``u = sign(b1*m + (1-b1)*g)``, then ``m = b2*m + (1-b2)*g``."""
+
+    def init(params: Sequence[Tensor]) -> ScaleByLionState:
+        return ScaleByLionState([torch.zeros_like(p) for p in params])
+
+    def update(grads: list[Tensor], state: ScaleByLionState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], ScaleByLionState]:
+        for g, m in zip(grads, state.mu):
+            # Both outputs (u into g, new m into m) read both old g and old m, so one of
+            # them must go through a temporary: chunked to bound its size.
+            scratch = _scratch(g)
+            for g_c, m_c in _chunks(g, m):
+                tmp = scratch[:g_c.numel()]
+                torch.mul(m_c, b1, out=tmp).add_(g_c, alpha=1 - b1)
+                m_c.mul_(b2).add_(g_c, alpha=1 - b2)
+                torch.sign(tmp, out=g_c)
+        return grads, state
+
+    return GradientTransformation(init, update)
+
+
+def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False
+          ) -> GradientTransformation:
+    """SGD momentum as torch.optim.SGD: ``buf = g`` on the first step (no dampening),
+    then ``buf = momentum*buf + (1-dampening)*g``; the update is ``buf``, or with
+    Nesterov ``g + momentum*buf``."""
+
+    def init(params: Sequence[Tensor]) -> TraceState:
+        return TraceState(0, [torch.zeros_like(p) for p in params])
+
+    def update(grads: list[Tensor], state: TraceState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], TraceState]:
+        if state.count == 0:
+            torch._foreach_copy_(state.trace, grads)
+        else:
+            torch._foreach_mul_(state.trace, momentum)
+            torch._foreach_add_(state.trace, grads, alpha=1 - dampening)
+        if nesterov:
+            torch._foreach_add_(grads, state.trace, alpha=momentum)
+        else:
+            # Copy rather than return the buffer: later transforms scale updates in place.
+            torch._foreach_copy_(grads, state.trace)
+        return grads, TraceState(state.count + 1, state.trace)
+
+    return GradientTransformation(init, update)
+
+
+def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10,
+                 lr_decay: float = 0.0) -> GradientTransformation:
+    """Adagrad as torch.optim.Adagrad: ``s += g*g``; ``u = g / (sqrt(s) + eps)``.
+
+    torch's step-size decay ``lr / (1 + (step-1)*lr_decay)`` is folded in here as a
+    division of the update, so that ``scale_by_lr`` stays the plain ``-lr``.
+    """
+
+    def init(params: Sequence[Tensor]) -> ScaleByRssState:
+        return ScaleByRssState(0, [torch.full_like(p, initial_accumulator_value) for p in params])
+
+    def update(grads: list[Tensor], state: ScaleByRssState, params: Sequence[Tensor],
+               lr: float) -> tuple[list[Tensor], ScaleByRssState]:
+        count = state.count + 1
+        torch._foreach_addcmul_(state.sum_of_squares, grads, grads, value=1)
+        decay = 1 + (count - 1) * lr_decay
+        for g, s in zip(grads, state.sum_of_squares):
+            # g is both numerator and destination, so the denominator needs a temporary.
+            scratch = _scratch(g)
+            for g_c, s_c in _chunks(g, s):
+                std = scratch[:g_c.numel()]
+                torch.sqrt(s_c, out=std).add_(eps)
+                g_c.div_(std)
+        if decay != 1:
+            torch._foreach_div_(grads, decay)
+        return grads, ScaleByRssState(count, state.sum_of_squares)
+
+    return GradientTransformation(init, update)
+
+
+# --- helpers shared by the registered optimizer modules -------------------------------
+
+def require(ok: bool, message: str) -> None:
+    """Raise a one-line ConfigError unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_common(name: str, lr: float, weight_decay: float) -> None:
+    require(math.isfinite(lr) and lr >= 0, f"optimizer.lr must be >= 0 for {name}, got {lr}")
+    require(math.isfinite(weight_decay) and weight_decay >= 0,
+            f"optimizer.weight_decay must be >= 0 for {name}, got {weight_decay}")
+
+
+def check_beta(name: str, field: str, value: float) -> None:
+    require(0 <= value < 1, f"optimizer.{field} must be in [0, 1) for {name}, got {value}")
+
+
+def effective_mask(decay_mask: Sequence[bool], decay_1d: bool) -> list[bool]:
+    """``decay_mask[i]`` is False for groups of 1-D params; ``decay_1d`` decays those too."""
+    return [bool(decayed) or decay_1d for decayed in decay_mask]

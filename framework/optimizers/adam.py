@@ -1,0 +1,34 @@
+"""Adam (Kingma & Ba) with torch's L2 weight decay: ``g += wd * p`` before the moments."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from framework.optimizers._transforms import (
+    GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
+    effective_mask, require, scale_by_adam, scale_by_lr)
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class AdamConfig:
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decay_1d: bool = False  # also decay 1-D params (biases, norm weights)
+    bias_correction: bool = True
+
+
+def build(cfg: AdamConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
+    check_common("adam", cfg.lr, cfg.weight_decay)
+    check_beta("adam", "beta1", cfg.beta1)
+    check_beta("adam", "beta2", cfg.beta2)
+    require(cfg.eps >= 0, f"optimizer.eps must be >= 0 for adam, got {cfg.eps}")
+    return chain(add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
+                 scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
+                 scale_by_lr())
+
+
+COMPONENT = Component(config=AdamConfig, build=build)

@@ -1,0 +1,31 @@
+"""Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from framework.optimizers._transforms import (
+    GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
+    effective_mask, scale_by_lion, scale_by_lr)
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class LionConfig:
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.0
+    decay_1d: bool = False  # also decay 1-D params (biases, norm weights)
+
+
+def build(cfg: LionConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
+    check_common("lion", cfg.lr, cfg.weight_decay)
+    check_beta("lion", "beta1", cfg.beta1)
+    check_beta("lion", "beta2", cfg.beta2)
+    return chain(scale_by_lion(cfg.beta1, cfg.beta2),
+                 add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
+                 scale_by_lr())
+
+
+COMPONENT = Component(config=LionConfig, build=build)

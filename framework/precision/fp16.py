@@ -1,0 +1,30 @@
+"""fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
+from dataclasses import dataclass
+
+import torch
+
+from framework.errors import ConfigError
+from framework.precision._policy import Policy, ScalerConfig
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class FP16Config:
+    loss_scale: float = 0.0          # 0 = dynamic
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+
+def build(cfg: FP16Config) -> Policy:
+    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.hysteresis < 1 or cfg.loss_scale_window < 1:
+        raise ConfigError("precision: need loss_scale >= 0, min_loss_scale > 0, hysteresis >= 1 and "
+                          "loss_scale_window >= 1")
+    scaler = ScalerConfig(cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window,
+                          cfg.hysteresis, cfg.consecutive_hysteresis, cfg.min_loss_scale)
+    return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler)
+
+
+COMPONENT = Component(config=FP16Config, build=build)

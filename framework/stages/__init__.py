@@ -1,0 +1,1 @@
+"""Sharding stages (conf/stage): ddp (replicated), later zero1, zero2, zero3."""

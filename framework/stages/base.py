@@ -1,0 +1,48 @@
+"""The Stage protocol: how parameters, gradients and optimizer inputs are laid out and moved.
+
+``train_step`` calls these methods in a fixed order and never asks which stage it drives.
+Stages never know which optimizer runs; optimizers never know about sharding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from framework.precision import Policy
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What ``Stage.setup`` hands back: the master tensors the optimizer updates (one flat
+    tensor per parameter group, or this rank's partition of it) and each group's kind."""
+
+    master: list[torch.Tensor]
+    kinds: list[str]          # 'decay' or 'no_decay', aligned with ``master``
+
+
+class Stage(Protocol):
+    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        """Take ownership of the module's parameters (flatten, shard, bind views)."""
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        """Backpropagate one micro batch; ``sync`` marks the accumulation boundary."""
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        """Finish gradient reduction; return gradients aligned with ``Setup.master`` (master dtype)."""
+
+    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global squared L2 norm of the gradients across all ranks (non-finite if any is)."""
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        """Names of parameters with non-finite gradients on any rank (slow path, for errors)."""
+
+    def publish(self, master: list[torch.Tensor]) -> None:
+        """Copy updated master values into the working parameters the module computes with."""
+
+    def zero_grads(self) -> None: ...
+
+    def memory(self) -> dict[str, int]:
+        """Per-rank bytes: params, grads, master_params, comm_buffers (optimizer state is added by the caller)."""

@@ -1,0 +1,177 @@
+"""ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced.
+
+Parameters live in one flat buffer per group (module parameters are views into it) and so do
+gradients, so the all-reduce works on contiguous buckets launched from post-accumulate-grad
+hooks while backward is still running, in a fixed bucket order that is the same on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from framework.distributed import Dist
+from framework.errors import ConfigError
+from framework.precision import Policy
+from framework.registry import Component
+from framework.stages._flat import Layout, bind, make_layout, param_groups, views
+from framework.utils import tensor_bytes
+from framework.stages.base import Setup
+
+
+@dataclass(kw_only=True)
+class DDPConfig:
+    bucket_size: int = 6_553_600   # elements per all-reduce bucket (25 MiB of fp32, torch DDP's default)
+    overlap_comm: bool = True      # launch buckets during backward instead of after it
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    group: int
+    start: int
+    end: int
+    params: tuple[int, ...]   # ids of the parameters whose gradients fill it
+
+
+class _Reducer:
+    """Launches one all-reduce per bucket, in bucket order, as soon as the bucket is ready."""
+
+    def __init__(self, dist: Dist, grads: list[torch.Tensor], buckets: list[_Bucket], reduce_dtype):
+        self.dist, self.grads, self.buckets, self.reduce_dtype = dist, grads, buckets, reduce_dtype
+        self.owner = {pid: i for i, b in enumerate(buckets) for pid in b.params}
+        self.armed = False
+        self.pending: list[int] = []
+        self.launched = 0
+        self.work: list = []
+
+    def arm(self) -> None:
+        self.armed, self.launched, self.work = True, 0, []
+        self.pending = [len(b.params) for b in self.buckets]
+
+    def ready(self, pid: int) -> None:
+        if not self.armed:
+            return
+        self.pending[self.owner[pid]] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch(self.launched)
+
+    def _launch(self, i: int) -> None:
+        b = self.buckets[i]
+        view = self.grads[b.group][b.start:b.end]
+        wire = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
+        work = self.dist.all_reduce(wire, what=f"gradient all-reduce of bucket {i}", async_op=True)
+        self.work.append((work, wire, view))
+        self.launched = i + 1
+
+    def finish(self) -> None:
+        # Buckets holding parameters that got no gradient this step never became ready.
+        while self.launched < len(self.buckets):
+            self._launch(self.launched)
+        for work, wire, view in self.work:
+            if work is not None:
+                self.dist._run("gradient all-reduce", work.wait)
+            if wire is not view:
+                view.copy_(wire)
+        self.armed, self.work = False, []
+
+
+def _plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int) -> list[_Bucket]:
+    """Group (pid, group, offset, numel) entries, visited in expected gradient order, into
+    contiguous per-group buckets; the global order is the order in which buckets close."""
+    open_: dict[int, list] = {}
+    out: list[_Bucket] = []
+
+    def close(g: int) -> None:
+        entries = open_.pop(g)
+        start = min(e[2] for e in entries)
+        end = max(e[2] + e[3] for e in entries)
+        out.append(_Bucket(g, start, end, tuple(e[0] for e in entries)))
+
+    for entry in order:
+        g = entry[1]
+        open_.setdefault(g, []).append(entry)
+        if sum(e[3] for e in open_[g]) >= bucket_size:
+            close(g)
+    for g in sorted(open_):
+        close(g)
+    return out
+
+
+class DDPStage:
+    def __init__(self, cfg: DDPConfig, dist: Dist):
+        if cfg.bucket_size < 1:
+            raise ConfigError("stage.bucket_size must be >= 1 element")
+        self.cfg, self.dist = cfg, dist
+        self.layouts: list[Layout] = []
+        self.flats: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.master: list[torch.Tensor] = []
+        self.reducer: _Reducer | None = None
+
+    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        groups = param_groups(module)
+        entries = []  # (param, group index, slot) in registration order
+        for g, (_, named) in enumerate(groups):
+            layout = make_layout(named, world=1)
+            flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
+            params = [p for _, p in named]
+            bind(params, flat, layout)
+            # Every rank starts from rank 0's values, whatever each rank's initialisation did.
+            self.dist.broadcast(flat, what="initial parameter broadcast")
+            grad = torch.zeros_like(flat)
+            for p, gv in zip(params, views(grad, layout)):
+                p.grad = gv  # autograd accumulates in place into the flat buffer
+            self.layouts.append(layout)
+            self.flats.append(flat)
+            self.grads.append(grad)
+            self.master.append(flat if policy.master_dtype == flat.dtype else flat.to(policy.master_dtype))
+            entries += [(p, g, s) for p, s in zip(params, layout.slots)]
+        # Backward produces gradients roughly in reverse registration order.
+        order = [(i, g, s.offset, s.numel) for i, (_, g, s) in reversed(list(enumerate(entries)))]
+        self.reducer = _Reducer(self.dist, self.grads, _plan_buckets(order, self.cfg.bucket_size),
+                                policy.reduce_dtype)
+        if self.dist.world > 1 and self.cfg.overlap_comm:
+            for i, (p, _, _) in enumerate(entries):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.reducer.ready(i))
+        return Setup(self.master, [kind for kind, _ in groups])
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        if sync and self.dist.world > 1:
+            self.reducer.arm()
+        # Gradients are summed across ranks, so each rank contributes 1/world of the mean.
+        (loss / self.dist.world).backward()
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        if self.dist.world > 1:
+            self.reducer.finish()
+        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(self.grads, self.master)]
+
+    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        # Gradients are replicated after the all-reduce: the local norm is the global one.
+        return sum(torch.dot(g, g) for g in grads)
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        return [s.name for g, lay in zip(grads, self.layouts) for s in lay.slots
+                if not torch.isfinite(g[s.offset:s.offset + s.numel]).all()]
+
+    def publish(self, master: list[torch.Tensor]) -> None:
+        for flat, m in zip(self.flats, master):
+            if flat is not m:
+                flat.copy_(m)
+
+    def zero_grads(self) -> None:
+        for g in self.grads:
+            g.zero_()
+
+    def memory(self) -> dict[str, int]:
+        separate = [m for m, f in zip(self.master, self.flats) if m is not f]
+        return {"params": tensor_bytes(self.flats), "grads": tensor_bytes(self.grads),
+                "master_params": tensor_bytes(separate), "comm_buffers": 0}
+
+
+def build(cfg: DDPConfig, *, dist: Dist) -> DDPStage:
+    return DDPStage(cfg, dist)
+
+
+COMPONENT = Component(config=DDPConfig, build=build)

@@ -1,0 +1,84 @@
+"""build_train_step / build_eval_step: a fixed sequence of calls on stage, precision and optimizer.
+
+    state, metrics = train_step(state, batch)
+
+One call is one optimizer step over ``len(batch.micro)`` accumulated micro batches. Nothing
+here branches on which stage, precision or optimizer was composed in.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from framework.batch import Batch
+from framework.distributed import Dist
+from framework.optimizers import GradientTransformation, apply_updates
+from framework.precision import Policy, next_scale
+from framework.stages.base import Stage
+from framework.state import TrainState
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Components:
+    module: nn.Module
+    loss_fn: LossFn
+    stage: Stage
+    policy: Policy
+    optimizer: GradientTransformation
+    schedule: Callable[[int], float]
+    grad_clip: float              # 0 disables clipping
+    dist: Dist
+
+
+def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
+    return TrainState(step=0, params=tuple(master), opt_state=c.optimizer.init(list(master)),
+                      precision=c.policy.init_state(), rng=torch.get_rng_state(), data=position)
+
+
+def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
+        if not isinstance(batch, Batch):
+            batch = Batch(tuple(batch))
+        torch.set_rng_state(state.rng)
+        scale = state.precision.cur_scale
+        n = len(batch.micro)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
+        for k, micro in enumerate(batch.micro):
+            loss = c.loss_fn(c.module, micro)
+            c.stage.backward(loss * (scale / n), sync=k == n - 1)
+            loss_sum += loss.detach().float()
+        grads = c.stage.reduce_grads()
+        # One global norm serves clipping and overflow detection: inf/nan propagate through it,
+        # so every rank reaches the same skip decision. Sync point (.item()).
+        norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale
+        overflow = not math.isfinite(norm)
+        precision = next_scale(c.policy.scaler, state.precision, overflow,
+                               culprits=lambda: c.stage.nonfinite_names(grads))
+        lr = c.schedule(state.applied_steps)
+        opt_state = state.opt_state
+        if not overflow:
+            coef = 1.0 / scale
+            if c.grad_clip > 0 and norm > c.grad_clip:
+                coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+            if coef != 1.0:
+                torch._foreach_mul_(grads, coef)
+            updates, opt_state = c.optimizer.update(grads, opt_state, state.params, lr)
+            apply_updates(state.params, updates)
+            c.stage.publish(list(state.params))
+        c.stage.zero_grads()
+        # The logged loss is the mean over the global batch (ranks hold equal shares).
+        c.dist.all_reduce(loss_sum, what="loss all-reduce")
+        metrics = {"loss": loss_sum.item() / (n * c.dist.world), "lr": lr, "grad_norm": norm, "loss_scale": scale,
+                   "skipped": overflow}
+        new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
+                      rng=torch.get_rng_state(),
+                      data=batch.position if batch.position is not None else state.data + 1)
+        return new, metrics
+
+    return train_step

@@ -1,0 +1,72 @@
+"""Shared builders for tests: tiny configs, engines and a plain-PyTorch reference loop."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from framework import compose
+from framework.build import component, initialize
+from framework.models.gpt import gpt_loss
+
+TINY = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.context=16",
+        "data.vocab_size=24", "train.steps=20", "train.micro_batch=4", "logger=none"]
+
+
+def tiny_config(*overrides: str):
+    return compose([*TINY, *overrides])
+
+
+def build_gpt(cfg, seed: int | None = None):
+    """Same init on every call with the same seed; returns (module, data source)."""
+    torch.manual_seed(cfg.seed if seed is None else seed)
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    return component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size), data
+
+
+def run_engine(cfg, dist=None, steps: int | None = None):
+    """Train with our engine; return (per-step losses, engine, final state)."""
+    module, data = build_gpt(cfg)
+    engine = initialize(module, gpt_loss, cfg, dist)
+    state, losses = engine.state, []
+    rank, world = (dist.rank, dist.world) if dist is not None else (0, 1)
+    for _ in range(steps or cfg.train.steps):
+        batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch,
+                                 grad_accum=cfg.train.grad_accum, rank=rank, world=world)
+        state, m = engine.train_step(state, batch)
+        losses.append(m["loss"])
+    return losses, engine, state
+
+
+def flat_params(module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def reference_losses(cfg, steps: int | None = None):
+    """A plain PyTorch loop: same init and batches, torch.optim.AdamW, clip_grad_norm_."""
+    module, data = build_gpt(cfg)
+    ref = copy.deepcopy(module)
+    o = cfg.optimizer
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    no_decay = [p for p in ref.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": o.weight_decay if o.decay_1d else 0.0}],
+                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=o.lr, total_steps=cfg.train.steps)
+    losses = []
+    for step in range(steps or cfg.train.steps):
+        batch = data.train_batch(step, micro_batch=cfg.train.micro_batch * 1, grad_accum=cfg.train.grad_accum,
+                                 rank=0, world=1)
+        total = 0.0
+        for micro in batch.micro:
+            loss = gpt_loss(ref, micro)
+            (loss / len(batch.micro)).backward()
+            total += loss.item()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.train.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = schedule(step)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total / len(batch.micro))
+    return losses, ref

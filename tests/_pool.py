@@ -1,0 +1,79 @@
+"""A pool of N spawned ranks that join one gloo group once and then run many test cases.
+
+Spawning ranks and forming a group costs seconds on this machine, so distributed tests share
+one pool per world size for the whole session. Every call has a deadline: a hang fails the
+test (and the pool is torn down) instead of blocking the suite.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _serve(rank: int, world: int, store: str, conn_list) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    import torch
+
+    from framework.distributed import connect
+
+    torch.set_num_threads(1)
+    dist = connect("gloo", timeout_s=60, store_path=store)
+    conn = conn_list[rank]
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            conn.send(("ok", fn(dist, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything back to the test
+            conn.send(("error", traceback.format_exc()))
+    torch.distributed.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world: int):
+        self.world = world
+        self._dir = tempfile.mkdtemp(prefix="framework-pool-")
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(world)]
+        self._conns = [p[0] for p in pipes]
+        self._ctx = mp.start_processes(_serve, args=(world, os.path.join(self._dir, "store"), [p[1] for p in pipes]),
+                                       nprocs=world, join=False, start_method="spawn")
+
+    def run(self, fn, *args, timeout: float = 120, **kwargs) -> list:
+        """Run ``fn(dist, *args, **kwargs)`` on every rank; return the per-rank results."""
+        for c in self._conns:
+            c.send((fn, args, kwargs))
+        out = []
+        for rank, c in enumerate(self._conns):
+            if not c.poll(timeout):
+                self.close(kill=True)
+                raise TimeoutError(f"rank {rank} did not finish {fn.__name__} within {timeout}s (hang?)")
+            status, value = c.recv()
+            if status == "error":
+                self.close(kill=True)
+                raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
+            out.append(value)
+        return out
+
+    def close(self, kill: bool = False) -> None:
+        if self._ctx is None:
+            return
+        if not kill:
+            for c in self._conns:
+                c.send(None)
+            self._ctx.join(timeout=30)
+        for p in self._ctx.processes:
+            if p.is_alive():
+                p.kill()
+        self._ctx = None
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return self._ctx is not None

@@ -1,0 +1,93 @@
+"""Config groups = registries; every YAML composes and builds; strict validation."""
+import dataclasses
+
+import pytest
+import torch
+
+from framework import ConfigError, compose
+from framework.config import COMPATIBLE, GROUPS, Config, validate
+from framework.distributed import connect
+from framework.paths import conf_dir
+from framework.registry import registry
+from tests._helpers import TINY
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_yaml_files_equal_registry_names(group):
+    files = {p.stem for p in (conf_dir() / group).glob("*.yaml")}
+    assert files == set(registry(group).names()), f"conf/{group}/*.yaml vs registry {group}"
+
+
+def test_config_fields_cover_every_group():
+    assert set(GROUPS) <= {f.name for f in dataclasses.fields(Config)}
+
+
+def _build(cfg, group):
+    comp = registry(group).get(cfg.choices[group])
+    node = getattr(cfg, group)
+    if group == "optimizer":
+        return comp.build(node, [True, False])
+    if group == "scheduler":
+        return comp.build(node, base_lr=0.1, total_steps=100)
+    if group == "stage":
+        return comp.build(node, dist=connect("gloo"))
+    if group == "data":
+        return comp.build(node, seed=0, context=16)
+    if group == "model":
+        with torch.device("meta"):
+            return comp.build(node)
+    if group == "logger":
+        from pathlib import Path
+
+        from framework.loggers._base import RunInfo
+        return comp.build(node, run=RunInfo(Path("unused"), None, None))
+    return comp.build(node)
+
+
+@pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in registry(g).names()])
+def test_every_yaml_composes_and_builds(group, name, tmp_path):
+    extra = []
+    if group == "data" and name in ("text", "tokens"):
+        path = tmp_path / "d.bin"
+        path.write_bytes(b"hello world, some text " * 200)
+        extra = [f"data.path={path}"] + (["data.vocab_size=256"] if name == "tokens" else [])
+    override = f"+stage={name}" if group == "stage" else f"{group}={name}"
+    offload = [] if group != "offload" else [f"+stage={next(s for s, o in COMPATIBLE.items() if name in o)}"]
+    base = [o for o in TINY if not o.startswith(("model", "data"))]
+    cfg = compose([*base, override, *offload, *extra])
+    assert cfg.choices[group] == name
+    assert _build(cfg, group) is not None
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["train.stpes=10"], "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["optimizer.betas1=0.9"], "unknown key 'optimizer.betas1' (did you mean 'optimizer.beta1'?)"),
+    (["+train.stpes=10"], "unknown key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["sed=1"], "unknown key 'sed' (did you mean 'seed'?)"),
+    (["train.steps=abc"], "train.steps"),
+    (["optimizer.lr=fast"], "optimizer.lr"),
+    (["optimizer=adamww"], "adamw"),
+    (["+stage=zero5"], "zero5"),
+    (["train.steps=0"], "train.steps must be >= 1"),
+])
+def test_bad_config_is_one_clear_line(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        compose(overrides)
+    msg = str(e.value)
+    assert "\n" not in msg and needle in msg, msg
+
+
+def test_validate_rejects_unknown_root_key_directly():
+    with pytest.raises(ConfigError, match="did you mean 'train'"):
+        validate({"trian": {}, "train": {"steps": 1, "micro_batch": 1}}, {})
+
+
+def test_default_stage_is_ddp_and_plus_stage_selects():
+    assert compose([]).choices["stage"] == "ddp"
+    assert compose(["+stage=ddp", "stage.bucket_size=10"]).stage.bucket_size == 10
+
+
+def test_compatibility_table_rejects_unknown_combination():
+    from framework.config import check_compatible
+    with pytest.raises(ConfigError, match="valid: stage ddp with offload none"):
+        check_compatible("ddp", "cpu")

@@ -1,0 +1,63 @@
+"""ddp over gloo on 2 and 4 ranks equals one process with the same global batch (1e-5 per step)."""
+import pytest
+import torch
+
+from tests._helpers import flat_params, run_engine, tiny_config
+
+RTOL = 1e-5
+GLOBAL_BATCH = 8
+
+
+def _train(dist, overrides):
+    cfg = tiny_config(*overrides, f"train.micro_batch={GLOBAL_BATCH // dist.world}")
+    losses, engine, _ = run_engine(cfg, dist)
+    return losses, flat_params(engine.components.module)
+
+
+CASES = [
+    ["train.grad_clip=1.0"],
+    ["train.grad_accum=3", "train.grad_clip=0.05", "stage.bucket_size=500"],   # many buckets, clipping active
+    ["stage.overlap_comm=false"],
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("overrides", CASES)
+def test_ddp_equals_single_process(pools, world, overrides):
+    overrides = ["+stage=ddp", *overrides]
+    cfg = tiny_config(*overrides, f"train.micro_batch={GLOBAL_BATCH}")
+    single, engine, _ = run_engine(cfg)
+    results = pools(world).run(_train, overrides, timeout=180)
+    for rank, (losses, params) in enumerate(results):
+        for i, (a, b) in enumerate(zip(losses, single)):
+            assert a == pytest.approx(b, rel=RTOL), f"rank {rank} step {i}: {a} vs {b} (rel {RTOL})"
+        torch.testing.assert_close(params, flat_params(engine.components.module), rtol=1e-4, atol=1e-5)
+
+
+def _stall(dist):
+    import datetime
+    import time
+
+    import torch.distributed as td
+
+    from framework.distributed import Dist, DistributedError
+
+    # A group of its own with a 3 s timeout (collective: both ranks create it first).
+    group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    short = Dist(dist.rank, dist.world, dist.local_rank, dist.device, dist.backend, 3.0)
+    if dist.rank == 1:
+        time.sleep(8)  # a stalled peer
+        return "slept"
+    try:
+        short._run("test all-reduce", td.all_reduce, torch.ones(1), group=group)
+    except DistributedError as e:
+        return str(e)
+    return "no error"
+
+
+def test_stalled_rank_fails_peers_with_message(pools):
+    # Runs last in its pool: a timed-out gloo group cannot be reused, so the pool is closed after.
+    pool = pools(2)
+    out = pool.run(_stall, timeout=60)
+    pool.close(kill=True)
+    assert "test all-reduce failed after waiting up to 3s" in out[0] and "peer rank died or stalled" in out[0]

@@ -1,0 +1,203 @@
+"""Data sources: determinism, rank layout, the synthetic floor, text split, tokens memmap."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework.data import Batch, DataSource
+from framework.data import synthetic, text, tokens
+from framework.errors import DataError
+from framework.registry import registry
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAKESPEARE = "../shared/data/tinyshakespeare.txt"   # relative to the repo root
+needs_shakespeare = pytest.mark.skipif(not (ROOT / SHAKESPEARE).is_file(),
+                                       reason="tinyshakespeare.txt not available")
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> tuple[Path, np.ndarray]:
+    data = np.random.default_rng(0).integers(0, 1000, size=20_000, dtype=np.uint16)
+    path = tmp_path_factory.mktemp("tokens") / "train.bin"
+    data.tofile(path)
+    return path, data
+
+
+@pytest.fixture(scope="module")
+def sources(token_file) -> dict[str, DataSource]:
+    out = {
+        "synthetic": synthetic.build(synthetic.SyntheticConfig(), seed=3, context=16),
+        "tokens": tokens.build(tokens.TokensConfig(path=str(token_file[0]), vocab_size=1000),
+                               seed=3, context=16),
+    }
+    if (ROOT / SHAKESPEARE).is_file():
+        out["text"] = text.build(text.TextConfig(path=SHAKESPEARE), seed=3, context=16)
+    return out
+
+
+def test_registry_and_yamls():
+    reg = registry("data")
+    assert set(reg.names()) >= {"synthetic", "text", "tokens"}
+    for name in ("synthetic", "text", "tokens"):
+        schema = reg.get(name).config
+        node = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "data" / f"{name}.yaml"))
+        assert set(node) == {f.name for f in dataclasses.fields(schema)}, name
+        schema(**node)   # valid values
+
+
+def test_protocol(sources):
+    for src in sources.values():
+        assert isinstance(src, DataSource)
+
+
+def test_batch_shapes_and_determinism(sources):
+    for name, src in sources.items():
+        b = src.train_batch(5, micro_batch=3, grad_accum=2, rank=0, world=1)
+        assert isinstance(b, Batch) and b.position == 6 and len(b.micro) == 2
+        for x, y in b.micro:
+            assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.int64
+            assert torch.equal(x[:, 1:], y[:, :-1])            # y is x shifted by one
+            assert 0 <= int(x.min()) and int(y.max()) < src.vocab_size
+        again = src.train_batch(5, micro_batch=3, grad_accum=2, rank=0, world=1)
+        other = src.train_batch(6, micro_batch=3, grad_accum=2, rank=0, world=1)
+        assert all(torch.equal(a[0], c[0]) and torch.equal(a[1], c[1]) for a, c in zip(b.micro, again.micro)), name
+        assert not torch.equal(b.micro[0][0], other.micro[0][0]), name
+
+
+def test_run_seed_changes_train_data_but_not_val():
+    a = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=16)
+    b = synthetic.build(synthetic.SyntheticConfig(), seed=1, context=16)
+    kw = dict(micro_batch=4, grad_accum=1, rank=0, world=1)
+    assert not torch.equal(a.train_batch(0, **kw).micro[0][0], b.train_batch(0, **kw).micro[0][0])
+    # seed s at position p+1 must not replay seed s+1 at position p
+    assert not torch.equal(a.train_batch(1, **kw).micro[0][0], b.train_batch(0, **kw).micro[0][0])
+    torch.testing.assert_close(a.val_batches(2, batch=4, rank=0, world=1),
+                               b.val_batches(2, batch=4, rank=0, world=1))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+def test_rank_split_equivalence(sources, grad_accum):
+    """1 rank x micro_batch 2m == 2 ranks x micro_batch m, per accumulation step, rank 0 first."""
+    m = 2
+    for name, src in sources.items():
+        one = src.train_batch(7, micro_batch=2 * m, grad_accum=grad_accum, rank=0, world=1)
+        two = [src.train_batch(7, micro_batch=m, grad_accum=grad_accum, rank=r, world=2)
+               for r in range(2)]
+        assert one.position == two[0].position == two[1].position == 8
+        for k in range(grad_accum):
+            for i in (0, 1):    # x, then y
+                joined = torch.cat([two[0].micro[k][i], two[1].micro[k][i]])
+                assert torch.equal(one.micro[k][i], joined), (name, k)
+        # Ranks never share rows (distinct crops/sequences are overwhelmingly likely).
+        rows0 = {tuple(r) for mb in two[0].micro for r in mb[0].tolist()}
+        rows1 = {tuple(r) for mb in two[1].micro for r in mb[0].tolist()}
+        assert not rows0 & rows1, name
+
+
+def test_val_fixed_and_rank_split(sources):
+    for name, src in sources.items():
+        first = src.val_batches(3, batch=4, rank=0, world=1)
+        assert len(first) == 3 and first[0][0].shape == (4, 16)
+        torch.testing.assert_close(src.val_batches(3, batch=4, rank=0, world=1), first)
+        torch.testing.assert_close(src.val_batches(1, batch=4, rank=0, world=1), first[:1])
+        halves = [src.val_batches(3, batch=2, rank=r, world=2) for r in range(2)]
+        for j in range(3):
+            assert torch.equal(torch.cat([halves[0][j][0], halves[1][j][0]]), first[j][0]), name
+        train = src.train_batch(0, micro_batch=4, grad_accum=1, rank=0, world=1)
+        assert not torch.equal(train.micro[0][0], first[0][0]), name
+
+
+def test_synthetic_floor_matches_empirical_nll():
+    src = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=64)
+    p, pi = src.transition, src.stationary
+    torch.testing.assert_close(p.sum(1), torch.ones(64, dtype=torch.float64))
+    torch.testing.assert_close(pi @ p, pi)                     # stationary
+    h = -(pi * torch.special.xlogy(p, p).sum(1)).sum().item()
+    info = src.describe()
+    assert info["entropy_floor"] == pytest.approx(h, abs=1e-12)
+    assert info["entropy_floor"] < info["unigram_entropy"] < info["uniform_loss"] == math.log(64)
+    # ~262k predicted tokens: the true chain's mean NLL is the floor up to sampling noise
+    # (per-token std ~1.1 nats -> standard error ~0.002).
+    nll = [-p[x, y].log() for pos in range(4)
+           for x, y in src.train_batch(pos, micro_batch=256, grad_accum=4, rank=0, world=1).micro]
+    assert torch.cat([n.flatten() for n in nll]).mean().item() == pytest.approx(h, abs=0.01)
+    # Sequences start from pi, not from a fixed state.
+    starts = torch.cat([x[:, 0] for x, _ in src.val_batches(4, batch=256, rank=0, world=1)])
+    assert len(starts.unique()) > 20
+
+
+def test_synthetic_default_floor():
+    info = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=64).describe()
+    assert info["entropy_floor"] == pytest.approx(2.4120, abs=1e-4)
+    assert {k: info[k] for k in ("vocab_size", "concentration", "chain_seed")} == \
+        {"vocab_size": 64, "concentration": 0.1, "chain_seed": 0}
+
+
+@needs_shakespeare
+def test_text_tinyshakespeare_split(sources):
+    src = sources["text"]
+    assert src.vocab_size == 65 and len(src.chars) == 65 and list(src.chars) == sorted(src.chars)
+    assert (len(src.train), len(src.val)) == (1_003_854, 111_540)
+    info = src.describe()
+    assert (info["train_tokens"], info["val_tokens"]) == (1_003_854, 111_540)
+    assert src.decode(src.encode("First Citizen:")) == "First Citizen:"
+    assert src.decode(src.train[:14]) == "First Citizen:"
+
+
+def test_text_relative_to_cwd(tmp_path, monkeypatch):
+    (tmp_path / "tiny.txt").write_text("hello world, héllo again " * 20, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    src = text.build(text.TextConfig(path="tiny.txt"), seed=0, context=8)
+    assert src.chars == "".join(sorted(set("hello world, héllo again ")))
+    assert src.decode(src.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0][0])
+
+
+@pytest.mark.parametrize("module, cfg", [
+    (text, text.TextConfig(path="no/such/input.txt")),
+    (tokens, tokens.TokensConfig(path="no/such/input.txt", vocab_size=10)),
+])
+def test_missing_file_is_a_one_line_data_error(module, cfg):
+    with pytest.raises(DataError) as err:
+        module.build(cfg, seed=0, context=8)
+    msg = str(err.value)
+    assert "no/such/input.txt" in msg and "data.path" in msg and "\n" not in msg
+
+
+def test_tokens_memmap_round_trip(token_file, sources):
+    path, data = token_file
+    src = sources["tokens"]
+    assert isinstance(src.train, np.memmap)
+    assert (len(src.train), len(src.val)) == (18_000, 2_000)
+    assert np.array_equal(np.concatenate([src.train, src.val]), data)
+    windows = np.lib.stride_tricks.sliding_window_view(data, 17)      # every crop of context + 1
+
+    def crop_at(row_x, row_y) -> np.ndarray:
+        """Start offsets where (x, y) is a crop of the file."""
+        return np.flatnonzero((windows == np.append(row_x, row_y[-1])).all(axis=1))
+
+    for x, y in src.train_batch(0, micro_batch=4, grad_accum=2, rank=0, world=1).micro:
+        for row_x, row_y in zip(x.numpy(), y.numpy()):
+            assert len(crop_at(row_x, row_y)) and crop_at(row_x, row_y).max() <= 18_000 - 17
+    for x, y in src.val_batches(2, batch=4, rank=0, world=1):
+        for row_x, row_y in zip(x.numpy(), y.numpy()):
+            assert len(crop_at(row_x, row_y)) and crop_at(row_x, row_y).min() >= 18_000
+
+
+def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path):
+    small = tokens.build(tokens.TokensConfig(path=str(token_file[0]), vocab_size=10), seed=0, context=8)
+    with pytest.raises(DataError, match="vocab_size"):
+        small.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
+    odd = tmp_path / "odd.bin"
+    odd.write_bytes(b"\x00\x01\x02")
+    with pytest.raises(DataError, match="uint16"):
+        tokens.build(tokens.TokensConfig(path=str(odd), vocab_size=10), seed=0, context=8)
+    short = tmp_path / "short.bin"
+    np.arange(20, dtype=np.uint16).tofile(short)
+    with pytest.raises(DataError, match="context"):
+        tokens.build(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)

@@ -1,0 +1,179 @@
+"""GPT model: preset sizes, shapes, causality, tying, checkpointing, init, generation."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from framework.errors import ConfigError
+from framework.models.gpt import (COMPONENTS, GPT, PRESETS, Block, GPTConfig, build, count_params,
+                                  gpt_loss)
+from framework.registry import registry
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
+
+# Exact sizes at each YAML's default vocabulary.
+EXPECTED_PARAMS = {
+    "gpt-nano": 804_096,
+    "gpt-mini": 10_818_432,
+    "gpt2-small": 124_475_904,
+    "gpt2-medium": 354_871_296,
+    "gpt-1b": 1_416_744_960,
+}
+
+
+def tiny(**overrides) -> GPTConfig:
+    base = dict(vocab_size=50, context=16, n_layer=2, n_head=2, d_model=32, bias=True)
+    return GPTConfig(**{**base, **overrides})
+
+
+def batch(cfg: GPTConfig, b: int = 3, t: int | None = None, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    t = t or cfg.context
+    return (torch.randint(0, cfg.vocab_size, (b, t), generator=g),
+            torch.randint(0, cfg.vocab_size, (b, t), generator=g))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_yaml_matches_and_has_every_field(name):
+    node = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))
+    assert set(node) == {f.name for f in dataclasses.fields(GPTConfig)}
+    assert GPTConfig(**node) == PRESETS[name]
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_param_counts(name):
+    cfg = PRESETS[name]
+    assert count_params(cfg) == EXPECTED_PARAMS[name]
+    with torch.device("meta"):          # no memory, even for the 1.4 B model
+        model = build(cfg)
+    assert model.num_params() == EXPECTED_PARAMS[name]
+
+
+def test_registry_lists_presets():
+    assert set(registry("model").names()) >= set(PRESETS)
+    assert all(c.config is GPTConfig for c in COMPONENTS.values())
+
+
+def test_headline_sizes():
+    assert count_params(dataclasses.replace(PRESETS["gpt-nano"], vocab_size=65)) / 1e6 == pytest.approx(0.80, abs=0.01)
+    assert round(count_params(PRESETS["gpt-1b"]) / 1e9, 3) == 1.417
+    assert round(count_params(PRESETS["gpt2-small"]) / 1e6) == 124
+
+
+def test_build_vocab_override():
+    model = build(tiny(), vocab_size=7)
+    assert model.cfg.vocab_size == 7 and model.wte.weight.shape == (7, 32)
+    assert build(tiny(), vocab_size=None).cfg.vocab_size == 50
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="divisible"):
+        tiny(n_head=3)
+    with pytest.raises(ConfigError, match="dropout"):
+        tiny(dropout=1.0)
+
+
+def test_forward_shape_dtype_and_loss_at_init():
+    cfg = tiny()
+    model = GPT(cfg)
+    x, y = batch(cfg, t=10)
+    logits = model(x)
+    assert logits.shape == (3, 10, cfg.vocab_size) and logits.dtype == torch.float32
+    # Small init: predictions start close to uniform.
+    assert gpt_loss(model, (x, y)).item() == pytest.approx(math.log(cfg.vocab_size), abs=0.1)
+    with pytest.raises(ValueError, match="context"):
+        model(torch.zeros(1, cfg.context + 1, dtype=torch.long))
+
+
+def test_low_precision_params_give_fp32_logits():
+    cfg = tiny()
+    model = GPT(cfg).to(torch.bfloat16)
+    assert model(batch(cfg)[0]).dtype == torch.float32
+
+
+def test_causal_masking():
+    cfg = tiny()
+    model = GPT(cfg).eval()
+    x, _ = batch(cfg)
+    changed = x.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % cfg.vocab_size
+    a, b = model(x), model(changed)
+    torch.testing.assert_close(a[:, :9], b[:, :9])
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_weight_tying_shares_storage():
+    tied, untied = GPT(tiny()), GPT(tiny(tie_weights=False))
+    assert tied.lm_head is None and tied.output_weight is tied.wte.weight
+    assert tied.output_weight.data_ptr() == tied.wte.weight.data_ptr()
+    assert untied.output_weight.data_ptr() != untied.wte.weight.data_ptr()
+    assert untied.num_params() - tied.num_params() == 50 * 32
+    assert tied.num_params() == count_params(tiny()) and untied.num_params() == count_params(tiny(tie_weights=False))
+    # The head's gradient reaches the embedding: a token never fed in still gets a gradient.
+    x = torch.zeros(2, 8, dtype=torch.long)
+    gpt_loss(tied, (x, torch.ones_like(x))).backward()
+    assert tied.wte.weight.grad[5].abs().sum() > 0
+
+
+def test_init_scheme():
+    cfg = tiny(n_layer=8, d_model=256, n_head=4)
+    model = GPT(cfg)
+    block = model.blocks[0]
+    assert isinstance(block, Block)
+    assert block.attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    for proj in (block.attn.proj, block.mlp.proj):
+        assert proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+        assert torch.count_nonzero(proj.bias) == 0
+    assert model.wte.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.equal(block.ln1.weight, torch.ones(256))
+
+
+def test_no_bias_option():
+    model = GPT(tiny(bias=False))
+    assert all(not name.endswith("bias") for name, _ in model.named_parameters())
+
+
+def _loss_and_grads(cfg: GPTConfig, data, seed: int = 1):
+    torch.manual_seed(0)
+    model = GPT(cfg).train()
+    torch.manual_seed(seed)             # same dropout masks for both variants
+    loss = gpt_loss(model, data)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_activation_checkpointing_same_loss_and_grads(dropout):
+    data = batch(tiny())
+    loss, grads = _loss_and_grads(tiny(dropout=dropout), data)
+    loss_ckpt, grads_ckpt = _loss_and_grads(tiny(dropout=dropout, activation_checkpointing=True), data)
+    torch.testing.assert_close(loss_ckpt, loss)
+    assert grads.keys() == grads_ckpt.keys()
+    for name in grads:
+        torch.testing.assert_close(grads_ckpt[name], grads[name], msg=name)
+
+
+def test_dropout_zero_is_deterministic_in_train_mode():
+    cfg = tiny()
+    model = GPT(cfg).train()
+    x, _ = batch(cfg)
+    torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)
+    noisy = GPT(tiny(dropout=0.5)).train()
+    assert not torch.equal(noisy(x), noisy(x))
+
+
+def test_generate():
+    cfg = tiny()
+    model = GPT(cfg).eval()
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    out = model.generate(prompt, 20, temperature=0.8, top_k=5)   # runs past the context
+    assert out.shape == (2, 23) and out.dtype == torch.long
+    assert torch.equal(out[:, :3], prompt) and int(out.max()) < cfg.vocab_size
+    greedy = model.generate(prompt, 5, temperature=0.0)
+    assert torch.equal(greedy, model.generate(prompt, 5, temperature=0.0))
+    assert not model.generate(prompt, 1).requires_grad

@@ -1,0 +1,71 @@
+"""fp16 dynamic loss scaling follows DeepSpeed's rule (REFERENCE §3) on scripted overflows."""
+import pytest
+
+from framework.errors import TrainingError
+from framework.precision import PrecisionState, ScalerConfig, next_scale
+
+
+def deepspeed_rule(cfg, pattern):
+    """A direct transcription of the rule, written independently of next_scale."""
+    scale, it, last, hyst, skipped, out = 2.0 ** cfg.initial_scale_power, 0, -1, cfg.hysteresis, 0, []
+    for overflow in pattern:
+        if overflow:
+            if cfg.hysteresis == 1 or hyst == 1:
+                scale = max(scale / 2, cfg.min_loss_scale)
+            else:
+                hyst -= 1
+            last = it
+            skipped += 1
+        else:
+            if cfg.consecutive_hysteresis:
+                hyst = cfg.hysteresis
+            stable = it - last - 1
+            if stable > 0 and stable % cfg.loss_scale_window == 0:
+                if not cfg.consecutive_hysteresis:
+                    hyst = cfg.hysteresis
+                scale *= 2
+        it += 1
+        out.append((scale, hyst, skipped))
+    return out
+
+
+def run(cfg, pattern):
+    st = PrecisionState(cur_scale=2.0 ** cfg.initial_scale_power, cur_hysteresis=cfg.hysteresis)
+    out = []
+    for overflow in pattern:
+        st = next_scale(cfg, st, overflow)
+        out.append((st.cur_scale, st.cur_hysteresis, st.skipped_steps))
+    return out
+
+
+PATTERN = [True, False, False, True, True, False, False, False, False, False, False, True] + [False] * 12
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("hysteresis", [1, 2, 3])
+def test_matches_rule(consecutive, hysteresis):
+    cfg = ScalerConfig(initial_scale_power=8, loss_scale_window=4, hysteresis=hysteresis,
+                       consecutive_hysteresis=consecutive)
+    assert run(cfg, PATTERN) == deepspeed_rule(cfg, PATTERN)
+
+
+def test_hand_checked_trace():
+    # hysteresis 2: the first overflow only spends hysteresis, the second halves the scale.
+    cfg = ScalerConfig(initial_scale_power=4, loss_scale_window=2, hysteresis=2)
+    trace = run(cfg, [True, True, False, False, False, False, False])
+    assert [s for s, _, _ in trace] == [16, 8, 8, 8, 16, 16, 32]
+    assert trace[-1][2] == 2  # two skipped steps
+
+
+def test_min_scale_error_names_parameters():
+    cfg = ScalerConfig(initial_scale_power=1, hysteresis=1, min_loss_scale=1.0)
+    st = PrecisionState(cur_scale=1.0, cur_hysteresis=1)
+    with pytest.raises(TrainingError, match=r"min_loss_scale=1.*h\.0\.attn\.weight"):
+        next_scale(cfg, st, True, culprits=lambda: ["h.0.attn.weight"])
+
+
+def test_static_and_no_scaler_only_count_skips():
+    st = next_scale(None, PrecisionState(), True)
+    assert (st.cur_scale, st.skipped_steps) == (1.0, 1)
+    st = next_scale(ScalerConfig(loss_scale=128.0), PrecisionState(cur_scale=128.0), True)
+    assert (st.cur_scale, st.skipped_steps) == (128.0, 1)

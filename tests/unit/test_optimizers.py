@@ -1,0 +1,227 @@
+"""The functional optimizers against torch.optim (or a direct reference where torch has none)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import yaml
+from torch import Tensor
+
+from framework.errors import ConfigError
+from framework.optimizers import _transforms, apply_updates
+from framework.optimizers import adagrad, adam, adamw, lion, sgd
+from framework.optimizers._transforms import GradientTransformation
+from framework.registry import registry
+
+SIZES = (1001, 37)  # awkward sizes: not multiples of any vector width
+MASK = [True, False]  # group 0 decayed, group 1 (the "1-D params") not
+STEPS = 50
+RTOL, ATOL = 1e-6, 1e-7
+# Two correct fp32 implementations round p + u differently each step; over 50 steps the
+# worst of ~1000 such random walks reaches ~7 ulp, which at |p| ~ 1 is the whole of
+# rtol=1e-6. At a transformer's init scale (std 0.02) and small lrs, those walks stay well
+# inside atol, while a semantic error (wrong mask, coupled decay, missing bias correction,
+# dampening on the first step) is >= 1e-5: see test_tolerance_catches_a_wrong_decay_mask.
+INIT_STD = 0.02
+CONF = Path(__file__).resolve().parents[2] / "conf" / "optimizer"
+
+
+def schedule(base_lr: float) -> Callable[[int], float]:
+    """A varying lr, so that a transform that cached lr or mixed up steps would show."""
+    return lambda step: base_lr * (0.3 + 0.7 * abs(math.cos(0.37 * step)))
+
+
+def initial_params(seed: int = 0) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, generator=gen) * INIT_STD for n in SIZES]
+
+
+def grad_stream(seed: int = 1) -> list[list[Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [[torch.randn(n, generator=gen) for n in SIZES] for _ in range(STEPS)]
+
+
+def run_functional(tx: GradientTransformation, lr_at: Callable[[int], float]) -> list[Tensor]:
+    params = initial_params()
+    state = tx.init(params)
+    for step, grads in enumerate(grad_stream()):
+        grads = [g.clone() for g in grads]  # the transform consumes its grads
+        updates, state = tx.update(grads, state, params, lr_at(step))
+        assert all(u.data_ptr() == g.data_ptr() for u, g in zip(updates, grads)), \
+            "updates must reuse the grads' storage"
+        apply_updates(params, updates)
+    return params
+
+
+def run_torch(make: Callable[[list[dict]], torch.optim.Optimizer], weight_decay: float,
+              lr_at: Callable[[int], float], mask: list[bool] = MASK) -> list[Tensor]:
+    params = [p.clone().requires_grad_() for p in initial_params()]
+    opt = make([{"params": [p], "weight_decay": weight_decay if decayed else 0.0}
+                for p, decayed in zip(params, mask)])
+    for step, grads in enumerate(grad_stream()):
+        for group, p, g in zip(opt.param_groups, params, grads):
+            group["lr"] = lr_at(step)
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def assert_close(actual: list[Tensor], expected: list[Tensor]) -> None:
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert not torch.equal(a, initial_params()[i]), f"group {i} never moved"
+        err = (a - e).abs().max().item()
+        assert torch.allclose(a, e, rtol=RTOL, atol=ATOL), \
+            f"group {i}: max abs err {err:.3g} exceeds fp32 tolerance rtol={RTOL} atol={ATOL}"
+
+
+@pytest.fixture(params=[None, 100], ids=["one-chunk", "chunked"])
+def chunk(request, monkeypatch):
+    """Run the transforms that use a scratch buffer both whole and in ragged chunks."""
+    if request.param is not None:
+        monkeypatch.setattr(_transforms, "_CHUNK", request.param)
+
+
+# --- against torch.optim ------------------------------------------------------------
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_adamw_matches_torch(decay_1d):
+    cfg = adamw.AdamWConfig(lr=3e-3, beta2=0.99, weight_decay=0.1, decay_1d=decay_1d)
+    lr_at = schedule(cfg.lr)
+    mask = [True, True] if decay_1d else MASK
+    expected = run_torch(lambda groups: torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False),
+        cfg.weight_decay, lr_at, mask)
+    assert_close(run_functional(adamw.build(cfg, MASK), lr_at), expected)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adam_matches_torch(weight_decay):
+    cfg = adam.AdamConfig(lr=2e-3, weight_decay=weight_decay)
+    lr_at = schedule(cfg.lr)
+    expected = run_torch(lambda groups: torch.optim.Adam(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False),
+        cfg.weight_decay, lr_at)
+    assert_close(run_functional(adam.build(cfg, MASK), lr_at), expected)
+
+
+@pytest.mark.parametrize("momentum,dampening,nesterov,weight_decay", [
+    (0.0, 0.0, False, 0.0),
+    (0.0, 0.0, False, 0.01),
+    (0.9, 0.0, False, 0.01),
+    (0.9, 0.0, True, 0.01),
+    (0.9, 0.3, False, 0.0),
+], ids=["plain", "plain-wd", "momentum", "nesterov", "dampening"])
+def test_sgd_matches_torch(momentum, dampening, nesterov, weight_decay):
+    cfg = sgd.SGDConfig(lr=3e-3, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                        weight_decay=weight_decay)
+    lr_at = schedule(cfg.lr)
+    expected = run_torch(lambda groups: torch.optim.SGD(
+        groups, lr=cfg.lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+        foreach=False), weight_decay, lr_at)
+    assert_close(run_functional(sgd.build(cfg, MASK), lr_at), expected)
+
+
+@pytest.mark.usefixtures("chunk")
+def test_adagrad_matches_torch():
+    cfg = adagrad.AdagradConfig(lr=0.05, lr_decay=0.01, weight_decay=0.02,
+                                initial_accumulator_value=0.1)
+    lr_at = schedule(cfg.lr)
+    expected = run_torch(lambda groups: torch.optim.Adagrad(
+        groups, lr=cfg.lr, lr_decay=cfg.lr_decay, eps=cfg.eps,
+        initial_accumulator_value=cfg.initial_accumulator_value, foreach=False),
+        cfg.weight_decay, lr_at)
+    assert_close(run_functional(adagrad.build(cfg, MASK), lr_at), expected)
+
+
+# --- against direct references ------------------------------------------------------
+
+@pytest.mark.usefixtures("chunk")
+def test_lion_matches_paper_rule():
+    cfg = lion.LionConfig(lr=1e-3, weight_decay=0.5)
+    lr_at = schedule(cfg.lr)
+    params = initial_params()
+    moments = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grad_stream()):
+        lr = lr_at(step)
+        for i, (p, m, g) in enumerate(zip(params, moments, grads)):
+            # Chen et al. 2023, Program 1 (decoupled decay only on decayed groups).
+            u = torch.sign(cfg.beta1 * m + (1 - cfg.beta1) * g)
+            wd = cfg.weight_decay if MASK[i] else 0.0
+            p -= lr * (u + wd * p)
+            m.copy_(cfg.beta2 * m + (1 - cfg.beta2) * g)
+    assert_close(run_functional(lion.build(cfg, MASK), lr_at), params)
+
+
+def test_adam_without_bias_correction_matches_formula():
+    cfg = adam.AdamConfig(lr=1e-3, weight_decay=0.05, bias_correction=False)
+    lr_at = schedule(cfg.lr)
+    params = initial_params()
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for step, grads in enumerate(grad_stream()):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g + cfg.weight_decay * p if MASK[i] else g
+            m[i] = cfg.beta1 * m[i] + (1 - cfg.beta1) * g
+            v[i] = cfg.beta2 * v[i] + (1 - cfg.beta2) * g * g
+            p -= lr_at(step) * m[i] / (v[i].sqrt() + cfg.eps)
+    assert_close(run_functional(adam.build(cfg, MASK), lr_at), params)
+
+
+def test_tolerance_catches_a_wrong_decay_mask():
+    """Negative control: decaying the 1-D group too must fail the comparison."""
+    cfg = adamw.AdamWConfig(lr=1e-3, weight_decay=0.1)
+    lr_at = schedule(cfg.lr)
+    expected = run_torch(lambda groups: torch.optim.AdamW(groups, lr=cfg.lr, foreach=False),
+                         cfg.weight_decay, lr_at, mask=[True, True])
+    with pytest.raises(AssertionError, match="group 1"):
+        assert_close(run_functional(adamw.build(cfg, MASK), lr_at), expected)
+
+
+def test_chain_state_is_tuple_of_inner_states():
+    tx = adamw.build(adamw.AdamWConfig(), MASK)
+    state = tx.init(initial_params())
+    assert isinstance(state, tuple) and len(state) == 3
+    assert state[0].count == 0 and isinstance(state[0].count, int)
+    _, state = tx.update([g.clone() for g in grad_stream()[0]], state, initial_params(), 1e-3)
+    assert state[0].count == 1 and isinstance(state[0].count, int)
+
+
+# --- configuration --------------------------------------------------------------------
+
+@pytest.mark.parametrize("module,overrides", [
+    (adamw, {"beta1": 1.0}),
+    (adamw, {"beta2": -0.1}),
+    (adamw, {"lr": -1e-3}),
+    (adamw, {"eps": -1.0}),
+    (adam, {"weight_decay": -0.1}),
+    (adam, {"beta1": float("nan")}),
+    (sgd, {"nesterov": True}),
+    (sgd, {"nesterov": True, "momentum": 0.9, "dampening": 0.1}),
+    (sgd, {"momentum": -0.5}),
+    (lion, {"beta2": 1.5}),
+    (adagrad, {"lr_decay": -0.1}),
+    (adagrad, {"initial_accumulator_value": -1.0}),
+])
+def test_bad_config_raises_one_line_config_error(module, overrides):
+    cfg = dataclasses.replace(module.COMPONENT.config(), **overrides)
+    with pytest.raises(ConfigError) as info:
+        module.COMPONENT.build(cfg, MASK)
+    assert "\n" not in str(info.value)
+
+
+# adamw.yaml carries nanoGPT's baby-GPT settings instead of torch's defaults.
+YAML_OVERRIDES = {"adamw": {"beta2": 0.99, "weight_decay": 0.1}}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "sgd", "lion", "adagrad"])
+def test_yaml_lists_every_field_with_its_default(name):
+    component = registry("optimizer").get(name)
+    node = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    fields = {f.name: f.default for f in dataclasses.fields(component.config)}
+    assert set(node) == set(fields)
+    assert node == {**fields, **YAML_OVERRIDES.get(name, {})}
+    assert all(type(node[k]) is type(fields[k]) for k in fields), "YAML types must match the schema"

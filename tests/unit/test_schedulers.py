@@ -1,0 +1,131 @@
+"""LR schedules: values at given steps (hand-computed), shape, validation and YAML defaults."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from framework.errors import ConfigError
+from framework.registry import registry
+from framework.schedulers import constant, warmup_cosine, warmup_decay_lr, warmup_lr
+
+CONF = Path(__file__).resolve().parents[2] / "conf" / "scheduler"
+LOG10_2, LOG10_4 = 0.30102999566398120, 0.60205999132796240
+
+
+def test_constant():
+    lr_at = constant.build(constant.ConstantConfig(), base_lr=3e-4, total_steps=10)
+    assert [lr_at(s) for s in (0, 5, 10, 10_000)] == [3e-4] * 4
+
+
+def test_warmup_lr_log():
+    cfg = warmup_lr.WarmupLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=10)
+    lr_at = warmup_lr.build(cfg, base_lr=5.0, total_steps=100)  # explicit max wins over base
+    assert lr_at(0) == pytest.approx(0.1)  # log(1) = 0: the first update uses the min lr
+    assert lr_at(1) == pytest.approx(0.1 + LOG10_2)
+    assert lr_at(3) == pytest.approx(0.1 + LOG10_4)
+    assert lr_at(9) == pytest.approx(1.1)  # log(10) / log(10)
+    assert lr_at(10) == lr_at(500) == pytest.approx(1.1)
+
+
+def test_warmup_lr_linear_and_default_max():
+    cfg = warmup_lr.WarmupLRConfig(warmup_num_steps=4, warmup_type="linear")
+    lr_at = warmup_lr.build(cfg, base_lr=2.0, total_steps=100)
+    assert [lr_at(s) for s in range(7)] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0])
+
+
+def test_warmup_lr_one_step_is_raised_to_two_like_deepspeed():
+    cfg = warmup_lr.WarmupLRConfig(warmup_num_steps=1, warmup_type="linear")
+    lr_at = warmup_lr.build(cfg, base_lr=1.0, total_steps=10)
+    assert [lr_at(s) for s in range(3)] == pytest.approx([0.0, 0.5, 1.0])
+    log_at = warmup_lr.build(dataclasses.replace(cfg, warmup_type="log"), 1.0, 10)
+    assert [log_at(s) for s in range(3)] == pytest.approx([0.0, 1.0, 1.0])  # log 2 / log 2
+
+
+@pytest.mark.parametrize("kind", ["log", "linear"])
+def test_warmup_lr_is_non_decreasing_and_reaches_max(kind):
+    cfg = warmup_lr.WarmupLRConfig(warmup_min_lr=1e-5, warmup_num_steps=100, warmup_type=kind)
+    lrs = [warmup_lr.build(cfg, 1e-3, 1000)(s) for s in range(300)]
+    assert all(a <= b for a, b in zip(lrs, lrs[1:]))
+    assert lrs[0] == pytest.approx(1e-5) and lrs[-1] == pytest.approx(1e-3)
+
+
+def test_warmup_decay_lr_values():
+    cfg = warmup_decay_lr.WarmupDecayLRConfig(warmup_num_steps=10, warmup_type="linear",
+                                              total_num_steps=30)
+    lr_at = warmup_decay_lr.build(cfg, base_lr=1.0, total_steps=999)  # explicit total wins
+    assert lr_at(5) == pytest.approx(0.5)  # warm-up: 5 / 10
+    assert lr_at(10) == pytest.approx(1.0)  # (30 - 10) / (30 - 10)
+    assert lr_at(20) == pytest.approx(0.5)
+    assert lr_at(25) == pytest.approx(0.25)
+    assert lr_at(30) == lr_at(45) == 0.0
+
+
+def test_warmup_decay_lr_log_warmup_and_default_total():
+    cfg = warmup_decay_lr.WarmupDecayLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1,
+                                              warmup_num_steps=10)
+    lr_at = warmup_decay_lr.build(cfg, base_lr=5.0, total_steps=20)
+    assert lr_at(3) == pytest.approx(0.1 + LOG10_4)
+    assert lr_at(15) == pytest.approx(0.1 + 1.0 * 5 / 10)  # decays towards warmup_min_lr
+    assert lr_at(20) == pytest.approx(0.1)
+    lrs = [lr_at(s) for s in range(40)]
+    assert all(a <= b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_warmup_cosine_values():
+    cfg = warmup_cosine.WarmupCosineConfig(warmup_steps=10, min_lr=1e-4, decay_steps=110)
+    lr_at = warmup_cosine.build(cfg, base_lr=1e-3, total_steps=999)
+    assert lr_at(0) == pytest.approx(1e-3 / 11)  # nanoGPT: lr * (it + 1) / (warmup + 1)
+    assert lr_at(9) == pytest.approx(1e-3 * 10 / 11)
+    assert lr_at(10) == pytest.approx(1e-3)  # cos(0)
+    assert lr_at(60) == pytest.approx(5.5e-4)  # half way: min + (max - min) / 2
+    assert lr_at(110) == pytest.approx(1e-4)
+    assert lr_at(111) == lr_at(10_000) == 1e-4
+    lrs = [lr_at(s) for s in range(200)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11]))
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+
+
+def test_warmup_cosine_run_shorter_than_warmup():
+    cfg = warmup_cosine.WarmupCosineConfig(warmup_steps=10, min_lr=1e-4)
+    lr_at = warmup_cosine.build(cfg, base_lr=1e-3, total_steps=5)  # decay_steps = 5 < warmup
+    assert lr_at(4) == pytest.approx(1e-3 * 5 / 11)
+    assert lr_at(10) == 1e-4  # no cosine phase, and no division by zero
+
+
+def test_warmup_cosine_default_decay_is_run_length():
+    cfg = warmup_cosine.WarmupCosineConfig(warmup_steps=0, min_lr=0.0)
+    lr_at = warmup_cosine.build(cfg, base_lr=1.0, total_steps=100)
+    assert lr_at(0) == 1.0 and lr_at(50) == pytest.approx(0.5) and lr_at(100) == 0.0
+
+
+@pytest.mark.parametrize("module,overrides,base_lr", [
+    (warmup_lr, {"warmup_type": "cosine"}, 1e-3),
+    (warmup_lr, {"warmup_num_steps": 0}, 1e-3),
+    (warmup_lr, {"warmup_min_lr": -1e-3}, 1e-3),
+    (warmup_lr, {"warmup_max_lr": float("nan")}, 1e-3),
+    (warmup_decay_lr, {"total_num_steps": 0}, 1e-3),
+    (warmup_decay_lr, {"warmup_type": "exp"}, 1e-3),
+    (warmup_cosine, {"warmup_steps": -1}, 1e-3),
+    (warmup_cosine, {"min_lr": 1e-2}, 1e-3),  # above the optimizer's lr
+    (warmup_cosine, {"warmup_steps": 50, "decay_steps": 50}, 1e-3),
+])
+def test_bad_config_raises_one_line_config_error(module, overrides, base_lr):
+    cfg = dataclasses.replace(module.COMPONENT.config(), **overrides)
+    with pytest.raises(ConfigError) as info:
+        module.COMPONENT.build(cfg, base_lr, 1000)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["constant", "warmup_lr", "warmup_decay_lr", "warmup_cosine"])
+def test_yaml_lists_every_field_with_its_default(name):
+    component = registry("scheduler").get(name)
+    node = yaml.safe_load((CONF / f"{name}.yaml").read_text())
+    fields = {f.name: f.default for f in dataclasses.fields(component.config)}
+    assert node == fields
+    assert all(type(node[k]) is type(fields[k]) for k in fields), "YAML types must match the schema"
+    component.build(component.config(**node), 1e-3, 1000)(0)  # the defaults build and run

@@ -1,0 +1,109 @@
+"""train_step on one process equals a plain PyTorch loop (same init, batches, torch AdamW, clipping)."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+import framework
+from framework.step import Batch
+import framework.utils
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, flat_params, reference_losses, run_engine, tiny_config
+
+RTOL = 1e-6  # fp32, relative, per step
+
+
+@pytest.mark.parametrize("extra", [
+    [],                                                  # clipping at 1.0, warmup_cosine schedule
+    ["train.grad_accum=3", "train.grad_clip=0.05"],      # accumulation, clipping always active
+    ["optimizer.decay_1d=true", "scheduler=constant"],
+])
+def test_matches_plain_pytorch(extra):
+    cfg = tiny_config(*extra)
+    ours, engine, state = run_engine(cfg)
+    ref, ref_module = reference_losses(cfg)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a == pytest.approx(b, rel=RTOL), f"step {i}: {a} vs {b} (rel tol {RTOL})"
+    torch.testing.assert_close(flat_params(engine.components.module), flat_params(ref_module),
+                               rtol=1e-5, atol=1e-6)
+    assert state.step == cfg.train.steps and state.data == cfg.train.steps
+
+
+def test_state_is_returned_and_functional():
+    cfg = tiny_config("train.steps=2")
+    _, engine, state = run_engine(cfg)
+    assert dataclasses.is_dataclass(state)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.step = 0  # type: ignore[misc]
+
+
+def test_fp16_overflow_skips_step_and_leaves_everything_untouched():
+    cfg = tiny_config("precision=fp16", "precision.initial_scale_power=4", "train.steps=3")
+    module, data = build_gpt(cfg)
+    bomb = {"on": False}
+
+    def loss_fn(m, micro):
+        loss = gpt_loss(m, micro)
+        return loss * float("inf") if bomb["on"] else loss
+
+    engine = framework.initialize(module, loss_fn, cfg)
+    state = engine.state
+    batch = data.train_batch(0, micro_batch=4, grad_accum=1, rank=0, world=1)
+    state, m = engine.train_step(state, batch)
+    assert not m["skipped"]
+    before = [p.clone() for p in state.params]
+    moments = [t.clone() for t in framework.utils.tensors_in(state.opt_state)]
+    lr_index = state.applied_steps
+    bomb["on"] = True
+    state, m = engine.train_step(state, batch)
+    assert m["skipped"] and state.precision.skipped_steps == 1
+    assert state.applied_steps == lr_index  # LR schedule did not advance
+    for a, b in zip(before, state.params):
+        assert torch.equal(a, b)
+    for a, b in zip(moments, framework.utils.tensors_in(state.opt_state)):
+        assert torch.equal(a, b)
+
+
+class TwoLayer(nn.Module):
+    """A user's own model, not a framework component."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 1)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def mse(module, micro):
+    x, y = micro
+    return nn.functional.mse_loss(module(x), y)
+
+
+def test_library_use_with_own_module_and_loss():
+    cfg = framework.compose(["optimizer=sgd", "optimizer.lr=0.1", "optimizer.momentum=0.9", "scheduler=constant",
+                             "train.steps=30", "train.micro_batch=8", "train.grad_clip=0", "logger=none"])
+    torch.manual_seed(0)
+    model = TwoLayer()
+    ref = copy.deepcopy(model)
+    engine = framework.initialize(model, mse, cfg)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 5, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    state = engine.state
+    with torch.no_grad():
+        initial = mse(model, (x, y)).item()
+    for step in range(30):
+        micro = (x[step % 8 * 8:(step % 8 + 1) * 8], y[step % 8 * 8:(step % 8 + 1) * 8])
+        state, m = engine.train_step(state, Batch((micro,)))
+        loss = mse(ref, micro)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert m["loss"] == pytest.approx(loss.item(), rel=RTOL)
+    with torch.no_grad():
+        assert mse(engine.components.module, (x, y)).item() < 0.5 * initial  # it learned
