@@ -16,7 +16,7 @@ from torch import nn
 
 from framework.batch import Batch
 from framework.distributed import Dist
-from framework.optimizers import GradientTransformation, apply_updates
+from framework.optimizers import GradientTransformation, step as optimizer_step
 from framework.precision import Policy, next_scale
 from framework.stages.base import Stage
 from framework.state import TrainState
@@ -68,8 +68,7 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
                 coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
             if coef != 1.0:
                 torch._foreach_mul_(grads, coef)
-            updates, opt_state = c.optimizer.update(grads, opt_state, state.params, lr)
-            apply_updates(state.params, updates)
+            opt_state = optimizer_step(c.optimizer, grads, opt_state, state.params, lr)
             c.stage.publish(list(state.params))
         c.stage.zero_grads()
         # The logged loss is the mean over the global batch (ranks hold equal shares).

@@ -7,6 +7,6 @@ config's ``decay_1d`` is set. ``update`` takes the current absolute lr, so a con
 ``lr`` is only the schedule's base lr (checked by ``build``, not baked into the transform).
 The transforms themselves live in ``_transforms``.
 """
-from framework.optimizers._transforms import GradientTransformation, apply_updates, chain
+from framework.optimizers._transforms import GradientTransformation, apply_updates, chain, step
 
-__all__ = ["GradientTransformation", "apply_updates", "chain"]
+__all__ = ["GradientTransformation", "apply_updates", "chain", "step"]

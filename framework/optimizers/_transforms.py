@@ -32,6 +32,45 @@ _CHUNK = 1 << 22
 class GradientTransformation(NamedTuple):
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
+    # Optional fast path: ``fused(grads, state, params, lr) -> state`` updates params in place
+    # and must equal ``update`` + ``apply_updates`` (tested). One kernel pass over memory
+    # instead of ~10 foreach passes: the optimizer step is memory-bound.
+    fused: Callable[[list[Tensor], Any, Sequence[Tensor], float], Any] | None = None
+
+
+def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Sequence[Tensor],
+         lr: float) -> Any:
+    """Apply one optimizer step in place on ``params``; return the new state."""
+    if tx.fused is not None:
+        return tx.fused(grads, state, params, lr)
+    updates, state = tx.update(grads, state, params, lr)
+    apply_updates(params, updates)
+    return state
+
+
+def fused_adam(b1: float, b2: float, eps: float, weight_decay: float, mask: Sequence[bool],
+               decoupled: bool, index: int) -> Callable | None:
+    """torch's fused Adam(W) kernel over the flat groups, for a chain whose Adam state sits at
+    ``index``; None where the kernel is missing (then the transforms run)."""
+    kernel = getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
+    if kernel is None:
+        return None
+
+    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float) -> tuple:
+        adam: ScaleByAdamState = state[index]
+        for decayed in (True, False):
+            idx = [i for i, m in enumerate(mask) if bool(m) == decayed]
+            if not idx:
+                continue
+            # The kernel reads the step (for bias correction) as given: torch.optim increments
+            # it before the call, so pass the count this step will have.
+            steps = [torch.full((), float(adam.count + 1), device=params[i].device) for i in idx]
+            kernel([params[i] for i in idx], [grads[i] for i in idx], [adam.mu[i] for i in idx],
+                   [adam.nu[i] for i in idx], [], steps, lr=lr, beta1=b1, beta2=b2,
+                   weight_decay=weight_decay if decayed else 0.0, eps=eps, amsgrad=False, maximize=False)
+        return state[:index] + (ScaleByAdamState(adam.count + 1, adam.mu, adam.nu),) + state[index + 1:]
+
+    return fused
 
 
 class EmptyState(NamedTuple):

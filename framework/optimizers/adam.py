@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    effective_mask, require, scale_by_adam, scale_by_lr)
+    effective_mask, fused_adam, require, scale_by_adam, scale_by_lr)
 from framework.registry import Component
 
 
@@ -26,9 +26,13 @@ def build(cfg: AdamConfig, decay_mask: Sequence[bool]) -> GradientTransformation
     check_beta("adam", "beta1", cfg.beta1)
     check_beta("adam", "beta2", cfg.beta2)
     require(cfg.eps >= 0, f"optimizer.eps must be >= 0 for adam, got {cfg.eps}")
-    return chain(add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
-                 scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
-                 scale_by_lr())
+    mask = effective_mask(decay_mask, cfg.decay_1d)
+    tx = chain(add_decayed_weights(cfg.weight_decay, mask),
+               scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction), scale_by_lr())
+    if not cfg.bias_correction:  # the fused kernel always corrects bias
+        return tx
+    return tx._replace(fused=fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask,
+                                        decoupled=False, index=1))
 
 
 COMPONENT = Component(config=AdamConfig, build=build)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    effective_mask, require, scale_by_adam, scale_by_lr)
+    effective_mask, fused_adam, require, scale_by_adam, scale_by_lr)
 from framework.registry import Component
 
 
@@ -26,10 +26,14 @@ def build(cfg: AdamWConfig, decay_mask: Sequence[bool]) -> GradientTransformatio
     check_beta("adamw", "beta1", cfg.beta1)
     check_beta("adamw", "beta2", cfg.beta2)
     require(cfg.eps >= 0, f"optimizer.eps must be >= 0 for adamw, got {cfg.eps}")
+    mask = effective_mask(decay_mask, cfg.decay_1d)
     # Decay sits between the Adam direction and -lr: p += -lr * (adam + wd * p).
-    return chain(scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
-                 add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
-                 scale_by_lr())
+    tx = chain(scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
+               add_decayed_weights(cfg.weight_decay, mask), scale_by_lr())
+    if not cfg.bias_correction:  # the fused kernel always corrects bias
+        return tx
+    return tx._replace(fused=fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask,
+                                        decoupled=True, index=0))
 
 
 COMPONENT = Component(config=AdamWConfig, build=build)

@@ -74,3 +74,31 @@ def test_two_local_ranks(tmp_path):
     assert p.returncode == 0, p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world"] == 2 and len(summary["memory_per_rank"]) == 2
+
+
+def test_torchrun_multirun_reuses_group(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
+                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for i in (0, 1):
+        summary = json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())
+        assert summary["world"] == 2
+
+
+def test_wandb_offline_multirun_groups_runs(tmp_path):
+    p = cli(tmp_path, "-m", "logger=wandb", "optimizer=adamw,lion", *SHORT)
+    assert p.returncode == 0, p.stderr
+    for i in (0, 1):
+        runs = list((tmp_path / "sweep" / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
+        assert len(runs) == 1
+        blob = runs[0].read_bytes()
+        assert b"train-sweep" in blob  # the group: job name + sweep folder, shared by both jobs
+
+
+def test_failing_rank_exits_nonzero_with_message(tmp_path):
+    p = cli(tmp_path, *SHORT, "dist.nproc=2", "data=text", "data.path=missing.txt")
+    assert p.returncode != 0
+    assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr

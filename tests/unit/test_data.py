@@ -134,9 +134,9 @@ def test_synthetic_floor_matches_empirical_nll():
 
 def test_synthetic_default_floor():
     info = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=64).describe()
-    assert info["entropy_floor"] == pytest.approx(2.4120, abs=1e-4)
+    assert info["entropy_floor"] == pytest.approx(1.9022, abs=1e-4)
     assert {k: info[k] for k in ("vocab_size", "concentration", "chain_seed")} == \
-        {"vocab_size": 64, "concentration": 0.1, "chain_seed": 0}
+        {"vocab_size": 64, "concentration": 0.05, "chain_seed": 0}
 
 
 @needs_shakespeare

@@ -225,3 +225,28 @@ def test_yaml_lists_every_field_with_its_default(name):
     assert set(node) == set(fields)
     assert node == {**fields, **YAML_OVERRIDES.get(name, {})}
     assert all(type(node[k]) is type(fields[k]) for k in fields), "YAML types must match the schema"
+
+
+def run_fused(tx: GradientTransformation, lr_at: Callable[[int], float]) -> list[Tensor]:
+    params = initial_params()
+    state = tx.init(params)
+    for step, grads in enumerate(grad_stream()):
+        state = _transforms.step(tx, [g.clone() for g in grads], state, params, lr_at(step))
+    return params
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam"])
+def test_fused_adam_path_equals_transforms_and_torch(name):
+    module = {"adamw": adamw, "adam": adam}[name]
+    cfg = module.__dict__[f"{'AdamW' if name == 'adamw' else 'Adam'}Config"](lr=3e-3, weight_decay=0.05)
+    tx = module.build(cfg, MASK)
+    assert tx.fused is not None, "torch's fused Adam kernel should be available"
+    lr_at = schedule(cfg.lr)
+    fused = run_fused(tx, lr_at)
+    assert_close(fused, run_functional(tx._replace(fused=None), lr_at))
+    torch_cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
+    assert_close(fused, run_torch(lambda groups: torch_cls(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                                           eps=cfg.eps, fused=True), cfg.weight_decay, lr_at))
+    # Same state layout as the transforms: a later step may take either path.
+    state = tx.init(initial_params())
+    assert type(state) is type(tx._replace(fused=None).init(initial_params()))
