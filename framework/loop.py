@@ -13,6 +13,8 @@ from framework.config import Config
 from framework.distributed import Dist
 from framework.loggers._base import NullLogger, RunInfo, RunRecord
 from framework.models.gpt import gpt_loss
+from framework.state import capture_rng
+from framework.utils import to_device
 
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
@@ -22,11 +24,11 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
     engine = initialize(module, gpt_loss, cfg, dist)
     torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
-    state = replace(engine.state, rng=torch.get_rng_state())
+    state = replace(engine.state, rng=capture_rng(dist.device))
 
     t = cfg.train
     shard = dict(rank=dist.rank, world=dist.world)
-    val = data.val_batches(t.eval_batches, batch=t.micro_batch, **shard)
+    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
     record = RunRecord(run.run_dir) if dist.is_main else None
@@ -37,7 +39,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         window = 0
         while state.step < t.steps:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
-            state, m = engine.train_step(state, batch)
+            state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
             losses.append(m["loss"])
             window += 1
             if state.step % t.log_every == 0 or state.step == t.steps:

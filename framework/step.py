@@ -19,7 +19,7 @@ from framework.distributed import Dist
 from framework.optimizers import GradientTransformation, step as optimizer_step
 from framework.precision import Policy, next_scale
 from framework.stages.base import Stage
-from framework.state import TrainState
+from framework.state import TrainState, capture_rng, restore_rng
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -38,14 +38,14 @@ class Components:
 
 def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
     return TrainState(step=0, params=tuple(master), opt_state=c.optimizer.init(list(master)),
-                      precision=c.policy.init_state(), rng=torch.get_rng_state(), data=position)
+                      precision=c.policy.init_state(), rng=capture_rng(c.dist.device), data=position)
 
 
 def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
-        torch.set_rng_state(state.rng)
+        restore_rng(state.rng, c.dist.device)
         scale = state.precision.cur_scale
         n = len(batch.micro)
         loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
@@ -76,7 +76,7 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         metrics = {"loss": loss_sum.item() / (n * c.dist.world), "lr": lr, "grad_norm": norm, "loss_scale": scale,
                    "skipped": overflow}
         new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
-                      rng=torch.get_rng_state(),
+                      rng=capture_rng(c.dist.device),
                       data=batch.position if batch.position is not None else state.data + 1)
         return new, metrics
 

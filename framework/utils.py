@@ -20,3 +20,14 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor inside nested tuples, lists and dicts (no copy when already there)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj

@@ -1,0 +1,70 @@
+"""Shared pieces of the side-by-side benchmarks: spawned gloo ranks, timing, peak RSS.
+
+Each system runs in its own fresh set of rank processes so that peak RSS belongs to that
+system alone; systems alternate over several rounds so that machine noise hits all alike.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from datetime import date
+
+import torch
+import torch.multiprocessing as mp
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def time_steps(step, warmup: int, steps: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _rank(rank: int, world: int, store: str, fn, args, out) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    from framework.distributed import connect
+
+    dist = connect("gloo", timeout_s=600, store_path=store)
+    times = fn(dist, *args)
+    out.put((rank, statistics.median(times), peak_rss_bytes()))
+    torch.distributed.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args) -> tuple[float, list[int]]:
+    """Run ``fn(dist, *args) -> step times`` on ``world`` fresh gloo ranks.
+    Returns (max over ranks of the median step time, peak RSS per rank)."""
+    tmp = tempfile.mkdtemp(prefix="bench-")
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    try:
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), fn, args, out), nprocs=world,
+                           start_method="spawn")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    results = sorted(out.get() for _ in range(world))
+    return max(r[1] for r in results), [r[2] for r in results]
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        model = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in model.splitlines() if "Model name" in line), cpu)
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {date.today().isoformat()}"
