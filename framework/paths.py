@@ -12,7 +12,7 @@ def _find(top_level: str, packaged: str) -> Path:
     if candidate.is_dir():
         return candidate
     # A regular (non-editable) install maps conf/ -> framework/_conf and csrc/ -> framework/_csrc.
-    return Path(str(files(packaged)))
+    return Path(str(files(packaged))).resolve()
 
 
 def conf_dir() -> Path:
