@@ -1,10 +1,10 @@
 """Where conf/ and csrc/ are: the source tree's top level, or inside an installed package."""
 from __future__ import annotations
 
-from importlib.resources import files
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
 
 
 def _find(top_level: str, packaged: str) -> Path:
@@ -12,12 +12,12 @@ def _find(top_level: str, packaged: str) -> Path:
     if candidate.is_dir():
         return candidate
     # A regular (non-editable) install maps conf/ -> framework/_conf and csrc/ -> framework/_csrc.
-    return Path(str(files(packaged))).resolve()
+    return PACKAGE_DIR / packaged
 
 
 def conf_dir() -> Path:
-    return _find("conf", "framework._conf")
+    return _find("conf", "_conf")
 
 
 def csrc_dir() -> Path:
-    return _find("csrc", "framework._csrc")
+    return _find("csrc", "_csrc")
