@@ -139,6 +139,8 @@ def _check_values(root: RootSchema) -> None:
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
 COMPATIBLE: Mapping[str, tuple[str, ...]] = {
     "ddp": ("none",),
+    "zero1": ("none",),
+    "zero2": ("none",),
 }
 
 

@@ -43,6 +43,17 @@ class Dist:
             return None
         return self._run(what, tdist.all_reduce, t, op=op, async_op=async_op)
 
+    def reduce(self, t: torch.Tensor, dst: int, what: str = "reduce", async_op=False):
+        if self.world == 1:
+            return None
+        return self._run(what, tdist.reduce, t, dst=dst, op=tdist.ReduceOp.SUM, async_op=async_op)
+
+    def wait(self, works, what: str) -> None:
+        """Wait for async collectives (None entries are the no-ops of world size 1)."""
+        for w in works:
+            if w is not None:
+                self._run(what, w.wait)
+
     def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
         if self.world == 1:
             return [obj]
@@ -50,9 +61,10 @@ class Dist:
         self._run(what, tdist.all_gather_object, out, obj)
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast") -> None:
-        if self.world > 1:
-            self._run(what, tdist.broadcast, t, src=src)
+    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast", async_op=False):
+        if self.world == 1:
+            return None
+        return self._run(what, tdist.broadcast, t, src=src, async_op=async_op)
 
     def barrier(self, what: str = "barrier") -> None:
         if self.world > 1:

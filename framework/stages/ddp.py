@@ -16,6 +16,7 @@ from framework.errors import ConfigError
 from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
+from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
 from framework.utils import tensor_bytes
 from framework.stages.base import Setup
 
@@ -24,78 +25,6 @@ from framework.stages.base import Setup
 class DDPConfig:
     bucket_size: int = 6_553_600   # elements per all-reduce bucket (25 MiB of fp32, torch DDP's default)
     overlap_comm: bool = True      # launch buckets during backward instead of after it
-
-
-@dataclass(frozen=True)
-class _Bucket:
-    group: int
-    start: int
-    end: int
-    params: tuple[int, ...]   # ids of the parameters whose gradients fill it
-
-
-class _Reducer:
-    """Launches one all-reduce per bucket, in bucket order, as soon as the bucket is ready."""
-
-    def __init__(self, dist: Dist, grads: list[torch.Tensor], buckets: list[_Bucket], reduce_dtype):
-        self.dist, self.grads, self.buckets, self.reduce_dtype = dist, grads, buckets, reduce_dtype
-        self.owner = {pid: i for i, b in enumerate(buckets) for pid in b.params}
-        self.armed = False
-        self.pending: list[int] = []
-        self.launched = 0
-        self.work: list = []
-
-    def arm(self) -> None:
-        self.armed, self.launched, self.work = True, 0, []
-        self.pending = [len(b.params) for b in self.buckets]
-
-    def ready(self, pid: int) -> None:
-        if not self.armed:
-            return
-        self.pending[self.owner[pid]] -= 1
-        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
-            self._launch(self.launched)
-
-    def _launch(self, i: int) -> None:
-        b = self.buckets[i]
-        view = self.grads[b.group][b.start:b.end]
-        wire = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
-        work = self.dist.all_reduce(wire, what=f"gradient all-reduce of bucket {i}", async_op=True)
-        self.work.append((work, wire, view))
-        self.launched = i + 1
-
-    def finish(self) -> None:
-        # Buckets holding parameters that got no gradient this step never became ready.
-        while self.launched < len(self.buckets):
-            self._launch(self.launched)
-        for work, wire, view in self.work:
-            if work is not None:
-                self.dist._run("gradient all-reduce", work.wait)
-            if wire is not view:
-                view.copy_(wire)
-        self.armed, self.work = False, []
-
-
-def _plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int) -> list[_Bucket]:
-    """Group (pid, group, offset, numel) entries, visited in expected gradient order, into
-    contiguous per-group buckets; the global order is the order in which buckets close."""
-    open_: dict[int, list] = {}
-    out: list[_Bucket] = []
-
-    def close(g: int) -> None:
-        entries = open_.pop(g)
-        start = min(e[2] for e in entries)
-        end = max(e[2] + e[3] for e in entries)
-        out.append(_Bucket(g, start, end, tuple(e[0] for e in entries)))
-
-    for entry in order:
-        g = entry[1]
-        open_.setdefault(g, []).append(entry)
-        if sum(e[3] for e in open_[g]) >= bucket_size:
-            close(g)
-    for g in sorted(open_):
-        close(g)
-    return out
 
 
 class DDPStage:
@@ -107,7 +36,9 @@ class DDPStage:
         self.flats: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.master: list[torch.Tensor] = []
-        self.reducer: _Reducer | None = None
+        self.launcher: OrderedLauncher | None = None
+        self.reduce_dtype = torch.float32
+        self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         groups = param_groups(module)
@@ -126,25 +57,36 @@ class DDPStage:
             self.flats.append(flat)
             self.grads.append(grad)
             self.master.append(flat if policy.master_dtype == flat.dtype else flat.to(policy.master_dtype))
-            entries += [(p, g, s) for p, s in zip(params, layout.slots)]
-        # Backward produces gradients roughly in reverse registration order.
-        order = [(i, g, s.offset, s.numel) for i, (_, g, s) in reversed(list(enumerate(entries)))]
-        self.reducer = _Reducer(self.dist, self.grads, _plan_buckets(order, self.cfg.bucket_size),
-                                policy.reduce_dtype)
+            entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
+        self.reduce_dtype = policy.reduce_dtype
+        buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
+        self.launcher = OrderedLauncher(buckets, self._launch)
         if self.dist.world > 1 and self.cfg.overlap_comm:
-            for i, (p, _, _) in enumerate(entries):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.reducer.ready(i))
+            for i, (p, _) in enumerate(entries):
+                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
         return Setup(self.master, [kind for kind, _ in groups])
+
+    def _launch(self, i: int) -> None:
+        b = self.launcher.buckets[i]
+        view = self.grads[b.group][b.start:b.end]
+        wire = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
+        self.work.append(([self.dist.all_reduce(wire, what=f"gradient all-reduce of bucket {i}", async_op=True)],
+                          wire, view))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         if sync and self.dist.world > 1:
-            self.reducer.arm()
+            self.launcher.arm()
         # Gradients are summed across ranks, so each rank contributes 1/world of the mean.
         (loss / self.dist.world).backward()
 
     def reduce_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
-            self.reducer.finish()
+            self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
+            for works, wire, view in self.work:
+                self.dist.wait(works, "gradient all-reduce")
+                if wire is not view:
+                    view.copy_(wire)
+            self.work = []
         return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(self.grads, self.master)]
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""What zero1 and zero2 share: replicated working parameters, partitioned master and optimizer.
+
+Each parameter group is one flat buffer padded to a multiple of world * ALIGN; rank r owns
+elements [r * shard, (r + 1) * shard). The fp32 master copy (when the working dtype is not
+fp32) and the optimizer state exist only for the owned partition. After the optimizer step
+every rank's updated partition is gathered back into the working buffers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from framework.distributed import Dist
+from framework.errors import ConfigError
+from framework.precision import Policy
+from framework.stages._flat import Layout, bind, make_layout, param_groups
+from framework.stages.base import Setup
+from framework.utils import tensor_bytes
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """DeepSpeed's zero_optimization keys (same names and defaults, so configs port over)."""
+
+    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction bucket
+    allgather_bucket_size: int = 500_000_000   # elements per parameter all-gather chunk
+    overlap_comm: bool = False                 # reduce buckets while backward still runs
+    contiguous_gradients: bool = True          # copy gradients into a bucket buffer before reducing
+    reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
+    round_robin_gradients: bool = False        # host-side copy order with offload; no effect without
+
+
+def check(cfg: ZeroConfig) -> None:
+    if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
+        raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
+
+
+class ShardedStage:
+    """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
+
+    def __init__(self, cfg: ZeroConfig, dist: Dist):
+        check(cfg)
+        self.cfg, self.dist = cfg, dist
+        self.layouts: list[Layout] = []
+        self.flats: list[torch.Tensor] = []     # working parameters, replicated
+        self.master: list[torch.Tensor] = []    # owned partition, master dtype
+        self.bounds: list[tuple[int, int]] = []  # owned [lo, hi) per group
+        self.policy: Policy | None = None
+
+    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        self.policy = policy
+        groups = param_groups(module)
+        entries = []  # (param, (group, slot)) in registration order
+        for g, (_, named) in enumerate(groups):
+            layout = make_layout(named, world=self.dist.world)
+            flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
+            params = [p for _, p in named]
+            bind(params, flat, layout)
+            self.dist.broadcast(flat, what="initial parameter broadcast")
+            lo, hi = layout.partition(self.dist.rank)
+            own = flat[lo:hi]
+            # fp32 training: the owned slice of the working buffer is the master (no copy).
+            self.master.append(own if policy.master_dtype == flat.dtype else own.to(policy.master_dtype))
+            self.layouts.append(layout)
+            self.flats.append(flat)
+            self.bounds.append((lo, hi))
+            entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
+        self._setup_grads(entries)
+        return Setup(self.master, [kind for kind, _ in groups])
+
+    def _setup_grads(self, entries: list) -> None:
+        raise NotImplementedError
+
+    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        local = torch.zeros(1, dtype=torch.float32, device=self.dist.device)
+        for g in grads:
+            local += torch.dot(g, g)
+        # Partitions are disjoint: the global squared norm is the sum over ranks.
+        self.dist.all_reduce(local, what="gradient norm all-reduce")
+        return local[0]
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        mine = set()
+        for g, layout, (lo, _) in zip(grads, self.layouts, self.bounds):
+            bad = (~torch.isfinite(g)).nonzero().flatten()
+            if bad.numel():
+                mine.update(layout.names_in(lo + int(bad.min()), lo + int(bad.max()) + 1))
+        return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
+
+    def publish(self, master: list[torch.Tensor]) -> None:
+        for flat, m, (lo, hi), layout in zip(self.flats, master, self.bounds, self.layouts):
+            if m.data_ptr() != flat[lo:hi].data_ptr():
+                flat[lo:hi].copy_(m)
+            gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
+
+    def memory(self) -> dict[str, int]:
+        separate = [m for m, f, (lo, _) in zip(self.master, self.flats, self.bounds)
+                    if m.data_ptr() != f[lo:].data_ptr()]
+        return {"params": tensor_bytes(self.flats), "master_params": tensor_bytes(separate),
+                **self._grad_memory()}
+
+    def _grad_memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+def gather_partitions(dist: Dist, flat: torch.Tensor, shard: int, chunk: int) -> None:
+    """Every rank's owned partition of ``flat`` -> everywhere, in chunks of ``chunk`` elements."""
+    if dist.world == 1:
+        return
+    if dist.backend == "nccl":
+        # In-place all-gather: the input is this rank's slice of the output.
+        dist._run("parameter all-gather", torch.distributed.all_gather_into_tensor, flat,
+                  flat[dist.rank * shard:(dist.rank + 1) * shard])
+        return
+    # gloo: one broadcast per owner and chunk, all in flight at once. Measured here on 2 ranks
+    # (43 MB): 12 ms, against 81 ms for all_gather_into_tensor and 97 ms for list all_gather.
+    works = []
+    for r in range(dist.world):
+        for a in range(r * shard, (r + 1) * shard, chunk):
+            b = min(a + chunk, (r + 1) * shard)
+            works.append(dist.broadcast(flat[a:b], src=r, what="parameter all-gather", async_op=True))
+    dist.wait(works, "parameter all-gather")

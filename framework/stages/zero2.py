@@ -1,0 +1,105 @@
+"""zero2: optimizer state and gradients partitioned; buckets reduced during backward.
+
+Autograd writes each parameter's gradient into its own .grad. When every gradient of a
+bucket has arrived (post-accumulate-grad hooks, in bucket order) the bucket is copied into
+a reusable bucket buffer (``contiguous_gradients``), the .grad tensors are freed, and the
+buffer is reduced to the ranks that own its elements. Each rank adds its share into its
+gradient partition; nothing else of the gradients survives backward. At most two bucket
+buffers are in flight: launching a third first completes the oldest. Every micro batch is
+reduced (gradients are never kept whole), as in DeepSpeed's stage 2.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from framework.registry import Component
+from framework.stages._reduce import OrderedLauncher, expected_order, own_overlap, plan_buckets, reduce_to_owners
+from framework.stages._sharded import ShardedStage, ZeroConfig
+from framework.utils import tensor_bytes
+
+IN_FLIGHT = 2
+
+
+class Zero2Stage(ShardedStage):
+    def _setup_grads(self, entries: list) -> None:
+        self.params = [p for p, _ in entries]
+        self.slots = [gs for _, gs in entries]
+        dtype = self.policy.reduce_dtype
+        # The owned gradient partition, accumulated over micro batches in the wire dtype.
+        self.part = [torch.zeros(hi - lo, dtype=dtype, device=self.dist.device) for lo, hi in self.bounds]
+        buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size)
+        self.launcher = OrderedLauncher(buckets, self._launch)
+        size = max(b.numel for b in buckets)
+        self.free = ([torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(IN_FLIGHT)]
+                     if self.cfg.contiguous_gradients else [])
+        self.in_flight: deque = deque()
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
+
+    def _launch(self, i: int) -> None:
+        b = self.launcher.buckets[i]
+        shard = self.layouts[b.group].shard
+        what = f"gradient reduction of bucket {i}"
+        if self.cfg.contiguous_gradients:
+            while not self.free:  # bound the buffers in flight
+                self._complete(self.in_flight.popleft())
+            buf = self.free.pop()[:b.numel]
+            pieces = [(b.start, buf)]
+            for pid in b.params:
+                _, slot = self.slots[pid]
+                p = self.params[pid]
+                dst = buf[slot.offset - b.start:slot.offset - b.start + slot.numel]
+                dst.copy_(p.grad.reshape(-1)) if p.grad is not None else dst.zero_()
+                p.grad = None  # the bucket copy is all that is kept
+        else:  # reduce each gradient tensor where it lies (no bucket buffer)
+            buf, pieces = None, []
+            for pid in b.params:
+                _, slot = self.slots[pid]
+                g = self.params[pid].grad
+                g = torch.zeros(slot.numel, device=self.dist.device) if g is None else g.reshape(-1)
+                pieces.append((slot.offset, g.to(self.policy.reduce_dtype)))
+                self.params[pid].grad = None
+        works = [w for start, t in pieces
+                 for w in reduce_to_owners(self.dist, t, start, shard, self.cfg.reduce_scatter, what)]
+        self.in_flight.append((b, works, pieces, buf))
+        if not self.cfg.overlap_comm:
+            self._complete(self.in_flight.popleft())
+
+    def _complete(self, item) -> None:
+        b, works, pieces, buf = item
+        self.dist.wait(works, "gradient reduction")
+        lo, hi = self.bounds[b.group]
+        for start, t in pieces:
+            own = own_overlap(start, start + t.numel(), lo, hi)
+            if own is not None:
+                self.part[b.group][own[0] - lo:own[1] - lo] += t[own[0] - start:own[1] - start]
+        if buf is not None:
+            self.free.append(buf._base if buf._base is not None else buf)
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.launcher.arm()
+        (loss / self.dist.world).backward()
+        self.launcher.flush()  # buckets of parameters that got no gradient
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(self.part, self.master)]
+
+    def zero_grads(self) -> None:
+        for g in self.part:
+            g.zero_()
+
+    def _grad_memory(self) -> dict[str, int]:
+        buffers = IN_FLIGHT * max(b.numel for b in self.launcher.buckets) if self.cfg.contiguous_gradients else 0
+        return {"grads": tensor_bytes(self.part),
+                "comm_buffers": buffers * torch.empty((), dtype=self.policy.reduce_dtype).element_size()}
+
+
+def build(cfg: ZeroConfig, *, dist) -> Zero2Stage:
+    return Zero2Stage(cfg, dist)
+
+
+COMPONENT = Component(config=ZeroConfig, build=build)

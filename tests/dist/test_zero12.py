@@ -1,0 +1,144 @@
+"""zero1 and zero2 equal the ddp stage on 1, 2 and 4 gloo ranks.
+
+fp32: per-step losses and final parameters to 1e-6 relative; bf16/fp16: losses within 1e-2.
+The model's no-decay group (LayerNorm weights, 5 x 33 = 165 elements) is not divisible by
+the world size, so partitions are padded.
+"""
+import pytest
+import torch
+from torch import nn
+
+import framework
+from framework import Batch
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, flat_params, tiny_config
+
+ODD = ["model.d_model=33", "model.n_head=3", "train.steps=30", "train.micro_batch=2"]
+FP32_RTOL = 1e-6
+
+
+def _train(dist, stage, overrides, inf_at=None):
+    if stage == "ddp":  # the ZeRO bucket options have no ddp counterpart
+        overrides = [o for o in overrides if not o.startswith("stage.")]
+    cfg = tiny_config(*ODD, f"+stage={stage}", *overrides)
+    module, data = build_gpt(cfg)
+
+    def loss_fn(m, micro):
+        loss = gpt_loss(m, micro)
+        return loss * float("inf") if step_no[0] == inf_at and dist.rank == 0 else loss
+
+    step_no = [0]
+    engine = framework.initialize(module, loss_fn, cfg, dist)
+    state, losses, skipped, norms = engine.state, [], [], []
+    for step in range(cfg.train.steps):
+        step_no[0] = step
+        batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+                                 rank=dist.rank, world=dist.world)
+        state, m = engine.train_step(state, batch)
+        losses.append(m["loss"])
+        skipped.append(m["skipped"])
+        norms.append(m["grad_norm"])
+    return losses, flat_params(engine.components.module), skipped, engine.memory(state), norms
+
+
+def _compare(dist, overrides, stages=("ddp", "zero1", "zero2"), inf_at=None):
+    return {s: _train(dist, s, overrides, inf_at) for s in stages}
+
+
+FP32_CASES = {
+    "accum1-clip": ["train.grad_clip=0.05"],
+    "accum3-clip-small-buckets-overlap": ["train.grad_accum=3", "train.grad_clip=0.05",
+                                          "stage.reduce_bucket_size=700", "stage.allgather_bucket_size=900",
+                                          "stage.overlap_comm=true"],
+    "allreduce-fallback-noncontiguous": ["train.grad_accum=3", "stage.reduce_scatter=false",
+                                         "stage.contiguous_gradients=false", "stage.reduce_bucket_size=2000"],
+    # SGD is not scale-invariant like Adam: a gradient off by a factor shows in the losses.
+    "sgd-momentum-accum2": ["optimizer=sgd", "optimizer.lr=0.5", "optimizer.momentum=0.9", "train.grad_accum=2",
+                            "train.grad_clip=0", "stage.reduce_bucket_size=1500", "stage.overlap_comm=true"],
+}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("case", list(FP32_CASES))
+def test_fp32_equals_ddp(pools, world, case):
+    overrides = FP32_CASES[case]
+    out = _compare(_local(), overrides) if world == 1 else pools(world).run(_compare, overrides, timeout=240)
+    for rank, res in enumerate(out if world > 1 else [out]):
+        ref_losses, ref_params = res["ddp"][:2]
+        for stage in ("zero1", "zero2"):
+            losses, params = res[stage][:2]
+            for i, (a, b) in enumerate(zip(losses, ref_losses)):
+                assert a == pytest.approx(b, rel=FP32_RTOL), f"{stage} rank {rank} step {i}: {a} vs ddp {b}"
+            torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7,
+                                       msg=lambda m: f"{stage} rank {rank} final params vs ddp (rtol 1e-6): {m}")
+            assert res[stage][4] == pytest.approx(res["ddp"][4], rel=FP32_RTOL), f"{stage} gradient norms"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_close_to_ddp(pools, precision):
+    res = pools(2).run(_compare, [f"precision={precision}", "train.grad_accum=2"], timeout=240)[0]
+    for stage in ("zero1", "zero2"):
+        for i, (a, b) in enumerate(zip(res[stage][0], res["ddp"][0])):
+            assert a == pytest.approx(b, rel=1e-2), f"{precision} {stage} step {i}: {a} vs ddp {b}"
+
+
+def test_fp16_overflow_skips_same_step_on_every_rank(pools):
+    out = pools(2).run(_compare, ["precision=fp16", "train.steps=6"], ("zero1", "zero2"), 3, timeout=240)
+    for stage in ("zero1", "zero2"):
+        flags = [res[stage][2] for res in out]
+        assert flags[0] == flags[1] == [False, False, False, True, False, False], flags
+        torch.testing.assert_close(out[0][stage][1], out[1][stage][1], rtol=0, atol=0)
+
+
+def _local():
+    from framework.distributed import connect
+    return connect("gloo")
+
+
+# --- a user's model with odd shapes and an unused branch -------------------------------
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.b = nn.Linear(13, 3)
+        self.unused = nn.Linear(5, 5)      # never gets a gradient
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+def _odd(dist, stage):
+    cfg = framework.compose([f"+stage={stage}", "optimizer=adamw", "optimizer.weight_decay=0.1",
+                             "scheduler=constant", "train.steps=10", "train.micro_batch=4", "train.grad_accum=2",
+                             "stage.reduce_bucket_size=40", "stage.overlap_comm=true"]
+                            if stage != "ddp" else ["optimizer=adamw", "optimizer.weight_decay=0.1",
+                                                    "scheduler=constant", "train.steps=10"])
+    torch.manual_seed(0)
+    engine = framework.initialize(Odd(), lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+    g = torch.Generator().manual_seed(5)
+    state, losses = engine.state, []
+    for _ in range(10):
+        x = torch.randn(2, dist.world, 4, 7, generator=g)  # [accum, world, micro, features]
+        micro = tuple((x[k, dist.rank], x[k, dist.rank, :, :3].sin()) for k in range(2))
+        state, m = engine.train_step(state, Batch(micro))
+        losses.append(m["loss"])
+    module = engine.components.module
+    return losses, flat_params(module), module.unused.weight.detach().clone()
+
+
+def _odd_all(dist):
+    return {s: _odd(dist, s) for s in ("ddp", "zero1", "zero2")}
+
+
+def test_odd_shapes_and_unused_parameters(pools):
+    out = pools(2).run(_odd_all, timeout=120)
+    torch.manual_seed(0)
+    initial_unused = Odd().unused.weight.detach()
+    for res in out:
+        for stage in ("zero1", "zero2"):
+            assert res[stage][0] == pytest.approx(res["ddp"][0], rel=FP32_RTOL)
+            torch.testing.assert_close(res[stage][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
+            # Without a gradient only weight decay moves it, exactly as under ddp.
+            assert not torch.equal(res[stage][2], initial_unused)
