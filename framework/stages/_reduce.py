@@ -29,22 +29,32 @@ class Bucket:
 
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int) -> list[Bucket]:
-    """``order``: (param id, group, offset, numel) in expected gradient order. Each group keeps
-    one open bucket; the global bucket order is the order in which buckets close."""
-    open_: dict[int, list] = {}
+    """``order``: (param id, group, offset, numel) in expected gradient order.
+
+    Each group keeps one open bucket that grows downwards through its flat buffer (gradients
+    arrive in reverse layout order); a parameter larger than the room left is split, so no
+    bucket exceeds ``bucket_size`` and a huge embedding never forces a huge buffer. The
+    global bucket order is the order in which buckets close.
+    """
+    open_: dict[int, tuple[int, int, list[int]]] = {}  # group -> (start, end, param ids)
     out: list[Bucket] = []
 
     def close(g: int) -> None:
-        entries = open_.pop(g)
-        start = min(e[2] for e in entries)
-        end = max(e[2] + e[3] for e in entries)
-        out.append(Bucket(g, start, end, tuple(e[0] for e in entries)))
+        start, end, pids = open_.pop(g)
+        out.append(Bucket(g, start, end, tuple(pids)))
 
-    for entry in order:
-        g = entry[1]
-        open_.setdefault(g, []).append(entry)
-        if sum(e[3] for e in open_[g]) >= bucket_size:
-            close(g)
+    for pid, g, offset, numel in order:
+        top = offset + numel
+        while top > offset:
+            start, end, pids = open_.get(g, (top, top, []))
+            if start != top:  # not adjacent (cannot happen for one group's layout): start anew
+                close(g)
+                start, end, pids = top, top, []
+            take = min(top - offset, bucket_size - (end - start))
+            open_[g] = (start - take, end, pids + [pid])
+            top -= take
+            if end - (start - take) >= bucket_size:
+                close(g)
     for g in sorted(open_):
         close(g)
     return out
@@ -55,7 +65,10 @@ class OrderedLauncher:
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None]):
         self.buckets, self.launch = buckets, launch
-        self.owner = {pid: i for i, b in enumerate(buckets) for pid in b.params}
+        self.owners: dict[int, list[int]] = {}  # param id -> buckets holding a piece of it
+        for i, b in enumerate(buckets):
+            for pid in b.params:
+                self.owners.setdefault(pid, []).append(i)
         self.pending: list[int] = []
         self.next = len(buckets)  # nothing armed
 
@@ -66,7 +79,8 @@ class OrderedLauncher:
     def ready(self, pid: int) -> None:
         if self.next >= len(self.buckets):
             return  # not armed (a non-boundary micro step)
-        self.pending[self.owner[pid]] -= 1
+        for i in self.owners[pid]:
+            self.pending[i] -= 1
         while self.next < len(self.buckets) and self.pending[self.next] == 0:
             self.next += 1
             self.launch(self.next - 1)

@@ -47,25 +47,30 @@ class Zero2Stage(ShardedStage):
                 self._complete(self.in_flight.popleft())
             buf = self.free.pop()[:b.numel]
             pieces = [(b.start, buf)]
-            for pid in b.params:
-                _, slot = self.slots[pid]
-                p = self.params[pid]
-                dst = buf[slot.offset - b.start:slot.offset - b.start + slot.numel]
-                dst.copy_(p.grad.reshape(-1)) if p.grad is not None else dst.zero_()
-                p.grad = None  # the bucket copy is all that is kept
-        else:  # reduce each gradient tensor where it lies (no bucket buffer)
-            buf, pieces = None, []
-            for pid in b.params:
-                _, slot = self.slots[pid]
-                g = self.params[pid].grad
-                g = torch.zeros(slot.numel, device=self.dist.device) if g is None else g.reshape(-1)
-                pieces.append((slot.offset, g.to(self.policy.reduce_dtype)))
+            for pid, (lo, hi, part) in self._pieces(b):
+                dst = buf[lo - b.start:hi - b.start]
+                dst.copy_(part) if part is not None else dst.zero_()
+        else:  # reduce each gradient piece where it lies (no bucket buffer)
+            buf = None
+            pieces = [(lo, part.to(self.policy.reduce_dtype) if part is not None
+                       else torch.zeros(hi - lo, dtype=self.policy.reduce_dtype, device=self.dist.device))
+                      for _, (lo, hi, part) in self._pieces(b)]
+        for pid in b.params:  # the bucket holding a parameter's first element is its last
+            if b.start <= self.slots[pid][1].offset:
                 self.params[pid].grad = None
         works = [w for start, t in pieces
                  for w in reduce_to_owners(self.dist, t, start, shard, self.cfg.reduce_scatter, what)]
         self.in_flight.append((b, works, pieces, buf))
         if not self.cfg.overlap_comm:
             self._complete(self.in_flight.popleft())
+
+    def _pieces(self, b):
+        """(param id, (flat lo, flat hi, gradient values or None)) for each piece in bucket ``b``."""
+        for pid in b.params:
+            slot = self.slots[pid][1]
+            lo, hi = max(b.start, slot.offset), min(b.end, slot.offset + slot.numel)
+            g = self.params[pid].grad
+            yield pid, (lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset])
 
     def _complete(self, item) -> None:
         b, works, pieces, buf = item

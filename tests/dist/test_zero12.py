@@ -142,3 +142,33 @@ def test_odd_shapes_and_unused_parameters(pools):
             torch.testing.assert_close(res[stage][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
             # Without a gradient only weight decay moves it, exactly as under ddp.
             assert not torch.equal(res[stage][2], initial_unused)
+
+
+# --- memory ledger against REFERENCE §1 ---------------------------------------------------
+
+def _ledger(dist, stage, bucket):
+    cfg = tiny_config(*ODD, f"+stage={stage}", "precision=bf16", f"stage.reduce_bucket_size={bucket}",
+                      "stage.overlap_comm=true")
+    module, _ = build_gpt(cfg)
+    n_params = sum(p.numel() for p in module.parameters())
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    padded = sum(layout.padded for layout in engine.components.stage.layouts)
+    return n_params, padded, engine.memory(engine.state)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_memory_ledger_matches_zero_formula(pools, world):
+    bucket = 3000
+    for stage in ("zero1", "zero2"):
+        n_params, padded, mem = pools(world).run(_ledger, stage, bucket, timeout=120)[0]
+        from framework.stages._flat import ALIGN
+        assert padded - n_params < 2 * world * ALIGN  # padding: under one unit per group (2 groups)
+        # Mixed precision (bf16 params, fp32 master + Adam m and v): K = 12 bytes, K*Psi/N per rank.
+        assert mem["master_params"] == 4 * padded // world
+        assert mem["optimizer_state"] == 8 * padded // world
+        assert mem["params"] == 2 * padded                      # 16-bit working copy, replicated
+        if stage == "zero1":
+            assert mem["grads"] == 2 * padded                   # zero1 keeps whole 16-bit gradients
+        else:
+            assert mem["grads"] == 2 * padded // world          # zero2: only the owned partition
+            assert 0 < mem["comm_buffers"] <= 2 * bucket * 2    # plus at most two bf16 buckets

@@ -1,0 +1,65 @@
+"""Partition math and bucket plans: the arithmetic every sharded stage relies on."""
+import pytest
+import torch
+from torch import nn
+
+from framework.stages._flat import ALIGN, make_layout, param_groups
+from framework.stages._reduce import OrderedLauncher, expected_order, own_overlap, plan_buckets
+
+
+def named(*shapes):
+    return [(f"p{i}", nn.Parameter(torch.zeros(s))) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 7])
+def test_layout_partitions_cover_padded_buffer(world):
+    layout = make_layout(named((5, 7), (13,), (1,), (3, 3, 3)), world)
+    assert layout.numel == 35 + 13 + 1 + 27
+    assert layout.padded % (world * ALIGN) == 0 and layout.padded >= layout.numel
+    parts = [layout.partition(r) for r in range(world)]
+    assert parts[0][0] == 0 and parts[-1][1] == layout.padded
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    offsets = [s.offset for s in layout.slots]
+    assert offsets == [0, 35, 48, 49]
+    assert layout.names_in(34, 36) == ["p0", "p1"] and layout.names_in(76, 80) == []
+
+
+def test_param_groups_split_by_dimension_and_dedupe_tied():
+    m = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 3, bias=False))
+    m.append(m[0])  # the same module twice: its parameters appear once
+    kinds = [(k, [n for n, _ in g]) for k, g in param_groups(m)]
+    assert kinds == [("decay", ["0.weight", "2.weight"]), ("no_decay", ["0.bias", "1.weight", "1.bias"])]
+
+
+@pytest.mark.parametrize("size", [1, 5, 16, 100, 10_000])
+def test_buckets_bounded_contiguous_and_complete(size):
+    groups = [make_layout(named((7, 5), (40,), (3,), (9, 2)), 2), make_layout(named((11,), (2,)), 2)]
+    entries = [(g, s) for g, lay in enumerate(groups) for s in lay.slots]
+    # Interleave the two groups as backward would.
+    entries = [entries[i] for i in (0, 4, 1, 2, 5, 3)]
+    buckets = plan_buckets(expected_order(entries), size)
+    for g, lay in enumerate(groups):
+        mine = sorted((b.start, b.end) for b in buckets if b.group == g)
+        assert mine[0][0] == 0 and mine[-1][1] == lay.numel
+        assert all(a[1] == b[0] for a, b in zip(mine, mine[1:]))  # contiguous, disjoint
+    assert all(b.numel <= size for b in buckets)
+
+
+def test_launcher_orders_and_flushes():
+    layout = make_layout(named((4,), (4,), (4,)), 1)
+    buckets = plan_buckets(expected_order([(0, s) for s in layout.slots]), 4)
+    launched = []
+    launcher = OrderedLauncher(buckets, launched.append)
+    launcher.ready(0)                      # not armed: ignored
+    launcher.arm()
+    launcher.ready(0)                      # param 0's bucket is last in order: waits
+    assert launched == []
+    launcher.ready(2)
+    assert launched == [0]
+    launcher.flush()                       # param 1 never got a gradient
+    assert launched == [0, 1, 2]
+
+
+def test_own_overlap():
+    assert own_overlap(0, 10, 5, 20) == (5, 10)
+    assert own_overlap(0, 5, 5, 20) is None
