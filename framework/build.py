@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from framework.config import Config
+from framework.errors import ConfigError
 from framework.distributed import Dist, connect
 from framework.registry import registry
 from framework.state import TrainState
@@ -51,14 +52,23 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | Non
     dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
     policy = component(cfg, "precision").build(cfg.precision)
     stage = component(cfg, "stage").build(cfg.stage, dist=dist)
-    module = module.to(dist.device)
-    setup = stage.setup(module, policy)
+    setup = stage.setup(module, policy)  # parameters move to dist.device (materialised if on meta)
+    move_buffers(module, dist.device)
     decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
     optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist)
     return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
+
+
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buf in sub.named_buffers(recurse=False):
+            if buf.is_meta:
+                raise ConfigError(f"buffer {name!r} of {type(sub).__name__} is on the meta device; build the "
+                                  f"model on a real device or register the buffer after construction")
+            sub._buffers[name] = buf.to(device)
 
 
 def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:

@@ -21,7 +21,8 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
-    module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    with torch.device("meta"):  # the stage materialises parameters (only its shard under zero3)
+        module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
     engine = initialize(module, gpt_loss, cfg, dist)
     torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
     state = replace(engine.state, rng=capture_rng(dist.device))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -116,23 +117,37 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = None if cfg.tie_weights else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        self.init_weights()
+        self.init_seed = torch.initial_seed()  # see init_parameter
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
 
     def init_weights(self) -> None:
-        """nanoGPT init; callable again after ``to_empty()`` when the model was built on meta."""
-        # Residual projections are scaled by 1/sqrt(2 * n_layer) so that the variance of the
-        # residual stream does not grow with depth (two residual adds per layer), as in GPT-2.
-        residual_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if isinstance(module, nn.Linear) and module.bias is not None:
-                nn.init.zeros_(module.bias)
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
-        for block in self.blocks:
-            for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(proj.weight, mean=0.0, std=residual_std)
+        """Initialise every parameter in place (see ``init_parameter``)."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, t: Tensor) -> None:
+        """nanoGPT's init of parameter ``name`` written into ``t``, from its own generator.
+
+        Each parameter draws from a generator seeded by (torch.initial_seed(), name), so the
+        values do not depend on the order in which parameters are initialised: a ZeRO-3 stage
+        can build the model on the meta device and materialise one parameter at a time, and
+        still get exactly the values of a model built whole with the same seed.
+        """
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "bias":
+            t.zero_()
+        elif ".ln" in f".{name}" or name.startswith("ln_f"):
+            t.fill_(1.0)  # LayerNorm weight
+        else:
+            gen = torch.Generator(device=t.device).manual_seed(
+                (self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+            # Residual projections are scaled by 1/sqrt(2 * n_layer) so the residual stream's
+            # variance does not grow with depth (two residual adds per layer), as in GPT-2.
+            residual = name.endswith(("attn.proj.weight", "mlp.proj.weight"))
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
+            t.normal_(0.0, std, generator=gen)
 
     @property
     def output_weight(self) -> Tensor:

@@ -7,9 +7,12 @@ call per group. Partition math for the ZeRO stages lives here too, so it is test
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from framework.errors import ConfigError
 
 # Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
 # each rank's partition 256-byte aligned for 16-bit dtypes and 512-byte for fp32 (NCCL and
@@ -72,10 +75,51 @@ def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
 
 
-def bind(params: list[nn.Parameter], flat: torch.Tensor, layout: Layout, copy: bool = True) -> None:
-    """Make each parameter a view into ``flat`` (optionally copying its current values in)."""
-    for p, v in zip(params, views(flat, layout)):
-        if copy:
-            v.copy_(p.data)
-        p.data = v
+@runtime_checkable
+class ParameterInit(Protocol):
+    """A model that can initialise any one parameter by name (order-independent init)."""
 
+    def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
+
+
+def initial_values(module: nn.Module, name: str, p: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Parameter ``name``'s initial values as an fp32-or-own-dtype tensor on ``device``.
+
+    A parameter on the meta device is initialised by ``module.init_parameter(name, tensor)``,
+    one parameter at a time, so a model built on meta never exists whole in memory.
+    """
+    if not p.is_meta:
+        return p.detach().to(device)
+    if not isinstance(module, ParameterInit):
+        raise ConfigError(f"parameter {name!r} is on the meta device but {type(module).__name__} has no "
+                          f"init_parameter(name, tensor) method to initialise it; build the model on a real "
+                          f"device or add that method")
+    full = torch.empty(p.shape, dtype=p.dtype, device=device)
+    with torch.no_grad():
+        module.init_parameter(name, full)
+    return full
+
+
+def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.Tensor,
+         layout: Layout) -> list[nn.Parameter]:
+    """Make each parameter a view into ``flat``, filled with its initial values; returns the
+    parameters (a meta parameter is replaced by a new Parameter everywhere it is registered)."""
+    out = []
+    for (name, p), v in zip(named, views(flat, layout)):
+        v.copy_(initial_values(module, name, p, flat.device))
+        if p.is_meta:  # .data cannot move a meta tensor to a real device
+            new = nn.Parameter(v, requires_grad=p.requires_grad)
+            replace_parameter(module, p, new)
+            p = new
+        else:
+            p.data = v
+        out.append(p)
+    return out
+
+
+def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
+    for sub in module.modules():
+        for key, value in sub._parameters.items():
+            if value is old:
+                sub._parameters[key] = new

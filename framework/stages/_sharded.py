@@ -56,8 +56,7 @@ class ShardedStage:
         for g, (_, named) in enumerate(groups):
             layout = make_layout(named, world=self.dist.world)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = [p for _, p in named]
-            bind(params, flat, layout)
+            params = bind(module, named, flat, layout)
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             own = flat[lo:hi]

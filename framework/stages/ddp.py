@@ -46,8 +46,7 @@ class DDPStage:
         for g, (_, named) in enumerate(groups):
             layout = make_layout(named, world=1)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = [p for _, p in named]
-            bind(params, flat, layout)
+            params = bind(module, named, flat, layout)
             # Every rank starts from rank 0's values, whatever each rank's initialisation did.
             self.dist.broadcast(flat, what="initial parameter broadcast")
             grad = torch.zeros_like(flat)

@@ -107,3 +107,15 @@ def test_library_use_with_own_module_and_loss():
         assert m["loss"] == pytest.approx(loss.item(), rel=RTOL)
     with torch.no_grad():
         assert mse(engine.components.module, (x, y)).item() < 0.5 * initial  # it learned
+
+
+def test_model_built_on_meta_gets_the_same_values():
+    cfg = tiny_config()
+    real, _ = build_gpt(cfg)
+    torch.manual_seed(cfg.seed)
+    with torch.device("meta"):
+        meta, _ = build_gpt(cfg)
+    engine = framework.initialize(meta, gpt_loss, cfg)
+    assert not any(p.is_meta for p in engine.components.module.parameters())
+    torch.testing.assert_close(flat_params(engine.components.module), flat_params(real), rtol=0, atol=0)
+    assert engine.components.module.output_weight is engine.components.module.wte.weight  # still tied
