@@ -40,14 +40,22 @@ def _rank(rank: int, world: int, store: str, fn, args, out) -> None:
     from framework.distributed import connect
 
     dist = connect("gloo", timeout_s=600, store_path=store)
-    times = fn(dist, *args)
-    out.put((rank, statistics.median(times), peak_rss_bytes()))
+    res = fn(dist, *args)
+    times, info = (res["times"], res) if isinstance(res, dict) else (res, {})
+    out.put((rank, statistics.median(times), peak_rss_bytes(), {k: v for k, v in info.items() if k != "times"}))
     torch.distributed.destroy_process_group()
 
 
 def run_ranks(world: int, fn, *args) -> tuple[float, list[int]]:
     """Run ``fn(dist, *args) -> step times`` on ``world`` fresh gloo ranks.
     Returns (max over ranks of the median step time, peak RSS per rank)."""
+    t, rss, _ = run_ranks_detail(world, fn, *args)
+    return t, rss
+
+
+def run_ranks_detail(world: int, fn, *args) -> tuple[float, list[int], list[dict]]:
+    """As ``run_ranks``; ``fn`` may also return a dict with "times" and other picklable
+    entries, which come back per rank as the third element (an empty dict otherwise)."""
     tmp = tempfile.mkdtemp(prefix="bench-")
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
@@ -56,8 +64,8 @@ def run_ranks(world: int, fn, *args) -> tuple[float, list[int]]:
                            start_method="spawn")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    results = sorted(out.get() for _ in range(world))
-    return max(r[1] for r in results), [r[2] for r in results]
+    results = sorted((out.get() for _ in range(world)), key=lambda r: r[0])
+    return max(r[1] for r in results), [r[2] for r in results], [r[3] for r in results]
 
 
 def machine() -> str:

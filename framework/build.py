@@ -34,6 +34,10 @@ class Engine:
     train_step: Callable
     eval_step: Callable[[TrainState, list], float]
 
+    def consolidated_state_dict(self) -> dict | None:
+        """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
+        return self.components.stage.consolidated_state_dict()
+
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""
         ledger = dict(self.components.stage.memory())

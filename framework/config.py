@@ -141,6 +141,7 @@ COMPATIBLE: Mapping[str, tuple[str, ...]] = {
     "ddp": ("none",),
     "zero1": ("none",),
     "zero2": ("none",),
+    "zero3": ("none",),
 }
 
 

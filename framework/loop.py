@@ -14,7 +14,7 @@ from framework.distributed import Dist
 from framework.loggers._base import NullLogger, RunInfo, RunRecord
 from framework.models.gpt import gpt_loss
 from framework.state import capture_rng
-from framework.utils import to_device
+from framework.utils import atomic_save, to_device
 
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
@@ -68,6 +68,10 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
             "config": cfg.to_dict(),
         }
+        export = engine.components.stage.export_state_dict()  # collective when configured
+        if export is not None:
+            atomic_save(export, run.run_dir / "model_16bit.pt")  # plain tensors: loads with weights_only=True
+            summary["exported"] = "model_16bit.pt"
         if record is not None:
             record.finish(summary)
         logger.finish(summary)

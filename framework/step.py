@@ -74,7 +74,7 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         # The logged loss is the mean over the global batch (ranks hold equal shares).
         c.dist.all_reduce(loss_sum, what="loss all-reduce")
         metrics = {"loss": loss_sum.item() / (n * c.dist.world), "lr": lr, "grad_norm": norm, "loss_scale": scale,
-                   "skipped": overflow}
+                   "skipped": overflow, **c.stage.stats()}
         new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
                       rng=capture_rng(c.dist.device),
                       data=batch.position if batch.position is not None else state.data + 1)

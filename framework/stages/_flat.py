@@ -82,11 +82,14 @@ class ParameterInit(Protocol):
     def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
 
 
-def initial_values(module: nn.Module, name: str, p: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Parameter ``name``'s initial values as an fp32-or-own-dtype tensor on ``device``.
+def initial_values(module: nn.Module, name: str, p: torch.Tensor, device: torch.device,
+                   scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Parameter ``name``'s initial values (in its own dtype) on ``device``.
 
     A parameter on the meta device is initialised by ``module.init_parameter(name, tensor)``,
-    one parameter at a time, so a model built on meta never exists whole in memory.
+    one parameter at a time, so a model built on meta never exists whole in memory; with
+    ``scratch`` (flat, same dtype, large enough) the values are written there instead of
+    into a fresh allocation, so repeated temporaries cannot fragment the heap.
     """
     if not p.is_meta:
         return p.detach().to(device)
@@ -94,7 +97,8 @@ def initial_values(module: nn.Module, name: str, p: torch.Tensor, device: torch.
         raise ConfigError(f"parameter {name!r} is on the meta device but {type(module).__name__} has no "
                           f"init_parameter(name, tensor) method to initialise it; build the model on a real "
                           f"device or add that method")
-    full = torch.empty(p.shape, dtype=p.dtype, device=device)
+    full = (torch.empty(p.shape, dtype=p.dtype, device=device) if scratch is None
+            else scratch[:p.numel()].view(p.shape))
     with torch.no_grad():
         module.init_parameter(name, full)
     return full
@@ -123,3 +127,10 @@ def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -
         for key, value in sub._parameters.items():
             if value is old:
                 sub._parameters[key] = new
+
+
+def whole_state_dict(module: nn.Module, is_main: bool) -> dict | None:
+    """Weights of a module whose parameters are whole on every rank (ddp, zero1, zero2)."""
+    if not is_main:
+        return None
+    return {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters(remove_duplicate=False)}

@@ -15,7 +15,7 @@ from torch import nn
 from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.precision import Policy
-from framework.stages._flat import Layout, bind, make_layout, param_groups
+from framework.stages._flat import Layout, bind, make_layout, param_groups, whole_state_dict
 from framework.stages.base import Setup
 from framework.utils import tensor_bytes
 
@@ -50,6 +50,7 @@ class ShardedStage:
         self.policy: Policy | None = None
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        self.module = module
         self.policy = policy
         groups = param_groups(module)
         entries = []  # (param, (group, slot)) in registration order
@@ -93,6 +94,15 @@ class ShardedStage:
             if m.data_ptr() != flat[lo:hi].data_ptr():
                 flat[lo:hi].copy_(m)
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
+
+    def stats(self) -> dict:
+        return {}
+
+    def export_state_dict(self) -> dict | None:
+        return None
+
+    def consolidated_state_dict(self) -> dict | None:
+        return whole_state_dict(self.module, self.dist.is_main)
 
     def memory(self) -> dict[str, int]:
         separate = [m for m, f, (lo, _) in zip(self.master, self.flats, self.bounds)

@@ -46,3 +46,12 @@ class Stage(Protocol):
 
     def memory(self) -> dict[str, int]:
         """Per-rank bytes: params, grads, master_params, comm_buffers (optimizer state is added by the caller)."""
+
+    def stats(self) -> dict:
+        """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""
+
+    def consolidated_state_dict(self) -> dict | None:
+        """Full working-dtype weights under every parameter name, on rank 0 (None elsewhere). Collective."""
+
+    def export_state_dict(self) -> dict | None:
+        """Full weights to save at the end of training when the stage is configured to (rank 0), else None."""

@@ -15,7 +15,7 @@ from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.precision import Policy
 from framework.registry import Component
-from framework.stages._flat import Layout, bind, make_layout, param_groups, views
+from framework.stages._flat import Layout, bind, make_layout, param_groups, whole_state_dict, views
 from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
 from framework.utils import tensor_bytes
 from framework.stages.base import Setup
@@ -41,6 +41,7 @@ class DDPStage:
         self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        self.module = module
         groups = param_groups(module)
         entries = []  # (param, group index, slot) in registration order
         for g, (_, named) in enumerate(groups):
@@ -104,6 +105,15 @@ class DDPStage:
     def zero_grads(self) -> None:
         for g in self.grads:
             g.zero_()
+
+    def stats(self) -> dict:
+        return {}
+
+    def export_state_dict(self) -> dict | None:
+        return None
+
+    def consolidated_state_dict(self) -> dict | None:
+        return whole_state_dict(self.module, self.dist.is_main)
 
     def memory(self) -> dict[str, int]:
         separate = [m for m, f in zip(self.master, self.flats) if m is not f]

@@ -1,0 +1,344 @@
+"""Our ddp / zero1 / zero2 (/ zero3) stages against torch DDP, ZeroRedundancyOptimizer, FSDP2
+and DeepSpeed ZeRO 1/2/3, side by side: step time and peak RSS per rank.
+
+Set-up (a venv of its own, so that DeepSpeed never enters the project's .venv)::
+
+    cd /work/main
+    python3 -m venv .bench-venv
+    .bench-venv/bin/pip install torch==2.13.0        # first: keeps pip off the CUDA build of torch
+    .bench-venv/bin/pip install -e /work/main
+    DS_BUILD_OPS=0 .bench-venv/bin/pip install deepspeed   # 0.19.x; nothing compiles at install
+
+Run::
+
+    .bench-venv/bin/python -m bench.stages --rounds 3 [--systems ddp,zero1,torch-ddp,...] [--steps 20]
+
+Same model (GPT, 6 layers, d 384, vocab 256, context 128: 10.8 M params), same init
+(``torch.manual_seed(0)`` before building it), same batches (the framework's synthetic
+source, 8 sequences per rank), fp32, AdamW lr 1e-3, betas (0.9, 0.99), weight decay 0.1 on
+>=2-D parameters only, constant lr, gradient clipping at global norm 1.0, N gloo ranks with one
+thread each. Median step time of ``--steps`` steps after 3 warm-up steps, the slower rank
+counts; every system runs in fresh rank processes each round and systems alternate order
+over rounds. Peak RSS is ``ru_maxrss`` of each rank process; "RSS over start" subtracts the
+peak measured after imports and process-group set-up, before the model is built.
+
+DeepSpeed runs on CPU over the same gloo group (``DS_ACCELERATOR=cpu``; the group exists
+before ``deepspeed.initialize``) with ``torch.optim.AdamW`` as its client optimizer and
+``zero_allow_untested_optimizer``, so none of its C++ ops is needed. One is still JIT-built
+unasked: ``deepspeed.comm.torch.TorchBackend`` builds the shared-memory all-reduce op
+(``ShareMemCommBuilder``, used only by ``inference_all_reduce``) whenever the accelerator is
+the CPU. We replace its ``build_shm_op`` with one that returns None (the code path DeepSpeed
+takes when the op is incompatible), so nothing compiles and no lock file can be left behind.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+OVERRIDES = ["model=gpt-mini", "model.context=128", "data.vocab_size=256", "train.micro_batch=8",
+             "train.steps=1000", "scheduler=constant", "optimizer=adamw", "optimizer.lr=1e-3",
+             "optimizer.beta1=0.9", "optimizer.beta2=0.99", "optimizer.weight_decay=0.1",
+             "train.grad_clip=1.0", "precision=fp32", "logger=none"]
+MICRO = 8
+CLIP = 1.0
+WARMUP = 3
+BUCKET = 6_553_600  # 25 MiB of fp32: torch DDP's bucket
+TUNED = ["stage.overlap_comm=true", f"stage.reduce_bucket_size={BUCKET}"]
+
+# Ours: system name -> stage overrides.
+OURS = {
+    "ddp": [],
+    "zero1": ["+stage=zero1"],
+    "zero1-overlap": ["+stage=zero1", *TUNED],
+    "zero2": ["+stage=zero2"],
+    "zero2-overlap": ["+stage=zero2", *TUNED],
+    "zero3": ["+stage=zero3"],
+}
+PEERS = ["torch-ddp", "torch-zero", "fsdp2", "fsdp2-reshard", "ds-zero1", "ds-zero2", "ds-zero3"]
+ALL = ["torch-ddp", "ddp", "zero1", "zero1-overlap", "zero2", "zero2-overlap", "zero3", "torch-zero", "fsdp2",
+       "fsdp2-reshard", "ds-zero1", "ds-zero2", "ds-zero3"]
+BASELINE = "torch-ddp"
+ATTEMPTS = 2  # a system whose ranks crash is retried once in that round
+
+
+# --- per-rank side ---------------------------------------------------------------------------
+
+def _adamw_groups(params) -> list[dict]:
+    params = list(params)
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8)
+
+
+def _global_loss(loss: torch.Tensor, world: int) -> float:
+    # The same per-step global loss all-reduce that our train_step does for its metrics.
+    t = loss.detach().clone()
+    torch.distributed.all_reduce(t)
+    return t.item() / world
+
+
+def _ours(dist, name, cfg, model, data):
+    from framework import initialize
+    from framework.models.gpt import gpt_loss
+
+    engine = initialize(model, gpt_loss, cfg, dist)
+    box = {"state": engine.state}
+
+    def step(pos: int) -> float:
+        s = box["state"]
+        batch = data.train_batch(s.data, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
+        box["state"], m = engine.train_step(s, batch)
+        return m["loss"]
+
+    return step
+
+
+def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
+    """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares."""
+
+    def step(pos: int) -> float:
+        batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
+        loss = loss_fn(model, batch.micro[0])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return _global_loss(loss, dist.world)
+
+    return step
+
+
+def _torch_ddp(dist, name, cfg, model, data):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from framework.models.gpt import gpt_loss
+
+    model = DDP(model)
+    if name == "torch-ddp":
+        opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
+    else:  # torch-zero
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(_adamw_groups(model.parameters()), optimizer_class=torch.optim.AdamW,
+                                      **ADAMW, fused=True)
+    return _plain_step(dist, data, model, opt, gpt_loss)
+
+
+def _fsdp2(dist, name, cfg, model, data):
+    from torch.distributed.fsdp import fully_shard
+
+    from framework.models.gpt import gpt_loss
+
+    reshard = name == "fsdp2-reshard"
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
+    return _plain_step(dist, data, model, opt, gpt_loss)
+
+
+def _deepspeed(dist, name, cfg, model, data):
+    import deepspeed
+
+    from framework.models.gpt import gpt_loss
+
+    stage = int(name[-1])
+    opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
+    ds_cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+              "gradient_clipping": CLIP, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": stage},  # DeepSpeed's defaults otherwise
+              "fp16": {"enabled": False}, "bf16": {"enabled": False},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    if stage == 3:
+        # The tied output projection reads wte.weight in the root's forward, outside the
+        # Embedding that owns it: tell ZeRO-3 (a no-op while wte stays below the
+        # persistence threshold, as it does here).
+        deepspeed.zero.register_external_parameter(model, model.wte.weight)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+
+    def step(pos: int) -> float:
+        batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
+        loss = gpt_loss(engine, batch.micro[0])
+        engine.backward(loss)
+        engine.step()
+        return _global_loss(loss, dist.world)
+
+    return step
+
+
+def _import_deepspeed():
+    """Import DeepSpeed for the CPU without letting it JIT-build its shared-memory comm op."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed  # noqa: F401
+
+    # ``import deepspeed.comm.torch`` would bind the name ``torch`` that deepspeed.comm re-exports.
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    for name in ("DeepSpeed", "deepspeed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    return deepspeed
+
+
+def run_system(dist, name: str, steps: int) -> dict:
+    """One rank of one system: build, 3 warm-up steps, ``steps`` timed steps."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's collective renames, per step
+    from framework import compose
+    from framework.build import component
+    from bench._common import peak_rss_bytes
+
+    if name.startswith("ds-"):
+        _import_deepspeed()
+    elif name.startswith("fsdp2"):
+        importlib.import_module("torch.distributed.fsdp")
+    build = (_ours if name in OURS else _torch_ddp if name in ("torch-ddp", "torch-zero")
+             else _fsdp2 if name.startswith("fsdp2") else _deepspeed)
+    cfg = compose(OVERRIDES + [o for o in OURS.get(name, [])])
+    data = component(cfg, "data").build(cfg.data, seed=0, context=cfg.model.context)
+    start_rss = peak_rss_bytes()
+    torch.manual_seed(0)
+    model = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    step = build(dist, name, cfg, model, data)
+    losses, times = [], []
+    for pos in range(WARMUP + steps):
+        t = time.perf_counter()
+        losses.append(step(pos))
+        if pos >= WARMUP:
+            times.append(time.perf_counter() - t)
+    return {"times": times, "losses": losses, "start_rss": start_rss, "params": n_params,
+            "threads": torch.get_num_threads()}
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+def _available(systems: list[str]) -> tuple[list[str], list[str]]:
+    """Drop systems that cannot run here; return (runnable, notes)."""
+    keep, notes = [], []
+    ds_error = None
+    if any(s.startswith("ds-") for s in systems):
+        try:
+            _import_deepspeed()
+        except Exception as e:  # ImportError, or DeepSpeed failing to set up its accelerator
+            ds_error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    for s in systems:
+        if s == "zero3":
+            from framework import compose
+            try:
+                compose(["+stage=zero3"])
+            except Exception as e:
+                notes.append(f"zero3 skipped: `framework.compose(['+stage=zero3'])` raised "
+                             f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                continue
+        if s.startswith("ds-") and ds_error is not None:
+            notes.append(f"{s} skipped: `import deepspeed` failed in {sys.executable} ({ds_error})")
+            continue
+        keep.append(s)
+    return keep, notes
+
+
+def _git_state() -> str:
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "framework", "conf"], cwd=root,
+                               capture_output=True, text=True).stdout.split("\n")
+    except OSError:
+        return "unknown (no git)"
+    dirty = [line[3:] for line in dirty if line.strip()]
+    return f"commit {head}" + (f" + uncommitted changes in {len(dirty)} files under framework/, conf/"
+                               if dirty else " (clean)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench._common import machine, run_ranks_detail
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--systems", default=",".join(ALL), help=f"comma-separated, from: {', '.join(ALL)}")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--world", type=int, default=2)
+    args = ap.parse_args(argv)
+    asked = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in asked if s not in ALL]
+    if unknown:
+        ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL)}")
+    systems, notes = _available(asked)
+    for n in notes:
+        print(f"note: {n}", flush=True)
+    load_before = os.getloadavg()
+    results: dict[str, list] = {k: [] for k in systems}
+    failed: dict[str, str] = {}
+    retried: list[str] = []
+    for r in range(args.rounds):
+        for name in (systems if r % 2 == 0 else systems[::-1]):
+            if name in failed:
+                continue
+            for attempt in range(ATTEMPTS):
+                try:
+                    results[name].append(run_ranks_detail(args.world, run_system, name, args.steps))
+                    break
+                except Exception as e:  # one system failing must not lose the others' numbers
+                    why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+                    print(f"round {r} {name}: attempt {attempt + 1} FAILED {why}", flush=True)
+                    retried.append(f"{name} round {r} attempt {attempt + 1}: {why}")
+            else:
+                failed[name] = why
+                continue
+            t, rss, info = results[name][-1]
+            print(f"round {r} {name}: {t:.3f} s/step, peak RSS {max(rss) / 2**20:.0f} MiB, "
+                  f"first loss {info[0]['losses'][0]:.6f}", flush=True)
+    load_after = os.getloadavg()
+    done = [s for s in systems if results[s]]
+    print(f"\n{machine()}; {args.world} gloo ranks, 1 thread each; median over {args.rounds} rounds of the "
+          f"per-round median of {args.steps} steps after {WARMUP} warm-up")
+    print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
+          f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}")
+    print(f"code: {_git_state()}")
+    if done:
+        info0 = results[done[0]][0][2][0]
+        print(f"model: {info0['params']:,} params; threads per rank seen at the end: "
+              f"{sorted({i['threads'] for s in done for _, _, infos in results[s] for i in infos})}\n")
+    base = statistics.median(t for t, _, _ in results[BASELINE]) if results.get(BASELINE) else None
+    n = WARMUP + args.steps
+    print(f"| system | s/step | vs torch DDP | peak RSS per rank (MiB) | RSS over start (MiB) | first loss "
+          f"| loss at step {n} |\n|---|---|---|---|---|---|---|")
+    firsts, lasts = {}, {}
+    for name in done:
+        runs = results[name]
+        t = statistics.median(x for x, _, _ in runs)
+        rss = max(max(r) for _, r, _ in runs) / 2**20
+        over = max(r - i["start_rss"] for _, rs, infos in runs for r, i in zip(rs, infos)) / 2**20
+        firsts[name] = runs[0][2][0]["losses"][0]
+        lasts[name] = runs[0][2][0]["losses"][-1]
+        rel = f"{t / base:.3f}x" if base else "n/a"
+        print(f"| {name} | {t:.3f} | {rel} | {rss:.0f} | {over:.0f} | {firsts[name]:.6f} | {lasts[name]:.6f} |")
+    if firsts:
+        spread = max(firsts.values()) - min(firsts.values())
+        ref = lasts.get(BASELINE, next(iter(lasts.values())))
+        worst = max(lasts, key=lambda k: abs(lasts[k] - ref))
+        print(f"\nfirst-step loss spread across systems: {spread:.2e} ({'agrees' if spread < 1e-5 else 'DISAGREES'}); "
+              f"loss at step {n}: largest gap to {BASELINE if BASELINE in lasts else 'the first system'} "
+              f"{abs(lasts[worst] - ref):.2e} ({worst})")
+    for n_ in notes:
+        print(f"note: {n_}")
+    for line in retried:
+        print(f"note: failed attempt (retried): {line}")
+    for name, why in failed.items():
+        print(f"note: {name} failed {ATTEMPTS} times and was dropped: {why}")
+
+
+if __name__ == "__main__":
+    main()

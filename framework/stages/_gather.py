@@ -1,0 +1,410 @@
+"""ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
+
+This is the only module that registers module hooks. A *unit* is a set of parameters that
+is gathered with one collective per parameter group: each module whose class is listed in
+``gather_unit`` (the transformer Block by default), the root (every parameter outside such
+modules), and a *persistent* unit of small parameters that stays gathered.
+
+Per unit, an explicit state machine (sharded -> gathering -> gathered -> sharded); any other
+transition raises. Forward: a unit is gathered before its forward and released after it
+(unless it will be reused soon, see ``max_reuse_distance``). Backward: a hook on the unit's
+output gathers it again before its backward; once every parameter's gradient has been
+accumulated its gradients are reduced to their owners and it is released. The first step
+records the order of unit uses; later steps prefetch along that trace and fall back to
+on-demand gathers (one log line) when the order changes.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from framework.distributed import Dist
+from framework.errors import DistributedError, FrameworkError
+from framework.stages._flat import Layout
+from framework.stages._reduce import reduce_to_owners
+
+log = logging.getLogger("framework.zero3")
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+
+
+ALLOWED = {
+    UnitState.SHARDED: {UnitState.GATHERING},
+    UnitState.GATHERING: {UnitState.GATHERED},
+    UnitState.GATHERED: {UnitState.SHARDED},
+}
+
+
+class IllegalTransition(FrameworkError):
+    pass
+
+
+class ShardedParameter(nn.Parameter):
+    """A parameter whose values live as shards across ranks.
+
+    Between uses it holds no values (an empty tensor); inside its unit's forward/backward or
+    ``framework.gathered`` it is a view of the gathered full tensor. Saving it is an error.
+    """
+
+    logical_shape: torch.Size
+    unit_name: str
+    shard_range: tuple[int, int]   # this rank's elements of the parameter, [start, end) (may be empty)
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
+        return super().__new__(cls, data, requires_grad)
+
+    def __repr__(self) -> str:
+        state = "gathered" if self.numel() == self.logical_shape.numel() else "sharded"
+        a, b = self.shard_range
+        return (f"ShardedParameter(shape={tuple(self.logical_shape)}, dtype={self.dtype}, unit={self.unit_name!r}, "
+                f"{state}, this rank holds elements [{a}, {b}) of {self.logical_shape.numel()})")
+
+    def __reduce_ex__(self, proto):
+        raise FrameworkError(f"cannot save a ZeRO-3 sharded parameter (shape {tuple(self.logical_shape)}, unit "
+                             f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
+
+
+@dataclass
+class UnitGroup:
+    kind: str                        # 'decay' | 'no_decay'
+    layout: Layout
+    params: list[ShardedParameter]
+    shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
+    part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
+    full: torch.Tensor | None = None  # gathered buffer while the unit is gathering/gathered
+    master: torch.Tensor | None = None  # this rank's master partition (the shard itself in fp32)
+
+    def grad(self) -> torch.Tensor:
+        """The gradient partition, allocated on first use so that construction holds only the
+        parameter shards."""
+        if self.part_grad.numel() != self.shard.numel():
+            self.part_grad = torch.zeros_like(self.shard, dtype=self.part_grad.dtype)
+        return self.part_grad
+
+
+@dataclass
+class Unit:
+    uid: int
+    name: str
+    groups: list[UnitGroup]
+    state: UnitState = UnitState.SHARDED
+    works: list = field(default_factory=list)      # in-flight gather collectives
+    grads_pending: int = 0                          # gradients still to arrive this backward
+    in_backward: bool = False                       # gathered for this backward, not yet reduced
+    active: int = 0                                 # forwards of this unit currently running
+    gatherer: "Gatherer | None" = None
+
+    @property
+    def numel(self) -> int:
+        return sum(g.layout.padded for g in self.groups)
+
+    @property
+    def params(self) -> list[ShardedParameter]:
+        return [p for g in self.groups for p in g.params]
+
+    def to(self, new: UnitState) -> None:
+        if new not in ALLOWED[self.state]:
+            raise IllegalTransition(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
+        self.state = new
+
+
+@dataclass(frozen=True)
+class Limits:
+    prefetch: int        # stage3_prefetch_bucket_size: elements gathered ahead of need
+    max_live: int        # stage3_max_live_parameters: gathered elements kept at most (plus the unit in use)
+    reuse: int           # stage3_max_reuse_distance: keep a unit whose next use is this close (elements)
+    check_order: bool    # verify that every rank gathers the same unit (one tiny all-reduce per gather)
+    overlap_comm: bool
+    reduce_scatter: bool
+
+
+class Gatherer:
+    """Runs the unit lifecycle for one model; the zero3 stage owns one."""
+
+    def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.empty = torch.empty(0, dtype=param_dtype, device=dist.device)
+        self.traces: dict[bool, list[tuple[str, int]]] = {}   # grad mode -> recorded (phase, uid) order
+        self.recording: list[tuple[str, int]] | None = None
+        self.cursor: int | None = None        # position in the trace being followed; None: on demand
+        self.mode = True
+        self.in_backward = False
+        self.reductions: list = []            # in-flight gradient reductions
+        self.live = 0                         # gathered (or gathering) elements, persistent excluded
+        self.peak_live = 0
+        self.demands = 0
+        self.hits = 0
+        self.hook_handles: list = []
+        for unit in [*units, *([persistent] if persistent else [])]:
+            unit.gatherer = self
+            for p in unit.params:
+                p.zero3_unit = unit
+
+    # --- hooks -----------------------------------------------------------------------------
+
+    def attach(self, root: nn.Module, modules: dict[int, nn.Module]) -> None:
+        """Forward hooks on every unit's module (the root unit on ``root``) and gradient hooks
+        on every parameter."""
+        for uid, module in modules.items():
+            unit = self.units[uid]
+            self.hook_handles.append(module.register_forward_pre_hook(
+                lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root)))
+            self.hook_handles.append(module.register_forward_hook(
+                lambda _m, _a, out, u=unit: self._post_forward(u, out)))
+        for unit in [*self.units, *([self.persistent] if self.persistent else [])]:
+            for p in unit.params:
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(
+                    lambda _p, u=unit: self._grad_ready(u)))
+
+    def _pre_forward(self, unit: Unit, is_root: bool) -> None:
+        if is_root and not self.in_backward:
+            self._begin_pass(torch.is_grad_enabled())
+        self._demand(unit, "forward")
+        unit.active += 1
+
+    def _post_forward(self, unit: Unit, out) -> None:
+        unit.active -= 1
+        if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
+            return
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(lambda _grad, u=unit: self._pre_backward(u))
+        if unit.active == 0 and not self._keep(unit):
+            self._release(unit)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if unit.in_backward:
+            return
+        unit.in_backward = True
+        unit.grads_pending = len(unit.params)
+        self._demand(unit, "backward")
+
+    def _grad_ready(self, unit: Unit) -> None:
+        if unit is self.persistent:
+            return  # reduced once at the end of backward
+        unit.grads_pending -= 1
+        if unit.in_backward and unit.grads_pending == 0:
+            self._reduce(unit)
+            unit.in_backward = False
+            self._release(unit)
+
+    def _end_backward(self) -> None:
+        for unit in self.units:
+            if unit.in_backward:  # some parameters got no gradient in this pass
+                self._reduce(unit)
+                unit.in_backward = False
+            if unit.state is not UnitState.SHARDED:
+                self._release(unit)
+        if self.persistent is not None:
+            self._reduce(self.persistent)
+        self._complete_reductions()
+        self.in_backward = False
+        self._end_pass()
+
+    # --- trace and prefetch ----------------------------------------------------------------
+
+    def _begin_pass(self, grad_mode: bool) -> None:
+        self._end_pass()
+        self.mode = grad_mode
+        self.recording = []
+        self.cursor = 0 if grad_mode in self.traces else None
+
+    def _end_pass(self) -> None:
+        if self.recording:
+            self.traces[self.mode] = self.recording
+        self.recording = None
+
+    def _demand(self, unit: Unit, phase: str) -> None:
+        event = (phase, unit.uid)
+        if self.recording is not None:
+            self.recording.append(event)
+        trace = self.traces.get(self.mode)
+        if self.cursor is not None and trace is not None:
+            if self.cursor < len(trace) and trace[self.cursor] == event:
+                self.cursor += 1
+            else:
+                expected = (f"{trace[self.cursor][0]} of {self.units[trace[self.cursor][1]].name!r}"
+                            if self.cursor < len(trace) else "the end of the pass")
+                if self.dist.is_main:
+                    log.warning("zero3: module order changed at use %d (expected %s, got %s of %r); prefetch "
+                                "off until the new order is recorded", self.cursor, expected, phase, unit.name)
+                self.cursor = None
+        self.demands += 1
+        self.hits += unit.state is not UnitState.SHARDED
+        if unit.state is UnitState.SHARDED:
+            self._make_room(unit.numel, exclude=unit)
+            self._start_gather(unit)
+        self._finish_gather(unit)
+        self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Start gathers for the units used next, within a look-ahead of ``prefetch`` elements
+        of upcoming units (gathered or not, each counted once) and under ``max_live``."""
+        trace = self.traces.get(self.mode)
+        if self.cursor is None or trace is None:
+            return
+        budget, seen = self.limits.prefetch, set()
+        for _, uid in trace[self.cursor:]:
+            if uid in seen:
+                continue
+            seen.add(uid)
+            unit = self.units[uid]
+            budget -= unit.numel
+            if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.limits.max_live):
+                break
+            if unit.state is UnitState.SHARDED:
+                self._start_gather(unit)
+
+    def _next_use_distance(self, unit: Unit) -> int | None:
+        """Elements of other units used before ``unit`` is used again (per the trace)."""
+        trace = self.traces.get(self.mode)
+        if self.cursor is None or trace is None:
+            return None
+        seen, dist = set(), 0
+        for _, uid in trace[self.cursor:]:
+            if uid == unit.uid:
+                return dist
+            if uid not in seen:
+                seen.add(uid)
+                dist += self.units[uid].numel
+        return None
+
+    def _keep(self, unit: Unit) -> bool:
+        """Keep a unit gathered when its next use is within the reuse distance, or so close that
+        the prefetch would gather it straight back."""
+        d = self._next_use_distance(unit)
+        near = max(self.limits.reuse, self.limits.prefetch - unit.numel)
+        return d is not None and d <= near and self.live <= self.limits.max_live
+
+    def _make_room(self, need: int, exclude: Unit) -> None:
+        """Release units kept only for reuse until ``need`` more elements fit under max_live."""
+        for unit in self.units:
+            if self.live + need <= self.limits.max_live:
+                return
+            if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
+                    and unit.active == 0:
+                self._release(unit)
+
+    # --- collectives -------------------------------------------------------------------------
+
+    def _start_gather(self, unit: Unit) -> None:
+        unit.to(UnitState.GATHERING)
+        if self.limits.check_order:
+            self._check_same_unit(unit)
+        unit.works = []
+        for g in unit.groups:
+            g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+            lo, hi = g.layout.partition(self.dist.rank)
+            g.full[lo:hi].copy_(g.shard)
+            unit.works += gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}")
+        if unit is not self.persistent:
+            self.live += unit.numel
+            self.peak_live = max(self.peak_live, self.live)
+
+    def _finish_gather(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERED:
+            return
+        self.dist.wait(unit.works, f"zero3 gather of {unit.name!r}")
+        unit.works = []
+        for g in unit.groups:
+            for p, slot in zip(g.params, g.layout.slots):
+                p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        unit.to(UnitState.GATHERED)
+
+    def _release(self, unit: Unit) -> None:
+        if unit.state is UnitState.GATHERING:
+            self._finish_gather(unit)
+        unit.to(UnitState.SHARDED)
+        for g in unit.groups:
+            for p in g.params:
+                p.data = self.empty
+            g.full = None
+        if unit is not self.persistent:
+            self.live -= unit.numel
+
+    def _check_same_unit(self, unit: Unit) -> None:
+        if self.dist.world == 1:
+            return
+        ids = torch.tensor([unit.uid, -unit.uid], dtype=torch.float64, device=self.dist.device)
+        self.dist.all_reduce(ids, op=torch.distributed.ReduceOp.MAX, what=f"zero3 gather-order check at {unit.name!r}")
+        if ids[0].item() != -ids[1].item():
+            names = self.dist.all_gather_object(unit.name, what="zero3 gather-order names")
+            raise DistributedError("zero3: ranks gather different modules (data-dependent control flow?): " +
+                                   ", ".join(f"rank {r} at {n!r}" for r, n in enumerate(names)))
+
+    def _reduce(self, unit: Unit) -> None:
+        """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
+        for g in unit.groups:
+            buf = torch.zeros(g.layout.padded, dtype=self.reduce_dtype, device=self.dist.device)
+            for p, slot in zip(g.params, g.layout.slots):
+                if p.grad is not None:
+                    buf[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                    p.grad = None
+            works = reduce_to_owners(self.dist, buf, 0, g.layout.shard, self.limits.reduce_scatter,
+                                     f"zero3 gradient reduction of {unit.name!r}")
+            self.reductions.append((g, buf, works))
+        if not self.limits.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
+            self._complete_reductions()
+
+    def _complete_reductions(self) -> None:
+        for g, buf, works in self.reductions:
+            self.dist.wait(works, "zero3 gradient reduction")
+            lo, hi = g.layout.partition(self.dist.rank)
+            g.grad().add_(buf[lo:hi])
+        self.reductions = []
+
+    # --- outside the hooks ------------------------------------------------------------------
+
+    def gather_now(self, unit: Unit) -> bool:
+        """Gather ``unit`` for use outside its forward (framework.gathered); True if it was sharded."""
+        if unit.state is not UnitState.SHARDED:
+            self._finish_gather(unit)
+            return False
+        self._start_gather(unit)
+        self._finish_gather(unit)
+        return True
+
+    def release_now(self, unit: Unit) -> None:
+        self._release(unit)
+
+    def stats(self) -> dict:
+        rate = self.hits / self.demands if self.demands else 0.0
+        self.hits = self.demands = 0
+        return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
+
+
+def gather_async(dist: Dist, full: torch.Tensor, shard: int, what: str) -> list:
+    """All-gather ``full`` (each rank's own slice already in place), asynchronously."""
+    if dist.world == 1:
+        return []
+    if dist.backend == "nccl":
+        return [dist._run(what, torch.distributed.all_gather_into_tensor, full,
+                          full[dist.rank * shard:(dist.rank + 1) * shard], async_op=True)]
+    # gloo: one broadcast per owner beats all_gather_into_tensor several times (see _sharded.py).
+    return [dist.broadcast(full[r * shard:(r + 1) * shard], src=r, what=what, async_op=True)
+            for r in range(dist.world)]
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for o in out:
+            yield from _tensors(o)
+    elif isinstance(out, dict):
+        for o in out.values():
+            yield from _tensors(o)

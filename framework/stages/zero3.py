@@ -1,0 +1,249 @@
+"""zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand.
+
+Each gather unit (see _gather.py) keeps one flat buffer per parameter group, padded to the
+world size; a rank stores only its shard of the working parameters, of the fp32 master (when
+the working dtype is 16-bit), of the optimizer state and of the gradients. Parameters built on
+the meta device are materialised one at a time and only the local shard is kept, so a model
+larger than one rank's memory can be constructed. Module parameters become
+``ShardedParameter`` objects: empty between uses, a view of the gathered tensor inside their
+unit's forward and backward or ``framework.gathered``.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from framework.distributed import Dist
+from framework.errors import ConfigError, FrameworkError
+from framework.precision import Policy
+from framework.registry import Component
+from framework.stages._flat import initial_values, make_layout, replace_parameter
+from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
+from framework.stages._sharded import ShardedStage
+from framework.stages.base import Setup
+from framework.utils import tensor_bytes
+
+
+@dataclass(kw_only=True)
+class Zero3Config:
+    """DeepSpeed's stage-3 keys (same names and defaults) plus the gather unit."""
+
+    overlap_comm: bool = True
+    reduce_scatter: bool = True                          # False: all-reduce fallback
+    stage3_prefetch_bucket_size: int = 50_000_000        # elements gathered ahead of need
+    stage3_max_live_parameters: int = 1_000_000_000      # gathered elements kept at most
+    stage3_max_reuse_distance: int = 1_000_000_000       # keep a unit reused within this many elements
+    stage3_param_persistence_threshold: int = 100_000    # parameters smaller than this stay gathered
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    gather_unit: list[str] = field(default_factory=lambda: ["Block"])   # module class names
+    check_order: bool = True   # every gather verifies that all ranks gather the same unit
+
+
+class Zero3Stage(ShardedStage):
+    def __init__(self, cfg: Zero3Config, dist: Dist):
+        for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                    "stage3_param_persistence_threshold"):
+            if getattr(cfg, key) < 0:
+                raise ConfigError(f"stage.{key} must be >= 0")
+        self.cfg, self.dist = cfg, dist
+        self.layouts, self.flats, self.master, self.bounds = [], [], [], []
+        self.groups: list[UnitGroup] = []
+        self.gatherer: Gatherer | None = None
+        self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
+
+    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        self.policy = policy
+        unit_modules, owner = self._assign_units(module)
+        names_of: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(p), []).append(name)
+        all_named = list(module.named_parameters())  # before any parameter is replaced
+        # One reusable buffer for materialising meta parameters (the largest one).
+        metas = [p for _, p in all_named if p.is_meta]
+        self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
+                                    device=self.dist.device) if metas else None
+        units, persistent_named = [], []
+        for uid, (uname, sub) in enumerate(unit_modules):
+            named = [(n, p) for n, p in all_named if owner[id(p)] == uid]
+            small = [(n, p) for n, p in named if p.numel() < self.cfg.stage3_param_persistence_threshold]
+            persistent_named += small
+            units.append(self._make_unit(module, uid, uname, [x for x in named if x not in small], names_of))
+        shared = [(n, p) for n, p in all_named if owner[id(p)] == -1]
+        persistent = self._make_unit(module, len(units), "<persistent>", persistent_named + shared, names_of) \
+            if persistent_named or shared else None
+        self._scratch = None
+        self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
+                                 policy.reduce_dtype)
+        if persistent is not None:
+            self.gatherer.gather_now(persistent)  # stays gathered
+        self.gatherer.attach(module, {uid: sub for uid, (_, sub) in enumerate(unit_modules)})
+        module.register_state_dict_pre_hook(_refuse_state_dict)
+        return Setup(self.master, [g.kind for g in self.groups])
+
+    def _assign_units(self, module: nn.Module):
+        """Unit modules (outermost module of a listed class; the root is unit 0) and, per
+        parameter id, its unit (-1: used by several units, so it must stay gathered)."""
+        classes = set(self.cfg.gather_unit)
+        units: list[tuple[str, nn.Module]] = [("<root>", module)]
+        inside: set[int] = set()
+        for name, sub in module.named_modules():
+            if type(sub).__name__ in classes and id(sub) not in inside and sub is not module:
+                units.append((name, sub))
+                inside.update(id(m) for m in sub.modules())
+        owner: dict[int, int] = {id(p): 0 for p in module.parameters()}
+        for uid, (_, sub) in enumerate(units[1:], start=1):
+            for p in sub.parameters():
+                owner[id(p)] = uid if owner[id(p)] in (0, uid) else -1
+        for sub in module.modules():  # a unit parameter also used directly outside its unit
+            if id(sub) not in inside:
+                for p in sub.parameters(recurse=False):
+                    if owner[id(p)] > 0:
+                        owner[id(p)] = -1
+        return units, owner
+
+    def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict) -> Unit:
+        groups = []
+        for kind, members in (("decay", [x for x in named if x[1].ndim >= 2]),
+                              ("no_decay", [x for x in named if x[1].ndim < 2])):
+            if members:
+                groups.append(self._make_group(module, kind, members, name, names_of))
+        return Unit(uid, name, groups)
+
+    def _make_group(self, module: nn.Module, kind: str, named: list, unit_name: str, names_of: dict) -> UnitGroup:
+        layout = make_layout(named, self.dist.world)
+        lo, hi = layout.partition(self.dist.rank)
+        policy, device = self.policy, self.dist.device
+        shard = torch.zeros(hi - lo, dtype=policy.param_dtype, device=device)
+        params = []
+        for (pname, p), slot in zip(named, layout.slots):
+            # Materialise one full parameter at a time and keep only this rank's part of it.
+            scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
+            values = initial_values(module, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
+            if not p.is_meta:  # user-built modules: every rank takes rank 0's values
+                self.dist.broadcast(values, what=f"initial values of {pname!r}")
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            if a < b:
+                shard[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])
+            sp = ShardedParameter(torch.empty(0, dtype=policy.param_dtype, device=device), p.requires_grad)
+            sp.logical_shape, sp.unit_name = p.shape, unit_name
+            start = min(slot.numel, max(0, lo - slot.offset))
+            sp.shard_range = (start, max(start, min(slot.numel, hi - slot.offset)))
+            sp.zero3_names = names_of[id(p)]   # every name it is registered under
+            replace_parameter(module, p, sp)
+            params.append(sp)
+            del values
+        master = shard if policy.master_dtype == shard.dtype else shard.to(policy.master_dtype)
+        group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.reduce_dtype, device=device),
+                          master=master)
+        self.groups.append(group)
+        self.layouts.append(layout)
+        self.flats.append(shard)
+        self.master.append(master)
+        self.bounds.append((lo, hi))
+        return group
+
+    def _limits(self) -> Limits:
+        c = self.cfg
+        return Limits(c.stage3_prefetch_bucket_size, c.stage3_max_live_parameters, c.stage3_max_reuse_distance,
+                      c.check_order, c.overlap_comm, c.reduce_scatter)
+
+    # --- the Stage protocol ------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        return [g.grad() if g.grad().dtype == m.dtype else g.grad().to(m.dtype)
+                for g, m in zip(self.groups, self.master)]
+
+    def zero_grads(self) -> None:
+        for g in self.groups:
+            g.grad().zero_()
+
+    def publish(self, master: list[torch.Tensor]) -> None:
+        for g, m in zip(self.groups, master):
+            if m.data_ptr() != g.shard.data_ptr():
+                g.shard.copy_(m)
+        persistent = self.gatherer.persistent
+        if persistent is not None:  # its gathered copy is stale after the step
+            self.gatherer.release_now(persistent)
+            self.gatherer.gather_now(persistent)
+
+    def memory(self) -> dict[str, int]:
+        separate = [g.master for g in self.groups if g.master.data_ptr() != g.shard.data_ptr()]
+        persistent = self.gatherer.persistent
+        return {"params": tensor_bytes(g.shard for g in self.groups),
+                "grads": tensor_bytes(g.grad() for g in self.groups),
+                "master_params": tensor_bytes(separate),
+                "comm_buffers": 0,
+                "gathered_params": 0 if persistent is None else tensor_bytes(g.full for g in persistent.groups)}
+
+    def stats(self) -> dict:
+        return self.gatherer.stats()
+
+    def export_state_dict(self) -> dict | None:
+        if not self.cfg.stage3_gather_16bit_weights_on_model_save:
+            return None
+        return self.consolidated_state_dict()
+
+    def consolidated_state_dict(self) -> dict | None:
+        """Full 16-bit (working dtype) weights under every registered name, on rank 0 (None elsewhere).
+        Collective: every rank must call it. Gathers one unit at a time."""
+        out = {}
+        g_ = self.gatherer
+        for unit in [*g_.units, *([g_.persistent] if g_.persistent else [])]:
+            started = g_.gather_now(unit)
+            if self.dist.is_main:
+                for p in unit.params:
+                    value = p.detach().to("cpu", copy=True)
+                    for name in p.zero3_names:
+                        out[name] = value
+            if started:
+                g_.release_now(unit)
+        return out if self.dist.is_main else None
+
+
+@contextmanager
+def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
+    """Make the full values of ``params`` available on every rank inside the block.
+
+    Like DeepSpeed's GatheredParameters: with ``modifier_rank`` set, the values that rank
+    leaves in the parameters are broadcast on exit and re-partitioned into every rank's shard
+    and master copy. Collective: every rank must enter it with the same parameters.
+    Parameters of the other stages are whole already; modifying those is not supported here.
+    """
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    sharded = [p for p in params if isinstance(p, ShardedParameter)]
+    if modifier_rank is not None and len(sharded) != len(params):
+        raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
+    units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
+    started = [u for u in units if u.gatherer.gather_now(u)]
+    try:
+        yield
+        if modifier_rank is not None:
+            for unit in units:
+                for g in unit.groups:
+                    unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
+                    lo, hi = g.layout.partition(unit.gatherer.dist.rank)
+                    g.shard.copy_(g.full[lo:hi])
+                    if g.master.data_ptr() != g.shard.data_ptr():
+                        g.master.copy_(g.full[lo:hi])
+    finally:
+        for unit in started:
+            unit.gatherer.release_now(unit)
+
+
+def _refuse_state_dict(module, prefix, keep_vars):
+    raise FrameworkError("state_dict() of a ZeRO-3 module would hold empty sharded parameters: use "
+                         "engine.consolidated_state_dict() (or framework.gathered) instead")
+
+
+def build(cfg: Zero3Config, *, dist: Dist) -> Zero3Stage:
+    return Zero3Stage(cfg, dist)
+
+
+COMPONENT = Component(config=Zero3Config, build=build)
