@@ -102,3 +102,21 @@ def test_failing_rank_exits_nonzero_with_message(tmp_path):
     p = cli(tmp_path, *SHORT, "dist.nproc=2", "data=text", "data.path=missing.txt")
     assert p.returncode != 0
     assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_zero_stages_from_the_command_line(tmp_path, stage):
+    extra = ["stage.stage3_gather_16bit_weights_on_model_save=true"] if stage == "zero3" else []
+    p = cli(tmp_path, *SHORT, f"+stage={stage}", "dist.nproc=2", *extra)
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["stage"]["name"] == stage and summary["world"] == 2
+    if stage == "zero3":
+        import torch
+
+        from framework import compose
+        from framework.build import component
+        weights = torch.load(tmp_path / "run" / "model_16bit.pt", weights_only=True)
+        cfg = compose([o for o in SHORT if o.startswith("model.")])
+        plain = component(cfg, "model").build(cfg.model, vocab_size=summary["data"]["vocab_size"])
+        plain.load_state_dict(weights)

@@ -242,6 +242,10 @@ def _modify(dist):
     cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0")
     module, data = build_gpt(cfg)
     engine = framework.initialize(module, gpt_loss, cfg, dist)
+    prompt = torch.tensor([[1, 2, 3]])
+    generated = module.generate(prompt, 5, temperature=0.0)  # no-grad forward: gather, use, release
+    plain, _ = build_gpt(cfg)
+    assert torch.equal(generated, plain.generate(prompt, 5, temperature=0.0))
     w = module.blocks[0].mlp.fc.weight
     with framework.gathered([w], modifier_rank=1):
         if dist.rank == 1:
