@@ -272,3 +272,57 @@ def test_gathered_modification_and_16bit_export(pools):
     cfg = tiny_config()
     plain, _ = build_gpt(cfg)
     plain.load_state_dict(export)  # loadable by the plain model
+
+
+class Sometimes(nn.Module):
+    """A branch used only on even steps (its parameters get no gradient on odd steps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 13)
+        self.extra = nn.Linear(13, 13)
+        self.b = nn.Linear(13, 3)
+        self.step = 0
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.step % 2 == 0:
+            h = h + self.extra(h)
+        return self.b(h)
+
+
+def _sometimes(dist, stage):
+    extra = ["stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else []
+    cfg = framework.compose([f"+stage={stage}", *extra, "optimizer=adamw", "optimizer.weight_decay=0.1",
+                             "scheduler=constant", "train.steps=8", "train.micro_batch=4", "train.grad_accum=2"])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+    g = torch.Generator().manual_seed(5)
+    state, losses = engine.state, []
+    for step in range(8):
+        model.step = step
+        x = torch.randn(2, dist.world, 4, 7, generator=g)
+        micro = tuple((x[k, dist.rank], x[k, dist.rank, :, :3].cos()) for k in range(2))
+        state, m = engine.train_step(state, Batch(micro))
+        losses.append(m["loss"])
+    return losses, _full_params(engine) if stage == "zero3" else flat_params(model)
+
+
+def _sometimes_both(dist):
+    return {s: _sometimes(dist, s) for s in ("ddp", "zero3")}
+
+
+def test_parameter_unused_in_some_steps(pools):
+    for res in pools(2).run(_sometimes_both, timeout=120):
+        assert res["zero3"][0] == pytest.approx(res["ddp"][0], rel=FP32_RTOL)
+        torch.testing.assert_close(res["zero3"][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
+
+
+def test_order_change_logs_one_line_and_keeps_results(caplog):
+    dist = _local()
+    with caplog.at_level("WARNING", logger="framework.zero3"):
+        losses, _ = _sometimes(dist, "zero3")
+    lines = [r.getMessage() for r in caplog.records if "module order changed" in r.getMessage()]
+    assert lines and ("'extra'" in lines[0] or "'b'" in lines[0]), lines
+    assert len(losses) == 8
