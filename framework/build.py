@@ -55,7 +55,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | Non
     """
     dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
     policy = component(cfg, "precision").build(cfg.precision)
-    stage = component(cfg, "stage").build(cfg.stage, dist=dist)
+    offload = component(cfg, "offload").build(cfg.offload)
+    stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
     setup = stage.setup(module, policy)  # parameters move to dist.device (materialised if on meta)
     move_buffers(module, dist.device)
     decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]

@@ -122,6 +122,9 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         chosen[group] = name
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
+    if chosen["offload"] == "cpu" and nodes["offload"].params and chosen["stage"] != "zero3":
+        raise ConfigError(f"config: offload.params=true (parameter offload) needs +stage=zero3, got "
+                          f"stage={chosen['stage']}; use offload.params=false or +stage=zero3")
     return Config(seed=root.seed, train=root.train, dist=root.dist, choices=chosen, **nodes)
 
 
@@ -139,9 +142,9 @@ def _check_values(root: RootSchema) -> None:
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
 COMPATIBLE: Mapping[str, tuple[str, ...]] = {
     "ddp": ("none",),
-    "zero1": ("none",),
-    "zero2": ("none",),
-    "zero3": ("none",),
+    "zero1": ("none", "cpu"),
+    "zero2": ("none", "cpu"),
+    "zero3": ("none", "cpu"),
 }
 
 

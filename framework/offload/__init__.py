@@ -1,1 +1,1 @@
-"""Offload targets (conf/offload): none (later cpu, nvme)."""
+"""Offload targets (conf/offload): none, cpu."""

@@ -1,8 +1,7 @@
-"""none: optimizer state and parameters stay on the training device."""
+"""none: master partitions, optimizer state and parameters stay on the training device."""
 from dataclasses import dataclass
 
-import torch
-
+from framework.offload.base import Placement
 from framework.registry import Component
 
 
@@ -11,16 +10,8 @@ class NoOffloadConfig:
     pass
 
 
-@dataclass(frozen=True)
-class NoOffload:
-    name: str = "none"
-
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        return t
-
-
-def build(cfg: NoOffloadConfig) -> NoOffload:
-    return NoOffload()
+def build(cfg: NoOffloadConfig) -> Placement:
+    return Placement(host_fraction=0.0, pin=False, params_on_host=False)
 
 
 COMPONENT = Component(config=NoOffloadConfig, build=build)

@@ -80,13 +80,13 @@ class UnitGroup:
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
     part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
     full: torch.Tensor | None = None  # gathered buffer while the unit is gathering/gathered
-    master: torch.Tensor | None = None  # this rank's master partition (the shard itself in fp32)
+    pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
 
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use so that construction holds only the
         parameter shards."""
         if self.part_grad.numel() != self.shard.numel():
-            self.part_grad = torch.zeros_like(self.shard, dtype=self.part_grad.dtype)
+            self.part_grad = torch.zeros(self.shard.numel(), dtype=self.part_grad.dtype, device=self.part_grad.device)
         return self.part_grad
 
 

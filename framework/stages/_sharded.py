@@ -14,6 +14,7 @@ from torch import nn
 
 from framework.distributed import Dist
 from framework.errors import ConfigError
+from framework.offload.base import Piece, Placement
 from framework.precision import Policy
 from framework.stages._flat import Layout, bind, make_layout, param_groups, whole_state_dict
 from framework.stages.base import Setup
@@ -40,12 +41,12 @@ def check(cfg: ZeroConfig) -> None:
 class ShardedStage:
     """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
 
-    def __init__(self, cfg: ZeroConfig, dist: Dist):
+    def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         check(cfg)
-        self.cfg, self.dist = cfg, dist
+        self.cfg, self.dist, self.offload = cfg, dist, offload
         self.layouts: list[Layout] = []
         self.flats: list[torch.Tensor] = []     # working parameters, replicated
-        self.master: list[torch.Tensor] = []    # owned partition, master dtype
+        self.pieces: list[list[Piece]] = []     # per group: master pieces of the owned partition
         self.bounds: list[tuple[int, int]] = []  # owned [lo, hi) per group
         self.policy: Policy | None = None
 
@@ -60,18 +61,35 @@ class ShardedStage:
             params = bind(module, named, flat, layout)
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
-            own = flat[lo:hi]
-            # fp32 training: the owned slice of the working buffer is the master (no copy).
-            self.master.append(own if policy.master_dtype == flat.dtype else own.to(policy.master_dtype))
+            # fp32 without offload: the owned slice of the working buffer is the master (no copy).
+            self.pieces.append(self.offload.place(flat[lo:hi], policy.master_dtype))
             self.layouts.append(layout)
             self.flats.append(flat)
             self.bounds.append((lo, hi))
             entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
         self._setup_grads(entries)
-        return Setup(self.master, [kind for kind, _ in groups])
+        return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """What the optimizer updates: every group's master pieces, in order."""
+        return [p.master for pieces in self.pieces for p in pieces]
+
+    @property
+    def piece_index(self) -> list[tuple[int, int]]:
+        """(group, start within the partition) of each master piece."""
+        return [(g, p.start) for g, pieces in enumerate(self.pieces) for p in pieces]
 
     def _setup_grads(self, entries: list) -> None:
         raise NotImplementedError
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        """Each group's reduced gradient partition (on the device)."""
+        raise NotImplementedError
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        return [g for part, pieces in zip(self._partition_grads(), self.pieces)
+                for g in self.offload.grads(part, pieces)]
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         local = torch.zeros(1, dtype=torch.float32, device=self.dist.device)
@@ -83,16 +101,17 @@ class ShardedStage:
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         mine = set()
-        for g, layout, (lo, _) in zip(grads, self.layouts, self.bounds):
+        for g, (group, start) in zip(grads, self.piece_index):
             bad = (~torch.isfinite(g)).nonzero().flatten()
             if bad.numel():
-                mine.update(layout.names_in(lo + int(bad.min()), lo + int(bad.max()) + 1))
+                base = self.bounds[group][0] + start
+                mine.update(self.layouts[group].names_in(base + int(bad.min()), base + int(bad.max()) + 1))
         return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
 
     def publish(self, master: list[torch.Tensor]) -> None:
-        for flat, m, (lo, hi), layout in zip(self.flats, master, self.bounds, self.layouts):
-            if m.data_ptr() != flat[lo:hi].data_ptr():
-                flat[lo:hi].copy_(m)
+        # ``master`` is the state's list: the same tensors as the pieces, updated in place.
+        for flat, pieces, (lo, hi), layout in zip(self.flats, self.pieces, self.bounds, self.layouts):
+            self.offload.publish(flat[lo:hi], pieces)
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
 
     def stats(self) -> dict:
@@ -105,13 +124,19 @@ class ShardedStage:
         return whole_state_dict(self.module, self.dist.is_main)
 
     def memory(self) -> dict[str, int]:
-        separate = [m for m, f, (lo, _) in zip(self.master, self.flats, self.bounds)
-                    if m.data_ptr() != f[lo:].data_ptr()]
-        return {"params": tensor_bytes(self.flats), "master_params": tensor_bytes(separate),
+        return {"params": tensor_bytes(self.flats), **master_memory(self.pieces, self.flats, self.bounds),
                 **self._grad_memory()}
 
     def _grad_memory(self) -> dict[str, int]:
         raise NotImplementedError
+
+
+def master_memory(pieces: list[list[Piece]], working: list[torch.Tensor], bounds) -> dict[str, int]:
+    """Bytes of master copies that are not the working values themselves, and of those on the host."""
+    separate = [p.master for ps, w, (lo, _) in zip(pieces, working, bounds) for p in ps
+                if p.master.data_ptr() != w[lo + p.start:].data_ptr()]
+    host = [p.master for ps in pieces for p in ps if p.master.device.type == "cpu" and p.grad is not None]
+    return {"master_params": tensor_bytes(separate), "host_master_params": tensor_bytes(host)}
 
 
 def gather_partitions(dist: Dist, flat: torch.Tensor, shard: int, chunk: int) -> None:

@@ -121,7 +121,8 @@ class DDPStage:
                 "master_params": tensor_bytes(separate), "comm_buffers": 0}
 
 
-def build(cfg: DDPConfig, *, dist: Dist) -> DDPStage:
+def build(cfg: DDPConfig, *, dist: Dist, offload=None) -> DDPStage:
+    # Replicated training has no partition to offload: the compatibility table allows only none.
     return DDPStage(cfg, dist)
 
 

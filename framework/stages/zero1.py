@@ -45,7 +45,7 @@ class Zero1Stage(ShardedStage):
             self.launcher.arm()
         (loss / self.dist.world).backward()
 
-    def reduce_grads(self) -> list[torch.Tensor]:
+    def _partition_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
             self.launcher.flush()
             for b, works, wire, view in self.work:
@@ -55,8 +55,7 @@ class Zero1Stage(ShardedStage):
                 if wire is not view and own is not None:
                     view[own[0] - b.start:own[1] - b.start].copy_(wire[own[0] - b.start:own[1] - b.start])
             self.work = []
-        return [g[lo:hi] if g.dtype == m.dtype else g[lo:hi].to(m.dtype)
-                for g, m, (lo, hi) in zip(self.grads, self.master, self.bounds)]
+        return [g[lo:hi] for g, (lo, hi) in zip(self.grads, self.bounds)]
 
     def zero_grads(self) -> None:
         for g in self.grads:
@@ -66,8 +65,8 @@ class Zero1Stage(ShardedStage):
         return {"grads": tensor_bytes(self.grads), "comm_buffers": 0}
 
 
-def build(cfg: ZeroConfig, *, dist) -> Zero1Stage:
-    return Zero1Stage(cfg, dist)
+def build(cfg: ZeroConfig, *, dist, offload) -> Zero1Stage:
+    return Zero1Stage(cfg, dist, offload)
 
 
 COMPONENT = Component(config=ZeroConfig, build=build)

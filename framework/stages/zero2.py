@@ -90,8 +90,8 @@ class Zero2Stage(ShardedStage):
         while self.in_flight:
             self._complete(self.in_flight.popleft())
 
-    def reduce_grads(self) -> list[torch.Tensor]:
-        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(self.part, self.master)]
+    def _partition_grads(self) -> list[torch.Tensor]:
+        return self.part
 
     def zero_grads(self) -> None:
         for g in self.part:
@@ -103,8 +103,8 @@ class Zero2Stage(ShardedStage):
                 "comm_buffers": buffers * torch.empty((), dtype=self.policy.reduce_dtype).element_size()}
 
 
-def build(cfg: ZeroConfig, *, dist) -> Zero2Stage:
-    return Zero2Stage(cfg, dist)
+def build(cfg: ZeroConfig, *, dist, offload) -> Zero2Stage:
+    return Zero2Stage(cfg, dist, offload)
 
 
 COMPONENT = Component(config=ZeroConfig, build=build)

@@ -23,7 +23,8 @@ from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
 from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
-from framework.stages._sharded import ShardedStage
+from framework.offload.base import Placement
+from framework.stages._sharded import ShardedStage, master_memory
 from framework.stages.base import Setup
 from framework.utils import tensor_bytes
 
@@ -44,13 +45,13 @@ class Zero3Config:
 
 
 class Zero3Stage(ShardedStage):
-    def __init__(self, cfg: Zero3Config, dist: Dist):
+    def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                     "stage3_param_persistence_threshold"):
             if getattr(cfg, key) < 0:
                 raise ConfigError(f"stage.{key} must be >= 0")
-        self.cfg, self.dist = cfg, dist
-        self.layouts, self.flats, self.master, self.bounds = [], [], [], []
+        self.cfg, self.dist, self.offload = cfg, dist, offload
+        self.layouts, self.flats, self.pieces, self.bounds = [], [], [], []
         self.groups: list[UnitGroup] = []
         self.gatherer: Gatherer | None = None
         self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
@@ -82,7 +83,7 @@ class Zero3Stage(ShardedStage):
             self.gatherer.gather_now(persistent)  # stays gathered
         self.gatherer.attach(module, {uid: sub for uid, (_, sub) in enumerate(unit_modules)})
         module.register_state_dict_pre_hook(_refuse_state_dict)
-        return Setup(self.master, [g.kind for g in self.groups])
+        return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
 
     def _assign_units(self, module: nn.Module):
         """Unit modules (outermost module of a listed class; the root is unit 0) and, per
@@ -117,7 +118,7 @@ class Zero3Stage(ShardedStage):
         layout = make_layout(named, self.dist.world)
         lo, hi = layout.partition(self.dist.rank)
         policy, device = self.policy, self.dist.device
-        shard = torch.zeros(hi - lo, dtype=policy.param_dtype, device=device)
+        shard = torch.zeros(hi - lo, dtype=policy.param_dtype, device=self.offload.shard_device(device))
         params = []
         for (pname, p), slot in zip(named, layout.slots):
             # Materialise one full parameter at a time and keep only this rank's part of it.
@@ -136,13 +137,13 @@ class Zero3Stage(ShardedStage):
             replace_parameter(module, p, sp)
             params.append(sp)
             del values
-        master = shard if policy.master_dtype == shard.dtype else shard.to(policy.master_dtype)
+        pieces = self.offload.place(shard, policy.master_dtype)
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.reduce_dtype, device=device),
-                          master=master)
+                          pieces=pieces)
         self.groups.append(group)
         self.layouts.append(layout)
         self.flats.append(shard)
-        self.master.append(master)
+        self.pieces.append(pieces)
         self.bounds.append((lo, hi))
         return group
 
@@ -156,29 +157,26 @@ class Zero3Stage(ShardedStage):
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
 
-    def reduce_grads(self) -> list[torch.Tensor]:
-        return [g.grad() if g.grad().dtype == m.dtype else g.grad().to(m.dtype)
-                for g, m in zip(self.groups, self.master)]
+    def _partition_grads(self) -> list[torch.Tensor]:
+        return [g.grad() for g in self.groups]
 
     def zero_grads(self) -> None:
         for g in self.groups:
             g.grad().zero_()
 
     def publish(self, master: list[torch.Tensor]) -> None:
-        for g, m in zip(self.groups, master):
-            if m.data_ptr() != g.shard.data_ptr():
-                g.shard.copy_(m)
+        for g in self.groups:
+            self.offload.publish(g.shard, g.pieces)
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
             self.gatherer.release_now(persistent)
             self.gatherer.gather_now(persistent)
 
     def memory(self) -> dict[str, int]:
-        separate = [g.master for g in self.groups if g.master.data_ptr() != g.shard.data_ptr()]
         persistent = self.gatherer.persistent
         return {"params": tensor_bytes(g.shard for g in self.groups),
                 "grads": tensor_bytes(g.grad() for g in self.groups),
-                "master_params": tensor_bytes(separate),
+                **master_memory(self.pieces, self.flats, [(0, 0)] * len(self.flats)),
                 "comm_buffers": 0,
                 "gathered_params": 0 if persistent is None else tensor_bytes(g.full for g in persistent.groups)}
 
@@ -230,8 +228,9 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
                     g.shard.copy_(g.full[lo:hi])
-                    if g.master.data_ptr() != g.shard.data_ptr():
-                        g.master.copy_(g.full[lo:hi])
+                    for piece in g.pieces:
+                        if piece.master.data_ptr() != g.shard[piece.start:].data_ptr():
+                            piece.master.copy_(g.full[lo + piece.start:lo + piece.end])
     finally:
         for unit in started:
             unit.gatherer.release_now(unit)
@@ -242,8 +241,8 @@ def _refuse_state_dict(module, prefix, keep_vars):
                          "engine.consolidated_state_dict() (or framework.gathered) instead")
 
 
-def build(cfg: Zero3Config, *, dist: Dist) -> Zero3Stage:
-    return Zero3Stage(cfg, dist)
+def build(cfg: Zero3Config, *, dist: Dist, offload: Placement) -> Zero3Stage:
+    return Zero3Stage(cfg, dist, offload)
 
 
 COMPONENT = Component(config=Zero3Config, build=build)

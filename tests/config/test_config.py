@@ -30,7 +30,7 @@ def _build(cfg, group):
     if group == "scheduler":
         return comp.build(node, base_lr=0.1, total_steps=100)
     if group == "stage":
-        return comp.build(node, dist=connect("gloo"))
+        return comp.build(node, dist=connect("gloo"), offload=registry("offload").get("none").build(None))
     if group == "data":
         return comp.build(node, seed=0, context=16)
     if group == "model":

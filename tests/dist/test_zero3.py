@@ -214,7 +214,7 @@ def _construct(dist, d_model):
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=256)
     full_bytes = 4 * sum(p.numel() for p in module.parameters())
-    stage = component(cfg, "stage").build(cfg.stage, dist=dist)
+    stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=component(cfg, "offload").build(cfg.offload))
     before = _rss()
     stage.setup(module, component(cfg, "precision").build(cfg.precision))  # the construction
     grown = _rss() - before

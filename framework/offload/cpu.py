@@ -1,0 +1,33 @@
+"""cpu: DeepSpeed's offload_optimizer (and, for zero3, offload_param) to host memory.
+
+The fp32 master partition and the optimizer state live in host memory (pinned when CUDA is
+present); gradients of the owned partition are copied to the host after reduction, the
+optimizer step runs there (the C++ CPU kernels when built), and updated values go back to
+the device in the working dtype before the stage gathers them. With ``ratio`` < 1 only the
+first ``ratio`` of every partition is stepped on the host and the rest stays on the device
+(DeepSpeed's partial offload).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from framework.errors import ConfigError
+from framework.offload.base import Placement
+from framework.registry import Component
+
+
+@dataclass(kw_only=True)
+class CPUOffloadConfig:
+    params: bool = False        # zero3 only: parameter shards live on the host between gathers
+    ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
+    pin_memory: bool = True     # page-locked host buffers (only meaningful with CUDA)
+
+
+def build(cfg: CPUOffloadConfig) -> Placement:
+    if not 0.0 <= cfg.ratio <= 1.0:
+        raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
+    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory and torch.cuda.is_available(),
+                     params_on_host=cfg.params)
+
+
+COMPONENT = Component(config=CPUOffloadConfig, build=build)

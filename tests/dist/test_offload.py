@@ -1,0 +1,76 @@
+"""offload=cpu equals the same stage without offload (fp32, 1e-6 per step) on 1 and 2 ranks."""
+import pytest
+import torch
+
+import framework
+from framework.build import component
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+ODD = ["model.d_model=33", "model.n_head=3", "train.steps=12", "train.micro_batch=2", "train.grad_accum=2",
+       "train.grad_clip=0.05"]
+RTOL = 1e-6
+
+
+def _full(engine):
+    module = engine.components.module
+    with framework.gathered(list(module.parameters())):
+        return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+
+def _train(dist, overrides):
+    cfg = tiny_config(*ODD, *overrides)
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    state, losses = engine.state, []
+    for _ in range(cfg.train.steps):
+        batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, m = engine.train_step(state, batch)
+        losses.append(m["loss"])
+    devices = {t.device.type for t in state.params}
+    return losses, _full(engine), engine.memory(state), devices
+
+
+def _pair(dist, stage, offload, extra):
+    base = [f"+stage={stage}", *extra]
+    if stage == "zero3":
+        base.append("stage.stage3_param_persistence_threshold=0")
+    return _train(dist, base), _train(dist, [*base, "offload=cpu", *offload])
+
+
+CASES = [
+    ("zero1", [], []),
+    ("zero2", ["offload.ratio=0.5"], ["stage.overlap_comm=true", "stage.reduce_bucket_size=1500"]),
+    ("zero3", [], []),
+    ("zero3", ["offload.params=true"], []),
+    ("zero2", [], ["precision=bf16"]),   # bf16 working params, fp32 master on the host
+]
+
+
+def _local():
+    from framework.distributed import connect
+    return connect("gloo")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("stage,offload,extra", CASES)
+def test_offload_equals_no_offload(pools, world, stage, offload, extra):
+    results = [_pair(_local(), stage, offload, extra)] if world == 1 else \
+        pools(world).run(_pair, stage, offload, extra, timeout=240)
+    for rank, (plain, off) in enumerate(results):
+        for i, (a, b) in enumerate(zip(off[0], plain[0])):
+            assert a == pytest.approx(b, rel=RTOL), f"{stage} rank {rank} step {i}: offload {a} vs {b} (rel 1e-6)"
+        torch.testing.assert_close(off[1], plain[1], rtol=RTOL, atol=1e-7)
+        mem = off[2]
+        assert mem["host_master_params"] > 0 and plain[2]["host_master_params"] == 0
+        share = 0.5 if offload == ["offload.ratio=0.5"] else 1.0  # ratio 0.5: half stays on the device
+        if stage != "zero3":  # zero1/2: params are the replicated working copy, 1/world of it owned
+            elements = mem["params"] / (2 if "precision=bf16" in extra else 4)
+            assert mem["host_master_params"] == pytest.approx(share * 4 * elements / world, rel=0.01)
+
+
+def test_parameter_offload_needs_zero3():
+    with pytest.raises(framework.ConfigError, match="offload.params=true .* needs \\+stage=zero3"):
+        framework.compose(["+stage=zero2", "offload=cpu", "offload.params=true"])
+    with pytest.raises(framework.ConfigError, match="offload=cpu is not supported with stage=ddp"):
+        framework.compose(["offload=cpu"])
