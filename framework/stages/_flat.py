@@ -128,9 +128,3 @@ def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -
             if value is old:
                 sub._parameters[key] = new
 
-
-def whole_state_dict(module: nn.Module, is_main: bool) -> dict | None:
-    """Weights of a module whose parameters are whole on every rank (ddp, zero1, zero2)."""
-    if not is_main:
-        return None
-    return {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters(remove_duplicate=False)}

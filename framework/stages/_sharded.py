@@ -16,8 +16,8 @@ from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.offload.base import Piece, Placement
 from framework.precision import Policy
-from framework.stages._flat import Layout, bind, make_layout, param_groups, whole_state_dict
-from framework.stages.base import Setup
+from framework.stages._flat import Layout, bind, make_layout, param_groups
+from framework.stages.base import Setup, WholeParameters
 from framework.utils import tensor_bytes
 
 
@@ -38,7 +38,7 @@ def check(cfg: ZeroConfig) -> None:
         raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
 
 
-class ShardedStage:
+class ShardedStage(WholeParameters):
     """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
@@ -113,15 +113,6 @@ class ShardedStage:
         for flat, pieces, (lo, hi), layout in zip(self.flats, self.pieces, self.bounds, self.layouts):
             self.offload.publish(flat[lo:hi], pieces)
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
-
-    def stats(self) -> dict:
-        return {}
-
-    def export_state_dict(self) -> dict | None:
-        return None
-
-    def consolidated_state_dict(self) -> dict | None:
-        return whole_state_dict(self.module, self.dist.is_main)
 
     def memory(self) -> dict[str, int]:
         return {"params": tensor_bytes(self.flats), **master_memory(self.pieces, self.flats, self.bounds),

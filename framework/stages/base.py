@@ -55,3 +55,21 @@ class Stage(Protocol):
 
     def export_state_dict(self) -> dict | None:
         """Full weights to save at the end of training when the stage is configured to (rank 0), else None."""
+
+
+class WholeParameters:
+    """Defaults for stages whose working parameters are whole on every rank (ddp, zero1, zero2)."""
+
+    module: nn.Module
+    dist: object
+
+    def stats(self) -> dict:
+        return {}
+
+    def export_state_dict(self) -> dict | None:
+        return None  # the plain module's own state_dict already holds full weights
+
+    def consolidated_state_dict(self) -> dict | None:
+        if not self.dist.is_main:
+            return None
+        return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}

@@ -15,10 +15,10 @@ from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.precision import Policy
 from framework.registry import Component
-from framework.stages._flat import Layout, bind, make_layout, param_groups, whole_state_dict, views
+from framework.stages._flat import Layout, bind, make_layout, param_groups, views
 from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
 from framework.utils import tensor_bytes
-from framework.stages.base import Setup
+from framework.stages.base import Setup, WholeParameters
 
 
 @dataclass(kw_only=True)
@@ -27,7 +27,7 @@ class DDPConfig:
     overlap_comm: bool = True      # launch buckets during backward instead of after it
 
 
-class DDPStage:
+class DDPStage(WholeParameters):
     def __init__(self, cfg: DDPConfig, dist: Dist):
         if cfg.bucket_size < 1:
             raise ConfigError("stage.bucket_size must be >= 1 element")
@@ -105,15 +105,6 @@ class DDPStage:
     def zero_grads(self) -> None:
         for g in self.grads:
             g.zero_()
-
-    def stats(self) -> dict:
-        return {}
-
-    def export_state_dict(self) -> dict | None:
-        return None
-
-    def consolidated_state_dict(self) -> dict | None:
-        return whole_state_dict(self.module, self.dist.is_main)
 
     def memory(self) -> dict[str, int]:
         separate = [m for m, f in zip(self.master, self.flats) if m is not f]
