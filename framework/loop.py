@@ -37,7 +37,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     try:
         logger.start(cfg.to_dict(), t.steps)
         t_start = t_window = time.perf_counter()
-        window = 0
+        window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line
         while state.step < t.steps:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
             state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
@@ -45,14 +45,16 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             window += 1
             if state.step % t.log_every == 0 or state.step == t.steps:
                 now = time.perf_counter()
-                rec = {"step": state.step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-                       "loss_scale": m["loss_scale"], "skipped_steps": state.precision.skipped_steps,
-                       "tokens_per_s": tokens_per_step * window / (now - t_window),
+                rec = {"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
+                       "skipped_steps": state.precision.skipped_steps,
+                       "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
                        "eta_s": (now - t_start) / state.step * (t.steps - state.step)}
-                t_window, window = now, 0
+                t_window, window, eval_s = now, 0, 0.0
                 _emit(logger, record, rec)
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
+                t_eval = time.perf_counter()
                 evals.append(engine.eval_step(state, val))
+                eval_s += time.perf_counter() - t_eval
                 _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
         elapsed = time.perf_counter() - t_start
         summary = {
