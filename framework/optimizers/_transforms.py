@@ -13,6 +13,10 @@ group may hold 100M+ elements, so every transform works in place:
   the work is done in chunks through a bounded scratch buffer, never a full-size copy.
 
 Step counts are python ints so that no transform needs a device sync to read them.
+
+Fast paths (``GradientTransformation.fused``, built by ``fused_dispatch``): the C++ kernels of
+``framework.ops`` on contiguous CPU fp32 tensors (built on first use), torch's fused Adam kernel on
+CUDA, else the transforms. All keep the transforms' state layout, so a run may switch paths.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
+from framework import ops
 from framework.errors import ConfigError
 
 # Elements per chunk for the transforms that need a temporary: caps the scratch buffer at
@@ -32,20 +37,127 @@ _CHUNK = 1 << 22
 class GradientTransformation(NamedTuple):
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
-    # Optional fast path: ``fused(grads, state, params, lr) -> state`` updates params in place
-    # and must equal ``update`` + ``apply_updates`` (tested). One kernel pass over memory
-    # instead of ~10 foreach passes: the optimizer step is memory-bound.
-    fused: Callable[[list[Tensor], Any, Sequence[Tensor], float], Any] | None = None
+    # Optional fast path: ``fused(grads, state, params, lr, out16=None) -> state`` updates params
+    # in place and must equal ``update`` + ``apply_updates`` (tested); with ``out16`` it also
+    # writes ``out16[i] = params[i].to(out16[i].dtype)``. One kernel pass over memory instead of
+    # ~10 foreach passes: the optimizer step is memory-bound.
+    fused: Callable[..., Any] | None = None
 
 
 def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Sequence[Tensor],
-         lr: float) -> Any:
-    """Apply one optimizer step in place on ``params``; return the new state."""
+         lr: float, out16: Sequence[Tensor] | None = None) -> Any:
+    """Apply one optimizer step in place on ``params``; return the new state. With ``out16``
+    (bf16/fp16 tensors, one per group, same numel) also write the updated params' 16-bit copy."""
     if tx.fused is not None:
-        return tx.fused(grads, state, params, lr)
+        if out16 is None:
+            return tx.fused(grads, state, params, lr)
+        return tx.fused(grads, state, params, lr, out16=out16)
     updates, state = tx.update(grads, state, params, lr)
     apply_updates(params, updates)
+    if out16 is not None:
+        copy_16bit(out16, params)
     return state
+
+
+def copy_16bit(out16: Sequence[Tensor], params: Sequence[Tensor]) -> None:
+    """``out16[i] = params[i]`` rounded to out16's dtype (as ``Tensor.to``), shapes aside."""
+    for o, p in zip(out16, params, strict=True):
+        o.view(-1).copy_(p.view(-1))
+
+
+# A CPU fast path returns the new state, or None where its kernel cannot take these tensors.
+CpuFused = Callable[[list[Tensor], Any, Sequence[Tensor], float, Sequence[Tensor] | None], Any]
+
+
+def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable | None = None) -> Callable:
+    """``fused(grads, state, params, lr, out16=None)``: the C++ CPU kernel (``cpu``) where it takes
+    the tensors, torch's fused kernel (``cuda``) on CUDA tensors, else ``update`` + apply."""
+
+    def fused(grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
+              out16: Sequence[Tensor] | None = None) -> Any:
+        if cpu is not None:
+            new_state = cpu(grads, state, params, lr, out16)
+            if new_state is not None:
+                return new_state
+        if cuda is not None and len(params) > 0 and all(p.is_cuda for p in params):
+            state = cuda(grads, state, params, lr)
+        else:
+            updates, state = update(grads, state, params, lr)
+            apply_updates(params, updates)
+        if out16 is not None:
+            copy_16bit(out16, params)
+        return state
+
+    return fused
+
+
+def _by_decay(mask: Sequence[bool], n: int) -> list[tuple[list[int], bool]]:
+    """Group indices split into (decayed, not decayed), empty parts left out."""
+    parts = [([i for i in range(n) if bool(mask[i]) == decayed], decayed) for decayed in (True, False)]
+    return [(idx, decayed) for idx, decayed in parts if idx]
+
+
+def _cpu_call(kernel: Callable, params: Sequence[Tensor], grads: list[Tensor], state_lists: tuple,
+              out16: Sequence[Tensor] | None, mask: Sequence[bool], weight_decay: float, **kwargs: Any) -> bool:
+    """Run ``kernel`` per decay part when the C++ kernels take these tensors; False otherwise."""
+    if not ops.usable(params, grads, *state_lists):
+        return False
+    fused_out = out16 if out16 is not None and ops.usable(out16=out16) else None
+    for idx, decayed in _by_decay(mask, len(params)):
+        pick = lambda ts: [ts[i] for i in idx]  # noqa: E731
+        kernel(pick(params), pick(grads), *(pick(s) for s in state_lists),
+               weight_decay=weight_decay if decayed else 0.0,
+               out16=pick(fused_out) if fused_out is not None else None, **kwargs)
+    if out16 is not None and fused_out is None:  # e.g. a device-side copy: written after the step
+        copy_16bit(out16, params)
+    return True
+
+
+def cpu_fused_adam(b1: float, b2: float, eps: float, weight_decay: float, mask: Sequence[bool],
+                   decoupled: bool, bias_correction: bool, index: int) -> CpuFused:
+    """The C++ Adam(W) kernel for a chain whose Adam state sits at ``index``."""
+
+    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
+              out16: Sequence[Tensor] | None) -> tuple | None:
+        adam: ScaleByAdamState = state[index]
+        count = adam.count + 1
+        if not _cpu_call(ops.adam_step, params, grads, (adam.mu, adam.nu), out16, mask, weight_decay,
+                         step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, decoupled=decoupled,
+                         bias_correction=bias_correction):
+            return None
+        return state[:index] + (ScaleByAdamState(count, adam.mu, adam.nu),) + state[index + 1:]
+
+    return fused
+
+
+def cpu_fused_lion(b1: float, b2: float, weight_decay: float, mask: Sequence[bool], index: int = 0) -> CpuFused:
+    """The C++ Lion kernel for a chain whose Lion state sits at ``index``."""
+
+    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
+              out16: Sequence[Tensor] | None) -> tuple | None:
+        lion: ScaleByLionState = state[index]
+        if not _cpu_call(ops.lion_step, params, grads, (lion.mu,), out16, mask, weight_decay,
+                         lr=lr, beta1=b1, beta2=b2):
+            return None
+        return state
+
+    return fused
+
+
+def cpu_fused_adagrad(lr_decay: float, weight_decay: float, eps: float, mask: Sequence[bool],
+                      index: int) -> CpuFused:
+    """The C++ Adagrad kernel for a chain whose Adagrad state sits at ``index``."""
+
+    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
+              out16: Sequence[Tensor] | None) -> tuple | None:
+        rss: ScaleByRssState = state[index]
+        count = rss.count + 1
+        if not _cpu_call(ops.adagrad_step, params, grads, (rss.sum_of_squares,), out16, mask, weight_decay,
+                         step=count, lr=lr, lr_decay=lr_decay, eps=eps):
+            return None
+        return state[:index] + (ScaleByRssState(count, rss.sum_of_squares),) + state[index + 1:]
+
+    return fused
 
 
 def fused_adam(b1: float, b2: float, eps: float, weight_decay: float, mask: Sequence[bool],

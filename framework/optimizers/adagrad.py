@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from framework.optimizers._transforms import (
-    GradientTransformation, add_decayed_weights, chain, check_common, effective_mask, require,
-    scale_by_lr, scale_by_rss)
+    GradientTransformation, add_decayed_weights, chain, check_common, cpu_fused_adagrad,
+    effective_mask, fused_dispatch, require, scale_by_lr, scale_by_rss)
 from framework.registry import Component
 
 
@@ -26,9 +26,12 @@ def build(cfg: AdagradConfig, decay_mask: Sequence[bool]) -> GradientTransformat
     require(cfg.initial_accumulator_value >= 0, "optimizer.initial_accumulator_value must be >= 0 "
             f"for adagrad, got {cfg.initial_accumulator_value}")
     require(cfg.eps >= 0, f"optimizer.eps must be >= 0 for adagrad, got {cfg.eps}")
-    return chain(add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
-                 scale_by_rss(cfg.initial_accumulator_value, cfg.eps, cfg.lr_decay),
-                 scale_by_lr())
+    mask = effective_mask(decay_mask, cfg.decay_1d)
+    tx = chain(add_decayed_weights(cfg.weight_decay, mask),
+               scale_by_rss(cfg.initial_accumulator_value, cfg.eps, cfg.lr_decay), scale_by_lr())
+    # No CUDA kernel: off the CPU kernel's tensors, the transforms run.
+    return tx._replace(fused=fused_dispatch(
+        tx.update, cpu_fused_adagrad(cfg.lr_decay, cfg.weight_decay, cfg.eps, mask, index=1)))
 
 
 COMPONENT = Component(config=AdagradConfig, build=build)

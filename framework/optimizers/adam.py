@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    effective_mask, fused_adam, require, scale_by_adam, scale_by_lr)
+    cpu_fused_adam, effective_mask, fused_adam, fused_dispatch, require, scale_by_adam, scale_by_lr)
 from framework.registry import Component
 
 
@@ -29,10 +29,12 @@ def build(cfg: AdamConfig, decay_mask: Sequence[bool]) -> GradientTransformation
     mask = effective_mask(decay_mask, cfg.decay_1d)
     tx = chain(add_decayed_weights(cfg.weight_decay, mask),
                scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction), scale_by_lr())
-    if not cfg.bias_correction:  # the fused kernel always corrects bias
-        return tx
-    return tx._replace(fused=fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask,
-                                        decoupled=False, index=1))
+    cpu = cpu_fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask, decoupled=False,
+                         bias_correction=cfg.bias_correction, index=1)
+    # torch's fused kernel (the CUDA path) always corrects bias.
+    cuda = fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask, decoupled=False,
+                      index=1) if cfg.bias_correction else None
+    return tx._replace(fused=fused_dispatch(tx.update, cpu, cuda))
 
 
 COMPONENT = Component(config=AdamConfig, build=build)

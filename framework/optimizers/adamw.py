@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    effective_mask, fused_adam, require, scale_by_adam, scale_by_lr)
+    cpu_fused_adam, effective_mask, fused_adam, fused_dispatch, require, scale_by_adam, scale_by_lr)
 from framework.registry import Component
 
 
@@ -30,10 +30,12 @@ def build(cfg: AdamWConfig, decay_mask: Sequence[bool]) -> GradientTransformatio
     # Decay sits between the Adam direction and -lr: p += -lr * (adam + wd * p).
     tx = chain(scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
                add_decayed_weights(cfg.weight_decay, mask), scale_by_lr())
-    if not cfg.bias_correction:  # the fused kernel always corrects bias
-        return tx
-    return tx._replace(fused=fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask,
-                                        decoupled=True, index=0))
+    cpu = cpu_fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask, decoupled=True,
+                         bias_correction=cfg.bias_correction, index=0)
+    # torch's fused kernel (the CUDA path) always corrects bias.
+    cuda = fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask, decoupled=True,
+                      index=0) if cfg.bias_correction else None
+    return tx._replace(fused=fused_dispatch(tx.update, cpu, cuda))
 
 
 COMPONENT = Component(config=AdamWConfig, build=build)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    effective_mask, scale_by_lion, scale_by_lr)
+    cpu_fused_lion, effective_mask, fused_dispatch, scale_by_lion, scale_by_lr)
 from framework.registry import Component
 
 
@@ -23,9 +23,12 @@ def build(cfg: LionConfig, decay_mask: Sequence[bool]) -> GradientTransformation
     check_common("lion", cfg.lr, cfg.weight_decay)
     check_beta("lion", "beta1", cfg.beta1)
     check_beta("lion", "beta2", cfg.beta2)
-    return chain(scale_by_lion(cfg.beta1, cfg.beta2),
-                 add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d)),
-                 scale_by_lr())
+    mask = effective_mask(decay_mask, cfg.decay_1d)
+    tx = chain(scale_by_lion(cfg.beta1, cfg.beta2), add_decayed_weights(cfg.weight_decay, mask),
+               scale_by_lr())
+    # No CUDA kernel: off the CPU kernel's tensors, the transforms run.
+    return tx._replace(fused=fused_dispatch(
+        tx.update, cpu_fused_lion(cfg.beta1, cfg.beta2, cfg.weight_decay, mask, index=0)))
 
 
 COMPONENT = Component(config=LionConfig, build=build)

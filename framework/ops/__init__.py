@@ -1,0 +1,147 @@
+"""C++ CPU optimizer kernels (csrc/cpu_optim), built on first use, with a pure-PyTorch fallback.
+
+Importing this package builds nothing: the extension is compiled (about 30 s, once per machine,
+torch and source version; cached under ~/.cache/framework/ops) or imported on the first call that
+needs it, then cached for the process. Where it cannot be built or loaded, ONE warning says why and
+the optimizers keep using their transforms. ``python -m framework.ops`` prints the status,
+``python -m framework.ops build`` builds ahead of time (then FRAMEWORK_OPS_BUILD=0 can forbid
+building at run time, e.g. on many ranks).
+
+Public API
+----------
+fused_step_with_copy(tx, grads, state, params, lr, out16) -> state
+    One optimizer step of ``tx`` (a GradientTransformation from framework.optimizers) in place on
+    ``params`` that also writes ``out16[i] = params[i].to(out16[i].dtype)`` (bf16 or fp16, same
+    numel) -- for CPU offload, where the updated master params go back to the device in 16 bits.
+    On contiguous CPU fp32 tensors with the kernels built, the copy is written in the same pass over
+    memory; otherwise the step runs as usual and the copy follows. ``grads`` are consumed (scratch)
+    as by every optimizer step. Same as ``framework.optimizers.step(..., out16=out16)``.
+
+adam_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
+          weight_decay=0.0, decoupled=True, bias_correction=True, out16=None) -> None
+lion_step(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
+          out16=None) -> None
+adagrad_step(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
+             out16=None) -> None
+    The raw kernels: one in-place step over equal-length lists of contiguous CPU fp32 tensors
+    (torch.optim semantics; ``step`` is the step count after this step, 1 on the first). Raise
+    BuildUnavailable when the kernels are not built (check ``available()``; or use the optimizers,
+    which fall back by themselves), and TypeError/ValueError naming the bad tensor.
+
+cpu_optim() -> module | None       the loaded extension, or None after ONE warning
+available() -> bool                ``cpu_optim() is not None``
+usable(*tensor_lists, out16=None) -> bool
+    True when every tensor is a contiguous CPU fp32 tensor (``out16``: bf16/fp16) and the kernels
+    are available; checks the tensors first, so it never builds for CUDA tensors.
+build() -> module                  build (or import) now; raises BuildUnavailable with the reason
+status() -> dict                   built, reason, build_dir, isa, detected_isa, threads, kernels
+BuildUnavailable                   the error type
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from framework.ops import _loader
+from framework.ops._loader import BuildUnavailable
+
+KERNELS = ("adam_step", "lion_step", "adagrad_step")
+
+__all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
+           "fused_step_with_copy", "lion_step", "status", "usable"]
+
+
+def cpu_optim() -> ModuleType | None:
+    """The extension (built or imported on the first call), or None after one warning."""
+    return _loader.status().module
+
+
+def available() -> bool:
+    return cpu_optim() is not None
+
+
+def build() -> ModuleType:
+    """Build now (or import a finished build); raises BuildUnavailable with the reason."""
+    return _loader.load(build=True)
+
+
+def _fp32_cpu(tensors: Iterable[Tensor]) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def _half_cpu(tensors: Iterable[Tensor]) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
+               for t in tensors)
+
+
+def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = None) -> bool:
+    """Whether the kernels can run on these tensors (checked before any build is triggered)."""
+    if not all(_fp32_cpu(ts) for ts in tensor_lists):
+        return False
+    if out16 is not None and not _half_cpu(out16):
+        return False
+    return available()
+
+
+def _kernel() -> ModuleType:
+    module = cpu_optim()
+    if module is None:
+        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {_loader.status().reason}")
+    return module
+
+
+def _out(out16: Sequence[Tensor] | None) -> list[Tensor]:
+    return [] if out16 is None else list(out16)
+
+
+def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+              exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float = 0.9,
+              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
+              bias_correction: bool = True, out16: Sequence[Tensor] | None = None) -> None:
+    _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), _out(out16), int(step),
+                        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+                        bool(bias_correction))
+
+
+def lion_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], *, lr: float,
+              beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
+              out16: Sequence[Tensor] | None = None) -> None:
+    _kernel().lion_step(list(params), list(grads), list(exp_avgs), _out(out16), float(lr), float(beta1),
+                        float(beta2), float(weight_decay))
+
+
+def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: Sequence[Tensor], *, step: int,
+                 lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
+                 out16: Sequence[Tensor] | None = None) -> None:
+    _kernel().adagrad_step(list(params), list(grads), list(state_sums), _out(out16), int(step), float(lr),
+                           float(lr_decay), float(weight_decay), float(eps))
+
+
+def fused_step_with_copy(tx: Any, grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
+                         out16: Sequence[Tensor]) -> Any:
+    """One step of ``tx`` on ``params`` that also writes their bf16/fp16 copy into ``out16``."""
+    from framework.optimizers._transforms import step
+
+    return step(tx, grads, state, params, lr, out16=out16)
+
+
+def status() -> dict[str, Any]:
+    """What ``python -m framework.ops`` prints. Imports a finished build but never compiles."""
+    try:
+        module, reason, where = _loader.load(build=False), None, str(_loader.build_dir())
+    except Exception as exc:  # noqa: BLE001 - a status report must not fail
+        module, reason = None, str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
+        try:
+            where = str(_loader.build_dir())
+        except OSError:
+            where = "-"
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    detected = module.detected_isa() if module is not None else {
+        "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())
+    return {"built": module is not None, "reason": reason, "build_dir": where,
+            "kernels": list(KERNELS) if module is not None else [],
+            "isa": module.isa() if module is not None else None, "detected_isa": detected,
+            "threads": torch.get_num_threads()}

@@ -1,0 +1,45 @@
+"""``python -m framework.ops [status|build]``: report on, or build ahead of time, the C++ kernels.
+
+``status`` (the default) never compiles; it exits 0 whether or not the kernels are built (the
+optimizers fall back to their transforms). ``build`` compiles them now (about 30 s the first time)
+and exits 1 with the reason if that fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from framework import ops
+
+
+def _print_status() -> None:
+    info = ops.status()
+    print("framework.ops: C++ CPU optimizer kernels (csrc/cpu_optim)")
+    if info["built"]:
+        print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
+    else:
+        print(f"  built:        no ({info['reason']}); the optimizers use their pure-PyTorch transforms")
+    print(f"  build dir:    {info['build_dir']}")
+    print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
+    print(f"  threads:      {info['threads']} (torch.get_num_threads())")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        start = time.perf_counter()
+        try:
+            ops.build()
+        except ops.BuildUnavailable as exc:
+            print(f"framework.ops: build failed: {exc}", file=sys.stderr)
+            return 1
+        print(f"framework.ops: built in {time.perf_counter() - start:.1f} s")
+    _print_status()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

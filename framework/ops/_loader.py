@@ -1,0 +1,197 @@
+"""Build-on-first-use of the C++ CPU optimizer kernels (csrc/cpu_optim), with a safe fallback.
+
+The extension is compiled by ``torch.utils.cpp_extension.load`` into a cache folder keyed by the
+torch and Python versions and a hash of the sources and flags, so a folder always holds a build of
+exactly these sources; a finished build is marked by a ``BUILT`` file and then imported directly
+(no compiler or ninja needed). Builds are serialised across processes with an advisory ``flock``
+that the kernel drops if a builder dies, so a ``lock`` file that torch left behind in a build
+killed midway is known to be stale and removed.
+
+Environment:
+    FRAMEWORK_OPS_BUILD=0       never compile; use a finished build if there is one, else fall back
+    FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
+    FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
+    FRAMEWORK_OPS_ISA=NAME      cap the instruction set (scalar, avx2, avx512), read by the kernels
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator, NamedTuple
+
+import torch
+
+from framework.paths import csrc_dir
+
+NAME = "framework_cpu_optim"
+SOURCES = ("cpu_optim/cpu_optim.cpp",)
+HEADERS = ("include/framework_ops/simd.h", "include/framework_ops/optim_kernels.h")
+# -ffp-contract=off: the kernels choose their fused multiply-adds themselves (see simd.h);
+# -fvisibility=hidden: only the module's init function is exported (no PLT calls between kernels);
+# -fopenmp (compile only): with torch's OpenMP backend, at::parallel_for is an inline
+# `#pragma omp parallel` that runs serially without it. Not linked: the GOMP symbols bind to the
+# OpenMP runtime torch has already loaded, so torch.set_num_threads applies and no second runtime
+# (with its own thread pool) comes in.
+CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")
+LOCK_TIMEOUT_S = 1800.0  # waiting for another process's build
+
+
+class BuildUnavailable(RuntimeError):
+    """The kernels cannot be built or loaded here; the message says why."""
+
+
+class Status(NamedTuple):
+    module: ModuleType | None
+    reason: str | None  # why module is None
+    build_dir: Path | None
+
+
+def cache_root() -> Path:
+    if os.environ.get("FRAMEWORK_OPS_CACHE"):
+        return Path(os.environ["FRAMEWORK_OPS_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "framework" / "ops"
+
+
+def build_dir() -> Path:
+    """The folder for a build of the current sources with the current torch and Python."""
+    root = csrc_dir()
+    digest = hashlib.sha256()
+    for rel in SOURCES + HEADERS:
+        digest.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
+    digest.update(" ".join(CFLAGS).encode())
+    abi = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    return cache_root() / abi / f"cpu_optim-{digest.hexdigest()[:12]}"
+
+
+def building_enabled() -> bool:
+    return os.environ.get("FRAMEWORK_OPS_BUILD", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _library(directory: Path) -> Path:
+    return directory / f"{NAME}.so"
+
+
+def _import(directory: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(NAME, _library(directory))
+    if spec is None or spec.loader is None:
+        raise BuildUnavailable(f"cannot import {_library(directory)}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _finished(directory: Path) -> bool:
+    return (directory / "BUILT").is_file() and _library(directory).is_file()
+
+
+def _ensure_tools() -> None:
+    """Put the interpreter's bin folder (a venv's ninja) on PATH; fail clearly without a compiler."""
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        dirs.append(ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([d for d in dirs if d and d not in path] + path)
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise BuildUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
+    if shutil.which("ninja") is None:
+        raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
+
+
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Hold the build lock of ``directory``: one builder at a time across processes."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildUnavailable(f"another process has been building in {directory} for "
+                                           f"over {LOCK_TIMEOUT_S:.0f} s") from None
+                time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ensure_tools()
+    with _exclusive(directory):
+        if _finished(directory):  # another process built it while we waited
+            return _import(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
+        if stale.exists():
+            stale.unlink()
+        root = csrc_dir()
+        try:
+            module = cpp_extension.load(
+                name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                extra_include_paths=[str(root / "include")], build_directory=str(directory),
+                with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
+        except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
+            log = directory / "build_error.log"
+            log.write_text(str(exc))
+            lines = str(exc).splitlines() or [type(exc).__name__]
+            first = next((line.strip() for line in lines if "error:" in line), lines[0])
+            raise BuildUnavailable(f"the build failed ({first[:300]}); full log in {log}") from exc
+        tmp = directory / "BUILT.tmp"
+        tmp.write_text(f"{torch.__version__}\n")
+        tmp.replace(directory / "BUILT")
+        return module
+
+
+def load(build: bool = True) -> ModuleType:
+    """The extension module: a finished build is imported, otherwise (if ``build``) compiled.
+    Raises BuildUnavailable with the reason when neither works."""
+    directory = build_dir()
+    if _finished(directory):
+        try:
+            return _import(directory)
+        except ImportError as exc:
+            if not build:
+                raise BuildUnavailable(f"cannot import the build in {directory}: {exc}") from exc
+            (directory / "BUILT").unlink(missing_ok=True)  # rebuild it
+    if not build:
+        raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
+                               "run `python -m framework.ops build`")
+    return _compile(directory)
+
+
+@functools.cache
+def status() -> Status:
+    """Load (building on first use unless FRAMEWORK_OPS_BUILD=0) once per process.
+
+    Never raises: when the kernels are unavailable it warns ONCE and reports the reason, and the
+    optimizers keep using their pure-PyTorch transforms."""
+    directory = None
+    try:
+        directory = build_dir()  # reads the sources: fails where they are missing
+        return Status(load(build=building_enabled()), None, directory)
+    except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash
+        reason = str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({reason}); "
+                      "using the pure-PyTorch optimizer transforms", RuntimeWarning, stacklevel=3)
+        return Status(None, reason, directory)

@@ -1,0 +1,421 @@
+"""framework.ops: the C++ CPU optimizer kernels and their pure-PyTorch fallback.
+
+Both paths of every optimizer (the kernel where it is built; the transforms, forced) must match
+torch.optim, or a direct reference where torch has none, over 100 steps on sizes that are not
+multiples of any vector width. Cases that need the built kernels skip with the reason when the
+build fails here; the fallback cases always run.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from framework import ops
+from framework.ops import _loader
+from framework.optimizers import _transforms, adagrad, adam, adamw, lion
+from framework.optimizers._transforms import GradientTransformation
+
+SIZES = (1, 15, 17, 1_000_003)  # none a multiple of 8 or 16 lanes (1_000_003 has a tail too)
+MASK = [True, False, True, True]  # group 1 is a "1-D params" group: no weight decay
+STEPS = 100
+# Two correct fp32 implementations round differently (ATen's sqrt is not correctly rounded, the
+# transforms order the AdamW decay differently); over 100 steps at init scale the worst element
+# drifts ~5e-8, while a semantic error (mask, decay form, bias correction) is >= 1e-5.
+RTOL, ATOL = 1e-6, 1e-7
+INIT_STD = 0.02
+REPO = Path(__file__).resolve().parents[2]
+
+
+def schedule(base_lr: float) -> Callable[[int], float]:
+    return lambda step: base_lr * (0.3 + 0.7 * abs(math.cos(0.37 * step)))
+
+
+def initial_params(sizes=SIZES) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(n, generator=gen) * INIT_STD for n in sizes]
+
+
+def grads_at(step: int, sizes=SIZES) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(n, generator=gen) for n in sizes]
+
+
+def run_ours(tx: GradientTransformation, lr_at: Callable[[int], float], steps: int = STEPS, sizes=SIZES,
+             out16: list[Tensor] | None = None) -> list[Tensor]:
+    params = initial_params(sizes)
+    state = tx.init(params)
+    for step in range(steps):
+        state = _transforms.step(tx, grads_at(step, sizes), state, params, lr_at(step), out16=out16)
+    return params
+
+
+@functools.cache
+def run_torch(name: str, lr: float, weight_decay: float, **kwargs) -> tuple[Tensor, ...]:
+    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad}[name]
+    params = [p.requires_grad_() for p in initial_params()]
+    opt = make([{"params": [p], "weight_decay": weight_decay if decayed else 0.0}
+                for p, decayed in zip(params, MASK)], lr=lr, foreach=False, **kwargs)
+    lr_at = schedule(lr)
+    for step in range(STEPS):
+        for group, p, g in zip(opt.param_groups, params, grads_at(step)):
+            group["lr"] = lr_at(step)
+            p.grad = g
+        opt.step()
+    return tuple(p.detach() for p in params)
+
+
+def assert_close(actual, expected, what: str) -> None:
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        assert not torch.equal(a, initial_params()[i]), f"{what}: group {i} never moved"
+        err = (a - e).abs().max().item()
+        assert torch.allclose(a, e, rtol=RTOL, atol=ATOL), \
+            f"{what}: group {i} (n={a.numel()}): max abs err {err:.3g} exceeds rtol={RTOL} atol={ATOL}"
+
+
+def kernel_reason() -> str | None:
+    return _loader.status().reason
+
+
+@pytest.fixture
+def kernels():
+    """The built extension; skips (with the reason) where it cannot be built here."""
+    module = ops.cpu_optim()
+    if module is None:
+        pytest.skip(f"C++ CPU optimizer kernels not built here: {kernel_reason()}")
+    yield module
+    module.set_isa("auto")
+
+
+@pytest.fixture(params=["kernel", "fallback"])
+def path(request, monkeypatch):
+    """Run an optimizer through the C++ kernels, or force the pure-PyTorch transforms."""
+    if request.param == "kernel":
+        if ops.cpu_optim() is None:
+            pytest.skip(f"C++ CPU optimizer kernels not built here: {kernel_reason()}")
+        calls = []
+        for name in ops.KERNELS:  # prove the kernel ran, not a silent fallback
+            real = getattr(ops, name)
+            monkeypatch.setattr(ops, name, lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
+        yield request.param
+        assert calls, "the C++ kernel was never called"
+    else:
+        monkeypatch.setattr(ops, "cpu_optim", lambda: None)
+        yield request.param
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch, tmp_path):
+    """An empty cache and a fresh per-process load, restored afterwards."""
+    monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(tmp_path / "cache"))
+    _loader.status.cache_clear()
+    yield tmp_path
+    _loader.status.cache_clear()
+
+
+# --- both paths against torch.optim and references -------------------------------------------
+
+@pytest.mark.parametrize("decay_1d", [False, True])
+def test_adamw_matches_torch(path, decay_1d):
+    cfg = adamw.AdamWConfig(lr=3e-3, beta2=0.99, weight_decay=0.1, decay_1d=decay_1d)
+    ours = run_ours(adamw.build(cfg, MASK), schedule(cfg.lr))
+    if decay_1d:  # every group decayed: torch with one weight decay for all
+        expected = _torch_all_decayed("adamw", cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    else:
+        expected = run_torch("adamw", cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    assert_close(ours, expected, f"adamw ({path})")
+
+
+def _torch_all_decayed(name: str, lr: float, weight_decay: float, **kwargs) -> list[Tensor]:
+    params = [p.requires_grad_() for p in initial_params()]
+    opt = {"adamw": torch.optim.AdamW}[name](params, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
+    lr_at = schedule(lr)
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        for p, g in zip(params, grads_at(step)):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adam_matches_torch(path, weight_decay):
+    cfg = adam.AdamConfig(lr=2e-3, weight_decay=weight_decay)
+    ours = run_ours(adam.build(cfg, MASK), schedule(cfg.lr))
+    expected = run_torch("adam", cfg.lr, weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    assert_close(ours, expected, f"adam wd={weight_decay} ({path})")
+
+
+def test_adagrad_with_lr_decay_matches_torch(path):
+    cfg = adagrad.AdagradConfig(lr=0.05, lr_decay=0.01, weight_decay=0.02, initial_accumulator_value=0.1)
+    ours = run_ours(adagrad.build(cfg, MASK), schedule(cfg.lr))
+    expected = run_torch("adagrad", cfg.lr, cfg.weight_decay, lr_decay=cfg.lr_decay, eps=cfg.eps,
+                         initial_accumulator_value=cfg.initial_accumulator_value)
+    assert_close(ours, expected, f"adagrad ({path})")
+
+
+def test_lion_matches_paper_rule(path):
+    cfg = lion.LionConfig(lr=1e-3, weight_decay=0.5)
+    lr_at = schedule(cfg.lr)
+    params, moments = initial_params(), [torch.zeros(n) for n in SIZES]
+    for step in range(STEPS):
+        lr = lr_at(step)
+        for p, m, g, decayed in zip(params, moments, grads_at(step), MASK):
+            # Chen et al. 2023, Program 1, with decoupled decay on decayed groups only. sign() is
+            # discontinuous: over 1e8 evaluations a 1-ulp difference in the interpolation flips a
+            # few signs, so both interpolations are rounded as ATen rounds b*x + y*alpha (one fma).
+            u = torch.sign(torch.mul(m, cfg.beta1).add_(g, alpha=1 - cfg.beta1))
+            p -= lr * (u + (cfg.weight_decay if decayed else 0.0) * p)
+            m.mul_(cfg.beta2).add_(g, alpha=1 - cfg.beta2)
+    assert_close(run_ours(lion.build(cfg, MASK), lr_at), params, f"lion ({path})")
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_without_bias_correction_matches_formula(path, name):
+    """torch has no switch for bias correction: against the formula directly."""
+    module, config = {"adam": (adam, adam.AdamConfig), "adamw": (adamw, adamw.AdamWConfig)}[name]
+    cfg = config(lr=1e-3, weight_decay=0.05, bias_correction=False)
+    lr_at = schedule(cfg.lr)
+    params = initial_params()
+    m, v = [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES]
+    for step in range(STEPS):
+        lr = lr_at(step)
+        for i, (p, g) in enumerate(zip(params, grads_at(step))):
+            wd = cfg.weight_decay if MASK[i] else 0.0
+            if name == "adam":
+                g = g + wd * p
+            m[i] = cfg.beta1 * m[i] + (1 - cfg.beta1) * g
+            v[i] = cfg.beta2 * v[i] + (1 - cfg.beta2) * g * g
+            direction = m[i] / (v[i].sqrt() + cfg.eps)
+            p -= lr * (direction + wd * p if name == "adamw" else direction)
+    assert_close(run_ours(module.build(cfg, MASK), lr_at), params, f"{name} without bias correction ({path})")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_step_with_16bit_copy_equals_params_to(path, dtype):
+    cfg = adamw.AdamWConfig(lr=3e-3, weight_decay=0.1)
+    tx, lr_at = adamw.build(cfg, MASK), schedule(cfg.lr)
+    params = initial_params()
+    out16 = [torch.full((n,), 7.0, dtype=dtype) for n in SIZES]
+    state = tx.init(params)
+    for step in range(5):
+        state = ops.fused_step_with_copy(tx, grads_at(step), state, params, lr_at(step), out16)
+        for i, (o, p) in enumerate(zip(out16, params)):
+            assert torch.equal(o, p.to(dtype)), f"step {step} group {i}: out16 != params.to({dtype})"
+    # Writing the copy does not change the step (same path without out16).
+    assert all(torch.equal(a, b) for a, b in zip(params, run_ours(tx, lr_at, steps=5)))
+
+
+# --- the kernels themselves --------------------------------------------------------------------
+
+def _one_kernel_run(kernel: str, sizes, steps: int = 3, out_dtype=None) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(n, generator=gen) for n in sizes]
+    state = [[torch.rand(n, generator=gen) for n in sizes] for _ in range(2)]
+    out16 = [torch.empty(n, dtype=out_dtype) for n in sizes] if out_dtype else None
+    for step in range(1, steps + 1):
+        grads = [torch.randn(n, generator=gen) for n in sizes]
+        if kernel == "adam":
+            ops.adam_step(params, grads, state[0], state[1], step=step, lr=1e-2, weight_decay=0.1, decoupled=step % 2 == 0,
+                          out16=out16)
+        elif kernel == "lion":
+            ops.lion_step(params, grads, state[0], lr=1e-2, weight_decay=0.1, out16=out16)
+        else:
+            ops.adagrad_step(params, grads, state[0], step=step, lr=1e-2, lr_decay=0.1, weight_decay=0.1,
+                             out16=out16)
+    return params + state[0] + state[1] + (out16 or [])
+
+
+@pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
+def test_every_isa_and_thread_count_gives_identical_bits(kernels, kernel):
+    """Vector bodies, scalar tails and the thread split all round identically."""
+    sizes = (1, 15, 17, 33, 2048 * 16 + 5, 300_001)
+    detected = kernels.detected_isa()
+    isas = {"avx512": ["scalar", "avx2", "avx512"], "avx2": ["scalar", "avx2"]}.get(detected, ["scalar"])
+    threads = torch.get_num_threads()
+    runs = {}
+    try:
+        for isa in isas:
+            kernels.set_isa(isa)
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                runs[isa, n_threads] = _one_kernel_run(kernel, sizes, out_dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    (first_key, first), *rest = runs.items()
+    for key, tensors in rest:
+        assert all(torch.equal(a, b) for a, b in zip(first, tensors)), f"{key} differs from {first_key}"
+    assert len(runs) == 2 * len(isas) and kernels.isa() == isas[-1]
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_rounding_of_special_values(kernels, isa, dtype):
+    """lr=0 leaves params as they are, so out16 is the pure conversion: ties, overflow, subnormals."""
+    order = ["scalar", "avx2", "avx512"]
+    if order.index(isa) > order.index(kernels.detected_isa()):
+        pytest.skip(f"this CPU has no {isa}")
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0x477FF000, 0x477FE000, 0x00000001,
+                         0x33800000, 0x387FC000, 0x80000000, 0x7F800000, 0xFF800000, 0xC0490FDB],
+                        dtype=torch.int64).to(torch.int32)
+    values = torch.cat([bits.view(torch.float32), torch.randn(1000) * 1e4, torch.randn(37) * 1e-6])
+    params = [values.clone()]
+    out16 = [torch.empty_like(values, dtype=dtype)]
+    zeros = [torch.zeros_like(values)]
+    kernels.set_isa(isa)
+    ops.adam_step(params, [torch.zeros_like(values)], zeros, [torch.zeros_like(values)], step=1, lr=0.0,
+                  out16=out16)
+    assert torch.equal(params[0], values)
+    expected = values.to(dtype)
+    mismatch = (out16[0].view(torch.int16) != expected.view(torch.int16)).nonzero().flatten().tolist()
+    assert not mismatch, f"{isa}: {dtype} copy differs from Tensor.to at {mismatch[:5]}"
+    nan, out = [torch.full((19,), float("nan"))], [torch.zeros(19, dtype=dtype)]
+    ops.lion_step(nan, [torch.zeros(19)], [torch.zeros(19)], lr=0.0, out16=out)
+    assert out[0].isnan().all(), f"{isa}: NaN must stay NaN in {dtype}"
+
+
+def test_kernels_reject_bad_tensors_with_clear_errors(kernels):
+    p, g, m, v = (torch.zeros(10) for _ in range(4))
+    with pytest.raises(TypeError, match=r"grads\[0\] must be a CPU float32 tensor, got Double"):
+        ops.adam_step([p], [g.double()], [m], [v], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"exp_avg_sqs\[0\] must be contiguous"):
+        ops.adam_step([p], [g], [m], [torch.zeros(20)[::2]], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] has 9 elements but params\[0\] has 10"):
+        ops.lion_step([p], [g], [torch.zeros(9)], lr=1e-3)
+    with pytest.raises(ValueError, match="grads has 2 tensors but params has 1"):
+        ops.adagrad_step([p], [g, g], [m], step=1, lr=1e-3)
+    with pytest.raises(TypeError, match=r"out16\[0\] must be a CPU bfloat16 or float16 tensor"):
+        ops.adam_step([p], [g], [m], [v], step=1, lr=1e-3, out16=[torch.zeros(10)])
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        ops.adam_step([p], [g], [m], [v], step=0, lr=1e-3)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        kernels.set_isa("sse9")
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+def test_state_layout_is_shared_so_paths_can_switch(kernels):
+    """50 steps on the kernel, then 50 on the transforms, equals torch over all 100."""
+    cfg = adam.AdamConfig(lr=2e-3, weight_decay=0.05)
+    tx, lr_at = adam.build(cfg, MASK), schedule(cfg.lr)
+    params = initial_params()
+    state = tx.init(params)
+    assert type(state) is type(tx._replace(fused=None).init(initial_params()))
+    for step in range(STEPS):
+        path = tx if step < STEPS // 2 else tx._replace(fused=None)
+        state = _transforms.step(path, grads_at(step), state, params, lr_at(step))
+    assert state[1].count == STEPS and isinstance(state[1].count, int)
+    assert_close(params, run_torch("adam", cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps),
+                 "kernel then transforms")
+
+
+def test_tensors_the_kernel_cannot_take_use_the_transforms(kernels, monkeypatch):
+    monkeypatch.setattr(ops, "adam_step", lambda *a, **k: pytest.fail("kernel called on fp64 tensors"))
+    cfg = adamw.AdamWConfig(lr=1e-3)
+    tx = adamw.build(cfg, [True])
+    params = [torch.randn(33, dtype=torch.float64)]
+    expected = params[0].clone().requires_grad_()
+    opt = torch.optim.AdamW([expected], lr=1e-3, weight_decay=cfg.weight_decay, foreach=False)
+    state = tx.init(params)
+    for step in range(3):
+        g = torch.randn(33, dtype=torch.float64)
+        expected.grad = g.clone()
+        opt.step()
+        state = _transforms.step(tx, [g], state, params, 1e-3)
+    torch.testing.assert_close(params[0], expected.detach(), rtol=1e-12, atol=1e-14)
+
+
+# --- the loader ------------------------------------------------------------------------------------
+
+def _train_adamw(steps: int = 3) -> list[Tensor]:
+    cfg = adamw.AdamWConfig(lr=1e-3, weight_decay=0.1)
+    tx = adamw.build(cfg, MASK[:2])
+    params = initial_params(SIZES[:2])
+    state = tx.init(params)
+    for step in range(steps):
+        state = _transforms.step(tx, grads_at(step, SIZES[:2]), state, params, 1e-3)
+    return params
+
+
+def test_build_disabled_warns_once_and_still_trains(fresh_loader, monkeypatch):
+    monkeypatch.setenv("FRAMEWORK_OPS_BUILD", "0")
+    with pytest.warns(RuntimeWarning, match="FRAMEWORK_OPS_BUILD=0") as record:
+        params = _train_adamw()
+        tx = lion.build(lion.LionConfig(), [True])  # a second optimizer: no second warning
+        _transforms.step(tx, [torch.ones(3)], tx.init([torch.ones(3)]), [torch.ones(3)], 1e-3)
+        assert not ops.available()
+    assert len([w for w in record if "framework.ops" in str(w.message)]) == 1, "warn exactly once per process"
+    assert all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(params[0], initial_params(SIZES[:2])[0])
+    with pytest.raises(ops.BuildUnavailable, match="FRAMEWORK_OPS_BUILD=0"):
+        ops.adam_step([torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], [torch.zeros(1)], step=1, lr=1.0)
+
+
+def test_missing_compiler_falls_back_with_one_warning(fresh_loader, monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler") as record:
+        _train_adamw()
+        _train_adamw()
+    assert len(record) == 1
+
+
+def test_failed_build_falls_back_and_a_stale_lock_is_cleared(fresh_loader, monkeypatch):
+    """A compile error (and a lock file left by a killed build) must not hang or raise."""
+    csrc = fresh_loader / "csrc"
+    for rel in _loader.SOURCES + _loader.HEADERS:
+        (csrc / rel).parent.mkdir(parents=True, exist_ok=True)
+        (csrc / rel).write_text("")
+    (csrc / _loader.SOURCES[0]).write_text("#error simulated build failure\n")
+    monkeypatch.setattr(_loader, "csrc_dir", lambda: csrc)
+    directory = _loader.build_dir()
+    directory.mkdir(parents=True)
+    (directory / "lock").write_text("")  # what a build killed midway leaves behind
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert ops.cpu_optim() is None and ops.cpu_optim() is None
+        params = _train_adamw()
+    messages = [str(w.message) for w in record if "framework.ops" in str(w.message)]
+    assert len(messages) == 1 and "build failed" in messages[0] and "simulated build failure" in messages[0], messages
+    assert not (directory / "lock").exists()
+    assert (directory / "build_error.log").is_file()
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_missing_sources_fall_back(fresh_loader, monkeypatch):
+    monkeypatch.setattr(_loader, "csrc_dir", lambda: fresh_loader / "nowhere")
+    with pytest.warns(RuntimeWarning, match="FileNotFoundError"):
+        assert ops.cpu_optim() is None
+    assert ops.status()["built"] is False
+
+
+def test_importing_framework_does_not_build():
+    code = ("import framework, framework.optimizers, framework.ops, sys; "
+            "from framework.ops import _loader; "
+            "assert _loader.status.cache_info().currsize == 0; "
+            "assert 'framework_cpu_optim' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_cli_prints_status_and_exits_0():
+    env = {**os.environ, "FRAMEWORK_OPS_BUILD": "0"}
+    out = subprocess.run([sys.executable, "-m", "framework.ops"], capture_output=True, text=True, cwd=REPO,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for field in ("built:", "isa:", "detected:", "threads:"):
+        assert field in out.stdout, out.stdout
+    if ops.available():  # built in this session's cache: the status shows it usable
+        assert "yes, usable: adam_step, lion_step, adagrad_step" in out.stdout, out.stdout
+        built = subprocess.run([sys.executable, "-m", "framework.ops", "build"], capture_output=True, text=True,
+                               cwd=REPO, timeout=300)
+        assert built.returncode == 0 and "built in" in built.stdout, built.stderr
