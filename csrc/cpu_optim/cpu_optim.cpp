@@ -22,7 +22,9 @@
 
 namespace framework_ops {
 
-enum OutKind : int { kOutNone = 0, kOutBf16 = 1, kOutFp16 = 2 };
+// The 16-bit copy of the params, if any; the *Stream variants are chosen per call where the copy's
+// vector stores are aligned (non-temporal stores).
+enum OutKind : int { kOutNone = 0, kOutBf16 = 1, kOutFp16 = 2, kOutBf16Stream = 3, kOutFp16Stream = 4 };
 
 // One tensor of the list, as raw pointers (s1, s2: the optimizer state tensors it uses).
 struct Segment {

@@ -15,7 +15,6 @@ Environment:
 """
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -116,6 +115,10 @@ def _ensure_tools() -> None:
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """Hold the build lock of ``directory``: one builder at a time across processes."""
+    try:
+        import fcntl  # POSIX only
+    except ImportError:
+        raise BuildUnavailable("building needs fcntl (POSIX)") from None
     directory.parent.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S

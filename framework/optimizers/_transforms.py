@@ -71,7 +71,8 @@ CpuFused = Callable[[list[Tensor], Any, Sequence[Tensor], float, Sequence[Tensor
 
 def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable | None = None) -> Callable:
     """``fused(grads, state, params, lr, out16=None)``: the C++ CPU kernel (``cpu``) where it takes
-    the tensors, torch's fused kernel (``cuda``) on CUDA tensors, else ``update`` + apply."""
+    the tensors, else torch's fused kernel (``cuda``; it also runs on CPU tensors, about 4x faster
+    than the foreach transforms), else ``update`` + apply."""
 
     def fused(grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
               out16: Sequence[Tensor] | None = None) -> Any:
@@ -79,7 +80,7 @@ def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable
             new_state = cpu(grads, state, params, lr, out16)
             if new_state is not None:
                 return new_state
-        if cuda is not None and len(params) > 0 and all(p.is_cuda for p in params):
+        if cuda is not None and len(params) > 0 and all(p.device.type in ("cuda", "cpu") for p in params):
             state = cuda(grads, state, params, lr)
         else:
             updates, state = update(grads, state, params, lr)

@@ -74,6 +74,19 @@ def run_torch(name: str, lr: float, weight_decay: float, **kwargs) -> tuple[Tens
     return tuple(p.detach() for p in params)
 
 
+def _torch_all_decayed(name: str, lr: float, weight_decay: float, **kwargs) -> list[Tensor]:
+    params = [p.requires_grad_() for p in initial_params()]
+    opt = {"adamw": torch.optim.AdamW}[name](params, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
+    lr_at = schedule(lr)
+    for step in range(STEPS):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        for p, g in zip(params, grads_at(step)):
+            p.grad = g
+        opt.step()
+    return [p.detach() for p in params]
+
+
 def assert_close(actual, expected, what: str) -> None:
     for i, (a, e) in enumerate(zip(actual, expected)):
         assert not torch.equal(a, initial_params()[i]), f"{what}: group {i} never moved"
@@ -103,9 +116,15 @@ def path(request, monkeypatch):
         if ops.cpu_optim() is None:
             pytest.skip(f"C++ CPU optimizer kernels not built here: {kernel_reason()}")
         calls = []
+
+        def spy(real):
+            def kernel(*args, **kwargs):
+                calls.append(real.__name__)
+                return real(*args, **kwargs)
+            return kernel
+
         for name in ops.KERNELS:  # prove the kernel ran, not a silent fallback
-            real = getattr(ops, name)
-            monkeypatch.setattr(ops, name, lambda *a, _real=real, **k: (calls.append(1), _real(*a, **k))[1])
+            monkeypatch.setattr(ops, name, spy(getattr(ops, name)))
         yield request.param
         assert calls, "the C++ kernel was never called"
     else:
@@ -133,19 +152,6 @@ def test_adamw_matches_torch(path, decay_1d):
     else:
         expected = run_torch("adamw", cfg.lr, cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     assert_close(ours, expected, f"adamw ({path})")
-
-
-def _torch_all_decayed(name: str, lr: float, weight_decay: float, **kwargs) -> list[Tensor]:
-    params = [p.requires_grad_() for p in initial_params()]
-    opt = {"adamw": torch.optim.AdamW}[name](params, lr=lr, weight_decay=weight_decay, foreach=False, **kwargs)
-    lr_at = schedule(lr)
-    for step in range(STEPS):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        for p, g in zip(params, grads_at(step)):
-            p.grad = g
-        opt.step()
-    return [p.detach() for p in params]
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
@@ -260,8 +266,10 @@ def test_every_isa_and_thread_count_gives_identical_bits(kernels, kernel):
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_rounding_of_special_values(kernels, isa, dtype):
-    """lr=0 leaves params as they are, so out16 is the pure conversion: ties, overflow, subnormals."""
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_16bit_rounding_of_special_values(kernels, isa, dtype, offset):
+    """lr=0 leaves params as they are, so out16 is the pure conversion: ties, overflow, subnormals.
+    An aligned copy is written with non-temporal stores, an unaligned one (offset) with plain ones."""
     order = ["scalar", "avx2", "avx512"]
     if order.index(isa) > order.index(kernels.detected_isa()):
         pytest.skip(f"this CPU has no {isa}")
@@ -270,7 +278,7 @@ def test_16bit_rounding_of_special_values(kernels, isa, dtype):
                         dtype=torch.int64).to(torch.int32)
     values = torch.cat([bits.view(torch.float32), torch.randn(1000) * 1e4, torch.randn(37) * 1e-6])
     params = [values.clone()]
-    out16 = [torch.empty_like(values, dtype=dtype)]
+    out16 = [torch.empty(values.numel() + offset, dtype=dtype)[offset:]]
     zeros = [torch.zeros_like(values)]
     kernels.set_isa(isa)
     ops.adam_step(params, [torch.zeros_like(values)], zeros, [torch.zeros_like(values)], step=1, lr=0.0,

@@ -40,6 +40,10 @@ struct Scalar {
   // As Tensor.to(torch.bfloat16) / .to(torch.float16): round to nearest even.
   static inline void store_bf16(uint16_t* p, T x) { *p = c10::BFloat16(x).x; }
   static inline void store_fp16(uint16_t* p, T x) { *p = c10::Half(x).x; }
+  // Non-temporal variants (vector structs: aligned stores that bypass the cache; here plain).
+  static inline void stream_bf16(uint16_t* p, T x) { store_bf16(p, x); }
+  static inline void stream_fp16(uint16_t* p, T x) { store_fp16(p, x); }
+  static inline void fence() {}
 };
 
 #ifdef FRAMEWORK_OPS_X86
@@ -63,7 +67,7 @@ struct Avx2 {
     return _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_GT_OQ), one),
                          _mm256_and_ps(_mm256_cmp_ps(a, zero, _CMP_LT_OQ), one));
   }
-  static inline void store_bf16(uint16_t* p, T x) {
+  static inline __m128i to_bf16(T x) {
     // Round to nearest even on the bit pattern: add 0x7fff plus the lowest kept bit, keep the top
     // 16 bits; NaN becomes the canonical quiet NaN 0x7fc0 (as c10::BFloat16).
     const __m256i u = _mm256_castps_si256(x);
@@ -72,12 +76,15 @@ struct Avx2 {
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
     // packus works per 128-bit lane: elements 0-3 land in qword 0 and 4-7 in qword 2.
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
   }
-  static inline void store_fp16(uint16_t* p, T x) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static inline __m128i to_fp16(T x) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static inline void store_bf16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static inline void store_fp16(uint16_t* p, T x) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
+  // p 16-byte aligned.
+  static inline void stream_bf16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_bf16(x)); }
+  static inline void stream_fp16(uint16_t* p, T x) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), to_fp16(x)); }
+  static inline void fence() { _mm_sfence(); }
 };
 #pragma GCC pop_options
 
@@ -100,17 +107,20 @@ struct Avx512 {
     return _mm512_sub_ps(_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_GT_OQ), one),
                          _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, zero, _CMP_LT_OQ), one));
   }
-  static inline void store_bf16(uint16_t* p, T x) {
+  static inline __m256i to_bf16(T x) {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_cvtepi32_epi16(r);
   }
-  static inline void store_fp16(uint16_t* p, T x) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                        _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static inline __m256i to_fp16(T x) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static inline void store_bf16(uint16_t* p, T x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static inline void store_fp16(uint16_t* p, T x) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_fp16(x)); }
+  // p 32-byte aligned.
+  static inline void stream_bf16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(x)); }
+  static inline void stream_fp16(uint16_t* p, T x) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_fp16(x)); }
+  static inline void fence() { _mm_sfence(); }
 };
 #pragma GCC pop_options
 
