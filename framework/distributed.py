@@ -12,6 +12,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as tdist
+# torch.distributed.nn.functional binds group.WORLD as default arguments when it is imported.
+# torch imports it lazily (torch._dynamo does, e.g. on the first init of a meta-device tensor);
+# imported after init_process_group, it pins the group, destroy_process_group cannot free it,
+# and a gloo worker thread may then drop its last work (whose tensors need the GIL) during
+# interpreter shutdown: "terminate called without an active exception". Imported here,
+# before any group exists, those defaults are None.
+import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
 
 from framework.errors import ConfigError, DistributedError
 
