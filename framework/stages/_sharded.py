@@ -18,7 +18,7 @@ from framework.offload.base import Piece, Placement
 from framework.precision import Policy
 from framework.stages._flat import Layout, bind, make_layout, param_groups
 from framework.stages.base import Setup, WholeParameters
-from framework.utils import tensor_bytes
+from framework.utils import sq_norm, tensor_bytes
 
 
 @dataclass(kw_only=True)
@@ -92,12 +92,10 @@ class ShardedStage(WholeParameters):
                 for g in self.offload.grads(part, pieces)]
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        local = torch.zeros(1, dtype=torch.float32, device=self.dist.device)
-        for g in grads:
-            local += torch.dot(g, g)
+        local = sq_norm(grads, self.dist.device)
         # Partitions are disjoint: the global squared norm is the sum over ranks.
         self.dist.all_reduce(local, what="gradient norm all-reduce")
-        return local[0]
+        return local
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         mine = set()

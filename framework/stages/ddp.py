@@ -17,7 +17,7 @@ from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
 from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
-from framework.utils import tensor_bytes
+from framework.utils import sq_norm, tensor_bytes
 from framework.stages.base import Setup, WholeParameters
 
 
@@ -91,7 +91,7 @@ class DDPStage(WholeParameters):
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Gradients are replicated after the all-reduce: the local norm is the global one.
-        return sum(torch.dot(g, g) for g in grads)
+        return sq_norm(grads, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         return [s.name for g, lay in zip(grads, self.layouts) for s in lay.slots

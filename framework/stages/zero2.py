@@ -31,9 +31,11 @@ class Zero2Stage(ShardedStage):
         self.part = [torch.zeros(hi - lo, dtype=dtype, device=self.dist.device) for lo, hi in self.bounds]
         buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size)
         self.launcher = OrderedLauncher(buckets, self._launch)
+        # Without overlap_comm each bucket completes before the next is filled: one buffer does.
+        n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0
         size = max(b.numel for b in buckets)
-        self.free = ([torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(IN_FLIGHT)]
-                     if self.cfg.contiguous_gradients else [])
+        self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
+        self.buffer_elems = n * size
         self.in_flight: deque = deque()
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
@@ -98,9 +100,8 @@ class Zero2Stage(ShardedStage):
             g.zero_()
 
     def _grad_memory(self) -> dict[str, int]:
-        buffers = IN_FLIGHT * max(b.numel for b in self.launcher.buckets) if self.cfg.contiguous_gradients else 0
         return {"grads": tensor_bytes(self.part),
-                "comm_buffers": buffers * torch.empty((), dtype=self.policy.reduce_dtype).element_size()}
+                "comm_buffers": self.buffer_elems * torch.empty((), dtype=self.policy.reduce_dtype).element_size()}
 
 
 def build(cfg: ZeroConfig, *, dist, offload) -> Zero2Stage:

@@ -119,3 +119,14 @@ def test_model_built_on_meta_gets_the_same_values():
     assert not any(p.is_meta for p in engine.components.module.parameters())
     torch.testing.assert_close(flat_params(engine.components.module), flat_params(real), rtol=0, atol=0)
     assert engine.components.module.output_weight is engine.components.module.wte.weight  # still tied
+
+
+def test_sq_norm_is_accurate_on_millions_of_elements():
+    # The gradient norm feeds clipping: a plain fp32 dot over 10 M elements is off by ~1e-5.
+    g = torch.randn(10_000_003, generator=torch.Generator().manual_seed(0)) * 1e-3
+    truth = g.double().square().sum().item()
+    got = framework.utils.sq_norm([g[:7], g[7:]], torch.device("cpu"))
+    assert got.dtype == torch.float64
+    assert abs(got.item() - truth) / truth < 1e-7
+    half = framework.utils.sq_norm([torch.ones(5, dtype=torch.bfloat16)], torch.device("cpu"))
+    assert half.item() == 5.0 and framework.utils.sq_norm([], torch.device("cpu")).item() == 0.0
