@@ -32,7 +32,9 @@ cpu_optim() -> module | None       the loaded extension, or None after ONE warni
 available() -> bool                ``cpu_optim() is not None``
 usable(*tensor_lists, out16=None) -> bool
     True when every tensor is a contiguous CPU fp32 tensor (``out16``: bf16/fp16) and the kernels
-    are available; checks the tensors first, so it never builds for CUDA tensors.
+    are available; checks the tensors first, so it never builds for CUDA tensors. Always False
+    while FRAMEWORK_OPS=0 (read on every call): the optimizers then take their pure-PyTorch path,
+    which is how the tests run one configuration both ways.
 build() -> module                  build (or import) now; raises BuildUnavailable with the reason
 status() -> dict                   built, reason, build_dir, isa, detected_isa, threads, kernels
 BuildUnavailable                   the error type
@@ -79,7 +81,7 @@ def _half_cpu(tensors: Iterable[Tensor]) -> bool:
 
 def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = None) -> bool:
     """Whether the kernels can run on these tensors (checked before any build is triggered)."""
-    if not all(_fp32_cpu(ts) for ts in tensor_lists):
+    if not _loader.kernels_enabled() or not all(_fp32_cpu(ts) for ts in tensor_lists):
         return False
     if out16 is not None and not _half_cpu(out16):
         return False

@@ -8,6 +8,7 @@ that the kernel drops if a builder dies, so a ``lock`` file that torch left behi
 killed midway is known to be stale and removed.
 
 Environment:
+    FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
     FRAMEWORK_OPS_BUILD=0       never compile; use a finished build if there is one, else fall back
     FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
     FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
@@ -71,6 +72,10 @@ def build_dir() -> Path:
     digest.update(" ".join(CFLAGS).encode())
     abi = f"torch-{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
     return cache_root() / abi / f"cpu_optim-{digest.hexdigest()[:12]}"
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("FRAMEWORK_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def building_enabled() -> bool:

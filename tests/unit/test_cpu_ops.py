@@ -427,3 +427,11 @@ def test_cli_prints_status_and_exits_0():
         built = subprocess.run([sys.executable, "-m", "framework.ops", "build"], capture_output=True, text=True,
                                cwd=REPO, timeout=300)
         assert built.returncode == 0 and "built in" in built.stdout, built.stderr
+
+
+def test_framework_ops_0_turns_the_kernels_off(monkeypatch):
+    t = [torch.zeros(8)]
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")
+    assert not ops.usable(t, t)
+    monkeypatch.delenv("FRAMEWORK_OPS")
+    assert ops.usable(t, t) == ops.available()
