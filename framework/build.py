@@ -40,7 +40,7 @@ class Engine:
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""
-        ledger = dict(self.components.stage.memory())
+        ledger = {**self.components.stage.memory(), **self.components.update.memory()}
         ledger["optimizer_state"] = tensor_bytes(tensors_in(state.opt_state))
         ledger["total"] = sum(ledger.values())
         return ledger
@@ -63,7 +63,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | Non
     optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
-    c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist)
+    c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
+                   stage.make_update(optimizer))
     return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
 
 

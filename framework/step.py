@@ -16,10 +16,11 @@ from torch import nn
 
 from framework.batch import Batch
 from framework.distributed import Dist
-from framework.optimizers import GradientTransformation, step as optimizer_step
+from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import Stage
 from framework.state import TrainState, capture_rng, restore_rng
+from framework.update import Update
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -34,6 +35,7 @@ class Components:
     schedule: Callable[[int], float]
     grad_clip: float              # 0 disables clipping
     dist: Dist
+    update: Update                # optimizer step + publish (framework.update)
 
 
 def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
@@ -48,11 +50,14 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         restore_rng(state.rng, c.dist.device)
         scale = state.precision.cur_scale
         n = len(batch.micro)
+        lr = c.schedule(state.applied_steps)
+        c.update.arm(state.opt_state, state.params, lr, scale)
         loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
         for k, micro in enumerate(batch.micro):
             loss = c.loss_fn(c.module, micro)
             c.stage.backward(loss * (scale / n), sync=k == n - 1)
             loss_sum += loss.detach().float()
+        c.update.drain()
         grads = c.stage.reduce_grads()
         # One global norm serves clipping and overflow detection: inf/nan propagate through it,
         # so every rank reaches the same skip decision. Sync point (.item()).
@@ -60,16 +65,15 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         overflow = not math.isfinite(norm)
         precision = next_scale(c.policy.scaler, state.precision, overflow,
                                culprits=lambda: c.stage.nonfinite_names(grads))
-        lr = c.schedule(state.applied_steps)
         opt_state = state.opt_state
-        if not overflow:
+        if overflow:
+            c.update.skip()
+        else:
             coef = 1.0 / scale
             if c.grad_clip > 0 and norm > c.grad_clip:
                 coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-            if coef != 1.0:
-                torch._foreach_mul_(grads, coef)
-            opt_state = optimizer_step(c.optimizer, grads, opt_state, state.params, lr)
-            c.stage.publish(list(state.params))
+            # grads *= coef, optimizer step, updated values -> working parameters
+            opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
         c.stage.zero_grads()
         # The logged loss is the mean over the global batch (ranks hold equal shares).
         c.dist.all_reduce(loss_sum, what="loss all-reduce")

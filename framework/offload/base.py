@@ -24,8 +24,9 @@ class Piece:
 class Placement:
     """Splits partitions between host (the first ``host_fraction``) and device."""
 
-    def __init__(self, host_fraction: float, pin: bool, params_on_host: bool):
+    def __init__(self, host_fraction: float, pin: bool, params_on_host: bool, overlap_step: bool = False):
         self.host_fraction, self.pin, self.params_on_host = host_fraction, pin, params_on_host
+        self.overlap_step = overlap_step  # see framework/offload/_overlap.py
 
     @property
     def host(self) -> torch.device:
@@ -36,14 +37,19 @@ class Placement:
         out.copy_(t)
         return out
 
-    def place(self, own: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
-        """Master pieces of one owned partition ``own`` (the working values on the device)."""
+    def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None) -> list[Piece]:
+        """Master pieces of one owned partition ``own`` (the working values on the device).
+
+        With ``overlap_step`` the host part is cut into pieces of ``chunk`` elements: the
+        pieces are what the overlapped host step takes up one at a time."""
         n = own.numel()
         k = round(self.host_fraction * n)
+        step = chunk if self.overlap_step and chunk else max(k, 1)
         pieces = []
-        if k > 0:
-            pieces.append(Piece(0, k, self._host_copy(own[:k], master_dtype),
-                                torch.zeros(k, dtype=master_dtype, device=self.host, pin_memory=self.pin)))
+        for a in range(0, k, step):
+            b = min(a + step, k)
+            pieces.append(Piece(a, b, self._host_copy(own[a:b], master_dtype),
+                                torch.zeros(b - a, dtype=master_dtype, device=self.host, pin_memory=self.pin)))
         if k < n:  # kept on the device; fp32 training updates the working values in place
             rest = own[k:]
             pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))

@@ -8,16 +8,20 @@ every rank's updated partition is gathered back into the working buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from framework.distributed import Dist
 from framework.errors import ConfigError
+from framework.offload._overlap import OverlappedHostStep
 from framework.offload.base import Piece, Placement
+from framework.optimizers import GradientTransformation
 from framework.precision import Policy
 from framework.stages._flat import Layout, bind, make_layout, param_groups
 from framework.stages.base import Setup, WholeParameters
+from framework.update import PlainUpdate, Update
 from framework.utils import sq_norm, tensor_bytes
 
 
@@ -39,7 +43,11 @@ def check(cfg: ZeroConfig) -> None:
 
 
 class ShardedStage(WholeParameters):
-    """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
+    """Base of zero1/zero2/zero3; subclasses own the gradient path (``_setup_grads`` and friends)."""
+
+    # Set by an overlapped Update: called with (group, lo, hi, partition gradient) when the
+    # reduced gradient of that partition range is final for this step (zero2 reports it).
+    on_grads_final: Callable[[int, int, int, torch.Tensor], None] | None = None
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         check(cfg)
@@ -62,13 +70,17 @@ class ShardedStage(WholeParameters):
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
-            self.pieces.append(self.offload.place(flat[lo:hi], policy.master_dtype))
+            self.pieces.append(self.offload.place(flat[lo:hi], policy.master_dtype, self._host_chunk()))
             self.layouts.append(layout)
             self.flats.append(flat)
             self.bounds.append((lo, hi))
             entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
         self._setup_grads(entries)
         return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+
+    def _host_chunk(self) -> int:
+        """Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step."""
+        return -(-self.cfg.reduce_bucket_size // self.dist.world)
 
     @property
     def master(self) -> list[torch.Tensor]:
@@ -88,11 +100,15 @@ class ShardedStage(WholeParameters):
         raise NotImplementedError
 
     def reduce_grads(self) -> list[torch.Tensor]:
-        return [g for part, pieces in zip(self._partition_grads(), self.pieces)
+        self._reduced = self._partition_grads()
+        return [g for part, pieces in zip(self._reduced, self.pieces)
                 for g in self.offload.grads(part, pieces)]
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        local = sq_norm(grads, self.dist.device)
+        # Over the reduced partitions (the values of ``grads``, on the device) rather than over
+        # the pieces the offload target cut them into: how a partition is cut must not change
+        # the rounding of the norm, so offload and overlap settings give identical steps.
+        local = sq_norm(self._reduced, self.dist.device)
         # Partitions are disjoint: the global squared norm is the sum over ranks.
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
@@ -108,9 +124,28 @@ class ShardedStage(WholeParameters):
 
     def publish(self, master: list[torch.Tensor]) -> None:
         # ``master`` is the state's list: the same tensors as the pieces, updated in place.
-        for flat, pieces, (lo, hi), layout in zip(self.flats, self.pieces, self.bounds, self.layouts):
-            self.offload.publish(flat[lo:hi], pieces)
+        for k in range(len(self.piece_index)):
+            self.publish_piece(k)
+        self.publish_finish()
+
+    def publish_piece(self, k: int) -> None:
+        """Master piece ``k`` (in ``master`` order) -> its place in the working partition."""
+        g, start = self.piece_index[k]
+        self.offload.publish(self._working(g), [p for p in self.pieces[g] if p.start == start])
+
+    def _working(self, g: int) -> torch.Tensor:
+        lo, hi = self.bounds[g]
+        return self.flats[g][lo:hi]
+
+    def publish_finish(self) -> None:
+        """After every piece is published: make the working parameters whole again."""
+        for flat, layout in zip(self.flats, self.layouts):
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
+
+    def make_update(self, tx: GradientTransformation) -> Update:
+        if self.offload.overlap_step and any(p.grad is not None for ps in self.pieces for p in ps):
+            return OverlappedHostStep(tx, self)
+        return PlainUpdate(tx, self)
 
     def memory(self) -> dict[str, int]:
         return {"params": tensor_bytes(self.flats), **master_memory(self.pieces, self.flats, self.bounds),

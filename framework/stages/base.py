@@ -11,7 +11,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from framework.optimizers import GradientTransformation
 from framework.precision import Policy
+from framework.update import PlainUpdate, Update
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class Stage(Protocol):
     def memory(self) -> dict[str, int]:
         """Per-rank bytes: params, grads, master_params, comm_buffers (optimizer state is added by the caller)."""
 
+    def make_update(self, tx: GradientTransformation) -> Update:
+        """How optimizer steps are applied and published (framework.update)."""
+
     def stats(self) -> dict:
         """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""
 
@@ -65,6 +70,9 @@ class WholeParameters:
 
     def stats(self) -> dict:
         return {}
+
+    def make_update(self, tx: GradientTransformation) -> Update:
+        return PlainUpdate(tx, self)
 
     def export_state_dict(self) -> dict | None:
         return None  # the plain module's own state_dict already holds full weights

@@ -82,10 +82,13 @@ class Zero2Stage(ShardedStage):
             own = own_overlap(start, start + t.numel(), lo, hi)
             if own is not None:
                 self.part[b.group][own[0] - lo:own[1] - lo] += t[own[0] - start:own[1] - start]
+                if self.sync and self.on_grads_final is not None:
+                    self.on_grads_final(b.group, own[0] - lo, own[1] - lo, self.part[b.group])
         if buf is not None:
             self.free.append(buf._base if buf._base is not None else buf)
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.sync = sync
         self.launcher.arm()
         (loss / self.dist.world).backward()
         self.launcher.flush()  # buckets of parameters that got no gradient

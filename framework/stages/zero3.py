@@ -137,7 +137,7 @@ class Zero3Stage(ShardedStage):
             replace_parameter(module, p, sp)
             params.append(sp)
             del values
-        pieces = self.offload.place(shard, policy.master_dtype)
+        pieces = self.offload.place(shard, policy.master_dtype, self._host_chunk())
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.reduce_dtype, device=device),
                           pieces=pieces)
         self.groups.append(group)
@@ -164,9 +164,13 @@ class Zero3Stage(ShardedStage):
         for g in self.groups:
             g.grad().zero_()
 
-    def publish(self, master: list[torch.Tensor]) -> None:
-        for g in self.groups:
-            self.offload.publish(g.shard, g.pieces)
+    def _working(self, g: int) -> torch.Tensor:
+        return self.groups[g].shard
+
+    def _host_chunk(self) -> int | None:
+        return None  # one piece per unit group already: the pipeline's unit
+
+    def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
             self.gatherer.release_now(persistent)

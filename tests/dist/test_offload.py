@@ -91,3 +91,65 @@ def test_parameter_offload_needs_zero3():
         framework.compose(["+stage=zero2", "offload=cpu", "offload.params=true"])
     with pytest.raises(framework.ConfigError, match="offload=cpu is not supported with stage=ddp"):
         framework.compose(["offload=cpu"])
+
+
+def _train_overlap(dist, overrides, inf_at=None):
+    """offload=cpu training; returns (losses, full params, skipped flags, pieces kept, rolled back)."""
+    cfg = tiny_config(*ODD, "offload=cpu", *overrides)
+    module, data = build_gpt(cfg)
+    step_no = [0]
+
+    def loss_fn(m, micro):
+        loss = gpt_loss(m, micro)
+        return loss * float("inf") if step_no[0] == inf_at and dist.rank == 0 else loss
+
+    engine = framework.initialize(module, loss_fn, cfg, dist)
+    state, losses, skipped = engine.state, [], []
+    for step in range(cfg.train.steps):
+        step_no[0] = step
+        batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, m = engine.train_step(state, batch)
+        losses.append(m["loss"])
+        skipped.append(m["skipped"])
+    update = engine.components.update
+    return (losses, _full(engine), skipped, getattr(update, "kept", None), getattr(update, "rolled_back", None),
+            engine.memory(state))
+
+
+def _overlap_pair(dist, overrides, inf_at):
+    return (_train_overlap(dist, overrides, inf_at),
+            _train_overlap(dist, [*overrides, "offload.overlap_step=true"], inf_at))
+
+
+BUCKETS = ["stage.reduce_bucket_size=1500"]
+OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect kept, expect rolled back)
+    "zero2 never clipped": (["+stage=zero2", *BUCKETS, "train.grad_clip=0"], None, True, False),
+    "zero2 clipped": (["+stage=zero2", *BUCKETS, "stage.overlap_comm=true"], None, False, True),
+    "zero2 fp16 skip": (["+stage=zero2", *BUCKETS, "precision=fp16", "train.grad_clip=0"], 4, True, True),
+    "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
+    "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
+    "zero3 params": (["+stage=zero3", "offload.params=true",
+                      "stage.stage3_param_persistence_threshold=0"], None, False, False),
+}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_overlapped_host_step_is_identical(pools, world, case):
+    """offload.overlap_step=true gives bit-identical results: speculative pieces are kept when the
+    step is neither clipped nor skipped, rolled back otherwise; the rest is pipelined."""
+    overrides, inf_at, expect_kept, expect_rolled = OVERLAP_CASES[case]
+    results = [_overlap_pair(_local(), overrides, inf_at)] if world == 1 else \
+        pools(world).run(_overlap_pair, overrides, inf_at, timeout=240)
+    for rank, (plain, overlap) in enumerate(results):
+        assert overlap[0] == plain[0], f"{case} rank {rank}: losses differ"
+        assert torch.equal(overlap[1], plain[1]), f"{case} rank {rank}: parameters differ"
+        assert overlap[2] == plain[2]
+        if inf_at is not None:
+            assert overlap[2][inf_at], "the injected overflow was not skipped"
+        kept, rolled = overlap[3], overlap[4]
+        if expect_kept is not None:
+            assert (kept > 0) == expect_kept, (case, kept)
+            assert (rolled > 0) == expect_rolled, (case, rolled)
+        assert (overlap[5]["host_overlap_buffers"] > 0) == bool(kept or rolled)
+        assert "host_overlap_buffers" not in plain[5]

@@ -1,0 +1,136 @@
+"""The host optimizer step, overlapped with backward and with the copy back (offload.overlap_step).
+
+Without overlap the host sits idle through backward and the device waits for the whole host
+step. Here a worker thread (torch's kernels and ours release the GIL) takes over the host
+pieces of the master partition:
+
+* during backward, as soon as the stage reports a piece's reduced gradient final (zero2 does
+  so per bucket on the last micro batch), the worker copies it to the host and *speculatively*
+  steps that piece as if the step will be neither clipped nor skipped;
+* after backward the global norm decides. If the step is in fact unclipped and finite, the
+  speculative pieces are exactly what the plain step computes (same element-wise arithmetic,
+  see ``optimizers._subset``) and are kept; otherwise they are rolled back from the copies
+  taken just before (parameters and optimizer state of each piece) and stepped again;
+* the remaining pieces are stepped one after another by the worker while the main thread
+  copies each finished piece back into the working parameters, then the stage gathers.
+
+So results are identical to the plain order in every case; what speculation costs is host
+memory for the undo copies (master + optimizer state of the host pieces, reported in the
+memory ledger) and, when a step is clipped or skipped, the redone work. Speculation is
+skipped after a step that was clipped or skipped (it would most likely be wasted again).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from framework.optimizers import GradientTransformation
+from framework.optimizers._subset import group_state, step_groups
+from framework.utils import tensor_bytes
+
+
+class OverlappedHostStep:
+    """The ``Update`` of a sharded stage whose master partition has host pieces."""
+
+    def __init__(self, tx: GradientTransformation, stage: Any):
+        self.tx, self.stage = tx, stage
+        # Master pieces in the optimizer's order: (group, Piece).
+        self.index = [(g, pc) for g, pieces in enumerate(stage.pieces) for pc in pieces]
+        self.host = {k for k, (_, pc) in enumerate(self.index) if pc.grad is not None}
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
+        self.undo: dict[int, list[Tensor]] = {}
+        self.speculate = True   # cleared after a clipped or skipped step
+        self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
+        self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
+        self.scale = 1.0
+        self.jobs: dict[int, Future] = {}
+        self.covered: dict[int, int] = {}
+        stage.on_grads_final = self.ready
+
+    # --- during backward -------------------------------------------------------------------
+
+    def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
+        self.jobs, self.covered, self.scale = {}, dict.fromkeys(self.host, 0), scale
+        self.ctx = (opt_state, list(params), lr, scale) if self.speculate else None
+
+    def ready(self, group: int, lo: int, hi: int, partition_grad: Tensor) -> None:
+        """The stage's reduced gradient of partition range [lo, hi) of ``group`` is final."""
+        if self.ctx is None:
+            return
+        for k in self.host:
+            g, pc = self.index[k]
+            n = min(hi, pc.end) - max(lo, pc.start)
+            if g == group and n > 0:
+                self.covered[k] += n
+                if self.covered[k] == pc.end - pc.start:
+                    self.jobs[k] = self.pool.submit(self._speculate, k, partition_grad[pc.start:pc.end])
+
+    def _speculate(self, k: int, src: Tensor) -> Any:
+        opt_state, params, lr, scale = self.ctx
+        _, pc = self.index[k]
+        pc.grad.copy_(src)
+        grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
+        if scale != 1.0:
+            grad.mul_(1.0 / scale)  # what the plain step's unclipped coefficient does
+        saved = [pc.master, *group_state(opt_state, len(params), k)]
+        if k not in self.undo:
+            self.undo[k] = [torch.empty_like(t) for t in saved]
+        for dst, t in zip(self.undo[k], saved):
+            dst.copy_(t)
+        return step_groups(self.tx, {k: grad}, opt_state, params, lr)
+
+    def drain(self) -> None:
+        """Wait for the speculative steps: the stage copies gradients to the host next."""
+        for job in self.jobs.values():
+            job.exception()  # wait; errors are raised by result() in apply/skip
+
+    # --- after the norm --------------------------------------------------------------------
+
+    def _settle(self, exact: bool) -> tuple[set[int], Any]:
+        """Keep (exact) or roll back the speculative pieces; (kept pieces, a state they returned)."""
+        results = {k: job.result() for k, job in self.jobs.items()}
+        self.jobs = {}
+        if exact:
+            self.kept += len(results)
+            return set(results), next(iter(results.values()), None)
+        self.rolled_back += len(results)
+        opt_state, params = self.ctx[0], self.ctx[1]
+        for k in results:
+            _, pc = self.index[k]
+            for dst, t in zip([pc.master, *group_state(opt_state, len(params), k)], self.undo[k]):
+                dst.copy_(t)
+        return set(), None
+
+    def skip(self) -> None:
+        if self.ctx is not None:
+            self._settle(exact=False)
+        self.speculate = False
+
+    def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
+              lr: float) -> Any:
+        clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
+        done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
+        self.speculate = clean
+        rest = [k for k in range(len(self.index)) if k not in done]
+        if coef != 1.0 and rest:
+            torch._foreach_mul_([grads[k] for k in rest], coef)
+        for k in done:  # copy back while the worker steps the rest
+            self.stage.publish_piece(k)
+        host_rest = [k for k in rest if k in self.host]
+        jobs = [(k, self.pool.submit(step_groups, self.tx, {k: grads[k]}, opt_state, params, lr)) for k in host_rest]
+        device_rest = [k for k in rest if k not in self.host]
+        if device_rest:  # (offload.ratio < 1) stepped here, on the device, meanwhile
+            new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr)
+            for k in device_rest:
+                self.stage.publish_piece(k)
+        for k, job in jobs:
+            new_state = job.result()
+            self.stage.publish_piece(k)
+        self.stage.publish_finish()
+        return new_state
+
+    def memory(self) -> dict[str, int]:
+        return {"host_overlap_buffers": tensor_bytes(t for ts in self.undo.values() for t in ts)}

@@ -1,0 +1,68 @@
+"""One optimizer step over some of the groups: the building block of pipelined host steps.
+
+A transform's per-group settings (the weight-decay mask) are aligned with the full list of
+groups, so a subset is stepped by passing the full list with every other group replaced by
+an empty slice: kernels and transforms skip empty tensors and leave those groups' state
+alone. State tensors are updated in place (see ``_transforms``), so the steps of disjoint
+subsets land in the one full state; only scalar leaves (step counts) come from the state a
+call returns, and every call advances them from the same old state, i.e. exactly once.
+Each group sees the same element-wise arithmetic as in a step over all groups at once.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+from torch import Tensor
+
+from framework.optimizers._transforms import GradientTransformation, step
+
+
+def _is_group_list(x: Any, n: int) -> bool:
+    return isinstance(x, list) and len(x) == n and all(isinstance(t, Tensor) for t in x)
+
+
+def _map_groups(state: Any, n: int, fn: Callable[[list[Tensor]], list[Tensor]]) -> Any:
+    """``state`` with every per-group tensor list replaced by ``fn(list)``."""
+    if _is_group_list(state, n):
+        return fn(state)
+    if isinstance(state, tuple):
+        items = [_map_groups(s, n, fn) for s in state]
+        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+    return state
+
+
+def _merge(full: Any, new: Any, n: int) -> Any:
+    """``new``'s scalars with ``full``'s per-group tensor lists (updated in place)."""
+    if _is_group_list(full, n):
+        return full
+    if isinstance(full, tuple):
+        items = [_merge(f, s, n) for f, s in zip(full, new, strict=True)]
+        return type(new)(*items) if hasattr(new, "_fields") else tuple(items)
+    return new
+
+
+def group_state(state: Any, n: int, i: int) -> list[Tensor]:
+    """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
+    out: list[Tensor] = []
+
+    def take(ts: list[Tensor]) -> list[Tensor]:
+        out.append(ts[i])
+        return ts
+
+    _map_groups(state, n, take)
+    return out
+
+
+def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: Any,
+                params: Sequence[Tensor], lr: float) -> Any:
+    """``step`` on the groups in ``grads`` (group index -> gradient) only, in place; returns
+    the full new state (its step counts advanced once, as by a step over all groups)."""
+    n = len(params)
+
+    def only(ts: Sequence[Tensor]) -> list[Tensor]:
+        return [t if i in grads else t.reshape(-1)[:0] for i, t in enumerate(ts)]
+
+    sub = _map_groups(state, n, only)
+    new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
+               sub, only(params), lr)
+    return _merge(state, new, n)
