@@ -40,7 +40,7 @@ class PlainUpdate:
               lr: float) -> Any:
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
-        opt_state = optimizer_step(self.tx, grads, opt_state, params, lr)
+        opt_state = optimizer_step(self.tx, grads, opt_state, params, lr, self.stage.out16())
         self.stage.publish(list(params))
         return opt_state
 

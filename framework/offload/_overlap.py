@@ -40,6 +40,7 @@ class OverlappedHostStep:
         # Master pieces in the optimizer's order: (group, Piece).
         self.index = [(g, pc) for g, pieces in enumerate(stage.pieces) for pc in pieces]
         self.host = {k for k, (_, pc) in enumerate(self.index) if pc.grad is not None}
+        self.out16 = stage.out16()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
@@ -80,7 +81,7 @@ class OverlappedHostStep:
             self.undo[k] = [torch.empty_like(t) for t in saved]
         for dst, t in zip(self.undo[k], saved):
             dst.copy_(t)
-        return step_groups(self.tx, {k: grad}, opt_state, params, lr)
+        return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
 
     def drain(self) -> None:
         """Wait for the speculative steps: the stage copies gradients to the host next."""
@@ -120,10 +121,12 @@ class OverlappedHostStep:
         for k in done:  # copy back while the worker steps the rest
             self.stage.publish_piece(k)
         host_rest = [k for k in rest if k in self.host]
-        jobs = [(k, self.pool.submit(step_groups, self.tx, {k: grads[k]}, opt_state, params, lr)) for k in host_rest]
+        jobs = [(k, self.pool.submit(step_groups, self.tx, {k: grads[k]}, opt_state, params, lr, self.out16))
+                for k in host_rest]
         device_rest = [k for k in rest if k not in self.host]
         if device_rest:  # (offload.ratio < 1) stepped here, on the device, meanwhile
-            new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr)
+            new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr,
+                                    self.out16)
             for k in device_rest:
                 self.stage.publish_piece(k)
         for k, job in jobs:

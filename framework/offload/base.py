@@ -19,6 +19,9 @@ class Piece:
     end: int
     master: torch.Tensor     # fp32 (master dtype) values of that range, on host or device
     grad: torch.Tensor | None  # host buffer the gradients are copied into (None: use a view)
+    # Host pieces of 16-bit training: the optimizer writes the updated values here in the
+    # working dtype (the C++ kernels in the same pass), so half the bytes travel back.
+    staging: torch.Tensor | None = None
 
 
 class Placement:
@@ -48,8 +51,11 @@ class Placement:
         pieces = []
         for a in range(0, k, step):
             b = min(a + step, k)
+            staging = None if own.dtype == master_dtype else \
+                torch.empty(b - a, dtype=own.dtype, device=self.host, pin_memory=self.pin)
             pieces.append(Piece(a, b, self._host_copy(own[a:b], master_dtype),
-                                torch.zeros(b - a, dtype=master_dtype, device=self.host, pin_memory=self.pin)))
+                                torch.zeros(b - a, dtype=master_dtype, device=self.host, pin_memory=self.pin),
+                                staging))
         if k < n:  # kept on the device; fp32 training updates the working values in place
             rest = own[k:]
             pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
@@ -73,7 +79,7 @@ class Placement:
         for p in pieces:
             dst = own[p.start:p.end]
             if p.master.data_ptr() != dst.data_ptr():
-                dst.copy_(p.master, non_blocking=True)
+                dst.copy_(p.staging if p.staging is not None else p.master, non_blocking=True)
 
     def shard_device(self, device: torch.device) -> torch.device:
         """Where zero3 keeps working parameter shards between gathers."""

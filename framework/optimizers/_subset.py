@@ -54,9 +54,10 @@ def group_state(state: Any, n: int, i: int) -> list[Tensor]:
 
 
 def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: Any,
-                params: Sequence[Tensor], lr: float) -> Any:
+                params: Sequence[Tensor], lr: float, out16: Sequence[Tensor] | None = None) -> Any:
     """``step`` on the groups in ``grads`` (group index -> gradient) only, in place; returns
-    the full new state (its step counts advanced once, as by a step over all groups)."""
+    the full new state (its step counts advanced once, as by a step over all groups).
+    ``out16``: as for ``step``, one per group (all groups, like ``params``)."""
     n = len(params)
 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:
@@ -64,5 +65,5 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
 
     sub = _map_groups(state, n, only)
     new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
-               sub, only(params), lr)
+               sub, only(params), lr, None if out16 is None else only(out16))
     return _merge(state, new, n)

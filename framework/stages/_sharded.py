@@ -142,6 +142,15 @@ class ShardedStage(WholeParameters):
         for flat, layout in zip(self.flats, self.layouts):
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
 
+    def out16(self) -> list[torch.Tensor] | None:
+        """Where the optimizer also writes the updated values in the working dtype, one per master
+        piece: a host piece's staging buffer (what travels back), else the working slice itself.
+        None unless some host piece stages (16-bit training with offload)."""
+        if not any(p.staging is not None for ps in self.pieces for p in ps):
+            return None
+        return [p.staging if p.staging is not None else self._working(g)[p.start:p.end]
+                for g, ps in enumerate(self.pieces) for p in ps]
+
     def make_update(self, tx: GradientTransformation) -> Update:
         if self.offload.overlap_step and any(p.grad is not None for ps in self.pieces for p in ps):
             return OverlappedHostStep(tx, self)

@@ -52,6 +52,9 @@ class Stage(Protocol):
     def make_update(self, tx: GradientTransformation) -> Update:
         """How optimizer steps are applied and published (framework.update)."""
 
+    def out16(self) -> list[torch.Tensor] | None:
+        """16-bit outputs the optimizer step writes along with the master values (see _sharded)."""
+
     def stats(self) -> dict:
         """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""
 
@@ -73,6 +76,9 @@ class WholeParameters:
 
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
+
+    def out16(self) -> list[torch.Tensor] | None:
+        return None  # publish converts the master values itself
 
     def export_state_dict(self) -> dict | None:
         return None  # the plain module's own state_dict already holds full weights

@@ -112,6 +112,8 @@ def _train_overlap(dist, overrides, inf_at=None):
         losses.append(m["loss"])
         skipped.append(m["skipped"])
     update = engine.components.update
+    if "precision=bf16" in overrides:  # host pieces send back bf16 written by the optimizer step
+        assert all(t.dtype == torch.bfloat16 for t in engine.components.stage.out16())
     return (losses, _full(engine), skipped, getattr(update, "kept", None), getattr(update, "rolled_back", None),
             engine.memory(state))
 
@@ -126,6 +128,7 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
     "zero2 never clipped": (["+stage=zero2", *BUCKETS, "train.grad_clip=0"], None, True, False),
     "zero2 clipped": (["+stage=zero2", *BUCKETS, "stage.overlap_comm=true"], None, False, True),
     "zero2 fp16 skip": (["+stage=zero2", *BUCKETS, "precision=fp16", "train.grad_clip=0"], 4, True, True),
+    "zero2 bf16 staged": (["+stage=zero2", *BUCKETS, "precision=bf16", "train.grad_clip=0"], None, True, False),
     "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
     "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
     "zero3 params": (["+stage=zero3", "offload.params=true",
