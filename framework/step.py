@@ -52,28 +52,34 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         n = len(batch.micro)
         lr = c.schedule(state.applied_steps)
         c.update.arm(state.opt_state, state.params, lr, scale)
-        loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
-        for k, micro in enumerate(batch.micro):
-            loss = c.loss_fn(c.module, micro)
-            c.stage.backward(loss * (scale / n), sync=k == n - 1)
-            loss_sum += loss.detach().float()
-        c.update.drain()
-        grads = c.stage.reduce_grads()
-        # One global norm serves clipping and overflow detection: inf/nan propagate through it,
-        # so every rank reaches the same skip decision. Sync point (.item()).
-        norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale
-        overflow = not math.isfinite(norm)
-        precision = next_scale(c.policy.scaler, state.precision, overflow,
-                               culprits=lambda: c.stage.nonfinite_names(grads))
-        opt_state = state.opt_state
-        if overflow:
-            c.update.skip()
-        else:
-            coef = 1.0 / scale
-            if c.grad_clip > 0 and norm > c.grad_clip:
-                coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-            # grads *= coef, optimizer step, updated values -> working parameters
-            opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
+        try:
+            loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
+            for k, micro in enumerate(batch.micro):
+                loss = c.loss_fn(c.module, micro)
+                c.stage.backward(loss * (scale / n), sync=k == n - 1)
+                loss_sum += loss.detach().float()
+            c.update.drain()
+            grads = c.stage.reduce_grads()
+            # One global norm serves clipping and overflow detection: inf/nan propagate through
+            # it, so every rank reaches the same skip decision. Sync point (.item()).
+            norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale
+            overflow = not math.isfinite(norm)
+            opt_state = state.opt_state
+            if overflow:
+                c.update.skip()
+            precision = next_scale(c.policy.scaler, state.precision, overflow,
+                                   culprits=lambda: c.stage.nonfinite_names(grads))
+            if not overflow:
+                coef = 1.0 / scale
+                if c.grad_clip > 0 and norm > c.grad_clip:
+                    coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+                # grads *= coef, optimizer step, updated values -> working parameters
+                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
+        except BaseException:
+            # A failed step leaves no trace: optimizer state as it was, no gradients kept.
+            c.update.abort()
+            c.stage.zero_grads()
+            raise
         c.stage.zero_grads()
         # The logged loss is the mean over the global batch (ranks hold equal shares).
         c.dist.all_reduce(loss_sum, what="loss all-reduce")

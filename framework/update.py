@@ -3,7 +3,8 @@
 ``train_step`` calls, in this order: ``arm`` before the micro batches, ``drain`` after their
 backward passes, then either ``apply`` (scale the gradients by the clipping/unscaling
 coefficient, step the optimizer, publish the new values to the working parameters) or
-``skip`` (non-finite gradients). ``PlainUpdate`` does exactly that, in one go. A stage may
+``skip`` (non-finite gradients); ``abort`` if anything raised in between, so that a failed step
+leaves the optimizer as it was. ``PlainUpdate`` does exactly that, in one go. A stage may
 provide a pipelined one instead (``offload._overlap``: the host step of CPU offload overlapped
 with backward and with the copy back) that must give identical results.
 """
@@ -23,6 +24,7 @@ class Update(Protocol):
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any: ...
     def skip(self) -> None: ...
+    def abort(self) -> None: ...
     def memory(self) -> dict[str, int]: ...
 
 
@@ -45,6 +47,9 @@ class PlainUpdate:
         return opt_state
 
     def skip(self) -> None:
+        pass
+
+    def abort(self) -> None:
         pass
 
     def memory(self) -> dict[str, int]:

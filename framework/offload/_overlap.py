@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from framework import ops
 from framework.optimizers import GradientTransformation
 from framework.optimizers._subset import group_state, step_groups
 from framework.utils import tensor_bytes
@@ -40,7 +41,15 @@ class OverlappedHostStep:
         # Master pieces in the optimizer's order: (group, Piece).
         self.index = [(g, pc) for g, pieces in enumerate(stage.pieces) for pc in pieces]
         self.host = {k for k, (_, pc) in enumerate(self.index) if pc.grad is not None}
+        # Elements the stage will report per host piece: the padding at a group's end is never
+        # reduced, so a piece is complete when its real elements are.
+        self.expected = {}
+        for k in self.host:
+            g, pc = self.index[k]
+            lo = stage.bounds[g][0]
+            self.expected[k] = max(0, min(lo + pc.end, stage.layouts[g].numel) - (lo + pc.start))
         self.out16 = stage.out16()
+        ops.cpu_optim()  # load (or build) the kernels here, not racing from two threads later
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
@@ -48,13 +57,14 @@ class OverlappedHostStep:
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
         self.jobs: dict[int, Future] = {}
+        self.undone: set[int] = set()   # pieces whose undo copies were taken this step
         self.covered: dict[int, int] = {}
         stage.on_grads_final = self.ready
 
     # --- during backward -------------------------------------------------------------------
 
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
-        self.jobs, self.covered, self.scale = {}, dict.fromkeys(self.host, 0), scale
+        self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
         self.ctx = (opt_state, list(params), lr, scale) if self.speculate else None
 
     def ready(self, group: int, lo: int, hi: int, partition_grad: Tensor) -> None:
@@ -66,12 +76,18 @@ class OverlappedHostStep:
             n = min(hi, pc.end) - max(lo, pc.start)
             if g == group and n > 0:
                 self.covered[k] += n
-                if self.covered[k] == pc.end - pc.start:
-                    self.jobs[k] = self.pool.submit(self._speculate, k, partition_grad[pc.start:pc.end])
+                if self.covered[k] == self.expected[k]:
+                    # The reduction was queued on this thread's stream: the worker waits for it.
+                    event = torch.cuda.Event() if partition_grad.is_cuda else None
+                    if event is not None:
+                        event.record()
+                    self.jobs[k] = self.pool.submit(self._speculate, k, partition_grad[pc.start:pc.end], event)
 
-    def _speculate(self, k: int, src: Tensor) -> Any:
+    def _speculate(self, k: int, src: Tensor, event) -> Any:
         opt_state, params, lr, scale = self.ctx
         _, pc = self.index[k]
+        if event is not None:
+            event.synchronize()
         pc.grad.copy_(src)
         grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
         if scale != 1.0:
@@ -81,40 +97,52 @@ class OverlappedHostStep:
             self.undo[k] = [torch.empty_like(t) for t in saved]
         for dst, t in zip(self.undo[k], saved):
             dst.copy_(t)
+        self.undone.add(k)
         return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
+
+    def _wait(self) -> None:
+        for job in self.jobs.values():
+            job.exception()  # wait only; result() raises in _settle
 
     def drain(self) -> None:
         """Wait for the speculative steps: the stage copies gradients to the host next."""
-        for job in self.jobs.values():
-            job.exception()  # wait; errors are raised by result() in apply/skip
+        self._wait()
 
     # --- after the norm --------------------------------------------------------------------
 
     def _settle(self, exact: bool) -> tuple[set[int], Any]:
         """Keep (exact) or roll back the speculative pieces; (kept pieces, a state they returned)."""
-        results = {k: job.result() for k, job in self.jobs.items()}
-        self.jobs = {}
+        self._wait()
+        jobs, self.jobs = self.jobs, {}
         if exact:
+            results = {k: job.result() for k, job in jobs.items()}  # a failed job raises here
             self.kept += len(results)
             return set(results), next(iter(results.values()), None)
-        self.rolled_back += len(results)
+        # Every piece whose undo copy was taken is restored, whether its job finished or failed.
         opt_state, params = self.ctx[0], self.ctx[1]
-        for k in results:
+        for k in self.undone:
             _, pc = self.index[k]
             for dst, t in zip([pc.master, *group_state(opt_state, len(params), k)], self.undo[k]):
                 dst.copy_(t)
+        self.rolled_back += len(self.undone)
+        self.undone = set()
         return set(), None
 
-    def skip(self) -> None:
+    def abort(self) -> None:
+        """The step failed after ``arm``: leave the optimizer as it was before the step."""
         if self.ctx is not None:
             self._settle(exact=False)
+        self.ctx = None
+
+    def skip(self) -> None:
+        self.abort()
         self.speculate = False
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
         clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
         done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
-        self.speculate = clean
+        self.ctx, self.speculate = None, clean
         rest = [k for k in range(len(self.index)) if k not in done]
         if coef != 1.0 and rest:
             torch._foreach_mul_([grads[k] for k in rest], coef)
@@ -129,9 +157,13 @@ class OverlappedHostStep:
                                     self.out16)
             for k in device_rest:
                 self.stage.publish_piece(k)
-        for k, job in jobs:
-            new_state = job.result()
-            self.stage.publish_piece(k)
+        try:
+            for k, job in jobs:
+                new_state = job.result()
+                self.stage.publish_piece(k)
+        finally:
+            for _, job in jobs:  # never leave a job running into the next step
+                job.exception()
         self.stage.publish_finish()
         return new_state
 

@@ -128,6 +128,10 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
     "zero2 never clipped": (["+stage=zero2", *BUCKETS, "train.grad_clip=0"], None, True, False),
     "zero2 clipped": (["+stage=zero2", *BUCKETS, "stage.overlap_comm=true"], None, False, True),
     "zero2 fp16 skip": (["+stage=zero2", *BUCKETS, "precision=fp16", "train.grad_clip=0"], 4, True, True),
+    "zero2 late buckets kept": (["+stage=zero2", *BUCKETS, "stage.overlap_comm=true", "train.grad_clip=0"],
+                                None, True, False),
+    "zero2 no bucket buffer": (["+stage=zero2", *BUCKETS, "stage.contiguous_gradients=false", "train.grad_clip=0"],
+                               None, True, False),
     "zero2 bf16 staged": (["+stage=zero2", *BUCKETS, "precision=bf16", "train.grad_clip=0"], None, True, False),
     "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
     "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
@@ -156,3 +160,32 @@ def test_overlapped_host_step_is_identical(pools, world, case):
             assert (rolled > 0) == expect_rolled, (case, rolled)
         assert (overlap[5]["host_overlap_buffers"] > 0) == bool(kept or rolled)
         assert "host_overlap_buffers" not in plain[5]
+
+
+def test_failed_overlapped_step_leaves_the_optimizer_untouched(monkeypatch):
+    """An error after pieces were stepped speculatively (here: in the norm) rolls them back, so a
+    caller that catches it and retries gets exactly the run without the failure."""
+    from framework.utils import tensors_in
+
+    overrides = ["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload=cpu", "offload.overlap_step=true"]
+    cfg = tiny_config(*ODD, *overrides)
+    runs = []
+    for fail_at in (None, 2):
+        module, data = build_gpt(cfg)
+        engine = framework.initialize(module, gpt_loss, cfg, _local())
+        stage, state, losses = engine.components.stage, engine.state, []
+        for step in range(5):
+            batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=0, world=1)
+            if step == fail_at:
+                before = [t.clone() for t in tensors_in((state.params, state.opt_state))]
+                with monkeypatch.context() as m:
+                    m.setattr(stage, "grad_sq_norm", lambda grads: (_ for _ in ()).throw(RuntimeError("boom")))
+                    with pytest.raises(RuntimeError, match="boom"):
+                        engine.train_step(state, batch)
+                after = list(tensors_in((state.params, state.opt_state)))
+                assert all(torch.equal(a, b) for a, b in zip(before, after)), "a failed step changed the optimizer"
+                assert engine.components.update.rolled_back > 0  # pieces had been stepped, then undone
+            state, metrics = engine.train_step(state, batch)
+            losses.append(metrics["loss"])
+        runs.append((losses, _full(engine)))
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1])
