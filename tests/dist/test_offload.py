@@ -132,6 +132,8 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
                                 None, True, False),
     "zero2 no bucket buffer": (["+stage=zero2", *BUCKETS, "stage.contiguous_gradients=false", "train.grad_clip=0"],
                                None, True, False),
+    "zero2 all-reduce fallback": (["+stage=zero2", *BUCKETS, "stage.reduce_scatter=false", "train.grad_clip=0"],
+                                  None, True, False),
     "zero2 bf16 staged": (["+stage=zero2", *BUCKETS, "precision=bf16", "train.grad_clip=0"], None, True, False),
     "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
     "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
