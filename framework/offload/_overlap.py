@@ -1,12 +1,13 @@
-"""The host optimizer step, overlapped with backward and with the copy back (offload.overlap_step).
+"""The host optimizer step of CPU offload, overlapped with backward and with the copy back.
 
 Without overlap the host sits idle through backward and the device waits for the whole host
 step. Here a worker thread (torch's kernels and ours release the GIL) takes over the host
 pieces of the master partition:
 
 * during backward, as soon as the stage reports a piece's reduced gradient final (zero2 does
-  so per bucket on the last micro batch), the worker copies it to the host and *speculatively*
-  steps that piece as if the step will be neither clipped nor skipped;
+  so per bucket on the last micro batch), the worker copies it to the host; with
+  ``offload.overlap_step`` it then *speculatively* steps that piece as if the step will be
+  neither clipped nor skipped;
 * after backward the global norm decides. If the step is in fact unclipped and finite, the
   speculative pieces are exactly what the plain step computes (same element-wise arithmetic,
   see ``optimizers._subset``) and are kept; otherwise they are rolled back from the copies
@@ -36,8 +37,8 @@ from framework.utils import tensor_bytes
 class OverlappedHostStep:
     """The ``Update`` of a sharded stage whose master partition has host pieces."""
 
-    def __init__(self, tx: GradientTransformation, stage: Any):
-        self.tx, self.stage = tx, stage
+    def __init__(self, tx: GradientTransformation, stage: Any, speculative: bool):
+        self.tx, self.stage, self.speculative = tx, stage, speculative
         # Master pieces in the optimizer's order: (group, Piece).
         self.index = [(g, pc) for g, pieces in enumerate(stage.pieces) for pc in pieces]
         self.host = {k for k, (_, pc) in enumerate(self.index) if pc.grad is not None}
@@ -54,6 +55,8 @@ class OverlappedHostStep:
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
+        self.early_copies = 0   # pieces whose gradient reached the host during backward, over the run
+        self.copies: dict[int, Future] = {}
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
         self.jobs: dict[int, Future] = {}
@@ -65,12 +68,11 @@ class OverlappedHostStep:
 
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
         self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
-        self.ctx = (opt_state, list(params), lr, scale) if self.speculate else None
+        self.copies, self.stage.host_grads_fresh = {}, frozenset()
+        self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
 
     def ready(self, group: int, lo: int, hi: int, partition_grad: Tensor) -> None:
         """The stage's reduced gradient of partition range [lo, hi) of ``group`` is final."""
-        if self.ctx is None:
-            return
         for k in self.host:
             g, pc = self.index[k]
             n = min(hi, pc.end) - max(lo, pc.start)
@@ -81,7 +83,16 @@ class OverlappedHostStep:
                     event = torch.cuda.Event() if partition_grad.is_cuda else None
                     if event is not None:
                         event.record()
-                    self.jobs[k] = self.pool.submit(self._speculate, k, partition_grad[pc.start:pc.end], event)
+                    src = partition_grad[pc.start:pc.end]
+                    if self.ctx is not None:
+                        self.jobs[k] = self.pool.submit(self._speculate, k, src, event)
+                    else:
+                        self.copies[k] = self.pool.submit(self._copy, k, src, event)
+
+    def _copy(self, k: int, src: Tensor, event) -> None:
+        if event is not None:
+            event.synchronize()
+        self.index[k][1].grad.copy_(src)
 
     def _speculate(self, k: int, src: Tensor, event) -> Any:
         opt_state, params, lr, scale = self.ctx
@@ -101,12 +112,17 @@ class OverlappedHostStep:
         return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
 
     def _wait(self) -> None:
-        for job in self.jobs.values():
-            job.exception()  # wait only; result() raises in _settle
+        for job in [*self.jobs.values(), *self.copies.values()]:
+            job.exception()  # wait only; result() raises in _settle / drain
 
     def drain(self) -> None:
-        """Wait for the speculative steps: the stage copies gradients to the host next."""
+        """Wait for the worker; tell the stage which host gradients need no second copy (the
+        speculative pieces' ones do: the step may have scaled or overwritten them)."""
         self._wait()
+        for job in self.copies.values():
+            job.result()
+        self.early_copies += len(self.copies)
+        self.stage.host_grads_fresh = frozenset(self.copies)
 
     # --- after the norm --------------------------------------------------------------------
 
@@ -130,9 +146,10 @@ class OverlappedHostStep:
 
     def abort(self) -> None:
         """The step failed after ``arm``: leave the optimizer as it was before the step."""
+        self._wait()
         if self.ctx is not None:
             self._settle(exact=False)
-        self.ctx = None
+        self.ctx, self.copies, self.stage.host_grads_fresh = None, {}, frozenset()
 
     def skip(self) -> None:
         self.abort()

@@ -43,11 +43,11 @@ class Placement:
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None) -> list[Piece]:
         """Master pieces of one owned partition ``own`` (the working values on the device).
 
-        With ``overlap_step`` the host part is cut into pieces of ``chunk`` elements: the
-        pieces are what the overlapped host step takes up one at a time."""
+        The host part is cut into pieces of ``chunk`` elements: the unit in which the
+        overlapped update copies gradients, steps and copies back (``_overlap``)."""
         n = own.numel()
         k = round(self.host_fraction * n)
-        step = chunk if self.overlap_step and chunk else max(k, 1)
+        step = chunk or max(k, 1)
         pieces = []
         for a in range(0, k, step):
             b = min(a + step, k)
@@ -61,13 +61,16 @@ class Placement:
             pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
         return pieces
 
-    def grads(self, part_grad: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
-        """Gradient pieces aligned with ``pieces`` (host pieces: copied into their host buffer)."""
+    def grads(self, part_grad: torch.Tensor, pieces: list[Piece],
+              fresh: set[int] = frozenset()) -> list[torch.Tensor]:
+        """Gradient pieces aligned with ``pieces`` (host pieces: copied into their host buffer,
+        except the positions in ``fresh``, whose buffer already holds this step's gradient)."""
         out = []
-        for p in pieces:
+        for j, p in enumerate(pieces):
             g = part_grad[p.start:p.end]
             if p.grad is not None:
-                p.grad.copy_(g, non_blocking=True)
+                if j not in fresh:
+                    p.grad.copy_(g, non_blocking=True)
                 g = p.grad
             out.append(g if g.dtype == p.master.dtype else g.to(p.master.dtype))
         if self.pin and any(p.grad is not None for p in pieces):

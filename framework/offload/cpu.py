@@ -21,9 +21,10 @@ class CPUOffloadConfig:
     params: bool = False        # zero3 only: parameter shards live on the host between gathers
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
     pin_memory: bool = True     # page-locked host buffers (only meaningful with CUDA)
-    # Host step in a worker thread, started per bucket during backward (zero2) and overlapped
-    # with the copy back; identical results. Costs host memory for undo copies of the
-    # speculatively stepped pieces (master + optimizer state: 12 bytes/param with Adam).
+    # Gradients always reach the host per bucket during zero2's backward, and the host step is
+    # always pipelined with the copy back. overlap_step also starts each piece's step during
+    # backward, speculatively (identical results); it costs host memory for undo copies of
+    # those pieces (master + optimizer state: 12 bytes/param with Adam).
     overlap_step: bool = False
 
 

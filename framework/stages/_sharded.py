@@ -48,6 +48,8 @@ class ShardedStage(WholeParameters):
     # Set by an overlapped Update: called with (group, lo, hi, partition gradient) when the
     # reduced gradient of that partition range is final for this step (zero2 reports it).
     on_grads_final: Callable[[int, int, int, torch.Tensor], None] | None = None
+    # Set by it too: indices (in ``master`` order) of host pieces whose gradient it has copied.
+    host_grads_fresh: frozenset = frozenset()
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         check(cfg)
@@ -101,8 +103,12 @@ class ShardedStage(WholeParameters):
 
     def reduce_grads(self) -> list[torch.Tensor]:
         self._reduced = self._partition_grads()
-        return [g for part, pieces in zip(self._reduced, self.pieces)
-                for g in self.offload.grads(part, pieces)]
+        out: list[torch.Tensor] = []
+        for part, pieces in zip(self._reduced, self.pieces):
+            first = len(out)  # host pieces the overlapped update already copied are not copied again
+            out += self.offload.grads(part, pieces, {j for j in range(len(pieces))
+                                                     if first + j in self.host_grads_fresh})
+        return out
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Over the reduced partitions (the values of ``grads``, on the device) rather than over
@@ -152,8 +158,8 @@ class ShardedStage(WholeParameters):
                 for g, ps in enumerate(self.pieces) for p in ps]
 
     def make_update(self, tx: GradientTransformation) -> Update:
-        if self.offload.overlap_step and any(p.grad is not None for ps in self.pieces for p in ps):
-            return OverlappedHostStep(tx, self)
+        if any(p.grad is not None for ps in self.pieces for p in ps):  # host pieces: CPU offload
+            return OverlappedHostStep(tx, self, speculative=self.offload.overlap_step)
         return PlainUpdate(tx, self)
 
     def memory(self) -> dict[str, int]:
