@@ -33,6 +33,8 @@ if __package__ in (None, ""):  # run as a file path: make ``bench`` importable
 
 import torch  # noqa: E402
 
+from bench._common import time_steps  # noqa: E402
+
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = 28
 LIST_LEN = 100
@@ -95,14 +97,7 @@ def _make_step(system: str, params: list[torch.Tensor], grads: list[torch.Tensor
 
 def _time(step, warmup: int, steps: int) -> list[float]:
     with torch.no_grad():
-        for _ in range(warmup):
-            step()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-    return times
+        return time_steps(step, warmup, steps)
 
 
 def _bandwidth_gbps(reps: int) -> tuple[list[float], list[float]]:

@@ -74,7 +74,7 @@ def _plain_step(cfg, device):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
                              {"params": rest, "weight_decay": 0.0}], lr=cfg.optimizer.lr, fused=device.type == "cuda")
 
-    def step(batch, phases=None):
+    def step(batch):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = gpt_loss(model, batch)
         loss.backward()
@@ -98,7 +98,7 @@ def _ours_step(cfg, device):
     engine = initialize(model, lambda m, b: gpt_loss(m, b), cfg)
     box = {"state": engine.state}
 
-    def step(batch, timed=False):
+    def step(batch):
         box["state"], m = engine.train_step(box["state"], [batch])
         return m["loss"]
 

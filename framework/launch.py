@@ -64,8 +64,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -
     try:
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
         train(cfg, run, dist)
-        # Leave together: a rank that tears its gloo connections down while a peer is still
-        # using them can abort the peer ("terminate called without an active exception").
+        # Leave together: no rank closes its gloo connections while a peer still waits on one.
         dist.barrier("shutdown barrier")
     except FrameworkError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ skipped after a step that was clipped or skipped (it would most likely be wasted
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -39,14 +40,19 @@ class OverlappedHostStep:
 
     def __init__(self, tx: GradientTransformation, stage: Any, speculative: bool):
         self.tx, self.stage, self.speculative = tx, stage, speculative
-        # Master pieces in the optimizer's order: (group, Piece).
-        self.index = [(g, pc) for g, pieces in enumerate(stage.pieces) for pc in pieces]
+        self.index = stage.all_pieces   # (group, Piece) in the optimizer's order
         self.host = {k for k, (_, pc) in enumerate(self.index) if pc.grad is not None}
+        # Per group, its host pieces by start (they tile the partition's host part in order), so
+        # a reported range finds its pieces by bisection: ``ready`` runs in backward hooks.
+        self.by_group: dict[int, tuple[list[int], list[int]]] = {}
         # Elements the stage will report per host piece: the padding at a group's end is never
         # reduced, so a piece is complete when its real elements are.
         self.expected = {}
-        for k in self.host:
+        for k in sorted(self.host):
             g, pc = self.index[k]
+            starts, ks = self.by_group.setdefault(g, ([], []))
+            starts.append(pc.start)
+            ks.append(k)
             lo = stage.bounds[g][0]
             self.expected[k] = max(0, min(lo + pc.end, stage.layouts[g].numel) - (lo + pc.start))
         self.out16 = stage.out16()
@@ -73,21 +79,24 @@ class OverlappedHostStep:
 
     def ready(self, group: int, lo: int, hi: int, partition_grad: Tensor) -> None:
         """The stage's reduced gradient of partition range [lo, hi) of ``group`` is final."""
-        for k in self.host:
-            g, pc = self.index[k]
+        starts, ks = self.by_group.get(group, ((), ()))
+        for k in ks[max(0, bisect_right(starts, lo) - 1):bisect_left(starts, hi)]:
+            pc = self.index[k][1]
             n = min(hi, pc.end) - max(lo, pc.start)
-            if g == group and n > 0:
-                self.covered[k] += n
-                if self.covered[k] == self.expected[k]:
-                    # The reduction was queued on this thread's stream: the worker waits for it.
-                    event = torch.cuda.Event() if partition_grad.is_cuda else None
-                    if event is not None:
-                        event.record()
-                    src = partition_grad[pc.start:pc.end]
-                    if self.ctx is not None:
-                        self.jobs[k] = self.pool.submit(self._speculate, k, src, event)
-                    else:
-                        self.copies[k] = self.pool.submit(self._copy, k, src, event)
+            if n <= 0:
+                continue
+            self.covered[k] += n
+            if self.covered[k] != self.expected[k]:  # each element is reported once a step
+                continue
+            # The reduction was queued on this thread's stream: the worker waits for it.
+            event = torch.cuda.Event() if partition_grad.is_cuda else None
+            if event is not None:
+                event.record()
+            src = partition_grad[pc.start:pc.end]
+            if self.ctx is not None:
+                self.jobs[k] = self.pool.submit(self._speculate, k, src, event)
+            else:
+                self.copies[k] = self.pool.submit(self._copy, k, src, event)
 
     def _copy(self, k: int, src: Tensor, event) -> None:
         if event is not None:

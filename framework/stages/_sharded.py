@@ -90,9 +90,14 @@ class ShardedStage(WholeParameters):
         return [p.master for pieces in self.pieces for p in pieces]
 
     @property
+    def all_pieces(self) -> list[tuple[int, Piece]]:
+        """(group, piece) of each master piece, in ``master`` order."""
+        return [(g, p) for g, pieces in enumerate(self.pieces) for p in pieces]
+
+    @property
     def piece_index(self) -> list[tuple[int, int]]:
         """(group, start within the partition) of each master piece."""
-        return [(g, p.start) for g, pieces in enumerate(self.pieces) for p in pieces]
+        return [(g, p.start) for g, p in self.all_pieces]
 
     def _setup_grads(self, entries: list) -> None:
         raise NotImplementedError
@@ -130,14 +135,14 @@ class ShardedStage(WholeParameters):
 
     def publish(self, master: list[torch.Tensor]) -> None:
         # ``master`` is the state's list: the same tensors as the pieces, updated in place.
-        for k in range(len(self.piece_index)):
-            self.publish_piece(k)
+        for g, pieces in enumerate(self.pieces):
+            self.offload.publish(self._working(g), pieces)
         self.publish_finish()
 
     def publish_piece(self, k: int) -> None:
         """Master piece ``k`` (in ``master`` order) -> its place in the working partition."""
-        g, start = self.piece_index[k]
-        self.offload.publish(self._working(g), [p for p in self.pieces[g] if p.start == start])
+        g, piece = self.all_pieces[k]
+        self.offload.publish(self._working(g), [piece])
 
     def _working(self, g: int) -> torch.Tensor:
         lo, hi = self.bounds[g]
@@ -152,10 +157,10 @@ class ShardedStage(WholeParameters):
         """Where the optimizer also writes the updated values in the working dtype, one per master
         piece: a host piece's staging buffer (what travels back), else the working slice itself.
         None unless some host piece stages (16-bit training with offload)."""
-        if not any(p.staging is not None for ps in self.pieces for p in ps):
+        pieces = self.all_pieces
+        if all(p.staging is None for _, p in pieces):
             return None
-        return [p.staging if p.staging is not None else self._working(g)[p.start:p.end]
-                for g, ps in enumerate(self.pieces) for p in ps]
+        return [p.staging if p.staging is not None else self._working(g)[p.start:p.end] for g, p in pieces]
 
     def make_update(self, tx: GradientTransformation) -> Update:
         if any(p.grad is not None for ps in self.pieces for p in ps):  # host pieces: CPU offload
