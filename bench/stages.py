@@ -162,11 +162,8 @@ def _deepspeed(dist, name, cfg, model, data):
               "zero_optimization": {"stage": stage},  # DeepSpeed's defaults otherwise
               "fp16": {"enabled": False}, "bf16": {"enabled": False},
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    if stage == 3:
-        # The tied output projection reads wte.weight in the root's forward, outside the
-        # Embedding that owns it: tell ZeRO-3 (a no-op while wte stays below the
-        # persistence threshold, as it does here).
-        deepspeed.zero.register_external_parameter(model, model.wte.weight)
+    # The tied output projection is a call of the wte module itself (TiedEmbedding), so ZeRO-3's
+    # module hooks see both uses of its weight: no external-parameter registration is needed.
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
 
     def step(pos: int) -> float:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import resource
 import time
 from dataclasses import replace
 from statistics import fmean
@@ -13,6 +14,7 @@ from framework.config import Config
 from framework.distributed import Dist
 from framework.loggers._base import NullLogger, RunInfo, RunRecord
 from framework.models.gpt import gpt_loss
+from framework.stages._flat import param_count
 from framework.state import capture_rng
 from framework.utils import atomic_save, to_device
 
@@ -65,9 +67,11 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "skipped_steps": state.precision.skipped_steps,
             "elapsed_s": elapsed,
             "world": dist.world,
-            "params": sum(p.numel() for p in module.parameters()),
+            "params": param_count(module),
             "data": data.describe(),
+            # The ledger adds up the sizes the stage chose; the peak is measured (see peak_memory).
             "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
+            "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device), what="peak memory gather"),
             "config": cfg.to_dict(),
         }
         export = engine.components.stage.export_state_dict()  # collective when configured
@@ -82,6 +86,15 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         logger.close()
         if record is not None:
             record.close()
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """Measured peak memory of this process so far: resident set (getrusage; host memory is
+    what CPU runs and offload use) and, on CUDA, the caching allocator's peak of allocated bytes."""
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+    if device.type == "cuda":
+        out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    return out
 
 
 def _emit(logger, record: RunRecord | None, rec: dict) -> None:

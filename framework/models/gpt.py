@@ -6,10 +6,11 @@ biases, dropout and weight tying. Each transformer layer is a ``Block`` module b
 gathers and releases parameters one Block at a time, and activation checkpointing wraps the
 same unit.
 
-Weight tying is done by reading ``wte.weight`` in the output projection rather than by
-aliasing a second ``nn.Linear`` to it: there is then exactly one tensor and one name for it,
-so nothing that swaps or shards parameters (ZeRO, offload, ``to_empty``) can break the tie
-silently.
+Weight tying is done by calling the token embedding module itself as the output projection
+(``TiedEmbedding``, ``wte(x, unembed=True)``) rather than by aliasing a second ``nn.Linear`` to
+its weight: there is then exactly one tensor and one name for it, so nothing that swaps or
+shards parameters (ZeRO, offload, ``to_empty``) can break the tie silently, and the weight is
+only ever used inside its own module's forward, where ZeRO-3 gathers it.
 
 The presets (``gpt-nano`` ... ``gpt-1b``) share one schema; their values live in
 ``conf/model/<name>.yaml`` and are mirrored in ``PRESETS`` for tests and docs.
@@ -107,11 +108,23 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class TiedEmbedding(nn.Embedding):
+    """A token embedding that is also the output projection (weight tying).
+
+    ``wte(idx)`` embeds token ids; ``wte(x, unembed=True)`` maps hidden states to logits with the
+    same matrix. Both go through this module's forward, so hooks around it (ZeRO-3's gather and
+    release) see every use of the weight.
+    """
+
+    def forward(self, x: Tensor, unembed: bool = False) -> Tensor:
+        return F.linear(x, self.weight) if unembed else super().forward(x)
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wte = TiedEmbedding(cfg.vocab_size, cfg.d_model)
         self.wpe = nn.Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
@@ -169,7 +182,8 @@ class GPT(nn.Module):
         recompute = self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
-        logits = F.linear(self.ln_f(x), self.output_weight)
+        x = self.ln_f(x)
+        logits = self.wte(x, unembed=True) if self.lm_head is None else self.lm_head(x)
         # Softmax / cross-entropy over a large vocabulary is where low precision hurts most.
         return logits.float()
 

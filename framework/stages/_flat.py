@@ -71,6 +71,12 @@ def param_groups(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parame
     return [(kind, g) for kind, g in (("decay", decay), ("no_decay", no_decay)) if g]
 
 
+def param_count(module: nn.Module) -> int:
+    """Elements of the module's distinct parameters at their logical size: a ZeRO-3 parameter
+    (empty between uses) counts its full shape, as in every report (summary, logs)."""
+    return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters())
+
+
 def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
     return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
 

@@ -6,7 +6,13 @@ is gathered with one collective per parameter group: each module whose class is 
 modules), and a *persistent* unit of small parameters that stays gathered.
 
 Per unit, an explicit state machine (sharded -> gathering -> gathered -> sharded); any other
-transition raises. Forward: a unit is gathered before its forward and released after it
+transition raises.
+
+Memory really goes away on release: each unit group gathers into ONE buffer that lives as long as
+the unit, and release resizes that buffer's storage to zero bytes (gathering resizes it back and
+fills it in place). Autograd keeps views of gathered parameters for backward (a Linear saves
+``weight.t()``); those views share the buffer's storage, so they hold no bytes while the unit is
+released and see the refilled values when the unit is gathered again before its backward. Forward: a unit is gathered before its forward and released after it
 (unless it will be reused soon, see ``max_reuse_distance``). Backward: a hook on the unit's
 output gathers it again before its backward; once every parameter's gradient has been
 accumulated its gradients are reduced to their owners and it is released. The first step
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -79,7 +86,9 @@ class UnitGroup:
     params: list[ShardedParameter]
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
     part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
-    full: torch.Tensor | None = None  # gathered buffer while the unit is gathering/gathered
+    # The gathered buffer: allocated at the first gather and kept for the unit's life; its storage
+    # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
+    full: torch.Tensor | None = None
     pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
 
     def grad(self) -> torch.Tensor:
@@ -121,7 +130,7 @@ class Limits:
     prefetch: int        # stage3_prefetch_bucket_size: elements gathered ahead of need
     max_live: int        # stage3_max_live_parameters: gathered elements kept at most (plus the unit in use)
     reuse: int           # stage3_max_reuse_distance: keep a unit whose next use is this close (elements)
-    check_order: bool    # verify that every rank gathers the same unit (one tiny all-reduce per gather)
+    check_order: bool    # verify that every rank used the same units in the same order (see order_check)
     overlap_comm: bool
     reduce_scatter: bool
 
@@ -145,6 +154,7 @@ class Gatherer:
         self.demands = 0
         self.hits = 0
         self.hook_handles: list = []
+        self.pending_checks: list = []        # (work, tensor, pass hash, pass record) per backward pass
         for unit in [*units, *([persistent] if persistent else [])]:
             unit.gatherer = self
             for p in unit.params:
@@ -152,15 +162,16 @@ class Gatherer:
 
     # --- hooks -----------------------------------------------------------------------------
 
-    def attach(self, root: nn.Module, modules: dict[int, nn.Module]) -> None:
-        """Forward hooks on every unit's module (the root unit on ``root``) and gradient hooks
+    def attach(self, root: nn.Module, modules: dict[int, list[nn.Module]]) -> None:
+        """Forward hooks on every unit's modules (the root unit on ``root``) and gradient hooks
         on every parameter."""
-        for uid, module in modules.items():
+        for uid, subs in modules.items():
             unit = self.units[uid]
-            self.hook_handles.append(module.register_forward_pre_hook(
-                lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root)))
-            self.hook_handles.append(module.register_forward_hook(
-                lambda _m, _a, out, u=unit: self._post_forward(u, out)))
+            for module in subs:
+                self.hook_handles.append(module.register_forward_pre_hook(
+                    lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root)))
+                self.hook_handles.append(module.register_forward_hook(
+                    lambda _m, _a, out, u=unit: self._post_forward(u, out)))
         for unit in [*self.units, *([self.persistent] if self.persistent else [])]:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
@@ -213,6 +224,8 @@ class Gatherer:
             self._reduce(self.persistent)
         self._complete_reductions()
         self.in_backward = False
+        if self.limits.check_order and self.recording is not None:
+            self._launch_order_check(self.recording)
         self._end_pass()
 
     # --- trace and prefetch ----------------------------------------------------------------
@@ -303,11 +316,9 @@ class Gatherer:
 
     def _start_gather(self, unit: Unit) -> None:
         unit.to(UnitState.GATHERING)
-        if self.limits.check_order:
-            self._check_same_unit(unit)
         unit.works = []
         for g in unit.groups:
-            g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+            _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
             g.full[lo:hi].copy_(g.shard)
             unit.works += gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}")
@@ -332,19 +343,43 @@ class Gatherer:
         for g in unit.groups:
             for p in g.params:
                 p.data = self.empty
-            g.full = None
+            # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
+            g.full.untyped_storage().resize_(0)
         if unit is not self.persistent:
             self.live -= unit.numel
 
-    def _check_same_unit(self, unit: Unit) -> None:
+    # --- order check --------------------------------------------------------------------------
+
+    def _launch_order_check(self, record: list[tuple[str, int]]) -> None:
+        """Start comparing this backward pass's unit order across ranks: one tiny asynchronous
+        all-reduce per pass (no host sync here, in autograd's callback); ``order_check`` reads it
+        before the optimizer step. Ranks that gathered different units (data-dependent control
+        flow) would otherwise combine unrelated buffers or wait on each other until the timeout."""
         if self.dist.world == 1:
             return
-        ids = torch.tensor([unit.uid, -unit.uid], dtype=torch.float64, device=self.dist.device)
-        self.dist.all_reduce(ids, op=torch.distributed.ReduceOp.MAX, what=f"zero3 gather-order check at {unit.name!r}")
-        if ids[0].item() != -ids[1].item():
-            names = self.dist.all_gather_object(unit.name, what="zero3 gather-order names")
-            raise DistributedError("zero3: ranks gather different modules (data-dependent control flow?): " +
-                                   ", ".join(f"rank {r} at {n!r}" for r, n in enumerate(names)))
+        h = zlib.crc32(repr(record).encode())
+        t = torch.tensor([h, -h], dtype=torch.int64, device=self.dist.device)
+        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
+                                    async_op=True)
+        self.pending_checks.append((work, t, h, list(record)))
+
+    def order_check(self) -> None:
+        """Raise if any backward pass since the last call used units in a different order on some
+        rank. Collective; called once per step before the optimizer step (a host sync, next to the
+        one the gradient norm makes anyway)."""
+        checks, self.pending_checks = self.pending_checks, []
+        for work, t, h, record in checks:
+            self.dist.wait([work], "zero3 order check")
+            if int(t[0]) == -int(t[1]):
+                continue
+            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
+            at = next(i for i in range(max(map(len, records)) + 1)
+                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
+            seen = ", ".join(f"rank {r} at " + (f"{self.units[rec[at][1]].name!r} ({rec[at][0]})"
+                                                 if at < len(rec) else "the end of the pass")
+                             for r, rec in enumerate(records))
+            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
+                                   f"(data-dependent control flow?): {seen}")
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -385,6 +420,14 @@ class Gatherer:
         rate = self.hits / self.demands if self.demands else 0.0
         self.hits = self.demands = 0
         return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
+
+
+def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
+    """Give ``g.full`` its bytes again (the first time: allocate it). Values are filled by the gather."""
+    if g.full is None:
+        g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
+    else:
+        g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
 
 
 def gather_async(dist: Dist, full: torch.Tensor, shard: int, what: str) -> list:

@@ -41,7 +41,11 @@ class Zero3Config:
     stage3_param_persistence_threshold: int = 100_000    # parameters smaller than this stay gathered
     stage3_gather_16bit_weights_on_model_save: bool = False
     gather_unit: list[str] = field(default_factory=lambda: ["Block"])   # module class names
-    check_order: bool = True   # every gather verifies that all ranks gather the same unit
+    # Every other module that registers parameters itself (embeddings, final norm, output head)
+    # is a unit of its own, so the root's parameters are not gathered through the whole forward.
+    # A module whose weights its parent reads directly (outside the module's forward) needs false.
+    split_root: bool = True
+    check_order: bool = True   # each backward pass checks that all ranks used the same units in order
 
 
 class Zero3Stage(ShardedStage):
@@ -67,12 +71,16 @@ class Zero3Stage(ShardedStage):
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
                                     device=self.dist.device) if metas else None
-        units, persistent_named = [], []
-        for uid, (uname, sub) in enumerate(unit_modules):
-            named = [(n, p) for n, p in all_named if owner[id(p)] == uid]
+        units, hooked, persistent_named = [], {}, []
+        for idx, (uname, subs) in enumerate(unit_modules):
+            named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
             small = [(n, p) for n, p in named if p.numel() < self.cfg.stage3_param_persistence_threshold]
             persistent_named += small
-            units.append(self._make_unit(module, uid, uname, [x for x in named if x not in small], names_of))
+            big = [x for x in named if x not in small]
+            if idx > 0 and not big:  # nothing left to gather: no unit, no hooks (the root keeps its hooks)
+                continue
+            hooked[len(units)] = subs
+            units.append(self._make_unit(module, len(units), uname, big, names_of))
         shared = [(n, p) for n, p in all_named if owner[id(p)] == -1]
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named + shared, names_of) \
             if persistent_named or shared else None
@@ -81,29 +89,73 @@ class Zero3Stage(ShardedStage):
                                  policy.reduce_dtype)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
-        self.gatherer.attach(module, {uid: sub for uid, (_, sub) in enumerate(unit_modules)})
+        self.gatherer.attach(module, hooked)
         module.register_state_dict_pre_hook(_refuse_state_dict)
         return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
 
-    def _assign_units(self, module: nn.Module):
-        """Unit modules (outermost module of a listed class; the root is unit 0) and, per
-        parameter id, its unit (-1: used by several units, so it must stay gathered)."""
+    def _assign_units(self, module: nn.Module) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
+        """The unit candidates, as (name, modules), and per parameter id its candidate's index
+        (-1: shared between units in a way no one unit can cover; it stays gathered).
+
+        Index 0 is the root: parameters registered on the root module itself (its forward may
+        use them anywhere). Then each outermost module of a ``gather_unit`` class. With
+        ``split_root`` every other module that registers parameters itself is a candidate too,
+        and such modules that share a parameter (a tied embedding and head) are merged into one.
+        """
         classes = set(self.cfg.gather_unit)
-        units: list[tuple[str, nn.Module]] = [("<root>", module)]
-        inside: set[int] = set()
+        gather: list[tuple[str, nn.Module]] = []
+        where: dict[int, tuple] = {}   # id(module) -> ("root",) | ("unit", i) | ("own", id)
         for name, sub in module.named_modules():
-            if type(sub).__name__ in classes and id(sub) not in inside and sub is not module:
-                units.append((name, sub))
-                inside.update(id(m) for m in sub.modules())
-        owner: dict[int, int] = {id(p): 0 for p in module.parameters()}
-        for uid, (_, sub) in enumerate(units[1:], start=1):
+            if sub is module or id(sub) in where:
+                continue
+            if type(sub).__name__ in classes:
+                for inner in sub.modules():
+                    where[id(inner)] = ("unit", len(gather))
+                gather.append((name, sub))
+            elif self.cfg.split_root and any(True for _ in sub.parameters(recurse=False)):
+                where[id(sub)] = ("own", id(sub))
+        names = {id(sub): name for name, sub in module.named_modules()}
+        order = {m: i for i, m in enumerate(names)}   # registration order
+        holders: dict[int, set] = {}   # id(param) -> the candidates whose modules register it
+        for i, (_, sub) in enumerate(gather):  # all of a unit's parameters, also ones another unit shares
             for p in sub.parameters():
-                owner[id(p)] = uid if owner[id(p)] in (0, uid) else -1
-        for sub in module.modules():  # a unit parameter also used directly outside its unit
-            if id(sub) not in inside:
+                holders.setdefault(id(p), set()).add(("unit", i))
+        for sub in module.modules():
+            if where.get(id(sub), ("root",))[0] != "unit":
                 for p in sub.parameters(recurse=False):
-                    if owner[id(p)] > 0:
-                        owner[id(p)] = -1
+                    holders.setdefault(id(p), set()).add(where.get(id(sub), ("root",)))
+        # Merge own-parameter modules that share a parameter (union-find over module ids).
+        parent: dict[int, int] = {key[1]: key[1] for key in where.values() if key[0] == "own"}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        for hs in holders.values():
+            if len(hs) > 1 and all(h[0] == "own" for h in hs):
+                first, *rest = [h[1] for h in hs]
+                for r in rest:
+                    parent[find(r)] = find(first)
+        merged: dict[int, list[int]] = {}
+        for m in parent:
+            merged.setdefault(find(m), []).append(m)
+        by_id = {id(sub): sub for sub in module.modules()}
+        units: list[tuple[str, list[nn.Module]]] = [("<root>", [module])]
+        index = {("root",): 0}
+        for i, (name, sub) in enumerate(gather):
+            index[("unit", i)] = len(units)
+            units.append((name, [sub]))
+        for members in merged.values():
+            members.sort(key=order.__getitem__)
+            for m in members:
+                index[("own", m)] = len(units)
+            units.append(("+".join(names[m] for m in members), [by_id[m] for m in members]))
+        owner: dict[int, int] = {}
+        for pid, hs in holders.items():
+            found = {index[h if h[0] != "own" else ("own", find(h[1]))] for h in hs}
+            owner[pid] = found.pop() if len(found) == 1 else -1
         return units, owner
 
     def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict) -> Unit:
@@ -158,6 +210,7 @@ class Zero3Stage(ShardedStage):
         (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
 
     def _partition_grads(self) -> list[torch.Tensor]:
+        self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         return [g.grad() for g in self.groups]
 
     def zero_grads(self) -> None:

@@ -111,6 +111,12 @@ def test_zero_stages_from_the_command_line(tmp_path, stage):
     assert p.returncode == 0, p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["stage"]["name"] == stage and summary["world"] == 2
+    # Logical sizes under every stage (zero3's placeholders are empty between uses), and the
+    # measured peak next to the ledger on each rank.
+    vocab = summary["data"]["vocab_size"]
+    assert summary["params"] == vocab * 32 + 16 * 32 + (12 * 32 * 32 + 2 * 32) + 32, summary["params"]
+    peaks = summary["peak_memory_per_rank"]
+    assert len(peaks) == 2 and all(p["peak_rss_bytes"] > 50 * 2**20 for p in peaks)
     if stage == "zero3":
         import torch
 

@@ -152,16 +152,22 @@ def _trace(dist):
 
 def test_trace_gives_expected_prefetch_order():
     order, trace, hit_rate = _trace(_local())
-    names = ["<root>", "blocks.0", "blocks.1", "blocks.2"]
-    assert [(p, names[u]) for p, u in trace] == (
-        [("forward", "<root>"), ("forward", "blocks.0"), ("forward", "blocks.1"), ("forward", "blocks.2"),
-         ("backward", "<root>"), ("backward", "blocks.2"), ("backward", "blocks.1"), ("backward", "blocks.0")])
-    # Second step, with a look-ahead of one block (12,416 elements) and no reuse distance: the root
-    # is gathered on demand and kept into backward (its next use follows at once); every block is
+    # Units: the root (no parameters of its own in the GPT), the blocks, and with split_root every
+    # other module with parameters of its own: wte (also the tied output head), wpe, ln_f.
+    names = ["<root>", "blocks.0", "blocks.1", "blocks.2", "wte", "wpe", "ln_f"]
+    fwd = [("forward", n) for n in ["<root>", "wte", "wpe", "blocks.0", "blocks.1", "blocks.2", "ln_f", "wte"]]
+    # Backward: the head's use of wte first (its gradient is final only after the embedding's
+    # backward, at the very end), the root's output hook, then the rest in reverse.
+    bwd = [("backward", n) for n in ["wte", "<root>", "ln_f", "blocks.2", "blocks.1", "blocks.0", "wpe"]]
+    assert [(p, names[u]) for p, u in trace] == fwd + bwd
+    # Second step, with a look-ahead of one block (12,416 elements) and no reuse distance: wte is
+    # gathered twice in forward (released between its two uses, since the blocks come between),
+    # ln_f and wte are kept into backward (their next use follows at once), every block is
     # gathered one use ahead of its demand, in trace order, in forward and again in backward.
-    assert order == [("<root>", False), ("blocks.0", False), ("blocks.1", False), ("blocks.2", False),
-                     ("blocks.2", True), ("blocks.1", True), ("blocks.0", True)]
-    assert hit_rate == 7 / 8  # every use but the root's first
+    assert order == [("<root>", False), ("wte", False), ("wpe", False), ("blocks.0", False), ("blocks.1", False),
+                     ("blocks.2", False), ("ln_f", False), ("wte", False),
+                     ("blocks.2", True), ("blocks.1", True), ("blocks.0", True), ("wpe", True)]
+    assert hit_rate == 14 / 15  # every use but the root's first
 
 
 # --- divergence, construction, gathered access, export ----------------------------------
