@@ -22,6 +22,11 @@ counts; every system runs in fresh rank processes each round and systems alterna
 over rounds. Peak RSS is ``ru_maxrss`` of each rank process; "RSS over start" subtracts the
 peak measured after imports and process-group set-up, before the model is built.
 
+Every system steps with the same optimizer kernel: torch's fused AdamW (``torch.optim.AdamW(fused=
+True)`` for the peers; ours with ``FRAMEWORK_OPS=0``, which makes our AdamW dispatch to that same
+kernel). ``--kernel ours`` runs our stages with our C++ CPU kernel instead (the table says which).
+torch DDP runs with ``gradient_as_bucket_view=True``.
+
 DeepSpeed runs on CPU over the same gloo group (``DS_ACCELERATOR=cpu``; the group exists
 before ``deepspeed.initialize``) with ``torch.optim.AdamW`` as its client optimizer and
 ``zero_allow_untested_optimizer``, so none of its C++ ops is needed. One is still JIT-built
@@ -126,7 +131,8 @@ def _torch_ddp(dist, name, cfg, model, data):
 
     from framework.models.gpt import gpt_loss
 
-    model = DDP(model)
+    # Gradients as views of DDP's buckets: no copy between .grad and the buckets (its fast setting).
+    model = DDP(model, gradient_as_bucket_view=True)
     if name == "torch-ddp":
         opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
     else:  # torch-zero
@@ -285,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--kernel", choices=["torch", "ours"], default="torch",
+                    help="optimizer kernel of our stages: torch's fused AdamW (the peers' kernel) or our C++ one")
     ap.add_argument("--max-other", type=float, default=0.2,
                     help="a run during which other processes used more CPU cores than this is repeated")
     ap.add_argument("--noisy-retries", type=int, default=4, help="repeats of a noisy run before keeping the quietest")
@@ -294,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in asked if s not in ALL + EXTRA]
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL + EXTRA)}")
+    # Read by our optimizers in every spawned rank (they inherit the environment).
+    os.environ["FRAMEWORK_OPS"] = "0" if args.kernel == "torch" else "1"
     systems, notes = _available(asked)
     for n in notes:
         print(f"note: {n}", flush=True)
@@ -342,7 +352,8 @@ def main(argv: list[str] | None = None) -> None:
     load_after = os.getloadavg()
     done = [s for s in systems if results[s]]
     print(f"\n{machine()}; {args.world} gloo ranks, 1 thread each; median over {args.rounds} rounds of the "
-          f"per-round median of {args.steps} steps after {WARMUP} warm-up")
+          f"per-round median of {args.steps} steps after {WARMUP} warm-up; our optimizer kernel: "
+          f"{'torch fused AdamW (same as the peers)' if args.kernel == 'torch' else 'our C++ CPU kernel'}")
     print(f"load average (1/5/15 min) before {load_before[0]:.2f}/{load_before[1]:.2f}/{load_before[2]:.2f}, "
           f"after {load_after[0]:.2f}/{load_after[1]:.2f}/{load_after[2]:.2f}")
     noise = [x for v in other.values() for x in v]
