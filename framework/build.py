@@ -44,7 +44,7 @@ class Engine:
         (host copies), with the step, data position, precision and RNG state; see
         ``framework.state.state_dict`` for the format. Not collective."""
         c = self.components
-        return state_dict(state, c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world)
+        return state_dict(state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank, world=c.dist.world)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
         """Load ``saved``, the ``state_dict`` of every rank of a run with any world size, stage,
@@ -52,7 +52,8 @@ class Engine:
         continue from. The working parameters are rebuilt from the loaded master values.
         Collective: every rank calls it with the same ``saved`` list."""
         c = self.components
-        state = load_state_dict(state, c.stage.piece_specs(), saved, rank=c.dist.rank, world=c.dist.world)
+        state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, rank=c.dist.rank,
+                                world=c.dist.world)
         # As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
         # written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
         # its shards and persistent unit, ddp copies a separate master).

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from framework.errors import FrameworkError
-from framework.precision import PrecisionState
+from framework.precision import Policy, PrecisionState
 from framework.stages._spec import PieceSpec, check_shape, cover
 
 
@@ -108,41 +108,53 @@ def _host(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
-def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1) -> dict:
+def _dynamic(policy: Policy) -> bool:
+    return policy.scaler is not None and policy.scaler.loss_scale == 0
+
+
+def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy, rank: int = 0,
+               world: int = 1) -> dict:
     """This rank's part of ``state`` keyed by parameter name, as host copies::
 
-        {"format": 1, "rank": r, "world": w, "step": int, "data": int, "precision": {...}, "rng": [...],
+        {"format": 1, "rank": r, "world": w, "step": int, "data": int, "precision": {...},
+         "dynamic_loss_scale": bool, "rng": [...],
          "optimizer": {"per_element": [path, ...], "scalars": {path: value}},
          "params": {name: {"shape": (...), "fragments": [
              {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}}}
 
     ``range`` is a range of the flattened parameter; ``specs`` (``stage.piece_specs()``) say
-    which ranges each piece of ``state.params`` holds."""
+    which ranges each piece of ``state.params`` holds. Each piece tensor is copied to the host
+    once (one transfer, not one per parameter) and its fragments are views of that copy."""
     if len(specs) != len(state.params):
         raise ValueError(f"{len(specs)} piece specs for {len(state.params)} master pieces")
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     params: dict[str, dict] = {}
     for k, (spec, master) in enumerate(zip(specs, state.params)):
-        flat = master.reshape(-1)
-        opt = {path: ts[k].reshape(-1) for path, ts in per.items()}
+        if not spec.spans:  # all padding
+            continue
+        flat = _host(master.reshape(-1))
+        opt = {path: _host(ts[k].reshape(-1)) for path, ts in per.items()}
         for span in spec.spans:
             a, b = span.piece
             entry = params.setdefault(span.name, {"shape": span.shape, "fragments": []})
-            entry["fragments"].append({"range": span.param, "master": _host(flat[a:b]),
-                                       "optim": {path: _host(t[a:b]) for path, t in opt.items()}})
+            entry["fragments"].append({"range": span.param, "master": flat[a:b],
+                                       "optim": {path: t[a:b] for path, t in opt.items()}})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
-            "precision": asdict(state.precision), "rng": [_host(t) for t in state.rng],
+            "precision": asdict(state.precision), "dynamic_loss_scale": _dynamic(policy),
+            "rng": [_host(t) for t in state.rng],
             "optimizer": {"per_element": sorted(per), "scalars": {p: _host(v) for p, v in scalars.items()}},
             "params": params}
 
 
-def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *,
+def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
                     rank: int = 0, world: int = 1) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (master pieces and per-element optimizer state, in place) and return it
     with the saved scalars. Everything is checked before anything is written: a missing
     parameter, a shape mismatch, elements no fragment holds or another optimizer's state raise
-    ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values."""
+    ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values. The loss scale
+    carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
+    initial scale applies, and only the step bookkeeping (iterations, skipped steps) is loaded."""
     if len(specs) != len(state.params):
         raise ValueError(f"{len(specs)} piece specs for {len(state.params)} master pieces")
     if not saved:
@@ -172,7 +184,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     raise FrameworkError(f"load_state_dict: a fragment of {name!r} for elements [{lo}, {hi}) "
                                          f"holds {f['master'].numel()} values")
             frags += entry["fragments"]
-    plan = []  # (piece, span, fragments, cover) for every span of every piece
+    plans: list[list] = [[] for _ in specs]  # per piece: (span, fragments, cover) of each span
     for k, spec in enumerate(specs):
         for span in spec.spans:
             if span.name not in index:
@@ -185,21 +197,34 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             except LookupError as e:
                 raise FrameworkError(f"load_state_dict: parameter {span.name!r} {shape}: {e} of the "
                                      f"{len(saved)} saved rank(s)") from None
-            plan.append((k, span, frags, parts))
-    for k, span, frags, parts in plan:
-        targets = [("master", state.params[k].reshape(-1))] + [(p, ts[k].reshape(-1)) for p, ts in per.items()]
-        for i, a, b in parts:
-            f = frags[i]
-            src = slice(a - f["range"][0], b - f["range"][0])
-            dst = span.piece[0] + a - span.param[0]
-            for path, t in targets:
-                values = f["master"] if path == "master" else f["optim"][path]
-                t[dst:dst + b - a].copy_(values[src])
+            plans[k].append((span, frags, parts))
+    for k, plan in enumerate(plans):
+        if plan:
+            for key, t in [("master", state.params[k]), *((p, ts[k]) for p, ts in per.items())]:
+                _fill(t.reshape(-1), plan, key)
     # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
     # resumes its own generators; otherwise (no rank to match) all take rank 0's.
     mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
     rng = tuple(mine["rng"])
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]
-    return replace(state, step=first["step"], data=first["data"], precision=PrecisionState(**first["precision"]),
-                   rng=rng, opt_state=with_scalars(state.opt_state, state.params, saved_opt["scalars"]))
+    precision = PrecisionState(**first["precision"])
+    if not (first["dynamic_loss_scale"] and _dynamic(policy)):
+        precision = replace(policy.init_state(), cur_iter=precision.cur_iter, skipped_steps=precision.skipped_steps)
+    return replace(state, step=first["step"], data=first["data"], precision=precision, rng=rng,
+                   opt_state=with_scalars(state.opt_state, state.params, saved_opt["scalars"]))
+
+
+def _fill(target: torch.Tensor, plan: list, key: str) -> None:
+    """Write the planned fragment slices (``key``: 'master' or an optimizer path) into ``target``.
+    A device tensor is filled through one host copy of it: two transfers per piece, however many
+    fragments it takes (padding keeps its values)."""
+    buf = target if target.device.type == "cpu" else target.to("cpu")
+    for span, frags, parts in plan:
+        for i, a, b in parts:
+            f = frags[i]
+            values = f["master"] if key == "master" else f["optim"][key]
+            dst = span.piece[0] + a - span.param[0]
+            buf[dst:dst + b - a].copy_(values[a - f["range"][0]:b - f["range"][0]])
+    if buf is not target:
+        target.copy_(buf)

@@ -5,6 +5,7 @@ here the arithmetic is checked element by element on plain tensors.
 """
 import functools
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,11 +14,13 @@ from torch import nn
 from framework import compose
 from framework.build import component
 from framework.errors import FrameworkError
-from framework.precision import PrecisionState
+from framework.precision import Policy, PrecisionState, ScalerConfig
 from framework.stages._flat import make_layout
 from framework.stages._spec import PieceSpec, cover, piece_spec
 from framework.state import TrainState, load_state_dict, optimizer_leaves, state_dict, with_scalars
 
+FP32 = Policy("fp32", torch.float32, torch.float32, torch.float32, None)
+FP16 = Policy("fp16", torch.float16, torch.float16, torch.float32, ScalerConfig())
 SHAPES = {"a": (5, 7), "b": (13,), "c": (1,), "d": (3, 3, 3), "e": (300,)}
 
 
@@ -163,14 +166,14 @@ def make_state(world: int, chunk: int | None, opt: str = "adamw", seed: int | No
                         ts[k][q0:q1] = values(span.name)[p0:p1] * (m + 2)
             opt_state = with_scalars(opt_state, params, {p: 7 for p in optimizer_leaves(opt_state, params)[1]})
         state = TrainState(step=11 if seed is not None else 0, params=params, opt_state=opt_state,
-                           precision=PrecisionState(cur_scale=4.0 if seed is not None else 1.0),
+                           precision=PrecisionState(cur_iter=11, skipped_steps=2) if seed is not None else PrecisionState(),
                            rng=(torch.get_rng_state(),), data=9 if seed is not None else 0)
         per_rank.append((state, specs))
     return per_rank
 
 
-def saved_by(per_rank):
-    return [state_dict(s, specs, rank=r, world=len(per_rank)) for r, (s, specs) in enumerate(per_rank)]
+def saved_by(per_rank, policy=FP32):
+    return [state_dict(s, specs, policy=policy, rank=r, world=len(per_rank)) for r, (s, specs) in enumerate(per_rank)]
 
 
 def check_reference(state: TrainState, specs: list[PieceSpec]):
@@ -182,7 +185,7 @@ def check_reference(state: TrainState, specs: list[PieceSpec]):
             for m, ts in enumerate(per.values()):
                 assert torch.equal(ts[k][q0:q1], values(span.name)[p0:p1] * (m + 2))
     assert set(scalars.values()) <= {7}
-    assert (state.step, state.data, state.precision.cur_scale) == (11, 9, 4.0)
+    assert (state.step, state.data, state.precision) == (11, 9, PrecisionState(cur_iter=11, skipped_steps=2))
 
 
 @pytest.mark.parametrize("opt", ["adamw", "lion"])
@@ -192,7 +195,7 @@ def test_round_trip_between_layouts(opt, src, dst):
     saved = saved_by(make_state(*src, opt=opt, seed=0))
     for r, (state, specs) in enumerate(make_state(*dst, opt=opt)):
         before = [t.clone() for t in state.params]
-        loaded = load_state_dict(state, specs, saved, rank=r, world=dst[0])
+        loaded = load_state_dict(state, specs, saved, policy=FP32, rank=r, world=dst[0])
         assert all(a is b for a, b in zip(loaded.params, state.params))  # in place
         check_reference(loaded, specs)
         # padding past the last parameter keeps what it held
@@ -205,12 +208,12 @@ def test_replicated_saves_load_and_rng_follows_the_rank():
     saved = saved_by(make_state(1, None, seed=0)) * 2   # two ddp ranks: both hold everything
     saved[1] = {**saved[1], "rank": 1, "rng": [torch.zeros(3, dtype=torch.uint8)]}
     (s0, sp0), (s1, sp1) = make_state(2, 64)
-    loaded = load_state_dict(s1, sp1, saved, rank=1, world=2)
+    loaded = load_state_dict(s1, sp1, saved, policy=FP32, rank=1, world=2)
     check_reference(loaded, sp1)
     assert torch.equal(loaded.rng[0], torch.zeros(3, dtype=torch.uint8))
     # another world size: no rank to match, everyone takes rank 0's generators
     (s,  sp), = make_state(1, None)
-    assert torch.equal(load_state_dict(s, sp, saved, rank=0, world=1).rng[0], saved[0]["rng"][0])
+    assert torch.equal(load_state_dict(s, sp, saved, policy=FP32).rng[0], saved[0]["rng"][0])
 
 
 def _unchanged_after(fn, state):
@@ -222,7 +225,7 @@ def _unchanged_after(fn, state):
 def test_errors_are_one_line_and_leave_the_state_alone():
     saved = saved_by(make_state(2, None, seed=0))
     (state, specs), = make_state(1, None)
-    load = lambda s: load_state_dict(state, specs, s)  # noqa: E731
+    load = lambda s: load_state_dict(state, specs, s, policy=FP32)  # noqa: E731
 
     with pytest.raises(FrameworkError, match=r"parameter 'e' \(300,\): elements \[\d+, 300\) are in no saved "
                                              r"fragment of the 1 saved rank"):
@@ -245,3 +248,21 @@ def test_errors_are_one_line_and_leave_the_state_alone():
     with pytest.raises(FrameworkError) as e:
         load(saved[1:])
     assert "\n" not in str(e.value)
+
+
+def test_loss_scale_carries_over_only_between_dynamic_scalers():
+    fp16_state = PrecisionState(cur_scale=512.0, cur_iter=11, last_overflow_iter=8, cur_hysteresis=1,
+                                skipped_steps=3)
+    per_rank = [(replace(s, precision=fp16_state), sp) for s, sp in make_state(1, None, seed=0)]
+    saved = saved_by(per_rank, FP16)
+    static = Policy("fp16", torch.float16, torch.float16, torch.float32, ScalerConfig(loss_scale=128.0))
+    for policy, expected in ((FP16, fp16_state),
+                             (FP32, PrecisionState(cur_iter=11, skipped_steps=3)),
+                             (static, PrecisionState(cur_scale=128.0, cur_iter=11, cur_hysteresis=2,
+                                                     skipped_steps=3))):
+        (s, sp), = make_state(2, 64)[:1]
+        assert load_state_dict(s, sp, saved, policy=policy, world=2).precision == expected, policy.name
+    # and from fp32 into fp16: the scaler starts where a new fp16 run would
+    (s, sp), = make_state(1, None)
+    got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16).precision
+    assert got == replace(FP16.init_state(), cur_iter=11, skipped_steps=2)
