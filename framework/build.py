@@ -52,8 +52,9 @@ class Engine:
         continue from. The working parameters are rebuilt from the loaded master values.
         Collective: every rank calls it with the same ``saved`` list."""
         c = self.components
-        state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, rank=c.dist.rank,
-                                world=c.dist.world)
+        names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
+        state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+                                rank=c.dist.rank, world=c.dist.world)
         # As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
         # written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
         # its shards and persistent unit, ddp copies a separate master).

@@ -6,7 +6,7 @@ donated buffers in JAX), so always continue from the state it returns.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -147,11 +147,12 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 
 
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
-                    rank: int = 0, world: int = 1) -> TrainState:
+                    names: Iterable[str], rank: int = 0, world: int = 1) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (master pieces and per-element optimizer state, in place) and return it
-    with the saved scalars. Everything is checked before anything is written: a missing
-    parameter, a shape mismatch, elements no fragment holds or another optimizer's state raise
+    with the saved scalars. ``names``: every trained parameter of the model (all ranks).
+    Everything is checked before anything is written: a missing or extra parameter, a shape
+    mismatch, elements no fragment holds or another optimizer's state raise
     ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values. The loss scale
     carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
     initial scale applies, and only the step bookkeeping (iterations, skipped steps) is loaded."""
@@ -184,6 +185,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     raise FrameworkError(f"load_state_dict: a fragment of {name!r} for elements [{lo}, {hi}) "
                                          f"holds {f['master'].numel()} values")
             frags += entry["fragments"]
+    extra = sorted(set(index) - set(names))
+    if extra:
+        shown = ", ".join(map(repr, extra[:5])) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {shown}")
     plans: list[list] = [[] for _ in specs]  # per piece: (span, fragments, cover) of each span
     for k, spec in enumerate(specs):
         for span in spec.spans:

@@ -195,7 +195,7 @@ def test_round_trip_between_layouts(opt, src, dst):
     saved = saved_by(make_state(*src, opt=opt, seed=0))
     for r, (state, specs) in enumerate(make_state(*dst, opt=opt)):
         before = [t.clone() for t in state.params]
-        loaded = load_state_dict(state, specs, saved, policy=FP32, rank=r, world=dst[0])
+        loaded = load_state_dict(state, specs, saved, policy=FP32, names=SHAPES, rank=r, world=dst[0])
         assert all(a is b for a, b in zip(loaded.params, state.params))  # in place
         check_reference(loaded, specs)
         # padding past the last parameter keeps what it held
@@ -208,12 +208,12 @@ def test_replicated_saves_load_and_rng_follows_the_rank():
     saved = saved_by(make_state(1, None, seed=0)) * 2   # two ddp ranks: both hold everything
     saved[1] = {**saved[1], "rank": 1, "rng": [torch.zeros(3, dtype=torch.uint8)]}
     (s0, sp0), (s1, sp1) = make_state(2, 64)
-    loaded = load_state_dict(s1, sp1, saved, policy=FP32, rank=1, world=2)
+    loaded = load_state_dict(s1, sp1, saved, policy=FP32, names=SHAPES, rank=1, world=2)
     check_reference(loaded, sp1)
     assert torch.equal(loaded.rng[0], torch.zeros(3, dtype=torch.uint8))
     # another world size: no rank to match, everyone takes rank 0's generators
     (s,  sp), = make_state(1, None)
-    assert torch.equal(load_state_dict(s, sp, saved, policy=FP32).rng[0], saved[0]["rng"][0])
+    assert torch.equal(load_state_dict(s, sp, saved, policy=FP32, names=SHAPES).rng[0], saved[0]["rng"][0])
 
 
 def _unchanged_after(fn, state):
@@ -225,7 +225,7 @@ def _unchanged_after(fn, state):
 def test_errors_are_one_line_and_leave_the_state_alone():
     saved = saved_by(make_state(2, None, seed=0))
     (state, specs), = make_state(1, None)
-    load = lambda s: load_state_dict(state, specs, s, policy=FP32)  # noqa: E731
+    load = lambda s, names=SHAPES: load_state_dict(state, specs, s, policy=FP32, names=names)  # noqa: E731
 
     with pytest.raises(FrameworkError, match=r"parameter 'e' \(300,\): elements \[\d+, 300\) are in no saved "
                                              r"fragment of the 1 saved rank"):
@@ -233,6 +233,8 @@ def test_errors_are_one_line_and_leave_the_state_alone():
     missing = [{**sd, "params": {n: e for n, e in sd["params"].items() if n != "c"}} for sd in saved]
     with pytest.raises(FrameworkError, match=r"parameter 'c' is not in the saved state"):
         _unchanged_after(lambda: load(missing), state)
+    with pytest.raises(FrameworkError, match=r"the saved state has parameters this model does not train: 'c'$"):
+        _unchanged_after(lambda: load(saved, names=[n for n in SHAPES if n != "c"]), state)
     reshaped = [{**sd, "params": {**sd["params"], "b": {**sd["params"]["b"], "shape": (13, 1)}}}
                 if "b" in sd["params"] else sd for sd in saved]
     with pytest.raises(FrameworkError, match=r"parameter 'b' has shape \(13, 1\) in the saved state but \(13,\)"):
@@ -261,8 +263,8 @@ def test_loss_scale_carries_over_only_between_dynamic_scalers():
                              (static, PrecisionState(cur_scale=128.0, cur_iter=11, cur_hysteresis=2,
                                                      skipped_steps=3))):
         (s, sp), = make_state(2, 64)[:1]
-        assert load_state_dict(s, sp, saved, policy=policy, world=2).precision == expected, policy.name
+        assert load_state_dict(s, sp, saved, policy=policy, names=SHAPES, world=2).precision == expected, policy.name
     # and from fp32 into fp16: the scaler starts where a new fp16 run would
     (s, sp), = make_state(1, None)
-    got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16).precision
+    got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16, names=SHAPES).precision
     assert got == replace(FP16.init_state(), cur_iter=11, skipped_steps=2)
