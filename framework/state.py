@@ -108,6 +108,13 @@ def _host(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
+def _check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -> None:
+    """A stage's specs describe its master pieces one for one (a stage bug otherwise)."""
+    if [s.numel for s in specs] != [p.numel() for p in params]:
+        raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
+                         f"{[p.numel() for p in params]}")
+
+
 def _dynamic(policy: Policy) -> bool:
     return policy.scaler is not None and policy.scaler.loss_scale == 0
 
@@ -125,8 +132,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     ``range`` is a range of the flattened parameter; ``specs`` (``stage.piece_specs()``) say
     which ranges each piece of ``state.params`` holds. Each piece tensor is copied to the host
     once (one transfer, not one per parameter) and its fragments are views of that copy."""
-    if len(specs) != len(state.params):
-        raise ValueError(f"{len(specs)} piece specs for {len(state.params)} master pieces")
+    _check_aligned(specs, state.params)
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     params: dict[str, dict] = {}
     for k, (spec, master) in enumerate(zip(specs, state.params)):
@@ -156,8 +162,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values. The loss scale
     carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
     initial scale applies, and only the step bookkeeping (iterations, skipped steps) is loaded."""
-    if len(specs) != len(state.params):
-        raise ValueError(f"{len(specs)} piece specs for {len(state.params)} master pieces")
+    _check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]

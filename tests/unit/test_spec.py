@@ -268,3 +268,12 @@ def test_loss_scale_carries_over_only_between_dynamic_scalers():
     (s, sp), = make_state(1, None)
     got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16, names=SHAPES).precision
     assert got == replace(FP16.init_state(), cur_iter=11, skipped_steps=2)
+
+
+def test_specs_must_describe_the_pieces_one_for_one():
+    (state, specs), = make_state(2, 64)[:1]
+    with pytest.raises(ValueError, match="piece specs of"):
+        state_dict(state, specs[:-1], policy=FP32)
+    with pytest.raises(ValueError, match="piece specs of"):
+        load_state_dict(state, [PieceSpec(specs[0].numel + 1, specs[0].spans), *specs[1:]], [], policy=FP32,
+                        names=SHAPES)
