@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -17,7 +17,8 @@ from framework.config import Config
 from framework.errors import ConfigError
 from framework.distributed import Dist, connect
 from framework.registry import registry
-from framework.state import TrainState
+from framework.optimizers._transforms import copy_16bit
+from framework.state import TrainState, load_state_dict, state_dict
 from framework.step import Components, LossFn, build_train_step, init_state
 from framework.utils import tensors_in, tensor_bytes
 
@@ -37,6 +38,31 @@ class Engine:
     def consolidated_state_dict(self) -> dict | None:
         """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
         return self.components.stage.consolidated_state_dict()
+
+    def state_dict(self, state: TrainState) -> dict:
+        """This rank's master parameters and optimizer state as fragments keyed by parameter name
+        (host copies), with the step, data position, precision and RNG state; see
+        ``framework.state.state_dict`` for the format. Not collective."""
+        c = self.components
+        return state_dict(state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank, world=c.dist.world)
+
+    def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
+        """Load ``saved``, the ``state_dict`` of every rank of a run with any world size, stage,
+        offload ratio or bucket size, into ``state``'s tensors (in place) and return the state to
+        continue from. The working parameters are rebuilt from the loaded master values.
+        Collective: every rank calls it with the same ``saved`` list."""
+        c = self.components
+        names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
+        state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+                                rank=c.dist.rank, world=c.dist.world)
+        # As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
+        # written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
+        # its shards and persistent unit, ddp copies a separate master).
+        out16 = c.stage.out16()
+        if out16 is not None:
+            copy_16bit(out16, state.params)
+        c.stage.publish(list(state.params))
+        return state
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

@@ -20,6 +20,7 @@ from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
 from framework.stages._flat import Layout, bind, make_layout, param_groups
+from framework.stages._spec import PieceSpec, piece_spec
 from framework.stages.base import Setup, WholeParameters
 from framework.update import PlainUpdate, Update
 from framework.utils import sq_norm, tensor_bytes
@@ -98,6 +99,11 @@ class ShardedStage(WholeParameters):
     def piece_index(self) -> list[tuple[int, int]]:
         """(group, start within the partition) of each master piece."""
         return [(g, p.start) for g, p in self.all_pieces]
+
+    def piece_specs(self) -> list[PieceSpec]:
+        """What each master piece holds by parameter name, in ``master`` order."""
+        return [piece_spec(self.layouts[g], self.bounds[g][0] + p.start, self.bounds[g][0] + p.end)
+                for g, p in self.all_pieces]
 
     def _setup_grads(self, entries: list) -> None:
         raise NotImplementedError

@@ -13,6 +13,7 @@ from torch import nn
 
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
+from framework.stages._spec import PieceSpec
 from framework.update import PlainUpdate, Update
 
 
@@ -43,6 +44,10 @@ class Stage(Protocol):
 
     def publish(self, master: list[torch.Tensor]) -> None:
         """Copy updated master values into the working parameters the module computes with."""
+
+    def piece_specs(self) -> list[PieceSpec]:
+        """What each master piece holds, by parameter name, aligned with ``Setup.master``
+        (framework.stages._spec): the name-keyed layout behind ``TrainState.params``."""
 
     def zero_grads(self) -> None: ...
 

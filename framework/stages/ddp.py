@@ -17,6 +17,7 @@ from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
 from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
+from framework.stages._spec import PieceSpec, piece_spec
 from framework.utils import sq_norm, tensor_bytes
 from framework.stages.base import Setup, WholeParameters
 
@@ -105,6 +106,10 @@ class DDPStage(WholeParameters):
     def zero_grads(self) -> None:
         for g in self.grads:
             g.zero_()
+
+    def piece_specs(self) -> list[PieceSpec]:
+        """One master piece per group: the whole flat buffer (padding included)."""
+        return [piece_spec(layout, 0, layout.padded) for layout in self.layouts]
 
     def memory(self) -> dict[str, int]:
         separate = [m for m, f in zip(self.master, self.flats) if m is not f]

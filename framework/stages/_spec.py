@@ -1,0 +1,76 @@
+"""Name-keyed layout of master pieces: which parameter elements each piece holds.
+
+A stage's master pieces (``Setup.master``, ``TrainState.params``) are flat ranges of its flat
+parameter buffers, and how many there are depends on the world size, the stage, the offload
+ratio and the bucket sizes. A ``PieceSpec`` says what one piece holds by parameter name, so
+state saved under one configuration can be re-sliced into any other (``framework.state``).
+All of it is plain integer arithmetic on ranges; ``tests/unit/test_spec.py`` covers it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from framework.errors import FrameworkError
+from framework.stages._flat import Layout
+
+
+@dataclass(frozen=True)
+class Span:
+    """Elements ``param`` [lo, hi) of the flattened parameter ``name`` sit at ``piece`` [lo, hi)."""
+
+    name: str
+    shape: tuple[int, ...]    # the parameter's global shape
+    param: tuple[int, int]
+    piece: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """One master piece: its length and the parameter spans it holds (padding holds none)."""
+
+    numel: int
+    spans: tuple[Span, ...]
+
+
+def piece_spec(layout: Layout, start: int, end: int) -> PieceSpec:
+    """The spec of a piece holding elements [start, end) of a flat buffer laid out by ``layout``."""
+    if not 0 <= start <= end <= layout.padded:
+        raise ValueError(f"piece [{start}, {end}) is outside the flat buffer [0, {layout.padded})")
+    spans = []
+    for s in layout.slots:  # slots are in offset order; a few hundred at most
+        a, b = max(start, s.offset), min(end, s.offset + s.numel)
+        if a < b:
+            spans.append(Span(s.name, tuple(s.shape), (a - s.offset, b - s.offset), (a - start, b - start)))
+    return PieceSpec(end - start, tuple(spans))
+
+
+def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Saved ranges that together hold every element of [lo, hi), as ``(index, a, b)``: elements
+    [a, b) are taken from ``ranges[index]``; the [a, b) tile [lo, hi) in order.
+
+    Ranges may overlap (ranks of a replicated stage all save everything): at each position the
+    range that reaches furthest is taken, so few copies are made. Raises ``LookupError`` with the
+    first element range that no saved range holds."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    out: list[tuple[int, int, int]] = []
+    pos, j, best = lo, 0, None
+    while pos < hi:
+        while j < len(order) and ranges[order[j]][0] <= pos:
+            i = order[j]
+            if best is None or ranges[i][1] > ranges[best][1]:
+                best = i
+            j += 1
+        if best is None or ranges[best][1] <= pos:
+            nxt = ranges[order[j]][0] if j < len(order) else hi
+            raise LookupError(f"elements [{pos}, {min(nxt, hi)}) are in no saved fragment")
+        b = min(hi, ranges[best][1])
+        out.append((best, pos, b))
+        pos = b
+    return out
+
+
+def check_shape(name: str, saved: Sequence[int], here: Sequence[int]) -> None:
+    if tuple(saved) != tuple(here):
+        raise FrameworkError(f"load_state_dict: parameter {name!r} has shape {tuple(saved)} in the saved state "
+                             f"but {tuple(here)} in this model")
