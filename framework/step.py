@@ -53,7 +53,8 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         lr = c.schedule(state.applied_steps)
         c.update.arm(state.opt_state, state.params, lr, scale)
         try:
-            loss_sum = torch.zeros((), dtype=torch.float32, device=state.params[0].device)
+            # On the compute device: state.params live on the host under offload.
+            loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
                 loss = c.loss_fn(c.module, micro)
                 c.stage.backward(loss * (scale / n), sync=k == n - 1)
