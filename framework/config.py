@@ -122,6 +122,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         chosen[group] = name
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
+    _check_inert_stage_keys(chosen["stage"], nodes["stage"])
     if chosen["offload"] == "cpu" and nodes["offload"].params and chosen["stage"] != "zero3":
         raise ConfigError(f"config: offload.params=true (parameter offload) needs +stage=zero3, got "
                           f"stage={chosen['stage']}; use offload.params=false or +stage=zero3")
@@ -137,6 +138,17 @@ def _check_values(root: RootSchema) -> None:
         raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
     if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
         raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
+
+
+def _check_inert_stage_keys(stage: str, node: Any) -> None:
+    """DeepSpeed keys that the ZeRO stages accept (so that configs port over) but whose other value
+    would do nothing here: refused, naming the fix, rather than silently ignored."""
+    if stage in ("zero1", "zero2") and node.round_robin_gradients:
+        raise ConfigError(f"config: stage.round_robin_gradients=true is not implemented with stage={stage} "
+                          f"(DeepSpeed's interleaving of gradient partitions for host copies); remove it or set false")
+    if stage == "zero1" and not node.contiguous_gradients:
+        raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
+                          "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.

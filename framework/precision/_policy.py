@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from framework.errors import TrainingError
+from framework.errors import ConfigError, TrainingError
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ class Policy:
     reduce_dtype: torch.dtype    # gradients on the wire
     master_dtype: torch.dtype    # what the optimizer updates
     scaler: ScalerConfig | None  # None: no loss scaling (the scale stays 1)
+    # Gradients are summed across the micro batches of a step in this dtype (each micro batch's
+    # backward still produces param_dtype gradients): fp32 by default, as DeepSpeed's BF16
+    # optimizer does; param_dtype sums in 16 bits (less memory, rounding that grows with
+    # train.grad_accum).
+    grad_accum_dtype: torch.dtype = torch.float32
 
     def init_state(self) -> PrecisionState:
         if self.scaler is None:
@@ -55,7 +60,20 @@ class Policy:
         scaling = "none" if self.scaler is None else (
             "dynamic" if self.scaler.loss_scale == 0 else f"static {self.scaler.loss_scale:g}")
         return (f"precision {self.name}: params {dt(self.param_dtype)}, reduce {dt(self.reduce_dtype)}, "
-                f"master/optimizer {dt(self.master_dtype)}, loss scaling {scaling}")
+                f"gradient accumulation {dt(self.grad_accum_dtype)}, master/optimizer {dt(self.master_dtype)}, "
+                f"loss scaling {scaling}")
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def grad_accum_dtype(value: str, working: str) -> torch.dtype:
+    """``precision.grad_accum_dtype``: fp32, or the working dtype (``working``) itself."""
+    allowed = sorted({"fp32", working})
+    if value not in allowed:
+        raise ConfigError(f"precision.grad_accum_dtype={value!r} is not valid with precision={working}; use "
+                          f"{' or '.join(allowed)}")
+    return DTYPES[value]
 
 
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,

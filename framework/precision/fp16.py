@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.errors import ConfigError
-from framework.precision._policy import Policy, ScalerConfig
+from framework.precision._policy import Policy, ScalerConfig, grad_accum_dtype
 from framework.registry import Component
 
 
@@ -16,6 +16,7 @@ class FP16Config:
     hysteresis: int = 2
     consecutive_hysteresis: bool = False
     min_loss_scale: float = 1.0
+    grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see bf16.py)
 
 
 def build(cfg: FP16Config) -> Policy:
@@ -24,7 +25,8 @@ def build(cfg: FP16Config) -> Policy:
                           "loss_scale_window >= 1")
     scaler = ScalerConfig(cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window,
                           cfg.hysteresis, cfg.consecutive_hysteresis, cfg.min_loss_scale)
-    return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler)
+    return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler,
+                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp16"))
 
 
 COMPONENT = Component(config=FP16Config, build=build)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from framework.distributed import Dist
-from framework.errors import DistributedError, FrameworkError
+from framework.errors import DistributedError, FrameworkError, TrainingError
 from framework.stages._flat import Layout
 from framework.stages._reduce import reduce_to_owners
 
@@ -155,6 +155,7 @@ class Gatherer:
         self.hits = 0
         self.hook_handles: list = []
         self.pending_checks: list = []        # (work, tensor, pass hash, pass record) per backward pass
+        self.backward_allowed = False   # set by the stage around train_step's backward pass
         for unit in [*units, *([persistent] if persistent else [])]:
             unit.gatherer = self
             for p in unit.params:
@@ -195,6 +196,11 @@ class Gatherer:
             self._release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if not self.backward_allowed:  # gathering, reducing and releasing belong to that one pass
+            raise TrainingError(
+                "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
+                "torch.autograd.backward or torch.autograd.grad, e.g. with create_graph=True); under zero3 "
+                "loss_fn must only return the loss, and train_step runs the one backward pass per micro batch")
         if not self.in_backward:
             self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)

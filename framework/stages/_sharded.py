@@ -33,9 +33,9 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000      # elements per gradient reduction bucket
     allgather_bucket_size: int = 500_000_000   # elements per parameter all-gather chunk
     overlap_comm: bool = False                 # reduce buckets while backward still runs
-    contiguous_gradients: bool = True          # copy gradients into a bucket buffer before reducing
+    contiguous_gradients: bool = True          # zero2: copy gradients into a bucket buffer (zero1: always)
     reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
-    round_robin_gradients: bool = False        # host-side copy order with offload; no effect without
+    round_robin_gradients: bool = False        # only false: not implemented (config.py refuses true)
 
 
 def check(cfg: ZeroConfig) -> None:

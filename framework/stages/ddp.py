@@ -3,6 +3,8 @@
 Parameters live in one flat buffer per group (module parameters are views into it) and so do
 gradients, so the all-reduce works on contiguous buckets launched from post-accumulate-grad
 hooks while backward is still running, in a fixed bucket order that is the same on every rank.
+The .grad views are bound only during backward, and micro batches are summed in
+``precision.grad_accum_dtype`` (see _grads.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from framework.errors import ConfigError
 from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
-from framework.stages._reduce import OrderedLauncher, expected_order, plan_buckets
+from framework.stages._grads import Arrivals, FlatGrads
+from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
 from framework.utils import sq_norm, tensor_bytes
 from framework.stages.base import Setup, WholeParameters
@@ -37,7 +40,8 @@ class DDPStage(WholeParameters):
         self.flats: list[torch.Tensor] = []
         self.grads: list[torch.Tensor] = []
         self.master: list[torch.Tensor] = []
-        self.launcher: OrderedLauncher | None = None
+        self.launcher: Arrivals | None = None
+        self.flat_grads: FlatGrads | None = None
         self.reduce_dtype = torch.float32
         self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
 
@@ -45,6 +49,7 @@ class DDPStage(WholeParameters):
         self.module = module
         groups = param_groups(module)
         entries = []  # (param, group index, slot) in registration order
+        grad_views = []
         for g, (_, named) in enumerate(groups):
             layout = make_layout(named, world=1)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
@@ -52,16 +57,17 @@ class DDPStage(WholeParameters):
             # Every rank starts from rank 0's values, whatever each rank's initialisation did.
             self.dist.broadcast(flat, what="initial parameter broadcast")
             grad = torch.zeros_like(flat)
-            for p, gv in zip(params, views(grad, layout)):
-                p.grad = gv  # autograd accumulates in place into the flat buffer
+            grad_views += views(grad, layout)  # bound as .grad during backward (in-place accumulation)
             self.layouts.append(layout)
             self.flats.append(flat)
             self.grads.append(grad)
             self.master.append(flat if policy.master_dtype == flat.dtype else flat.to(policy.master_dtype))
             entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
         self.reduce_dtype = policy.reduce_dtype
+        named = [(p, s.name) for p, (_, s) in entries]
+        self.flat_grads = FlatGrads(named, grad_views, self.grads, policy.grad_accum_dtype, "ddp")
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
-        self.launcher = OrderedLauncher(buckets, self._launch)
+        self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "ddp")
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
                 p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
@@ -69,7 +75,7 @@ class DDPStage(WholeParameters):
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
-        view = self.grads[b.group][b.start:b.end]
+        view = self.flat_grads.final(b.group, b.start, b.end)
         wire = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
         self.work.append(([self.dist.all_reduce(wire, what=f"gradient all-reduce of bucket {i}", async_op=True)],
                           wire, view))
@@ -78,7 +84,10 @@ class DDPStage(WholeParameters):
         if sync and self.dist.world > 1:
             self.launcher.arm()
         # Gradients are summed across ranks, so each rank contributes 1/world of the mean.
-        (loss / self.dist.world).backward()
+        try:
+            self.flat_grads.backward(lambda: (loss / self.dist.world).backward(), sync=sync)
+        finally:
+            self.launcher.disarm()
 
     def reduce_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
@@ -88,7 +97,11 @@ class DDPStage(WholeParameters):
                 if wire is not view:
                     view.copy_(wire)
             self.work = []
-        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(self.grads, self.master)]
+        else:
+            for g, grad in enumerate(self.grads):
+                self.flat_grads.final(g, 0, grad.numel())
+        summed = self.flat_grads.summed()
+        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(summed, self.master)]
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Gradients are replicated after the all-reduce: the local norm is the global one.
@@ -104,8 +117,7 @@ class DDPStage(WholeParameters):
                 flat.copy_(m)
 
     def zero_grads(self) -> None:
-        for g in self.grads:
-            g.zero_()
+        self.flat_grads.zero()
 
     def piece_specs(self) -> list[PieceSpec]:
         """One master piece per group: the whole flat buffer (padding included)."""
@@ -113,7 +125,7 @@ class DDPStage(WholeParameters):
 
     def memory(self) -> dict[str, int]:
         separate = [m for m, f in zip(self.master, self.flats) if m is not f]
-        return {"params": tensor_bytes(self.flats), "grads": tensor_bytes(self.grads),
+        return {"params": tensor_bytes(self.flats), "grads": tensor_bytes(self.flat_grads.tensors()),
                 "master_params": tensor_bytes(separate), "comm_buffers": 0}
 
 

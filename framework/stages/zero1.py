@@ -4,7 +4,8 @@ Gradients accumulate over micro batches in one full flat buffer per group (param
 are views into it), as in ddp. On the last micro batch each bucket is reduced to the ranks
 that own its elements as soon as backward has produced it (``overlap_comm``) or after
 backward; a rank then reads only its own partition. Only the owned partition of the master
-weights and optimizer state exists on each rank.
+weights and optimizer state exists on each rank. The .grad views are bound only during
+backward, and micro batches are summed in ``precision.grad_accum_dtype`` (see _grads.py).
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from framework.registry import Component
 from framework.stages._flat import views
-from framework.stages._reduce import OrderedLauncher, expected_order, own_overlap, plan_buckets, reduce_to_owners
+from framework.stages._grads import Arrivals, FlatGrads
+from framework.stages._reduce import expected_order, own_overlap, plan_buckets, reduce_to_owners
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.utils import tensor_bytes
 
@@ -21,12 +23,11 @@ class Zero1Stage(ShardedStage):
     def _setup_grads(self, entries: list) -> None:
         # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
         self.grads = [torch.zeros_like(f) for f in self.flats]
-        for g, (grad, layout) in enumerate(zip(self.grads, self.layouts)):
-            params = [p for p, (gi, _) in entries if gi == g]
-            for p, v in zip(params, views(grad, layout)):
-                p.grad = v
+        grad_views = [v for grad, layout in zip(self.grads, self.layouts) for v in views(grad, layout)]
+        named = [(p, s.name) for p, (_, s) in entries]   # entries are in group order, as the views
+        self.flat_grads = FlatGrads(named, grad_views, self.grads, self.policy.grad_accum_dtype, "zero1")
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.reduce_bucket_size)
-        self.launcher = OrderedLauncher(buckets, self._launch)
+        self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "zero1")
         self.work: list = []
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
@@ -34,7 +35,7 @@ class Zero1Stage(ShardedStage):
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
-        view = self.grads[b.group][b.start:b.end]
+        view = self.flat_grads.final(b.group, b.start, b.end)
         wire = view if view.dtype == self.policy.reduce_dtype else view.to(self.policy.reduce_dtype)
         works = reduce_to_owners(self.dist, wire, b.start, self.layouts[b.group].shard, self.cfg.reduce_scatter,
                                  what=f"gradient reduction of bucket {i}")
@@ -43,7 +44,10 @@ class Zero1Stage(ShardedStage):
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         if sync and self.dist.world > 1:
             self.launcher.arm()
-        (loss / self.dist.world).backward()
+        try:
+            self.flat_grads.backward(lambda: (loss / self.dist.world).backward(), sync=sync)
+        finally:
+            self.launcher.disarm()
 
     def _partition_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
@@ -55,14 +59,16 @@ class Zero1Stage(ShardedStage):
                 if wire is not view and own is not None:
                     view[own[0] - b.start:own[1] - b.start].copy_(wire[own[0] - b.start:own[1] - b.start])
             self.work = []
-        return [g[lo:hi] for g, (lo, hi) in zip(self.grads, self.bounds)]
+        else:
+            for g, grad in enumerate(self.grads):
+                self.flat_grads.final(g, 0, grad.numel())
+        return [g[lo:hi] for g, (lo, hi) in zip(self.flat_grads.summed(), self.bounds)]
 
     def zero_grads(self) -> None:
-        for g in self.grads:
-            g.zero_()
+        self.flat_grads.zero()
 
     def _grad_memory(self) -> dict[str, int]:
-        return {"grads": tensor_bytes(self.grads), "comm_buffers": 0}
+        return {"grads": tensor_bytes(self.flat_grads.tensors()), "comm_buffers": 0}
 
 
 def build(cfg: ZeroConfig, *, dist, offload) -> Zero1Stage:

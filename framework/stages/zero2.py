@@ -6,7 +6,8 @@ a reusable bucket buffer (``contiguous_gradients``), the .grad tensors are freed
 buffer is reduced to the ranks that own its elements. Each rank adds its share into its
 gradient partition; nothing else of the gradients survives backward. At most two bucket
 buffers are in flight: launching a third first completes the oldest. Every micro batch is
-reduced (gradients are never kept whole), as in DeepSpeed's stage 2.
+reduced (gradients are never kept whole), as in DeepSpeed's stage 2, and summed into the
+partition in ``precision.grad_accum_dtype``.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from collections import deque
 import torch
 
 from framework.registry import Component
-from framework.stages._reduce import OrderedLauncher, expected_order, own_overlap, plan_buckets, reduce_to_owners
+from framework.stages._grads import Arrivals, check_no_grads
+from framework.stages._reduce import expected_order, own_overlap, plan_buckets, reduce_to_owners
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.utils import tensor_bytes
 
@@ -27,10 +29,12 @@ class Zero2Stage(ShardedStage):
         self.params = [p for p, _ in entries]
         self.slots = [gs for _, gs in entries]
         dtype = self.policy.reduce_dtype
-        # The owned gradient partition, accumulated over micro batches in the wire dtype.
-        self.part = [torch.zeros(hi - lo, dtype=dtype, device=self.dist.device) for lo, hi in self.bounds]
+        # The owned gradient partition, summed over micro batches in the accumulation dtype.
+        self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
+                     for lo, hi in self.bounds]
+        self.named = [(p, s.name) for p, (_, s) in entries]
         buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size)
-        self.launcher = OrderedLauncher(buckets, self._launch)
+        self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         # Without overlap_comm each bucket completes before the next is filled: one buffer does.
         n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0
         size = max(b.numel for b in buckets)
@@ -89,8 +93,12 @@ class Zero2Stage(ShardedStage):
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.sync = sync
+        check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
         self.launcher.arm()
-        (loss / self.dist.world).backward()
+        try:
+            (loss / self.dist.world).backward()
+        finally:
+            self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
@@ -104,7 +112,7 @@ class Zero2Stage(ShardedStage):
 
     def _grad_memory(self) -> dict[str, int]:
         return {"grads": tensor_bytes(self.part),
-                "comm_buffers": self.buffer_elems * torch.empty((), dtype=self.policy.reduce_dtype).element_size()}
+                "comm_buffers": self.buffer_elems * self.policy.reduce_dtype.itemsize}
 
 
 def build(cfg: ZeroConfig, *, dist, offload) -> Zero2Stage:

@@ -190,7 +190,8 @@ class Zero3Stage(ShardedStage):
             params.append(sp)
             del values
         pieces = self.offload.place(shard, policy.master_dtype, self._host_chunk())
-        group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.reduce_dtype, device=device),
+        # Gradient partition: micro batches summed in the accumulation dtype.
+        group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
                           pieces=pieces)
         self.groups.append(group)
         self.layouts.append(layout)
@@ -207,7 +208,11 @@ class Zero3Stage(ShardedStage):
     # --- the Stage protocol ------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
+        self.gatherer.backward_allowed = True
+        try:
+            (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
+        finally:
+            self.gatherer.backward_allowed = False
 
     def _partition_grads(self) -> list[torch.Tensor]:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units

@@ -122,8 +122,9 @@ def test_memory_ledger_is_one_nth_and_live_limit_holds(pools, world):
     from framework.stages._flat import ALIGN
     units = 4  # root + 2 blocks, two groups each at most
     assert padded - n_params < 2 * units * world * ALIGN
-    # bf16 params and grads (2 + 2), fp32 master + Adam (12): all divided by N.
-    assert mem["params"] == 2 * padded // world and mem["grads"] == 2 * padded // world
+    # bf16 params (2), gradients summed in fp32 (4, precision.grad_accum_dtype), fp32 master + Adam
+    # (12): all divided by N.
+    assert mem["params"] == 2 * padded // world and mem["grads"] == 4 * padded // world
     assert mem["master_params"] == 4 * padded // world and mem["optimizer_state"] == 8 * padded // world
     assert 0 < peak <= limit + largest, (peak, limit, largest)
 

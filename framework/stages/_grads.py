@@ -1,0 +1,148 @@
+"""Gradient bookkeeping that ddp, zero1 and zero2 share: bound .grad views, the accumulation dtype
+and per-parameter arrival flags for the bucket hooks.
+
+* ``FlatGrads`` (ddp, zero1): autograd accumulates each micro batch's gradients in place into
+  one flat buffer per group in the working dtype, the parameters' .grad being views into it.
+  The views are bound only while train_step's backward runs. So a ``loss_fn`` that calls
+  ``module.zero_grad()`` (with or without set_to_none) touches nothing of ours, and a backward
+  pass that ran inside ``loss_fn`` (``loss.backward()``, with or without ``create_graph=True``)
+  leaves a gradient that is there before ours starts: an error, not a silent zero gradient.
+  After our backward every .grad must still be its view (autograd replaces it when it
+  accumulates out of place, under create_graph); otherwise that is an error too.
+  With ``precision.grad_accum_dtype`` wider than the working dtype, each micro batch but the
+  last is added into an fp32 accumulator (allocated the first time a step accumulates) and the
+  working buffer is zeroed; the last one is added range by range as it is reduced (``final``).
+* ``Arrivals`` (ddp, zero1, zero2): the post-accumulate-grad hooks tell the bucket launcher that a
+  parameter's gradient is there, once per backward: a per-parameter flag, not a count of hook
+  calls. Under reentrant activation checkpointing a weight used in two checkpointed segments
+  is accumulated twice in one backward; a second arrival after its bucket was reduced would be
+  lost, so it raises instead.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from framework.errors import TrainingError
+from framework.stages._reduce import Bucket, OrderedLauncher
+
+Entry = tuple[nn.Parameter, str]   # a parameter and its name
+
+
+def check_no_grads(entries: list[Entry], stage: str) -> None:
+    """Raise if a parameter has a gradient before train_step's backward (and clear them all)."""
+    stray = [name for p, name in entries if p.grad is not None]
+    if not stray:
+        return
+    for p, _ in entries:
+        p.grad = None
+    shown = ", ".join(repr(n) for n in stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
+    raise TrainingError(
+        f"{stage}: {shown} already had a gradient when train_step started its backward pass: loss_fn ran a "
+        f"backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "
+        f"loss_fn must only return the loss; train_step runs the backward pass")
+
+
+class FlatGrads:
+    def __init__(self, entries: list[Entry], views: list[torch.Tensor], grads: list[torch.Tensor],
+                 accum_dtype: torch.dtype, stage: str):
+        self.entries, self.views, self.grads, self.stage = entries, views, grads, stage
+        self.accum_dtype = accum_dtype
+        self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
+        self.used = False   # acc holds earlier micro batches of this step
+
+    def backward(self, run: Callable[[], None], *, sync: bool) -> None:
+        """Run one micro batch's backward into the bound views; ``sync``: the step's last one."""
+        check_no_grads(self.entries, self.stage)
+        for (p, _), v in zip(self.entries, self.views):
+            p.grad = v
+        try:
+            run()
+        finally:
+            replaced = []
+            for (p, name), v in zip(self.entries, self.views):
+                if p.grad is not v and p.grad is not None:
+                    replaced.append(name)
+                p.grad = None
+        if replaced:
+            raise TrainingError(
+                f"{self.stage}: the gradient of {replaced[0]!r} was replaced during backward instead of being "
+                f"accumulated in place (a backward with create_graph=True, or a hook assigning .grad): "
+                f"{len(replaced)} parameter(s) affected; gradients must accumulate into the stage's buffers")
+        if not sync and self.accum_dtype != self.grads[0].dtype:
+            if self.acc is None:
+                self.acc = [torch.zeros_like(g, dtype=self.accum_dtype) for g in self.grads]
+            for a, g in zip(self.acc, self.grads):
+                a.add_(g)
+                g.zero_()
+            self.used = True
+
+    def final(self, g: int, start: int, end: int) -> torch.Tensor:
+        """Range [start, end) of group ``g``'s gradients summed over the step's micro batches.
+        Call once per range after the last backward has produced it (it adds that micro batch)."""
+        if not self.used:
+            return self.grads[g][start:end]
+        out = self.acc[g][start:end]
+        out.add_(self.grads[g][start:end])
+        return out
+
+    def summed(self) -> list[torch.Tensor]:
+        """Per group, the buffer ``final`` ranges live in."""
+        return self.acc if self.used else self.grads
+
+    def zero(self) -> None:
+        for g in self.grads:
+            g.zero_()
+        if self.used:
+            for a in self.acc:
+                a.zero_()
+        self.used = False
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.grads, *(self.acc or [])]
+
+
+class Arrivals:
+    """An ``OrderedLauncher`` fed once per parameter and armed backward (see the module doc)."""
+
+    def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
+        self.launcher = OrderedLauncher(buckets, self._launch)
+        self.buckets, self._run, self.names, self.stage = buckets, launch, names, stage
+        self.owners: dict[int, list[int]] = {}   # param id -> buckets holding a piece of it
+        for i, b in enumerate(buckets):
+            for pid in b.params:
+                self.owners.setdefault(pid, []).append(i)
+        self.armed = False
+        self.seen = [False] * len(names)
+        self.launched = [False] * len(buckets)
+
+    def _launch(self, i: int) -> None:
+        self.launched[i] = True
+        self._run(i)
+
+    def arm(self) -> None:
+        self.armed = True
+        self.seen = [False] * len(self.names)
+        self.launched = [False] * len(self.buckets)
+        self.launcher.arm()
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def ready(self, pid: int) -> None:
+        if not self.armed:
+            return
+        if self.seen[pid]:
+            if any(self.launched[b] for b in self.owners.get(pid, ())):
+                raise TrainingError(
+                    f"{self.stage}: {self.names[pid]!r} received a second gradient in one backward pass after its "
+                    f"bucket was reduced (a weight used in two segments of reentrant activation checkpointing?); "
+                    f"use torch.utils.checkpoint with use_reentrant=False")
+            return  # accumulated again before its bucket went out: nothing is lost
+        self.seen[pid] = True
+        self.launcher.ready(pid)
+
+    def flush(self) -> None:
+        self.launcher.flush()

@@ -1,0 +1,39 @@
+"""Config keys of issue 8's numerics work: grad_accum_dtype values, and DeepSpeed keys whose other
+value would do nothing here (refused with one line that names the key and the fix)."""
+import pytest
+import torch
+
+from framework import ConfigError, compose
+from framework.build import component
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_round_robin_gradients_true_is_refused(stage):
+    with pytest.raises(ConfigError, match=rf"stage\.round_robin_gradients=true is not implemented with "
+                                          rf"stage={stage} .*; remove it or set false$"):
+        compose([f"+stage={stage}", "stage.round_robin_gradients=true"])
+    compose([f"+stage={stage}", "stage.round_robin_gradients=false"])
+
+
+def test_zero1_contiguous_gradients_false_is_refused():
+    with pytest.raises(ConfigError, match=r"stage\.contiguous_gradients=false has no effect with stage=zero1 .*"
+                                          r"remove it, or use \+stage=zero2$"):
+        compose(["+stage=zero1", "stage.contiguous_gradients=false"])
+    compose(["+stage=zero2", "stage.contiguous_gradients=false"])  # zero2 implements both values
+
+
+@pytest.mark.parametrize("precision,value,dtype", [
+    ("fp32", None, torch.float32), ("bf16", None, torch.float32), ("fp16", None, torch.float32),
+    ("bf16", "bf16", torch.bfloat16), ("fp16", "fp16", torch.float16), ("bf16", "fp32", torch.float32)])
+def test_grad_accum_dtype_reaches_the_policy(precision, value, dtype):
+    overrides = [f"precision={precision}"] + ([f"precision.grad_accum_dtype={value}"] if value else [])
+    cfg = compose(overrides)
+    assert component(cfg, "precision").build(cfg.precision).grad_accum_dtype == dtype
+
+
+@pytest.mark.parametrize("precision,value", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16"), ("bf16", "fp64")])
+def test_grad_accum_dtype_other_values_are_refused(precision, value):
+    cfg = compose([f"precision={precision}", f"precision.grad_accum_dtype={value}"])
+    with pytest.raises(ConfigError, match=rf"precision\.grad_accum_dtype='{value}' is not valid with "
+                                          rf"precision={precision}; use "):
+        component(cfg, "precision").build(cfg.precision)

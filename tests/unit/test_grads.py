@@ -1,0 +1,94 @@
+"""Per-parameter arrival flags for the bucket hooks (stages/_grads.py), and what they guard against:
+a weight used in two segments of reentrant activation checkpointing is accumulated twice in one
+backward pass, so its hook fires twice."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import framework
+from framework import Batch, TrainingError
+from framework.stages._flat import make_layout
+from framework.stages._grads import Arrivals
+from framework.stages._reduce import expected_order, plan_buckets
+
+
+def _arrivals(launched):
+    named = [(f"p{i}", nn.Parameter(torch.zeros(4))) for i in range(3)]
+    layout = make_layout(named, 1)
+    buckets = plan_buckets(expected_order([(0, s) for s in layout.slots]), 8)  # [4, 12): p2, p1; [0, 4): p0
+    return Arrivals(buckets, launched.append, [n for n, _ in named], "zero2")
+
+
+def test_a_second_arrival_is_not_counted_twice():
+    launched = []
+    arrivals = _arrivals(launched)
+    arrivals.ready(2)                    # not armed: ignored
+    arrivals.arm()
+    arrivals.ready(2)
+    arrivals.ready(2)                    # again, before its bucket went out: a hook counter would launch now
+    assert launched == []
+    arrivals.ready(1)
+    assert launched == [0]
+    with pytest.raises(TrainingError, match=r"'p1' received a second gradient .* use_reentrant=False"):
+        arrivals.ready(1)                # after its bucket was reduced: it would be lost
+    arrivals.disarm()
+    arrivals.ready(0)                    # after backward: ignored
+    arrivals.flush()
+    assert launched == [0, 1]
+
+
+class SharedTwice(nn.Module):
+    """One Linear used in two reentrant checkpoint segments."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 1)
+
+    def segment(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.segment, h, use_reentrant=True)
+        h = checkpoint(self.segment, h, use_reentrant=True)
+        return self.out(h)
+
+
+def _mse(module, micro):
+    x, y = micro
+    return nn.functional.mse_loss(module(x), y)
+
+
+@pytest.mark.parametrize("bucket,outcome", [(10_000, "equal"), (8, "error")])
+def test_shared_weight_under_reentrant_checkpointing(bucket, outcome):
+    """zero2 reduces buckets from the hooks at any world size. One bucket: the second gradient of
+    the shared weight arrives before the bucket goes out, and training equals plain PyTorch (a
+    hook counter launched it early, without inp's gradient). Tiny buckets: the shared weight's
+    buckets are already reduced when its second gradient arrives, which raises."""
+    cfg = framework.compose(["+stage=zero2", f"stage.reduce_bucket_size={bucket}", "optimizer=sgd",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0"])
+    torch.manual_seed(0)
+    model = SharedTwice()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = framework.initialize(model, _mse, cfg)
+    state = engine.state
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        micro = (x, x.sum(1, keepdim=True).sin())
+        if outcome == "error":
+            with pytest.raises(TrainingError, match="received a second gradient"):
+                engine.train_step(state, Batch((micro,)))
+            return
+        state, _ = engine.train_step(state, Batch((micro,)))
+        _mse(ref, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    for (name, a), b in zip(engine.components.module.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
