@@ -1,7 +1,7 @@
 """Train from the command line.
 
     python -m framework.train                                  # default job: gpt-nano on synthetic data
-    python -m framework.train +stage=zero3 offload=nvme        # compose a stage and an offload target
+    python -m framework.train +stage=zero3 offload=cpu         # compose a stage and an offload target
     python -m framework.train dist.nproc=2 train.steps=100     # 2 local ranks (gloo on CPU)
     torchrun --nproc-per-node 2 -m framework.train             # ranks made by torchrun
     python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep

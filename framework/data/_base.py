@@ -1,8 +1,9 @@
 """The data-source protocol and the batch layout shared by every source.
 
 Data is a pure function of a position: the global batch at ``position`` is drawn from a
-generator seeded by ``(seed, position)`` alone, so a resumed run sees exactly the batches it
-would have seen, whatever the number of ranks or the micro-batch split.
+generator seeded by ``(seed, position)`` alone, so a run restarted from a position (no
+checkpoint save/load exists yet) sees exactly the batches it would have seen, whatever the
+number of ranks or the micro-batch split.
 
 Layout. The global batch has ``micro_batch * grad_accum * world`` rows, viewed as
 ``[grad_accum, world, micro_batch]``: accumulation step k of rank r holds global rows
