@@ -195,3 +195,24 @@ def test_zero3_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(pools):
     torch.testing.assert_close(params0[3], params0[2], rtol=0, atol=0)  # the skipped step changed nothing
     for a, b in zip(params0, params1):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # ranks hold the same model after every step
+
+
+# --- the gradient norm does not depend on how a partition is cut -------------------------------
+
+def _first_norms(dist, overrides):
+    cfg = tiny_config("train.steps=2", "train.grad_accum=2", "train.micro_batch=2", *overrides)
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+    return engine.train_step(engine.state, batch)[1]["grad_norm"]
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+def test_grad_norm_is_the_same_however_partitions_are_cut(stage):
+    """Offload cuts each partition into host pieces of one bucket's share (and a device rest with
+    ratio < 1); the norm is taken over whole partitions, so the first step's norm is bitwise the
+    same for every cut."""
+    base = [f"+stage={stage}", "stage.reduce_bucket_size=700"]
+    norms = [_first_norms(_local(), [*base, *extra]) for extra in
+             ([], ["offload=cpu"], ["offload=cpu", "offload.ratio=0.3"], ["stage.reduce_bucket_size=5000", "offload=cpu"])]
+    assert norms[0] > 0 and all(n == norms[0] for n in norms), norms
