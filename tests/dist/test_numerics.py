@@ -82,16 +82,12 @@ def _accumulate(dist, stage, accum_dtype, extra):
                                  rank=dist.rank, world=dist.world)
         state, _ = engine.train_step(state, batch)
     err = size = 0.0
-    # Master pieces as the stage lays them out (one per group here): whole, or this rank's partition.
-    for layout, piece in zip(engine.components.stage.layouts, state.params):
-        lo, hi = (0, layout.padded) if piece.numel() == layout.padded else layout.partition(dist.rank)
-        for s in layout.slots:
-            a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
-            if a < b:
-                want = ref[s.name].reshape(-1)[a - s.offset:b - s.offset]
-                moved = want - initial[s.name].reshape(-1)[a - s.offset:b - s.offset]
-                err += (piece[a - lo:b - lo] - want).double().square().sum().item()
-                size += moved.double().square().sum().item()
+    for spec, piece in zip(engine.components.stage.piece_specs(), state.params):  # this rank's masters
+        for span in spec.spans:
+            (a, b), (pa, pb) = span.param, span.piece
+            want = ref[span.name].reshape(-1)[a:b]
+            err += (piece[pa:pb] - want).double().square().sum().item()
+            size += (want - initial[span.name].reshape(-1)[a:b]).double().square().sum().item()
     return err, size
 
 
