@@ -106,7 +106,10 @@ class Unit:
     groups: list[UnitGroup]
     state: UnitState = UnitState.SHARDED
     works: list = field(default_factory=list)      # in-flight gather collectives
-    grads_pending: int = 0                          # gradients still to arrive this backward
+    # Parameters whose gradient arrived in this backward pass: per-parameter flags rather than a
+    # count of hook calls, since under reentrant checkpointing a weight can arrive twice.
+    arrived: set = field(default_factory=set)
+    reduced: bool = False                           # reduced (and released) in this backward pass
     in_backward: bool = False                       # gathered for this backward, not yet reduced
     active: int = 0                                 # forwards of this unit currently running
     gatherer: "Gatherer | None" = None
@@ -176,11 +179,15 @@ class Gatherer:
         for unit in [*self.units, *([self.persistent] if self.persistent else [])]:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                    lambda _p, u=unit: self._grad_ready(u)))
+                    lambda p, u=unit: self._grad_ready(u, p)))
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward:
             self._begin_pass(torch.is_grad_enabled())
+        if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
+            # Recomputed inside backward by reentrant checkpointing, whose first forward ran without
+            # grad (so no output hook announced this unit's backward): its gradients follow now.
+            unit.in_backward = True
         self._demand(unit, "forward")
         unit.active += 1
 
@@ -203,27 +210,35 @@ class Gatherer:
                 "loss_fn must only return the loss, and train_step runs the one backward pass per micro batch")
         if not self.in_backward:
             self.in_backward = True
+            for u in self.units:
+                u.arrived, u.reduced = set(), False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if unit.in_backward:
             return
         unit.in_backward = True
-        unit.grads_pending = len(unit.params)
         self._demand(unit, "backward")
 
-    def _grad_ready(self, unit: Unit) -> None:
+    def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
         if unit is self.persistent:
             return  # reduced once at the end of backward
-        unit.grads_pending -= 1
-        if unit.in_backward and unit.grads_pending == 0:
+        if id(p) in unit.arrived:
+            if unit.reduced:  # it would be lost: the unit's gradients already went to their owners
+                raise TrainingError(
+                    f"zero3: a parameter of unit {unit.name!r} received a second gradient in one backward pass "
+                    f"after the unit was reduced (a weight used in two segments of reentrant activation "
+                    f"checkpointing?); use torch.utils.checkpoint with use_reentrant=False")
+            return  # accumulated again before the unit was reduced: nothing is lost
+        unit.arrived.add(id(p))
+        if unit.in_backward and len(unit.arrived) == len(unit.params):
             self._reduce(unit)
-            unit.in_backward = False
+            unit.in_backward, unit.reduced = False, True
             self._release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
-                unit.in_backward = False
+                unit.in_backward, unit.reduced = False, True
             if unit.state is not UnitState.SHARDED:
                 self._release(unit)
         if self.persistent is not None:

@@ -92,3 +92,54 @@ def test_shared_weight_under_reentrant_checkpointing(bucket, outcome):
         opt.zero_grad()
     for (name, a), b in zip(engine.components.module.named_parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
+class SharedTwiceZero3(SharedTwice):
+    reentrant = True
+    share = True
+
+    def __init__(self):
+        super().__init__()
+        self.other = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = checkpoint(self.segment, h, use_reentrant=self.reentrant)
+        second = self.segment if self.share else (lambda t: torch.tanh(self.other(t)))
+        h = checkpoint(second, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant,share", [(True, True), (False, True), (True, False)])
+def test_zero3_shared_weight_under_checkpointing(reentrant, share):
+    """zero3 (each Linear a unit): the shared Linear's unit is reduced and released once its
+    weight and bias have arrived. Under reentrant checkpointing the second segment's nested
+    backward brings a second gradient after that, which raises (a hook counter lost it silently);
+    non-reentrant checkpointing accumulates once and equals plain PyTorch, and so does reentrant
+    checkpointing of segments that share nothing (their first forward runs without grad, so the
+    recomputation inside backward is what announces each unit's gradients)."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.steps=3",
+                             "train.grad_clip=0"])
+    torch.manual_seed(0)
+    model = SharedTwiceZero3()
+    model.reentrant, model.share = reentrant, share
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = framework.initialize(model, _mse, cfg)
+    state = engine.state
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        micro = (x, x.sum(1, keepdim=True).sin())
+        if reentrant and share:
+            with pytest.raises(TrainingError, match="received a second gradient"):
+                engine.train_step(state, Batch((micro,)))
+            return
+        state, _ = engine.train_step(state, Batch((micro,)))
+        _mse(ref, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    with framework.gathered(list(model.parameters())):
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
