@@ -7,16 +7,13 @@ the optimizers keep using their transforms. ``python -m framework.ops`` prints t
 ``python -m framework.ops build`` builds ahead of time (then FRAMEWORK_OPS_BUILD=0 can forbid
 building at run time, e.g. on many ranks).
 
+The kernels know nothing of the optimizer module (framework.optimizers imports this package,
+never the other way round; tests/unit/test_cpu_ops.py checks it). A step of an optimizer that
+also writes the 16-bit copy of the params in the same pass is
+``framework.optimizers.step(tx, grads, state, params, lr, out16=out16)``.
+
 Public API
 ----------
-fused_step_with_copy(tx, grads, state, params, lr, out16) -> state
-    One optimizer step of ``tx`` (a GradientTransformation from framework.optimizers) in place on
-    ``params`` that also writes ``out16[i] = params[i].to(out16[i].dtype)`` (bf16 or fp16, same
-    numel) -- for CPU offload, where the updated master params go back to the device in 16 bits.
-    On contiguous CPU fp32 tensors with the kernels built, the copy is written in the same pass over
-    memory; otherwise the step runs as usual and the copy follows. ``grads`` are consumed (scratch)
-    as by every optimizer step. Same as ``framework.optimizers.step(..., out16=out16)``.
-
 adam_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
           weight_decay=0.0, decoupled=True, bias_correction=True, out16=None) -> None
 lion_step(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
@@ -53,7 +50,7 @@ from framework.ops._loader import BuildUnavailable
 KERNELS = ("adam_step", "lion_step", "adagrad_step")
 
 __all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
-           "fused_step_with_copy", "lion_step", "status", "usable"]
+           "lion_step", "status", "usable"]
 
 
 def cpu_optim() -> ModuleType | None:
@@ -120,14 +117,6 @@ def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: 
                  out16: Sequence[Tensor] | None = None) -> None:
     _kernel().adagrad_step(list(params), list(grads), list(state_sums), _out(out16), int(step), float(lr),
                            float(lr_decay), float(weight_decay), float(eps))
-
-
-def fused_step_with_copy(tx: Any, grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
-                         out16: Sequence[Tensor]) -> Any:
-    """One step of ``tx`` on ``params`` that also writes their bf16/fp16 copy into ``out16``."""
-    from framework.optimizers._transforms import step
-
-    return step(tx, grads, state, params, lr, out16=out16)
 
 
 def status() -> dict[str, Any]:

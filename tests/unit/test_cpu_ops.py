@@ -7,6 +7,7 @@ build fails here; the fallback cases always run.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import math
 import os
@@ -215,7 +216,7 @@ def test_step_with_16bit_copy_equals_params_to(path, dtype):
     out16 = [torch.full((n,), 7.0, dtype=dtype) for n in SIZES]
     state = tx.init(params)
     for step in range(5):
-        state = ops.fused_step_with_copy(tx, grads_at(step), state, params, lr_at(step), out16)
+        state = _transforms.step(tx, grads_at(step), state, params, lr_at(step), out16=out16)
         for i, (o, p) in enumerate(zip(out16, params)):
             assert torch.equal(o, p.to(dtype)), f"step {step} group {i}: out16 != params.to({dtype})"
     # Writing the copy does not change the step (same path without out16).
@@ -413,6 +414,69 @@ def test_importing_framework_does_not_build():
             "assert 'framework_cpu_optim' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def _framework_imports(path: Path, root: Path) -> set[str]:
+    """The framework modules ``path`` imports anywhere in it (function-level imports included),
+    as dotted names; ``from framework import ops`` counts as framework.ops."""
+    module = ".".join(path.relative_to(root).with_suffix("").parts)
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - (node.level - 1)] + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)
+    return {n for n in names if n.startswith("framework.")}
+
+
+def _path_to_optimizers(root: Path) -> list[str] | None:
+    """An import chain from framework.ops to framework.optimizers under ``root``, or None.
+    Follows every import of framework/ops' files transitively; the root package ``framework``
+    (whose __init__ imports the whole public API) is not followed."""
+    start = [".".join(f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+             for f in sorted((root / "framework" / "ops").glob("*.py"))]
+    chains = {name: [name] for name in start}
+    todo, seen = list(start), set()
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        base = root.joinpath(*name.split("."))
+        path = next((c for c in (base.with_suffix(".py"), base / "__init__.py") if c.is_file()), None)
+        if path is None:  # a name imported from a module, not a module
+            continue
+        for dep in sorted(_framework_imports(path, root)):
+            chain = chains[name] + [dep]
+            if dep == "framework.optimizers" or dep.startswith("framework.optimizers."):
+                return chain
+            chains.setdefault(dep, chain)
+            todo.append(dep)
+    return None
+
+
+def test_the_kernels_do_not_import_the_optimizers():
+    """framework.ops must not know framework.optimizers (which imports ops): no import circle."""
+    chain = _path_to_optimizers(REPO)
+    assert chain is None, f"framework.ops imports the optimizers: {' -> '.join(chain)}"
+
+
+def test_the_import_check_finds_a_lazy_import(tmp_path):
+    """The check above can fail: an import inside a function, two modules away, reached through a
+    relative import."""
+    ops_dir = tmp_path / "framework" / "ops"
+    ops_dir.mkdir(parents=True)
+    (ops_dir / "__init__.py").write_text("from .. import _helper\n")
+    (tmp_path / "framework" / "_helper.py").write_text(
+        "def f():\n    from framework.optimizers._transforms import step\n")
+    assert _path_to_optimizers(tmp_path) == ["framework.ops", "framework._helper",
+                                             "framework.optimizers._transforms"]
 
 
 def test_cli_prints_status_and_exits_0():
