@@ -15,7 +15,10 @@ adamw (``framework.optimizers.adamw.build``): the path the training step and the
 take, Python dispatch included (``fused_dispatch`` picks the C++ kernel, or torch's fused CPU
 kernel where that was measured faster). "ours+bf16" also writes the bf16 copy of the params
 (``out16``), as offload does; "ours-kernel" (not in the default list) calls the raw C++ kernel
-``framework.ops.adam_step``, to show what dispatch costs. Peers: ``torch.optim.AdamW(fused=True)``,
+``framework.ops.adam_step``, to show what dispatch costs; "ours-prefetch-off" / "ours-prefetch-on"
+(not default either) are "ours" with the kernels' software prefetch forced off / to 1 KiB ahead
+whatever this CPU's default (``python -m framework.ops`` shows it): the check to run on a new CPU
+vendor before changing ``default_prefetch`` in csrc/cpu_optim/cpu_optim.cpp. Peers: ``torch.optim.AdamW(fused=True)``,
 ``torch.optim.AdamW(foreach=True)``, ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)``, each
 timed by its ``step()`` with ``p.grad`` set.
 
@@ -25,8 +28,9 @@ tensor, or a list of 100 equal tensors) every system gets its own tensors, then 
 INTERLEAVED, one step each in turn (the order rotates every step), ``--warmup`` steps each and then
 ``--rounds`` x ``--steps`` timed steps each (more below 100 M). The machine may be shared: a
 disturbance hits all systems alike, and the table reports the median step time with its spread
-(25th-75th percentile) and, per peer, the median over steps of the ratio peer/ours of neighbouring
-steps. Interleaving also means no system finds its own data still in the last-level cache from its
+(25th-75th percentile), the median CPU time per step and thread (what time-slicing on a busy
+machine does not inflate) and, per peer, the median over steps of the ratio peer/ours of
+neighbouring steps, for both clocks. Interleaving also means no system finds its own data still in the last-level cache from its
 previous step (at 10 M a system's 160 MB would fit), as in training, where forward and backward
 run between two optimizer steps.
 
@@ -59,10 +63,12 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = 28
 LIST_LEN = 100
 COPY_ELEMS = 100_000_000
-SYSTEMS = ("ours", "ours+bf16", "ours-kernel", "torch-fused", "torch-foreach", "deepspeed")
+SYSTEMS = ("ours", "ours+bf16", "ours-kernel", "ours-prefetch-off", "ours-prefetch-on", "torch-fused", "torch-foreach",
+           "deepspeed")
 DEFAULT_SYSTEMS = ("ours", "ours+bf16", "torch-fused", "torch-foreach", "deepspeed")
 LABELS = {"ours": "ours (framework.optimizers.step, adamw)", "ours+bf16": "ours + bf16 copy of params",
           "ours-kernel": "ours, raw C++ kernel (framework.ops.adam_step)",
+          "ours-prefetch-off": "ours, software prefetch off", "ours-prefetch-on": "ours, prefetch 1 KiB ahead",
           "torch-fused": "torch AdamW fused=True", "torch-foreach": "torch AdamW foreach=True",
           "deepspeed": "DeepSpeedCPUAdam"}
 PEERS = ("torch-fused", "torch-foreach", "deepspeed")
@@ -118,7 +124,18 @@ def _make_step(system: str, params: list[torch.Tensor], grads: list[torch.Tensor
             # them, so the same grads serve every step.
             box[0] = step(tx, grads, box[0], params, LR, out16=out16)
 
-        return public_step
+        if system not in ("ours-prefetch-off", "ours-prefetch-on"):
+            return public_step
+        from framework import ops
+
+        def forced_step() -> None:
+            ops.cpu_optim().set_prefetch(0 if system == "ours-prefetch-off" else 256)
+            try:
+                public_step()
+            finally:
+                ops.cpu_optim().set_prefetch(-1)
+
+        return forced_step
     for p, g in zip(params, grads):
         p.grad = g
     if system == "deepspeed":
@@ -131,20 +148,22 @@ def _make_step(system: str, params: list[torch.Tensor], grads: list[torch.Tensor
     return opt.step
 
 
-def _interleaved(steps: dict, warmup: int, timed: int) -> dict[str, list[float]]:
-    """Step every system in turn (rotating the order each step); per-step seconds per system."""
+def _interleaved(steps: dict, warmup: int, timed: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Step every system in turn (rotating the order each step); per-step wall-clock seconds and
+    CPU seconds of this process (all its threads) per system."""
     names = list(steps)
-    times = {name: [] for name in names}
+    wall, cpu = {name: [] for name in names}, {name: [] for name in names}
     with torch.no_grad():
         for k in range(warmup + timed):
             shift = k % len(names)
             for name in names[shift:] + names[:shift]:
-                t = time.perf_counter()
+                c, t = time.process_time(), time.perf_counter()
                 steps[name]()
-                dt = time.perf_counter() - t
+                dt, dc = time.perf_counter() - t, time.process_time() - c
                 if k >= warmup:
-                    times[name].append(dt)
-    return times
+                    wall[name].append(dt)
+                    cpu[name].append(dc)
+    return wall, cpu
 
 
 def _bandwidth_gbps(reps: int) -> tuple[list[float], list[float]]:
@@ -184,8 +203,9 @@ def worker(args: argparse.Namespace) -> None:
         from framework import ops
 
         ops.build()
-        notes.append(f"ours: C++ kernels with ISA {ops.cpu_optim().isa()}")
-    copy, inplace, times = [], [], {}
+        notes.append(f"ours: C++ kernels with ISA {ops.cpu_optim().isa()}, software prefetch "
+                     f"{ops.cpu_optim().prefetch_distance()} floats ahead (0: off)")
+    copy, inplace, times, cpu_times = [], [], {}, {}
     for n in args.sizes:
         bandwidth = _bandwidth_gbps(args.steps)
         copy.append(statistics.median(bandwidth[0]))
@@ -198,13 +218,17 @@ def worker(args: argparse.Namespace) -> None:
                 params, grads = _tensors(n, layout)
                 steps[system] = _make_step(system, params, grads)
                 del params, grads
-            for system, ts in _interleaved(steps, args.warmup, timed).items():
-                times[f"{system}|{layout}|{n}"] = ts
+            wall, cpu = _interleaved(steps, args.warmup, timed)
+            for system in steps:
+                times[f"{system}|{layout}|{n}"] = wall[system]
+                cpu_times[f"{system}|{layout}|{n}"] = cpu[system]
             del steps
             gc.collect()
     print(json.dumps({"threads": args.threads, "copy_gbps": statistics.median(copy),
                       "inplace_gbps": statistics.median(inplace),
-                      "times_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()}, "notes": notes}))
+                      "times_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in times.items()},
+                      "cpu_ms": {k: [round(x * 1e3, 3) for x in v] for k, v in cpu_times.items()},
+                      "load": os.getloadavg()[0], "notes": notes}))
 
 
 # --- driver ----------------------------------------------------------------------------------------
@@ -234,14 +258,15 @@ def table(results: list[dict], sizes: list[int]) -> tuple[str, list[str]]:
             cells = []
             for n, r in cols:
                 ts = r["times_ms"].get(f"{key}|{n}")
-                ours = r["times_ms"].get(f"ours|{layout}|{n}")
+                cs = r["cpu_ms"].get(f"{key}|{n}")
+                ours, ours_cpu = r["times_ms"].get(f"ours|{layout}|{n}"), r["cpu_ms"].get(f"ours|{layout}|{n}")
                 if ts is None:
                     cells.append("-")
                     continue
-                cell = (f"{statistics.median(ts):.1f} ms [{_quantile(ts, 0.25):.1f}-{_quantile(ts, 0.75):.1f}], "
-                        f"{n / (statistics.median(ts) / 1e3) / 1e9:.3f} G/s")
+                cell = (f"{statistics.median(ts):.1f} [{_quantile(ts, 0.25):.1f}-{_quantile(ts, 0.75):.1f}]"
+                        f" / cpu {statistics.median(cs) / r['threads']:.1f}")
                 if system != "ours" and ours is not None:
-                    cell += f", {_paired_ratio(ts, ours):.2f}x ours"
+                    cell += f"; {_paired_ratio(ts, ours):.2f}x / {_paired_ratio(cs, ours_cpu):.2f}x ours"
                 cells.append(cell)
             where = "one flat tensor" if layout == "flat" else f"list of {LIST_LEN}"
             lines.append(f"| {LABELS[system]}, {where} | " + " | ".join(cells) + " |")
@@ -251,11 +276,15 @@ def table(results: list[dict], sizes: list[int]) -> tuple[str, list[str]]:
             peers = {p: r["times_ms"][f"{p}|{layout}|{n}"] for p in PEERS if f"{p}|{layout}|{n}" in r["times_ms"]}
             if ours is None or not peers:
                 continue
-            best = min(peers, key=lambda p: statistics.median(peers[p]))
-            ratio = _paired_ratio(peers[best], ours)
+            cpu = {p: r["cpu_ms"][f"{p}|{layout}|{n}"] for p in peers}
+            ours_cpu = r["cpu_ms"][f"ours|{layout}|{n}"]
+            best = min(peers, key=lambda p: statistics.median(cpu[p]))
+            ratio, cpu_ratio = _paired_ratio(peers[best], ours), _paired_ratio(cpu[best], ours_cpu)
             checks.append(f"{_fmt_n(n)}, {r['threads']} thread(s), {layout}: ours {statistics.median(ours):.1f} ms "
-                          f"vs fastest peer {LABELS[best]} {statistics.median(peers[best]):.1f} ms; paired "
-                          f"peer/ours {ratio:.3f} [{'met' if ratio >= 1.0 else 'MISSED'}]")
+                          f"(cpu {statistics.median(ours_cpu) / r['threads']:.1f}) vs fastest peer {LABELS[best]} "
+                          f"{statistics.median(peers[best]):.1f} ms (cpu {statistics.median(cpu[best]) / r['threads']:.1f});"
+                          f" paired peer/ours: wall {ratio:.3f}, cpu {cpu_ratio:.3f} "
+                          f"[{'met' if min(ratio, cpu_ratio) >= 1.0 else 'MISSED'}]")
     return "\n".join(lines), checks
 
 
@@ -305,11 +334,15 @@ def main(argv: list[str] | None = None) -> None:
         text = ["# CPU AdamW step: framework.optimizers.step vs torch vs DeepSpeedCPUAdam", "",
                 f"- command: `{command.strip()}`", f"- machine: {where}",
                 f"- date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-                f"- load average at the end (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}",
+                f"- load average (1 min) at the end of each worker: "
+                f"{', '.join(str(r['threads']) + ' thr ' + format(r['load'], '.1f') for r in results)} "
+                f"on {os.cpu_count()} cores",
                 f"- AdamW lr {LR}, betas {BETAS}, eps {EPS}, weight decay {WD}; fp32 params, grads and states; "
                 f"systems stepped interleaved, {args.warmup} warm-up steps, then {args.rounds} x {args.steps} "
-                "timed steps each at 100 M (more below); cells: median ms/step [25th-75th percentile], params/s, "
-                "median over steps of this system's time / ours in the neighbouring step", "", md, "",
+                "timed steps each at 100 M (more below); cells: median wall ms/step [25th-75th percentile] / "
+                "median CPU ms per step and thread (process CPU time / threads: time the step was on a core, "
+                "which a busy machine's time-slicing does not inflate); then the median over steps of this "
+                "system's time / ours in the neighbouring step, wall / CPU", "", md, "",
                 *[f"- {n}" for n in notes], "", "Targets (ours at least as fast as the fastest peer):", "",
                 *[f"- {c}" for c in checks], ""]
         with open(args.out, "w") as handle:

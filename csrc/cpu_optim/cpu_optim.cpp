@@ -15,10 +15,13 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "framework_ops/simd.h"
+
 
 namespace framework_ops {
 
@@ -35,12 +38,13 @@ struct Segment {
   uint16_t* out;
   int out_kind;
   int64_t n;
+  bool decayed;  // weight decay applies (decay_mask[i], or true without a mask)
 };
 
 // Per-call constants, in fp32 exactly as torch passes its Python-float scalars to ATen.
 struct AdamCoef {
-  bool l2, decoupled, bias_correction, lerp_small;
-  float wd, decay, lerp_coeff, b2, one_minus_b2, bc2_sqrt, eps, neg_step_size;
+  bool l2, decoupled, lerp_small;
+  float wd, decay, lerp_coeff, b2, one_minus_b2, inv_bc2_sqrt, eps, neg_step_size;
 };
 
 struct LionCoef {
@@ -127,6 +131,50 @@ void set_isa(const std::string& name) {
   active_isa().store(want);
 }
 
+// --- software prefetch ------------------------------------------------------------------------
+
+// How far ahead (in floats) the loops prefetch each stream, 0 for not at all. An Adam step over
+// data far larger than the caches is bound by how many cache misses one core keeps in flight.
+// Intel: measured on a Xeon (Emerald Rapids, 2 cores), fp32 AdamW at 10 M and 100 M params,
+// 1 and 2 threads, 1 KiB ahead (256 floats) is 11-13% faster than leaving the streams to the
+// hardware prefetchers (BENCHMARKS.md, "CPU AdamW step (issue 8)"). AMD (and any other CPU): off,
+// as in the peer kernels (torch's fused Adam, DeepSpeedCPUAdam), which were 15-19% faster than
+// this kernel with prefetching on an AMD EPYC (AVX-512) at 100 M params, 1 thread (issue 8);
+// prefetching was the one difference in memory access between them. Not yet re-measured on AMD.
+int64_t default_prefetch() {
+#ifdef FRAMEWORK_OPS_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_is("intel")) return 256;
+#endif
+  return 0;
+}
+
+int64_t parse_prefetch(const std::string& text) {
+  char* stop = nullptr;
+  const long long floats = std::strtoll(text.c_str(), &stop, 10);
+  TORCH_CHECK_VALUE(!text.empty() && *stop == '\0' && floats >= 0, "FRAMEWORK_OPS_PREFETCH must be 'auto' or a ",
+                    "number of floats >= 0 (0: no software prefetch), got '", text, "'");
+  return floats;
+}
+
+// The distance the kernels use: default_prefetch(), or FRAMEWORK_OPS_PREFETCH (read once), or
+// set_prefetch() (tests and benchmarks compare distances). The results do not depend on it.
+std::atomic<int64_t>& active_prefetch() {
+  static std::atomic<int64_t> ahead([] {
+    const char* env = std::getenv("FRAMEWORK_OPS_PREFETCH");
+    if (env == nullptr || *env == '\0' || std::string(env) == "auto") return default_prefetch();
+    return parse_prefetch(env);
+  }());
+  return ahead;
+}
+
+int64_t prefetch_distance() { return active_prefetch().load(); }
+
+void set_prefetch(int64_t floats) {
+  TORCH_CHECK_VALUE(floats >= -1, "set_prefetch(", floats, "): pass a number of floats >= 0, or -1 for the default");
+  active_prefetch().store(floats < 0 ? default_prefetch() : floats);
+}
+
 // --- validation --------------------------------------------------------------------------------
 
 using TensorList = std::vector<at::Tensor>;
@@ -148,7 +196,7 @@ void check_fp32(const char* op, const char* list, size_t i, const at::Tensor& t,
 // Check every list against params and turn them into raw-pointer segments.
 std::vector<Segment> segments(const char* op, const TensorList& params, const TensorList& grads,
                               const char* s1_name, const TensorList& s1, const char* s2_name,
-                              const TensorList* s2, const TensorList& out16) {
+                              const TensorList* s2, const TensorList& out16, const std::vector<bool>& decay_mask) {
   const size_t n = params.size();
   auto check_len = [&](const char* name, size_t len) {
     TORCH_CHECK_VALUE(len == n, op, ": ", name, " has ", len, " tensors but params has ", n);
@@ -158,6 +206,8 @@ std::vector<Segment> segments(const char* op, const TensorList& params, const Te
   if (s2 != nullptr) check_len(s2_name, s2->size());
   TORCH_CHECK_VALUE(out16.empty() || out16.size() == n, op, ": out16 has ", out16.size(),
                     " tensors but params has ", n, " (pass none, or one per param)");
+  TORCH_CHECK_VALUE(decay_mask.empty() || decay_mask.size() == n, op, ": decay_mask has ", decay_mask.size(),
+                    " entries but params has ", n, " tensors (pass none, or one per param)");
   std::vector<Segment> segs(n);
   for (size_t i = 0; i < n; ++i) {
     check_fp32(op, "params", i, params[i], -1);
@@ -167,7 +217,8 @@ std::vector<Segment> segments(const char* op, const TensorList& params, const Te
     if (s2 != nullptr) check_fp32(op, s2_name, i, (*s2)[i], numel);
     Segment& sg = segs[i];
     sg = Segment{params[i].data_ptr<float>(), grads[i].data_ptr<float>(), s1[i].data_ptr<float>(),
-                 s2 != nullptr ? (*s2)[i].data_ptr<float>() : nullptr, nullptr, kOutNone, numel};
+                 s2 != nullptr ? (*s2)[i].data_ptr<float>() : nullptr, nullptr, kOutNone, numel,
+                 decay_mask.empty() || decay_mask[i]};
     if (!out16.empty()) {
       const at::Tensor& o = out16[i];
       const bool half = o.defined() && (o.scalar_type() == at::kBFloat16 || o.scalar_type() == at::kHalf);
@@ -181,6 +232,19 @@ std::vector<Segment> segments(const char* op, const TensorList& params, const Te
     }
   }
   return segs;
+}
+
+// segments() when the tensors fit; otherwise, unless `strict`, nothing (instead of the error), so
+// that the optimizers' dispatch learns "fall back" from the one call it makes anyway rather than
+// checking every tensor from Python before the call (about 1 us per tensor there).
+template <class... Args>
+std::optional<std::vector<Segment>> segments_if(bool strict, Args&&... args) {
+  if (strict) return segments(std::forward<Args>(args)...);
+  try {
+    return segments(std::forward<Args>(args)...);
+  } catch (const c10::Error&) {  // TypeError / ValueError from the checks above
+    return std::nullopt;
+  }
 }
 
 // --- threading ---------------------------------------------------------------------------------
@@ -213,7 +277,7 @@ void for_each_block(const std::vector<Segment>& segs, const Fn& fn) {
 }
 
 template <class Coef>
-using KernelFn = void (*)(const Coef&, const Segment&, int64_t, int64_t);
+using KernelFn = void (*)(const Coef&, const Segment&, int64_t, int64_t, int64_t);
 
 template <class Coef>
 KernelFn<Coef> pick(KernelFn<Coef> s, KernelFn<Coef> a2, KernelFn<Coef> a512) {
@@ -232,58 +296,93 @@ KernelFn<Coef> pick(KernelFn<Coef> s, KernelFn<Coef> a2, KernelFn<Coef> a512) {
 
 // --- the ops -----------------------------------------------------------------------------------
 
-void adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-               const TensorList& exp_avg_sqs, const TensorList& out16, int64_t step, double lr, double beta1,
-               double beta2, double eps, double weight_decay, bool decoupled, bool bias_correction) {
-  TORCH_CHECK_VALUE(step >= 1, "adam_step: step must be >= 1 (the count after this step), got ", step);
-  const auto segs = segments("adam_step", params, grads, "exp_avgs", exp_avgs, "exp_avg_sqs", &exp_avg_sqs, out16);
+// Each op builds its coefficients twice, with and without weight decay, and every segment takes
+// the pair's member its decay_mask entry names: one parallel pass over all tensors of the list,
+// decayed or not, and one call from the optimizers' dispatch.
+
+AdamCoef adam_coef(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   bool decoupled, bool bias_correction) {
   const double bc1 = bias_correction ? 1.0 - std::pow(beta1, static_cast<double>(step)) : 1.0;
   const double bc2 = bias_correction ? 1.0 - std::pow(beta2, static_cast<double>(step)) : 1.0;
   const float w1 = static_cast<float>(1.0 - beta1);
-  AdamCoef adam_coef;
-  adam_coef.l2 = !decoupled && weight_decay != 0.0;
-  adam_coef.decoupled = decoupled && weight_decay != 0.0;
-  adam_coef.bias_correction = bias_correction;
-  adam_coef.lerp_small = std::abs(w1) < 0.5f;
-  adam_coef.wd = static_cast<float>(weight_decay);
-  adam_coef.decay = static_cast<float>(1.0 - lr * weight_decay);
-  adam_coef.lerp_coeff = adam_coef.lerp_small ? w1 : w1 - 1.0f;
-  adam_coef.b2 = static_cast<float>(beta2);
-  adam_coef.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  adam_coef.bc2_sqrt = static_cast<float>(std::pow(bc2, 0.5));
-  adam_coef.eps = static_cast<float>(eps);
-  adam_coef.neg_step_size = static_cast<float>(-(lr / bc1));
+  AdamCoef c;
+  c.l2 = !decoupled && weight_decay != 0.0;
+  c.decoupled = decoupled && weight_decay != 0.0;
+  c.lerp_small = std::abs(w1) < 0.5f;
+  c.wd = static_cast<float>(weight_decay);
+  c.decay = static_cast<float>(1.0 - lr * weight_decay);
+  c.lerp_coeff = c.lerp_small ? w1 : w1 - 1.0f;
+  c.b2 = static_cast<float>(beta2);
+  c.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  c.inv_bc2_sqrt = static_cast<float>(1.0 / std::sqrt(bc2));  // 1 without bias correction
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-(lr / bc1));
+  return c;
+}
+
+bool adam_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& exp_avg_sqs, const TensorList& out16, int64_t step, double lr, double beta1,
+               double beta2, double eps, double weight_decay, bool decoupled, bool bias_correction,
+               const std::vector<bool>& decay_mask, bool strict) {
+  TORCH_CHECK_VALUE(step >= 1, "adam_step: step must be >= 1 (the count after this step), got ", step);
+  const auto found = segments_if(strict, "adam_step", params, grads, "exp_avgs", exp_avgs, "exp_avg_sqs",
+                                 &exp_avg_sqs, out16, decay_mask);
+  if (!found) return false;
+  const AdamCoef coef[2] = {adam_coef(step, lr, beta1, beta2, eps, 0.0, decoupled, bias_correction),
+                            adam_coef(step, lr, beta1, beta2, eps, weight_decay, decoupled, bias_correction)};
   const auto fn = FRAMEWORK_OPS_PICK(AdamCoef, adam);
-  for_each_block(segs, [&](const Segment& sg, int64_t b, int64_t e) { fn(adam_coef, sg, b, e); });
+  const int64_t ahead = active_prefetch().load();
+  for_each_block(*found, [&](const Segment& sg, int64_t b, int64_t e) { fn(coef[sg.decayed], sg, b, e, ahead); });
+  return true;
 }
 
-void lion_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
-               const TensorList& out16, double lr, double beta1, double beta2, double weight_decay) {
-  const auto segs = segments("lion_step", params, grads, "exp_avgs", exp_avgs, nullptr, nullptr, out16);
-  LionCoef lion_coef;
-  lion_coef.decayed = weight_decay != 0.0;
-  lion_coef.b1 = static_cast<float>(beta1);
-  lion_coef.one_minus_b1 = static_cast<float>(1.0 - beta1);
-  lion_coef.b2 = static_cast<float>(beta2);
-  lion_coef.one_minus_b2 = static_cast<float>(1.0 - beta2);
-  lion_coef.wd = static_cast<float>(weight_decay);
-  lion_coef.neg_lr = static_cast<float>(-lr);
+LionCoef lion_coef(double lr, double beta1, double beta2, double weight_decay) {
+  LionCoef c;
+  c.decayed = weight_decay != 0.0;
+  c.b1 = static_cast<float>(beta1);
+  c.one_minus_b1 = static_cast<float>(1.0 - beta1);
+  c.b2 = static_cast<float>(beta2);
+  c.one_minus_b2 = static_cast<float>(1.0 - beta2);
+  c.wd = static_cast<float>(weight_decay);
+  c.neg_lr = static_cast<float>(-lr);
+  return c;
+}
+
+bool lion_step(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+               const TensorList& out16, double lr, double beta1, double beta2, double weight_decay,
+               const std::vector<bool>& decay_mask, bool strict) {
+  const auto found = segments_if(strict, "lion_step", params, grads, "exp_avgs", exp_avgs, nullptr, nullptr, out16,
+                                 decay_mask);
+  if (!found) return false;
+  const LionCoef coef[2] = {lion_coef(lr, beta1, beta2, 0.0), lion_coef(lr, beta1, beta2, weight_decay)};
   const auto fn = FRAMEWORK_OPS_PICK(LionCoef, lion);
-  for_each_block(segs, [&](const Segment& sg, int64_t b, int64_t e) { fn(lion_coef, sg, b, e); });
+  const int64_t ahead = active_prefetch().load();
+  for_each_block(*found, [&](const Segment& sg, int64_t b, int64_t e) { fn(coef[sg.decayed], sg, b, e, ahead); });
+  return true;
 }
 
-void adagrad_step(const TensorList& params, const TensorList& grads, const TensorList& state_sums,
+AdagradCoef adagrad_coef(int64_t step, double lr, double lr_decay, double weight_decay, double eps) {
+  AdagradCoef c;
+  c.l2 = weight_decay != 0.0;
+  c.wd = static_cast<float>(weight_decay);
+  c.eps = static_cast<float>(eps);
+  c.neg_clr = static_cast<float>(-(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)));
+  return c;
+}
+
+bool adagrad_step(const TensorList& params, const TensorList& grads, const TensorList& state_sums,
                   const TensorList& out16, int64_t step, double lr, double lr_decay, double weight_decay,
-                  double eps) {
+                  double eps, const std::vector<bool>& decay_mask, bool strict) {
   TORCH_CHECK_VALUE(step >= 1, "adagrad_step: step must be >= 1 (the count after this step), got ", step);
-  const auto segs = segments("adagrad_step", params, grads, "state_sums", state_sums, nullptr, nullptr, out16);
-  AdagradCoef adagrad_coef;
-  adagrad_coef.l2 = weight_decay != 0.0;
-  adagrad_coef.wd = static_cast<float>(weight_decay);
-  adagrad_coef.eps = static_cast<float>(eps);
-  adagrad_coef.neg_clr = static_cast<float>(-(lr / (1.0 + static_cast<double>(step - 1) * lr_decay)));
+  const auto found = segments_if(strict, "adagrad_step", params, grads, "state_sums", state_sums, nullptr, nullptr,
+                                 out16, decay_mask);
+  if (!found) return false;
+  const AdagradCoef coef[2] = {adagrad_coef(step, lr, lr_decay, 0.0, eps),
+                               adagrad_coef(step, lr, lr_decay, weight_decay, eps)};
   const auto fn = FRAMEWORK_OPS_PICK(AdagradCoef, adagrad);
-  for_each_block(segs, [&](const Segment& sg, int64_t b, int64_t e) { fn(adagrad_coef, sg, b, e); });
+  const int64_t ahead = active_prefetch().load();
+  for_each_block(*found, [&](const Segment& sg, int64_t b, int64_t e) { fn(coef[sg.decayed], sg, b, e, ahead); });
+  return true;
 }
 
 }  // namespace framework_ops
@@ -295,15 +394,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &fo::adam_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"),
         py::arg("exp_avg_sqs"), py::arg("out16"), py::arg("step"), py::arg("lr"), py::arg("beta1"),
         py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"), py::arg("decoupled"),
-        py::arg("bias_correction"), py::call_guard<py::gil_scoped_release>(),
-        "Adam (L2 decay) or AdamW (decoupled decay) step in place; `step` is the count after this step.");
+        py::arg("bias_correction"), py::arg("decay_mask") = std::vector<bool>{},
+        py::arg("strict") = true, py::call_guard<py::gil_scoped_release>(),
+        "Adam (L2 decay) or AdamW (decoupled decay) step in place; `step` is the count after this step. "
+        "decay_mask (one bool per param, or empty for all): which params get weight_decay. Returns true; with "
+        "strict=false, returns false (and changes nothing) where a tensor does not fit.");
   m.def("lion_step", &fo::lion_step, py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("out16"),
         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("weight_decay"),
-        py::call_guard<py::gil_scoped_release>(), "Lion step in place (decoupled decay).");
+        py::arg("decay_mask") = std::vector<bool>{}, py::arg("strict") = true,
+        py::call_guard<py::gil_scoped_release>(), "Lion step in place (decoupled decay); strict: as adam_step.");
   m.def("adagrad_step", &fo::adagrad_step, py::arg("params"), py::arg("grads"), py::arg("state_sums"),
         py::arg("out16"), py::arg("step"), py::arg("lr"), py::arg("lr_decay"), py::arg("weight_decay"),
-        py::arg("eps"), py::call_guard<py::gil_scoped_release>(),
-        "Adagrad step in place (L2 decay, lr decay); `step` is the count after this step.");
+        py::arg("eps"), py::arg("decay_mask") = std::vector<bool>{}, py::arg("strict") = true, py::call_guard<py::gil_scoped_release>(),
+        "Adagrad step in place (L2 decay, lr decay); `step` is the count after this step; strict: as adam_step.");
+  m.def("prefetch_distance", &fo::prefetch_distance,
+        "How many floats ahead the kernels prefetch each stream (0: not at all).");
+  m.def("set_prefetch", &fo::set_prefetch, py::arg("floats"),
+        "Set the prefetch distance in floats (0: off; -1: this CPU's default): for tests and benchmarks.");
   m.def("isa", &fo::isa, "The instruction set the kernels use now: avx512, avx2 or scalar.");
   m.def("detected_isa", &fo::detected, "The best instruction set this CPU supports.");
   m.def("set_isa", &fo::set_isa, py::arg("name"),

@@ -15,15 +15,18 @@ also writes the 16-bit copy of the params in the same pass is
 Public API
 ----------
 adam_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-          weight_decay=0.0, decoupled=True, bias_correction=True, out16=None) -> None
+          weight_decay=0.0, decoupled=True, bias_correction=True, out16=None, decay_mask=None,
+          strict=True) -> bool
 lion_step(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
-          out16=None) -> None
+          out16=None, decay_mask=None, strict=True) -> bool
 adagrad_step(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
-             out16=None) -> None
+             out16=None, decay_mask=None, strict=True) -> bool
     The raw kernels: one in-place step over equal-length lists of contiguous CPU fp32 tensors
-    (torch.optim semantics; ``step`` is the step count after this step, 1 on the first). Raise
-    BuildUnavailable when the kernels are not built (check ``available()``; or use the optimizers,
-    which fall back by themselves), and TypeError/ValueError naming the bad tensor.
+    (torch.optim semantics; ``step`` is the step count after this step, 1 on the first); return
+    True. ``decay_mask`` (one bool per param; None: all) says which params get ``weight_decay``. Raise BuildUnavailable when the kernels are not built (check ``available()``; or use the
+    optimizers, which fall back by themselves), and TypeError/ValueError naming the bad tensor;
+    with ``strict=False`` a tensor that does not fit makes them return False instead, having
+    changed nothing (the optimizers' dispatch: one call, no per-tensor check in Python).
 
 cpu_optim() -> module | None       the loaded extension, or None after ONE warning
 available() -> bool                ``cpu_optim() is not None``
@@ -33,7 +36,7 @@ usable(*tensor_lists, out16=None) -> bool
     while FRAMEWORK_OPS=0 (read on every call): the optimizers then take their pure-PyTorch path,
     which is how the tests run one configuration both ways.
 build() -> module                  build (or import) now; raises BuildUnavailable with the reason
-status() -> dict                   built, reason, build_dir, isa, detected_isa, threads, kernels
+status() -> dict                   built, reason, build_dir, isa, detected_isa, prefetch, threads, kernels
 BuildUnavailable                   the error type
 """
 from __future__ import annotations
@@ -96,27 +99,34 @@ def _out(out16: Sequence[Tensor] | None) -> list[Tensor]:
     return [] if out16 is None else list(out16)
 
 
+def _mask(decay_mask: Sequence[bool] | None) -> list[bool]:
+    return [] if decay_mask is None else [bool(m) for m in decay_mask]
+
+
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float = 0.9,
               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
-              bias_correction: bool = True, out16: Sequence[Tensor] | None = None) -> None:
-    _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), _out(out16), int(step),
-                        float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
-                        bool(bias_correction))
+              bias_correction: bool = True, out16: Sequence[Tensor] | None = None,
+              decay_mask: Sequence[bool] | None = None, strict: bool = True) -> bool:
+    return _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), _out(out16),
+                               int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+                               bool(decoupled), bool(bias_correction), _mask(decay_mask), bool(strict))
 
 
 def lion_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], *, lr: float,
               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
-              out16: Sequence[Tensor] | None = None) -> None:
-    _kernel().lion_step(list(params), list(grads), list(exp_avgs), _out(out16), float(lr), float(beta1),
-                        float(beta2), float(weight_decay))
+              out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
+              strict: bool = True) -> bool:
+    return _kernel().lion_step(list(params), list(grads), list(exp_avgs), _out(out16), float(lr), float(beta1),
+                               float(beta2), float(weight_decay), _mask(decay_mask), bool(strict))
 
 
 def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: Sequence[Tensor], *, step: int,
                  lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
-                 out16: Sequence[Tensor] | None = None) -> None:
-    _kernel().adagrad_step(list(params), list(grads), list(state_sums), _out(out16), int(step), float(lr),
-                           float(lr_decay), float(weight_decay), float(eps))
+                 out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
+                 strict: bool = True) -> bool:
+    return _kernel().adagrad_step(list(params), list(grads), list(state_sums), _out(out16), int(step), float(lr),
+                                  float(lr_decay), float(weight_decay), float(eps), _mask(decay_mask), bool(strict))
 
 
 def status() -> dict[str, Any]:
@@ -135,4 +145,5 @@ def status() -> dict[str, Any]:
     return {"built": module is not None, "reason": reason, "build_dir": where,
             "kernels": list(KERNELS) if module is not None else [],
             "isa": module.isa() if module is not None else None, "detected_isa": detected,
+            "prefetch": module.prefetch_distance() if module is not None else None,
             "threads": torch.get_num_threads()}

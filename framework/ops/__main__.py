@@ -22,6 +22,8 @@ def _print_status() -> None:
         print(f"  built:        no ({info['reason']}); the optimizers use their pure-PyTorch transforms")
     print(f"  build dir:    {info['build_dir']}")
     print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
+    prefetch = info["prefetch"]
+    print(f"  prefetch:     {'-' if prefetch is None else f'{prefetch} floats ahead' if prefetch else 'off'}")
     print(f"  threads:      {info['threads']} (torch.get_num_threads())")
 
 

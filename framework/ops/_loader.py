@@ -13,6 +13,8 @@ Environment:
     FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
     FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
     FRAMEWORK_OPS_ISA=NAME      cap the instruction set (scalar, avx2, avx512), read by the kernels
+    FRAMEWORK_OPS_PREFETCH=N    software prefetch distance in floats (0: off; default: 256 on Intel,
+                                off elsewhere), read by the kernels; results do not depend on it
 """
 from __future__ import annotations
 

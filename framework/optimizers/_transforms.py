@@ -72,7 +72,13 @@ CpuFused = Callable[[list[Tensor], Any, Sequence[Tensor], float, Sequence[Tensor
 def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable | None = None) -> Callable:
     """``fused(grads, state, params, lr, out16=None)``: the C++ CPU kernel (``cpu``) where it takes
     the tensors, else torch's fused kernel (``cuda``; it also runs on CPU tensors, about 4x faster
-    than the foreach transforms), else ``update`` + apply."""
+    than the foreach transforms), else ``update`` + apply.
+
+    No case sends CPU tensors that the C++ kernel takes to torch's fused kernel instead: timed as
+    a user calls them (bench/cpu_adam.py, BENCHMARKS.md "CPU AdamW step (issue 8)"), AdamW over
+    10 M and 100 M params, 1 and 2 threads, one flat tensor or 100, the C++ kernel was faster in
+    every case on the machine measured (Intel Xeon, AVX-512). On AMD it has not been measured
+    since its issue-8 changes; a case found slower there would get a rule here."""
 
     def fused(grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
               out16: Sequence[Tensor] | None = None) -> Any:
@@ -92,24 +98,22 @@ def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable
     return fused
 
 
-def _by_decay(mask: Sequence[bool], n: int) -> list[tuple[list[int], bool]]:
-    """Group indices split into (decayed, not decayed), empty parts left out."""
-    parts = [([i for i in range(n) if bool(mask[i]) == decayed], decayed) for decayed in (True, False)]
-    return [(idx, decayed) for idx, decayed in parts if idx]
-
-
 def _cpu_call(kernel: Callable, params: Sequence[Tensor], grads: list[Tensor], state_lists: tuple,
               out16: Sequence[Tensor] | None, mask: Sequence[bool], weight_decay: float, **kwargs: Any) -> bool:
-    """Run ``kernel`` per decay part when the C++ kernels take these tensors; False otherwise."""
-    if not ops.usable(params, grads, *state_lists):
+    """Run ``kernel`` over all groups in one call when the C++ kernels take these tensors; False
+    (nothing changed) otherwise. Python looks at the first param only (so that CUDA tensors never
+    trigger a build and FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and
+    declines (``strict=False``) where one does not fit: a per-tensor check here cost ~1 us per tensor
+    and list, 0.1-0.5 ms per step over 100 groups."""
+    if not ops.usable(params[:1]):
         return False
-    fused_out = out16 if out16 is not None and ops.usable(out16=out16) else None
-    for idx, decayed in _by_decay(mask, len(params)):
-        pick = lambda ts: [ts[i] for i in idx]  # noqa: E731
-        kernel(pick(params), pick(grads), *(pick(s) for s in state_lists),
-               weight_decay=weight_decay if decayed else 0.0,
-               out16=pick(fused_out) if fused_out is not None else None, **kwargs)
-    if out16 is not None and fused_out is None:  # e.g. a device-side copy: written after the step
+    # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
+    # that lives elsewhere (e.g. on the device) is written after the step.
+    fused_out = out16 if out16 is not None and len(out16) > 0 and ops.usable(out16=out16[:1]) else None
+    if not kernel(params, grads, *state_lists, weight_decay=weight_decay, decay_mask=[bool(m) for m in mask],
+                  out16=fused_out, strict=False, **kwargs):
+        return False
+    if out16 is not None and fused_out is None:
         copy_16bit(out16, params)
     return True
 

@@ -108,6 +108,7 @@ def kernels():
         pytest.skip(f"C++ CPU optimizer kernels not built here: {kernel_reason()}")
     yield module
     module.set_isa("auto")
+    module.set_prefetch(-1)
 
 
 @pytest.fixture(params=["kernel", "fallback"])
@@ -265,6 +266,33 @@ def test_every_isa_and_thread_count_gives_identical_bits(kernels, kernel):
     assert len(runs) == 2 * len(isas) and kernels.isa() == isas[-1]
 
 
+@pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
+def test_prefetch_distance_changes_no_bits(kernels, kernel):
+    """Software prefetch (on or off per CPU vendor, or set for a benchmark) only moves data early."""
+    sizes = (15, 2048 * 3 + 5, 300_001)
+    runs = {}
+    for ahead in (0, 16, 256, 4096):
+        kernels.set_prefetch(ahead)
+        assert kernels.prefetch_distance() == ahead
+        runs[ahead] = _one_kernel_run(kernel, sizes, out_dtype=torch.bfloat16)
+    for ahead, tensors in runs.items():
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], tensors)), f"prefetch {ahead} changed the result"
+
+
+def test_default_prefetch_follows_the_cpu_vendor(kernels):
+    """On (256 floats, 1 KiB) where measured faster (Intel), off elsewhere (see cpu_optim.cpp)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file() or os.environ.get("FRAMEWORK_OPS_PREFETCH"):
+        pytest.skip("needs /proc/cpuinfo and no FRAMEWORK_OPS_PREFETCH override")
+    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                   if line.startswith("vendor_id")), "")
+    kernels.set_prefetch(0)
+    kernels.set_prefetch(-1)
+    assert kernels.prefetch_distance() == (256 if vendor == "GenuineIntel" else 0), vendor
+    with pytest.raises(ValueError, match="floats >= 0"):
+        kernels.set_prefetch(-2)
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
@@ -309,6 +337,53 @@ def test_kernels_reject_bad_tensors_with_clear_errors(kernels):
         ops.adam_step([p], [g], [m], [v], step=0, lr=1e-3)
     with pytest.raises(ValueError, match="unknown ISA"):
         kernels.set_isa("sse9")
+
+
+def test_non_strict_kernels_decline_without_changing_anything(kernels):
+    """strict=False (the optimizers' dispatch): a tensor that does not fit, anywhere in the list,
+    makes the call return False before any tensor is touched."""
+    gen = torch.Generator().manual_seed(3)
+    p, g, m, v = ([torch.randn(n, generator=gen) for n in (40, 33)] for _ in range(4))
+    before = [t.clone() for t in p + m + v]
+    bad_grads = [g[0], g[1].double()]
+    assert ops.adam_step(p, bad_grads, m, v, step=1, lr=1e-2, strict=False) is False
+    assert ops.adam_step(p, g, m, [v[0], torch.zeros(66)[::2]], step=1, lr=1e-2, strict=False) is False
+    assert ops.lion_step(p, g, [m[0]], lr=1e-2, strict=False) is False
+    assert ops.adagrad_step(p, g, m, step=1, lr=1e-2, out16=[torch.zeros(40), torch.zeros(33)], strict=False) is False
+    assert ops.adam_step(p, g, m, v, step=1, lr=1e-2, decay_mask=[True], strict=False) is False
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v, before))
+    assert ops.adam_step(p, g, m, v, step=1, lr=1e-2, strict=False) is True
+    assert not torch.equal(p[0], before[0])
+    with pytest.raises(ValueError, match="decay_mask has 1 entries but params has 2"):
+        ops.adam_step(p, g, m, v, step=1, lr=1e-2, decay_mask=[True])
+
+
+@pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
+def test_decay_mask_equals_one_call_per_part(kernels, kernel):
+    """One call with decay_mask = the decayed tensors with weight_decay plus the others without."""
+    sizes, mask = (17, 2048 * 3 + 5, 300), [True, False, True]
+    gen = torch.Generator().manual_seed(9)
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    states = [[torch.rand(n, generator=gen) for n in sizes] for _ in range(2)]
+
+    def run(parts):
+        p, s = [t.clone() for t in init], [[t.clone() for t in ts] for ts in states]
+        for idx, wd, dm in parts:
+            pick = lambda ts: [ts[i] for i in idx]  # noqa: E731
+            if kernel == "adam":
+                ops.adam_step(pick(p), pick(grads), pick(s[0]), pick(s[1]), step=2, lr=1e-2, weight_decay=wd,
+                              decay_mask=dm)
+            elif kernel == "lion":
+                ops.lion_step(pick(p), pick(grads), pick(s[0]), lr=1e-2, weight_decay=wd, decay_mask=dm)
+            else:
+                ops.adagrad_step(pick(p), pick(grads), pick(s[0]), step=2, lr=1e-2, weight_decay=wd, decay_mask=dm)
+        return p + s[0] + s[1]
+
+    one_call = run([([0, 1, 2], 0.1, mask)])
+    per_part = run([([0, 2], 0.1, None), ([1], 0.0, None)])
+    assert all(torch.equal(a, b) for a, b in zip(one_call, per_part))
+    assert not torch.equal(one_call[1], run([([0, 1, 2], 0.1, None)])[1])  # the mask did something
 
 
 # --- dispatch ------------------------------------------------------------------------------------
@@ -484,7 +559,7 @@ def test_cli_prints_status_and_exits_0():
     out = subprocess.run([sys.executable, "-m", "framework.ops"], capture_output=True, text=True, cwd=REPO,
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
-    for field in ("built:", "isa:", "detected:", "threads:"):
+    for field in ("built:", "isa:", "detected:", "prefetch:", "threads:"):
         assert field in out.stdout, out.stdout
     if ops.available():  # built in this session's cache: the status shows it usable
         assert "yes, usable: adam_step, lion_step, adagrad_step" in out.stdout, out.stdout

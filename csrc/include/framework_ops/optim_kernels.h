@@ -17,15 +17,18 @@ inline void store_out(uint16_t* o, typename S::T p) {
   else if constexpr (OUT == kOutFp16Stream) S::stream_fp16(o, p);
 }
 
-// torch.optim.Adam / AdamW (foreach=False), with the roundings of ATen's vectorised CPU kernels
-// (its fmas included). Against torch 2.13 on AVX-512 one step differs in under 0.1% of elements by
-// an ulp, traced to ATen's sqrt (MKL), which is not always correctly rounded; ours is.
+// torch.optim.Adam / AdamW (foreach=False), with ATen's roundings up to the denominator, then one
+// division per element instead of torch's three (sqrt(v) / sqrt(bc2), (-lr/bc1 * m) / denom):
+// divisions and square roots share one unit that handles a 512-bit vector every 5-12 cycles, the
+// costliest part of the arithmetic. Differs from torch by an ulp or two of the update, far inside
+// the tests' tolerances (tests/unit/test_cpu_ops.py: 100 steps against torch.optim).
 //   L2:        g = fma(p, wd, g)                    grad.add(param, alpha=wd)
 //   decoupled: p = p * (1 - lr * wd)                param.mul_(...)
 //   m = fma(w, g - m, m)                            exp_avg.lerp_(grad, w = 1 - b1); fma(w - 1, g - m, g) if w >= 0.5
 //   v = fma((1 - b2) * g, g, v * b2)                exp_avg_sq.mul_(b2).addcmul_(g, g, value=1 - b2)
-//   denom = sqrt(v) / sqrt(bc2) + eps               (no division without bias correction)
-//   p = p + ((-lr / bc1) * m) / denom               param.addcdiv_(m, denom, value=-lr / bc1)
+//   denom = fma(sqrt(v), 1 / sqrt(bc2), eps)        (sqrt(v) / sqrt(bc2) + eps; 1 / sqrt(bc2) = 1 without
+//                                                    bias correction, then exactly sqrt(v) + eps)
+//   p = fma(m / denom, -lr / bc1, p)                param.addcdiv_(m, denom, value=-lr / bc1)
 template <class S, int OUT>
 inline void adam_block(const AdamCoef& c, float* p, const float* g, float* m, float* v, uint16_t* o) {
   using T = typename S::T;
@@ -34,10 +37,8 @@ inline void adam_block(const AdamCoef& c, float* p, const float* g, float* m, fl
   if (c.decoupled) pv = S::mul(pv, S::set1(c.decay));
   mv = S::fma(S::set1(c.lerp_coeff), S::sub(gv, mv), c.lerp_small ? mv : gv);
   vv = S::fma(S::mul(S::set1(c.one_minus_b2), gv), gv, S::mul(vv, S::set1(c.b2)));
-  T denom = S::sqrt(vv);
-  if (c.bias_correction) denom = S::div(denom, S::set1(c.bc2_sqrt));
-  denom = S::add(denom, S::set1(c.eps));
-  pv = S::add(pv, S::div(S::mul(S::set1(c.neg_step_size), mv), denom));
+  const T denom = S::fma(S::sqrt(vv), S::set1(c.inv_bc2_sqrt), S::set1(c.eps));
+  pv = S::fma(S::div(mv, denom), S::set1(c.neg_step_size), pv);
   S::store(p, pv);
   S::store(m, mv);
   S::store(v, vv);
@@ -77,30 +78,30 @@ inline void adagrad_block(const AdagradCoef& c, float* p, const float* g, float*
   store_out<S, OUT>(o, pv);
 }
 
-// The loops walk one 64-byte cache line (16 floats) at a time and prefetch each input stream
-// kAhead floats ahead: on the machine of bench/results_cpu_adam.md this was 10-13% faster at 100 M
-// params than leaving the 3-4 read streams to the hardware prefetchers alone.
-// Then whole vectors, then the scalar tail with the same (bit-identical) math. Pointers and
-// coefficients are copied to locals so that the compiler keeps them in registers across stores.
+// The loops walk one 64-byte cache line (16 floats) at a time and, when `ahead` > 0, prefetch
+// each input stream `ahead` floats ahead (cpu_optim.cpp chooses the distance per CPU vendor, see
+// default_prefetch there). Then whole vectors, then the scalar tail with the same (bit-identical)
+// math. Pointers and coefficients are copied to locals so that the compiler keeps them in
+// registers across stores; `pf_end` turns "prefetch only inside the segment" into one compare.
 constexpr int64_t kLine = 16;
-constexpr int64_t kAhead = 256;  // 1 KiB
 
 inline void prefetch(const float* x) { __builtin_prefetch(x, 0, 3); }
 
 template <int OUT>
-void adam_range(const AdamCoef& coef, const Segment& sg, int64_t i, int64_t end) {
+void adam_range(const AdamCoef& coef, const Segment& sg, int64_t i, int64_t end, int64_t ahead) {
   const AdamCoef c = coef;
   float* __restrict p = sg.p;
   const float* __restrict g = sg.g;
   float* __restrict m = sg.s1;
   float* __restrict v = sg.s2;
   uint16_t* __restrict o = sg.out;
+  const int64_t pf_end = ahead > 0 ? end - ahead : i;
   for (; i + kLine <= end; i += kLine) {
-    if (i + kAhead < end) {
-      prefetch(p + i + kAhead);
-      prefetch(g + i + kAhead);
-      prefetch(m + i + kAhead);
-      prefetch(v + i + kAhead);
+    if (i < pf_end) {
+      prefetch(p + i + ahead);
+      prefetch(g + i + ahead);
+      prefetch(m + i + ahead);
+      prefetch(v + i + ahead);
     }
     for (int64_t j = i; j < i + kLine; j += V::W)
       adam_block<V, OUT>(c, p + j, g + j, m + j, v + j, OUT ? o + j : nullptr);
@@ -110,17 +111,18 @@ void adam_range(const AdamCoef& coef, const Segment& sg, int64_t i, int64_t end)
 }
 
 template <int OUT>
-void lion_range(const LionCoef& coef, const Segment& sg, int64_t i, int64_t end) {
+void lion_range(const LionCoef& coef, const Segment& sg, int64_t i, int64_t end, int64_t ahead) {
   const LionCoef c = coef;
   float* __restrict p = sg.p;
   const float* __restrict g = sg.g;
   float* __restrict m = sg.s1;
   uint16_t* __restrict o = sg.out;
+  const int64_t pf_end = ahead > 0 ? end - ahead : i;
   for (; i + kLine <= end; i += kLine) {
-    if (i + kAhead < end) {
-      prefetch(p + i + kAhead);
-      prefetch(g + i + kAhead);
-      prefetch(m + i + kAhead);
+    if (i < pf_end) {
+      prefetch(p + i + ahead);
+      prefetch(g + i + ahead);
+      prefetch(m + i + ahead);
     }
     for (int64_t j = i; j < i + kLine; j += V::W) lion_block<V, OUT>(c, p + j, g + j, m + j, OUT ? o + j : nullptr);
   }
@@ -129,17 +131,18 @@ void lion_range(const LionCoef& coef, const Segment& sg, int64_t i, int64_t end)
 }
 
 template <int OUT>
-void adagrad_range(const AdagradCoef& coef, const Segment& sg, int64_t i, int64_t end) {
+void adagrad_range(const AdagradCoef& coef, const Segment& sg, int64_t i, int64_t end, int64_t ahead) {
   const AdagradCoef c = coef;
   float* __restrict p = sg.p;
   const float* __restrict g = sg.g;
   float* __restrict s = sg.s1;
   uint16_t* __restrict o = sg.out;
+  const int64_t pf_end = ahead > 0 ? end - ahead : i;
   for (; i + kLine <= end; i += kLine) {
-    if (i + kAhead < end) {
-      prefetch(p + i + kAhead);
-      prefetch(g + i + kAhead);
-      prefetch(s + i + kAhead);
+    if (i < pf_end) {
+      prefetch(p + i + ahead);
+      prefetch(g + i + ahead);
+      prefetch(s + i + ahead);
     }
     for (int64_t j = i; j < i + kLine; j += V::W)
       adagrad_block<V, OUT>(c, p + j, g + j, s + j, OUT ? o + j : nullptr);
@@ -151,6 +154,8 @@ void adagrad_range(const AdagradCoef& coef, const Segment& sg, int64_t i, int64_
 // Elements [begin, end) of one segment; the 16-bit copy's dtype picks the instantiation. The copy
 // is write-only: where its vector stores are aligned they bypass the cache (non-temporal), which
 // saves reading each of its lines before writing it; the fence orders them before we return.
+// (p, m and v are read before they are written, so bypassing the cache saves them nothing:
+// measured 1.3x slower on the machine of BENCHMARKS.md's "CPU AdamW step (issue 8)".)
 inline int out_variant(const Segment& sg, int64_t begin) {
   if (sg.out_kind == kOutNone) return kOutNone;
   const bool stream = V::W > 1 && reinterpret_cast<uintptr_t>(sg.out + begin) % (V::W * sizeof(uint16_t)) == 0;
@@ -158,24 +163,24 @@ inline int out_variant(const Segment& sg, int64_t begin) {
   return stream ? kOutFp16Stream : kOutFp16;
 }
 
-#define FRAMEWORK_OPS_DISPATCH_OUT(range)                                         \
-  switch (out_variant(sg, begin)) {                                              \
-    case kOutBf16: range<kOutBf16>(c, sg, begin, end); break;                    \
-    case kOutFp16: range<kOutFp16>(c, sg, begin, end); break;                    \
-    case kOutBf16Stream: range<kOutBf16Stream>(c, sg, begin, end); V::fence(); break; \
-    case kOutFp16Stream: range<kOutFp16Stream>(c, sg, begin, end); V::fence(); break; \
-    default: range<kOutNone>(c, sg, begin, end);                                 \
+#define FRAMEWORK_OPS_DISPATCH_OUT(range)                                                       \
+  switch (out_variant(sg, begin)) {                                                            \
+    case kOutBf16: range<kOutBf16>(c, sg, begin, end, ahead); break;                           \
+    case kOutFp16: range<kOutFp16>(c, sg, begin, end, ahead); break;                           \
+    case kOutBf16Stream: range<kOutBf16Stream>(c, sg, begin, end, ahead); V::fence(); break;   \
+    case kOutFp16Stream: range<kOutFp16Stream>(c, sg, begin, end, ahead); V::fence(); break;   \
+    default: range<kOutNone>(c, sg, begin, end, ahead);                                        \
   }
 
-inline void adam(const AdamCoef& c, const Segment& sg, int64_t begin, int64_t end) {
+inline void adam(const AdamCoef& c, const Segment& sg, int64_t begin, int64_t end, int64_t ahead) {
   FRAMEWORK_OPS_DISPATCH_OUT(adam_range)
 }
 
-inline void lion(const LionCoef& c, const Segment& sg, int64_t begin, int64_t end) {
+inline void lion(const LionCoef& c, const Segment& sg, int64_t begin, int64_t end, int64_t ahead) {
   FRAMEWORK_OPS_DISPATCH_OUT(lion_range)
 }
 
-inline void adagrad(const AdagradCoef& c, const Segment& sg, int64_t begin, int64_t end) {
+inline void adagrad(const AdagradCoef& c, const Segment& sg, int64_t begin, int64_t end, int64_t ahead) {
   FRAMEWORK_OPS_DISPATCH_OUT(adagrad_range)
 }
 
