@@ -115,6 +115,8 @@ def kernels():
 def path(request, monkeypatch):
     """Run an optimizer through the C++ kernels, or force the pure-PyTorch transforms."""
     if request.param == "kernel":
+        if not _loader.kernels_enabled():
+            pytest.skip("FRAMEWORK_OPS=0: the kernels are off, only the fallback runs")
         if ops.cpu_optim() is None:
             pytest.skip(f"C++ CPU optimizer kernels not built here: {kernel_reason()}")
         calls = []
@@ -136,8 +138,10 @@ def path(request, monkeypatch):
 
 @pytest.fixture
 def fresh_loader(monkeypatch, tmp_path):
-    """An empty cache and a fresh per-process load, restored afterwards."""
+    """An empty cache and a fresh per-process load, restored afterwards (kernels on: these tests
+    are about loading them, also in a FRAMEWORK_OPS=0 run of the suite)."""
     monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
     _loader.status.cache_clear()
     yield tmp_path
     _loader.status.cache_clear()
