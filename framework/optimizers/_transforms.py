@@ -86,7 +86,11 @@ def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable
             new_state = cpu(grads, state, params, lr, out16)
             if new_state is not None:
                 return new_state
-        if cuda is not None and len(params) > 0 and all(p.device.type in ("cuda", "cpu") for p in params):
+        # torch's fused kernels assume contiguous tensors (on CPU, a strided param comes out wrong:
+        # tests/unit/test_cpu_ops.py); those take the transforms.
+        if cuda is not None and len(params) > 0 and all(
+                p.device.type in ("cuda", "cpu") and p.is_contiguous() and g.is_contiguous()
+                for p, g in zip(params, grads)):
             state = cuda(grads, state, params, lr)
         else:
             updates, state = update(grads, state, params, lr)

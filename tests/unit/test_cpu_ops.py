@@ -423,6 +423,32 @@ def test_tensors_the_kernel_cannot_take_use_the_transforms(kernels, monkeypatch)
     torch.testing.assert_close(params[0], expected.detach(), rtol=1e-12, atol=1e-14)
 
 
+def test_a_list_the_kernel_declines_is_stepped_whole_by_the_fallback(kernels, monkeypatch):
+    """One tensor the kernel cannot take (here the second, not contiguous) sends the whole step to
+    the fallback; nothing is stepped twice or half-way."""
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)  # about the kernel's answer: kernels on
+    calls = []
+    real = ops.adam_step
+    monkeypatch.setattr(ops, "adam_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    cfg = adamw.AdamWConfig(lr=1e-2, weight_decay=0.1)
+    tx = adamw.build(cfg, [True, False])
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(40, generator=gen), torch.randn(66, generator=gen)[::2]]
+    expected = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW([{"params": [expected[0]], "weight_decay": cfg.weight_decay},
+                             {"params": [expected[1]], "weight_decay": 0.0}], lr=cfg.lr, foreach=False)
+    state = tx.init(params)
+    for _ in range(3):
+        grads = [torch.randn(40, generator=gen), torch.randn(33, generator=gen)]
+        for e, g in zip(expected, grads):
+            e.grad = g.clone()
+        opt.step()
+        state = _transforms.step(tx, grads, state, params, cfg.lr)
+    assert calls == [False, False, False]  # asked every step, declined every step
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p, e.detach(), rtol=RTOL, atol=ATOL)
+
+
 # --- the loader ------------------------------------------------------------------------------------
 
 def _train_adamw(steps: int = 3) -> list[Tensor]:
