@@ -12,14 +12,14 @@ einops tqdm ninja packaging`` (``.bench-venv`` is git-ignored). Without DeepSpee
 
 "ours" is ``framework.optimizers.step(tx, grads, state, params, lr)`` with ``tx`` the registered
 adamw (``framework.optimizers.adamw.build``): the path the training step and the CPU-offload pipeline
-take, Python dispatch included (``fused_dispatch`` picks the C++ kernel, or torch's fused CPU
-kernel where that was measured faster). "ours+bf16" also writes the bf16 copy of the params
+take, Python dispatch included (``fused_dispatch`` picks the C++ kernel wherever it takes the
+tensors; its docstring says why no case goes to torch's fused CPU kernel). "ours+bf16" also writes the bf16 copy of the params
 (``out16``), as offload does; "ours-kernel" (not in the default list) calls the raw C++ kernel
 ``framework.ops.adam_step``, to show what dispatch costs; "ours-prefetch-off" / "ours-prefetch-on"
 (not default either) are "ours" with the kernels' software prefetch forced off / to 1 KiB ahead
 whatever this CPU's default (``python -m framework.ops`` shows it): the check to run on a new CPU
-vendor before changing ``default_prefetch`` in csrc/cpu_optim/cpu_optim.cpp. Peers: ``torch.optim.AdamW(fused=True)``,
-``torch.optim.AdamW(foreach=True)``, ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)``, each
+vendor before changing ``default_prefetch`` in csrc/cpu_optim/cpu_optim.cpp. Peers:
+``torch.optim.AdamW(fused=True)``, ``torch.optim.AdamW(foreach=True)``, ``deepspeed.ops.adam.DeepSpeedCPUAdam(adamw_mode=True)``, each
 timed by its ``step()`` with ``p.grad`` set.
 
 Each thread count runs in its own worker process (OMP_NUM_THREADS and torch.set_num_threads set
@@ -30,9 +30,9 @@ INTERLEAVED, one step each in turn (the order rotates every step), ``--warmup`` 
 disturbance hits all systems alike, and the table reports the median step time with its spread
 (25th-75th percentile), the median CPU time per step and thread (what time-slicing on a busy
 machine does not inflate) and, per peer, the median over steps of the ratio peer/ours of
-neighbouring steps, for both clocks. Interleaving also means no system finds its own data still in the last-level cache from its
-previous step (at 10 M a system's 160 MB would fit), as in training, where forward and backward
-run between two optimizer steps.
+neighbouring steps, for both clocks. Interleaving also means no system finds its own data still in
+the last-level cache from its previous step (at 10 M a system's 160 MB would fit), as in training,
+where forward and backward run between two optimizer steps.
 
 The memory-bandwidth ceiling comes from a large tensor copy (``dst.copy_(src)``, 400 MB, counted as
 bytes read + written): an AdamW step reads p, g, m, v and writes p, m, v, 28 bytes per fp32 param.
