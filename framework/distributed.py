@@ -1,4 +1,4 @@
-"""The Dist value: rank, world size, device and the collectives the stages use.
+"""The Dist value: rank, world size, device, and the collectives object of its backend (``dist.comm``).
 
 Collectives are no-ops at world size 1, so the same code runs on one process. Every
 collective names what it waits for, so a timeout (a peer died or stalled) ends the
@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import cached_property
 
 import torch
 import torch.distributed as tdist
@@ -20,6 +21,7 @@ import torch.distributed as tdist
 # before any group exists, those defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
 
+from framework.collectives import Collectives, collectives_for
 from framework.errors import ConfigError, DistributedError
 
 
@@ -35,6 +37,11 @@ class Dist:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @cached_property
+    def comm(self) -> Collectives:
+        """The collectives object of this backend (Local at world 1, Gloo, Nccl): what stages call."""
+        return collectives_for(self)
 
     def _run(self, what: str, fn, *args, **kwargs):
         try:

@@ -342,7 +342,7 @@ class Gatherer:
             _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
             g.full[lo:hi].copy_(g.shard)
-            unit.works += gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}")
+            unit.works.append(gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
         if unit is not self.persistent:
             self.live += unit.numel
             self.peak_live = max(self.peak_live, self.live)
@@ -350,7 +350,7 @@ class Gatherer:
     def _finish_gather(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERED:
             return
-        self.dist.wait(unit.works, f"zero3 gather of {unit.name!r}")
+        self.dist.comm.wait(unit.works, f"zero3 gather of {unit.name!r}")
         unit.works = []
         for g in unit.groups:
             for p, slot in zip(g.params, g.layout.slots):
@@ -410,7 +410,7 @@ class Gatherer:
                 if p.grad is not None:
                     buf[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
                     p.grad = None
-            works = reduce_to_owners(self.dist, buf, 0, g.layout.shard, self.limits.reduce_scatter,
+            works = reduce_to_owners(self.dist.comm, buf, 0, g.layout.shard, self.limits.reduce_scatter,
                                      f"zero3 gradient reduction of {unit.name!r}")
             self.reductions.append((g, buf, works))
         if not self.limits.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
@@ -418,7 +418,7 @@ class Gatherer:
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
-            self.dist.wait(works, "zero3 gradient reduction")
+            self.dist.comm.wait(works, "zero3 gradient reduction")
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
         self.reductions = []
@@ -451,16 +451,9 @@ def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
 
 
-def gather_async(dist: Dist, full: torch.Tensor, shard: int, what: str) -> list:
+def gather_async(dist: Dist, full: torch.Tensor, shard: int, what: str):
     """All-gather ``full`` (each rank's own slice already in place), asynchronously."""
-    if dist.world == 1:
-        return []
-    if dist.backend == "nccl":
-        return [dist._run(what, torch.distributed.all_gather_into_tensor, full,
-                          full[dist.rank * shard:(dist.rank + 1) * shard], async_op=True)]
-    # gloo: one broadcast per owner beats all_gather_into_tensor several times (see _sharded.py).
-    return [dist.broadcast(full[r * shard:(r + 1) * shard], src=r, what=what, async_op=True)
-            for r in range(dist.world)]
+    return dist.comm.all_gather_into(full, shard, what)
 
 
 def _tensors(out):

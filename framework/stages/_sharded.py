@@ -190,19 +190,5 @@ def master_memory(pieces: list[list[Piece]], working: list[torch.Tensor], bounds
 
 
 def gather_partitions(dist: Dist, flat: torch.Tensor, shard: int, chunk: int) -> None:
-    """Every rank's owned partition of ``flat`` -> everywhere, in chunks of ``chunk`` elements."""
-    if dist.world == 1:
-        return
-    if dist.backend == "nccl":
-        # In-place all-gather: the input is this rank's slice of the output.
-        dist._run("parameter all-gather", torch.distributed.all_gather_into_tensor, flat,
-                  flat[dist.rank * shard:(dist.rank + 1) * shard])
-        return
-    # gloo: one broadcast per owner and chunk, all in flight at once. Measured here on 2 ranks
-    # (43 MB): 12 ms, against 81 ms for all_gather_into_tensor and 97 ms for list all_gather.
-    works = []
-    for r in range(dist.world):
-        for a in range(r * shard, (r + 1) * shard, chunk):
-            b = min(a + chunk, (r + 1) * shard)
-            works.append(dist.broadcast(flat[a:b], src=r, what="parameter all-gather", async_op=True))
-    dist.wait(works, "parameter all-gather")
+    """Every rank's owned partition of ``flat`` -> everywhere (gloo: in calls of ``chunk`` elements)."""
+    dist.comm.wait(dist.comm.all_gather_into(flat, shard, "parameter all-gather", chunk), "parameter all-gather")

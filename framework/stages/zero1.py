@@ -2,9 +2,10 @@
 
 Gradients accumulate over micro batches in one full flat buffer per group (parameters' .grad
 are views into it), as in ddp. On the last micro batch each bucket is reduced to the ranks
-that own its elements as soon as backward has produced it (``overlap_comm``) or after
-backward; a rank then reads only its own partition. Only the owned partition of the master
-weights and optimizer state exists on each rank. The .grad views are bound only during
+that own its elements as soon as backward has produced it (``overlap_comm``: buckets in
+gradient order, each inside one partition) or after backward (stripes: the same range of every
+partition, one reduce-scatter each); a rank then reads only its own partition. Only the owned
+partition of the master weights and optimizer state exists on each rank. The .grad views are bound only during
 backward, and micro batches are summed in ``precision.grad_accum_dtype`` (see _grads.py).
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from framework.registry import Component
 from framework.stages._flat import views
 from framework.stages._grads import Arrivals, FlatGrads
-from framework.stages._reduce import expected_order, own_overlap, plan_buckets, reduce_to_owners
+from framework.stages._reduce import expected_order, own_parts, plan_buckets, plan_stripes, reduce_bucket
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.utils import tensor_bytes
 
@@ -26,7 +27,13 @@ class Zero1Stage(ShardedStage):
         grad_views = [v for grad, layout in zip(self.grads, self.layouts) for v in views(grad, layout)]
         named = [(p, s.name) for p, (_, s) in entries]   # entries are in group order, as the views
         self.flat_grads = FlatGrads(named, grad_views, self.grads, self.policy.grad_accum_dtype, "zero1")
-        buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.reduce_bucket_size)
+        order = expected_order([e[1] for e in entries])
+        shards = {g: layout.shard for g, layout in enumerate(self.layouts)}
+        size, world = self.cfg.reduce_bucket_size, self.dist.world
+        # Reduced during backward: buckets in gradient order on partition boundaries. Reduced after
+        # it: every gradient is present, so stripes (one reduce-scatter per bucket on NCCL).
+        buckets = (plan_buckets(order, size, shards, world) if self.cfg.overlap_comm
+                   else plan_stripes(order, size, shards, world))
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "zero1")
         self.work: list = []
         if self.dist.world > 1 and self.cfg.overlap_comm:
@@ -35,11 +42,19 @@ class Zero1Stage(ShardedStage):
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
-        view = self.flat_grads.final(b.group, b.start, b.end)
-        wire = view if view.dtype == self.policy.reduce_dtype else view.to(self.policy.reduce_dtype)
-        works = reduce_to_owners(self.dist, wire, b.start, self.layouts[b.group].shard, self.cfg.reduce_scatter,
-                                 what=f"gradient reduction of bucket {i}")
-        self.work.append((b, works, wire, view))
+        ranges = [(b.start, b.start + b.numel)] if b.contiguous else b.ranges
+        views = [self.flat_grads.final(b.group, lo, hi) for lo, hi in ranges]
+        dtype = self.policy.reduce_dtype
+        if views[0].dtype == dtype:
+            wire, buf = views, None   # reduced in place in the gradient buffer
+        else:
+            buf = torch.empty(b.numel, dtype=dtype, device=views[0].device)
+            wire = list(buf.chunk(len(views)))
+            for dst, v in zip(wire, views):
+                dst.copy_(v)
+        pending = reduce_bucket(self.dist.comm, wire, b, self.layouts[b.group].shard, self.cfg.reduce_scatter,
+                                what=f"gradient reduction of bucket {i}")
+        self.work.append((b, pending, buf))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         if sync and self.dist.world > 1:
@@ -52,12 +67,12 @@ class Zero1Stage(ShardedStage):
     def _partition_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
             self.launcher.flush()
-            for b, works, wire, view in self.work:
-                self.dist.wait(works, "gradient reduction")
-                lo, hi = self.bounds[b.group]
-                own = own_overlap(b.start, b.end, lo, hi)
-                if wire is not view and own is not None:
-                    view[own[0] - b.start:own[1] - b.start].copy_(wire[own[0] - b.start:own[1] - b.start])
+            for b, pending, buf in self.work:
+                self.dist.comm.wait(pending, "gradient reduction")
+                if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
+                    summed = self.flat_grads.summed()[b.group]
+                    for lo, hi, off in own_parts(b, *self.bounds[b.group]):
+                        summed[lo:hi].copy_(buf[off:off + hi - lo])
             self.work = []
         else:
             for g, grad in enumerate(self.grads):

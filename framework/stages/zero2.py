@@ -15,9 +15,11 @@ from collections import deque
 
 import torch
 
+from framework.collectives import Pending
 from framework.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
-from framework.stages._reduce import expected_order, own_overlap, plan_buckets, reduce_to_owners
+from framework.stages._reduce import (expected_order, own_overlap, own_parts, plan_buckets, reduce_bucket,
+                                      reduce_to_owners)
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.utils import tensor_bytes
 
@@ -33,7 +35,9 @@ class Zero2Stage(ShardedStage):
         self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]
-        buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size)
+        # On partition boundaries: each bucket has one owner, or is a whole aligned group buffer.
+        buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size,
+                               {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         # Without overlap_comm each bucket completes before the next is filled: one buffer does.
         n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0
@@ -46,48 +50,71 @@ class Zero2Stage(ShardedStage):
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
-        shard = self.layouts[b.group].shard
+        shard, numel = self.layouts[b.group].shard, self.layouts[b.group].numel
         what = f"gradient reduction of bucket {i}"
+        comm, rs = self.dist.comm, self.cfg.reduce_scatter
         if self.cfg.contiguous_gradients:
             while not self.free:  # bound the buffers in flight
                 self._complete(self.in_flight.popleft())
             buf = self.free.pop()[:b.numel]
-            pieces = [(b.start, buf)]
-            for pid, (lo, hi, part) in self._pieces(b):
-                dst = buf[lo - b.start:hi - b.start]
+            for lo, hi, part, off in self._pieces(b):
+                dst = buf[off:off + hi - lo]
                 dst.copy_(part) if part is not None else dst.zero_()
+            base = 0
+            for start, end in b.ranges:  # the padding at a group's end (in a whole-buffer bucket)
+                if end > numel:
+                    buf[base + max(start, numel) - start:base + end - start].zero_()
+                base += end - start
+            wire = [buf] if b.contiguous else list(buf.chunk(b.count))
+            pieces = None
+            pending = reduce_bucket(comm, wire, b, shard, rs, what)
         else:  # reduce each gradient piece where it lies (no bucket buffer)
             buf = None
             pieces = [(lo, part.to(self.policy.reduce_dtype) if part is not None
                        else torch.zeros(hi - lo, dtype=self.policy.reduce_dtype, device=self.dist.device))
-                      for _, (lo, hi, part) in self._pieces(b)]
-        for pid in b.params:  # the bucket holding a parameter's first element is its last
-            if b.start <= self.slots[pid][1].offset:
+                      for lo, hi, part, _ in self._pieces(b)]
+            pending = Pending.of(reduce_to_owners(comm, t, lo, shard, rs, what) for lo, t in pieces)
+        for pid in b.params:  # a parameter's .grad goes with the last bucket that reads it
+            if self.launcher.owners[pid][-1] == i:
                 self.params[pid].grad = None
-        works = [w for start, t in pieces
-                 for w in reduce_to_owners(self.dist, t, start, shard, self.cfg.reduce_scatter, what)]
-        self.in_flight.append((b, works, pieces, buf))
+        self.in_flight.append((b, pending, pieces, buf))
         if not self.cfg.overlap_comm:
             self._complete(self.in_flight.popleft())
 
     def _pieces(self, b):
-        """(param id, (flat lo, flat hi, gradient values or None)) for each piece in bucket ``b``."""
-        for pid in b.params:
-            slot = self.slots[pid][1]
-            lo, hi = max(b.start, slot.offset), min(b.end, slot.offset + slot.numel)
-            g = self.params[pid].grad
-            yield pid, (lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset])
+        """(flat lo, flat hi, gradient values or None, offset in the bucket buffer) of each
+        parameter piece in bucket ``b``."""
+        base = 0
+        for start, end in b.ranges:
+            for pid in b.params:
+                slot = self.slots[pid][1]
+                lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+                if lo < hi:
+                    g = self.params[pid].grad
+                    yield lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset], \
+                        base + lo - start
+            base += end - start
 
     def _complete(self, item) -> None:
-        b, works, pieces, buf = item
-        self.dist.wait(works, "gradient reduction")
+        b, pending, pieces, buf = item
+        self.dist.comm.wait(pending, "gradient reduction")
         lo, hi = self.bounds[b.group]
-        for start, t in pieces:
-            own = own_overlap(start, start + t.numel(), lo, hi)
-            if own is not None:
-                self.part[b.group][own[0] - lo:own[1] - lo] += t[own[0] - start:own[1] - start]
-                if self.sync and self.on_grads_final is not None:
-                    self.on_grads_final(b.group, own[0] - lo, own[1] - lo, self.part[b.group])
+        sums = []  # (tensor, flat lo, flat hi, offset in the tensor) of this rank's sums
+        if buf is not None:
+            sums = [(buf, a, z, off) for a, z, off in own_parts(b, lo, hi)]
+        else:
+            for start, t in pieces:
+                own = own_overlap(start, start + t.numel(), lo, hi)
+                if own is not None:
+                    sums.append((t, own[0], own[1], own[0] - start))
+        numel = self.layouts[b.group].numel
+        for t, a, z, off in sums:
+            z = min(z, numel)  # a whole-buffer bucket's padding: zeros, and never reported
+            if a >= z:
+                continue
+            self.part[b.group][a - lo:z - lo] += t[off:off + z - a]
+            if self.sync and self.on_grads_final is not None:
+                self.on_grads_final(b.group, a - lo, z - lo, self.part[b.group])
         if buf is not None:
             self.free.append(buf._base if buf._base is not None else buf)
 
