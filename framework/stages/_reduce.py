@@ -1,10 +1,16 @@
-"""Gradient buckets: a static plan of contiguous flat ranges and an in-order launcher.
+"""Gradient buckets: a static plan of flat ranges and an in-order launcher.
 
 Buckets are planned once, from the expected order in which backward produces gradients
 (reverse registration order), as contiguous ranges of one group's flat buffer. A bucket is
 launched as soon as all its gradients have arrived *and* every earlier bucket has been
 launched, so all ranks issue the same collectives in the same order even when hooks fire in
 a different order or some parameters get no gradient (those buckets go out at ``flush``).
+
+For the ZeRO stages buckets lie on partition boundaries, so each is one collective: a bucket
+reduced during backward lies inside one rank's partition (one reduce to its owner) or is a
+whole group buffer (aligned: one reduce-scatter); gradients that are all present before any
+is reduced (zero1 without overlap_comm) go out in stripes, the same range of every partition,
+each one reduce-scatter. Which primitive carries them is the collectives object's business.
 """
 from __future__ import annotations
 

@@ -48,17 +48,18 @@ def contract(comm) -> list[str]:
     # reduce_scatter of adjacent chunks (one aligned buffer) and of stripes of a larger buffer.
     buf = _ramp(world * 5, rank, dev)
     comm.wait(comm.reduce_scatter(list(buf.chunk(world)), "test reduce-scatter"), "test reduce-scatter")
-    check("reduce_scatter adjacent", buf[rank * 5:(rank + 1) * 5], _ramp(world * 5, 0, dev)[rank * 5:(rank + 1) * 5] * total)
+    mine = slice(rank * 5, (rank + 1) * 5)
+    check("reduce_scatter adjacent", buf[mine], _ramp(world * 5, 0, dev)[mine] * total)
     big = _ramp(world * SHARD, rank, dev)
     a, b = 1, 4   # stripe [a, b) of every partition
     stripes = [big[r * SHARD + a:r * SHARD + b] for r in range(world)]
     comm.wait(comm.reduce_scatter(stripes, "test stripes"), "test stripes")
     lo = rank * SHARD
     check("reduce_scatter stripes", big[lo + a:lo + b], _ramp(world * SHARD, 0, dev)[lo + a:lo + b] * total)
-    outside = torch.ones(world * SHARD, dtype=torch.bool)
+    outside = torch.ones(world * SHARD, dtype=torch.bool, device=dev)
     for r in range(world):
         outside[r * SHARD + a:r * SHARD + b] = False
-    check("reduce_scatter leaves the rest alone", big[outside.to(dev)], _ramp(world * SHARD, rank, dev)[outside.to(dev)])
+    check("reduce_scatter leaves the rest alone", big[outside], _ramp(world * SHARD, rank, dev)[outside])
 
     # reduce_to_owners: the whole aligned buffer, a range inside one partition, one across several.
     padded = world * SHARD
