@@ -57,11 +57,6 @@ class Dist:
             return None
         return self._run(what, tdist.all_reduce, t, op=op, async_op=async_op)
 
-    def reduce(self, t: torch.Tensor, dst: int, what: str = "reduce", async_op=False):
-        if self.world == 1:
-            return None
-        return self._run(what, tdist.reduce, t, dst=dst, op=tdist.ReduceOp.SUM, async_op=async_op)
-
     def wait(self, works, what: str) -> None:
         """Wait for async collectives (None entries are the no-ops of world size 1)."""
         for w in works:
