@@ -5,8 +5,9 @@ are views into it), as in ddp. On the last micro batch each bucket is reduced to
 that own its elements as soon as backward has produced it (``overlap_comm``: buckets in
 gradient order, each inside one partition) or after backward (stripes: the same range of every
 partition, one reduce-scatter each); a rank then reads only its own partition. Only the owned
-partition of the master weights and optimizer state exists on each rank. The .grad views are bound only during
-backward, and micro batches are summed in ``precision.grad_accum_dtype`` (see _grads.py).
+partition of the master weights and optimizer state exists on each rank. The .grad views are
+bound only during backward, and micro batches are summed in ``precision.grad_accum_dtype``
+(see _grads.py).
 """
 from __future__ import annotations
 
