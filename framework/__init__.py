@@ -2,10 +2,10 @@
 
     import framework
     cfg = framework.compose(["+stage=zero2", "optimizer=adamw", "train.steps=100"])
-    engine = framework.initialize(my_module, my_loss_fn, cfg)
-    state = engine.state
-    for batch in my_batches:                    # batch: a list of grad_accum micro batches
-        state, metrics = engine.train_step(state, batch)
+    with framework.initialize(my_module, my_loss_fn, cfg) as engine:
+        state = engine.state                    # the initial state
+        for batch in my_batches:                # batch: a list of grad_accum micro batches
+            state, metrics = engine.train_step(state, batch)
 
 The command line (``python -m framework.train``) composes the same components with Hydra.
 """

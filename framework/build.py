@@ -1,20 +1,21 @@
 """Build components from a Config by registry name, and the library entry point.
 
-    engine = framework.initialize(my_module, my_loss_fn, framework.compose(["optimizer=lion"]))
-    state = engine.state
-    for batch in batches:
-        state, metrics = engine.train_step(state, batch)   # batch: grad_accum micro batches
+    with framework.initialize(my_module, my_loss_fn, framework.compose(["optimizer=lion"])) as engine:
+        state = engine.state                                    # the initial state
+        for batch in batches:
+            state, metrics = engine.train_step(state, batch)   # batch: grad_accum micro batches
+        # engine.state is now the state the last train_step returned
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from framework.accelerator import for_device
 from framework.config import Config
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
 from framework.registry import registry
 from framework.optimizers._transforms import copy_16bit
@@ -28,12 +29,53 @@ def component(cfg: Config, group: str):
     return registry(group).get(cfg.choices[group])
 
 
-@dataclass(frozen=True)
 class Engine:
-    components: Components
-    state: TrainState
-    train_step: Callable
-    eval_step: Callable[[TrainState, list], float]
+    """The built components, their step functions and the latest state.
+
+    ``engine.state`` is the state the last ``engine.train_step`` (or ``load_state_dict``) returned,
+    the initial state before, never a stale one. ``close()`` (or leaving a ``with`` block) removes the hooks
+    the stage registered and stops the offload worker thread; the engine cannot step afterwards.
+    """
+
+    def __init__(self, components: Components, state: TrainState, train_step: Callable,
+                 eval_step: Callable[[TrainState, list], float]):
+        self.components = components
+        self._state = state
+        self._train_step = train_step
+        self._eval_step = eval_step
+        self.closed = False
+
+    @property
+    def state(self) -> TrainState:
+        return self._state
+
+    def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
+        """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
+        self._check_open()
+        state, metrics = self._train_step(state, batch)
+        self._state = state
+        return state, metrics
+
+    def eval_step(self, state: TrainState, batches: list) -> float:
+        self._check_open()
+        return self._eval_step(state, batches)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise FrameworkError("this engine is closed (engine.close() or its with block ended); "
+                                 "build a new one with framework.initialize")
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.components.update.close()   # the offload worker thread, if any
+            self.components.stage.close()    # hooks on the module
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def consolidated_state_dict(self) -> dict | None:
         """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
@@ -62,6 +104,7 @@ class Engine:
         if out16 is not None:
             copy_16bit(out16, state.params)
         c.stage.publish(list(state.params))
+        self._state = state
         return state
 
     def memory(self, state: TrainState) -> dict[str, int]:
@@ -81,7 +124,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | Non
     """
     dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
     policy = component(cfg, "precision").build(cfg.precision)
-    offload = component(cfg, "offload").build(cfg.offload)
+    # Every device, stream and event decision of the offload path goes through the accelerator.
+    offload = component(cfg, "offload").build(cfg.offload, accelerator=for_device(dist.device))
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
     setup = stage.setup(module, policy)  # parameters move to dist.device (materialised if on meta)
     move_buffers(module, dist.device)

@@ -83,6 +83,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         logger.finish(summary)
         return summary
     finally:
+        engine.close()
         logger.close()
         if record is not None:
             record.close()

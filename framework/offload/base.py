@@ -1,16 +1,37 @@
-"""The OffloadTarget protocol: where a rank's master partition and optimizer state live.
+"""The offload target: where a rank's master partition and optimizer state live, and how they move.
 
-A stage asks its target to place each owned partition: ``place`` splits it into pieces
-(start, end, master tensor) kept on the host or on the training device; the optimizer runs
-over the pieces (so its state lives where they live). ``grads`` hands the optimizer the
-gradient pieces (copied to the host for host pieces) and ``publish`` writes updated master
-values back into the working partition on the device.
+A sharded stage is built with its offload target and talks to it only through these calls (no
+attribute of either is read or set by the other):
+
+* setup: ``place(own, master_dtype, chunk, real=...)`` once per owned partition, in master order.
+  It cuts the partition into pieces (host tier: the first ``host_fraction``, in ``chunk``-element
+  pieces; device tier: the rest) and returns them; their masters are what the optimizer updates.
+  zero3 also allocates its parameter shards here (``shard_buffer``: pinned host memory with
+  ``offload.params``) and loads them for a gather through ``load_shard``.
+* backward: the target is the stage's listener. ``grads_final(g, lo, hi, grad)`` says that range
+  [lo, hi) of partition g's reduced gradient ``grad`` is final for this step. It is emitted on the
+  thread and stream that produced the range, right after queueing the producer; each element is
+  reported at most once a step (zero2 reports per bucket on the last micro batch; a stage that
+  reports nothing is served after backward by ``grads``).
+* ``grads(parts)``: the gradient of every piece, in master order (host pieces: their host buffer,
+  filled by a copy that the update orders before the host reads it).
+* update: ``make_update(tx, gather)`` returns the piece pipeline (``_pipeline.py``) when there are
+  host pieces; ``gather()`` is the stage's part (make the working parameters whole after every
+  piece was published). Without host pieces the stage steps itself and calls ``publish()``.
+
+What the pipeline needs about pieces it gets from ``pieces()`` (``PieceInfo``), not from the stage.
+Stores (``_store.py``) hold the pieces of each tier; every copy and every stream or event decision
+goes through the accelerator (``framework.accelerator``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
 
 import torch
+
+from framework.accelerator import Accelerator, Event, for_device
+from framework.offload._store import DeviceStore, HostStore, Tier
 
 
 @dataclass(frozen=True)
@@ -24,66 +45,258 @@ class Piece:
     staging: torch.Tensor | None = None
 
 
-class Placement:
-    """Splits partitions between host (the first ``host_fraction``) and device."""
+@dataclass(frozen=True)
+class PieceInfo:
+    """One master piece as the pipeline sees it."""
 
-    def __init__(self, host_fraction: float, pin: bool, params_on_host: bool, overlap_step: bool = False):
+    index: int               # position in master order (the optimizer's group index)
+    group: int               # the partition it belongs to (order of ``place`` calls)
+    start: int               # range within the partition
+    end: int
+    real: int                # elements of the range that hold parameters (padding is never reported final)
+    tier: Tier
+    piece: Piece
+    working: torch.Tensor    # where its updated values go: its range of the working partition
+
+
+class GradListener(Protocol):
+    """What a piece pipeline implements to hear from the stage through its offload target."""
+
+    def ready(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None: ...
+    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
+
+
+class Placement:
+    """Splits partitions between the host tier (the first ``host_fraction``) and the device tier."""
+
+    def __init__(self, host_fraction: float, pin: bool, params_on_host: bool, overlap_step: bool = False,
+                 accelerator: Accelerator | None = None):
         self.host_fraction, self.pin, self.params_on_host = host_fraction, pin, params_on_host
-        self.overlap_step = overlap_step  # see framework/offload/_overlap.py
+        self.overlap_step = overlap_step  # see framework/offload/_pipeline.py
+        self._acc = None
+        self.infos: list[PieceInfo] = []
+        self.partitions: list[torch.Tensor] = []   # the working partition of each group
+        self.listener: GradListener | None = None
+        self._shard_reads: dict[int, Event] = {}   # host shard storage address -> its last load's copy
+        if accelerator is not None:
+            self.bind(accelerator)
+
+    # --- accelerator and stores ------------------------------------------------------------
+
+    def bind(self, acc: Accelerator) -> None:
+        self._acc = acc
+        self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
+        self.copy_stream = acc.new_stream("offload copy")   # host <-> device copies, ordered by events
+
+    def _bind_device(self, device: torch.device) -> Accelerator:
+        if self._acc is None:  # built without initialize (tests): the device the stage works on
+            self.bind(for_device(device))
+        return self._acc
+
+    @property
+    def acc(self) -> Accelerator:
+        return self._acc
 
     @property
     def host(self) -> torch.device:
         return torch.device("cpu")
 
-    def _host_copy(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.empty(t.shape, dtype=dtype, device=self.host, pin_memory=self.pin)
-        out.copy_(t)
-        return out
+    # --- setup -------------------------------------------------------------------------------
 
-    def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None) -> list[Piece]:
-        """Master pieces of one owned partition ``own`` (the working values on the device).
+    def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
+              real: int | None = None) -> list[Piece]:
+        """Master pieces of one owned partition ``own`` (the working values), of which the first
+        ``real`` elements hold parameters (default: all).
 
-        The host part is cut into pieces of ``chunk`` elements: the unit in which the
-        overlapped update copies gradients, steps and copies back (``_overlap``)."""
-        n = own.numel()
+        The host part is cut into pieces of ``chunk`` elements: the unit in which the pipeline
+        copies gradients, steps and copies back."""
+        acc = self._bind_device(own.device)
+        group, n = len(self.partitions), own.numel()
+        real = n if real is None else real
         k = round(self.host_fraction * n)
         step = chunk or max(k, 1)
         pieces = []
+        host = self.stores[Tier.HOST]
         for a in range(0, k, step):
             b = min(a + step, k)
-            staging = None if own.dtype == master_dtype else \
-                torch.empty(b - a, dtype=own.dtype, device=self.host, pin_memory=self.pin)
-            pieces.append(Piece(a, b, self._host_copy(own[a:b], master_dtype),
-                                torch.zeros(b - a, dtype=master_dtype, device=self.host, pin_memory=self.pin),
-                                staging))
-        if k < n:  # kept on the device; fp32 training updates the working values in place
+            master = host.allocate(b - a, master_dtype)
+            acc.copy(master, own[a:b])   # blocking: setup
+            grad = host.allocate(b - a, master_dtype)
+            grad.zero_()
+            staging = None if own.dtype == master_dtype else host.allocate(b - a, own.dtype)
+            pieces.append((Tier.HOST, Piece(a, b, master, grad, staging)))
+        if k < n:  # kept with the working values; fp32 training updates them in place
             rest = own[k:]
-            pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
-        return pieces
+            pieces.append((Tier.DEVICE, Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype),
+                                              None)))
+        for tier, p in pieces:
+            self.infos.append(PieceInfo(len(self.infos), group, p.start, p.end, max(0, min(p.end, real) - p.start),
+                                        tier, p, own[p.start:p.end]))
+        self.partitions.append(own)
+        return [p for _, p in pieces]
 
-    def grads(self, part_grad: torch.Tensor, pieces: list[Piece],
-              fresh: set[int] = frozenset()) -> list[torch.Tensor]:
-        """Gradient pieces aligned with ``pieces`` (host pieces: copied into their host buffer,
-        except the positions in ``fresh``, whose buffer already holds this step's gradient)."""
+    def pieces(self) -> list[PieceInfo]:
+        """Every piece, in master order."""
+        return list(self.infos)
+
+    def has_host_pieces(self) -> bool:
+        return any(i.tier is Tier.HOST for i in self.infos)
+
+    def shard_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zeroed zero3 parameter shard: on the device, or pinned on the host (``offload.params``)."""
+        self._bind_device(device)
+        if not self.params_on_host:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        shard = self.stores[Tier.HOST].allocate(numel, dtype)
+        shard.zero_()
+        return shard
+
+    # --- the stage's listener and gradients --------------------------------------------------
+
+    def grads_final(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None:
+        if self.listener is not None:
+            self.listener.ready(group, lo, hi, grad)
+
+    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradient pieces aligned with ``pieces()`` (master dtype)."""
+        if self.listener is not None:
+            return self.listener.grads(parts)
         out = []
-        for j, p in enumerate(pieces):
-            g = part_grad[p.start:p.end]
-            if p.grad is not None:
-                if j not in fresh:
-                    p.grad.copy_(g, non_blocking=True)
-                g = p.grad
-            out.append(g if g.dtype == p.master.dtype else g.to(p.master.dtype))
-        if self.pin and any(p.grad is not None for p in pieces):
-            torch.cuda.synchronize()  # the host step reads them next
+        for info in self.infos:
+            g = parts[info.group][info.start:info.end]
+            if info.tier is Tier.HOST:  # no pipeline (a stage driven by hand): copy and wait
+                self.copy_grad(info, g).synchronize()
+                g = info.piece.grad
+            out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
         return out
 
-    def publish(self, own: torch.Tensor, pieces: list[Piece]) -> None:
-        """Updated master values -> the working partition (cast to the working dtype)."""
-        for p in pieces:
-            dst = own[p.start:p.end]
-            if p.master.data_ptr() != dst.data_ptr():
-                dst.copy_(p.staging if p.staging is not None else p.master, non_blocking=True)
+    def copy_grad(self, info: PieceInfo, src: torch.Tensor) -> Event:
+        """Queue ``src`` (device, final on the current stream) -> the piece's host gradient buffer
+        on the copy stream; the returned event says when the host may read it."""
+        acc = self._acc
+        acc.on_device(src, what="gradient copy source")
+        acc.on_host(info.piece.grad, what="gradient copy destination")
+        produced = acc.event()
+        produced.record()
+        with acc.stream(self.copy_stream):
+            produced.wait()
+            acc.copy(info.piece.grad, src, non_blocking=self.pin)
+            done = acc.event()
+            done.record()
+        return done
 
-    def shard_device(self, device: torch.device) -> torch.device:
-        """Where zero3 keeps working parameter shards between gathers."""
-        return self.host if self.params_on_host else device
+    # --- publishing ----------------------------------------------------------------------------
+
+    def working_used(self) -> Event:
+        """An event after the compute stream's last use of the working partitions (forward,
+        backward and the previous gather): copies back into them wait on it."""
+        self._acc.use(writes=self._device_partitions())  # the stage's gather wrote them, forward/backward read them
+        mark = self._acc.event()
+        mark.record()
+        return mark
+
+    def copy_back(self, info: PieceInfo, after: Event | None) -> Event | None:
+        """The piece's updated values (staging, else master) -> its working range. Host -> device
+        copies run on the copy stream after ``after``; returns their event (None: nothing queued
+        off the current stream)."""
+        p, dst = info.piece, info.working
+        src = p.staging if p.staging is not None else p.master
+        if src.data_ptr() == dst.data_ptr():
+            return None   # fp32 device piece: the optimizer updated the working values in place
+        acc = self._acc
+        if info.tier is Tier.DEVICE:
+            acc.copy(dst, src)   # on the compute stream, in order
+            return None
+        acc.on_host(src, what="copy back source")
+        if self.params_on_host:  # zero3 shard on the host: a host copy, once its loads are done
+            self._settle_shard(dst)
+            acc.copy(dst, src)
+            return None
+        acc.on_device(dst, what="copy back destination")
+        with acc.stream(self.copy_stream):
+            if after is not None:
+                after.wait()
+            acc.copy(dst, src, non_blocking=self.pin)
+            done = acc.event()
+            done.record()
+        return done
+
+    def working_ready(self, copies: Sequence[Event]) -> None:
+        """The compute stream waits for the copies back before the stage's gather reads the working values."""
+        for ev in copies:
+            ev.wait()
+        self._acc.use(reads=self._device_partitions())
+
+    def _device_partitions(self) -> list[torch.Tensor]:
+        # zero3 shards on the host are read by the compute stream only through ``load_shard``.
+        return [] if self.params_on_host else self.partitions
+
+    def publish(self) -> None:
+        """Every piece's updated values -> the working partitions (outside the pipeline: the plain
+        update, or values loaded into the master pieces)."""
+        after, copies = self.working_used(), []
+        for info in self.infos:
+            ev = self.copy_back(info, after)
+            if ev is not None:
+                copies.append(ev)
+                store = self.stores[info.tier]   # the host waits for this copy before writing the piece
+                store.release(store.acquire(info.index), ev)   # (a later event of the same stream)
+        self.working_ready(copies)
+
+    def out16(self) -> list[torch.Tensor] | None:
+        """Where the optimizer also writes the updated values in the working dtype, one per master
+        piece: a host piece's staging buffer (what travels back), else the working slice itself.
+        None unless some host piece stages (16-bit training with offload). The caller's host code
+        may write the staging buffers at once: copies still reading them are waited for."""
+        if all(i.piece.staging is None for i in self.infos):
+            return None
+        self.stores[Tier.HOST].flush()
+        return [i.piece.staging if i.piece.staging is not None else i.working for i in self.infos]
+
+    # --- zero3 parameter shards ----------------------------------------------------------------
+
+    def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
+        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), ordered before
+        whatever the current stream queues next (the gather). A host shard travels on the copy stream."""
+        acc = self._acc
+        acc.on_device(dst, what="zero3 gather buffer")
+        if not self.params_on_host:
+            acc.copy(dst, shard)
+            return
+        acc.on_host(shard, what="zero3 host shard")
+        fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
+        fresh.record()
+        with acc.stream(self.copy_stream):
+            fresh.wait()
+            acc.copy(dst, shard, non_blocking=self.pin)
+            done = acc.event()
+            done.record()
+        done.wait()
+        acc.use(reads=[dst])   # the gather reads it on this stream next
+        self._shard_reads[shard.untyped_storage().data_ptr()] = done
+
+    def store_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        """``values`` (device) -> ``shard`` (framework.gathered's modifications; blocking)."""
+        if self.params_on_host:
+            self._settle_shard(shard)
+        self._acc.copy(shard, values)
+
+    def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
+        """``values`` (the partition, device) -> the master of every piece that is not ``shard`` itself."""
+        for p in pieces:
+            if p.master.data_ptr() != shard[p.start:].data_ptr():
+                self._acc.copy(p.master, values[p.start:p.end])
+
+    def _settle_shard(self, shard: torch.Tensor) -> None:
+        """The host is about to write a host shard: wait for the copy that last read it (if any)."""
+        done = self._shard_reads.pop(shard.untyped_storage().data_ptr(), None)
+        if done is not None:
+            done.synchronize()
+
+    # --- the update ------------------------------------------------------------------------------
+
+    def make_update(self, tx, gather: Callable[[], None]):
+        """The piece pipeline over the host pieces; it listens to the stage from now on."""
+        from framework.offload._pipeline import PiecePipeline  # it builds on this module
+        self.listener = PiecePipeline(tx, self, gather, speculative=self.overlap_step)
+        return self.listener

@@ -3,14 +3,14 @@
 The fp32 master partition and the optimizer state live in host memory (pinned when CUDA is
 present); gradients of the owned partition are copied to the host after reduction, the
 optimizer step runs there (the C++ CPU kernels when built), and updated values go back to
-the device in the working dtype before the stage gathers them. With ``ratio`` < 1 only the
+the device in the working dtype before the stage gathers them; copies run on their own stream
+(``offload._pipeline``). With ``ratio`` < 1 only the
 first ``ratio`` of every partition is stepped on the host and the rest stays on the device
 (DeepSpeed's partial offload).
 """
 from dataclasses import dataclass
 
-import torch
-
+from framework.accelerator import Accelerator
 from framework.errors import ConfigError
 from framework.offload.base import Placement
 from framework.registry import Component
@@ -20,7 +20,7 @@ from framework.registry import Component
 class CPUOffloadConfig:
     params: bool = False        # zero3 only: parameter shards live on the host between gathers
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
-    pin_memory: bool = True     # page-locked host buffers (only meaningful with CUDA)
+    pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
     # Gradients always reach the host per bucket during zero2's backward, and the host step is
     # always pipelined with the copy back. overlap_step also starts each piece's step during
     # backward, speculatively (identical results); it costs host memory for undo copies of
@@ -28,11 +28,12 @@ class CPUOffloadConfig:
     overlap_step: bool = False
 
 
-def build(cfg: CPUOffloadConfig) -> Placement:
+def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
+    """``accelerator``: the compute device's (``initialize`` passes it; default: the stage's device's)."""
     if not 0.0 <= cfg.ratio <= 1.0:
         raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
-    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory and torch.cuda.is_available(),
-                     params_on_host=cfg.params, overlap_step=cfg.overlap_step)
+    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params,
+                     overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
 COMPONENT = Component(config=CPUOffloadConfig, build=build)

@@ -1,6 +1,7 @@
 """none: master partitions, optimizer state and parameters stay on the training device."""
 from dataclasses import dataclass
 
+from framework.accelerator import Accelerator
 from framework.offload.base import Placement
 from framework.registry import Component
 
@@ -10,8 +11,8 @@ class NoOffloadConfig:
     pass
 
 
-def build(cfg: NoOffloadConfig) -> Placement:
-    return Placement(host_fraction=0.0, pin=False, params_on_host=False)
+def build(cfg: NoOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
+    return Placement(host_fraction=0.0, pin=False, params_on_host=False, accelerator=accelerator)
 
 
 COMPONENT = Component(config=NoOffloadConfig, build=build)

@@ -142,8 +142,9 @@ class Gatherer:
     """Runs the unit lifecycle for one model; the zero3 stage owns one."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype):
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards):
         self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
+        self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.empty = torch.empty(0, dtype=param_dtype, device=dist.device)
         self.traces: dict[bool, list[tuple[str, int]]] = {}   # grad mode -> recorded (phase, uid) order
@@ -341,7 +342,7 @@ class Gatherer:
         for g in unit.groups:
             _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
-            g.full[lo:hi].copy_(g.shard)
+            self.shards.load_shard(g.full[lo:hi], g.shard)
             unit.works.append(gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
         if unit is not self.persistent:
             self.live += unit.numel

@@ -8,14 +8,12 @@ every rank's updated partition is gathered back into the working buffers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from framework.distributed import Dist
 from framework.errors import ConfigError
-from framework.offload._overlap import OverlappedHostStep
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
@@ -44,13 +42,11 @@ def check(cfg: ZeroConfig) -> None:
 
 
 class ShardedStage(WholeParameters):
-    """Base of zero1/zero2/zero3; subclasses own the gradient path (``_setup_grads`` and friends)."""
+    """Base of zero1/zero2/zero3; subclasses own the gradient path (``_setup_grads`` and friends).
 
-    # Set by an overlapped Update: called with (group, lo, hi, partition gradient) when the
-    # reduced gradient of that partition range is final for this step (zero2 reports it).
-    on_grads_final: Callable[[int, int, int, torch.Tensor], None] | None = None
-    # Set by it too: indices (in ``master`` order) of host pieces whose gradient it has copied.
-    host_grads_fresh: frozenset = frozenset()
+    The offload target given at construction is this stage's listener: a subclass that knows a
+    partition range's reduced gradient is final calls ``self.offload.grads_final`` (see
+    ``offload.base`` for the whole contract)."""
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         check(cfg)
@@ -60,6 +56,7 @@ class ShardedStage(WholeParameters):
         self.pieces: list[list[Piece]] = []     # per group: master pieces of the owned partition
         self.bounds: list[tuple[int, int]] = []  # owned [lo, hi) per group
         self.policy: Policy | None = None
+        self.hook_handles: list = []            # removed by close()
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
@@ -73,7 +70,8 @@ class ShardedStage(WholeParameters):
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
-            self.pieces.append(self.offload.place(flat[lo:hi], policy.master_dtype, self._host_chunk()))
+            self.pieces.append(self.offload.place(flat[lo:hi], policy.master_dtype, self._host_chunk(),
+                                                  real=max(0, min(hi, layout.numel) - lo)))
             self.layouts.append(layout)
             self.flats.append(flat)
             self.bounds.append((lo, hi))
@@ -91,14 +89,9 @@ class ShardedStage(WholeParameters):
         return [p.master for pieces in self.pieces for p in pieces]
 
     @property
-    def all_pieces(self) -> list[tuple[int, Piece]]:
-        """(group, piece) of each master piece, in ``master`` order."""
-        return [(g, p) for g, pieces in enumerate(self.pieces) for p in pieces]
-
-    @property
     def piece_index(self) -> list[tuple[int, int]]:
         """(group, start within the partition) of each master piece."""
-        return [(g, p.start) for g, p in self.all_pieces]
+        return [(g, p.start) for g, pieces in enumerate(self.pieces) for p in pieces]
 
     def piece_specs(self) -> list[PieceSpec]:
         """What each master piece holds by parameter name, in ``master`` order."""
@@ -114,12 +107,7 @@ class ShardedStage(WholeParameters):
 
     def reduce_grads(self) -> list[torch.Tensor]:
         self._reduced = self._partition_grads()
-        out: list[torch.Tensor] = []
-        for part, pieces in zip(self._reduced, self.pieces):
-            first = len(out)  # host pieces the overlapped update already copied are not copied again
-            out += self.offload.grads(part, pieces, {j for j in range(len(pieces))
-                                                     if first + j in self.host_grads_fresh})
-        return out
+        return self.offload.grads(self._reduced)
 
     def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         # Over the reduced partitions (the values of ``grads``, on the device) rather than over
@@ -141,18 +129,8 @@ class ShardedStage(WholeParameters):
 
     def publish(self, master: list[torch.Tensor]) -> None:
         # ``master`` is the state's list: the same tensors as the pieces, updated in place.
-        for g, pieces in enumerate(self.pieces):
-            self.offload.publish(self._working(g), pieces)
+        self.offload.publish()
         self.publish_finish()
-
-    def publish_piece(self, k: int) -> None:
-        """Master piece ``k`` (in ``master`` order) -> its place in the working partition."""
-        g, piece = self.all_pieces[k]
-        self.offload.publish(self._working(g), [piece])
-
-    def _working(self, g: int) -> torch.Tensor:
-        lo, hi = self.bounds[g]
-        return self.flats[g][lo:hi]
 
     def publish_finish(self) -> None:
         """After every piece is published: make the working parameters whole again."""
@@ -160,17 +138,11 @@ class ShardedStage(WholeParameters):
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
 
     def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer also writes the updated values in the working dtype, one per master
-        piece: a host piece's staging buffer (what travels back), else the working slice itself.
-        None unless some host piece stages (16-bit training with offload)."""
-        pieces = self.all_pieces
-        if all(p.staging is None for _, p in pieces):
-            return None
-        return [p.staging if p.staging is not None else self._working(g)[p.start:p.end] for g, p in pieces]
+        return self.offload.out16()
 
     def make_update(self, tx: GradientTransformation) -> Update:
-        if any(p.grad is not None for ps in self.pieces for p in ps):  # host pieces: CPU offload
-            return OverlappedHostStep(tx, self, speculative=self.offload.overlap_step)
+        if self.offload.has_host_pieces():  # CPU offload: the piece pipeline steps and publishes
+            return self.offload.make_update(tx, gather=self.publish_finish)
         return PlainUpdate(tx, self)
 
     def memory(self) -> dict[str, int]:

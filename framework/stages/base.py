@@ -69,12 +69,21 @@ class Stage(Protocol):
     def export_state_dict(self) -> dict | None:
         """Full weights to save at the end of training when the stage is configured to (rank 0), else None."""
 
+    def close(self) -> None:
+        """Remove the hooks this stage registered on the module (``Engine.close``)."""
+
 
 class WholeParameters:
     """Defaults for stages whose working parameters are whole on every rank (ddp, zero1, zero2)."""
 
     module: nn.Module
     dist: object
+    hook_handles: list
+
+    def close(self) -> None:
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles.clear()
 
     def stats(self) -> dict:
         return {}

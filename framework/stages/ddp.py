@@ -44,6 +44,7 @@ class DDPStage(WholeParameters):
         self.flat_grads: FlatGrads | None = None
         self.reduce_dtype = torch.float32
         self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
+        self.hook_handles: list = []   # removed by close()
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
@@ -70,7 +71,7 @@ class DDPStage(WholeParameters):
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "ddp")
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
         return Setup(self.master, [kind for kind, _ in groups])
 
     def _launch(self, i: int) -> None:

@@ -39,7 +39,7 @@ class Zero1Stage(ShardedStage):
         self.work: list = []
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
-                p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]

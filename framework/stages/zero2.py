@@ -46,7 +46,7 @@ class Zero2Stage(ShardedStage):
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
         for i, p in enumerate(self.params):
-            p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i))
+            self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
@@ -113,8 +113,8 @@ class Zero2Stage(ShardedStage):
             if a >= z:
                 continue
             self.part[b.group][a - lo:z - lo] += t[off:off + z - a]
-            if self.sync and self.on_grads_final is not None:
-                self.on_grads_final(b.group, a - lo, z - lo, self.part[b.group])
+            if self.sync:  # tell the listener (the offload target): this range is final
+                self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
         if buf is not None:
             self.free.append(buf._base if buf._base is not None else buf)
 

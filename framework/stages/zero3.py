@@ -86,10 +86,12 @@ class Zero3Stage(ShardedStage):
             if persistent_named or shared else None
         self._scratch = None
         self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
-                                 policy.reduce_dtype)
+                                 policy.reduce_dtype, self.offload)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
         self.gatherer.attach(module, hooked)
+        # close() removes these; the state_dict refusal below stays (the parameters remain empty).
+        self.hook_handles = self.gatherer.hook_handles
         module.register_state_dict_pre_hook(_refuse_state_dict)
         return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
 
@@ -170,7 +172,7 @@ class Zero3Stage(ShardedStage):
         layout = make_layout(named, self.dist.world)
         lo, hi = layout.partition(self.dist.rank)
         policy, device = self.policy, self.dist.device
-        shard = torch.zeros(hi - lo, dtype=policy.param_dtype, device=self.offload.shard_device(device))
+        shard = self.offload.shard_buffer(hi - lo, policy.param_dtype, device)
         params = []
         for (pname, p), slot in zip(named, layout.slots):
             # Materialise one full parameter at a time and keep only this rank's part of it.
@@ -189,7 +191,8 @@ class Zero3Stage(ShardedStage):
             replace_parameter(module, p, sp)
             params.append(sp)
             del values
-        pieces = self.offload.place(shard, policy.master_dtype, self._host_chunk())
+        pieces = self.offload.place(shard, policy.master_dtype, self._host_chunk(),
+                                    real=max(0, min(hi, layout.numel) - lo))
         # Gradient partition: micro batches summed in the accumulation dtype.
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
                           pieces=pieces)
@@ -221,9 +224,6 @@ class Zero3Stage(ShardedStage):
     def zero_grads(self) -> None:
         for g in self.groups:
             g.grad().zero_()
-
-    def _working(self, g: int) -> torch.Tensor:
-        return self.groups[g].shard
 
     def _host_chunk(self) -> int | None:
         return None  # one piece per unit group already: the pipeline's unit
@@ -289,10 +289,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                 for g in unit.groups:
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    g.shard.copy_(g.full[lo:hi])
-                    for piece in g.pieces:
-                        if piece.master.data_ptr() != g.shard[piece.start:].data_ptr():
-                            piece.master.copy_(g.full[lo + piece.start:lo + piece.end])
+                    unit.gatherer.shards.store_shard(g.shard, g.full[lo:hi])
+                    unit.gatherer.shards.reset_master(g.pieces, g.shard, g.full[lo:hi])
     finally:
         for unit in started:
             unit.gatherer.release_now(unit)

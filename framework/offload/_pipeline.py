@@ -1,0 +1,259 @@
+"""The piece pipeline of CPU offload: gradient copy -> host step -> copy back, per piece.
+
+Without it the host sits idle through backward and the device waits for the whole host step.
+Here the host pieces of the master partition (``base.PieceInfo``) flow through three stages,
+each ordered by events of the accelerator, never by a device-wide synchronize:
+
+* gradient copy: as soon as the stage reports a piece's reduced gradient final (zero2 does so per
+  bucket on the last micro batch; otherwise after backward, in ``grads``), its device range is
+  copied into the piece's pinned host buffer on the copy stream, after an event recorded on the
+  producing stream; the copy's own event tells the host when it may read the buffer. With
+  ``offload.overlap_step`` a worker thread (torch's kernels and ours release the GIL) then
+  *speculatively* steps the piece, as if the step will be neither clipped nor skipped;
+* host step: after backward the global norm decides. If the step is in fact unclipped and
+  finite, the speculative pieces are exactly what the plain step computes (same element-wise
+  arithmetic, see ``optimizers._subset``) and are kept; otherwise they are rolled back from the
+  copies taken just before (parameters and optimizer state of each piece) and stepped again. The
+  remaining pieces are stepped one after another by the worker;
+* copy back: the main thread queues each finished piece's values (the 16-bit staging buffer, else
+  the master) into the working partition on the copy stream, after the compute stream's last use
+  of the working values; the compute stream waits for these copies before the stage gathers.
+
+A piece's buffers belong to the store of its tier (``_store.py``): the host step acquires the piece
+(waiting only for the copy that last read its buffers) and releases it with the event of its copy
+back, so a disk tier can later read and write pieces asynchronously behind the same calls.
+
+Results are identical to the plain order in every case; what speculation costs is host memory for
+the undo copies (master + optimizer state of the host pieces, reported in the memory ledger) and,
+when a step is clipped or skipped, the redone work. Speculation is skipped after a step that was
+clipped or skipped (it would most likely be wasted again).
+"""
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from framework import ops
+from framework.accelerator import Event
+from framework.offload.base import Placement
+from framework.offload._store import Handle, Tier
+from framework.optimizers import GradientTransformation
+from framework.optimizers._subset import group_state, step_groups
+from framework.utils import tensor_bytes
+
+
+class PiecePipeline:
+    """The ``Update`` of a sharded stage whose master partition has host pieces; the stage's
+    gradient listener (through its offload target)."""
+
+    def __init__(self, tx: GradientTransformation, target: Placement, gather: Callable[[], None],
+                 speculative: bool):
+        self.tx, self.target, self.gather, self.speculative = tx, target, gather, speculative
+        self.acc = target.acc
+        self.info = target.pieces()           # in the optimizer's order
+        self.host = {i.index for i in self.info if i.tier is Tier.HOST}
+        # Per group, its host pieces by start (they tile the partition's host part in order), so
+        # a reported range finds its pieces by bisection: ``ready`` runs in backward hooks.
+        self.by_group: dict[int, tuple[list[int], list[int]]] = {}
+        for k in sorted(self.host):
+            starts, ks = self.by_group.setdefault(self.info[k].group, ([], []))
+            starts.append(self.info[k].start)
+            ks.append(k)
+        self.out16 = target.out16()
+        ops.cpu_optim()  # load (or build) the kernels here, not racing from two threads later
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
+        self.undo: dict[int, list[Tensor]] = {}
+        self.speculate = True   # cleared after a clipped or skipped step
+        self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
+        self.early_copies = 0   # pieces whose gradient copy was queued during backward, over the run
+        self.grad_copies: dict[int, Event] = {}   # this step: host gradient copies queued, by piece
+        self.final: set[int] = set()              # pieces the stage reported final this step
+        self.handles: dict[int, Handle] = {}      # pieces acquired from their store this step
+        self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
+        self.scale = 1.0
+        self.jobs: dict[int, Future] = {}
+        self.undone: set[int] = set()   # pieces whose undo copies were taken this step
+        self.covered: dict[int, int] = {}
+
+    # --- during backward -------------------------------------------------------------------
+
+    def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
+        self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
+        self.grad_copies, self.final = {}, set()
+        self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
+
+    def ready(self, group: int, lo: int, hi: int, grad: Tensor) -> None:
+        """The stage's reduced gradient of partition range [lo, hi) of ``group`` is final; it was
+        produced on the current stream (the listener contract, ``base``)."""
+        self.acc.use(writes=[grad[lo:hi]])
+        starts, ks = self.by_group.get(group, ((), ()))
+        for k in ks[max(0, bisect_right(starts, lo) - 1):bisect_left(starts, hi)]:
+            info = self.info[k]
+            n = min(hi, info.end) - max(lo, info.start)
+            if n <= 0:
+                continue
+            self.covered[k] += n
+            if self.covered[k] != info.real:  # each element is reported once a step
+                continue
+            self.final.add(k)
+            self.grad_copies[k] = self.target.copy_grad(info, grad[info.start:info.end])
+            if self.ctx is not None:
+                self.jobs[k] = self.pool.submit(self._speculate, k)
+
+    def grads(self, parts: Sequence[Tensor]) -> list[Tensor]:
+        """Every piece's gradient (host pieces: their host buffer, its copy queued if not yet)."""
+        out = []
+        for info in self.info:
+            g = parts[info.group][info.start:info.end]
+            if info.tier is Tier.HOST:
+                if info.index not in self.grad_copies:
+                    if info.index not in self.final:  # final on the current stream since backward ended
+                        self.acc.use(writes=[g])
+                    self.grad_copies[info.index] = self.target.copy_grad(info, g)
+                g = info.piece.grad
+            out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
+        return out
+
+    def _acquire(self, k: int) -> None:
+        """Piece k's buffers, usable by the host (worker thread)."""
+        if k not in self.handles:
+            self.handles[k] = self.target.stores[self.info[k].tier].acquire(k)
+        self.target.stores[self.info[k].tier].wait(self.handles[k])
+
+    def _speculate(self, k: int) -> Any:
+        opt_state, params, lr, scale = self.ctx
+        pc = self.info[k].piece
+        self._acquire(k)
+        self.grad_copies[k].synchronize()   # sync point: this piece's gradient copy only
+        self.acc.on_host(pc.grad, pc.master, *self._staging(k), what="host step operands")
+        saved = [pc.master, *group_state(opt_state, len(params), k)]
+        if k not in self.undo:
+            host = self.target.stores[Tier.HOST]
+            self.undo[k] = [host.allocate(t.numel(), t.dtype).view(t.shape) for t in saved]
+        self.acc.host_use(reads=[pc.grad, *saved], writes=[pc.grad, *saved, *self.undo[k], *self._staging(k)])
+        grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
+        if scale != 1.0:
+            grad.mul_(1.0 / scale)  # what the plain step's unclipped coefficient does
+        for dst, t in zip(self.undo[k], saved):
+            dst.copy_(t)
+        self.undone.add(k)
+        return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
+
+    def _step(self, k: int, grad: Tensor, coef: float, opt_state: Any, params: Sequence[Tensor], lr: float) -> Any:
+        """The host step of piece k (worker thread)."""
+        pc = self.info[k].piece
+        self._acquire(k)
+        self.grad_copies[k].synchronize()   # sync point: this piece's gradient copy only
+        self.acc.on_host(grad, pc.master, *self._staging(k), what="host step operands")
+        self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *self._staging(k)])
+        if coef != 1.0:
+            grad.mul_(coef)
+        return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
+
+    def _staging(self, k: int) -> list[Tensor]:
+        s = self.info[k].piece.staging
+        return [] if s is None else [s]
+
+    def _wait(self) -> None:
+        for job in self.jobs.values():
+            job.exception()  # wait only; result() raises in _settle
+
+    def drain(self) -> None:
+        """Wait for the worker. The speculative pieces' host gradients are copied again in ``grads``:
+        the step may have scaled them in place, and a rolled-back piece steps on the original."""
+        self._wait()
+        self.early_copies += len(self.grad_copies)
+        for k in self.jobs:
+            self.grad_copies.pop(k, None)
+
+    # --- after the norm --------------------------------------------------------------------
+
+    def _settle(self, exact: bool) -> tuple[set[int], Any]:
+        """Keep (exact) or roll back the speculative pieces; (kept pieces, a state they returned)."""
+        self._wait()
+        jobs, self.jobs = self.jobs, {}
+        if exact:
+            results = {k: job.result() for k, job in jobs.items()}  # a failed job raises here
+            self.kept += len(results)
+            return set(results), next(iter(results.values()), None)
+        # Every piece whose undo copy was taken is restored, whether its job finished or failed.
+        opt_state, params = self.ctx[0], self.ctx[1]
+        for k in self.undone:
+            saved = [self.info[k].piece.master, *group_state(opt_state, len(params), k)]
+            self.acc.host_use(reads=self.undo[k], writes=saved)
+            for dst, t in zip(saved, self.undo[k]):
+                dst.copy_(t)
+        self.rolled_back += len(self.undone)
+        self.undone = set()
+        return set(), None
+
+    def abort(self) -> None:
+        """The step failed after ``arm``: leave the optimizer as it was before the step."""
+        self._wait()
+        if self.ctx is not None:
+            self._settle(exact=False)
+        for ev in self.grad_copies.values():  # the host may read the gradients now (overflow names)
+            ev.synchronize()
+        self.ctx = None
+        self._release_all()
+
+    def skip(self) -> None:
+        self.abort()
+        self.speculate = False
+
+    def _release_all(self) -> None:
+        for k, h in self.handles.items():
+            self.target.stores[self.info[k].tier].release(h, None)
+        self.handles = {}
+
+    def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
+              lr: float) -> Any:
+        clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
+        done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
+        self.ctx, self.speculate = None, clean
+        after = self.target.working_used()
+        copies: list[Event] = []
+        for k in done:  # copy back while the worker steps the rest
+            self._publish(k, after, copies)
+        rest = [k for k in range(len(self.info)) if k not in done]
+        jobs = [(k, self.pool.submit(self._step, k, grads[k], coef, opt_state, params, lr))
+                for k in rest if k in self.host]
+        device_rest = [k for k in rest if k not in self.host]
+        if device_rest:  # (offload.ratio < 1) stepped here, on the compute stream, meanwhile
+            if coef != 1.0:
+                torch._foreach_mul_([grads[k] for k in device_rest], coef)
+            new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr,
+                                    self.out16)
+            for k in device_rest:
+                self._publish(k, after, copies)
+        try:
+            for k, job in jobs:
+                new_state = job.result()
+                self._publish(k, after, copies)
+        finally:
+            for _, job in jobs:  # never leave a job running into the next step
+                job.exception()
+            self._release_all()
+        self.target.working_ready(copies)
+        self.gather()
+        return new_state
+
+    def _publish(self, k: int, after: Event, copies: list[Event]) -> None:
+        ev = self.target.copy_back(self.info[k], after)
+        if ev is not None:
+            copies.append(ev)
+        if k in self.handles:
+            self.target.stores[self.info[k].tier].release(self.handles.pop(k), ev)
+
+    def memory(self) -> dict[str, int]:
+        return {"host_overlap_buffers": tensor_bytes(t for ts in self.undo.values() for t in ts)}
+
+    def close(self) -> None:
+        """Stop the worker thread and settle the stores (``Engine.close``)."""
+        self.pool.shutdown(wait=True)
+        for store in self.target.stores.values():
+            store.flush()

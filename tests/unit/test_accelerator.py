@@ -1,0 +1,152 @@
+"""The checking CPU accelerator catches what CUDA would get wrong: host/device mix-ups, pageable
+buffers in asynchronous copies, and cross-stream uses not ordered by an event."""
+import pytest
+import torch
+
+from framework import ConfigError
+from framework.accelerator import (CheckingCpuAccelerator, CpuAccelerator, DeviceMismatch, OrderError,
+                                   for_device)
+
+
+@pytest.fixture
+def acc():
+    return CheckingCpuAccelerator()
+
+
+def _produce(acc, n=8):
+    """A device tensor written by the compute stream (the current one)."""
+    dev = torch.arange(n, dtype=torch.float32)
+    acc.use(writes=[dev])
+    return dev
+
+
+def test_copy_on_a_side_stream_must_wait_for_the_producer(acc):
+    dev, host = _produce(acc), acc.empty_host(8, torch.float32)
+    side = acc.new_stream("copy")
+    with acc.stream(side), pytest.raises(OrderError, match="stream 'copy' reads .* stream 'compute' wrote"):
+        acc.copy(host, dev, non_blocking=True)
+    # The same copy after an event recorded behind the producer is fine.
+    produced = acc.event()
+    produced.record()
+    with acc.stream(side):
+        produced.wait()
+        acc.copy(host, dev, non_blocking=True)
+        done = acc.event()
+        done.record()
+    with pytest.raises(OrderError, match="host code on the host reads"):
+        acc.host_use(reads=[host])       # the copy may still be in flight
+    done.synchronize()
+    acc.host_use(reads=[host])
+    assert torch.equal(host, dev)
+
+
+def test_only_the_bytes_used_are_ordered(acc):
+    dev, host = _produce(acc), acc.empty_host(4, torch.float32)
+    ev = acc.event()
+    ev.record()
+    acc.use(writes=[dev[4:]])  # written again after the event, but not the half copied below
+    side = acc.new_stream("copy")
+    with acc.stream(side):
+        ev.wait()
+        acc.copy(host, dev[:4], non_blocking=True)
+        with pytest.raises(OrderError):
+            acc.copy(host, dev[4:], non_blocking=True)
+
+
+def test_host_may_not_overwrite_a_buffer_a_stream_still_reads(acc):
+    host, dev = acc.empty_host(8, torch.float32), torch.zeros(8)
+    side = acc.new_stream("copy")
+    with acc.stream(side):
+        acc.copy(dev, host, non_blocking=True)   # host -> device, in flight
+        done = acc.event()
+        done.record()
+    with pytest.raises(OrderError, match="host code on the host writes"):
+        acc.host_use(writes=[host])
+    done.synchronize()
+    acc.host_use(writes=[host])
+
+
+def test_events_order_transitively_and_work_queued_after_host_sync_is_ordered(acc):
+    dev = _produce(acc)
+    a, b = acc.new_stream("a"), acc.new_stream("b")
+    first = acc.event()
+    first.record()
+    with acc.stream(a):
+        first.wait()
+        acc.use(reads=[dev])
+        second = acc.event()
+        second.record()
+    with acc.stream(b):
+        second.wait()
+        acc.use(writes=[dev])    # ordered after compute's write and a's read, through a's event
+    done = acc.event()
+    done.record(b)
+    done.synchronize()
+    acc.use(reads=[dev])        # queued by a host that has seen b finish
+
+
+def test_waiting_on_an_unrecorded_event_orders_nothing(acc):
+    dev, host = _produce(acc), acc.empty_host(8, torch.float32)
+    side = acc.new_stream("copy")
+    ev = acc.event()
+    with acc.stream(side):
+        ev.wait()
+        with pytest.raises(OrderError):
+            acc.copy(host, dev, non_blocking=True)
+
+
+def test_host_and_device_memory_are_told_apart(acc):
+    host, dev = acc.empty_host(4, torch.float32), torch.zeros(4)
+    acc.on_host(host, host[1:], what="x")
+    acc.on_device(dev, what="x")
+    with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+        acc.on_device(host[2:], what="x")
+    with pytest.raises(DeviceMismatch, match="expected a host buffer, got device memory"):
+        acc.on_host(dev, what="x")
+
+
+def test_asynchronous_copies_need_pinned_host_buffers(acc):
+    pageable, dev = acc.empty_host(4, torch.float32, pinned=False), torch.zeros(4)
+    with pytest.raises(DeviceMismatch, match="needs a pinned host buffer"):
+        acc.copy(pageable, dev, non_blocking=True)
+    acc.copy(pageable, dev)   # a blocking copy is fine, and the host may read the result at once
+    acc.host_use(reads=[pageable])
+
+
+def test_a_freed_host_buffer_does_not_tag_its_address():
+    acc = CheckingCpuAccelerator()
+    host = acc.empty_host(1 << 16, torch.float32)
+    ptr = host.data_ptr()
+    del host
+    again = torch.empty(1 << 16)
+    if again.data_ptr() == ptr:   # the allocator reused the address: it is device memory now
+        acc.on_device(again, what="x")
+
+
+def test_selection(monkeypatch):
+    monkeypatch.setenv("FRAMEWORK_ACCELERATOR", "check")
+    assert isinstance(for_device(torch.device("cpu")), CheckingCpuAccelerator)
+    monkeypatch.setenv("FRAMEWORK_ACCELERATOR", "plain")
+    assert isinstance(for_device(torch.device("cpu")), CpuAccelerator)
+    assert isinstance(for_device(torch.device("cpu"), mode="check"), CheckingCpuAccelerator)
+    monkeypatch.setenv("FRAMEWORK_ACCELERATOR", "cuda-ish")
+    with pytest.raises(ConfigError, match="FRAMEWORK_ACCELERATOR='cuda-ish' is not one of plain, check"):
+        for_device(torch.device("cpu"))
+
+
+def test_plain_cpu_copies_without_checks():
+    acc = CpuAccelerator()
+    host, dev = acc.empty_host(4, torch.float32), torch.arange(4.0)
+    with acc.stream(acc.new_stream("copy")):
+        acc.copy(host, dev, non_blocking=True)
+    acc.event().synchronize()
+    assert torch.equal(host, dev)
+
+
+def test_bookkeeping_goes_with_the_buffers(acc):
+    for _ in range(50):
+        host, dev = acc.empty_host(64, torch.float32), torch.zeros(64)
+        acc.copy(host, dev)
+        acc.copy(dev[:32], host[:32])
+    del host, dev
+    assert len(acc._accesses) == 0 and len(acc._host_buffers) == 0

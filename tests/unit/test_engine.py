@@ -1,0 +1,92 @@
+"""Engine lifetime: engine.state follows train_step; close() (or a with block) stops our worker
+thread and removes every hook the stage registered; offload runs on the checking accelerator
+catch a missing event and a host buffer allocated in device memory."""
+import threading
+
+import pytest
+import torch
+
+import framework
+from framework.accelerator import DeviceMismatch, OrderError
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+
+def _engine(*overrides):
+    cfg = tiny_config("train.steps=2", "train.micro_batch=2", *overrides)
+    module, data = build_gpt(cfg)
+    return framework.initialize(module, gpt_loss, cfg), data
+
+
+def _batch(data, state):
+    return data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
+
+
+def _ours() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("host-step")]
+
+
+def test_engine_state_is_the_latest_state():
+    engine, data = _engine("+stage=zero1")
+    first = engine.state
+    assert first.step == 0
+    state, _ = engine.train_step(first, _batch(data, first))
+    assert engine.state is state and state.step == 1
+    state, _ = engine.train_step(state, _batch(data, state))
+    assert engine.state is state and state.step == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("overrides", [[], ["+stage=zero1"], ["+stage=zero2", "offload=cpu"],
+                                       ["+stage=zero2", "offload=cpu", "offload.overlap_step=true"],
+                                       ["+stage=zero3", "offload=cpu", "offload.params=true"]])
+def test_close_stops_the_worker_and_removes_hooks(overrides):
+    before = _ours()
+    with _engine(*overrides)[0] as engine:
+        data = _engine(*overrides)[1]
+        engine.train_step(engine.state, _batch(data, engine.state))
+        if "offload=cpu" in overrides:
+            assert len(_ours()) > len(before)   # the check can see the worker
+        module = engine.components.module
+    assert engine.closed and _ours() == before
+    params = list(module.parameters())
+    assert all(not p._post_accumulate_grad_hooks for p in params)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
+    if "+stage=zero3" not in overrides:  # (zero3's parameters stay empty placeholders)
+        fired = []
+        stage = engine.components.stage
+        if hasattr(stage, "launcher"):
+            stage.launcher.ready = lambda i: fired.append(i)
+        x = torch.randint(0, 24, (2, 16))
+        gpt_loss(module, (x, x)).backward()
+        assert fired == []
+    with pytest.raises(framework.FrameworkError, match="engine is closed"):
+        engine.train_step(engine.state, _batch(data, engine.state))
+
+
+OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
+           "train.grad_clip=0"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (OFFLOAD, "stream 'offload copy' reads .* stream 'compute' wrote"),   # gradient copy before its reduction
+    (["+stage=zero3", "offload=cpu", "offload.params=true", "stage.stage3_param_persistence_threshold=0"],
+     "stream 'compute' reads .* stream 'offload copy' wrote"),            # gather before its host shard landed
+])
+def test_a_missing_event_fails_on_cpu(monkeypatch, overrides, needle):
+    """If a stream did not wait for the event behind the producer of what it reads, the checking
+    accelerator (the suite's default) raises instead of letting CPU tests pass."""
+    from framework.accelerator import _CheckingEvent
+    monkeypatch.setattr(_CheckingEvent, "wait", lambda self, stream=None: None)
+    engine, data = _engine(*overrides)
+    with engine, pytest.raises(OrderError, match=needle):
+        engine.train_step(engine.state, _batch(data, engine.state))
+
+
+def test_a_host_buffer_in_device_memory_fails_on_cpu(monkeypatch):
+    from framework.offload._store import HostStore
+    monkeypatch.setattr(HostStore, "allocate", lambda self, n, dtype: torch.empty(n, dtype=dtype))
+    with pytest.raises(DeviceMismatch, match="expected a host buffer"):
+        engine, data = _engine(*OFFLOAD)
+        with engine:
+            engine.train_step(engine.state, _batch(data, engine.state))

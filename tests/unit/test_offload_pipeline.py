@@ -1,0 +1,64 @@
+"""The offload target and its piece pipeline, driven without any stage: only the documented
+contract (place, grads_final, grads, make_update(tx, gather)) on the checking accelerator. The
+pipeline's step equals the plain optimizer step over the same partition, bit for bit."""
+import pytest
+import torch
+
+from framework import compose
+from framework.accelerator import CheckingCpuAccelerator
+from framework.build import component
+from framework.offload._store import Tier
+from framework.offload.base import Placement
+from framework.optimizers import step
+
+
+def _tx(groups: int):
+    cfg = compose(["optimizer=adamw", "optimizer.lr=0.01"])
+    return component(cfg, "optimizer").build(cfg.optimizer, [True] * groups)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+def test_pipeline_driven_by_events_equals_the_plain_step(speculative, ratio):
+    torch.manual_seed(0)
+    acc = CheckingCpuAccelerator()
+    target = Placement(host_fraction=ratio, pin=True, params_on_host=False, overlap_step=speculative,
+                       accelerator=acc)
+    working = [torch.randn(40), torch.randn(24)]        # two owned partitions (device memory)
+    reals = [37, 24]                                    # the first ends in 3 elements of padding
+    pieces = [target.place(w, torch.float32, chunk=8, real=r) for w, r in zip(working, reals)]
+    infos = target.pieces()
+    assert [(i.group, i.start, i.end) for i in infos] == \
+        [(g, p.start, p.end) for g, ps in enumerate(pieces) for p in ps]   # master order
+    assert all(i.tier is (Tier.HOST if i.end <= round(ratio * len(working[i.group])) else Tier.DEVICE)
+               for i in infos)
+    master = [p.master for ps in pieces for p in ps]
+    reference = [m.clone() for m in master]
+    tx = _tx(len(master))
+    opt_state, ref_state = tx.init(master), tx.init(reference)
+    gathered = []
+    update = target.make_update(tx, gather=lambda: gathered.append(True))
+    for it in range(3):
+        grads = [torch.randn(w.numel()) for w in working]
+        for g, r in zip(grads, reals):
+            g[r:] = 0.0
+        update.arm(opt_state, master, lr=0.01, scale=1.0)
+        # Backward reports ranges final, out of order and in odd sizes (only the real elements).
+        for g, (lo, hi) in [(1, (8, 24)), (0, (20, 37)), (1, (0, 8)), (0, (0, 20))]:
+            acc.use(writes=[grads[g][lo:hi]])   # the stage produced them on the compute stream
+            target.grads_final(g, lo, hi, grads[g])
+        update.drain()
+        got = target.grads(grads)
+        opt_state = update.apply(got, 1.0, opt_state, master, lr=0.01)
+        ref_grads = [grads[i.group][i.start:i.end].clone() for i in infos]
+        ref_state = step(tx, ref_grads, ref_state, reference, 0.01)
+        for m, r in zip(master, reference):
+            assert torch.equal(m, r), f"iteration {it}"
+        for info in infos:   # published into the working partition
+            assert torch.equal(info.working, info.piece.master)
+    assert gathered == [True] * 3
+    if ratio == 1.0:
+        assert update.early_copies == 3 * len(infos)   # every host piece was copied during "backward"
+    if speculative:
+        assert update.kept > 0
+    update.close()
