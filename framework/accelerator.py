@@ -334,7 +334,7 @@ class CheckingCpuAccelerator:
         if t.numel() == 0:
             return None
         entry = self._host_buffers.get(_storage(t))
-        if entry is not None and entry[0]() is None:   # freed; the address may be reused
+        if entry is not None and not _owns(entry[0], _storage(t)):   # freed; the address may be reused
             del self._host_buffers[_storage(t)]
             return None
         return entry
@@ -401,7 +401,7 @@ class CheckingCpuAccelerator:
                 key = _storage(t)
                 lo, hi = _span(t)
                 keeper, log = self._accesses.get(key, (None, None))
-                if keeper is None or keeper() is None:
+                if keeper is None or not _owns(keeper, key):
                     log = []
                     self._accesses[key] = (self._keeper(t, self._accesses, key), log)
                 for a_lo, a_hi, other, pos, other_write in log:
@@ -416,6 +416,13 @@ class CheckingCpuAccelerator:
                 else:      # nor does an earlier read of the same bytes on the same stream
                     log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
                 log.append((lo, hi, s, s.pos, write))
+
+
+def _owns(ref: weakref.ref, address: int) -> bool:
+    """Whether the tensor behind ``ref`` is alive and still has its storage at ``address`` (a
+    storage resized to zero and refilled, as zero3's gather buffers are, may move)."""
+    t = ref()
+    return t is not None and t.untyped_storage().nbytes() > 0 and _storage(t) == address
 
 
 def _storage(t: Tensor) -> int:

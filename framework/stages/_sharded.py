@@ -96,7 +96,7 @@ class ShardedStage(WholeParameters):
     def piece_specs(self) -> list[PieceSpec]:
         """What each master piece holds by parameter name, in ``master`` order."""
         return [piece_spec(self.layouts[g], self.bounds[g][0] + p.start, self.bounds[g][0] + p.end)
-                for g, p in self.all_pieces]
+                for g, pieces in enumerate(self.pieces) for p in pieces]
 
     def _setup_grads(self, entries: list) -> None:
         raise NotImplementedError

@@ -150,3 +150,15 @@ def test_bookkeeping_goes_with_the_buffers(acc):
         acc.copy(dev[:32], host[:32])
     del host, dev
     assert len(acc._accesses) == 0 and len(acc._host_buffers) == 0
+
+
+def test_a_storage_refilled_elsewhere_starts_a_new_history(acc):
+    buf = torch.zeros(1024)
+    old = buf.data_ptr()
+    with acc.stream(acc.new_stream("copy")):
+        acc.use(writes=[buf])
+    buf.untyped_storage().resize_(0)       # released (zero3 style) ...
+    other = torch.zeros(1024)              # another tensor, possibly at the old address
+    buf.untyped_storage().resize_(4096)    # ... and buf refilled elsewhere
+    if other.data_ptr() == old:
+        acc.use(reads=[other])             # the copy stream's write was to buf's old storage
