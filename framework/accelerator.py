@@ -23,7 +23,10 @@ same code runs on three implementations:
   storage, and an access that conflicts with an earlier one made on another stream (or by the
   host) that it is not ordered after, through an event recorded after it and waited on (or
   synchronized by the host), raises ``OrderError``. Work queued on a stream by the host is
-  ordered after what the host did and knew before queueing it, as on CUDA.
+  ordered after what the host did and knew before queueing it, as on CUDA. All host threads
+  count as one host: ordering between them (futures, locks) is their own business. Compute that
+  runs outside ``copy`` (a stage's reduction, the gather) is declared with ``use`` by the code
+  that hands its result across streams, and host code with ``host_use``.
 
 ``FRAMEWORK_ACCELERATOR`` picks the CPU implementation: ``check`` (the test suite sets it) or
 ``plain`` (the default). It has no effect on CUDA devices.

@@ -97,10 +97,6 @@ class Placement:
     def acc(self) -> Accelerator:
         return self._acc
 
-    @property
-    def host(self) -> torch.device:
-        return torch.device("cpu")
-
     # --- setup -------------------------------------------------------------------------------
 
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
