@@ -5,9 +5,10 @@ Here the host pieces of the master partition (``base.PieceInfo``) flow through t
 each ordered by events of the accelerator, never by a device-wide synchronize:
 
 * gradient copy: as soon as the stage reports a piece's reduced gradient final (zero2 does so per
-  bucket on the last micro batch; otherwise after backward, in ``grads``), its device range is
-  copied into the piece's pinned host buffer on the copy stream, after an event recorded on the
-  producing stream; the copy's own event tells the host when it may read the buffer. With
+  bucket on the last micro batch; otherwise after backward, in ``grads``), an event is recorded
+  on the producing stream and the worker thread queues the copy of its device range into the
+  piece's pinned host buffer on the copy stream, behind that event; the copy's own event tells the
+  host when it may read the buffer. With
   ``offload.overlap_step`` a worker thread (torch's kernels and ours release the GIL) then
   *speculatively* steps the piece, as if the step will be neither clipped nor skipped;
 * host step: after backward the global norm decides. If the step is in fact unclipped and
@@ -70,7 +71,9 @@ class PiecePipeline:
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
         self.early_copies = 0   # pieces whose gradient copy was queued during backward, over the run
-        self.grad_copies: dict[int, Event] = {}   # this step: host gradient copies queued, by piece
+        # This step's host gradient copies, by piece: the event of the queued copy, known once the
+        # worker (or, after backward, the main thread) has queued it.
+        self.grad_copies: dict[int, Future] = {}
         self.final: set[int] = set()              # pieces the stage reported final this step
         self.handles: dict[int, Handle] = {}      # pieces acquired from their store this step
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
@@ -100,7 +103,12 @@ class PiecePipeline:
             if self.covered[k] != info.real:  # each element is reported once a step
                 continue
             self.final.add(k)
-            self.grad_copies[k] = self.target.copy_grad(info, grad[info.start:info.end])
+            # The event is recorded here, on the stage's stream; the worker queues the copy behind
+            # it (on CUDA only the queueing moves off this thread; on the CPU the copy itself does,
+            # so it overlaps the rest of backward as it would on a device).
+            produced = self.acc.event()
+            produced.record()
+            self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end], produced)
             if self.ctx is not None:
                 self.jobs[k] = self.pool.submit(self._speculate, k)
 
@@ -113,7 +121,9 @@ class PiecePipeline:
                 if info.index not in self.grad_copies:
                     if info.index not in self.final:  # final on the current stream since backward ended
                         self.acc.use(writes=[g])
-                    self.grad_copies[info.index] = self.target.copy_grad(info, g)
+                    queued: Future = Future()
+                    queued.set_result(self.target.copy_grad(info, g))
+                    self.grad_copies[info.index] = queued
                 g = info.piece.grad
             out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
         return out
@@ -128,7 +138,7 @@ class PiecePipeline:
         opt_state, params, lr, scale = self.ctx
         pc = self.info[k].piece
         self._acquire(k)
-        self.grad_copies[k].synchronize()   # sync point: this piece's gradient copy only
+        self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
         self.acc.on_host(pc.grad, pc.master, *self._staging(k), what="host step operands")
         saved = [pc.master, *group_state(opt_state, len(params), k)]
         if k not in self.undo:
@@ -147,7 +157,7 @@ class PiecePipeline:
         """The host step of piece k (worker thread)."""
         pc = self.info[k].piece
         self._acquire(k)
-        self.grad_copies[k].synchronize()   # sync point: this piece's gradient copy only
+        self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
         self.acc.on_host(grad, pc.master, *self._staging(k), what="host step operands")
         self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *self._staging(k)])
         if coef != 1.0:
@@ -159,13 +169,15 @@ class PiecePipeline:
         return [] if s is None else [s]
 
     def _wait(self) -> None:
-        for job in self.jobs.values():
-            job.exception()  # wait only; result() raises in _settle
+        for job in [*self.grad_copies.values(), *self.jobs.values()]:
+            job.exception()  # wait only; result() raises in _settle or below
 
     def drain(self) -> None:
         """Wait for the worker. The speculative pieces' host gradients are copied again in ``grads``:
         the step may have scaled them in place, and a rolled-back piece steps on the original."""
         self._wait()
+        for copy in self.grad_copies.values():
+            copy.result()   # a failed copy raises here
         self.early_copies += len(self.grad_copies)
         for k in self.jobs:
             self.grad_copies.pop(k, None)
@@ -196,8 +208,9 @@ class PiecePipeline:
         self._wait()
         if self.ctx is not None:
             self._settle(exact=False)
-        for ev in self.grad_copies.values():  # the host may read the gradients now (overflow names)
-            ev.synchronize()
+        for copy in self.grad_copies.values():  # the host may read the gradients now (overflow names)
+            if copy.exception() is None:
+                copy.result().synchronize()
         self.ctx = None
         self._release_all()
 

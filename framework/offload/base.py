@@ -166,14 +166,16 @@ class Placement:
             out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
         return out
 
-    def copy_grad(self, info: PieceInfo, src: torch.Tensor) -> Event:
-        """Queue ``src`` (device, final on the current stream) -> the piece's host gradient buffer
-        on the copy stream; the returned event says when the host may read it."""
+    def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
+        """Queue ``src`` (device) -> the piece's host gradient buffer on the copy stream, after
+        ``produced`` (default: an event recorded now on the current stream, where ``src`` is final);
+        the returned event says when the host may read the buffer."""
         acc = self._acc
         acc.on_device(src, what="gradient copy source")
         acc.on_host(info.piece.grad, what="gradient copy destination")
-        produced = acc.event()
-        produced.record()
+        if produced is None:
+            produced = acc.event()
+            produced.record()
         with acc.stream(self.copy_stream):
             produced.wait()
             acc.copy(info.piece.grad, src, non_blocking=self.pin)
