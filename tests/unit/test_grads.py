@@ -64,6 +64,30 @@ def _mse(module, micro):
     return nn.functional.mse_loss(module(x), y)
 
 
+def _sgd_against_plain(cfg, model, error: bool) -> None:
+    """Three SGD steps of ``model`` under ``cfg`` against torch.optim.SGD on a copy (1e-6), or,
+    with ``error``, the first step must raise the second-gradient error."""
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = framework.initialize(model, _mse, cfg)
+    state = engine.state
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 6, generator=gen)
+        micro = (x, x.sum(1, keepdim=True).sin())
+        if error:
+            with pytest.raises(TrainingError, match="received a second gradient"):
+                engine.train_step(state, Batch((micro,)))
+            return
+        state, _ = engine.train_step(state, Batch((micro,)))
+        _mse(ref, micro).backward()
+        opt.step()
+        opt.zero_grad()
+    with framework.gathered(list(model.parameters())):  # whole already, except under zero3
+        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("bucket,outcome", [(10_000, "equal"), (8, "error")])
 def test_shared_weight_under_reentrant_checkpointing(bucket, outcome):
     """zero2 reduces buckets from the hooks at any world size. One bucket: the second gradient of
@@ -73,25 +97,7 @@ def test_shared_weight_under_reentrant_checkpointing(bucket, outcome):
     cfg = framework.compose(["+stage=zero2", f"stage.reduce_bucket_size={bucket}", "optimizer=sgd",
                              "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0"])
     torch.manual_seed(0)
-    model = SharedTwice()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    engine = framework.initialize(model, _mse, cfg)
-    state = engine.state
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(4, 6, generator=gen)
-        micro = (x, x.sum(1, keepdim=True).sin())
-        if outcome == "error":
-            with pytest.raises(TrainingError, match="received a second gradient"):
-                engine.train_step(state, Batch((micro,)))
-            return
-        state, _ = engine.train_step(state, Batch((micro,)))
-        _mse(ref, micro).backward()
-        opt.step()
-        opt.zero_grad()
-    for (name, a), b in zip(engine.components.module.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    _sgd_against_plain(cfg, SharedTwice(), error=outcome == "error")
 
 
 class SharedTwiceZero3(SharedTwice):
@@ -124,22 +130,4 @@ def test_zero3_shared_weight_under_checkpointing(reentrant, share):
     torch.manual_seed(0)
     model = SharedTwiceZero3()
     model.reentrant, model.share = reentrant, share
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    engine = framework.initialize(model, _mse, cfg)
-    state = engine.state
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x = torch.randn(4, 6, generator=gen)
-        micro = (x, x.sum(1, keepdim=True).sin())
-        if reentrant and share:
-            with pytest.raises(TrainingError, match="received a second gradient"):
-                engine.train_step(state, Batch((micro,)))
-            return
-        state, _ = engine.train_step(state, Batch((micro,)))
-        _mse(ref, micro).backward()
-        opt.step()
-        opt.zero_grad()
-    with framework.gathered(list(model.parameters())):
-        for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    _sgd_against_plain(cfg, model, error=reentrant and share)
