@@ -24,7 +24,7 @@ from framework.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
 from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
 from framework.offload.base import Placement
-from framework.stages._sharded import ShardedStage, master_memory
+from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup
 from framework.utils import tensor_bytes
 
@@ -48,14 +48,19 @@ class Zero3Config:
     check_order: bool = True   # each backward pass checks that all ranks used the same units in order
 
 
-class Zero3Stage(ShardedStage):
+class Zero3Stage(PartitionedStage):
+    """Working parameters, master, optimizer state and gradients all partitioned; the partitions
+    are the unit groups' shards (``parts``), gathered per unit by the ``Gatherer``."""
+
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                     "stage3_param_persistence_threshold"):
             if getattr(cfg, key) < 0:
                 raise ConfigError(f"stage.{key} must be >= 0")
         self.cfg, self.dist, self.offload = cfg, dist, offload
-        self.layouts, self.flats, self.pieces, self.bounds = [], [], [], []
+        # One piece per unit group already: the pipeline's unit (no chunking).
+        self.parts = Partitions(dist, offload, chunk=None)
+        self.hook_handles: list = []    # the gatherer's, removed by close()
         self.groups: list[UnitGroup] = []
         self.gatherer: Gatherer | None = None
         self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
@@ -93,7 +98,7 @@ class Zero3Stage(ShardedStage):
         # close() removes these; the state_dict refusal below stays (the parameters remain empty).
         self.hook_handles = self.gatherer.hook_handles
         module.register_state_dict_pre_hook(_refuse_state_dict)
-        return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
+        return Setup(self.master, [self.groups[g].kind for g, _ in self.parts.piece_index])
 
     def _assign_units(self, module: nn.Module) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
         """The unit candidates, as (name, modules), and per parameter id its candidate's index
@@ -191,16 +196,11 @@ class Zero3Stage(ShardedStage):
             replace_parameter(module, p, sp)
             params.append(sp)
             del values
-        pieces = self.offload.place(shard, policy.master_dtype, self._host_chunk(),
-                                    real=max(0, min(hi, layout.numel) - lo))
+        pieces = self.parts.add(layout, shard, policy.master_dtype)
         # Gradient partition: micro batches summed in the accumulation dtype.
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
                           pieces=pieces)
         self.groups.append(group)
-        self.layouts.append(layout)
-        self.flats.append(shard)
-        self.pieces.append(pieces)
-        self.bounds.append((lo, hi))
         return group
 
     def _limits(self) -> Limits:
@@ -225,9 +225,6 @@ class Zero3Stage(ShardedStage):
         for g in self.groups:
             g.grad().zero_()
 
-    def _host_chunk(self) -> int | None:
-        return None  # one piece per unit group already: the pipeline's unit
-
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
@@ -238,9 +235,18 @@ class Zero3Stage(ShardedStage):
         persistent = self.gatherer.persistent
         return {"params": tensor_bytes(g.shard for g in self.groups),
                 "grads": tensor_bytes(g.grad() for g in self.groups),
-                **master_memory(self.pieces, self.flats, [(0, 0)] * len(self.flats)),
+                **self.parts.master_memory(),
                 "comm_buffers": 0,
                 "gathered_params": 0 if persistent is None else tensor_bytes(g.full for g in persistent.groups)}
+
+    @property
+    def layouts(self):
+        return self.parts.layouts
+
+    def close(self) -> None:
+        for h in self.hook_handles:
+            h.remove()
+        self.hook_handles.clear()
 
     def stats(self) -> dict:
         return self.gatherer.stats()

@@ -1,0 +1,133 @@
+"""The owned partitions of a ZeRO stage and their master pieces, and the Stage methods built on them.
+
+Every ZeRO stage owns, per parameter group, one partition [lo, hi) of a padded flat layout and
+the master pieces the offload target cut it into; the optimizer updates those pieces, the
+gradient norm and the overflow report read the reduced partitions, and the name-keyed layout
+comes from them. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
+working parameters) each hold one ``Partitions`` (composition), so no field means one thing in
+one stage and another thing in the other. ``PartitionedStage`` implements the Stage methods that
+only need ``parts`` and the offload target; a stage supplies ``_partition_grads`` (its reduced
+gradient partitions) and ``publish_finish`` (make the working parameters current again).
+"""
+from __future__ import annotations
+
+import torch
+
+from framework.distributed import Dist
+from framework.offload.base import Piece, Placement
+from framework.optimizers import GradientTransformation
+from framework.stages._flat import Layout
+from framework.stages._spec import PieceSpec, piece_spec
+from framework.update import PlainUpdate, Update
+from framework.utils import sq_norm, tensor_bytes
+
+
+class Partitions:
+    """Per group: the layout, this rank's bounds, the working values of the owned partition and
+    its master pieces (from the offload target, in the optimizer's order)."""
+
+    def __init__(self, dist: Dist, offload: Placement, chunk: int | None):
+        self.dist, self.offload, self.chunk = dist, offload, chunk
+        self.layouts: list[Layout] = []
+        self.bounds: list[tuple[int, int]] = []     # owned [lo, hi) per group
+        self.owned: list[torch.Tensor] = []         # the working values of [lo, hi) per group
+        self.pieces: list[list[Piece]] = []
+
+    def add(self, layout: Layout, owned: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
+        """Own ``owned`` (this rank's partition of ``layout``, working values) and place its master."""
+        lo, hi = layout.partition(self.dist.rank)
+        pieces = self.offload.place(owned, master_dtype, self.chunk, real=max(0, min(hi, layout.numel) - lo))
+        self.layouts.append(layout)
+        self.bounds.append((lo, hi))
+        self.owned.append(owned)
+        self.pieces.append(pieces)
+        return pieces
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        return [p.master for pieces in self.pieces for p in pieces]
+
+    @property
+    def piece_index(self) -> list[tuple[int, int]]:
+        """(group, start within the partition) of each master piece."""
+        return [(g, p.start) for g, pieces in enumerate(self.pieces) for p in pieces]
+
+    def piece_specs(self) -> list[PieceSpec]:
+        return [piece_spec(self.layouts[g], self.bounds[g][0] + p.start, self.bounds[g][0] + p.end)
+                for g, pieces in enumerate(self.pieces) for p in pieces]
+
+    def grad_sq_norm(self, reduced: list[torch.Tensor]) -> torch.Tensor:
+        # Over the reduced partitions rather than over the pieces the offload target cut them
+        # into: how a partition is cut must not change the rounding of the norm, so offload and
+        # overlap settings give identical steps.
+        local = sq_norm(reduced, self.dist.device)
+        # Partitions are disjoint: the global squared norm is the sum over ranks.
+        self.dist.all_reduce(local, what="gradient norm all-reduce")
+        return local
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        mine = set()
+        for g, (group, start) in zip(grads, self.piece_index):
+            bad = (~torch.isfinite(g)).nonzero().flatten()
+            if bad.numel():
+                base = self.bounds[group][0] + start
+                mine.update(self.layouts[group].names_in(base + int(bad.min()), base + int(bad.max()) + 1))
+        return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
+
+    def master_memory(self) -> dict[str, int]:
+        """Bytes of master copies that are not the working values themselves, and of those on the host."""
+        separate = [p.master for ps, w in zip(self.pieces, self.owned) for p in ps
+                    if p.master.data_ptr() != w[p.start:].data_ptr()]
+        host = [p.master for ps in self.pieces for p in ps if p.master.device.type == "cpu" and p.grad is not None]
+        return {"master_params": tensor_bytes(separate), "host_master_params": tensor_bytes(host)}
+
+
+class PartitionedStage:
+    """Stage methods common to the ZeRO stages, over ``parts`` and the offload target.
+
+    The offload target given at construction is the stage's listener: a stage that knows a
+    partition range's reduced gradient is final calls ``self.offload.grads_final`` (see
+    ``offload.base`` for the whole contract)."""
+
+    parts: Partitions
+    offload: Placement
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        """Each group's reduced gradient partition (on the device)."""
+        raise NotImplementedError
+
+    def publish_finish(self) -> None:
+        """After every piece is published: make the working parameters current again."""
+        raise NotImplementedError
+
+    @property
+    def master(self) -> list[torch.Tensor]:
+        """What the optimizer updates: every group's master pieces, in order."""
+        return self.parts.master
+
+    def piece_specs(self) -> list[PieceSpec]:
+        """What each master piece holds by parameter name, in ``master`` order."""
+        return self.parts.piece_specs()
+
+    def reduce_grads(self) -> list[torch.Tensor]:
+        self._reduced = self._partition_grads()
+        return self.offload.grads(self._reduced)
+
+    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        return self.parts.grad_sq_norm(self._reduced)
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        return self.parts.nonfinite_names(grads)
+
+    def publish(self, master: list[torch.Tensor]) -> None:
+        # ``master`` is the state's list: the same tensors as the pieces, updated in place.
+        self.offload.publish()
+        self.publish_finish()
+
+    def out16(self) -> list[torch.Tensor] | None:
+        return self.offload.out16()
+
+    def make_update(self, tx: GradientTransformation) -> Update:
+        if self.offload.has_host_pieces():  # CPU offload: the piece pipeline steps and publishes
+            return self.offload.make_update(tx, gather=self.publish_finish)
+        return PlainUpdate(tx, self)
