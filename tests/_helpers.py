@@ -70,3 +70,15 @@ def reference_losses(cfg, steps: int | None = None):
         opt.zero_grad()
         losses.append(total / len(batch.micro))
     return losses, ref
+
+
+class OverflowAt:
+    """``gpt_loss`` made infinite on rank ``rank`` at step ``inf_at`` (the caller sets ``step``
+    before each train_step): an fp16 overflow on one rank only."""
+
+    def __init__(self, rank: int, inf_at: int | None, overflow_rank: int = 0):
+        self.rank, self.inf_at, self.overflow_rank, self.step = rank, inf_at, overflow_rank, 0
+
+    def __call__(self, module, micro):
+        loss = gpt_loss(module, micro)
+        return loss * float("inf") if self.step == self.inf_at and self.rank == self.overflow_rank else loss

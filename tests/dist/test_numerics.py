@@ -14,7 +14,7 @@ import torch
 
 import framework
 from framework.models.gpt import gpt_loss
-from tests._helpers import build_gpt, tiny_config
+from tests._helpers import OverflowAt, build_gpt, tiny_config
 
 STAGES = ("ddp", "zero1", "zero2", "zero3")
 
@@ -164,16 +164,12 @@ def _overflow(dist, stage, inf_at):
     cfg = tiny_config("precision=fp16", f"+stage={stage}", "train.steps=6", "train.micro_batch=2",
                       "stage.stage3_param_persistence_threshold=0")
     module, data = build_gpt(cfg)
-    step_no = [0]
-
-    def loss_fn(m, micro):
-        loss = gpt_loss(m, micro)
-        return loss * float("inf") if step_no[0] == inf_at and dist.rank == 0 else loss
+    loss_fn = OverflowAt(dist.rank, inf_at)
 
     engine = framework.initialize(module, loss_fn, cfg, dist)
     state, skipped, scales, params = engine.state, [], [], []
     for step in range(cfg.train.steps):
-        step_no[0] = step
+        loss_fn.step = step
         batch = data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=dist.rank, world=dist.world)
         state, m = engine.train_step(state, batch)
         skipped.append(m["skipped"])

@@ -8,7 +8,7 @@ import torch
 import framework
 from framework.build import component
 from framework.models.gpt import gpt_loss
-from tests._helpers import build_gpt, tiny_config
+from tests._helpers import OverflowAt, build_gpt, tiny_config
 
 ODD = ["model.d_model=33", "model.n_head=3", "train.steps=12", "train.micro_batch=2", "train.grad_accum=2",
        "train.grad_clip=0.05"]
@@ -97,16 +97,12 @@ def _train_overlap(dist, overrides, inf_at=None):
     """offload=cpu training; returns (losses, full params, skipped flags, pieces kept, rolled back)."""
     cfg = tiny_config(*ODD, "offload=cpu", *overrides)
     module, data = build_gpt(cfg)
-    step_no = [0]
-
-    def loss_fn(m, micro):
-        loss = gpt_loss(m, micro)
-        return loss * float("inf") if step_no[0] == inf_at and dist.rank == 0 else loss
+    loss_fn = OverflowAt(dist.rank, inf_at)
 
     engine = framework.initialize(module, loss_fn, cfg, dist)
     state, losses, skipped = engine.state, [], []
     for step in range(cfg.train.steps):
-        step_no[0] = step
+        loss_fn.step = step
         batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
         state, m = engine.train_step(state, batch)
         losses.append(m["loss"])
