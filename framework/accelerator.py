@@ -209,7 +209,7 @@ class CpuAccelerator:
         return _NoEvent()
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        return torch.empty(shape, dtype=dtype)  # nothing to pin for without CUDA
+        return torch.empty(shape, dtype=dtype, device="cpu")  # nothing to pin for without CUDA
 
     def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
         dst.copy_(src)
@@ -325,7 +325,7 @@ class CheckingCpuAccelerator:
     # memory
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        t = torch.empty(shape, dtype=dtype)
+        t = torch.empty(shape, dtype=dtype, device="cpu")
         if t.numel():
             with self._lock:
                 key = _storage(t)

@@ -73,17 +73,22 @@ class Stage(Protocol):
         """Remove the hooks this stage registered on the module (``Engine.close``)."""
 
 
-class WholeParameters:
-    """Defaults for stages whose working parameters are whole on every rank (ddp, zero1, zero2)."""
+class HookOwner:
+    """``close`` for a stage that keeps the handles of the hooks it registered in ``hook_handles``."""
 
-    module: nn.Module
-    dist: object
     hook_handles: list
 
     def close(self) -> None:
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
+
+
+class WholeParameters(HookOwner):
+    """Defaults for stages whose working parameters are whole on every rank (ddp, zero1, zero2)."""
+
+    module: nn.Module
+    dist: object
 
     def stats(self) -> dict:
         return {}

@@ -25,7 +25,7 @@ from framework.stages._flat import initial_values, make_layout, replace_paramete
 from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
 from framework.offload.base import Placement
 from framework.stages._partitions import PartitionedStage, Partitions
-from framework.stages.base import Setup
+from framework.stages.base import HookOwner, Setup
 from framework.utils import tensor_bytes
 
 
@@ -48,7 +48,7 @@ class Zero3Config:
     check_order: bool = True   # each backward pass checks that all ranks used the same units in order
 
 
-class Zero3Stage(PartitionedStage):
+class Zero3Stage(PartitionedStage, HookOwner):
     """Working parameters, master, optimizer state and gradients all partitioned; the partitions
     are the unit groups' shards (``parts``), gathered per unit by the ``Gatherer``."""
 
@@ -242,11 +242,6 @@ class Zero3Stage(PartitionedStage):
     @property
     def layouts(self):
         return self.parts.layouts
-
-    def close(self) -> None:
-        for h in self.hook_handles:
-            h.remove()
-        self.hook_handles.clear()
 
     def stats(self) -> dict:
         return self.gatherer.stats()

@@ -33,13 +33,19 @@ def _covered(buckets, layouts, order):
         assert set(b.params) == touched
 
 
+def _planned(planner, world: int, size: int):
+    """(layouts, buckets) of ``planner`` over the test layouts, checked to cover every element once."""
+    layouts = _layouts(world)
+    order = _order(layouts)
+    buckets = planner(order, size, {g: lay.shard for g, lay in enumerate(layouts)}, world)
+    _covered(buckets, layouts, order)
+    return layouts, buckets
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("size", [1, 100, 700, 1500, 4000, 10_000])
 def test_gradient_order_buckets_stay_in_one_partition(world, size):
-    layouts = _layouts(world)
-    order = _order(layouts)
-    buckets = plan_buckets(order, size, {g: lay.shard for g, lay in enumerate(layouts)}, world)
-    _covered(buckets, layouts, order)
+    layouts, buckets = _planned(plan_buckets, world, size)
     for b in buckets:
         shard = layouts[b.group].shard
         if b.count == 1:  # one owner: one reduce
@@ -55,10 +61,7 @@ def test_gradient_order_buckets_stay_in_one_partition(world, size):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("size", [3, 100, 700, 1500, 10_000])
 def test_stripes_are_world_equal_chunks(world, size):
-    layouts = _layouts(world)
-    order = _order(layouts)
-    buckets = plan_stripes(order, size, {g: lay.shard for g, lay in enumerate(layouts)}, world)
-    _covered(buckets, layouts, order)
+    layouts, buckets = _planned(plan_stripes, world, size)
     for b in buckets:
         shard = layouts[b.group].shard
         assert b.count == world and b.stride == shard and 0 <= b.start < b.end <= shard
