@@ -19,3 +19,14 @@ class TrainingError(FrameworkError):
 
 class DistributedError(FrameworkError):
     """A collective failed or timed out (a peer rank died or stalled)."""
+
+
+class SwapIOError(FrameworkError):
+    """A swap file read or write failed (short count, EIO, ENOSPC, checksum mismatch).
+
+    Names the file, the byte offset and the tensor, so every rank can report which piece was lost."""
+
+    def __init__(self, message: str, *, path: str = "", offset: int = -1, what: str = "",
+                 errno: int | None = None):
+        super().__init__(message)
+        self.path, self.offset, self.what, self.errno = path, offset, what, errno

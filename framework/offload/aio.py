@@ -1,0 +1,330 @@
+"""Asynchronous reads and writes of host tensors at swap-file offsets: the NVMe offload's IO engine.
+
+    io = AsyncIO(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1)
+    buf = aligned_empty(numel, torch.float32, pin=True, acc=acc)      # page-aligned host buffer
+    h = io.pwrite(swap, offset, buf, "master.3")                      # returns at once
+    ...                                                               # the host does other work
+    h.wait()                                                          # raises SwapIOError
+    io.pread(swap, offset, buf, "master.3").wait()                    # checksums verified
+    io.close()
+
+Each request is cut into pieces at the file's ``block_size`` boundaries; worker threads move the
+pieces with ``os.preadv`` / ``os.pwritev``, which release the GIL, so up to
+``queue_depth * intra_op_parallelism`` pieces are in flight at once (a synchronous system call per
+piece needs a thread per piece in flight; DeepSpeed's libaio threads each keep ``queue_depth``).
+
+O_DIRECT (``direct=True``): the page cache is bypassed, so offsets, lengths and buffer addresses
+must be multiples of 4 KiB. A piece whose memory is aligned like its file offset goes straight
+between the tensor and the disk; its partial first and last 4 KiB blocks (the tail of an extent
+whose size is not a multiple of 4 KiB) go through a small per-thread bounce buffer, and writes
+read-modify-write those blocks (extents are padded to 4 KiB, so two extents never share one: only
+concurrent writes that share a block inside one extent would race, and the store never issues
+them). A tensor not aligned like its offset (a plain torch tensor is only 64-byte aligned) goes
+through the bounce buffer whole: correct, one extra copy. Where the file system refuses O_DIRECT
+(EINVAL: tmpfs on older kernels, overlay) the engine warns once and uses buffered IO.
+
+Every byte count is checked: a short read or write, EIO, ENOSPC or a checksum mismatch fails the
+request with a ``SwapIOError`` naming the file, the offset and the tensor, raised by ``wait()``
+(``exception()`` returns it instead, for callers that first agree on failure across ranks).
+Checksums: a CRC-32 (zlib, which releases the GIL) of each written piece, computed by the thread
+that writes it, is kept by the SwapFile and compared by the thread that reads the piece back.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import queue
+import threading
+import warnings
+import weakref
+import zlib
+
+import torch
+
+from framework.errors import SwapIOError
+from framework.offload.swapfile import ALIGN, SwapFile, Syscalls, preflight, swap_path
+
+__all__ = ["ALIGN", "AsyncIO", "DirectIOFallback", "IOHandle", "SwapFile", "SwapIOError", "Syscalls",
+           "aligned_empty", "preflight", "swap_path"]
+
+
+class DirectIOFallback(RuntimeWarning):
+    """O_DIRECT was refused by the file system; buffered IO is used instead."""
+
+
+# --- page-aligned host buffers ----------------------------------------------------------------------
+
+def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
+    """An uninitialised host tensor of ``numel`` elements whose data starts on a 4 KiB boundary.
+
+    On CUDA it lives in an anonymous mmap (page-aligned, exactly the bytes asked for, rounded to
+    pages) registered with ``cudaHostRegister`` when ``pin`` (unregistered when its memory goes),
+    so non-blocking copies to the device work. On the CPU accelerators it is an aligned view of a
+    buffer from ``acc.empty_host``, so the checking accelerator knows it as a host buffer."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = int(numel) * itemsize
+    if acc.device.type == "cuda":
+        raw = _mapped(max(nbytes, 1), pin)
+    else:
+        raw = acc.empty_host(nbytes + ALIGN, torch.uint8, pinned=pin)
+        shift = (-raw.data_ptr()) % ALIGN
+        raw = raw[shift:shift + nbytes]
+    return raw[:nbytes].view(dtype)
+
+
+def _mapped(nbytes: int, pin: bool) -> torch.Tensor:
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():   # "non-writable buffer" does not apply: an mmap is writable
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(mm, dtype=torch.uint8)   # the tensor's storage keeps the mmap alive
+    if pin:
+        cudart = torch.cuda.cudart()
+        ptr = t.data_ptr()
+        err = cudart.cudaHostRegister(ptr, size, 0)
+        if err != cudart.cudaError.success:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
+        weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
+    return t
+
+
+def _memory(address: int, nbytes: int):
+    """A writable buffer over ``nbytes`` of memory at ``address`` (kept alive by the caller)."""
+    return (ctypes.c_char * nbytes).from_address(address)
+
+
+# --- handles --------------------------------------------------------------------------------------
+
+class IOHandle:
+    """One read or write in flight; ``wait()`` blocks until all its pieces are done."""
+
+    def __init__(self, op: str, file: SwapFile, offset: int, nbytes: int, what: str, tensor: torch.Tensor,
+                 pieces: int):
+        self.op, self.file, self.offset, self.nbytes, self.what = op, file, offset, nbytes, what
+        self._tensor = tensor       # its memory must outlive the IO
+        self._left = pieces
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: SwapIOError | None = None
+        if pieces == 0:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> SwapIOError | None:
+        """Wait, then return the request's error (None if it succeeded) instead of raising it."""
+        self._done.wait()
+        return self._error
+
+    def wait(self) -> None:
+        """Block until the request is done; raise its SwapIOError if a piece failed."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _fail(self, error: SwapIOError) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _piece_done(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._tensor = None
+            self._done.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("done" if self.done() else "in flight")
+        return f"IOHandle({self.op} {self.what!r} at {self.offset} of {self.file.path}, {self.nbytes} bytes, {state})"
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+class AsyncIO:
+    """Worker threads moving ``block_size`` pieces between host tensors and swap files."""
+
+    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, intra_op_parallelism: int = 1,
+                 direct: bool = True, *, checksums: bool = True):
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
+        if queue_depth < 1 or intra_op_parallelism < 1:
+            raise ValueError(f"aio.queue_depth={queue_depth} and aio.intra_op_parallelism="
+                             f"{intra_op_parallelism} must be at least 1")
+        self.block_size, self.queue_depth, self.intra_op_parallelism = block_size, queue_depth, intra_op_parallelism
+        self.direct, self.checksums = direct, checksums
+        self._warned = False
+        self._warn_lock = threading.Lock()
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._worker, name=f"framework-aio-{i}", daemon=True)
+                         for i in range(queue_depth * intra_op_parallelism)]
+        for t in self._threads:
+            t.start()
+
+    # requests
+
+    def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
+        """Start reading ``dst.nbytes`` bytes at ``offset`` of ``file`` into ``dst``."""
+        return self._submit("read", file, offset, dst, what)
+
+    def pwrite(self, file: SwapFile, offset: int, src: torch.Tensor, what: str) -> IOHandle:
+        """Start writing ``src`` at ``offset`` of ``file``; ``src`` must not change until done."""
+        return self._submit("write", file, offset, src, what)
+
+    def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
+        if self._threads is None:
+            raise ValueError("AsyncIO is closed")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{op} of {what!r}: needs a contiguous host tensor, got {t.device} "
+                             f"{'contiguous' if t.is_contiguous() else 'strided'}")
+        nbytes = t.numel() * t.element_size()
+        if offset < 0 or offset + nbytes > file.size:
+            raise ValueError(f"{op} of {what!r}: bytes [{offset}, {offset + nbytes}) are outside "
+                             f"{file.path} ({file.size} bytes)")
+        address = t.data_ptr()
+        # pieces end on the file's block boundaries, so the same range is always cut the same way
+        # (the checksums are kept per piece)
+        bounds, lo = [], offset
+        while lo < offset + nbytes:
+            hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
+            bounds.append((lo, hi))
+            lo = hi
+        handle = IOHandle(op, file, offset, nbytes, what, t, len(bounds))
+        for lo, hi in bounds:
+            self._work.put((handle, lo, address + (lo - offset), hi - lo))
+        return handle
+
+    def close(self) -> None:
+        """Finish the queued requests, then stop the threads."""
+        if self._threads is None:
+            return
+        for _ in self._threads:
+            self._work.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = None
+
+    def __enter__(self) -> "AsyncIO":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # workers
+
+    def _worker(self) -> None:
+        bounce = mmap.mmap(-1, self.block_size + 2 * ALIGN)   # page-aligned, this thread's own
+        view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
+        bounce_addr = ctypes.addressof(view)
+        try:
+            while (job := self._work.get()) is not None:
+                handle, offset, address, nbytes = job
+                if handle._error is None:   # a failed request skips its remaining pieces
+                    try:
+                        self._piece(handle, offset, address, nbytes, bounce, bounce_addr)
+                    except SwapIOError as e:
+                        handle._fail(e)
+                    except OSError as e:
+                        handle._fail(self._error(handle, offset, nbytes, os.strerror(e.errno) if e.errno else str(e),
+                                                 e.errno))
+                    except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
+                        handle._fail(self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None))
+                handle._piece_done()
+        finally:
+            del view
+            bounce.close()
+
+    def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce, bounce_addr: int) -> None:
+        file, write = handle.file, handle.op == "write"
+        memory = _memory(address, nbytes)
+        if write and self.checksums:
+            crc = zlib.crc32(memory)
+        fd, refused = file.descriptor(self.direct)
+        if refused is not None:
+            self._warn(file, refused)
+        direct = self.direct and refused is None
+        try:
+            self._move(handle, fd, direct, offset, address, nbytes, bounce, bounce_addr)
+        except OSError as e:
+            if not (direct and e.errno == errno.EINVAL):
+                raise
+            file.refuse_direct(e)   # overlay: the open succeeded, the IO does not
+            self._warn(file, e)
+            fd, _ = file.descriptor(False)
+            self._move(handle, fd, False, offset, address, nbytes, bounce, bounce_addr)
+        if not self.checksums:
+            return
+        if write:
+            file.record(self.block_size, offset, nbytes, crc)
+        else:
+            want = file.expected(self.block_size, offset, nbytes)
+            if want is not None and zlib.crc32(memory) != want:
+                raise self._error(handle, offset, nbytes, "checksum mismatch (the swap file was changed "
+                                  "or the disk returned bad data)", None)
+
+    def _move(self, handle: IOHandle, fd: int, direct: bool, offset: int, address: int, nbytes: int,
+              bounce, bounce_addr: int) -> None:
+        if not direct:   # buffered: any offset, length and address
+            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
+            return
+        body_lo = -(-offset // ALIGN) * ALIGN
+        body_hi = (offset + nbytes) // ALIGN * ALIGN
+        if (address - offset) % ALIGN or body_lo >= body_hi:
+            self._bounced(handle, fd, offset, address, nbytes, bounce, bounce_addr)
+            return
+        if offset < body_lo:
+            self._bounced(handle, fd, offset, address, body_lo - offset, bounce, bounce_addr)
+        self._io(handle, fd, body_lo, _memory(address + body_lo - offset, body_hi - body_lo), body_hi - body_lo)
+        if body_hi < offset + nbytes:
+            self._bounced(handle, fd, body_hi, address + body_hi - offset, offset + nbytes - body_hi,
+                          bounce, bounce_addr)
+
+    def _bounced(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, bounce,
+                 bounce_addr: int) -> None:
+        """O_DIRECT IO of an unaligned range through the aligned bounce buffer."""
+        lo = offset // ALIGN * ALIGN
+        hi = -(-(offset + nbytes) // ALIGN) * ALIGN
+        span = _memory(bounce_addr, hi - lo)
+        if handle.op == "read":
+            self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+            ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
+            return
+        # write: keep the bytes of the first and last 4 KiB blocks that are not ours
+        if offset > lo:
+            self._io(handle, fd, lo, _memory(bounce_addr, ALIGN), ALIGN, report=(offset, nbytes), op="read")
+        if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):
+            self._io(handle, fd, hi - ALIGN, _memory(bounce_addr + hi - ALIGN - lo, ALIGN), ALIGN,
+                     report=(offset, nbytes), op="read")
+        ctypes.memmove(bounce_addr + offset - lo, address, nbytes)
+        self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+
+    def _io(self, handle: IOHandle, fd: int, offset: int, memory, nbytes: int, *, report=None,
+            op: str | None = None) -> None:
+        """One system call; anything but the full byte count fails the request."""
+        sys = handle.file.syscalls
+        read = (op or handle.op) == "read"
+        got = sys.preadv(fd, [memory], offset) if read else sys.pwritev(fd, [memory], offset)
+        if got != nbytes:
+            at, n = report or (offset, nbytes)
+            raise self._error(handle, at, n, f"short {'read' if read else 'write'}: {got} of {nbytes} bytes "
+                              f"at file offset {offset}", None)
+
+    @staticmethod
+    def _error(handle: IOHandle, offset: int, nbytes: int, reason: str, code: int | None) -> SwapIOError:
+        name = handle.file.name_at(offset)
+        inside = f" (extent {name!r})" if name and name != handle.what else ""
+        return SwapIOError(f"swap {handle.op} of {handle.what!r} failed at offset {offset} "
+                           f"({nbytes} bytes) of {handle.file.path}{inside}: {reason}",
+                           path=str(handle.file.path), offset=offset, what=handle.what, errno=code)
+
+    def _warn(self, file: SwapFile, error: OSError) -> None:
+        with self._warn_lock:
+            if self._warned:
+                return
+            self._warned = True
+        warnings.warn(f"{file.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
+                      "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=2)

@@ -1,0 +1,350 @@
+"""Swap files of the NVMe offload: one preallocated file per rank and kind, with a manifest beside it.
+
+    extents = {"master.0": 4 * n0, "exp_avg.0": 4 * n0, ...}          # name -> bytes
+    with SwapFile.create(swap_path(folder, rank, "optim"), extents, layout_hash=h,
+                         world_size=w, rank=rank, dtype=torch.float32) as f:
+        offset, nbytes = f.extent("master.0")                           # 4 KiB aligned offset
+        ...                                                             # AsyncIO reads / writes
+    # leaving the block (or f.remove()) deletes the file and its manifest, also on error
+
+Layout on disk: the extents one after another in the given order, each starting on a 4 KiB
+boundary (so O_DIRECT can move whole blocks; the tail of an extent is padding), the whole size
+reserved up front with ``posix_fallocate`` so a full disk fails at creation, not mid-run. The file
+is owner-only (0600) and locked (``flock``) while open, so a second run on the same folder is
+refused instead of corrupting it.
+
+The manifest (``<file>.manifest.json``) records what the bytes mean: layout hash, world size,
+rank, dtype and per extent its offset, bytes and element count (``write_manifest`` adds the
+checksums recorded so far). An existing file whose manifest describes another layout (or that has
+none) is refused with one line naming it; one with the same layout is taken over (its contents are
+not trusted: checksums start empty).
+
+Checksums: the IO engine records a CRC-32 for every piece it writes (pieces never straddle a
+``block_size`` boundary of the file) and verifies the same pieces when they are read back; the
+table lives here, with the file it describes.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from framework.errors import ConfigError, SwapIOError
+
+ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
+FORMAT = 1
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of 4 KiB blocks."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def swap_path(folder: str | os.PathLike, rank: int, kind: str) -> Path:
+    """Where rank ``rank`` keeps its swap file of ``kind`` (e.g. "optim", "params")."""
+    return Path(folder) / f"rank{rank:05d}.{kind}.swap"
+
+
+class Syscalls:
+    """The system calls the engine makes on swap files.
+
+    A seam for tests: a subclass that fails on purpose (EIO, ENOSPC, short counts, EINVAL for
+    O_DIRECT) exercises every error path without a broken disk and without patching anything."""
+
+    def open(self, path: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(path, flags, mode)
+
+    def preadv(self, fd: int, buffers: list, offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def pwritev(self, fd: int, buffers: list, offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def fallocate(self, fd: int, offset: int, length: int) -> None:
+        os.posix_fallocate(fd, offset, length)
+
+
+@dataclass(frozen=True)
+class Extent:
+    offset: int    # 4 KiB aligned
+    nbytes: int    # bytes of the tensor (the padding up to the next 4 KiB is not part of it)
+    numel: int
+
+
+class SwapFile:
+    """One preallocated swap file (see the module docstring). Build it with ``SwapFile.create``."""
+
+    def __init__(self, path: Path, extents: dict[str, Extent], size: int, meta: dict, fd: int,
+                 syscalls: Syscalls):
+        self.path, self.size, self.meta, self.syscalls = path, size, meta, syscalls
+        self._extents = extents
+        self._fd: int | None = fd           # buffered descriptor (creation, fallback IO)
+        self._direct_fd: int | None = None  # O_DIRECT descriptor, opened on first use
+        self._direct_refused: OSError | None = None
+        self._lock = threading.Lock()
+        self._grid: int | None = None       # block size the checksum pieces are cut by
+        self._sums: dict[int, list[tuple[int, int, int]]] = {}   # grid block -> [(offset, nbytes, crc)]
+
+    # --- creation --------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, path: str | os.PathLike, extents: Mapping[str, int], *, layout_hash: str,
+               world_size: int, rank: int, dtype: torch.dtype,
+               syscalls: Syscalls | None = None) -> "SwapFile":
+        """Create (or take over, if its manifest matches) the swap file at ``path`` holding ``extents``
+        (name -> bytes, in order), preallocated. Raises ConfigError for a file of another layout or
+        in use, SwapIOError when the space cannot be reserved."""
+        syscalls = syscalls or Syscalls()
+        path = Path(path)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        table, offset = {}, 0
+        for name, nbytes in extents.items():
+            if nbytes < 0 or nbytes % itemsize:
+                raise ValueError(f"extent {name!r}: {nbytes} bytes is not a whole number of {dtype} elements")
+            table[name] = Extent(offset, int(nbytes), int(nbytes) // itemsize)
+            offset += padded(int(nbytes))
+        size = offset
+        meta = {"format": FORMAT, "layout_hash": str(layout_hash), "world_size": int(world_size),
+                "rank": int(rank), "dtype": str(dtype).removeprefix("torch."), "size": size,
+                "extents": {n: {"offset": e.offset, "nbytes": e.nbytes, "numel": e.numel}
+                            for n, e in table.items()}}
+        manifest = _manifest_path(path)
+        flags = os.O_RDWR | os.O_CLOEXEC
+        if os.path.lexists(path):
+            _check_same_layout(path, manifest, meta)
+            fd = syscalls.open(str(path), flags)
+        else:
+            fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ConfigError(f"swap file {path} is in use by another process; give each run its "
+                                  "own offload.nvme_path") from None
+            try:
+                syscalls.fallocate(fd, 0, max(size, 1))
+            except OSError as e:
+                raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
+                                  f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
+                                  "or point offload.nvme_path at a larger disk",
+                                  path=str(path), offset=0, what="all extents", errno=e.errno) from e
+            f = cls(path, table, size, meta, fd, syscalls)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            _unlink(manifest)
+            raise
+        try:
+            f.write_manifest()
+        except BaseException:
+            f.remove()
+            raise
+        return f
+
+    # --- layout ------------------------------------------------------------------------------------
+
+    @property
+    def extents(self) -> Mapping[str, Extent]:
+        return dict(self._extents)
+
+    def extent(self, name: str) -> tuple[int, int]:
+        """(offset, bytes) of extent ``name``."""
+        e = self._extents[name]
+        return e.offset, e.nbytes
+
+    def name_at(self, offset: int) -> str | None:
+        """The extent holding byte ``offset`` (None: padding or past the end)."""
+        for name, e in self._extents.items():
+            if e.offset <= offset < e.offset + e.nbytes:
+                return name
+        return None
+
+    # --- descriptors (the IO engine's) --------------------------------------------------------------
+
+    def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
+        """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
+        otherwise the buffered one, with the error that refused O_DIRECT (None if not asked for)."""
+        with self._lock:
+            if self._fd is None:
+                raise ValueError(f"swap file {self.path} was removed")
+            if not direct:
+                return self._fd, None
+            if self._direct_fd is None and self._direct_refused is None:
+                try:
+                    self._direct_fd = self.syscalls.open(str(self.path), os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+                except OSError as e:
+                    if e.errno != errno.EINVAL:
+                        raise
+                    self._direct_refused = e
+            if self._direct_fd is not None:
+                return self._direct_fd, None
+            return self._fd, self._direct_refused
+
+    def refuse_direct(self, error: OSError) -> None:
+        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO)."""
+        with self._lock:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+                self._direct_fd = None
+            self._direct_refused = error
+
+    # --- checksums ---------------------------------------------------------------------------------
+
+    def record(self, grid: int, offset: int, nbytes: int, crc: int) -> None:
+        """The piece [offset, offset + nbytes) (inside one ``grid`` block) now holds bytes with ``crc``."""
+        with self._lock:
+            self._use_grid(grid)
+            pieces = self._sums.setdefault(offset // grid, [])
+            pieces[:] = [p for p in pieces if p[0] + p[1] <= offset or offset + nbytes <= p[0]]
+            pieces.append((offset, nbytes, crc))
+
+    def expected(self, grid: int, offset: int, nbytes: int) -> int | None:
+        """The CRC recorded for exactly this piece, None when it was not written as one piece."""
+        with self._lock:
+            self._use_grid(grid)
+            for o, n, crc in self._sums.get(offset // grid, ()):
+                if o == offset and n == nbytes:
+                    return crc
+            return None
+
+    def _use_grid(self, grid: int) -> None:
+        if self._grid is None:
+            self._grid = grid
+        elif grid != self._grid:
+            raise ValueError(f"swap file {self.path} is used with block sizes {self._grid} and {grid}; "
+                             "use one AsyncIO block size per file")
+
+    def checksums(self, name: str) -> list[tuple[int, int, int]]:
+        """The (offset, bytes, crc32) pieces recorded inside extent ``name``, in file order."""
+        e = self._extents[name]
+        with self._lock:
+            found = [p for pieces in self._sums.values() for p in pieces
+                     if e.offset <= p[0] < e.offset + max(e.nbytes, 1)]
+        return sorted(found)
+
+    # --- manifest and removal ------------------------------------------------------------------------
+
+    def write_manifest(self) -> None:
+        """Write the manifest (layout, and the checksums recorded so far) atomically, owner-only."""
+        meta = json.loads(json.dumps(self.meta))
+        for name in self._extents:
+            meta["extents"][name]["crc32"] = [list(p) for p in self.checksums(name)]
+        manifest = _manifest_path(self.path)
+        tmp = manifest.with_name(manifest.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump(meta, out, indent=1)
+        os.replace(tmp, manifest)
+
+    def remove(self) -> None:
+        """Close the file and delete it and its manifest (idempotent)."""
+        with self._lock:
+            for fd in (self._direct_fd, self._fd):
+                if fd is not None:
+                    os.close(fd)
+            self._fd = self._direct_fd = None
+        _unlink(self.path)
+        _unlink(_manifest_path(self.path))
+
+    @property
+    def removed(self) -> bool:
+        return self._fd is None
+
+    def __enter__(self) -> "SwapFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"SwapFile({str(self.path)!r}, {len(self._extents)} extents, {self.size} bytes)"
+
+
+def _manifest_path(path: Path) -> Path:
+    return path.with_name(path.name + ".manifest.json")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
+    fix = f"delete {path} (and its manifest) or point offload.nvme_path elsewhere"
+    try:
+        old = json.loads(manifest.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"swap file {path} exists without a manifest; refusing to reuse it: {fix}") from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"swap file {path}: unreadable manifest ({e}); refusing to reuse it: {fix}") from None
+    for key in ("format", "layout_hash", "world_size", "rank", "dtype", "size"):
+        if old.get(key) != meta[key]:
+            raise ConfigError(f"swap file {path} belongs to another layout ({key} {old.get(key)!r}, "
+                              f"this run {meta[key]!r}); refusing to reuse it: {fix}")
+    strip = {n: {k: v for k, v in e.items() if k != "crc32"} for n, e in old.get("extents", {}).items()}
+    if strip != meta["extents"]:
+        raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
+                          f"refusing to reuse it: {fix}")
+
+
+# --- pre-flight ---------------------------------------------------------------------------------
+
+def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int, buffer_bytes: int,
+              buffer_count: int, *, min_buffer_count: int = 1, itemsize: int = 1,
+              size_key: str = "offload.buffer_size", count_key: str = "offload.buffer_count",
+              create: bool = False) -> None:
+    """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise.
+
+    ``path`` must exist (``create``: make it, for a default folder in the run directory) and be
+    writable; its file system must have room for ``total_bytes`` (the padded swap file sizes,
+    reserved later with fallocate); buffers of ``buffer_bytes`` must hold the largest tile and
+    there must be ``min_buffer_count`` of them. ``itemsize`` converts bytes to the elements the
+    config keys ``size_key`` / ``count_key`` count, for the message."""
+    path = Path(path)
+    where = f"offload.nvme_path={path}"
+    if not path.exists():
+        if not create:
+            raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
+        try:
+            path.mkdir(parents=True, mode=0o700)
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
+                              "writable folder") from None
+    if not path.is_dir():
+        raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".preflight-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
+                          "offload.nvme_path to a writable folder") from None
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize
+    if free < total_bytes:
+        raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
+                          f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
+    problems = []
+    if buffer_bytes < largest_tile_bytes:
+        need = -(-largest_tile_bytes // itemsize)
+        problems.append(f"{size_key}={buffer_bytes // itemsize} is smaller than the largest tile "
+                        f"({need} elements): set {size_key} >= {need}")
+    if buffer_count < min_buffer_count:
+        problems.append(f"{count_key}={buffer_count} is too few: set {count_key} >= {min_buffer_count}")
+    if problems:
+        raise ConfigError("offload buffers too small: " + "; ".join(problems))
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB ({nbytes} bytes)"
