@@ -66,12 +66,15 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = int(numel) * itemsize
     if acc.device.type == "cuda":
-        raw = _mapped(max(nbytes, 1), pin)
-    else:
-        raw = acc.empty_host(nbytes + ALIGN, torch.uint8, pinned=pin)
-        shift = (-raw.data_ptr()) % ALIGN
-        raw = raw[shift:shift + nbytes]
-    return raw[:nbytes].view(dtype)
+        return _mapped(max(nbytes, 1), pin)[:nbytes].view(dtype)
+    # allocated in ``dtype`` and sliced (a plain view keeps ``raw`` as its base, which is how the
+    # checking accelerator recognises it); torch's host allocations are 64-byte aligned, so the
+    # shift to the next 4 KiB boundary is a whole number of elements
+    raw = acc.empty_host(int(numel) + ALIGN // itemsize, dtype, pinned=pin)
+    shift = (-raw.data_ptr()) % ALIGN
+    if shift % itemsize:
+        raise RuntimeError(f"host buffer at {raw.data_ptr():#x} is not {itemsize}-byte aligned")
+    return raw[shift // itemsize:shift // itemsize + int(numel)]
 
 
 def _mapped(nbytes: int, pin: bool) -> torch.Tensor:

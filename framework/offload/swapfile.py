@@ -118,11 +118,12 @@ class SwapFile:
                             for n, e in table.items()}}
         manifest = _manifest_path(path)
         flags = os.O_RDWR | os.O_CLOEXEC
-        if os.path.lexists(path):
+        made = not os.path.lexists(path)
+        if made:
+            fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
             _check_same_layout(path, manifest, meta)
             fd = syscalls.open(str(path), flags)
-        else:
-            fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.fchmod(fd, 0o600)
             try:
@@ -140,8 +141,8 @@ class SwapFile:
             f = cls(path, table, size, meta, fd, syscalls)
         except BaseException:
             os.close(fd)
-            _unlink(path)
-            _unlink(manifest)
+            if made:   # never delete what another run (or a crashed one) left
+                _unlink(path)
             raise
         try:
             f.write_manifest()

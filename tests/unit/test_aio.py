@@ -1,0 +1,356 @@
+"""The NVMe offload's IO engine (framework.offload.aio) and swap files (framework.offload.swapfile).
+
+Faults are injected through the engine's system-call seam (``Syscalls``), never by patching."""
+import errno
+import fcntl
+import json
+import os
+import shutil
+import stat
+import warnings
+
+import pytest
+import torch
+
+from framework.accelerator import for_device
+from framework.errors import ConfigError, SwapIOError
+from framework.offload.aio import AsyncIO, DirectIOFallback, aligned_empty
+from framework.offload.swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, swap_path
+
+ACC = for_device(torch.device("cpu"), "check")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ODD = [1, 3, 1021, 4099, 40_001]     # element counts: tails that are not multiples of 512 or 4096
+BLOCK = 16 * 1024                    # small blocks: every larger tensor is cut into several pieces
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+def _random(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def _accepts_direct(folder) -> bool:
+    probe = os.path.join(folder, ".direct-probe")
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    try:
+        import mmap
+        buf = mmap.mmap(-1, ALIGN)
+        os.pwritev(fd, [buf], 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def _swap(folder, sizes: dict, dtype, syscalls=None, name="rank00000.optim.swap", layout="layout-a"):
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return SwapFile.create(os.path.join(folder, name), {k: n * itemsize for k, n in sizes.items()},
+                           layout_hash=layout, world_size=1, rank=0, dtype=dtype, syscalls=syscalls)
+
+
+def _round_trip(folder, dtype, *, direct=True, aligned=True, syscalls=None):
+    sizes = {f"t{i}": n for i, n in enumerate(ODD)}
+    src = {k: _random(n, dtype, i) for i, (k, n) in enumerate(sizes.items())}
+    with _swap(folder, sizes, dtype, syscalls) as f, AsyncIO(BLOCK, 4, 1, direct) as io:
+        bufs = {}
+        for k, t in src.items():
+            bufs[k] = aligned_empty(t.numel(), dtype, pin=True, acc=ACC) if aligned else torch.empty_like(t)
+            bufs[k].copy_(t)
+        for h in [io.pwrite(f, f.extent(k)[0], bufs[k], k) for k in sizes]:
+            h.wait()
+        back = {k: (aligned_empty(t.numel(), dtype, pin=True, acc=ACC) if aligned else torch.empty_like(t))
+                for k, t in src.items()}
+        for b in back.values():
+            b.fill_(7)
+        handles = [io.pread(f, f.extent(k)[0], back[k], k) for k in sizes]
+        for h in handles:
+            h.wait()
+            assert h.done() and h.exception() is None
+        for k in sizes:
+            assert torch.equal(_bits(back[k]), _bits(src[k])), k
+        assert all(f.checksums(k) for k in sizes)   # every extent's pieces were checksummed
+        return f
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "torch-buffers"])
+def test_round_trip_bitwise_on_odd_sizes(tmp_path, dtype, aligned):
+    _round_trip(tmp_path, dtype, aligned=aligned)
+
+
+def test_round_trip_buffered(tmp_path):
+    _round_trip(tmp_path, torch.bfloat16, direct=False)
+
+
+def test_aligned_empty_is_page_aligned_and_a_host_buffer():
+    for dtype in DTYPES:
+        for n in (0, 1, 4099):
+            t = aligned_empty(n, dtype, pin=True, acc=ACC)
+            assert t.numel() == n and t.dtype == dtype and t.is_contiguous()
+            assert n == 0 or t.data_ptr() % ALIGN == 0
+            ACC.on_host(t, what="aligned buffer")   # the checking accelerator knows it as host memory
+
+
+def test_direct_io_on_a_real_disk(tmp_path):
+    if not _accepts_direct(tmp_path):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DirectIOFallback)
+        f = _round_trip(tmp_path, torch.float32)
+    # the descriptor the engine used was an O_DIRECT one (checked while the file is open)
+    with _swap(tmp_path, {"x": 1024}, torch.float32) as f:
+        fd, refused = f.descriptor(True)
+        assert refused is None and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT
+
+
+def test_unaligned_sub_ranges_keep_their_neighbours(tmp_path):
+    """Writes that start and end inside 4 KiB blocks (read-modify-write through the bounce buffer)."""
+    n = 10_000
+    full = _random(n, torch.float32, 1)
+    with _swap(tmp_path, {"x": n}, torch.float32) as f, AsyncIO(BLOCK, 2, 1) as io:
+        off = f.extent("x")[0]
+        io.pwrite(f, off, full, "x").wait()
+        patch = _random(3001, torch.float32, 2)
+        io.pwrite(f, off + 4 * 777, patch, "x[777:3778]").wait()
+        expect = full.clone()
+        expect[777:3778] = patch
+        back = torch.empty(n)
+        io.pread(f, off, back, "x").wait()
+        assert torch.equal(back, expect)
+        part = torch.empty(5)
+        io.pread(f, off + 4 * 3775, part, "x[3775:3780]").wait()
+        assert torch.equal(part, expect[3775:3780])
+
+
+class _RefuseDirect(Syscalls):
+    """A file system that refuses O_DIRECT: at open (tmpfs before Linux 6.6) or at the first IO (overlay)."""
+
+    def __init__(self, at: str):
+        self.at, self.direct_fds = at, set()
+
+    def open(self, path, flags, mode=0o600):
+        if flags & os.O_DIRECT and self.at == "open":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        fd = super().open(path, flags, mode)
+        if flags & os.O_DIRECT:
+            self.direct_fds.add(fd)
+        return fd
+
+    def preadv(self, fd, buffers, offset):
+        if fd in self.direct_fds:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().preadv(fd, buffers, offset)
+
+    def pwritev(self, fd, buffers, offset):
+        if fd in self.direct_fds:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return super().pwritev(fd, buffers, offset)
+
+
+@pytest.mark.parametrize("at", ["open", "io"])
+def test_einval_falls_back_to_buffered_io_with_one_warning(tmp_path, at):
+    with pytest.warns(DirectIOFallback) as caught:
+        _round_trip(tmp_path, torch.float16, syscalls=_RefuseDirect(at))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    assert "O_DIRECT" in str(caught[0].message) and str(tmp_path) in str(caught[0].message)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_dev_shm_round_trip_warns_at_most_once(tmp_path_factory):
+    """tmpfs refused O_DIRECT before Linux 6.6 (one warning, buffered IO); newer kernels accept it."""
+    folder = f"/dev/shm/framework-test-aio-{os.getpid()}"
+    os.makedirs(folder)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _round_trip(folder, torch.float32)
+        fallbacks = [w for w in caught if issubclass(w.category, DirectIOFallback)]
+        assert len(fallbacks) == (0 if _accepts_direct(folder) else 1)
+    finally:
+        shutil.rmtree(folder)
+
+
+class _Faulty(Syscalls):
+    """Fails the ``nth`` call of ``op`` (preadv / pwritev / fallocate) with ``how``."""
+
+    def __init__(self, op: str, how: str, nth: int = 1):
+        self.op, self.how, self.nth, self.calls = op, how, nth, 0
+
+    def _maybe(self, op, fd, buffers, offset, real):
+        if op == self.op:
+            self.calls += 1
+            if self.calls == self.nth:
+                if self.how == "short":
+                    n = len(memoryview(buffers[0]).cast("B"))
+                    return real(fd, [memoryview(buffers[0]).cast("B")[: n - 512]], offset)
+                raise OSError({"eio": errno.EIO, "enospc": errno.ENOSPC}[self.how], "injected")
+        return real(fd, buffers, offset)
+
+    def preadv(self, fd, buffers, offset):
+        return self._maybe("preadv", fd, buffers, offset, super().preadv)
+
+    def pwritev(self, fd, buffers, offset):
+        return self._maybe("pwritev", fd, buffers, offset, super().pwritev)
+
+    def fallocate(self, fd, offset, length):
+        if self.op == "fallocate":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().fallocate(fd, offset, length)
+
+
+@pytest.mark.parametrize("op,how,words", [
+    ("pwritev", "enospc", "No space left on device"),
+    ("pwritev", "short", "short write"),
+    ("preadv", "eio", "Input/output error"),
+    ("preadv", "short", "short read"),
+])
+def test_io_faults_are_swap_io_errors_naming_file_offset_tensor(tmp_path, op, how, words):
+    n = 3 * BLOCK // 4 + 5                            # four pieces, the last with a tail
+    src = aligned_empty(n, torch.float32, pin=False, acc=ACC)
+    src.copy_(_random(n, torch.float32, 3))
+    faulty = _Faulty(op, how, nth=2)                  # the second piece fails
+    with _swap(tmp_path, {"pad": 3, "master.7": n}, torch.float32, faulty) as f, AsyncIO(BLOCK, 1, 1) as io:
+        off = f.extent("master.7")[0]
+        write = io.pwrite(f, off, src, "master.7")
+        if op == "preadv":
+            write.wait()
+            faulty.calls = 0                          # (the write read its partial last block back)
+            h = io.pread(f, off, torch.empty(n), "master.7")
+        else:
+            h = write
+        with pytest.raises(SwapIOError, match=words) as info:
+            h.wait()
+        e = info.value
+        second = (off // BLOCK + 1) * BLOCK           # pieces are cut at the file's block boundaries
+        assert e.path == str(f.path) and e.what == "master.7" and e.offset == second
+        assert str(f.path) in str(e) and f"offset {second}" in str(e) and "'master.7'" in str(e)
+        assert "\n" not in str(e)
+        assert h.exception() is e and h.done()
+        # the engine keeps working after a failed request
+        io.pwrite(f, off, src, "master.7").wait()
+        back = torch.empty(n)
+        io.pread(f, off, back, "master.7").wait()
+        assert torch.equal(back, src)
+
+
+def test_no_room_at_creation_is_a_swap_io_error_and_leaves_nothing(tmp_path):
+    with pytest.raises(SwapIOError, match="cannot reserve .* No space left") as info:
+        _swap(tmp_path, {"a": 1000}, torch.float32, _Faulty("fallocate", "enospc"))
+    assert info.value.offset == 0 and str(tmp_path) in info.value.path
+    assert os.listdir(tmp_path) == []
+
+
+def test_corrupted_extent_is_detected_on_read(tmp_path):
+    n = 5000
+    src = _random(n, torch.bfloat16, 4)
+    with _swap(tmp_path, {"a": 100, "exp_avg.2": n}, torch.bfloat16) as f, AsyncIO(BLOCK, 2, 1) as io:
+        off = f.extent("exp_avg.2")[0]
+        io.pwrite(f, off, src, "exp_avg.2").wait()
+        back = torch.empty(n, dtype=torch.bfloat16)
+        io.pread(f, off, back, "exp_avg.2").wait()   # intact: reads fine
+        with open(f.path, "r+b") as raw:               # one flipped bit behind the engine's back
+            raw.seek(off + 4321)
+            byte = raw.read(1)[0]
+            raw.seek(off + 4321)
+            raw.write(bytes([byte ^ 0x10]))
+        with pytest.raises(SwapIOError, match="checksum mismatch") as info:
+            io.pread(f, off, back, "exp_avg.2").wait()
+        assert info.value.what == "exp_avg.2" and info.value.offset == off and str(f.path) in str(info.value)
+
+
+def test_files_are_owner_only_and_removed_on_close_and_on_error(tmp_path):
+    with _swap(tmp_path, {"a": 10}, torch.float32) as f:
+        manifest = f.path.with_name(f.path.name + ".manifest.json")
+        for p in (f.path, manifest):
+            assert stat.S_IMODE(os.stat(p).st_mode) == 0o600
+        assert os.path.getsize(f.path) == padded(40) == ALIGN
+        assert os.stat(f.path).st_blocks * 512 >= ALIGN   # preallocated, not sparse
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(RuntimeError, match="boom"):
+        with _swap(tmp_path, {"a": 10}, torch.float32):
+            raise RuntimeError("boom")
+    assert os.listdir(tmp_path) == []
+
+
+def test_layout_extents_are_4k_aligned_and_manifest_describes_them(tmp_path):
+    with _swap(tmp_path, {"a": 3, "b": 1025, "c": 0, "d": 7}, torch.float16) as f:
+        offs = [f.extent(k)[0] for k in "abcd"]
+        assert offs == [0, ALIGN, 2 * ALIGN, 2 * ALIGN] and f.size == 3 * ALIGN
+        f.write_manifest()
+        meta = json.loads(f.path.with_name(f.path.name + ".manifest.json").read_text())
+        assert meta["layout_hash"] == "layout-a" and meta["world_size"] == 1 and meta["dtype"] == "float16"
+        assert meta["extents"]["b"] == {"offset": ALIGN, "nbytes": 2050, "numel": 1025, "crc32": []}
+
+
+def test_swap_file_from_another_layout_is_refused(tmp_path):
+    left = tmp_path / "left"
+    left.mkdir()
+    with _swap(tmp_path, {"a": 10}, torch.float32) as f:
+        with pytest.raises(ConfigError, match="in use by another process"):
+            _swap(tmp_path, {"a": 10}, torch.float32)              # same folder, live run
+        shutil.copy(f.path, left / f.path.name)                   # what a crashed run leaves behind
+        shutil.copy(f.path.with_name(f.path.name + ".manifest.json"), left)
+    for kwargs, why in [({"layout": "layout-b"}, "layout_hash"), ({"dtype": torch.float16}, "dtype|size")]:
+        dtype = kwargs.pop("dtype", torch.float32)
+        with pytest.raises(ConfigError, match=f"belongs to another layout .*({why})") as info:
+            _swap(left, {"a": 10}, dtype, **kwargs)
+        assert "\n" not in str(info.value) and "nvme_path" in str(info.value)
+    with pytest.raises(ConfigError, match="extents differ"):
+        _swap(left, {"b": 10}, torch.float32)
+    assert sorted(os.listdir(left)) == ["rank00000.optim.swap", "rank00000.optim.swap.manifest.json"]
+    _swap(left, {"a": 10}, torch.float32).remove()                # the same layout is taken over
+    (left / "orphan.swap").write_bytes(b"x" * 10)
+    with pytest.raises(ConfigError, match="without a manifest"):
+        _swap(left, {"a": 10}, torch.float32, name="orphan.swap")
+
+
+def test_preflight_one_line_errors(tmp_path):
+    preflight(tmp_path, 1 << 20, 4000, 4096, 2, min_buffer_count=2)   # fine
+    cases = [
+        (dict(path=tmp_path / "missing"), "does not exist"),
+        (dict(total_bytes=1 << 60), "need 1073741824.00 GiB .* free"),
+        (dict(buffer_bytes=4000 // 2), r"offload.param_buffer_size=500 is smaller than the largest tile "
+                                       r"\(1000 elements\): set offload.param_buffer_size >= 1000"),
+        (dict(buffer_count=1), "offload.param_buffer_count=1 is too few: set offload.param_buffer_count >= 2"),
+    ]
+    if os.geteuid() != 0:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        cases.append((dict(path=locked), "is not writable"))
+    elif os.path.isdir("/proc/self"):
+        cases.append((dict(path="/proc/self"), "is not writable"))   # root may write anywhere else
+    for change, words in cases:
+        args = dict(path=tmp_path, total_bytes=1 << 20, largest_tile_bytes=4000, buffer_bytes=4096, buffer_count=2)
+        args.update(change)
+        with pytest.raises(ConfigError, match=words) as info:
+            preflight(**args, min_buffer_count=2, itemsize=4, size_key="offload.param_buffer_size",
+                      count_key="offload.param_buffer_count")
+        assert "\n" not in str(info.value)
+    made = tmp_path / "run" / "nvme"
+    preflight(made, 1, 1, 1, 1, create=True)
+    assert made.is_dir() and stat.S_IMODE(os.stat(made).st_mode) == 0o700
+
+
+def test_swap_path_names_rank_and_kind(tmp_path):
+    assert swap_path(tmp_path, 3, "params").name == "rank00003.params.swap"
+
+
+def test_requests_are_checked(tmp_path):
+    with _swap(tmp_path, {"a": 10}, torch.float32) as f, AsyncIO(BLOCK, 1, 1) as io:
+        with pytest.raises(ValueError, match="outside"):
+            io.pwrite(f, f.size - 8, torch.zeros(10), "a")
+        with pytest.raises(ValueError, match="contiguous"):
+            io.pwrite(f, 0, torch.zeros(4, 4).t(), "a")
+        h = io.pread(f, 0, torch.empty(0), "empty")
+        assert h.done()
+        h.wait()
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncIO(1000, 1, 1)
