@@ -19,9 +19,10 @@ checksums recorded so far). An existing file whose manifest describes another la
 none) is refused with one line naming it; one with the same layout is taken over (its contents are
 not trusted: checksums start empty).
 
-Checksums: the IO engine records a CRC-32 for every piece it writes (pieces never straddle a
+Checksums: the IO engine records a checksum for every piece it writes (pieces never straddle a
 ``block_size`` boundary of the file) and verifies the same pieces when they are read back; the
-table lives here, with the file it describes.
+table lives here, with the file it describes, per engine kind (block size, checksum name): a
+piece is verified when it is read back by an engine of the kind that wrote it.
 """
 from __future__ import annotations
 
@@ -90,8 +91,8 @@ class SwapFile:
         self._direct_fd: int | None = None  # O_DIRECT descriptor, opened on first use
         self._direct_refused: OSError | None = None
         self._lock = threading.Lock()
-        self._grid: int | None = None       # block size the checksum pieces are cut by
-        self._sums: dict[int, list[tuple[int, int, int]]] = {}   # grid block -> [(offset, nbytes, crc)]
+        # (block size, checksum name) -> block -> [(offset, nbytes, checksum)] of the pieces written
+        self._sums: dict[tuple[int, str], dict[int, list[tuple[int, int, int]]]] = {}
 
     # --- creation --------------------------------------------------------------------------------
 
@@ -200,36 +201,38 @@ class SwapFile:
 
     # --- checksums ---------------------------------------------------------------------------------
 
-    def record(self, grid: int, offset: int, nbytes: int, crc: int) -> None:
-        """The piece [offset, offset + nbytes) (inside one ``grid`` block) now holds bytes with ``crc``."""
+    def record(self, kind: tuple[int, str], offset: int, nbytes: int, value: int) -> None:
+        """The piece [offset, offset + nbytes) now holds bytes with checksum ``value``; ``kind`` is the
+        writing engine's (block size, checksum name); its pieces never straddle one of its blocks."""
         with self._lock:
-            self._use_grid(grid)
-            pieces = self._sums.setdefault(offset // grid, [])
-            pieces[:] = [p for p in pieces if p[0] + p[1] <= offset or offset + nbytes <= p[0]]
-            pieces.append((offset, nbytes, crc))
+            self._forget(offset, nbytes)
+            self._sums.setdefault(kind, {}).setdefault(offset // kind[0], []).append((offset, nbytes, value))
 
-    def expected(self, grid: int, offset: int, nbytes: int) -> int | None:
-        """The CRC recorded for exactly this piece, None when it was not written as one piece."""
+    def forget(self, offset: int, nbytes: int) -> None:
+        """Bytes [offset, offset + nbytes) were written without a checksum: drop the stale ones."""
         with self._lock:
-            self._use_grid(grid)
-            for o, n, crc in self._sums.get(offset // grid, ()):
+            self._forget(offset, nbytes)
+
+    def _forget(self, offset: int, nbytes: int) -> None:
+        for (grid, _), table in self._sums.items():   # what overlaps is stale, whoever wrote it
+            for block in range(offset // grid, (offset + max(nbytes, 1) - 1) // grid + 1):
+                if block in table:
+                    table[block] = [p for p in table[block] if p[0] + p[1] <= offset or offset + nbytes <= p[0]]
+
+    def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
+        """The checksum of ``kind`` recorded for exactly this piece (None: not written as one piece)."""
+        with self._lock:
+            for o, n, value in self._sums.get(kind, {}).get(offset // kind[0], ()):
                 if o == offset and n == nbytes:
-                    return crc
+                    return value
             return None
 
-    def _use_grid(self, grid: int) -> None:
-        if self._grid is None:
-            self._grid = grid
-        elif grid != self._grid:
-            raise ValueError(f"swap file {self.path} is used with block sizes {self._grid} and {grid}; "
-                             "use one AsyncIO block size per file")
-
-    def checksums(self, name: str) -> list[tuple[int, int, int]]:
-        """The (offset, bytes, crc32) pieces recorded inside extent ``name``, in file order."""
+    def checksums(self, name: str) -> list[tuple[int, int, int, str]]:
+        """The (offset, bytes, checksum, checksum name) pieces recorded inside extent ``name``, in file order."""
         e = self._extents[name]
         with self._lock:
-            found = [p for pieces in self._sums.values() for p in pieces
-                     if e.offset <= p[0] < e.offset + max(e.nbytes, 1)]
+            found = [(*p, kind[1]) for kind, table in self._sums.items() for pieces in table.values()
+                     for p in pieces if e.offset <= p[0] < e.offset + max(e.nbytes, 1)]
         return sorted(found)
 
     # --- manifest and removal ------------------------------------------------------------------------
@@ -238,7 +241,7 @@ class SwapFile:
         """Write the manifest (layout, and the checksums recorded so far) atomically, owner-only."""
         meta = json.loads(json.dumps(self.meta))
         for name in self._extents:
-            meta["extents"][name]["crc32"] = [list(p) for p in self.checksums(name)]
+            meta["extents"][name]["checksums"] = [list(p) for p in self.checksums(name)]
         manifest = _manifest_path(self.path)
         tmp = manifest.with_name(manifest.name + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
@@ -293,7 +296,7 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
         if old.get(key) != meta[key]:
             raise ConfigError(f"swap file {path} belongs to another layout ({key} {old.get(key)!r}, "
                               f"this run {meta[key]!r}); refusing to reuse it: {fix}")
-    strip = {n: {k: v for k, v in e.items() if k != "crc32"} for n, e in old.get("extents", {}).items()}
+    strip = {n: {k: v for k, v in e.items() if k != "checksums"} for n, e in old.get("extents", {}).items()}
     if strip != meta["extents"]:
         raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
                           f"refusing to reuse it: {fix}")

@@ -248,10 +248,12 @@ def test_no_room_at_creation_is_a_swap_io_error_and_leaves_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_corrupted_extent_is_detected_on_read(tmp_path):
+@pytest.mark.parametrize("checksum", ["sum64", "crc32"])
+def test_corrupted_extent_is_detected_on_read(tmp_path, checksum):
     n = 5000
     src = _random(n, torch.bfloat16, 4)
-    with _swap(tmp_path, {"a": 100, "exp_avg.2": n}, torch.bfloat16) as f, AsyncIO(BLOCK, 2, 1) as io:
+    with _swap(tmp_path, {"a": 100, "exp_avg.2": n}, torch.bfloat16) as f, \
+            AsyncIO(BLOCK, 2, 1, checksum=checksum) as io:
         off = f.extent("exp_avg.2")[0]
         io.pwrite(f, off, src, "exp_avg.2").wait()
         back = torch.empty(n, dtype=torch.bfloat16)
@@ -287,7 +289,7 @@ def test_layout_extents_are_4k_aligned_and_manifest_describes_them(tmp_path):
         f.write_manifest()
         meta = json.loads(f.path.with_name(f.path.name + ".manifest.json").read_text())
         assert meta["layout_hash"] == "layout-a" and meta["world_size"] == 1 and meta["dtype"] == "float16"
-        assert meta["extents"]["b"] == {"offset": ALIGN, "nbytes": 2050, "numel": 1025, "crc32": []}
+        assert meta["extents"]["b"] == {"offset": ALIGN, "nbytes": 2050, "numel": 1025, "checksums": []}
 
 
 def test_swap_file_from_another_layout_is_refused(tmp_path):
@@ -354,3 +356,23 @@ def test_requests_are_checked(tmp_path):
         h.wait()
     with pytest.raises(ValueError, match="block_size"):
         AsyncIO(1000, 1, 1)
+
+
+def test_checksums_off_and_pieces_rewritten_by_another_engine(tmp_path):
+    n = 9000
+    a, b = _random(n, torch.float32, 5), _random(n, torch.float32, 6)
+    back = torch.empty(n)
+    with _swap(tmp_path, {"x": n}, torch.float32) as f, AsyncIO(BLOCK, 2, 1) as io, \
+            AsyncIO(4 * BLOCK, 2, 1, checksum="crc32") as other, AsyncIO(BLOCK, 1, 1, checksum="none") as plain:
+        off = f.extent("x")[0]
+        io.pwrite(f, off, a, "x").wait()
+        other.pwrite(f, off, b, "x").wait()     # the first engine's checksums are now stale: dropped
+        io.pread(f, off, back, "x").wait()
+        assert torch.equal(back, b) and {p[3] for p in f.checksums("x")} == {"crc32"}
+        other.pread(f, off, back, "x").wait()
+        plain.pwrite(f, off, a, "x").wait()     # no checksum kept, none compared
+        assert f.checksums("x") == []
+        plain.pread(f, off, back, "x").wait()
+        assert torch.equal(back, a)
+    with pytest.raises(ValueError, match="checksum"):
+        AsyncIO(BLOCK, 1, 1, checksum="md5")

@@ -14,3 +14,13 @@ def test_gpu_bench_runs_tiny(system):
     if system != "plain":
         assert {"forward", "backward", "reduce", "apply"} <= r["phases_ms"].keys()
         assert r["speculated_kept"] + r["rolled_back"] > 0  # the overlapped host step was exercised
+
+
+def test_nvme_io_bench_runs_tiny(tmp_path):
+    from bench.nvme_io import main
+
+    rows = main(["--dir", str(tmp_path), "--size", "4MiB", "--tensor-size", "1MiB", "--block-sizes", "256KiB",
+                 "--queue-depths", "2", "--rounds", "1", "--no-fio"])
+    kinds = {r["checksum"] for r in rows if r["system"] == "ours-checksum"}
+    assert kinds == {"none", "sum64", "crc32"} and all(r["write"] > 0 and r["read"] > 0 for r in rows)
+    assert list(tmp_path.iterdir()) == []   # the swap file went
