@@ -123,9 +123,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
     _check_inert_stage_keys(chosen["stage"], nodes["stage"])
-    if chosen["offload"] == "cpu" and nodes["offload"].params and chosen["stage"] != "zero3":
-        raise ConfigError(f"config: offload.params=true (parameter offload) needs +stage=zero3, got "
-                          f"stage={chosen['stage']}; use offload.params=false or +stage=zero3")
+    nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
     return Config(seed=root.seed, train=root.train, dist=root.dist, choices=chosen, **nodes)
 
 
@@ -138,6 +136,24 @@ def _check_values(root: RootSchema) -> None:
         raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
     if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
         raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
+
+
+def _check_offload(stage: str, offload: str, node: Any) -> Any:
+    """Offload keys that depend on the stage; returns the node with ``auto`` values resolved."""
+    if offload == "nvme":
+        from framework.offload.nvme import resolve
+        return resolve(node, stage)
+    if offload == "cpu":
+        if node.params not in ("none", "cpu"):
+            hint = {"nvme": " (parameter shards on disk: offload=nvme)",
+                    "True": " (the former offload.params=true is offload.params=cpu)",
+                    "False": " (the former offload.params=false is offload.params=none)"}.get(str(node.params), "")
+            raise ConfigError(f"config: offload.params must be none or cpu with offload=cpu, got "
+                              f"{node.params!r}{hint}")
+        if node.params == "cpu" and stage != "zero3":
+            raise ConfigError(f"config: offload.params=cpu (parameter offload) needs +stage=zero3, got "
+                              f"stage={stage}; use offload.params=none or +stage=zero3")
+    return node
 
 
 def _check_inert_stage_keys(stage: str, node: Any) -> None:
@@ -154,9 +170,9 @@ def _check_inert_stage_keys(stage: str, node: Any) -> None:
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
 COMPATIBLE: Mapping[str, tuple[str, ...]] = {
     "ddp": ("none",),
-    "zero1": ("none", "cpu"),
-    "zero2": ("none", "cpu"),
-    "zero3": ("none", "cpu"),
+    "zero1": ("none", "cpu", "nvme"),
+    "zero2": ("none", "cpu", "nvme"),
+    "zero3": ("none", "cpu", "nvme"),
 }
 
 

@@ -18,7 +18,7 @@ from framework.registry import Component
 
 @dataclass(kw_only=True)
 class CPUOffloadConfig:
-    params: bool = False        # zero3 only: parameter shards live on the host between gathers
+    params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
     pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
     # Gradients always reach the host per bucket during zero2's backward, and the host step is
@@ -32,7 +32,7 @@ def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> Plac
     """``accelerator``: the compute device's (``initialize`` passes it; default: the stage's device's)."""
     if not 0.0 <= cfg.ratio <= 1.0:
         raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
-    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params,
+    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params == "cpu",
                      overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 

@@ -109,7 +109,7 @@ CASES = {
     # ddp ranks all save everything: the loader takes each element once.
     "ddp-w2 -> zero3-w4-offload-params": (
         (2, []),
-        (4, ["+stage=zero3", "offload=cpu", "offload.params=true", "stage.stage3_param_persistence_threshold=200"])),
+        (4, ["+stage=zero3", "offload=cpu", "offload.params=cpu", "stage.stage3_param_persistence_threshold=200"])),
     "zero1-w4 -> zero2-w2-offload-small-buckets": (
         (4, ["+stage=zero1"]),
         (2, ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=500"])),

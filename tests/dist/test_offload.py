@@ -57,7 +57,7 @@ CASES = [
     ("zero1", [], []),
     ("zero2", ["offload.ratio=0.5"], ["stage.overlap_comm=true", "stage.reduce_bucket_size=1500"]),
     ("zero3", [], []),
-    ("zero3", ["offload.params=true"], []),
+    ("zero3", ["offload.params=cpu"], []),
     ("zero2", [], ["precision=bf16"]),   # bf16 working params, fp32 master on the host
 ]
 
@@ -87,8 +87,8 @@ def test_offload_equals_no_offload(pools, world, stage, offload, extra):
 
 
 def test_parameter_offload_needs_zero3():
-    with pytest.raises(framework.ConfigError, match="offload.params=true .* needs \\+stage=zero3"):
-        framework.compose(["+stage=zero2", "offload=cpu", "offload.params=true"])
+    with pytest.raises(framework.ConfigError, match="offload.params=cpu .* needs \\+stage=zero3"):
+        framework.compose(["+stage=zero2", "offload=cpu", "offload.params=cpu"])
     with pytest.raises(framework.ConfigError, match="offload=cpu is not supported with stage=ddp"):
         framework.compose(["offload=cpu"])
 
@@ -133,7 +133,7 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
     "zero2 bf16 staged": (["+stage=zero2", *BUCKETS, "precision=bf16", "train.grad_clip=0"], None, True, False),
     "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
     "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
-    "zero3 params": (["+stage=zero3", "offload.params=true",
+    "zero3 params": (["+stage=zero3", "offload.params=cpu",
                       "stage.stage3_param_persistence_threshold=0"], None, False, False),
 }
 

@@ -35,7 +35,7 @@ def _train(overrides):
 
 
 @pytest.mark.parametrize("stage,extra", [("zero2", ["stage.reduce_bucket_size=1500"]), ("zero3", []),
-                                         ("zero3", ["offload.params=true"]), ("zero2", ["offload.ratio=0.5"])])
+                                         ("zero3", ["offload.params=cpu"]), ("zero2", ["offload.ratio=0.5"])])
 def test_cuda_offload_equals_no_offload(stage, extra):
     base = [f"+stage={stage}"] + (["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else [])
     plain = _train(base)

@@ -39,7 +39,7 @@ def test_engine_state_is_the_latest_state():
 
 @pytest.mark.parametrize("overrides", [[], ["+stage=zero1"], ["+stage=zero2", "offload=cpu"],
                                        ["+stage=zero2", "offload=cpu", "offload.overlap_step=true"],
-                                       ["+stage=zero3", "offload=cpu", "offload.params=true"]])
+                                       ["+stage=zero3", "offload=cpu", "offload.params=cpu"]])
 def test_close_stops_the_worker_and_removes_hooks(overrides):
     before = _ours()
     with _engine(*overrides)[0] as engine:
@@ -70,7 +70,7 @@ OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offl
 
 @pytest.mark.parametrize("overrides,needle", [
     (OFFLOAD, "stream 'offload copy' reads .* stream 'compute' wrote"),   # gradient copy before its reduction
-    (["+stage=zero3", "offload=cpu", "offload.params=true", "stage.stage3_param_persistence_threshold=0"],
+    (["+stage=zero3", "offload=cpu", "offload.params=cpu", "stage.stage3_param_persistence_threshold=0"],
      "stream 'compute' reads .* stream 'offload copy' wrote"),            # gather before its host shard landed
 ])
 def test_a_missing_event_fails_on_cpu(monkeypatch, overrides, needle):

@@ -1,0 +1,109 @@
+"""nvme: ZeRO-Infinity. DeepSpeed's offload_optimizer / offload_param with device nvme.
+
+The fp32 master partition and the optimizer state (``optimizer: nvme``) and, under zero3, the
+16-bit parameter shards (``params: nvme``) live in swap files under ``nvme_path``; the host holds
+only pools of pinned, page-aligned buffers: ``buffer_count`` optimizer tiles of ``sub_group_size``
+elements and ``param_buffer_count`` parameter buffers of ``param_buffer_size`` elements. The disk is
+one more tier of the offload store (``offload._store.DiskStore``): the piece pipeline acquires a
+tile (read into a buffer), the host kernel steps it, and the release writes it back, so the stages
+have no NVMe code path. Keys mirror DeepSpeed's; ``params: auto`` is nvme under zero3, none otherwise
+(``framework.config`` resolves it, so a built config never says auto).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from framework.accelerator import Accelerator
+from framework.errors import ConfigError, FrameworkError
+from framework.registry import Component
+
+PAGE = 4096
+
+
+@dataclass(kw_only=True)
+class AIOConfig:
+    """DeepSpeed's ``aio`` section: how the IO engine (``offload.aio``) splits and queues requests."""
+    block_size: int = 1048576          # bytes per request (a multiple of 4096: O_DIRECT)
+    queue_depth: int = 8               # requests in flight
+    intra_op_parallelism: int = 1      # IO threads per request
+    # DeepSpeed's libaio submission knobs. Our engine always submits a batch and overlaps completion
+    # with submission, which is what these defaults mean; another value is refused (it would do nothing).
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+@dataclass(kw_only=True)
+class NVMeOffloadConfig:
+    optimizer: str = "nvme"            # fp32 master + optimizer state: cpu | nvme
+    params: str = "auto"               # zero3 parameter shards: none | cpu | nvme | auto
+    nvme_path: str | None = None       # None: <run dir>/nvme (printed at start-up with its size)
+    pin_memory: bool = True
+    ratio: float = 1.0                 # fraction of each partition whose optimizer step runs off the device
+    overlap_step: bool = False         # speculative host step during backward (optimizer=cpu only)
+    sub_group_size: int = 1_000_000_000   # elements per optimizer tile
+    buffer_count: int = 4              # host tiles in the optimizer pool
+    pipeline_read: bool = False        # read tile i+1 while tile i steps
+    pipeline_write: bool = False       # write tile i-1 back while tile i steps
+    param_buffer_count: int = 5        # host buffers for zero3 parameter shards on NVMe
+    param_buffer_size: int = 100_000_000  # elements per parameter buffer
+    max_in_cpu: int = 1_000_000_000    # cap on host-resident parameter elements (params=nvme)
+    aio: AIOConfig = field(default_factory=AIOConfig)
+
+    def tiles_needed(self) -> int:
+        """Optimizer buffers the pipeline holds at once: the tile stepping, plus the one read ahead
+        (pipeline_read) and the one still being written (pipeline_write)."""
+        return 1 + int(self.pipeline_read) + int(self.pipeline_write)
+
+
+def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
+    """Check ``cfg`` against ``stage`` (one line per error) and return it with ``params: auto`` resolved."""
+    from dataclasses import replace
+
+    if stage == "ddp":
+        raise ConfigError("config: offload=nvme needs a ZeRO stage (the replicated ddp stage keeps every "
+                          "optimizer state on every rank); add +stage=zero1, +stage=zero2 or +stage=zero3")
+    if cfg.optimizer not in ("cpu", "nvme"):
+        raise ConfigError(f"config: offload.optimizer must be cpu or nvme, got {cfg.optimizer!r}")
+    if cfg.params not in ("none", "cpu", "nvme", "auto"):
+        raise ConfigError(f"config: offload.params must be none, cpu, nvme or auto, got {cfg.params!r}")
+    params = cfg.params if cfg.params != "auto" else ("nvme" if stage == "zero3" else "none")
+    if params != "none" and stage != "zero3":
+        raise ConfigError(f"config: offload.params={params} (parameter offload) needs +stage=zero3, got "
+                          f"stage={stage}; use offload.params=none or +stage=zero3")
+    if cfg.optimizer != "nvme" and params != "nvme":
+        raise ConfigError(f"config: offload=nvme with offload.optimizer={cfg.optimizer} and offload.params={params} "
+                          f"puts nothing on NVMe; use offload=cpu, or set offload.optimizer=nvme")
+    if not 0.0 <= cfg.ratio <= 1.0:
+        raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
+    if cfg.overlap_step and cfg.optimizer == "nvme":
+        raise ConfigError("config: offload.overlap_step=true needs whole optimizer pieces in host memory "
+                          "(speculation keeps undo copies); use offload.optimizer=cpu or overlap_step=false")
+    for key in ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size"):
+        if getattr(cfg, key) < 1:
+            raise ConfigError(f"config: offload.{key} must be >= 1, got {getattr(cfg, key)}")
+    if cfg.max_in_cpu < 0:
+        raise ConfigError(f"config: offload.max_in_cpu must be >= 0, got {cfg.max_in_cpu}")
+    if cfg.buffer_count < cfg.tiles_needed():
+        raise ConfigError(f"config: offload.buffer_count={cfg.buffer_count} is too small for pipeline_read="
+                          f"{str(cfg.pipeline_read).lower()} pipeline_write={str(cfg.pipeline_write).lower()}; "
+                          f"set offload.buffer_count>={cfg.tiles_needed()}")
+    a = cfg.aio
+    if a.block_size < PAGE or a.block_size % PAGE:
+        raise ConfigError(f"config: offload.aio.block_size must be a positive multiple of {PAGE} bytes "
+                          f"(O_DIRECT), got {a.block_size}")
+    if a.queue_depth < 1 or a.intra_op_parallelism < 1:
+        raise ConfigError("config: offload.aio.queue_depth and offload.aio.intra_op_parallelism must be >= 1")
+    if a.single_submit:
+        raise ConfigError("config: offload.aio.single_submit=true has no effect here (the IO engine always "
+                          "submits a batch of requests); remove it or set false")
+    if not a.overlap_events:
+        raise ConfigError("config: offload.aio.overlap_events=false has no effect here (completions always "
+                          "overlap submission); remove it or set true")
+    return replace(cfg, params=params)
+
+
+def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None):
+    raise FrameworkError("offload=nvme: the disk tier is not built yet (issue 9 in progress); use offload=cpu")
+
+
+COMPONENT = Component(config=NVMeOffloadConfig, build=build)
