@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.nvme_io --dir /mnt/nvme0/tmp --rounds 3
     .venv/bin/python -m bench.nvme_io --size 64MiB --block-sizes 1MiB --queue-depths 4 --no-fio   # quick
 
-Ours: ``framework.offload.aio.AsyncIO`` moving ``--size`` bytes as fp32 tensors of ``--tensor-size``
+Ours: ``framework.offload._aio.AsyncIO`` moving ``--size`` bytes as fp32 tensors of ``--tensor-size``
 (page-aligned buffers from ``aligned_empty``, O_DIRECT, one swap file) at every ``--block-sizes`` x
 ``--queue-depths`` pair (intra_op_parallelism 1: ``queue_depth`` pieces in flight), all requests
 submitted at once and then waited for, with the default checksum (sum64) and, at the best pair,
@@ -35,8 +35,8 @@ import torch
 
 from bench._common import machine
 from framework.accelerator import for_device
-from framework.offload.aio import AsyncIO, aligned_empty
-from framework.offload.swapfile import SwapFile
+from framework.offload._aio import AsyncIO, aligned_empty
+from framework.offload._swapfile import SwapFile
 
 UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 

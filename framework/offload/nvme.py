@@ -22,7 +22,7 @@ PAGE = 4096
 
 @dataclass(kw_only=True)
 class AIOConfig:
-    """DeepSpeed's ``aio`` section: how the IO engine (``offload.aio``) splits and queues requests."""
+    """DeepSpeed's ``aio`` section: how the IO engine (``offload._aio``) splits and queues requests."""
     block_size: int = 1048576          # bytes per request (a multiple of 4096: O_DIRECT)
     queue_depth: int = 8               # requests in flight
     intra_op_parallelism: int = 1      # IO threads per request

@@ -1,4 +1,4 @@
-"""The NVMe offload's IO engine (framework.offload.aio) and swap files (framework.offload.swapfile).
+"""The NVMe offload's IO engine (framework.offload._aio) and swap files (framework.offload._swapfile).
 
 Faults are injected through the engine's system-call seam (``Syscalls``), never by patching."""
 import errno
@@ -14,8 +14,8 @@ import torch
 
 from framework.accelerator import for_device
 from framework.errors import ConfigError, SwapIOError
-from framework.offload.aio import AsyncIO, DirectIOFallback, aligned_empty
-from framework.offload.swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, swap_path
+from framework.offload._aio import AsyncIO, DirectIOFallback, aligned_empty
+from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, swap_path
 
 ACC = for_device(torch.device("cpu"), "check")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

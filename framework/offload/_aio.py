@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from framework.errors import SwapIOError
-from framework.offload.swapfile import ALIGN, SwapFile, Syscalls, preflight, swap_path
+from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, preflight, swap_path
 
 __all__ = ["ALIGN", "AsyncIO", "DirectIOFallback", "IOHandle", "SwapFile", "SwapIOError", "Syscalls",
            "aligned_empty", "preflight", "swap_path"]
