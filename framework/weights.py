@@ -284,8 +284,14 @@ def targets(module: nn.Module, staged: dict[str, tuple[int, ...]], master_dtype:
     return out
 
 
-def _staged(specs) -> dict[str, tuple[int, ...]]:
-    return {s.name: tuple(s.shape) for spec in specs for s in spec.spans}
+def _staged(specs, dist) -> dict[str, tuple[int, ...]]:
+    """Every parameter the stage holds in master pieces on any rank, with its global shape (a
+    rank's own pieces may hold only some of them). Collective."""
+    mine = {s.name: tuple(s.shape) for spec in specs for s in spec.spans}
+    out: dict[str, tuple[int, ...]] = {}
+    for names in dist.all_gather_object(mine, what="weights: parameter names gather"):
+        out.update(names)
+    return out
 
 
 # ============================================================================ load ====
@@ -315,7 +321,7 @@ def _load(engine, src: WeightsSource, strict: bool) -> None:
     specs = c.stage.piece_specs()
     masters = list(state.params)
     master_dtype = masters[0].dtype if masters else torch.float32
-    tgts = targets(c.module, _staged(specs), master_dtype)
+    tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
     available = set(src.keys())
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -502,7 +508,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     specs = c.stage.piece_specs()
     masters = list(engine.state.params)
     master_dtype = masters[0].dtype if masters else torch.float32
-    tgts = targets(c.module, _staged(specs), master_dtype)
+    tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
 
     def out_dtype(t: Target) -> torch.dtype:
         return dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
