@@ -22,6 +22,7 @@ from framework.optimizers._transforms import copy_16bit
 from framework.state import TrainState, load_state_dict, state_dict
 from framework.step import Components, LossFn, build_train_step, init_state
 from framework.utils import tensors_in, tensor_bytes
+from framework.weights import save_pretrained
 
 
 def component(cfg: Config, group: str):
@@ -97,15 +98,30 @@ class Engine:
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
                                 rank=c.dist.rank, world=c.dist.world)
-        # As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
-        # written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
-        # its shards and persistent unit, ddp copies a separate master).
+        self.sync_working(state)
+        self._state = state
+        return state
+
+    def sync_working(self, state: TrainState) -> None:
+        """Rebuild the working parameters from the master values in ``state.params`` after they
+        were written directly (a state or weights load). Collective.
+
+        As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
+        written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
+        its shards and persistent unit, ddp copies a separate master)."""
+        c = self.components
         out16 = c.stage.out16()
         if out16 is not None:
             copy_16bit(out16, state.params)
         c.stage.publish(list(state.params))
-        self._state = state
-        return state
+
+    def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
+                        max_shard_size: int | str = "5GB") -> list:
+        """Consolidated safetensors of the current weights in ``out_dir`` (``framework.weights.
+        save_weights``: ``dtype`` None keeps the fp32 masters' values) plus ``config.json`` when
+        the model is a Hugging Face one, so ``from_pretrained(out_dir)`` loads it. Collective;
+        no rank gathers the model. Returns the written paths."""
+        return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

@@ -16,7 +16,8 @@ from framework.loggers._base import NullLogger, RunInfo, RunRecord
 from framework.models.gpt import gpt_loss
 from framework.stages._flat import param_count
 from framework.state import capture_rng
-from framework.utils import atomic_save, to_device
+from framework.utils import to_device
+from framework.weights import save_on_model_save
 
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
@@ -74,10 +75,10 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device), what="peak memory gather"),
             "config": cfg.to_dict(),
         }
-        export = engine.components.stage.export_state_dict()  # collective when configured
-        if export is not None:
-            atomic_save(export, run.run_dir / "model_16bit.pt")  # plain tensors: loads with weights_only=True
-            summary["exported"] = "model_16bit.pt"
+        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors, each rank writing
+        # its own ranges (collective; nothing when the key is off).
+        if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
+            summary["exported"] = "model_16bit"
         if record is not None:
             record.finish(summary)
         logger.finish(summary)

@@ -66,8 +66,9 @@ class Stage(Protocol):
     def consolidated_state_dict(self) -> dict | None:
         """Full working-dtype weights under every parameter name, on rank 0 (None elsewhere). Collective."""
 
-    def export_state_dict(self) -> dict | None:
-        """Full weights to save at the end of training when the stage is configured to (rank 0), else None."""
+    def weights_on_save(self) -> bool:
+        """Whether each save also writes consolidated working-dtype weights (zero3's
+        ``stage3_gather_16bit_weights_on_model_save``; framework.weights.save_on_model_save)."""
 
     def close(self) -> None:
         """Remove the hooks this stage registered on the module (``Engine.close``)."""
@@ -99,8 +100,8 @@ class WholeParameters(HookOwner):
     def out16(self) -> list[torch.Tensor] | None:
         return None  # publish converts the master values itself
 
-    def export_state_dict(self) -> dict | None:
-        return None  # the plain module's own state_dict already holds full weights
+    def weights_on_save(self) -> bool:
+        return False  # no such key: the plain module's own state_dict already holds full weights
 
     def consolidated_state_dict(self) -> dict | None:
         if not self.dist.is_main:

@@ -246,10 +246,8 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def stats(self) -> dict:
         return self.gatherer.stats()
 
-    def export_state_dict(self) -> dict | None:
-        if not self.cfg.stage3_gather_16bit_weights_on_model_save:
-            return None
-        return self.consolidated_state_dict()
+    def weights_on_save(self) -> bool:
+        return self.cfg.stage3_gather_16bit_weights_on_model_save
 
     def consolidated_state_dict(self) -> dict | None:
         """Full 16-bit (working dtype) weights under every registered name, on rank 0 (None elsewhere).

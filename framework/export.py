@@ -1,0 +1,128 @@
+"""Consolidate a training checkpoint into safetensors that the plain model loads.
+
+    python -m framework.export outputs/.../checkpoints/step-100 --to exported/
+    python -m framework.export outputs/.../checkpoints --to exported/ --dtype bf16 --max-shard-size 2GB
+
+CHECKPOINT is a checkpoint step folder (a torch.distributed.checkpoint folder whose keys
+``model.<parameter name>`` hold the fp32 masters at their global shapes) or the checkpoint
+directory itself (its ``latest`` is followed). The output is ``model.safetensors``, or shards
+plus ``model.safetensors.index.json`` when larger than ``--max-shard-size``, under the
+parameter names (tied weights once, as the checkpoint holds them): ``model.load_state_dict``
+of the plain model loads it (``strict=False`` where a tied alias is absent), and so does
+``framework.weights.load_weights``. It is streamed: one output file's tensors are read from the
+checkpoint at a time, so peak memory stays near one output shard, not the model.
+
+In Python, ``get_fp32_state_dict_from_checkpoint(dir)`` (the name DeepSpeed's ``zero_to_fp32``
+users know) returns the whole consolidated fp32 state dict.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from framework.errors import ConfigError, FrameworkError
+from framework.weights import create_files, finish_files, plan_files, write_at
+
+PREFIX = "model."
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve(checkpoint) -> Path:
+    """The DCP step folder of ``checkpoint``: itself, or what its ``latest`` points at (a
+    symbolic link, or a file holding the step folder's name)."""
+    path = Path(checkpoint)
+    if (path / ".metadata").is_file():
+        return path
+    latest = path / "latest"
+    if latest.is_symlink() or latest.is_dir():
+        return resolve(latest.resolve())
+    if latest.is_file():
+        return resolve(path / latest.read_text().strip())
+    raise ConfigError(f"export: {path} is not a checkpoint (no .metadata, no 'latest' pointing at a step folder)")
+
+
+def model_tensors(step_dir: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Parameter name -> (global shape, stored dtype) of every ``model.*`` tensor, from the
+    checkpoint's metadata alone (nothing else is read)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        meta = FileSystemReader(str(step_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling or IO errors of a damaged folder
+        raise ConfigError(f"export: cannot read the checkpoint metadata in {step_dir}: {e}") from None
+    out = {k[len(PREFIX):]: (tuple(md.size), md.properties.dtype)
+           for k, md in meta.state_dict_metadata.items()
+           if k.startswith(PREFIX) and isinstance(md, TensorStorageMetadata)}
+    if not out:
+        raise ConfigError(f"export: {step_dir} holds no '{PREFIX}<name>' tensors")
+    return out
+
+
+def _read(step_dir: Path, wanted: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Full tensors of ``wanted`` (name -> shape, dtype), read from every rank's shard files
+    (DCP reassembles them; only their byte ranges are read). No process group needed."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {PREFIX + n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in wanted.items()}
+    try:
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+    except Exception as e:  # noqa: BLE001 - DCP wraps per-item failures in its own exception types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"export: reading {step_dir} failed: {first}") from None
+    return {k[len(PREFIX):]: v for k, v in sd.items()}
+
+
+def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
+    """Write the checkpoint's model weights as consolidated safetensors (``dtype``: default the
+    stored fp32). One output file at a time: its tensors are read, converted, written, freed."""
+    step_dir = resolve(checkpoint)
+    tensors = model_tensors(step_dir)
+    out_dtype = {n: (dtype if dtype is not None and dt.is_floating_point else dt) for n, (_, dt) in tensors.items()}
+    plans = plan_files([(n, shape, out_dtype[n]) for n, (shape, _) in tensors.items()], max_shard_size)
+    out_dir = Path(out_dir)
+    create_files(out_dir, plans)
+    for plan in plans:
+        values = _read(step_dir, {e.name: tensors[e.name] for e in plan.entries})
+        fd = os.open(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+        try:
+            for e in plan.entries:
+                write_at(fd, e.offset, values.pop(e.name).reshape(-1).to(e.dtype).contiguous())
+        finally:
+            os.close(fd)
+        del values
+    return finish_files(out_dir, plans)
+
+
+def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
+    """The checkpoint's consolidated fp32 model weights, ``{name: tensor}`` at global shapes
+    (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``, for a checkpoint of ours). The
+    whole model is in memory: to write files, use ``export`` (streamed)."""
+    step_dir = resolve(checkpoint)
+    tensors = model_tensors(step_dir)
+    return {n: t.float() if t.is_floating_point() else t for n, t in _read(step_dir, tensors).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m framework.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", help="a checkpoint step folder, or the checkpoint directory (its 'latest')")
+    p.add_argument("--to", required=True, dest="out", help="output folder")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
+    args = p.parse_args(argv)
+    try:
+        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size)
+    except (FrameworkError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""framework.weights on 2 gloo ranks: load_weights and save_weights under every stage.
+
+Each case builds an engine (default seed), loads weights written from a differently seeded
+plain model (safetensors file, sharded folder with an index, or a torch state dict), and checks:
+* the gathered working parameters and every rank's fp32 masters equal the plain model's
+  load_state_dict bitwise (torch.equal; bf16: the plain values rounded as the stage rounds);
+* each rank read only its own ranges: bytes through the slice API per rank (ddp: everything);
+* the first loss equals the plain model's on the same batches, bitwise (fp32: the same per-rank
+  forward, summed over ranks in the same two-term order);
+* after one step, save_weights (sharded: small max_shard_size) gives files that the plain model
+  loads with load_state_dict(strict=True), bitwise equal to the gathered working parameters.
+"""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import framework
+from framework.models.gpt import gpt_loss
+from framework.weights import load_weights, open_weights, save_weights
+from tests._helpers import build_gpt, tiny_config
+from tests.dist.test_layout import assemble
+
+ROWS = 8
+PLAIN_SEED = 1234
+
+
+def _gathered(engine) -> dict[str, torch.Tensor]:
+    module = engine.components.module
+    with framework.gathered(list(module.parameters())):
+        return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def _read_files(out_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(out_dir, name)))
+    return out
+
+
+def _case(dist, overrides, source, plain_file, out_dir):
+    """Load ``source``, take one step, save; returns what the test compares."""
+    cfg = tiny_config(*overrides, f"train.micro_batch={ROWS // dist.world}")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    before = engine.state_dict(engine.state)
+    with open_weights(source) as src:
+        load_weights(engine, src)
+        read = src.bytes_read
+    loaded, masters = _gathered(engine), engine.state_dict(engine.state)
+    plain, _ = build_gpt(cfg, seed=7)
+    plain.load_state_dict(torch.load(plain_file, weights_only=True))
+    batch = data.train_batch(0, micro_batch=ROWS // dist.world, grad_accum=1, rank=dist.rank, world=dist.world)
+    with torch.no_grad():
+        plain_loss = gpt_loss(plain, batch.micro[0]).float()
+    state, m = engine.train_step(engine.state, batch)
+    trained = _gathered(engine)
+    paths = save_weights(engine, out_dir, max_shard_size="30KB")
+    paths16 = save_weights(engine, out_dir + "-bf16", dtype=torch.bfloat16) if "precision=bf16" in overrides else None
+    engine.close()
+    return {"read": read, "loaded": loaded, "masters": masters, "before": before, "loss": m["loss"],
+            "plain_loss": plain_loss, "trained": trained, "paths": [str(p) for p in paths],
+            "paths16": paths16 and [str(p) for p in paths16]}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """The plain model's weights (seed PLAIN_SEED) in every accepted format."""
+    from safetensors.torch import save_file
+    d = tmp_path_factory.mktemp("sources")
+    cfg = tiny_config()
+    plain, _ = build_gpt(cfg, seed=PLAIN_SEED)
+    g = torch.Generator().manual_seed(5)   # off the init values (LayerNorm's ones, zero biases) too
+    sd = {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous() for k, v in plain.state_dict().items()}
+    torch.save(sd, d / "plain.pt")
+    save_file(sd, d / "plain.safetensors")
+    sharded = d / "sharded"
+    sharded.mkdir()
+    names = list(sd)
+    weight_map = {}
+    for i in range(3):   # three shards, as transformers writes them
+        part = names[i::3]
+        fname = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({k: sd[k] for k in part}, sharded / fname)
+        weight_map.update({k: fname for k in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {"pt": d / "plain.pt", "safetensors": d / "plain.safetensors", "sharded": sharded, "sd": sd}
+
+
+CASES = {
+    "ddp <- torch file": ([], "pt"),
+    "zero1 <- safetensors": (["+stage=zero1"], "safetensors"),
+    "zero2 offload ratio 0.5 <- sharded": (["+stage=zero2", "offload=cpu", "offload.ratio=0.5"], "sharded"),
+    "zero3 <- sharded": (["+stage=zero3", "stage.stage3_param_persistence_threshold=0"], "sharded"),
+    "zero3 bf16 offload params <- safetensors": (
+        ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=true",
+         "stage.stage3_param_persistence_threshold=300"], "safetensors"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_load_and_save_under_every_stage(pools, sources, tmp_path, case):
+    overrides, fmt = CASES[case]
+    ranks = pools(2).run(_case, overrides, str(sources[fmt]), str(sources["pt"]), str(tmp_path / "out"), timeout=240)
+    sd = sources["sd"]
+    bf16 = "precision=bf16" in overrides
+    total = sum(v.numel() * v.element_size() for v in sd.values())
+    # Loaded values: working parameters (gathered) and fp32 masters, bitwise.
+    masters = assemble([r["masters"] for r in ranks])
+    before = assemble([r["before"] for r in ranks])
+    for name, value in sd.items():
+        want = value.to(torch.bfloat16) if bf16 else value
+        for rank, r in enumerate(ranks):
+            assert torch.equal(r["loaded"][name], want), f"{case} rank {rank}: working {name} differs"
+        assert torch.equal(masters[name].view(value.shape), value), f"{case}: master {name} differs"
+        assert not torch.equal(before[name].view(value.shape), value)   # the load changed something
+    # Reads: ddp replicates everything; the ZeRO stages read their partitions, together the file once.
+    reads = [r["read"] for r in ranks]
+    if not overrides:
+        assert reads == [total, total], reads
+    else:
+        assert sum(reads) == total and max(reads) <= 0.7 * total, (reads, total)
+    # The first loss: the plain model's, on the same per-rank batches.
+    ref = (ranks[0]["plain_loss"] + ranks[1]["plain_loss"]).item() / 2
+    if bf16:
+        assert ranks[0]["loss"] == pytest.approx(ref, rel=2e-2)
+    else:
+        assert ranks[0]["loss"] == ref and ranks[1]["loss"] == ref, (ranks[0]["loss"], ref)
+    # save_weights after one step: sharded files + index, loadable by the plain model, bitwise.
+    paths = ranks[0]["paths"]
+    assert paths == ranks[1]["paths"] and paths[-1].endswith("model.safetensors.index.json") and len(paths) > 3
+    index = json.loads(open(paths[-1]).read())
+    assert set(index["weight_map"]) == set(sd)
+    assert index["metadata"]["total_size"] == total
+    saved = _read_files(tmp_path / "out")
+    plain, _ = build_gpt(tiny_config(), seed=7)
+    plain.load_state_dict(saved, strict=True)
+    trained = ranks[0]["trained"]
+    for name, p in plain.named_parameters():
+        if bf16:   # fp32 masters are saved; the working parameters are those rounded
+            assert torch.equal(p.detach().to(torch.bfloat16), trained[name]), name
+        else:
+            assert torch.equal(p.detach(), trained[name]), f"{case}: saved {name} differs from the trained one"
+    if bf16:
+        saved16 = _read_files(tmp_path / "out-bf16")
+        assert all(torch.equal(saved16[n], trained[n]) for n in trained)
+
+
+# --- Hugging Face: tied weights, save_pretrained -> from_pretrained ---------------------------------------
+
+
+def _hf_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=128))
+
+
+def _hf_loss(module, micro):
+    x, y = micro
+    return nn.functional.cross_entropy(module(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+
+
+def _hf_case(dist, out_dir, tied_file):
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    cfg = tiny_config("+stage=zero3", "stage.gather_unit=[GPT2Block]", "stage.stage3_param_persistence_threshold=0")
+    engine = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
+    g = torch.Generator().manual_seed(dist.rank)
+    x, y = torch.randint(0, 1000, (2, 16), generator=g), torch.randint(0, 1000, (2, 16), generator=g)
+    engine.train_step(engine.state, framework.Batch(((x, y),)))
+    trained = _gathered(engine)
+    paths = engine.save_pretrained(out_dir)
+    # A fresh engine loads the export back, and a file naming the tied matrix by its other name.
+    fresh = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
+    load_weights(fresh, out_dir)
+    reloaded = _gathered(fresh)
+    fresh2 = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
+    load_weights(fresh2, tied_file)
+    via_alias = _gathered(fresh2)
+    for e in (engine, fresh, fresh2):
+        e.close()
+    return trained, [str(p) for p in paths], reloaded, via_alias
+
+
+def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
+    """GPT-2 (tied lm_head / wte) under zero3 on 2 ranks: save_pretrained -> from_pretrained bitwise;
+    load_weights takes the tied matrix under either name."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import AutoModelForCausalLM
+    ref = _hf_model()
+    sd = {k: v.clone() * 1.5 for k, v in ref.state_dict().items() if k != "transformer.wte.weight"}
+    assert "lm_head.weight" in sd
+    torch.save(sd, tmp_path / "tied.pt")   # the tie only under lm_head.weight
+    trained, paths, reloaded, via_alias = pools(2).run(_hf_case, str(tmp_path / "hf"), str(tmp_path / "tied.pt"),
+                                                       timeout=240)[0]
+    assert [os.path.basename(p) for p in paths] == ["model.safetensors", "config.json"]
+    saved = _read_files(tmp_path / "hf")
+    assert "lm_head.weight" not in saved and "transformer.wte.weight" in saved   # tied: written once
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert back.lm_head.weight is back.transformer.wte.weight
+    for name, p in back.named_parameters():
+        assert torch.equal(p.detach(), trained[name]), f"from_pretrained: {name} differs"
+        assert torch.equal(reloaded[name], trained[name]), f"load_weights of the export: {name} differs"
+    assert torch.equal(via_alias["transformer.wte.weight"], sd["lm_head.weight"])
+    assert torch.equal(via_alias["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"])
