@@ -8,13 +8,15 @@
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import os
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from framework.accelerator import for_device
-from framework.config import Config
+from framework.config import Config, compose
 from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
 from framework.registry import registry
@@ -45,6 +47,7 @@ class Engine:
         self._train_step = train_step
         self._eval_step = eval_step
         self.closed = False
+        self.config: Config | None = None   # set by initialize
 
     @property
     def state(self) -> TrainState:
@@ -131,13 +134,25 @@ class Engine:
         return ledger
 
 
-def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | None = None,
-               position: int = 0) -> Engine:
+def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
+               position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
     """Shard ``module`` with the configured stage and return the initial state and step functions.
 
     ``loss_fn(module, micro_batch) -> scalar`` is called once per micro batch. Without ``dist``
-    the process group described by the environment is joined (none at world size 1).
+    the process group described by the environment is joined (none at world size 1). Instead of
+    ``cfg``, ``ds_config`` (a DeepSpeed JSON path or dict) with optional ``overrides`` composes
+    one: our defaults < the DeepSpeed config < the overrides; its "auto" bucket sizes use the
+    module's hidden size (``module.config.hidden_size`` or ``n_embd`` as Hugging Face models
+    have, or our GPT's ``cfg.d_model``). ``engine.config`` is the config used.
     """
+    if cfg is not None and (ds_config is not None or overrides):
+        raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
+    if cfg is None:
+        world = dist.world if dist is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
+                      hidden_from_model=False)
+        if (dist is None or dist.is_main) and cfg.notices:
+            print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
@@ -151,7 +166,21 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config, dist: Dist | Non
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
                    stage.make_update(optimizer))
-    return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
+    engine = Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
+    engine.config = cfg
+    return engine
+
+
+def hidden_size_of(module: nn.Module) -> int | None:
+    """The model's hidden size for DeepSpeed's "auto" bucket sizes: a Hugging Face model's
+    ``config.hidden_size`` (or GPT-2's ``n_embd``), our GPT's ``cfg.d_model``; None if unknown."""
+    for holder, names in ((getattr(module, "config", None), ("hidden_size", "n_embd", "d_model")),
+                          (getattr(module, "cfg", None), ("d_model",))):
+        for name in names:
+            value = getattr(holder, name, None) if holder is not None else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
 
 
 def move_buffers(module: nn.Module, device: torch.device) -> None:

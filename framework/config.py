@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from pathlib import Path
+from typing import Any, Callable, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -45,6 +47,10 @@ class RootSchema:
     seed: int = 1337
     train: TrainLoopConfig
     dist: DistConfig = field(default_factory=DistConfig)
+    ds_config: str | None = None      # a DeepSpeed JSON config, layered between our YAML and the command line
+    ds_config_strict: bool = False    # keys DeepSpeed does not know in it: an error instead of a warning
+
+ROOT_KEYS = ("seed", "train", "dist", "ds_config", "ds_config_strict")
 
 
 @dataclass(frozen=True)
@@ -62,13 +68,31 @@ class Config:
     offload: Any
     logger: Any
     stage: Any
+    ds_config: str | None = None     # the DeepSpeed config's path ("<dict>" when given as a dict)
+    ds_config_strict: bool = False
+    # Where each value came from, keyed like flat(to_dict()): default, YAML, DeepSpeed file,
+    # DeepSpeed default, auto, command line.
+    sources: Mapping[str, str] = field(default_factory=dict)
+    notices: tuple[str, ...] = ()    # the DeepSpeed config's warnings, printed once at start-up
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""
-        out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist)}
+        out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist),
+               "ds_config": self.ds_config, "ds_config_strict": self.ds_config_strict}
         for g in GROUPS:
             out[g] = {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))}
         return out
+
+
+def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (lists are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def _check_keys(node: Any, schema: type, prefix: str) -> None:
@@ -105,12 +129,12 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
     except OmegaConfBaseException as e:
         raise ConfigError(f"config: {' '.join(str(e).split())}") from None
-    roots = [f.name for f in dataclasses.fields(RootSchema)] + list(GROUPS)
+    roots = list(ROOT_KEYS) + list(GROUPS)
     for key in raw:
         if key not in roots:
             raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
                               f"valid top-level keys: {', '.join(roots)}")
-    root = _typed({k: raw[k] for k in ("seed", "train", "dist") if k in raw}, RootSchema, "")
+    root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:
         name = choices.get(group) or (DEFAULT_STAGE if group == "stage" else None)
@@ -124,7 +148,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     check_compatible(chosen["stage"], chosen["offload"])
     _check_inert_stage_keys(chosen["stage"], nodes["stage"])
     nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
-    return Config(seed=root.seed, train=root.train, dist=root.dist, choices=chosen, **nodes)
+    return Config(seed=root.seed, train=root.train, dist=root.dist, choices=chosen, ds_config=root.ds_config,
+                  ds_config_strict=root.ds_config_strict, **nodes)
 
 
 def _check_values(root: RootSchema) -> None:
@@ -200,8 +225,11 @@ def group_overrides_to_force(overrides: list[str]) -> list[str]:
     return out
 
 
-def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Compose conf/train.yaml with Hydra-style overrides and validate it (library use)."""
+Composer = Callable[[list[str]], tuple[DictConfig, dict[str, str]]]
+
+
+def standalone_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -209,9 +237,136 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
 
     try:
         with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = hydra_compose("train", overrides=group_overrides_to_force(list(overrides)),
-                                return_hydra_config=True)
+            cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError("config: " + " ".join(str(e).split())) from None
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
-    return validate(cfg, choices)
+    return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+    """Compose inside a running Hydra app (its config search path is already set up)."""
+    from hydra import compose as hydra_compose
+    from hydra.errors import HydraException
+
+    try:
+        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError("config: " + " ".join(str(e).split())) from None
+    return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,
+            world: int | None = None, hidden_size: int | None = None, hidden_from_model: bool = True,
+            composer: Composer = standalone_composer) -> Config:
+    """Compose conf/train.yaml with Hydra-style overrides and validate it (library use).
+
+    ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
+    config between our YAML and the overrides (framework.dsconfig). ``world`` (default: the
+    torchrun environment, else dist.nproc) sizes its batch triple; its "auto" bucket sizes use
+    ``hidden_size``, or the model config's d_model when ``hidden_from_model``.
+    """
+    return compose_layers(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size,
+                          hidden_from_model=hidden_from_model, composer=composer)[1]
+
+
+def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | None = None, world: int | None = None,
+                   hidden_size: int | None = None, hidden_from_model: bool = True,
+                   composer: Composer = standalone_composer) -> tuple[DictConfig, Config]:
+    """compose(), also returning the final composed DictConfig (``--cfg job`` prints it)."""
+    from framework import dsconfig
+
+    cli = CommandLine.parse(overrides)
+    if ds_config is not None and cli.ds_config is not None:
+        raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
+    source = ds_config if ds_config is not None else cli.ds_config
+    forced = group_overrides_to_force(overrides)
+    if source is None:
+        cfg, choices = composer(forced)
+        config = validate(cfg, choices)
+        return cfg, dataclasses.replace(config, sources=provenance(config, cli))
+    t = dsconfig.translate(dsconfig.load(source))
+    errors = list(t.errors)
+    if cli.strict and t.unknown:
+        errors.append("keys DeepSpeed does not know (ds_config_strict=true): " + ", ".join(t.unknown))
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(f"ds_config: {errors[0]}")
+        raise ConfigError("ds_config: " + f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
+    # the file's group choices unless the command line makes its own (a mismatch, see resolve).
+    choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
+                        if g not in cli.choices]
+    base = validate(*composer(choice_overrides + forced))
+    values = flat(base.to_dict())
+    if world is None:
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_world if env_world > 1 else base.dist.nproc
+    if hidden_from_model and hidden_size is None:
+        hidden_size = values.get("model.d_model")
+    facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
+                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices))
+    resolved = dsconfig.resolve(t, facts)
+    ds_overrides = [f"++{k}={dsconfig.hydra_value(v)}" for k, v in resolved.values.items()]
+    cfg, choices = composer(choice_overrides + ds_overrides + forced)
+    config = validate(cfg, choices)
+    label = str(source) if isinstance(source, (str, Path)) else "<dict>"
+    sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
+                                    notices=tuple(t.notices(cli.strict)))
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """What the overrides set: value keys, group choices, and the DeepSpeed-config keys."""
+    keys: frozenset[str]
+    choices: Mapping[str, str]
+    ds_config: str | None
+    strict: bool
+
+    @staticmethod
+    def parse(overrides: list[str]) -> "CommandLine":
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        keys, choices, ds_config, strict = set(), {}, None, False
+        for o in OverridesParser.create().parse_overrides(overrides):
+            key = o.key_or_group
+            if key.startswith("hydra") or o.is_delete():
+                continue
+            if key.split("@")[0] in GROUPS:
+                choices[key.split("@")[0]] = str(o.value())
+            elif key == "ds_config":
+                ds_config = None if o.value() is None else str(o.value())
+            elif key == "ds_config_strict":
+                strict = o.value() in (True, "true", "True")
+            else:
+                keys.add(key)
+        return CommandLine(frozenset(keys), choices, ds_config, strict)
+
+
+def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Where each value of ``config`` came from: our defaults < YAML < the DeepSpeed file
+    (``layered``) < the command line."""
+    from framework.dsconfig import COMMAND_LINE, DEFAULT, YAML
+    from framework.paths import conf_dir
+
+    def yaml_keys(path: Path, prefix: str) -> set[str]:
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
+        return set(flat({k: v for k, v in (node or {}).items() if k not in ("defaults", "hydra")}, prefix))
+
+    in_yaml = yaml_keys(conf_dir() / "train.yaml", "")
+    for g in GROUPS:
+        in_yaml |= yaml_keys(conf_dir() / g / f"{config.choices[g]}.yaml", f"{g}.")
+        if g != "stage":  # the defaults list of train.yaml chooses every group but stage
+            in_yaml.add(f"{g}.name")
+    out = {k: YAML if k in in_yaml else DEFAULT for k in flat(config.to_dict())}
+    for key, label in (layered or {}).items():
+        if key in out:
+            out[key] = label
+    for key in cli.keys:
+        if key in out:
+            out[key] = COMMAND_LINE
+    for g in cli.choices:
+        out[f"{g}.name"] = COMMAND_LINE
+    if cli.ds_config is not None:
+        out["ds_config"] = COMMAND_LINE
+    return out

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import resource
+import sys
 import time
 from dataclasses import replace
 from statistics import fmean
@@ -38,7 +39,10 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     record = RunRecord(run.run_dir) if dist.is_main else None
     losses, evals = [], []
     try:
-        logger.start(cfg.to_dict(), t.steps)
+        if dist.is_main and cfg.notices:
+            print("\n".join(cfg.notices), file=sys.stderr, flush=True)
+        # The W&B config: the resolved values and where each came from.
+        logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()
         window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line
         while state.step < t.steps:
@@ -74,7 +78,10 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
             "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device), what="peak memory gather"),
             "config": cfg.to_dict(),
+            "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
         }
+        if cfg.notices:
+            summary["ds_config_notices"] = list(cfg.notices)
         # stage3_gather_16bit_weights_on_model_save: consolidated safetensors, each rank writing
         # its own ranges (collective; nothing when the key is off).
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:

@@ -5,6 +5,8 @@
     python -m framework.train dist.nproc=2 train.steps=100     # 2 local ranks (gloo on CPU)
     torchrun --nproc-per-node 2 -m framework.train             # ranks made by torchrun
     python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep
+    python -m framework.train ds_config=ds.json train.steps=50 # a DeepSpeed config, then overrides
+    python -m framework.train ds_config=ds.json --cfg job      # print the resolved config
 
 Flow: check (every job's composed config against the typed schemas, one line per error)
 -> compose (Hydra) -> launch (1 process, spawned ranks or torchrun) -> build -> loop.
@@ -20,12 +22,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from framework.config import compose, validate
+from framework.config import app_composer, compose, compose_layers
 from framework.errors import FrameworkError
 from framework.launch import launch
 from framework.loggers._base import RunInfo
 from framework.paths import conf_dir
-from framework.registry import GROUPS
 
 
 def _jobs(argv: list[str]) -> list[list[str]] | None:
@@ -34,6 +35,10 @@ def _jobs(argv: list[str]) -> list[list[str]] | None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     args = get_args_parser().parse_args(argv)
+    if args.cfg == "job" and not args.multirun and any(o.split("=")[0].lstrip("+") == "ds_config"
+                                                       for o in args.overrides):
+        _print_resolved(args.overrides, args.resolve)  # Hydra's own --cfg would not show the DeepSpeed layer
+        sys.exit(0)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
         return None
     if not args.multirun:
@@ -43,10 +48,22 @@ def _jobs(argv: list[str]) -> list[list[str]] | None:
     return [list(combo) for combo in itertools.product(*axes)]
 
 
+def _print_resolved(overrides: list[str], resolve: bool) -> None:
+    """``--cfg job`` with a DeepSpeed config: the composed config with the file's values in it."""
+    from omegaconf import OmegaConf
+
+    cfg, _ = compose_layers(list(overrides))
+    node = OmegaConf.to_container(cfg, resolve=resolve)
+    node.pop("hydra", None)
+    print(OmegaConf.to_yaml(node), end="")
+
+
 @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
 def _job(cfg: DictConfig) -> float:
     hc = HydraConfig.get()
-    config = validate(cfg, {k: v for k, v in hc.runtime.choices.items() if k in GROUPS})
+    # Composed again from this job's overrides: the DeepSpeed layer sits between the YAML and
+    # them, and provenance needs to know which keys the command line set.
+    config = compose(list(hc.overrides.task), composer=app_composer)
     multirun = hc.mode == RunMode.MULTIRUN
     run = RunInfo(Path(hc.runtime.output_dir),
                   group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
