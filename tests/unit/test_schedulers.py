@@ -129,3 +129,21 @@ def test_yaml_lists_every_field_with_its_default(name):
     assert node == fields
     assert all(type(node[k]) is type(fields[k]) for k in fields), "YAML types must match the schema"
     component.build(component.config(**node), 1e-3, 1000)(0)  # the defaults build and run
+
+
+def test_warmup_cosine_lr_values_deepspeed_formula():
+    from framework.schedulers import warmup_cosine_lr
+
+    cfg = warmup_cosine_lr.WarmupCosineLRConfig(warmup_min_ratio=0.2, warmup_num_steps=4, cos_min_ratio=0.1,
+                                                warmup_type="linear", total_num_steps=8)
+    lr_at = warmup_cosine_lr.build(cfg, base_lr=2.0, total_steps=999)  # explicit total wins
+    # warm-up: ratio = 0.2 + 0.8 * step / 4
+    assert [lr_at(s) for s in range(4)] == pytest.approx([0.4, 0.8, 1.2, 1.6])
+    # decay: progress (step - 4 + 1) / (8 - 4); ratio = 0.1 + 0.9 * (1 + cos(pi p)) / 2
+    expect = [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * p)) / 2) for p in (0.25, 0.5, 0.75, 1.0)]
+    assert [lr_at(s) for s in range(4, 8)] == pytest.approx(expect)
+    assert lr_at(8) == lr_at(100) == pytest.approx(0.2)  # stays at cos_min_ratio
+    log = warmup_cosine_lr.build(warmup_cosine_lr.WarmupCosineLRConfig(warmup_num_steps=10), 1.0, 100)
+    assert log(0) == 0.0 and log(1) == pytest.approx(LOG10_2) and log(9) == pytest.approx(1.0)
+    with pytest.raises(ConfigError, match="cos_min_ratio"):
+        warmup_cosine_lr.build(warmup_cosine_lr.WarmupCosineLRConfig(cos_min_ratio=2.0), 1.0, 10)

@@ -1,0 +1,42 @@
+"""python -m framework.train ds_config=...: precedence, provenance, --cfg job, errors."""
+import json
+from pathlib import Path
+
+import yaml
+
+from tests.cli.test_cli import SHORT, cli, error_lines
+
+DS = Path(__file__).resolve().parents[1] / "config" / "ds"
+
+
+def test_ds_config_run_records_provenance(tmp_path):
+    p = cli(tmp_path, f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", *SHORT, "optimizer.lr=3e-4", "logger=none")
+    assert p.returncode == 0, p.stderr
+    assert "steps_per_print" in p.stderr  # the inert keys, listed once
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    cfg, src = summary["config"], summary["config_sources"]
+    assert cfg["stage"]["name"] == "zero2" and cfg["offload"]["name"] == "cpu"
+    assert cfg["optimizer"]["lr"] == 3e-4 and src["optimizer.lr"] == "command line"
+    assert cfg["scheduler"]["warmup_max_lr"] == 3e-4 and src["scheduler.warmup_max_lr"] == "auto"
+    assert cfg["stage"]["reduce_bucket_size"] == 200_000_000 and src["stage.reduce_bucket_size"] == "DeepSpeed file"
+    assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["optimizer.decay_1d"] == "DeepSpeed default"
+
+
+def test_cfg_job_shows_the_resolved_config(tmp_path):
+    p = cli(tmp_path, "--cfg", "job", f"ds_config={DS / 'hf_zero3_cpu_offload.json'}", "model.d_model=64")
+    assert p.returncode == 0, p.stderr
+    shown = yaml.safe_load(p.stdout)
+    assert shown["stage"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
+    assert shown["stage"]["stage3_param_persistence_threshold"] == 640
+    assert shown["optimizer"]["decay_1d"] is True and shown["train"]["grad_clip"] == 1.0
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_ds_config_is_one_line_and_nonzero(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
+    p = cli(tmp_path, f"ds_config={bad}", *SHORT)
+    assert p.returncode != 0
+    lines = error_lines(p)
+    assert len(lines) == 1 and "did you mean 'zero_optimization.overlap_comm'" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,339 @@
+"""DeepSpeed configs (framework.dsconfig): the Hugging Face guide's three configs, typos at every
+level, "auto", the batch triple, precedence and provenance, Adam = AdamW."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import framework
+from framework import dsconfig
+from framework.errors import ConfigError
+from framework.launch import launch
+from framework.loggers._base import RunInfo
+from framework.registry import registry
+
+DS = Path(__file__).resolve().parent / "ds"
+TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16", "train.steps=3",
+        "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.micro_batch=4", "logger=none"]
+
+
+def hf(name: str) -> dict:
+    return json.loads((DS / f"{name}.json").read_text())
+
+
+def error_of(ds, overrides=(), **kw) -> str:
+    with pytest.raises(ConfigError) as e:
+        framework.compose(list(overrides), ds_config=ds, **kw)
+    return str(e.value)
+
+
+# --- the Hugging Face guide's configs ---------------------------------------------------------
+
+@pytest.mark.parametrize("name,stage,params_on_host", [("hf_zero2_cpu_offload", "zero2", False),
+                                                       ("hf_zero3_cpu_offload", "zero3", True)])
+def test_hf_guide_config_trains(tmp_path, name, stage, params_on_host):
+    cfg = framework.compose(TINY, ds_config=DS / f"{name}.json")
+    assert cfg.choices["stage"] == stage and cfg.choices["offload"] == "cpu"
+    assert cfg.offload.params in (params_on_host, "cpu" if params_on_host else "none")
+    assert cfg.choices["optimizer"] == "adamw" and cfg.choices["scheduler"] == "warmup_lr"
+    assert cfg.choices["precision"] == "fp32"  # fp16 "auto" follows the run's precision
+    if stage == "zero3":  # phase 2 "auto" from the hidden size (32)
+        assert cfg.stage.stage3_prefetch_bucket_size == int(0.9 * 32 * 32)
+        assert cfg.stage.stage3_param_persistence_threshold == 320
+        assert cfg.stage.stage3_gather_16bit_weights_on_model_save is True
+    else:
+        assert cfg.stage.reduce_bucket_size == 200_000_000 and cfg.stage.allgather_bucket_size == 200_000_000
+    summary = launch(cfg, RunInfo(tmp_path, None, None))
+    assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["val_loss"]))
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    src = saved["config_sources"]
+    assert src["stage.name"] == "DeepSpeed file" and src["optimizer.lr"] == "auto"
+    assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["dist.timeout_s"] == "YAML"
+    assert src["optimizer.decay_1d"] == "DeepSpeed default"
+    assert any("steps_per_print" in n for n in saved["ds_config_notices"])
+
+
+def test_hf_guide_nvme_config_maps():
+    t = dsconfig.translate(hf("hf_zero3_nvme"))
+    assert not t.errors and not t.unknown
+    assert t.choices["stage"] == "zero3" and t.choices["offload"] == "nvme"
+    s = {k: v.value for k, v in t.settings.items()}
+    assert s["offload.optimizer"] == "nvme" and s["offload.params"] == "nvme"
+    assert s["offload.nvme_path"] == "/local_nvme" and s["offload.pin_memory"] is True
+    assert s["offload.buffer_count"] == 4 and s["offload.param_buffer_count"] == 5
+    assert s["offload.param_buffer_size"] == 100_000_000 and s["offload.max_in_cpu"] == 1_000_000_000
+    assert s["offload.sub_group_size"] == 1_000_000_000 and isinstance(s["offload.sub_group_size"], int)
+    assert s["offload.aio.block_size"] == 262144 and s["offload.aio.queue_depth"] == 32
+    assert s["offload.aio.intra_op_parallelism"] == 1  # from the deprecated thread_count
+    assert any("'aio.thread_count' is deprecated; use 'intra_op_parallelism'" in w for w in t.warnings)
+    assert s["stage.stage3_prefetch_bucket_size"] == dsconfig.AUTO
+
+
+@pytest.mark.skipif("nvme" not in registry("offload").names(), reason="offload=nvme is not on this branch yet")
+def test_hf_guide_nvme_config_trains(tmp_path):
+    ds = hf("hf_zero3_nvme")
+    for sec in ("offload_optimizer", "offload_param"):
+        ds["zero_optimization"][sec]["nvme_path"] = str(tmp_path / "nvme")
+    cfg = framework.compose(TINY, ds_config=ds)
+    assert cfg.choices["offload"] == "nvme"
+    summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
+    assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["val_loss"]))
+
+
+# --- strictness -------------------------------------------------------------------------------
+
+TYPOS = [
+    (("gradient_clippping",), 1.0, "did you mean 'gradient_clipping'"),
+    (("zero_optimization", "overlap_com"), True, "did you mean 'zero_optimization.overlap_comm'"),
+    (("zero_optimization", "stage3_prefetch_bucket_sise"), 10, "stage3_prefetch_bucket_size"),
+    (("zero_optimization", "offload_optimizer", "pin_memroy"), True, "offload_optimizer.pin_memory"),
+    (("optimizer", "params", "weight_decy"), 0.1, "optimizer.params.weight_decay"),
+    (("optimizer", "parmas"), {}, "optimizer.params"),
+    (("scheduler", "params", "warmup_num_step"), 5, "scheduler.params.warmup_num_steps"),
+    (("fp16", "loss_scale_windows"), 100, "fp16.loss_scale_window"),
+    (("bf16", "enabeld"), True, "bf16.enabled"),
+    (("aio", "queue_dept"), 8, "aio.queue_depth"),
+    (("train_micro_batch_size_per_gpus",), 2, "train_micro_batch_size_per_gpu"),
+]
+
+
+@pytest.mark.parametrize("path,value,needle", TYPOS, ids=[".".join(p) for p, _, _ in TYPOS])
+def test_typo_at_every_level_names_the_key(path, value, needle):
+    ds = hf("hf_zero3_nvme")  # has every section the typos go into
+    ds["bf16"] = {"enabled": False}
+    node = ds
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    msg = error_of(ds)
+    assert "did you mean" in msg and needle in msg and path[-1] in msg, msg
+    assert "\n" not in msg, msg  # one line
+
+
+def test_unknown_key_far_from_any_is_one_warning_or_an_error_when_strict():
+    ds = {"zero_optimization": {"stage": 1, "my_private_knob": 3}, "totally_custom": {"x": 1}}
+    cfg = framework.compose([], ds_config=ds)
+    warnings = [n for n in cfg.notices if "does not know" in n]
+    assert len(warnings) == 1 and "totally_custom" in warnings[0] and "zero_optimization.my_private_knob" in warnings[0]
+    msg = error_of(ds, ["ds_config_strict=true"])
+    assert "totally_custom" in msg and "my_private_knob" in msg
+
+
+@pytest.mark.parametrize("ds,new", [
+    ({"bfloat16": {"enabled": True}}, "'bf16'"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'offload_optimizer'"),
+    ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
+     "'stage3_gather_16bit_weights_on_model_save'"),
+])
+def test_deprecated_alias_accepted_with_a_warning(ds, new):
+    cfg = framework.compose([], ds_config=ds)
+    assert any("deprecated" in n and new in n for n in cfg.notices), cfg.notices
+    if "bfloat16" in ds:
+        assert cfg.choices["precision"] == "bf16"
+    elif ds["zero_optimization"]["stage"] == 2:
+        assert cfg.choices["offload"] == "cpu"
+    else:
+        assert cfg.stage.stage3_gather_16bit_weights_on_model_save is True
+
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, "LAMB is not implemented"),
+    ({"optimizer": {"type": "OneBitAdam"}}, "1-bit Adam is not implemented"),
+    ({"sparse_attention": {"mode": "fixed"}}, "sparse attention is not implemented"),
+    ({"compression_training": {"weight_quantization": {}}}, "compression training is not implemented"),
+    ({"pipeline": {"stages": 2}}, "pipeline parallelism is not implemented"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism"),
+    ({"moe": {"enabled": True}}, "mixture of experts is not implemented"),
+    ({"scheduler": {"type": "OneCycle", "params": {}}}, "OneCycle is not implemented"),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++"),
+    ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
+    ({"optimizer": {"type": "AdamWW"}}, "did you mean 'adamw'"),
+])
+def test_unimplemented_feature_is_an_error_saying_so(ds, needle):
+    assert needle in error_of(ds)
+
+
+def test_inert_keys_listed_once_and_switched_off_features_accepted():
+    ds = {"steps_per_print": 10, "wall_clock_breakdown": True, "prescale_gradients": False, "_comment": "x",
+          "sparse_attention": {"enabled": False}, "zero_optimization": {"stage": 0}}
+    notes = [n for n in framework.compose([], ds_config=ds).notices if n.startswith("note:")]
+    assert len(notes) == 1
+    for key in ("steps_per_print", "wall_clock_breakdown", "prescale_gradients", "_comment", "sparse_attention"):
+        assert key in notes[0]
+
+
+def test_broken_json_names_line_and_column(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text('{\n  "train_batch_size": 8,\n  "fp16": {"enabled": true,}\n}\n')
+    msg = error_of(path)
+    assert "line 3 column" in msg and str(path) in msg and "\n" not in msg
+    path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    assert "appears twice" in error_of(path)
+    assert "no such file" in error_of(tmp_path / "missing.json")
+
+
+def test_every_problem_in_one_block():
+    msg = error_of({"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 2, "overlap_com": True},
+                    "fp16": {"enabled": "yes"}})
+    assert msg.count("\n  - ") == 3 and "LAMB" in msg and "overlap_comm" in msg and "fp16.enabled" in msg
+
+
+# --- optimizer semantics ----------------------------------------------------------------------
+
+def _train(ds=None, overrides=(), steps=4) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4))
+    gen = torch.Generator().manual_seed(1)
+    data = [(torch.randn(4, 8, generator=gen), torch.randn(4, 4, generator=gen)) for _ in range(steps)]
+
+    def loss_fn(module, micro):
+        x, y = micro
+        return nn.functional.mse_loss(module(x), y)
+
+    base = ["train.steps=4", "train.micro_batch=4", "scheduler=constant", *overrides]
+    kw = {"ds_config": ds} if ds is not None else {}
+    with framework.initialize(model, loss_fn, overrides=base, **kw) as engine:
+        state = engine.state
+        for micro in data:
+            state, _ = engine.train_step(state, framework.Batch((micro,)))
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_deepspeed_adam_with_weight_decay_trains_bitwise_like_adamw():
+    ds = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
+    ours = _train(overrides=["optimizer=adamw", "optimizer.lr=1e-2", "optimizer.weight_decay=0.1",
+                             "optimizer.beta2=0.999", "optimizer.decay_1d=true", "train.grad_clip=0"])
+    theirs = _train(ds)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    # adam_w_mode false: L2 decay (our adam), which is a different update.
+    ds["optimizer"]["params"]["adam_w_mode"] = False
+    l2 = _train(ds)
+    l2_ours = _train(overrides=["optimizer=adam", "optimizer.lr=1e-2", "optimizer.weight_decay=0.1",
+                                "optimizer.decay_1d=true", "train.grad_clip=0"])
+    assert all(torch.equal(a, b) for a, b in zip(l2, l2_ours))
+    assert not all(torch.equal(a, b) for a, b in zip(l2, theirs))
+
+
+def test_optimizer_type_case_insensitive_and_deepspeed_defaults():
+    cfg = framework.compose([], ds_config={"optimizer": {"type": "aDaMw"}})
+    o = cfg.optimizer
+    assert cfg.choices["optimizer"] == "adamw"
+    assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.decay_1d) == (1e-3, 0.9, 0.999, 1e-8, 0.0, True)
+    assert cfg.train.grad_clip == 0.0 and cfg.sources["train.grad_clip"] == "DeepSpeed default"
+
+
+# --- auto, batch triple, precedence -----------------------------------------------------------
+
+@pytest.mark.parametrize("triple,world,expect", [
+    ((32, 4, None), 2, (4, 4)),          # train and micro: accumulation = 32 / (4 x 2)
+    ((32, None, 2), 2, (8, 2)),          # train and accumulation: micro = 32 / (2 x 2)
+    ((16, None, None), 4, (4, 1)),       # only train: accumulation 1
+    ((None, 3, None), 2, (3, 1)),        # only micro: accumulation 1
+    ((None, 2, 5), 3, (2, 5)),
+    ((24, 3, 4), 2, (3, 4)),
+])
+def test_batch_triple_any_two_give_the_third(triple, world, expect):
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    ds = {k: v for k, v in zip(keys, triple) if v is not None}
+    cfg = framework.compose([], ds_config=ds, world=world)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum) == expect
+
+
+def test_batch_triple_mismatch_names_all_numbers_and_world():
+    msg = error_of({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+                    "gradient_accumulation_steps": 2}, world=4)
+    for needle in ("train_batch_size=30", "train_micro_batch_size_per_gpu=4", "gradient_accumulation_steps=2",
+                   "world size 4", "= 32"):
+        assert needle in msg, msg
+    assert "not divisible" in error_of({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world=2)
+    # A command-line micro batch against an explicit train_batch_size: the same check.
+    msg = error_of({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, ["train.micro_batch=8"], world=1)
+    assert "train_micro_batch_size_per_gpu=8" in msg and "gradient_accumulation_steps=4" in msg
+
+
+def test_auto_batch_fills_from_the_run():
+    ds = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}
+    cfg = framework.compose(["train.micro_batch=3", "train.grad_accum=2"], ds_config=ds, world=2)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum) == (3, 2)
+    assert cfg.sources["train.micro_batch"] == "command line" and cfg.sources["train.grad_accum"] == "command line"
+
+
+def test_precedence_defaults_file_command_line():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.05}},
+          "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
+    cfg = framework.compose(["optimizer.lr=1e-3", "train.steps=7"], ds_config=ds)
+    assert cfg.optimizer.lr == 1e-3 and cfg.sources["optimizer.lr"] == "command line"
+    assert cfg.optimizer.weight_decay == 0.05 and cfg.sources["optimizer.weight_decay"] == "DeepSpeed file"
+    assert cfg.optimizer.eps == 1e-8 and cfg.sources["optimizer.eps"] == "DeepSpeed default"
+    assert cfg.train.micro_batch == 4 and cfg.sources["train.micro_batch"] == "DeepSpeed file"
+    assert cfg.train.grad_clip == 0.5 and cfg.train.steps == 7
+    assert cfg.sources["train.eval_every"] == "YAML" and cfg.sources["stage.name"] == "default"
+    assert cfg.sources["dist.backend"] == "YAML" and cfg.sources["model.name"] == "YAML"
+    assert cfg.sources["optimizer.decay_1d"] == "DeepSpeed default"
+
+
+def test_mismatches_listed_together():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "total_num_steps": 100}},
+          "fp16": {"enabled": True}, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 4}
+    msg = error_of(ds, ["precision=bf16", "train.steps=10"], world=2)
+    assert "does not match" in msg and msg.count("\n  - ") == 4, msg
+    for needle in ("warmup_max_lr=0.001", "total_num_steps=100 but train.steps=10", "precision=bf16",
+                   "train_batch_size=64"):
+        assert needle in msg, msg
+
+
+def test_auto_scheduler_and_phase_two_fill():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                            "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+          "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    cfg = framework.compose(["optimizer.lr=2e-3", "train.steps=40", "model.d_model=48", "model.n_head=2",
+                             "scheduler.warmup_num_steps=5"], ds_config=ds)
+    s = cfg.scheduler
+    assert (s.warmup_min_lr, s.warmup_max_lr, s.warmup_num_steps, s.total_num_steps) == (0.0, 2e-3, 5, 40)
+    assert cfg.stage.reduce_bucket_size == 48 * 48 and cfg.sources["stage.reduce_bucket_size"] == "auto"
+
+
+def test_auto_left_over_is_an_error():
+    assert "\"auto\"" in error_of({"zero_optimization": {"stage": 2, "overlap_comm": "auto"}})
+    # A model without a known hidden size cannot fill the bucket sizes.
+    with pytest.raises(ConfigError, match="left over.*reduce_bucket_size"):
+        framework.initialize(nn.Linear(4, 4), lambda m, b: m(b).sum(),
+                             ds_config={"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}})
+
+
+def test_offload_sections_and_mismatched_pin_memory():
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.5},
+                                "offload_param": {"device": "cpu", "pin_memory": False}}}
+    cfg = framework.compose([], ds_config=ds)
+    assert cfg.choices["offload"] == "cpu" and cfg.offload.ratio == 0.5 and cfg.offload.pin_memory is False
+    bad = copy.deepcopy(ds)
+    bad["zero_optimization"]["offload_param"]["pin_memory"] = True
+    assert "differ" in error_of(bad)
+    bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    assert "needs zero_optimization.stage 3" in error_of(bad)
+
+
+def test_stage3_keys_with_and_without_prefix():
+    a = framework.compose([], ds_config={"zero_optimization": {"stage": 3, "max_live_parameters": 1234,
+                                                               "prefetch_bucket_size": 99}})
+    b = framework.compose([], ds_config={"zero_optimization": {"stage": 3, "stage3_max_live_parameters": 1234,
+                                                               "stage3_prefetch_bucket_size": 99}})
+    assert a.stage == b.stage and a.stage.stage3_max_live_parameters == 1234
+    assert "same key" in error_of({"zero_optimization": {"stage": 3, "max_live_parameters": 1,
+                                                         "stage3_max_live_parameters": 2}})
+
+
+def test_fp16_block_maps_to_our_loss_scaler():
+    cfg = framework.compose([], ds_config={"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 12,
+                                                    "loss_scale_window": 50, "hysteresis": 3, "min_loss_scale": 2}})
+    p = cfg.precision
+    assert cfg.choices["precision"] == "fp16"
+    assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == (0, 12, 50, 3, 2)
