@@ -509,8 +509,8 @@ class _Translator:
             self.set("offload.optimizer", od, f"{p}offload_optimizer.device")
             self.set("offload.params", pd, f"{p}offload_param.device")
             both("nvme_path", "str")
-        else:  # contract A: offload=cpu takes params none|cpu
-            self.set("offload.params", _cpu_params_value(pd), f"{p}offload_param.device")
+        else:  # offload=cpu takes params none|cpu
+            self.set("offload.params", pd, f"{p}offload_param.device")
             for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
                 if "nvme_path" in sec and dev != "none":
                     self.inert(f"{p}{name}.nvme_path", "device cpu")
@@ -744,19 +744,6 @@ def _switched_off(value: Any, key: str) -> bool:
     if isinstance(value, dict):
         return value == {} or value.get("enabled") is False
     return value in (None, False, 0)
-
-
-def _cpu_params_value(device: str) -> Any:
-    """offload=cpu's params field: "none"|"cpu" (contract A). Until the nvme-store branch lands
-    that schema on main, the field is a bool; the mapping follows whichever schema is present."""
-    from dataclasses import fields
-
-    from framework.offload.cpu import CPUOffloadConfig
-
-    kind = next(f.type for f in fields(CPUOffloadConfig) if f.name == "params")
-    if kind in (bool, "bool"):
-        return device == "cpu"
-    return device
 
 
 def translate(ds: dict) -> Translation:

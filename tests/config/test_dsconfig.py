@@ -12,10 +12,9 @@ from torch import nn
 
 import framework
 from framework import dsconfig
-from framework.errors import ConfigError
+from framework.errors import ConfigError, FrameworkError
 from framework.launch import launch
 from framework.loggers._base import RunInfo
-from framework.registry import registry
 
 DS = Path(__file__).resolve().parent / "ds"
 TINY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16", "train.steps=3",
@@ -39,7 +38,7 @@ def error_of(ds, overrides=(), **kw) -> str:
 def test_hf_guide_config_trains(tmp_path, name, stage, params_on_host):
     cfg = framework.compose(TINY, ds_config=DS / f"{name}.json")
     assert cfg.choices["stage"] == stage and cfg.choices["offload"] == "cpu"
-    assert cfg.offload.params in (params_on_host, "cpu" if params_on_host else "none")
+    assert cfg.offload.params == ("cpu" if params_on_host else "none")
     assert cfg.choices["optimizer"] == "adamw" and cfg.choices["scheduler"] == "warmup_lr"
     assert cfg.choices["precision"] == "fp32"  # fp16 "auto" follows the run's precision
     if stage == "zero3":  # phase 2 "auto" from the hidden size (32)
@@ -74,14 +73,20 @@ def test_hf_guide_nvme_config_maps():
     assert s["stage.stage3_prefetch_bucket_size"] == dsconfig.AUTO
 
 
-@pytest.mark.skipif("nvme" not in registry("offload").names(), reason="offload=nvme is not on this branch yet")
 def test_hf_guide_nvme_config_trains(tmp_path):
     ds = hf("hf_zero3_nvme")
     for sec in ("offload_optimizer", "offload_param"):
         ds["zero_optimization"][sec]["nvme_path"] = str(tmp_path / "nvme")
     cfg = framework.compose(TINY, ds_config=ds)
-    assert cfg.choices["offload"] == "nvme"
-    summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
+    o = cfg.offload
+    assert cfg.choices["offload"] == "nvme" and (o.optimizer, o.params) == ("nvme", "nvme")
+    assert (o.aio.block_size, o.aio.queue_depth, o.param_buffer_count) == (262144, 32, 5)
+    try:
+        summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
+    except FrameworkError as e:  # the schema is on main before the disk tier (issue 9)
+        if "not built yet" in str(e):
+            pytest.skip(str(e))
+        raise
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["val_loss"]))
 
 
