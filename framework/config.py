@@ -312,7 +312,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=tuple(t.notices(cli.strict)))
+                                    notices=tuple(t.notices(cli.strict, resolved.inert)))
 
 
 @dataclass(frozen=True)

@@ -234,14 +234,14 @@ class Translation:
     unknown: list[str] = field(default_factory=list)            # keys resembling nothing DeepSpeed knows
     inert: list[str] = field(default_factory=list)              # accepted, change nothing here
 
-    def notices(self, strict: bool) -> list[str]:
+    def notices(self, strict: bool, inert: list[str] = ()) -> list[str]:
         """The one-line warnings to print at start-up (unknown keys are errors when strict)."""
         out = [f"warning: ds_config: {w}" for w in self.warnings]
         if self.unknown and not strict:
             out.append("warning: ds_config: keys DeepSpeed does not know, ignored (ds_config_strict=true makes "
                        "this an error): " + ", ".join(self.unknown))
-        if self.inert:
-            out.append("note: ds_config: accepted, change nothing here: " + "; ".join(self.inert))
+        if self.inert or inert:
+            out.append("note: ds_config: accepted, change nothing here: " + "; ".join([*self.inert, *inert]))
         return out
 
 
@@ -770,6 +770,7 @@ class RunFacts:
 class Resolved:
     values: dict[str, Any]              # our dotted key -> value to override (Hydra order: before the command line)
     sources: dict[str, str]             # our dotted key -> provenance label
+    inert: list[str]                    # file keys that turned out to change nothing (fp16 keys of a bf16 run)
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:
@@ -806,9 +807,12 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     fp16_keys = {k: s for k, s in settings.items() if k.startswith("_fp16.")}
     for k in fp16_keys:
         settings.pop(k)
+    inert = []
     if precision == "fp16":
         for k, s in fp16_keys.items():
             settings["precision." + k.split(".", 1)[1]] = s
+    else:
+        inert += [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     comm = settings.pop("_comm_dtype", None)
     if comm is not None:
         want = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(comm)
@@ -869,7 +873,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             raise ConfigError(f"ds_config: {mismatches[0]}")
         raise ConfigError("ds_config: the file does not match the run's config:\n" +
                           "\n".join(f"  - {m}" for m in mismatches))
-    return Resolved(values, sources)
+    return Resolved(values, sources, inert)
 
 
 def _fill(rule: str, h: int | None) -> int | None:

@@ -9,17 +9,23 @@ from tests.cli.test_cli import SHORT, cli, error_lines
 DS = Path(__file__).resolve().parents[1] / "config" / "ds"
 
 
-def test_ds_config_run_records_provenance(tmp_path):
-    p = cli(tmp_path, f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", *SHORT, "optimizer.lr=3e-4", "logger=none")
+def test_ds_config_multirun_records_provenance_in_summary_and_wandb(tmp_path):
+    p = cli(tmp_path, "-m", f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", *SHORT, "optimizer.lr=1e-3,3e-4",
+            "logger=wandb")
     assert p.returncode == 0, p.stderr
-    assert "steps_per_print" in p.stderr  # the inert keys, listed once
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    cfg, src = summary["config"], summary["config_sources"]
-    assert cfg["stage"]["name"] == "zero2" and cfg["offload"]["name"] == "cpu"
-    assert cfg["optimizer"]["lr"] == 3e-4 and src["optimizer.lr"] == "command line"
-    assert cfg["scheduler"]["warmup_max_lr"] == 3e-4 and src["scheduler.warmup_max_lr"] == "auto"
-    assert cfg["stage"]["reduce_bucket_size"] == 200_000_000 and src["stage.reduce_bucket_size"] == "DeepSpeed file"
-    assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["optimizer.decay_1d"] == "DeepSpeed default"
+    assert p.stderr.count("steps_per_print") == 2  # the inert keys, listed once per job
+    for job, lr in ((0, 1e-3), (1, 3e-4)):
+        summary = json.loads((tmp_path / "sweep" / str(job) / "summary.json").read_text())
+        cfg, src = summary["config"], summary["config_sources"]
+        assert cfg["stage"]["name"] == "zero2" and cfg["offload"]["name"] == "cpu"
+        assert cfg["optimizer"]["lr"] == lr and src["optimizer.lr"] == "command line"
+        assert cfg["scheduler"]["warmup_max_lr"] == lr and src["scheduler.warmup_max_lr"] == "auto"
+        assert cfg["stage"]["reduce_bucket_size"] == 200_000_000 and src["stage.reduce_bucket_size"] == "DeepSpeed file"
+        assert src["train.steps"] == "command line" and src["seed"] == "YAML"
+        assert src["optimizer.decay_1d"] == "DeepSpeed default"
+        # The W&B run's config carries the sources too (the offline record is a protobuf stream).
+        record = next((tmp_path / "sweep" / str(job) / "wandb").glob("offline-run-*/run-*.wandb")).read_bytes()
+        assert b"config_sources" in record and b"DeepSpeed default" in record
 
 
 def test_cfg_job_shows_the_resolved_config(tmp_path):

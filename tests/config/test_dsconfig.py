@@ -54,7 +54,8 @@ def test_hf_guide_config_trains(tmp_path, name, stage, params_on_host):
     assert src["stage.name"] == "DeepSpeed file" and src["optimizer.lr"] == "auto"
     assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["dist.timeout_s"] == "YAML"
     assert src["optimizer.decay_1d"] == "DeepSpeed default"
-    assert any("steps_per_print" in n for n in saved["ds_config_notices"])
+    notes = [n for n in saved["ds_config_notices"] if n.startswith("note:")]
+    assert len(notes) == 1 and "steps_per_print" in notes[0] and "fp16.loss_scale_window (the run is fp32)" in notes[0]
 
 
 def test_hf_guide_nvme_config_maps():
