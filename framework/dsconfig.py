@@ -813,8 +813,9 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             settings["precision." + k.split(".", 1)[1]] = s
     else:
         inert += [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
-    comm = settings.pop("_comm_dtype", None)
-    if comm is not None:
+    comm_setting = settings.pop("_comm_dtype", None)
+    if comm_setting is not None:
+        comm = comm_setting.value
         want = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(comm)
         native = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[precision]
         if precision == "bf16" and want in ("fp32", "bf16"):

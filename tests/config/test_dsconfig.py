@@ -343,3 +343,11 @@ def test_fp16_block_maps_to_our_loss_scaler():
     p = cfg.precision
     assert cfg.choices["precision"] == "fp16"
     assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == (0, 12, 50, 3, 2)
+
+
+def test_bf16_communication_dtype_and_grad_accum_dtype():
+    cfg = framework.compose([], ds_config={"bfloat16": {"enabled": True}, "communication_data_type": "fp32",
+                                           "data_types": {"grad_accum_dtype": "bf16"}})
+    assert cfg.choices["precision"] == "bf16" and cfg.precision.reduce_fp32 is True
+    assert cfg.precision.grad_accum_dtype == "bf16" and cfg.sources["precision.reduce_fp32"] == "DeepSpeed file"
+    assert "only fp16 is implemented" in error_of({"fp16": {"enabled": True}, "communication_data_type": "bf16"})
