@@ -189,9 +189,11 @@ NOT_IMPLEMENTED_OPTIMIZERS = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zeroo
                               "musgd": "MuSGD", "muon": "Muon", "adafactor": "Adafactor", "fusedadam": "FusedAdam"}
 # Optimizer params that select an implementation, not the math.
 OPTIMIZER_INERT = {"torch_adam": "selects torch's implementation; the math is the same",
-                   "fused": "selects a kernel", "foreach": "selects a kernel", "differentiable": "autograd through the step",
+                   "fused": "selects a kernel", "foreach": "selects a kernel",
+                   "differentiable": "autograd through the step",
                    "capturable": "CUDA-graph capture", "set_grad_none": "gradients are freed by the stages anyway"}
-OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"), "maximize": (False, "maximize is not implemented"),
+OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
+                     "maximize": (False, "maximize is not implemented"),
                      "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
 SCHEDULERS = {
     "warmuplr": ("warmup_lr", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
@@ -234,7 +236,7 @@ class Translation:
     unknown: list[str] = field(default_factory=list)            # keys resembling nothing DeepSpeed knows
     inert: list[str] = field(default_factory=list)              # accepted, change nothing here
 
-    def notices(self, strict: bool, inert: list[str] = ()) -> list[str]:
+    def notices(self, strict: bool, inert: tuple[str, ...] | list[str] = ()) -> list[str]:
         """The one-line warnings to print at start-up (unknown keys are errors when strict)."""
         out = [f"warning: ds_config: {w}" for w in self.warnings]
         if self.unknown and not strict:
@@ -253,12 +255,12 @@ class _Translator:
     def error(self, msg: str) -> None:
         self.t.errors.append(msg)
 
-    def section(self, node: Any, path: str, known, aliases: Mapping[str, str] = {}) -> dict:
+    def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None) -> dict:
         """The section's keys after alias and typo checks (unknown keys dropped)."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
-        out = {}
+        out, aliases = {}, aliases or {}
         for key, value in node.items():
             full = f"{path}.{key}" if path else key
             if key in known:
@@ -418,7 +420,8 @@ class _Translator:
                                      "contiguous_gradients", "reduce_scatter", "round_robin_gradients")},
             "zero3": {k: k for k in ("overlap_comm", "reduce_scatter", "stage3_prefetch_bucket_size",
                                      "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                                     "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save")},
+                                     "stage3_param_persistence_threshold",
+                                     "stage3_gather_16bit_weights_on_model_save")},
         }
         targets["zero2"] = targets["zero1"]
         why = {"ddp": "stage 0 replicates everything",
@@ -571,8 +574,8 @@ class _Translator:
     def precision(self, top: dict) -> None:
         fp16 = self.section(top["fp16"], "fp16", FP16_KEYS) if "fp16" in top else None
         bf16 = self.section(top["bf16"], "bf16", BF16_KEYS) if "bf16" in top else None
-        on16 = self.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True) if fp16 is not None else False
-        onbf = self.typed(bf16.get("enabled", False), "bool", "bf16.enabled", auto_ok=True) if bf16 is not None else False
+        on16 = False if fp16 is None else self.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True)
+        onbf = False if bf16 is None else self.typed(bf16.get("enabled", False), "bool", "bf16.enabled", auto_ok=True)
         if on16 is True and onbf is True:
             self.error("fp16.enabled and bf16.enabled are both true; enable one")
         if on16 is True:
@@ -582,7 +585,8 @@ class _Translator:
         elif AUTO in (on16, onbf):
             # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
             # section that says false (not absent) contradicts a run in that precision.
-            self.set("_precision_auto", {"fp16": None if fp16 is None else on16, "bf16": None if bf16 is None else onbf},
+            stated = {"fp16": None if fp16 is None else on16, "bf16": None if bf16 is None else onbf}
+            self.set("_precision_auto", stated,
                      "fp16.enabled / bf16.enabled", rule="precision")
         elif fp16 is not None or bf16 is not None:
             self.choose("precision", "fp32", "fp16.enabled / bf16.enabled")

@@ -342,7 +342,8 @@ def test_fp16_block_maps_to_our_loss_scaler():
                                                     "loss_scale_window": 50, "hysteresis": 3, "min_loss_scale": 2}})
     p = cfg.precision
     assert cfg.choices["precision"] == "fp16"
-    assert (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis, p.min_loss_scale) == (0, 12, 50, 3, 2)
+    got = (p.loss_scale, p.initial_scale_power, p.loss_scale_window, p.hysteresis, p.min_loss_scale)
+    assert got == (0, 12, 50, 3, 2)
 
 
 def test_bf16_communication_dtype_and_grad_accum_dtype():
