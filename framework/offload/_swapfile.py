@@ -351,4 +351,5 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
 
 
 def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB ({nbytes} bytes)"
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"

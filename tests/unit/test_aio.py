@@ -128,6 +128,15 @@ def test_unaligned_sub_ranges_keep_their_neighbours(tmp_path):
         part = torch.empty(5)
         io.pread(f, off + 4 * 3775, part, "x[3775:3780]").wait()
         assert torch.equal(part, expect[3775:3780])
+        # memory aligned like the file offset: partial head and tail blocks bounced, the body direct
+        mirror = aligned_empty(n, torch.float32, pin=False, acc=ACC)
+        mirror.copy_(_random(n, torch.float32, 3))
+        io.pwrite(f, off + 4 * 1500, mirror[1500:9100], "x[1500:9100]").wait()
+        expect[1500:9100] = mirror[1500:9100]
+        mirror.zero_()
+        io.pread(f, off + 4 * 1500, mirror[1500:9100], "x[1500:9100]").wait()
+        io.pread(f, off, back, "x").wait()
+        assert torch.equal(back, expect) and torch.equal(mirror[1500:9100], expect[1500:9100])
 
 
 class _RefuseDirect(Syscalls):
@@ -376,3 +385,45 @@ def test_checksums_off_and_pieces_rewritten_by_another_engine(tmp_path):
         assert torch.equal(back, a)
     with pytest.raises(ValueError, match="checksum"):
         AsyncIO(BLOCK, 1, 1, checksum="md5")
+
+
+def test_mapped_buffers_of_the_cuda_path_without_pinning(tmp_path):
+    """The mmap buffers aligned_empty makes on CUDA (pinning needs a GPU and is not exercised here)."""
+    class _Cuda:
+        device = torch.device("cuda", 0)
+
+    t = aligned_empty(3001, torch.bfloat16, pin=False, acc=_Cuda())
+    assert t.data_ptr() % ALIGN == 0 and t.numel() == 3001 and t.dtype == torch.bfloat16
+    t.copy_(_random(3001, torch.bfloat16, 7))
+    back = aligned_empty(3001, torch.bfloat16, pin=False, acc=_Cuda())
+    with _swap(tmp_path, {"x": 3001}, torch.bfloat16) as f, AsyncIO(BLOCK, 2, 1) as io:
+        io.pwrite(f, 0, t, "x").wait()
+        io.pread(f, 0, back, "x").wait()
+    assert torch.equal(_bits(back), _bits(t))
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 1 MiB tmpfs, where this process may mount one (root with CAP_SYS_ADMIN); skipped elsewhere."""
+    import subprocess
+    folder = tmp_path / "small"
+    folder.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("mounting a size-limited file system needs root")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(folder)],
+                          capture_output=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_file_system_fails_at_preflight_and_creation(small_fs):
+    with pytest.raises(ConfigError, match=r"need 2.00 MiB \(2097152 bytes\) but its file system has 1.00 MiB"):
+        preflight(small_fs, 2 << 20, 1, 1, 1)
+    with pytest.raises(SwapIOError, match="cannot reserve 2097152 bytes .*No space left on device"):
+        _swap(small_fs, {"a": 1 << 19}, torch.float32)
+    assert os.listdir(small_fs) == []
+    _round_trip(small_fs, torch.float16)   # what fits works (O_DIRECT or the one-warning fallback)
