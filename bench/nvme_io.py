@@ -12,16 +12,19 @@ also with none and with crc32:
 the differences are the checksums' costs. The first read of each round is compared bitwise with what
 was written.
 
-Raw: ``fio`` (``--direct=1 --ioengine=libaio``, sequential, 1 job, ``--iodepth`` 1/8/32 at each
-block size) on a file of the same size in the same folder, and ``dd`` with ``oflag=direct`` /
-``iflag=direct`` at 4 MiB blocks; both skipped (rows say why) when the tool is missing or
-``--no-fio``. Rounds alternate ours and the raw tools, so machine noise (the disk and the two cores
-are shared) hits them alike; each figure is the best of the rounds (what the disk can do), with the
-median beside it. Prints a Markdown table for BENCHMARKS.md.
+Raw: ``fio`` (``--direct=1 --ioengine=libaio``, sequential, 1 job, the same block size and queue
+depth, run right after ours at each setting) on a file of the same size in the same folder, and
+``dd`` with ``oflag=direct`` / ``iflag=direct`` at 4 MiB blocks, once a round; both left out when
+``--no-fio`` (fio also where it is not installed). fio moves its data through ``iodepth`` buffers
+it reuses, which stay in the CPU caches; ours and "bare-threads" (the same O_DIRECT system calls
+from a plain thread pool, no engine) move 1 GiB of distinct memory, as offload does. The machine
+is shared (two cores, one disk), so each figure is the best of the rounds (what the disk can do)
+with the median beside it. Prints a Markdown table for BENCHMARKS.md.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -30,6 +33,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -80,6 +84,34 @@ def ours(swap: SwapFile, tensors: list[torch.Tensor], names: list[str], block: i
     return out
 
 
+def bare(swap: SwapFile, tensors: list[torch.Tensor], names: list[str], block: int, depth: int) -> dict:
+    """The system calls alone: ``depth`` threads each issuing one O_DIRECT preadv / pwritev per block
+    straight into the same tensors (no pieces bookkeeping, checksums or error reports): the ceiling
+    of any thread-pool engine on this memory."""
+    fd = os.open(swap.path, os.O_RDWR | os.O_DIRECT)
+    jobs = [(swap.extent(n)[0] + o, x.data_ptr() + o, min(block, x.numel() * 4 - o))
+            for n, x in zip(names, tensors) for o in range(0, x.numel() * 4, block)]
+    out = {}
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            for op in ("write", "read"):
+                call = os.pwritev if op == "write" else os.preadv
+
+                def one(job):
+                    off, address, n = job
+                    assert call(fd, [(ctypes.c_char * n).from_address(address)], off) == n
+
+                cpu, t = time.process_time(), time.perf_counter()
+                list(pool.map(one, jobs))
+                wall = time.perf_counter() - t
+                nbytes = sum(j[2] for j in jobs)
+                out[op] = nbytes / wall / 1e9
+                out[op + "_cpu_s_per_gb"] = (time.process_time() - cpu) / (nbytes / 1e9)
+    finally:
+        os.close(fd)
+    return out
+
+
 def fio(path: str, size: int, block: int, depth: int) -> dict:
     out = {}
     for op in ("write", "read"):
@@ -87,8 +119,10 @@ def fio(path: str, size: int, block: int, depth: int) -> dict:
                "--direct=1", "--ioengine=libaio", f"--iodepth={depth}", "--numjobs=1",
                "--output-format=json", "--end_fsync=0", "--invalidate=1"]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0][op]
-        out[op] = job["bw_bytes"] / 1e9
+        job = json.loads(res.stdout[res.stdout.index("{"):])["jobs"][0]
+        out[op] = job[op]["bw_bytes"] / 1e9
+        cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * job["job_runtime"] / 1e3
+        out[op + "_cpu_s_per_gb"] = cpu_s / (job[op]["io_bytes"] / 1e9)
     return out
 
 
@@ -109,7 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--size", type=parse_size, default=1 << 30)
     p.add_argument("--tensor-size", type=parse_size, default=64 << 20)
     p.add_argument("--block-sizes", default="256KiB,1MiB,4MiB")
-    p.add_argument("--queue-depths", default="1,4,8,16")
+    p.add_argument("--queue-depths", default="1,4,8,16,32")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-fio", action="store_true", help="skip the raw tools (fio, dd)")
     args = p.parse_args(argv)
@@ -132,25 +166,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 x.copy_(torch.randn(numel, generator=g))
             expect = [x.clone() for x in tensors[:2]]
             raw_path = os.path.join(folder, "raw.fio")
+            use_fio = not args.no_fio and shutil.which("fio")
             for r in range(args.rounds):
                 for block in blocks:
-                    for depth in depths:
+                    for depth in depths:   # ours and fio alternate at each setting
                         check = r == 0 and block == blocks[0] and depth == depths[0]
                         res = ours(swap, tensors, names, block, depth, "sum64", expect if check else None)
                         rows.setdefault(("ours", block, depth, "sum64"), []).append(res)
-                if not args.no_fio and shutil.which("fio"):
-                    for block in blocks:
-                        for depth in (1, 8, 32):
+                        if use_fio:
                             rows.setdefault(("fio", block, depth, ""), []).append(
                                 fio(raw_path, count * numel * 4, block, depth))
                 if not args.no_fio:
                     rows.setdefault(("dd", 4 << 20, 1, ""), []).append(dd(raw_path, count * numel * 4))
             best_ours = max((k for k in rows if k[0] == "ours"),
                             key=lambda k: max(x["write"] for x in rows[k]) + max(x["read"] for x in rows[k]))
-            for r in range(args.rounds):   # the checksums' cost, at the best pair
+            for r in range(args.rounds):   # the checksums' cost and the bare system calls, at the best pair
                 for kind in ("none", "sum64", "crc32"):
                     res = ours(swap, tensors, names, best_ours[1], best_ours[2], kind, None)
                     rows.setdefault(("ours-checksum", best_ours[1], best_ours[2], kind), []).append(res)
+                rows.setdefault(("bare-threads", best_ours[1], best_ours[2], "none"), []).append(
+                    bare(swap, tensors, names, best_ours[1], best_ours[2]))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -133,7 +133,8 @@ class SwapFile:
                 raise ConfigError(f"swap file {path} is in use by another process; give each run its "
                                   "own offload.nvme_path") from None
             try:
-                syscalls.fallocate(fd, 0, max(size, 1))
+                if size:
+                    syscalls.fallocate(fd, 0, size)
             except OSError as e:
                 raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
                                   f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "

@@ -97,6 +97,9 @@ def test_aligned_empty_is_page_aligned_and_a_host_buffer():
             assert t.numel() == n and t.dtype == dtype and t.is_contiguous()
             assert n == 0 or t.data_ptr() % ALIGN == 0
             ACC.on_host(t, what="aligned buffer")   # the checking accelerator knows it as host memory
+    big = aligned_empty(3 << 20, torch.bfloat16, pin=True, acc=ACC)   # huge-page candidates: 2 MiB aligned
+    assert big.data_ptr() % (2 << 20) == 0 and big.numel() == 3 << 20
+    ACC.on_host(big, what="aligned buffer")
 
 
 def test_direct_io_on_a_real_disk(tmp_path):
@@ -392,6 +395,7 @@ def test_mapped_buffers_of_the_cuda_path_without_pinning(tmp_path):
     class _Cuda:
         device = torch.device("cuda", 0)
 
+    assert aligned_empty(1 << 21, torch.float32, pin=False, acc=_Cuda()).data_ptr() % (2 << 20) == 0
     t = aligned_empty(3001, torch.bfloat16, pin=False, acc=_Cuda())
     assert t.data_ptr() % ALIGN == 0 and t.numel() == 3001 and t.dtype == torch.bfloat16
     t.copy_(_random(3001, torch.bfloat16, 7))
