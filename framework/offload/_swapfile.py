@@ -49,6 +49,12 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def reserved_bytes(extents: Mapping[str, int]) -> int:
+    """Bytes a swap file of ``extents`` (name -> bytes) reserves on disk: each padded to 4 KiB
+    (what ``preflight`` should be given as ``total_bytes``)."""
+    return sum(padded(int(n)) for n in extents.values())
+
+
 def swap_path(folder: str | os.PathLike, rank: int, kind: str) -> Path:
     """Where rank ``rank`` keeps its swap file of ``kind`` (e.g. "optim", "params")."""
     return Path(folder) / f"rank{rank:05d}.{kind}.swap"
@@ -112,7 +118,7 @@ class SwapFile:
                 raise ValueError(f"extent {name!r}: {nbytes} bytes is not a whole number of {dtype} elements")
             table[name] = Extent(offset, int(nbytes), int(nbytes) // itemsize)
             offset += padded(int(nbytes))
-        size = offset
+        size = offset   # == reserved_bytes(extents)
         meta = {"format": FORMAT, "layout_hash": str(layout_hash), "world_size": int(world_size),
                 "rank": int(rank), "dtype": str(dtype).removeprefix("torch."), "size": size,
                 "extents": {n: {"offset": e.offset, "nbytes": e.nbytes, "numel": e.numel}
@@ -312,10 +318,10 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise.
 
     ``path`` must exist (``create``: make it, for a default folder in the run directory) and be
-    writable; its file system must have room for ``total_bytes`` (the padded swap file sizes,
-    reserved later with fallocate); buffers of ``buffer_bytes`` must hold the largest tile and
-    there must be ``min_buffer_count`` of them. ``itemsize`` converts bytes to the elements the
-    config keys ``size_key`` / ``count_key`` count, for the message."""
+    writable; its file system must have room for ``total_bytes`` (``reserved_bytes(extents)``
+    summed over the swap files: what fallocate will reserve); buffers of ``buffer_bytes`` must hold
+    the largest tile and there must be ``min_buffer_count`` of them. ``itemsize`` converts bytes
+    to the elements the config keys ``size_key`` / ``count_key`` count, for the message."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():

@@ -15,7 +15,7 @@ import torch
 from framework.accelerator import for_device
 from framework.errors import ConfigError, SwapIOError
 from framework.offload._aio import AsyncIO, DirectIOFallback, aligned_empty
-from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, swap_path
+from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, reserved_bytes, swap_path
 
 ACC = for_device(torch.device("cpu"), "check")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -298,6 +298,7 @@ def test_layout_extents_are_4k_aligned_and_manifest_describes_them(tmp_path):
     with _swap(tmp_path, {"a": 3, "b": 1025, "c": 0, "d": 7}, torch.float16) as f:
         offs = [f.extent(k)[0] for k in "abcd"]
         assert offs == [0, ALIGN, 2 * ALIGN, 2 * ALIGN] and f.size == 3 * ALIGN
+        assert reserved_bytes({"a": 6, "b": 2050, "c": 0, "d": 14}) == f.size == os.path.getsize(f.path)
         f.write_manifest()
         meta = json.loads(f.path.with_name(f.path.name + ".manifest.json").read_text())
         assert meta["layout_hash"] == "layout-a" and meta["world_size"] == 1 and meta["dtype"] == "float16"
