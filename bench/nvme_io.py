@@ -16,8 +16,10 @@ Raw: ``fio`` (``--direct=1 --ioengine=libaio``, sequential, 1 job, the same bloc
 depth, run right after ours at each setting) on a file of the same size in the same folder, and
 ``dd`` with ``oflag=direct`` / ``iflag=direct`` at 4 MiB blocks, once a round; both left out when
 ``--no-fio`` (fio also where it is not installed). fio moves its data through ``iodepth`` buffers
-it reuses, which stay in the CPU caches; ours and "bare-threads" (the same O_DIRECT system calls
-from a plain thread pool, no engine) move 1 GiB of distinct memory, as offload does. The machine
+it reuses, which stay in the CPU caches; ours moves 1 GiB of distinct memory, as offload does.
+"bare-threads" rows (at ours' best setting) issue the same O_DIRECT system calls from a plain
+thread pool, no engine: into the same tensors (huge pages), into the same bytes in 4 KiB pages,
+and into ``depth`` reused one-block buffers (fio's pattern), which shows what the memory costs. The machine
 is shared (two cores, one disk), so each figure is the best of the rounds (what the disk can do)
 with the median beside it. Prints a Markdown table for BENCHMARKS.md.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import re
 import shutil
@@ -84,13 +87,28 @@ def ours(swap: SwapFile, tensors: list[torch.Tensor], names: list[str], block: i
     return out
 
 
-def bare(swap: SwapFile, tensors: list[torch.Tensor], names: list[str], block: int, depth: int) -> dict:
+def bare(swap: SwapFile, tensors: list[torch.Tensor], names: list[str], block: int, depth: int,
+         memory: str = "tensors") -> dict:
     """The system calls alone: ``depth`` threads each issuing one O_DIRECT preadv / pwritev per block
-    straight into the same tensors (no pieces bookkeeping, checksums or error reports): the ceiling
-    of any thread-pool engine on this memory."""
+    (no pieces bookkeeping, checksums or error reports): the ceiling of any thread-pool engine.
+    ``memory``: "tensors" (straight into ours: huge pages where the kernel granted them), "4k" (the
+    same bytes in an mmap advised MADV_NOHUGEPAGE) or "reused" (``depth`` buffers of one block
+    each, cycled, as fio does)."""
     fd = os.open(swap.path, os.O_RDWR | os.O_DIRECT)
     jobs = [(swap.extent(n)[0] + o, x.data_ptr() + o, min(block, x.numel() * 4 - o))
             for n, x in zip(names, tensors) for o in range(0, x.numel() * 4, block)]
+    keep = None
+    if memory == "4k":
+        total = sum(x.numel() * 4 for x in tensors)
+        keep = mmap.mmap(-1, total)
+        keep.madvise(mmap.MADV_NOHUGEPAGE)
+        keep.write(bytes(total))   # committed before timing, like the tensors
+        base = ctypes.addressof((ctypes.c_char * total).from_buffer(keep))
+        jobs = [(off, base + i * block, n) for i, (off, _, n) in enumerate(jobs)]
+    elif memory == "reused":
+        keep = mmap.mmap(-1, depth * block)
+        base = ctypes.addressof((ctypes.c_char * (depth * block)).from_buffer(keep))
+        jobs = [(off, base + (i % depth) * block, n) for i, (off, _, n) in enumerate(jobs)]
     out = {}
     try:
         with ThreadPoolExecutor(depth) as pool:
@@ -184,8 +202,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 for kind in ("none", "sum64", "crc32"):
                     res = ours(swap, tensors, names, best_ours[1], best_ours[2], kind, None)
                     rows.setdefault(("ours-checksum", best_ours[1], best_ours[2], kind), []).append(res)
-                rows.setdefault(("bare-threads", best_ours[1], best_ours[2], "none"), []).append(
-                    bare(swap, tensors, names, best_ours[1], best_ours[2]))
+                for memory in ("tensors", "4k", "reused"):
+                    rows.setdefault((f"bare-threads, {memory}", best_ours[1], best_ours[2], "none"), []).append(
+                        bare(swap, tensors, names, best_ours[1], best_ours[2], memory))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
