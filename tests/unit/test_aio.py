@@ -176,7 +176,7 @@ def test_einval_falls_back_to_buffered_io_with_one_warning(tmp_path, at):
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
-def test_dev_shm_round_trip_warns_at_most_once(tmp_path_factory):
+def test_dev_shm_round_trip_warns_at_most_once():
     """tmpfs refused O_DIRECT before Linux 6.6 (one warning, buffered IO); newer kernels accept it."""
     folder = f"/dev/shm/framework-test-aio-{os.getpid()}"
     os.makedirs(folder)
