@@ -108,20 +108,29 @@ def _advise_huge(address: int, nbytes: int) -> None:
     libc.madvise(address, nbytes // HUGE * HUGE, advice)
 
 
-def _mapped(nbytes: int, pin: bool) -> torch.Tensor:
+def _mapped(nbytes: int, pin: bool, cudart=None) -> torch.Tensor:
+    """Anonymous mmap memory as a uint8 tensor, page-locked with ``cudaHostRegister`` when ``pin``.
+
+    The tensor's storage holds the object it was made from (a ctypes view of the mmap), and the
+    finalizer of that view holds the mmap: when the storage goes, the memory is unregistered
+    first and unmapped after (the mmap's own finalizers would run after its munmap).
+    ``cudart``: torch.cuda.cudart() unless given (tests pass a stand-in)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with warnings.catch_warnings():   # "non-writable buffer" does not apply: an mmap is writable
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.frombuffer(mm, dtype=torch.uint8)   # the tensor's storage keeps the mmap alive
+    pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm)   # a subclass: weak-referenceable
+    t = torch.frombuffer(pages, dtype=torch.uint8)
     if pin:
-        cudart = torch.cuda.cudart()
+        cudart = cudart or torch.cuda.cudart()
         ptr = t.data_ptr()
         err = cudart.cudaHostRegister(ptr, size, 0)
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
-        weakref.finalize(mm, cudart.cudaHostUnregister, ptr)
+        weakref.finalize(pages, _unregister, cudart, ptr, mm)
     return t
+
+
+def _unregister(cudart, ptr: int, mm: mmap.mmap) -> None:
+    cudart.cudaHostUnregister(ptr)   # ``mm`` (an argument, so still mapped) goes after this
 
 
 def _memory(address: int, nbytes: int):

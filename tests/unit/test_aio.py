@@ -407,6 +407,48 @@ def test_mapped_buffers_of_the_cuda_path_without_pinning(tmp_path):
     assert torch.equal(_bits(back), _bits(t))
 
 
+def _mapped_at(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_pinned_mapping_is_unregistered_before_it_is_unmapped():
+    """cudaHostRegister'd buffers (a stand-in for cudart records the calls): unregistered once, when
+    the last view of the memory goes, while the memory is still mapped."""
+    import gc
+    from framework.offload._aio import _mapped
+
+    calls = []
+
+    class _Cudart:
+        class cudaError:
+            success = 0
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("register", ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unregister", ptr, _mapped_at(ptr)))
+            return 0
+
+    t = _mapped(10_000, True, _Cudart())
+    ptr = t.data_ptr()
+    assert ptr % ALIGN == 0 and calls == [("register", ptr, 12288)]
+    view = t[4096:].view(torch.int32)
+    view.fill_(3)
+    del t
+    gc.collect()
+    assert len(calls) == 1 and int(view[0]) == 3        # a view keeps the memory registered
+    del view
+    gc.collect()
+    assert calls[1:] == [("unregister", ptr, True)]     # still mapped when unregistered
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """A 1 MiB tmpfs, where this process may mount one (root with CAP_SYS_ADMIN); skipped elsewhere."""
