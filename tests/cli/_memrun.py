@@ -1,0 +1,93 @@
+"""Measure a configuration's memory the way the OS sees it, in fresh processes (one per rank).
+
+    python -m tests.cli._memrun '{"overrides": ["+stage=zero2", "model=gpt-mini"], "world": 2, "steps": 2}'
+
+Each rank first trains one step of the same configuration with a tiny model (so modules, kernels
+and thread pools are loaded), composes the config, builds the data and the model on the meta
+device, asks glibc to return freed memory (``malloc_trim``) and reads its resident set (``/proc/self/statm``): the
+baseline. Then it builds the engine and trains ``steps`` steps, trims again and reads the resident
+set (``steady``: what the run keeps between steps), and the peak resident set (``getrusage``).
+Prints one JSON list (per rank) on the last line. Nothing here reads the framework's memory ledger.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _rss() -> int:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    from framework.build import component, initialize
+    from framework.config import compose
+    from framework.distributed import connect
+    from framework.models.gpt import gpt_loss
+
+    cfg = compose(spec["overrides"])
+    dist = connect("gloo", 120, store_path=store) if world > 1 else connect("gloo", 120)
+    torch.manual_seed(cfg.seed)
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    with torch.device("meta"):
+        module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    batches = [data.train_batch(i, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+                                rank=dist.rank, world=dist.world) for i in range(spec["steps"])]
+    _warm_up(spec["overrides"], dist)
+    base = _rss()
+    engine = initialize(module, gpt_loss, cfg, dist)
+    state = engine.state
+    built = _rss()
+    for b in batches:
+        state, _ = engine.train_step(state, b)
+    steady = _rss()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine.close()
+    with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+        json.dump({"base": base, "built": built, "steady": steady, "peak": peak}, f)
+    if world > 1:
+        dist.barrier("memrun end")
+        torch.distributed.destroy_process_group()
+
+
+def _warm_up(overrides: list[str], dist) -> None:
+    """One step of the same configuration with a tiny model, so that the baseline already holds
+    everything a run loads once whatever the model size (modules, the C++ kernels, thread pools)."""
+    from framework.build import component, initialize
+    from framework.config import compose
+    from framework.models.gpt import gpt_loss
+
+    cfg = compose([*overrides, "model.n_layer=1", "model.d_model=32", "model.n_head=2", "train.micro_batch=1"])
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    with torch.device("meta"):
+        module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    with initialize(module, gpt_loss, cfg, dist) as engine:
+        engine.train_step(engine.state, data.train_batch(0, micro_batch=1, grad_accum=cfg.train.grad_accum,
+                                                         rank=dist.rank, world=dist.world))
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    world = spec.get("world", 1)
+    with tempfile.TemporaryDirectory(prefix="memrun-") as d:
+        if world == 1:
+            _rank(0, spec, 1, "", d)
+        else:
+            mp.start_processes(_rank, args=(spec, world, os.path.join(d, "store"), d), nprocs=world,
+                               join=True, start_method="spawn")
+        print(json.dumps([json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""python -m framework.estimate: DeepSpeed's estimator tables exactly, model counting, and the
+per-rank prediction against memory the OS measures (not the framework's ledger)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework._memory import (GIB, count_module, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.config import compose
+from framework.estimate import main
+from framework.models.gpt import GPT, PRESETS, count_params
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gib(rows):
+    return [(f"{r.cpu / GIB:.2f}", f"{r.gpu / GIB:.2f}") for r in rows]
+
+
+def test_t5_3b_zero3_table_matches_reference():
+    # REFERENCE §13: DeepSpeed's documented t5-3b example (P = 2851e6, L = 32e6, 8 GPUs, 1 node).
+    assert _gib(zero3_rows(2851e6, 32e6, gpus_per_node=8)) == [
+        ("71.69", "0.12"), ("127.45", "0.12"), ("63.72", "0.78"), ("127.45", "0.78"),
+        ("1.43", "6.09"), ("127.45", "6.09")]
+
+
+@pytest.mark.parametrize("P,L,G,N", [(2851e6, 32e6, 8, 1), (1.4e9, 103e6, 4, 2), (7e9, 262e6, 8, 4),
+                                     (124e6, 38.6e6, 1, 1)])
+def test_formulas_of_reference_section_2(P, L, G, N):
+    T, f = G * N, 1.5
+    z2 = zero2_rows(P, G, N)
+    assert (z2[0].cpu, z2[0].gpu) == (int(P * max(4 * T, 16) * f), int(2 * P))
+    assert (z2[1].cpu, z2[1].gpu) == (int(4 * P * G * f), int(2 * P + int(18 * P / T)))
+    z3 = zero3_rows(P, L, G, N)
+    expect = [(P * 18 / N * f, 4 * L), (P * max(4 * G, 18 / N) * f, 4 * L),
+              (P * 16 / N * f, 4 * L + int(2 * P / T)), (P * max(4 * G, 16 / N) * f, 4 * L + int(2 * P / T)),
+              (4 * L * G * f, 4 * L + int(18 * P / T)), (4 * P * G * f, 4 * L + int(18 * P / T))]
+    assert [(r.cpu, r.gpu) for r in z3] == [(int(c), int(g)) for c, g in expect]
+    assert [r.options for r in z3][:2] == ["offload_param=cpu, offload_optimizer=cpu, zero_init=1",
+                                           "offload_param=cpu, offload_optimizer=cpu, zero_init=0"]
+
+
+def test_counts_accept_both_spellings():
+    assert parse_count("2.78e9") == parse_count("2780M") == 2_780_000_000
+    assert parse_count("2783M") == 2_783_000_000 and parse_count("32K") == 32_000 and parse_count("1.4B") == 1.4e9
+    with pytest.raises(Exception, match="not a count"):
+        parse_count("lots")
+
+
+def test_cli_prints_deepspeed_layout(capsys):
+    assert main(["params=2851M", "largest_layer=32e6", "gpus_per_node=8"]) == 0
+    out = capsys.readouterr().out
+    assert "  per CPU  |  per GPU |   Options" in out
+    assert "   71.69GiB |   0.12GiB | offload_param=cpu, offload_optimizer=cpu, zero_init=1" in out
+    assert "    1.43GiB |   6.09GiB | offload_param=none, offload_optimizer=none, zero_init=1" in out
+    assert "offload_param=nvme, offload_optimizer=nvme" in out
+    assert main(["params=many"]) == 2
+    assert "not a count" in capsys.readouterr().err
+
+
+def test_nvme_rows_name_their_terms():
+    P, L, G = 1_000_000_000, 50_000_000, 4
+    rows = {r.options: r for r in nvme_rows(P, L, G)}
+    both = rows["offload_param=nvme, offload_optimizer=nvme"]
+    part = P // G
+    assert both.disk == G * part * (12 + 2)       # master + Adam state, and the 16-bit shards
+    assert both.cpu == G * (4 * part * 12 + 4 * part + 5 * 100_000_000 * 2)
+    assert rows["offload_param=none, offload_optimizer=nvme"].gpu == 4 * L + 2 * part
+
+
+def test_our_gpt_presets_count_on_meta():
+    for name, cfg in PRESETS.items():
+        with torch.device("meta"):
+            model = GPT(cfg)
+        c = count_module(model)
+        assert c.params == count_params(cfg), name
+        # The largest module of its own: the token embedding (or an untied head of the same size),
+        # the position table or an MLP matrix (with its bias).
+        d = cfg.d_model
+        assert c.largest_layer == max(cfg.vocab_size * d, cfg.context * d, 4 * d * d + cfg.bias * 4 * d), name
+
+
+def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=1000, n_positions=128)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    eager = transformers.GPT2LMHeadModel(config)
+    # DeepSpeed's own count (distinct data_ptr) on a real model is the reference: 172,288 (tied head).
+    expected = sum({p.data_ptr(): p.numel() for p in eager.parameters()}.values())
+    assert expected == 172_288
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(config)
+    assert sum({p.data_ptr(): p.numel() for p in meta.parameters()}.values()) < expected  # the collapse
+    assert count_module(meta).params == expected
+    assert count_module(meta).largest_layer == 1000 * 64
+    assert main([f"model={tmp_path / 'config.json'}", "gpus_per_node=2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == expected and out["largest_layer"] == 64_000
+    assert out["zero3"][4]["gpu"] == 4 * 64_000 + int(18 * expected / 2)
+
+
+# --- the prediction against the OS -----------------------------------------------------------
+
+MEASURED = [  # (overrides, world): three stages, with and without offload and checkpointing
+    (["model=gpt-mini", "train.micro_batch=8"], 1),
+    (["model=gpt-mini", "+stage=zero2", "offload=cpu", "precision=bf16", "train.micro_batch=4"], 1),
+    (["model=gpt-mini", "+stage=zero3", "train.micro_batch=4", "model.activation_checkpointing=true"], 2),
+]
+
+
+@pytest.mark.parametrize("overrides,world", MEASURED, ids=["ddp", "zero2-offload-bf16", "zero3-ckpt"])
+def test_prediction_matches_measured_memory(overrides, world):
+    overrides = [*overrides, "logger=none", f"dist.nproc={world}"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, "-m", "tests.cli._memrun",
+                          json.dumps({"overrides": overrides, "world": world, "steps": 2})],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    pred = predict(compose(overrides), world)
+    for rank, m in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
+        built, peak = m["built"] - m["base"], m["peak"] - m["base"]
+        # Model states: the resident-set increment of building the engine (the process baseline,
+        # already warmed up by a tiny run of the same configuration, subtracted).
+        assert abs(pred.at_setup - built) <= 0.10 * built, (rank, pred.at_setup / 2**20, built / 2**20)
+        # Peak: the peak resident set over two steps, minus the same baseline.
+        assert abs(pred.peak - peak) <= 0.20 * peak, (rank, pred.peak / 2**20, peak / 2**20)
