@@ -326,10 +326,11 @@ def _padded(numel: int, world: int) -> int:
     return -(-max(numel, 1) // unit) * unit
 
 
-def predict(cfg, world: int | None = None, module: nn.Module | None = None) -> Prediction:
+def predict(cfg, world: int | None = None, module: nn.Module | None = None,
+            traces: dict | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
     (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
-    the configured one)."""
+    the configured one). ``traces``: a dict to reuse activation traces in (the planner's sweep)."""
     from framework.build import component
     from framework.models.gpt import gpt_loss
     from framework.stages._flat import param_groups
@@ -431,7 +432,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None) -> P
     module = module.to(policy.param_dtype)
     module.train()
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
-    tr = trace_activations(module, gpt_loss, (x, x), keep_grads=keep_grads)
+    key = (cfg.train.micro_batch, ctx, bool(getattr(cfg.model, "activation_checkpointing", False)), keep_grads,
+           policy.param_dtype)
+    tr = traces.get(key) if traces is not None else None
+    if tr is None:
+        tr = trace_activations(module, gpt_loss, (x, x), keep_grads=keep_grads)
+        if traces is not None:
+            traces[key] = tr
     pred.transient["activations"] = tr.peak
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
                       f"checkpointing={getattr(cfg.model, 'activation_checkpointing', False)}, "
