@@ -260,11 +260,12 @@ class Prediction:
     params: int                      # P at logical size
     items: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> (device, host) bytes
     transient: dict[str, int] = field(default_factory=dict)          # fwd/bwd-phase peaks (device)
+    disk: dict[str, int] = field(default_factory=dict)              # bytes in swap files (offload=nvme)
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
 
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
-                    "host_grad_buffers", "host_staging", "overlap_undo")
+                    "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
 
     def add(self, name: str, device: int = 0, host: int = 0) -> None:
         d, h = self.items.get(name, (0, 0))
@@ -305,7 +306,7 @@ class Prediction:
     def as_dict(self) -> dict:
         return {"world": self.world, "params": self.params,
                 "items": {k: {"device": d, "host": h} for k, (d, h) in self.items.items()},
-                "transient": dict(self.transient), "lazy": sorted(self.lazy), "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
+                "transient": dict(self.transient), "lazy": sorted(self.lazy), "disk": dict(self.disk), "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
 
@@ -359,10 +360,28 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     on_host = offload != "none"
     ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
 
+    opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
+
     def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
         """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
+        if hostn and opt_on_disk:
+            # ZeRO-Infinity: master + state in swap files; the host holds the gradient buffers and a
+            # pool of ``buffer_count`` tiles of ``sub_group_size`` elements (master + state).
+            pred.disk["optimizer"] = pred.disk.get("optimizer", 0) + (4 + K) * hostn
+            tile = min(cfg.offload.sub_group_size, hostn)
+            pool = cfg.offload.buffer_count * tile * (4 + K)
+            d, h = pred.items.get("nvme_optimizer_pool", (0, 0))
+            pred.items["nvme_optimizer_pool"] = (0, max(h, pool))
+            pred.add("host_grad_buffers", host=4 * hostn)
+            if master_sep:
+                pred.add("host_staging", host=w * hostn)
+                pred.lazy.add("host_staging")
+            pred.add("optimizer_state", device=K * devn)
+            if devn and master_sep:
+                pred.add("master_params", device=4 * devn)
+            return
         if hostn:
             pred.add("master_params", host=4 * hostn)
             pred.add("host_grad_buffers", host=4 * hostn)
@@ -488,9 +507,16 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
             pred.add("grads", device=policy.grad_accum_dtype.itemsize * padded // world)
             master_state(padded // world, fp32_in_place=True)
             pred.add("gathered_persistent", device=w * padded)
-    if getattr(cfg.offload, "params", False) is True or getattr(cfg.offload, "params", None) == "cpu":
+    where = getattr(cfg.offload, "params", False)
+    if where is True or where == "cpu":
         d, h = pred.items["params"]
         pred.items["params"] = (0, d + h)
+    elif where in ("nvme", "auto") and cfg.choices["offload"] == "nvme":   # shards in swap files, a pinned pool
+        d, h = pred.items["params"]
+        pred.items["params"] = (0, 0)
+        pred.disk["params"] = d + h
+        o = cfg.offload
+        pred.add("nvme_param_pool", host=min(o.param_buffer_count * o.param_buffer_size * w, d + h))
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use.

@@ -184,6 +184,8 @@ def format_prediction(cfg, pred) -> str:
     for name, (d, h) in pred.items.items():
         lines.append(f"  {name:24s} {mib(d):>14s} {mib(h):>14s}")
     lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
+    for name, b in pred.disk.items():
+        lines.append(f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}")
     for name, b in pred.transient.items():
         lines.append(f"  {name + ' (peak)':24s} {mib(b):>14s}")
     lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   (10% of the transient bytes, stated)")

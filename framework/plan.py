@@ -161,8 +161,10 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
     if cand.stage == "zero3":          # gathering into and releasing unit buffers: a copy per use
         copies += cand.grad_accum * 2 * params * w / probe["device_copy_bytes_s"]
     disk = 0.0
-    if cand.offload == "nvme":
+    if cand.offload == "nvme":   # master + state read and written once per step; zero3 shards read per use
         disk = shard * k / probe["disk_read_bytes_s"] + shard * k / probe["disk_write_bytes_s"]
+        if cand.stage == "zero3":
+            disk += cand.grad_accum * 2 * shard * w / probe["disk_read_bytes_s"]
     overlap = cand.stage in ("ddp", "zero3")   # buckets reduced during backward by default
     total = (max(compute, comm) if overlap else compute + comm) + optimizer + copies + disk + probe["step_fixed_s"]
     return {"total": total, "compute": compute, "comm": comm, "optimizer": optimizer, "copies": copies,
@@ -249,6 +251,8 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
             fits, why = False, f"host {device_peak * hw.ranks / GIB:.2f} > {hw.cpu_mem / GIB:.2f} GiB"
         elif host > hw.cpu_mem:
             fits, why = False, f"host {host / GIB:.1f} > {hw.cpu_mem / GIB:.1f} GiB"
+        elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
+            fits, why = False, f"disk {sum(pred.disk.values()) * hw.ranks / GIB:.1f} > {hw.nvme / GIB:.1f} GiB"
         out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, fits, why))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))

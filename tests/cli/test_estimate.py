@@ -132,3 +132,37 @@ def test_prediction_matches_measured_memory(overrides, world):
         assert abs(pred.at_setup - built) <= 0.10 * built, (rank, pred.at_setup / 2**20, built / 2**20)
         # Peak: the peak resident set over two steps, minus the same baseline.
         assert abs(pred.peak - peak) <= 0.20 * peak, (rank, pred.peak / 2**20, peak / 2**20)
+
+
+def test_nvme_prediction_puts_state_on_disk():
+    # offload=nvme (CONTRACTS A keys) as the nvme-store branch composes it; built here by hand so the
+    # memory model is tested whether or not that config group is present.
+    import dataclasses
+    from types import SimpleNamespace
+
+    cfg = compose(["model=gpt-mini", "+stage=zero3", "offload=cpu", "logger=none"])
+    keys = SimpleNamespace(optimizer="nvme", params="nvme", ratio=1.0, overlap_step=False, sub_group_size=1_000_000,
+                           buffer_count=4, param_buffer_count=5, param_buffer_size=100_000)
+    nvme = dataclasses.replace(cfg, choices={**cfg.choices, "offload": "nvme"}, offload=keys)
+    cpu = predict(cfg, 2)
+    pred = predict(nvme, 2)
+    shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
+    assert pred.disk["optimizer"] == 12 * shard_elems
+    assert pred.disk["params"] == sum(cpu.items["params"])
+    # buffer_count tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank) when
+    # that is under sub_group_size, of master + Adam state.
+    assert pred.items["nvme_optimizer_pool"] == (0, 4 * min(1_000_000, 12 * 384 ** 2 // 2) * 12)
+    assert pred.items["nvme_param_pool"] == (0, 5 * 100_000 * 4)
+    assert "optimizer_state" not in pred.items or pred.items["optimizer_state"] == (0, 0)
+
+
+def test_model_yaml_path(capsys):
+    assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == count_params(dataclasses_replace_vocab(PRESETS["gpt-nano"], 64))
+    assert out["prediction"]["items"]["params"]["device"] > 0
+
+
+def dataclasses_replace_vocab(cfg, vocab):
+    import dataclasses
+    return dataclasses.replace(cfg, vocab_size=vocab)   # the default data source's vocabulary (synthetic: 64)
