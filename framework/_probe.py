@@ -4,8 +4,8 @@ What it measures (each a few tenths of a second): matrix-multiply throughput and
 bandwidth on the compute device, host<->device copies (CUDA; pinned), the host optimizer step
 (our AdamW on host tensors, parameters per second), sequential disk write and read under the
 NVMe path, per-operation dispatch cost, the fixed costs of our train_step per step, per micro step and per
-layer (a width-32 GPT on 8 tokens), and, when ranks > 1 on the CPU, gloo collective bandwidth
-between two local ranks. The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
+layer (a width-32 GPT on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks
+(NCCL on two GPUs, else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
 (``~/.cache`` by default); ``python -m framework.plan --reprobe`` measures again.
 """
 from __future__ import annotations
@@ -162,20 +162,27 @@ def _collective_rank(rank: int, store: str, q) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
     import torch.distributed as td
-    td.init_process_group("gloo", store=td.FileStore(store, 2), rank=rank, world_size=2)
-    t = torch.ones(8 * 2 ** 20)
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2   # the backend training would use
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    td.init_process_group("nccl" if cuda else "gloo", store=td.FileStore(store, 2), rank=rank, world_size=2)
+    t = torch.ones(8 * 2 ** 20, device=device)
     td.all_reduce(t)
+    _sync(device)
     td.barrier()
     start = time.perf_counter()
     for _ in range(3):
         td.all_reduce(t)
+    _sync(device)
     if rank == 0:
         q.put(3 * t.numel() * 4 / (time.perf_counter() - start))
     td.destroy_process_group()
 
 
 def _collective() -> float:
-    """Algorithmic all-reduce bandwidth (bytes of the buffer per second) between 2 local gloo ranks."""
+    """Algorithmic all-reduce bandwidth (bytes of the buffer per second) between 2 local ranks: NCCL
+    on two GPUs when there are, else gloo."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
