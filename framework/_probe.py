@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-VERSION = 3
+VERSION = 4
 
 
 def cache_path(device: torch.device) -> Path:
@@ -87,7 +87,17 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     out["host_optimizer_params_s"] = _host_optimizer()
     out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
     out["allreduce_bytes_s"] = _collective() if collectives else None
+    out["process_rss_bytes"] = _rss()   # a process that has imported torch and the framework and trained
     return out
+
+
+def _rss() -> int:
+    """This process's resident set now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:

@@ -10,7 +10,8 @@ The global batch is the composed config's (``train.micro_batch x train.grad_accu
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
 ``stages=``, ``offloads=``, ``checkpointing=true,false``). Memory per rank comes from
 ``framework.estimate``'s prediction (activations traced on the meta device); a candidate fits when
-its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak fits ``cpu_mem`` per rank)
+its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus the resident set of a
+process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
 and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
 short probe (``framework._probe``; cached in the user cache dir): compute at the measured matmul
 rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the measured all-reduce bandwidth,
@@ -242,7 +243,8 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
         pred = predict(ccfg, hw.ranks, module=module, traces=traces)
         cuda = hw.gpu_mem is not None
-        device_peak = pred.device_peak(cuda) if cuda else pred.peak
+        # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
+        device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
         host = pred.host_total() * (hw.ranks if cuda else 1)
         fits, why = True, ""
         if cuda and device_peak > hw.gpu_mem:
@@ -355,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
             for i, r in enumerate(rows):
                 print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
                       f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / 2**20:.0f} MiB  "
-                      f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']}"
-                      f"{', includes the process baseline' if r['measured_kind'] == 'peak_rss_bytes' else ''})")
+                      f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']})")
+            if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
+                print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
+                      "it includes the earlier jobs' peaks)")
             if flags["json"]:
                 print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
     except FrameworkError as e:
