@@ -18,6 +18,7 @@ rate plus the measured fixed cost of each micro step, gradient and parameter col
 the optimizer step at the measured host (or device memory) rate, host<->device copies, disk.
 Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
 optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
+``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
 ``--verify K`` runs the top K for a few steps as one Hydra multirun (``+plan=cN`` configs written to a
 temporary search path) and prints predicted against measured step time and peak memory.
 """
@@ -350,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
         planned = plan(cfg, base, hw, own, probe)
         print(_describe(hw, probe, cfg, planned, flags["top"]))
+        if flags["json"] and not flags["verify"]:
+            print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
+                               "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
         if flags["verify"]:
             rows = verify(planned, flags["verify"], base, hw, int(own.get("steps", 6)))
             print(f"\nverify: top {len(rows)} as one Hydra multirun ({own.get('steps', 6)} steps each; "
