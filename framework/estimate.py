@@ -139,8 +139,9 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
         counts = None
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
-    keys = NVMeKeys(**{k: parse_count(own[k], k) for k in ("sub_group_size", "buffer_count", "param_buffer_count",
-                                                             "param_buffer_size") if k in own})
+    names = ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
+    given = {k: getattr(cfg.offload, k) for k in names} if cfg is not None and cfg.choices["offload"] == "nvme" else {}
+    keys = NVMeKeys(**{**given, **{k: parse_count(own[k], k) for k in names if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
     text = [_hw_line(counts, params, largest, gpus, nodes), "", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs):"]
     z2 = zero2_rows(params, gpus, nodes, factor)
@@ -180,7 +181,7 @@ def format_prediction(cfg, pred) -> str:
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={cfg.model.context} activation_checkpointing={cfg.model.activation_checkpointing}")
     mib = lambda b: f"{b / 2**20:10.1f} MiB"   # noqa: E731
-    lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}"]
+    lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
     for name, (d, h) in pred.items.items():
         lines.append(f"  {name:24s} {mib(d):>14s} {mib(h):>14s}")
     lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")

@@ -66,7 +66,7 @@ class Candidate:
         if self.offload != "none":
             out.append(f"offload={self.offload.split('+')[0]}")
         if self.offload == "cpu+params":
-            out.append("offload.params=true")
+            out.append("offload.params=cpu")
         return out + [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
                       f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
 
@@ -236,7 +236,14 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
         key = (cand.stage, cand.offload)
         if key not in composed:
             composed[key] = compose([*base, *cand.overrides()])
+            try:   # an offload target that cannot be built here is listed, never run
+                component(composed[key], "offload").build(composed[key].offload)
+            except FrameworkError as e:
+                composed[key] = e
         c = composed[key]
+        if isinstance(c, FrameworkError):
+            out.append(Planned(cand, {"total": float("inf")}, 0, 0, False, f"unavailable: {c}"))
+            continue
         ccfg = dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch=cand.micro_batch,
                                                                 grad_accum=cand.grad_accum),
                                    model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
@@ -303,7 +310,7 @@ def _plan_yaml(c: Candidate) -> str:
     lines += ["train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}",
               "model:", f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
     if c.offload == "cpu+params":
-        lines += ["offload:", "  params: true"]
+        lines += ["offload:", "  params: cpu"]
     return "\n".join(lines) + "\n"
 
 

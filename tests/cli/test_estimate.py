@@ -135,25 +135,19 @@ def test_prediction_matches_measured_memory(overrides, world):
 
 
 def test_nvme_prediction_puts_state_on_disk():
-    # offload=nvme (CONTRACTS A keys) as the nvme-store branch composes it; built here by hand so the
-    # memory model is tested whether or not that config group is present.
-    import dataclasses
-    from types import SimpleNamespace
-
-    cfg = compose(["model=gpt-mini", "+stage=zero3", "offload=cpu", "logger=none"])
-    keys = SimpleNamespace(optimizer="nvme", params="nvme", ratio=1.0, overlap_step=False, sub_group_size=1_000_000,
-                           buffer_count=4, param_buffer_count=5, param_buffer_size=100_000)
-    nvme = dataclasses.replace(cfg, choices={**cfg.choices, "offload": "nvme"}, offload=keys)
-    cpu = predict(cfg, 2)
-    pred = predict(nvme, 2)
+    # offload=nvme with CONTRACTS A's keys (params: auto is nvme under zero3).
+    base = ["model=gpt-mini", "+stage=zero3", "logger=none"]
+    cpu = predict(compose([*base, "offload=cpu"]), 2)
+    pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
+                            "offload.param_buffer_size=100000"]), 2)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
     assert pred.disk["optimizer"] == 12 * shard_elems
     assert pred.disk["params"] == sum(cpu.items["params"])
-    # buffer_count tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank) when
-    # that is under sub_group_size, of master + Adam state.
+    # buffer_count (4) tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank)
+    # when that is under sub_group_size, of master + Adam state.
     assert pred.items["nvme_optimizer_pool"] == (0, 4 * min(1_000_000, 12 * 384 ** 2 // 2) * 12)
     assert pred.items["nvme_param_pool"] == (0, 5 * 100_000 * 4)
-    assert "optimizer_state" not in pred.items or pred.items["optimizer_state"] == (0, 0)
+    assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
 
 
 def test_model_yaml_path(capsys):

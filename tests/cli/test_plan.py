@@ -33,7 +33,7 @@ def test_sizes_parse():
 
 def test_fits_and_order_follow_memory_and_time():
     cfg = compose(BASE)
-    own = {"micro_batches": "8,1", "stages": "ddp,zero3"}
+    own = {"micro_batches": "8,1", "stages": "ddp,zero3", "offloads": "none,cpu,cpu+params"}
     roomy = plan(cfg, BASE, Hardware(torch.device("cuda", 0), 64 * 2 ** 30, 64 * 2 ** 30, 2 ** 40, 1), own, PROBE)
     assert all(p.fits for p in roomy)
     times = [p.time["total"] for p in roomy]
@@ -51,6 +51,17 @@ def test_fits_and_order_follow_memory_and_time():
     fitting = [p for p in tight if p.fits]
     assert fitting and all(p.device_peak < small for p in fitting)
     assert not any(p.fits for p in tight[len(fitting):])
+
+
+def test_unbuildable_offload_is_listed_not_planned():
+    # offload=nvme composes (its keys are checked) but its disk tier may not be built in this tree:
+    # then its setups are listed as unavailable, after every fitting one, never verified.
+    cfg = compose(BASE)
+    out = plan(cfg, BASE, Hardware(torch.device("cuda", 0), 2 ** 36, 2 ** 36, 2 ** 40, 1),
+               {"micro_batches": "8", "stages": "zero3", "checkpointing": "false"}, PROBE)
+    nvme = [p for p in out if p.cand.offload == "nvme"]
+    assert nvme and all(p.fits or p.why.startswith("unavailable: ") for p in nvme)
+    assert [p.fits for p in out] == sorted((p.fits for p in out), reverse=True)
 
 
 def test_offload_and_ranks_cost_what_they_move():
