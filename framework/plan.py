@@ -279,7 +279,10 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
         for i, p in enumerate(top):
             group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand))
         sweep = Path(d) / "runs"
-        cmd = [sys.executable, "-m", "framework.train", "-m", f"hydra.searchpath=[file://{group.parent}]",
+        # The plan group must be on the search path both of the up-front check of every job (an
+        # override) and of each job's composition inside the Hydra app (--config-dir).
+        cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(group.parent),
+               f"hydra.searchpath=[file://{group.parent}]",
                "+plan=" + ",".join(f"c{i}" for i in range(len(top))), *base_overrides,
                f"train.steps={steps}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
                "logger=none", f"dist.nproc={hw.ranks}", f"hydra.sweep.dir={sweep}"]
