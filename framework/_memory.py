@@ -18,7 +18,6 @@ Three layers, each usable alone:
 """
 from __future__ import annotations
 
-import dataclasses
 import re
 import weakref
 from dataclasses import dataclass, field
@@ -306,7 +305,8 @@ class Prediction:
     def as_dict(self) -> dict:
         return {"world": self.world, "params": self.params,
                 "items": {k: {"device": d, "host": h} for k, (d, h) in self.items.items()},
-                "transient": dict(self.transient), "lazy": sorted(self.lazy), "disk": dict(self.disk), "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
+                "transient": dict(self.transient), "lazy": sorted(self.lazy), "disk": dict(self.disk),
+                "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
 
@@ -335,7 +335,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     from framework.build import component
     from framework.models.gpt import gpt_loss
     from framework.stages._flat import param_groups
-    from framework.stages._reduce import expected_order, plan_buckets
+    from framework.stages._reduce import plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
@@ -421,7 +421,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            entries, order = [], []
+            entries = []
             for g, (_, named) in enumerate(groups):
                 off = 0
                 for _, p in named:
@@ -528,8 +528,3 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
     pred.transient["zero3_reduce"] = w * biggest + red * biggest * (3 if s.overlap_comm else 1)
     pred.notes.append(f"zero3: {len(sizes)} gather units (largest {biggest:,} elements), "
                       f"{sum(p.numel() for p in persistent):,} persistent elements, live window {window:,}")
-
-
-def replace_model(cfg, **changes):
-    """``cfg`` with model fields changed (micro-batch and checkpointing sweeps of the planner)."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **changes))

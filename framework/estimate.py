@@ -12,8 +12,8 @@ and counted by parameter identity at logical shapes. The two DeepSpeed tables re
 for a model) to the printed digit: model states only, "per CPU" is per node. Our additions follow:
 ZeRO-Infinity rows (disk and pinned pools, keys of ``offload=nvme``) and, for one of our models, the
 bytes each rank will hold for the composed config (any ``key=value`` this command does not know is a
-Hydra override of ``conf/train.yaml``; ``+stage=`` picks the stage). ``--json`` prints the prediction
-as JSON.
+Hydra override of ``conf/train.yaml``; ``+stage=`` picks the stage, ``ds_config=ds.json`` layers a
+DeepSpeed config). ``--json`` prints everything as JSON.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from framework._memory import (GIB, BUFFER_FACTOR, Counts, NVMeKeys, count_module, format_nvme_rows,
+from framework._memory import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
                                format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.errors import ConfigError, FrameworkError
 
@@ -104,7 +104,7 @@ def resolve_model(value: str, overrides: list[str]):
     return None, compose([f"model={value}", *overrides]), value
 
 
-def _hw_line(counts: Counts | None, params: int, largest: int | None, gpus: int, nodes: int) -> str:
+def _hw_line(params: int, largest: int | None, gpus: int, nodes: int) -> str:
     node_s = "nodes" if nodes > 1 else "node"
     gpu_s = "GPUs" if gpus > 1 else "GPU"
     model = f"{int(params / 1e6)}M total params" + (f", {int(largest / 1e6)}M largest layer params"
@@ -136,14 +136,14 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
         params = parse_count(own["params"], "params")
         largest = parse_count(own["largest_layer"], "largest_layer") if "largest_layer" in own else None
-        counts = None
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
     names = ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
-    given = {k: getattr(cfg.offload, k) for k in names} if cfg is not None and cfg.choices["offload"] == "nvme" else {}
+    nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
+    given = {k: getattr(cfg.offload, k) for k in names} if nvme_cfg else {}
     keys = NVMeKeys(**{**given, **{k: parse_count(own[k], k) for k in names if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
-    text = [_hw_line(counts, params, largest, gpus, nodes), "", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs):"]
+    text = [_hw_line(params, largest, gpus, nodes), "", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs):"]
     z2 = zero2_rows(params, gpus, nodes, factor)
     text.append(format_rows(z2))
     out["zero2"] = [r.__dict__ for r in z2]

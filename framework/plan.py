@@ -14,8 +14,9 @@ its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus th
 process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
 and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
 short probe (``framework._probe``; cached in the user cache dir): compute at the measured matmul
-rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the measured all-reduce bandwidth,
-the optimizer step at the measured host (or device memory) rate, host<->device copies, disk.
+rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
+measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
+host<->device copies, disk.
 Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
 optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
 ``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from framework._memory import GIB, parse_count, predict
+from framework._memory import GIB, predict
 from framework.errors import ConfigError, FrameworkError
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
