@@ -328,10 +328,12 @@ def _padded(numel: int, world: int) -> int:
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
-            traces: dict | None = None) -> Prediction:
+            traces: dict | None = None, loss_fn=None, context: int | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
     (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
-    the configured one). ``traces``: a dict to reuse activation traces in (the planner's sweep)."""
+    the configured one), with ``loss_fn(module, (x, y))`` (default: our GPT's) and ``context`` (default
+    ``cfg.model.context``) for its activations. ``traces``: a dict to reuse activation traces in (the
+    planner's sweep)."""
     from framework.build import component
     from framework.models.gpt import gpt_loss
     from framework.stages._flat import param_groups
@@ -447,7 +449,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
 
     # Activations of one micro batch, traced on meta in the working dtype.
-    ctx = cfg.model.context
+    ctx = context or cfg.model.context
     module = module.to(policy.param_dtype)
     module.train()
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
@@ -455,12 +457,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
            policy.param_dtype)
     tr = traces.get(key) if traces is not None else None
     if tr is None:
-        tr = trace_activations(module, gpt_loss, (x, x), keep_grads=keep_grads)
+        tr = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
         if traces is not None:
             traces[key] = tr
     pred.transient["activations"] = tr.peak
+    ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
-                      f"checkpointing={getattr(cfg.model, 'activation_checkpointing', False)}, "
+                      f"checkpointing={ckpt}, "
                       f"{tr.saved / 2**20:.1f} MiB saved after forward, {tr.peak / 2**20:.1f} MiB peak")
     return pred
 

@@ -2,7 +2,8 @@
 
     python -m framework.estimate params=2851M largest_layer=32M gpus_per_node=8      # DeepSpeed's all_cold
     python -m framework.estimate model=gpt2-medium gpus_per_node=8 nodes=2             # our preset (all_live)
-    python -m framework.estimate model=path/to/config.json                             # a Hugging Face config
+    python -m framework.estimate model=path/to/config.json +stage=zero3 \
+        'stage.gather_unit=[GPT2Block]' context=512 train.micro_batch=4               # a Hugging Face config
     python -m framework.estimate model=gpt-mini +stage=zero2 offload=cpu precision=bf16 \\
         train.micro_batch=8 model.activation_checkpointing=true dist.nproc=2           # + per-rank prediction
 
@@ -13,7 +14,8 @@ for a model) to the printed digit: model states only, "per CPU" is per node. Our
 ZeRO-Infinity rows (disk and pinned pools, keys of ``offload=nvme``) and, for one of our models, the
 bytes each rank will hold for the composed config (any ``key=value`` this command does not know is a
 Hydra override of ``conf/train.yaml``; ``+stage=`` picks the stage, ``ds_config=ds.json`` layers a
-DeepSpeed config). ``--json`` prints everything as JSON.
+DeepSpeed config). A Hugging Face model gets the same prediction with its own loss (``context=`` sets
+the sequence length; default its maximum position). ``--json`` prints everything as JSON.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from framework._memory import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, forma
                                format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.errors import ConfigError, FrameworkError
 
-OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor",
+OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
 
 
@@ -162,8 +164,18 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
         pred = predict(cfg, world)
         out["prediction"] = pred.as_dict()
         text += ["", format_prediction(cfg, pred)]
-    elif module is not None:
-        text += ["", f"({label}: per-rank prediction needs one of our models; DeepSpeed's tables above)"]
+    elif module is not None:   # a Hugging Face model: our stages, precision and batch around it
+        from framework.config import compose
+
+        hf_cfg = compose(overrides)
+        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else hf_cfg.dist.nproc
+        conf = getattr(module, "config", None)
+        context = parse_count(own["context"], "context") if "context" in own else (
+            getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
+            hf_cfg.model.context)
+        pred = predict(hf_cfg, world, module=module, loss_fn=_hf_loss, context=context)
+        out["prediction"] = pred.as_dict()
+        text += ["", f"model {label}", format_prediction(hf_cfg, pred, context=context)]
     return json.dumps(out, indent=1) if as_json else "\n".join(text)
 
 
@@ -175,11 +187,18 @@ def _data_vocab(cfg) -> int | None:
         return None
 
 
-def format_prediction(cfg, pred) -> str:
+def _hf_loss(module, batch):
+    """A Hugging Face causal LM's own loss (labels shifted inside the model)."""
+    x, y = batch
+    return module(input_ids=x, labels=y).loss
+
+
+def format_prediction(cfg, pred, context: int | None = None) -> str:
     c = cfg.choices
+    ckpt = "" if context else f" activation_checkpointing={cfg.model.activation_checkpointing}"
     head = (f"Per rank, ours: stage={c['stage']} offload={c['offload']} precision={c['precision']} "
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
-            f"context={cfg.model.context} activation_checkpointing={cfg.model.activation_checkpointing}")
+            f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / 2**20:10.1f} MiB"   # noqa: E731
     lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
     for name, (d, h) in pred.items.items():

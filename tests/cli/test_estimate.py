@@ -105,6 +105,14 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == expected and out["largest_layer"] == 64_000
     assert out["zero3"][4]["gpu"] == 4 * 64_000 + int(18 * expected / 2)
+    # The per-rank prediction around a Hugging Face model: its own loss traced on meta.
+    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero2", "train.micro_batch=2", "context=64",
+                 "--json"]) == 0
+    pred = json.loads(capsys.readouterr().out)["prediction"]
+    padded = -(-expected // 128) * 128   # one rank: each flat group padded to 128 elements
+    assert pred["items"]["params"]["device"] >= 4 * expected
+    assert pred["items"]["params"]["device"] <= 4 * (padded + 128)   # two groups (matrices, vectors)
+    assert pred["transient"]["activations"] > 2 * 64 * 1000 * 4    # at least the fp32 logits
 
 
 # --- the prediction against the OS -----------------------------------------------------------
