@@ -43,14 +43,25 @@ class DistConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str = "checkpoints"    # relative paths are relative to the working directory
+    every: int = 0              # save every N steps and after the last one; 0: never save
+    keep_last: int = 2          # committed checkpoints kept (older ones deleted after a commit); 0: all
+    resume: str = "auto"        # auto (newest complete checkpoint in dir) | off | PATH (a step-N folder or a dir)
+    async_: bool = False        # YAML key `async`: write files in a background thread while training goes on
+    timeout_s: float = 1800.0   # checkpoint collectives (their own gloo group) wait at most this long
+
+
+@dataclass(kw_only=True)
 class RootSchema:
     seed: int = 1337
     train: TrainLoopConfig
     dist: DistConfig = field(default_factory=DistConfig)
     ds_config: str | None = None      # a DeepSpeed JSON config, layered between our YAML and the command line
     ds_config_strict: bool = False    # keys DeepSpeed does not know in it: an error instead of a warning
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-ROOT_KEYS = ("seed", "train", "dist", "ds_config", "ds_config_strict")
+ROOT_KEYS = ("seed", "train", "dist", "checkpoint", "ds_config", "ds_config_strict")
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,7 @@ class Config:
     seed: int
     train: TrainLoopConfig
     dist: DistConfig
+    checkpoint: CheckpointConfig
     choices: Mapping[str, str]      # group -> registry name of the chosen component
     # One typed node per conf/ group (the chosen component's config dataclass).
     model: Any
@@ -78,6 +90,7 @@ class Config:
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""
         out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist),
+               "checkpoint": _yaml_keys(dataclasses.asdict(self.checkpoint)),
                "ds_config": self.ds_config, "ds_config_strict": self.ds_config_strict}
         for g in GROUPS:
             out[g] = {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))}
@@ -93,6 +106,17 @@ def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def _yaml_keys(node: dict) -> dict:
+    """Schema field names -> YAML keys (``async_`` is ``async``, a Python keyword)."""
+    return {k.rstrip("_"): v for k, v in node.items()}
+
+
+def _schema_keys(node: Any) -> Any:
+    if isinstance(node, Mapping) and "async" in node:
+        node = {("async_" if k == "async" else k): v for k, v in node.items()}
+    return node
 
 
 def _check_keys(node: Any, schema: type, prefix: str) -> None:
@@ -134,6 +158,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if key not in roots:
             raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
                               f"valid top-level keys: {', '.join(roots)}")
+    if "checkpoint" in raw:
+        raw["checkpoint"] = _schema_keys(raw["checkpoint"])
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:
@@ -148,7 +174,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     check_compatible(chosen["stage"], chosen["offload"])
     _check_inert_stage_keys(chosen["stage"], nodes["stage"])
     nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
-    return Config(seed=root.seed, train=root.train, dist=root.dist, choices=chosen, ds_config=root.ds_config,
+    return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
+                  ds_config=root.ds_config,
                   ds_config_strict=root.ds_config_strict, **nodes)
 
 
@@ -161,6 +188,15 @@ def _check_values(root: RootSchema) -> None:
         raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
     if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
         raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
+    c = root.checkpoint
+    if c.every < 0 or c.keep_last < 0 or c.timeout_s <= 0:
+        raise ConfigError(f"config: checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be "
+                          f">= 0 and checkpoint.timeout_s ({c.timeout_s:g}) > 0")
+    if not c.resume.strip() or not c.dir.strip():
+        raise ConfigError("config: checkpoint.resume must be auto, off or a path, and checkpoint.dir a path")
+    if c.async_ and c.every == 0:
+        raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
+                          "set checkpoint.every=N or remove checkpoint.async")
 
 
 def _check_offload(stage: str, offload: str, node: Any) -> Any:

@@ -11,6 +11,7 @@ from statistics import fmean
 import torch
 
 from framework.build import component, initialize
+from framework.checkpoint import Checkpointer, fault
 from framework.config import Config
 from framework.distributed import Dist
 from framework.loggers._base import NullLogger, RunInfo, RunRecord
@@ -38,9 +39,11 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
     record = RunRecord(run.run_dir) if dist.is_main else None
     losses, evals = [], []
+    ckpt = Checkpointer(cfg, engine)  # collective (its own gloo group)
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
+        state = ckpt.resume(state)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()
@@ -49,6 +52,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
             state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
             losses.append(m["loss"])
+            fault(f"step:{state.step}", dist.rank)
             window += 1
             if state.step % t.log_every == 0 or state.step == t.steps:
                 now = time.perf_counter()
@@ -63,6 +67,8 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
                 evals.append(engine.eval_step(state, val))
                 eval_s += time.perf_counter() - t_eval
                 _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
+            ckpt.maybe_save(state, last=state.step == t.steps)
+        ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
@@ -91,6 +97,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         logger.finish(summary)
         return summary
     finally:
+        ckpt.close()
         engine.close()
         logger.close()
         if record is not None:

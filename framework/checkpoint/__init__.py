@@ -1,0 +1,443 @@
+"""Sharded, atomic checkpoints in torch.distributed.checkpoint's format, keyed by parameter name.
+
+    ckpt = Checkpointer(cfg, engine)             # collective: makes the checkpoint gloo group
+    state = ckpt.resume(state)                   # checkpoint.resume: auto | off | PATH
+    ...  ckpt.maybe_save(state)  ...             # every checkpoint.every steps (and the last)
+    ckpt.close()                                 # waits for an async save; collective
+
+Folder (``framework.checkpoint._folder`` has the commit protocol)::
+
+    <dir>/step-<N>/.metadata, __<rank>_0.distcp   DCP: "model.<name>" fp32 masters and
+                                                    "optim.<state>.<name>" moments with global shapes,
+                                                    "optim.<scalar>" (e.g. optim.step)
+                   train_state.json                 step, data position, loss scaler, scheduler position,
+                                                    optimizer layout, config, world size, stage, fragments
+                   rng-<rank>.json                  python / numpy / torch / CUDA generators of each rank
+                   manifest.json                    written last: sizes + sha256 of every file
+    <dir>/latest                                    "step-<N>" of the newest commit
+
+Loading re-slices by name into whatever layout the loading run has (``engine.load_state_dict``),
+so world size, stage and offload may change between save and load.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+
+from framework.checkpoint import _folder, _rng
+from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata
+from framework.checkpoint._folder import CheckpointError
+from framework.errors import ConfigError, FrameworkError
+from framework.state import FORMAT as STATE_FORMAT, optimizer_leaves
+
+__all__ = ["Checkpointer", "CheckpointError", "save", "load", "find_resumable"]
+
+TRAIN_STATE = "train_state.json"
+# torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
+_TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer", "sum_of_squares": "sum",
+                "count": "step"}
+
+
+def fault(point: str, rank: int) -> None:
+    """Test hook for the fault tests: ``FRAMEWORK_FAULT=<point>@<rank>[,once=<marker file>]``
+    ends this process with ``os._exit(17)`` (as a kill would, no cleanup) when rank ``rank``
+    reaches ``point``: ``save:after-shard``, ``save:before-manifest``, ``save:before-rename``,
+    ``save:before-latest`` or ``step:<N>`` (after train step N). With ``once`` it fires only if
+    the marker file does not exist yet, and creates it. Unset in normal runs: nothing happens."""
+    spec = os.environ.get("FRAMEWORK_FAULT")
+    if not spec:
+        return
+    where, _, once = spec.partition(",once=")
+    if where != f"{point}@{rank}":
+        return
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+    print(f"FRAMEWORK_FAULT: rank {rank} exits at {point}", file=sys.stderr, flush=True)
+    os._exit(17)
+
+
+def _fault(point: str, rank: int) -> None:
+    fault(f"save:{point}", rank)
+
+
+def config_hash(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
+    """Optimizer leaf path ('0.mu') -> DCP key part ('exp_avg'); the chain index is kept only
+    where two leaves would get one name."""
+    short = {p: _TORCH_NAMES.get(p.rsplit(".", 1)[-1], p.rsplit(".", 1)[-1]) for p in [*per, *scalars]}
+    names = list(short.values())
+    return {p: (n if names.count(n) == 1 else p) for p, n in short.items()}
+
+
+class _Group:
+    """Collectives of the checkpoint code: their own gloo group with a long timeout, so a save
+    in a background thread never shares a group with training (concurrent collectives on one
+    group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float):
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.pg = (tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                   if world > 1 else None)
+
+    def all_gather(self, obj: Any, what: str) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        try:
+            tdist.all_gather_object(out, obj, group=self.pg)
+        except RuntimeError as e:
+            raise FrameworkError(f"rank {self.rank}/{self.world}: checkpoint {what} failed after waiting up to "
+                                 f"{self.timeout_s:g}s (a peer rank died or stalled; checkpoint.timeout_s sets the "
+                                 f"limit): {str(e).splitlines()[0]}") from e
+        return out
+
+    def dcp_kwargs(self) -> dict:
+        return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}
+
+    def close(self) -> None:
+        if self.pg is not None:
+            tdist.destroy_process_group(self.pg)
+            self.pg = None
+
+
+# --- save ------------------------------------------------------------------------------------
+
+def _owned(sd: dict, group: _Group) -> tuple[dict[str, list[tuple[int, int]]], list[dict]]:
+    """This rank's share of each parameter: the elements it holds that no lower rank holds
+    (replicated stages: rank 0 writes everything), as flat ranges; and every rank's holdings."""
+    mine = {name: {"shape": list(e["shape"]), "ranges": [list(f["range"]) for f in e["fragments"]]}
+            for name, e in sd["params"].items()}
+    everyone = group.all_gather(mine, "layout gather")
+    owned: dict[str, list[tuple[int, int]]] = {}
+    for name, held in mine.items():
+        lower = sorted(tuple(r) for other in everyone[:group.rank] for r in other.get(name, {}).get("ranges", ()))
+        for lo, hi in held["ranges"]:
+            for a, b in _subtract(lo, hi, lower):
+                owned.setdefault(name, []).append((a, b))
+    return owned, everyone
+
+
+def _subtract(lo: int, hi: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out, pos = [], lo
+    for a, b in taken:  # sorted by start
+        if b <= pos or a >= hi:
+            continue
+        if a > pos:
+            out.append((pos, a))
+        pos = max(pos, b)
+    if pos < hi:
+        out.append((pos, hi))
+    return out
+
+
+def _dcp_state(sd: dict, owned: dict, keys: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, entry in sd["params"].items():
+        if name not in owned:
+            continue
+        pieces: dict[str, list] = {"master": []}
+        for f in entry["fragments"]:
+            flo, fhi = f["range"]
+            for a, b in owned[name]:
+                a2, b2 = max(a, flo), min(b, fhi)
+                if a2 < b2:
+                    pieces["master"].append(((a2, b2), f["master"][a2 - flo:b2 - flo]))
+                    for path, t in f["optim"].items():
+                        pieces.setdefault(path, []).append(((a2, b2), t[a2 - flo:b2 - flo]))
+        out[f"model.{name}"] = Boxes(entry["shape"], pieces.pop("master"))
+        for path, ps in pieces.items():
+            out[f"optim.{keys[path]}.{name}"] = Boxes(entry["shape"], ps)
+    for path, value in sd["optimizer"]["scalars"].items():  # same on every rank: DCP writes it once
+        out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+    return out
+
+
+def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: int,
+         background: concurrent.futures.Executor | None = None):
+    """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
+    state is taken before returning; with ``background`` the files are written there and its
+    future is returned (None otherwise)."""
+    sd = engine.state_dict(state)
+    rng = _rng.capture(state.rng)
+    meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
+            "precision": config.get("precision", {}).get("name")}
+    job = lambda: _write(sd, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,  # noqa: E731
+                         applied=state.applied_steps)
+    if background is None:
+        job()
+        return None
+    return background.submit(job)
+
+
+def _write(sd: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict,
+           applied: int) -> Path:
+    t0 = time.perf_counter()
+    step, rank = sd["step"], group.rank
+    tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+    if rank == 0:
+        _folder.mkdir_private(root)
+        _folder.remove_stale(root)
+        _folder.mkdir_private(tmp)
+    owned, everyone = _owned(sd, group)  # (also orders the mkdir above before every rank's writes)
+    per, scalars = sd["optimizer"]["per_element"], sd["optimizer"]["scalars"]
+    keys = _optim_keys(per, list(scalars))
+    dcp.save(_dcp_state(sd, owned, keys), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+             planner=SavePlanner(), **group.dcp_kwargs())
+    _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
+    _fault("after-shard", rank)
+    if rank == 0:
+        body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": sd["data"],
+                "scheduler_position": applied, "precision": sd["precision"],
+                "dynamic_loss_scale": sd["dynamic_loss_scale"],
+                "optimizer": {"per_element": per, "scalars": {p: _json_scalar(v) for p, v in scalars.items()},
+                              "keys": keys},
+                "world": group.world, **meta, "config": config, "config_hash": config_hash(config),
+                # The saving layout: each parameter's shape and the flat ranges each rank held.
+                "parameters": {n: e["shape"] for held in everyone for n, e in held.items()},
+                "fragments": [{n: e["ranges"] for n, e in held.items()} for held in everyone]}
+        _folder.write_private(tmp / TRAIN_STATE, json.dumps(body).encode())
+    group.all_gather(None, "files-written barrier")
+    # Checksums: each rank hashes every world-th file, so the reading is spread over the ranks.
+    names = _folder.files_of(tmp)
+    hashed = {n: _folder.file_entry(tmp, n) for n in names[rank::group.world]}
+    parts = group.all_gather(hashed, "checksum gather")
+    if rank == 0:
+        files = {k: v for part in parts for k, v in part.items()}
+        _fault("before-manifest", rank)
+        _folder.write_manifest(tmp, files, step=step, world=group.world, stage=meta["stage"],
+                               config_hash=config_hash(config))
+        _folder.commit(tmp, final, lambda point: _fault(point, rank))
+        gone = _folder.prune(root, final, keep_last)
+        total = sum(v["bytes"] for v in files.values())
+        print(f"checkpoint: saved {final} ({total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.2f}s"
+              + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
+    group.all_gather(None, "commit barrier")
+    return final
+
+
+def _json_scalar(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"tensor": v.tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+    return v
+
+
+def _from_json_scalar(v: Any) -> Any:
+    if isinstance(v, dict) and "tensor" in v:
+        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]))
+    return v
+
+
+# --- load ------------------------------------------------------------------------------------
+
+def verify(folder: Path, group: _Group) -> None:
+    """Check every file against the manifest (each rank a share of them); every rank raises the
+    same CheckpointError naming the bad files."""
+    try:
+        manifest = _folder.read_manifest(folder)
+        files = sorted(manifest["files"])
+        mine = [_folder.check_file(folder, n, manifest["files"][n]) for n in files[group.rank::group.world]]
+        problems = [p for p in mine if p]
+    except CheckpointError as e:
+        problems = [str(e)]
+    everyone = group.all_gather(problems, "checksum verification")
+    bad = sorted({p for part in everyone for p in part})
+    if bad:
+        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
+
+
+def load(engine, state, folder: Path, *, group: _Group, seed: int):
+    """Load ``folder`` into ``state`` under this engine's layout (collective); return
+    (state, train_state dict). Files are verified against the manifest first."""
+    verify(folder, group)
+    body = json.loads((folder / TRAIN_STATE).read_text())
+    md = read_metadata(folder / ".metadata")
+    c = engine.components
+    rank, world = c.dist.rank, c.dist.world
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    keys = body["optimizer"]["keys"]
+    if set(per) != set(body["optimizer"]["per_element"]) or set(scalars) != set(body["optimizer"]["scalars"]):
+        raise CheckpointError(f"checkpoint {folder} holds the optimizer state "
+                              f"{sorted([*body['optimizer']['per_element'], *body['optimizer']['scalars']])} but this "
+                              f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with")
+    saved = {k[len("model."):]: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
+    names = [n for n, p in c.module.named_parameters() if p.requires_grad]
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra:
+        raise CheckpointError(f"checkpoint {folder} does not fit this model: "
+                              + "; ".join(x for x in (f"missing parameters {_few(missing)}" if missing else "",
+                                                      f"unexpected parameters {_few(extra)}" if extra else "") if x))
+    # What this rank needs: each span of each master piece, as fresh flat host buffers.
+    wanted: dict[str, list[tuple[int, int]]] = {}
+    for spec in c.stage.piece_specs():
+        for span in spec.spans:
+            if tuple(span.shape) != saved[span.name]:
+                raise CheckpointError(f"checkpoint {folder}: parameter {span.name!r} has shape {saved[span.name]} "
+                                      f"in the checkpoint but {tuple(span.shape)} in this model")
+            wanted.setdefault(span.name, []).append(span.param)
+    fragments: dict[str, dict] = {}
+    targets: dict[str, Any] = {}
+    for name, ranges in wanted.items():
+        frags = [{"range": r, "master": torch.empty(r[1] - r[0]),
+                  "optim": {p: torch.empty(r[1] - r[0]) for p in per}} for r in ranges]
+        fragments[name] = {"shape": saved[name], "fragments": frags}
+        targets[f"model.{name}"] = Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
+        for p in per:
+            targets[f"optim.{keys[p]}.{name}"] = Boxes(saved[name], [(f["range"], f["optim"][p]) for f in frags])
+    absent = sorted(k for k in targets if k not in md.state_dict_metadata)
+    if absent:
+        raise CheckpointError(f"checkpoint {folder}: the DCP files lack {_few(absent)}")
+    try:
+        dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(), **group.dcp_kwargs())
+    except FrameworkError:
+        raise
+    except Exception as e:  # DCP wraps per-rank failures; keep the first line of each
+        raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: "
+                              f"{' '.join(str(e).split())[:500]}") from None
+    # Same world size: each rank resumes its own generators; otherwise they are re-derived.
+    if body["world"] == world:
+        saved_rng = json.loads((folder / f"rng-{rank}.json").read_text())
+        torch_rng, host_rng = _rng.torch_states(saved_rng), saved_rng
+    else:
+        torch_rng, host_rng = _rng.derive(seed, body["step"], rank, c.dist.device)
+    pseudo = {"format": body["state_format"], "rank": rank, "world": world, "step": body["step"],
+              "data": body["data"], "precision": body["precision"],
+              "dynamic_loss_scale": body["dynamic_loss_scale"], "rng": list(torch_rng),
+              "optimizer": {"per_element": body["optimizer"]["per_element"],
+                            "scalars": {p: _from_json_scalar(v) for p, v in body["optimizer"]["scalars"].items()}},
+              "params": fragments}
+    state = engine.load_state_dict(state, [pseudo])
+    _rng.restore_host(host_rng)
+    return state, body
+
+
+def _few(items: list[str]) -> str:
+    return ", ".join(map(repr, items[:5])) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+def find_resumable(resume: str, root: Path) -> list[Path]:
+    """Candidate folders for ``checkpoint.resume``, best first: for ``auto`` every committed
+    checkpoint under ``root``, newest first (a damaged one falls back to the next); for a
+    path, that step folder, or the committed checkpoints of that directory."""
+    if resume == "off":
+        return []
+    if resume == "auto":
+        return _folder.committed(root)
+    path = Path(resume).expanduser()
+    if (path / _folder.MANIFEST).is_file() or (path / TRAIN_STATE).exists():
+        return [path]
+    if path.is_dir():
+        found = _folder.committed(path)
+        if found:
+            return found
+    raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there (expected a step-<N> folder with "
+                      f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
+
+
+class Checkpointer:
+    """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
+
+    def __init__(self, cfg, engine):
+        self.cfg = cfg.checkpoint
+        self.config = cfg.to_dict()
+        self.seed = cfg.seed
+        self.engine = engine
+        dist = engine.components.dist
+        self.rank = dist.rank
+        self.root = Path(self.cfg.dir).expanduser().resolve()
+        self.group = _Group(dist.rank, dist.world, self.cfg.timeout_s)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
+            if self.cfg.async_ else None
+        self._pending: concurrent.futures.Future | None = None
+
+    def _say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"checkpoint: {msg}", flush=True)
+
+    def resume(self, state):
+        """The state to start from: loaded from the checkpoint ``checkpoint.resume`` selects, or
+        ``state`` itself (saying why). Collective."""
+        resume = self.cfg.resume
+        if resume == "off":
+            existing = _folder.committed(self.root)
+            if existing:
+                self._say(f"resume=off: starting from step 0 although {self.root} holds {len(existing)} "
+                          f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
+            return state
+        candidates = self.group.all_gather(find_resumable(resume, self.root) if self.rank == 0 else None,
+                                           "resume choice")[0]
+        if not candidates:
+            if resume == "auto" and self.cfg.every:
+                self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")
+            return state
+        errors = []
+        for folder in candidates:
+            try:
+                state, body = load(self.engine, state, folder, group=self.group, seed=self.seed)
+            except CheckpointError as e:
+                if resume != "auto":
+                    raise
+                errors.append(str(e))
+                self._say(f"{e}; falling back to the previous checkpoint")
+                continue
+            how = "same layout" if body["world"] == self.group.world and body["stage"] == self.config["stage"]["name"] \
+                else f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived" \
+                if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
+            changed = _changed(body["config"], self.config)
+            self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
+                      + (f"; config differs in {', '.join(changed[:8])}" if changed else ""))
+            return state
+        raise CheckpointError(f"resume=auto: every checkpoint in {self.root} is damaged: " + " | ".join(errors))
+
+    def maybe_save(self, state, last: bool = False) -> None:
+        every = self.cfg.every
+        if every and (state.step % every == 0 or last):
+            self.save(state)
+
+    def save(self, state) -> None:
+        self.wait()
+        self._pending = save(self.engine, state, self.root, group=self.group, config=self.config,
+                             keep_last=self.cfg.keep_last, background=self._pool)
+
+    def wait(self) -> None:
+        """Wait for a save in flight; its error, if any, is raised here."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self.group.close()
+
+
+def _changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _changed(x, y, f"{prefix}{k}.")
+        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" == "dist.nproc"):
+            out.append(f"{prefix}{k}")
+    return out

@@ -1,0 +1,58 @@
+"""Per-rank random generator states as JSON (nothing pickled): python, numpy, torch CPU and CUDA."""
+from __future__ import annotations
+
+import base64
+import random
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from framework.data._base import seeded
+
+RNG_STREAM = 7  # a key of its own for re-derived generators (framework.data._base.seeded)
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+
+
+def capture(torch_states: Sequence[torch.Tensor]) -> dict:
+    """``torch_states``: ``TrainState.rng`` (CPU generator, then the device's)."""
+    version, keys, gauss = random.getstate()
+    kind, np_keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": [_b64(t) for t in torch_states],
+            "python": [version, list(keys), gauss],
+            "numpy": [kind, np_keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+
+
+def restore_host(saved: dict) -> None:
+    """Set python's and numpy's global generators (torch's travel in ``TrainState.rng``)."""
+    version, keys, gauss = saved["python"]
+    random.setstate((version, tuple(keys), gauss))
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def torch_states(saved: dict) -> tuple[torch.Tensor, ...]:
+    return tuple(_unb64(s) for s in saved["torch"])
+
+
+def derive(seed: int, step: int, rank: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], dict]:
+    """Generators for a rank that has no saved state of its own (the world size changed):
+    seeded from (seed, step, rank), so a resumed run is reproducible, but it does not draw
+    the numbers an uninterrupted run would have (those streams were per rank)."""
+    gen = seeded(RNG_STREAM, seed, step, rank)
+    h = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+    states = [torch.Generator().manual_seed(h).get_state()]
+    if device.type == "cuda":
+        states.append(torch.Generator(device).manual_seed(h).get_state())
+    py = random.Random(h).getstate()
+    np_state = np.random.RandomState(h % (2 ** 32)).get_state()
+    return tuple(states), {"python": [py[0], list(py[1]), py[2]],
+                           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
+                                     float(np_state[4])]}
