@@ -30,3 +30,7 @@ class SwapIOError(FrameworkError):
                  errno: int | None = None):
         super().__init__(message)
         self.path, self.offset, self.what, self.errno = path, offset, what, errno
+
+
+class CheckpointError(FrameworkError):
+    """A checkpoint is missing, incomplete, damaged or does not fit (the message names the file)."""

@@ -39,7 +39,7 @@ import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import _folder, _rng
 from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata
-from framework.checkpoint._folder import CheckpointError
+from framework.errors import CheckpointError
 from framework.errors import ConfigError, FrameworkError
 from framework.state import FORMAT as STATE_FORMAT, optimizer_leaves
 
@@ -179,7 +179,7 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
     sd = engine.state_dict(state)
     rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
-            "precision": config.get("precision", {}).get("name")}
+            "precision_policy": config.get("precision", {}).get("name")}
     job = lambda: _write(sd, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,  # noqa: E731
                          applied=state.applied_steps)
     if background is None:

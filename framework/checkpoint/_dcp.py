@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from framework.errors import FrameworkError
+from framework.errors import CheckpointError
 
 
 def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -128,7 +128,7 @@ class LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index) if found is None else found
 
     def load_bytes(self, read_item, value) -> None:
-        raise FrameworkError(f"checkpoint: refusing to unpickle the object {read_item.dest_index.fqn!r} "
+        raise CheckpointError(f"checkpoint: refusing to unpickle the object {read_item.dest_index.fqn!r} "
                              f"(only tensors are loaded from a checkpoint)")
 
 
@@ -162,7 +162,7 @@ def read_metadata(path) -> Any:
         with open(path, "rb") as f:
             return _Unpickler(f).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, KeyError) as e:
-        raise FrameworkError(f"checkpoint: {path}: refused to read the DCP metadata ({e}); the file is damaged "
+        raise CheckpointError(f"checkpoint: {path}: refused to read the DCP metadata ({e}); the file is damaged "
                              f"or was not written by torch.distributed.checkpoint") from None
 
 

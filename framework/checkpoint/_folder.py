@@ -21,16 +21,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from framework.errors import FrameworkError
+from framework.errors import CheckpointError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(FrameworkError):
-    """A checkpoint is missing, incomplete or damaged (the message names the file)."""
 
 
 def mkdir_private(path: Path) -> None:

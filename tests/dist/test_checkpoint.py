@@ -1,0 +1,235 @@
+"""Checkpoints through the DCP folder (framework.checkpoint): bitwise resume, resharding, safety.
+
+Exactness: run A trains N steps and saves at step K (checkpoint.every=K) without changing its
+course; run B is a fresh engine (other initial values) that resumes from A's step-K folder and
+trains to N. B's per-step losses and final master parameters and optimizer state must equal A's
+bitwise (torch.equal / ==), on 2 gloo ranks, with dropout on (each rank's generator resumes).
+Resharding: the gathered masters and Adam moments after a load under another world size or
+stage are bitwise the saved ones, and the data position continues.
+"""
+import json
+import os
+import pickle
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import framework
+from framework.checkpoint import Checkpointer, CheckpointError
+from framework.models.gpt import gpt_loss
+from framework.state import capture_rng
+from tests._helpers import OverflowAt, build_gpt, tiny_config
+from tests.dist.test_layout import assemble
+
+N, K = 4, 2
+ROWS = 8
+
+
+def _cfg(world, overrides, root, extra=()):
+    return tiny_config("model.dropout=0.1", f"train.micro_batch={ROWS // world}", f"train.steps={N}",
+                       f"checkpoint.dir={root}", f"checkpoint.every={K}", "checkpoint.keep_last=0",
+                       "checkpoint.timeout_s=60", *overrides, *extra)
+
+
+def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None):
+    """Train to ``steps`` (saving every K), optionally resuming first; return losses, the
+    assembled-ready state dict, step and data position of the first state."""
+    cfg = _cfg(dist.world, overrides, root, [f"checkpoint.resume={resume}"])
+    module, data = build_gpt(cfg, seed)
+    loss = OverflowAt(dist.rank, overflow_at) if overflow_at is not None else gpt_loss
+    with framework.initialize(module, loss, cfg, dist) as engine:
+        torch.manual_seed(cfg.seed + dist.rank)
+        state = replace(engine.state, rng=capture_rng(dist.device))
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            state = ckpt.resume(state)
+            first = (state.step, state.data, engine.state_dict(state))
+            losses = []
+            while state.step < steps:
+                batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch,
+                                         grad_accum=cfg.train.grad_accum, rank=dist.rank, world=dist.world)
+                if overflow_at is not None:
+                    loss.step = state.step
+                state, m = engine.train_step(state, batch)
+                losses.append(m["loss"])
+                ckpt.maybe_save(state)
+        finally:
+            ckpt.close()
+        return losses, engine.state_dict(state), first, state.precision.skipped_steps
+
+
+def _local():
+    from framework.distributed import connect
+    return connect("gloo")
+
+
+def _on(pools, world, fn, *args, **kw):
+    return [fn(_local(), *args, **kw)] if world == 1 else pools(world).run(fn, *args, timeout=240, **kw)
+
+
+EXACT = {
+    "ddp fp32 accum2": ["train.grad_accum=2"],
+    "ddp bf16": ["precision=bf16"],
+    "zero1 fp32": ["+stage=zero1"],
+    "zero1 bf16 offload accum2": ["+stage=zero1", "precision=bf16", "offload=cpu", "train.grad_accum=2"],
+    "zero1 fp32 offload": ["+stage=zero1", "offload=cpu"],
+    "zero1 bf16": ["+stage=zero1", "precision=bf16"],
+    "zero2 fp32 offload accum2": ["+stage=zero2", "offload=cpu", "train.grad_accum=2"],
+    "zero2 bf16": ["+stage=zero2", "precision=bf16"],
+    "zero2 fp32": ["+stage=zero2", "stage.reduce_bucket_size=300", "stage.overlap_comm=true"],
+    "zero2 bf16 offload async": ["+stage=zero2", "precision=bf16", "offload=cpu", "checkpoint.async=true"],
+    "zero3 fp32 accum2": ["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "train.grad_accum=2"],
+    "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=true"],
+    "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
+    "zero3 bf16": ["+stage=zero3", "precision=bf16"],
+}
+
+
+def _same_state(a: list[dict], b: list[dict], what: str) -> None:
+    sa, sb = assemble(a), assemble(b)
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), f"{what}: {key} differs"
+    for x, y in zip(a, b):
+        assert x["optimizer"]["scalars"] == y["optimizer"]["scalars"], what
+        assert (x["step"], x["data"], x["precision"]) == (y["step"], y["data"], y["precision"]), what
+
+
+@pytest.mark.parametrize("case", list(EXACT))
+def test_resume_is_bitwise(pools, tmp_path, case):
+    over = EXACT[case]
+    a = pools(2).run(_train, over, str(tmp_path), timeout=240)
+    assert (tmp_path / f"step-{K}" / "manifest.json").is_file()
+    b = pools(2).run(_train, over, str(tmp_path / f"step-{K}"), resume=str(tmp_path / f"step-{K}"), seed=99,
+                     timeout=240)
+    for rank in range(2):
+        assert b[rank][2][:2] == (K, K)
+        assert b[rank][0] == a[rank][0][K:], f"{case} rank {rank}: losses {b[rank][0]} vs {a[rank][0][K:]}"
+    _same_state([r[1] for r in a], [r[1] for r in b], case)
+
+
+@pytest.mark.parametrize("stage", ["+stage=zero2", "+stage=zero3"])
+def test_fp16_resume_after_a_skipped_step_is_bitwise(pools, tmp_path, stage):
+    """fp16 with dynamic loss scaling, one rank's loss infinite at step 1 (skipped, scale halved)
+    before the save at step 2: the scaler fields and the skipped count resume exactly."""
+    over = [stage, "precision=fp16"]
+    a = pools(2).run(_train, over, str(tmp_path), overflow_at=1, timeout=240)
+    b = pools(2).run(_train, over, str(tmp_path), resume=str(tmp_path / f"step-{K}"), seed=99, timeout=240)
+    assert a[0][3] == 1 and b[0][3] == 1  # the skipped step is counted after the resume too
+    assert b[0][2][2]["precision"]["skipped_steps"] == 1
+    for rank in range(2):
+        assert b[rank][0] == a[rank][0][K:]
+    _same_state([r[1] for r in a], [r[1] for r in b], "fp16")
+
+
+# (world, overrides) of the saving run -> of the loading run
+RESHARD = {
+    "zero2-w2 -> ddp-w1": ((2, ["+stage=zero2"]), (1, [])),
+    "zero1-w1 -> zero3-w2": ((1, ["+stage=zero1"]), (2, ["+stage=zero3", "stage.stage3_param_persistence_threshold=0"])),
+    "zero3-w2-offload -> zero2-w4": ((2, ["+stage=zero3", "offload=cpu", "stage.stage3_param_persistence_threshold=0"]),
+                                     (4, ["+stage=zero2"])),
+    "zero2-w2 -> zero3-w2": ((2, ["+stage=zero2", "stage.reduce_bucket_size=300"]), (2, ["+stage=zero3"])),
+    "zero3-w2 -> ddp-w2": ((2, ["+stage=zero3"]), (2, [])),
+}
+
+
+@pytest.mark.parametrize("case", list(RESHARD))
+def test_resume_under_another_layout(pools, tmp_path, case):
+    (wa, a_over), (wb, b_over) = RESHARD[case]
+    a = _on(pools, wa, _train, a_over, str(tmp_path), steps=K)
+    b = _on(pools, wb, _train, b_over, str(tmp_path), resume="auto", seed=99)
+    saved, loaded = [r[1] for r in a], [r[2][2] for r in b]
+    for r in b:
+        assert r[2][:2] == (K, K)  # step and global data position continue
+        assert len(r[0]) == N - K and all(torch.isfinite(torch.tensor(r[0])))
+    _same_state(saved, loaded, case)
+
+
+def test_a_user_reads_the_folder_with_plain_dcp(pools, tmp_path):
+    """The folder is plain DCP: dcp.load into full tensors on one process gives the masters and
+    moments by name, with global shapes (contract D)."""
+    import torch.distributed.checkpoint as dcp
+
+    a = pools(2).run(_train, ["+stage=zero2"], str(tmp_path), steps=K, timeout=240)
+    full = assemble([r[1] for r in a])
+    folder = tmp_path / f"step-{K}"
+    body = json.loads((folder / "train_state.json").read_text())
+    targets = {}
+    for name, shape in body["parameters"].items():
+        targets[f"model.{name}"] = torch.empty(shape)
+        targets[f"optim.exp_avg.{name}"] = torch.empty(shape)
+        targets[f"optim.exp_avg_sq.{name}"] = torch.empty(shape)
+    targets["optim.step"] = torch.zeros((), dtype=torch.int64)
+    dcp.load(targets, checkpoint_id=str(folder), no_dist=True)
+    for name in body["parameters"]:
+        assert torch.equal(targets[f"model.{name}"].reshape(-1), full[name])
+        assert torch.equal(targets[f"optim.exp_avg.{name}"].reshape(-1), full[f"{name}/0.mu"])
+        assert torch.equal(targets[f"optim.exp_avg_sq.{name}"].reshape(-1), full[f"{name}/0.nu"])
+    assert int(targets["optim.step"]) == K
+    assert (tmp_path / "latest").read_text() == f"step-{K}"
+    assert all((p.stat().st_mode & 0o077) == 0 for p in [folder, *folder.iterdir()])
+
+
+def _damaged_load(dist, root, resume):
+    try:
+        _train(dist, ["+stage=zero2"], root, resume=resume, seed=99)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_damaged_checkpoints_fail_clearly_or_fall_back(pools, tmp_path, capfd):
+    pools(2).run(_train, ["+stage=zero2"], str(tmp_path), timeout=240)  # step-2, step-4
+    newest = tmp_path / f"step-{N}"
+    shard = newest / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-100])                         # truncated
+    other = newest / "__0_0.distcp"
+    data = bytearray(other.read_bytes())
+    data[len(data) // 2] ^= 0x01                                          # one flipped bit
+    other.write_bytes(bytes(data))
+    errors = pools(2).run(_damaged_load, str(tmp_path), str(newest), timeout=120)
+    for e in errors:  # every rank, the same message naming both files
+        assert e is not None and "__1_0.distcp has" in e and "truncated" in e and "__0_0.distcp does not match" in e
+    assert errors[0] == errors[1]
+    # resume=auto falls back to step-2 and says so.
+    out = pools(2).run(_train, ["+stage=zero2"], str(tmp_path), resume="auto", seed=99, timeout=240)
+    assert out[0][2][:2] == (K, K)
+
+
+def test_metadata_that_would_run_code_is_refused(tmp_path):
+    """A crafted .metadata (a pickle that calls os.system) is refused by the allow-listed
+    unpickler, even with a manifest whose checksums match it."""
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=K)
+    folder = tmp_path / f"step-{K}"
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    from framework.checkpoint._folder import file_entry
+    manifest["files"][".metadata"] = file_entry(folder, ".metadata")
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"refused to read the DCP metadata \(posix.system is not part"):
+        _train(dist, [], str(tmp_path), resume=str(folder))
+    assert not marker.exists()
+
+
+def test_resume_off_says_checkpoints_exist_and_incomplete_folders_are_ignored(tmp_path, capsys):
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=K)
+    (tmp_path / f"step-{N}.tmp").mkdir()                # an interrupted save
+    (tmp_path / "step-9").mkdir()                      # a folder without a manifest
+    _train(dist, [], str(tmp_path), resume="off", steps=0)
+    assert f"resume=off: starting from step 0 although {tmp_path} holds 1 checkpoint(s), newest step-{K}" \
+        in capsys.readouterr().out
+    losses, _, first, _ = _train(dist, [], str(tmp_path), resume="auto", steps=N)
+    assert first[:2] == (K, K) and len(losses) == N - K
+    assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out
+    assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
+    assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
