@@ -7,7 +7,8 @@ surviving ranks with one clear line instead of a hang or a bare gloo error.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
 
@@ -33,6 +34,9 @@ class Dist:
     device: torch.device
     backend: str | None
     timeout_s: float
+    # (host name, process id) of every rank, gathered at connect: lets a survivor name the
+    # ranks whose process is gone when a collective fails (on its own host; others are unknown).
+    peers: tuple[tuple[str, int], ...] = ()
 
     @property
     def is_main(self) -> bool:
@@ -47,10 +51,18 @@ class Dist:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            lost = self.lost_ranks()
+            who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)" if lost
+                   else "a peer rank died or stalled")
             raise DistributedError(
                 f"rank {self.rank}/{self.world}: {what} failed after waiting up to {self.timeout_s:g}s "
-                f"(a peer rank died or stalled; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
+                f"({who}; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
             ) from e
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks on this host whose process no longer exists (a slow peer is not listed)."""
+        host = socket.gethostname()
+        return [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not _alive(pid)]
 
     def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
         if self.world == 1:
@@ -79,6 +91,21 @@ class Dist:
         if self.world > 1:
             # A tensor all-reduce rather than tdist.barrier: it honours the group timeout on gloo.
             self.all_reduce(torch.zeros(1, device=self.device), what=what)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def resolve_backend(backend: str) -> str:
@@ -115,7 +142,11 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     if world > 1 and tdist.get_backend() != name:
         raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
                           f"cannot change within one process")
-    return Dist(rank, world, local_rank, device, name if world > 1 else None, timeout_s)
+    dist = Dist(rank, world, local_rank, device, name if world > 1 else None, timeout_s)
+    if world > 1:
+        peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
+        dist = replace(dist, peers=tuple(tuple(p) for p in peers))
+    return dist
 
 
 def disconnect() -> None:

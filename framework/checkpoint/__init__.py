@@ -54,8 +54,9 @@ _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer",
 def fault(point: str, rank: int) -> None:
     """Test hook for the fault tests: ``FRAMEWORK_FAULT=<point>@<rank>[,once=<marker file>]``
     ends this process with ``os._exit(17)`` (as a kill would, no cleanup) when rank ``rank``
-    reaches ``point``: ``save:after-shard``, ``save:before-manifest``, ``save:before-rename``,
-    ``save:before-latest`` or ``step:<N>`` (after train step N). With ``once`` it fires only if
+    reaches ``point``: ``save-<N>:after-shard``, ``save-<N>:before-manifest``,
+    ``save-<N>:before-rename``, ``save-<N>:before-latest`` (during the save of step N) or
+    ``step:<N>`` (after train step N). With ``once`` it fires only if
     the marker file does not exist yet, and creates it. Unset in normal runs: nothing happens."""
     spec = os.environ.get("FRAMEWORK_FAULT")
     if not spec:
@@ -72,8 +73,8 @@ def fault(point: str, rank: int) -> None:
     os._exit(17)
 
 
-def _fault(point: str, rank: int) -> None:
-    fault(f"save:{point}", rank)
+def _fault(step: int, point: str, rank: int) -> None:
+    fault(f"save-{step}:{point}", rank)
 
 
 def config_hash(cfg: dict) -> str:
@@ -203,7 +204,7 @@ def _write(sd: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep
     dcp.save(_dcp_state(sd, owned, keys), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
              planner=SavePlanner(), **group.dcp_kwargs())
     _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
-    _fault("after-shard", rank)
+    _fault(step, "after-shard", rank)
     if rank == 0:
         body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": sd["data"],
                 "scheduler_position": applied, "precision": sd["precision"],
@@ -222,10 +223,10 @@ def _write(sd: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep
     parts = group.all_gather(hashed, "checksum gather")
     if rank == 0:
         files = {k: v for part in parts for k, v in part.items()}
-        _fault("before-manifest", rank)
+        _fault(step, "before-manifest", rank)
         _folder.write_manifest(tmp, files, step=step, world=group.world, stage=meta["stage"],
                                config_hash=config_hash(config))
-        _folder.commit(tmp, final, lambda point: _fault(point, rank))
+        _folder.commit(tmp, final, lambda point: _fault(step, point, rank))
         gone = _folder.prune(root, final, keep_last)
         total = sum(v["bytes"] for v in files.values())
         print(f"checkpoint: saved {final} ({total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.2f}s"

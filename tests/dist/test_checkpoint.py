@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import framework
-from framework.checkpoint import Checkpointer, CheckpointError
+from framework.checkpoint import Checkpointer, CheckpointError, fault
 from framework.models.gpt import gpt_loss
 from framework.state import capture_rng
 from tests._helpers import OverflowAt, build_gpt, tiny_config
@@ -54,6 +54,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
                     loss.step = state.step
                 state, m = engine.train_step(state, batch)
                 losses.append(m["loss"])
+                fault(f"step:{state.step}", dist.rank)  # as framework.loop does (fault tests)
                 ckpt.maybe_save(state)
         finally:
             ckpt.close()
