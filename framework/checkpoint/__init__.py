@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from framework.checkpoint import _folder, _rng
 from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata
 from framework.errors import CheckpointError
 from framework.errors import ConfigError, FrameworkError
-from framework.state import FORMAT as STATE_FORMAT, optimizer_leaves
+from framework.state import FORMAT as STATE_FORMAT, _dynamic, optimizer_leaves
 
 __all__ = ["Checkpointer", "CheckpointError", "save", "load", "find_resumable"]
 
@@ -122,24 +122,10 @@ class _Group:
 
 # --- save ------------------------------------------------------------------------------------
 
-def _owned(sd: dict, group: _Group) -> tuple[dict[str, list[tuple[int, int]]], list[dict]]:
-    """This rank's share of each parameter: the elements it holds that no lower rank holds
-    (replicated stages: rank 0 writes everything), as flat ranges; and every rank's holdings."""
-    mine = {name: {"shape": list(e["shape"]), "ranges": [list(f["range"]) for f in e["fragments"]]}
-            for name, e in sd["params"].items()}
-    everyone = group.all_gather(mine, "layout gather")
-    owned: dict[str, list[tuple[int, int]]] = {}
-    for name, held in mine.items():
-        lower = sorted(tuple(r) for other in everyone[:group.rank] for r in other.get(name, {}).get("ranges", ()))
-        for lo, hi in held["ranges"]:
-            for a, b in _subtract(lo, hi, lower):
-                owned.setdefault(name, []).append((a, b))
-    return owned, everyone
-
-
 def _subtract(lo: int, hi: int, taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Parts of [lo, hi) outside the ``taken`` ranges (sorted by start)."""
     out, pos = [], lo
-    for a, b in taken:  # sorted by start
+    for a, b in taken:
         if b <= pos or a >= hi:
             continue
         if a > pos:
@@ -150,26 +136,44 @@ def _subtract(lo: int, hi: int, taken: list[tuple[int, int]]) -> list[tuple[int,
     return out
 
 
-def _dcp_state(sd: dict, owned: dict, keys: dict[str, str]) -> dict[str, Any]:
+def _snapshot(engine, state, group: _Group) -> dict:
+    """This rank's share of ``state`` as DCP values (collective: the ranks exchange what they hold).
+
+    A rank writes the elements it holds that no lower rank holds (replicated stages: rank 0
+    writes everything once). Each rectangular box is copied to the host on its own, into a
+    tensor that owns exactly its bytes: one copy of the state, and none more in DCP's writer
+    (it clones any view of a larger storage before serialising it)."""
+    c = engine.components
+    specs = c.stage.piece_specs()
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    held: dict[str, dict] = {}
+    for spec in specs:
+        for span in spec.spans:
+            held.setdefault(span.name, {"shape": list(span.shape), "ranges": []})["ranges"].append(list(span.param))
+    everyone = group.all_gather(held, "layout gather")
+    keys = _optim_keys(sorted(per), sorted(scalars))
+    pieces: dict[str, dict[str, list]] = {}
+    for k, spec in enumerate(specs):
+        flat = {"master": state.params[k].reshape(-1), **{p: ts[k].reshape(-1) for p, ts in per.items()}}
+        for span in spec.spans:
+            lower = sorted(tuple(r) for other in everyone[:group.rank]
+                           for r in other.get(span.name, {}).get("ranges", ()))
+            for a, b in _subtract(*span.param, lower):
+                at = span.piece[0] + a - span.param[0]
+                for key, t in flat.items():
+                    pieces.setdefault(span.name, {}).setdefault(key, []).append(((a, b), t[at:at + b - a]))
     out: dict[str, Any] = {}
-    for name, entry in sd["params"].items():
-        if name not in owned:
-            continue
-        pieces: dict[str, list] = {"master": []}
-        for f in entry["fragments"]:
-            flo, fhi = f["range"]
-            for a, b in owned[name]:
-                a2, b2 = max(a, flo), min(b, fhi)
-                if a2 < b2:
-                    pieces["master"].append(((a2, b2), f["master"][a2 - flo:b2 - flo]))
-                    for path, t in f["optim"].items():
-                        pieces.setdefault(path, []).append(((a2, b2), t[a2 - flo:b2 - flo]))
-        out[f"model.{name}"] = Boxes(entry["shape"], pieces.pop("master"))
-        for path, ps in pieces.items():
-            out[f"optim.{keys[path]}.{name}"] = Boxes(entry["shape"], ps)
-    for path, value in sd["optimizer"]["scalars"].items():  # same on every rank: DCP writes it once
+    for name, by_key in pieces.items():
+        shape = held[name]["shape"]
+        for key, ps in by_key.items():
+            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = Boxes(shape, ps, copy=True)
+    host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                    for p, v in scalars.items()}
+    for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
-    return out
+    return {"dcp": out, "everyone": everyone, "per": sorted(per), "scalars": host_scalars, "keys": keys,
+            "step": state.step, "data": state.data, "precision": asdict(state.precision),
+            "dynamic_loss_scale": _dynamic(c.policy), "applied": state.applied_steps}
 
 
 def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: int,
@@ -177,40 +181,38 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
     """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
     state is taken before returning; with ``background`` the files are written there and its
     future is returned (None otherwise)."""
-    sd = engine.state_dict(state)
+    snap = _snapshot(engine, state, group)
     rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name")}
-    job = lambda: _write(sd, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,  # noqa: E731
-                         applied=state.applied_steps)
+    job = lambda: _write(snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta)  # noqa: E731
     if background is None:
         job()
         return None
     return background.submit(job)
 
 
-def _write(sd: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict,
-           applied: int) -> Path:
+def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict) -> Path:
     t0 = time.perf_counter()
-    step, rank = sd["step"], group.rank
+    step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     if rank == 0:
         _folder.mkdir_private(root)
         _folder.remove_stale(root)
         _folder.mkdir_private(tmp)
-    owned, everyone = _owned(sd, group)  # (also orders the mkdir above before every rank's writes)
-    per, scalars = sd["optimizer"]["per_element"], sd["optimizer"]["scalars"]
-    keys = _optim_keys(per, list(scalars))
-    dcp.save(_dcp_state(sd, owned, keys), storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+    group.all_gather(None, "folder barrier")  # the folder exists before any rank writes
+    dcp.save(snap["dcp"], storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
              planner=SavePlanner(), **group.dcp_kwargs())
     _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
     _fault(step, "after-shard", rank)
     if rank == 0:
-        body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": sd["data"],
-                "scheduler_position": applied, "precision": sd["precision"],
-                "dynamic_loss_scale": sd["dynamic_loss_scale"],
-                "optimizer": {"per_element": per, "scalars": {p: _json_scalar(v) for p, v in scalars.items()},
-                              "keys": keys},
+        everyone = snap["everyone"]
+        body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": snap["data"],
+                "scheduler_position": snap["applied"], "precision": snap["precision"],
+                "dynamic_loss_scale": snap["dynamic_loss_scale"],
+                "optimizer": {"per_element": snap["per"],
+                              "scalars": {p: _json_scalar(v) for p, v in snap["scalars"].items()},
+                              "keys": snap["keys"]},
                 "world": group.world, **meta, "config": config, "config_hash": config_hash(config),
                 # The saving layout: each parameter's shape and the flat ranges each rank held.
                 "parameters": {n: e["shape"] for held in everyone for n, e in held.items()},
@@ -383,8 +385,17 @@ class Checkpointer:
                 self._say(f"resume=off: starting from step 0 although {self.root} holds {len(existing)} "
                           f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
             return state
-        candidates = self.group.all_gather(find_resumable(resume, self.root) if self.rank == 0 else None,
-                                           "resume choice")[0]
+        # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
+        choice: Any = None
+        if self.rank == 0:
+            try:
+                choice = find_resumable(resume, self.root)
+            except ConfigError as e:
+                choice = str(e)
+        choice = self.group.all_gather(choice, "resume choice")[0]
+        if isinstance(choice, str):
+            raise ConfigError(choice)
+        candidates = choice
         if not candidates:
             if resume == "auto" and self.cfg.every:
                 self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")

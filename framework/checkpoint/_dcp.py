@@ -59,16 +59,21 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 class Boxes:
     """One parameter's global shape and this rank's boxes of it, each a view of a flat host
-    tensor holding a range of the flattened parameter (what DCP reads from or writes into)."""
+    tensor holding a range of the flattened parameter (what DCP reads from or writes into);
+    with ``copy`` each box is a host copy of its part of the (device or host) flat tensor."""
 
-    def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]]):
+    def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
+                 copy: bool = False):
         self.shape = torch.Size(shape)
         self.views: list[tuple[torch.Size, torch.Tensor]] = []
         for (lo, hi), flat in pieces:
             pos = 0
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
-                self.views.append((torch.Size(offsets), flat[pos:pos + n].view(sizes)))
+                box = flat[pos:pos + n]
+                if copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
+                    box = box.to("cpu", copy=True)
+                self.views.append((torch.Size(offsets), box.view(sizes)))
                 pos += n
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load

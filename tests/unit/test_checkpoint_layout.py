@@ -1,0 +1,55 @@
+"""Flat ranges as rectangular DCP chunks (framework.checkpoint._dcp.boxes), ownership of
+replicated ranges, the config keys, and the folder protocol's pure parts."""
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from framework.checkpoint import _subtract, _optim_keys
+from framework.checkpoint._dcp import boxes
+from framework.errors import ConfigError
+from tests._helpers import tiny_config
+
+
+@pytest.mark.parametrize("shape", [(), (7,), (5, 7), (3, 4, 5), (2, 3, 1, 4)])
+def test_boxes_tile_every_flat_range_in_order(shape):
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    n = full.numel()
+    ranges = [(lo, hi) for lo, hi in itertools.combinations(range(n + 1), 2)]
+    random.Random(0).shuffle(ranges)
+    for lo, hi in ranges[:300]:
+        got = boxes(shape, lo, hi)
+        assert len(got) <= max(1, 2 * len(shape) - 1)
+        parts = []
+        for offsets, sizes in got:
+            idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            box = full[idx]
+            # contiguous in flat order: its elements are consecutive integers
+            assert torch.equal(box.reshape(-1), torch.arange(int(box.reshape(-1)[0]), int(box.reshape(-1)[0]) + box.numel()))
+            parts.append(box.reshape(-1))
+        assert torch.equal(torch.cat(parts) if parts else torch.empty(0, dtype=torch.long), full.reshape(-1)[lo:hi])
+
+
+def test_subtract_leaves_what_lower_ranks_do_not_hold():
+    assert _subtract(0, 10, []) == [(0, 10)]
+    assert _subtract(0, 10, [(0, 10)]) == []
+    assert _subtract(0, 10, [(2, 4), (3, 6), (8, 12)]) == [(0, 2), (6, 8)]
+
+
+def test_optimizer_keys_use_torch_names_and_stay_unique():
+    assert _optim_keys(["0.mu", "0.nu"], ["0.count"]) == {"0.mu": "exp_avg", "0.nu": "exp_avg_sq", "0.count": "step"}
+    assert _optim_keys(["0.mu", "2.mu"], []) == {"0.mu": "0.mu", "2.mu": "2.mu"}
+
+
+def test_checkpoint_config_keys():
+    cfg = tiny_config("checkpoint.every=5", "checkpoint.async=true", "checkpoint.resume=off")
+    assert (cfg.checkpoint.every, cfg.checkpoint.async_, cfg.checkpoint.resume) == (5, True, "off")
+    assert cfg.to_dict()["checkpoint"]["async"] is True
+    with pytest.raises(ConfigError, match="checkpoint.async=true does nothing with checkpoint.every=0"):
+        tiny_config("checkpoint.async=true")
+    with pytest.raises(ConfigError, match=r"checkpoint.every \(-1\)"):
+        tiny_config("checkpoint.every=-1")
+    with pytest.raises(ConfigError, match="unknown key 'checkpoint.evry'"):
+        tiny_config("checkpoint.evry=3")
