@@ -82,7 +82,7 @@ EXACT = {
     "zero2 fp32 offload accum2": ["+stage=zero2", "offload=cpu", "train.grad_accum=2"],
     "zero2 bf16 offload async": ["+stage=zero2", "precision=bf16", "offload=cpu", "checkpoint.async=true"],
     "zero3 fp32 accum2": ["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "train.grad_accum=2"],
-    "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=true"],
+    "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"],
     "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
 }
 EXACT_MORE = {
