@@ -179,6 +179,7 @@ def main(argv=None) -> None:
     ap.add_argument("--no-deepspeed", action="store_true")
     args = ap.parse_args(argv)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-ckpt-"))
+    load_before = os.getloadavg()
     try:
         _, _, mine = run_ranks_detail(args.world, ours, args.model, str(root), args.steps)
         theirs = None
@@ -189,7 +190,8 @@ def main(argv=None) -> None:
                 print(f"note: DeepSpeed failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}")
         slow = lambda rs, k: max(r[k] for r in rs)  # noqa: E731
         gib = lambda b: b / 2 ** 30  # noqa: E731
-        print(f"machine: {machine()}; model {args.model}, {args.world} gloo ranks, zero2, fp32 + AdamW")
+        print(f"machine: {machine()}; model {args.model}, {args.world} gloo ranks, zero2, fp32 + AdamW; "
+              f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}")
         print("| system | save (s) | load (s) | bytes on disk (GiB) |")
         print("|---|---|---|---|")
         print(f"| ours, sync (DCP + checksums + commit) | {slow(mine, 'sync_total'):.2f} | {slow(mine, 'load'):.2f} "

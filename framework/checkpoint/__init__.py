@@ -18,6 +18,17 @@ Folder (``framework.checkpoint._folder`` has the commit protocol)::
 
 Loading re-slices by name into whatever layout the loading run has (``engine.load_state_dict``),
 so world size, stage and offload may change between save and load.
+
+NVMe offload (not built yet; the seam): ``_snapshot`` reads each master piece and its optimizer
+tensors as flat tensors and copies rectangular boxes out of them, and the load fills flat
+buffers that ``engine.load_state_dict`` copies into the pieces. A disk store would (1) flush its
+in-flight swap writes, (2) expose each swapped piece's master and optimizer extents as flat
+tensors memory-mapped from its swap file (``SwapFile.extent(name)`` -> offset, bytes; mapped
+read-only with ``torch.from_file`` or a numpy memmap at that offset), which ``_snapshot`` copies
+boxes from exactly as from host tensors, and (3) on load, expose the new layout's extents
+writable, so the re-sliced values are written straight into the new run's swap files (and their
+per-extent checksums refreshed). The checkpoint stays keyed by parameter name: never a copied
+swap folder tied to one world size.
 """
 from __future__ import annotations
 
