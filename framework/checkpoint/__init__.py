@@ -289,23 +289,25 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     keys = body["optimizer"]["keys"]
     if set(per) != set(body["optimizer"]["per_element"]) or set(scalars) != set(body["optimizer"]["scalars"]):
-        raise CheckpointError(f"checkpoint {folder} holds the optimizer state "
+        raise ConfigError(f"checkpoint {folder} holds the optimizer state "
                               f"{sorted([*body['optimizer']['per_element'], *body['optimizer']['scalars']])} but this "
-                              f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with")
+                              f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
+                              f"{_OTHER_RUN}")
     saved = {k[len("model."):]: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith("model.")}
     names = [n for n, p in c.module.named_parameters() if p.requires_grad]
     missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
     if missing or extra:
-        raise CheckpointError(f"checkpoint {folder} does not fit this model: "
-                              + "; ".join(x for x in (f"missing parameters {_few(missing)}" if missing else "",
-                                                      f"unexpected parameters {_few(extra)}" if extra else "") if x))
+        raise ConfigError(f"checkpoint {folder} does not fit this model: "
+                          + "; ".join(x for x in (f"missing parameters {_few(missing)}" if missing else "",
+                                                  f"unexpected parameters {_few(extra)}" if extra else "") if x)
+                          + _OTHER_RUN)
     # What this rank needs: each span of each master piece, as fresh flat host buffers.
     wanted: dict[str, list[tuple[int, int]]] = {}
     for spec in c.stage.piece_specs():
         for span in spec.spans:
             if tuple(span.shape) != saved[span.name]:
-                raise CheckpointError(f"checkpoint {folder}: parameter {span.name!r} has shape {saved[span.name]} "
-                                      f"in the checkpoint but {tuple(span.shape)} in this model")
+                raise ConfigError(f"checkpoint {folder}: parameter {span.name!r} has shape {saved[span.name]} "
+                                  f"in the checkpoint but {tuple(span.shape)} in this model{_OTHER_RUN}")
             wanted.setdefault(span.name, []).append(span.param)
     fragments: dict[str, dict] = {}
     targets: dict[str, Any] = {}
@@ -341,6 +343,10 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     state = engine.load_state_dict(state, [pseudo])
     _rng.restore_host(host_rng)
     return state, body
+
+
+# A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
+_OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
 
 
 def _few(items: list[str]) -> str:

@@ -241,3 +241,11 @@ def test_resume_off_says_checkpoints_exist_and_incomplete_folders_are_ignored(tm
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
+
+
+def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=K)
+    with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
+                                                       r"but \(24, 36\) in this model; use another checkpoint.dir"):
+        _train(dist, ["model.d_model=36"], str(tmp_path), resume="auto")
