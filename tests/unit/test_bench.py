@@ -24,3 +24,13 @@ def test_nvme_io_bench_runs_tiny(tmp_path):
     kinds = {r["checksum"] for r in rows if r["system"] == "ours-checksum"}
     assert kinds == {"none", "sum64", "crc32"} and all(r["write"] > 0 and r["read"] > 0 for r in rows)
     assert list(tmp_path.iterdir()) == []   # the swap file went
+
+
+def test_checkpoint_bench_runs_tiny(tmp_path):
+    """bench.checkpoint's rank function on one process with gpt-nano (ours and torch.save rows)."""
+    from bench.checkpoint import ours
+    from framework.distributed import connect
+
+    r = ours(connect("gloo"), "gpt-nano", str(tmp_path), 1)
+    assert r["sync_total"] > 0 and r["load"] > 0 and r["async_blocked"] > 0 and r["torch_save"] > 0
+    assert r["bytes_ours"] > 0 and r["bytes_torch"] > 0
