@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
-import math
 import os
 import sys
 import time

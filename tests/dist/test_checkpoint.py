@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from tests._helpers import OverflowAt, build_gpt, tiny_config
 from tests.dist.test_layout import assemble
 
 N, K = 4, 2
+ZERO3_SHARDED = "stage.stage3_param_persistence_threshold=0"   # every unit sharded
 ROWS = 8
 
 
@@ -81,7 +81,7 @@ EXACT = {
     "zero1 fp32": ["+stage=zero1"],
     "zero2 fp32 offload accum2": ["+stage=zero2", "offload=cpu", "train.grad_accum=2"],
     "zero2 bf16 offload async": ["+stage=zero2", "precision=bf16", "offload=cpu", "checkpoint.async=true"],
-    "zero3 fp32 accum2": ["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "train.grad_accum=2"],
+    "zero3 fp32 accum2": ["+stage=zero3", ZERO3_SHARDED, "train.grad_accum=2"],
     "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"],
     "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
 }
@@ -135,9 +135,8 @@ def test_fp16_resume_after_a_skipped_step_is_bitwise(pools, tmp_path, stage):
 # (world, overrides) of the saving run -> of the loading run
 RESHARD = {
     "zero2-w2 -> ddp-w1": ((2, ["+stage=zero2"]), (1, [])),
-    "zero1-w1 -> zero3-w2": ((1, ["+stage=zero1"]), (2, ["+stage=zero3", "stage.stage3_param_persistence_threshold=0"])),
-    "zero3-w2-offload -> zero2-w4": ((2, ["+stage=zero3", "offload=cpu", "stage.stage3_param_persistence_threshold=0"]),
-                                     (4, ["+stage=zero2"])),
+    "zero1-w1 -> zero3-w2": ((1, ["+stage=zero1"]), (2, ["+stage=zero3", ZERO3_SHARDED])),
+    "zero3-w2-offload -> zero2-w4": ((2, ["+stage=zero3", "offload=cpu", ZERO3_SHARDED]), (4, ["+stage=zero2"])),
     "zero2-w2 -> zero3-w2": ((2, ["+stage=zero2", "stage.reduce_bucket_size=300"]), (2, ["+stage=zero3"])),
     "zero3-w2 -> ddp-w2": ((2, ["+stage=zero3"]), (2, [])),
 }

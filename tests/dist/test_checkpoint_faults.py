@@ -43,8 +43,8 @@ def _worker(rank, world, store, root, env, timeout_s, out):
 
 
 def _launch(root, env, timeout_s=30.0, world=2, limit=60.0):
-    """Start ``world`` ranks; when one exits non-zero, stop the others (as torchrun would) unless
-    ``keep`` ... returns (exit codes, error messages, seconds from the first death to the end)."""
+    """Start ``world`` ranks and let each end by itself (within ``limit`` seconds); return their
+    exit codes and the error message each rank that failed wrote."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "framework.build", "framework.checkpoint", "tests.dist.test_checkpoint"])
     tmp = tempfile.mkdtemp(prefix="ckpt-fault-")

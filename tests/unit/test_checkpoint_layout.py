@@ -27,7 +27,8 @@ def test_boxes_tile_every_flat_range_in_order(shape):
             idx = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
             box = full[idx]
             # contiguous in flat order: its elements are consecutive integers
-            assert torch.equal(box.reshape(-1), torch.arange(int(box.reshape(-1)[0]), int(box.reshape(-1)[0]) + box.numel()))
+            first = int(box.reshape(-1)[0])
+            assert torch.equal(box.reshape(-1), torch.arange(first, first + box.numel()))
             parts.append(box.reshape(-1))
         assert torch.equal(torch.cat(parts) if parts else torch.empty(0, dtype=torch.long), full.reshape(-1)[lo:hi])
 
