@@ -39,7 +39,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
     record = RunRecord(run.run_dir) if dist.is_main else None
     losses, evals = [], []
-    ckpt = Checkpointer(cfg, engine)  # collective (its own gloo group)
+    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None)  # collective (its own gloo group)
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)

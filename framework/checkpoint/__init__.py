@@ -374,7 +374,10 @@ def find_resumable(resume: str, root: Path) -> list[Path]:
 class Checkpointer:
     """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
 
-    def __init__(self, cfg, engine):
+    def __init__(self, cfg, engine, job: str | None = None):
+        """``job``: the job's name within a multirun sweep (its overrides); its checkpoints go to
+        ``<checkpoint.dir>/<job>`` so that jobs of one sweep never resume from each other's,
+        while a relaunch of the same sweep finds each job's own."""
         self.cfg = cfg.checkpoint
         self.config = cfg.to_dict()
         self.seed = cfg.seed
@@ -382,6 +385,8 @@ class Checkpointer:
         dist = engine.components.dist
         self.rank = dist.rank
         self.root = Path(self.cfg.dir).expanduser().resolve()
+        if job:
+            self.root = self.root / _job_folder(job)
         self.group = _Group(dist.rank, dist.world, self.cfg.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
@@ -458,6 +463,14 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.group.close()
+
+
+def _job_folder(job: str) -> str:
+    """A folder name for a multirun job (its overrides): readable, short enough for any file system."""
+    name = job.replace("/", "_")
+    if len(name) > 120:
+        name = f"{name[:100]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}"
+    return name
 
 
 def _changed(a: dict, b: dict, prefix: str = "") -> list[str]:
