@@ -33,6 +33,16 @@ def _cfg(world, overrides, root, extra=()):
                        "checkpoint.timeout_s=60", *overrides, *extra)
 
 
+def test_saving_does_not_change_the_run(pools, tmp_path):
+    """A run that saves (asynchronously, offload on) trains exactly like one that never saves."""
+    over = ["+stage=zero2", "offload=cpu", "precision=bf16"]
+    saving = pools(2).run(_train, [*over, "checkpoint.async=true"], str(tmp_path / "a"), timeout=240)
+    plain = pools(2).run(_train, [*over, "checkpoint.every=0"], str(tmp_path / "b"), timeout=240)
+    assert [r[0] for r in saving] == [r[0] for r in plain]
+    _same_state([r[1] for r in saving], [r[1] for r in plain], "saving vs plain")
+    assert (tmp_path / "a" / f"step-{N}").is_dir() and not (tmp_path / "b").exists()
+
+
 def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None):
     """Train to ``steps`` (saving every K), optionally resuming first; return losses, the
     assembled-ready state dict, step and data position of the first state."""
