@@ -30,8 +30,11 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 
 def mkdir_private(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    """Create ``path`` readable by its owner only; an existing folder keeps its mode (it may be
+    the user's own, such as the working directory: each step folder inside is 0700 anyway)."""
+    if not path.is_dir():
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
 
 
 def write_private(path: Path, data: bytes) -> None:
