@@ -431,9 +431,12 @@ class Checkpointer:
                 errors.append(str(e))
                 self._say(f"{e}; falling back to the previous checkpoint")
                 continue
-            how = "same layout" if body["world"] == self.group.world and body["stage"] == self.config["stage"]["name"] \
-                else f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived" \
-                if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
+            if body["world"] != self.group.world:
+                how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
+            elif body["stage"] != self.config["stage"]["name"]:
+                how = f"resharded from stage {body['stage']}"
+            else:
+                how = "same layout"
             changed = _changed(body["config"], self.config)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
                       + (f"; config differs in {', '.join(changed[:8])}" if changed else ""))
