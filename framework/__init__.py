@@ -12,9 +12,10 @@ The command line (``python -m framework.train``) composes the same components wi
 from framework.build import Engine, initialize
 from framework.config import Config, compose
 from framework.errors import ConfigError, DataError, DistributedError, FrameworkError, TrainingError
+from framework.materialize import zero_init
 from framework.stages.zero3 import gathered
 from framework.state import TrainState
 from framework.batch import Batch
 
 __all__ = ["Batch", "Config", "ConfigError", "DataError", "DistributedError", "Engine", "FrameworkError",
-           "TrainState", "TrainingError", "compose", "gathered", "initialize"]
+           "TrainState", "TrainingError", "compose", "gathered", "initialize", "zero_init"]

@@ -19,6 +19,7 @@ from framework.accelerator import for_device
 from framework.config import Config, compose
 from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
+from framework.materialize import materialize_buffers
 from framework.registry import registry
 from framework.optimizers._transforms import copy_16bit
 from framework.state import TrainState, load_state_dict, state_dict
@@ -158,8 +159,10 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=for_device(dist.device))
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
-    setup = stage.setup(module, policy)  # parameters move to dist.device (materialised if on meta)
-    move_buffers(module, dist.device)
+    # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
+    # parameters move to dist.device as the stage lays them out (materialised if on meta).
+    materialize_buffers(module, dist.device)
+    setup = stage.setup(module, policy)
     decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
     optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
@@ -181,15 +184,6 @@ def hidden_size_of(module: nn.Module) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
     return None
-
-
-def move_buffers(module: nn.Module, device: torch.device) -> None:
-    for sub in module.modules():
-        for name, buf in sub.named_buffers(recurse=False):
-            if buf.is_meta:
-                raise ConfigError(f"buffer {name!r} of {type(sub).__name__} is on the meta device; build the "
-                                  f"model on a real device or register the buffer after construction")
-            sub._buffers[name] = buf.to(device)
 
 
 def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:

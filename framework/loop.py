@@ -15,7 +15,7 @@ from framework.checkpoint import Checkpointer, fault
 from framework.config import Config
 from framework.distributed import Dist
 from framework.loggers._base import NullLogger, RunInfo, RunRecord
-from framework.models.gpt import gpt_loss
+from framework.materialize import zero_init
 from framework.stages._flat import param_count
 from framework.state import capture_rng
 from framework.utils import to_device
@@ -26,9 +26,15 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
-    with torch.device("meta"):  # the stage materialises parameters (only its shard under zero3)
-        module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
-    engine = initialize(module, gpt_loss, cfg, dist)
+    model = component(cfg, "model")
+    with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
+        module = model.build(cfg.model, vocab_size=data.vocab_size)
+    engine = initialize(module, model.loss, cfg, dist)
+    weights = model.weights(cfg.model)
+    if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
+        from framework.weights import load_weights
+
+        load_weights(engine, weights)
     torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
     state = replace(engine.state, rng=capture_rng(dist.device))
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.errors import ConfigError
-from framework.registry import Component
+from framework.models._base import ModelComponent
 
 
 @dataclass(kw_only=True)
@@ -238,4 +238,5 @@ PRESETS: dict[str, GPTConfig] = {
                         bias=True, tie_weights=False),
 }
 
-COMPONENTS: dict[str, Component] = {name: Component(config=GPTConfig, build=build) for name in PRESETS}
+COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss)
+                                          for name in PRESETS}

@@ -12,7 +12,6 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from framework.errors import ConfigError
 
 # Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
 # each rank's partition 256-byte aligned for 16-bit dtypes and 512-byte for fp32 (NCCL and
@@ -88,35 +87,33 @@ class ParameterInit(Protocol):
     def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
 
 
-def initial_values(module: nn.Module, name: str, p: torch.Tensor, device: torch.device,
+def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torch.device,
                    scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Parameter ``name``'s initial values (in its own dtype) on ``device``.
 
-    A parameter on the meta device is initialised by ``module.init_parameter(name, tensor)``,
-    one parameter at a time, so a model built on meta never exists whole in memory; with
-    ``scratch`` (flat, same dtype, large enough) the values are written there instead of
-    into a fresh allocation, so repeated temporaries cannot fragment the heap.
+    A parameter on the meta device is initialised by ``init.init_parameter(name, tensor)``
+    (``framework.materialize.initializer(module)``), one parameter at a time, so a model built on
+    meta never exists whole in memory; with ``scratch`` (flat, same dtype, large enough) the
+    values are written there instead of into a fresh allocation, so repeated temporaries cannot
+    fragment the heap.
     """
     if not p.is_meta:
         return p.detach().to(device)
-    if not isinstance(module, ParameterInit):
-        raise ConfigError(f"parameter {name!r} is on the meta device but {type(module).__name__} has no "
-                          f"init_parameter(name, tensor) method to initialise it; build the model on a real "
-                          f"device or add that method")
     full = (torch.empty(p.shape, dtype=p.dtype, device=device) if scratch is None
             else scratch[:p.numel()].view(p.shape))
     with torch.no_grad():
-        module.init_parameter(name, full)
+        init.init_parameter(name, full)
     return full
 
 
 def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.Tensor,
-         layout: Layout) -> list[nn.Parameter]:
-    """Make each parameter a view into ``flat``, filled with its initial values; returns the
-    parameters (a meta parameter is replaced by a new Parameter everywhere it is registered)."""
+         layout: Layout, init: ParameterInit) -> list[nn.Parameter]:
+    """Make each parameter a view into ``flat``, filled with its initial values (meta ones from
+    ``init``); returns the parameters (a meta parameter is replaced by a new Parameter everywhere
+    it is registered)."""
     out = []
     for (name, p), v in zip(named, views(flat, layout)):
-        v.copy_(initial_values(module, name, p, flat.device))
+        v.copy_(initial_values(init, name, p, flat.device))
         if p.is_meta:  # .data cannot move a meta tensor to a real device
             new = nn.Parameter(v, requires_grad=p.requires_grad)
             replace_parameter(module, p, new)

@@ -17,6 +17,7 @@ from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.offload.base import Placement
 from framework.precision import Policy
+from framework.materialize import initializer
 from framework.stages._flat import Layout, bind, make_layout, param_groups
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup, WholeParameters
@@ -66,11 +67,12 @@ class ShardedStage(PartitionedStage, WholeParameters):
         self.module = module
         self.policy = policy
         groups = param_groups(module)
+        init = initializer(module)   # materialises meta parameters, one at a time
         entries = []  # (param, (group, slot)) in registration order
         for g, (_, named) in enumerate(groups):
             layout = make_layout(named, world=self.dist.world)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = bind(module, named, flat, layout)
+            params = bind(module, named, flat, layout, init)
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).

@@ -17,6 +17,7 @@ from framework.distributed import Dist
 from framework.errors import ConfigError
 from framework.precision import Policy
 from framework.registry import Component
+from framework.materialize import initializer
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
@@ -49,12 +50,13 @@ class DDPStage(WholeParameters):
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
         groups = param_groups(module)
+        init = initializer(module)   # materialises meta parameters, one at a time
         entries = []  # (param, group index, slot) in registration order
         grad_views = []
         for g, (_, named) in enumerate(groups):
             layout = make_layout(named, world=1)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = bind(module, named, flat, layout)
+            params = bind(module, named, flat, layout, init)
             # Every rank starts from rank 0's values, whatever each rank's initialisation did.
             self.dist.broadcast(flat, what="initial parameter broadcast")
             grad = torch.zeros_like(flat)

@@ -19,6 +19,8 @@ from torch import nn
 
 from framework.distributed import Dist
 from framework.errors import ConfigError, FrameworkError
+from framework.materialize import initializer
+from framework.models.hf import declared_layers
 from framework.precision import Policy
 from framework.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
@@ -67,6 +69,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.policy = policy
+        self._init = initializer(module)   # materialises meta parameters, one at a time
         unit_modules, owner = self._assign_units(module)
         names_of: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -89,7 +92,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
         shared = [(n, p) for n, p in all_named if owner[id(p)] == -1]
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named + shared, names_of) \
             if persistent_named or shared else None
-        self._scratch = None
+        self._scratch = self._init = None
         self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
                                  policy.reduce_dtype, self.offload)
         if persistent is not None:
@@ -109,7 +112,8 @@ class Zero3Stage(PartitionedStage, HookOwner):
         ``split_root`` every other module that registers parameters itself is a candidate too,
         and such modules that share a parameter (a tied embedding and head) are merged into one.
         """
-        classes = set(self.cfg.gather_unit)
+        # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
+        classes = set(self.cfg.gather_unit) | set(declared_layers(module))
         gather: list[tuple[str, nn.Module]] = []
         where: dict[int, tuple] = {}   # id(module) -> ("root",) | ("unit", i) | ("own", id)
         for name, sub in module.named_modules():
@@ -182,7 +186,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
         for (pname, p), slot in zip(named, layout.slots):
             # Materialise one full parameter at a time and keep only this rank's part of it.
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
-            values = initial_values(module, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
+            values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
             if not p.is_meta:  # user-built modules: every rank takes rank 0's values
                 self.dist.broadcast(values, what=f"initial values of {pname!r}")
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)

@@ -1,0 +1,22 @@
+"""What a model component adds to a registry ``Component``: the loss the loop trains it with and
+the weights to load into it once the stage has set it up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from torch import Tensor, nn
+
+from framework.registry import Component
+
+
+def _no_weights(cfg: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class ModelComponent(Component):
+    loss: Callable[[nn.Module, Any], Tensor]     # loss_fn(module, micro_batch) -> scalar
+    # A weights source (file or folder, framework.weights.load_weights) loaded after the stage set
+    # the model up, or None: the model keeps its own initialisation.
+    weights: Callable[[Any], str | None] = _no_weights

@@ -1,0 +1,249 @@
+"""Hugging Face causal language models as the ``model`` component (``model=hf``).
+
+    python -m framework.train model=hf model.config=path/to/config.json +stage=zero3 dist.nproc=2
+    python -m framework.train model=hf model.pretrained=path/to/save_pretrained_folder +stage=zero3
+
+``model.config`` builds a model from scratch from a ``config.json`` (or a folder holding one);
+``model.pretrained`` builds it from the folder's config and, once the stage has partitioned it,
+loads the folder's weights with ``framework.weights.load_weights`` (under zero3 each rank reads
+only the ranges of its shards). Nothing is ever downloaded: both keys must name local paths.
+
+The model is built on the meta device like every model of the command line; the stage
+materialises it through ``HFInit``, which initialises any one parameter (or buffer) with the
+model's own ``_init_weights`` without the rest of the model existing. Transformers is imported
+only when an HF model is actually built (it is an optional extra: ``pip install .[hf]``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from framework.errors import ConfigError
+from framework.models._base import ModelComponent
+
+
+@dataclass(kw_only=True)
+class HFConfig:
+    config: str | None = None        # config.json (or a folder with one): a model initialised from scratch
+    pretrained: str | None = None    # a save_pretrained folder: its config and (after partitioning) its weights
+    context: int = 256               # training sequence length (at most the model's max_position_embeddings)
+    attn_implementation: str = "sdpa"  # transformers' attention kernel: sdpa | eager
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward (non-reentrant)
+
+    def __post_init__(self) -> None:
+        if (self.config is None) == (self.pretrained is None):
+            raise ConfigError("model=hf needs exactly one of model.config=path/to/config.json (a new model) or "
+                              "model.pretrained=path/to/folder (a save_pretrained folder)")
+        if self.context < 1:
+            raise ConfigError(f"model.context must be >= 1, got {self.context}")
+        if self.attn_implementation not in ("sdpa", "eager"):
+            raise ConfigError(f"model.attn_implementation must be sdpa or eager, got {self.attn_implementation!r}")
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
+    return transformers
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (without importing transformers: a module of that class
+    cannot exist unless transformers was imported)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(module, transformers.PreTrainedModel)
+
+
+def load_config(cfg: HFConfig):
+    """The transformers config named by ``model.config`` or ``model.pretrained`` (local files only)."""
+    transformers = _transformers()
+    key, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)
+    path = Path(where).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        # Never let transformers read a missing path as a Hub repository id.
+        raise ConfigError(f"{key}={where}: no such file (want a config.json or a folder holding one)")
+    if cfg.pretrained is not None and not path.is_dir():
+        raise ConfigError(f"model.pretrained={where} must be a folder written by save_pretrained")
+    try:
+        raw = json.loads(file.read_text())
+        model_type = raw.pop("model_type")
+    except (ValueError, KeyError):
+        raise ConfigError(f"{key}: {file} is not a transformers config.json (JSON with a model_type)") from None
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **raw)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
+    return config
+
+
+def check_loadable(config) -> None:
+    """Refuse checkpoints whose keys transformers renames or fuses on load (e.g. Mixtral's experts):
+    our loader reads tensors under the model's own parameter names only."""
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+    if get_checkpoint_conversion_mapping(config.model_type) is not None:
+        raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
+                          f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
+                          f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and pass "
+                          f"the model to framework.initialize, or use model.config to train one from scratch")
+
+
+def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
+    """An ``AutoModelForCausalLM`` from the config, on the current default device (meta under the
+    loop); ``vocab_size`` (the data source's) must fit the model's vocabulary."""
+    transformers = _transformers()
+    config = load_config(cfg)
+    if cfg.pretrained is not None:
+        check_loadable(config)
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
+                          f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
+                          f"(e.g. data.vocab_size <= {config.vocab_size})")
+    limit = getattr(config, "max_position_embeddings", None)   # absent for some architectures
+    if limit is not None and cfg.context > limit:
+        raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
+                          f"set model.context <= {limit}")
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """Mean next-token cross-entropy of one micro batch ``(x, y)`` (both int64 [B, T], y = x
+    shifted by one, as every data source yields), from the logits of an HF causal LM."""
+    x, y = batch
+    logits = model(input_ids=x, use_cache=False).logits
+    # Cross-entropy over the vocabulary in fp32, as for our GPT.
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def pretrained_weights(cfg: HFConfig) -> str | None:
+    """The folder whose weights are loaded once the stage has set the model up (None: from scratch)."""
+    return cfg.pretrained
+
+
+# --- initialisation of one tensor at a time -----------------------------------------------------
+
+
+class HFInit:
+    """Initialises any one parameter or buffer of an HF model built on the meta device, with the
+    model's own ``_init_weights``, while the rest of the model stays unmaterialised.
+
+    Transformers initialises a module's tensors by calling ``_init_weights`` on the module and
+    then on each of its ancestors (a parent may re-initialise a child's weight: GPT-2 scales its
+    residual projections from the attention and MLP modules). For tensor ``name`` we run that
+    same chain, owner first, on a meta copy of the model (the *shadow*) in which only this one
+    tensor is real, so every other tensor the chain touches is a no-op. Each tensor draws from
+    the CPU generator seeded by (seed, name): values do not depend on the order in which a stage
+    materialises tensors, nor on the world size, and a plain model materialised the same way
+    (``materialize``) starts from exactly the same values. They are not those of transformers'
+    eager construction, whose draws follow module order (see REFERENCE §14).
+    """
+
+    def __init__(self, model: nn.Module, seed: int):
+        self.seed = seed
+        # All meta (no bytes): kept apart from the model so that tensors a stage has already
+        # replaced (sharded, empty) are never seen by an init function.
+        self.shadow = copy.deepcopy(model)
+        self.modules = dict(self.shadow.named_modules(remove_duplicate=False))
+        pretrained = sys.modules["transformers"].PreTrainedModel
+        self.init_of: dict[str, nn.Module] = {}   # module path -> the PreTrainedModel whose _init_weights applies
+        for path in self.modules:                 # parents come before children
+            mod = self.modules[path]
+            self.init_of[path] = mod if isinstance(mod, pretrained) else self.init_of[_parent(path)]
+
+    def init_parameter(self, name: str, t: Tensor) -> None:
+        self._init(name, t, parameter=True)
+
+    def init_buffer(self, name: str, t: Tensor) -> None:
+        self._init(name, t, parameter=False)
+
+    def _init(self, name: str, t: Tensor, parameter: bool) -> None:
+        path, _, key = name.rpartition(".")
+        chain = [path]
+        while chain[-1]:
+            chain.append(_parent(chain[-1]))
+        owner = self.modules[path]
+        slots = owner._parameters if parameter else owner._buffers
+        host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype)
+        _poison(host)
+        tensor = nn.Parameter(host, requires_grad=False) if parameter else host
+        old, slots[key] = slots[key], tensor
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.default_generator.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+                for p in chain:
+                    self.init_of[p]._init_weights(self.modules[p])
+            written = slots[key]
+        finally:
+            slots[key] = old
+        if written is not tensor:  # an init that assigned a new tensor instead of writing in place
+            host.copy_(written.detach())
+        if _poisoned(host):
+            kind = "parameter" if parameter else "buffer"
+            raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} is not initialised by its "
+                              f"_init_weights ({type(owner).__name__} is not covered), so it cannot be materialised "
+                              f"from the meta device; build the model on a real device instead")
+        if host is not t:
+            t.copy_(host)
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _poison(t: Tensor) -> None:
+    """Fill with values no init writes, so that an uncovered tensor is detected (not trained on garbage)."""
+    t.fill_(math.nan if t.is_floating_point() else (torch.iinfo(t.dtype).min if t.dtype != torch.bool else False))
+
+
+def _poisoned(t: Tensor) -> bool:
+    if t.is_floating_point():
+        return bool(torch.isnan(t).any())
+    return t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any())
+
+
+def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
+    """Materialise a model built on the meta device, whole, with the values a stage gives it
+    (same seed: ``torch.initial_seed()`` by default). For plain (unpartitioned) use and tests."""
+    init = HFInit(model, torch.initial_seed() if seed is None else seed)
+    device = torch.device(device)
+    named = {}
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            init.init_parameter(name, t)
+            named[name] = (p, nn.Parameter(t, requires_grad=p.requires_grad))
+    for old, new in named.values():
+        for sub in model.modules():   # every registration: tied weights stay tied
+            for key, value in sub._parameters.items():
+                if value is old:
+                    sub._parameters[key] = new
+    for name, b in model.named_buffers():
+        if b.is_meta:
+            t = torch.empty(b.shape, dtype=b.dtype, device=device)
+            init.init_buffer(name, t)
+            path, _, key = name.rpartition(".")
+            model.get_submodule(path)._buffers[key] = t
+    return model
+
+
+def declared_layers(module: nn.Module) -> list[str]:
+    """Class names of an HF model's transformer layers (``_no_split_modules``: the modules
+    transformers never splits across devices), the natural ZeRO-3 gather units."""
+    return list(module._no_split_modules or []) if is_hf_model(module) else []
+
+
+COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=pretrained_weights)
