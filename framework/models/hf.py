@@ -210,9 +210,11 @@ def _poison(t: Tensor) -> None:
 
 
 def _poisoned(t: Tensor) -> bool:
+    # Reductions, not elementwise masks: no temporary as large as the tensor (a NaN left in it
+    # makes the sum NaN).
     if t.is_floating_point():
-        return bool(torch.isnan(t).any())
-    return t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any())
+        return bool(t.sum().isnan())
+    return t.dtype != torch.bool and t.numel() > 0 and int(t.min()) == torch.iinfo(t.dtype).min
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:

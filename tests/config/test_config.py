@@ -53,6 +53,9 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
         path = tmp_path / "d.bin"
         path.write_bytes(b"hello world, some text " * 200)
         extra = [f"data.path={path}"] + (["data.vocab_size=256"] if name == "tokens" else [])
+    if group == "model" and name == "hf":   # a model from a config.json the test writes (no download)
+        from tests._hf import write_config
+        extra = [f"model.config={write_config('gpt2', tmp_path)}", "model.context=16"]
     override = f"+stage={name}" if group == "stage" else f"{group}={name}"
     offload = [] if group != "offload" else [f"+stage={next(s for s, o in COMPATIBLE.items() if name in o)}"]
     base = [o for o in TINY if not o.startswith(("model", "data"))]

@@ -1,0 +1,137 @@
+"""model=hf on one process: initialisation from the meta device, the loss, and clear errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import framework
+from framework import ConfigError
+from framework.build import component
+from framework.models.hf import HFInit, causal_lm_loss, materialize
+from tests._hf import CONFIGS, build, hf_cfg, write_config
+
+
+def _meta(arch, tmp_path, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = {**CONFIGS[arch], **overrides}
+    config = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    with framework.zero_init():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def test_zero_init_builds_on_meta_and_materialize_is_seeded_per_tensor(tmp_path):
+    model = _meta("gpt2", tmp_path)
+    assert all(p.is_meta for p in model.parameters())
+    a = dict(materialize(_meta("gpt2", tmp_path), seed=5).named_parameters())
+    b = dict(materialize(_meta("gpt2", tmp_path), seed=5).named_parameters())
+    c = dict(materialize(_meta("gpt2", tmp_path), seed=6).named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    assert not torch.equal(a["transformer.h.0.attn.c_attn.weight"], c["transformer.h.0.attn.c_attn.weight"])
+    # Order-independent: one tensor initialised alone (others never materialised) gets the same values.
+    init = HFInit(_meta("gpt2", tmp_path), seed=5)
+    for name in reversed(list(a)):
+        t = torch.empty_like(a[name])
+        init.init_parameter(name, t)
+        assert torch.equal(t, a[name]), name
+    # The tie survives: one tensor under both names.
+    tied = materialize(_meta("gpt2", tmp_path), seed=5)
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+
+
+def test_init_follows_the_models_own_init_weights(tmp_path):
+    p = dict(materialize(_meta("gpt2", tmp_path, n_embd=128, n_layer=4), seed=1).named_parameters())
+    # GPT-2's scheme: the attention/MLP modules (parents) rescale their c_proj (child) weights.
+    assert p["transformer.h.0.mlp.c_proj.weight"].std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    assert p["transformer.h.0.mlp.c_fc.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert torch.all(p["transformer.h.1.ln_1.weight"] == 1) and torch.all(p["transformer.h.1.attn.c_attn.bias"] == 0)
+
+
+def test_meta_buffers_equal_eager_construction(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(CONFIGS["llama"])
+    eager = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    ours = materialize(_meta("llama", tmp_path))
+    assert [n for n, _ in ours.named_buffers()] == [n for n, _ in eager.named_buffers()]
+    for (n, a), (_, b) in zip(ours.named_buffers(), eager.named_buffers()):
+        assert torch.equal(a, b), n
+
+
+def test_uncovered_parameter_fails_naming_it(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class WithExtra(GPT2LMHeadModel):
+        def __init__(self, config):
+            super().__init__(config)
+            self.extra = nn.Parameter(torch.empty(3))   # not covered by _init_weights
+
+    raw = dict(CONFIGS["gpt2"])
+    raw.pop("model_type")
+    with framework.zero_init():
+        model = WithExtra(GPT2Config(**raw))
+    with pytest.raises(ConfigError, match="parameter 'extra' of WithExtra is not initialised by its _init_weights"):
+        materialize(model)
+
+
+def test_loss_is_hf_causal_lm_loss(tmp_path):
+    cfg = hf_cfg(write_config("llama", tmp_path))
+    model, data = build(cfg, meta=False)
+    x, y = data.train_batch(0, micro_batch=3, grad_accum=1, rank=0, world=1).micro[0]
+    seq = torch.cat([x, y[:, -1:]], dim=1)    # y is x shifted by one
+    theirs = model(input_ids=seq, labels=seq).loss   # transformers shifts the labels itself
+    assert causal_lm_loss(model, (x, y)).item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert component(cfg, "model").loss is causal_lm_loss
+
+
+def test_library_api_takes_an_eager_pretrained_model(tmp_path):
+    """Any PreTrainedModel, built whole, goes through framework.initialize like any nn.Module."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = dict(CONFIGS["gpt2"])
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw))
+    cfg = framework.compose(["+stage=zero3", "train.steps=2", "train.micro_batch=2", "logger=none"])
+    x = torch.randint(0, 96, (2, 9))
+    with framework.initialize(model, causal_lm_loss, cfg) as engine:
+        state = engine.state
+        for _ in range(2):
+            state, m = engine.train_step(state, [(x[:, :-1], x[:, 1:])])
+    assert math.isfinite(m["loss"]) and state.step == 2
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    ([], "needs exactly one of model.config"),
+    (["model.pretrained=/nonexistent"], "needs exactly one of model.config"),
+    (["model.context=64"], "model.context=64 exceeds the model's max_position_embeddings (32)"),
+    (["data.vocab_size=200"], "the data has 200 token ids but the model's vocabulary has 96"),
+])
+def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
+    path = write_config("gpt2", tmp_path)
+    args = [o for o in ["model=hf", "model.context=16", "data.vocab_size=64", *overrides]]
+    if overrides != []:
+        args.append(f"model.config={path}")
+    with pytest.raises(ConfigError) as e:
+        cfg = framework.compose(args)
+        data = component(cfg, "data").build(cfg.data, seed=0, context=cfg.model.context)
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
+    cfg = framework.compose(["model=hf", f"model.config={tmp_path / 'nope.json'}"])
+    with pytest.raises(ConfigError, match="no such file"):
+        component(cfg, "model").build(cfg.model)
+    folder = tmp_path / "mixtral"
+    write_config("llama", folder, model_type="mixtral", num_local_experts=2, num_experts_per_tok=1)
+    cfg = framework.compose(["model=hf", f"model.pretrained={folder}"])
+    with pytest.raises(ConfigError, match="mixtral checkpoints need key conversions on load"):
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model)
+    # From scratch the same architecture builds (no checkpoint keys to convert).
+    cfg = framework.compose(["model=hf", f"model.config={folder}", "model.context=16"])
+    with framework.zero_init():
+        assert component(cfg, "model").build(cfg.model) is not None
