@@ -19,7 +19,7 @@ from framework.materialize import zero_init
 from framework.stages._flat import param_count
 from framework.state import capture_rng
 from framework.utils import to_device
-from framework.weights import save_on_model_save
+from framework.weights import load_weights, save_on_model_save
 
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
@@ -32,8 +32,6 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     engine = initialize(module, model.loss, cfg, dist)
     weights = model.weights(cfg.model)
     if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
-        from framework.weights import load_weights
-
         load_weights(engine, weights)
     torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
     state = replace(engine.state, rng=capture_rng(dist.device))

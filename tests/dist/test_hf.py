@@ -19,7 +19,7 @@ import framework
 from tests._hf import BASE, ZERO3, build, gathered_params, hf_cfg, plain_losses, write_config
 
 RTOL = 1e-6
-OFFLOAD_PARAMS = "offload.params=true"   # zero3 parameter shards on the host too
+OFFLOAD_PARAMS = "offload.params=cpu"   # zero3 parameter shards on the host too
 STAGES = {
     "ddp": [],
     "zero1": ["+stage=zero1"],

@@ -116,8 +116,11 @@ def test_pretrained_loading_peak_memory(pools, tmp_path):
     assert (folder / "model.safetensors.index.json").is_file()
     out = pools(WORLD).run(_load, path, folder, timeout=240)
     for rank, (full, layer, shard, grown, value) in enumerate(out):
-        limit = layer + SLACK
-        assert full > 2.5 * (shard + limit)
-        assert grown < limit, (f"rank {rank}: loading grew the peak RSS by {grown / 2**20:.1f} MiB > "
-                               f"{limit / 2**20:.1f} MiB (model {full / 2**20:.1f} MiB)")
+        # The bytes read are this rank's ranges (safetensors maps the files: the pages read count in
+        # the resident set until the files are closed), never the whole model.
+        limit = shard + layer + SLACK
+        assert full > 2.5 * limit, "the model must be several times the limit"
+        assert grown < limit, (f"rank {rank}: loading grew the peak RSS by {grown / 2**20:.1f} MiB > limit "
+                               f"{limit / 2**20:.1f} MiB (shard {shard / 2**20:.1f}, layer {layer / 2**20:.1f}, "
+                               f"model {full / 2**20:.1f})")
         assert torch.equal(value, dict(plain.named_parameters())["model.layers.3.mlp.up_proj.weight"])
