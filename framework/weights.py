@@ -617,11 +617,13 @@ def _hf_config(module: nn.Module):
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
     """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
     when set, the working-dtype weights (16-bit under bf16/fp16 precision) go to ``out_dir`` as
-    consolidated safetensors, each rank writing its own ranges; otherwise nothing. Collective."""
+    consolidated safetensors, each rank writing its own ranges (with config.json for a Hugging Face
+    model); otherwise nothing. Collective."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None
-    return save_weights(engine, out_dir, dtype=c.policy.param_dtype)
+    # A Hugging Face model also gets its config.json: the folder loads with from_pretrained.
+    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype)
 
 
 # ============================================================================ helpers ====

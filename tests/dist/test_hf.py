@@ -26,6 +26,8 @@ STAGES = {
     "zero2": ["+stage=zero2", "stage.reduce_bucket_size=1000"],      # several buckets
     "zero3": ["+stage=zero3", *ZERO3],
     "zero3-offload": ["+stage=zero3", *ZERO3, "offload=cpu", OFFLOAD_PARAMS],
+    # transformers' checkpointing recomputes each layer's forward inside backward, outside our hooks.
+    "zero3-checkpointing": ["+stage=zero3", *ZERO3, "model.activation_checkpointing=true"],
 }
 TRAIN = ["train.steps=3", "train.grad_accum=2", "train.grad_clip=0.5"]
 needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.weights") is None,
@@ -74,6 +76,9 @@ def _generate(dist, path):
     engine = framework.initialize(model, component(cfg, "model").loss, cfg, dist)
     weight = model.transformer.h[0].mlp.c_fc.weight
     text = repr(weight)
+    # The tied head and embedding stay one parameter: one partition, one unit.
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.unit_name == "transformer.wte+lm_head"
     prompt = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]) + 10 * dist.rank   # different prompts per rank
     kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     ours = model.generate(prompt, **kw)                          # KV cache on (the default)
@@ -115,9 +120,10 @@ def _save_then_load(dist, path, out_dir):
     engine.save_pretrained(out_dir)
     params = gathered_params(model)
     engine.close()
-    loaded = framework.compose([*BASE, f"model.pretrained={out_dir}", "+stage=zero3", *ZERO3, "train.steps=1"])
+    loaded = framework.compose([*BASE, f"model.pretrained={out_dir}", "+stage=zero3", *ZERO3, "train.steps=1",
+                                "stage.stage3_gather_16bit_weights_on_model_save=true"])
     summary = train(loaded, RunInfo(out_dir.parent / "run", None, None), dist)   # train_loss: step 0's loss
-    return params, summary["train_loss"]
+    return params, summary["train_loss"], summary.get("exported")
 
 
 @needs_weights
@@ -130,7 +136,7 @@ def test_save_pretrained_round_trip_and_pretrained_first_loss(pools, tmp_path, a
     path = write_config(arch, tmp_path / "config")
     out_dir = tmp_path / "export"
     results = pools(2).run(_save_then_load, path, out_dir, timeout=180)
-    params, first_loss = results[0]
+    params, first_loss, exported = results[0]
     # Export -> from_pretrained: bitwise the gathered parameters (fp32).
     hf = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True)
     loaded = dict(hf.named_parameters())
@@ -144,3 +150,6 @@ def test_save_pretrained_round_trip_and_pretrained_first_loss(pools, tmp_path, a
     with torch.no_grad():
         expected = causal_lm_loss(hf, batch.micro[0]).item()
     assert first_loss == pytest.approx(expected, rel=RTOL)
+    # The end-of-run export (stage3_gather_16bit_weights_on_model_save) of that run loads the same way.
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / exported, local_files_only=True)
+    assert type(again) is type(hf) and again.config.vocab_size == hf.config.vocab_size

@@ -87,6 +87,14 @@ def test_loss_is_hf_causal_lm_loss(tmp_path):
     assert component(cfg, "model").loss is causal_lm_loss
 
 
+def test_model_keys_reach_transformers(tmp_path):
+    cfg = hf_cfg(write_config("llama", tmp_path), "model.attn_implementation=eager",
+                 "model.activation_checkpointing=true")
+    model, _ = build(cfg)
+    assert model.config._attn_implementation == "eager"
+    assert model.is_gradient_checkpointing
+
+
 def test_library_api_takes_an_eager_pretrained_model(tmp_path):
     """Any PreTrainedModel, built whole, goes through framework.initialize like any nn.Module."""
     from transformers import AutoConfig, AutoModelForCausalLM
