@@ -92,7 +92,7 @@ def test_model_keys_reach_transformers(tmp_path):
                  "model.activation_checkpointing=true")
     model, _ = build(cfg)
     assert model.config._attn_implementation == "eager"
-    assert model.is_gradient_checkpointing
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
 
 
 def test_library_api_takes_an_eager_pretrained_model(tmp_path):
