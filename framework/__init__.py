@@ -7,6 +7,10 @@
         for batch in my_batches:                # batch: a list of grad_accum micro batches
             state, metrics = engine.train_step(state, batch)
 
+A model built inside ``with framework.zero_init():`` (any module, e.g. a Hugging Face
+``PreTrainedModel``) stays on the meta device until ``initialize`` materialises it, under zero3
+one parameter at a time into this rank's shard.
+
 The command line (``python -m framework.train``) composes the same components with Hydra.
 """
 from framework.build import Engine, initialize
