@@ -337,8 +337,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if world is None:
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
         world = env_world if env_world > 1 else base.dist.nproc
-    if hidden_from_model and hidden_size is None:
-        hidden_size = values.get("model.d_model")
+    if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
+        hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices))
     resolved = dsconfig.resolve(t, facts)

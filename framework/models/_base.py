@@ -1,5 +1,5 @@
-"""What a model component adds to a registry ``Component``: the loss the loop trains it with and
-the weights to load into it once the stage has set it up."""
+"""What a model component adds to a registry ``Component``: the loss the loop trains it with, the
+weights to load into it once the stage has set it up, and its hidden size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,9 +14,16 @@ def _no_weights(cfg: Any) -> None:
     return None
 
 
+def _unknown(cfg: Any) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class ModelComponent(Component):
     loss: Callable[[nn.Module, Any], Tensor]     # loss_fn(module, micro_batch) -> scalar
     # A weights source (file or folder, framework.weights.load_weights) loaded after the stage set
     # the model up, or None: the model keeps its own initialisation.
     weights: Callable[[Any], str | None] = _no_weights
+    # The model's hidden size, read from its config without building it (DeepSpeed's "auto"
+    # bucket sizes are computed from it), or None when unknown.
+    hidden_size: Callable[[Any], int | None] = _unknown

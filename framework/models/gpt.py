@@ -238,5 +238,6 @@ PRESETS: dict[str, GPTConfig] = {
                         bias=True, tie_weights=False),
 }
 
-COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss)
+COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
+                                                                hidden_size=lambda cfg: cfg.d_model)
                                           for name in PRESETS}

@@ -64,9 +64,8 @@ def is_hf_model(module: nn.Module) -> bool:
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
-def load_config(cfg: HFConfig):
-    """The transformers config named by ``model.config`` or ``model.pretrained`` (local files only)."""
-    transformers = _transformers()
+def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
+    """(key, file, contents) of the config.json named by ``model.config`` or ``model.pretrained``."""
     key, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)
     path = Path(where).expanduser()
     file = path / "config.json" if path.is_dir() else path
@@ -77,9 +76,25 @@ def load_config(cfg: HFConfig):
         raise ConfigError(f"model.pretrained={where} must be a folder written by save_pretrained")
     try:
         raw = json.loads(file.read_text())
-        model_type = raw.pop("model_type")
-    except (ValueError, KeyError):
-        raise ConfigError(f"{key}: {file} is not a transformers config.json (JSON with a model_type)") from None
+    except ValueError:
+        raw = None
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ConfigError(f"{key}: {file} is not a transformers config.json (JSON with a model_type)")
+    return key, file, raw
+
+
+def hidden_size(cfg: HFConfig) -> int | None:
+    """The model's hidden size from its config.json (no transformers import, nothing built)."""
+    raw = _raw_config(cfg)[2]
+    value = next((raw[k] for k in ("hidden_size", "n_embd", "d_model") if k in raw), None)
+    return value if isinstance(value, int) else None
+
+
+def load_config(cfg: HFConfig):
+    """The transformers config named by ``model.config`` or ``model.pretrained`` (local files only)."""
+    transformers = _transformers()
+    key, file, raw = _raw_config(cfg)
+    model_type = raw.pop("model_type")
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except ValueError as e:
@@ -248,4 +263,5 @@ def declared_layers(module: nn.Module) -> list[str]:
     return list(module._no_split_modules or []) if is_hf_model(module) else []
 
 
-COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=pretrained_weights)
+COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=pretrained_weights,
+                           hidden_size=hidden_size)

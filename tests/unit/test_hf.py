@@ -143,3 +143,11 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     cfg = framework.compose(["model=hf", f"model.config={folder}", "model.context=16"])
     with framework.zero_init():
         assert component(cfg, "model").build(cfg.model) is not None
+
+
+def test_deepspeed_auto_bucket_sizes_use_the_hf_hidden_size(tmp_path):
+    # GPT-2 names it n_embd (32 here): DeepSpeed's "auto" reduce_bucket_size is hidden * hidden.
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    path = write_config("gpt2", tmp_path)
+    cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
+    assert cfg.stage.reduce_bucket_size == 32 * 32
