@@ -158,6 +158,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=for_device(dist.device))
+    offload.connect(dist)
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
     # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
     # parameters move to dist.device as the stage lays them out (materialised if on meta).

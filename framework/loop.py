@@ -24,6 +24,8 @@ from framework.weights import load_weights, save_on_model_save
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
+    if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
+        cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     model = component(cfg, "model")

@@ -39,7 +39,7 @@ class Components:
 
 
 def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
-    return TrainState(step=0, params=tuple(master), opt_state=c.optimizer.init(list(master)),
+    return TrainState(step=0, params=tuple(master), opt_state=c.update.init(list(master)),
                       precision=c.policy.init_state(), rng=capture_rng(c.dist.device), data=position)
 
 

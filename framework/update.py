@@ -19,6 +19,7 @@ from framework.optimizers import GradientTransformation, step as optimizer_step
 
 
 class Update(Protocol):
+    def init(self, params: Sequence[Tensor]) -> Any: ...   # the optimizer state of ``params``
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None: ...
     def drain(self) -> None: ...
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
@@ -32,6 +33,9 @@ class Update(Protocol):
 class PlainUpdate:
     def __init__(self, tx: GradientTransformation, stage: Any):
         self.tx, self.stage = tx, stage
+
+    def init(self, params: Sequence[Tensor]) -> Any:
+        return self.tx.init(list(params))
 
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
         pass

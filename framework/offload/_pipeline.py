@@ -32,7 +32,7 @@ clipped or skipped (it would most likely be wasted again).
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
 from typing import Any, Callable, Sequence
 
 import torch
@@ -56,7 +56,7 @@ class PiecePipeline:
         self.tx, self.target, self.gather, self.speculative = tx, target, gather, speculative
         self.acc = target.acc
         self.info = target.pieces()           # in the optimizer's order
-        self.host = {i.index for i in self.info if i.tier is Tier.HOST}
+        self.host = {i.index for i in self.info if i.tier is not Tier.DEVICE}   # host memory or disk
         # Per group, its host pieces by start (they tile the partition's host part in order), so
         # a reported range finds its pieces by bisection: ``ready`` runs in backward hooks.
         self.by_group: dict[int, tuple[list[int], list[int]]] = {}
@@ -81,6 +81,10 @@ class PiecePipeline:
         self.jobs: dict[int, Future] = {}
         self.undone: set[int] = set()   # pieces whose undo copies were taken this step
         self.covered: dict[int, int] = {}
+
+    def init(self, params: Sequence[Tensor]) -> Any:
+        """The optimizer state of ``params`` (the disk tier makes and swaps it piece by piece)."""
+        return self.target.init_opt_state(self.tx, params)
 
     # --- during backward -------------------------------------------------------------------
 
@@ -117,7 +121,7 @@ class PiecePipeline:
         out = []
         for info in self.info:
             g = parts[info.group][info.start:info.end]
-            if info.tier is Tier.HOST:
+            if info.tier is not Tier.DEVICE:
                 if info.index not in self.grad_copies:
                     if info.index not in self.final:  # final on the current stream since backward ended
                         self.acc.use(writes=[g])
@@ -230,6 +234,8 @@ class PiecePipeline:
         self.ctx, self.speculate = None, clean
         after = self.target.working_used()
         copies: list[Event] = []
+        for store in self.target.stores.values():
+            getattr(store, "resume", lambda: None)()
         for k in done:  # copy back while the worker steps the rest
             self._publish(k, after, copies)
         rest = [k for k in range(len(self.info)) if k not in done]
@@ -243,14 +249,28 @@ class PiecePipeline:
                                     self.out16)
             for k in device_rest:
                 self._publish(k, after, copies)
+        failed = None
         try:
             for k, job in jobs:
                 new_state = job.result()
                 self._publish(k, after, copies)
+        except Exception as e:   # noqa: BLE001 - raised below (with a disk tier, on every rank)
+            failed = e
         finally:
             for _, job in jobs:  # never leave a job running into the next step
-                job.exception()
-            self._release_all()
+                job.cancel()
+            for store in self.target.stores.values():   # a worker waiting for a slot gives up
+                getattr(store, "interrupt", lambda: None)()
+            wait_all([job for _, job in jobs])
+            try:
+                self._release_all()
+            except Exception as e:   # noqa: BLE001 - a swap write that failed
+                failed = failed or e
+        if Tier.DISK in self.target.stores:
+            # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
+            self.target.agree(failed, "stepping the optimizer tiles")
+        elif failed is not None:
+            raise failed
         self.target.working_ready(copies)
         self.gather()
         return new_state
@@ -263,10 +283,20 @@ class PiecePipeline:
             self.target.stores[self.info[k].tier].release(self.handles.pop(k), ev)
 
     def memory(self) -> dict[str, int]:
-        return {"host_overlap_buffers": tensor_bytes(t for ts in self.undo.values() for t in ts)}
+        out = {"host_overlap_buffers": tensor_bytes(t for ts in self.undo.values() for t in ts)}
+        disk = self.target.stores.get(Tier.DISK)
+        if disk is not None:   # the pool is host memory; the swap file is not
+            out["host_swap_buffers"] = disk.memory()["pool"]
+        return out
+
+    def swap_bytes(self) -> dict[str, int]:
+        """Swap file size and bytes read and written so far (benchmarks)."""
+        disk = self.target.stores.get(Tier.DISK)
+        if disk is None:
+            return {}
+        return {"file": disk.memory()["file"], "read": disk.bytes_read, "written": disk.bytes_written}
 
     def close(self) -> None:
-        """Stop the worker thread and settle the stores (``Engine.close``)."""
+        """Stop the worker thread, settle the stores and remove the swap files (``Engine.close``)."""
         self.pool.shutdown(wait=True)
-        for store in self.target.stores.values():
-            store.flush()
+        self.target.close()

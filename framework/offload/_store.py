@@ -6,9 +6,9 @@ from the master) its optimizer state. Its tier says where they live:
 
     DEVICE  on the compute device (or wherever the working values are): stepped there, in place
     HOST    in host memory, pinned when the device is CUDA: stepped by the host
-    DISK    (next: NVMe) in files, read into a pool of pinned buffers before the step, written
-            back after it; a ``DiskStore`` implements the same four calls, the pipeline and the
-            stages stay as they are
+    DISK    (NVMe) in a swap file, read into a pool of pinned, page-aligned buffers before the
+            step and written back after it (``DiskStore``): the same four calls, so the pipeline
+            and the stages stay as they are
 
 The piece pipeline (``_pipeline.py``) asks the store of a piece's tier for it around each host
 step, so a store can make the piece resident asynchronously:
@@ -23,16 +23,22 @@ step, so a store can make the piece resident asynchronously:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from framework.accelerator import Accelerator, Event
 
+PAGE = 4096
+
 
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
+    DISK = "disk"
 
 
 @dataclass(frozen=True)
@@ -86,3 +92,295 @@ class DeviceStore:
 
     def flush(self) -> None:
         pass
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+@dataclass
+class _Entry:
+    """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
+    need room while the piece is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor
+    objects are stable (the train state and optimizer state hold them); while the piece is not
+    resident they view a one-element parking storage with zero strides (any read of them is
+    garbage by construction, and no buffer is held), while it is they view its slot."""
+
+    swapped: list[torch.Tensor]
+    scratch: list[torch.Tensor]
+    offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
+    footprint: int = 0
+
+
+@dataclass
+class _Slot:
+    index: int
+    buffer: torch.Tensor        # uint8 view of the pool, page-aligned
+    key: int | None = None      # the piece it holds
+    state: str = "free"         # free | reading | resident | writing
+    io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
+    readers: Event | None = None               # streams still copying from it
+
+
+class DiskStore:
+    """A swap file plus a pool of ``buffer_count`` page-aligned (pinned on CUDA) slots, each as large
+    as the largest piece. ``acquire(k)`` takes a slot and queues piece k's reads (with
+    ``read_ahead`` also the next piece's, into another free slot); ``wait`` points k's tensors at the
+    slot once its reads landed; ``release`` queues the writes of its swapped tensors (with
+    ``write_behind`` they drain while the next piece steps, else ``release`` waits for them). A
+    slot is reused only after its writes finished and the streams stopped reading it (the copy
+    back's event). ``acquire``/``wait`` run on the host-step worker, ``release`` on the main
+    thread: the slot table is guarded by a condition variable.
+
+    The IO engine (``offload.aio``) raises ``SwapIOError`` naming file, offset and tensor from
+    ``IOHandle.wait``; the store lets it propagate to the pipeline, which agrees across ranks."""
+
+    tier = Tier.DISK
+
+    def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
+                 name: str):
+        self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
+        self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
+        self.entries: dict[int, _Entry] = {}
+        self.order: list[int] = []          # keys in the order the pipeline steps them
+        self.slots: list[_Slot] = []
+        self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
+        self.writing: deque[_Slot] = deque()
+        self.parking: dict[torch.dtype, torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.file = self.io = None
+        self.bytes_read = self.bytes_written = 0
+        self.interrupted = False   # the step failed: a worker waiting for a slot gives up
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = ()) -> None:
+        """Register piece ``key``'s tensors (contiguous, any dtype) and park them."""
+        e = _Entry(list(swapped), list(scratch))
+        off = 0
+        for t in (*e.swapped, *e.scratch):
+            e.offsets.append(off)
+            off += _padded(t.numel() * t.element_size())
+        e.footprint = off
+        self.entries[key] = e
+        self.order.append(key)
+        for t in (*e.swapped, *e.scratch):
+            self._park(t)
+
+    def extents(self) -> dict[str, int]:
+        """Swap file extents (padded bytes), one per swapped tensor."""
+        return {f"{k}.{j}": _padded(t.numel() * t.element_size())
+                for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
+
+    def slot_bytes(self) -> int:
+        return max((e.footprint for e in self.entries.values()), default=0)
+
+    def open(self, file, io, pool: torch.Tensor) -> None:
+        """Start swapping: ``file`` (a ``SwapFile`` with ``extents()``), ``io`` (an ``AsyncIO``) and
+        ``pool`` (uint8, page-aligned, ``buffer_count * slot_bytes()`` bytes)."""
+        self.file, self.io = file, io
+        size = self.slot_bytes()
+        self.slots = [_Slot(i, pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
+
+    # --- the store calls ---------------------------------------------------------------------
+
+    def acquire(self, key: int) -> "Handle":
+        with self.cond:
+            while (slot := self.where.get(key)) is not None and slot.state == "draining":
+                self.cond.wait()   # its writes are being waited for by another thread; then it is free
+            if slot is None:
+                self._read(key, self._free_slot(block=True))
+            elif slot.state == "writing":   # taken back before its writes drained: wait for them in ``wait``
+                self.writing.remove(slot)
+                slot.state = "reading"
+            if self.read_ahead:
+                nxt = self._next(key)
+                if nxt is not None and nxt not in self.where:
+                    free = self._free_slot(block=False)
+                    if free is not None:
+                        self._read(nxt, free)
+        return Handle(key, None)
+
+    def wait(self, handle: "Handle") -> None:
+        with self.cond:
+            slot = self.where[handle.key]
+            pending, slot.io = slot.io, []
+        try:
+            for h in pending:   # its reads (or, taken back, its writes)
+                h.wait()
+        except BaseException:
+            with self.cond:     # nothing valid in the slot: free it, never write it back
+                slot.state = "failed"
+            raise
+        with self.cond:
+            slot.state = "resident"
+            self._point(handle.key, slot)
+
+    def release(self, handle: "Handle", readers: Event | None) -> None:
+        with self.cond:
+            slot = self.where.get(handle.key)
+            if slot is None:
+                return
+            if slot.state == "failed":
+                self._free(slot)
+                return
+            if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
+                return
+            slot.readers = readers
+            e = self.entries[handle.key]
+            slot.state = "writing"
+            slot.io = [self.io.pwrite(self.file, self.file.extent(f"{handle.key}.{j}")[0], self._view(slot, e, j),
+                                      what=f"{self.name} piece {handle.key} tensor {j}")
+                       for j in range(len(e.swapped))]
+            self.bytes_written += sum(self.extents_of(handle.key))
+            self.writing.append(slot)
+            self.cond.notify_all()
+        if not self.write_behind:
+            self._finish_writes(slot)
+
+    def flush(self) -> None:
+        """Every write landed and no stream reads a slot any more."""
+        while True:
+            with self.cond:
+                if not self.writing:
+                    break
+                slot = self.writing[0]
+            self._finish_writes(slot)
+        for slot in self.slots:
+            if slot.readers is not None:
+                slot.readers.synchronize()
+                slot.readers = None
+
+    def close(self) -> None:
+        """Flush, wait for reads still in flight, close the engine and remove the swap file."""
+        try:
+            self.flush()
+            for slot in self.slots:
+                for h in slot.io:
+                    h.wait()
+                slot.io = []
+        finally:
+            if self.io is not None:
+                self.io.close()
+            if self.file is not None:
+                self.file.remove()
+            self.io = self.file = None
+
+    def interrupt(self) -> None:
+        with self.cond:
+            self.interrupted = True
+            self.cond.notify_all()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.interrupted = False
+
+    def create(self, key: int, fill) -> None:
+        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors, write it out."""
+        with self.cond:
+            slot = self._free_slot(block=True)
+            slot.key, slot.state = key, "resident"
+            self.where[key] = slot
+            self._point(key, slot)
+        fill()
+        self.release(Handle(key, None), None)
+
+    def memory(self) -> dict[str, int]:
+        return {"pool": self.buffer_count * self.slot_bytes(),
+                "file": sum(self.extents().values())}
+
+    # --- internals (called with the condition held unless said otherwise) --------------------
+
+    def _next(self, key: int) -> int | None:
+        i = self.order.index(key) + 1
+        return self.order[i] if i < len(self.order) else None
+
+    def _free_slot(self, block: bool) -> _Slot | None:
+        while True:
+            for slot in self.slots:
+                if slot.state == "free":
+                    return self._reuse(slot)
+            if self.writing and (block or all(h.done() for h in self.writing[0].io)):
+                slot = self.writing[0]
+                self.cond.release()
+                try:
+                    self._finish_writes(slot)
+                finally:
+                    self.cond.acquire()
+                continue
+            if not block:
+                return None
+            if self.interrupted:
+                raise RuntimeError(f"{self.name} swap: the step failed while this piece waited for a buffer")
+            # Every slot holds a piece being read, stepped or copied back: wait for a release.
+            self.cond.wait()
+
+    def _reuse(self, slot: _Slot) -> _Slot:
+        if slot.readers is not None:   # sync point: the copy back of the piece it held, only
+            slot.readers.synchronize()
+            slot.readers = None
+        return slot
+
+    def _read(self, key: int, slot: _Slot) -> None:
+        e = self.entries[key]
+        slot.key, slot.state = key, "reading"
+        self.where[key] = slot
+        slot.io = [self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], self._view(slot, e, j),
+                                 what=f"{self.name} piece {key} tensor {j}")
+                   for j in range(len(e.swapped))]
+        self.bytes_read += sum(self.extents_of(key))
+
+    def extents_of(self, key: int) -> list[int]:
+        e = self.entries[key]
+        return [_padded(t.numel() * t.element_size()) for t in e.swapped]
+
+    def _finish_writes(self, slot: _Slot) -> None:
+        """Wait for ``slot``'s writes and free it (called without the condition held)."""
+        with self.cond:
+            if slot.state != "writing":
+                while slot.state == "draining":   # another thread waits for them
+                    self.cond.wait()
+                return
+            slot.state = "draining"
+            pending, slot.io = slot.io, []
+        try:
+            for h in pending:
+                h.wait()
+        finally:
+            with self.cond:
+                self.writing.remove(slot)
+                self._free(slot)
+
+    def _free(self, slot: _Slot) -> None:
+        self._unpoint(slot.key)
+        self.where.pop(slot.key, None)
+        slot.key, slot.state, slot.io = None, "free", []
+        self.cond.notify_all()
+
+    def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
+        t = (e.swapped + e.scratch)[j]
+        return slot.buffer[e.offsets[j]:e.offsets[j] + _padded(t.numel() * t.element_size())]
+
+    def _point(self, key: int, slot: _Slot) -> None:
+        e = self.entries[key]
+        for j, t in enumerate((*e.swapped, *e.scratch)):
+            v = slot.buffer[e.offsets[j]:e.offsets[j] + t.numel() * t.element_size()].view(t.dtype)
+            t.set_(v.untyped_storage(), v.storage_offset(), t.shape, _contiguous_strides(t.shape))
+
+    def _unpoint(self, key: int) -> None:
+        e = self.entries[key]
+        for t in (*e.swapped, *e.scratch):
+            self._park(t)
+
+    def _park(self, t: torch.Tensor) -> None:
+        if t.dtype not in self.parking:
+            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype)
+        t.set_(self.parking[t.dtype].untyped_storage(), 0, t.shape, (0,) * t.dim())
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for n in reversed(tuple(shape)):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))

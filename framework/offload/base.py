@@ -25,13 +25,31 @@ goes through the accelerator (``framework.accelerator``).
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import tempfile
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from framework.accelerator import Accelerator, Event, for_device
-from framework.offload._store import DeviceStore, HostStore, Tier
+from framework.offload._store import DeviceStore, DiskStore, Handle, HostStore, Tier
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """Where and how the disk tier swaps (``offload=nvme``; see ``offload.nvme``)."""
+
+    path: str | None            # folder of the swap files (None: a private temporary folder)
+    sub_group_size: int         # elements per optimizer tile
+    buffer_count: int           # slots in the optimizer pool
+    read_ahead: bool            # pipeline_read
+    write_behind: bool          # pipeline_write
+    block_size: int
+    queue_depth: int
+    intra_op_parallelism: int
 
 
 @dataclass(frozen=True)
@@ -70,8 +88,12 @@ class Placement:
     """Splits partitions between the host tier (the first ``host_fraction``) and the device tier."""
 
     def __init__(self, host_fraction: float, pin: bool, params_on_host: bool, overlap_step: bool = False,
-                 accelerator: Accelerator | None = None):
+                 accelerator: Accelerator | None = None, disk: DiskSpec | None = None):
         self.host_fraction, self.pin, self.params_on_host = host_fraction, pin, params_on_host
+        self.disk = disk      # the optimizer's host part lives on disk (tier DISK) instead of in host memory
+        self.dist = None      # (``connect``) ranks agree on swap IO errors
+        self._initial: dict[int, torch.Tensor] = {}   # disk piece -> its working values (setup only)
+        self._tmpdir: str | None = None
         self.overlap_step = overlap_step  # see framework/offload/_pipeline.py
         self._acc = None
         self.infos: list[PieceInfo] = []
@@ -86,6 +108,10 @@ class Placement:
     def bind(self, acc: Accelerator) -> None:
         self._acc = acc
         self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
+        if self.disk is not None:
+            self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=self.disk.buffer_count,
+                                               read_ahead=self.disk.read_ahead, write_behind=self.disk.write_behind,
+                                               name="optimizer")
         self.copy_stream = acc.new_stream("offload copy")   # host <-> device copies, ordered by events
 
     def _bind_device(self, device: torch.device) -> Accelerator:
@@ -96,6 +122,10 @@ class Placement:
     @property
     def acc(self) -> Accelerator:
         return self._acc
+
+    def connect(self, dist) -> None:
+        """The process group whose ranks agree on swap IO errors (``initialize`` calls it)."""
+        self.dist = dist
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -111,14 +141,23 @@ class Placement:
         real = n if real is None else real
         k = round(self.host_fraction * n)
         step = chunk or max(k, 1)
+        if self.disk is not None:
+            step = min(step, self.disk.sub_group_size)
         pieces = []
         host = self.stores[Tier.HOST]
         for a in range(0, k, step):
             b = min(a + step, k)
+            grad = host.allocate(b - a, master_dtype)   # gradients stay in host memory (never swapped)
+            grad.zero_()
+            if self.disk is not None:
+                # Placeholders until ``init_opt_state`` registers them with the disk store (which
+                # points them at a pool slot only while the piece is resident).
+                self._initial[len(self.infos) + len(pieces)] = own[a:b]
+                staging = None if own.dtype == master_dtype else _parked(b - a, own.dtype)
+                pieces.append((Tier.DISK, Piece(a, b, _parked(b - a, master_dtype), grad, staging)))
+                continue
             master = host.allocate(b - a, master_dtype)
             acc.copy(master, own[a:b])   # blocking: setup
-            grad = host.allocate(b - a, master_dtype)
-            grad.zero_()
             staging = None if own.dtype == master_dtype else host.allocate(b - a, own.dtype)
             pieces.append((Tier.HOST, Piece(a, b, master, grad, staging)))
         if k < n:  # kept with the working values; fp32 training updates them in place
@@ -136,7 +175,105 @@ class Placement:
         return list(self.infos)
 
     def has_host_pieces(self) -> bool:
-        return any(i.tier is Tier.HOST for i in self.infos)
+        """Whether some piece is stepped by the host (in host memory or swapped from disk)."""
+        return any(i.tier is not Tier.DEVICE for i in self.infos)
+
+    # --- the disk tier -------------------------------------------------------------------------
+
+    def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
+        """``tx.init(params)``, except that each disk piece's state is made one piece at a time and
+        swapped out at once, with its master, so host memory never holds more than a slot's worth."""
+        from framework.optimizers._subset import group_state, init_groups, merge_groups
+
+        disk = [i for i in self.infos if i.tier is Tier.DISK]
+        if not disk:
+            return tx.init(list(params))
+        store: DiskStore = self.stores[Tier.DISK]
+        n = len(params)
+        rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
+        states, owner = [init_groups(tx, params, rest)], [0] * n
+        for info in disk:
+            # The piece's master is parked (zero strides): its new state tensors are contiguous, and
+            # ``add`` parks them at once, so only one piece's state exists in memory at a time.
+            state = init_groups(tx, params, {info.index})
+            owner[info.index] = len(states)
+            states.append(state)
+            store.add(info.index, [info.piece.master, *group_state(state, n, info.index)],
+                      [info.piece.staging] if info.piece.staging is not None else [])
+        full = merge_groups(states, owner)
+        self._open_disk(store, params[0].dtype)
+        failed = None
+        try:
+            for info in disk:   # initial values: the working values and a fresh state, written out
+                def fill(info=info):
+                    m = info.piece.master
+                    self._acc.copy(m, self._initial[info.index])   # blocking: setup
+                    fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
+                    for dst, src in zip(group_state(full, n, info.index), fresh):
+                        dst.copy_(src)
+                store.create(info.index, fill)
+            store.flush()
+        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
+            failed = e
+        self._initial.clear()
+        self.agree(failed, "writing the initial optimizer state to the swap file")
+        return full
+
+    def _open_disk(self, store: DiskStore, master_dtype: torch.dtype) -> None:
+        from framework.offload.aio import AsyncIO, aligned_empty, preflight
+        from framework.offload.swapfile import SwapFile
+
+        rank = self.dist.rank if self.dist is not None else 0
+        world = self.dist.world if self.dist is not None else 1
+        folder = self.disk.path
+        if folder is None:
+            self._tmpdir = folder = tempfile.mkdtemp(prefix="framework-nvme-")
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        extents = store.extents()
+        total, slot = sum(extents.values()), store.slot_bytes()
+        preflight(folder, total, slot, slot, self.disk.buffer_count)
+        layout = hashlib.sha256(repr(sorted(extents.items())).encode()).hexdigest()[:16]
+        path = os.path.join(folder, f"rank{rank}-optimizer.swap")
+        file = SwapFile.create(path, extents, layout_hash=layout,
+                               world_size=world, rank=rank, dtype=str(master_dtype))
+        io = AsyncIO(self.disk.block_size, self.disk.queue_depth, self.disk.intra_op_parallelism)
+        pool = aligned_empty(self.disk.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)
+        store.open(file, io, pool)
+        print(f"nvme: rank {rank} swaps {total} bytes of optimizer state (fp32 master + moments) to "
+              f"{path}; host pool {self.disk.buffer_count} x {slot} bytes",
+              flush=True)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank learns whether some rank's swap IO failed, and raises (no rank is left waiting
+        in a collective). Sync point: a one-element all-reduce, once a step with a disk tier."""
+        try:
+            from framework.errors import SwapIOError
+        except ImportError:   # the IO engine may define it next to itself (contract B)
+            from framework.offload.aio import SwapIOError
+
+        if self.dist is None or self.dist.world == 1:
+            if error is not None:
+                raise error
+            return
+        flag = torch.tensor([0.0 if error is None else 1.0], device=self.dist.device)
+        self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
+        if flag.item() == 0.0:
+            return
+        if error is not None:
+            raise error
+        raise SwapIOError(f"another rank failed while {what} (its error names the file, offset and tensor); "
+                          f"this rank stops too")
+
+    def close(self) -> None:
+        """Settle the stores; remove the swap files (also after an error)."""
+        try:
+            for store in self.stores.values():
+                (store.close if hasattr(store, "close") else store.flush)()
+        finally:
+            if self._tmpdir is not None:
+                import shutil
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
 
     def shard_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed zero3 parameter shard: on the device, or pinned on the host (``offload.params``)."""
@@ -160,7 +297,7 @@ class Placement:
         out = []
         for info in self.infos:
             g = parts[info.group][info.start:info.end]
-            if info.tier is Tier.HOST:  # no pipeline (a stage driven by hand): copy and wait
+            if info.tier is not Tier.DEVICE:  # no pipeline (a stage driven by hand): copy and wait
                 self.copy_grad(info, g).synchronize()
                 g = info.piece.grad
             out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
@@ -234,11 +371,16 @@ class Placement:
         update, or values loaded into the master pieces)."""
         after, copies = self.working_used(), []
         for info in self.infos:
+            store, handle = self.stores[info.tier], None
+            if info.tier is Tier.DISK:   # resident while its values are copied back
+                handle = store.acquire(info.index)
+                store.wait(handle)
             ev = self.copy_back(info, after)
             if ev is not None:
                 copies.append(ev)
-                store = self.stores[info.tier]   # the host waits for this copy before writing the piece
-                store.release(store.acquire(info.index), ev)   # (a later event of the same stream)
+            if handle is not None or ev is not None:
+                # the host waits for this copy before writing the piece (a later event of the same stream)
+                store.release(handle or store.acquire(info.index), ev)
         self.working_ready(copies)
 
     def out16(self) -> list[torch.Tensor] | None:
@@ -249,6 +391,8 @@ class Placement:
         if all(i.piece.staging is None for i in self.infos):
             return None
         self.stores[Tier.HOST].flush()
+        if Tier.DISK in self.stores:
+            self.stores[Tier.DISK].flush()
         return [i.piece.staging if i.piece.staging is not None else i.working for i in self.infos]
 
     # --- zero3 parameter shards ----------------------------------------------------------------
@@ -298,3 +442,8 @@ class Placement:
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
         self.listener = PiecePipeline(tx, self, gather, speculative=self.overlap_step)
         return self.listener
+
+
+def _parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
+    return torch.empty(0, dtype=dtype).set_(torch.zeros(1, dtype=dtype).untyped_storage(), 0, (numel,), (0,))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from framework.accelerator import Accelerator
 from framework.errors import ConfigError, FrameworkError
+from framework.offload.base import DiskSpec, Placement
 from framework.registry import Component
 
 PAGE = 4096
@@ -102,8 +103,22 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
     return replace(cfg, params=params)
 
 
-def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None):
-    raise FrameworkError("offload=nvme: the disk tier is not built yet (issue 9 in progress); use offload=cpu")
+def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
+    """``cfg`` as ``framework.config`` resolved it (``params`` is never auto here)."""
+    if cfg.params == "auto":
+        raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
+                          "build from framework.compose(...), or set offload.params to none, cpu or nvme")
+    if cfg.params == "nvme":
+        raise FrameworkError("offload.params=nvme: zero3 parameter shards on NVMe are not built yet; "
+                             "use offload.params=cpu (optimizer state stays on NVMe)")
+    disk = None
+    if cfg.optimizer == "nvme":
+        a = cfg.aio
+        disk = DiskSpec(path=cfg.nvme_path, sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count,
+                        read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write, block_size=a.block_size,
+                        queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism)
+    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params == "cpu",
+                     overlap_step=cfg.overlap_step, accelerator=accelerator, disk=disk)
 
 
 COMPONENT = Component(config=NVMeOffloadConfig, build=build)

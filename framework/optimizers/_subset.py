@@ -41,6 +41,23 @@ def _merge(full: Any, new: Any, n: int) -> Any:
     return new
 
 
+def init_groups(tx: GradientTransformation, params: Sequence[Tensor], groups: set[int]) -> Any:
+    """``tx.init`` of the groups in ``groups`` only: every other group's state is empty (no memory)."""
+    return tx.init([p if i in groups else p.reshape(-1)[:0] for i, p in enumerate(params)])
+
+
+def merge_groups(states: Sequence[Any], owner: Sequence[int]) -> Any:
+    """One state from several over the same groups: group ``i``'s tensors from ``states[owner[i]]``,
+    scalar leaves from the first (every ``init`` makes the same ones)."""
+    n, first = len(owner), states[0]
+    if _is_group_list(first, n):
+        return [states[owner[i]][i] for i in range(n)]
+    if isinstance(first, tuple):
+        items = [merge_groups([s[j] for s in states], owner) for j in range(len(first))]
+        return type(first)(*items) if hasattr(first, "_fields") else tuple(items)
+    return first
+
+
 def group_state(state: Any, n: int, i: int) -> list[Tensor]:
     """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
     out: list[Tensor] = []
