@@ -220,36 +220,36 @@ class Placement:
         return full
 
     def _open_disk(self, store: DiskStore, master_dtype: torch.dtype) -> None:
-        from framework.offload.aio import AsyncIO, aligned_empty, preflight
-        from framework.offload.swapfile import SwapFile
+        """Pre-flight, then the swap file, the IO engine and the pool (before the first step)."""
+        from framework.offload._aio import AsyncIO, aligned_empty, preflight, swap_path
+        from framework.offload._swapfile import SwapFile
 
         rank = self.dist.rank if self.dist is not None else 0
         world = self.dist.world if self.dist is not None else 1
         folder = self.disk.path
         if folder is None:
             self._tmpdir = folder = tempfile.mkdtemp(prefix="framework-nvme-")
-        Path(folder).mkdir(parents=True, exist_ok=True)
         extents = store.extents()
         total, slot = sum(extents.values()), store.slot_bytes()
-        preflight(folder, total, slot, slot, self.disk.buffer_count)
-        layout = hashlib.sha256(repr(sorted(extents.items())).encode()).hexdigest()[:16]
-        path = os.path.join(folder, f"rank{rank}-optimizer.swap")
-        file = SwapFile.create(path, extents, layout_hash=layout,
-                               world_size=world, rank=rank, dtype=str(master_dtype))
-        io = AsyncIO(self.disk.block_size, self.disk.queue_depth, self.disk.intra_op_parallelism)
-        pool = aligned_empty(self.disk.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)
+        preflight(folder, total, slot, slot, self.disk.buffer_count, min_buffer_count=self.disk.buffer_count,
+                  create=True)
+        layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
+        path = swap_path(folder, rank, "optim")
+        file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank, dtype=master_dtype)
+        try:
+            io = AsyncIO(self.disk.block_size, self.disk.queue_depth, self.disk.intra_op_parallelism)
+            pool = aligned_empty(self.disk.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)
+        except BaseException:
+            file.remove()
+            raise
         store.open(file, io, pool)
-        print(f"nvme: rank {rank} swaps {total} bytes of optimizer state (fp32 master + moments) to "
-              f"{path}; host pool {self.disk.buffer_count} x {slot} bytes",
-              flush=True)
+        print(f"nvme: rank {rank} swaps {total} bytes ({total / 2**30:.2f} GiB) of fp32 master + optimizer state "
+              f"to {path}; host pool {self.disk.buffer_count} x {slot} bytes", flush=True)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank learns whether some rank's swap IO failed, and raises (no rank is left waiting
         in a collective). Sync point: a one-element all-reduce, once a step with a disk tier."""
-        try:
-            from framework.errors import SwapIOError
-        except ImportError:   # the IO engine may define it next to itself (contract B)
-            from framework.offload.aio import SwapIOError
+        from framework.errors import SwapIOError
 
         if self.dist is None or self.dist.world == 1:
             if error is not None:
