@@ -119,6 +119,7 @@ class _Slot:
     key: int | None = None      # the piece it holds
     state: str = "free"         # free | reading | resident | writing
     io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
+    stamp: int = 0                             # when it was last made resident (eviction order)
     readers: Event | None = None               # streams still copying from it
 
 
@@ -138,9 +139,12 @@ class DiskStore:
     tier = Tier.DISK
 
     def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
-                 name: str):
+                 name: str, learn_order: bool = False):
         self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
         self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
+        # learn_order: the read-ahead follows the order of the previous acquires (zero3's recorded
+        # gather order) instead of the order pieces were added (the optimizer's tile order)
+        self.learn_order, self.follow, self.last = learn_order, {}, None
         self.entries: dict[int, _Entry] = {}
         self.order: list[int] = []          # keys in the order the pipeline steps them
         self.slots: list[_Slot] = []
@@ -151,11 +155,14 @@ class DiskStore:
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
+        self.clock = 0
 
     # --- setup -------------------------------------------------------------------------------
 
-    def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = ()) -> None:
-        """Register piece ``key``'s tensors (contiguous, any dtype) and park them."""
+    def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
+            park: bool = True) -> None:
+        """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
+        keep their memory and values until ``create`` writes them out)."""
         e = _Entry(list(swapped), list(scratch))
         off = 0
         for t in (*e.swapped, *e.scratch):
@@ -164,8 +171,9 @@ class DiskStore:
         e.footprint = off
         self.entries[key] = e
         self.order.append(key)
-        for t in (*e.swapped, *e.scratch):
-            self._park(t)
+        if park:
+            for t in (*e.swapped, *e.scratch):
+                self._park(t)
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
@@ -193,6 +201,12 @@ class DiskStore:
             elif slot.state == "writing":   # taken back before its writes drained: wait for them in ``wait``
                 self.writing.remove(slot)
                 slot.state = "reading"
+            elif slot.state == "clean":     # still resident from an earlier use, unchanged since
+                slot.state = "reading"
+            if self.learn_order:
+                if self.last is not None and self.last != key:
+                    self.follow[self.last] = key
+                self.last = key
             if self.read_ahead:
                 nxt = self._next(key)
                 if nxt is not None and nxt not in self.where:
@@ -212,11 +226,18 @@ class DiskStore:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
             raise
+        if slot.readers is not None:   # sync point: the last copy that read this piece, only
+            slot.readers.synchronize()
+            slot.readers = None
         with self.cond:
             slot.state = "resident"
+            self.clock += 1
+            slot.stamp = self.clock
             self._point(handle.key, slot)
 
-    def release(self, handle: "Handle", readers: Event | None) -> None:
+    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True) -> None:
+        """``dirty=False``: the host only read the piece; it stays resident (clean) until its slot is
+        needed, and is never written back."""
         with self.cond:
             slot = self.where.get(handle.key)
             if slot is None:
@@ -226,7 +247,13 @@ class DiskStore:
                 return
             if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
+            if slot.readers is not None and readers is None:
+                readers = slot.readers   # an earlier reader of the same piece still counts
             slot.readers = readers
+            if not dirty:
+                slot.state = "clean"
+                self.cond.notify_all()
+                return
             e = self.entries[handle.key]
             slot.state = "writing"
             slot.io = [self.io.pwrite(self.file, self.file.extent(f"{handle.key}.{j}")[0], self._view(slot, e, j),
@@ -275,8 +302,17 @@ class DiskStore:
         with self.cond:
             self.interrupted = False
 
-    def create(self, key: int, fill) -> None:
-        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors, write it out."""
+    def create(self, key: int, fill=None) -> None:
+        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors, write it out.
+        Without ``fill`` the tensors' current values (registered with ``park=False``) are kept."""
+        if fill is None:
+            e = self.entries[key]
+            old = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                   for t in e.swapped]   # aliases keeping the original memory until copied
+
+            def fill():
+                for t, o in zip(e.swapped, old):
+                    t.copy_(o)
         with self.cond:
             slot = self._free_slot(block=True)
             slot.key, slot.state = key, "resident"
@@ -292,6 +328,8 @@ class DiskStore:
     # --- internals (called with the condition held unless said otherwise) --------------------
 
     def _next(self, key: int) -> int | None:
+        if self.learn_order:
+            return self.follow.get(key)
         i = self.order.index(key) + 1
         return self.order[i] if i < len(self.order) else None
 
@@ -300,6 +338,13 @@ class DiskStore:
             for slot in self.slots:
                 if slot.state == "free":
                     return self._reuse(slot)
+            clean = [slot for slot in self.slots if slot.state == "clean"]
+            if clean:   # evict the least recently released piece that needs no write
+                slot = min(clean, key=lambda sl: sl.stamp)
+                self._unpoint(slot.key)
+                self.where.pop(slot.key, None)
+                slot.key, slot.state = None, "free"
+                return self._reuse(slot)
             if self.writing and (block or all(h.done() for h in self.writing[0].io)):
                 slot = self.writing[0]
                 self.cond.release()

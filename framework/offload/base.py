@@ -26,8 +26,8 @@ goes through the accelerator (``framework.accelerator``).
 from __future__ import annotations
 
 import hashlib
-import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
@@ -50,6 +50,11 @@ class DiskSpec:
     block_size: int
     queue_depth: int
     intra_op_parallelism: int
+    optimizer: bool = True      # fp32 master + optimizer state on disk
+    params: bool = False        # zero3 parameter shards on disk
+    param_buffer_count: int = 5
+    param_buffer_size: int = 100_000_000   # elements
+    max_in_cpu: int = 1_000_000_000        # elements of parameter shards resident at once
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,17 @@ class Placement:
     def bind(self, acc: Accelerator) -> None:
         self._acc = acc
         self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
-        if self.disk is not None:
+        self.param_store: DiskStore | None = None   # zero3 shards on disk (``offload.params=nvme``)
+        self._shard_keys: dict[int, int] = {}        # id(shard) -> its key in the param store
+        if self.disk is not None and self.disk.optimizer:
             self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=self.disk.buffer_count,
                                                read_ahead=self.disk.read_ahead, write_behind=self.disk.write_behind,
                                                name="optimizer")
+        if self.disk is not None and self.disk.params:
+            # Read ahead in the order the shards were loaded last time (zero3's gather order); the
+            # slot count is settled at pre-flight (``max_in_cpu``).
+            self.param_store = DiskStore(acc, pin=self.pin, buffer_count=self.disk.param_buffer_count,
+                                         read_ahead=True, write_behind=True, name="parameter", learn_order=True)
         self.copy_stream = acc.new_stream("offload copy")   # host <-> device copies, ordered by events
 
     def _bind_device(self, device: torch.device) -> Accelerator:
@@ -141,7 +153,8 @@ class Placement:
         real = n if real is None else real
         k = round(self.host_fraction * n)
         step = chunk or max(k, 1)
-        if self.disk is not None:
+        on_disk = self.disk is not None and self.disk.optimizer
+        if on_disk:
             step = min(step, self.disk.sub_group_size)
         pieces = []
         host = self.stores[Tier.HOST]
@@ -149,7 +162,7 @@ class Placement:
             b = min(a + step, k)
             grad = host.allocate(b - a, master_dtype)   # gradients stay in host memory (never swapped)
             grad.zero_()
-            if self.disk is not None:
+            if on_disk:
                 # Placeholders until ``init_opt_state`` registers them with the disk store (which
                 # points them at a pool slot only while the piece is resident).
                 self._initial[len(self.infos) + len(pieces)] = own[a:b]
@@ -182,44 +195,53 @@ class Placement:
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, except that each disk piece's state is made one piece at a time and
-        swapped out at once, with its master, so host memory never holds more than a slot's worth."""
+        swapped out at once, with its master, so host memory never holds more than a slot's worth.
+        Then zero3's parameter shards on disk are written out and leave host memory."""
         from framework.optimizers._subset import group_state, init_groups, merge_groups
 
         disk = [i for i in self.infos if i.tier is Tier.DISK]
-        if not disk:
-            return tx.init(list(params))
-        store: DiskStore = self.stores[Tier.DISK]
-        n = len(params)
-        rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
-        states, owner = [init_groups(tx, params, rest)], [0] * n
-        for info in disk:
-            # The piece's master is parked (zero strides): its new state tensors are contiguous, and
-            # ``add`` parks them at once, so only one piece's state exists in memory at a time.
-            state = init_groups(tx, params, {info.index})
-            owner[info.index] = len(states)
-            states.append(state)
-            store.add(info.index, [info.piece.master, *group_state(state, n, info.index)],
-                      [info.piece.staging] if info.piece.staging is not None else [])
-        full = merge_groups(states, owner)
-        self._open_disk(store, params[0].dtype)
+        full = tx.init(list(params)) if not disk else None
         failed = None
-        try:
-            for info in disk:   # initial values: the working values and a fresh state, written out
-                def fill(info=info):
-                    m = info.piece.master
-                    self._acc.copy(m, self._initial[info.index])   # blocking: setup
-                    fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
-                    for dst, src in zip(group_state(full, n, info.index), fresh):
-                        dst.copy_(src)
-                store.create(info.index, fill)
-            store.flush()
-        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
-            failed = e
-        self._initial.clear()
-        self.agree(failed, "writing the initial optimizer state to the swap file")
+        if disk:
+            store: DiskStore = self.stores[Tier.DISK]
+            n = len(params)
+            rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
+            states, owner = [init_groups(tx, params, rest)], [0] * n
+            for info in disk:
+                # The piece's master is parked (zero strides): its new state tensors are contiguous,
+                # and ``add`` parks them at once, so only one piece's state exists at a time.
+                state = init_groups(tx, params, {info.index})
+                owner[info.index] = len(states)
+                states.append(state)
+                store.add(info.index, [info.piece.master, *group_state(state, n, info.index)],
+                          [info.piece.staging] if info.piece.staging is not None else [])
+            full = merge_groups(states, owner)
+            self._open_disk(store, "optim", params[0].dtype)
+            try:
+                for info in disk:   # initial values: the working values and a fresh state, written out
+                    def fill(info=info):
+                        m = info.piece.master
+                        self._acc.copy(m, self._initial[info.index])   # blocking: setup
+                        fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
+                        for dst, src in zip(group_state(full, n, info.index), fresh):
+                            dst.copy_(src)
+                    store.create(info.index, fill)
+                store.flush()
+            except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
+                failed = e
+            self._initial.clear()
+        if self.param_store is not None and failed is None:
+            try:
+                self._open_disk(self.param_store, "params", None)
+                for key in list(self.param_store.order):
+                    self.param_store.create(key)   # the shard's values -> its extent; its memory goes
+                self.param_store.flush()
+            except Exception as e:   # noqa: BLE001
+                failed = e
+        self.agree(failed, "writing the initial state to the swap files")
         return full
 
-    def _open_disk(self, store: DiskStore, master_dtype: torch.dtype) -> None:
+    def _open_disk(self, store: DiskStore, kind: str, dtype: torch.dtype | None) -> None:
         """Pre-flight, then the swap file, the IO engine and the pool (before the first step)."""
         from framework.offload._aio import AsyncIO, aligned_empty, preflight, swap_path
         from framework.offload._swapfile import SwapFile
@@ -228,23 +250,41 @@ class Placement:
         world = self.dist.world if self.dist is not None else 1
         folder = self.disk.path
         if folder is None:
-            self._tmpdir = folder = tempfile.mkdtemp(prefix="framework-nvme-")
+            if self._tmpdir is None:
+                self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
+            folder = self._tmpdir
         extents = store.extents()
         total, slot = sum(extents.values()), store.slot_bytes()
-        preflight(folder, total, slot, slot, self.disk.buffer_count, min_buffer_count=self.disk.buffer_count,
-                  create=True)
+        if kind == "params":
+            shard = next(iter(store.entries.values())).swapped[0]
+            dtype, size = shard.dtype, shard.element_size()
+            largest = max(e.swapped[0].numel() for e in store.entries.values())
+            preflight(folder, total, largest * size, self.disk.param_buffer_size * size, self.disk.param_buffer_count,
+                      itemsize=size, size_key="offload.param_buffer_size", count_key="offload.param_buffer_count",
+                      create=True)
+            store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest)
+            if store.buffer_count < 1:
+                from framework.errors import ConfigError
+                raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
+                                  f"than the largest parameter shard ({largest} elements): set "
+                                  f"offload.max_in_cpu >= {largest}")
+        else:
+            preflight(folder, total, slot, slot, self.disk.buffer_count, min_buffer_count=self.disk.buffer_count,
+                      create=True)
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
-        path = swap_path(folder, rank, "optim")
-        file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank, dtype=master_dtype)
+        path = swap_path(folder, rank, kind)
+        file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank,
+                               dtype=dtype if kind == "params" else torch.float32)
         try:
             io = AsyncIO(self.disk.block_size, self.disk.queue_depth, self.disk.intra_op_parallelism)
-            pool = aligned_empty(self.disk.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)
+            pool = aligned_empty(store.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)
         except BaseException:
             file.remove()
             raise
         store.open(file, io, pool)
-        print(f"nvme: rank {rank} swaps {total} bytes ({total / 2**30:.2f} GiB) of fp32 master + optimizer state "
-              f"to {path}; host pool {self.disk.buffer_count} x {slot} bytes", flush=True)
+        what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
+        print(f"nvme: rank {rank} swaps {total} bytes ({total / 2**30:.2f} GiB) of {what} to {path}; "
+              f"host pool {store.buffer_count} x {slot} bytes", flush=True)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank learns whether some rank's swap IO failed, and raises (no rank is left waiting
@@ -267,7 +307,7 @@ class Placement:
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""
         try:
-            for store in self.stores.values():
+            for store in [*self.stores.values(), *([self.param_store] if self.param_store else [])]:
                 (store.close if hasattr(store, "close") else store.flush)()
         finally:
             if self._tmpdir is not None:
@@ -282,6 +322,9 @@ class Placement:
             return torch.zeros(numel, dtype=dtype, device=device)
         shard = self.stores[Tier.HOST].allocate(numel, dtype)
         shard.zero_()
+        if self.param_store is not None:   # filled by the stage, swapped out in ``init_opt_state``
+            self._shard_keys[id(shard)] = len(self._shard_keys)
+            self.param_store.add(self._shard_keys[id(shard)], [shard], park=False)
         return shard
 
     # --- the stage's listener and gradients --------------------------------------------------
@@ -334,7 +377,9 @@ class Placement:
         """The piece's updated values (staging, else master) -> its working range. Host -> device
         copies run on the copy stream after ``after``; returns their event (None: nothing queued
         off the current stream)."""
-        p, dst = info.piece, info.working
+        p = info.piece
+        # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
+        dst = self.partitions[info.group][info.start:info.end]
         src = p.staging if p.staging is not None else p.master
         if src.data_ptr() == dst.data_ptr():
             return None   # fp32 device piece: the optimizer updated the working values in place
@@ -343,6 +388,10 @@ class Placement:
             acc.copy(dst, src)   # on the compute stream, in order
             return None
         acc.on_host(src, what="copy back source")
+        if self._params_swapped():   # zero3 shard on disk: resident for a host copy, then written
+            with self._shard_resident(self.partitions[info.group], dirty=True) as shard:
+                acc.copy(shard[info.start:info.end], src)
+            return None
         if self.params_on_host:  # zero3 shard on the host: a host copy, once its loads are done
             self._settle_shard(dst)
             acc.copy(dst, src)
@@ -405,6 +454,10 @@ class Placement:
         if not self.params_on_host:
             acc.copy(dst, shard)
             return
+        handle = None
+        if self._params_swapped():   # on the host before the gather (read ahead in gather order)
+            handle = self.param_store.acquire(self._shard_keys[id(shard)])
+            self.param_store.wait(handle)
         acc.on_host(shard, what="zero3 host shard")
         fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
         fresh.record()
@@ -415,19 +468,48 @@ class Placement:
             done.record()
         done.wait()
         acc.use(reads=[dst])   # the gather reads it on this stream next
+        if handle is not None:
+            self.param_store.release(handle, done, dirty=False)   # its slot is reused after the copy
+            return
         self._shard_reads[shard.untyped_storage().data_ptr()] = done
 
     def store_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         """``values`` (device) -> ``shard`` (framework.gathered's modifications; blocking)."""
+        if self._params_swapped():
+            with self._shard_resident(shard, dirty=True) as resident:
+                self._acc.copy(resident, values)
+            return
         if self.params_on_host:
             self._settle_shard(shard)
         self._acc.copy(shard, values)
 
     def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
         """``values`` (the partition, device) -> the master of every piece that is not ``shard`` itself."""
+        disk = self.stores.get(Tier.DISK)
         for p in pieces:
-            if p.master.data_ptr() != shard[p.start:].data_ptr():
+            info = next((i for i in self.infos if i.piece is p), None)
+            if disk is not None and info is not None and info.tier is Tier.DISK:
+                handle = disk.acquire(info.index)
+                disk.wait(handle)
                 self._acc.copy(p.master, values[p.start:p.end])
+                disk.release(handle, None)
+            elif p.master.data_ptr() != shard[p.start:].data_ptr():
+                self._acc.copy(p.master, values[p.start:p.end])
+
+    def _params_swapped(self) -> bool:
+        """zero3 shards live on disk (from the end of setup on; until then in host memory)."""
+        return self.param_store is not None and self.param_store.file is not None
+
+    @contextmanager
+    def _shard_resident(self, shard: torch.Tensor, dirty: bool):
+        """A zero3 shard on disk, resident in the pool inside the block (written back if ``dirty``)."""
+        store = self.param_store
+        handle = store.acquire(self._shard_keys[id(shard)])
+        store.wait(handle)
+        try:
+            yield shard
+        finally:
+            store.release(handle, None, dirty=dirty)
 
     def _settle_shard(self, shard: torch.Tensor) -> None:
         """The host is about to write a host shard: wait for the copy that last read it (if any)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from framework.accelerator import Accelerator
-from framework.errors import ConfigError, FrameworkError
+from framework.errors import ConfigError
 from framework.offload.base import DiskSpec, Placement
 from framework.registry import Component
 
@@ -76,6 +76,9 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
                           f"puts nothing on NVMe; use offload=cpu, or set offload.optimizer=nvme")
     if not 0.0 <= cfg.ratio <= 1.0:
         raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
+    if params == "nvme" and cfg.ratio < 1.0:
+        raise ConfigError("config: offload.ratio<1 keeps part of each partition on the device, which zero3 "
+                          "parameter shards on NVMe cannot share; use offload.ratio=1 or offload.params=cpu")
     if cfg.overlap_step and cfg.optimizer == "nvme":
         raise ConfigError("config: offload.overlap_step=true needs whole optimizer pieces in host memory "
                           "(speculation keeps undo copies); use offload.optimizer=cpu or overlap_step=false")
@@ -108,16 +111,14 @@ def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> Pla
     if cfg.params == "auto":
         raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
                           "build from framework.compose(...), or set offload.params to none, cpu or nvme")
-    if cfg.params == "nvme":
-        raise FrameworkError("offload.params=nvme: zero3 parameter shards on NVMe are not built yet; "
-                             "use offload.params=cpu (optimizer state stays on NVMe)")
-    disk = None
-    if cfg.optimizer == "nvme":
-        a = cfg.aio
-        disk = DiskSpec(path=cfg.nvme_path, sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count,
-                        read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write, block_size=a.block_size,
-                        queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism)
-    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params == "cpu",
+    a = cfg.aio
+    disk = DiskSpec(path=cfg.nvme_path, sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count,
+                    read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write, block_size=a.block_size,
+                    queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism,
+                    optimizer=cfg.optimizer == "nvme", params=cfg.params == "nvme",
+                    param_buffer_count=cfg.param_buffer_count, param_buffer_size=cfg.param_buffer_size,
+                    max_in_cpu=cfg.max_in_cpu)
+    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params in ("cpu", "nvme"),
                      overlap_step=cfg.overlap_step, accelerator=accelerator, disk=disk)
 
 
