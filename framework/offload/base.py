@@ -199,8 +199,19 @@ class Placement:
         Then zero3's parameter shards on disk are written out and leave host memory."""
         from framework.optimizers._subset import group_state, init_groups, merge_groups
 
+        try:
+            return self._init_disk(tx, params)
+        except BaseException:
+            self.close()   # no swap file outlives a failed start
+            raise
+
+    def _init_disk(self, tx, params: Sequence[torch.Tensor]) -> Any:
+        from framework.optimizers._subset import group_state, init_groups, merge_groups
+
         disk = [i for i in self.infos if i.tier is Tier.DISK]
         full = tx.init(list(params)) if not disk else None
+        if self.param_store is not None:   # before any swap file is made: a too-small pool fails now
+            self._preflight(self.param_store, "params")
         failed = None
         if disk:
             store: DiskStore = self.stores[Tier.DISK]
@@ -216,7 +227,7 @@ class Placement:
                 store.add(info.index, [info.piece.master, *group_state(state, n, info.index)],
                           [info.piece.staging] if info.piece.staging is not None else [])
             full = merge_groups(states, owner)
-            self._open_disk(store, "optim", params[0].dtype)
+            self._open_disk(store, "optim")
             try:
                 for info in disk:   # initial values: the working values and a fresh state, written out
                     def fill(info=info):
@@ -232,7 +243,7 @@ class Placement:
             self._initial.clear()
         if self.param_store is not None and failed is None:
             try:
-                self._open_disk(self.param_store, "params", None)
+                self._open_disk(self.param_store, "params")
                 for key in list(self.param_store.order):
                     self.param_store.create(key)   # the shard's values -> its extent; its memory goes
                 self.param_store.flush()
@@ -241,40 +252,51 @@ class Placement:
         self.agree(failed, "writing the initial state to the swap files")
         return full
 
-    def _open_disk(self, store: DiskStore, kind: str, dtype: torch.dtype | None) -> None:
+    def _folder(self) -> str:
+        if self.disk.path is not None:
+            return self.disk.path
+        if self._tmpdir is None:   # library use without a run directory: a private folder
+            self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
+        return self._tmpdir
+
+    def _preflight(self, store: DiskStore, kind: str) -> None:
+        """Room on the disk, a writable folder, buffers that hold the largest tile: one line otherwise."""
+        from framework.errors import ConfigError
+        from framework.offload._aio import preflight
+
+        total, slot = sum(store.extents().values()), store.slot_bytes()
+        if kind == "optim":
+            preflight(self._folder(), total, slot, slot, self.disk.buffer_count,
+                      min_buffer_count=self.disk.buffer_count, create=True)
+            return
+        shard = next(iter(store.entries.values())).swapped[0]
+        size = shard.element_size()
+        largest = max(e.swapped[0].numel() for e in store.entries.values())
+        preflight(self._folder(), total, largest * size, self.disk.param_buffer_size * size,
+                  self.disk.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
+                  count_key="offload.param_buffer_count", create=True)
+        # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
+        # max_in_cpu caps how many shards are resident at once.
+        store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest)
+        if store.buffer_count < 1:
+            raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
+                              f"than the largest parameter shard ({largest} elements): set "
+                              f"offload.max_in_cpu >= {largest}")
+
+    def _open_disk(self, store: DiskStore, kind: str) -> None:
         """Pre-flight, then the swap file, the IO engine and the pool (before the first step)."""
-        from framework.offload._aio import AsyncIO, aligned_empty, preflight, swap_path
+        from framework.offload._aio import AsyncIO, aligned_empty, swap_path
         from framework.offload._swapfile import SwapFile
 
         rank = self.dist.rank if self.dist is not None else 0
         world = self.dist.world if self.dist is not None else 1
-        folder = self.disk.path
-        if folder is None:
-            if self._tmpdir is None:
-                self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
-            folder = self._tmpdir
+        self._preflight(store, kind)
         extents = store.extents()
         total, slot = sum(extents.values()), store.slot_bytes()
-        if kind == "params":
-            shard = next(iter(store.entries.values())).swapped[0]
-            dtype, size = shard.dtype, shard.element_size()
-            largest = max(e.swapped[0].numel() for e in store.entries.values())
-            preflight(folder, total, largest * size, self.disk.param_buffer_size * size, self.disk.param_buffer_count,
-                      itemsize=size, size_key="offload.param_buffer_size", count_key="offload.param_buffer_count",
-                      create=True)
-            store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest)
-            if store.buffer_count < 1:
-                from framework.errors import ConfigError
-                raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
-                                  f"than the largest parameter shard ({largest} elements): set "
-                                  f"offload.max_in_cpu >= {largest}")
-        else:
-            preflight(folder, total, slot, slot, self.disk.buffer_count, min_buffer_count=self.disk.buffer_count,
-                      create=True)
+        dtype = next(iter(store.entries.values())).swapped[0].dtype   # the extents' element type
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
-        path = swap_path(folder, rank, kind)
-        file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank,
-                               dtype=dtype if kind == "params" else torch.float32)
+        path = swap_path(self._folder(), rank, kind)
+        file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank, dtype=dtype)
         try:
             io = AsyncIO(self.disk.block_size, self.disk.queue_depth, self.disk.intra_op_parallelism)
             pool = aligned_empty(store.buffer_count * slot, torch.uint8, pin=self.pin, acc=self._acc)

@@ -1,0 +1,135 @@
+"""offload=nvme (ZeRO-Infinity): the disk tier gives the same numbers as the host tier.
+
+zero1/2/3 + offload=nvme are bitwise equal to offload=cpu (the same host kernels step the same
+values; only where they live between steps differs) and within 1e-6 of offload=none, on 1 and 2
+ranks, fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
+pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
+nvme. Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
+pool call per world size runs every case. Also: an IO error on one rank (a corrupted swap extent)
+fails every rank with the error, not a hang; a too-small parameter buffer fails at start-up.
+"""
+import os
+import tempfile
+
+import pytest
+import torch
+
+import framework
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+BASE = ["model.d_model=33", "model.n_head=3", "train.steps=3", "train.micro_batch=2", "train.grad_accum=2",
+        "train.grad_clip=0.05"]
+NVME = ["offload=nvme", "offload.sub_group_size=700", "offload.buffer_count=3"]
+RTOL = 1e-6
+
+# name -> (overrides, reference name it must equal bitwise, or None)
+CASES = {
+    "zero1 none": (["+stage=zero1"], None),
+    "zero1 cpu": (["+stage=zero1", "offload=cpu"], None),
+    "zero1 nvme": (["+stage=zero1", *NVME], "zero1 cpu"),
+    "zero2 cpu": (["+stage=zero2", "stage.reduce_bucket_size=1500"], None),
+    "zero2 nvme piped": (["+stage=zero2", "stage.reduce_bucket_size=1500", *NVME, "offload.pipeline_read=true",
+                          "offload.pipeline_write=true"], "zero2 cpu"),
+    "zero2 nvme": (["+stage=zero2", "stage.reduce_bucket_size=1500", *NVME], "zero2 nvme piped"),
+    "zero2 bf16 none": (["+stage=zero2", "precision=bf16"], None),
+    "zero2 bf16 cpu": (["+stage=zero2", "precision=bf16", "offload=cpu"], None),
+    "zero2 bf16 nvme": (["+stage=zero2", "precision=bf16", *NVME, "offload.pipeline_read=true"], "zero2 bf16 cpu"),
+    "zero3 none": (["+stage=zero3"], None),
+    "zero3 cpu": (["+stage=zero3", "offload=cpu"], None),
+    "zero3 nvme": (["+stage=zero3", *NVME, "offload.params=none"], "zero3 cpu"),
+    "zero3 cpu params=cpu": (["+stage=zero3", "offload=cpu", "offload.params=cpu"], None),
+    "zero3 nvme params=cpu": (["+stage=zero3", *NVME, "offload.params=cpu"], "zero3 cpu params=cpu"),
+    "zero3 nvme params=nvme": (["+stage=zero3", *NVME, "offload.param_buffer_count=2",
+                                "offload.pipeline_write=true"], "zero3 cpu params=cpu"),
+    "zero3 bf16 cpu params=cpu": (["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"], None),
+    "zero3 bf16 nvme params=nvme": (["+stage=zero3", "precision=bf16", *NVME], "zero3 bf16 cpu params=cpu"),
+}
+# offload=nvme within 1e-6 of offload=none (the reference of each nvme case's reference chain)
+PLAIN = {"zero1 nvme": "zero1 none", "zero2 nvme": "zero1 none", "zero2 bf16 nvme": "zero2 bf16 none",
+         "zero3 nvme": "zero3 none", "zero3 nvme params=nvme": "zero3 none"}
+
+
+def _run(dist, overrides, folder):
+    extra = [f"offload.nvme_path={folder}"] if "offload=nvme" in overrides else []
+    if "+stage=zero3" in overrides:
+        extra.append("stage.stage3_param_persistence_threshold=0")
+    cfg = tiny_config(*BASE, *overrides, *extra)
+    module, data = build_gpt(cfg)
+    losses = []
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        state = engine.state
+        for _ in range(cfg.train.steps):
+            batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+            state, m = engine.train_step(state, batch)
+            losses.append(m["loss"])
+        with framework.gathered(list(module.parameters())):
+            full = torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+        masters = [t.clone() for t in state.params] if "offload=nvme" not in overrides else None
+    return losses, full, masters, sorted(os.listdir(folder)) if extra else []
+
+
+def _matrix(dist):
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="nvme-test-") as folder:
+        for name, (overrides, _) in CASES.items():
+            out[name] = _run(dist, overrides, folder)
+    return out
+
+
+def _local():
+    from framework.distributed import connect
+    return connect("gloo")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nvme_equals_cpu_bitwise_and_none_within_1e6(pools, world):
+    results = [_matrix(_local())] if world == 1 else pools(world).run(_matrix, timeout=400)
+    for rank, res in enumerate(results):
+        for name, (_, ref) in CASES.items():
+            losses, full, _, left = res[name]
+            assert left == [], f"{name}: swap files left behind: {left}"
+            if ref is not None:
+                assert losses == res[ref][0], f"rank {rank} {name} vs {ref}: losses differ"
+                assert torch.equal(full, res[ref][1]), f"rank {rank} {name} vs {ref}: parameters differ (bitwise)"
+        for name, plain in PLAIN.items():
+            for i, (a, b) in enumerate(zip(res[name][0], res[plain][0])):
+                assert a == pytest.approx(b, rel=RTOL), f"rank {rank} {name} step {i}: {a} vs {plain} {b}"
+            torch.testing.assert_close(res[name][1], res[plain][1], rtol=RTOL, atol=1e-7)
+
+
+def _corrupt_one_rank(dist, folder):
+    """Rank 1 corrupts its swap file after the first step: every rank must raise, none hang."""
+    cfg = tiny_config(*BASE, "+stage=zero2", *NVME, f"offload.nvme_path={folder}/r{dist.rank}")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        state = engine.state
+        batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, _ = engine.train_step(state, batch)
+        if dist.rank == 1:
+            path = os.path.join(folder, "r1", "rank00001.optim.swap")
+            with open(path, "r+b") as f:
+                f.seek(8192)
+                f.write(os.urandom(64))
+        try:
+            engine.train_step(state, batch)
+        except framework.FrameworkError as e:
+            return type(e).__name__, str(e)
+    return None
+
+
+def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path):
+    results = pools(2).run(_corrupt_one_rank, str(tmp_path), timeout=120)
+    assert results[0] is not None and results[1] is not None, results
+    assert all(kind == "SwapIOError" for kind, _ in results), results
+    assert "rank00001.optim.swap" in results[1][1], results[1]   # the failing rank names file and offset
+    assert "another rank failed" in results[0][1], results[0]
+
+
+def test_too_small_parameter_buffer_fails_at_start_up(tmp_path):
+    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", "offload.param_buffer_size=10",
+                      f"offload.nvme_path={tmp_path}")
+    module, _ = build_gpt(cfg)
+    with pytest.raises(framework.ConfigError, match=r"offload.param_buffer_size=10 is smaller than the largest tile"):
+        framework.initialize(module, gpt_loss, cfg, _local())
+    assert [p for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
