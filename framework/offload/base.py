@@ -99,6 +99,7 @@ class Placement:
         self.dist = None      # (``connect``) ranks agree on swap IO errors
         self._initial: dict[int, torch.Tensor] = {}   # disk piece -> its working values (setup only)
         self._tmpdir: str | None = None
+        self._made: str | None = None   # the swap folder, when this run made it
         self.overlap_step = overlap_step  # see framework/offload/_pipeline.py
         self._acc = None
         self.infos: list[PieceInfo] = []
@@ -254,6 +255,8 @@ class Placement:
 
     def _folder(self) -> str:
         if self.disk.path is not None:
+            if self._made is None and not Path(self.disk.path).exists():
+                self._made = self.disk.path   # made by pre-flight (the run directory's nvme/): removed at close
             return self.disk.path
         if self._tmpdir is None:   # library use without a run directory: a private folder
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
@@ -336,6 +339,12 @@ class Placement:
                 import shutil
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
+            if self._made is not None:
+                try:
+                    Path(self._made).rmdir()   # only if empty: never what another run keeps there
+                except OSError:
+                    pass
+                self._made = None
 
     def shard_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed zero3 parameter shard: on the device, or pinned on the host (``offload.params``)."""
