@@ -91,6 +91,7 @@ class Engine:
         (host copies), with the step, data position, precision and RNG state; see
         ``framework.state.state_dict`` for the format. Not collective."""
         c = self.components
+        self.require_resident_state("state_dict")
         return state_dict(state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank, world=c.dist.world)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
@@ -99,6 +100,7 @@ class Engine:
         continue from. The working parameters are rebuilt from the loaded master values.
         Collective: every rank calls it with the same ``saved`` list."""
         c = self.components
+        self.require_resident_state("load_state_dict")
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
                                 rank=c.dist.rank, world=c.dist.world)
@@ -126,6 +128,13 @@ class Engine:
         the model is a Hugging Face one, so ``from_pretrained(out_dir)`` loads it. Collective;
         no rank gathers the model. Returns the written paths."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
+
+    def require_resident_state(self, what: str) -> None:
+        """Refuse ``what`` when the master pieces are not all in memory (offload=nvme)."""
+        offload = getattr(self.components.stage, "offload", None)
+        if offload is not None and offload.swaps():
+            raise FrameworkError(f"{what}: offload=nvme keeps master, optimizer state or parameter shards in "
+                                 f"swap files, and checkpointing them is not supported yet; use offload=cpu to checkpoint")
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

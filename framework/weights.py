@@ -307,6 +307,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported together in one ``ConfigError`` before anything is written. The optimizer state is
     left as it is: load before training."""
+    engine.require_resident_state("load_weights")
     src = source if isinstance(source, WeightsSource) else open_weights(source)
     try:
         _load(engine, src, strict)
@@ -500,6 +501,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     fp32: the exact trained values; a 16-bit dtype gives the working parameters bit for bit).
     Collective; every rank writes its own ranges in place (see the module docstring), so every
     rank must see ``out_dir``. Returns the written paths (on every rank)."""
+    engine.require_resident_state("save_weights")
     c = engine.components
     dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):

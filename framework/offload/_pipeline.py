@@ -289,12 +289,12 @@ class PiecePipeline:
             out["host_swap_buffers"] = disk.memory()["pool"]
         return out
 
-    def swap_bytes(self) -> dict[str, int]:
-        """Swap file size and bytes read and written so far (benchmarks)."""
-        disk = self.target.stores.get(Tier.DISK)
-        if disk is None:
-            return {}
-        return {"file": disk.memory()["file"], "read": disk.bytes_read, "written": disk.bytes_written}
+    def swap_stats(self) -> dict[str, float]:
+        """Swap file bytes, bytes read and written and seconds blocked on IO so far, over the disk
+        stores (benchmarks)."""
+        stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.param_store) if s is not None]
+        return {"file": sum(s.memory()["file"] for s in stores), "read": sum(s.bytes_read for s in stores),
+                "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 
     def close(self) -> None:
         """Stop the worker thread, settle the stores and remove the swap files (``Engine.close``)."""

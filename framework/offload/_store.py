@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -156,6 +157,7 @@ class DiskStore:
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
         self.clock = 0
+        self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -219,9 +221,11 @@ class DiskStore:
         with self.cond:
             slot = self.where[handle.key]
             pending, slot.io = slot.io, []
+        t = time.perf_counter()
         try:
             for h in pending:   # its reads (or, taken back, its writes)
                 h.wait()
+            self.wait_s += time.perf_counter() - t
         except BaseException:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
@@ -358,7 +362,9 @@ class DiskStore:
             if self.interrupted:
                 raise RuntimeError(f"{self.name} swap: the step failed while this piece waited for a buffer")
             # Every slot holds a piece being read, stepped or copied back: wait for a release.
+            t = time.perf_counter()
             self.cond.wait()
+            self.wait_s += time.perf_counter() - t
 
     def _reuse(self, slot: _Slot) -> _Slot:
         if slot.readers is not None:   # sync point: the copy back of the piece it held, only
@@ -388,10 +394,12 @@ class DiskStore:
                 return
             slot.state = "draining"
             pending, slot.io = slot.io, []
+        t = time.perf_counter()
         try:
             for h in pending:
                 h.wait()
         finally:
+            self.wait_s += time.perf_counter() - t
             with self.cond:
                 self.writing.remove(slot)
                 self._free(slot)

@@ -96,6 +96,8 @@ class Placement:
                  accelerator: Accelerator | None = None, disk: DiskSpec | None = None):
         self.host_fraction, self.pin, self.params_on_host = host_fraction, pin, params_on_host
         self.disk = disk      # the optimizer's host part lives on disk (tier DISK) instead of in host memory
+        self.param_store: DiskStore | None = None   # (``bind``) zero3 shards on disk
+        self._shard_keys: dict[int, int] = {}
         self.dist = None      # (``connect``) ranks agree on swap IO errors
         self._initial: dict[int, torch.Tensor] = {}   # disk piece -> its working values (setup only)
         self._tmpdir: str | None = None
@@ -193,6 +195,10 @@ class Placement:
         return any(i.tier is not Tier.DEVICE for i in self.infos)
 
     # --- the disk tier -------------------------------------------------------------------------
+
+    def swaps(self) -> bool:
+        """Whether some state lives in swap files (offload=nvme)."""
+        return Tier.DISK in getattr(self, "stores", {}) or self.param_store is not None
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, except that each disk piece's state is made one piece at a time and
