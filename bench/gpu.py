@@ -3,6 +3,7 @@
     python -m bench.gpu                       # every system below, REFERENCE §6 config, on cuda:0
     python -m bench.gpu --systems plain,zero2-offload,zero2-offload-overlap --steps 10
     python -m bench.gpu --tiny                # smoke test: a small GPT, a few steps, CPU is fine
+    python -m bench.gpu --systems zero3-offload,zero3-nvme --nvme-dir /local/nvme   # NVMe rows
 
 The config is REFERENCE §6: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1024
 (`model=gpt-1b`, 1.417 B params), batch 16 x 1024 tokens, bf16, AdamW, clipping 1.0, world size 1.
@@ -32,6 +33,11 @@ SYSTEMS = {  # name -> overrides of ours (None: plain PyTorch)
     "zero2-offload-overlap": ["+stage=zero2", "offload=cpu", "offload.overlap_step=true",
                               "stage.overlap_comm=true", "stage.reduce_bucket_size=50000000"],
     "zero3-offload": ["+stage=zero3", "offload=cpu", "offload.params=cpu"],
+    # NVMe (ZeRO-Infinity): swap files under --nvme-dir (default: a temporary folder), 100 M-element tiles
+    "zero2-nvme": ["+stage=zero2", "offload=nvme", "offload.sub_group_size=100000000",
+                   "offload.pipeline_read=true", "offload.pipeline_write=true"],
+    "zero3-nvme": ["+stage=zero3", "offload=nvme", "offload.sub_group_size=100000000",
+                   "offload.pipeline_read=true", "offload.pipeline_write=true"],
 }
 ANCHORS = {"plain": "plain PyTorch 0.297 s, 54.8 GiB; FSDP2 CPU offload 0.818 s; DeepSpeed ZeRO-2 offload 0.934 s"}
 FULL = ["model=gpt-1b", "train.micro_batch=16"]
@@ -112,11 +118,14 @@ def _ours_step(cfg, device):
     return step, {"instrument": instrument, "phases": phases, "engine": engine}
 
 
-def run_one(name: str, tiny: bool, warmup: int, steps: int) -> dict:
+def run_one(name: str, tiny: bool, warmup: int, steps: int, nvme_dir: str | None = None) -> dict:
     from framework.config import compose
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    cfg = compose([*(TINY if tiny else FULL), *COMMON, *(SYSTEMS[name] or [])])
+    nvme = [f"offload.nvme_path={nvme_dir}"] if nvme_dir and "offload=nvme" in (SYSTEMS[name] or []) else []
+    if tiny and "offload=nvme" in (SYSTEMS[name] or []):
+        nvme.append("offload.sub_group_size=20000")
+    cfg = compose([*(TINY if tiny else FULL), *COMMON, *(SYSTEMS[name] or []), *nvme])
     build = _plain_step if SYSTEMS[name] is None else _ours_step
     step, extra = build(cfg, device)
     gen = torch.Generator().manual_seed(0)
@@ -144,6 +153,9 @@ def run_one(name: str, tiny: bool, warmup: int, steps: int) -> dict:
     if engine is not None:
         update = engine.components.update
         out["speculated_kept"], out["rolled_back"] = getattr(update, "kept", None), getattr(update, "rolled_back", None)
+        if hasattr(update, "swap_stats"):   # offload=nvme: bytes moved and seconds blocked on IO, whole run
+            out["swap"] = update.swap_stats()
+        engine.close()
     return out
 
 
@@ -153,10 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--nvme-dir", default=None, help="folder for the swap files of the *-nvme systems")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args.tiny, args.warmup, args.steps)), flush=True)
+        print(json.dumps(run_one(args.one, args.tiny, args.warmup, args.steps, args.nvme_dir)), flush=True)
         return
     names = [s for s in args.systems.split(",") if s]
     unknown = [s for s in names if s not in SYSTEMS]
@@ -167,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in names:
         cmd = [sys.executable, "-m", "bench.gpu", "--one", name, "--steps", str(args.steps),
-               "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else [])]
+               "--warmup", str(args.warmup), *(["--tiny"] if args.tiny else []),
+               *(["--nvme-dir", args.nvme_dir] if args.nvme_dir else [])]
         p = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
         if p.returncode != 0 or not lines:

@@ -133,3 +133,33 @@ def test_too_small_parameter_buffer_fails_at_start_up(tmp_path):
     with pytest.raises(framework.ConfigError, match=r"offload.param_buffer_size=10 is smaller than the largest tile"):
         framework.initialize(module, gpt_loss, cfg, _local())
     assert [p for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
+
+
+def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):
+    """A file system without room for the swap file (here: a 256 KiB file size limit, RLIMIT_FSIZE, on
+    the training process) stops the CLI run before the first step with one line naming the swap file
+    and the fix, exit code 1; the run directory keeps what it had and no swap file remains."""
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests._helpers import TINY
+
+    run_dir = tmp_path / "run"
+    root = Path(__file__).resolve().parents[2]
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    cmd = [sys.executable, "-m", "framework.train", *TINY, "train.steps=2", "+stage=zero2", "offload=nvme",
+           f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                         timeout=120, preexec_fn=limit)
+    assert out.returncode == 1, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cannot reserve" in errors[0] and "rank00000.optim.swap" in errors[0] \
+        and "offload.nvme_path" in errors[0], out.stderr[-2000:]
+    left = sorted(p.name for p in run_dir.iterdir())
+    assert ".hydra" in left and "nvme" not in left, left
+    assert not list(run_dir.rglob("*.swap")), left

@@ -4,16 +4,19 @@ import math
 import pytest
 
 
-@pytest.mark.parametrize("system", ["plain", "zero2-offload-overlap"])
-def test_gpu_bench_runs_tiny(system):
+@pytest.mark.parametrize("system", ["plain", "zero2-offload-overlap", "zero3-nvme"])
+def test_gpu_bench_runs_tiny(system, tmp_path):
     from bench.gpu import run_one
 
-    r = run_one(system, tiny=True, warmup=1, steps=2)
+    r = run_one(system, tiny=True, warmup=1, steps=2, nvme_dir=str(tmp_path))
     assert r["system"] == system and r["s_per_step"] > 0 and r["tokens_per_s"] > 0
     assert math.isfinite(r["first_loss"]) and math.isfinite(r["last_loss"])
     if system != "plain":
         assert {"forward", "backward", "reduce", "apply"} <= r["phases_ms"].keys()
-        assert r["speculated_kept"] + r["rolled_back"] > 0  # the overlapped host step was exercised
+        if system == "zero3-nvme":
+            assert r["swap"]["read"] > 0 and r["swap"]["written"] > 0 and list(tmp_path.iterdir()) == []
+        else:
+            assert r["speculated_kept"] + r["rolled_back"] > 0  # the overlapped host step was exercised
 
 
 def test_nvme_io_bench_runs_tiny(tmp_path):
