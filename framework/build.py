@@ -129,6 +129,13 @@ class Engine:
         no rank gathers the model. Returns the written paths."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
+    def master_values(self) -> list[torch.Tensor]:
+        """The master pieces of ``engine.state``, readable: the tensors themselves, or under offload=nvme
+        host copies read from the swap file one tile at a time (the masters' bytes in host memory)."""
+        offload = getattr(self.components.stage, "offload", None)
+        masters = list(self._state.params)
+        return offload.master_values(masters) if offload is not None and offload.swaps() else masters
+
     def require_resident_state(self, what: str) -> None:
         """Refuse ``what`` when the master pieces are not all in memory (offload=nvme)."""
         offload = getattr(self.components.stage, "offload", None)

@@ -501,14 +501,13 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     fp32: the exact trained values; a 16-bit dtype gives the working parameters bit for bit).
     Collective; every rank writes its own ranges in place (see the module docstring), so every
     rank must see ``out_dir``. Returns the written paths (on every rank)."""
-    engine.require_resident_state("save_weights")
     c = engine.components
     dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
     out_dir = Path(out_dir)
     specs = c.stage.piece_specs()
-    masters = list(engine.state.params)
+    masters = engine.master_values()
     master_dtype = masters[0].dtype if masters else torch.float32
     tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
 

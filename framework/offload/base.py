@@ -196,6 +196,23 @@ class Placement:
 
     # --- the disk tier -------------------------------------------------------------------------
 
+    def master_values(self, masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``masters`` (the state's pieces, in order) with every disk piece replaced by a host copy of
+        its values, read one tile at a time (the tile is not written back)."""
+        store = self.stores.get(Tier.DISK)
+        out = list(masters)
+        for info in self.infos:
+            if info.tier is Tier.DISK:
+                handle = store.acquire(info.index)
+                store.wait(handle)
+                out[info.index] = info.piece.master.clone()
+                store.release(handle, None, dirty=False)
+        return out
+
+    def swapped(self, piece: Piece) -> bool:
+        """Whether ``piece`` lives in the swap file (tier DISK)."""
+        return any(i.piece is piece and i.tier is Tier.DISK for i in self.infos)
+
     def swaps(self) -> bool:
         """Whether some state lives in swap files (offload=nvme)."""
         return Tier.DISK in getattr(self, "stores", {}) or self.param_store is not None

@@ -78,8 +78,13 @@ class Partitions:
         """Bytes of master copies that are not the working values themselves, and of those on the host."""
         separate = [p.master for ps, w in zip(self.pieces, self.owned) for p in ps
                     if p.master.data_ptr() != w[p.start:].data_ptr()]
-        host = [p.master for ps in self.pieces for p in ps if p.master.device.type == "cpu" and p.grad is not None]
-        return {"master_params": tensor_bytes(separate), "host_master_params": tensor_bytes(host)}
+        host = [p.master for ps in self.pieces for p in ps if p.master.device.type == "cpu" and p.grad is not None
+                and not self.offload.swapped(p)]
+        disk = [p.master for ps in self.pieces for p in ps if self.offload.swapped(p)]
+        out = {"master_params": tensor_bytes(separate), "host_master_params": tensor_bytes(host)}
+        if disk:   # offload=nvme: in the swap file, resident one tile at a time
+            out["nvme_master_params"] = tensor_bytes(disk)
+        return out
 
 
 class PartitionedStage:

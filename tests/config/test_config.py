@@ -46,8 +46,6 @@ def _build(cfg, group):
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in GROUPS for n in registry(g).names()])
 def test_every_yaml_composes_and_builds(group, name, tmp_path):
-    if (group, name) == ("offload", "nvme"):
-        pytest.skip("the disk tier is built in the next commit of issue 9 (tests/dist/test_nvme.py)")
     extra = []
     if group == "data" and name in ("text", "tokens"):
         path = tmp_path / "d.bin"
