@@ -180,18 +180,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     cpu = next((r["s_per_step"] for r in rows if r["system"] == "zero3 offload=cpu" and "s_per_step" in r), None)
+    # (no peak RSS column: spawned ranks inherit ru_maxrss from this process, which the disk
+    # measurement above has grown; bench.nvme_memory measures memory in fresh processes)
     print(f"\n| gpt-mini, {args.world} ranks, zero3 | s/step | IO wait | bytes/step (all ranks) | disk floor s | "
-          f"vs max(floor, cpu) | peak RSS/rank | loss after {WARMUP + args.steps} steps |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"vs max(floor, cpu) | loss after {WARMUP + args.steps} steps |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         if "s_per_step" not in r:
-            print(f"| {r['system']} | - | - | - | - | - | - | {r['note']} |")
+            print(f"| {r['system']} | - | - | - | - | - | {r['note']} |")
             continue
         ref = max(r["floor_s"], cpu or 0.0)
         ratio = f"{r['s_per_step'] / ref:.2f}x" if r["bytes_per_step"] and ref else "-"
         print(f"| {r['system']} | {r['s_per_step']:.3f} | {100 * r['io_wait_share']:.0f}% | "
-              f"{r['bytes_per_step'] / 1e6:.0f} MB | {r['floor_s']:.3f} | {ratio} | {r['peak_rss'] / 2**20:.0f} MiB | "
-              f"{r['losses'][-1]:.4f} |")
+              f"{r['bytes_per_step'] / 1e6:.0f} MB | {r['floor_s']:.3f} | {ratio} | {r['losses'][-1]:.4f} |")
     return rows
 
 
