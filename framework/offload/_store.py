@@ -105,7 +105,7 @@ class _Entry:
     need room while the piece is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor
     objects are stable (the train state and optimizer state hold them); while the piece is not
     resident they view a one-element parking storage with zero strides (any read of them is
-    garbage by construction, and no buffer is held), while it is they view its slot."""
+    meaningless and a write into them raises, and no buffer is held), while it is they view its slot."""
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
@@ -118,7 +118,10 @@ class _Slot:
     index: int
     buffer: torch.Tensor        # uint8 view of the pool, page-aligned
     key: int | None = None      # the piece it holds
-    state: str = "free"         # free | reading | resident | writing
+    # free | reading (reads in flight, or taken back with its writes) | resident (pointed at, in use)
+    # | clean (resident, unchanged: evicted without a write) | writing | draining (a thread waits for
+    # its writes) | failed (a read failed: freed on release, never written)
+    state: str = "free"
     io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
     stamp: int = 0                             # when it was last made resident (eviction order)
     readers: Event | None = None               # streams still copying from it
@@ -134,7 +137,7 @@ class DiskStore:
     back's event). ``acquire``/``wait`` run on the host-step worker, ``release`` on the main
     thread: the slot table is guarded by a condition variable.
 
-    The IO engine (``offload.aio``) raises ``SwapIOError`` naming file, offset and tensor from
+    The IO engine (``offload._aio``) raises ``SwapIOError`` naming file, offset and tensor from
     ``IOHandle.wait``; the store lets it propagate to the pipeline, which agrees across ranks."""
 
     tier = Tier.DISK

@@ -294,6 +294,8 @@ class Placement:
         if kind == "optim":
             preflight(self._folder(), total, slot, slot, self.disk.buffer_count,
                       min_buffer_count=self.disk.buffer_count, create=True)
+            # never more slots than tiles (with the default sub_group_size a partition is one tile)
+            store.buffer_count = min(self.disk.buffer_count, len(store.entries))
             return
         shard = next(iter(store.entries.values())).swapped[0]
         size = shard.element_size()
@@ -303,7 +305,7 @@ class Placement:
                   count_key="offload.param_buffer_count", create=True)
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
-        store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest)
+        store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest, len(store.entries))
         if store.buffer_count < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
                               f"than the largest parameter shard ({largest} elements): set "
