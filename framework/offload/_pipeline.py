@@ -182,6 +182,7 @@ class PiecePipeline:
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
+        self.target.read_errors()   # zero3 shards on disk: a failed read stops every rank here
         self.early_copies += len(self.grad_copies)
         for k in self.jobs:
             self.grad_copies.pop(k, None)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from framework.accelerator import Accelerator, Event, for_device
+from framework.errors import SwapIOError
 from framework.offload._store import DeviceStore, DiskStore, Handle, HostStore, Tier
 
 
@@ -97,6 +98,7 @@ class Placement:
         self.host_fraction, self.pin, self.params_on_host = host_fraction, pin, params_on_host
         self.disk = disk      # the optimizer's host part lives on disk (tier DISK) instead of in host memory
         self.param_store: DiskStore | None = None   # (``bind``) zero3 shards on disk
+        self._read_error: BaseException | None = None   # a failed shard read, until ranks agree on it
         self._shard_keys: dict[int, int] = {}
         self.dist = None      # (``connect``) ranks agree on swap IO errors
         self._initial: dict[int, torch.Tensor] = {}   # disk piece -> its working values (setup only)
@@ -339,8 +341,6 @@ class Placement:
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank learns whether some rank's swap IO failed, and raises (no rank is left waiting
         in a collective). Sync point: a one-element all-reduce, once a step with a disk tier."""
-        from framework.errors import SwapIOError
-
         if self.dist is None or self.dist.world == 1:
             if error is not None:
                 raise error
@@ -513,7 +513,15 @@ class Placement:
         handle = None
         if self._params_swapped():   # on the host before the gather (read ahead in gather order)
             handle = self.param_store.acquire(self._shard_keys[id(shard)])
-            self.param_store.wait(handle)
+            try:
+                self.param_store.wait(handle)
+            except SwapIOError as e:
+                # Raised on every rank at the next agreement (``read_errors``): this rank still takes
+                # part in the gather, with zeros, so no peer waits in it forever.
+                self._read_error = self._read_error or e
+                self.param_store.release(handle, None, dirty=False)
+                dst.zero_()
+                return
         acc.on_host(shard, what="zero3 host shard")
         fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
         fresh.record()
@@ -551,6 +559,13 @@ class Placement:
                 disk.release(handle, None)
             elif p.master.data_ptr() != shard[p.start:].data_ptr():
                 self._acc.copy(p.master, values[p.start:p.end])
+
+    def read_errors(self) -> None:
+        """Every rank raises if some rank's zero3 shard read failed since the last call (the pipeline
+        calls it after backward, a point every rank reaches each step)."""
+        if self._params_swapped():
+            error, self._read_error = self._read_error, None
+            self.agree(error, "reading zero3 parameter shards")
 
     def _params_swapped(self) -> bool:
         """zero3 shards live on disk (from the end of setup on; until then in host memory)."""

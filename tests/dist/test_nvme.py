@@ -5,8 +5,10 @@ values; only where they live between steps differs) and within 1e-6 of offload=n
 ranks, fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
 pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
 nvme. Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
-pool call per world size runs every case. Also: an IO error on one rank (a corrupted swap extent)
-fails every rank with the error, not a hang; a too-small parameter buffer fails at start-up.
+pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
+optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang; a full
+disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
+start-up.
 """
 import os
 import tempfile
@@ -98,18 +100,19 @@ def test_nvme_equals_cpu_bitwise_and_none_within_1e6(pools, world):
             torch.testing.assert_close(res[name][1], res[plain][1], rtol=RTOL, atol=1e-7)
 
 
-def _corrupt_one_rank(dist, folder):
+def _corrupt_one_rank(dist, folder, stage, kind):
     """Rank 1 corrupts its swap file after the first step: every rank must raise, none hang."""
-    cfg = tiny_config(*BASE, "+stage=zero2", *NVME, f"offload.nvme_path={folder}/r{dist.rank}")
+    extra = ["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else []
+    cfg = tiny_config(*BASE, f"+stage={stage}", *NVME, f"offload.nvme_path={folder}/r{dist.rank}", *extra)
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg, dist) as engine:
         state = engine.state
         batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
         state, _ = engine.train_step(state, batch)
         if dist.rank == 1:
-            path = os.path.join(folder, "r1", "rank00001.optim.swap")
+            path = os.path.join(folder, "r1", f"rank00001.{kind}.swap")
             with open(path, "r+b") as f:
-                f.seek(8192)
+                f.seek(0 if kind == "params" else 8192)
                 f.write(os.urandom(64))
         try:
             engine.train_step(state, batch)
@@ -118,11 +121,14 @@ def _corrupt_one_rank(dist, folder):
     return None
 
 
-def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path):
-    results = pools(2).run(_corrupt_one_rank, str(tmp_path), timeout=120)
+@pytest.mark.parametrize("stage,kind", [("zero2", "optim"), ("zero3", "params")])
+def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
+    """A corrupted extent (checksum mismatch on read) of the optimizer's swap file (read by the host
+    step) or of zero3's parameter file (read before a gather, in forward)."""
+    results = pools(2).run(_corrupt_one_rank, str(tmp_path), stage, kind, timeout=120)
     assert results[0] is not None and results[1] is not None, results
-    assert all(kind == "SwapIOError" for kind, _ in results), results
-    assert "rank00001.optim.swap" in results[1][1], results[1]   # the failing rank names file and offset
+    assert all(name == "SwapIOError" for name, _ in results), results
+    assert f"rank00001.{kind}.swap" in results[1][1], results[1]   # the failing rank names file and offset
     assert "another rank failed" in results[0][1], results[0]
 
 
