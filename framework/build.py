@@ -141,7 +141,8 @@ class Engine:
         offload = getattr(self.components.stage, "offload", None)
         if offload is not None and offload.swaps():
             raise FrameworkError(f"{what}: offload=nvme keeps master, optimizer state or parameter shards in "
-                                 f"swap files, and checkpointing them is not supported yet; use offload=cpu to checkpoint")
+                                 f"swap files, and checkpointing them is not supported yet; use offload=cpu "
+                                 f"to checkpoint")
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

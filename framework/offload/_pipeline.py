@@ -22,7 +22,11 @@ each ordered by events of the accelerator, never by a device-wide synchronize:
 
 A piece's buffers belong to the store of its tier (``_store.py``): the host step acquires the piece
 (waiting only for the copy that last read its buffers) and releases it with the event of its copy
-back, so a disk tier can later read and write pieces asynchronously behind the same calls.
+back. The disk tier (offload=nvme) reads and writes pieces behind the same calls: the worker's
+acquire of tile i+1 is queued while tile i steps (``pipeline_read``), and tile i-1's writes drain
+meanwhile (``pipeline_write``); its optimizer state is made piece by piece (``init``). Swap IO can
+fail on one rank only, so with a disk tier the ranks agree on failure (a one-element all-reduce)
+after backward and after the host step, before the stage's gather: every rank raises, none hangs.
 
 Results are identical to the plain order in every case; what speculation costs is host memory for
 the undo copies (master + optimizer state of the host pieces, reported in the memory ledger) and,

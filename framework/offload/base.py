@@ -19,6 +19,10 @@ attribute of either is read or set by the other):
   host pieces; ``gather()`` is the stage's part (make the working parameters whole after every
   piece was published). Without host pieces the stage steps itself and calls ``publish()``.
 
+* offload=nvme (``disk``): host pieces become DISK pieces whose master and optimizer state live in a
+  swap file (``_store.DiskStore``) and zero3's shards may too (``param_store``); ``init_opt_state``
+  makes the optimizer state piece by piece and swaps everything out before the first step.
+
 What the pipeline needs about pieces it gets from ``pieces()`` (``PieceInfo``), not from the stage.
 Stores (``_store.py``) hold the pieces of each tier; every copy and every stream or event decision
 goes through the accelerator (``framework.accelerator``).
