@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
 from framework.materialize import materialize_buffers
 from framework.registry import registry
+from framework.optimizers._subset import merge_scalars
 from framework.optimizers._transforms import copy_16bit
 from framework.state import TrainState, load_state_dict, state_dict
 from framework.step import Components, LossFn, build_train_step, init_state
@@ -91,7 +93,10 @@ class Engine:
         (host copies), with the step, data position, precision and RNG state; see
         ``framework.state.state_dict`` for the format. Not collective."""
         c = self.components
-        self.require_resident_state("state_dict")
+        offload = self._swapping()
+        if offload is not None:   # offload=nvme: host copies read from the swap file, one tile at a time
+            params, opt_state = offload.resident_copy(state.params, state.opt_state)
+            state = replace(state, params=tuple(params), opt_state=opt_state)
         return state_dict(state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank, world=c.dist.world)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
@@ -100,10 +105,18 @@ class Engine:
         continue from. The working parameters are rebuilt from the loaded master values.
         Collective: every rank calls it with the same ``saved`` list."""
         c = self.components
-        self.require_resident_state("load_state_dict")
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                                rank=c.dist.rank, world=c.dist.world)
+        offload = self._swapping()
+        if offload is None:
+            state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+                                    rank=c.dist.rank, world=c.dist.world)
+        else:   # offload=nvme: load into host copies, then write them to the swap file tile by tile
+            params, opt_state = offload.resident_copy(state.params, state.opt_state)
+            loaded = load_state_dict(replace(state, params=tuple(params), opt_state=opt_state), c.stage.piece_specs(),
+                                     saved, policy=c.policy, names=names, rank=c.dist.rank, world=c.dist.world)
+            offload.write_back(state.opt_state, loaded.params, loaded.opt_state)
+            state = replace(loaded, params=state.params,
+                            opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
         self.sync_working(state)
         self._state = state
         return state
@@ -118,7 +131,10 @@ class Engine:
         c = self.components
         out16 = c.stage.out16()
         if out16 is not None:
-            copy_16bit(out16, state.params)
+            offload = self._swapping()   # (a swapped piece's 16-bit copy is made when the publish reads it)
+            skip = offload.swapped_indices() if offload is not None else set()
+            copy_16bit([o for i, o in enumerate(out16) if i not in skip],
+                       [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
@@ -136,13 +152,18 @@ class Engine:
         masters = list(self._state.params)
         return offload.master_values(masters) if offload is not None and offload.swaps() else masters
 
+    def _swapping(self):
+        """The offload target when some state lives in swap files (offload=nvme), else None."""
+        offload = getattr(self.components.stage, "offload", None)
+        return offload if offload is not None and offload.swaps() else None
+
     def require_resident_state(self, what: str) -> None:
         """Refuse ``what`` when the master pieces are not all in memory (offload=nvme)."""
         offload = getattr(self.components.stage, "offload", None)
         if offload is not None and offload.swaps():
-            raise FrameworkError(f"{what}: offload=nvme keeps master, optimizer state or parameter shards in "
-                                 f"swap files, and checkpointing them is not supported yet; use offload=cpu "
-                                 f"to checkpoint")
+            raise FrameworkError(f"{what}: offload=nvme keeps master and optimizer state in swap files, and "
+                                 f"{what} does not read them from there yet; load with offload=cpu, save a "
+                                 f"checkpoint (engine.state_dict), and resume with offload=nvme")
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

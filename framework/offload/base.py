@@ -215,6 +215,43 @@ class Placement:
                 store.release(handle, None, dirty=False)
         return out
 
+    def resident_copy(self, params: Sequence[torch.Tensor], opt_state: Any) -> tuple[list[torch.Tensor], Any]:
+        """``params`` and ``opt_state`` with every disk piece's master and optimizer state replaced by
+        host copies read from the swap file, one tile at a time (a checkpoint's view of the state;
+        the rank's whole master and optimizer state is then in host memory)."""
+        from framework.optimizers._subset import group_state, replace_groups
+
+        store, n = self.stores.get(Tier.DISK), len(params)
+        out, groups = list(params), {}
+        for info in self.infos:
+            if info.tier is Tier.DISK:
+                handle = store.acquire(info.index)
+                store.wait(handle)
+                out[info.index] = info.piece.master.clone()
+                groups[info.index] = [t.clone() for t in group_state(opt_state, n, info.index)]
+                store.release(handle, None, dirty=False)
+        return out, replace_groups(opt_state, n, groups)
+
+    def write_back(self, opt_state: Any, loaded_params: Sequence[torch.Tensor], loaded_state: Any) -> None:
+        """The disk pieces' values in ``loaded_params`` / ``loaded_state`` (a ``resident_copy`` that was
+        loaded into) -> the pieces (``opt_state``: the state the pieces' tensors belong to) and the
+        swap file, one tile at a time."""
+        from framework.optimizers._subset import group_state
+
+        store, n = self.stores.get(Tier.DISK), len(loaded_params)
+        for info in self.infos:
+            if info.tier is Tier.DISK:
+                handle = store.acquire(info.index)
+                store.wait(handle)
+                info.piece.master.copy_(loaded_params[info.index])
+                for dst, src in zip(group_state(opt_state, n, info.index), group_state(loaded_state, n, info.index)):
+                    dst.copy_(src)
+                store.release(handle, None)
+
+    def swapped_indices(self) -> set[int]:
+        """Positions (master order) of the pieces in the swap file."""
+        return {i.index for i in self.infos if i.tier is Tier.DISK}
+
     def swapped(self, piece: Piece) -> bool:
         """Whether ``piece`` lives in the swap file (tier DISK)."""
         return any(i.piece is piece and i.tier is Tier.DISK for i in self.infos)
@@ -484,6 +521,8 @@ class Placement:
             if info.tier is Tier.DISK:   # resident while its values are copied back
                 handle = store.acquire(info.index)
                 store.wait(handle)
+                if info.piece.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
+                    info.piece.staging.copy_(info.piece.master)
             ev = self.copy_back(info, after)
             if ev is not None:
                 copies.append(ev)

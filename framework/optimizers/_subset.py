@@ -58,6 +58,22 @@ def merge_groups(states: Sequence[Any], owner: Sequence[int]) -> Any:
     return first
 
 
+def replace_groups(state: Any, n: int, groups: Mapping[int, Sequence[Tensor]]) -> Any:
+    """``state`` with the tensors of group ``i`` replaced by ``groups[i]`` (in ``group_state``'s order)."""
+    lists = iter(range(10**9))
+
+    def swap(ts: list[Tensor]) -> list[Tensor]:
+        j = next(lists)
+        return [groups[i][j] if i in groups else t for i, t in enumerate(ts)]
+
+    return _map_groups(state, n, swap)
+
+
+def merge_scalars(full: Any, new: Any, n: int) -> Any:
+    """``full``'s per-group tensors with ``new``'s scalar leaves (step counts)."""
+    return _merge(full, new, n)
+
+
 def group_state(state: Any, n: int, i: int) -> list[Tensor]:
     """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
     out: list[Tensor] = []

@@ -169,3 +169,45 @@ def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path
     left = sorted(p.name for p in run_dir.iterdir())
     assert ".hydra" in left and "nvme" not in left, left
     assert not list(run_dir.rglob("*.swap")), left
+
+
+def _checkpoint_round_trip(dist, folder, precision):
+    """Both directions between offload=cpu and offload=nvme after 2 steps: a cpu run's state_dict
+    loaded into a fresh nvme engine, and an nvme run's state_dict loaded into a fresh cpu engine, each
+    continue for 2 steps with the losses and parameters of the run they were saved from."""
+    def engine(overrides):
+        cfg = tiny_config(*BASE, "+stage=zero2", f"precision={precision}", *overrides)
+        module, data = build_gpt(cfg)
+        return framework.initialize(module, gpt_loss, cfg, dist), data, module
+
+    def steps(eng, data, state, n):
+        losses = []
+        for _ in range(n):
+            batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+            state, m = eng.train_step(state, batch)
+            losses.append(m["loss"])
+        return state, losses
+
+    def flat(module):
+        return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+
+    cpu, nvme = ["offload=cpu"], [*NVME, f"offload.nvme_path={folder}/r{dist.rank}"]
+    out = []
+    for src, dst in ((cpu, nvme), (nvme, cpu)):
+        e_src, d_src, m_src = engine(src)
+        s_src, _ = steps(e_src, d_src, e_src.state, 2)
+        saved = dist.all_gather_object(e_src.state_dict(s_src), what="test state gather")
+        e_dst, d_dst, m_dst = engine(dst)
+        s_dst = e_dst.load_state_dict(e_dst.state, saved)
+        _, l_src = steps(e_src, d_src, s_src, 2)
+        _, l_dst = steps(e_dst, d_dst, s_dst, 2)
+        out += [l_src == l_dst, torch.equal(flat(m_src), flat(m_dst))]
+        e_src.close()
+        e_dst.close()
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_of_an_nvme_run(pools, tmp_path, precision):
+    for rank, res in enumerate(pools(2).run(_checkpoint_round_trip, str(tmp_path), precision, timeout=180)):
+        assert res == [True] * 4, f"rank {rank}: cpu->nvme losses, parameters; nvme->cpu losses, parameters: {res}"
