@@ -93,11 +93,17 @@ class Engine:
         (host copies), with the step, data position, precision and RNG state; see
         ``framework.state.state_dict`` for the format. Not collective."""
         c = self.components
+        return state_dict(self.readable_state(state), c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
+                          world=c.dist.world)
+
+    def readable_state(self, state: TrainState) -> TrainState:
+        """``state`` whose master pieces and optimizer state can be read: itself, or under offload=nvme
+        with host copies of the swapped pieces, read one tile at a time (checkpoint saves)."""
         offload = self._swapping()
-        if offload is not None:   # offload=nvme: host copies read from the swap file, one tile at a time
-            params, opt_state = offload.resident_copy(state.params, state.opt_state)
-            state = replace(state, params=tuple(params), opt_state=opt_state)
-        return state_dict(state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank, world=c.dist.world)
+        if offload is None:
+            return state
+        params, opt_state = offload.resident_copy(state.params, state.opt_state)
+        return replace(state, params=tuple(params), opt_state=opt_state)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
         """Load ``saved``, the ``state_dict`` of every rank of a run with any world size, stage,

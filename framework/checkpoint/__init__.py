@@ -19,9 +19,10 @@ Folder (``framework.checkpoint._folder`` has the commit protocol)::
 Loading re-slices by name into whatever layout the loading run has (``engine.load_state_dict``),
 so world size, stage and offload may change between save and load.
 
-NVMe offload (not built yet; the seam): ``_snapshot`` reads each master piece and its optimizer
-tensors as flat tensors and copies rectangular boxes out of them, and the load fills flat
-buffers that ``engine.load_state_dict`` copies into the pieces. A disk store would (1) flush its
+NVMe offload: ``_snapshot`` reads ``engine.readable_state(state)`` (swapped pieces read into host
+copies, one tile at a time) and the load goes through ``engine.load_state_dict``, which writes the
+swapped pieces back tile by tile; so the rank's master and optimizer state are in host memory once
+during a save or load. A zero-copy version (the seam) would (1) flush its
 in-flight swap writes, (2) expose each swapped piece's master and optimizer extents as flat
 tensors memory-mapped from its swap file (``SwapFile.extent(name)`` -> offset, bytes; mapped
 read-only with ``torch.from_file`` or a numpy memmap at that offset), which ``_snapshot`` copies
@@ -154,6 +155,7 @@ def _snapshot(engine, state, group: _Group) -> dict:
     tensor that owns exactly its bytes: one copy of the state, and none more in DCP's writer
     (it clones any view of a larger storage before serialising it)."""
     c = engine.components
+    state = engine.readable_state(state)   # offload=nvme: host copies of the swapped pieces
     specs = c.stage.piece_specs()
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     held: dict[str, dict] = {}

@@ -211,3 +211,19 @@ def _checkpoint_round_trip(dist, folder, precision):
 def test_checkpoint_of_an_nvme_run(pools, tmp_path, precision):
     for rank, res in enumerate(pools(2).run(_checkpoint_round_trip, str(tmp_path), precision, timeout=180)):
         assert res == [True] * 4, f"rank {rank}: cpu->nvme losses, parameters; nvme->cpu losses, parameters: {res}"
+
+
+def test_checkpointer_resume_of_an_nvme_run_is_bitwise(pools, tmp_path):
+    """framework.checkpoint with zero3 + offload=nvme (master, Adam state and parameter shards on disk),
+    bf16, gradient accumulation: the resumed run continues with the same losses and the same state
+    (the save reads the swapped tiles, the load writes them back)."""
+    from tests.dist.test_checkpoint import K, _same_state, _train
+
+    over = ["+stage=zero3", "precision=bf16", "train.grad_accum=2", "stage.stage3_param_persistence_threshold=0",
+            *NVME]
+    a = pools(2).run(_train, over, str(tmp_path), timeout=240)
+    b = pools(2).run(_train, over, str(tmp_path / f"step-{K}"), resume=str(tmp_path / f"step-{K}"), seed=99,
+                     timeout=240)
+    for rank in range(2):
+        assert b[rank][0] == a[rank][0][K:], f"rank {rank}: losses {b[rank][0]} vs {a[rank][0][K:]}"
+    _same_state([r[1] for r in a], [r[1] for r in b], "zero3 bf16 nvme")
