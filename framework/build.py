@@ -163,13 +163,12 @@ class Engine:
         offload = getattr(self.components.stage, "offload", None)
         return offload if offload is not None and offload.swaps() else None
 
-    def require_resident_state(self, what: str) -> None:
-        """Refuse ``what`` when the master pieces are not all in memory (offload=nvme)."""
-        offload = getattr(self.components.stage, "offload", None)
-        if offload is not None and offload.swaps():
-            raise FrameworkError(f"{what}: offload=nvme keeps master and optimizer state in swap files, and "
-                                 f"{what} does not read them from there yet; load with offload=cpu, save a "
-                                 f"checkpoint (engine.state_dict), and resume with offload=nvme")
+    def store_masters(self, masters: Sequence[torch.Tensor]) -> None:
+        """After values were written into ``master_values()``: under offload=nvme, the swapped pieces'
+        copies go back to the swap file (tile by tile); otherwise they were the masters themselves."""
+        offload = self._swapping()
+        if offload is not None:
+            offload.write_back(self._state.opt_state, masters, None)
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

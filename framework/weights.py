@@ -307,7 +307,6 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported together in one ``ConfigError`` before anything is written. The optimizer state is
     left as it is: load before training."""
-    engine.require_resident_state("load_weights")
     src = source if isinstance(source, WeightsSource) else open_weights(source)
     try:
         _load(engine, src, strict)
@@ -320,7 +319,7 @@ def _load(engine, src: WeightsSource, strict: bool) -> None:
     c = engine.components
     state = engine.state
     specs = c.stage.piece_specs()
-    masters = list(state.params)
+    masters = engine.master_values()   # (offload=nvme: host copies, stored back below)
     master_dtype = masters[0].dtype if masters else torch.float32
     tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
     available = set(src.keys())
@@ -358,6 +357,7 @@ def _load(engine, src: WeightsSource, strict: bool) -> None:
                 continue
             a, b = span.piece
             flat[a:b].copy_(src.read(key, *span.param).to(flat.dtype))
+    engine.store_masters(masters)
     # Whole tensors every rank holds (buffers, frozen parameters outside the stage's layout).
     with torch.no_grad():
         for t in tgts:

@@ -232,10 +232,10 @@ class Placement:
                 store.release(handle, None, dirty=False)
         return out, replace_groups(opt_state, n, groups)
 
-    def write_back(self, opt_state: Any, loaded_params: Sequence[torch.Tensor], loaded_state: Any) -> None:
+    def write_back(self, opt_state: Any, loaded_params: Sequence[torch.Tensor], loaded_state: Any | None) -> None:
         """The disk pieces' values in ``loaded_params`` / ``loaded_state`` (a ``resident_copy`` that was
-        loaded into) -> the pieces (``opt_state``: the state the pieces' tensors belong to) and the
-        swap file, one tile at a time."""
+        loaded into; ``loaded_state`` None: masters only) -> the pieces (``opt_state``: the state the
+        pieces' tensors belong to) and the swap file, one tile at a time."""
         from framework.optimizers._subset import group_state
 
         store, n = self.stores.get(Tier.DISK), len(loaded_params)
@@ -244,8 +244,10 @@ class Placement:
                 handle = store.acquire(info.index)
                 store.wait(handle)
                 info.piece.master.copy_(loaded_params[info.index])
-                for dst, src in zip(group_state(opt_state, n, info.index), group_state(loaded_state, n, info.index)):
-                    dst.copy_(src)
+                if loaded_state is not None:
+                    for dst, src in zip(group_state(opt_state, n, info.index),
+                                        group_state(loaded_state, n, info.index)):
+                        dst.copy_(src)
                 store.release(handle, None)
 
     def swapped_indices(self) -> set[int]:

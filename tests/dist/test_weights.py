@@ -99,6 +99,9 @@ CASES = {
     "zero3 bf16 offload params <- safetensors": (
         ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu",
          "stage.stage3_param_persistence_threshold=300"], "safetensors"),
+    "zero3 bf16 nvme (master, state, shards on disk) <- safetensors": (
+        ["+stage=zero3", "precision=bf16", "offload=nvme", "offload.sub_group_size=700",
+         "stage.stage3_param_persistence_threshold=0"], "safetensors"),
 }
 
 
