@@ -41,7 +41,12 @@ class NVMeOffloadConfig:
     pin_memory: bool = True
     ratio: float = 1.0                 # fraction of each partition whose optimizer step runs off the device
     overlap_step: bool = False         # speculative host step during backward (optimizer=cpu only)
-    sub_group_size: int = 1_000_000_000   # elements per optimizer tile
+    # Elements per optimizer tile. DeepSpeed's default is 10^9, which makes any partition below a
+    # billion elements one tile, resident for its whole step: the host then holds as much as with
+    # offload=cpu. 10^7 bounds the optimizer pool (buffer_count tiles of master + moments + staging,
+    # about 4 x 140 MB) independent of the model, and keeps each request large enough for disk speed.
+    # A DeepSpeed config's sub_group_size still overrides it.
+    sub_group_size: int = 10_000_000
     buffer_count: int = 4              # host tiles in the optimizer pool
     pipeline_read: bool = False        # read tile i+1 while tile i steps
     pipeline_write: bool = False       # write tile i-1 back while tile i steps
