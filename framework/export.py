@@ -18,8 +18,10 @@ users know) returns the whole consolidated fp32 state dict.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -70,7 +72,9 @@ def _read(step_dir: Path, wanted: dict[str, tuple[tuple[int, ...], torch.dtype]]
 
     sd = {PREFIX + n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in wanted.items()}
     try:
-        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
+        with warnings.catch_warnings():   # no_dist is what we ask for: DCP's "assuming single process" note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(step_dir)), no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps per-item failures in its own exception types
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"export: reading {step_dir} failed: {first}") from None
@@ -86,16 +90,27 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     plans = plan_files([(n, shape, out_dtype[n]) for n, (shape, _) in tensors.items()], max_shard_size)
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
-    for plan in plans:
-        values = _read(step_dir, {e.name: tensors[e.name] for e in plan.entries})
+    for plan in plans:   # one output file at a time, one tensor at a time into it
         fd = os.open(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
         try:
             for e in plan.entries:
-                write_at(fd, e.offset, values.pop(e.name).reshape(-1).to(e.dtype).contiguous())
+                value = _read(step_dir, {e.name: tensors[e.name]})[e.name]
+                write_at(fd, e.offset, value.reshape(-1).to(e.dtype).contiguous())
+                del value
+                _trim()
         finally:
             os.close(fd)
-        del values
     return finish_files(out_dir, plans)
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc): DCP's per-item read buffers are freed after
+    each tensor, but glibc keeps them in its heap, so without this the footprint ratchets up by
+    a few tensors' worth over an export (measured: 12-34 MB instead of about one 4 MiB tensor)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:

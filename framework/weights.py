@@ -132,8 +132,10 @@ class SafetensorsSource(WeightsSource):
         shape = self.shape(name)
         sl = self._slices[name]
         if not shape:  # a 0-d tensor: one element
-            return sl[...].reshape(1)
+            return sl[...].reshape(1)[lo:hi]
         parts = list(_flat_range(sl, (), shape, lo, hi))
+        if not parts:
+            return torch.empty(0, dtype=self.dtype(name))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:
