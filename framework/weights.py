@@ -309,21 +309,25 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported together in one ``ConfigError`` before anything is written. The optimizer state is
     left as it is: load before training."""
-    src = source if isinstance(source, WeightsSource) else open_weights(source)
-    try:
-        _load(engine, src, strict)
-    finally:
-        if src is not source:
-            src.close()
-
-
-def _load(engine, src: WeightsSource, strict: bool) -> None:
     c = engine.components
-    state = engine.state
     specs = c.stage.piece_specs()
-    masters = list(state.params)
+    masters = list(engine.state.params)
     master_dtype = masters[0].dtype if masters else torch.float32
     tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
+
+    def load() -> None:
+        src = source if isinstance(source, WeightsSource) else open_weights(source)
+        try:
+            _load(src, strict, specs, masters, tgts)
+        finally:
+            if src is not source:
+                src.close()
+
+    _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
+    engine.sync_working(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
+
+
+def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], tgts: list[Target]) -> None:
     available = set(src.keys())
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -365,7 +369,6 @@ def _load(engine, src: WeightsSource, strict: bool) -> None:
             if t.tensor is not None and t.name in chosen:
                 values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
                 t.tensor.copy_(values.view(t.tensor.shape))
-    engine.sync_working(state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
 # ============================================================================ safetensors files ====
@@ -578,16 +581,21 @@ def _write_jobs(out_dir: Path, jobs: list) -> None:
 
 
 def _agree(dist, fn: Callable[[], object], what: str) -> None:
-    """Run ``fn`` on every rank, then exchange outcomes: if any rank failed, all raise its error
-    (one line) instead of some waiting on a peer that will never come (doubles as a barrier)."""
+    """Run ``fn`` on every rank, then exchange outcomes (doubles as a barrier): a rank that failed
+    raises its own error, the others one naming it, instead of waiting on a peer that will
+    never come to the next collective."""
+    mine: BaseException | None = None
     try:
         fn()
-        err = None
-    except (OSError, FrameworkError) as e:
-        err = f"rank {dist.rank}: {e}"
-    errs = [e for e in dist.all_gather_object(err, what=what) if e]
-    if errs:
-        raise FrameworkError(f"{what}: {errs[0]}")
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+        mine = e
+    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {str(mine).splitlines()[0]}",
+                                  what=what)
+    if mine is not None:
+        raise mine
+    failed = [e for e in errs if e]
+    if failed:
+        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
