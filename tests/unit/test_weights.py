@@ -157,3 +157,41 @@ def test_gather_16bit_weights_on_model_save_key(tmp_path):
         for n, p in module.named_parameters():
             assert saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], p.detach())
     json.dumps([str(p) for p in paths])
+
+
+class _WithBuffers(torch.nn.Module):
+    """A frozen layer (outside the ddp/zero1/2 layouts), a persistent and a non-persistent buffer."""
+
+    def __init__(self, freeze: bool = True):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(not freeze)
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.frozen(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage):
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    cfg = framework.compose(["logger=none", *([] if stage == "ddp" else [f"+stage={stage}"])])
+    # zero3 does not take frozen parameters (its gather hooks need gradients): buffers only there.
+    module = _WithBuffers(freeze=stage != "zero3")
+    engine = framework.initialize(module, lambda m, b: m(b).square().mean(), cfg, connect("gloo"))
+    g = torch.Generator().manual_seed(3)
+    sd = {k: torch.randn(v.shape, generator=g) for k, v in _WithBuffers().state_dict().items()}
+    assert set(sd) == {"lin.weight", "lin.bias", "frozen.weight", "frozen.bias", "scale"}
+    save_file(sd, tmp_path / "in.safetensors")
+    load_weights(engine, tmp_path / "in.safetensors")
+    module = engine.components.module
+    with framework.gathered(list(module.parameters())):
+        now = {n: p.detach().clone() for n, p in module.named_parameters()}
+    now["scale"] = module.scale
+    assert all(torch.equal(now[k], v) for k, v in sd.items())
+    save_weights(engine, tmp_path / "out")
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())
