@@ -173,6 +173,7 @@ def _hf_case(dist, out_dir, tied_file):
     engine.train_step(engine.state, framework.Batch(((x, y),)))
     trained = _gathered(engine)
     paths = engine.save_pretrained(out_dir)
+    engine.save_pretrained(out_dir + "-bf16-sharded", torch.bfloat16, max_shard_size="200KB")
     # A fresh engine loads the export back, and a file naming the tied matrix by its other name.
     fresh = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
     load_weights(fresh, out_dir)
@@ -205,4 +206,9 @@ def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
         assert torch.equal(p.detach(), trained[name]), f"from_pretrained: {name} differs"
         assert torch.equal(reloaded[name], trained[name]), f"load_weights of the export: {name} differs"
     assert torch.equal(via_alias["transformer.wte.weight"], sd["lm_head.weight"])
+    # bf16, sharded with an index: from_pretrained reads the index; values are the trained ones rounded.
+    assert (tmp_path / "hf-bf16-sharded" / "model.safetensors.index.json").exists()
+    back16 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-bf16-sharded")
+    for name, p in back16.named_parameters():
+        assert torch.equal(p.detach().to(torch.bfloat16), trained[name].to(torch.bfloat16)), name
     assert torch.equal(via_alias["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"])
