@@ -95,25 +95,24 @@ class SafetensorsSource(WeightsSource):
     """One ``.safetensors`` file or the shards an index names; files are opened (memory-mapped)
     once and read by slices, so only the requested bytes are touched."""
 
-    def __init__(self, files: dict[str, Path], where: str):
+    def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
+        """``paths``: the files; ``weight_map`` (an index's): which file holds each name."""
         super().__init__(where)
         from safetensors import safe_open  # the hf extra
 
-        self._handles, self._where, self._slices = [], {}, {}
-        for name, path in files.items():
-            self._where.setdefault(name, path)
-        for path in dict.fromkeys(self._where.values()):
+        self._handles, self._slices = [], {}
+        for path in paths:
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
                 raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
             self._handles.append(h)
             for name in h.keys():
-                if self._where.get(name) == path:
+                if weight_map is None or weight_map.get(name) == path:
                     self._slices[name] = h.get_slice(name)
-        missing = sorted(set(self._where) - set(self._slices))
+        missing = sorted(set(weight_map or ()) - set(self._slices))
         if missing:
-            raise ConfigError(f"load_weights: the index names {len(missing)} tensor(s) that are not in their "
+            raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
                               f"files: {_short(missing)}")
 
     def keys(self) -> list[str]:
@@ -233,15 +232,9 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         absent = sorted({str(f) for f in files.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {_short(absent)}")
-        return SafetensorsSource(files, str(path))
+        return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        try:
-            with safe_open(str(path), framework="pt") as h:
-                names = list(h.keys())
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
-        return SafetensorsSource({n: path for n in names}, str(path))
+        return SafetensorsSource([path], str(path))
     return StateDictSource(path)
 
 
@@ -421,7 +414,8 @@ class FilePlan:
     entries: tuple[Entry, ...]
 
 
-def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str) -> list[FilePlan]:
+def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+               max_shard_size: int | str) -> list[FilePlan]:
     """Split ``tensors`` (name, shape, dtype; in order) into safetensors files of at most
     ``max_shard_size`` bytes each (a larger tensor gets a file of its own) and lay out each file.
     Pure arithmetic: every rank computes the same plan."""

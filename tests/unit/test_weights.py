@@ -110,6 +110,15 @@ def test_not_a_state_dict_and_missing_paths(tmp_path):
         load_weights(engine, tmp_path / "nope.safetensors")
     with pytest.raises(ConfigError, match="holds none of"):
         load_weights(engine, tmp_path)
+    from safetensors.torch import save_file
+    save_file({"a": torch.zeros(2)}, tmp_path / "s1.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"names 1 tensor\(s\) that are not in their files: b"):
+        load_weights(engine, tmp_path)
+    index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
+    with pytest.raises(ConfigError, match="shard\\(s\\) that do not exist"):
+        load_weights(engine, index)
 
 
 def test_parse_size():
