@@ -622,7 +622,9 @@ def save_on_model_save(engine, out_dir) -> list[Path] | None:
     """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
     when set, the working-dtype weights (16-bit under bf16/fp16 precision) go to ``out_dir`` as
     consolidated safetensors, each rank writing its own ranges (with config.json for a Hugging Face
-    model); otherwise nothing. Collective."""
+    model); otherwise nothing. Collective on the default group: call it from the training thread
+    (e.g. in a checkpoint save, before handing the rest to an asynchronous writer), never from a
+    background thread."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None
