@@ -260,3 +260,25 @@ def test_save_weights_peak_memory_is_not_the_model(pools, tmp_path):
         assert growth["fp32"] < 0.1 * model and growth["bf16"] < 0.3 * model, (rank, growth, model)
     assert ranks[0][1]["gather to rank 0"] > 0.9 * model, (ranks[0][1], model)
     assert _read_files(tmp_path / "out").keys() == _read_files(tmp_path / "out-bf16").keys()
+
+
+def _save_into_a_file(dist, path):
+    cfg = tiny_config("+stage=zero2", f"train.micro_batch={ROWS // dist.world}")
+    module, _ = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    try:
+        save_weights(engine, path)
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return type(e).__name__, str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
+    """Rank 0 cannot create the files (out_dir is a file): it raises its OSError, the other rank
+    a FrameworkError naming it, and nobody waits for a collective that will never come."""
+    (tmp_path / "taken").write_text("not a folder")
+    r0, r1 = pools(2).run(_save_into_a_file, str(tmp_path / "taken"), timeout=120)
+    assert r0[0] == "FileExistsError", r0
+    assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
