@@ -282,3 +282,50 @@ def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
     r0, r1 = pools(2).run(_save_into_a_file, str(tmp_path / "taken"), timeout=120)
     assert r0[0] == "FileExistsError", r0
     assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
+
+
+# --- a real checkpoint: stage3_gather_16bit_weights_on_model_save in each step folder, then export -------
+
+def _checkpointed(dist, ckpt_dir):
+    from framework.checkpoint import Checkpointer
+    cfg = tiny_config("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true",
+                      "stage.stage3_param_persistence_threshold=0", f"checkpoint.dir={ckpt_dir}",
+                      "checkpoint.every=2", f"train.micro_batch={ROWS // dist.world}")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    ckpt = Checkpointer(cfg, engine)
+    state = engine.state
+    for _ in range(4):
+        batch = data.train_batch(state.data, micro_batch=ROWS // dist.world, grad_accum=1, rank=dist.rank,
+                                 world=dist.world)
+        state, _ = engine.train_step(state, batch)
+        ckpt.maybe_save(state)
+    ckpt.close()
+    out = _gathered(engine), engine.state_dict(state)
+    engine.close()
+    return out
+
+
+def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
+    """zero3, bf16, 2 ranks, checkpoints at steps 2 and 4: each step folder holds model_16bit/ (the
+    working bf16 parameters, bitwise); python -m framework.export of the checkpoint gives the fp32
+    masters bitwise, loadable by the plain model with load_state_dict(strict=True)."""
+    from framework.export import get_fp32_state_dict_from_checkpoint, main
+    ranks = pools(2).run(_checkpointed, str(tmp_path / "ckpt"), timeout=240)
+    working, _ = ranks[0]
+    masters = assemble([r[1] for r in ranks])
+    for step in (2, 4):
+        assert (tmp_path / "ckpt" / f"step-{step}" / "model_16bit" / "model.safetensors").is_file()
+    assert not list((tmp_path / "ckpt").glob("*.model_16bit"))   # staging folders moved in
+    w16 = _read_files(tmp_path / "ckpt" / "step-4" / "model_16bit")
+    assert w16.keys() == working.keys()
+    assert all(w16[n].dtype == torch.bfloat16 and torch.equal(w16[n], working[n]) for n in working)
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    exported = _read_files(tmp_path / "exported")
+    plain, _ = build_gpt(tiny_config(), seed=7)
+    plain.load_state_dict(exported, strict=True)
+    fp32 = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt")
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), masters[name]), f"exported {name} is not the fp32 master"
+        assert torch.equal(fp32[name], p.detach())
+        assert torch.equal(p.detach().to(torch.bfloat16), working[name])

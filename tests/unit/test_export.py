@@ -114,3 +114,22 @@ def test_export_peak_memory_is_one_shard_not_the_model(tmp_path):
     assert whole > 0.9 * model, (whole, model)        # the probe sees a whole-model read
     assert streamed < 1.5 * shard, (streamed, shard)  # the export held at most about one shard
     assert len(list((tmp_path / "out-export").glob("*.safetensors"))) == 6   # 3 tensors of 4 MiB fit in 16 MB
+
+
+class _Boom:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_crafted_metadata_is_refused_without_running_it(tmp_path, capsys):
+    import pickle
+    step = tmp_path / "step-1"
+    step.mkdir()
+    (step / ".metadata").write_bytes(pickle.dumps(_Boom(tmp_path / "ran")))
+    assert main([str(step), "--to", str(tmp_path / "out")]) == 1
+    assert "refused to read the DCP metadata" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
