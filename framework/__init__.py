@@ -20,6 +20,8 @@ from framework.materialize import zero_init
 from framework.stages.zero3 import gathered
 from framework.state import TrainState
 from framework.batch import Batch
+from framework.weights import load_weights, save_weights
 
 __all__ = ["Batch", "Config", "ConfigError", "DataError", "DistributedError", "Engine", "FrameworkError",
-           "TrainState", "TrainingError", "compose", "gathered", "initialize", "zero_init"]
+           "TrainState", "TrainingError", "compose", "gathered", "initialize", "load_weights", "save_weights",
+           "zero_init"]

@@ -95,25 +95,24 @@ class SafetensorsSource(WeightsSource):
     """One ``.safetensors`` file or the shards an index names; files are opened (memory-mapped)
     once and read by slices, so only the requested bytes are touched."""
 
-    def __init__(self, files: dict[str, Path], where: str):
+    def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
+        """``paths``: the files; ``weight_map`` (an index's): which file holds each name."""
         super().__init__(where)
         from safetensors import safe_open  # the hf extra
 
-        self._handles, self._where, self._slices = [], {}, {}
-        for name, path in files.items():
-            self._where.setdefault(name, path)
-        for path in dict.fromkeys(self._where.values()):
+        self._handles, self._slices = [], {}
+        for path in paths:
             try:
                 h = safe_open(str(path), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
                 raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
             self._handles.append(h)
             for name in h.keys():
-                if self._where.get(name) == path:
+                if weight_map is None or weight_map.get(name) == path:
                     self._slices[name] = h.get_slice(name)
-        missing = sorted(set(self._where) - set(self._slices))
+        missing = sorted(set(weight_map or ()) - set(self._slices))
         if missing:
-            raise ConfigError(f"load_weights: the index names {len(missing)} tensor(s) that are not in their "
+            raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
                               f"files: {_short(missing)}")
 
     def keys(self) -> list[str]:
@@ -132,8 +131,10 @@ class SafetensorsSource(WeightsSource):
         shape = self.shape(name)
         sl = self._slices[name]
         if not shape:  # a 0-d tensor: one element
-            return sl[...].reshape(1)
+            return sl[...].reshape(1)[lo:hi]
         parts = list(_flat_range(sl, (), shape, lo, hi))
+        if not parts:
+            return torch.empty(0, dtype=self.dtype(name))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:
@@ -231,15 +232,9 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         absent = sorted({str(f) for f in files.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {_short(absent)}")
-        return SafetensorsSource(files, str(path))
+        return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
-        try:
-            with safe_open(str(path), framework="pt") as h:
-                names = list(h.keys())
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
-        return SafetensorsSource({n: path for n in names}, str(path))
+        return SafetensorsSource([path], str(path))
     return StateDictSource(path)
 
 
@@ -307,21 +302,25 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported together in one ``ConfigError`` before anything is written. The optimizer state is
     left as it is: load before training."""
-    src = source if isinstance(source, WeightsSource) else open_weights(source)
-    try:
-        _load(engine, src, strict)
-    finally:
-        if src is not source:
-            src.close()
-
-
-def _load(engine, src: WeightsSource, strict: bool) -> None:
     c = engine.components
-    state = engine.state
     specs = c.stage.piece_specs()
-    masters = engine.master_values()   # (offload=nvme: host copies, stored back below)
+    masters = engine.master_values()   # (offload=nvme: host copies, stored back in _load)
     master_dtype = masters[0].dtype if masters else torch.float32
     tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
+
+    def load() -> None:
+        src = source if isinstance(source, WeightsSource) else open_weights(source)
+        try:
+            _load(src, strict, specs, masters, tgts)
+        finally:
+            if src is not source:
+                src.close()
+
+    _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
+    engine.sync_working(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
+
+
+def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], tgts: list[Target]) -> None:
     available = set(src.keys())
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -364,7 +363,6 @@ def _load(engine, src: WeightsSource, strict: bool) -> None:
             if t.tensor is not None and t.name in chosen:
                 values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
                 t.tensor.copy_(values.view(t.tensor.shape))
-    engine.sync_working(state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
 # ============================================================================ safetensors files ====
@@ -417,7 +415,8 @@ class FilePlan:
     entries: tuple[Entry, ...]
 
 
-def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str) -> list[FilePlan]:
+def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+               max_shard_size: int | str) -> list[FilePlan]:
     """Split ``tensors`` (name, shape, dtype; in order) into safetensors files of at most
     ``max_shard_size`` bytes each (a larger tensor gets a file of its own) and lay out each file.
     Pure arithmetic: every rank computes the same plan."""
@@ -577,16 +576,21 @@ def _write_jobs(out_dir: Path, jobs: list) -> None:
 
 
 def _agree(dist, fn: Callable[[], object], what: str) -> None:
-    """Run ``fn`` on every rank, then exchange outcomes: if any rank failed, all raise its error
-    (one line) instead of some waiting on a peer that will never come (doubles as a barrier)."""
+    """Run ``fn`` on every rank, then exchange outcomes (doubles as a barrier): a rank that failed
+    raises its own error, the others one naming it, instead of waiting on a peer that will
+    never come to the next collective."""
+    mine: BaseException | None = None
     try:
         fn()
-        err = None
-    except (OSError, FrameworkError) as e:
-        err = f"rank {dist.rank}: {e}"
-    errs = [e for e in dist.all_gather_object(err, what=what) if e]
-    if errs:
-        raise FrameworkError(f"{what}: {errs[0]}")
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+        mine = e
+    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {str(mine).splitlines()[0]}",
+                                  what=what)
+    if mine is not None:
+        raise mine
+    failed = [e for e in errs if e]
+    if failed:
+        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
@@ -619,7 +623,9 @@ def save_on_model_save(engine, out_dir) -> list[Path] | None:
     """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
     when set, the working-dtype weights (16-bit under bf16/fp16 precision) go to ``out_dir`` as
     consolidated safetensors, each rank writing its own ranges (with config.json for a Hugging Face
-    model); otherwise nothing. Collective."""
+    model); otherwise nothing. Collective on the default group: call it from the training thread
+    (e.g. in a checkpoint save, before handing the rest to an asynchronous writer), never from a
+    background thread."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None

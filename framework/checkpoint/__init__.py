@@ -53,6 +53,7 @@ from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanne
 from framework.errors import CheckpointError
 from framework.errors import ConfigError, FrameworkError
 from framework.state import FORMAT as STATE_FORMAT, _dynamic, optimizer_leaves
+from framework.weights import save_on_model_save
 
 __all__ = ["Checkpointer", "CheckpointError", "save", "load", "find_resumable"]
 
@@ -193,18 +194,30 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
     """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
     state is taken before returning; with ``background`` the files are written there and its
     future is returned (None otherwise)."""
+    staged16 = None
+    if engine.components.stage.weights_on_save():
+        # stage3_gather_16bit_weights_on_model_save: this step's working-dtype weights as
+        # consolidated safetensors, written now on the training thread (collective on the default
+        # group, each rank its own ranges) into a staging folder that ``_write`` moves into the
+        # step folder as model_16bit/, so they are committed, pruned and found with the step.
+        if group.rank == 0:
+            _folder.mkdir_private(root)
+        staged16 = root / f"step-{state.step}.model_16bit"
+        save_on_model_save(engine, staged16)
     snap = _snapshot(engine, state, group)
     rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name")}
-    job = lambda: _write(snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta)  # noqa: E731
+    job = lambda: _write(snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,  # noqa: E731
+                         staged16=staged16)
     if background is None:
         job()
         return None
     return background.submit(job)
 
 
-def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict) -> Path:
+def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict,
+           staged16: Path | None = None) -> Path:
     t0 = time.perf_counter()
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
@@ -212,6 +225,8 @@ def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, ke
         _folder.mkdir_private(root)
         _folder.remove_stale(root)
         _folder.mkdir_private(tmp)
+        if staged16 is not None:   # a subfolder: beside the manifest's files, moved and pruned with them
+            os.replace(staged16, tmp / "model_16bit")
     group.all_gather(None, "folder barrier")  # the folder exists before any rank writes
     dcp.save(snap["dcp"], storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
              planner=SavePlanner(), **group.dcp_kwargs())

@@ -176,6 +176,7 @@ def _hf_case(dist, out_dir, tied_file):
     engine.train_step(engine.state, framework.Batch(((x, y),)))
     trained = _gathered(engine)
     paths = engine.save_pretrained(out_dir)
+    engine.save_pretrained(out_dir + "-bf16-sharded", torch.bfloat16, max_shard_size="200KB")
     # A fresh engine loads the export back, and a file naming the tied matrix by its other name.
     fresh = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
     load_weights(fresh, out_dir)
@@ -208,4 +209,126 @@ def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
         assert torch.equal(p.detach(), trained[name]), f"from_pretrained: {name} differs"
         assert torch.equal(reloaded[name], trained[name]), f"load_weights of the export: {name} differs"
     assert torch.equal(via_alias["transformer.wte.weight"], sd["lm_head.weight"])
+    # bf16, sharded with an index: from_pretrained reads the index; values are the trained ones rounded.
+    assert (tmp_path / "hf-bf16-sharded" / "model.safetensors.index.json").exists()
+    back16 = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-bf16-sharded")
+    for name, p in back16.named_parameters():
+        assert torch.equal(p.detach().to(torch.bfloat16), trained[name].to(torch.bfloat16)), name
     assert torch.equal(via_alias["transformer.h.0.attn.c_attn.weight"], sd["transformer.h.0.attn.c_attn.weight"])
+
+
+# --- memory: save_weights never assembles the model; the rank-0 gather (the control) does ---------------
+
+def _hwm_reset() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux clear_refs); returns it in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _hwm()
+
+
+def _hwm() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _save_memory(dist, out_dir):
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "data.vocab_size=256",
+                      "model.d_model=512", "model.n_head=4", "model.n_layer=3")   # 9.7 M parameters
+    with torch.device("meta"):
+        module, _ = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    model = sum(p.logical_shape.numel() for p in module.parameters()) * 4
+    growth = {}
+    for what, run in (("fp32", lambda: save_weights(engine, out_dir)),
+                      ("bf16", lambda: save_weights(engine, out_dir + "-bf16", dtype=torch.bfloat16)),
+                      ("gather to rank 0", engine.consolidated_state_dict)):
+        base = _hwm_reset()
+        kept = run()
+        growth[what] = _hwm() - base
+        del kept
+    engine.close()
+    return model, growth
+
+
+def test_save_weights_peak_memory_is_not_the_model(pools, tmp_path):
+    """Measured per rank (peak RSS growth, 2 ranks, zero3, a 39 MB fp32 model): save_weights grows by
+    its chunks at most (fp32 values are written from the masters as they lie), while gathering the
+    model on rank 0 -- the control, which shows the measurement can fail -- grows by the model."""
+    ranks = pools(2).run(_save_memory, str(tmp_path / "out"), timeout=240)
+    model = ranks[0][0]
+    for rank, (_, growth) in enumerate(ranks):
+        print(f"rank {rank}: model {model} B, peak RSS growth {growth}")
+        assert growth["fp32"] < 0.1 * model and growth["bf16"] < 0.3 * model, (rank, growth, model)
+    assert ranks[0][1]["gather to rank 0"] > 0.9 * model, (ranks[0][1], model)
+    assert _read_files(tmp_path / "out").keys() == _read_files(tmp_path / "out-bf16").keys()
+
+
+def _save_into_a_file(dist, path):
+    cfg = tiny_config("+stage=zero2", f"train.micro_batch={ROWS // dist.world}")
+    module, _ = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    try:
+        save_weights(engine, path)
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        return type(e).__name__, str(e)
+    finally:
+        engine.close()
+    return None
+
+
+def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
+    """Rank 0 cannot create the files (out_dir is a file): it raises its OSError, the other rank
+    a FrameworkError naming it, and nobody waits for a collective that will never come."""
+    (tmp_path / "taken").write_text("not a folder")
+    r0, r1 = pools(2).run(_save_into_a_file, str(tmp_path / "taken"), timeout=120)
+    assert r0[0] == "FileExistsError", r0
+    assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
+
+
+# --- a real checkpoint: stage3_gather_16bit_weights_on_model_save in each step folder, then export -------
+
+def _checkpointed(dist, ckpt_dir):
+    from framework.checkpoint import Checkpointer
+    cfg = tiny_config("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true",
+                      "stage.stage3_param_persistence_threshold=0", f"checkpoint.dir={ckpt_dir}",
+                      "checkpoint.every=2", f"train.micro_batch={ROWS // dist.world}")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    ckpt = Checkpointer(cfg, engine)
+    state = engine.state
+    for _ in range(4):
+        batch = data.train_batch(state.data, micro_batch=ROWS // dist.world, grad_accum=1, rank=dist.rank,
+                                 world=dist.world)
+        state, _ = engine.train_step(state, batch)
+        ckpt.maybe_save(state)
+    ckpt.close()
+    out = _gathered(engine), engine.state_dict(state)
+    engine.close()
+    return out
+
+
+def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
+    """zero3, bf16, 2 ranks, checkpoints at steps 2 and 4: each step folder holds model_16bit/ (the
+    working bf16 parameters, bitwise); python -m framework.export of the checkpoint gives the fp32
+    masters bitwise, loadable by the plain model with load_state_dict(strict=True)."""
+    from framework.export import get_fp32_state_dict_from_checkpoint, main
+    ranks = pools(2).run(_checkpointed, str(tmp_path / "ckpt"), timeout=240)
+    working, _ = ranks[0]
+    masters = assemble([r[1] for r in ranks])
+    for step in (2, 4):
+        assert (tmp_path / "ckpt" / f"step-{step}" / "model_16bit" / "model.safetensors").is_file()
+    assert not list((tmp_path / "ckpt").glob("*.model_16bit"))   # staging folders moved in
+    w16 = _read_files(tmp_path / "ckpt" / "step-4" / "model_16bit")
+    assert w16.keys() == working.keys()
+    assert all(w16[n].dtype == torch.bfloat16 and torch.equal(w16[n], working[n]) for n in working)
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "exported"), "--max-shard-size", "40KB"]) == 0
+    exported = _read_files(tmp_path / "exported")
+    plain, _ = build_gpt(tiny_config(), seed=7)
+    plain.load_state_dict(exported, strict=True)
+    fp32 = get_fp32_state_dict_from_checkpoint(tmp_path / "ckpt")
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), masters[name]), f"exported {name} is not the fp32 master"
+        assert torch.equal(fp32[name], p.detach())
+        assert torch.equal(p.detach().to(torch.bfloat16), working[name])

@@ -1,0 +1,206 @@
+"""framework.weights on one process: sliced reads, the one error listing every problem, refused
+pickles, shard-size parsing, the file layout, and the stage3_gather_16bit_weights_on_model_save key."""
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import framework
+from framework.distributed import connect
+from framework.errors import ConfigError
+from framework.models.gpt import gpt_loss
+from framework.weights import (load_weights, open_weights, parse_size, plan_files, save_on_model_save,
+                               save_weights)
+from tests._helpers import build_gpt, tiny_config
+
+
+def _engine(*overrides):
+    cfg = tiny_config(*overrides)
+    module, _ = build_gpt(cfg)
+    return framework.initialize(module, gpt_loss, cfg, connect("gloo"))
+
+
+def _plain_sd(seed=1234):
+    plain, _ = build_gpt(tiny_config(), seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + 0.01 * torch.randn(v.shape, generator=g)).contiguous() for k, v in plain.state_dict().items()}
+
+
+@pytest.mark.parametrize("shape", [(7,), (5, 6), (3, 4, 5), (2, 3, 2, 4), ()])
+def test_sliced_reads_return_exactly_the_range(tmp_path, shape):
+    from safetensors.torch import save_file
+    t = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    save_file({"t": t}, tmp_path / "t.safetensors")
+    n = t.numel()
+    with open_weights(tmp_path / "t.safetensors") as src:
+        for lo in range(n + 1):
+            for hi in range(lo, n + 1):
+                before = src.bytes_read
+                got = src.read("t", lo, hi)
+                assert torch.equal(got, t.reshape(-1)[lo:hi]), (shape, lo, hi)
+                assert src.bytes_read - before == 4 * (hi - lo)
+
+
+def test_problems_are_one_error_listing_them_all(tmp_path):
+    from safetensors.torch import save_file
+    engine = _engine("+stage=zero2")
+    sd = _plain_sd()
+    del sd["wpe.weight"], sd["blocks.1.ln2.weight"]
+    sd["blocks.0.attn.qkv.weight"] = torch.zeros(3, 3)
+    sd["extra.weight"] = torch.zeros(2)
+    sd["blocks.0.mlp.fc.weight"] = sd["blocks.0.mlp.fc.weight"].to(torch.int32)
+    save_file(sd, tmp_path / "bad.safetensors")
+    before = [t.clone() for t in engine.state.params]
+    with pytest.raises(ConfigError) as e:
+        load_weights(engine, tmp_path / "bad.safetensors")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("load_weights: ")
+    for part in ("missing 2: wpe.weight, blocks.1.ln2.weight", "unexpected 1: extra.weight",
+                 "blocks.0.attn.qkv.weight: (3, 3) in the file, (96, 32) in the model",
+                 "blocks.0.mlp.fc.weight: dtype int32 in the file, float32 in the model"):
+        assert part in msg, msg
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.state.params))   # nothing written
+    # strict=False skips the absent and the unknown names, never a mismatch.
+    with pytest.raises(ConfigError, match="mismatched 2"):
+        load_weights(engine, tmp_path / "bad.safetensors", strict=False)
+    ok = {k: v for k, v in sd.items() if k not in ("blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.weight")}
+    save_file(ok, tmp_path / "partial.safetensors")
+    load_weights(engine, tmp_path / "partial.safetensors", strict=False)
+    module = engine.components.module
+    assert torch.equal(module.get_parameter("blocks.0.ln1.weight").detach(), sd["blocks.0.ln1.weight"])
+    assert not torch.equal(module.get_parameter("wpe.weight").detach(), _plain_sd()["wpe.weight"])
+
+
+def test_other_dtypes_are_converted_explicitly(tmp_path):
+    engine = _engine("+stage=zero1")
+    sd = _plain_sd()
+    torch.save({k: v.to(torch.bfloat16) for k, v in sd.items()}, tmp_path / "bf16.pt")
+    load_weights(engine, tmp_path / "bf16.pt")
+    for n, p in engine.components.module.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), sd[n].to(torch.bfloat16).float())
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    boom = _Boom()
+    boom.marker = marker
+    with open(tmp_path / "evil.pt", "wb") as f:
+        pickle.dump({"wte.weight": boom}, f, protocol=2)
+    torch.save({"wte.weight": boom}, tmp_path / "evil_zip.pt")
+    engine = _engine()
+    for name in ("evil.pt", "evil_zip.pt"):
+        with pytest.raises(ConfigError, match=r"refused .*weights_only=True"):
+            load_weights(engine, tmp_path / name)
+    assert not marker.exists()
+
+
+def test_not_a_state_dict_and_missing_paths(tmp_path):
+    engine = _engine()
+    torch.save([torch.zeros(1)], tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match="expected a flat"):
+        load_weights(engine, tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_weights(engine, tmp_path / "nope.safetensors")
+    with pytest.raises(ConfigError, match="holds none of"):
+        load_weights(engine, tmp_path)
+    from safetensors.torch import save_file
+    save_file({"a": torch.zeros(2)}, tmp_path / "s1.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}))
+    with pytest.raises(ConfigError, match=r"names 1 tensor\(s\) that are not in their files: b"):
+        load_weights(engine, tmp_path)
+    index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
+    with pytest.raises(ConfigError, match="shard\\(s\\) that do not exist"):
+        load_weights(engine, index)
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("1.5kb") == 1500 and parse_size(123) == 123
+    for bad in ("5 potatoes", "", "-1MB", 0):
+        with pytest.raises(ConfigError, match="max_shard_size"):
+            parse_size(bad)
+
+
+def test_plan_files_splits_at_the_limit():
+    tensors = [(f"t{i}", (10,), torch.float32) for i in range(5)] + [("big", (100,), torch.float32)]
+    plans = plan_files(tensors, 100)   # 40 bytes each: two per file; the big one alone
+    assert [[e.name for e in p.entries] for p in plans] == [["t0", "t1"], ["t2", "t3"], ["t4"], ["big"]]
+    assert [p.name for p in plans][0] == "model-00001-of-00004.safetensors"
+    for p in plans:
+        assert len(p.header) % 8 == 0 and p.size == len(p.header) + sum(e.nbytes for e in p.entries)
+    assert plan_files(tensors, "1GB")[0].name == "model.safetensors"
+
+
+def test_save_weights_single_file_bf16_and_old_outputs_replaced(tmp_path):
+    from safetensors.torch import load_file
+    engine = _engine("+stage=zero3", "precision=bf16")
+    save_weights(engine, tmp_path, max_shard_size="10KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    paths = save_weights(engine, tmp_path, dtype=torch.float16)
+    assert [p.name for p in paths] == ["model.safetensors"]
+    assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]   # the earlier shards and index are gone
+    saved = load_file(tmp_path / "model.safetensors")
+    masters = engine.state_dict(engine.state)["params"]
+    for name, entry in masters.items():
+        full = torch.cat([f["master"] for f in sorted(entry["fragments"], key=lambda f: f["range"])])
+        assert saved[name].dtype == torch.float16 and torch.equal(saved[name].reshape(-1), full.half())
+
+
+def test_gather_16bit_weights_on_model_save_key(tmp_path):
+    from safetensors.torch import load_file
+    off = _engine("+stage=zero3")
+    assert save_on_model_save(off, tmp_path / "off") is None and not (tmp_path / "off").exists()
+    on = _engine("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true")
+    paths = save_on_model_save(on, tmp_path / "on")
+    saved = load_file(paths[0])
+    module = on.components.module
+    with framework.gathered(list(module.parameters())):
+        for n, p in module.named_parameters():
+            assert saved[n].dtype == torch.bfloat16 and torch.equal(saved[n], p.detach())
+    json.dumps([str(p) for p in paths])
+
+
+class _WithBuffers(torch.nn.Module):
+    """A frozen layer (outside the ddp/zero1/2 layouts), a persistent and a non-persistent buffer."""
+
+    def __init__(self, freeze: bool = True):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(not freeze)
+        self.register_buffer("scale", torch.ones(8))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.frozen(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage):
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(0)
+    cfg = framework.compose(["logger=none", *([] if stage == "ddp" else [f"+stage={stage}"])])
+    # zero3 does not take frozen parameters (its gather hooks need gradients): buffers only there.
+    module = _WithBuffers(freeze=stage != "zero3")
+    engine = framework.initialize(module, lambda m, b: m(b).square().mean(), cfg, connect("gloo"))
+    g = torch.Generator().manual_seed(3)
+    sd = {k: torch.randn(v.shape, generator=g) for k, v in _WithBuffers().state_dict().items()}
+    assert set(sd) == {"lin.weight", "lin.bias", "frozen.weight", "frozen.bias", "scale"}
+    save_file(sd, tmp_path / "in.safetensors")
+    load_weights(engine, tmp_path / "in.safetensors")
+    module = engine.components.module
+    with framework.gathered(list(module.parameters())):
+        now = {n: p.detach().clone() for n, p in module.named_parameters()}
+    now["scale"] = module.scale
+    assert all(torch.equal(now[k], v) for k, v in sd.items())
+    save_weights(engine, tmp_path / "out")
+    out = load_file(tmp_path / "out" / "model.safetensors")
+    assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())
