@@ -49,7 +49,7 @@ def finish(name: str, run_dir: Path, proc) -> dict:
             "run_dir_left": sorted(p.name for p in run_dir.iterdir())}
 
 
-def compare(model: str = "gpt2-small", vocab: int = 50304, sub_group_size: int = 2_000_000,
+def compare(model: str = "gpt2-small", vocab: int = 50304, sub_group_size: int | None = None,
             folder: str | None = None, serial: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="nvme-memory-", dir=folder) as tmp:
         tmp = Path(tmp)
@@ -58,7 +58,8 @@ def compare(model: str = "gpt2-small", vocab: int = 50304, sub_group_size: int =
         procs = [start(model, ["offload=cpu"], tmp, "cpu", vocab)]
         if serial:
             cpu = finish(*procs.pop())
-        procs.append(start(model, ["offload=nvme", f"offload.sub_group_size={sub_group_size}"], tmp, "nvme", vocab))
+        tile = [] if sub_group_size is None else [f"offload.sub_group_size={sub_group_size}"]  # None: the default
+        procs.append(start(model, ["offload=nvme", *tile], tmp, "nvme", vocab))
         done = {name: finish(name, d, p) for name, d, p in procs}
         cpu = cpu if serial else done["cpu"]
         nvme = done["nvme"]
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-small")
     ap.add_argument("--vocab", type=int, default=50304)
-    ap.add_argument("--sub-group-size", type=int, default=2_000_000)
+    ap.add_argument("--sub-group-size", type=int, default=None, help="default: offload=nvme's own default")
     ap.add_argument("--dir", default=None, help="where the swap files go (default: the system temp folder)")
     ap.add_argument("--serial", action="store_true", help="one run after the other (default: both at once)")
     args = ap.parse_args(argv)

@@ -312,6 +312,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
         src = source if isinstance(source, WeightsSource) else open_weights(source)
         try:
             _load(src, strict, specs, masters, tgts)
+            engine.store_masters(masters)   # offload=nvme: the host copies go back to the swap file
         finally:
             if src is not source:
                 src.close()
@@ -356,7 +357,6 @@ def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], 
                 continue
             a, b = span.piece
             flat[a:b].copy_(src.read(key, *span.param).to(flat.dtype))
-    engine.store_masters(masters)
     # Whole tensors every rank holds (buffers, frozen parameters outside the stage's layout).
     with torch.no_grad():
         for t in tgts:
