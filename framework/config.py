@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -264,16 +265,28 @@ def group_overrides_to_force(overrides: list[str]) -> list[str]:
 Composer = Callable[[list[str]], tuple[DictConfig, dict[str, str]]]
 
 
-def standalone_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
-    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app)."""
+def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
+                        config_name: str = "train") -> tuple[DictConfig, dict[str, str]]:
+    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app).
+
+    ``config_dir``/``config_name`` select another primary config, as ``--config-dir`` and
+    ``--config-name`` do on the command line (a recipe's ``config.yaml``, which lists ``train`` in
+    its defaults); conf/ stays on the search path so its groups resolve.
+    """
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
 
     from framework.paths import conf_dir
 
+    primary, extra = str(conf_dir()), []
+    if config_dir is not None:
+        primary = str(Path(config_dir).expanduser().resolve())
+        if not Path(primary).is_dir():
+            raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
+        extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
     try:
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-            cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+        with initialize_config_dir(config_dir=primary, version_base="1.3"):
+            cfg = hydra_compose(config_name, overrides=overrides + extra, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError("config: " + " ".join(str(e).split())) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
@@ -282,10 +295,12 @@ def standalone_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str
 def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     """Compose inside a running Hydra app (its config search path is already set up)."""
     from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
     from hydra.errors import HydraException
 
     try:
-        cfg = hydra_compose("train", overrides=overrides, return_hydra_config=True)
+        # The app's own primary config: train, or the one --config-name chose (a recipe's).
+        cfg = hydra_compose(HydraConfig.get().job.config_name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError("config: " + " ".join(str(e).split())) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
@@ -293,14 +308,19 @@ def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
 
 def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,
             world: int | None = None, hidden_size: int | None = None, hidden_from_model: bool = True,
-            composer: Composer = standalone_composer) -> Config:
+            composer: Composer = standalone_composer, config_dir: str | None = None,
+            config_name: str = "train") -> Config:
     """Compose conf/train.yaml with Hydra-style overrides and validate it (library use).
 
     ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
     config between our YAML and the overrides (framework.dsconfig). ``world`` (default: the
     torchrun environment, else dist.nproc) sizes its batch triple; its "auto" bucket sizes use
-    ``hidden_size``, or the model config's d_model when ``hidden_from_model``.
+    ``hidden_size``, or the model config's d_model when ``hidden_from_model``. ``config_dir`` and
+    ``config_name`` pick another primary config (``--config-dir``/``--config-name``; see
+    ``standalone_composer``).
     """
+    if config_dir is not None or config_name != "train":
+        composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
     return compose_layers(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size,
                           hidden_from_model=hidden_from_model, composer=composer)[1]
 

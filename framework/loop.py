@@ -24,6 +24,7 @@ from framework.weights import load_weights, save_on_model_save
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
+    rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
@@ -88,7 +89,8 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "data": data.describe(),
             # The ledger adds up the sizes the stage chose; the peak is measured (see peak_memory).
             "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
-            "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device), what="peak memory gather"),
+            "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device, rss_start),
+                                                          what="peak memory gather"),
             "config": cfg.to_dict(),
             "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
         }
@@ -110,13 +112,42 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             record.close()
 
 
-def peak_memory(device: torch.device) -> dict[str, int]:
-    """Measured peak memory of this process so far: resident set (getrusage; host memory is
-    what CPU runs and offload use) and, on CUDA, the caching allocator's peak of allocated bytes."""
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new measurement window and return the resident set size now (bytes).
+
+    The jobs of a multirun share one process at world 1, so the process's high-water mark would
+    carry the largest earlier job's peak; on Linux writing 5 to /proc/self/clear_refs resets it
+    (VmHWM and getrusage's ru_maxrss). Elsewhere the peak stays the process's since it started.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return _rss_now()
+
+
+def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
+    """Measured peak memory of this process since ``reset_peak_memory``: resident set (getrusage;
+    host memory is what CPU runs and offload use) and, on CUDA, the caching allocator's peaks of
+    allocated and reserved bytes. ``rss_start_bytes`` is the resident set when the job began
+    (interpreter, torch, libraries), so peak minus start is what the job itself added."""
+    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+           "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return out
+
+
+def _rss_now() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _emit(logger, record: RunRecord | None, rec: dict) -> None:

@@ -7,6 +7,7 @@
     python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep
     python -m framework.train ds_config=ds.json train.steps=50 # a DeepSpeed config, then overrides
     python -m framework.train ds_config=ds.json --cfg job      # print the resolved config
+    python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
 Flow: check (every job's composed config against the typed schemas, one line per error)
 -> compose (Hydra) -> launch (1 process, spawned ranks or torchrun) -> build -> loop.
@@ -29,30 +30,36 @@ from framework.loggers._base import RunInfo
 from framework.paths import conf_dir
 
 
-def _jobs(argv: list[str]) -> list[list[str]] | None:
-    """Each job's overrides (a multirun expands its sweeps); None for Hydra's info flags."""
+def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
+    """Each job's overrides (a multirun expands its sweeps; None for Hydra's info flags) and the
+    primary config they apply to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
     from hydra._internal.utils import get_args_parser
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     args = get_args_parser().parse_args(argv)
+    primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     if args.cfg == "job" and not args.multirun and any(o.split("=")[0].lstrip("+") == "ds_config"
                                                        for o in args.overrides):
-        _print_resolved(args.overrides, args.resolve)  # Hydra's own --cfg would not show the DeepSpeed layer
+        _print_resolved(args.overrides, args.resolve, primary)  # Hydra's own --cfg would not show the DeepSpeed layer
         sys.exit(0)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
-        return None
+        return None, primary
     if not args.multirun:
-        return [args.overrides]
+        return [args.overrides], primary
     axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
             else [o.input_line] for o in OverridesParser.create().parse_overrides(args.overrides)]
-    return [list(combo) for combo in itertools.product(*axes)]
+    return [list(combo) for combo in itertools.product(*axes)], primary
 
 
-def _print_resolved(overrides: list[str], resolve: bool) -> None:
+def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     """``--cfg job`` with a DeepSpeed config: the composed config with the file's values in it."""
+    import functools
+
     from omegaconf import OmegaConf
 
-    cfg, _ = compose_layers(list(overrides))
+    from framework.config import standalone_composer
+
+    cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg, resolve=resolve)
     node.pop("hydra", None)
     print(OmegaConf.to_yaml(node), end="")
@@ -77,8 +84,9 @@ def _job(cfg: DictConfig) -> float:
 
 def main() -> None:
     try:
-        for overrides in _jobs(sys.argv[1:]) or []:
-            compose(overrides)  # fail fast, before any run directory or process exists
+        jobs, primary = _jobs(sys.argv[1:])
+        for overrides in jobs or []:
+            compose(overrides, **primary)  # fail fast, before any run directory or process exists
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

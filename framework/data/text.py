@@ -3,10 +3,17 @@
 The first 90% of the characters (``int(0.9 * n)``) are the training split, the rest the
 held-out split; batches are random crops (see ``_base.CropSource``). With tinyshakespeare
 this is the classic 65-character baby-GPT setup.
+
+``prepare_chars`` writes the same encoding once as a uint16 token file (``data=tokens``, memory
+mapped, nanoGPT's format) plus a ``meta.json`` with the vocabulary for decoding; its
+``val_fraction`` of 0.1 gives exactly this module's split.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -23,25 +30,56 @@ class TextConfig:
     path: str
 
 
+def encode_file(path: Path) -> tuple[np.ndarray, str]:
+    """A UTF-8 file -> (int32 ids, vocabulary): each character's rank in the sorted set of the
+    file's distinct characters."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                        f"point data.path at a UTF-8 file") from None
+    # Vectorised encoding: code points -> rank in the sorted set of distinct code points.
+    points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    vocab = np.unique(points)
+    if len(vocab) == 0:
+        raise DataError(f"{path} is empty; point data.path at a non-empty text file")
+    return np.searchsorted(vocab, points).astype(np.int32), "".join(map(chr, vocab.tolist()))
+
+
+def prepare_chars(source: str, out: Path) -> dict:
+    """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
+    file in order) and ``out.parent / "meta.json"``; return the metadata written.
+
+    Both files are written to temporary names and renamed, so an interrupted run leaves no
+    half-written data set behind."""
+    path = resolve_path(source, key="data.path")
+    ids, chars = encode_file(path)
+    if len(chars) > 1 << 16:
+        raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
+    split = int(TRAIN_FRACTION * len(ids))
+    meta = {"source": str(path), "source_bytes": path.stat().st_size,
+            "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
+            "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    ids.astype("<u2").tofile(tmp)
+    tmp.replace(out)
+    tmp_meta = out.parent / "meta.json.tmp"
+    tmp_meta.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp_meta.replace(out.parent / "meta.json")
+    return meta
+
+
 class TextSource(CropSource):
     def __init__(self, cfg: TextConfig, *, seed: int, context: int) -> None:
         path = resolve_path(cfg.path, key="data.path")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                            f"point data.path at a UTF-8 file") from None
-        # Vectorised encoding: code points -> rank in the sorted set of distinct code points.
-        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
-        vocab = np.unique(points)
-        if len(vocab) == 0:
-            raise DataError(f"{path} is empty; point data.path at a non-empty text file")
-        ids = np.searchsorted(vocab, points).astype(np.int32)
+        ids, chars = encode_file(path)
         split = int(TRAIN_FRACTION * len(ids))
         self.path = path
-        self.chars = "".join(map(chr, vocab.tolist()))
+        self.chars = chars
         self._index = {c: i for i, c in enumerate(self.chars)}
-        super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(vocab), seed=seed,
+        super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(chars), seed=seed,
                          context=context, name=f"text {path}")
 
     def encode(self, s: str) -> list[int]:
