@@ -152,7 +152,7 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -180,7 +180,90 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     b.legend(fontsize=7)
     for ax in (a, b):
         ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
+    """The ZeRO paper's model-state bytes per rank (params, gradients, optimizer state with Adam).
+
+    Mixed precision: 2 (16-bit params) + 2 (16-bit grads) + K = 12 (fp32 master, m, v) bytes per
+    parameter; pure fp32: 4 + 4 + K = 8 (m, v; no separate master). zero1 divides the optimizer
+    share by the world size, zero2 also the gradients, zero3 everything; ddp divides nothing."""
+    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    n = world
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n,
+                 "zero3": (p + g + k) / n}
+    if stage not in per_param:
+        raise FrameworkError(f"report: no ZeRO formula for stage {stage!r}")
+    return per_param[stage] * params
+
+
+def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
+    """All jobs' ``key`` curves on one chart, and beside it each job's distance from the
+    reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
+    from framework.recipe import matches
+
+    plt = _pyplot()
+    done = [j for j in jobs if j.records]
+    ref = next((j for j in done if matches(j, reference)), None)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    styles = ["-", "--", ":", "-."]
+    for i, j in enumerate(done):
+        steps, vals = j.curve(key)
+        a.plot(steps, vals, ls=styles[i % 4], color=f"C{i % 10}", lw=1.2, label=j.label)
+        if ref is not None and j is not ref:
+            rs, rv = ref.curve(key)
+            if rs == steps:
+                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1, label=j.label)
+    a.set_xlabel("step")
+    a.set_ylabel(key)
+    a.set_title(f"{key}: every job")
+    a.legend(fontsize=7)
+    b.set_yscale("symlog", linthresh=1e-9)
+    b.set_xlabel("step")
+    b.set_ylabel(f"|{key} - reference| (0 = identical)")
+    b.set_title(f"distance from {ref.label if ref else 'reference (missing)'}")
+    if b.lines:
+        b.legend(fontsize=7)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
+    """Per-rank memory against world size for each stage: measured (largest rank; what the job
+    added over the RSS it started with, and on CUDA the allocator's peak) next to the ZeRO
+    paper's model-state formula for the job's parameter count and precision."""
+    plt = _pyplot()
+    by_stage: dict[str, list[Job]] = {}
+    for j in jobs:
+        if j.summary is not None:
+            by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for i, (stage, js) in enumerate(sorted(by_stage.items())):
+        js.sort(key=lambda j: j.summary["world"])
+        worlds = [j.summary["world"] for j in js]
+        color = f"C{i % 10}"
+        dev = [j.peak("peak_device_allocated_bytes") for j in js]
+        measured = dev if all(v is not None for v in dev) else [j.added() or 0 for j in js]
+        ax.plot(worlds, [m / MiB for m in measured], color=color, marker="o", lw=1.5,
+                label=f"{stage} measured")
+        params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
+        ax.plot(worlds, [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds],
+                color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
+    ax.set_xlabel("world size (ranks)")
+    ax.set_xticks(sorted({j.summary["world"] for js in by_stage.values() for j in js}))
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("per-rank memory: measured (solid) vs model states by the ZeRO formula (dashed)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.set_layout_engine("constrained")
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -1,0 +1,191 @@
+"""Recipes as users run them (python -m framework.recipe NAME --quick) and sweep reports
+(python -m framework.report DIR): the tiny twins of every recipe, their checks failing on
+doctored results, and the report of a real multirun."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from framework import recipe as recipes
+from framework import report
+from framework.errors import DataError
+
+ROOT = Path(__file__).resolve().parents[2]
+# The suite's copy of tiny shakespeare sits beside the repository (../shared); TINYSHAKESPEARE
+# points elsewhere (e.g. from a git worktree). Without it the tests that need it skip.
+SHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE", ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def run_quick(name: str, out: Path, *overrides: str) -> dict:
+    log = io.StringIO()
+    verdict = recipes.run(recipes.find(name), quick=True, overrides=list(overrides), out=out, stream=log)
+    assert verdict["passed"], log.getvalue()[-4000:]
+    return verdict
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory) -> dict:
+    return run_quick("zero_equivalence", tmp_path_factory.mktemp("zero_equivalence"))
+
+
+def test_every_recipe_is_complete_and_composes():
+    """Each recipe has its four files, both check sections, and every job of the full and the
+    quick runs composes against the schemas (data files are not needed to compose)."""
+    names = recipes.available()
+    assert {"shakespeare_char_cpu", "zero_equivalence", "memory_scaling", "shakespeare_char_gpu"} <= set(names)
+    for name in names:
+        r = recipes.find(name)
+        assert (r.dir / "README.md").is_file(), name
+        for quick in (False, True):
+            assert "jobs" in r.checks(quick), (name, quick)
+            n = sum(len(recipes.compose_jobs(r, run)) for run in r.runs(quick))
+            assert n == r.checks(quick)["jobs"], (name, quick, n)
+
+
+def test_zero_equivalence_quick(equivalence):
+    assert next(c for c in equivalence["checks"] if c["check"] == "jobs")["finished"] == 3
+    curves = [c for c in equivalence["checks"] if isinstance(c["check"], dict) and "curves_match" in c["check"]]
+    assert len(curves) == 2 and all(c["passed"] for c in curves)
+    out = Path(equivalence["out"])
+    for png in ("loss.png", "throughput_memory.png", "deviation.png"):
+        assert (out / png).read_bytes()[:8] == PNG, png
+    assert json.loads((out / "checks.json").read_text())["passed"] is True
+
+
+def test_curve_check_fails_on_a_perturbed_job(equivalence, tmp_path):
+    """The equivalence check can fail: one job's loss at one step moved by 1e-4 is named, with the
+    step and both values."""
+    out = tmp_path / "doctored"
+    shutil.copytree(equivalence["out"], out)
+    job = next(d for d in sorted(out.glob("run*-job*")) if "zero2" in (d / ".hydra" / "overrides.yaml").read_text())
+    lines = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines()]
+    hit = next(r for r in lines if r.get("step") == 3 and "loss" in r)
+    hit["loss"] += 1e-4
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    log = io.StringIO()
+    verdict = recipes.finish(recipes.find("zero_equivalence"), out, quick=True, stream=log)
+    assert not verdict["passed"]
+    bad = [c for c in verdict["checks"] if not c["passed"]]
+    assert len(bad) == 1 and "+stage=zero2" in bad[0]["message"] and "step 3" in bad[0]["message"]
+    assert f"{hit['loss']:.8f}" in bad[0]["message"], bad[0]["message"]
+    assert "FAIL" in log.getvalue()
+
+
+def test_report_of_a_multirun(equivalence, tmp_path):
+    """python -m framework.report on a real sweep folder: one row per job with its own overrides,
+    measured memory, PNG plots; a job without summary.json is listed, not dropped."""
+    sweep = tmp_path / "sweep"
+    shutil.copytree(equivalence["out"], sweep)
+    broken = sweep / "run9-job0" / ".hydra"
+    broken.mkdir(parents=True)
+    (broken / "overrides.yaml").write_text("- +stage=zero1\n- offload=cpu\n")
+    p = subprocess.run([sys.executable, "-m", "framework.report", str(sweep), "--out", str(tmp_path / "rep")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    md = (tmp_path / "rep" / "report.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| run")]
+    assert len(rows) == 4, md
+    assert "`+stage=zero3`" in md and "no summary.json" in rows[-1]
+    jobs = report.load_jobs(sweep)
+    done = [j for j in jobs if j.summary]
+    for j, row in zip(done, rows):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[4] == f"{j.summary['val_loss']:.4f}"
+        assert int(cells[6].replace(",", "")) == round(j.peak() / 2**20)   # measured peak RSS, MiB
+        assert all(r["rss_start_bytes"] <= r["peak_rss_bytes"] for r in j.summary["peak_memory_per_rank"])
+    for png in ("loss.png", "throughput_memory.png"):
+        assert (tmp_path / "rep" / png).read_bytes()[:8] == PNG
+    p = subprocess.run([sys.executable, "-m", "framework.report", str(tmp_path / "nothing")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "multirun" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def shakespeare_tokens(tmp_path_factory) -> Path:
+    """The prepare step as a user runs it: text -> uint16 tokens + meta.json, nanoGPT's split."""
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} not available (tiny shakespeare; see recipes/shakespeare_char_cpu/README.md)")
+    tokens = tmp_path_factory.mktemp("shakespeare") / "data" / "tokens.bin"
+    rc = recipes.main(["shakespeare_char_cpu", "prepare", f"data.path={SHAKESPEARE}", "--out", str(tokens)])
+    assert rc == 0
+    return tokens
+
+
+def test_prepare_chars(shakespeare_tokens):
+    meta = json.loads((shakespeare_tokens.parent / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
+    assert meta["source_sha256"] == recipes.find("shakespeare_char_cpu").expected["data"]["source_sha256"]
+    assert shakespeare_tokens.stat().st_size == 2 * 1_115_394
+    assert meta["chars"][0] == "\n" and len(meta["chars"]) == 65
+
+
+def test_shakespeare_char_cpu_quick(shakespeare_tokens, tmp_path):
+    """The twin: ddp on 1 rank and zero3 on 2 ranks at the same global batch reach the same
+    validation loss on the prepared data."""
+    verdict = run_quick("shakespeare_char_cpu", tmp_path, f"data.path={shakespeare_tokens}")
+    vals = next(c for c in verdict["checks"] if c["check"] != "jobs" and c["check"]["metric"] == "val_loss")["values"]
+    assert len(vals) == 2
+    a, b = vals.values()
+    assert abs(a - b) < 1e-4, vals   # same global batch, fp32: ddp x1 and zero3 x2 agree
+
+
+def test_shakespeare_char_gpu_quick(shakespeare_tokens, tmp_path):
+    """The GPU recipe's CPU twin (bf16, dropout 0.2, the same data set)."""
+    verdict = run_quick("shakespeare_char_gpu", tmp_path, f"data.path={shakespeare_tokens}")
+    summary = report.load_jobs(Path(verdict["out"]))[0].summary
+    assert summary["config"]["precision"]["name"] == "bf16" and summary["config"]["model"]["dropout"] == 0.2
+
+
+def test_missing_data_names_the_prepare_step(tmp_path):
+    with pytest.raises(DataError, match="framework.recipe shakespeare_char_cpu prepare data.path="):
+        recipes.run(recipes.find("shakespeare_char_cpu"), quick=True, out=tmp_path,
+                    overrides=[f"data.path={tmp_path / 'missing.bin'}"], stream=io.StringIO())
+    assert not list(tmp_path.iterdir())   # nothing ran
+
+
+def test_metric_check_reports_the_numbers(equivalence):
+    jobs = report.load_jobs(Path(equivalence["out"]))
+    res = recipes.evaluate(jobs, {"jobs": 3, "checks": [{"metric": "val_loss", "max": 1.0},
+                                                        {"metric": "val_loss", "min": 1.0}]})
+    assert [r["passed"] for r in res] == [True, False, True]
+    worst = jobs[0].summary["val_loss"]
+    assert "val_loss <= 1.0" in res[1]["message"] and f"{worst:.4f}" in res[1]["message"]
+    res = recipes.evaluate(jobs, {"jobs": 4, "checks": [{"metric": "val_loss", "max": 9, "where": {"stage": "zero9"}}]})
+    assert not res[0]["passed"] and "expected 4" in res[0]["message"]
+    assert not res[1]["passed"] and "no job matches" in res[1]["message"]
+
+
+def test_memory_scaling_quick(tmp_path):
+    verdict = run_quick("memory_scaling", tmp_path)
+    out = Path(verdict["out"])
+    assert (out / "memory_scaling.png").read_bytes()[:8] == PNG
+    jobs = [j for j in report.load_jobs(out) if j.summary]
+    assert sorted((j.summary["config"]["stage"]["name"], j.summary["world"]) for j in jobs) == \
+        [("ddp", 1), ("ddp", 2), ("zero3", 1), ("zero3", 2)]
+    for j in jobs:   # measured per rank, every rank
+        assert len(j.summary["peak_memory_per_rank"]) == j.summary["world"]
+        assert j.added() > 0 and j.peak() > j.added()
+
+
+def test_zero_formula():
+    """REFERENCE §1: fp32 16 bytes/param replicated; mixed 2 + 2 + 12/N for zero1, etc."""
+    f = report.zero_model_state_bytes
+    assert f("ddp", 10, 4) == 160 and f("zero3", 10, 4) == 40
+    assert f("zero1", 10, 4) == 10 * (4 + 4 + 8 / 4) and f("zero2", 10, 4) == 10 * (4 + 12 / 4)
+    assert f("zero1", 10, 4, "bf16") == 10 * (2 + 2 + 12 / 4) and f("zero2", 10, 2, "fp16") == 10 * (2 + 14 / 2)
+    assert f("ddp", 10, 8, "bf16") == 160
+
+
+def test_cli_unknown_recipe_one_line(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "framework.recipe", "no_such_recipe"], capture_output=True,
+                       text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+    assert "shakespeare_char_cpu" in p.stderr
