@@ -18,6 +18,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     y = list(range(len(done)))
     a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
     a.set_xlabel("tokens/s")
-    a.set_yticks(y, labels, fontsize=7)
+    a.set_yticks(y, [textwrap.fill(s, 40) for s in labels], fontsize=7)
     a.invert_yaxis()
     peak = [(j.peak() or 0) / MiB for j in done]
     added = [(j.added() or 0) / MiB for j in done]
