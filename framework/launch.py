@@ -28,6 +28,7 @@ from framework.loop import train
 
 def launch(cfg: Config, run: RunInfo) -> dict:
     """Train and return rank 0's summary."""
+    os.environ.update(slurm_task_env())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
@@ -37,6 +38,23 @@ def launch(cfg: Config, run: RunInfo) -> dict:
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
     return _spawn(cfg, run)
+
+
+def slurm_task_env() -> dict[str, str]:
+    """Rank variables for a Slurm task that Hydra's submitit launcher started (one task per rank,
+    ``hydra.launcher.tasks_per_node`` = devices per node), as torchrun would have set them:
+    RANK, LOCAL_RANK, WORLD_SIZE from the task's Slurm ids and MASTER_ADDR/MASTER_PORT from the first
+    node of the job (submitit's own helper). Empty when torchrun (or anything else) already set
+    WORLD_SIZE, outside submitit, or for a single task: those paths need nothing."""
+    env = os.environ
+    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return {}
+    from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
+
+    t = TorchDistributedEnvironment()
+    return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
+            "LOCAL_WORLD_SIZE": str(t.local_world_size), "MASTER_ADDR": t.master_addr,
+            "MASTER_PORT": str(t.master_port)}
 
 
 def _spawn(cfg: Config, run: RunInfo) -> dict:

@@ -1,0 +1,111 @@
+"""Scale-out as users run it, without a cluster: Hydra's submitit launcher config (recipes/cluster)
+composes and generates the sbatch script Slurm would receive; the plain sbatch + torchrun script
+builds a valid torchrun command line; Slurm task ids map to torchrun's rank variables."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from framework import compose
+from framework.launch import slurm_task_env
+from framework.paths import conf_dir
+
+CLUSTER = Path(__file__).resolve().parents[2] / "recipes" / "cluster"
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:   # its parent package is missing
+        return False
+
+
+needs_submitit = pytest.mark.skipif(
+    not (_installed("hydra_plugins.hydra_submitit_launcher") and _installed("submitit")),
+    reason="Hydra's submitit launcher is not installed (pip install 'framework[slurm]')")
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+
+
+@needs_submitit
+def test_submitit_launcher_config_and_its_sbatch_script(tmp_path, monkeypatch):
+    import submitit
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    overrides = ["+stage=zero3", "offload=cpu", "hydra.launcher.nodes=4", "hydra.launcher.partition=gpu"]
+    cfg = compose(overrides, config_dir=str(CLUSTER), config_name="config")   # the schemas accept the job
+    assert (cfg.choices["stage"], cfg.choices["model"], cfg.dist.backend) == ("zero3", "gpt2-small", "nccl")
+    with initialize_config_dir(config_dir=str(CLUSTER), version_base="1.3"):
+        full = hydra_compose("config", overrides=[*overrides, f"hydra.searchpath=[file://{conf_dir()}]"],
+                             return_hydra_config=True)
+    launcher = OmegaConf.to_container(full.hydra.launcher, resolve=False)
+    assert launcher["_target_"].endswith("submitit_launcher.SlurmLauncher")
+    # What the plugin hands to submitit (its launch(): base keys as they are, the rest slurm_-prefixed),
+    # and the sbatch file submitit would submit. submitit looks for srun before it builds anything.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "srun", 'exec "$@"')
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    executor = submitit.AutoExecutor(cluster="slurm", folder=str(tmp_path / "submitit"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    executor.update_parameters(**{(k if k in base else f"slurm_{k}"): v for k, v in launcher.items()
+                                  if k not in ("submitit_folder", "max_num_timeout", "_target_")})
+    text = executor._executor._make_submission_file_text("python -u -m submitit.core._submit FOLDER", "uid")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --time=240", "export SUBMITIT_EXECUTOR=slurm"):
+        assert line in text, text
+    assert "srun " in text and "submitit.core._submit" in text
+
+
+def test_sbatch_torchrun_script_command_line(tmp_path):
+    """Run the sbatch script with stand-ins for scontrol, srun and torchrun: the torchrun command
+    line it builds rendezvouses on the first node and its overrides compose."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "torchrun.args"
+    _stub(bin_dir, "scontrol", 'printf "gpu03\\ngpu04\\n"')
+    _stub(bin_dir, "srun", 'exec "$@"')
+    _stub(bin_dir, "torchrun", f'for a in "$@"; do printf "%s\\n" "$a"; done > {shlex.quote(str(record))}')
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[03-04]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242"}
+    p = subprocess.run(["bash", str(CLUSTER / "sbatch_torchrun.sh"), "+stage=zero3", "offload=cpu"],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert p.returncode == 0, p.stderr
+    args = record.read_text().splitlines()
+    flags = dict(zip(args[0:10:2], args[1:10:2]))
+    assert flags == {"--nnodes": "2", "--nproc-per-node": "8", "--rdzv-id": "4242", "--rdzv-backend": "c10d",
+                     "--rdzv-endpoint": "gpu03:29500"}
+    assert args[10:12] == ["-m", "framework.train"]
+    overrides = args[12:]
+    assert "hydra.run.dir=outputs/slurm-4242" in overrides and overrides[-2:] == ["+stage=zero3", "offload=cpu"]
+    cfg = compose([o for o in overrides if not o.startswith("hydra.")])
+    assert (cfg.choices["stage"], cfg.choices["offload"], cfg.dist.backend) == ("zero3", "cpu", "nccl")
+
+
+def test_slurm_tasks_map_to_rank_variables(monkeypatch):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    assert slurm_task_env() == {}                 # srun without submitit: not ours to map
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    assert slurm_task_env() == {}                 # torchrun (or another launcher) already did
+    monkeypatch.delenv("WORLD_SIZE")
+    if not _installed("submitit"):
+        pytest.skip("submitit is not installed (pip install 'framework[slurm]')")
+    for key, value in {"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2",
+                       "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_task_env() == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
+                                "MASTER_ADDR": "gpu03", "MASTER_PORT": "29611"}
