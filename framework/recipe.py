@@ -13,7 +13,10 @@ A recipe is a folder ``recipes/<name>/`` (or any folder given by path) holding:
   its own: ``python -m framework.train --config-dir recipes/<name> --config-name config ...``;
 - ``recipe.yaml``: ``runs``, each one ``python -m framework.train -m`` process given the listed
   overrides (sweeps allowed), ``quick`` (overrides for the tiny twin, optionally its own ``runs``),
-  optional ``prepare`` (how to build the data set) and ``plots`` (extra charts);
+  optional ``prepare`` (how to build the data set), ``plots`` (extra charts), ``before``/``after``
+  (commands run before the first and after the last run: ``{python}``, ``{out}``, ``{recipe}`` and
+  ``{quick}`` are filled in) and ``requires`` (``group/name`` components or ``module:NAME`` Python
+  modules the recipe needs; a checkout without them refuses to run it, naming what is missing);
 - ``expected.json``: where the reference comes from and the checks for the full run and the twin;
 - ``README.md``: hardware, command, expected numbers and measured results.
 
@@ -30,7 +33,9 @@ Checks (``expected.json`` ``full``/``quick``): ``jobs`` (how many jobs must fini
 - ``{"curves_match": "loss", "reference": {"stage": "ddp"}, "atol": 1e-5}``: every job's logged
   curve equals the reference job's at every logged step within atol + rtol * |reference|;
 - ``{"memory_scaling": "zero3", "max_ratio": 0.8}``: for the stage, the memory a rank added during
-  the job at the largest world size is at most max_ratio times its value at world size 1.
+  the job at the largest world size is at most max_ratio times its value at world size 1;
+- ``{"file": "reload.json", "key": "max_abs_logit_diff", "max": 1e-4}``: a value in a JSON file an
+  ``after`` command wrote into the output folder (same bounds as ``metric``).
 
 ``where`` matches a component choice (``{"stage": "zero1", "offload": "cpu"}``) or a dotted config
 value (``{"dist.nproc": 2}``) of the job's summary.json config.
@@ -54,7 +59,7 @@ from framework.paths import PACKAGE_DIR, REPO_ROOT
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
-_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots"}
+_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "requires", "before", "after"}
 _PLOTS = {"deviation", "memory_scaling"}
 
 
@@ -110,6 +115,30 @@ def find(name: str) -> Recipe:
     return Recipe(name=d.name, dir=d.resolve(), spec=spec, expected=expected)
 
 
+def missing_requirements(recipe: Recipe) -> list[str]:
+    """What ``requires`` names that this checkout lacks (empty: the recipe can run)."""
+    import importlib.util
+
+    from framework.registry import registry
+
+    missing = []
+    for req in recipe.spec.get("requires") or []:
+        if req.startswith("module:"):
+            try:
+                found = importlib.util.find_spec(req[len("module:"):]) is not None
+            except ModuleNotFoundError:
+                found = False
+        else:
+            group, _, name = req.partition("/")
+            try:
+                found = name in registry(group).names()
+            except (KeyError, FrameworkError):
+                found = False
+        if not found:
+            missing.append(req)
+    return missing
+
+
 def available() -> list[str]:
     return sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.yaml"))
 
@@ -136,7 +165,7 @@ def compose_jobs(recipe: Recipe, overrides: list[str]):
     from framework.config import compose
     from framework.train import _jobs
 
-    jobs, _ = _jobs(["-m", *overrides])
+    jobs, _ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
 
 
@@ -193,12 +222,19 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
 def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=None) -> dict:
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
-    runs = [merge_overrides(r, overrides) for r in recipe.runs(quick)]
+    missing = missing_requirements(recipe)
+    if missing:
+        raise RecipeError(f"recipe {recipe.name} needs {', '.join(missing)}, which this checkout lacks")
+    # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
+    runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
     for r in runs:
         for cfg in compose_jobs(recipe, r):
             _check_data(recipe, cfg)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
+    for i, cmd in enumerate(recipe.spec.get("before") or []):
+        _command(recipe, [_fill(a, fill) for a in cmd], out / f"before{i}.log", stream)
     for i, r in enumerate(runs):
         cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir),
                "--config-name", "config", *r, f"hydra.sweep.dir={out}",
@@ -206,8 +242,24 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         print(f"[recipe {recipe.name}] run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
               file=stream, flush=True)
         _run_logged(cmd, out / f"run{i}.log", stream)
+    for i, cmd in enumerate(recipe.spec.get("after") or []):
+        _command(recipe, [_fill(a, fill) for a in cmd], out / f"after{i}.log", stream)
     elapsed = time.perf_counter() - t0
     return finish(recipe, out, quick=quick, elapsed_s=elapsed, stream=stream)
+
+
+def _fill(arg, fill: dict) -> str:
+    # Plain replacement, not str.format: overrides may hold Hydra's ${...} interpolations.
+    arg = str(arg)
+    for k, v in fill.items():
+        arg = arg.replace("{" + k + "}", v)
+    return arg
+
+
+def _command(recipe: Recipe, cmd: list[str], log: Path, stream) -> None:
+    cmd = [a for a in cmd if a != ""]   # an empty {quick} drops out
+    print(f"[recipe {recipe.name}] {' '.join(cmd)}", file=stream, flush=True)
+    _run_logged(cmd, log, stream)
 
 
 def _run_logged(cmd: list[str], log: Path, stream) -> None:
@@ -234,7 +286,7 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}")
     jobs = res["jobs"]
     want = recipe.checks(quick)
-    results = evaluate(jobs, want)
+    results = evaluate(jobs, want, out)
     plots = [str(p) for p in res["plots"]]
     for kind in recipe.spec.get("plots") or []:
         if kind == "deviation":
@@ -277,9 +329,9 @@ def matches(job, where: dict) -> bool:
     return True
 
 
-def evaluate(jobs, want: dict) -> list[dict]:
+def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (see the module docstring)."""
-    out = []
+    results = []
     done = [j for j in jobs if j.summary is not None]
     failed = [j for j in jobs if j.summary is None]
     n = want.get("jobs")
@@ -288,31 +340,26 @@ def evaluate(jobs, want: dict) -> list[dict]:
         msg = f"jobs finished: {len(done)}" + (f" (expected {n})" if n is not None else "")
         if failed:
             msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
-        out.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
+        results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
     for c in want.get("checks", []):
         if "metric" in c:
-            out.append(_metric(done, c))
+            results.append(_metric(done, c))
         elif "curves_match" in c:
-            out.append(_curves(done, c))
+            results.append(_curves(done, c))
         elif "memory_scaling" in c:
-            out.append(_memory(done, c))
+            results.append(_memory(done, c))
+        elif "file" in c:
+            results.append(_file(out, c))
         else:
-            raise RecipeError(f"expected.json: unknown check {c}; use metric, curves_match or memory_scaling")
-    return out
+            raise RecipeError(f"expected.json: unknown check {c}; use metric, curves_match, memory_scaling or file")
+    return results
 
 
 def _metric(jobs, c: dict) -> dict:
     key, where = c["metric"], c.get("where") or {}
     sel = [j for j in jobs if matches(j, where)]
     rows = [(j, _value(j, key)) for j in sel]
-    bad = []
-    for j, v in rows:
-        if not isinstance(v, (int, float)) or (isinstance(v, float) and math.isnan(v)):
-            bad.append((j, v))
-        elif "max" in c and v > c["max"] or "min" in c and v < c["min"]:
-            bad.append((j, v))
-        elif "equals" in c and abs(v - c["equals"]) > c.get("tol", 0):
-            bad.append((j, v))
+    bad = [(j, v) for j, v in rows if not _bound_ok(v, c)]
     bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
     if "equals" in c:
         bound = f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
@@ -369,6 +416,27 @@ def _curves(jobs, c: dict) -> dict:
         return {"check": c, "passed": False, "message": head + ": " + "; ".join(failures), "max_abs_diff": worst}
     top = max(worst.values()) if worst else 0.0
     return {"check": c, "passed": True, "message": f"{head}: largest |diff| {top:.2e}", "max_abs_diff": worst}
+
+
+def _bound_ok(v, c: dict) -> bool:
+    """``v`` within the check's ``min``/``max``/``equals`` (± ``tol``); flags and strings only equal."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "equals" in c and v == c["equals"]
+    if math.isnan(v):
+        return False
+    if "max" in c and v > c["max"] or "min" in c and v < c["min"]:
+        return False
+    return "equals" not in c or abs(v - c["equals"]) <= c.get("tol", 0)
+
+
+def _file(out: Path | None, c: dict) -> dict:
+    path = Path(out or ".") / c["file"]
+    what = f"{c['file']}: {c['key']}"
+    bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<="), ("equals", "==")) if k in c)
+    if not path.is_file():
+        return {"check": c, "passed": False, "message": f"{what} {bound}: {path} was not written"}
+    v = _get(json.loads(path.read_text()), c["key"])
+    return {"check": c, "passed": _bound_ok(v, c), "message": f"{what} {bound}: {_num(v)}", "value": v}
 
 
 def _memory(jobs, c: dict) -> dict:
