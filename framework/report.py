@@ -148,6 +148,9 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
         vsteps, vloss = j.curve("val_loss")
         if vsteps:
             ax.plot(vsteps, vloss, color=color, ls="--", marker="o", ms=4, lw=0.8)
+    floors = {(j.summary or {}).get("data", {}).get("entropy_floor") for j in jobs}
+    if len(floors) == 1 and None not in floors:   # the synthetic chain's exact optimum
+        ax.axhline(floors.pop(), color="k", ls=":", lw=1, label="entropy floor of the data")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token); dashed + markers: validation")
     ax.set_title(title)
