@@ -32,8 +32,10 @@ Checks (``expected.json`` ``full``/``quick``): ``jobs`` (how many jobs must fini
   "best validation loss"), optionally only for the jobs matching ``where``;
 - ``{"curves_match": "loss", "reference": {"stage": "ddp"}, "atol": 1e-5}``: every job's logged
   curve equals the reference job's at every logged step within atol + rtol * |reference|;
-- ``{"memory_scaling": "zero3", "max_ratio": 0.8}``: for the stage, the memory a rank added during
-  the job at the largest world size is at most max_ratio times its value at world size 1;
+- ``{"memory_scaling": "zero3", "min_ratio": 0.8, "max_ratio": 1.2}``: the per-rank memory the stage
+  saves from the smallest to the largest world size (measured: what a rank's resident set grew during
+  the job, or the CUDA allocator's peak) over what the ZeRO formula says it saves; for a stage that
+  saves nothing (ddp), ``max_change`` bounds the measured change as a fraction;
 - ``{"file": "reload.json", "key": "max_abs_logit_diff", "max": 1e-4}``: a value in a JSON file an
   ``after`` command wrote into the output folder (same bounds as ``metric``).
 
@@ -440,16 +442,31 @@ def _file(out: Path | None, c: dict) -> dict:
 
 
 def _memory(jobs, c: dict) -> dict:
-    stage, max_ratio = c["memory_scaling"], float(c["max_ratio"])
-    sel = sorted((j for j in jobs if matches(j, {"stage": stage}) and j.added() is not None),
-                 key=lambda j: j.summary["world"])
-    if len(sel) < 2:
-        return {"check": c, "passed": False, "message": f"{stage} memory scaling: {len(sel)} jobs (need 2 world sizes)"}
+    """What a stage saves per rank from the smallest to the largest world size, measured, against
+    what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
+    from framework.report import _measured_memory, zero_model_state_bytes
+
+    stage = c["memory_scaling"]
+    sel = sorted((j for j in jobs if matches(j, {"stage": stage})), key=lambda j: j.summary["world"])
+    if len({j.summary["world"] for j in sel}) < 2:
+        return {"check": c, "passed": False, "message": f"{stage} memory scaling: need jobs at 2 world sizes, "
+                                                        f"got {[j.summary['world'] for j in sel]}"}
     lo, hi = sel[0], sel[-1]
-    ratio = hi.added() / max(lo.added(), 1)
-    msg = (f"{stage}: memory added per rank at world {hi.summary['world']} ({hi.added() / 2**20:,.0f} MiB) is "
-           f"{ratio:.2f}x that at world {lo.summary['world']} ({lo.added() / 2**20:,.0f} MiB); at most {max_ratio}")
-    return {"check": c, "passed": ratio <= max_ratio, "message": msg, "ratio": ratio}
+    wl, wh = lo.summary["world"], hi.summary["world"]
+    prec = lo.summary["config"]["precision"]["name"]
+    saved = (_measured_memory(lo) - _measured_memory(hi)) / 2**20
+    f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
+               - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / 2**20
+    head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
+            f"ZeRO formula {f_saved:,.0f} MiB")
+    if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
+        limit = float(c["max_change"]) * _measured_memory(lo) / 2**20
+        return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,
+                "message": f"{head}; |change| at most {limit:,.0f} MiB ({c['max_change']} of world {wl}'s)"}
+    ratio = saved / f_saved
+    lo_r, hi_r = float(c.get("min_ratio", 0.0)), float(c.get("max_ratio", math.inf))
+    return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
+            "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
 
 
 # ---------------------------------------------------------------------------------- command line

@@ -240,33 +240,45 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     return path
 
 
+def _measured_memory(j: Job) -> int:
+    """Per-rank memory of a job for scaling plots: the device allocator's peak on CUDA, else what the
+    resident set grew during the job (largest rank)."""
+    dev = j.peak("peak_device_allocated_bytes")
+    return dev if dev is not None else (j.added() or 0)
+
+
 def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
     """Per-rank memory against world size for each stage: measured (largest rank; what the job
     added over the RSS it started with, and on CUDA the allocator's peak) next to the ZeRO
-    paper's model-state formula for the job's parameter count and precision."""
+    paper's model-state formula for the job's parameter count and precision (left), and the
+    memory each world size saves over world size 1, measured and by the formula (right)."""
     plt = _pyplot()
     by_stage: dict[str, list[Job]] = {}
     for j in jobs:
         if j.summary is not None:
             by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    fig, (ax, sv) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
     for i, (stage, js) in enumerate(sorted(by_stage.items())):
         js.sort(key=lambda j: j.summary["world"])
         worlds = [j.summary["world"] for j in js]
         color = f"C{i % 10}"
-        dev = [j.peak("peak_device_allocated_bytes") for j in js]
-        measured = dev if all(v is not None for v in dev) else [j.added() or 0 for j in js]
-        ax.plot(worlds, [m / MiB for m in measured], color=color, marker="o", lw=1.5,
-                label=f"{stage} measured")
+        measured = [_measured_memory(j) / MiB for j in js]
         params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
-        ax.plot(worlds, [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds],
-                color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
-    ax.set_xlabel("world size (ranks)")
-    ax.set_xticks(sorted({j.summary["world"] for js in by_stage.values() for j in js}))
+        formula = [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds]
+        ax.plot(worlds, measured, color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        ax.plot(worlds, formula, color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
+        sv.plot(worlds, [measured[0] - m for m in measured], color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        sv.plot(worlds, [formula[0] - f for f in formula], color=color, ls="--", lw=1, label=f"{stage} formula")
+    ticks = sorted({j.summary["world"] for js in by_stage.values() for j in js})
+    for a in (ax, sv):
+        a.set_xlabel("world size (ranks)")
+        a.set_xticks(ticks)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7, ncol=2)
     ax.set_ylabel("MiB per rank")
-    ax.set_title("per-rank memory: measured (solid) vs model states by the ZeRO formula (dashed)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
+    sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
+    sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
     fig.set_layout_engine("constrained")
     fig.savefig(path)
     plt.close(fig)
