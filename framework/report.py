@@ -167,7 +167,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     plt = _pyplot()
     done = [j for j in jobs if j.summary is not None]
     labels = [j.label for j in done]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 0.45 * len(done) + 1.6), dpi=100, sharey=True)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.45 * len(done) + 1.6)), dpi=100, sharey=True)
     y = list(range(len(done)))
     a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
     a.set_xlabel("tokens/s")
