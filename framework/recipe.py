@@ -107,6 +107,11 @@ def find(name: str) -> Recipe:
                           f"valid: {', '.join(sorted(_SPEC_KEYS))}")
     if not spec.get("runs") or not all(isinstance(r, list) for r in spec["runs"]):
         raise RecipeError(f"{d / 'recipe.yaml'}: 'runs' must be a list of override lists")
+    for key, allowed in (("quick", {"overrides", "runs"}), ("prepare", {"kind", "source"})):
+        extra = set(spec.get(key) or {}) - allowed
+        if extra:
+            raise RecipeError(f"{d / 'recipe.yaml'}: unknown key(s) under {key}: {', '.join(sorted(extra))}; "
+                              f"valid: {', '.join(sorted(allowed))}")
     bad = set(spec.get("plots") or []) - _PLOTS
     if bad:
         raise RecipeError(f"{d / 'recipe.yaml'}: unknown plot(s) {', '.join(sorted(bad))}; valid: {', '.join(sorted(_PLOTS))}")

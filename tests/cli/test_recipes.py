@@ -217,3 +217,16 @@ def test_memory_scaling_check_against_the_formula():
     res = recipes.evaluate(bad, {"checks": want})
     assert [r["passed"] for r in res] == [False, False]
     assert "measured 6 MiB" in res[0]["message"] and "measured/formula 0.50" in res[0]["message"]
+
+
+def test_hf_gpt2_zero3_quick(tmp_path):
+    """The guide's scenario end to end (estimate, ZeRO-3 + CPU offload JSON with "auto", train,
+    export, from_pretrained, generate); skipped until the pieces it names in `requires` exist."""
+    r = recipes.find("hf_gpt2_zero3")
+    missing = recipes.missing_requirements(r)
+    if missing:
+        pytest.skip(f"hf_gpt2_zero3 needs {', '.join(missing)}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    verdict = run_quick("hf_gpt2_zero3", tmp_path)
+    reload = json.loads((Path(verdict["out"]) / "reload.json").read_text())
+    assert reload["val_loss_abs_diff"] <= 1e-4 and reload["generated_tokens"] == 16
