@@ -280,10 +280,25 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
 
     primary, extra = str(conf_dir()), []
     if config_dir is not None:
-        primary = str(Path(config_dir).expanduser().resolve())
-        if not Path(primary).is_dir():
+        given = Path(config_dir).expanduser().resolve()
+        if not given.is_dir():
             raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
-        extra = [f"hydra.searchpath=[file://{conf_dir()}]"]
+        # Hydra finds the primary config only in the folder it is initialised with; the other folder
+        # joins any search path the overrides give (Hydra takes one hydra.searchpath value).
+        other = conf_dir()
+        if (given / f"{config_name}.yaml").is_file():
+            primary = str(given)
+        else:
+            other = given
+        paths, rest = [], []
+        for o in overrides:
+            key, _, value = o.lstrip("+").partition("=")
+            if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
+                paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
+            else:
+                rest.append(o)
+        overrides = rest
+        extra = [f"hydra.searchpath=[{','.join(dict.fromkeys(paths + [f'file://{other}']))}]"]
     try:
         with initialize_config_dir(config_dir=primary, version_base="1.3"):
             cfg = hydra_compose(config_name, overrides=overrides + extra, return_hydra_config=True)
