@@ -117,7 +117,8 @@ def reset_peak_memory(device: torch.device) -> int:
 
     The jobs of a multirun share one process at world 1, so the process's high-water mark would
     carry the largest earlier job's peak; on Linux writing 5 to /proc/self/clear_refs resets it
-    (VmHWM and getrusage's ru_maxrss). Elsewhere the peak stays the process's since it started.
+    (VmHWM; getrusage's ru_maxrss also keeps the marks of threads that exited, so it is read only
+    where /proc is missing). Elsewhere the peak stays the process's since it started.
     """
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -130,16 +131,23 @@ def reset_peak_memory(device: torch.device) -> int:
 
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
-    """Measured peak memory of this process since ``reset_peak_memory``: resident set (getrusage;
+    """Measured peak memory of this process since ``reset_peak_memory``: resident set (VmHWM;
     host memory is what CPU runs and offload use) and, on CUDA, the caching allocator's peaks of
     allocated and reserved bytes. ``rss_start_bytes`` is the resident set when the job began
     (interpreter, torch, libraries), so peak minus start is what the job itself added."""
-    out = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-           "rss_start_bytes": rss_start}
+    out = {"peak_rss_bytes": _rss_peak(), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return out
+
+
+def _rss_peak() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def _rss_now() -> int:
