@@ -144,7 +144,7 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     for i, j in enumerate(x for x in jobs if x.records):
         color = f"C{i % 10}"
         steps, loss = j.curve("loss")
-        ax.plot(steps, loss, color=color, lw=1.2, label=j.label)
+        ax.plot(steps, loss, color=color, lw=1.2, label=textwrap.fill(j.label, 60))
         vsteps, vloss = j.curve("val_loss")
         if vsteps:
             ax.plot(vsteps, vloss, color=color, ls="--", marker="o", ms=4, lw=0.8)
@@ -167,11 +167,14 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     plt = _pyplot()
     done = [j for j in jobs if j.summary is not None]
     labels = [j.label for j in done]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.45 * len(done) + 1.6)), dpi=100, sharey=True)
+    wrapped = [textwrap.fill(s, 40) for s in labels]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), dpi=100,
+                               sharey=True)
     y = list(range(len(done)))
     a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
     a.set_xlabel("tokens/s")
-    a.set_yticks(y, [textwrap.fill(s, 40) for s in labels], fontsize=7)
+    a.set_yticks(y, wrapped, fontsize=7)
     a.invert_yaxis()
     peak = [(j.peak() or 0) / MiB for j in done]
     added = [(j.added() or 0) / MiB for j in done]
@@ -217,11 +220,12 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     styles = ["-", "--", ":", "-."]
     for i, j in enumerate(done):
         steps, vals = j.curve(key)
-        a.plot(steps, vals, ls=styles[i % 4], color=f"C{i % 10}", lw=1.2, label=j.label)
+        a.plot(steps, vals, ls=styles[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
         if ref is not None and j is not ref:
             rs, rv = ref.curve(key)
             if rs == steps:
-                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1, label=j.label)
+                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
+                       label=textwrap.fill(j.label, 60))
     a.set_xlabel("step")
     a.set_ylabel(key)
     a.set_title(f"{key}: every job")
