@@ -34,20 +34,26 @@ OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffe
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
 
 
+def split_assignment(arg: str, own_keys, own: dict[str, str], overrides: list[str], tool: str) -> None:
+    """``key=value``: into ``own`` when the key is this command's (``own_keys``), else a Hydra override.
+    Shared by ``framework.estimate`` and ``framework.plan``."""
+    key, eq, value = arg.partition("=")
+    if not eq:
+        raise ConfigError(f"{tool}: expected key=value, got {arg!r} (see python -m framework.{tool} --help)")
+    if key in own_keys:
+        own[key] = value
+    else:
+        overrides.append(arg)
+
+
 def split_args(argv: list[str]) -> tuple[dict[str, str], list[str], set[str]]:
     """(this command's keys, Hydra overrides, flags)."""
     own, overrides, flags = {}, [], set()
     for arg in argv:
         if arg.startswith("--"):
             flags.add(arg)
-            continue
-        key, eq, value = arg.partition("=")
-        if not eq:
-            raise ConfigError(f"estimate: expected key=value, got {arg!r} (see python -m framework.estimate --help)")
-        if key in OWN_KEYS:
-            own[key] = value
         else:
-            overrides.append(arg)
+            split_assignment(arg, OWN_KEYS, own, overrides, "estimate")
     return own, overrides, flags
 
 

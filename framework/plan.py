@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from framework._memory import GIB, predict
+from framework.estimate import split_assignment
 from framework.errors import ConfigError, FrameworkError
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
@@ -334,13 +335,7 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
         elif arg.startswith("--"):
             raise ConfigError(f"plan: unknown flag {arg} (known: --top N, --verify K, --reprobe, --json)")
         else:
-            key, eq, value = arg.partition("=")
-            if not eq:
-                raise ConfigError(f"plan: expected key=value, got {arg!r}")
-            if key in OWN_KEYS:
-                own[key] = value
-            else:
-                overrides.append(arg)
+            split_assignment(arg, OWN_KEYS, own, overrides, "plan")
     return own, overrides, flags
 
 
