@@ -39,14 +39,15 @@ def test_checkpoint_bench_runs_tiny(tmp_path):
     assert r["bytes_ours"] > 0 and r["bytes_torch"] > 0
 
 
-def test_nvme_memory_twin_gpt_mini():
-    """The quick twin of bench.nvme_memory (gpt2-small: at least 1 GB lower, BENCHMARKS.md): on gpt-mini
-    offload=nvme peaks below offload=cpu by at least a third of the fp32 master + Adam moments it swaps
-    (measured ru_maxrss of each run's process; 46-69% measured here, the runs sharing the machine's
-    two cores with the rest of the suite), with the same loss and no swap file left behind."""
+def test_nvme_memory_gpt2_small_one_gb_below_cpu():
+    """Issue 9's memory claim, measured as written: gpt2-small (124 M parameters), zero2, one rank,
+    ``offload=nvme`` with its defaults peaks (ru_maxrss of each run's own process) at least 1 GB below
+    ``offload=cpu``, with the same loss and no swap file left behind. The fp32 master + Adam moments
+    are 1.49 GB; measured drop 1.13 GB on a quiet machine (BENCHMARKS.md). Two fresh processes at
+    once, about 30-40 s."""
     from bench.nvme_memory import compare
 
-    r = compare("gpt-mini", vocab=256, sub_group_size=200_000)
+    r = compare("gpt2-small")
     assert r["nvme"]["train_loss"] == r["cpu"]["train_loss"]
-    assert r["drop_bytes"] >= r["adam_state_bytes"] / 3, r
+    assert r["drop_bytes"] >= 1e9, r
     assert r["nvme"]["run_dir_left"] == r["cpu"]["run_dir_left"], r   # the nvme folder went with its files
