@@ -25,6 +25,7 @@ from tests.dist.test_layout import assemble
 N, K = 4, 2
 ZERO3_SHARDED = "stage.stage3_param_persistence_threshold=0"   # every unit sharded
 ROWS = 8
+NVME = ["offload=nvme", "offload.sub_group_size=700", "offload.buffer_count=3"]   # many small tiles
 
 
 def _cfg(world, overrides, root, extra=()):
@@ -82,8 +83,9 @@ def _on(pools, world, fn, *args, **kw):
 
 slow = pytest.mark.skipif(os.environ.get("FRAMEWORK_SLOW_TESTS") != "1", reason="set FRAMEWORK_SLOW_TESTS=1")
 
-# Every stage with offload none and cpu, fp32 and bf16, gradient accumulation, an async save.
-# The suite runs the first eight (each stage x offload x precision value at least once);
+# Every stage with offload none, cpu and nvme, fp32 and bf16, gradient accumulation, an async save.
+# The suite runs the first ten (each stage x offload x precision value at least once; zero3 + nvme
+# is tests/dist/test_nvme.py::test_checkpointer_resume_of_an_nvme_run_is_bitwise);
 # FRAMEWORK_SLOW_TESTS=1 runs the full cross product.
 EXACT = {
     "ddp fp32 accum2": ["train.grad_accum=2"],
@@ -94,6 +96,8 @@ EXACT = {
     "zero3 fp32 accum2": ["+stage=zero3", ZERO3_SHARDED, "train.grad_accum=2"],
     "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"],
     "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
+    "zero1 fp32 nvme accum2": ["+stage=zero1", *NVME, "train.grad_accum=2"],
+    "zero2 bf16 nvme async": ["+stage=zero2", "precision=bf16", *NVME, "checkpoint.async=true"],
 }
 EXACT_MORE = {
     "ddp bf16": ["precision=bf16"],
@@ -102,6 +106,9 @@ EXACT_MORE = {
     "zero2 bf16": ["+stage=zero2", "precision=bf16"],
     "zero2 fp32": ["+stage=zero2", "stage.reduce_bucket_size=300", "stage.overlap_comm=true"],
     "zero3 bf16": ["+stage=zero3", "precision=bf16"],
+    "zero1 bf16 nvme": ["+stage=zero1", "precision=bf16", *NVME],
+    "zero2 fp32 nvme accum2": ["+stage=zero2", *NVME, "train.grad_accum=2"],
+    "zero3 fp32 nvme params cpu": ["+stage=zero3", ZERO3_SHARDED, *NVME, "offload.params=cpu"],
 }
 
 
@@ -128,11 +135,11 @@ def test_resume_is_bitwise(pools, tmp_path, case):
     _same_state([r[1] for r in a], [r[1] for r in b], case)
 
 
-@pytest.mark.parametrize("stage", ["+stage=zero2", "+stage=zero3"])
+@pytest.mark.parametrize("stage", ["+stage=zero2", "+stage=zero3", "+stage=zero3 nvme"])
 def test_fp16_resume_after_a_skipped_step_is_bitwise(pools, tmp_path, stage):
     """fp16 with dynamic loss scaling, one rank's loss infinite at step 1 (skipped, scale halved)
     before the save at step 2: the scaler fields and the skipped count resume exactly."""
-    over = [stage, "precision=fp16"]
+    over = [stage.split()[0], "precision=fp16", *(NVME if stage.endswith("nvme") else [])]
     a = pools(2).run(_train, over, str(tmp_path), overflow_at=1, timeout=240)
     b = pools(2).run(_train, over, str(tmp_path), resume=str(tmp_path / f"step-{K}"), seed=99, timeout=240)
     assert a[0][3] == 1 and b[0][3] == 1  # the skipped step is counted after the resume too
