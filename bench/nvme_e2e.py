@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from bench.stages import ADAMW, CLIP, MICRO, OVERRIDES, _adamw_groups, _global_loss, _import_deepspeed
+from bench.stages import (ADAMW, CLIP, MICRO, OVERRIDES, _adamw_groups, _import_deepspeed,
+                          deepspeed_step)
 
 WARMUP = 2
 NVME = ["offload=nvme", "offload.sub_group_size=1000000", "offload.buffer_count=4"]
@@ -89,8 +90,6 @@ def _rank(dist, name: str, steps: int, folder: str) -> dict:
 
 def _deepspeed_nvme(dist, model, data, folder: str, pipeline: bool):
     deepspeed = _import_deepspeed()
-    from framework.models.gpt import gpt_loss
-
     os.makedirs(folder, exist_ok=True)
     nvme = {"device": "nvme", "nvme_path": folder, "pin_memory": False}
     ds_cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
@@ -106,15 +105,7 @@ def _deepspeed_nvme(dist, model, data, folder: str, pipeline: bool):
               "fp16": {"enabled": False}, "bf16": {"enabled": False}, "steps_per_print": 10**9}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=_adamw_groups(model.parameters()),
                                       config=ds_cfg)
-
-    def step(pos: int) -> float:
-        batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
-        loss = gpt_loss(engine, batch.micro[0])
-        engine.backward(loss)
-        engine.step()
-        return _global_loss(loss, dist.world)
-
-    return step
+    return deepspeed_step(engine, data, dist)
 
 
 def _ds_available() -> str | None:

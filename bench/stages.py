@@ -159,8 +159,6 @@ def _fsdp2(dist, name, cfg, model, data):
 def _deepspeed(dist, name, cfg, model, data):
     import deepspeed
 
-    from framework.models.gpt import gpt_loss
-
     stage = int(name[-1])
     opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
     ds_cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
@@ -171,6 +169,12 @@ def _deepspeed(dist, name, cfg, model, data):
     # The tied output projection is a call of the wte module itself (TiedEmbedding), so ZeRO-3's
     # module hooks see both uses of its weight: no external-parameter registration is needed.
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
+    return deepspeed_step(engine, data, dist)
+
+
+def deepspeed_step(engine, data, dist):
+    """One DeepSpeed training step on position ``pos`` of ``data``: the global mean loss."""
+    from framework.models.gpt import gpt_loss
 
     def step(pos: int) -> float:
         batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)

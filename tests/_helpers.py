@@ -46,30 +46,38 @@ def reference_losses(cfg, steps: int | None = None):
     """A plain PyTorch loop: same init and batches, torch.optim.AdamW, clip_grad_norm_."""
     module, data = build_gpt(cfg)
     ref = copy.deepcopy(module)
-    o = cfg.optimizer
-    decay = [p for p in ref.parameters() if p.ndim >= 2]
-    no_decay = [p for p in ref.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": o.weight_decay if o.decay_1d else 0.0}],
+    no_decay = cfg.optimizer.weight_decay if cfg.optimizer.decay_1d else 0.0
+    losses = plain_loop(cfg, ref, data, gpt_loss, steps=steps or cfg.train.steps,
+                        micro_batch=cfg.train.micro_batch, no_decay_weight_decay=no_decay)
+    return losses, ref
+
+
+def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
+               no_decay_weight_decay: float = 0.0) -> list[float]:
+    """Train ``model`` in place on one process: torch AdamW (1-D tensors with
+    ``no_decay_weight_decay``), clip_grad_norm_, our schedule; the mean loss of each step."""
+    o, t = cfg.optimizer, cfg.train
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": no_decay_weight_decay}],
                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=o.lr, total_steps=cfg.train.steps)
+    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=o.lr, total_steps=t.steps)
     losses = []
-    for step in range(steps or cfg.train.steps):
-        batch = data.train_batch(step, micro_batch=cfg.train.micro_batch * 1, grad_accum=cfg.train.grad_accum,
-                                 rank=0, world=1)
+    for step in range(steps):
+        batch = data.train_batch(step, micro_batch=micro_batch, grad_accum=t.grad_accum, rank=0, world=1)
         total = 0.0
         for micro in batch.micro:
-            loss = gpt_loss(ref, micro)
+            loss = loss_fn(model, micro)
             (loss / len(batch.micro)).backward()
             total += loss.item()
-        if cfg.train.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(ref.parameters(), cfg.train.grad_clip)
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         for g in opt.param_groups:
             g["lr"] = schedule(step)
         opt.step()
         opt.zero_grad()
         losses.append(total / len(batch.micro))
-    return losses, ref
+    return losses
 
 
 class OverflowAt:

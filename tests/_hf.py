@@ -59,29 +59,11 @@ def plain_losses(cfg, world: int):
     """The plain model trained by a plain PyTorch loop on one process over the same global batches:
     torch AdamW (no decay on 1-D tensors), clip_grad_norm_, our schedule."""
     from framework.models.hf import causal_lm_loss
+    from tests._helpers import plain_loop
 
     model, data = build(cfg, meta=False)
-    o, t = cfg.optimizer, cfg.train
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=o.lr, total_steps=t.steps)
-    losses = []
-    for step in range(t.steps):
-        batch = data.train_batch(step, micro_batch=t.micro_batch * world, grad_accum=t.grad_accum, rank=0, world=1)
-        total = 0.0
-        for micro in batch.micro:
-            loss = causal_lm_loss(model, micro)
-            (loss / len(batch.micro)).backward()
-            total += loss.item()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-        for g in opt.param_groups:
-            g["lr"] = schedule(step)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total / len(batch.micro))
+    losses = plain_loop(cfg, model, data, causal_lm_loss, steps=cfg.train.steps,
+                        micro_batch=cfg.train.micro_batch * world)
     return losses, model
 
 
