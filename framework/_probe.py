@@ -71,7 +71,7 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     out["op_dispatch_s"] = _best(dispatch) / 200
     out["step_fixed_s"], out["micro_fixed_s"], out["micro_per_layer_s"] = _micro_overhead(device)
     if device.type == "cuda":
-        host = torch.empty(src.numel(), pin_memory=True)
+        host = torch.empty(src.numel(), device="cpu", pin_memory=True)
 
         def h2d():
             src.copy_(host, non_blocking=True)
@@ -137,7 +137,7 @@ def _host_optimizer() -> float:
     from framework.optimizers.adamw import AdamWConfig, build
 
     tx = build(AdamWConfig(), [True])
-    params = [torch.zeros(4 * 2 ** 20)]
+    params = [torch.zeros(4 * 2 ** 20, device="cpu")]
     grads = [torch.full_like(params[0], 1e-3)]
     box = [tx.init(params)]
 

@@ -72,7 +72,7 @@ class Checkpoint:
 
         from framework.checkpoint._dcp import LoadPlanner, SafeReader
 
-        sd = {PREFIX + n: torch.empty(self.tensors[n][0], dtype=self.tensors[n][1]) for n in names}
+        sd = {PREFIX + n: torch.empty(self.tensors[n][0], dtype=self.tensors[n][1], device="cpu") for n in names}
         try:
             with warnings.catch_warnings():   # no_dist is what we ask for: DCP's "assuming single process" note
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -134,7 +134,7 @@ class SafetensorsSource(WeightsSource):
             return sl[...].reshape(1)[lo:hi]
         parts = list(_flat_range(sl, (), shape, lo, hi))
         if not parts:
-            return torch.empty(0, dtype=self.dtype(name))
+            return torch.empty(0, dtype=self.dtype(name), device="cpu")
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def close(self) -> None:

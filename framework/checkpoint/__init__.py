@@ -272,7 +272,7 @@ def _json_scalar(v: Any) -> Any:
 
 def _from_json_scalar(v: Any) -> Any:
     if isinstance(v, dict) and "tensor" in v:
-        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]))
+        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
     return v
 
 
@@ -328,8 +328,8 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     fragments: dict[str, dict] = {}
     targets: dict[str, Any] = {}
     for name, ranges in wanted.items():
-        frags = [{"range": r, "master": torch.empty(r[1] - r[0]),
-                  "optim": {p: torch.empty(r[1] - r[0]) for p in per}} for r in ranges]
+        frags = [{"range": r, "master": torch.empty(r[1] - r[0], device="cpu"),
+                  "optim": {p: torch.empty(r[1] - r[0], device="cpu") for p in per}} for r in ranges]
         fragments[name] = {"shape": saved[name], "fragments": frags}
         targets[f"model.{name}"] = Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
         for p in per:

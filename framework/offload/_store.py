@@ -430,7 +430,7 @@ class DiskStore:
 
     def _park(self, t: torch.Tensor) -> None:
         if t.dtype not in self.parking:
-            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype)
+            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype, device=t.device)
         t.set_(self.parking[t.dtype].untyped_storage(), 0, t.shape, (0,) * t.dim())
 
 

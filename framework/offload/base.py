@@ -644,4 +644,5 @@ class Placement:
 
 def _parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
-    return torch.empty(0, dtype=dtype).set_(torch.zeros(1, dtype=dtype).untyped_storage(), 0, (numel,), (0,))
+    return torch.empty(0, dtype=dtype, device="cpu").set_(
+        torch.zeros(1, dtype=dtype, device="cpu").untyped_storage(), 0, (numel,), (0,))
