@@ -8,10 +8,11 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from dataclasses import replace
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -33,6 +34,23 @@ from framework.weights import save_pretrained
 def component(cfg: Config, group: str):
     """The registered component chosen for ``group`` in this config."""
     return registry(group).get(cfg.choices[group])
+
+
+@dataclass(frozen=True)
+class StateView:
+    """A train state whose pieces can be read (or written) as tensors (``Engine.mapped_state``)."""
+
+    state: TrainState
+    fmap: Any   # the mapped swap file (``offload._swapfile.FileMap``), or None
+
+    def own(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s bytes as a tensor whose storage is exactly them, when ``t`` views the mapped swap
+        file (a writer then writes it from the file's pages without copying it); else None."""
+        return self.fmap.own(t) if self.fmap is not None else None
+
+    def maps(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views the mapped swap file."""
+        return self.fmap is not None and self.fmap.contains(t)
 
 
 class Engine:
@@ -93,36 +111,54 @@ class Engine:
         (host copies), with the step, data position, precision and RNG state; see
         ``framework.state.state_dict`` for the format. Not collective."""
         c = self.components
-        return state_dict(self.readable_state(state), c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
-                          world=c.dist.world)
+        with self.mapped_state(state) as view:
+            return state_dict(view.state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
+                              world=c.dist.world)
 
-    def readable_state(self, state: TrainState) -> TrainState:
-        """``state`` whose master pieces and optimizer state can be read: itself, or under offload=nvme
-        with host copies of the swapped pieces, read one tile at a time (checkpoint saves)."""
+    @contextlib.contextmanager
+    def mapped_state(self, state: TrainState, write: bool = False) -> Iterator["StateView"]:
+        """``state`` with every master piece and optimizer state addressable as a host or device
+        tensor, for the length of the block: the state itself, or under offload=nvme with the
+        swapped pieces as views of the swap file mapped into memory (no host copy of them: the
+        kernel's page cache backs them). Read-only unless ``write``; with ``write``, values stored
+        into the views are the swap file's on exit (synced, checksums refreshed, also after an
+        error). Only between steps, and no step or publish inside the block."""
         offload = self._swapping()
         if offload is None:
-            return state
-        params, opt_state = offload.resident_copy(state.params, state.opt_state)
-        return replace(state, params=tuple(params), opt_state=opt_state)
+            yield StateView(state, None)
+            return
+        params, opt_state, fmap = offload.mapped_state(state.params, state.opt_state, write=write)
+        try:
+            yield StateView(replace(state, params=tuple(params), opt_state=opt_state), fmap)
+        finally:
+            if write:
+                offload.unmapped(fmap)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
         """Load ``saved``, the ``state_dict`` of every rank of a run with any world size, stage,
         offload ratio or bucket size, into ``state``'s tensors (in place) and return the state to
         continue from. The working parameters are rebuilt from the loaded master values.
-        Collective: every rank calls it with the same ``saved`` list."""
+        Collective: every rank calls it with the same ``saved`` list. Under offload=nvme the
+        swapped pieces are written straight into the swap file (``mapped_state``)."""
+        with self.mapped_state(state, write=True) as view:
+            loaded = self.load_into(view, saved)
+        return self.finish_load(state, loaded)
+
+    def load_into(self, view: "StateView", saved: Sequence[dict]) -> TrainState:
+        """The first half of ``load_state_dict``: ``saved`` loaded into the tensors of ``view`` (a
+        ``mapped_state(write=True)`` view); returns the loaded view state. Not collective."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        offload = self._swapping()
-        if offload is None:
-            state = load_state_dict(state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                                    rank=c.dist.rank, world=c.dist.world)
-        else:   # offload=nvme: load into host copies, then write them to the swap file tile by tile
-            params, opt_state = offload.resident_copy(state.params, state.opt_state)
-            loaded = load_state_dict(replace(state, params=tuple(params), opt_state=opt_state), c.stage.piece_specs(),
-                                     saved, policy=c.policy, names=names, rank=c.dist.rank, world=c.dist.world)
-            offload.write_back(state.opt_state, loaded.params, loaded.opt_state)
-            state = replace(loaded, params=state.params,
-                            opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
+        return load_state_dict(view.state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+                               rank=c.dist.rank, world=c.dist.world)
+
+    def finish_load(self, state: TrainState, loaded: TrainState) -> TrainState:
+        """The second half, after the ``mapped_state`` block closed: the state to continue from
+        (``state``'s own tensors, ``loaded``'s values and scalars), with the working parameters
+        rebuilt from the loaded masters (collective)."""
+        # The state keeps its own tensors (under offload=nvme, the parked ones of the swapped pieces).
+        state = replace(loaded, params=state.params,
+                        opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
         self.sync_working(state)
         self._state = state
         return state
@@ -151,24 +187,10 @@ class Engine:
         no rank gathers the model. Returns the written paths."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
-    def master_values(self) -> list[torch.Tensor]:
-        """The master pieces of ``engine.state``, readable: the tensors themselves, or under offload=nvme
-        host copies read from the swap file one tile at a time (the masters' bytes in host memory)."""
-        offload = getattr(self.components.stage, "offload", None)
-        masters = list(self._state.params)
-        return offload.master_values(masters) if offload is not None and offload.swaps() else masters
-
     def _swapping(self):
         """The offload target when some state lives in swap files (offload=nvme), else None."""
         offload = getattr(self.components.stage, "offload", None)
         return offload if offload is not None and offload.swaps() else None
-
-    def store_masters(self, masters: Sequence[torch.Tensor]) -> None:
-        """After values were written into ``master_values()``: under offload=nvme, the swapped pieces'
-        copies go back to the swap file (tile by tile); otherwise they were the masters themselves."""
-        offload = self._swapping()
-        if offload is not None:
-            offload.write_back(self._state.opt_state, masters, None)
 
     def memory(self, state: TrainState) -> dict[str, int]:
         """Per-rank memory ledger in bytes (model states and communication buffers)."""

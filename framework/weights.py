@@ -24,6 +24,7 @@ checkpoint folders DCP writes).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -304,20 +305,21 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     left as it is: load before training."""
     c = engine.components
     specs = c.stage.piece_specs()
-    masters = engine.master_values()   # (offload=nvme: host copies, stored back in _load)
-    master_dtype = masters[0].dtype if masters else torch.float32
-    tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
+    # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
+    with engine.mapped_state(engine.state, write=True) as view:
+        masters = list(view.state.params)
+        master_dtype = masters[0].dtype if masters else torch.float32
+        tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
 
-    def load() -> None:
-        src = source if isinstance(source, WeightsSource) else open_weights(source)
-        try:
-            _load(src, strict, specs, masters, tgts)
-            engine.store_masters(masters)   # offload=nvme: the host copies go back to the swap file
-        finally:
-            if src is not source:
-                src.close()
+        def load() -> None:
+            src = source if isinstance(source, WeightsSource) else open_weights(source)
+            try:
+                _load(src, strict, specs, masters, tgts)
+            finally:
+                if src is not source:
+                    src.close()
 
-    _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
+        _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.sync_working(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
@@ -501,12 +503,20 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     Collective; every rank writes its own ranges in place (see the module docstring), so every
     rank must see ``out_dir``. Returns the written paths (on every rank)."""
     c = engine.components
-    dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
-    out_dir = Path(out_dir)
+    with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
+        views = []
+        _agree(c.dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
+               "save_weights: swap file check")
+        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size)
+
+
+def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: torch.dtype | None,
+                  max_shard_size: int | str) -> list[Path]:
+    c = engine.components
+    dist = c.dist
     specs = c.stage.piece_specs()
-    masters = engine.master_values()
     master_dtype = masters[0].dtype if masters else torch.float32
     tgts = targets(c.module, _staged(specs, c.dist), master_dtype)
 

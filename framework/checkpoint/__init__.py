@@ -19,21 +19,19 @@ Folder (``framework.checkpoint._folder`` has the commit protocol)::
 Loading re-slices by name into whatever layout the loading run has (``engine.load_state_dict``),
 so world size, stage and offload may change between save and load.
 
-NVMe offload: ``_snapshot`` reads ``engine.readable_state(state)`` (swapped pieces read into host
-copies, one tile at a time) and the load goes through ``engine.load_state_dict``, which writes the
-swapped pieces back tile by tile; so the rank's master and optimizer state are in host memory once
-during a save or load. A zero-copy version (the seam) would (1) flush its
-in-flight swap writes, (2) expose each swapped piece's master and optimizer extents as flat
-tensors memory-mapped from its swap file (``SwapFile.extent(name)`` -> offset, bytes; mapped
-read-only with ``torch.from_file`` or a numpy memmap at that offset), which ``_snapshot`` copies
-boxes from exactly as from host tensors, and (3) on load, expose the new layout's extents
-writable, so the re-sliced values are written straight into the new run's swap files (and their
-per-extent checksums refreshed). The checkpoint stays keyed by parameter name: never a copied
-swap folder tied to one world size.
+NVMe offload: the swapped state is read and written where it lies. A save maps the swap file
+(``engine.mapped_state``: writes settled, every extent checked against the IO engine's
+checksums) and DCP writes the swapped pieces' boxes straight from the mapped pages: a sync save
+makes no host copy of them (``Boxes(own=...)``); an async save copies them to the host before
+training goes on, as it must. A load maps the new layout's swap files writable and DCP reads the
+saved chunks straight into them (the fragments of swapped pieces alias the mapping); the file is
+then synced and its checksums recomputed. The checkpoint stays keyed by parameter name: never a
+copied swap folder tied to one world size.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import os
@@ -123,6 +121,22 @@ class _Group:
                                  f"limit): {str(e).splitlines()[0]}") from e
         return out
 
+    def enter(self, stack: contextlib.ExitStack, context, what: str):
+        """``stack.enter_context(context)`` on every rank, agreed on: when it fails on some rank
+        (a damaged swap file), every rank raises at once, naming it, instead of the others
+        waiting for it in the next collective."""
+        try:
+            value, mine = stack.enter_context(context), None
+        except FrameworkError as e:
+            value, mine = None, e
+        errs = self.all_gather(None if mine is None else f"rank {self.rank}: {str(mine).splitlines()[0]}", what)
+        if mine is not None:
+            raise mine
+        failed = [e for e in errs if e]
+        if failed:
+            raise FrameworkError(f"checkpoint {what} failed on another rank: {failed[0]}")
+        return value
+
     def dcp_kwargs(self) -> dict:
         return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}
 
@@ -148,15 +162,19 @@ def _subtract(lo: int, hi: int, taken: list[tuple[int, int]]) -> list[tuple[int,
     return out
 
 
-def _snapshot(engine, state, group: _Group) -> dict:
-    """This rank's share of ``state`` as DCP values (collective: the ranks exchange what they hold).
+def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
+    """This rank's share of ``view.state`` (an ``engine.mapped_state`` view) as DCP values
+    (collective: the ranks exchange what they hold).
 
     A rank writes the elements it holds that no lower rank holds (replicated stages: rank 0
     writes everything once). Each rectangular box is copied to the host on its own, into a
     tensor that owns exactly its bytes: one copy of the state, and none more in DCP's writer
-    (it clones any view of a larger storage before serialising it)."""
+    (it clones any view of a larger storage before serialising it). With ``zero_copy`` (a save
+    written before training goes on) boxes of a mapped swap file are not copied: DCP writes
+    them from the file's pages."""
     c = engine.components
-    state = engine.readable_state(state)   # offload=nvme: host copies of the swapped pieces
+    state = view.state
+    own = view.own if zero_copy else None
     specs = c.stage.piece_specs()
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     held: dict[str, dict] = {}
@@ -179,7 +197,8 @@ def _snapshot(engine, state, group: _Group) -> dict:
     for name, by_key in pieces.items():
         shape = held[name]["shape"]
         for key, ps in by_key.items():
-            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = Boxes(shape, ps, copy=True)
+            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = Boxes(shape, ps, copy=True,
+                                                                                                 own=own)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
@@ -204,15 +223,17 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
             _folder.mkdir_private(root)
         staged16 = root / f"step-{state.step}.model_16bit"
         save_on_model_save(engine, staged16)
-    snap = _snapshot(engine, state, group)
     rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name")}
-    job = lambda: _write(snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,  # noqa: E731
-                         staged16=staged16)
-    if background is None:
-        job()
-        return None
+    with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
+        view = group.enter(stack, engine.mapped_state(state), "swap file check")
+        snap = _snapshot(engine, view, group, zero_copy=background is None)
+        job = lambda: _write(snap, rng, root, group=group, config=config, keep_last=keep_last,  # noqa: E731
+                             meta=meta, staged16=staged16)
+        if background is None:
+            job()   # inside the block: DCP reads the mapped pages before training changes them
+            return None
     return background.submit(job)
 
 
@@ -301,7 +322,6 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     body = json.loads((folder / TRAIN_STATE).read_text())
     md = read_metadata(folder / ".metadata")
     c = engine.components
-    rank, world = c.dist.rank, c.dist.world
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     keys = body["optimizer"]["keys"]
     if set(per) != set(body["optimizer"]["per_element"]) or set(scalars) != set(body["optimizer"]["scalars"]):
@@ -317,33 +337,62 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
                           + "; ".join(x for x in (f"missing parameters {_few(missing)}" if missing else "",
                                                   f"unexpected parameters {_few(extra)}" if extra else "") if x)
                           + _OTHER_RUN)
-    # What this rank needs: each span of each master piece, as fresh flat host buffers.
-    wanted: dict[str, list[tuple[int, int]]] = {}
-    for spec in c.stage.piece_specs():
+    specs = c.stage.piece_specs()
+    for spec in specs:
         for span in spec.spans:
             if tuple(span.shape) != saved[span.name]:
                 raise ConfigError(f"checkpoint {folder}: parameter {span.name!r} has shape {saved[span.name]} "
                                   f"in the checkpoint but {tuple(span.shape)} in this model{_OTHER_RUN}")
-            wanted.setdefault(span.name, []).append(span.param)
-    fragments: dict[str, dict] = {}
-    targets: dict[str, Any] = {}
-    for name, ranges in wanted.items():
-        frags = [{"range": r, "master": torch.empty(r[1] - r[0], device="cpu"),
-                  "optim": {p: torch.empty(r[1] - r[0], device="cpu") for p in per}} for r in ranges]
-        fragments[name] = {"shape": saved[name], "fragments": frags}
-        targets[f"model.{name}"] = Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
-        for p in per:
-            targets[f"optim.{keys[p]}.{name}"] = Boxes(saved[name], [(f["range"], f["optim"][p]) for f in frags])
-    absent = sorted(k for k in targets if k not in md.state_dict_metadata)
+    wanted = {f"model.{span.name}" for spec in specs for span in spec.spans}
+    wanted |= {f"optim.{keys[p]}.{k[len('model.'):]}" for k in wanted for p in per}
+    absent = sorted(wanted - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {_few(absent)}")
-    try:
-        dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(), **group.dcp_kwargs())
-    except FrameworkError:
-        raise
-    except Exception as e:  # DCP wraps per-rank failures; keep the first line of each
-        raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: "
-                              f"{' '.join(str(e).split())[:500]}") from None
+    with engine.mapped_state(state, write=True) as view:   # offload=nvme: the new layout's swap files
+        fragments = _targets(view, specs, per, saved)
+        targets: dict[str, Any] = {}
+        for name, entry in fragments.items():
+            frags = entry["fragments"]
+            targets[f"model.{name}"] = Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
+            for p in per:
+                targets[f"optim.{keys[p]}.{name}"] = Boxes(saved[name], [(f["range"], f["optim"][p]) for f in frags])
+        try:
+            dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(), **group.dcp_kwargs())
+        except FrameworkError:
+            raise
+        except Exception as e:  # DCP wraps per-rank failures; keep the first line of each
+            raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: "
+                                  f"{' '.join(str(e).split())[:500]}") from None
+        loaded, host_rng = _load_fragments(engine, view, folder, body, fragments, seed)
+    state = engine.finish_load(state, loaded)
+    _rng.restore_host(host_rng)
+    return state, body
+
+
+def _targets(view, specs, per: dict, saved: dict) -> dict[str, dict]:
+    """Where DCP reads each span of each master piece: per parameter, fragments (``framework.
+    state.state_dict``'s format) that are views of the piece itself when it lies in a mapped swap
+    file (read straight into the file), else fresh flat host buffers."""
+    state = view.state
+    views = {"master": state.params, **optimizer_leaves(state.opt_state, state.params)[0]}
+    fragments: dict[str, dict] = {}
+    for k, spec in enumerate(specs):
+        mapped = view.maps(state.params[k])
+        for span in spec.spans:
+            (a, b), (lo, hi) = span.piece, span.param
+            bufs = {key: views[key][k].reshape(-1)[a:b] if mapped else torch.empty(hi - lo, device="cpu")
+                    for key in ("master", *per)}
+            master = bufs.pop("master")
+            fragments.setdefault(span.name, {"shape": saved[span.name], "fragments": []})["fragments"].append(
+                {"range": span.param, "master": master, "optim": bufs})
+    return fragments
+
+
+def _load_fragments(engine, view, folder: Path, body: dict, fragments: dict, seed: int):
+    """(loaded state, host RNG states): ``fragments`` (read from ``folder``) and ``body`` (its train
+    state) loaded into ``view`` by ``engine.load_into``, with the RNG resumed or re-derived."""
+    c = engine.components
+    rank, world = c.dist.rank, c.dist.world
     # Same world size: each rank resumes its own generators; otherwise they are re-derived.
     if body["world"] == world:
         saved_rng = json.loads((folder / f"rng-{rank}.json").read_text())
@@ -356,9 +405,7 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
               "optimizer": {"per_element": body["optimizer"]["per_element"],
                             "scalars": {p: _from_json_scalar(v) for p, v in body["optimizer"]["scalars"].items()}},
               "params": fragments}
-    state = engine.load_state_dict(state, [pseudo])
-    _rng.restore_host(host_rng)
-    return state, body
+    return engine.load_into(view, [pseudo]), host_rng
 
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.

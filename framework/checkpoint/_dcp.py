@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -63,7 +63,9 @@ class Boxes:
     with ``copy`` each box is a host copy of its part of the (device or host) flat tensor."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
-                 copy: bool = False):
+                 copy: bool = False, own: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+        """``own(box)``: a tensor owning exactly the box's bytes without copying them (a view of a
+        mapped swap file), or None; such boxes are not copied."""
         self.shape = torch.Size(shape)
         self.views: list[tuple[torch.Size, torch.Tensor]] = []
         for (lo, hi), flat in pieces:
@@ -71,7 +73,10 @@ class Boxes:
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
                 box = flat[pos:pos + n]
-                if copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
+                owned = own(box) if own is not None else None
+                if owned is not None:
+                    box = owned
+                elif copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
                     box = box.to("cpu", copy=True)
                 self.views.append((torch.Size(offsets), box.view(sizes)))
                 pos += n

@@ -246,17 +246,46 @@ class AsyncIO:
             raise ValueError(f"{op} of {what!r}: bytes [{offset}, {offset + nbytes}) are outside "
                              f"{file.path} ({file.size} bytes)")
         address = t.data_ptr()
-        # pieces end on the file's block boundaries, so the same range is always cut the same way
-        # (the checksums are kept per piece)
+        bounds = self._bounds(offset, nbytes)
+        handle = IOHandle(op, file, offset, nbytes, what, t, len(bounds))
+        for lo, hi in bounds:
+            self._work.put((handle, lo, address + (lo - offset), hi - lo))
+        return handle
+
+    def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """The pieces of [offset, offset + nbytes): they end on the file's block boundaries, so the
+        same range is always cut the same way (the checksums are kept per piece)."""
         bounds, lo = [], offset
         while lo < offset + nbytes:
             hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
             bounds.append((lo, hi))
             lo = hi
-        handle = IOHandle(op, file, offset, nbytes, what, t, len(bounds))
-        for lo, hi in bounds:
-            self._work.put((handle, lo, address + (lo - offset), hi - lo))
-        return handle
+        return bounds
+
+    # bytes that moved outside the engine (a memory map of the file)
+
+    def verify(self, file: SwapFile, offset: int, data: torch.Tensor, what: str) -> None:
+        """Check ``data`` (uint8, the file's bytes at ``offset``, e.g. a mapped view) against the
+        checksums this engine recorded when it wrote them; raises SwapIOError on a mismatch. Runs
+        on the calling thread."""
+        base = data.data_ptr()
+        for lo, hi in self._bounds(offset, data.numel()):
+            want = file.expected((self.block_size, self.checksum), lo, hi - lo) if self._hash else None
+            if want is not None and self._hash(_memory(base + lo - offset, hi - lo), hi - lo) != want:
+                raise SwapIOError(f"swap file {file.path}: checksum mismatch at offset {lo} ({hi - lo} bytes, "
+                                  f"{what}): the swap file was changed or the disk returned bad data",
+                                  path=str(file.path), offset=lo, what=what, errno=None)
+
+    def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
+        """``data`` (uint8) now is the file's bytes at ``offset``, written around the engine (through
+        a memory map): record its checksums as if the engine had written it."""
+        base = data.data_ptr()
+        for lo, hi in self._bounds(offset, data.numel()):
+            if self._hash is None:
+                file.forget(lo, hi - lo)
+            else:
+                file.record((self.block_size, self.checksum), lo, hi - lo,
+                            self._hash(_memory(base + lo - offset, hi - lo), hi - lo))
 
     def close(self) -> None:
         """Finish the queued requests, then stop the threads."""

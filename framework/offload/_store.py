@@ -328,6 +328,64 @@ class DiskStore:
         fill()
         self.release(Handle(key, None), None)
 
+    # --- the swap file mapped (checkpoints) ---------------------------------------------------
+
+    def settle(self) -> None:
+        """Between steps: every write and read landed, and no slot holds a piece any more, so the
+        swap file is the only copy of the state and the next ``acquire`` reads it afresh (needed
+        before the file is read or changed around the engine, through ``mapped``)."""
+        self.flush()
+        with self.cond:
+            busy = [s.key for s in self.slots if s.state in ("resident", "writing", "draining")]
+            if busy:
+                raise RuntimeError(f"{self.name} swap: pieces {busy} are in use; the swap file can be mapped "
+                                   "only between steps")
+            pending = [h for s in self.slots for h in s.io]
+            for s in self.slots:
+                s.io = []
+        for h in pending:   # reads ahead into slots dropped below: their data (or error) is not used
+            h.exception()
+        with self.cond:
+            for s in self.slots:
+                if s.key is not None:
+                    self._free(s)
+
+    def mapped(self, write: bool) -> tuple[object | None, dict[int, list[torch.Tensor]]]:
+        """(map, views): the swap file mapped (``SwapFile.map``) and, per piece, its swapped tensors'
+        values as views of it, shaped as registered; (None, {}) without a swap file.
+
+        Settles the store first. Read-only (``write`` False): every extent is checked against the
+        checksums the engine recorded, so a damaged swap file is never saved into a checkpoint.
+        Writable: pass the map to ``unmapped`` when done (also after a failure)."""
+        if self.file is None or not self.entries or not self.file.size:
+            return None, {}
+        self.settle()
+        fmap = self.file.map(write)
+        views: dict[int, list[torch.Tensor]] = {}
+        extents = [(key, j, t) for key, e in self.entries.items() for j, t in enumerate(e.swapped)]
+        for i, (key, j, t) in enumerate(extents):
+            name = f"{key}.{j}"
+            if not write:
+                if i == 0:
+                    fmap.prefetch(name)
+                if i + 1 < len(extents):   # the next extent is read while this one is checked
+                    fmap.prefetch("{}.{}".format(*extents[i + 1][:2]))
+                self.io.verify(self.file, self.file.extent(name)[0], fmap.padded(name),
+                               what=f"{self.name} piece {key} tensor {j}")
+            views.setdefault(key, []).append(fmap.extent(name, t.dtype, t.shape))
+        return fmap, views
+
+    def unmapped(self, fmap) -> None:
+        """After writing through ``mapped(write=True)``'s views: the pages go to the file and the
+        engine's checksums are recomputed from them (the next read checks what was written)."""
+        if fmap is None:
+            return
+        fmap.sync()
+        for key, e in self.entries.items():
+            for j in range(len(e.swapped)):
+                name = f"{key}.{j}"
+                self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
+
     def memory(self) -> dict[str, int]:
         return {"pool": self.buffer_count * self.slot_bytes(),
                 "file": sum(self.extents().values())}

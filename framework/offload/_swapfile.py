@@ -29,6 +29,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
+import mmap
 import os
 import tempfile
 import threading
@@ -242,6 +244,16 @@ class SwapFile:
                      for p in pieces if e.offset <= p[0] < e.offset + max(e.nbytes, 1)]
         return sorted(found)
 
+    # --- mapping ---------------------------------------------------------------------------------
+
+    def map(self, write: bool) -> "FileMap":
+        """The whole file mapped into memory (see ``FileMap``): ``write`` maps it shared, so stores into
+        its tensors change the file; otherwise privately (reads only: nothing reaches the file)."""
+        with self._lock:
+            if self._fd is None:
+                raise ValueError(f"swap file {self.path} was removed")
+            return FileMap(self, self._fd, write)
+
     # --- manifest and removal ------------------------------------------------------------------------
 
     def write_manifest(self) -> None:
@@ -278,6 +290,70 @@ class SwapFile:
 
     def __repr__(self) -> str:
         return f"SwapFile({str(self.path)!r}, {len(self._extents)} extents, {self.size} bytes)"
+
+
+class FileMap:
+    """A swap file mapped into this process (``SwapFile.map``): its extents as host tensors that view
+    the file's pages, so a checkpoint reads (or a load writes) the swapped state where it lies, with
+    no host copy of it. The pages are the kernel's page cache (file-backed, reclaimable), not
+    anonymous memory. Tensors made here keep the mapping alive; it is unmapped when the last goes.
+
+    Coherence with the IO engine: O_DIRECT writes invalidate the cached pages they cover and
+    O_DIRECT reads first write back dirty cached pages of their range, so map only after the
+    engine's writes to the file have landed (``DiskStore.flush``) and, after writing through the
+    map, ``sync()`` before the engine reads again."""
+
+    def __init__(self, file: SwapFile, fd: int, write: bool):
+        self.file, self.write = file, write
+        # ACCESS_COPY (MAP_PRIVATE): writable tensors that never write the file; only read here.
+        self._mm = mmap.mmap(fd, file.size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY)
+        self._mm.madvise(mmap.MADV_SEQUENTIAL)   # read in order: aggressive read-ahead, pages dropped behind
+        self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self._start = self._bytes.data_ptr()
+
+    def extent(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
+        """The first bytes of extent ``name`` as a tensor of ``dtype`` and ``shape`` (a view of the
+        mapping)."""
+        e = self.file._extents[name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes > e.nbytes:
+            raise ValueError(f"extent {name!r} of {self.file.path} holds {e.nbytes} bytes, not {nbytes}")
+        return self._bytes[e.offset:e.offset + nbytes].view(dtype).view(shape)
+
+    def prefetch(self, name: str) -> None:
+        """Start reading extent ``name`` into the page cache (asynchronously), so that touching it
+        later does not fault page by page."""
+        e = self.file._extents[name]
+        if e.nbytes:
+            self._mm.madvise(mmap.MADV_WILLNEED, e.offset, padded(e.nbytes))
+
+    def padded(self, name: str) -> torch.Tensor:
+        """Extent ``name`` with its padding up to the next 4 KiB, as bytes: what the engine writes
+        and checksums."""
+        e = self.file._extents[name]
+        return self._bytes[e.offset:e.offset + padded(e.nbytes)]
+
+    def contains(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s first element lies in this mapping."""
+        offset = t.data_ptr() - self._start
+        return t.device.type == "cpu" and 0 <= offset < self.file.size
+
+    def own(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A tensor over the same bytes as ``t`` whose storage is exactly those bytes (a writer that
+        clones views of larger storages then writes it as it is), or None when ``t`` is not a
+        contiguous view of this mapping."""
+        offset = t.data_ptr() - self._start
+        nbytes = t.numel() * t.element_size()
+        if not t.is_contiguous() or t.device.type != "cpu" or offset < 0 or offset + nbytes > self.file.size:
+            return None
+        if not nbytes:
+            return t.new_empty(t.shape)
+        return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
+
+    def sync(self) -> None:
+        """Write the changed pages to the file (msync): the engine's O_DIRECT IO sees them."""
+        if self.write:
+            self._mm.flush()
 
 
 def _manifest_path(path: Path) -> Path:

@@ -40,7 +40,7 @@ import torch
 
 from framework.accelerator import Accelerator, Event, for_device
 from framework.errors import SwapIOError
-from framework.offload._store import DeviceStore, DiskStore, Handle, HostStore, Tier
+from framework.offload._store import DeviceStore, DiskStore, HostStore, Tier
 
 
 @dataclass(frozen=True)
@@ -202,53 +202,30 @@ class Placement:
 
     # --- the disk tier -------------------------------------------------------------------------
 
-    def master_values(self, masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """``masters`` (the state's pieces, in order) with every disk piece replaced by a host copy of
-        its values, read one tile at a time (the tile is not written back)."""
+    def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
+                     ) -> tuple[list[torch.Tensor], Any, Any]:
+        """(params, opt_state, map): ``params`` and ``opt_state`` with every disk piece's master and
+        optimizer state replaced by views of the swap file mapped into memory (``DiskStore.mapped``),
+        so a checkpoint reads (``write``: writes) the swapped state where it lies, with no host copy
+        of it. ``map`` is None without a swap file; after writing, pass it to ``unmapped``."""
+        from framework.optimizers._subset import replace_groups
+
         store = self.stores.get(Tier.DISK)
-        out = list(masters)
-        for info in self.infos:
-            if info.tier is Tier.DISK:
-                handle = store.acquire(info.index)
-                store.wait(handle)
-                out[info.index] = info.piece.master.clone()
-                store.release(handle, None, dirty=False)
-        return out
-
-    def resident_copy(self, params: Sequence[torch.Tensor], opt_state: Any) -> tuple[list[torch.Tensor], Any]:
-        """``params`` and ``opt_state`` with every disk piece's master and optimizer state replaced by
-        host copies read from the swap file, one tile at a time (a checkpoint's view of the state;
-        the rank's whole master and optimizer state is then in host memory)."""
-        from framework.optimizers._subset import group_state, replace_groups
-
-        store, n = self.stores.get(Tier.DISK), len(params)
+        if store is None:
+            return list(params), opt_state, None
+        fmap, views = store.mapped(write)
         out, groups = list(params), {}
         for info in self.infos:
             if info.tier is Tier.DISK:
-                handle = store.acquire(info.index)
-                store.wait(handle)
-                out[info.index] = info.piece.master.clone()
-                groups[info.index] = [t.clone() for t in group_state(opt_state, n, info.index)]
-                store.release(handle, None, dirty=False)
-        return out, replace_groups(opt_state, n, groups)
+                out[info.index], *groups[info.index] = views[info.index]
+        return out, replace_groups(opt_state, len(params), groups), fmap
 
-    def write_back(self, opt_state: Any, loaded_params: Sequence[torch.Tensor], loaded_state: Any | None) -> None:
-        """The disk pieces' values in ``loaded_params`` / ``loaded_state`` (a ``resident_copy`` that was
-        loaded into; ``loaded_state`` None: masters only) -> the pieces (``opt_state``: the state the
-        pieces' tensors belong to) and the swap file, one tile at a time."""
-        from framework.optimizers._subset import group_state
-
-        store, n = self.stores.get(Tier.DISK), len(loaded_params)
-        for info in self.infos:
-            if info.tier is Tier.DISK:
-                handle = store.acquire(info.index)
-                store.wait(handle)
-                info.piece.master.copy_(loaded_params[info.index])
-                if loaded_state is not None:
-                    for dst, src in zip(group_state(opt_state, n, info.index),
-                                        group_state(loaded_state, n, info.index)):
-                        dst.copy_(src)
-                store.release(handle, None)
+    def unmapped(self, fmap: Any) -> None:
+        """After writing through ``mapped_state(write=True)``: the swap file has the written values
+        (synced, checksums refreshed) and the next step reads them."""
+        store = self.stores.get(Tier.DISK)
+        if store is not None:
+            store.unmapped(fmap)
 
     def swapped_indices(self) -> set[int]:
         """Positions (master order) of the pieces in the swap file."""
@@ -266,8 +243,6 @@ class Placement:
         """``tx.init(params)``, except that each disk piece's state is made one piece at a time and
         swapped out at once, with its master, so host memory never holds more than a slot's worth.
         Then zero3's parameter shards on disk are written out and leave host memory."""
-        from framework.optimizers._subset import group_state, init_groups, merge_groups
-
         try:
             return self._init_disk(tx, params)
         except BaseException:

@@ -156,6 +156,8 @@ RESHARD = {
     "zero3-w2-offload -> zero2-w4": ((2, ["+stage=zero3", "offload=cpu", ZERO3_SHARDED]), (4, ["+stage=zero2"])),
     "zero2-w2 -> zero3-w2": ((2, ["+stage=zero2", "stage.reduce_bucket_size=300"]), (2, ["+stage=zero3"])),
     "zero3-w2 -> ddp-w2": ((2, ["+stage=zero3"]), (2, [])),
+    # saved from the mapped swap files of 2 ranks, read straight into the one rank's new swap file
+    "zero2-w2-nvme -> zero3-w1-nvme": ((2, ["+stage=zero2", *NVME]), (1, ["+stage=zero3", ZERO3_SHARDED, *NVME])),
 }
 
 

@@ -6,7 +6,8 @@ ranks, fp32 and bf16, with gradient accumulation (2 micro batches), with pipelin
 pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
 nvme. Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
 pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
-optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang; a full
+optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
+checkpoint save or a weights export (both read the mapped swap file after checking it); a full
 disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
 start-up.
 """
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import framework
+from framework.checkpoint import Checkpointer
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 
@@ -100,10 +102,12 @@ def test_nvme_equals_cpu_bitwise_and_none_within_1e6(pools, world):
             torch.testing.assert_close(res[name][1], res[plain][1], rtol=RTOL, atol=1e-7)
 
 
-def _corrupt_one_rank(dist, folder, stage, kind):
-    """Rank 1 corrupts its swap file after the first step: every rank must raise, none hang."""
+def _corrupt_one_rank(dist, folder, stage, kind, then="step"):
+    """Rank 1 corrupts its swap file after the first step: every rank must raise, none hang, in the
+    next step (``then``="step"), checkpoint save ("save") or weights export ("save_weights")."""
     extra = ["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else []
-    cfg = tiny_config(*BASE, f"+stage={stage}", *NVME, f"offload.nvme_path={folder}/r{dist.rank}", *extra)
+    cfg = tiny_config(*BASE, f"+stage={stage}", *NVME, f"offload.nvme_path={folder}/r{dist.rank}", *extra,
+                      f"checkpoint.dir={folder}/ckpt", "checkpoint.timeout_s=60")
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg, dist) as engine:
         state = engine.state
@@ -114,10 +118,18 @@ def _corrupt_one_rank(dist, folder, stage, kind):
             with open(path, "r+b") as f:
                 f.seek(0 if kind == "params" else 8192)
                 f.write(os.urandom(64))
+        ckpt = Checkpointer(cfg, engine)
         try:
-            engine.train_step(state, batch)
+            if then == "step":
+                engine.train_step(state, batch)
+            elif then == "save":
+                ckpt.save(state)
+            else:
+                engine.save_pretrained(os.path.join(folder, "weights"))
         except framework.FrameworkError as e:
             return type(e).__name__, str(e)
+        finally:
+            ckpt.close()
     return None
 
 
@@ -130,6 +142,18 @@ def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
     assert all(name == "SwapIOError" for name, _ in results), results
     assert f"rank00001.{kind}.swap" in results[1][1], results[1]   # the failing rank names file and offset
     assert "another rank failed" in results[0][1], results[0]
+
+
+@pytest.mark.parametrize("then", ["save", "save_weights"])
+def test_a_damaged_swap_file_fails_a_save_on_every_rank(pools, tmp_path, then):
+    """A checkpoint save (or weights export) reads the swapped state from the mapped swap file after
+    checking it against the IO engine's checksums: a corrupted extent on rank 1 fails every rank at
+    once, naming the file, and nothing is committed."""
+    results = pools(2).run(_corrupt_one_rank, str(tmp_path), "zero2", "optim", then, timeout=120)
+    assert results[0] is not None and results[1] is not None, results
+    assert results[1][0] == "SwapIOError" and "rank00001.optim.swap" in results[1][1], results[1]
+    assert "checksum mismatch" in results[1][1] and "another rank" in results[0][1], results[0]
+    assert not (tmp_path / "ckpt" / "latest").exists() and not (tmp_path / "weights").exists()
 
 
 def test_too_small_parameter_buffer_fails_at_start_up(tmp_path):

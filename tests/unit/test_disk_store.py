@@ -85,3 +85,55 @@ def test_handle_for_a_released_piece_is_ignored(tmp_path):
     store, _, _ = _store(tmp_path, 1, False, False)
     store.release(Handle(2, None), None)   # never acquired: nothing happens
     store.close()
+
+
+@pytest.mark.parametrize("checksum", ["sum64", "none"])
+def test_mapped_views_read_and_write_the_swap_file(tmp_path, checksum):
+    """``mapped``: the swapped values as views of the mapped file, with no slot involved (a checkpoint's
+    path). A read-only map sees the values the engine wrote; values written through a writable map
+    are what the next acquire reads, its checksums refreshed (a stale clean slot is not reused)."""
+    store, tensors, ref = _store(tmp_path, 2, True, True)
+    store.io = AsyncIO(4096, 2, 1, checksum=checksum)
+    for k in tensors:   # rewrite everything under this checksum kind
+        h = store.acquire(k)
+        store.wait(h)
+        store.release(h, None)
+    h = store.acquire(1)   # leaves piece 1 clean in a slot and piece 2 read ahead
+    store.wait(h)
+    store.release(h, None, dirty=False)
+    fmap, views = store.mapped(write=False)
+    assert all(s.key is None for s in store.slots)   # settled: the file is the only copy
+    for k, (a, b) in views.items():
+        assert torch.equal(a, ref[k][0]) and torch.equal(b, ref[k][1]) and a.shape == ref[k][0].shape
+        own = fmap.own(a[1:])
+        assert own is None or own.untyped_storage().nbytes() == own.numel() * own.element_size()
+    del fmap, views
+    fmap, views = store.mapped(write=True)
+    for k, (a, b) in views.items():
+        a.mul_(-2), b.add_(3)
+        ref[k][0].mul_(-2), ref[k][1].add_(3)
+    store.unmapped(fmap)
+    del fmap, views
+    for k in tensors:   # the engine reads (and checks) what was written through the map
+        h = store.acquire(k)
+        store.wait(h)
+        assert torch.equal(tensors[k][0], ref[k][0]) and torch.equal(tensors[k][1], ref[k][1]), k
+        store.release(h, None, dirty=False)
+    store.close()
+
+
+def test_a_damaged_swap_file_is_never_mapped_for_a_save(tmp_path):
+    """A read-only map checks every extent against the engine's checksums: a flipped byte is a
+    SwapIOError naming the file and the piece, not a checkpoint of bad values."""
+    from framework.errors import SwapIOError
+
+    store, tensors, _ = _store(tmp_path, 2, False, False)
+    offset = store.file.extent("3.0")[0] + 5
+    with open(store.file.path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(SwapIOError, match=r"s\.swap.*checksum mismatch.*piece 3 tensor 0"):
+        store.mapped(write=False)
+    store.close()
