@@ -5,7 +5,8 @@ Here the host pieces of the master partition (``base.PieceInfo``) flow through t
 each ordered by events of the accelerator, never by a device-wide synchronize:
 
 * gradient copy: as soon as the stage reports a piece's reduced gradient final (zero2 does so per
-  bucket on the last micro batch; otherwise after backward, in ``grads``), an event is recorded
+  bucket, zero3 per unit group once its reduction is added, both on the last micro batch; zero1
+  after backward, in ``grads``), an event is recorded
   on the producing stream and the worker thread queues the copy of its device range into the
   piece's pinned host buffer on the copy stream, behind that event; the copy's own event tells the
   host when it may read the buffer. With

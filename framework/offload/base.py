@@ -11,8 +11,9 @@ attribute of either is read or set by the other):
 * backward: the target is the stage's listener. ``grads_final(g, lo, hi, grad)`` says that range
   [lo, hi) of partition g's reduced gradient ``grad`` is final for this step. It is emitted on the
   thread and stream that produced the range, right after queueing the producer; each element is
-  reported at most once a step (zero2 reports per bucket on the last micro batch; a stage that
-  reports nothing is served after backward by ``grads``).
+  reported at most once a step (zero2 reports per bucket, zero3 per unit group after its
+  reduction, on the last micro batch; a stage that reports nothing is served after backward by
+  ``grads``).
 * ``grads(parts)``: the gradient of every piece, in master order (host pieces: their host buffer,
   filled by a copy that the update orders before the host reads it).
 * update: ``make_update(tx, gather)`` returns the piece pipeline (``_pipeline.py``) when there are

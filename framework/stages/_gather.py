@@ -25,6 +25,7 @@ import enum
 import logging
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -142,8 +143,13 @@ class Gatherer:
     """Runs the unit lifecycle for one model; the zero3 stage owns one."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards):
+                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards,
+                 on_reduced: Callable[[UnitGroup], None] | None = None):
+        """``on_reduced(g)``: called on the compute stream's thread right after a reduction of unit
+        group ``g``'s gradients was added into its partition (``g.grad()``); at most once per group
+        and backward pass."""
         self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
+        self.on_reduced = on_reduced
         self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.empty = torch.empty(0, dtype=param_dtype, device=dist.device)
@@ -422,6 +428,8 @@ class Gatherer:
             self.dist.comm.wait(works, "zero3 gradient reduction")
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
+            if self.on_reduced is not None:
+                self.on_reduced(g)
         self.reductions = []
 
     # --- outside the hooks ------------------------------------------------------------------

@@ -64,6 +64,8 @@ class Zero3Stage(PartitionedStage, HookOwner):
         self.parts = Partitions(dist, offload, chunk=None)
         self.hook_handles: list = []    # the gatherer's, removed by close()
         self.groups: list[UnitGroup] = []
+        self._index: dict[int, int] = {}   # id(UnitGroup) -> its index in ``groups`` (and ``parts``)
+        self.sync = True
         self.gatherer: Gatherer | None = None
         self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
 
@@ -94,7 +96,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
             if persistent_named or shared else None
         self._scratch = self._init = None
         self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
-                                 policy.reduce_dtype, self.offload)
+                                 policy.reduce_dtype, self.offload, on_reduced=self._reduced)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
         self.gatherer.attach(module, hooked)
@@ -204,6 +206,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
         # Gradient partition: micro batches summed in the accumulation dtype.
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
                           pieces=pieces)
+        self._index[id(group)] = len(self.groups)   # its partition's position in ``parts``
         self.groups.append(group)
         return group
 
@@ -215,11 +218,23 @@ class Zero3Stage(PartitionedStage, HookOwner):
     # --- the Stage protocol ------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.sync = sync   # the last micro batch: a group's partition is final once its reduction is added
         self.gatherer.backward_allowed = True
         try:
             (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
         finally:
             self.gatherer.backward_allowed = False
+
+    def _reduced(self, g: UnitGroup) -> None:
+        """A reduction of group ``g`` was added into its gradient partition (in backward): on the last
+        micro batch that partition is final, so tell the listener (the offload target), which can
+        start copying it to the host (and stepping it) while backward goes on."""
+        if self.sync:
+            k = self._index[id(g)]
+            lo, hi = self.parts.bounds[k]
+            real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
+            if real:
+                self.offload.grads_final(k, 0, real, g.grad())
 
     def _partition_grads(self) -> list[torch.Tensor]:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units

@@ -133,8 +133,13 @@ OVERLAP_CASES = {  # name: (overrides, step whose loss is made infinite, expect 
     "zero2 bf16 staged": (["+stage=zero2", *BUCKETS, "precision=bf16", "train.grad_clip=0"], None, True, False),
     "zero2 ratio 0.5": (["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload.ratio=0.5"], None, True, False),
     "zero1": (["+stage=zero1", *BUCKETS], None, False, False),
-    "zero3 params": (["+stage=zero3", "offload.params=cpu",
-                      "stage.stage3_param_persistence_threshold=0"], None, False, False),
+    # zero3 reports each unit group's partition final after its reduction on the last micro batch
+    "zero3 params clipped": (["+stage=zero3", "offload.params=cpu",
+                              "stage.stage3_param_persistence_threshold=0"], None, False, True),
+    "zero3 never clipped": (["+stage=zero3", "train.grad_clip=0", "stage.stage3_param_persistence_threshold=0"],
+                            None, True, False),
+    "zero3 fp16 skip overlap_comm": (["+stage=zero3", "precision=fp16", "train.grad_clip=0", "stage.overlap_comm=true"],
+                                     4, True, True),
 }
 
 
@@ -158,7 +163,7 @@ def test_overlapped_host_step_is_identical(pools, world, case):
             assert (rolled > 0) == expect_rolled, (case, rolled)
         assert (overlap[5]["host_overlap_buffers"] > 0) == bool(kept or rolled)
         assert plain[5]["host_overlap_buffers"] == 0 and plain[3] == plain[4] == 0  # no speculation
-        if case.startswith("zero2"):  # gradients reached the host during backward, per bucket
+        if not case.startswith("zero1"):  # gradients reached the host during backward (per bucket / unit)
             assert plain[6] > 0
 
 
