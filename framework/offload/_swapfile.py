@@ -403,8 +403,8 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     if not path.exists():
         if not create:
             raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
-        try:
-            path.mkdir(parents=True, mode=0o700)
+        try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
+            path.mkdir(parents=True, mode=0o700, exist_ok=True)
         except OSError as e:
             raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
                               "writable folder") from None

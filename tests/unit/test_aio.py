@@ -354,6 +354,29 @@ def test_preflight_one_line_errors(tmp_path):
     assert made.is_dir() and stat.S_IMODE(os.stat(made).st_mode) == 0o700
 
 
+def test_preflight_of_one_folder_by_several_ranks_at_once(tmp_path):
+    """The ranks of one host share the default swap folder and make it at the same moment: none
+    fails because another made it first (seen in bench.nvme_e2e: "cannot create it (File exists)")."""
+    import threading
+
+    for i in range(30):
+        folder, errors = tmp_path / f"run{i}" / "nvme", []
+        start = threading.Barrier(4)
+
+        def rank():
+            start.wait()
+            try:
+                preflight(folder, 1, 1, 1, 1, create=True)
+            except ConfigError as e:
+                errors.append(str(e))
+        threads = [threading.Thread(target=rank) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+        assert not errors and folder.is_dir(), errors
+
+
 def test_swap_path_names_rank_and_kind(tmp_path):
     assert swap_path(tmp_path, 3, "params").name == "rank00003.params.swap"
 
