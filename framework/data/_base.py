@@ -17,7 +17,6 @@ global size, never on how it is factored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 

@@ -183,7 +183,7 @@ def test_two_torchrun_agents_then_one_node(tmp_path):
     then one agent with 2 ranks resumes and finishes; equal to one uninterrupted 2-rank run."""
     port = 29500 + os.getpid() % 1000
     args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-            f"--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ckpt"]
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "ckpt"]
     env = {"FRAMEWORK_FAULT": "step:3@0"}  # both agents stop after step 3, step 2 saved
     cmd_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, "--node-rank", str(n),
@@ -197,5 +197,6 @@ def test_two_torchrun_agents_then_one_node(tmp_path):
     assert one.returncode == 0, one.stderr[-2000:]
     assert f"resumed from {tmp_path / 'ck' / f'step-{K}'}" in one.stdout
     ref = _torchrun(["--standalone", "--nproc-per-node", "2"], tmp_path / "ref", tmp_path / "r0")
+    assert ref.returncode == 0, ref.stderr[-2000:]
     a, b = _final(tmp_path / "ref"), _final(tmp_path / "ck")
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import framework
-from framework.build import component
 from framework.models.gpt import gpt_loss
 from tests._helpers import OverflowAt, build_gpt, tiny_config
 
