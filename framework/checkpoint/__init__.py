@@ -348,7 +348,8 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     absent = sorted(wanted - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {_few(absent)}")
-    with engine.mapped_state(state, write=True) as view:   # offload=nvme: the new layout's swap files
+    with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
+        view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         fragments = _targets(view, specs, per, saved)
         targets: dict[str, Any] = {}
         for name, entry in fragments.items():

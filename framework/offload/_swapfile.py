@@ -306,7 +306,13 @@ class FileMap:
     def __init__(self, file: SwapFile, fd: int, write: bool):
         self.file, self.write = file, write
         # ACCESS_COPY (MAP_PRIVATE): writable tensors that never write the file; only read here.
-        self._mm = mmap.mmap(fd, file.size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY)
+        try:
+            self._mm = mmap.mmap(fd, file.size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY)
+        except OSError as e:   # a file system without mmap support, or no address space left
+            raise SwapIOError(f"swap file {file.path}: cannot map it into memory to save or load a checkpoint "
+                              f"({os.strerror(e.errno) if e.errno else e}); put offload.nvme_path on a local "
+                              "file system (ext4, xfs)", path=str(file.path), offset=0, what="the whole file",
+                              errno=e.errno) from e
         self._mm.madvise(mmap.MADV_SEQUENTIAL)   # read in order: aggressive read-ahead, pages dropped behind
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._start = self._bytes.data_ptr()
