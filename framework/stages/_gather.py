@@ -288,7 +288,7 @@ class Gatherer:
         self.hits += unit.state is not UnitState.SHARDED
         if unit.state is UnitState.SHARDED:
             self._make_room(unit.numel, exclude=unit)
-            self._start_gather(unit)
+            self._start_gather(unit, in_place=True)
         self._finish_gather(unit)
         self._prefetch()
 
@@ -308,7 +308,7 @@ class Gatherer:
             if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.limits.max_live):
                 break
             if unit.state is UnitState.SHARDED:
-                self._start_gather(unit)
+                self._start_gather(unit, in_place=True)
 
     def _next_use_distance(self, unit: Unit) -> int | None:
         """Elements of other units used before ``unit`` is used again (per the trace)."""
@@ -342,10 +342,26 @@ class Gatherer:
 
     # --- collectives -------------------------------------------------------------------------
 
-    def _start_gather(self, unit: Unit) -> None:
+    def _in_place(self, g: UnitGroup) -> bool:
+        """Whether group ``g``'s shard can serve as its gathered buffer: at world size 1 the shard is
+        the whole (padded) buffer, and when it lives on the compute device in the working dtype the
+        gather would only copy it. Used for the gathers the hooks make (train and eval passes), so a
+        world-1 run holds no second copy of the gathered units (with the default prefetch and reuse
+        limits, of the whole model between forward and backward)."""
+        return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
+                and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
+
+    def _start_gather(self, unit: Unit, in_place: bool = False) -> None:
+        """Start gathering ``unit``; ``in_place``: groups whose shard is the whole buffer (``_in_place``)
+        use it as their gathered buffer. The hooks' gathers do; ``gather_now`` (framework.gathered,
+        the persistent unit, consolidation) does not, so values modified inside framework.gathered
+        without ``modifier_rank`` are discarded at every world size."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:
+            if in_place and self._in_place(g):
+                g.full = g.shard   # no copy, no collective (world size 1)
+                continue
             _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
             self.shards.load_shard(g.full[lo:hi], g.shard)
@@ -371,6 +387,8 @@ class Gatherer:
         for g in unit.groups:
             for p in g.params:
                 p.data = self.empty
+            if g.full is g.shard:   # gathered in place: the shard keeps its values
+                continue
             # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
             g.full.untyped_storage().resize_(0)
         if unit is not self.persistent:
@@ -412,6 +430,9 @@ class Gatherer:
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
         for g in unit.groups:
+            if self.dist.world == 1 and all(p.grad is not None for p in g.params):
+                self._reduce_in_place(g)
+                continue
             buf = torch.zeros(g.layout.padded, dtype=self.reduce_dtype, device=self.dist.device)
             for p, slot in zip(g.params, g.layout.slots):
                 if p.grad is not None:
@@ -422,6 +443,21 @@ class Gatherer:
             self.reductions.append((g, buf, works))
         if not self.limits.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
             self._complete_reductions()
+
+    def _reduce_in_place(self, g: UnitGroup) -> None:
+        """World size 1: the reduction is the identity, so each gradient is added into the partition
+        directly instead of through a zeroed flat buffer of the whole group (one more copy of the
+        unit's gradients, several with overlap_comm). The same sums element by element: each gradient
+        rounded to the reduce dtype, added in the accumulation dtype (the padding only ever gets
+        zeros, so it is left alone; a group with a missing gradient takes the buffer path, which adds
+        zeros there)."""
+        self._complete_reductions()   # earlier groups' reductions first: on_reduced keeps its order
+        part = g.grad()
+        for p, slot in zip(g.params, g.layout.slots):
+            part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
+            p.grad = None
+        if self.on_reduced is not None:
+            self.on_reduced(g)
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
@@ -454,7 +490,7 @@ class Gatherer:
 
 def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
     """Give ``g.full`` its bytes again (the first time: allocate it). Values are filled by the gather."""
-    if g.full is None:
+    if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
         g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
     else:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
