@@ -511,6 +511,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
             master_state(padded // world, fp32_in_place=True)
             pred.add("gathered_persistent", device=w * padded)
     where = getattr(cfg.offload, "params", False)
+    on_host = where is True or where == "cpu" or (where in ("nvme", "auto") and cfg.choices["offload"] == "nvme")
     if where is True or where == "cpu":
         d, h = pred.items["params"]
         pred.items["params"] = (0, d + h)
@@ -523,11 +524,14 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use.
+    # At world size 1 with the shards on the device the hooks gather in place (the shard is the whole
+    # buffer) and gradients are added straight into the partition (_gather.Gatherer._in_place).
+    in_place = world == 1 and not on_host
     biggest = max(sizes, default=0)
-    window = min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
     # Backward: the unit's full .grad tensors until it is reduced, and the reduce buffers in flight
     # (up to two rounds per unit group with overlap_comm).
-    pred.transient["zero3_reduce"] = w * biggest + red * biggest * (3 if s.overlap_comm else 1)
+    pred.transient["zero3_reduce"] = w * biggest + (0 if in_place else red * biggest * (3 if s.overlap_comm else 1))
     pred.notes.append(f"zero3: {len(sizes)} gather units (largest {biggest:,} elements), "
                       f"{sum(p.numel() for p in persistent):,} persistent elements, live window {window:,}")

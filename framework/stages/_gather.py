@@ -288,7 +288,7 @@ class Gatherer:
         self.hits += unit.state is not UnitState.SHARDED
         if unit.state is UnitState.SHARDED:
             self._make_room(unit.numel, exclude=unit)
-            self._start_gather(unit, in_place=True)
+            self._start_gather(unit)
         self._finish_gather(unit)
         self._prefetch()
 
@@ -308,7 +308,7 @@ class Gatherer:
             if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.limits.max_live):
                 break
             if unit.state is UnitState.SHARDED:
-                self._start_gather(unit, in_place=True)
+                self._start_gather(unit)
 
     def _next_use_distance(self, unit: Unit) -> int | None:
         """Elements of other units used before ``unit`` is used again (per the trace)."""
@@ -351,11 +351,15 @@ class Gatherer:
         return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
-    def _start_gather(self, unit: Unit, in_place: bool = False) -> None:
-        """Start gathering ``unit``; ``in_place``: groups whose shard is the whole buffer (``_in_place``)
-        use it as their gathered buffer. The hooks' gathers do; ``gather_now`` (framework.gathered,
-        the persistent unit, consolidation) does not, so values modified inside framework.gathered
-        without ``modifier_rank`` are discarded at every world size."""
+    def _start_gather(self, unit: Unit) -> None:
+        """Start gathering ``unit`` for the hooks (train and eval passes): groups whose shard is the
+        whole buffer (``_in_place``) use it as their gathered buffer."""
+        self._launch_gather(unit, in_place=True)
+
+    def _launch_gather(self, unit: Unit, in_place: bool) -> None:
+        """Start gathering ``unit``. ``gather_now`` (framework.gathered, the persistent unit,
+        consolidation) gathers into a buffer of its own at every world size, so values modified inside
+        framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:
@@ -475,7 +479,7 @@ class Gatherer:
         if unit.state is not UnitState.SHARDED:
             self._finish_gather(unit)
             return False
-        self._start_gather(unit)
+        self._launch_gather(unit, in_place=False)
         self._finish_gather(unit)
         return True
 
