@@ -281,6 +281,38 @@ def test_gathered_modification_and_16bit_export(pools):
     plain.load_state_dict(export)  # loadable by the plain model
 
 
+def test_world1_gathers_in_place_and_gathered_still_discards_edits():
+    """At world size 1 the hooks use each shard as its gathered buffer (no copy), while
+    framework.gathered keeps a buffer of its own: an edit without modifier_rank is discarded as at
+    any world size, one with modifier_rank=0 reaches the shard and the training forward."""
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, _local())
+    g = engine.components.stage.gatherer
+    w = module.blocks[0].mlp.fc.weight
+    seen = []
+    hook = module.blocks[0].mlp.register_forward_pre_hook(lambda m, a: seen.append(
+        (m.fc.weight.untyped_storage().data_ptr(), m.fc.weight.detach().clone())))
+    shard = w.zero3_unit.groups[0].shard
+    batch = data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
+    state, _ = engine.train_step(engine.state, batch)
+    assert seen[-1][0] == shard.untyped_storage().data_ptr()   # the forward computed on the shard itself
+    with framework.gathered([w]):
+        assert w.untyped_storage().data_ptr() != shard.untyped_storage().data_ptr()
+        before = w.detach().clone()
+        with torch.no_grad():
+            w.fill_(0.25)
+    with framework.gathered([w]):
+        assert torch.equal(w, before)   # discarded
+    with framework.gathered([w], modifier_rank=0):
+        with torch.no_grad():
+            w.fill_(0.5)
+    engine.eval_step(state, data.val_batches(1, batch=2, rank=0, world=1))
+    assert torch.all(seen[-1][1] == 0.5)
+    hook.remove()
+    assert all(u.state.value == "sharded" for u in g.units) and w.numel() == 0
+
+
 class Sometimes(nn.Module):
     """A branch used only on even steps (its parameters get no gradient on odd steps)."""
 
@@ -320,8 +352,11 @@ def _sometimes_both(dist):
     return {s: _sometimes(dist, s) for s in ("ddp", "zero3")}
 
 
-def test_parameter_unused_in_some_steps(pools):
-    for res in pools(2).run(_sometimes_both, timeout=120):
+@pytest.mark.parametrize("world", [1, 2])
+def test_parameter_unused_in_some_steps(pools, world):
+    # World 1 too: there gradients are added straight into the partition, except for a group
+    # with a missing gradient, which takes the buffer path.
+    for res in [_sometimes_both(_local())] if world == 1 else pools(2).run(_sometimes_both, timeout=120):
         assert res["zero3"][0] == pytest.approx(res["ddp"][0], rel=FP32_RTOL)
         torch.testing.assert_close(res["zero3"][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
 
