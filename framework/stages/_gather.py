@@ -10,12 +10,14 @@ transition raises.
 
 Memory really goes away on release: each unit group gathers into ONE buffer that lives as long as
 the unit, and release resizes that buffer's storage to zero bytes (gathering resizes it back and
-fills it in place). Autograd keeps views of gathered parameters for backward (a Linear saves
-``weight.t()``); those views share the buffer's storage, so they hold no bytes while the unit is
-released and see the refilled values when the unit is gathered again before its backward. Forward: a unit is gathered before its forward and released after it
-(unless it will be reused soon, see ``max_reuse_distance``). Backward: a hook on the unit's
-output gathers it again before its backward; once every parameter's gradient has been
-accumulated its gradients are reduced to their owners and it is released. The first step
+fills it in place). At world size 1 with the shards on the device the hooks skip that buffer: the
+shard is the whole buffer, so it serves as the gathered one (``_in_place``). Autograd keeps views
+of gathered parameters for backward (a Linear saves ``weight.t()``); those views share the
+buffer's storage, so they hold no bytes while the unit is released and see the refilled values
+when the unit is gathered again before its backward. Forward: a unit is gathered before its
+forward and released after it (unless it will be reused soon, see ``max_reuse_distance``).
+Backward: a hook on the unit's output gathers it again before its backward; once every
+parameter's gradient has been accumulated its gradients are reduced to their owners and it is released. The first step
 records the order of unit uses; later steps prefetch along that trace and fall back to
 on-demand gathers (one log line) when the order changes.
 """
