@@ -217,6 +217,11 @@ def test_memory_scaling_check_against_the_formula():
     res = recipes.evaluate(bad, {"checks": want})
     assert [r["passed"] for r in res] == [False, False]
     assert "measured 6 MiB" in res[0]["message"] and "measured/formula 0.50" in res[0]["message"]
+    # "worlds": only those world sizes (zero3 from 2 to 4: 8 MiB -> 4 MiB, saving 4 MiB).
+    jobs = [_job("zero3", 1, 100), _job("zero3", 2, 108), _job("zero3", 4, 104)]
+    res = recipes.evaluate(jobs, {"checks": [{**want[0], "worlds": [2, 4]}, want[0]]})
+    assert [r["passed"] for r in res] == [True, False], [r["message"] for r in res]
+    assert "from world 2 to 4" in res[0]["message"] and res[0]["ratio"] == pytest.approx(1.0)
 
 
 def test_hf_gpt2_zero3_quick(tmp_path):
