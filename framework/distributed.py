@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.distributed as tdist
@@ -23,7 +24,7 @@ import torch.distributed as tdist
 import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
 
 from framework.collectives import Collectives, collectives_for
-from framework.errors import ConfigError, DistributedError
+from framework.errors import ConfigError, DistributedError, FrameworkError
 
 
 @dataclass(frozen=True)
@@ -152,3 +153,20 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
 def disconnect() -> None:
     if tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str) -> None:
+    """Run ``fn`` on every rank, then exchange outcomes with ``gather`` (an all-gather of one object
+    per rank; it doubles as a barrier): a rank that failed raises its own error, the others one
+    naming it, instead of waiting on a peer that will never come to the next collective."""
+    mine: BaseException | None = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+        mine = e
+    errs = gather(None if mine is None else f"rank {rank}: {str(mine).splitlines()[0]}")
+    if mine is not None:
+        raise mine
+    failed = [e for e in errs if e]
+    if failed:
+        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")

@@ -38,6 +38,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from framework.distributed import agree
 from framework.errors import ConfigError, FrameworkError
 from framework.stages._spec import cover
 
@@ -586,21 +587,8 @@ def _write_jobs(out_dir: Path, jobs: list) -> None:
 
 
 def _agree(dist, fn: Callable[[], object], what: str) -> None:
-    """Run ``fn`` on every rank, then exchange outcomes (doubles as a barrier): a rank that failed
-    raises its own error, the others one naming it, instead of waiting on a peer that will
-    never come to the next collective."""
-    mine: BaseException | None = None
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
-        mine = e
-    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {str(mine).splitlines()[0]}",
-                                  what=what)
-    if mine is not None:
-        raise mine
-    failed = [e for e in errs if e]
-    if failed:
-        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
+    """``fn`` on every rank, its outcome agreed on over ``dist`` (``framework.distributed.agree``)."""
+    agree(lambda obj: dist.all_gather_object(obj, what=what), dist.rank, fn, what)
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,

@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 
 from framework.checkpoint import _folder, _rng
 from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata
+from framework.distributed import agree
 from framework.errors import CheckpointError
 from framework.errors import ConfigError, FrameworkError
 from framework.state import FORMAT as STATE_FORMAT, _dynamic, optimizer_leaves
@@ -122,20 +123,13 @@ class _Group:
         return out
 
     def enter(self, stack: contextlib.ExitStack, context, what: str):
-        """``stack.enter_context(context)`` on every rank, agreed on: when it fails on some rank
-        (a damaged swap file), every rank raises at once, naming it, instead of the others
-        waiting for it in the next collective."""
-        try:
-            value, mine = stack.enter_context(context), None
-        except FrameworkError as e:
-            value, mine = None, e
-        errs = self.all_gather(None if mine is None else f"rank {self.rank}: {str(mine).splitlines()[0]}", what)
-        if mine is not None:
-            raise mine
-        failed = [e for e in errs if e]
-        if failed:
-            raise FrameworkError(f"checkpoint {what} failed on another rank: {failed[0]}")
-        return value
+        """``stack.enter_context(context)`` on every rank, agreed on (``framework.distributed.agree``):
+        when it fails on some rank (a damaged swap file), every rank raises at once, naming it,
+        instead of the others waiting for it in the next collective."""
+        entered = []
+        agree(lambda obj: self.all_gather(obj, what), self.rank,
+              lambda: entered.append(stack.enter_context(context)), f"checkpoint {what}")
+        return entered[0]
 
     def dcp_kwargs(self) -> dict:
         return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}

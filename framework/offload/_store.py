@@ -362,14 +362,13 @@ class DiskStore:
         self.settle()
         fmap = self.file.map(write)
         views: dict[int, list[torch.Tensor]] = {}
-        extents = [(key, j, t) for key, e in self.entries.items() for j, t in enumerate(e.swapped)]
-        for i, (key, j, t) in enumerate(extents):
-            name = f"{key}.{j}"
+        extents = [(f"{key}.{j}", key, j, t) for key, e in self.entries.items() for j, t in enumerate(e.swapped)]
+        if not write:
+            fmap.prefetch(extents[0][0])
+        for i, (name, key, j, t) in enumerate(extents):
             if not write:
-                if i == 0:
-                    fmap.prefetch(name)
                 if i + 1 < len(extents):   # the next extent is read while this one is checked
-                    fmap.prefetch("{}.{}".format(*extents[i + 1][:2]))
+                    fmap.prefetch(extents[i + 1][0])
                 self.io.verify(self.file, self.file.extent(name)[0], fmap.padded(name),
                                what=f"{self.name} piece {key} tensor {j}")
             views.setdefault(key, []).append(fmap.extent(name, t.dtype, t.shape))
