@@ -57,7 +57,8 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
                 loss = c.loss_fn(c.module, micro)
-                c.stage.backward(loss * (scale / n), sync=k == n - 1)
+                with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
+                    c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()
             c.update.drain()
             grads = c.stage.reduce_grads()

@@ -410,7 +410,11 @@ class Gatherer:
         if self.dist.world == 1:
             return
         h = zlib.crc32(repr(record).encode())
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.dist.device)
+        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
+        # from pageable memory, which blocks the host after every backward pass.
+        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
+        t[0].fill_(h)
+        t[1].fill_(-h)
         work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
                                     async_op=True)
         self.pending_checks.append((work, t, h, list(record)))
@@ -422,7 +426,7 @@ class Gatherer:
         checks, self.pending_checks = self.pending_checks, []
         for work, t, h, record in checks:
             self.dist.wait([work], "zero3 order check")
-            if int(t[0]) == -int(t[1]):
+            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
                 continue
             records = self.dist.all_gather_object(record, what="zero3 gather-order records")
             at = next(i for i in range(max(map(len, records)) + 1)
