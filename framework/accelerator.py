@@ -40,9 +40,10 @@ same code runs on three implementations:
   - per-thread devices: a thread other than the one that created the accelerator must call
     ``bind_thread`` (on CUDA: ``set_device``) before it queues device work or pins memory, or its
     CUDA context would land on GPU 0;
-  - host syncs: inside ``hot(...)`` (the backward pass, where every hook runs) a framework
-    function that reads device memory on the host (``.item()``, ``.tolist()``, ``bool(t)``,
-    ``.cpu()``, ``nonzero``, ...) raises ``HostSync``; user and model code is not ours to judge;
+  - host syncs: inside ``hot(...)`` (the backward pass) and inside hooks registered through
+    ``hook(...)``, a framework function that reads device memory on the host (``.item()``,
+    ``.tolist()``, ``bool(t)``, ``.cpu()``, ``nonzero``, ...) raises ``HostSync``; user and model
+    code is not ours to judge;
   - pinned memory as CUDA's caching host allocator holds it: each pinned buffer rounded up to a
     power of two, freed blocks kept for reuse (``pinned_stats``).
 
@@ -61,7 +62,7 @@ import sys
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -141,6 +142,10 @@ class Accelerator(Protocol):
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         """A region where framework code must not make the host wait for the device (checked)."""
 
+    def hook(self, fn: Callable, where: str) -> Callable:
+        """``fn`` for registration as a module, tensor or autograd hook (checked: no host syncs in it;
+        autograd runs hooks outside the caller's ``hot`` region)."""
+
     def pinned_stats(self) -> dict[str, int]:
         """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
 
@@ -177,6 +182,9 @@ class _Unchecked:
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def hook(self, fn: Callable, where: str) -> Callable:
+        return fn
 
     def verify(self) -> None:
         pass
@@ -383,7 +391,7 @@ def _ours(filename: str) -> bool:
             and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
 
 
-def _place(depth: int = 3) -> str:
+def _place(depth: int = 5) -> str:
     """Where the framework code calling into the checker is: up to ``depth`` framework frames,
     innermost first ("framework/offload/base.py:512 in load_shard <- ...")."""
     f, out = sys._getframe(1), []
@@ -614,6 +622,12 @@ class CheckingCpuAccelerator:
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return _NoHostSync(self, where)
+
+    def hook(self, fn: Callable, where: str) -> Callable:
+        def checked(*args, **kwargs):
+            with _NoHostSync(self, where):
+                return fn(*args, **kwargs)
+        return checked
 
     @staticmethod
     def _keeper(t: Tensor, table: dict, key: int) -> weakref.ref:
