@@ -250,10 +250,11 @@ class CudaAccelerator(_Unchecked):
                 raise DeviceMismatch(f"{what}: expected a host tensor, got one on {t.device}")
 
     def pinned_stats(self) -> dict[str, int]:
-        """As torch's caching host allocator reports them (zeros where this torch does not)."""
+        """As torch's caching host allocator reports them: blocks handed out and blocks held (both
+        at their power-of-two size; zeros where this torch reports nothing)."""
         stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
-        return {"requested": int(stats.get("allocated_bytes.current", 0)),
-                "reserved": int(stats.get("reserved_bytes.current", 0))}
+        return {"requested": int(stats.get("active_bytes.current", 0)),
+                "reserved": int(stats.get("allocated_bytes.current", 0))}
 
 
 # --- CPU, plain ---------------------------------------------------------------------------------
