@@ -383,11 +383,10 @@ _SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__ind
 _HERE = os.path.abspath(__file__)
 _PACKAGE = os.path.dirname(_HERE) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-_THREADING = os.path.dirname(os.path.abspath(threading.__file__)) + os.sep
 
 
 def _ours(filename: str) -> bool:
-    """Framework code, not this module, the mutation harness, nor model code (users' to judge)."""
+    """Framework code other than this module, and not model code (that is the user's to judge)."""
     return (filename.startswith(_PACKAGE) and filename != _HERE
             and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
 
