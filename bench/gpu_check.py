@@ -46,7 +46,7 @@ FLOOR = {"environment": 10, "kernels": 20, "equivalence": 60, "memory": 30, "syn
 # Most telling first (the budget may end the list): offload against the offload peers, then no offload.
 TIMING = ("plain", "zero2-offload", "fsdp2-offload", "deepspeed-zero2-offload", "zero3", "fsdp2", "zero3-offload",
           "zero2")
-TIMING_DRY = ("fsdp2", "zero3-offload")
+TIMING_DRY = ("fsdp2", "deepspeed-zero2-offload")   # (ours runs in memory and sync; DeepSpeed: if installed)
 MEMORY = {"ddp": [], "zero1": ["+stage=zero1"], "zero2": ["+stage=zero2"], "zero3": ["+stage=zero3"],
           "zero2+cpu": ["+stage=zero2", "offload=cpu"], "zero3+cpu params": ["+stage=zero3", "offload=cpu",
                                                                              "offload.params=cpu"]}

@@ -63,7 +63,7 @@ def gloo_pool():
     pool.close()
 
 
-@pytest.mark.parametrize("precision", PRECISIONS[:1] if DRY else PRECISIONS)
+@pytest.mark.parametrize("precision", PRECISIONS)
 def test_two_ranks_over_gloo_with_cuda_tensors(precision, gloo_pool, refs):
     out = gloo_pool.run(run_all, list(CASES), precision, timeout=600)
     failed = _check_all(out[0], refs(precision, 2), precision, 2, "gloo")
