@@ -1,11 +1,13 @@
 # make train : set up .venv and run the default job (python -m framework.train)
 # make test  : set up .venv and run the whole test suite
+# make gpu-check : on a GPU machine, everything to verify there in one run (bench/gpu_check.sh; PYTHON=... picks
+#                  the interpreter, ARGS=--dry-run runs it on the CPU)
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -23,6 +25,9 @@ train: setup
 
 test: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+gpu-check:
+	PYTHON="$${PYTHON:-python3}" bash bench/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs multirun

@@ -1,18 +1,20 @@
-"""One-GPU checks of issues 3-5: s/step, tokens/s and peak memory of our stages next to plain PyTorch.
+"""One-GPU benchmark: s/step, tokens/s and peak memory of our stages next to plain PyTorch, FSDP2
+and (where installed) DeepSpeed, on the anchor config.
 
-    python -m bench.gpu                       # every system below, REFERENCE §6 config, on cuda:0
+    python -m bench.gpu                       # every system below, on cuda:0
     python -m bench.gpu --systems plain,zero2-offload,zero2-offload-overlap --steps 10
     python -m bench.gpu --tiny                # smoke test: a small GPT, a few steps, CPU is fine
     python -m bench.gpu --systems zero3-offload,zero3-nvme --nvme-dir /local/nvme   # NVMe rows
 
-The config is REFERENCE §6: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1024
-(`model=gpt-1b`, 1.417 B params), batch 16 x 1024 tokens, bf16, AdamW, clipping 1.0, world size 1.
-Every system runs in its own subprocess, so peak memory is its own; each prints one JSON line and
-the parent prints a markdown table with the anchors of REFERENCE §6 beside it. Per phase
-(milliseconds, median): forward, backward (for zero2 offload with overlap_step the speculative host
-steps run during it), reduce (gradient partitions to the host), apply (clip, optimizer step, copy
-back and gather). The GPU is synchronised at each phase boundary; the step time comes from an
-unsynchronised run of the same steps first.
+The anchor config: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1024 (``model=gpt-1b``,
+1.417 B params), batch 16 x 1024 tokens, bf16, AdamW, clipping 1.0, world size 1. Every system runs
+in its own subprocess, so peak memory is its own; each prints one JSON line and the parent prints
+a markdown table with the anchors measured on one H200 (torch 2.11, DeepSpeed 0.19.8) beside it.
+Our rows also carry the estimator's device peak for the same config (``framework._memory``).
+Per phase (milliseconds, median): forward, backward (for zero2 offload with overlap_step the
+speculative host steps run during it), reduce (gradient partitions to the host), apply (clip,
+optimizer step, copy back and gather). The GPU is synchronised at each phase boundary; the step
+time comes from an unsynchronised run of the same steps first.
 """
 from __future__ import annotations
 
@@ -39,7 +41,16 @@ SYSTEMS = {  # name -> overrides of ours (None: plain PyTorch)
     "zero3-nvme": ["+stage=zero3", "offload=nvme", "offload.sub_group_size=100000000",
                    "offload.pipeline_read=true", "offload.pipeline_write=true"],
 }
-ANCHORS = {"plain": "plain PyTorch 0.297 s, 54.8 GiB; FSDP2 CPU offload 0.818 s; DeepSpeed ZeRO-2 offload 0.934 s"}
+# Peers (not our code): FSDP2 with and without CPU offload, DeepSpeed ZeRO-2 with CPU offload.
+PEERS = ("fsdp2", "fsdp2-offload", "deepspeed-zero2-offload")
+# Measured on one H200 (16 host cores, torch 2.11, DeepSpeed 0.19.8): s/step, peak GPU GiB.
+ANCHORS = {"plain": (0.297, 54.8), "fsdp2": (0.283, 49.7), "fsdp2-offload": (0.818, 33.8),
+           "deepspeed-zero2-offload": (0.934, 36.3), "zero2": (0.328, 51.9), "zero3": (0.356, 55.5),
+           "zero2-offload": (0.934, 36.3), "zero3-offload": (1.021, 36.2)}
+ANCHOR_NAMES = {"plain": "plain PyTorch", "fsdp2": "FSDP2", "fsdp2-offload": "FSDP2 + CPUOffloadPolicy",
+                "deepspeed-zero2-offload": "DeepSpeed ZeRO-2 offload", "zero2": "DeepSpeed ZeRO-2",
+                "zero3": "DeepSpeed ZeRO-3", "zero2-offload": "DeepSpeed ZeRO-2 offload",
+                "zero3-offload": "DeepSpeed ZeRO-3 offload"}
 FULL = ["model=gpt-1b", "train.micro_batch=16"]
 TINY = ["model=gpt-nano", "model.vocab_size=512", "model.context=64", "train.micro_batch=4"]
 COMMON = ["precision=bf16", "optimizer=adamw", "train.grad_clip=1.0", "scheduler=constant", "logger=none"]
@@ -92,6 +103,88 @@ def _plain_step(cfg, device):
     return step, {}
 
 
+def _world_one_group(device) -> None:
+    """A one-rank process group for the peers that need one (FSDP2, DeepSpeed)."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=tdist.HashStore(), rank=0,
+                                 world_size=1, device_id=device if device.type == "cuda" else None)
+
+
+def _fsdp2_step(cfg, device, offload: bool):
+    """FSDP2 (torch's fully_shard), bf16 compute, fp32 master, per-Block units; with ``offload`` its
+    CPUOffloadPolicy (parameters, gradients and the fused AdamW step on the host)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from framework.build import component
+    from framework.models.gpt import gpt_loss
+
+    _world_one_group(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = component(cfg, "model").build(cfg.model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    extra = {"offload_policy": CPUOffloadPolicy()} if offload else {}
+    for m in model.modules():
+        if type(m).__name__ == "Block":
+            fully_shard(m, mp_policy=mp, **extra)
+    fully_shard(model, mp_policy=mp, **extra)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
+                             {"params": rest, "weight_decay": 0.0}], lr=cfg.optimizer.lr, fused=True)
+
+    def step(batch):
+        loss = gpt_loss(model, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return step, {}
+
+
+def _deepspeed_step(cfg, device):
+    """DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16; only where installed."""
+    import deepspeed
+
+    from framework.build import component
+    from framework.models.gpt import gpt_loss
+
+    _world_one_group(device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = component(cfg, "model").build(cfg.model)
+    ds = {"train_micro_batch_size_per_gpu": cfg.train.micro_batch, "gradient_accumulation_steps": 1,
+          "gradient_clipping": cfg.train.grad_clip, "bf16": {"enabled": True},
+          "optimizer": {"type": "AdamW", "params": {"lr": cfg.optimizer.lr, "weight_decay": cfg.optimizer.weight_decay}},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+
+    def step(batch):
+        loss = gpt_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return step, {}
+
+
+def _predicted_gib(cfg, device) -> float | None:
+    """The estimator's device peak for ``cfg`` at world size 1 (GiB)."""
+    from framework._memory import predict
+    from framework.build import component
+
+    try:
+        with torch.device("meta"):   # the model as the benchmark builds it (its own vocabulary)
+            module = component(cfg, "model").build(cfg.model)
+        return round(predict(cfg, world=1, module=module).device_peak(device.type == "cuda") / 2**30, 2)
+    except Exception:  # noqa: BLE001 - a benchmark row without a prediction rather than none at all
+        return None
+
+
 def _ours_step(cfg, device):
     from framework import initialize
     from framework.build import component
@@ -122,12 +215,16 @@ def run_one(name: str, tiny: bool, warmup: int, steps: int, nvme_dir: str | None
     from framework.config import compose
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    nvme = [f"offload.nvme_path={nvme_dir}"] if nvme_dir and "offload=nvme" in (SYSTEMS[name] or []) else []
-    if tiny and "offload=nvme" in (SYSTEMS[name] or []):
+    nvme = [f"offload.nvme_path={nvme_dir}"] if nvme_dir and "offload=nvme" in (SYSTEMS.get(name) or []) else []
+    if tiny and "offload=nvme" in (SYSTEMS.get(name) or []):
         nvme.append("offload.sub_group_size=20000")
-    cfg = compose([*(TINY if tiny else FULL), *COMMON, *(SYSTEMS[name] or []), *nvme])
-    build = _plain_step if SYSTEMS[name] is None else _ours_step
-    step, extra = build(cfg, device)
+    cfg = compose([*(TINY if tiny else FULL), *COMMON, *(SYSTEMS.get(name) or []), *nvme])
+    if name in PEERS:
+        step, extra = (_deepspeed_step(cfg, device) if name.startswith("deepspeed") else
+                       _fsdp2_step(cfg, device, offload=name.endswith("offload")))
+    else:
+        build = _plain_step if SYSTEMS[name] is None else _ours_step
+        step, extra = build(cfg, device)
     gen = torch.Generator().manual_seed(0)
     batches = [_batch(cfg, device, gen) for _ in range(4)]
     losses, times = [], []
@@ -148,7 +245,8 @@ def run_one(name: str, tiny: bool, warmup: int, steps: int, nvme_dir: str | None
     out = {"system": name, "s_per_step": round(s, 4),
            "tokens_per_s": round(cfg.train.micro_batch * cfg.model.context / s),
            "peak_gpu_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None,
-           "first_loss": losses[0], "last_loss": losses[-1], "phases_ms": phases, "device": str(device)}
+           "first_loss": losses[0], "last_loss": losses[-1], "phases_ms": phases, "device": str(device),
+           "predicted_gib": _predicted_gib(cfg, device) if name in SYSTEMS and SYSTEMS[name] is not None else None}
     engine = extra.get("engine")
     if engine is not None:
         update = engine.components.update
@@ -159,9 +257,16 @@ def run_one(name: str, tiny: bool, warmup: int, steps: int, nvme_dir: str | None
     return out
 
 
+def anchor(system: str) -> str:
+    if system not in ANCHORS:
+        return "-"
+    t, gib = ANCHORS[system]
+    return f"{ANCHOR_NAMES[system]} {t} s, {gib} GiB"
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join([*SYSTEMS, *PEERS]))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--tiny", action="store_true")
@@ -172,9 +277,9 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_one(args.one, args.tiny, args.warmup, args.steps, args.nvme_dir)), flush=True)
         return
     names = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in names if s not in SYSTEMS]
+    unknown = [s for s in names if s not in SYSTEMS and s not in PEERS]
     if unknown:
-        ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
+        ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join([*SYSTEMS, *PEERS])}")
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     print(f"{gpu}; torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     rows = []
@@ -190,12 +295,13 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(json.loads(lines[-1]))
         print(lines[-1], flush=True)
     base = next((r["s_per_step"] for r in rows if r["system"] == "plain"), None)
-    print("\n| system | s/step | vs plain | tokens/s | peak GPU GiB | phases (ms) |\n|---|---|---|---|---|---|")
+    print("\n| system | s/step | vs plain | tokens/s | peak GPU GiB | estimated GiB | anchor (one H200) | phases (ms) |"
+          "\n|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['s_per_step'] / base:.2f}x" if base else "-"
         phases = ", ".join(f"{k} {v}" for k, v in r["phases_ms"].items())
-        print(f"| {r['system']} | {r['s_per_step']:.3f} | {ratio} | {r['tokens_per_s']:,} | {r['peak_gpu_gib']} | {phases} |")
-    print(f"\nREFERENCE §6 anchors (one H200): {ANCHORS['plain']}")
+        print(f"| {r['system']} | {r['s_per_step']:.3f} | {ratio} | {r['tokens_per_s']:,} | {r['peak_gpu_gib']} | "
+              f"{r.get('predicted_gib')} | {anchor(r['system'])} | {phases} |")
 
 
 if __name__ == "__main__":

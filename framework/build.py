@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from framework.accelerator import for_device
 from framework.config import Config, compose
 from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
@@ -222,7 +221,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
-    offload = component(cfg, "offload").build(cfg.offload, accelerator=for_device(dist.device))
+    offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
     # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);

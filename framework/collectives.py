@@ -72,7 +72,7 @@ class Collectives:
         self.rank, self.world = dist.rank, dist.world
 
     def _go(self, what: str, fn, *args, **kwargs):
-        return self.dist._run(what, fn, *args, async_op=True, **kwargs)
+        return self.dist._issue(what, fn, *args, async_op=True, **kwargs)
 
     def wait(self, pending: Pending | Iterable[Pending], what: str) -> None:
         p = pending if isinstance(pending, Pending) else Pending.of(pending)
@@ -107,22 +107,40 @@ class Collectives:
 
 
 class Local(Collectives):
-    """World size 1: every collective is a no-op (the one rank's values are already the result)."""
+    """World size 1: every collective is a no-op (the one rank's values are already the result).
+    The checking accelerator still sees each one as issued and waited for, so a world-1 run
+    checks the stream order that more ranks need."""
+
+    def _none(self, what: str, *tensors: Tensor) -> Pending:
+        token = self.dist.acc.collective(tensors, what)
+        return Pending() if token is None else Pending([_Done(self.dist.acc, token)])
 
     def all_reduce(self, t, what, op=SUM):
-        return Pending()
+        return self._none(what, t)
 
     def broadcast(self, t, src, what):
-        return Pending()
+        return self._none(what, t)
 
     def all_gather_into(self, full, shard, what, chunk=None):
-        return Pending()
+        return self._none(what, full)
 
     def reduce_scatter(self, chunks, what):
-        return Pending()
+        return self._none(what, *chunks)
 
     def reduce_to_owners(self, buf, start, shard, what):
-        return Pending()
+        return self._none(what, buf)
+
+
+class _Done:
+    """The work of a world-1 collective under the checking accelerator: nothing to wait for but
+    the stream order."""
+
+    def __init__(self, acc, token):
+        self.acc, self.token = acc, token
+
+    def wait(self) -> bool:
+        self.acc.collective_done(self.token)
+        return True
 
 
 class Gloo(Collectives):

@@ -16,9 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+try:
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framework._plainconf composes
+    DictConfig = OmegaConf = None
 
+    class OmegaConfBaseException(Exception):
+        pass
+
+from framework import _plainconf
 from framework.errors import ConfigError
 from framework.registry import GROUPS, closest_hint, registry
 
@@ -137,6 +144,8 @@ def _check_keys(node: Any, schema: type, prefix: str) -> None:
 
 def _typed(node: Mapping, schema: type, prefix: str) -> Any:
     _check_keys(node, schema, prefix)
+    if OmegaConf is None:
+        return _plainconf.typed(node, schema, prefix)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
@@ -148,12 +157,17 @@ def _typed(node: Mapping, schema: type, prefix: str) -> Any:
 
 def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     """Check a composed config against the schemas; return the typed, frozen Config."""
-    raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-    raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
-    try:
-        raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config: {' '.join(str(e).split())}") from None
+    if OmegaConf is None:
+        import copy
+        raw = copy.deepcopy(dict(cfg))
+        raw.pop("hydra", None)
+    else:
+        raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
+        raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+        try:
+            raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config: {' '.join(str(e).split())}") from None
     roots = list(ROOT_KEYS) + list(GROUPS)
     for key in raw:
         if key not in roots:
@@ -251,6 +265,8 @@ def group_overrides_to_force(overrides: list[str]) -> list[str]:
     key in lets ``validate`` reject it against the schema with one line and the closest
     valid key. Group choices (``optimizer=lion``, ``+stage=zero3``) and hydra.* pass as is.
     """
+    if not have_hydra():   # the plain composer sets every key it is given; validate judges them
+        return list(overrides)
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out = []
@@ -262,7 +278,16 @@ def group_overrides_to_force(overrides: list[str]) -> list[str]:
     return out
 
 
-Composer = Callable[[list[str]], tuple[DictConfig, dict[str, str]]]
+Composer = Callable[[list[str]], tuple[Any, dict[str, str]]]
+
+
+def have_hydra() -> bool:
+    """Whether Hydra can be imported (else ``compose`` composes with ``framework._plainconf``)."""
+    try:
+        import hydra  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
@@ -273,6 +298,8 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
     ``--config-name`` do on the command line (a recipe's ``config.yaml``, which lists ``train`` in
     its defaults); conf/ stays on the search path so its groups resolve.
     """
+    if not have_hydra():
+        return _plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -396,19 +423,22 @@ class CommandLine:
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
-        from hydra.core.override_parser.overrides_parser import OverridesParser
-
+        if have_hydra():
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+            parsed = [(o.key_or_group, o.is_delete(), o.value()) for o in
+                      OverridesParser.create().parse_overrides(overrides)]
+        else:
+            parsed = [(o.key, o.prefix == "~", o.value) for o in map(_plainconf.parse, overrides)]
         keys, choices, ds_config, strict = set(), {}, None, False
-        for o in OverridesParser.create().parse_overrides(overrides):
-            key = o.key_or_group
-            if key.startswith("hydra") or o.is_delete():
+        for key, delete, value in parsed:
+            if key.startswith("hydra") or delete:
                 continue
             if key.split("@")[0] in GROUPS:
-                choices[key.split("@")[0]] = str(o.value())
+                choices[key.split("@")[0]] = str(value)
             elif key == "ds_config":
-                ds_config = None if o.value() is None else str(o.value())
+                ds_config = None if value is None else str(value)
             elif key == "ds_config_strict":
-                strict = o.value() in (True, "true", "True")
+                strict = value in (True, "true", "True")
             else:
                 keys.add(key)
         return CommandLine(frozenset(keys), choices, ds_config, strict)
@@ -421,7 +451,12 @@ def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | No
     from framework.paths import conf_dir
 
     def yaml_keys(path: Path, prefix: str) -> set[str]:
-        node = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.is_file() else {}
+        if not path.is_file():
+            node = {}
+        elif OmegaConf is None:
+            node = _plainconf.load_yaml(path)
+        else:
+            node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         return set(flat({k: v for k, v in (node or {}).items() if k not in ("defaults", "hydra")}, prefix))
 
     in_yaml = yaml_keys(conf_dir() / "train.yaml", "")

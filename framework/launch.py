@@ -4,6 +4,10 @@ Spawned ranks rendezvous through a FileStore in a private temp folder and gloo i
 the loopback interface, so nothing listens on a network address. Under torchrun the
 environment describes the group, which is created once per process and reused by every job
 of a multirun (re-creating it per job hangs under torchrun).
+
+Each rank gets its share of the host's cores for torch's threads (the host optimizer step of
+offload runs there), on CUDA as on the CPU. A rank that NCCL's watchdog aborted (SIGABRT after
+a collective waited longer than dist.timeout_s: a peer died or stalled) is named as such.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import atexit
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from dataclasses import replace
@@ -20,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from framework.config import Config
-from framework.distributed import Dist, connect, disconnect
+from framework.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
 from framework.errors import DistributedError, FrameworkError
 from framework.loggers._base import RunInfo
 from framework.loop import train
@@ -31,13 +36,50 @@ def launch(cfg: Config, run: RunInfo) -> dict:
     os.environ.update(slurm_task_env())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
+        cap_threads(local_world_size())
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+        _notice(cfg, local_world_size(), dist.is_main)
         if not already:
             atexit.register(disconnect)
         return train(cfg, _agree_run_dir(run, dist), dist)
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
+    # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
+    resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+    _notice(cfg, cfg.dist.nproc, True)
     return _spawn(cfg, run)
+
+
+def _notice(cfg: Config, local_world: int, main: bool) -> None:
+    line = backend_notice(cfg.dist.backend, local_world)
+    if line and main:
+        print(line, file=sys.stderr, flush=True)
+
+
+def cap_threads(local_world: int) -> None:
+    """Give this rank its share of the host's cores for torch's threads: the host optimizer step
+    of offload runs there with CUDA as without it, and oversubscribed threads make every rank
+    slower. Never raises a lower limit (OMP_NUM_THREADS, torchrun's default of 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // max(1, local_world))
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
+
+
+def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float) -> str:
+    """One line for a rank that exited with ``code`` (negative: killed by that signal)."""
+    if code >= 0:
+        return f"rank {rank} of {nproc} exited with code {code} (its error is printed above); the other ranks were stopped"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGABRT" and backend == "nccl":
+        return (f"rank {rank} of {nproc} was aborted by NCCL's watchdog (SIGABRT): a collective waited longer than "
+                f"dist.timeout_s={timeout_s:g}s because a peer rank died or stalled (the thread dump above shows "
+                f"where each thread waited); the other ranks were stopped")
+    why = " (out of memory? see the system log)" if name == "SIGKILL" else ""
+    return f"rank {rank} of {nproc} was killed by {name}{why}; the other ranks were stopped"
 
 
 def slurm_task_env() -> dict[str, str]:
@@ -63,8 +105,9 @@ def _spawn(cfg: Config, run: RunInfo) -> dict:
         mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store")),
                            nprocs=cfg.dist.nproc, join=True, start_method="spawn")
     except mp.ProcessExitedException as e:
-        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} exited with code {e.exit_code} "
-                             f"(its error is printed above); the other ranks were stopped") from None
+        backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+        raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
+                                          cfg.dist.timeout_s)) from None
     except mp.ProcessRaisedException as e:
         raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
                              f"{str(e).strip().splitlines()[-1]}") from None
@@ -74,11 +117,9 @@ def _spawn(cfg: Config, run: RunInfo) -> dict:
 
 
 def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if not torch.cuda.is_available():
-        # Ranks share the host's cores; oversubscribed threads make every rank slower.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
     try:
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
         train(cfg, run, dist)

@@ -57,13 +57,14 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
                 loss = c.loss_fn(c.module, micro)
-                c.stage.backward(loss * (scale / n), sync=k == n - 1)
+                with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
+                    c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()
             c.update.drain()
             grads = c.stage.reduce_grads()
             # One global norm serves clipping and overflow detection: inf/nan propagate through
-            # it, so every rank reaches the same skip decision. Sync point (.item()).
-            norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale
+            # it, so every rank reaches the same skip decision.
+            norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale   # host sync: once a step, decides clip/skip
             overflow = not math.isfinite(norm)
             opt_state = state.opt_state
             if overflow:
@@ -84,8 +85,8 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         c.stage.zero_grads()
         # The logged loss is the mean over the global batch (ranks hold equal shares).
         c.dist.all_reduce(loss_sum, what="loss all-reduce")
-        metrics = {"loss": loss_sum.item() / (n * c.dist.world), "lr": lr, "grad_norm": norm, "loss_scale": scale,
-                   "skipped": overflow, **c.stage.stats()}
+        metrics = {"loss": loss_sum.item() / (n * c.dist.world),   # host sync: the step's loss, once a step
+                   "lr": lr, "grad_norm": norm, "loss_scale": scale, "skipped": overflow, **c.stage.stats()}
         new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
                       rng=capture_rng(c.dist.device),
                       data=batch.position if batch.position is not None else state.data + 1)

@@ -53,9 +53,12 @@ def reference_losses(cfg, steps: int | None = None):
 
 
 def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
-               no_decay_weight_decay: float = 0.0) -> list[float]:
+               no_decay_weight_decay: float = 0.0, device=None) -> list[float]:
     """Train ``model`` in place on one process: torch AdamW (1-D tensors with
-    ``no_decay_weight_decay``), clip_grad_norm_, our schedule; the mean loss of each step."""
+    ``no_decay_weight_decay``), clip_grad_norm_, our schedule; the mean loss of each step.
+    ``device``: where the batches go (the model is already there)."""
+    from framework.utils import to_device
+
     o, t = cfg.optimizer, cfg.train
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -67,7 +70,7 @@ def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
         batch = data.train_batch(step, micro_batch=micro_batch, grad_accum=t.grad_accum, rank=0, world=1)
         total = 0.0
         for micro in batch.micro:
-            loss = loss_fn(model, micro)
+            loss = loss_fn(model, micro if device is None else to_device(micro, device))
             (loss / len(batch.micro)).backward()
             total += loss.item()
         if t.grad_clip > 0:

@@ -14,14 +14,15 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _serve(rank: int, world: int, store: str, conn_list) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", device: str = "auto") -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GLOO_SOCKET_IFNAME="lo")
     import torch
 
     from framework.distributed import connect
 
     torch.set_num_threads(1)
-    dist = connect("gloo", timeout_s=60, store_path=store)
+    dist = connect(backend, timeout_s=60, store_path=store, device=device)
     conn = conn_list[rank]
     while True:
         msg = conn.recv()
@@ -36,13 +37,17 @@ def _serve(rank: int, world: int, store: str, conn_list) -> None:
 
 
 class RankPool:
-    def __init__(self, world: int):
+    """``backend``/``device``: as ``framework.distributed.connect`` takes them (the GPU tests use
+    NCCL, or gloo with CUDA tensors on one GPU)."""
+
+    def __init__(self, world: int, backend: str = "gloo", device: str = "auto"):
         self.world = world
         self._dir = tempfile.mkdtemp(prefix="framework-pool-")
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(world)]
         self._conns = [p[0] for p in pipes]
-        self._ctx = mp.start_processes(_serve, args=(world, os.path.join(self._dir, "store"), [p[1] for p in pipes]),
+        self._ctx = mp.start_processes(_serve, args=(world, os.path.join(self._dir, "store"), [p[1] for p in pipes],
+                                                     backend, device),
                                        nprocs=world, join=False, start_method="spawn")
 
     def run(self, fn, *args, timeout: float = 120, **kwargs) -> list:

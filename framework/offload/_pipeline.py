@@ -71,7 +71,8 @@ class PiecePipeline:
             ks.append(k)
         self.out16 = target.out16()
         ops.cpu_optim()  # load (or build) the kernels here, not racing from two threads later
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step")
+        # The worker queues copies and pins memory: on this rank's device, not the thread default (GPU 0).
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step", initializer=self.acc.bind_thread)
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run

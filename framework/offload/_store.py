@@ -436,6 +436,7 @@ class DiskStore:
         e = self.entries[key]
         slot.key, slot.state = key, "reading"
         self.where[key] = slot
+        self.acc.host_use(writes=[self._view(slot, e, j) for j in range(len(e.swapped))])   # the reads land there
         slot.io = [self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], self._view(slot, e, j),
                                  what=f"{self.name} piece {key} tensor {j}")
                    for j in range(len(e.swapped))]

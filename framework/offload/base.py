@@ -364,9 +364,9 @@ class Placement:
             if error is not None:
                 raise error
             return
-        flag = torch.tensor([0.0 if error is None else 1.0], device=self.dist.device)
+        flag = torch.full((1,), 0.0 if error is None else 1.0, device=self.dist.device)   # no pageable copy
         self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
-        if flag.item() == 0.0:
+        if flag.item() == 0.0:   # host sync: once a step with swap files, every rank must agree
             return
         if error is not None:
             raise error

@@ -178,17 +178,18 @@ class Gatherer:
     def attach(self, root: nn.Module, modules: dict[int, list[nn.Module]]) -> None:
         """Forward hooks on every unit's modules (the root unit on ``root``) and gradient hooks
         on every parameter."""
+        hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for uid, subs in modules.items():
             unit = self.units[uid]
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
-                    lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root)))
+                    hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
                 self.hook_handles.append(module.register_forward_hook(
-                    lambda _m, _a, out, u=unit: self._post_forward(u, out)))
+                    hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
         for unit in [*self.units, *([self.persistent] if self.persistent else [])]:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                    lambda p, u=unit: self._grad_ready(u, p)))
+                    hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward:
@@ -207,7 +208,8 @@ class Gatherer:
         if torch.is_grad_enabled():
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda _grad, u=unit: self._pre_backward(u))
+                    t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
+                                                       "zero3's pre-backward hook"))
         if unit.active == 0 and not self._keep(unit):
             self._release(unit)
 
@@ -221,7 +223,8 @@ class Gatherer:
             self.in_backward = True
             for u in self.units:
                 u.arrived, u.reduced = set(), False
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                self.dist.acc.hook(self._end_backward, "zero3's end-of-backward callback"))
         if unit.in_backward:
             return
         unit.in_backward = True
@@ -410,7 +413,11 @@ class Gatherer:
         if self.dist.world == 1:
             return
         h = zlib.crc32(repr(record).encode())
-        t = torch.tensor([h, -h], dtype=torch.int64, device=self.dist.device)
+        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
+        # from pageable memory, which blocks the host after every backward pass.
+        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
+        t[0].fill_(h)
+        t[1].fill_(-h)
         work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
                                     async_op=True)
         self.pending_checks.append((work, t, h, list(record)))
@@ -422,7 +429,7 @@ class Gatherer:
         checks, self.pending_checks = self.pending_checks, []
         for work, t, h, record in checks:
             self.dist.wait([work], "zero3 order check")
-            if int(t[0]) == -int(t[1]):
+            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
                 continue
             records = self.dist.all_gather_object(record, what="zero3 gather-order records")
             at = next(i for i in range(max(map(len, records)) + 1)

@@ -68,10 +68,11 @@ class Partitions:
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         mine = set()
         for g, (group, start) in zip(grads, self.piece_index):
-            bad = (~torch.isfinite(g)).nonzero().flatten()
+            bad = (~torch.isfinite(g)).nonzero().flatten()   # host sync: slow path, after an overflow
             if bad.numel():
                 base = self.bounds[group][0] + start
-                mine.update(self.layouts[group].names_in(base + int(bad.min()), base + int(bad.max()) + 1))
+                lo, hi = int(bad.min()), int(bad.max())   # host sync: slow path, after an overflow
+                mine.update(self.layouts[group].names_in(base + lo, base + hi + 1))
         return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
 
     def master_memory(self) -> dict[str, int]:

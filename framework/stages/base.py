@@ -106,4 +106,5 @@ class WholeParameters(HookOwner):
     def consolidated_state_dict(self) -> dict | None:
         if not self.dist.is_main:
             return None
+        # host sync: consolidation, between steps
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}

@@ -73,7 +73,8 @@ class DDPStage(WholeParameters):
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "ddp")
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(
+                    self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the ddp gradient hook")))
         return Setup(self.master, [kind for kind, _ in groups])
 
     def _launch(self, i: int) -> None:

@@ -39,7 +39,8 @@ class Zero1Stage(ShardedStage):
         self.work: list = []
         if self.dist.world > 1 and self.cfg.overlap_comm:
             for i, (p, _) in enumerate(entries):
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
+                self.hook_handles.append(p.register_post_accumulate_grad_hook(
+                    self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the zero1 gradient hook")))
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]

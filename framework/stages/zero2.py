@@ -46,7 +46,8 @@ class Zero2Stage(ShardedStage):
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
         for i, p in enumerate(self.params):
-            self.hook_handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self.launcher.ready(i)))
+            self.hook_handles.append(p.register_post_accumulate_grad_hook(
+                self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the zero2 gradient hook")))
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]

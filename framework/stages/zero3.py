@@ -277,7 +277,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
             started = g_.gather_now(unit)
             if self.dist.is_main:
                 for p in unit.params:
-                    value = p.detach().to("cpu", copy=True)
+                    value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
                     for name in p.zero3_names:
                         out[name] = value
             if started:

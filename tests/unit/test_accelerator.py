@@ -162,3 +162,102 @@ def test_a_storage_refilled_elsewhere_starts_a_new_history(acc):
     buf.untyped_storage().resize_(4096)    # ... and buf refilled elsewhere
     if other.data_ptr() == old:
         acc.use(reads=[other])             # the copy stream's write was to buf's old storage
+
+
+# --- what CUDA adds beyond copies: NCCL's stream, the caching allocator, threads, syncs, pinned memory
+
+
+def test_a_collective_is_ordered_after_its_issuing_stream_and_before_its_waiter(acc):
+    dev = _produce(acc)
+    token = acc.collective([dev], "all-reduce")   # issued on compute, after the producer: fine
+    with pytest.raises(OrderError, match="compute on stream 'compute' reads .* stream 'collectives' wrote"):
+        acc.use(reads=[dev])                       # the result before the work's wait
+    acc.collective_done(token)
+    acc.use(reads=[dev])
+    side, fresh = acc.new_stream("side"), torch.zeros(8)
+    host = acc.empty_host(8, torch.float32)
+    with acc.stream(side):
+        acc.copy(fresh, host, non_blocking=True)    # a side stream writes the input...
+    with pytest.raises(OrderError, match="collective 'x' on stream 'collectives'"):
+        acc.collective([fresh], "x")                # ...and the collective is issued unordered on compute
+
+
+def test_freeing_memory_a_side_stream_still_reads_is_reported_at_the_next_call(acc):
+    host, side = acc.empty_host(1 << 10, torch.float32), acc.new_stream("copy")
+    tmp = torch.ones(1 << 10)
+    with acc.stream(side):
+        acc.copy(host, tmp, non_blocking=True)
+    del tmp                                          # the caching allocator could hand it out now
+    with pytest.raises(OrderError, match="used by stream 'copy' .* was freed .*record_stream"):
+        acc.use(reads=[torch.zeros(2)])
+
+
+def test_free_after_an_event_or_with_record_stream_is_fine(acc):
+    host, side = acc.empty_host(1 << 10, torch.float32), acc.new_stream("copy")
+    for fix in ("event", "record_stream"):
+        tmp = torch.ones(1 << 10)
+        with acc.stream(side):
+            acc.copy(host, tmp, non_blocking=True)
+            done = acc.event()
+            done.record()
+        if fix == "event":
+            done.synchronize()
+        else:
+            acc.record_stream(tmp, side)
+        del tmp
+        acc.verify()
+
+
+def test_threads_must_set_their_device(acc):
+    import threading
+    errors = []
+
+    def work(bind):
+        try:
+            if bind:
+                acc.bind_thread()
+            acc.empty_host(4, torch.float32)          # pinned: needs the thread's device
+            acc.use(writes=[torch.zeros(4)])
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+    for bind in (False, True):
+        t = threading.Thread(target=work, args=(bind,), name=f"worker-{bind}")
+        t.start()
+        t.join()
+    assert len(errors) == 1 and isinstance(errors[0], DeviceMismatch) and "worker-False" in str(errors[0])
+    acc.empty_host(4, torch.float32, pinned=False)
+
+
+def test_host_syncs_in_hooks_are_framework_code_only(acc):
+    import os
+
+    import framework
+    from framework.accelerator import HostSync
+    x = torch.ones(3, requires_grad=True)
+    x.register_post_accumulate_grad_hook(acc.hook(lambda p: None if bool(p.grad.sum()) else None, "a user hook"))
+    (x * 2).sum().backward()                          # user code may sync (not ours to judge)
+    # A function whose code lives in the framework package, as a stage's hook would.
+    ours = eval(compile("lambda p: bool(p.grad.sum()) and None", os.path.join(os.path.dirname(framework.__file__),
+                                                                        "stages", "hook.py"), "eval"))
+    y = torch.ones(3, requires_grad=True)
+    y.register_post_accumulate_grad_hook(acc.hook(ours, "a framework hook"))
+    with pytest.raises(HostSync, match=r"host sync \(__bool__ .* inside a framework hook, at framework/stages/hook.py"):
+        (y * 2).sum().backward()
+    with acc.hot("a hot region"):
+        with pytest.raises(HostSync, match="inside a hot region"):
+            ours(y)
+        bool(y.sum())                                 # (this test's own sync: not framework code)
+    assert ours(y) is None                            # outside: fine
+
+
+def test_pinned_memory_is_rounded_and_cached_as_cudas_host_allocator_does(acc):
+    before = acc.pinned_stats()
+    a = acc.empty_host(3 << 18, torch.float32)        # 3 MiB -> 4 MiB
+    assert acc.pinned_stats()["reserved"] - before["reserved"] == 4 << 20
+    assert acc.pinned_stats()["requested"] - before["requested"] == 3 << 20
+    del a
+    b = acc.empty_host(1 << 20, torch.float32)        # 4 MiB: the cached block is reused
+    assert acc.pinned_stats()["reserved"] - before["reserved"] == 4 << 20
+    acc.empty_host(1 << 10, torch.float32, pinned=False)
+    assert acc.pinned_stats()["requested"] - before["requested"] == 4 << 20
+    del b

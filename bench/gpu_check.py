@@ -1,0 +1,435 @@
+"""GPU readiness in one command: everything the CPU suite cannot verify, run once, one table.
+
+    bash bench/gpu_check.sh                       # on a GPU machine: at most 8 minutes, nothing installed
+    bash bench/gpu_check.sh --dry-run             # the same code paths on the CPU checking accelerator
+    bash bench/gpu_check.sh --out DIR --budget 480 --skip timing
+
+Checks, in order (each in its own process with its own time limit, so one that fails or hangs is
+reported and the others still run; a check that would not fit in what is left of the budget is
+reported as skipped):
+
+* environment: versions, GPUs, which optional packages exist, the backend ``dist.backend=auto``
+  picks for one and for more local ranks than GPUs, the one-line error of an impossible request;
+* kernels: the C++ host optimizer kernels built (or loaded), the host-step thread's device, pinned
+  memory as CUDA's caching host allocator holds it (power-of-two rounding) next to what was asked;
+* equivalence: ``pytest tests/gpu`` (every stage x offload target, fp32 and bf16, against a
+  single-GPU reference: world 1 on NCCL, two ranks over gloo with CUDA tensors on one GPU, NCCL
+  across GPUs where there are two or more), one row per compared run with its largest differences;
+* memory: peak ``max_memory_allocated`` per stage against the estimator (gpt2-medium, bf16);
+* sync: host syncs the main thread makes during backward, counted by CUDA's sync debug mode
+  (expected 0), and over a whole step (the deliberate ones: gradient norm, loss);
+* timing: the anchor config (GPT 1.417 B, 16 x 1024 tokens, bf16) for plain PyTorch, FSDP2 (with
+  and without CPU offload), DeepSpeed where installed, and our stages (``bench.gpu``).
+
+Writes DIR/gpu_check.md (one Markdown table) and DIR/gpu_check.json, rewritten after every check.
+``--dry-run`` runs each check on the CPU (gloo, FRAMEWORK_ACCELERATOR=check, tiny sizes); the test
+suite runs it without Hydra, OmegaConf and W&B, as the GPU image has none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ORDER = ("environment", "kernels", "equivalence", "memory", "sync", "timing")
+# Seconds a check may take at most on one H200, and the least it needs to be worth starting.
+CAP = {"environment": 60, "kernels": 120, "equivalence": 240, "memory": 120, "sync": 90, "timing": 300}
+FLOOR = {"environment": 10, "kernels": 20, "equivalence": 60, "memory": 30, "sync": 20, "timing": 60}
+# Most telling first (the budget may end the list): offload against the offload peers, then no offload.
+TIMING = ("plain", "zero2-offload", "fsdp2-offload", "deepspeed-zero2-offload", "zero3", "fsdp2", "zero3-offload",
+          "zero2")
+TIMING_DRY = ("fsdp2", "deepspeed-zero2-offload")   # (ours runs in memory and sync; DeepSpeed: if installed)
+MEMORY = {"ddp": [], "zero1": ["+stage=zero1"], "zero2": ["+stage=zero2"], "zero3": ["+stage=zero3"],
+          "zero2+cpu": ["+stage=zero2", "offload=cpu"], "zero3+cpu params": ["+stage=zero3", "offload=cpu",
+                                                                             "offload.params=cpu"]}
+SYNC = {"zero2+cpu": ["+stage=zero2", "offload=cpu", "stage.overlap_comm=true"],
+        "zero3+cpu params": ["+stage=zero3", "offload=cpu", "offload.params=cpu"], "zero3": ["+stage=zero3"]}
+# What one GPU cannot show, whatever the results above say.
+UNRUN_ONE_GPU = [
+    "NCCL collectives between ranks (framework.collectives.Nccl: reduce_scatter_tensor, all_gather_into_tensor, "
+    "per-owner reduce) and their ordering on NCCL's stream: need two GPUs",
+    "NCCL's watchdog abort of a rank whose peer died (the launcher's SIGABRT message): needs two GPUs",
+    "the host-step thread's device on a multi-GPU node (without bind_thread its context lands on GPU 0): "
+    "with one GPU every thread's device is GPU 0 anyway",
+    "dist.backend=auto choosing NCCL for several local ranks: needs as many GPUs as ranks",
+]
+
+
+def row(check: str, item: str, ok, value="", expected="", note="") -> dict:
+    return {"check": check, "item": item, "ok": ok, "value": str(value), "expected": str(expected), "note": str(note)}
+
+
+def _device(dry: bool):
+    import torch
+    return torch.device("cpu") if dry or not torch.cuda.is_available() else torch.device("cuda", 0)
+
+
+# --- the checks (each runs in a child process: ``--one NAME``) ------------------------------------
+
+def check_environment(dry: bool, out: Path) -> list[dict]:
+    import torch
+
+    from framework.distributed import backend_notice, gpu_count, resolve_backend
+    from framework.errors import ConfigError
+
+    rows = [row("environment", "python", True, platform.python_version()),
+            row("environment", "torch", True, torch.__version__, "2.11 (GPU image) or 2.13"),
+            row("environment", "CUDA", torch.cuda.is_available() or dry, torch.version.cuda or "none"),
+            row("environment", "host cores", True, os.cpu_count())]
+    gpus = gpu_count()
+    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
+    rows.append(row("environment", "GPUs", gpus > 0 or dry, f"{gpus}: {', '.join(names) or '-'}"))
+    for mod in ("hydra", "omegaconf", "wandb", "deepspeed", "transformers", "yaml", "ninja"):
+        try:
+            __import__(mod)
+            have = "installed"
+        except ImportError:
+            have = "not installed"
+        rows.append(row("environment", f"import {mod}", None, have,
+                        "not needed" if mod in ("hydra", "omegaconf", "wandb", "deepspeed") else "needed"))
+    rows.append(row("environment", "dist.backend=auto, 1 local rank", True, resolve_backend("auto", 1),
+                    "nccl" if gpus else "gloo"))
+    more = max(2, gpus + 1)
+    picked = resolve_backend("auto", more)
+    rows.append(row("environment", f"dist.backend=auto, {more} local ranks", picked == "gloo", picked,
+                    "gloo (more ranks than GPUs)", backend_notice("auto", more) or ""))
+    try:
+        resolve_backend("nccl", more)
+        rows.append(row("environment", f"dist.backend=nccl, {more} local ranks", False, "accepted", "one-line error"))
+    except ConfigError as e:
+        rows.append(row("environment", f"dist.backend=nccl, {more} local ranks", "\n" not in str(e), str(e),
+                        "one-line error"))
+    return rows
+
+
+def check_kernels(dry: bool, out: Path) -> list[dict]:
+    import torch
+
+    from framework import ops
+    from framework.accelerator import for_device
+
+    rows = []
+    t = time.perf_counter()
+    ops.cpu_optim()
+    rows.append(row("kernels", "C++ host optimizer kernels", ops.available(),
+                    f"{'available' if ops.available() else ops.status()} in {time.perf_counter() - t:.1f} s",
+                    "available (else the slower PyTorch fallback)"))
+    device = _device(dry)
+    acc = for_device(device)
+    seen = {}
+
+    def worker():
+        acc.bind_thread()
+        seen["device"] = torch.cuda.current_device() if device.type == "cuda" else "cpu"
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    want = device.index if device.type == "cuda" else "cpu"
+    rows.append(row("kernels", "a worker thread's device after bind_thread", seen.get("device") == want,
+                    seen.get("device"), want))
+    before = acc.pinned_stats()
+    keep = [acc.empty_host(n, torch.uint8) for n in (3 << 20, 5 << 20, 9 << 20)]
+    after = acc.pinned_stats()
+    asked = sum(t.numel() for t in keep)
+    grew = after["reserved"] - before["reserved"]
+    rows.append(row("kernels", "pinned 3+5+9 MiB: bytes the host allocator reserves", None,
+                    f"{grew / 2**20:.0f} MiB for {asked / 2**20:.0f} MiB asked",
+                    "28 MiB (4 + 8 + 16: each rounded up to a power of two)",
+                    "the offload ledger counts what is asked; the arena work will close the gap"))
+    ev = acc.event()
+    ev.record()
+    t = time.perf_counter()
+    ev.synchronize()
+    rows.append(row("kernels", "event synchronize (blocking events)", True, f"{(time.perf_counter() - t) * 1e6:.0f} us"))
+    return rows
+
+
+def check_equivalence(dry: bool, out: Path) -> list[dict]:
+    import xml.etree.ElementTree as ET
+
+    report, junit = out / "equivalence.jsonl", out / "equivalence.xml"
+    report.unlink(missing_ok=True)
+    env = {**os.environ, "FRAMEWORK_GPU_REPORT": str(report)}
+    if dry:
+        env.update(FRAMEWORK_GPU_DRY="1", FRAMEWORK_ACCELERATOR="check")
+    # (-p no:hydra_pytest: Hydra's plugin, where Hydra is installed but must not be used)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/gpu",
+                        f"--junitxml={junit}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    rows = []
+    for line in report.read_text().splitlines() if report.exists() else []:
+        r = json.loads(line)
+        value = (f"loss rel {r['max_rel_loss']:.1e}, params abs {r['max_abs_param']:.1e}" if "max_rel_loss" in r
+                 else r.get("error", ""))
+        rows.append(row("equivalence", f"{r['case']} {r['precision']}, world {r['world']} "
+                        f"({r['backend']}, {r['device']})", r["ok"], value,
+                        "fp32 vs plain PyTorch: rel 2e-5 / abs 2e-5; bf16 vs our ddp: rel 2e-2 / abs 3e-2"))
+    if junit.exists():
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
+            failed = case.find("failure") is not None or case.find("error") is not None
+            skipped = case.find("skipped")
+            if failed or skipped is None:
+                msg = ((case.find("failure") or case.find("error")).get("message", "")[:300] if failed else "")
+                rows.append(row("equivalence", f"pytest {name}", not failed, "failed" if failed else "passed", "", msg))
+            else:
+                rows.append(row("equivalence", f"pytest {name}", None, "skipped", "", skipped.get("message", "")[:200]))
+    if p.returncode not in (0, 5) and not rows:
+        rows.append(row("equivalence", "pytest tests/gpu", False, f"exit {p.returncode}", "",
+                        (p.stdout + p.stderr).strip().splitlines()[-1:] or ""))
+    return rows
+
+
+def _engine_run(cfg, device, steps: int, around_backward=None):
+    """Our engine on ``cfg`` (built on the meta device, as bench.gpu does), ``steps`` steps of random
+    batches; ``around_backward(phase)`` is told when backward starts and ends. Returns the engine's
+    final loss."""
+    import torch
+
+    from bench.gpu import _batch, _ours_step
+
+    step, extra = _ours_step(cfg, device)
+    engine = extra["engine"]
+    try:
+        if around_backward is not None:
+            stage = engine.components.stage
+            backward = stage.backward
+
+            def told(loss, *, sync):
+                around_backward("backward")
+                try:
+                    return backward(loss, sync=sync)
+                finally:
+                    around_backward("step")
+            stage.backward = told
+        gen = torch.Generator().manual_seed(0)
+        loss = None
+        for _ in range(steps):
+            loss = step(_batch(cfg, device, gen))
+        return loss
+    finally:
+        engine.close()
+
+
+def check_memory(dry: bool, out: Path) -> list[dict]:
+    import gc
+
+    import torch
+
+    from bench.gpu import _predicted_gib
+    from framework.config import compose
+
+    device = _device(dry)
+    model = ["model=gpt-nano", "train.micro_batch=2"] if dry else ["model=gpt2-medium", "train.micro_batch=8"]
+    rows = []
+    for name, overrides in MEMORY.items():
+        if dry and name != "zero3+cpu params":   # the code path once: the CPU suite's time is short
+            continue
+        try:
+            cfg = compose([*model, "precision=bf16", "optimizer=adamw", "logger=none", "train.steps=3", *overrides])
+            predicted = _predicted_gib(cfg, device)
+            if device.type == "cuda":
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                base = torch.cuda.memory_allocated(device)
+            _engine_run(cfg, device, 3)
+            measured = (torch.cuda.max_memory_allocated(device) - base) / 2**30 if device.type == "cuda" else None
+            if measured is None:
+                rows.append(row("memory", name, None, "no device allocator on the CPU", f"estimated {predicted} GiB"))
+                continue
+            ratio = measured / predicted if predicted else float("nan")
+            rows.append(row("memory", name, ratio <= 1.1, f"{measured:.2f} GiB peak allocated",
+                            f"estimated {predicted} GiB", f"measured / estimated = {ratio:.2f}"))
+        except Exception as e:  # noqa: BLE001 - one stage's failure is its own row
+            rows.append(row("memory", name, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+    return rows
+
+
+def check_sync(dry: bool, out: Path) -> list[dict]:
+    import torch
+
+    from framework.config import compose
+
+    device = _device(dry)
+    rows = []
+    main = threading.main_thread()
+    for name, overrides in SYNC.items():
+        if dry and name != "zero3+cpu params":
+            continue
+        cfg = compose(["model=gpt-nano", "precision=bf16", "logger=none", "train.micro_batch=4", *overrides])
+        counts, phase, steps = {"backward": 0, "step": 0}, {"now": "step"}, {"n": 0}
+
+        def seen(message, category, filename, lineno, file=None, line=None):
+            if threading.current_thread() is main and steps["n"] > 0 and "synchroniz" in str(message).lower():
+                counts[phase["now"]] += 1
+
+        def told(now):
+            phase["now"] = now
+            if now == "step" and device.type == "cuda":   # debug mode from the second step on (after warm-up)
+                steps["n"] += 1
+                torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = seen
+                _engine_run(cfg, device, 3, around_backward=told)
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        if device.type != "cuda":
+            rows.append(row("sync", f"{name}: host syncs in backward", True, "none (the check mode raised nothing)",
+                            "0", "CUDA's sync debug mode needs a GPU; on the CPU the checking accelerator watches hooks"))
+            continue
+        rows.append(row("sync", f"{name}: main-thread syncs in backward, steps 2-3", counts["backward"] == 0,
+                        counts["backward"], "0"))
+        rows.append(row("sync", f"{name}: main-thread syncs outside backward, after the first", None, counts["step"],
+                        "a few per step: gradient norm, loss, event waits"))
+    return rows
+
+
+def check_timing(dry: bool, out: Path) -> list[dict]:
+    from bench.gpu import ANCHORS, anchor
+
+    rows = []
+    deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_TIMING_S", CAP["timing"])) - 5
+    for system in TIMING_DRY if dry else TIMING:
+        left = deadline - time.monotonic()
+        if left < 20:
+            rows.append(row("timing", system, None, "skipped (time budget)"))
+            continue
+        if system.startswith("deepspeed"):
+            try:
+                __import__("deepspeed")
+            except ImportError:
+                rows.append(row("timing", system, None, "not installed", anchor(system)))
+                continue
+        cmd = [sys.executable, "-m", "bench.gpu", "--one", system, "--steps", "1" if dry else "4",
+               "--warmup", "0" if dry else "1", *(["--tiny"] if dry else [])]
+        try:
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
+        except subprocess.TimeoutExpired:
+            rows.append(row("timing", system, False, f"timed out after {left:.0f} s"))
+            continue
+        lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+        if p.returncode or not lines:
+            tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+            rows.append(row("timing", system, False, f"exit {p.returncode}", anchor(system), tail[:300]))
+            continue
+        r = json.loads(lines[-1])
+        mem = f", peak {r['peak_gpu_gib']} GiB" if r["peak_gpu_gib"] is not None else ""
+        est = f", estimated {r['predicted_gib']} GiB" if r.get("predicted_gib") is not None else ""
+        rows.append(row("timing", system, True, f"{r['s_per_step']:.3f} s/step, {r['tokens_per_s']:,} tokens/s{mem}{est}",
+                        anchor(system) if system in ANCHORS else "-",
+                        ", ".join(f"{k} {v} ms" for k, v in r["phases_ms"].items())))
+    return rows
+
+
+CHECKS = {"environment": check_environment, "kernels": check_kernels, "equivalence": check_equivalence,
+          "memory": check_memory, "sync": check_sync, "timing": check_timing}
+
+
+# --- the driver -------------------------------------------------------------------------------------
+
+def _one(name: str, dry: bool, out: Path) -> None:
+    """Run one check in this process; its rows go to OUT/NAME.json."""
+    if dry:
+        os.environ.setdefault("FRAMEWORK_ACCELERATOR", "check")
+    try:
+        rows = CHECKS[name](dry, out)
+    except Exception as e:  # noqa: BLE001 - the check's own failure is a row too
+        import traceback
+        rows = [row(name, "check", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "",
+                    traceback.format_exc().strip().splitlines()[-3:])]
+    (out / f"{name}.json").write_text(json.dumps(rows))
+
+
+def _run_child(name: str, dry: bool, out: Path, limit: float) -> list[dict]:
+    (out / f"{name}.json").unlink(missing_ok=True)
+    env = {**os.environ, "GPU_CHECK_TIMING_S": str(int(limit))}
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--one", name, "--out", str(out), *(["--dry-run"] if dry else [])]
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] if e.stderr else []
+        return [row(name, "check", False, f"timed out after {limit:.0f} s", "", tail)]
+    (out / f"{name}.log").write_text(p.stdout + p.stderr)
+    done = out / f"{name}.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    tail = (p.stderr.strip().splitlines() or ["?"])[-1]
+    return [row(name, "check", False, f"exit {p.returncode}", "", tail[:300])]
+
+
+def _table(rows: list[dict]) -> str:
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    lines = ["| check | item | ok | value | expected / anchor | note |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [r["check"], r["item"], mark[r["ok"]], r["value"], r["expected"], r["note"]]
+        lines.append("| " + " | ".join(str(c).replace("|", "/").replace("\n", " ") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write(out: Path, info: dict, rows: list[dict]) -> None:
+    failed = sum(r["ok"] is False for r in rows)
+    head = (f"# GPU check{' (dry run on the CPU)' if info['dry_run'] else ''}\n\n{info['machine']}; "
+            f"{info['started']}; {info['seconds']:.0f} s; {failed} failed of {sum(r['ok'] is not None for r in rows)}"
+            f" checked rows\n\n")
+    unrun = "\n\nNot verifiable on one GPU:\n" + "\n".join(f"- {u}" for u in info["unrun"]) if info["unrun"] else ""
+    (out / "gpu_check.md").write_text(head + _table(rows) + unrun + "\n")
+    (out / "gpu_check.json").write_text(json.dumps({**info, "failed": failed, "rows": rows}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="the same code paths on the CPU checking accelerator")
+    ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md / gpu_check.json")
+    ap.add_argument("--budget", type=float, default=450, help="seconds for all checks (the script stops starting "
+                                                               "checks that would not fit)")
+    ap.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(ORDER)}")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if args.one:
+        _one(args.one, args.dry_run, out)
+        return 0
+    skip = {s for s in args.skip.split(",") if s}
+    if skip - set(ORDER):
+        ap.error(f"unknown check(s) {', '.join(sorted(skip - set(ORDER)))}; choose from {', '.join(ORDER)}")
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    start = time.monotonic()
+    machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus else "no GPU") + \
+        f"; {os.cpu_count()} host cores; torch {torch.__version__}; python {platform.python_version()}"
+    info = {"dry_run": args.dry_run, "machine": machine, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "seconds": 0.0, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
+    rows: list[dict] = []
+    for name in ORDER:
+        left = args.budget - (time.monotonic() - start)
+        if name in skip:
+            rows.append(row(name, "check", None, "skipped (--skip)"))
+        elif left < (3 if args.dry_run else FLOOR[name]):
+            rows.append(row(name, "check", None, f"skipped (time budget: {left:.0f} s left)"))
+        else:
+            t = time.monotonic()
+            limit = left if args.dry_run else min(CAP[name], left)
+            print(f"gpu_check: {name} (up to {limit:.0f} s)", flush=True)
+            rows += _run_child(name, args.dry_run, out, limit)
+            info["per_check_s"][name] = round(time.monotonic() - t, 1)
+        info["seconds"] = time.monotonic() - start
+        write(out, info, rows)
+    print((out / "gpu_check.md").read_text(), flush=True)
+    print(f"gpu_check: wrote {out / 'gpu_check.md'} and {out / 'gpu_check.json'}", flush=True)
+    return 1 if any(r["ok"] is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
