@@ -81,6 +81,10 @@ class Boxes:
                 self.views.append((torch.Size(offsets), box.view(sizes)))
                 pos += n
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The boxes' tensors (what DCP writes or reads)."""
+        return [t for _, t in self.views]
+
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
         return self.shape
 
