@@ -37,7 +37,9 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -51,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from framework.checkpoint import _folder, _rng
-from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata
+from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata, unpicklable
 from framework.distributed import agree
 from framework.errors import CheckpointError, ConfigError, FrameworkError, TrainingError
 from framework.offload._verified import verify_map
@@ -68,16 +70,18 @@ _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer",
 
 
 def fault(point: str, rank: int) -> None:
-    """Test hook for the fault tests: ``FRAMEWORK_FAULT=<point>@<rank>[,once=<marker file>]``
+    """Test hook for the fault tests: ``FRAMEWORK_FAULT=<point>@<rank>[,stop][,once=<marker file>]``
     ends this process with ``os._exit(17)`` (as a kill would, no cleanup) when rank ``rank``
     reaches ``point``: ``save-<N>:after-shard``, ``save-<N>:before-manifest``,
     ``save-<N>:before-rename``, ``save-<N>:before-latest`` (during the save of step N) or
-    ``step:<N>`` (after train step N). With ``once`` it fires only if
-    the marker file does not exist yet, and creates it. Unset in normal runs: nothing happens."""
+    ``step:<N>`` (after train step N); with ``stop`` it sends itself SIGSTOP instead (a stalled
+    rank). With ``once`` it fires only if the marker file does not exist yet, and creates it.
+    Unset in normal runs: nothing happens."""
     spec = os.environ.get("FRAMEWORK_FAULT")
     if not spec:
         return
     where, _, once = spec.partition(",once=")
+    where, stop = where.removesuffix(",stop"), where.endswith(",stop")
     if where != f"{point}@{rank}":
         return
     if once:
@@ -85,7 +89,10 @@ def fault(point: str, rank: int) -> None:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:
             return
-    print(f"FRAMEWORK_FAULT: rank {rank} exits at {point}", file=sys.stderr, flush=True)
+    print(f"FRAMEWORK_FAULT: rank {rank} {'stops' if stop else 'exits'} at {point}", file=sys.stderr, flush=True)
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     os._exit(17)
 
 
@@ -110,8 +117,9 @@ class _Group:
     in a background thread never shares a group with training (concurrent collectives on one
     group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float):
-        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+    def __init__(self, rank: int, world: int, timeout_s: float, dist=None):
+        """``dist``: the run's ``Dist``, to name a peer that died or stalled in a failed exchange."""
+        self.rank, self.world, self.timeout_s, self.dist = rank, world, timeout_s, dist
         self.pg = (tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                    if world > 1 else None)
 
@@ -122,8 +130,9 @@ class _Group:
         try:
             tdist.all_gather_object(out, obj, group=self.pg)
         except RuntimeError as e:
+            who = self.dist.who_failed() if self.dist is not None else "a peer rank died or stalled"
             raise FrameworkError(f"rank {self.rank}/{self.world}: checkpoint {what} failed after waiting up to "
-                                 f"{self.timeout_s:g}s (a peer rank died or stalled; checkpoint.timeout_s sets the "
+                                 f"{self.timeout_s:g}s ({who}; checkpoint.timeout_s sets the "
                                  f"limit): {str(e).splitlines()[0]}") from e
         return out
 
@@ -245,11 +254,12 @@ def _nonfinite(checked: list, label) -> list[str]:
 def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
     """What this rank's files of the checkpoint will take in ``root`` (tensor bytes, with some room
     for DCP's per-item records, the JSON files and the metadata)."""
-    return Claim.of(root, snap["bytes"] + 4096 * snap["items"] + (1 << 20), rank)
+    return Claim.of(root, snap["bytes"] + 4096 * snap["items"] + (64 << 10), rank)
 
 
 def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: int,
-         background: concurrent.futures.Executor | None = None, nonfinite: str = "stop"):
+         background: concurrent.futures.Executor | None = None, nonfinite: str = "stop",
+         writer: type = dcp.FileSystemWriter):
     """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
     state is taken before returning; with ``background`` the files are written there and its
     future is returned (None otherwise).
@@ -259,7 +269,8 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
     offload=nvme every swapped extent checked against the IO engine's checksums both before the
     bytes are read for the checkpoint (``engine.mapped_state``) and after (``verify_map``): a swap
     file changed meanwhile is caught before the commit, never saved. Room on the disk is checked
-    for all ranks sharing it before writing (one line naming the folder and the bytes)."""
+    for all ranks sharing it before writing (one line naming the folder and the bytes).
+    ``writer``: DCP's storage writer class (a seam for tests: one that fails or races on purpose)."""
     staged16 = None
     if engine.components.stage.weights_on_save():
         # stage3_gather_16bit_weights_on_model_save: this step's working-dtype weights as
@@ -282,11 +293,11 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
         if background is None:
             # inside the block: DCP reads the mapped pages before training changes them
             _write(snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,
-                   staged16=staged16, recheck=recheck)
+                   staged16=staged16, recheck=recheck, writer=writer)
             return None
         _agree(group, "swap file check after the host copy", recheck, root / f"step-{state.step}.tmp", cleanup=False)
     return background.submit(_write, snap, rng, root, group=group, config=config, keep_last=keep_last, meta=meta,
-                             staged16=staged16)
+                             staged16=staged16, writer=writer)
 
 
 def _agree_to_save(snap: dict, root: Path, group: _Group, nonfinite: str, staged16: Path | None,
@@ -342,9 +353,11 @@ def _agree(group: _Group, what: str, fn, tmp: Path, *, cleanup: bool = True, nee
     try:
         result = fn()
     except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        problem = f"rank {group.rank}: {_write_error(e, tmp, need)}"
+        # DCP raises on every rank what failed on some: named after the ranks that failed
+        ranks = sorted(e.failures) if isinstance(e, CheckpointException) and e.failures else [group.rank]
+        problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
     everyone = group.all_gather((result, problem), what)
-    problems = [p for _, p in everyone if p]
+    problems = list(dict.fromkeys(p for _, p in everyone if p))
     if problems:
         if cleanup and group.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -367,7 +380,12 @@ def _write_error(e: BaseException, tmp: Path, need: int) -> str:
             free = "free space unknown"
         return (f"the file system of {tmp.parent} is full ({free}; the checkpoint needs about {size(need)}): "
                 f"free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk")
-    first = next((c for c in causes if not isinstance(c, CheckpointException)), e)
+    return _describe(e)
+
+
+def _describe(e: BaseException) -> str:
+    """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
+    first = next((c for c in _causes(e) if not isinstance(c, CheckpointException)), e)
     text = " ".join(str(first).split()) or type(first).__name__
     if isinstance(first, FrameworkError):
         return text[:500]
@@ -390,7 +408,7 @@ def _causes(e: BaseException) -> list[BaseException]:
 
 
 def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict,
-           staged16: Path | None = None, recheck=None) -> Path:
+           staged16: Path | None = None, recheck=None, writer: type = dcp.FileSystemWriter) -> Path:
     """Write and commit the snapshot (collective). Each phase ends in an exchange of outcomes
     (``_agree``): a failure anywhere removes the unfinished folder and raises on every rank.
     ``recheck``: run after the files are written, before the commit (the swap file's extents
@@ -411,7 +429,7 @@ def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, ke
     _agree(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
 
     def write_files():
-        dcp.save(snap["dcp"], storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+        dcp.save(snap["dcp"], storage_writer=writer(tmp, sync_files=True),
                  planner=SavePlanner(), **group.dcp_kwargs())
         _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
         _fault(step, "after-shard", rank)
@@ -496,7 +514,7 @@ def _agree_load(group: _Group, what: str, fn):
         problem = (type(e) is ConfigError, str(e))
         mine = e
     except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        problem = (False, _write_error(e, Path(what), 0))
+        problem = (False, f"{what}: {_describe(e)}")
         mine = CheckpointError(problem[1])
     problems = [p for p in group.all_gather(problem, what) if p]
     if problem is not None:
@@ -572,14 +590,18 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
                 raise
             except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
                 # (a shard torch refuses to unpickle with weights_only ends here: a BaseException)
-                raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: "
-                                      f"{_write_error(e, folder / 'x', 0)}") from None
+                if any(isinstance(c, pickle.UnpicklingError) for c in _causes(e)):
+                    where = unpicklable(folder, md) or f"a DCP file in {folder}"
+                    raise CheckpointError(f"checkpoint {folder}: {where}: torch refuses to unpickle it with "
+                                          f"weights_only=True (not plain tensor data: a crafted or foreign file); "
+                                          f"it is never loaded") from None
+                raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {_describe(e)}") from None
             bad = _nonfinite_items([(f"model.{n}", f["master"]) for n, e in fragments.items() for f in e["fragments"]]
                                    + [(f"optim.{keys[p]}.{n}", f["optim"][p]) for n, e in fragments.items()
                                       for f in e["fragments"] for p in per])
             if bad:
-                raise CheckpointError(f"checkpoint {folder} holds non-finite values (NaN or inf) in {_few(bad)} "
-                                      f"(rank {group.rank}'s share)")
+                raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {_few(bad)} "
+                                      f"(rank {group.rank}'s share): not a state to train from")
             return _load_fragments(engine, view, folder, body, fragments, seed)
 
         loaded, host_rng = _agree_load(group, f"reading {folder}", read)
@@ -710,10 +732,11 @@ class Checkpointer:
         if job:
             self.root = self.root / _job_folder(job)
         self.on_nonfinite = cfg.train.on_nonfinite
-        self.group = _Group(dist.rank, dist.world, self.cfg.timeout_s)
+        self.group = _Group(dist.rank, dist.world, self.cfg.timeout_s, dist)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
+        self.writer = dcp.FileSystemWriter   # DCP's storage writer (tests put one that fails on purpose here)
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
@@ -757,7 +780,7 @@ class Checkpointer:
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {candidates[i + 1]}" if i + 1 < len(candidates)
                         else "no older checkpoint is left")
-                print(f"checkpoint: rank {self.rank}: {e}; {then}", flush=True)
+                print(f"rank {self.rank}: {e}; {then}", flush=True)
                 continue
             if body["world"] != self.group.world:
                 how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
@@ -787,7 +810,8 @@ class Checkpointer:
     def save(self, state) -> None:
         self.wait()
         self._pending = save(self.engine, state, self.root, group=self.group, config=self.config,
-                             keep_last=self.cfg.keep_last, background=self._pool, nonfinite=self.on_nonfinite)
+                             keep_last=self.cfg.keep_last, background=self._pool, nonfinite=self.on_nonfinite,
+                             writer=self.writer)
 
     def wait(self) -> None:
         """Wait for a save in flight; its error, if any, is raised here."""

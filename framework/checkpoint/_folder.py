@@ -146,7 +146,7 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
         try:
             read_manifest(p)
         except CheckpointError as e:
-            notes.append(f"{e}; ignored")
+            notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
             continue
         out.append((int(m.group(1)), p))
     return [p for _, p in sorted(out, reverse=True)], sorted(notes)

@@ -5,7 +5,8 @@
 
 Every byte of an extent (its padding too) must lie in a piece whose checksum the engine recorded
 when it wrote it (``SwapFile.record``): a byte without one is an error here, not a pass, since
-unverifiable state must never reach a checkpoint. The pieces are checked with the checksum kind
+unverifiable state must never reach a checkpoint (only an engine built with ``checksum="none"``,
+which records nothing at all, is not checked). The pieces are checked with the checksum kind
 that recorded them, over the mapped pages (the kernel's page cache), on the calling thread.
 
 A checkpoint reads the mapped pages after checking them (DCP writes them, or an async save copies
@@ -29,22 +30,25 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     lo, hi = extent.offset, extent.offset + padded(extent.nbytes)
     if hi == lo:
         return
+    pieces = file.checksums(name)
+    if not pieces and not any(file.checksums(n) for n in file.extents):
+        return   # an engine built with checksum="none" records none anywhere: nothing to verify against
     memory = memoryview(fmap.padded(name).numpy())
     label = what or f"extent {name!r}"
     pos = lo
-    for offset, nbytes, value, kind in file.checksums(name):
+    for offset, nbytes, value, kind in pieces:
         if offset != pos:
             break
         fn = CHECKSUMS.get(kind)
         if fn is None:
-            raise _error(file, offset, nbytes, label, f"its checksum kind {kind!r} is unknown")
+            raise _error(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
         if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
-            raise _error(file, offset, nbytes, label, "checksum mismatch: the swap file was changed or the "
-                         "disk returned bad data")
+            raise _error(file, offset, nbytes, label, "checksum mismatch",
+                         "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
     if pos != hi:
-        raise _error(file, pos, hi - pos, label, "no checksum was recorded for these bytes, so they cannot be "
-                     "verified")
+        raise _error(file, pos, hi - pos, label, "no checksum recorded",
+                     "these bytes were not written by the IO engine and cannot be verified")
 
 
 def verify_map(fmap, what: str = "") -> None:
@@ -55,6 +59,6 @@ def verify_map(fmap, what: str = "") -> None:
         verify_extent(fmap, name, f"extent {name!r}{f' ({what})' if what else ''}")
 
 
-def _error(file, offset: int, nbytes: int, what: str, reason: str) -> SwapIOError:
-    return SwapIOError(f"swap file {file.path}: {what} at offset {offset} ({nbytes} bytes): {reason}",
+def _error(file, offset: int, nbytes: int, what: str, reason: str, why: str) -> SwapIOError:
+    return SwapIOError(f"swap file {file.path}: {reason} at offset {offset} ({nbytes} bytes, {what}): {why}",
                        path=str(file.path), offset=offset, what=what, errno=None)
