@@ -41,6 +41,7 @@ from torch import nn
 from framework import files
 from framework.distributed import agree
 from framework.errors import ConfigError, FrameworkError
+from framework.offload._verified import verify_map
 from framework.stages._spec import cover
 
 INDEX = "model.safetensors.index.json"
@@ -512,11 +513,13 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         views = []
         _agree(c.dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
                "save_weights: swap file check")
-        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size)
+        # what was read from the mapped pages is what was checked: the extents again after the write
+        recheck = lambda: verify_map(views[0].fmap, "checked again after the export read it")  # noqa: E731
+        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size, recheck)
 
 
 def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: torch.dtype | None,
-                  max_shard_size: int | str) -> list[Path]:
+                  max_shard_size: int | str, recheck=lambda: None) -> list[Path]:
     c = engine.components
     dist = c.dist
     specs = c.stage.piece_specs()
@@ -552,7 +555,7 @@ def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: tor
                     if x < y:
                         jobs.append((plan.name, e.offset + x * _itemsize(e.dtype), view[x - lo:y - lo], e.dtype))
     _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-    _agree(dist, lambda: _write_jobs(out_dir, jobs), "save_weights: write")
+    _agree(dist, lambda: (_write_jobs(out_dir, jobs), recheck()), "save_weights: write")
     paths = [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
     _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
     return paths

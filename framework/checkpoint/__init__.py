@@ -2,7 +2,7 @@
 
     ckpt = Checkpointer(cfg, engine)             # collective: makes the checkpoint gloo group
     state = ckpt.resume(state)                   # checkpoint.resume: auto | off | PATH
-    ...  ckpt.maybe_save(state)  ...             # every checkpoint.every steps (and the last)
+    ...  ckpt.maybe_save(state, metrics=m)  ...  # every checkpoint.every steps (and the last)
     ckpt.close()                                 # waits for an async save; collective
 
 Folder (``framework.checkpoint._folder`` has the commit protocol)::
@@ -18,6 +18,15 @@ Folder (``framework.checkpoint._folder`` has the commit protocol)::
 
 Loading re-slices by name into whatever layout the loading run has (``engine.load_state_dict``),
 so world size, stage and offload may change between save and load.
+
+Integrity: a save commits only state known good. The ranks agree, before writing, that every value
+is finite and that the disk has room (``_agree_to_save``); under offload=nvme the swapped extents
+are checked before the checkpoint reads them and again after (``offload._verified``). Each phase of
+the write ends in an exchange of outcomes (``_agree``), so one rank's failure (a full disk, a
+changed swap file) ends every rank with the same line and removes the unfinished folder. A step
+with a non-finite loss or gradient norm never gets here (``framework.step``). A load checks files
+against the manifest, train_state.json against the manifest and the loaded values for NaN/inf;
+any of them refuses the checkpoint on every rank, and ``resume=auto`` falls back to the previous.
 
 NVMe offload: the swapped state is read and written where it lies. A save maps the swap file
 (``engine.mapped_state``: writes settled, every extent checked against the IO engine's
@@ -225,10 +234,15 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
 def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
     """Whether each tensor is free of NaN and inf: min and max propagate both, so one small
     reduction per tensor where it lives and one sync for all of them."""
-    if not tensors:
-        return []
-    flags = torch.stack([torch.isfinite(torch.stack(t.aminmax())).all().to("cpu") for t in tensors])
-    return flags.tolist()   # sync point (once per save or load)
+    flags: list[bool] = [True] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        ok = torch.stack([torch.isfinite(torch.stack(tensors[i].aminmax())).all() for i in idx])
+        for i, good in zip(idx, ok.cpu().tolist()):   # sync point: once per device, per save or load
+            flags[i] = good
+    return flags
 
 
 def _floats(t: torch.Tensor) -> bool:
@@ -359,7 +373,7 @@ def _agree(group: _Group, what: str, fn, tmp: Path, *, cleanup: bool = True, nee
     everyone = group.all_gather((result, problem), what)
     problems = list(dict.fromkeys(p for _, p in everyone if p))
     if problems:
-        if cleanup and group.rank == 0:
+        if cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
             shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
                               + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "")

@@ -17,6 +17,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -157,13 +158,23 @@ def _fault(kind: str, rng: random.Random, root: Path):
     return apply
 
 
+@pytest.fixture
+def base(disk, tmp_path):
+    """This trial's folder: on the campaign's tmpfs (emptied afterwards: the trials share it) or in tmp_path."""
+    if disk is None:
+        yield tmp_path
+        return
+    folder = disk / tmp_path.name
+    folder.mkdir()
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.parametrize("trial", range(TRIALS))
-def test_random_faults_never_lose_or_corrupt_state(pools, tmp_path, disk, reference, trial):
+def test_random_faults_never_lose_or_corrupt_state(pools, tmp_path, disk, base, reference, trial):
     rng = random.Random(trial)
     kinds = FAULTS if disk is not None else FAULTS[:-1]
     kind = kinds[trial % len(kinds)] if trial < len(kinds) else rng.choice(kinds)   # each kind early on
-    base = (disk / f"t{trial}") if disk is not None else tmp_path
-    base.mkdir(parents=True, exist_ok=True)
     root = base / "ckpt"
     delay = rng.uniform(0, reference["window"])
     codes, results = _launch(root, tmp_path / "work", fault=_fault(kind, rng, root), delay=delay)
@@ -186,6 +197,8 @@ def test_random_faults_never_lose_or_corrupt_state(pools, tmp_path, disk, refere
     # Nothing is lost: the resume starts from the newest good checkpoint and ends as the reference.
     again = pools(2).run(_run, OVER, str(root), steps=STEPS, resume="auto", keep_last=2, seed=99, timeout=240)
     start = max(good, default=0)
+    print(f"{what}; checkpoints that pass their checks: {good}; "
+          f"errors: {[r['error'][:90] if r and r['error'] else None for r in results]}")
     for r in again:
         assert r["error"] is None, (what, r["error"], r["out"])
         assert r["first"] == start, (what, r["first"], good, r["out"])

@@ -101,6 +101,22 @@ def test_run_outputs_and_exports_refuse_planted_links(tmp_path):
     assert victim.read_text() == "precious" and not (out / f"{plans[0].name}.tmp").is_symlink()
 
 
+def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
+    """keep_last=1 after a commit of step 3 whose save could not vouch for its state (no ``verified``
+    flag: an older framework's, or a folder made by hand): step 1, the newest verified one, stays;
+    the folders go through ``step-N.del`` and are gone."""
+    from framework.checkpoint import _folder
+
+    for step, verified in ((1, True), (2, None), (3, None)):
+        folder = tmp_path / f"step-{step}"
+        folder.mkdir()
+        body = {"format": 1, "files": {}, **({"verified": True} if verified else {})}
+        (folder / _folder.MANIFEST).write_text(json.dumps(body))
+    gone = _folder.prune(tmp_path, tmp_path / "step-3", keep_last=1)
+    assert [p.name for p in gone] == ["step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
+
+
 # --- strict swap-extent checks ----------------------------------------------------------------------
 
 def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):
