@@ -140,7 +140,7 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
         if not os.path.isdir(path):
             if is_link(path):
                 raise _refused(path, " to something that is not a folder") from None
-            raise NotADirectoryError(errno.ENOTDIR, "exists and is not a folder", str(path)) from None
+            raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
         return False
     os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
     return True

@@ -47,7 +47,9 @@ def _worker(rank, world, store, root, out, timeout_s):
         result = _run(dist, OVER, root, steps=STEPS, resume="auto", keep_last=2, seed=99)
     except FrameworkError as e:
         result = {"error": str(e)}
-    torch.save({k: v for k, v in result.items() if k != "state"}, os.path.join(out, f"result-{rank}.pt"))
+    path = os.path.join(out, f"result-{rank}.pt")
+    torch.save({k: v for k, v in result.items() if k != "state"}, path + ".tmp")
+    os.replace(path + ".tmp", path)   # a rank killed meanwhile leaves no half result
     os._exit(0 if result.get("error") is None else 1)
 
 
