@@ -1,5 +1,8 @@
-"""offload=cpu equals the same stage without offload (fp32, 1e-6 per step) on 1 and 2 ranks, with
-the host step run by the C++ kernels and by the pure-PyTorch fallback (FRAMEWORK_OPS=0)."""
+"""offload=cpu equals the same stage without offload (1e-6 per step) on 1 and 2 ranks, with the
+host step run by the C++ kernels and by the pure-PyTorch fallback (FRAMEWORK_OPS=0); each offload
+run is compared with a plain run that uses the same kernels. The C++ kernel and torch's fused
+AdamW round differently in the last bit, and under bf16 one such bit can flip a working weight's
+rounding, so a run is never compared against the other kernel's."""
 import os
 
 import pytest
@@ -42,14 +45,15 @@ def _without_kernels(fn, *args):
 
 
 def _pair(dist, stage, offload, extra):
-    """(no offload, offload with the C++ kernels, offload with the fallback)."""
+    """((no offload, offload) with the C++ kernels, (no offload, offload) with the fallback)."""
     from framework import ops
-    assert ops.available(), ops.status()  # the first run below must exercise the kernels
+    assert ops.available(), ops.status()  # the first runs below must exercise the kernels
     base = [f"+stage={stage}", *extra]
     if stage == "zero3":
         base.append("stage.stage3_param_persistence_threshold=0")
     off = [*base, "offload=cpu", *offload]
-    return _train(dist, base), _train(dist, off), _without_kernels(_train, dist, off)
+    return ((_train(dist, base), _train(dist, off)),
+            (_without_kernels(_train, dist, base), _without_kernels(_train, dist, off)))
 
 
 CASES = [
@@ -71,12 +75,12 @@ def _local():
 def test_offload_equals_no_offload(pools, world, stage, offload, extra):
     results = [_pair(_local(), stage, offload, extra)] if world == 1 else \
         pools(world).run(_pair, stage, offload, extra, timeout=240)
-    for rank, (plain, off, fallback) in enumerate(results):
-        for path, run in (("C++ kernel", off), ("fallback", fallback)):
-            for i, (a, b) in enumerate(zip(run[0], plain[0])):
+    for rank, ((plain, off), fallback_pair) in enumerate(results):
+        for path, (ref, run) in (("C++ kernel", (plain, off)), ("fallback", fallback_pair)):
+            for i, (a, b) in enumerate(zip(run[0], ref[0])):
                 assert a == pytest.approx(b, rel=RTOL), \
                     f"{stage} rank {rank} step {i} ({path}): offload {a} vs {b} (rel 1e-6)"
-            torch.testing.assert_close(run[1], plain[1], rtol=RTOL, atol=1e-7, msg=lambda m: f"{path}: {m}")
+            torch.testing.assert_close(run[1], ref[1], rtol=RTOL, atol=1e-7, msg=lambda m: f"{path}: {m}")
         mem = off[2]
         assert mem["host_master_params"] > 0 and plain[2]["host_master_params"] == 0
         share = 0.5 if offload == ["offload.ratio=0.5"] else 1.0  # ratio 0.5: half stays on the device
