@@ -212,7 +212,8 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
                 at = span.piece[0] + a - span.param[0]
                 for key, t in flat.items():
                     pieces.setdefault(span.name, {}).setdefault(key, []).append(((a, b), t[at:at + b - a]))
-    nonfinite = _nonfinite(checked, lambda key, name: f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}")
+    nonfinite = _nonfinite(checked, lambda key, name: f"model.{name}" if key == "master"
+                           else f"optim.{keys[key]}.{name}")
     out: dict[str, Any] = {}
     for name, by_key in pieces.items():
         shape = held[name]["shape"]
@@ -564,7 +565,8 @@ def _train_state(folder: Path, manifest: dict) -> dict:
         raise CheckpointError(f"checkpoint {folder}: {_folder.MANIFEST} lists no {_few(absent)} for world size {world}")
     scale = body["precision"].get("cur_scale") if isinstance(body["precision"], dict) else None
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise CheckpointError(f"checkpoint {folder}: {path} holds the loss scale {scale!r} (not a positive finite number)")
+        raise CheckpointError(f"checkpoint {folder}: {path} holds the loss scale {scale!r} (not a positive finite "
+                              f"number)")
     return body
 
 
@@ -684,7 +686,8 @@ def _load_fragments(engine, view, folder: Path, body: dict, fragments: dict, see
         try:
             torch_rng, host_rng = _rng.torch_states(saved_rng), saved_rng
         except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
+            raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states "
+                                  f"({e})") from None
     else:
         torch_rng, host_rng = _rng.derive(seed, body["step"], rank, c.dist.device)
     pseudo = {"format": body["state_format"], "rank": rank, "world": world, "step": body["step"],

@@ -257,7 +257,8 @@ class Placement:
         disk = [i for i in self.infos if i.tier is Tier.DISK]
         full = tx.init(list(params)) if not disk else None
         if self.param_store is not None:   # before any swap file is made: a too-small pool or disk fails now
-            agree_swap_room(self.dist, self._folder(), self._swap_stores(), lambda: self._preflight(self.param_store, "params"))
+            agree_swap_room(self.dist, self._folder(), self._swap_stores(),
+                            lambda: self._preflight(self.param_store, "params"))
         failed = None
         if disk:
             store: DiskStore = self.stores[Tier.DISK]

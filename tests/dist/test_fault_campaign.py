@@ -40,7 +40,7 @@ OVER = ["+stage=zero2", *NVME]
 def _worker(rank, world, store, root, out, timeout_s):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    from framework.distributed import connect, disconnect
+    from framework.distributed import connect
     from framework.errors import FrameworkError
     try:
         dist = connect("gloo", timeout_s=timeout_s, store_path=store)

@@ -26,7 +26,6 @@ from framework.checkpoint._folder import file_entry
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 from tests.dist.test_checkpoint import NVME, ROWS, _same_state
-from tests.dist.test_layout import assemble
 
 slow = pytest.mark.skipif(os.environ.get("FRAMEWORK_SLOW_TESTS") != "1", reason="set FRAMEWORK_SLOW_TESTS=1")
 ZERO2 = ["+stage=zero2"]
