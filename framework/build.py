@@ -233,7 +233,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
-                   stage.make_update(optimizer))
+                   stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite)
     engine = Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
     engine.config = cfg
     return engine

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class TrainLoopConfig:
     eval_every: int = 500       # 0: evaluate only at the end
     eval_batches: int = 8
     grad_clip: float = 1.0      # max global gradient norm; 0 disables clipping
+    on_nonfinite: str = "stop"  # non-finite loss/gradient norm outside fp16 loss scaling: stop | warn (skip the step)
 
 
 @dataclass(kw_only=True)
@@ -185,6 +187,9 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         schema = registry(group).get(name).config
         nodes[group] = _typed(raw.get(group) or {}, schema, f"{group}.")
         chosen[group] = name
+    _check_numbers(root, "")
+    for group, node in nodes.items():
+        _check_numbers(node, f"{group}.")
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
     _check_inert_stage_keys(chosen["stage"], nodes["stage"])
@@ -194,6 +199,28 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
                   ds_config_strict=root.ds_config_strict, **nodes)
 
 
+INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
+
+
+def _check_numbers(node: Any, prefix: str) -> None:
+    """Every number of a typed node (and its nested nodes) finite and within int64: NaN or inf
+    (``nan``, ``1e309``) would silently disable a comparison-based limit (``norm > nan`` is
+    never true) and an integer beyond int64 ends in an OverflowError deep inside torch."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name.rstrip('_')}"
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, f"{key}.")
+            continue
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config: {key}={v} is not a finite number; give a finite value")
+            if isinstance(v, int) and not -INT_LIMIT <= v < INT_LIMIT:
+                raise ConfigError(f"config: {key}={v} is out of range (integers must lie within +-2^63); "
+                                  "give a realistic value")
+
+
 def _check_values(root: RootSchema) -> None:
     t = root.train
     for key in ("steps", "micro_batch", "grad_accum", "log_every", "eval_batches"):
@@ -201,6 +228,8 @@ def _check_values(root: RootSchema) -> None:
             raise ConfigError(f"config: train.{key} must be >= 1, got {getattr(t, key)}")
     if t.eval_every < 0 or t.grad_clip < 0:
         raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
+    if t.on_nonfinite not in ("stop", "warn"):
+        raise ConfigError(f"config: train.on_nonfinite must be stop or warn, got {t.on_nonfinite!r}")
     if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
         raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
     c = root.checkpoint

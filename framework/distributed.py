@@ -81,9 +81,7 @@ class Dist:
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
-            lost = self.lost_ranks()
-            who = (f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)" if lost
-                   else "a peer rank died or stalled")
+            who = self.who_failed()
             raise DistributedError(
                 f"rank {self.rank}/{self.world}: {what} failed after waiting up to {self.timeout_s:g}s "
                 f"({who}; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
@@ -93,6 +91,26 @@ class Dist:
         """Ranks on this host whose process no longer exists (a slow peer is not listed)."""
         host = socket.gethostname()
         return [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not _alive(pid)]
+
+    def stalled_ranks(self) -> dict[int, str]:
+        """Ranks on this host whose process exists but cannot run: stopped (SIGSTOP, a debugger)
+        or blocked in the kernel (state D, e.g. a hung disk), with what the kernel says."""
+        host = socket.gethostname()
+        out = {}
+        for r, (h, pid) in enumerate(self.peers):
+            state = _state(pid) if h == host and r != self.rank else None
+            if state in _STALLED:
+                out[r] = f"pid {pid} {_STALLED[state]}"
+        return out
+
+    def who_failed(self) -> str:
+        """The peers to blame for a failed collective, as far as this host can tell."""
+        lost, stalled = self.lost_ranks(), self.stalled_ranks()
+        parts = []
+        if lost:
+            parts.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)")
+        parts += [f"rank {r} stalled ({why})" for r, why in sorted(stalled.items())]
+        return "; ".join(parts) or "a peer rank died or stalled"
 
     def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
         if self.world == 1:
@@ -136,6 +154,19 @@ class _CheckedWork:
 
     def is_completed(self) -> bool:
         return self.work is None or self.work.is_completed()
+
+
+_STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t": "is stopped by a debugger",
+            "D": "is blocked in the kernel (uninterruptible sleep: a hung disk or network file system?)"}
+
+
+def _state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (Linux /proc), None if unknown or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:

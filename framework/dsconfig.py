@@ -295,11 +295,19 @@ class _Translator:
             self.error(f"{ds_key} is \"auto\" but no rule fills it here; give a value")
             return None
         ok = None
+        if isinstance(value, float) and not math.isfinite(value) and kind in ("int", "float"):
+            # Python's json reads NaN and Infinity (and 1e309 as inf): a NaN limit disables the
+            # comparison it feeds (gradient_clipping: NaN would never clip).
+            self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
+            return None
         if kind == "int" and not isinstance(value, bool):
             if isinstance(value, int):
                 ok = value
-            elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            elif isinstance(value, float) and value.is_integer():
                 ok = int(value)
+            if ok is not None and not -2 ** 63 <= ok < 2 ** 63:
+                self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
+                return None
         elif kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
             ok = float(value)
         elif kind == "bool" and isinstance(value, bool):

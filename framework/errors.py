@@ -34,3 +34,7 @@ class SwapIOError(FrameworkError):
 
 class CheckpointError(FrameworkError):
     """A checkpoint is missing, incomplete, damaged or does not fit (the message names the file)."""
+
+
+class UnsafePathError(FrameworkError):
+    """A path the framework would create or write is a symbolic link (planted or left there)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from framework import files
 from framework.errors import ConfigError, FrameworkError
 from framework.weights import create_files, finish_files, plan_files, write_at
 
@@ -96,7 +97,7 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
     for plan in plans:   # one output file at a time, one tensor at a time into it
-        fd = os.open(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
         try:
             for e in plan.entries:
                 value = ckpt.read([e.name])[e.name]

@@ -1,7 +1,10 @@
 """Run a validated config on 1 process, on dist.nproc spawned local ranks, or under torchrun.
 
-Spawned ranks rendezvous through a FileStore in a private temp folder and gloo is bound to
-the loopback interface, so nothing listens on a network address. Under torchrun the
+Spawned ranks rendezvous through a FileStore in a private temp folder (``framework-rdzv-*``) and
+gloo is bound to the loopback interface, so nothing listens on a network address. The launcher
+and every rank hold a shared lock on the folder's ``owner.lock`` while they live, so the folders
+that runs killed with -9 leave behind are found (no process holds their lock) and removed by the
+next launch; a live run's folder is never touched. Under torchrun the
 environment describes the group, which is created once per process and reused by every job
 of a multirun (re-creating it per job hangs under torchrun).
 
@@ -12,12 +15,14 @@ a collective waited longer than dist.timeout_s: a peer died or stalled) is named
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -99,8 +104,16 @@ def slurm_task_env() -> dict[str, str]:
             "MASTER_PORT": str(t.master_port)}
 
 
+RDZV_PREFIX = "framework-rdzv-"
+RDZV_LOCK = "owner.lock"
+LEGACY_AGE_S = 3600   # a folder from before the lock file: removed once this old
+YOUNG_S = 60          # between making a folder and locking it a launch holds no lock yet
+
+
 def _spawn(cfg: Config, run: RunInfo) -> dict:
-    store_dir = tempfile.mkdtemp(prefix="framework-rdzv-")
+    remove_dead_rendezvous(tempfile.gettempdir())
+    store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
+    lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
         mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store")),
                            nprocs=cfg.dist.nproc, join=True, start_method="spawn")
@@ -113,13 +126,60 @@ def _spawn(cfg: Config, run: RunInfo) -> dict:
                              f"{str(e).strip().splitlines()[-1]}") from None
     finally:
         shutil.rmtree(store_dir, ignore_errors=True)
+        os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _hold(path: str, create: bool = False) -> int:
+    """A descriptor holding a shared lock on ``path`` (the rendezvous folder's lock file) for as
+    long as it stays open; the kernel drops it when the process dies, however it dies."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_dead_rendezvous(tmp: str) -> list[str]:
+    """Remove this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process holds
+    (``_hold``); return them. Folders without a lock file (older versions) go once older than an
+    hour. Links and other users' folders are left alone."""
+    gone = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return gone
+    for entry in entries:
+        if not entry.name.startswith(RDZV_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
+                continue   # another user's, or a launch that may not hold its lock yet
+            fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime > LEGACY_AGE_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(entry.path)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
+        except BlockingIOError:
+            continue   # a live run
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        gone.append(entry.path)
+    return gone
 
 
 def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
+    # held until this process ends (however): the launcher's cleanup never removes a live run's folder
+    lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
         train(cfg, run, dist)

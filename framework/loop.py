@@ -74,7 +74,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
                 evals.append(engine.eval_step(state, val))
                 eval_s += time.perf_counter() - t_eval
                 _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
-            ckpt.maybe_save(state, last=state.step == t.steps)
+            ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {

@@ -58,6 +58,7 @@ from pathlib import Path
 
 import yaml
 
+from framework import files
 from framework.errors import ConfigError, DataError, FrameworkError
 from framework.paths import PACKAGE_DIR, REPO_ROOT
 
@@ -239,7 +240,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     for r in runs:
         for cfg in compose_jobs(recipe, r):
             _check_data(recipe, cfg)
-    out.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out)
     t0 = time.perf_counter()
     fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
     for i, cmd in enumerate(recipe.spec.get("before") or []):
@@ -276,6 +277,7 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
     # The jobs import this very package, whatever the working directory.
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     tail: list[str] = []
+    files.refuse_links(log)
     with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 text=True, env=env) as p:
         for line in p.stdout:
@@ -308,7 +310,7 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     verdict = {"recipe": recipe.name, "quick": quick, "out": str(out), "passed": all(r["passed"] for r in results),
                "checks": results, "elapsed_s": elapsed_s, "report": str(res["report"]), "plots": plots,
                "reference": recipe.expected.get("reference")}
-    (out / "checks.json").write_text(json.dumps(verdict, indent=2) + "\n")
+    files.write_atomic(out / "checks.json", (json.dumps(verdict, indent=2) + "\n").encode())
     print(res["table"], end="", file=stream)
     for r in results:
         print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['message']}", file=stream)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from framework import files
 from framework.errors import FrameworkError
 
 MiB = 2 ** 20
@@ -293,7 +294,8 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
     root = Path(root)
     out = Path(out) if out is not None else root
-    out.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out)
+    files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
     jobs = load_jobs(root)
     loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
     tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
@@ -303,7 +305,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
           f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
           f"{table}\n"
           f"![loss]({_rel(loss_png, out)})\n\n![tokens/s and memory]({_rel(tm_png, out)})\n")
-    (out / "report.md").write_text(md)
+    files.write_atomic(out / "report.md", md.encode())
     return {"report": out / "report.md", "plots": [loss_png, tm_png], "jobs": jobs, "table": table}
 
 

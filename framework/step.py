@@ -4,10 +4,17 @@
 
 One call is one optimizer step over ``len(batch.micro)`` accumulated micro batches. Nothing
 here branches on which stage, precision or optimizer was composed in.
+
+Non-finite steps: under fp16's loss scaling a step whose gradients (or loss) overflow is skipped
+and the scale lowered, as DeepSpeed does. Without loss scaling (fp32, bf16) a non-finite loss or
+gradient norm means the model or the data went bad: the step raises ``TrainingError`` (nothing
+is updated, nothing saved afterwards), or with ``train.on_nonfinite=warn`` is skipped with a
+warning and reported as ``metrics["nonfinite"]`` (the checkpointer does not save such a step).
 """
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -16,6 +23,7 @@ from torch import nn
 
 from framework.batch import Batch
 from framework.distributed import Dist
+from framework.errors import TrainingError
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import Stage
@@ -36,6 +44,7 @@ class Components:
     grad_clip: float              # 0 disables clipping
     dist: Dist
     update: Update                # optimizer step + publish (framework.update)
+    on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
 
 
 def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
@@ -65,7 +74,14 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             # One global norm serves clipping and overflow detection: inf/nan propagate through
             # it, so every rank reaches the same skip decision.
             norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale   # host sync: once a step, decides clip/skip
-            overflow = not math.isfinite(norm)
+            # The logged loss is the mean over the global batch (ranks hold equal shares); known
+            # before the update, so a non-finite one is never stepped on.
+            c.dist.all_reduce(loss_sum, what="loss all-reduce")
+            mean_loss = loss_sum.item() / (n * c.dist.world)   # host sync: the step's loss, once a step
+            overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
+            nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
+            if nonfinite:
+                _nonfinite(c, state.step + 1, mean_loss, norm)
             opt_state = state.opt_state
             if overflow:
                 c.update.skip()
@@ -83,13 +99,22 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             c.stage.zero_grads()
             raise
         c.stage.zero_grads()
-        # The logged loss is the mean over the global batch (ranks hold equal shares).
-        c.dist.all_reduce(loss_sum, what="loss all-reduce")
-        metrics = {"loss": loss_sum.item() / (n * c.dist.world),   # host sync: the step's loss, once a step
-                   "lr": lr, "grad_norm": norm, "loss_scale": scale, "skipped": overflow, **c.stage.stats()}
+        metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,
+                   "skipped": overflow, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
         new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
                       rng=capture_rng(c.dist.device),
                       data=batch.position if batch.position is not None else state.data + 1)
         return new, metrics
 
     return train_step
+
+
+def _nonfinite(c: Components, step: int, loss: float, norm: float) -> None:
+    """A non-finite loss or gradient norm without loss scaling: stop (the default), or warn and skip."""
+    what = f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite)"
+    if c.on_nonfinite != "warn":
+        raise TrainingError(f"{what}; stopping before the update, nothing of this step is saved. Lower the "
+                            f"learning rate or check the data; train.on_nonfinite=warn skips such steps instead")
+    if c.dist.rank == 0:
+        print(f"warning: {what}; update skipped, no checkpoint of this step (train.on_nonfinite=warn)",
+              file=sys.stderr, flush=True)

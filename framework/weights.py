@@ -38,8 +38,10 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from framework import files
 from framework.distributed import agree
 from framework.errors import ConfigError, FrameworkError
+from framework.offload._verified import verify_map
 from framework.stages._spec import cover
 
 INDEX = "model.safetensors.index.json"
@@ -454,12 +456,12 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
 def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
     """Create each planned file as ``<name>.tmp`` at its final size with its header written
     (data left as a hole the writers fill), after removing outputs of an earlier save there."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out_dir)
     for old in out_dir.iterdir():
         if old.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old.name):
-            old.unlink()
+            old.unlink()   # a link is removed, never followed
     for plan in plans:
-        with open(out_dir / (plan.name + ".tmp"), "wb") as f:
+        with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
             f.write(plan.header)
             f.truncate(plan.size)
 
@@ -477,16 +479,17 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
     paths = []
     for plan in plans:
         tmp = out_dir / (plan.name + ".tmp")
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        fd = files.open_nofollow(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
-        tmp = out_dir / (INDEX + ".tmp")
-        tmp.write_text(json.dumps(index, indent=2) + "\n")
-        os.replace(tmp, out_dir / INDEX)
+        files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
     return paths
 
@@ -510,11 +513,13 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         views = []
         _agree(c.dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
                "save_weights: swap file check")
-        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size)
+        # what was read from the mapped pages is what was checked: the extents again after the write
+        recheck = lambda: verify_map(views[0].fmap, "checked again after the export read it")  # noqa: E731
+        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size, recheck)
 
 
 def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: torch.dtype | None,
-                  max_shard_size: int | str) -> list[Path]:
+                  max_shard_size: int | str, recheck=lambda: None) -> list[Path]:
     c = engine.components
     dist = c.dist
     specs = c.stage.piece_specs()
@@ -550,7 +555,7 @@ def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: tor
                     if x < y:
                         jobs.append((plan.name, e.offset + x * _itemsize(e.dtype), view[x - lo:y - lo], e.dtype))
     _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-    _agree(dist, lambda: _write_jobs(out_dir, jobs), "save_weights: write")
+    _agree(dist, lambda: (_write_jobs(out_dir, jobs), recheck()), "save_weights: write")
     paths = [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
     _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
     return paths
@@ -574,7 +579,7 @@ def _write_jobs(out_dir: Path, jobs: list) -> None:
     try:
         for fname, offset, view, dtype in jobs:
             if fname not in fds:
-                fds[fname] = os.open(out_dir / (fname + ".tmp"), os.O_WRONLY)
+                fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
             step = _itemsize(dtype)
             for s in range(0, view.numel(), WRITE_CHUNK):
                 chunk = view[s:s + WRITE_CHUNK].to(dtype)   # convert where the values are, then move
@@ -599,6 +604,7 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     module = engine.components.module
     config = _hf_config(module)
     if config is not None and engine.components.dist.is_main:
+        files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
         config.save_pretrained(out_dir)
         paths.append(Path(out_dir) / "config.json")
         gen = getattr(module, "generation_config", None)

@@ -81,6 +81,10 @@ class Boxes:
                 self.views.append((torch.Size(offsets), box.view(sizes)))
                 pos += n
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The boxes' tensors (what DCP writes or reads)."""
+        return [t for _, t in self.views]
+
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
         return self.shape
 
@@ -191,3 +195,27 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def unpicklable(folder, metadata) -> str | None:
+    """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses (as DCP
+    reads it), named by file, key and offset; None if every record loads. Used only to name the file
+    after DCP's read failed (it reports the refusal without saying where)."""
+    import io
+    from pathlib import Path
+
+    storage = getattr(metadata, "storage_data", None) or {}
+    for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
+        if getattr(info, "transform_descriptors", None):
+            continue   # compressed records are not ours to decode here
+        path = Path(folder) / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return f"{path} (record {index.fqn!r} at offset {info.offset})"
+        except Exception:  # noqa: BLE001 - another kind of damage: not what is looked for
+            continue
+    return None

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from framework import files
 from framework.data._base import CropSource, resolve_path
 from framework.errors import DataError
 from framework.registry import Component
@@ -61,13 +62,9 @@ def prepare_chars(source: str, out: Path) -> dict:
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
             "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    ids.astype("<u2").tofile(tmp)
-    tmp.replace(out)
-    tmp_meta = out.parent / "meta.json.tmp"
-    tmp_meta.write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp_meta.replace(out.parent / "meta.json")
+    files.make_dirs(out.parent)
+    files.write_atomic(out, ids.astype("<u2").tobytes())   # never through a planted link
+    files.write_atomic(out.parent / "meta.json", (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
     return meta
 
 

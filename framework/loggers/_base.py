@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from framework import files
+
 
 @dataclass(frozen=True)
 class RunInfo:
@@ -39,17 +41,15 @@ class RunRecord:
     """Append-only metrics.jsonl plus an atomically written summary.json."""
 
     def __init__(self, run_dir: Path):
-        run_dir.mkdir(parents=True, exist_ok=True)
+        files.make_dirs(run_dir)
         self.run_dir = run_dir
-        self._metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._metrics = files.open_append(run_dir / "metrics.jsonl")   # never through a planted link
 
     def log(self, record: dict) -> None:
         self._metrics.write(json.dumps(record) + "\n")
 
     def finish(self, summary: dict) -> None:
-        tmp = self.run_dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(self.run_dir / "summary.json")
+        files.write_atomic(self.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
 
     def close(self) -> None:
         self._metrics.close()

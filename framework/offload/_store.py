@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 
 from framework.accelerator import Accelerator, Event
+from framework.offload._verified import verify_extent
 
 PAGE = 4096
 
@@ -369,8 +370,7 @@ class DiskStore:
             if not write:
                 if i + 1 < len(extents):   # the next extent is read while this one is checked
                     fmap.prefetch(extents[i + 1][0])
-                self.io.verify(self.file, self.file.extent(name)[0], fmap.padded(name),
-                               what=f"{self.name} piece {key} tensor {j}")
+                verify_extent(fmap, name, what=f"{self.name} piece {key} tensor {j}")   # strict: every byte
             views.setdefault(key, []).append(fmap.extent(name, t.dtype, t.shape))
         return fmap, views
 

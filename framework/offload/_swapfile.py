@@ -41,6 +41,7 @@ from typing import Mapping
 import torch
 
 from framework.errors import ConfigError, SwapIOError
+from framework.files import make_dirs, refuse_links, write_atomic
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 1
@@ -126,7 +127,8 @@ class SwapFile:
                 "extents": {n: {"offset": e.offset, "nbytes": e.nbytes, "numel": e.numel}
                             for n, e in table.items()}}
         manifest = _manifest_path(path)
-        flags = os.O_RDWR | os.O_CLOEXEC
+        refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
         made = not os.path.lexists(path)
         if made:
             fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
@@ -191,7 +193,8 @@ class SwapFile:
                 return self._fd, None
             if self._direct_fd is None and self._direct_refused is None:
                 try:
-                    self._direct_fd = self.syscalls.open(str(self.path), os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT)
+                    self._direct_fd = self.syscalls.open(str(self.path),
+                                                         os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
@@ -261,12 +264,7 @@ class SwapFile:
         meta = json.loads(json.dumps(self.meta))
         for name in self._extents:
             meta["extents"][name]["checksums"] = [list(p) for p in self.checksums(name)]
-        manifest = _manifest_path(self.path)
-        tmp = manifest.with_name(manifest.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            json.dump(meta, out, indent=1)
-        os.replace(tmp, manifest)
+        write_atomic(_manifest_path(self.path), json.dumps(meta, indent=1).encode())   # no-follow, O_EXCL
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent)."""
@@ -410,7 +408,7 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
         if not create:
             raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
         try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
-            path.mkdir(parents=True, mode=0o700, exist_ok=True)
+            make_dirs(path)   # 0700, parents too
         except OSError as e:
             raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
                               "writable folder") from None

@@ -41,6 +41,7 @@ import torch
 
 from framework.accelerator import Accelerator, Event, for_device
 from framework.errors import SwapIOError
+from framework.offload._room import agree_swap_room
 from framework.offload._store import DeviceStore, DiskStore, HostStore, Tier
 
 
@@ -255,8 +256,9 @@ class Placement:
 
         disk = [i for i in self.infos if i.tier is Tier.DISK]
         full = tx.init(list(params)) if not disk else None
-        if self.param_store is not None:   # before any swap file is made: a too-small pool fails now
-            self._preflight(self.param_store, "params")
+        if self.param_store is not None:   # before any swap file is made: a too-small pool or disk fails now
+            agree_swap_room(self.dist, self._folder(), self._swap_stores(),
+                            lambda: self._preflight(self.param_store, "params"))
         failed = None
         if disk:
             store: DiskStore = self.stores[Tier.DISK]
@@ -332,6 +334,9 @@ class Placement:
                               f"than the largest parameter shard ({largest} elements): set "
                               f"offload.max_in_cpu >= {largest}")
 
+    def _swap_stores(self) -> dict:
+        return {"optim": self.stores.get(Tier.DISK), "params": self.param_store}
+
     def _open_disk(self, store: DiskStore, kind: str) -> None:
         """Pre-flight, then the swap file, the IO engine and the pool (before the first step)."""
         from framework.offload._aio import AsyncIO, aligned_empty, swap_path
@@ -339,7 +344,9 @@ class Placement:
 
         rank = self.dist.rank if self.dist is not None else 0
         world = self.dist.world if self.dist is not None else 1
-        self._preflight(store, kind)
+        # every rank at once (the first swap file made: all ranks come here together)
+        agree_swap_room(self.dist, self._folder(), self._swap_stores(), lambda: self._preflight(store, kind),
+                        collective=kind == "optim" or Tier.DISK not in self.stores)
         extents = store.extents()
         total, slot = sum(extents.values()), store.slot_bytes()
         dtype = next(iter(store.entries.values())).swapped[0].dtype   # the extents' element type

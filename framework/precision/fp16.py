@@ -23,6 +23,8 @@ def build(cfg: FP16Config) -> Policy:
     if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.hysteresis < 1 or cfg.loss_scale_window < 1:
         raise ConfigError("precision: need loss_scale >= 0, min_loss_scale > 0, hysteresis >= 1 and "
                           "loss_scale_window >= 1")
+    if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
+        raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
     scaler = ScalerConfig(cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window,
                           cfg.hysteresis, cfg.consecutive_hysteresis, cfg.min_loss_scale)
     return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler,

@@ -11,6 +11,7 @@ resume as one node) start several interpreters each: they run with FRAMEWORK_SLO
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,7 @@ def _launch(root, env, timeout_s=30.0, world=2, limit=60.0):
             p.kill()
         p.join()
     errors = {int(f.name.split("-")[1]): f.read_text() for f in Path(tmp).glob("error-*")}
+    shutil.rmtree(tmp, ignore_errors=True)
     return [p.exitcode for p in procs], errors
 
 
@@ -79,6 +81,7 @@ def _stop_on_first_death(root, env):
         if p.is_alive():
             p.kill()
         p.join()
+    shutil.rmtree(tmp, ignore_errors=True)
     return [p.exitcode for p in procs]
 
 

@@ -1,0 +1,76 @@
+"""Disk room summed over the ranks that share one file system.
+
+    mine = Claim.of(folder, need_bytes)                 # on every rank
+    everyone = all_gather(mine)                         # the caller's collective
+    for short in shortfalls(everyone): ...              # same answer on every rank
+
+Several ranks of one host usually write into one folder (swap files, checkpoint shards): each
+rank's own need may fit where their sum does not, and the rank whose write then fails first
+takes the others down with a bare "Connection closed by peer". Every rank states what it will
+write and where; the sums are compared with each file system's free space on every rank, so all
+of them refuse at once with the same line.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Claim:
+    rank: int
+    host: str
+    device: int          # st_dev of the folder (or of its nearest existing parent)
+    free: int            # bytes an unprivileged writer may use there now
+    need: int            # bytes this rank will write
+    folder: str
+
+    @staticmethod
+    def of(folder: str | os.PathLike, need: int, rank: int = 0) -> "Claim":
+        probe = nearest_existing(Path(folder))
+        st = os.statvfs(probe)
+        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, st.f_bavail * st.f_frsize, int(need),
+                     str(folder))
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (a folder about to be made lives there)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    folders: tuple[str, ...]
+    ranks: tuple[int, ...]
+    need: int
+    free: int
+
+    def describe(self, what: str) -> str:
+        where = ", ".join(self.folders)
+        ranks = (f"rank {self.ranks[0]}" if len(self.ranks) == 1
+                 else f"ranks {', '.join(map(str, self.ranks))}, sharing this file system,")
+        return (f"{where}: {what} of {ranks} need {size(self.need)} but the file system has {size(self.free)} free")
+
+
+def shortfalls(claims: list[Claim]) -> list[Shortfall]:
+    """The file systems (host, device) whose free space is below the sum of the claims on it."""
+    groups: dict[tuple[str, int], list[Claim]] = {}
+    for c in claims:
+        groups.setdefault((c.host, c.device), []).append(c)
+    out = []
+    for members in groups.values():
+        need, free = sum(c.need for c in members), min(c.free for c in members)
+        if need > free:
+            out.append(Shortfall(tuple(dict.fromkeys(c.folder for c in members)),
+                                 tuple(sorted(c.rank for c in members)), need, free))
+    return out
+
+
+def size(nbytes: int) -> str:
+    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"

@@ -1,0 +1,247 @@
+"""Integrity pieces on one process: planted links refused by name in every folder the framework
+writes, strict swap-extent checks, disk room summed per file system, a stopped rank named,
+rendezvous folders of dead runs removed (never a live one's), non-finite numbers in configs."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from framework import ConfigError, compose
+from framework.errors import SwapIOError, UnsafePathError
+from framework.files import create_new, make_dirs, open_append, write_atomic
+from framework.room import Claim, shortfalls
+
+
+# --- planted links --------------------------------------------------------------------------------
+
+def _plant(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    link = tmp_path / name
+    link.symlink_to(victim)
+    return link, victim
+
+
+def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
+    link, victim = _plant(tmp_path, "latest.tmp")
+    with pytest.raises(UnsafePathError, match=rf"^{link} is a symbolic link; refusing to follow it"):
+        write_atomic(tmp_path / "latest", b"step-2")
+    with pytest.raises(UnsafePathError, match="is a symbolic link"):
+        create_new(link)
+    with pytest.raises(UnsafePathError, match="is a symbolic link"):
+        open_append(link)
+    assert victim.read_text() == "precious" and not (tmp_path / "latest").exists()
+    (tmp_path / "stale.tmp").write_text("left by a killed run")
+    write_atomic(tmp_path / "stale", b"new")            # a stale regular temporary is replaced
+    assert (tmp_path / "stale").read_bytes() == b"new" and not (tmp_path / "stale.tmp").exists()
+    assert (tmp_path / "stale").stat().st_mode & 0o777 == 0o600
+    old = os.umask(0o022)
+    try:
+        make_dirs(tmp_path / "a" / "b" / "c")
+    finally:
+        os.umask(old)
+    for p in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert p.stat().st_mode & 0o777 == 0o700, p
+
+
+def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
+    """``latest.tmp`` and a ``step-N.tmp`` folder planted as links: the commit protocol refuses them
+    by name and never writes through them."""
+    from framework.checkpoint import _folder
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    link, victim = _plant(root, "latest.tmp")
+    tmp = root / "step-1.tmp"
+    tmp.mkdir()
+    (tmp / _folder.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
+    with pytest.raises(UnsafePathError, match=rf"{link} is a symbolic link"):
+        _folder.commit(tmp, root / "step-1", lambda point: None)
+    assert victim.read_text() == "precious" and tmp.is_dir() and not (root / "step-1").exists()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / "step-2.tmp").symlink_to(elsewhere)
+    _folder.remove_stale(root)                          # links are left alone, never deleted through
+    with pytest.raises(UnsafePathError, match="step-2.tmp is a symbolic link"):
+        _folder.make_step_folder(root / "step-2.tmp")
+    assert elsewhere.is_dir() and not list(elsewhere.iterdir())
+
+
+@pytest.mark.parametrize("name", ["rank00000.optim.swap", "rank00000.optim.swap.manifest.json",
+                                  "rank00000.optim.swap.manifest.json.tmp"])
+def test_a_planted_link_in_the_nvme_folder_is_refused(tmp_path, name):
+    from framework.offload._swapfile import SwapFile, swap_path
+
+    link, victim = _plant(tmp_path, name)
+    with pytest.raises(UnsafePathError, match=rf"^{link} is a symbolic link"):
+        SwapFile.create(swap_path(tmp_path, 0, "optim"), {"a": 4096}, layout_hash="h", world_size=1, rank=0,
+                        dtype=torch.float32)
+    assert victim.read_text() == "precious"
+
+
+def test_run_outputs_and_exports_refuse_planted_links(tmp_path):
+    from framework.loggers._base import RunRecord
+    from framework.weights import create_files, plan_files
+
+    link, victim = _plant(tmp_path, "metrics.jsonl")
+    with pytest.raises(UnsafePathError, match="metrics.jsonl is a symbolic link"):
+        RunRecord(tmp_path)
+    out = tmp_path / "export"
+    out.mkdir()
+    plans = plan_files([("w", (2, 2), torch.float32)], "5GB")
+    (out / f"{plans[0].name}.tmp").symlink_to(victim)   # removed (a link, never followed) and made anew
+    create_files(out, plans)
+    assert victim.read_text() == "precious" and not (out / f"{plans[0].name}.tmp").is_symlink()
+
+
+def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
+    """keep_last=1 after a commit of step 3 whose save could not vouch for its state (no ``verified``
+    flag: an older framework's, or a folder made by hand): step 1, the newest verified one, stays;
+    the folders go through ``step-N.del`` and are gone."""
+    from framework.checkpoint import _folder
+
+    for step, verified in ((1, True), (2, None), (3, None)):
+        folder = tmp_path / f"step-{step}"
+        folder.mkdir()
+        body = {"format": 1, "files": {}, **({"verified": True} if verified else {})}
+        (folder / _folder.MANIFEST).write_text(json.dumps(body))
+    gone = _folder.prune(tmp_path, tmp_path / "step-3", keep_last=1)
+    assert [p.name for p in gone] == ["step-2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
+
+
+# --- strict swap-extent checks ----------------------------------------------------------------------
+
+def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):
+    """Every byte of an extent must lie in a piece whose checksum was recorded: a changed byte and
+    bytes without a checksum are both SwapIOErrors naming the file and the offset."""
+    from framework.offload._aio import AsyncIO
+    from framework.offload._swapfile import SwapFile
+    from framework.offload._verified import verify_map
+
+    with SwapFile.create(tmp_path / "s.swap", {"a": 8192, "b": 4096}, layout_hash="h", world_size=1, rank=0,
+                         dtype=torch.float32) as f, AsyncIO(4096, 2, 1) as io:
+        for name in ("a", "b"):
+            offset, nbytes = f.extent(name)
+            io.pwrite(f, offset, torch.arange(nbytes // 4, dtype=torch.float32), name).wait()
+        verify_map(f.map(write=False))
+        f.forget(*f.extent("b"))                      # "b" has no checksum any more
+        with pytest.raises(SwapIOError, match=r"no checksum recorded at offset 8192 \(4096 bytes, extent 'b'"):
+            verify_map(f.map(write=False))
+        io.pwrite(f, f.extent("b")[0], torch.zeros(1024), "b").wait()
+        with open(f.path, "r+b") as raw:
+            raw.seek(4100)
+            raw.write(b"\x01")
+        with pytest.raises(SwapIOError, match=rf"swap file {f.path}: checksum mismatch at offset 4096"):
+            verify_map(f.map(write=False))
+
+
+# --- room summed per file system ------------------------------------------------------------------
+
+def test_room_is_summed_over_the_ranks_sharing_a_file_system(tmp_path):
+    mib = 1 << 20
+    same = [Claim(r, "h", 7, 10 * mib, 6 * mib, str(tmp_path)) for r in range(2)]
+    other = [Claim(2, "h", 8, 10 * mib, 6 * mib, "/elsewhere"), Claim(3, "g", 7, 10 * mib, 6 * mib, "/x")]
+    (short,) = shortfalls(same + other)
+    assert short.ranks == (0, 1) and short.need == 12 * mib
+    assert short.describe("the swap files").startswith(f"{tmp_path}: the swap files of ranks 0, 1, sharing this "
+                                                        "file system, need 12.00 MiB")
+    assert shortfalls(same[:1] + other) == []
+    assert Claim.of(tmp_path / "not" / "yet", 5).free > 0   # a folder about to be made: its parent's room
+
+
+# --- a stalled rank is named ----------------------------------------------------------------------
+
+def test_a_stopped_or_dead_peer_is_named():
+    from framework.distributed import Dist
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(100):   # the stop is asynchronous
+            with open(f"/proc/{child.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.01)
+        host = socket.gethostname()
+        dist = Dist(0, 3, 0, torch.device("cpu"), "gloo", 3.0,
+                    peers=((host, os.getpid()), (host, child.pid), (host, gone.pid)))
+        assert dist.who_failed() == (f"rank 2 lost (process gone); rank 1 stalled (pid {child.pid} is stopped "
+                                     "(SIGSTOP or SIGTSTP: send SIGCONT, or kill it))")
+    finally:
+        child.kill()
+        child.wait()
+
+
+# --- rendezvous folders of dead runs --------------------------------------------------------------
+
+def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path):
+    from framework.launch import RDZV_LOCK, RDZV_PREFIX, remove_dead_rendezvous
+
+    old = time.time() - 7200
+
+    def folder(name, lock=True):
+        d = tmp_path / f"{RDZV_PREFIX}{name}"
+        d.mkdir()
+        if lock:
+            (d / RDZV_LOCK).write_text("")
+        os.utime(d, (old, old))
+        return d
+
+    dead, legacy, live = folder("dead"), folder("legacy", lock=False), folder("live")
+    young = tmp_path / f"{RDZV_PREFIX}young"
+    young.mkdir()
+    other = tmp_path / "framework-pool-x"
+    other.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(live / RDZV_LOCK)!r}, os.O_RDWR)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_SH)\nprint('held', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        os.utime(live, (old, old))
+        gone = remove_dead_rendezvous(str(tmp_path))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(gone) == sorted([str(dead), str(legacy)])
+    assert live.is_dir() and young.is_dir() and other.is_dir()
+
+
+# --- numbers in configs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,message", [
+    ("train.grad_clip=nan", "config: train.grad_clip=nan is not a finite number"),
+    ("train.grad_clip=1e309", "config: train.grad_clip=inf is not a finite number"),
+    ("optimizer.lr=inf", "config: optimizer.lr=inf is not a finite number"),
+    ("checkpoint.timeout_s=nan", "config: checkpoint.timeout_s=nan is not a finite number"),
+    ("train.micro_batch=100000000000000000000000", "config: train.micro_batch=100000000000000000000000 is out of "
+                                                   "range"),
+    ("train.on_nonfinite=ignore", "config: train.on_nonfinite must be stop or warn, got 'ignore'"),
+])
+def test_non_finite_and_overflowing_numbers_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace(".", r"\.")):
+        compose([override])
+
+
+@pytest.mark.parametrize("ds,message", [
+    ('{"gradient_clipping": NaN}', "ds_config: gradient_clipping must be a finite number, got NaN"),
+    ('{"gradient_clipping": 1e309}', "ds_config: gradient_clipping must be a finite number, got Infinity"),
+    ('{"train_micro_batch_size_per_gpu": 1e23}', "ds_config: train_micro_batch_size_per_gpu=1e+23 is out of range"),
+    ('{"train_batch_size": 100000000000000000000000}', "ds_config: train_batch_size=100000000000000000000000 is out "
+                                                       "of range"),
+])
+def test_deepspeed_numbers_that_are_not_finite_or_overflow_are_one_line_errors(tmp_path, ds, message):
+    path = tmp_path / "ds.json"
+    path.write_text(ds)
+    with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("+", r"\+")):
+        compose([f"ds_config={path}"])
