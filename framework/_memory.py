@@ -140,9 +140,9 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     no fudge factor; every term is named).
 
     Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
-    element) lives on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition)
-    elements of master + state, plus the rank's fp32 gradient partition (4 bytes per element) that
-    the tiles are stepped with. Parameters on NVMe: each rank's 16-bit shard on disk and
+    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_gradswap.py)
+    live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
+    of master + state + gradient + 16-bit staging, and one tile's gradient bounce buffer. Parameters on NVMe: each rank's 16-bit shard on disk and
     ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards
     in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (16-bit params and
     grads), plus the 16-bit shard when parameters stay on the GPU."""
@@ -152,8 +152,8 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     tile = min(keys.sub_group_size, part)
     rows = []
     for par in ("nvme", "cpu", "none"):
-        opt_host = gpus_per_node * (keys.buffer_count * tile * state + 4 * part)
-        disk = gpus_per_node * part * state
+        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + param_bytes) + 4 * tile)
+        disk = gpus_per_node * part * (state + 4)
         host, gpu = opt_host, 4 * largest_layer
         if par == "nvme":
             host += gpus_per_node * keys.param_buffer_count * keys.param_buffer_size * param_bytes
@@ -369,17 +369,22 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
         if hostn and opt_on_disk:
-            # ZeRO-Infinity: master + state in swap files; the host holds the gradient buffers and a
-            # pool of ``buffer_count`` tiles of ``sub_group_size`` elements (master + state).
-            pred.disk["optimizer"] = pred.disk.get("optimizer", 0) + (4 + K) * hostn
+            # ZeRO-Infinity: master + state in swap files; the host holds a pool of ``buffer_count``
+            # tiles of ``sub_group_size`` elements (master + state). zero3 with every piece on the
+            # host also swaps the owned gradients (offload/_gradswap.py): they sit in each tile
+            # (read with it) and one tile's bounce buffer; otherwise they are host buffers.
+            swap_grads = stage == "zero3" and hostn == shard_elems
+            pred.disk["optimizer"] = pred.disk.get("optimizer", 0) + (4 + K + acc * swap_grads) * hostn
             tile = min(cfg.offload.sub_group_size, hostn)
-            pool = cfg.offload.buffer_count * tile * (4 + K)
+            pool = cfg.offload.buffer_count * tile * (4 + K + (acc * swap_grads) + (w if master_sep else 0)) \
+                + acc * tile * swap_grads
             d, h = pred.items.get("nvme_optimizer_pool", (0, 0))
             pred.items["nvme_optimizer_pool"] = (0, max(h, pool))
-            pred.add("host_grad_buffers", host=4 * hostn)
-            if master_sep:
-                pred.add("host_staging", host=w * hostn)
-                pred.lazy.add("host_staging")
+            if not swap_grads:
+                pred.add("host_grad_buffers", host=4 * hostn)
+                if master_sep:
+                    pred.add("host_staging", host=w * hostn)
+                    pred.lazy.add("host_staging")
             pred.add("optimizer_state", device=K * devn)
             if devn and master_sep:
                 pred.add("master_params", device=4 * devn)
@@ -488,7 +493,21 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
     rest = [p for p in module.parameters() if id(p) not in seen]
     if rest:
         units.append(rest)
-    persistent, sizes = [], []
+    persistent, sizes, shards = [], [], []
+    o = cfg.offload
+    # owned gradients in the optimizer's swap file (offload/_gradswap.py): up to three group
+    # partitions exist at once (one being reduced, two queued for writing), none between steps
+    swap_grads = cfg.choices["offload"] == "nvme" and getattr(o, "optimizer", "nvme") == "nvme" \
+        and getattr(o, "ratio", 1.0) == 1.0
+    acc = policy.grad_accum_dtype.itemsize
+
+    def grads(n: int) -> None:
+        if not swap_grads:
+            pred.add("grads", device=acc * n)
+            return
+        d, h = pred.items.get("grads", (0, 0))
+        pred.items["grads"] = (max(d, 3 * acc * n), h)
+
     for ps in units:
         small = [p for p in ps if p.numel() < s.stage3_param_persistence_threshold]
         persistent += small
@@ -498,16 +517,18 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
             if grp:
                 padded = _padded(sum(p.numel() for p in grp), world)
                 size += padded
+                shards.append(padded // world)
                 pred.add("params", device=w * padded // world)
-                pred.add("grads", device=policy.grad_accum_dtype.itemsize * padded // world)
+                grads(padded // world)
                 master_state(padded // world, fp32_in_place=True)
         if size:
             sizes.append(size)
     for grp in ([p for p in persistent if p.ndim >= 2], [p for p in persistent if p.ndim < 2]):
         if grp:
             padded = _padded(sum(p.numel() for p in grp), world)
+            shards.append(padded // world)
             pred.add("params", device=w * padded // world)
-            pred.add("grads", device=policy.grad_accum_dtype.itemsize * padded // world)
+            grads(padded // world)
             master_state(padded // world, fp32_in_place=True)
             pred.add("gathered_persistent", device=w * padded)
     where = getattr(cfg.offload, "params", False)
@@ -519,8 +540,10 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         d, h = pred.items["params"]
         pred.items["params"] = (0, 0)
         pred.disk["params"] = d + h
-        o = cfg.offload
-        pred.add("nvme_param_pool", host=min(o.param_buffer_count * o.param_buffer_size * w, d + h))
+        # slots as large as the largest shard, no more of them than shards or max_in_cpu allows
+        largest = max(shards, default=0)
+        slots = min(o.param_buffer_count, len(shards), o.max_in_cpu // max(largest, 1))
+        pred.add("nvme_param_pool", host=slots * largest * w)
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use.

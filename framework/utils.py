@@ -64,6 +64,14 @@ def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     return torch.stack([p.to(device, non_blocking=True) for p in parts]).sum()
 
 
+def sq_norm_part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The term ``sq_norm`` adds for tensor ``t`` (non-empty), on ``device``: the squared norms of
+    partitions taken one at a time and stacked in order sum exactly as ``sq_norm`` of the list."""
+    t = t.reshape(-1)
+    part = _host_sq_norm(t) if t.device.type == "cpu" else _device_sq_norms([t])[0]
+    return part if part.device == torch.device(device) else part.to(device, non_blocking=True)
+
+
 def _host_sq_norm(t: torch.Tensor) -> torch.Tensor:
     if t.dtype not in (torch.float32, torch.float64):
         block = SQ_NORM_ROW << 14  # whole rows, so the rows are those of the unblocked tensor

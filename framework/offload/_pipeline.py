@@ -95,6 +95,8 @@ class PiecePipeline:
     # --- during backward -------------------------------------------------------------------
 
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
+        if self.target.grad_swap:   # backward writes gradient extents: no slot may hold a tile now
+            self.target.stores[Tier.DISK].settle()
         self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
         self.grad_copies, self.final = {}, set()
         self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
@@ -126,6 +128,17 @@ class PiecePipeline:
         """Every piece's gradient (host pieces: their host buffer, its copy queued if not yet)."""
         out = []
         for info in self.info:
+            if info.tier is Tier.DISK and self.target.grad_swap:
+                # In the swap file beside the tile: resident (in the tensor itself) once the step
+                # acquires the tile; nothing to copy.
+                if info.index not in self.grad_copies:
+                    ready = self.acc.event()
+                    ready.record()
+                    queued = Future()
+                    queued.set_result(ready)
+                    self.grad_copies[info.index] = queued
+                out.append(info.piece.grad)
+                continue
             g = parts[info.group][info.start:info.end]
             if info.tier is not Tier.DEVICE:
                 if info.index not in self.grad_copies:
@@ -168,6 +181,8 @@ class PiecePipeline:
         pc = self.info[k].piece
         self._acquire(k)
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
+        if grad.dtype != pc.master.dtype:   # a swapped gradient in a 16-bit accumulation dtype, resident now
+            grad = grad.to(pc.master.dtype)
         self.acc.on_host(grad, pc.master, *self._staging(k), what="host step operands")
         self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *self._staging(k)])
         if coef != 1.0:

@@ -110,6 +110,9 @@ class _Entry:
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
+    # The last ``readonly`` swapped tensors are read with the piece but never written back by a
+    # release (the owned gradient: written by ``write_extent`` during backward, read by the step).
+    readonly: int = 0
     offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
     footprint: int = 0
 
@@ -160,16 +163,19 @@ class DiskStore:
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
+        self.creating = False      # ``create``: every swapped tensor is written, read-only ones too
+        self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
         self.clock = 0
         self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
     # --- setup -------------------------------------------------------------------------------
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
-            park: bool = True) -> None:
+            park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
-        keep their memory and values until ``create`` writes them out)."""
-        e = _Entry(list(swapped), list(scratch))
+        keep their memory and values until ``create`` writes them out). The last ``readonly`` of
+        ``swapped`` are read with the piece but not written back on release (``write_extent``)."""
+        e = _Entry(list(swapped), list(scratch), readonly)
         off = 0
         for t in (*e.swapped, *e.scratch):
             e.offsets.append(off)
@@ -264,10 +270,11 @@ class DiskStore:
                 return
             e = self.entries[handle.key]
             slot.state = "writing"
+            written = range(len(e.swapped) - (0 if self.creating else e.readonly))
             slot.io = [self.io.pwrite(self.file, self.file.extent(f"{handle.key}.{j}")[0], self._view(slot, e, j),
                                       what=f"{self.name} piece {handle.key} tensor {j}")
-                       for j in range(len(e.swapped))]
-            self.bytes_written += sum(self.extents_of(handle.key))
+                       for j in written]
+            self.bytes_written += sum(self.extents_of(handle.key)[j] for j in written)
             self.writing.append(slot)
             self.cond.notify_all()
         if not self.write_behind:
@@ -299,7 +306,7 @@ class DiskStore:
                 self.io.close()
             if self.file is not None:
                 self.file.remove()
-            self.io = self.file = None
+            self.io = self.file = self.bounce = None
 
     def interrupt(self) -> None:
         with self.cond:
@@ -327,7 +334,57 @@ class DiskStore:
             self.where[key] = slot
             self._point(key, slot)
         fill()
-        self.release(Handle(key, None), None)
+        self.creating = True
+        try:
+            self.release(Handle(key, None), None)
+        finally:
+            self.creating = False
+
+    # --- one tensor of a piece, around the slots (owned gradients during backward) --------------
+
+    def write_extent(self, key: int, j: int, src: torch.Tensor) -> None:
+        """``src`` (host, contiguous; ``swapped[j]``'s size) -> piece ``key``'s tensor ``j`` in the
+        swap file, waited for. The piece must not be in a slot (``settle`` between steps). Goes
+        through one page-aligned bounce buffer (the extent padded, as the slot reads it back, so
+        the checksums are kept over the same pieces)."""
+        self._outside_slots(key)
+        n, buf = self._bounce(key, j)
+        buf[:n].copy_(src.reshape(-1).view(torch.uint8))
+        buf[n:].zero_()
+        h = self.io.pwrite(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
+        t = time.perf_counter()
+        h.wait()
+        self.wait_s += time.perf_counter() - t
+        self.bytes_written += buf.numel()
+
+    def read_extent(self, key: int, j: int, dst: torch.Tensor) -> None:
+        """Piece ``key``'s tensor ``j`` from the swap file -> ``dst`` (host, contiguous), waited for."""
+        self._outside_slots(key)
+        n, buf = self._bounce(key, j)
+        h = self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
+        t = time.perf_counter()
+        h.wait()
+        self.wait_s += time.perf_counter() - t
+        self.bytes_read += buf.numel()
+        dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
+
+    def bounce_bytes(self) -> int:
+        """Bytes of the bounce buffer ``write_extent`` / ``read_extent`` will use (0: none)."""
+        return max((_padded(x.numel() * x.element_size()) for e in self.entries.values()
+                    for x in e.swapped[len(e.swapped) - e.readonly:]), default=0)
+
+    def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
+        from framework.offload._aio import aligned_empty
+
+        t = self.entries[key].swapped[j]
+        n = t.numel() * t.element_size()
+        if self.bounce is None or self.bounce.numel() < _padded(n):
+            self.bounce = aligned_empty(max(self.bounce_bytes(), _padded(n)), torch.uint8, pin=False, acc=self.acc)
+        return n, self.bounce[:_padded(n)]
+
+    def _outside_slots(self, key: int) -> None:
+        if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
+            self.settle()
 
     # --- the swap file mapped (checkpoints) ---------------------------------------------------
 
@@ -386,7 +443,7 @@ class DiskStore:
                 self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
 
     def memory(self) -> dict[str, int]:
-        return {"pool": self.buffer_count * self.slot_bytes(),
+        return {"pool": self.buffer_count * self.slot_bytes() + (0 if self.bounce is None else self.bounce.numel()),
                 "file": sum(self.extents().values())}
 
     # --- internals (called with the condition held unless said otherwise) --------------------

@@ -360,6 +360,42 @@ class FileMap:
             self._mm.flush()
 
 
+def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
+    """Remove the swap files (and manifests) in ``folder`` that no live process holds: each is
+    ``flock``-ed by its owner for as long as it is open, so a lock granted here means its process
+    is gone (kill -9, OOM). Returns (files removed, bytes freed on disk). A live process's file is
+    never touched; links are never followed."""
+    count = freed = 0
+    try:
+        names = sorted(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0, 0
+    for name in names:
+        if not (name.startswith("rank") and name.endswith(".swap")):
+            continue
+        path = Path(folder) / name
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:   # a link, gone meanwhile, not ours to open
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue   # held: its process is alive
+            st = os.fstat(fd)
+            _unlink(path)
+            manifest = _manifest_path(path)
+            if manifest.exists() and not manifest.is_symlink():
+                freed += manifest.stat().st_blocks * 512
+            _unlink(manifest)
+            count += 1
+            freed += st.st_blocks * 512
+        finally:
+            os.close(fd)
+    return count, freed
+
+
 def _manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".manifest.json")
 

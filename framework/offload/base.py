@@ -41,6 +41,7 @@ import torch
 
 from framework.accelerator import Accelerator, Event, for_device
 from framework.errors import SwapIOError
+from framework.offload._gradswap import GradSwap, Spill
 from framework.offload._room import agree_swap_room
 from framework.offload._store import DeviceStore, DiskStore, HostStore, Tier
 
@@ -86,7 +87,13 @@ class PieceInfo:
     real: int                # elements of the range that hold parameters (padding is never reported final)
     tier: Tier
     piece: Piece
-    working: torch.Tensor    # where its updated values go: its range of the working partition
+    partition: torch.Tensor  # the working partition (the tensor object: its storage may move to a pool slot)
+
+    @property
+    def working(self) -> torch.Tensor:
+        """Where its updated values go: its range of the working partition. A view made on use: a
+        view kept here would keep a zero3 shard's memory alive after it moved to the swap file."""
+        return self.partition[self.start:self.end]
 
 
 class GradListener(Protocol):
@@ -107,7 +114,10 @@ class Placement:
         self._read_error: BaseException | None = None   # a failed shard read, until ranks agree on it
         self._shard_keys: dict[int, int] = {}
         self.dist = None      # (``connect``) ranks agree on swap IO errors
-        self._initial: dict[int, torch.Tensor] = {}   # disk piece -> its working values (setup only)
+        self._initial: dict[int, tuple] = {}   # disk piece -> (partition, lo, hi) of its working values (setup)
+        self.gradswap: GradSwap | None = None   # (``swap_grads``) owned gradients in the swap file
+        self.spill: Spill | None = None         # zero3 shards spilled during construction
+        self._cleaned = False                   # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
         self._made: str | None = None   # the swap folder, when this run made it
         self.overlap_step = overlap_step  # see framework/offload/_pipeline.py
@@ -123,6 +133,8 @@ class Placement:
 
     def bind(self, acc: Accelerator) -> None:
         self._acc = acc
+        if self.disk is not None:
+            _return_freed_memory()
         self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
         self.param_store: DiskStore | None = None   # zero3 shards on disk (``offload.params=nvme``)
         self._shard_keys: dict[int, int] = {}        # id(shard) -> its key in the param store
@@ -171,12 +183,16 @@ class Placement:
         host = self.stores[Tier.HOST]
         for a in range(0, k, step):
             b = min(a + step, k)
-            grad = host.allocate(b - a, master_dtype)   # gradients stay in host memory (never swapped)
-            grad.zero_()
+            if on_disk and self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
+                grad = _parked(b - a, self.grad_dtype)
+            else:
+                grad = host.allocate(b - a, master_dtype)   # in host memory
+                grad.zero_()
             if on_disk:
                 # Placeholders until ``init_opt_state`` registers them with the disk store (which
-                # points them at a pool slot only while the piece is resident).
-                self._initial[len(self.infos) + len(pieces)] = own[a:b]
+                # points them at a pool slot only while the piece is resident). The initial values
+                # are read from ``own`` then (or from the construction spill, ``_gradswap``).
+                self._initial[len(self.infos) + len(pieces)] = (own, a, b)
                 staging = None if own.dtype == master_dtype else _parked(b - a, own.dtype)
                 pieces.append((Tier.DISK, Piece(a, b, _parked(b - a, master_dtype), grad, staging)))
                 continue
@@ -190,7 +206,7 @@ class Placement:
                                               None)))
         for tier, p in pieces:
             self.infos.append(PieceInfo(len(self.infos), group, p.start, p.end, max(0, min(p.end, real) - p.start),
-                                        tier, p, own[p.start:p.end]))
+                                        tier, p, own))
         self.partitions.append(own)
         return [p for _, p in pieces]
 
@@ -203,6 +219,146 @@ class Placement:
         return any(i.tier is not Tier.DEVICE for i in self.infos)
 
     # --- the disk tier -------------------------------------------------------------------------
+
+    @property
+    def grad_swap(self) -> bool:
+        return self.gradswap is not None
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return self.gradswap.dtype
+
+    def swap_grads(self, accum_dtype: torch.dtype) -> bool:
+        """zero3, before placing its partitions: whether the owned gradient partitions live in the
+        optimizer's swap file (``_gradswap``): with the optimizer on disk and every piece stepped by
+        the host. Then the stage calls ``load_grad`` / ``save_grad`` around each reduction."""
+        if self.disk is not None and self.disk.optimizer and self.host_fraction == 1.0:
+            self.gradswap = GradSwap(accum_dtype)
+        return self.grad_swap
+
+    def load_grad(self, group: int, numel: int, device: torch.device) -> torch.Tensor:
+        return self.gradswap.load(group, numel, device)
+
+    def save_grad(self, group: int, buf: torch.Tensor, final: bool) -> None:
+        self.gradswap.save(group, buf, final, self._acc.device)
+
+    def finish_grads(self, sizes: Sequence[int]) -> None:
+        self.gradswap.finish(sizes, self._acc.device)
+
+    def grad_sq_norm_local(self, sizes: Sequence[int]) -> torch.Tensor:
+        return self.gradswap.sq_norm(sizes, self._acc.device)
+
+    def clear_grads(self) -> None:
+        if self.gradswap is not None:
+            self.gradswap.clear()
+
+    def readable_grads(self, grads: Sequence[torch.Tensor]):
+        """``grads`` (aligned with ``pieces()``) with swapped gradients read from disk, one at a time."""
+        if self.gradswap is None:
+            return grads
+        return self.gradswap.piece_grads(self.infos)
+
+    def clean_stale(self) -> None:
+        """At start-up, before the pre-flight counts free space: swap files that dead processes left
+        in ``nvme_path`` are removed, with one line saying what was freed (``remove_stale``)."""
+        if self.disk is None or self._cleaned or self.disk.path is None:
+            return
+        from framework.offload._swapfile import remove_stale
+
+        self._cleaned = True
+        count, freed = remove_stale(self.disk.path)
+        if count:
+            print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.disk.path}, "
+                  f"freeing {freed / 2**30:.2f} GiB ({freed} bytes)", flush=True)
+
+    def expect(self, numel: int, param_dtype: torch.dtype) -> None:
+        """zero3, before construction writes anything (``numel``: about this rank's share of the
+        parameters): stop with one line if the disk cannot hold even the states every optimizer
+        needs (16-bit shards and their spill, fp32 master, swapped gradients) or the pools
+        configured cannot be backed by host memory. The exact checks follow at ``init_opt_state``."""
+        if self.disk is None or not numel:
+            return
+        from framework.errors import ConfigError
+
+        self.clean_stale()
+        size = torch.empty((), dtype=param_dtype).element_size()
+        need = numel * ((4 if self.disk.optimizer else 0) + (4 if self.grad_swap else 0)
+                        + (2 * size if self.disk.params else 0))
+        folder = self.disk.path
+        probe = Path(folder) if folder is not None else Path(tempfile.gettempdir())
+        while not probe.exists():
+            probe = probe.parent
+        free = _free_bytes(probe)
+        if need > free:
+            raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
+                              f"{need / 2**30:.2f} GiB ({need} bytes) of swap but its file system has "
+                              f"{free / 2**30:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
+                              f"or use more ranks")
+        tile = min(self.disk.sub_group_size, numel)
+        pools = self.disk.buffer_count * tile * (4 + (4 if self.grad_swap else 0))
+        if self.disk.params:
+            pools += min(self.disk.param_buffer_count * self.disk.param_buffer_size, self.disk.max_in_cpu,
+                         numel) * size
+        self._check_ram(pools, "at least")
+
+    def _check_ram(self, pools: int, bound: str) -> None:
+        """One line if host buffers of ``pools`` bytes cannot fit in the memory available now."""
+        from framework.errors import ConfigError
+
+        available = _available_ram()
+        if available is not None and pools > available:
+            raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / 2**30:.2f} GiB ({pools} bytes) of "
+                              f"host memory but {available / 2**30:.2f} GiB is available; lower offload.buffer_count, "
+                              f"offload.sub_group_size, offload.param_buffer_count or offload.max_in_cpu")
+
+    def shard_filled(self, shard: torch.Tensor) -> None:
+        """zero3, construction: ``shard`` holds its initial values. With shards on disk they are
+        spilled (``_gradswap.Spill``) and the shard's memory released, so construction streams."""
+        if self.param_store is None or self._shard_keys.get(id(shard)) is None:
+            return
+        if self.spill is None:
+            from framework.files import make_dirs
+
+            folder = self._folder()
+            make_dirs(folder)   # (0700; removed at close when this run made it)
+            self.spill = Spill(folder)
+        self.spill.put(shard)
+        shard.set_(_parked(shard.numel(), shard.dtype).untyped_storage(), 0, shard.shape, (0,))
+
+    def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of partition ``own``'s initial working values (setup): from the parameter
+        swap file once the shard is there, else from the spill, else ``own`` itself."""
+        key = self._shard_keys.get(id(own))
+        if key is not None and self._params_swapped():
+            import os
+
+            file = self.param_store.file
+            size = own.element_size()
+            out = torch.empty(hi - lo, dtype=own.dtype)
+            view = memoryview(out.view(torch.uint8).numpy())   # host sync: no (a host tensor, setup)
+            fd, _ = file.descriptor(direct=False)
+            base, done = file.extent(f"{key}.0")[0] + lo * size, 0
+            while done < len(view):   # setup: the bytes were just written through this file
+                n = os.preadv(fd, [view[done:]], base + done)
+                if n <= 0:
+                    raise SwapIOError(f"swap file {file.path}: short read at {base + done}", path=str(file.path),
+                                      offset=base + done, what="initial master values", errno=None)
+                done += n
+            return out
+        if self.spill is not None and self.spill.has(own):
+            return self.spill.read(own, lo, hi)
+        return own[lo:hi]
+
+    def spill_filler(self, shard: torch.Tensor):
+        """``DiskStore.create``'s fill for a shard: from its spill (None: its own values)."""
+        if self.spill is None or not self.spill.has(shard):
+            return None
+        return lambda: self.spill.read(shard, 0, shard.numel(), out=shard)
+
+    def close_spill(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
@@ -218,8 +374,8 @@ class Placement:
         fmap, views = store.mapped(write)
         out, groups = list(params), {}
         for info in self.infos:
-            if info.tier is Tier.DISK:
-                out[info.index], *groups[info.index] = views[info.index]
+            if info.tier is Tier.DISK:   # (a swapped gradient, last, is not part of the state)
+                out[info.index], *groups[info.index] = views[info.index][:len(views[info.index]) - self.grad_swap]
         return out, replace_groups(opt_state, len(params), groups), fmap
 
     def unmapped(self, fmap: Any) -> None:
@@ -256,10 +412,26 @@ class Placement:
 
         disk = [i for i in self.infos if i.tier is Tier.DISK]
         full = tx.init(list(params)) if not disk else None
+        if disk or self.param_store is not None:
+            self.clean_stale()
         if self.param_store is not None:   # before any swap file is made: a too-small pool or disk fails now
             agree_swap_room(self.dist, self._folder(), self._swap_stores(),
                             lambda: self._preflight(self.param_store, "params"))
         failed = None
+        if self.param_store is not None:
+            # The parameter file first: construction's spill is consumed and closed before the
+            # optimizer's file is reserved (disk: never both at once), and the masters' initial
+            # values are read back from it.
+            try:
+                self._open_disk(self.param_store, "params")
+                for key in list(self.param_store.order):
+                    # the shard's values (or their spill) -> its extent; its memory goes
+                    self.param_store.create(key, self.spill_filler(self.param_store.entries[key].swapped[0]))
+                self.param_store.flush()
+                self.close_spill()
+            except Exception as e:   # noqa: BLE001
+                failed = e
+            self.agree(failed, "writing the parameter shards to their swap file")
         if disk:
             store: DiskStore = self.stores[Tier.DISK]
             n = len(params)
@@ -271,31 +443,28 @@ class Placement:
                 state = init_groups(tx, params, {info.index})
                 owner[info.index] = len(states)
                 states.append(state)
-                store.add(info.index, [info.piece.master, *group_state(state, n, info.index)],
-                          [info.piece.staging] if info.piece.staging is not None else [])
+                grad = [info.piece.grad] if self.grad_swap else []
+                store.add(info.index, [info.piece.master, *group_state(state, n, info.index), *grad],
+                          [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
             full = merge_groups(states, owner)
             self._open_disk(store, "optim")
+            if self.gradswap is not None:
+                self.gradswap.bind(store, disk, self._acc)
             try:
                 for info in disk:   # initial values: the working values and a fresh state, written out
                     def fill(info=info):
                         m = info.piece.master
-                        self._acc.copy(m, self._initial[info.index])   # blocking: setup
+                        self._acc.copy(m, self.initial_values(*self._initial[info.index]))   # blocking: setup
                         fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
                         for dst, src in zip(group_state(full, n, info.index), fresh):
                             dst.copy_(src)
+                        if self.grad_swap:
+                            info.piece.grad.zero_()
                     store.create(info.index, fill)
                 store.flush()
             except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
                 failed = e
             self._initial.clear()
-        if self.param_store is not None and failed is None:
-            try:
-                self._open_disk(self.param_store, "params")
-                for key in list(self.param_store.order):
-                    self.param_store.create(key)   # the shard's values -> its extent; its memory goes
-                self.param_store.flush()
-            except Exception as e:   # noqa: BLE001
-                failed = e
         self.agree(failed, "writing the initial state to the swap files")
         return full
 
@@ -319,6 +488,10 @@ class Placement:
                       min_buffer_count=self.disk.buffer_count, create=True)
             # never more slots than tiles (with the default sub_group_size a partition is one tile)
             store.buffer_count = min(self.disk.buffer_count, len(store.entries))
+            pools = store.buffer_count * slot + store.bounce_bytes()
+            if self.param_store is not None and self.param_store.file is None:
+                pools += self.param_store.buffer_count * self.param_store.slot_bytes()
+            self._check_ram(pools, "")
             return
         shard = next(iter(store.entries.values())).swapped[0]
         size = shard.element_size()
@@ -382,6 +555,9 @@ class Placement:
 
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""
+        self.close_spill()
+        if self.gradswap is not None:
+            self.gradswap.close()
         try:
             for store in [*self.stores.values(), *([self.param_store] if self.param_store else [])]:
                 (store.close if hasattr(store, "close") else store.flush)()
@@ -623,6 +799,43 @@ class Placement:
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
         self.listener = PiecePipeline(tx, self, gather, speculative=self.overlap_step)
         return self.listener
+
+
+def _return_freed_memory() -> None:
+    """glibc: blocks of 1 MiB or more are mmapped, so freeing one returns it to the kernel at once.
+    By default the threshold rises to 32 MiB after the first such free, and a freed buffer below
+    it (a unit group's gradient partition, a parameter being initialised) stays in the heap: with
+    the model on disk, resident memory would then creep with the model's size. A process-wide
+    allocator setting (not module state); without glibc nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD (<malloc.h>)
+    except (OSError, AttributeError):
+        pass
+
+
+def _free_bytes(path: Path) -> int:
+    import os
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _available_ram() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024   # host sync: no (text of /proc/meminfo)
+    except OSError:
+        return None
+    return None
 
 
 def _parked(numel: int, dtype: torch.dtype) -> torch.Tensor:

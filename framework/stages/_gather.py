@@ -93,12 +93,19 @@ class UnitGroup:
     # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
     full: torch.Tensor | None = None
     pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
+    # Where the partition comes from when it is not resident (gradients in the swap file: the
+    # stage writes it out after each reduction and drops it); None: zeros, kept.
+    load_grad: Callable[[], torch.Tensor] | None = None
 
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use so that construction holds only the
         parameter shards."""
         if self.part_grad.numel() != self.shard.numel():
-            self.part_grad = torch.zeros(self.shard.numel(), dtype=self.part_grad.dtype, device=self.part_grad.device)
+            if self.load_grad is not None:
+                self.part_grad = self.load_grad()
+            else:
+                self.part_grad = torch.zeros(self.shard.numel(), dtype=self.part_grad.dtype,
+                                             device=self.part_grad.device)
         return self.part_grad
 
 

@@ -77,6 +77,9 @@ class Zero3Stage(PartitionedStage, HookOwner):
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
         all_named = list(module.named_parameters())  # before any parameter is replaced
+        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_gradswap.py.
+        self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype)
+        self.offload.expect(sum(p.numel() for _, p in all_named) // self.dist.world, policy.param_dtype)
         # One reusable buffer for materialising meta parameters (the largest one).
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
@@ -203,10 +206,14 @@ class Zero3Stage(PartitionedStage, HookOwner):
             params.append(sp)
             del values
         pieces = self.parts.add(layout, shard, policy.master_dtype)
+        if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
+            self.offload.shard_filled(shard)   # shards on disk: its values leave host memory now
         # Gradient partition: micro batches summed in the accumulation dtype.
+        k = len(self.groups)
+        load = (lambda: self.offload.load_grad(k, hi - lo, device)) if self.grad_swap else None
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
-                          pieces=pieces)
-        self._index[id(group)] = len(self.groups)   # its partition's position in ``parts``
+                          pieces=pieces, load_grad=load)
+        self._index[id(group)] = k   # its partition's position in ``parts``
         self.groups.append(group)
         return group
 
@@ -229,6 +236,10 @@ class Zero3Stage(PartitionedStage, HookOwner):
         """A reduction of group ``g`` was added into its gradient partition (in backward): on the last
         micro batch that partition is final, so tell the listener (the offload target), which can
         start copying it to the host (and stepping it) while backward goes on."""
+        if self.grad_swap:   # to the swap file; the partition is not kept
+            self.offload.save_grad(self._index[id(g)], g.part_grad, final=self.sync)
+            g.part_grad = g.part_grad.new_empty(0)
+            return
         if self.sync:
             k = self._index[id(g)]
             lo, hi = self.parts.bounds[k]
@@ -238,9 +249,30 @@ class Zero3Stage(PartitionedStage, HookOwner):
 
     def _partition_grads(self) -> list[torch.Tensor]:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
+        if self.grad_swap:   # on disk: the pipeline reads each with its tile
+            self.offload.finish_grads(self._sizes())
+            return [g.part_grad for g in self.groups]
         return [g.grad() for g in self.groups]
 
+    def _sizes(self) -> list[int]:
+        return [g.shard.numel() for g in self.groups]
+
+    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if not self.grad_swap:
+            return super().grad_sq_norm(grads)
+        local = self.offload.grad_sq_norm_local(self._sizes())
+        self.dist.all_reduce(local, what="gradient norm all-reduce")
+        return local
+
+    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
+        return self.parts.nonfinite_names(self.offload.readable_grads(grads))
+
     def zero_grads(self) -> None:
+        if self.grad_swap:
+            for g in self.groups:
+                g.part_grad = g.part_grad.new_empty(0)
+            self.offload.clear_grads()
+            return
         for g in self.groups:
             g.grad().zero_()
 
@@ -253,7 +285,8 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def memory(self) -> dict[str, int]:
         persistent = self.gatherer.persistent
         return {"params": tensor_bytes(g.shard for g in self.groups),
-                "grads": tensor_bytes(g.grad() for g in self.groups),
+                "grads": tensor_bytes(g.part_grad for g in self.groups) if self.grad_swap
+                else tensor_bytes(g.grad() for g in self.groups),
                 **self.parts.master_memory(),
                 "comm_buffers": 0,
                 "gathered_params": 0 if persistent is None else tensor_bytes(g.full for g in persistent.groups)}

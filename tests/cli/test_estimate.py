@@ -69,8 +69,10 @@ def test_nvme_rows_name_their_terms():
     rows = {r.options: r for r in nvme_rows(P, L, G)}
     both = rows["offload_param=nvme, offload_optimizer=nvme"]
     part = P // G
-    assert both.disk == G * part * (12 + 2)       # master + Adam state, and the 16-bit shards
-    assert both.cpu == G * (4 * part * 12 + 4 * part + 5 * 100_000_000 * 2)
+    # master + Adam state + the swapped fp32 gradient, and the 16-bit shards
+    assert both.disk == G * part * (12 + 4 + 2)
+    # tiles of master + state + gradient + 16-bit staging, one tile's gradient bounce, the parameter pool
+    assert both.cpu == G * (4 * part * (12 + 4 + 2) + 4 * part + 5 * 100_000_000 * 2)
     assert rows["offload_param=none, offload_optimizer=nvme"].gpu == 4 * L + 2 * part
 
 
@@ -149,12 +151,15 @@ def test_nvme_prediction_puts_state_on_disk():
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
                             "offload.param_buffer_size=100000"]), 2)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
-    assert pred.disk["optimizer"] == 12 * shard_elems
+    assert pred.disk["optimizer"] == (12 + 4) * shard_elems   # master + Adam state + the swapped gradient
     assert pred.disk["params"] == sum(cpu.items["params"])
     # buffer_count (4) tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank)
-    # when that is under sub_group_size, of master + Adam state.
-    assert pred.items["nvme_optimizer_pool"] == (0, 4 * min(1_000_000, 12 * 384 ** 2 // 2) * 12)
-    assert pred.items["nvme_param_pool"] == (0, 5 * 100_000 * 4)
+    # when that is under sub_group_size, of master + Adam state + gradient, and one gradient bounce.
+    tile = min(1_000_000, 12 * 384 ** 2 // 2)
+    assert pred.items["nvme_optimizer_pool"] == (0, 4 * tile * (12 + 4) + 4 * tile)
+    # param_buffer_count (5) slots as large as the largest shard (a Block's matrices, half per rank)
+    assert pred.items["nvme_param_pool"] == (0, 5 * (12 * 384 ** 2 // 2) * 4)
+    assert pred.items["grads"][1] == 0 and "host_grad_buffers" not in pred.items   # on disk
     assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
 
 

@@ -235,3 +235,19 @@ def test_hf_gpt2_zero3_quick(tmp_path):
     verdict = run_quick("hf_gpt2_zero3", tmp_path)
     reload = json.loads((Path(verdict["out"]) / "reload.json").read_text())
     assert reload["val_loss_abs_diff"] <= 1e-4 and reload["generated_tokens"] == 16
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_capacity_quick(model, tmp_path):
+    """recipes/capacity's tiny twin: zero3 with parameters and optimizer on NVMe, a falling loss, and
+    every number the full run records (peak RSS from the kernel, disk bytes, the disk floor)."""
+    out = tmp_path / "out.json"
+    run = subprocess.run([sys.executable, str(ROOT / "recipes" / "capacity" / "capacity.py"), model, "--quick",
+                          "--nvme", str(tmp_path / "nvme"), "--steps", "5", "--out", str(out), "optimizer.lr=3e-3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["losses"][-1] < r["losses"][0], r["losses"]
+    assert r["peak_rss_bytes"] > 0 and r["vm_hwm_bytes"] > 0 and r["disk_bytes"] >= 16 * r["params"]
+    assert all(s["floor_s"] > 0 and s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in r["steps"])
+    assert os.listdir(tmp_path / "nvme" / "swap") == [] if (tmp_path / "nvme" / "swap").exists() else True

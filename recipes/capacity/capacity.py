@@ -1,0 +1,143 @@
+"""Capacity: the largest models this machine trains from disk (zero3 + offload=nvme), measured.
+
+    python recipes/capacity/capacity.py gpt   --nvme /path/on/disk          # 4.08 B GPT (36 x 3072)
+    python recipes/capacity/capacity.py llama --nvme /path/on/disk          # Llama-shaped HF model (llama_config.json)
+    python recipes/capacity/capacity.py gpt   --nvme /tmp/x --quick         # the tiny twin (tests/cli/test_recipes.py)
+
+Each run, in one process: measures the disk's sequential write and read bandwidth in ``--nvme``
+(O_DIRECT, 8 MiB requests), builds the model under ``framework.zero_init()`` and trains ``--steps``
+steps of bf16 zero3 with parameters and optimizer on NVMe, then prints one JSON line (also written
+to ``--out``): parameters, model-state bytes (2 + 4 + 8 + 2 bytes per parameter: bf16 weights, fp32
+master, Adam moments, bf16 gradients, as the ZeRO paper counts them) beside the machine's RAM, peak
+resident memory as the kernel measured it (``ru_maxrss`` and ``VmHWM``), bytes on disk (swap files),
+setup seconds, seconds per step, the losses, and per step the disk floor: bytes the step moved
+(read + written by the swap stores) over the bandwidth measured above. The swap files are removed
+when the run ends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODELS = {   # kind -> overrides (full run, quick twin)
+    "gpt": (["model.n_layer=36", "model.d_model=3072", "model.n_head=24", "model.context=64"],
+            ["model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.context=32"]),
+    "llama": ([f"model.config={HERE / 'llama_config.json'}", "model.context=64"],
+              [f"model.config={HERE / 'llama_tiny_config.json'}", "model.context=32"]),
+}
+COMMON = ["+stage=zero3", "offload=nvme", "precision=bf16", "train.micro_batch=1", "train.grad_accum=1",
+          "optimizer.lr=3e-4", "train.grad_clip=1.0",
+          # one unit gathered at a time (and one prefetched): the working set is one layer
+          "stage.stage3_max_live_parameters=1", "stage.stage3_prefetch_bucket_size=1",
+          "offload.sub_group_size=10000000", "offload.buffer_count=4", "offload.pipeline_read=true",
+          "offload.pipeline_write=true", "offload.param_buffer_count=3",
+          "offload.param_buffer_size=200000000"]
+
+
+def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
+    """(write, read) bytes per second of one file of ``nbytes`` in ``folder``, O_DIRECT, 8 MiB requests."""
+    block = 8 << 20
+    buf = mmap.mmap(-1, block)   # page-aligned
+    buf.write(os.urandom(block))
+    path = os.path.join(folder, f".bandwidth-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    try:
+        t = time.perf_counter()
+        for off in range(0, nbytes, block):
+            os.pwritev(fd, [buf], off)
+        os.fsync(fd)
+        write = nbytes / (time.perf_counter() - t)
+        t = time.perf_counter()
+        for off in range(0, nbytes, block):
+            os.preadv(fd, [buf], off)
+        read = nbytes / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return write, read
+
+
+def vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ram_total() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("--nvme", required=True, help="folder on the disk to swap to")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="the tiny twin")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("overrides", nargs="*", help="more config overrides")
+    args = ap.parse_intermixed_args()
+    import torch
+
+    import framework
+    from framework.build import component
+    from framework.distributed import connect
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    os.makedirs(args.nvme, exist_ok=True)
+    bw_write, bw_read = disk_bandwidth(args.nvme, (64 << 20) if args.quick else (4 << 30))
+    kind = "hf" if args.model == "llama" else "gpt-nano"
+    model = MODELS[args.model][1 if args.quick else 0]
+    cfg = framework.compose([f"model={kind}", *COMMON, *model, f"train.steps={args.steps}",
+                             f"offload.nvme_path={os.path.join(args.nvme, 'swap')}", *args.overrides])
+    dist = connect("gloo")
+    t0 = time.perf_counter()
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    with framework.zero_init():
+        module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+    params = sum(p.numel() for p in module.parameters())
+    loss_fn = component(cfg, "model").loss
+    engine = framework.initialize(module, loss_fn, cfg, dist)
+    setup_s = time.perf_counter() - t0
+    update = engine.components.update
+    state, losses, steps = engine.state, [], []
+    for i in range(args.steps):
+        before = update.swap_stats()
+        batch = data.train_batch(state.data, micro_batch=1, grad_accum=1, rank=0, world=1)
+        t = time.perf_counter()
+        state, m = engine.train_step(state, batch)
+        dt = time.perf_counter() - t
+        after = update.swap_stats()
+        read, written = after["read"] - before["read"], after["written"] - before["written"]
+        floor = read / bw_read + written / bw_write
+        losses.append(m["loss"])
+        steps.append({"s": dt, "read_bytes": read, "written_bytes": written, "floor_s": floor,
+                      "vs_floor": dt / floor if floor else None, "io_wait_s": after["wait_s"] - before["wait_s"]})
+        print(f"step {i + 1}: loss {m['loss']:.4f}  {dt:.1f} s  (disk floor {floor:.1f} s: "
+              f"{read / 1e9:.1f} GB read, {written / 1e9:.1f} GB written)", flush=True)
+    disk = update.swap_stats()["file"]
+    engine.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out = {"model": args.model, "quick": args.quick, "params": params,
+           "model_state_bytes": params * 16, "ram_bytes": ram_total(),
+           "model_state_over_ram": params * 16 / ram_total(),
+           "peak_rss_bytes": peak, "vm_hwm_bytes": vm_hwm(), "disk_bytes": disk,
+           "disk_write_Bps": bw_write, "disk_read_Bps": bw_read,
+           "setup_s": setup_s, "s_per_step": sum(s["s"] for s in steps[1:] or steps) / len(steps[1:] or steps),
+           "losses": losses, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
+    line = json.dumps(out)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
