@@ -192,11 +192,11 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         _check_numbers(node, f"{group}.")
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
-    _check_inert_stage_keys(chosen["stage"], nodes["stage"])
+    notes = _check_inert_stage_keys(chosen["stage"], nodes["stage"])
     nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
     return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
                   ds_config=root.ds_config,
-                  ds_config_strict=root.ds_config_strict, **nodes)
+                  ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
@@ -262,15 +262,19 @@ def _check_offload(stage: str, offload: str, node: Any) -> Any:
     return node
 
 
-def _check_inert_stage_keys(stage: str, node: Any) -> None:
+def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:
     """DeepSpeed keys that the ZeRO stages accept (so that configs port over) but whose other value
-    would do nothing here: refused, naming the fix, rather than silently ignored."""
-    if stage in ("zero1", "zero2") and node.round_robin_gradients:
-        raise ConfigError(f"config: stage.round_robin_gradients=true is not implemented with stage={stage} "
-                          f"(DeepSpeed's interleaving of gradient partitions for host copies); remove it or set false")
+    would do nothing here: refused, naming the fix, rather than silently ignored; or, where a
+    DeepSpeed config sets them for a reason our path already meets, one note saying why."""
+    notes = []
+    if stage == "zero1" and node.round_robin_gradients:
+        notes.append("note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are "
+                     "reduced and copied to the host after backward, by every rank at once (DeepSpeed uses it "
+                     "to spread those copies across ranks)")
     if stage == "zero1" and not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
+    return notes
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
@@ -441,7 +445,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=tuple(t.notices(cli.strict, resolved.inert)))
+                                    notices=config.notices + tuple(t.notices(cli.strict, resolved.inert,
+                                                                             resolved.notes)))
 
 
 @dataclass(frozen=True)
