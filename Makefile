@@ -30,4 +30,4 @@ gpu-check:
 	PYTHON="$${PYTHON:-python3}" bash bench/gpu_check.sh $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs multirun
+	rm -rf $(VENV) outputs multirun checkpoints

@@ -112,6 +112,8 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     for entry in defaults:
         if isinstance(entry, Mapping):
             (group, name), = entry.items()
+            if str(group).startswith("override hydra/"):   # Hydra's own settings (its log file)
+                continue
             choices[str(group)] = str(name)
     parsed = [parse(o) for o in overrides]
     for o in parsed:

@@ -54,10 +54,10 @@ class DistConfig:
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
-    dir: str = "checkpoints"    # relative paths are relative to the working directory
+    dir: str | None = None      # None: checkpoints/ in the run folder; relative paths: to the working directory
     every: int = 0              # save every N steps and after the last one; 0: never save
     keep_last: int = 2          # committed checkpoints kept (older ones deleted after a commit); 0: all
-    resume: str = "auto"        # auto (newest complete checkpoint in dir) | off | PATH (a step-N folder or a dir)
+    resume: str = "auto"        # auto (newest complete checkpoint in dir) | off | latest (newest of any run) | PATH
     async_: bool = False        # YAML key `async`: write files in a background thread while training goes on
     timeout_s: float = 1800.0   # checkpoint collectives (their own gloo group) wait at most this long
 
@@ -192,11 +192,11 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         _check_numbers(node, f"{group}.")
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
-    _check_inert_stage_keys(chosen["stage"], nodes["stage"])
+    notes = _check_inert_stage_keys(chosen["stage"], nodes["stage"])
     nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
     return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
                   ds_config=root.ds_config,
-                  ds_config_strict=root.ds_config_strict, **nodes)
+                  ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
@@ -236,8 +236,9 @@ def _check_values(root: RootSchema) -> None:
     if c.every < 0 or c.keep_last < 0 or c.timeout_s <= 0:
         raise ConfigError(f"config: checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be "
                           f">= 0 and checkpoint.timeout_s ({c.timeout_s:g}) > 0")
-    if not c.resume.strip() or not c.dir.strip():
-        raise ConfigError("config: checkpoint.resume must be auto, off or a path, and checkpoint.dir a path")
+    if not c.resume.strip() or (c.dir is not None and not c.dir.strip()):
+        raise ConfigError("config: checkpoint.resume must be auto, off, latest or a path, and checkpoint.dir a path "
+                          "(or null: checkpoints/ in the run folder)")
     if c.async_ and c.every == 0:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
                           "set checkpoint.every=N or remove checkpoint.async")
@@ -261,15 +262,19 @@ def _check_offload(stage: str, offload: str, node: Any) -> Any:
     return node
 
 
-def _check_inert_stage_keys(stage: str, node: Any) -> None:
+def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:
     """DeepSpeed keys that the ZeRO stages accept (so that configs port over) but whose other value
-    would do nothing here: refused, naming the fix, rather than silently ignored."""
-    if stage in ("zero1", "zero2") and node.round_robin_gradients:
-        raise ConfigError(f"config: stage.round_robin_gradients=true is not implemented with stage={stage} "
-                          f"(DeepSpeed's interleaving of gradient partitions for host copies); remove it or set false")
+    would do nothing here: refused, naming the fix, rather than silently ignored; or, where a
+    DeepSpeed config sets them for a reason our path already meets, one note saying why."""
+    notes = []
+    if stage == "zero1" and node.round_robin_gradients:
+        notes.append("note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are "
+                     "reduced and copied to the host after backward, by every rank at once (DeepSpeed uses it "
+                     "to spread those copies across ranks)")
     if stage == "zero1" and not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
+    return notes
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
@@ -403,6 +408,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     from framework import dsconfig
 
     cli = CommandLine.parse(overrides)
+    check_choices(cli)
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
@@ -439,7 +445,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=tuple(t.notices(cli.strict, resolved.inert)))
+                                    notices=config.notices + tuple(t.notices(cli.strict, resolved.inert,
+                                                                             resolved.notes)))
 
 
 @dataclass(frozen=True)
@@ -449,6 +456,7 @@ class CommandLine:
     choices: Mapping[str, str]
     ds_config: str | None
     strict: bool
+    named: frozenset[str] = frozenset()   # groups whose choice is one name (not a sweep or a list)
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
@@ -458,19 +466,28 @@ class CommandLine:
                       OverridesParser.create().parse_overrides(overrides)]
         else:
             parsed = [(o.key, o.prefix == "~", o.value) for o in map(_plainconf.parse, overrides)]
-        keys, choices, ds_config, strict = set(), {}, None, False
+        keys, choices, ds_config, strict, named = set(), {}, None, False, set()
         for key, delete, value in parsed:
             if key.startswith("hydra") or delete:
                 continue
             if key.split("@")[0] in GROUPS:
                 choices[key.split("@")[0]] = str(value)
+                if isinstance(value, str):
+                    named.add(key.split("@")[0])
             elif key == "ds_config":
                 ds_config = None if value is None else str(value)
             elif key == "ds_config_strict":
                 strict = value in (True, "true", "True")
             else:
                 keys.add(key)
-        return CommandLine(frozenset(keys), choices, ds_config, strict)
+        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named))
+
+
+def check_choices(cli: "CommandLine") -> None:
+    """A group choice that names no component: the same one line as an unknown key (the closest
+    name and the valid ones), before Hydra would print its search path."""
+    for group in cli.named:
+        registry(group).get(cli.choices[group])   # ConfigError: unknown <group> 'x' (did you mean 'y'?); available: ...
 
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:

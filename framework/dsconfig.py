@@ -236,7 +236,7 @@ class Translation:
     unknown: list[str] = field(default_factory=list)            # keys resembling nothing DeepSpeed knows
     inert: list[str] = field(default_factory=list)              # accepted, change nothing here
 
-    def notices(self, strict: bool, inert: tuple[str, ...] | list[str] = ()) -> list[str]:
+    def notices(self, strict: bool, inert: tuple[str, ...] | list[str] = (), notes=()) -> list[str]:
         """The one-line warnings to print at start-up (unknown keys are errors when strict)."""
         out = [f"warning: ds_config: {w}" for w in self.warnings]
         if self.unknown and not strict:
@@ -244,6 +244,7 @@ class Translation:
                        "this an error): " + ", ".join(self.unknown))
         if self.inert or inert:
             out.append("note: ds_config: accepted, change nothing here: " + "; ".join([*self.inert, *inert]))
+        out += [f"note: ds_config: {n}" for n in notes]
         return out
 
 
@@ -440,7 +441,9 @@ class _Translator:
                 continue
             rule = ints.get(key, "")
             # Hugging Face fills the stage3_ sizes only under ZeRO-3; elsewhere an "auto" is left over.
-            auto_ok = bool(rule) and (name == "zero3" or not key.startswith("stage3_"))
+            # accelerate fills the 16-bit save flag with its own default (false), which is ours.
+            auto_ok = (bool(rule) and (name == "zero3" or not key.startswith("stage3_"))) \
+                or key == "stage3_gather_16bit_weights_on_model_save"
             value = self.typed(z[key], "int" if key in ints else "bool", p + key, auto_ok=auto_ok)
             if value is None:
                 continue
@@ -451,7 +454,7 @@ class _Translator:
                 self.set(f"stage.{target}", value, p + key, rule=rule)
             else:
                 self.inert(p + key, why)
-                if value == AUTO:  # resolved like any other, though nothing reads it
+                if value == AUTO and rule:  # resolved like any other, though nothing reads it
                     self.set(f"_inert.{key}", value, p + key, rule=rule)
 
     def offload(self, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
@@ -608,7 +611,10 @@ class _Translator:
                         self.inert(f"fp16.{key}", "fp16 is not enabled")
                     elif v is not None:
                         self.set(f"_fp16.{key}", v, f"fp16.{key}")
-            for key in ("auto_cast", "fp16_master_weights_and_grads"):
+            if "auto_cast" in fp16 and self.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
+                self.inert("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
+                                             "precision=fp16 computes in fp16 already")
+            for key in ("fp16_master_weights_and_grads",):
                 if key in fp16 and self.typed(fp16[key], "bool", f"fp16.{key}"):
                     self.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); "
                                f"remove it")
@@ -742,12 +748,10 @@ class _Translator:
         a = self.section(node, "activation_checkpointing", ACT_KEYS)
         for key, value in a.items():
             ds_key = f"activation_checkpointing.{key}"
-            if key in ("partition_activations", "cpu_checkpointing") and value not in (False, None):
-                self.error(f"{ds_key}: partitioned or host-offloaded activation checkpoints are not implemented "
-                           f"here; remove it (model.activation_checkpointing=true checkpoints each Block)")
-            else:
-                self.inert(ds_key, "configures deepspeed.checkpointing, which is not used "
-                                   "(model.activation_checkpointing turns checkpointing on)")
+            # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
+            # model that calls it (Megatron) uses; the run goes on without them.
+            self.inert(ds_key, "configures deepspeed.checkpointing, which is not used "
+                               "(model.activation_checkpointing turns checkpointing on)")
 
 
 def _switched_off(value: Any, key: str) -> bool:
@@ -783,6 +787,7 @@ class Resolved:
     values: dict[str, Any]              # our dotted key -> value to override (Hydra order: before the command line)
     sources: dict[str, str]             # our dotted key -> provenance label
     inert: list[str]                    # file keys that turned out to change nothing (fp16 keys of a bf16 run)
+    notes: list[str] = field(default_factory=list)   # where the run differs from the file's intent
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:
@@ -792,6 +797,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     sources: dict[str, str] = {}
     mismatches: list[str] = []
     leftover: list[str] = []
+    notes: list[str] = []
     h = run.hidden_size
 
     def final(key: str) -> Any:
@@ -871,8 +877,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         if s.value == AUTO:
             values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
         elif "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
-            mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} "
-                              f"(set train.steps={s.value} or total_num_steps \"auto\")")
+            # Hugging Face fills only an "auto" here and runs the file's schedule as written.
+            notes.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps}: the schedule runs "
+                         f"as written, so this run " + (f"stops at step {steps} of it" if steps < s.value else
+                         f"holds the schedule's last lr after step {s.value}") +
+                         " (total_num_steps \"auto\" or train.steps=" + f"{s.value} makes them agree)")
     s = t.settings.get("scheduler.warmup_num_steps")
     if s is not None and s.value == AUTO:
         values["scheduler.warmup_num_steps"] = max(1, int(run.value("scheduler.warmup_num_steps")))
@@ -886,7 +895,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             raise ConfigError(f"ds_config: {mismatches[0]}")
         raise ConfigError("ds_config: the file does not match the run's config:\n" +
                           "\n".join(f"  - {m}" for m in mismatches))
-    return Resolved(values, sources, inert)
+    return Resolved(values, sources, inert, notes)
 
 
 def _fill(rule: str, h: int | None) -> int | None:

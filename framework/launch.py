@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from framework.checkpoint import preflight
 from framework.config import Config
 from framework.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
 from framework.errors import DistributedError, FrameworkError
@@ -46,13 +47,22 @@ def launch(cfg: Config, run: RunInfo) -> dict:
         _notice(cfg, local_world_size(), dist.is_main)
         if not already:
             atexit.register(disconnect)
-        return train(cfg, _agree_run_dir(run, dist), dist)
+        run = _agree_run_dir(run, dist)
+        return train(preflight(cfg, run.run_dir, _job(run), quiet=not dist.is_main), run, dist)
+    # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
+    # once so that every rank loads the same folder.
+    cfg = preflight(cfg, run.run_dir, _job(run))
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
     # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
     resolve_backend(cfg.dist.backend, cfg.dist.nproc)
     _notice(cfg, cfg.dist.nproc, True)
     return _spawn(cfg, run)
+
+
+def _job(run: RunInfo) -> str | None:
+    """A multirun job's name (its overrides), which keys its folder under an explicit checkpoint.dir."""
+    return run.name if run.group else None
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

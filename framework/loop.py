@@ -11,10 +11,11 @@ from statistics import fmean
 import torch
 
 from framework.build import component, initialize
-from framework.checkpoint import Checkpointer, fault
+from framework import files
+from framework.checkpoint import Checkpointer, checkpoint_root, fault
 from framework.config import Config
 from framework.distributed import Dist
-from framework.loggers._base import NullLogger, RunInfo, RunRecord
+from framework.loggers._base import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.materialize import zero_init
 from framework.stages._flat import param_count
 from framework.state import capture_rng
@@ -23,7 +24,18 @@ from framework.weights import load_weights, save_on_model_save
 
 
 def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
-    """Train the configured model; rank 0 logs and writes metrics.jsonl and summary.json."""
+    """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and its
+    console goes to the run folder's train.log too."""
+    if not dist.is_main:
+        return _train(cfg, run, dist)
+    files.make_dirs(run.run_dir)
+    with console_log(run.run_dir / "train.log"):
+        print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
+                                   checkpoint_root(cfg, run.run_dir, run.name if run.group else None))), flush=True)
+        return _train(cfg, run, dist)
+
+
+def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
@@ -46,7 +58,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
     record = RunRecord(run.run_dir) if dist.is_main else None
     losses, evals = [], []
-    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None)  # collective (its own gloo group)
+    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir)  # collective
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
@@ -54,6 +66,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()
+        first = state.step   # a resumed run: throughput and ETA count only the steps this process runs
         window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line
         while state.step < t.steps:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
@@ -66,7 +79,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
                 rec = {"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
                        "skipped_steps": state.precision.skipped_steps,
                        "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
-                       "eta_s": (now - t_start) / state.step * (t.steps - state.step)}
+                       "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)}
                 t_window, window, eval_s = now, 0, 0.0
                 _emit(logger, record, rec)
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
@@ -81,7 +94,8 @@ def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "steps": state.step,
             "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
             "val_loss": evals[-1] if evals else math.nan,
-            "tokens_per_s": tokens_per_step * state.step / elapsed,
+            "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
+            "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
             "skipped_steps": state.precision.skipped_steps,
             "elapsed_s": elapsed,
             "world": dist.world,

@@ -50,7 +50,7 @@ class Registry:
 
     def get(self, name: str) -> Component:
         if name not in self.entries:
-            raise ConfigError(f"unknown {self.group} {name!r}{closest_hint(name, self.entries)}; "
+            raise ConfigError(f"config: unknown {self.group} {name!r}{closest_hint(name, self.entries)}; "
                               f"available: {', '.join(self.names())}")
         return self.entries[name]
 

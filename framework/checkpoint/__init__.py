@@ -1,7 +1,7 @@
 """Sharded, atomic checkpoints in torch.distributed.checkpoint's format, keyed by parameter name.
 
-    ckpt = Checkpointer(cfg, engine)             # collective: makes the checkpoint gloo group
-    state = ckpt.resume(state)                   # checkpoint.resume: auto | off | PATH
+    ckpt = Checkpointer(cfg, engine, run_dir=run_dir)   # collective: makes the checkpoint gloo group
+    state = ckpt.resume(state)                   # checkpoint.resume: auto | off | latest | PATH
     ...  ckpt.maybe_save(state, metrics=m)  ...  # every checkpoint.every steps (and the last)
     ckpt.close()                                 # waits for an async save; collective
 
@@ -707,6 +707,94 @@ def _few(items: list[str]) -> str:
     return ", ".join(map(repr, items[:5])) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
+def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``checkpoints/`` in the run folder
+    (so a run never meets another run's checkpoints unless pointed at them), else (library use
+    without a run folder) ``checkpoints/`` in the working directory. Under an explicit
+    ``checkpoint.dir`` each multirun job gets ``<dir>/<its overrides>``."""
+    c = cfg.checkpoint
+    if c.dir is None:
+        return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
+    root = Path(c.dir).expanduser().resolve()
+    return root / _job_folder(job) if job else root
+
+
+# Where ``checkpoint.resume=latest`` looks besides the run's own folder: run folders of Hydra's
+# default layout under the working directory (outputs/<date>/<time>, multirun/<date>/<time>/<job>)
+# or any folder one to three levels below them.
+_RUN_TREES = ("outputs", "multirun")
+
+
+def find_latest(root: Path, cwd: Path | None = None) -> Path | None:
+    """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
+    folders of the run folders under ``outputs/`` and ``multirun/``; None if there is none."""
+    cwd = cwd or Path.cwd()
+    roots = {root}
+    for tree in _RUN_TREES:
+        for depth in ("*", "*/*", "*/*/*"):
+            roots.update(p for p in (cwd / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())
+    best: tuple[float, Path] | None = None
+    for r in roots:
+        found = _folder.committed(r)
+        if found:
+            t = (found[0] / _folder.MANIFEST).stat().st_mtime
+            if best is None or t > best[0]:
+                best = (t, found[0])
+    return best[1] if best else None
+
+
+# Model keys that may change between a save and a resume: how the same weights are computed.
+_MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
+
+
+def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = False):
+    """Before any rank starts: the checkpoint ``checkpoint.resume`` selects (``latest`` resolved to
+    its path, so every rank loads the same), refused on one line when it was saved by another model
+    or optimizer (which no rank could load); returns ``cfg`` with ``latest`` resolved. A damaged
+    or unreadable candidate is left to the ranks (they fall back and say so)."""
+    import dataclasses
+
+    c = cfg.checkpoint
+    root = checkpoint_root(cfg, run_dir, job)
+    if c.resume == "off":
+        return cfg
+    if c.resume == "latest":
+        folder = find_latest(root)
+        if folder is None:
+            quiet or print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
+                  f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
+            return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
+        candidates = [folder]
+    else:
+        candidates = _candidates(c.resume, root)[0]
+    if not candidates:
+        return cfg
+    folder = candidates[0]
+    try:
+        saved = json.loads((folder / TRAIN_STATE).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg
+    mine = cfg.to_dict()
+    diffs = [k for k in _changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
+    if diffs:
+        what = ", ".join(f"model.{k} {_flat_get(saved['model'], k)!r} vs {_flat_get(mine['model'], k)!r}"
+                         for k in diffs[:4])
+        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved by another model ({what}; saved vs "
+                          f"this run){_OTHER_RUN}")
+    theirs = saved.get("optimizer", {}).get("name")
+    if theirs is not None and theirs != mine["optimizer"]["name"]:
+        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved with optimizer={theirs}, this run uses "
+                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{_OTHER_RUN}")
+    return cfg
+
+
+def _flat_get(node: dict, dotted: str):
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
 def find_resumable(resume: str, root: Path) -> list[Path]:
     """Candidate folders for ``checkpoint.resume``, best first: for ``auto`` every committed
     checkpoint under ``root``, newest first (a damaged one falls back to the next); for a
@@ -735,19 +823,18 @@ def _candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
 class Checkpointer:
     """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
 
-    def __init__(self, cfg, engine, job: str | None = None):
-        """``job``: the job's name within a multirun sweep (its overrides); its checkpoints go to
-        ``<checkpoint.dir>/<job>`` so that jobs of one sweep never resume from each other's,
-        while a relaunch of the same sweep finds each job's own."""
+    def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None):
+        """``run_dir``: the run's folder, whose ``checkpoints/`` holds its checkpoints unless
+        ``checkpoint.dir`` is set (``checkpoint_root``). ``job``: the job's name within a multirun
+        sweep (its overrides); under an explicit ``checkpoint.dir`` its checkpoints go to
+        ``<checkpoint.dir>/<job>`` so that jobs of one sweep never resume from each other's."""
         self.cfg = cfg.checkpoint
         self.config = cfg.to_dict()
         self.seed = cfg.seed
         self.engine = engine
         dist = engine.components.dist
         self.rank = dist.rank
-        self.root = Path(self.cfg.dir).expanduser().resolve()
-        if job:
-            self.root = self.root / _job_folder(job)
+        self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite = cfg.train.on_nonfinite
         self.group = _Group(dist.rank, dist.world, self.cfg.timeout_s, dist)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \

@@ -5,6 +5,7 @@ chosen; loggers add a console view and/or an external service.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -55,6 +56,69 @@ class RunRecord:
         self._metrics.close()
 
 
+class _Tee:
+    """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log)."""
+
+    def __init__(self, terminal, log):
+        self.terminal, self.log = terminal, log
+
+    def write(self, text: str) -> int:
+        self.terminal.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def log_only(self, text: str) -> None:
+        """What a live progress bar shows on the console, as plain lines in the log."""
+        self.log.write(text)
+
+    def flush(self) -> None:
+        self.terminal.flush()
+        self.log.flush()
+
+    def isatty(self) -> bool:
+        return self.terminal.isatty()
+
+    def fileno(self) -> int:
+        return self.terminal.fileno()
+
+    def __getattr__(self, name):   # encoding, errors, ... of the console stream
+        return getattr(self.terminal, name)
+
+
+@contextlib.contextmanager
+def console_log(path: Path):
+    """Within the block, what this process prints (stdout and stderr) also goes to ``path``
+    (appended): rank 0's console of a run is its folder's train.log. An error that ends the run
+    is written there too (the caller prints it to the console)."""
+    from framework.errors import FrameworkError
+
+    log = files.open_append(path)
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
+    try:
+        yield
+    except FrameworkError as e:
+        log.write(f"error: {e}\n")
+        raise
+    finally:
+        sys.stdout, sys.stderr = out, err
+        log.close()
+
+
+def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, checkpoints: Path) -> list[str]:
+    """The first lines of a run: where it writes, and what was composed."""
+    c, t = cfg.checkpoint, cfg.train
+    ch = cfg.choices
+    saves = (f"{checkpoints} (every {c.every} steps, keep {c.keep_last or 'all'})" if c.every
+             else "none saved (checkpoint.every=0)")
+    return [f"run folder: {run.run_dir} (train.log: this console)",
+            f"composed: stage {ch['stage']} | offload {ch['offload']} | precision {ch['precision']} | world {world} "
+            f"({backend or 'single process'}, {device}) | model {ch['model']} | data {ch['data']} | "
+            f"optimizer {ch['optimizer']} | scheduler {ch['scheduler']} | {t.steps} steps",
+            f"writes: metrics {run.run_dir / 'metrics.jsonl'} (every {t.log_every} steps) | summary "
+            f"{run.run_dir / 'summary.json'} | checkpoints {saves}; resume {c.resume}"]
+
+
 def fmt_record(r: dict) -> str:
     if "val_loss" in r:
         return f"step {r['step']:>6} | val loss {r['val_loss']:.4f}"
@@ -86,9 +150,12 @@ class Console:
 
     def start(self, config: dict, total_steps: int) -> None:
         if self.live:
+            from rich.console import Console as RichConsole
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            # The bar is drawn on the terminal only; train.log gets its records as plain lines.
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                      console=RichConsole(file=getattr(sys.stdout, "terminal", sys.stdout)))
             self._task = self._progress.add_task("train", total=total_steps, status="")
             self._progress.start()
 
@@ -99,6 +166,9 @@ class Console:
                 self._progress.update(self._task, completed=record["step"], status=status)
             else:
                 self._progress.console.print(fmt_record(record))
+            log_only = getattr(sys.stdout, "log_only", None)
+            if log_only is not None:
+                log_only(fmt_record(record) + "\n")
         else:
             print(fmt_record(record), flush=True)
 

@@ -106,6 +106,49 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
     return out
 
 
+def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
+                     world: int) -> list[Bucket]:
+    """Buckets for a round-robin layout (``_sharded.round_robin``), where gradients adjacent in
+    backward order lie in different partitions: each partition fills a bucket of its own (one
+    owner: one reduce), of at most ``bucket_size // world`` elements so that the gradients waiting
+    for reduction stay within one ``bucket_size``. Owners then take turns bucket by bucket, so
+    every rank adds (and, with offload, copies to the host) its share while backward runs. A group
+    whose whole buffer fits in a bucket is one reduce-scatter, as in ``plan_buckets``."""
+    whole = {g for g, s in shards.items() if s * world <= bucket_size}
+    cap = max(1, bucket_size // world)
+    open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition) -> (start, end, ids)
+    out: list[Bucket] = []
+
+    def close(key: tuple[int, int]) -> None:
+        start, end, pids = open_.pop(key)
+        out.append(Bucket(key[0], start, end, tuple(pids)))
+
+    left = {g: sum(1 for _, gg, _, _ in order if gg == g) for g in whole}   # parameters not yet seen
+    seen: dict[int, list[int]] = {}
+    for pid, g, offset, numel in order:
+        if g in whole:   # closes with the group's last gradient
+            seen.setdefault(g, []).append(pid)
+            left[g] -= 1
+            if not left[g]:
+                out.append(Bucket(g, 0, shards[g], tuple(seen[g]), stride=shards[g], count=world))
+            continue
+        shard, top = shards[g], offset + numel
+        while top > offset:
+            part = (top - 1) // shard
+            key = (g, part)
+            if key in open_ and open_[key][0] != top:   # not adjacent below the open bucket
+                close(key)
+            start, end, pids = open_.get(key, (top, top, []))
+            take = min(top - max(offset, part * shard), cap - (end - start))
+            open_[key] = (start - take, end, pids if pids and pids[-1] == pid else pids + [pid])
+            top -= take
+            if end - (start - take) >= cap or start - take == part * shard:
+                close(key)
+    for key in sorted(open_, reverse=True):
+        close(key)
+    return out
+
+
 def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                  world: int) -> list[Bucket]:
     """Striped buckets, for gradients that are all present when reduction starts (zero1 without

@@ -33,7 +33,10 @@ class ZeroConfig:
     overlap_comm: bool = False                 # reduce buckets while backward still runs
     contiguous_gradients: bool = True          # zero2: copy gradients into a bucket buffer (zero1: always)
     reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
-    round_robin_gradients: bool = False        # only false: not implemented (config.py refuses true)
+    # zero2: lay each group's parameters out round-robin over the partitions (DeepSpeed's order), so
+    # consecutive gradients of backward belong to different ranks and every rank copies its reduced
+    # buckets to the host while backward runs, not one rank after another (zero1: no effect, a note)
+    round_robin_gradients: bool = False
 
 
 def check(cfg: ZeroConfig) -> None:
@@ -44,6 +47,8 @@ def check(cfg: ZeroConfig) -> None:
 class ShardedStage(PartitionedStage, WholeParameters):
     """Base of zero1/zero2: replicated working buffers, partitions owned through ``parts``;
     subclasses own the gradient path (``_setup_grads`` and friends)."""
+
+    round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         check(cfg)
@@ -70,15 +75,19 @@ class ShardedStage(PartitionedStage, WholeParameters):
         init = initializer(module)   # materialises meta parameters, one at a time
         entries = []  # (param, (group, slot)) in registration order
         for g, (_, named) in enumerate(groups):
-            layout = make_layout(named, world=self.dist.world)
+            # Layout order (round-robin, or registration order); entries stay in registration order,
+            # the order backward runs in reverse, from which buckets are planned.
+            placed = round_robin(named, self.dist.world) if self.round_robin else named
+            layout = make_layout(placed, world=self.dist.world)
             flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = bind(module, named, flat, layout, init)
+            params = dict(zip((n for n, _ in placed), bind(module, placed, flat, layout, init)))
+            slots = {s.name: s for s in layout.slots}
             self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
             self.parts.add(layout, flat[lo:hi], policy.master_dtype)
             self.flats.append(flat)
-            entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
+            entries += [(params[n], (g, slots[n])) for n, _ in named]
         self._setup_grads(entries)
         return Setup(self.master, [groups[g][0] for g, _ in self.parts.piece_index])
 
@@ -94,6 +103,13 @@ class ShardedStage(PartitionedStage, WholeParameters):
 
     def _grad_memory(self) -> dict[str, int]:
         raise NotImplementedError
+
+
+def round_robin(named: list, world: int) -> list:
+    """DeepSpeed's round-robin order: the i-th parameter goes with the others of i mod world, those
+    lists laid end to end, so parameters adjacent in registration (and backward) order lie in
+    different ranks' partitions of the flat buffer."""
+    return [x for r in range(world) for x in named[r::world]]
 
 
 def gather_partitions(dist: Dist, flat: torch.Tensor, shard: int, chunk: int) -> None:

@@ -18,8 +18,8 @@ import torch
 from framework.collectives import Pending
 from framework.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
-from framework.stages._reduce import (expected_order, own_overlap, own_parts, plan_buckets, reduce_bucket,
-                                      reduce_to_owners)
+from framework.stages._reduce import (expected_order, own_overlap, own_parts, plan_buckets, plan_round_robin,
+                                      reduce_bucket, reduce_to_owners)
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.utils import tensor_bytes
 
@@ -27,6 +27,10 @@ IN_FLIGHT = 2
 
 
 class Zero2Stage(ShardedStage):
+    @property
+    def round_robin(self) -> bool:
+        return self.cfg.round_robin_gradients
+
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]
         self.slots = [gs for _, gs in entries]
@@ -36,8 +40,9 @@ class Zero2Stage(ShardedStage):
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]
         # On partition boundaries: each bucket has one owner, or is a whole aligned group buffer.
-        buckets = plan_buckets(expected_order(self.slots), self.cfg.reduce_bucket_size,
-                               {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
+        plan = plan_round_robin if self.round_robin else plan_buckets
+        buckets = plan(expected_order(self.slots), self.cfg.reduce_bucket_size,
+                       {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         # Without overlap_comm each bucket completes before the next is filled: one buffer does.
         n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0

@@ -42,6 +42,8 @@ def test_default_job_shortened(tmp_path):
     (["train.stpes=10"], "did you mean 'train.steps'"),
     (["optimizer.betas1=0.9"], "did you mean 'optimizer.beta1'"),
     (["train.steps=ten"], "train.steps"),
+    (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero3'?)"),
+    (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
 ])
 def test_bad_override_one_line(tmp_path, args, needle):
     p = cli(tmp_path, *args)
@@ -127,3 +129,42 @@ def test_zero_stages_from_the_command_line(tmp_path, stage):
         cfg = compose([o for o in SHORT if o.startswith("model.")])
         plain = component(cfg, "model").build(cfg.model, vocab_size=summary["data"]["vocab_size"])
         plain.load_state_dict(weights)
+
+
+def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    return subprocess.run([sys.executable, "-m", "framework.train", *SHORT, *args], capture_output=True, text=True,
+                          timeout=240, env=env, cwd=cwd)
+
+
+def test_run_folder_header_log_and_own_checkpoints(tmp_path):
+    """A run says where it writes, its train.log holds rank 0's console, its checkpoints live in
+    its own folder: a rerun there resumes them, another run never does, unless pointed at them
+    (``latest``, a path); a checkpoint of another model is refused on one line before any rank."""
+    first = _run(tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "outputs" / "a"
+    head = first.stdout.splitlines()[:3]
+    assert head[0] == f"run folder: {run} (train.log: this console)", head
+    assert "stage ddp | offload none | precision fp32 | world 1" in head[1], head
+    assert f"metrics {run / 'metrics.jsonl'}" in head[2] and f"summary {run / 'summary.json'}" in head[2], head
+    assert f"checkpoints {run / 'checkpoints'} (every 2 steps" in head[2], head
+    log = (run / "train.log").read_text()
+    assert log.startswith(first.stdout.splitlines()[0]) and "done: 4 steps" in log, log
+    assert (run / "checkpoints" / "step-4" / "manifest.json").is_file()
+    assert not (tmp_path / "checkpoints").exists()
+
+    other = _run(tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
+    assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
+    again = _run(tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a")
+    assert f"resumed from {run / 'checkpoints' / 'step-4'}" in again.stdout, again.stdout
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["steps_run"] == 2   # tokens/s counts these two only
+
+    newest = _run(tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
+    assert f"resumed from {run / 'checkpoints' / 'step-6'}" in newest.stdout, newest.stdout
+    wrong = _run(tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2", "hydra.run.dir=outputs/d")
+    assert wrong.returncode != 0
+    lines = error_lines(wrong)
+    assert len(lines) == 1 and "was saved by another model (model.n_layer 1 vs 2" in lines[0], wrong.stderr
+    assert "rank" not in wrong.stderr   # refused before any rank started

@@ -129,3 +129,18 @@ def test_offload_schema_errors_are_one_line(overrides, needle):
         compose(overrides)
     msg = str(e.value)
     assert "\n" not in msg and needle in msg, msg
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_a_wrong_group_name_is_one_line_with_the_closest(group):
+    """Every group: a misspelt choice names the closest component and the valid ones (not Hydra's
+    search path), as a misspelt key does."""
+    name = registry(group).names()[-1]
+    wrong = name[:-1] + ("x" if name[-1] != "x" else "y")
+    override = f"+stage={wrong}" if group == "stage" else f"{group}={wrong}"
+    with pytest.raises(ConfigError) as e:
+        compose([override])
+    msg = str(e.value)
+    assert "\n" not in msg and "search path" not in msg, msg
+    assert f"unknown {group} '{wrong}' (did you mean '{name}'?); available: " in msg, msg
+    assert ", ".join(registry(group).names()) in msg

@@ -176,3 +176,48 @@ def test_memory_ledger_matches_zero_formula(pools, world):
         else:
             assert mem["grads"] == 4 * padded // world          # zero2: the owned partition, summed in fp32
             assert 0 < mem["comm_buffers"] <= 2 * bucket * 2    # plus at most two bf16 buckets
+
+
+def _round_robin(dist):
+    """zero2 with offload=cpu, small buckets, round_robin_gradients off and on (fp32)."""
+    common = ["offload=cpu", "stage.reduce_bucket_size=700", "stage.overlap_comm=true", "train.steps=6",
+              "train.grad_accum=2"]
+    out = {}
+    for rr in ("false", "true"):
+        losses, params, _, _, _ = _train(dist, "zero2", [*common, f"stage.round_robin_gradients={rr}"])
+        out[rr] = (losses, params)
+    return out
+
+
+def test_round_robin_gradients_spreads_bucket_owners_and_changes_no_result(pools):
+    """DeepSpeed's round_robin_gradients: parameters laid out round-robin over the partitions, so the
+    buckets of backward (each reduced to, added and copied to the host by its owner) alternate
+    between ranks instead of one rank's partition after another; the results are those of the
+    plain layout (fp32, 1e-6 relative: only the grouping of the gradient norm's sums differs)."""
+    from framework.stages._flat import make_layout
+    from framework.stages._reduce import expected_order, plan_buckets, plan_round_robin
+    from framework.stages._sharded import round_robin
+
+    named = [(f"p{i}", torch.empty(100 + i)) for i in range(12)]
+    for world in (2, 4):
+        owners = {}
+        for plan, placed in ((plan_buckets, named), (plan_round_robin, round_robin(named, world))):
+            layout = make_layout(placed, world)
+            slots = {s.name: s for s in layout.slots}
+            buckets = plan(expected_order([(0, slots[n]) for n, _ in named]), 128 * world, {0: layout.shard},
+                           world)
+            assert sum(b.numel for b in buckets) == layout.numel   # every gradient element, once
+            owners[plan] = [b.start // layout.shard for b in buckets]
+        plain, rr = owners[plan_buckets], owners[plan_round_robin]
+
+        def changes(seq):
+            return sum(a != b for a, b in zip(seq, seq[1:]))
+        # Plain: the last partition's owner alone, then the next... (world - 1 hand-overs in all);
+        # round-robin: the owner changes from one parameter's bucket to the next.
+        assert plain == sorted(plain, reverse=True) and changes(plain) == world - 1, plain
+        assert changes(rr) >= len(named) // 2 > world - 1, rr
+    runs = pools(2).run(_round_robin)
+    for rank_out in runs:
+        (l0, p0), (l1, p1) = rank_out["false"], rank_out["true"]
+        torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=FP32_RTOL, atol=0)
+        torch.testing.assert_close(p1, p0, rtol=FP32_RTOL, atol=1e-7)
