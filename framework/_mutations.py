@@ -17,6 +17,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ ZERO3_HOST_SHARDS = ("+stage=zero3", "stage.stage3_param_persistence_threshold=0
                      "offload.params=cpu")
 ZERO2_OFFLOAD = ("+stage=zero2", "stage.reduce_bucket_size=1500", "offload=cpu")
 # Four optimizer tiles through two pool slots: a slot is reused within each step.
+# Speculative host steps that are kept (no clipping): each piece's gradient copy is waited for once.
+ZERO2_SPECULATIVE = (*ZERO2_OFFLOAD, "offload.overlap_step=true", "train.grad_clip=0")
 ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "offload.buffer_count=2")
 
 
@@ -102,6 +105,19 @@ class PageableHostBuffers(CheckingCpuAccelerator):
         return super().empty_host(shape, dtype, pinned=False)
 
 
+def _copy_speculated_twice(setattr_: Callable) -> None:
+    from framework.offload._pipeline import PiecePipeline
+
+    drain = PiecePipeline.drain
+
+    def drain_forgetting_speculated_copies(self):
+        drain(self)
+        for k in self.jobs:   # the bug: ``grads`` copies them again, and a kept speculation never waits
+            self.grad_copies.pop(k, None)
+
+    setattr_(PiecePipeline, "drain", drain_forgetting_speculated_copies)
+
+
 def _sync_in_zero2_hook(setattr_: Callable) -> None:
     from framework.stages.zero2 import Zero2Stage
 
@@ -132,17 +148,17 @@ MUTATIONS: tuple[Mutation, ...] = (
              NoWaitAfterH2D),
     Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
              OrderError, r"host code on the host writes .* at framework/offload/_store\.py:\d+ in _read.*"
-                         r"stream 'offload copy' read at framework/offload/base\.py:\d+ in copy_back",
+                         r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
              NoSyncAfterH2D),
     Mutation("unsynced-d2h", "a non_blocking device-to-host result read on the host without a wait",
              ZERO2_OFFLOAD, OrderError,
              r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
-             r"stream 'offload copy' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
+             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
     Mutation("collective-side-stream", "a collective issued on a side stream without ordering", ZERO3_HOST_SHARDS,
              OrderError, r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather",
              CollectivesOnSideStream),
     Mutation("freed-in-flight", "a tensor crossing streams without record_stream or an event", ZERO2_OFFLOAD,
-             OrderError, r"used by stream 'offload copy' at .*in copy_grad was freed at .*in copy_grad",
+             OrderError, r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad",
              TemporaryCopySource),
     Mutation("sync-in-hook", "a host sync inside a backward hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"),
              HostSync, r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
@@ -150,6 +166,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("unbound-thread", "a worker thread that never set its device", ZERO2_OFFLOAD,
              DeviceMismatch, r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad",
              UnboundThreads),
+    Mutation("unwaited-d2h-source", "a device buffer overwritten while a device-to-host copy may still read it",
+             ZERO2_SPECULATIVE, OrderError,
+             r"compute on stream 'compute' writes .* in ready .* stream 'offload d2h' read at "
+             r"framework/offload/base\.py:\d+ in copy_grad <- framework/offload/_pipeline\.py:\d+ in grads",
+             patch=_copy_speculated_twice),
     Mutation("pageable-async", "a non_blocking copy from pageable host memory", ZERO2_OFFLOAD,
              DeviceMismatch, r"needs a pinned host buffer .* in copy_grad", PageableHostBuffers),
 )

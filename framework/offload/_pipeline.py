@@ -8,7 +8,7 @@ each ordered by events of the accelerator, never by a device-wide synchronize:
   bucket, zero3 per unit group once its reduction is added, both on the last micro batch; zero1
   after backward, in ``grads``), an event is recorded
   on the producing stream and the worker thread queues the copy of its device range into the
-  piece's pinned host buffer on the copy stream, behind that event; the copy's own event tells the
+  piece's pinned host buffer on the D2H stream, behind that event; the copy's own event tells the
   host when it may read the buffer. With
   ``offload.overlap_step`` a worker thread (torch's kernels and ours release the GIL) then
   *speculatively* steps the piece, as if the step will be neither clipped nor skipped;
@@ -18,7 +18,7 @@ each ordered by events of the accelerator, never by a device-wide synchronize:
   copies taken just before (parameters and optimizer state of each piece) and stepped again. The
   remaining pieces are stepped one after another by the worker;
 * copy back: the main thread queues each finished piece's values (the 16-bit staging buffer, else
-  the master) into the working partition on the copy stream, after the compute stream's last use
+  the master) into the working partition on the H2D stream, after the compute stream's last use
   of the working values; the compute stream waits for these copies before the stage gathers.
 
 A piece's buffers belong to the store of its tier (``_store.py``): the host step acquires the piece

@@ -147,7 +147,10 @@ class Placement:
             # slot count is settled at pre-flight (``max_in_cpu``).
             self.param_store = DiskStore(acc, pin=self.pin, buffer_count=self.disk.param_buffer_count,
                                          read_ahead=True, write_behind=True, name="parameter", learn_order=True)
-        self.copy_stream = acc.new_stream("offload copy")   # host <-> device copies, ordered by events
+        # Copies between host and device, ordered by events: one stream per direction, so gradient
+        # copies to the host never queue behind shard loads or copies back (nor the reverse).
+        self.d2h_stream = acc.new_stream("offload d2h")   # gradient copies to the host
+        self.h2d_stream = acc.new_stream("offload h2d")   # zero3 shard loads, copies back
 
     def _bind_device(self, device: torch.device) -> Accelerator:
         if self._acc is None:  # built without initialize (tests): the device the stage works on
@@ -605,7 +608,7 @@ class Placement:
         return out
 
     def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
-        """Queue ``src`` (device) -> the piece's host gradient buffer on the copy stream, after
+        """Queue ``src`` (device) -> the piece's host gradient buffer on the D2H stream, after
         ``produced`` (default: an event recorded now on the current stream, where ``src`` is final);
         the returned event says when the host may read the buffer."""
         acc = self._acc
@@ -614,7 +617,7 @@ class Placement:
         if produced is None:
             produced = acc.event()
             produced.record()
-        with acc.stream(self.copy_stream):
+        with acc.stream(self.d2h_stream):
             produced.wait()
             acc.copy(info.piece.grad, src, non_blocking=self.pin)
             done = acc.event()
@@ -633,7 +636,7 @@ class Placement:
 
     def copy_back(self, info: PieceInfo, after: Event | None) -> Event | None:
         """The piece's updated values (staging, else master) -> its working range. Host -> device
-        copies run on the copy stream after ``after``; returns their event (None: nothing queued
+        copies run on the H2D stream after ``after``; returns their event (None: nothing queued
         off the current stream)."""
         p = info.piece
         # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
@@ -655,7 +658,7 @@ class Placement:
             acc.copy(dst, src)
             return None
         acc.on_device(dst, what="copy back destination")
-        with acc.stream(self.copy_stream):
+        with acc.stream(self.h2d_stream):
             if after is not None:
                 after.wait()
             acc.copy(dst, src, non_blocking=self.pin)
@@ -708,7 +711,7 @@ class Placement:
 
     def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
         """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), ordered before
-        whatever the current stream queues next (the gather). A host shard travels on the copy stream."""
+        whatever the current stream queues next (the gather). A host shard travels on the H2D stream."""
         acc = self._acc
         acc.on_device(dst, what="zero3 gather buffer")
         if not self.params_on_host:
@@ -729,7 +732,7 @@ class Placement:
         acc.on_host(shard, what="zero3 host shard")
         fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
         fresh.record()
-        with acc.stream(self.copy_stream):
+        with acc.stream(self.h2d_stream):
             fresh.wait()
             acc.copy(dst, shard, non_blocking=self.pin)
             done = acc.event()
