@@ -9,7 +9,8 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 
 | mutation | GPU bug class | injected by | caught where |
 |---|---|---|---|
-| missing-h2d-wait | compute uses a host-to-device copy without waiting for its event | stream waits on events after an H2D copy are dropped | the compute use of the copied buffer (zero3 shard load) |
+| missing-h2d-wait | compute uses a host-to-device copy without waiting for its event | stream waits on events after an H2D copy are dropped | the compute use of the copied-back working values |
+| unwaited-side-gather | compute consumes a gather issued on a side stream without waiting for it | the compute stream's waits for side-stream events and side-issued collectives are dropped | the compute use of the gathered unit (zero3 host shards) |
 | pinned-reuse | a pinned buffer reused before the copy reading it finished | host waits on events after an H2D copy are dropped | the swap read into a reused pool slot |
 | unsynced-d2h | a non_blocking device-to-host result read on the host without a wait | host waits on events after a D2H copy are dropped | the host step reading the gradient |
 | collective-side-stream | a collective issued on a side stream that is not ordered after its inputs | collectives issued from a fresh stream | the zero3 gather |
@@ -58,6 +59,34 @@ class _Forgetful(_CheckingEvent):
 class NoWaitAfterH2D(CheckingCpuAccelerator):
     def event(self):
         return _Forgetful(self, drop_wait=("h2d",))
+
+
+class _IgnoredByCompute(_CheckingEvent):
+    """An event whose waits by the compute stream are skipped when it was recorded on another stream."""
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.side = (stream or self.acc.current_stream()) is not self.acc._compute
+
+    def wait(self, stream=None) -> None:
+        if not (self.side and (stream or self.acc.current_stream()) is self.acc._compute):
+            super().wait(stream)
+
+
+class ComputeIgnoresSideStreams(CheckingCpuAccelerator):
+    """The compute stream never waits for side-stream work: events recorded on a side stream and
+    collectives issued from one order nothing for it (the gatherer forgetting to wait)."""
+
+    def event(self):
+        return _IgnoredByCompute(self)
+
+    def collective(self, tensors, what):
+        return super().collective(tensors, what), self.current_stream() is not self._compute
+
+    def collective_done(self, token) -> None:
+        token, side = token
+        if not (side and self.current_stream() is self._compute):
+            super().collective_done(token)
 
 
 class NoSyncAfterH2D(CheckingCpuAccelerator):
@@ -143,9 +172,13 @@ class Mutation:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO3_HOST_SHARDS,
-             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in load_shard",
-             NoWaitAfterH2D),
+    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO2_OFFLOAD,
+             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
+                         r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
+    Mutation("unwaited-side-gather", "compute consuming a side-stream gather without waiting for it",
+             ZERO3_HOST_SHARDS, OrderError,
+             r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
+             r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
              OrderError, r"host code on the host writes .* at framework/offload/_store\.py:\d+ in _read.*"
                          r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",

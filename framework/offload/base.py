@@ -709,9 +709,32 @@ class Placement:
 
     # --- zero3 parameter shards ----------------------------------------------------------------
 
+    @contextmanager
+    def loading(self):
+        """Around ``load_shard`` and issuing the gather that reads the loaded slice. Host shards: both
+        are queued on the H2D stream, behind the current stream's work so far (the gather buffer is
+        fresh memory whose last users ran there), so a prefetch hides the copy and the gather; the
+        current stream waits only where it consumes the unit: the gather's wait, and the waits
+        yielded here (filled on leaving; at world size 1 on CUDA there is no collective to wait for).
+        Device shards: the current stream, nothing to wait for."""
+        waits: list[Callable[[], None]] = []
+        if not self.params_on_host:
+            yield waits
+            return
+        acc = self._acc
+        fresh = acc.event()
+        fresh.record()
+        with acc.stream(self.h2d_stream):
+            fresh.wait()
+            yield waits
+            issued = acc.event()
+            issued.record()
+        waits.append(issued.wait)
+
     def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
-        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), ordered before
-        whatever the current stream queues next (the gather). A host shard travels on the H2D stream."""
+        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), queued on the
+        current stream: inside ``loading``, which issues host shards' copies (and their gather) on
+        the H2D stream."""
         acc = self._acc
         acc.on_device(dst, what="zero3 gather buffer")
         if not self.params_on_host:
@@ -730,15 +753,9 @@ class Placement:
                 dst.zero_()
                 return
         acc.on_host(shard, what="zero3 host shard")
-        fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
-        fresh.record()
-        with acc.stream(self.h2d_stream):
-            fresh.wait()
-            acc.copy(dst, shard, non_blocking=self.pin)
-            done = acc.event()
-            done.record()
-        done.wait()
-        acc.use(reads=[dst])   # the gather reads it on this stream next
+        acc.copy(dst, shard, non_blocking=self.pin)   # the gather reads it on this stream next
+        done = acc.event()
+        done.record()
         if handle is not None:
             self.param_store.release(handle, done, dirty=False)   # its slot is reused after the copy
             return
