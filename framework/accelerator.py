@@ -99,6 +99,9 @@ class Event(Protocol):
     def synchronize(self) -> None:
         """Block the host until the recorded point is reached."""
 
+    def query(self) -> bool:
+        """Whether the recorded point was reached, without waiting (True: as after ``synchronize``)."""
+
 
 class Accelerator(Protocol):
     device: torch.device   # where compute runs
@@ -208,6 +211,9 @@ class _CudaEvent:
     def synchronize(self) -> None:
         self.ev.synchronize()
 
+    def query(self) -> bool:
+        return self.ev.query()
+
 
 class CudaAccelerator(_Unchecked):
     host = torch.device("cpu")
@@ -273,6 +279,9 @@ class _NoEvent:
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
 
 class CpuAccelerator(_Unchecked):
@@ -375,6 +384,11 @@ class _CheckingEvent:
             self.acc._pending()
             if self.clock is not None:
                 self.acc._host.merge(self.clock)
+
+    def query(self) -> bool:
+        """On the CPU the work ran when it was queued: reached, and the host knows it."""
+        self.synchronize()
+        return True
 
 
 # Tensor methods and torch functions that make the host wait for device memory.

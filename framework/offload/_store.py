@@ -227,7 +227,10 @@ class DiskStore:
                         self._read(nxt, free)
         return Handle(key, None)
 
-    def wait(self, handle: "Handle") -> None:
+    def wait(self, handle: "Handle", host_writes: bool = True) -> None:
+        """``host_writes=False``: the host only reads the piece until ``release`` (zero3 loads a shard
+        from it), so copies still reading it from an earlier use need not be waited for; they stay
+        the slot's readers until a later event replaces them."""
         with self.cond:
             slot = self.where[handle.key]
             pending, slot.io = slot.io, []
@@ -240,7 +243,7 @@ class DiskStore:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
             raise
-        if slot.readers is not None:   # sync point: the last copy that read this piece, only
+        if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
             slot.readers.synchronize()
             slot.readers = None
         with self.cond:
@@ -455,17 +458,19 @@ class DiskStore:
         return self.order[i] if i < len(self.order) else None
 
     def _free_slot(self, block: bool) -> _Slot | None:
+        """A slot to read into. Slots whose last copy to the device is still running are taken only
+        when nothing else is (polled, never waited for: inside zero3's hooks a wait would stall the
+        host until the device caught up); without ``block`` they are not taken at all. With more
+        slots than shard loads in flight (``offload.param_buffer_count`` > the units prefetched + 1)
+        the host never waits here for the device."""
         while True:
-            for slot in self.slots:
-                if slot.state == "free":
-                    return self._reuse(slot)
-            clean = [slot for slot in self.slots if slot.state == "clean"]
-            if clean:   # evict the least recently released piece that needs no write
-                slot = min(clean, key=lambda sl: sl.stamp)
-                self._unpoint(slot.key)
-                self.where.pop(slot.key, None)
-                slot.key, slot.state = None, "free"
-                return self._reuse(slot)
+            free = [slot for slot in self.slots if slot.state == "free"]
+            clean = sorted((slot for slot in self.slots if slot.state == "clean"), key=lambda sl: sl.stamp)
+            for slot in [*free, *clean]:   # free first, then the least recently released clean piece
+                if slot.readers is None or slot.readers.query():
+                    return self._evict(slot)
+            if block and (free or clean):   # every candidate is still being copied from: wait for the oldest
+                return self._evict((free or clean)[0])
             if self.writing and (block or all(h.done() for h in self.writing[0].io)):
                 slot = self.writing[0]
                 self.cond.release()
@@ -482,6 +487,14 @@ class DiskStore:
             t = time.perf_counter()
             self.cond.wait()
             self.wait_s += time.perf_counter() - t
+
+    def _evict(self, slot: _Slot) -> _Slot:
+        """``slot`` (free, or clean: its piece needs no write) for a new piece."""
+        if slot.state == "clean":
+            self._unpoint(slot.key)
+            self.where.pop(slot.key, None)
+            slot.key, slot.state = None, "free"
+        return self._reuse(slot)
 
     def _reuse(self, slot: _Slot) -> _Slot:
         if slot.readers is not None:   # sync point: the copy back of the piece it held, only

@@ -505,6 +505,12 @@ class Placement:
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
         store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest, len(store.entries))
+        if store.buffer_count == 1 < len(store.entries):
+            # A slot is reused only once its last copy to the device has finished (polled, see
+            # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.
+            print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
+                  f"previous shard's copy to the device; allow at least the units prefetched + 1 slots "
+                  f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
         if store.buffer_count < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
                               f"than the largest parameter shard ({largest} elements): set "
@@ -744,7 +750,7 @@ class Placement:
         if self._params_swapped():   # on the host before the gather (read ahead in gather order)
             handle = self.param_store.acquire(self._shard_keys[id(shard)])
             try:
-                self.param_store.wait(handle)
+                self.param_store.wait(handle, host_writes=False)   # (only copied from: no wait for earlier copies)
             except SwapIOError as e:
                 # Raised on every rank at the next agreement (``read_errors``): this rank still takes
                 # part in the gather, with zeros, so no peer waits in it forever.
