@@ -170,7 +170,8 @@ class PiecePipeline:
         saved = [pc.master, *group_state(opt_state, len(params), k)]
         if k not in self.undo:
             host = self.target.stores[Tier.HOST]
-            self.undo[k] = [host.allocate(t.numel(), t.dtype).view(t.shape) for t in saved]
+            # (only the host touches them: not pinned)
+            self.undo[k] = [host.allocate(t.numel(), t.dtype, pinned=False).view(t.shape) for t in saved]
         self.acc.host_use(reads=[pc.grad, *saved], writes=[pc.grad, *saved, *self.undo[k], *self._staging(k)])
         grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
         if scale != 1.0:

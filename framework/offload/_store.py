@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -50,16 +51,58 @@ class Handle:
 
 
 class HostStore:
-    """Host memory: pieces are always resident; the host waits only for the copies that read them."""
+    """Host memory: pieces are always resident; the host waits only for the copies that read them.
+
+    Pinned buffers are slices of arenas: one allocation per ``reserve`` (a partition's host
+    buffers) or per lone ``allocate`` (a zero3 shard), locked page by page (``_aio.host_arena``)
+    instead of each through torch's caching pinned allocator, which rounds every block up to a
+    power of two and never returns it. ``pinned_bytes`` is what the live arenas really hold."""
 
     tier = Tier.HOST
 
     def __init__(self, acc: Accelerator, pin: bool):
         self.acc, self.pin = acc, pin
         self.readers: dict[int, Event] = {}
+        self._reserved: deque = deque()   # (buffer, numel, dtype) sliced by ``reserve``, not yet handed out
+        self._pinned = [0]                # bytes of the live arenas (their finalizers subtract)
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.acc.empty_host(numel, dtype, pinned=self.pin)
+    def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
+        """One arena for the pinned buffers of ``sizes`` ((numel, dtype), in the order ``allocate``
+        will ask for them; each slice 64-byte aligned)."""
+        if not self.pin or not sizes:
+            return
+        offsets, total = [], 0
+        for numel, dtype in sizes:
+            total = -(-total // 64) * 64
+            offsets.append(total)
+            total += numel * dtype.itemsize
+        arena = self._arena(total)
+        self._reserved = deque((arena[o:o + n * dt.itemsize].view(dt), n, dt) for o, (n, dt) in zip(offsets, sizes))
+
+    def allocate(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        """A host buffer: pinned (when the store pins) from the reserved arena, else an arena of its
+        own; ``pinned=False`` (buffers only the host touches): pageable."""
+        if not (pinned and self.pin):
+            return self.acc.empty_host(numel, dtype, pinned=False)
+        if self._reserved and self._reserved[0][1:] == (numel, dtype):
+            return self._reserved.popleft()[0]
+        return self._arena(numel * dtype.itemsize).view(dtype)
+
+    def _arena(self, nbytes: int) -> torch.Tensor:
+        from framework.offload._aio import host_arena
+
+        arena = host_arena(nbytes, pin=True, acc=self.acc)
+        size = arena.untyped_storage().nbytes()   # what is really allocated (CUDA: whole pages)
+        self._pinned[0] += size
+
+        def freed(pinned=self._pinned, size=size):
+            pinned[0] -= size
+        weakref.finalize(arena.untyped_storage(), freed).atexit = False
+        return arena[:nbytes]
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory this store holds now, as allocated (not as requested)."""
+        return self._pinned[0]
 
     def acquire(self, key: int) -> Handle:
         return Handle(key, self.readers.pop(key, None))

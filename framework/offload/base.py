@@ -184,6 +184,12 @@ class Placement:
             step = min(step, self.disk.sub_group_size)
         pieces = []
         host = self.stores[Tier.HOST]
+        sizes = []   # the host buffers allocated below, in order: one pinned arena for the partition
+        for a in range(0, k, step):
+            m = min(a + step, k) - a
+            sizes += [] if on_disk and self.grad_swap else [(m, master_dtype)]
+            sizes += [] if on_disk else [(m, master_dtype)] + ([] if own.dtype == master_dtype else [(m, own.dtype)])
+        host.reserve(sizes)
         for a in range(0, k, step):
             b = min(a + step, k)
             if on_disk and self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
