@@ -124,6 +124,14 @@ class RecordedTemporaryCopySource(TemporaryCopySource):
     record = True
 
 
+class NoCollectiveTokens(CheckingCpuAccelerator):
+    """World size 1 as on CUDA: no collective is issued at all, so waiting for one orders nothing
+    (what orders the compute stream after a side-stream load must be an event of that stream)."""
+
+    def collective(self, tensors, what):
+        return None
+
+
 class UnboundThreads(CheckingCpuAccelerator):
     def bind_thread(self) -> None:
         pass
@@ -211,4 +219,5 @@ MUTATIONS: tuple[Mutation, ...] = (
 # Correct variants of mutations: the check must let them pass.
 CORRECT: tuple[tuple[str, tuple[str, ...], type], ...] = (
     ("recorded-temporary", ZERO2_OFFLOAD, RecordedTemporaryCopySource),
+    ("world-1-without-collectives", ZERO3_HOST_SHARDS, NoCollectiveTokens),
 )
