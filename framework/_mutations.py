@@ -9,7 +9,8 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 
 | mutation | GPU bug class | injected by | caught where |
 |---|---|---|---|
-| missing-h2d-wait | compute uses a host-to-device copy without waiting for its event | stream waits on events after an H2D copy are dropped | the compute use of the copied buffer (zero3 shard load) |
+| missing-h2d-wait | compute uses a host-to-device copy without waiting for its event | stream waits on events after an H2D copy are dropped | the compute use of the copied-back working values |
+| unwaited-side-gather | compute consumes a gather issued on a side stream without waiting for it | the compute stream's waits for side-stream events and side-issued collectives are dropped | the compute use of the gathered unit (zero3 host shards) |
 | pinned-reuse | a pinned buffer reused before the copy reading it finished | host waits on events after an H2D copy are dropped | the swap read into a reused pool slot |
 | unsynced-d2h | a non_blocking device-to-host result read on the host without a wait | host waits on events after a D2H copy are dropped | the host step reading the gradient |
 | collective-side-stream | a collective issued on a side stream that is not ordered after its inputs | collectives issued from a fresh stream | the zero3 gather |
@@ -17,6 +18,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ ZERO3_HOST_SHARDS = ("+stage=zero3", "stage.stage3_param_persistence_threshold=0
                      "offload.params=cpu")
 ZERO2_OFFLOAD = ("+stage=zero2", "stage.reduce_bucket_size=1500", "offload=cpu")
 # Four optimizer tiles through two pool slots: a slot is reused within each step.
+# Speculative host steps that are kept (no clipping): each piece's gradient copy is waited for once.
+ZERO2_SPECULATIVE = (*ZERO2_OFFLOAD, "offload.overlap_step=true", "train.grad_clip=0")
 ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "offload.buffer_count=2")
 
 
@@ -55,6 +59,34 @@ class _Forgetful(_CheckingEvent):
 class NoWaitAfterH2D(CheckingCpuAccelerator):
     def event(self):
         return _Forgetful(self, drop_wait=("h2d",))
+
+
+class _IgnoredByCompute(_CheckingEvent):
+    """An event whose waits by the compute stream are skipped when it was recorded on another stream."""
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.side = (stream or self.acc.current_stream()) is not self.acc._compute
+
+    def wait(self, stream=None) -> None:
+        if not (self.side and (stream or self.acc.current_stream()) is self.acc._compute):
+            super().wait(stream)
+
+
+class ComputeIgnoresSideStreams(CheckingCpuAccelerator):
+    """The compute stream never waits for side-stream work: events recorded on a side stream and
+    collectives issued from one order nothing for it (the gatherer forgetting to wait)."""
+
+    def event(self):
+        return _IgnoredByCompute(self)
+
+    def collective(self, tensors, what):
+        return super().collective(tensors, what), self.current_stream() is not self._compute
+
+    def collective_done(self, token) -> None:
+        token, side = token
+        if not (side and self.current_stream() is self._compute):
+            super().collective_done(token)
 
 
 class NoSyncAfterH2D(CheckingCpuAccelerator):
@@ -92,6 +124,14 @@ class RecordedTemporaryCopySource(TemporaryCopySource):
     record = True
 
 
+class NoCollectiveTokens(CheckingCpuAccelerator):
+    """World size 1 as on CUDA: no collective is issued at all, so waiting for one orders nothing
+    (what orders the compute stream after a side-stream load must be an event of that stream)."""
+
+    def collective(self, tensors, what):
+        return None
+
+
 class UnboundThreads(CheckingCpuAccelerator):
     def bind_thread(self) -> None:
         pass
@@ -100,6 +140,19 @@ class UnboundThreads(CheckingCpuAccelerator):
 class PageableHostBuffers(CheckingCpuAccelerator):
     def empty_host(self, shape, dtype, pinned=True):
         return super().empty_host(shape, dtype, pinned=False)
+
+
+def _copy_speculated_twice(setattr_: Callable) -> None:
+    from framework.offload._pipeline import PiecePipeline
+
+    drain = PiecePipeline.drain
+
+    def drain_forgetting_speculated_copies(self):
+        drain(self)
+        for k in self.jobs:   # the bug: ``grads`` copies them again, and a kept speculation never waits
+            self.grad_copies.pop(k, None)
+
+    setattr_(PiecePipeline, "drain", drain_forgetting_speculated_copies)
 
 
 def _sync_in_zero2_hook(setattr_: Callable) -> None:
@@ -127,22 +180,26 @@ class Mutation:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO3_HOST_SHARDS,
-             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in load_shard",
-             NoWaitAfterH2D),
+    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO2_OFFLOAD,
+             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
+                         r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
+    Mutation("unwaited-side-gather", "compute consuming a side-stream gather without waiting for it",
+             ZERO3_HOST_SHARDS, OrderError,
+             r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
+             r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
              OrderError, r"host code on the host writes .* at framework/offload/_store\.py:\d+ in _read.*"
-                         r"stream 'offload copy' read at framework/offload/base\.py:\d+ in copy_back",
+                         r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
              NoSyncAfterH2D),
     Mutation("unsynced-d2h", "a non_blocking device-to-host result read on the host without a wait",
              ZERO2_OFFLOAD, OrderError,
              r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
-             r"stream 'offload copy' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
+             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
     Mutation("collective-side-stream", "a collective issued on a side stream without ordering", ZERO3_HOST_SHARDS,
              OrderError, r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather",
              CollectivesOnSideStream),
     Mutation("freed-in-flight", "a tensor crossing streams without record_stream or an event", ZERO2_OFFLOAD,
-             OrderError, r"used by stream 'offload copy' at .*in copy_grad was freed at .*in copy_grad",
+             OrderError, r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad",
              TemporaryCopySource),
     Mutation("sync-in-hook", "a host sync inside a backward hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"),
              HostSync, r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
@@ -150,6 +207,11 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("unbound-thread", "a worker thread that never set its device", ZERO2_OFFLOAD,
              DeviceMismatch, r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad",
              UnboundThreads),
+    Mutation("unwaited-d2h-source", "a device buffer overwritten while a device-to-host copy may still read it",
+             ZERO2_SPECULATIVE, OrderError,
+             r"compute on stream 'compute' writes .* in ready .* stream 'offload d2h' read at "
+             r"framework/offload/base\.py:\d+ in copy_grad <- framework/offload/_pipeline\.py:\d+ in grads",
+             patch=_copy_speculated_twice),
     Mutation("pageable-async", "a non_blocking copy from pageable host memory", ZERO2_OFFLOAD,
              DeviceMismatch, r"needs a pinned host buffer .* in copy_grad", PageableHostBuffers),
 )
@@ -157,4 +219,5 @@ MUTATIONS: tuple[Mutation, ...] = (
 # Correct variants of mutations: the check must let them pass.
 CORRECT: tuple[tuple[str, tuple[str, ...], type], ...] = (
     ("recorded-temporary", ZERO2_OFFLOAD, RecordedTemporaryCopySource),
+    ("world-1-without-collectives", ZERO3_HOST_SHARDS, NoCollectiveTokens),
 )

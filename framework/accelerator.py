@@ -99,6 +99,9 @@ class Event(Protocol):
     def synchronize(self) -> None:
         """Block the host until the recorded point is reached."""
 
+    def query(self) -> bool:
+        """Whether the recorded point was reached, without waiting (True: as after ``synchronize``)."""
+
 
 class Accelerator(Protocol):
     device: torch.device   # where compute runs
@@ -208,6 +211,9 @@ class _CudaEvent:
     def synchronize(self) -> None:
         self.ev.synchronize()
 
+    def query(self) -> bool:
+        return self.ev.query()
+
 
 class CudaAccelerator(_Unchecked):
     host = torch.device("cpu")
@@ -273,6 +279,9 @@ class _NoEvent:
 
     def synchronize(self) -> None:
         pass
+
+    def query(self) -> bool:
+        return True
 
 
 class CpuAccelerator(_Unchecked):
@@ -375,6 +384,11 @@ class _CheckingEvent:
             self.acc._pending()
             if self.clock is not None:
                 self.acc._host.merge(self.clock)
+
+    def query(self) -> bool:
+        """On the CPU the work ran when it was queued: reached, and the host knows it."""
+        self.synchronize()
+        return True
 
 
 # Tensor methods and torch functions that make the host wait for device memory.
@@ -631,11 +645,12 @@ class CheckingCpuAccelerator:
 
     @staticmethod
     def _keeper(t: Tensor, table: dict, key: int) -> weakref.ref:
-        """A weak reference to the tensor that owns ``t``'s storage; its entry in ``table`` goes when it does."""
+        """A weak reference to ``t``'s storage (alive as long as any tensor viewing it, whether or not
+        torch calls it a view: ``view(dtype)`` of a byte arena is not); its entry in ``table`` goes when it does."""
         def forget(ref, table=table, key=key):
             if table.get(key, (None,))[0] is ref:
                 table.pop(key, None)
-        return weakref.ref(t._base if t._base is not None else t, forget)
+        return weakref.ref(t.untyped_storage(), forget)
 
     def _access(self, s: _Clocked, reads: Sequence[Tensor], writes: Sequence[Tensor], what: str) -> None:
         s.pos += 1
@@ -690,10 +705,10 @@ class CheckingCpuAccelerator:
 
 
 def _owns(ref: weakref.ref, address: int) -> bool:
-    """Whether the tensor behind ``ref`` is alive and still has its storage at ``address`` (a
+    """Whether the storage behind ``ref`` is alive and still at ``address`` (a
     storage resized to zero and refilled, as zero3's gather buffers are, may move)."""
-    t = ref()
-    return t is not None and t.untyped_storage().nbytes() > 0 and _storage(t) == address
+    s = ref()
+    return s is not None and s.nbytes() > 0 and s.data_ptr() == address
 
 
 def _storage(t: Tensor) -> int:

@@ -98,6 +98,17 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     return raw[shift // itemsize:shift // itemsize + int(numel)]
 
 
+def host_arena(nbytes: int, *, pin: bool, acc) -> torch.Tensor:
+    """``nbytes`` of host memory (uint8) as one allocation, to be sliced by the caller. On CUDA an
+    anonymous mmap (page-aligned, its pages committed when first written), registered with
+    ``cudaHostRegister`` when ``pin``: exactly its pages are locked, and unregistered when it goes
+    (torch's pinned allocator would round it up to a power of two and keep it). On the CPU
+    accelerators a buffer from ``acc.empty_host``."""
+    if acc.device.type == "cuda":
+        return _mapped(max(int(nbytes), 1), pin)
+    return acc.empty_host(max(int(nbytes), 1), torch.uint8, pinned=pin)
+
+
 def _advise_huge(address: int, nbytes: int) -> None:
     """Ask for transparent huge pages (advisory: ignored where THP is off or unsupported)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)

@@ -8,7 +8,7 @@ each ordered by events of the accelerator, never by a device-wide synchronize:
   bucket, zero3 per unit group once its reduction is added, both on the last micro batch; zero1
   after backward, in ``grads``), an event is recorded
   on the producing stream and the worker thread queues the copy of its device range into the
-  piece's pinned host buffer on the copy stream, behind that event; the copy's own event tells the
+  piece's pinned host buffer on the D2H stream, behind that event; the copy's own event tells the
   host when it may read the buffer. With
   ``offload.overlap_step`` a worker thread (torch's kernels and ours release the GIL) then
   *speculatively* steps the piece, as if the step will be neither clipped nor skipped;
@@ -18,7 +18,7 @@ each ordered by events of the accelerator, never by a device-wide synchronize:
   copies taken just before (parameters and optimizer state of each piece) and stepped again. The
   remaining pieces are stepped one after another by the worker;
 * copy back: the main thread queues each finished piece's values (the 16-bit staging buffer, else
-  the master) into the working partition on the copy stream, after the compute stream's last use
+  the master) into the working partition on the H2D stream, after the compute stream's last use
   of the working values; the compute stream waits for these copies before the stage gathers.
 
 A piece's buffers belong to the store of its tier (``_store.py``): the host step acquires the piece
@@ -81,6 +81,9 @@ class PiecePipeline:
         # worker (or, after backward, the main thread) has queued it.
         self.grad_copies: dict[int, Future] = {}
         self.final: set[int] = set()              # pieces the stage reported final this step
+        # The device range each speculated piece's gradient was copied from (valid until the stage
+        # zeroes its gradients after the step): copied again only if the speculation is rolled back.
+        self.sources: dict[int, Tensor] = {}
         self.handles: dict[int, Handle] = {}      # pieces acquired from their store this step
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
@@ -98,7 +101,7 @@ class PiecePipeline:
         if self.target.grad_swap:   # backward writes gradient extents: no slot may hold a tile now
             self.target.stores[Tier.DISK].settle()
         self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
-        self.grad_copies, self.final = {}, set()
+        self.grad_copies, self.final, self.sources = {}, set(), {}
         self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
 
     def ready(self, group: int, lo: int, hi: int, grad: Tensor) -> None:
@@ -122,6 +125,7 @@ class PiecePipeline:
             produced.record()
             self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end], produced)
             if self.ctx is not None:
+                self.sources[k] = grad[info.start:info.end]
                 self.jobs[k] = self.pool.submit(self._speculate, k)
 
     def grads(self, parts: Sequence[Tensor]) -> list[Tensor]:
@@ -166,7 +170,8 @@ class PiecePipeline:
         saved = [pc.master, *group_state(opt_state, len(params), k)]
         if k not in self.undo:
             host = self.target.stores[Tier.HOST]
-            self.undo[k] = [host.allocate(t.numel(), t.dtype).view(t.shape) for t in saved]
+            # (only the host touches them: not pinned)
+            self.undo[k] = [host.allocate(t.numel(), t.dtype, pinned=False).view(t.shape) for t in saved]
         self.acc.host_use(reads=[pc.grad, *saved], writes=[pc.grad, *saved, *self.undo[k], *self._staging(k)])
         grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
         if scale != 1.0:
@@ -198,15 +203,14 @@ class PiecePipeline:
             job.exception()  # wait only; result() raises in _settle or below
 
     def drain(self) -> None:
-        """Wait for the worker. The speculative pieces' host gradients are copied again in ``grads``:
-        the step may have scaled them in place, and a rolled-back piece steps on the original."""
+        """Wait for the worker. A speculative piece's host gradient is copied once: the step may have
+        scaled it in place, so a rolled-back piece copies it again (``_settle``); a kept one needs
+        no second copy (which nothing would wait for while the next backward overwrites its source)."""
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
         self.target.read_errors()   # zero3 shards on disk: a failed read stops every rank here
         self.early_copies += len(self.grad_copies)
-        for k in self.jobs:
-            self.grad_copies.pop(k, None)
 
     # --- after the norm --------------------------------------------------------------------
 
@@ -225,6 +229,10 @@ class PiecePipeline:
             self.acc.host_use(reads=self.undo[k], writes=saved)
             for dst, t in zip(saved, self.undo[k]):
                 dst.copy_(t)
+        for k in jobs:   # its host gradient may be scaled: the original again, from the device
+            queued: Future = Future()
+            queued.set_result(self.target.copy_grad(self.info[k], self.sources[k]))
+            self.grad_copies[k] = queued
         self.rolled_back += len(self.undone)
         self.undone = set()
         return set(), None

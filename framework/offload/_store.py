@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -50,16 +51,58 @@ class Handle:
 
 
 class HostStore:
-    """Host memory: pieces are always resident; the host waits only for the copies that read them."""
+    """Host memory: pieces are always resident; the host waits only for the copies that read them.
+
+    Pinned buffers are slices of arenas: one allocation per ``reserve`` (a partition's host
+    buffers) or per lone ``allocate`` (a zero3 shard), locked page by page (``_aio.host_arena``)
+    instead of each through torch's caching pinned allocator, which rounds every block up to a
+    power of two and never returns it. ``pinned_bytes`` is what the live arenas really hold."""
 
     tier = Tier.HOST
 
     def __init__(self, acc: Accelerator, pin: bool):
         self.acc, self.pin = acc, pin
         self.readers: dict[int, Event] = {}
+        self._reserved: deque = deque()   # (buffer, numel, dtype) sliced by ``reserve``, not yet handed out
+        self._pinned = [0]                # bytes of the live arenas (their finalizers subtract)
 
-    def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return self.acc.empty_host(numel, dtype, pinned=self.pin)
+    def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
+        """One arena for the pinned buffers of ``sizes`` ((numel, dtype), in the order ``allocate``
+        will ask for them; each slice 64-byte aligned)."""
+        if not self.pin or not sizes:
+            return
+        offsets, total = [], 0
+        for numel, dtype in sizes:
+            total = -(-total // 64) * 64
+            offsets.append(total)
+            total += numel * dtype.itemsize
+        arena = self._arena(total)
+        self._reserved = deque((arena[o:o + n * dt.itemsize].view(dt), n, dt) for o, (n, dt) in zip(offsets, sizes))
+
+    def allocate(self, numel: int, dtype: torch.dtype, pinned: bool = True) -> torch.Tensor:
+        """A host buffer: pinned (when the store pins) from the reserved arena, else an arena of its
+        own; ``pinned=False`` (buffers only the host touches): pageable."""
+        if not (pinned and self.pin):
+            return self.acc.empty_host(numel, dtype, pinned=False)
+        if self._reserved and self._reserved[0][1:] == (numel, dtype):
+            return self._reserved.popleft()[0]
+        return self._arena(numel * dtype.itemsize).view(dtype)
+
+    def _arena(self, nbytes: int) -> torch.Tensor:
+        from framework.offload._aio import host_arena
+
+        arena = host_arena(nbytes, pin=True, acc=self.acc)
+        size = arena.untyped_storage().nbytes()   # what is really allocated (CUDA: whole pages)
+        self._pinned[0] += size
+
+        def freed(pinned=self._pinned, size=size):
+            pinned[0] -= size
+        weakref.finalize(arena.untyped_storage(), freed).atexit = False
+        return arena[:nbytes]
+
+    def pinned_bytes(self) -> int:
+        """Bytes of pinned host memory this store holds now, as allocated (not as requested)."""
+        return self._pinned[0]
 
     def acquire(self, key: int) -> Handle:
         return Handle(key, self.readers.pop(key, None))
@@ -227,7 +270,10 @@ class DiskStore:
                         self._read(nxt, free)
         return Handle(key, None)
 
-    def wait(self, handle: "Handle") -> None:
+    def wait(self, handle: "Handle", host_writes: bool = True) -> None:
+        """``host_writes=False``: the host only reads the piece until ``release`` (zero3 loads a shard
+        from it), so copies still reading it from an earlier use need not be waited for; they stay
+        the slot's readers until a later event replaces them."""
         with self.cond:
             slot = self.where[handle.key]
             pending, slot.io = slot.io, []
@@ -240,7 +286,7 @@ class DiskStore:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
             raise
-        if slot.readers is not None:   # sync point: the last copy that read this piece, only
+        if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
             slot.readers.synchronize()
             slot.readers = None
         with self.cond:
@@ -455,17 +501,19 @@ class DiskStore:
         return self.order[i] if i < len(self.order) else None
 
     def _free_slot(self, block: bool) -> _Slot | None:
+        """A slot to read into. Slots whose last copy to the device is still running are taken only
+        when nothing else is (polled, never waited for: inside zero3's hooks a wait would stall the
+        host until the device caught up); without ``block`` they are not taken at all. With more
+        slots than shard loads in flight (``offload.param_buffer_count`` > the units prefetched + 1)
+        the host never waits here for the device."""
         while True:
-            for slot in self.slots:
-                if slot.state == "free":
-                    return self._reuse(slot)
-            clean = [slot for slot in self.slots if slot.state == "clean"]
-            if clean:   # evict the least recently released piece that needs no write
-                slot = min(clean, key=lambda sl: sl.stamp)
-                self._unpoint(slot.key)
-                self.where.pop(slot.key, None)
-                slot.key, slot.state = None, "free"
-                return self._reuse(slot)
+            free = [slot for slot in self.slots if slot.state == "free"]
+            clean = sorted((slot for slot in self.slots if slot.state == "clean"), key=lambda sl: sl.stamp)
+            for slot in [*free, *clean]:   # free first, then the least recently released clean piece
+                if slot.readers is None or slot.readers.query():
+                    return self._evict(slot)
+            if block and (free or clean):   # every candidate is still being copied from: wait for the oldest
+                return self._evict((free or clean)[0])
             if self.writing and (block or all(h.done() for h in self.writing[0].io)):
                 slot = self.writing[0]
                 self.cond.release()
@@ -482,6 +530,14 @@ class DiskStore:
             t = time.perf_counter()
             self.cond.wait()
             self.wait_s += time.perf_counter() - t
+
+    def _evict(self, slot: _Slot) -> _Slot:
+        """``slot`` (free, or clean: its piece needs no write) for a new piece."""
+        if slot.state == "clean":
+            self._unpoint(slot.key)
+            self.where.pop(slot.key, None)
+            slot.key, slot.state = None, "free"
+        return self._reuse(slot)
 
     def _reuse(self, slot: _Slot) -> _Slot:
         if slot.readers is not None:   # sync point: the copy back of the piece it held, only

@@ -147,7 +147,10 @@ class Placement:
             # slot count is settled at pre-flight (``max_in_cpu``).
             self.param_store = DiskStore(acc, pin=self.pin, buffer_count=self.disk.param_buffer_count,
                                          read_ahead=True, write_behind=True, name="parameter", learn_order=True)
-        self.copy_stream = acc.new_stream("offload copy")   # host <-> device copies, ordered by events
+        # Copies between host and device, ordered by events: one stream per direction, so gradient
+        # copies to the host never queue behind shard loads or copies back (nor the reverse).
+        self.d2h_stream = acc.new_stream("offload d2h")   # gradient copies to the host
+        self.h2d_stream = acc.new_stream("offload h2d")   # zero3 shard loads, copies back
 
     def _bind_device(self, device: torch.device) -> Accelerator:
         if self._acc is None:  # built without initialize (tests): the device the stage works on
@@ -181,6 +184,12 @@ class Placement:
             step = min(step, self.disk.sub_group_size)
         pieces = []
         host = self.stores[Tier.HOST]
+        sizes = []   # the host buffers allocated below, in order: one pinned arena for the partition
+        for a in range(0, k, step):
+            m = min(a + step, k) - a
+            sizes += [] if on_disk and self.grad_swap else [(m, master_dtype)]
+            sizes += [] if on_disk else [(m, master_dtype)] + ([] if own.dtype == master_dtype else [(m, own.dtype)])
+        host.reserve(sizes)
         for a in range(0, k, step):
             b = min(a + step, k)
             if on_disk and self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
@@ -502,6 +511,12 @@ class Placement:
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
         store.buffer_count = min(self.disk.param_buffer_count, self.disk.max_in_cpu // largest, len(store.entries))
+        if store.buffer_count == 1 < len(store.entries):
+            # A slot is reused only once its last copy to the device has finished (polled, see
+            # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.
+            print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
+                  f"previous shard's copy to the device; allow at least the units prefetched + 1 slots "
+                  f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
         if store.buffer_count < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.disk.max_in_cpu} is smaller "
                               f"than the largest parameter shard ({largest} elements): set "
@@ -605,7 +620,7 @@ class Placement:
         return out
 
     def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
-        """Queue ``src`` (device) -> the piece's host gradient buffer on the copy stream, after
+        """Queue ``src`` (device) -> the piece's host gradient buffer on the D2H stream, after
         ``produced`` (default: an event recorded now on the current stream, where ``src`` is final);
         the returned event says when the host may read the buffer."""
         acc = self._acc
@@ -614,7 +629,7 @@ class Placement:
         if produced is None:
             produced = acc.event()
             produced.record()
-        with acc.stream(self.copy_stream):
+        with acc.stream(self.d2h_stream):
             produced.wait()
             acc.copy(info.piece.grad, src, non_blocking=self.pin)
             done = acc.event()
@@ -633,7 +648,7 @@ class Placement:
 
     def copy_back(self, info: PieceInfo, after: Event | None) -> Event | None:
         """The piece's updated values (staging, else master) -> its working range. Host -> device
-        copies run on the copy stream after ``after``; returns their event (None: nothing queued
+        copies run on the H2D stream after ``after``; returns their event (None: nothing queued
         off the current stream)."""
         p = info.piece
         # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
@@ -655,7 +670,7 @@ class Placement:
             acc.copy(dst, src)
             return None
         acc.on_device(dst, what="copy back destination")
-        with acc.stream(self.copy_stream):
+        with acc.stream(self.h2d_stream):
             if after is not None:
                 after.wait()
             acc.copy(dst, src, non_blocking=self.pin)
@@ -706,9 +721,32 @@ class Placement:
 
     # --- zero3 parameter shards ----------------------------------------------------------------
 
+    @contextmanager
+    def loading(self):
+        """Around ``load_shard`` and issuing the gather that reads the loaded slice. Host shards: both
+        are queued on the H2D stream, behind the current stream's work so far (the gather buffer is
+        fresh memory whose last users ran there), so a prefetch hides the copy and the gather; the
+        current stream waits only where it consumes the unit: the gather's wait, and the waits
+        yielded here (filled on leaving; at world size 1 on CUDA there is no collective to wait for).
+        Device shards: the current stream, nothing to wait for."""
+        waits: list[Callable[[], None]] = []
+        if not self.params_on_host:
+            yield waits
+            return
+        acc = self._acc
+        fresh = acc.event()
+        fresh.record()
+        with acc.stream(self.h2d_stream):
+            fresh.wait()
+            yield waits
+            issued = acc.event()
+            issued.record()
+        waits.append(issued.wait)
+
     def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
-        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), ordered before
-        whatever the current stream queues next (the gather). A host shard travels on the copy stream."""
+        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), queued on the
+        current stream: inside ``loading``, which issues host shards' copies (and their gather) on
+        the H2D stream."""
         acc = self._acc
         acc.on_device(dst, what="zero3 gather buffer")
         if not self.params_on_host:
@@ -718,7 +756,7 @@ class Placement:
         if self._params_swapped():   # on the host before the gather (read ahead in gather order)
             handle = self.param_store.acquire(self._shard_keys[id(shard)])
             try:
-                self.param_store.wait(handle)
+                self.param_store.wait(handle, host_writes=False)   # (only copied from: no wait for earlier copies)
             except SwapIOError as e:
                 # Raised on every rank at the next agreement (``read_errors``): this rank still takes
                 # part in the gather, with zeros, so no peer waits in it forever.
@@ -727,15 +765,9 @@ class Placement:
                 dst.zero_()
                 return
         acc.on_host(shard, what="zero3 host shard")
-        fresh = acc.event()   # ``dst`` is fresh memory whose last users ran on the current stream
-        fresh.record()
-        with acc.stream(self.copy_stream):
-            fresh.wait()
-            acc.copy(dst, shard, non_blocking=self.pin)
-            done = acc.event()
-            done.record()
-        done.wait()
-        acc.use(reads=[dst])   # the gather reads it on this stream next
+        acc.copy(dst, shard, non_blocking=self.pin)   # the gather reads it on this stream next
+        done = acc.event()
+        done.record()
         if handle is not None:
             self.param_store.release(handle, done, dirty=False)   # its slot is reused after the copy
             return

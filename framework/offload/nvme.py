@@ -50,7 +50,9 @@ class NVMeOffloadConfig:
     buffer_count: int = 4              # host tiles in the optimizer pool
     pipeline_read: bool = False        # read tile i+1 while tile i steps
     pipeline_write: bool = False       # write tile i-1 back while tile i steps
-    param_buffer_count: int = 5        # host buffers for zero3 parameter shards on NVMe
+    # host buffers for zero3 parameter shards on NVMe; with at least the units prefetched + 1 the host
+    # never waits in a hook for a shard's copy to the device before reusing its buffer
+    param_buffer_count: int = 5
     param_buffer_size: int = 100_000_000  # elements per parameter buffer
     max_in_cpu: int = 1_000_000_000    # cap on host-resident parameter elements (params=nvme)
     aio: AIOConfig = field(default_factory=AIOConfig)

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from framework.collectives import Pending
 from framework.distributed import Dist
 from framework.errors import DistributedError, FrameworkError, TrainingError
 from framework.stages._flat import Layout
@@ -380,8 +381,10 @@ class Gatherer:
                 continue
             _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
-            self.shards.load_shard(g.full[lo:hi], g.shard)
-            unit.works.append(gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
+            with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
+                self.shards.load_shard(g.full[lo:hi], g.shard)
+                unit.works.append(gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
+            unit.works.append(Pending(after=waits))
         if unit is not self.persistent:
             self.live += unit.numel
             self.peak_live = max(self.peak_live, self.live)
@@ -391,6 +394,8 @@ class Gatherer:
             return
         self.dist.comm.wait(unit.works, f"zero3 gather of {unit.name!r}")
         unit.works = []
+        # The forward and backward read the gathered values on the compute stream from here on.
+        self.dist.acc.use(reads=[g.full for g in unit.groups if g.full is not g.shard])
         for g in unit.groups:
             for p, slot in zip(g.params, g.layout.slots):
                 p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)

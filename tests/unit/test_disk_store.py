@@ -137,3 +137,47 @@ def test_a_damaged_swap_file_is_never_mapped_for_a_save(tmp_path):
     with pytest.raises(SwapIOError, match=r"s\.swap.*checksum mismatch.*piece 3 tensor 0"):
         store.mapped(write=False)
     store.close()
+
+
+class _Copy:
+    """The event of a copy to the device, still running (``query`` False) until the host waits for it."""
+
+    def __init__(self):
+        self.done, self.waited = False, 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:   # counts only waits that block (a finished copy's is instant)
+        self.waited += not self.done
+        self.done = True
+
+
+def test_slots_still_copied_from_are_polled_not_waited_for(tmp_path):
+    """zero3 loads from the parameter pool: a slot whose copy to the device still runs is taken only
+    when no other slot is (then the host waits for the oldest), read-ahead never waits for one, and
+    loading a resident shard again does not wait for its earlier copy."""
+    store, tensors, ref = _store(tmp_path, 3, read_ahead=True, write_behind=True)
+    copies = {}
+    for k in (0, 1):   # piece 1 is read ahead while 0 is in use; 2 while 1 is
+        h = store.acquire(k)
+        store.wait(h, host_writes=False)
+        copies[k] = _Copy()
+        store.release(h, copies[k], dirty=False)
+    h = store.acquire(3)   # every candidate slot is still copied from: the oldest one is waited for
+    assert copies[0].waited == 1 and copies[1].waited == 0
+    assert 4 not in store.where   # the read-ahead skipped the slot whose copy runs instead of waiting
+    store.wait(h, host_writes=False)
+    again = _Copy()
+    store.release(h, again, dirty=False)
+    h = store.acquire(3)   # resident (clean): loaded again without waiting for the running copy
+    store.wait(h, host_writes=False)
+    assert again.waited == 0
+    store.release(h, None, dirty=False)
+    copies[1].done = True
+    h = store.acquire(4)   # the slot whose copy finished is taken: nothing waited for
+    store.wait(h)
+    assert copies[1].waited == 0 and again.waited == 0
+    assert all(torch.equal(t, r) for t, r in zip(tensors[4][:2], ref[4]))
+    store.release(h, None, dirty=False)
+    store.close()

@@ -61,4 +61,28 @@ def test_pipeline_driven_by_events_equals_the_plain_step(speculative, ratio):
         assert update.early_copies == 3 * len(infos)   # every host piece was copied during "backward"
     if speculative:
         assert update.kept > 0
+        # the undo copies are touched by the host only: pageable, not pinned
+        assert update.undo and all(not acc._host_entry(t)[1] for ts in update.undo.values() for t in ts)
     update.close()
+
+
+def test_host_buffers_are_slices_of_one_pinned_arena_per_partition():
+    """Pinned host memory is allocated as it is used: one arena per partition (no power-of-two
+    rounding of each buffer), measured by the store, and returned when its last buffer goes."""
+    import gc
+    acc = CheckingCpuAccelerator()
+    target = Placement(host_fraction=1.0, pin=True, params_on_host=False, accelerator=acc)
+    for w in (torch.randn(40).bfloat16(), torch.randn(24).bfloat16()):
+        target.place(w, torch.float32, chunk=8)
+    buffers = [t for i in target.pieces() for t in (i.piece.master, i.piece.grad, i.piece.staging)]
+    assert len({t.untyped_storage().data_ptr() for t in buffers}) == 2
+    assert all(acc._host_entry(t)[1] for t in buffers)   # pinned, as non_blocking copies need
+    need = sum(t.numel() * t.element_size() for t in buffers)
+    host = target.stores[Tier.HOST]
+    assert need <= host.pinned_bytes() <= need + 64 * len(buffers)   # (each slice 64-byte aligned)
+    before = host.pinned_bytes()
+    shard = host.allocate(1000, torch.bfloat16)   # a lone buffer: an arena of its own
+    assert host.pinned_bytes() == before + 2000
+    del shard
+    gc.collect()
+    assert host.pinned_bytes() == before
