@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test bench clean gpu-check
+.PHONY: setup train test lint bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -23,8 +23,12 @@ $(STAMP): pyproject.toml
 train: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m framework.train $(ARGS)
 
-test: setup
+test: setup lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS)
+
+# pyflakes + pycodestyle through ruff (settings in pyproject.toml); part of `make test`.
+lint: setup
+	$(VENV)/bin/ruff check -q .
 
 gpu-check:
 	PYTHON="$${PYTHON:-python3}" bash bench/gpu_check.sh $(ARGS)
