@@ -322,7 +322,7 @@ def _opt_bytes_per_element(cfg) -> int:
 
 
 def _padded(numel: int, world: int) -> int:
-    from framework.stages._flat import ALIGN
+    from framework.stages import ALIGN
     unit = world * ALIGN
     return -(-max(numel, 1) // unit) * unit
 
@@ -336,8 +336,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages._flat import param_groups
-    from framework.stages._reduce import plan_buckets
+    from framework.stages import param_groups
+    from framework.stages import plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)

@@ -143,7 +143,7 @@ class PageableHostBuffers(CheckingCpuAccelerator):
 
 
 def _copy_speculated_twice(setattr_: Callable) -> None:
-    from framework.offload._pipeline import PiecePipeline
+    from framework.offload import PiecePipeline
 
     drain = PiecePipeline.drain
 

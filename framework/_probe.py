@@ -133,7 +133,7 @@ def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
 
 def _host_optimizer() -> float:
     """Our AdamW (the fused C++ kernel when built) on 4 M host parameters: parameters per second."""
-    from framework.optimizers._transforms import step
+    from framework.optimizers import step
     from framework.optimizers.adamw import AdamWConfig, build
 
     tx = build(AdamWConfig(), [True])

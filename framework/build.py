@@ -22,8 +22,7 @@ from framework.errors import ConfigError, FrameworkError
 from framework.distributed import Dist, connect
 from framework.materialize import materialize_buffers
 from framework.registry import registry
-from framework.optimizers._subset import merge_scalars
-from framework.optimizers._transforms import copy_16bit
+from framework.optimizers import copy_16bit, merge_scalars
 from framework.state import TrainState, load_state_dict, state_dict
 from framework.step import Components, LossFn, build_train_step, init_state
 from framework.utils import tensors_in, tensor_bytes

@@ -193,7 +193,9 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
     notes = _check_inert_stage_keys(chosen["stage"], nodes["stage"])
-    nodes["offload"] = _check_offload(chosen["stage"], chosen["offload"], nodes["offload"])
+    check = registry("offload").get(chosen["offload"]).check
+    if check is not None:
+        nodes["offload"] = check(nodes["offload"], chosen["stage"])
     return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
                   ds_config=root.ds_config,
                   ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
@@ -242,24 +244,6 @@ def _check_values(root: RootSchema) -> None:
     if c.async_ and c.every == 0:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
                           "set checkpoint.every=N or remove checkpoint.async")
-
-
-def _check_offload(stage: str, offload: str, node: Any) -> Any:
-    """Offload keys that depend on the stage; returns the node with ``auto`` values resolved."""
-    if offload == "nvme":
-        from framework.offload.nvme import resolve
-        return resolve(node, stage)
-    if offload == "cpu":
-        if node.params not in ("none", "cpu"):
-            hint = {"nvme": " (parameter shards on disk: offload=nvme)",
-                    "True": " (the former offload.params=true is offload.params=cpu)",
-                    "False": " (the former offload.params=false is offload.params=none)"}.get(str(node.params), "")
-            raise ConfigError(f"config: offload.params must be none or cpu with offload=cpu, got "
-                              f"{node.params!r}{hint}")
-        if node.params == "cpu" and stage != "zero3":
-            raise ConfigError(f"config: offload.params=cpu (parameter offload) needs +stage=zero3, got "
-                              f"stage={stage}; use offload.params=none or +stage=zero3")
-    return node
 
 
 def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:

@@ -56,7 +56,7 @@ class Checkpoint:
     def __init__(self, step_dir: Path):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        from framework.checkpoint._dcp import read_metadata
+        from framework.checkpoint import read_metadata
 
         self.step_dir = step_dir
         self.metadata = read_metadata(step_dir / ".metadata")
@@ -71,7 +71,7 @@ class Checkpoint:
         every rank's shard files (only their byte ranges are read). No process group needed."""
         import torch.distributed.checkpoint as dcp
 
-        from framework.checkpoint._dcp import LoadPlanner, SafeReader
+        from framework.checkpoint import LoadPlanner, SafeReader
 
         sd = {PREFIX + n: torch.empty(self.tensors[n][0], dtype=self.tensors[n][1], device="cpu") for n in names}
         try:

@@ -33,7 +33,7 @@ from framework.checkpoint import preflight
 from framework.config import Config
 from framework.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
 from framework.errors import DistributedError, FrameworkError
-from framework.loggers._base import RunInfo
+from framework.loggers import RunInfo
 from framework.loop import train
 
 

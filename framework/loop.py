@@ -15,9 +15,9 @@ from framework import files
 from framework.checkpoint import Checkpointer, checkpoint_root, fault
 from framework.config import Config
 from framework.distributed import Dist
-from framework.loggers._base import NullLogger, RunInfo, RunRecord, console_log, run_header
+from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.materialize import zero_init
-from framework.stages._flat import param_count
+from framework.stages import param_count
 from framework.state import capture_rng
 from framework.utils import to_device
 from framework.weights import load_weights, save_on_model_save

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from framework.errors import ConfigError
-from framework.stages._flat import ParameterInit
+from framework.stages import ParameterInit
 
 
 @contextmanager

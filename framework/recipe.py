@@ -61,6 +61,7 @@ import yaml
 from framework import files
 from framework.errors import ConfigError, DataError, FrameworkError
 from framework.paths import PACKAGE_DIR, REPO_ROOT
+from framework.report import get_key, matches
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
@@ -180,7 +181,7 @@ def compose_jobs(recipe: Recipe, overrides: list[str]):
 
 
 def _check_data(recipe: Recipe, cfg) -> None:
-    from framework.data._base import resolve_path
+    from framework.data import resolve_path
 
     path = getattr(cfg.data, "path", None)
     if path is None:
@@ -322,24 +323,6 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
 
 # ---------------------------------------------------------------------------------- checks
 
-def _get(d: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
-def matches(job, where: dict) -> bool:
-    """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
-    cfg = (job.summary or {}).get("config", {})
-    for k, v in (where or {}).items():
-        got = cfg.get(k, {}).get("name") if isinstance(cfg.get(k), dict) and "name" in cfg[k] else _get(cfg, k)
-        if got != v:
-            return False
-    return True
-
-
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (see the module docstring)."""
     results = []
@@ -389,7 +372,7 @@ def _value(job, key: str):
     if key.startswith("min:"):
         vals = [v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)]
         return min(vals) if vals else None
-    return _get(job.summary, key)
+    return get_key(job.summary, key)
 
 
 def _num(v) -> str:
@@ -446,14 +429,14 @@ def _file(out: Path | None, c: dict) -> dict:
     bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<="), ("equals", "==")) if k in c)
     if not path.is_file():
         return {"check": c, "passed": False, "message": f"{what} {bound}: {path} was not written"}
-    v = _get(json.loads(path.read_text()), c["key"])
+    v = get_key(json.loads(path.read_text()), c["key"])
     return {"check": c, "passed": _bound_ok(v, c), "message": f"{what} {bound}: {_num(v)}", "value": v}
 
 
 def _memory(jobs, c: dict) -> dict:
     """What a stage saves per rank from the smallest to the largest world size, measured, against
     what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
-    from framework.report import _measured_memory, zero_model_state_bytes
+    from framework.report import measured_memory, zero_model_state_bytes
 
     stage = c["memory_scaling"]
     sel = sorted((j for j in jobs if matches(j, {"stage": stage})
@@ -464,13 +447,13 @@ def _memory(jobs, c: dict) -> dict:
     lo, hi = sel[0], sel[-1]
     wl, wh = lo.summary["world"], hi.summary["world"]
     prec = lo.summary["config"]["precision"]["name"]
-    saved = (_measured_memory(lo) - _measured_memory(hi)) / 2**20
+    saved = (measured_memory(lo) - measured_memory(hi)) / 2**20
     f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
                - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / 2**20
     head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
             f"ZeRO formula {f_saved:,.0f} MiB")
     if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
-        limit = float(c["max_change"]) * _measured_memory(lo) / 2**20
+        limit = float(c["max_change"]) * measured_memory(lo) / 2**20
         return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,
                 "message": f"{head}; |change| at most {limit:,.0f} MiB ({c['max_change']} of world {wl}'s)"}
     ratio = saved / f_saved

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -34,10 +34,14 @@ GROUPS: Mapping[str, str] = MappingProxyType({
 
 @dataclass(frozen=True)
 class Component:
-    """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it."""
+    """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
+    ``check(node, stage)``, where given, validates the typed node against the chosen stage (one
+    line per error) and returns it with its ``auto`` values resolved: each component knows its
+    own rules, and the configuration layer needs no import of any component."""
 
     config: type
     build: Callable[..., Any]
+    check: Callable[[Any, str], Any] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

@@ -209,11 +209,27 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
     return per_param[stage] * params
 
 
+def get_key(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def matches(job, where: dict) -> bool:
+    """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
+    cfg = (job.summary or {}).get("config", {})
+    for k, v in (where or {}).items():
+        got = cfg.get(k, {}).get("name") if isinstance(cfg.get(k), dict) and "name" in cfg[k] else get_key(cfg, k)
+        if got != v:
+            return False
+    return True
+
+
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
     """All jobs' ``key`` curves on one chart, and beside it each job's distance from the
     reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
-    from framework.recipe import matches
-
     plt = _pyplot()
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
@@ -245,7 +261,7 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     return path
 
 
-def _measured_memory(j: Job) -> int:
+def measured_memory(j: Job) -> int:
     """Per-rank memory of a job for scaling plots: the device allocator's peak on CUDA, else what the
     resident set grew during the job (largest rank)."""
     dev = j.peak("peak_device_allocated_bytes")
@@ -267,7 +283,7 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
         js.sort(key=lambda j: j.summary["world"])
         worlds = [j.summary["world"] for j in js]
         color = f"C{i % 10}"
-        measured = [_measured_memory(j) / MiB for j in js]
+        measured = [measured_memory(j) / MiB for j in js]
         params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
         formula = [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds]
         ax.plot(worlds, measured, color=color, marker="o", lw=1.5, label=f"{stage} measured")

@@ -12,7 +12,7 @@ import torch
 
 from framework.errors import FrameworkError
 from framework.precision import Policy, PrecisionState
-from framework.stages._spec import PieceSpec, check_shape, cover
+from framework.stages import PieceSpec, check_shape, cover
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -
                          f"{[p.numel() for p in params]}")
 
 
-def _dynamic(policy: Policy) -> bool:
+def dynamic_loss_scale(policy: Policy) -> bool:
     return policy.scaler is not None and policy.scaler.loss_scale == 0
 
 
@@ -146,7 +146,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             entry["fragments"].append({"range": span.param, "master": flat[a:b],
                                        "optim": {path: t[a:b] for path, t in opt.items()}})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
-            "precision": asdict(state.precision), "dynamic_loss_scale": _dynamic(policy),
+            "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
             "rng": [_host(t) for t in state.rng],
             "optimizer": {"per_element": sorted(per), "scalars": {p: _host(v) for p, v in scalars.items()}},
             "params": params}
@@ -219,7 +219,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]
     precision = PrecisionState(**first["precision"])
-    if not (first["dynamic_loss_scale"] and _dynamic(policy)):
+    if not (first["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
         precision = replace(policy.init_state(), cur_iter=precision.cur_iter, skipped_steps=precision.skipped_steps)
     return replace(state, step=first["step"], data=first["data"], precision=precision, rng=rng,
                    opt_state=with_scalars(state.opt_state, state.params, saved_opt["scalars"]))

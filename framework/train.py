@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from framework.config import app_composer, compose, compose_layers
 from framework.errors import FrameworkError
 from framework.launch import launch
-from framework.loggers._base import RunInfo
+from framework.loggers import RunInfo
 from framework.paths import conf_dir
 
 

@@ -41,8 +41,8 @@ from torch import nn
 from framework import files
 from framework.distributed import agree
 from framework.errors import ConfigError, FrameworkError
-from framework.offload._verified import verify_map
-from framework.stages._spec import cover
+from framework.offload import verify_map
+from framework.stages import cover
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

@@ -65,12 +65,12 @@ from framework.checkpoint import _folder, _rng
 from framework.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata, unpicklable
 from framework.distributed import agree
 from framework.errors import CheckpointError, ConfigError, FrameworkError, TrainingError
-from framework.offload._verified import verify_map
+from framework.offload import verify_map
 from framework.room import Claim, shortfalls, size
-from framework.state import FORMAT as STATE_FORMAT, _dynamic, optimizer_leaves
+from framework.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
 from framework.weights import save_on_model_save
 
-__all__ = ["Checkpointer", "CheckpointError", "save", "load", "find_resumable"]
+__all__ = ["Checkpointer", "CheckpointError", "LoadPlanner", "SafeReader", "find_resumable", "load", "read_metadata", "save"]
 
 TRAIN_STATE = "train_state.json"
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -228,7 +228,7 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
                  for t in (v.tensors() if isinstance(v, Boxes) else [v]))
     return {"dcp": out, "everyone": everyone, "per": sorted(per), "scalars": host_scalars, "keys": keys,
             "step": state.step, "data": state.data, "precision": asdict(state.precision),
-            "dynamic_loss_scale": _dynamic(c.policy), "applied": state.applied_steps,
+            "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
             "nonfinite": nonfinite, "bytes": nbytes, "items": len(out)}
 
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from framework.data._base import seeded
+from framework.data import seeded
 
 RNG_STREAM = 7  # a key of its own for re-derived generators (framework.data._base.seeded)
 

@@ -5,6 +5,6 @@ Each module's ``build(cfg, *, seed, context)`` returns a ``DataSource`` (see ``_
 run restarted from a position replays its data exactly (checkpoint save and load do not exist
 yet) and any (ranks x micro batch) split of the same global batch sees the same rows. A source's ``vocab_size`` overrides the model's YAML default.
 """
-from framework.data._base import Batch, DataSource
+from framework.data._base import Batch, DataSource, resolve_path, seeded
 
-__all__ = ["Batch", "DataSource"]
+__all__ = ["Batch", "DataSource", "resolve_path", "seeded"]

@@ -1,1 +1,5 @@
-"""Offload targets (conf/offload): none, cpu."""
+"""Offload targets (conf/offload): none, cpu, nvme."""
+from framework.offload._pipeline import PiecePipeline
+from framework.offload._verified import verify_map
+
+__all__ = ["PiecePipeline", "verify_map"]

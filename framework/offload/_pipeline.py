@@ -38,18 +38,19 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from framework import ops
 from framework.accelerator import Event
-from framework.offload.base import Placement
 from framework.offload._store import Handle, Tier
-from framework.optimizers import GradientTransformation
-from framework.optimizers._subset import group_state, step_groups
+from framework.optimizers import GradientTransformation, group_state, step_groups
 from framework.utils import tensor_bytes
+
+if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update): no import back at run time
+    from framework.offload.base import Placement
 
 
 class PiecePipeline:

@@ -375,7 +375,7 @@ class Placement:
         optimizer state replaced by views of the swap file mapped into memory (``DiskStore.mapped``),
         so a checkpoint reads (``write``: writes) the swapped state where it lies, with no host copy
         of it. ``map`` is None without a swap file; after writing, pass it to ``unmapped``."""
-        from framework.optimizers._subset import replace_groups
+        from framework.optimizers import replace_groups
 
         store = self.stores.get(Tier.DISK)
         if store is None:
@@ -417,7 +417,7 @@ class Placement:
             raise
 
     def _init_disk(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        from framework.optimizers._subset import group_state, init_groups, merge_groups
+        from framework.optimizers import group_state, init_groups, merge_groups
 
         disk = [i for i in self.infos if i.tier is Tier.DISK]
         full = tx.init(list(params)) if not disk else None

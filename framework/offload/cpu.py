@@ -36,4 +36,18 @@ def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> Plac
                      overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
-COMPONENT = Component(config=CPUOffloadConfig, build=build)
+def check(node: CPUOffloadConfig, stage: str) -> CPUOffloadConfig:
+    """``offload.params`` against the stage (the configuration's check for this target)."""
+    if node.params not in ("none", "cpu"):
+        hint = {"nvme": " (parameter shards on disk: offload=nvme)",
+                "True": " (the former offload.params=true is offload.params=cpu)",
+                "False": " (the former offload.params=false is offload.params=none)"}.get(str(node.params), "")
+        raise ConfigError(f"config: offload.params must be none or cpu with offload=cpu, got "
+                          f"{node.params!r}{hint}")
+    if node.params == "cpu" and stage != "zero3":
+        raise ConfigError(f"config: offload.params=cpu (parameter offload) needs +stage=zero3, got "
+                          f"stage={stage}; use offload.params=none or +stage=zero3")
+    return node
+
+
+COMPONENT = Component(config=CPUOffloadConfig, build=build, check=check)

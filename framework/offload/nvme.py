@@ -129,4 +129,4 @@ def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> Pla
                      overlap_step=cfg.overlap_step, accelerator=accelerator, disk=disk)
 
 
-COMPONENT = Component(config=NVMeOffloadConfig, build=build)
+COMPONENT = Component(config=NVMeOffloadConfig, build=build, check=resolve)

@@ -1,1 +1,10 @@
 """Sharding stages (conf/stage): ddp (replicated), later zero1, zero2, zero3."""
+
+# The layout functions the rest of the package (state, checkpoints, the memory model) shares with
+# the stages, so that they allocate and describe the same layout.
+from framework.stages._flat import ALIGN, ParameterInit, param_count, param_groups
+from framework.stages._reduce import plan_buckets
+from framework.stages._spec import PieceSpec, check_shape, cover
+
+__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "check_shape", "cover", "param_count", "param_groups",
+           "plan_buckets"]

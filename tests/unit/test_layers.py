@@ -1,0 +1,177 @@
+"""The import contract of the package: its layers, read from the source (no imports run).
+
+Each module of ``framework`` belongs to one layer, lowest first; a module may import from its own
+layer and the ones below, never from above. On top of that:
+
+* no circles between modules (lazy imports inside functions count; imports under
+  ``if TYPE_CHECKING:`` do not, since they never run);
+* no private names across packages: ``framework.a._b`` and ``_name`` are for ``framework.a``
+  itself; other packages use what a package's ``__init__`` exports (the package root's own modules
+  form one package).
+
+A new module goes into the layer where it belongs (``LAYERS`` below and docs/architecture.md).
+"""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2] / "framework"
+
+# Lowest first. Keys are modules or packages directly under framework/.
+LAYERS = [
+    ("base", "errors utils paths files room registry batch"),
+    ("devices and communication", "accelerator distributed collectives"),
+    ("components", "ops optimizers schedulers precision models data loggers"),
+    ("configuration", "config dsconfig _plainconf"),
+    ("engine", "stages offload state step update materialize"),
+    ("persistence", "checkpoint weights export"),
+    ("assembly", "build"),
+    ("memory model", "_memory estimate plan _probe"),
+    ("entry points", "train loop launch recipe report _mutations"),
+]
+LAYER = {name: i for i, (_, names) in enumerate(LAYERS) for name in names.split()}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _package(mod: str) -> str:
+    return mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
+
+
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of import nodes under ``if TYPE_CHECKING:``."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            out |= {id(n) for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return out
+
+
+def _imports(mod: str) -> list[tuple[str, str | None, int]]:
+    """(target module, imported name or None, line) for every framework import of ``mod``."""
+    tree = ast.parse(MODULES[mod].read_text())
+    skip, out = _typing_only(tree), []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, None, node.lineno) for a in node.names if a.name in MODULES]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = _package(mod).split(".")[: len(_package(mod).split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in MODULES:
+                    out.append((full, None, node.lineno))
+                elif base in MODULES:
+                    out.append((base, a.name, node.lineno))
+    return out
+
+
+EDGES = {m: _imports(m) for m in MODULES}
+
+
+def _layer(mod: str) -> int | None:
+    parts = mod.split(".")
+    return None if len(parts) == 1 else LAYER.get(parts[1])
+
+
+def test_every_module_has_a_layer():
+    missing = sorted({m.split(".")[1] for m in MODULES if "." in m and _layer(m) is None})
+    assert not missing, f"add these to LAYERS in {__file__}: {missing}"
+
+
+def _upward(edges) -> list[str]:
+    return [f"{m}:{line} imports {t} ({LAYERS[_layer(t)][0]} above {LAYERS[_layer(m)][0]})"
+            for m, es in edges.items() if _layer(m) is not None
+            for t, _, line in es if _layer(t) is not None and _layer(t) > _layer(m)]
+
+
+def _private(edges) -> list[str]:
+    bad = []
+    for m, es in edges.items():
+        for t, name, line in es:
+            private = any(p.startswith("_") and not p.startswith("__") for p in t.split(".")[1:])
+            private = private or (name or "").startswith("_")
+            if private and _package(t) != _package(m):
+                bad.append(f"{m}:{line} imports {t}{'.' + name if name else ''}")
+    return bad
+
+
+def _circles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's, iteratively)."""
+    graph = defaultdict(set)
+    for m, es in edges.items():
+        graph[m] |= {t for t, _, _ in es if t != m}
+    index, low, on, stack, circles = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    circles.append(sorted(comp))
+    return circles
+
+
+def test_no_import_runs_upward():
+    bad = _upward(EDGES)
+    assert not bad, "\n".join(bad)
+
+
+def test_no_private_names_across_packages():
+    bad = _private(EDGES)
+    assert not bad, "export these from their package's __init__ (or move them):\n" + "\n".join(bad)
+
+
+def test_no_import_circles():
+    assert not _circles(EDGES), f"import circles: {_circles(EDGES)}"
+
+
+def test_each_check_finds_its_violation():
+    """The checks are not vacuous: each finds a planted violation, and the real graph is read."""
+    assert any(t == "framework.errors" for t, _, _ in EDGES["framework.step"])
+    assert _upward({"framework.errors": [("framework.step", None, 1)]})
+    assert _private({"framework.step": [("framework.stages._flat", None, 1)]})
+    assert _private({"framework.loop": [("framework.stages", "_hidden", 1)]})
+    assert not _private({"framework.stages.zero3": [("framework.stages._flat", None, 1)]})
+    assert _circles({"framework.errors": [("framework.utils", None, 1)],
+                     "framework.utils": [("framework.errors", None, 2)]})
