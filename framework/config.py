@@ -58,7 +58,9 @@ class CheckpointConfig:
     every: int = 0              # save every N steps and after the last one; 0: never save
     keep_last: int = 2          # committed checkpoints kept (older ones deleted after a commit); 0: all
     resume: str = "auto"        # auto (newest complete checkpoint in dir) | off | latest (newest of any run) | PATH
-    async_: bool = False        # YAML key `async`: write files in a background thread while training goes on
+    # YAML key `async`: write files in a background thread while training goes on (a swapped state,
+    # offload=nvme, is written from the swap file on the training thread: no host copy of it)
+    async_: bool = False
     timeout_s: float = 1800.0   # checkpoint collectives (their own gloo group) wait at most this long
 
 

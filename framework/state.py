@@ -235,6 +235,9 @@ def _fill(target: torch.Tensor, plan: list, key: str) -> None:
             f = frags[i]
             values = f["master"] if key == "master" else f["optim"][key]
             dst = span.piece[0] + a - span.param[0]
-            buf[dst:dst + b - a].copy_(values[a - f["range"][0]:b - f["range"][0]])
+            into, src = buf[dst:dst + b - a], values[a - f["range"][0]:b - f["range"][0]]
+            if src.dtype == into.dtype and src.data_ptr() == into.data_ptr() and src.device == into.device:
+                continue   # read straight into place (a mapped swap file): touching it again costs its pages
+            into.copy_(src)
     if buf is not target:
         target.copy_(buf)

@@ -96,79 +96,84 @@ class WeightsSource:
 
 
 class SafetensorsSource(WeightsSource):
-    """One ``.safetensors`` file or the shards an index names; files are opened (memory-mapped)
-    once and read by slices, so only the requested bytes are touched."""
+    """One ``.safetensors`` file or the shards an index names. ``safe_open`` checks each file and
+    lists its tensors; values are then read with positioned reads of exactly the requested bytes
+    (a flat range of a row-major tensor is one byte range), never through a map of the file: a
+    map's touched pages would stay in this process's resident set until the file is closed, so
+    loading a model larger than memory would not be bounded by one range."""
 
     def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
         """``paths``: the files; ``weight_map`` (an index's): which file holds each name."""
         super().__init__(where)
         from safetensors import safe_open  # the hf extra
 
-        self._handles, self._slices = [], {}
-        for path in paths:
-            try:
-                h = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
-                raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
-            self._handles.append(h)
-            for name in h.keys():
-                if weight_map is None or weight_map.get(name) == path:
-                    self._slices[name] = h.get_slice(name)
-        missing = sorted(set(weight_map or ()) - set(self._slices))
-        if missing:
-            raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
-                              f"files: {_short(missing)}")
+        self._fds: list[int] = []
+        self._info: dict[str, tuple[tuple[int, ...], str, int, int]] = {}   # name -> shape, dtype, fd, offset
+        try:
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)   # (a hub cache's files are links: followed)
+                    self._fds.append(fd)
+                    # checked through this descriptor: the file read below is the file checked
+                    with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as h:
+                        names = [n for n in h.keys() if weight_map is None or weight_map.get(n) == path]
+                        meta = {n: (tuple(h.get_slice(n).get_shape()), h.get_slice(n).get_dtype()) for n in names}
+                    header, data = _safetensors_header(fd)
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
+                    raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
+                for n, (shape, dt) in meta.items():
+                    self._info[n] = (shape, dt, fd, data + int(header[n]["data_offsets"][0]))
+            missing = sorted(set(weight_map or ()) - set(self._info))
+            if missing:
+                raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
+                                  f"files: {_short(missing)}")
+        except BaseException:
+            self.close()
+            raise
 
     def keys(self) -> list[str]:
-        return list(self._slices)
+        return list(self._info)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._slices[name].get_shape())
+        return self._info[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        d = self._slices[name].get_dtype()
+        d = self._info[name][1]
         if d not in _ST_DTYPES:
             raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
         return _ST_DTYPES[d]
 
     def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        shape = self.shape(name)
-        sl = self._slices[name]
-        if not shape:  # a 0-d tensor: one element
-            return sl[...].reshape(1)[lo:hi]
-        parts = list(_flat_range(sl, (), shape, lo, hi))
-        if not parts:
-            return torch.empty(0, dtype=self.dtype(name), device="cpu")
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        _, _, fd, offset = self._info[name]
+        dtype = self.dtype(name)
+        size = _itemsize(dtype)
+        out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        if not out.numel():
+            return out
+        view = memoryview(out.view(torch.uint8).numpy())
+        pos, want = 0, len(view)
+        while pos < want:
+            n = os.preadv(fd, [view[pos:]], offset + lo * size + pos)
+            if n <= 0:
+                raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
+                                  f"(a truncated file)")
+            pos += n
+        return out
 
     def close(self) -> None:
-        self._slices.clear()
-        self._handles.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        self._info.clear()
 
 
-def _flat_range(sl, prefix: tuple, shape: Sequence[int], lo: int, hi: int):
-    """Elements [lo, hi) of the row-major block ``sl[prefix]`` of ``shape``, as 1-D tensors in
-    order, reading no element outside the range: a partial leading row, whole rows, a partial
-    trailing row (recursively, so a 3-D tensor splits its rows the same way)."""
-    if lo >= hi:
-        return
-    if len(shape) == 1:
-        yield sl[prefix + (slice(lo, hi),)].reshape(-1)
-        return
-    inner = 1
-    for s in shape[1:]:
-        inner *= s
-    first, last = -(-lo // inner), hi // inner   # whole rows [first, last)
-    if first > last:  # inside one row
-        r = lo // inner
-        yield from _flat_range(sl, prefix + (r,), shape[1:], lo - r * inner, hi - r * inner)
-        return
-    if lo < first * inner:
-        yield from _flat_range(sl, prefix + (first - 1,), shape[1:], lo - (first - 1) * inner, inner)
-    if first < last:
-        yield sl[prefix + (slice(first, last),)].reshape(-1)
-    if last * inner < hi:
-        yield from _flat_range(sl, prefix + (last,), shape[1:], 0, hi - last * inner)
+def _safetensors_header(fd: int) -> tuple[dict, int]:
+    """(header, offset of the data) of the safetensors file open as ``fd`` (``safe_open`` has
+    checked it: an 8-byte little-endian length, that many bytes of JSON, then the data)."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, n, 8)), 8 + n
 
 
 class StateDictSource(WeightsSource):
@@ -317,7 +322,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
         def load() -> None:
             src = source if isinstance(source, WeightsSource) else open_weights(source)
             try:
-                _load(src, strict, specs, masters, tgts)
+                _load(src, strict, specs, masters, tgts, view.fmap.release if view.fmap is not None else None)
             finally:
                 if src is not source:
                     src.close()
@@ -326,7 +331,10 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     engine.sync_working(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
-def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], tgts: list[Target]) -> None:
+def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], tgts: list[Target],
+          release: Callable[[torch.Tensor], None] | None = None) -> None:
+    """``release(t)``: called with each master range once written (a mapped swap file's pages
+    leave the process range by range)."""
     available = set(src.keys())
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -362,6 +370,8 @@ def _load(src: WeightsSource, strict: bool, specs, masters: list[torch.Tensor], 
                 continue
             a, b = span.piece
             flat[a:b].copy_(src.read(key, *span.param).to(flat.dtype))
+            if release is not None:
+                release(flat[a:b])
     # Whole tensors every rank holds (buffers, frozen parameters outside the stage's layout).
     with torch.no_grad():
         for t in tgts:
@@ -515,11 +525,13 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                "save_weights: swap file check")
         # what was read from the mapped pages is what was checked: the extents again after the write
         recheck = lambda: verify_map(views[0].fmap, "checked again after the export read it")  # noqa: E731
-        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size, recheck)
+        release = views[0].fmap.release if views[0].fmap is not None else None
+        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size, recheck,
+                             release)
 
 
 def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: torch.dtype | None,
-                  max_shard_size: int | str, recheck=lambda: None) -> list[Path]:
+                  max_shard_size: int | str, recheck=lambda: None, release=None) -> list[Path]:
     c = engine.components
     dist = c.dist
     specs = c.stage.piece_specs()
@@ -555,7 +567,7 @@ def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: tor
                     if x < y:
                         jobs.append((plan.name, e.offset + x * _itemsize(e.dtype), view[x - lo:y - lo], e.dtype))
     _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-    _agree(dist, lambda: (_write_jobs(out_dir, jobs), recheck()), "save_weights: write")
+    _agree(dist, lambda: (_write_jobs(out_dir, jobs, release), recheck()), "save_weights: write")
     paths = [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
     _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
     return paths
@@ -574,7 +586,9 @@ def _writers(e: Entry, ranges: list[dict], index: int, world: int) -> list[tuple
     return [(flat[i][0], a, b) for i, a, b in parts]
 
 
-def _write_jobs(out_dir: Path, jobs: list) -> None:
+def _write_jobs(out_dir: Path, jobs: list, release: Callable[[torch.Tensor], None] | None = None) -> None:
+    """Write each job's view at its offset; ``release(view)`` after each (a mapped swap file's pages
+    leave the process as they are written)."""
     fds: dict[str, int] = {}
     try:
         for fname, offset, view, dtype in jobs:
@@ -584,6 +598,8 @@ def _write_jobs(out_dir: Path, jobs: list) -> None:
             for s in range(0, view.numel(), WRITE_CHUNK):
                 chunk = view[s:s + WRITE_CHUNK].to(dtype)   # convert where the values are, then move
                 write_at(fds[fname], offset + s * step, chunk.to("cpu").contiguous())
+                if release is not None:
+                    release(view[s:s + WRITE_CHUNK])
         for fd in fds.values():
             os.fsync(fd)
     finally:

@@ -30,12 +30,14 @@ any of them refuses the checkpoint on every rank, and ``resume=auto`` falls back
 
 NVMe offload: the swapped state is read and written where it lies. A save maps the swap file
 (``engine.mapped_state``: writes settled, every extent checked against the IO engine's
-checksums) and DCP writes the swapped pieces' boxes straight from the mapped pages: a sync save
-makes no host copy of them (``Boxes(own=...)``); an async save copies them to the host before
-training goes on, as it must. A load maps the new layout's swap files writable and DCP reads the
-saved chunks straight into them (the fragments of swapped pieces alias the mapping); the file is
-then synced and its checksums recomputed. The checkpoint stays keyed by parameter name: never a
-copied swap folder tied to one world size.
+checksums) and DCP writes the swapped pieces' boxes straight from the mapped pages, no host copy
+of them (``Boxes(own=...)``); such a save is always written on the training thread (an async save
+would need a host copy of the whole swapped state). A load maps the new layout's swap files
+writable and DCP reads the saved chunks straight into them (the fragments of swapped pieces alias
+the mapping); the file is then synced and its checksums recomputed. Every pass over the mapping
+(checks, finiteness, DCP's write or read, checksums) drops each range's pages from the process once
+done with it (``FileMap.release``): the resident set of a save or load does not grow with the model.
+The checkpoint stays keyed by parameter name: never a copied swap folder tied to one world size.
 """
 from __future__ import annotations
 
@@ -212,8 +214,9 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
                 at = span.piece[0] + a - span.param[0]
                 for key, t in flat.items():
                     pieces.setdefault(span.name, {}).setdefault(key, []).append(((a, b), t[at:at + b - a]))
+    release = view.fmap.release if view.fmap is not None else None
     nonfinite = _nonfinite(checked, lambda key, name: f"model.{name}" if key == "master"
-                           else f"optim.{keys[key]}.{name}")
+                           else f"optim.{keys[key]}.{name}", release)
     out: dict[str, Any] = {}
     for name, by_key in pieces.items():
         shape = held[name]["shape"]
@@ -229,18 +232,27 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
     return {"dcp": out, "everyone": everyone, "per": sorted(per), "scalars": host_scalars, "keys": keys,
             "step": state.step, "data": state.data, "precision": asdict(state.precision),
             "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
-            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out)}
+            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out),
+            "release": release if zero_copy else None}
 
 
-def _finite_flags(tensors: list[torch.Tensor]) -> list[bool]:
+def _finite_flags(tensors: list[torch.Tensor], release=None) -> list[bool]:
     """Whether each tensor is free of NaN and inf: min and max propagate both, so one small
-    reduction per tensor where it lives and one sync for all of them."""
+    reduction per tensor where it lives and one sync for all of them. ``release(t)``: called
+    after each tensor's reduction (a mapped swap file's pages leave the process one by one)."""
     flags: list[bool] = [True] * len(tensors)
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
+
+    def reduced(t: torch.Tensor) -> torch.Tensor:
+        out = torch.isfinite(torch.stack(t.aminmax())).all()
+        if release is not None:
+            release(t)
+        return out
+
     for idx in by_device.values():
-        ok = torch.stack([torch.isfinite(torch.stack(tensors[i].aminmax())).all() for i in idx])
+        ok = torch.stack([reduced(tensors[i]) for i in idx])
         for i, good in zip(idx, ok.cpu().tolist()):   # sync point: once per device, per save or load
             flags[i] = good
     return flags
@@ -250,18 +262,18 @@ def _floats(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.is_floating_point()
 
 
-def _nonfinite_items(items: list[tuple[str, torch.Tensor]]) -> list[str]:
+def _nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
     """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity."""
     items = [(n, t) for n, t in items if _floats(t)]
-    return sorted({n for (n, _), ok in zip(items, _finite_flags([t for _, t in items])) if not ok})
+    return sorted({n for (n, _), ok in zip(items, _finite_flags([t for _, t in items], release)) if not ok})
 
 
-def _nonfinite(checked: list, label) -> list[str]:
+def _nonfinite(checked: list, label, release=None) -> list[str]:
     """Names (``label(key, parameter)``) of the values in ``checked`` ((spec, key, flat tensor) of
     each piece) that hold a NaN or an infinity; the parameters inside a piece are only looked at
     when the piece has one."""
     checked = [(spec, key, t) for spec, key, t in checked if _floats(t)]
-    bad = [x for x, ok in zip(checked, _finite_flags([t for _, _, t in checked])) if not ok]
+    bad = [x for x, ok in zip(checked, _finite_flags([t for _, _, t in checked], release)) if not ok]
     return _nonfinite_items([(label(key, span.name), t[span.piece[0]:span.piece[1]])
                              for spec, key, t in bad for span in spec.spans])
 
@@ -301,6 +313,10 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
             "precision_policy": config.get("precision", {}).get("name")}
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         view = group.enter(stack, engine.mapped_state(state), "swap file check")
+        if view.fmap is not None:
+            # A swapped state is written from the swap file's pages, page range by page range, on
+            # this thread: a background save would need a host copy of all of it (model-sized).
+            background = None
         snap = _snapshot(engine, view, group, zero_copy=background is None)
         recheck = lambda: verify_map(view.fmap, "checked again after the checkpoint read it")  # noqa: E731
         if not _agree_to_save(snap, root, group, nonfinite, staged16, recheck):
@@ -445,7 +461,7 @@ def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, ke
 
     def write_files():
         dcp.save(snap["dcp"], storage_writer=writer(tmp, sync_files=True),
-                 planner=SavePlanner(), **group.dcp_kwargs())
+                 planner=SavePlanner(snap.get("release")), **group.dcp_kwargs())
         _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
         _fault(step, "after-shard", rank)
         if rank == 0:
@@ -592,6 +608,7 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         fragments = _targets(view, specs, per, saved)
+        release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
         targets: dict[str, Any] = {}
         for name, entry in fragments.items():
             frags = entry["fragments"]
@@ -601,7 +618,8 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
 
         def read():
             try:
-                dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(), **group.dcp_kwargs())
+                dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(release),
+                         **group.dcp_kwargs())
             except FrameworkError:
                 raise
             except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
@@ -614,7 +632,7 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
                 raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {_describe(e)}") from None
             bad = _nonfinite_items([(f"model.{n}", f["master"]) for n, e in fragments.items() for f in e["fragments"]]
                                    + [(f"optim.{keys[p]}.{n}", f["optim"][p]) for n, e in fragments.items()
-                                      for f in e["fragments"] for p in per])
+                                      for f in e["fragments"] for p in per], release)
             if bad:
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {_few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")

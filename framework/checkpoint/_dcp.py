@@ -114,20 +114,33 @@ class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner (deduplicates replicated plain tensors across ranks), routing
     the chunks of ``Boxes`` values to their views."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``release(t)``: called with each value once the writer asked for the next one (a
+        mapped swap file's pages leave the process as they are written: the save stays bounded)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.release, self._last = release, None
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         found = _lookup(self.state_dict, index)
         return super().lookup_object(index) if found is None else found
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if self.release is not None and isinstance(data, torch.Tensor):
+            if self._last is not None:
+                self.release(self._last)
+            self._last = data
+        return data
 
 
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a
     pickled object (no ``load_bytes``): only tensors are requested."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``release(t)``: called with each target once DCP filled it (see ``SavePlanner``)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.release = release
 
     def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
         # The default one first maps the values through a walk that drops objects it does not
@@ -140,6 +153,11 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)
         return super().lookup_tensor(index) if found is None else found
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.release is not None:
+            self.release(tensor)
 
     def load_bytes(self, read_item, value) -> None:
         raise CheckpointError(f"checkpoint: refusing to unpickle the object {read_item.dest_index.fqn!r} "

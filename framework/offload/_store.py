@@ -487,6 +487,7 @@ class DiskStore:
             for j in range(len(e.swapped)):
                 name = f"{key}.{j}"
                 self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
+                fmap.release(name=name)
 
     def memory(self) -> dict[str, int]:
         return {"pool": self.buffer_count * self.slot_bytes() + (0 if self.bounce is None else self.bounce.numel()),

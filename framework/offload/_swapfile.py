@@ -354,6 +354,27 @@ class FileMap:
             return t.new_empty(t.shape)
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
+    def release(self, t: torch.Tensor | None = None, *, name: str | None = None) -> None:
+        """Drop this process's mapping of the pages under ``t`` (a tensor of this map), of extent
+        ``name``, or of the whole file when neither is given, so that a pass over the swapped state
+        keeps a bounded resident set: the pages stay in the file (a shared map's written pages in
+        the page cache, still to be synced) and the next touch maps them again. Safe on any range:
+        a read-only map never writes its pages (no private copies to lose)."""
+        if name is not None:
+            e = self.file._extents[name]
+            lo, hi = e.offset, e.offset + padded(e.nbytes)
+        elif t is not None:
+            if not self.contains(t) or not t.numel():
+                return
+            lo = t.data_ptr() - self._start
+            hi = min(lo + t.numel() * t.element_size(), self.file.size)
+        else:
+            lo, hi = 0, self.file.size
+        page = mmap.PAGESIZE
+        lo, hi = lo // page * page, min(-(-hi // page) * page, self.file.size)
+        if hi > lo:
+            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
     def sync(self) -> None:
         """Write the changed pages to the file (msync): the engine's O_DIRECT IO sees them."""
         if self.write:

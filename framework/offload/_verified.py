@@ -49,6 +49,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     if pos != hi:
         raise _error(file, pos, hi - pos, label, "no checksum recorded",
                      "these bytes were not written by the IO engine and cannot be verified")
+    fmap.release(name=name)   # checked: its pages leave this process (the pass stays bounded)
 
 
 def verify_map(fmap, what: str = "") -> None:

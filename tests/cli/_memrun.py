@@ -53,12 +53,60 @@ def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
         state, _ = engine.train_step(state, b)
     steady = _rss()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {"base": base, "built": built, "steady": steady, "peak": peak}
+    if spec.get("checkpoint"):
+        result.update(_checkpoint(cfg, engine, state, spec["checkpoint"]))
     engine.close()
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-        json.dump({"base": base, "built": built, "steady": steady, "peak": peak}, f)
+        json.dump(result, f)
     if world > 1:
         dist.barrier("memrun end")
         torch.distributed.destroy_process_group()
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _reset_hwm() -> int:
+    """Reset the kernel's peak resident set to the current one (``clear_refs`` 5); the new baseline."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _hwm()
+
+
+def _checkpoint(cfg, engine, state, folder: str) -> dict:
+    """Peak resident set over a checkpoint save, then over its load, then over ``save_weights`` and
+    ``load_weights`` (safetensors, fp32) of the same state, each above the resident set just
+    before it (``spec["checkpoint"]``: the folder to write them to)."""
+    from framework.checkpoint import Checkpointer
+
+    cfg.checkpoint.dir = folder
+    ckpt = Checkpointer(cfg, engine)
+    try:
+        base = _reset_hwm()
+        ckpt.save(state)
+        ckpt.wait()
+        save_peak = _hwm() - base
+        base = _reset_hwm()
+        ckpt.cfg.resume = "auto"
+        loaded = ckpt.resume(state)
+        load_peak = _hwm() - base
+    finally:
+        ckpt.close()
+    assert loaded.step == state.step
+    from framework.weights import load_weights, save_weights
+
+    base = _reset_hwm()
+    save_weights(engine, os.path.join(folder, "weights"))
+    weights_save_peak = _hwm() - base
+    base = _reset_hwm()
+    load_weights(engine, os.path.join(folder, "weights"))
+    weights_load_peak = _hwm() - base
+    return {"save_peak": save_peak, "load_peak": load_peak, "weights_save_peak": weights_save_peak,
+            "weights_load_peak": weights_load_peak}
 
 
 def _warm_up(overrides: list[str], dist) -> None:
