@@ -19,6 +19,7 @@ the sequence length; default its maximum position). ``--json`` prints everything
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -29,9 +30,13 @@ import torch
 from framework._memory import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
                                format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.errors import ConfigError, FrameworkError
+from framework.registry import registry
 
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
+
+
+DS_SUB_GROUP_SIZE = 1_000_000_000   # DeepSpeed's default zero_optimization.sub_group_size
 
 
 def split_assignment(arg: str, own_keys, own: dict[str, str], overrides: list[str], tool: str) -> None:
@@ -149,15 +154,21 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
     names = ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
     nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
     given = {k: getattr(cfg.offload, k) for k in names} if nvme_cfg else {}
-    keys = NVMeKeys(**{**given, **{k: parse_count(own[k], k) for k in names if k in own}})
+    # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
+    # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
+    ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
+    keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in names if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
-    text = [_hw_line(params, largest, gpus, nodes), "", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs):"]
+    text = [_hw_line(params, largest, gpus, nodes), "",
+            "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size does not "
+            "enter):"]
     z2 = zero2_rows(params, gpus, nodes, factor)
     text.append(format_rows(z2))
     out["zero2"] = [r.__dict__ for r in z2]
     if largest is not None:
         z3 = zero3_rows(params, largest, gpus, nodes, factor)
-        text += ["", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs):", format_rows(z3)]
+        text += ["", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
+                     "does not enter):", format_rows(z3)]
         out["zero3"] = [r.__dict__ for r in z3]
         nv = nvme_rows(params, largest, gpus, nodes, keys)
         text += ["", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
@@ -165,6 +176,13 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
                      f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools + fp32 gradient "
                      f"partitions [+ parameter shards]):", format_nvme_rows(nv)]
         out["nvme"] = [r.__dict__ for r in nv]
+        if keys.sub_group_size != DS_SUB_GROUP_SIZE:
+            nv_ds = nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE))
+            text += ["", f"The same with DeepSpeed's default sub_group_size={DS_SUB_GROUP_SIZE:,} (other keys as "
+                         f"above; a partition under that size is one tile, resident for its whole step):",
+                     format_nvme_rows(nv_ds)]
+            out["nvme_deepspeed_sub_group_size"] = [r.__dict__ for r in nv_ds]
+        out["nvme_sub_group_size"] = keys.sub_group_size
     if cfg is not None:
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
         pred = predict(cfg, world)

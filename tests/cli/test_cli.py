@@ -11,19 +11,23 @@ SHORT = ["train.steps=6", "train.log_every=2", "train.eval_every=3", "train.eval
          "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16"]
 
 
-def cli(tmp_path: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, "-m", "framework.train", *args, f"hydra.run.dir={tmp_path / 'run'}",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def cli(forkrun, tmp_path: Path, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    """``python -m framework.train ARGS`` in ``tmp_path`` (forked from a process that imported the
+    framework once: tests/cli/_forkrun.py)."""
+    return forkrun.run("framework.train", [*args, f"hydra.run.dir={tmp_path / 'run'}",
+                                           f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                       cwd=tmp_path, env=ENV, timeout=timeout)
 
 
 def error_lines(p: subprocess.CompletedProcess) -> list[str]:
     return [line for line in p.stderr.splitlines() if line.strip()]
 
 
-def test_default_job_shortened(tmp_path):
-    p = cli(tmp_path, *SHORT)
+def test_default_job_shortened(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, *SHORT)
     assert p.returncode == 0, p.stderr
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -45,23 +49,23 @@ def test_default_job_shortened(tmp_path):
     (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero3'?)"),
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
 ])
-def test_bad_override_one_line(tmp_path, args, needle):
-    p = cli(tmp_path, *args)
+def test_bad_override_one_line(forkrun, tmp_path, args, needle):
+    p = cli(forkrun, tmp_path, *args)
     assert p.returncode != 0
     lines = error_lines(p)
     assert len(lines) == 1 and needle in lines[0], p.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
 
 
-def test_missing_data_file(tmp_path):
-    p = cli(tmp_path, *SHORT, "data=text", "data.path=no/such/file.txt")
+def test_missing_data_file(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, *SHORT, "data=text", "data.path=no/such/file.txt")
     assert p.returncode != 0
     lines = error_lines(p)
     assert len(lines) == 1 and "no/such/file.txt" in lines[0], p.stderr
 
 
-def test_multirun_two_optimizers(tmp_path):
-    p = cli(tmp_path, "-m", "optimizer=adamw,lion", *SHORT)
+def test_multirun_two_optimizers(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "-m", "optimizer=adamw,lion", *SHORT)
     assert p.returncode == 0, p.stderr
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["config"]["optimizer"]["name"] for s in summaries] == ["adamw", "lion"]
@@ -71,8 +75,8 @@ def test_multirun_two_optimizers(tmp_path):
     assert all(r["step"] == 2 for r in first)
 
 
-def test_two_local_ranks(tmp_path):
-    p = cli(tmp_path, *SHORT, "dist.nproc=2")
+def test_two_local_ranks(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, *SHORT, "dist.nproc=2")
     assert p.returncode == 0, p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world"] == 2 and len(summary["memory_per_rank"]) == 2
@@ -90,8 +94,8 @@ def test_torchrun_multirun_reuses_group(tmp_path):
         assert summary["world"] == 2
 
 
-def test_wandb_offline_multirun_groups_runs(tmp_path):
-    p = cli(tmp_path, "-m", "logger=wandb", "optimizer=adamw,lion", *SHORT)
+def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "-m", "logger=wandb", "optimizer=adamw,lion", *SHORT)
     assert p.returncode == 0, p.stderr
     for i in (0, 1):
         runs = list((tmp_path / "sweep" / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
@@ -100,16 +104,16 @@ def test_wandb_offline_multirun_groups_runs(tmp_path):
         assert b"train-sweep" in blob  # the group: job name + sweep folder, shared by both jobs
 
 
-def test_failing_rank_exits_nonzero_with_message(tmp_path):
-    p = cli(tmp_path, *SHORT, "dist.nproc=2", "data=text", "data.path=missing.txt")
+def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, *SHORT, "dist.nproc=2", "data=text", "data.path=missing.txt")
     assert p.returncode != 0
     assert "missing.txt" in p.stderr and "exited with code 1" in p.stderr
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
-def test_zero_stages_from_the_command_line(tmp_path, stage):
+def test_zero_stages_from_the_command_line(forkrun, tmp_path, stage):
     extra = ["stage.stage3_gather_16bit_weights_on_model_save=true"] if stage == "zero3" else []
-    p = cli(tmp_path, *SHORT, f"+stage={stage}", "dist.nproc=2", *extra)
+    p = cli(forkrun, tmp_path, *SHORT, f"+stage={stage}", "dist.nproc=2", *extra)
     assert p.returncode == 0, p.stderr
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["config"]["stage"]["name"] == stage and summary["world"] == 2
@@ -131,17 +135,15 @@ def test_zero_stages_from_the_command_line(tmp_path, stage):
         plain.load_state_dict(weights)
 
 
-def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    return subprocess.run([sys.executable, "-m", "framework.train", *SHORT, *args], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=cwd)
+def _run(forkrun, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return forkrun.run("framework.train", [*SHORT, *args], cwd=cwd, env=ENV)
 
 
-def test_run_folder_header_log_and_own_checkpoints(tmp_path):
+def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     """A run says where it writes, its train.log holds rank 0's console, its checkpoints live in
     its own folder: a rerun there resumes them, another run never does, unless pointed at them
     (``latest``, a path); a checkpoint of another model is refused on one line before any rank."""
-    first = _run(tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
+    first = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
     assert first.returncode == 0, first.stderr
     run = tmp_path / "outputs" / "a"
     head = first.stdout.splitlines()[:3]
@@ -154,16 +156,16 @@ def test_run_folder_header_log_and_own_checkpoints(tmp_path):
     assert (run / "checkpoints" / "step-4" / "manifest.json").is_file()
     assert not (tmp_path / "checkpoints").exists()
 
-    other = _run(tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
+    other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
-    again = _run(tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a")
+    again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-4'}" in again.stdout, again.stdout
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["steps_run"] == 2   # tokens/s counts these two only
 
-    newest = _run(tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
+    newest = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
     assert f"resumed from {run / 'checkpoints' / 'step-6'}" in newest.stdout, newest.stdout
-    wrong = _run(tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2", "hydra.run.dir=outputs/d")
+    wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2", "hydra.run.dir=outputs/d")
     assert wrong.returncode != 0
     lines = error_lines(wrong)
     assert len(lines) == 1 and "was saved by another model (model.n_layer 1 vs 2" in lines[0], wrong.stderr

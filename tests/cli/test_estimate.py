@@ -60,6 +60,13 @@ def test_cli_prints_deepspeed_layout(capsys):
     assert "   71.69GiB |   0.12GiB | offload_param=cpu, offload_optimizer=cpu, zero_init=1" in out
     assert "    1.43GiB |   6.09GiB | offload_param=none, offload_optimizer=none, zero_init=1" in out
     assert "offload_param=nvme, offload_optimizer=nvme" in out
+    # Every table says which sub_group_size it assumes: ours (10^7) first, DeepSpeed's (10^9) beside it.
+    assert "sub_group_size does not enter" in out
+    assert "offload=nvme (ours: no buffer factor; sub_group_size=10,000,000," in out, out
+    assert "The same with DeepSpeed's default sub_group_size=1,000,000,000" in out
+    assert out.count("offload_param=nvme, offload_optimizer=nvme") == 2
+    assert main(["params=2851M", "largest_layer=32e6", "sub_group_size=1e9"]) == 0
+    assert "DeepSpeed's default sub_group_size" not in capsys.readouterr().out   # the one table is DeepSpeed's
     assert main(["params=many"]) == 2
     assert "not a count" in capsys.readouterr().err
 

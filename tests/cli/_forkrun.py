@@ -1,0 +1,115 @@
+"""A fork server for the README test: imports the framework's command-line modules once, then runs
+each ``python -m framework.X ARGS`` command in a forked child, so a command costs its own work and
+not the seconds of importing torch and Hydra again.
+
+    python -m tests.cli._forkrun      # reads one JSON request per line on stdin, answers on stdout
+
+Request: {"module": "framework.train", "args": [...], "cwd": DIR, "env": {...}, "out": FILE, "err": FILE,
+"timeout": S}; answer: {"rc": N} (124 when the child ran past its timeout and was killed). Torch
+starts no threads at import, so the children start from a single-threaded parent; ranks a command
+spawns are fresh interpreters, as always.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import threading
+import warnings
+
+
+def _child(req: dict) -> None:
+    os.chdir(req["cwd"])
+    os.environ.update(req["env"])
+    for fd, path in ((1, req["out"]), (2, req["err"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    sys.argv = [req["module"], *req["args"]]
+    # The module was imported here already (that is the point); runpy runs it afresh as __main__.
+    warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package", category=RuntimeWarning)
+    code = 0
+    try:
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the traceback goes to the command's stderr
+        import traceback
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _wait(pid: int, timeout: float) -> int:
+    timer = threading.Timer(timeout, os.killpg, (pid, signal.SIGKILL))   # its spawned ranks too
+    timer.start()
+    try:
+        _, status = os.waitpid(pid, 0)
+    finally:
+        timer.cancel()
+    code = os.waitstatus_to_exitcode(status)
+    return 124 if code == -signal.SIGKILL else code
+
+
+def main() -> None:
+    import framework.estimate  # noqa: F401  (what the commands import: paid once, here)
+    import framework.plan  # noqa: F401
+    import framework.recipe  # noqa: F401
+    import framework.report  # noqa: F401
+    import framework.train  # noqa: F401
+    import framework.export  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            os.setpgid(0, 0)   # its spawned ranks go with it on a timeout
+            _child(req)
+        print(json.dumps({"rc": _wait(pid, req["timeout"])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+
+
+class ForkRunner:
+    """The test side: one server process; ``run`` behaves like ``subprocess.run([python, -m,
+    module, *args], capture_output=True, text=True)`` (returncode, stdout, stderr)."""
+
+    def __init__(self, root: str):
+        import subprocess
+        import tempfile
+
+        self._dir = tempfile.mkdtemp(prefix="framework-forkrun-")
+        self._n = 0
+        env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self._p = subprocess.Popen([sys.executable, "-m", "tests.cli._forkrun"], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env, cwd=root)
+
+    def run(self, module: str, args: list[str], *, cwd, env: dict | None = None, timeout: float = 240):
+        import subprocess
+
+        self._n += 1
+        out, err = os.path.join(self._dir, f"{self._n}.out"), os.path.join(self._dir, f"{self._n}.err")
+        self._p.stdin.write(json.dumps({"module": module, "args": list(args), "cwd": str(cwd), "env": env or {},
+                                        "out": out, "err": err, "timeout": timeout}) + "\n")
+        self._p.stdin.flush()
+        answer = self._p.stdout.readline()
+        if not answer:
+            raise RuntimeError("the fork server died")
+        rc = json.loads(answer)["rc"]
+        with open(out) as o, open(err) as e:
+            return subprocess.CompletedProcess([module, *args], rc, o.read(), e.read())
+
+    def close(self) -> None:
+        import shutil
+
+        self._p.stdin.close()
+        self._p.wait(timeout=60)
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""Every example command of README.md and recipes/README.md runs as printed, from a folder that
+holds what a fresh clone holds, with only its steps shortened.
+
+The fenced ``bash`` blocks are extracted (continuation lines joined, comments dropped) and run in
+document order (later examples use what earlier ones wrote: the sweep's report, the checkpoint a
+resume names, the export a pretrained run loads). Shortening: ``train.steps`` and the step counts
+checkpoints are named after become a few, logs and evaluations happen every step, a recipe runs
+its ``--quick`` twin. ``python -m framework.*`` commands run in a fork server that has imported
+the framework once (tests/cli/_forkrun.py); others (torchrun) run as processes. The few commands
+that cannot run here are listed in SKIP with the reason, and each must still be in a document.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ["README.md", "recipes/README.md"]
+STEPS = 3
+SKIP = {
+    "make test": "it is this test suite",
+    "bash bench/gpu_check.sh": "needs a CUDA GPU (its --dry-run runs in tests/cli/test_gpu_check.py)",
+    "hydra.launcher.partition=gpu": "needs a Slurm cluster (tests/cli/test_cluster.py checks the submission)",
+    "python -m framework.plan model=gpt-mini --verify 3":
+        "runs three setups for minutes; tests/cli/test_plan.py runs --verify on a shortened config",
+}
+# Recipes run their --quick twin, which tests/cli/test_recipes.py runs for every recipe.
+RECIPE_RUN = re.compile(r"^python -m framework\.recipe (\w+)( --quick)?$")
+PLACEHOLDER = re.compile(r"\b(NAME|DIR|FILE)\b|key=value \.\.\.")
+
+
+def commands() -> list[tuple[str, str]]:
+    """(document, command line) of every example, in order."""
+    out = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    out.append((doc, " ".join(line.split())))
+    return out
+
+
+def shorten(args: list[str]) -> list[str]:
+    out = []
+    for a in args:
+        a = re.sub(r"^train\.steps=\d+$", f"train.steps={STEPS}", a)
+        a = re.sub(r"^checkpoint\.every=\d+$", "checkpoint.every=1", a)
+        a = re.sub(r"/step-(\d+)$", lambda m: f"/step-{STEPS - 1}", a)
+        out.append(a)
+    if not any(a.startswith("train.steps=") for a in out):
+        out.append(f"train.steps={STEPS}")
+    return out + ["train.log_every=1", f"train.eval_every={STEPS}", "train.eval_batches=1"]
+
+
+@pytest.fixture(scope="module")
+def clone(tmp_path_factory) -> Path:
+    """A folder with what a fresh clone has (the documents, recipes, the test configs) and
+    nothing a run wrote."""
+    d = tmp_path_factory.mktemp("clone")
+    for name in ("README.md", "recipes", "tests", "conf", "Makefile", "pyproject.toml"):
+        (d / name).symlink_to(ROOT / name)
+    (d / ".venv").symlink_to(ROOT / ".venv")
+    return d
+
+
+@pytest.mark.timeout(900)
+def test_every_documented_command_runs(clone, forkrun):
+    cmds = commands()
+    assert len(cmds) > 40, len(cmds)
+    skipped = {k: False for k in SKIP}
+    failures, ran = [], 0
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    for i, (doc, line) in enumerate(cmds):
+        why = next((k for k in SKIP if k in line), None)
+        if why:
+            skipped[why] = True
+            continue
+        if PLACEHOLDER.search(line) or line == "python -m framework.recipe --list" and doc != "README.md":
+            continue   # the syntax lines of recipes/README.md; their concrete forms are in README.md
+        words = shlex.split(line)
+        assigned = {}
+        while words and re.match(r"^[A-Z_]+=", words[0]):   # VAR=value python ...
+            k, _, v = words.pop(0).partition("=")
+            assigned[k] = v
+        # W&B online needs an account and the network: the same run, offline.
+        assigned.pop("WANDB_MODE", None)
+        if words[:1] == ["."]:
+            assert (clone / words[1]).is_file(), line
+            continue
+        if words == ["make", "train"]:   # what the target runs, after setup (done: this suite runs in it)
+            dry = subprocess.run(["make", "-n", "train"], cwd=clone, capture_output=True, text=True)
+            assert "-m framework.train $(ARGS)" in (ROOT / "Makefile").read_text() and dry.returncode == 0
+            words = ["python", "-m", "framework.train"]
+        m = RECIPE_RUN.match(" ".join(words))
+        if m:
+            continue   # its --quick twin: tests/cli/test_recipes.py
+        if words[:2] == ["python", "-m"] and words[2].startswith("framework."):
+            module, args = words[2], words[3:]
+            if module == "framework.train" and "--cfg" not in args:
+                args = shorten(args)
+            p = forkrun.run(module, args, cwd=clone, env={**env, **assigned}, timeout=240)
+        elif words[0] == "torchrun":
+            at = words.index("framework.train") + 1
+            p = subprocess.run([str(Path(sys.executable).with_name("torchrun")), *words[1:at], *shorten(words[at:])],
+                               cwd=clone, env={**os.environ, **env, **assigned}, capture_output=True, text=True,
+                               timeout=240)
+        else:
+            raise AssertionError(f"{doc}: no rule to run {line!r}")
+        ran += 1
+        if p.returncode != 0:
+            failures.append(f"{doc}: {line}\n  -> rc {p.returncode}: {p.stderr[-1500:]}")
+    assert not failures, "\n".join(failures)
+    assert all(skipped.values()), f"SKIP entries no document holds any more: {skipped}"
+    assert ran > 35
