@@ -1,6 +1,6 @@
 """Our estimator tables against DeepSpeed's own estimator functions, row by row (needs DeepSpeed).
 
-    PYTHONPATH=$PWD:/work/main/.bench-venv/ds-site DS_ACCELERATOR=cpu python -m bench.estimate_ds
+    PYTHONPATH=$PWD:$PWD/.bench-venv/ds-site DS_ACCELERATOR=cpu python -m bench.estimate_ds
 
 For a grid of (P, L, GPUs per node, nodes) and for the _all_live forms on real (not meta) models,
 compares the bytes DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` return with ours

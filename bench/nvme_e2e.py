@@ -3,7 +3,7 @@ offload, on gpt-mini and 2 gloo ranks, in the same run, with the share of step t
 the disk floor.
 
     .venv/bin/python -m bench.nvme_e2e [--steps 5] [--dir ./.bench-nvme]
-    PYTHONPATH=/work/main/.bench-venv/ds-site .venv/bin/python -m bench.nvme_e2e   # with DeepSpeed
+    PYTHONPATH=$PWD/.bench-venv/ds-site .venv/bin/python -m bench.nvme_e2e   # with DeepSpeed
 
 Model and data as ``bench.stages`` (gpt-mini, context 128, vocab 256, micro batch 8 per rank, AdamW,
 fp32, clipping at 1.0). Ours: ``+stage=zero3`` with ``offload=none``, ``offload=cpu`` (master and Adam

@@ -6,7 +6,7 @@ Set-up (a venv of its own, so that DeepSpeed never enters the project's .venv)::
     cd /work/main
     python3 -m venv .bench-venv
     .bench-venv/bin/pip install torch==2.13.0        # first: keeps pip off the CUDA build of torch
-    .bench-venv/bin/pip install -e /work/main
+    .bench-venv/bin/pip install -e .
     DS_BUILD_OPS=0 .bench-venv/bin/pip install deepspeed   # 0.19.x; nothing compiles at install
 
 Run::

@@ -6,7 +6,7 @@ Three layers, each usable alone:
   meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
   module registers itself), the two inputs of DeepSpeed's estimators.
 * ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
-  (REFERENCE §2: model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host
+  (DeepSpeed's estimate_zero2/3_model_states_mem_needs: model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host
   memory), with the same integer rounding, so the printed GiB agree to the last digit.
   ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned
   buffer pools of the ``offload=nvme`` keys, CONTRACTS A).
@@ -59,7 +59,7 @@ def logical_numel(p: torch.Tensor) -> int:
 def count_module(module: nn.Module) -> Counts:
     """P and L of ``module``. Parameters are deduplicated by identity (``parameters()`` yields a
     tied tensor once); DeepSpeed keys them by ``data_ptr()``, which is 0 for every tensor on the meta
-    device and collapses the count (REFERENCE §13)."""
+    device and collapses the count (as DeepSpeed's estimator source does)."""
     total = sum(logical_numel(p) for p in module.parameters())
     largest = max((sum(logical_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
     return Counts(total, largest)
@@ -76,7 +76,7 @@ class Row:
 
 def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
                factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-2 estimate (REFERENCE §2), offload_optimizer cpu then none."""
+    """DeepSpeed's ZeRO-2 estimate, offload_optimizer cpu then none."""
     t = gpus_per_node * nodes
     offload = Row(int(params * max(4 * t, 16) * factor), int(2 * params), "offload_optimizer=cpu")
     # 2 (16-bit params) on every GPU; 18 = 16-bit grads 2 + fp32 grads 4 + fp32 master 4 + Adam 8, partitioned
@@ -87,7 +87,7 @@ def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
 
 def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
                factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-3 estimate (REFERENCE §2), rows in its order."""
+    """DeepSpeed's ZeRO-3 estimate, rows in its order."""
     t, per_node = gpus_per_node * nodes, 1 / nodes
     layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
     rows = []

@@ -3,7 +3,7 @@
 Models are built from small configs written by the tests themselves (nothing is downloaded).
 The plain reference model is materialised by the same init path as the stages
 (``framework.models.hf.materialize``: the model's own ``_init_weights``, seeded per tensor), since
-transformers' eager construction draws in a different order (REFERENCE §14).
+transformers' eager construction draws in a different order (transformers 5).
 """
 from __future__ import annotations
 

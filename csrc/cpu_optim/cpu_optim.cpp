@@ -137,9 +137,9 @@ void set_isa(const std::string& name) {
 // data far larger than the caches is bound by how many cache misses one core keeps in flight.
 // Intel: measured on a Xeon (Emerald Rapids, 2 cores), fp32 AdamW at 10 M and 100 M params,
 // 1 and 2 threads, 1 KiB ahead (256 floats) is 11-13% faster than leaving the streams to the
-// hardware prefetchers (BENCHMARKS.md, "CPU AdamW step (issue 8)"). AMD (and any other CPU): off,
+// hardware prefetchers (BENCHMARKS.md, "CPU AdamW step"). AMD (and any other CPU): off,
 // as in the peer kernels (torch's fused Adam, DeepSpeedCPUAdam), which were 15-19% faster than
-// this kernel with prefetching on an AMD EPYC (AVX-512) at 100 M params, 1 thread (issue 8);
+// this kernel with prefetching on an AMD EPYC (AVX-512) at 100 M params, 1 thread;
 // prefetching was the one difference in memory access between them. Not yet re-measured on AMD.
 int64_t default_prefetch() {
 #ifdef FRAMEWORK_OPS_X86

@@ -164,7 +164,7 @@ class HFInit:
     the CPU generator seeded by (seed, name): values do not depend on the order in which a stage
     materialises tensors, nor on the world size, and a plain model materialised the same way
     (``materialize``) starts from exactly the same values. They are not those of transformers'
-    eager construction, whose draws follow module order (see REFERENCE §14).
+    eager construction, whose draws follow module order (transformers 5).
     """
 
     def __init__(self, model: nn.Module, seed: int):

@@ -78,7 +78,7 @@ def grad_accum_dtype(value: str, working: str) -> torch.dtype:
 
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                culprits=lambda: []) -> PrecisionState:
-    """One step of DeepSpeed's dynamic loss scaler (REFERENCE §3).
+    """One step of DeepSpeed's dynamic loss scaler (its DynamicLossScaler: the rule is written out below).
 
     Steps with non-finite gradients are always skipped (also for fp32/bf16, where the scale
     stays 1): ``skipped_steps`` counts them. ``culprits`` lazily names the parameters whose

@@ -24,7 +24,7 @@ def _gib(rows):
 
 
 def test_t5_3b_zero3_table_matches_reference():
-    # REFERENCE §13: DeepSpeed's documented t5-3b example (P = 2851e6, L = 32e6, 8 GPUs, 1 node).
+    # DeepSpeed's documented t5-3b example (P = 2851e6, L = 32e6, 8 GPUs, 1 node).
     assert _gib(zero3_rows(2851e6, 32e6, gpus_per_node=8)) == [
         ("71.69", "0.12"), ("127.45", "0.12"), ("63.72", "0.78"), ("127.45", "0.78"),
         ("1.43", "6.09"), ("127.45", "6.09")]

@@ -180,7 +180,7 @@ def test_memory_scaling_quick(tmp_path):
 
 
 def test_zero_formula():
-    """REFERENCE §1: fp32 16 bytes/param replicated; mixed 2 + 2 + 12/N for zero1, etc."""
+    """The ZeRO paper's counts: fp32 16 bytes/param replicated; mixed 2 + 2 + 12/N for zero1, etc."""
     f = report.zero_model_state_bytes
     assert f("ddp", 10, 4) == 160 and f("zero3", 10, 4) == 40
     assert f("zero1", 10, 4) == 10 * (4 + 4 + 8 / 4) and f("zero2", 10, 4) == 10 * (4 + 12 / 4)

@@ -84,7 +84,7 @@ def test_hf_guide_nvme_config_trains(tmp_path):
     assert (o.aio.block_size, o.aio.queue_depth, o.param_buffer_count) == (262144, 32, 5)
     try:
         summary = launch(cfg, RunInfo(tmp_path / "run", None, None))
-    except FrameworkError as e:  # the schema is on main before the disk tier (issue 9)
+    except FrameworkError as e:
         if "not built yet" in str(e):
             pytest.skip(str(e))
         raise

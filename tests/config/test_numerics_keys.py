@@ -1,4 +1,4 @@
-"""Config keys of issue 8's numerics work: grad_accum_dtype values, and DeepSpeed keys whose other
+"""Numerics config keys: grad_accum_dtype values, and DeepSpeed keys whose other
 value would do nothing here (refused with one line that names the key and the fix)."""
 import pytest
 import torch

@@ -146,7 +146,7 @@ def test_odd_shapes_and_unused_parameters(pools):
             assert not torch.equal(res[stage][2], initial_unused)
 
 
-# --- memory ledger against REFERENCE §1 ---------------------------------------------------
+# --- memory ledger against the ZeRO paper's model-state counts------------------------------------------------
 
 def _ledger(dist, stage, bucket):
     cfg = tiny_config(*ODD, f"+stage={stage}", "precision=bf16", f"stage.reduce_bucket_size={bucket}",

@@ -40,7 +40,7 @@ def test_checkpoint_bench_runs_tiny(tmp_path):
 
 
 def test_nvme_memory_gpt2_small_one_gb_below_cpu():
-    """Issue 9's memory claim, measured as written: gpt2-small (124 M parameters), zero2, one rank,
+    """The NVMe memory claim, measured: gpt2-small (124 M parameters), zero2, one rank,
     ``offload=nvme`` with its defaults peaks (ru_maxrss of each run's own process) at least 1 GB below
     ``offload=cpu``, with the same loss and no swap file left behind. The fp32 master + Adam moments
     are 1.49 GB; measured drop 1.13 GB on a quiet machine (BENCHMARKS.md). Two fresh processes at
@@ -54,7 +54,7 @@ def test_nvme_memory_gpt2_small_one_gb_below_cpu():
 
 
 def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
-    """Issue 10's NVMe point, measured as the OS sees it (bench.nvme_checkpoint's quick twin): gpt-mini
+    """NVMe checkpoints, measured as the OS sees it (bench.nvme_checkpoint's quick twin): gpt-mini
     (10.8 M parameters, 129 MB of fp32 masters + Adam moments), zero2, one rank, fresh processes. A
     sync save and a resume under offload=nvme go through the memory-mapped swap file: their peak
     anonymous memory (RssAnon, sampled every ms) stays under a quarter of the state while the file's

@@ -1,4 +1,4 @@
-"""fp16 dynamic loss scaling follows DeepSpeed's rule (REFERENCE §3) on scripted overflows."""
+"""fp16 dynamic loss scaling follows DeepSpeed's rule (DynamicLossScaler) on scripted overflows."""
 import pytest
 
 from framework.errors import TrainingError

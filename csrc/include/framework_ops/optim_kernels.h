@@ -155,7 +155,7 @@ void adagrad_range(const AdagradCoef& coef, const Segment& sg, int64_t i, int64_
 // is write-only: where its vector stores are aligned they bypass the cache (non-temporal), which
 // saves reading each of its lines before writing it; the fence orders them before we return.
 // (p, m and v are read before they are written, so bypassing the cache saves them nothing:
-// measured 1.3x slower on the machine of BENCHMARKS.md's "CPU AdamW step (issue 8)".)
+// measured 1.3x slower on the machine of BENCHMARKS.md's "CPU AdamW step".)
 inline int out_variant(const Segment& sg, int64_t begin) {
   if (sg.out_kind == kOutNone) return kOutNone;
   const bool stream = V::W > 1 && reinterpret_cast<uintptr_t>(sg.out + begin) % (V::W * sizeof(uint16_t)) == 0;
