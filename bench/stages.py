@@ -3,7 +3,7 @@ and DeepSpeed ZeRO 1/2/3, side by side: step time and peak RSS per rank.
 
 Set-up (a venv of its own, so that DeepSpeed never enters the project's .venv)::
 
-    cd /work/main
+    cd path/to/framework     # the repository root
     python3 -m venv .bench-venv
     .bench-venv/bin/pip install torch==2.13.0        # first: keeps pip off the CUDA build of torch
     .bench-venv/bin/pip install -e .
