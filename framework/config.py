@@ -8,7 +8,6 @@ valid one. The result is a frozen ``Config`` that is plain data (it pickles to s
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -28,7 +27,7 @@ except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framewo
 
 from framework import _plainconf
 from framework.errors import ConfigError
-from framework.registry import GROUPS, closest_hint, registry
+from framework.registry import GROUPS, closest, closest_hint, registry
 
 DEFAULT_STAGE = "ddp"  # no +stage=... means replicated data parallelism
 
@@ -138,8 +137,8 @@ def _check_keys(node: Any, schema: type, prefix: str) -> None:
     valid = [f.name for f in dataclasses.fields(schema)]
     for key, value in node.items():
         if key not in valid:
-            match = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
-            hint = f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+            match = closest(key, valid)
+            hint = f" (did you mean '{prefix}{match}'?)" if match else ""
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; valid keys under "
                               f"{prefix.rstrip('.') or 'the top level'}: {', '.join(valid) or 'none'}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):

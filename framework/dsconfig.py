@@ -25,7 +25,6 @@ This module is pure: ``load`` parses, ``translate`` maps the file to group choic
 """
 from __future__ import annotations
 
-import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from framework.errors import ConfigError
+from framework.registry import closest
 
 AUTO = "auto"
 # Provenance labels (summary.json "config_sources" and the W&B config).
@@ -209,8 +209,8 @@ NOT_IMPLEMENTED_SCHEDULERS = ("onecycle", "lrrangetest")
 
 
 def _close(key: str, valid) -> str | None:
-    match = difflib.get_close_matches(str(key), list(valid), n=1, cutoff=0.75)
-    return match[0] if match else None
+    # Stricter than for our own keys: DeepSpeed's sections hold many short, similar names.
+    return closest(key, valid, cutoff=0.75)
 
 
 # --------------------------------------------------------------------------------------------

@@ -59,9 +59,16 @@ class Registry:
         return self.entries[name]
 
 
+def closest(name: str, valid, cutoff: float = 0.5) -> str | None:
+    """The valid name closest to a mistyped one (None: nothing close enough); every "did you
+    mean" in the package comes from here."""
+    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
 def closest_hint(name: str, valid) -> str:
-    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    match = closest(name, valid)
+    return f" (did you mean {match!r}?)" if match else ""
 
 
 @cache

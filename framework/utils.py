@@ -102,17 +102,3 @@ def to_device(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, (tuple, list)):
         return type(obj)(to_device(v, device) for v in obj)
     return obj
-
-
-def atomic_save(obj: Any, path) -> None:
-    """torch.save to a temporary name, then rename: a crash never leaves a half-written file."""
-    import os
-    from pathlib import Path
-
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
