@@ -126,6 +126,7 @@ class Placement:
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
         self.listener: GradListener | None = None
         self._shard_reads: dict[int, Event] = {}   # host shard storage address -> its last load's copy
+        self._held: tuple[int, object] | None = None   # (group, handle): a zero3 shard on disk kept resident
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -571,6 +572,9 @@ class Placement:
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""
         self.close_spill()
+        if self._held is not None:   # (a step that failed between a copy back and working_ready)
+            self.param_store.release(self._held[1], None, dirty=False)
+            self._held = None
         if self.gradswap is not None:
             self.gradswap.close()
         try:
@@ -661,9 +665,8 @@ class Placement:
             acc.copy(dst, src)   # on the compute stream, in order
             return None
         acc.on_host(src, what="copy back source")
-        if self._params_swapped():   # zero3 shard on disk: resident for a host copy, then written
-            with self._shard_resident(self.partitions[info.group], dirty=True) as shard:
-                acc.copy(shard[info.start:info.end], src)
+        if self._params_swapped():   # zero3 shard on disk: resident for host copies, written once
+            acc.copy(self._hold_shard(info.group)[info.start:info.end], src)
             return None
         if self.params_on_host:  # zero3 shard on the host: a host copy, once its loads are done
             self._settle_shard(dst)
@@ -678,8 +681,30 @@ class Placement:
             done.record()
         return done
 
+    def _hold_shard(self, group: int) -> torch.Tensor:
+        """Group ``group``'s zero3 shard on disk, resident in the pool and kept so across the copies
+        back of the group's pieces (one after another in the step), then written back once: when
+        another group's turn comes, or at ``working_ready``. (A write per piece would write the
+        whole shard once per piece of the group: at sub_group_size 10 M and 113 M-element layers,
+        22 bytes per parameter per step instead of 2, measured.)"""
+        if self._held is not None and self._held[0] == group:
+            return self.partitions[group]
+        self._write_held()
+        store, shard = self.param_store, self.partitions[group]
+        handle = store.acquire(self._shard_keys[id(shard)])
+        self._held = (group, handle)
+        store.wait(handle)
+        return shard
+
+    def _write_held(self) -> None:
+        """The shard ``_hold_shard`` keeps resident (if any) -> written back, released."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.param_store.release(held[1], None, dirty=True)
+
     def working_ready(self, copies: Sequence[Event]) -> None:
         """The compute stream waits for the copies back before the stage's gather reads the working values."""
+        self._write_held()
         for ev in copies:
             ev.wait()
         self._acc.use(reads=self._device_partitions())

@@ -1,7 +1,7 @@
 """Capacity: the largest models this machine trains from disk (zero3 + offload=nvme), measured.
 
     python recipes/capacity/capacity.py gpt   --nvme /path/on/disk          # 4.08 B GPT (36 x 3072)
-    python recipes/capacity/capacity.py llama --nvme /path/on/disk          # Llama-shaped HF model (llama_config.json)
+    python recipes/capacity/capacity.py llama --nvme /path/on/disk          # 4.03 B Llama-shaped HF model (llama_4b_config.json)
     python recipes/capacity/capacity.py gpt   --nvme /tmp/x --quick         # the tiny twin (tests/cli/test_recipes.py)
 
 Each run, in one process: measures the disk's sequential write and read bandwidth in ``--nvme``
@@ -29,11 +29,15 @@ HERE = Path(__file__).resolve().parent
 MODELS = {   # kind -> overrides (full run, quick twin)
     "gpt": (["model.n_layer=36", "model.d_model=3072", "model.n_head=24", "model.context=64"],
             ["model.n_layer=4", "model.d_model=128", "model.n_head=4", "model.context=32"]),
-    "llama": ([f"model.config={HERE / 'llama_config.json'}", "model.context=64"],
+    # llama_config.json (TinyLlama's shape, 0.97 B) fits smaller disks: add model.config=<it>
+    "llama": ([f"model.config={HERE / 'llama_4b_config.json'}", "model.context=64"],
               [f"model.config={HERE / 'llama_tiny_config.json'}", "model.context=32"]),
 }
 COMMON = ["+stage=zero3", "offload=nvme", "precision=bf16", "train.micro_batch=1", "train.grad_accum=1",
-          "optimizer.lr=3e-4", "train.grad_clip=1.0",
+          # a constant lr from the first step (a warm-up would spend these few steps near 0), small: Adam's
+          # first steps move every weight by about lr, and at d_model 3072 with one 64-token sequence per
+          # step 1e-4 (even a warm-up's 3e-6..9e-6 at 36 layers) drove the loss up (measured)
+          "optimizer.lr=1e-6", "scheduler=constant", "train.grad_clip=1.0",
           # one unit gathered at a time (and one prefetched): the working set is one layer
           "stage.stage3_max_live_parameters=1", "stage.stage3_prefetch_bucket_size=1",
           "offload.sub_group_size=10000000", "offload.buffer_count=4", "offload.pipeline_read=true",
@@ -80,8 +84,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--nvme", required=True, help="folder on the disk to swap to")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--quick", action="store_true", help="the tiny twin")
+    ap.add_argument("--eval-batch", type=int, default=2,
+                    help="sequences of the fixed held-out batch whose loss is measured before and after each step "
+                         "(one 64-token sequence per step is noisy; 0: none)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", help="more config overrides")
     args = ap.parse_intermixed_args()
@@ -99,6 +106,7 @@ def main() -> None:
     cfg = framework.compose([f"model={kind}", *COMMON, *model, f"train.steps={args.steps}",
                              f"offload.nvme_path={os.path.join(args.nvme, 'swap')}", *args.overrides])
     dist = connect("gloo")
+    torch.manual_seed(cfg.seed)   # the same initial weights on every run
     t0 = time.perf_counter()
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     with framework.zero_init():
@@ -109,6 +117,8 @@ def main() -> None:
     setup_s = time.perf_counter() - t0
     update = engine.components.update
     state, losses, steps = engine.state, [], []
+    held_out = data.val_batches(1, batch=args.eval_batch, rank=0, world=1) if args.eval_batch else None
+    evals = [engine.eval_step(state, held_out)] if held_out else []
     for i in range(args.steps):
         before = update.swap_stats()
         batch = data.train_batch(state.data, micro_batch=1, grad_accum=1, rank=0, world=1)
@@ -119,9 +129,12 @@ def main() -> None:
         read, written = after["read"] - before["read"], after["written"] - before["written"]
         floor = read / bw_read + written / bw_write
         losses.append(m["loss"])
+        if held_out:
+            evals.append(engine.eval_step(state, held_out))
         steps.append({"s": dt, "read_bytes": read, "written_bytes": written, "floor_s": floor,
                       "vs_floor": dt / floor if floor else None, "io_wait_s": after["wait_s"] - before["wait_s"]})
-        print(f"step {i + 1}: loss {m['loss']:.4f}  {dt:.1f} s  (disk floor {floor:.1f} s: "
+        print(f"step {i + 1}: loss {m['loss']:.4f}{f'  held-out {evals[-1]:.4f}' if held_out else ''}  {dt:.1f} s  "
+              f"(disk floor {floor:.1f} s: "
               f"{read / 1e9:.1f} GB read, {written / 1e9:.1f} GB written)", flush=True)
     disk = update.swap_stats()["file"]
     engine.close()
@@ -132,7 +145,7 @@ def main() -> None:
            "peak_rss_bytes": peak, "vm_hwm_bytes": vm_hwm(), "disk_bytes": disk,
            "disk_write_Bps": bw_write, "disk_read_Bps": bw_read,
            "setup_s": setup_s, "s_per_step": sum(s["s"] for s in steps[1:] or steps) / len(steps[1:] or steps),
-           "losses": losses, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
+           "losses": losses, "held_out_losses": evals, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
     line = json.dumps(out)
     if args.out:
         Path(args.out).write_text(line + "\n")

@@ -248,6 +248,8 @@ def test_capacity_quick(model, tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["losses"][-1] < r["losses"][0], r["losses"]
+    held = r["held_out_losses"]   # before the first step and after each (lr 3e-3 overshoots it later)
+    assert len(held) == 6 and min(held[1:]) < held[0], held
     assert r["peak_rss_bytes"] > 0 and r["vm_hwm_bytes"] > 0 and r["disk_bytes"] >= 16 * r["params"]
     assert all(s["floor_s"] > 0 and s["read_bytes"] > 0 and s["written_bytes"] > 0 for s in r["steps"])
     assert os.listdir(tmp_path / "nvme" / "swap") == [] if (tmp_path / "nvme" / "swap").exists() else True
