@@ -63,7 +63,7 @@ def main() -> None:
     import framework.recipe  # noqa: F401
     import framework.report  # noqa: F401
     import framework.train  # noqa: F401
-    import framework.export  # noqa: F401
+    import framework.export  # noqa: F401  (as above)
 
     for line in sys.stdin:
         req = json.loads(line)

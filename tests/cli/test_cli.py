@@ -165,7 +165,8 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     newest = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
     assert f"resumed from {run / 'checkpoints' / 'step-6'}" in newest.stdout, newest.stdout
-    wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2", "hydra.run.dir=outputs/d")
+    wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2",
+                 "hydra.run.dir=outputs/d")
     assert wrong.returncode != 0
     lines = error_lines(wrong)
     assert len(lines) == 1 and "was saved by another model (model.n_layer 1 vs 2" in lines[0], wrong.stderr

@@ -9,9 +9,9 @@ from tests.cli.test_cli import SHORT, cli, error_lines
 DS = Path(__file__).resolve().parents[1] / "config" / "ds"
 
 
-def test_ds_config_multirun_records_provenance_in_summary_and_wandb(tmp_path):
-    p = cli(tmp_path, "-m", f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", *SHORT, "optimizer.lr=1e-3,3e-4",
-            "logger=wandb")
+def test_ds_config_multirun_records_provenance_in_summary_and_wandb(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "-m", f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", *SHORT,
+            "optimizer.lr=1e-3,3e-4", "logger=wandb")
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("steps_per_print") == 2  # the inert keys, listed once per job
     for job, lr in ((0, 1e-3), (1, 3e-4)):
@@ -28,8 +28,8 @@ def test_ds_config_multirun_records_provenance_in_summary_and_wandb(tmp_path):
         assert b"config_sources" in record and b"DeepSpeed default" in record
 
 
-def test_cfg_job_shows_the_resolved_config(tmp_path):
-    p = cli(tmp_path, "--cfg", "job", f"ds_config={DS / 'hf_zero3_cpu_offload.json'}", "model.d_model=64")
+def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "--cfg", "job", f"ds_config={DS / 'hf_zero3_cpu_offload.json'}", "model.d_model=64")
     assert p.returncode == 0, p.stderr
     shown = yaml.safe_load(p.stdout)
     assert shown["stage"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
@@ -38,10 +38,10 @@ def test_cfg_job_shows_the_resolved_config(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_bad_ds_config_is_one_line_and_nonzero(tmp_path):
+def test_bad_ds_config_is_one_line_and_nonzero(forkrun, tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_com": True}}))
-    p = cli(tmp_path, f"ds_config={bad}", *SHORT)
+    p = cli(forkrun, tmp_path, f"ds_config={bad}", *SHORT)
     assert p.returncode != 0
     lines = error_lines(p)
     assert len(lines) == 1 and "did you mean 'zero_optimization.overlap_comm'" in lines[0], p.stderr

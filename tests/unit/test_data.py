@@ -201,3 +201,21 @@ def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path):
     np.arange(20, dtype=np.uint16).tofile(short)
     with pytest.raises(DataError, match="context"):
         tokens.build(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)
+
+
+def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
+    import json
+
+    import numpy as np
+    import pytest
+
+    from framework.data.tokens import TokensConfig, TokensSource
+    from framework.errors import ConfigError
+
+    np.arange(200, dtype="<u2").tofile(tmp_path / "tokens.bin")
+    with pytest.raises(ConfigError, match="data.vocab_size is not set and .*meta.json gives none"):
+        TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4)
+    (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": 201}))
+    assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4).vocab_size == 201
+    assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin"), vocab_size=300), seed=0,
+                        context=4).vocab_size == 300
