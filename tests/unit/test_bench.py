@@ -58,7 +58,8 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
     (10.8 M parameters, 129 MB of fp32 masters + Adam moments), zero2, one rank, fresh processes. A
     sync save and a resume under offload=nvme go through the memory-mapped swap file: their peak
     anonymous memory (RssAnon, sampled every ms) stays under a quarter of the state while the file's
-    pages pass through the page cache (RssFile, or RssShmem on tmpfs). offload=cpu in the same run
+    pages pass through the page cache (RssFile, or RssShmem on tmpfs), dropped from the process as
+    each tensor is done (measured: 0.32x and 0.30x of the state, about the largest tensor). offload=cpu in the same run
     copies the state once for the save and reads the load into fresh buffers (about 1.05x the
     state each), which shows that the sampling sees such copies. Measured here: nvme 0.07x (save)
     and 0.13x (load), cpu 1.07x and 1.05x. About 10 s."""
@@ -70,4 +71,6 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
     for op in ("save", "load"):
         assert r["cpu"][op]["anon_bytes"] > 0.8 * state, (op, r)          # the sampler sees a host copy
         assert r["nvme"][op]["anon_bytes"] < 0.25 * state, (op, r)        # none under nvme
-        assert r["nvme"][op]["mapped_bytes"] > 0.5 * state, (op, r)       # the state came through the map
+        # the state came through the map, whose pages leave the process piece by piece (FileMap.release):
+        # at most about one piece's tensor (here the 43 MB master) is mapped at a time
+        assert 0 < r["nvme"][op]["mapped_bytes"] < 0.5 * state, (op, r)
