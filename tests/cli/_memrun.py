@@ -5,8 +5,10 @@
 Each rank first trains one step of the same configuration with a tiny model (so modules, kernels
 and thread pools are loaded), composes the config, builds the data and the model on the meta
 device, asks glibc to return freed memory (``malloc_trim``) and reads its resident set (``/proc/self/statm``): the
-baseline. Then it builds the engine and trains ``steps`` steps, trims again and reads the resident
-set (``steady``: what the run keeps between steps), and the peak resident set (``getrusage``).
+baseline, and resets the kernel's peak resident set to it (``clear_refs``), so that a peak reached
+earlier (imports, the warm-up) cannot hide the run's own. Then it builds the engine and trains ``steps``
+steps, trims again and reads the resident set (``steady``: what the run keeps between steps), and the
+peak resident set since the baseline (``VmHWM``).
 Prints one JSON list (per rank) on the last line. Nothing here reads the framework's memory ledger.
 """
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import sys
 import tempfile
 
@@ -45,14 +46,14 @@ def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
     batches = [data.train_batch(i, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
                                 rank=dist.rank, world=dist.world) for i in range(spec["steps"])]
     _warm_up(spec["overrides"], dist)
-    base = _rss()
+    base = _reset_hwm()
     engine = initialize(module, gpt_loss, cfg, dist)
     state = engine.state
     built = _rss()
     for b in batches:
         state, _ = engine.train_step(state, b)
     steady = _rss()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _hwm()
     result = {"base": base, "built": built, "steady": steady, "peak": peak}
     if spec.get("checkpoint"):
         result.update(_checkpoint(cfg, engine, state, spec["checkpoint"]))

@@ -2,9 +2,9 @@
 
 * Memory: the same configuration at two model sizes, 4x apart in parameters (2 and 8 layers of
   d_model 256; the gather unit, the pools and the activations per layer do not change), each in a
-  fresh process (tests/cli/_memrun.py: peak resident set from getrusage over a baseline taken after
-  a warm-up). Under offload=nvme the peak grows by less than a fixed slack (gradients, shards and
-  optimizer state on disk; what grows is the activations of the extra layers, a few MB here); under
+  fresh process (tests/cli/_memrun.py: the kernel's peak resident set over a baseline taken after
+  a warm-up, the peak reset to it). Under offload=nvme the peak grows by less than a fixed slack
+  (gradients, shards and optimizer state on disk; what grows is the activations of the extra layers, a few MB here); under
   offload=cpu the same growth holds the model states (16+ bytes per parameter) and is many times larger.
 * Exactness the equivalence matrix (test_nvme.py) does not cover: fp16 with an overflow injected
   on one rank (the skip decided from the swapped gradients' norms) and clipping on every step,

@@ -209,7 +209,7 @@ def test_world1_zero3_holds_what_ddp_holds():
     gradients go straight into the partition, so neither the gathered units (with the default
     prefetch and reuse limits, the whole model from forward into backward) nor flat reduce buffers
     are a second copy. Measured in fresh processes (tests/cli/_memrun.py: resident set over a
-    warmed-up baseline, the peak from getrusage). Before: zero3's peak stood 1.5x the parameter
+    warmed-up baseline, the kernel's peak reset to it). Before: zero3's peak stood 1.5x the parameter
     bytes above ddp's (recipe model, 25 M parameters: +150 MiB)."""
     from framework.build import component
 
