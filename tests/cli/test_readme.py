@@ -1,13 +1,15 @@
-"""Every example command of README.md and recipes/README.md runs as printed, from a folder that
-holds what a fresh clone holds, with only its steps shortened.
+"""Every example command of README.md, the docs/ pages and recipes/README.md runs as printed, from a
+folder that holds what a fresh clone holds, with only its steps shortened.
 
-The fenced ``bash`` blocks are extracted (continuation lines joined, comments dropped) and run in
-document order (later examples use what earlier ones wrote: the sweep's report, the checkpoint a
-resume names, the export a pretrained run loads). Shortening: ``train.steps`` and the step counts
-checkpoints are named after become a few, logs and evaluations happen every step, a recipe runs
-its ``--quick`` twin. ``python -m framework.*`` commands run in a fork server that has imported
-the framework once (tests/cli/_forkrun.py); others (torchrun) run as processes. The few commands
-that cannot run here are listed in SKIP with the reason, and each must still be in a document.
+The fenced ``bash`` blocks are extracted (continuation lines joined, comments dropped) and run in the
+order of ``DOCS``, each document top to bottom. Later examples use what earlier ones wrote (the sweep's
+report, the checkpoint a resume names, the 16-bit weights a pretrained run loads, the checkpoints an
+export reads), so a page comes after the pages whose commands write what it uses; a command that both
+the README and a page show runs twice. Shortening: ``train.steps`` and the step counts checkpoints are
+named after become a few, logs and evaluations happen every step, a recipe runs its ``--quick`` twin.
+``python -m framework.*`` commands run in a fork server that has imported the framework once
+(tests/cli/_forkrun.py); others (torchrun) run as processes. The few commands that cannot run here are
+listed in SKIP with the reason, and each must still be in a document.
 """
 from __future__ import annotations
 
@@ -16,12 +18,17 @@ import re
 import shlex
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ["README.md", "recipes/README.md"]
+# README first (its headline commands), then the pages, each after those that write what it reads:
+# checkpoints.md saves the checkpoints hf.md exports; gpu.md's one command is skipped.
+DOCS = ["README.md", "docs/running.md", "docs/stages.md", "docs/nvme.md", "docs/deepspeed.md",
+        "docs/checkpoints.md", "docs/hf.md", "docs/sweeps.md", "docs/estimate.md", "docs/library.md",
+        "docs/gpu.md", "docs/architecture.md", "recipes/README.md"]
 STEPS = 3
 SKIP = {
     "make test": "it is this test suite",
@@ -60,12 +67,18 @@ def shorten(args: list[str]) -> list[str]:
     return out + ["train.log_every=1", f"train.eval_every={STEPS}", "train.eval_batches=1"]
 
 
+def test_every_page_is_listed():
+    """A page under docs/ that DOCS leaves out would have commands nobody runs."""
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= set(DOCS), sorted(pages - set(DOCS))
+
+
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory) -> Path:
     """A folder with what a fresh clone has (the documents, recipes, the test configs) and
     nothing a run wrote."""
     d = tmp_path_factory.mktemp("clone")
-    for name in ("README.md", "recipes", "tests", "conf", "Makefile", "pyproject.toml"):
+    for name in ("README.md", "docs", "recipes", "tests", "conf", "Makefile", "pyproject.toml"):
         (d / name).symlink_to(ROOT / name)
     (d / ".venv").symlink_to(ROOT / ".venv")
     return d
@@ -78,13 +91,19 @@ def test_every_documented_command_runs(clone, forkrun):
     skipped = {k: False for k in SKIP}
     failures, ran = [], 0
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1"}
+    before, here = Counter(), Counter()   # lines of the earlier documents, of this one so far
     for i, (doc, line) in enumerate(cmds):
+        if i and doc != cmds[i - 1][0]:
+            before, here = before + here, Counter()
+        here[line] += 1
         why = next((k for k in SKIP if k in line), None)
         if why:
             skipped[why] = True
             continue
-        if PLACEHOLDER.search(line) or line == "python -m framework.recipe --list" and doc != "README.md":
-            continue   # the syntax lines of recipes/README.md; their concrete forms are in README.md
+        if PLACEHOLDER.search(line):
+            continue   # the syntax lines of recipes/README.md; their concrete forms are in the docs
+        if here[line] <= before[line]:
+            continue   # a page repeating a README command: it ran there, on the same files
         words = shlex.split(line)
         assigned = {}
         while words and re.match(r"^[A-Z_]+=", words[0]):   # VAR=value python ...
