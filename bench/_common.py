@@ -37,7 +37,7 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
 def _rank(rank: int, world: int, store: str, fn, args, out) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
 
     dist = connect("gloo", timeout_s=600, store_path=store)
     res = fn(dist, *args)

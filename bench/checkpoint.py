@@ -54,7 +54,7 @@ def _batch(dist, vocab, pos):
 
 def _model(name):
     from framework import compose
-    from framework.build import component
+    from framework.engine.build import component
 
     cfg = compose([f"model={name}", "train.micro_batch=1", "train.steps=100", "logger=none", "+stage=zero2",
                    "optimizer=adamw", "scheduler=constant", "checkpoint.every=1"])
@@ -66,7 +66,7 @@ def ours(dist, name, root, steps):
     from dataclasses import replace
 
     from framework import Batch, initialize
-    from framework.checkpoint import Checkpointer
+    from framework.persist.checkpoint import Checkpointer
     from framework.models.gpt import gpt_loss
 
     cfg, model = _model(name)

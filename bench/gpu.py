@@ -10,7 +10,7 @@ The anchor config: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1
 1.417 B params), batch 16 x 1024 tokens, bf16, AdamW, clipping 1.0, world size 1. Every system runs
 in its own subprocess, so peak memory is its own; each prints one JSON line and the parent prints
 a markdown table with the anchors measured on one H200 (torch 2.11, DeepSpeed 0.19.8) beside it.
-Our rows also carry the estimator's device peak for the same config (``framework._memory``).
+Our rows also carry the estimator's device peak for the same config (``framework.memory.model``).
 Per phase (milliseconds, median): forward, backward (for zero2 offload with overlap_step the
 speculative host steps run during it), reduce (gradient partitions to the host), apply (clip,
 optimizer step, copy back and gather). The GPU is synchronised at each phase boundary; the step
@@ -80,7 +80,7 @@ def _timed(fn, phases: dict, key: str, device):
 
 
 def _plain_step(cfg, device):
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     torch.manual_seed(0)
@@ -117,7 +117,7 @@ def _fsdp2_step(cfg, device, offload: bool):
     CPUOffloadPolicy (parameters, gradients and the fused AdamW step on the host)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     _world_one_group(device)
@@ -150,7 +150,7 @@ def _deepspeed_step(cfg, device):
     """DeepSpeed ZeRO-2 with offload_optimizer=cpu (DeepSpeedCPUAdam), bf16; only where installed."""
     import deepspeed
 
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     _world_one_group(device)
@@ -174,8 +174,8 @@ def _deepspeed_step(cfg, device):
 
 def _predicted_gib(cfg, device) -> float | None:
     """The estimator's device peak for ``cfg`` at world size 1 (GiB)."""
-    from framework._memory import predict
-    from framework.build import component
+    from framework.memory.model import predict
+    from framework.engine.build import component
 
     try:
         with torch.device("meta"):   # the model as the benchmark builds it (its own vocabulary)
@@ -187,7 +187,7 @@ def _predicted_gib(cfg, device) -> float | None:
 
 def _ours_step(cfg, device):
     from framework import initialize
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     torch.manual_seed(0)

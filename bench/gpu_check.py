@@ -54,7 +54,7 @@ SYNC = {"zero2+cpu": ["+stage=zero2", "offload=cpu", "stage.overlap_comm=true"],
         "zero3+cpu params": ["+stage=zero3", "offload=cpu", "offload.params=cpu"], "zero3": ["+stage=zero3"]}
 # What one GPU cannot show, whatever the results above say.
 UNRUN_ONE_GPU = [
-    "NCCL collectives between ranks (framework.collectives.Nccl: reduce_scatter_tensor, all_gather_into_tensor, "
+    "NCCL collectives between ranks (framework.comm.collectives.Nccl: reduce_scatter_tensor, all_gather_into_tensor, "
     "per-owner reduce) and their ordering on NCCL's stream: need two GPUs",
     "NCCL's watchdog abort of a rank whose peer died (the launcher's SIGABRT message): needs two GPUs",
     "the host-step thread's device on a multi-GPU node (without bind_thread its context lands on GPU 0): "
@@ -77,8 +77,8 @@ def _device(dry: bool):
 def check_environment(dry: bool, out: Path) -> list[dict]:
     import torch
 
-    from framework.distributed import backend_notice, gpu_count, resolve_backend
-    from framework.errors import ConfigError
+    from framework.comm.distributed import backend_notice, gpu_count, resolve_backend
+    from framework.core.errors import ConfigError
 
     rows = [row("environment", "python", True, platform.python_version()),
             row("environment", "torch", True, torch.__version__, "2.11 (GPU image) or 2.13"),
@@ -114,7 +114,7 @@ def check_kernels(dry: bool, out: Path) -> list[dict]:
     import torch
 
     from framework import ops
-    from framework.accelerator import for_device
+    from framework.comm.accelerator import for_device
 
     rows = []
     t = time.perf_counter()

@@ -82,8 +82,8 @@ def _child(spec: dict) -> dict:
     import torch
 
     import framework
-    from framework.build import component
-    from framework.checkpoint import Checkpointer
+    from framework.engine.build import component
+    from framework.persist.checkpoint import Checkpointer
     from framework.config import compose
     from framework.models.gpt import gpt_loss
 

@@ -48,7 +48,7 @@ DEEPSPEED = (DS, DS_PLAIN)
 
 def _rank(dist, name: str, steps: int, folder: str) -> dict:
     from framework import compose, initialize
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     ds = name in DEEPSPEED

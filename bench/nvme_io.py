@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from bench._common import machine
-from framework.accelerator import for_device
+from framework.comm.accelerator import for_device
 from framework.offload._aio import AsyncIO, aligned_empty
 from framework.offload._swapfile import SwapFile
 

@@ -35,7 +35,7 @@ def _timed(fn, phases, key):
 
 def run_phases(dist, name: str, steps: int) -> dict:
     from framework import compose, initialize
-    from framework.build import component
+    from framework.engine.build import component
     from framework.models.gpt import gpt_loss
 
     cfg = compose(OVERRIDES + OURS.get(name, []))

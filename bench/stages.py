@@ -204,7 +204,7 @@ def run_system(dist, name: str, steps: int) -> dict:
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's collective renames, per step
     from framework import compose
-    from framework.build import component
+    from framework.engine.build import component
     from bench._common import peak_rss_bytes
 
     if name.startswith("ds-"):

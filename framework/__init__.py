@@ -13,14 +13,14 @@ one parameter at a time into this rank's shard.
 
 The command line (``python -m framework.train``) composes the same components with Hydra.
 """
-from framework.build import Engine, initialize
+from framework.engine.build import Engine, initialize
 from framework.config import Config, compose
-from framework.errors import ConfigError, DataError, DistributedError, FrameworkError, TrainingError
-from framework.materialize import zero_init
+from framework.core.errors import ConfigError, DataError, DistributedError, FrameworkError, TrainingError
+from framework.engine.materialize import zero_init
 from framework.stages.zero3 import gathered
-from framework.state import TrainState
-from framework.batch import Batch
-from framework.weights import load_weights, save_weights
+from framework.engine.state import TrainState
+from framework.core.batch import Batch
+from framework.persist.weights import load_weights, save_weights
 
 __all__ = ["Batch", "Config", "ConfigError", "DataError", "DistributedError", "Engine", "FrameworkError",
            "TrainState", "TrainingError", "compose", "gathered", "initialize", "load_weights", "save_weights",

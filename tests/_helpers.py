@@ -6,7 +6,7 @@ import copy
 import torch
 
 from framework import compose
-from framework.build import component, initialize
+from framework.engine.build import component, initialize
 from framework.models.gpt import gpt_loss
 
 TINY = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32", "model.context=16",
@@ -57,7 +57,7 @@ def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
     """Train ``model`` in place on one process: torch AdamW (1-D tensors with
     ``no_decay_weight_decay``), clip_grad_norm_, our schedule; the mean loss of each step.
     ``device``: where the batches go (the model is already there)."""
-    from framework.utils import to_device
+    from framework.core.utils import to_device
 
     o, t = cfg.optimizer, cfg.train
     params = list(model.parameters())

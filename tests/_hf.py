@@ -16,7 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")   # never reach the Hub, even by mistake
 
 import framework  # noqa: E402
-from framework.build import component  # noqa: E402
+from framework.engine.build import component  # noqa: E402
 
 # Dropout off so that ranks and the plain model see the same function (no per-rank streams).
 CONFIGS = {

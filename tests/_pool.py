@@ -19,7 +19,7 @@ def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", 
                       GLOO_SOCKET_IFNAME="lo")
     import torch
 
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
 
     torch.set_num_threads(1)
     dist = connect(backend, timeout_s=60, store_path=store, device=device)
@@ -37,7 +37,7 @@ def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", 
 
 
 class RankPool:
-    """``backend``/``device``: as ``framework.distributed.connect`` takes them (the GPU tests use
+    """``backend``/``device``: as ``framework.comm.distributed.connect`` takes them (the GPU tests use
     NCCL, or gloo with CUDA tensors on one GPU)."""
 
     def __init__(self, world: int, backend: str = "gloo", device: str = "auto"):

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-# The CPU runs of the suite check what CUDA would need (framework.accelerator): host/device
+# The CPU runs of the suite check what CUDA would need (framework.comm.accelerator): host/device
 # placement and stream order of every copy of the offload path. Set before any rank is spawned.
 os.environ.setdefault("FRAMEWORK_ACCELERATOR", "check")
 

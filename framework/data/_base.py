@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from framework.batch import Batch  # noqa: F401 - re-exported for data sources
-from framework.errors import ConfigError, DataError
+from framework.core.batch import Batch  # noqa: F401 - re-exported for data sources
+from framework.core.errors import ConfigError, DataError
 
 # Independent random streams: training batches, held-out batches, and anything else a
 # source needs (e.g. the synthetic chain itself).

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from framework.data._base import (CHAIN_STREAM, TRAIN_STREAM, VAL_STREAM, Batch, rank_rows, seeded,
                                   split_micro)
-from framework.errors import ConfigError
-from framework.registry import Component
+from framework.core.errors import ConfigError
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

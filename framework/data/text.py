@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from framework import files
+from framework.core import files
 from framework.data._base import CropSource, resolve_path
-from framework.errors import DataError
-from framework.registry import Component
+from framework.core.errors import DataError
+from framework.core.registry import Component
 
 TRAIN_FRACTION = 0.9
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from framework.data._base import CropSource, resolve_path
-from framework.errors import ConfigError, DataError
-from framework.registry import Component
+from framework.core.errors import ConfigError, DataError
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from framework import files
+from framework.core import files
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
     (appended): rank 0's console of a run is its folder's train.log. An error that ends the run
     is written there too (the caller prints it to the console)."""
-    from framework.errors import FrameworkError
+    from framework.core.errors import FrameworkError
 
     log = files.open_append(path)
     out, err = sys.stdout, sys.stderr

@@ -2,7 +2,7 @@
 from dataclasses import dataclass
 
 from framework.loggers._base import NullLogger, RunInfo
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.loggers._base import Console, RunInfo
-from framework.registry import Component
+from framework.core.registry import Component
 
 MODES = ("online", "offline", "disabled")
 

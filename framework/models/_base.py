@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from torch import Tensor, nn
 
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 def _no_weights(cfg: Any) -> None:
@@ -21,7 +21,7 @@ def _unknown(cfg: Any) -> None:
 @dataclass(frozen=True)
 class ModelComponent(Component):
     loss: Callable[[nn.Module, Any], Tensor]     # loss_fn(module, micro_batch) -> scalar
-    # A weights source (file or folder, framework.weights.load_weights) loaded after the stage set
+    # A weights source (file or folder, framework.persist.weights.load_weights) loaded after the stage set
     # the model up, or None: the model keeps its own initialisation.
     weights: Callable[[Any], str | None] = _no_weights
     # The model's hidden size, read from its config without building it (DeepSpeed's "auto"

@@ -28,7 +28,7 @@ from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.models._base import ModelComponent
 
 

@@ -5,7 +5,7 @@
 
 ``model.config`` builds a model from scratch from a ``config.json`` (or a folder holding one);
 ``model.pretrained`` builds it from the folder's config and, once the stage has partitioned it,
-loads the folder's weights with ``framework.weights.load_weights`` (under zero3 each rank reads
+loads the folder's weights with ``framework.persist.weights.load_weights`` (under zero3 each rank reads
 only the ranges of its shards). Nothing is ever downloaded: both keys must name local paths.
 
 The model is built on the meta device like every model of the command line; the stage
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.models._base import ModelComponent
 
 

@@ -53,7 +53,7 @@ import zlib
 import numpy as np
 import torch
 
-from framework.errors import SwapIOError
+from framework.core.errors import SwapIOError
 from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, preflight, reserved_bytes, swap_path
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels

@@ -39,7 +39,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from framework.utils import sq_norm_part
+from framework.core.utils import sq_norm_part
 
 
 class Spill:

@@ -44,10 +44,10 @@ import torch
 from torch import Tensor
 
 from framework import ops
-from framework.accelerator import Event
+from framework.comm.accelerator import Event
 from framework.offload._store import Handle, Tier
 from framework.optimizers import GradientTransformation, group_state, step_groups
-from framework.utils import tensor_bytes
+from framework.core.utils import tensor_bytes
 
 if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update): no import back at run time
     from framework.offload.base import Placement

@@ -4,7 +4,7 @@
 
 The ranks of one host usually swap into one folder. Each rank's own pre-flight (``check``:
 folder, buffers, its own room) runs first; then every rank says how many bytes its swap files
-still have to reserve there (``framework.room``) and all of them compare the sums with each file
+still have to reserve there (``framework.core.room``) and all of them compare the sums with each file
 system's free space. Every rank raises the same one-line ConfigError: a rank never dies alone
 while the others wait for it in the next collective ("Connection closed by peer").
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Mapping
 
-from framework.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.offload._swapfile import reserved_bytes, swap_path
-from framework.room import Claim, shortfalls
+from framework.core.room import Claim, shortfalls
 
 
 def _allocated(path) -> int:

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from framework.accelerator import Accelerator, Event
+from framework.comm.accelerator import Accelerator, Event
 from framework.offload._verified import verify_extent
 
 PAGE = 4096

@@ -40,8 +40,8 @@ from typing import Mapping
 
 import torch
 
-from framework.errors import ConfigError, SwapIOError
-from framework.files import make_dirs, refuse_links, write_atomic
+from framework.core.errors import ConfigError, SwapIOError
+from framework.core.files import make_dirs, refuse_links, write_atomic
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 1

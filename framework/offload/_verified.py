@@ -17,7 +17,7 @@ that were read is still there for the second pass to see.
 """
 from __future__ import annotations
 
-from framework.errors import SwapIOError
+from framework.core.errors import SwapIOError
 from framework.offload._aio import CHECKSUMS
 from framework.offload._swapfile import padded
 

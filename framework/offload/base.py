@@ -26,7 +26,7 @@ attribute of either is read or set by the other):
 
 What the pipeline needs about pieces it gets from ``pieces()`` (``PieceInfo``), not from the stage.
 Stores (``_store.py``) hold the pieces of each tier; every copy and every stream or event decision
-goes through the accelerator (``framework.accelerator``).
+goes through the accelerator (``framework.comm.accelerator``).
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from framework.accelerator import Accelerator, Event, for_device
-from framework.errors import SwapIOError
+from framework.comm.accelerator import Accelerator, Event, for_device
+from framework.core.errors import SwapIOError
 from framework.offload._gradswap import GradSwap, Spill
 from framework.offload._room import agree_swap_room
 from framework.offload._store import DeviceStore, DiskStore, HostStore, Tier
@@ -288,7 +288,7 @@ class Placement:
         configured cannot be backed by host memory. The exact checks follow at ``init_opt_state``."""
         if self.disk is None or not numel:
             return
-        from framework.errors import ConfigError
+        from framework.core.errors import ConfigError
 
         self.clean_stale()
         size = torch.empty((), dtype=param_dtype).element_size()
@@ -313,7 +313,7 @@ class Placement:
 
     def _check_ram(self, pools: int, bound: str) -> None:
         """One line if host buffers of ``pools`` bytes cannot fit in the memory available now."""
-        from framework.errors import ConfigError
+        from framework.core.errors import ConfigError
 
         available = _available_ram()
         if available is not None and pools > available:
@@ -327,7 +327,7 @@ class Placement:
         if self.param_store is None or self._shard_keys.get(id(shard)) is None:
             return
         if self.spill is None:
-            from framework.files import make_dirs
+            from framework.core.files import make_dirs
 
             folder = self._folder()
             make_dirs(folder)   # (0700; removed at close when this run made it)
@@ -489,7 +489,7 @@ class Placement:
 
     def _preflight(self, store: DiskStore, kind: str) -> None:
         """Room on the disk, a writable folder, buffers that hold the largest tile: one line otherwise."""
-        from framework.errors import ConfigError
+        from framework.core.errors import ConfigError
         from framework.offload._aio import preflight
 
         total, slot = sum(store.extents().values()), store.slot_bytes()

@@ -10,10 +10,10 @@ first ``ratio`` of every partition is stepped on the host and the rest stays on 
 """
 from dataclasses import dataclass
 
-from framework.accelerator import Accelerator
-from framework.errors import ConfigError
+from framework.comm.accelerator import Accelerator
+from framework.core.errors import ConfigError
 from framework.offload.base import Placement
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,9 @@
 """none: master partitions, optimizer state and parameters stay on the training device."""
 from dataclasses import dataclass
 
-from framework.accelerator import Accelerator
+from framework.comm.accelerator import Accelerator
 from framework.offload.base import Placement
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from framework.accelerator import Accelerator
-from framework.errors import ConfigError
+from framework.comm.accelerator import Accelerator
+from framework.core.errors import ConfigError
 from framework.offload.base import DiskSpec, Placement
-from framework.registry import Component
+from framework.core.registry import Component
 
 PAGE = 4096
 

@@ -33,7 +33,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from framework.paths import csrc_dir
+from framework.core.paths import csrc_dir
 
 NAME = "framework_cpu_optim"
 SOURCES = ("cpu_optim/cpu_optim.cpp",)

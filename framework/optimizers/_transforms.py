@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from framework import ops
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 
 # Elements per chunk for the transforms that need a temporary: caps the scratch buffer at
 # 16 MiB (fp32) whatever the group size, and keeps per-chunk launch overhead negligible.

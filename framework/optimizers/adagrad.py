@@ -7,7 +7,7 @@ from typing import Sequence
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_common, cpu_fused_adagrad,
     effective_mask, fused_dispatch, require, scale_by_lr, scale_by_rss)
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

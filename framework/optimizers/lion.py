@@ -7,7 +7,7 @@ from typing import Sequence
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
     cpu_fused_lion, effective_mask, fused_dispatch, scale_by_lion, scale_by_lr)
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@ from typing import Sequence
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_common, effective_mask, require,
     scale_by_lr, trace)
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from framework.errors import ConfigError, TrainingError
+from framework.core.errors import ConfigError, TrainingError
 
 
 @dataclass(frozen=True)

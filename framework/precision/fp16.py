@@ -3,9 +3,9 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.precision._policy import Policy, ScalerConfig, grad_accum_dtype
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

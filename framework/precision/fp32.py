@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.precision._policy import Policy, grad_accum_dtype
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from framework.registry import Component
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

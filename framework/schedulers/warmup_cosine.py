@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from framework.errors import ConfigError
-from framework.registry import Component
+from framework.core.errors import ConfigError
+from framework.core.registry import Component
 
 
 @dataclass(kw_only=True)

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from framework.errors import ConfigError
-from framework.registry import Component
+from framework.core.errors import ConfigError
+from framework.core.registry import Component
 from framework.schedulers.warmup_lr import WARMUP_TYPES, warmup_gamma
 
 

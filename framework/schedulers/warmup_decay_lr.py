@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from framework.errors import ConfigError
-from framework.registry import Component
+from framework.core.errors import ConfigError
+from framework.core.registry import Component
 from framework.schedulers.warmup_lr import check_warmup, warmup_gamma
 
 

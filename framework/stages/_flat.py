@@ -92,7 +92,7 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
     """Parameter ``name``'s initial values (in its own dtype) on ``device``.
 
     A parameter on the meta device is initialised by ``init.init_parameter(name, tensor)``
-    (``framework.materialize.initializer(module)``), one parameter at a time, so a model built on
+    (``framework.engine.materialize.initializer(module)``), one parameter at a time, so a model built on
     meta never exists whole in memory; with ``scratch`` (flat, same dtype, large enough) the
     values are written there instead of into a fresh allocation, so repeated temporaries cannot
     fragment the heap.

@@ -32,9 +32,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from framework.collectives import Pending
-from framework.distributed import Dist
-from framework.errors import DistributedError, FrameworkError, TrainingError
+from framework.comm.collectives import Pending
+from framework.comm.distributed import Dist
+from framework.core.errors import DistributedError, FrameworkError, TrainingError
 from framework.stages._flat import Layout
 from framework.stages._reduce import reduce_to_owners
 

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from framework.errors import TrainingError
+from framework.core.errors import TrainingError
 from framework.stages._reduce import Bucket, OrderedLauncher
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name

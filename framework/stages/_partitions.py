@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from framework.distributed import Dist
+from framework.comm.distributed import Dist
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
 from framework.stages._flat import Layout
 from framework.stages._spec import PieceSpec, piece_spec
-from framework.update import PlainUpdate, Update
-from framework.utils import sq_norm, tensor_bytes
+from framework.engine.update import PlainUpdate, Update
+from framework.core.utils import sq_norm, tensor_bytes
 
 
 class Partitions:

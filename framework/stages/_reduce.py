@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from framework.collectives import Collectives, Pending
+from framework.comm.collectives import Collectives, Pending
 
 
 @dataclass(frozen=True)

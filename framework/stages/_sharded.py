@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from framework.distributed import Dist
-from framework.errors import ConfigError
+from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.materialize import initializer
+from framework.engine.materialize import initializer
 from framework.stages._flat import Layout, bind, make_layout, param_groups
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup, WholeParameters
-from framework.utils import tensor_bytes
+from framework.core.utils import tensor_bytes
 
 
 @dataclass(kw_only=True)

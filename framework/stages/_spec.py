@@ -3,7 +3,7 @@
 A stage's master pieces (``Setup.master``, ``TrainState.params``) are flat ranges of its flat
 parameter buffers, and how many there are depends on the world size, the stage, the offload
 ratio and the bucket sizes. A ``PieceSpec`` says what one piece holds by parameter name, so
-state saved under one configuration can be re-sliced into any other (``framework.state``).
+state saved under one configuration can be re-sliced into any other (``framework.engine.state``).
 All of it is plain integer arithmetic on ranges; ``tests/unit/test_spec.py`` covers it.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from framework.errors import FrameworkError
+from framework.core.errors import FrameworkError
 from framework.stages._flat import Layout
 
 

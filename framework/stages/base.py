@@ -14,7 +14,7 @@ from torch import nn
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
 from framework.stages._spec import PieceSpec
-from framework.update import PlainUpdate, Update
+from framework.engine.update import PlainUpdate, Update
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class Stage(Protocol):
         """Per-rank bytes: params, grads, master_params, comm_buffers (optimizer state is added by the caller)."""
 
     def make_update(self, tx: GradientTransformation) -> Update:
-        """How optimizer steps are applied and published (framework.update)."""
+        """How optimizer steps are applied and published (framework.engine.update)."""
 
     def out16(self) -> list[torch.Tensor] | None:
         """16-bit outputs the optimizer step writes along with the master values (see _sharded)."""
@@ -68,7 +68,7 @@ class Stage(Protocol):
 
     def weights_on_save(self) -> bool:
         """Whether each save also writes consolidated working-dtype weights (zero3's
-        ``stage3_gather_16bit_weights_on_model_save``; framework.weights.save_on_model_save)."""
+        ``stage3_gather_16bit_weights_on_model_save``; framework.persist.weights.save_on_model_save)."""
 
     def close(self) -> None:
         """Remove the hooks this stage registered on the module (``Engine.close``)."""

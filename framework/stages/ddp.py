@@ -13,16 +13,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from framework.distributed import Dist
-from framework.errors import ConfigError
+from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError
 from framework.precision import Policy
-from framework.registry import Component
-from framework.materialize import initializer
+from framework.core.registry import Component
+from framework.engine.materialize import initializer
 from framework.stages._flat import Layout, bind, make_layout, param_groups, views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
-from framework.utils import sq_norm, tensor_bytes
+from framework.core.utils import sq_norm, tensor_bytes
 from framework.stages.base import Setup, WholeParameters
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from framework.registry import Component
+from framework.core.registry import Component
 from framework.stages._flat import views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, own_parts, plan_buckets, plan_stripes, reduce_bucket
 from framework.stages._sharded import ShardedStage, ZeroConfig
-from framework.utils import tensor_bytes
+from framework.core.utils import tensor_bytes
 
 
 class Zero1Stage(ShardedStage):

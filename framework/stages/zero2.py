@@ -15,13 +15,13 @@ from collections import deque
 
 import torch
 
-from framework.collectives import Pending
-from framework.registry import Component
+from framework.comm.collectives import Pending
+from framework.core.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
 from framework.stages._reduce import (expected_order, own_overlap, own_parts, plan_buckets, plan_round_robin,
                                       reduce_bucket, reduce_to_owners)
 from framework.stages._sharded import ShardedStage, ZeroConfig
-from framework.utils import tensor_bytes
+from framework.core.utils import tensor_bytes
 
 IN_FLIGHT = 2
 

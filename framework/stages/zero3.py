@@ -17,18 +17,18 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from framework.distributed import Dist
-from framework.errors import ConfigError, FrameworkError
-from framework.materialize import initializer
+from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError, FrameworkError
+from framework.engine.materialize import initializer
 from framework.models.hf import declared_layers
 from framework.precision import Policy
-from framework.registry import Component
+from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
 from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
 from framework.offload.base import Placement
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import HookOwner, Setup
-from framework.utils import tensor_bytes
+from framework.core.utils import tensor_bytes
 
 
 @dataclass(kw_only=True)

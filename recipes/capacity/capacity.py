@@ -95,8 +95,8 @@ def main() -> None:
     import torch
 
     import framework
-    from framework.build import component
-    from framework.distributed import connect
+    from framework.engine.build import component
+    from framework.comm.distributed import connect
 
     torch.set_num_threads(os.cpu_count() or 1)
     os.makedirs(args.nvme, exist_ok=True)

@@ -32,9 +32,9 @@ def _rss() -> int:
 def _rank(rank: int, spec: dict, world: int, store: str, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    from framework.build import component, initialize
+    from framework.engine.build import component, initialize
     from framework.config import compose
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     from framework.models.gpt import gpt_loss
 
     cfg = compose(spec["overrides"])
@@ -82,7 +82,7 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
     """Peak resident set over a checkpoint save, then over its load, then over ``save_weights`` and
     ``load_weights`` (safetensors, fp32) of the same state, each above the resident set just
     before it (``spec["checkpoint"]``: the folder to write them to)."""
-    from framework.checkpoint import Checkpointer
+    from framework.persist.checkpoint import Checkpointer
 
     cfg.checkpoint.dir = folder
     ckpt = Checkpointer(cfg, engine)
@@ -98,7 +98,7 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
     finally:
         ckpt.close()
     assert loaded.step == state.step
-    from framework.weights import load_weights, save_weights
+    from framework.persist.weights import load_weights, save_weights
 
     base = _reset_hwm()
     save_weights(engine, os.path.join(folder, "weights"))
@@ -113,7 +113,7 @@ def _checkpoint(cfg, engine, state, folder: str) -> dict:
 def _warm_up(overrides: list[str], dist) -> None:
     """One step of the same configuration with a tiny model, so that the baseline already holds
     everything a run loads once whatever the model size (modules, the C++ kernels, thread pools)."""
-    from framework.build import component, initialize
+    from framework.engine.build import component, initialize
     from framework.config import compose
     from framework.models.gpt import gpt_loss
 

@@ -127,7 +127,7 @@ def test_zero_stages_from_the_command_line(forkrun, tmp_path, stage):
         from safetensors.torch import load_file
 
         from framework import compose
-        from framework.build import component
+        from framework.engine.build import component
         assert summary["exported"] == "model_16bit"   # consolidated safetensors, each rank writing its ranges
         weights = load_file(tmp_path / "run" / "model_16bit" / "model.safetensors")
         cfg = compose([o for o in SHORT if o.startswith("model.")])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from framework import compose
-from framework.launch import slurm_task_env
-from framework.paths import conf_dir
+from framework.cli.launch import slurm_task_env
+from framework.core.paths import conf_dir
 
 CLUSTER = Path(__file__).resolve().parents[2] / "recipes" / "cluster"
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework._memory import (GIB, count_module, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.memory.model import (GIB, count_module, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.config import compose
-from framework.estimate import main
+from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS, count_params
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from framework.config import compose
-from framework.plan import Candidate, Hardware, parse_bytes, plan, step_time
+from framework.memory.planner import Candidate, Hardware, parse_bytes, plan, step_time
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,13 +94,13 @@ def test_verify_top3_order_matches_measured_on_cpu(tmp_path, monkeypatch):
     assert predicted == sorted(predicted)
     assert sorted(range(3), key=measured.__getitem__) == [0, 1, 2], (predicted, measured)
     # A later call reads the cache instead of probing again (the key includes the thread count).
-    from framework import _probe
+    from framework.memory import probe
     threads = torch.get_num_threads()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     try:
         torch.set_num_threads(1)
-        cached = _probe.load(torch.device("cpu"), tmp_path, collectives=False)
-        written = json.loads(_probe.cache_path(torch.device("cpu")).read_text())
+        cached = probe.load(torch.device("cpu"), tmp_path, collectives=False)
+        written = json.loads(probe.cache_path(torch.device("cpu")).read_text())
     finally:
         torch.set_num_threads(threads)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from framework import recipe as recipes
-from framework import report
-from framework.errors import DataError
+from framework.cli import recipe as recipes
+from framework.cli import report
+from framework.core.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[2]
 # The suite's copy of tiny shakespeare sits beside the repository (../shared); TINYSHAKESPEARE

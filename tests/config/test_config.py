@@ -6,9 +6,9 @@ import torch
 
 from framework import ConfigError, compose
 from framework.config import COMPATIBLE, GROUPS, Config, validate
-from framework.distributed import connect
-from framework.paths import conf_dir
-from framework.registry import registry
+from framework.comm.distributed import connect
+from framework.core.paths import conf_dir
+from framework.core.registry import registry
 from tests._helpers import TINY
 
 

@@ -1,4 +1,4 @@
-"""DeepSpeed configs (framework.dsconfig): the Hugging Face guide's three configs, typos at every
+"""DeepSpeed configs (framework.config.dsconfig): the Hugging Face guide's three configs, typos at every
 level, "auto", the batch triple, precedence and provenance, Adam = AdamW."""
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import framework
-from framework import dsconfig
-from framework.errors import ConfigError, FrameworkError
-from framework.launch import launch
+from framework.config import dsconfig
+from framework.core.errors import ConfigError, FrameworkError
+from framework.cli.launch import launch
 from framework.loggers._base import RunInfo
 
 DS = Path(__file__).resolve().parent / "ds"

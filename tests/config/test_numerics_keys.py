@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from framework import ConfigError, compose
-from framework.build import component
+from framework.engine.build import component
 
 
 def test_round_robin_gradients_is_accepted():

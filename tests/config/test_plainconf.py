@@ -1,11 +1,11 @@
-"""Without Hydra (the GPU image has none) ``compose`` composes with framework._plainconf: the same
+"""Without Hydra (the GPU image has none) ``compose`` composes with framework.config.plainconf: the same
 configs as Hydra for the overrides library and benchmark code use, the same one-line errors."""
 import re
 
 import pytest
 
 from framework import ConfigError
-from framework._plainconf import plain_composer, value
+from framework.config.plainconf import plain_composer, value
 from framework.config import compose, validate
 
 CASES = [
@@ -21,7 +21,7 @@ CASES = [
 
 @pytest.fixture(params=["omegaconf", "plain"])
 def typing(request, monkeypatch):
-    """Values typed by OmegaConf, or (as without it) by framework._plainconf."""
+    """Values typed by OmegaConf, or (as without it) by framework.config.plainconf."""
     return lambda: monkeypatch.setattr("framework.config.OmegaConf", None) if request.param == "plain" else None
 
 

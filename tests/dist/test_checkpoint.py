@@ -1,4 +1,4 @@
-"""Checkpoints through the DCP folder (framework.checkpoint): bitwise resume, resharding, safety.
+"""Checkpoints through the DCP folder (framework.persist.checkpoint): bitwise resume, resharding, safety.
 
 Exactness: run A trains N steps and saves at step K (checkpoint.every=K) without changing its
 course; run B is a fresh engine (other initial values) that resumes from A's step-K folder and
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import framework
-from framework.checkpoint import Checkpointer, CheckpointError, fault
+from framework.persist.checkpoint import Checkpointer, CheckpointError, fault
 from framework.models.gpt import gpt_loss
-from framework.state import capture_rng
+from framework.engine.state import capture_rng
 from tests._helpers import OverflowAt, build_gpt, tiny_config
 from tests.dist.test_layout import assemble
 
@@ -65,7 +65,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
                     loss.step = state.step
                 state, m = engine.train_step(state, batch)
                 losses.append(m["loss"])
-                fault(f"step:{state.step}", dist.rank)  # as framework.loop does (fault tests)
+                fault(f"step:{state.step}", dist.rank)  # as framework.cli.loop does (fault tests)
                 ckpt.maybe_save(state)
         finally:
             ckpt.close()
@@ -73,7 +73,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 
@@ -238,7 +238,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
 
     (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
     manifest = json.loads((folder / "manifest.json").read_text())
-    from framework.checkpoint._folder import file_entry
+    from framework.persist.checkpoint._folder import file_entry
     manifest["files"][".metadata"] = file_entry(folder, ".metadata")
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"refused to read the DCP metadata \(posix.system is not part"):

@@ -1,7 +1,7 @@
 """Fault tests of checkpointing: kills during the save protocol, a rank lost mid-step, restarts.
 
 Ranks here are real processes that die with ``os._exit`` (the FRAMEWORK_FAULT test hook of
-framework.checkpoint): forked from a forkserver that has torch and framework imported, so a
+framework.persist.checkpoint): forked from a forkserver that has torch and framework imported, so a
 2-rank launch costs a fraction of a second instead of two interpreter starts. The relaunch
 resumes in the shared 2-rank pool and is compared with an uninterrupted run there.
 
@@ -31,8 +31,8 @@ OVER = ["+stage=zero2"]
 def _worker(rank, world, store, root, env, timeout_s, out):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", **env)
     torch.set_num_threads(1)
-    from framework.distributed import connect, disconnect
-    from framework.errors import FrameworkError
+    from framework.comm.distributed import connect, disconnect
+    from framework.core.errors import FrameworkError
     try:
         dist = connect("gloo", timeout_s=timeout_s, store_path=store)
         _train(dist, OVER, root, resume="auto")
@@ -47,7 +47,8 @@ def _launch(root, env, timeout_s=30.0, world=2, limit=60.0):
     """Start ``world`` ranks and let each end by itself (within ``limit`` seconds); return their
     exit codes and the error message each rank that failed wrote."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "framework.build", "framework.checkpoint", "tests.dist.test_checkpoint"])
+    ctx.set_forkserver_preload(["torch", "framework.engine.build", "framework.persist.checkpoint",
+                                "tests.dist.test_checkpoint"])
     tmp = tempfile.mkdtemp(prefix="ckpt-fault-")
     procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "store"), str(root), env, timeout_s, tmp))
              for r in range(world)]
@@ -67,7 +68,8 @@ def _launch(root, env, timeout_s=30.0, world=2, limit=60.0):
 
 def _stop_on_first_death(root, env):
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "framework.build", "framework.checkpoint", "tests.dist.test_checkpoint"])
+    ctx.set_forkserver_preload(["torch", "framework.engine.build", "framework.persist.checkpoint",
+                                "tests.dist.test_checkpoint"])
     tmp = tempfile.mkdtemp(prefix="ckpt-fault-")
     procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(tmp, "store"), str(root), env, 30.0, tmp))
              for r in range(2)]

@@ -16,9 +16,9 @@ import threading
 import pytest
 import torch
 
-from framework.collectives import Gloo, Local, Nccl, collectives_for
-from framework.distributed import Dist
-from framework.errors import DistributedError
+from framework.comm.collectives import Gloo, Local, Nccl, collectives_for
+from framework.comm.distributed import Dist
+from framework.core.errors import DistributedError
 
 SHARD = 6
 
@@ -284,7 +284,7 @@ def test_dead_peer_gives_one_clear_line(kind):
 
 def _nccl_rank(rank: int, world: int, store: str, queue) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    from framework.distributed import connect, disconnect
+    from framework.comm.distributed import connect, disconnect
 
     dist = connect("nccl", timeout_s=60, store_path=store)
     try:

@@ -40,7 +40,7 @@ def _stall(dist):
 
     import torch.distributed as td
 
-    from framework.distributed import Dist, DistributedError
+    from framework.comm.distributed import Dist, DistributedError
 
     # A group of its own with a 3 s timeout (collective: both ranks create it first).
     group = td.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))

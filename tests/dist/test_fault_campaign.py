@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework.checkpoint import _folder
+from framework.persist.checkpoint import _folder
 from tests.dist.test_checkpoint import NVME
 from tests.dist.test_integrity import _run
 
@@ -40,8 +40,8 @@ OVER = ["+stage=zero2", *NVME]
 def _worker(rank, world, store, root, out, timeout_s):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(1)
-    from framework.distributed import connect
-    from framework.errors import FrameworkError
+    from framework.comm.distributed import connect
+    from framework.core.errors import FrameworkError
     try:
         dist = connect("gloo", timeout_s=timeout_s, store_path=store)
         result = _run(dist, OVER, root, steps=STEPS, resume="auto", keep_last=2, seed=99)
@@ -58,7 +58,8 @@ def _launch(root: Path, work: Path, fault=None, delay: float = 0.0, timeout_s: f
     is applied ``delay`` seconds after the first checkpoint exists. Returns the exit codes and
     per-rank results."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "framework.build", "framework.checkpoint", "tests.dist.test_integrity"])
+    ctx.set_forkserver_preload(["torch", "framework.engine.build", "framework.persist.checkpoint",
+                                "tests.dist.test_integrity"])
     work.mkdir(parents=True, exist_ok=True)
     procs = [ctx.Process(target=_worker, args=(r, 2, str(work / "store"), str(root), str(work), timeout_s))
              for r in range(2)]

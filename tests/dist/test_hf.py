@@ -6,7 +6,7 @@
 * Greedy ``generate`` under zero3 (forward passes with gathers, no backward, HF's KV cache)
   gives the plain model's tokens; a partitioned parameter's repr names its full shape and shard.
 * Pretrained folders (``model.pretrained``) and ``engine.save_pretrained`` round trips: these use
-  ``framework.weights`` (contract C) and are skipped until it exists.
+  ``framework.persist.weights`` (contract C) and are skipped until it exists.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ STAGES = {
     "zero3-checkpointing": ["+stage=zero3", *ZERO3, "model.activation_checkpointing=true"],
 }
 TRAIN = ["train.steps=3", "train.grad_accum=2", "train.grad_clip=0.5"]
-needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.weights") is None,
-                                   reason="needs framework.weights (contract C, branch weights)")
+needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.persist.weights") is None,
+                                   reason="needs framework.persist.weights (contract C, branch weights)")
 
 
 def _train_all(dist, path):
@@ -39,7 +39,7 @@ def _train_all(dist, path):
     for name, overrides in STAGES.items():
         cfg = hf_cfg(path, *TRAIN, *overrides)
         model, data = build(cfg)
-        from framework.build import component
+        from framework.engine.build import component
         engine = framework.initialize(model, component(cfg, "model").loss, cfg, dist)
         state, losses = engine.state, []
         for _ in range(cfg.train.steps):
@@ -69,7 +69,7 @@ def test_every_stage_matches_plain_loop(pools, tmp_path, arch):
 
 
 def _generate(dist, path):
-    from framework.build import component
+    from framework.engine.build import component
 
     cfg = hf_cfg(path, "+stage=zero3", *ZERO3)
     model, _ = build(cfg)
@@ -101,14 +101,14 @@ def test_generate_under_zero3_matches_plain_and_repr(pools, tmp_path):
         assert f"this rank holds elements [{2048 * rank}, {2048 * (rank + 1)}) of 4096" in text, text
 
 
-# --- pretrained folders and export (framework.weights) ------------------------------------------
+# --- pretrained folders and export (framework.persist.weights) ------------------------------------------
 
 
 def _save_then_load(dist, path, out_dir):
     """Train zero3 a little, save_pretrained, then run the command-line loop on model.pretrained."""
-    from framework.build import component
+    from framework.engine.build import component
     from framework.loggers._base import RunInfo
-    from framework.loop import train
+    from framework.cli.loop import train
 
     cfg = hf_cfg(path, "+stage=zero3", *ZERO3, "train.steps=2")
     model, data = build(cfg)

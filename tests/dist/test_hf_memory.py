@@ -52,8 +52,8 @@ def _sizes(model) -> tuple[int, int]:
 
 
 def _construct(dist, path):
-    from framework.build import component
-    from framework.materialize import materialize_buffers
+    from framework.engine.build import component
+    from framework.engine.materialize import materialize_buffers
 
     cfg = hf_cfg(path, "model.context=64", "+stage=zero3", PERSIST)
     model, _ = build(cfg)
@@ -84,13 +84,13 @@ def test_partitioned_construction_peak_memory(pools, tmp_path):
         assert torch.equal(value, dict(plain.named_parameters())["model.layers.3.mlp.up_proj.weight"])
 
 
-needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.weights") is None,
-                                   reason="needs framework.weights (contract C, branch weights)")
+needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.persist.weights") is None,
+                                   reason="needs framework.persist.weights (contract C, branch weights)")
 
 
 def _load(dist, path, folder):
-    from framework.build import component
-    from framework.weights import load_weights
+    from framework.engine.build import component
+    from framework.persist.weights import load_weights
 
     cfg = hf_cfg(path, "model.context=64", "+stage=zero3", PERSIST)
     model, _ = build(cfg)

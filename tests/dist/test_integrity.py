@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import framework
-from framework.checkpoint import Checkpointer
-from framework.checkpoint._folder import file_entry
+from framework.persist.checkpoint import Checkpointer
+from framework.persist.checkpoint._folder import file_entry
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 from tests.dist.test_checkpoint import NVME, ROWS, _same_state
@@ -355,7 +355,8 @@ def test_a_stalled_rank_is_named_in_the_timeout(tmp_path):
     from tests.dist.test_checkpoint_faults import _worker
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "framework.build", "framework.checkpoint", "tests.dist.test_checkpoint"])
+    ctx.set_forkserver_preload(["torch", "framework.engine.build", "framework.persist.checkpoint",
+                                "tests.dist.test_checkpoint"])
     env = {"FRAMEWORK_FAULT": "step:3@1,stop"}
     procs = [ctx.Process(target=_worker, args=(r, 2, str(tmp_path / "store"), str(tmp_path / "ck"), env, 3.0,
                                               str(tmp_path))) for r in range(2)]

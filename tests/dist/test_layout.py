@@ -70,7 +70,7 @@ def _load(dist, overrides, saved):
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 

@@ -20,7 +20,7 @@ STAGES = ("ddp", "zero1", "zero2", "zero3")
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import framework
-from framework.checkpoint import Checkpointer
+from framework.persist.checkpoint import Checkpointer
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 
@@ -82,7 +82,7 @@ def _matrix(dist):
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 
@@ -238,7 +238,7 @@ def test_checkpoint_of_an_nvme_run(pools, tmp_path, precision):
 
 
 def test_checkpointer_resume_of_an_nvme_run_is_bitwise(pools, tmp_path):
-    """framework.checkpoint with zero3 + offload=nvme (master, Adam state and parameter shards on disk),
+    """framework.persist.checkpoint with zero3 + offload=nvme (master, Adam state and parameter shards on disk),
     bf16, gradient accumulation: the resumed run continues with the same losses and the same state
     (the save reads the swapped tiles, the load writes them back)."""
     from tests.dist.test_checkpoint import K, _same_state, _train

@@ -116,7 +116,7 @@ def _pair(dist):
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 

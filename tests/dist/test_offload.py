@@ -66,7 +66,7 @@ CASES = [
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 
@@ -173,7 +173,7 @@ def test_overlapped_host_step_is_identical(pools, world, case):
 def test_failed_overlapped_step_leaves_the_optimizer_untouched(monkeypatch):
     """An error after pieces were stepped speculatively (here: in the norm) rolls them back, so a
     caller that catches it and retries gets exactly the run without the failure."""
-    from framework.utils import tensors_in
+    from framework.core.utils import tensors_in
 
     overrides = ["+stage=zero2", *BUCKETS, "train.grad_clip=0", "offload=cpu", "offload.overlap_step=true"]
     cfg = tiny_config(*ODD, *overrides)

@@ -25,8 +25,8 @@ def _rank(rank: int, store: str, out) -> None:
     import torch
 
     from framework.config import compose
-    from framework.build import component, initialize
-    from framework.distributed import connect, disconnect
+    from framework.engine.build import component, initialize
+    from framework.comm.distributed import connect, disconnect
     from framework.models.gpt import gpt_loss
 
     torch.set_num_threads(1)

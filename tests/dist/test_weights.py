@@ -1,4 +1,4 @@
-"""framework.weights on 2 gloo ranks: load_weights and save_weights under every stage.
+"""framework.persist.weights on 2 gloo ranks: load_weights and save_weights under every stage.
 
 Each case builds an engine (default seed), loads weights written from a differently seeded
 plain model (safetensors file, sharded folder with an index, or a torch state dict), and checks:
@@ -19,7 +19,7 @@ from torch import nn
 
 import framework
 from framework.models.gpt import gpt_loss
-from framework.weights import load_weights, open_weights, save_weights
+from framework.persist.weights import load_weights, open_weights, save_weights
 from tests._helpers import build_gpt, tiny_config
 from tests.dist.test_layout import assemble
 
@@ -290,7 +290,7 @@ def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
 # --- a real checkpoint: stage3_gather_16bit_weights_on_model_save in each step folder, then export -------
 
 def _checkpointed(dist, ckpt_dir):
-    from framework.checkpoint import Checkpointer
+    from framework.persist.checkpoint import Checkpointer
     cfg = tiny_config("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true",
                       "stage.stage3_param_persistence_threshold=0", f"checkpoint.dir={ckpt_dir}",
                       "checkpoint.every=2", f"train.micro_batch={ROWS // dist.world}")
@@ -313,7 +313,8 @@ def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
     """zero3, bf16, 2 ranks, checkpoints at steps 2 and 4: each step folder holds model_16bit/ (the
     working bf16 parameters, bitwise); python -m framework.export of the checkpoint gives the fp32
     masters bitwise, loadable by the plain model with load_state_dict(strict=True)."""
-    from framework.export import get_fp32_state_dict_from_checkpoint, main
+    from framework.cli.export import main
+    from framework.persist.export import get_fp32_state_dict_from_checkpoint
     ranks = pools(2).run(_checkpointed, str(tmp_path / "ckpt"), timeout=240)
     working, _ = ranks[0]
     masters = assemble([r[1] for r in ranks])

@@ -93,7 +93,7 @@ def test_fp16_overflow_skips_same_step_on_every_rank(pools):
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 

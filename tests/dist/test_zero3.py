@@ -59,7 +59,7 @@ CASES = {
 
 
 def _local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo")
 
 
@@ -213,7 +213,7 @@ def _rss() -> int:
 
 
 def _construct(dist, d_model):
-    from framework.build import component
+    from framework.engine.build import component
 
     cfg = framework.compose(["model=gpt-mini", f"model.d_model={d_model}", "model.n_head=8", "model.n_layer=4",
                              "model.context=64", "+stage=zero3", "train.steps=1"])

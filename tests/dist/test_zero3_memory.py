@@ -211,7 +211,7 @@ def test_world1_zero3_holds_what_ddp_holds():
     are a second copy. Measured in fresh processes (tests/cli/_memrun.py: resident set over a
     warmed-up baseline, the kernel's peak reset to it). Before: zero3's peak stood 1.5x the parameter
     bytes above ddp's (recipe model, 25 M parameters: +150 MiB)."""
-    from framework.build import component
+    from framework.engine.build import component
 
     cfg = framework.compose(WORLD1)   # the model _memrun builds, on the meta device, for its size
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)

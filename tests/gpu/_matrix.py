@@ -20,7 +20,7 @@ import torch
 
 import framework
 from framework.models.gpt import gpt_loss
-from framework.utils import to_device
+from framework.core.utils import to_device
 from tests._helpers import build_gpt, plain_loop, tiny_config
 
 DRY = os.environ.get("FRAMEWORK_GPU_DRY") == "1"

@@ -3,7 +3,7 @@ one process on NCCL (world 1); two ranks over gloo with CUDA tensors sharing one
 collectives the stages use there: broadcast and all-reduce); NCCL across GPUs where there are two
 or more. Skipped without CUDA, except under FRAMEWORK_GPU_DRY=1 (the same code on the CPU).
 What one GPU leaves unrun: NCCL's reduce-scatter, all-gather and per-owner reduce paths
-(framework.collectives.Nccl) and their streams, which need two GPUs."""
+(framework.comm.collectives.Nccl) and their streams, which need two GPUs."""
 import pytest
 import torch
 
@@ -17,7 +17,7 @@ OFFLOADED = {name for name, o in CASES.items() if any(x.startswith("offload=") f
 
 @pytest.fixture(scope="module")
 def local():
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     return connect("gloo" if DRY else "nccl")   # world 1: no group; the device is cuda:0 (dry: the CPU)
 
 

@@ -1,5 +1,5 @@
 """CPU offload on a CUDA device (skipped without one): the copy stream, pinned buffers and events
-of framework.accelerator's CUDA implementation give the same training as no offload (fp32, 1e-6
+of framework.comm.accelerator's CUDA implementation give the same training as no offload (fp32, 1e-6
 per step), and the overlapped host step stays bit-identical."""
 from dataclasses import replace
 
@@ -8,7 +8,7 @@ import torch
 
 import framework
 from framework.models.gpt import gpt_loss
-from framework.utils import to_device
+from framework.core.utils import to_device
 from tests._helpers import build_gpt, tiny_config
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -18,7 +18,7 @@ ODD = ["model.d_model=33", "model.n_head=3", "train.steps=8", "train.micro_batch
 
 
 def _train(overrides):
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
     cfg = tiny_config(*ODD, *overrides)
     module, data = build_gpt(cfg)
     dist = connect("nccl")   # world 1: no group, the device is cuda:0

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from framework import ConfigError
-from framework.accelerator import (CheckingCpuAccelerator, CpuAccelerator, DeviceMismatch, OrderError,
-                                   for_device)
+from framework.comm.accelerator import (CheckingCpuAccelerator, CpuAccelerator, DeviceMismatch, OrderError,
+                                        for_device)
 
 
 @pytest.fixture
@@ -232,7 +232,7 @@ def test_host_syncs_in_hooks_are_framework_code_only(acc):
     import os
 
     import framework
-    from framework.accelerator import HostSync
+    from framework.comm.accelerator import HostSync
     x = torch.ones(3, requires_grad=True)
     x.register_post_accumulate_grad_hook(acc.hook(lambda p: None if bool(p.grad.sum()) else None, "a user hook"))
     (x * 2).sum().backward()                          # user code may sync (not ours to judge)

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from framework.accelerator import for_device
-from framework.errors import ConfigError, SwapIOError
+from framework.comm.accelerator import for_device
+from framework.core.errors import ConfigError, SwapIOError
 from framework.offload._aio import AsyncIO, DirectIOFallback, aligned_empty
 from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, reserved_bytes, swap_path
 

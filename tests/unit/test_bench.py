@@ -32,7 +32,7 @@ def test_nvme_io_bench_runs_tiny(tmp_path):
 def test_checkpoint_bench_runs_tiny(tmp_path):
     """bench.checkpoint's rank function on one process with gpt-nano (ours and torch.save rows)."""
     from bench.checkpoint import ours
-    from framework.distributed import connect
+    from framework.comm.distributed import connect
 
     r = ours(connect("gloo"), "gpt-nano", str(tmp_path), 1)
     assert r["sync_total"] > 0 and r["load"] > 0 and r["async_blocked"] > 0 and r["torch_save"] > 0

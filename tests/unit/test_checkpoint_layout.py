@@ -1,4 +1,4 @@
-"""Flat ranges as rectangular DCP chunks (framework.checkpoint._dcp.boxes), ownership of
+"""Flat ranges as rectangular DCP chunks (framework.persist.checkpoint._dcp.boxes), ownership of
 replicated ranges, the config keys, and the folder protocol's pure parts."""
 import itertools
 import math
@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from framework.checkpoint import _subtract, _optim_keys
-from framework.checkpoint._dcp import boxes
-from framework.errors import ConfigError
+from framework.persist.checkpoint import _subtract, _optim_keys
+from framework.persist.checkpoint._dcp import boxes
+from framework.core.errors import ConfigError
 from tests._helpers import tiny_config
 
 

@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from framework.data import Batch, DataSource
 from framework.data import synthetic, text, tokens
-from framework.errors import DataError
-from framework.registry import registry
+from framework.core.errors import DataError
+from framework.core.registry import registry
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAKESPEARE = "../shared/data/tinyshakespeare.txt"   # relative to the repo root
@@ -210,7 +210,7 @@ def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
     import pytest
 
     from framework.data.tokens import TokensConfig, TokensSource
-    from framework.errors import ConfigError
+    from framework.core.errors import ConfigError
 
     np.arange(200, dtype="<u2").tofile(tmp_path / "tokens.bin")
     with pytest.raises(ConfigError, match="data.vocab_size is not set and .*meta.json gives none"):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from framework import ConfigError
-from framework import distributed as d
-from framework.launch import cap_threads, exit_message
+from framework.comm import distributed as d
+from framework.cli.launch import cap_threads, exit_message
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from framework.accelerator import for_device
+from framework.comm.accelerator import for_device
 from framework.offload._aio import AsyncIO, aligned_empty
 from framework.offload._store import DiskStore, Handle
 from framework.offload._swapfile import SwapFile
@@ -125,7 +125,7 @@ def test_mapped_views_read_and_write_the_swap_file(tmp_path, checksum):
 def test_a_damaged_swap_file_is_never_mapped_for_a_save(tmp_path):
     """A read-only map checks every extent against the engine's checksums: a flipped byte is a
     SwapIOError naming the file and the piece, not a checkpoint of bad values."""
-    from framework.errors import SwapIOError
+    from framework.core.errors import SwapIOError
 
     store, tensors, _ = _store(tmp_path, 2, False, False)
     offset = store.file.extent("3.0")[0] + 5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import framework
-from framework.accelerator import DeviceMismatch, OrderError
+from framework.comm.accelerator import DeviceMismatch, OrderError
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 
@@ -77,8 +77,8 @@ OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offl
 def test_a_missing_event_fails_on_cpu(monkeypatch, overrides, needle):
     """If a stream did not wait for the event behind the producer of what it reads, the checking
     accelerator (the suite's default) raises instead of letting CPU tests pass."""
-    from framework.accelerator import _CheckingEvent
-    monkeypatch.setattr(_CheckingEvent, "wait", lambda self, stream=None: None)
+    from framework.comm.accelerator import CheckingEvent
+    monkeypatch.setattr(CheckingEvent, "wait", lambda self, stream=None: None)
     engine, data = _engine(*overrides)
     with engine, pytest.raises(OrderError, match=needle):
         engine.train_step(engine.state, _batch(data, engine.state))

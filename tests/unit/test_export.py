@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework.errors import ConfigError
-from framework.export import get_fp32_state_dict_from_checkpoint, main
+from framework.core.errors import ConfigError
+from framework.cli.export import main
+from framework.persist.export import get_fp32_state_dict_from_checkpoint
 from tests._helpers import build_gpt, tiny_config
 
 
@@ -76,7 +77,8 @@ def test_export_errors_are_one_line(tmp_path, capsys):
 # process started from this one inherits this one's maximum in ru_maxrss.
 _PROBE = r"""
 import json, sys
-from framework.export import get_fp32_state_dict_from_checkpoint, main
+from framework.cli.export import main
+from framework.persist.export import get_fp32_state_dict_from_checkpoint
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key + ":"):

@@ -9,10 +9,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.models.gpt import (COMPONENTS, GPT, PRESETS, Block, GPTConfig, build, count_params,
                                   gpt_loss)
-from framework.registry import registry
+from framework.core.registry import registry
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 

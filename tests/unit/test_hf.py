@@ -9,7 +9,7 @@ from torch import nn
 
 import framework
 from framework import ConfigError
-from framework.build import component
+from framework.engine.build import component
 from framework.models.hf import HFInit, causal_lm_loss, materialize
 from tests._hf import CONFIGS, build, hf_cfg, write_config
 

@@ -14,8 +14,8 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HOT = ["framework/step.py", "framework/update.py", "framework/collectives.py", "framework/offload/_pipeline.py",
-       "framework/offload/base.py", "framework/offload/_store.py", "framework/stages"]
+HOT = ["framework/engine/step.py", "framework/engine/update.py", "framework/comm/collectives.py",
+       "framework/offload/_pipeline.py", "framework/offload/base.py", "framework/offload/_store.py", "framework/stages"]
 MARK = "host sync:"
 METHODS = {"item", "cpu", "tolist", "numpy", "nonzero"}
 

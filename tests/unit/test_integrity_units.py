@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from framework import ConfigError, compose
-from framework.errors import SwapIOError, UnsafePathError
-from framework.files import create_new, make_dirs, open_append, write_atomic
-from framework.room import Claim, shortfalls
+from framework.core.errors import SwapIOError, UnsafePathError
+from framework.core.files import create_new, make_dirs, open_append, write_atomic
+from framework.core.room import Claim, shortfalls
 
 
 # --- planted links --------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
 def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
     """``latest.tmp`` and a ``step-N.tmp`` folder planted as links: the commit protocol refuses them
     by name and never writes through them."""
-    from framework.checkpoint import _folder
+    from framework.persist.checkpoint import _folder
 
     root = tmp_path / "ckpt"
     root.mkdir()
@@ -88,7 +88,7 @@ def test_a_planted_link_in_the_nvme_folder_is_refused(tmp_path, name):
 
 def test_run_outputs_and_exports_refuse_planted_links(tmp_path):
     from framework.loggers._base import RunRecord
-    from framework.weights import create_files, plan_files
+    from framework.persist.weights import create_files, plan_files
 
     link, victim = _plant(tmp_path, "metrics.jsonl")
     with pytest.raises(UnsafePathError, match="metrics.jsonl is a symbolic link"):
@@ -105,7 +105,7 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
     """keep_last=1 after a commit of step 3 whose save could not vouch for its state (no ``verified``
     flag: an older framework's, or a folder made by hand): step 1, the newest verified one, stays;
     the folders go through ``step-N.del`` and are gone."""
-    from framework.checkpoint import _folder
+    from framework.persist.checkpoint import _folder
 
     for step, verified in ((1, True), (2, None), (3, None)):
         folder = tmp_path / f"step-{step}"
@@ -160,7 +160,7 @@ def test_room_is_summed_over_the_ranks_sharing_a_file_system(tmp_path):
 # --- a stalled rank is named ----------------------------------------------------------------------
 
 def test_a_stopped_or_dead_peer_is_named():
-    from framework.distributed import Dist
+    from framework.comm.distributed import Dist
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -185,7 +185,7 @@ def test_a_stopped_or_dead_peer_is_named():
 # --- rendezvous folders of dead runs --------------------------------------------------------------
 
 def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path):
-    from framework.launch import RDZV_LOCK, RDZV_PREFIX, remove_dead_rendezvous
+    from framework.cli.launch import RDZV_LOCK, RDZV_PREFIX, remove_dead_rendezvous
 
     old = time.time() - 7200
 

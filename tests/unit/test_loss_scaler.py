@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling follows DeepSpeed's rule (DynamicLossScaler) on scripted overflows."""
 import pytest
 
-from framework.errors import TrainingError
+from framework.core.errors import TrainingError
 from framework.precision import PrecisionState, ScalerConfig, next_scale
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from framework import compose
-from framework.accelerator import CheckingCpuAccelerator
-from framework.build import component
+from framework.comm.accelerator import CheckingCpuAccelerator
+from framework.engine.build import component
 from framework.offload._store import Tier
 from framework.offload.base import Placement
 from framework.optimizers import step

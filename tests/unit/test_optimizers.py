@@ -11,11 +11,11 @@ import torch
 import yaml
 from torch import Tensor
 
-from framework.errors import ConfigError
+from framework.core.errors import ConfigError
 from framework.optimizers import _transforms, apply_updates
 from framework.optimizers import adagrad, adam, adamw, lion, sgd
 from framework.optimizers._transforms import GradientTransformation
-from framework.registry import registry
+from framework.core.registry import registry
 
 SIZES = (1001, 37)  # awkward sizes: not multiples of any vector width
 MASK = [True, False]  # group 0 decayed, group 1 (the "1-D params") not
@@ -258,7 +258,7 @@ def test_step_groups_equals_one_step_over_all_groups(monkeypatch, name, kernels)
     """Stepping groups one at a time (in any order) is bit-identical to one step over all of them:
     the overlapped host step relies on it. With the C++ kernels and with the fallback."""
     from framework.optimizers._subset import group_state, step_groups
-    from framework.registry import registry
+    from framework.core.registry import registry
 
     monkeypatch.setenv("FRAMEWORK_OPS", kernels)
     comp = registry("optimizer").get(name)

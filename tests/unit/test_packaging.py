@@ -4,7 +4,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from framework.paths import REPO_ROOT
+from framework.core.paths import REPO_ROOT
 
 
 def test_wheel_contains_every_package_and_config(tmp_path):
@@ -23,7 +23,7 @@ def test_installed_package_finds_conf(tmp_path):
                     "-q", "-w", str(wheels)], check=True, capture_output=True, cwd=tmp_path)
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                     *map(str, wheels.glob("*.whl"))], check=True, capture_output=True, cwd=tmp_path)
-    code = ("import framework, framework.paths as p; print(framework.__file__); print(p.conf_dir()); "
+    code = ("import framework, framework.core.paths as p; print(framework.__file__); print(p.conf_dir()); "
             "print(framework.compose(['optimizer=lion']).choices['optimizer'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from framework.errors import ConfigError
-from framework.registry import registry
+from framework.core.errors import ConfigError
+from framework.core.registry import registry
 from framework.schedulers import constant, warmup_cosine, warmup_decay_lr, warmup_lr
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "scheduler"

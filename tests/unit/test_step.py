@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import framework
-from framework.step import Batch
-import framework.utils
+from framework.engine.step import Batch
+import framework.core.utils
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, flat_params, reference_losses, run_engine, tiny_config
 
@@ -54,7 +54,7 @@ def test_fp16_overflow_skips_step_and_leaves_everything_untouched():
     state, m = engine.train_step(state, batch)
     assert not m["skipped"]
     before = [p.clone() for p in state.params]
-    moments = [t.clone() for t in framework.utils.tensors_in(state.opt_state)]
+    moments = [t.clone() for t in framework.core.utils.tensors_in(state.opt_state)]
     lr_index = state.applied_steps
     bomb["on"] = True
     state, m = engine.train_step(state, batch)
@@ -62,7 +62,7 @@ def test_fp16_overflow_skips_step_and_leaves_everything_untouched():
     assert state.applied_steps == lr_index  # LR schedule did not advance
     for a, b in zip(before, state.params):
         assert torch.equal(a, b)
-    for a, b in zip(moments, framework.utils.tensors_in(state.opt_state)):
+    for a, b in zip(moments, framework.core.utils.tensors_in(state.opt_state)):
         assert torch.equal(a, b)
 
 
@@ -137,7 +137,7 @@ def _sq_norm_bound(tensors, lam: float = 8.0) -> float:
     |error| <= lam * c * sqrt(sum_r S_r**2) except with probability 2 exp(-lam**2 / 2):
     3e-14 for lam = 8. The smaller of the two bounds is returned, relative to S.
     """
-    k, u = framework.utils.SQ_NORM_ROW, 2.0 ** -24
+    k, u = framework.core.utils.SQ_NORM_ROW, 2.0 ** -24
     c = (k + 2) * u / (1 - (k + 2) * u)
     rows = []
     for t in tensors:
@@ -161,7 +161,7 @@ def test_sq_norm_is_accurate_on_millions_of_elements(data):
          else torch.empty(n).log_normal_(0, 2, generator=gen) * 1e-4)
     parts = [g[:7], g[7:]]
     truth = g.double().square().sum().item()
-    got = framework.utils.sq_norm(parts, torch.device("cpu"))
+    got = framework.core.utils.sq_norm(parts, torch.device("cpu"))
     assert got.dtype == torch.float64
     bound = _sq_norm_bound(parts)
     assert abs(got.item() - truth) / truth <= bound
@@ -169,15 +169,15 @@ def test_sq_norm_is_accurate_on_millions_of_elements(data):
 
 def test_sq_norm_small_cases_and_device_path():
     cpu = torch.device("cpu")
-    half = framework.utils.sq_norm([torch.ones(5, dtype=torch.bfloat16)], cpu)
-    assert half.item() == 5.0 and framework.utils.sq_norm([], cpu).item() == 0.0
+    half = framework.core.utils.sq_norm([torch.ones(5, dtype=torch.bfloat16)], cpu)
+    assert half.item() == 5.0 and framework.core.utils.sq_norm([], cpu).item() == 0.0
     # A bf16 tensor longer than one widening block: the same rows as its fp32 copy.
     b = (torch.randn(300_000, generator=torch.Generator().manual_seed(1))).bfloat16()
-    assert framework.utils.sq_norm([b], cpu).item() == framework.utils.sq_norm([b.float()], cpu).item()
+    assert framework.core.utils.sq_norm([b], cpu).item() == framework.core.utils.sq_norm([b.float()], cpu).item()
     # The accelerator path (one _foreach_norm per dtype class), run here on CPU tensors: small
     # integers whose norms are integers, so every step is exact.
     ts = [torch.tensor([3.0, 4.0]), torch.full((4,), 2.0, dtype=torch.bfloat16),
           torch.tensor([12.0, 5.0], dtype=torch.float64)]
-    parts = framework.utils._device_sq_norms(ts)
+    parts = framework.core.utils._device_sq_norms(ts)
     assert len(parts) == 2 and all(p.dtype == torch.float64 for p in parts)
     assert sum(p.item() for p in parts) == 25 + 16 + 169

@@ -1,4 +1,4 @@
-"""framework.weights on one process: sliced reads, the one error listing every problem, refused
+"""framework.persist.weights on one process: sliced reads, the one error listing every problem, refused
 pickles, shard-size parsing, the file layout, and the stage3_gather_16bit_weights_on_model_save key."""
 import json
 import os
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 import framework
-from framework.distributed import connect
-from framework.errors import ConfigError
+from framework.comm.distributed import connect
+from framework.core.errors import ConfigError
 from framework.models.gpt import gpt_loss
-from framework.weights import (load_weights, open_weights, parse_size, plan_files, save_on_model_save,
-                               save_weights)
+from framework.persist.weights import (load_weights, open_weights, parse_size, plan_files, save_on_model_save,
+                                       save_weights)
 from tests._helpers import build_gpt, tiny_config
 
 

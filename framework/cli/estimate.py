@@ -1,0 +1,256 @@
+"""Estimate memory before training: DeepSpeed's model-state tables, NVMe rows, and a per-rank prediction.
+
+    python -m framework.estimate params=2851M largest_layer=32M gpus_per_node=8      # DeepSpeed's all_cold
+    python -m framework.estimate model=gpt2-medium gpus_per_node=8 nodes=2             # our preset (all_live)
+    python -m framework.estimate model=path/to/config.json +stage=zero3 \
+        'stage.gather_unit=[GPT2Block]' context=512 train.micro_batch=4               # a Hugging Face config
+    python -m framework.estimate model=gpt-mini +stage=zero2 offload=cpu precision=bf16 \\
+        train.micro_batch=8 model.activation_checkpointing=true dist.nproc=2           # + per-rank prediction
+
+Counts accept ``2.78e9``, ``2783M``, ``32K``, ``1.4B``. A model is built on the meta device (no memory)
+and counted by parameter identity at logical shapes. The two DeepSpeed tables reproduce
+``estimate_zero2_model_states_mem_needs_all_cold`` / ``..._zero3_...`` (and their ``_all_live`` forms
+for a model) to the printed digit: model states only, "per CPU" is per node. Our additions follow:
+ZeRO-Infinity rows (disk and pinned pools, keys of ``offload=nvme``) and, for one of our models, the
+bytes each rank will hold for the composed config (any ``key=value`` this command does not know is a
+Hydra override of ``conf/train.yaml``; ``+stage=`` picks the stage, ``ds_config=ds.json`` layers a
+DeepSpeed config). A Hugging Face model gets the same prediction with its own loss (``context=`` sets
+the sequence length; default its maximum position). ``--json`` prints everything as JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from framework.memory.model import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
+                                    format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import registry
+
+OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
+            "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
+
+
+DS_SUB_GROUP_SIZE = 1_000_000_000   # DeepSpeed's default zero_optimization.sub_group_size
+
+
+def split_assignment(arg: str, own_keys, own: dict[str, str], overrides: list[str], tool: str) -> None:
+    """``key=value``: into ``own`` when the key is this command's (``own_keys``), else a Hydra override.
+    Shared by ``framework.estimate`` and ``framework.plan``."""
+    key, eq, value = arg.partition("=")
+    if not eq:
+        raise ConfigError(f"{tool}: expected key=value, got {arg!r} (see python -m framework.{tool} --help)")
+    if key in own_keys:
+        own[key] = value
+    else:
+        overrides.append(arg)
+
+
+def split_args(argv: list[str]) -> tuple[dict[str, str], list[str], set[str]]:
+    """(this command's keys, Hydra overrides, flags)."""
+    own, overrides, flags = {}, [], set()
+    for arg in argv:
+        if arg.startswith("--"):
+            flags.add(arg)
+        else:
+            split_assignment(arg, OWN_KEYS, own, overrides, "estimate")
+    return own, overrides, flags
+
+
+def hf_model_from_config(path: Path) -> torch.nn.Module:
+    """A Hugging Face model built from its config.json on the meta device (nothing downloaded)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(config_path))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
+                          f"{str(e).splitlines()[0]}") from None
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    with torch.device("meta"):
+        if cls is not None:
+            return cls(config)
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config)
+        except ValueError:
+            return transformers.AutoModel.from_config(config)
+
+
+def our_model_config(path: Path):
+    """A GPT model config from a YAML file (as conf/model/*.yaml)."""
+    from omegaconf import OmegaConf
+
+    from framework.models.gpt import GPTConfig
+
+    try:
+        node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        return GPTConfig(**node)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"estimate: {path} is not a model config: {e}") from None
+
+
+def resolve_model(value: str, overrides: list[str]):
+    """(module on meta or None, composed Config or None, label) for ``model=value``."""
+    from framework.config import compose
+
+    path = Path(value)
+    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()):
+        if not (path.exists()):
+            raise ConfigError(f"estimate: model={value}: no such file")
+        return hf_model_from_config(path), None, str(path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.exists():
+            raise ConfigError(f"estimate: model={value}: no such file")
+        import dataclasses
+        cfg = compose(overrides)
+        return None, dataclasses.replace(cfg, model=our_model_config(path)), str(path)
+    return None, compose([f"model={value}", *overrides]), value
+
+
+def _hw_line(params: int, largest: int | None, gpus: int, nodes: int) -> str:
+    node_s = "nodes" if nodes > 1 else "node"
+    gpu_s = "GPUs" if gpus > 1 else "GPU"
+    model = f"{int(params / 1e6)}M total params" + (f", {int(largest / 1e6)}M largest layer params"
+                                                    if largest is not None else "")
+    return (f"Model states (params, gradients, optimizer state) for {nodes} {node_s} x {gpus} {gpu_s} per node; "
+            f"model with {model}.")
+
+
+def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> str:
+    gpus = parse_count(own.get("gpus_per_node", "1"), "gpus_per_node")
+    nodes = parse_count(own.get("nodes", "1"), "nodes")
+    if gpus < 1 or nodes < 1:
+        raise ConfigError("estimate: gpus_per_node and nodes must be >= 1")
+    factor = float(own.get("buffer_factor", BUFFER_FACTOR))
+    cfg = module = None
+    label = ""
+    if "model" in own:
+        if "params" in own or "largest_layer" in own:
+            raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
+        module, cfg, label = resolve_model(own["model"], overrides)
+        if module is None:
+            from framework.engine.build import component
+            with torch.device("meta"):
+                module = component(cfg, "model").build(cfg.model, vocab_size=_data_vocab(cfg))
+        counts = count_module(module)
+        params, largest = counts.params, counts.largest_layer
+    elif "params" in own:
+        if overrides:
+            raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
+        params = parse_count(own["params"], "params")
+        largest = parse_count(own["largest_layer"], "largest_layer") if "largest_layer" in own else None
+    else:
+        raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
+    names = ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
+    nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
+    given = {k: getattr(cfg.offload, k) for k in names} if nvme_cfg else {}
+    # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
+    # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
+    ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
+    keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in names if k in own}})
+    out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
+    text = [_hw_line(params, largest, gpus, nodes), "",
+            "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size does not "
+            "enter):"]
+    z2 = zero2_rows(params, gpus, nodes, factor)
+    text.append(format_rows(z2))
+    out["zero2"] = [r.__dict__ for r in z2]
+    if largest is not None:
+        z3 = zero3_rows(params, largest, gpus, nodes, factor)
+        text += ["", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
+                     "does not enter):", format_rows(z3)]
+        out["zero3"] = [r.__dict__ for r in z3]
+        nv = nvme_rows(params, largest, gpus, nodes, keys)
+        text += ["", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
+                     f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
+                     f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools + fp32 gradient "
+                     f"partitions [+ parameter shards]):", format_nvme_rows(nv)]
+        out["nvme"] = [r.__dict__ for r in nv]
+        if keys.sub_group_size != DS_SUB_GROUP_SIZE:
+            nv_ds = nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE))
+            text += ["", f"The same with DeepSpeed's default sub_group_size={DS_SUB_GROUP_SIZE:,} (other keys as "
+                         f"above; a partition under that size is one tile, resident for its whole step):",
+                     format_nvme_rows(nv_ds)]
+            out["nvme_deepspeed_sub_group_size"] = [r.__dict__ for r in nv_ds]
+        out["nvme_sub_group_size"] = keys.sub_group_size
+    if cfg is not None:
+        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
+        pred = predict(cfg, world)
+        out["prediction"] = pred.as_dict()
+        text += ["", format_prediction(cfg, pred)]
+    elif module is not None:   # a Hugging Face model: our stages, precision and batch around it
+        from framework.config import compose
+
+        hf_cfg = compose(overrides)
+        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else hf_cfg.dist.nproc
+        conf = getattr(module, "config", None)
+        context = parse_count(own["context"], "context") if "context" in own else (
+            getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
+            hf_cfg.model.context)
+        pred = predict(hf_cfg, world, module=module, loss_fn=_hf_loss, context=context)
+        out["prediction"] = pred.as_dict()
+        text += ["", f"model {label}", format_prediction(hf_cfg, pred, context=context)]
+    return json.dumps(out, indent=1) if as_json else "\n".join(text)
+
+
+def _data_vocab(cfg) -> int | None:
+    from framework.engine.build import component
+    try:
+        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+    except FrameworkError:
+        return None
+
+
+def _hf_loss(module, batch):
+    """A Hugging Face causal LM's own loss (labels shifted inside the model)."""
+    x, y = batch
+    return module(input_ids=x, labels=y).loss
+
+
+def format_prediction(cfg, pred, context: int | None = None) -> str:
+    c = cfg.choices
+    ckpt = "" if context else f" activation_checkpointing={cfg.model.activation_checkpointing}"
+    head = (f"Per rank, ours: stage={c['stage']} offload={c['offload']} precision={c['precision']} "
+            f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
+            f"context={context or cfg.model.context}{ckpt}")
+    mib = lambda b: f"{b / 2**20:10.1f} MiB"   # noqa: E731
+    lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
+    for name, (d, h) in pred.items.items():
+        lines.append(f"  {name:24s} {mib(d):>14s} {mib(h):>14s}")
+    lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
+    for name, b in pred.disk.items():
+        lines.append(f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}")
+    for name, b in pred.transient.items():
+        lines.append(f"  {name + ' (peak)':24s} {mib(b):>14s}")
+    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   (10% of the transient bytes, stated)")
+    lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GIB:.2f} GiB; device only: "
+                 f"{pred.device_peak(cuda=True) / GIB:.2f} GiB on CUDA)")
+    lines += [f"  note: {n}" for n in pred.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        own, overrides, flags = split_args(argv)
+        unknown = flags - {"--json"}
+        if unknown:
+            raise ConfigError(f"estimate: unknown flag {sorted(unknown)[0]} (known: --json, --help)")
+        print(report(own, overrides, as_json="--json" in flags))
+    except FrameworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0

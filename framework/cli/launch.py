@@ -1,0 +1,216 @@
+"""Run a validated config on 1 process, on dist.nproc spawned local ranks, or under torchrun.
+
+Spawned ranks rendezvous through a FileStore in a private temp folder (``framework-rdzv-*``) and
+gloo is bound to the loopback interface, so nothing listens on a network address. The launcher
+and every rank hold a shared lock on the folder's ``owner.lock`` while they live, so the folders
+that runs killed with -9 leave behind are found (no process holds their lock) and removed by the
+next launch; a live run's folder is never touched. Under torchrun the
+environment describes the group, which is created once per process and reused by every job
+of a multirun (re-creating it per job hangs under torchrun).
+
+Each rank gets its share of the host's cores for torch's threads (the host optimizer step of
+offload runs there), on CUDA as on the CPU. A rank that NCCL's watchdog aborted (SIGABRT after
+a collective waited longer than dist.timeout_s: a peer died or stalled) is named as such.
+"""
+from __future__ import annotations
+
+import atexit
+import fcntl
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from framework.persist.checkpoint import preflight
+from framework.config import Config
+from framework.comm.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
+from framework.core.errors import DistributedError, FrameworkError
+from framework.loggers import RunInfo
+from framework.cli.loop import train
+
+
+def launch(cfg: Config, run: RunInfo) -> dict:
+    """Train and return rank 0's summary."""
+    os.environ.update(slurm_task_env())
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
+        already = torch.distributed.is_initialized()
+        cap_threads(local_world_size())
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+        _notice(cfg, local_world_size(), dist.is_main)
+        if not already:
+            atexit.register(disconnect)
+        run = _agree_run_dir(run, dist)
+        return train(preflight(cfg, run.run_dir, _job(run), quiet=not dist.is_main), run, dist)
+    # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
+    # once so that every rank loads the same folder.
+    cfg = preflight(cfg, run.run_dir, _job(run))
+    if cfg.dist.nproc == 1:
+        return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
+    # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
+    resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+    _notice(cfg, cfg.dist.nproc, True)
+    return _spawn(cfg, run)
+
+
+def _job(run: RunInfo) -> str | None:
+    """A multirun job's name (its overrides), which keys its folder under an explicit checkpoint.dir."""
+    return run.name if run.group else None
+
+
+def _notice(cfg: Config, local_world: int, main: bool) -> None:
+    line = backend_notice(cfg.dist.backend, local_world)
+    if line and main:
+        print(line, file=sys.stderr, flush=True)
+
+
+def cap_threads(local_world: int) -> None:
+    """Give this rank its share of the host's cores for torch's threads: the host optimizer step
+    of offload runs there with CUDA as without it, and oversubscribed threads make every rank
+    slower. Never raises a lower limit (OMP_NUM_THREADS, torchrun's default of 1)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    share = max(1, cores // max(1, local_world))
+    if torch.get_num_threads() > share:
+        torch.set_num_threads(share)
+
+
+def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float) -> str:
+    """One line for a rank that exited with ``code`` (negative: killed by that signal)."""
+    if code >= 0:
+        return f"rank {rank} of {nproc} exited with code {code} (its error is printed above); the other ranks were stopped"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name == "SIGABRT" and backend == "nccl":
+        return (f"rank {rank} of {nproc} was aborted by NCCL's watchdog (SIGABRT): a collective waited longer than "
+                f"dist.timeout_s={timeout_s:g}s because a peer rank died or stalled (the thread dump above shows "
+                f"where each thread waited); the other ranks were stopped")
+    why = " (out of memory? see the system log)" if name == "SIGKILL" else ""
+    return f"rank {rank} of {nproc} was killed by {name}{why}; the other ranks were stopped"
+
+
+def slurm_task_env() -> dict[str, str]:
+    """Rank variables for a Slurm task that Hydra's submitit launcher started (one task per rank,
+    ``hydra.launcher.tasks_per_node`` = devices per node), as torchrun would have set them:
+    RANK, LOCAL_RANK, WORLD_SIZE from the task's Slurm ids and MASTER_ADDR/MASTER_PORT from the first
+    node of the job (submitit's own helper). Empty when torchrun (or anything else) already set
+    WORLD_SIZE, outside submitit, or for a single task: those paths need nothing."""
+    env = os.environ
+    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return {}
+    from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
+
+    t = TorchDistributedEnvironment()
+    return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
+            "LOCAL_WORLD_SIZE": str(t.local_world_size), "MASTER_ADDR": t.master_addr,
+            "MASTER_PORT": str(t.master_port)}
+
+
+RDZV_PREFIX = "framework-rdzv-"
+RDZV_LOCK = "owner.lock"
+LEGACY_AGE_S = 3600   # a folder from before the lock file: removed once this old
+YOUNG_S = 60          # between making a folder and locking it a launch holds no lock yet
+
+
+def _spawn(cfg: Config, run: RunInfo) -> dict:
+    remove_dead_rendezvous(tempfile.gettempdir())
+    store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
+    lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
+    try:
+        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store")),
+                           nprocs=cfg.dist.nproc, join=True, start_method="spawn")
+    except mp.ProcessExitedException as e:
+        backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+        raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
+                                          cfg.dist.timeout_s)) from None
+    except mp.ProcessRaisedException as e:
+        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
+                             f"{str(e).strip().splitlines()[-1]}") from None
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+        os.close(lock)
+    return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _hold(path: str, create: bool = False) -> int:
+    """A descriptor holding a shared lock on ``path`` (the rendezvous folder's lock file) for as
+    long as it stays open; the kernel drops it when the process dies, however it dies."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_dead_rendezvous(tmp: str) -> list[str]:
+    """Remove this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process holds
+    (``_hold``); return them. Folders without a lock file (older versions) go once older than an
+    hour. Links and other users' folders are left alone."""
+    gone = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return gone
+    for entry in entries:
+        if not entry.name.startswith(RDZV_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
+                continue   # another user's, or a launch that may not hold its lock yet
+            fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime > LEGACY_AGE_S:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(entry.path)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
+        except BlockingIOError:
+            continue   # a live run
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        gone.append(entry.path)
+    return gone
+
+
+def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
+    # held until this process ends (however): the launcher's cleanup never removes a live run's folder
+    lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
+    try:
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
+        train(cfg, run, dist)
+        # Leave together: no rank closes its gloo connections while a peer still waits on one.
+        dist.barrier("shutdown barrier")
+    except FrameworkError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        disconnect()
+
+
+def _agree_run_dir(run: RunInfo, dist: Dist) -> RunInfo:
+    """Under torchrun each rank may resolve ${now:...} differently: use rank 0's folder."""
+    dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
+    mine = Path(dirs[dist.rank])
+    if dirs[0] != dirs[dist.rank] and mine.is_dir():
+        leftovers = {p.name for p in mine.iterdir()}
+        if leftovers <= {".hydra", "train.log"}:  # only what Hydra wrote for this rank
+            shutil.rmtree(mine, ignore_errors=True)
+    return replace(run, run_dir=Path(dirs[0]))
+
+
+__all__ = ["launch", "DistributedError"]

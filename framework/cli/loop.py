@@ -1,0 +1,178 @@
+"""The training loop of the CLI: build by registry name, then state, metrics = train_step(state, batch)."""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import replace
+from statistics import fmean
+
+import torch
+
+from framework.engine.build import component, initialize
+from framework.core import files
+from framework.persist.checkpoint import Checkpointer, checkpoint_root, fault
+from framework.config import Config
+from framework.comm.distributed import Dist
+from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
+from framework.engine.materialize import zero_init
+from framework.stages import param_count
+from framework.engine.state import capture_rng
+from framework.core.utils import to_device
+from framework.persist.weights import load_weights, save_on_model_save
+
+
+def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
+    """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and its
+    console goes to the run folder's train.log too."""
+    if not dist.is_main:
+        return _train(cfg, run, dist)
+    files.make_dirs(run.run_dir)
+    with console_log(run.run_dir / "train.log"):
+        print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
+                                   checkpoint_root(cfg, run.run_dir, run.name if run.group else None))), flush=True)
+        return _train(cfg, run, dist)
+
+
+def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
+    rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
+    if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
+        cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
+    torch.manual_seed(cfg.seed)  # same model initialisation on every rank
+    data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    model = component(cfg, "model")
+    with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
+        module = model.build(cfg.model, vocab_size=data.vocab_size)
+    engine = initialize(module, model.loss, cfg, dist)
+    weights = model.weights(cfg.model)
+    if weights is not None:  # pretrained: each rank reads only the ranges its shards hold
+        load_weights(engine, weights)
+    torch.manual_seed(cfg.seed + dist.rank)  # dropout streams differ per rank, fixed per run
+    state = replace(engine.state, rng=capture_rng(dist.device))
+
+    t = cfg.train
+    shard = dict(rank=dist.rank, world=dist.world)
+    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
+    tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
+    logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
+    record = RunRecord(run.run_dir) if dist.is_main else None
+    losses, evals = [], []
+    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir)  # collective
+    try:
+        if dist.is_main and cfg.notices:
+            print("\n".join(cfg.notices), file=sys.stderr, flush=True)
+        state = ckpt.resume(state)
+        # The W&B config: the resolved values and where each came from.
+        logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
+        t_start = t_window = time.perf_counter()
+        first = state.step   # a resumed run: throughput and ETA count only the steps this process runs
+        window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line
+        while state.step < t.steps:
+            batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
+            state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
+            losses.append(m["loss"])
+            fault(f"step:{state.step}", dist.rank)
+            window += 1
+            if state.step % t.log_every == 0 or state.step == t.steps:
+                now = time.perf_counter()
+                rec = {"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
+                       "skipped_steps": state.precision.skipped_steps,
+                       "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
+                       "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)}
+                t_window, window, eval_s = now, 0, 0.0
+                _emit(logger, record, rec)
+            if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
+                t_eval = time.perf_counter()
+                evals.append(engine.eval_step(state, val))
+                eval_s += time.perf_counter() - t_eval
+                _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
+            ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+        ckpt.wait()
+        elapsed = time.perf_counter() - t_start
+        summary = {
+            "steps": state.step,
+            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
+            "val_loss": evals[-1] if evals else math.nan,
+            "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
+            "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
+            "skipped_steps": state.precision.skipped_steps,
+            "elapsed_s": elapsed,
+            "world": dist.world,
+            "params": param_count(module),
+            "data": data.describe(),
+            # The ledger adds up the sizes the stage chose; the peak is measured (see peak_memory).
+            "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
+            "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device, rss_start),
+                                                          what="peak memory gather"),
+            "config": cfg.to_dict(),
+            "config_sources": dict(cfg.sources),   # default, YAML, DeepSpeed file/default, auto, command line
+        }
+        if cfg.notices:
+            summary["ds_config_notices"] = list(cfg.notices)
+        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors, each rank writing
+        # its own ranges (collective; nothing when the key is off).
+        if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
+            summary["exported"] = "model_16bit"
+        if record is not None:
+            record.finish(summary)
+        logger.finish(summary)
+        return summary
+    finally:
+        ckpt.close()
+        engine.close()
+        logger.close()
+        if record is not None:
+            record.close()
+
+
+def reset_peak_memory(device: torch.device) -> int:
+    """Start a new measurement window and return the resident set size now (bytes).
+
+    The jobs of a multirun share one process at world 1, so the process's high-water mark would
+    carry the largest earlier job's peak; on Linux writing 5 to /proc/self/clear_refs resets it
+    (VmHWM; getrusage's ru_maxrss also keeps the marks of threads that exited, so it is read only
+    where /proc is missing). Elsewhere the peak stays the process's since it started.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return _rss_now()
+
+
+def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
+    """Measured peak memory of this process since ``reset_peak_memory``: resident set (VmHWM;
+    host memory is what CPU runs and offload use) and, on CUDA, the caching allocator's peaks of
+    allocated and reserved bytes. ``rss_start_bytes`` is the resident set when the job began
+    (interpreter, torch, libraries), so peak minus start is what the job itself added."""
+    out = {"peak_rss_bytes": _rss_peak(), "rss_start_bytes": rss_start}
+    if device.type == "cuda":
+        out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
+def _rss_peak() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _rss_now() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _emit(logger, record: RunRecord | None, rec: dict) -> None:
+    if record is not None:
+        record.log(rec)
+    logger.log(rec)

@@ -1,0 +1,223 @@
+"""The GPU bugs that the checking accelerator (``framework.comm.accelerator``, FRAMEWORK_ACCELERATOR=check)
+must catch on a CPU, each as a mutation that injects it into a real training run.
+
+``tests/unit/test_mutations.py`` runs every scenario once as it is (the check passes) and once per
+mutation (the check must fail the run with the listed error, naming the place in the message).
+A mutation changes no file: it swaps in an accelerator that forgets one kind of call (as code that
+forgot it would behave) or wraps one framework function, so it applies to whatever code makes the
+calls. Add a mutation here for every new class of GPU bug the checker learns to see.
+
+| mutation | GPU bug class | injected by | caught where |
+|---|---|---|---|
+| missing-h2d-wait | compute uses a host-to-device copy without waiting for its event | stream waits on events after an H2D copy are dropped | the compute use of the copied-back working values |
+| unwaited-side-gather | compute consumes a gather issued on a side stream without waiting for it | the compute stream's waits for side-stream events and side-issued collectives are dropped | the compute use of the gathered unit (zero3 host shards) |
+| pinned-reuse | a pinned buffer reused before the copy reading it finished | host waits on events after an H2D copy are dropped | the swap read into a reused pool slot |
+| unsynced-d2h | a non_blocking device-to-host result read on the host without a wait | host waits on events after a D2H copy are dropped | the host step reading the gradient |
+| collective-side-stream | a collective issued on a side stream that is not ordered after its inputs | collectives issued from a fresh stream | the zero3 gather |
+| freed-in-flight | a tensor crossing streams without record_stream or an event | gradient copies read a temporary that is freed at once | the free (caching allocator), reported at the next call |
+| sync-in-hook | a host sync inside a backward hook | a zero2 bucket hook checks its partition with bool(tensor) | the hook (HostSync) |
+| unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
+| pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
+| unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from framework.comm.accelerator import (CheckingCpuAccelerator, CheckingEvent, Clocked, DeviceMismatch, HostSync,
+                                        OrderError)
+
+ZERO3_HOST_SHARDS = ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "offload=cpu",
+                     "offload.params=cpu")
+ZERO2_OFFLOAD = ("+stage=zero2", "stage.reduce_bucket_size=1500", "offload=cpu")
+# Four optimizer tiles through two pool slots: a slot is reused within each step.
+# Speculative host steps that are kept (no clipping): each piece's gradient copy is waited for once.
+ZERO2_SPECULATIVE = (*ZERO2_OFFLOAD, "offload.overlap_step=true", "train.grad_clip=0")
+ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "offload.buffer_count=2")
+
+
+class _Forgetful(CheckingEvent):
+    """An event whose stream waits (``wait``) or host waits (``synchronize``) are skipped when it
+    was recorded right after a copy of one of the given kinds (h2d, d2h)."""
+
+    def __init__(self, acc, drop_wait=(), drop_sync=()):
+        super().__init__(acc)
+        self.drop_wait, self.drop_sync = drop_wait, drop_sync
+
+    def wait(self, stream=None) -> None:
+        if self.after_copy not in self.drop_wait:
+            super().wait(stream)
+
+    def synchronize(self) -> None:
+        if self.after_copy not in self.drop_sync:
+            super().synchronize()
+
+
+class NoWaitAfterH2D(CheckingCpuAccelerator):
+    def event(self):
+        return _Forgetful(self, drop_wait=("h2d",))
+
+
+class _IgnoredByCompute(CheckingEvent):
+    """An event whose waits by the compute stream are skipped when it was recorded on another stream."""
+
+    def record(self, stream=None) -> None:
+        super().record(stream)
+        self.side = (stream or self.acc.current_stream()) is not self.acc._compute
+
+    def wait(self, stream=None) -> None:
+        if not (self.side and (stream or self.acc.current_stream()) is self.acc._compute):
+            super().wait(stream)
+
+
+class ComputeIgnoresSideStreams(CheckingCpuAccelerator):
+    """The compute stream never waits for side-stream work: events recorded on a side stream and
+    collectives issued from one order nothing for it (the gatherer forgetting to wait)."""
+
+    def event(self):
+        return _IgnoredByCompute(self)
+
+    def collective(self, tensors, what):
+        return super().collective(tensors, what), self.current_stream() is not self._compute
+
+    def collective_done(self, token) -> None:
+        token, side = token
+        if not (side and self.current_stream() is self._compute):
+            super().collective_done(token)
+
+
+class NoSyncAfterH2D(CheckingCpuAccelerator):
+    def event(self):
+        return _Forgetful(self, drop_sync=("h2d",))
+
+
+class NoSyncAfterD2H(CheckingCpuAccelerator):
+    def event(self):
+        return _Forgetful(self, drop_sync=("d2h",))
+
+
+class CollectivesOnSideStream(CheckingCpuAccelerator):
+    def _issuing_stream(self) -> Clocked:
+        return self._queue(Clocked("side"))   # a stream that waited for nothing but the host
+
+
+class TemporaryCopySource(CheckingCpuAccelerator):
+    """Device-to-host copies on a side stream read a temporary (``src.to(dtype)`` style) that the
+    caller drops at once. ``record=True`` is the fix: the temporary is recorded on the stream."""
+
+    record = False
+
+    def copy(self, dst, src, non_blocking=False):
+        if self.current_stream() is self._compute or self._is_host(src) or not self._is_host(dst):
+            return super().copy(dst, src, non_blocking)
+        tmp = src.clone()
+        super().copy(dst, tmp, non_blocking)
+        if self.record:
+            self.record_stream(tmp, self.current_stream())
+        del tmp   # the caching allocator may hand its bytes out now
+
+
+class RecordedTemporaryCopySource(TemporaryCopySource):
+    record = True
+
+
+class NoCollectiveTokens(CheckingCpuAccelerator):
+    """World size 1 as on CUDA: no collective is issued at all, so waiting for one orders nothing
+    (what orders the compute stream after a side-stream load must be an event of that stream)."""
+
+    def collective(self, tensors, what):
+        return None
+
+
+class UnboundThreads(CheckingCpuAccelerator):
+    def bind_thread(self) -> None:
+        pass
+
+
+class PageableHostBuffers(CheckingCpuAccelerator):
+    def empty_host(self, shape, dtype, pinned=True):
+        return super().empty_host(shape, dtype, pinned=False)
+
+
+def _copy_speculated_twice(setattr_: Callable) -> None:
+    from framework.offload import PiecePipeline
+
+    drain = PiecePipeline.drain
+
+    def drain_forgetting_speculated_copies(self):
+        drain(self)
+        for k in self.jobs:   # the bug: ``grads`` copies them again, and a kept speculation never waits
+            self.grad_copies.pop(k, None)
+
+    setattr_(PiecePipeline, "drain", drain_forgetting_speculated_copies)
+
+
+def _sync_in_zero2_hook(setattr_: Callable) -> None:
+    from framework.stages.zero2 import Zero2Stage
+
+    launch = Zero2Stage._launch
+
+    def _launch_checking_partition(self, i):
+        if not bool(torch.isfinite(self.part[0]).all()):   # the bug: the host waits inside the hook
+            raise RuntimeError("non-finite gradient")
+        return launch(self, i)
+
+    setattr_(Zero2Stage, "_launch", _launch_checking_partition)
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    bug: str                          # the GPU bug class it stands for
+    scenario: tuple[str, ...]         # overrides of the tiny run it is injected into
+    error: type                       # what the check raises
+    place: str                        # a regex the message must match: where it shows
+    accelerator: type = CheckingCpuAccelerator
+    patch: Callable[[Callable], None] | None = field(default=None)   # given a setattr (pytest's monkeypatch)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO2_OFFLOAD,
+             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
+                         r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
+    Mutation("unwaited-side-gather", "compute consuming a side-stream gather without waiting for it",
+             ZERO3_HOST_SHARDS, OrderError,
+             r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
+             r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
+    Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
+             OrderError, r"host code on the host writes .* at framework/offload/_store\.py:\d+ in _read.*"
+                         r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
+             NoSyncAfterH2D),
+    Mutation("unsynced-d2h", "a non_blocking device-to-host result read on the host without a wait",
+             ZERO2_OFFLOAD, OrderError,
+             r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
+             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
+    Mutation("collective-side-stream", "a collective issued on a side stream without ordering", ZERO3_HOST_SHARDS,
+             OrderError, r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather",
+             CollectivesOnSideStream),
+    Mutation("freed-in-flight", "a tensor crossing streams without record_stream or an event", ZERO2_OFFLOAD,
+             OrderError, r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad",
+             TemporaryCopySource),
+    Mutation("sync-in-hook", "a host sync inside a backward hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"),
+             HostSync, r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
+                       r"framework/stages/_grads\.py:\d+ in _launch", patch=_sync_in_zero2_hook),
+    Mutation("unbound-thread", "a worker thread that never set its device", ZERO2_OFFLOAD,
+             DeviceMismatch, r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad",
+             UnboundThreads),
+    Mutation("unwaited-d2h-source", "a device buffer overwritten while a device-to-host copy may still read it",
+             ZERO2_SPECULATIVE, OrderError,
+             r"compute on stream 'compute' writes .* in ready .* stream 'offload d2h' read at "
+             r"framework/offload/base\.py:\d+ in copy_grad <- framework/offload/_pipeline\.py:\d+ in grads",
+             patch=_copy_speculated_twice),
+    Mutation("pageable-async", "a non_blocking copy from pageable host memory", ZERO2_OFFLOAD,
+             DeviceMismatch, r"needs a pinned host buffer .* in copy_grad", PageableHostBuffers),
+)
+
+# Correct variants of mutations: the check must let them pass.
+CORRECT: tuple[tuple[str, tuple[str, ...], type], ...] = (
+    ("recorded-temporary", ZERO2_OFFLOAD, RecordedTemporaryCopySource),
+    ("world-1-without-collectives", ZERO3_HOST_SHARDS, NoCollectiveTokens),
+)

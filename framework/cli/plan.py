@@ -1,0 +1,172 @@
+"""Plan a run: every stage x offload x micro-batch x activation-checkpointing setup that fits, fastest first.
+
+    python -m framework.plan model=gpt2-medium                          # hardware detected
+    python -m framework.plan model=gpt-1b gpu_mem=80G cpu_mem=512G nvme=2T ranks=8
+    python -m framework.plan model=gpt-mini precision=bf16 train.micro_batch=16 --top 10
+    python -m framework.plan model=gpt-mini --verify 3                  # run the top 3, compare
+    python -m framework.plan ... --reprobe                              # measure the bandwidths again
+
+The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
+candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
+``stages=``, ``offloads=``, ``checkpointing=true,false``). Memory per rank comes from
+``framework.estimate``'s prediction (activations traced on the meta device); a candidate fits when
+its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus the resident set of a
+process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
+and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
+short probe (``framework.memory.probe``; cached in the user cache dir): compute at the measured matmul
+rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
+measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
+host<->device copies, disk.
+Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
+optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
+``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
+``--verify K`` runs the top K for a few steps as one Hydra multirun (``+plan=cN`` configs written to a
+temporary search path) and prints predicted against measured step time and peak memory.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from framework.cli.estimate import split_assignment
+from framework.core.errors import ConfigError, FrameworkError
+from framework.memory.model import GIB
+from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
+
+OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
+            "checkpointing", "steps")
+
+
+# --- verify: the top K as one Hydra multirun ------------------------------------------------------
+
+def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
+    top = [p for p in planned if p.fits][:k]
+    with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
+        group = Path(d) / "search" / "plan"
+        group.mkdir(parents=True)
+        for i, p in enumerate(top):
+            group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand))
+        sweep = Path(d) / "runs"
+        # The plan group must be on the search path both of the up-front check of every job (an
+        # override) and of each job's composition inside the Hydra app (--config-dir).
+        cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(group.parent),
+               f"hydra.searchpath=[file://{group.parent}]",
+               "+plan=" + ",".join(f"c{i}" for i in range(len(top))), *base_overrides,
+               f"train.steps={steps}", "train.log_every=1", "train.eval_every=0", "train.eval_batches=1",
+               "logger=none", f"dist.nproc={hw.ranks}", f"hydra.sweep.dir={sweep}"]
+        run = subprocess.run(cmd, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise FrameworkError(f"plan --verify: the multirun failed: {run.stderr.strip().splitlines()[-1:]}")
+        results = []
+        for i, p in enumerate(top):
+            job = sweep / str(i)
+            summary = json.loads((job / "summary.json").read_text())
+            recs = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+            tps = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r][1:]   # the first step warms up
+            tokens = summary["config"]["train"]["micro_batch"] * summary["config"]["train"]["grad_accum"] * \
+                summary["world"] * summary["config"]["model"]["context"]
+            peaks = summary["peak_memory_per_rank"]
+            key = "peak_device_allocated_bytes" if "peak_device_allocated_bytes" in peaks[0] else "peak_rss_bytes"
+            results.append({"candidate": p.cand, "predicted_s": p.time["total"],
+                            "measured_s": statistics.median(tokens / t for t in tps),
+                            "predicted_peak": p.device_peak, "measured_peak": max(x[key] for x in peaks),
+                            "measured_kind": key})
+    return results
+
+
+def _plan_yaml(c: Candidate) -> str:
+    lines = ["# @package _global_", "defaults:", f"  - /stage: {c.stage}"]
+    if c.offload != "none":
+        lines.append(f"  - override /offload: {c.offload.split('+')[0]}")
+    lines += ["train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}",
+              "model:", f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
+    if c.offload == "cpu+params":
+        lines += ["offload:", "  params: cpu"]
+    return "\n".join(lines) + "\n"
+
+
+# --- command line ----------------------------------------------------------------------------------
+
+def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
+    own, overrides, flags = {}, [], {"top": 20, "verify": 0, "reprobe": False, "json": False}
+    it = iter(argv)
+    for arg in it:
+        if arg in ("--top", "--verify"):
+            try:
+                flags[arg[2:]] = int(next(it))
+            except (StopIteration, ValueError):
+                raise ConfigError(f"plan: {arg} needs a number") from None
+        elif arg in ("--reprobe", "--json"):
+            flags[arg[2:]] = True
+        elif arg.startswith("--"):
+            raise ConfigError(f"plan: unknown flag {arg} (known: --top N, --verify K, --reprobe, --json)")
+        else:
+            split_assignment(arg, OWN_KEYS, own, overrides, "plan")
+    return own, overrides, flags
+
+
+def main(argv: list[str] | None = None) -> int:
+    from framework.memory import probe as _probe
+    from framework.config import compose
+
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    try:
+        own, overrides, flags = parse(argv)
+        if "model" not in own:
+            raise ConfigError("plan: give model=NAME (one of our model configs)")
+        base = [f"model={own['model']}", *overrides]
+        cfg = compose(base)
+        hw = detect(own)
+        probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
+        planned = plan(cfg, base, hw, own, probe)
+        print(_describe(hw, probe, cfg, planned, flags["top"]))
+        if flags["json"] and not flags["verify"]:
+            print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
+                               "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
+        if flags["verify"]:
+            rows = verify(planned, flags["verify"], base, hw, int(own.get("steps", 6)))
+            print(f"\nverify: top {len(rows)} as one Hydra multirun ({own.get('steps', 6)} steps each; "
+                  f"measured = median s/step after the first)")
+            for i, r in enumerate(rows):
+                print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
+                      f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / 2**20:.0f} MiB  "
+                      f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']})")
+            if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
+                print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
+                      "it includes the earlier jobs' peaks)")
+            if flags["json"]:
+                print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
+    except FrameworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) -> str:
+    gpu = f"{hw.gpu_mem / GIB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
+    lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GIB:.1f} GiB host, {hw.nvme / GIB:.0f} GiB disk",
+             f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
+             f"matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, copy {probe['device_copy_bytes_s'] / 1e9:.1f} GB/s, "
+             f"h2d {probe['h2d_bytes_s'] / 1e9:.1f} GB/s, host optimizer {probe['host_optimizer_params_s'] / 1e6:.0f} "
+             f"M params/s, disk w/r {probe['disk_write_bytes_s'] / 1e9:.2f}/{probe['disk_read_bytes_s'] / 1e9:.2f} "
+             f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / 1e9:.2f} GB/s"
+                        if probe.get("allreduce_bytes_s") else ""),
+             f"model {cfg.choices['model']}, precision {cfg.choices['precision']}, context {cfg.model.context}",
+             "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
+    fitting = [p for p in planned if p.fits]
+    for i, p in enumerate(fitting[:top]):
+        lines.append(f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GIB:9.2f}Gi "
+                     f"{p.host / GIB:8.2f}Gi")
+    lines.append(f"({len(fitting)} of {len(planned)} setups fit"
+                 + (f"; e.g. not: {planned[-1].cand.label().split('  ')[0]} ({planned[-1].why})"
+                    if len(fitting) < len(planned) else "") + ")")
+    return "\n".join(lines)

@@ -1,0 +1,500 @@
+"""Run a recipe (a published result to reproduce) and check it against its expected numbers.
+
+    python -m framework.recipe --list                                # the recipes and what they reproduce
+    python -m framework.recipe shakespeare_char_cpu prepare data.path=input.txt   # build its data set once
+    python -m framework.recipe shakespeare_char_cpu                  # run it; exit 1 if a number is off
+    python -m framework.recipe shakespeare_char_cpu --quick          # the tiny twin the test suite runs
+    python -m framework.recipe zero_equivalence train.steps=20      # extra overrides go to every job
+    python -m framework.recipe shakespeare_char_cpu check OUT_DIR   # re-check a finished run
+
+A recipe is a folder ``recipes/<name>/`` (or any folder given by path) holding:
+
+- ``config.yaml``: a Hydra experiment config (its defaults list starts with ``train``), runnable on
+  its own: ``python -m framework.train --config-dir recipes/<name> --config-name config ...``;
+- ``recipe.yaml``: ``runs``, each one ``python -m framework.train -m`` process given the listed
+  overrides (sweeps allowed), ``quick`` (overrides for the tiny twin, optionally its own ``runs``),
+  optional ``prepare`` (how to build the data set), ``plots`` (extra charts), ``before``/``after``
+  (commands run before the first and after the last run: ``{python}``, ``{out}``, ``{recipe}`` and
+  ``{quick}`` are filled in) and ``requires`` (``group/name`` components or ``module:NAME`` Python
+  modules the recipe needs; a checkout without them refuses to run it, naming what is missing);
+- ``expected.json``: where the reference comes from and the checks for the full run and the twin;
+- ``README.md``: hardware, command, expected numbers and measured results.
+
+Every job of every run writes into one folder (default ``outputs/recipes/<name>/<time>``), which is
+also a multirun folder for ``python -m framework.report``; the recipe writes that report there,
+then ``checks.json`` with each check's numbers, and prints one line per check.
+
+Checks (``expected.json`` ``full``/``quick``): ``jobs`` (how many jobs must finish) and a list of
+``checks``, each one of
+
+- ``{"metric": "val_loss", "max": 1.95}`` (also ``min``, or ``equals`` with ``tol``): a value of
+  each job's summary.json (dotted path; ``min:val_loss`` is the smallest logged value, nanoGPT's
+  "best validation loss"), optionally only for the jobs matching ``where``;
+- ``{"curves_match": "loss", "reference": {"stage": "ddp"}, "atol": 1e-5}``: every job's logged
+  curve equals the reference job's at every logged step within atol + rtol * |reference|;
+- ``{"memory_scaling": "zero3", "min_ratio": 0.8, "max_ratio": 1.2}``: the per-rank memory the stage
+  saves from the smallest to the largest world size (measured: what a rank's resident set grew during
+  the job, or the CUDA allocator's peak) over what the ZeRO formula says it saves; for a stage that
+  saves nothing (ddp), ``max_change`` bounds the measured change as a fraction; ``"worlds": [2, 4]``
+  compares only jobs at those world sizes (zero3: at world size 1 it needs no gather or reduce
+  buffers, so the part of a rank's memory outside the formula is not the same at world 1 and above);
+- ``{"file": "reload.json", "key": "max_abs_logit_diff", "max": 1e-4}``: a value in a JSON file an
+  ``after`` command wrote into the output folder (same bounds as ``metric``).
+
+``where`` matches a component choice (``{"stage": "zero1", "offload": "cpu"}``) or a dotted config
+value (``{"dist.nproc": 2}``) of the job's summary.json config.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from framework.core import files
+from framework.core.errors import ConfigError, DataError, FrameworkError
+from framework.core.paths import PACKAGE_DIR, REPO_ROOT
+from framework.cli.report import get_key, matches
+
+RECIPES_DIR = REPO_ROOT / "recipes"
+ACTIONS = ("run", "prepare", "check")
+_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "requires", "before", "after"}
+_PLOTS = {"deviation", "memory_scaling"}
+
+
+class RecipeError(FrameworkError):
+    """A recipe is malformed, one of its runs failed, or its result is off the expected numbers."""
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    dir: Path
+    spec: dict        # recipe.yaml
+    expected: dict    # expected.json
+
+    def runs(self, quick: bool) -> list[list[str]]:
+        q = self.spec.get("quick") or {}
+        runs = q.get("runs") if quick and q.get("runs") else self.spec["runs"]
+        extra = list(q.get("overrides") or []) if quick else []
+        return [merge_overrides(list(r), extra) for r in runs]
+
+    def checks(self, quick: bool) -> dict:
+        key = "quick" if quick else "full"
+        if key not in self.expected:
+            raise RecipeError(f"{self.dir / 'expected.json'} has no '{key}' section")
+        return self.expected[key]
+
+
+def find(name: str) -> Recipe:
+    """A recipe by name (``recipes/<name>``) or by folder path."""
+    d = Path(name).expanduser()
+    if not (d / "recipe.yaml").is_file():
+        d = RECIPES_DIR / name
+    if not (d / "recipe.yaml").is_file():
+        raise RecipeError(f"no recipe '{name}'; available: {', '.join(available()) or 'none'} "
+                          f"(or give a folder with recipe.yaml, config.yaml and expected.json)")
+    for f in ("config.yaml", "expected.json"):
+        if not (d / f).is_file():
+            raise RecipeError(f"recipe {d} has no {f}")
+    spec = yaml.safe_load((d / "recipe.yaml").read_text()) or {}
+    unknown = set(spec) - _SPEC_KEYS
+    if unknown:
+        raise RecipeError(f"{d / 'recipe.yaml'}: unknown key(s) {', '.join(sorted(unknown))}; "
+                          f"valid: {', '.join(sorted(_SPEC_KEYS))}")
+    if not spec.get("runs") or not all(isinstance(r, list) for r in spec["runs"]):
+        raise RecipeError(f"{d / 'recipe.yaml'}: 'runs' must be a list of override lists")
+    for key, allowed in (("quick", {"overrides", "runs"}), ("prepare", {"kind", "source"})):
+        extra = set(spec.get(key) or {}) - allowed
+        if extra:
+            raise RecipeError(f"{d / 'recipe.yaml'}: unknown key(s) under {key}: {', '.join(sorted(extra))}; "
+                              f"valid: {', '.join(sorted(allowed))}")
+    bad = set(spec.get("plots") or []) - _PLOTS
+    if bad:
+        raise RecipeError(f"{d / 'recipe.yaml'}: unknown plot(s) {', '.join(sorted(bad))}; valid: {', '.join(sorted(_PLOTS))}")
+    try:
+        expected = json.loads((d / "expected.json").read_text())
+    except json.JSONDecodeError as e:
+        raise RecipeError(f"{d / 'expected.json'}: {e}") from None
+    return Recipe(name=d.name, dir=d.resolve(), spec=spec, expected=expected)
+
+
+def missing_requirements(recipe: Recipe) -> list[str]:
+    """What ``requires`` names that this checkout lacks (empty: the recipe can run)."""
+    import importlib.util
+
+    from framework.core.registry import registry
+
+    missing = []
+    for req in recipe.spec.get("requires") or []:
+        if req.startswith("module:"):
+            try:
+                found = importlib.util.find_spec(req[len("module:"):]) is not None
+            except ModuleNotFoundError:
+                found = False
+        else:
+            group, _, name = req.partition("/")
+            try:
+                found = name in registry(group).names()
+            except (KeyError, FrameworkError):
+                found = False
+        if not found:
+            missing.append(req)
+    return missing
+
+
+def available() -> list[str]:
+    return sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.yaml"))
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def merge_overrides(*groups: list[str]) -> list[str]:
+    """Concatenate override lists; a later override of the same key replaces an earlier one
+    (Hydra itself refuses two values for one key)."""
+    out: dict[str, str] = {}
+    for group in groups:
+        for o in group:
+            out.pop(_key(o), None)
+            out[_key(o)] = o
+    return list(out.values())
+
+
+# ---------------------------------------------------------------------------------- preflight
+
+def compose_jobs(recipe: Recipe, overrides: list[str]):
+    """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
+    from framework.config import compose
+    from framework.cli.train import _jobs
+
+    jobs, _ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
+    return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
+
+
+def _check_data(recipe: Recipe, cfg) -> None:
+    from framework.data import resolve_path
+
+    path = getattr(cfg.data, "path", None)
+    if path is None:
+        return
+    try:
+        resolve_path(path, key="data.path")
+    except DataError as e:
+        hint = ""
+        if recipe.spec.get("prepare"):
+            hint = (f"; build it with `python -m framework.recipe {recipe.name} prepare data.path=FILE` "
+                    f"(see {recipe.dir / 'README.md'} for where to get FILE)")
+        raise DataError(f"{e}{hint}") from None
+
+
+# ---------------------------------------------------------------------------------- actions
+
+def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
+    """Build the recipe's data set from the text file ``data.path`` (default: recipe.yaml's
+    ``prepare.source``) into the file its config trains on (or ``out``)."""
+    spec = recipe.spec.get("prepare")
+    if not spec:
+        raise RecipeError(f"recipe {recipe.name} has no prepare step (its data needs none)")
+    if spec.get("kind") != "chars":
+        raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
+    source = spec.get("source")
+    rest = []
+    for o in overrides:
+        if _key(o) == "data.path":
+            source = o.split("=", 1)[1]
+        else:
+            rest.append(o)
+    if rest:
+        raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
+    if out is None:
+        cfg = compose_jobs(recipe, list(recipe.spec["runs"][0]))[0]
+        out = Path(cfg.data.path)
+    from framework.data.text import prepare_chars
+
+    meta = prepare_chars(source, Path(out).expanduser())
+    want = recipe.expected.get("data") or {}
+    print(f"wrote {out} ({meta['train_tokens'] + meta['val_tokens']:,} tokens, vocab {meta['vocab_size']}: "
+          f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,}) and {Path(out).parent / 'meta.json'}")
+    if want.get("source_sha256") and want["source_sha256"] != meta["source_sha256"]:
+        print(f"warning: {meta['source']} has sha256 {meta['source_sha256']}, not the reference's "
+              f"{want['source_sha256']}: the expected numbers assume the reference file", file=sys.stderr)
+    return meta
+
+
+def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=None) -> dict:
+    """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
+    stream = stream or sys.stdout
+    missing = missing_requirements(recipe)
+    if missing:
+        raise RecipeError(f"recipe {recipe.name} needs {', '.join(missing)}, which this checkout lacks")
+    # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
+    runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
+    for r in runs:
+        for cfg in compose_jobs(recipe, r):
+            _check_data(recipe, cfg)
+    files.make_dirs(out)
+    t0 = time.perf_counter()
+    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
+    for i, cmd in enumerate(recipe.spec.get("before") or []):
+        _command(recipe, [_fill(a, fill) for a in cmd], out / f"before{i}.log", stream)
+    for i, r in enumerate(runs):
+        cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir),
+               "--config-name", "config", *r, f"hydra.sweep.dir={out}",
+               f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"]
+        print(f"[recipe {recipe.name}] run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
+              file=stream, flush=True)
+        _run_logged(cmd, out / f"run{i}.log", stream)
+    for i, cmd in enumerate(recipe.spec.get("after") or []):
+        _command(recipe, [_fill(a, fill) for a in cmd], out / f"after{i}.log", stream)
+    elapsed = time.perf_counter() - t0
+    return finish(recipe, out, quick=quick, elapsed_s=elapsed, stream=stream)
+
+
+def _fill(arg, fill: dict) -> str:
+    # Plain replacement, not str.format: overrides may hold Hydra's ${...} interpolations.
+    arg = str(arg)
+    for k, v in fill.items():
+        arg = arg.replace("{" + k + "}", v)
+    return arg
+
+
+def _command(recipe: Recipe, cmd: list[str], log: Path, stream) -> None:
+    cmd = [a for a in cmd if a != ""]   # an empty {quick} drops out
+    print(f"[recipe {recipe.name}] {' '.join(cmd)}", file=stream, flush=True)
+    _run_logged(cmd, log, stream)
+
+
+def _run_logged(cmd: list[str], log: Path, stream) -> None:
+    env = dict(os.environ)
+    # The jobs import this very package, whatever the working directory.
+    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    tail: list[str] = []
+    files.refuse_links(log)
+    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                text=True, env=env) as p:
+        for line in p.stdout:
+            f.write(line)
+            stream.write(line)
+            tail = (tail + [line.rstrip()])[-8:]
+        p.wait()
+    if p.returncode != 0:
+        raise RecipeError(f"a run failed (exit {p.returncode}); its log: {log}; last lines:\n  " + "\n  ".join(tail))
+
+
+def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = None, stream=None) -> dict:
+    """Report, extra plots and checks of a finished (or re-checked) output folder."""
+    from framework.cli import report
+
+    stream = stream or sys.stdout
+    res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}")
+    jobs = res["jobs"]
+    want = recipe.checks(quick)
+    results = evaluate(jobs, want, out)
+    plots = [str(p) for p in res["plots"]]
+    for kind in recipe.spec.get("plots") or []:
+        if kind == "deviation":
+            ref = next((c for c in want.get("checks", []) if "curves_match" in c), None)
+            if ref is not None:
+                plots.append(str(report.plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
+                                                       out / "deviation.png")))
+        elif kind == "memory_scaling":
+            plots.append(str(report.plot_memory_scaling(jobs, out / "memory_scaling.png")))
+    verdict = {"recipe": recipe.name, "quick": quick, "out": str(out), "passed": all(r["passed"] for r in results),
+               "checks": results, "elapsed_s": elapsed_s, "report": str(res["report"]), "plots": plots,
+               "reference": recipe.expected.get("reference")}
+    files.write_atomic(out / "checks.json", (json.dumps(verdict, indent=2) + "\n").encode())
+    print(res["table"], end="", file=stream)
+    for r in results:
+        print(f"{'ok  ' if r['passed'] else 'FAIL'} {r['message']}", file=stream)
+    took = f" in {elapsed_s:.0f} s" if elapsed_s is not None else ""
+    print(f"[recipe {recipe.name}] {'passed' if verdict['passed'] else 'FAILED'}{took}; report: {res['report']}",
+          file=stream, flush=True)
+    return verdict
+
+
+# ---------------------------------------------------------------------------------- checks
+
+def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
+    """Each check's verdict with the numbers behind it (see the module docstring)."""
+    results = []
+    done = [j for j in jobs if j.summary is not None]
+    failed = [j for j in jobs if j.summary is None]
+    n = want.get("jobs")
+    if n is not None or failed:
+        ok = not failed and (n is None or len(done) == n)
+        msg = f"jobs finished: {len(done)}" + (f" (expected {n})" if n is not None else "")
+        if failed:
+            msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
+        results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
+    for c in want.get("checks", []):
+        if "metric" in c:
+            results.append(_metric(done, c))
+        elif "curves_match" in c:
+            results.append(_curves(done, c))
+        elif "memory_scaling" in c:
+            results.append(_memory(done, c))
+        elif "file" in c:
+            results.append(_file(out, c))
+        else:
+            raise RecipeError(f"expected.json: unknown check {c}; use metric, curves_match, memory_scaling or file")
+    return results
+
+
+def _metric(jobs, c: dict) -> dict:
+    key, where = c["metric"], c.get("where") or {}
+    sel = [j for j in jobs if matches(j, where)]
+    rows = [(j, _value(j, key)) for j in sel]
+    bad = [(j, v) for j, v in rows if not _bound_ok(v, c)]
+    bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
+    if "equals" in c:
+        bound = f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
+    scope = f" where {where}" if where else ""
+    values = ", ".join(f"{j.label}: {_num(v)}" for j, v in rows)
+    if not sel:
+        return {"check": c, "passed": False, "message": f"{key} {bound}{scope}: no job matches"}
+    if bad:
+        msg = f"{key} {bound}{scope}: " + "; ".join(f"{j.label} has {_num(v)}" for j, v in bad)
+        return {"check": c, "passed": False, "message": msg, "values": {j.label: v for j, v in rows}}
+    return {"check": c, "passed": True, "message": f"{key} {bound}{scope}: {values}",
+            "values": {j.label: v for j, v in rows}}
+
+
+def _value(job, key: str):
+    if key.startswith("min:"):
+        vals = [v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)]
+        return min(vals) if vals else None
+    return get_key(job.summary, key)
+
+
+def _num(v) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def _curves(jobs, c: dict) -> dict:
+    key, ref_where = c["curves_match"], c.get("reference") or {}
+    atol, rtol = float(c.get("atol", 0.0)), float(c.get("rtol", 0.0))
+    refs = [j for j in jobs if matches(j, ref_where)]
+    if len(refs) != 1:
+        return {"check": c, "passed": False,
+                "message": f"{key} curves: {len(refs)} jobs match the reference {ref_where} (need exactly 1)"}
+    ref = refs[0]
+    rsteps, rvals = ref.curve(key)
+    worst, failures = {}, []
+    for j in jobs:
+        if j is ref:
+            continue
+        steps, vals = j.curve(key)
+        if steps != rsteps or not steps:
+            failures.append(f"{j.label} logged {key} at steps {steps[:5]}... vs the reference's {rsteps[:5]}...")
+            continue
+        dev = [(abs(a - b), s, a, b) for s, a, b in zip(steps, vals, rvals)]
+        d, s, a, b = max(dev)
+        worst[j.label] = d
+        over = [(s, a, b) for (dd, s, a, b) in dev if dd > atol + rtol * abs(b)]
+        if over:
+            s0, a0, b0 = over[0]
+            failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
+                            f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
+    tol = f"atol {atol:g}" + (f" + rtol {rtol:g}" if rtol else "")
+    head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
+    if failures:
+        return {"check": c, "passed": False, "message": head + ": " + "; ".join(failures), "max_abs_diff": worst}
+    top = max(worst.values()) if worst else 0.0
+    return {"check": c, "passed": True, "message": f"{head}: largest |diff| {top:.2e}", "max_abs_diff": worst}
+
+
+def _bound_ok(v, c: dict) -> bool:
+    """``v`` within the check's ``min``/``max``/``equals`` (± ``tol``); flags and strings only equal."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return "equals" in c and v == c["equals"]
+    if math.isnan(v):
+        return False
+    if "max" in c and v > c["max"] or "min" in c and v < c["min"]:
+        return False
+    return "equals" not in c or abs(v - c["equals"]) <= c.get("tol", 0)
+
+
+def _file(out: Path | None, c: dict) -> dict:
+    path = Path(out or ".") / c["file"]
+    what = f"{c['file']}: {c['key']}"
+    bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<="), ("equals", "==")) if k in c)
+    if not path.is_file():
+        return {"check": c, "passed": False, "message": f"{what} {bound}: {path} was not written"}
+    v = get_key(json.loads(path.read_text()), c["key"])
+    return {"check": c, "passed": _bound_ok(v, c), "message": f"{what} {bound}: {_num(v)}", "value": v}
+
+
+def _memory(jobs, c: dict) -> dict:
+    """What a stage saves per rank from the smallest to the largest world size, measured, against
+    what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
+    from framework.cli.report import measured_memory, zero_model_state_bytes
+
+    stage = c["memory_scaling"]
+    sel = sorted((j for j in jobs if matches(j, {"stage": stage})
+                  and ("worlds" not in c or j.summary["world"] in c["worlds"])), key=lambda j: j.summary["world"])
+    if len({j.summary["world"] for j in sel}) < 2:
+        return {"check": c, "passed": False, "message": f"{stage} memory scaling: need jobs at 2 world sizes, "
+                                                        f"got {[j.summary['world'] for j in sel]}"}
+    lo, hi = sel[0], sel[-1]
+    wl, wh = lo.summary["world"], hi.summary["world"]
+    prec = lo.summary["config"]["precision"]["name"]
+    saved = (measured_memory(lo) - measured_memory(hi)) / 2**20
+    f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
+               - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / 2**20
+    head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
+            f"ZeRO formula {f_saved:,.0f} MiB")
+    if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
+        limit = float(c["max_change"]) * measured_memory(lo) / 2**20
+        return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,
+                "message": f"{head}; |change| at most {limit:,.0f} MiB ({c['max_change']} of world {wl}'s)"}
+    ratio = saved / f_saved
+    lo_r, hi_r = float(c.get("min_ratio", 0.0)), float(c.get("max_ratio", math.inf))
+    return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
+            "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
+
+
+# ---------------------------------------------------------------------------------- command line
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", nargs="?", help="recipe name (recipes/<name>) or folder")
+    ap.add_argument("args", nargs="*", help="[prepare|check DIR] then key=value overrides")
+    ap.add_argument("--quick", action="store_true", help="run the tiny twin (what the test suite runs)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (run) or data file (prepare); default outputs/recipes/<name>/<time>")
+    ap.add_argument("--list", action="store_true", help="list the recipes")
+    a = ap.parse_intermixed_args(argv)
+    try:
+        if a.list or not a.name:
+            for name in available():
+                desc = find(name).spec.get("description", "")
+                print(f"{name:24s} {desc.strip().splitlines()[0] if desc else ''}")
+            return 0
+        recipe = find(a.name)
+        args = list(a.args)
+        action = args.pop(0) if args and args[0] in ACTIONS else "run"
+        if action == "prepare":
+            prepare(recipe, args, a.out)
+            return 0
+        if action == "check":
+            if not args:
+                raise RecipeError("check needs the output folder of a finished run: check DIR")
+            verdict = finish(recipe, Path(args[0]), quick=a.quick)
+            return 0 if verdict["passed"] else 1
+        out = a.out or Path("outputs") / "recipes" / recipe.name / (time.strftime("%Y-%m-%d_%H-%M-%S")
+                                                                   + ("-quick" if a.quick else ""))
+        verdict = run(recipe, quick=a.quick, overrides=args, out=out)
+        return 0 if verdict["passed"] else 1
+    except (FrameworkError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

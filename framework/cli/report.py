@@ -1,0 +1,348 @@
+"""Sweep reports: a Markdown table and PNG plots from a Hydra multirun folder.
+
+    python -m framework.report multirun/2026-12-01/10-00-00            # writes report.md + PNGs there
+    python -m framework.report multirun/2026-12-01/10-00-00 --out docs/  # or somewhere else
+
+Every job folder under the given one (any depth) that holds a ``summary.json`` is a row: its
+overrides (Hydra's ``.hydra/overrides.yaml``), final train and validation loss, tokens/s and the
+measured peak memory per rank (``peak_memory_per_rank``: peak RSS and what the job added over the
+RSS it started with; on CUDA the allocator's peaks). A job folder with overrides but no summary
+(failed, or still running) is listed as such. Plots: ``loss.png`` (train loss per logged step,
+validation loss as markers, one colour per job) and ``throughput_memory.png`` (tokens/s and peak
+memory per job). Needs matplotlib (``pip install 'framework[report]'``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from framework.core import files
+from framework.core.errors import FrameworkError
+
+MiB = 2 ** 20
+
+
+@dataclass
+class Job:
+    """One finished (or failed) job of a sweep."""
+
+    dir: Path
+    overrides: list[str]
+    summary: dict | None                     # None: the job did not finish
+    records: list[dict] = field(default_factory=list)
+    label: str = ""                          # the overrides that differ between the jobs
+
+    def curve(self, key: str) -> tuple[list[int], list[float]]:
+        """(steps, values) of ``key`` over the logged records (e.g. ``loss`` or ``val_loss``)."""
+        pts = [(r["step"], r[key]) for r in self.records if key in r]
+        return [s for s, _ in pts], [v for _, v in pts]
+
+    def peak(self, key: str = "peak_rss_bytes") -> int | None:
+        """The largest measured value of ``key`` over the job's ranks."""
+        ranks = (self.summary or {}).get("peak_memory_per_rank") or []
+        vals = [r[key] for r in ranks if key in r]
+        return max(vals) if vals else None
+
+    def added(self) -> int | None:
+        """The most any rank's resident set grew over what it held when the job started."""
+        ranks = (self.summary or {}).get("peak_memory_per_rank") or []
+        vals = [max(0, r["peak_rss_bytes"] - r["rss_start_bytes"]) for r in ranks
+                if "peak_rss_bytes" in r and "rss_start_bytes" in r]
+        return max(vals) if vals else None
+
+
+def _natural(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
+
+
+def load_jobs(root: Path) -> list[Job]:
+    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FrameworkError(f"report: {root} is not a folder; pass a Hydra multirun folder "
+                             f"(e.g. multirun/<date>/<time>)")
+    dirs = {p.parent for p in root.rglob("summary.json")} | {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")
+                                                             if p.parent.parent != root}
+    jobs = []
+    for d in sorted(dirs, key=_natural):
+        ov_file = d / ".hydra" / "overrides.yaml"
+        overrides = [str(o) for o in (yaml.safe_load(ov_file.read_text()) or [])] if ov_file.is_file() else []
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
+        records = []
+        if (d / "metrics.jsonl").is_file():
+            records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
+    if not jobs:
+        raise FrameworkError(f"report: no job under {root} (no summary.json or .hydra/overrides.yaml); "
+                             f"pass the folder a multirun wrote (hydra.sweep.dir)")
+    common = set(common_overrides(jobs))
+    for j in jobs:
+        j.label = " ".join(o for o in j.overrides if o not in common) or str(j.dir.relative_to(root)) or j.dir.name
+    return jobs
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def common_overrides(jobs: list[Job]) -> list[str]:
+    """The overrides every job shares (stated once above the table)."""
+    if len(jobs) < 2:
+        return []
+    shared = set.intersection(*(set(j.overrides) for j in jobs))
+    return [o for o in jobs[0].overrides if o in shared]
+
+
+def markdown_table(jobs: list[Job], root: Path) -> str:
+    """One row per job (its own overrides; the shared ones are listed above the table); memory
+    columns are the largest value over the job's ranks."""
+    cuda = any(j.peak("peak_device_allocated_bytes") is not None for j in jobs)
+    head = ["job", "overrides", "steps", "train loss", "val loss", "tokens/s", "peak RSS/rank MiB",
+            "added RSS/rank MiB"]
+    if cuda:
+        head += ["peak allocated/rank MiB", "peak reserved/rank MiB"]
+    common = set(common_overrides(jobs))
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for j in jobs:
+        name = str(j.dir.relative_to(root)) if j.dir != root else "."
+        ov = " ".join(f"`{o}`" for o in j.overrides if o not in common) or "-"
+        if j.summary is None:
+            rows.append(f"| {name} | {ov} | " + " | ".join(["no summary.json (failed or running)"]
+                                                          + ["-"] * (len(head) - 3)) + " |")
+            continue
+        s = j.summary
+        mib = [(j.peak(), j.added())] + ([(j.peak("peak_device_allocated_bytes"),
+                                           j.peak("peak_device_reserved_bytes"))] if cuda else [])
+        cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
+                 _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f")]
+        cells += [_fmt(None if v is None else v / MiB, ",.0f") for pair in mib for v in pair]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise FrameworkError("report: plots need matplotlib; pip install 'framework[report]'") from None
+    matplotlib.use("Agg")  # files only; never a window
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
+    """Train loss per logged step (lines) and validation loss (markers), one colour per job."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    for i, j in enumerate(x for x in jobs if x.records):
+        color = f"C{i % 10}"
+        steps, loss = j.curve("loss")
+        ax.plot(steps, loss, color=color, lw=1.2, label=textwrap.fill(j.label, 60))
+        vsteps, vloss = j.curve("val_loss")
+        if vsteps:
+            ax.plot(vsteps, vloss, color=color, ls="--", marker="o", ms=4, lw=0.8)
+    floors = {(j.summary or {}).get("data", {}).get("entropy_floor") for j in jobs}
+    if len(floors) == 1 and None not in floors:   # the synthetic chain's exact optimum
+        ax.axhline(floors.pop(), color="k", ls=":", lw=1, label="entropy floor of the data")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token); dashed + markers: validation")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
+    """Tokens/s and peak memory per rank (largest rank) for each finished job."""
+    plt = _pyplot()
+    done = [j for j in jobs if j.summary is not None]
+    labels = [j.label for j in done]
+    wrapped = [textwrap.fill(s, 40) for s in labels]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), dpi=100,
+                               sharey=True)
+    y = list(range(len(done)))
+    a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
+    a.set_xlabel("tokens/s")
+    a.set_yticks(y, wrapped, fontsize=7)
+    a.invert_yaxis()
+    peak = [(j.peak() or 0) / MiB for j in done]
+    added = [(j.added() or 0) / MiB for j in done]
+    b.barh(y, peak, color="C1", alpha=0.45, label="peak RSS")
+    b.barh(y, added, color="C1", label="added during the job")
+    dev = [(j.peak("peak_device_allocated_bytes") or 0) / MiB for j in done]
+    if any(dev):
+        b.barh(y, dev, color="C2", height=0.3, label="peak device allocated")
+    b.set_xlabel("MiB per rank (largest rank)")
+    b.legend(fontsize=7)
+    for ax in (a, b):
+        ax.grid(axis="x", alpha=0.3)
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
+    """The ZeRO paper's model-state bytes per rank (params, gradients, optimizer state with Adam).
+
+    Mixed precision: 2 (16-bit params) + 2 (16-bit grads) + K = 12 (fp32 master, m, v) bytes per
+    parameter; pure fp32: 4 + 4 + K = 8 (m, v; no separate master). zero1 divides the optimizer
+    share by the world size, zero2 also the gradients, zero3 everything; ddp divides nothing."""
+    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    n = world
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n,
+                 "zero3": (p + g + k) / n}
+    if stage not in per_param:
+        raise FrameworkError(f"report: no ZeRO formula for stage {stage!r}")
+    return per_param[stage] * params
+
+
+def get_key(d: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return None
+        d = d[part]
+    return d
+
+
+def matches(job, where: dict) -> bool:
+    """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
+    cfg = (job.summary or {}).get("config", {})
+    for k, v in (where or {}).items():
+        got = cfg.get(k, {}).get("name") if isinstance(cfg.get(k), dict) and "name" in cfg[k] else get_key(cfg, k)
+        if got != v:
+            return False
+    return True
+
+
+def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
+    """All jobs' ``key`` curves on one chart, and beside it each job's distance from the
+    reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
+    plt = _pyplot()
+    done = [j for j in jobs if j.records]
+    ref = next((j for j in done if matches(j, reference)), None)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    styles = ["-", "--", ":", "-."]
+    for i, j in enumerate(done):
+        steps, vals = j.curve(key)
+        a.plot(steps, vals, ls=styles[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
+        if ref is not None and j is not ref:
+            rs, rv = ref.curve(key)
+            if rs == steps:
+                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
+                       label=textwrap.fill(j.label, 60))
+    a.set_xlabel("step")
+    a.set_ylabel(key)
+    a.set_title(f"{key}: every job")
+    a.legend(fontsize=7)
+    b.set_yscale("symlog", linthresh=1e-9)
+    b.set_xlabel("step")
+    b.set_ylabel(f"|{key} - reference| (0 = identical)")
+    b.set_title(f"distance from {ref.label if ref else 'reference (missing)'}")
+    if b.lines:
+        b.legend(fontsize=7)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def measured_memory(j: Job) -> int:
+    """Per-rank memory of a job for scaling plots: the device allocator's peak on CUDA, else what the
+    resident set grew during the job (largest rank)."""
+    dev = j.peak("peak_device_allocated_bytes")
+    return dev if dev is not None else (j.added() or 0)
+
+
+def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
+    """Per-rank memory against world size for each stage: measured (largest rank; what the job
+    added over the RSS it started with, and on CUDA the allocator's peak) next to the ZeRO
+    paper's model-state formula for the job's parameter count and precision (left), and the
+    memory each world size saves over world size 1, measured and by the formula (right)."""
+    plt = _pyplot()
+    by_stage: dict[str, list[Job]] = {}
+    for j in jobs:
+        if j.summary is not None:
+            by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
+    fig, (ax, sv) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+    for i, (stage, js) in enumerate(sorted(by_stage.items())):
+        js.sort(key=lambda j: j.summary["world"])
+        worlds = [j.summary["world"] for j in js]
+        color = f"C{i % 10}"
+        measured = [measured_memory(j) / MiB for j in js]
+        params, precision = js[0].summary["params"], js[0].summary["config"]["precision"]["name"]
+        formula = [zero_model_state_bytes(stage, params, w, precision) / MiB for w in worlds]
+        ax.plot(worlds, measured, color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        ax.plot(worlds, formula, color=color, ls="--", lw=1, label=f"{stage} ZeRO formula")
+        sv.plot(worlds, [measured[0] - m for m in measured], color=color, marker="o", lw=1.5, label=f"{stage} measured")
+        sv.plot(worlds, [formula[0] - f for f in formula], color=color, ls="--", lw=1, label=f"{stage} formula")
+    ticks = sorted({j.summary["world"] for js in by_stage.values() for j in js})
+    for a in (ax, sv):
+        a.set_xlabel("world size (ranks)")
+        a.set_xticks(ticks)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7, ncol=2)
+    ax.set_ylabel("MiB per rank")
+    ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
+    sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
+    sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(root: Path, out: Path | None = None, *, title: str | None = None) -> dict:
+    """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
+    root = Path(root)
+    out = Path(out) if out is not None else root
+    files.make_dirs(out)
+    files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
+    jobs = load_jobs(root)
+    loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
+    tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
+    table = markdown_table(jobs, root)
+    shared = " ".join(f"`{o}`" for o in common_overrides(jobs)) or "none"
+    md = (f"# {title or 'Sweep report'}\n\n`{root}`: {len(jobs)} jobs "
+          f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
+          f"{table}\n"
+          f"![loss]({_rel(loss_png, out)})\n\n![tokens/s and memory]({_rel(tm_png, out)})\n")
+    files.write_atomic(out / "report.md", md.encode())
+    return {"report": out / "report.md", "plots": [loss_png, tm_png], "jobs": jobs, "table": table}
+
+
+def _rel(p: Path, base: Path) -> str:
+    try:
+        return str(p.relative_to(base))
+    except ValueError:
+        return str(p)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m framework.report",
+                                 description="Markdown table and PNG plots of a Hydra multirun folder")
+    ap.add_argument("multirun_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="where to write (default: the multirun folder)")
+    ap.add_argument("--title", default=None)
+    args = ap.parse_args(argv)
+    try:
+        res = write_report(args.multirun_dir, args.out, title=args.title)
+    except FrameworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(res["table"], end="")
+    print(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}")

@@ -1,0 +1,723 @@
+"""The compute device, its streams and events, behind one small interface.
+
+    acc = accelerator.for_device(dist.device)        # CUDA, or CPU (plain, or checking under tests)
+    copy = acc.new_stream("copy")
+    produced = acc.event(); produced.record()        # after the producer, on the current stream
+    with acc.stream(copy):
+        produced.wait()                              # the copy stream waits for the producer
+        acc.copy(host_buf, dev_values, non_blocking=True)   # into a pinned host buffer
+        done = acc.event(); done.record()
+    done.synchronize()                               # now the host may read host_buf
+
+Every device, stream and event decision of the offload path goes through this interface, so the
+same code runs on three implementations:
+
+* ``CudaAccelerator``: torch.cuda streams and events, pinned host memory. Events are blocking
+  (``cudaEventBlockingSync``): a host that waits for one sleeps instead of spinning a core.
+* ``CpuAccelerator``: one process, no streams; copies are plain ``copy_``, events do nothing.
+* ``CheckingCpuAccelerator``: runs on the CPU like the plain one but *checks* what CUDA needs and a
+  CPU run would not notice (the list of GPU bugs it must catch, each tested by injecting it into a
+  real run, is ``framework/cli/mutations.py``):
+
+  - placement: host buffers are the ones allocated with ``empty_host``; everything else counts as
+    device memory, so a host buffer handed where device memory is expected (or the reverse)
+    raises ``DeviceMismatch``, and so does a ``non_blocking`` copy with a pageable host side;
+  - stream order, with vector clocks: each access made through the interface (``copy``, ``use``
+    on a stream, ``host_use`` by host code, a collective) is recorded per byte range of its
+    storage, and an access that conflicts with an earlier one made on another stream (or by the
+    host) that it is not ordered after, through an event recorded after it and waited on (or
+    synchronized by the host), raises ``OrderError`` naming both places. Work queued on a stream
+    by the host is ordered after what the host did and knew before queueing it, as on CUDA;
+  - NCCL's own stream: a collective (``collective``, called by ``Dist``) runs on a stream of its
+    own that is ordered after the stream current when it is issued, and the stream current at
+    ``collective_done`` (the work's ``wait``) is ordered after it; its tensors are kept alive until
+    then, as torch.distributed does;
+  - the caching allocator: device memory freed (its last tensor gone) while another stream than
+    the compute stream may still use it, with neither the host nor the compute stream ordered
+    after that use and no ``record_stream``, is the allocator handing the bytes to new compute
+    work under a running copy: ``OrderError``, raised at the next checked call (and ``verify``),
+    naming where it was freed;
+  - per-thread devices: a thread other than the one that created the accelerator must call
+    ``bind_thread`` (on CUDA: ``set_device``) before it queues device work or pins memory, or its
+    CUDA context would land on GPU 0;
+  - host syncs: inside ``hot(...)`` (the backward pass) and inside hooks registered through
+    ``hook(...)``, a framework function that reads device memory on the host (``.item()``,
+    ``.tolist()``, ``bool(t)``, ``.cpu()``, ``nonzero``, ...) raises ``HostSync``; user and model
+    code is not ours to judge;
+  - pinned memory as CUDA's caching host allocator holds it: each pinned buffer rounded up to a
+    power of two, freed blocks kept for reuse (``pinned_stats``).
+
+  All host threads count as one host: ordering between them (futures, locks) is their own
+  business. Compute that runs outside ``copy`` (a stage's reduction, the gather) is declared with
+  ``use`` by the code that hands its result across streams, and host code with ``host_use``.
+
+``FRAMEWORK_ACCELERATOR`` picks the CPU implementation: ``check`` (the test suite sets it) or
+``plain`` (the default). It has no effect on CUDA devices.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator, Protocol, Sequence
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from framework.core.errors import ConfigError
+
+ENV = "FRAMEWORK_ACCELERATOR"
+
+
+class AcceleratorError(RuntimeError):
+    """A tensor on the wrong device or used out of stream order: a bug in the calling code."""
+
+
+class DeviceMismatch(AcceleratorError):
+    pass
+
+
+class OrderError(AcceleratorError):
+    pass
+
+
+class HostSync(AcceleratorError):
+    """The host waited for the device where it must not (inside a hook)."""
+
+
+class Event(Protocol):
+    def record(self, stream=None) -> None:
+        """Mark the point the stream (default: current) has reached in its queue."""
+
+    def wait(self, stream=None) -> None:
+        """Make the stream (default: current) wait for the recorded point; the host does not wait."""
+
+    def synchronize(self) -> None:
+        """Block the host until the recorded point is reached."""
+
+    def query(self) -> bool:
+        """Whether the recorded point was reached, without waiting (True: as after ``synchronize``)."""
+
+
+class Accelerator(Protocol):
+    device: torch.device   # where compute runs
+    host: torch.device     # where host buffers live
+
+    def current_stream(self): ...
+    def new_stream(self, name: str): ...
+    def stream(self, stream) -> contextmanager: ...
+    def event(self) -> Event: ...
+
+    def bind_thread(self) -> None:
+        """Make the calling thread work on this device (a worker thread's initializer)."""
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        """``t``'s memory is not reused before ``stream``'s work queued so far is done."""
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
+        """A host buffer (pinned: page-locked, the only kind a ``non_blocking`` copy may use)."""
+
+    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
+        """``dst.copy_(src)`` queued on the current stream (host to host copies run on the host)."""
+
+    def on_device(self, *tensors: Tensor, what: str) -> None:
+        """Raise unless every tensor is in device memory."""
+
+    def on_host(self, *tensors: Tensor, what: str) -> None:
+        """Raise unless every tensor is in host memory."""
+
+    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        """Declare compute queued on the current stream outside ``copy`` (checked, else nothing)."""
+
+    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        """Declare host code reading or writing buffers that streams also use (checked, else nothing)."""
+
+    def collective(self, tensors: Sequence[Tensor], what: str):
+        """A collective on ``tensors`` is being issued (checked: a token for ``collective_done``; else None)."""
+
+    def collective_done(self, token) -> None:
+        """The collective of ``token`` was waited for: the current stream is ordered after it."""
+
+    def hot(self, where: str) -> contextlib.AbstractContextManager:
+        """A region where framework code must not make the host wait for the device (checked)."""
+
+    def hook(self, fn: Callable, where: str) -> Callable:
+        """``fn`` for registration as a module, tensor or autograd hook (checked: no host syncs in it;
+        autograd runs hooks outside the caller's ``hot`` region)."""
+
+    def pinned_stats(self) -> dict[str, int]:
+        """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
+
+    def verify(self) -> None:
+        """Raise what the checks found outside a call (a freed buffer still in use); else nothing."""
+
+
+def for_device(device: torch.device, mode: str | None = None) -> Accelerator:
+    """The accelerator of ``device``; ``mode`` (default: $FRAMEWORK_ACCELERATOR) picks the CPU one."""
+    mode = mode or os.environ.get(ENV) or "plain"
+    if mode not in ("plain", "check"):
+        raise ConfigError(f"{ENV}={mode!r} is not one of plain, check")
+    if device.type == "cuda":
+        return CudaAccelerator(device)
+    if device.type != "cpu":
+        raise ConfigError(f"no accelerator for device {device}; use cuda or cpu")
+    return CheckingCpuAccelerator() if mode == "check" else CpuAccelerator()
+
+
+class _Unchecked:
+    """What the CUDA and plain CPU accelerators do for the checking calls: nothing."""
+
+    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        pass
+
+    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        pass
+
+    def collective(self, tensors: Sequence[Tensor], what: str):
+        return None
+
+    def collective_done(self, token) -> None:
+        pass
+
+    def hot(self, where: str) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def hook(self, fn: Callable, where: str) -> Callable:
+        return fn
+
+    def verify(self) -> None:
+        pass
+
+
+# --- CUDA -------------------------------------------------------------------------------------
+
+class _CudaEvent:
+    def __init__(self, device: torch.device):
+        self.device = device
+        # Blocking: the host threads that wait for copies (the host step, the stores) sleep in
+        # synchronize instead of spinning a core each; stream waits are the same either way.
+        self.ev = torch.cuda.Event(blocking=True)
+
+    def record(self, stream=None) -> None:
+        self.ev.record(stream or torch.cuda.current_stream(self.device))
+
+    def wait(self, stream=None) -> None:
+        self.ev.wait(stream or torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        self.ev.synchronize()
+
+    def query(self) -> bool:
+        return self.ev.query()
+
+
+class CudaAccelerator(_Unchecked):
+    host = torch.device("cpu")
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self, name: str):
+        return torch.cuda.Stream(self.device)
+
+    def stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def event(self) -> Event:
+        return _CudaEvent(self.device)
+
+    def bind_thread(self) -> None:
+        torch.cuda.set_device(self.device)
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        t.record_stream(stream)
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.host, pin_memory=pinned)
+
+    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def on_device(self, *tensors: Tensor, what: str) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise DeviceMismatch(f"{what}: expected a tensor on {self.device}, got one on {t.device}")
+
+    def on_host(self, *tensors: Tensor, what: str) -> None:
+        for t in tensors:
+            if t.device.type != "cpu":
+                raise DeviceMismatch(f"{what}: expected a host tensor, got one on {t.device}")
+
+    def pinned_stats(self) -> dict[str, int]:
+        """As torch's caching host allocator reports them: blocks handed out and blocks held (both
+        at their power-of-two size; zeros where this torch reports nothing)."""
+        stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
+        return {"requested": int(stats.get("active_bytes.current", 0)),
+                "reserved": int(stats.get("allocated_bytes.current", 0))}
+
+
+# --- CPU, plain ---------------------------------------------------------------------------------
+
+class _NoStream:
+    def __init__(self, name: str):
+        self.name = name
+
+
+class _NoEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuAccelerator(_Unchecked):
+    """One CPU process: work runs when it is issued, so streams and events have nothing to order."""
+
+    device = torch.device("cpu")
+    host = torch.device("cpu")
+
+    def __init__(self):
+        self._stream = _NoStream("compute")
+
+    def current_stream(self):
+        return self._stream
+
+    def new_stream(self, name: str):
+        return _NoStream(name)
+
+    @contextmanager
+    def stream(self, stream) -> Iterator[None]:
+        yield
+
+    def event(self) -> Event:
+        return _NoEvent()
+
+    def bind_thread(self) -> None:
+        pass
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        pass
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
+        return torch.empty(shape, dtype=dtype, device="cpu")  # nothing to pin for without CUDA
+
+    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
+        dst.copy_(src)
+
+    def on_device(self, *tensors: Tensor, what: str) -> None:
+        _all_cpu(tensors, what)
+
+    def on_host(self, *tensors: Tensor, what: str) -> None:
+        _all_cpu(tensors, what)
+
+    def pinned_stats(self) -> dict[str, int]:
+        return {"requested": 0, "reserved": 0}
+
+
+def _all_cpu(tensors, what: str) -> None:
+    for t in tensors:
+        if t.device.type != "cpu":
+            raise DeviceMismatch(f"{what}: expected a CPU tensor, got one on {t.device}")
+
+
+# --- CPU, checking ------------------------------------------------------------------------------
+
+class Clocked:
+    """An emulated stream (or the host): its position in its queue and what it is ordered after."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.pos = 0
+        self.known: dict[Clocked, int] = {}   # other stream -> position this one is ordered after
+        self.last_copy: str | None = None      # h2d | d2h | d2d: the latest copy queued here
+
+    def clock(self) -> dict:
+        return {**self.known, self: self.pos}
+
+    def merge(self, clock: dict) -> None:
+        for s, p in clock.items():
+            if s is not self and self.known.get(s, -1) < p:
+                self.known[s] = p
+
+    def sees(self, other: "Clocked", pos: int) -> bool:
+        return other is self or self.known.get(other, -1) >= pos
+
+    def __repr__(self) -> str:
+        return f"stream {self.name!r}" if self.name != "host" else "the host"
+
+
+class CheckingEvent:
+    def __init__(self, acc: "CheckingCpuAccelerator"):
+        self.acc = acc
+        self.clock: dict | None = None   # None: never recorded (waiting on it orders nothing, as on CUDA)
+        self.after_copy: str | None = None   # the kind of copy its stream queued last when recorded
+
+    def record(self, stream=None) -> None:
+        with self.acc._lock:
+            self.acc._entry("record an event")
+            s = self.acc._queue(stream)
+            self.clock, self.after_copy = s.clock(), s.last_copy
+
+    def wait(self, stream=None) -> None:
+        with self.acc._lock:
+            self.acc._entry("make a stream wait for an event")
+            s = self.acc._queue(stream)
+            if self.clock is not None:
+                s.merge(self.clock)
+
+    def synchronize(self) -> None:
+        with self.acc._lock:
+            self.acc._pending()
+            if self.clock is not None:
+                self.acc._host.merge(self.clock)
+
+    def query(self) -> bool:
+        """On the CPU the work ran when it was queued: reached, and the host knows it."""
+        self.synchronize()
+        return True
+
+
+# Tensor methods and torch functions that make the host wait for device memory.
+_SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
+                    "argwhere", "masked_select", "unique", "equal", "allclose"})
+_HERE = os.path.abspath(__file__)
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE)) + os.sep   # framework/, above comm/
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def _ours(filename: str) -> bool:
+    """Framework code other than this module, and not model code (that is the user's to judge)."""
+    return (filename.startswith(_PACKAGE) and filename != _HERE
+            and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
+
+
+def _place(depth: int = 5) -> str:
+    """Where the framework code calling into the checker is: up to ``depth`` framework frames,
+    innermost first ("framework/offload/base.py:512 in load_shard <- ...")."""
+    f, out = sys._getframe(1), []
+    while f is not None and len(out) < depth:
+        name = f.f_code.co_filename
+        if name.startswith(_PACKAGE) and name != _HERE:
+            out.append(f"{os.path.relpath(name, os.path.dirname(_PACKAGE[:-1]))}:{f.f_lineno} in {f.f_code.co_name}")
+        f = f.f_back
+    return " <- ".join(out) or "outside the framework"
+
+
+class _NoHostSync(TorchFunctionMode):
+    """Inside ``CheckingCpuAccelerator.hot``: a framework frame reading device memory on the host fails."""
+
+    def __init__(self, acc: "CheckingCpuAccelerator", where: str):
+        super().__init__()
+        self.acc, self.where = acc, where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
+                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
+            caller = sys._getframe(1)
+            while caller is not None and (caller.f_code.co_filename.startswith(_TORCH)
+                                          or caller.f_code.co_filename == _HERE):
+                caller = caller.f_back
+            if caller is not None and _ours(caller.f_code.co_filename):
+                raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
+                               f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
+                               f"move it out of the hook, or keep the value on the device")
+        return func(*args, **kwargs)
+
+
+def _to_host(args, kwargs) -> bool:
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
+    try:
+        return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+    except (RuntimeError, TypeError):
+        return False
+
+
+class CheckingCpuAccelerator:
+    """The CPU, checked as if it were CUDA (see the module docstring)."""
+
+    device = torch.device("cpu")
+    host = torch.device("cpu")
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._compute = Clocked("compute")
+        self._host = Clocked("host")
+        self._collectives = Clocked("collectives")   # NCCL's own stream
+        self._local = threading.local()   # per thread, like CUDA's current stream
+        self._bound = {threading.get_ident()}   # threads that set their device (the creator has)
+        # storage address -> (a tensor keeping it alive, pinned) for host buffers
+        self._host_buffers: dict[int, tuple[weakref.ref, bool]] = {}
+        # storage address -> (keeper, [(lo, hi, stream, pos, is_write, place)]) byte ranges accessed
+        self._accesses: dict[int, tuple[weakref.ref, list]] = {}
+        self._recorded: dict[int, set] = {}   # device storage address -> streams it was record_stream'ed to
+        self._violations: list[str] = []      # found outside a call (a free), raised at the next one
+        self._pinned = {"requested": 0, "reserved": 0}
+        self._pinned_free: dict[int, int] = {}   # rounded size -> cached free blocks
+
+    # streams and events
+
+    def current_stream(self):
+        return getattr(self._local, "stream", self._compute)
+
+    def new_stream(self, name: str):
+        return Clocked(name)
+
+    @contextmanager
+    def stream(self, stream) -> Iterator[None]:
+        before = self.current_stream()
+        self._local.stream = stream
+        try:
+            yield
+        finally:
+            self._local.stream = before
+
+    def event(self) -> Event:
+        return CheckingEvent(self)
+
+    def bind_thread(self) -> None:
+        with self._lock:
+            self._bound.add(threading.get_ident())
+
+    def record_stream(self, t: Tensor, stream) -> None:
+        if t.numel():
+            with self._lock:
+                self._recorded.setdefault(_storage(t), set()).add(stream)
+
+    def _queue(self, stream) -> Clocked:
+        """The host queues work on ``stream``: it runs after what the host did and knew so far."""
+        s = stream or self.current_stream()
+        s.merge(self._host.clock())
+        return s
+
+    def _pending(self) -> None:
+        if self._violations:
+            found, self._violations = self._violations, []
+            raise OrderError(found[0] + (f" (and {len(found) - 1} more)" if len(found) > 1 else ""))
+
+    def _entry(self, what: str) -> None:
+        """Every checked call that queues device work: earlier findings, then the thread's device."""
+        self._pending()
+        if threading.get_ident() not in self._bound:
+            raise DeviceMismatch(
+                f"thread {threading.current_thread().name!r} tries to {what} without having set its device, "
+                f"at {_place()}: on CUDA its work and pinned memory would create a context on GPU 0 (hundreds "
+                f"of MB per rank); call acc.bind_thread() first (e.g. as the thread pool's initializer)")
+
+    def verify(self) -> None:
+        with self._lock:
+            self._pending()
+
+    # memory
+
+    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+        if t.numel():
+            with self._lock:
+                if pinned:
+                    self._entry("pin host memory")
+                key = _storage(t)
+                self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
+                self._accesses.pop(key, None)   # a new buffer at a reused address
+                if pinned:
+                    self._pin(t)
+        return t
+
+    def _pin(self, t: Tensor) -> None:
+        """Account a pinned buffer as CUDA's caching host allocator would: rounded up to a power of
+        two, taken from a cached free block of that size when there is one, cached when freed."""
+        nbytes = t.untyped_storage().nbytes()
+        size = 1 << max(0, nbytes - 1).bit_length()
+        self._pinned["requested"] += nbytes
+        if self._pinned_free.get(size):
+            self._pinned_free[size] -= 1
+        else:
+            self._pinned["reserved"] += size
+
+        def freed(stats=self._pinned, cache=self._pinned_free, nbytes=nbytes, size=size):
+            stats["requested"] -= nbytes
+            cache[size] = cache.get(size, 0) + 1
+        weakref.finalize(t.untyped_storage(), freed).atexit = False
+
+    def pinned_stats(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._pinned)
+
+    def _host_entry(self, t: Tensor) -> tuple[weakref.ref, bool] | None:
+        if t.numel() == 0:
+            return None
+        entry = self._host_buffers.get(_storage(t))
+        if entry is not None and not _owns(entry[0], _storage(t)):   # freed; the address may be reused
+            del self._host_buffers[_storage(t)]
+            return None
+        return entry
+
+    def _is_host(self, t: Tensor) -> bool:
+        return self._host_entry(t) is not None
+
+    def on_device(self, *tensors: Tensor, what: str) -> None:
+        with self._lock:
+            for t in tensors:
+                _all_cpu([t], what)
+                if self._is_host(t):
+                    raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
+                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+
+    def on_host(self, *tensors: Tensor, what: str) -> None:
+        with self._lock:
+            for t in tensors:
+                if t.numel() and not self._is_host(t):
+                    raise DeviceMismatch(f"{what}: expected a host buffer, got device memory "
+                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+
+    # accesses
+
+    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
+        with self._lock:
+            dst_host, src_host = self._is_host(dst), self._is_host(src)
+            if dst_host and src_host:   # host memory to host memory: the host does it
+                self._pending()
+                self._access(self._host, [src], [dst], "host copy")
+            else:
+                self._entry("queue a copy")
+                if non_blocking:
+                    for t, on_host in ((dst, dst_host), (src, src_host)):
+                        if on_host and not self._host_entry(t)[1]:
+                            raise DeviceMismatch("a non_blocking copy between host and device needs a pinned "
+                                                 f"host buffer (got a pageable one, {tuple(t.shape)}, {t.dtype}), "
+                                                 f"at {_place()}")
+                s = self._queue(None)
+                self._access(s, [src], [dst], "copy")
+                s.last_copy = "h2d" if src_host else "d2h" if dst_host else "d2d"
+                if (dst_host or src_host) and not non_blocking:
+                    self._host.merge(s.clock())   # a blocking copy returns when it is done
+        dst.copy_(src)
+
+    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        with self._lock:
+            self._entry("queue compute")
+            self._access(self._queue(None), reads, writes, "compute")
+
+    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
+        with self._lock:
+            self._pending()
+            self._access(self._host, reads, writes, "host code")
+
+    def _issuing_stream(self) -> Clocked:
+        """The stream a collective is issued on: the current one."""
+        return self._queue(None)
+
+    def collective(self, tensors: Sequence[Tensor], what: str):
+        with self._lock:
+            self._entry("issue a collective")
+            self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
+            self._access(self._collectives, tensors, tensors, f"collective {what!r}")
+            return self._collectives.clock()
+
+    def collective_done(self, token) -> None:
+        with self._lock:
+            self._entry("wait for a collective")
+            self._queue(None).merge(token)
+
+    def hot(self, where: str) -> contextlib.AbstractContextManager:
+        return _NoHostSync(self, where)
+
+    def hook(self, fn: Callable, where: str) -> Callable:
+        def checked(*args, **kwargs):
+            with _NoHostSync(self, where):
+                return fn(*args, **kwargs)
+        return checked
+
+    @staticmethod
+    def _keeper(t: Tensor, table: dict, key: int) -> weakref.ref:
+        """A weak reference to ``t``'s storage (alive as long as any tensor viewing it, whether or not
+        torch calls it a view: ``view(dtype)`` of a byte arena is not); its entry in ``table`` goes when it does."""
+        def forget(ref, table=table, key=key):
+            if table.get(key, (None,))[0] is ref:
+                table.pop(key, None)
+        return weakref.ref(t.untyped_storage(), forget)
+
+    def _access(self, s: Clocked, reads: Sequence[Tensor], writes: Sequence[Tensor], what: str) -> None:
+        s.pos += 1
+        place = None
+        for ts, write in ((reads, False), (writes, True)):
+            for t in ts:
+                if t.numel() == 0:
+                    continue
+                place = place or _place()
+                key = _storage(t)
+                lo, hi = _span(t)
+                keeper, log = self._accesses.get(key, (None, None))
+                if keeper is None or not _owns(keeper, key):
+                    log = []
+                    self._accesses[key] = (self._keeper(t, self._accesses, key), log)
+                    if not self._is_host(t):
+                        self._watch_free(t, key, log)
+                for a_lo, a_hi, other, pos, other_write, other_place in log:
+                    if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
+                        raise OrderError(
+                            f"{what} on {s!r} {'writes' if write else 'reads'} bytes [{lo}, {hi}) of a "
+                            f"{tuple(t.shape)} {t.dtype} buffer at {place}, which {other!r} "
+                            f"{'wrote' if other_write else 'read'} at {other_place} without an event ordering them "
+                            f"(record an event after that use and wait on it / synchronize it first)")
+                if write:  # what this write is ordered after no longer matters for later accesses
+                    log[:] = [a for a in log if not (lo <= a[0] and a[1] <= hi and s.sees(a[2], a[3]))]
+                else:      # nor does an earlier read of the same bytes on the same stream
+                    log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
+                log.append((lo, hi, s, s.pos, write, place))
+
+    def _watch_free(self, t: Tensor, key: int, log: list) -> None:
+        """When ``t``'s device storage is freed, check that no stream may still use it (the caching
+        allocator would hand its bytes to the next compute allocation)."""
+        def freed(acc=weakref.ref(self), key=key, log=log):
+            me = acc()
+            if me is None:
+                return
+            with me._lock:
+                recorded = me._recorded.pop(key, set())
+                if me._accesses.get(key, (None, None))[1] is log:
+                    me._accesses.pop(key, None)
+                for _lo, _hi, s, pos, _w, place in log:
+                    if s in (me._compute, me._host, me._collectives) or s in recorded:
+                        continue   # ordered by the allocator's own stream, done, or kept by the collective
+                    if not me._compute.sees(s, pos) and not me._host.sees(s, pos):
+                        me._violations.append(
+                            f"device memory used by {s!r} at {place} was freed at {_place()} while that use may "
+                            f"still run: the caching allocator hands freed bytes to the next compute allocation; "
+                            f"keep the tensor until an event after the use, or acc.record_stream(t, stream)")
+                        return
+        weakref.finalize(t.untyped_storage(), freed).atexit = False   # not at interpreter exit
+
+
+def _owns(ref: weakref.ref, address: int) -> bool:
+    """Whether the storage behind ``ref`` is alive and still at ``address`` (a
+    storage resized to zero and refilled, as zero3's gather buffers are, may move)."""
+    s = ref()
+    return s is not None and s.nbytes() > 0 and s.data_ptr() == address
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """Byte range of the storage that ``t`` covers (its extent, for strided views)."""
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + extent * size

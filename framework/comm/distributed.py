@@ -1,0 +1,297 @@
+"""The Dist value: rank, world size, device, and the collectives object of its backend (``dist.comm``).
+
+Collectives are no-ops at world size 1, so the same code runs on one process. Every
+collective names what it waits for, so a timeout (a peer died or stalled) ends the
+surviving ranks with one clear line instead of a hang or a bare gloo error. On NCCL a
+collective's ``wait`` only orders the compute stream, so a dead or stalled peer surfaces
+differently: NCCL's watchdog aborts each waiting process after ``timeout_s`` (SIGABRT), and
+the launcher names that (``framework.cli.launch``); no rank hangs, but no Python error is raised.
+
+The backend follows from the devices: ``auto`` is NCCL when this host has a GPU for each of its
+ranks, else gloo on the CPU (``resolve_backend``).
+"""
+from __future__ import annotations
+
+import faulthandler
+import os
+import socket
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from functools import cached_property
+from typing import Callable
+
+import torch
+import torch.distributed as tdist
+# torch.distributed.nn.functional binds group.WORLD as default arguments when it is imported.
+# torch imports it lazily (torch._dynamo does, e.g. on the first init of a meta-device tensor);
+# imported after init_process_group, it pins the group, destroy_process_group cannot free it,
+# and a gloo worker thread may then drop its last work (whose tensors need the GIL) during
+# interpreter shutdown: "terminate called without an active exception". Imported here,
+# before any group exists, those defaults are None.
+import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
+
+from framework.comm.accelerator import Accelerator, for_device
+from framework.comm.collectives import Collectives, collectives_for
+from framework.core.errors import ConfigError, DistributedError, FrameworkError
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+    timeout_s: float
+    # (host name, process id) of every rank, gathered at connect: lets a survivor name the
+    # ranks whose process is gone when a collective fails (on its own host; others are unknown).
+    peers: tuple[tuple[str, int], ...] = ()
+    # The device's accelerator (default: ``for_device(device)``); one per Dist, so the offload
+    # path's copies and the collectives are checked against the same streams.
+    accelerator: Accelerator | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @cached_property
+    def comm(self) -> Collectives:
+        """The collectives object of this backend (Local at world 1, Gloo, Nccl): what stages call."""
+        return collectives_for(self)
+
+    @cached_property
+    def acc(self) -> Accelerator:
+        """The accelerator of ``device``: streams, events and copies (``framework.comm.accelerator``)."""
+        return self.accelerator if self.accelerator is not None else for_device(self.device)
+
+    def _issue(self, what: str, fn, *args, async_op: bool = False, **kwargs):
+        """Issue collective ``fn`` on the tensors in ``args``, ordered after the current stream as
+        NCCL orders it; an asynchronous one returns a work whose ``wait`` orders the current
+        stream after it (the checking accelerator checks both)."""
+        token = self.acc.collective([a for a in args if isinstance(a, torch.Tensor)], what)
+        work = self._run(what, fn, *args, async_op=async_op, **kwargs)
+        if token is None:
+            return work
+        if not async_op:
+            self.acc.collective_done(token)
+            return work
+        return _CheckedWork(work, token, self.acc)
+
+    def _run(self, what: str, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
+            who = self.who_failed()
+            raise DistributedError(
+                f"rank {self.rank}/{self.world}: {what} failed after waiting up to {self.timeout_s:g}s "
+                f"({who}; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
+            ) from e
+
+    def lost_ranks(self) -> list[int]:
+        """Ranks on this host whose process no longer exists (a slow peer is not listed)."""
+        host = socket.gethostname()
+        return [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not _alive(pid)]
+
+    def stalled_ranks(self) -> dict[int, str]:
+        """Ranks on this host whose process exists but cannot run: stopped (SIGSTOP, a debugger)
+        or blocked in the kernel (state D, e.g. a hung disk), with what the kernel says."""
+        host = socket.gethostname()
+        out = {}
+        for r, (h, pid) in enumerate(self.peers):
+            state = _state(pid) if h == host and r != self.rank else None
+            if state in _STALLED:
+                out[r] = f"pid {pid} {_STALLED[state]}"
+        return out
+
+    def who_failed(self) -> str:
+        """The peers to blame for a failed collective, as far as this host can tell."""
+        lost, stalled = self.lost_ranks(), self.stalled_ranks()
+        parts = []
+        if lost:
+            parts.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)")
+        parts += [f"rank {r} stalled ({why})" for r, why in sorted(stalled.items())]
+        return "; ".join(parts) or "a peer rank died or stalled"
+
+    def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
+        if self.world == 1:
+            return None
+        return self._issue(what, tdist.all_reduce, t, op=op, async_op=async_op)
+
+    def wait(self, works, what: str) -> None:
+        """Wait for async collectives (None entries are the no-ops of world size 1)."""
+        for w in works:
+            if w is not None:
+                self._run(what, w.wait)
+
+    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        self._run(what, tdist.all_gather_object, out, obj)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast", async_op=False):
+        if self.world == 1:
+            return None
+        return self._issue(what, tdist.broadcast, t, src=src, async_op=async_op)
+
+    def barrier(self, what: str = "barrier") -> None:
+        if self.world > 1:
+            # A tensor all-reduce rather than tdist.barrier: it honours the group timeout on gloo.
+            self.all_reduce(torch.zeros(1, device=self.device), what=what)
+
+
+class _CheckedWork:
+    """A collective's work under the checking accelerator: ``wait`` also orders the current stream."""
+
+    def __init__(self, work, token, acc: Accelerator):
+        self.work, self.token, self.acc = work, token, acc
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs) if self.work is not None else True
+        self.acc.collective_done(self.token)
+        return out
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+_STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t": "is stopped by a debugger",
+            "D": "is blocked in the kernel (uninterruptible sleep: a hung disk or network file system?)"}
+
+
+def _state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (Linux /proc), None if unknown or gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by its parent) counts as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def local_world_size() -> int:
+    """Ranks on this host: LOCAL_WORLD_SIZE (torchrun, our spawner, Slurm), else WORLD_SIZE."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1")
+
+
+def resolve_backend(backend: str, local_world: int | None = None) -> str:
+    """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host
+    (default: ``local_world_size()``). NCCL needs a GPU of its own for every local rank (it
+    refuses two ranks on one device), so ``auto`` is NCCL only when there are enough GPUs, and
+    an explicit ``nccl`` without them is an error naming the fix."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
+    local = local_world_size() if local_world is None else local_world
+    gpus = gpu_count()
+    if backend == "auto":
+        return "nccl" if gpus and local <= gpus else "gloo"
+    if backend == "nccl" and not gpus:
+        raise ConfigError("dist.backend=nccl needs CUDA; use dist.backend=gloo (or auto) on CPU")
+    if backend == "nccl" and local > gpus:
+        raise ConfigError(f"dist.backend=nccl runs one rank per GPU: {local} ranks on this host but {gpus} "
+                          f"GPU{'s' if gpus != 1 else ''}; use at most {gpus} rank{'s' if gpus != 1 else ''} per host "
+                          f"(dist.nproc / --nproc-per-node) or dist.backend=gloo")
+    return backend
+
+
+def backend_notice(backend: str, local_world: int) -> str | None:
+    """One line when ``auto`` falls back to gloo on the CPU although there is a GPU (else None)."""
+    gpus = gpu_count()
+    if backend == "auto" and gpus and local_world > gpus:
+        return (f"dist.backend=auto: {local_world} ranks on this host but {gpus} GPU{'s' if gpus != 1 else ''}: "
+                f"training on the CPU over gloo (NCCL needs one GPU per rank); use at most {gpus} "
+                f"rank{'s' if gpus != 1 else ''} per host to train on the GPU{'s' if gpus != 1 else ''}")
+    return None
+
+
+def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.device:
+    """The compute device of a rank: ``auto`` is cuda:LOCAL_RANK on NCCL and the CPU on gloo;
+    ``cuda`` puts a gloo rank on GPU LOCAL_RANK % GPUs (ranks may share one: tests and checks)."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"device={device!r} is not one of auto, cpu, cuda")
+    if backend == "nccl":
+        if device == "cpu":
+            raise ConfigError("the nccl backend needs CUDA tensors; use gloo for a CPU device")
+        return torch.device("cuda", local_rank)
+    if device == "cuda":
+        if not gpu_count():
+            raise ConfigError("device=cuda needs a GPU; none is visible")
+        return torch.device("cuda", local_rank % gpu_count())
+    return torch.device("cpu")
+
+
+def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None,
+            device: str = "auto") -> Dist:
+    """Join (or reuse) the process group described by the environment.
+
+    Under torchrun or our own spawner RANK/WORLD_SIZE/MASTER_ADDR are set; without them this
+    is a single process and no group is created. The group is created once per process and
+    reused by later jobs of a multirun: re-creating it per job hangs under torchrun.
+    ``store_path``: rendezvous through a FileStore there (local spawned ranks) instead of
+    the TCP store named by MASTER_ADDR/MASTER_PORT. ``device``: see ``pick_device``.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
+    name = resolve_backend(backend)
+    dev = pick_device(name, local_rank, device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)   # before init_process_group(device_id=...), and for this thread
+    if world > 1 and name == "nccl" and not faulthandler.is_enabled():
+        # NCCL's watchdog ends a rank whose collective timed out with SIGABRT: print where each
+        # thread was (which collective the main thread waited behind) before the process goes.
+        faulthandler.enable(all_threads=True)
+    if world > 1 and not tdist.is_initialized():
+        store = tdist.FileStore(store_path, world) if store_path else None
+        tdist.init_process_group(name, rank=rank, world_size=world, store=store,
+                                 timeout=timedelta(seconds=timeout_s),
+                                 device_id=dev if name == "nccl" else None)
+    if world > 1 and tdist.get_backend() != name:
+        raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
+                          f"cannot change within one process")
+    dist = Dist(rank, world, local_rank, dev, name if world > 1 else None, timeout_s)
+    if world > 1:
+        peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
+        dist = replace(dist, peers=tuple(tuple(p) for p in peers))
+    return dist
+
+
+def disconnect() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str) -> None:
+    """Run ``fn`` on every rank, then exchange outcomes with ``gather`` (an all-gather of one object
+    per rank; it doubles as a barrier): a rank that failed raises its own error, the others one
+    naming it, instead of waiting on a peer that will never come to the next collective."""
+    mine: BaseException | None = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
+        mine = e
+    errs = gather(None if mine is None else f"rank {rank}: {str(mine).splitlines()[0]}")
+    if mine is not None:
+        raise mine
+    failed = [e for e in errs if e]
+    if failed:
+        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")

@@ -1,0 +1,246 @@
+"""Composing and typing configs without Hydra or OmegaConf (machines that lack them, such as a
+GPU image with only torch's stack; the command line itself needs Hydra).
+
+``compose()`` uses this module when Hydra cannot be imported: the same conf/ files, the same
+override spellings that library and benchmark code use (``group=name``, ``+stage=name``,
+``key.path=value``, ``++key=value``, ``~key``), the same validation afterwards
+(``config.validate``), so a typo is still one line naming the closest key. Not supported:
+interpolations (``${...}``), ``--config-dir`` primaries and Hydra's sweep syntax; each is an
+error that says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+from framework.core.errors import ConfigError
+from framework.core.registry import GROUPS
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    prefix: str        # "" | "+" | "++" | "~"
+    key: str
+    value: Any = None
+
+    @property
+    def is_choice(self) -> bool:
+        return self.key in GROUPS and self.prefix != "~"
+
+
+def parse(line: str) -> Override:
+    """One override in Hydra's spelling (the subset above)."""
+    prefix = "~" if line.startswith("~") else "++" if line.startswith("++") else "+" if line.startswith("+") else ""
+    body = line[len(prefix):]
+    key, eq, text = body.partition("=")
+    key = key.strip()
+    if not key or (not eq and prefix != "~"):
+        raise ConfigError(f"config: cannot parse override {line!r}; expected key=value")
+    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or ("," in text and not text.startswith("[")):
+        raise ConfigError(f"config: override {line!r} uses Hydra syntax that needs Hydra (interpolation or "
+                          f"sweep); install hydra-core or give a plain value")
+    return Override(prefix, key, value(text) if eq else None)
+
+
+def value(text: str) -> Any:
+    """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
+    strings, and [a, b] lists of those."""
+    text = text.strip()
+    if text == "":
+        return ""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
+    if text.startswith("[") and text.endswith("]"):
+        inner = text[1:-1].strip()
+        return [value(x) for x in _split(inner)] if inner else []
+    low = text.lower()
+    if low == "null":
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text.replace("_", "")) if not text.startswith("_") else text
+        except ValueError:
+            pass
+    return text
+
+
+def _split(inner: str) -> list[str]:
+    """Top-level comma split of a list body (quotes and nested brackets kept together)."""
+    out, depth, quote, cur = [], 0, None, ""
+    for c in inner:
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += c
+    return out + [cur]
+
+
+def load_yaml(path: Path) -> dict:
+    import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
+
+    with open(path) as f:
+        node = yaml.safe_load(f)
+    return dict(node or {})
+
+
+def plain_composer(overrides: list[str], *, config_dir: str | None = None,
+                   config_name: str = "train") -> tuple[dict, dict[str, str]]:
+    """(config tree, group choices) for conf/train.yaml and ``overrides``, as Hydra would compose them."""
+    from framework.core.paths import conf_dir
+
+    if config_dir is not None or config_name != "train":
+        raise ConfigError("config: --config-dir / --config-name need Hydra (pip install hydra-core)")
+    conf = conf_dir()
+    primary = load_yaml(conf / "train.yaml")
+    defaults = primary.pop("defaults", [])
+    primary.pop("hydra", None)
+    choices: dict[str, str] = {}
+    for entry in defaults:
+        if isinstance(entry, Mapping):
+            (group, name), = entry.items()
+            if str(group).startswith("override hydra/"):   # Hydra's own settings (its log file)
+                continue
+            choices[str(group)] = str(name)
+    parsed = [parse(o) for o in overrides]
+    for o in parsed:
+        if not o.is_choice:
+            continue
+        if o.key in choices and o.prefix == "+":
+            raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
+                              f"(use {o.key}={o.value})")
+        if o.key not in choices and o.prefix == "":
+            raise ConfigError(f"config: Could not override '{o.key}'. No match in the defaults list. "
+                              f"To append to your default list use +{o.key}={o.value}")
+        choices[o.key] = str(o.value)
+    tree: dict = {}
+    for group, name in choices.items():
+        path = conf / group / f"{name}.yaml"
+        if not path.is_file():
+            from framework.core.registry import registry
+            registry(group).get(name)   # raises, naming the closest option
+            raise ConfigError(f"config: no {path}")
+        tree[group] = load_yaml(path)
+    _merge(tree, primary)
+    for o in parsed:
+        if o.is_choice or o.key.split(".")[0] == "hydra":
+            continue
+        _apply(tree, o)
+    return tree, {g: n for g, n in choices.items() if g in GROUPS}
+
+
+def _merge(dst: dict, src: Mapping) -> None:
+    for k, v in src.items():
+        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _apply(tree: dict, o: Override) -> None:
+    *path, last = o.key.split(".")
+    node = tree
+    for part in path:
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            if o.prefix == "~":
+                return
+            nxt = node[part] = {}
+        node = nxt
+    if o.prefix == "~":
+        node.pop(last, None)
+    else:
+        node[last] = o.value
+
+
+def typed(node: Mapping, schema: type, prefix: str) -> Any:
+    """``schema`` (a dataclass) built from ``node``: defaults for absent keys, values converted to
+    the annotated types as OmegaConf converts them, one-line errors otherwise."""
+    hints = typing.get_type_hints(schema)
+    kwargs = {}
+    for f in dataclasses.fields(schema):
+        key = f"{prefix}{f.name}"
+        if f.name in node:
+            kwargs[f.name] = _convert(node[f.name], hints[f.name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"config: {key}: Missing mandatory value: {key}")
+    return schema(**kwargs)
+
+
+def _convert(v: Any, hint: Any, key: str) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return v
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        rest = [a for a in args if a is not type(None)]
+        errors = []
+        for a in rest:
+            try:
+                return _convert(v, a, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if v is None:
+        raise ConfigError(f"config: {key}: field '{key}' is not Optional")
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"config: {key} must be a mapping, got {v!r}")
+        return typed(v, hint, f"{key}.")
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"config: {key}: Invalid value assigned: {type(v).__name__} is not a ListConfig, "
+                              f"list or tuple.")
+        inner = args[0] if args else Any
+        return [_convert(x, inner, f"{key}[{i}]") for i, x in enumerate(v)]
+    if origin is dict or hint is dict:
+        if not isinstance(v, Mapping):
+            raise ConfigError(f"config: {key} must be a mapping, got {v!r}")
+        return dict(v)
+    if hint is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "on", "off"):
+            return v.lower() in ("true", "yes", "on")
+        if isinstance(v, int) and v in (0, 1):
+            return bool(v)
+    elif hint is int:
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, str):
+            try:
+                return int(v)
+            except ValueError:
+                pass
+    elif hint is float:
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return float(v)
+        if isinstance(v, str):
+            try:
+                return float(v)
+            except ValueError:
+                pass
+    elif hint is str:
+        if isinstance(v, (str, int, float)) and not isinstance(v, bool):
+            return str(v)
+        if isinstance(v, bool):
+            return str(v)
+    else:
+        return v
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"config: {key}: Value '{v}' of type '{type(v).__name__}' could not be converted to "
+                      f"{name.capitalize() if name in ('int', 'float', 'bool') else name}")

@@ -1,0 +1,160 @@
+"""Creating files and folders in folders the user names, without following planted links.
+
+    fd = create_new(folder / "x.tmp")              # O_EXCL | O_NOFOLLOW, owner-only
+    write_atomic(folder / "latest", b"step-4")     # temporary + fsync + rename, in one folder
+    make_dirs(folder)                              # missing folders made 0700 (parents too)
+    fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
+
+A checkpoint folder, ``offload.nvme_path`` or an export folder may be writable by others (a
+shared scratch disk). A symbolic link planted there under a name the framework writes would
+make a plain ``open`` overwrite the link's target: every open here refuses a link in the final
+component (``O_NOFOLLOW``; ``O_EXCL`` for new files, which never follows one either) and says so
+in one line naming it (``UnsafePathError``). The folder the user gave may itself be a link (a
+checkpoint folder on another disk): only what the framework creates inside it is guarded.
+Renames are made relative to one directory descriptor, so a temporary and its final name are
+in the same folder even if a path component is swapped meanwhile.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+from framework.core.errors import UnsafePathError
+
+PRIVATE_FILE = 0o600
+PRIVATE_DIR = 0o700
+_BASE = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refused(path: os.PathLike | str, what: str = "") -> UnsafePathError:
+    return UnsafePathError(f"{path} is a symbolic link{what}; refusing to follow it (the framework writes "
+                           f"its own files there): remove the link or choose another folder")
+
+
+def is_link(path: os.PathLike | str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def refuse_links(*paths: os.PathLike | str) -> None:
+    """Raise ``UnsafePathError`` naming the first of ``paths`` that is a symbolic link."""
+    for p in paths:
+        if is_link(p):
+            raise _refused(p)
+
+
+def open_nofollow(path: os.PathLike | str, flags: int, mode: int = PRIVATE_FILE, *, dir_fd: int | None = None) -> int:
+    """``os.open`` that never follows a symbolic link in the final component."""
+    try:
+        return os.open(path, flags | _BASE, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK) and (dir_fd is not None or is_link(path)):
+            raise _refused(path) from None
+        raise
+
+
+def create_new(path: os.PathLike | str, *, replace_stale: bool = False, flags: int = os.O_WRONLY,
+               dir_fd: int | None = None) -> int:
+    """A new owner-only file (``O_CREAT | O_EXCL``). ``replace_stale``: a regular file left there
+    by an interrupted run (a temporary) is removed first; a link is always refused."""
+    for attempt in (0, 1):
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
+            os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
+            return fd
+        except FileExistsError:
+            st = os.lstat(path, dir_fd=dir_fd)
+            if stat.S_ISLNK(st.st_mode):
+                raise _refused(path) from None
+            if not replace_stale or attempt or not stat.S_ISREG(st.st_mode):
+                raise
+            os.unlink(path, dir_fd=dir_fd)
+    raise AssertionError("unreachable")
+
+
+def write_new(path: os.PathLike | str, data: bytes, *, replace_stale: bool = False,
+              dir_fd: int | None = None) -> None:
+    """Write ``data`` into a new owner-only file (``create_new``), fsync and close it."""
+    fd = create_new(path, replace_stale=replace_stale, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_dir(path: os.PathLike | str) -> int:
+    """A descriptor of the folder ``path`` (which may be a link the user made)."""
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def fsync_dir(path: os.PathLike | str) -> None:
+    fd = open_dir(path)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: os.PathLike | str, data: bytes, *, tmp_name: str | None = None) -> None:
+    """Replace ``path`` with a file holding ``data``: written to ``<name>.tmp`` (or ``tmp_name``)
+    in the same folder, fsynced, renamed over ``path`` and the folder fsynced, all relative to one
+    descriptor of the folder. A reader sees the old file or the new one, never a part."""
+    path = Path(path)
+    tmp = tmp_name or f"{path.name}.tmp"
+    dfd = open_dir(path.parent)
+    try:
+        try:
+            write_new(tmp, data, replace_stale=True, dir_fd=dfd)
+        except UnsafePathError:
+            raise _refused(path.parent / tmp) from None
+        os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def open_append(path: os.PathLike | str):
+    """A text file opened for appending (created owner-only when missing), never through a link."""
+    return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", buffering=1)
+
+
+def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
+    """Create the folder ``path`` owner-only (0700); True if it was made here. An existing folder
+    keeps its mode (it may be the user's own); a link in its place is refused unless it is a
+    folder the user gave (``exist_ok`` and it points at a folder: callers that create names of
+    their own pass ``exist_ok=False`` or check with ``refuse_links``)."""
+    try:
+        os.mkdir(path, PRIVATE_DIR)
+    except FileExistsError:
+        if not exist_ok:
+            if is_link(path):
+                raise _refused(path) from None
+            raise
+        if not os.path.isdir(path):
+            if is_link(path):
+                raise _refused(path, " to something that is not a folder") from None
+            raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
+        return False
+    os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
+    return True
+
+
+def make_dirs(path: os.PathLike | str) -> None:
+    """``mkdir -p`` whose every folder made is 0700 (``Path.mkdir(parents=True)`` makes the
+    parents with the umask's mode)."""
+    path = Path(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for p in reversed(missing):
+        make_dir(p)

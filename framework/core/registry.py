@@ -1,0 +1,91 @@
+"""Component registries: one conf/ group = one registry = one folder of code.
+
+A registered component is a public module (no leading underscore, not base.py) in the group's package
+that defines ``COMPONENT = Component(config=<dataclass>, build=<callable>)``; its registry
+name is the module's file name, which is also the YAML file name in ``conf/<group>/``.
+A module may instead define ``COMPONENTS = {name: Component, ...}`` for named presets
+(the model sizes). Discovery is explicit and read-only: nothing registers itself by
+mutating a global table at import time.
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+from dataclasses import dataclass, field
+from functools import cache
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
+
+from framework.core.errors import ConfigError
+
+# conf/ group name -> package that holds its components.
+GROUPS: Mapping[str, str] = MappingProxyType({
+    "model": "framework.models",
+    "data": "framework.data",
+    "optimizer": "framework.optimizers",
+    "scheduler": "framework.schedulers",
+    "precision": "framework.precision",
+    "offload": "framework.offload",
+    "logger": "framework.loggers",
+    "stage": "framework.stages",
+})
+
+
+@dataclass(frozen=True)
+class Component:
+    """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
+    ``check(node, stage)``, where given, validates the typed node against the chosen stage (one
+    line per error) and returns it with its ``auto`` values resolved: each component knows its
+    own rules, and the configuration layer needs no import of any component."""
+
+    config: type
+    build: Callable[..., Any]
+    check: Callable[[Any, str], Any] | None = field(default=None, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Registry:
+    group: str
+    entries: Mapping[str, Component]
+
+    def names(self) -> list[str]:
+        return sorted(self.entries)
+
+    def get(self, name: str) -> Component:
+        if name not in self.entries:
+            raise ConfigError(f"config: unknown {self.group} {name!r}{closest_hint(name, self.entries)}; "
+                              f"available: {', '.join(self.names())}")
+        return self.entries[name]
+
+
+def closest(name: str, valid, cutoff: float = 0.5) -> str | None:
+    """The valid name closest to a mistyped one (None: nothing close enough); every "did you
+    mean" in the package comes from here."""
+    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
+def closest_hint(name: str, valid) -> str:
+    match = closest(name, valid)
+    return f" (did you mean {match!r}?)" if match else ""
+
+
+@cache
+def registry(group: str) -> Registry:
+    """The registry of one conf/ group, discovered once from its package."""
+    if group not in GROUPS:
+        raise ConfigError(f"unknown config group {group!r}{closest_hint(group, GROUPS)}")
+    package = importlib.import_module(GROUPS[group])
+    entries: dict[str, Component] = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("_") or info.name == "base":  # protocols, not components
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        if hasattr(module, "COMPONENTS"):
+            entries.update(module.COMPONENTS)
+        elif hasattr(module, "COMPONENT"):
+            entries[info.name] = module.COMPONENT
+        else:
+            raise TypeError(f"{module.__name__} is in a registry package but defines no COMPONENT")
+    return Registry(group, MappingProxyType(entries))

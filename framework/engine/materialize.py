@@ -1,0 +1,107 @@
+"""Building a model without materialising it, and materialising it one tensor at a time.
+
+    with framework.zero_init():                          # parameters and buffers on the meta device
+        model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg), or any module)
+    engine = framework.initialize(model, loss_fn, cfg)   # under zero3: only this rank's shards exist
+
+This is our counterpart of ``deepspeed.zero.Init``. Nothing is patched: the model is built on the
+meta device (no bytes), and the stage materialises it. Each parameter is initialised whole, one
+at a time, by the model's own initialiser (``initializer``), and under zero3 only this rank's
+part is kept, so peak memory stays near the largest parameter plus this rank's shard. The
+initialiser of a model is:
+
+- the model itself when it has ``init_parameter(name, tensor)`` (our GPT: each parameter seeded
+  by (seed, name));
+- for a Hugging Face ``PreTrainedModel``, ``framework.models.hf.HFInit``: the model's own
+  ``_init_weights`` chain for that tensor, seeded by (seed, name), on a meta copy of the model.
+
+Meta buffers (e.g. rotary ``inv_freq``) are materialised the same way, whole on every rank.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Protocol
+
+import torch
+from torch import nn
+
+from framework.core.errors import ConfigError
+from framework.stages import ParameterInit
+
+
+@contextmanager
+def zero_init() -> Iterator[None]:
+    """Models built inside this block live on the meta device until ``framework.initialize``
+    materialises them (under zero3: this rank's shards only, one parameter at a time)."""
+    with torch.device("meta"):
+        yield
+
+
+class TensorInit(Protocol):
+    """Initialises one named tensor of a model in place (its values are whole, not sharded)."""
+
+    def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
+
+    def init_buffer(self, name: str, t: torch.Tensor) -> None: ...
+
+
+class OwnInit:
+    """A model with its own ``init_parameter`` (our GPT); it registers no meta buffers."""
+
+    def __init__(self, module: ParameterInit):
+        self.module = module
+
+    def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        self.module.init_parameter(name, t)
+
+    def init_buffer(self, name: str, t: torch.Tensor) -> None:
+        NoInit(self.module).init_buffer(name, t)
+
+
+class NoInit:
+    """The initialiser of a module that cannot initialise meta tensors: fails naming the fix."""
+
+    def __init__(self, module: nn.Module):
+        self.kind = type(module).__name__
+
+    def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
+                          f"init_parameter(name, tensor) method to initialise it; build the model on a real "
+                          f"device or add that method")
+
+    def init_buffer(self, name: str, t: torch.Tensor) -> None:
+        raise ConfigError(f"buffer {name!r} of {self.kind} is on the meta device; build the model on a real "
+                          f"device or register the buffer after construction")
+
+
+def initializer(module: nn.Module) -> TensorInit:
+    """What materialises ``module``'s meta tensors (see the module docstring). Cheap when
+    nothing is on meta (the result is then never called)."""
+    from framework.models.hf import HFInit, is_hf_model
+
+    if isinstance(module, ParameterInit):
+        return OwnInit(module)
+    if is_hf_model(module) and _has_meta(module):
+        return HFInit(module, torch.initial_seed())
+    return NoInit(module)
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def materialize_buffers(module: nn.Module, device: torch.device) -> None:
+    """Move every buffer to ``device``; a meta buffer is first initialised by the model's
+    initialiser. Buffers are whole on every rank (they are not trained)."""
+    init = initializer(module) if any(b.is_meta for b in module.buffers()) else None
+    done: dict[int, torch.Tensor] = {}   # a buffer registered under several names stays one tensor
+    for name, buf in list(module.named_buffers(remove_duplicate=False)):
+        path, _, key = name.rpartition(".")
+        if id(buf) not in done:
+            if buf.is_meta:
+                value = torch.empty(buf.shape, dtype=buf.dtype, device=device)
+                init.init_buffer(name, value)
+            else:
+                value = buf.to(device)
+            done[id(buf)] = value
+        module.get_submodule(path)._buffers[key] = done[id(buf)]

@@ -1,0 +1,120 @@
+"""build_train_step / build_eval_step: a fixed sequence of calls on stage, precision and optimizer.
+
+    state, metrics = train_step(state, batch)
+
+One call is one optimizer step over ``len(batch.micro)`` accumulated micro batches. Nothing
+here branches on which stage, precision or optimizer was composed in.
+
+Non-finite steps: under fp16's loss scaling a step whose gradients (or loss) overflow is skipped
+and the scale lowered, as DeepSpeed does. Without loss scaling (fp32, bf16) a non-finite loss or
+gradient norm means the model or the data went bad: the step raises ``TrainingError`` (nothing
+is updated, nothing saved afterwards), or with ``train.on_nonfinite=warn`` is skipped with a
+warning and reported as ``metrics["nonfinite"]`` (the checkpointer does not save such a step).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from framework.core.batch import Batch
+from framework.comm.distributed import Dist
+from framework.core.errors import TrainingError
+from framework.optimizers import GradientTransformation
+from framework.precision import Policy, next_scale
+from framework.stages.base import Stage
+from framework.engine.state import TrainState, capture_rng, restore_rng
+from framework.engine.update import Update
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Components:
+    module: nn.Module
+    loss_fn: LossFn
+    stage: Stage
+    policy: Policy
+    optimizer: GradientTransformation
+    schedule: Callable[[int], float]
+    grad_clip: float              # 0 disables clipping
+    dist: Dist
+    update: Update                # optimizer step + publish (framework.engine.update)
+    on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
+
+
+def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
+    return TrainState(step=0, params=tuple(master), opt_state=c.update.init(list(master)),
+                      precision=c.policy.init_state(), rng=capture_rng(c.dist.device), data=position)
+
+
+def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
+        if not isinstance(batch, Batch):
+            batch = Batch(tuple(batch))
+        restore_rng(state.rng, c.dist.device)
+        scale = state.precision.cur_scale
+        n = len(batch.micro)
+        lr = c.schedule(state.applied_steps)
+        c.update.arm(state.opt_state, state.params, lr, scale)
+        try:
+            # On the compute device: state.params live on the host under offload.
+            loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
+            for k, micro in enumerate(batch.micro):
+                loss = c.loss_fn(c.module, micro)
+                with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
+                    c.stage.backward(loss * (scale / n), sync=k == n - 1)
+                loss_sum += loss.detach().float()
+            c.update.drain()
+            grads = c.stage.reduce_grads()
+            # One global norm serves clipping and overflow detection: inf/nan propagate through
+            # it, so every rank reaches the same skip decision.
+            norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale   # host sync: once a step, decides clip/skip
+            # The logged loss is the mean over the global batch (ranks hold equal shares); known
+            # before the update, so a non-finite one is never stepped on.
+            c.dist.all_reduce(loss_sum, what="loss all-reduce")
+            mean_loss = loss_sum.item() / (n * c.dist.world)   # host sync: the step's loss, once a step
+            overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
+            nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
+            if nonfinite:
+                _nonfinite(c, state.step + 1, mean_loss, norm)
+            opt_state = state.opt_state
+            if overflow:
+                c.update.skip()
+            precision = next_scale(c.policy.scaler, state.precision, overflow,
+                                   culprits=lambda: c.stage.nonfinite_names(grads))
+            if not overflow:
+                coef = 1.0 / scale
+                if c.grad_clip > 0 and norm > c.grad_clip:
+                    coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+                # grads *= coef, optimizer step, updated values -> working parameters
+                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
+        except BaseException:
+            # A failed step leaves no trace: optimizer state as it was, no gradients kept.
+            c.update.abort()
+            c.stage.zero_grads()
+            raise
+        c.stage.zero_grads()
+        metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,
+                   "skipped": overflow, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
+        new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
+                      rng=capture_rng(c.dist.device),
+                      data=batch.position if batch.position is not None else state.data + 1)
+        return new, metrics
+
+    return train_step
+
+
+def _nonfinite(c: Components, step: int, loss: float, norm: float) -> None:
+    """A non-finite loss or gradient norm without loss scaling: stop (the default), or warn and skip."""
+    what = f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite)"
+    if c.on_nonfinite != "warn":
+        raise TrainingError(f"{what}; stopping before the update, nothing of this step is saved. Lower the "
+                            f"learning rate or check the data; train.on_nonfinite=warn skips such steps instead")
+    if c.dist.rank == 0:
+        print(f"warning: {what}; update skipped, no checkpoint of this step (train.on_nonfinite=warn)",
+              file=sys.stderr, flush=True)

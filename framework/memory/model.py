@@ -1,0 +1,560 @@
+"""Memory model: DeepSpeed's model-state estimators (exact), NVMe rows, and a per-rank prediction.
+
+Three layers, each usable alone:
+
+* ``count_module``: P (distinct parameters, by identity, at their logical shape, so a model on the
+  meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
+  module registers itself), the two inputs of DeepSpeed's estimators.
+* ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
+  (DeepSpeed's estimate_zero2/3_model_states_mem_needs: model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host
+  memory), with the same integer rounding, so the printed GiB agree to the last digit.
+  ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned
+  buffer pools of the ``offload=nvme`` keys, CONTRACTS A).
+* ``predict``: for one of our composed configs, the bytes each rank will hold, laid out as the
+  stages lay them out (flat groups padded to world x 128 elements, bucket plans, zero3 gather
+  units), plus activations traced on the meta device, the zero3 live window and a stated
+  allocator slack. ``tests/cli/test_estimate.py`` checks it against the resident memory the OS
+  reports for real runs.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from framework.core.errors import ConfigError
+
+GIB = 2 ** 30
+BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
+
+# --- counting -----------------------------------------------------------------------------
+
+_SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9, "T": 10 ** 12}
+
+
+def parse_count(text: str, what: str = "count") -> int:
+    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count."""
+    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m:
+        raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
+    value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+    return int(round(value))
+
+
+@dataclass(frozen=True)
+class Counts:
+    params: int          # P: distinct parameters
+    largest_layer: int   # L: most parameters registered by one module itself (not its children)
+
+
+def logical_numel(p: torch.Tensor) -> int:
+    return getattr(p, "logical_shape", p.shape).numel()
+
+
+def count_module(module: nn.Module) -> Counts:
+    """P and L of ``module``. Parameters are deduplicated by identity (``parameters()`` yields a
+    tied tensor once); DeepSpeed keys them by ``data_ptr()``, which is 0 for every tensor on the meta
+    device and collapses the count (as DeepSpeed's estimator source does)."""
+    total = sum(logical_numel(p) for p in module.parameters())
+    largest = max((sum(logical_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
+    return Counts(total, largest)
+
+
+# --- DeepSpeed's tables ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    cpu: int        # bytes per node (DeepSpeed's "per CPU")
+    gpu: int        # bytes per GPU
+    options: str
+
+
+def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
+               factor: float = BUFFER_FACTOR) -> list[Row]:
+    """DeepSpeed's ZeRO-2 estimate, offload_optimizer cpu then none."""
+    t = gpus_per_node * nodes
+    offload = Row(int(params * max(4 * t, 16) * factor), int(2 * params), "offload_optimizer=cpu")
+    # 2 (16-bit params) on every GPU; 18 = 16-bit grads 2 + fp32 grads 4 + fp32 master 4 + Adam 8, partitioned
+    plain = Row(int(params * 4 * gpus_per_node * factor), int(2 * params + int(18 * params / t)),
+                "offload_optimizer=none")
+    return [offload, plain]
+
+
+def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
+               factor: float = BUFFER_FACTOR) -> list[Row]:
+    """DeepSpeed's ZeRO-3 estimate, rows in its order."""
+    t, per_node = gpus_per_node * nodes, 1 / nodes
+    layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
+    rows = []
+    for opt, par in (("cpu", "cpu"), ("cpu", "none"), ("none", "none")):
+        for zero_init in (True, False):
+            if par == "cpu":
+                gpu = layer
+                cpu = params * (18 * per_node if zero_init else max(4 * gpus_per_node, 18 * per_node)) * factor
+            elif opt == "cpu":
+                gpu = layer + int(2 * params / t)
+                cpu = params * (16 * per_node if zero_init else max(4 * gpus_per_node, 16 * per_node)) * factor
+            else:
+                gpu = layer + int(18 * params / t)
+                cpu = (largest_layer if zero_init else params) * 4 * gpus_per_node * factor
+            rows.append(Row(int(cpu), int(gpu),
+                            f"offload_param={par}, offload_optimizer={opt}, zero_init={int(zero_init)}"))
+    return rows
+
+
+def format_rows(rows: list[Row]) -> str:
+    """DeepSpeed's layout: ``per CPU | per GPU | Options``, GiB (2^30 bytes) with two decimals."""
+    lines = ["  per CPU  |  per GPU |   Options"]
+    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.options}" for r in rows]
+    return "\n".join(lines)
+
+
+# --- NVMe (ZeRO-Infinity) rows -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NVMeKeys:
+    """The ``offload=nvme`` keys that size host pools (CONTRACTS A; DeepSpeed's names in comments)."""
+
+    sub_group_size: int = 1_000_000_000   # elements per optimizer tile (zero_optimization.sub_group_size)
+    buffer_count: int = 4                 # optimizer tiles in host memory (offload_optimizer.buffer_count)
+    param_buffer_count: int = 5           # offload_param.buffer_count
+    param_buffer_size: int = 100_000_000  # offload_param.buffer_size (elements)
+
+
+@dataclass(frozen=True)
+class NVMeRow:
+    cpu: int        # host bytes per node: pinned pools (+ the fp32 gradient partition, + cpu param shards)
+    gpu: int        # bytes per GPU
+    disk: int       # bytes per node on the NVMe path
+    options: str
+
+
+def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
+              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2) -> list[NVMeRow]:
+    """Per-node disk bytes and host pools of ZeRO-Infinity, for zero3 (our model, not DeepSpeed's:
+    no fudge factor; every term is named).
+
+    Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
+    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_gradswap.py)
+    live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
+    of master + state + gradient + 16-bit staging, and one tile's gradient bounce buffer. Parameters on NVMe: each rank's 16-bit shard on disk and
+    ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards
+    in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (16-bit params and
+    grads), plus the 16-bit shard when parameters stay on the GPU."""
+    t = gpus_per_node * nodes
+    part = -(-params // t)   # elements of one rank's partition
+    state = 4 + optimizer_bytes
+    tile = min(keys.sub_group_size, part)
+    rows = []
+    for par in ("nvme", "cpu", "none"):
+        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + param_bytes) + 4 * tile)
+        disk = gpus_per_node * part * (state + 4)
+        host, gpu = opt_host, 4 * largest_layer
+        if par == "nvme":
+            host += gpus_per_node * keys.param_buffer_count * keys.param_buffer_size * param_bytes
+            disk += gpus_per_node * part * param_bytes
+        elif par == "cpu":
+            host += gpus_per_node * part * param_bytes
+        else:
+            gpu += part * param_bytes
+        rows.append(NVMeRow(host, gpu, disk, f"offload_param={par}, offload_optimizer=nvme"))
+    return rows
+
+
+def format_nvme_rows(rows: list[NVMeRow]) -> str:
+    lines = ["  per CPU  |  per GPU |  NVMe/node |   Options"]
+    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.disk / GIB:7.2f}GiB | {r.options}" for r in rows]
+    return "\n".join(lines)
+
+
+# --- activations, traced on the meta device ---------------------------------------------------
+
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storages alive during a traced pass, and their peak. Every op output's
+    storage is counted when it first appears and uncounted when it is freed (a weak reference on
+    the storage), so the trace follows autograd's lifetimes: saved tensors until their backward,
+    gradients of activations while they flow, recomputation under checkpointing."""
+
+    def __init__(self, preexisting: list[torch.Tensor]):
+        super().__init__()
+        self.live = self.peak = 0
+        self.refs: dict[int, object] = {}
+        self._keep = [t.untyped_storage() for t in preexisting]   # parameters and inputs: not counted
+        for st in self._keep:
+            self.refs[id(st)] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key in self.refs:
+                    continue
+                n = st.nbytes()
+                self.live += n
+                self.peak = max(self.peak, self.live)
+                self.refs[key] = weakref.ref(st, lambda _r, key=key, n=n: self._free(key, n))
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.refs.pop(key, None)
+
+
+@dataclass(frozen=True)
+class ActivationTrace:
+    saved: int      # bytes alive at the end of forward (what autograd keeps for backward, the loss path)
+    peak: int       # peak bytes during forward + backward, parameter gradients excluded
+
+
+def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False) -> ActivationTrace:
+    """Run ``loss_fn(module, batch)`` and its backward on the meta device and follow live bytes.
+
+    ``module`` and ``batch`` must be on the meta device. Parameter gradients are dropped as soon
+    as they are accumulated (the stages own them: counted as model states or buckets), unless
+    ``keep_grads``: then they live to the end of backward (zero2 when one bucket holds a whole
+    group: no gradient leaves before the last one arrives)."""
+    params = list(module.parameters())
+    handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+                                     for p in params if p.requires_grad]
+    inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    mode = _LiveBytes(params + list(module.buffers()) + inputs)
+    try:
+        with mode:
+            loss = loss_fn(module, batch)
+            saved = mode.live
+            loss.backward()
+        del loss
+    finally:
+        for h in handles:
+            h.remove()
+        for p in params:
+            p.grad = None
+    return ActivationTrace(saved, mode.peak)
+
+
+# --- per-rank prediction for one of our configs --------------------------------------------
+
+# Stated allocator slack: memory the allocator holds beyond live tensors. On the CPU (glibc) freed
+# activation blocks stay mapped and repeated sizes fragment the heap; the CUDA caching allocator
+# rounds blocks and keeps freed ones cached. 10% of the transient (activation-phase) bytes,
+# calibrated against measured peaks (tests/cli/test_estimate.py), plus a fixed 64 MiB on CUDA
+# for the cuBLAS/cuDNN workspaces and the context's own allocations.
+SLACK_FRACTION = 0.10
+CUDA_FIXED_SLACK = 64 * 2 ** 20
+
+
+@dataclass
+class Prediction:
+    """Bytes per rank. ``device`` and ``host`` split each item by where it lives (on a CPU run both
+    are host memory)."""
+
+    world: int
+    params: int                      # P at logical size
+    items: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> (device, host) bytes
+    transient: dict[str, int] = field(default_factory=dict)          # fwd/bwd-phase peaks (device)
+    disk: dict[str, int] = field(default_factory=dict)              # bytes in swap files (offload=nvme)
+    lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
+    notes: list[str] = field(default_factory=list)
+
+    MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
+                    "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
+
+    def add(self, name: str, device: int = 0, host: int = 0) -> None:
+        d, h = self.items.get(name, (0, 0))
+        self.items[name] = (d + int(device), h + int(host))
+
+    def total(self, names) -> int:
+        return sum(sum(self.items.get(n, (0, 0))) for n in names)
+
+    @property
+    def model_states(self) -> int:
+        return self.total(self.MODEL_STATES)
+
+    @property
+    def resident(self) -> int:
+        """Everything held between steps: model states and persistent buffers."""
+        return sum(d + h for d, h in self.items.values())
+
+    @property
+    def at_setup(self) -> int:
+        """What exists once the engine is built, before the first step touches lazy buffers."""
+        return sum(d + h for k, (d, h) in self.items.items() if k not in self.lazy)
+
+    @property
+    def slack(self) -> int:
+        return int(SLACK_FRACTION * sum(self.transient.values()))
+
+    @property
+    def peak(self) -> int:
+        return self.resident + sum(self.transient.values()) + self.slack
+
+    def device_peak(self, cuda: bool) -> int:
+        dev = sum(d for d, _ in self.items.values())
+        return dev + sum(self.transient.values()) + self.slack + (CUDA_FIXED_SLACK if cuda else 0)
+
+    def host_total(self) -> int:
+        return sum(h for _, h in self.items.values())
+
+    def as_dict(self) -> dict:
+        return {"world": self.world, "params": self.params,
+                "items": {k: {"device": d, "host": h} for k, (d, h) in self.items.items()},
+                "transient": dict(self.transient), "lazy": sorted(self.lazy), "disk": dict(self.disk),
+                "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
+                "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
+
+
+def _opt_bytes_per_element(cfg) -> int:
+    """Optimizer-state bytes per fp32 master element, from the optimizer's own init on meta."""
+    from framework.engine.build import component
+    from framework.core.utils import tensors_in
+
+    tx = component(cfg, "optimizer").build(cfg.optimizer, [True])
+    probe = torch.empty(1024, dtype=torch.float32, device="meta")
+    state = tx.init([probe])
+    return sum(t.numel() * t.element_size() for t in tensors_in(state) if t.numel() >= 1024) // 1024
+
+
+def _padded(numel: int, world: int) -> int:
+    from framework.stages import ALIGN
+    unit = world * ALIGN
+    return -(-max(numel, 1) // unit) * unit
+
+
+def predict(cfg, world: int | None = None, module: nn.Module | None = None,
+            traces: dict | None = None, loss_fn=None, context: int | None = None) -> Prediction:
+    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
+    (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
+    the configured one), with ``loss_fn(module, (x, y))`` (default: our GPT's) and ``context`` (default
+    ``cfg.model.context``) for its activations. ``traces``: a dict to reuse activation traces in (the
+    planner's sweep)."""
+    from framework.engine.build import component
+    from framework.models.gpt import gpt_loss
+    from framework.stages import param_groups
+    from framework.stages import plan_buckets
+
+    world = world or cfg.dist.nproc
+    policy = component(cfg, "precision").build(cfg.precision)
+    vocab = None
+    try:
+        vocab = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
+        vocab = None
+    if module is None:
+        with torch.device("meta"):
+            module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
+    stage, offload = cfg.choices["stage"], cfg.choices["offload"]
+    keep_grads = False
+    w = policy.param_dtype.itemsize
+    master_sep = policy.master_dtype != policy.param_dtype
+    acc = policy.grad_accum_dtype.itemsize
+    red = policy.reduce_dtype.itemsize
+    K = _opt_bytes_per_element(cfg)
+    groups = param_groups(module)
+    numels = [sum(p.numel() for _, p in named) for _, named in groups]
+    pred = Prediction(world, count_module(module).params)
+    on_host = offload != "none"
+    ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
+
+    opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
+
+    def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
+        """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
+        hostn = round(ratio * shard_elems)
+        devn = shard_elems - hostn
+        if hostn and opt_on_disk:
+            # ZeRO-Infinity: master + state in swap files; the host holds a pool of ``buffer_count``
+            # tiles of ``sub_group_size`` elements (master + state). zero3 with every piece on the
+            # host also swaps the owned gradients (offload/_gradswap.py): they sit in each tile
+            # (read with it) and one tile's bounce buffer; otherwise they are host buffers.
+            swap_grads = stage == "zero3" and hostn == shard_elems
+            pred.disk["optimizer"] = pred.disk.get("optimizer", 0) + (4 + K + acc * swap_grads) * hostn
+            tile = min(cfg.offload.sub_group_size, hostn)
+            pool = cfg.offload.buffer_count * tile * (4 + K + (acc * swap_grads) + (w if master_sep else 0)) \
+                + acc * tile * swap_grads
+            d, h = pred.items.get("nvme_optimizer_pool", (0, 0))
+            pred.items["nvme_optimizer_pool"] = (0, max(h, pool))
+            if not swap_grads:
+                pred.add("host_grad_buffers", host=4 * hostn)
+                if master_sep:
+                    pred.add("host_staging", host=w * hostn)
+                    pred.lazy.add("host_staging")
+            pred.add("optimizer_state", device=K * devn)
+            if devn and master_sep:
+                pred.add("master_params", device=4 * devn)
+            return
+        if hostn:
+            pred.add("master_params", host=4 * hostn)
+            pred.add("host_grad_buffers", host=4 * hostn)
+            if master_sep:   # written by the first optimizer step
+                pred.add("host_staging", host=w * hostn)
+                pred.lazy.add("host_staging")
+            if getattr(cfg.offload, "overlap_step", False):   # allocated by the first speculative step
+                pred.add("overlap_undo", host=(4 + K) * hostn)
+                pred.lazy.add("overlap_undo")
+        if devn and (master_sep or not fp32_in_place):
+            pred.add("master_params", device=4 * devn)
+        pred.add("optimizer_state", device=K * devn, host=K * hostn)
+
+    if stage == "ddp":
+        padded = [_padded(n, 1) for n in numels]
+        pred.add("params", device=w * sum(padded))
+        pred.add("grads", device=w * sum(padded))
+        if cfg.train.grad_accum > 1 and acc != w:
+            pred.add("grad_accumulator", device=acc * sum(padded))
+            pred.lazy.add("grad_accumulator")
+        if master_sep:
+            pred.add("master_params", device=4 * sum(padded))
+        pred.add("optimizer_state", device=K * sum(padded))
+        if red != w:   # a wire copy per bucket in flight
+            pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
+    elif stage in ("zero1", "zero2"):
+        padded = [_padded(n, world) for n in numels]
+        shards = [p // world for p in padded]
+        pred.add("params", device=w * sum(padded))
+        for s in shards:
+            master_state(s, fp32_in_place=True)
+        if stage == "zero1":
+            pred.add("grads", device=w * sum(padded))
+            if cfg.train.grad_accum > 1 and acc != w:
+                pred.add("grad_accumulator", device=acc * sum(padded))
+                pred.lazy.add("grad_accumulator")
+        else:
+            pred.add("grads", device=acc * sum(shards))
+            # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
+            entries = []
+            for g, (_, named) in enumerate(groups):
+                off = 0
+                for _, p in named:
+                    entries.append((g, off, p.numel()))
+                    off += p.numel()
+            order = [(pid, g, off, n) for pid, (g, off, n) in reversed(list(enumerate(entries)))]
+            buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
+            biggest = max(b.numel for b in buckets)
+            n_buf = (min(2 if cfg.stage.overlap_comm else 1, len(buckets))
+                     if cfg.stage.contiguous_gradients else 0)
+            pred.add("bucket_buffers", device=red * n_buf * biggest)
+            pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
+            # Parameter .grad tensors live until their bucket is copied out: when one bucket holds a
+            # whole group, until the end of backward (traced with the activations); else about the
+            # buckets in flight plus the one filling.
+            keep_grads = any(pd <= cfg.stage.reduce_bucket_size for pd in padded)
+            if not keep_grads:
+                pred.transient["param_grads"] = w * min(max(numels), (n_buf + 1) * biggest)
+    elif stage == "zero3":
+        _zero3(cfg, module, policy, world, pred, master_state)
+        pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
+    else:
+        raise ConfigError(f"estimate: no memory model for stage {stage!r}")
+
+    # Activations of one micro batch, traced on meta in the working dtype.
+    ctx = context or cfg.model.context
+    module = module.to(policy.param_dtype)
+    module.train()
+    x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
+    key = (cfg.train.micro_batch, ctx, bool(getattr(cfg.model, "activation_checkpointing", False)), keep_grads,
+           policy.param_dtype)
+    tr = traces.get(key) if traces is not None else None
+    if tr is None:
+        tr = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
+        if traces is not None:
+            traces[key] = tr
+    pred.transient["activations"] = tr.peak
+    ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
+    pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
+                      f"checkpointing={ckpt}, "
+                      f"{tr.saved / 2**20:.1f} MiB saved after forward, {tr.peak / 2**20:.1f} MiB peak")
+    return pred
+
+
+def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
+    """zero3: shards of every unit group; persistent small parameters gathered; the live window."""
+    s = cfg.stage
+    w, red = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
+    classes = set(s.gather_unit)
+    units: list[list[nn.Parameter]] = []
+    seen: set[int] = set()
+    for sub in module.modules():   # one unit per gather_unit module, the rest per owning module
+        if type(sub).__name__ in classes:
+            ps = [p for p in sub.parameters() if id(p) not in seen]
+        elif sub is not module and not s.split_root:
+            continue
+        else:
+            ps = [p for p in sub.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in ps)
+        if ps:
+            units.append(ps)
+    rest = [p for p in module.parameters() if id(p) not in seen]
+    if rest:
+        units.append(rest)
+    persistent, sizes, shards = [], [], []
+    o = cfg.offload
+    # owned gradients in the optimizer's swap file (offload/_gradswap.py): up to three group
+    # partitions exist at once (one being reduced, two queued for writing), none between steps
+    swap_grads = cfg.choices["offload"] == "nvme" and getattr(o, "optimizer", "nvme") == "nvme" \
+        and getattr(o, "ratio", 1.0) == 1.0
+    acc = policy.grad_accum_dtype.itemsize
+
+    def grads(n: int) -> None:
+        if not swap_grads:
+            pred.add("grads", device=acc * n)
+            return
+        d, h = pred.items.get("grads", (0, 0))
+        pred.items["grads"] = (max(d, 3 * acc * n), h)
+
+    for ps in units:
+        small = [p for p in ps if p.numel() < s.stage3_param_persistence_threshold]
+        persistent += small
+        big = [p for p in ps if p.numel() >= s.stage3_param_persistence_threshold]
+        size = 0
+        for grp in (([p for p in big if p.ndim >= 2]), ([p for p in big if p.ndim < 2])):
+            if grp:
+                padded = _padded(sum(p.numel() for p in grp), world)
+                size += padded
+                shards.append(padded // world)
+                pred.add("params", device=w * padded // world)
+                grads(padded // world)
+                master_state(padded // world, fp32_in_place=True)
+        if size:
+            sizes.append(size)
+    for grp in ([p for p in persistent if p.ndim >= 2], [p for p in persistent if p.ndim < 2]):
+        if grp:
+            padded = _padded(sum(p.numel() for p in grp), world)
+            shards.append(padded // world)
+            pred.add("params", device=w * padded // world)
+            grads(padded // world)
+            master_state(padded // world, fp32_in_place=True)
+            pred.add("gathered_persistent", device=w * padded)
+    where = getattr(cfg.offload, "params", False)
+    on_host = where is True or where == "cpu" or (where in ("nvme", "auto") and cfg.choices["offload"] == "nvme")
+    if where is True or where == "cpu":
+        d, h = pred.items["params"]
+        pred.items["params"] = (0, d + h)
+    elif where in ("nvme", "auto") and cfg.choices["offload"] == "nvme":   # shards in swap files, a pinned pool
+        d, h = pred.items["params"]
+        pred.items["params"] = (0, 0)
+        pred.disk["params"] = d + h
+        # slots as large as the largest shard, no more of them than shards or max_in_cpu allows
+        largest = max(shards, default=0)
+        slots = min(o.param_buffer_count, len(shards), o.max_in_cpu // max(largest, 1))
+        pred.add("nvme_param_pool", host=slots * largest * w)
+    # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
+    # model under a billion parameters stays gathered from its forward into its backward; the live
+    # window is capped by max_live plus the unit in use.
+    # At world size 1 with the shards on the device the hooks gather in place (the shard is the whole
+    # buffer) and gradients are added straight into the partition (_gather.Gatherer._in_place).
+    in_place = world == 1 and not on_host
+    biggest = max(sizes, default=0)
+    window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    pred.transient["zero3_live_window"] = w * window
+    # Backward: the unit's full .grad tensors until it is reduced, and the reduce buffers in flight
+    # (up to two rounds per unit group with overlap_comm).
+    pred.transient["zero3_reduce"] = w * biggest + (0 if in_place else red * biggest * (3 if s.overlap_comm else 1))
+    pred.notes.append(f"zero3: {len(sizes)} gather units (largest {biggest:,} elements), "
+                      f"{sum(p.numel() for p in persistent):,} persistent elements, live window {window:,}")

@@ -1,0 +1,244 @@
+"""The planner's model: for a composed config, every stage x offload x micro-batch x activation-checkpointing
+candidate with the memory a rank would hold (``framework.memory.model.predict``) and the seconds an optimizer
+step would take (a roofline over the bandwidths ``framework.memory.probe`` measured), fitting candidates
+first, fastest first. The command is ``python -m framework.plan`` (``framework/cli/plan.py``); its help says
+how candidates are chosen, when one fits and what the roofline counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from framework.memory.model import GIB, predict
+from framework.core.errors import ConfigError, FrameworkError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    stage: str
+    offload: str            # none | cpu | cpu+params | nvme
+    micro_batch: int
+    grad_accum: int
+    checkpointing: bool
+
+    @property
+    def guide_rank(self) -> int:
+        """The guide's speed order (fastest first) for ties."""
+        order = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero1", "cpu"), ("zero2", "cpu"),
+                 ("zero3", "none"), ("zero3", "cpu"), ("zero3", "cpu+params"), ("zero2", "nvme"),
+                 ("zero3", "nvme")]
+        key = (self.stage, self.offload)
+        return order.index(key) if key in order else len(order)
+
+    def overrides(self) -> list[str]:
+        out = [f"+stage={self.stage}"]
+        if self.offload != "none":
+            out.append(f"offload={self.offload.split('+')[0]}")
+        if self.offload == "cpu+params":
+            out.append("offload.params=cpu")
+        return out + [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
+                      f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
+
+    def label(self) -> str:
+        return (f"{self.stage:5s} {self.offload:10s} micro {self.micro_batch:3d} x accum {self.grad_accum:3d}  "
+                f"ckpt {'yes' if self.checkpointing else 'no '}")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: torch.device
+    gpu_mem: int | None     # bytes per GPU (None: CPU-only, the host is the device)
+    cpu_mem: int            # host bytes (the whole node)
+    nvme: int               # bytes free under the NVMe path
+    ranks: int
+
+
+def detect(own: dict[str, str]) -> Hardware:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    gpu = parse_bytes(own["gpu_mem"]) if "gpu_mem" in own else (
+        torch.cuda.get_device_properties(0).total_memory if cuda else None)
+    cpu = parse_bytes(own["cpu_mem"]) if "cpu_mem" in own else _mem_available()
+    nvme = parse_bytes(own["nvme"]) if "nvme" in own else shutil.disk_usage(os.getcwd()).free
+    ranks = int(own["ranks"]) if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
+    if ranks < 1:
+        raise ConfigError("plan: ranks must be >= 1")
+    return Hardware(device, gpu, cpu, nvme, ranks)
+
+
+def parse_bytes(text: str) -> int:
+    """``80G``/``80GiB`` (2^30), ``512M``, ``2T``, or plain bytes."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ConfigError(f"plan: {text!r} is not a size; write e.g. 80G, 512M or 2T") from None
+
+
+def _mem_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# --- the roofline --------------------------------------------------------------------------------
+
+def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> dict[str, float]:
+    """Seconds per optimizer step on one rank, by phase (what each counts: ``python -m framework.plan
+    --help``)."""
+    from framework.engine.build import component
+
+    m = cfg.model
+    policy = component(cfg, "precision").build(cfg.precision)
+    n, w, red = hw.ranks, policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
+    tokens = cand.micro_batch * m.context
+    # 6 flops per parameter and token for forward + backward (2 + 4), 8 with the forward recomputed;
+    # the position table does no matmul; attention scores and values add 12 * layers * d * context.
+    matmul_params = params - m.context * m.d_model
+    per_token = (8 if cand.checkpointing else 6) * matmul_params + \
+        (16 if cand.checkpointing else 12) * m.n_layer * m.d_model * m.context
+    # Per micro step, the measured cost of a train_step micro batch that does no arithmetic (module
+    # calls, autograd, hooks, dispatch), per layer a third more with the forward recomputed.
+    overhead = probe["micro_fixed_s"] + m.n_layer * probe["micro_per_layer_s"] * (4 / 3 if cand.checkpointing else 1)
+    compute = cand.grad_accum * (per_token * tokens / probe["matmul_flops"] + overhead)
+    shard = params / n
+    ar = probe.get("allreduce_bytes_s") or float("inf")
+    frac = (n - 1) / n
+    comm = 0.0
+    if n > 1:   # algorithmic bandwidths: a reduce-scatter or all-gather moves about half an all-reduce
+        if cand.stage == "ddp":
+            comm = params * red / ar
+        elif cand.stage == "zero1":
+            comm = frac * params * red / (ar / 2) / 2 + frac * params * w / (ar / 2) / 2
+        elif cand.stage == "zero2":
+            comm = cand.grad_accum * params * red / ar + params * w / ar
+        else:
+            comm = cand.grad_accum * (2 * params * w + params * red) / ar
+    k = 12   # Adam: master, m, v (fp32); read and write, plus the gradient read
+    host_opt = cand.offload != "none"
+    if host_opt:
+        optimizer = shard / probe["host_optimizer_params_s"]
+        copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"]
+    else:
+        optimizer = (shard / probe["host_optimizer_params_s"] if hw.device.type == "cpu"
+                     else shard * 2 * (k + 4) / probe["device_copy_bytes_s"])
+        copies = 0.0
+    if cand.offload == "cpu+params":   # each gather loads the shard from the host, forward and backward
+        copies += cand.grad_accum * 2 * shard * w / probe["h2d_bytes_s"]
+    if cand.stage == "zero3":          # gathering into and releasing unit buffers: a copy per use
+        copies += cand.grad_accum * 2 * params * w / probe["device_copy_bytes_s"]
+    disk = 0.0
+    if cand.offload == "nvme":   # master + state read and written once per step; zero3 shards read per use
+        disk = shard * k / probe["disk_read_bytes_s"] + shard * k / probe["disk_write_bytes_s"]
+        if cand.stage == "zero3":
+            disk += cand.grad_accum * 2 * shard * w / probe["disk_read_bytes_s"]
+    overlap = cand.stage in ("ddp", "zero3")   # buckets reduced during backward by default
+    total = (max(compute, comm) if overlap else compute + comm) + optimizer + copies + disk + probe["step_fixed_s"]
+    return {"total": total, "compute": compute, "comm": comm, "optimizer": optimizer, "copies": copies,
+            "disk": disk}
+
+
+# --- candidates ----------------------------------------------------------------------------------
+
+def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
+    from framework.config import COMPATIBLE
+
+    global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
+    per_rank = global_batch // hw.ranks
+    micro = [int(x) for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
+        [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= per_rank]
+    micro = [b for b in micro if per_rank % b == 0]
+    if not micro:
+        raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
+                          f"(global batch {global_batch} over {hw.ranks} ranks)")
+    stages = own["stages"].split(",") if "stages" in own else list(COMPATIBLE)
+    ckpts = [x.strip().lower() == "true" for x in own["checkpointing"].split(",")] if "checkpointing" in own \
+        else [False, True]
+    out = []
+    for stage in stages:
+        if stage not in COMPATIBLE:
+            raise ConfigError(f"plan: unknown stage {stage!r}; one of {', '.join(COMPATIBLE)}")
+        offs = []
+        for o in COMPATIBLE[stage]:
+            offs.append(o)
+            if o == "cpu" and stage == "zero3":
+                offs.append("cpu+params")
+        if "offloads" in own:
+            offs = [o for o in offs if o in own["offloads"].split(",")]
+        for o in offs:
+            for b in micro:
+                for c in ckpts:
+                    out.append(Candidate(stage, o, b, per_rank // b, c))
+    return out
+
+
+@dataclass
+class Planned:
+    cand: Candidate
+    time: dict[str, float]
+    device_peak: int
+    host: int
+    fits: bool
+    why: str = ""
+
+
+def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -> list[Planned]:
+    """Every candidate with its predicted time and memory, fitting ones first, fastest first.
+    ``base``: the overrides ``cfg`` was composed from (each candidate adds its own)."""
+    from framework.engine.build import component
+
+    vocab = None
+    try:
+        vocab = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+    except FrameworkError:
+        pass
+    from framework.config import compose
+
+    traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
+    out = []
+    composed: dict[tuple[str, str], object] = {}   # one Hydra compose per stage and offload
+    for cand in candidates(cfg, hw, own):
+        key = (cand.stage, cand.offload)
+        if key not in composed:
+            composed[key] = compose([*base, *cand.overrides()])
+            try:   # an offload target that cannot be built here is listed, never run
+                component(composed[key], "offload").build(composed[key].offload)
+            except FrameworkError as e:
+                composed[key] = e
+        c = composed[key]
+        if isinstance(c, FrameworkError):
+            out.append(Planned(cand, {"total": float("inf")}, 0, 0, False, f"unavailable: {c}"))
+            continue
+        ccfg = dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch=cand.micro_batch,
+                                                                grad_accum=cand.grad_accum),
+                                   model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
+        with torch.device("meta"):
+            module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
+        pred = predict(ccfg, hw.ranks, module=module, traces=traces)
+        cuda = hw.gpu_mem is not None
+        # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
+        device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
+        host = pred.host_total() * (hw.ranks if cuda else 1)
+        fits, why = True, ""
+        if cuda and device_peak > hw.gpu_mem:
+            fits, why = False, f"device {device_peak / GIB:.1f} > {hw.gpu_mem / GIB:.1f} GiB"
+        elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
+            fits, why = False, f"host {device_peak * hw.ranks / GIB:.2f} > {hw.cpu_mem / GIB:.2f} GiB"
+        elif host > hw.cpu_mem:
+            fits, why = False, f"host {host / GIB:.1f} > {hw.cpu_mem / GIB:.1f} GiB"
+        elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
+            fits, why = False, f"disk {sum(pred.disk.values()) * hw.ranks / GIB:.1f} > {hw.nvme / GIB:.1f} GiB"
+        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, fits, why))
+    out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
+                            -p.cand.micro_batch))
+    return out

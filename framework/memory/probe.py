@@ -1,0 +1,222 @@
+"""Bandwidth probe for the planner: measured once per machine and cached in the user cache dir.
+
+What it measures (each a few tenths of a second): matrix-multiply throughput and memory copy
+bandwidth on the compute device, host<->device copies (CUDA; pinned), the host optimizer step
+(our AdamW on host tensors, parameters per second), sequential disk write and read under the
+NVMe path, per-operation dispatch cost, the fixed costs of our train_step per step, per micro step and per
+layer (a width-32 GPT on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks
+(NCCL on two GPUs, else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
+(``~/.cache`` by default); ``python -m framework.plan --reprobe`` measures again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+VERSION = 4
+
+
+def cache_path(device: torch.device) -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "framework"
+    name = device.type if device.type != "cuda" else torch.cuda.get_device_name(device).replace(" ", "_")
+    return root / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
+
+
+def _best(fn, reps: int = 3) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
+    out: dict = {"version": VERSION, "device": str(device), "threads": torch.get_num_threads(),
+                 "machine": platform.processor() or platform.machine()}
+    n = 1024 if device.type == "cpu" else 8192
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def mm():
+        a @ b
+        _sync(device)
+    out["matmul_flops"] = 2 * n ** 3 / _best(mm)
+    src = torch.empty(32 * 2 ** 20 // 4, device=device).normal_()
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        _sync(device)
+    out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(copy)   # read + write
+    small = torch.zeros(16, device=device)
+
+    def dispatch():
+        for _ in range(200):
+            small.add_(1.0)
+        _sync(device)
+    out["op_dispatch_s"] = _best(dispatch) / 200
+    out["step_fixed_s"], out["micro_fixed_s"], out["micro_per_layer_s"] = _micro_overhead(device)
+    if device.type == "cuda":
+        host = torch.empty(src.numel(), device="cpu", pin_memory=True)
+
+        def h2d():
+            src.copy_(host, non_blocking=True)
+            _sync(device)
+
+        def d2h():
+            host.copy_(src, non_blocking=True)
+            _sync(device)
+        out["h2d_bytes_s"] = host.numel() * 4 / _best(h2d)
+        out["d2h_bytes_s"] = host.numel() * 4 / _best(d2h)
+    else:   # the device is the host: a copy "to the host" is a memory copy
+        out["h2d_bytes_s"] = out["d2h_bytes_s"] = out["device_copy_bytes_s"] / 2
+    out["host_optimizer_params_s"] = _host_optimizer()
+    out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
+    out["allreduce_bytes_s"] = _collective() if collectives else None
+    out["process_rss_bytes"] = _rss()   # a process that has imported torch and the framework and trained
+    return out
+
+
+def _rss() -> int:
+    """This process's resident set now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
+    """(per step, per micro step, per layer and micro step) seconds of our train_step on a model that
+    does almost no arithmetic (a GPT of width 32 on 8 tokens, ddp, one rank): the framework's and
+    autograd's fixed costs, which dominate small micro batches. Fitted from 1 and 3 layers, 1 and 3
+    micro batches per step."""
+    from framework.engine.build import initialize
+    from framework.config import compose
+    from framework.comm.distributed import Dist
+    from framework.models.gpt import build, gpt_loss
+
+    t = {}
+    for layers in (1, 3):
+        for accum in (1, 3):
+            cfg = compose([f"model.n_layer={layers}", "model.d_model=32", "model.n_head=2", "model.context=8",
+                           "train.micro_batch=1", f"train.grad_accum={accum}", "logger=none"])
+            with torch.device("meta"):
+                module = build(cfg.model, vocab_size=64)
+            x = torch.zeros(1, 8, dtype=torch.long, device=device)
+            with initialize(module, gpt_loss, cfg, Dist(0, 1, 0, device, None, 60.0)) as engine:
+                box = [engine.state]
+
+                def step():
+                    box[0], _ = engine.train_step(box[0], [(x, x)] * accum)
+                    _sync(device)
+                t[layers, accum] = _best(step, reps=5)
+    per_micro = {L: max(0.0, (t[L, 3] - t[L, 1]) / 2) for L in (1, 3)}
+    per_layer = max(0.0, (per_micro[3] - per_micro[1]) / 2)
+    fixed_micro = max(0.0, per_micro[1] - per_layer)
+    return max(0.0, t[1, 1] - per_micro[1]), fixed_micro, per_layer
+
+
+def _host_optimizer() -> float:
+    """Our AdamW (the fused C++ kernel when built) on 4 M host parameters: parameters per second."""
+    from framework.optimizers import step
+    from framework.optimizers.adamw import AdamWConfig, build
+
+    tx = build(AdamWConfig(), [True])
+    params = [torch.zeros(4 * 2 ** 20, device="cpu")]
+    grads = [torch.full_like(params[0], 1e-3)]
+    box = [tx.init(params)]
+
+    def run():
+        box[0] = step(tx, [g.clone() for g in grads] if tx.fused is None else grads, box[0], params, 1e-3)
+    return params[0].numel() / _best(run)
+
+
+def _disk(folder: Path) -> tuple[float, float]:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = os.urandom(32 * 2 ** 20)
+    fd, name = tempfile.mkstemp(dir=folder, prefix=".framework-probe-")
+    try:
+        t = time.perf_counter()
+        os.write(fd, data)
+        os.fsync(fd)
+        write = len(data) / (time.perf_counter() - t)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # read from the disk, not the page cache
+        os.lseek(fd, 0, os.SEEK_SET)
+        t = time.perf_counter()
+        while os.read(fd, 8 * 2 ** 20):
+            pass
+        read = len(data) / (time.perf_counter() - t)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return write, read
+
+
+def _collective_rank(rank: int, store: str, q) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", GLOO_SOCKET_IFNAME="lo")
+    torch.set_num_threads(1)
+    import torch.distributed as td
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2   # the backend training would use
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    td.init_process_group("nccl" if cuda else "gloo", store=td.FileStore(store, 2), rank=rank, world_size=2)
+    t = torch.ones(8 * 2 ** 20, device=device)
+    td.all_reduce(t)
+    _sync(device)
+    td.barrier()
+    start = time.perf_counter()
+    for _ in range(3):
+        td.all_reduce(t)
+    _sync(device)
+    if rank == 0:
+        q.put(3 * t.numel() * 4 / (time.perf_counter() - start))
+    td.destroy_process_group()
+
+
+def _collective() -> float:
+    """Algorithmic all-reduce bandwidth (bytes of the buffer per second) between 2 local ranks: NCCL
+    on two GPUs when there are, else gloo."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="framework-probe-") as d:
+        mp.start_processes(_collective_rank, args=(os.path.join(d, "store"), q), nprocs=2, join=True,
+                           start_method="spawn")
+    return q.get()
+
+
+def load(device: torch.device, disk_dir: Path, collectives: bool, reprobe: bool = False) -> dict:
+    """The cached probe for this machine and device, measured now when missing (or ``reprobe``)."""
+    path = cache_path(device)
+    if not reprobe and path.exists():
+        try:
+            cached = json.loads(path.read_text())
+            if cached.get("version") == VERSION and (not collectives or cached.get("allreduce_bytes_s")):
+                cached["cache"] = str(path)
+                return cached
+        except ValueError:
+            pass
+    result = measure(device, disk_dir, collectives)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    result["cache"] = str(path)
+    result["measured_now"] = True
+    return result

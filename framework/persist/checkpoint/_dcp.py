@@ -1,0 +1,239 @@
+"""torch.distributed.checkpoint glue: flat fragments as rectangular chunks, and a reader that
+never unpickles code.
+
+ZeRO-1/2 (and zero3) master pieces are ranges of *flattened* parameters, which DCP's public
+types cannot hold: a ``DTensor`` shard is one even block per rank along a dimension, a
+``ShardedTensor`` is deprecated. A flat range of a row-major tensor is, however, exactly a
+short list of rectangular boxes (a partial row, whole rows, a partial row, recursively per
+dimension: at most ``2 * ndim - 1`` boxes, each contiguous in memory). DCP's metadata already
+describes a tensor as chunks (offsets, sizes) of a global shape, so each box is written as one
+chunk of the parameter's global shape: the files are ordinary DCP files that ``dcp.load``
+reads into a plain full tensor, or into any other sharding, at any world size. ``Boxes``
+implements the three hooks DCP's planners call on a checkpointable value
+(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, the
+protocol ``DTensor`` uses); the planners below only route the lookup of a chunk to it.
+"""
+from __future__ import annotations
+
+import math
+import pickle
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from framework.core.errors import CheckpointError
+
+
+def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Rectangular boxes ``(offsets, sizes)`` of a row-major tensor of ``shape`` that tile its
+    flattened elements [lo, hi) in order; each box is contiguous in the flattened order."""
+    shape = tuple(shape)
+    if lo >= hi:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    a, ra = divmod(lo, inner)
+    b, rb = divmod(hi, inner)
+
+    def row(i: int, x: int, y: int):
+        return [((i, *o), (1, *s)) for o, s in boxes(shape[1:], x, y)]
+
+    if ra and a == b:  # inside one row
+        return row(a, ra, rb)
+    out = []
+    if ra:
+        out += row(a, ra, inner)
+        a += 1
+    if b > a:
+        out.append(((a, *(0,) * (len(shape) - 1)), (b - a, *shape[1:])))
+    if rb:
+        out += row(b, 0, rb)
+    return out
+
+
+class Boxes:
+    """One parameter's global shape and this rank's boxes of it, each a view of a flat host
+    tensor holding a range of the flattened parameter (what DCP reads from or writes into);
+    with ``copy`` each box is a host copy of its part of the (device or host) flat tensor."""
+
+    def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
+                 copy: bool = False, own: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+        """``own(box)``: a tensor owning exactly the box's bytes without copying them (a view of a
+        mapped swap file), or None; such boxes are not copied."""
+        self.shape = torch.Size(shape)
+        self.views: list[tuple[torch.Size, torch.Tensor]] = []
+        for (lo, hi), flat in pieces:
+            pos = 0
+            for offsets, sizes in boxes(self.shape, lo, hi):
+                n = math.prod(sizes)
+                box = flat[pos:pos + n]
+                owned = own(box) if own is not None else None
+                if owned is not None:
+                    box = owned
+                elif copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
+                    box = box.to("cpu", copy=True)
+                self.views.append((torch.Size(offsets), box.view(sizes)))
+                pos += n
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The boxes' tensors (what DCP writes or reads)."""
+        return [t for _, t in self.views]
+
+    def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
+                              properties=TensorProperties.create_from_tensor(t), size=self.shape))
+                for offsets, t in self.views]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.views]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for offsets, t in self.views:
+            if offsets == index.offset:
+                return t
+        raise KeyError(f"{index.fqn}: no chunk at {tuple(index.offset)}")
+
+
+def _lookup(state_dict: dict, index: MetadataIndex):
+    obj = state_dict[index.fqn]
+    return obj.__get_tensor_shard__(index) if isinstance(obj, Boxes) else None
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner (deduplicates replicated plain tensors across ranks), routing
+    the chunks of ``Boxes`` values to their views."""
+
+    def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``release(t)``: called with each value once the writer asked for the next one (a
+        mapped swap file's pages leave the process as they are written: the save stays bounded)."""
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.release, self._last = release, None
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        found = _lookup(self.state_dict, index)
+        return super().lookup_object(index) if found is None else found
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if self.release is not None and isinstance(data, torch.Tensor):
+            if self._last is not None:
+                self.release(self._last)
+            self._last = data
+        return data
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a
+    pickled object (no ``load_bytes``): only tensors are requested."""
+
+    def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
+        """``release(t)``: called with each target once DCP filled it (see ``SavePlanner``)."""
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
+        self.release = release
+
+    def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
+        # The default one first maps the values through a walk that drops objects it does not
+        # know (``Boxes``); targets here are already flat, materialised host tensors.
+        self.original_state_dict = self.state_dict = state_dict
+        self.mappings = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        found = _lookup(self.state_dict, index)
+        return super().lookup_tensor(index) if found is None else found
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        super().commit_tensor(read_item, tensor)
+        if self.release is not None:
+            self.release(tensor)
+
+    def load_bytes(self, read_item, value) -> None:
+        raise CheckpointError(f"checkpoint: refusing to unpickle the object {read_item.dest_index.fqn!r} "
+                             f"(only tensors are loaded from a checkpoint)")
+
+
+# --- metadata without code execution ---------------------------------------------------------
+# DCP writes its global metadata (.metadata) with pickle and reads it back with pickle.load,
+# which runs whatever a crafted file asks for. Our reader unpickles it with an allow-list of
+# the plain data classes DCP's metadata is made of; anything else is refused.
+_ALLOWED = {
+    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+def read_metadata(path) -> Any:
+    """DCP's ``.metadata`` of a checkpoint folder, unpickled with the allow-list above."""
+    try:
+        with open(path, "rb") as f:
+            return _Unpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint: {path}: refused to read the DCP metadata ({e}); the file is damaged "
+                             f"or was not written by torch.distributed.checkpoint") from None
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` of a folder whose metadata was already read by ``read_metadata``
+    (the allow-listed unpickler); tensor data is read with ``torch.load(weights_only=True)``
+    by DCP itself."""
+
+    def __init__(self, path, metadata) -> None:
+        super().__init__(path)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        metadata = self._metadata
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def unpicklable(folder, metadata) -> str | None:
+    """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses (as DCP
+    reads it), named by file, key and offset; None if every record loads. Used only to name the file
+    after DCP's read failed (it reports the refusal without saying where)."""
+    import io
+    from pathlib import Path
+
+    storage = getattr(metadata, "storage_data", None) or {}
+    for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
+        if getattr(info, "transform_descriptors", None):
+            continue   # compressed records are not ours to decode here
+        path = Path(folder) / info.relative_path
+        try:
+            with open(path, "rb") as f:
+                f.seek(info.offset)
+                data = f.read(info.length)
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:
+            return f"{path} (record {index.fqn!r} at offset {info.offset})"
+        except Exception:  # noqa: BLE001 - another kind of damage: not what is looked for
+            continue
+    return None

@@ -1,0 +1,226 @@
+"""The on-disk protocol of a checkpoint folder: atomic commit, manifest, checksums, pruning.
+
+    <dir>/step-<N>.tmp/   being written (ignored by every reader, removed by the next save)
+    <dir>/step-<N>/       committed: DCP files + train_state.json + rng-<rank>.json + manifest.json
+    <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
+    <dir>/latest          a text file naming the newest committed folder ("step-<N>")
+
+Order of a save: every rank writes its files into ``step-N.tmp/`` and fsyncs them; rank 0 writes
+``manifest.json`` last (size and sha256 of every file, world size, stage, step, config hash, and
+``verified``: the state was checked before it was written, see ``framework.persist.checkpoint``), fsyncs
+it and the folder, renames the folder to ``step-N/`` (the commit point), then points ``latest`` at
+it by writing ``latest.tmp`` and renaming it. Older folders are deleted only after that, each
+renamed to ``step-N.del`` first, and never the newest verified one. A kill at any moment leaves
+every committed folder intact; a ``step-N`` folder without a manifest that parses is not a
+checkpoint, and ``scan`` says so instead of skipping it silently. Files and folders are owner-only
+(0600 / 0700), created without following links (``framework.core.files``).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+from pathlib import Path
+from typing import Any
+
+from framework.core import files
+from framework.core.errors import CheckpointError, UnsafePathError
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+FORMAT = 1
+_STEP = re.compile(r"^step-(\d+)$")
+_LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
+
+
+def mkdir_private(path: Path) -> None:
+    """Create ``path`` (and missing parents) readable by its owner only; an existing folder keeps
+    its mode (it may be the user's own, such as the working directory: each step folder inside
+    is 0700 anyway)."""
+    files.make_dirs(path)
+
+
+def make_step_folder(path: Path) -> None:
+    """A new, empty, owner-only folder of our own: refused if anything (a planted link) is there."""
+    files.make_dir(path, exist_ok=False)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write, fsync and close a new file readable by its owner only (never through a link)."""
+    files.write_new(path, data)
+
+
+fsync_dir = files.fsync_dir
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def files_of(folder: Path) -> list[str]:
+    """Every file of a checkpoint folder except the manifest, sorted (what the manifest lists)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink()))
+
+
+def file_entry(folder: Path, name: str) -> dict:
+    p = folder / name
+    fd = files.open_nofollow(p, os.O_RDONLY)
+    try:
+        os.fchmod(fd, 0o600)  # DCP's writer creates files with the umask's mode
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    return {"bytes": size, "sha256": sha256(p)}
+
+
+def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:
+    body = {"format": FORMAT, **fields, "files": files_}
+    write_private(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
+    fsync_dir(folder)
+
+
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file of a checkpoint, never through a link; CheckpointError naming it otherwise."""
+    try:
+        with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path.parent}: {path.name} is missing ({what})") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path.parent}: {path} is unreadable as {what} "
+                              f"({' '.join(str(e).split())})") from None
+    except UnsafePathError as e:
+        raise CheckpointError(f"checkpoint {path.parent}: {e}") from None
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    if not path.exists() and not path.is_symlink():
+        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): "
+                              "not a checkpoint")
+    body = read_json(path, "the manifest")
+    if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
+        raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")
+    return body
+
+
+def check_file(folder: Path, name: str, want: dict) -> str | None:
+    """None if the file has the manifest's size and checksum, else what is wrong (naming it)."""
+    p = folder / name
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return f"{p} is missing"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{p} is a symbolic link (not written by a save)"
+    if st.st_size != want["bytes"]:
+        return f"{p} has {st.st_size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
+    if sha256(p) != want["sha256"]:
+        return f"{p} does not match its sha256 checksum in the manifest (altered or corrupted)"
+    return None
+
+
+def scan(root: Path) -> tuple[list[Path], list[str]]:
+    """(folders, notes): the ``step-<N>`` folders under ``root`` with a manifest that parses,
+    newest step first (their files are checked at load time), and one line for each ``step-<N>``
+    that is not one (its manifest deleted or damaged, a link), so no candidate is dropped silently."""
+    if not root.is_dir():
+        return [], []
+    out, notes = [], []
+    for p in root.iterdir():
+        m = _STEP.match(p.name)
+        if not m:
+            continue
+        if p.is_symlink():
+            notes.append(f"{p} is a symbolic link, not a checkpoint this run wrote; ignored")
+            continue
+        if not p.is_dir():
+            continue
+        try:
+            read_manifest(p)
+        except CheckpointError as e:
+            notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
+            continue
+        out.append((int(m.group(1)), p))
+    return [p for _, p in sorted(out, reverse=True)], sorted(notes)
+
+
+def committed(root: Path) -> list[Path]:
+    """The folders of ``scan``, newest step first."""
+    return scan(root)[0]
+
+
+def step_of(folder: Path) -> int:
+    m = _STEP.match(folder.name)
+    return int(m.group(1)) if m else -1
+
+
+def verified(folder: Path) -> bool:
+    """Whether the save that committed ``folder`` checked the state it wrote (manifest flag)."""
+    try:
+        return read_manifest(folder).get("verified") is True
+    except CheckpointError:
+        return False
+
+
+def commit(tmp: Path, final: Path, fault) -> None:
+    """Rename ``step-N.tmp`` to ``step-N`` (replacing an older folder of that step, which is
+    moved aside first and deleted after), then point ``latest`` at it. Rank 0 only."""
+    root = final.parent
+    files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
+    aside = None
+    if final.exists():  # the same step saved again (resumed from an older checkpoint)
+        aside = root / f"{final.name}.old"
+        _remove_tree(aside)
+        os.replace(final, aside)
+    fault("before-rename")
+    os.replace(tmp, final)
+    fsync_dir(root)
+    fault("before-latest")
+    files.write_atomic(root / LATEST, final.name.encode())
+    if aside is not None:
+        _remove_tree(aside)
+
+
+def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
+    """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps
+    all), never the newest one whose save verified its state (``verified``). Folders of later
+    steps (another run's, in the same dir) are left alone."""
+    if keep_last <= 0:
+        return []
+    chain = [p for p in committed(root) if step_of(p) <= step_of(newest)]
+    good = next((p for p in chain if verified(p)), None)
+    older = [p for p in chain if step_of(p) < step_of(newest)]
+    gone = [p for p in older[keep_last - 1:] if p != good]
+    for p in gone:
+        # Renamed first: a kill halfway leaves a step-N.del folder, never a half folder named
+        # like a checkpoint.
+        doomed = p.with_name(p.name + ".del")
+        _remove_tree(doomed)
+        os.replace(p, doomed)
+        _remove_tree(doomed)
+    return gone
+
+
+def remove_stale(root: Path, keep: Path | None = None) -> None:
+    """Folders of interrupted saves and deletions (``*.tmp``, ``*.old``, ``*.del``, staged 16-bit
+    weights ``*.model_16bit``) except ``keep``: never checkpoints, removed (links are left alone:
+    a save refuses them by name)."""
+    if root.is_dir():
+        for p in root.iterdir():
+            if (p.name.startswith("step-") and p.name.endswith(_LEFTOVER) and p != keep and not p.is_symlink()
+                    and p.is_dir()):
+                _remove_tree(p)
+
+
+def _remove_tree(p: Path) -> None:
+    if p.is_symlink():
+        raise UnsafePathError(f"{p} is a symbolic link; refusing to delete through it: remove the link")
+    shutil.rmtree(p, ignore_errors=True)
