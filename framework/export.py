@@ -1,0 +1,10 @@
+"""Consolidate a training checkpoint into safetensors (the command is framework/cli/export.py).
+
+    python -m framework.export outputs/.../checkpoints/step-100 --to exported/
+"""
+import sys
+
+from framework.cli.export import main
+
+if __name__ == "__main__":
+    sys.exit(main())
