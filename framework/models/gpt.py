@@ -108,7 +108,21 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TiedEmbedding(nn.Embedding):
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` that skips its constructor's random init on the meta device.
+
+    ``GPT.init_parameter`` writes every value later anyway, and on meta tensors torch's
+    ``normal_`` runs through a Python decomposition whose first call imports ``torch._dynamo``
+    (over a second per process, paid by every rank of a run). Real tensors keep torch's init so
+    the global random stream is consumed exactly as before.
+    """
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
+class TiedEmbedding(Embedding):
     """A token embedding that is also the output projection (weight tying).
 
     ``wte(idx)`` embeds token ids; ``wte(x, unembed=True)`` maps hidden states to logits with the
@@ -125,7 +139,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.wte = TiedEmbedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = nn.Embedding(cfg.context, cfg.d_model)
+        self.wpe = Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)

@@ -80,7 +80,11 @@ def test_verify_top3_order_matches_measured_on_cpu(tmp_path, monkeypatch):
     # Small micro batches of a tiny model are dominated by per-micro-step costs, which the probe
     # measures: 1, 4 and 8 micro batches per step differ clearly (about 2-3x each), so the order
     # is stable on a busy machine. One thread per process (oversubscribed cores make timings random).
+    # A fresh cache folder for the probe; the C++ kernels stay where they were built (compiling them
+    # again would take most of this test's time).
+    from framework.ops._loader import cache_root
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "FRAMEWORK_OPS_CACHE": str(cache_root()),
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.context=16", "train.micro_batch=8",
            "micro_batches=8,2,1", "stages=ddp", "checkpointing=false", "steps=6", "--verify", "3", "--json"]

@@ -8,7 +8,7 @@ from framework import Batch
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, flat_params, tiny_config
 
-ODD = ["model.d_model=33", "model.n_head=3", "train.steps=30", "train.micro_batch=2"]
+ODD = ["model.d_model=33", "model.n_head=3", "train.steps=10", "train.micro_batch=2"]
 FP32_RTOL = 1e-6
 
 

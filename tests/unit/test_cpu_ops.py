@@ -26,7 +26,8 @@ from framework.ops import _loader
 from framework.optimizers import _transforms, adagrad, adam, adamw, lion
 from framework.optimizers._transforms import GradientTransformation
 
-SIZES = (1, 15, 17, 1_000_003)  # none a multiple of 8 or 16 lanes (1_000_003 has a tail too)
+SIZES = (1, 15, 17, 100_003)  # none a multiple of 8 or 16 lanes; 100_003 spans several of the kernel's
+# parallel grains (16 blocks of 2048) and ends in a tail
 MASK = [True, False, True, True]  # group 1 is a "1-D params" group: no weight decay
 STEPS = 100
 # Two correct fp32 implementations round differently (ATen's sqrt is not correctly rounded, the

@@ -60,11 +60,8 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from framework.persist.checkpoint import _folder, _rng
-from framework.persist.checkpoint._dcp import Boxes, LoadPlanner, SafeReader, SavePlanner, read_metadata, unpicklable
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, TrainingError
 from framework.offload import verify_map
@@ -73,6 +70,20 @@ from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, o
 from framework.persist.weights import save_on_model_save
 
 __all__ = ["Checkpointer", "CheckpointError", "LoadPlanner", "SafeReader", "find_resumable", "load", "read_metadata", "save"]
+
+
+def _glue():
+    """torch.distributed.checkpoint and our glue to it (``_dcp``), imported on the first save, load
+    or DCP error: importing DCP costs most of a second (DTensor, sympy), which every process of
+    every run would pay at start-up, checkpointing or not."""
+    from framework.persist.checkpoint import _dcp as glue
+    return glue
+
+
+def __getattr__(name: str):
+    if name in ("LoadPlanner", "SafeReader", "read_metadata"):
+        return getattr(_glue(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 TRAIN_STATE = "train_state.json"
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -221,14 +232,14 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
     for name, by_key in pieces.items():
         shape = held[name]["shape"]
         for key, ps in by_key.items():
-            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = Boxes(shape, ps, copy=True,
+            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = _glue().Boxes(shape, ps, copy=True,
                                                                                                  own=own)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, Boxes) else [v]))
+                 for t in (v.tensors() if isinstance(v, _glue().Boxes) else [v]))
     return {"dcp": out, "everyone": everyone, "per": sorted(per), "scalars": host_scalars, "keys": keys,
             "step": state.step, "data": state.data, "precision": asdict(state.precision),
             "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
@@ -286,7 +297,7 @@ def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
 
 def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: int,
          background: concurrent.futures.Executor | None = None, nonfinite: str = "stop",
-         writer: type = dcp.FileSystemWriter):
+         writer: type | None = None):
     """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
     state is taken before returning; with ``background`` the files are written there and its
     future is returned (None otherwise).
@@ -297,7 +308,8 @@ def save(engine, state, root: Path, *, group: _Group, config: dict, keep_last: i
     bytes are read for the checkpoint (``engine.mapped_state``) and after (``verify_map``): a swap
     file changed meanwhile is caught before the commit, never saved. Room on the disk is checked
     for all ranks sharing it before writing (one line naming the folder and the bytes).
-    ``writer``: DCP's storage writer class (a seam for tests: one that fails or races on purpose)."""
+    ``writer``: DCP's storage writer class (a seam for tests: one that fails or races on purpose;
+    None: ``FileSystemWriter``)."""
     staged16 = None
     if engine.components.stage.weights_on_save():
         # stage3_gather_16bit_weights_on_model_save: this step's working-dtype weights as
@@ -383,9 +395,9 @@ def _agree(group: _Group, what: str, fn, tmp: Path, *, cleanup: bool = True, nee
     result, problem = None, None
     try:
         result = fn()
-    except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
+    except (Exception, _glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
         # DCP raises on every rank what failed on some: named after the ranks that failed
-        ranks = sorted(e.failures) if isinstance(e, CheckpointException) and e.failures else [group.rank]
+        ranks = sorted(e.failures) if isinstance(e, _glue().CheckpointException) and e.failures else [group.rank]
         problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
     everyone = group.all_gather((result, problem), what)
     problems = list(dict.fromkeys(p for _, p in everyone if p))
@@ -416,7 +428,8 @@ def _write_error(e: BaseException, tmp: Path, need: int) -> str:
 
 def _describe(e: BaseException) -> str:
     """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
-    first = next((c for c in _causes(e) if not isinstance(c, CheckpointException)), e)
+    exc = _glue().CheckpointException
+    first = next((c for c in _causes(e) if not isinstance(c, exc)), e)
     text = " ".join(str(first).split()) or type(first).__name__
     if isinstance(first, FrameworkError):
         return text[:500]
@@ -426,20 +439,20 @@ def _describe(e: BaseException) -> str:
 
 def _causes(e: BaseException) -> list[BaseException]:
     """``e``, the per-rank failures DCP wrapped in it and their chained causes."""
-    out, todo = [], [e]
+    out, todo, exc = [], [e], _glue().CheckpointException
     while todo:
         c = todo.pop()
         if c is None or any(c is x for x in out):
             continue
         out.append(c)
-        if isinstance(c, CheckpointException):
+        if isinstance(c, exc):
             todo += [pair[0] for pair in c.failures.values()]
         todo += [c.__cause__, c.__context__]
     return out
 
 
 def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, keep_last: int, meta: dict,
-           staged16: Path | None = None, recheck=None, writer: type = dcp.FileSystemWriter) -> Path:
+           staged16: Path | None = None, recheck=None, writer: type | None = None) -> Path:
     """Write and commit the snapshot (collective). Each phase ends in an exchange of outcomes
     (``_agree``): a failure anywhere removes the unfinished folder and raises on every rank.
     ``recheck``: run after the files are written, before the commit (the swap file's extents
@@ -460,8 +473,9 @@ def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, ke
     _agree(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
 
     def write_files():
-        dcp.save(snap["dcp"], storage_writer=writer(tmp, sync_files=True),
-                 planner=SavePlanner(snap.get("release")), **group.dcp_kwargs())
+        glue = _glue()
+        glue.dcp.save(snap["dcp"], storage_writer=(writer or glue.dcp.FileSystemWriter)(tmp, sync_files=True),
+                      planner=glue.SavePlanner(snap.get("release")), **group.dcp_kwargs())
         _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
         _fault(step, "after-shard", rank)
         if rank == 0:
@@ -544,7 +558,7 @@ def _agree_load(group: _Group, what: str, fn):
     except FrameworkError as e:
         problem = (type(e) is ConfigError, str(e))
         mine = e
-    except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
+    except (Exception, _glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
         problem = (False, f"{what}: {_describe(e)}")
         mine = CheckpointError(problem[1])
     problems = [p for p in group.all_gather(problem, what) if p]
@@ -598,7 +612,7 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
 
     def check():
         body = _train_state(folder, manifest)
-        md = read_metadata(folder / ".metadata")
+        md = _glue().read_metadata(folder / ".metadata")
         _fits(c, folder, body, md, specs, per, scalars)
         return body, md
 
@@ -610,22 +624,23 @@ def load(engine, state, folder: Path, *, group: _Group, seed: int):
         fragments = _targets(view, specs, per, saved)
         release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
         targets: dict[str, Any] = {}
+        glue = _glue()
         for name, entry in fragments.items():
             frags = entry["fragments"]
-            targets[f"model.{name}"] = Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
+            targets[f"model.{name}"] = glue.Boxes(saved[name], [(f["range"], f["master"]) for f in frags])
             for p in per:
-                targets[f"optim.{keys[p]}.{name}"] = Boxes(saved[name], [(f["range"], f["optim"][p]) for f in frags])
+                targets[f"optim.{keys[p]}.{name}"] = glue.Boxes(saved[name], [(f["range"], f["optim"][p]) for f in frags])
 
         def read():
             try:
-                dcp.load(targets, storage_reader=SafeReader(folder, md), planner=LoadPlanner(release),
+                glue.dcp.load(targets, storage_reader=glue.SafeReader(folder, md), planner=glue.LoadPlanner(release),
                          **group.dcp_kwargs())
             except FrameworkError:
                 raise
-            except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
+            except (Exception, _glue().CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
                 # (a shard torch refuses to unpickle with weights_only ends here: a BaseException)
                 if any(isinstance(c, pickle.UnpicklingError) for c in _causes(e)):
-                    where = unpicklable(folder, md) or f"a DCP file in {folder}"
+                    where = glue.unpicklable(folder, md) or f"a DCP file in {folder}"
                     raise CheckpointError(f"checkpoint {folder}: {where}: torch refuses to unpickle it with "
                                           f"weights_only=True (not plain tensor data: a crafted or foreign file); "
                                           f"it is never loaded") from None
@@ -858,7 +873,7 @@ class Checkpointer:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
-        self.writer = dcp.FileSystemWriter   # DCP's storage writer (tests put one that fails on purpose here)
+        self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:

@@ -20,7 +20,9 @@ import pickle
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed.checkpoint as dcp  # noqa: F401 - the package reaches DCP only through this module
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: F401 - as above
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
                                                    TensorProperties)
