@@ -87,6 +87,10 @@ def _child(spec: dict) -> dict:
     from framework.config import compose
     from framework.models.gpt import gpt_loss
 
+    # The checkpoint package imports torch.distributed.checkpoint on its first save; import it
+    # here so that the module's own memory (tens of MB, once per process) is not counted as the save's.
+    import torch.distributed.checkpoint  # noqa: F401
+
     torch.set_num_threads(1)
     folder = Path(spec["dir"])
     tokens = folder / "tokens.bin"
