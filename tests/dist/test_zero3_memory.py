@@ -222,4 +222,6 @@ def test_world1_zero3_holds_what_ddp_holds():
     peak = {k: (m["peak"] - m["base"]) / 2**20 for k, m in (("ddp", ddp), ("zero3", z3))}
     steady = {k: (m["steady"] - m["base"]) / 2**20 for k, m in (("ddp", ddp), ("zero3", z3))}
     assert peak["zero3"] <= peak["ddp"] + 0.3 * mib, (peak, mib)
-    assert steady["zero3"] <= steady["ddp"] + 0.1 * mib, (steady, mib)
+    # A second copy would be +1.0x the parameter bytes; the margin absorbs allocator noise (measured
+    # +0.10x once on a loaded machine, where 0.1x was the bound).
+    assert steady["zero3"] <= steady["ddp"] + 0.25 * mib, (steady, mib)
