@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
 from framework.memory.model import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
                                     format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.cli import run_command
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
 
@@ -240,17 +240,12 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
-        own, overrides, flags = split_args(argv)
-        unknown = flags - {"--json"}
-        if unknown:
-            raise ConfigError(f"estimate: unknown flag {sorted(unknown)[0]} (known: --json, --help)")
-        print(report(own, overrides, as_json="--json" in flags))
-    except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(__doc__, argv, _run)
+
+
+def _run(argv: list[str]) -> None:
+    own, overrides, flags = split_args(argv)
+    unknown = flags - {"--json"}
+    if unknown:
+        raise ConfigError(f"estimate: unknown flag {sorted(unknown)[0]} (known: --json, --help)")
+    print(report(own, overrides, as_json="--json" in flags))

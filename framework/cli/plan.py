@@ -34,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from framework.cli import run_command
 from framework.cli.estimate import split_assignment
 from framework.core.errors import ConfigError, FrameworkError
 from framework.memory.model import GIB
@@ -112,43 +113,38 @@ def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from framework.memory import probe as _probe
-    from framework.config import compose
+    return run_command(__doc__, argv, _run)
 
-    argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print(__doc__)
-        return 0
-    try:
-        own, overrides, flags = parse(argv)
-        if "model" not in own:
-            raise ConfigError("plan: give model=NAME (one of our model configs)")
-        base = [f"model={own['model']}", *overrides]
-        cfg = compose(base)
-        hw = detect(own)
-        probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
-        planned = plan(cfg, base, hw, own, probe)
-        print(_describe(hw, probe, cfg, planned, flags["top"]))
-        if flags["json"] and not flags["verify"]:
-            print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
-                               "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
-        if flags["verify"]:
-            rows = verify(planned, flags["verify"], base, hw, int(own.get("steps", 6)))
-            print(f"\nverify: top {len(rows)} as one Hydra multirun ({own.get('steps', 6)} steps each; "
-                  f"measured = median s/step after the first)")
-            for i, r in enumerate(rows):
-                print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
-                      f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / 2**20:.0f} MiB  "
-                      f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']})")
-            if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
-                print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
-                      "it includes the earlier jobs' peaks)")
-            if flags["json"]:
-                print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
-    except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+
+def _run(argv: list[str]) -> None:
+    from framework.config import compose
+    from framework.memory import probe as _probe
+
+    own, overrides, flags = parse(argv)
+    if "model" not in own:
+        raise ConfigError("plan: give model=NAME (one of our model configs)")
+    base = [f"model={own['model']}", *overrides]
+    cfg = compose(base)
+    hw = detect(own)
+    probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
+    planned = plan(cfg, base, hw, own, probe)
+    print(_describe(hw, probe, cfg, planned, flags["top"]))
+    if flags["json"] and not flags["verify"]:
+        print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
+                           "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
+    if flags["verify"]:
+        rows = verify(planned, flags["verify"], base, hw, int(own.get("steps", 6)))
+        print(f"\nverify: top {len(rows)} as one Hydra multirun ({own.get('steps', 6)} steps each; "
+              f"measured = median s/step after the first)")
+        for i, r in enumerate(rows):
+            print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
+                  f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / 2**20:.0f} MiB  "
+                  f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']})")
+        if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
+            print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
+                  "it includes the earlier jobs' peaks)")
+        if flags["json"]:
+            print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
 
 
 def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) -> str:

@@ -229,17 +229,18 @@ def _snapshot(engine, view, group: _Group, zero_copy: bool) -> dict:
     nonfinite = _nonfinite(checked, lambda key, name: f"model.{name}" if key == "master"
                            else f"optim.{keys[key]}.{name}", release)
     out: dict[str, Any] = {}
+    Boxes = _glue().Boxes
     for name, by_key in pieces.items():
         shape = held[name]["shape"]
         for key, ps in by_key.items():
-            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = _glue().Boxes(shape, ps, copy=True,
-                                                                                                 own=own)
+            out[f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"] = Boxes(shape, ps, copy=True,
+                                                                                             own=own)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, _glue().Boxes) else [v]))
+                 for t in (v.tensors() if isinstance(v, Boxes) else [v]))
     return {"dcp": out, "everyone": everyone, "per": sorted(per), "scalars": host_scalars, "keys": keys,
             "step": state.step, "data": state.data, "precision": asdict(state.precision),
             "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
