@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from framework.memory.model import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
-                                    format_rows, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+                                    format_rows, hf_loss, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
@@ -173,8 +173,9 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
         nv = nvme_rows(params, largest, gpus, nodes, keys)
         text += ["", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
                      f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
-                     f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools + fp32 gradient "
-                     f"partitions [+ parameter shards]):", format_nvme_rows(nv)]
+                     f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools: optimizer tiles with "
+                     f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
+                     f"per-rank prediction below adds the working set):", format_nvme_rows(nv)]
         out["nvme"] = [r.__dict__ for r in nv]
         if keys.sub_group_size != DS_SUB_GROUP_SIZE:
             nv_ds = nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE))
@@ -197,7 +198,7 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
         context = parse_count(own["context"], "context") if "context" in own else (
             getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
             hf_cfg.model.context)
-        pred = predict(hf_cfg, world, module=module, loss_fn=_hf_loss, context=context)
+        pred = predict(hf_cfg, world, module=module, loss_fn=hf_loss, context=context)
         out["prediction"] = pred.as_dict()
         text += ["", f"model {label}", format_prediction(hf_cfg, pred, context=context)]
     return json.dumps(out, indent=1) if as_json else "\n".join(text)
@@ -209,12 +210,6 @@ def _data_vocab(cfg) -> int | None:
         return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
     except FrameworkError:
         return None
-
-
-def _hf_loss(module, batch):
-    """A Hugging Face causal LM's own loss (labels shifted inside the model)."""
-    x, y = batch
-    return module(input_ids=x, labels=y).loss
 
 
 def format_prediction(cfg, pred, context: int | None = None) -> str:

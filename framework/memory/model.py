@@ -207,6 +207,14 @@ class _LiveBytes(TorchDispatchMode):
         self.refs.pop(key, None)
 
 
+def hf_loss(module: nn.Module, batch) -> torch.Tensor:
+    """A Hugging Face causal LM's own loss (labels shifted inside the model), for tracing on meta:
+    with ``use_cache=False`` (as training calls it) transformers' packed-sequence check reads a
+    tensor's value, which a meta tensor does not have; the activations are the same."""
+    x, y = batch
+    return module(input_ids=x, labels=y).loss
+
+
 @dataclass(frozen=True)
 class ActivationTrace:
     saved: int      # bytes alive at the end of forward (what autograd keeps for backward, the loss path)
@@ -336,8 +344,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import param_groups
-    from framework.stages import plan_buckets
+    from framework.stages import param_groups, plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
@@ -475,62 +482,39 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
 def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window."""
+    from framework.stages import make_layout, plan_units, unit_groups
+
     s = cfg.stage
     w, red = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
-    classes = set(s.gather_unit)
-    units: list[list[nn.Parameter]] = []
-    seen: set[int] = set()
-    for sub in module.modules():   # one unit per gather_unit module, the rest per owning module
-        if type(sub).__name__ in classes:
-            ps = [p for p in sub.parameters() if id(p) not in seen]
-        elif sub is not module and not s.split_root:
-            continue
-        else:
-            ps = [p for p in sub.parameters(recurse=False) if id(p) not in seen]
-        seen.update(id(p) for p in ps)
-        if ps:
-            units.append(ps)
-    rest = [p for p in module.parameters() if id(p) not in seen]
-    if rest:
-        units.append(rest)
-    persistent, sizes, shards = [], [], []
+    # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
+    # Face model's declared layers, split_root, the persistence threshold, shared parameters).
+    plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
+    sizes, shards, largest_param = [], [], 0
     o = cfg.offload
-    # owned gradients in the optimizer's swap file (offload/_gradswap.py): up to three group
-    # partitions exist at once (one being reduced, two queued for writing), none between steps
+    # owned gradients in the optimizer's swap file (offload/_gradswap.py): a group's partition exists
+    # from its first reduction until its write lands, none between steps
     swap_grads = cfg.choices["offload"] == "nvme" and getattr(o, "optimizer", "nvme") == "nvme" \
         and getattr(o, "ratio", 1.0) == 1.0
     acc = policy.grad_accum_dtype.itemsize
 
-    def grads(n: int) -> None:
+    def group(named, gathered: bool) -> int:
+        layout = make_layout(named, world)
+        shards.append(layout.shard)
+        pred.add("params", device=w * layout.shard)
         if not swap_grads:
-            pred.add("grads", device=acc * n)
-            return
-        d, h = pred.items.get("grads", (0, 0))
-        pred.items["grads"] = (max(d, 3 * acc * n), h)
+            pred.add("grads", device=acc * layout.shard)
+        master_state(layout.shard, fp32_in_place=True)
+        if gathered:
+            pred.add("gathered_persistent", device=w * layout.padded)
+        return layout.padded
 
-    for ps in units:
-        small = [p for p in ps if p.numel() < s.stage3_param_persistence_threshold]
-        persistent += small
-        big = [p for p in ps if p.numel() >= s.stage3_param_persistence_threshold]
-        size = 0
-        for grp in (([p for p in big if p.ndim >= 2]), ([p for p in big if p.ndim < 2])):
-            if grp:
-                padded = _padded(sum(p.numel() for p in grp), world)
-                size += padded
-                shards.append(padded // world)
-                pred.add("params", device=w * padded // world)
-                grads(padded // world)
-                master_state(padded // world, fp32_in_place=True)
+    for plan in plans:
+        size = sum(group(named, False) for _, named in unit_groups(plan.named))
+        largest_param = max([largest_param, *(p.numel() for _, p in plan.named)])
         if size:
             sizes.append(size)
-    for grp in ([p for p in persistent if p.ndim >= 2], [p for p in persistent if p.ndim < 2]):
-        if grp:
-            padded = _padded(sum(p.numel() for p in grp), world)
-            shards.append(padded // world)
-            pred.add("params", device=w * padded // world)
-            grads(padded // world)
-            master_state(padded // world, fp32_in_place=True)
-            pred.add("gathered_persistent", device=w * padded)
+    for _, named in unit_groups(persistent):
+        group(named, True)
     where = getattr(cfg.offload, "params", False)
     on_host = where is True or where == "cpu" or (where in ("nvme", "auto") and cfg.choices["offload"] == "nvme")
     if where is True or where == "cpu":
@@ -546,15 +530,25 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         pred.add("nvme_param_pool", host=slots * largest * w)
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
-    # window is capped by max_live plus the unit in use.
-    # At world size 1 with the shards on the device the hooks gather in place (the shard is the whole
-    # buffer) and gradients are added straight into the partition (_gather.Gatherer._in_place).
-    in_place = world == 1 and not on_host
+    # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
+    # the hooks gather in place (the shard is the whole buffer: _gather.Gatherer._in_place).
     biggest = max(sizes, default=0)
-    window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    window = 0 if world == 1 and not on_host else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
-    # Backward: the unit's full .grad tensors until it is reduced, and the reduce buffers in flight
-    # (up to two rounds per unit group with overlap_comm).
-    pred.transient["zero3_reduce"] = w * biggest + (0 if in_place else red * biggest * (3 if s.overlap_comm else 1))
+    # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
+    # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a
+    # time); otherwise a zeroed buffer per group, up to two rounds per unit group with overlap_comm.
+    if world == 1:
+        reduce = red * largest_param if red != w else 0
+    else:
+        reduce = red * biggest * (3 if s.overlap_comm else 1)
+    pred.transient["zero3_reduce"] = w * biggest + reduce
+    if swap_grads:
+        # The partition being reduced, and the previous unit's, whose write to the swap file overlaps
+        # this unit's backward (measured: one or two at the peak; three at most, when the disk falls
+        # behind backward: the writer's back-pressure).
+        pred.transient["zero3_grad_partitions"] = 2 * acc * max(shards, default=0)
+        pred.notes.append("zero3 + offload=nvme: two gradient partitions in flight (a third when the disk is "
+                          "slower than backward)")
     pred.notes.append(f"zero3: {len(sizes)} gather units (largest {biggest:,} elements), "
-                      f"{sum(p.numel() for p in persistent):,} persistent elements, live window {window:,}")
+                      f"{sum(p.numel() for _, p in persistent):,} persistent elements, live window {window:,}")

@@ -20,13 +20,13 @@ from torch import nn
 from framework.comm.distributed import Dist
 from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
-from framework.models.hf import declared_layers
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
 from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
 from framework.offload.base import Placement
 from framework.stages._partitions import PartitionedStage, Partitions
+from framework.stages._units import plan_units, unit_groups
 from framework.stages.base import HookOwner, Setup
 from framework.core.utils import tensor_bytes
 
@@ -72,7 +72,8 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.policy = policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
-        unit_modules, owner = self._assign_units(module)
+        plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,
+                                             self.cfg.stage3_param_persistence_threshold)
         names_of: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
@@ -84,19 +85,12 @@ class Zero3Stage(PartitionedStage, HookOwner):
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
                                     device=self.dist.device) if metas else None
-        units, hooked, persistent_named = [], {}, []
-        for idx, (uname, subs) in enumerate(unit_modules):
-            named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
-            small = [(n, p) for n, p in named if p.numel() < self.cfg.stage3_param_persistence_threshold]
-            persistent_named += small
-            big = [x for x in named if x not in small]
-            if idx > 0 and not big:  # nothing left to gather: no unit, no hooks (the root keeps its hooks)
-                continue
-            hooked[len(units)] = subs
-            units.append(self._make_unit(module, len(units), uname, big, names_of))
-        shared = [(n, p) for n, p in all_named if owner[id(p)] == -1]
-        persistent = self._make_unit(module, len(units), "<persistent>", persistent_named + shared, names_of) \
-            if persistent_named or shared else None
+        units, hooked = [], {}
+        for plan in plans:
+            hooked[len(units)] = plan.modules
+            units.append(self._make_unit(module, len(units), plan.name, plan.named, names_of))
+        persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
+            if persistent_named else None
         self._scratch = self._init = None
         self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
                                  policy.reduce_dtype, self.offload, on_reduced=self._reduced)
@@ -108,79 +102,9 @@ class Zero3Stage(PartitionedStage, HookOwner):
         module.register_state_dict_pre_hook(_refuse_state_dict)
         return Setup(self.master, [self.groups[g].kind for g, _ in self.parts.piece_index])
 
-    def _assign_units(self, module: nn.Module) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
-        """The unit candidates, as (name, modules), and per parameter id its candidate's index
-        (-1: shared between units in a way no one unit can cover; it stays gathered).
-
-        Index 0 is the root: parameters registered on the root module itself (its forward may
-        use them anywhere). Then each outermost module of a ``gather_unit`` class. With
-        ``split_root`` every other module that registers parameters itself is a candidate too,
-        and such modules that share a parameter (a tied embedding and head) are merged into one.
-        """
-        # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
-        classes = set(self.cfg.gather_unit) | set(declared_layers(module))
-        gather: list[tuple[str, nn.Module]] = []
-        where: dict[int, tuple] = {}   # id(module) -> ("root",) | ("unit", i) | ("own", id)
-        for name, sub in module.named_modules():
-            if sub is module or id(sub) in where:
-                continue
-            if type(sub).__name__ in classes:
-                for inner in sub.modules():
-                    where[id(inner)] = ("unit", len(gather))
-                gather.append((name, sub))
-            elif self.cfg.split_root and any(True for _ in sub.parameters(recurse=False)):
-                where[id(sub)] = ("own", id(sub))
-        names = {id(sub): name for name, sub in module.named_modules()}
-        order = {m: i for i, m in enumerate(names)}   # registration order
-        holders: dict[int, set] = {}   # id(param) -> the candidates whose modules register it
-        for i, (_, sub) in enumerate(gather):  # all of a unit's parameters, also ones another unit shares
-            for p in sub.parameters():
-                holders.setdefault(id(p), set()).add(("unit", i))
-        for sub in module.modules():
-            if where.get(id(sub), ("root",))[0] != "unit":
-                for p in sub.parameters(recurse=False):
-                    holders.setdefault(id(p), set()).add(where.get(id(sub), ("root",)))
-        # Merge own-parameter modules that share a parameter (union-find over module ids).
-        parent: dict[int, int] = {key[1]: key[1] for key in where.values() if key[0] == "own"}
-
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        for hs in holders.values():
-            if len(hs) > 1 and all(h[0] == "own" for h in hs):
-                first, *rest = [h[1] for h in hs]
-                for r in rest:
-                    parent[find(r)] = find(first)
-        merged: dict[int, list[int]] = {}
-        for m in parent:
-            merged.setdefault(find(m), []).append(m)
-        by_id = {id(sub): sub for sub in module.modules()}
-        units: list[tuple[str, list[nn.Module]]] = [("<root>", [module])]
-        index = {("root",): 0}
-        for i, (name, sub) in enumerate(gather):
-            index[("unit", i)] = len(units)
-            units.append((name, [sub]))
-        for members in merged.values():
-            members.sort(key=order.__getitem__)
-            for m in members:
-                index[("own", m)] = len(units)
-            units.append(("+".join(names[m] for m in members), [by_id[m] for m in members]))
-        owner: dict[int, int] = {}
-        for pid, hs in holders.items():
-            found = {index[h if h[0] != "own" else ("own", find(h[1]))] for h in hs}
-            owner[pid] = found.pop() if len(found) == 1 else -1
-        return units, owner
-
     def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict) -> Unit:
-        groups = []
-        for kind, members in (("decay", [x for x in named if x[1].ndim >= 2]),
-                              ("no_decay", [x for x in named if x[1].ndim < 2])):
-            if members:
-                groups.append(self._make_group(module, kind, members, name, names_of))
-        return Unit(uid, name, groups)
+        return Unit(uid, name, [self._make_group(module, kind, members, name, names_of)
+                                for kind, members in unit_groups(named)])
 
     def _make_group(self, module: nn.Module, kind: str, named: list, unit_name: str, names_of: dict) -> UnitGroup:
         layout = make_layout(named, self.dist.world)

@@ -9,7 +9,9 @@ Each run, in one process: measures the disk's sequential write and read bandwidt
 steps of bf16 zero3 with parameters and optimizer on NVMe, then prints one JSON line (also written
 to ``--out``): parameters, model-state bytes (2 + 4 + 8 + 2 bytes per parameter: bf16 weights, fp32
 master, Adam moments, bf16 gradients, as the ZeRO paper counts them) beside the machine's RAM, peak
-resident memory as the kernel measured it (``ru_maxrss`` and ``VmHWM``), bytes on disk (swap files),
+resident memory as the kernel measured it (``ru_maxrss`` and ``VmHWM``) beside the estimator's
+prediction for the same configuration (plus the process's resident set before the model is built:
+Python, torch, the imports), bytes on disk (swap files),
 setup seconds, seconds per step, the losses, and per step the disk floor: bytes the step moved
 (read + written by the swap stores) over the bandwidth measured above. The swap files are removed
 when the run ends.
@@ -76,6 +78,28 @@ def vm_hwm() -> int:
     return 0
 
 
+def vm_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def estimate(cfg, vocab_size: int) -> int:
+    """``framework.estimate``'s per-rank peak for this run's configuration (the model built on the
+    meta device as the run builds it, traced at the run's micro batch and context)."""
+    import torch
+
+    from framework.engine.build import component
+    from framework.memory.model import hf_loss, predict
+
+    with torch.device("meta"):
+        module = component(cfg, "model").build(cfg.model, vocab_size=vocab_size)
+    loss = hf_loss if cfg.choices["model"] == "hf" else component(cfg, "model").loss
+    return predict(cfg, 1, module=module, loss_fn=loss).peak
+
+
 def ram_total() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -107,8 +131,11 @@ def main() -> None:
                              f"offload.nvme_path={os.path.join(args.nvme, 'swap')}", *args.overrides])
     dist = connect("gloo")
     torch.manual_seed(cfg.seed)   # the same initial weights on every run
-    t0 = time.perf_counter()
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    if args.model == "llama":
+        import transformers  # noqa: F401  (imported by the build below: part of the runtime)
+    runtime = vm_rss()   # Python, torch and the imports: what the estimator's prediction is added to
+    t0 = time.perf_counter()
     with framework.zero_init():
         module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
     params = sum(p.numel() for p in module.parameters())
@@ -139,10 +166,12 @@ def main() -> None:
     disk = update.swap_stats()["file"]
     engine.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    predicted = estimate(cfg, data.vocab_size)
     out = {"model": args.model, "quick": args.quick, "params": params,
            "model_state_bytes": params * 16, "ram_bytes": ram_total(),
            "model_state_over_ram": params * 16 / ram_total(),
-           "peak_rss_bytes": peak, "vm_hwm_bytes": vm_hwm(), "disk_bytes": disk,
+           "peak_rss_bytes": peak, "vm_hwm_bytes": vm_hwm(), "runtime_rss_bytes": runtime,
+           "estimated_peak_bytes": predicted + runtime, "estimate_vs_measured": (predicted + runtime) / vm_hwm(), "disk_bytes": disk,
            "disk_write_Bps": bw_write, "disk_read_Bps": bw_read,
            "setup_s": setup_s, "s_per_step": sum(s["s"] for s in steps[1:] or steps) / len(steps[1:] or steps),
            "losses": losses, "held_out_losses": evals, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
