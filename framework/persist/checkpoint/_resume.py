@@ -70,12 +70,12 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
                   f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
-        candidates = [folder]
+        folders = [folder]
     else:
-        candidates = candidates(c.resume, root)[0]
-    if not candidates:
+        folders = candidates(c.resume, root)[0]
+    if not folders:
         return cfg
-    folder = candidates[0]
+    folder = folders[0]
     try:
         saved = json.loads((folder / _folder.TRAIN_STATE).read_text())["config"]
     except (OSError, ValueError, KeyError, TypeError):

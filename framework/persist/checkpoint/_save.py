@@ -49,13 +49,6 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
-def _flats(state) -> tuple[list[dict[str, torch.Tensor]], dict, dict]:
-    """(per piece {'master' or optimizer path: flat tensor}, per-element leaves, scalar leaves)."""
-    per, scalars = optimizer_leaves(state.opt_state, state.params)
-    return ([{"master": p.reshape(-1), **{k: ts[i].reshape(-1) for k, ts in per.items()}}
-             for i, p in enumerate(state.params)], per, scalars)
-
-
 def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
     """This rank's share of ``view.state`` (an ``engine.mapped_state`` view) as DCP values
     (collective: the ranks exchange what they hold).
@@ -68,12 +61,15 @@ def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
     what this rank holds that is NaN or inf."""
     c = engine.components
     state = view.state
-    flats, per, scalars = _flats(state)
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    flats = [{"master": p.reshape(-1), **{k: ts[i].reshape(-1) for k, ts in per.items()}}
+             for i, p in enumerate(state.params)]
     layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
                             gather=lambda mine: group.all_gather(mine, "layout gather"))
     keys = optim_keys(sorted(per), sorted(scalars))
     release = view.fmap.release if view.fmap is not None else None
-    nonfinite = _nonfinite(layout, flats, lambda key, name: dcp_key(key, name, keys), release)
+    nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
+                                 for key, t in flats[h.piece].items()], release)
     Boxes = glue().Boxes
     parts: dict[str, tuple[tuple[int, ...], list]] = {}
     for p, h, a, b in layout.share():
@@ -94,42 +90,25 @@ def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
             "release": release if zero_copy else None}
 
 
-def _finite_flags(tensors: list[torch.Tensor], release=None) -> list[bool]:
-    """Whether each tensor is free of NaN and inf: min and max propagate both, so one small
-    reduction per tensor where it lives and one sync for all of them. ``release(t)``: called
-    after each tensor's reduction (a mapped swap file's pages leave the process one by one)."""
-    flags: list[bool] = [True] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-
-    def reduced(t: torch.Tensor) -> torch.Tensor:
-        out = torch.isfinite(torch.stack(t.aminmax())).all()
-        if release is not None:
-            release(t)
-        return out
-
-    for idx in by_device.values():
-        ok = torch.stack([reduced(tensors[i]) for i in idx])
-        for i, good in zip(idx, ok.cpu().tolist()):   # sync point: once per device, per save or load
-            flags[i] = good
-    return flags
-
-
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity."""
-    items = [(n, t) for n, t in items if t.numel() > 0 and t.is_floating_point()]
-    return sorted({n for (n, _), ok in zip(items, _finite_flags([t for _, t in items], release)) if not ok})
-
-
-def _nonfinite(layout: StateLayout, flats: list[dict], label, release=None) -> list[str]:
-    """Names (``label(key, parameter)``) of the values in ``flats`` (per piece, by key) that hold a
-    NaN or an infinity; the parameters inside a piece are only looked at when the piece has one."""
-    checked = [(k, key, t) for k, by_key in enumerate(flats) for key, t in by_key.items()
-               if t.numel() > 0 and t.is_floating_point()]
-    bad = [x for x, ok in zip(checked, _finite_flags([t for _, _, t in checked], release)) if not ok]
-    return nonfinite_items([(label(key, p.name), h.of(t)) for k, key, t in bad
-                            for p, h in layout.mine() if h.piece == k])
+    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity: min and
+    max propagate both, so one small reduction per tensor where it lives and one sync per device.
+    ``release(t)``: called after each tensor's reduction (a mapped swap file's pages leave the
+    process one by one)."""
+    by_device: dict[torch.device, list] = {}
+    for n, t in items:
+        if t.numel() > 0 and t.is_floating_point():
+            by_device.setdefault(t.device, []).append((n, t))
+    bad = set()
+    for pairs in by_device.values():
+        flags = []
+        for _, t in pairs:
+            flags.append(torch.isfinite(torch.stack(t.aminmax())).all())
+            if release is not None:
+                release(t)
+        ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
+        bad.update(n for (n, _), good in zip(pairs, ok) if not good)
+    return sorted(bad)
 
 
 def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
