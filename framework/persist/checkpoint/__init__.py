@@ -52,12 +52,11 @@ from framework.core.errors import CheckpointError, ConfigError
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, glue
 from framework.persist.checkpoint._load import load
-from framework.persist.checkpoint._resume import (candidates, changed, checkpoint_root, find_latest,
-                                                  find_resumable, preflight)
-from framework.persist.checkpoint._save import config_hash, save
+from framework.persist.checkpoint._resume import candidates, changed, checkpoint_root, find_latest, preflight
+from framework.persist.checkpoint._save import save
 
-__all__ = ["Checkpointer", "CheckpointError", "LoadPlanner", "SafeReader", "checkpoint_root", "config_hash",
-           "find_latest", "find_resumable", "load", "preflight", "read_metadata", "save"]
+__all__ = ["Checkpointer", "CheckpointError", "LoadPlanner", "SafeReader", "checkpoint_root", "find_latest", "load",
+           "preflight", "read_metadata", "save"]
 
 
 def __getattr__(name: str):

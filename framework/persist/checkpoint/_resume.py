@@ -100,16 +100,11 @@ def _flat_get(node: dict, dotted: str):
     return node
 
 
-def find_resumable(resume: str, root: Path) -> list[Path]:
-    """Candidate folders for ``checkpoint.resume``, best first: for ``auto`` every committed
-    checkpoint under ``root``, newest first (a damaged one falls back to the next); for a
-    path, that step folder, or the committed checkpoints of that directory."""
-    return candidates(resume, root)[0]
-
-
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
-    """(``find_resumable``'s folders, one line per ``step-<N>`` folder passed over: no manifest,
-    an unreadable one, a link)."""
+    """Candidate folders for ``checkpoint.resume``, best first, and one line per ``step-<N>`` folder
+    passed over (no manifest, an unreadable one, a link): for ``auto`` every committed checkpoint
+    under ``root``, newest first (a damaged one falls back to the next); for a path, that step
+    folder, or the committed checkpoints of that directory."""
     if resume == "off":
         return [], []
     if resume == "auto":
@@ -123,7 +118,6 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
             return found, notes
     raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there (expected a step-<N> folder with "
                       f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
-
 
 
 def _job_folder(job: str) -> str:
