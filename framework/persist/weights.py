@@ -4,18 +4,19 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Where the values are comes from the one name-keyed view of the state (``framework.persist.layout``).
-Loading: each rank reads, for each of its holdings, only the element ranges its pieces hold (safetensors ``get_slice``; a torch state dict is memory-mapped),
-writes them into the fp32 masters (zero3: its parameter shards too, through the stage's publish)
-and the stage rebuilds the working parameters exactly as after an optimizer step. Under zero1/2
+Which rank holds which range of which parameter comes from the name-keyed view of the state
+(``framework.persist.layout``). Loading: each rank reads only the element ranges its master pieces
+hold (positioned reads of a safetensors file; a torch state dict is memory-mapped), writes them
+into the fp32 masters (zero3: its parameter shards too, through the stage's publish) and the stage
+rebuilds the working parameters exactly as after an optimizer step. Under zero1/2
 the working parameters are whole on every rank by design; under zero3 no rank ever holds more
 than its shards plus one parameter range. Everything is checked before anything is written.
 
 Saving: the output is ordinary safetensors (one file, or shards plus
 ``model.safetensors.index.json``), under the module's parameter names, tied weights once (the
 first name in module order). Every rank writes its share of the layout straight into the output
-files at their byte offsets (``os.pwrite``), converted to the output dtype in chunks:
-no collective moves parameter bytes, no rank assembles even one whole tensor, and peak memory per
+files at their byte offsets (``os.pwrite``), converted to the output dtype in chunks: no collective
+moves parameter bytes, no rank assembles even one whole tensor, and peak memory per
 rank is one chunk. Rank 0 lays out the files (the headers only need global shapes, which every
 rank knows) before anyone writes. Why not gather each tensor to rank 0: that sends the whole
 model through one rank's link and memory and serialises the writes; the price of writing in
