@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -12,7 +14,7 @@ import torch
 
 from framework.engine.build import component, initialize
 from framework.core import files
-from framework.persist.checkpoint import Checkpointer, checkpoint_root, fault
+from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
 from framework.comm.distributed import Dist
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
@@ -124,6 +126,33 @@ def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
         logger.close()
         if record is not None:
             record.close()
+
+
+def fault(point: str, rank: int) -> None:
+    """Test hook of the fault tests, which start this loop through torchrun and cannot hand it a
+    callback: ``FRAMEWORK_FAULT=<point>@<rank>[,stop][,once=<marker file>]`` ends this process with
+    ``os._exit(17)`` (as a kill would, no cleanup) when rank ``rank`` reaches ``point``
+    (``step:<N>``: after train step N); with ``stop`` it sends itself SIGSTOP instead (a stalled
+    rank). With ``once`` it fires only if the marker file does not exist yet, and creates it.
+    Unset in normal runs: nothing happens. (In-process tests also pass it to ``Checkpointer`` as
+    its ``on_point``, for the points of a save.)"""
+    spec = os.environ.get("FRAMEWORK_FAULT")
+    if not spec:
+        return
+    where, _, once = spec.partition(",once=")
+    where, stop = where.removesuffix(",stop"), where.endswith(",stop")
+    if where != f"{point}@{rank}":
+        return
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return
+    print(f"FRAMEWORK_FAULT: rank {rank} {'stops' if stop else 'exits'} at {point}", file=sys.stderr, flush=True)
+    if stop:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    os._exit(17)
 
 
 def reset_peak_memory(device: torch.device) -> int:

@@ -23,9 +23,10 @@ from framework.comm.distributed import Dist, connect
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
-from framework.engine.state import TrainState, load_state_dict, state_dict
+from framework.engine.state import TrainState
 from framework.engine.step import Components, LossFn, build_train_step, init_state
 from framework.core.utils import tensors_in, tensor_bytes
+from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained
 
 
@@ -107,7 +108,7 @@ class Engine:
     def state_dict(self, state: TrainState) -> dict:
         """This rank's master parameters and optimizer state as fragments keyed by parameter name
         (host copies), with the step, data position, precision and RNG state; see
-        ``framework.engine.state.state_dict`` for the format. Not collective."""
+        ``framework.persist.layout.state_dict`` for the format. Not collective."""
         c = self.components
         with self.mapped_state(state) as view:
             return state_dict(view.state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
@@ -138,22 +139,17 @@ class Engine:
         continue from. The working parameters are rebuilt from the loaded master values.
         Collective: every rank calls it with the same ``saved`` list. Under offload=nvme the
         swapped pieces are written straight into the swap file (``mapped_state``)."""
-        with self.mapped_state(state, write=True) as view:
-            loaded = self.load_into(view, saved)
-        return self.finish_load(state, loaded)
-
-    def load_into(self, view: "StateView", saved: Sequence[dict]) -> TrainState:
-        """The first half of ``load_state_dict``: ``saved`` loaded into the tensors of ``view`` (a
-        ``mapped_state(write=True)`` view); returns the loaded view state. Not collective."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        return load_state_dict(view.state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                               rank=c.dist.rank, world=c.dist.world)
+        with self.mapped_state(state, write=True) as view:
+            loaded = load_state_dict(view.state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+                                     rank=c.dist.rank, world=c.dist.world)
+        return self.finish_load(state, loaded)
 
     def finish_load(self, state: TrainState, loaded: TrainState) -> TrainState:
-        """The second half, after the ``mapped_state`` block closed: the state to continue from
-        (``state``'s own tensors, ``loaded``'s values and scalars), with the working parameters
-        rebuilt from the loaded masters (collective)."""
+        """After a load into a ``mapped_state(write=True)`` view, its block closed: the state to
+        continue from (``state``'s own tensors, ``loaded``'s values and scalars), with the working
+        parameters rebuilt from the loaded masters (collective)."""
         # The state keeps its own tensors (under offload=nvme, the parked ones of the swapped pieces).
         state = replace(loaded, params=state.params,
                         opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))

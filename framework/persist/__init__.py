@@ -1,2 +1,3 @@
-"""Persistence: sharded checkpoints (``checkpoint``, DCP), weights in and out (``weights``) and consolidating
-a checkpoint into safetensors (``export``)."""
+"""Persistence: one name-keyed view of the state (``layout``, with the state dict), sharded checkpoints
+(``checkpoint``, DCP), weights in and out (``weights``, safetensors through ``tensorfiles``) and consolidating a
+checkpoint into safetensors (``export``)."""

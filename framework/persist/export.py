@@ -24,7 +24,8 @@ import torch
 
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError
-from framework.persist.weights import create_files, finish_files, plan_files, write_at
+from framework.persist.layout import StateLayout
+from framework.persist.tensorfiles import create_files, finish_files, plan_files, write_at
 
 PREFIX = "model."
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,15 +51,11 @@ class Checkpoint:
     reader (``torch.load(weights_only=True)`` per item; pickled objects are never loaded)."""
 
     def __init__(self, step_dir: Path):
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
         from framework.persist.checkpoint import read_metadata
 
         self.step_dir = step_dir
         self.metadata = read_metadata(step_dir / ".metadata")
-        self.tensors = {k[len(PREFIX):]: (tuple(md.size), md.properties.dtype)
-                        for k, md in self.metadata.state_dict_metadata.items()
-                        if k.startswith(PREFIX) and isinstance(md, TensorStorageMetadata)}
+        self.tensors = {n: (p.shape, p.dtype) for n, p in StateLayout.in_checkpoint(self.metadata, PREFIX).params.items()}
         if not self.tensors:
             raise ConfigError(f"export: {step_dir} holds no '{PREFIX}<name>' tensors")
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import framework
-from framework.persist.checkpoint import Checkpointer, CheckpointError, fault
+from framework.cli.loop import fault
+from framework.persist.checkpoint import Checkpointer, CheckpointError
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
 from tests._helpers import OverflowAt, build_gpt, tiny_config
@@ -53,7 +54,8 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
     with framework.initialize(module, loss, cfg, dist) as engine:
         torch.manual_seed(cfg.seed + dist.rank)
         state = replace(engine.state, rng=capture_rng(dist.device))
-        ckpt = Checkpointer(cfg, engine)
+        # the fault tests' kill points inside a save (FRAMEWORK_FAULT=save-<N>:<point>@<rank>)
+        ckpt = Checkpointer(cfg, engine, on_point=lambda point: fault(point, dist.rank))
         try:
             state = ckpt.resume(state)
             first = (state.step, state.data, engine.state_dict(state))

@@ -1,8 +1,9 @@
 """Fault tests of checkpointing: kills during the save protocol, a rank lost mid-step, restarts.
 
 Ranks here are real processes that die with ``os._exit`` (the FRAMEWORK_FAULT test hook of
-framework.persist.checkpoint): forked from a forkserver that has torch and framework imported, so a
-2-rank launch costs a fraction of a second instead of two interpreter starts. The relaunch
+framework.cli.loop, which tests.dist.test_checkpoint also hands each save as its ``on_point``):
+forked from a forkserver that has torch and framework imported, so a 2-rank launch costs a
+fraction of a second instead of two interpreter starts. The relaunch
 resumes in the shared 2-rank pool and is compared with an uninterrupted run there.
 
 The torchrun cases (--max-restarts with a crash-once marker; two agents with --nnodes 2 that

@@ -1,5 +1,5 @@
 """Flat ranges as rectangular DCP chunks (framework.persist.checkpoint._dcp.boxes), ownership of
-replicated ranges, the config keys, and the folder protocol's pure parts."""
+replicated ranges (framework.persist.layout), the config keys, and the folder protocol's pure parts."""
 import itertools
 import math
 import random
@@ -7,9 +7,10 @@ import random
 import pytest
 import torch
 
-from framework.persist.checkpoint import _subtract, _optim_keys
 from framework.persist.checkpoint._dcp import boxes
-from framework.core.errors import ConfigError
+from framework.persist.checkpoint._save import optim_keys
+from framework.persist.layout import Holding, Param, StateLayout
+from framework.core.errors import ConfigError, FrameworkError
 from tests._helpers import tiny_config
 
 
@@ -33,15 +34,21 @@ def test_boxes_tile_every_flat_range_in_order(shape):
         assert torch.equal(torch.cat(parts) if parts else torch.empty(0, dtype=torch.long), full.reshape(-1)[lo:hi])
 
 
-def test_subtract_leaves_what_lower_ranks_do_not_hold():
-    assert _subtract(0, 10, []) == [(0, 10)]
-    assert _subtract(0, 10, [(0, 10)]) == []
-    assert _subtract(0, 10, [(2, 4), (3, 6), (8, 12)]) == [(0, 2), (6, 8)]
+def test_share_writes_each_element_once_spreading_replicated_parameters():
+    # "a": rank 0 holds [0, 6), rank 1 [4, 10); "b": both hold all of it (a replicated stage)
+    a = Param("a", (2, 5), None, (Holding(0, 0, 6, 0, 0), Holding(1, 4, 10, 0, 0)))
+    b = Param("b", (3,), None, (Holding(0, 0, 3, 1, 0), Holding(1, 0, 3, 1, 6)))
+    shares = [[(p.name, h.rank, lo, hi) for p, h, lo, hi in StateLayout([a, b], rank=r, world=2).share()]
+              for r in range(2)]
+    assert shares == [[("a", 0, 0, 6)], [("a", 1, 6, 10), ("b", 1, 0, 3)]]   # "b" (index 1) from rank 1 on
+    gap = StateLayout([Param("c", (8,), None, (Holding(0, 0, 3, 0, 0), Holding(1, 5, 8, 0, 0)))], world=2)
+    with pytest.raises(FrameworkError, match=r"'c': elements \[3, 5\) are in no saved fragment of any rank"):
+        gap.share()
 
 
 def test_optimizer_keys_use_torch_names_and_stay_unique():
-    assert _optim_keys(["0.mu", "0.nu"], ["0.count"]) == {"0.mu": "exp_avg", "0.nu": "exp_avg_sq", "0.count": "step"}
-    assert _optim_keys(["0.mu", "2.mu"], []) == {"0.mu": "0.mu", "2.mu": "2.mu"}
+    assert optim_keys(["0.mu", "0.nu"], ["0.count"]) == {"0.mu": "exp_avg", "0.nu": "exp_avg_sq", "0.count": "step"}
+    assert optim_keys(["0.mu", "2.mu"], []) == {"0.mu": "0.mu", "2.mu": "2.mu"}
 
 
 def test_checkpoint_config_keys():

@@ -17,7 +17,8 @@ from framework.core.errors import FrameworkError
 from framework.precision import Policy, PrecisionState, ScalerConfig
 from framework.stages._flat import make_layout
 from framework.stages._spec import PieceSpec, cover, piece_spec
-from framework.engine.state import TrainState, load_state_dict, optimizer_leaves, state_dict, with_scalars
+from framework.engine.state import TrainState, optimizer_leaves, with_scalars
+from framework.persist.layout import load_state_dict, state_dict
 
 FP32 = Policy("fp32", torch.float32, torch.float32, torch.float32, None)
 FP16 = Policy("fp16", torch.float16, torch.float16, torch.float32, ScalerConfig())

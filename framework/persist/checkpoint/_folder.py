@@ -30,6 +30,7 @@ from framework.core import files
 from framework.core.errors import CheckpointError, UnsafePathError
 
 MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.json"
 LATEST = "latest"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
@@ -170,9 +171,10 @@ def verified(folder: Path) -> bool:
         return False
 
 
-def commit(tmp: Path, final: Path, fault) -> None:
+def commit(tmp: Path, final: Path, on_point=None) -> None:
     """Rename ``step-N.tmp`` to ``step-N`` (replacing an older folder of that step, which is
-    moved aside first and deleted after), then point ``latest`` at it. Rank 0 only."""
+    moved aside first and deleted after), then point ``latest`` at it. Rank 0 only.
+    ``on_point(name)``: called before the rename and before ``latest`` is written (tests)."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -180,10 +182,12 @@ def commit(tmp: Path, final: Path, fault) -> None:
         aside = root / f"{final.name}.old"
         _remove_tree(aside)
         os.replace(final, aside)
-    fault("before-rename")
+    if on_point is not None:
+        on_point("before-rename")
     os.replace(tmp, final)
     fsync_dir(root)
-    fault("before-latest")
+    if on_point is not None:
+        on_point("before-latest")
     files.write_atomic(root / LATEST, final.name.encode())
     if aside is not None:
         _remove_tree(aside)

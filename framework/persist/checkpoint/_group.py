@@ -1,0 +1,157 @@
+"""The checkpoint's collectives and how their failures read: its own gloo group, the exchange of
+outcomes that ends every rank with the same line, and DCP's errors unpacked into one line."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import shutil
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as tdist
+
+from framework.comm.distributed import agree
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.room import Claim, size
+
+
+def glue():
+    """torch.distributed.checkpoint and our glue to it (``_dcp``), imported on the first save, load
+    or DCP error: importing DCP costs most of a second (DTensor, sympy), which every process of
+    every run would pay at start-up, checkpointing or not."""
+    from framework.persist.checkpoint import _dcp
+    return _dcp
+
+
+def few(items: list[str]) -> str:
+    return ", ".join(map(repr, items[:5])) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+
+
+class Group:
+    """Collectives of the checkpoint code: their own gloo group with a long timeout, so a save
+    in a background thread never shares a group with training (concurrent collectives on one
+    group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
+
+    def __init__(self, rank: int, world: int, timeout_s: float, dist=None):
+        """``dist``: the run's ``Dist``, to name a peer that died or stalled in a failed exchange."""
+        self.rank, self.world, self.timeout_s, self.dist = rank, world, timeout_s, dist
+        self.pg = (tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                   if world > 1 else None)
+
+    def all_gather(self, obj: Any, what: str) -> list:
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        try:
+            tdist.all_gather_object(out, obj, group=self.pg)
+        except RuntimeError as e:
+            who = self.dist.who_failed() if self.dist is not None else "a peer rank died or stalled"
+            raise FrameworkError(f"rank {self.rank}/{self.world}: checkpoint {what} failed after waiting up to "
+                                 f"{self.timeout_s:g}s ({who}; checkpoint.timeout_s sets the "
+                                 f"limit): {str(e).splitlines()[0]}") from e
+        return out
+
+    def enter(self, stack: contextlib.ExitStack, context, what: str):
+        """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):
+        when it fails on some rank (a damaged swap file), every rank raises at once, naming it,
+        instead of the others waiting for it in the next collective."""
+        entered = []
+        agree(lambda obj: self.all_gather(obj, what), self.rank,
+              lambda: entered.append(stack.enter_context(context)), f"checkpoint {what}")
+        return entered[0]
+
+    def dcp_kwargs(self) -> dict:
+        return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}
+
+    def close(self) -> None:
+        if self.pg is not None:
+            tdist.destroy_process_group(self.pg)
+            self.pg = None
+
+
+def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
+    """``fn()`` on every rank, outcomes exchanged (the exchange is also a barrier); returns every
+    rank's result. When it failed anywhere, rank 0 removes the unfinished ``tmp`` folder
+    (``cleanup``) and every rank raises one CheckpointError naming the rank, the file and the
+    cause, so the previous checkpoints stay as they were and no rank waits for another that gave
+    up. ``need``: the checkpoint's bytes, for the message of a full disk."""
+    result, problem = None, None
+    try:
+        result = fn()
+    except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
+        # DCP raises on every rank what failed on some: named after the ranks that failed
+        ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
+        problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
+    everyone = group.all_gather((result, problem), what)
+    problems = list(dict.fromkeys(p for _, p in everyone if p))
+    if problems:
+        if cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
+                              + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "")
+                              + "; the previous checkpoints are kept")
+    return [r for r, _ in everyone]
+
+
+def agree_load(group: Group, what: str, fn):
+    """``fn()`` on every rank, outcomes exchanged before anyone goes on (no rank waits in a later
+    collective for one that gave up): a rank that failed raises its own error, the others the same
+    kind (ConfigError: the checkpoint is another run's, no fallback; otherwise CheckpointError)."""
+    result, problem = None, None
+    try:
+        result = fn()
+    except FrameworkError as e:
+        problem = (type(e) is ConfigError, str(e))
+        mine = e
+    except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
+        problem = (False, f"{what}: {describe(e)}")
+        mine = CheckpointError(problem[1])
+    problems = [p for p in group.all_gather(problem, what) if p]
+    if problem is not None:
+        raise mine
+    if problems:
+        config, text = problems[0]
+        raise (ConfigError if config else CheckpointError)(text)
+    return result
+
+
+def _write_error(e: BaseException, tmp: Path, need: int) -> str:
+    """One line for a failed write: a full disk names the folder, the free and the needed bytes
+    (torch's zip writer reports ENOSPC as "unexpected pos", DCP wraps it per rank)."""
+    chain = causes(e)
+    full = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in chain) or any(
+        "unexpected pos" in str(c) or "No space left" in str(c) for c in chain)
+    if full:
+        try:
+            free = f"{size(Claim.of(tmp.parent, 0).free)} free"
+        except OSError:
+            free = "free space unknown"
+        return (f"the file system of {tmp.parent} is full ({free}; the checkpoint needs about {size(need)}): "
+                f"free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk")
+    return describe(e)
+
+
+def describe(e: BaseException) -> str:
+    """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
+    exc = glue().CheckpointException
+    first = next((c for c in causes(e) if not isinstance(c, exc)), e)
+    text = " ".join(str(first).split()) or type(first).__name__
+    if isinstance(first, FrameworkError):
+        return text[:500]
+    where = f" ({first.filename})" if isinstance(first, OSError) and first.filename else ""
+    return f"{type(first).__name__}{where}: {text[:400]}"
+
+
+def causes(e: BaseException) -> list[BaseException]:
+    """``e``, the per-rank failures DCP wrapped in it and their chained causes."""
+    out, todo, exc = [], [e], glue().CheckpointException
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is x for x in out):
+            continue
+        out.append(c)
+        if isinstance(c, exc):
+            todo += [pair[0] for pair in c.failures.values()]
+        todo += [c.__cause__, c.__context__]
+    return out

@@ -1,0 +1,196 @@
+"""Reading a checkpoint: files against the manifest, the train state against the manifest, the
+DCP files against this model, then this rank's holdings read by DCP (straight into a mapped swap
+file where they lie there) and checked finite before the state takes them."""
+from __future__ import annotations
+
+import contextlib
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.engine.state import optimizer_leaves
+from framework.persist.checkpoint import _folder, _rng
+from framework.persist.checkpoint._group import Group, agree_load, causes, describe, few, glue
+from framework.persist.checkpoint._save import dcp_key, nonfinite_items
+from framework.persist.layout import StateLayout, load_state_dict
+
+# A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
+OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
+
+
+def verify(folder: Path, group: Group) -> dict:
+    """Check every file against the manifest (each rank a share of them); every rank raises the
+    same CheckpointError naming the bad files. Returns the manifest."""
+    manifest = None
+    try:
+        manifest = _folder.read_manifest(folder)
+        files = sorted(manifest["files"])
+        mine = [_folder.check_file(folder, n, manifest["files"][n]) for n in files[group.rank::group.world]]
+        problems = [p for p in mine if p]
+    except (CheckpointError, OSError) as e:
+        problems = [str(e)]
+    everyone = group.all_gather(problems, "checksum verification")
+    bad = sorted({p for part in everyone for p in part})
+    if bad:
+        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
+    return manifest
+
+
+_BODY_KEYS = ("state_format", "step", "data", "precision", "dynamic_loss_scale", "optimizer", "world", "stage",
+              "config", "parameters", "fragments")
+
+
+def _train_state(folder: Path, manifest: dict) -> dict:
+    """train_state.json, checked against the manifest (the world size, step and per-rank files it
+    implies): a file edited or mixed from another save is refused by name."""
+    path = folder / _folder.TRAIN_STATE
+    body = _folder.read_json(path, "the train state")
+    missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
+    if missing:
+        raise CheckpointError(f"checkpoint {folder}: {path} lacks {few(missing)}")
+    world = body["world"]
+    if not isinstance(world, int) or world < 1 or world != manifest.get("world"):
+        raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {_folder.MANIFEST} says "
+                              f"{manifest.get('world')!r} (edited, or files of different saves)")
+    if body["step"] != manifest.get("step") or not isinstance(body["fragments"], list) \
+            or len(body["fragments"]) != world:
+        raise CheckpointError(f"checkpoint {folder}: {path} does not match {_folder.MANIFEST} (step {body['step']!r} "
+                              f"vs {manifest.get('step')!r}, {len(body['fragments'])} rank layouts for world {world})")
+    absent = [f"rng-{r}.json" for r in range(world) if f"rng-{r}.json" not in manifest["files"]]
+    if absent:
+        raise CheckpointError(f"checkpoint {folder}: {_folder.MANIFEST} lists no {few(absent)} for world size {world}")
+    scale = body["precision"].get("cur_scale") if isinstance(body["precision"], dict) else None
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise CheckpointError(f"checkpoint {folder}: {path} holds the loss scale {scale!r} (not a positive finite "
+                              f"number)")
+    return body
+
+
+def load(engine, state, folder: Path, *, group: Group, seed: int):
+    """Load ``folder`` into ``state`` under this engine's layout (collective); return
+    (state, train_state dict). Files are verified against the manifest first, the train state
+    against the manifest, and the loaded values must be finite: a damaged or non-finite
+    checkpoint raises CheckpointError on every rank (``resume=auto`` then falls back)."""
+    manifest = verify(folder, group)
+    c = engine.components
+    rank, world = c.dist.rank, c.dist.world
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    specs = c.stage.piece_specs()
+
+    def check():
+        body = _train_state(folder, manifest)
+        md = glue().read_metadata(folder / ".metadata")
+        _fits(c, folder, body, md, StateLayout.of(specs), per, scalars)
+        return body, md
+
+    body, md = agree_load(group, f"checkpoint check of {folder}", check)
+    keys = body["optimizer"]["keys"]
+    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
+    with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
+        view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
+        mapped = view.state
+        opt = optimizer_leaves(mapped.opt_state, mapped.params)[0]
+        layout = StateLayout.of(specs, rank=rank, world=world,
+                                swapped=[k for k, p in enumerate(mapped.params) if view.maps(p)])
+
+        def piece(h):   # where DCP reads: a swapped piece itself (straight into the file), else a host buffer
+            if h.swapped:
+                return mapped.params[h.piece].reshape(-1), {p: opt[p][h.piece].reshape(-1) for p in per}
+            n = mapped.params[h.piece].numel()
+            return torch.empty(n, device="cpu"), {p: torch.empty(n, device="cpu") for p in per}
+
+        fragments = layout.fragments(piece)
+        release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
+        dcp = glue()
+        boxes: dict[str, tuple[str, list]] = {}   # DCP key -> (parameter, [(range, target)])
+        for name, e in fragments.items():
+            for f in e["fragments"]:
+                for key in ("master", *per):
+                    boxes.setdefault(dcp_key(key, name, keys), (name, []))[1].append(
+                        (f["range"], f["master"] if key == "master" else f["optim"][key]))
+        targets = {k: dcp.Boxes(saved[name], ps) for k, (name, ps) in boxes.items()}
+
+        def read():
+            try:
+                dcp.dcp.load(targets, storage_reader=dcp.SafeReader(folder, md), planner=dcp.LoadPlanner(release),
+                             **group.dcp_kwargs())
+            except FrameworkError:
+                raise
+            except (Exception, dcp.CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
+                # (a shard torch refuses to unpickle with weights_only ends here: a BaseException)
+                if any(isinstance(x, pickle.UnpicklingError) for x in causes(e)):
+                    where = dcp.unpicklable(folder, md) or f"a DCP file in {folder}"
+                    raise CheckpointError(f"checkpoint {folder}: {where}: torch refuses to unpickle it with "
+                                          f"weights_only=True (not plain tensor data: a crafted or foreign file); "
+                                          f"it is never loaded") from None
+                raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {describe(e)}") from None
+            bad = nonfinite_items([(k, t) for k, (_, ps) in boxes.items() for _, t in ps], release)
+            if bad:
+                raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
+                                      f"(rank {group.rank}'s share): not a state to train from")
+            torch_rng, host_rng = _rng_of(c, folder, body, seed)
+            saved_state = {"format": body["state_format"], "rank": rank, "world": world, "step": body["step"],
+                           "data": body["data"], "precision": body["precision"],
+                           "dynamic_loss_scale": body["dynamic_loss_scale"], "rng": list(torch_rng),
+                           "optimizer": {"per_element": body["optimizer"]["per_element"],
+                                         "scalars": {p: _from_json_scalar(v)
+                                                     for p, v in body["optimizer"]["scalars"].items()}},
+                           "params": fragments}
+            names = [n for n, p in c.module.named_parameters() if p.requires_grad]
+            return load_state_dict(mapped, specs, [saved_state], policy=c.policy, names=names, rank=rank,
+                                   world=world), host_rng
+
+        loaded, host_rng = agree_load(group, f"reading {folder}", read)
+    state = engine.finish_load(state, loaded)
+    _rng.restore_host(host_rng)
+    return state, body
+
+
+def _rng_of(c, folder: Path, body: dict, seed: int):
+    """(torch generator states, host RNG states) to resume with: each rank its own under the same
+    world size, otherwise re-derived."""
+    rank = c.dist.rank
+    if body["world"] != c.dist.world:
+        return _rng.derive(seed, body["step"], rank, c.dist.device)
+    saved = _folder.read_json(folder / f"rng-{rank}.json", "random generator states")
+    try:
+        return _rng.torch_states(saved), saved
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
+
+
+def _from_json_scalar(v: Any) -> Any:
+    if isinstance(v, dict) and "tensor" in v:
+        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+    return v
+
+
+def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict) -> None:
+    """ConfigError when the checkpoint is of another model or optimizer (the user chooses: no
+    fallback); CheckpointError when its files lack what its train state names."""
+    opt = body["optimizer"]
+    if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
+        raise ConfigError(f"checkpoint {folder} holds the optimizer state "
+                          f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
+                          f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
+                          f"{OTHER_RUN}")
+    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
+    names = [n for n, p in c.module.named_parameters() if p.requires_grad]
+    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
+    if missing or extra:
+        raise ConfigError(f"checkpoint {folder} does not fit this model: "
+                          + "; ".join(x for x in (f"missing parameters {few(missing)}" if missing else "",
+                                                  f"unexpected parameters {few(extra)}" if extra else "") if x)
+                          + OTHER_RUN)
+    for p in layout.params.values():
+        if p.shape != saved[p.name]:
+            raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name]} "
+                              f"in the checkpoint but {p.shape} in this model{OTHER_RUN}")
+    wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
+    absent = sorted(set(wanted) - set(md.state_dict_metadata))
+    if absent:
+        raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")

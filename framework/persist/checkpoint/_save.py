@@ -1,0 +1,286 @@
+"""Writing a checkpoint: each rank's share of the state as DCP boxes, the ranks' agreement that it
+is finite and fits on the disk, then the files, the checksums and the commit
+(``framework.persist.checkpoint`` describes the folder and what a save guarantees)."""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from framework.core.errors import CheckpointError, FrameworkError, TrainingError
+from framework.core.room import Claim, shortfalls
+from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
+from framework.offload import verify_map
+from framework.persist.checkpoint import _folder, _rng
+from framework.persist.checkpoint._group import Group, agree_save, few, glue
+from framework.persist.layout import StateLayout
+from framework.persist.weights import save_on_model_save
+
+# torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
+_TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer", "sum_of_squares": "sum",
+                "count": "step"}
+
+
+def config_hash(cfg: dict) -> str:
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
+    """Optimizer leaf path ('0.mu') -> DCP key part ('exp_avg'); the chain index is kept only
+    where two leaves would get one name."""
+    short = {p: _TORCH_NAMES.get(p.rsplit(".", 1)[-1], p.rsplit(".", 1)[-1]) for p in [*per, *scalars]}
+    names = list(short.values())
+    return {p: (n if names.count(n) == 1 else p) for p, n in short.items()}
+
+
+def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
+    """The DCP key of a parameter's master values (``key`` 'master') or of its optimizer state
+    ``key`` (a leaf path; ``keys``: ``optim_keys``)."""
+    return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
+
+
+def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
+    """This rank's share of ``view.state`` (an ``engine.mapped_state`` view) as DCP values
+    (collective: the ranks exchange what they hold).
+
+    A rank writes its ``StateLayout.share``: every element once over the ranks. Each rectangular
+    box is copied to the host on its own, into a tensor that owns exactly its bytes: one copy of
+    the state, and none more in DCP's writer (it clones any view of a larger storage before
+    serialising it). With ``zero_copy`` (a save written before training goes on) boxes of a
+    mapped swap file are not copied: DCP writes them from the file's pages. ``nonfinite`` names
+    what this rank holds that is NaN or inf."""
+    c = engine.components
+    state = view.state
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    flats = [{"master": p.reshape(-1), **{k: ts[i].reshape(-1) for k, ts in per.items()}}
+             for i, p in enumerate(state.params)]
+    layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
+                            gather=lambda mine: group.all_gather(mine, "layout gather"))
+    keys = optim_keys(sorted(per), sorted(scalars))
+    release = view.fmap.release if view.fmap is not None else None
+    nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
+                                 for key, t in flats[h.piece].items()], release)
+    Boxes = glue().Boxes
+    parts: dict[str, tuple[tuple[int, ...], list]] = {}
+    for p, h, a, b in layout.share():
+        for key, t in flats[h.piece].items():
+            parts.setdefault(dcp_key(key, p.name, keys), (p.shape, []))[1].append(((a, b), h.of(t, a, b)))
+    out: dict[str, Any] = {k: Boxes(shape, ps, copy=True, own=view.own if zero_copy else None)
+                           for k, (shape, ps) in parts.items()}
+    host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                    for p, v in scalars.items()}
+    for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
+        out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+    nbytes = sum(t.numel() * t.element_size() for v in out.values()
+                 for t in (v.tensors() if isinstance(v, Boxes) else [v]))
+    return {"dcp": out, "layout": layout.saved(), "per": sorted(per), "scalars": host_scalars, "keys": keys,
+            "step": state.step, "data": state.data, "precision": asdict(state.precision),
+            "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
+            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out),
+            "release": release if zero_copy else None}
+
+
+def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
+    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity: min and
+    max propagate both, so one small reduction per tensor where it lives and one sync per device.
+    ``release(t)``: called after each tensor's reduction (a mapped swap file's pages leave the
+    process one by one)."""
+    by_device: dict[torch.device, list] = {}
+    for n, t in items:
+        if t.numel() > 0 and t.is_floating_point():
+            by_device.setdefault(t.device, []).append((n, t))
+    bad = set()
+    for pairs in by_device.values():
+        flags = []
+        for _, t in pairs:
+            flags.append(torch.isfinite(torch.stack(t.aminmax())).all())
+            if release is not None:
+                release(t)
+        ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
+        bad.update(n for (n, _), good in zip(pairs, ok) if not good)
+    return sorted(bad)
+
+
+def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
+    """What this rank's files of the checkpoint will take in ``root`` (tensor bytes, with some room
+    for DCP's per-item records, the JSON files and the metadata)."""
+    return Claim.of(root, snap["bytes"] + 4096 * snap["items"] + (64 << 10), rank)
+
+
+def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: int,
+         background: concurrent.futures.Executor | None = None, nonfinite: str = "stop",
+         writer: type | None = None, on_point: Callable[[str], None] | None = None):
+    """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
+    state is taken before returning; with ``background`` the files are written there and its
+    future is returned (None otherwise).
+
+    Committed only from state known good (every rank agrees before anything is written): finite
+    (else ``TrainingError``, or with ``nonfinite="warn"`` a warning and no save), and under
+    offload=nvme every swapped extent checked against the IO engine's checksums both before the
+    bytes are read for the checkpoint (``engine.mapped_state``) and after (``verify_map``): a swap
+    file changed meanwhile is caught before the commit, never saved. Room on the disk is checked
+    for all ranks sharing it before writing (one line naming the folder and the bytes).
+    ``writer``: DCP's storage writer class (a seam for tests: one that fails or races on purpose;
+    None: ``FileSystemWriter``). ``on_point(point)``: called as the save passes each point of its
+    protocol, ``save-<N>:after-shard`` (every rank, its files written), ``save-<N>:before-manifest``,
+    ``save-<N>:before-rename`` and ``save-<N>:before-latest`` (rank 0); a seam for tests that
+    kill a rank there."""
+    staged16 = None
+    if engine.components.stage.weights_on_save():
+        # stage3_gather_16bit_weights_on_model_save: this step's working-dtype weights as
+        # consolidated safetensors, written now on the training thread (collective on the default
+        # group, each rank its own ranges) into a staging folder that ``_write`` moves into the
+        # step folder as model_16bit/, so they are committed, pruned and found with the step.
+        if group.rank == 0:
+            _folder.mkdir_private(root)
+        staged16 = root / f"step-{state.step}.model_16bit"
+        save_on_model_save(engine, staged16)
+    rng = _rng.capture(state.rng)
+    meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
+            "precision_policy": config.get("precision", {}).get("name")}
+    write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
+                 on_point=on_point)
+    with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
+        view = group.enter(stack, engine.mapped_state(state), "swap file check")
+        if view.fmap is not None:
+            # A swapped state is written from the swap file's pages, page range by page range, on
+            # this thread: a background save would need a host copy of all of it (model-sized).
+            background = None
+        snap = snapshot(engine, view, group, zero_copy=background is None)
+        recheck = lambda: verify_map(view.fmap, "checked again after the checkpoint read it")  # noqa: E731
+        if not _agree_to_save(snap, root, group, nonfinite, staged16, recheck):
+            return None
+        if background is None:
+            # inside the block: DCP reads the mapped pages before training changes them
+            _write(snap, rng, root, recheck=recheck, **write)
+            return None
+        agree_save(group, "swap file check after the host copy", recheck, root / f"step-{state.step}.tmp",
+                   cleanup=False)
+    return background.submit(_write, snap, rng, root, **write)
+
+
+def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged16: Path | None,
+                   recheck) -> bool:
+    """Every rank's verdict on the state (finite) and on the room for it, exchanged; True to save.
+    Non-finite state raises TrainingError on every rank (``nonfinite="warn"``: says so and returns
+    False), unless the swap file changed under it (``recheck`` fails: that error is the cause); too
+    little room raises CheckpointError naming the folder and the bytes needed."""
+    step = snap["step"]
+    problem, claim = None, None
+    try:
+        claim = _room_claim(root, snap, group.rank)
+        if snap["nonfinite"]:
+            recheck()
+    except OSError as e:
+        problem = f"rank {group.rank}: cannot inspect {root} ({e.strerror or e})"
+    except FrameworkError as e:
+        problem = f"rank {group.rank}: {e}"
+    everyone = group.all_gather((snap["nonfinite"], claim, problem), "pre-save check")
+    bad = [f"rank {r}: {few(names)}" for r, (names, _, _) in enumerate(everyone) if names]
+    refused = None
+    if bad:
+        refused = (f"checkpoint: not saving step {step}: the state holds non-finite values (NaN or inf) in "
+                   f"{'; '.join(bad)}")
+    problems = [p for _, _, p in everyone if p]
+    shorts = shortfalls([c for _, c, _ in everyone if c is not None]) if not problems else []
+    if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
+        shutil.rmtree(staged16, ignore_errors=True)
+    if problems:
+        raise CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}; the previous checkpoints are kept")
+    if refused and nonfinite == "warn":
+        if group.rank == 0:
+            print(f"warning: {refused} (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
+        return False
+    if refused:
+        raise TrainingError(f"{refused}; stopping (the previous checkpoints are kept). Lower the learning rate or "
+                            f"check the data; train.on_nonfinite=warn keeps training without saving such state")
+    if shorts:
+        raise CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
+            s.describe("the checkpoint files") for s in shorts)
+            + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
+              "(the previous checkpoints are kept)")
+    return True
+
+
+def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
+           staged16: Path | None = None, recheck=None, writer: type | None = None,
+           on_point: Callable[[str], None] | None = None) -> Path:
+    """Write and commit the snapshot (collective). Each phase ends in an exchange of outcomes
+    (``agree_save``): a failure anywhere removes the unfinished folder and raises on every rank.
+    ``recheck``: run after the files are written, before the commit (the swap file's extents
+    checked again: what DCP read from its pages was what was checked)."""
+    t0 = time.perf_counter()
+    step, rank = snap["step"], group.rank
+    tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
+    need = _room_claim(root, snap, rank).need * group.world
+
+    def point(name: str) -> None:
+        if on_point is not None:
+            on_point(f"save-{step}:{name}")
+
+    def make_folder():
+        if rank == 0:
+            _folder.mkdir_private(root)
+            _folder.remove_stale(root, keep=staged16)
+            _folder.make_step_folder(tmp)
+            if staged16 is not None:   # a subfolder: beside the manifest's files, moved and pruned with them
+                os.replace(staged16, tmp / "model_16bit")
+
+    agree_save(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
+
+    def write_files():
+        dcp = glue()
+        dcp.dcp.save(snap["dcp"], storage_writer=(writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
+                     planner=dcp.SavePlanner(snap.get("release")), **group.dcp_kwargs())
+        _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
+        point("after-shard")
+        if rank == 0:
+            body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": snap["data"],
+                    "scheduler_position": snap["applied"], "precision": snap["precision"],
+                    "dynamic_loss_scale": snap["dynamic_loss_scale"],
+                    "optimizer": {"per_element": snap["per"],
+                                  "scalars": {p: _json_scalar(v) for p, v in snap["scalars"].items()},
+                                  "keys": snap["keys"]},
+                    "world": group.world, **meta, "config": config, "config_hash": config_hash(config),
+                    # The saving layout: each parameter's shape and the flat ranges each rank held.
+                    **snap["layout"]}
+            _folder.write_private(tmp / _folder.TRAIN_STATE, json.dumps(body).encode())
+        if recheck is not None:
+            recheck()
+
+    agree_save(group, "writing the files", write_files, tmp, need=need)
+    # Checksums: each rank hashes every world-th file, so the reading is spread over the ranks.
+    parts = agree_save(group, "checksums", lambda: {n: _folder.file_entry(tmp, n)
+                                                    for n in _folder.files_of(tmp)[rank::group.world]}, tmp)
+
+    def commit():
+        if rank != 0:
+            return []
+        files = {k: v for part in parts for k, v in part.items()}
+        point("before-manifest")
+        _folder.write_manifest(tmp, files, step=step, world=group.world, stage=meta["stage"],
+                               config_hash=config_hash(config), verified=True)
+        _folder.commit(tmp, final, point)
+        gone = _folder.prune(root, final, keep_last)
+        total = sum(v["bytes"] for v in files.values())
+        print(f"checkpoint: saved {final} ({total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.2f}s"
+              + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
+
+    agree_save(group, "commit", commit, tmp, need=need)
+    return final
+
+
+def _json_scalar(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return {"tensor": v.tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+    return v

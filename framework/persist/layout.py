@@ -1,0 +1,262 @@
+"""The name-keyed view of a training state, and the state dict built on it.
+
+A stage's master pieces (``TrainState.params``) are flat ranges of its flat buffers; how many
+there are and where they start depends on the world size, the stage, the offload ratio and the
+bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view keyed by
+parameter name: each parameter's global shape and dtype, and which rank holds which range of
+its flattened elements in which piece, at which offset, swapped to disk or resident. Every way
+state leaves or enters an engine reads that mapping from here:
+
+* ``state_dict`` / ``load_state_dict`` (``engine.state_dict``): this rank's fragments by name,
+  and the fragments of any saving run re-sliced into this run's pieces;
+* checkpoints (``framework.persist.checkpoint``): the DCP boxes of each rank's ``share`` on save
+  (the layout itself goes into train_state.json), this rank's holdings as read targets on load;
+* weights (``framework.persist.weights``): each rank writes its ``share`` into the safetensors
+  files at their offsets and reads its holdings' ranges on load;
+* export (``framework.persist.export``): the parameters a checkpoint's metadata describes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from framework.core.errors import FrameworkError
+from framework.engine.state import FORMAT, TrainState, dynamic_loss_scale, optimizer_leaves, with_scalars
+from framework.precision import Policy, PrecisionState
+from framework.stages import PieceSpec, check_shape, cover
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Elements [lo, hi) of a flattened parameter, held by ``rank`` in its master piece ``piece``
+    from element ``at`` on; ``swapped``: that piece lives in the swap file (offload=nvme)."""
+
+    rank: int
+    lo: int
+    hi: int
+    piece: int
+    at: int
+    swapped: bool = False
+
+    def of(self, flat: torch.Tensor, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of the parameter (default: all this holds) as a view of ``flat``, its
+        piece (or a tensor laid out like it)."""
+        lo, hi = self.lo if lo is None else lo, self.hi if hi is None else hi
+        return flat[self.at + lo - self.lo:self.at + hi - self.lo]
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]               # global (logical) shape
+    dtype: torch.dtype | None            # the stored values' dtype (None: not known here)
+    holdings: tuple[Holding, ...] = ()   # every rank's, once gathered; else this rank's
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class StateLayout:
+    """Parameters by name (in the order the pieces hold them) and where their elements lie."""
+
+    def __init__(self, params: Iterable[Param], rank: int = 0, world: int = 1):
+        self.params = {p.name: p for p in params}
+        self.rank, self.world = rank, world
+
+    @classmethod
+    def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1, dtype: torch.dtype | None = None,
+           swapped: Iterable[int] = (), gather: Callable[[Any], list] | None = None) -> "StateLayout":
+        """The layout of this rank's pieces (``specs``; ``swapped``: indices of pieces in the swap
+        file); with ``gather`` (an all-gather of one object per rank) every rank's: collective."""
+        swapped = set(swapped)
+        mine: dict[str, tuple[tuple[int, ...], list]] = {}
+        for k, spec in enumerate(specs):
+            for s in spec.spans:
+                mine.setdefault(s.name, (tuple(s.shape), []))[1].append((*s.param, k, s.piece[0], k in swapped))
+        ranks = enumerate(gather(mine)) if gather is not None else [(rank, mine)]
+        params: dict[str, tuple[tuple[int, ...], list[Holding]]] = {}
+        for r, held in ranks:
+            for name, (shape, hs) in held.items():
+                params.setdefault(name, (tuple(shape), []))[1].extend(Holding(r, *h) for h in hs)
+        return cls([Param(n, s, dtype, tuple(hs)) for n, (s, hs) in params.items()], rank, world)
+
+    @classmethod
+    def in_checkpoint(cls, metadata: Any, prefix: str = "model.") -> "StateLayout":
+        """The parameters a DCP checkpoint's metadata holds under ``prefix`` (global shapes and
+        stored dtypes; which rank wrote which chunk does not matter to a reader)."""
+        return cls(Param(k[len(prefix):], tuple(md.size), md.properties.dtype)
+                   for k, md in metadata.state_dict_metadata.items()
+                   if k.startswith(prefix) and hasattr(md, "properties") and hasattr(md, "chunks"))
+
+    def mine(self) -> list[tuple[Param, Holding]]:
+        """This rank's holdings, with their parameters."""
+        return [(p, h) for p in self.params.values() for h in p.holdings if h.rank == self.rank]
+
+    def share(self) -> list[tuple[Param, Holding, int, int]]:
+        """This rank's part of writing every parameter once: (parameter, holding, lo, hi), elements
+        [lo, hi) from that holding. Over the ranks the parts tile each parameter exactly once;
+        where several ranks hold an element (replicated stages) the parameters are spread over
+        them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
+        out = []
+        for i, p in enumerate(self.params.values()):
+            order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
+            try:
+                parts = cover(0, p.numel, [(h.lo, h.hi) for h in order])
+            except LookupError as e:
+                raise FrameworkError(f"parameter {p.name!r}: {e} of any rank") from None
+            out += [(p, order[j], a, b) for j, a, b in parts if order[j].rank == self.rank]
+        return out
+
+    def saved(self) -> dict:
+        """The layout as train_state.json keeps it: each parameter's shape and, per rank, the flat
+        ranges that rank held. Needs a gathered layout."""
+        ranges = [{} for _ in range(self.world)]
+        for p in self.params.values():
+            for h in p.holdings:
+                ranges[h.rank].setdefault(p.name, []).append([h.lo, h.hi])
+        return {"parameters": {n: list(p.shape) for n, p in self.params.items()}, "fragments": ranges}
+
+    def fragments(self, piece: Callable[[Holding], tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict:
+        """This rank's holdings in the state dict's form (``state_dict``'s ``params``), views of
+        ``piece(h)``: (flat master, {optimizer path: flat state}) of the piece ``h`` is in, asked
+        once per piece."""
+        pieces: dict[int, tuple] = {}
+        out: dict[str, dict] = {}
+        for p, h in self.mine():
+            if h.piece not in pieces:
+                pieces[h.piece] = piece(h)
+            master, optim = pieces[h.piece]
+            out.setdefault(p.name, {"shape": p.shape, "fragments": []})["fragments"].append(
+                {"range": (h.lo, h.hi), "master": h.of(master), "optim": {k: h.of(t) for k, t in optim.items()}})
+        return out
+
+
+# --- the name-keyed state dict -------------------------------------------------------------
+
+def _host(value: Any) -> Any:
+    """A host copy of a tensor, independent of later in-place steps; other values as they are."""
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def _check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -> None:
+    """A stage's specs describe its master pieces one for one (a stage bug otherwise)."""
+    if [s.numel for s in specs] != [p.numel() for p in params]:
+        raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
+                         f"{[p.numel() for p in params]}")
+
+
+def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy, rank: int = 0,
+               world: int = 1) -> dict:
+    """This rank's part of ``state`` keyed by parameter name, as host copies::
+
+        {"format": 1, "rank": r, "world": w, "step": int, "data": int, "precision": {...},
+         "dynamic_loss_scale": bool, "rng": [...],
+         "optimizer": {"per_element": [path, ...], "scalars": {path: value}},
+         "params": {name: {"shape": (...), "fragments": [
+             {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}}}
+
+    ``range`` is a range of the flattened parameter; ``specs`` (``stage.piece_specs()``) say
+    which ranges each piece of ``state.params`` holds. Each piece tensor is copied to the host
+    once (one transfer, not one per parameter) and its fragments are views of that copy."""
+    _check_aligned(specs, state.params)
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    params = StateLayout.of(specs, rank=rank, world=world).fragments(lambda h: (
+        _host(state.params[h.piece].reshape(-1)), {p: _host(ts[h.piece].reshape(-1)) for p, ts in per.items()}))
+    return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
+            "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
+            "rng": [_host(t) for t in state.rng],
+            "optimizer": {"per_element": sorted(per), "scalars": {p: _host(v) for p, v in scalars.items()}},
+            "params": params}
+
+
+def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
+                    names: Iterable[str], rank: int = 0, world: int = 1) -> TrainState:
+    """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
+    tensors of ``state`` (master pieces and per-element optimizer state, in place) and return it
+    with the saved scalars. ``names``: every trained parameter of the model (all ranks).
+    Everything is checked before anything is written: a missing or extra parameter, a shape
+    mismatch, elements no fragment holds or another optimizer's state raise
+    ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values. The loss scale
+    carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
+    initial scale applies, and only the step bookkeeping (iterations, skipped steps) is loaded."""
+    _check_aligned(specs, state.params)
+    if not saved:
+        raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
+    first = saved[0]
+    for sd in saved:
+        if sd.get("format") != FORMAT:
+            raise FrameworkError(f"load_state_dict: saved state of format {sd.get('format')!r}, this version "
+                                 f"reads format {FORMAT}")
+        if (sd["step"], sd["data"]) != (first["step"], first["data"]):
+            raise FrameworkError(f"load_state_dict: the saved states are from different steps "
+                                 f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
+    per, scalars = optimizer_leaves(state.opt_state, state.params)
+    saved_opt = first["optimizer"]
+    if set(saved_opt["per_element"]) != set(per) or set(saved_opt["scalars"]) != set(scalars):
+        raise FrameworkError(f"load_state_dict: the saved optimizer state has "
+                             f"{sorted([*saved_opt['per_element'], *saved_opt['scalars']])} but this optimizer's has "
+                             f"{sorted([*per, *scalars])}; load it with the optimizer it was saved with")
+    index: dict[str, tuple[tuple[int, ...], list[dict]]] = {}
+    for sd in saved:
+        for name, entry in sd["params"].items():
+            shape, frags = index.setdefault(name, (tuple(entry["shape"]), []))
+            check_shape(name, entry["shape"], shape)  # ranks of one run agree
+            for f in entry["fragments"]:
+                lo, hi = f["range"]
+                if f["master"].numel() != hi - lo:
+                    raise FrameworkError(f"load_state_dict: a fragment of {name!r} for elements [{lo}, {hi}) "
+                                         f"holds {f['master'].numel()} values")
+            frags += entry["fragments"]
+    extra = sorted(set(index) - set(names))
+    if extra:
+        shown = ", ".join(map(repr, extra[:5])) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {shown}")
+    plans: list[list] = [[] for _ in specs]  # per piece: (holding, fragments, cover) of each holding
+    for p, h in StateLayout.of(specs, rank=rank, world=world).mine():
+        if p.name not in index:
+            raise FrameworkError(f"load_state_dict: parameter {p.name!r} is not in the saved state "
+                                 f"({len(index)} parameters from {len(saved)} rank(s))")
+        shape, frags = index[p.name]
+        check_shape(p.name, shape, p.shape)
+        try:
+            parts = cover(h.lo, h.hi, [f["range"] for f in frags])
+        except LookupError as e:
+            raise FrameworkError(f"load_state_dict: parameter {p.name!r} {shape}: {e} of the "
+                                 f"{len(saved)} saved rank(s)") from None
+        plans[h.piece].append((h, frags, parts))
+    for k, plan in enumerate(plans):
+        if plan:
+            for key, t in [("master", state.params[k]), *((p, ts[k]) for p, ts in per.items())]:
+                _fill(t.reshape(-1), plan, key)
+    # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
+    # resumes its own generators; otherwise (no rank to match) all take rank 0's.
+    mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
+    rng = tuple(mine["rng"])
+    if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
+        rng = rng[:1] + state.rng[1:]
+    precision = PrecisionState(**first["precision"])
+    if not (first["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
+        precision = replace(policy.init_state(), cur_iter=precision.cur_iter, skipped_steps=precision.skipped_steps)
+    return replace(state, step=first["step"], data=first["data"], precision=precision, rng=rng,
+                   opt_state=with_scalars(state.opt_state, state.params, saved_opt["scalars"]))
+
+
+def _fill(target: torch.Tensor, plan: list, key: str) -> None:
+    """Write the planned fragment slices (``key``: 'master' or an optimizer path) into ``target``.
+    A device tensor is filled through one host copy of it: two transfers per piece, however many
+    fragments it takes (padding keeps its values)."""
+    buf = target if target.device.type == "cpu" else target.to("cpu")
+    for h, frags, parts in plan:
+        for i, a, b in parts:
+            f = frags[i]
+            values = f["master"] if key == "master" else f["optim"][key]
+            into, src = h.of(buf, a, b), values[a - f["range"][0]:b - f["range"][0]]
+            if src.dtype == into.dtype and src.data_ptr() == into.data_ptr() and src.device == into.device:
+                continue   # read straight into place (a mapped swap file): touching it again costs its pages
+            into.copy_(src)
+    if buf is not target:
+        target.copy_(buf)

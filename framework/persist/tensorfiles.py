@@ -1,0 +1,350 @@
+"""Safetensors files and weight sources: tensors read by flat element range, output files laid
+out before anyone writes, then written in place at their byte offsets (``framework.persist.weights``
+loads and saves an engine's weights through them; ``framework.persist.export`` a checkpoint's)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from framework.core import files
+from framework.core.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+# Elements converted and written per call: bounds the memory a save needs beyond the model states.
+WRITE_CHUNK = 4 * 2**20
+
+# safetensors dtype names (the format's spec) <-> torch dtypes.
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class WeightsSource:
+    """Tensors by name, read by flat element range. ``bytes_read`` counts the bytes handed out
+    (what the reads asked the file for), so tests can check a rank read only its ranges."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.bytes_read = 0
+
+    def keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened tensor ``name``: a 1-D host tensor in its stored dtype."""
+        out = self._read(name, lo, hi)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "WeightsSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SafetensorsSource(WeightsSource):
+    """One ``.safetensors`` file or the shards an index names. ``safe_open`` checks each file and
+    lists its tensors; values are then read with positioned reads of exactly the requested bytes
+    (a flat range of a row-major tensor is one byte range), never through a map of the file: a
+    map's touched pages would stay in this process's resident set until the file is closed, so
+    loading a model larger than memory would not be bounded by one range."""
+
+    def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
+        """``paths``: the files; ``weight_map`` (an index's): which file holds each name."""
+        super().__init__(where)
+        from safetensors import safe_open  # the hf extra
+
+        self._fds: list[int] = []
+        self._info: dict[str, tuple[tuple[int, ...], str, int, int]] = {}   # name -> shape, dtype, fd, offset
+        try:
+            for path in paths:
+                try:
+                    fd = os.open(path, os.O_RDONLY)   # (a hub cache's files are links: followed)
+                    self._fds.append(fd)
+                    # checked through this descriptor: the file read below is the file checked
+                    with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as h:
+                        names = [n for n in h.keys() if weight_map is None or weight_map.get(n) == path]
+                        meta = {n: (tuple(h.get_slice(n).get_shape()), h.get_slice(n).get_dtype()) for n in names}
+                    header, data = _safetensors_header(fd)
+                except ConfigError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
+                    raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
+                for n, (shape, dt) in meta.items():
+                    self._info[n] = (shape, dt, fd, data + int(header[n]["data_offsets"][0]))
+            missing = sorted(set(weight_map or ()) - set(self._info))
+            if missing:
+                raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
+                                  f"files: {short(missing)}")
+        except BaseException:
+            self.close()
+            raise
+
+    def keys(self) -> list[str]:
+        return list(self._info)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._info[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        d = self._info[name][1]
+        if d not in _ST_DTYPES:
+            raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
+        return _ST_DTYPES[d]
+
+    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        _, _, fd, offset = self._info[name]
+        dtype = self.dtype(name)
+        size = itemsize(dtype)
+        out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        if not out.numel():
+            return out
+        view = memoryview(out.view(torch.uint8).numpy())
+        pos, want = 0, len(view)
+        while pos < want:
+            n = os.preadv(fd, [view[pos:]], offset + lo * size + pos)
+            if n <= 0:
+                raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
+                                  f"(a truncated file)")
+            pos += n
+        return out
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        self._info.clear()
+
+
+def _safetensors_header(fd: int) -> tuple[dict, int]:
+    """(header, offset of the data) of the safetensors file open as ``fd`` (``safe_open`` has
+    checked it: an 8-byte little-endian length, that many bytes of JSON, then the data)."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    return json.loads(os.pread(fd, n, 8)), 8 + n
+
+
+class StateDictSource(WeightsSource):
+    """A torch state-dict file, loaded with ``weights_only=True`` (a pickle that would run code is
+    refused) and memory-mapped where the file format allows, so reads touch only their ranges."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        try:
+            try:
+                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as e:
+                if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
+                    raise
+                sd = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
+                              f"weights_only=True, nothing in it ran): {first}") from None
+        except (RuntimeError, OSError, EOFError) as e:
+            raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
+        if bad is None or bad:
+            what = type(sd).__name__ if bad is None else f"non-tensor entries {short(bad)}"
+            raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
+                              f"(e.g. model.state_dict())")
+        self._sd = sd
+
+    def keys(self) -> list[str]:
+        return list(self._sd)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._sd[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._sd[name].dtype
+
+    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        t = self._sd[name]
+        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+        return flat[lo:hi]
+
+    def close(self) -> None:
+        self._sd = {}
+
+
+def open_weights(source: str | os.PathLike) -> WeightsSource:
+    """A reader for ``source``: a ``.safetensors`` file, a ``model.safetensors.index.json`` (or a
+    folder holding it, or ``model.safetensors``, or ``pytorch_model.bin``), or a torch state-dict file."""
+    path = Path(source)
+    if path.is_dir():
+        for name in (INDEX, SINGLE, "pytorch_model.bin"):
+            if (path / name).is_file():
+                return open_weights(path / name)
+        raise ConfigError(f"load_weights: {path} holds none of {INDEX}, {SINGLE}, pytorch_model.bin")
+    if not path.is_file():
+        raise ConfigError(f"load_weights: {path} does not exist")
+    if path.name.endswith(".index.json"):
+        try:
+            weight_map = json.loads(path.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
+        files = {name: path.parent / f for name, f in weight_map.items()}
+        absent = sorted({str(f) for f in files.values() if not f.is_file()})
+        if absent:
+            raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {short(absent)}")
+        return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
+    if path.suffix == ".safetensors":
+        return SafetensorsSource([path], str(path))
+    return StateDictSource(path)
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``5GB``, ``500MB``, ``1.5GiB`` or an integer (Hugging Face's convention:
+    KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
+        if not m:
+            raise ConfigError(f"max_shard_size={size!r}: expected bytes as an integer or like '5GB', '500MB', '2GiB'")
+        unit = (m.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        n = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    if n < 1:
+        raise ConfigError(f"max_shard_size={size!r} must be at least 1 byte")
+    return n
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of an output file: where its bytes go."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: str
+    offset: int      # byte offset of its data in the file (header included)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    name: str
+    header: bytes    # length prefix + JSON header (padded to 8 bytes)
+    size: int        # total file size
+    entries: tuple[Entry, ...]
+
+
+def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+               max_shard_size: int | str) -> list[FilePlan]:
+    """Split ``tensors`` (name, shape, dtype; in order) into safetensors files of at most
+    ``max_shard_size`` bytes each (a larger tensor gets a file of its own) and lay out each file.
+    Pure arithmetic: every rank computes the same plan."""
+    limit = parse_size(max_shard_size)
+    groups: list[list] = [[]]
+    used = 0
+    for name, shape, dtype in tensors:
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if groups[-1] and used + nbytes > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append((name, tuple(shape), dtype))
+        used += nbytes
+    n = len(groups)
+    plans = []
+    for i, group in enumerate(groups):
+        fname = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        meta, pos = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in group:
+            nbytes = math.prod(shape) * itemsize(dtype)
+            meta[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            pos += nbytes
+        body = json.dumps(meta, separators=(",", ":")).encode()
+        body += b" " * (-len(body) % 8)   # data starts 8-byte aligned
+        header = struct.pack("<Q", len(body)) + body
+        entries = tuple(Entry(name, shape, dtype, fname, len(header) + meta[name]["data_offsets"][0])
+                        for name, shape, dtype in group)
+        plans.append(FilePlan(fname, header, len(header) + pos, entries))
+    return plans
+
+
+def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
+    """Create each planned file as ``<name>.tmp`` at its final size with its header written
+    (data left as a hole the writers fill), after removing outputs of an earlier save there."""
+    files.make_dirs(out_dir)
+    for old in out_dir.iterdir():
+        if old.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old.name):
+            old.unlink()   # a link is removed, never followed
+    for plan in plans:
+        with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
+            f.write(plan.header)
+            f.truncate(plan.size)
+
+
+def write_at(fd: int, offset: int, values: torch.Tensor) -> None:
+    """The bytes of the contiguous host tensor ``values`` -> the file at ``offset``."""
+    view = memoryview(values.view(torch.uint8).numpy())
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
+    """Flush and rename the ``.tmp`` files, then write the index when there are several files."""
+    paths = []
+    for plan in plans:
+        tmp = out_dir / (plan.name + ".tmp")
+        fd = files.open_nofollow(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out_dir / plan.name)
+        paths.append(out_dir / plan.name)
+    if len(plans) > 1:
+        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
+                 "weight_map": {e.name: p.name for p in plans for e in p.entries}}
+        files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        paths.append(out_dir / INDEX)
+    return paths
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def short(items: Sequence[str], n: int = 20) -> str:
+    shown = ", ".join(items[:n])
+    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
+if sys.byteorder != "little":  # safetensors stores little-endian bytes; tensors are written as they lie
+    raise ImportError("framework.persist.tensorfiles writes safetensors from memory as is: it needs a little-endian host")
