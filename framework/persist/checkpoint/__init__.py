@@ -65,7 +65,8 @@ from framework.persist.checkpoint import _folder, _rng
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, TrainingError
 from framework.offload import verify_map
-from framework.core.room import Claim, shortfalls, size
+from framework.core.room import Claim, shortfalls
+from framework.core.units import MiB, size
 from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
 from framework.persist.weights import save_on_model_save
 
@@ -510,7 +511,7 @@ def _write(snap: dict, rng: dict, root: Path, *, group: _Group, config: dict, ke
         _folder.commit(tmp, final, lambda point: _fault(step, point, rank))
         gone = _folder.prune(root, final, keep_last)
         total = sum(v["bytes"] for v in files.values())
-        print(f"checkpoint: saved {final} ({total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.2f}s"
+        print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
     _agree(group, "commit", commit, tmp, need=need)
