@@ -162,7 +162,6 @@ def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:
     return notes
 
 
-
 def check_compatible(stage: str, offload: str) -> None:
     if offload not in COMPATIBLE.get(stage, ()):
         combos = "; ".join(f"stage {s} with offload {'|'.join(o)}" for s, o in COMPATIBLE.items())

@@ -98,11 +98,9 @@ def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-
 def _yaml_keys(node: dict) -> dict:
     """Schema field names -> YAML keys (``async_`` is ``async``, a Python keyword)."""
     return {k.rstrip("_"): v for k, v in node.items()}
-
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.

@@ -79,7 +79,6 @@ class CudaAccelerator(_Unchecked):
                 "reserved": int(stats.get("allocated_bytes.current", 0))}
 
 
-
 class _NoStream:
     def __init__(self, name: str):
         self.name = name

@@ -150,7 +150,6 @@ def close(key: str, valid) -> str | None:
     return closest(key, valid, cutoff=0.75)
 
 
-
 def switched_off(value: Any, key: str) -> bool:
     if key == "sequence_parallel_size":
         return value in (None, 1)
