@@ -136,7 +136,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # the file's group choices unless the command line makes its own (a mismatch, see resolve).
     choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
                         if g not in cli.choices]
-    base = validate(*composer(choice_overrides + forced))
+    cfg, choices = composer(choice_overrides + forced)
+    base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
         env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -146,14 +147,33 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices))
     resolved = dsconfig.resolve(t, facts)
-    ds_overrides = [f"++{k}={dsconfig.hydra_value(v)}" for k, v in resolved.values.items()]
-    cfg, choices = composer(choice_overrides + ds_overrides + forced)
+    # The DeepSpeed layer goes under the command line: its values are set on the composed tree
+    # wherever the command line did not set (or delete) the key, as ++key=value before the
+    # command line's overrides would.
+    cfg = _set_keys(cfg, {k: v for k, v in resolved.values.items() if k not in cli.keys | cli.deleted})
     config = validate(cfg, choices)
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
                                     notices=config.notices + tuple(t.notices(cli.strict, resolved.inert,
                                                                              resolved.notes)))
+
+
+def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
+    """``cfg`` (Hydra's DictConfig, or the plain composer's tree) with each dotted key set."""
+    if isinstance(cfg, dict):   # the plain composer's tree
+        for key, value in values.items():
+            *path, last = key.split(".")
+            node = cfg
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+        return cfg
+    from omegaconf import OmegaConf
+
+    for key, value in values.items():   # what Hydra does for ++key=value
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    return cfg
 
 
 def group_overrides_to_force(overrides: list[str]) -> list[str]:
@@ -184,6 +204,7 @@ class CommandLine:
     ds_config: str | None
     strict: bool
     named: frozenset[str] = frozenset()   # groups whose choice is one name (not a sweep or a list)
+    deleted: frozenset[str] = frozenset()  # keys deleted (~key)
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
@@ -193,9 +214,12 @@ class CommandLine:
                       OverridesParser.create().parse_overrides(overrides)]
         else:
             parsed = [(o.key, o.prefix == "~", o.value) for o in map(plainconf.parse, overrides)]
-        keys, choices, ds_config, strict, named = set(), {}, None, False, set()
+        keys, choices, ds_config, strict, named, deleted = set(), {}, None, False, set(), set()
         for key, delete, value in parsed:
-            if key.startswith("hydra") or delete:
+            if key.startswith("hydra"):
+                continue
+            if delete:
+                deleted.add(key)
                 continue
             if key.split("@")[0] in GROUPS:
                 choices[key.split("@")[0]] = str(value)
@@ -207,7 +231,7 @@ class CommandLine:
                 strict = value in (True, "true", "True")
             else:
                 keys.add(key)
-        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named))
+        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted))
 
 
 def check_choices(cli: "CommandLine") -> None:

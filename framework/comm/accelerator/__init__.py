@@ -53,6 +53,9 @@ same code runs on three implementations:
 
 ``FRAMEWORK_ACCELERATOR`` picks the CPU implementation: ``check`` (the test suite sets it) or
 ``plain`` (the default). It has no effect on CUDA devices.
+
+Modules: ``_base`` (the interface and its errors), ``_devices`` (CUDA, plain CPU), ``_checking``
+(the checking CPU accelerator).
 """
 from __future__ import annotations
 

@@ -23,13 +23,13 @@ implemented here are errors saying so; keys that change nothing here are listed 
 The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections in
 ``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
 and settings without composing anything; ``resolve`` (``_resolve``) fills "auto" and checks
-against the run's config; ``hydra_value`` spells a value as an override.
+against the run's config.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 from framework.core.errors import ConfigError
 from framework.config.dsconfig._keys import (AUTO, AUTO_FILLED, COMMAND_LINE, DEFAULT, DS_DEFAULT, DS_FILE,
@@ -66,20 +66,5 @@ def load(source: str | Path | Mapping) -> dict:
     return data
 
 
-def hydra_value(v: Any) -> str:
-    """A value in Hydra's override grammar."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    if isinstance(v, (list, tuple)):
-        return "[" + ",".join(hydra_value(x) for x in v) + "]"
-    raise TypeError(f"no Hydra spelling for {v!r}")
-
-
 __all__ = ["AUTO", "AUTO_FILLED", "COMMAND_LINE", "DEFAULT", "DS_DEFAULT", "DS_FILE", "STAGES", "YAML", "Resolved",
-           "RunFacts", "Setting", "Translation", "hydra_value", "load", "resolve", "translate"]
+           "RunFacts", "Setting", "Translation", "load", "resolve", "translate"]
