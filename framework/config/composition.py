@@ -166,7 +166,9 @@ def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
             *path, last = key.split(".")
             node = cfg
             for part in path:
-                node = node.setdefault(part, {})
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
             node[last] = value
         return cfg
     from omegaconf import OmegaConf
