@@ -26,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import (GIB, BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
+from framework.memory.model import (BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
                                     format_rows, hf_loss, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
+from framework.core.units import GiB, MiB
 
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
@@ -218,7 +219,7 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
     head = (f"Per rank, ours: stage={c['stage']} offload={c['offload']} precision={c['precision']} "
             f"optimizer={c['optimizer']} world={pred.world} micro_batch={cfg.train.micro_batch} "
             f"context={context or cfg.model.context}{ckpt}")
-    mib = lambda b: f"{b / 2**20:10.1f} MiB"   # noqa: E731
+    mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
     lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
     for name, (d, h) in pred.items.items():
         lines.append(f"  {name:24s} {mib(d):>14s} {mib(h):>14s}")
@@ -228,8 +229,8 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
     for name, b in pred.transient.items():
         lines.append(f"  {name + ' (peak)':24s} {mib(b):>14s}")
     lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   (10% of the transient bytes, stated)")
-    lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GIB:.2f} GiB; device only: "
-                 f"{pred.device_peak(cuda=True) / GIB:.2f} GiB on CUDA)")
+    lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
+                 f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
     lines += [f"  note: {n}" for n in pred.notes]
     return "\n".join(lines)
 

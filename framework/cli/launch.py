@@ -116,8 +116,8 @@ def slurm_task_env() -> dict[str, str]:
 
 RDZV_PREFIX = "framework-rdzv-"
 RDZV_LOCK = "owner.lock"
-LEGACY_AGE_S = 3600   # a folder from before the lock file: removed once this old
-YOUNG_S = 60          # between making a folder and locking it a launch holds no lock yet
+UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
+YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
 def _spawn(cfg: Config, run: RunInfo) -> dict:
@@ -151,8 +151,8 @@ def _hold(path: str, create: bool = False) -> int:
 
 def remove_dead_rendezvous(tmp: str) -> list[str]:
     """Remove this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process holds
-    (``_hold``); return them. Folders without a lock file (older versions) go once older than an
-    hour. Links and other users' folders are left alone."""
+    (``_hold``); return them. Folders without a lock file go once older than an hour.
+    Links and other users' folders are left alone."""
     gone = []
     try:
         entries = list(os.scandir(tmp))
@@ -167,7 +167,7 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
                 continue   # another user's, or a launch that may not hold its lock yet
             fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            if time.time() - st.st_mtime > LEGACY_AGE_S:
+            if time.time() - st.st_mtime > UNLOCKED_AGE_S:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 gone.append(entry.path)
             continue

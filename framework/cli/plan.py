@@ -37,7 +37,7 @@ from pathlib import Path
 from framework.cli import run_command
 from framework.cli.estimate import split_assignment
 from framework.core.errors import ConfigError, FrameworkError
-from framework.memory.model import GIB
+from framework.core.units import GB, GiB, MiB
 from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
@@ -138,8 +138,8 @@ def _run(argv: list[str]) -> None:
               f"measured = median s/step after the first)")
         for i, r in enumerate(rows):
             print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
-                  f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / 2**20:.0f} MiB  "
-                  f"measured {r['measured_peak'] / 2**20:.0f} MiB ({r['measured_kind']})")
+                  f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / MiB:.0f} MiB  "
+                  f"measured {r['measured_peak'] / MiB:.0f} MiB ({r['measured_kind']})")
         if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
             print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
                   "it includes the earlier jobs' peaks)")
@@ -148,20 +148,20 @@ def _run(argv: list[str]) -> None:
 
 
 def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) -> str:
-    gpu = f"{hw.gpu_mem / GIB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
-    lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GIB:.1f} GiB host, {hw.nvme / GIB:.0f} GiB disk",
+    gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
+    lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, {hw.nvme / GiB:.0f} GiB disk",
              f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
-             f"matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, copy {probe['device_copy_bytes_s'] / 1e9:.1f} GB/s, "
-             f"h2d {probe['h2d_bytes_s'] / 1e9:.1f} GB/s, host optimizer {probe['host_optimizer_params_s'] / 1e6:.0f} "
-             f"M params/s, disk w/r {probe['disk_write_bytes_s'] / 1e9:.2f}/{probe['disk_read_bytes_s'] / 1e9:.2f} "
-             f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / 1e9:.2f} GB/s"
+             f"matmul {probe['matmul_flops'] / 1e9:.1f} GFLOP/s, copy {probe['device_copy_bytes_s'] / GB:.1f} GB/s, "
+             f"h2d {probe['h2d_bytes_s'] / GB:.1f} GB/s, host optimizer {probe['host_optimizer_params_s'] / 1e6:.0f} "
+             f"M params/s, disk w/r {probe['disk_write_bytes_s'] / GB:.2f}/{probe['disk_read_bytes_s'] / GB:.2f} "
+             f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / GB:.2f} GB/s"
                         if probe.get("allreduce_bytes_s") else ""),
              f"model {cfg.choices['model']}, precision {cfg.choices['precision']}, context {cfg.model.context}",
              "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
     fitting = [p for p in planned if p.fits]
     for i, p in enumerate(fitting[:top]):
-        lines.append(f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GIB:9.2f}Gi "
-                     f"{p.host / GIB:8.2f}Gi")
+        lines.append(f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
+                     f"{p.host / GiB:8.2f}Gi")
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
                  + (f"; e.g. not: {planned[-1].cand.label().split('  ')[0]} ({planned[-1].why})"
                     if len(fitting) < len(planned) else "") + ")")

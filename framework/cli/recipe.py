@@ -61,6 +61,7 @@ import yaml
 from framework.core import files
 from framework.core.errors import ConfigError, DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
+from framework.core.units import MiB
 from framework.cli.report import get_key, matches
 
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -447,13 +448,13 @@ def _memory(jobs, c: dict) -> dict:
     lo, hi = sel[0], sel[-1]
     wl, wh = lo.summary["world"], hi.summary["world"]
     prec = lo.summary["config"]["precision"]["name"]
-    saved = (measured_memory(lo) - measured_memory(hi)) / 2**20
+    saved = (measured_memory(lo) - measured_memory(hi)) / MiB
     f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
-               - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / 2**20
+               - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / MiB
     head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
             f"ZeRO formula {f_saved:,.0f} MiB")
     if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
-        limit = float(c["max_change"]) * measured_memory(lo) / 2**20
+        limit = float(c["max_change"]) * measured_memory(lo) / MiB
         return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,
                 "message": f"{head}; |change| at most {limit:,.0f} MiB ({c['max_change']} of world {wl}'s)"}
     ratio = saved / f_saved

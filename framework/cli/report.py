@@ -26,8 +26,7 @@ import yaml
 
 from framework.core import files
 from framework.core.errors import FrameworkError
-
-MiB = 2 ** 20
+from framework.core.units import MiB
 
 
 @dataclass

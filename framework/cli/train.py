@@ -9,85 +9,119 @@
     python -m framework.train ds_config=ds.json --cfg job      # print the resolved config
     python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
-Flow: check (every job's composed config against the typed schemas, one line per error)
--> compose (Hydra) -> launch (1 process, spawned ranks or torchrun) -> build -> loop.
+Flow: compose and check every job's config (one line per error, before any run folder or
+process exists) -> Hydra makes the run folder -> launch (1 process, spawned ranks or torchrun)
+with that config -> build -> loop. A job's config is composed once per process: the job and
+the ranks it spawns receive it rather than composing it again.
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import itertools
 import sys
 from pathlib import Path
+from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from framework.config import app_composer, compose, compose_layers
-from framework.core.errors import FrameworkError
 from framework.cli.launch import launch
-from framework.loggers import RunInfo
+from framework.config import Config, app_composer, compose, compose_layers, standalone_composer
+from framework.core.errors import FrameworkError
 from framework.core.paths import conf_dir
+from framework.loggers import RunInfo
+
+# Hydra's command-line flags (hydra.main parses and acts on them); read here only to know which
+# jobs a command line describes.
+SWITCHES = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
+            ("--multirun", "-m"), ("--shell-completion", "-sc"))
+VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
+          ("--config-dir", "-cd"), ("--experimental-rerun",))
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("overrides", nargs="*")
+    for names in SWITCHES:
+        parser.add_argument(*names, action="store_true")
+    for names in VALUED:
+        parser.add_argument(*names)
+    parser.add_argument("--info", "-i", nargs="?", const="all")
+    return parser.parse_known_args(argv)
 
 
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
-    """Each job's overrides (a multirun expands its sweeps; None for Hydra's info flags) and the
-    primary config they apply to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
-    from hydra._internal.utils import get_args_parser
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    args = get_args_parser().parse_args(argv)
+    """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
+    Hydra's info flags and for a command line Hydra will refuse) and the primary config they apply
+    to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
+    args, unknown = _parse(argv)
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
+    if unknown:
+        return None, primary
     if args.cfg == "job" and not args.multirun and any(o.split("=")[0].lstrip("+") == "ds_config"
                                                        for o in args.overrides):
         _print_resolved(args.overrides, args.resolve, primary)  # Hydra's own --cfg would not show the DeepSpeed layer
         sys.exit(0)
-    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
+    if args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
         return None, primary
     if not args.multirun:
         return [args.overrides], primary
-    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
-            else [o.input_line] for o in OverridesParser.create().parse_overrides(args.overrides)]
-    return [list(combo) for combo in itertools.product(*axes)], primary
+    axes = {}   # by key: a later override of the same key replaces the earlier one
+    for o in OverridesParser.create().parse_overrides(args.overrides):
+        key = o.get_key_element()
+        axes[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+                     else [f"{key}={o.get_value_element_as_str()}"])
+    return [list(combo) for combo in itertools.product(*axes.values())], primary
+
+
+def _key(overrides: list[str]) -> tuple[str, ...]:
+    """A job's overrides as Hydra hands them to it (``hydra.*`` ones apart), spelled one way."""
+    return tuple(o.input_line if o.is_sweep_override() else f"{o.get_key_element()}={o.get_value_element_as_str()}"
+                 for o in OverridesParser.create().parse_overrides(list(overrides)) if not o.is_hydra_override())
 
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     """``--cfg job`` with a DeepSpeed config: the composed config with the file's values in it."""
-    import functools
-
-    from omegaconf import OmegaConf
-
-    from framework.config import standalone_composer
-
     cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg, resolve=resolve)
     node.pop("hydra", None)
     print(OmegaConf.to_yaml(node), end="")
 
 
-@hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
-def _job(cfg: DictConfig) -> float:
-    hc = HydraConfig.get()
-    # Composed again from this job's overrides: the DeepSpeed layer sits between the YAML and
-    # them, and provenance needs to know which keys the command line set.
-    config = compose(list(hc.overrides.task), composer=app_composer)
-    multirun = hc.mode == RunMode.MULTIRUN
-    run = RunInfo(Path(hc.runtime.output_dir),
-                  group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
-                  name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None)
-    try:
-        return launch(config, run)["val_loss"]
-    except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+def _app(configs: dict[tuple[str, ...], Config]) -> Callable[[], None]:
+    """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
+    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function."""
+    @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
+    def job(_: DictConfig) -> float:
+        hc = HydraConfig.get()
+        overrides = list(hc.overrides.task)
+        config = configs.get(_key(overrides))
+        if config is None:   # a job another sweeper made up: composed here, from its overrides
+            config = compose(overrides, composer=app_composer)
+        multirun = hc.mode == RunMode.MULTIRUN
+        run = RunInfo(Path(hc.runtime.output_dir),
+                      group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
+                      name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None)
+        try:
+            return launch(config, run)["val_loss"]
+        except FrameworkError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    return job
 
 
 def main() -> None:
     try:
         jobs, primary = _jobs(sys.argv[1:])
-        for overrides in jobs or []:
-            compose(overrides, **primary)  # fail fast, before any run directory or process exists
+        configs = {}
+        for overrides in jobs or []:   # fail fast, before any run directory or process exists
+            config = compose(overrides, **primary)
+            configs[_key(overrides)] = config
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _job()
+    _app(configs)()

@@ -17,6 +17,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from framework.core.units import size
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -69,8 +71,3 @@ def shortfalls(claims: list[Claim]) -> list[Shortfall]:
             out.append(Shortfall(tuple(dict.fromkeys(c.folder for c in members)),
                                  tuple(sorted(c.rank for c in members)), need, free))
     return out
-
-
-def size(nbytes: int) -> str:
-    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
-    return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"

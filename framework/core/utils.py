@@ -38,7 +38,7 @@ def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     squared and summed in float64: a handful of launches, where one dot per 65536 elements made
     ~43k for a 1.4 B model (89 ms of dispatch). Its fp32 sums are split over many threads and
     added in a tree, so they do not degrade with length like one sequential sum; their error
-    was not measured here (no GPU in this session).
+    is not measured by the tests (they run without a GPU).
 
     On the CPU a tensor's fp32 norm is one sequential sum per SIMD lane, which loses digits with
     length, so each tensor is reduced in rows of ``SQ_NORM_ROW`` elements (one vectorised

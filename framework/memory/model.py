@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError
+from framework.core.units import GiB as GIB, MiB
 
-GIB = 2 ** 30
 BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
 
 # --- counting -----------------------------------------------------------------------------
@@ -255,7 +255,7 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
 # calibrated against measured peaks (tests/cli/test_estimate.py), plus a fixed 64 MiB on CUDA
 # for the cuBLAS/cuDNN workspaces and the context's own allocations.
 SLACK_FRACTION = 0.10
-CUDA_FIXED_SLACK = 64 * 2 ** 20
+CUDA_FIXED_SLACK = 64 * MiB
 
 
 @dataclass
@@ -476,7 +476,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
                       f"checkpointing={ckpt}, "
-                      f"{tr.saved / 2**20:.1f} MiB saved after forward, {tr.peak / 2**20:.1f} MiB peak")
+                      f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak")
     return pred
 
 

@@ -16,6 +16,7 @@ import torch
 
 from framework.memory.model import GIB, predict
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.units import GiB, KiB, MiB, TiB
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def detect(own: dict[str, str]) -> Hardware:
 def parse_bytes(text: str) -> int:
     """``80G``/``80GiB`` (2^30), ``512M``, ``2T``, or plain bytes."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}.get(t[-1:], 1)
+    mult = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}.get(t[-1:], 1)
     try:
         return int(float(t[:-1] if mult > 1 else t) * mult)
     except ValueError:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from framework.core.units import MiB
+
 VERSION = 4
 
 
@@ -55,7 +57,7 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
         a @ b
         _sync(device)
     out["matmul_flops"] = 2 * n ** 3 / _best(mm)
-    src = torch.empty(32 * 2 ** 20 // 4, device=device).normal_()
+    src = torch.empty(32 * MiB // 4, device=device).normal_()
     dst = torch.empty_like(src)
 
     def copy():
@@ -137,7 +139,7 @@ def _host_optimizer() -> float:
     from framework.optimizers.adamw import AdamWConfig, build
 
     tx = build(AdamWConfig(), [True])
-    params = [torch.zeros(4 * 2 ** 20, device="cpu")]
+    params = [torch.zeros(4 * MiB, device="cpu")]
     grads = [torch.full_like(params[0], 1e-3)]
     box = [tx.init(params)]
 
@@ -148,7 +150,7 @@ def _host_optimizer() -> float:
 
 def _disk(folder: Path) -> tuple[float, float]:
     folder.mkdir(parents=True, exist_ok=True)
-    data = os.urandom(32 * 2 ** 20)
+    data = os.urandom(32 * MiB)
     fd, name = tempfile.mkstemp(dir=folder, prefix=".framework-probe-")
     try:
         t = time.perf_counter()
@@ -159,7 +161,7 @@ def _disk(folder: Path) -> tuple[float, float]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)   # read from the disk, not the page cache
         os.lseek(fd, 0, os.SEEK_SET)
         t = time.perf_counter()
-        while os.read(fd, 8 * 2 ** 20):
+        while os.read(fd, 8 * MiB):
             pass
         read = len(data) / (time.perf_counter() - t)
     finally:
@@ -177,7 +179,7 @@ def _collective_rank(rank: int, store: str, q) -> None:
     if cuda:
         torch.cuda.set_device(device)
     td.init_process_group("nccl" if cuda else "gloo", store=td.FileStore(store, 2), rank=rank, world_size=2)
-    t = torch.ones(8 * 2 ** 20, device=device)
+    t = torch.ones(8 * MiB, device=device)
     td.all_reduce(t)
     _sync(device)
     td.barrier()

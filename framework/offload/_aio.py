@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from framework.core.errors import SwapIOError
+from framework.core.units import MiB
 from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, preflight, reserved_bytes, swap_path
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
@@ -216,7 +217,7 @@ class IOHandle:
 class AsyncIO:
     """Worker threads moving ``block_size`` pieces between host tensors and swap files."""
 
-    def __init__(self, block_size: int = 1 << 20, queue_depth: int = 8, intra_op_parallelism: int = 1,
+    def __init__(self, block_size: int = MiB, queue_depth: int = 8, intra_op_parallelism: int = 1,
                  direct: bool = True, *, checksum: str = "sum64"):
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")

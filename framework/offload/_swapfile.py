@@ -42,6 +42,7 @@ import torch
 
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import make_dirs, refuse_links, write_atomic
+from framework.core.units import GiB, MiB
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 1
@@ -495,5 +496,5 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
 
 
 def _size(nbytes: int) -> str:
-    unit, scale = ("GiB", 2**30) if nbytes >= 2**30 else ("MiB", 2**20)
+    unit, scale = ("GiB", GiB) if nbytes >= GiB else ("MiB", MiB)
     return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"

@@ -41,6 +41,7 @@ import torch
 
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.errors import SwapIOError
+from framework.core.units import GiB, MiB
 from framework.offload._gradswap import GradSwap, Spill
 from framework.offload._room import agree_swap_room
 from framework.offload._store import DeviceStore, DiskStore, HostStore, Tier
@@ -279,7 +280,7 @@ class Placement:
         count, freed = remove_stale(self.disk.path)
         if count:
             print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.disk.path}, "
-                  f"freeing {freed / 2**30:.2f} GiB ({freed} bytes)", flush=True)
+                  f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """zero3, before construction writes anything (``numel``: about this rank's share of the
@@ -301,8 +302,8 @@ class Placement:
         free = _free_bytes(probe)
         if need > free:
             raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
-                              f"{need / 2**30:.2f} GiB ({need} bytes) of swap but its file system has "
-                              f"{free / 2**30:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
+                              f"{need / GiB:.2f} GiB ({need} bytes) of swap but its file system has "
+                              f"{free / GiB:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
                               f"or use more ranks")
         tile = min(self.disk.sub_group_size, numel)
         pools = self.disk.buffer_count * tile * (4 + (4 if self.grad_swap else 0))
@@ -317,8 +318,8 @@ class Placement:
 
         available = _available_ram()
         if available is not None and pools > available:
-            raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / 2**30:.2f} GiB ({pools} bytes) of "
-                              f"host memory but {available / 2**30:.2f} GiB is available; lower offload.buffer_count, "
+            raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / GiB:.2f} GiB ({pools} bytes) of "
+                              f"host memory but {available / GiB:.2f} GiB is available; lower offload.buffer_count, "
                               f"offload.sub_group_size, offload.param_buffer_count or offload.max_in_cpu")
 
     def shard_filled(self, shard: torch.Tensor) -> None:
@@ -550,7 +551,7 @@ class Placement:
             raise
         store.open(file, io, pool)
         what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
-        print(f"nvme: rank {rank} swaps {total} bytes ({total / 2**30:.2f} GiB) of {what} to {path}; "
+        print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
               f"host pool {store.buffer_count} x {slot} bytes", flush=True)
 
     def agree(self, error: BaseException | None, what: str) -> None:
@@ -872,7 +873,7 @@ def _return_freed_memory() -> None:
         return
     try:
         libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD (<malloc.h>)
+        libc.mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
     except (OSError, AttributeError):
         pass
 

@@ -22,7 +22,7 @@ CASES = [
 @pytest.fixture(params=["omegaconf", "plain"])
 def typing(request, monkeypatch):
     """Values typed by OmegaConf, or (as without it) by framework.config.plainconf."""
-    return lambda: monkeypatch.setattr("framework.config.OmegaConf", None) if request.param == "plain" else None
+    return lambda: monkeypatch.setattr("framework.config.checks.OmegaConf", None) if request.param == "plain" else None
 
 
 @pytest.mark.parametrize("overrides", CASES)

@@ -1,59 +1,5 @@
-"""The compute device, its streams and events, behind one small interface.
-
-    acc = accelerator.for_device(dist.device)        # CUDA, or CPU (plain, or checking under tests)
-    copy = acc.new_stream("copy")
-    produced = acc.event(); produced.record()        # after the producer, on the current stream
-    with acc.stream(copy):
-        produced.wait()                              # the copy stream waits for the producer
-        acc.copy(host_buf, dev_values, non_blocking=True)   # into a pinned host buffer
-        done = acc.event(); done.record()
-    done.synchronize()                               # now the host may read host_buf
-
-Every device, stream and event decision of the offload path goes through this interface, so the
-same code runs on three implementations:
-
-* ``CudaAccelerator``: torch.cuda streams and events, pinned host memory. Events are blocking
-  (``cudaEventBlockingSync``): a host that waits for one sleeps instead of spinning a core.
-* ``CpuAccelerator``: one process, no streams; copies are plain ``copy_``, events do nothing.
-* ``CheckingCpuAccelerator``: runs on the CPU like the plain one but *checks* what CUDA needs and a
-  CPU run would not notice (the list of GPU bugs it must catch, each tested by injecting it into a
-  real run, is ``framework/cli/mutations.py``):
-
-  - placement: host buffers are the ones allocated with ``empty_host``; everything else counts as
-    device memory, so a host buffer handed where device memory is expected (or the reverse)
-    raises ``DeviceMismatch``, and so does a ``non_blocking`` copy with a pageable host side;
-  - stream order, with vector clocks: each access made through the interface (``copy``, ``use``
-    on a stream, ``host_use`` by host code, a collective) is recorded per byte range of its
-    storage, and an access that conflicts with an earlier one made on another stream (or by the
-    host) that it is not ordered after, through an event recorded after it and waited on (or
-    synchronized by the host), raises ``OrderError`` naming both places. Work queued on a stream
-    by the host is ordered after what the host did and knew before queueing it, as on CUDA;
-  - NCCL's own stream: a collective (``collective``, called by ``Dist``) runs on a stream of its
-    own that is ordered after the stream current when it is issued, and the stream current at
-    ``collective_done`` (the work's ``wait``) is ordered after it; its tensors are kept alive until
-    then, as torch.distributed does;
-  - the caching allocator: device memory freed (its last tensor gone) while another stream than
-    the compute stream may still use it, with neither the host nor the compute stream ordered
-    after that use and no ``record_stream``, is the allocator handing the bytes to new compute
-    work under a running copy: ``OrderError``, raised at the next checked call (and ``verify``),
-    naming where it was freed;
-  - per-thread devices: a thread other than the one that created the accelerator must call
-    ``bind_thread`` (on CUDA: ``set_device``) before it queues device work or pins memory, or its
-    CUDA context would land on GPU 0;
-  - host syncs: inside ``hot(...)`` (the backward pass) and inside hooks registered through
-    ``hook(...)``, a framework function that reads device memory on the host (``.item()``,
-    ``.tolist()``, ``bool(t)``, ``.cpu()``, ``nonzero``, ...) raises ``HostSync``; user and model
-    code is not ours to judge;
-  - pinned memory as CUDA's caching host allocator holds it: each pinned buffer rounded up to a
-    power of two, freed blocks kept for reuse (``pinned_stats``).
-
-  All host threads count as one host: ordering between them (futures, locks) is their own
-  business. Compute that runs outside ``copy`` (a stage's reduction, the gather) is declared with
-  ``use`` by the code that hands its result across streams, and host code with ``host_use``.
-
-``FRAMEWORK_ACCELERATOR`` picks the CPU implementation: ``check`` (the test suite sets it) or
-``plain`` (the default). It has no effect on CUDA devices.
-"""
+"""The checking CPU accelerator: the CPU, checked as if it were CUDA (what it checks: the
+package docstring). Streams are emulated with vector clocks (``Clocked``)."""
 from __future__ import annotations
 
 import contextlib
@@ -62,279 +8,14 @@ import sys
 import threading
 import weakref
 from contextlib import contextmanager
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from framework.core.errors import ConfigError
+from framework.comm.accelerator._base import DeviceMismatch, Event, HostSync, OrderError, all_cpu
 
-ENV = "FRAMEWORK_ACCELERATOR"
-
-
-class AcceleratorError(RuntimeError):
-    """A tensor on the wrong device or used out of stream order: a bug in the calling code."""
-
-
-class DeviceMismatch(AcceleratorError):
-    pass
-
-
-class OrderError(AcceleratorError):
-    pass
-
-
-class HostSync(AcceleratorError):
-    """The host waited for the device where it must not (inside a hook)."""
-
-
-class Event(Protocol):
-    def record(self, stream=None) -> None:
-        """Mark the point the stream (default: current) has reached in its queue."""
-
-    def wait(self, stream=None) -> None:
-        """Make the stream (default: current) wait for the recorded point; the host does not wait."""
-
-    def synchronize(self) -> None:
-        """Block the host until the recorded point is reached."""
-
-    def query(self) -> bool:
-        """Whether the recorded point was reached, without waiting (True: as after ``synchronize``)."""
-
-
-class Accelerator(Protocol):
-    device: torch.device   # where compute runs
-    host: torch.device     # where host buffers live
-
-    def current_stream(self): ...
-    def new_stream(self, name: str): ...
-    def stream(self, stream) -> contextmanager: ...
-    def event(self) -> Event: ...
-
-    def bind_thread(self) -> None:
-        """Make the calling thread work on this device (a worker thread's initializer)."""
-
-    def record_stream(self, t: Tensor, stream) -> None:
-        """``t``'s memory is not reused before ``stream``'s work queued so far is done."""
-
-    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        """A host buffer (pinned: page-locked, the only kind a ``non_blocking`` copy may use)."""
-
-    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
-        """``dst.copy_(src)`` queued on the current stream (host to host copies run on the host)."""
-
-    def on_device(self, *tensors: Tensor, what: str) -> None:
-        """Raise unless every tensor is in device memory."""
-
-    def on_host(self, *tensors: Tensor, what: str) -> None:
-        """Raise unless every tensor is in host memory."""
-
-    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        """Declare compute queued on the current stream outside ``copy`` (checked, else nothing)."""
-
-    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        """Declare host code reading or writing buffers that streams also use (checked, else nothing)."""
-
-    def collective(self, tensors: Sequence[Tensor], what: str):
-        """A collective on ``tensors`` is being issued (checked: a token for ``collective_done``; else None)."""
-
-    def collective_done(self, token) -> None:
-        """The collective of ``token`` was waited for: the current stream is ordered after it."""
-
-    def hot(self, where: str) -> contextlib.AbstractContextManager:
-        """A region where framework code must not make the host wait for the device (checked)."""
-
-    def hook(self, fn: Callable, where: str) -> Callable:
-        """``fn`` for registration as a module, tensor or autograd hook (checked: no host syncs in it;
-        autograd runs hooks outside the caller's ``hot`` region)."""
-
-    def pinned_stats(self) -> dict[str, int]:
-        """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
-
-    def verify(self) -> None:
-        """Raise what the checks found outside a call (a freed buffer still in use); else nothing."""
-
-
-def for_device(device: torch.device, mode: str | None = None) -> Accelerator:
-    """The accelerator of ``device``; ``mode`` (default: $FRAMEWORK_ACCELERATOR) picks the CPU one."""
-    mode = mode or os.environ.get(ENV) or "plain"
-    if mode not in ("plain", "check"):
-        raise ConfigError(f"{ENV}={mode!r} is not one of plain, check")
-    if device.type == "cuda":
-        return CudaAccelerator(device)
-    if device.type != "cpu":
-        raise ConfigError(f"no accelerator for device {device}; use cuda or cpu")
-    return CheckingCpuAccelerator() if mode == "check" else CpuAccelerator()
-
-
-class _Unchecked:
-    """What the CUDA and plain CPU accelerators do for the checking calls: nothing."""
-
-    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        pass
-
-    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        pass
-
-    def collective(self, tensors: Sequence[Tensor], what: str):
-        return None
-
-    def collective_done(self, token) -> None:
-        pass
-
-    def hot(self, where: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def hook(self, fn: Callable, where: str) -> Callable:
-        return fn
-
-    def verify(self) -> None:
-        pass
-
-
-# --- CUDA -------------------------------------------------------------------------------------
-
-class _CudaEvent:
-    def __init__(self, device: torch.device):
-        self.device = device
-        # Blocking: the host threads that wait for copies (the host step, the stores) sleep in
-        # synchronize instead of spinning a core each; stream waits are the same either way.
-        self.ev = torch.cuda.Event(blocking=True)
-
-    def record(self, stream=None) -> None:
-        self.ev.record(stream or torch.cuda.current_stream(self.device))
-
-    def wait(self, stream=None) -> None:
-        self.ev.wait(stream or torch.cuda.current_stream(self.device))
-
-    def synchronize(self) -> None:
-        self.ev.synchronize()
-
-    def query(self) -> bool:
-        return self.ev.query()
-
-
-class CudaAccelerator(_Unchecked):
-    host = torch.device("cpu")
-
-    def __init__(self, device: torch.device):
-        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-    def current_stream(self):
-        return torch.cuda.current_stream(self.device)
-
-    def new_stream(self, name: str):
-        return torch.cuda.Stream(self.device)
-
-    def stream(self, stream):
-        return torch.cuda.stream(stream)
-
-    def event(self) -> Event:
-        return _CudaEvent(self.device)
-
-    def bind_thread(self) -> None:
-        torch.cuda.set_device(self.device)
-
-    def record_stream(self, t: Tensor, stream) -> None:
-        t.record_stream(stream)
-
-    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device=self.host, pin_memory=pinned)
-
-    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
-        dst.copy_(src, non_blocking=non_blocking)
-
-    def on_device(self, *tensors: Tensor, what: str) -> None:
-        for t in tensors:
-            if t.device != self.device:
-                raise DeviceMismatch(f"{what}: expected a tensor on {self.device}, got one on {t.device}")
-
-    def on_host(self, *tensors: Tensor, what: str) -> None:
-        for t in tensors:
-            if t.device.type != "cpu":
-                raise DeviceMismatch(f"{what}: expected a host tensor, got one on {t.device}")
-
-    def pinned_stats(self) -> dict[str, int]:
-        """As torch's caching host allocator reports them: blocks handed out and blocks held (both
-        at their power-of-two size; zeros where this torch reports nothing)."""
-        stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
-        return {"requested": int(stats.get("active_bytes.current", 0)),
-                "reserved": int(stats.get("allocated_bytes.current", 0))}
-
-
-# --- CPU, plain ---------------------------------------------------------------------------------
-
-class _NoStream:
-    def __init__(self, name: str):
-        self.name = name
-
-
-class _NoEvent:
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class CpuAccelerator(_Unchecked):
-    """One CPU process: work runs when it is issued, so streams and events have nothing to order."""
-
-    device = torch.device("cpu")
-    host = torch.device("cpu")
-
-    def __init__(self):
-        self._stream = _NoStream("compute")
-
-    def current_stream(self):
-        return self._stream
-
-    def new_stream(self, name: str):
-        return _NoStream(name)
-
-    @contextmanager
-    def stream(self, stream) -> Iterator[None]:
-        yield
-
-    def event(self) -> Event:
-        return _NoEvent()
-
-    def bind_thread(self) -> None:
-        pass
-
-    def record_stream(self, t: Tensor, stream) -> None:
-        pass
-
-    def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        return torch.empty(shape, dtype=dtype, device="cpu")  # nothing to pin for without CUDA
-
-    def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
-        dst.copy_(src)
-
-    def on_device(self, *tensors: Tensor, what: str) -> None:
-        _all_cpu(tensors, what)
-
-    def on_host(self, *tensors: Tensor, what: str) -> None:
-        _all_cpu(tensors, what)
-
-    def pinned_stats(self) -> dict[str, int]:
-        return {"requested": 0, "reserved": 0}
-
-
-def _all_cpu(tensors, what: str) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise DeviceMismatch(f"{what}: expected a CPU tensor, got one on {t.device}")
-
-
-# --- CPU, checking ------------------------------------------------------------------------------
 
 class Clocked:
     """An emulated stream (or the host): its position in its queue and what it is ordered after."""
@@ -394,14 +75,14 @@ class CheckingEvent:
 # Tensor methods and torch functions that make the host wait for device memory.
 _SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
                     "argwhere", "masked_select", "unique", "equal", "allclose"})
-_HERE = os.path.abspath(__file__)
-_PACKAGE = os.path.dirname(os.path.dirname(_HERE)) + os.sep   # framework/, above comm/
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep   # this package: framework/comm/accelerator/
+_PACKAGE = os.path.dirname(os.path.dirname(_HERE[:-1])) + os.sep   # framework/, above comm/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _ours(filename: str) -> bool:
-    """Framework code other than this module, and not model code (that is the user's to judge)."""
-    return (filename.startswith(_PACKAGE) and filename != _HERE
+    """Framework code other than this package, and not model code (that is the user's to judge)."""
+    return (filename.startswith(_PACKAGE) and not filename.startswith(_HERE)
             and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
 
 
@@ -411,7 +92,7 @@ def _place(depth: int = 5) -> str:
     f, out = sys._getframe(1), []
     while f is not None and len(out) < depth:
         name = f.f_code.co_filename
-        if name.startswith(_PACKAGE) and name != _HERE:
+        if name.startswith(_PACKAGE) and not name.startswith(_HERE):
             out.append(f"{os.path.relpath(name, os.path.dirname(_PACKAGE[:-1]))}:{f.f_lineno} in {f.f_code.co_name}")
         f = f.f_back
     return " <- ".join(out) or "outside the framework"
@@ -431,7 +112,7 @@ class _NoHostSync(TorchFunctionMode):
                 and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
             caller = sys._getframe(1)
             while caller is not None and (caller.f_code.co_filename.startswith(_TORCH)
-                                          or caller.f_code.co_filename == _HERE):
+                                          or caller.f_code.co_filename.startswith(_HERE)):
                 caller = caller.f_back
             if caller is not None and _ours(caller.f_code.co_filename):
                 raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
@@ -449,7 +130,7 @@ def _to_host(args, kwargs) -> bool:
 
 
 class CheckingCpuAccelerator:
-    """The CPU, checked as if it were CUDA (see the module docstring)."""
+    """The CPU, checked as if it were CUDA (see the package docstring)."""
 
     device = torch.device("cpu")
     host = torch.device("cpu")
@@ -573,7 +254,7 @@ class CheckingCpuAccelerator:
     def on_device(self, *tensors: Tensor, what: str) -> None:
         with self._lock:
             for t in tensors:
-                _all_cpu([t], what)
+                all_cpu([t], what)
                 if self._is_host(t):
                     raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
                                          f"({tuple(t.shape)}, {t.dtype}), at {_place()}")

@@ -1,0 +1,168 @@
+"""Checking a composed config: every node against its dataclass (the top-level keys against
+``RootSchema``, each group's node against the chosen component's schema), then the values and
+the combination of stage and offload. Values are typed by OmegaConf, or without it by
+``framework.config.plainconf``."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any, Mapping
+
+try:
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framework.config.plainconf composes
+    DictConfig = OmegaConf = None
+
+    class OmegaConfBaseException(Exception):
+        pass
+
+from framework.config import plainconf
+from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema
+from framework.core.errors import ConfigError
+from framework.core.registry import GROUPS, closest, closest_hint, registry
+
+
+def _schema_keys(node: Any) -> Any:
+    if isinstance(node, Mapping) and "async" in node:
+        node = {("async_" if k == "async" else k): v for k, v in node.items()}
+    return node
+
+
+def _check_keys(node: Any, schema: type, prefix: str) -> None:
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"config: {prefix.rstrip('.') or 'config'} must be a mapping, got {node!r}")
+    hints = typing.get_type_hints(schema)
+    valid = [f.name for f in dataclasses.fields(schema)]
+    for key, value in node.items():
+        if key not in valid:
+            match = closest(key, valid)
+            hint = f" (did you mean '{prefix}{match}'?)" if match else ""
+            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; valid keys under "
+                              f"{prefix.rstrip('.') or 'the top level'}: {', '.join(valid) or 'none'}")
+        if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
+            _check_keys(value, hints[key], f"{prefix}{key}.")
+
+
+def _typed(node: Mapping, schema: type, prefix: str) -> Any:
+    _check_keys(node, schema, prefix)
+    if OmegaConf is None:
+        return plainconf.typed(node, schema, prefix)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
+
+
+def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
+    """Check a composed config against the schemas; return the typed, frozen Config."""
+    if OmegaConf is None:
+        import copy
+        raw = copy.deepcopy(dict(cfg))
+        raw.pop("hydra", None)
+    else:
+        raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
+        raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+        try:
+            raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config: {' '.join(str(e).split())}") from None
+    roots = list(ROOT_KEYS) + list(GROUPS)
+    for key in raw:
+        if key not in roots:
+            raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
+                              f"valid top-level keys: {', '.join(roots)}")
+    if "checkpoint" in raw:
+        raw["checkpoint"] = _schema_keys(raw["checkpoint"])
+    root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
+    chosen, nodes = {}, {}
+    for group in GROUPS:
+        name = choices.get(group) or (DEFAULT_STAGE if group == "stage" else None)
+        if name is None:
+            raise ConfigError(f"config: no {group} chosen; add {group}=NAME "
+                              f"(one of {', '.join(registry(group).names())})")
+        schema = registry(group).get(name).config
+        nodes[group] = _typed(raw.get(group) or {}, schema, f"{group}.")
+        chosen[group] = name
+    _check_numbers(root, "")
+    for group, node in nodes.items():
+        _check_numbers(node, f"{group}.")
+    _check_values(root)
+    check_compatible(chosen["stage"], chosen["offload"])
+    notes = _check_inert_stage_keys(chosen["stage"], nodes["stage"])
+    check = registry("offload").get(chosen["offload"]).check
+    if check is not None:
+        nodes["offload"] = check(nodes["offload"], chosen["stage"])
+    return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
+                  ds_config=root.ds_config,
+                  ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
+
+
+INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
+
+
+def _check_numbers(node: Any, prefix: str) -> None:
+    """Every number of a typed node (and its nested nodes) finite and within int64: NaN or inf
+    (``nan``, ``1e309``) would silently disable a comparison-based limit (``norm > nan`` is
+    never true) and an integer beyond int64 ends in an OverflowError deep inside torch."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), f"{prefix}{f.name.rstrip('_')}"
+        if dataclasses.is_dataclass(value):
+            _check_numbers(value, f"{key}.")
+            continue
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(v, bool):
+                continue
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config: {key}={v} is not a finite number; give a finite value")
+            if isinstance(v, int) and not -INT_LIMIT <= v < INT_LIMIT:
+                raise ConfigError(f"config: {key}={v} is out of range (integers must lie within +-2^63); "
+                                  "give a realistic value")
+
+
+def _check_values(root: RootSchema) -> None:
+    t = root.train
+    for key in ("steps", "micro_batch", "grad_accum", "log_every", "eval_batches"):
+        if getattr(t, key) < 1:
+            raise ConfigError(f"config: train.{key} must be >= 1, got {getattr(t, key)}")
+    if t.eval_every < 0 or t.grad_clip < 0:
+        raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
+    if t.on_nonfinite not in ("stop", "warn"):
+        raise ConfigError(f"config: train.on_nonfinite must be stop or warn, got {t.on_nonfinite!r}")
+    if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
+        raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
+    c = root.checkpoint
+    if c.every < 0 or c.keep_last < 0 or c.timeout_s <= 0:
+        raise ConfigError(f"config: checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be "
+                          f">= 0 and checkpoint.timeout_s ({c.timeout_s:g}) > 0")
+    if not c.resume.strip() or (c.dir is not None and not c.dir.strip()):
+        raise ConfigError("config: checkpoint.resume must be auto, off, latest or a path, and checkpoint.dir a path "
+                          "(or null: checkpoints/ in the run folder)")
+    if c.async_ and c.every == 0:
+        raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
+                          "set checkpoint.every=N or remove checkpoint.async")
+
+
+def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:
+    """DeepSpeed keys that the ZeRO stages accept (so that configs port over) but whose other value
+    would do nothing here: refused, naming the fix, rather than silently ignored; or, where a
+    DeepSpeed config sets them for a reason our path already meets, one note saying why."""
+    notes = []
+    if stage == "zero1" and node.round_robin_gradients:
+        notes.append("note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are "
+                     "reduced and copied to the host after backward, by every rank at once (DeepSpeed uses it "
+                     "to spread those copies across ranks)")
+    if stage == "zero1" and not node.contiguous_gradients:
+        raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
+                          "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
+    return notes
+
+
+def check_compatible(stage: str, offload: str) -> None:
+    if offload not in COMPATIBLE.get(stage, ()):
+        combos = "; ".join(f"stage {s} with offload {'|'.join(o)}" for s, o in COMPATIBLE.items())
+        raise ConfigError(f"config: offload={offload} is not supported with stage={stage}; valid: {combos}")

@@ -1,0 +1,270 @@
+"""Composing a config: Hydra (or ``framework.config.plainconf`` without it) composes the YAML
+with the overrides, a DeepSpeed config sits between the two, ``checks.validate`` types the
+result, and provenance records where each value came from."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from framework.config import dsconfig, plainconf
+from framework.config.checks import validate
+from framework.config.schema import Config, flat
+from framework.core.errors import ConfigError
+from framework.core.paths import conf_dir
+from framework.core.registry import GROUPS, registry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+Composer = Callable[[list[str]], tuple[Any, dict[str, str]]]
+
+
+def have_hydra() -> bool:
+    """Whether Hydra can be imported (else ``compose`` composes with ``framework.config.plainconf``)."""
+    try:
+        import hydra  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
+                        config_name: str = "train") -> tuple[DictConfig, dict[str, str]]:
+    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app).
+
+    ``config_dir``/``config_name`` select another primary config, as ``--config-dir`` and
+    ``--config-name`` do on the command line (a recipe's ``config.yaml``, which lists ``train`` in
+    its defaults); conf/ stays on the search path so its groups resolve.
+    """
+    if not have_hydra():
+        return plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
+    primary, extra = str(conf_dir()), []
+    if config_dir is not None:
+        given = Path(config_dir).expanduser().resolve()
+        if not given.is_dir():
+            raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
+        # Hydra finds the primary config only in the folder it is initialised with; the other folder
+        # joins any search path the overrides give (Hydra takes one hydra.searchpath value).
+        other = conf_dir()
+        if (given / f"{config_name}.yaml").is_file():
+            primary = str(given)
+        else:
+            other = given
+        paths, rest = [], []
+        for o in overrides:
+            key, _, value = o.lstrip("+").partition("=")
+            if key == "hydra.searchpath" and value.startswith("[") and value.endswith("]"):
+                paths += [x.strip() for x in value[1:-1].split(",") if x.strip()]
+            else:
+                rest.append(o)
+        overrides = rest
+        extra = [f"hydra.searchpath=[{','.join(dict.fromkeys(paths + [f'file://{other}']))}]"]
+    return _hydra_compose(config_name, overrides + extra, primary)
+
+
+def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
+    """Compose inside a running Hydra app (its config search path is already set up)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    # The app's own primary config: train, or the one --config-name chose (a recipe's).
+    return _hydra_compose(HydraConfig.get().job.config_name, overrides)
+
+
+def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:
+    """Hydra's compose (initialised on ``config_dir`` when given); its errors as one line."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with (initialize_config_dir(config_dir=config_dir, version_base="1.3") if config_dir
+              else contextlib.nullcontext()):
+            cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError("config: " + " ".join(str(e).split())) from None
+    return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
+
+
+def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Path | Mapping | None = None,
+            world: int | None = None, hidden_size: int | None = None, hidden_from_model: bool = True,
+            composer: Composer = standalone_composer, config_dir: str | None = None,
+            config_name: str = "train") -> Config:
+    """Compose conf/train.yaml with Hydra-style overrides and validate it (library use).
+
+    ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
+    config between our YAML and the overrides (framework.config.dsconfig). ``world`` (default: the
+    torchrun environment, else dist.nproc) sizes its batch triple; its "auto" bucket sizes use
+    ``hidden_size``, or the model config's d_model when ``hidden_from_model``. ``config_dir`` and
+    ``config_name`` pick another primary config (``--config-dir``/``--config-name``; see
+    ``standalone_composer``).
+    """
+    if config_dir is not None or config_name != "train":
+        composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
+    return compose_layers(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size,
+                          hidden_from_model=hidden_from_model, composer=composer)[1]
+
+
+def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | None = None, world: int | None = None,
+                   hidden_size: int | None = None, hidden_from_model: bool = True,
+                   composer: Composer = standalone_composer) -> tuple[DictConfig, Config]:
+    """compose(), also returning the final composed DictConfig (``--cfg job`` prints it)."""
+    cli = CommandLine.parse(overrides)
+    check_choices(cli)
+    if ds_config is not None and cli.ds_config is not None:
+        raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
+    source = ds_config if ds_config is not None else cli.ds_config
+    forced = group_overrides_to_force(overrides)
+    if source is None:
+        cfg, choices = composer(forced)
+        config = validate(cfg, choices)
+        return cfg, dataclasses.replace(config, sources=provenance(config, cli))
+    t = dsconfig.translate(dsconfig.load(source))
+    errors = list(t.errors)
+    if cli.strict and t.unknown:
+        errors.append("keys DeepSpeed does not know (ds_config_strict=true): " + ", ".join(t.unknown))
+    if errors:
+        if len(errors) == 1:
+            raise ConfigError(f"ds_config: {errors[0]}")
+        raise ConfigError("ds_config: " + f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
+    # the file's group choices unless the command line makes its own (a mismatch, see resolve).
+    choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
+                        if g not in cli.choices]
+    cfg, choices = composer(choice_overrides + forced)
+    base = validate(cfg, choices)
+    values = flat(base.to_dict())
+    if world is None:
+        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = env_world if env_world > 1 else base.dist.nproc
+    if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
+        hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
+    facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
+                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices))
+    resolved = dsconfig.resolve(t, facts)
+    # The DeepSpeed layer goes under the command line: its values are set on the composed tree
+    # wherever the command line did not set (or delete) the key, as ++key=value before the
+    # command line's overrides would.
+    cfg = _set_keys(cfg, {k: v for k, v in resolved.values.items() if k not in cli.keys | cli.deleted})
+    config = validate(cfg, choices)
+    label = str(source) if isinstance(source, (str, Path)) else "<dict>"
+    sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
+                                    notices=config.notices + tuple(t.notices(cli.strict, resolved.inert,
+                                                                             resolved.notes)))
+
+
+def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
+    """``cfg`` (Hydra's DictConfig, or the plain composer's tree) with each dotted key set."""
+    if isinstance(cfg, dict):   # the plain composer's tree
+        for key, value in values.items():
+            *path, last = key.split(".")
+            node = cfg
+            for part in path:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+            node[last] = value
+        return cfg
+    from omegaconf import OmegaConf
+
+    for key, value in values.items():   # what Hydra does for ++key=value
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+    return cfg
+
+
+def group_overrides_to_force(overrides: list[str]) -> list[str]:
+    """Turn plain ``key=value`` overrides of non-group keys into ``++key=value``.
+
+    Hydra rejects an unknown key with a multi-line message and no suggestion; forcing the
+    key in lets ``validate`` reject it against the schema with one line and the closest
+    valid key. Group choices (``optimizer=lion``, ``+stage=zero3``) and hydra.* pass as is.
+    """
+    if not have_hydra():   # the plain composer sets every key it is given; validate judges them
+        return list(overrides)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = []
+    for line, o in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
+        key = o.key_or_group
+        is_plain = not (o.is_add() or o.is_force_add() or o.is_delete())
+        is_choice = key.split("@")[0] in GROUPS
+        out.append("++" + line if is_plain and not is_choice and not key.startswith("hydra") else line)
+    return out
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """What the overrides set: value keys, group choices, and the DeepSpeed-config keys."""
+    keys: frozenset[str]
+    choices: Mapping[str, str]
+    ds_config: str | None
+    strict: bool
+    named: frozenset[str] = frozenset()   # groups whose choice is one name (not a sweep or a list)
+    deleted: frozenset[str] = frozenset()  # keys deleted (~key)
+
+    @staticmethod
+    def parse(overrides: list[str]) -> "CommandLine":
+        if have_hydra():
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+            parsed = [(o.key_or_group, o.is_delete(), o.value()) for o in
+                      OverridesParser.create().parse_overrides(overrides)]
+        else:
+            parsed = [(o.key, o.prefix == "~", o.value) for o in map(plainconf.parse, overrides)]
+        keys, choices, ds_config, strict, named, deleted = set(), {}, None, False, set(), set()
+        for key, delete, value in parsed:
+            if key.startswith("hydra"):
+                continue
+            if delete:
+                deleted.add(key)
+                continue
+            if key.split("@")[0] in GROUPS:
+                choices[key.split("@")[0]] = str(value)
+                if isinstance(value, str):
+                    named.add(key.split("@")[0])
+            elif key == "ds_config":
+                ds_config = None if value is None else str(value)
+            elif key == "ds_config_strict":
+                strict = value in (True, "true", "True")
+            else:
+                keys.add(key)
+        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted))
+
+
+def check_choices(cli: "CommandLine") -> None:
+    """A group choice that names no component: the same one line as an unknown key (the closest
+    name and the valid ones), before Hydra would print its search path."""
+    for group in cli.named:
+        registry(group).get(cli.choices[group])   # ConfigError: unknown <group> 'x' (did you mean 'y'?); available: ...
+
+
+def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Where each value of ``config`` came from: our defaults < YAML < the DeepSpeed file
+    (``layered``) < the command line."""
+    def yaml_keys(path: Path, prefix: str) -> set[str]:
+        node = plainconf.load_yaml(path) if path.is_file() else {}
+        return set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
+
+    in_yaml = yaml_keys(conf_dir() / "train.yaml", "")
+    for g in GROUPS:
+        in_yaml |= yaml_keys(conf_dir() / g / f"{config.choices[g]}.yaml", f"{g}.")
+        if g != "stage":  # the defaults list of train.yaml chooses every group but stage
+            in_yaml.add(f"{g}.name")
+    out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
+    for key, label in (layered or {}).items():
+        if key in out:
+            out[key] = label
+    for key in cli.keys:
+        if key in out:
+            out[key] = dsconfig.COMMAND_LINE
+    for g in cli.choices:
+        out[f"{g}.name"] = dsconfig.COMMAND_LINE
+    if cli.ds_config is not None:
+        out["ds_config"] = dsconfig.COMMAND_LINE
+    return out
+

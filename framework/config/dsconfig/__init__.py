@@ -1,0 +1,70 @@
+"""DeepSpeed JSON configs, mapped onto the composed config.
+
+    python -m framework.train ds_config=ds_zero2.json train.steps=100     # the file, then overrides
+    framework.initialize(model, loss_fn, ds_config="ds_zero3.json")         # or a dict
+
+Precedence: our defaults and YAML < the DeepSpeed file < command-line overrides. What the
+DeepSpeed engine itself decides follows DeepSpeed's defaults for keys a file leaves out
+(``gradient_clipping`` absent means no clipping; an ``optimizer`` section without
+``weight_decay`` means 0); what DeepSpeed leaves to its client (the model, the data, an optimizer
+or scheduler the file does not name) follows our config. "auto" values are filled by Hugging
+Face's two-phase rules: phase 1 from the run's config (batch sizes, optimizer hyper-parameters,
+gradient clipping, fp16/bf16), phase 2 from the model's hidden size and the step count. Where
+the file states a value that the run also derives (the batch product, the warm-up peak against
+the optimizer's lr, the schedule length against ``train.steps``, a group chosen on the command
+line), the two must match; all mismatches are reported together. An "auto" no rule fills is an
+error.
+
+Strictness: an unknown key close to a known one is an error naming both; a key that resembles
+nothing DeepSpeed knows is listed in one warning (``ds_config_strict=true`` makes it an error);
+deprecated aliases are accepted with a warning naming the new key; DeepSpeed features not
+implemented here are errors saying so; keys that change nothing here are listed once.
+
+The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections in
+``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
+and settings without composing anything; ``resolve`` (``_resolve``) fills "auto" and checks
+against the run's config.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+from framework.core.errors import ConfigError
+from framework.config.dsconfig._keys import (AUTO, AUTO_FILLED, COMMAND_LINE, DEFAULT, DS_DEFAULT, DS_FILE,
+                                             STAGES, YAML)
+from framework.config.dsconfig._resolve import Resolved, RunFacts, resolve
+from framework.config.dsconfig._translate import Setting, Translation, translate
+
+
+def load(source: str | Path | Mapping) -> dict:
+    """The config as a dict: a JSON file (duplicate keys refused) or a mapping (copied)."""
+    if isinstance(source, Mapping):
+        return json.loads(json.dumps(source))  # a deep, plain copy; non-JSON values fail here
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"ds_config: no such file: {path}")
+
+    def no_duplicates(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"ds_config: {path}: key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"ds_config: {path}: line {e.lineno} column {e.colno}: {e.msg} "
+                          f"(strict JSON: no comments or trailing commas)") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"ds_config: {path}: not UTF-8 text ({e.reason})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+__all__ = ["AUTO", "AUTO_FILLED", "COMMAND_LINE", "DEFAULT", "DS_DEFAULT", "DS_FILE", "STAGES", "YAML", "Resolved",
+           "RunFacts", "Setting", "Translation", "load", "resolve", "translate"]

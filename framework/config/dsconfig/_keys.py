@@ -1,0 +1,158 @@
+"""The keys DeepSpeed knows (DeepSpeed 0.19), section by section, and what each means here:
+mapped onto our config, accepted but inert (with why), or a feature not implemented."""
+from __future__ import annotations
+
+from typing import Any
+
+from framework.core.registry import closest
+
+
+AUTO = "auto"
+# Provenance labels (summary.json "config_sources" and the W&B config).
+DEFAULT, YAML, DS_FILE, DS_DEFAULT, AUTO_FILLED, COMMAND_LINE = (
+    "default", "YAML", "DeepSpeed file", "DeepSpeed default", "auto", "command line")
+
+STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+
+
+# Keys that change nothing here (listed once at start-up), with why.
+INERT_TOP = {
+    "steps_per_print": "DeepSpeed's own progress prints (train.log_every sets ours)",
+    "wall_clock_breakdown": "DeepSpeed's timers",
+    "memory_breakdown": "DeepSpeed's memory prints (summary.json has the ledger and peaks)",
+    "dump_state": "DeepSpeed's debug print",
+    "zero_allow_untested_optimizer": "every optimizer here runs with every stage",
+    "zero_force_ds_cpu_optimizer": "the host step always uses our CPU kernels",
+    "prescale_gradients": "the gradient average is the same up to rounding",
+    "gradient_predivide_factor": "the gradient average is the same up to rounding",
+    "disable_allgather": "a legacy flag",
+    "monitor_config": "DeepSpeed's monitors (use logger=wandb)",
+    "tensorboard": "DeepSpeed's monitors (use logger=wandb)",
+    "wandb": "DeepSpeed's monitors (use logger=wandb)",
+    "csv_monitor": "DeepSpeed's monitors (metrics.jsonl is written)",
+    "comet": "DeepSpeed's monitors (use logger=wandb)",
+    "comms_logger": "DeepSpeed's communication logger",
+    "comms_config": "DeepSpeed's communication logger",
+    "flops_profiler": "DeepSpeed's profiler",
+    "timers": "DeepSpeed's timers",
+    "checkpoint": "DeepSpeed's checkpoint format",
+    "dataloader_drop_last": "DeepSpeed's data loader (the data component batches)",
+    "seq_parallel_communication_data_type": "sequence parallelism is not used",
+    "use_data_before_expert_parallelism": "expert parallelism is not used",
+    "graph_harvesting": "a CUDA-graph option of DeepSpeed's engine",
+    "_comment": "a comment",
+}
+# DeepSpeed features not implemented here: an error unless the value switches them off.
+FEATURES = {
+    "amp": "apex AMP (use fp16 or bf16)",
+    "torch_autocast": "torch autocast mode (use fp16 or bf16)",
+    "sparse_attention": "sparse attention",
+    "compression_training": "compression training",
+    "pipeline": "pipeline parallelism",
+    "tensor_parallel": "tensor parallelism (AutoTP)",
+    "moe": "mixture of experts",
+    "expert_parallel": "expert parallelism",
+    "sequence_parallel_size": "sequence parallelism",
+    "curriculum_learning": "curriculum learning",
+    "data_efficiency": "data efficiency (curriculum, random-LTD)",
+    "progressive_layer_drop": "progressive layer drop",
+    "quantize_training": "quantization-aware training",
+    "eigenvalue": "eigenvalue computation",
+    "hybrid_engine": "the RLHF hybrid engine",
+    "nebula": "Nebula checkpointing",
+    "weight_quantization": "weight quantization",
+    "elasticity": "elastic training",
+    "autotuning": "the autotuner",
+    "compile": "DeepCompile",
+    "sparse_gradients": "sparse gradients",
+}
+MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+              "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio",
+              "data_types", "communication_data_type", "activation_checkpointing")
+ALIASES_TOP = {"bfloat16": "bf16"}
+
+ZERO_KEYS = ("stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+             "allgather_partitions", "allgather_bucket_size", "overlap_comm", "compute_grad_norm",
+             "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow",
+             "sub_group_size", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
+             "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
+             "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
+             "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
+             "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+             "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module")
+# Stage-3 keys, which DeepSpeed accepts with and without the "stage3_" prefix.
+STAGE3_KEYS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+               "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+               "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory",
+                "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+# zero_optimization keys that only tune speed or memory in DeepSpeed and have no counterpart here.
+ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "load_from_fp32_weights",
+             "ignore_unused_parameters", "parameter_alignment", "memory_efficient_linear",
+             "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
+             "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
+             "model_persistence_threshold", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
+             "allgather_sequential", "allgather_partitions")
+# zero_optimization features: (key, value that switches it off, what it is).
+ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy stage 1"),
+                 ("elastic_checkpoint", False, "elastic checkpointing"),
+                 ("zero_hpz_partition_size", 1, "ZeRO++ hierarchical partitioning (hpZ)"),
+                 ("zero_quantized_weights", False, "ZeRO++ quantized weights (qwZ)"),
+                 ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized weights"),
+                 ("zero_quantized_gradients", False, "ZeRO++ quantized gradients (qgZ)"),
+                 ("zeropp_loco_param", None, "ZeRO++ LoCo"), ("mics_shard_size", -1, "MiCS"))
+OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
+                          "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "pipeline")
+OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
+AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
+FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
+BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+             "bf16_optimizer_states")
+ACT_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+            "synchronize_checkpoint_boundary", "profile")
+
+# DeepSpeed optimizer type (lower case) -> (our optimizer, its DeepSpeed defaults).
+ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True}
+OPTIMIZERS = {
+    "adam": ADAM_DEFAULTS, "adamw": ADAM_DEFAULTS,
+    "lion": {"lr": 1e-3, "betas": [0.9, 0.999], "weight_decay": 0.0},
+    "adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
+    "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+}
+NOT_IMPLEMENTED_OPTIMIZERS = {"lamb": "LAMB", "onebitadam": "1-bit Adam", "zerooneadam": "0/1 Adam",
+                              "onebitlamb": "1-bit LAMB", "muadam": "MuAdam", "muadamw": "MuAdamW",
+                              "musgd": "MuSGD", "muon": "Muon", "adafactor": "Adafactor", "fusedadam": "FusedAdam"}
+# Optimizer params that select an implementation, not the math.
+OPTIMIZER_INERT = {"torch_adam": "selects torch's implementation; the math is the same",
+                   "fused": "selects a kernel", "foreach": "selects a kernel",
+                   "differentiable": "autograd through the step",
+                   "capturable": "CUDA-graph capture", "set_grad_none": "gradients are freed by the stages anyway"}
+OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
+                     "maximize": (False, "maximize is not implemented"),
+                     "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
+SCHEDULERS = {
+    "warmuplr": ("warmup_lr", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+                               "warmup_type": "log"}),
+    "warmupdecaylr": ("warmup_decay_lr", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
+                                          "warmup_type": "log", "total_num_steps": None}),
+    "warmupcosinelr": ("warmup_cosine_lr", {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
+                                            "cos_min_ratio": 0.0001, "warmup_type": "log", "total_num_steps": None}),
+}
+SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR",
+                   "onecycle": "OneCycle", "lrrangetest": "LRRangeTest"}
+NOT_IMPLEMENTED_SCHEDULERS = ("onecycle", "lrrangetest")
+
+
+def close(key: str, valid) -> str | None:
+    # Stricter than for our own keys: DeepSpeed's sections hold many short, similar names.
+    return closest(key, valid, cutoff=0.75)
+
+
+def switched_off(value: Any, key: str) -> bool:
+    if key == "sequence_parallel_size":
+        return value in (None, 1)
+    if isinstance(value, dict):
+        return value == {} or value.get("enabled") is False
+    return value in (None, False, 0)

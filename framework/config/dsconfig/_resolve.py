@@ -1,0 +1,188 @@
+"""Resolution against the run's config: "auto" filled by Hugging Face's rules, the batch triple
+derived, the values the file states checked against the ones the run derives."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from framework.core.errors import ConfigError
+from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE
+from framework.config.dsconfig._translate import Setting, Translation
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the run's config (defaults, YAML, command line; no DeepSpeed layer) says: the
+    "training arguments" of Hugging Face's rules."""
+    world: int
+    hidden_size: int | None             # None: unknown (a user model without a config)
+    value: Callable[[str], Any]         # dotted key -> the run config's value
+    cli_keys: frozenset[str]            # keys the command line sets
+    cli_choices: Mapping[str, str]      # groups the command line chooses
+
+
+@dataclass
+class Resolved:
+    values: dict[str, Any]              # our dotted key -> value to override (Hydra order: before the command line)
+    sources: dict[str, str]             # our dotted key -> provenance label
+    inert: list[str]                    # file keys that turned out to change nothing (fp16 keys of a bf16 run)
+    notes: list[str] = field(default_factory=list)   # where the run differs from the file's intent
+
+
+def resolve(t: Translation, run: RunFacts) -> Resolved:
+    """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists
+    every mismatch."""
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    mismatches: list[str] = []
+    leftover: list[str] = []
+    notes: list[str] = []
+    h = run.hidden_size
+
+    def final(key: str) -> Any:
+        """The value a key will have: command line > DeepSpeed layer > the run's config."""
+        if key in run.cli_keys or key not in values:
+            return run.value(key)
+        return values[key]
+
+    # Group choices: a command-line choice that contradicts the file is a mismatch.
+    for group, name in t.choices.items():
+        cli = run.cli_choices.get(group)
+        if cli is not None and cli != name:
+            mismatches.append(f"{group}={cli} on the command line, but {t.choice_keys[group]} in the file means "
+                              f"{group}={name}")
+
+    # fp16/bf16 "auto": Hugging Face phase 1 takes the run's precision.
+    precision = t.choices.get("precision") or run.cli_choices.get("precision") or run.value("precision.name")
+    settings = dict(t.settings)
+    pa = settings.pop("_precision_auto", None)
+    if pa is not None:
+        if pa.value.get(precision) is False:
+            mismatches.append(f"precision={precision} in the run's config, but the file says {precision}.enabled "
+                              f"false")
+        sources["precision.name"] = AUTO_FILLED
+    fp16_keys = {k: s for k, s in settings.items() if k.startswith("_fp16.")}
+    for k in fp16_keys:
+        settings.pop(k)
+    inert = []
+    if precision == "fp16":
+        for k, s in fp16_keys.items():
+            settings["precision." + k.split(".", 1)[1]] = s
+    else:
+        inert += [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
+    comm_setting = settings.pop("_comm_dtype", None)
+    if comm_setting is not None:
+        comm = comm_setting.value
+        want = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(comm)
+        native = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[precision]
+        if precision == "bf16" and want in ("fp32", "bf16"):
+            settings["precision.reduce_fp32"] = Setting(want == "fp32", "communication_data_type", DS_FILE)
+        elif want != native:
+            mismatches.append(f"communication_data_type={comm} with precision={precision}: only {native}"
+                              f"{' or fp32' if precision == 'bf16' else ''} is implemented")
+
+    for key, s in settings.items():
+        if key.startswith("_inert."):
+            if s.value == AUTO and _fill(s.rule, h) is None:
+                leftover.append(f"{s.ds_key} (needs the model's hidden size)")
+            continue
+        if s.value == AUTO:
+            if s.rule in ("h*h", "0.9*h*h", "10*h"):  # phase 2: from the model
+                v = _fill(s.rule, h)
+                if v is None:
+                    leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
+                    continue
+                values[key], sources[key] = v, AUTO_FILLED
+            elif s.rule == "warmup_min_lr":
+                values[key], sources[key] = 0.0, AUTO_FILLED        # fill only
+            else:
+                sources[key] = AUTO_FILLED                          # the run's own value stays
+            continue
+        if key in run.cli_keys:
+            continue                                                # the command line wins
+        values[key], sources[key] = s.value, s.source
+
+    # Scheduler relations (phase 1 and 2: must match).
+    lr = final("optimizer.lr")
+    s = t.settings.get("scheduler.warmup_max_lr")
+    if s is not None:
+        if s.value == AUTO:
+            values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
+        elif s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+            mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr}")
+    s = t.settings.get("scheduler.total_num_steps")
+    if s is not None:
+        steps = final("train.steps")
+        if s.value == AUTO:
+            values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
+        elif "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
+            # Hugging Face fills only an "auto" here and runs the file's schedule as written.
+            notes.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps}: the schedule runs "
+                         f"as written, so this run " + (f"stops at step {steps} of it" if steps < s.value else
+                         f"holds the schedule's last lr after step {s.value}") +
+                         " (total_num_steps \"auto\" or train.steps=" + f"{s.value} makes them agree)")
+    s = t.settings.get("scheduler.warmup_num_steps")
+    if s is not None and s.value == AUTO:
+        values["scheduler.warmup_num_steps"] = max(1, int(run.value("scheduler.warmup_num_steps")))
+        sources["scheduler.warmup_num_steps"] = AUTO_FILLED
+
+    _batch(t.batch, run, final, values, sources, mismatches)
+    if leftover:
+        mismatches.append("\"auto\" left over: " + ", ".join(leftover))
+    if mismatches:
+        if len(mismatches) == 1:
+            raise ConfigError(f"ds_config: {mismatches[0]}")
+        raise ConfigError("ds_config: the file does not match the run's config:\n" +
+                          "\n".join(f"  - {m}" for m in mismatches))
+    return Resolved(values, sources, inert, notes)
+
+
+def _fill(rule: str, h: int | None) -> int | None:
+    if h is None:
+        return None
+    return {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h}[rule]
+
+
+def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, sources: dict,
+           mismatches: list) -> None:
+    """DeepSpeed's batch triple: train = micro x accumulation x world. A missing one is derived from
+    the other two (only micro given: accumulation 1; only train given: accumulation 1); "auto"
+    (phase 1) takes micro and accumulation from the run's config and train from the product."""
+    world = run.world
+    tb, mb, ga = (b.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                     "gradient_accumulation_steps"))
+    derived = {}
+    if mb == AUTO:
+        sources["train.micro_batch"] = AUTO_FILLED
+    elif mb is not None:
+        derived["train.micro_batch"] = mb
+    if ga == AUTO:
+        sources["train.grad_accum"] = AUTO_FILLED
+    elif ga is not None:
+        derived["train.grad_accum"] = ga
+    if isinstance(tb, int):
+        if mb is None and ga is None:
+            derived["train.grad_accum"] = 1
+            if tb % world:
+                mismatches.append(f"train_batch_size={tb} is not divisible by the world size {world}")
+            derived["train.micro_batch"] = max(1, tb // world)
+        elif ga is None and isinstance(mb, int):
+            if tb % (mb * world):
+                mismatches.append(f"train_batch_size={tb} is not divisible by train_micro_batch_size_per_gpu={mb} "
+                                  f"x world size {world}")
+            derived["train.grad_accum"] = max(1, tb // (mb * world))
+        elif mb is None and isinstance(ga, int):
+            if tb % (ga * world):
+                mismatches.append(f"train_batch_size={tb} is not divisible by gradient_accumulation_steps={ga} "
+                                  f"x world size {world}")
+            derived["train.micro_batch"] = max(1, tb // (ga * world))
+    elif tb is None and isinstance(mb, int) and ga is None:
+        derived["train.grad_accum"] = 1
+    for key, v in derived.items():
+        if key not in run.cli_keys:
+            values[key], sources[key] = v, DS_FILE
+    if isinstance(tb, int):
+        m, g = final("train.micro_batch"), final("train.grad_accum")
+        if m * g * world != tb and not any("divisible" in x for x in mismatches):
+            mismatches.append(f"train_batch_size={tb} but train_micro_batch_size_per_gpu={m} x "
+                              f"gradient_accumulation_steps={g} x world size {world} = {m * g * world}")

@@ -1,0 +1,112 @@
+"""The typed schemas of the top-level keys, the frozen ``Config`` a composed config becomes, and
+the table of which offload targets each stage supports."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from framework.core.registry import GROUPS
+
+DEFAULT_STAGE = "ddp"  # no +stage=... means replicated data parallelism
+
+
+@dataclass(kw_only=True)
+class TrainLoopConfig:
+    steps: int
+    micro_batch: int
+    grad_accum: int = 1
+    log_every: int = 50
+    eval_every: int = 500       # 0: evaluate only at the end
+    eval_batches: int = 8
+    grad_clip: float = 1.0      # max global gradient norm; 0 disables clipping
+    on_nonfinite: str = "stop"  # non-finite loss/gradient norm outside fp16 loss scaling: stop | warn (skip the step)
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    nproc: int = 1              # >1: spawn this many local ranks (ignored under torchrun)
+    backend: str = "auto"       # auto | gloo | nccl
+    timeout_s: float = 300.0    # any collective waiting longer fails with a message
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None      # None: checkpoints/ in the run folder; relative paths: to the working directory
+    every: int = 0              # save every N steps and after the last one; 0: never save
+    keep_last: int = 2          # committed checkpoints kept (older ones deleted after a commit); 0: all
+    resume: str = "auto"        # auto (newest complete checkpoint in dir) | off | latest (newest of any run) | PATH
+    # YAML key `async`: write files in a background thread while training goes on (a swapped state,
+    # offload=nvme, is written from the swap file on the training thread: no host copy of it)
+    async_: bool = False
+    timeout_s: float = 1800.0   # checkpoint collectives (their own gloo group) wait at most this long
+
+
+@dataclass(kw_only=True)
+class RootSchema:
+    seed: int = 1337
+    train: TrainLoopConfig
+    dist: DistConfig = field(default_factory=DistConfig)
+    ds_config: str | None = None      # a DeepSpeed JSON config, layered between our YAML and the command line
+    ds_config_strict: bool = False    # keys DeepSpeed does not know in it: an error instead of a warning
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+ROOT_KEYS = ("seed", "train", "dist", "checkpoint", "ds_config", "ds_config_strict")
+
+
+@dataclass(frozen=True)
+class Config:
+    seed: int
+    train: TrainLoopConfig
+    dist: DistConfig
+    checkpoint: CheckpointConfig
+    choices: Mapping[str, str]      # group -> registry name of the chosen component
+    # One typed node per conf/ group (the chosen component's config dataclass).
+    model: Any
+    data: Any
+    optimizer: Any
+    scheduler: Any
+    precision: Any
+    offload: Any
+    logger: Any
+    stage: Any
+    ds_config: str | None = None     # the DeepSpeed config's path ("<dict>" when given as a dict)
+    ds_config_strict: bool = False
+    # Where each value came from, keyed like flat(to_dict()): default, YAML, DeepSpeed file,
+    # DeepSpeed default, auto, command line.
+    sources: Mapping[str, str] = field(default_factory=dict)
+    notices: tuple[str, ...] = ()    # the DeepSpeed config's warnings, printed once at start-up
+
+    def to_dict(self) -> dict:
+        """Plain, resolved config (for logging and summary files)."""
+        out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist),
+               "checkpoint": _yaml_keys(dataclasses.asdict(self.checkpoint)),
+               "ds_config": self.ds_config, "ds_config_strict": self.ds_config_strict}
+        for g in GROUPS:
+            out[g] = {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))}
+        return out
+
+
+def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (lists are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _yaml_keys(node: dict) -> dict:
+    """Schema field names -> YAML keys (``async_`` is ``async``, a Python keyword)."""
+    return {k.rstrip("_"): v for k, v in node.items()}
+
+
+# Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
+COMPATIBLE: Mapping[str, tuple[str, ...]] = {
+    "ddp": ("none",),
+    "zero1": ("none", "cpu", "nvme"),
+    "zero2": ("none", "cpu", "nvme"),
+    "zero3": ("none", "cpu", "nvme"),
+}
