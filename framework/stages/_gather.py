@@ -375,8 +375,7 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit) -> None:
-        """Start gathering ``unit`` for the hooks (train and eval passes): groups whose shard is the
-        whole buffer (``_in_place``) use it as their gathered buffer."""
+        """Start gathering ``unit`` for the hooks (train and eval passes): ``_in_place`` groups use their shard."""
         self._launch_gather(unit, in_place=True)
 
     def _launch_gather(self, unit: Unit, in_place: bool) -> None:
@@ -393,7 +392,8 @@ class Gatherer:
             lo, hi = g.layout.partition(self.dist.rank)
             with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
                 self.shards.load_shard(g.full[lo:hi], g.shard)
-                unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
+                unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
+                                                                 f"zero3 gather of {unit.name!r}"))
             unit.works.append(Pending(after=waits))
         if unit is not self.persistent:
             self.live += unit.numel

@@ -2,8 +2,8 @@
 
 Every ZeRO stage owns, per parameter group, one partition [lo, hi) of a padded flat layout and
 the master pieces the offload target cut it into; the optimizer updates those pieces, the
-gradient norm and the overflow report read the reduced partitions, and the name-keyed layout
-comes from them. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
+overflow report reads their gradients, the gradient norm reads the reduced partitions, and the
+name-keyed layout comes from the pieces. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
 working parameters) each hold one ``Partitions`` (composition), so no field means one thing in
 one stage and another thing in the other. ``PartitionedStage`` implements the Stage methods that
 only need ``parts`` and the offload target; a stage supplies ``_finish_grads`` (complete the

@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind, make_layout, param_groups, views
+from framework.stages._flat import Layout, bind_group, param_groups, views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
@@ -55,11 +55,7 @@ class DDPStage(WholeParameters):
         entries = []  # (param, group index, slot) in registration order
         grad_views = []
         for g, (_, named) in enumerate(groups):
-            layout = make_layout(named, world=1)
-            flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = bind(module, named, flat, layout, init)
-            # Every rank starts from rank 0's values, whatever each rank's initialisation did.
-            self.dist.broadcast(flat, what="initial parameter broadcast")
+            layout, flat, params = bind_group(module, named, 1, policy.param_dtype, self.dist, init)
             grad = torch.zeros_like(flat)
             grad_views += views(grad, layout)  # bound as .grad during backward (in-place accumulation)
             self.layouts.append(layout)

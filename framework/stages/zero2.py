@@ -50,6 +50,7 @@ class Zero2Stage(ShardedStage):
         self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
+        self.sync = True   # set by each backward: its pass is the step's last, so the ranges it completes are final
         self.hook_handles += self.launcher.attach(self.params, self.dist.acc)
 
     def _launch(self, i: int) -> None:
@@ -117,7 +118,7 @@ class Zero2Stage(ShardedStage):
             if a >= z:
                 continue
             self.part[b.group][a - lo:z - lo] += t[off:off + z - a]
-            if self.sync:  # tell the listener (the offload target): this range is final
+            if self.sync:  # tell the listener (the offload target)
                 self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
         if buf is not None:
             self.free.append(buf._base if buf._base is not None else buf)
