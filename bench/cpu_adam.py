@@ -60,7 +60,6 @@ import torch  # noqa: E402
 from bench._common import time_steps  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
-BYTES_PER_PARAM = 28
 LIST_LEN = 100
 COPY_ELEMS = 100_000_000
 SYSTEMS = ("ours", "ours+bf16", "ours-kernel", "ours-prefetch-off", "ours-prefetch-on", "torch-fused", "torch-foreach",

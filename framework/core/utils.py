@@ -31,14 +31,14 @@ def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     """Sum of squares of every element, as a float64 scalar on ``device``. No host sync.
 
     Per tensor, never per fixed chunk of the list: the result depends only on each tensor's own
-    values, so callers that pass whole partitions (stages/_sharded.py ``grad_sq_norm``) get the
+    values, so callers that pass whole partitions (the ZeRO stages' ``grad_sq_norm``) get the
     same rounding however a partition is cut into pieces.
 
     On an accelerator one ``torch._foreach_norm`` covers every tensor, then the norms are
-    squared and summed in float64: a handful of launches, where one dot per 65536 elements made
+    squared and summed in float64: a handful of launches, where one dot per 65536 elements makes
     ~43k for a 1.4 B model (89 ms of dispatch). Its fp32 sums are split over many threads and
     added in a tree, so they do not degrade with length like one sequential sum; their error
-    is not measured by the tests (they run without a GPU).
+    has not been measured on a GPU.
 
     On the CPU a tensor's fp32 norm is one sequential sum per SIMD lane, which loses digits with
     length, so each tensor is reduced in rows of ``SQ_NORM_ROW`` elements (one vectorised
@@ -48,7 +48,7 @@ def sq_norm(tensors, device: torch.device) -> torch.Tensor:
 
         rows of 256 (chosen)             3.7e-8   1.7 ms   (under 1e-9 on the normal draws)
         rows of 1024                     1.2e-7   1.4 ms
-        one dot per 65536 (before)       1.1e-6   2.1 ms   (306 ops)
+        one dot per 65536                1.1e-6   2.1 ms   (306 ops)
         one fp32 dot                     2.2e-4   1.5 ms
         one fp32 vector_norm             1.3e-3   1.6 ms   (_foreach_norm does this on the CPU)
         float64, 1 M elements at a time  3e-14    23 ms    (a widening copy of every element)

@@ -61,13 +61,13 @@ class Engine:
     """
 
     def __init__(self, components: Components, state: TrainState, train_step: Callable,
-                 eval_step: Callable[[TrainState, list], float]):
+                 eval_step: Callable[[TrainState, list], float], config: Config | None = None):
         self.components = components
         self._state = state
         self._train_step = train_step
         self._eval_step = eval_step
         self.closed = False
-        self.config: Config | None = None   # set by initialize
+        self.config = config   # the config it was built from
 
     @property
     def state(self) -> TrainState:
@@ -229,9 +229,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
                    stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite)
-    engine = Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c))
-    engine.config = cfg
-    return engine
+    return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c), cfg)
 
 
 def hidden_size_of(module: nn.Module) -> int | None:

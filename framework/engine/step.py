@@ -73,7 +73,7 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             grads = c.stage.reduce_grads()
             # One global norm serves clipping and overflow detection: inf/nan propagate through
             # it, so every rank reaches the same skip decision.
-            norm = math.sqrt(c.stage.grad_sq_norm(grads).item()) / scale   # host sync: once a step, decides clip/skip
+            norm = math.sqrt(c.stage.grad_sq_norm().item()) / scale   # host sync: once a step, decides clip/skip
             # The logged loss is the mean over the global batch (ranks hold equal shares); known
             # before the update, so a non-finite one is never stepped on.
             c.dist.all_reduce(loss_sum, what="loss all-reduce")

@@ -4,9 +4,10 @@
 backward passes, then either ``apply`` (scale the gradients by the clipping/unscaling
 coefficient, step the optimizer, publish the new values to the working parameters) or
 ``skip`` (non-finite gradients); ``abort`` if anything raised in between, so that a failed step
-leaves the optimizer as it was; ``close`` when the engine is closed (stops any worker). ``PlainUpdate`` does exactly that, in one go. A stage may
-provide a pipelined one instead (``offload._pipeline``: the host step of CPU offload overlapped
-with backward and with the copy back) that must give identical results.
+leaves the optimizer as it was; ``close`` when the engine is closed (stops any worker).
+``PlainUpdate`` does exactly that, in one go. A stage may provide a pipelined one instead
+(``offload._pipeline``: the host step of CPU offload overlapped with backward and with the copy
+back) that must give identical results.
 """
 from __future__ import annotations
 

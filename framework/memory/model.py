@@ -6,10 +6,10 @@ Three layers, each usable alone:
   meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
   module registers itself), the two inputs of DeepSpeed's estimators.
 * ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
-  (DeepSpeed's estimate_zero2/3_model_states_mem_needs: model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host
-  memory), with the same integer rounding, so the printed GiB agree to the last digit.
+  (model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host memory), with
+  the same integer rounding, so the printed GiB agree to the last digit.
   ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned
-  buffer pools of the ``offload=nvme`` keys, CONTRACTS A).
+  buffer pools of the ``offload=nvme`` keys).
 * ``predict``: for one of our composed configs, the bytes each rank will hold, laid out as the
   stages lay them out (flat groups padded to world x 128 elements, bucket plans, zero3 gather
   units), plus activations traced on the meta device, the zero3 live window and a stated
@@ -118,7 +118,7 @@ def format_rows(rows: list[Row]) -> str:
 
 @dataclass(frozen=True)
 class NVMeKeys:
-    """The ``offload=nvme`` keys that size host pools (CONTRACTS A; DeepSpeed's names in comments)."""
+    """The ``offload=nvme`` keys that size host pools (DeepSpeed's names in comments)."""
 
     sub_group_size: int = 1_000_000_000   # elements per optimizer tile (zero_optimization.sub_group_size)
     buffer_count: int = 4                 # optimizer tiles in host memory (offload_optimizer.buffer_count)

@@ -77,8 +77,8 @@ def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable
     No case sends CPU tensors that the C++ kernel takes to torch's fused kernel instead: timed as
     a user calls them (bench/cpu_adam.py, BENCHMARKS.md "CPU AdamW step"), AdamW over
     10 M and 100 M params, 1 and 2 threads, one flat tensor or 100, the C++ kernel was faster in
-    every case on the machine measured (Intel Xeon, AVX-512). On AMD it has not been measured
-    since its issue-8 changes; a case found slower there would get a rule here."""
+    every case on the machine measured (Intel Xeon, AVX-512). The kernel has not been timed on AMD;
+    a case found slower there would get a rule here."""
 
     def fused(grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
               out16: Sequence[Tensor] | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""Sharding stages (conf/stage): ddp (replicated), later zero1, zero2, zero3."""
+"""Sharding stages (conf/stage): ddp (replicated), zero1, zero2 and zero3 (partitioned)."""
 
 # The layout functions the rest of the package (state, checkpoints, the memory model) shares with
 # the stages, so that they allocate and describe the same layout.

@@ -12,6 +12,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from framework.comm.distributed import Dist
+
 
 # Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
 # each rank's partition 256-byte aligned for 16-bit dtypes and 512-byte for fp32 (NCCL and
@@ -122,6 +124,18 @@ def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.T
             p.data = v
         out.append(p)
     return out
+
+
+def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: int, dtype: torch.dtype,
+               dist: Dist, init: ParameterInit) -> tuple[Layout, torch.Tensor, list[nn.Parameter]]:
+    """Lay ``named`` out for ``world`` ranks in a new flat buffer of ``dtype`` on ``dist.device``
+    and ``bind`` the parameters into it, with rank 0's values on every rank (whatever each rank's
+    initialisation did). Returns the layout, the buffer and the parameters."""
+    layout = make_layout(named, world)
+    flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
+    params = bind(module, named, flat, layout, init)
+    dist.broadcast(flat, what="initial parameter broadcast")
+    return layout, flat, params
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

@@ -5,7 +5,7 @@ is gathered with one collective per parameter group: each module whose class is 
 ``gather_unit`` (the transformer Block by default), the root (every parameter outside such
 modules), and a *persistent* unit of small parameters that stays gathered.
 
-Per unit, an explicit state machine (sharded -> gathering -> gathered -> sharded); any other
+Each unit has an explicit state machine (sharded -> gathering -> gathered -> sharded): any other
 transition raises.
 
 Memory really goes away on release: each unit group gathers into ONE buffer that lives as long as
@@ -17,25 +17,28 @@ buffer's storage, so they hold no bytes while the unit is released and see the r
 when the unit is gathered again before its backward. Forward: a unit is gathered before its
 forward and released after it (unless it will be reused soon, see ``max_reuse_distance``).
 Backward: a hook on the unit's output gathers it again before its backward; once every
-parameter's gradient has been accumulated its gradients are reduced to their owners and it is released. The first step
-records the order of unit uses; later steps prefetch along that trace and fall back to
-on-demand gathers (one log line) when the order changes.
+parameter's gradient has been accumulated its gradients are reduced to their owners and it is
+released. The first step records the order of unit uses; later steps prefetch along that trace
+and fall back to on-demand gathers (one log line) when the order changes; every backward pass
+checks that all ranks used the same order (``_order``).
 """
 from __future__ import annotations
 
 import enum
 import logging
-import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
-from framework.core.errors import DistributedError, FrameworkError, TrainingError
+from framework.core.errors import FrameworkError, TrainingError
+from framework.core.utils import tensors_in
 from framework.stages._flat import Layout
+from framework.stages._order import OrderCheck
 from framework.stages._reduce import reduce_to_owners
 
 log = logging.getLogger("framework.zero3")
@@ -68,9 +71,6 @@ class ShardedParameter(nn.Parameter):
     logical_shape: torch.Size
     unit_name: str
     shard_range: tuple[int, int]   # this rank's elements of the parameter, [start, end) (may be empty)
-
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
-        return super().__new__(cls, data, requires_grad)
 
     def __repr__(self) -> str:
         state = "gathered" if self.numel() == self.logical_shape.numel() else "sharded"
@@ -154,10 +154,10 @@ class Gatherer:
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
                  param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards,
-                 on_reduced: Callable[[UnitGroup], None] | None = None):
-        """``on_reduced(g)``: called on the compute stream's thread right after a reduction of unit
-        group ``g``'s gradients was added into its partition (``g.grad()``); at most once per group
-        and backward pass."""
+                 on_reduced: Callable[[UnitGroup, bool], None] | None = None):
+        """``on_reduced(g, final)``: called on the compute stream's thread right after a reduction of
+        unit group ``g``'s gradients was added into its partition (``g.grad()``); at most once per
+        group and backward pass; ``final`` as given to ``backward_pass``."""
         self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
         self.on_reduced = on_reduced
         self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
@@ -174,12 +174,22 @@ class Gatherer:
         self.demands = 0
         self.hits = 0
         self.hook_handles: list = []
-        self.pending_checks: list = []        # (work, tensor, pass hash, pass record) per backward pass
-        self.backward_allowed = False   # set by the stage around train_step's backward pass
+        self.order = OrderCheck(dist)
+        self._final: bool | None = None   # inside ``backward_pass``: its ``final``; None outside it
         for unit in [*units, *([persistent] if persistent else [])]:
             unit.gatherer = self
             for p in unit.params:
                 p.zero3_unit = unit
+
+    @contextmanager
+    def backward_pass(self, final: bool) -> Iterator[None]:
+        """The backward pass of one micro batch (``final``: the step's last). Units run their backward
+        only inside it: gathering, reducing and releasing belong to that one pass."""
+        self._final = final
+        try:
+            yield
+        finally:
+            self._final = None
 
     # --- hooks -----------------------------------------------------------------------------
 
@@ -214,7 +224,7 @@ class Gatherer:
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return
         if torch.is_grad_enabled():
-            for t in _tensors(out):
+            for t in tensors_in(out):
                 if t.requires_grad:
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
@@ -222,7 +232,7 @@ class Gatherer:
             self._release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if not self.backward_allowed:  # gathering, reducing and releasing belong to that one pass
+        if self._final is None:   # outside ``backward_pass``
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
                 "torch.autograd.backward or torch.autograd.grad, e.g. with create_graph=True); under zero3 "
@@ -266,7 +276,7 @@ class Gatherer:
         self._complete_reductions()
         self.in_backward = False
         if self.limits.check_order and self.recording is not None:
-            self._launch_order_check(self.recording)
+            self.order.launch(self.recording)
         self._end_pass()
 
     # --- trace and prefetch ----------------------------------------------------------------
@@ -365,8 +375,7 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit) -> None:
-        """Start gathering ``unit`` for the hooks (train and eval passes): groups whose shard is the
-        whole buffer (``_in_place``) use it as their gathered buffer."""
+        """Start gathering ``unit`` for the hooks (train and eval passes): ``_in_place`` groups use their shard."""
         self._launch_gather(unit, in_place=True)
 
     def _launch_gather(self, unit: Unit, in_place: bool) -> None:
@@ -383,7 +392,8 @@ class Gatherer:
             lo, hi = g.layout.partition(self.dist.rank)
             with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
                 self.shards.load_shard(g.full[lo:hi], g.shard)
-                unit.works.append(gather_async(self.dist, g.full, g.layout.shard, f"zero3 gather of {unit.name!r}"))
+                unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
+                                                                 f"zero3 gather of {unit.name!r}"))
             unit.works.append(Pending(after=waits))
         if unit is not self.persistent:
             self.live += unit.numel
@@ -415,42 +425,12 @@ class Gatherer:
         if unit is not self.persistent:
             self.live -= unit.numel
 
-    # --- order check --------------------------------------------------------------------------
-
-    def _launch_order_check(self, record: list[tuple[str, int]]) -> None:
-        """Start comparing this backward pass's unit order across ranks: one tiny asynchronous
-        all-reduce per pass (no host sync here, in autograd's callback); ``order_check`` reads it
-        before the optimizer step. Ranks that gathered different units (data-dependent control
-        flow) would otherwise combine unrelated buffers or wait on each other until the timeout."""
-        if self.dist.world == 1:
-            return
-        h = zlib.crc32(repr(record).encode())
-        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
-        # from pageable memory, which blocks the host after every backward pass.
-        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
-        t[0].fill_(h)
-        t[1].fill_(-h)
-        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
-                                    async_op=True)
-        self.pending_checks.append((work, t, h, list(record)))
-
     def order_check(self) -> None:
         """Raise if any backward pass since the last call used units in a different order on some
-        rank. Collective; called once per step before the optimizer step (a host sync, next to the
-        one the gradient norm makes anyway)."""
-        checks, self.pending_checks = self.pending_checks, []
-        for work, t, h, record in checks:
-            self.dist.wait([work], "zero3 order check")
-            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
-                continue
-            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
-            at = next(i for i in range(max(map(len, records)) + 1)
-                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
-            seen = ", ".join(f"rank {r} at " + (f"{self.units[rec[at][1]].name!r} ({rec[at][0]})"
-                                                 if at < len(rec) else "the end of the pass")
-                             for r, rec in enumerate(records))
-            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
-                                   f"(data-dependent control flow?): {seen}")
+        rank (``_order``). Collective; called once per step before the optimizer step."""
+        self.order.check(lambda uid: self.units[uid].name)
+
+    # --- gradient reduction -------------------------------------------------------------------
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -482,7 +462,7 @@ class Gatherer:
             part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
             p.grad = None
         if self.on_reduced is not None:
-            self.on_reduced(g)
+            self.on_reduced(g, self._final)
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
@@ -490,7 +470,7 @@ class Gatherer:
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
             if self.on_reduced is not None:
-                self.on_reduced(g)
+                self.on_reduced(g, self._final)
         self.reductions = []
 
     # --- outside the hooks ------------------------------------------------------------------
@@ -519,19 +499,3 @@ def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
         g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
     else:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-
-
-def gather_async(dist: Dist, full: torch.Tensor, shard: int, what: str):
-    """All-gather ``full`` (each rank's own slice already in place), asynchronously."""
-    return dist.comm.all_gather_into(full, shard, what)
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for o in out:
-            yield from _tensors(o)
-    elif isinstance(out, dict):
-        for o in out.values():
-            yield from _tensors(o)

@@ -20,11 +20,13 @@ and per-parameter arrival flags for the bucket hooks.
 """
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
+from framework.comm.accelerator import Accelerator
 from framework.core.errors import TrainingError
 from framework.stages._reduce import Bucket, OrderedLauncher
 
@@ -100,6 +102,11 @@ class FlatGrads:
                 a.zero_()
         self.used = False
 
+    def final_all(self) -> None:
+        """Every range is final at once (world size 1: there is nothing to reduce)."""
+        for g, grad in enumerate(self.grads):
+            self.final(g, 0, grad.numel())
+
     def tensors(self) -> list[torch.Tensor]:
         return [*self.grads, *(self.acc or [])]
 
@@ -110,10 +117,7 @@ class Arrivals:
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
         self.launcher = OrderedLauncher(buckets, self._launch)
         self.buckets, self._run, self.names, self.stage = buckets, launch, names, stage
-        self.owners: dict[int, list[int]] = {}   # param id -> buckets holding a piece of it
-        for i, b in enumerate(buckets):
-            for pid in b.params:
-                self.owners.setdefault(pid, []).append(i)
+        self.owners = self.launcher.owners   # param id -> buckets holding a piece of it
         self.armed = False
         self.seen = [False] * len(names)
         self.launched = [False] * len(buckets)
@@ -121,6 +125,24 @@ class Arrivals:
     def _launch(self, i: int) -> None:
         self.launched[i] = True
         self._run(i)
+
+    def attach(self, params: list[nn.Parameter], acc: Accelerator) -> list:
+        """Post-accumulate-grad hooks that report parameter ``i`` of ``params`` (stage-wide ids) to
+        ``ready``; returns their handles (``acc`` checks that the hooks make no host syncs)."""
+        return [p.register_post_accumulate_grad_hook(acc.hook(lambda _p, i=i: self.ready(i),
+                                                              f"the {self.stage} gradient hook"))
+                for i, p in enumerate(params)]
+
+    @contextmanager
+    def backward_pass(self, arm: bool = True) -> Iterator[None]:
+        """One backward pass: with ``arm``, buckets launch as their gradients arrive; arrivals
+        after the block are ignored whatever happened inside it."""
+        if arm:
+            self.arm()
+        try:
+            yield
+        finally:
+            self.disarm()
 
     def arm(self) -> None:
         self.armed = True

@@ -2,12 +2,13 @@
 
 Every ZeRO stage owns, per parameter group, one partition [lo, hi) of a padded flat layout and
 the master pieces the offload target cut it into; the optimizer updates those pieces, the
-gradient norm and the overflow report read the reduced partitions, and the name-keyed layout
-comes from them. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
+overflow report reads their gradients, the gradient norm reads the reduced partitions, and the
+name-keyed layout comes from the pieces. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
 working parameters) each hold one ``Partitions`` (composition), so no field means one thing in
 one stage and another thing in the other. ``PartitionedStage`` implements the Stage methods that
-only need ``parts`` and the offload target; a stage supplies ``_partition_grads`` (its reduced
-gradient partitions) and ``publish_finish`` (make the working parameters current again).
+only need ``parts`` and the offload target; a stage supplies ``_finish_grads`` (complete the
+step's reduction), ``_partition_grads`` (its reduced gradient partitions) and ``publish_finish``
+(make the working parameters current again).
 """
 from __future__ import annotations
 
@@ -98,8 +99,13 @@ class PartitionedStage:
     parts: Partitions
     offload: Placement
 
+    def _finish_grads(self) -> None:
+        """Complete the step's gradient reduction (after its last backward pass)."""
+        raise NotImplementedError
+
     def _partition_grads(self) -> list[torch.Tensor]:
-        """Each group's reduced gradient partition (on the device)."""
+        """Each group's reduced gradient partition (on the device), the step's sums once
+        ``_finish_grads`` ran. Reads only: it may be called again."""
         raise NotImplementedError
 
     def publish_finish(self) -> None:
@@ -116,11 +122,13 @@ class PartitionedStage:
         return self.parts.piece_specs()
 
     def reduce_grads(self) -> list[torch.Tensor]:
-        self._reduced = self._partition_grads()
-        return self.offload.grads(self._reduced)
+        self._finish_grads()
+        return self.offload.grads(self._partition_grads())
 
-    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        return self.parts.grad_sq_norm(self._reduced)
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Over the reduced partitions (``_partition_grads``), not the pieces ``reduce_grads``
+        returned (see ``Partitions.grad_sq_norm``)."""
+        return self.parts.grad_sq_norm(self._partition_grads())
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         return self.parts.nonfinite_names(grads)

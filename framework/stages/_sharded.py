@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind, make_layout, param_groups
+from framework.stages._flat import Layout, bind_group, param_groups
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup, WholeParameters
 from framework.core.utils import tensor_bytes
@@ -78,11 +78,9 @@ class ShardedStage(PartitionedStage, WholeParameters):
             # Layout order (round-robin, or registration order); entries stay in registration order,
             # the order backward runs in reverse, from which buckets are planned.
             placed = round_robin(named, self.dist.world) if self.round_robin else named
-            layout = make_layout(placed, world=self.dist.world)
-            flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = dict(zip((n for n, _ in placed), bind(module, placed, flat, layout, init)))
+            layout, flat, bound = bind_group(module, placed, self.dist.world, policy.param_dtype, self.dist, init)
+            params = dict(zip((n for n, _ in placed), bound))
             slots = {s.name: s for s in layout.slots}
-            self.dist.broadcast(flat, what="initial parameter broadcast")
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
             self.parts.add(layout, flat[lo:hi], policy.master_dtype)

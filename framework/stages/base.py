@@ -36,8 +36,11 @@ class Stage(Protocol):
     def reduce_grads(self) -> list[torch.Tensor]:
         """Finish gradient reduction; return gradients aligned with ``Setup.master`` (master dtype)."""
 
-    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Global squared L2 norm of the gradients across all ranks (non-finite if any is)."""
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Global squared L2 norm across all ranks (non-finite if any element is) of the gradients
+        the last ``reduce_grads`` finished. Each stage says which tensors it reads (the ZeRO
+        stages: whole partitions, so that how the offload target cut them into pieces does not
+        change the rounding)."""
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         """Names of parameters with non-finite gradients on any rank (slow path, for errors)."""
@@ -58,7 +61,8 @@ class Stage(Protocol):
         """How optimizer steps are applied and published (framework.engine.update)."""
 
     def out16(self) -> list[torch.Tensor] | None:
-        """16-bit outputs the optimizer step writes along with the master values (see _sharded)."""
+        """Where the optimizer step also writes the updated values in the working dtype, one per
+        master piece (the offload target's staging buffers), or None."""
 
     def stats(self) -> dict:
         """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""

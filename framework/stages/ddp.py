@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind, make_layout, param_groups, views
+from framework.stages._flat import Layout, bind_group, param_groups, views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
@@ -45,6 +45,7 @@ class DDPStage(WholeParameters):
         self.flat_grads: FlatGrads | None = None
         self.reduce_dtype = torch.float32
         self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
+        self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
         self.hook_handles: list = []   # removed by close()
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
@@ -54,11 +55,7 @@ class DDPStage(WholeParameters):
         entries = []  # (param, group index, slot) in registration order
         grad_views = []
         for g, (_, named) in enumerate(groups):
-            layout = make_layout(named, world=1)
-            flat = torch.zeros(layout.padded, dtype=policy.param_dtype, device=self.dist.device)
-            params = bind(module, named, flat, layout, init)
-            # Every rank starts from rank 0's values, whatever each rank's initialisation did.
-            self.dist.broadcast(flat, what="initial parameter broadcast")
+            layout, flat, params = bind_group(module, named, 1, policy.param_dtype, self.dist, init)
             grad = torch.zeros_like(flat)
             grad_views += views(grad, layout)  # bound as .grad during backward (in-place accumulation)
             self.layouts.append(layout)
@@ -72,9 +69,7 @@ class DDPStage(WholeParameters):
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "ddp")
         if self.dist.world > 1 and self.cfg.overlap_comm:
-            for i, (p, _) in enumerate(entries):
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                    self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the ddp gradient hook")))
+            self.hook_handles += self.launcher.attach([p for p, _ in entries], self.dist.acc)
         return Setup(self.master, [kind for kind, _ in groups])
 
     def _launch(self, i: int) -> None:
@@ -85,13 +80,10 @@ class DDPStage(WholeParameters):
                           wire, view))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        if sync and self.dist.world > 1:
-            self.launcher.arm()
-        # Gradients are summed across ranks, so each rank contributes 1/world of the mean.
-        try:
+        # Buckets go out during the last micro batch's backward only. Gradients are summed across
+        # ranks, so each rank contributes 1/world of the mean.
+        with self.launcher.backward_pass(arm=sync and self.dist.world > 1):
             self.flat_grads.backward(lambda: (loss / self.dist.world).backward(), sync=sync)
-        finally:
-            self.launcher.disarm()
 
     def reduce_grads(self) -> list[torch.Tensor]:
         if self.dist.world > 1:
@@ -102,14 +94,15 @@ class DDPStage(WholeParameters):
                     view.copy_(wire)
             self.work = []
         else:
-            for g, grad in enumerate(self.grads):
-                self.flat_grads.final(g, 0, grad.numel())
+            self.flat_grads.final_all()
         summed = self.flat_grads.summed()
-        return [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(summed, self.master)]
+        self.reduced = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(summed, self.master)]
+        return self.reduced
 
-    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        # Gradients are replicated after the all-reduce: the local norm is the global one.
-        return sq_norm(grads, self.dist.device)
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Over ``reduced`` (the master-dtype gradients, so the norm rounds as the update reads them).
+        Gradients are replicated after the all-reduce: the local norm is the global one."""
+        return sq_norm(self.reduced, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         return [s.name for g, lay in zip(grads, self.layouts) for s in lay.slots
@@ -122,6 +115,7 @@ class DDPStage(WholeParameters):
 
     def zero_grads(self) -> None:
         self.flat_grads.zero()
+        self.reduced = []   # master-dtype copies, when there are any, are the step's only
 
     def piece_specs(self) -> list[PieceSpec]:
         """One master piece per group: the whole flat buffer (padding included)."""

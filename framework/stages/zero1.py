@@ -38,9 +38,7 @@ class Zero1Stage(ShardedStage):
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "zero1")
         self.work: list = []
         if self.dist.world > 1 and self.cfg.overlap_comm:
-            for i, (p, _) in enumerate(entries):
-                self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                    self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the zero1 gradient hook")))
+            self.hook_handles += self.launcher.attach([p for p, _ in entries], self.dist.acc)
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
@@ -59,14 +57,10 @@ class Zero1Stage(ShardedStage):
         self.work.append((b, pending, buf))
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        if sync and self.dist.world > 1:
-            self.launcher.arm()
-        try:
+        with self.launcher.backward_pass(arm=sync and self.dist.world > 1):
             self.flat_grads.backward(lambda: (loss / self.dist.world).backward(), sync=sync)
-        finally:
-            self.launcher.disarm()
 
-    def _partition_grads(self) -> list[torch.Tensor]:
+    def _finish_grads(self) -> None:
         if self.dist.world > 1:
             self.launcher.flush()
             for b, pending, buf in self.work:
@@ -77,8 +71,9 @@ class Zero1Stage(ShardedStage):
                         summed[lo:hi].copy_(buf[off:off + hi - lo])
             self.work = []
         else:
-            for g, grad in enumerate(self.grads):
-                self.flat_grads.final(g, 0, grad.numel())
+            self.flat_grads.final_all()
+
+    def _partition_grads(self) -> list[torch.Tensor]:
         return [g[lo:hi] for g, (lo, hi) in zip(self.flat_grads.summed(), self.bounds)]
 
     def zero_grads(self) -> None:

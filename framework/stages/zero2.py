@@ -50,9 +50,8 @@ class Zero2Stage(ShardedStage):
         self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
-        for i, p in enumerate(self.params):
-            self.hook_handles.append(p.register_post_accumulate_grad_hook(
-                self.dist.acc.hook(lambda _p, i=i: self.launcher.ready(i), "the zero2 gradient hook")))
+        self.sync = True   # set by each backward: its pass is the step's last, so the ranges it completes are final
+        self.hook_handles += self.launcher.attach(self.params, self.dist.acc)
 
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
@@ -119,7 +118,7 @@ class Zero2Stage(ShardedStage):
             if a >= z:
                 continue
             self.part[b.group][a - lo:z - lo] += t[off:off + z - a]
-            if self.sync:  # tell the listener (the offload target): this range is final
+            if self.sync:  # tell the listener (the offload target)
                 self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
         if buf is not None:
             self.free.append(buf._base if buf._base is not None else buf)
@@ -127,14 +126,14 @@ class Zero2Stage(ShardedStage):
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.sync = sync
         check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
-        self.launcher.arm()
-        try:
+        with self.launcher.backward_pass():
             (loss / self.dist.world).backward()
-        finally:
-            self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
+
+    def _finish_grads(self) -> None:
+        pass   # each backward pass completed its own reductions
 
     def _partition_grads(self) -> list[torch.Tensor]:
         return self.part

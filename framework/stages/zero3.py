@@ -65,7 +65,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         self.hook_handles: list = []    # the gatherer's, removed by close()
         self.groups: list[UnitGroup] = []
         self._index: dict[int, int] = {}   # id(UnitGroup) -> its index in ``groups`` (and ``parts``)
-        self.sync = True
         self.gatherer: Gatherer | None = None
         self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
 
@@ -149,41 +148,41 @@ class Zero3Stage(PartitionedStage, HookOwner):
     # --- the Stage protocol ------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        self.sync = sync   # the last micro batch: a group's partition is final once its reduction is added
-        self.gatherer.backward_allowed = True
-        try:
+        with self.gatherer.backward_pass(final=sync):
             (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
-        finally:
-            self.gatherer.backward_allowed = False
 
-    def _reduced(self, g: UnitGroup) -> None:
-        """A reduction of group ``g`` was added into its gradient partition (in backward): on the last
-        micro batch that partition is final, so tell the listener (the offload target), which can
-        start copying it to the host (and stepping it) while backward goes on."""
+    def _reduced(self, g: UnitGroup, final: bool) -> None:
+        """A reduction of group ``g`` was added into its gradient partition (in backward). On the last
+        micro batch (``final``) that partition is final, so tell the listener (the offload target),
+        which can start copying it to the host (and stepping it) while backward goes on."""
         if self.grad_swap:   # to the swap file; the partition is not kept
-            self.offload.save_grad(self._index[id(g)], g.part_grad, final=self.sync)
+            self.offload.save_grad(self._index[id(g)], g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
             return
-        if self.sync:
+        if final:
             k = self._index[id(g)]
             lo, hi = self.parts.bounds[k]
             real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
             if real:
                 self.offload.grads_final(k, 0, real, g.grad())
 
-    def _partition_grads(self) -> list[torch.Tensor]:
+    def _finish_grads(self) -> None:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
             self.offload.finish_grads(self._sizes())
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        if self.grad_swap:   # not resident (see ``_reduced``)
             return [g.part_grad for g in self.groups]
         return [g.grad() for g in self.groups]
 
     def _sizes(self) -> list[int]:
         return [g.shard.numel() for g in self.groups]
 
-    def grad_sq_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+    def grad_sq_norm(self) -> torch.Tensor:
+        """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
-            return super().grad_sq_norm(grads)
+            return super().grad_sq_norm()
         local = self.offload.grad_sq_norm_local(self._sizes())
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local

@@ -187,7 +187,7 @@ def test_failed_overlapped_step_leaves_the_optimizer_untouched(monkeypatch):
             if step == fail_at:
                 before = [t.clone() for t in tensors_in((state.params, state.opt_state))]
                 with monkeypatch.context() as m:
-                    m.setattr(stage, "grad_sq_norm", lambda grads: (_ for _ in ()).throw(RuntimeError("boom")))
+                    m.setattr(stage, "grad_sq_norm", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
                     with pytest.raises(RuntimeError, match="boom"):
                         engine.train_step(state, batch)
                 after = list(tensors_in((state.params, state.opt_state)))
