@@ -54,12 +54,11 @@ import numpy as np
 import torch
 
 from framework.core.errors import SwapIOError
-from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, preflight, reserved_bytes, swap_path
+from framework.offload._swapfile import ALIGN, SwapFile
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 
-__all__ = ["ALIGN", "AsyncIO", "DirectIOFallback", "IOHandle", "SwapFile", "SwapIOError", "Syscalls",
-           "aligned_empty", "preflight", "reserved_bytes", "swap_path"]
+__all__ = ["AsyncIO", "DirectIOFallback", "IOHandle", "aligned_empty"]
 
 
 class DirectIOFallback(RuntimeWarning):
