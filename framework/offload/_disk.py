@@ -9,7 +9,6 @@ swap file at the end of setup; until then they behave as host shards (``cpu.Host
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +16,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError, SwapIOError
 from framework.offload._diskstore import DiskStore
-from framework.offload._gradswap import GradSwap, Spill
+from framework.offload._gradswap import GradSwap, Spill, read_into
 from framework.offload._room import agree_swap_room
 from framework.offload._store import Tier
 from framework.offload._swap import NVMePlacement, parked
@@ -251,19 +250,12 @@ class DiskShards(HostShards):
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """From the parameter swap file once the shard is there, else from the spill, else ``own`` itself."""
         key = self.keys.get(id(own))
-        if key is not None and self.swapped:
-            file = self.store.file
-            size = own.element_size()
-            out = torch.empty(hi - lo, dtype=own.dtype)
-            view = memoryview(out.view(torch.uint8).numpy())   # host sync: no (a host tensor, setup)
-            fd, _ = file.descriptor(direct=False)
-            base, done = file.extent(f"{key}.0")[0] + lo * size, 0
-            while done < len(view):   # setup: the bytes were just written through this file
-                n = os.preadv(fd, [view[done:]], base + done)
-                if n <= 0:
-                    raise SwapIOError(f"swap file {file.path}: short read at {base + done}", path=str(file.path),
-                                      offset=base + done, what="initial master values", errno=None)
-                done += n
+        if key is not None and self.swapped:   # setup: the bytes were just written through this file
+            file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype)
+            short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
+            if short is not None:
+                raise SwapIOError(f"swap file {file.path}: short read at {short}", path=str(file.path),
+                                  offset=short, what="initial master values", errno=None)
             return out
         if self.spill is not None and self.spill.has(own):
             return self.spill.read(own, lo, hi)

@@ -8,6 +8,7 @@ which opens its file through ``open_swap``). ``_disk.DiskPlacement`` adds the op
 from __future__ import annotations
 
 import hashlib
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, SwapIOError
+from framework.core.room import nearest_existing
 from framework.offload._room import agree_swap_room
 from framework.offload._store import Tier
 from framework.offload.base import Shards
@@ -103,10 +105,7 @@ class NVMePlacement(HostPlacement):
         spec, size = self.spec, torch.empty((), dtype=param_dtype).element_size()
         need = numel * ((4 if spec.optimizer else 0) + (4 if self.grad_swap else 0) + (2 * size if spec.params else 0))
         folder = spec.path
-        probe = Path(folder) if folder is not None else Path(tempfile.gettempdir())
-        while not probe.exists():
-            probe = probe.parent
-        free = _free_bytes(probe)
+        free = shutil.disk_usage(nearest_existing(Path(folder or tempfile.gettempdir()))).free
         if need > free:
             raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
                               f"{need / 2**30:.2f} GiB ({need} bytes) of swap but its file system has "
@@ -182,7 +181,6 @@ class NVMePlacement(HostPlacement):
             super().close()
         finally:
             if self._tmpdir is not None:
-                import shutil
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
             if self._made is not None:
@@ -210,12 +208,6 @@ def _return_freed_memory() -> None:
         libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD (<malloc.h>)
     except (OSError, AttributeError):
         pass
-
-
-def _free_bytes(path: Path) -> int:
-    import os
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _available_ram() -> int | None:
