@@ -188,7 +188,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
              r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
-             OrderError, r"host code on the host writes .* at framework/offload/_store\.py:\d+ in _read.*"
+             OrderError, r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
                          r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
              NoSyncAfterH2D),
     Mutation("unsynced-d2h", "a non_blocking device-to-host result read on the host without a wait",

@@ -55,12 +55,11 @@ import torch
 
 from framework.core.errors import SwapIOError
 from framework.core.units import MiB
-from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, preflight, reserved_bytes, swap_path
+from framework.offload._swapfile import ALIGN, SwapFile
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 
-__all__ = ["ALIGN", "AsyncIO", "DirectIOFallback", "IOHandle", "SwapFile", "SwapIOError", "Syscalls",
-           "aligned_empty", "preflight", "reserved_bytes", "swap_path"]
+__all__ = ["AsyncIO", "DirectIOFallback", "IOHandle", "aligned_empty"]
 
 
 class DirectIOFallback(RuntimeWarning):
@@ -275,18 +274,6 @@ class AsyncIO:
         return bounds
 
     # bytes that moved outside the engine (a memory map of the file)
-
-    def verify(self, file: SwapFile, offset: int, data: torch.Tensor, what: str) -> None:
-        """Check ``data`` (uint8, the file's bytes at ``offset``, e.g. a mapped view) against the
-        checksums this engine recorded when it wrote them; raises SwapIOError on a mismatch. Runs
-        on the calling thread."""
-        base = data.data_ptr()
-        for lo, hi in self._bounds(offset, data.numel()):
-            want = file.expected((self.block_size, self.checksum), lo, hi - lo) if self._hash else None
-            if want is not None and self._hash(_memory(base + lo - offset, hi - lo), hi - lo) != want:
-                raise SwapIOError(f"swap file {file.path}: checksum mismatch at offset {lo} ({hi - lo} bytes, "
-                                  f"{what}): the swap file was changed or the disk returned bad data",
-                                  path=str(file.path), offset=lo, what=what, errno=None)
 
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
         """``data`` (uint8) now is the file's bytes at ``offset``, written around the engine (through

@@ -66,15 +66,10 @@ class Spill:
     def read(self, t: torch.Tensor, lo: int, hi: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """Elements [lo, hi) of the values put under ``t`` (into ``out`` if given)."""
         off, _, dtype = self.where[id(t)]
-        size = torch.empty((), dtype=dtype).element_size()
         out = torch.empty(hi - lo, dtype=dtype) if out is None else out
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], off + lo * size + done)
-            if n <= 0:
-                raise OSError(f"construction spill: short read at {off + lo * size + done}")
-            done += n
+        short = read_into(self.fd, out, off + lo * out.element_size())
+        if short is not None:
+            raise OSError(f"construction spill: short read at {short}")
         return out
 
     def close(self) -> None:
@@ -82,6 +77,18 @@ class Spill:
             os.close(self.fd)
             self.fd = None
         self.where.clear()
+
+
+def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
+    """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
+    first (None: read whole)."""
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            return offset + done
+        done += n
+    return None
 
 
 class GradSwap:

@@ -297,11 +297,7 @@ class PiecePipeline:
                 self._release_all()
             except Exception as e:   # noqa: BLE001 - a swap write that failed
                 failed = failed or e
-        if Tier.DISK in self.target.stores:
-            # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
-            self.target.agree(failed, "stepping the optimizer tiles")
-        elif failed is not None:
-            raise failed
+        self.target.step_errors(failed)   # (with swap files: on every rank, before the gather)
         self.target.working_ready(copies)
         self.gather()
         return new_state
@@ -323,7 +319,7 @@ class PiecePipeline:
     def swap_stats(self) -> dict[str, float]:
         """Swap file bytes, bytes read and written and seconds blocked on IO so far, over the disk
         stores (benchmarks)."""
-        stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.param_store) if s is not None]
+        stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.shards.store) if s is not None]
         return {"file": sum(s.memory()["file"] for s in stores), "read": sum(s.bytes_read for s in stores),
                 "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 

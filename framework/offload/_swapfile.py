@@ -277,10 +277,6 @@ class SwapFile:
         _unlink(self.path)
         _unlink(_manifest_path(self.path))
 
-    @property
-    def removed(self) -> bool:
-        return self._fd is None
-
     def __enter__(self) -> "SwapFile":
         return self
 

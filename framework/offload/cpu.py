@@ -6,14 +6,111 @@ optimizer step runs there (the C++ CPU kernels when built), and updated values g
 the device in the working dtype before the stage gathers them; copies run on their own stream
 (``offload._pipeline``). With ``ratio`` < 1 only the
 first ``ratio`` of every partition is stepped on the host and the rest stays on the device
-(DeepSpeed's partial offload).
+(DeepSpeed's partial offload). ``params: cpu`` keeps zero3's parameter shards in pinned host
+memory between gathers (``HostShards``).
 """
+from __future__ import annotations
+
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from framework.comm.accelerator import Accelerator
+import torch
+
+from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError
-from framework.offload.base import Placement
 from framework.core.registry import Component
+from framework.offload._store import Tier
+from framework.offload.base import Piece, PieceInfo, Placement, Shards
+
+
+class HostPlacement(Placement):
+    """The first ``host_fraction`` of each partition in host memory, stepped by the host (tier HOST)."""
+
+    def __init__(self, host_fraction: float, pin: bool, shards: Shards | None = None, overlap_step: bool = False,
+                 accelerator: Accelerator | None = None):
+        self.host_fraction, self.pin, self.overlap_step = host_fraction, pin, overlap_step
+        super().__init__(shards, accelerator)
+
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
+                    chunk: int | None) -> list[tuple[Tier, Piece]]:
+        """Pieces of ``chunk`` elements: a gradient buffer, the master (copied from ``own``) and in
+        16-bit training a staging buffer, slices of one pinned arena for the partition."""
+        step, host = chunk or max(k, 1), self.stores[Tier.HOST]
+        sizes = [min(a + step, k) - a for a in range(0, k, step)]
+        staged = own.dtype != master_dtype
+        host.reserve([(m, dt) for m in sizes for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
+        pieces = []
+        for a in range(0, k, step):
+            b = min(a + step, k)
+            grad = host.allocate(b - a, master_dtype)
+            grad.zero_()
+            master = host.allocate(b - a, master_dtype)
+            self.acc.copy(master, own[a:b])   # blocking: setup
+            staging = host.allocate(b - a, own.dtype) if staged else None
+            pieces.append((Tier.HOST, Piece(a, b, master, grad, staging)))
+        return pieces
+
+
+class HostShards(Shards):
+    """zero3 parameter shards in pinned host memory (``offload.params=cpu``): loaded for a gather
+    on the H2D stream, written by host copies once the loads that read them are done."""
+
+    params_on_host = True
+
+    def __init__(self):
+        self.reads: dict[int, Event] = {}   # host shard storage address -> its last load's copy
+
+    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        shard = self.p.stores[Tier.HOST].allocate(numel, dtype)
+        shard.zero_()
+        return shard
+
+    @contextmanager
+    def loading(self):
+        """The load and the gather that reads it are queued on the H2D stream, behind the current
+        stream's work so far (the gather buffer is fresh memory whose last users ran there), so a
+        prefetch hides the copy and the gather; the current stream waits only where it consumes
+        the unit: the gather's wait, and the waits yielded here (at world size 1 on CUDA there is
+        no collective to wait for)."""
+        acc, waits = self.p.acc, []
+        fresh = acc.event()
+        fresh.record()
+        with acc.stream(self.p.h2d_stream):
+            fresh.wait()
+            yield waits
+            issued = acc.event()
+            issued.record()
+        waits.append(issued.wait)
+
+    def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
+        self.p.acc.on_device(dst, what="zero3 gather buffer")
+        self.reads[shard.untyped_storage().data_ptr()] = self._copy_in(dst, shard)
+
+    def _copy_in(self, dst: torch.Tensor, shard: torch.Tensor) -> Event:
+        acc = self.p.acc
+        acc.on_host(shard, what="zero3 host shard")
+        acc.copy(dst, shard, non_blocking=self.p.pin)   # the gather reads it on this stream next
+        done = acc.event()
+        done.record()
+        return done
+
+    def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        self._settle(shard)
+        self.p.acc.copy(shard, values)
+
+    def working(self, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
+        return []   # read by the compute stream only through ``load``
+
+    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+        self._settle(dst)   # a host copy, once its loads are done
+        self.p.acc.copy(dst, src)
+        return None
+
+    def _settle(self, shard: torch.Tensor) -> None:
+        """The host is about to write a host shard: wait for the copy that last read it (if any)."""
+        done = self.reads.pop(shard.untyped_storage().data_ptr(), None)
+        if done is not None:
+            done.synchronize()
 
 
 @dataclass(kw_only=True)
@@ -28,12 +125,12 @@ class CPUOffloadConfig:
     overlap_step: bool = False
 
 
-def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
+def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> HostPlacement:
     """``accelerator``: the compute device's (``initialize`` passes it; default: the stage's device's)."""
     if not 0.0 <= cfg.ratio <= 1.0:
         raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
-    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params == "cpu",
-                     overlap_step=cfg.overlap_step, accelerator=accelerator)
+    return HostPlacement(cfg.ratio, cfg.pin_memory, HostShards() if cfg.params == "cpu" else Shards(),
+                         overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
 def check(node: CPUOffloadConfig, stage: str) -> CPUOffloadConfig:

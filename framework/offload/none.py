@@ -1,9 +1,10 @@
-"""none: master partitions, optimizer state and parameters stay on the training device."""
+"""none: master partitions, optimizer state and parameters stay on the training device
+(``base.Placement`` as it is)."""
 from dataclasses import dataclass
 
 from framework.comm.accelerator import Accelerator
-from framework.offload.base import Placement
 from framework.core.registry import Component
+from framework.offload.base import Placement
 
 
 @dataclass(kw_only=True)
@@ -12,7 +13,7 @@ class NoOffloadConfig:
 
 
 def build(cfg: NoOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
-    return Placement(host_fraction=0.0, pin=False, params_on_host=False, accelerator=accelerator)
+    return Placement(accelerator=accelerator)
 
 
 COMPONENT = Component(config=NoOffloadConfig, build=build)

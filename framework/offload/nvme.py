@@ -4,9 +4,9 @@ The fp32 master partition and the optimizer state (``optimizer: nvme``) and, und
 16-bit parameter shards (``params: nvme``) live in swap files under ``nvme_path``; the host holds
 only pools of pinned, page-aligned buffers: ``buffer_count`` optimizer tiles of ``sub_group_size``
 elements and ``param_buffer_count`` parameter buffers of ``param_buffer_size`` elements. The disk is
-one more tier of the offload store (``offload._store.DiskStore``): the piece pipeline acquires a
-tile (read into a buffer), the host kernel steps it, and the release writes it back, so the stages
-have no NVMe code path. Keys mirror DeepSpeed's; ``params: auto`` is nvme under zero3, none otherwise
+one more tier of the offload store (``offload._diskstore.DiskStore``): the piece pipeline acquires
+a tile (read into a buffer), the host kernel steps it, and the release writes it back, so the
+stages have no NVMe code path (``offload._disk``). Keys mirror DeepSpeed's; ``params: auto`` is nvme under zero3, none otherwise
 (``framework.config`` resolves it, so a built config never says auto).
 """
 from __future__ import annotations
@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
-from framework.offload.base import DiskSpec, Placement
 from framework.core.registry import Component
+from framework.offload._disk import DiskPlacement, DiskShards
+from framework.offload._swap import DiskSpec, NVMePlacement
+from framework.offload.base import Shards
+from framework.offload.cpu import HostShards
 
 PAGE = 4096
 
@@ -113,7 +116,7 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
     return replace(cfg, params=params)
 
 
-def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> Placement:
+def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> NVMePlacement:
     """``cfg`` as ``framework.config`` resolved it (``params`` is never auto here)."""
     if cfg.params == "auto":
         raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
@@ -125,8 +128,9 @@ def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> Pla
                     optimizer=cfg.optimizer == "nvme", params=cfg.params == "nvme",
                     param_buffer_count=cfg.param_buffer_count, param_buffer_size=cfg.param_buffer_size,
                     max_in_cpu=cfg.max_in_cpu)
-    return Placement(host_fraction=cfg.ratio, pin=cfg.pin_memory, params_on_host=cfg.params in ("cpu", "nvme"),
-                     overlap_step=cfg.overlap_step, accelerator=accelerator, disk=disk)
+    shards = DiskShards(disk) if cfg.params == "nvme" else HostShards() if cfg.params == "cpu" else Shards()
+    tier = DiskPlacement if cfg.optimizer == "nvme" else NVMePlacement
+    return tier(disk, cfg.ratio, cfg.pin_memory, shards, overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
 COMPONENT = Component(config=NVMeOffloadConfig, build=build, check=resolve)

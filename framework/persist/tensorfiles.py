@@ -18,11 +18,12 @@ import torch
 
 from framework.core import files
 from framework.core.errors import ConfigError
+from framework.core.units import MiB
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 # Elements converted and written per call: bounds the memory a save needs beyond the model states.
-WRITE_CHUNK = 4 * 2**20
+WRITE_CHUNK = 4 * MiB
 
 # safetensors dtype names (the format's spec) <-> torch dtypes.
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

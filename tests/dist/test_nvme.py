@@ -4,7 +4,7 @@ zero1/2/3 + offload=nvme are bitwise equal to offload=cpu (the same host kernels
 values; only where they live between steps differs) and within 1e-6 of offload=none, on 1 and 2
 ranks, fp32 and bf16, with gradient accumulation (2 micro batches), with pipeline_read and
 pipeline_write on and off (bitwise equal to each other), and zero3 parameter shards on none, cpu and
-nvme. Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
+nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
 pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
 checkpoint save or a weights export (both read the mapped swap file after checking it); a full
@@ -46,6 +46,8 @@ CASES = {
     "zero3 nvme params=cpu": (["+stage=zero3", *NVME, "offload.params=cpu"], "zero3 cpu params=cpu"),
     "zero3 nvme params=nvme": (["+stage=zero3", *NVME, "offload.param_buffer_count=2",
                                 "offload.pipeline_write=true"], "zero3 cpu params=cpu"),
+    "zero3 nvme optimizer=cpu params=nvme": (["+stage=zero3", *NVME, "offload.optimizer=cpu", "offload.params=nvme",
+                                              "offload.param_buffer_count=2"], "zero3 cpu params=cpu"),
     "zero3 bf16 cpu params=cpu": (["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"], None),
     "zero3 bf16 nvme params=nvme": (["+stage=zero3", "precision=bf16", *NVME], "zero3 bf16 cpu params=cpu"),
 }

@@ -8,7 +8,8 @@ import torch
 
 from framework.comm.accelerator import for_device
 from framework.offload._aio import AsyncIO, aligned_empty
-from framework.offload._store import DiskStore, Handle
+from framework.offload._diskstore import DiskStore
+from framework.offload._store import Handle
 from framework.offload._swapfile import SwapFile
 
 SIZES = [1, 1023, 4097, 3000, 17]

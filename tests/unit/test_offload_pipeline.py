@@ -8,7 +8,7 @@ from framework import compose
 from framework.comm.accelerator import CheckingCpuAccelerator
 from framework.engine.build import component
 from framework.offload._store import Tier
-from framework.offload.base import Placement
+from framework.offload.cpu import HostPlacement
 from framework.optimizers import step
 
 
@@ -22,8 +22,7 @@ def _tx(groups: int):
 def test_pipeline_driven_by_events_equals_the_plain_step(speculative, ratio):
     torch.manual_seed(0)
     acc = CheckingCpuAccelerator()
-    target = Placement(host_fraction=ratio, pin=True, params_on_host=False, overlap_step=speculative,
-                       accelerator=acc)
+    target = HostPlacement(host_fraction=ratio, pin=True, overlap_step=speculative, accelerator=acc)
     working = [torch.randn(40), torch.randn(24)]        # two owned partitions (device memory)
     reals = [37, 24]                                    # the first ends in 3 elements of padding
     pieces = [target.place(w, torch.float32, chunk=8, real=r) for w, r in zip(working, reals)]
@@ -71,7 +70,7 @@ def test_host_buffers_are_slices_of_one_pinned_arena_per_partition():
     rounding of each buffer), measured by the store, and returned when its last buffer goes."""
     import gc
     acc = CheckingCpuAccelerator()
-    target = Placement(host_fraction=1.0, pin=True, params_on_host=False, accelerator=acc)
+    target = HostPlacement(host_fraction=1.0, pin=True, accelerator=acc)
     for w in (torch.randn(40).bfloat16(), torch.randn(24).bfloat16()):
         target.place(w, torch.float32, chunk=8)
     buffers = [t for i in target.pieces() for t in (i.piece.master, i.piece.grad, i.piece.staging)]

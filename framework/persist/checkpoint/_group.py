@@ -13,7 +13,8 @@ import torch.distributed as tdist
 
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
-from framework.core.room import Claim, size
+from framework.core.room import Claim
+from framework.core.units import size
 
 
 def glue():

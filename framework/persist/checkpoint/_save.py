@@ -19,6 +19,7 @@ import torch
 
 from framework.core.errors import CheckpointError, FrameworkError, TrainingError
 from framework.core.room import Claim, shortfalls
+from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
 from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
@@ -273,7 +274,7 @@ def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, kee
         _folder.commit(tmp, final, point)
         gone = _folder.prune(root, final, keep_last)
         total = sum(v["bytes"] for v in files.values())
-        print(f"checkpoint: saved {final} ({total / 2 ** 20:.1f} MiB in {time.perf_counter() - t0:.2f}s"
+        print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
     agree_save(group, "commit", commit, tmp, need=need)

@@ -1,0 +1,478 @@
+"""The disk tier's store (offload=nvme): a swap file plus a pool of pinned, page-aligned slots that
+pieces are read into before the host uses them and written back from after (the store calls of
+``_store.py``: acquire, wait, release, flush)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from framework.comm.accelerator import Accelerator, Event
+from framework.offload._store import Handle
+from framework.offload._swapfile import padded
+from framework.offload._verified import verify_extent
+
+
+@dataclass
+class _Entry:
+    """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
+    need room while the piece is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor
+    objects are stable (the train state and optimizer state hold them); while the piece is not
+    resident they view a one-element parking storage with zero strides (any read of them is
+    meaningless and a write into them raises, and no buffer is held), while it is they view its slot."""
+
+    swapped: list[torch.Tensor]
+    scratch: list[torch.Tensor]
+    # The last ``readonly`` swapped tensors are read with the piece but never written back by a
+    # release (the owned gradient: written by ``write_extent`` during backward, read by the step).
+    readonly: int = 0
+    offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
+    footprint: int = 0
+
+
+@dataclass
+class _Slot:
+    index: int
+    buffer: torch.Tensor        # uint8 view of the pool, page-aligned
+    key: int | None = None      # the piece it holds
+    # free | reading (reads in flight, or taken back with its writes) | resident (pointed at, in use)
+    # | clean (resident, unchanged: evicted without a write) | writing | draining (a thread waits for
+    # its writes) | failed (a read failed: freed on release, never written)
+    state: str = "free"
+    io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
+    stamp: int = 0                             # when it was last made resident (eviction order)
+    readers: Event | None = None               # streams still copying from it
+
+
+class DiskStore:
+    """A swap file plus a pool of ``buffer_count`` page-aligned (pinned on CUDA) slots, each as large
+    as the largest piece. ``acquire(k)`` takes a slot and queues piece k's reads (with
+    ``read_ahead`` also the next piece's, into another free slot); ``wait`` points k's tensors at the
+    slot once its reads landed; ``release`` queues the writes of its swapped tensors (with
+    ``write_behind`` they drain while the next piece steps, else ``release`` waits for them). A
+    slot is reused only after its writes finished and the streams stopped reading it (the copy
+    back's event). ``acquire``/``wait`` run on the host-step worker, ``release`` on the main
+    thread: the slot table is guarded by a condition variable.
+
+    The IO engine (``offload._aio``) raises ``SwapIOError`` naming file, offset and tensor from
+    ``IOHandle.wait``; the store lets it propagate to the pipeline, which agrees across ranks."""
+
+    def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
+                 name: str, learn_order: bool = False):
+        self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
+        self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
+        # learn_order: the read-ahead follows the order of the previous acquires (zero3's recorded
+        # gather order) instead of the order pieces were added (the optimizer's tile order)
+        self.learn_order, self.follow, self.last = learn_order, {}, None
+        self.entries: dict[int, _Entry] = {}
+        self.order: list[int] = []          # keys in the order the pipeline steps them
+        self.slots: list[_Slot] = []
+        self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
+        self.writing: deque[_Slot] = deque()
+        self.parking: dict[torch.dtype, torch.Tensor] = {}
+        self.cond = threading.Condition()
+        self.file = self.io = None
+        self.bytes_read = self.bytes_written = 0
+        self.interrupted = False   # the step failed: a worker waiting for a slot gives up
+        self.creating = False      # ``create``: every swapped tensor is written, read-only ones too
+        self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
+        self.clock = 0
+        self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
+            park: bool = True, readonly: int = 0) -> None:
+        """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
+        keep their memory and values until ``create`` writes them out). The last ``readonly`` of
+        ``swapped`` are read with the piece but not written back on release (``write_extent``)."""
+        e = _Entry(list(swapped), list(scratch), readonly)
+        off = 0
+        for t in (*e.swapped, *e.scratch):
+            e.offsets.append(off)
+            off += padded(t.numel() * t.element_size())
+        e.footprint = off
+        self.entries[key] = e
+        self.order.append(key)
+        if park:
+            for t in (*e.swapped, *e.scratch):
+                self._park(t)
+
+    def extents(self) -> dict[str, int]:
+        """Swap file extents (padded bytes), one per swapped tensor."""
+        return {f"{k}.{j}": padded(t.numel() * t.element_size())
+                for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
+
+    def slot_bytes(self) -> int:
+        return max((e.footprint for e in self.entries.values()), default=0)
+
+    def open(self, file, io, pool: torch.Tensor) -> None:
+        """Start swapping: ``file`` (a ``SwapFile`` with ``extents()``), ``io`` (an ``AsyncIO``) and
+        ``pool`` (uint8, page-aligned, ``buffer_count * slot_bytes()`` bytes)."""
+        self.file, self.io = file, io
+        size = self.slot_bytes()
+        self.slots = [_Slot(i, pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
+
+    # --- the store calls ---------------------------------------------------------------------
+
+    def acquire(self, key: int) -> "Handle":
+        with self.cond:
+            while (slot := self.where.get(key)) is not None and slot.state == "draining":
+                self.cond.wait()   # its writes are being waited for by another thread; then it is free
+            if slot is None:
+                self._read(key, self._free_slot(block=True))
+            elif slot.state == "writing":   # taken back before its writes drained: wait for them in ``wait``
+                self.writing.remove(slot)
+                slot.state = "reading"
+            elif slot.state == "clean":     # still resident from an earlier use, unchanged since
+                slot.state = "reading"
+            if self.learn_order:
+                if self.last is not None and self.last != key:
+                    self.follow[self.last] = key
+                self.last = key
+            if self.read_ahead:
+                nxt = self._next(key)
+                if nxt is not None and nxt not in self.where:
+                    free = self._free_slot(block=False)
+                    if free is not None:
+                        self._read(nxt, free)
+        return Handle(key, None)
+
+    def wait(self, handle: "Handle", host_writes: bool = True) -> None:
+        """``host_writes=False``: the host only reads the piece until ``release`` (zero3 loads a shard
+        from it), so copies still reading it from an earlier use need not be waited for; they stay
+        the slot's readers until a later event replaces them."""
+        with self.cond:
+            slot = self.where[handle.key]
+            pending, slot.io = slot.io, []
+        t = time.perf_counter()
+        try:
+            for h in pending:   # its reads (or, taken back, its writes)
+                h.wait()
+            self.wait_s += time.perf_counter() - t
+        except BaseException:
+            with self.cond:     # nothing valid in the slot: free it, never write it back
+                slot.state = "failed"
+            raise
+        if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
+            slot.readers.synchronize()
+            slot.readers = None
+        with self.cond:
+            slot.state = "resident"
+            self.clock += 1
+            slot.stamp = self.clock
+            self._point(handle.key, slot)
+
+    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True) -> None:
+        """``dirty=False``: the host only read the piece; it stays resident (clean) until its slot is
+        needed, and is never written back."""
+        with self.cond:
+            slot = self.where.get(handle.key)
+            if slot is None:
+                return
+            if slot.state == "failed":
+                self._free(slot)
+                return
+            if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
+                return
+            if slot.readers is not None and readers is None:
+                readers = slot.readers   # an earlier reader of the same piece still counts
+            slot.readers = readers
+            if not dirty:
+                slot.state = "clean"
+                self.cond.notify_all()
+                return
+            e = self.entries[handle.key]
+            slot.state = "writing"
+            written = range(len(e.swapped) - (0 if self.creating else e.readonly))
+            slot.io = [self.io.pwrite(self.file, self.file.extent(f"{handle.key}.{j}")[0], self._view(slot, e, j),
+                                      what=f"{self.name} piece {handle.key} tensor {j}")
+                       for j in written]
+            self.bytes_written += sum(self.extents_of(handle.key)[j] for j in written)
+            self.writing.append(slot)
+            self.cond.notify_all()
+        if not self.write_behind:
+            self._finish_writes(slot)
+
+    def flush(self) -> None:
+        """Every write landed and no stream reads a slot any more."""
+        while True:
+            with self.cond:
+                if not self.writing:
+                    break
+                slot = self.writing[0]
+            self._finish_writes(slot)
+        for slot in self.slots:
+            if slot.readers is not None:
+                slot.readers.synchronize()
+                slot.readers = None
+
+    def close(self) -> None:
+        """Flush, wait for reads still in flight, close the engine and remove the swap file."""
+        try:
+            self.flush()
+            for slot in self.slots:
+                for h in slot.io:
+                    h.wait()
+                slot.io = []
+        finally:
+            if self.io is not None:
+                self.io.close()
+            if self.file is not None:
+                self.file.remove()
+            self.io = self.file = self.bounce = None
+
+    def interrupt(self) -> None:
+        with self.cond:
+            self.interrupted = True
+            self.cond.notify_all()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.interrupted = False
+
+    def create(self, key: int, fill=None) -> None:
+        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors, write it out.
+        Without ``fill`` the tensors' current values (registered with ``park=False``) are kept."""
+        if fill is None:
+            e = self.entries[key]
+            old = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+                   for t in e.swapped]   # aliases keeping the original memory until copied
+
+            def fill():
+                for t, o in zip(e.swapped, old):
+                    t.copy_(o)
+        with self.cond:
+            slot = self._free_slot(block=True)
+            slot.key, slot.state = key, "resident"
+            self.where[key] = slot
+            self._point(key, slot)
+        fill()
+        self.creating = True
+        try:
+            self.release(Handle(key, None), None)
+        finally:
+            self.creating = False
+
+    # --- one tensor of a piece, around the slots (owned gradients during backward) --------------
+
+    def write_extent(self, key: int, j: int, src: torch.Tensor) -> None:
+        """``src`` (host, contiguous; ``swapped[j]``'s size) -> piece ``key``'s tensor ``j`` in the
+        swap file, waited for. The piece must not be in a slot (``settle`` between steps). Goes
+        through one page-aligned bounce buffer (the extent padded, as the slot reads it back, so
+        the checksums are kept over the same pieces)."""
+        self._outside_slots(key)
+        n, buf = self._bounce(key, j)
+        buf[:n].copy_(src.reshape(-1).view(torch.uint8))
+        buf[n:].zero_()
+        h = self.io.pwrite(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
+        t = time.perf_counter()
+        h.wait()
+        self.wait_s += time.perf_counter() - t
+        self.bytes_written += buf.numel()
+
+    def read_extent(self, key: int, j: int, dst: torch.Tensor) -> None:
+        """Piece ``key``'s tensor ``j`` from the swap file -> ``dst`` (host, contiguous), waited for."""
+        self._outside_slots(key)
+        n, buf = self._bounce(key, j)
+        h = self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
+        t = time.perf_counter()
+        h.wait()
+        self.wait_s += time.perf_counter() - t
+        self.bytes_read += buf.numel()
+        dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
+
+    def bounce_bytes(self) -> int:
+        """Bytes of the bounce buffer ``write_extent`` / ``read_extent`` will use (0: none)."""
+        return max((padded(x.numel() * x.element_size()) for e in self.entries.values()
+                    for x in e.swapped[len(e.swapped) - e.readonly:]), default=0)
+
+    def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
+        from framework.offload._aio import aligned_empty
+
+        t = self.entries[key].swapped[j]
+        n = t.numel() * t.element_size()
+        if self.bounce is None or self.bounce.numel() < padded(n):
+            self.bounce = aligned_empty(max(self.bounce_bytes(), padded(n)), torch.uint8, pin=False, acc=self.acc)
+        return n, self.bounce[:padded(n)]
+
+    def _outside_slots(self, key: int) -> None:
+        if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
+            self.settle()
+
+    # --- the swap file mapped (checkpoints) ---------------------------------------------------
+
+    def settle(self) -> None:
+        """Between steps: every write and read landed, and no slot holds a piece any more, so the
+        swap file is the only copy of the state and the next ``acquire`` reads it afresh (needed
+        before the file is read or changed around the engine, through ``mapped``)."""
+        self.flush()
+        with self.cond:
+            busy = [s.key for s in self.slots if s.state in ("resident", "writing", "draining")]
+            if busy:
+                raise RuntimeError(f"{self.name} swap: pieces {busy} are in use; the swap file can be mapped "
+                                   "only between steps")
+            pending = [h for s in self.slots for h in s.io]
+            for s in self.slots:
+                s.io = []
+        for h in pending:   # reads ahead into slots dropped below: their data (or error) is not used
+            h.exception()
+        with self.cond:
+            for s in self.slots:
+                if s.key is not None:
+                    self._free(s)
+
+    def mapped(self, write: bool) -> tuple[object | None, dict[int, list[torch.Tensor]]]:
+        """(map, views): the swap file mapped (``SwapFile.map``) and, per piece, its swapped tensors'
+        values as views of it, shaped as registered; (None, {}) without a swap file.
+
+        Settles the store first. Read-only (``write`` False): every extent is checked against the
+        checksums the engine recorded, so a damaged swap file is never saved into a checkpoint.
+        Writable: pass the map to ``unmapped`` when done (also after a failure)."""
+        if self.file is None or not self.entries or not self.file.size:
+            return None, {}
+        self.settle()
+        fmap = self.file.map(write)
+        views: dict[int, list[torch.Tensor]] = {}
+        extents = [(f"{key}.{j}", key, j, t) for key, e in self.entries.items() for j, t in enumerate(e.swapped)]
+        if not write:
+            fmap.prefetch(extents[0][0])
+        for i, (name, key, j, t) in enumerate(extents):
+            if not write:
+                if i + 1 < len(extents):   # the next extent is read while this one is checked
+                    fmap.prefetch(extents[i + 1][0])
+                verify_extent(fmap, name, what=f"{self.name} piece {key} tensor {j}")   # strict: every byte
+            views.setdefault(key, []).append(fmap.extent(name, t.dtype, t.shape))
+        return fmap, views
+
+    def unmapped(self, fmap) -> None:
+        """After writing through ``mapped(write=True)``'s views: the pages go to the file and the
+        engine's checksums are recomputed from them (the next read checks what was written)."""
+        if fmap is None:
+            return
+        fmap.sync()
+        for key, e in self.entries.items():
+            for j in range(len(e.swapped)):
+                name = f"{key}.{j}"
+                self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
+                fmap.release(name=name)
+
+    def memory(self) -> dict[str, int]:
+        return {"pool": self.buffer_count * self.slot_bytes() + (0 if self.bounce is None else self.bounce.numel()),
+                "file": sum(self.extents().values())}
+
+    # --- internals (called with the condition held unless said otherwise) --------------------
+
+    def _next(self, key: int) -> int | None:
+        if self.learn_order:
+            return self.follow.get(key)
+        i = self.order.index(key) + 1
+        return self.order[i] if i < len(self.order) else None
+
+    def _free_slot(self, block: bool) -> _Slot | None:
+        """A slot to read into. Slots whose last copy to the device is still running are taken only
+        when nothing else is (polled, never waited for: inside zero3's hooks a wait would stall the
+        host until the device caught up); without ``block`` they are not taken at all. With more
+        slots than shard loads in flight (``offload.param_buffer_count`` > the units prefetched + 1)
+        the host never waits here for the device."""
+        while True:
+            free = [slot for slot in self.slots if slot.state == "free"]
+            clean = sorted((slot for slot in self.slots if slot.state == "clean"), key=lambda sl: sl.stamp)
+            for slot in [*free, *clean]:   # free first, then the least recently released clean piece
+                if slot.readers is None or slot.readers.query():
+                    return self._evict(slot)
+            if block and (free or clean):   # every candidate is still being copied from: wait for the oldest
+                return self._evict((free or clean)[0])
+            if self.writing and (block or all(h.done() for h in self.writing[0].io)):
+                slot = self.writing[0]
+                self.cond.release()
+                try:
+                    self._finish_writes(slot)
+                finally:
+                    self.cond.acquire()
+                continue
+            if not block:
+                return None
+            if self.interrupted:
+                raise RuntimeError(f"{self.name} swap: the step failed while this piece waited for a buffer")
+            # Every slot holds a piece being read, stepped or copied back: wait for a release.
+            t = time.perf_counter()
+            self.cond.wait()
+            self.wait_s += time.perf_counter() - t
+
+    def _evict(self, slot: _Slot) -> _Slot:
+        """``slot`` (free, or clean: its piece needs no write) for a new piece."""
+        if slot.state == "clean":
+            self._unpoint(slot.key)
+            self.where.pop(slot.key, None)
+            slot.key, slot.state = None, "free"
+        return self._reuse(slot)
+
+    def _reuse(self, slot: _Slot) -> _Slot:
+        if slot.readers is not None:   # sync point: the copy back of the piece it held, only
+            slot.readers.synchronize()
+            slot.readers = None
+        return slot
+
+    def _read(self, key: int, slot: _Slot) -> None:
+        e = self.entries[key]
+        slot.key, slot.state = key, "reading"
+        self.where[key] = slot
+        self.acc.host_use(writes=[self._view(slot, e, j) for j in range(len(e.swapped))])   # the reads land there
+        slot.io = [self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], self._view(slot, e, j),
+                                 what=f"{self.name} piece {key} tensor {j}")
+                   for j in range(len(e.swapped))]
+        self.bytes_read += sum(self.extents_of(key))
+
+    def extents_of(self, key: int) -> list[int]:
+        e = self.entries[key]
+        return [padded(t.numel() * t.element_size()) for t in e.swapped]
+
+    def _finish_writes(self, slot: _Slot) -> None:
+        """Wait for ``slot``'s writes and free it (called without the condition held)."""
+        with self.cond:
+            if slot.state != "writing":
+                while slot.state == "draining":   # another thread waits for them
+                    self.cond.wait()
+                return
+            slot.state = "draining"
+            pending, slot.io = slot.io, []
+        t = time.perf_counter()
+        try:
+            for h in pending:
+                h.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t
+            with self.cond:
+                self.writing.remove(slot)
+                self._free(slot)
+
+    def _free(self, slot: _Slot) -> None:
+        self._unpoint(slot.key)
+        self.where.pop(slot.key, None)
+        slot.key, slot.state, slot.io = None, "free", []
+        self.cond.notify_all()
+
+    def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
+        t = (e.swapped + e.scratch)[j]
+        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(t.numel() * t.element_size())]
+
+    def _point(self, key: int, slot: _Slot) -> None:
+        e = self.entries[key]
+        for j, t in enumerate((*e.swapped, *e.scratch)):
+            t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+
+    def _unpoint(self, key: int) -> None:
+        e = self.entries[key]
+        for t in (*e.swapped, *e.scratch):
+            self._park(t)
+
+    def _park(self, t: torch.Tensor) -> None:
+        if t.dtype not in self.parking:
+            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype, device=t.device)
+        t.set_(self.parking[t.dtype].untyped_storage(), 0, t.shape, (0,) * t.dim())
+
