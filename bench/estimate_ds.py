@@ -4,7 +4,7 @@
 
 For a grid of (P, L, GPUs per node, nodes) and for the _all_live forms on real (not meta) models,
 compares the bytes DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` return with ours
-(``framework.memory.model``): every row must be equal, not merely round to the same GiB. DeepSpeed is a
+(``framework.memory.tables``): every row must be equal, not merely round to the same GiB. DeepSpeed is a
 benchmark peer only; the framework does not import it.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main() -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from framework.memory.model import count_module, zero2_rows, zero3_rows
+    from framework.memory.tables import count_module, zero2_rows, zero3_rows
     from framework.models.gpt import GPT, PRESETS
 
     cases = rows = 0

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import (BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows,
-                                    format_rows, hf_loss, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.memory.model import hf_loss, predict
+from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows, format_rows, nvme_rows,
+                                     parse_count, zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry

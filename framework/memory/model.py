@@ -1,24 +1,11 @@
-"""Memory model: DeepSpeed's model-state estimators (exact), NVMe rows, and a per-rank prediction.
-
-Three layers, each usable alone:
-
-* ``count_module``: P (distinct parameters, by identity, at their logical shape, so a model on the
-  meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
-  module registers itself), the two inputs of DeepSpeed's estimators.
-* ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
-  (model states only, per CPU = per node, per GPU; the 1.5 buffer factor on host memory), with
-  the same integer rounding, so the printed GiB agree to the last digit.
-  ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned
-  buffer pools of the ``offload=nvme`` keys).
-* ``predict``: for one of our composed configs, the bytes each rank will hold, laid out as the
-  stages lay them out (flat groups padded to world x 128 elements, bucket plans, zero3 gather
-  units), plus activations traced on the meta device, the zero3 live window and a stated
-  allocator slack. ``tests/cli/test_estimate.py`` checks it against the resident memory the OS
-  reports for real runs.
+"""The per-rank prediction: for one of our composed configs, the bytes each rank will hold, laid out
+as the stages lay them out (flat groups padded to world x 128 elements, bucket plans, zero3's gather
+units from ``stages.plan_units``), plus activations traced on the meta device, the zero3 live window
+and a stated allocator slack. ``tests/cli/test_estimate.py`` checks it against the resident memory
+the OS reports for real runs. DeepSpeed's tables and the NVMe rows are in ``tables``.
 """
 from __future__ import annotations
 
-import re
 import weakref
 from dataclasses import dataclass, field
 
@@ -28,149 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError
-from framework.core.units import GiB as GIB, MiB
-
-BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
-
-# --- counting -----------------------------------------------------------------------------
-
-_SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9, "T": 10 ** 12}
-
-
-def parse_count(text: str, what: str = "count") -> int:
-    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count."""
-    m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
-    if not m:
-        raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
-    value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
-    return int(round(value))
-
-
-@dataclass(frozen=True)
-class Counts:
-    params: int          # P: distinct parameters
-    largest_layer: int   # L: most parameters registered by one module itself (not its children)
-
-
-def logical_numel(p: torch.Tensor) -> int:
-    return getattr(p, "logical_shape", p.shape).numel()
-
-
-def count_module(module: nn.Module) -> Counts:
-    """P and L of ``module``. Parameters are deduplicated by identity (``parameters()`` yields a
-    tied tensor once); DeepSpeed keys them by ``data_ptr()``, which is 0 for every tensor on the meta
-    device and collapses the count (as DeepSpeed's estimator source does)."""
-    total = sum(logical_numel(p) for p in module.parameters())
-    largest = max((sum(logical_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    return Counts(total, largest)
-
-
-# --- DeepSpeed's tables ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Row:
-    cpu: int        # bytes per node (DeepSpeed's "per CPU")
-    gpu: int        # bytes per GPU
-    options: str
-
-
-def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
-               factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-2 estimate, offload_optimizer cpu then none."""
-    t = gpus_per_node * nodes
-    offload = Row(int(params * max(4 * t, 16) * factor), int(2 * params), "offload_optimizer=cpu")
-    # 2 (16-bit params) on every GPU; 18 = 16-bit grads 2 + fp32 grads 4 + fp32 master 4 + Adam 8, partitioned
-    plain = Row(int(params * 4 * gpus_per_node * factor), int(2 * params + int(18 * params / t)),
-                "offload_optimizer=none")
-    return [offload, plain]
-
-
-def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
-               factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-3 estimate, rows in its order."""
-    t, per_node = gpus_per_node * nodes, 1 / nodes
-    layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
-    rows = []
-    for opt, par in (("cpu", "cpu"), ("cpu", "none"), ("none", "none")):
-        for zero_init in (True, False):
-            if par == "cpu":
-                gpu = layer
-                cpu = params * (18 * per_node if zero_init else max(4 * gpus_per_node, 18 * per_node)) * factor
-            elif opt == "cpu":
-                gpu = layer + int(2 * params / t)
-                cpu = params * (16 * per_node if zero_init else max(4 * gpus_per_node, 16 * per_node)) * factor
-            else:
-                gpu = layer + int(18 * params / t)
-                cpu = (largest_layer if zero_init else params) * 4 * gpus_per_node * factor
-            rows.append(Row(int(cpu), int(gpu),
-                            f"offload_param={par}, offload_optimizer={opt}, zero_init={int(zero_init)}"))
-    return rows
-
-
-def format_rows(rows: list[Row]) -> str:
-    """DeepSpeed's layout: ``per CPU | per GPU | Options``, GiB (2^30 bytes) with two decimals."""
-    lines = ["  per CPU  |  per GPU |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.options}" for r in rows]
-    return "\n".join(lines)
-
-
-# --- NVMe (ZeRO-Infinity) rows -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class NVMeKeys:
-    """The ``offload=nvme`` keys that size host pools (DeepSpeed's names in comments)."""
-
-    sub_group_size: int = 1_000_000_000   # elements per optimizer tile (zero_optimization.sub_group_size)
-    buffer_count: int = 4                 # optimizer tiles in host memory (offload_optimizer.buffer_count)
-    param_buffer_count: int = 5           # offload_param.buffer_count
-    param_buffer_size: int = 100_000_000  # offload_param.buffer_size (elements)
-
-
-@dataclass(frozen=True)
-class NVMeRow:
-    cpu: int        # host bytes per node: pinned pools (+ the fp32 gradient partition, + cpu param shards)
-    gpu: int        # bytes per GPU
-    disk: int       # bytes per node on the NVMe path
-    options: str
-
-
-def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
-              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2) -> list[NVMeRow]:
-    """Per-node disk bytes and host pools of ZeRO-Infinity, for zero3 (our model, not DeepSpeed's:
-    no fudge factor; every term is named).
-
-    Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
-    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_gradswap.py)
-    live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
-    of master + state + gradient + 16-bit staging, and one tile's gradient bounce buffer. Parameters on NVMe: each rank's 16-bit shard on disk and
-    ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards
-    in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (16-bit params and
-    grads), plus the 16-bit shard when parameters stay on the GPU."""
-    t = gpus_per_node * nodes
-    part = -(-params // t)   # elements of one rank's partition
-    state = 4 + optimizer_bytes
-    tile = min(keys.sub_group_size, part)
-    rows = []
-    for par in ("nvme", "cpu", "none"):
-        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + param_bytes) + 4 * tile)
-        disk = gpus_per_node * part * (state + 4)
-        host, gpu = opt_host, 4 * largest_layer
-        if par == "nvme":
-            host += gpus_per_node * keys.param_buffer_count * keys.param_buffer_size * param_bytes
-            disk += gpus_per_node * part * param_bytes
-        elif par == "cpu":
-            host += gpus_per_node * part * param_bytes
-        else:
-            gpu += part * param_bytes
-        rows.append(NVMeRow(host, gpu, disk, f"offload_param={par}, offload_optimizer=nvme"))
-    return rows
-
-
-def format_nvme_rows(rows: list[NVMeRow]) -> str:
-    lines = ["  per CPU  |  per GPU |  NVMe/node |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.disk / GIB:7.2f}GiB | {r.options}" for r in rows]
-    return "\n".join(lines)
-
+from framework.core.units import MiB
+from framework.memory.tables import count_module
 
 # --- activations, traced on the meta device ---------------------------------------------------
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import GIB, predict
+from framework.memory.model import predict
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GiB, KiB, MiB, TiB
 
@@ -232,13 +232,13 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
         host = pred.host_total() * (hw.ranks if cuda else 1)
         fits, why = True, ""
         if cuda and device_peak > hw.gpu_mem:
-            fits, why = False, f"device {device_peak / GIB:.1f} > {hw.gpu_mem / GIB:.1f} GiB"
+            fits, why = False, f"device {device_peak / GiB:.1f} > {hw.gpu_mem / GiB:.1f} GiB"
         elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
-            fits, why = False, f"host {device_peak * hw.ranks / GIB:.2f} > {hw.cpu_mem / GIB:.2f} GiB"
+            fits, why = False, f"host {device_peak * hw.ranks / GiB:.2f} > {hw.cpu_mem / GiB:.2f} GiB"
         elif host > hw.cpu_mem:
-            fits, why = False, f"host {host / GIB:.1f} > {hw.cpu_mem / GIB:.1f} GiB"
+            fits, why = False, f"host {host / GiB:.1f} > {hw.cpu_mem / GiB:.1f} GiB"
         elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
-            fits, why = False, f"disk {sum(pred.disk.values()) * hw.ranks / GIB:.1f} > {hw.nvme / GIB:.1f} GiB"
+            fits, why = False, f"disk {sum(pred.disk.values()) * hw.ranks / GiB:.1f} > {hw.nvme / GiB:.1f} GiB"
         out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, fits, why))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from framework.memory.model import (GIB, count_module, nvme_rows, parse_count, predict, zero2_rows, zero3_rows)
+from framework.memory.model import predict
+from framework.memory.tables import GIB, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS, count_params
