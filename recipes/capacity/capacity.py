@@ -70,18 +70,11 @@ def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
     return write, read
 
 
-def vm_hwm() -> int:
+def status_bytes(key: str) -> int:
+    """A memory line of /proc/self/status (``VmHWM``: the kernel's peak resident set; ``VmRSS``: now)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def vm_rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
 
@@ -134,7 +127,7 @@ def main() -> None:
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
     if args.model == "llama":
         import transformers  # noqa: F401  (imported by the build below: part of the runtime)
-    runtime = vm_rss()   # Python, torch and the imports: what the estimator's prediction is added to
+    runtime = status_bytes("VmRSS")   # Python, torch and the imports: what the estimator's prediction is added to
     t0 = time.perf_counter()
     with framework.zero_init():
         module = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
@@ -166,12 +159,14 @@ def main() -> None:
     disk = update.swap_stats()["file"]
     engine.close()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    hwm = status_bytes("VmHWM")
     predicted = estimate(cfg, data.vocab_size)
     out = {"model": args.model, "quick": args.quick, "params": params,
            "model_state_bytes": params * 16, "ram_bytes": ram_total(),
            "model_state_over_ram": params * 16 / ram_total(),
-           "peak_rss_bytes": peak, "vm_hwm_bytes": vm_hwm(), "runtime_rss_bytes": runtime,
-           "estimated_peak_bytes": predicted + runtime, "estimate_vs_measured": (predicted + runtime) / vm_hwm(), "disk_bytes": disk,
+           "peak_rss_bytes": peak, "vm_hwm_bytes": hwm, "runtime_rss_bytes": runtime,
+           "estimated_peak_bytes": predicted + runtime, "estimate_vs_measured": (predicted + runtime) / hwm,
+           "disk_bytes": disk,
            "disk_write_Bps": bw_write, "disk_read_Bps": bw_read,
            "setup_s": setup_s, "s_per_step": sum(s["s"] for s in steps[1:] or steps) / len(steps[1:] or steps),
            "losses": losses, "held_out_losses": evals, "steps": steps, "torch": torch.__version__, "cpus": os.cpu_count()}
