@@ -141,7 +141,7 @@ def main() -> None:
     evals = [engine.eval_step(state, held_out)] if held_out else []
     for i in range(args.steps):
         before = update.swap_stats()
-        batch = data.train_batch(state.data, micro_batch=1, grad_accum=1, rank=0, world=1)
+        batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum, rank=0, world=1)
         t = time.perf_counter()
         state, m = engine.train_step(state, batch)
         dt = time.perf_counter() - t
