@@ -229,7 +229,7 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
         lines.append(f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}")
     for name, b in pred.transient.items():
         lines.append(f"  {name + ' (peak)':24s} {mib(b):>14s}")
-    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   (10% of the transient bytes, stated)")
+    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient bytes, stated)")
     lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
                  f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
     lines += [f"  note: {n}" for n in pred.notes]

@@ -116,6 +116,10 @@ class Prediction:
     disk: dict[str, int] = field(default_factory=dict)              # bytes in swap files (offload=nvme)
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
+    # Host allocator slack. offload=nvme sets glibc's mmap threshold to 1 MiB (offload/_swap.py): every
+    # block of 1 MiB or more is a mapping of its own, returned when freed, so the large transients leave
+    # nothing behind (measured on the capacity runs: BENCHMARKS.md, "Capacity").
+    host_slack_fraction: float = SLACK_FRACTION
 
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
@@ -143,7 +147,8 @@ class Prediction:
 
     @property
     def slack(self) -> int:
-        return int(SLACK_FRACTION * sum(self.transient.values()))
+        """On a CPU run, where the transients are host memory."""
+        return int(self.host_slack_fraction * sum(self.transient.values()))
 
     @property
     def peak(self) -> int:
@@ -151,7 +156,8 @@ class Prediction:
 
     def device_peak(self, cuda: bool) -> int:
         dev = sum(d for d, _ in self.items.values())
-        return dev + sum(self.transient.values()) + self.slack + (CUDA_FIXED_SLACK if cuda else 0)
+        slack = int(SLACK_FRACTION * sum(self.transient.values())) if cuda else self.slack   # the caching allocator
+        return dev + sum(self.transient.values()) + slack + (CUDA_FIXED_SLACK if cuda else 0)
 
     def host_total(self) -> int:
         return sum(h for _, h in self.items.values())
@@ -212,6 +218,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     groups = param_groups(module)
     numels = [sum(p.numel() for _, p in named) for _, named in groups]
     pred = Prediction(world, count_module(module).params)
+    if offload == "nvme":
+        pred.host_slack_fraction = 0.0
     on_host = offload != "none"
     ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
 
