@@ -218,20 +218,14 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
             return v.lower() in ("true", "yes", "on")
         if isinstance(v, int) and v in (0, 1):
             return bool(v)
-    elif hint is int:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
+    elif hint in (int, float):
+        # an int where a float is expected widens; a float where an int is expected is refused
+        numeric = (int, float) if hint is float else (int,)
+        if isinstance(v, numeric) and not isinstance(v, bool):
+            return hint(v)
         if isinstance(v, str):
             try:
-                return int(v)
-            except ValueError:
-                pass
-    elif hint is float:
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-        if isinstance(v, str):
-            try:
-                return float(v)
+                return hint(v)
             except ValueError:
                 pass
     elif hint is str:

@@ -251,7 +251,7 @@ class DiskShards(HostShards):
         """From the parameter swap file once the shard is there, else from the spill, else ``own`` itself."""
         key = self.keys.get(id(own))
         if key is not None and self.swapped:   # setup: the bytes were just written through this file
-            file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype)
+            file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")   # read from the file on the host
             short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
             if short is not None:
                 raise SwapIOError(f"swap file {file.path}: short read at {short}", path=str(file.path),

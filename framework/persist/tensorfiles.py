@@ -122,7 +122,7 @@ class SafetensorsSource(WeightsSource):
         _, _, fd, offset = self._info[name]
         dtype = self.dtype(name)
         size = itemsize(dtype)
-        out = torch.empty(max(hi - lo, 0), dtype=dtype)
+        out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
         if not out.numel():
             return out
         view = memoryview(out.view(torch.uint8).numpy())
