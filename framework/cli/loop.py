@@ -103,8 +103,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             "world": dist.world,
             "params": param_count(module),
             "data": data.describe(),
-            # The ledger adds up the sizes the stage chose; the peak is measured (see peak_memory).
-            "memory_per_rank": dist.all_gather_object(engine.memory(state), what="memory ledger gather"),
+            # The ledger: bytes of the tensors the engine holds, by item and place; the peak is measured.
+            "memory_per_rank": dist.all_gather_object(engine.memory(state).as_dict(), what="memory ledger gather"),
             "peak_memory_per_rank": dist.all_gather_object(peak_memory(dist.device, rss_start),
                                                           what="peak memory gather"),
             "config": cfg.to_dict(),

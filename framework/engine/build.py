@@ -25,7 +25,7 @@ from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState
 from framework.engine.step import Components, LossFn, build_train_step, init_state
-from framework.core.utils import tensors_in, tensor_bytes
+from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained
 
@@ -186,12 +186,12 @@ class Engine:
         offload = getattr(self.components.stage, "offload", None)
         return offload if offload is not None and offload.swaps() else None
 
-    def memory(self, state: TrainState) -> dict[str, int]:
-        """Per-rank memory ledger in bytes (model states and communication buffers)."""
-        ledger = {**self.components.stage.memory(), **self.components.update.memory()}
-        ledger["optimizer_state"] = tensor_bytes(tensors_in(state.opt_state))
-        ledger["total"] = sum(ledger.values())
-        return ledger
+    def memory(self, state: TrainState) -> Footprint:
+        """This rank's model states and persistent buffers: the bytes of the tensors it holds, by
+        item and by where they live (``framework.memory.predict`` predicts the same items)."""
+        fp = self.components.stage.memory(state.opt_state)
+        self.components.update.memory(fp)
+        return fp
 
 
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,

@@ -16,6 +16,7 @@ from typing import Any, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from framework.core.footprint import Footprint
 from framework.optimizers import GradientTransformation, step as optimizer_step
 
 
@@ -27,7 +28,7 @@ class Update(Protocol):
               lr: float) -> Any: ...
     def skip(self) -> None: ...
     def abort(self) -> None: ...
-    def memory(self) -> dict[str, int]: ...
+    def memory(self, fp: Footprint) -> None: ...   # its own buffers, added to ``fp``
     def close(self) -> None: ...
 
 
@@ -58,8 +59,8 @@ class PlainUpdate:
     def abort(self) -> None:
         pass
 
-    def memory(self) -> dict[str, int]:
-        return {}
+    def memory(self, fp: Footprint) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError
+from framework.core.footprint import Footprint
 from framework.core.units import MiB
 from framework.memory.tables import count_module
 
@@ -105,15 +106,13 @@ CUDA_FIXED_SLACK = 64 * MiB
 
 
 @dataclass
-class Prediction:
-    """Bytes per rank. ``device`` and ``host`` split each item by where it lives (on a CPU run both
-    are host memory)."""
+class Prediction(Footprint):
+    """Bytes per rank: the footprint a built engine reports (``Engine.memory``, same items), plus
+    the transients of a step and the allocator's slack."""
 
     world: int
     params: int                      # P at logical size
-    items: dict[str, tuple[int, int]] = field(default_factory=dict)   # name -> (device, host) bytes
     transient: dict[str, int] = field(default_factory=dict)          # fwd/bwd-phase peaks (device)
-    disk: dict[str, int] = field(default_factory=dict)              # bytes in swap files (offload=nvme)
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
     # Host allocator slack. offload=nvme sets glibc's mmap threshold to 1 MiB (offload/_swap.py): every
@@ -124,21 +123,12 @@ class Prediction:
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
 
-    def add(self, name: str, device: int = 0, host: int = 0) -> None:
-        d, h = self.items.get(name, (0, 0))
-        self.items[name] = (d + int(device), h + int(host))
-
     def total(self, names) -> int:
         return sum(sum(self.items.get(n, (0, 0))) for n in names)
 
     @property
     def model_states(self) -> int:
         return self.total(self.MODEL_STATES)
-
-    @property
-    def resident(self) -> int:
-        """Everything held between steps: model states and persistent buffers."""
-        return sum(d + h for d, h in self.items.values())
 
     @property
     def at_setup(self) -> int:
@@ -170,15 +160,29 @@ class Prediction:
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
 
-def _opt_bytes_per_element(cfg) -> int:
-    """Optimizer-state bytes per fp32 master element, from the optimizer's own init on meta."""
+def _opt_bytes_per_element(cfg) -> list[int]:
+    """Bytes per fp32 master element of each optimizer-state tensor (Adam: [4, 4]), from the
+    optimizer's own init on meta (scalars such as step counts are not per element)."""
     from framework.engine.build import component
     from framework.core.utils import tensors_in
 
     tx = component(cfg, "optimizer").build(cfg.optimizer, [True])
     probe = torch.empty(1024, dtype=torch.float32, device="meta")
-    state = tx.init([probe])
-    return sum(t.numel() * t.element_size() for t in tensors_in(state) if t.numel() >= 1024) // 1024
+    return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
+
+
+def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int]]], buffer_count: int,
+                pool: str, file: str, bounce: int = 0) -> None:
+    """A swap file and its host pool as ``offload``'s disk store lays them out: every tensor of an
+    entry (``(swapped, scratch)`` byte counts) padded to the file's block, slots as large as the
+    largest entry, never more slots than entries, plus the bounce buffer of read-only tensors."""
+    from framework.offload import padded
+
+    if not entries:
+        return
+    slot = max(sum(padded(b) for b in (*swapped, *scratch)) for swapped, scratch in entries)
+    pred.add(pool, host=min(buffer_count, len(entries)) * slot + bounce)
+    pred.add_disk(file, sum(padded(b) for swapped, _ in entries for b in swapped))
 
 
 def _padded(numel: int, world: int) -> int:
@@ -214,7 +218,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     master_sep = policy.master_dtype != policy.param_dtype
     acc = policy.grad_accum_dtype.itemsize
     red = policy.reduce_dtype.itemsize
-    K = _opt_bytes_per_element(cfg)
+    state_bytes = _opt_bytes_per_element(cfg)
+    K = sum(state_bytes)
     groups = param_groups(module)
     numels = [sum(p.numel() for _, p in named) for _, named in groups]
     pred = Prediction(world, count_module(module).params)
@@ -224,28 +229,30 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
 
     opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
+    # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
+    # share, zero3 one piece per unit group (offload.base.Placement.place).
+    chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
+    tiles: list[tuple[list[int], list[int]]] = []   # the optimizer swap file's entries
+    tile_grads = []                                 # swapped gradients' bytes (read through the bounce)
 
     def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
         """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
         if hostn and opt_on_disk:
-            # ZeRO-Infinity: master + state in swap files; the host holds a pool of ``buffer_count``
-            # tiles of ``sub_group_size`` elements (master + state). zero3 with every piece on the
-            # host also swaps the owned gradients (offload/_gradswap.py): they sit in each tile
-            # (read with it) and one tile's bounce buffer; otherwise they are host buffers.
+            # ZeRO-Infinity: tiles of at most sub_group_size elements, each the master, the optimizer
+            # state and (16-bit training) a staging scratch in a pool slot while stepped. zero3 with
+            # every piece on the host also swaps the owned gradients (offload/_gradswap.py): they
+            # sit in each tile and pass through one bounce buffer; otherwise they are host buffers.
             swap_grads = stage == "zero3" and hostn == shard_elems
-            pred.disk["optimizer"] = pred.disk.get("optimizer", 0) + (4 + K + acc * swap_grads) * hostn
-            tile = min(cfg.offload.sub_group_size, hostn)
-            pool = cfg.offload.buffer_count * tile * (4 + K + (acc * swap_grads) + (w if master_sep else 0)) \
-                + acc * tile * swap_grads
-            d, h = pred.items.get("nvme_optimizer_pool", (0, 0))
-            pred.items["nvme_optimizer_pool"] = (0, max(h, pool))
+            step = min(chunk or hostn, cfg.offload.sub_group_size)
+            for a in range(0, hostn, step):
+                t = min(step, hostn - a)
+                grad = [acc * t] if swap_grads else []
+                tiles.append(([4 * t, *(b * t for b in state_bytes), *grad], [w * t] if master_sep else []))
+                tile_grads.extend(grad)
             if not swap_grads:
                 pred.add("host_grad_buffers", host=4 * hostn)
-                if master_sep:
-                    pred.add("host_staging", host=w * hostn)
-                    pred.lazy.add("host_staging")
             pred.add("optimizer_state", device=K * devn)
             if devn and master_sep:
                 pred.add("master_params", device=4 * devn)
@@ -313,6 +320,11 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
+    if tiles:
+        from framework.offload import padded
+
+        _swap_store(pred, tiles, cfg.offload.buffer_count, "nvme_optimizer_pool", "optimizer",
+                    bounce=max(map(padded, tile_grads), default=0))
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
@@ -375,13 +387,11 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         d, h = pred.items["params"]
         pred.items["params"] = (0, d + h)
     elif where in ("nvme", "auto") and cfg.choices["offload"] == "nvme":   # shards in swap files, a pinned pool
-        d, h = pred.items["params"]
-        pred.items["params"] = (0, 0)
-        pred.disk["params"] = d + h
-        # slots as large as the largest shard, no more of them than shards or max_in_cpu allows
+        pred.items.pop("params")
+        # slots as large as the largest shard, no more of them than max_in_cpu allows
         largest = max(shards, default=0)
-        slots = min(o.param_buffer_count, len(shards), o.max_in_cpu // max(largest, 1))
-        pred.add("nvme_param_pool", host=slots * largest * w)
+        _swap_store(pred, [([w * n], []) for n in shards], min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
+                    "nvme_param_pool", "params")
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device

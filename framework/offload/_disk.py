@@ -15,6 +15,8 @@ import torch
 
 from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError, SwapIOError
+from framework.core.footprint import Footprint
+from framework.core.utils import tensor_bytes
 from framework.offload._diskstore import DiskStore
 from framework.offload._gradswap import GradSwap, Spill, read_into
 from framework.offload._room import agree_swap_room
@@ -147,6 +149,18 @@ class DiskPlacement(NVMePlacement):
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
         store.buffer_count = min(self.spec.buffer_count, len(store.entries))
         self.check_ram(store.buffer_count * slot + store.bounce_bytes(), "")
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def memory(self, fp: Footprint, opt_state: Any) -> None:
+        super().memory(fp, opt_state)
+        store_memory(fp, self.stores[Tier.DISK], "nvme_optimizer_pool", "optimizer")
+
+    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
+        if info.tier is not Tier.DISK:
+            super()._piece_memory(fp, info, state)
+        elif not self.grad_swap:   # master, state and staging are in the pool; the gradient buffer is not
+            fp.add("host_grad_buffers", host=tensor_bytes([info.piece.grad]))
 
     # --- the step, publishing and checkpoints ------------------------------------------------------
 
@@ -316,6 +330,9 @@ class DiskShards(HostShards):
                               f"than the largest parameter shard ({largest} elements): set "
                               f"offload.max_in_cpu >= {largest}")
 
+    def memory(self, fp: Footprint, shards) -> None:
+        store_memory(fp, self.store, "nvme_param_pool", "params")
+
     # --- gathers and copies back -----------------------------------------------------------------
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -383,3 +400,10 @@ class DiskShards(HostShards):
             self.store.release(self.held[1], None, dirty=False)
             self.held = None
         self.store.close()
+
+
+def store_memory(fp: Footprint, store: DiskStore, pool: str, file: str) -> None:
+    """A disk store's pool (host memory: its slots and bounce buffer) and its swap file."""
+    m = store.memory()
+    fp.add(pool, host=m["pool"])
+    fp.add_disk(file, m["file"])

@@ -47,6 +47,7 @@ from framework import ops
 from framework.comm.accelerator import Event
 from framework.offload._store import Handle, Tier
 from framework.optimizers import GradientTransformation, group_state, step_groups
+from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
 if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update): no import back at run time
@@ -309,12 +310,8 @@ class PiecePipeline:
         if k in self.handles:
             self.target.stores[self.info[k].tier].release(self.handles.pop(k), ev)
 
-    def memory(self) -> dict[str, int]:
-        out = {"host_overlap_buffers": tensor_bytes(t for ts in self.undo.values() for t in ts)}
-        disk = self.target.stores.get(Tier.DISK)
-        if disk is not None:   # the pool is host memory; the swap file is not
-            out["host_swap_buffers"] = disk.memory()["pool"]
-        return out
+    def memory(self, fp: Footprint) -> None:
+        fp.add("overlap_undo", host=tensor_bytes(t for ts in self.undo.values() for t in ts))
 
     def swap_stats(self) -> dict[str, float]:
         """Swap file bytes, bytes read and written and seconds blocked on IO so far, over the disk

@@ -45,6 +45,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator, Event, for_device
+from framework.core.footprint import Footprint
+from framework.core.utils import tensor_bytes
 from framework.offload._store import DeviceStore, HostStore, Tier
 
 
@@ -142,6 +144,9 @@ class Shards:
 
     def swap_out(self) -> None:
         """End of setup: the shards go to their swap file, if they have one."""
+
+    def memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
+        fp.add("params", device=tensor_bytes(shards))
 
     def close(self) -> None:
         pass
@@ -242,6 +247,32 @@ class Placement:
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """The optimizer state of ``params`` (the pieces' masters, in order)."""
         return tx.init(list(params))
+
+    # --- memory ----------------------------------------------------------------------------------
+
+    def memory(self, fp: Footprint, opt_state: Any) -> None:
+        """The pieces' masters (where separate from the working values), gradient and staging
+        buffers and optimizer state (``opt_state``, aligned with ``pieces()``), by where they live."""
+        from framework.optimizers import group_state
+
+        for info in self.infos:
+            self._piece_memory(fp, info, tensor_bytes(group_state(opt_state, len(self.infos), info.index)))
+
+    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
+        p = info.piece
+        if info.tier is Tier.DEVICE:
+            separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
+            fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
+            fp.add("optimizer_state", device=state)
+        else:   # tier HOST
+            fp.add("master_params", host=tensor_bytes([p.master]))
+            fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
+            fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
+            fp.add("optimizer_state", host=state)
+
+    def shard_memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
+        """zero3's parameter shards, where ``shards`` keeps them."""
+        self.shards.memory(fp, shards)
 
     # --- zero3's owned gradients (``_disk``: in the optimizer's swap file) ---------------------
 

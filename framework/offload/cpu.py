@@ -18,6 +18,8 @@ import torch
 
 from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError
+from framework.core.footprint import Footprint
+from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
 from framework.offload._store import Tier
 from framework.offload.base import Piece, PieceInfo, Placement, Shards
@@ -100,6 +102,9 @@ class HostShards(Shards):
 
     def working(self, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
         return []   # read by the compute stream only through ``load``
+
+    def memory(self, fp: Footprint, shards) -> None:
+        fp.add("params", host=tensor_bytes(shards))
 
     def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         self._settle(dst)   # a host copy, once its loads are done

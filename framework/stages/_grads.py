@@ -28,6 +28,8 @@ from torch import nn
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import TrainingError
+from framework.core.footprint import Footprint
+from framework.core.utils import tensor_bytes
 from framework.stages._reduce import Bucket, OrderedLauncher
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name
@@ -109,6 +111,10 @@ class FlatGrads:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.grads, *(self.acc or [])]
+
+    def memory(self, fp: Footprint) -> None:
+        fp.add("grads", device=tensor_bytes(self.grads))
+        fp.add("grad_accumulator", device=tensor_bytes(self.acc or []))
 
 
 class Arrivals:

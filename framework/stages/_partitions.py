@@ -20,7 +20,7 @@ from framework.optimizers import GradientTransformation
 from framework.stages._flat import Layout
 from framework.stages._spec import PieceSpec, piece_spec
 from framework.engine.update import PlainUpdate, Update
-from framework.core.utils import sq_norm, tensor_bytes
+from framework.core.utils import sq_norm
 
 
 class Partitions:
@@ -75,18 +75,6 @@ class Partitions:
                 lo, hi = int(bad.min()), int(bad.max())   # host sync: slow path, after an overflow
                 mine.update(self.layouts[group].names_in(base + lo, base + hi + 1))
         return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
-
-    def master_memory(self) -> dict[str, int]:
-        """Bytes of master copies that are not the working values themselves, and of those on the host."""
-        separate = [p.master for ps, w in zip(self.pieces, self.owned) for p in ps
-                    if p.master.data_ptr() != w[p.start:].data_ptr()]
-        host = [p.master for ps in self.pieces for p in ps if p.master.device.type == "cpu" and p.grad is not None
-                and not self.offload.swapped(p)]
-        disk = [p.master for ps in self.pieces for p in ps if self.offload.swapped(p)]
-        out = {"master_params": tensor_bytes(separate), "host_master_params": tensor_bytes(host)}
-        if disk:   # offload=nvme: in the swap file, resident one tile at a time
-            out["nvme_master_params"] = tensor_bytes(disk)
-        return out
 
 
 class PartitionedStage:

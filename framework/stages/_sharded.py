@@ -21,6 +21,7 @@ from framework.engine.materialize import initializer
 from framework.stages._flat import Layout, bind_group, param_groups
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup, WholeParameters
+from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
 
@@ -96,10 +97,14 @@ class ShardedStage(PartitionedStage, WholeParameters):
         for flat, layout in zip(self.flats, self.layouts):
             gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
 
-    def memory(self) -> dict[str, int]:
-        return {"params": tensor_bytes(self.flats), **self.parts.master_memory(), **self._grad_memory()}
+    def memory(self, opt_state) -> Footprint:
+        fp = Footprint()
+        fp.add("params", device=tensor_bytes(self.flats))
+        self.offload.memory(fp, opt_state)
+        self._grad_memory(fp)
+        return fp
 
-    def _grad_memory(self) -> dict[str, int]:
+    def _grad_memory(self, fp: Footprint) -> None:
         raise NotImplementedError
 
 

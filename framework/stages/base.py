@@ -11,6 +11,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from framework.core.footprint import Footprint
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
 from framework.stages._spec import PieceSpec
@@ -54,8 +55,9 @@ class Stage(Protocol):
 
     def zero_grads(self) -> None: ...
 
-    def memory(self) -> dict[str, int]:
-        """Per-rank bytes: params, grads, master_params, comm_buffers (optimizer state is added by the caller)."""
+    def memory(self, opt_state) -> Footprint:
+        """This rank's model states and persistent buffers (``opt_state``: the optimizer state of
+        the master pieces) by item and by where they live (framework.core.footprint)."""
 
     def make_update(self, tx: GradientTransformation) -> Update:
         """How optimizer steps are applied and published (framework.engine.update)."""

@@ -22,7 +22,8 @@ from framework.stages._flat import Layout, bind_group, param_groups, views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
-from framework.core.utils import sq_norm, tensor_bytes
+from framework.core.footprint import Footprint
+from framework.core.utils import sq_norm, tensor_bytes, tensors_in
 from framework.stages.base import Setup, WholeParameters
 
 
@@ -121,10 +122,13 @@ class DDPStage(WholeParameters):
         """One master piece per group: the whole flat buffer (padding included)."""
         return [piece_spec(layout, 0, layout.padded) for layout in self.layouts]
 
-    def memory(self) -> dict[str, int]:
-        separate = [m for m, f in zip(self.master, self.flats) if m is not f]
-        return {"params": tensor_bytes(self.flats), "grads": tensor_bytes(self.flat_grads.tensors()),
-                "master_params": tensor_bytes(separate), "comm_buffers": 0}
+    def memory(self, opt_state) -> Footprint:
+        fp = Footprint()
+        fp.add("params", device=tensor_bytes(self.flats))
+        self.flat_grads.memory(fp)
+        fp.add("master_params", device=tensor_bytes(m for m, f in zip(self.master, self.flats) if m is not f))
+        fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
+        return fp
 
 
 def build(cfg: DDPConfig, *, dist: Dist, offload=None) -> DDPStage:

@@ -18,7 +18,6 @@ from framework.stages._flat import views
 from framework.stages._grads import Arrivals, FlatGrads
 from framework.stages._reduce import expected_order, own_parts, plan_buckets, plan_stripes, reduce_bucket
 from framework.stages._sharded import ShardedStage, ZeroConfig
-from framework.core.utils import tensor_bytes
 
 
 class Zero1Stage(ShardedStage):
@@ -79,8 +78,8 @@ class Zero1Stage(ShardedStage):
     def zero_grads(self) -> None:
         self.flat_grads.zero()
 
-    def _grad_memory(self) -> dict[str, int]:
-        return {"grads": tensor_bytes(self.flat_grads.tensors()), "comm_buffers": 0}
+    def _grad_memory(self, fp) -> None:
+        self.flat_grads.memory(fp)
 
 
 def build(cfg: ZeroConfig, *, dist, offload) -> Zero1Stage:

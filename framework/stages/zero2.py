@@ -142,9 +142,9 @@ class Zero2Stage(ShardedStage):
         for g in self.part:
             g.zero_()
 
-    def _grad_memory(self) -> dict[str, int]:
-        return {"grads": tensor_bytes(self.part),
-                "comm_buffers": self.buffer_elems * self.policy.reduce_dtype.itemsize}
+    def _grad_memory(self, fp) -> None:
+        fp.add("grads", device=tensor_bytes(self.part))
+        fp.add("bucket_buffers", device=self.buffer_elems * self.policy.reduce_dtype.itemsize)
 
 
 def build(cfg: ZeroConfig, *, dist, offload) -> Zero2Stage:

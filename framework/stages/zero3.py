@@ -28,6 +28,7 @@ from framework.offload.base import Placement
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages._units import plan_units, unit_groups
 from framework.stages.base import HookOwner, Setup
+from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
 
@@ -205,14 +206,16 @@ class Zero3Stage(PartitionedStage, HookOwner):
             self.gatherer.release_now(persistent)
             self.gatherer.gather_now(persistent)
 
-    def memory(self) -> dict[str, int]:
-        persistent = self.gatherer.persistent
-        return {"params": tensor_bytes(g.shard for g in self.groups),
-                "grads": tensor_bytes(g.part_grad for g in self.groups) if self.grad_swap
-                else tensor_bytes(g.grad() for g in self.groups),
-                **self.parts.master_memory(),
-                "comm_buffers": 0,
-                "gathered_params": 0 if persistent is None else tensor_bytes(g.full for g in persistent.groups)}
+    def memory(self, opt_state) -> Footprint:
+        fp, persistent = Footprint(), self.gatherer.persistent
+        self.offload.shard_memory(fp, [g.shard for g in self.groups])
+        # (allocated at a group's first reduction; with the owned gradients in the swap file a
+        # partition exists only while it is reduced)
+        fp.add("grads", device=tensor_bytes(g.part_grad for g in self.groups))
+        self.offload.memory(fp, opt_state)
+        if persistent is not None:
+            fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
+        return fp
 
     @property
     def layouts(self):

@@ -81,12 +81,13 @@ def test_offload_equals_no_offload(pools, world, stage, offload, extra):
                 assert a == pytest.approx(b, rel=RTOL), \
                     f"{stage} rank {rank} step {i} ({path}): offload {a} vs {b} (rel 1e-6)"
             torch.testing.assert_close(run[1], ref[1], rtol=RTOL, atol=1e-7, msg=lambda m: f"{path}: {m}")
-        mem = off[2]
-        assert mem["host_master_params"] > 0 and plain[2]["host_master_params"] == 0
+        mem = off[2]   # Footprint: item -> (device, host) bytes
+        host_master = mem.items["master_params"][1]
+        assert host_master > 0 and plain[2].items.get("master_params", (0, 0))[1] == 0
         share = 0.5 if offload == ["offload.ratio=0.5"] else 1.0  # ratio 0.5: half stays on the device
         if stage != "zero3":  # zero1/2: params are the replicated working copy, 1/world of it owned
-            elements = mem["params"] / (2 if "precision=bf16" in extra else 4)
-            assert mem["host_master_params"] == pytest.approx(share * 4 * elements / world, rel=0.01)
+            elements = mem.items["params"][0] / (2 if "precision=bf16" in extra else 4)
+            assert host_master == pytest.approx(share * 4 * elements / world, rel=0.01)
 
 
 def test_parameter_offload_needs_zero3():
@@ -164,8 +165,8 @@ def test_overlapped_host_step_is_identical(pools, world, case):
         if expect_kept is not None:
             assert (kept > 0) == expect_kept, (case, kept)
             assert (rolled > 0) == expect_rolled, (case, rolled)
-        assert (overlap[5]["host_overlap_buffers"] > 0) == bool(kept or rolled)
-        assert plain[5]["host_overlap_buffers"] == 0 and plain[3] == plain[4] == 0  # no speculation
+        assert (overlap[5].items["overlap_undo"][1] > 0) == bool(kept or rolled)
+        assert plain[5].items["overlap_undo"] == (0, 0) and plain[3] == plain[4] == 0  # no speculation
         if not case.startswith("zero1"):  # gradients reached the host during backward (per bucket / unit)
             assert plain[6] > 0
 

@@ -1,0 +1,75 @@
+"""The estimator's prediction equals, byte for byte, what a built engine reports it holds.
+
+``Engine.memory`` adds up the bytes of the tensors the engine holds after a step (working
+parameters, gradients, masters, optimizer state, host buffers, swap pools, swap files), by item
+and by where they live; ``framework.memory.predict`` computes the same items from the model's
+shapes with the functions the stages lay themselves out with (``make_layout``, ``plan_units``,
+``plan_buckets``). Every stage x offload x precision on one rank, the settings that change the
+layout (partial offload, parameter offload, speculation, accumulation, small tiles and buckets),
+and the sharded compositions on two ranks.
+"""
+from __future__ import annotations
+
+import itertools
+
+import framework
+from framework.memory.model import predict
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+ONE_RANK = [(f"+stage={s}", f"offload={o}", f"precision={p}")
+            for s, o, p in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"],
+                                             ["fp32", "bf16", "fp16"])]
+ONE_RANK += [("+stage=ddp", f"precision={p}") for p in ("fp32", "bf16", "fp16")]
+ONE_RANK += [
+    ("+stage=ddp", "precision=bf16", "train.grad_accum=2"),
+    ("+stage=zero1", "precision=bf16", "train.grad_accum=2"),
+    ("+stage=zero1", "offload=cpu", "offload.ratio=0.5", "precision=bf16"),
+    ("+stage=zero2", "offload=cpu", "offload.overlap_step=true"),
+    ("+stage=zero2", "offload=nvme", "offload.ratio=0.5", "precision=bf16"),
+    ("+stage=zero2", "offload=nvme", "stage.reduce_bucket_size=1000", "precision=bf16"),
+    ("+stage=zero3", "offload=cpu", "offload.params=cpu", "precision=bf16"),
+    ("+stage=zero3", "offload=nvme", "offload.optimizer=cpu"),
+    ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16"),
+    ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300", "offload.param_buffer_count=2"),
+    ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "precision=bf16"),
+]
+TWO_RANKS = [(f"+stage={s}", f"offload={o}", "precision=bf16")
+             for s, o in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"])]
+TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300")]
+
+
+def _footprints(dist, cases, folder):
+    """(case, what the engine holds, what the estimator predicts) after one step of each case."""
+    out = []
+    for case in cases:
+        overrides = [*case, "train.steps=1", *([f"offload.nvme_path={folder}"] if "offload=nvme" in case else [])]
+        cfg = tiny_config(*overrides)
+        module, data = build_gpt(cfg)
+        engine = framework.initialize(module, gpt_loss, cfg, dist)
+        try:
+            batch = data.train_batch(0, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+                                     rank=dist.rank, world=dist.world)
+            state, _ = engine.train_step(engine.state, batch)
+            held = engine.memory(state).nonzero()
+        finally:
+            engine.close()
+        out.append((case, held, predict(cfg, dist.world).nonzero()))
+    return out
+
+
+def _check(results):
+    wrong = [f"{' '.join(case)}:\n  engine    {held}\n  predicted {pred}" for case, held, pred in results
+             if held != pred]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_prediction_is_what_the_engine_holds_one_rank(tmp_path):
+    from framework.comm.distributed import connect
+
+    _check(_footprints(connect("gloo"), ONE_RANK, str(tmp_path)))
+
+
+def test_prediction_is_what_the_engine_holds_two_ranks(pools, tmp_path):
+    for rank_results in pools(2).run(_footprints, TWO_RANKS, str(tmp_path / "nvme"), timeout=300):
+        _check(rank_results)
