@@ -159,8 +159,11 @@ def test_nvme_prediction_puts_state_on_disk():
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
                             "offload.param_buffer_size=100000"]), 2)
     shard_elems = cpu.items["master_params"][1] // 4   # the host master of the cpu run: every shard element
-    assert pred.disk["optimizer"] == (12 + 4) * shard_elems   # master + Adam state + the swapped gradient
-    assert pred.disk["params"] == sum(cpu.items["params"])
+    # master + Adam state + the swapped gradient, and the shards; every swapped tensor padded to the file's
+    # 4 KiB blocks (under 64 tiles here: tests/dist/test_footprint.py checks the exact bytes)
+    raw = (12 + 4) * shard_elems
+    assert raw <= pred.disk["optimizer"] < raw + 4 * 4096 * 64
+    assert sum(cpu.items["params"]) <= pred.disk["params"] < sum(cpu.items["params"]) + 4096 * 64
     # buffer_count (4) tiles of the largest piece (a Block's matrices: 12 d^2 elements, half per rank)
     # when that is under sub_group_size, of master + Adam state + gradient, and one gradient bounce.
     tile = min(1_000_000, 12 * 384 ** 2 // 2)
