@@ -5,24 +5,17 @@
     ...  ckpt.maybe_save(state, metrics=m)  ...  # every checkpoint.every steps (and the last)
     ckpt.close()                                 # waits for an async save; collective
 
-A step folder holds DCP's files ("model.<name>" fp32 masters and "optim.<state>.<name>" moments at
-global shapes, "optim.<scalar>"), train_state.json (step, data position, loss scaler, optimizer
-layout, config, the saving layout), rng-<rank>.json and manifest.json, written last (``_folder``:
-the commit protocol). Each rank writes its share of the name-keyed view of the state
-(``framework.persist.layout``) and a load reads its own holdings by name, so world size, stage and
-offload may change between save and load. Modules: ``_load``, ``_save``; under them ``_group``
-(collectives and their errors), ``_folder``, ``_dcp`` (DCP glue, imported on first use), ``_rng``.
+A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
+"optim.<scalar>"), train_state.json (step, data position, loss scaler, optimizer, config, the saving
+layout), rng-<rank>.json and manifest.json (``_folder``: the commit protocol). Each rank writes its
+share of the name-keyed view of the state (``framework.persist.layout``) and a load reads its own
+holdings by name, so world size, stage and offload may change between save and load.
 
-A save commits only state known good: the ranks agree before writing that every value is finite
-and that the disk has room, and each phase of the write ends in an exchange of outcomes, so one
-rank's failure ends every rank with the same line and removes the unfinished folder. A load checks
-the files and train_state.json against the manifest and the values for NaN/inf; ``resume=auto``
-then falls back to the previous checkpoint.
-
-Under offload=nvme the swapped state is read and written where it lies, in the mapped swap file
-(``engine.mapped_state``, its extents checked before and after), each range's pages dropped once
-done with (``FileMap.release``): the resident set of a save or load does not grow with the model.
-Such a save is never asynchronous (that would need a host copy of the whole swapped state).
+Only state known good is committed: the ranks agree before writing that every value is finite and
+the disk has room, and every phase ends in an exchange of outcomes, so one rank's failure ends every
+rank with the same line. A load checks files and values; ``resume=auto`` then falls back to the
+previous checkpoint. Under offload=nvme the swapped state is read and written where it lies, in the
+mapped swap file, each range's pages dropped once done with, so memory does not grow with the model.
 """
 from __future__ import annotations
 

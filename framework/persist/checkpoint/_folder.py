@@ -140,7 +140,7 @@ def verified(folder: Path) -> bool:
         return False
 
 
-def commit(tmp: Path, final: Path, on_point=None) -> None:
+def commit(tmp: Path, final: Path, on_point) -> None:
     """Rename ``step-N.tmp`` to ``step-N`` (replacing an older folder of that step, which is
     moved aside first and deleted after), then point ``latest`` at it. Rank 0 only.
     ``on_point(name)``: called before the rename and before ``latest`` is written (tests)."""
@@ -151,12 +151,10 @@ def commit(tmp: Path, final: Path, on_point=None) -> None:
         aside = root / f"{final.name}.old"
         _remove_tree(aside)
         os.replace(final, aside)
-    if on_point is not None:
-        on_point("before-rename")
+    on_point("before-rename")
     os.replace(tmp, final)
     files.fsync_dir(root)
-    if on_point is not None:
-        on_point("before-latest")
+    on_point("before-latest")
     files.write_atomic(root / LATEST, final.name.encode())
     if aside is not None:
         _remove_tree(aside)

@@ -87,8 +87,8 @@ def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
              "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
              "optimizer": {"per_element": sorted(per), "scalars": {p: _json_scalar(v) for p, v in host_scalars.items()},
                            "keys": keys}}
-    return {"dcp": out, "layout": layout.saved(), "train": train, "step": state.step, "nonfinite": nonfinite,
-            "bytes": nbytes, "items": len(out), "release": release if zero_copy else None}
+    return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
+            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out), "release": release if zero_copy else None}
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
@@ -135,7 +135,6 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
             files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
         save_on_model_save(engine, staged16)
-    rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name")}
     write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
@@ -152,11 +151,11 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
             return None
         if background is None:
             # inside the block: DCP reads the mapped pages before training changes them
-            _write(snap, rng, root, recheck=recheck, **write)
+            _write(snap, root, recheck=recheck, **write)
             return None
         agree_save(group, "swap file check after the host copy", recheck, root / f"step-{state.step}.tmp",
                    cleanup=False)
-    return background.submit(_write, snap, rng, root, **write)
+    return background.submit(_write, snap, root, **write)
 
 
 def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged16: Path | None,
@@ -201,7 +200,7 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
     return True
 
 
-def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
+def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
            staged16: Path | None = None, recheck=None, writer: type | None = None,
            on_point: Callable[[str], None] | None = None) -> Path:
     """Write and commit the snapshot (collective), each phase ending in an exchange of outcomes
@@ -229,7 +228,7 @@ def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, kee
         dcp = glue()
         dcp.dcp.save(snap["dcp"], storage_writer=(writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
                      planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs())
-        files.write_new(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
+        files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
             body = {"format": 1, "state_format": STATE_FORMAT, **snap["train"], "world": group.world, **meta,
