@@ -1,19 +1,10 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-A stage's master pieces (``TrainState.params``) are flat ranges of its flat buffers; how many
-there are and where they start depends on the world size, the stage, the offload ratio and the
-bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view keyed by
-parameter name: each parameter's global shape and dtype, and which rank holds which range of
-its flattened elements in which piece, at which offset, swapped to disk or resident. Every way
-state leaves or enters an engine reads that mapping from here:
-
-* ``state_dict`` / ``load_state_dict`` (``engine.state_dict``): this rank's fragments by name,
-  and the fragments of any saving run re-sliced into this run's pieces;
-* checkpoints (``framework.persist.checkpoint``): the DCP boxes of each rank's ``share`` on save
-  (the layout itself goes into train_state.json), this rank's holdings as read targets on load;
-* weights (``framework.persist.weights``): each rank writes its ``share`` into the safetensors
-  files at their offsets and reads its holdings' ranges on load;
-* export (``framework.persist.export``): the parameters a checkpoint's metadata describes.
+A stage's master pieces are flat ranges of its flat buffers, laid out by world size, stage,
+offload ratio and bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view
+keyed by parameter name: each parameter's global shape and dtype, and which rank holds which range
+of its flattened elements in which piece, at which offset. The state dict (here), checkpoints,
+weights and export all read and write through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -70,8 +61,8 @@ class StateLayout:
     @classmethod
     def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1, dtype: torch.dtype | None = None,
            swapped: Iterable[int] = (), gather: Callable[[Any], list] | None = None) -> "StateLayout":
-        """The layout of this rank's pieces (``specs``; ``swapped``: indices of pieces in the swap
-        file); with ``gather`` (an all-gather of one object per rank) every rank's: collective."""
+        """The layout of this rank's pieces (``swapped``: indices of pieces in the swap file); with
+        ``gather`` (an all-gather of one object per rank) every rank's: collective."""
         swapped = set(swapped)
         mine: dict[str, tuple[tuple[int, ...], list]] = {}
         for k, spec in enumerate(specs):
@@ -87,7 +78,7 @@ class StateLayout:
     @classmethod
     def in_checkpoint(cls, metadata: Any, prefix: str = "model.") -> "StateLayout":
         """The parameters a DCP checkpoint's metadata holds under ``prefix`` (global shapes and
-        stored dtypes; which rank wrote which chunk does not matter to a reader)."""
+        stored dtypes)."""
         return cls(Param(k[len(prefix):], tuple(md.size), md.properties.dtype)
                    for k, md in metadata.state_dict_metadata.items()
                    if k.startswith(prefix) and hasattr(md, "properties") and hasattr(md, "chunks"))
@@ -120,19 +111,21 @@ class StateLayout:
                 ranges[h.rank].setdefault(p.name, []).append([h.lo, h.hi])
         return {"parameters": {n: list(p.shape) for n, p in self.params.items()}, "fragments": ranges}
 
-    def fragments(self, piece: Callable[[Holding], tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> dict:
-        """This rank's holdings in the state dict's form (``state_dict``'s ``params``), views of
-        ``piece(h)``: (flat master, {optimizer path: flat state}) of the piece ``h`` is in, asked
-        once per piece."""
-        pieces: dict[int, tuple] = {}
+    def fragments(self, flats) -> dict:
+        """This rank's holdings in the state dict's form (``state_dict``'s ``params``): views of
+        ``flats[piece]`` ({'master' or optimizer path: flat tensor}, as ``flat_pieces`` gives)."""
         out: dict[str, dict] = {}
         for p, h in self.mine():
-            if h.piece not in pieces:
-                pieces[h.piece] = piece(h)
-            master, optim = pieces[h.piece]
+            views = {k: h.of(t) for k, t in flats[h.piece].items()}
             out.setdefault(p.name, {"shape": p.shape, "fragments": []})["fragments"].append(
-                {"range": (h.lo, h.hi), "master": h.of(master), "optim": {k: h.of(t) for k, t in optim.items()}})
+                {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
         return out
+
+
+def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Tensor]]) -> list[dict]:
+    """Each master piece's flat tensors: {'master': its values, optimizer path: its per-element state}
+    (``per``: ``optimizer_leaves``'s)."""
+    return [{k: t[i].reshape(-1) for k, t in [("master", params), *per.items()]} for i in range(len(params))]
 
 
 # --- the name-keyed state dict -------------------------------------------------------------
@@ -164,8 +157,10 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     once (one transfer, not one per parameter) and its fragments are views of that copy."""
     _check_aligned(specs, state.params)
     per, scalars = optimizer_leaves(state.opt_state, state.params)
-    params = StateLayout.of(specs, rank=rank, world=world).fragments(lambda h: (
-        _host(state.params[h.piece].reshape(-1)), {p: _host(ts[h.piece].reshape(-1)) for p, ts in per.items()}))
+    layout = StateLayout.of(specs, rank=rank, world=world)
+    flats = flat_pieces(state.params, per)
+    params = layout.fragments({k: {key: _host(t) for key, t in flats[k].items()}
+                               for k in {h.piece for _, h in layout.mine()}})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
             "rng": [_host(t) for t in state.rng],
@@ -176,13 +171,10 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
                     names: Iterable[str], rank: int = 0, world: int = 1) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
-    tensors of ``state`` (master pieces and per-element optimizer state, in place) and return it
-    with the saved scalars. ``names``: every trained parameter of the model (all ranks).
-    Everything is checked before anything is written: a missing or extra parameter, a shape
-    mismatch, elements no fragment holds or another optimizer's state raise
-    ``FrameworkError`` and leave ``state`` as it was. Padding keeps its values. The loss scale
-    carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
-    initial scale applies, and only the step bookkeeping (iterations, skipped steps) is loaded."""
+    tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
+    parameter of the model. Everything is checked before anything is written (``FrameworkError``).
+    The loss scale carries over only between two runs with dynamic loss scaling (fp16); otherwise
+    ``policy``'s initial scale applies, with the saved step bookkeeping."""
     _check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
@@ -228,10 +220,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             raise FrameworkError(f"load_state_dict: parameter {p.name!r} {shape}: {e} of the "
                                  f"{len(saved)} saved rank(s)") from None
         plans[h.piece].append((h, frags, parts))
-    for k, plan in enumerate(plans):
+    for plan, flats in zip(plans, flat_pieces(state.params, per)):
         if plan:
-            for key, t in [("master", state.params[k]), *((p, ts[k]) for p, ts in per.items())]:
-                _fill(t.reshape(-1), plan, key)
+            for key, t in flats.items():
+                _fill(t, plan, key)
     # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
     # resumes its own generators; otherwise (no rank to match) all take rank 0's.
     mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
@@ -246,9 +238,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
 
 
 def _fill(target: torch.Tensor, plan: list, key: str) -> None:
-    """Write the planned fragment slices (``key``: 'master' or an optimizer path) into ``target``.
-    A device tensor is filled through one host copy of it: two transfers per piece, however many
-    fragments it takes (padding keeps its values)."""
+    """Write the planned fragment slices (``key``: 'master' or an optimizer path) into ``target``,
+    a device tensor through one host copy of it: two transfers per piece, however many fragments."""
     buf = target if target.device.type == "cpu" else target.to("cpu")
     for h, frags, parts in plan:
         for i, a, b in parts:

@@ -39,15 +39,20 @@ class WeightsSource:
     def __init__(self, where: str):
         self.where = where
         self.bytes_read = 0
+        # name -> (shape, dtype); a safetensors dtype this loader does not read stays its name
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
 
     def keys(self) -> list[str]:
-        raise NotImplementedError
+        return list(self.meta)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
+        return self.meta[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        raise NotImplementedError
+        d = self.meta[name][1]
+        if isinstance(d, str):
+            raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
+        return d
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements [lo, hi) of the flattened tensor ``name``: a 1-D host tensor in its stored dtype."""
@@ -55,11 +60,8 @@ class WeightsSource:
         self.bytes_read += out.numel() * out.element_size()
         return out
 
-    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        raise NotImplementedError
-
     def close(self) -> None:
-        pass
+        self.meta.clear()
 
     def __enter__(self) -> "WeightsSource":
         return self
@@ -81,7 +83,7 @@ class SafetensorsSource(WeightsSource):
         from safetensors import safe_open  # the hf extra
 
         self._fds: list[int] = []
-        self._info: dict[str, tuple[tuple[int, ...], str, int, int]] = {}   # name -> shape, dtype, fd, offset
+        self._at: dict[str, tuple[int, int]] = {}   # name -> fd, offset of its data
         try:
             for path in paths:
                 try:
@@ -91,14 +93,17 @@ class SafetensorsSource(WeightsSource):
                     with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as h:
                         names = [n for n in h.keys() if weight_map is None or weight_map.get(n) == path]
                         meta = {n: (tuple(h.get_slice(n).get_shape()), h.get_slice(n).get_dtype()) for n in names}
-                    header, data = _safetensors_header(fd)
+                    # an 8-byte little-endian length, that many bytes of JSON header, then the data
+                    (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                    header = json.loads(os.pread(fd, size, 8))
                 except ConfigError:
                     raise
                 except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
                     raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
-                for n, (shape, dt) in meta.items():
-                    self._info[n] = (shape, dt, fd, data + int(header[n]["data_offsets"][0]))
-            missing = sorted(set(weight_map or ()) - set(self._info))
+                for name, (shape, dt) in meta.items():
+                    self.meta[name] = (shape, _ST_DTYPES.get(dt, dt))
+                    self._at[name] = (fd, 8 + size + int(header[name]["data_offsets"][0]))
+            missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
                 raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
                                   f"files: {short(missing)}")
@@ -106,29 +111,16 @@ class SafetensorsSource(WeightsSource):
             self.close()
             raise
 
-    def keys(self) -> list[str]:
-        return list(self._info)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._info[name][0]
-
-    def dtype(self, name: str) -> torch.dtype:
-        d = self._info[name][1]
-        if d not in _ST_DTYPES:
-            raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
-        return _ST_DTYPES[d]
-
     def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        _, _, fd, offset = self._info[name]
+        fd, offset = self._at[name]
         dtype = self.dtype(name)
-        size = itemsize(dtype)
         out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
         if not out.numel():
             return out
         view = memoryview(out.view(torch.uint8).numpy())
         pos, want = 0, len(view)
         while pos < want:
-            n = os.preadv(fd, [view[pos:]], offset + lo * size + pos)
+            n = os.preadv(fd, [view[pos:]], offset + lo * dtype.itemsize + pos)
             if n <= 0:
                 raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
                                   f"(a truncated file)")
@@ -139,14 +131,8 @@ class SafetensorsSource(WeightsSource):
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
-        self._info.clear()
-
-
-def _safetensors_header(fd: int) -> tuple[dict, int]:
-    """(header, offset of the data) of the safetensors file open as ``fd`` (``safe_open`` has
-    checked it: an 8-byte little-endian length, that many bytes of JSON, then the data)."""
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-    return json.loads(os.pread(fd, n, 8)), 8 + n
+        self._at.clear()
+        super().close()
 
 
 class StateDictSource(WeightsSource):
@@ -175,23 +161,14 @@ class StateDictSource(WeightsSource):
             raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
                               f"(e.g. model.state_dict())")
         self._sd = sd
-
-    def keys(self) -> list[str]:
-        return list(self._sd)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._sd[name].shape)
-
-    def dtype(self, name: str) -> torch.dtype:
-        return self._sd[name].dtype
+        self.meta = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
 
     def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        t = self._sd[name]
-        flat = t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
-        return flat[lo:hi]
+        return self._sd[name].reshape(-1)[lo:hi]
 
     def close(self) -> None:
         self._sd = {}
+        super().close()
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:
@@ -248,12 +225,8 @@ class Entry:
     offset: int      # byte offset of its data in the file (header included)
 
     @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
     def nbytes(self) -> int:
-        return self.numel * itemsize(self.dtype)
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -273,27 +246,24 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
     groups: list[list] = [[]]
     used = 0
     for name, shape, dtype in tensors:
-        nbytes = math.prod(shape) * itemsize(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and used + nbytes > limit:
             groups.append([])
             used = 0
-        groups[-1].append((name, tuple(shape), dtype))
+        groups[-1].append((name, tuple(shape), dtype, used, used + nbytes))   # its data's offsets in the file
         used += nbytes
     n = len(groups)
     plans = []
     for i, group in enumerate(groups):
         fname = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        meta, pos = {"__metadata__": {"format": "pt"}}, 0
-        for name, shape, dtype in group:
-            nbytes = math.prod(shape) * itemsize(dtype)
-            meta[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-            pos += nbytes
+        meta = {"__metadata__": {"format": "pt"}}
+        meta.update({name: {"dtype": _ST_NAMES[dt], "shape": list(shape), "data_offsets": [lo, hi]}
+                     for name, shape, dt, lo, hi in group})
         body = json.dumps(meta, separators=(",", ":")).encode()
         body += b" " * (-len(body) % 8)   # data starts 8-byte aligned
         header = struct.pack("<Q", len(body)) + body
-        entries = tuple(Entry(name, shape, dtype, fname, len(header) + meta[name]["data_offsets"][0])
-                        for name, shape, dtype in group)
-        plans.append(FilePlan(fname, header, len(header) + pos, entries))
+        entries = tuple(Entry(name, shape, dt, fname, len(header) + lo) for name, shape, dt, lo, _ in group)
+        plans.append(FilePlan(fname, header, len(header) + (group[-1][4] if group else 0), entries))
     return plans
 
 
@@ -336,10 +306,6 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
     return paths
-
-
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def short(items: Sequence[str], n: int = 20) -> str:

@@ -4,24 +4,11 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Which rank holds which range of which parameter comes from the name-keyed view of the state
-(``framework.persist.layout``). Loading: each rank reads only the element ranges its master pieces
-hold (positioned reads of a safetensors file; a torch state dict is memory-mapped), writes them
-into the fp32 masters (zero3: its parameter shards too, through the stage's publish) and the stage
-rebuilds the working parameters exactly as after an optimizer step. Under zero1/2
-the working parameters are whole on every rank by design; under zero3 no rank ever holds more
-than its shards plus one parameter range. Everything is checked before anything is written.
-
-Saving: the output is ordinary safetensors (one file, or shards plus
-``model.safetensors.index.json``), under the module's parameter names, tied weights once (the
-first name in module order). Every rank writes its share of the layout straight into the output
-files at their byte offsets (``os.pwrite``), converted to the output dtype in chunks: no collective
-moves parameter bytes, no rank assembles even one whole tensor, and peak memory per
-rank is one chunk. Rank 0 lays out the files (the headers only need global shapes, which every
-rank knows) before anyone writes. Why not gather each tensor to rank 0: that sends the whole
-model through one rank's link and memory and serialises the writes; the price of writing in
-place is that every rank must see ``out_dir`` (a shared filesystem across nodes, as for the
-checkpoint folders DCP writes).
+Each rank reads only the ranges its master pieces hold (``framework.persist.layout``), and the stage
+rebuilds the working parameters as after an optimizer step. A save writes ordinary safetensors:
+rank 0 lays out the files, then every rank writes its share straight into them at their byte
+offsets, so no rank assembles a whole tensor or sends the model through one rank's link and memory;
+the price is that every rank must see ``out_dir``, as for DCP's checkpoint folders.
 """
 from __future__ import annotations
 
@@ -40,7 +27,7 @@ from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (INDEX, SINGLE, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           itemsize, open_weights, parse_size, plan_files, short, write_at)
+                                           open_weights, parse_size, plan_files, short, write_at)
 
 __all__ = ["INDEX", "SINGLE", "WeightsSource", "create_files", "finish_files", "load_weights", "open_weights",
            "parse_size", "plan_files", "save_on_model_save", "save_pretrained", "save_weights", "targets", "write_at"]
@@ -61,15 +48,12 @@ class Target:
 def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
     """The model's tensors in module order: parameters (those in ``layout``, a gathered one, are
     held in master pieces) then persistent buffers."""
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
+    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-        params[id(p)] = p
+        params.setdefault(id(p), (p, []))[1].append(n)
     out = []
-    for pid, aliases in names.items():
-        first, p = aliases[0], params[pid]
-        staged = layout.params.get(first)
+    for p, aliases in params.values():
+        first, staged = aliases[0], layout.params.get(aliases[0])
         if staged is not None:
             out.append(Target(first, tuple(aliases), staged.shape, staged.dtype, None))
         else:  # a frozen parameter outside the stage's layout: whole on every rank
@@ -97,9 +81,8 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     """Load consolidated weights into ``engine``'s model: master parameters (fp32), working
     parameters and zero3 shards, buffers too. Collective: every rank calls it.
 
-    ``source``: a path (see ``open_weights``) or an open ``WeightsSource``. Each rank reads only
-    the element ranges of its own master pieces. Tied parameters take any one of their names.
-    Values are converted to each target's dtype (floating to floating, integer to integer).
+    ``source``: a path (see ``open_weights``) or an open ``WeightsSource``. Tied parameters take
+    any one of their names; values are converted to each target's dtype (of the same kind).
     Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported together in one ``ConfigError`` before anything is written. The optimizer state is
     left as it is: load before training."""
@@ -176,68 +159,53 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     ``max_shard_size``), under the module's parameter names (tied weights once) and persistent
     buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype,
     fp32: the exact trained values; a 16-bit dtype gives the working parameters bit for bit).
-    Collective; every rank writes its own ranges in place (see the module docstring), so every
-    rank must see ``out_dir``. Returns the written paths (on every rank)."""
+    Collective; every rank must see ``out_dir``. Returns the written paths (on every rank)."""
     c = engine.components
+    dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
+    out_dir = Path(out_dir)
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         views = []
-        _agree(c.dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
+        _agree(dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
                "save_weights: swap file check")
-        # what was read from the mapped pages is what was checked: the extents again after the write
-        recheck = lambda: verify_map(views[0].fmap, "checked again after the export read it")  # noqa: E731
-        release = views[0].fmap.release if views[0].fmap is not None else None
-        return _save_weights(engine, list(views[0].state.params), Path(out_dir), dtype, max_shard_size, recheck,
-                             release)
+        fmap = views[0].fmap
+        masters = list(views[0].state.params)
+        layout = _layout(engine, masters, "save_weights")
+        tgts = targets(c.module, layout)
+        plans = plan_files([(t.name, t.shape, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
+                            for t in tgts], max_shard_size)
+        entries = {e.name: e for plan in plans for e in plan.entries}
+        jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
+        for p, h, a, b in layout.share():
+            e = entries[p.name]
+            jobs.append((e.file, e.offset + a * e.dtype.itemsize, h.of(masters[h.piece].view(-1), a, b), e.dtype))
+        for i, t in enumerate(tgts):   # whole on every rank (buffers, frozen parameters): spread over the ranks
+            if t.tensor is not None and i % dist.world == dist.rank:
+                e = entries[t.name]
+                jobs.append((e.file, e.offset, t.tensor.detach().reshape(-1), e.dtype))
+        jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back
 
+        def write() -> None:
+            fds: dict[str, int] = {}
+            for fname, offset, view, out_dtype in jobs:
+                if fname not in fds:
+                    fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
+                    stack.callback(os.close, fds[fname])
+                for s in range(0, view.numel(), WRITE_CHUNK):
+                    chunk = view[s:s + WRITE_CHUNK].to(out_dtype)   # convert where the values are, then move
+                    write_at(fds[fname], offset + s * out_dtype.itemsize, chunk.to("cpu").contiguous())
+                    if fmap is not None:   # a mapped swap file's pages leave the process as they are written
+                        fmap.release(view[s:s + WRITE_CHUNK])
+            for fd in fds.values():
+                os.fsync(fd)
+            # what was read from the mapped pages is what was checked: the extents again after the write
+            verify_map(fmap, "checked again after the export read it")
 
-def _save_weights(engine, masters: list[torch.Tensor], out_dir: Path, dtype: torch.dtype | None,
-                  max_shard_size: int | str, recheck=lambda: None, release=None) -> list[Path]:
-    dist = engine.components.dist
-    layout = _layout(engine, masters, "save_weights")
-    tgts = targets(engine.components.module, layout)
-
-    def out_dtype(t: Target) -> torch.dtype:
-        return dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-
-    plans = plan_files([(t.name, t.shape, out_dtype(t)) for t in tgts], max_shard_size)
-    entries = {e.name: (plan.name, e) for plan in plans for e in plan.entries}
-    jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
-    for p, h, a, b in layout.share():
-        fname, e = entries[p.name]
-        jobs.append((fname, e.offset + a * itemsize(e.dtype), h.of(masters[h.piece].view(-1), a, b), e.dtype))
-    for i, t in enumerate(tgts):   # whole on every rank (buffers, frozen parameters): spread over the ranks
-        if t.tensor is not None and i % dist.world == dist.rank:
-            fname, e = entries[t.name]
-            jobs.append((fname, e.offset, t.tensor.detach().reshape(-1), e.dtype))
-    jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back
-    _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-    _agree(dist, lambda: (_write_jobs(out_dir, jobs, release), recheck()), "save_weights: write")
-    paths = [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
-    _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
-    return paths
-
-
-def _write_jobs(out_dir: Path, jobs: list, release: Callable[[torch.Tensor], None] | None = None) -> None:
-    """Write each job's view at its offset; ``release(view)`` after each (a mapped swap file's pages
-    leave the process as they are written)."""
-    fds: dict[str, int] = {}
-    try:
-        for fname, offset, view, dtype in jobs:
-            if fname not in fds:
-                fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
-            step = itemsize(dtype)
-            for s in range(0, view.numel(), WRITE_CHUNK):
-                chunk = view[s:s + WRITE_CHUNK].to(dtype)   # convert where the values are, then move
-                write_at(fds[fname], offset + s * step, chunk.to("cpu").contiguous())
-                if release is not None:
-                    release(view[s:s + WRITE_CHUNK])
-        for fd in fds.values():
-            os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
+        _agree(dist, write, "save_weights: write")
+        _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
+    return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
 def _agree(dist, fn: Callable[[], object], what: str) -> None:
@@ -248,11 +216,14 @@ def _agree(dist, fn: Callable[[], object], what: str) -> None:
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> list[Path]:
     """``save_weights`` plus, for a Hugging Face model, its ``config.json`` (and generation
-    config), so ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it. Collective."""
+    config), so ``from_pretrained(out_dir)`` loads it. Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
     module = engine.components.module
-    config = _hf_config(module)
-    if config is not None and engine.components.dist.is_main:
+    if not (type(module).__module__.startswith("transformers.") and engine.components.dist.is_main):
+        return paths   # (transformers is imported only for a model that comes from it)
+    from transformers import PretrainedConfig
+    config = getattr(module, "config", None)
+    if isinstance(config, PretrainedConfig):
         files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
         config.save_pretrained(out_dir)
         paths.append(Path(out_dir) / "config.json")
@@ -262,27 +233,14 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     return paths
 
 
-def _hf_config(module: nn.Module):
-    """The module's Hugging Face config, if it is a transformers model (transformers is only
-    imported when it is installed and the model comes from it)."""
-    if not type(module).__module__.startswith("transformers."):
-        return None
-    from transformers import PretrainedConfig
-    config = getattr(module, "config", None)
-    return config if isinstance(config, PretrainedConfig) else None
-
-
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
     """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
-    when set, the working-dtype weights (16-bit under bf16/fp16 precision) go to ``out_dir`` as
-    consolidated safetensors, each rank writing its own ranges (with config.json for a Hugging Face
-    model); otherwise nothing. Collective on the default group: call it from the training thread
-    (e.g. in a checkpoint save, before handing the rest to an asynchronous writer), never from a
-    background thread."""
+    when set, ``save_pretrained`` of the working-dtype weights (16-bit under bf16/fp16) into
+    ``out_dir``; otherwise nothing. Collective on the default group: call it from the training
+    thread, never from a background thread."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None
-    # A Hugging Face model also gets its config.json: the folder loads with from_pretrained.
     return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype)
 
 

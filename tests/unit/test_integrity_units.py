@@ -15,7 +15,7 @@ import torch
 
 from framework import ConfigError, compose
 from framework.core.errors import SwapIOError, UnsafePathError
-from framework.core.files import create_new, make_dirs, open_append, write_atomic
+from framework.core.files import create_new, make_dir, make_dirs, open_append, write_atomic
 from framework.core.room import Claim, shortfalls
 
 
@@ -70,7 +70,7 @@ def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
     (root / "step-2.tmp").symlink_to(elsewhere)
     _folder.remove_stale(root)                          # links are left alone, never deleted through
     with pytest.raises(UnsafePathError, match="step-2.tmp is a symbolic link"):
-        _folder.make_step_folder(root / "step-2.tmp")
+        make_dir(root / "step-2.tmp", exist_ok=False)   # how a save makes its step folder
     assert elsewhere.is_dir() and not list(elsewhere.iterdir())
 
 

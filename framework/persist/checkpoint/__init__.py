@@ -5,65 +5,34 @@
     ...  ckpt.maybe_save(state, metrics=m)  ...  # every checkpoint.every steps (and the last)
     ckpt.close()                                 # waits for an async save; collective
 
-Folder (``framework.persist.checkpoint._folder`` has the commit protocol)::
+A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
+"optim.<scalar>"), train_state.json (step, data position, loss scaler, optimizer, config, the saving
+layout), rng-<rank>.json and manifest.json (``_folder``: the commit protocol). Each rank writes its
+share of the name-keyed view of the state (``framework.persist.layout``) and a load reads its own
+holdings by name, so world size, stage and offload may change between save and load.
 
-    <dir>/step-<N>/.metadata, __<rank>_0.distcp   DCP: "model.<name>" fp32 masters and
-                                                    "optim.<state>.<name>" moments with global shapes,
-                                                    "optim.<scalar>" (e.g. optim.step)
-                   train_state.json                 step, data position, loss scaler, scheduler position,
-                                                    optimizer layout, config, world size, stage, fragments
-                   rng-<rank>.json                  python / numpy / torch / CUDA generators of each rank
-                   manifest.json                    written last: sizes + sha256 of every file
-    <dir>/latest                                    "step-<N>" of the newest commit
-
-Each rank writes its share of the name-keyed view of the state (``framework.persist.layout``);
-a load reads this rank's holdings by name whatever layout the saving run had, so world size,
-stage and offload may change between save and load. Modules, in the order of a run: ``_resume``
-(which folder), ``_load``, ``_save``; under them ``_group`` (collectives and their errors),
-``_folder`` (the commit protocol), ``_dcp`` (DCP glue, imported on first use), ``_rng``.
-
-Integrity: a save commits only state known good. The ranks agree, before writing, that every value
-is finite and that the disk has room; under offload=nvme the swapped extents are checked before
-the checkpoint reads them and again after (``offload.verify_map``). Each phase of the write ends
-in an exchange of outcomes (``_group.agree_save``), so one rank's failure (a full disk, a changed
-swap file) ends every rank with the same line and removes the unfinished folder. A step with a
-non-finite loss or gradient norm never gets here (``framework.engine.step``). A load checks files
-against the manifest, train_state.json against the manifest and the loaded values for NaN/inf;
-any of them refuses the checkpoint on every rank, and ``resume=auto`` falls back to the previous.
-
-NVMe offload: the swapped state is read and written where it lies. A save maps the swap file
-(``engine.mapped_state``: writes settled, every extent checked against the IO engine's
-checksums) and DCP writes the swapped pieces' boxes straight from the mapped pages, no host copy
-of them (``Boxes(own=...)``); such a save is always written on the training thread (an async save
-would need a host copy of the whole swapped state). A load maps the new layout's swap files
-writable and DCP reads the saved chunks straight into them (the fragments of swapped pieces alias
-the mapping); the file is then synced and its checksums recomputed. Every pass over the mapping
-(checks, finiteness, DCP's write or read, checksums) drops each range's pages from the process once
-done with it (``FileMap.release``): the resident set of a save or load does not grow with the model.
-The checkpoint stays keyed by parameter name: never a copied swap folder tied to one world size.
+Only state known good is committed: the ranks agree before writing that every value is finite and
+the disk has room, and every phase ends in an exchange of outcomes, so one rank's failure ends every
+rank with the same line. A load checks files and values; ``resume=auto`` then falls back to the
+previous checkpoint. Under offload=nvme the swapped state is read and written where it lies, in the
+mapped swap file, each range's pages dropped once done with, so memory does not grow with the model.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Callable
 
 from framework.core.errors import CheckpointError, ConfigError
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, glue
-from framework.persist.checkpoint._load import load
-from framework.persist.checkpoint._resume import candidates, changed, checkpoint_root, find_latest, preflight
+from framework.persist.checkpoint._load import OTHER_RUN, load
 from framework.persist.checkpoint._save import save
 
-__all__ = ["Checkpointer", "CheckpointError", "LoadPlanner", "SafeReader", "checkpoint_root", "find_latest", "load",
-           "preflight", "read_metadata", "save"]
-
-
-def __getattr__(name: str):
-    # DCP's glue only on first use: importing DCP costs most of a second (``_group.glue``).
-    if name in ("LoadPlanner", "SafeReader", "read_metadata"):
-        return getattr(glue(), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "find_latest", "glue", "load", "preflight", "save"]
 
 
 class Checkpointer:
@@ -71,11 +40,8 @@ class Checkpointer:
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
                  on_point: Callable[[str], None] | None = None):
-        """``run_dir``: the run's folder, whose ``checkpoints/`` holds its checkpoints unless
-        ``checkpoint.dir`` is set (``checkpoint_root``). ``job``: the job's name within a multirun
-        sweep (its overrides); under an explicit ``checkpoint.dir`` its checkpoints go to
-        ``<checkpoint.dir>/<job>`` so that jobs of one sweep never resume from each other's.
-        ``on_point``: called at the points of each save's protocol (``save``'s; fault tests)."""
+        """``run_dir``, ``job``: where the checkpoints go (``checkpoint_root``). ``on_point``: called
+        at the points of each save's protocol (``save``'s; fault tests)."""
         self.cfg = cfg.checkpoint
         self.config = cfg.to_dict()
         self.seed = cfg.seed
@@ -84,7 +50,7 @@ class Checkpointer:
         self.rank = dist.rank
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite = cfg.train.on_nonfinite
-        self.group = Group(dist.rank, dist.world, self.cfg.timeout_s, dist)
+        self.group = Group(dist, self.cfg.timeout_s)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
@@ -179,3 +145,111 @@ class Checkpointer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
             self.group.close()
+
+
+def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
+    """Where a run's checkpoints go: ``checkpoint.dir``, else ``checkpoints/`` in the run folder
+    (so a run never meets another run's checkpoints unless pointed at them), else in the working
+    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: its overrides) gets
+    ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
+    c = cfg.checkpoint
+    if c.dir is None:
+        return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
+    root = Path(c.dir).expanduser().resolve()
+    if not job:
+        return root
+    name = job.replace("/", "_")   # readable, and short enough for any file system
+    return root / (name if len(name) <= 120 else f"{name[:100]}-{hashlib.sha256(job.encode()).hexdigest()[:12]}")
+
+
+# Where ``checkpoint.resume=latest`` also looks: Hydra's run folders under the working directory.
+_RUN_TREES = ("outputs", "multirun")
+
+
+def find_latest(root: Path) -> Path | None:
+    """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
+    folders one to three levels under ``outputs/`` and ``multirun/``; None if there is none."""
+    cwd = Path.cwd()
+    roots = {root}
+    for tree in _RUN_TREES:
+        for depth in ("*", "*/*", "*/*/*"):
+            roots.update(p for p in (cwd / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())
+    newest = [found[0] for found in map(_folder.committed, roots) if found]
+    return max(newest, key=lambda p: (p / _folder.MANIFEST).stat().st_mtime, default=None)
+
+
+# Model keys that may change between a save and a resume: how the same weights are computed.
+_MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
+
+
+def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = False):
+    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every
+    rank loads the same); a checkpoint of another model or optimizer is refused on one line. A
+    damaged or unreadable candidate is left to the ranks (they fall back and say so)."""
+    c = cfg.checkpoint
+    root = checkpoint_root(cfg, run_dir, job)
+    if c.resume == "off":
+        return cfg
+    if c.resume == "latest":
+        folder = find_latest(root)
+        if folder is None:
+            quiet or print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
+                  f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
+            return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
+        folders = [folder]
+    else:
+        folders = candidates(c.resume, root)[0]
+    if not folders:
+        return cfg
+    folder = folders[0]
+    try:
+        saved = json.loads((folder / _folder.TRAIN_STATE).read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return cfg
+    mine = cfg.to_dict()
+    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
+    if diffs:
+        what = ", ".join(f"model.{k} {_flat_get(saved['model'], k)!r} vs {_flat_get(mine['model'], k)!r}"
+                         for k in diffs[:4])
+        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved by another model ({what}; saved vs "
+                          f"this run){OTHER_RUN}")
+    theirs = saved.get("optimizer", {}).get("name")
+    if theirs is not None and theirs != mine["optimizer"]["name"]:
+        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved with optimizer={theirs}, this run uses "
+                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
+    return cfg
+
+
+def _flat_get(node: dict, dotted: str):
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
+    """Candidate folders for ``checkpoint.resume``, best first (``auto``: every committed one under
+    ``root``; a path: that step folder, or the committed ones in it), and one line per ``step-<N>``
+    folder passed over."""
+    if resume == "auto":
+        return _folder.scan(root)
+    path = Path(resume).expanduser()
+    if (path / _folder.MANIFEST).is_file() or (path / _folder.TRAIN_STATE).exists():
+        return [path], []
+    if path.is_dir():
+        found, notes = _folder.scan(path)
+        if found:
+            return found, notes
+    raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there (expected a step-<N> folder with "
+                      f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
+
+
+def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += changed(x, y, f"{prefix}{k}.")
+        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" == "dist.nproc"):
+            out.append(f"{prefix}{k}")
+    return out

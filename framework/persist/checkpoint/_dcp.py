@@ -1,22 +1,19 @@
 """torch.distributed.checkpoint glue: flat fragments as rectangular chunks, and a reader that
 never unpickles code.
 
-ZeRO-1/2 (and zero3) master pieces are ranges of *flattened* parameters, which DCP's public
-types cannot hold: a ``DTensor`` shard is one even block per rank along a dimension, a
-``ShardedTensor`` is deprecated. A flat range of a row-major tensor is, however, exactly a
-short list of rectangular boxes (a partial row, whole rows, a partial row, recursively per
-dimension: at most ``2 * ndim - 1`` boxes, each contiguous in memory). DCP's metadata already
-describes a tensor as chunks (offsets, sizes) of a global shape, so each box is written as one
-chunk of the parameter's global shape: the files are ordinary DCP files that ``dcp.load``
-reads into a plain full tensor, or into any other sharding, at any world size. ``Boxes``
-implements the three hooks DCP's planners call on a checkpointable value
-(``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``, the
-protocol ``DTensor`` uses); the planners below only route the lookup of a chunk to it.
+ZeRO's master pieces are ranges of *flattened* parameters, which DCP's public types cannot hold
+(a ``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major
+tensor is, however, a short list of rectangular boxes (at most ``2 * ndim - 1``, each contiguous),
+so each box is written as one chunk of the parameter's global shape: ordinary DCP files that
+``dcp.load`` reads into a full tensor or any other sharding. ``Boxes`` implements the hooks DCP's
+planners call on a checkpointable value (the protocol ``DTensor`` uses).
 """
 from __future__ import annotations
 
+import io
 import math
 import pickle
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -91,11 +88,10 @@ class Boxes:
         return self.shape
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(offsets=offsets, sizes=t.size()),
-                              properties=TensorProperties.create_from_tensor(t), size=self.shape))
-                for offsets, t in self.views]
+        return [WriteItem(index=MetadataIndex(fqn, c.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=c, properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for c, t in zip(self.__create_chunk_list__(), self.tensors())]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.views]
@@ -137,7 +133,7 @@ class SavePlanner(DefaultSavePlanner):
 
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a
-    pickled object (no ``load_bytes``): only tensors are requested."""
+    pickled object: only tensors are requested."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         """``release(t)``: called with each target once DCP filled it (see ``SavePlanner``)."""
@@ -145,8 +141,8 @@ class LoadPlanner(DefaultLoadPlanner):
         self.release = release
 
     def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
-        # The default one first maps the values through a walk that drops objects it does not
-        # know (``Boxes``); targets here are already flat, materialised host tensors.
+        # The default one maps the values through a walk that drops objects it does not know
+        # (``Boxes``); targets here are already flat, materialised host tensors.
         self.original_state_dict = self.state_dict = state_dict
         self.mappings = {}
         self.metadata = metadata
@@ -218,12 +214,8 @@ class SafeReader(FileSystemReader):
 
 
 def unpicklable(folder, metadata) -> str | None:
-    """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses (as DCP
-    reads it), named by file, key and offset; None if every record loads. Used only to name the file
-    after DCP's read failed (it reports the refusal without saying where)."""
-    import io
-    from pathlib import Path
-
+    """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses, named
+    by file, key and offset; None if every record loads (DCP reports the refusal without saying where)."""
     storage = getattr(metadata, "storage_data", None) or {}
     for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
         if getattr(info, "transform_descriptors", None):

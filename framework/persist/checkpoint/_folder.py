@@ -5,15 +5,11 @@
     <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
 
-Order of a save: every rank writes its files into ``step-N.tmp/`` and fsyncs them; rank 0 writes
-``manifest.json`` last (size and sha256 of every file, world size, stage, step, config hash, and
-``verified``: the state was checked before it was written, see ``framework.persist.checkpoint``), fsyncs
-it and the folder, renames the folder to ``step-N/`` (the commit point), then points ``latest`` at
-it by writing ``latest.tmp`` and renaming it. Older folders are deleted only after that, each
-renamed to ``step-N.del`` first, and never the newest verified one. A kill at any moment leaves
-every committed folder intact; a ``step-N`` folder without a manifest that parses is not a
-checkpoint, and ``scan`` says so instead of skipping it silently. Files and folders are owner-only
-(0600 / 0700), created without following links (``framework.core.files``).
+A save writes every rank's files into ``step-N.tmp/``, then rank 0 writes ``manifest.json`` last
+(size and sha256 of every file, and ``verified``: the state was checked before it was written),
+renames the folder to ``step-N/`` (the commit point) and points ``latest`` at it. Older folders are
+deleted only after that, through ``step-N.del``, never the newest verified one: a kill at any moment
+leaves every committed folder intact. Files and folders are owner-only, never opened through links.
 """
 from __future__ import annotations
 
@@ -35,26 +31,6 @@ LATEST = "latest"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
-
-
-def mkdir_private(path: Path) -> None:
-    """Create ``path`` (and missing parents) readable by its owner only; an existing folder keeps
-    its mode (it may be the user's own, such as the working directory: each step folder inside
-    is 0700 anyway)."""
-    files.make_dirs(path)
-
-
-def make_step_folder(path: Path) -> None:
-    """A new, empty, owner-only folder of our own: refused if anything (a planted link) is there."""
-    files.make_dir(path, exist_ok=False)
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write, fsync and close a new file readable by its owner only (never through a link)."""
-    files.write_new(path, data)
-
-
-fsync_dir = files.fsync_dir
 
 
 def sha256(path: Path) -> str:
@@ -83,8 +59,8 @@ def file_entry(folder: Path, name: str) -> dict:
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:
     body = {"format": FORMAT, **fields, "files": files_}
-    write_private(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
-    fsync_dir(folder)
+    files.write_new(folder / MANIFEST, json.dumps(body, indent=1, sort_keys=True).encode())
+    files.fsync_dir(folder)
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -137,24 +113,18 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
     out, notes = [], []
     for p in root.iterdir():
         m = _STEP.match(p.name)
-        if not m:
-            continue
-        if p.is_symlink():
+        if m and p.is_symlink():
             notes.append(f"{p} is a symbolic link, not a checkpoint this run wrote; ignored")
-            continue
-        if not p.is_dir():
-            continue
-        try:
-            read_manifest(p)
-        except CheckpointError as e:
-            notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
-            continue
-        out.append((int(m.group(1)), p))
+        elif m and p.is_dir():
+            try:
+                read_manifest(p)
+                out.append((int(m.group(1)), p))
+            except CheckpointError as e:
+                notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
     return [p for _, p in sorted(out, reverse=True)], sorted(notes)
 
 
 def committed(root: Path) -> list[Path]:
-    """The folders of ``scan``, newest step first."""
     return scan(root)[0]
 
 
@@ -164,14 +134,13 @@ def step_of(folder: Path) -> int:
 
 
 def verified(folder: Path) -> bool:
-    """Whether the save that committed ``folder`` checked the state it wrote (manifest flag)."""
     try:
         return read_manifest(folder).get("verified") is True
     except CheckpointError:
         return False
 
 
-def commit(tmp: Path, final: Path, on_point=None) -> None:
+def commit(tmp: Path, final: Path, on_point) -> None:
     """Rename ``step-N.tmp`` to ``step-N`` (replacing an older folder of that step, which is
     moved aside first and deleted after), then point ``latest`` at it. Rank 0 only.
     ``on_point(name)``: called before the rename and before ``latest`` is written (tests)."""
@@ -182,12 +151,10 @@ def commit(tmp: Path, final: Path, on_point=None) -> None:
         aside = root / f"{final.name}.old"
         _remove_tree(aside)
         os.replace(final, aside)
-    if on_point is not None:
-        on_point("before-rename")
+    on_point("before-rename")
     os.replace(tmp, final)
-    fsync_dir(root)
-    if on_point is not None:
-        on_point("before-latest")
+    files.fsync_dir(root)
+    on_point("before-latest")
     files.write_atomic(root / LATEST, final.name.encode())
     if aside is not None:
         _remove_tree(aside)
@@ -204,8 +171,7 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
     older = [p for p in chain if step_of(p) < step_of(newest)]
     gone = [p for p in older[keep_last - 1:] if p != good]
     for p in gone:
-        # Renamed first: a kill halfway leaves a step-N.del folder, never a half folder named
-        # like a checkpoint.
+        # Renamed first: a kill halfway leaves a step-N.del folder, never a half checkpoint.
         doomed = p.with_name(p.name + ".del")
         _remove_tree(doomed)
         os.replace(p, doomed)

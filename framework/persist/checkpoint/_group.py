@@ -18,9 +18,8 @@ from framework.core.units import size
 
 
 def glue():
-    """torch.distributed.checkpoint and our glue to it (``_dcp``), imported on the first save, load
-    or DCP error: importing DCP costs most of a second (DTensor, sympy), which every process of
-    every run would pay at start-up, checkpointing or not."""
+    """Our glue to torch.distributed.checkpoint (``_dcp``), imported on first use: importing DCP
+    costs most of a second (DTensor, sympy), which every process would pay, checkpointing or not."""
     from framework.persist.checkpoint import _dcp
     return _dcp
 
@@ -34,11 +33,10 @@ class Group:
     in a background thread never shares a group with training (concurrent collectives on one
     group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
 
-    def __init__(self, rank: int, world: int, timeout_s: float, dist=None):
-        """``dist``: the run's ``Dist``, to name a peer that died or stalled in a failed exchange."""
-        self.rank, self.world, self.timeout_s, self.dist = rank, world, timeout_s, dist
-        self.pg = (tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                   if world > 1 else None)
+    def __init__(self, dist, timeout_s: float):
+        """``dist``: the run's ``Dist`` (it names a peer that died or stalled)."""
+        self.rank, self.world, self.timeout_s, self.dist = dist.rank, dist.world, timeout_s, dist
+        self.pg = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
 
     def all_gather(self, obj: Any, what: str) -> list:
         if self.world == 1:
@@ -47,16 +45,14 @@ class Group:
         try:
             tdist.all_gather_object(out, obj, group=self.pg)
         except RuntimeError as e:
-            who = self.dist.who_failed() if self.dist is not None else "a peer rank died or stalled"
             raise FrameworkError(f"rank {self.rank}/{self.world}: checkpoint {what} failed after waiting up to "
-                                 f"{self.timeout_s:g}s ({who}; checkpoint.timeout_s sets the "
+                                 f"{self.timeout_s:g}s ({self.dist.who_failed()}; checkpoint.timeout_s sets the "
                                  f"limit): {str(e).splitlines()[0]}") from e
         return out
 
     def enter(self, stack: contextlib.ExitStack, context, what: str):
         """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):
-        when it fails on some rank (a damaged swap file), every rank raises at once, naming it,
-        instead of the others waiting for it in the next collective."""
+        when it fails on some rank (a damaged swap file), every rank raises at once, naming it."""
         entered = []
         agree(lambda obj: self.all_gather(obj, what), self.rank,
               lambda: entered.append(stack.enter_context(context)), f"checkpoint {what}")
@@ -72,11 +68,10 @@ class Group:
 
 
 def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
-    """``fn()`` on every rank, outcomes exchanged (the exchange is also a barrier); returns every
-    rank's result. When it failed anywhere, rank 0 removes the unfinished ``tmp`` folder
-    (``cleanup``) and every rank raises one CheckpointError naming the rank, the file and the
-    cause, so the previous checkpoints stay as they were and no rank waits for another that gave
-    up. ``need``: the checkpoint's bytes, for the message of a full disk."""
+    """``fn()`` on every rank, outcomes exchanged (also a barrier); returns every rank's result.
+    When it failed anywhere, rank 0 removes the unfinished ``tmp`` folder (``cleanup``) and every
+    rank raises one CheckpointError naming the rank and the cause. ``need``: the checkpoint's
+    bytes, for the message of a full disk."""
     result, problem = None, None
     try:
         result = fn()
@@ -96,9 +91,9 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
 
 
 def agree_load(group: Group, what: str, fn):
-    """``fn()`` on every rank, outcomes exchanged before anyone goes on (no rank waits in a later
-    collective for one that gave up): a rank that failed raises its own error, the others the same
-    kind (ConfigError: the checkpoint is another run's, no fallback; otherwise CheckpointError)."""
+    """``fn()`` on every rank, outcomes exchanged before anyone goes on: a rank that failed raises
+    its own error, the others the same kind (ConfigError: the checkpoint is another run's, no
+    fallback; otherwise CheckpointError)."""
     result, problem = None, None
     try:
         result = fn()

@@ -1,6 +1,6 @@
-"""Reading a checkpoint: files against the manifest, the train state against the manifest, the
-DCP files against this model, then this rank's holdings read by DCP (straight into a mapped swap
-file where they lie there) and checked finite before the state takes them."""
+"""Reading a checkpoint: files and train state against the manifest, the DCP files against this
+model, then this rank's holdings read by DCP (straight into a mapped swap file where they lie
+there) and checked finite before the state takes them."""
 from __future__ import annotations
 
 import contextlib
@@ -15,8 +15,8 @@ from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_load, causes, describe, few, glue
-from framework.persist.checkpoint._save import dcp_key, nonfinite_items
-from framework.persist.layout import StateLayout, load_state_dict
+from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
+from framework.persist.layout import StateLayout, flat_pieces, load_state_dict
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
 OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
@@ -72,9 +72,8 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 def load(engine, state, folder: Path, *, group: Group, seed: int):
     """Load ``folder`` into ``state`` under this engine's layout (collective); return
-    (state, train_state dict). Files are verified against the manifest first, the train state
-    against the manifest, and the loaded values must be finite: a damaged or non-finite
-    checkpoint raises CheckpointError on every rank (``resume=auto`` then falls back)."""
+    (state, train_state dict). A damaged or non-finite checkpoint raises CheckpointError on
+    every rank (``resume=auto`` then falls back)."""
     manifest = verify(folder, group)
     c = engine.components
     rank, world = c.dist.rank, c.dist.world
@@ -88,31 +87,19 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
-    keys = body["optimizer"]["keys"]
-    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         mapped = view.state
-        opt = optimizer_leaves(mapped.opt_state, mapped.params)[0]
         layout = StateLayout.of(specs, rank=rank, world=world,
                                 swapped=[k for k, p in enumerate(mapped.params) if view.maps(p)])
-
-        def piece(h):   # where DCP reads: a swapped piece itself (straight into the file), else a host buffer
-            if h.swapped:
-                return mapped.params[h.piece].reshape(-1), {p: opt[p][h.piece].reshape(-1) for p in per}
-            n = mapped.params[h.piece].numel()
-            return torch.empty(n, device="cpu"), {p: torch.empty(n, device="cpu") for p in per}
-
-        fragments = layout.fragments(piece)
+        # where DCP reads: a swapped piece itself (straight into the file), else host buffers
+        flats = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
+        for k in {h.piece for _, h in layout.mine() if not h.swapped}:
+            flats[k] = {key: torch.empty(t.numel(), device="cpu") for key, t in flats[k].items()}
+        fragments = layout.fragments(flats)
         release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
         dcp = glue()
-        boxes: dict[str, tuple[str, list]] = {}   # DCP key -> (parameter, [(range, target)])
-        for name, e in fragments.items():
-            for f in e["fragments"]:
-                for key in ("master", *per):
-                    boxes.setdefault(dcp_key(key, name, keys), (name, []))[1].append(
-                        (f["range"], f["master"] if key == "master" else f["optim"][key]))
-        targets = {k: dcp.Boxes(saved[name], ps) for k, (name, ps) in boxes.items()}
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], flats, body["optimizer"]["keys"])
 
         def read():
             try:
@@ -128,7 +115,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
                                           f"weights_only=True (not plain tensor data: a crafted or foreign file); "
                                           f"it is never loaded") from None
                 raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {describe(e)}") from None
-            bad = nonfinite_items([(k, t) for k, (_, ps) in boxes.items() for _, t in ps], release)
+            bad = nonfinite_items([(k, t) for k, b in targets.items() for t in b.tensors()], release)
             if bad:
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
@@ -178,7 +165,7 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
                           f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
                           f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
                           f"{OTHER_RUN}")
-    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
+    saved = StateLayout.in_checkpoint(md).params
     names = [n for n, p in c.module.named_parameters() if p.requires_grad]
     missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
     if missing or extra:
@@ -187,8 +174,8 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
                                                   f"unexpected parameters {few(extra)}" if extra else "") if x)
                           + OTHER_RUN)
     for p in layout.params.values():
-        if p.shape != saved[p.name]:
-            raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name]} "
+        if p.shape != saved[p.name].shape:
+            raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name].shape} "
                               f"in the checkpoint but {p.shape} in this model{OTHER_RUN}")
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))

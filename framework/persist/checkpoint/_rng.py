@@ -13,21 +13,16 @@ from framework.data import seeded
 RNG_STREAM = 7  # a key of its own for re-derived generators (framework.data._base.seeded)
 
 
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.contiguous().numpy().tobytes()).decode()
-
-
-def _unb64(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
+def _host(py: tuple, np_state: tuple) -> dict:
+    kind, keys, pos, has_gauss, cached = np_state
+    return {"python": [py[0], list(py[1]), py[2]],
+            "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
 
 def capture(torch_states: Sequence[torch.Tensor]) -> dict:
     """``torch_states``: ``TrainState.rng`` (CPU generator, then the device's)."""
-    version, keys, gauss = random.getstate()
-    kind, np_keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": [_b64(t) for t in torch_states],
-            "python": [version, list(keys), gauss],
-            "numpy": [kind, np_keys.tolist(), int(pos), int(has_gauss), float(cached)]}
+    return {"torch": [base64.b64encode(t.contiguous().numpy().tobytes()).decode() for t in torch_states],
+            **_host(random.getstate(), np.random.get_state())}
 
 
 def restore_host(saved: dict) -> None:
@@ -39,7 +34,7 @@ def restore_host(saved: dict) -> None:
 
 
 def torch_states(saved: dict) -> tuple[torch.Tensor, ...]:
-    return tuple(_unb64(s) for s in saved["torch"])
+    return tuple(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8) for s in saved["torch"])
 
 
 def derive(seed: int, step: int, rank: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], dict]:
@@ -51,8 +46,4 @@ def derive(seed: int, step: int, rank: int, device: torch.device) -> tuple[tuple
     states = [torch.Generator().manual_seed(h).get_state()]
     if device.type == "cuda":
         states.append(torch.Generator(device).manual_seed(h).get_state())
-    py = random.Random(h).getstate()
-    np_state = np.random.RandomState(h % (2 ** 32)).get_state()
-    return tuple(states), {"python": [py[0], list(py[1]), py[2]],
-                           "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]),
-                                     float(np_state[4])]}
+    return tuple(states), _host(random.Random(h).getstate(), np.random.RandomState(h % (2 ** 32)).get_state())

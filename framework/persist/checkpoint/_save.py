@@ -1,6 +1,5 @@
 """Writing a checkpoint: each rank's share of the state as DCP boxes, the ranks' agreement that it
-is finite and fits on the disk, then the files, the checksums and the commit
-(``framework.persist.checkpoint`` describes the folder and what a save guarantees)."""
+is finite and fits on the disk, then the files, the checksums and the commit."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -17,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from framework.core import files
 from framework.core.errors import CheckpointError, FrameworkError, TrainingError
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
@@ -24,7 +24,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, o
 from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_save, few, glue
-from framework.persist.layout import StateLayout
+from framework.persist.layout import StateLayout, flat_pieces
 from framework.persist.weights import save_on_model_save
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -50,52 +50,51 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
-def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
-    """This rank's share of ``view.state`` (an ``engine.mapped_state`` view) as DCP values
-    (collective: the ranks exchange what they hold).
+def dcp_values(parts, flats, keys: dict[str, str], **boxes) -> dict:
+    """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as DCP values:
+    ``Boxes`` of the flat tensors ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
+    out: dict[str, tuple[tuple[int, ...], list]] = {}
+    for p, h, a, b in parts:
+        for key, t in flats[h.piece].items():
+            out.setdefault(dcp_key(key, p.name, keys), (p.shape, []))[1].append(((a, b), h.of(t, a, b)))
+    return {k: glue().Boxes(shape, ps, **boxes) for k, (shape, ps) in out.items()}
 
-    A rank writes its ``StateLayout.share``: every element once over the ranks. Each rectangular
-    box is copied to the host on its own, into a tensor that owns exactly its bytes: one copy of
-    the state, and none more in DCP's writer (it clones any view of a larger storage before
-    serialising it). With ``zero_copy`` (a save written before training goes on) boxes of a
-    mapped swap file are not copied: DCP writes them from the file's pages. ``nonfinite`` names
-    what this rank holds that is NaN or inf."""
+
+def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
+    """This rank's ``StateLayout.share`` of ``view.state`` (an ``engine.mapped_state`` view) as DCP
+    values (collective). Each box is copied to the host into a tensor owning exactly its bytes, so
+    DCP's writer (which clones views of larger storages) makes no second copy; with ``zero_copy``
+    boxes of a mapped swap file are written from the file's pages. ``nonfinite`` names what this
+    rank holds that is NaN or inf."""
     c = engine.components
     state = view.state
     per, scalars = optimizer_leaves(state.opt_state, state.params)
-    flats = [{"master": p.reshape(-1), **{k: ts[i].reshape(-1) for k, ts in per.items()}}
-             for i, p in enumerate(state.params)]
+    flats = flat_pieces(state.params, per)
     layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
                             gather=lambda mine: group.all_gather(mine, "layout gather"))
     keys = optim_keys(sorted(per), sorted(scalars))
     release = view.fmap.release if view.fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
-    Boxes = glue().Boxes
-    parts: dict[str, tuple[tuple[int, ...], list]] = {}
-    for p, h, a, b in layout.share():
-        for key, t in flats[h.piece].items():
-            parts.setdefault(dcp_key(key, p.name, keys), (p.shape, []))[1].append(((a, b), h.of(t, a, b)))
-    out: dict[str, Any] = {k: Boxes(shape, ps, copy=True, own=view.own if zero_copy else None)
-                           for k, (shape, ps) in parts.items()}
+    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, copy=True, own=view.own if zero_copy else None)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, Boxes) else [v]))
-    return {"dcp": out, "layout": layout.saved(), "per": sorted(per), "scalars": host_scalars, "keys": keys,
-            "step": state.step, "data": state.data, "precision": asdict(state.precision),
-            "dynamic_loss_scale": dynamic_loss_scale(c.policy), "applied": state.applied_steps,
-            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out),
-            "release": release if zero_copy else None}
+                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v]))
+    train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
+             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
+             "optimizer": {"per_element": sorted(per), "scalars": {p: _json_scalar(v) for p, v in host_scalars.items()},
+                           "keys": keys}}
+    return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
+            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out), "release": release if zero_copy else None}
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
     """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity: min and
     max propagate both, so one small reduction per tensor where it lives and one sync per device.
-    ``release(t)``: called after each tensor's reduction (a mapped swap file's pages leave the
-    process one by one)."""
+    ``release(t)``: called after each tensor's reduction."""
     by_device: dict[torch.device, list] = {}
     for n, t in items:
         if t.numel() > 0 and t.is_floating_point():
@@ -123,30 +122,19 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
          writer: type | None = None, on_point: Callable[[str], None] | None = None):
     """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
     state is taken before returning; with ``background`` the files are written there and its
-    future is returned (None otherwise).
-
-    Committed only from state known good (every rank agrees before anything is written): finite
-    (else ``TrainingError``, or with ``nonfinite="warn"`` a warning and no save), and under
-    offload=nvme every swapped extent checked against the IO engine's checksums both before the
-    bytes are read for the checkpoint (``engine.mapped_state``) and after (``verify_map``): a swap
-    file changed meanwhile is caught before the commit, never saved. Room on the disk is checked
-    for all ranks sharing it before writing (one line naming the folder and the bytes).
-    ``writer``: DCP's storage writer class (a seam for tests: one that fails or races on purpose;
-    None: ``FileSystemWriter``). ``on_point(point)``: called as the save passes each point of its
-    protocol, ``save-<N>:after-shard`` (every rank, its files written), ``save-<N>:before-manifest``,
-    ``save-<N>:before-rename`` and ``save-<N>:before-latest`` (rank 0); a seam for tests that
-    kill a rank there."""
+    future is returned (None otherwise). Non-finite state raises ``TrainingError`` (with
+    ``nonfinite="warn"``: a warning and no save). ``writer``: DCP's storage writer class (None:
+    ``FileSystemWriter``). ``on_point(point)``: called at ``save-<N>:after-shard`` (every rank),
+    ``:before-manifest``, ``:before-rename`` and ``:before-latest`` (rank 0), for fault tests."""
     staged16 = None
     if engine.components.stage.weights_on_save():
-        # stage3_gather_16bit_weights_on_model_save: this step's working-dtype weights as
-        # consolidated safetensors, written now on the training thread (collective on the default
-        # group, each rank its own ranges) into a staging folder that ``_write`` moves into the
-        # step folder as model_16bit/, so they are committed, pruned and found with the step.
+        # stage3_gather_16bit_weights_on_model_save: written now on the training thread (collective
+        # on the default group) into a staging folder that ``_write`` moves into the step folder as
+        # model_16bit/, so they are committed, pruned and found with the step.
         if group.rank == 0:
-            _folder.mkdir_private(root)
+            files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
         save_on_model_save(engine, staged16)
-    rng = _rng.capture(state.rng)
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name")}
     write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
@@ -163,19 +151,18 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
             return None
         if background is None:
             # inside the block: DCP reads the mapped pages before training changes them
-            _write(snap, rng, root, recheck=recheck, **write)
+            _write(snap, root, recheck=recheck, **write)
             return None
         agree_save(group, "swap file check after the host copy", recheck, root / f"step-{state.step}.tmp",
                    cleanup=False)
-    return background.submit(_write, snap, rng, root, **write)
+    return background.submit(_write, snap, root, **write)
 
 
 def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged16: Path | None,
                    recheck) -> bool:
     """Every rank's verdict on the state (finite) and on the room for it, exchanged; True to save.
-    Non-finite state raises TrainingError on every rank (``nonfinite="warn"``: says so and returns
-    False), unless the swap file changed under it (``recheck`` fails: that error is the cause); too
-    little room raises CheckpointError naming the folder and the bytes needed."""
+    Non-finite state is a TrainingError unless the swap file changed under it (``recheck`` fails:
+    that error is the cause); too little room a CheckpointError naming the folder and the bytes."""
     step = snap["step"]
     problem, claim = None, None
     try:
@@ -213,13 +200,11 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
     return True
 
 
-def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
+def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
            staged16: Path | None = None, recheck=None, writer: type | None = None,
            on_point: Callable[[str], None] | None = None) -> Path:
-    """Write and commit the snapshot (collective). Each phase ends in an exchange of outcomes
-    (``agree_save``): a failure anywhere removes the unfinished folder and raises on every rank.
-    ``recheck``: run after the files are written, before the commit (the swap file's extents
-    checked again: what DCP read from its pages was what was checked)."""
+    """Write and commit the snapshot (collective), each phase ending in an exchange of outcomes
+    (``agree_save``). ``recheck``: run after the files are written, before the commit."""
     t0 = time.perf_counter()
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
@@ -231,9 +216,9 @@ def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, kee
 
     def make_folder():
         if rank == 0:
-            _folder.mkdir_private(root)
+            files.make_dirs(root)
             _folder.remove_stale(root, keep=staged16)
-            _folder.make_step_folder(tmp)
+            files.make_dir(tmp, exist_ok=False)   # refused if anything (a planted link) is there
             if staged16 is not None:   # a subfolder: beside the manifest's files, moved and pruned with them
                 os.replace(staged16, tmp / "model_16bit")
 
@@ -242,20 +227,15 @@ def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, kee
     def write_files():
         dcp = glue()
         dcp.dcp.save(snap["dcp"], storage_writer=(writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
-                     planner=dcp.SavePlanner(snap.get("release")), **group.dcp_kwargs())
-        _folder.write_private(tmp / f"rng-{rank}.json", json.dumps(rng).encode())
+                     planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs())
+        files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
-            body = {"format": 1, "state_format": STATE_FORMAT, "step": step, "data": snap["data"],
-                    "scheduler_position": snap["applied"], "precision": snap["precision"],
-                    "dynamic_loss_scale": snap["dynamic_loss_scale"],
-                    "optimizer": {"per_element": snap["per"],
-                                  "scalars": {p: _json_scalar(v) for p, v in snap["scalars"].items()},
-                                  "keys": snap["keys"]},
-                    "world": group.world, **meta, "config": config, "config_hash": config_hash(config),
+            body = {"format": 1, "state_format": STATE_FORMAT, **snap["train"], "world": group.world, **meta,
+                    "config": config, "config_hash": config_hash(config),
                     # The saving layout: each parameter's shape and the flat ranges each rank held.
                     **snap["layout"]}
-            _folder.write_private(tmp / _folder.TRAIN_STATE, json.dumps(body).encode())
+            files.write_new(tmp / _folder.TRAIN_STATE, json.dumps(body).encode())
         if recheck is not None:
             recheck()
 
@@ -267,13 +247,13 @@ def _write(snap: dict, rng: dict, root: Path, *, group: Group, config: dict, kee
     def commit():
         if rank != 0:
             return []
-        files = {k: v for part in parts for k, v in part.items()}
+        entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
-        _folder.write_manifest(tmp, files, step=step, world=group.world, stage=meta["stage"],
+        _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
                                config_hash=config_hash(config), verified=True)
         _folder.commit(tmp, final, point)
         gone = _folder.prune(root, final, keep_last)
-        total = sum(v["bytes"] for v in files.values())
+        total = sum(v["bytes"] for v in entries.values())
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
