@@ -46,8 +46,6 @@ class DirectIOFallback(RuntimeWarning):
     """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
-# --- page-aligned host buffers ----------------------------------------------------------------------
-
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
     """An uninitialised host tensor of ``numel`` elements starting on a 4 KiB boundary (2 MiB from
     2 MiB on, advised onto transparent huge pages: O_DIRECT reads measured 1.3 -> 2.1 GB/s here).
@@ -128,8 +126,6 @@ def _sum64(memory, nbytes: int) -> int:
 CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory), "none": None}
 
 
-# --- handles --------------------------------------------------------------------------------------
-
 class IOHandle:
     """One read or write in flight; ``wait()`` blocks until all its pieces are done."""
 
@@ -167,8 +163,6 @@ class IOHandle:
             self._tensor = None
             self._done.set()
 
-
-# --- the engine -----------------------------------------------------------------------------------
 
 class AsyncIO:
     """Worker threads moving ``block_size`` pieces between host tensors and swap files."""

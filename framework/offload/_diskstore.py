@@ -80,8 +80,6 @@ class DiskStore:
         self.clock = 0
         self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
-    # --- setup -------------------------------------------------------------------------------
-
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
@@ -109,8 +107,6 @@ class DiskStore:
         self.file, self.io = file, io
         size = self.slot_bytes()
         self.slots = [_Slot(pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
-
-    # --- the store calls ---------------------------------------------------------------------
 
     def acquire(self, key: int) -> "Handle":
         with self.cond:
@@ -276,8 +272,6 @@ class DiskStore:
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.bounce_bytes(), padded(n)), torch.uint8, pin=False, acc=self.acc)
         return n, self.bounce[:padded(n)]
-
-    # --- the swap file mapped (checkpoints) ---------------------------------------------------
 
     def settle(self) -> None:
         """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy

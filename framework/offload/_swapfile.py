@@ -108,13 +108,10 @@ class SwapFile:
                 "extents": {n: asdict(e) for n, e in table.items()}}
         manifest = _manifest_path(path)
         refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
         made = not os.path.lexists(path)
-        if made:
-            fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
-        else:
+        if not made:
             _check_same_layout(path, manifest, meta)
-            fd = syscalls.open(str(path), flags)
+        fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
         try:
             os.fchmod(fd, 0o600)
             try:
@@ -224,10 +221,8 @@ class SwapFile:
 
     def write_manifest(self) -> None:
         """Write the manifest (layout, and the checksums recorded so far) atomically, owner-only."""
-        meta = json.loads(json.dumps(self.meta))
-        for name in self.extents:
-            meta["extents"][name]["checksums"] = [list(p) for p in self.checksums(name)]
-        write_atomic(_manifest_path(self.path), json.dumps(meta, indent=1).encode())   # no-follow, O_EXCL
+        extents = {n: {**e, "checksums": [list(p) for p in self.checksums(n)]} for n, e in self.meta["extents"].items()}
+        write_atomic(_manifest_path(self.path), json.dumps({**self.meta, "extents": extents}, indent=1).encode())
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent)."""
@@ -380,8 +375,6 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
         raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
                           f"refusing to reuse it: {fix}")
 
-
-# --- pre-flight ---------------------------------------------------------------------------------
 
 def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int, buffer_bytes: int,
               buffer_count: int, *, min_buffer_count: int = 1, itemsize: int = 1,
