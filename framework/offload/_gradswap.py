@@ -7,7 +7,8 @@
   back from the extents: the same additions in the same dtype as in memory), written to the
   extents on a thread of its own behind an event (at most two queued) and dropped. On the last
   micro batch its squared norm is kept, stacked in partition order as ``sq_norm`` does, so
-  clipping, the overflow decision and the step are bitwise those of in-memory partitions.
+  clipping, the overflow decision and the step are bitwise those of in-memory partitions. Host
+  memory: up to three groups' partitions and one tile's gradient bounce buffer.
 * Construction (``Spill``). A zero3 shard on disk is spilled once filled to an unlinked temporary
   file (so it never outlives its process) and its memory released; the swap files are filled from
   the spill range by range, so nothing model-sized is resident during construction.
