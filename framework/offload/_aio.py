@@ -3,40 +3,22 @@
     io = AsyncIO(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1)
     buf = aligned_empty(numel, torch.float32, pin=True, acc=acc)      # page-aligned host buffer
     h = io.pwrite(swap, offset, buf, "master.3")                      # returns at once
-    ...                                                               # the host does other work
     h.wait()                                                          # raises SwapIOError
     io.pread(swap, offset, buf, "master.3").wait()                    # checksums verified
     io.close()
 
-Each request is cut into pieces at the file's ``block_size`` boundaries; worker threads move the
-pieces with ``os.preadv`` / ``os.pwritev``, which release the GIL, so up to
-``queue_depth * intra_op_parallelism`` pieces are in flight at once (a synchronous system call per
-piece needs a thread per piece in flight; DeepSpeed's libaio threads each keep ``queue_depth``).
+Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
+threads move the pieces with ``os.preadv`` / ``os.pwritev``, which release the GIL (a synchronous
+call per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory
+not aligned like its file offset go through a per-thread bounce buffer; where the file system
+refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO. A short count, an OS error or
+a checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
 
-O_DIRECT (``direct=True``): the page cache is bypassed, so offsets, lengths and buffer addresses
-must be multiples of 4 KiB. A piece whose memory is aligned like its file offset goes straight
-between the tensor and the disk; its partial first and last 4 KiB blocks (the tail of an extent
-whose size is not a multiple of 4 KiB) go through a small per-thread bounce buffer, and writes
-read-modify-write those blocks (extents are padded to 4 KiB, so two extents never share one: only
-concurrent writes that share a block inside one extent would race, and the store never issues
-them). A tensor not aligned like its offset (a plain torch tensor is only 64-byte aligned) goes
-through the bounce buffer whole: correct, one extra copy. Where the file system refuses O_DIRECT
-(EINVAL: tmpfs on older kernels, overlay) the engine warns once and uses buffered IO.
-
-Every byte count is checked: a short read or write, EIO, ENOSPC or a checksum mismatch fails the
-request with a ``SwapIOError`` naming the file, the offset and the tensor, raised by ``wait()``
-(``exception()`` returns it instead, for callers that first agree on failure across ranks).
-Checksums: the thread that writes a piece computes its checksum, the SwapFile keeps it, and the
-thread that reads the piece back compares. ``checksum="sum64"`` (default): the sum of the piece's
-64-bit words modulo 2**64 (numpy; about 3x cheaper than CRC-32 here, BENCHMARKS.md): it catches
-any change confined to one word (every flipped bit), zeroed, stale or misplaced blocks; it misses
-words swapped among themselves, which is not how disks fail. ``"crc32"`` (zlib): stronger, slower;
-``"none"``: off. Both kinds release the GIL.
-
-Measured (``python -m bench.nvme_io``, BENCHMARKS.md): within a few percent of fio with O_DIRECT
-and libaio at the same block size and queue depth on this machine's disk, once the buffers are
-backed by huge pages (``aligned_empty`` asks for them); the engine costs ~0.02 CPU s/GB, the
-default checksum ~0.1 s/GB more.
+Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
+``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
+confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves,
+which is not how disks fail. ``crc32``: stronger, slower; ``none``: off. Measured within a few
+percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``, BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -59,25 +41,15 @@ from framework.offload._swapfile import ALIGN, SwapFile
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 
-__all__ = ["AsyncIO", "DirectIOFallback", "IOHandle", "aligned_empty"]
-
 
 class DirectIOFallback(RuntimeWarning):
     """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
-# --- page-aligned host buffers ----------------------------------------------------------------------
-
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
-    """An uninitialised host tensor of ``numel`` elements whose data starts on a 4 KiB boundary
-    (2 MiB from 2 MiB on, advised to be backed by transparent huge pages: O_DIRECT reads into
-    huge pages measured 1.3 -> 2.1 GB/s here, the kernel pins 512x fewer pages per request).
-
-    On CUDA it lives in an anonymous mmap registered with ``cudaHostRegister`` when ``pin``
-    (unregistered when its memory goes), so non-blocking copies to the device work; torch's pinned
-    allocator would round the size up to a power of two. On the CPU accelerators it is an aligned
-    view of a buffer from ``acc.empty_host``, so the checking accelerator knows it as a host buffer.
-    Neither is touched here: pages are only committed when first written."""
+    """An uninitialised host tensor of ``numel`` elements starting on a 4 KiB boundary (2 MiB from
+    2 MiB on, advised onto transparent huge pages: O_DIRECT reads measured 1.3 -> 2.1 GB/s here).
+    Its memory is allocated as ``host_arena``'s; pages are committed when first written."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = int(numel) * itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
@@ -99,11 +71,9 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
 
 
 def host_arena(nbytes: int, *, pin: bool, acc) -> torch.Tensor:
-    """``nbytes`` of host memory (uint8) as one allocation, to be sliced by the caller. On CUDA an
-    anonymous mmap (page-aligned, its pages committed when first written), registered with
-    ``cudaHostRegister`` when ``pin``: exactly its pages are locked, and unregistered when it goes
-    (torch's pinned allocator would round it up to a power of two and keep it). On the CPU
-    accelerators a buffer from ``acc.empty_host``."""
+    """``nbytes`` of host memory (uint8) as one allocation. On CUDA an anonymous mmap, registered
+    with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator would round it up to a power of
+    two and keep it); on the CPU accelerators ``acc.empty_host``, so the checking one knows it."""
     if acc.device.type == "cuda":
         return _mapped(max(int(nbytes), 1), pin)
     return acc.empty_host(max(int(nbytes), 1), torch.uint8, pinned=pin)
@@ -121,11 +91,8 @@ def _advise_huge(address: int, nbytes: int) -> None:
 
 def _mapped(nbytes: int, pin: bool, cudart=None) -> torch.Tensor:
     """Anonymous mmap memory as a uint8 tensor, page-locked with ``cudaHostRegister`` when ``pin``.
-
-    The tensor's storage holds the object it was made from (a ctypes view of the mmap), and the
-    finalizer of that view holds the mmap: when the storage goes, the memory is unregistered
-    first and unmapped after (the mmap's own finalizers would run after its munmap).
-    ``cudart``: torch.cuda.cudart() unless given (tests pass a stand-in)."""
+    The finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered
+    before it is unmapped (the mmap's own finalizers would run after its munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm)   # a subclass: weak-referenceable
@@ -156,21 +123,14 @@ def _sum64(memory, nbytes: int) -> int:
     return (total + int.from_bytes(memory[words * 8:nbytes], "little")) & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def _crc32(memory, nbytes: int) -> int:
-    return zlib.crc32(memory)
+CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory), "none": None}
 
-
-CHECKSUMS = {"sum64": _sum64, "crc32": _crc32, "none": None}
-
-
-# --- handles --------------------------------------------------------------------------------------
 
 class IOHandle:
     """One read or write in flight; ``wait()`` blocks until all its pieces are done."""
 
-    def __init__(self, op: str, file: SwapFile, offset: int, nbytes: int, what: str, tensor: torch.Tensor,
-                 pieces: int):
-        self.op, self.file, self.offset, self.nbytes, self.what = op, file, offset, nbytes, what
+    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int):
+        self.op, self.file, self.what = op, file, what
         self._tensor = tensor       # its memory must outlive the IO
         self._left = pieces
         self._lock = threading.Lock()
@@ -193,25 +153,16 @@ class IOHandle:
         if self._error is not None:
             raise self._error
 
-    def _fail(self, error: SwapIOError) -> None:
+    def _piece_done(self, error: SwapIOError | None) -> None:
         with self._lock:
-            if self._error is None:
+            if self._error is None:   # the first failure is the request's
                 self._error = error
-
-    def _piece_done(self) -> None:
-        with self._lock:
             self._left -= 1
             last = self._left == 0
         if last:
             self._tensor = None
             self._done.set()
 
-    def __repr__(self) -> str:
-        state = "failed" if self._error else ("done" if self.done() else "in flight")
-        return f"IOHandle({self.op} {self.what!r} at {self.offset} of {self.file.path}, {self.nbytes} bytes, {state})"
-
-
-# --- the engine -----------------------------------------------------------------------------------
 
 class AsyncIO:
     """Worker threads moving ``block_size`` pieces between host tensors and swap files."""
@@ -223,11 +174,10 @@ class AsyncIO:
         if queue_depth < 1 or intra_op_parallelism < 1:
             raise ValueError(f"aio.queue_depth={queue_depth} and aio.intra_op_parallelism="
                              f"{intra_op_parallelism} must be at least 1")
-        self.block_size, self.queue_depth, self.intra_op_parallelism = block_size, queue_depth, intra_op_parallelism
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum={checksum!r} is not one of {', '.join(CHECKSUMS)}")
-        self.direct, self.checksum = direct, checksum
-        self._hash = CHECKSUMS[checksum]
+        self.block_size, self.direct, self._hash = block_size, direct, CHECKSUMS[checksum]
+        self._kind = (block_size, checksum)   # whose checksums a piece is verified against
         self._warned = False
         self._warn_lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
@@ -235,8 +185,6 @@ class AsyncIO:
                          for i in range(queue_depth * intra_op_parallelism)]
         for t in self._threads:
             t.start()
-
-    # requests
 
     def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
         """Start reading ``dst.nbytes`` bytes at ``offset`` of ``file`` into ``dst``."""
@@ -258,14 +206,14 @@ class AsyncIO:
                              f"{file.path} ({file.size} bytes)")
         address = t.data_ptr()
         bounds = self._bounds(offset, nbytes)
-        handle = IOHandle(op, file, offset, nbytes, what, t, len(bounds))
+        handle = IOHandle(op, file, what, t, len(bounds))
         for lo, hi in bounds:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
 
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
-        """The pieces of [offset, offset + nbytes): they end on the file's block boundaries, so the
-        same range is always cut the same way (the checksums are kept per piece)."""
+        """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
+        is always cut the same way (checksums are kept per piece)."""
         bounds, lo = [], offset
         while lo < offset + nbytes:
             hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
@@ -273,18 +221,13 @@ class AsyncIO:
             lo = hi
         return bounds
 
-    # bytes that moved outside the engine (a memory map of the file)
-
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
-        """``data`` (uint8) now is the file's bytes at ``offset``, written around the engine (through
-        a memory map): record its checksums as if the engine had written it."""
+        """``data`` (uint8) was written at ``offset`` around the engine (through a memory map): record
+        its checksums as if the engine had written it."""
         base = data.data_ptr()
         for lo, hi in self._bounds(offset, data.numel()):
-            if self._hash is None:
-                file.forget(lo, hi - lo)
-            else:
-                file.record((self.block_size, self.checksum), lo, hi - lo,
-                            self._hash(_memory(base + lo - offset, hi - lo), hi - lo))
+            value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo), hi - lo)
+            file.record(self._kind, lo, hi - lo, value)
 
     def close(self) -> None:
         """Finish the queued requests, then stop the threads."""
@@ -302,8 +245,6 @@ class AsyncIO:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # workers
-
     def _worker(self) -> None:
         bounce = mmap.mmap(-1, self.block_size + 2 * ALIGN)   # page-aligned, this thread's own
         view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
@@ -311,17 +252,17 @@ class AsyncIO:
         try:
             while (job := self._work.get()) is not None:
                 handle, offset, address, nbytes = job
+                error = None
                 if handle._error is None:   # a failed request skips its remaining pieces
                     try:
                         self._piece(handle, offset, address, nbytes, bounce_addr)
                     except SwapIOError as e:
-                        handle._fail(e)
+                        error = e
                     except OSError as e:
-                        handle._fail(self._error(handle, offset, nbytes, os.strerror(e.errno) if e.errno else str(e),
-                                                 e.errno))
+                        error = self._error(handle, offset, nbytes, os.strerror(e.errno) if e.errno else str(e), e.errno)
                     except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
-                        handle._fail(self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None))
-                handle._piece_done()
+                        error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
+                handle._piece_done(error)
         finally:
             del view
             bounce.close()
@@ -329,8 +270,8 @@ class AsyncIO:
     def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
         file, write = handle.file, handle.op == "write"
         memory = _memory(address, nbytes)
-        if write and self._hash is not None:
-            value = self._hash(memory, nbytes)   # before the write: ``memory`` must not change meanwhile
+        # before the write: ``memory`` must not change meanwhile
+        value = self._hash(memory, nbytes) if write and self._hash is not None else None
         fd, refused = file.descriptor(self.direct)
         if refused is not None:
             self._warn(file, refused)
@@ -344,14 +285,10 @@ class AsyncIO:
             self._warn(file, e)
             fd, _ = file.descriptor(False)
             self._move(handle, fd, False, offset, address, nbytes, bounce_addr)
-        if self._hash is None:
-            if write:
-                file.forget(offset, nbytes)
-            return
         if write:
-            file.record((self.block_size, self.checksum), offset, nbytes, value)
-        else:
-            want = file.expected((self.block_size, self.checksum), offset, nbytes)
+            file.record(self._kind, offset, nbytes, value)
+        elif self._hash is not None:
+            want = file.expected(self._kind, offset, nbytes)
             if want is not None and self._hash(memory, nbytes) != want:
                 raise self._error(handle, offset, nbytes, "checksum mismatch (the swap file was changed "
                                   "or the disk returned bad data)", None)
@@ -381,7 +318,8 @@ class AsyncIO:
             self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
             ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
             return
-        # write: keep the bytes of the first and last 4 KiB blocks that are not ours
+        # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are
+        # padded to 4 KiB, so only writes inside one extent could race here; the store never issues them)
         if offset > lo:
             self._io(handle, fd, lo, _memory(bounce_addr, ALIGN), ALIGN, report=(offset, nbytes), op="read")
         if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):

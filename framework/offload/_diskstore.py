@@ -17,26 +17,28 @@ from framework.offload._swapfile import padded
 from framework.offload._verified import verify_extent
 
 
+def _padded_bytes(t: torch.Tensor) -> int:
+    return padded(t.numel() * t.element_size())
+
+
 @dataclass
 class _Entry:
     """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
-    need room while the piece is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor
-    objects are stable (the train state and optimizer state hold them); while the piece is not
-    resident they view a one-element parking storage with zero strides (any read of them is
-    meaningless and a write into them raises, and no buffer is held), while it is they view its slot."""
+    need room while it is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor objects
+    are stable (the train and optimizer state hold them): they view its slot while it is resident,
+    else a one-element parking storage with zero strides (no buffer held, writes raise)."""
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
-    # The last ``readonly`` swapped tensors are read with the piece but never written back by a
-    # release (the owned gradient: written by ``write_extent`` during backward, read by the step).
+    # The last ``readonly`` swapped tensors are never written back by a release (the owned
+    # gradient: written by ``write_extent`` during backward, read with the piece by the step).
     readonly: int = 0
     offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
     footprint: int = 0
 
 
-@dataclass
+@dataclass(eq=False)   # slots are compared by identity (``writing.remove``)
 class _Slot:
-    index: int
     buffer: torch.Tensor        # uint8 view of the pool, page-aligned
     key: int | None = None      # the piece it holds
     # free | reading (reads in flight, or taken back with its writes) | resident (pointed at, in use)
@@ -51,15 +53,11 @@ class _Slot:
 class DiskStore:
     """A swap file plus a pool of ``buffer_count`` page-aligned (pinned on CUDA) slots, each as large
     as the largest piece. ``acquire(k)`` takes a slot and queues piece k's reads (with
-    ``read_ahead`` also the next piece's, into another free slot); ``wait`` points k's tensors at the
-    slot once its reads landed; ``release`` queues the writes of its swapped tensors (with
-    ``write_behind`` they drain while the next piece steps, else ``release`` waits for them). A
-    slot is reused only after its writes finished and the streams stopped reading it (the copy
-    back's event). ``acquire``/``wait`` run on the host-step worker, ``release`` on the main
-    thread: the slot table is guarded by a condition variable.
-
-    The IO engine (``offload._aio``) raises ``SwapIOError`` naming file, offset and tensor from
-    ``IOHandle.wait``; the store lets it propagate to the pipeline, which agrees across ranks."""
+    ``read_ahead`` also the next piece's); ``wait`` points k's tensors at the slot once they landed;
+    ``release`` queues the writes (with ``write_behind`` they drain while the next piece steps). A
+    slot is reused only after its writes finished and the streams stopped reading it. ``acquire`` /
+    ``wait`` run on the host-step worker, ``release`` on the main thread: a condition variable
+    guards the slot table. ``SwapIOError``s propagate to the pipeline, which agrees across ranks."""
 
     def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
                  name: str, learn_order: bool = False):
@@ -78,24 +76,18 @@ class DiskStore:
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
-        self.creating = False      # ``create``: every swapped tensor is written, read-only ones too
         self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
         self.clock = 0
         self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
-    # --- setup -------------------------------------------------------------------------------
-
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
-        keep their memory and values until ``create`` writes them out). The last ``readonly`` of
-        ``swapped`` are read with the piece but not written back on release (``write_extent``)."""
+        keep their memory and values until ``create`` writes them out)."""
         e = _Entry(list(swapped), list(scratch), readonly)
-        off = 0
         for t in (*e.swapped, *e.scratch):
-            e.offsets.append(off)
-            off += padded(t.numel() * t.element_size())
-        e.footprint = off
+            e.offsets.append(e.footprint)
+            e.footprint += _padded_bytes(t)
         self.entries[key] = e
         self.order.append(key)
         if park:
@@ -104,20 +96,17 @@ class DiskStore:
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
-        return {f"{k}.{j}": padded(t.numel() * t.element_size())
-                for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
+        return {f"{k}.{j}": _padded_bytes(t) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
 
     def slot_bytes(self) -> int:
         return max((e.footprint for e in self.entries.values()), default=0)
 
     def open(self, file, io, pool: torch.Tensor) -> None:
-        """Start swapping: ``file`` (a ``SwapFile`` with ``extents()``), ``io`` (an ``AsyncIO``) and
-        ``pool`` (uint8, page-aligned, ``buffer_count * slot_bytes()`` bytes)."""
+        """Start swapping: ``file`` (a ``SwapFile`` of ``extents()``), ``io`` (an ``AsyncIO``), ``pool``
+        (uint8, page-aligned, ``buffer_count * slot_bytes()`` bytes)."""
         self.file, self.io = file, io
         size = self.slot_bytes()
-        self.slots = [_Slot(i, pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
-
-    # --- the store calls ---------------------------------------------------------------------
+        self.slots = [_Slot(pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
 
     def acquire(self, key: int) -> "Handle":
         with self.cond:
@@ -143,17 +132,13 @@ class DiskStore:
         return Handle(key, None)
 
     def wait(self, handle: "Handle", host_writes: bool = True) -> None:
-        """``host_writes=False``: the host only reads the piece until ``release`` (zero3 loads a shard
-        from it), so copies still reading it from an earlier use need not be waited for; they stay
-        the slot's readers until a later event replaces them."""
+        """``host_writes=False``: the host only reads the piece (zero3 loads a shard from it), so copies
+        still reading it from an earlier use need not be waited for."""
         with self.cond:
             slot = self.where[handle.key]
             pending, slot.io = slot.io, []
-        t = time.perf_counter()
         try:
-            for h in pending:   # its reads (or, taken back, its writes)
-                h.wait()
-            self.wait_s += time.perf_counter() - t
+            self._wait_io(pending)   # its reads (or, taken back, its writes)
         except BaseException:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
@@ -167,9 +152,9 @@ class DiskStore:
             slot.stamp = self.clock
             self._point(handle.key, slot)
 
-    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True) -> None:
+    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
         """``dirty=False``: the host only read the piece; it stays resident (clean) until its slot is
-        needed, and is never written back."""
+        needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
             slot = self.where.get(handle.key)
             if slot is None:
@@ -188,11 +173,9 @@ class DiskStore:
                 return
             e = self.entries[handle.key]
             slot.state = "writing"
-            written = range(len(e.swapped) - (0 if self.creating else e.readonly))
-            slot.io = [self.io.pwrite(self.file, self.file.extent(f"{handle.key}.{j}")[0], self._view(slot, e, j),
-                                      what=f"{self.name} piece {handle.key} tensor {j}")
-                       for j in written]
-            self.bytes_written += sum(self.extents_of(handle.key)[j] for j in written)
+            bufs = [self._view(slot, e, j) for j in range(len(e.swapped) - (0 if readonly_too else e.readonly))]
+            slot.io = [self._extent_io(self.io.pwrite, handle.key, j, b) for j, b in enumerate(bufs)]
+            self.bytes_written += sum(b.numel() for b in bufs)
             self.writing.append(slot)
             self.cond.notify_all()
         if not self.write_behind:
@@ -236,8 +219,8 @@ class DiskStore:
             self.interrupted = False
 
     def create(self, key: int, fill=None) -> None:
-        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors, write it out.
-        Without ``fill`` the tensors' current values (registered with ``park=False``) are kept."""
+        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors (default: their
+        values registered with ``park=False``), write it out."""
         if fill is None:
             e = self.entries[key]
             old = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
@@ -252,64 +235,47 @@ class DiskStore:
             self.where[key] = slot
             self._point(key, slot)
         fill()
-        self.creating = True
-        try:
-            self.release(Handle(key, None), None)
-        finally:
-            self.creating = False
+        self.release(Handle(key, None), None, readonly_too=True)
 
-    # --- one tensor of a piece, around the slots (owned gradients during backward) --------------
+    # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
     def write_extent(self, key: int, j: int, src: torch.Tensor) -> None:
         """``src`` (host, contiguous; ``swapped[j]``'s size) -> piece ``key``'s tensor ``j`` in the
-        swap file, waited for. The piece must not be in a slot (``settle`` between steps). Goes
-        through one page-aligned bounce buffer (the extent padded, as the slot reads it back, so
-        the checksums are kept over the same pieces)."""
-        self._outside_slots(key)
+        swap file, waited for, through a page-aligned bounce buffer (the extent padded, as the slot
+        reads it back, so the checksums are kept over the same pieces)."""
         n, buf = self._bounce(key, j)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
-        h = self.io.pwrite(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
-        t = time.perf_counter()
-        h.wait()
-        self.wait_s += time.perf_counter() - t
+        self._wait_io([self._extent_io(self.io.pwrite, key, j, buf)])
         self.bytes_written += buf.numel()
 
     def read_extent(self, key: int, j: int, dst: torch.Tensor) -> None:
         """Piece ``key``'s tensor ``j`` from the swap file -> ``dst`` (host, contiguous), waited for."""
-        self._outside_slots(key)
         n, buf = self._bounce(key, j)
-        h = self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
-        t = time.perf_counter()
-        h.wait()
-        self.wait_s += time.perf_counter() - t
+        self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
 
     def bounce_bytes(self) -> int:
         """Bytes of the bounce buffer ``write_extent`` / ``read_extent`` will use (0: none)."""
-        return max((padded(x.numel() * x.element_size()) for e in self.entries.values()
+        return max((_padded_bytes(x) for e in self.entries.values()
                     for x in e.swapped[len(e.swapped) - e.readonly:]), default=0)
 
     def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
+        """(bytes, padded bounce buffer) for piece ``key``'s tensor ``j``, which must not be in a slot."""
         from framework.offload._aio import aligned_empty
 
+        if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
+            self.settle()
         t = self.entries[key].swapped[j]
         n = t.numel() * t.element_size()
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.bounce_bytes(), padded(n)), torch.uint8, pin=False, acc=self.acc)
         return n, self.bounce[:padded(n)]
 
-    def _outside_slots(self, key: int) -> None:
-        if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
-            self.settle()
-
-    # --- the swap file mapped (checkpoints) ---------------------------------------------------
-
     def settle(self) -> None:
-        """Between steps: every write and read landed, and no slot holds a piece any more, so the
-        swap file is the only copy of the state and the next ``acquire`` reads it afresh (needed
-        before the file is read or changed around the engine, through ``mapped``)."""
+        """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy
+        of the state (before it is read or changed around the engine, through ``mapped``)."""
         self.flush()
         with self.cond:
             busy = [s.key for s in self.slots if s.state in ("resident", "writing", "draining")]
@@ -327,12 +293,9 @@ class DiskStore:
                     self._free(s)
 
     def mapped(self, write: bool) -> tuple[object | None, dict[int, list[torch.Tensor]]]:
-        """(map, views): the swap file mapped (``SwapFile.map``) and, per piece, its swapped tensors'
-        values as views of it, shaped as registered; (None, {}) without a swap file.
-
-        Settles the store first. Read-only (``write`` False): every extent is checked against the
-        checksums the engine recorded, so a damaged swap file is never saved into a checkpoint.
-        Writable: pass the map to ``unmapped`` when done (also after a failure)."""
+        """(map, views): the settled swap file mapped and, per piece, its swapped tensors as views of
+        it; (None, {}) without a swap file. Read-only: every extent is checked against the engine's
+        checksums, so a damaged file never reaches a checkpoint. Writable: ``unmapped`` it when done."""
         if self.file is None or not self.entries or not self.file.size:
             return None, {}
         self.settle()
@@ -351,7 +314,7 @@ class DiskStore:
 
     def unmapped(self, fmap) -> None:
         """After writing through ``mapped(write=True)``'s views: the pages go to the file and the
-        engine's checksums are recomputed from them (the next read checks what was written)."""
+        engine's checksums are recomputed from them."""
         if fmap is None:
             return
         fmap.sync()
@@ -374,11 +337,9 @@ class DiskStore:
         return self.order[i] if i < len(self.order) else None
 
     def _free_slot(self, block: bool) -> _Slot | None:
-        """A slot to read into. Slots whose last copy to the device is still running are taken only
-        when nothing else is (polled, never waited for: inside zero3's hooks a wait would stall the
-        host until the device caught up); without ``block`` they are not taken at all. With more
-        slots than shard loads in flight (``offload.param_buffer_count`` > the units prefetched + 1)
-        the host never waits here for the device."""
+        """A slot to read into. Slots whose last copy to the device still runs are taken only when
+        nothing else is (polled: inside zero3's hooks a wait would stall the host until the device
+        caught up), and without ``block`` not at all."""
         while True:
             free = [slot for slot in self.slots if slot.state == "free"]
             clean = sorted((slot for slot in self.slots if slot.state == "clean"), key=lambda sl: sl.stamp)
@@ -407,12 +368,7 @@ class DiskStore:
     def _evict(self, slot: _Slot) -> _Slot:
         """``slot`` (free, or clean: its piece needs no write) for a new piece."""
         if slot.state == "clean":
-            self._unpoint(slot.key)
-            self.where.pop(slot.key, None)
-            slot.key, slot.state = None, "free"
-        return self._reuse(slot)
-
-    def _reuse(self, slot: _Slot) -> _Slot:
+            self._free(slot)
         if slot.readers is not None:   # sync point: the copy back of the piece it held, only
             slot.readers.synchronize()
             slot.readers = None
@@ -422,15 +378,23 @@ class DiskStore:
         e = self.entries[key]
         slot.key, slot.state = key, "reading"
         self.where[key] = slot
-        self.acc.host_use(writes=[self._view(slot, e, j) for j in range(len(e.swapped))])   # the reads land there
-        slot.io = [self.io.pread(self.file, self.file.extent(f"{key}.{j}")[0], self._view(slot, e, j),
-                                 what=f"{self.name} piece {key} tensor {j}")
-                   for j in range(len(e.swapped))]
-        self.bytes_read += sum(self.extents_of(key))
+        bufs = [self._view(slot, e, j) for j in range(len(e.swapped))]
+        self.acc.host_use(writes=bufs)   # the reads land there
+        slot.io = [self._extent_io(self.io.pread, key, j, b) for j, b in enumerate(bufs)]
+        self.bytes_read += sum(b.numel() for b in bufs)
 
-    def extents_of(self, key: int) -> list[int]:
-        e = self.entries[key]
-        return [padded(t.numel() * t.element_size()) for t in e.swapped]
+    def _extent_io(self, start, key: int, j: int, buf: torch.Tensor):
+        """``start`` (the engine's pread or pwrite) of ``buf`` at piece ``key``'s tensor ``j``."""
+        return start(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
+
+    def _wait_io(self, handles) -> None:
+        """Wait for ``handles`` (called without the condition held), counted in ``wait_s``."""
+        t = time.perf_counter()
+        try:
+            for h in handles:
+                h.wait()
+        finally:
+            self.wait_s += time.perf_counter() - t
 
     def _finish_writes(self, slot: _Slot) -> None:
         """Wait for ``slot``'s writes and free it (called without the condition held)."""
@@ -441,35 +405,28 @@ class DiskStore:
                 return
             slot.state = "draining"
             pending, slot.io = slot.io, []
-        t = time.perf_counter()
         try:
-            for h in pending:
-                h.wait()
+            self._wait_io(pending)
         finally:
-            self.wait_s += time.perf_counter() - t
             with self.cond:
                 self.writing.remove(slot)
                 self._free(slot)
 
     def _free(self, slot: _Slot) -> None:
-        self._unpoint(slot.key)
+        e = self.entries[slot.key]
+        for t in (*e.swapped, *e.scratch):
+            self._park(t)
         self.where.pop(slot.key, None)
         slot.key, slot.state, slot.io = None, "free", []
         self.cond.notify_all()
 
     def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
-        t = (e.swapped + e.scratch)[j]
-        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(t.numel() * t.element_size())]
+        return slot.buffer[e.offsets[j]:e.offsets[j] + _padded_bytes(e.swapped[j])]
 
     def _point(self, key: int, slot: _Slot) -> None:
         e = self.entries[key]
         for j, t in enumerate((*e.swapped, *e.scratch)):
             t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
-
-    def _unpoint(self, key: int) -> None:
-        e = self.entries[key]
-        for t in (*e.swapped, *e.scratch):
-            self._park(t)
 
     def _park(self, t: torch.Tensor) -> None:
         if t.dtype not in self.parking:

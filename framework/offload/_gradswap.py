@@ -1,33 +1,17 @@
 """Owned gradients in the swap file, and construction that streams into it (zero3 + offload=nvme).
 
-With zero3's parameters and the optimizer on disk, the last model-sized things in host memory
-were the reduced gradient partitions (4 bytes per owned parameter, twice: the stage's partition
-and the pipeline's host copy) and, during construction, the parameter shards of every unit until
-the swap files were written. Here both go to disk:
-
-* Gradients. Each optimizer tile's swap entry holds one more tensor after its master and state:
-  the tile's range of the owned gradient partition, in the accumulation dtype. It is read with
-  the tile (so the host step finds it resident beside the master) and never written back by the
-  step (``DiskStore`` read-only tail). During backward a unit group's reduction is added into a
-  transient partition buffer, which is written to the tiles' gradient extents and dropped: zeroed
-  on the first micro batch of a step, read back from the extents on later ones, so accumulation
-  does the same additions in the same dtype as the in-memory partition. On the last micro batch
-  the partition's squared norm (``utils.sq_norm_part``, the same per-tensor sum ``sq_norm``
-  makes) is kept; the step's global norm stacks these in partition order exactly as ``sq_norm``
-  does, so clipping, the fp16 overflow decision and the step itself are bitwise those of the
-  in-memory partitions. A partition no reduction reached this step (unused parameters) is
-  written as zeros and its norm taken then. The writes run on a thread of their own, behind an
-  event recorded where the reduction was added (the backward hook never waits for the device),
-  at most two partitions queued (back-pressure, so memory stays bounded); a read of a partition
-  and the end of backward wait for them. Host memory: up to three groups' partitions while they
-  are reduced and written and a bounce buffer of one tile's gradient; disk: 4 bytes per owned
-  parameter more.
-* Construction (``Spill``). A zero3 shard on disk is filled by the stage and then spilled at once
-  to an unlinked temporary file (the page cache, not this process, holds its bytes), and its
-  memory released; when the swap files are made (``init_opt_state``), the master tiles and the
-  parameter extents are filled from the spill range by range, and the spill is closed. Nothing
-  model-sized is resident at any moment of construction. Being unlinked from the start, a spill
-  never outlives its process (also not a kill -9).
+* Gradients (``GradSwap``). Each optimizer tile's swap entry holds, after its master and state, its
+  range of the owned gradient partition in the accumulation dtype: read with the tile, never
+  written back by the step (``DiskStore``'s read-only tail). During backward a unit group's
+  reduction is added into a transient partition buffer (zeros on the first micro batch, else read
+  back from the extents: the same additions in the same dtype as in memory), written to the
+  extents on a thread of its own behind an event (at most two queued) and dropped. On the last
+  micro batch its squared norm is kept, stacked in partition order as ``sq_norm`` does, so
+  clipping, the overflow decision and the step are bitwise those of in-memory partitions. Host
+  memory: up to three groups' partitions and one tile's gradient bounce buffer.
+* Construction (``Spill``). A zero3 shard on disk is spilled once filled to an unlinked temporary
+  file (so it never outlives its process) and its memory released; the swap files are filled from
+  the spill range by range, so nothing model-sized is resident during construction.
 """
 from __future__ import annotations
 

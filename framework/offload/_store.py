@@ -1,23 +1,14 @@
 """Tiered stores: where a master piece's buffers live, and when the host step may use them.
 
-A *piece* (``base.Piece``) is a range of an owned partition whose optimizer step runs in one go:
-its master values, its gradient buffer, its 16-bit staging buffer and (created by the optimizer
-from the master) its optimizer state. Its tier says where they live:
-
-    DEVICE  on the compute device (or wherever the working values are): stepped there, in place
-    HOST    in host memory, pinned when the device is CUDA: stepped by the host
-    DISK    (NVMe) in a swap file, read into a pool of pinned, page-aligned buffers before the
-            step and written back after it (``_diskstore.DiskStore``): the same four calls, so
-            the pipeline and the stages stay as they are
-
-The piece pipeline (``_pipeline.py``) asks the store of a piece's tier for it around each host
-step, so a store can make the piece resident asynchronously:
+A piece (``base.Piece``: master, gradient, 16-bit staging and optimizer state of a range of an
+owned partition) lives on the DEVICE (stepped in place), the HOST (pinned when the device is CUDA)
+or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The piece
+pipeline asks the store of its tier for it around each host step:
 
     handle = store.acquire(k)       start making piece k usable by the host (may queue a read)
-    store.wait(handle)              block until it is: no stream still reads its buffers (the
-                                    last copy back), and for a disk store the read has landed
-    store.release(handle, readers)  the host step is done; ``readers`` is the event after which
-                                    the streams that copy from its buffers are done with them
+    store.wait(handle)              block until it is (the last copy back is done, the read landed)
+    store.release(handle, readers)  the host step is done; ``readers``: the event after which the
+                                    streams copying from its buffers are done with them
     store.flush()                   settle every released piece (before closing, checkpointing)
 """
 from __future__ import annotations
@@ -47,11 +38,9 @@ class Handle:
 
 class HostStore:
     """Host memory: pieces are always resident; the host waits only for the copies that read them.
-
-    Pinned buffers are slices of arenas: one allocation per ``reserve`` (a partition's host
-    buffers) or per lone ``allocate`` (a zero3 shard), locked page by page (``_aio.host_arena``)
-    instead of each through torch's caching pinned allocator, which rounds every block up to a
-    power of two and never returns it. ``pinned_bytes`` is what the live arenas really hold."""
+    Pinned buffers are slices of arenas (``_aio.host_arena``), one per ``reserve`` or lone
+    ``allocate``, not torch's caching pinned allocator (it rounds every block up to a power of two
+    and never returns it)."""
 
     def __init__(self, acc: Accelerator, pin: bool):
         self.acc, self.pin = acc, pin

@@ -1,28 +1,16 @@
 """Swap files of the NVMe offload: one preallocated file per rank and kind, with a manifest beside it.
 
-    extents = {"master.0": 4 * n0, "exp_avg.0": 4 * n0, ...}          # name -> bytes
-    with SwapFile.create(swap_path(folder, rank, "optim"), extents, layout_hash=h,
+    with SwapFile.create(swap_path(folder, rank, "optim"), {"master.0": 4 * n0, ...}, layout_hash=h,
                          world_size=w, rank=rank, dtype=torch.float32) as f:
-        offset, nbytes = f.extent("master.0")                           # 4 KiB aligned offset
-        ...                                                             # AsyncIO reads / writes
+        offset, nbytes = f.extent("master.0")        # 4 KiB aligned offset, moved by AsyncIO
     # leaving the block (or f.remove()) deletes the file and its manifest, also on error
 
-Layout on disk: the extents one after another in the given order, each starting on a 4 KiB
-boundary (so O_DIRECT can move whole blocks; the tail of an extent is padding), the whole size
-reserved up front with ``posix_fallocate`` so a full disk fails at creation, not mid-run. The file
-is owner-only (0600) and locked (``flock``) while open, so a second run on the same folder is
-refused instead of corrupting it.
-
-The manifest (``<file>.manifest.json``) records what the bytes mean: layout hash, world size,
-rank, dtype and per extent its offset, bytes and element count (``write_manifest`` adds the
-checksums recorded so far). An existing file whose manifest describes another layout (or that has
-none) is refused with one line naming it; one with the same layout is taken over (its contents are
-not trusted: checksums start empty).
-
-Checksums: the IO engine records a checksum for every piece it writes (pieces never straddle a
-``block_size`` boundary of the file) and verifies the same pieces when they are read back; the
-table lives here, with the file it describes, per engine kind (block size, checksum name): a
-piece is verified when it is read back by an engine of the kind that wrote it.
+Extents lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks); the size is
+reserved with ``posix_fallocate`` so a full disk fails at creation, not mid-run. The file is
+owner-only and ``flock``-ed while open, so a second run on the same folder is refused. The manifest
+records the layout (and the checksums so far); an existing file of another layout is refused, one of
+the same layout taken over (its contents are not trusted: checksums start empty). The IO engine's
+checksums are kept here per engine kind (block size, checksum name).
 """
 from __future__ import annotations
 
@@ -34,7 +22,7 @@ import mmap
 import os
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -42,7 +30,7 @@ import torch
 
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import make_dirs, refuse_links, write_atomic
-from framework.core.units import GiB, MiB
+from framework.core.units import size as _size
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 1
@@ -54,8 +42,7 @@ def padded(nbytes: int) -> int:
 
 
 def reserved_bytes(extents: Mapping[str, int]) -> int:
-    """Bytes a swap file of ``extents`` (name -> bytes) reserves on disk: each padded to 4 KiB
-    (what ``preflight`` should be given as ``total_bytes``)."""
+    """Bytes a swap file of ``extents`` (name -> bytes) reserves on disk."""
     return sum(padded(int(n)) for n in extents.values())
 
 
@@ -65,10 +52,8 @@ def swap_path(folder: str | os.PathLike, rank: int, kind: str) -> Path:
 
 
 class Syscalls:
-    """The system calls the engine makes on swap files.
-
-    A seam for tests: a subclass that fails on purpose (EIO, ENOSPC, short counts, EINVAL for
-    O_DIRECT) exercises every error path without a broken disk and without patching anything."""
+    """The system calls the engine makes on swap files: a seam where tests inject faults (EIO, ENOSPC,
+    short counts, EINVAL for O_DIRECT) without a broken disk and without patching anything."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags, mode)
@@ -95,8 +80,7 @@ class SwapFile:
 
     def __init__(self, path: Path, extents: dict[str, Extent], size: int, meta: dict, fd: int,
                  syscalls: Syscalls):
-        self.path, self.size, self.meta, self.syscalls = path, size, meta, syscalls
-        self._extents = extents
+        self.path, self.size, self.meta, self.syscalls, self.extents = path, size, meta, syscalls, extents
         self._fd: int | None = fd           # buffered descriptor (creation, fallback IO)
         self._direct_fd: int | None = None  # O_DIRECT descriptor, opened on first use
         self._direct_refused: OSError | None = None
@@ -104,38 +88,30 @@ class SwapFile:
         # (block size, checksum name) -> block -> [(offset, nbytes, checksum)] of the pieces written
         self._sums: dict[tuple[int, str], dict[int, list[tuple[int, int, int]]]] = {}
 
-    # --- creation --------------------------------------------------------------------------------
-
     @classmethod
     def create(cls, path: str | os.PathLike, extents: Mapping[str, int], *, layout_hash: str,
                world_size: int, rank: int, dtype: torch.dtype,
                syscalls: Syscalls | None = None) -> "SwapFile":
         """Create (or take over, if its manifest matches) the swap file at ``path`` holding ``extents``
-        (name -> bytes, in order), preallocated. Raises ConfigError for a file of another layout or
-        in use, SwapIOError when the space cannot be reserved."""
+        (name -> bytes, in order). ConfigError: another layout, or in use; SwapIOError: no room."""
         syscalls = syscalls or Syscalls()
         path = Path(path)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        table, offset = {}, 0
+        table, size = {}, 0
         for name, nbytes in extents.items():
             if nbytes < 0 or nbytes % itemsize:
                 raise ValueError(f"extent {name!r}: {nbytes} bytes is not a whole number of {dtype} elements")
-            table[name] = Extent(offset, int(nbytes), int(nbytes) // itemsize)
-            offset += padded(int(nbytes))
-        size = offset   # == reserved_bytes(extents)
+            table[name] = Extent(size, int(nbytes), int(nbytes) // itemsize)
+            size += padded(int(nbytes))
         meta = {"format": FORMAT, "layout_hash": str(layout_hash), "world_size": int(world_size),
                 "rank": int(rank), "dtype": str(dtype).removeprefix("torch."), "size": size,
-                "extents": {n: {"offset": e.offset, "nbytes": e.nbytes, "numel": e.numel}
-                            for n, e in table.items()}}
+                "extents": {n: asdict(e) for n, e in table.items()}}
         manifest = _manifest_path(path)
         refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
         made = not os.path.lexists(path)
-        if made:
-            fd = syscalls.open(str(path), flags | os.O_CREAT | os.O_EXCL, 0o600)
-        else:
+        if not made:
             _check_same_layout(path, manifest, meta)
-            fd = syscalls.open(str(path), flags)
+        fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
         try:
             os.fchmod(fd, 0o600)
             try:
@@ -155,7 +131,7 @@ class SwapFile:
         except BaseException:
             os.close(fd)
             if made:   # never delete what another run (or a crashed one) left
-                _unlink(path)
+                path.unlink(missing_ok=True)
             raise
         try:
             f.write_manifest()
@@ -164,25 +140,17 @@ class SwapFile:
             raise
         return f
 
-    # --- layout ------------------------------------------------------------------------------------
-
-    @property
-    def extents(self) -> Mapping[str, Extent]:
-        return dict(self._extents)
-
     def extent(self, name: str) -> tuple[int, int]:
         """(offset, bytes) of extent ``name``."""
-        e = self._extents[name]
+        e = self.extents[name]
         return e.offset, e.nbytes
 
     def name_at(self, offset: int) -> str | None:
         """The extent holding byte ``offset`` (None: padding or past the end)."""
-        for name, e in self._extents.items():
+        for name, e in self.extents.items():
             if e.offset <= offset < e.offset + e.nbytes:
                 return name
         return None
-
-    # --- descriptors (the IO engine's) --------------------------------------------------------------
 
     def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
         """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
@@ -212,25 +180,21 @@ class SwapFile:
                 self._direct_fd = None
             self._direct_refused = error
 
-    # --- checksums ---------------------------------------------------------------------------------
-
-    def record(self, kind: tuple[int, str], offset: int, nbytes: int, value: int) -> None:
-        """The piece [offset, offset + nbytes) now holds bytes with checksum ``value``; ``kind`` is the
-        writing engine's (block size, checksum name); its pieces never straddle one of its blocks."""
+    def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
+        """The piece [offset, offset + nbytes) now holds bytes with checksum ``value`` (None: written
+        without one); ``kind`` is the writing engine's (block size, checksum name), whose pieces
+        never straddle one of its blocks."""
         with self._lock:
-            self._forget(offset, nbytes)
-            self._sums.setdefault(kind, {}).setdefault(offset // kind[0], []).append((offset, nbytes, value))
+            for (grid, _), table in self._sums.items():   # what overlaps is stale, whoever wrote it
+                for block in range(offset // grid, (offset + max(nbytes, 1) - 1) // grid + 1):
+                    if block in table:
+                        table[block] = [p for p in table[block] if p[0] + p[1] <= offset or offset + nbytes <= p[0]]
+            if value is not None:
+                self._sums.setdefault(kind, {}).setdefault(offset // kind[0], []).append((offset, nbytes, value))
 
     def forget(self, offset: int, nbytes: int) -> None:
-        """Bytes [offset, offset + nbytes) were written without a checksum: drop the stale ones."""
-        with self._lock:
-            self._forget(offset, nbytes)
-
-    def _forget(self, offset: int, nbytes: int) -> None:
-        for (grid, _), table in self._sums.items():   # what overlaps is stale, whoever wrote it
-            for block in range(offset // grid, (offset + max(nbytes, 1) - 1) // grid + 1):
-                if block in table:
-                    table[block] = [p for p in table[block] if p[0] + p[1] <= offset or offset + nbytes <= p[0]]
+        """Bytes [offset, offset + nbytes) have no checksum any more."""
+        self.record(None, offset, nbytes, None)
 
     def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
         """The checksum of ``kind`` recorded for exactly this piece (None: not written as one piece)."""
@@ -242,30 +206,23 @@ class SwapFile:
 
     def checksums(self, name: str) -> list[tuple[int, int, int, str]]:
         """The (offset, bytes, checksum, checksum name) pieces recorded inside extent ``name``, in file order."""
-        e = self._extents[name]
+        e = self.extents[name]
         with self._lock:
             found = [(*p, kind[1]) for kind, table in self._sums.items() for pieces in table.values()
                      for p in pieces if e.offset <= p[0] < e.offset + max(e.nbytes, 1)]
         return sorted(found)
 
-    # --- mapping ---------------------------------------------------------------------------------
-
     def map(self, write: bool) -> "FileMap":
-        """The whole file mapped into memory (see ``FileMap``): ``write`` maps it shared, so stores into
-        its tensors change the file; otherwise privately (reads only: nothing reaches the file)."""
+        """The whole file mapped into memory: shared when ``write``, else privately (reads only)."""
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"swap file {self.path} was removed")
             return FileMap(self, self._fd, write)
 
-    # --- manifest and removal ------------------------------------------------------------------------
-
     def write_manifest(self) -> None:
         """Write the manifest (layout, and the checksums recorded so far) atomically, owner-only."""
-        meta = json.loads(json.dumps(self.meta))
-        for name in self._extents:
-            meta["extents"][name]["checksums"] = [list(p) for p in self.checksums(name)]
-        write_atomic(_manifest_path(self.path), json.dumps(meta, indent=1).encode())   # no-follow, O_EXCL
+        extents = {n: {**e, "checksums": [list(p) for p in self.checksums(n)]} for n, e in self.meta["extents"].items()}
+        write_atomic(_manifest_path(self.path), json.dumps({**self.meta, "extents": extents}, indent=1).encode())
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent)."""
@@ -274,8 +231,8 @@ class SwapFile:
                 if fd is not None:
                     os.close(fd)
             self._fd = self._direct_fd = None
-        _unlink(self.path)
-        _unlink(_manifest_path(self.path))
+        self.path.unlink(missing_ok=True)
+        _manifest_path(self.path).unlink(missing_ok=True)
 
     def __enter__(self) -> "SwapFile":
         return self
@@ -283,20 +240,12 @@ class SwapFile:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def __repr__(self) -> str:
-        return f"SwapFile({str(self.path)!r}, {len(self._extents)} extents, {self.size} bytes)"
-
 
 class FileMap:
-    """A swap file mapped into this process (``SwapFile.map``): its extents as host tensors that view
-    the file's pages, so a checkpoint reads (or a load writes) the swapped state where it lies, with
-    no host copy of it. The pages are the kernel's page cache (file-backed, reclaimable), not
-    anonymous memory. Tensors made here keep the mapping alive; it is unmapped when the last goes.
-
-    Coherence with the IO engine: O_DIRECT writes invalidate the cached pages they cover and
-    O_DIRECT reads first write back dirty cached pages of their range, so map only after the
-    engine's writes to the file have landed (``DiskStore.flush``) and, after writing through the
-    map, ``sync()`` before the engine reads again."""
+    """A swap file mapped into this process: its extents as host tensors over the page cache, so a
+    checkpoint reads (or a load writes) the swapped state where it lies. Tensors made here keep the
+    mapping alive. O_DIRECT bypasses the cached pages: map only after the engine's writes landed
+    (``DiskStore.flush``) and ``sync()`` after writing through the map, before the engine reads."""
 
     def __init__(self, file: SwapFile, fd: int, write: bool):
         self.file, self.write = file, write
@@ -313,25 +262,22 @@ class FileMap:
         self._start = self._bytes.data_ptr()
 
     def extent(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        """The first bytes of extent ``name`` as a tensor of ``dtype`` and ``shape`` (a view of the
-        mapping)."""
-        e = self.file._extents[name]
+        """The first bytes of extent ``name`` as a tensor of ``dtype`` and ``shape``."""
+        e = self.file.extents[name]
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes > e.nbytes:
             raise ValueError(f"extent {name!r} of {self.file.path} holds {e.nbytes} bytes, not {nbytes}")
         return self._bytes[e.offset:e.offset + nbytes].view(dtype).view(shape)
 
     def prefetch(self, name: str) -> None:
-        """Start reading extent ``name`` into the page cache (asynchronously), so that touching it
-        later does not fault page by page."""
-        e = self.file._extents[name]
+        """Start reading extent ``name`` into the page cache, so touching it does not fault page by page."""
+        e = self.file.extents[name]
         if e.nbytes:
             self._mm.madvise(mmap.MADV_WILLNEED, e.offset, padded(e.nbytes))
 
     def padded(self, name: str) -> torch.Tensor:
-        """Extent ``name`` with its padding up to the next 4 KiB, as bytes: what the engine writes
-        and checksums."""
-        e = self.file._extents[name]
+        """Extent ``name`` with its padding, as bytes: what the engine writes and checksums."""
+        e = self.file.extents[name]
         return self._bytes[e.offset:e.offset + padded(e.nbytes)]
 
     def contains(self, t: torch.Tensor) -> bool:
@@ -340,9 +286,8 @@ class FileMap:
         return t.device.type == "cpu" and 0 <= offset < self.file.size
 
     def own(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A tensor over the same bytes as ``t`` whose storage is exactly those bytes (a writer that
-        clones views of larger storages then writes it as it is), or None when ``t`` is not a
-        contiguous view of this mapping."""
+        """A tensor over ``t``'s bytes whose storage is exactly those bytes (so a writer that clones
+        views of larger storages writes it as it is); None unless ``t`` is a contiguous view of this map."""
         offset = t.data_ptr() - self._start
         nbytes = t.numel() * t.element_size()
         if not t.is_contiguous() or t.device.type != "cpu" or offset < 0 or offset + nbytes > self.file.size:
@@ -352,21 +297,17 @@ class FileMap:
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def release(self, t: torch.Tensor | None = None, *, name: str | None = None) -> None:
-        """Drop this process's mapping of the pages under ``t`` (a tensor of this map), of extent
-        ``name``, or of the whole file when neither is given, so that a pass over the swapped state
-        keeps a bounded resident set: the pages stay in the file (a shared map's written pages in
-        the page cache, still to be synced) and the next touch maps them again. Safe on any range:
-        a read-only map never writes its pages (no private copies to lose)."""
+        """Drop this process's mapping of the pages under ``t`` (or of extent ``name``), so a pass over
+        the swapped state keeps a bounded resident set; the pages stay in the file (or the page
+        cache, still to be synced) and the next touch maps them again."""
         if name is not None:
-            e = self.file._extents[name]
+            e = self.file.extents[name]
             lo, hi = e.offset, e.offset + padded(e.nbytes)
-        elif t is not None:
-            if not self.contains(t) or not t.numel():
-                return
+        elif self.contains(t) and t.numel():
             lo = t.data_ptr() - self._start
             hi = min(lo + t.numel() * t.element_size(), self.file.size)
         else:
-            lo, hi = 0, self.file.size
+            return
         page = mmap.PAGESIZE
         lo, hi = lo // page * page, min(-(-hi // page) * page, self.file.size)
         if hi > lo:
@@ -379,10 +320,9 @@ class FileMap:
 
 
 def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
-    """Remove the swap files (and manifests) in ``folder`` that no live process holds: each is
-    ``flock``-ed by its owner for as long as it is open, so a lock granted here means its process
-    is gone (kill -9, OOM). Returns (files removed, bytes freed on disk). A live process's file is
-    never touched; links are never followed."""
+    """Remove the swap files (and manifests) in ``folder`` that no live process holds (each is
+    ``flock``-ed while open: a lock granted here means its process is gone). Returns (files
+    removed, bytes freed on disk). Links are never followed."""
     count = freed = 0
     try:
         names = sorted(os.listdir(folder))
@@ -402,11 +342,11 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
             except BlockingIOError:
                 continue   # held: its process is alive
             st = os.fstat(fd)
-            _unlink(path)
+            path.unlink(missing_ok=True)
             manifest = _manifest_path(path)
             if manifest.exists() and not manifest.is_symlink():
                 freed += manifest.stat().st_blocks * 512
-            _unlink(manifest)
+            manifest.unlink(missing_ok=True)
             count += 1
             freed += st.st_blocks * 512
         finally:
@@ -416,13 +356,6 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
 
 def _manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".manifest.json")
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
@@ -443,19 +376,14 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
                           f"refusing to reuse it: {fix}")
 
 
-# --- pre-flight ---------------------------------------------------------------------------------
-
 def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int, buffer_bytes: int,
               buffer_count: int, *, min_buffer_count: int = 1, itemsize: int = 1,
               size_key: str = "offload.buffer_size", count_key: str = "offload.buffer_count",
               create: bool = False) -> None:
-    """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise.
-
-    ``path`` must exist (``create``: make it, for a default folder in the run directory) and be
-    writable; its file system must have room for ``total_bytes`` (``reserved_bytes(extents)``
-    summed over the swap files: what fallocate will reserve); buffers of ``buffer_bytes`` must hold
-    the largest tile and there must be ``min_buffer_count`` of them. ``itemsize`` converts bytes
-    to the elements the config keys ``size_key`` / ``count_key`` count, for the message."""
+    """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise:
+    ``path`` exists (``create``: made) and is writable with room for ``total_bytes``, and
+    ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the largest tile.
+    ``itemsize`` converts bytes to the elements ``size_key`` / ``count_key`` count, for the message."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():
@@ -490,7 +418,3 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     if problems:
         raise ConfigError("offload buffers too small: " + "; ".join(problems))
 
-
-def _size(nbytes: int) -> str:
-    unit, scale = ("GiB", GiB) if nbytes >= GiB else ("MiB", MiB)
-    return f"{nbytes / scale:.2f} {unit} ({nbytes} bytes)"

@@ -2,26 +2,22 @@
 
 The fp32 master partition and the optimizer state (``optimizer: nvme``) and, under zero3, the
 16-bit parameter shards (``params: nvme``) live in swap files under ``nvme_path``; the host holds
-only pools of pinned, page-aligned buffers: ``buffer_count`` optimizer tiles of ``sub_group_size``
-elements and ``param_buffer_count`` parameter buffers of ``param_buffer_size`` elements. The disk is
-one more tier of the offload store (``offload._diskstore.DiskStore``): the piece pipeline acquires
-a tile (read into a buffer), the host kernel steps it, and the release writes it back, so the
-stages have no NVMe code path (``offload._disk``). Keys mirror DeepSpeed's; ``params: auto`` is nvme under zero3, none otherwise
-(``framework.config`` resolves it, so a built config never says auto).
+only pools of pinned, page-aligned buffers. The disk is one more tier of the offload store
+(``offload._diskstore.DiskStore``), so the stages have no NVMe code path. Keys mirror DeepSpeed's;
+``params: auto`` (nvme under zero3, none otherwise) is resolved by ``framework.config``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
 from framework.offload._disk import DiskPlacement, DiskShards
 from framework.offload._swap import DiskSpec, NVMePlacement
+from framework.offload._swapfile import ALIGN
 from framework.offload.base import Shards
 from framework.offload.cpu import HostShards
-
-PAGE = 4096
 
 
 @dataclass(kw_only=True)
@@ -30,8 +26,8 @@ class AIOConfig:
     block_size: int = 1048576          # bytes per request (a multiple of 4096: O_DIRECT)
     queue_depth: int = 8               # requests in flight
     intra_op_parallelism: int = 1      # IO threads per request
-    # DeepSpeed's libaio submission knobs. Our engine always submits a batch and overlaps completion
-    # with submission, which is what these defaults mean; another value is refused (it would do nothing).
+    # DeepSpeed's libaio knobs: the engine always batches and overlaps completion with submission,
+    # which is what these defaults mean; another value is refused (it would do nothing).
     single_submit: bool = False
     overlap_events: bool = True
 
@@ -44,11 +40,9 @@ class NVMeOffloadConfig:
     pin_memory: bool = True
     ratio: float = 1.0                 # fraction of each partition whose optimizer step runs off the device
     overlap_step: bool = False         # speculative host step during backward (optimizer=cpu only)
-    # Elements per optimizer tile. DeepSpeed's default is 10^9, which makes any partition below a
-    # billion elements one tile, resident for its whole step: the host then holds as much as with
-    # offload=cpu. 10^7 bounds the optimizer pool (buffer_count tiles of master + moments + staging,
-    # about 4 x 140 MB) independent of the model, and keeps each request large enough for disk speed.
-    # A DeepSpeed config's sub_group_size still overrides it.
+    # Elements per optimizer tile. DeepSpeed's 10^9 makes a smaller partition one tile, resident for
+    # its whole step (as much host memory as offload=cpu); 10^7 bounds the pool (about 4 x 140 MB)
+    # and keeps requests large enough for disk speed. A DeepSpeed config's value still overrides it.
     sub_group_size: int = 10_000_000
     buffer_count: int = 4              # host tiles in the optimizer pool
     pipeline_read: bool = False        # read tile i+1 while tile i steps
@@ -60,16 +54,9 @@ class NVMeOffloadConfig:
     max_in_cpu: int = 1_000_000_000    # cap on host-resident parameter elements (params=nvme)
     aio: AIOConfig = field(default_factory=AIOConfig)
 
-    def tiles_needed(self) -> int:
-        """Optimizer buffers the pipeline holds at once: the tile stepping, plus the one read ahead
-        (pipeline_read) and the one still being written (pipeline_write)."""
-        return 1 + int(self.pipeline_read) + int(self.pipeline_write)
-
 
 def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
     """Check ``cfg`` against ``stage`` (one line per error) and return it with ``params: auto`` resolved."""
-    from dataclasses import replace
-
     if stage == "ddp":
         raise ConfigError("config: offload=nvme needs a ZeRO stage (the replicated ddp stage keeps every "
                           "optimizer state on every rank); add +stage=zero1, +stage=zero2 or +stage=zero3")
@@ -97,13 +84,14 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
             raise ConfigError(f"config: offload.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.max_in_cpu < 0:
         raise ConfigError(f"config: offload.max_in_cpu must be >= 0, got {cfg.max_in_cpu}")
-    if cfg.buffer_count < cfg.tiles_needed():
+    tiles = 1 + int(cfg.pipeline_read) + int(cfg.pipeline_write)   # stepping, read ahead, being written
+    if cfg.buffer_count < tiles:
         raise ConfigError(f"config: offload.buffer_count={cfg.buffer_count} is too small for pipeline_read="
                           f"{str(cfg.pipeline_read).lower()} pipeline_write={str(cfg.pipeline_write).lower()}; "
-                          f"set offload.buffer_count>={cfg.tiles_needed()}")
+                          f"set offload.buffer_count>={tiles}")
     a = cfg.aio
-    if a.block_size < PAGE or a.block_size % PAGE:
-        raise ConfigError(f"config: offload.aio.block_size must be a positive multiple of {PAGE} bytes "
+    if a.block_size < ALIGN or a.block_size % ALIGN:
+        raise ConfigError(f"config: offload.aio.block_size must be a positive multiple of {ALIGN} bytes "
                           f"(O_DIRECT), got {a.block_size}")
     if a.queue_depth < 1 or a.intra_op_parallelism < 1:
         raise ConfigError("config: offload.aio.queue_depth and offload.aio.intra_op_parallelism must be >= 1")
