@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from framework.comm.accelerator._base import DeviceMismatch, Event, _Unchecked, all_cpu
+from framework.comm.accelerator._base import Accelerator, DeviceMismatch, Event, all_cpu
 
 
 class _CudaEvent:
@@ -31,7 +31,7 @@ class _CudaEvent:
         return self.ev.query()
 
 
-class CudaAccelerator(_Unchecked):
+class CudaAccelerator(Accelerator):
     host = torch.device("cpu")
 
     def __init__(self, device: torch.device):
@@ -98,7 +98,7 @@ class _NoEvent:
         return True
 
 
-class CpuAccelerator(_Unchecked):
+class CpuAccelerator(Accelerator):
     """One CPU process: work runs when it is issued, so streams and events have nothing to order."""
 
     device = torch.device("cpu")
