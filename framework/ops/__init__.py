@@ -1,20 +1,16 @@
 """C++ CPU optimizer kernels (csrc/cpu_optim), built on first use, with a pure-PyTorch fallback.
 
-Importing this package builds nothing: the extension is compiled (about 30 s, once per machine,
-torch and source version; cached under ~/.cache/framework/ops) or imported on the first call that
-needs it. Where it cannot be built or loaded, ONE warning says why and the optimizers keep using
-their transforms. ``python -m framework.ops [status|build]`` reports, or builds ahead of time (then
-FRAMEWORK_OPS_BUILD=0 can forbid building at run time). The kernels know nothing of the optimizer
-module (framework.optimizers imports this package, never the other way round).
+Importing builds nothing: the first call that needs the extension compiles it (about 30 s, cached
+per machine, torch and source version under ~/.cache/framework/ops) or imports it. Where that
+fails, ONE warning says why and the optimizers keep their transforms. ``python -m framework.ops
+[status|build]`` reports, or builds ahead of time (then FRAMEWORK_OPS_BUILD=0 forbids building).
 
-``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step over equal-length lists of
-contiguous CPU fp32 tensors (torch.optim semantics; ``step`` counts this step, 1 on the first;
-``decay_mask``: one bool per param, None: all decayed; ``out16``: bf16/fp16 copies written in the
-same pass); True, or with ``strict=False`` False (nothing changed) where a tensor does not fit,
-else TypeError/ValueError naming it; BuildUnavailable when not built. ``usable(...)``: whether
-the kernels can take these tensors (checked before any build; always False under FRAMEWORK_OPS=0,
-read on every call). ``cpu_optim()``/``available()``: the loaded extension (None after the
-warning). ``build()``: build now. ``status()``: what ``python -m framework.ops`` prints.
+``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
+counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``
+(bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
+not fit raises TypeError/ValueError naming it (with ``strict=False``: returns False, nothing
+changed); unbuilt kernels raise BuildUnavailable. ``usable`` checks tensors before any build
+(always False under FRAMEWORK_OPS=0, read on every call).
 """
 from __future__ import annotations
 

@@ -42,8 +42,6 @@ def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Se
     """Apply one optimizer step in place on ``params``; return the new state. With ``out16``
     (bf16/fp16 tensors, one per group, same numel) also write the updated params' 16-bit copy."""
     if tx.fused is not None:
-        if out16 is None:
-            return tx.fused(grads, state, params, lr)
         return tx.fused(grads, state, params, lr, out16=out16)
     updates, state = tx.update(grads, state, params, lr)
     apply_updates(params, updates)
@@ -194,14 +192,13 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
-    """Aligned views of at most ``_CHUNK`` elements over same-sized tensors (no copies)."""
+    """``(scratch, *views)`` per chunk: aligned views of at most ``_CHUNK`` elements of same-sized
+    tensors (no copies), led by as long a view of one scratch buffer for the chunk's temporary."""
     flat = [t.view(-1) for t in tensors]
+    scratch = torch.empty(min(flat[0].numel(), _CHUNK), dtype=flat[0].dtype, device=flat[0].device)
     for start in range(0, flat[0].numel(), _CHUNK):
-        yield tuple(t[start:start + _CHUNK] for t in flat)
-
-
-def _scratch(like: Tensor) -> Tensor:
-    return torch.empty(min(like.numel(), _CHUNK), dtype=like.dtype, device=like.device)
+        views = tuple(t[start:start + _CHUNK] for t in flat)
+        yield (scratch[:views[0].numel()], *views)
 
 
 def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True) -> GradientTransformation:
@@ -279,9 +276,7 @@ def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
         for g, m in zip(grads, state.mu):
             # Both outputs (u into g, new m into m) read both old g and old m, so one of
             # them must go through a temporary: chunked to bound its size.
-            scratch = _scratch(g)
-            for g_c, m_c in _chunks(g, m):
-                tmp = scratch[:g_c.numel()]
+            for tmp, g_c, m_c in _chunks(g, m):
                 torch.mul(m_c, b1, out=tmp).add_(g_c, alpha=1 - b1)
                 m_c.mul_(b2).add_(g_c, alpha=1 - b2)
                 torch.sign(tmp, out=g_c)
@@ -330,9 +325,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10,
         decay = 1 + (count - 1) * lr_decay
         for g, s in zip(grads, state.sum_of_squares):
             # g is both numerator and destination, so the denominator needs a temporary.
-            scratch = _scratch(g)
-            for g_c, s_c in _chunks(g, s):
-                std = scratch[:g_c.numel()]
+            for std, g_c, s_c in _chunks(g, s):
                 torch.sqrt(s_c, out=std).add_(eps)
                 g_c.div_(std)
         if decay != 1:

@@ -1,5 +1,5 @@
 """What every accelerator offers (``Accelerator``, ``Event``) and the errors the checks raise. The
-unchecked accelerators subclass ``Accelerator`` for its checking calls, which do nothing there."""
+unchecked implementations subclass these: a method they do not define does nothing."""
 from __future__ import annotations
 
 import contextlib

@@ -84,15 +84,8 @@ class _NoStream:
         self.name = name
 
 
-class _NoEvent:
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
+class _NoEvent(Event):
+    """Work ran when it was issued: nothing to record, wait for or synchronize."""
 
     def query(self) -> bool:
         return True
@@ -119,12 +112,6 @@ class CpuAccelerator(Accelerator):
 
     def event(self) -> Event:
         return _NoEvent()
-
-    def bind_thread(self) -> None:
-        pass
-
-    def record_stream(self, t: Tensor, stream) -> None:
-        pass
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu")  # nothing to pin for without CUDA
