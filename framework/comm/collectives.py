@@ -4,16 +4,14 @@
     p = comm.all_gather_into(full, shard, "zero3 gather of 'h.0'")   # async; this rank's slice in place
     comm.wait(p, "zero3 gather of 'h.0'")
 
-Every operation is asynchronous and returns a ``Pending``; ``wait`` completes it. Each names what it
-waits for: a dead or stalled peer ends the survivors with one line naming it (``Dist._run``).
-
-Shapes. ``shard`` is one rank's partition length; a buffer is *aligned* when it is ``world`` equal
-chunks, chunk r belonging to rank r (a whole padded flat buffer, a zero3 unit, a striped bucket). On
-NCCL aligned buffers go through ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` (in place: the
-output is this rank's chunk of the input, which NCCL supports); per-owner ``reduce`` is used only for a
-buffer that is not aligned. On gloo those tensor collectives are slow (measured on a 2-core CPU with gloo: 0.57-0.75 GB/s
-against 0.95 for all_reduce), so the gloo object keeps its measured paths: broadcast per owner for
-all-gathers, per-owner reduces, and at two ranks two all-reduce halves in flight.
+Every operation is asynchronous and returns a ``Pending``; ``wait`` completes it, naming what it
+waits for (a dead or stalled peer ends the survivors with one line naming it: ``Dist._run``).
+``shard`` is one rank's partition length; a buffer is *aligned* when it is ``world`` equal chunks,
+chunk r belonging to rank r. On NCCL aligned buffers go through the in-place tensor collectives
+(``reduce_scatter_tensor``, ``all_gather_into_tensor``) and others through per-owner ``reduce``.
+On gloo those tensor collectives are slow (0.57-0.75 GB/s against 0.95 for all_reduce on a 2-core
+CPU), so Gloo keeps its measured paths: a broadcast per owner, per-owner reduces, and at two ranks
+two all-reduce halves in flight.
 """
 from __future__ import annotations
 
@@ -102,9 +100,6 @@ class Collectives:
         ``wait``, the part of ``buf`` inside this rank's partition holds the sum across ranks."""
         raise NotImplementedError
 
-    def _aligned(self, buf: Tensor, start: int, shard: int) -> bool:
-        return start == 0 and buf.numel() == self.world * shard
-
 
 class Local(Collectives):
     """World size 1: every collective is a no-op (the one rank's values are already the result).
@@ -113,7 +108,7 @@ class Local(Collectives):
 
     def _none(self, what: str, *tensors: Tensor) -> Pending:
         token = self.dist.acc.collective(tensors, what)
-        return Pending() if token is None else Pending([_Done(self.dist.acc, token)])
+        return Pending() if token is None else Pending([CheckedWork(None, token, self.dist.acc)])
 
     def all_reduce(self, t, what, op=SUM):
         return self._none(what, t)
@@ -131,16 +126,17 @@ class Local(Collectives):
         return self._none(what, buf)
 
 
-class _Done:
-    """The work of a world-1 collective under the checking accelerator: nothing to wait for but
-    the stream order."""
+class CheckedWork:
+    """A collective's work under the checking accelerator (None: a world-1 no-op): ``wait`` also
+    orders the current stream after the collective."""
 
-    def __init__(self, acc, token):
-        self.acc, self.token = acc, token
+    def __init__(self, work, token, acc):
+        self.work, self.token, self.acc = work, token, acc
 
-    def wait(self) -> bool:
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs) if self.work is not None else True
         self.acc.collective_done(self.token)
-        return True
+        return out
 
 
 class Gloo(Collectives):
@@ -196,7 +192,7 @@ class Nccl(Collectives):
                                  op=SUM)])
 
     def reduce_to_owners(self, buf, start, shard, what):
-        if self._aligned(buf, start, shard):
+        if start == 0 and buf.numel() == self.world * shard:   # aligned
             return self._reduce_scatter_in_place(buf, what)
         return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
                         for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])

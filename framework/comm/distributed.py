@@ -1,14 +1,10 @@
 """The Dist value: rank, world size, device, and the collectives object of its backend (``dist.comm``).
 
-Collectives are no-ops at world size 1, so the same code runs on one process. Every
-collective names what it waits for, so a timeout (a peer died or stalled) ends the
-surviving ranks with one clear line instead of a hang or a bare gloo error. On NCCL a
-collective's ``wait`` only orders the compute stream, so a dead or stalled peer surfaces
-differently: NCCL's watchdog aborts each waiting process after ``timeout_s`` (SIGABRT), and
-the launcher names that (``framework.cli.launch``); no rank hangs, but no Python error is raised.
-
-The backend follows from the devices: ``auto`` is NCCL when this host has a GPU for each of its
-ranks, else gloo on the CPU (``resolve_backend``).
+Collectives are no-ops at world size 1. Each names what it waits for, so a timeout (a dead or
+stalled peer) ends the surviving ranks with one line naming it. On NCCL a collective's ``wait``
+only orders the compute stream: NCCL's watchdog aborts each waiting rank after ``timeout_s``
+(SIGABRT), which the launcher names (``framework.cli.launch``). The backend follows from the
+devices (``resolve_backend``): ``auto`` is NCCL when this host has a GPU for each rank, else gloo.
 """
 from __future__ import annotations
 
@@ -22,16 +18,14 @@ from typing import Callable
 
 import torch
 import torch.distributed as tdist
-# torch.distributed.nn.functional binds group.WORLD as default arguments when it is imported.
-# torch imports it lazily (torch._dynamo does, e.g. on the first init of a meta-device tensor);
-# imported after init_process_group, it pins the group, destroy_process_group cannot free it,
-# and a gloo worker thread may then drop its last work (whose tensors need the GIL) during
-# interpreter shutdown: "terminate called without an active exception". Imported here,
-# before any group exists, those defaults are None.
+# torch.distributed.nn.functional binds group.WORLD as default arguments when imported (torch._dynamo
+# imports it lazily): after init_process_group that pins the group past destroy_process_group, and a
+# gloo worker may then drop its last work during interpreter shutdown ("terminate called without an
+# active exception"). Imported here, before any group exists, those defaults are None.
 import torch.distributed.nn.functional  # noqa: F401  (import order matters, see above)
 
 from framework.comm.accelerator import Accelerator, for_device
-from framework.comm.collectives import Collectives, collectives_for
+from framework.comm.collectives import CheckedWork, Collectives, collectives_for
 from framework.core.errors import ConfigError, DistributedError, FrameworkError
 
 
@@ -75,7 +69,7 @@ class Dist:
         if not async_op:
             self.acc.collective_done(token)
             return work
-        return _CheckedWork(work, token, self.acc)
+        return CheckedWork(work, token, self.acc)
 
     def _run(self, what: str, fn, *args, **kwargs):
         try:
@@ -87,30 +81,18 @@ class Dist:
                 f"({who}; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
             ) from e
 
-    def lost_ranks(self) -> list[int]:
-        """Ranks on this host whose process no longer exists (a slow peer is not listed)."""
-        host = socket.gethostname()
-        return [r for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank and not _alive(pid)]
-
-    def stalled_ranks(self) -> dict[int, str]:
-        """Ranks on this host whose process exists but cannot run: stopped (SIGSTOP, a debugger)
-        or blocked in the kernel (state D, e.g. a hung disk), with what the kernel says."""
-        host = socket.gethostname()
-        out = {}
-        for r, (h, pid) in enumerate(self.peers):
-            state = _state(pid) if h == host and r != self.rank else None
-            if state in _STALLED:
-                out[r] = f"pid {pid} {_STALLED[state]}"
-        return out
-
     def who_failed(self) -> str:
-        """The peers to blame for a failed collective, as far as this host can tell."""
-        lost, stalled = self.lost_ranks(), self.stalled_ranks()
-        parts = []
-        if lost:
-            parts.append(f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)")
-        parts += [f"rank {r} stalled ({why})" for r, why in sorted(stalled.items())]
-        return "; ".join(parts) or "a peer rank died or stalled"
+        """The peers to blame for a failed collective, as far as this host can tell: ranks on this host
+        whose process is gone, or stopped or blocked in the kernel (a slow peer is not named)."""
+        host, lost, stalled = socket.gethostname(), [], []
+        for r, (h, pid) in enumerate(self.peers):
+            if h == host and r != self.rank:
+                if not _alive(pid):
+                    lost.append(r)
+                if (state := _state(pid)) in _STALLED:
+                    stalled.append(f"rank {r} stalled (pid {pid} {_STALLED[state]})")
+        parts = [f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)"] if lost else []
+        return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
     def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
         if self.world == 1:
@@ -141,21 +123,6 @@ class Dist:
             self.all_reduce(torch.zeros(1, device=self.device), what=what)
 
 
-class _CheckedWork:
-    """A collective's work under the checking accelerator: ``wait`` also orders the current stream."""
-
-    def __init__(self, work, token, acc: Accelerator):
-        self.work, self.token, self.acc = work, token, acc
-
-    def wait(self, *args, **kwargs):
-        out = self.work.wait(*args, **kwargs) if self.work is not None else True
-        self.acc.collective_done(self.token)
-        return out
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
-
-
 _STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t": "is stopped by a debugger",
             "D": "is blocked in the kernel (uninterruptible sleep: a hung disk or network file system?)"}
 
@@ -176,12 +143,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie (exited, not yet reaped by its parent) counts as gone.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    return _state(pid) != "Z"   # a zombie (exited, not yet reaped by its parent) counts as gone
 
 
 def gpu_count() -> int:

@@ -5,14 +5,12 @@
     make_dirs(folder)                              # missing folders made 0700 (parents too)
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
 
-A checkpoint folder, ``offload.nvme_path`` or an export folder may be writable by others (a
-shared scratch disk). A symbolic link planted there under a name the framework writes would
-make a plain ``open`` overwrite the link's target: every open here refuses a link in the final
-component (``O_NOFOLLOW``; ``O_EXCL`` for new files, which never follows one either) and says so
-in one line naming it (``UnsafePathError``). The folder the user gave may itself be a link (a
-checkpoint folder on another disk): only what the framework creates inside it is guarded.
-Renames are made relative to one directory descriptor, so a temporary and its final name are
-in the same folder even if a path component is swapped meanwhile.
+A folder the framework writes into may be writable by others (a shared scratch disk), where a
+symbolic link planted under a name the framework writes would make a plain ``open`` overwrite
+its target: every open here refuses a link in the final component (``UnsafePathError``, one line
+naming it). The folder the user gave may itself be a link; only what the framework creates
+inside it is guarded. Renames are relative to one directory descriptor, so a temporary and its
+final name stay in the same folder.
 """
 from __future__ import annotations
 

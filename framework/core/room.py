@@ -4,11 +4,9 @@
     everyone = all_gather(mine)                         # the caller's collective
     for short in shortfalls(everyone): ...              # same answer on every rank
 
-Several ranks of one host usually write into one folder (swap files, checkpoint shards): each
-rank's own need may fit where their sum does not, and the rank whose write then fails first
-takes the others down with a bare "Connection closed by peer". Every rank states what it will
-write and where; the sums are compared with each file system's free space on every rank, so all
-of them refuse at once with the same line.
+Ranks of one host often write into one folder: each rank's need may fit where their sum does not,
+and the first failed write takes the others down with a bare "Connection closed by peer". Summing
+the claims per file system, every rank refuses at once with the same line.
 """
 from __future__ import annotations
 

@@ -30,31 +30,17 @@ SQ_NORM_ROW = 256
 def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     """Sum of squares of every element, as a float64 scalar on ``device``. No host sync.
 
-    Per tensor, never per fixed chunk of the list: the result depends only on each tensor's own
-    values, so callers that pass whole partitions (the ZeRO stages' ``grad_sq_norm``) get the
-    same rounding however a partition is cut into pieces.
-
-    On an accelerator one ``torch._foreach_norm`` covers every tensor, then the norms are
-    squared and summed in float64: a handful of launches, where one dot per 65536 elements makes
-    ~43k for a 1.4 B model (89 ms of dispatch). Its fp32 sums are split over many threads and
-    added in a tree, so they do not degrade with length like one sequential sum; their error
-    has not been measured on a GPU.
-
+    Per tensor, never per fixed chunk of the list, so that the result does not depend on how a
+    partition is cut into pieces. On an accelerator one ``torch._foreach_norm`` covers every tensor
+    (a handful of launches where a dot per 65536 elements made 43k, 89 ms of dispatch, for 1.4 B
+    params; its fp32 sums are tree reductions, their error not measured on a GPU).
     On the CPU a tensor's fp32 norm is one sequential sum per SIMD lane, which loses digits with
-    length, so each tensor is reduced in rows of ``SQ_NORM_ROW`` elements (one vectorised
-    ``vector_norm(dim=1)``) and the row norms are squared and summed in float64. Measured on
-    10 M fp32 elements, one thread (Xeon, AVX-512): largest relative error against a float64
-    sum over three N(0, 1e-6) draws and one heavy-tailed log-normal draw, and time:
-
-        rows of 256 (chosen)             3.7e-8   1.7 ms   (under 1e-9 on the normal draws)
-        rows of 1024                     1.2e-7   1.4 ms
-        one dot per 65536                1.1e-6   2.1 ms   (306 ops)
-        one fp32 dot                     2.2e-4   1.5 ms
-        one fp32 vector_norm             1.3e-3   1.6 ms   (_foreach_norm does this on the CPU)
-        float64, 1 M elements at a time  3e-14    23 ms    (a widening copy of every element)
-
-    A bound that holds for any order of the additions (so on any CPU) is derived in
-    tests/unit/test_step.py. 16-bit tensors are widened to fp32 first (whole rows at a time).
+    length, so each tensor is reduced in rows of ``SQ_NORM_ROW`` elements and the row norms summed
+    in float64. Measured on 10 M fp32 elements, one thread (Xeon, AVX-512), largest relative error
+    against float64 and time: rows of 256 3.7e-8 in 1.7 ms; rows of 1024 1.2e-7 in 1.4 ms; one dot
+    per 65536 1.1e-6; one fp32 dot 2.2e-4; one fp32 vector_norm (``_foreach_norm`` on the CPU)
+    1.3e-3; float64 1 M elements at a time 3e-14 in 23 ms. A bound for any order of the additions
+    is derived in tests/unit/test_step.py. 16-bit tensors are widened to fp32 a block of rows at a time.
     """
     flat = [t.reshape(-1) for t in tensors if t.numel()]
     parts = [_host_sq_norm(t) for t in flat if t.device.type == "cpu"]

@@ -1,9 +1,8 @@
 """Data sources (conf group ``data``): ``synthetic`` (default), ``text``, ``tokens``.
 
-Each module's ``build(cfg, *, seed, context)`` returns a ``DataSource`` (see ``_base``):
-``train_batch(position, ...)`` is a pure function of the position (``TrainState.data``), so a
-run restarted from a position replays its data exactly (checkpoint save and load do not exist
-yet) and any (ranks x micro batch) split of the same global batch sees the same rows. A source's ``vocab_size`` overrides the model's YAML default.
+Each module's ``build(cfg, *, seed, context)`` returns a ``DataSource`` (see ``_base``) whose
+``train_batch(position, ...)`` is a pure function of the position, the same rows for any split
+of the global batch over ranks and micro batches. A source's ``vocab_size`` overrides the model's.
 """
 from framework.data._base import Batch, DataSource, resolve_path, seeded
 

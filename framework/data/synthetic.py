@@ -1,16 +1,12 @@
 """Synthetic data: a random first-order Markov chain with a known optimal loss.
 
-The chain is fixed by ``chain_seed`` (not by the run seed, so every run trains on the same
-task): each row of the transition matrix P is drawn from Dirichlet(concentration). Smaller
-concentrations give peakier rows, i.e. a more predictable chain. Sequences start from the
-stationary distribution pi, so every position is stationary.
+The chain is fixed by ``chain_seed`` (not the run seed: every run trains on the same task): each
+row of the transition matrix P is drawn from Dirichlet(concentration) (smaller: peakier, more
+predictable). Sequences start from the stationary distribution pi, so every position is stationary.
 
-The floor. The training loss is the mean over t of -log q(y[t] | x[0..t]) with y[t] = x[t+1].
-By the Markov property the best predictor of x[t+1] given x[0..t] is P[x[t]], whose expected
-loss is the entropy of that row; since x[t] ~ pi at every t, each of the T predictions has
-expected optimal loss H = -sum_i pi_i sum_j P_ij log P_ij, and so does their mean. The floor
-is exactly the entropy rate H (nats/token) for any context length, including the first
-position, because x[0] itself is never predicted.
+The floor: by the Markov property the best predictor of x[t+1] given x[0..t] is P[x[t]]; with
+x[t] ~ pi at every t, each prediction's expected optimal loss (and so their mean, for any context
+length) is the entropy rate H = -sum_i pi_i sum_j P_ij log P_ij nats/token.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from framework.data._base import (CHAIN_STREAM, TRAIN_STREAM, VAL_STREAM, Batch, rank_rows, seeded,
-                                  split_micro)
+from framework.data._base import CHAIN_STREAM, RowSource
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
 
@@ -44,10 +39,10 @@ class SyntheticConfig:
             raise ConfigError(f"data.concentration must be > 0, got {self.concentration}")
 
 
-class SyntheticSource:
+class SyntheticSource(RowSource):
     def __init__(self, cfg: SyntheticConfig, *, seed: int, context: int) -> None:
         self.cfg, self.seed, self.context = cfg, seed, context
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size, self.val_key = cfg.vocab_size, (cfg.chain_seed,)
         v = cfg.vocab_size
         rng = np.random.default_rng([CHAIN_STREAM, cfg.chain_seed])
         p = rng.dirichlet(np.full(v, cfg.concentration), size=v)            # float64 [V, V]
@@ -79,27 +74,9 @@ class SyntheticSource:
             seqs[:, t] = state
         return seqs
 
-    def train_batch(self, position: int, *, micro_batch: int, grad_accum: int, rank: int,
-                    world: int) -> Batch:
-        if position < 0:
-            raise ValueError(f"data position must be >= 0, got {position}")
-        rows = rank_rows(micro_batch=micro_batch, grad_accum=grad_accum, rank=rank, world=world)
-        gen = seeded(TRAIN_STREAM, self.seed, position)
-        # Every rank draws the whole global batch's uniforms (cheap) and simulates only its rows.
-        u = torch.rand(micro_batch * grad_accum * world, self.context + 1, generator=gen,
-                       dtype=torch.float64)
-        return split_micro(self.sample(u[rows]), micro_batch=micro_batch, position=position)
-
-    def val_batches(self, n: int, *, batch: int, rank: int,
-                    world: int) -> list[tuple[Tensor, Tensor]]:
-        rows = rank_rows(micro_batch=batch, grad_accum=1, rank=rank, world=world)
-        out = []
-        for j in range(n):
-            gen = seeded(VAL_STREAM, self.cfg.chain_seed, j)
-            u = torch.rand(batch * world, self.context + 1, generator=gen, dtype=torch.float64)
-            seqs = self.sample(u[rows])
-            out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
-        return out
+    def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
+        # Every rank draws the whole batch's uniforms (cheap) and simulates only its rows.
+        return self.sample(torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64)[rows])
 
     def describe(self) -> dict:
         return {"source": "synthetic", "vocab_size": self.vocab_size,

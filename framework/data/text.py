@@ -1,13 +1,8 @@
-"""Character-level text: the vocabulary is the sorted set of characters of the whole file.
-
-The first 90% of the characters (``int(0.9 * n)``) are the training split, the rest the
-held-out split; batches are random crops (see ``_base.CropSource``). With tinyshakespeare
-this is the classic 65-character baby-GPT setup.
-
-``prepare_chars`` writes the same encoding once as a uint16 token file (``data=tokens``, memory
-mapped, nanoGPT's format) plus a ``meta.json`` with the vocabulary for decoding; its
-``val_fraction`` of 0.1 gives exactly this module's split.
-"""
+"""Character-level text: the vocabulary is the sorted set of characters of the whole file; the
+first 90% of the characters (``int(0.9 * n)``) are the training split, the rest held out, and
+batches are random crops (``_base.CropSource``). ``prepare_chars`` writes the same encoding once
+as a uint16 token file for ``data=tokens`` (nanoGPT's format) plus a ``meta.json`` with the
+vocabulary; its ``val_fraction`` of 0.1 gives exactly this module's split."""
 from __future__ import annotations
 
 import hashlib
@@ -49,10 +44,7 @@ def encode_file(path: Path) -> tuple[np.ndarray, str]:
 
 def prepare_chars(source: str, out: Path) -> dict:
     """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
-    file in order) and ``out.parent / "meta.json"``; return the metadata written.
-
-    Both files are written to temporary names and renamed, so an interrupted run leaves no
-    half-written data set behind."""
+    file in order) and ``out.parent / "meta.json"`` (each written atomically); return the metadata."""
     path = resolve_path(source, key="data.path")
     ids, chars = encode_file(path)
     if len(chars) > 1 << 16:
@@ -73,20 +65,16 @@ class TextSource(CropSource):
         path = resolve_path(cfg.path, key="data.path")
         ids, chars = encode_file(path)
         split = int(TRAIN_FRACTION * len(ids))
-        self.path = path
         self.chars = chars
         self._index = {c: i for i, c in enumerate(self.chars)}
         super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(chars), seed=seed,
-                         context=context, name=f"text {path}")
+                         context=context, kind="text", path=path)
 
     def encode(self, s: str) -> list[int]:
         return [self._index[c] for c in s]
 
     def decode(self, ids) -> str:
         return "".join(self.chars[int(i)] for i in ids)
-
-    def describe(self) -> dict:
-        return {**super().describe(), "source": "text", "path": str(self.path)}
 
 
 def build(cfg: TextConfig, *, seed: int, context: int) -> TextSource:

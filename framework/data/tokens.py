@@ -39,12 +39,8 @@ class TokensSource(CropSource):
         vocab = cfg.vocab_size if cfg.vocab_size is not None else _meta_vocab(path)
         data = np.memmap(path, dtype="<u2", mode="r")
         split = int((1.0 - cfg.val_fraction) * len(data))
-        self.path = path
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab,
-                         seed=seed, context=context, name=f"tokens {path}")
-
-    def describe(self) -> dict:
-        return {**super().describe(), "source": "tokens", "path": str(self.path)}
+                         seed=seed, context=context, kind="tokens", path=path)
 
 
 def _meta_vocab(path) -> int:

@@ -1,4 +1,4 @@
-"""Logger protocol, the run record (metrics.jsonl, summary.json) and console output.
+"""The logger interface (``NullLogger``), the run record (metrics.jsonl, summary.json) and console output.
 
 Only rank 0 logs. Every run directory gets metrics.jsonl and summary.json whatever logger is
 chosen; loggers add a console view and/or an external service.
@@ -9,10 +9,8 @@ import contextlib
 import json
 import math
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from framework.core import files
 
@@ -24,14 +22,9 @@ class RunInfo:
     name: str | None      # W&B run name: the job's overrides or number
 
 
-class Logger(Protocol):
-    def start(self, config: dict, total_steps: int) -> None: ...
-    def log(self, record: dict) -> None: ...
-    def finish(self, summary: dict) -> None: ...
-    def close(self) -> None: ...
-
-
 class NullLogger:
+    """What every logger offers, doing nothing."""
+
     def start(self, config: dict, total_steps: int) -> None: ...
     def log(self, record: dict) -> None: ...
     def finish(self, summary: dict) -> None: ...
@@ -75,13 +68,7 @@ class _Tee:
         self.terminal.flush()
         self.log.flush()
 
-    def isatty(self) -> bool:
-        return self.terminal.isatty()
-
-    def fileno(self) -> int:
-        return self.terminal.fileno()
-
-    def __getattr__(self, name):   # encoding, errors, ... of the console stream
+    def __getattr__(self, name):   # isatty, fileno, encoding, ... of the console stream
         return getattr(self.terminal, name)
 
 
@@ -146,7 +133,6 @@ class Console:
         self.live = sys.stdout.isatty() if live is None else live
         self._progress = None
         self._task = None
-        self._t0 = time.perf_counter()
 
     def start(self, config: dict, total_steps: int) -> None:
         if self.live:

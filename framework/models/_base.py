@@ -10,11 +10,7 @@ from torch import Tensor, nn
 from framework.core.registry import Component
 
 
-def _no_weights(cfg: Any) -> None:
-    return None
-
-
-def _unknown(cfg: Any) -> None:
+def _none(cfg: Any) -> None:
     return None
 
 
@@ -23,7 +19,7 @@ class ModelComponent(Component):
     loss: Callable[[nn.Module, Any], Tensor]     # loss_fn(module, micro_batch) -> scalar
     # A weights source (file or folder, framework.persist.weights.load_weights) loaded after the stage set
     # the model up, or None: the model keeps its own initialisation.
-    weights: Callable[[Any], str | None] = _no_weights
+    weights: Callable[[Any], str | None] = _none
     # The model's hidden size, read from its config without building it (DeepSpeed's "auto"
     # bucket sizes are computed from it), or None when unknown.
-    hidden_size: Callable[[Any], int | None] = _unknown
+    hidden_size: Callable[[Any], int | None] = _none

@@ -1,19 +1,14 @@
-"""A GPT in the nanoGPT mould, written with einops.
+"""A GPT in the nanoGPT mould, written with einops: pre-LayerNorm blocks, causal attention through
+``scaled_dot_product_attention``, learned position embeddings, a 4x GELU MLP, optional biases,
+dropout and weight tying. Each layer is a ``Block``: the unit ZeRO-3 gathers and releases and
+activation checkpointing wraps.
 
-Pre-LayerNorm blocks, causal attention through ``scaled_dot_product_attention`` (so the fused
-kernels are used where available), learned position embeddings, a 4x GELU MLP, optional
-biases, dropout and weight tying. Each transformer layer is a ``Block`` module because ZeRO-3
-gathers and releases parameters one Block at a time, and activation checkpointing wraps the
-same unit.
+Weight tying calls the token embedding itself as the output projection (``TiedEmbedding``,
+``wte(x, unembed=True)``) instead of aliasing a second ``nn.Linear`` to its weight: one tensor
+under one name, which nothing that swaps or shards parameters can untie, used only inside its
+own module's forward, where ZeRO-3 gathers it.
 
-Weight tying is done by calling the token embedding module itself as the output projection
-(``TiedEmbedding``, ``wte(x, unembed=True)``) rather than by aliasing a second ``nn.Linear`` to
-its weight: there is then exactly one tensor and one name for it, so nothing that swaps or
-shards parameters (ZeRO, offload, ``to_empty``) can break the tie silently, and the weight is
-only ever used inside its own module's forward, where ZeRO-3 gathers it.
-
-The presets (``gpt-nano`` ... ``gpt-1b``) share one schema; their values live in
-``conf/model/<name>.yaml`` and are mirrored in ``PRESETS`` for tests and docs.
+The presets share one schema; their values live in ``conf/model/<name>.yaml``, mirrored in ``PRESETS``.
 """
 from __future__ import annotations
 
@@ -109,13 +104,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` that skips its constructor's random init on the meta device.
-
-    ``GPT.init_parameter`` writes every value later anyway, and on meta tensors torch's
-    ``normal_`` runs through a Python decomposition whose first call imports ``torch._dynamo``
-    (over a second per process, paid by every rank of a run). Real tensors keep torch's init so
-    the global random stream is consumed exactly as before.
-    """
+    """``nn.Embedding`` without its random init on the meta device: ``GPT.init_parameter`` writes every
+    value later, and meta ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors
+    keep torch's init, so the global random stream is consumed as before."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -123,12 +114,8 @@ class Embedding(nn.Embedding):
 
 
 class TiedEmbedding(Embedding):
-    """A token embedding that is also the output projection (weight tying).
-
-    ``wte(idx)`` embeds token ids; ``wte(x, unembed=True)`` maps hidden states to logits with the
-    same matrix. Both go through this module's forward, so hooks around it (ZeRO-3's gather and
-    release) see every use of the weight.
-    """
+    """A token embedding that is also the output projection: ``wte(idx)`` embeds, ``wte(x,
+    unembed=True)`` maps hidden states to logits; hooks around it (ZeRO-3) see every use of the weight."""
 
     def forward(self, x: Tensor, unembed: bool = False) -> Tensor:
         return F.linear(x, self.weight) if unembed else super().forward(x)
@@ -155,13 +142,9 @@ class GPT(nn.Module):
                 self.init_parameter(name, p)
 
     def init_parameter(self, name: str, t: Tensor) -> None:
-        """nanoGPT's init of parameter ``name`` written into ``t``, from its own generator.
-
-        Each parameter draws from a generator seeded by (torch.initial_seed(), name), so the
-        values do not depend on the order in which parameters are initialised: a ZeRO-3 stage
-        can build the model on the meta device and materialise one parameter at a time, and
-        still get exactly the values of a model built whole with the same seed.
-        """
+        """nanoGPT's init of parameter ``name`` written into ``t``, from a generator seeded by
+        (torch.initial_seed(), name): independent of the order of initialisation, so a ZeRO-3 stage
+        materialising one parameter at a time gets the values of a model built whole."""
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "bias":
             t.zero_()

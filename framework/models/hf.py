@@ -5,13 +5,9 @@
 
 ``model.config`` builds a model from scratch from a ``config.json`` (or a folder holding one);
 ``model.pretrained`` builds it from the folder's config and, once the stage has partitioned it,
-loads the folder's weights with ``framework.persist.weights.load_weights`` (under zero3 each rank reads
-only the ranges of its shards). Nothing is ever downloaded: both keys must name local paths.
-
-The model is built on the meta device like every model of the command line; the stage
-materialises it through ``HFInit``, which initialises any one parameter (or buffer) with the
-model's own ``_init_weights`` without the rest of the model existing. Transformers is imported
-only when an HF model is actually built (it is an optional extra: ``pip install .[hf]``).
+loads the folder's weights (``framework.persist.weights.load_weights``). Nothing is downloaded.
+Models are built on the meta device and materialised by the stage through ``HFInit``.
+Transformers is an optional extra (``pip install .[hf]``), imported only to build an HF model.
 """
 from __future__ import annotations
 
@@ -90,8 +86,9 @@ def hidden_size(cfg: HFConfig) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def load_config(cfg: HFConfig):
-    """The transformers config named by ``model.config`` or ``model.pretrained`` (local files only)."""
+def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
+    """An ``AutoModelForCausalLM`` from the config (local files only), on the current default device
+    (meta under the loop); ``vocab_size`` (the data source's) must fit the model's vocabulary."""
     transformers = _transformers()
     key, file, raw = _raw_config(cfg)
     model_type = raw.pop("model_type")
@@ -99,28 +96,16 @@ def load_config(cfg: HFConfig):
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except ValueError as e:
         raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
-    return config
-
-
-def check_loadable(config) -> None:
-    """Refuse checkpoints whose keys transformers renames or fuses on load (e.g. Mixtral's experts):
-    our loader reads tensors under the model's own parameter names only."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    if get_checkpoint_conversion_mapping(config.model_type) is not None:
-        raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
-                          f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
-                          f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and pass "
-                          f"the model to framework.initialize, or use model.config to train one from scratch")
-
-
-def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
-    """An ``AutoModelForCausalLM`` from the config, on the current default device (meta under the
-    loop); ``vocab_size`` (the data source's) must fit the model's vocabulary."""
-    transformers = _transformers()
-    config = load_config(cfg)
     if cfg.pretrained is not None:
-        check_loadable(config)
+        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
+        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts).
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+
+        if get_checkpoint_conversion_mapping(config.model_type) is not None:
+            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
+                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
+                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
+                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -144,27 +129,18 @@ def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def pretrained_weights(cfg: HFConfig) -> str | None:
-    """The folder whose weights are loaded once the stage has set the model up (None: from scratch)."""
-    return cfg.pretrained
-
-
 # --- initialisation of one tensor at a time -----------------------------------------------------
 
 
 class HFInit:
-    """Initialises any one parameter or buffer of an HF model built on the meta device, with the
-    model's own ``_init_weights``, while the rest of the model stays unmaterialised.
+    """Initialises any one parameter or buffer of an HF model built on the meta device with the
+    model's own ``_init_weights``, the rest of the model staying unmaterialised.
 
-    Transformers initialises a module's tensors by calling ``_init_weights`` on the module and
-    then on each of its ancestors (a parent may re-initialise a child's weight: GPT-2 scales its
-    residual projections from the attention and MLP modules). For tensor ``name`` we run that
-    same chain, owner first, on a meta copy of the model (the *shadow*) in which only this one
-    tensor is real, so every other tensor the chain touches is a no-op. Each tensor draws from
-    the CPU generator seeded by (seed, name): values do not depend on the order in which a stage
-    materialises tensors, nor on the world size, and a plain model materialised the same way
-    (``materialize``) starts from exactly the same values. They are not those of transformers'
-    eager construction, whose draws follow module order (transformers 5).
+    Transformers calls ``_init_weights`` on a module and then on each of its ancestors (GPT-2 scales
+    its residual projections from the parent); that chain runs on a meta copy of the model (the
+    shadow) in which only this one tensor is real. Each tensor draws from the CPU generator seeded
+    by (seed, name): independent of the order of materialisation and of the world size, so
+    ``materialize`` gives the same values (not those of transformers' eager construction).
     """
 
     def __init__(self, model: nn.Module, seed: int):
@@ -263,5 +239,5 @@ def declared_layers(module: nn.Module) -> list[str]:
     return list(module._no_split_modules or []) if is_hf_model(module) else []
 
 
-COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=pretrained_weights,
+COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
                            hidden_size=hidden_size)

@@ -1,43 +1,16 @@
 """C++ CPU optimizer kernels (csrc/cpu_optim), built on first use, with a pure-PyTorch fallback.
 
-Importing this package builds nothing: the extension is compiled (about 30 s, once per machine,
-torch and source version; cached under ~/.cache/framework/ops) or imported on the first call that
-needs it, then cached for the process. Where it cannot be built or loaded, ONE warning says why and
-the optimizers keep using their transforms. ``python -m framework.ops`` prints the status,
-``python -m framework.ops build`` builds ahead of time (then FRAMEWORK_OPS_BUILD=0 can forbid
-building at run time, e.g. on many ranks).
+Importing builds nothing: the first call that needs the extension compiles it (about 30 s, cached
+per machine, torch and source version under ~/.cache/framework/ops) or imports it. Where that
+fails, ONE warning says why and the optimizers keep their transforms. ``python -m framework.ops
+[status|build]`` reports, or builds ahead of time (then FRAMEWORK_OPS_BUILD=0 forbids building).
 
-The kernels know nothing of the optimizer module (framework.optimizers imports this package,
-never the other way round; tests/unit/test_cpu_ops.py checks it). A step of an optimizer that
-also writes the 16-bit copy of the params in the same pass is
-``framework.optimizers.step(tx, grads, state, params, lr, out16=out16)``.
-
-Public API
-----------
-adam_step(params, grads, exp_avgs, exp_avg_sqs, *, step, lr, beta1=0.9, beta2=0.999, eps=1e-8,
-          weight_decay=0.0, decoupled=True, bias_correction=True, out16=None, decay_mask=None,
-          strict=True) -> bool
-lion_step(params, grads, exp_avgs, *, lr, beta1=0.9, beta2=0.99, weight_decay=0.0,
-          out16=None, decay_mask=None, strict=True) -> bool
-adagrad_step(params, grads, state_sums, *, step, lr, lr_decay=0.0, weight_decay=0.0, eps=1e-10,
-             out16=None, decay_mask=None, strict=True) -> bool
-    The raw kernels: one in-place step over equal-length lists of contiguous CPU fp32 tensors
-    (torch.optim semantics; ``step`` is the step count after this step, 1 on the first); return
-    True. ``decay_mask`` (one bool per param; None: all) says which params get ``weight_decay``. Raise BuildUnavailable when the kernels are not built (check ``available()``; or use the
-    optimizers, which fall back by themselves), and TypeError/ValueError naming the bad tensor;
-    with ``strict=False`` a tensor that does not fit makes them return False instead, having
-    changed nothing (the optimizers' dispatch: one call, no per-tensor check in Python).
-
-cpu_optim() -> module | None       the loaded extension, or None after ONE warning
-available() -> bool                ``cpu_optim() is not None``
-usable(*tensor_lists, out16=None) -> bool
-    True when every tensor is a contiguous CPU fp32 tensor (``out16``: bf16/fp16) and the kernels
-    are available; checks the tensors first, so it never builds for CUDA tensors. Always False
-    while FRAMEWORK_OPS=0 (read on every call): the optimizers then take their pure-PyTorch path,
-    which is how the tests run one configuration both ways.
-build() -> module                  build (or import) now; raises BuildUnavailable with the reason
-status() -> dict                   built, reason, build_dir, isa, detected_isa, prefetch, threads, kernels
-BuildUnavailable                   the error type
+``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
+counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``
+(bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
+not fit raises TypeError/ValueError naming it (with ``strict=False``: returns False, nothing
+changed); unbuilt kernels raise BuildUnavailable. ``usable`` checks tensors before any build
+(always False under FRAMEWORK_OPS=0, read on every call).
 """
 from __future__ import annotations
 
@@ -70,20 +43,15 @@ def build() -> ModuleType:
     return _loader.load(build=True)
 
 
-def _fp32_cpu(tensors: Iterable[Tensor]) -> bool:
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
-
-
-def _half_cpu(tensors: Iterable[Tensor]) -> bool:
-    return all(t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16) and t.is_contiguous()
-               for t in tensors)
+def _cpu(tensors: Iterable[Tensor], dtypes: tuple) -> bool:
+    return all(t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() for t in tensors)
 
 
 def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = None) -> bool:
     """Whether the kernels can run on these tensors (checked before any build is triggered)."""
-    if not _loader.kernels_enabled() or not all(_fp32_cpu(ts) for ts in tensor_lists):
+    if not _loader.kernels_enabled() or not all(_cpu(ts, (torch.float32,)) for ts in tensor_lists):
         return False
-    if out16 is not None and not _half_cpu(out16):
+    if out16 is not None and not _cpu(out16, (torch.bfloat16, torch.float16)):
         return False
     return available()
 

@@ -55,7 +55,6 @@ class BuildUnavailable(RuntimeError):
 class Status(NamedTuple):
     module: ModuleType | None
     reason: str | None  # why module is None
-    build_dir: Path | None
 
 
 def cache_root() -> Path:
@@ -76,12 +75,12 @@ def build_dir() -> Path:
     return cache_root() / abi / f"cpu_optim-{digest.hexdigest()[:12]}"
 
 
+def _on(var: str) -> bool:
+    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def kernels_enabled() -> bool:
-    return os.environ.get("FRAMEWORK_OPS", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def building_enabled() -> bool:
-    return os.environ.get("FRAMEWORK_OPS_BUILD", "1").strip().lower() not in ("0", "false", "no", "off")
+    return _on("FRAMEWORK_OPS")
 
 
 def _library(directory: Path) -> Path:
@@ -196,12 +195,10 @@ def status() -> Status:
 
     Never raises: when the kernels are unavailable it warns ONCE and reports the reason, and the
     optimizers keep using their pure-PyTorch transforms."""
-    directory = None
     try:
-        directory = build_dir()  # reads the sources: fails where they are missing
-        return Status(load(build=building_enabled()), None, directory)
+        return Status(load(build=_on("FRAMEWORK_OPS_BUILD")), None)
     except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash
         reason = str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
         warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({reason}); "
                       "using the pure-PyTorch optimizer transforms", RuntimeWarning, stacklevel=3)
-        return Status(None, reason, directory)
+        return Status(None, reason)

@@ -1,12 +1,9 @@
 """One optimizer step over some of the groups: the building block of pipelined host steps.
 
-A transform's per-group settings (the weight-decay mask) are aligned with the full list of
-groups, so a subset is stepped by passing the full list with every other group replaced by
-an empty slice: kernels and transforms skip empty tensors and leave those groups' state
-alone. State tensors are updated in place (see ``_transforms``), so the steps of disjoint
-subsets land in the one full state; only scalar leaves (step counts) come from the state a
-call returns, and every call advances them from the same old state, i.e. exactly once.
-Each group sees the same element-wise arithmetic as in a step over all groups at once.
+A subset is stepped by passing the full list of groups (the weight-decay mask is aligned with
+it) with every other group replaced by an empty slice, which kernels and transforms skip. State
+tensors are updated in place, so the steps of disjoint subsets land in the one full state; only
+scalar leaves (step counts) come from the returned state, advanced once from the same old state.
 """
 from __future__ import annotations
 
@@ -31,12 +28,12 @@ def _map_groups(state: Any, n: int, fn: Callable[[list[Tensor]], list[Tensor]]) 
     return state
 
 
-def _merge(full: Any, new: Any, n: int) -> Any:
-    """``new``'s scalars with ``full``'s per-group tensor lists (updated in place)."""
+def merge_scalars(full: Any, new: Any, n: int) -> Any:
+    """``full``'s per-group tensors (updated in place) with ``new``'s scalar leaves (step counts)."""
     if _is_group_list(full, n):
         return full
     if isinstance(full, tuple):
-        items = [_merge(f, s, n) for f, s in zip(full, new, strict=True)]
+        items = [merge_scalars(f, s, n) for f, s in zip(full, new, strict=True)]
         return type(new)(*items) if hasattr(new, "_fields") else tuple(items)
     return new
 
@@ -69,11 +66,6 @@ def replace_groups(state: Any, n: int, groups: Mapping[int, Sequence[Tensor]]) -
     return _map_groups(state, n, swap)
 
 
-def merge_scalars(full: Any, new: Any, n: int) -> Any:
-    """``full``'s per-group tensors with ``new``'s scalar leaves (step counts)."""
-    return _merge(full, new, n)
-
-
 def group_state(state: Any, n: int, i: int) -> list[Tensor]:
     """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
     out: list[Tensor] = []
@@ -99,4 +91,4 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     sub = _map_groups(state, n, only)
     new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
                sub, only(params), lr, None if out16 is None else only(out16))
-    return _merge(state, new, n)
+    return merge_scalars(state, new, n)

@@ -1,22 +1,15 @@
 """Functional, optax-style gradient transformations over lists of flat fp32 tensors.
 
 An optimizer is a ``GradientTransformation``: ``init(params) -> state`` and
-``update(grads, state, params, lr) -> (updates, new_state)``; the caller then applies
-``p += u`` with ``apply_updates``. There is one flat tensor per parameter group, and a
-group may hold 100M+ elements, so every transform works in place:
+``update(grads, state, params, lr) -> (updates, new_state)``, then ``apply_updates`` (``p += u``).
+A group may hold 100M+ elements, so everything works in place: updates are written into the
+grads' storage, state tensors are updated in place and shared by the returned state (a state
+passed to ``update`` must not be used again), and where one more buffer is needed (Lion,
+Adagrad) it is a bounded chunked scratch buffer. Step counts are python ints: no device sync.
 
-* the grads are scratch once the step is taken, so updates are written into their
-  storage (the returned ``updates`` alias the ``grads`` passed in);
-* state tensors (moments, buffers) are updated in place and shared by the returned state:
-  a state object must not be used again once it has been passed to ``update``;
-* where an update needs one more buffer than the grad and state provide (Lion, Adagrad),
-  the work is done in chunks through a bounded scratch buffer, never a full-size copy.
-
-Step counts are python ints so that no transform needs a device sync to read them.
-
-Fast paths (``GradientTransformation.fused``, built by ``fused_dispatch``): the C++ kernels of
-``framework.ops`` on contiguous CPU fp32 tensors (built on first use), torch's fused Adam kernel on
-CUDA, else the transforms. All keep the transforms' state layout, so a run may switch paths.
+Fast paths (``fused``, built by ``fused_dispatch``): the C++ kernels of ``framework.ops`` on
+contiguous CPU fp32 tensors, torch's fused Adam kernel, else the transforms; all keep the
+transforms' state layout, so a run may switch paths.
 """
 from __future__ import annotations
 
@@ -49,8 +42,6 @@ def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Se
     """Apply one optimizer step in place on ``params``; return the new state. With ``out16``
     (bf16/fp16 tensors, one per group, same numel) also write the updated params' 16-bit copy."""
     if tx.fused is not None:
-        if out16 is None:
-            return tx.fused(grads, state, params, lr)
         return tx.fused(grads, state, params, lr, out16=out16)
     updates, state = tx.update(grads, state, params, lr)
     apply_updates(params, updates)
@@ -71,14 +62,9 @@ CpuFused = Callable[[list[Tensor], Any, Sequence[Tensor], float, Sequence[Tensor
 
 def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable | None = None) -> Callable:
     """``fused(grads, state, params, lr, out16=None)``: the C++ CPU kernel (``cpu``) where it takes
-    the tensors, else torch's fused kernel (``cuda``; it also runs on CPU tensors, about 4x faster
-    than the foreach transforms), else ``update`` + apply.
-
-    No case sends CPU tensors that the C++ kernel takes to torch's fused kernel instead: timed as
-    a user calls them (bench/cpu_adam.py, BENCHMARKS.md "CPU AdamW step"), AdamW over
-    10 M and 100 M params, 1 and 2 threads, one flat tensor or 100, the C++ kernel was faster in
-    every case on the machine measured (Intel Xeon, AVX-512). The kernel has not been timed on AMD;
-    a case found slower there would get a rule here."""
+    the tensors, else torch's fused kernel (``cuda``; also on CPU tensors, about 4x faster than the
+    foreach transforms), else ``update`` + apply. The C++ kernel is tried first: it was faster in
+    every case timed (bench/cpu_adam.py, BENCHMARKS.md "CPU AdamW step"; Intel Xeon, not yet AMD)."""
 
     def fused(grads: list[Tensor], state: Any, params: Sequence[Tensor], lr: float,
               out16: Sequence[Tensor] | None = None) -> Any:
@@ -102,69 +88,32 @@ def fused_dispatch(update: Callable, cpu: CpuFused | None = None, cuda: Callable
     return fused
 
 
-def _cpu_call(kernel: Callable, params: Sequence[Tensor], grads: list[Tensor], state_lists: tuple,
-              out16: Sequence[Tensor] | None, mask: Sequence[bool], weight_decay: float, **kwargs: Any) -> bool:
-    """Run ``kernel`` over all groups in one call when the C++ kernels take these tensors; False
-    (nothing changed) otherwise. Python looks at the first param only (so that CUDA tensors never
-    trigger a build and FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and
-    declines (``strict=False``) where one does not fit: a per-tensor check here cost ~1 us per tensor
-    and list, 0.1-0.5 ms per step over 100 groups."""
-    if not ops.usable(params[:1]):
-        return False
-    # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
-    # that lives elsewhere (e.g. on the device) is written after the step.
-    fused_out = out16 if out16 is not None and len(out16) > 0 and ops.usable(out16=out16[:1]) else None
-    if not kernel(params, grads, *state_lists, weight_decay=weight_decay, decay_mask=[bool(m) for m in mask],
-                  out16=fused_out, strict=False, **kwargs):
-        return False
-    if out16 is not None and fused_out is None:
-        copy_16bit(out16, params)
-    return True
+def cpu_fused(kernel: str, index: int, weight_decay: float, mask: Sequence[bool], **hyper: Any) -> CpuFused:
+    """The C++ kernel ``ops.<kernel>`` for a chain whose kernel's state (Adam, Lion or Adagrad:
+    step count, if any, then the state tensor lists) sits at ``index``.
 
-
-def cpu_fused_adam(b1: float, b2: float, eps: float, weight_decay: float, mask: Sequence[bool],
-                   decoupled: bool, bias_correction: bool, index: int) -> CpuFused:
-    """The C++ Adam(W) kernel for a chain whose Adam state sits at ``index``."""
+    Python looks at the first param only (so that CUDA tensors never trigger a build and
+    FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and declines
+    (``strict=False``, nothing changed) where one does not fit: a per-tensor check here cost ~1 us
+    per tensor and list, 0.1-0.5 ms per step over 100 groups."""
 
     def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
               out16: Sequence[Tensor] | None) -> tuple | None:
-        adam: ScaleByAdamState = state[index]
-        count = adam.count + 1
-        if not _cpu_call(ops.adam_step, params, grads, (adam.mu, adam.nu), out16, mask, weight_decay,
-                         step=count, lr=lr, beta1=b1, beta2=b2, eps=eps, decoupled=decoupled,
-                         bias_correction=bias_correction):
+        if not ops.usable(params[:1]):
             return None
-        return state[:index] + (ScaleByAdamState(count, adam.mu, adam.nu),) + state[index + 1:]
-
-    return fused
-
-
-def cpu_fused_lion(b1: float, b2: float, weight_decay: float, mask: Sequence[bool], index: int = 0) -> CpuFused:
-    """The C++ Lion kernel for a chain whose Lion state sits at ``index``."""
-
-    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
-              out16: Sequence[Tensor] | None) -> tuple | None:
-        lion: ScaleByLionState = state[index]
-        if not _cpu_call(ops.lion_step, params, grads, (lion.mu,), out16, mask, weight_decay,
-                         lr=lr, beta1=b1, beta2=b2):
+        inner = state[index]
+        counted = "count" in inner._fields   # Lion keeps no step count
+        step = {"step": inner.count + 1} if counted else {}
+        # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
+        # that lives elsewhere (e.g. on the device) is written after the step.
+        fused_out = out16 if out16 is not None and len(out16) > 0 and ops.usable(out16=out16[:1]) else None
+        if not getattr(ops, kernel)(params, grads, *(inner[1:] if counted else inner), weight_decay=weight_decay,
+                                    decay_mask=[bool(m) for m in mask], out16=fused_out, strict=False, lr=lr,
+                                    **step, **hyper):
             return None
-        return state
-
-    return fused
-
-
-def cpu_fused_adagrad(lr_decay: float, weight_decay: float, eps: float, mask: Sequence[bool],
-                      index: int) -> CpuFused:
-    """The C++ Adagrad kernel for a chain whose Adagrad state sits at ``index``."""
-
-    def fused(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float,
-              out16: Sequence[Tensor] | None) -> tuple | None:
-        rss: ScaleByRssState = state[index]
-        count = rss.count + 1
-        if not _cpu_call(ops.adagrad_step, params, grads, (rss.sum_of_squares,), out16, mask, weight_decay,
-                         step=count, lr=lr, lr_decay=lr_decay, eps=eps):
-            return None
-        return state[:index] + (ScaleByRssState(count, rss.sum_of_squares),) + state[index + 1:]
+        if out16 is not None and fused_out is None:
+            copy_16bit(out16, params)
+        return state[:index] + (inner._replace(count=inner.count + 1),) + state[index + 1:] if counted else state
 
     return fused
 
@@ -243,18 +192,16 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 
 
 def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
-    """Aligned views of at most ``_CHUNK`` elements over same-sized tensors (no copies)."""
+    """``(scratch, *views)`` per chunk: aligned views of at most ``_CHUNK`` elements of same-sized
+    tensors (no copies), led by as long a view of one scratch buffer for the chunk's temporary."""
     flat = [t.view(-1) for t in tensors]
+    scratch = torch.empty(min(flat[0].numel(), _CHUNK), dtype=flat[0].dtype, device=flat[0].device)
     for start in range(0, flat[0].numel(), _CHUNK):
-        yield tuple(t[start:start + _CHUNK] for t in flat)
+        views = tuple(t[start:start + _CHUNK] for t in flat)
+        yield (scratch[:views[0].numel()], *views)
 
 
-def _scratch(like: Tensor) -> Tensor:
-    return torch.empty(min(like.numel(), _CHUNK), dtype=like.dtype, device=like.device)
-
-
-def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
-                  ) -> GradientTransformation:
+def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True) -> GradientTransformation:
     """Adam's direction ``m_hat / (sqrt(v_hat) + eps)``, op for op as torch's single-tensor Adam."""
 
     def init(params: Sequence[Tensor]) -> ScaleByAdamState:
@@ -283,13 +230,10 @@ def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
     return GradientTransformation(init, update)
 
 
-def add_decayed_weights(weight_decay: float, mask: Sequence[bool] | None = None
-                        ) -> GradientTransformation:
-    """``u += weight_decay * p`` for the groups whose mask entry is True (all if None).
-
-    Before the direction (Adam, SGD, Adagrad) this is L2 regularisation; after it and
-    before ``scale_by_lr`` it is decoupled decay ``p -= lr * wd * p`` (AdamW, Lion).
-    """
+def add_decayed_weights(weight_decay: float, mask: Sequence[bool] | None = None) -> GradientTransformation:
+    """``u += weight_decay * p`` for the groups whose mask entry is True (all if None): L2
+    regularisation before the direction (Adam, SGD, Adagrad), decoupled decay ``p -= lr * wd * p``
+    after it (AdamW, Lion)."""
 
     def init(params: Sequence[Tensor]) -> EmptyState:
         if mask is not None and len(mask) != len(params):
@@ -332,9 +276,7 @@ def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
         for g, m in zip(grads, state.mu):
             # Both outputs (u into g, new m into m) read both old g and old m, so one of
             # them must go through a temporary: chunked to bound its size.
-            scratch = _scratch(g)
-            for g_c, m_c in _chunks(g, m):
-                tmp = scratch[:g_c.numel()]
+            for tmp, g_c, m_c in _chunks(g, m):
                 torch.mul(m_c, b1, out=tmp).add_(g_c, alpha=1 - b1)
                 m_c.mul_(b2).add_(g_c, alpha=1 - b2)
                 torch.sign(tmp, out=g_c)
@@ -343,8 +285,7 @@ def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
     return GradientTransformation(init, update)
 
 
-def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False
-          ) -> GradientTransformation:
+def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> GradientTransformation:
     """SGD momentum as torch.optim.SGD: ``buf = g`` on the first step (no dampening),
     then ``buf = momentum*buf + (1-dampening)*g``; the update is ``buf``, or with
     Nesterov ``g + momentum*buf``."""
@@ -371,11 +312,8 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False
 
 def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10,
                  lr_decay: float = 0.0) -> GradientTransformation:
-    """Adagrad as torch.optim.Adagrad: ``s += g*g``; ``u = g / (sqrt(s) + eps)``.
-
-    torch's step-size decay ``lr / (1 + (step-1)*lr_decay)`` is folded in here as a
-    division of the update, so that ``scale_by_lr`` stays the plain ``-lr``.
-    """
+    """Adagrad as torch.optim.Adagrad: ``s += g*g``; ``u = g / (sqrt(s) + eps)``; torch's step-size
+    decay ``lr / (1 + (step-1)*lr_decay)`` divides the update, so ``scale_by_lr`` stays ``-lr``."""
 
     def init(params: Sequence[Tensor]) -> ScaleByRssState:
         return ScaleByRssState(0, [torch.full_like(p, initial_accumulator_value) for p in params])
@@ -387,9 +325,7 @@ def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10,
         decay = 1 + (count - 1) * lr_decay
         for g, s in zip(grads, state.sum_of_squares):
             # g is both numerator and destination, so the denominator needs a temporary.
-            scratch = _scratch(g)
-            for g_c, s_c in _chunks(g, s):
-                std = scratch[:g_c.numel()]
+            for std, g_c, s_c in _chunks(g, s):
                 torch.sqrt(s_c, out=std).add_(eps)
                 g_c.div_(std)
         if decay != 1:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from framework.optimizers._transforms import (
-    GradientTransformation, add_decayed_weights, chain, check_common, cpu_fused_adagrad,
+    GradientTransformation, add_decayed_weights, chain, check_common, cpu_fused,
     effective_mask, fused_dispatch, require, scale_by_lr, scale_by_rss)
 from framework.core.registry import Component
 
@@ -31,7 +31,7 @@ def build(cfg: AdagradConfig, decay_mask: Sequence[bool]) -> GradientTransformat
                scale_by_rss(cfg.initial_accumulator_value, cfg.eps, cfg.lr_decay), scale_by_lr())
     # No CUDA kernel: off the CPU kernel's tensors, the transforms run.
     return tx._replace(fused=fused_dispatch(
-        tx.update, cpu_fused_adagrad(cfg.lr_decay, cfg.weight_decay, cfg.eps, mask, index=1)))
+        tx.update, cpu_fused("adagrad_step", 1, cfg.weight_decay, mask, lr_decay=cfg.lr_decay, eps=cfg.eps)))
 
 
 COMPONENT = Component(config=AdagradConfig, build=build)

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from framework.optimizers._transforms import (
     GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    cpu_fused_lion, effective_mask, fused_dispatch, scale_by_lion, scale_by_lr)
+    cpu_fused, effective_mask, fused_dispatch, scale_by_lion, scale_by_lr)
 from framework.core.registry import Component
 
 
@@ -28,7 +28,7 @@ def build(cfg: LionConfig, decay_mask: Sequence[bool]) -> GradientTransformation
                scale_by_lr())
     # No CUDA kernel: off the CPU kernel's tensors, the transforms run.
     return tx._replace(fused=fused_dispatch(
-        tx.update, cpu_fused_lion(cfg.beta1, cfg.beta2, cfg.weight_decay, mask, index=0)))
+        tx.update, cpu_fused("lion_step", 0, cfg.weight_decay, mask, beta1=cfg.beta1, beta2=cfg.beta2)))
 
 
 COMPONENT = Component(config=LionConfig, build=build)

@@ -15,7 +15,7 @@ from typing import Callable
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.schedulers.warmup_lr import WARMUP_TYPES, warmup_gamma
+from framework.schedulers.warmup_lr import check_warmup, warmup_gamma
 
 
 @dataclass(kw_only=True)
@@ -28,10 +28,7 @@ class WarmupCosineLRConfig:
 
 
 def build(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
-    if cfg.warmup_type not in WARMUP_TYPES:
-        raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, got {cfg.warmup_type!r}")
-    if not cfg.warmup_num_steps >= 1:
-        raise ConfigError(f"scheduler.warmup_num_steps must be >= 1, got {cfg.warmup_num_steps}")
+    check_warmup(cfg.warmup_num_steps, cfg.warmup_type)
     for key in ("warmup_min_ratio", "cos_min_ratio"):
         value = getattr(cfg, key)
         if not (math.isfinite(value) and 0.0 <= value <= 1.0):

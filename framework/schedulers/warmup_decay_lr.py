@@ -10,21 +10,17 @@ from typing import Callable
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.schedulers.warmup_lr import check_warmup, warmup_gamma
+from framework.schedulers.warmup_lr import WarmupLRConfig, check_warmup, warmup_gamma
 
 
 @dataclass(kw_only=True)
-class WarmupDecayLRConfig:
-    warmup_min_lr: float = 0.0
-    warmup_max_lr: float | None = None  # None: the optimizer's lr
-    warmup_num_steps: int = 1000
-    warmup_type: str = "log"  # "log" or "linear"
+class WarmupDecayLRConfig(WarmupLRConfig):
     total_num_steps: int | None = None  # None: the run's number of optimizer steps
 
 
 def build(cfg: WarmupDecayLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
     max_lr = base_lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
-    check_warmup(cfg.warmup_min_lr, max_lr, cfg.warmup_num_steps, cfg.warmup_type)
+    check_warmup(cfg.warmup_num_steps, cfg.warmup_type, cfg.warmup_min_lr, max_lr)
     total = total_steps if cfg.total_num_steps is None else cfg.total_num_steps
     if not total >= 1:
         raise ConfigError(f"scheduler.total_num_steps must be >= 1, got {total}")

@@ -25,8 +25,8 @@ class WarmupLRConfig:
     warmup_type: str = "log"  # "log" or "linear"
 
 
-def check_warmup(min_lr: float, max_lr: float, num_steps: int, kind: str) -> None:
-    """Shared by warmup_decay_lr: one-line ConfigErrors for the warm-up fields."""
+def check_warmup(num_steps: int, kind: str, min_lr: float = 0.0, max_lr: float = 0.0) -> None:
+    """Shared by warmup_decay_lr and warmup_cosine_lr: one-line ConfigErrors for the warm-up fields."""
     if kind not in WARMUP_TYPES:
         raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
                           f"got {kind!r}")
@@ -47,7 +47,7 @@ def warmup_gamma(step: int, num_steps: int, kind: str) -> float:
 
 def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
     max_lr = base_lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
-    check_warmup(cfg.warmup_min_lr, max_lr, cfg.warmup_num_steps, cfg.warmup_type)
+    check_warmup(cfg.warmup_num_steps, cfg.warmup_type, cfg.warmup_min_lr, max_lr)
     min_lr, num_steps, kind = cfg.warmup_min_lr, max(2, cfg.warmup_num_steps), cfg.warmup_type
 
     def lr_at(step: int) -> float:

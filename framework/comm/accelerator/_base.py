@@ -1,5 +1,5 @@
-"""What every accelerator offers (``Accelerator``, ``Event``), the errors the checks raise, and
-the no-op checking calls of the unchecked implementations."""
+"""What every accelerator offers (``Accelerator``, ``Event``) and the errors the checks raise. The
+unchecked implementations subclass these: a method they do not define does nothing."""
 from __future__ import annotations
 
 import contextlib
@@ -81,40 +81,18 @@ class Accelerator(Protocol):
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         """A region where framework code must not make the host wait for the device (checked)."""
+        return contextlib.nullcontext()
 
     def hook(self, fn: Callable, where: str) -> Callable:
         """``fn`` for registration as a module, tensor or autograd hook (checked: no host syncs in it;
         autograd runs hooks outside the caller's ``hot`` region)."""
+        return fn
 
     def pinned_stats(self) -> dict[str, int]:
         """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
 
     def verify(self) -> None:
         """Raise what the checks found outside a call (a freed buffer still in use); else nothing."""
-
-class _Unchecked:
-    """What the CUDA and plain CPU accelerators do for the checking calls: nothing."""
-
-    def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        pass
-
-    def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        pass
-
-    def collective(self, tensors: Sequence[Tensor], what: str):
-        return None
-
-    def collective_done(self, token) -> None:
-        pass
-
-    def hot(self, where: str) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def hook(self, fn: Callable, where: str) -> Callable:
-        return fn
-
-    def verify(self) -> None:
-        pass
 
 
 def all_cpu(tensors, what: str) -> None:

@@ -1,5 +1,25 @@
-"""The checking CPU accelerator: the CPU, checked as if it were CUDA (what it checks: the
-package docstring). Streams are emulated with vector clocks (``Clocked``)."""
+"""The checking CPU accelerator: runs on the CPU like the plain one, but raises where CUDA would
+go wrong and a CPU run would not notice (each check is proven by a mutation in
+``framework/cli/mutations.py``):
+
+- placement: host buffers are those made by ``empty_host``, everything else is device memory;
+  either one where the other is expected, or a ``non_blocking`` copy with a pageable host side,
+  raises ``DeviceMismatch``;
+- stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
+  ``host_use``, a collective) is logged per byte range of its storage; one that conflicts with an
+  earlier access by another stream (or the host) without an event ordering them raises
+  ``OrderError`` naming both places. Work the host queues is ordered after what the host knew;
+- NCCL's own stream: a collective runs after the stream current when it is issued, and the stream
+  current at ``collective_done`` runs after it;
+- the caching allocator: device memory freed while another stream than the compute stream may
+  still use it (no event, no ``record_stream``) is reported at the next checked call;
+- per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
+- host syncs: inside ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model
+  code) that reads device memory on the host raises ``HostSync``;
+- pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
+
+All host threads count as one host: ordering between them is their own business.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -130,7 +150,7 @@ def _to_host(args, kwargs) -> bool:
 
 
 class CheckingCpuAccelerator:
-    """The CPU, checked as if it were CUDA (see the package docstring)."""
+    """The CPU, checked as if it were CUDA (see the module docstring)."""
 
     device = torch.device("cpu")
     host = torch.device("cpu")

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from framework.comm.accelerator._base import DeviceMismatch, Event, _Unchecked, all_cpu
+from framework.comm.accelerator._base import Accelerator, DeviceMismatch, Event, all_cpu
 
 
 class _CudaEvent:
@@ -31,7 +31,7 @@ class _CudaEvent:
         return self.ev.query()
 
 
-class CudaAccelerator(_Unchecked):
+class CudaAccelerator(Accelerator):
     host = torch.device("cpu")
 
     def __init__(self, device: torch.device):
@@ -84,21 +84,14 @@ class _NoStream:
         self.name = name
 
 
-class _NoEvent:
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
+class _NoEvent(Event):
+    """Work ran when it was issued: nothing to record, wait for or synchronize."""
 
     def query(self) -> bool:
         return True
 
 
-class CpuAccelerator(_Unchecked):
+class CpuAccelerator(Accelerator):
     """One CPU process: work runs when it is issued, so streams and events have nothing to order."""
 
     device = torch.device("cpu")
@@ -119,12 +112,6 @@ class CpuAccelerator(_Unchecked):
 
     def event(self) -> Event:
         return _NoEvent()
-
-    def bind_thread(self) -> None:
-        pass
-
-    def record_stream(self, t: Tensor, stream) -> None:
-        pass
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
         return torch.empty(shape, dtype=dtype, device="cpu")  # nothing to pin for without CUDA
