@@ -86,7 +86,6 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
                 coef = 1.0 / scale
                 if c.grad_clip > 0 and norm > c.grad_clip:
                     coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-                # grads *= coef, optimizer step, updated values -> working parameters
                 opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
         except BaseException:
             # A failed step leaves no trace: optimizer state as it was, no gradients kept.

@@ -265,7 +265,6 @@ class DiskShards(HostShards):
             # (with an optimizer file to follow, the ranks agree on both when it is opened)
             p.open_swap(store, "params", self._preflight, collective=Tier.DISK not in p.stores)
             for key in list(store.order):
-                # the shard's values (or their spill) -> its extent; its memory goes
                 store.create(key, self._filler(store.entries[key].swapped[0]))
             store.flush()
             self._close_spill()

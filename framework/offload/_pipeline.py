@@ -57,8 +57,7 @@ class PiecePipeline:
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
         self.early_copies = 0   # pieces whose gradient copy was queued during backward, over the run
-        # This step's host gradient copies, by piece: the event of the queued copy, known once the
-        # worker (or, after backward, the main thread) has queued it.
+        # This step's host gradient copies, by piece: the queued copy's event, once queued.
         self.grad_copies: dict[int, Future] = {}
         self.final: set[int] = set()              # pieces the stage reported final this step
         # The device range each speculated piece's gradient was copied from (valid until the stage
@@ -94,9 +93,8 @@ class PiecePipeline:
             if self.covered[k] != info.real:  # each element is reported once a step
                 continue
             self.final.add(k)
-            # The event is recorded here, on the stage's stream; the worker queues the copy behind
-            # it (on CUDA only the queueing moves off this thread; on the CPU the copy itself does,
-            # so it overlaps the rest of backward as it would on a device).
+            # Recorded here, on the stage's stream; the worker queues the copy behind it (on the CPU
+            # the copy itself moves off this thread, overlapping backward as it would on a device).
             produced = self.acc.event()
             produced.record()
             self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end], produced)
@@ -109,8 +107,7 @@ class PiecePipeline:
         out = []
         for info in self.info:
             if info.tier is Tier.DISK and self.target.grad_swap:
-                # In the swap file beside the tile: resident (in the tensor itself) once the step
-                # acquires the tile; nothing to copy.
+                # In the swap file beside the tile, resident once the step acquires it: nothing to copy.
                 if info.index not in self.grad_copies:
                     ready = self.acc.event()
                     ready.record()

@@ -114,10 +114,8 @@ class CPUOffloadConfig:
     params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
     pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
-    # Gradients always reach the host per bucket during zero2's backward, and the host step is
-    # always pipelined with the copy back. overlap_step also starts each piece's step during
-    # backward, speculatively (identical results); it costs host memory for undo copies of
-    # those pieces (master + optimizer state: 12 bytes/param with Adam).
+    # Also start each piece's host step during backward, speculatively (identical results), for host
+    # memory for undo copies of those pieces (master + optimizer state: 12 bytes/param with Adam).
     overlap_step: bool = False
 
 

@@ -30,7 +30,6 @@ class Zero2Stage(ShardedStage):
         self.params = [p for p, _ in entries]
         self.slots = [gs for _, gs in entries]
         dtype = self.policy.reduce_dtype
-        # The owned gradient partition, summed over micro batches in the accumulation dtype.
         self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]

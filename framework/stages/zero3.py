@@ -110,7 +110,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         shard = self.offload.shard_buffer(hi - lo, policy.param_dtype, device)
         params = []
         for (pname, p), slot in zip(named, layout.slots):
-            # Materialise one full parameter at a time and keep only this rank's part of it.
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
             values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
             if not p.is_meta:  # user-built modules: every rank takes rank 0's values
@@ -129,7 +128,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         pieces = self.parts.add(layout, shard, policy.master_dtype)
         if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
             self.offload.shard_filled(shard)   # shards on disk: its values leave host memory now
-        # Gradient partition: micro batches summed in the accumulation dtype.
         k = len(self.groups)
         load = (lambda: self.offload.load_grad(k, hi - lo, device)) if self.grad_swap else None
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
