@@ -1,7 +1,5 @@
-"""The engine: ``TrainState``, the functional ``train_step`` (``step``), how updates are applied and
-published (``update``), materialising models built under ``zero_init`` (``materialize``); with the
-sharding stages (``framework/stages/``) and offload tiers (``framework/offload/``) beside it.
+"""The engine: ``TrainState``, the functional ``train_step`` (``step``), ``update`` and ``materialize``.
 
-``build`` (``initialize``, ``Engine``) assembles them and sits one layer higher, above
-``framework.persist`` (an engine saves its weights); see docs/architecture.md.
+``build`` (``initialize``, ``Engine``) assembles them one layer higher, above ``framework.persist``
+(an engine saves its weights); see docs/architecture.md.
 """

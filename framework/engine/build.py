@@ -43,22 +43,17 @@ class StateView:
     fmap: Any   # the mapped swap file (``offload._swapfile.FileMap``), or None
 
     def own(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t``'s bytes as a tensor whose storage is exactly them, when ``t`` views the mapped swap
-        file (a writer then writes it from the file's pages without copying it); else None."""
+        """``t``'s bytes as a tensor of exactly them when it views the mapped file (written without a copy)."""
         return self.fmap.own(t) if self.fmap is not None else None
 
     def maps(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` views the mapped swap file."""
         return self.fmap is not None and self.fmap.contains(t)
 
 
 class Engine:
-    """The built components, their step functions and the latest state.
-
-    ``engine.state`` is the state the last ``engine.train_step`` (or ``load_state_dict``) returned,
-    the initial state before, never a stale one. ``close()`` (or leaving a ``with`` block) removes the hooks
-    the stage registered and stops the offload worker thread; the engine cannot step afterwards.
-    """
+    """The built components, their step functions and ``state``, the one the last ``train_step`` (or
+    ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
+    and stops the offload worker; the engine cannot step afterwards."""
 
     def __init__(self, components: Components, state: TrainState, train_step: Callable,
                  eval_step: Callable[[TrainState, list], float], config: Config | None = None):
@@ -106,9 +101,7 @@ class Engine:
         return self.components.stage.consolidated_state_dict()
 
     def state_dict(self, state: TrainState) -> dict:
-        """This rank's master parameters and optimizer state as fragments keyed by parameter name
-        (host copies), with the step, data position, precision and RNG state; see
-        ``framework.persist.layout.state_dict`` for the format. Not collective."""
+        """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``)."""
         c = self.components
         with self.mapped_state(state) as view:
             return state_dict(view.state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
@@ -116,12 +109,9 @@ class Engine:
 
     @contextlib.contextmanager
     def mapped_state(self, state: TrainState, write: bool = False) -> Iterator["StateView"]:
-        """``state`` with every master piece and optimizer state addressable as a host or device
-        tensor, for the length of the block: the state itself, or under offload=nvme with the
-        swapped pieces as views of the swap file mapped into memory (no host copy of them: the
-        kernel's page cache backs them). Read-only unless ``write``; with ``write``, values stored
-        into the views are the swap file's on exit (synced, checksums refreshed, also after an
-        error). Only between steps, and no step or publish inside the block."""
+        """``state`` with every piece addressable as a tensor inside the block (offload=nvme: views of
+        the mapped swap file, no host copy). With ``write`` the values stored into the views are the
+        swap file's on exit (also after an error). Only between steps."""
         offload = self._swapping()
         if offload is None:
             yield StateView(state, None)
@@ -134,11 +124,8 @@ class Engine:
                 offload.unmapped(fmap)
 
     def load_state_dict(self, state: TrainState, saved: Sequence[dict]) -> TrainState:
-        """Load ``saved``, the ``state_dict`` of every rank of a run with any world size, stage,
-        offload ratio or bucket size, into ``state``'s tensors (in place) and return the state to
-        continue from. The working parameters are rebuilt from the loaded master values.
-        Collective: every rank calls it with the same ``saved`` list. Under offload=nvme the
-        swapped pieces are written straight into the swap file (``mapped_state``)."""
+        """Load ``saved`` (every rank's ``state_dict`` of a run of any layout) into ``state``'s tensors in
+        place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True) as view:
@@ -147,10 +134,8 @@ class Engine:
         return self.finish_load(state, loaded)
 
     def finish_load(self, state: TrainState, loaded: TrainState) -> TrainState:
-        """After a load into a ``mapped_state(write=True)`` view, its block closed: the state to
-        continue from (``state``'s own tensors, ``loaded``'s values and scalars), with the working
-        parameters rebuilt from the loaded masters (collective)."""
-        # The state keeps its own tensors (under offload=nvme, the parked ones of the swapped pieces).
+        """After a load into a ``mapped_state(write=True)`` view: ``state``'s own tensors (under
+        offload=nvme the parked ones) with ``loaded``'s values and scalars; collective."""
         state = replace(loaded, params=state.params,
                         opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
         self.sync_working(state)
@@ -158,12 +143,8 @@ class Engine:
         return state
 
     def sync_working(self, state: TrainState) -> None:
-        """Rebuild the working parameters from the master values in ``state.params`` after they
-        were written directly (a state or weights load). Collective.
-
-        As after an optimizer step: 16-bit copies the publish sends (host staging buffers) are
-        written first, then the stage publishes (zero1/2 gather the partitions, zero3 refreshes
-        its shards and persistent unit, ddp copies a separate master)."""
+        """Rebuild the working parameters from masters written directly (a load), as after an
+        optimizer step: the 16-bit staging copies first, then the stage publishes. Collective."""
         c = self.components
         out16 = c.stage.out16()
         if out16 is not None:
@@ -175,10 +156,8 @@ class Engine:
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:
-        """Consolidated safetensors of the current weights in ``out_dir`` (``framework.persist.weights.
-        save_weights``: ``dtype`` None keeps the fp32 masters' values) plus ``config.json`` when
-        the model is a Hugging Face one, so ``from_pretrained(out_dir)`` loads it. Collective;
-        no rank gathers the model. Returns the written paths."""
+        """Consolidated safetensors (plus a Hugging Face ``config.json``) in ``out_dir``; ``dtype`` None
+        keeps the masters' values. Collective; no rank gathers the model. Returns the written paths."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
     def _swapping(self):
@@ -196,14 +175,10 @@ class Engine:
 
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
-    """Shard ``module`` with the configured stage and return the initial state and step functions.
+    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``.
 
-    ``loss_fn(module, micro_batch) -> scalar`` is called once per micro batch. Without ``dist``
-    the process group described by the environment is joined (none at world size 1). Instead of
-    ``cfg``, ``ds_config`` (a DeepSpeed JSON path or dict) with optional ``overrides`` composes
-    one: our defaults < the DeepSpeed config < the overrides; its "auto" bucket sizes use the
-    module's hidden size (``module.config.hidden_size`` or ``n_embd`` as Hugging Face models
-    have, or our GPT's ``cfg.d_model``). ``engine.config`` is the config used.
+    Without ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a
+    DeepSpeed JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides.
     """
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
@@ -233,8 +208,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 
 def hidden_size_of(module: nn.Module) -> int | None:
-    """The model's hidden size for DeepSpeed's "auto" bucket sizes: a Hugging Face model's
-    ``config.hidden_size`` (or GPT-2's ``n_embd``), our GPT's ``cfg.d_model``; None if unknown."""
+    """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
     for holder, names in ((getattr(module, "config", None), ("hidden_size", "n_embd", "d_model")),
                           (getattr(module, "cfg", None), ("d_model",))):
         for name in names:

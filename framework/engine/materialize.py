@@ -4,18 +4,9 @@
         model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg), or any module)
     engine = framework.initialize(model, loss_fn, cfg)   # under zero3: only this rank's shards exist
 
-This is our counterpart of ``deepspeed.zero.Init``. Nothing is patched: the model is built on the
-meta device (no bytes), and the stage materialises it. Each parameter is initialised whole, one
-at a time, by the model's own initialiser (``initializer``), and under zero3 only this rank's
-part is kept, so peak memory stays near the largest parameter plus this rank's shard. The
-initialiser of a model is:
-
-- the model itself when it has ``init_parameter(name, tensor)`` (our GPT: each parameter seeded
-  by (seed, name));
-- for a Hugging Face ``PreTrainedModel``, ``framework.models.hf.HFInit``: the model's own
-  ``_init_weights`` chain for that tensor, seeded by (seed, name), on a meta copy of the model.
-
-Meta buffers (e.g. rotary ``inv_freq``) are materialised the same way, whole on every rank.
+Our counterpart of ``deepspeed.zero.Init``, with nothing patched: each parameter is initialised
+whole, one at a time, by the model's own initialiser (its ``init_parameter``, or for a Hugging Face
+model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept.
 """
 from __future__ import annotations
 
@@ -38,8 +29,6 @@ def zero_init() -> Iterator[None]:
 
 
 class TensorInit(Protocol):
-    """Initialises one named tensor of a model in place (its values are whole, not sharded)."""
-
     def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
 
     def init_buffer(self, name: str, t: torch.Tensor) -> None: ...
@@ -59,7 +48,7 @@ class OwnInit:
 
 
 class NoInit:
-    """The initialiser of a module that cannot initialise meta tensors: fails naming the fix."""
+    """For a module that cannot initialise meta tensors: fails naming the fix."""
 
     def __init__(self, module: nn.Module):
         self.kind = type(module).__name__
@@ -75,24 +64,18 @@ class NoInit:
 
 
 def initializer(module: nn.Module) -> TensorInit:
-    """What materialises ``module``'s meta tensors (see the module docstring). Cheap when
-    nothing is on meta (the result is then never called)."""
+    """What materialises ``module``'s meta tensors; cheap when nothing is on meta."""
     from framework.models.hf import HFInit, is_hf_model
 
     if isinstance(module, ParameterInit):
         return OwnInit(module)
-    if is_hf_model(module) and _has_meta(module):
+    if is_hf_model(module) and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
         return HFInit(module, torch.initial_seed())
     return NoInit(module)
 
 
-def _has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
-
-
 def materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    """Move every buffer to ``device``; a meta buffer is first initialised by the model's
-    initialiser. Buffers are whole on every rank (they are not trained)."""
+    """Every buffer, whole, on ``device``; a meta one is first initialised by the model's initialiser."""
     init = initializer(module) if any(b.is_meta for b in module.buffers()) else None
     done: dict[int, torch.Tensor] = {}   # a buffer registered under several names stays one tensor
     for name, buf in list(module.named_buffers(remove_duplicate=False)):

@@ -1,7 +1,5 @@
-"""TrainState: everything that changes from step to step, and nothing else.
-
-The container is immutable; tensors inside may be updated in place by ``train_step`` (like
-donated buffers in JAX), so always continue from the state it returns.
+"""TrainState: everything that changes from step to step. Tensors inside may be updated in place
+by ``train_step`` (like donated buffers in JAX): always continue from the state it returns.
 """
 from __future__ import annotations
 
@@ -40,19 +38,12 @@ def restore_rng(rng: tuple[torch.Tensor, ...], device: torch.device) -> None:
         torch.cuda.set_rng_state(rng[1], device)
 
 
-# --- the optimizer state's leaves ------------------------------------------------------------
-# ``TrainState.params`` is a positional list of master pieces whose count depends on the
-# configuration; the name-keyed state dict built from them (and a stage's ``piece_specs()``) is
-# ``framework.persist.layout``'s. Its format version:
-
-FORMAT = 1
+FORMAT = 1   # of the name-keyed state dict (``framework.persist.layout``)
 
 
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:
-    """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name):
-    (per-element leaves, scalar leaves). A list of tensors aligned with ``params`` (one per
-    piece, same number of elements) holds per-element state (Adam's moments, Lion's and SGD's
-    momentum, Adagrad's sums); every other leaf is a scalar (a step count)."""
+    """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name): (per-element
+    leaves: tensor lists aligned with ``params``, scalar leaves: everything else)."""
     numels = [p.numel() for p in params]
     per: dict[str, list] = {}
     scalars: dict[str, Any] = {}

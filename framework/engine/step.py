@@ -1,15 +1,10 @@
 """build_train_step / build_eval_step: a fixed sequence of calls on stage, precision and optimizer.
 
-    state, metrics = train_step(state, batch)
+    state, metrics = train_step(state, batch)   # one optimizer step over len(batch.micro) micro batches
 
-One call is one optimizer step over ``len(batch.micro)`` accumulated micro batches. Nothing
-here branches on which stage, precision or optimizer was composed in.
-
-Non-finite steps: under fp16's loss scaling a step whose gradients (or loss) overflow is skipped
-and the scale lowered, as DeepSpeed does. Without loss scaling (fp32, bf16) a non-finite loss or
-gradient norm means the model or the data went bad: the step raises ``TrainingError`` (nothing
-is updated, nothing saved afterwards), or with ``train.on_nonfinite=warn`` is skipped with a
-warning and reported as ``metrics["nonfinite"]`` (the checkpointer does not save such a step).
+Non-finite steps: fp16's loss scaling skips them and lowers the scale, as DeepSpeed does; without
+loss scaling the step raises ``TrainingError``, or with ``train.on_nonfinite=warn`` is skipped and
+reported as ``metrics["nonfinite"]`` (never saved).
 """
 from __future__ import annotations
 
@@ -91,7 +86,6 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
                 coef = 1.0 / scale
                 if c.grad_clip > 0 and norm > c.grad_clip:
                     coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-                # grads *= coef, optimizer step, updated values -> working parameters
                 opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
         except BaseException:
             # A failed step leaves no trace: optimizer state as it was, no gradients kept.
@@ -110,7 +104,6 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
 
 
 def _nonfinite(c: Components, step: int, loss: float, norm: float) -> None:
-    """A non-finite loss or gradient norm without loss scaling: stop (the default), or warn and skip."""
     what = f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite)"
     if c.on_nonfinite != "warn":
         raise TrainingError(f"{what}; stopping before the update, nothing of this step is saved. Lower the "

@@ -1,13 +1,8 @@
 """The Update: how a train step turns reduced gradients into published parameters.
 
-``train_step`` calls, in this order: ``arm`` before the micro batches, ``drain`` after their
-backward passes, then either ``apply`` (scale the gradients by the clipping/unscaling
-coefficient, step the optimizer, publish the new values to the working parameters) or
-``skip`` (non-finite gradients); ``abort`` if anything raised in between, so that a failed step
-leaves the optimizer as it was; ``close`` when the engine is closed (stops any worker).
-``PlainUpdate`` does exactly that, in one go. A stage may provide a pipelined one instead
-(``offload._pipeline``: the host step of CPU offload overlapped with backward and with the copy
-back) that must give identical results.
+``train_step`` calls ``arm``, ``drain`` after the backward passes, then ``apply`` (scale, step,
+publish) or ``skip``; ``abort`` if anything raised, so a failed step leaves the optimizer as it was.
+``offload._pipeline`` is a pipelined one that must give ``PlainUpdate``'s results.
 """
 from __future__ import annotations
 
@@ -32,18 +27,14 @@ class Update(Protocol):
     def close(self) -> None: ...
 
 
-class PlainUpdate:
+class PlainUpdate(Update):
+    """Steps and publishes in one go (its other calls are the protocol's no-ops)."""
+
     def __init__(self, tx: GradientTransformation, stage: Any):
         self.tx, self.stage = tx, stage
 
     def init(self, params: Sequence[Tensor]) -> Any:
         return self.tx.init(list(params))
-
-    def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
-        pass
-
-    def drain(self) -> None:
-        pass
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
@@ -53,14 +44,5 @@ class PlainUpdate:
         self.stage.publish(list(params))
         return opt_state
 
-    def skip(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
     def memory(self, fp: Footprint) -> None:
-        pass
-
-    def close(self) -> None:
         pass

@@ -1,11 +1,8 @@
 """offload=nvme's disk tier: optimizer tiles (``DiskPlacement``) and zero3 parameter shards
 (``DiskShards``) in swap files, made resident in pools of pinned host buffers by a ``DiskStore``.
 
-A disk piece's master, optimizer state and (``_gradswap``) owned gradient live in the optimizer's
-swap file; the piece pipeline acquires a tile (read into a slot), steps it and releases it (written
-back). ``init_opt_state`` makes the optimizer state piece by piece and swaps everything out before
-the first step. zero3's shards are spilled as construction fills them and written to their own
-swap file at the end of setup; until then they behave as host shards (``cpu.HostShards``).
+The pipeline acquires a tile (read into a slot), steps it and releases it (written back). zero3's
+shards are spilled as construction fills them and swapped out at the end of setup.
 """
 from __future__ import annotations
 
@@ -43,9 +40,8 @@ class DiskPlacement(NVMePlacement):
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
                     chunk: int | None) -> list[tuple[Tier, Piece]]:
-        """Placeholders until ``init_opt_state`` registers them with the disk store (which points
-        them at a pool slot only while the piece is resident). The initial values are read from
-        ``own`` then (or from the shards' swap file or spill)."""
+        """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
+        at a pool slot only while resident) and fills them from ``own``."""
         step, host, pieces = min(chunk or max(k, 1), self.spec.sub_group_size), self.stores[Tier.HOST], []
         if self.gradswap is None:   # gradients in host memory: one pinned arena for the partition
             host.reserve([(min(a + step, k) - a, master_dtype) for a in range(0, k, step)])
@@ -61,14 +57,12 @@ class DiskPlacement(NVMePlacement):
             pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
         return pieces
 
-    # --- zero3's owned gradients in the swap file (``_gradswap``) -------------------------------
-
     @property
     def grad_swap(self) -> bool:
         return self.gradswap is not None
 
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
-        """With every piece stepped by the host, the owned gradients live beside their tiles."""
+        """With every piece stepped by the host the owned gradients live beside their tiles."""
         if self.host_fraction == 1.0:
             self.gradswap = GradSwap(accum_dtype)
         return self.grad_swap
@@ -90,16 +84,11 @@ class DiskPlacement(NVMePlacement):
             self.gradswap.clear()
 
     def readable_grads(self, grads: Sequence[torch.Tensor]):
-        """Swapped gradients read from disk, one at a time."""
         return grads if self.gradswap is None else self.gradswap.piece_grads(self.infos)
 
-    # --- setup -----------------------------------------------------------------------------------
-
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """``tx.init(params)``, except that each disk piece's state is made one piece at a time and
-        swapped out at once, with its master, so host memory never holds more than a slot's worth;
-        zero3's parameter shards go to their swap file first (their values are the masters' initial
-        values)."""
+        """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
+        holds at most a slot's worth); zero3's shards go to their swap file first."""
         from framework.optimizers import group_state, init_groups, merge_groups
 
         self.clean_stale()
@@ -150,8 +139,6 @@ class DiskPlacement(NVMePlacement):
         store.buffer_count = min(self.spec.buffer_count, len(store.entries))
         self.check_ram(store.buffer_count * slot + store.bounce_bytes(), "")
 
-    # --- memory ----------------------------------------------------------------------------------
-
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
         store_memory(fp, self.stores[Tier.DISK], "nvme_optimizer_pool", "optimizer")
@@ -161,8 +148,6 @@ class DiskPlacement(NVMePlacement):
             super()._piece_memory(fp, info, state)
         elif not self.grad_swap:   # master, state and staging are in the pool; the gradient buffer is not
             fp.add("host_grad_buffers", host=tensor_bytes([info.piece.grad]))
-
-    # --- the step, publishing and checkpoints ------------------------------------------------------
 
     def step_errors(self, failed: BaseException | None) -> None:
         # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
@@ -194,9 +179,7 @@ class DiskPlacement(NVMePlacement):
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
-        """Every disk piece's master and optimizer state as views of the swap file mapped into
-        memory (``DiskStore.mapped``), so a checkpoint reads (writes) the swapped state where it
-        lies, with no host copy of it."""
+        """Every disk piece's master and state as views of the mapped swap file (no host copy)."""
         from framework.optimizers import replace_groups
 
         fmap, views = self.stores[Tier.DISK].mapped(write)
@@ -207,7 +190,6 @@ class DiskPlacement(NVMePlacement):
         return out, replace_groups(opt_state, len(params), groups), fmap
 
     def unmapped(self, fmap: Any) -> None:
-        """The swap file has the written values (synced, checksums refreshed) and the next step reads them."""
         self.stores[Tier.DISK].unmapped(fmap)
 
     def close(self) -> None:
@@ -217,8 +199,8 @@ class DiskPlacement(NVMePlacement):
 
 
 class DiskShards(HostShards):
-    """zero3 parameter shards in their swap file (``offload.params=nvme``): resident in a pool slot
-    while a gather loads them (read ahead in gather order) or the step copies back into them."""
+    """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
+    (read ahead in gather order) or the step copies back into them."""
 
     def __init__(self, spec):
         super().__init__()
@@ -237,10 +219,8 @@ class DiskShards(HostShards):
 
     @property
     def swapped(self) -> bool:
-        """The shards live on disk (from the end of setup on; until then in host memory)."""
+        """From the end of setup on; until then the shards are in host memory."""
         return self.store.file is not None
-
-    # --- setup -----------------------------------------------------------------------------------
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         shard = super().buffer(numel, dtype, device)
@@ -249,7 +229,7 @@ class DiskShards(HostShards):
         return shard
 
     def filled(self, shard: torch.Tensor) -> None:
-        """Spilled (``_gradswap.Spill``) and the shard's memory released, so construction streams."""
+        """Spilled and its memory released, so construction streams."""
         if self.keys.get(id(shard)) is None:
             return
         if self.spill is None:
@@ -276,18 +256,15 @@ class DiskShards(HostShards):
         return own[lo:hi]
 
     def swap_out(self) -> None:
-        """The parameter file first: construction's spill is consumed and closed before the
-        optimizer's file is reserved (disk: never both at once), and the masters' initial values
-        are read back from it."""
+        """Before the optimizer's file: the spill is consumed and closed first (never both on disk),
+        and the masters' initial values are read back from this file."""
         p, store = self.p, self.store
-        # before any swap file is made: a too-small pool or disk fails now
         agree_swap_room(p.dist, p.folder(), p.swap_stores(), self._preflight)
         failed = None
         try:
             # (with an optimizer file to follow, the ranks agree on both when it is opened)
             p.open_swap(store, "params", self._preflight, collective=Tier.DISK not in p.stores)
             for key in list(store.order):
-                # the shard's values (or their spill) -> its extent; its memory goes
                 store.create(key, self._filler(store.entries[key].swapped[0]))
             store.flush()
             self._close_spill()
@@ -333,8 +310,6 @@ class DiskShards(HostShards):
     def memory(self, fp: Footprint, shards) -> None:
         store_memory(fp, self.store, "nvme_param_pool", "params")
 
-    # --- gathers and copies back -----------------------------------------------------------------
-
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
         if not self.swapped:
             return super().load(dst, shard)
@@ -369,11 +344,8 @@ class DiskShards(HostShards):
         return None
 
     def _hold(self, group: int) -> torch.Tensor:
-        """Group ``group``'s shard, resident in the pool and kept so across the copies back of the
-        group's pieces (one after another in the step), then written back once: when another
-        group's turn comes, or at ``flush``. (A write per piece would write the whole shard once
-        per piece of the group: at sub_group_size 10 M and 113 M-element layers, 22 bytes per
-        parameter per step instead of 2, measured.)"""
+        """Group ``group``'s shard, kept resident across the copies back of its pieces and written back
+        once (a write per piece rewrote the whole shard each time: 22 bytes per parameter a step, not 2)."""
         shard = self.p.partitions[group]
         if self.held is not None and self.held[0] == group:
             return shard
@@ -384,7 +356,7 @@ class DiskShards(HostShards):
         return shard
 
     def flush(self) -> None:
-        """The shard ``_hold`` keeps resident (if any) -> written back, released."""
+        """The shard ``_hold`` keeps (if any) -> written back, released."""
         held, self.held = self.held, None
         if held is not None:
             self.store.release(held[1], None, dirty=True)

@@ -1,38 +1,17 @@
-"""The piece pipeline of CPU offload: gradient copy -> host step -> copy back, per piece.
+"""The piece pipeline of CPU offload: gradient copy -> host step -> copy back, per piece, each
+ordered by the accelerator's events, never by a device-wide synchronize.
 
-Without it the host sits idle through backward and the device waits for the whole host step.
-Here the host pieces of the master partition (``base.PieceInfo``) flow through three stages,
-each ordered by events of the accelerator, never by a device-wide synchronize:
+* gradient copy: once the stage reports a piece's gradient final, the worker thread queues its copy
+  to the piece's pinned host buffer on the D2H stream; with ``offload.overlap_step`` it then steps
+  the piece *speculatively*, as if the step will be neither clipped nor skipped;
+* host step: after backward the norm decides; exact speculative pieces are kept (same element-wise
+  arithmetic, ``optimizers._subset``), others rolled back from undo copies and stepped again;
+* copy back: each finished piece goes to the working partition on the H2D stream; the compute
+  stream waits for these copies before the stage gathers.
 
-* gradient copy: as soon as the stage reports a piece's reduced gradient final (zero2 does so per
-  bucket, zero3 per unit group once its reduction is added, both on the last micro batch; zero1
-  after backward, in ``grads``), an event is recorded
-  on the producing stream and the worker thread queues the copy of its device range into the
-  piece's pinned host buffer on the D2H stream, behind that event; the copy's own event tells the
-  host when it may read the buffer. With
-  ``offload.overlap_step`` a worker thread (torch's kernels and ours release the GIL) then
-  *speculatively* steps the piece, as if the step will be neither clipped nor skipped;
-* host step: after backward the global norm decides. If the step is in fact unclipped and
-  finite, the speculative pieces are exactly what the plain step computes (same element-wise
-  arithmetic, see ``optimizers._subset``) and are kept; otherwise they are rolled back from the
-  copies taken just before (parameters and optimizer state of each piece) and stepped again. The
-  remaining pieces are stepped one after another by the worker;
-* copy back: the main thread queues each finished piece's values (the 16-bit staging buffer, else
-  the master) into the working partition on the H2D stream, after the compute stream's last use
-  of the working values; the compute stream waits for these copies before the stage gathers.
-
-A piece's buffers belong to the store of its tier (``_store.py``): the host step acquires the piece
-(waiting only for the copy that last read its buffers) and releases it with the event of its copy
-back. The disk tier (offload=nvme) reads and writes pieces behind the same calls: the worker's
-acquire of tile i+1 is queued while tile i steps (``pipeline_read``), and tile i-1's writes drain
-meanwhile (``pipeline_write``); its optimizer state is made piece by piece (``init``). Swap IO can
-fail on one rank only, so with a disk tier the ranks agree on failure (a one-element all-reduce)
-after backward and after the host step, before the stage's gather: every rank raises, none hangs.
-
-Results are identical to the plain order in every case; what speculation costs is host memory for
-the undo copies (master + optimizer state of the host pieces, reported in the memory ledger) and,
-when a step is clipped or skipped, the redone work. Speculation is skipped after a step that was
-clipped or skipped (it would most likely be wasted again).
+The disk tier reads and writes tiles behind the same store calls. Swap IO can fail on one rank
+only, so the ranks agree on failure after backward and after the host step: none hangs.
+Speculation is skipped after a clipped or skipped step (it would most likely be wasted again).
 """
 from __future__ import annotations
 
@@ -55,8 +34,7 @@ if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update):
 
 
 class PiecePipeline:
-    """The ``Update`` of a sharded stage whose master partition has host pieces; the stage's
-    gradient listener (through its offload target)."""
+    """The ``Update`` of a stage with host pieces, and its gradient listener (via the offload target)."""
 
     def __init__(self, tx: GradientTransformation, target: Placement, gather: Callable[[], None],
                  speculative: bool):
@@ -79,8 +57,7 @@ class PiecePipeline:
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
         self.early_copies = 0   # pieces whose gradient copy was queued during backward, over the run
-        # This step's host gradient copies, by piece: the event of the queued copy, known once the
-        # worker (or, after backward, the main thread) has queued it.
+        # This step's host gradient copies, by piece: the queued copy's event, once queued.
         self.grad_copies: dict[int, Future] = {}
         self.final: set[int] = set()              # pieces the stage reported final this step
         # The device range each speculated piece's gradient was copied from (valid until the stage
@@ -94,10 +71,7 @@ class PiecePipeline:
         self.covered: dict[int, int] = {}
 
     def init(self, params: Sequence[Tensor]) -> Any:
-        """The optimizer state of ``params`` (the disk tier makes and swaps it piece by piece)."""
         return self.target.init_opt_state(self.tx, params)
-
-    # --- during backward -------------------------------------------------------------------
 
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
         if self.target.grad_swap:   # backward writes gradient extents: no slot may hold a tile now
@@ -107,8 +81,7 @@ class PiecePipeline:
         self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
 
     def ready(self, group: int, lo: int, hi: int, grad: Tensor) -> None:
-        """The stage's reduced gradient of partition range [lo, hi) of ``group`` is final; it was
-        produced on the current stream (the listener contract, ``base``)."""
+        """Range [lo, hi) of ``group``'s reduced gradient is final, produced on the current stream."""
         self.acc.use(writes=[grad[lo:hi]])
         starts, ks = self.by_group.get(group, ((), ()))
         for k in ks[max(0, bisect_right(starts, lo) - 1):bisect_left(starts, hi)]:
@@ -120,9 +93,8 @@ class PiecePipeline:
             if self.covered[k] != info.real:  # each element is reported once a step
                 continue
             self.final.add(k)
-            # The event is recorded here, on the stage's stream; the worker queues the copy behind
-            # it (on CUDA only the queueing moves off this thread; on the CPU the copy itself does,
-            # so it overlaps the rest of backward as it would on a device).
+            # Recorded here, on the stage's stream; the worker queues the copy behind it (on the CPU
+            # the copy itself moves off this thread, overlapping backward as it would on a device).
             produced = self.acc.event()
             produced.record()
             self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end], produced)
@@ -135,8 +107,7 @@ class PiecePipeline:
         out = []
         for info in self.info:
             if info.tier is Tier.DISK and self.target.grad_swap:
-                # In the swap file beside the tile: resident (in the tensor itself) once the step
-                # acquires the tile; nothing to copy.
+                # In the swap file beside the tile, resident once the step acquires it: nothing to copy.
                 if info.index not in self.grad_copies:
                     ready = self.acc.event()
                     ready.record()
@@ -158,7 +129,6 @@ class PiecePipeline:
         return out
 
     def _acquire(self, k: int) -> None:
-        """Piece k's buffers, usable by the host (worker thread)."""
         if k not in self.handles:
             self.handles[k] = self.target.stores[self.info[k].tier].acquire(k)
         self.target.stores[self.info[k].tier].wait(self.handles[k])
@@ -184,7 +154,6 @@ class PiecePipeline:
         return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
 
     def _step(self, k: int, grad: Tensor, coef: float, opt_state: Any, params: Sequence[Tensor], lr: float) -> Any:
-        """The host step of piece k (worker thread)."""
         pc = self.info[k].piece
         self._acquire(k)
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
@@ -205,16 +174,13 @@ class PiecePipeline:
             job.exception()  # wait only; result() raises in _settle or below
 
     def drain(self) -> None:
-        """Wait for the worker. A speculative piece's host gradient is copied once: the step may have
-        scaled it in place, so a rolled-back piece copies it again (``_settle``); a kept one needs
-        no second copy (which nothing would wait for while the next backward overwrites its source)."""
+        """Wait for the worker. A speculative piece's gradient is copied again only if rolled back
+        (``_settle``): a second copy nothing waits for would race the next backward."""
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
         self.target.read_errors()   # zero3 shards on disk: a failed read stops every rank here
         self.early_copies += len(self.grad_copies)
-
-    # --- after the norm --------------------------------------------------------------------
 
     def _settle(self, exact: bool) -> tuple[set[int], Any]:
         """Keep (exact) or roll back the speculative pieces; (kept pieces, a state they returned)."""
@@ -240,7 +206,7 @@ class PiecePipeline:
         return set(), None
 
     def abort(self) -> None:
-        """The step failed after ``arm``: leave the optimizer as it was before the step."""
+        """The step failed after ``arm``: leave the optimizer as it was."""
         self._wait()
         if self.ctx is not None:
             self._settle(exact=False)
@@ -314,13 +280,12 @@ class PiecePipeline:
         fp.add("overlap_undo", host=tensor_bytes(t for ts in self.undo.values() for t in ts))
 
     def swap_stats(self) -> dict[str, float]:
-        """Swap file bytes, bytes read and written and seconds blocked on IO so far, over the disk
-        stores (benchmarks)."""
+        """Swap file bytes, bytes read and written and seconds blocked on IO so far (benchmarks)."""
         stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.shards.store) if s is not None]
         return {"file": sum(s.memory()["file"] for s in stores), "read": sum(s.bytes_read for s in stores),
                 "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 
     def close(self) -> None:
-        """Stop the worker thread, settle the stores and remove the swap files (``Engine.close``)."""
+        """Stop the worker thread, settle the stores and remove the swap files."""
         self.pool.shutdown(wait=True)
         self.target.close()

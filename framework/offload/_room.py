@@ -2,11 +2,7 @@
 
     agree_swap_room(dist, folder, {"optim": store, "params": None}, check=lambda: ...)
 
-The ranks of one host usually swap into one folder. Each rank's own pre-flight (``check``:
-folder, buffers, its own room) runs first; then every rank says how many bytes its swap files
-still have to reserve there (``framework.core.room``) and all of them compare the sums with each file
-system's free space. Every rank raises the same one-line ConfigError: a rank never dies alone
-while the others wait for it in the next collective ("Connection closed by peer").
+Every rank raises the same one-line ConfigError, so none dies alone while the others wait for it.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""What every offload=nvme placement shares: the swap folder and its stale files, the pre-flight
-checks, opening a swap file, agreeing on swap IO errors across ranks, and removing the files.
+"""What every offload=nvme placement shares: the swap folder, pre-flight checks, opening swap files,
+agreeing on swap IO errors across ranks, and removing the files.
 
-``NVMePlacement`` on its own is offload=nvme with ``optimizer: cpu``: host pieces as offload=cpu
-makes them (``cpu.HostPlacement``) and zero3's parameter shards in a swap file (``_disk.DiskShards``,
-which opens its file through ``open_swap``). ``_disk.DiskPlacement`` adds the optimizer on disk.
+``NVMePlacement`` alone is ``optimizer: cpu`` (host pieces, zero3 shards in ``_disk.DiskShards``).
 """
 from __future__ import annotations
 
@@ -64,11 +62,10 @@ class NVMePlacement(HostPlacement):
         return True
 
     def swap_stores(self) -> dict:
-        """Kind -> the DiskStore of that swap file (or None)."""
         return {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """The optimizer state, with every swap file made and written (before the first step)."""
+        """With every swap file made and written (before the first step)."""
         try:
             return self._init_state(tx, params)
         except BaseException:
@@ -81,11 +78,8 @@ class NVMePlacement(HostPlacement):
         self.shards.swap_out()
         return full
 
-    # --- the swap folder and its pre-flight ---------------------------------------------------
-
     def clean_stale(self) -> None:
-        """At start-up, before the pre-flight counts free space: swap files that dead processes left
-        in ``nvme_path`` are removed, with one line saying what was freed (``remove_stale``)."""
+        """Before the pre-flight counts free space: remove swap files that dead processes left."""
         if self._cleaned or self.spec.path is None:
             return
         from framework.offload._swapfile import remove_stale
@@ -97,9 +91,8 @@ class NVMePlacement(HostPlacement):
                   f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """Stop with one line if the disk cannot hold even the states every optimizer needs (16-bit
-        shards and their spill, fp32 master, swapped gradients) or the pools configured cannot be
-        backed by host memory. The exact checks follow at ``init_opt_state``."""
+        """One line if the disk cannot hold even the least every optimizer needs, or host memory the
+        pools; the exact checks follow at ``init_opt_state``."""
         if not numel:
             return
         self.clean_stale()
@@ -119,7 +112,6 @@ class NVMePlacement(HostPlacement):
         self.check_ram(pools, "at least")
 
     def check_ram(self, pools: int, bound: str) -> None:
-        """One line if host buffers of ``pools`` bytes cannot fit in the memory available now."""
         available = _available_ram()
         if available is not None and pools > available:
             raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / GiB:.2f} GiB ({pools} bytes) of "
@@ -136,8 +128,7 @@ class NVMePlacement(HostPlacement):
         return self._tmpdir
 
     def open_swap(self, store, kind: str, preflight: Callable[[], None], collective: bool = True) -> None:
-        """``preflight()`` agreed by the ranks, then ``store``'s swap file, IO engine and pool (before
-        the first step)."""
+        """``preflight()`` agreed by the ranks, then ``store``'s swap file, IO engine and pool."""
         from framework.offload._aio import AsyncIO, aligned_empty
         from framework.offload._swapfile import SwapFile, swap_path
 
@@ -162,8 +153,7 @@ class NVMePlacement(HostPlacement):
               f"host pool {store.buffer_count} x {slot} bytes", flush=True)
 
     def agree(self, error: BaseException | None, what: str) -> None:
-        """Every rank learns whether some rank's swap IO failed, and raises (no rank is left waiting
-        in a collective). Sync point: a one-element all-reduce, once a step with a disk tier."""
+        """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
         if self.dist is None or self.dist.world == 1:
             if error is not None:
                 raise error
@@ -193,11 +183,8 @@ class NVMePlacement(HostPlacement):
 
 
 def _return_freed_memory() -> None:
-    """glibc: blocks of 1 MiB or more are mmapped, so freeing one returns it to the kernel at once.
-    By default the threshold rises to 32 MiB after the first such free, and a freed buffer below
-    it (a unit group's gradient partition, a parameter being initialised) stays in the heap: with
-    the model on disk, resident memory would then creep with the model's size. A process-wide
-    allocator setting (not module state); without glibc nothing changes."""
+    """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
+    default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
     import ctypes
     import ctypes.util
 
@@ -212,7 +199,6 @@ def _return_freed_memory() -> None:
 
 
 def _available_ram() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -3,17 +3,9 @@
     verify_extent(fmap, "3.1", what="optimizer piece 3 tensor 1")   # one extent
     verify_map(fmap, what="after the checkpoint's write")           # every extent
 
-Every byte of an extent (its padding too) must lie in a piece whose checksum the engine recorded
-when it wrote it (``SwapFile.record``): a byte without one is an error here, not a pass, since
-unverifiable state must never reach a checkpoint (only an engine built with ``checksum="none"``,
-which records nothing at all, is not checked). The pieces are checked with the checksum kind
-that recorded them, over the mapped pages (the kernel's page cache), on the calling thread.
-
-A checkpoint reads the mapped pages after checking them (DCP writes them, or an async save copies
-them): bytes changed between the check and that read would be saved unchecked, so the checkpoint
-checks every extent again once it has read them (``verify_map``) and commits only if both passes
-agree. Nothing writes the swap file between the two (training waits), so any change to the bytes
-that were read is still there for the second pass to see.
+A byte without a recorded checksum is an error, not a pass: unverifiable state must never reach a
+checkpoint (only an engine with ``checksum="none"`` records none and is not checked). A checkpoint
+checks again after reading the pages and commits only if both passes agree.
 """
 from __future__ import annotations
 
@@ -23,8 +15,7 @@ from framework.offload._swapfile import padded
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
-    """Check extent ``name`` of ``fmap`` (a ``FileMap``) piece by piece; SwapIOError naming the
-    file, offset and tensor on a mismatch or on bytes that have no recorded checksum."""
+    """Check extent ``name`` of ``fmap`` piece by piece; SwapIOError naming the file, offset and tensor."""
     file = fmap.file
     extent = file.extents[name]
     lo, hi = extent.offset, extent.offset + padded(extent.nbytes)

@@ -1,40 +1,17 @@
 """The offload target: where a rank's master partition, optimizer state and zero3 parameter shards
-live, and how they move.
+live, and how they move. A stage talks to it only through these calls:
 
-A sharded stage is built with its offload target and talks to it only through these calls (no
-attribute of either is read or set by the other):
+* setup: ``place`` cuts each owned partition into master pieces (the first ``host_fraction``
+  off the device, in ``chunk``-element pieces); zero3 also gets its shards here (``shard_buffer``).
+* backward: the target is the stage's listener: ``grads_final(g, lo, hi, grad)`` says range
+  [lo, hi) of partition g's reduced gradient is final, on the thread and stream that produced it,
+  each element at most once a step; ``grads(parts)`` then returns every piece's gradient.
+* update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
+  otherwise the stage steps itself and calls ``publish()``.
 
-* setup: ``place(own, master_dtype, chunk, real=...)`` once per owned partition, in master order.
-  It cuts the partition into pieces (the first ``host_fraction`` stepped off the device, in
-  ``chunk``-element pieces; the rest on the device) and returns them; their masters are what the
-  optimizer updates. zero3 also allocates its parameter shards here (``shard_buffer``) and loads
-  them for a gather through ``loading`` / ``load_shard``.
-* backward: the target is the stage's listener. ``grads_final(g, lo, hi, grad)`` says that range
-  [lo, hi) of partition g's reduced gradient ``grad`` is final for this step. It is emitted on the
-  thread and stream that produced the range, right after queueing the producer; each element is
-  reported at most once a step (zero2 reports per bucket, zero3 per unit group after its
-  reduction, on the last micro batch; a stage that reports nothing is served after backward by
-  ``grads``).
-* ``grads(parts)``: the gradient of every piece, in master order (host pieces: their host buffer,
-  filled by a copy that the update orders before the host reads it).
-* update: ``make_update(tx, gather)`` returns the piece pipeline (``_pipeline.py``) when there are
-  host pieces; ``gather()`` is the stage's part (make the working parameters whole after every
-  piece was published). Without host pieces the stage steps itself and calls ``publish()``.
-
-Each tier (``conf/offload``) is one class, chosen once by its ``build``, overriding only what differs:
-
-* ``Placement`` (here), offload=none: every partition is one piece on the device, stepped in place.
-* ``cpu.HostPlacement``: the first ``offload.ratio`` of each partition in host memory (tier HOST).
-* ``_swap.NVMePlacement`` (offload=nvme, optimizer=cpu): host pieces plus what every swapping tier
-  needs (the swap folder, pre-flight, agreement on IO errors); ``_disk.DiskPlacement``
-  (optimizer=nvme): pieces whose master and optimizer state live in a swap file (tier DISK).
-
-Where zero3's parameter shards live (``offload.params``) is a second, independent choice: the
-placement's ``shards``, a ``Shards`` (here: on the device), ``cpu.HostShards`` (pinned host memory)
-or ``_disk.DiskShards`` (a swap file). What the pipeline needs about pieces it gets from
-``pieces()`` (``PieceInfo``), not from the stage. Stores (``_store.py``) hold the pieces of each
-tier; every copy and every stream or event decision goes through the accelerator
-(``framework.comm.accelerator``).
+Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
+``cpu.HostPlacement`` (tier HOST), ``_swap.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
+Where zero3's shards live is an independent choice: ``Shards``, ``cpu.HostShards`` or ``_disk.DiskShards``.
 """
 from __future__ import annotations
 
@@ -90,7 +67,7 @@ class GradListener(Protocol):
 
 class Shards:
     """Where zero3's parameter shards live between gathers: here, on the compute device. The
-    placement ``p`` that holds it (``bind``) lends its accelerator, streams and host store."""
+    placement ``p`` (``bind``) lends its accelerator, streams and host store."""
 
     params_on_host = False
     store = None   # the DiskStore of shards in a swap file
@@ -102,10 +79,9 @@ class Shards:
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def filled(self, shard: torch.Tensor) -> None:
-        """Construction wrote ``shard``'s initial values."""
+        pass
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of partition ``own``'s initial working values (setup)."""
         return own[lo:hi]
 
     @contextmanager
@@ -124,8 +100,7 @@ class Shards:
         return partitions
 
     def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
-        """A host piece's updated values ``src`` -> its working range ``dst``: on the H2D stream after
-        ``after``; returns the copy's event (None: nothing queued off the current stream)."""
+        """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
         acc = self.p.acc
         acc.on_device(dst, what="copy back destination")
         with acc.stream(self.p.h2d_stream):
@@ -140,7 +115,7 @@ class Shards:
         """Every copy back of the step was queued."""
 
     def read_errors(self) -> None:
-        """Every rank raises if some rank's shard read failed (after backward)."""
+        pass
 
     def swap_out(self) -> None:
         """End of setup: the shards go to their swap file, if they have one."""
@@ -153,9 +128,7 @@ class Shards:
 
 
 class Placement:
-    """The offload target of one rank. On its own it is the device tier (offload=none); the
-    other tiers override ``_off_device`` (what becomes of the first ``host_fraction`` of each
-    partition) and the hooks their swap files need."""
+    """The offload target of one rank; on its own the device tier (offload=none)."""
 
     host_fraction = 0.0   # the first fraction of each partition is stepped off the device
     pin = False           # host buffers page-locked (copies to and from them asynchronous)
@@ -172,8 +145,6 @@ class Placement:
         if accelerator is not None:
             self.bind(accelerator)
 
-    # --- accelerator and stores ------------------------------------------------------------
-
     def bind(self, acc: Accelerator) -> None:
         self.acc = acc
         self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
@@ -188,7 +159,6 @@ class Placement:
             self.bind(for_device(device))
 
     def connect(self, dist) -> None:
-        """The process group of the stage (``initialize`` calls it)."""
         self.dist = dist
 
     def swaps(self) -> bool:
@@ -196,18 +166,12 @@ class Placement:
         return False
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """zero3, before construction (``numel``: about this rank's share of the parameters): a tier
-        with swap files stops now with one line if the disk or host memory cannot hold them."""
-
-    # --- setup -------------------------------------------------------------------------------
+        """zero3, before construction: a tier with swap files stops now if they cannot fit."""
 
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
               real: int | None = None) -> list[Piece]:
-        """Master pieces of one owned partition ``own`` (the working values), of which the first
-        ``real`` elements hold parameters (default: all).
-
-        The host part is cut into pieces of ``chunk`` elements: the unit in which the pipeline
-        copies gradients, steps and copies back."""
+        """Master pieces of owned partition ``own`` (working values; the first ``real`` elements hold
+        parameters); the host part in ``chunk``-element pieces, the pipeline's unit."""
         self._bind_device(own.device)
         group, n = len(self.partitions), own.numel()
         real = n if real is None else real
@@ -229,26 +193,17 @@ class Placement:
         return []
 
     def pieces(self) -> list[PieceInfo]:
-        """Every piece, in master order."""
         return list(self.infos)
 
     def has_host_pieces(self) -> bool:
-        """Whether some piece is stepped by the host (in host memory or swapped from disk)."""
         return any(i.tier is not Tier.DEVICE for i in self.infos)
 
     def swapped_indices(self) -> set[int]:
         """Positions (master order) of the pieces in the swap file."""
         return {i.index for i in self.infos if i.tier is Tier.DISK}
 
-    def swapped(self, piece: Piece) -> bool:
-        """Whether ``piece`` lives in the swap file (tier DISK)."""
-        return any(i.piece is piece and i.tier is Tier.DISK for i in self.infos)
-
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """The optimizer state of ``params`` (the pieces' masters, in order)."""
         return tx.init(list(params))
-
-    # --- memory ----------------------------------------------------------------------------------
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         """The pieces' masters (where separate from the working values), gradient and staging
@@ -274,12 +229,9 @@ class Placement:
         """zero3's parameter shards, where ``shards`` keeps them."""
         self.shards.memory(fp, shards)
 
-    # --- zero3's owned gradients (``_disk``: in the optimizer's swap file) ---------------------
-
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
-        """zero3, before placing its partitions: whether the owned gradient partitions live in the
-        optimizer's swap file; then the stage calls ``load_grad`` / ``save_grad`` around each
-        reduction, ``finish_grads`` after backward and ``grad_sq_norm_local`` for the norm."""
+        """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
+        calls ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``)."""
         return False
 
     def clear_grads(self) -> None:
@@ -288,8 +240,6 @@ class Placement:
     def readable_grads(self, grads: Sequence[torch.Tensor]):
         """``grads`` (aligned with ``pieces()``), readable by the host one at a time."""
         return grads
-
-    # --- the stage's listener and gradients --------------------------------------------------
 
     def grads_final(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None:
         if self.listener is not None:
@@ -309,9 +259,8 @@ class Placement:
         return out
 
     def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
-        """Queue ``src`` (device) -> the piece's host gradient buffer on the D2H stream, after
-        ``produced`` (default: an event recorded now on the current stream, where ``src`` is final);
-        the returned event says when the host may read the buffer."""
+        """Queue ``src`` -> the piece's host gradient buffer on the D2H stream after ``produced`` (default:
+        now, on the current stream); the returned event says when the host may read it."""
         acc = self.acc
         acc.on_device(src, what="gradient copy source")
         acc.on_host(info.piece.grad, what="gradient copy destination")
@@ -325,21 +274,16 @@ class Placement:
             done.record()
         return done
 
-    # --- publishing ----------------------------------------------------------------------------
-
     def working_used(self) -> Event:
-        """An event after the compute stream's last use of the working partitions (forward,
-        backward and the previous gather): copies back into them wait on it."""
-        # the stage's gather wrote them, forward/backward read them
+        """An event after the compute stream's last use of the working partitions: copies back wait on it."""
         self.acc.use(writes=self.shards.working(self.partitions))
         mark = self.acc.event()
         mark.record()
         return mark
 
     def copy_back(self, info: PieceInfo, after: Event | None) -> Event | None:
-        """The piece's updated values (staging, else master) -> its working range. Host -> device
-        copies run on the H2D stream after ``after``; returns their event (None: nothing queued
-        off the current stream)."""
+        """The piece's updated values (staging, else master) -> its working range; host pieces on the
+        H2D stream after ``after``, returning the copy's event (None: nothing queued off this stream)."""
         p = info.piece
         # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
         dst = self.partitions[info.group][info.start:info.end]
@@ -360,8 +304,7 @@ class Placement:
         self.acc.use(reads=self.shards.working(self.partitions))
 
     def publish(self) -> None:
-        """Every piece's updated values -> the working partitions (outside the pipeline: the plain
-        update, or values loaded into the master pieces)."""
+        """Every piece's updated values -> the working partitions (outside the pipeline)."""
         after = self.working_used()
         copies = [ev for info in self.infos if (ev := self._publish(info, after)) is not None]
         self.working_ready(copies)
@@ -374,17 +317,14 @@ class Placement:
         return ev
 
     def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer also writes the updated values in the working dtype, one per master
-        piece: a host piece's staging buffer (what travels back), else the working slice itself.
-        None unless some host piece stages (16-bit training with offload). The caller's host code
-        may write the staging buffers at once: copies still reading them are waited for."""
+        """Where the optimizer also writes the updated values in the working dtype, per piece: a host
+        piece's staging buffer, else the working slice; None unless some piece stages. Copies still
+        reading the staging buffers are waited for first."""
         if all(i.piece.staging is None for i in self.infos):
             return None
         for store in self.stores.values():
             store.flush()
         return [i.piece.staging if i.piece.staging is not None else i.working for i in self.infos]
-
-    # --- zero3 parameter shards (``shards``) ----------------------------------------------------
 
     @property
     def params_on_host(self) -> bool:
@@ -400,16 +340,15 @@ class Placement:
         self.shards.filled(shard)
 
     def loading(self):
-        """Around ``load_shard`` and issuing the gather that reads the loaded slice; yields a list
-        of waits the current stream makes before it consumes the unit (filled on leaving)."""
+        """Around ``load_shard`` and the gather reading it; yields the waits the current stream makes
+        before it consumes the unit (filled on leaving)."""
         return self.shards.loading()
 
     def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
-        """``shard`` -> ``dst`` (this rank's slice of a gather buffer, on the device), inside ``loading``."""
         self.shards.load(dst, shard)
 
     def store_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
-        """``values`` (device) -> ``shard`` (framework.gathered's modifications; blocking)."""
+        """``values`` -> ``shard`` (framework.gathered's modifications; blocking)."""
         self.shards.write(shard, values)
 
     def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
@@ -419,11 +358,8 @@ class Placement:
                 self.acc.copy(p.master, values[p.start:p.end])
 
     def read_errors(self) -> None:
-        """Every rank raises if some rank's zero3 shard read failed since the last call (the pipeline
-        calls it after backward, a point every rank reaches each step)."""
+        """Every rank raises if some rank's zero3 shard read failed (after backward, every step)."""
         self.shards.read_errors()
-
-    # --- the update ------------------------------------------------------------------------------
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""
@@ -438,9 +374,8 @@ class Placement:
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
-        """(params, opt_state, map): the state as a checkpoint reads (``write``: writes) it; a tier
-        with a swap file replaces its pieces by views of the file mapped into memory (``map``, else
-        None; after writing, pass it to ``unmapped``)."""
+        """(params, opt_state, map): the state as a checkpoint reads or writes it (a swapping tier: views
+        of its mapped swap file; after writing, pass ``map`` to ``unmapped``)."""
         return list(params), opt_state, None
 
     def unmapped(self, fmap: Any) -> None:

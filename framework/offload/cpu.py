@@ -1,13 +1,8 @@
 """cpu: DeepSpeed's offload_optimizer (and, for zero3, offload_param) to host memory.
 
-The fp32 master partition and the optimizer state live in host memory (pinned when CUDA is
-present); gradients of the owned partition are copied to the host after reduction, the
-optimizer step runs there (the C++ CPU kernels when built), and updated values go back to
-the device in the working dtype before the stage gathers them; copies run on their own stream
-(``offload._pipeline``). With ``ratio`` < 1 only the
-first ``ratio`` of every partition is stepped on the host and the rest stays on the device
-(DeepSpeed's partial offload). ``params: cpu`` keeps zero3's parameter shards in pinned host
-memory between gathers (``HostShards``).
+The master and optimizer state of the first ``ratio`` of every partition live in (pinned) host
+memory and are stepped there (``offload._pipeline``); ``params: cpu`` keeps zero3's parameter
+shards in pinned host memory between gathers (``HostShards``).
 """
 from __future__ import annotations
 
@@ -35,8 +30,7 @@ class HostPlacement(Placement):
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
                     chunk: int | None) -> list[tuple[Tier, Piece]]:
-        """Pieces of ``chunk`` elements: a gradient buffer, the master (copied from ``own``) and in
-        16-bit training a staging buffer, slices of one pinned arena for the partition."""
+        """Pieces of ``chunk`` elements (gradient buffer, master, 16-bit staging): one pinned arena."""
         step, host = chunk or max(k, 1), self.stores[Tier.HOST]
         sizes = [min(a + step, k) - a for a in range(0, k, step)]
         staged = own.dtype != master_dtype
@@ -69,11 +63,8 @@ class HostShards(Shards):
 
     @contextmanager
     def loading(self):
-        """The load and the gather that reads it are queued on the H2D stream, behind the current
-        stream's work so far (the gather buffer is fresh memory whose last users ran there), so a
-        prefetch hides the copy and the gather; the current stream waits only where it consumes
-        the unit: the gather's wait, and the waits yielded here (at world size 1 on CUDA there is
-        no collective to wait for)."""
+        """The load and its gather go on the H2D stream behind the current stream's work so far, so a
+        prefetch hides both; the current stream waits only where it consumes the unit."""
         acc, waits = self.p.acc, []
         fresh = acc.event()
         fresh.record()
@@ -123,15 +114,12 @@ class CPUOffloadConfig:
     params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
     pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
-    # Gradients always reach the host per bucket during zero2's backward, and the host step is
-    # always pipelined with the copy back. overlap_step also starts each piece's step during
-    # backward, speculatively (identical results); it costs host memory for undo copies of
-    # those pieces (master + optimizer state: 12 bytes/param with Adam).
+    # Also start each piece's host step during backward, speculatively (identical results), for host
+    # memory for undo copies of those pieces (master + optimizer state: 12 bytes/param with Adam).
     overlap_step: bool = False
 
 
 def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> HostPlacement:
-    """``accelerator``: the compute device's (``initialize`` passes it; default: the stage's device's)."""
     if not 0.0 <= cfg.ratio <= 1.0:
         raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
     return HostPlacement(cfg.ratio, cfg.pin_memory, HostShards() if cfg.params == "cpu" else Shards(),

@@ -1,8 +1,7 @@
 """Flat-buffer layout: parameters of one group laid end to end, padded, and partitioned.
 
-Every stage keeps a parameter group as one contiguous buffer (module parameters become
-views into it), which makes communication one call per bucket and optimizer kernels one
-call per group. Partition math for the ZeRO stages lives here too, so it is tested once.
+One contiguous buffer per group (module parameters are views into it) makes communication one
+call per bucket and optimizer kernels one call per group.
 """
 from __future__ import annotations
 
@@ -60,11 +59,8 @@ def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
 
 
 def param_groups(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """Split trainable parameters into ('decay', >=2-D) and ('no_decay', 1-D) groups.
-
-    Tied parameters appear once (named_parameters de-duplicates shared tensors). Empty
-    groups are dropped, so the optimizer's weight-decay mask follows the returned kinds.
-    """
+    """Trainable parameters as ('decay', >=2-D) and ('no_decay', 1-D) groups; tied ones appear once,
+    empty groups are dropped (the optimizer's weight-decay mask follows the returned kinds)."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if p.requires_grad:
@@ -91,14 +87,8 @@ class ParameterInit(Protocol):
 
 def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torch.device,
                    scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Parameter ``name``'s initial values (in its own dtype) on ``device``.
-
-    A parameter on the meta device is initialised by ``init.init_parameter(name, tensor)``
-    (``framework.engine.materialize.initializer(module)``), one parameter at a time, so a model built on
-    meta never exists whole in memory; with ``scratch`` (flat, same dtype, large enough) the
-    values are written there instead of into a fresh allocation, so repeated temporaries cannot
-    fragment the heap.
-    """
+    """Parameter ``name``'s initial values (its own dtype) on ``device``; a meta one is initialised by
+    ``init``, one at a time, into ``scratch`` when given (so repeated temporaries cannot fragment the heap)."""
     if not p.is_meta:
         return p.detach().to(device)
     full = (torch.empty(p.shape, dtype=p.dtype, device=device) if scratch is None
@@ -110,9 +100,8 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
 
 def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.Tensor,
          layout: Layout, init: ParameterInit) -> list[nn.Parameter]:
-    """Make each parameter a view into ``flat``, filled with its initial values (meta ones from
-    ``init``); returns the parameters (a meta parameter is replaced by a new Parameter everywhere
-    it is registered)."""
+    """Make each parameter a view into ``flat`` holding its initial values; returns the parameters
+    (a meta one is replaced by a new Parameter everywhere it is registered)."""
     out = []
     for (name, p), v in zip(named, views(flat, layout)):
         v.copy_(initial_values(init, name, p, flat.device))
@@ -128,9 +117,8 @@ def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.T
 
 def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: int, dtype: torch.dtype,
                dist: Dist, init: ParameterInit) -> tuple[Layout, torch.Tensor, list[nn.Parameter]]:
-    """Lay ``named`` out for ``world`` ranks in a new flat buffer of ``dtype`` on ``dist.device``
-    and ``bind`` the parameters into it, with rank 0's values on every rank (whatever each rank's
-    initialisation did). Returns the layout, the buffer and the parameters."""
+    """``bind`` ``named`` into a new flat buffer laid out for ``world`` ranks, with rank 0's values
+    on every rank; returns the layout, the buffer and the parameters."""
     layout = make_layout(named, world)
     flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
     params = bind(module, named, flat, layout, init)

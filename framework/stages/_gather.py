@@ -1,26 +1,10 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-This is the only module that registers module hooks. A *unit* is a set of parameters that
-is gathered with one collective per parameter group: each module whose class is listed in
-``gather_unit`` (the transformer Block by default), the root (every parameter outside such
-modules), and a *persistent* unit of small parameters that stays gathered.
-
-Each unit has an explicit state machine (sharded -> gathering -> gathered -> sharded): any other
-transition raises.
-
-Memory really goes away on release: each unit group gathers into ONE buffer that lives as long as
-the unit, and release resizes that buffer's storage to zero bytes (gathering resizes it back and
-fills it in place). At world size 1 with the shards on the device the hooks skip that buffer: the
-shard is the whole buffer, so it serves as the gathered one (``_in_place``). Autograd keeps views
-of gathered parameters for backward (a Linear saves ``weight.t()``); those views share the
-buffer's storage, so they hold no bytes while the unit is released and see the refilled values
-when the unit is gathered again before its backward. Forward: a unit is gathered before its
-forward and released after it (unless it will be reused soon, see ``max_reuse_distance``).
-Backward: a hook on the unit's output gathers it again before its backward; once every
-parameter's gradient has been accumulated its gradients are reduced to their owners and it is
-released. The first step records the order of unit uses; later steps prefetch along that trace
-and fall back to on-demand gathers (one log line) when the order changes; every backward pass
-checks that all ranks used the same order (``_order``).
+The only module that registers module hooks. A unit (a ``gather_unit`` module, the root, or the
+persistent small parameters) is gathered with one collective per parameter group into ONE buffer
+per group, kept for the unit's life; release resizes its storage to zero bytes, so autograd's
+saved views hold no bytes while released and see the refilled values when gathered again.
+The first step records the order of unit uses; later steps prefetch along that trace.
 """
 from __future__ import annotations
 
@@ -57,16 +41,9 @@ ALLOWED = {
 }
 
 
-class IllegalTransition(FrameworkError):
-    pass
-
-
 class ShardedParameter(nn.Parameter):
-    """A parameter whose values live as shards across ranks.
-
-    Between uses it holds no values (an empty tensor); inside its unit's forward/backward or
-    ``framework.gathered`` it is a view of the gathered full tensor. Saving it is an error.
-    """
+    """Empty between uses; inside its unit's forward/backward or ``framework.gathered`` a view of
+    the gathered full tensor. Saving it is an error."""
 
     logical_shape: torch.Size
     unit_name: str
@@ -94,13 +71,11 @@ class UnitGroup:
     # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
     full: torch.Tensor | None = None
     pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
-    # Where the partition comes from when it is not resident (gradients in the swap file: the
-    # stage writes it out after each reduction and drops it); None: zeros, kept.
+    # Where a non-resident partition comes from (gradients in the swap file); None: zeros, kept.
     load_grad: Callable[[], torch.Tensor] | None = None
 
     def grad(self) -> torch.Tensor:
-        """The gradient partition, allocated on first use so that construction holds only the
-        parameter shards."""
+        """The gradient partition, allocated on first use (construction holds only the shards)."""
         if self.part_grad.numel() != self.shard.numel():
             if self.load_grad is not None:
                 self.part_grad = self.load_grad()
@@ -135,7 +110,7 @@ class Unit:
 
     def to(self, new: UnitState) -> None:
         if new not in ALLOWED[self.state]:
-            raise IllegalTransition(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
+            raise FrameworkError(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
         self.state = new
 
 
@@ -155,9 +130,8 @@ class Gatherer:
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
                  param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards,
                  on_reduced: Callable[[UnitGroup, bool], None] | None = None):
-        """``on_reduced(g, final)``: called on the compute stream's thread right after a reduction of
-        unit group ``g``'s gradients was added into its partition (``g.grad()``); at most once per
-        group and backward pass; ``final`` as given to ``backward_pass``."""
+        """``on_reduced(g, final)``: called right after a reduction of group ``g`` was added into
+        ``g.grad()``, at most once per group and backward pass."""
         self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
         self.on_reduced = on_reduced
         self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
@@ -183,19 +157,15 @@ class Gatherer:
 
     @contextmanager
     def backward_pass(self, final: bool) -> Iterator[None]:
-        """The backward pass of one micro batch (``final``: the step's last). Units run their backward
-        only inside it: gathering, reducing and releasing belong to that one pass."""
+        """One micro batch's backward (``final``: the step's last); units run their backward only inside it."""
         self._final = final
         try:
             yield
         finally:
             self._final = None
 
-    # --- hooks -----------------------------------------------------------------------------
-
     def attach(self, root: nn.Module, modules: dict[int, list[nn.Module]]) -> None:
-        """Forward hooks on every unit's modules (the root unit on ``root``) and gradient hooks
-        on every parameter."""
+        """Forward hooks on every unit's modules and gradient hooks on every parameter."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for uid, subs in modules.items():
             unit = self.units[uid]
@@ -279,8 +249,6 @@ class Gatherer:
             self.order.launch(self.recording)
         self._end_pass()
 
-    # --- trace and prefetch ----------------------------------------------------------------
-
     def _begin_pass(self, grad_mode: bool) -> None:
         self._end_pass()
         self.mode = grad_mode
@@ -316,8 +284,7 @@ class Gatherer:
         self._prefetch()
 
     def _prefetch(self) -> None:
-        """Start gathers for the units used next, within a look-ahead of ``prefetch`` elements
-        of upcoming units (gathered or not, each counted once) and under ``max_live``."""
+        """Start gathers for the next units within ``prefetch`` elements (each counted once) and ``max_live``."""
         trace = self.traces.get(self.mode)
         if self.cursor is None or trace is None:
             return
@@ -348,8 +315,7 @@ class Gatherer:
         return None
 
     def _keep(self, unit: Unit) -> bool:
-        """Keep a unit gathered when its next use is within the reuse distance, or so close that
-        the prefetch would gather it straight back."""
+        """Within the reuse distance, or so close that the prefetch would gather it straight back."""
         d = self._next_use_distance(unit)
         near = max(self.limits.reuse, self.limits.prefetch - unit.numel)
         return d is not None and d <= near and self.live <= self.limits.max_live
@@ -363,24 +329,18 @@ class Gatherer:
                     and unit.active == 0:
                 self._release(unit)
 
-    # --- collectives -------------------------------------------------------------------------
-
     def _in_place(self, g: UnitGroup) -> bool:
-        """Whether group ``g``'s shard can serve as its gathered buffer: at world size 1 the shard is
-        the whole (padded) buffer, and when it lives on the compute device in the working dtype the
-        gather would only copy it. Used for the gathers the hooks make (train and eval passes), so a
-        world-1 run holds no second copy of the gathered units (with the default prefetch and reuse
-        limits, of the whole model between forward and backward)."""
+        """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working
+        dtype), so a world-1 run holds no second copy of the model for the hooks' gathers."""
         return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit) -> None:
-        """Start gathering ``unit`` for the hooks (train and eval passes): ``_in_place`` groups use their shard."""
+        """The hooks' gathers (train and eval passes): ``_in_place`` groups use their shard."""
         self._launch_gather(unit, in_place=True)
 
     def _launch_gather(self, unit: Unit, in_place: bool) -> None:
-        """Start gathering ``unit``. ``gather_now`` (framework.gathered, the persistent unit,
-        consolidation) gathers into a buffer of its own at every world size, so values modified inside
+        """``gather_now`` uses a buffer of its own at every world size, so that edits inside
         framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
@@ -426,11 +386,8 @@ class Gatherer:
             self.live -= unit.numel
 
     def order_check(self) -> None:
-        """Raise if any backward pass since the last call used units in a different order on some
-        rank (``_order``). Collective; called once per step before the optimizer step."""
+        """Raise if ranks used units in different orders since the last call (collective, once a step)."""
         self.order.check(lambda uid: self.units[uid].name)
-
-    # --- gradient reduction -------------------------------------------------------------------
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -450,12 +407,8 @@ class Gatherer:
             self._complete_reductions()
 
     def _reduce_in_place(self, g: UnitGroup) -> None:
-        """World size 1: the reduction is the identity, so each gradient is added into the partition
-        directly instead of through a zeroed flat buffer of the whole group (one more copy of the
-        unit's gradients, several with overlap_comm). The same sums element by element: each gradient
-        rounded to the reduce dtype, added in the accumulation dtype (the padding only ever gets
-        zeros, so it is left alone; a group with a missing gradient takes the buffer path, which adds
-        zeros there)."""
+        """World size 1: each gradient is added into the partition directly, with no zeroed group buffer;
+        the same sums element by element (rounded to the reduce dtype, added in the accumulation dtype)."""
         self._complete_reductions()   # earlier groups' reductions first: on_reduced keeps its order
         part = g.grad()
         for p, slot in zip(g.params, g.layout.slots):
@@ -473,8 +426,6 @@ class Gatherer:
                 self.on_reduced(g, self._final)
         self.reductions = []
 
-    # --- outside the hooks ------------------------------------------------------------------
-
     def gather_now(self, unit: Unit) -> bool:
         """Gather ``unit`` for use outside its forward (framework.gathered); True if it was sharded."""
         if unit.state is not UnitState.SHARDED:
@@ -484,8 +435,7 @@ class Gatherer:
         self._finish_gather(unit)
         return True
 
-    def release_now(self, unit: Unit) -> None:
-        self._release(unit)
+    release_now = _release
 
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0
@@ -494,7 +444,7 @@ class Gatherer:
 
 
 def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
-    """Give ``g.full`` its bytes again (the first time: allocate it). Values are filled by the gather."""
+    """Give ``g.full`` its bytes again (the first time: allocate it); the gather fills it."""
     if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
         g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
     else:

@@ -1,22 +1,13 @@
-"""Gradient bookkeeping that ddp, zero1 and zero2 share: bound .grad views, the accumulation dtype
-and per-parameter arrival flags for the bucket hooks.
+"""Gradient bookkeeping that ddp, zero1 and zero2 share.
 
-* ``FlatGrads`` (ddp, zero1): autograd accumulates each micro batch's gradients in place into
-  one flat buffer per group in the working dtype, the parameters' .grad being views into it.
-  The views are bound only while train_step's backward runs. So a ``loss_fn`` that calls
-  ``module.zero_grad()`` (with or without set_to_none) touches nothing of ours, and a backward
-  pass that ran inside ``loss_fn`` (``loss.backward()``, with or without ``create_graph=True``)
-  leaves a gradient that is there before ours starts: an error, not a silent zero gradient.
-  After our backward every .grad must still be its view (autograd replaces it when it
-  accumulates out of place, under create_graph); otherwise that is an error too.
-  With ``precision.grad_accum_dtype`` wider than the working dtype, each micro batch but the
-  last is added into an fp32 accumulator (allocated the first time a step accumulates) and the
-  working buffer is zeroed; the last one is added range by range as it is reduced (``final``).
-* ``Arrivals`` (ddp, zero1, zero2): the post-accumulate-grad hooks tell the bucket launcher that a
-  parameter's gradient is there, once per backward: a per-parameter flag, not a count of hook
-  calls. Under reentrant activation checkpointing a weight used in two checkpointed segments
-  is accumulated twice in one backward; a second arrival after its bucket was reduced would be
-  lost, so it raises instead.
+* ``FlatGrads`` (ddp, zero1): .grad are views into one flat buffer per group, bound only while
+  train_step's backward runs, so ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and
+  a backward that ran inside ``loss_fn`` (or replaced a .grad) is an error, not a silent zero.
+  With a wider ``precision.grad_accum_dtype`` every micro batch but the last is added into an
+  accumulator; the last one range by range as it is reduced (``final``).
+* ``Arrivals`` (ddp, zero1, zero2): a per-parameter arrival flag, not a count of hook calls: under
+  reentrant checkpointing a weight can arrive twice, and a second arrival after its bucket was
+  reduced would be lost, so it raises.
 """
 from __future__ import annotations
 
@@ -84,8 +75,8 @@ class FlatGrads:
             self.used = True
 
     def final(self, g: int, start: int, end: int) -> torch.Tensor:
-        """Range [start, end) of group ``g``'s gradients summed over the step's micro batches.
-        Call once per range after the last backward has produced it (it adds that micro batch)."""
+        """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
+        after the last backward produced it (it adds that micro batch)."""
         if not self.used:
             return self.grads[g][start:end]
         out = self.acc[g][start:end]
@@ -109,9 +100,6 @@ class FlatGrads:
         for g, grad in enumerate(self.grads):
             self.final(g, 0, grad.numel())
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.grads, *(self.acc or [])]
-
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))
         fp.add("grad_accumulator", device=tensor_bytes(self.acc or []))
@@ -133,16 +121,14 @@ class Arrivals:
         self._run(i)
 
     def attach(self, params: list[nn.Parameter], acc: Accelerator) -> list:
-        """Post-accumulate-grad hooks that report parameter ``i`` of ``params`` (stage-wide ids) to
-        ``ready``; returns their handles (``acc`` checks that the hooks make no host syncs)."""
+        """Hooks reporting parameter ``i`` of ``params`` to ``ready``; returns their handles."""
         return [p.register_post_accumulate_grad_hook(acc.hook(lambda _p, i=i: self.ready(i),
                                                               f"the {self.stage} gradient hook"))
                 for i, p in enumerate(params)]
 
     @contextmanager
     def backward_pass(self, arm: bool = True) -> Iterator[None]:
-        """One backward pass: with ``arm``, buckets launch as their gradients arrive; arrivals
-        after the block are ignored whatever happened inside it."""
+        """With ``arm``, buckets launch as their gradients arrive; arrivals after the block are ignored."""
         if arm:
             self.arm()
         try:

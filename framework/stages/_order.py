@@ -1,9 +1,7 @@
 """zero3's check that every rank used the same units in the same order in a backward pass.
 
-Ranks that gathered different units (data-dependent control flow) would otherwise combine
-unrelated buffers, or wait on each other until the timeout. Each pass starts one tiny
-asynchronous all-reduce of a hash of its record (no host sync inside autograd's callback);
-``check`` reads the results once a step, before the optimizer step.
+Otherwise ranks would combine unrelated buffers or hang. Each pass starts a tiny asynchronous
+all-reduce of a hash of its record (no host sync in autograd's callback); ``check`` reads them once a step.
 """
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ class OrderCheck:
         self.pending.append((work, t, h, list(record)))
 
     def check(self, unit_name: Callable[[int], str]) -> None:
-        """Raise if any pass launched since the last call used units in a different order on some
-        rank. Collective; a host sync, next to the one the gradient norm makes anyway."""
+        """Raise if a pass since the last call differed across ranks (collective; one host sync a step)."""
         checks, self.pending = self.pending, []
         for work, t, h, record in checks:
             self.dist.wait([work], "zero3 order check")

@@ -1,14 +1,7 @@
 """The owned partitions of a ZeRO stage and their master pieces, and the Stage methods built on them.
 
-Every ZeRO stage owns, per parameter group, one partition [lo, hi) of a padded flat layout and
-the master pieces the offload target cut it into; the optimizer updates those pieces, the
-overflow report reads their gradients, the gradient norm reads the reduced partitions, and the
-name-keyed layout comes from the pieces. zero1/zero2 (replicated working parameters, ``_sharded``) and zero3 (sharded
-working parameters) each hold one ``Partitions`` (composition), so no field means one thing in
-one stage and another thing in the other. ``PartitionedStage`` implements the Stage methods that
-only need ``parts`` and the offload target; a stage supplies ``_finish_grads`` (complete the
-step's reduction), ``_partition_grads`` (its reduced gradient partitions) and ``publish_finish``
-(make the working parameters current again).
+zero1/zero2 (``_sharded``) and zero3 each hold one ``Partitions``: per group, this rank's partition
+[lo, hi) of a padded flat layout and the master pieces the offload target cut it into.
 """
 from __future__ import annotations
 
@@ -24,15 +17,11 @@ from framework.core.utils import sq_norm
 
 
 class Partitions:
-    """Per group: the layout, this rank's bounds, the working values of the owned partition and
-    its master pieces (from the offload target, in the optimizer's order)."""
-
     def __init__(self, dist: Dist, offload: Placement, chunk: int | None):
         self.dist, self.offload, self.chunk = dist, offload, chunk
         self.layouts: list[Layout] = []
         self.bounds: list[tuple[int, int]] = []     # owned [lo, hi) per group
-        self.owned: list[torch.Tensor] = []         # the working values of [lo, hi) per group
-        self.pieces: list[list[Piece]] = []
+        self.pieces: list[list[Piece]] = []         # from the offload target, in the optimizer's order
 
     def add(self, layout: Layout, owned: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
         """Own ``owned`` (this rank's partition of ``layout``, working values) and place its master."""
@@ -40,7 +29,6 @@ class Partitions:
         pieces = self.offload.place(owned, master_dtype, self.chunk, real=max(0, min(hi, layout.numel) - lo))
         self.layouts.append(layout)
         self.bounds.append((lo, hi))
-        self.owned.append(owned)
         self.pieces.append(pieces)
         return pieces
 
@@ -58,9 +46,8 @@ class Partitions:
                 for g, pieces in enumerate(self.pieces) for p in pieces]
 
     def grad_sq_norm(self, reduced: list[torch.Tensor]) -> torch.Tensor:
-        # Over the reduced partitions rather than over the pieces the offload target cut them
-        # into: how a partition is cut must not change the rounding of the norm, so offload and
-        # overlap settings give identical steps.
+        # Over the reduced partitions, not the pieces: how a partition is cut must not change the
+        # rounding of the norm, so offload and overlap settings give identical steps.
         local = sq_norm(reduced, self.dist.device)
         # Partitions are disjoint: the global squared norm is the sum over ranks.
         self.dist.all_reduce(local, what="gradient norm all-reduce")
@@ -78,11 +65,8 @@ class Partitions:
 
 
 class PartitionedStage:
-    """Stage methods common to the ZeRO stages, over ``parts`` and the offload target.
-
-    The offload target given at construction is the stage's listener: a stage that knows a
-    partition range's reduced gradient is final calls ``self.offload.grads_final`` (see
-    ``offload.base`` for the whole contract)."""
+    """Stage methods common to the ZeRO stages, over ``parts`` and the offload target (the stage's
+    listener: ``self.offload.grads_final``, see ``offload.base``)."""
 
     parts: Partitions
     offload: Placement
@@ -92,8 +76,7 @@ class PartitionedStage:
         raise NotImplementedError
 
     def _partition_grads(self) -> list[torch.Tensor]:
-        """Each group's reduced gradient partition (on the device), the step's sums once
-        ``_finish_grads`` ran. Reads only: it may be called again."""
+        """Each group's reduced gradient partition (device) once ``_finish_grads`` ran; read only."""
         raise NotImplementedError
 
     def publish_finish(self) -> None:
@@ -101,12 +84,18 @@ class PartitionedStage:
         raise NotImplementedError
 
     @property
+    def layouts(self) -> list[Layout]:
+        return self.parts.layouts
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        return self.parts.bounds
+
+    @property
     def master(self) -> list[torch.Tensor]:
-        """What the optimizer updates: every group's master pieces, in order."""
         return self.parts.master
 
     def piece_specs(self) -> list[PieceSpec]:
-        """What each master piece holds by parameter name, in ``master`` order."""
         return self.parts.piece_specs()
 
     def reduce_grads(self) -> list[torch.Tensor]:
@@ -114,8 +103,6 @@ class PartitionedStage:
         return self.offload.grads(self._partition_grads())
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Over the reduced partitions (``_partition_grads``), not the pieces ``reduce_grads``
-        returned (see ``Partitions.grad_sq_norm``)."""
         return self.parts.grad_sq_norm(self._partition_grads())
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:

@@ -1,16 +1,8 @@
 """Gradient buckets: a static plan of flat ranges and an in-order launcher.
 
-Buckets are planned once, from the expected order in which backward produces gradients
-(reverse registration order), as contiguous ranges of one group's flat buffer. A bucket is
-launched as soon as all its gradients have arrived *and* every earlier bucket has been
-launched, so all ranks issue the same collectives in the same order even when hooks fire in
-a different order or some parameters get no gradient (those buckets go out at ``flush``).
-
-For the ZeRO stages buckets lie on partition boundaries, so each is one collective: a bucket
-reduced during backward lies inside one rank's partition (one reduce to its owner) or is a
-whole group buffer (aligned: one reduce-scatter); gradients that are all present before any
-is reduced (zero1 without overlap_comm) go out in stripes, the same range of every partition,
-each one reduce-scatter. Which primitive carries them is the collectives object's business.
+Buckets are planned once from the expected gradient order (reverse registration) and launched
+strictly in plan order once all their gradients arrived, so every rank issues the same collectives
+in the same order. For the ZeRO stages buckets lie on partition boundaries: each is one collective.
 """
 from __future__ import annotations
 
@@ -25,12 +17,8 @@ from framework.comm.collectives import Collectives, Pending
 @dataclass(frozen=True)
 class Bucket:
     """Flat ranges ``[start + k * stride, end + k * stride)`` for k < count of one group's buffer.
-
-    count == 1: one contiguous range (planned in gradient order). count == world, stride == the
-    partition length: a *striped* bucket, the same relative range of every rank's partition; its
-    wire buffer is the ranges laid end to end, i.e. ``world`` equal chunks with chunk r owned by
-    rank r, which is exactly one reduce-scatter.
-    """
+    count == world, stride == the partition length: a *striped* bucket, the same range of every
+    partition, whose wire buffer (the ranges end to end) is exactly one reduce-scatter."""
 
     group: int
     start: int        # first range [start, end) of the group's buffer
@@ -55,18 +43,12 @@ class Bucket:
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1) -> list[Bucket]:
-    """Contiguous buckets in gradient order. ``order``: (param id, group, offset, numel) in expected
-    gradient order; ``shards``: group -> partition length, for the ZeRO stages.
+    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in
+    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages.
 
-    Each group keeps one open bucket that grows downwards through its flat buffer (gradients
-    arrive in reverse layout order); a parameter larger than the room left is split, so no
-    bucket exceeds ``bucket_size`` and a huge embedding never forces a huge buffer. The
-    global bucket order is the order in which buckets close.
-
-    With ``shards`` buckets are planned on partition boundaries: a bucket lies inside one rank's
-    partition (one owner: one reduce), except that a group whose whole padded buffer fits in a
-    bucket is one bucket over that whole buffer (aligned: one reduce-scatter). A bucket never
-    straddles partitions otherwise, so no bucket needs a reduce per owner.
+    Each group's open bucket grows downwards through its flat buffer; a parameter larger than the
+    room left is split, so no bucket exceeds ``bucket_size``. With ``shards`` a bucket lies inside
+    one partition (one reduce), or is a whole group buffer that fits in a bucket (one reduce-scatter).
     """
     shards = shards or {}
     open_: dict[int, tuple[int, int, list[int]]] = {}  # group -> (start, end, param ids)
@@ -108,12 +90,9 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
 
 def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                      world: int) -> list[Bucket]:
-    """Buckets for a round-robin layout (``_sharded.round_robin``), where gradients adjacent in
-    backward order lie in different partitions: each partition fills a bucket of its own (one
-    owner: one reduce), of at most ``bucket_size // world`` elements so that the gradients waiting
-    for reduction stay within one ``bucket_size``. Owners then take turns bucket by bucket, so
-    every rank adds (and, with offload, copies to the host) its share while backward runs. A group
-    whose whole buffer fits in a bucket is one reduce-scatter, as in ``plan_buckets``."""
+    """Buckets for a round-robin layout (``_sharded.round_robin``): each partition fills buckets of
+    its own of at most ``bucket_size // world`` elements (the waiting gradients stay within one
+    ``bucket_size``), so owners take turns while backward runs. Whole groups as in ``plan_buckets``."""
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
     cap = max(1, bucket_size // world)
     open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition) -> (start, end, ids)
@@ -151,16 +130,10 @@ def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, s
 
 def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                  world: int) -> list[Bucket]:
-    """Striped buckets, for gradients that are all present when reduction starts (zero1 without
-    overlap_comm): each bucket is the same relative range [a, b) of every rank's partition, so on
-    NCCL it is one reduce-scatter. ``order`` as for ``plan_buckets``; ``shards``: group ->
-    partition length. A group that fits in one bucket is one bucket over its whole buffer (no
-    staging copy); otherwise stripes of ``bucket_size // world`` elements (a multiple of ALIGN
-    when that large; at least 1, so a bucket smaller than ``world`` elements holds ``world``),
-    from the partitions' ends downwards.
-
-    Not for gradients reduced during backward: partition 0's gradients come last, so every stripe
-    would wait for the end of backward and (zero2) hold nearly all gradients until then.
+    """Striped buckets, for gradients all present when reduction starts (zero1 without overlap_comm):
+    a group that fits in one bucket is one bucket, else stripes of ``bucket_size // world`` elements
+    (ALIGN-rounded when that large, at least 1) from the partitions' ends downwards. Not for
+    reduction during backward: every stripe would wait for partition 0's gradients, which come last.
     """
     from framework.stages._flat import ALIGN
 
@@ -216,19 +189,15 @@ def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, in
 
 def reduce_to_owners(comm: Collectives, buf: torch.Tensor, start: int, shard: int, reduce_scatter: bool,
                      what: str) -> Pending:
-    """Sum ``buf`` (mirroring flat range [start, start + len)) across ranks so that each rank
-    ends up with the summed values of the part that falls in its own partition.
-
-    reduce_scatter=False: DeepSpeed's all-reduce fallback (every rank gets it all).
-    """
+    """Sum ``buf`` (flat range [start, start + len)) so each rank gets the sums of its own partition's
+    part (reduce_scatter=False: DeepSpeed's all-reduce fallback, every rank gets it all)."""
     return comm.reduce_to_owners(buf, start, shard, what) if reduce_scatter else comm.all_reduce(buf, what)
 
 
 def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard: int, reduce_scatter: bool,
                   what: str) -> Pending:
-    """Reduce bucket ``b`` to the owners of its elements. ``wire``: its values in the wire dtype, one
-    tensor for a contiguous bucket, else one per range (a stripe: chunk r is rank r's). Each rank's
-    sums are then in its own parts (``own_parts``)."""
+    """Reduce bucket ``b`` to its owners. ``wire``: its values, one tensor if contiguous, else one per
+    range (chunk r is rank r's); each rank's sums are then in ``own_parts``."""
     if len(wire) == 1:
         return reduce_to_owners(comm, wire[0], b.start, shard, reduce_scatter, what)
     if not reduce_scatter:
@@ -237,8 +206,7 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
 
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """(flat start, flat end, offset in the bucket's buffer) of each part of bucket ``b`` inside
-    partition [lo, hi)."""
+    """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
     out, base = [], 0
     for start, end in b.ranges:
         own = own_overlap(start, end, lo, hi)

@@ -1,10 +1,7 @@
-"""What zero1 and zero2 share: replicated working parameters, partitioned master and optimizer
-(the partition bookkeeping itself is ``_partitions.Partitions``, which zero3 uses too).
+"""What zero1 and zero2 share: replicated working parameters, partitioned master and optimizer.
 
-Each parameter group is one flat buffer padded to a multiple of world * ALIGN; rank r owns
-elements [r * shard, (r + 1) * shard). The fp32 master copy (when the working dtype is not
-fp32) and the optimizer state exist only for the owned partition. After the optimizer step
-every rank's updated partition is gathered back into the working buffers.
+Rank r owns elements [r * shard, (r + 1) * shard) of each group's flat buffer; after the optimizer
+step every rank's updated partition is gathered back into the working buffers.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ from framework.core.errors import ConfigError
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind_group, param_groups
+from framework.stages._flat import bind_group, param_groups
 from framework.stages._partitions import PartitionedStage, Partitions
 from framework.stages.base import Setup, WholeParameters
 from framework.core.footprint import Footprint
@@ -34,40 +31,25 @@ class ZeroConfig:
     overlap_comm: bool = False                 # reduce buckets while backward still runs
     contiguous_gradients: bool = True          # zero2: copy gradients into a bucket buffer (zero1: always)
     reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
-    # zero2: lay each group's parameters out round-robin over the partitions (DeepSpeed's order), so
-    # consecutive gradients of backward belong to different ranks and every rank copies its reduced
-    # buckets to the host while backward runs, not one rank after another (zero1: no effect, a note)
+    # zero2: parameters laid out round-robin over the partitions (DeepSpeed's order), so every rank
+    # copies its reduced buckets to the host while backward runs (zero1: no effect, a note)
     round_robin_gradients: bool = False
 
 
-def check(cfg: ZeroConfig) -> None:
-    if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
-        raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
-
-
 class ShardedStage(PartitionedStage, WholeParameters):
-    """Base of zero1/zero2: replicated working buffers, partitions owned through ``parts``;
-    subclasses own the gradient path (``_setup_grads`` and friends)."""
+    """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
 
     round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
-        check(cfg)
+        if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
+            raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
         self.cfg, self.dist, self.offload = cfg, dist, offload
         # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
         self.parts = Partitions(dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
         self.flats: list[torch.Tensor] = []     # working parameters, replicated
         self.policy: Policy | None = None
         self.hook_handles: list = []            # removed by close()
-
-    @property
-    def layouts(self) -> list[Layout]:
-        return self.parts.layouts
-
-    @property
-    def bounds(self) -> list[tuple[int, int]]:
-        """Owned [lo, hi) per group."""
-        return self.parts.bounds
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
@@ -94,8 +76,10 @@ class ShardedStage(PartitionedStage, WholeParameters):
         raise NotImplementedError
 
     def publish_finish(self) -> None:
+        comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
         for flat, layout in zip(self.flats, self.layouts):
-            gather_partitions(self.dist, flat, layout.shard, self.cfg.allgather_bucket_size)
+            comm.wait(comm.all_gather_into(flat, layout.shard, "parameter all-gather", self.cfg.allgather_bucket_size),
+                      "parameter all-gather")
 
     def memory(self, opt_state) -> Footprint:
         fp = Footprint()
@@ -109,12 +93,6 @@ class ShardedStage(PartitionedStage, WholeParameters):
 
 
 def round_robin(named: list, world: int) -> list:
-    """DeepSpeed's round-robin order: the i-th parameter goes with the others of i mod world, those
-    lists laid end to end, so parameters adjacent in registration (and backward) order lie in
-    different ranks' partitions of the flat buffer."""
+    """DeepSpeed's round-robin order: parameters adjacent in registration (and backward) order lie
+    in different ranks' partitions of the flat buffer."""
     return [x for r in range(world) for x in named[r::world]]
-
-
-def gather_partitions(dist: Dist, flat: torch.Tensor, shard: int, chunk: int) -> None:
-    """Every rank's owned partition of ``flat`` -> everywhere (gloo: in calls of ``chunk`` elements)."""
-    dist.comm.wait(dist.comm.all_gather_into(flat, shard, "parameter all-gather", chunk), "parameter all-gather")

@@ -1,10 +1,7 @@
 """Name-keyed layout of master pieces: which parameter elements each piece holds.
 
-A stage's master pieces (``Setup.master``, ``TrainState.params``) are flat ranges of its flat
-parameter buffers, and how many there are depends on the world size, the stage, the offload
-ratio and the bucket sizes. A ``PieceSpec`` says what one piece holds by parameter name, so
-state saved under one configuration can be re-sliced into any other (``framework.engine.state``).
-All of it is plain integer arithmetic on ranges; ``tests/unit/test_spec.py`` covers it.
+How many pieces there are depends on world size, stage, offload ratio and bucket sizes; a
+``PieceSpec`` says what one holds by parameter name, so saved state re-slices into any other layout.
 """
 from __future__ import annotations
 
@@ -46,12 +43,9 @@ def piece_spec(layout: Layout, start: int, end: int) -> PieceSpec:
 
 
 def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Saved ranges that together hold every element of [lo, hi), as ``(index, a, b)``: elements
-    [a, b) are taken from ``ranges[index]``; the [a, b) tile [lo, hi) in order.
-
-    Ranges may overlap (ranks of a replicated stage all save everything): at each position the
-    range that reaches furthest is taken, so few copies are made. Raises ``LookupError`` with the
-    first element range that no saved range holds."""
+    """Saved ranges covering [lo, hi), as ``(index, a, b)`` tiling it in order: [a, b) from
+    ``ranges[index]``. Of overlapping ranges the one reaching furthest is taken (few copies);
+    ``LookupError`` names the first element range that no saved range holds."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     out: list[tuple[int, int, int]] = []
     pos, j, best = lo, 0, None

@@ -1,7 +1,6 @@
 """zero3's gather units: which parameters each unit gathers, and which stay gathered.
 
-One function decides it for the stage that allocates the shards and for the memory model that
-predicts them (``framework.memory.model``), so the two cannot disagree on a layout.
+Shared by the stage and the memory model (``framework.memory.model``), so the two cannot disagree.
 """
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ class UnitPlan:
 
 def plan_units(module: nn.Module, gather_unit, split_root: bool,
                persistence_threshold: int) -> tuple[list[UnitPlan], Named]:
-    """The gather units of ``module`` (the root first, kept even when it gathers nothing: its hooks
-    open and close every pass) and the parameters that stay gathered: those under
-    ``persistence_threshold`` elements, then those shared between units in a way no one unit covers."""
+    """The gather units (the root first, kept even when empty: its hooks open and close every pass)
+    and the parameters that stay gathered: the small ones, then those shared in a way no unit covers."""
     unit_modules, owner = _assign_units(module, gather_unit, split_root)
     all_named = list(module.named_parameters())
     units, persistent = [], []
@@ -48,13 +46,9 @@ def unit_groups(named: Named) -> list[tuple[str, Named]]:
 
 
 def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
-    """The unit candidates, as (name, modules), and per parameter id its candidate's index
-    (-1: shared between units in a way no one unit can cover; it stays gathered).
-
-    Index 0 is the root: parameters registered on the root module itself (its forward may
-    use them anywhere). Then each outermost module of a ``gather_unit`` class. With
-    ``split_root`` every other module that registers parameters itself is a candidate too,
-    and such modules that share a parameter (a tied embedding and head) are merged into one.
+    """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared
+    in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
+    ``split_root`` also every module with parameters of its own, merged where they share one (tied weights).
     """
     # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
     classes = set(gather_unit) | set(declared_layers(module))

@@ -1,7 +1,6 @@
 """The Stage protocol: how parameters, gradients and optimizer inputs are laid out and moved.
 
-``train_step`` calls these methods in a fixed order and never asks which stage it drives.
-Stages never know which optimizer runs; optimizers never know about sharding.
+``train_step`` never asks which stage it drives; stages never know which optimizer runs.
 """
 from __future__ import annotations
 
@@ -20,8 +19,7 @@ from framework.engine.update import PlainUpdate, Update
 
 @dataclass(frozen=True)
 class Setup:
-    """What ``Stage.setup`` hands back: the master tensors the optimizer updates (one flat
-    tensor per parameter group, or this rank's partition of it) and each group's kind."""
+    """The master tensors the optimizer updates and each one's group kind."""
 
     master: list[torch.Tensor]
     kinds: list[str]          # 'decay' or 'no_decay', aligned with ``master``
@@ -38,10 +36,8 @@ class Stage(Protocol):
         """Finish gradient reduction; return gradients aligned with ``Setup.master`` (master dtype)."""
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Global squared L2 norm across all ranks (non-finite if any element is) of the gradients
-        the last ``reduce_grads`` finished. Each stage says which tensors it reads (the ZeRO
-        stages: whole partitions, so that how the offload target cut them into pieces does not
-        change the rounding)."""
+        """Global squared L2 norm of the gradients the last ``reduce_grads`` finished (non-finite if
+        any element is)."""
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         """Names of parameters with non-finite gradients on any rank (slow path, for errors)."""
@@ -50,8 +46,7 @@ class Stage(Protocol):
         """Copy updated master values into the working parameters the module computes with."""
 
     def piece_specs(self) -> list[PieceSpec]:
-        """What each master piece holds, by parameter name, aligned with ``Setup.master``
-        (framework.stages._spec): the name-keyed layout behind ``TrainState.params``."""
+        """What each master piece holds by parameter name (the layout behind ``TrainState.params``)."""
 
     def zero_grads(self) -> None: ...
 
@@ -59,12 +54,10 @@ class Stage(Protocol):
         """This rank's model states and persistent buffers (``opt_state``: the optimizer state of
         the master pieces) by item and by where they live (framework.core.footprint)."""
 
-    def make_update(self, tx: GradientTransformation) -> Update:
-        """How optimizer steps are applied and published (framework.engine.update)."""
+    def make_update(self, tx: GradientTransformation) -> Update: ...
 
     def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer step also writes the updated values in the working dtype, one per
-        master piece (the offload target's staging buffers), or None."""
+        """Where the optimizer step also writes the updated values in the working dtype, or None."""
 
     def stats(self) -> dict:
         """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""
@@ -73,15 +66,14 @@ class Stage(Protocol):
         """Full working-dtype weights under every parameter name, on rank 0 (None elsewhere). Collective."""
 
     def weights_on_save(self) -> bool:
-        """Whether each save also writes consolidated working-dtype weights (zero3's
-        ``stage3_gather_16bit_weights_on_model_save``; framework.persist.weights.save_on_model_save)."""
+        """Whether each save also writes consolidated working-dtype weights (zero3's option)."""
 
     def close(self) -> None:
-        """Remove the hooks this stage registered on the module (``Engine.close``)."""
+        """Remove the hooks this stage registered on the module."""
 
 
 class HookOwner:
-    """``close`` for a stage that keeps the handles of the hooks it registered in ``hook_handles``."""
+    """``close`` for a stage that keeps its hooks' handles in ``hook_handles``."""
 
     hook_handles: list
 

@@ -1,10 +1,7 @@
 """ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced.
 
-Parameters live in one flat buffer per group (module parameters are views into it) and so do
-gradients, so the all-reduce works on contiguous buckets launched from post-accumulate-grad
-hooks while backward is still running, in a fixed bucket order that is the same on every rank.
-The .grad views are bound only during backward, and micro batches are summed in
-``precision.grad_accum_dtype`` (see _grads.py).
+Gradients live in one flat buffer per group, so the all-reduce works on contiguous buckets launched
+from the gradient hooks during backward, in the same order on every rank (see _grads.py).
 """
 from __future__ import annotations
 
@@ -34,7 +31,8 @@ class DDPConfig:
 
 
 class DDPStage(WholeParameters):
-    def __init__(self, cfg: DDPConfig, dist: Dist):
+    def __init__(self, cfg: DDPConfig, dist: Dist, offload=None):
+        # (replicated training has no partition to offload: the compatibility table allows only none)
         if cfg.bucket_size < 1:
             raise ConfigError("stage.bucket_size must be >= 1 element")
         self.cfg, self.dist = cfg, dist
@@ -101,8 +99,7 @@ class DDPStage(WholeParameters):
         return self.reduced
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Over ``reduced`` (the master-dtype gradients, so the norm rounds as the update reads them).
-        Gradients are replicated after the all-reduce: the local norm is the global one."""
+        """Over the master-dtype gradients (rounded as the update reads them); replicated, so local = global."""
         return sq_norm(self.reduced, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
@@ -118,8 +115,7 @@ class DDPStage(WholeParameters):
         self.flat_grads.zero()
         self.reduced = []   # master-dtype copies, when there are any, are the step's only
 
-    def piece_specs(self) -> list[PieceSpec]:
-        """One master piece per group: the whole flat buffer (padding included)."""
+    def piece_specs(self) -> list[PieceSpec]:   # one piece per group: the whole flat buffer
         return [piece_spec(layout, 0, layout.padded) for layout in self.layouts]
 
     def memory(self, opt_state) -> Footprint:
@@ -131,9 +127,4 @@ class DDPStage(WholeParameters):
         return fp
 
 
-def build(cfg: DDPConfig, *, dist: Dist, offload=None) -> DDPStage:
-    # Replicated training has no partition to offload: the compatibility table allows only none.
-    return DDPStage(cfg, dist)
-
-
-COMPONENT = Component(config=DDPConfig, build=build)
+COMPONENT = Component(config=DDPConfig, build=DDPStage)

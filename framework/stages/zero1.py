@@ -1,13 +1,7 @@
 """zero1: optimizer state (and fp32 master) partitioned; gradients reduced at the boundary.
 
-Gradients accumulate over micro batches in one full flat buffer per group (parameters' .grad
-are views into it), as in ddp. On the last micro batch each bucket is reduced to the ranks
-that own its elements as soon as backward has produced it (``overlap_comm``: buckets in
-gradient order, each inside one partition) or after backward (stripes: the same range of every
-partition, one reduce-scatter each); a rank then reads only its own partition. Only the owned
-partition of the master weights and optimizer state exists on each rank. The .grad views are
-bound only during backward, and micro batches are summed in ``precision.grad_accum_dtype``
-(see _grads.py).
+Gradients accumulate in one full flat buffer per group, as in ddp; on the last micro batch each
+bucket is reduced to its owners during backward (``overlap_comm``) or after it, in stripes.
 """
 from __future__ import annotations
 
@@ -82,8 +76,4 @@ class Zero1Stage(ShardedStage):
         self.flat_grads.memory(fp)
 
 
-def build(cfg: ZeroConfig, *, dist, offload) -> Zero1Stage:
-    return Zero1Stage(cfg, dist, offload)
-
-
-COMPONENT = Component(config=ZeroConfig, build=build)
+COMPONENT = Component(config=ZeroConfig, build=Zero1Stage)

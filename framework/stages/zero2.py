@@ -1,13 +1,8 @@
 """zero2: optimizer state and gradients partitioned; buckets reduced during backward.
 
-Autograd writes each parameter's gradient into its own .grad. When every gradient of a
-bucket has arrived (post-accumulate-grad hooks, in bucket order) the bucket is copied into
-a reusable bucket buffer (``contiguous_gradients``), the .grad tensors are freed, and the
-buffer is reduced to the ranks that own its elements. Each rank adds its share into its
-gradient partition; nothing else of the gradients survives backward. At most two bucket
-buffers are in flight: launching a third first completes the oldest. Every micro batch is
-reduced (gradients are never kept whole), as in DeepSpeed's stage 2, and summed into the
-partition in ``precision.grad_accum_dtype``.
+Once a bucket's gradients arrived they are copied into a reusable bucket buffer
+(``contiguous_gradients``), their .grad freed, and the buffer reduced to its owners, who add their
+share into their partition. Every micro batch is reduced, as in DeepSpeed's stage 2.
 """
 from __future__ import annotations
 
@@ -23,7 +18,7 @@ from framework.stages._reduce import (expected_order, own_overlap, own_parts, pl
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.core.utils import tensor_bytes
 
-IN_FLIGHT = 2
+IN_FLIGHT = 2   # bucket buffers in flight: launching a third first completes the oldest
 
 
 class Zero2Stage(ShardedStage):
@@ -35,7 +30,6 @@ class Zero2Stage(ShardedStage):
         self.params = [p for p, _ in entries]
         self.slots = [gs for _, gs in entries]
         dtype = self.policy.reduce_dtype
-        # The owned gradient partition, summed over micro batches in the accumulation dtype.
         self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]
@@ -87,8 +81,7 @@ class Zero2Stage(ShardedStage):
             self._complete(self.in_flight.popleft())
 
     def _pieces(self, b):
-        """(flat lo, flat hi, gradient values or None, offset in the bucket buffer) of each
-        parameter piece in bucket ``b``."""
+        """(flat lo, flat hi, gradient values or None, offset in the buffer) of each piece in ``b``."""
         base = 0
         for start, end in b.ranges:
             for pid in b.params:
@@ -147,8 +140,4 @@ class Zero2Stage(ShardedStage):
         fp.add("bucket_buffers", device=self.buffer_elems * self.policy.reduce_dtype.itemsize)
 
 
-def build(cfg: ZeroConfig, *, dist, offload) -> Zero2Stage:
-    return Zero2Stage(cfg, dist, offload)
-
-
-COMPONENT = Component(config=ZeroConfig, build=build)
+COMPONENT = Component(config=ZeroConfig, build=Zero2Stage)

@@ -1,12 +1,8 @@
 """zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand.
 
-Each gather unit (see _gather.py) keeps one flat buffer per parameter group, padded to the
-world size; a rank stores only its shard of the working parameters, of the fp32 master (when
-the working dtype is 16-bit), of the optimizer state and of the gradients. Parameters built on
-the meta device are materialised one at a time and only the local shard is kept, so a model
-larger than one rank's memory can be constructed. Module parameters become
-``ShardedParameter`` objects: empty between uses, a view of the gathered tensor inside their
-unit's forward and backward or ``framework.gathered``.
+A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters
+are materialised one at a time keeping only the local shard, so a model larger than one rank's
+memory can be built.
 """
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ class Zero3Config:
 
 
 class Zero3Stage(PartitionedStage, HookOwner):
-    """Working parameters, master, optimizer state and gradients all partitioned; the partitions
-    are the unit groups' shards (``parts``), gathered per unit by the ``Gatherer``."""
+    """The partitions (``parts``) are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -67,7 +62,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         self.groups: list[UnitGroup] = []
         self._index: dict[int, int] = {}   # id(UnitGroup) -> its index in ``groups`` (and ``parts``)
         self.gatherer: Gatherer | None = None
-        self.names: dict[int, list[str]] = {}   # id(ShardedParameter) -> every name it is registered under
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.policy = policy
@@ -92,7 +86,10 @@ class Zero3Stage(PartitionedStage, HookOwner):
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
             if persistent_named else None
         self._scratch = self._init = None
-        self.gatherer = Gatherer(self.dist, units, persistent, self._limits(), policy.param_dtype,
+        c = self.cfg
+        limits = Limits(c.stage3_prefetch_bucket_size, c.stage3_max_live_parameters, c.stage3_max_reuse_distance,
+                        c.check_order, c.overlap_comm, c.reduce_scatter)
+        self.gatherer = Gatherer(self.dist, units, persistent, limits, policy.param_dtype,
                                  policy.reduce_dtype, self.offload, on_reduced=self._reduced)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
@@ -113,7 +110,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         shard = self.offload.shard_buffer(hi - lo, policy.param_dtype, device)
         params = []
         for (pname, p), slot in zip(named, layout.slots):
-            # Materialise one full parameter at a time and keep only this rank's part of it.
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
             values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
             if not p.is_meta:  # user-built modules: every rank takes rank 0's values
@@ -132,7 +128,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         pieces = self.parts.add(layout, shard, policy.master_dtype)
         if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
             self.offload.shard_filled(shard)   # shards on disk: its values leave host memory now
-        # Gradient partition: micro batches summed in the accumulation dtype.
         k = len(self.groups)
         load = (lambda: self.offload.load_grad(k, hi - lo, device)) if self.grad_swap else None
         group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
@@ -141,21 +136,13 @@ class Zero3Stage(PartitionedStage, HookOwner):
         self.groups.append(group)
         return group
 
-    def _limits(self) -> Limits:
-        c = self.cfg
-        return Limits(c.stage3_prefetch_bucket_size, c.stage3_max_live_parameters, c.stage3_max_reuse_distance,
-                      c.check_order, c.overlap_comm, c.reduce_scatter)
-
-    # --- the Stage protocol ------------------------------------------------------------------
-
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         with self.gatherer.backward_pass(final=sync):
             (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
 
     def _reduced(self, g: UnitGroup, final: bool) -> None:
-        """A reduction of group ``g`` was added into its gradient partition (in backward). On the last
-        micro batch (``final``) that partition is final, so tell the listener (the offload target),
-        which can start copying it to the host (and stepping it) while backward goes on."""
+        """On the last micro batch (``final``) tell the listener (the offload target), which can start
+        copying the partition to the host while backward goes on."""
         if self.grad_swap:   # to the swap file; the partition is not kept
             self.offload.save_grad(self._index[id(g)], g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
@@ -228,8 +215,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
         return self.cfg.stage3_gather_16bit_weights_on_model_save
 
     def consolidated_state_dict(self) -> dict | None:
-        """Full 16-bit (working dtype) weights under every registered name, on rank 0 (None elsewhere).
-        Collective: every rank must call it. Gathers one unit at a time."""
+        """Gathers one unit at a time (collective)."""
         out = {}
         g_ = self.gatherer
         for unit in [*g_.units, *([g_.persistent] if g_.persistent else [])]:
@@ -246,13 +232,9 @@ class Zero3Stage(PartitionedStage, HookOwner):
 
 @contextmanager
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
-    """Make the full values of ``params`` available on every rank inside the block.
-
-    Like DeepSpeed's GatheredParameters: with ``modifier_rank`` set, the values that rank
-    leaves in the parameters are broadcast on exit and re-partitioned into every rank's shard
-    and master copy. Collective: every rank must enter it with the same parameters.
-    Parameters of the other stages are whole already; modifying those is not supported here.
-    """
+    """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
+    GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit and
+    re-partitioned into every shard and master copy (ZeRO-3 parameters only)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     if modifier_rank is not None and len(sharded) != len(params):
@@ -278,8 +260,4 @@ def _refuse_state_dict(module, prefix, keep_vars):
                          "engine.consolidated_state_dict() (or framework.gathered) instead")
 
 
-def build(cfg: Zero3Config, *, dist: Dist, offload: Placement) -> Zero3Stage:
-    return Zero3Stage(cfg, dist, offload)
-
-
-COMPONENT = Component(config=Zero3Config, build=build)
+COMPONENT = Component(config=Zero3Config, build=Zero3Stage)
