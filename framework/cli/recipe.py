@@ -139,8 +139,6 @@ def merge_overrides(*groups: list[str]) -> list[str]:
     return list(out.values())
 
 
-# ---------------------------------------------------------------------------------- preflight
-
 def compose_jobs(recipe: Recipe, overrides: list[str]):
     """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
     from framework.config import compose
@@ -165,8 +163,6 @@ def _check_data(recipe: Recipe, cfg) -> None:
                     f"(see {recipe.dir / 'README.md'} for where to get FILE)")
         raise DataError(f"{e}{hint}") from None
 
-
-# ---------------------------------------------------------------------------------- actions
 
 def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
     """Build the recipe's data set from the text file ``data.path`` (default: recipe.yaml's
@@ -285,8 +281,6 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
           file=stream, flush=True)
     return verdict
 
-
-# ---------------------------------------------------------------------------------- checks
 
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (see the module docstring)."""
@@ -416,8 +410,6 @@ def _memory(jobs, c: dict) -> dict:
     return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
             "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
 
-
-# ---------------------------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=__doc__.split("\n\n")[0],
