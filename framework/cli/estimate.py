@@ -30,14 +30,13 @@ from framework.memory.model import hf_loss, predict
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows, format_rows, nvme_rows,
                                      parse_count, zero2_rows, zero3_rows)
 from framework.cli import run_command
+from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
-
-
 DS_SUB_GROUP_SIZE = 1_000_000_000   # DeepSpeed's default zero_optimization.sub_group_size
 
 
@@ -51,17 +50,6 @@ def split_assignment(arg: str, own_keys, own: dict[str, str], overrides: list[st
         own[key] = value
     else:
         overrides.append(arg)
-
-
-def split_args(argv: list[str]) -> tuple[dict[str, str], list[str], set[str]]:
-    """(this command's keys, Hydra overrides, flags)."""
-    own, overrides, flags = {}, [], set()
-    for arg in argv:
-        if arg.startswith("--"):
-            flags.add(arg)
-        else:
-            split_assignment(arg, OWN_KEYS, own, overrides, "estimate")
-    return own, overrides, flags
 
 
 def hf_model_from_config(path: Path) -> torch.nn.Module:
@@ -88,44 +76,32 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
             return transformers.AutoModel.from_config(config)
 
 
-def our_model_config(path: Path):
-    """A GPT model config from a YAML file (as conf/model/*.yaml)."""
+def resolve_model(value: str, overrides: list[str]):
+    """(module on meta or None, composed Config or None, label) for ``model=value``."""
+    path = Path(value)
+    hf = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
+    if not hf and path.suffix not in (".yaml", ".yml"):
+        return None, compose([f"model={value}", *overrides]), value
+    if not path.exists():
+        raise ConfigError(f"estimate: model={value}: no such file")
+    if hf:
+        return hf_model_from_config(path), None, str(path)
     from omegaconf import OmegaConf
 
     from framework.models.gpt import GPTConfig
 
-    try:
-        node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        return GPTConfig(**node)
+    cfg = compose(overrides)
+    try:   # a GPT model config in a YAML file (as conf/model/*.yaml)
+        model = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path), resolve=True))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"estimate: {path} is not a model config: {e}") from None
-
-
-def resolve_model(value: str, overrides: list[str]):
-    """(module on meta or None, composed Config or None, label) for ``model=value``."""
-    from framework.config import compose
-
-    path = Path(value)
-    if path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists()):
-        if not (path.exists()):
-            raise ConfigError(f"estimate: model={value}: no such file")
-        return hf_model_from_config(path), None, str(path)
-    if path.suffix in (".yaml", ".yml"):
-        if not path.exists():
-            raise ConfigError(f"estimate: model={value}: no such file")
-        import dataclasses
-        cfg = compose(overrides)
-        return None, dataclasses.replace(cfg, model=our_model_config(path)), str(path)
-    return None, compose([f"model={value}", *overrides]), value
+    return None, dataclasses.replace(cfg, model=model), str(path)
 
 
 def _hw_line(params: int, largest: int | None, gpus: int, nodes: int) -> str:
-    node_s = "nodes" if nodes > 1 else "node"
-    gpu_s = "GPUs" if gpus > 1 else "GPU"
-    model = f"{int(params / 1e6)}M total params" + (f", {int(largest / 1e6)}M largest layer params"
-                                                    if largest is not None else "")
-    return (f"Model states (params, gradients, optimizer state) for {nodes} {node_s} x {gpus} {gpu_s} per node; "
-            f"model with {model}.")
+    layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
+    return (f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
+            f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}.")
 
 
 def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> str:
@@ -186,23 +162,20 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
                      format_nvme_rows(nv_ds)]
             out["nvme_deepspeed_sub_group_size"] = [r.__dict__ for r in nv_ds]
         out["nvme_sub_group_size"] = keys.sub_group_size
-    if cfg is not None:
-        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
-        pred = predict(cfg, world)
+    if module is not None:   # a model: the per-rank prediction
+        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else None
+        if cfg is not None:
+            pred = predict(cfg, world or cfg.dist.nproc)
+            text += ["", format_prediction(cfg, pred)]
+        else:   # a Hugging Face model: our stages, precision and batch around it
+            cfg = compose(overrides)
+            conf = getattr(module, "config", None)
+            context = parse_count(own["context"], "context") if "context" in own else (
+                getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
+                cfg.model.context)
+            pred = predict(cfg, world or cfg.dist.nproc, module=module, loss_fn=hf_loss, context=context)
+            text += ["", f"model {label}", format_prediction(cfg, pred, context=context)]
         out["prediction"] = pred.as_dict()
-        text += ["", format_prediction(cfg, pred)]
-    elif module is not None:   # a Hugging Face model: our stages, precision and batch around it
-        from framework.config import compose
-
-        hf_cfg = compose(overrides)
-        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else hf_cfg.dist.nproc
-        conf = getattr(module, "config", None)
-        context = parse_count(own["context"], "context") if "context" in own else (
-            getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
-            hf_cfg.model.context)
-        pred = predict(hf_cfg, world, module=module, loss_fn=hf_loss, context=context)
-        out["prediction"] = pred.as_dict()
-        text += ["", f"model {label}", format_prediction(hf_cfg, pred, context=context)]
     return json.dumps(out, indent=1) if as_json else "\n".join(text)
 
 
@@ -241,7 +214,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> None:
-    own, overrides, flags = split_args(argv)
+    own, overrides, flags = {}, [], set()
+    for arg in argv:
+        if arg.startswith("--"):
+            flags.add(arg)
+        else:
+            split_assignment(arg, OWN_KEYS, own, overrides, "estimate")
     unknown = flags - {"--json"}
     if unknown:
         raise ConfigError(f"estimate: unknown flag {sorted(unknown)[0]} (known: --json, --help)")

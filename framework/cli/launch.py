@@ -1,16 +1,9 @@
 """Run a validated config on 1 process, on dist.nproc spawned local ranks, or under torchrun.
 
-Spawned ranks rendezvous through a FileStore in a private temp folder (``framework-rdzv-*``) and
-gloo is bound to the loopback interface, so nothing listens on a network address. The launcher
-and every rank hold a shared lock on the folder's ``owner.lock`` while they live, so the folders
-that runs killed with -9 leave behind are found (no process holds their lock) and removed by the
-next launch; a live run's folder is never touched. Under torchrun the
-environment describes the group, which is created once per process and reused by every job
-of a multirun (re-creating it per job hangs under torchrun).
-
-Each rank gets its share of the host's cores for torch's threads (the host optimizer step of
-offload runs there), on CUDA as on the CPU. A rank that NCCL's watchdog aborted (SIGABRT after
-a collective waited longer than dist.timeout_s: a peer died or stalled) is named as such.
+Spawned ranks rendezvous through a FileStore in a private temp folder (``framework-rdzv-*``; gloo
+on the loopback interface, so nothing listens on a network address). Under torchrun the environment
+describes the group, created once per process and reused by every job of a multirun (re-creating
+it per job hangs under torchrun).
 """
 from __future__ import annotations
 
@@ -25,6 +18,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.multiprocessing as mp
@@ -32,13 +26,13 @@ import torch.multiprocessing as mp
 from framework.persist.checkpoint import preflight
 from framework.config import Config
 from framework.comm.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
-from framework.core.errors import DistributedError, FrameworkError
+from framework.core.errors import FrameworkError
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
 
-def launch(cfg: Config, run: RunInfo) -> dict:
-    """Train and return rank 0's summary."""
+def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None) -> dict:
+    """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
     os.environ.update(slurm_task_env())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
@@ -48,16 +42,16 @@ def launch(cfg: Config, run: RunInfo) -> dict:
         if not already:
             atexit.register(disconnect)
         run = _agree_run_dir(run, dist)
-        return train(preflight(cfg, run.run_dir, _job(run), quiet=not dist.is_main), run, dist)
+        return train(preflight(cfg, run.run_dir, _job(run), quiet=not dist.is_main), run, dist, on_point)
     # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
     # once so that every rank loads the same folder.
     cfg = preflight(cfg, run.run_dir, _job(run))
     if cfg.dist.nproc == 1:
-        return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s))
+        return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
     # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
     resolve_backend(cfg.dist.backend, cfg.dist.nproc)
     _notice(cfg, cfg.dist.nproc, True)
-    return _spawn(cfg, run)
+    return _spawn(cfg, run, on_point)
 
 
 def _job(run: RunInfo) -> str | None:
@@ -72,9 +66,8 @@ def _notice(cfg: Config, local_world: int, main: bool) -> None:
 
 
 def cap_threads(local_world: int) -> None:
-    """Give this rank its share of the host's cores for torch's threads: the host optimizer step
-    of offload runs there with CUDA as without it, and oversubscribed threads make every rank
-    slower. Never raises a lower limit (OMP_NUM_THREADS, torchrun's default of 1)."""
+    """Give this rank its share of the host's cores for torch's threads (the host optimizer step of
+    offload runs there, with CUDA too); never raises a lower limit (OMP_NUM_THREADS, torchrun's 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cores // max(1, local_world))
     if torch.get_num_threads() > share:
@@ -98,11 +91,9 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """Rank variables for a Slurm task that Hydra's submitit launcher started (one task per rank,
-    ``hydra.launcher.tasks_per_node`` = devices per node), as torchrun would have set them:
-    RANK, LOCAL_RANK, WORLD_SIZE from the task's Slurm ids and MASTER_ADDR/MASTER_PORT from the first
-    node of the job (submitit's own helper). Empty when torchrun (or anything else) already set
-    WORLD_SIZE, outside submitit, or for a single task: those paths need nothing."""
+    """The rank variables torchrun would set, for a Slurm task that Hydra's submitit launcher
+    started (one task per rank); empty where WORLD_SIZE is set already, outside submitit, or for
+    a single task."""
     env = os.environ
     if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or int(env.get("SLURM_NTASKS", "1")) <= 1:
         return {}
@@ -120,12 +111,14 @@ UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
-def _spawn(cfg: Config, run: RunInfo) -> dict:
+# The launcher and every rank hold a shared lock on the rendezvous folder's owner.lock while they
+# live, so the next launch removes the folders of runs killed with -9 and never a live run's.
+def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -> dict:
     remove_dead_rendezvous(tempfile.gettempdir())
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
-        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store")),
+        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"), on_point),
                            nprocs=cfg.dist.nproc, join=True, start_method="spawn")
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
@@ -150,9 +143,8 @@ def _hold(path: str, create: bool = False) -> int:
 
 
 def remove_dead_rendezvous(tmp: str) -> list[str]:
-    """Remove this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process holds
-    (``_hold``); return them. Folders without a lock file go once older than an hour.
-    Links and other users' folders are left alone."""
+    """Remove (and return) this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process
+    holds; folders without a lock file go once older than an hour."""
     gone = []
     try:
         entries = list(os.scandir(tmp))
@@ -184,7 +176,8 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
     return gone
 
 
-def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -> None:
+def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
+            on_point: Callable[[str], None] | None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
@@ -192,7 +185,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str) -
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
-        train(cfg, run, dist)
+        train(cfg, run, dist, on_point)
         # Leave together: no rank closes its gloo connections while a peer still waits on one.
         dist.barrier("shutdown barrier")
     except FrameworkError as e:
@@ -211,6 +204,3 @@ def _agree_run_dir(run: RunInfo, dist: Dist) -> RunInfo:
         if leftovers <= {".hydra", "train.log"}:  # only what Hydra wrote for this rank
             shutil.rmtree(mine, ignore_errors=True)
     return replace(run, run_dir=Path(dirs[0]))
-
-
-__all__ = ["launch", "DistributedError"]

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import math
-import os
 import resource
-import signal
 import sys
 import time
 from dataclasses import replace
 from statistics import fmean
+from typing import Callable
 
 import torch
 
@@ -25,19 +24,20 @@ from framework.core.utils import to_device
 from framework.persist.weights import load_weights, save_on_model_save
 
 
-def train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
+def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None = None) -> dict:
     """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and its
-    console goes to the run folder's train.log too."""
+    console goes to the run folder's train.log too. ``on_point(point)`` (fault tests) is called
+    after each train step (``step:<N>``) and at the points of each save (``Checkpointer``'s)."""
     if not dist.is_main:
-        return _train(cfg, run, dist)
+        return _train(cfg, run, dist, on_point)
     files.make_dirs(run.run_dir)
     with console_log(run.run_dir / "train.log"):
         print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
                                    checkpoint_root(cfg, run.run_dir, run.name if run.group else None))), flush=True)
-        return _train(cfg, run, dist)
+        return _train(cfg, run, dist, on_point)
 
 
-def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
+def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None) -> dict:
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
@@ -60,7 +60,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
     logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
     record = RunRecord(run.run_dir) if dist.is_main else None
     losses, evals = [], []
-    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir)  # collective
+    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir,
+                        on_point=on_point)  # collective
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
@@ -74,7 +75,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             batch = data.train_batch(state.data, micro_batch=t.micro_batch, grad_accum=t.grad_accum, **shard)
             state, m = engine.train_step(state, replace(batch, micro=to_device(batch.micro, dist.device)))
             losses.append(m["loss"])
-            fault(f"step:{state.step}", dist.rank)
+            if on_point is not None:
+                on_point(f"step:{state.step}")
             window += 1
             if state.step % t.log_every == 0 or state.step == t.steps:
                 now = time.perf_counter()
@@ -128,41 +130,12 @@ def _train(cfg: Config, run: RunInfo, dist: Dist) -> dict:
             record.close()
 
 
-def fault(point: str, rank: int) -> None:
-    """Test hook of the fault tests, which start this loop through torchrun and cannot hand it a
-    callback: ``FRAMEWORK_FAULT=<point>@<rank>[,stop][,once=<marker file>]`` ends this process with
-    ``os._exit(17)`` (as a kill would, no cleanup) when rank ``rank`` reaches ``point``
-    (``step:<N>``: after train step N); with ``stop`` it sends itself SIGSTOP instead (a stalled
-    rank). With ``once`` it fires only if the marker file does not exist yet, and creates it.
-    Unset in normal runs: nothing happens. (In-process tests also pass it to ``Checkpointer`` as
-    its ``on_point``, for the points of a save.)"""
-    spec = os.environ.get("FRAMEWORK_FAULT")
-    if not spec:
-        return
-    where, _, once = spec.partition(",once=")
-    where, stop = where.removesuffix(",stop"), where.endswith(",stop")
-    if where != f"{point}@{rank}":
-        return
-    if once:
-        try:
-            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        except FileExistsError:
-            return
-    print(f"FRAMEWORK_FAULT: rank {rank} {'stops' if stop else 'exits'} at {point}", file=sys.stderr, flush=True)
-    if stop:
-        os.kill(os.getpid(), signal.SIGSTOP)
-        return
-    os._exit(17)
-
-
 def reset_peak_memory(device: torch.device) -> int:
-    """Start a new measurement window and return the resident set size now (bytes).
+    """Start a new measurement window; return the resident set size now (bytes).
 
-    The jobs of a multirun share one process at world 1, so the process's high-water mark would
-    carry the largest earlier job's peak; on Linux writing 5 to /proc/self/clear_refs resets it
-    (VmHWM; getrusage's ru_maxrss also keeps the marks of threads that exited, so it is read only
-    where /proc is missing). Elsewhere the peak stays the process's since it started.
-    """
+    A multirun's jobs share one process at world 1: writing 5 to /proc/self/clear_refs resets the
+    high-water mark (VmHWM) so that it does not carry an earlier job's peak (ru_maxrss cannot be
+    reset, and keeps exited threads' marks: read only where /proc is missing)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -174,10 +147,9 @@ def reset_peak_memory(device: torch.device) -> int:
 
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
-    """Measured peak memory of this process since ``reset_peak_memory``: resident set (VmHWM;
-    host memory is what CPU runs and offload use) and, on CUDA, the caching allocator's peaks of
-    allocated and reserved bytes. ``rss_start_bytes`` is the resident set when the job began
-    (interpreter, torch, libraries), so peak minus start is what the job itself added."""
+    """Measured peak memory since ``reset_peak_memory``: resident set (VmHWM) and, on CUDA, the
+    caching allocator's peaks; ``rss_start_bytes`` (interpreter, torch, libraries) subtracted from
+    the peak is what the job itself added."""
     out = {"peak_rss_bytes": _rss_peak(), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)

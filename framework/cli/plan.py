@@ -44,8 +44,6 @@ OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "st
             "checkpointing", "steps")
 
 
-# --- verify: the top K as one Hydra multirun ------------------------------------------------------
-
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
     top = [p for p in planned if p.fits][:k]
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
@@ -91,8 +89,6 @@ def _plan_yaml(c: Candidate) -> str:
         lines += ["offload:", "  params: cpu"]
     return "\n".join(lines) + "\n"
 
-
-# --- command line ----------------------------------------------------------------------------------
 
 def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
     own, overrides, flags = {}, [], {"top": 20, "verify": 0, "reprobe": False, "json": False}

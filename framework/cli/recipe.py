@@ -7,42 +7,12 @@
     python -m framework.recipe zero_equivalence train.steps=20      # extra overrides go to every job
     python -m framework.recipe shakespeare_char_cpu check OUT_DIR   # re-check a finished run
 
-A recipe is a folder ``recipes/<name>/`` (or any folder given by path) holding:
-
-- ``config.yaml``: a Hydra experiment config (its defaults list starts with ``train``), runnable on
-  its own: ``python -m framework.train --config-dir recipes/<name> --config-name config ...``;
-- ``recipe.yaml``: ``runs``, each one ``python -m framework.train -m`` process given the listed
-  overrides (sweeps allowed), ``quick`` (overrides for the tiny twin, optionally its own ``runs``),
-  optional ``prepare`` (how to build the data set), ``plots`` (extra charts), ``before``/``after``
-  (commands run before the first and after the last run: ``{python}``, ``{out}``, ``{recipe}`` and
-  ``{quick}`` are filled in) and ``requires`` (``group/name`` components or ``module:NAME`` Python
-  modules the recipe needs; a checkout without them refuses to run it, naming what is missing);
-- ``expected.json``: where the reference comes from and the checks for the full run and the twin;
-- ``README.md``: hardware, command, expected numbers and measured results.
-
-Every job of every run writes into one folder (default ``outputs/recipes/<name>/<time>``), which is
-also a multirun folder for ``python -m framework.report``; the recipe writes that report there,
-then ``checks.json`` with each check's numbers, and prints one line per check.
-
-Checks (``expected.json`` ``full``/``quick``): ``jobs`` (how many jobs must finish) and a list of
-``checks``, each one of
-
-- ``{"metric": "val_loss", "max": 1.95}`` (also ``min``, or ``equals`` with ``tol``): a value of
-  each job's summary.json (dotted path; ``min:val_loss`` is the smallest logged value, nanoGPT's
-  "best validation loss"), optionally only for the jobs matching ``where``;
-- ``{"curves_match": "loss", "reference": {"stage": "ddp"}, "atol": 1e-5}``: every job's logged
-  curve equals the reference job's at every logged step within atol + rtol * |reference|;
-- ``{"memory_scaling": "zero3", "min_ratio": 0.8, "max_ratio": 1.2}``: the per-rank memory the stage
-  saves from the smallest to the largest world size (measured: what a rank's resident set grew during
-  the job, or the CUDA allocator's peak) over what the ZeRO formula says it saves; for a stage that
-  saves nothing (ddp), ``max_change`` bounds the measured change as a fraction; ``"worlds": [2, 4]``
-  compares only jobs at those world sizes (zero3: at world size 1 it needs no gather or reduce
-  buffers, so the part of a rank's memory outside the formula is not the same at world 1 and above);
-- ``{"file": "reload.json", "key": "max_abs_logit_diff", "max": 1e-4}``: a value in a JSON file an
-  ``after`` command wrote into the output folder (same bounds as ``metric``).
-
-``where`` matches a component choice (``{"stage": "zero1", "offload": "cpu"}``) or a dotted config
-value (``{"dist.nproc": 2}``) of the job's summary.json config.
+A recipe is a folder ``recipes/<name>/`` (or any folder given by path) with ``config.yaml`` (a Hydra
+experiment config), ``recipe.yaml`` (its runs, the quick twin, optional prepare, plots, before/after
+commands and requirements), ``expected.json`` (the reference and the checks) and ``README.md``;
+recipes/README.md describes each file and every kind of check. All jobs write into one folder
+(default ``outputs/recipes/<name>/<time>``), a multirun folder for ``python -m framework.report``:
+the recipe writes that report there, then ``checks.json``, and prints one line per check.
 """
 from __future__ import annotations
 
@@ -106,20 +76,19 @@ def find(name: str) -> Recipe:
         if not (d / f).is_file():
             raise RecipeError(f"recipe {d} has no {f}")
     spec = yaml.safe_load((d / "recipe.yaml").read_text()) or {}
-    unknown = set(spec) - _SPEC_KEYS
-    if unknown:
-        raise RecipeError(f"{d / 'recipe.yaml'}: unknown key(s) {', '.join(sorted(unknown))}; "
-                          f"valid: {', '.join(sorted(_SPEC_KEYS))}")
+
+    def refuse_unknown(what: str, given, allowed: set) -> None:
+        extra = set(given or []) - allowed
+        if extra:
+            raise RecipeError(f"{d / 'recipe.yaml'}: unknown {what} {', '.join(sorted(extra))}; "
+                              f"valid: {', '.join(sorted(allowed))}")
+
+    refuse_unknown("key(s)", spec, _SPEC_KEYS)
     if not spec.get("runs") or not all(isinstance(r, list) for r in spec["runs"]):
         raise RecipeError(f"{d / 'recipe.yaml'}: 'runs' must be a list of override lists")
-    for key, allowed in (("quick", {"overrides", "runs"}), ("prepare", {"kind", "source"})):
-        extra = set(spec.get(key) or {}) - allowed
-        if extra:
-            raise RecipeError(f"{d / 'recipe.yaml'}: unknown key(s) under {key}: {', '.join(sorted(extra))}; "
-                              f"valid: {', '.join(sorted(allowed))}")
-    bad = set(spec.get("plots") or []) - _PLOTS
-    if bad:
-        raise RecipeError(f"{d / 'recipe.yaml'}: unknown plot(s) {', '.join(sorted(bad))}; valid: {', '.join(sorted(_PLOTS))}")
+    refuse_unknown("key(s) under quick:", spec.get("quick"), {"overrides", "runs"})
+    refuse_unknown("key(s) under prepare:", spec.get("prepare"), {"kind", "source"})
+    refuse_unknown("plot(s)", spec.get("plots"), _PLOTS)
     try:
         expected = json.loads((d / "expected.json").read_text())
     except json.JSONDecodeError as e:
@@ -170,8 +139,6 @@ def merge_overrides(*groups: list[str]) -> list[str]:
     return list(out.values())
 
 
-# ---------------------------------------------------------------------------------- preflight
-
 def compose_jobs(recipe: Recipe, overrides: list[str]):
     """Every job's typed config for one run's overrides (sweeps expanded): fails before any run."""
     from framework.config import compose
@@ -197,8 +164,6 @@ def _check_data(recipe: Recipe, cfg) -> None:
         raise DataError(f"{e}{hint}") from None
 
 
-# ---------------------------------------------------------------------------------- actions
-
 def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
     """Build the recipe's data set from the text file ``data.path`` (default: recipe.yaml's
     ``prepare.source``) into the file its config trains on (or ``out``)."""
@@ -207,13 +172,9 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
         raise RecipeError(f"recipe {recipe.name} has no prepare step (its data needs none)")
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
-    source = spec.get("source")
-    rest = []
-    for o in overrides:
-        if _key(o) == "data.path":
-            source = o.split("=", 1)[1]
-        else:
-            rest.append(o)
+    paths = [o.split("=", 1)[1] for o in overrides if _key(o) == "data.path"]
+    source = paths[-1] if paths else spec.get("source")
+    rest = [o for o in overrides if _key(o) != "data.path"]
     if rest:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     if out is None:
@@ -245,8 +206,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     files.make_dirs(out)
     t0 = time.perf_counter()
     fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
-    for i, cmd in enumerate(recipe.spec.get("before") or []):
-        _command(recipe, [_fill(a, fill) for a in cmd], out / f"before{i}.log", stream)
+    _commands(recipe, "before", fill, out, stream)
     for i, r in enumerate(runs):
         cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir),
                "--config-name", "config", *r, f"hydra.sweep.dir={out}",
@@ -254,8 +214,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         print(f"[recipe {recipe.name}] run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
               file=stream, flush=True)
         _run_logged(cmd, out / f"run{i}.log", stream)
-    for i, cmd in enumerate(recipe.spec.get("after") or []):
-        _command(recipe, [_fill(a, fill) for a in cmd], out / f"after{i}.log", stream)
+    _commands(recipe, "after", fill, out, stream)
     elapsed = time.perf_counter() - t0
     return finish(recipe, out, quick=quick, elapsed_s=elapsed, stream=stream)
 
@@ -268,10 +227,11 @@ def _fill(arg, fill: dict) -> str:
     return arg
 
 
-def _command(recipe: Recipe, cmd: list[str], log: Path, stream) -> None:
-    cmd = [a for a in cmd if a != ""]   # an empty {quick} drops out
-    print(f"[recipe {recipe.name}] {' '.join(cmd)}", file=stream, flush=True)
-    _run_logged(cmd, log, stream)
+def _commands(recipe: Recipe, when: str, fill: dict, out: Path, stream) -> None:
+    for i, cmd in enumerate(recipe.spec.get(when) or []):
+        cmd = [a for a in (_fill(a, fill) for a in cmd) if a != ""]   # an empty {quick} drops out
+        print(f"[recipe {recipe.name}] {' '.join(cmd)}", file=stream, flush=True)
+        _run_logged(cmd, out / f"{when}{i}.log", stream)
 
 
 def _run_logged(cmd: list[str], log: Path, stream) -> None:
@@ -322,8 +282,6 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     return verdict
 
 
-# ---------------------------------------------------------------------------------- checks
-
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (see the module docstring)."""
     results = []
@@ -336,43 +294,35 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
         if failed:
             msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
         results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
+    kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory,
+             "file": lambda _, c: _file(out, c)}
     for c in want.get("checks", []):
-        if "metric" in c:
-            results.append(_metric(done, c))
-        elif "curves_match" in c:
-            results.append(_curves(done, c))
-        elif "memory_scaling" in c:
-            results.append(_memory(done, c))
-        elif "file" in c:
-            results.append(_file(out, c))
-        else:
+        kind = next((k for k in kinds if k in c), None)
+        if kind is None:
             raise RecipeError(f"expected.json: unknown check {c}; use metric, curves_match, memory_scaling or file")
+        results.append(kinds[kind](done, c))
     return results
 
 
 def _metric(jobs, c: dict) -> dict:
     key, where = c["metric"], c.get("where") or {}
-    sel = [j for j in jobs if matches(j, where)]
-    rows = [(j, _value(j, key)) for j in sel]
-    bad = [(j, v) for j, v in rows if not _bound_ok(v, c)]
+    rows = [(j, _value(j, key)) for j in jobs if matches(j, where)]
     bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
     if "equals" in c:
         bound = f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
-    scope = f" where {where}" if where else ""
+    head = f"{key} {bound}" + (f" where {where}" if where else "")
+    if not rows:
+        return {"check": c, "passed": False, "message": f"{head}: no job matches"}
+    bad = "; ".join(f"{j.label} has {_num(v)}" for j, v in rows if not _bound_ok(v, c))
     values = ", ".join(f"{j.label}: {_num(v)}" for j, v in rows)
-    if not sel:
-        return {"check": c, "passed": False, "message": f"{key} {bound}{scope}: no job matches"}
-    if bad:
-        msg = f"{key} {bound}{scope}: " + "; ".join(f"{j.label} has {_num(v)}" for j, v in bad)
-        return {"check": c, "passed": False, "message": msg, "values": {j.label: v for j, v in rows}}
-    return {"check": c, "passed": True, "message": f"{key} {bound}{scope}: {values}",
+    return {"check": c, "passed": not bad, "message": f"{head}: {bad or values}",
             "values": {j.label: v for j, v in rows}}
 
 
 def _value(job, key: str):
     if key.startswith("min:"):
-        vals = [v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)]
-        return min(vals) if vals else None
+        return min((v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)),
+                   default=None)
     return get_key(job.summary, key)
 
 
@@ -407,10 +357,8 @@ def _curves(jobs, c: dict) -> dict:
                             f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
     tol = f"atol {atol:g}" + (f" + rtol {rtol:g}" if rtol else "")
     head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
-    if failures:
-        return {"check": c, "passed": False, "message": head + ": " + "; ".join(failures), "max_abs_diff": worst}
-    top = max(worst.values()) if worst else 0.0
-    return {"check": c, "passed": True, "message": f"{head}: largest |diff| {top:.2e}", "max_abs_diff": worst}
+    tail = "; ".join(failures) if failures else f"largest |diff| {max(worst.values(), default=0.0):.2e}"
+    return {"check": c, "passed": not failures, "message": f"{head}: {tail}", "max_abs_diff": worst}
 
 
 def _bound_ok(v, c: dict) -> bool:
@@ -462,8 +410,6 @@ def _memory(jobs, c: dict) -> dict:
     return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
             "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
 
-
-# ---------------------------------------------------------------------------------- command line
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=__doc__.split("\n\n")[0],

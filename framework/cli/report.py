@@ -3,13 +3,9 @@
     python -m framework.report multirun/2026-12-01/10-00-00            # writes report.md + PNGs there
     python -m framework.report multirun/2026-12-01/10-00-00 --out docs/  # or somewhere else
 
-Every job folder under the given one (any depth) that holds a ``summary.json`` is a row: its
-overrides (Hydra's ``.hydra/overrides.yaml``), final train and validation loss, tokens/s and the
-measured peak memory per rank (``peak_memory_per_rank``: peak RSS and what the job added over the
-RSS it started with; on CUDA the allocator's peaks). A job folder with overrides but no summary
-(failed, or still running) is listed as such. Plots: ``loss.png`` (train loss per logged step,
-validation loss as markers, one colour per job) and ``throughput_memory.png`` (tokens/s and peak
-memory per job). Needs matplotlib (``pip install 'framework[report]'``).
+Every job folder under the given one (any depth) with a ``summary.json`` or Hydra's overrides is a
+row (one without a summary failed or is running); ``loss.png`` and ``throughput_memory.png`` plot
+the losses, tokens/s and measured peak memory. Needs matplotlib (``pip install 'framework[report]'``).
 """
 from __future__ import annotations
 
@@ -46,16 +42,15 @@ class Job:
 
     def peak(self, key: str = "peak_rss_bytes") -> int | None:
         """The largest measured value of ``key`` over the job's ranks."""
-        ranks = (self.summary or {}).get("peak_memory_per_rank") or []
-        vals = [r[key] for r in ranks if key in r]
-        return max(vals) if vals else None
+        return max((r[key] for r in self._ranks() if key in r), default=None)
 
     def added(self) -> int | None:
         """The most any rank's resident set grew over what it held when the job started."""
-        ranks = (self.summary or {}).get("peak_memory_per_rank") or []
-        vals = [max(0, r["peak_rss_bytes"] - r["rss_start_bytes"]) for r in ranks
-                if "peak_rss_bytes" in r and "rss_start_bytes" in r]
-        return max(vals) if vals else None
+        return max((max(0, r["peak_rss_bytes"] - r["rss_start_bytes"]) for r in self._ranks()
+                    if "peak_rss_bytes" in r and "rss_start_bytes" in r), default=None)
+
+    def _ranks(self) -> list[dict]:
+        return (self.summary or {}).get("peak_memory_per_rank") or []
 
 
 def _natural(path: Path) -> list:
@@ -137,6 +132,13 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.set_layout_engine("constrained")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     """Train loss per logged step (lines) and validation loss (markers), one colour per job."""
     plt = _pyplot()
@@ -156,10 +158,7 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.set_layout_engine("constrained")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
@@ -187,10 +186,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     b.legend(fontsize=7)
     for ax in (a, b):
         ax.grid(axis="x", alpha=0.3)
-    fig.set_layout_engine("constrained")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
@@ -254,10 +250,7 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
         b.legend(fontsize=7)
     for ax in (a, b):
         ax.grid(alpha=0.3)
-    fig.set_layout_engine("constrained")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def measured_memory(j: Job) -> int:
@@ -299,10 +292,7 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
     ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
     sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
     sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
-    fig.set_layout_engine("constrained")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def write_report(root: Path, out: Path | None = None, *, title: str | None = None) -> dict:

@@ -9,10 +9,8 @@
     python -m framework.train ds_config=ds.json --cfg job      # print the resolved config
     python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
-Flow: compose and check every job's config (one line per error, before any run folder or
-process exists) -> Hydra makes the run folder -> launch (1 process, spawned ranks or torchrun)
-with that config -> build -> loop. A job's config is composed once per process: the job and
-the ranks it spawns receive it rather than composing it again.
+Every job's config is composed and checked once, before any run folder or process exists; Hydra
+then makes the run folder and the job (and the ranks it spawns) receives that config.
 """
 from __future__ import annotations
 
@@ -43,7 +41,10 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
           ("--config-dir", "-cd"), ("--experimental-rerun",))
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
+    """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
+    Hydra's info flags and for a command line Hydra will refuse) and the primary config they apply
+    to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
     for names in SWITCHES:
@@ -51,14 +52,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for names in VALUED:
         parser.add_argument(*names)
     parser.add_argument("--info", "-i", nargs="?", const="all")
-    return parser.parse_known_args(argv)
-
-
-def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
-    """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
-    Hydra's info flags and for a command line Hydra will refuse) and the primary config they apply
-    to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
-    args, unknown = _parse(argv)
+    args, unknown = parser.parse_known_args(argv)
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     if unknown:
         return None, primary
@@ -92,7 +86,7 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     print(OmegaConf.to_yaml(node), end="")
 
 
-def _app(configs: dict[tuple[str, ...], Config]) -> Callable[[], None]:
+def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function."""
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
@@ -107,21 +101,21 @@ def _app(configs: dict[tuple[str, ...], Config]) -> Callable[[], None]:
                       group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None)
         try:
-            return launch(config, run)["val_loss"]
+            return launch(config, run, on_point)["val_loss"]
         except FrameworkError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
     return job
 
 
-def main() -> None:
+def main(on_point: Callable[[str], None] | None = None) -> None:
+    """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
         jobs, primary = _jobs(sys.argv[1:])
         configs = {}
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            config = compose(overrides, **primary)
-            configs[_key(overrides)] = config
+            configs[_key(overrides)] = compose(overrides, **primary)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _app(configs)()
+    _app(configs, on_point)()

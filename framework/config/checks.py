@@ -4,6 +4,7 @@ the combination of stage and offload. Values are typed by OmegaConf, or without 
 ``framework.config.plainconf``."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import typing
@@ -22,12 +23,6 @@ from framework.config import plainconf
 from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
-
-
-def _schema_keys(node: Any) -> Any:
-    if isinstance(node, Mapping) and "async" in node:
-        node = {("async_" if k == "async" else k): v for k, v in node.items()}
-    return node
 
 
 def _check_keys(node: Any, schema: type, prefix: str) -> None:
@@ -61,7 +56,6 @@ def _typed(node: Mapping, schema: type, prefix: str) -> Any:
 def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     """Check a composed config against the schemas; return the typed, frozen Config."""
     if OmegaConf is None:
-        import copy
         raw = copy.deepcopy(dict(cfg))
         raw.pop("hydra", None)
     else:
@@ -76,8 +70,9 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if key not in roots:
             raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
                               f"valid top-level keys: {', '.join(roots)}")
-    if "checkpoint" in raw:
-        raw["checkpoint"] = _schema_keys(raw["checkpoint"])
+    ckpt = raw.get("checkpoint")
+    if isinstance(ckpt, Mapping) and "async" in ckpt:   # the schema's field is async_ (a Python keyword)
+        raw["checkpoint"] = {("async_" if k == "async" else k): v for k, v in ckpt.items()}
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:
@@ -98,8 +93,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     if check is not None:
         nodes["offload"] = check(nodes["offload"], chosen["stage"])
     return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
-                  ds_config=root.ds_config,
-                  ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
+                  ds_config=root.ds_config, ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere

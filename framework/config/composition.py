@@ -36,12 +36,9 @@ def have_hydra() -> bool:
 
 def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
                         config_name: str = "train") -> tuple[DictConfig, dict[str, str]]:
-    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app).
-
-    ``config_dir``/``config_name`` select another primary config, as ``--config-dir`` and
-    ``--config-name`` do on the command line (a recipe's ``config.yaml``, which lists ``train`` in
-    its defaults); conf/ stays on the search path so its groups resolve.
-    """
+    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app); ``config_dir`` and
+    ``config_name`` select another primary config as ``--config-dir``/``--config-name`` do (a
+    recipe's), with conf/ kept on the search path so its groups resolve."""
     if not have_hydra():
         return plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
     primary, extra = str(conf_dir()), []
@@ -115,7 +112,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                    composer: Composer = standalone_composer) -> tuple[DictConfig, Config]:
     """compose(), also returning the final composed DictConfig (``--cfg job`` prints it)."""
     cli = CommandLine.parse(overrides)
-    check_choices(cli)
+    for group in cli.named:   # an unknown name: one line naming the closest, before Hydra's search path
+        registry(group).get(cli.choices[group])
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
@@ -163,13 +161,7 @@ def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
     """``cfg`` (Hydra's DictConfig, or the plain composer's tree) with each dotted key set."""
     if isinstance(cfg, dict):   # the plain composer's tree
         for key, value in values.items():
-            *path, last = key.split(".")
-            node = cfg
-            for part in path:
-                if not isinstance(node.get(part), dict):
-                    node[part] = {}
-                node = node[part]
-            node[last] = value
+            plainconf.set_key(cfg, plainconf.Override("++", key, value))
         return cfg
     from omegaconf import OmegaConf
 
@@ -234,13 +226,6 @@ class CommandLine:
             else:
                 keys.add(key)
         return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted))
-
-
-def check_choices(cli: "CommandLine") -> None:
-    """A group choice that names no component: the same one line as an unknown key (the closest
-    name and the valid ones), before Hydra would print its search path."""
-    for group in cli.named:
-        registry(group).get(cli.choices[group])   # ConfigError: unknown <group> 'x' (did you mean 'y'?); available: ...
 
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:

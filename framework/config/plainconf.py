@@ -1,12 +1,7 @@
-"""Composing and typing configs without Hydra or OmegaConf (machines that lack them, such as a
-GPU image with only torch's stack; the command line itself needs Hydra).
-
-``compose()`` uses this module when Hydra cannot be imported: the same conf/ files, the same
-override spellings that library and benchmark code use (``group=name``, ``+stage=name``,
-``key.path=value``, ``++key=value``, ``~key``), the same validation afterwards
-(``config.validate``), so a typo is still one line naming the closest key. Not supported:
-interpolations (``${...}``), ``--config-dir`` primaries and Hydra's sweep syntax; each is an
-error that says so.
+"""Composing and typing configs without Hydra or OmegaConf (a GPU image with only torch's stack;
+the command line itself needs Hydra): the same conf/ files and override spellings that library
+code uses (``group=name``, ``+stage=name``, ``key.path=value``, ``++key=value``, ``~key``), then the
+same ``validate``. Interpolations, ``--config-dir`` and sweeps are errors saying they need Hydra.
 """
 from __future__ import annotations
 
@@ -138,7 +133,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     for o in parsed:
         if o.is_choice or o.key.split(".")[0] == "hydra":
             continue
-        _apply(tree, o)
+        set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
 
 
@@ -150,7 +145,7 @@ def _merge(dst: dict, src: Mapping) -> None:
             dst[k] = v
 
 
-def _apply(tree: dict, o: Override) -> None:
+def set_key(tree: dict, o: Override) -> None:
     *path, last = o.key.split(".")
     node = tree
     for part in path:
@@ -197,20 +192,16 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
         raise errors[0]
     if v is None:
         raise ConfigError(f"config: {key}: field '{key}' is not Optional")
-    if dataclasses.is_dataclass(hint):
+    if dataclasses.is_dataclass(hint) or origin is dict or hint is dict:
         if not isinstance(v, Mapping):
             raise ConfigError(f"config: {key} must be a mapping, got {v!r}")
-        return typed(v, hint, f"{key}.")
+        return typed(v, hint, f"{key}.") if dataclasses.is_dataclass(hint) else dict(v)
     if origin in (list, tuple) or hint in (list, tuple):
         if not isinstance(v, (list, tuple)):
             raise ConfigError(f"config: {key}: Invalid value assigned: {type(v).__name__} is not a ListConfig, "
                               f"list or tuple.")
         inner = args[0] if args else Any
         return [_convert(x, inner, f"{key}[{i}]") for i, x in enumerate(v)]
-    if origin is dict or hint is dict:
-        if not isinstance(v, Mapping):
-            raise ConfigError(f"config: {key} must be a mapping, got {v!r}")
-        return dict(v)
     if hint is bool:
         if isinstance(v, bool):
             return v
@@ -229,9 +220,7 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
             except ValueError:
                 pass
     elif hint is str:
-        if isinstance(v, (str, int, float)) and not isinstance(v, bool):
-            return str(v)
-        if isinstance(v, bool):
+        if isinstance(v, (str, int, float)):   # bool too, as OmegaConf does
             return str(v)
     else:
         return v

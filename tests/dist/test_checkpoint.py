@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import framework
-from framework.cli.loop import fault
 from framework.persist.checkpoint import Checkpointer, CheckpointError
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
+from tests._fault_train import fault
 from tests._helpers import OverflowAt, build_gpt, tiny_config
 from tests.dist.test_layout import assemble
 
@@ -67,7 +67,7 @@ def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_
                     loss.step = state.step
                 state, m = engine.train_step(state, batch)
                 losses.append(m["loss"])
-                fault(f"step:{state.step}", dist.rank)  # as framework.cli.loop does (fault tests)
+                fault(f"step:{state.step}", dist.rank)  # as framework.cli.loop's on_point (fault tests)
                 ckpt.maybe_save(state)
         finally:
             ckpt.close()

@@ -1,7 +1,8 @@
 """Fault tests of checkpointing: kills during the save protocol, a rank lost mid-step, restarts.
 
 Ranks here are real processes that die with ``os._exit`` (the FRAMEWORK_FAULT test hook of
-framework.cli.loop, which tests.dist.test_checkpoint also hands each save as its ``on_point``):
+tests/_fault_train.py, which tests.dist.test_checkpoint calls after each step and hands each save
+as its ``on_point``; torchrun runs that script, which passes it to the loop as ``on_point``):
 forked from a forkserver that has torch and framework imported, so a 2-rank launch costs a
 fraction of a second instead of two interpreter starts. The relaunch
 resumes in the shared 2-rank pool and is compared with an uninterrupted run there.
@@ -151,7 +152,7 @@ CLI = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32"
 
 
 def _torchrun(args, ckpt, run_dir, env=None, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "framework.train", *CLI,
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args, "-m", "tests._fault_train", *CLI,
            f"checkpoint.dir={ckpt}", f"hydra.run.dir={run_dir}"]
     # Restarts reuse torchrun's shared TCP store, whose keys from the failed attempt break the
     # new gloo mesh (pytorch/pytorch#135712); a store per attempt avoids it.
@@ -193,7 +194,7 @@ def test_two_torchrun_agents_then_one_node(tmp_path):
     env = {"FRAMEWORK_FAULT": "step:3@0"}  # both agents stop after step 3, step 2 saved
     cmd_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *args, "--node-rank", str(n),
-                               "-m", "framework.train", *CLI, f"checkpoint.dir={tmp_path / 'ck'}",
+                               "-m", "tests._fault_train", *CLI, f"checkpoint.dir={tmp_path / 'ck'}",
                                f"hydra.run.dir={tmp_path / f'n{n}'}"], cwd=ROOT, env=cmd_env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     for p in procs:

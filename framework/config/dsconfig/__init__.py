@@ -1,29 +1,14 @@
-"""DeepSpeed JSON configs, mapped onto the composed config.
+"""DeepSpeed JSON configs, mapped onto the composed config (semantics: docs/deepspeed.md).
 
     python -m framework.train ds_config=ds_zero2.json train.steps=100     # the file, then overrides
     framework.initialize(model, loss_fn, ds_config="ds_zero3.json")         # or a dict
 
-Precedence: our defaults and YAML < the DeepSpeed file < command-line overrides. What the
-DeepSpeed engine itself decides follows DeepSpeed's defaults for keys a file leaves out
-(``gradient_clipping`` absent means no clipping; an ``optimizer`` section without
-``weight_decay`` means 0); what DeepSpeed leaves to its client (the model, the data, an optimizer
-or scheduler the file does not name) follows our config. "auto" values are filled by Hugging
-Face's two-phase rules: phase 1 from the run's config (batch sizes, optimizer hyper-parameters,
-gradient clipping, fp16/bf16), phase 2 from the model's hidden size and the step count. Where
-the file states a value that the run also derives (the batch product, the warm-up peak against
-the optimizer's lr, the schedule length against ``train.steps``, a group chosen on the command
-line), the two must match; all mismatches are reported together. An "auto" no rule fills is an
-error.
-
-Strictness: an unknown key close to a known one is an error naming both; a key that resembles
-nothing DeepSpeed knows is listed in one warning (``ds_config_strict=true`` makes it an error);
-deprecated aliases are accepted with a warning naming the new key; DeepSpeed features not
-implemented here are errors saying so; keys that change nothing here are listed once.
-
-The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections in
-``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
-and settings without composing anything; ``resolve`` (``_resolve``) fills "auto" and checks
-against the run's config.
+Precedence: our defaults and YAML < the DeepSpeed file < the command line; keys a file leaves out
+follow DeepSpeed's defaults where DeepSpeed's engine decides, our config where it leaves them to
+its client. The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections
+in ``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
+and settings; ``resolve`` (``_resolve``) fills "auto" by Hugging Face's rules and checks the values
+the file states against the ones the run derives, reporting every mismatch together.
 """
 from __future__ import annotations
 

@@ -70,15 +70,12 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             settings["precision." + k.split(".", 1)[1]] = s
     else:
         inert += [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
-    comm_setting = settings.pop("_comm_dtype", None)
-    if comm_setting is not None:
-        comm = comm_setting.value
-        want = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}.get(comm)
-        native = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}[precision]
-        if precision == "bf16" and want in ("fp32", "bf16"):
-            settings["precision.reduce_fp32"] = Setting(want == "fp32", "communication_data_type", DS_FILE)
-        elif want != native:
-            mismatches.append(f"communication_data_type={comm} with precision={precision}: only {native}"
+    comm = settings.pop("_comm_dtype", None)
+    if comm is not None:
+        if precision == "bf16" and comm.value in ("fp32", "bf16"):
+            settings["precision.reduce_fp32"] = Setting(comm.value == "fp32", "communication_data_type", DS_FILE)
+        elif comm.value != precision:
+            mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
     for key, s in settings.items():

@@ -28,8 +28,7 @@ def precision(tr: Translator, top: dict) -> None:
         # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
         # section that says false (not absent) contradicts a run in that precision.
         stated = {"fp16": None if fp16 is None else on16, "bf16": None if bf16 is None else onbf}
-        tr.set("_precision_auto", stated,
-               "fp16.enabled / bf16.enabled", rule="precision")
+        tr.set("_precision_auto", stated, "fp16.enabled / bf16.enabled", rule="precision")
     elif fp16 is not None or bf16 is not None:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     if fp16 is not None:
@@ -139,8 +138,7 @@ def scheduler(tr: Translator, node: Any) -> None:
                      "implemented here (the step is part of the train state); remove it")
         else:
             tr.inert("scheduler.params.last_batch_iteration", "-1: a fresh schedule")
-    rules = {"warmup_min_lr": "warmup_min_lr", "warmup_max_lr": "warmup_max_lr",
-             "warmup_num_steps": "warmup_num_steps", "total_num_steps": "total_num_steps"}
+    rules = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")   # "auto" fills these
     for key, default in defaults.items():
         ds_key = f"scheduler.params.{key}"
         if key not in params:
@@ -153,7 +151,7 @@ def scheduler(tr: Translator, node: Any) -> None:
         kind = {"warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str"}.get(key, "float")
         v = tr.typed(params[key], kind, ds_key, auto_ok=key in rules)
         if v is not None:
-            tr.set(f"scheduler.{key}", v, ds_key, rule=rules.get(key, "") if v == AUTO else "")
+            tr.set(f"scheduler.{key}", v, ds_key, rule=key if v == AUTO else "")
 
 
 def _type(tr: Translator, node: dict, section: str, have: Mapping, missing: Mapping[str, str],

@@ -50,7 +50,6 @@ class Translator:
     def __init__(self) -> None:
         self.t = Translation()
 
-    # helpers --------------------------------------------------------------------------------
     def error(self, msg: str) -> None:
         self.t.errors.append(msg)
 
@@ -118,7 +117,6 @@ class Translator:
             self.error(f"{ds_key} must be {want}, got {json.dumps(value)}")
         return ok
 
-    # sections -------------------------------------------------------------------------------
     def run(self, ds: dict) -> Translation:
         top = self.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
         if "bfloat16" in top:

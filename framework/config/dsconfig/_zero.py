@@ -182,8 +182,8 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
             if "nvme_path" in sec and dev != "none":
                 tr.inert(f"{p}{name}.nvme_path", "device cpu")
     both("pin_memory", "bool")
+    why = "device cpu: NVMe buffers"
     if od != "none":
-        why = "device cpu: NVMe buffers"
         one(o, "offload_optimizer", "ratio", "ratio", "float", True, "")
         one(o, "offload_optimizer", "buffer_count", "buffer_count", "int", nvme, why)
         one(o, "offload_optimizer", "pipeline_read", "pipeline_read", "bool", nvme, why)
@@ -199,7 +199,6 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
-        why = "device cpu: NVMe buffers"
         one(q, "offload_param", "buffer_count", "param_buffer_count", "int", nvme, why)
         one(q, "offload_param", "buffer_size", "param_buffer_size", "int", nvme, why)
         one(q, "offload_param", "max_in_cpu", "max_in_cpu", "int", nvme, why)
