@@ -18,6 +18,12 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(v)
 
 
+def few(items, n: int = 5, show=repr) -> str:
+    """The first ``n`` of ``items`` for a message, then how many more there are."""
+    items = list(items)
+    return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

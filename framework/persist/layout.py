@@ -18,6 +18,7 @@ from framework.core.errors import FrameworkError
 from framework.engine.state import FORMAT, TrainState, dynamic_loss_scale, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
+from framework.core.utils import few
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             frags += entry["fragments"]
     extra = sorted(set(index) - set(names))
     if extra:
-        shown = ", ".join(map(repr, extra[:5])) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {shown}")
+        raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {few(extra)}")
     plans: list[list] = [[] for _ in specs]  # per piece: (holding, fragments, cover) of each holding
     for p, h in StateLayout.of(specs, rank=rank, world=world).mine():
         if p.name not in index:

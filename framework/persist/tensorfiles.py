@@ -19,6 +19,7 @@ import torch
 from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.units import MiB
+from framework.core.utils import few
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -106,7 +107,7 @@ class SafetensorsSource(WeightsSource):
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
                 raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
-                                  f"files: {short(missing)}")
+                                  f"files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
             raise
@@ -157,7 +158,7 @@ class StateDictSource(WeightsSource):
                               f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
         bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
         if bad is None or bad:
-            what = type(sd).__name__ if bad is None else f"non-tensor entries {short(bad)}"
+            what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"
             raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
                               f"(e.g. model.state_dict())")
         self._sd = sd
@@ -190,7 +191,7 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         files = {name: path.parent / f for name, f in weight_map.items()}
         absent = sorted({str(f) for f in files.values() if not f.is_file()})
         if absent:
-            raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {short(absent)}")
+            raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {few(absent, 20, str)}")
         return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
     if path.suffix == ".safetensors":
         return SafetensorsSource([path], str(path))
@@ -308,9 +309,6 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
     return paths
 
 
-def short(items: Sequence[str], n: int = 20) -> str:
-    shown = ", ".join(items[:n])
-    return shown + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 if sys.byteorder != "little":  # safetensors stores little-endian bytes; tensors are written as they lie

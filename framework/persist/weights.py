@@ -27,7 +27,8 @@ from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (INDEX, SINGLE, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, parse_size, plan_files, short, write_at)
+                                           open_weights, parse_size, plan_files, write_at)
+from framework.core.utils import few
 
 __all__ = ["INDEX", "SINGLE", "WeightsSource", "create_files", "finish_files", "load_weights", "open_weights",
            "parse_size", "plan_files", "save_on_model_save", "save_pretrained", "save_weights", "targets", "write_at"]
@@ -127,11 +128,11 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     unexpected = sorted(available - known)
     problems = []
     if strict and missing:
-        problems.append(f"missing {len(missing)}: {short(missing)}")
+        problems.append(f"missing {len(missing)}: {few(missing, 20, str)}")
     if strict and unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {short(unexpected)}")
+        problems.append(f"unexpected {len(unexpected)}: {few(unexpected, 20, str)}")
     if mismatched:
-        problems.append(f"mismatched {len(mismatched)}: {short(mismatched)}")
+        problems.append(f"mismatched {len(mismatched)}: {few(mismatched, 20, str)}")
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from framework.core.errors import ConfigError, TrainingError
+from framework.core.utils import few
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,7 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
         if cfg.hysteresis == 1 or hyst == 1:
             if scale <= cfg.min_loss_scale:
                 names = list(culprits())
-                shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+                shown = few(names, 8, str)
                 raise TrainingError(
                     f"fp16 loss scale is at min_loss_scale={cfg.min_loss_scale:g} and gradients still overflow "
                     f"at step {st.cur_iter} (non-finite gradients in: {shown or 'unknown'}); after "

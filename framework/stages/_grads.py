@@ -20,7 +20,7 @@ from torch import nn
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import TrainingError
 from framework.core.footprint import Footprint
-from framework.core.utils import tensor_bytes
+from framework.core.utils import few, tensor_bytes
 from framework.stages._reduce import Bucket, OrderedLauncher
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name
@@ -33,7 +33,7 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
         return
     for p, _ in entries:
         p.grad = None
-    shown = ", ".join(repr(n) for n in stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
+    shown = few(stray, 4)
     raise TrainingError(
         f"{stage}: {shown} already had a gradient when train_step started its backward pass: loss_fn ran a "
         f"backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "

@@ -24,8 +24,6 @@ def glue():
     return _dcp
 
 
-def few(items: list[str]) -> str:
-    return ", ".join(map(repr, items[:5])) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
 
 
 class Group:

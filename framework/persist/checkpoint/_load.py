@@ -14,9 +14,10 @@ import torch
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
-from framework.persist.checkpoint._group import Group, agree_load, causes, describe, few, glue
+from framework.persist.checkpoint._group import Group, agree_load, causes, describe, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
 from framework.persist.layout import StateLayout, flat_pieces, load_state_dict
+from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
 OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"

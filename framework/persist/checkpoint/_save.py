@@ -23,7 +23,8 @@ from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
 from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
-from framework.persist.checkpoint._group import Group, agree_save, few, glue
+from framework.persist.checkpoint._group import Group, agree_save, glue
+from framework.core.utils import few
 from framework.persist.layout import StateLayout, flat_pieces
 from framework.persist.weights import save_on_model_save
 
