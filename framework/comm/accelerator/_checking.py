@@ -1,6 +1,6 @@
 """The checking CPU accelerator: runs on the CPU like the plain one, but raises where CUDA would
 go wrong and a CPU run would not notice (each check is proven by a mutation in
-``tests/_mutations.py``):
+``framework/cli/mutations.py``):
 
 - placement: host buffers are those made by ``empty_host``, everything else is device memory;
   either one where the other is expected, or a ``non_blocking`` copy with a pageable host side,
