@@ -173,16 +173,14 @@ def _opt_bytes_per_element(cfg) -> list[int]:
 
 def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int]]], buffer_count: int,
                 pool: str, file: str, bounce: int = 0) -> None:
-    """A swap file and its host pool as ``offload``'s disk store lays them out: every tensor of an
-    entry (``(swapped, scratch)`` byte counts) padded to the file's block, slots as large as the
-    largest entry, never more slots than entries, plus the bounce buffer of read-only tensors."""
-    from framework.offload import padded
+    """A swap file and its host pool, sized as ``offload``'s disk store sizes them (``pool_layout``),
+    plus the bounce buffer of the swapped gradients."""
+    from framework.offload import pool_layout
 
-    if not entries:
-        return
-    slot = max(sum(padded(b) for b in (*swapped, *scratch)) for swapped, scratch in entries)
-    pred.add(pool, host=min(buffer_count, len(entries)) * slot + bounce)
-    pred.add_disk(file, sum(padded(b) for swapped, _ in entries for b in swapped))
+    if entries:
+        slot, slots, nbytes = pool_layout(entries, buffer_count)
+        pred.add(pool, host=slots * slot + bounce)
+        pred.add_disk(file, nbytes)
 
 
 def _padded(numel: int, world: int) -> int:

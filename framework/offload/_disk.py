@@ -14,7 +14,7 @@ from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._diskstore import DiskStore
+from framework.offload._diskstore import DiskStore, pool_layout
 from framework.offload._gradswap import GradSwap, Spill, read_into
 from framework.offload._room import agree_swap_room
 from framework.offload._store import Tier
@@ -136,7 +136,7 @@ class DiskPlacement(NVMePlacement):
         preflight(self.folder(), total, slot, slot, self.spec.buffer_count, min_buffer_count=self.spec.buffer_count,
                   create=True)
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
-        store.buffer_count = min(self.spec.buffer_count, len(store.entries))
+        store.buffer_count = pool_layout(store.sizes(), self.spec.buffer_count)[1]
         self.check_ram(store.buffer_count * slot + store.bounce_bytes(), "")
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
@@ -295,7 +295,7 @@ class DiskShards(HostShards):
                   count_key="offload.param_buffer_count", create=True)
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
-        store.buffer_count = min(spec.param_buffer_count, spec.max_in_cpu // largest, len(store.entries))
+        store.buffer_count = pool_layout(store.sizes(), min(spec.param_buffer_count, spec.max_in_cpu // largest))[1]
         if store.buffer_count == 1 < len(store.entries):
             # A slot is reused only once its last copy to the device has finished (polled, see
             # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.

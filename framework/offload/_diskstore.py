@@ -21,6 +21,15 @@ def _padded_bytes(t: torch.Tensor) -> int:
     return padded(t.numel() * t.element_size())
 
 
+def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int]]], buffer_count: int) -> tuple[int, int, int]:
+    """(slot bytes, slots, file bytes) of a store holding ``entries``, each the byte sizes of its
+    swapped and scratch tensors: every tensor padded to the file's block, a slot as large as the
+    largest entry, never more slots than entries; only swapped tensors are in the file. The store
+    and the estimator (``framework.memory``) both size pools with it."""
+    slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch in entries), default=0)
+    return slot, min(buffer_count, len(entries)), sum(padded(n) for swapped, _ in entries for n in swapped)
+
+
 @dataclass
 class _Entry:
     """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
@@ -98,8 +107,13 @@ class DiskStore:
         """Swap file extents (padded bytes), one per swapped tensor."""
         return {f"{k}.{j}": _padded_bytes(t) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
 
+    def sizes(self) -> list[tuple[list[int], list[int]]]:
+        """Byte sizes of each entry's swapped and scratch tensors (``pool_layout``'s input)."""
+        return [([t.numel() * t.element_size() for t in e.swapped], [t.numel() * t.element_size() for t in e.scratch])
+                for e in self.entries.values()]
+
     def slot_bytes(self) -> int:
-        return max((e.footprint for e in self.entries.values()), default=0)
+        return pool_layout(self.sizes(), self.buffer_count)[0]
 
     def open(self, file, io, pool: torch.Tensor) -> None:
         """Start swapping: ``file`` (a ``SwapFile`` of ``extents()``), ``io`` (an ``AsyncIO``), ``pool``
