@@ -76,7 +76,7 @@ class SyntheticSource(RowSource):
 
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
         # Every rank draws the whole batch's uniforms (cheap) and simulates only its rows.
-        return self.sample(torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64)[rows])
+        return self.sample(torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64, device="cpu")[rows])
 
     def describe(self) -> dict:
         return {"source": "synthetic", "vocab_size": self.vocab_size,

@@ -153,7 +153,7 @@ def test_prediction_matches_measured_memory(overrides, world):
 
 
 def test_nvme_prediction_puts_state_on_disk():
-    # offload=nvme with CONTRACTS A's keys (params: auto is nvme under zero3).
+    # offload=nvme with its default keys (params: auto is nvme under zero3).
     base = ["model=gpt-mini", "+stage=zero3", "logger=none"]
     cpu = predict(compose([*base, "offload=cpu"]), 2)
     pred = predict(compose([*base, "offload=nvme", "offload.sub_group_size=1000000",
