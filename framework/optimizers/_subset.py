@@ -14,28 +14,25 @@ from torch import Tensor
 from framework.optimizers._transforms import GradientTransformation, step
 
 
-def _is_group_list(x: Any, n: int) -> bool:
-    return isinstance(x, list) and len(x) == n and all(isinstance(t, Tensor) for t in x)
+def _zip_map(n: int, on_groups: Callable[..., Any], on_scalars: Callable[..., Any], *states: Any) -> Any:
+    """States of one layout walked together: ``on_groups(*lists)`` at each per-group tensor list
+    (``n`` tensors), ``on_scalars(*leaves)`` at every other leaf, the tuples (named or not) rebuilt."""
+    first = states[0]
+    if isinstance(first, list) and len(first) == n and all(isinstance(t, Tensor) for t in first):
+        return on_groups(*states)
+    if isinstance(first, tuple):
+        items = [_zip_map(n, on_groups, on_scalars, *parts) for parts in zip(*states, strict=True)]
+        return type(first)(*items) if hasattr(first, "_fields") else tuple(items)
+    return on_scalars(*states)
 
 
-def _map_groups(state: Any, n: int, fn: Callable[[list[Tensor]], list[Tensor]]) -> Any:
-    """``state`` with every per-group tensor list replaced by ``fn(list)``."""
-    if _is_group_list(state, n):
-        return fn(state)
-    if isinstance(state, tuple):
-        items = [_map_groups(s, n, fn) for s in state]
-        return type(state)(*items) if hasattr(state, "_fields") else tuple(items)
+def _keep(state: Any) -> Any:
     return state
 
 
 def merge_scalars(full: Any, new: Any, n: int) -> Any:
     """``full``'s per-group tensors (updated in place) with ``new``'s scalar leaves (step counts)."""
-    if _is_group_list(full, n):
-        return full
-    if isinstance(full, tuple):
-        items = [merge_scalars(f, s, n) for f, s in zip(full, new, strict=True)]
-        return type(new)(*items) if hasattr(new, "_fields") else tuple(items)
-    return new
+    return _zip_map(n, lambda f, s: f, lambda f, s: s, full, new)
 
 
 def init_groups(tx: GradientTransformation, params: Sequence[Tensor], groups: set[int]) -> Any:
@@ -46,13 +43,8 @@ def init_groups(tx: GradientTransformation, params: Sequence[Tensor], groups: se
 def merge_groups(states: Sequence[Any], owner: Sequence[int]) -> Any:
     """One state from several over the same groups: group ``i``'s tensors from ``states[owner[i]]``,
     scalar leaves from the first (every ``init`` makes the same ones)."""
-    n, first = len(owner), states[0]
-    if _is_group_list(first, n):
-        return [states[owner[i]][i] for i in range(n)]
-    if isinstance(first, tuple):
-        items = [merge_groups([s[j] for s in states], owner) for j in range(len(first))]
-        return type(first)(*items) if hasattr(first, "_fields") else tuple(items)
-    return first
+    return _zip_map(len(owner), lambda *lists: [lists[o][i] for i, o in enumerate(owner)],
+                    lambda *leaves: leaves[0], *states)
 
 
 def replace_groups(state: Any, n: int, groups: Mapping[int, Sequence[Tensor]]) -> Any:
@@ -63,18 +55,13 @@ def replace_groups(state: Any, n: int, groups: Mapping[int, Sequence[Tensor]]) -
         j = next(lists)
         return [groups[i][j] if i in groups else t for i, t in enumerate(ts)]
 
-    return _map_groups(state, n, swap)
+    return _zip_map(n, swap, _keep, state)
 
 
 def group_state(state: Any, n: int, i: int) -> list[Tensor]:
     """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
     out: list[Tensor] = []
-
-    def take(ts: list[Tensor]) -> list[Tensor]:
-        out.append(ts[i])
-        return ts
-
-    _map_groups(state, n, take)
+    _zip_map(n, lambda ts: out.append(ts[i]), _keep, state)
     return out
 
 
@@ -88,7 +75,7 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:
         return [t if i in grads else t.reshape(-1)[:0] for i, t in enumerate(ts)]
 
-    sub = _map_groups(state, n, only)
+    sub = _zip_map(n, only, _keep, state)
     new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
                sub, only(params), lr, None if out16 is None else only(out16))
     return merge_scalars(state, new, n)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from framework.optimizers._transforms import (
-    GradientTransformation, add_decayed_weights, chain, check_beta, check_common,
-    cpu_fused, effective_mask, fused_adam, fused_dispatch, require, scale_by_adam, scale_by_lr)
+import torch
+from torch import Tensor
+
+from framework.optimizers._transforms import GradientTransformation, ScaleByAdamState, check, optimizer, scale_by_adam
 from framework.core.registry import Component
 
 
@@ -22,24 +23,33 @@ class AdamConfig:
     bias_correction: bool = True
 
 
+def torch_fused(cfg: AdamConfig, decoupled: bool) -> Callable:
+    """torch's fused Adam(W) kernel over the flat groups, in place."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+
+    def fused(grads: list[Tensor], adam: ScaleByAdamState, params: Sequence[Tensor], lr: float,
+              mask: list[bool]) -> None:
+        for decayed in (True, False):
+            idx = [i for i, m in enumerate(mask) if m == decayed]
+            if not idx:
+                continue
+            # The kernel reads the step (for bias correction) as given: torch.optim increments
+            # it before the call, so pass the count this step will have.
+            steps = [torch.full((), float(adam.count + 1), device=params[i].device) for i in idx]
+            kernel([params[i] for i in idx], [grads[i] for i in idx], [adam.mu[i] for i in idx],
+                   [adam.nu[i] for i in idx], [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                   weight_decay=cfg.weight_decay if decayed else 0.0, eps=cfg.eps, amsgrad=False, maximize=False)
+
+    return fused
+
+
 def build_adam(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool) -> GradientTransformation:
-    name = "adamw" if decoupled else "adam"
-    check_common(name, cfg.lr, cfg.weight_decay)
-    check_beta(name, "beta1", cfg.beta1)
-    check_beta(name, "beta2", cfg.beta2)
-    require(cfg.eps >= 0, f"optimizer.eps must be >= 0 for {name}, got {cfg.eps}")
-    mask = effective_mask(decay_mask, cfg.decay_1d)
-    decay = add_decayed_weights(cfg.weight_decay, mask)
-    adam = scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction)
-    # Decoupled decay sits between the Adam direction and -lr: p += -lr * (adam + wd * p).
-    tx = chain(adam, decay, scale_by_lr()) if decoupled else chain(decay, adam, scale_by_lr())
-    index = 0 if decoupled else 1   # where the Adam state sits in the chain
-    cpu = cpu_fused("adam_step", index, cfg.weight_decay, mask, beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps,
-                    decoupled=decoupled, bias_correction=cfg.bias_correction)
+    check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), nonneg=("eps",))
+    hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, decoupled=decoupled, bias_correction=cfg.bias_correction)
     # torch's fused kernel (the CUDA path) always corrects bias.
-    cuda = fused_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, mask, decoupled=decoupled,
-                      index=index) if cfg.bias_correction else None
-    return tx._replace(fused=fused_dispatch(tx.update, cpu, cuda))
+    return optimizer(cfg, decay_mask, scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
+                     decoupled=decoupled, kernel="adam_step", hyper=hyper,
+                     cuda=torch_fused(cfg, decoupled) if cfg.bias_correction else None)
 
 
 def build(cfg: AdamConfig, decay_mask: Sequence[bool]) -> GradientTransformation:

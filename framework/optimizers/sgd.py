@@ -4,9 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from framework.optimizers._transforms import (
-    GradientTransformation, add_decayed_weights, chain, check_common, effective_mask, require,
-    scale_by_lr, trace)
+from framework.core.errors import ConfigError
+from framework.optimizers._transforms import GradientTransformation, check, optimizer, trace
 from framework.core.registry import Component
 
 
@@ -21,15 +20,13 @@ class SGDConfig:
 
 
 def build(cfg: SGDConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
-    check_common("sgd", cfg.lr, cfg.weight_decay)
-    require(cfg.momentum >= 0, f"optimizer.momentum must be >= 0 for sgd, got {cfg.momentum}")
-    require(not cfg.nesterov or (cfg.momentum > 0 and cfg.dampening == 0),
-            "optimizer.nesterov needs momentum > 0 and dampening == 0 for sgd, got "
-            f"momentum={cfg.momentum} dampening={cfg.dampening}")
-    steps = [add_decayed_weights(cfg.weight_decay, effective_mask(decay_mask, cfg.decay_1d))]
-    if cfg.momentum != 0:  # torch keeps no momentum buffer at all when momentum is 0
-        steps.append(trace(cfg.momentum, cfg.dampening, cfg.nesterov))
-    return chain(*steps, scale_by_lr())
+    check("sgd", cfg, nonneg=("momentum",))
+    if cfg.nesterov and not (cfg.momentum > 0 and cfg.dampening == 0):
+        raise ConfigError("optimizer.nesterov needs momentum > 0 and dampening == 0 for sgd, got "
+                          f"momentum={cfg.momentum} dampening={cfg.dampening}")
+    # torch keeps no momentum buffer at all when momentum is 0
+    direction = trace(cfg.momentum, cfg.dampening, cfg.nesterov) if cfg.momentum != 0 else None
+    return optimizer(cfg, decay_mask, direction, decoupled=False)
 
 
 COMPONENT = Component(config=SGDConfig, build=build)
