@@ -13,10 +13,7 @@ class ConstantConfig:
 
 
 def build(cfg: ConstantConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
-    def lr_at(step: int) -> float:
-        return base_lr
-
-    return lr_at
+    return lambda step: base_lr
 
 
 COMPONENT = Component(config=ConstantConfig, build=build)
