@@ -1,6 +1,6 @@
 """Data sources (conf group ``data``): ``synthetic`` (default), ``text``, ``tokens``.
 
-Each module's ``build(cfg, *, seed, context)`` returns a ``DataSource`` (see ``_base``) whose
+Each module's component builds a ``DataSource`` (see ``_base``) from ``(cfg, *, seed, context)``; its
 ``train_batch(position, ...)`` is a pure function of the position, the same rows for any split
 of the global batch over ranks and micro batches. A source's ``vocab_size`` overrides the model's.
 """

@@ -1,4 +1,4 @@
-"""The data-source protocol and the batch layout shared by every source.
+"""The data-source base class and the batch layout shared by every source.
 
 Data is a pure function of a position: the global batch at ``position`` is drawn from a generator
 seeded by ``(seed, position)`` alone, so a restarted run sees exactly the batches it would have
@@ -13,33 +13,19 @@ contiguous block per rank would keep only the union over the whole step).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from framework.core.batch import Batch  # noqa: F401 - re-exported for data sources
-from framework.core.errors import ConfigError, DataError
+from framework.core.batch import Batch
+from framework.core.errors import DataError
 from framework.core.paths import REPO_ROOT
 
 # Independent random streams: training batches, held-out batches, and anything else a
 # source needs (e.g. the synthetic chain itself).
 TRAIN_STREAM, VAL_STREAM, CHAIN_STREAM = 0, 1, 2
 _MASK64 = (1 << 64) - 1
-
-
-@runtime_checkable
-class DataSource(Protocol):
-    vocab_size: int
-
-    def train_batch(self, position: int, *, micro_batch: int, grad_accum: int, rank: int,
-                    world: int) -> Batch: ...
-
-    def val_batches(self, n: int, *, batch: int, rank: int,
-                    world: int) -> list[tuple[Tensor, Tensor]]: ...
-
-    def describe(self) -> dict: ...
 
 
 def _splitmix64(x: int) -> int:
@@ -60,11 +46,6 @@ def seeded(*key: int) -> torch.Generator:
 
 def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Tensor:
     """Global-batch row indices of this rank, micro batch after micro batch (see module doc)."""
-    if micro_batch < 1 or grad_accum < 1 or world < 1:
-        raise ConfigError(f"micro_batch ({micro_batch}), grad_accum ({grad_accum}) and world "
-                          f"({world}) must all be >= 1")
-    if not 0 <= rank < world:
-        raise ConfigError(f"rank {rank} is outside [0, {world})")
     steps = torch.arange(grad_accum).unsqueeze(1)
     return ((steps * world + rank) * micro_batch + torch.arange(micro_batch)).flatten()
 
@@ -86,10 +67,12 @@ def resolve_path(path: str, *, key: str) -> Path:
                     f"point {key} at an existing file, e.g. {key}=/abs/path/to/file")
 
 
-class RowSource:
-    """``train_batch`` and ``val_batches`` of a source whose ``_draw(split, n, gen, rows)`` returns
-    the ``rows`` of a batch of ``n`` sequences of ``context + 1`` tokens drawn from ``gen``."""
+class DataSource:
+    """``train_batch`` and ``val_batches`` of a source whose ``_draw(split, n, gen, rows)`` returns the
+    ``rows`` of a batch of ``n`` sequences of ``context + 1`` tokens drawn from ``gen``; ``describe()``
+    returns what the run's summary says about it."""
 
+    vocab_size: int
     seed: int
     val_key: tuple[int, ...] = ()   # seeds the held-out batches with VAL_STREAM and the batch index
 
@@ -98,8 +81,6 @@ class RowSource:
 
     def train_batch(self, position: int, *, micro_batch: int, grad_accum: int, rank: int,
                     world: int) -> Batch:
-        if position < 0:
-            raise ValueError(f"data position must be >= 0, got {position}")
         rows = rank_rows(micro_batch=micro_batch, grad_accum=grad_accum, rank=rank, world=world)
         seqs = self._draw("train", micro_batch * grad_accum * world, seeded(TRAIN_STREAM, self.seed, position), rows)
         x, y = xy(seqs)
@@ -114,7 +95,7 @@ class RowSource:
         return [xy(self._draw("val", batch * world, seeded(VAL_STREAM, *self.val_key, j), rows)) for j in range(n)]
 
 
-class CropSource(RowSource):
+class CropSource(DataSource):
     """Random crops of ``context + 1`` tokens from flat 1-D integer arrays ``train`` and ``val`` (in
     memory or a memmap: a crop is one fancy index, so a memmap reads only the pages a batch needs)
     of the ``kind`` source read from ``path``."""

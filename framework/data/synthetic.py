@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from framework.data._base import CHAIN_STREAM, RowSource
+from framework.data._base import CHAIN_STREAM, DataSource
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
 
@@ -39,7 +39,7 @@ class SyntheticConfig:
             raise ConfigError(f"data.concentration must be > 0, got {self.concentration}")
 
 
-class SyntheticSource(RowSource):
+class SyntheticSource(DataSource):
     def __init__(self, cfg: SyntheticConfig, *, seed: int, context: int) -> None:
         self.cfg, self.seed, self.context = cfg, seed, context
         self.vocab_size, self.val_key = cfg.vocab_size, (cfg.chain_seed,)
@@ -87,8 +87,4 @@ class SyntheticSource(RowSource):
                 "uniform_loss": math.log(self.vocab_size)}
 
 
-def build(cfg: SyntheticConfig, *, seed: int, context: int) -> SyntheticSource:
-    return SyntheticSource(cfg, seed=seed, context=context)
-
-
-COMPONENT = Component(config=SyntheticConfig, build=build)
+COMPONENT = Component(config=SyntheticConfig, build=SyntheticSource)

@@ -77,8 +77,4 @@ class TextSource(CropSource):
         return "".join(self.chars[int(i)] for i in ids)
 
 
-def build(cfg: TextConfig, *, seed: int, context: int) -> TextSource:
-    return TextSource(cfg, seed=seed, context=context)
-
-
-COMPONENT = Component(config=TextConfig, build=build)
+COMPONENT = Component(config=TextConfig, build=TextSource)

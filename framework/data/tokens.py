@@ -58,8 +58,4 @@ def _meta_vocab(path) -> int:
     return vocab
 
 
-def build(cfg: TokensConfig, *, seed: int, context: int) -> TokensSource:
-    return TokensSource(cfg, seed=seed, context=context)
-
-
-COMPONENT = Component(config=TokensConfig, build=build)
+COMPONENT = Component(config=TokensConfig, build=TokensSource)

@@ -46,7 +46,7 @@ def main(out: Path) -> None:
 
     # The job's validation batches, as one rank of world 1 sees them (the same rows as every rank's together).
     data_cfg = {k: v for k, v in cfg["data"].items() if k != "name"}
-    src = synthetic.build(synthetic.SyntheticConfig(**data_cfg), seed=cfg["seed"], context=cfg["model"]["context"])
+    src = synthetic.SyntheticSource(synthetic.SyntheticConfig(**data_cfg), seed=cfg["seed"], context=cfg["model"]["context"])
     batches = src.val_batches(cfg["train"]["eval_batches"], batch=cfg["train"]["micro_batch"] * summary["world"],
                               rank=0, world=1)
     with torch.no_grad():

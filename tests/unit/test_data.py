@@ -32,12 +32,12 @@ def token_file(tmp_path_factory) -> tuple[Path, np.ndarray]:
 @pytest.fixture(scope="module")
 def sources(token_file) -> dict[str, DataSource]:
     out = {
-        "synthetic": synthetic.build(synthetic.SyntheticConfig(), seed=3, context=16),
-        "tokens": tokens.build(tokens.TokensConfig(path=str(token_file[0]), vocab_size=1000),
+        "synthetic": synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=3, context=16),
+        "tokens": tokens.TokensSource(tokens.TokensConfig(path=str(token_file[0]), vocab_size=1000),
                                seed=3, context=16),
     }
     if (ROOT / SHAKESPEARE).is_file():
-        out["text"] = text.build(text.TextConfig(path=SHAKESPEARE), seed=3, context=16)
+        out["text"] = text.TextSource(text.TextConfig(path=SHAKESPEARE), seed=3, context=16)
     return out
 
 
@@ -71,8 +71,8 @@ def test_batch_shapes_and_determinism(sources):
 
 
 def test_run_seed_changes_train_data_but_not_val():
-    a = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=16)
-    b = synthetic.build(synthetic.SyntheticConfig(), seed=1, context=16)
+    a = synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=0, context=16)
+    b = synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=1, context=16)
     kw = dict(micro_batch=4, grad_accum=1, rank=0, world=1)
     assert not torch.equal(a.train_batch(0, **kw).micro[0][0], b.train_batch(0, **kw).micro[0][0])
     # seed s at position p+1 must not replay seed s+1 at position p
@@ -114,7 +114,7 @@ def test_val_fixed_and_rank_split(sources):
 
 
 def test_synthetic_floor_matches_empirical_nll():
-    src = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=64)
+    src = synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=0, context=64)
     p, pi = src.transition, src.stationary
     torch.testing.assert_close(p.sum(1), torch.ones(64, dtype=torch.float64))
     torch.testing.assert_close(pi @ p, pi)                     # stationary
@@ -133,7 +133,7 @@ def test_synthetic_floor_matches_empirical_nll():
 
 
 def test_synthetic_default_floor():
-    info = synthetic.build(synthetic.SyntheticConfig(), seed=0, context=64).describe()
+    info = synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=0, context=64).describe()
     assert info["entropy_floor"] == pytest.approx(1.9022, abs=1e-4)
     assert {k: info[k] for k in ("vocab_size", "concentration", "chain_seed")} == \
         {"vocab_size": 64, "concentration": 0.05, "chain_seed": 0}
@@ -153,7 +153,7 @@ def test_text_tinyshakespeare_split(sources):
 def test_text_relative_to_cwd(tmp_path, monkeypatch):
     (tmp_path / "tiny.txt").write_text("hello world, héllo again " * 20, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
-    src = text.build(text.TextConfig(path="tiny.txt"), seed=0, context=8)
+    src = text.TextSource(text.TextConfig(path="tiny.txt"), seed=0, context=8)
     assert src.chars == "".join(sorted(set("hello world, héllo again ")))
     assert src.decode(src.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1).micro[0][0][0])
 
@@ -164,7 +164,7 @@ def test_text_relative_to_cwd(tmp_path, monkeypatch):
 ])
 def test_missing_file_is_a_one_line_data_error(module, cfg):
     with pytest.raises(DataError) as err:
-        module.build(cfg, seed=0, context=8)
+        module.COMPONENT.build(cfg, seed=0, context=8)
     msg = str(err.value)
     assert "no/such/input.txt" in msg and "data.path" in msg and "\n" not in msg
 
@@ -190,17 +190,17 @@ def test_tokens_memmap_round_trip(token_file, sources):
 
 
 def test_tokens_out_of_vocab_and_bad_files(token_file, tmp_path):
-    small = tokens.build(tokens.TokensConfig(path=str(token_file[0]), vocab_size=10), seed=0, context=8)
+    small = tokens.TokensSource(tokens.TokensConfig(path=str(token_file[0]), vocab_size=10), seed=0, context=8)
     with pytest.raises(DataError, match="vocab_size"):
         small.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00\x01\x02")
     with pytest.raises(DataError, match="uint16"):
-        tokens.build(tokens.TokensConfig(path=str(odd), vocab_size=10), seed=0, context=8)
+        tokens.TokensSource(tokens.TokensConfig(path=str(odd), vocab_size=10), seed=0, context=8)
     short = tmp_path / "short.bin"
     np.arange(20, dtype=np.uint16).tofile(short)
     with pytest.raises(DataError, match="context"):
-        tokens.build(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)
+        tokens.TokensSource(tokens.TokensConfig(path=str(short), vocab_size=100), seed=0, context=8)
 
 
 def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
