@@ -8,7 +8,7 @@ Weight tying calls the token embedding itself as the output projection (``TiedEm
 under one name, which nothing that swaps or shards parameters can untie, used only inside its
 own module's forward, where ZeRO-3 gathers it.
 
-The presets share one schema; their values live in ``conf/model/<name>.yaml``, mirrored in ``PRESETS``.
+The presets share one schema; their values live in ``conf/model/<name>.yaml``, read into ``PRESETS``.
 """
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import yaml
 from einops import rearrange
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from framework.core.errors import ConfigError
+from framework.core.paths import conf_dir
 from framework.models._base import ModelComponent
 
 
@@ -133,13 +135,9 @@ class GPT(nn.Module):
         self.lm_head = None if cfg.tie_weights else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.init_seed = torch.initial_seed()  # see init_parameter
         if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
-
-    def init_weights(self) -> None:
-        """Initialise every parameter in place (see ``init_parameter``)."""
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                self.init_parameter(name, p)
+            with torch.no_grad():
+                for name, p in self.named_parameters():
+                    self.init_parameter(name, p)
 
     def init_parameter(self, name: str, t: Tensor) -> None:
         """nanoGPT's init of parameter ``name`` written into ``t``, from a generator seeded by
@@ -216,25 +214,9 @@ def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:
     return GPT(cfg)
 
 
-# Mirrors conf/model/*.yaml (a test keeps them in sync). Parameter counts as reported by
-# GPT.num_params(), position embeddings included.
-PRESETS: dict[str, GPTConfig] = {
-    # The CPU baby GPT: ~0.80 M with the 65-character Shakespeare vocabulary.
-    "gpt-nano": GPTConfig(vocab_size=65, context=64, n_layer=4, n_head=4, d_model=128, bias=False),
-    # ~10.8 M (10.7 M without position embeddings).
-    "gpt-mini": GPTConfig(vocab_size=256, context=256, n_layer=6, n_head=6, d_model=384, bias=False),
-    # GPT-2 124 M (vocab padded to a multiple of 64 for fast matmuls).
-    "gpt2-small": GPTConfig(vocab_size=50304, context=1024, n_layer=12, n_head=12, d_model=768,
-                            bias=True),
-    # GPT-2 medium, ~355 M.
-    "gpt2-medium": GPTConfig(vocab_size=50304, context=1024, n_layer=24, n_head=16, d_model=1024,
-                             bias=True),
-    # The benchmark model: 1,416,744,960 parameters (~1.417 B) requires an untied output
-    # projection and biases; tied it would be 1.314 B.
-    "gpt-1b": GPTConfig(vocab_size=50304, context=1024, n_layer=24, n_head=16, d_model=2048,
-                        bias=True, tie_weights=False),
-}
-
+# The presets' values, each file's header with its parameter count (position embeddings included).
+PRESETS: dict[str, GPTConfig] = {path.stem: GPTConfig(**yaml.safe_load(path.read_text()))
+                                 for path in sorted((conf_dir() / "model").glob("gpt*.yaml"))}
 COMPONENTS: dict[str, ModelComponent] = {name: ModelComponent(config=GPTConfig, build=build, loss=gpt_loss,
                                                                 hidden_size=lambda cfg: cfg.d_model)
                                           for name in PRESETS}

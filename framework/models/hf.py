@@ -45,14 +45,6 @@ class HFConfig:
             raise ConfigError(f"model.attn_implementation must be sdpa or eager, got {self.attn_implementation!r}")
 
 
-def _transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
-    return transformers
-
-
 def is_hf_model(module: nn.Module) -> bool:
     """A transformers ``PreTrainedModel`` (without importing transformers: a module of that class
     cannot exist unless transformers was imported)."""
@@ -89,7 +81,10 @@ def hidden_size(cfg: HFConfig) -> int | None:
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     """An ``AutoModelForCausalLM`` from the config (local files only), on the current default device
     (meta under the loop); ``vocab_size`` (the data source's) must fit the model's vocabulary."""
-    transformers = _transformers()
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
     key, file, raw = _raw_config(cfg)
     model_type = raw.pop("model_type")
     try:
@@ -151,8 +146,7 @@ class HFInit:
         self.modules = dict(self.shadow.named_modules(remove_duplicate=False))
         pretrained = sys.modules["transformers"].PreTrainedModel
         self.init_of: dict[str, nn.Module] = {}   # module path -> the PreTrainedModel whose _init_weights applies
-        for path in self.modules:                 # parents come before children
-            mod = self.modules[path]
+        for path, mod in self.modules.items():    # parents come before children
             self.init_of[path] = mod if isinstance(mod, pretrained) else self.init_of[_parent(path)]
 
     def init_parameter(self, name: str, t: Tensor) -> None:
@@ -212,24 +206,18 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int 
     """Materialise a model built on the meta device, whole, with the values a stage gives it
     (same seed: ``torch.initial_seed()`` by default). For plain (unpartitioned) use and tests."""
     init = HFInit(model, torch.initial_seed() if seed is None else seed)
-    device = torch.device(device)
-    named = {}
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            t = torch.empty(p.shape, dtype=p.dtype, device=device)
-            init.init_parameter(name, t)
-            named[name] = (p, nn.Parameter(t, requires_grad=p.requires_grad))
-    for old, new in named.values():
-        for sub in model.modules():   # every registration: tied weights stay tied
-            for key, value in sub._parameters.items():
-                if value is old:
-                    sub._parameters[key] = new
-    for name, b in model.named_buffers():
-        if b.is_meta:
-            t = torch.empty(b.shape, dtype=b.dtype, device=device)
-            init.init_buffer(name, t)
-            path, _, key = name.rpartition(".")
-            model.get_submodule(path)._buffers[key] = t
+    done: dict[int, Tensor] = {}   # a tensor registered under several names (tied weights) stays one
+    for parameter, named in ((True, model.named_parameters(remove_duplicate=False)),
+                             (False, model.named_buffers(remove_duplicate=False))):
+        for name, old in list(named):
+            if old.is_meta:
+                if id(old) not in done:
+                    t = torch.empty(old.shape, dtype=old.dtype, device=device)
+                    init._init(name, t, parameter)
+                    done[id(old)] = nn.Parameter(t, requires_grad=old.requires_grad) if parameter else t
+                path, _, key = name.rpartition(".")
+                sub = model.get_submodule(path)
+                (sub._parameters if parameter else sub._buffers)[key] = done[id(old)]
     return model
 
 
