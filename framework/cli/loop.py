@@ -57,8 +57,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     shard = dict(rank=dist.rank, world=dist.world)
     val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
-    logger = component(cfg, "logger").build(cfg.logger, run=run) if dist.is_main else NullLogger()
-    record = RunRecord(run.run_dir) if dist.is_main else None
+    logger = (RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run)) if dist.is_main
+              else NullLogger())
     losses, evals = [], []
     ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir,
                         on_point=on_point)  # collective
@@ -85,12 +85,12 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                        "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
                        "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)}
                 t_window, window, eval_s = now, 0, 0.0
-                _emit(logger, record, rec)
+                logger.log(rec)
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
                 t_eval = time.perf_counter()
                 evals.append(engine.eval_step(state, val))
                 eval_s += time.perf_counter() - t_eval
-                _emit(logger, record, {"step": state.step, "val_loss": evals[-1]})
+                logger.log({"step": state.step, "val_loss": evals[-1]})
             ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
@@ -118,16 +118,12 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         # its own ranges (collective; nothing when the key is off).
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
             summary["exported"] = "model_16bit"
-        if record is not None:
-            record.finish(summary)
         logger.finish(summary)
         return summary
     finally:
         ckpt.close()
         engine.close()
         logger.close()
-        if record is not None:
-            record.close()
 
 
 def reset_peak_memory(device: torch.device) -> int:
@@ -171,9 +167,3 @@ def _rss_now() -> int:
             return int(f.read().split()[1]) * resource.getpagesize()
     except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _emit(logger, record: RunRecord | None, rec: dict) -> None:
-    if record is not None:
-        record.log(rec)
-    logger.log(rec)

@@ -5,6 +5,7 @@ files larger than RAM. The last ``val_fraction`` of the tokens is the held-out s
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,8 +46,6 @@ class TokensSource(CropSource):
 
 def _meta_vocab(path) -> int:
     """The vocabulary size that ``prepare`` wrote into meta.json beside the token file."""
-    import json
-
     meta = path.parent / "meta.json"
     try:
         vocab = json.loads(meta.read_text())["vocab_size"]

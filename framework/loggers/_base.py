@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.core import files
+from framework.core.errors import FrameworkError
 
 
 @dataclass(frozen=True)
@@ -32,20 +33,27 @@ class NullLogger:
 
 
 class RunRecord:
-    """Append-only metrics.jsonl plus an atomically written summary.json."""
+    """Rank 0's logger: append-only metrics.jsonl plus an atomically written summary.json, then
+    the configured ``logger``."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, logger: NullLogger = NullLogger()):
         files.make_dirs(run_dir)
-        self.run_dir = run_dir
+        self.run_dir, self.logger = run_dir, logger
         self._metrics = files.open_append(run_dir / "metrics.jsonl")   # never through a planted link
+
+    def start(self, config: dict, total_steps: int) -> None:
+        self.logger.start(config, total_steps)
 
     def log(self, record: dict) -> None:
         self._metrics.write(json.dumps(record) + "\n")
+        self.logger.log(record)
 
     def finish(self, summary: dict) -> None:
         files.write_atomic(self.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+        self.logger.finish(summary)
 
     def close(self) -> None:
+        self.logger.close()
         self._metrics.close()
 
 
@@ -77,8 +85,6 @@ def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
     (appended): rank 0's console of a run is its folder's train.log. An error that ends the run
     is written there too (the caller prints it to the console)."""
-    from framework.core.errors import FrameworkError
-
     log = files.open_append(path)
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
