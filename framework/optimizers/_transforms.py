@@ -97,14 +97,15 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
         inner = state[index]
         counted = "count" in inner._fields   # Lion keeps no step count
         step = {"step": inner.count + 1} if counted else {}
-        # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
-        # that lives elsewhere (e.g. on the device) is written after the step.
-        in_pass = out16 if out16 and ops.usable(out16=out16[:1]) else None
         # Python looks at the first param only (so that CUDA tensors never trigger a build and
         # FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and declines
         # (``strict=False``, nothing changed) where one does not fit: a per-tensor check here cost
         # ~1 us per tensor and list, 0.1-0.5 ms per step over 100 groups.
-        if not (ops.usable(params[:1]) and getattr(ops, kernel)(
+        usable = ops.usable(params[:1])
+        # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
+        # that lives elsewhere (e.g. on the device) is written after the step.
+        in_pass = out16 if usable and out16 and ops.usable(out16=out16[:1]) else None
+        if not (usable and getattr(ops, kernel)(
                 params, grads, *(inner[1:] if counted else inner), weight_decay=cfg.weight_decay,
                 decay_mask=mask, out16=in_pass, strict=False, lr=lr, **step, **(hyper or {}))):
             # torch's fused kernels assume contiguous tensors (on CPU, a strided param comes out
