@@ -157,22 +157,16 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
         sources["train.grad_accum"] = AUTO_FILLED
     elif ga is not None:
         derived["train.grad_accum"] = ga
-    if isinstance(tb, int):
-        if mb is None and ga is None:
+    if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
+        key, other, n = (("train.grad_accum", "train_micro_batch_size_per_gpu", mb) if mb is not None else
+                         ("train.micro_batch", "gradient_accumulation_steps", ga) if ga is not None else
+                         ("train.micro_batch", "", 1))
+        if not other:
             derived["train.grad_accum"] = 1
-            if tb % world:
-                mismatches.append(f"train_batch_size={tb} is not divisible by the world size {world}")
-            derived["train.micro_batch"] = max(1, tb // world)
-        elif ga is None and isinstance(mb, int):
-            if tb % (mb * world):
-                mismatches.append(f"train_batch_size={tb} is not divisible by train_micro_batch_size_per_gpu={mb} "
-                                  f"x world size {world}")
-            derived["train.grad_accum"] = max(1, tb // (mb * world))
-        elif mb is None and isinstance(ga, int):
-            if tb % (ga * world):
-                mismatches.append(f"train_batch_size={tb} is not divisible by gradient_accumulation_steps={ga} "
-                                  f"x world size {world}")
-            derived["train.micro_batch"] = max(1, tb // (ga * world))
+        if tb % (n * world):
+            mismatches.append(f"train_batch_size={tb} is not divisible by " +
+                              (f"{other}={n} x world size {world}" if other else f"the world size {world}"))
+        derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
     for key, v in derived.items():

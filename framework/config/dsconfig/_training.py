@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Mapping
 
-from framework.config.dsconfig._keys import (AUTO, BF16_KEYS, DS_DEFAULT, DS_FILE, FP16_KEYS, ACT_KEYS,
-                                             NOT_IMPLEMENTED_OPTIMIZERS, NOT_IMPLEMENTED_SCHEDULERS, OPTIMIZER_INERT,
-                                             OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, close)
+from framework.config.dsconfig._keys import (AUTO, BF16_KEYS, DS_DEFAULT, DS_FILE, FP16_KEYS, FP16_SCALER, ACT_KEYS,
+                                             NOT_IMPLEMENTED_OPTIMIZERS, OPTIMIZER_INERT, OPTIMIZER_REFUSED,
+                                             OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, close)
 
 if TYPE_CHECKING:
     from framework.config.dsconfig._translate import Translator
@@ -32,9 +32,7 @@ def precision(tr: Translator, top: dict) -> None:
     elif fp16 is not None or bf16 is not None:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     if fp16 is not None:
-        kinds = {"loss_scale": "float", "initial_scale_power": "int", "loss_scale_window": "int",
-                 "hysteresis": "int", "consecutive_hysteresis": "bool", "min_loss_scale": "float"}
-        for key, kind in kinds.items():
+        for key, kind in FP16_SCALER.items():
             if key in fp16:
                 v = tr.typed(fp16[key], kind, f"fp16.{key}")
                 if v is not None and on16 is False:
@@ -44,10 +42,9 @@ def precision(tr: Translator, top: dict) -> None:
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
             tr.inert("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
                                          "precision=fp16 computes in fp16 already")
-        for key in ("fp16_master_weights_and_grads",):
-            if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
-                tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); "
-                         f"remove it")
+        key = "fp16_master_weights_and_grads"
+        if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
+            tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
         for key in ("immediate_grad_update", "check_grad_overflow"):
             if key in bf16:
@@ -124,7 +121,7 @@ def scheduler(tr: Translator, node: Any) -> None:
     if node is None:
         return
     s = tr.section(node, "scheduler", ("type", "params"))
-    low = _type(tr, s, "scheduler", SCHEDULERS, {k: SCHEDULER_NAMES[k] for k in NOT_IMPLEMENTED_SCHEDULERS},
+    low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
                 SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
     if low is None:
         return

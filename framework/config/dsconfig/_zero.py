@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from framework.config.dsconfig._keys import (AIO_KEYS, ALIASES_ZERO, AUTO, OFFLOAD_OPTIMIZER_KEYS,
                                              OFFLOAD_PARAM_KEYS, STAGE3_KEYS, STAGES, ZERO_FEATURES, ZERO_KEYS,
-                                             ZERO_PERF, switched_off)
+                                             ZERO_PERF, ZERO_STAGE, switched_off)
 
 if TYPE_CHECKING:
     from framework.config.dsconfig._translate import Translator
@@ -60,48 +60,35 @@ def zero(tr: Translator, node: Any, aio: Any) -> int:
         else:
             tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
     for key in ZERO_PERF:
-        full = key if key in z else f"stage3_{key}"
-        if full in z:
-            tr.typed(z[full], "int" if "threshold" in key else "bool", p + full)
-            tr.inert(p + full, "a speed/memory knob of DeepSpeed's with no counterpart here")
+        if key in z:
+            tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
+            tr.inert(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
     return stage
 
 
 def zero_stage_keys(tr: Translator, z: dict, name: str) -> None:
     p = "zero_optimization."
-    ints = {"reduce_bucket_size": "h*h", "allgather_bucket_size": "", "stage3_prefetch_bucket_size": "0.9*h*h",
-            "stage3_max_live_parameters": "", "stage3_max_reuse_distance": "",
-            "stage3_param_persistence_threshold": "10*h"}
-    bools = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "round_robin_gradients",
-             "stage3_gather_16bit_weights_on_model_save")
-    # Where each key lands per stage; absent: accepted, changes nothing with this stage.
-    targets = {
-        "ddp": {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"},
-        "zero1": {k: k for k in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                                 "contiguous_gradients", "reduce_scatter", "round_robin_gradients")},
-        "zero3": {k: k for k in ("overlap_comm", "reduce_scatter", "stage3_prefetch_bucket_size",
-                                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                                 "stage3_param_persistence_threshold",
-                                 "stage3_gather_16bit_weights_on_model_save")},
-    }
-    targets["zero2"] = targets["zero1"]
+    # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
+    # take the keys without the stage3_ prefix, zero3 those with it and two more.
+    zero3 = name == "zero3"
+    targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
+        k: k for k in ZERO_STAGE if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
     why = {"ddp": "stage 0 replicates everything",
            "zero1": "a stage-3 key", "zero2": "a stage-3 key",
            "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
-    for key in (*ints, *bools):
+    for key, (kind, rule) in ZERO_STAGE.items():
         if key not in z:
             continue
-        rule = ints.get(key, "")
         # Hugging Face fills the stage3_ sizes only under ZeRO-3; elsewhere an "auto" is left over.
         # accelerate fills the 16-bit save flag with its own default (false), which is ours.
-        auto_ok = (bool(rule) and (name == "zero3" or not key.startswith("stage3_"))) \
+        auto_ok = (bool(rule) and (zero3 or not key.startswith("stage3_"))) \
             or key == "stage3_gather_16bit_weights_on_model_save"
-        value = tr.typed(z[key], "int" if key in ints else "bool", p + key, auto_ok=auto_ok)
+        value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
         if value is None:
             continue
-        if key in ints and value != AUTO and value < 0:
+        if kind == "int" and value != AUTO and value < 0:
             tr.error(f"{p}{key} must be >= 0, got {value}")
-        target = targets[name].get(key)
+        target = targets.get(key)
         if target is not None:
             tr.set(f"stage.{target}", value, p + key, rule=rule)
         else:
@@ -219,10 +206,8 @@ def aio_keys(tr: Translator, aio: Any, applies: bool) -> None:
         if "intra_op_parallelism" in a:
             tr.error("aio.thread_count and aio.intra_op_parallelism are the same key; keep intra_op_parallelism")
         a["intra_op_parallelism"] = a.pop("thread_count")
-    kinds = {"block_size": "int", "queue_depth": "int", "intra_op_parallelism": "int",
-             "single_submit": "bool", "overlap_events": "bool", "use_gds": "bool"}
     for key, value in a.items():
-        v = tr.typed(value, kinds[key], f"aio.{key}")
+        v = tr.typed(value, AIO_KEYS[key], f"aio.{key}")
         if v is None:
             continue
         if key == "use_gds":
