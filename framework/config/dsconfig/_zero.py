@@ -10,10 +10,10 @@ from framework.config.dsconfig._keys import (AIO_KEYS, ALIASES_ZERO, AUTO, OFFLO
                                              ZERO_PERF, ZERO_STAGE, switched_off)
 
 if TYPE_CHECKING:
-    from framework.config.dsconfig._translate import Translator
+    from framework.config.dsconfig._translate import Translation
 
 
-def zero(tr: Translator, node: Any, aio: Any) -> int:
+def zero(tr: Translation, node: Any, aio: Any) -> int:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
@@ -51,22 +51,22 @@ def zero(tr: Translator, node: Any, aio: Any) -> int:
     for key, off, what in ZERO_FEATURES:
         if key in z:
             if z[key] == off or (off is None and switched_off(z[key], key)):
-                tr.inert(p + key, "switched off")
+                tr.inert_key(p + key, "switched off")
             else:
                 tr.error(f"{p}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
         if switched_off(z["leaf_module"], "leaf_module") or z["leaf_module"] == {}:
-            tr.inert(p + "leaf_module", "empty")
+            tr.inert_key(p + "leaf_module", "empty")
         else:
             tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
     for key in ZERO_PERF:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
-            tr.inert(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
+            tr.inert_key(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
     return stage
 
 
-def zero_stage_keys(tr: Translator, z: dict, name: str) -> None:
+def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     p = "zero_optimization."
     # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
     # take the keys without the stage3_ prefix, zero3 those with it and two more.
@@ -92,12 +92,12 @@ def zero_stage_keys(tr: Translator, z: dict, name: str) -> None:
         if target is not None:
             tr.set(f"stage.{target}", value, p + key, rule=rule)
         else:
-            tr.inert(p + key, why)
+            tr.inert_key(p + key, why)
             if value == AUTO and rule:  # resolved like any other, though nothing reads it
                 tr.set(f"_inert.{key}", value, p + key, rule=rule)
 
 
-def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
+def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
     p = "zero_optimization."
     o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS) if opt is not None else {}
     q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS) if param is not None else {}
@@ -143,19 +143,19 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         if applies:
             tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
         else:
-            tr.inert(f"{p}{name}.{key}", why)
+            tr.inert_key(f"{p}{name}.{key}", why)
 
     for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
         if dev == "none":
             for key in sec:
                 if key != "device":
-                    tr.inert(f"{p}{name}.{key}", "device none")
+                    tr.inert_key(f"{p}{name}.{key}", "device none")
     if opt is not None or param is not None:  # absent sections leave the run's offload choice
         tr.choose("offload", target, f"{p}offload_optimizer.device / offload_param.device")
     if target == "none":
         if sub_group_size is not None:
             tr.typed(sub_group_size, "int", p + "sub_group_size")
-            tr.inert(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
         aio_keys(tr, aio, applies=False)
         return
     nvme = target == "nvme"
@@ -167,7 +167,7 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         tr.set("offload.params", pd, f"{p}offload_param.device")
         for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
             if "nvme_path" in sec and dev != "none":
-                tr.inert(f"{p}{name}.nvme_path", "device cpu")
+                tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
     both("pin_memory", "bool")
     why = "device cpu: NVMe buffers"
     if od != "none":
@@ -176,13 +176,13 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         one(o, "offload_optimizer", "pipeline_read", "pipeline_read", "bool", nvme, why)
         one(o, "offload_optimizer", "pipeline_write", "pipeline_write", "bool", nvme, why)
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
-            tr.t.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
+            tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                  f"pipeline_write")
             one(o, "offload_optimizer", "pipeline", "pipeline_read", "bool", nvme, why)
             one(o, "offload_optimizer", "pipeline", "pipeline_write", "bool", nvme, why)
         for key in ("fast_init", "cpuadam_cores_perc"):
             if key in o:
-                tr.inert(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
+                tr.inert_key(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
@@ -194,11 +194,11 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         if v is not None and nvme:
             tr.set("offload.sub_group_size", v, p + "sub_group_size")
         elif v is not None:
-            tr.inert(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
     aio_keys(tr, aio, applies=nvme)
 
 
-def aio_keys(tr: Translator, aio: Any, applies: bool) -> None:
+def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
     if aio is None:
         return
     a = tr.section(aio, "aio", AIO_KEYS, {"thread_count": "intra_op_parallelism"})
@@ -214,8 +214,8 @@ def aio_keys(tr: Translator, aio: Any, applies: bool) -> None:
             if v:
                 tr.error("aio.use_gds: GPUDirect Storage is not implemented here; remove it")
             else:
-                tr.inert("aio.use_gds", "false")
+                tr.inert_key("aio.use_gds", "false")
         elif applies:
             tr.set(f"offload.aio.{key}", v, f"aio.{key}")
         else:
-            tr.inert(f"aio.{key}", "no NVMe offload")
+            tr.inert_key(f"aio.{key}", "no NVMe offload")
