@@ -41,7 +41,7 @@ def precision(tr: Translation, top: dict) -> None:
                     tr.set(f"_fp16.{key}", v, f"fp16.{key}")
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
             tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
-                                         "precision=fp16 computes in fp16 already")
+                                             "precision=fp16 computes in fp16 already")
         key = "fp16_master_weights_and_grads"
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
@@ -174,9 +174,8 @@ def activation_checkpointing(tr: Translation, node: Any) -> None:
     if node is None:
         return
     a = tr.section(node, "activation_checkpointing", ACT_KEYS)
-    for key, value in a.items():
-        ds_key = f"activation_checkpointing.{key}"
+    for key in a:
         # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
         # model that calls it (Megatron) uses; the run goes on without them.
-        tr.inert_key(ds_key, "configures deepspeed.checkpointing, which is not used "
-                           "(model.activation_checkpointing turns checkpointing on)")
+        tr.inert_key(f"activation_checkpointing.{key}", "configures deepspeed.checkpointing, which is not used "
+                     "(model.activation_checkpointing turns checkpointing on)")

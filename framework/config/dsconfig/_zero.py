@@ -113,12 +113,9 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         tr.error(f"{p}offload_param.device={pd} needs zero_optimization.stage 3 (parameters are partitioned "
                  f"only there), got stage {stage}")
     target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
-    if target == "nvme" and od == "none":
-        tr.error(f"{p}offload_param.device=nvme without offload_optimizer is not implemented here; add "
-                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}} (or nvme)")
-    if target == "cpu" and od == "none":
-        tr.error(f"{p}offload_param.device=cpu without offload_optimizer is not implemented here; add "
-                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}}")
+    if target != "none" and od == "none":
+        tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
+                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
     def both(key: str, kind: str) -> None:
         values = {}
@@ -177,7 +174,7 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         one(o, "offload_optimizer", "pipeline_write", "pipeline_write", "bool", nvme, why)
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
-                                 f"pipeline_write")
+                               f"pipeline_write")
             one(o, "offload_optimizer", "pipeline", "pipeline_read", "bool", nvme, why)
             one(o, "offload_optimizer", "pipeline", "pipeline_write", "bool", nvme, why)
         for key in ("fast_init", "cpuadam_cores_perc"):
