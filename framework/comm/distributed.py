@@ -218,23 +218,23 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     dev = pick_device(name, local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)   # before init_process_group(device_id=...), and for this thread
-    if world > 1 and name == "nccl" and not faulthandler.is_enabled():
+    if world == 1:
+        return Dist(rank, world, local_rank, dev, None, timeout_s)
+    if name == "nccl" and not faulthandler.is_enabled():
         # NCCL's watchdog ends a rank whose collective timed out with SIGABRT: print where each
         # thread was (which collective the main thread waited behind) before the process goes.
         faulthandler.enable(all_threads=True)
-    if world > 1 and not tdist.is_initialized():
+    if not tdist.is_initialized():
         store = tdist.FileStore(store_path, world) if store_path else None
         tdist.init_process_group(name, rank=rank, world_size=world, store=store,
                                  timeout=timedelta(seconds=timeout_s),
                                  device_id=dev if name == "nccl" else None)
-    if world > 1 and tdist.get_backend() != name:
+    if tdist.get_backend() != name:
         raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
                           f"cannot change within one process")
-    dist = Dist(rank, world, local_rank, dev, name if world > 1 else None, timeout_s)
-    if world > 1:
-        peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
-        dist = replace(dist, peers=tuple(tuple(p) for p in peers))
-    return dist
+    dist = Dist(rank, world, local_rank, dev, name, timeout_s)
+    peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
+    return replace(dist, peers=tuple(tuple(p) for p in peers))
 
 
 def disconnect() -> None:

@@ -95,11 +95,9 @@ def optimizer(tr: Translation, node: Any) -> None:
     # DeepSpeed passes all parameters in one group: biases and norm weights decay too.
     tr.set("optimizer.decay_1d", True, "optimizer.params", DS_DEFAULT)
     for key, default in defaults.items():
-        given = key in params
         value = params.get(key, default)
         ds_key = f"optimizer.params.{key}"
-        src = DS_FILE if given else DS_DEFAULT
-        auto_ok = key in ("lr", "betas", "eps", "weight_decay")
+        src = DS_FILE if key in params else DS_DEFAULT
         if key == "betas":
             if value == AUTO:
                 tr.set("optimizer.beta1", AUTO, ds_key, rule="optimizer.beta1")
@@ -112,7 +110,7 @@ def optimizer(tr: Translation, node: Any) -> None:
                 tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
             continue
         kind = "bool" if isinstance(default, bool) else "float"
-        v = tr.typed(value, kind, ds_key, auto_ok=auto_ok)
+        v = tr.typed(value, kind, ds_key, auto_ok=key in ("lr", "eps", "weight_decay"))
         if v is not None:
             tr.set(f"optimizer.{key}", v, ds_key, src, rule=f"optimizer.{key}" if v == AUTO else "")
 
