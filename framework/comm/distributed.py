@@ -64,12 +64,9 @@ class Dist:
         stream after it (the checking accelerator checks both)."""
         token = self.acc.collective([a for a in args if isinstance(a, torch.Tensor)], what)
         work = self._run(what, fn, *args, async_op=async_op, **kwargs)
-        if token is None:
-            return work
-        if not async_op:
+        if token is not None and not async_op:
             self.acc.collective_done(token)
-            return work
-        return CheckedWork(work, token, self.acc)
+        return CheckedWork(work, token, self.acc) if token is not None and async_op else work
 
     def _run(self, what: str, fn, *args, **kwargs):
         try:
