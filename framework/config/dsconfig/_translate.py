@@ -54,20 +54,17 @@ class Translation:
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
-        out, aliases = {}, aliases or {}
+        out, aliases, pre = {}, aliases or {}, f"{path}." if path else ""
         for key, value in node.items():
-            full = f"{path}.{key}" if path else key
             if key in known:
                 out[key] = value
             elif key in aliases:
-                self.warnings.append(f"'{full}' is deprecated; use '{aliases[key]}'")
+                self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
                 out[key] = value
+            elif (near := close(key, [*known, *aliases])) is not None:
+                self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
             else:
-                near = close(key, [*known, *aliases])
-                if near is not None:
-                    self.error(f"unknown key '{full}' (did you mean '{(path + '.') if path else ''}{near}'?)")
-                else:
-                    self.unknown.append(full)
+                self.unknown.append(pre + key)
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:
@@ -104,9 +101,7 @@ class Translation:
                 return None
         elif kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
             ok = float(value)
-        elif kind == "bool" and isinstance(value, bool):
-            ok = value
-        elif kind == "str" and isinstance(value, str):
+        elif kind in ("bool", "str") and isinstance(value, bool if kind == "bool" else str):
             ok = value
         if ok is None:
             want = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
