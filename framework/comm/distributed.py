@@ -239,13 +239,13 @@ def disconnect() -> None:
         tdist.destroy_process_group()
 
 
-def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str) -> None:
-    """Run ``fn`` on every rank, then exchange outcomes with ``gather`` (an all-gather of one object
-    per rank; it doubles as a barrier): a rank that failed raises its own error, the others one
-    naming it, instead of waiting on a peer that will never come to the next collective."""
+def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str):
+    """``fn()`` on every rank, its outcome exchanged with ``gather`` (an all-gather of one object per
+    rank; it doubles as a barrier), then its result: a rank that failed raises its own error, the
+    others one naming it, instead of waiting on a peer that will never come to the next collective."""
     mine: BaseException | None = None
     try:
-        fn()
+        result = fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine = e
     errs = gather(None if mine is None else f"rank {rank}: {str(mine).splitlines()[0]}")
@@ -254,3 +254,4 @@ def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object],
     failed = [e for e in errs if e]
     if failed:
         raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
+    return result
