@@ -74,8 +74,7 @@ class Collectives:
 
     def wait(self, pending: Pending | Iterable[Pending], what: str) -> None:
         p = pending if isinstance(pending, Pending) else Pending.of(pending)
-        for w in p.works:
-            self.dist._run(what, w.wait)
+        self.dist.wait(p.works, what)
         for fn in p.after:
             fn()
 
@@ -99,6 +98,10 @@ class Collectives:
         """``buf`` mirrors flat range [start, start + len) of a buffer partitioned in ``shard``s: after
         ``wait``, the part of ``buf`` inside this rank's partition holds the sum across ranks."""
         raise NotImplementedError
+
+    def _reduce_each_owner(self, buf: Tensor, start: int, shard: int, what: str) -> Pending:
+        return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
+                        for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])
 
 
 class Local(Collectives):
@@ -161,8 +164,7 @@ class Gloo(Collectives):
     def reduce_to_owners(self, buf, start, shard, what):
         if self.world == 2:  # the all-reduce halves of reduce_scatter, whatever the alignment
             return self.reduce_scatter(list(buf.chunk(2)), what)
-        return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
-                        for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])
+        return self._reduce_each_owner(buf, start, shard, what)
 
 
 class Nccl(Collectives):
@@ -194,8 +196,7 @@ class Nccl(Collectives):
     def reduce_to_owners(self, buf, start, shard, what):
         if start == 0 and buf.numel() == self.world * shard:   # aligned
             return self._reduce_scatter_in_place(buf, what)
-        return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
-                        for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])
+        return self._reduce_each_owner(buf, start, shard, what)
 
 
 def collectives_for(dist, ops=tdist) -> Collectives:

@@ -64,12 +64,9 @@ class Dist:
         stream after it (the checking accelerator checks both)."""
         token = self.acc.collective([a for a in args if isinstance(a, torch.Tensor)], what)
         work = self._run(what, fn, *args, async_op=async_op, **kwargs)
-        if token is None:
-            return work
-        if not async_op:
+        if token is not None and not async_op:
             self.acc.collective_done(token)
-            return work
-        return CheckedWork(work, token, self.acc)
+        return CheckedWork(work, token, self.acc) if token is not None and async_op else work
 
     def _run(self, what: str, fn, *args, **kwargs):
         try:
@@ -218,23 +215,23 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     dev = pick_device(name, local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)   # before init_process_group(device_id=...), and for this thread
-    if world > 1 and name == "nccl" and not faulthandler.is_enabled():
+    if world == 1:
+        return Dist(rank, world, local_rank, dev, None, timeout_s)
+    if name == "nccl" and not faulthandler.is_enabled():
         # NCCL's watchdog ends a rank whose collective timed out with SIGABRT: print where each
         # thread was (which collective the main thread waited behind) before the process goes.
         faulthandler.enable(all_threads=True)
-    if world > 1 and not tdist.is_initialized():
+    if not tdist.is_initialized():
         store = tdist.FileStore(store_path, world) if store_path else None
         tdist.init_process_group(name, rank=rank, world_size=world, store=store,
                                  timeout=timedelta(seconds=timeout_s),
                                  device_id=dev if name == "nccl" else None)
-    if world > 1 and tdist.get_backend() != name:
+    if tdist.get_backend() != name:
         raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
                           f"cannot change within one process")
-    dist = Dist(rank, world, local_rank, dev, name if world > 1 else None, timeout_s)
-    if world > 1:
-        peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
-        dist = replace(dist, peers=tuple(tuple(p) for p in peers))
-    return dist
+    dist = Dist(rank, world, local_rank, dev, name, timeout_s)
+    peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
+    return replace(dist, peers=tuple(tuple(p) for p in peers))
 
 
 def disconnect() -> None:
@@ -242,13 +239,13 @@ def disconnect() -> None:
         tdist.destroy_process_group()
 
 
-def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str) -> None:
-    """Run ``fn`` on every rank, then exchange outcomes with ``gather`` (an all-gather of one object
-    per rank; it doubles as a barrier): a rank that failed raises its own error, the others one
-    naming it, instead of waiting on a peer that will never come to the next collective."""
+def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str):
+    """``fn()`` on every rank, its outcome exchanged with ``gather`` (an all-gather of one object per
+    rank; it doubles as a barrier), then its result: a rank that failed raises its own error, the
+    others one naming it, instead of waiting on a peer that will never come to the next collective."""
     mine: BaseException | None = None
     try:
-        fn()
+        result = fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine = e
     errs = gather(None if mine is None else f"rank {rank}: {str(mine).splitlines()[0]}")
@@ -257,3 +254,4 @@ def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object],
     failed = [e for e in errs if e]
     if failed:
         raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
+    return result

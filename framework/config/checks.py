@@ -80,8 +80,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if name is None:
             raise ConfigError(f"config: no {group} chosen; add {group}=NAME "
                               f"(one of {', '.join(registry(group).names())})")
-        schema = registry(group).get(name).config
-        nodes[group] = _typed(raw.get(group) or {}, schema, f"{group}.")
+        nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.")
         chosen[group] = name
     _check_numbers(root, "")
     for group, node in nodes.items():

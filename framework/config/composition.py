@@ -26,7 +26,6 @@ Composer = Callable[[list[str]], tuple[Any, dict[str, str]]]
 
 
 def have_hydra() -> bool:
-    """Whether Hydra can be imported (else ``compose`` composes with ``framework.config.plainconf``)."""
     try:
         import hydra  # noqa: F401
     except ImportError:
@@ -66,10 +65,9 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
 
 
 def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
-    """Compose inside a running Hydra app (its config search path is already set up)."""
+    """Compose inside a running Hydra app: its search path and primary config (--config-name) are set up."""
     from hydra.core.hydra_config import HydraConfig
 
-    # The app's own primary config: train, or the one --config-name chose (a recipe's).
     return _hydra_compose(HydraConfig.get().job.config_name, overrides)
 
 
@@ -95,11 +93,10 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Pat
     """Compose conf/train.yaml with Hydra-style overrides and validate it (library use).
 
     ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
-    config between our YAML and the overrides (framework.config.dsconfig). ``world`` (default: the
-    torchrun environment, else dist.nproc) sizes its batch triple; its "auto" bucket sizes use
-    ``hidden_size``, or the model config's d_model when ``hidden_from_model``. ``config_dir`` and
-    ``config_name`` pick another primary config (``--config-dir``/``--config-name``; see
-    ``standalone_composer``).
+    config between our YAML and the overrides. ``world`` (default: the torchrun environment, else
+    dist.nproc) sizes its batch triple; its "auto" bucket sizes use ``hidden_size``, or the model
+    config's d_model when ``hidden_from_model``. ``config_dir``, ``config_name``: as ``--config-dir``,
+    ``--config-name``.
     """
     if config_dir is not None or config_name != "train":
         composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
@@ -117,9 +114,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
-    forced = group_overrides_to_force(overrides)
     if source is None:
-        cfg, choices = composer(forced)
+        cfg, choices = composer(list(cli.forced))
         config = validate(cfg, choices)
         return cfg, dataclasses.replace(config, sources=provenance(config, cli))
     t = dsconfig.translate(dsconfig.load(source))
@@ -134,7 +130,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # the file's group choices unless the command line makes its own (a mismatch, see resolve).
     choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
                         if g not in cli.choices]
-    cfg, choices = composer(choice_overrides + forced)
+    cfg, choices = composer(choice_overrides + list(cli.forced))
     base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
@@ -170,26 +166,6 @@ def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
     return cfg
 
 
-def group_overrides_to_force(overrides: list[str]) -> list[str]:
-    """Turn plain ``key=value`` overrides of non-group keys into ``++key=value``.
-
-    Hydra rejects an unknown key with a multi-line message and no suggestion; forcing the
-    key in lets ``validate`` reject it against the schema with one line and the closest
-    valid key. Group choices (``optimizer=lion``, ``+stage=zero3``) and hydra.* pass as is.
-    """
-    if not have_hydra():   # the plain composer sets every key it is given; validate judges them
-        return list(overrides)
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    out = []
-    for line, o in zip(overrides, OverridesParser.create().parse_overrides(overrides)):
-        key = o.key_or_group
-        is_plain = not (o.is_add() or o.is_force_add() or o.is_delete())
-        is_choice = key.split("@")[0] in GROUPS
-        out.append("++" + line if is_plain and not is_choice and not key.startswith("hydra") else line)
-    return out
-
-
 @dataclass(frozen=True)
 class CommandLine:
     """What the overrides set: value keys, group choices, and the DeepSpeed-config keys."""
@@ -199,33 +175,40 @@ class CommandLine:
     strict: bool
     named: frozenset[str] = frozenset()   # groups whose choice is one name (not a sweep or a list)
     deleted: frozenset[str] = frozenset()  # keys deleted (~key)
+    # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra rejects an
+    # unknown key with a multi-line message and no suggestion; forced in, ``validate`` rejects it
+    # with one line naming the closest valid key. (The plain composer sets every key it is given.)
+    forced: tuple[str, ...] = ()
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
         if have_hydra():
             from hydra.core.override_parser.overrides_parser import OverridesParser
-            parsed = [(o.key_or_group, o.is_delete(), o.value()) for o in
-                      OverridesParser.create().parse_overrides(overrides)]
+            parsed = [(o.key_or_group, o.is_delete(), o.value(), not (o.is_add() or o.is_force_add() or o.is_delete()))
+                      for o in OverridesParser.create().parse_overrides(overrides)]
         else:
-            parsed = [(o.key, o.prefix == "~", o.value) for o in map(plainconf.parse, overrides)]
-        keys, choices, ds_config, strict, named, deleted = set(), {}, None, False, set(), set()
-        for key, delete, value in parsed:
+            parsed = [(o.key, o.prefix == "~", o.value, False) for o in map(plainconf.parse, overrides)]
+        keys, choices, ds_config, strict, named, deleted, forced = set(), {}, None, False, set(), set(), []
+        for line, (key, delete, value, plain) in zip(overrides, parsed):
+            group = key.split("@")[0]
+            forced.append("++" + line if plain and group not in GROUPS and not key.startswith("hydra") else line)
             if key.startswith("hydra"):
                 continue
             if delete:
                 deleted.add(key)
                 continue
-            if key.split("@")[0] in GROUPS:
-                choices[key.split("@")[0]] = str(value)
+            if group in GROUPS:
+                choices[group] = str(value)
                 if isinstance(value, str):
-                    named.add(key.split("@")[0])
+                    named.add(group)
             elif key == "ds_config":
                 ds_config = None if value is None else str(value)
             elif key == "ds_config_strict":
                 strict = value in (True, "true", "True")
             else:
                 keys.add(key)
-        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted))
+        return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted),
+                           tuple(forced))
 
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:

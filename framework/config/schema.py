@@ -47,11 +47,12 @@ class RootSchema:
     seed: int = 1337
     train: TrainLoopConfig
     dist: DistConfig = field(default_factory=DistConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     ds_config: str | None = None      # a DeepSpeed JSON config, layered between our YAML and the command line
     ds_config_strict: bool = False    # keys DeepSpeed does not know in it: an error instead of a warning
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-ROOT_KEYS = ("seed", "train", "dist", "checkpoint", "ds_config", "ds_config_strict")
+
+ROOT_KEYS = tuple(f.name for f in dataclasses.fields(RootSchema))
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class Config:
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""
         out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist),
-               "checkpoint": _yaml_keys(dataclasses.asdict(self.checkpoint)),
+               # YAML spells the schema's async_ (a Python keyword) async
+               "checkpoint": {k.rstrip("_"): v for k, v in dataclasses.asdict(self.checkpoint).items()},
                "ds_config": self.ds_config, "ds_config_strict": self.ds_config_strict}
         for g in GROUPS:
             out[g] = {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))}
@@ -96,11 +98,6 @@ def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{key}"] = value
     return out
-
-
-def _yaml_keys(node: dict) -> dict:
-    """Schema field names -> YAML keys (``async_`` is ``async``, a Python keyword)."""
-    return {k.rstrip("_"): v for k, v in node.items()}
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.

@@ -167,11 +167,10 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
     out_dir = Path(out_dir)
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
-        views = []
-        _agree(dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
-               "save_weights: swap file check")
-        fmap = views[0].fmap
-        masters = list(views[0].state.params)
+        mapped = _agree(dist, lambda: stack.enter_context(engine.mapped_state(engine.state)),
+                        "save_weights: swap file check")
+        fmap = mapped.fmap
+        masters = list(mapped.state.params)
         layout = _layout(engine, masters, "save_weights")
         tgts = targets(c.module, layout)
         plans = plan_files([(t.name, t.shape, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
@@ -209,9 +208,9 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
-def _agree(dist, fn: Callable[[], object], what: str) -> None:
+def _agree(dist, fn: Callable[[], object], what: str):
     """``fn`` on every rank, its outcome agreed on over ``dist`` (``framework.comm.distributed.agree``)."""
-    agree(lambda obj: dist.all_gather_object(obj, what=what), dist.rank, fn, what)
+    return agree(lambda obj: dist.all_gather_object(obj, what=what), dist.rank, fn, what)
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,

@@ -10,13 +10,10 @@
     done.synchronize()                               # now the host may read host_buf
 
 Every device, stream and event decision of the offload path goes through this interface, so the
-same code runs on CUDA (``CudaAccelerator``: blocking events, so a waiting host sleeps instead of
-spinning a core), the plain CPU (``CpuAccelerator``: no streams, events do nothing) and the
-checking CPU accelerator (``CheckingCpuAccelerator``: the CPU, checked for what CUDA needs and a
-CPU run would not notice; the list is in ``_checking``).
-
-``FRAMEWORK_ACCELERATOR`` picks the CPU implementation: ``check`` (the test suite sets it) or
-``plain`` (the default). It has no effect on CUDA devices.
+same code runs on CUDA (``CudaAccelerator``), the plain CPU (``CpuAccelerator``: no streams, events
+do nothing) and the checking CPU accelerator (``CheckingCpuAccelerator``: the CPU, checked for what
+CUDA needs and a CPU run would not notice). ``FRAMEWORK_ACCELERATOR`` picks the CPU one: ``check``
+(the test suite sets it) or ``plain`` (the default).
 """
 from __future__ import annotations
 

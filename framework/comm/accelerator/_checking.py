@@ -1,21 +1,19 @@
-"""The checking CPU accelerator: runs on the CPU like the plain one, but raises where CUDA would
-go wrong and a CPU run would not notice (each check is proven by a mutation in
-``framework/cli/mutations.py``):
+"""The checking CPU accelerator: the CPU as the plain one runs it, raising where CUDA would go wrong
+and a CPU run would not notice (a mutation in ``framework/cli/mutations.py`` proves each check):
 
-- placement: host buffers are those made by ``empty_host``, everything else is device memory;
-  either one where the other is expected, or a ``non_blocking`` copy with a pageable host side,
-  raises ``DeviceMismatch``;
+- placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
+  other is expected, or a ``non_blocking`` copy with a pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
-  ``host_use``, a collective) is logged per byte range of its storage; one that conflicts with an
-  earlier access by another stream (or the host) without an event ordering them raises
-  ``OrderError`` naming both places. Work the host queues is ordered after what the host knew;
-- NCCL's own stream: a collective runs after the stream current when it is issued, and the stream
-  current at ``collective_done`` runs after it;
-- the caching allocator: device memory freed while another stream than the compute stream may
-  still use it (no event, no ``record_stream``) is reported at the next checked call;
+  ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
+  earlier access by another stream (or the host) that no event orders: ``OrderError`` naming both
+  places. Work the host queues is ordered after what the host knew;
+- NCCL's own stream: a collective runs after the stream current at its issue, and the stream
+  current at ``collective_done`` after it;
+- the caching allocator: device memory freed while a stream other than compute may still use it
+  (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
-- host syncs: inside ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model
-  code) that reads device memory on the host raises ``HostSync``;
+- host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
+  reading device memory on the host raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 
 All host threads count as one host: ordering between them is their own business.

@@ -71,29 +71,20 @@ MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
               "data_types", "communication_data_type", "activation_checkpointing")
 ALIASES_TOP = {"bfloat16": "bf16"}
 
-ZERO_KEYS = ("stage", "contiguous_gradients", "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
-             "allgather_partitions", "allgather_bucket_size", "overlap_comm", "compute_grad_norm",
-             "load_from_fp32_weights", "elastic_checkpoint", "offload_param", "offload_optimizer", "zenflow",
-             "sub_group_size", "ignore_unused_parameters", "legacy_stage1", "round_robin_gradients",
-             "parameter_alignment", "zero_hpz_partition_size", "zero_quantized_weights",
-             "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
-             "mics_shard_size", "mics_hierarchical_params_gather", "memory_efficient_linear",
-             "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
-             "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "leaf_module")
-# Stage-3 keys, which DeepSpeed accepts with and without the "stage3_" prefix.
-STAGE3_KEYS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-               "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-               "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
-ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
-                "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory",
-                "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
+# zero_optimization keys that set a stage key: DeepSpeed key -> (kind, the "auto" rule filling it; h: the
+# model's hidden size). Where each lands per stage: ``_zero.zero_stage_keys``.
+ZERO_STAGE = {"reduce_bucket_size": ("int", "h*h"), "allgather_bucket_size": ("int", ""),
+              "stage3_prefetch_bucket_size": ("int", "0.9*h*h"), "stage3_max_live_parameters": ("int", ""),
+              "stage3_max_reuse_distance": ("int", ""), "stage3_param_persistence_threshold": ("int", "10*h"),
+              "overlap_comm": ("bool", ""), "contiguous_gradients": ("bool", ""), "reduce_scatter": ("bool", ""),
+              "round_robin_gradients": ("bool", ""), "stage3_gather_16bit_weights_on_model_save": ("bool", "")}
 # zero_optimization keys that only tune speed or memory in DeepSpeed and have no counterpart here.
 ZERO_PERF = ("use_multi_rank_bucket_allreduce", "compute_grad_norm", "load_from_fp32_weights",
              "ignore_unused_parameters", "parameter_alignment", "memory_efficient_linear",
              "pipeline_loading_checkpoint", "override_module_apply", "log_trace_cache_warnings",
              "enable_sanity_checks", "save_muon_momentum_buffer_in_memory", "mics_hierarchical_params_gather",
-             "model_persistence_threshold", "module_granularity_threshold", "use_all_reduce_for_fetch_params",
-             "allgather_sequential", "allgather_partitions")
+             "stage3_model_persistence_threshold", "stage3_module_granularity_threshold",
+             "stage3_use_all_reduce_for_fetch_params", "stage3_allgather_sequential", "allgather_partitions")
 # zero_optimization features: (key, value that switches it off, what it is).
 ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy stage 1"),
                  ("elastic_checkpoint", False, "elastic checkpointing"),
@@ -102,12 +93,24 @@ ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy 
                  ("zero_quantized_nontrainable_weights", False, "ZeRO++ quantized weights"),
                  ("zero_quantized_gradients", False, "ZeRO++ quantized gradients (qgZ)"),
                  ("zeropp_loco_param", None, "ZeRO++ LoCo"), ("mics_shard_size", -1, "MiCS"))
+# Stage-3 keys, which DeepSpeed accepts with and without the "stage3_" prefix.
+STAGE3_KEYS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+               "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+               "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size", "leaf_module",
+             *(k for k in (*ZERO_STAGE, *ZERO_PERF) if not k.startswith("stage3_")), *(f[0] for f in ZERO_FEATURES))
+ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory",
+                "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                           "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "pipeline")
 OFFLOAD_PARAM_KEYS = ("device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory")
-AIO_KEYS = ("block_size", "queue_depth", "intra_op_parallelism", "single_submit", "overlap_events", "use_gds")
-FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
-             "consecutive_hysteresis", "min_loss_scale", "fp16_master_weights_and_grads")
+AIO_KEYS = {"block_size": "int", "queue_depth": "int", "intra_op_parallelism": "int", "single_submit": "bool",
+            "overlap_events": "bool", "use_gds": "bool"}
+# fp16 loss-scaler keys (precision.* under fp16) and their kinds.
+FP16_SCALER = {"loss_scale": "float", "initial_scale_power": "int", "loss_scale_window": "int", "hysteresis": "int",
+               "consecutive_hysteresis": "bool", "min_loss_scale": "float"}
+FP16_KEYS = ("enabled", "auto_cast", *FP16_SCALER, "fp16_master_weights_and_grads")
 BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
              "bf16_optimizer_states")
 ACT_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
@@ -140,9 +143,9 @@ SCHEDULERS = {
     "warmupcosinelr": ("warmup_cosine_lr", {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                                             "cos_min_ratio": 0.0001, "warmup_type": "log", "total_num_steps": None}),
 }
+# As DeepSpeed spells them; those not in SCHEDULERS are not implemented.
 SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR",
                    "onecycle": "OneCycle", "lrrangetest": "LRRangeTest"}
-NOT_IMPLEMENTED_SCHEDULERS = ("onecycle", "lrrangetest")
 
 
 def close(key: str, valid) -> str | None:

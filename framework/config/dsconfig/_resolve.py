@@ -38,6 +38,8 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     leftover: list[str] = []
     notes: list[str] = []
     h = run.hidden_size
+    # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)
+    sizes = {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h} if h is not None else {}
 
     def final(key: str) -> Any:
         """The value a key will have: command line > DeepSpeed layer > the run's config."""
@@ -61,15 +63,10 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"precision={precision} in the run's config, but the file says {precision}.enabled "
                               f"false")
         sources["precision.name"] = AUTO_FILLED
-    fp16_keys = {k: s for k, s in settings.items() if k.startswith("_fp16.")}
-    for k in fp16_keys:
-        settings.pop(k)
-    inert = []
+    fp16_keys = {k.removeprefix("_fp16."): settings.pop(k) for k in [k for k in settings if k.startswith("_fp16.")]}
+    inert = [] if precision == "fp16" else [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     if precision == "fp16":
-        for k, s in fp16_keys.items():
-            settings["precision." + k.split(".", 1)[1]] = s
-    else:
-        inert += [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
+        settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     comm = settings.pop("_comm_dtype", None)
     if comm is not None:
         if precision == "bf16" and comm.value in ("fp32", "bf16"):
@@ -79,17 +76,16 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
     for key, s in settings.items():
-        if key.startswith("_inert."):
-            if s.value == AUTO and _fill(s.rule, h) is None:
+        if key.startswith("_inert."):   # an "auto" with a size rule, resolved though nothing reads it
+            if h is None:
                 leftover.append(f"{s.ds_key} (needs the model's hidden size)")
             continue
         if s.value == AUTO:
-            if s.rule in ("h*h", "0.9*h*h", "10*h"):  # phase 2: from the model
-                v = _fill(s.rule, h)
-                if v is None:
+            if s.rule in ("h*h", "0.9*h*h", "10*h"):
+                if h is None:
                     leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
                     continue
-                values[key], sources[key] = v, AUTO_FILLED
+                values[key], sources[key] = sizes[s.rule], AUTO_FILLED
             elif s.rule == "warmup_min_lr":
                 values[key], sources[key] = 0.0, AUTO_FILLED        # fill only
             else:
@@ -134,12 +130,6 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     return Resolved(values, sources, inert, notes)
 
 
-def _fill(rule: str, h: int | None) -> int | None:
-    if h is None:
-        return None
-    return {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h}[rule]
-
-
 def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, sources: dict,
            mismatches: list) -> None:
     """DeepSpeed's batch triple: train = micro x accumulation x world. A missing one is derived from
@@ -157,22 +147,16 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
         sources["train.grad_accum"] = AUTO_FILLED
     elif ga is not None:
         derived["train.grad_accum"] = ga
-    if isinstance(tb, int):
-        if mb is None and ga is None:
+    if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
+        key, other, n = (("train.grad_accum", "train_micro_batch_size_per_gpu", mb) if mb is not None else
+                         ("train.micro_batch", "gradient_accumulation_steps", ga) if ga is not None else
+                         ("train.micro_batch", "", 1))
+        if not other:
             derived["train.grad_accum"] = 1
-            if tb % world:
-                mismatches.append(f"train_batch_size={tb} is not divisible by the world size {world}")
-            derived["train.micro_batch"] = max(1, tb // world)
-        elif ga is None and isinstance(mb, int):
-            if tb % (mb * world):
-                mismatches.append(f"train_batch_size={tb} is not divisible by train_micro_batch_size_per_gpu={mb} "
-                                  f"x world size {world}")
-            derived["train.grad_accum"] = max(1, tb // (mb * world))
-        elif mb is None and isinstance(ga, int):
-            if tb % (ga * world):
-                mismatches.append(f"train_batch_size={tb} is not divisible by gradient_accumulation_steps={ga} "
-                                  f"x world size {world}")
-            derived["train.micro_batch"] = max(1, tb // (ga * world))
+        if tb % (n * world):
+            mismatches.append(f"train_batch_size={tb} is not divisible by " +
+                              (f"{other}={n} x world size {world}" if other else f"the world size {world}"))
+        derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
     for key, v in derived.items():

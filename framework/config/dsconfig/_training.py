@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Mapping
 
-from framework.config.dsconfig._keys import (AUTO, BF16_KEYS, DS_DEFAULT, DS_FILE, FP16_KEYS, ACT_KEYS,
-                                             NOT_IMPLEMENTED_OPTIMIZERS, NOT_IMPLEMENTED_SCHEDULERS, OPTIMIZER_INERT,
-                                             OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, close)
+from framework.config.dsconfig._keys import (AUTO, BF16_KEYS, DS_DEFAULT, DS_FILE, FP16_KEYS, FP16_SCALER, ACT_KEYS,
+                                             NOT_IMPLEMENTED_OPTIMIZERS, OPTIMIZER_INERT, OPTIMIZER_REFUSED,
+                                             OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, close)
 
 if TYPE_CHECKING:
-    from framework.config.dsconfig._translate import Translator
+    from framework.config.dsconfig._translate import Translation
 
 
-def precision(tr: Translator, top: dict) -> None:
+def precision(tr: Translation, top: dict) -> None:
     fp16 = tr.section(top["fp16"], "fp16", FP16_KEYS) if "fp16" in top else None
     bf16 = tr.section(top["bf16"], "bf16", BF16_KEYS) if "bf16" in top else None
     on16 = False if fp16 is None else tr.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True)
@@ -32,27 +32,24 @@ def precision(tr: Translator, top: dict) -> None:
     elif fp16 is not None or bf16 is not None:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     if fp16 is not None:
-        kinds = {"loss_scale": "float", "initial_scale_power": "int", "loss_scale_window": "int",
-                 "hysteresis": "int", "consecutive_hysteresis": "bool", "min_loss_scale": "float"}
-        for key, kind in kinds.items():
+        for key, kind in FP16_SCALER.items():
             if key in fp16:
                 v = tr.typed(fp16[key], kind, f"fp16.{key}")
                 if v is not None and on16 is False:
-                    tr.inert(f"fp16.{key}", "fp16 is not enabled")
+                    tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
                 elif v is not None:
                     tr.set(f"_fp16.{key}", v, f"fp16.{key}")
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
-            tr.inert("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
-                                         "precision=fp16 computes in fp16 already")
-        for key in ("fp16_master_weights_and_grads",):
-            if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
-                tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); "
-                         f"remove it")
+            tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
+                                             "precision=fp16 computes in fp16 already")
+        key = "fp16_master_weights_and_grads"
+        if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
+            tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
         for key in ("immediate_grad_update", "check_grad_overflow"):
             if key in bf16:
                 tr.typed(bf16[key], "bool", f"bf16.{key}")
-                tr.inert(f"bf16.{key}", "the bf16 step here is always the same")
+                tr.inert_key(f"bf16.{key}", "the bf16 step here is always the same")
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
@@ -69,12 +66,12 @@ def precision(tr: Translator, top: dict) -> None:
                 tr.set("precision.grad_accum_dtype", v, "data_types.grad_accum_dtype")
 
 
-def optimizer(tr: Translator, node: Any) -> None:
+def optimizer(tr: Translation, node: Any) -> None:
     if node is None:
         return
     o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"))
     if "legacy_fusion" in o:
-        tr.inert("optimizer.legacy_fusion", "selects a kernel")
+        tr.inert_key("optimizer.legacy_fusion", "selects a kernel")
     low = _type(tr, o, "optimizer", OPTIMIZERS, NOT_IMPLEMENTED_OPTIMIZERS,
                 {k: k for k in [*OPTIMIZERS, *NOT_IMPLEMENTED_OPTIMIZERS]}, "Adam, AdamW, Adagrad, Lion or SGD")
     if low is None:
@@ -85,7 +82,7 @@ def optimizer(tr: Translator, node: Any) -> None:
                         [*defaults, *extra, *OPTIMIZER_INERT, *OPTIMIZER_REFUSED])
     for key, why in OPTIMIZER_INERT.items():
         if key in params:
-            tr.inert(f"optimizer.params.{key}", why)
+            tr.inert_key(f"optimizer.params.{key}", why)
     for key, (off, why) in OPTIMIZER_REFUSED.items():
         if key in params and params[key] != off:
             tr.error(f"optimizer.params.{key}: {why}")
@@ -98,11 +95,9 @@ def optimizer(tr: Translator, node: Any) -> None:
     # DeepSpeed passes all parameters in one group: biases and norm weights decay too.
     tr.set("optimizer.decay_1d", True, "optimizer.params", DS_DEFAULT)
     for key, default in defaults.items():
-        given = key in params
         value = params.get(key, default)
         ds_key = f"optimizer.params.{key}"
-        src = DS_FILE if given else DS_DEFAULT
-        auto_ok = key in ("lr", "betas", "eps", "weight_decay")
+        src = DS_FILE if key in params else DS_DEFAULT
         if key == "betas":
             if value == AUTO:
                 tr.set("optimizer.beta1", AUTO, ds_key, rule="optimizer.beta1")
@@ -115,16 +110,16 @@ def optimizer(tr: Translator, node: Any) -> None:
                 tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
             continue
         kind = "bool" if isinstance(default, bool) else "float"
-        v = tr.typed(value, kind, ds_key, auto_ok=auto_ok)
+        v = tr.typed(value, kind, ds_key, auto_ok=key in ("lr", "eps", "weight_decay"))
         if v is not None:
             tr.set(f"optimizer.{key}", v, ds_key, src, rule=f"optimizer.{key}" if v == AUTO else "")
 
 
-def scheduler(tr: Translator, node: Any) -> None:
+def scheduler(tr: Translation, node: Any) -> None:
     if node is None:
         return
     s = tr.section(node, "scheduler", ("type", "params"))
-    low = _type(tr, s, "scheduler", SCHEDULERS, {k: SCHEDULER_NAMES[k] for k in NOT_IMPLEMENTED_SCHEDULERS},
+    low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
                 SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
     if low is None:
         return
@@ -137,7 +132,7 @@ def scheduler(tr: Translator, node: Any) -> None:
             tr.error("scheduler.params.last_batch_iteration: resuming a schedule this way is not "
                      "implemented here (the step is part of the train state); remove it")
         else:
-            tr.inert("scheduler.params.last_batch_iteration", "-1: a fresh schedule")
+            tr.inert_key("scheduler.params.last_batch_iteration", "-1: a fresh schedule")
     rules = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")   # "auto" fills these
     for key, default in defaults.items():
         ds_key = f"scheduler.params.{key}"
@@ -154,7 +149,7 @@ def scheduler(tr: Translator, node: Any) -> None:
             tr.set(f"scheduler.{key}", v, ds_key, rule=key if v == AUTO else "")
 
 
-def _type(tr: Translator, node: dict, section: str, have: Mapping, missing: Mapping[str, str],
+def _type(tr: Translation, node: dict, section: str, have: Mapping, missing: Mapping[str, str],
           spelled: Mapping[str, str], use: str) -> str | None:
     """The section's ``type``, lower case, when we have it; else None, with an error naming what is
     not implemented, or the closest type we have (``spelled``: lower case -> as DeepSpeed writes it)."""
@@ -173,13 +168,12 @@ def _type(tr: Translator, node: dict, section: str, have: Mapping, missing: Mapp
     return low
 
 
-def activation_checkpointing(tr: Translator, node: Any) -> None:
+def activation_checkpointing(tr: Translation, node: Any) -> None:
     if node is None:
         return
     a = tr.section(node, "activation_checkpointing", ACT_KEYS)
-    for key, value in a.items():
-        ds_key = f"activation_checkpointing.{key}"
+    for key in a:
         # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
         # model that calls it (Megatron) uses; the run goes on without them.
-        tr.inert(ds_key, "configures deepspeed.checkpointing, which is not used "
-                           "(model.activation_checkpointing turns checkpointing on)")
+        tr.inert_key(f"activation_checkpointing.{key}", "configures deepspeed.checkpointing, which is not used "
+                     "(model.activation_checkpointing turns checkpointing on)")

@@ -44,45 +44,38 @@ class Translation:
         out += [f"note: ds_config: {n}" for n in notes]
         return out
 
-
-class Translator:
-    """Collects what the walk finds into ``t``; the section walkers call its helpers."""
-    def __init__(self) -> None:
-        self.t = Translation()
+    # The walk (``run``, with the section walkers of ``_zero`` and ``_training``) fills the fields.
 
     def error(self, msg: str) -> None:
-        self.t.errors.append(msg)
+        self.errors.append(msg)
 
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None) -> dict:
         """The section's keys after alias and typo checks (unknown keys dropped)."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
-        out, aliases = {}, aliases or {}
+        out, aliases, pre = {}, aliases or {}, f"{path}." if path else ""
         for key, value in node.items():
-            full = f"{path}.{key}" if path else key
             if key in known:
                 out[key] = value
             elif key in aliases:
-                self.t.warnings.append(f"'{full}' is deprecated; use '{aliases[key]}'")
+                self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
                 out[key] = value
+            elif (near := close(key, [*known, *aliases])) is not None:
+                self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
             else:
-                near = close(key, [*known, *aliases])
-                if near is not None:
-                    self.error(f"unknown key '{full}' (did you mean '{(path + '.') if path else ''}{near}'?)")
-                else:
-                    self.t.unknown.append(full)
+                self.unknown.append(pre + key)
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:
-        self.t.settings[key] = Setting(value, ds_key, source, rule)
+        self.settings[key] = Setting(value, ds_key, source, rule)
 
     def choose(self, group: str, name: str, ds_key: str) -> None:
-        self.t.choices[group] = name
-        self.t.choice_keys[group] = ds_key
+        self.choices[group] = name
+        self.choice_keys[group] = ds_key
 
-    def inert(self, ds_key: str, why: str) -> None:
-        self.t.inert.append(f"{ds_key} ({why})")
+    def inert_key(self, ds_key: str, why: str) -> None:
+        self.inert.append(f"{ds_key} ({why})")
 
     def typed(self, value: Any, kind: str, ds_key: str, auto_ok: bool = False) -> Any:
         """Check and convert a JSON value: 'int' (integral floats such as 1e9 accepted), 'float',
@@ -108,9 +101,7 @@ class Translator:
                 return None
         elif kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
             ok = float(value)
-        elif kind == "bool" and isinstance(value, bool):
-            ok = value
-        elif kind == "str" and isinstance(value, str):
+        elif kind in ("bool", "str") and isinstance(value, bool if kind == "bool" else str):
             ok = value
         if ok is None:
             want = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
@@ -125,12 +116,12 @@ class Translator:
             top["bf16"] = top.pop("bfloat16")
         for key, why in INERT_TOP.items():
             if key in top:
-                self.inert(key, why)
+                self.inert_key(key, why)
         for key, what in FEATURES.items():
             if key in top and not switched_off(top[key], key):
                 self.error(f"'{key}': {what} is not implemented here; remove it")
             elif key in top:
-                self.inert(key, "switched off")
+                self.inert_key(key, "switched off")
         if "zero_optimization" in top:
             zero(self, top["zero_optimization"], top.get("aio"))
         elif "aio" in top:
@@ -144,7 +135,7 @@ class Translator:
                 if value is not None and value != AUTO and value < 1:
                     self.error(f"{key} must be >= 1, got {value}")
                 elif value is not None:
-                    self.t.batch[key] = value
+                    self.batch[key] = value
         if "gradient_clipping" in top:
             value = self.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
             if value is not None:
@@ -152,9 +143,9 @@ class Translator:
         else:  # DeepSpeed clips only when asked
             self.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
         activation_checkpointing(self, top.get("activation_checkpointing"))
-        return self.t
+        return self
 
 
 def translate(ds: dict) -> Translation:
     """Map a loaded DeepSpeed config; errors and notices are collected in the result."""
-    return Translator().run(ds)
+    return Translation().run(ds)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Any
 
 from framework.config.dsconfig._keys import (AIO_KEYS, ALIASES_ZERO, AUTO, OFFLOAD_OPTIMIZER_KEYS,
                                              OFFLOAD_PARAM_KEYS, STAGE3_KEYS, STAGES, ZERO_FEATURES, ZERO_KEYS,
-                                             ZERO_PERF, switched_off)
+                                             ZERO_PERF, ZERO_STAGE, switched_off)
 
 if TYPE_CHECKING:
-    from framework.config.dsconfig._translate import Translator
+    from framework.config.dsconfig._translate import Translation
 
 
-def zero(tr: Translator, node: Any, aio: Any) -> int:
+def zero(tr: Translation, node: Any, aio: Any) -> int:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
@@ -51,66 +51,54 @@ def zero(tr: Translator, node: Any, aio: Any) -> int:
     for key, off, what in ZERO_FEATURES:
         if key in z:
             if z[key] == off or (off is None and switched_off(z[key], key)):
-                tr.inert(p + key, "switched off")
+                tr.inert_key(p + key, "switched off")
             else:
                 tr.error(f"{p}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
         if switched_off(z["leaf_module"], "leaf_module") or z["leaf_module"] == {}:
-            tr.inert(p + "leaf_module", "empty")
+            tr.inert_key(p + "leaf_module", "empty")
         else:
             tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
     for key in ZERO_PERF:
-        full = key if key in z else f"stage3_{key}"
-        if full in z:
-            tr.typed(z[full], "int" if "threshold" in key else "bool", p + full)
-            tr.inert(p + full, "a speed/memory knob of DeepSpeed's with no counterpart here")
+        if key in z:
+            tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
+            tr.inert_key(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
     return stage
 
 
-def zero_stage_keys(tr: Translator, z: dict, name: str) -> None:
+def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     p = "zero_optimization."
-    ints = {"reduce_bucket_size": "h*h", "allgather_bucket_size": "", "stage3_prefetch_bucket_size": "0.9*h*h",
-            "stage3_max_live_parameters": "", "stage3_max_reuse_distance": "",
-            "stage3_param_persistence_threshold": "10*h"}
-    bools = ("overlap_comm", "contiguous_gradients", "reduce_scatter", "round_robin_gradients",
-             "stage3_gather_16bit_weights_on_model_save")
-    # Where each key lands per stage; absent: accepted, changes nothing with this stage.
-    targets = {
-        "ddp": {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"},
-        "zero1": {k: k for k in ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                                 "contiguous_gradients", "reduce_scatter", "round_robin_gradients")},
-        "zero3": {k: k for k in ("overlap_comm", "reduce_scatter", "stage3_prefetch_bucket_size",
-                                 "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                                 "stage3_param_persistence_threshold",
-                                 "stage3_gather_16bit_weights_on_model_save")},
-    }
-    targets["zero2"] = targets["zero1"]
+    # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
+    # take the keys without the stage3_ prefix, zero3 those with it and two more.
+    zero3 = name == "zero3"
+    targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
+        k: k for k in ZERO_STAGE
+        if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
     why = {"ddp": "stage 0 replicates everything",
            "zero1": "a stage-3 key", "zero2": "a stage-3 key",
            "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
-    for key in (*ints, *bools):
+    for key, (kind, rule) in ZERO_STAGE.items():
         if key not in z:
             continue
-        rule = ints.get(key, "")
         # Hugging Face fills the stage3_ sizes only under ZeRO-3; elsewhere an "auto" is left over.
         # accelerate fills the 16-bit save flag with its own default (false), which is ours.
-        auto_ok = (bool(rule) and (name == "zero3" or not key.startswith("stage3_"))) \
+        auto_ok = (bool(rule) and (zero3 or not key.startswith("stage3_"))) \
             or key == "stage3_gather_16bit_weights_on_model_save"
-        value = tr.typed(z[key], "int" if key in ints else "bool", p + key, auto_ok=auto_ok)
+        value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
         if value is None:
             continue
-        if key in ints and value != AUTO and value < 0:
+        if kind == "int" and value != AUTO and value < 0:
             tr.error(f"{p}{key} must be >= 0, got {value}")
-        target = targets[name].get(key)
+        target = targets.get(key)
         if target is not None:
             tr.set(f"stage.{target}", value, p + key, rule=rule)
         else:
-            tr.inert(p + key, why)
+            tr.inert_key(p + key, why)
             if value == AUTO and rule:  # resolved like any other, though nothing reads it
                 tr.set(f"_inert.{key}", value, p + key, rule=rule)
 
 
-def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
+def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
     p = "zero_optimization."
     o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS) if opt is not None else {}
     q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS) if param is not None else {}
@@ -126,12 +114,9 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         tr.error(f"{p}offload_param.device={pd} needs zero_optimization.stage 3 (parameters are partitioned "
                  f"only there), got stage {stage}")
     target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
-    if target == "nvme" and od == "none":
-        tr.error(f"{p}offload_param.device=nvme without offload_optimizer is not implemented here; add "
-                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}} (or nvme)")
-    if target == "cpu" and od == "none":
-        tr.error(f"{p}offload_param.device=cpu without offload_optimizer is not implemented here; add "
-                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}}")
+    if target != "none" and od == "none":
+        tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
+                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
     def both(key: str, kind: str) -> None:
         values = {}
@@ -156,19 +141,19 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         if applies:
             tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
         else:
-            tr.inert(f"{p}{name}.{key}", why)
+            tr.inert_key(f"{p}{name}.{key}", why)
 
     for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
         if dev == "none":
             for key in sec:
                 if key != "device":
-                    tr.inert(f"{p}{name}.{key}", "device none")
+                    tr.inert_key(f"{p}{name}.{key}", "device none")
     if opt is not None or param is not None:  # absent sections leave the run's offload choice
         tr.choose("offload", target, f"{p}offload_optimizer.device / offload_param.device")
     if target == "none":
         if sub_group_size is not None:
             tr.typed(sub_group_size, "int", p + "sub_group_size")
-            tr.inert(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
         aio_keys(tr, aio, applies=False)
         return
     nvme = target == "nvme"
@@ -180,7 +165,7 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         tr.set("offload.params", pd, f"{p}offload_param.device")
         for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
             if "nvme_path" in sec and dev != "none":
-                tr.inert(f"{p}{name}.nvme_path", "device cpu")
+                tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
     both("pin_memory", "bool")
     why = "device cpu: NVMe buffers"
     if od != "none":
@@ -189,13 +174,13 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         one(o, "offload_optimizer", "pipeline_read", "pipeline_read", "bool", nvme, why)
         one(o, "offload_optimizer", "pipeline_write", "pipeline_write", "bool", nvme, why)
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
-            tr.t.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
-                                 f"pipeline_write")
+            tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
+                               f"pipeline_write")
             one(o, "offload_optimizer", "pipeline", "pipeline_read", "bool", nvme, why)
             one(o, "offload_optimizer", "pipeline", "pipeline_write", "bool", nvme, why)
         for key in ("fast_init", "cpuadam_cores_perc"):
             if key in o:
-                tr.inert(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
+                tr.inert_key(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
@@ -207,11 +192,11 @@ def offload(tr: Translator, opt: Any, param: Any, sub_group_size: Any, aio: Any,
         if v is not None and nvme:
             tr.set("offload.sub_group_size", v, p + "sub_group_size")
         elif v is not None:
-            tr.inert(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
     aio_keys(tr, aio, applies=nvme)
 
 
-def aio_keys(tr: Translator, aio: Any, applies: bool) -> None:
+def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
     if aio is None:
         return
     a = tr.section(aio, "aio", AIO_KEYS, {"thread_count": "intra_op_parallelism"})
@@ -219,18 +204,16 @@ def aio_keys(tr: Translator, aio: Any, applies: bool) -> None:
         if "intra_op_parallelism" in a:
             tr.error("aio.thread_count and aio.intra_op_parallelism are the same key; keep intra_op_parallelism")
         a["intra_op_parallelism"] = a.pop("thread_count")
-    kinds = {"block_size": "int", "queue_depth": "int", "intra_op_parallelism": "int",
-             "single_submit": "bool", "overlap_events": "bool", "use_gds": "bool"}
     for key, value in a.items():
-        v = tr.typed(value, kinds[key], f"aio.{key}")
+        v = tr.typed(value, AIO_KEYS[key], f"aio.{key}")
         if v is None:
             continue
         if key == "use_gds":
             if v:
                 tr.error("aio.use_gds: GPUDirect Storage is not implemented here; remove it")
             else:
-                tr.inert("aio.use_gds", "false")
+                tr.inert_key("aio.use_gds", "false")
         elif applies:
             tr.set(f"offload.aio.{key}", v, f"aio.{key}")
         else:
-            tr.inert(f"aio.{key}", "no NVMe offload")
+            tr.inert_key(f"aio.{key}", "no NVMe offload")

@@ -51,10 +51,8 @@ class Group:
     def enter(self, stack: contextlib.ExitStack, context, what: str):
         """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):
         when it fails on some rank (a damaged swap file), every rank raises at once, naming it."""
-        entered = []
-        agree(lambda obj: self.all_gather(obj, what), self.rank,
-              lambda: entered.append(stack.enter_context(context)), f"checkpoint {what}")
-        return entered[0]
+        return agree(lambda obj: self.all_gather(obj, what), self.rank, lambda: stack.enter_context(context),
+                     f"checkpoint {what}")
 
     def dcp_kwargs(self) -> dict:
         return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}
