@@ -4,11 +4,9 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Each rank reads only the ranges its master pieces hold (``framework.persist.layout``), and the stage
-rebuilds the working parameters as after an optimizer step. A save writes ordinary safetensors:
-rank 0 lays out the files, then every rank writes its share straight into them at their byte
-offsets, so no rank assembles a whole tensor or sends the model through one rank's link and memory;
-the price is that every rank must see ``out_dir``, as for DCP's checkpoint folders.
+Each rank reads only the ranges its master pieces hold (``framework.persist.layout``). A save lays
+out the safetensors files on rank 0, then every rank writes its share at its byte offsets, so no
+rank assembles a whole tensor; the price is that every rank must see ``out_dir``, as for checkpoints.
 """
 from __future__ import annotations
 
@@ -26,12 +24,9 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (INDEX, SINGLE, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, parse_size, plan_files, write_at)
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
+                                           open_weights, plan_files, write_at)
 from framework.core.utils import few
-
-__all__ = ["INDEX", "SINGLE", "WeightsSource", "create_files", "finish_files", "load_weights", "open_weights",
-           "parse_size", "plan_files", "save_on_model_save", "save_pretrained", "save_weights", "targets", "write_at"]
 
 
 @dataclass(frozen=True)
@@ -96,8 +91,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
         def load() -> None:
             src = source if isinstance(source, WeightsSource) else open_weights(source)
             try:
-                _load(src, strict, layout, masters, targets(c.module, layout),
-                      view.fmap.release if view.fmap is not None else None)
+                _load(src, strict, layout, masters, targets(c.module, layout), view.fmap)
             finally:
                 if src is not source:
                     src.close()
@@ -107,25 +101,22 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
 
 
 def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],
-          release: Callable[[torch.Tensor], None] | None = None) -> None:
-    """``release(t)``: called with each master range once written (a mapped swap file's pages
-    leave the process range by range)."""
-    available = set(src.keys())
+          fmap) -> None:
+    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written."""
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
     for t in tgts:
-        key = next((a for a in t.aliases if a in available), None)
+        key = next((a for a in t.aliases if a in src.meta), None)
         if key is None:
             missing.append(t.name if len(t.aliases) == 1 else f"{t.name} (or {', '.join(t.aliases[1:])})")
             continue
         chosen[t.name] = key
-        if src.shape(key) != t.shape:
-            mismatched.append(f"{key}: {src.shape(key)} in the file, {t.shape} in the model")
-        elif src.dtype(key).is_floating_point != t.dtype.is_floating_point or \
-                (src.dtype(key) == torch.bool) != (t.dtype == torch.bool):
-            mismatched.append(f"{key}: dtype {_dt(src.dtype(key))} in the file, {_dt(t.dtype)} in the model")
-    known = {a for t in tgts for a in t.aliases}
-    unexpected = sorted(available - known)
+        if src.meta[key][0] != t.shape:
+            mismatched.append(f"{key}: {src.meta[key][0]} in the file, {t.shape} in the model")
+        elif (dt := src.dtype(key)).is_floating_point != t.dtype.is_floating_point or \
+                (dt == torch.bool) != (t.dtype == torch.bool):
+            mismatched.append(f"{key}: dtype {_dt(dt)} in the file, {_dt(t.dtype)} in the model")
+    unexpected = sorted(set(src.meta) - {a for t in tgts for a in t.aliases})
     problems = []
     if strict and missing:
         problems.append(f"missing {len(missing)}: {few(missing, 20, str)}")
@@ -136,17 +127,13 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))
-    # Masters: only the ranges this rank's pieces hold.
-    for p, h in layout.mine():
-        key = chosen.get(p.name)
-        if key is None:  # strict=False and absent: keeps its values
-            continue
-        into = h.of(masters[h.piece].view(-1))
-        into.copy_(src.read(key, h.lo, h.hi).to(into.dtype))
-        if release is not None:
-            release(into)
-    # Whole tensors every rank holds (buffers, frozen parameters outside the stage's layout).
-    with torch.no_grad():
+    for p, h in layout.mine():   # masters: only the ranges this rank's pieces hold
+        if p.name in chosen:   # (strict=False: an absent one keeps its values)
+            into = h.of(masters[h.piece].view(-1))
+            into.copy_(src.read(chosen[p.name], h.lo, h.hi).to(into.dtype))
+            if fmap is not None:
+                fmap.release(into)
+    with torch.no_grad():   # whole tensors every rank holds (buffers, frozen parameters outside the layout)
         for t in tgts:
             if t.tensor is not None and t.name in chosen:
                 values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
@@ -174,8 +161,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         masters = list(views[0].state.params)
         layout = _layout(engine, masters, "save_weights")
         tgts = targets(c.module, layout)
-        plans = plan_files([(t.name, t.shape, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
-                            for t in tgts], max_shard_size)
+        plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
         for p, h, a, b in layout.share():
