@@ -41,9 +41,9 @@ class Target:
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
 
 
-def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
+def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor]) -> list[Target]:
     """The model's tensors in module order: parameters (those in ``layout``, a gathered one, are
-    held in master pieces) then persistent buffers."""
+    held in the master pieces ``masters``) then persistent buffers."""
     params: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(n)
@@ -51,7 +51,7 @@ def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
     for p, aliases in params.values():
         first, staged = aliases[0], layout.params.get(aliases[0])
         if staged is not None:
-            out.append(Target(first, tuple(aliases), staged.shape, staged.dtype, None))
+            out.append(Target(first, tuple(aliases), staged.shape, masters[0].dtype, None))
         else:  # a frozen parameter outside the stage's layout: whole on every rank
             out.append(Target(first, tuple(aliases), tuple(p.shape), p.dtype, p))
     seen: set[int] = set()
@@ -65,11 +65,10 @@ def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
     return out
 
 
-def _layout(engine, masters: list[torch.Tensor], what: str) -> StateLayout:
+def _layout(engine, what: str) -> StateLayout:
     """Every rank's holdings of the master pieces (collective)."""
     c = engine.components
     return StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
-                          dtype=masters[0].dtype if masters else torch.float32,
                           gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
 
 
@@ -86,12 +85,12 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True) as view:
         masters = list(view.state.params)
-        layout = _layout(engine, masters, "weights")
+        layout = _layout(engine, "weights")
 
         def load() -> None:
             src = source if isinstance(source, WeightsSource) else open_weights(source)
             try:
-                _load(src, strict, layout, masters, targets(c.module, layout), view.fmap)
+                _load(src, strict, layout, masters, targets(c.module, layout, masters), view.fmap)
             finally:
                 if src is not source:
                     src.close()
@@ -159,8 +158,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                "save_weights: swap file check")
         fmap = views[0].fmap
         masters = list(views[0].state.params)
-        layout = _layout(engine, masters, "save_weights")
-        tgts = targets(c.module, layout)
+        layout = _layout(engine, "save_weights")
+        tgts = targets(c.module, layout, masters)
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
