@@ -42,13 +42,6 @@ class StateView:
     state: TrainState
     fmap: Any   # the mapped swap file (``offload._swapfile.FileMap``), or None
 
-    def own(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t``'s bytes as a tensor of exactly them when it views the mapped file (written without a copy)."""
-        return self.fmap.own(t) if self.fmap is not None else None
-
-    def maps(self, t: torch.Tensor) -> bool:
-        return self.fmap is not None and self.fmap.contains(t)
-
 
 class Engine:
     """The built components, their step functions and ``state``, the one the last ``train_step`` (or
@@ -209,13 +202,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 def hidden_size_of(module: nn.Module) -> int | None:
     """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    for holder, names in ((getattr(module, "config", None), ("hidden_size", "n_embd", "d_model")),
-                          (getattr(module, "cfg", None), ("d_model",))):
-        for name in names:
-            value = getattr(holder, name, None) if holder is not None else None
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+    values = [getattr(getattr(module, holder, None), name, None)
+              for holder, name in [*(("config", n) for n in ("hidden_size", "n_embd", "d_model")), ("cfg", "d_model")]]
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
 
 
 def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:

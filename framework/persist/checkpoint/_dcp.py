@@ -1,12 +1,11 @@
 """torch.distributed.checkpoint glue: flat fragments as rectangular chunks, and a reader that
 never unpickles code.
 
-ZeRO's master pieces are ranges of *flattened* parameters, which DCP's public types cannot hold
-(a ``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major
-tensor is, however, a short list of rectangular boxes (at most ``2 * ndim - 1``, each contiguous),
-so each box is written as one chunk of the parameter's global shape: ordinary DCP files that
-``dcp.load`` reads into a full tensor or any other sharding. ``Boxes`` implements the hooks DCP's
-planners call on a checkpointable value (the protocol ``DTensor`` uses).
+ZeRO's master pieces are ranges of *flattened* parameters, which DCP's types cannot hold (a
+``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major tensor
+is a short list of contiguous rectangular boxes, each written as one chunk of the parameter's global
+shape: ordinary DCP files that ``dcp.load`` reads into any sharding. ``Boxes`` implements the hooks
+DCP's planners call on a checkpointable value (the protocol ``DTensor`` uses).
 """
 from __future__ import annotations
 
@@ -57,14 +56,13 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 
 class Boxes:
-    """One parameter's global shape and this rank's boxes of it, each a view of a flat host
-    tensor holding a range of the flattened parameter (what DCP reads from or writes into);
-    with ``copy`` each box is a host copy of its part of the (device or host) flat tensor."""
+    """One parameter's global shape and this rank's boxes of it, views of flat tensors holding
+    ranges of the flattened parameter (``pieces``: ((lo, hi), flat)), which DCP reads from or
+    writes into. With ``copy`` each box is a host copy, unless ``own(box)`` gives a tensor owning
+    exactly its bytes without a copy (a view of a mapped swap file)."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  copy: bool = False, own: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
-        """``own(box)``: a tensor owning exactly the box's bytes without copying them (a view of a
-        mapped swap file), or None; such boxes are not copied."""
         self.shape = torch.Size(shape)
         self.views: list[tuple[torch.Size, torch.Tensor]] = []
         for (lo, hi), flat in pieces:
@@ -81,7 +79,6 @@ class Boxes:
                 pos += n
 
     def tensors(self) -> list[torch.Tensor]:
-        """The boxes' tensors (what DCP writes or reads)."""
         return [t for _, t in self.views]
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
@@ -114,7 +111,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         """``release(t)``: called with each value once the writer asked for the next one (a
-        mapped swap file's pages leave the process as they are written: the save stays bounded)."""
+        mapped swap file's pages leave the process as they are written)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.release, self._last = release, None
 
@@ -197,9 +194,8 @@ def read_metadata(path) -> Any:
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` of a folder whose metadata was already read by ``read_metadata``
-    (the allow-listed unpickler); tensor data is read with ``torch.load(weights_only=True)``
-    by DCP itself."""
+    """``FileSystemReader`` with the metadata ``read_metadata`` read; DCP itself reads tensor data
+    with ``torch.load(weights_only=True)``."""
 
     def __init__(self, path, metadata) -> None:
         super().__init__(path)

@@ -94,9 +94,10 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
         # DCP reads a swapped piece where it lies (straight into the file), the others into host
         # copies that the state takes once checked
+        fmap = view.fmap
         hosts = {k: {key: t.to("cpu", copy=True) for key, t in pieces[k].items()}
-                 for k in {h.piece for _, h in mine} if not view.maps(mapped.params[k])}
-        release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
+                 for k in {h.piece for _, h in mine} if fmap is None or not fmap.contains(mapped.params[k])}
+        release = fmap.release if fmap is not None else None   # pages leave as they are filled
         dcp = glue()
         targets = dcp_values([(p, h, h.lo, h.hi) for p, h in mine], [hosts.get(k, f) for k, f in enumerate(pieces)],
                              body["optimizer"]["keys"])

@@ -63,10 +63,9 @@ def dcp_values(parts, flats, keys: dict[str, str], **boxes) -> dict:
 
 def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
     """This rank's ``StateLayout.share`` of ``view.state`` (an ``engine.mapped_state`` view) as DCP
-    values (collective). Each box is copied to the host into a tensor owning exactly its bytes, so
-    DCP's writer (which clones views of larger storages) makes no second copy; with ``zero_copy``
-    boxes of a mapped swap file are written from the file's pages. ``nonfinite`` names what this
-    rank holds that is NaN or inf."""
+    values, with what the save records (collective). Each box is a host tensor owning exactly its
+    bytes, so DCP's writer (which clones views of larger storages) makes no second copy; with
+    ``zero_copy`` boxes of a mapped swap file are written from the file's pages."""
     c = engine.components
     state = view.state
     per, scalars = optimizer_leaves(state.opt_state, state.params)
@@ -74,22 +73,25 @@ def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
     layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
                             gather=lambda mine: group.all_gather(mine, "layout gather"))
     keys = optim_keys(sorted(per), sorted(scalars))
-    release = view.fmap.release if view.fmap is not None else None
+    fmap = view.fmap
+    release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
-    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, copy=True, own=view.own if zero_copy else None)
+    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, copy=True,
+                                    own=fmap.own if zero_copy and fmap is not None else None)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+    # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v]))
+                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) + 4096 * len(out) + (64 << 10)
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
              "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
              "optimizer": {"per_element": sorted(per), "scalars": {p: _json_scalar(v) for p, v in host_scalars.items()},
                            "keys": keys}}
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
-            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out), "release": release if zero_copy else None}
+            "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
@@ -110,12 +112,6 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list
         ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
         bad.update(n for (n, _), good in zip(pairs, ok) if not good)
     return sorted(bad)
-
-
-def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
-    """What this rank's files of the checkpoint will take in ``root`` (tensor bytes, with some room
-    for DCP's per-item records, the JSON files and the metadata)."""
-    return Claim.of(root, snap["bytes"] + 4096 * snap["items"] + (64 << 10), rank)
 
 
 def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: int,
@@ -167,7 +163,7 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
     step = snap["step"]
     problem, claim = None, None
     try:
-        claim = _room_claim(root, snap, group.rank)
+        claim = Claim.of(root, snap["bytes"], group.rank)
         if snap["nonfinite"]:
             recheck()
     except OSError as e:
@@ -209,7 +205,7 @@ def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int
     t0 = time.perf_counter()
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
-    need = _room_claim(root, snap, rank).need * group.world
+    need = snap["bytes"] * group.world
 
     def point(name: str) -> None:
         if on_point is not None:
