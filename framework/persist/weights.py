@@ -83,14 +83,14 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     left as it is: load before training."""
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
-    with engine.mapped_state(engine.state, write=True) as view:
-        masters = list(view.state.params)
+    with engine.mapped_state(engine.state, write=True) as (mapped, fmap):
+        masters = list(mapped.params)
         layout = _layout(engine, "weights")
 
         def load() -> None:
             src = source if isinstance(source, WeightsSource) else open_weights(source)
             try:
-                _load(src, strict, layout, masters, targets(c.module, layout, masters), view.fmap)
+                _load(src, strict, layout, masters, targets(c.module, layout, masters), fmap)
             finally:
                 if src is not source:
                     src.close()
@@ -156,8 +156,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         views = []
         _agree(dist, lambda: views.append(stack.enter_context(engine.mapped_state(engine.state))),
                "save_weights: swap file check")
-        fmap = views[0].fmap
-        masters = list(views[0].state.params)
+        mapped, fmap = views[0]
+        masters = list(mapped.params)
         layout = _layout(engine, "save_weights")
         tgts = targets(c.module, layout, masters)
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)

@@ -88,13 +88,11 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
-        view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
-        mapped = view.state
+        mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         mine = StateLayout.of(specs, rank=group.rank, world=group.world).mine()
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
         # DCP reads a swapped piece where it lies (straight into the file), the others into host
         # copies that the state takes once checked
-        fmap = view.fmap
         hosts = {k: {key: t.to("cpu", copy=True) for key, t in pieces[k].items()}
                  for k in {h.piece for _, h in mine} if fmap is None or not fmap.contains(mapped.params[k])}
         release = fmap.release if fmap is not None else None   # pages leave as they are filled

@@ -61,19 +61,17 @@ def dcp_values(parts, flats, keys: dict[str, str], **boxes) -> dict:
     return {k: glue().Boxes(shape, ps, **boxes) for k, (shape, ps) in out.items()}
 
 
-def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of ``view.state`` (an ``engine.mapped_state`` view) as DCP
-    values, with what the save records (collective). Each box is a host tensor owning exactly its
+def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
+    """This rank's ``StateLayout.share`` of ``state`` (mapped by ``engine.mapped_state``; ``fmap``
+    its swap file or None) as DCP values, with what the save records (collective). Each box is a host tensor owning exactly its
     bytes, so DCP's writer (which clones views of larger storages) makes no second copy; with
     ``zero_copy`` boxes of a mapped swap file are written from the file's pages."""
     c = engine.components
-    state = view.state
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
     layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
                             gather=lambda mine: group.all_gather(mine, "layout gather"))
     keys = optim_keys(sorted(per), sorted(scalars))
-    fmap = view.fmap
     release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
@@ -137,13 +135,13 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
     write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
                  on_point=on_point)
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
-        view = group.enter(stack, engine.mapped_state(state), "swap file check")
-        if view.fmap is not None:
+        mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
+        if fmap is not None:
             # A swapped state is written from the swap file's pages, page range by page range, on
             # this thread: a background save would need a host copy of all of it (model-sized).
             background = None
-        snap = snapshot(engine, view, group, zero_copy=background is None)
-        recheck = lambda: verify_map(view.fmap, "checked again after the checkpoint read it")  # noqa: E731
+        snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
+        recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
         if not _agree_to_save(snap, root, group, nonfinite, staged16, recheck):
             return None
         if background is None:
