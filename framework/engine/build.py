@@ -94,9 +94,9 @@ class Engine:
 
     @contextlib.contextmanager
     def mapped_state(self, state: TrainState, write: bool = False) -> Iterator[tuple[TrainState, Any]]:
-        """(``state`` with every piece addressable as a tensor inside the block, the mapped swap file
-        or None): under offload=nvme views of the mapped swap file, no host copy. With ``write`` the
-        values stored into the views are the swap file's on exit (also after an error). Only between steps."""
+        """(``state`` with every piece a tensor inside the block, the mapped swap file or None): under
+        offload=nvme views of the mapped file, no host copy; with ``write`` what is stored into them is
+        the file's on exit (also after an error). Only between steps."""
         offload = self._swapping()
         if offload is None:
             yield state, None
@@ -141,8 +141,8 @@ class Engine:
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:
-        """Consolidated safetensors (plus a Hugging Face ``config.json``) in ``out_dir``; ``dtype`` None
-        keeps the masters' values. Collective; no rank gathers the model. Returns the written paths."""
+        """``framework.persist.weights.save_pretrained``: consolidated safetensors (plus a Hugging Face
+        ``config.json``) in ``out_dir``. Collective."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
     def _swapping(self):

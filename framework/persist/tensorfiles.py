@@ -1,6 +1,5 @@
-"""Safetensors files and weight sources: tensors read by flat element range, output files laid
-out before anyone writes, then written in place at their byte offsets (``framework.persist.weights``
-loads and saves an engine's weights through them; ``framework.persist.export`` a checkpoint's)."""
+"""Safetensors files and weight sources: tensors read by flat element range; output files laid out
+before anyone writes, then written in place at byte offsets (by ``weights`` and ``export``)."""
 from __future__ import annotations
 
 import json
@@ -213,10 +212,6 @@ class Entry:
     file: str
     offset: int      # byte offset of its data in the file (header included)
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class FilePlan:
@@ -291,7 +286,7 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
+        index = {"metadata": {"total_size": sum(p.size - len(p.header) for p in plans)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)

@@ -73,14 +73,11 @@ def _layout(engine, what: str) -> StateLayout:
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights into ``engine``'s model: master parameters (fp32), working
-    parameters and zero3 shards, buffers too. Collective: every rank calls it.
-
-    ``source``: a path (see ``open_weights``) or an open ``WeightsSource``. Tied parameters take
-    any one of their names; values are converted to each target's dtype (of the same kind).
-    Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
-    reported together in one ``ConfigError`` before anything is written. The optimizer state is
-    left as it is: load before training."""
+    """Load consolidated weights into ``engine``'s model: masters, working parameters (zero3 shards)
+    and buffers. Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; tied
+    parameters take any one of their names; values are converted to each target's dtype (of the same
+    kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
+    reported in one ``ConfigError`` before anything is written. The optimizer state is left as it is."""
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True) as (mapped, fmap):
@@ -141,12 +138,10 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write the model's weights to ``out_dir`` as consolidated safetensors (``model.safetensors``,
-    or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` beyond
-    ``max_shard_size``), under the module's parameter names (tied weights once) and persistent
-    buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype,
-    fp32: the exact trained values; a 16-bit dtype gives the working parameters bit for bit).
-    Collective; every rank must see ``out_dir``. Returns the written paths (on every rank)."""
+    """Write the model's weights to ``out_dir`` as consolidated safetensors (sharded, with an index,
+    beyond ``max_shard_size``) under the module's names (tied weights once), with the persistent
+    buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype; a
+    16-bit dtype gives the working parameters bit for bit). Collective; returns the written paths."""
     c = engine.components
     dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -201,8 +196,8 @@ def _agree(dist, fn: Callable[[], object], what: str) -> None:
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> list[Path]:
-    """``save_weights`` plus, for a Hugging Face model, its ``config.json`` (and generation
-    config), so ``from_pretrained(out_dir)`` loads it. Collective."""
+    """``save_weights`` plus a Hugging Face model's ``config.json`` (and generation config), so
+    ``from_pretrained(out_dir)`` loads it. Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
     module = engine.components.module
     if not (type(module).__module__.startswith("transformers.") and engine.components.dist.is_main):
@@ -220,10 +215,9 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
-    """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
-    when set, ``save_pretrained`` of the working-dtype weights (16-bit under bf16/fp16) into
-    ``out_dir``; otherwise nothing. Collective on the default group: call it from the training
-    thread, never from a background thread."""
+    """``save_pretrained`` of the working-dtype weights into ``out_dir`` when
+    ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
+    default group: call it from the training thread."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None

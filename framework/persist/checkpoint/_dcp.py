@@ -58,11 +58,10 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 class Boxes:
     """One parameter's global shape and this rank's boxes of it, views of flat tensors holding
     ranges of the flattened parameter (``pieces``: ((lo, hi), flat)), which DCP reads from or
-    writes into. With ``copy`` each box is a host copy, unless ``own(box)`` gives a tensor owning
-    exactly its bytes without a copy (a view of a mapped swap file)."""
+    writes into; ``take(box)``: the tensor to use for a box instead of its view."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
-                 copy: bool = False, own: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
+                 take: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.shape = torch.Size(shape)
         self.views: list[tuple[torch.Size, torch.Tensor]] = []
         for (lo, hi), flat in pieces:
@@ -70,12 +69,7 @@ class Boxes:
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
                 box = flat[pos:pos + n]
-                owned = own(box) if own is not None else None
-                if owned is not None:
-                    box = owned
-                elif copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
-                    box = box.to("cpu", copy=True)
-                self.views.append((torch.Size(offsets), box.view(sizes)))
+                self.views.append((torch.Size(offsets), (box if take is None else take(box)).view(sizes)))
                 pos += n
 
     def tensors(self) -> list[torch.Tensor]:

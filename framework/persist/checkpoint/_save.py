@@ -51,21 +51,22 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
-def dcp_values(parts, flats, keys: dict[str, str], **boxes) -> dict:
+def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
     """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as DCP values:
     ``Boxes`` of the flat tensors ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
     out: dict[str, tuple[tuple[int, ...], list]] = {}
     for p, h, a, b in parts:
         for key, t in flats[h.piece].items():
             out.setdefault(dcp_key(key, p.name, keys), (p.shape, []))[1].append(((a, b), h.of(t, a, b)))
-    return {k: glue().Boxes(shape, ps, **boxes) for k, (shape, ps) in out.items()}
+    return {k: glue().Boxes(shape, ps, take) for k, (shape, ps) in out.items()}
 
 
 def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     """This rank's ``StateLayout.share`` of ``state`` (mapped by ``engine.mapped_state``; ``fmap``
-    its swap file or None) as DCP values, with what the save records (collective). Each box is a host tensor owning exactly its
-    bytes, so DCP's writer (which clones views of larger storages) makes no second copy; with
-    ``zero_copy`` boxes of a mapped swap file are written from the file's pages."""
+    its swap file or None) as DCP values, with what the save records (collective). Each box is a
+    host copy owning exactly its bytes, taken now (training goes on), so DCP's writer (which clones
+    views of larger storages) makes no second copy; with ``zero_copy`` boxes of the mapped swap
+    file are written from its pages."""
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
@@ -75,8 +76,12 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
-    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, copy=True,
-                                    own=fmap.own if zero_copy and fmap is not None else None)
+
+    def take(box: torch.Tensor) -> torch.Tensor:
+        owned = fmap.own(box) if zero_copy and fmap is not None else None
+        return owned if owned is not None else box.to("cpu", copy=True)
+
+    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
