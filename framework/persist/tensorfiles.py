@@ -212,6 +212,10 @@ class Entry:
     file: str
     offset: int      # byte offset of its data in the file (header included)
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 @dataclass(frozen=True)
 class FilePlan:
@@ -286,7 +290,7 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:
-        index = {"metadata": {"total_size": sum(p.size - len(p.header) for p in plans)},
+        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
