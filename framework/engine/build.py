@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -33,21 +33,6 @@ from framework.persist.weights import save_pretrained
 def component(cfg: Config, group: str):
     """The registered component chosen for ``group`` in this config."""
     return registry(group).get(cfg.choices[group])
-
-
-@dataclass(frozen=True)
-class StateView:
-    """A train state whose pieces can be read (or written) as tensors (``Engine.mapped_state``)."""
-
-    state: TrainState
-    fmap: Any   # the mapped swap file (``offload._swapfile.FileMap``), or None
-
-    def own(self, t: torch.Tensor) -> torch.Tensor | None:
-        """``t``'s bytes as a tensor of exactly them when it views the mapped file (written without a copy)."""
-        return self.fmap.own(t) if self.fmap is not None else None
-
-    def maps(self, t: torch.Tensor) -> bool:
-        return self.fmap is not None and self.fmap.contains(t)
 
 
 class Engine:
@@ -103,22 +88,22 @@ class Engine:
     def state_dict(self, state: TrainState) -> dict:
         """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``)."""
         c = self.components
-        with self.mapped_state(state) as view:
-            return state_dict(view.state, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
+        with self.mapped_state(state) as (mapped, _):
+            return state_dict(mapped, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
                               world=c.dist.world)
 
     @contextlib.contextmanager
-    def mapped_state(self, state: TrainState, write: bool = False) -> Iterator["StateView"]:
-        """``state`` with every piece addressable as a tensor inside the block (offload=nvme: views of
-        the mapped swap file, no host copy). With ``write`` the values stored into the views are the
-        swap file's on exit (also after an error). Only between steps."""
+    def mapped_state(self, state: TrainState, write: bool = False) -> Iterator[tuple[TrainState, Any]]:
+        """(``state`` with every piece a tensor inside the block, the mapped swap file or None): under
+        offload=nvme views of the mapped file, no host copy; with ``write`` what is stored into them is
+        the file's on exit (also after an error). Only between steps."""
         offload = self._swapping()
         if offload is None:
-            yield StateView(state, None)
+            yield state, None
             return
         params, opt_state, fmap = offload.mapped_state(state.params, state.opt_state, write=write)
         try:
-            yield StateView(replace(state, params=tuple(params), opt_state=opt_state), fmap)
+            yield replace(state, params=tuple(params), opt_state=opt_state), fmap
         finally:
             if write:
                 offload.unmapped(fmap)
@@ -128,8 +113,8 @@ class Engine:
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        with self.mapped_state(state, write=True) as view:
-            loaded = load_state_dict(view.state, c.stage.piece_specs(), saved, policy=c.policy, names=names,
+        with self.mapped_state(state, write=True) as (mapped, _):
+            loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
                                      rank=c.dist.rank, world=c.dist.world)
         return self.finish_load(state, loaded)
 
@@ -156,8 +141,8 @@ class Engine:
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:
-        """Consolidated safetensors (plus a Hugging Face ``config.json``) in ``out_dir``; ``dtype`` None
-        keeps the masters' values. Collective; no rank gathers the model. Returns the written paths."""
+        """``framework.persist.weights.save_pretrained``: consolidated safetensors (plus a Hugging Face
+        ``config.json``) in ``out_dir``. Collective."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
     def _swapping(self):
@@ -209,13 +194,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 def hidden_size_of(module: nn.Module) -> int | None:
     """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    for holder, names in ((getattr(module, "config", None), ("hidden_size", "n_embd", "d_model")),
-                          (getattr(module, "cfg", None), ("d_model",))):
-        for name in names:
-            value = getattr(holder, name, None) if holder is not None else None
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
+    values = [getattr(getattr(module, holder, None), name, None)
+              for holder, name in [*(("config", n) for n in ("hidden_size", "n_embd", "d_model")), ("cfg", "d_model")]]
+    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
 
 
 def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:

@@ -11,7 +11,7 @@ model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -28,32 +28,15 @@ def zero_init() -> Iterator[None]:
         yield
 
 
-class TensorInit(Protocol):
-    def init_parameter(self, name: str, t: torch.Tensor) -> None: ...
-
-    def init_buffer(self, name: str, t: torch.Tensor) -> None: ...
-
-
-class OwnInit:
-    """A model with its own ``init_parameter`` (our GPT); it registers no meta buffers."""
-
-    def __init__(self, module: ParameterInit):
-        self.module = module
-
-    def init_parameter(self, name: str, t: torch.Tensor) -> None:
-        self.module.init_parameter(name, t)
-
-    def init_buffer(self, name: str, t: torch.Tensor) -> None:
-        NoInit(self.module).init_buffer(name, t)
-
-
-class NoInit:
-    """For a module that cannot initialise meta tensors: fails naming the fix."""
+class ModuleInit:
+    """A module's own ``init_parameter`` (our GPT's); without one, and for meta buffers, fails naming the fix."""
 
     def __init__(self, module: nn.Module):
-        self.kind = type(module).__name__
+        self.module, self.kind = module, type(module).__name__
 
     def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        if isinstance(self.module, ParameterInit):
+            return self.module.init_parameter(name, t)
         raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
                           f"init_parameter(name, tensor) method to initialise it; build the model on a real "
                           f"device or add that method")
@@ -63,15 +46,15 @@ class NoInit:
                           f"device or register the buffer after construction")
 
 
-def initializer(module: nn.Module) -> TensorInit:
-    """What materialises ``module``'s meta tensors; cheap when nothing is on meta."""
+def initializer(module: nn.Module):
+    """What materialises ``module``'s meta tensors (``init_parameter``, ``init_buffer``); cheap when
+    nothing is on meta."""
     from framework.models.hf import HFInit, is_hf_model
 
-    if isinstance(module, ParameterInit):
-        return OwnInit(module)
-    if is_hf_model(module) and any(t.is_meta for t in (*module.parameters(), *module.buffers())):
+    if not isinstance(module, ParameterInit) and is_hf_model(module) and any(
+            t.is_meta for t in (*module.parameters(), *module.buffers())):
         return HFInit(module, torch.initial_seed())
-    return NoInit(module)
+    return ModuleInit(module)
 
 
 def materialize_buffers(module: nn.Module, device: torch.device) -> None:

@@ -4,7 +4,7 @@ by ``train_step`` (like donated buffers in JAX): always continue from the state 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,50 +44,36 @@ FORMAT = 1   # of the name-keyed state dict (``framework.persist.layout``)
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:
     """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name): (per-element
     leaves: tensor lists aligned with ``params``, scalar leaves: everything else)."""
-    numels = [p.numel() for p in params]
     per: dict[str, list] = {}
     scalars: dict[str, Any] = {}
-
-    def walk(tree: Any, path: str) -> None:
-        if _aligned(tree, numels):
-            per[path] = tree
-        elif isinstance(tree, tuple):
-            for key, value in zip(_keys(tree), tree):
-                walk(value, f"{path}.{key}" if path else str(key))
-        else:
-            scalars[path] = tree
-
-    walk(opt_state, "")
+    _rebuild(opt_state, params, per.__setitem__, scalars.__setitem__)
     return per, scalars
 
 
 def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[str, Any]) -> Any:
     """``opt_state`` with its scalar leaves replaced by ``scalars`` (paths as ``optimizer_leaves``);
     per-element leaves are kept (same tensors), a tensor scalar is overwritten in place."""
-    numels = [p.numel() for p in params]
 
-    def build(tree: Any, path: str) -> Any:
-        if _aligned(tree, numels):
-            return tree
-        if isinstance(tree, tuple):
-            items = [build(value, f"{path}.{key}" if path else str(key)) for key, value in zip(_keys(tree), tree)]
-            return tuple(items) if type(tree) is tuple else type(tree)(*items)
-        if isinstance(tree, torch.Tensor):
-            tree.copy_(scalars[path])
-            return tree
+    def scalar(path: str, leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.copy_(scalars[path])
         return scalars[path]
 
-    return build(opt_state, "")
+    return _rebuild(opt_state, params, lambda path, leaf: leaf, scalar)
 
 
-def _aligned(tree: Any, numels: list[int]) -> bool:
-    return (isinstance(tree, list) and len(tree) == len(numels)
-            and all(isinstance(t, torch.Tensor) and t.numel() == n for t, n in zip(tree, numels)))
-
-
-def _keys(tree: tuple) -> Sequence:
-    # A NamedTuple (every optimizer state) is keyed by field name, a plain tuple (chain) by index.
-    return range(len(tree)) if type(tree) is tuple else type(tree)._fields
+def _rebuild(tree: Any, params: Sequence[torch.Tensor], per: Callable, scalar: Callable, path: str = "") -> Any:
+    """``tree`` rebuilt with ``per(path, leaf)`` for each per-element leaf (a tensor list aligned with
+    ``params``) and ``scalar(path, leaf)`` for every other leaf. A NamedTuple (every optimizer state)
+    is keyed by field name, a plain tuple (a chain) by index."""
+    if isinstance(tree, list) and len(tree) == len(params) and all(
+            isinstance(t, torch.Tensor) and t.numel() == p.numel() for t, p in zip(tree, params)):
+        return per(path, tree)
+    if isinstance(tree, tuple):
+        keys = range(len(tree)) if type(tree) is tuple else type(tree)._fields
+        items = [_rebuild(v, params, per, scalar, f"{path}.{k}" if path else str(k)) for k, v in zip(keys, tree)]
+        return tuple(items) if type(tree) is tuple else type(tree)(*items)
+    return scalar(path, tree)
 
 
 def dynamic_loss_scale(policy: Policy) -> bool:

@@ -1,11 +1,10 @@
 """Consolidate a training checkpoint into safetensors that the plain model loads (the command:
 ``python -m framework.export``, framework/cli/export.py).
 
-CHECKPOINT is a step folder (DCP files whose keys ``model.<name>`` hold the fp32 masters at their
-global shapes) or the checkpoint directory (its ``latest`` is followed). The output, under the
-parameter names (tied weights once), loads with the plain model's ``load_state_dict`` and with
-``load_weights``; one tensor is read at a time, so peak memory stays near one tensor, not the model.
-``get_fp32_state_dict_from_checkpoint(dir)`` (DeepSpeed's ``zero_to_fp32`` name) returns it all.
+CHECKPOINT is a step folder (DCP keys ``model.<name>``: the fp32 masters at global shapes) or the
+checkpoint directory (its ``latest`` is followed). The output loads with the plain model's
+``load_state_dict`` and with ``load_weights``; one tensor is read at a time, so peak memory stays near
+one tensor. ``get_fp32_state_dict_from_checkpoint`` (DeepSpeed's ``zero_to_fp32`` name) returns it all.
 """
 from __future__ import annotations
 
@@ -41,16 +40,16 @@ def resolve(checkpoint) -> Path:
 
 
 class Checkpoint:
-    """A DCP step folder opened for reading: its metadata is unpickled once, with the checkpoint
-    module's allow-list (a crafted ``.metadata`` cannot run code), and tensors are read with DCP's
+    """A DCP step folder opened for reading: its metadata unpickled once, with the checkpoint
+    module's allow-list (a crafted ``.metadata`` cannot run code); tensors are read with DCP's
     reader (``torch.load(weights_only=True)`` per item; pickled objects are never loaded)."""
 
-    def __init__(self, step_dir: Path):
-        self.step_dir = step_dir
-        self.metadata = glue().read_metadata(step_dir / ".metadata")
+    def __init__(self, checkpoint):
+        self.step_dir = resolve(checkpoint)
+        self.metadata = glue().read_metadata(self.step_dir / ".metadata")
         self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
         if not self.params:
-            raise ConfigError(f"export: {step_dir} holds no '{PREFIX}<name>' tensors")
+            raise ConfigError(f"export: {self.step_dir} holds no '{PREFIX}<name>' tensors")
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """Full tensors ``names`` at their global shapes and stored dtypes, assembled by DCP from
@@ -73,19 +72,16 @@ class Checkpoint:
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's model weights as consolidated safetensors (``dtype``: default the
     stored fp32). One tensor at a time is read, converted, written and freed."""
-    ckpt = Checkpoint(resolve(checkpoint))
-    plans = plan_files([(n, p.shape, dtype if dtype is not None and p.dtype.is_floating_point else p.dtype)
-                        for n, p in ckpt.params.items()], max_shard_size)
+    ckpt = Checkpoint(checkpoint)
+    plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
     for plan in plans:
         fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
         try:
             for e in plan.entries:
-                value = ckpt.read([e.name])[e.name]
-                write_at(fd, e.offset, value.reshape(-1).to(e.dtype).contiguous())
-                del value
-                _trim()
+                write_at(fd, e.offset, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous())
+                _trim()   # (the tensor is freed once written)
         finally:
             os.close(fd)
     return finish_files(out_dir, plans)
@@ -105,5 +101,5 @@ def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated fp32 model weights, ``{name: tensor}`` at global shapes
     (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``). The whole model is in memory: to
     write files, use ``export`` (streamed)."""
-    ckpt = Checkpoint(resolve(checkpoint))
+    ckpt = Checkpoint(checkpoint)
     return {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}

@@ -1,10 +1,10 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-A stage's master pieces are flat ranges of its flat buffers, laid out by world size, stage,
-offload ratio and bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view
-keyed by parameter name: each parameter's global shape and dtype, and which rank holds which range
-of its flattened elements in which piece, at which offset. The state dict (here), checkpoints,
-weights and export all read and write through it, so state moves between any two layouts.
+A stage's master pieces are flat ranges of its flat buffers, laid out by world size, stage, offload
+and bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view keyed by parameter
+name: each parameter's global shape, and which rank holds which range of its flattened elements in
+which piece, at which offset. The state dict (here), checkpoints, weights and export all read and
+write through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -24,14 +24,13 @@ from framework.core.utils import few
 @dataclass(frozen=True)
 class Holding:
     """Elements [lo, hi) of a flattened parameter, held by ``rank`` in its master piece ``piece``
-    from element ``at`` on; ``swapped``: that piece lives in the swap file (offload=nvme)."""
+    from element ``at`` on."""
 
     rank: int
     lo: int
     hi: int
     piece: int
     at: int
-    swapped: bool = False
 
     def of(self, flat: torch.Tensor, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Elements [lo, hi) of the parameter (default: all this holds) as a view of ``flat``, its
@@ -60,21 +59,20 @@ class StateLayout:
         self.rank, self.world = rank, world
 
     @classmethod
-    def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1, dtype: torch.dtype | None = None,
-           swapped: Iterable[int] = (), gather: Callable[[Any], list] | None = None) -> "StateLayout":
-        """The layout of this rank's pieces (``swapped``: indices of pieces in the swap file); with
-        ``gather`` (an all-gather of one object per rank) every rank's: collective."""
-        swapped = set(swapped)
+    def of(cls, specs: Sequence[PieceSpec], *, rank: int = 0, world: int = 1,
+           gather: Callable[[Any], list] | None = None) -> "StateLayout":
+        """The layout of this rank's pieces; with ``gather`` (an all-gather of one object per rank)
+        every rank's: collective."""
         mine: dict[str, tuple[tuple[int, ...], list]] = {}
         for k, spec in enumerate(specs):
             for s in spec.spans:
-                mine.setdefault(s.name, (tuple(s.shape), []))[1].append((*s.param, k, s.piece[0], k in swapped))
+                mine.setdefault(s.name, (tuple(s.shape), []))[1].append((*s.param, k, s.piece[0]))
         ranks = enumerate(gather(mine)) if gather is not None else [(rank, mine)]
         params: dict[str, tuple[tuple[int, ...], list[Holding]]] = {}
         for r, held in ranks:
             for name, (shape, hs) in held.items():
                 params.setdefault(name, (tuple(shape), []))[1].extend(Holding(r, *h) for h in hs)
-        return cls([Param(n, s, dtype, tuple(hs)) for n, (s, hs) in params.items()], rank, world)
+        return cls([Param(n, s, None, tuple(hs)) for n, (s, hs) in params.items()], rank, world)
 
     @classmethod
     def in_checkpoint(cls, metadata: Any, prefix: str = "model.") -> "StateLayout":
@@ -85,7 +83,6 @@ class StateLayout:
                    if k.startswith(prefix) and hasattr(md, "properties") and hasattr(md, "chunks"))
 
     def mine(self) -> list[tuple[Param, Holding]]:
-        """This rank's holdings, with their parameters."""
         return [(p, h) for p in self.params.values() for h in p.holdings if h.rank == self.rank]
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
@@ -111,16 +108,6 @@ class StateLayout:
             for h in p.holdings:
                 ranges[h.rank].setdefault(p.name, []).append([h.lo, h.hi])
         return {"parameters": {n: list(p.shape) for n, p in self.params.items()}, "fragments": ranges}
-
-    def fragments(self, flats) -> dict:
-        """This rank's holdings in the state dict's form (``state_dict``'s ``params``): views of
-        ``flats[piece]`` ({'master' or optimizer path: flat tensor}, as ``flat_pieces`` gives)."""
-        out: dict[str, dict] = {}
-        for p, h in self.mine():
-            views = {k: h.of(t) for k, t in flats[h.piece].items()}
-            out.setdefault(p.name, {"shape": p.shape, "fragments": []})["fragments"].append(
-                {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
-        return out
 
 
 def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Tensor]]) -> list[dict]:
@@ -158,10 +145,14 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     once (one transfer, not one per parameter) and its fragments are views of that copy."""
     _check_aligned(specs, state.params)
     per, scalars = optimizer_leaves(state.opt_state, state.params)
-    layout = StateLayout.of(specs, rank=rank, world=world)
+    mine = StateLayout.of(specs, rank=rank, world=world).mine()
     flats = flat_pieces(state.params, per)
-    params = layout.fragments({k: {key: _host(t) for key, t in flats[k].items()}
-                               for k in {h.piece for _, h in layout.mine()}})
+    host = {k: {key: _host(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
+    params: dict[str, dict] = {}
+    for p, h in mine:
+        views = {k: h.of(t) for k, t in host[h.piece].items()}
+        params.setdefault(p.name, {"shape": p.shape, "fragments": []})["fragments"].append(
+            {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
             "rng": [_host(t) for t in state.rng],
@@ -169,21 +160,23 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             "params": params}
 
 
+def check_format(saved_format: Any) -> None:
+    if saved_format != FORMAT:
+        raise FrameworkError(f"load_state_dict: saved state of format {saved_format!r}, this version "
+                             f"reads format {FORMAT}")
+
+
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
                     names: Iterable[str], rank: int = 0, world: int = 1) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
-    parameter of the model. Everything is checked before anything is written (``FrameworkError``).
-    The loss scale carries over only between two runs with dynamic loss scaling (fp16); otherwise
-    ``policy``'s initial scale applies, with the saved step bookkeeping."""
+    parameter of the model. Everything is checked before anything is written (``FrameworkError``)."""
     _check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]
     for sd in saved:
-        if sd.get("format") != FORMAT:
-            raise FrameworkError(f"load_state_dict: saved state of format {sd.get('format')!r}, this version "
-                                 f"reads format {FORMAT}")
+        check_format(sd.get("format"))
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
@@ -221,33 +214,35 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                                  f"{len(saved)} saved rank(s)") from None
         plans[h.piece].append((h, frags, parts))
     for plan, flats in zip(plans, flat_pieces(state.params, per)):
-        if plan:
-            for key, t in flats.items():
-                _fill(t, plan, key)
+        if not plan:
+            continue
+        for key, target in flats.items():
+            # a device piece through one host copy of it: two transfers, however many fragments
+            buf = target if target.device.type == "cpu" else target.to("cpu")
+            for h, frags, parts in plan:
+                for i, a, b in parts:
+                    f = frags[i]
+                    values = f["master"] if key == "master" else f["optim"][key]
+                    h.of(buf, a, b).copy_(values[a - f["range"][0]:b - f["range"][0]])
+            if buf is not target:
+                target.copy_(buf)
     # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
     # resumes its own generators; otherwise (no rank to match) all take rank 0's.
     mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
-    rng = tuple(mine["rng"])
+    return with_saved_scalars(state, first, mine["rng"], saved_opt["scalars"], policy)
+
+
+def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,
+                       policy: Policy) -> TrainState:
+    """``state`` with the step, data position and loss scale of ``saved`` (a state dict or a
+    checkpoint's train state), the generators ``rng`` and the optimizer ``scalars``. The loss scale
+    carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
+    initial scale applies, with the saved step bookkeeping."""
+    rng = tuple(rng)
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]
-    precision = PrecisionState(**first["precision"])
-    if not (first["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
+    precision = PrecisionState(**saved["precision"])
+    if not (saved["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
         precision = replace(policy.init_state(), cur_iter=precision.cur_iter, skipped_steps=precision.skipped_steps)
-    return replace(state, step=first["step"], data=first["data"], precision=precision, rng=rng,
-                   opt_state=with_scalars(state.opt_state, state.params, saved_opt["scalars"]))
-
-
-def _fill(target: torch.Tensor, plan: list, key: str) -> None:
-    """Write the planned fragment slices (``key``: 'master' or an optimizer path) into ``target``,
-    a device tensor through one host copy of it: two transfers per piece, however many fragments."""
-    buf = target if target.device.type == "cpu" else target.to("cpu")
-    for h, frags, parts in plan:
-        for i, a, b in parts:
-            f = frags[i]
-            values = f["master"] if key == "master" else f["optim"][key]
-            into, src = h.of(buf, a, b), values[a - f["range"][0]:b - f["range"][0]]
-            if src.dtype == into.dtype and src.data_ptr() == into.data_ptr() and src.device == into.device:
-                continue   # read straight into place (a mapped swap file): touching it again costs its pages
-            into.copy_(src)
-    if buf is not target:
-        target.copy_(buf)
+    return replace(state, step=saved["step"], data=saved["data"], precision=precision, rng=rng,
+                   opt_state=with_scalars(state.opt_state, state.params, scalars))

@@ -1,6 +1,5 @@
-"""Safetensors files and weight sources: tensors read by flat element range, output files laid
-out before anyone writes, then written in place at their byte offsets (``framework.persist.weights``
-loads and saves an engine's weights through them; ``framework.persist.export`` a checkpoint's)."""
+"""Safetensors files and weight sources: tensors read by flat element range; output files laid out
+before anyone writes, then written in place at byte offsets (by ``weights`` and ``export``)."""
 from __future__ import annotations
 
 import json
@@ -34,20 +33,14 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource:
-    """Tensors by name, read by flat element range. ``bytes_read`` counts the bytes handed out
-    (what the reads asked the file for), so tests can check a rank read only its ranges."""
+    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not
+    read stays its name), read by flat element range. ``bytes_read`` counts the bytes handed out,
+    so tests can check a rank read only its ranges."""
 
     def __init__(self, where: str):
         self.where = where
         self.bytes_read = 0
-        # name -> (shape, dtype); a safetensors dtype this loader does not read stays its name
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
-
-    def keys(self) -> list[str]:
-        return list(self.meta)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.meta[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
         d = self.meta[name][1]
@@ -72,14 +65,12 @@ class WeightsSource:
 
 
 class SafetensorsSource(WeightsSource):
-    """One ``.safetensors`` file or the shards an index names. ``safe_open`` checks each file and
-    lists its tensors; values are then read with positioned reads of exactly the requested bytes
-    (a flat range of a row-major tensor is one byte range), never through a map of the file: a
-    map's touched pages would stay in this process's resident set until the file is closed, so
-    loading a model larger than memory would not be bounded by one range."""
+    """One ``.safetensors`` file or the shards an index names (``weight_map``: which file holds
+    each name). Values are read with positioned reads of exactly the requested bytes (a flat range
+    of a row-major tensor is one byte range), never through a map of the file: a map's touched
+    pages would stay resident until the file is closed, so a model larger than memory would not load."""
 
     def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
-        """``paths``: the files; ``weight_map`` (an index's): which file holds each name."""
         super().__init__(where)
         from safetensors import safe_open  # the hf extra
 
@@ -90,20 +81,18 @@ class SafetensorsSource(WeightsSource):
                 try:
                     fd = os.open(path, os.O_RDONLY)   # (a hub cache's files are links: followed)
                     self._fds.append(fd)
-                    # checked through this descriptor: the file read below is the file checked
-                    with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu") as h:
-                        names = [n for n in h.keys() if weight_map is None or weight_map.get(n) == path]
-                        meta = {n: (tuple(h.get_slice(n).get_shape()), h.get_slice(n).get_dtype()) for n in names}
+                    # the library checks the file through this descriptor: the file read below is the file checked
+                    with safe_open(f"/proc/self/fd/{fd}", framework="pt", device="cpu"):
+                        pass
                     # an 8-byte little-endian length, that many bytes of JSON header, then the data
                     (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
                     header = json.loads(os.pread(fd, size, 8))
-                except ConfigError:
-                    raise
                 except Exception as e:  # noqa: BLE001 - the library raises its own types for bad files
                     raise ConfigError(f"load_weights: cannot read {path}: {e}") from None
-                for name, (shape, dt) in meta.items():
-                    self.meta[name] = (shape, _ST_DTYPES.get(dt, dt))
-                    self._at[name] = (fd, 8 + size + int(header[name]["data_offsets"][0]))
+                for name, m in header.items():
+                    if name != "__metadata__" and (weight_map is None or weight_map.get(name) == path):
+                        self.meta[name] = (tuple(m["shape"]), _ST_DTYPES.get(m["dtype"], m["dtype"]))
+                        self._at[name] = (fd, 8 + size + int(m["data_offsets"][0]))
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
                 raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
@@ -116,11 +105,9 @@ class SafetensorsSource(WeightsSource):
         fd, offset = self._at[name]
         dtype = self.dtype(name)
         out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
-        if not out.numel():
-            return out
         view = memoryview(out.view(torch.uint8).numpy())
-        pos, want = 0, len(view)
-        while pos < want:
+        pos = 0
+        while pos < len(view):
             n = os.preadv(fd, [view[pos:]], offset + lo * dtype.itemsize + pos)
             if n <= 0:
                 raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
@@ -238,15 +225,16 @@ class FilePlan:
     entries: tuple[Entry, ...]
 
 
-def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
-               max_shard_size: int | str) -> list[FilePlan]:
-    """Split ``tensors`` (name, shape, dtype; in order) into safetensors files of at most
-    ``max_shard_size`` bytes each (a larger tensor gets a file of its own) and lay out each file.
-    Pure arithmetic: every rank computes the same plan."""
+def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str,
+               as_dtype: torch.dtype | None = None) -> list[FilePlan]:
+    """Split ``tensors`` (name, shape, dtype; in order; floating ones stored as ``as_dtype`` if
+    given) into safetensors files of at most ``max_shard_size`` bytes each (a larger tensor gets a
+    file of its own) and lay out each file. Pure arithmetic: every rank computes the same plan."""
     limit = parse_size(max_shard_size)
     groups: list[list] = [[]]
     used = 0
     for name, shape, dtype in tensors:
+        dtype = as_dtype if as_dtype is not None and dtype.is_floating_point else dtype
         nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and used + nbytes > limit:
             groups.append([])
@@ -307,8 +295,6 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
     return paths
-
-
 
 
 if sys.byteorder != "little":  # safetensors stores little-endian bytes; tensors are written as they lie

@@ -4,11 +4,9 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Each rank reads only the ranges its master pieces hold (``framework.persist.layout``), and the stage
-rebuilds the working parameters as after an optimizer step. A save writes ordinary safetensors:
-rank 0 lays out the files, then every rank writes its share straight into them at their byte
-offsets, so no rank assembles a whole tensor or sends the model through one rank's link and memory;
-the price is that every rank must see ``out_dir``, as for DCP's checkpoint folders.
+Each rank reads only the ranges its master pieces hold (``framework.persist.layout``). A save lays
+out the safetensors files on rank 0, then every rank writes its share at its byte offsets, so no
+rank assembles a whole tensor; the price is that every rank must see ``out_dir``, as for checkpoints.
 """
 from __future__ import annotations
 
@@ -26,12 +24,9 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (INDEX, SINGLE, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, parse_size, plan_files, write_at)
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
+                                           open_weights, plan_files, write_at)
 from framework.core.utils import few
-
-__all__ = ["INDEX", "SINGLE", "WeightsSource", "create_files", "finish_files", "load_weights", "open_weights",
-           "parse_size", "plan_files", "save_on_model_save", "save_pretrained", "save_weights", "targets", "write_at"]
 
 
 @dataclass(frozen=True)
@@ -46,9 +41,9 @@ class Target:
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
 
 
-def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
+def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor]) -> list[Target]:
     """The model's tensors in module order: parameters (those in ``layout``, a gathered one, are
-    held in master pieces) then persistent buffers."""
+    held in the master pieces ``masters``) then persistent buffers."""
     params: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(n)
@@ -56,7 +51,7 @@ def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
     for p, aliases in params.values():
         first, staged = aliases[0], layout.params.get(aliases[0])
         if staged is not None:
-            out.append(Target(first, tuple(aliases), staged.shape, staged.dtype, None))
+            out.append(Target(first, tuple(aliases), staged.shape, masters[0].dtype, None))
         else:  # a frozen parameter outside the stage's layout: whole on every rank
             out.append(Target(first, tuple(aliases), tuple(p.shape), p.dtype, p))
     seen: set[int] = set()
@@ -70,34 +65,29 @@ def targets(module: nn.Module, layout: StateLayout) -> list[Target]:
     return out
 
 
-def _layout(engine, masters: list[torch.Tensor], what: str) -> StateLayout:
+def _layout(engine, what: str) -> StateLayout:
     """Every rank's holdings of the master pieces (collective)."""
     c = engine.components
     return StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
-                          dtype=masters[0].dtype if masters else torch.float32,
                           gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights into ``engine``'s model: master parameters (fp32), working
-    parameters and zero3 shards, buffers too. Collective: every rank calls it.
-
-    ``source``: a path (see ``open_weights``) or an open ``WeightsSource``. Tied parameters take
-    any one of their names; values are converted to each target's dtype (of the same kind).
-    Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
-    reported together in one ``ConfigError`` before anything is written. The optimizer state is
-    left as it is: load before training."""
+    """Load consolidated weights into ``engine``'s model: masters, working parameters (zero3 shards)
+    and buffers. Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; tied
+    parameters take any one of their names; values are converted to each target's dtype (of the same
+    kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
+    reported in one ``ConfigError`` before anything is written. The optimizer state is left as it is."""
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
-    with engine.mapped_state(engine.state, write=True) as view:
-        masters = list(view.state.params)
-        layout = _layout(engine, masters, "weights")
+    with engine.mapped_state(engine.state, write=True) as (mapped, fmap):
+        masters = list(mapped.params)
+        layout = _layout(engine, "weights")
 
         def load() -> None:
             src = source if isinstance(source, WeightsSource) else open_weights(source)
             try:
-                _load(src, strict, layout, masters, targets(c.module, layout),
-                      view.fmap.release if view.fmap is not None else None)
+                _load(src, strict, layout, masters, targets(c.module, layout, masters), fmap)
             finally:
                 if src is not source:
                     src.close()
@@ -107,25 +97,22 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
 
 
 def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],
-          release: Callable[[torch.Tensor], None] | None = None) -> None:
-    """``release(t)``: called with each master range once written (a mapped swap file's pages
-    leave the process range by range)."""
-    available = set(src.keys())
+          fmap) -> None:
+    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written."""
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
     for t in tgts:
-        key = next((a for a in t.aliases if a in available), None)
+        key = next((a for a in t.aliases if a in src.meta), None)
         if key is None:
             missing.append(t.name if len(t.aliases) == 1 else f"{t.name} (or {', '.join(t.aliases[1:])})")
             continue
         chosen[t.name] = key
-        if src.shape(key) != t.shape:
-            mismatched.append(f"{key}: {src.shape(key)} in the file, {t.shape} in the model")
-        elif src.dtype(key).is_floating_point != t.dtype.is_floating_point or \
-                (src.dtype(key) == torch.bool) != (t.dtype == torch.bool):
-            mismatched.append(f"{key}: dtype {_dt(src.dtype(key))} in the file, {_dt(t.dtype)} in the model")
-    known = {a for t in tgts for a in t.aliases}
-    unexpected = sorted(available - known)
+        if src.meta[key][0] != t.shape:
+            mismatched.append(f"{key}: {src.meta[key][0]} in the file, {t.shape} in the model")
+        elif (dt := src.dtype(key)).is_floating_point != t.dtype.is_floating_point or \
+                (dt == torch.bool) != (t.dtype == torch.bool):
+            mismatched.append(f"{key}: dtype {_dt(dt)} in the file, {_dt(t.dtype)} in the model")
+    unexpected = sorted(set(src.meta) - {a for t in tgts for a in t.aliases})
     problems = []
     if strict and missing:
         problems.append(f"missing {len(missing)}: {few(missing, 20, str)}")
@@ -136,17 +123,13 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))
-    # Masters: only the ranges this rank's pieces hold.
-    for p, h in layout.mine():
-        key = chosen.get(p.name)
-        if key is None:  # strict=False and absent: keeps its values
-            continue
-        into = h.of(masters[h.piece].view(-1))
-        into.copy_(src.read(key, h.lo, h.hi).to(into.dtype))
-        if release is not None:
-            release(into)
-    # Whole tensors every rank holds (buffers, frozen parameters outside the stage's layout).
-    with torch.no_grad():
+    for p, h in layout.mine():   # masters: only the ranges this rank's pieces hold
+        if p.name in chosen:   # (strict=False: an absent one keeps its values)
+            into = h.of(masters[h.piece].view(-1))
+            into.copy_(src.read(chosen[p.name], h.lo, h.hi).to(into.dtype))
+            if fmap is not None:
+                fmap.release(into)
+    with torch.no_grad():   # whole tensors every rank holds (buffers, frozen parameters outside the layout)
         for t in tgts:
             if t.tensor is not None and t.name in chosen:
                 values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
@@ -155,26 +138,22 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write the model's weights to ``out_dir`` as consolidated safetensors (``model.safetensors``,
-    or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json`` beyond
-    ``max_shard_size``), under the module's parameter names (tied weights once) and persistent
-    buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype,
-    fp32: the exact trained values; a 16-bit dtype gives the working parameters bit for bit).
-    Collective; every rank must see ``out_dir``. Returns the written paths (on every rank)."""
+    """Write the model's weights to ``out_dir`` as consolidated safetensors (sharded, with an index,
+    beyond ``max_shard_size``) under the module's names (tied weights once), with the persistent
+    buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype; a
+    16-bit dtype gives the working parameters bit for bit). Collective; returns the written paths."""
     c = engine.components
     dist = c.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
     out_dir = Path(out_dir)
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
-        mapped = _agree(dist, lambda: stack.enter_context(engine.mapped_state(engine.state)),
-                        "save_weights: swap file check")
-        fmap = mapped.fmap
-        masters = list(mapped.state.params)
-        layout = _layout(engine, masters, "save_weights")
-        tgts = targets(c.module, layout)
-        plans = plan_files([(t.name, t.shape, dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
-                            for t in tgts], max_shard_size)
+        mapped, fmap = _agree(dist, lambda: stack.enter_context(engine.mapped_state(engine.state)),
+                              "save_weights: swap file check")
+        masters = list(mapped.params)
+        layout = _layout(engine, "save_weights")
+        tgts = targets(c.module, layout, masters)
+        plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
         for p, h, a, b in layout.share():
@@ -215,8 +194,8 @@ def _agree(dist, fn: Callable[[], object], what: str):
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> list[Path]:
-    """``save_weights`` plus, for a Hugging Face model, its ``config.json`` (and generation
-    config), so ``from_pretrained(out_dir)`` loads it. Collective."""
+    """``save_weights`` plus a Hugging Face model's ``config.json`` (and generation config), so
+    ``from_pretrained(out_dir)`` loads it. Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
     module = engine.components.module
     if not (type(module).__module__.startswith("transformers.") and engine.components.dist.is_main):
@@ -234,10 +213,9 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
-    """What a save does for ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key):
-    when set, ``save_pretrained`` of the working-dtype weights (16-bit under bf16/fp16) into
-    ``out_dir``; otherwise nothing. Collective on the default group: call it from the training
-    thread, never from a background thread."""
+    """``save_pretrained`` of the working-dtype weights into ``out_dir`` when
+    ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
+    default group: call it from the training thread."""
     c = engine.components
     if not c.stage.weights_on_save():
         return None

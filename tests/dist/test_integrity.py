@@ -106,8 +106,8 @@ def _run(dist, over, root, *, steps=4, resume="off", seed=None, keep_last=2, fau
                 losses.append(m["loss"])
                 fault = state.step == fault_at and mine
                 if fault and poison:
-                    with engine.mapped_state(state, write=True) as view:
-                        view.state.params[0].view(-1)[3] = float("nan")
+                    with engine.mapped_state(state, write=True) as (mapped, _):
+                        mapped.params[0].view(-1)[3] = float("nan")
                 if fault and corrupt:
                     _corrupt(corrupt)
                 ckpt.writer = writer if fault and writer is not None else dcp.FileSystemWriter

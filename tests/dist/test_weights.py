@@ -19,7 +19,8 @@ from torch import nn
 
 import framework
 from framework.models.gpt import gpt_loss
-from framework.persist.weights import load_weights, open_weights, save_weights
+from framework.persist.tensorfiles import open_weights
+from framework.persist.weights import load_weights, save_weights
 from tests._helpers import build_gpt, tiny_config
 from tests.dist.test_layout import assemble
 

@@ -88,7 +88,7 @@ def test_a_planted_link_in_the_nvme_folder_is_refused(tmp_path, name):
 
 def test_run_outputs_and_exports_refuse_planted_links(tmp_path):
     from framework.loggers._base import RunRecord
-    from framework.persist.weights import create_files, plan_files
+    from framework.persist.tensorfiles import create_files, plan_files
 
     link, victim = _plant(tmp_path, "metrics.jsonl")
     with pytest.raises(UnsafePathError, match="metrics.jsonl is a symbolic link"):

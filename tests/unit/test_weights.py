@@ -11,8 +11,8 @@ import framework
 from framework.comm.distributed import connect
 from framework.core.errors import ConfigError
 from framework.models.gpt import gpt_loss
-from framework.persist.weights import (load_weights, open_weights, parse_size, plan_files, save_on_model_save,
-                                       save_weights)
+from framework.persist.tensorfiles import open_weights, parse_size, plan_files
+from framework.persist.weights import load_weights, save_on_model_save, save_weights
 from tests._helpers import build_gpt, tiny_config
 
 

@@ -8,14 +8,13 @@
 A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
 "optim.<scalar>"), train_state.json (step, data position, loss scaler, optimizer, config, the saving
 layout), rng-<rank>.json and manifest.json (``_folder``: the commit protocol). Each rank writes its
-share of the name-keyed view of the state (``framework.persist.layout``) and a load reads its own
-holdings by name, so world size, stage and offload may change between save and load.
+share of the name-keyed state (``framework.persist.layout``) and reads its own holdings by name, so
+world size, stage and offload may change between save and load.
 
-Only state known good is committed: the ranks agree before writing that every value is finite and
-the disk has room, and every phase ends in an exchange of outcomes, so one rank's failure ends every
-rank with the same line. A load checks files and values; ``resume=auto`` then falls back to the
-previous checkpoint. Under offload=nvme the swapped state is read and written where it lies, in the
-mapped swap file, each range's pages dropped once done with, so memory does not grow with the model.
+Only state known good (finite, with room on disk) is committed, and every phase ends in an exchange
+of outcomes, so one rank's failure ends every rank with the same line; ``resume=auto`` falls back past
+a damaged checkpoint. Under offload=nvme the swapped state is read and written where it lies, in the
+mapped swap file, so memory does not grow with the model.
 """
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ class Checkpointer:
             print(f"checkpoint: {msg}", flush=True)
 
     def resume(self, state):
-        """The state to start from: loaded from the checkpoint ``checkpoint.resume`` selects, or
-        ``state`` itself (saying why). Collective."""
+        """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         resume = self.cfg.resume
         if resume == "off":
             existing = _folder.committed(self.root)
@@ -133,7 +131,7 @@ class Checkpointer:
                              writer=self.writer, on_point=self.on_point)
 
     def wait(self) -> None:
-        """Wait for a save in flight; its error, if any, is raised here."""
+        """Wait for a save in flight; its error is raised here."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
@@ -168,7 +166,7 @@ _RUN_TREES = ("outputs", "multirun")
 
 def find_latest(root: Path) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
-    folders one to three levels under ``outputs/`` and ``multirun/``; None if there is none."""
+    folders one to three levels under the run trees; None if there is none."""
     cwd = Path.cwd()
     roots = {root}
     for tree in _RUN_TREES:

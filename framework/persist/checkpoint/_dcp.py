@@ -1,12 +1,11 @@
 """torch.distributed.checkpoint glue: flat fragments as rectangular chunks, and a reader that
 never unpickles code.
 
-ZeRO's master pieces are ranges of *flattened* parameters, which DCP's public types cannot hold
-(a ``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major
-tensor is, however, a short list of rectangular boxes (at most ``2 * ndim - 1``, each contiguous),
-so each box is written as one chunk of the parameter's global shape: ordinary DCP files that
-``dcp.load`` reads into a full tensor or any other sharding. ``Boxes`` implements the hooks DCP's
-planners call on a checkpointable value (the protocol ``DTensor`` uses).
+ZeRO's master pieces are ranges of *flattened* parameters, which DCP's types cannot hold (a
+``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major tensor
+is a short list of contiguous rectangular boxes, each written as one chunk of the parameter's global
+shape: ordinary DCP files that ``dcp.load`` reads into any sharding. ``Boxes`` implements the hooks
+DCP's planners call on a checkpointable value (the protocol ``DTensor`` uses).
 """
 from __future__ import annotations
 
@@ -57,14 +56,12 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 
 class Boxes:
-    """One parameter's global shape and this rank's boxes of it, each a view of a flat host
-    tensor holding a range of the flattened parameter (what DCP reads from or writes into);
-    with ``copy`` each box is a host copy of its part of the (device or host) flat tensor."""
+    """One parameter's global shape and this rank's boxes of it, views of flat tensors holding
+    ranges of the flattened parameter (``pieces``: ((lo, hi), flat)), which DCP reads from or
+    writes into; ``take(box)``: the tensor to use for a box instead of its view."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
-                 copy: bool = False, own: Callable[[torch.Tensor], torch.Tensor | None] | None = None):
-        """``own(box)``: a tensor owning exactly the box's bytes without copying them (a view of a
-        mapped swap file), or None; such boxes are not copied."""
+                 take: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.shape = torch.Size(shape)
         self.views: list[tuple[torch.Size, torch.Tensor]] = []
         for (lo, hi), flat in pieces:
@@ -72,16 +69,10 @@ class Boxes:
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
                 box = flat[pos:pos + n]
-                owned = own(box) if own is not None else None
-                if owned is not None:
-                    box = owned
-                elif copy:  # a host tensor owning exactly these bytes (taken now: training goes on)
-                    box = box.to("cpu", copy=True)
-                self.views.append((torch.Size(offsets), box.view(sizes)))
+                self.views.append((torch.Size(offsets), (box if take is None else take(box)).view(sizes)))
                 pos += n
 
     def tensors(self) -> list[torch.Tensor]:
-        """The boxes' tensors (what DCP writes or reads)."""
         return [t for _, t in self.views]
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
@@ -114,7 +105,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         """``release(t)``: called with each value once the writer asked for the next one (a
-        mapped swap file's pages leave the process as they are written: the save stays bounded)."""
+        mapped swap file's pages leave the process as they are written)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.release, self._last = release, None
 
@@ -197,9 +188,8 @@ def read_metadata(path) -> Any:
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` of a folder whose metadata was already read by ``read_metadata``
-    (the allow-listed unpickler); tensor data is read with ``torch.load(weights_only=True)``
-    by DCP itself."""
+    """``FileSystemReader`` with the metadata ``read_metadata`` read; DCP itself reads tensor data
+    with ``torch.load(weights_only=True)``."""
 
     def __init__(self, path, metadata) -> None:
         super().__init__(path)

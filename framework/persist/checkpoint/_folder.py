@@ -105,9 +105,8 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
-    """(folders, notes): the ``step-<N>`` folders under ``root`` with a manifest that parses,
-    newest step first (their files are checked at load time), and one line for each ``step-<N>``
-    that is not one (its manifest deleted or damaged, a link), so no candidate is dropped silently."""
+    """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
+    first, and one line for each ``step-<N>`` that is not one, so none is dropped silently."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -141,9 +140,8 @@ def verified(folder: Path) -> bool:
 
 
 def commit(tmp: Path, final: Path, on_point) -> None:
-    """Rename ``step-N.tmp`` to ``step-N`` (replacing an older folder of that step, which is
-    moved aside first and deleted after), then point ``latest`` at it. Rank 0 only.
-    ``on_point(name)``: called before the rename and before ``latest`` is written (tests)."""
+    """Rename ``step-N.tmp`` to ``step-N`` (an older folder of that step moved aside first, deleted
+    after), then point ``latest`` at it. Rank 0 only. ``on_point(name)``: for fault tests."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -180,9 +178,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """Folders of interrupted saves and deletions (``*.tmp``, ``*.old``, ``*.del``, staged 16-bit
-    weights ``*.model_16bit``) except ``keep``: never checkpoints, removed (links are left alone:
-    a save refuses them by name)."""
+    """Remove the folders of interrupted saves and deletions (``_LEFTOVER``) except ``keep``
+    (links are left alone: a save refuses them by name)."""
     if root.is_dir():
         for p in root.iterdir():
             if (p.name.startswith("step-") and p.name.endswith(_LEFTOVER) and p != keep and not p.is_symlink()

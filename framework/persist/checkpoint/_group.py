@@ -24,15 +24,12 @@ def glue():
     return _dcp
 
 
-
-
 class Group:
     """Collectives of the checkpoint code: their own gloo group with a long timeout, so a save
     in a background thread never shares a group with training (concurrent collectives on one
     group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
 
     def __init__(self, dist, timeout_s: float):
-        """``dist``: the run's ``Dist`` (it names a peer that died or stalled)."""
         self.rank, self.world, self.timeout_s, self.dist = dist.rank, dist.world, timeout_s, dist
         self.pg = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
 

@@ -16,7 +16,7 @@ from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_load, causes, describe, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
-from framework.persist.layout import StateLayout, flat_pieces, load_state_dict
+from framework.persist.layout import StateLayout, check_format, flat_pieces, with_saved_scalars
 from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
@@ -77,7 +77,6 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
     every rank (``resume=auto`` then falls back)."""
     manifest = verify(folder, group)
     c = engine.components
-    rank, world = c.dist.rank, c.dist.world
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
 
@@ -89,18 +88,17 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
-        view = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
-        mapped = view.state
-        layout = StateLayout.of(specs, rank=rank, world=world,
-                                swapped=[k for k, p in enumerate(mapped.params) if view.maps(p)])
-        # where DCP reads: a swapped piece itself (straight into the file), else host buffers
-        flats = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
-        for k in {h.piece for _, h in layout.mine() if not h.swapped}:
-            flats[k] = {key: torch.empty(t.numel(), device="cpu") for key, t in flats[k].items()}
-        fragments = layout.fragments(flats)
-        release = view.fmap.release if view.fmap is not None else None   # pages leave as they are filled
+        mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
+        mine = StateLayout.of(specs, rank=group.rank, world=group.world).mine()
+        pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
+        # DCP reads a swapped piece where it lies (straight into the file), the others into host
+        # copies that the state takes once checked
+        hosts = {k: {key: t.to("cpu", copy=True) for key, t in pieces[k].items()}
+                 for k in {h.piece for _, h in mine} if fmap is None or not fmap.contains(mapped.params[k])}
+        release = fmap.release if fmap is not None else None   # pages leave as they are filled
         dcp = glue()
-        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], flats, body["optimizer"]["keys"])
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in mine], [hosts.get(k, f) for k, f in enumerate(pieces)],
+                             body["optimizer"]["keys"])
 
         def read():
             try:
@@ -121,16 +119,12 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            saved_state = {"format": body["state_format"], "rank": rank, "world": world, "step": body["step"],
-                           "data": body["data"], "precision": body["precision"],
-                           "dynamic_loss_scale": body["dynamic_loss_scale"], "rng": list(torch_rng),
-                           "optimizer": {"per_element": body["optimizer"]["per_element"],
-                                         "scalars": {p: _from_json_scalar(v)
-                                                     for p, v in body["optimizer"]["scalars"].items()}},
-                           "params": fragments}
-            names = [n for n, p in c.module.named_parameters() if p.requires_grad]
-            return load_state_dict(mapped, specs, [saved_state], policy=c.policy, names=names, rank=rank,
-                                   world=world), host_rng
+            check_format(body["state_format"])
+            for k, host in hosts.items():
+                for key, t in pieces[k].items():
+                    t.copy_(host[key])
+            scalars = {p: _from_json_scalar(v) for p, v in body["optimizer"]["scalars"].items()}
+            return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         loaded, host_rng = agree_load(group, f"reading {folder}", read)
     state = engine.finish_load(state, loaded)

@@ -51,45 +51,50 @@ def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
-def dcp_values(parts, flats, keys: dict[str, str], **boxes) -> dict:
+def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
     """``parts`` ((parameter, holding, lo, hi): elements [lo, hi) of that holding) as DCP values:
     ``Boxes`` of the flat tensors ``flats[piece]`` ({'master' or optimizer path: tensor}) by DCP key."""
     out: dict[str, tuple[tuple[int, ...], list]] = {}
     for p, h, a, b in parts:
         for key, t in flats[h.piece].items():
             out.setdefault(dcp_key(key, p.name, keys), (p.shape, []))[1].append(((a, b), h.of(t, a, b)))
-    return {k: glue().Boxes(shape, ps, **boxes) for k, (shape, ps) in out.items()}
+    return {k: glue().Boxes(shape, ps, take) for k, (shape, ps) in out.items()}
 
 
-def snapshot(engine, view, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of ``view.state`` (an ``engine.mapped_state`` view) as DCP
-    values (collective). Each box is copied to the host into a tensor owning exactly its bytes, so
-    DCP's writer (which clones views of larger storages) makes no second copy; with ``zero_copy``
-    boxes of a mapped swap file are written from the file's pages. ``nonfinite`` names what this
-    rank holds that is NaN or inf."""
+def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
+    """This rank's ``StateLayout.share`` of ``state`` (mapped by ``engine.mapped_state``; ``fmap``
+    its swap file or None) as DCP values, with what the save records (collective). Each box is a
+    host copy owning exactly its bytes, taken now (training goes on), so DCP's writer (which clones
+    views of larger storages) makes no second copy; with ``zero_copy`` boxes of the mapped swap
+    file are written from its pages."""
     c = engine.components
-    state = view.state
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
     layout = StateLayout.of(c.stage.piece_specs(), rank=group.rank, world=group.world,
                             gather=lambda mine: group.all_gather(mine, "layout gather"))
     keys = optim_keys(sorted(per), sorted(scalars))
-    release = view.fmap.release if view.fmap is not None else None
+    release = fmap.release if fmap is not None else None
     nonfinite = nonfinite_items([(dcp_key(key, p.name, keys), h.of(t)) for p, h in layout.mine()
                                  for key, t in flats[h.piece].items()], release)
-    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, copy=True, own=view.own if zero_copy else None)
+
+    def take(box: torch.Tensor) -> torch.Tensor:
+        owned = fmap.own(box) if zero_copy and fmap is not None else None
+        return owned if owned is not None else box.to("cpu", copy=True)
+
+    out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
     host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                     for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+    # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v]))
+                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) + 4096 * len(out) + (64 << 10)
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
              "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
              "optimizer": {"per_element": sorted(per), "scalars": {p: _json_scalar(v) for p, v in host_scalars.items()},
                            "keys": keys}}
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
-            "nonfinite": nonfinite, "bytes": nbytes, "items": len(out), "release": release if zero_copy else None}
+            "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
@@ -110,12 +115,6 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list
         ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
         bad.update(n for (n, _), good in zip(pairs, ok) if not good)
     return sorted(bad)
-
-
-def _room_claim(root: Path, snap: dict, rank: int) -> Claim:
-    """What this rank's files of the checkpoint will take in ``root`` (tensor bytes, with some room
-    for DCP's per-item records, the JSON files and the metadata)."""
-    return Claim.of(root, snap["bytes"] + 4096 * snap["items"] + (64 << 10), rank)
 
 
 def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: int,
@@ -141,13 +140,13 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
     write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
                  on_point=on_point)
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
-        view = group.enter(stack, engine.mapped_state(state), "swap file check")
-        if view.fmap is not None:
+        mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
+        if fmap is not None:
             # A swapped state is written from the swap file's pages, page range by page range, on
             # this thread: a background save would need a host copy of all of it (model-sized).
             background = None
-        snap = snapshot(engine, view, group, zero_copy=background is None)
-        recheck = lambda: verify_map(view.fmap, "checked again after the checkpoint read it")  # noqa: E731
+        snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
+        recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
         if not _agree_to_save(snap, root, group, nonfinite, staged16, recheck):
             return None
         if background is None:
@@ -167,7 +166,7 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
     step = snap["step"]
     problem, claim = None, None
     try:
-        claim = _room_claim(root, snap, group.rank)
+        claim = Claim.of(root, snap["bytes"], group.rank)
         if snap["nonfinite"]:
             recheck()
     except OSError as e:
@@ -209,7 +208,7 @@ def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int
     t0 = time.perf_counter()
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
-    need = _room_claim(root, snap, rank).need * group.world
+    need = snap["bytes"] * group.world
 
     def point(name: str) -> None:
         if on_point is not None:
