@@ -1,13 +1,12 @@
-"""Gradient buckets: a static plan of flat ranges and an in-order launcher.
+"""Gradient buckets: a static plan of flat ranges, and their reduction.
 
 Buckets are planned once from the expected gradient order (reverse registration) and launched
-strictly in plan order once all their gradients arrived, so every rank issues the same collectives
-in the same order. For the ZeRO stages buckets lie on partition boundaries: each is one collective.
+in plan order (``_grads.Arrivals``). For the ZeRO stages buckets lie on partition boundaries: each
+is one collective.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -149,37 +148,6 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
                          if any(off < r * shard + b and off + n > r * shard + a for r in range(world)))
             out.append(Bucket(g, a, b, pids, stride=shard, count=world))
     return out
-
-
-class OrderedLauncher:
-    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order."""
-
-    def __init__(self, buckets: list[Bucket], launch: Callable[[int], None]):
-        self.buckets, self.launch = buckets, launch
-        self.owners: dict[int, list[int]] = {}  # param id -> buckets holding a piece of it
-        for i, b in enumerate(buckets):
-            for pid in b.params:
-                self.owners.setdefault(pid, []).append(i)
-        self.pending: list[int] = []
-        self.next = len(buckets)  # nothing armed
-
-    def arm(self) -> None:
-        self.pending = [len(b.params) for b in self.buckets]
-        self.next = 0
-
-    def ready(self, pid: int) -> None:
-        if self.next >= len(self.buckets):
-            return  # not armed (a non-boundary micro step)
-        for i in self.owners[pid]:
-            self.pending[i] -= 1
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self.next += 1
-            self.launch(self.next - 1)
-
-    def flush(self) -> None:
-        while self.next < len(self.buckets):
-            self.next += 1
-            self.launch(self.next - 1)
 
 
 def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, int, int]]:
