@@ -146,21 +146,18 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def _finish_grads(self) -> None:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
-            self.offload.finish_grads(self._sizes())
+            self.offload.finish_grads([g.shard.numel() for g in self.groups])
 
     def _partition_grads(self) -> list[torch.Tensor]:
         if self.grad_swap:   # not resident (see ``_reduced``)
             return [g.part_grad for g in self.groups]
         return [g.grad() for g in self.groups]
 
-    def _sizes(self) -> list[int]:
-        return [g.shard.numel() for g in self.groups]
-
     def grad_sq_norm(self) -> torch.Tensor:
         """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
             return super().grad_sq_norm()
-        local = self.offload.grad_sq_norm_local(self._sizes())
+        local = self.offload.grad_sq_norm_local([g.shard.numel() for g in self.groups])
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
 
