@@ -63,7 +63,7 @@ class ShardedParameter(nn.Parameter):
 @dataclass
 class UnitGroup:
     kind: str                        # 'decay' | 'no_decay'
-    index: int                       # its partition's position in the stage's
+    index: int                       # its position in the stage's groups (and partitions)
     layout: Layout
     params: list[ShardedParameter]
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
