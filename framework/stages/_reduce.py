@@ -81,7 +81,7 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
             if end - (start - take) >= cap or (g in shards and start - take == bottom):
                 close(key)
     # ddp: each group's lowest bucket; round-robin layouts: buckets ended by a gap, highest first
-    for key in sorted(open_, reverse=bool(shards)):
+    for key in sorted(open_, reverse=len(shards) > 0):
         close(key)
     return out
 
