@@ -54,7 +54,7 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
     left = {g: sum(1 for _, gg, _, _ in order if gg == g) for g in whole}   # parameters not yet seen
     seen: dict[int, list[int]] = {}
-    open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition) -> (start, end, ids)
+    open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition start) -> (start, end, ids)
     out: list[Bucket] = []
 
     def close(key: tuple[int, int]) -> None:
