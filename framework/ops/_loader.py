@@ -88,9 +88,7 @@ def _library(directory: Path) -> Path:
 
 
 def _import(directory: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(NAME, _library(directory))
-    if spec is None or spec.loader is None:
-        raise BuildUnavailable(f"cannot import {_library(directory)}")
+    spec = importlib.util.spec_from_file_location(NAME, _library(directory))   # .so: an extension loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

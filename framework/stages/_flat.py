@@ -98,11 +98,14 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
     return full
 
 
-def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.Tensor,
-         layout: Layout, init: ParameterInit) -> list[nn.Parameter]:
-    """Make each parameter a view into ``flat`` holding its initial values; returns the parameters
+def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: int, dtype: torch.dtype,
+               dist: Dist, init: ParameterInit) -> tuple[Layout, torch.Tensor, list[nn.Parameter]]:
+    """Make each parameter of ``named`` a view into a new flat buffer laid out for ``world`` ranks,
+    holding rank 0's initial values on every rank; returns the layout, the buffer and the parameters
     (a meta one is replaced by a new Parameter everywhere it is registered)."""
-    out = []
+    layout = make_layout(named, world)
+    flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
+    params = []
     for (name, p), v in zip(named, views(flat, layout)):
         v.copy_(initial_values(init, name, p, flat.device))
         if p.is_meta:  # .data cannot move a meta tensor to a real device
@@ -111,17 +114,7 @@ def bind(module: nn.Module, named: list[tuple[str, nn.Parameter]], flat: torch.T
             p = new
         else:
             p.data = v
-        out.append(p)
-    return out
-
-
-def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: int, dtype: torch.dtype,
-               dist: Dist, init: ParameterInit) -> tuple[Layout, torch.Tensor, list[nn.Parameter]]:
-    """``bind`` ``named`` into a new flat buffer laid out for ``world`` ranks, with rank 0's values
-    on every rank; returns the layout, the buffer and the parameters."""
-    layout = make_layout(named, world)
-    flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
-    params = bind(module, named, flat, layout, init)
+        params.append(p)
     dist.broadcast(flat, what="initial parameter broadcast")
     return layout, flat, params
 

@@ -63,6 +63,7 @@ class ShardedParameter(nn.Parameter):
 @dataclass
 class UnitGroup:
     kind: str                        # 'decay' | 'no_decay'
+    index: int                       # its position in the stage's groups (and partitions)
     layout: Layout
     params: list[ShardedParameter]
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
@@ -114,29 +115,23 @@ class Unit:
         self.state = new
 
 
-@dataclass(frozen=True)
-class Limits:
-    prefetch: int        # stage3_prefetch_bucket_size: elements gathered ahead of need
-    max_live: int        # stage3_max_live_parameters: gathered elements kept at most (plus the unit in use)
-    reuse: int           # stage3_max_reuse_distance: keep a unit whose next use is this close (elements)
-    check_order: bool    # verify that every rank used the same units in the same order (see order_check)
-    overlap_comm: bool
-    reduce_scatter: bool
-
-
 class Gatherer:
     """Runs the unit lifecycle for one model; the zero3 stage owns one."""
 
-    def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, limits: Limits,
-                 param_dtype: torch.dtype, reduce_dtype: torch.dtype, shards,
-                 on_reduced: Callable[[UnitGroup, bool], None] | None = None):
-        """``on_reduced(g, final)``: called right after a reduction of group ``g`` was added into
-        ``g.grad()``, at most once per group and backward pass."""
-        self.dist, self.units, self.persistent, self.limits = dist, units, persistent, limits
+    def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, shards,
+                 on_reduced: Callable[[UnitGroup, bool], None]):
+        """``cfg``: the stage's (``Zero3Config``). ``on_reduced(g, final)``: called right after a
+        reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
+        self.dist, self.units, self.persistent, self.cfg = dist, units, persistent, cfg
+        self.all_units = [*units, *([persistent] if persistent else [])]
         self.on_reduced = on_reduced
         self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.empty = torch.empty(0, dtype=param_dtype, device=dist.device)
+        self.param_dtype, self.reduce_dtype = policy.param_dtype, policy.reduce_dtype
+        # Elements gathered ahead of need; gathered elements kept at most (plus the unit in use); keep
+        # a unit whose next use is this close.
+        self.prefetch, self.max_live = cfg.stage3_prefetch_bucket_size, cfg.stage3_max_live_parameters
+        self.reuse = cfg.stage3_max_reuse_distance
+        self.empty = torch.empty(0, dtype=self.param_dtype, device=dist.device)
         self.traces: dict[bool, list[tuple[str, int]]] = {}   # grad mode -> recorded (phase, uid) order
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
@@ -150,7 +145,7 @@ class Gatherer:
         self.hook_handles: list = []
         self.order = OrderCheck(dist)
         self._final: bool | None = None   # inside ``backward_pass``: its ``final``; None outside it
-        for unit in [*units, *([persistent] if persistent else [])]:
+        for unit in self.all_units:
             unit.gatherer = self
             for p in unit.params:
                 p.zero3_unit = unit
@@ -164,17 +159,17 @@ class Gatherer:
         finally:
             self._final = None
 
-    def attach(self, root: nn.Module, modules: dict[int, list[nn.Module]]) -> None:
-        """Forward hooks on every unit's modules and gradient hooks on every parameter."""
+    def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
+        """Forward hooks on each unit's modules (``modules``, aligned with ``units``) and gradient hooks
+        on every parameter."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
-        for uid, subs in modules.items():
-            unit = self.units[uid]
+        for unit, subs in zip(self.units, modules):
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
                     hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
                 self.hook_handles.append(module.register_forward_hook(
                     hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
-        for unit in [*self.units, *([self.persistent] if self.persistent else [])]:
+        for unit in self.all_units:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
                     hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
@@ -245,7 +240,7 @@ class Gatherer:
             self._reduce(self.persistent)
         self._complete_reductions()
         self.in_backward = False
-        if self.limits.check_order and self.recording is not None:
+        if self.cfg.check_order and self.recording is not None:
             self.order.launch(self.recording)
         self._end_pass()
 
@@ -283,47 +278,46 @@ class Gatherer:
         self._finish_gather(unit)
         self._prefetch()
 
-    def _prefetch(self) -> None:
-        """Start gathers for the next units within ``prefetch`` elements (each counted once) and ``max_live``."""
+    def _upcoming(self) -> Iterator[Unit]:
+        """The units the followed trace uses next, each once (none when not following one)."""
         trace = self.traces.get(self.mode)
         if self.cursor is None or trace is None:
             return
-        budget, seen = self.limits.prefetch, set()
+        seen = set()
         for _, uid in trace[self.cursor:]:
-            if uid in seen:
-                continue
-            seen.add(uid)
-            unit = self.units[uid]
+            if uid not in seen:
+                seen.add(uid)
+                yield self.units[uid]
+
+    def _prefetch(self) -> None:
+        """Start gathers for the next units within ``prefetch`` elements (each counted once) and ``max_live``."""
+        budget = self.prefetch
+        for unit in self._upcoming():
             budget -= unit.numel
-            if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.limits.max_live):
+            if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.max_live):
                 break
             if unit.state is UnitState.SHARDED:
                 self._start_gather(unit)
 
     def _next_use_distance(self, unit: Unit) -> int | None:
         """Elements of other units used before ``unit`` is used again (per the trace)."""
-        trace = self.traces.get(self.mode)
-        if self.cursor is None or trace is None:
-            return None
-        seen, dist = set(), 0
-        for _, uid in trace[self.cursor:]:
-            if uid == unit.uid:
+        dist = 0
+        for u in self._upcoming():
+            if u is unit:
                 return dist
-            if uid not in seen:
-                seen.add(uid)
-                dist += self.units[uid].numel
+            dist += u.numel
         return None
 
     def _keep(self, unit: Unit) -> bool:
         """Within the reuse distance, or so close that the prefetch would gather it straight back."""
         d = self._next_use_distance(unit)
-        near = max(self.limits.reuse, self.limits.prefetch - unit.numel)
-        return d is not None and d <= near and self.live <= self.limits.max_live
+        near = max(self.reuse, self.prefetch - unit.numel)
+        return d is not None and d <= near and self.live <= self.max_live
 
     def _make_room(self, need: int, exclude: Unit) -> None:
         """Release units kept only for reuse until ``need`` more elements fit under max_live."""
         for unit in self.units:
-            if self.live + need <= self.limits.max_live:
+            if self.live + need <= self.max_live:
                 return
             if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
                     and unit.active == 0:
@@ -400,10 +394,10 @@ class Gatherer:
                 if p.grad is not None:
                     buf[slot.offset:slot.offset + slot.numel].copy_(p.grad.reshape(-1))
                     p.grad = None
-            works = reduce_to_owners(self.dist.comm, buf, 0, g.layout.shard, self.limits.reduce_scatter,
+            works = reduce_to_owners(self.dist.comm, buf, 0, g.layout.shard, self.cfg.reduce_scatter,
                                      f"zero3 gradient reduction of {unit.name!r}")
             self.reductions.append((g, buf, works))
-        if not self.limits.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
+        if not self.cfg.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
             self._complete_reductions()
 
     def _reduce_in_place(self, g: UnitGroup) -> None:
@@ -414,16 +408,14 @@ class Gatherer:
         for p, slot in zip(g.params, g.layout.slots):
             part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
             p.grad = None
-        if self.on_reduced is not None:
-            self.on_reduced(g, self._final)
+        self.on_reduced(g, self._final)
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
             self.dist.comm.wait(works, "zero3 gradient reduction")
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
-            if self.on_reduced is not None:
-                self.on_reduced(g, self._final)
+            self.on_reduced(g, self._final)
         self.reductions = []
 
     def gather_now(self, unit: Unit) -> bool:

@@ -4,8 +4,9 @@
   train_step's backward runs, so ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and
   a backward that ran inside ``loss_fn`` (or replaced a .grad) is an error, not a silent zero.
   With a wider ``precision.grad_accum_dtype`` every micro batch but the last is added into an
-  accumulator; the last one range by range as it is reduced (``final``).
-* ``Arrivals`` (ddp, zero1, zero2): a per-parameter arrival flag, not a count of hook calls: under
+  accumulator; the last one range by range as it is reduced (``_final``).
+* ``Arrivals`` (ddp, zero1, zero2): launches the buckets in plan order, so every rank issues the same
+  collectives in the same order. A per-parameter arrival flag, not a count of hook calls: under
   reentrant checkpointing a weight can arrive twice, and a second arrival after its bucket was
   reduced would be lost, so it raises.
 """
@@ -21,7 +22,8 @@ from framework.comm.accelerator import Accelerator
 from framework.core.errors import TrainingError
 from framework.core.footprint import Footprint
 from framework.core.utils import few, tensor_bytes
-from framework.stages._reduce import Bucket, OrderedLauncher
+from framework.stages._flat import views
+from framework.stages._reduce import Bucket, own_parts, reduce_bucket
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name
 
@@ -41,20 +43,35 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
 
 
 class FlatGrads:
-    def __init__(self, entries: list[Entry], views: list[torch.Tensor], grads: list[torch.Tensor],
-                 accum_dtype: torch.dtype, stage: str):
-        self.entries, self.views, self.grads, self.stage = entries, views, grads, stage
-        self.accum_dtype = accum_dtype
+    """ddp's and zero1's gradients and their reduction: buckets go out from the hooks during the
+    step's last backward (``overlap``) or after it, each to its owners (``bounds``: this rank's
+    [lo, hi) per group; ddp: the whole buffer, all-reduced)."""
+
+    def __init__(self, entries: list, flats: list[torch.Tensor], layouts: list, bounds: list[tuple[int, int]],
+                 buckets: list[Bucket], dist, policy, *, reduce_scatter: bool, overlap: bool, stage: str, what: str):
+        """``entries``: (parameter, (group, slot)) in registration order, groups in order."""
+        self.grads = [torch.zeros_like(f) for f in flats]
+        self.views = [v for grad, layout in zip(self.grads, layouts) for v in views(grad, layout)]
+        self.entries: list[Entry] = [(p, s.name) for p, (_, s) in entries]
+        self.layouts, self.bounds, self.dist, self.stage, self.what = layouts, bounds, dist, stage, what
+        self.accum_dtype, self.reduce_dtype = policy.grad_accum_dtype, policy.reduce_dtype
+        self.reduce_scatter = reduce_scatter
         self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
         self.used = False   # acc holds earlier micro batches of this step
+        self.work: list = []   # (bucket, pending, wire buffer or None) of launched buckets
+        self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
+        self.hook_handles = (self.launcher.attach([p for p, _ in self.entries], dist.acc)
+                             if dist.world > 1 and overlap else [])
 
-    def backward(self, run: Callable[[], None], *, sync: bool) -> None:
-        """Run one micro batch's backward into the bound views; ``sync``: the step's last one."""
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        """One micro batch's backward into the bound views; ``sync``: the step's last one. Gradients
+        are summed across ranks, so each rank contributes 1/world of the mean."""
         check_no_grads(self.entries, self.stage)
         for (p, _), v in zip(self.entries, self.views):
             p.grad = v
         try:
-            run()
+            with self.launcher.backward_pass(arm=sync and self.dist.world > 1):
+                (loss / self.dist.world).backward()
         finally:
             replaced = []
             for (p, name), v in zip(self.entries, self.views):
@@ -74,7 +91,7 @@ class FlatGrads:
                 g.zero_()
             self.used = True
 
-    def final(self, g: int, start: int, end: int) -> torch.Tensor:
+    def _final(self, g: int, start: int, end: int) -> torch.Tensor:
         """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
         after the last backward produced it (it adds that micro batch)."""
         if not self.used:
@@ -83,8 +100,39 @@ class FlatGrads:
         out.add_(self.grads[g][start:end])
         return out
 
+    def _launch(self, i: int) -> None:
+        b = self.launcher.buckets[i]
+        ranges = [(b.start, b.start + b.numel)] if b.contiguous else b.ranges
+        views = [self._final(b.group, lo, hi) for lo, hi in ranges]
+        if views[0].dtype == self.reduce_dtype:
+            wire, buf = views, None   # reduced in place in the gradient buffer
+        else:
+            buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=views[0].device)
+            wire = list(buf.chunk(len(views)))
+            for dst, v in zip(wire, views):
+                dst.copy_(v)
+        pending = reduce_bucket(self.dist.comm, wire, b, self.layouts[b.group].shard, self.reduce_scatter,
+                                what=f"{self.what} of bucket {i}")
+        self.work.append((b, pending, buf))
+
+    def finish(self) -> list[torch.Tensor]:
+        """Complete the step's reduction; per group, the buffer the summed gradients live in."""
+        if self.dist.world > 1:
+            self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
+            for b, pending, buf in self.work:
+                self.dist.comm.wait(pending, self.what)
+                if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
+                    summed = self.summed()[b.group]
+                    for lo, hi, off in own_parts(b, *self.bounds[b.group]):
+                        summed[lo:hi].copy_(buf[off:off + hi - lo])
+            self.work = []
+        else:   # every range is final at once: there is nothing to reduce
+            for g, grad in enumerate(self.grads):
+                self._final(g, 0, grad.numel())
+        return self.summed()
+
     def summed(self) -> list[torch.Tensor]:
-        """Per group, the buffer ``final`` ranges live in."""
+        """Per group, the buffer ``_final`` ranges live in."""
         return self.acc if self.used else self.grads
 
     def zero(self) -> None:
@@ -95,30 +143,29 @@ class FlatGrads:
                 a.zero_()
         self.used = False
 
-    def final_all(self) -> None:
-        """Every range is final at once (world size 1: there is nothing to reduce)."""
-        for g, grad in enumerate(self.grads):
-            self.final(g, 0, grad.numel())
-
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))
         fp.add("grad_accumulator", device=tensor_bytes(self.acc or []))
 
 
 class Arrivals:
-    """An ``OrderedLauncher`` fed once per parameter and armed backward (see the module doc)."""
+    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order, once every
+    parameter of the bucket arrived (see the module doc)."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
-        self.launcher = OrderedLauncher(buckets, self._launch)
-        self.buckets, self._run, self.names, self.stage = buckets, launch, names, stage
-        self.owners = self.launcher.owners   # param id -> buckets holding a piece of it
+        self.buckets, self.run, self.names, self.stage = buckets, launch, names, stage
+        self.owners: dict[int, list[int]] = {}  # param id -> buckets holding a piece of it
+        for i, b in enumerate(buckets):
+            for pid in b.params:
+                self.owners.setdefault(pid, []).append(i)
         self.armed = False
         self.seen = [False] * len(names)
-        self.launched = [False] * len(buckets)
+        self.pending: list[int] = []   # per bucket, its parameters yet to arrive
+        self.next = len(buckets)  # the next bucket to launch (buckets before it went out); none armed
 
-    def _launch(self, i: int) -> None:
-        self.launched[i] = True
-        self._run(i)
+    def _launch(self) -> None:
+        self.next += 1
+        self.run(self.next - 1)
 
     def attach(self, params: list[nn.Parameter], acc: Accelerator) -> list:
         """Hooks reporting parameter ``i`` of ``params`` to ``ready``; returns their handles."""
@@ -139,8 +186,8 @@ class Arrivals:
     def arm(self) -> None:
         self.armed = True
         self.seen = [False] * len(self.names)
-        self.launched = [False] * len(self.buckets)
-        self.launcher.arm()
+        self.pending = [len(b.params) for b in self.buckets]
+        self.next = 0
 
     def disarm(self) -> None:
         self.armed = False
@@ -149,14 +196,19 @@ class Arrivals:
         if not self.armed:
             return
         if self.seen[pid]:
-            if any(self.launched[b] for b in self.owners.get(pid, ())):
+            if any(b < self.next for b in self.owners.get(pid, ())):
                 raise TrainingError(
                     f"{self.stage}: {self.names[pid]!r} received a second gradient in one backward pass after its "
                     f"bucket was reduced (a weight used in two segments of reentrant activation checkpointing?); "
                     f"use torch.utils.checkpoint with use_reentrant=False")
             return  # accumulated again before its bucket went out: nothing is lost
         self.seen[pid] = True
-        self.launcher.ready(pid)
+        for i in self.owners[pid]:
+            self.pending[i] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch()
 
     def flush(self) -> None:
-        self.launcher.flush()
+        """Launch every bucket not yet launched (their parameters got no gradient, or nothing was armed)."""
+        while self.next < len(self.buckets):
+            self._launch()

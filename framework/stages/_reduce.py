@@ -1,13 +1,12 @@
-"""Gradient buckets: a static plan of flat ranges and an in-order launcher.
+"""Gradient buckets: a static plan of flat ranges, and their reduction.
 
 Buckets are planned once from the expected gradient order (reverse registration) and launched
-strictly in plan order once all their gradients arrived, so every rank issues the same collectives
-in the same order. For the ZeRO stages buckets lie on partition boundaries: each is one collective.
+in plan order (``_grads.Arrivals``). For the ZeRO stages buckets lie on partition boundaries: each
+is one collective.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -42,49 +41,48 @@ class Bucket:
 
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
-                 shards: dict[int, int] | None = None, world: int = 1) -> list[Bucket]:
+                 shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
     """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in
     expected gradient order; ``shards``: group -> partition length, for the ZeRO stages.
 
-    Each group's open bucket grows downwards through its flat buffer; a parameter larger than the
-    room left is split, so no bucket exceeds ``bucket_size``. With ``shards`` a bucket lies inside
-    one partition (one reduce), or is a whole group buffer that fits in a bucket (one reduce-scatter).
+    Each partition's open bucket grows downwards through its group's flat buffer; a parameter larger
+    than the room left is split, so no bucket exceeds ``cap`` (default ``bucket_size``) elements or
+    crosses a partition boundary (one reduce). A group buffer that fits in ``bucket_size`` is one
+    striped bucket (one reduce-scatter), closed with the group's last gradient.
     """
-    shards = shards or {}
-    open_: dict[int, tuple[int, int, list[int]]] = {}  # group -> (start, end, param ids)
-    out: list[Bucket] = []
+    shards, cap = shards or {}, cap or bucket_size
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
+    left = {g: sum(1 for _, gg, _, _ in order if gg == g) for g in whole}   # parameters not yet seen
+    seen: dict[int, list[int]] = {}
+    open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition start) -> (start, end, ids)
+    out: list[Bucket] = []
 
-    def close(g: int) -> None:
-        start, end, pids = open_.pop(g)
-        if g in whole:  # the whole buffer, padding included: world equal partitions
-            out.append(Bucket(g, 0, shards[g], tuple(pids), stride=shards[g], count=world))
-        else:
-            out.append(Bucket(g, start, end, tuple(pids)))
+    def close(key: tuple[int, int]) -> None:
+        start, end, pids = open_.pop(key)
+        out.append(Bucket(key[0], start, end, tuple(pids)))
 
     for pid, g, offset, numel in order:
+        if g in whole:
+            seen.setdefault(g, []).append(pid)
+            left[g] -= 1
+            if not left[g]:
+                out.append(Bucket(g, 0, shards[g], tuple(seen[g]), stride=shards[g], count=world))
+            continue
         top = offset + numel
         while top > offset:
-            start, end, pids = open_.get(g, (top, top, []))
-            if start != top:  # not adjacent (cannot happen for one group's layout): start anew
-                close(g)
-                start, end, pids = top, top, []
-            room = bucket_size - (end - start)
-            if g in whole:
-                room = top - offset
-            elif g in shards:  # down to the start of the partition holding the bucket's top element
-                room = min(room, start - (end - 1) // shards[g] * shards[g])
-            take = min(top - offset, room)
-            if take == 0:  # at a partition boundary: this bucket is complete
-                close(g)
-                continue
-            open_[g] = (start - take, end, pids + [pid])
+            bottom = (top - 1) // shards[g] * shards[g] if g in shards else 0   # of the partition holding top
+            key = (g, bottom)
+            if key in open_ and open_[key][0] != top:   # not adjacent below the open bucket
+                close(key)
+            start, end, pids = open_.get(key, (top, top, []))
+            take = min(top - max(offset, bottom), cap - (end - start))
+            open_[key] = (start - take, end, pids + [pid])
             top -= take
-            if start - take == 0 if g in whole else (end - (start - take) >= bucket_size or
-                                                     (g in shards and (start - take) % shards[g] == 0)):
-                close(g)
-    for g in sorted(open_):
-        close(g)
+            if end - (start - take) >= cap or (g in shards and start - take == bottom):
+                close(key)
+    # ddp: each group's lowest bucket; round-robin layouts: buckets ended by a gap, highest first
+    for key in sorted(open_, reverse=len(shards) > 0):
+        close(key)
     return out
 
 
@@ -92,40 +90,8 @@ def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, s
                      world: int) -> list[Bucket]:
     """Buckets for a round-robin layout (``_sharded.round_robin``): each partition fills buckets of
     its own of at most ``bucket_size // world`` elements (the waiting gradients stay within one
-    ``bucket_size``), so owners take turns while backward runs. Whole groups as in ``plan_buckets``."""
-    whole = {g for g, s in shards.items() if s * world <= bucket_size}
-    cap = max(1, bucket_size // world)
-    open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition) -> (start, end, ids)
-    out: list[Bucket] = []
-
-    def close(key: tuple[int, int]) -> None:
-        start, end, pids = open_.pop(key)
-        out.append(Bucket(key[0], start, end, tuple(pids)))
-
-    left = {g: sum(1 for _, gg, _, _ in order if gg == g) for g in whole}   # parameters not yet seen
-    seen: dict[int, list[int]] = {}
-    for pid, g, offset, numel in order:
-        if g in whole:   # closes with the group's last gradient
-            seen.setdefault(g, []).append(pid)
-            left[g] -= 1
-            if not left[g]:
-                out.append(Bucket(g, 0, shards[g], tuple(seen[g]), stride=shards[g], count=world))
-            continue
-        shard, top = shards[g], offset + numel
-        while top > offset:
-            part = (top - 1) // shard
-            key = (g, part)
-            if key in open_ and open_[key][0] != top:   # not adjacent below the open bucket
-                close(key)
-            start, end, pids = open_.get(key, (top, top, []))
-            take = min(top - max(offset, part * shard), cap - (end - start))
-            open_[key] = (start - take, end, pids if pids and pids[-1] == pid else pids + [pid])
-            top -= take
-            if end - (start - take) >= cap or start - take == part * shard:
-                close(key)
-    for key in sorted(open_, reverse=True):
-        close(key)
-    return out
+    ``bucket_size``), so owners take turns while backward runs."""
+    return plan_buckets(order, bucket_size, shards, world, cap=max(1, bucket_size // world))
 
 
 def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
@@ -149,37 +115,6 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
                          if any(off < r * shard + b and off + n > r * shard + a for r in range(world)))
             out.append(Bucket(g, a, b, pids, stride=shard, count=world))
     return out
-
-
-class OrderedLauncher:
-    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order."""
-
-    def __init__(self, buckets: list[Bucket], launch: Callable[[int], None]):
-        self.buckets, self.launch = buckets, launch
-        self.owners: dict[int, list[int]] = {}  # param id -> buckets holding a piece of it
-        for i, b in enumerate(buckets):
-            for pid in b.params:
-                self.owners.setdefault(pid, []).append(i)
-        self.pending: list[int] = []
-        self.next = len(buckets)  # nothing armed
-
-    def arm(self) -> None:
-        self.pending = [len(b.params) for b in self.buckets]
-        self.next = 0
-
-    def ready(self, pid: int) -> None:
-        if self.next >= len(self.buckets):
-            return  # not armed (a non-boundary micro step)
-        for i in self.owners[pid]:
-            self.pending[i] -= 1
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self.next += 1
-            self.launch(self.next - 1)
-
-    def flush(self) -> None:
-        while self.next < len(self.buckets):
-            self.next += 1
-            self.launch(self.next - 1)
 
 
 def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, int, int]]:

@@ -16,7 +16,7 @@ from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.engine.materialize import initializer
 from framework.stages._flat import bind_group, param_groups
-from framework.stages._partitions import PartitionedStage, Partitions
+from framework.stages._partitions import PartitionedStage
 from framework.stages.base import Setup, WholeParameters
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
@@ -37,19 +37,18 @@ class ZeroConfig:
 
 
 class ShardedStage(PartitionedStage, WholeParameters):
-    """Base of zero1/zero2; subclasses own the gradient path (``_setup_grads`` and friends)."""
+    """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
+    slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
 
     round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
             raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
-        self.cfg, self.dist, self.offload = cfg, dist, offload
         # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
-        self.parts = Partitions(dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
+        super().__init__(cfg, dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
         self.flats: list[torch.Tensor] = []     # working parameters, replicated
         self.policy: Policy | None = None
-        self.hook_handles: list = []            # removed by close()
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
@@ -66,14 +65,11 @@ class ShardedStage(PartitionedStage, WholeParameters):
             slots = {s.name: s for s in layout.slots}
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
-            self.parts.add(layout, flat[lo:hi], policy.master_dtype)
+            self._own(layout, flat[lo:hi], policy.master_dtype)
             self.flats.append(flat)
             entries += [(params[n], (g, slots[n])) for n, _ in named]
         self._setup_grads(entries)
-        return Setup(self.master, [groups[g][0] for g, _ in self.parts.piece_index])
-
-    def _setup_grads(self, entries: list) -> None:
-        raise NotImplementedError
+        return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
 
     def publish_finish(self) -> None:
         comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
@@ -87,9 +83,6 @@ class ShardedStage(PartitionedStage, WholeParameters):
         self.offload.memory(fp, opt_state)
         self._grad_memory(fp)
         return fp
-
-    def _grad_memory(self, fp: Footprint) -> None:
-        raise NotImplementedError
 
 
 def round_robin(named: list, world: int) -> list:

@@ -15,8 +15,8 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind_group, param_groups, views
-from framework.stages._grads import Arrivals, FlatGrads
+from framework.stages._flat import Layout, bind_group, param_groups
+from framework.stages._grads import FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets
 from framework.stages._spec import PieceSpec, piece_spec
 from framework.core.footprint import Footprint
@@ -38,12 +38,8 @@ class DDPStage(WholeParameters):
         self.cfg, self.dist = cfg, dist
         self.layouts: list[Layout] = []
         self.flats: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []
         self.master: list[torch.Tensor] = []
-        self.launcher: Arrivals | None = None
         self.flat_grads: FlatGrads | None = None
-        self.reduce_dtype = torch.float32
-        self.work: list = []   # (handles, wire tensor, grad view) of launched buckets
         self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
         self.hook_handles: list = []   # removed by close()
 
@@ -51,50 +47,26 @@ class DDPStage(WholeParameters):
         self.module = module
         groups = param_groups(module)
         init = initializer(module)   # materialises meta parameters, one at a time
-        entries = []  # (param, group index, slot) in registration order
-        grad_views = []
+        entries = []  # (param, (group, slot)) in registration order
         for g, (_, named) in enumerate(groups):
             layout, flat, params = bind_group(module, named, 1, policy.param_dtype, self.dist, init)
-            grad = torch.zeros_like(flat)
-            grad_views += views(grad, layout)  # bound as .grad during backward (in-place accumulation)
             self.layouts.append(layout)
             self.flats.append(flat)
-            self.grads.append(grad)
             self.master.append(flat if policy.master_dtype == flat.dtype else flat.to(policy.master_dtype))
             entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
-        self.reduce_dtype = policy.reduce_dtype
-        named = [(p, s.name) for p, (_, s) in entries]
-        self.flat_grads = FlatGrads(named, grad_views, self.grads, policy.grad_accum_dtype, "ddp")
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
-        self.launcher = Arrivals(buckets, self._launch, [n for _, n in named], "ddp")
-        if self.dist.world > 1 and self.cfg.overlap_comm:
-            self.hook_handles += self.launcher.attach([p for p, _ in entries], self.dist.acc)
+        self.flat_grads = FlatGrads(entries, self.flats, self.layouts, [(0, f.numel()) for f in self.flats], buckets,
+                                    self.dist, policy, reduce_scatter=False, overlap=self.cfg.overlap_comm,
+                                    stage="ddp", what="gradient all-reduce")
+        self.hook_handles = self.flat_grads.hook_handles
         return Setup(self.master, [kind for kind, _ in groups])
 
-    def _launch(self, i: int) -> None:
-        b = self.launcher.buckets[i]
-        view = self.flat_grads.final(b.group, b.start, b.end)
-        wire = view if view.dtype == self.reduce_dtype else view.to(self.reduce_dtype)
-        self.work.append(([self.dist.all_reduce(wire, what=f"gradient all-reduce of bucket {i}", async_op=True)],
-                          wire, view))
-
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        # Buckets go out during the last micro batch's backward only. Gradients are summed across
-        # ranks, so each rank contributes 1/world of the mean.
-        with self.launcher.backward_pass(arm=sync and self.dist.world > 1):
-            self.flat_grads.backward(lambda: (loss / self.dist.world).backward(), sync=sync)
+        # Buckets go out during the last micro batch's backward only.
+        self.flat_grads.backward(loss, sync=sync)
 
     def reduce_grads(self) -> list[torch.Tensor]:
-        if self.dist.world > 1:
-            self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
-            for works, wire, view in self.work:
-                self.dist.wait(works, "gradient all-reduce")
-                if wire is not view:
-                    view.copy_(wire)
-            self.work = []
-        else:
-            self.flat_grads.final_all()
-        summed = self.flat_grads.summed()
+        summed = self.flat_grads.finish()
         self.reduced = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(summed, self.master)]
         return self.reduced
 

@@ -13,8 +13,8 @@ import torch
 from framework.comm.collectives import Pending
 from framework.core.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
-from framework.stages._reduce import (expected_order, own_overlap, own_parts, plan_buckets, plan_round_robin,
-                                      reduce_bucket, reduce_to_owners)
+from framework.stages._reduce import (expected_order, own_overlap, plan_buckets, plan_round_robin, reduce_bucket,
+                                      reduce_to_owners)
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.core.utils import tensor_bytes
 
@@ -65,7 +65,7 @@ class Zero2Stage(ShardedStage):
                     buf[base + max(start, numel) - start:base + end - start].zero_()
                 base += end - start
             wire = [buf] if b.contiguous else list(buf.chunk(b.count))
-            pieces = None
+            pieces = [(start, t) for (start, _), t in zip(b.ranges, buf.chunk(b.count))]
             pending = reduce_bucket(comm, wire, b, shard, rs, what)
         else:  # reduce each gradient piece where it lies (no bucket buffer)
             buf = None
@@ -97,20 +97,13 @@ class Zero2Stage(ShardedStage):
         b, pending, pieces, buf = item
         self.dist.comm.wait(pending, "gradient reduction")
         lo, hi = self.bounds[b.group]
-        sums = []  # (tensor, flat lo, flat hi, offset in the tensor) of this rank's sums
-        if buf is not None:
-            sums = [(buf, a, z, off) for a, z, off in own_parts(b, lo, hi)]
-        else:
-            for start, t in pieces:
-                own = own_overlap(start, start + t.numel(), lo, hi)
-                if own is not None:
-                    sums.append((t, own[0], own[1], own[0] - start))
-        numel = self.layouts[b.group].numel
-        for t, a, z, off in sums:
-            z = min(z, numel)  # a whole-buffer bucket's padding: zeros, and never reported
-            if a >= z:
+        real = min(hi, self.layouts[b.group].numel)   # a whole-buffer bucket's padding: zeros, never reported
+        for start, t in pieces:   # (flat start, values) of each reduced range
+            own = own_overlap(start, start + t.numel(), lo, real)   # this rank's sums
+            if own is None:
                 continue
-            self.part[b.group][a - lo:z - lo] += t[off:off + z - a]
+            a, z = own
+            self.part[b.group][a - lo:z - lo] += t[a - start:z - start]
             if self.sync:  # tell the listener (the offload target)
                 self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
         if buf is not None:

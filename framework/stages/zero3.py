@@ -19,9 +19,9 @@ from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter
-from framework.stages._gather import Gatherer, Limits, ShardedParameter, Unit, UnitGroup
+from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.offload.base import Placement
-from framework.stages._partitions import PartitionedStage, Partitions
+from framework.stages._partitions import PartitionedStage
 from framework.stages._units import plan_units, unit_groups
 from framework.stages.base import HookOwner, Setup
 from framework.core.footprint import Footprint
@@ -48,19 +48,16 @@ class Zero3Config:
 
 
 class Zero3Stage(PartitionedStage, HookOwner):
-    """The partitions (``parts``) are the unit groups' shards, gathered per unit by the ``Gatherer``."""
+    """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                     "stage3_param_persistence_threshold"):
             if getattr(cfg, key) < 0:
                 raise ConfigError(f"stage.{key} must be >= 0")
-        self.cfg, self.dist, self.offload = cfg, dist, offload
         # One piece per unit group already: the pipeline's unit (no chunking).
-        self.parts = Partitions(dist, offload, chunk=None)
-        self.hook_handles: list = []    # the gatherer's, removed by close()
+        super().__init__(cfg, dist, offload, chunk=None)
         self.groups: list[UnitGroup] = []
-        self._index: dict[int, int] = {}   # id(UnitGroup) -> its index in ``groups`` (and ``parts``)
         self.gatherer: Gatherer | None = None
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
@@ -79,25 +76,18 @@ class Zero3Stage(PartitionedStage, HookOwner):
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
                                     device=self.dist.device) if metas else None
-        units, hooked = [], {}
-        for plan in plans:
-            hooked[len(units)] = plan.modules
-            units.append(self._make_unit(module, len(units), plan.name, plan.named, names_of))
+        units = [self._make_unit(module, i, plan.name, plan.named, names_of) for i, plan in enumerate(plans)]
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
             if persistent_named else None
         self._scratch = self._init = None
-        c = self.cfg
-        limits = Limits(c.stage3_prefetch_bucket_size, c.stage3_max_live_parameters, c.stage3_max_reuse_distance,
-                        c.check_order, c.overlap_comm, c.reduce_scatter)
-        self.gatherer = Gatherer(self.dist, units, persistent, limits, policy.param_dtype,
-                                 policy.reduce_dtype, self.offload, on_reduced=self._reduced)
+        self.gatherer = Gatherer(self.dist, units, persistent, self.cfg, policy, self.offload, self._reduced)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
-        self.gatherer.attach(module, hooked)
+        self.gatherer.attach(module, [plan.modules for plan in plans])
         # close() removes these; the state_dict refusal below stays (the parameters remain empty).
         self.hook_handles = self.gatherer.hook_handles
         module.register_state_dict_pre_hook(_refuse_state_dict)
-        return Setup(self.master, [self.groups[g].kind for g, _ in self.parts.piece_index])
+        return Setup(self.master, [self.groups[g].kind for g, _ in self.piece_index])
 
     def _make_unit(self, module: nn.Module, uid: int, name: str, named: list, names_of: dict) -> Unit:
         return Unit(uid, name, [self._make_group(module, kind, members, name, names_of)
@@ -125,14 +115,13 @@ class Zero3Stage(PartitionedStage, HookOwner):
             replace_parameter(module, p, sp)
             params.append(sp)
             del values
-        pieces = self.parts.add(layout, shard, policy.master_dtype)
+        pieces = self._own(layout, shard, policy.master_dtype)
         if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
             self.offload.shard_filled(shard)   # shards on disk: its values leave host memory now
         k = len(self.groups)
         load = (lambda: self.offload.load_grad(k, hi - lo, device)) if self.grad_swap else None
-        group = UnitGroup(kind, layout, params, shard, torch.empty(0, dtype=policy.grad_accum_dtype, device=device),
-                          pieces=pieces, load_grad=load)
-        self._index[id(group)] = k   # its partition's position in ``parts``
+        group = UnitGroup(kind, k, layout, params, shard,
+                          torch.empty(0, dtype=policy.grad_accum_dtype, device=device), pieces=pieces, load_grad=load)
         self.groups.append(group)
         return group
 
@@ -144,12 +133,12 @@ class Zero3Stage(PartitionedStage, HookOwner):
         """On the last micro batch (``final``) tell the listener (the offload target), which can start
         copying the partition to the host while backward goes on."""
         if self.grad_swap:   # to the swap file; the partition is not kept
-            self.offload.save_grad(self._index[id(g)], g.part_grad, final=final)
+            self.offload.save_grad(g.index, g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
             return
         if final:
-            k = self._index[id(g)]
-            lo, hi = self.parts.bounds[k]
+            k = g.index
+            lo, hi = self.bounds[k]
             real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
             if real:
                 self.offload.grads_final(k, 0, real, g.grad())
@@ -157,26 +146,23 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def _finish_grads(self) -> None:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
-            self.offload.finish_grads(self._sizes())
+            self.offload.finish_grads([g.shard.numel() for g in self.groups])
 
     def _partition_grads(self) -> list[torch.Tensor]:
         if self.grad_swap:   # not resident (see ``_reduced``)
             return [g.part_grad for g in self.groups]
         return [g.grad() for g in self.groups]
 
-    def _sizes(self) -> list[int]:
-        return [g.shard.numel() for g in self.groups]
-
     def grad_sq_norm(self) -> torch.Tensor:
         """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
             return super().grad_sq_norm()
-        local = self.offload.grad_sq_norm_local(self._sizes())
+        local = self.offload.grad_sq_norm_local([g.shard.numel() for g in self.groups])
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
-        return self.parts.nonfinite_names(self.offload.readable_grads(grads))
+        return super().nonfinite_names(self.offload.readable_grads(grads))
 
     def zero_grads(self) -> None:
         if self.grad_swap:
@@ -204,10 +190,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
             fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
         return fp
 
-    @property
-    def layouts(self):
-        return self.parts.layouts
-
     def stats(self) -> dict:
         return self.gatherer.stats()
 
@@ -217,16 +199,15 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def consolidated_state_dict(self) -> dict | None:
         """Gathers one unit at a time (collective)."""
         out = {}
-        g_ = self.gatherer
-        for unit in [*g_.units, *([g_.persistent] if g_.persistent else [])]:
-            started = g_.gather_now(unit)
+        for unit in self.gatherer.all_units:
+            started = self.gatherer.gather_now(unit)
             if self.dist.is_main:
                 for p in unit.params:
                     value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
                     for name in p.zero3_names:
                         out[name] = value
             if started:
-                g_.release_now(unit)
+                self.gatherer.release_now(unit)
         return out if self.dist.is_main else None
 
 

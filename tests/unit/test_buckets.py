@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from framework.stages._flat import ALIGN, make_layout
-from framework.stages._reduce import OrderedLauncher, expected_order, own_parts, plan_buckets, plan_stripes
+from framework.stages._grads import Arrivals
+from framework.stages._reduce import expected_order, own_parts, plan_buckets, plan_stripes
 
 
 def _layouts(world):
@@ -85,7 +86,7 @@ def test_launcher_with_partition_plan_launches_each_bucket_once_in_order():
     order = _order(layouts)
     buckets = plan_buckets(order, 500, {g: lay.shard for g, lay in enumerate(layouts)}, 2)
     launched = []
-    launcher = OrderedLauncher(buckets, launched.append)
+    launcher = Arrivals(buckets, launched.append, [str(pid) for pid, *_ in order], "zero1")
     launcher.arm()
     for pid, *_ in order:
         launcher.ready(pid)

@@ -4,7 +4,8 @@ import torch
 from torch import nn
 
 from framework.stages._flat import ALIGN, make_layout, param_groups
-from framework.stages._reduce import OrderedLauncher, expected_order, own_overlap, plan_buckets
+from framework.stages._grads import Arrivals
+from framework.stages._reduce import expected_order, own_overlap, plan_buckets
 
 
 def named(*shapes):
@@ -49,7 +50,7 @@ def test_launcher_orders_and_flushes():
     layout = make_layout(named((4,), (4,), (4,)), 1)
     buckets = plan_buckets(expected_order([(0, s) for s in layout.slots]), 4)
     launched = []
-    launcher = OrderedLauncher(buckets, launched.append)
+    launcher = Arrivals(buckets, launched.append, ["a", "b", "c"], "ddp")
     launcher.ready(0)                      # not armed: ignored
     launcher.arm()
     launcher.ready(0)                      # param 0's bucket is last in order: waits
