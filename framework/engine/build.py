@@ -194,9 +194,12 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 def hidden_size_of(module: nn.Module) -> int | None:
     """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    values = [getattr(getattr(module, holder, None), name, None)
-              for holder, name in [*(("config", n) for n in ("hidden_size", "n_embd", "d_model")), ("cfg", "d_model")]]
-    return next((v for v in values if isinstance(v, int) and not isinstance(v, bool)), None)
+    places = [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]
+    for holder, name in places:
+        value = getattr(getattr(module, holder, None), name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:

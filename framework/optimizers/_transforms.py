@@ -64,8 +64,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transforms left to right; the state is the tuple of the inner states."""
 
     def update(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float) -> tuple[list[Tensor], tuple]:
+        if len(state) != len(transforms):
+            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)}")
         new_state = []
-        for transform, inner in zip(transforms, state, strict=True):
+        for transform, inner in zip(transforms, state):
             grads, inner = transform.update(grads, inner, params, lr)
             new_state.append(inner)
         return grads, tuple(new_state)
@@ -86,7 +88,8 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     The C++ kernel is tried first: it was faster in every case timed (bench/cpu_adam.py, BENCHMARKS.md
     "CPU AdamW step"; Intel Xeon, not yet AMD)."""
     mask = [bool(decayed) or cfg.decay_1d for decayed in decay_mask]
-    decay, inner = add_decayed_weights(cfg.weight_decay, mask), [] if direction is None else [direction]
+    decay = add_decayed_weights(cfg.weight_decay, mask)
+    inner = [] if direction is None else [direction]
     tx = chain(*inner, decay, scale_by_lr()) if decoupled else chain(decay, *inner, scale_by_lr())
     if kernel is None:
         return tx
@@ -219,7 +222,13 @@ def add_decayed_weights(weight_decay: float, mask: Sequence[bool]) -> GradientTr
             if decayed and weight_decay != 0:
                 u.add_(p, alpha=weight_decay)
 
-    return _stateless(decay)
+    def init(params: Sequence[Tensor]) -> EmptyState:
+        # Checked when the state is made: the fused kernels index the mask by group without a check.
+        if len(mask) != len(params):
+            raise ValueError(f"weight-decay mask has {len(mask)} entries for {len(params)} groups")
+        return EmptyState()
+
+    return GradientTransformation(init, _stateless(decay).update)
 
 
 def scale_by_lr() -> GradientTransformation:

@@ -123,7 +123,7 @@ def _host(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
-def _check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -> None:
+def check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) -> None:
     """A stage's specs describe its master pieces one for one (a stage bug otherwise)."""
     if [s.numel for s in specs] != [p.numel() for p in params]:
         raise ValueError(f"piece specs of {[s.numel for s in specs]} elements for master pieces of "
@@ -143,7 +143,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     ``range`` is a range of the flattened parameter; ``specs`` (``stage.piece_specs()``) say
     which ranges each piece of ``state.params`` holds. Each piece tensor is copied to the host
     once (one transfer, not one per parameter) and its fragments are views of that copy."""
-    _check_aligned(specs, state.params)
+    check_aligned(specs, state.params)
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()
     flats = flat_pieces(state.params, per)
@@ -171,7 +171,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
     parameter of the model. Everything is checked before anything is written (``FrameworkError``)."""
-    _check_aligned(specs, state.params)
+    check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]

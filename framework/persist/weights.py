@@ -48,10 +48,11 @@ def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor])
     for n, p in module.named_parameters(remove_duplicate=False):
         params.setdefault(id(p), (p, []))[1].append(n)
     out = []
+    trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
     for p, aliases in params.values():
         first, staged = aliases[0], layout.params.get(aliases[0])
         if staged is not None:
-            out.append(Target(first, tuple(aliases), staged.shape, masters[0].dtype, None))
+            out.append(Target(first, tuple(aliases), staged.shape, trained, None))
         else:  # a frozen parameter outside the stage's layout: whole on every rank
             out.append(Target(first, tuple(aliases), tuple(p.shape), p.dtype, p))
     seen: set[int] = set()

@@ -1,7 +1,11 @@
-"""DeepSpeed's WarmupCosineLR: the lr is ``base_lr * ratio``; the ratio warms up from warmup_min_ratio
-to 1 as WarmupLR's gamma does, then decays by a cosine to cos_min_ratio over the rest of
-total_num_steps and stays there. Unlike nanoGPT's schedule (``warmup_cosine``) both ends are ratios
-of the optimizer's lr.
+"""DeepSpeed's WarmupCosineLR: a warm-up of the lr ratio, then cosine decay to cos_min_ratio.
+
+The lr is ``base_lr * ratio(step)``. For ``step < warmup_num_steps`` (raised to at least 2, as
+DeepSpeed does) ``ratio = warmup_min_ratio + (1 - warmup_min_ratio) * gamma`` with WarmupLR's
+gamma (log or linear); after it ``ratio = cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2``
+with ``p = min(1, (step - warmup_num_steps + 1) / max(1, total_num_steps - warmup_num_steps))``,
+so the ratio stays at cos_min_ratio once the decay window ends. Unlike nanoGPT's schedule
+(``warmup_cosine``) both ends are ratios of the optimizer's lr.
 """
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""DeepSpeed's WarmupDecayLR: WarmupLR's warm-up, then linear decay to warmup_min_lr (0 by default)."""
+"""DeepSpeed's WarmupDecayLR: WarmupLR's warm-up, then linear decay to 0 at total_num_steps.
+
+After warm-up ``gamma = max(0, (total - step) / max(1, total - warmup_num_steps))`` and
+``lr = min + (max - min) * gamma``: the lr decays to warmup_min_lr, which is 0 by default.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,7 +1,10 @@
-"""DeepSpeed's WarmupLR: warm up from warmup_min_lr to warmup_max_lr (log or linear), then hold.
+"""DeepSpeed's WarmupLR: warm up from warmup_min_lr to warmup_max_lr, then hold.
 
-Like DeepSpeed, warmup_num_steps is raised to at least 2 (a log warm-up over one step would divide
-by log(1) = 0). ``build``'s ``after`` gives WarmupDecayLR its decay.
+``lr = min + (max - min) * gamma`` with, for ``step < warmup_num_steps``,
+``gamma = log(step + 1) / log(warmup_num_steps)`` ("log") or ``step / warmup_num_steps``
+("linear"), and ``gamma = 1`` after. Like DeepSpeed, warmup_num_steps is raised to at
+least 2 (a log warm-up over one step would divide by log(1) = 0).
+``build``'s ``after`` gives WarmupDecayLR its decay.
 """
 from __future__ import annotations
 

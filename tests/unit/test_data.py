@@ -54,6 +54,7 @@ def test_registry_and_yamls():
 def test_protocol(sources):
     for src in sources.values():
         assert isinstance(src, DataSource)
+        assert isinstance(src.vocab_size, int) and isinstance(src.describe(), dict)
 
 
 def test_batch_shapes_and_determinism(sources):

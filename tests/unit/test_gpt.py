@@ -55,6 +55,7 @@ def test_preset_param_counts(name):
 
 
 def test_registry_lists_presets():
+    assert set(PRESETS) == set(EXPECTED_PARAMS)   # every preset YAML was found and read
     assert set(registry("model").names()) >= set(PRESETS)
     assert all(c.config is GPTConfig for c in COMPONENTS.values())
 

@@ -148,9 +148,12 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
     elif ga is not None:
         derived["train.grad_accum"] = ga
     if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
-        key, other, n = (("train.grad_accum", "train_micro_batch_size_per_gpu", mb) if mb is not None else
-                         ("train.micro_batch", "gradient_accumulation_steps", ga) if ga is not None else
-                         ("train.micro_batch", "", 1))
+        if mb is not None:
+            key, other, n = "train.grad_accum", "train_micro_batch_size_per_gpu", mb
+        elif ga is not None:
+            key, other, n = "train.micro_batch", "gradient_accumulation_steps", ga
+        else:
+            key, other, n = "train.micro_batch", "", 1
         if not other:
             derived["train.grad_accum"] = 1
         if tb % (n * world):

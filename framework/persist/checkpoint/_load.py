@@ -16,7 +16,7 @@ from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_load, causes, describe, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
-from framework.persist.layout import StateLayout, check_format, flat_pieces, with_saved_scalars
+from framework.persist.layout import StateLayout, check_aligned, check_format, flat_pieces, with_saved_scalars
 from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
@@ -81,6 +81,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
     specs = c.stage.piece_specs()
 
     def check():
+        check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
         _fits(c, folder, body, md, StateLayout.of(specs), per, scalars)
