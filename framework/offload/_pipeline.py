@@ -282,7 +282,7 @@ class PiecePipeline:
     def swap_stats(self) -> dict[str, float]:
         """Swap file bytes, bytes read and written and seconds blocked on IO so far (benchmarks)."""
         stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.shards.store) if s is not None]
-        return {"file": sum(s.memory()["file"] for s in stores), "read": sum(s.bytes_read for s in stores),
+        return {"file": sum(sum(s.extents().values()) for s in stores), "read": sum(s.bytes_read for s in stores),
                 "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 
     def close(self) -> None:

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.offload._disk import DiskPlacement, DiskShards
-from framework.offload._swap import DiskSpec, NVMePlacement
+from framework.offload._disk import DiskPlacement, DiskShards, DiskSpec, NVMePlacement
 from framework.offload._swapfile import ALIGN
 from framework.offload.base import Shards
 from framework.offload.cpu import HostShards
