@@ -13,10 +13,9 @@ from typing import Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator, Event
-from framework.offload._aio import aligned_empty
+from framework.offload._aio import aligned_empty, verify_extent
 from framework.offload._store import Handle
 from framework.offload._swapfile import SwapFile, padded
-from framework.offload._verified import verify_extent
 
 
 def _nbytes(t: torch.Tensor) -> int:

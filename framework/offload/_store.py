@@ -1,9 +1,9 @@
 """Tiered stores: where a master piece's buffers live, and when the host step may use them.
 
 A piece (``base.Piece``: master, gradient, 16-bit staging and optimizer state of a range of an
-owned partition) lives on the DEVICE (stepped in place), the HOST (pinned when the device is CUDA)
-or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The piece
-pipeline asks the store of its tier for it around each host step:
+owned partition) lives on the DEVICE (stepped in place: no store), the HOST (pinned when the device
+is CUDA) or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The
+piece pipeline asks the store of its tier for it around each host step:
 
     handle = store.acquire(k)       start making piece k usable by the host (may queue a read)
     store.wait(handle)              block until it is (the last copy back is done, the read landed)
@@ -102,18 +102,3 @@ class HostStore:
             ev.synchronize()
         self.readers.clear()
 
-
-class DeviceStore:
-    """The compute device: pieces are stepped in place on the compute stream, in queue order."""
-
-    def acquire(self, key: int) -> Handle:
-        return Handle(key, None)
-
-    def wait(self, handle: Handle) -> None:
-        pass
-
-    def release(self, handle: Handle, readers: Event | None) -> None:
-        pass   # later work on the compute stream is ordered after the readers anyway
-
-    def flush(self) -> None:
-        pass

@@ -24,7 +24,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._store import DeviceStore, HostStore, Tier
+from framework.offload._store import HostStore, Tier
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class Placement:
 
     def bind(self, acc: Accelerator) -> None:
         self.acc = acc
-        self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
+        self.stores = {Tier.HOST: HostStore(acc, self.pin)}   # (device pieces need none: stepped in place)
         # Copies between host and device, ordered by events: one stream per direction, so gradient
         # copies to the host never queue behind shard loads or copies back (nor the reverse).
         self.d2h_stream = acc.new_stream("offload d2h")   # gradient copies to the host
