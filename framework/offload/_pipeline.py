@@ -111,9 +111,7 @@ class PiecePipeline:
                 if info.index not in self.grad_copies:
                     ready = self.acc.event()
                     ready.record()
-                    queued = Future()
-                    queued.set_result(ready)
-                    self.grad_copies[info.index] = queued
+                    self.grad_copies[info.index] = _done(ready)
                 out.append(info.piece.grad)
                 continue
             g = parts[info.group][info.start:info.end]
@@ -121,9 +119,7 @@ class PiecePipeline:
                 if info.index not in self.grad_copies:
                     if info.index not in self.final:  # final on the current stream since backward ended
                         self.acc.use(writes=[g])
-                    queued: Future = Future()
-                    queued.set_result(self.target.copy_grad(info, g))
-                    self.grad_copies[info.index] = queued
+                    self.grad_copies[info.index] = _done(self.target.copy_grad(info, g))
                 g = info.piece.grad
             out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
         return out
@@ -198,9 +194,7 @@ class PiecePipeline:
             for dst, t in zip(saved, self.undo[k]):
                 dst.copy_(t)
         for k in jobs:   # its host gradient may be scaled: the original again, from the device
-            queued: Future = Future()
-            queued.set_result(self.target.copy_grad(self.info[k], self.sources[k]))
-            self.grad_copies[k] = queued
+            self.grad_copies[k] = _done(self.target.copy_grad(self.info[k], self.sources[k]))
         self.rolled_back += len(self.undone)
         self.undone = set()
         return set(), None
@@ -289,3 +283,10 @@ class PiecePipeline:
         """Stop the worker thread, settle the stores and remove the swap files."""
         self.pool.shutdown(wait=True)
         self.target.close()
+
+
+def _done(event: Event) -> Future:
+    """A gradient copy queued on this thread, as the worker's are: a finished Future of its event."""
+    f: Future = Future()
+    f.set_result(event)
+    return f
