@@ -12,9 +12,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -30,6 +29,9 @@ from framework.offload._store import Tier
 from framework.offload._swapfile import reserved_bytes, swap_path
 from framework.offload.base import Piece, PieceInfo, Shards
 from framework.offload.cpu import HostPlacement, HostShards
+
+if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
+    from framework.offload.nvme import NVMeOffloadConfig
 
 
 def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> None:
@@ -69,29 +71,10 @@ def _allocated(path) -> int:
         return 0
 
 
-@dataclass(frozen=True)
-class DiskSpec:
-    """Where and how the disk tier swaps (``offload=nvme``; see ``offload.nvme``)."""
-
-    path: str | None            # folder of the swap files (None: a private temporary folder)
-    sub_group_size: int         # elements per optimizer tile
-    buffer_count: int           # slots in the optimizer pool
-    read_ahead: bool            # pipeline_read
-    write_behind: bool          # pipeline_write
-    block_size: int
-    queue_depth: int
-    intra_op_parallelism: int
-    optimizer: bool = True      # fp32 master + optimizer state on disk
-    params: bool = False        # zero3 parameter shards on disk
-    param_buffer_count: int = 5
-    param_buffer_size: int = 100_000_000   # elements
-    max_in_cpu: int = 1_000_000_000        # elements of parameter shards resident at once
-
-
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
-    def __init__(self, spec: DiskSpec, host_fraction: float, pin: bool, shards: Shards | None = None,
+    def __init__(self, spec: NVMeOffloadConfig, host_fraction: float, pin: bool, shards: Shards | None = None,
                  overlap_step: bool = False, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
@@ -125,14 +108,14 @@ class NVMePlacement(HostPlacement):
 
     def clean_stale(self) -> None:
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
-        if self._cleaned or self.spec.path is None:
+        if self._cleaned or self.spec.nvme_path is None:
             return
         from framework.offload._swapfile import remove_stale
 
         self._cleaned = True
-        count, freed = remove_stale(self.spec.path)
+        count, freed = remove_stale(self.spec.nvme_path)
         if count:
-            print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.path}, "
+            print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
                   f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
@@ -142,8 +125,10 @@ class NVMePlacement(HostPlacement):
             return
         self.clean_stale()
         spec, size = self.spec, torch.empty((), dtype=param_dtype).element_size()
-        need = numel * ((4 if spec.optimizer else 0) + (4 if self.grad_swap else 0) + (2 * size if spec.params else 0))
-        folder = spec.path
+        params = spec.params == "nvme"
+        need = numel * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)
+                        + (2 * size if params else 0))
+        folder = spec.nvme_path
         free = shutil.disk_usage(nearest_existing(Path(folder or tempfile.gettempdir()))).free
         if need > free:
             raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
@@ -152,7 +137,7 @@ class NVMePlacement(HostPlacement):
                               f"or use more ranks")
         tile = min(spec.sub_group_size, numel)
         pools = spec.buffer_count * tile * (4 + (4 if self.grad_swap else 0))
-        if spec.params:
+        if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
         self.check_ram(pools, "at least")
 
@@ -164,10 +149,10 @@ class NVMePlacement(HostPlacement):
                               f"offload.sub_group_size, offload.param_buffer_count or offload.max_in_cpu")
 
     def folder(self) -> str:
-        if self.spec.path is not None:
-            if self._made is None and not Path(self.spec.path).exists():
-                self._made = self.spec.path   # made by pre-flight (the run directory's nvme/): removed at close
-            return self.spec.path
+        if self.spec.nvme_path is not None:
+            if self._made is None and not Path(self.spec.nvme_path).exists():
+                self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
+            return self.spec.nvme_path
         if self._tmpdir is None:   # library use without a run directory: a private folder
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
         return self._tmpdir
@@ -178,7 +163,7 @@ class NVMePlacement(HostPlacement):
 
         rank = self.dist.rank if self.dist is not None else 0
         path = swap_path(self.folder(), rank, kind)
-        store.open(path, AsyncIO(self.spec.block_size, self.spec.queue_depth, self.spec.intra_op_parallelism),
+        store.open(path, AsyncIO(self.spec.aio.block_size, self.spec.aio.queue_depth, self.spec.aio.intra_op_parallelism),
                    rank, self.dist.world if self.dist is not None else 1)
         slot, _, total, _ = store.layout()
         what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
@@ -260,8 +245,8 @@ class DiskPlacement(NVMePlacement):
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
         spec = self.spec
-        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count, read_ahead=spec.read_ahead,
-                                           write_behind=spec.write_behind, name="optimizer")
+        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count, read_ahead=spec.pipeline_read,
+                                           write_behind=spec.pipeline_write, name="optimizer")
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
                     chunk: int | None) -> list[tuple[Tier, Piece]]:
@@ -426,7 +411,7 @@ class DiskShards(HostShards):
     """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
     (read ahead in gather order) or the step copies back into them."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: NVMeOffloadConfig):
         super().__init__()
         self.spec = spec
         self.keys: dict[int, int] = {}                   # id(shard) -> its key in the store
