@@ -163,8 +163,9 @@ class NVMePlacement(HostPlacement):
 
         rank = self.dist.rank if self.dist is not None else 0
         path = swap_path(self.folder(), rank, kind)
-        store.open(path, AsyncIO(self.spec.aio.block_size, self.spec.aio.queue_depth, self.spec.aio.intra_op_parallelism),
-                   rank, self.dist.world if self.dist is not None else 1)
+        aio = self.spec.aio
+        store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
+                   self.dist.world if self.dist is not None else 1)
         slot, _, total, _ = store.layout()
         what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
         print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
@@ -239,14 +240,14 @@ class DiskPlacement(NVMePlacement):
 
     def __init__(self, *args, **kwargs):
         self.gradswap: GradSwap | None = None   # (``swap_grads``) owned gradients in the swap file
-        self._initial: dict[int, tuple] = {}    # disk piece -> (partition, lo, hi) of its working values (setup)
         super().__init__(*args, **kwargs)
 
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
         spec = self.spec
-        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count, read_ahead=spec.pipeline_read,
-                                           write_behind=spec.pipeline_write, name="optimizer")
+        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count,
+                                           read_ahead=spec.pipeline_read, write_behind=spec.pipeline_write,
+                                           name="optimizer")
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
                     chunk: int | None) -> list[tuple[Tier, Piece]]:
@@ -262,7 +263,6 @@ class DiskPlacement(NVMePlacement):
             else:
                 grad = host.allocate(b - a, master_dtype)
                 grad.zero_()
-            self._initial[len(self.infos) + len(pieces)] = (own, a, b)
             staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
             pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
         return pieces
@@ -325,7 +325,8 @@ class DiskPlacement(NVMePlacement):
         try:
             for info in disk:   # initial values: the working values and a fresh state, written out
                 def fill(info=info):
-                    self.acc.copy(info.piece.master, self.shards.initial_values(*self._initial[info.index]))   # blocking: setup
+                    values = self.shards.initial_values(info.partition, info.start, info.end)
+                    self.acc.copy(info.piece.master, values)   # blocking: setup
                     fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
                     for dst, src in zip(group_state(full, n, info.index), fresh):
                         dst.copy_(src)
@@ -335,7 +336,6 @@ class DiskPlacement(NVMePlacement):
             store.flush()
         except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
             failed = e
-        self._initial.clear()
         self.agree(failed, "writing the initial state to the swap files")
         return full
 

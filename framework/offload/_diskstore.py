@@ -14,7 +14,6 @@ import torch
 
 from framework.comm.accelerator import Accelerator, Event
 from framework.offload._aio import aligned_empty, verify_extent
-from framework.offload._store import Handle
 from framework.offload._swapfile import SwapFile, padded
 
 
@@ -128,7 +127,7 @@ class DiskStore:
         pool = aligned_empty(self.buffer_count * size, torch.uint8, pin=self.pin, acc=self.acc)
         self.slots = [_Slot(pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
 
-    def acquire(self, key: int) -> "Handle":
+    def acquire(self, key: int) -> int:
         with self.cond:
             while (slot := self.where.get(key)) is not None and slot.state == "draining":
                 self.cond.wait()   # its writes are being waited for by another thread; then it is free
@@ -149,13 +148,13 @@ class DiskStore:
                     free = self._free_slot(block=False)
                     if free is not None:
                         self._read(nxt, free)
-        return Handle(key, None)
+        return key
 
-    def wait(self, handle: "Handle", host_writes: bool = True) -> None:
+    def wait(self, key: int, host_writes: bool = True) -> None:
         """``host_writes=False``: the host only reads the piece (zero3 loads a shard from it), so copies
         still reading it from an earlier use need not be waited for."""
         with self.cond:
-            slot = self.where[handle.key]
+            slot = self.where[key]
             pending, slot.io = slot.io, []
         try:
             self._wait_io(pending)   # its reads (or, taken back, its writes)
@@ -170,13 +169,13 @@ class DiskStore:
             slot.state = "resident"
             self.clock += 1
             slot.stamp = self.clock
-            self._point(handle.key, slot)
+            self._point(key, slot)
 
-    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
+    def release(self, key: int, readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
         """``dirty=False``: the host only read the piece; it stays resident (clean) until its slot is
         needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
-            slot = self.where.get(handle.key)
+            slot = self.where.get(key)
             if slot is None:
                 return
             if slot.state == "failed":
@@ -191,10 +190,10 @@ class DiskStore:
                 slot.state = "clean"
                 self.cond.notify_all()
                 return
-            e = self.entries[handle.key]
+            e = self.entries[key]
             slot.state = "writing"
             bufs = [self._view(slot, e, j) for j in range(len(e.swapped) - (0 if readonly_too else e.readonly))]
-            slot.io = [self._extent_io(self.io.pwrite, handle.key, j, b) for j, b in enumerate(bufs)]
+            slot.io = [self._extent_io(self.io.pwrite, key, j, b) for j, b in enumerate(bufs)]
             self.bytes_written += sum(b.numel() for b in bufs)
             self.writing.append(slot)
             self.cond.notify_all()
@@ -255,7 +254,7 @@ class DiskStore:
             self.where[key] = slot
             self._point(key, slot)
         fill()
-        self.release(Handle(key, None), None, readonly_too=True)
+        self.release(key, None, readonly_too=True)
 
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from framework import ops
 from framework.comm.accelerator import Event
-from framework.offload._store import Handle, Tier
+from framework.offload._store import Tier
 from framework.optimizers import GradientTransformation, group_state, step_groups
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
@@ -63,7 +63,7 @@ class PiecePipeline:
         # The device range each speculated piece's gradient was copied from (valid until the stage
         # zeroes its gradients after the step): copied again only if the speculation is rolled back.
         self.sources: dict[int, Tensor] = {}
-        self.handles: dict[int, Handle] = {}      # pieces acquired from their store this step
+        self.handles: set[int] = set()            # pieces acquired from their store this step
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
         self.jobs: dict[int, Future] = {}
@@ -125,9 +125,10 @@ class PiecePipeline:
         return out
 
     def _acquire(self, k: int) -> None:
+        store = self.target.stores[self.info[k].tier]
         if k not in self.handles:
-            self.handles[k] = self.target.stores[self.info[k].tier].acquire(k)
-        self.target.stores[self.info[k].tier].wait(self.handles[k])
+            self.handles.add(store.acquire(k))
+        store.wait(k)
 
     def _speculate(self, k: int) -> Any:
         opt_state, params, lr, scale = self.ctx
@@ -175,7 +176,7 @@ class PiecePipeline:
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
-        self.target.read_errors()   # zero3 shards on disk: a failed read stops every rank here
+        self.target.shards.read_errors()   # zero3 shards on disk: a failed read stops every rank here
         self.early_copies += len(self.grad_copies)
 
     def _settle(self, exact: bool) -> tuple[set[int], Any]:
@@ -215,9 +216,9 @@ class PiecePipeline:
         self.speculate = False
 
     def _release_all(self) -> None:
-        for k, h in self.handles.items():
-            self.target.stores[self.info[k].tier].release(h, None)
-        self.handles = {}
+        for k in self.handles:
+            self.target.stores[self.info[k].tier].release(k, None)
+        self.handles = set()
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
@@ -268,7 +269,8 @@ class PiecePipeline:
         if ev is not None:
             copies.append(ev)
         if k in self.handles:
-            self.target.stores[self.info[k].tier].release(self.handles.pop(k), ev)
+            self.handles.remove(k)
+            self.target.stores[self.info[k].tier].release(k, ev)
 
     def memory(self, fp: Footprint) -> None:
         fp.add("overlap_undo", host=tensor_bytes(t for ts in self.undo.values() for t in ts))

@@ -115,7 +115,7 @@ class Shards:
         """Every copy back of the step was queued."""
 
     def read_errors(self) -> None:
-        pass
+        """Every rank raises if some rank's shard read failed (after backward, every step)."""
 
     def swap_out(self) -> None:
         """End of setup: the shards go to their swap file, if they have one."""
@@ -356,10 +356,6 @@ class Placement:
         for p in pieces:
             if p.master.data_ptr() != shard[p.start:].data_ptr():
                 self.acc.copy(p.master, values[p.start:p.end])
-
-    def read_errors(self) -> None:
-        """Every rank raises if some rank's zero3 shard read failed (after backward, every step)."""
-        self.shards.read_errors()
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""

@@ -9,7 +9,6 @@ import torch
 from framework.comm.accelerator import for_device
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore
-from framework.offload._store import Handle
 
 SIZES = [1, 1023, 4097, 3000, 17]
 
@@ -81,7 +80,7 @@ def test_learned_order_reads_ahead(tmp_path):
 
 def test_handle_for_a_released_piece_is_ignored(tmp_path):
     store, _, _ = _store(tmp_path, 1, False, False)
-    store.release(Handle(2, None), None)   # never acquired: nothing happens
+    store.release(2, None)   # never acquired: nothing happens
     store.close()
 
 
