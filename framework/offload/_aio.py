@@ -8,21 +8,19 @@
     io.close()
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
-threads move the pieces with ``os.preadv`` / ``os.pwritev``, which release the GIL (a synchronous
-call per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory
-not aligned like its file offset go through a per-thread bounce buffer; where the file system
-refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO. A short count, an OS error or
-a checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
+threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL). With O_DIRECT,
+partial 4 KiB blocks and memory not aligned like its file offset go through a per-thread bounce
+buffer; where the file system refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO.
+A short count, an OS error or a checksum mismatch fails the request with a ``SwapIOError`` naming
+the file, offset and tensor. Measured within a few percent of fio with O_DIRECT and libaio
+(``python -m bench.nvme_io``, BENCHMARKS.md).
 
 Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
 ``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
-confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves,
-which is not how disks fail. ``crc32``: stronger, slower; ``none``: off. Measured within a few
-percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``, BENCHMARKS.md).
-
-``verify_extent`` / ``verify_map`` check a mapped swap file against these checksums before a
-checkpoint takes it: a byte without one is an error, not a pass (only ``checksum="none"`` records
-none and is not checked). A checkpoint checks again after reading the pages.
+confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves
+(not how disks fail). ``crc32``: stronger, slower; ``none``: off. ``verify_extent`` / ``verify_map``
+check a mapped swap file against them before a checkpoint takes it: a byte without one is an error
+(only ``checksum="none"`` records none and is not checked).
 """
 from __future__ import annotations
 
