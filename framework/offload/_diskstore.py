@@ -7,6 +7,7 @@ import hashlib
 import threading
 import time
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -46,7 +47,6 @@ class _Entry:
     # gradient: written by ``write_extent`` during backward, read with the piece by the step).
     readonly: int = 0
     offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
-    footprint: int = 0
 
 
 @dataclass(eq=False)   # slots are compared by identity (``writing.remove``)
@@ -96,14 +96,12 @@ class DiskStore:
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
         keep their memory and values until ``create`` writes them out)."""
-        e = _Entry(list(swapped), list(scratch), readonly)
-        for t in (*e.swapped, *e.scratch):
-            e.offsets.append(e.footprint)
-            e.footprint += padded(_nbytes(t))
-        self.entries[key] = e
+        tensors = (*swapped, *scratch)
+        offsets = list(accumulate((padded(_nbytes(t)) for t in tensors), initial=0))[:-1]
+        self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
         self.order.append(key)
         if park:
-            for t in (*e.swapped, *e.scratch):
+            for t in tensors:
                 self._park(t)
 
     def extents(self) -> dict[str, int]:
