@@ -115,7 +115,7 @@ class Prediction(Footprint):
     transient: dict[str, int] = field(default_factory=dict)          # fwd/bwd-phase peaks (device)
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
-    # Host allocator slack. offload=nvme sets glibc's mmap threshold to 1 MiB (offload/_swap.py): every
+    # Host allocator slack. offload=nvme sets glibc's mmap threshold to 1 MiB (offload/_disk.py): every
     # block of 1 MiB or more is a mapping of its own, returned when freed, so the large transients leave
     # nothing behind (measured on the capacity runs: BENCHMARKS.md, "Capacity").
     host_slack_fraction: float = SLACK_FRACTION
@@ -171,14 +171,14 @@ def _opt_bytes_per_element(cfg) -> list[int]:
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
 
 
-def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int]]], buffer_count: int,
-                pool: str, file: str, bounce: int = 0) -> None:
-    """A swap file and its host pool, sized as ``offload``'s disk store sizes them (``pool_layout``),
-    plus the bounce buffer of the swapped gradients."""
+def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int], int]], buffer_count: int,
+                pool: str, file: str) -> None:
+    """A swap file and its host pool (with the bounce buffer of the swapped gradients), sized as
+    ``offload``'s disk store sizes them (``pool_layout``)."""
     from framework.offload import pool_layout
 
     if entries:
-        slot, slots, nbytes = pool_layout(entries, buffer_count)
+        slot, slots, nbytes, bounce = pool_layout(entries, buffer_count)
         pred.add(pool, host=slots * slot + bounce)
         pred.add_disk(file, nbytes)
 
@@ -230,8 +230,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
     # share, zero3 one piece per unit group (offload.base.Placement.place).
     chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
-    tiles: list[tuple[list[int], list[int]]] = []   # the optimizer swap file's entries
-    tile_grads = []                                 # swapped gradients' bytes (read through the bounce)
+    tiles: list[tuple[list[int], list[int], int]] = []   # the optimizer swap file's entries
 
     def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
         """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
@@ -247,8 +246,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             for a in range(0, hostn, step):
                 t = min(step, hostn - a)
                 grad = [acc * t] if swap_grads else []
-                tiles.append(([4 * t, *(b * t for b in state_bytes), *grad], [w * t] if master_sep else []))
-                tile_grads.extend(grad)
+                swapped = [4 * t, *(b * t for b in state_bytes), *grad]
+                tiles.append((swapped, [w * t] if master_sep else [], len(grad)))
             if not swap_grads:
                 pred.add("host_grad_buffers", host=4 * hostn)
             pred.add("optimizer_state", device=K * devn)
@@ -319,10 +318,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     if tiles:
-        from framework.offload import padded
-
-        _swap_store(pred, tiles, cfg.offload.buffer_count, "nvme_optimizer_pool", "optimizer",
-                    bounce=max(map(padded, tile_grads), default=0))
+        _swap_store(pred, tiles, cfg.offload.buffer_count, "nvme_optimizer_pool", "optimizer")
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
@@ -388,7 +384,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         pred.items.pop("params")
         # slots as large as the largest shard, no more of them than max_in_cpu allows
         largest = max(shards, default=0)
-        _swap_store(pred, [([w * n], []) for n in shards], min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
+        _swap_store(pred, [([w * n], [], 0) for n in shards], min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
                     "nvme_param_pool", "params")
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live

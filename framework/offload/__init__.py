@@ -1,7 +1,6 @@
 """Offload targets (conf/offload): none, cpu, nvme."""
 from framework.offload._diskstore import pool_layout
 from framework.offload._pipeline import PiecePipeline
-from framework.offload._swapfile import padded
-from framework.offload._verified import verify_map
+from framework.offload._aio import verify_map
 
-__all__ = ["PiecePipeline", "padded", "pool_layout", "verify_map"]
+__all__ = ["PiecePipeline", "pool_layout", "verify_map"]

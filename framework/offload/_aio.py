@@ -8,17 +8,19 @@
     io.close()
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
-threads move the pieces with ``os.preadv`` / ``os.pwritev``, which release the GIL (a synchronous
-call per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory
-not aligned like its file offset go through a per-thread bounce buffer; where the file system
-refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO. A short count, an OS error or
-a checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
+threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL). With O_DIRECT,
+partial 4 KiB blocks and memory not aligned like its file offset go through a per-thread bounce
+buffer; where the file system refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO.
+A short count, an OS error or a checksum mismatch fails the request with a ``SwapIOError`` naming
+the file, offset and tensor. Measured within a few percent of fio with O_DIRECT and libaio
+(``python -m bench.nvme_io``, BENCHMARKS.md).
 
 Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
 ``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
-confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves,
-which is not how disks fail. ``crc32``: stronger, slower; ``none``: off. Measured within a few
-percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``, BENCHMARKS.md).
+confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves
+(not how disks fail). ``crc32``: stronger, slower; ``none``: off. ``verify_extent`` / ``verify_map``
+check a mapped swap file against them before a checkpoint takes it: a byte without one is an error
+(only ``checksum="none"`` records none and is not checked).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ import torch
 
 from framework.core.errors import SwapIOError
 from framework.core.units import MiB
-from framework.offload._swapfile import ALIGN, SwapFile
+from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 
@@ -47,27 +49,16 @@ class DirectIOFallback(RuntimeWarning):
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
-    """An uninitialised host tensor of ``numel`` elements starting on a 4 KiB boundary (2 MiB from
-    2 MiB on, advised onto transparent huge pages: O_DIRECT reads measured 1.3 -> 2.1 GB/s here).
-    Its memory is allocated as ``host_arena``'s; pages are committed when first written."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = int(numel) * itemsize
+    """An uninitialised host tensor of ``numel`` elements in a ``host_arena``, starting on a 4 KiB
+    boundary (2 MiB from 2 MiB on, advised onto transparent huge pages: O_DIRECT reads measured
+    1.3 -> 2.1 GB/s here); pages are committed when first written."""
+    nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
-    if acc.device.type == "cuda":
-        raw = _mapped(nbytes + align, pin)
-    else:
-        # allocated in ``dtype`` and sliced (a plain view keeps ``raw`` as its base, which is how
-        # the checking accelerator recognises it); torch's host allocations are 64-byte aligned,
-        # so the shift to the boundary is a whole number of elements
-        raw = acc.empty_host(int(numel) + align // itemsize, dtype, pinned=pin)
-    shift = (-raw.data_ptr()) % align
-    if shift % itemsize:
-        raise RuntimeError(f"host buffer at {raw.data_ptr():#x} is not {itemsize}-byte aligned")
+    raw = host_arena(nbytes + align, pin=pin, acc=acc)
+    shift = (-raw.data_ptr()) % align   # (host allocations are 64-byte aligned: whole elements)
     if align == HUGE:
         _advise_huge(raw.data_ptr() + shift, nbytes)
-    if raw.dtype == torch.uint8 and dtype != torch.uint8:
-        return raw[shift:shift + nbytes].view(dtype)
-    return raw[shift // itemsize:shift // itemsize + int(numel)]
+    return raw[shift:shift + nbytes].view(dtype)
 
 
 def host_arena(nbytes: int, *, pin: bool, acc) -> torch.Tensor:
@@ -354,3 +345,44 @@ class AsyncIO:
             self._warned = True
         warnings.warn(f"{file.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
                       "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=2)
+
+def verify_extent(fmap, name: str, what: str = "") -> None:
+    """Check extent ``name`` of ``fmap`` piece by piece; SwapIOError naming the file, offset and tensor."""
+    file = fmap.file
+    extent = file.extents[name]
+    lo, hi = extent.offset, extent.offset + padded(extent.nbytes)
+    if hi == lo:
+        return
+    pieces = file.checksums(name)
+    if not pieces and not any(file.checksums(n) for n in file.extents):
+        return   # an engine built with checksum="none" records none anywhere: nothing to verify against
+    memory = memoryview(fmap.padded(name).numpy())
+    label = what or f"extent {name!r}"
+    pos = lo
+    for offset, nbytes, value, kind in pieces:
+        if offset != pos:
+            break
+        fn = CHECKSUMS.get(kind)
+        if fn is None:
+            raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
+        if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
+            raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
+                         "the swap file was changed or the disk returned bad data")
+        pos = offset + nbytes
+    if pos != hi:
+        raise _mismatch(file, pos, hi - pos, label, "no checksum recorded",
+                     "these bytes were not written by the IO engine and cannot be verified")
+    fmap.release(name=name)   # checked: its pages leave this process (the pass stays bounded)
+
+
+def verify_map(fmap, what: str = "") -> None:
+    """``verify_extent`` for every extent of the mapped file (nothing without a map)."""
+    if fmap is None:
+        return
+    for name in fmap.file.extents:
+        verify_extent(fmap, name, f"extent {name!r}{f' ({what})' if what else ''}")
+
+
+def _mismatch(file, offset: int, nbytes: int, what: str, reason: str, why: str) -> SwapIOError:
+    return SwapIOError(f"swap file {file.path}: {reason} at offset {offset} ({nbytes} bytes, {what}): {why}",
+                       path=str(file.path), offset=offset, what=what, errno=None)

@@ -1,26 +1,237 @@
-"""offload=nvme's disk tier: optimizer tiles (``DiskPlacement``) and zero3 parameter shards
-(``DiskShards``) in swap files, made resident in pools of pinned host buffers by a ``DiskStore``.
+"""offload=nvme's placements and what they share: the swap folder, the pre-flight agreed by every
+rank, opening swap files, agreeing on swap IO errors across ranks, and removing the files.
 
-The pipeline acquires a tile (read into a slot), steps it and releases it (written back). zero3's
-shards are spilled as construction fills them and swapped out at the end of setup.
+``NVMePlacement`` alone is ``optimizer: cpu`` (host pieces); ``DiskPlacement`` keeps optimizer
+tiles in a swap file and ``DiskShards`` zero3's parameter shards, each made resident in a pool of
+pinned host buffers by a ``DiskStore``. The pipeline acquires a tile (read into a slot), steps it
+and releases it (written back); zero3's shards are spilled as construction fills them and swapped
+out at the end of setup.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
 from framework.comm.accelerator import Accelerator, Event
-from framework.core.errors import ConfigError, SwapIOError
+from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
+from framework.core.room import Claim, nearest_existing, shortfalls
+from framework.core.units import GiB, MiB
 from framework.core.utils import tensor_bytes
-from framework.offload._diskstore import DiskStore, pool_layout
+from framework.offload._diskstore import DiskStore
 from framework.offload._gradswap import GradSwap, Spill, read_into
-from framework.offload._room import agree_swap_room
 from framework.offload._store import Tier
-from framework.offload._swap import NVMePlacement, parked
-from framework.offload.base import Piece, PieceInfo
-from framework.offload.cpu import HostShards
+from framework.offload._swapfile import reserved_bytes, swap_path
+from framework.offload.base import Piece, PieceInfo, Shards
+from framework.offload.cpu import HostPlacement, HostShards
+
+if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
+    from framework.offload.nvme import NVMeOffloadConfig
+
+
+def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> None:
+    """``check()`` on this rank, then with every rank of ``dist`` the room the swap files of ``stores``
+    (kind -> ``DiskStore`` or None) still need, summed per file system: every rank raises the same
+    one-line ConfigError, so none dies alone while the others wait for it."""
+    rank = dist.rank if dist is not None else 0
+    error, claim = None, None
+    try:
+        need = sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
+                   for kind, store in stores.items() if store is not None)
+        claim = Claim.of(folder, need, rank)
+        check()
+    except (FrameworkError, OSError) as e:
+        error = f"rank {rank}: {e}"
+        mine = e
+    if dist is not None and dist.world > 1:
+        everyone = dist.all_gather_object((claim, error), what="nvme pre-flight")
+    else:
+        everyone = [(claim, error)]
+    shorts = shortfalls([c for c, _ in everyone if c is not None])
+    if shorts:
+        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files')}; free space or point "
+                          "offload.nvme_path at a larger disk (each rank of a host needs its own files there)")
+    if error is not None:
+        raise mine
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise ConfigError(f"nvme pre-flight failed on another rank ({errors[0]}); this rank stops too")
+
+
+def _allocated(path) -> int:
+    """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
+    try:
+        return os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return 0
+
+
+class NVMePlacement(HostPlacement):
+    """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
+
+    def __init__(self, spec: NVMeOffloadConfig, host_fraction: float, pin: bool, shards: Shards | None = None,
+                 overlap_step: bool = False, accelerator: Accelerator | None = None):
+        self.spec = spec
+        self._cleaned = False             # stale swap files looked for (``clean_stale``)
+        self._tmpdir: str | None = None
+        self._made: str | None = None     # the swap folder, when this run made it
+        super().__init__(host_fraction, pin, shards, overlap_step, accelerator)
+
+    def bind(self, acc: Accelerator) -> None:
+        _return_freed_memory()
+        super().bind(acc)
+
+    def swaps(self) -> bool:
+        return True
+
+    def swap_stores(self) -> dict:
+        return {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
+
+    def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
+        """With every swap file made and written (before the first step)."""
+        try:
+            return self._init_state(tx, params)
+        except BaseException:
+            self.close()   # no swap file outlives a failed start
+            raise
+
+    def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
+        full = tx.init(list(params))
+        self.clean_stale()
+        self.shards.swap_out()
+        return full
+
+    def clean_stale(self) -> None:
+        """Before the pre-flight counts free space: remove swap files that dead processes left."""
+        if self._cleaned or self.spec.nvme_path is None:
+            return
+        from framework.offload._swapfile import remove_stale
+
+        self._cleaned = True
+        count, freed = remove_stale(self.spec.nvme_path)
+        if count:
+            print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
+                  f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
+
+    def expect(self, numel: int, param_dtype: torch.dtype) -> None:
+        """One line if the disk cannot hold even the least every optimizer needs, or host memory the
+        pools; the exact checks follow at ``init_opt_state``."""
+        if not numel:
+            return
+        self.clean_stale()
+        spec, size = self.spec, torch.empty((), dtype=param_dtype).element_size()
+        params = spec.params == "nvme"
+        need = numel * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)
+                        + (2 * size if params else 0))
+        folder = spec.nvme_path
+        free = shutil.disk_usage(nearest_existing(Path(folder or tempfile.gettempdir()))).free
+        if need > free:
+            raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
+                              f"{need / GiB:.2f} GiB ({need} bytes) of swap but its file system has "
+                              f"{free / GiB:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
+                              f"or use more ranks")
+        tile = min(spec.sub_group_size, numel)
+        pools = spec.buffer_count * tile * (4 + (4 if self.grad_swap else 0))
+        if params:
+            pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
+        self.check_ram(pools, "at least")
+
+    def check_ram(self, pools: int, bound: str) -> None:
+        available = _available_ram()
+        if available is not None and pools > available:
+            raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / GiB:.2f} GiB ({pools} bytes) of "
+                              f"host memory but {available / GiB:.2f} GiB is available; lower offload.buffer_count, "
+                              f"offload.sub_group_size, offload.param_buffer_count or offload.max_in_cpu")
+
+    def folder(self) -> str:
+        if self.spec.nvme_path is not None:
+            if self._made is None and not Path(self.spec.nvme_path).exists():
+                self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
+            return self.spec.nvme_path
+        if self._tmpdir is None:   # library use without a run directory: a private folder
+            self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
+        return self._tmpdir
+
+    def open_swap(self, store: DiskStore, kind: str) -> None:
+        """After the pre-flight: ``store``'s swap file, IO engine and pool."""
+        from framework.offload._aio import AsyncIO
+
+        rank = self.dist.rank if self.dist is not None else 0
+        path = swap_path(self.folder(), rank, kind)
+        aio = self.spec.aio
+        store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
+                   self.dist.world if self.dist is not None else 1)
+        slot, _, total, _ = store.layout()
+        what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
+        print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
+              f"host pool {store.buffer_count} x {slot} bytes", flush=True)
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
+        if self.dist is None or self.dist.world == 1:
+            if error is not None:
+                raise error
+            return
+        flag = torch.full((1,), 0.0 if error is None else 1.0, device=self.dist.device)   # no pageable copy
+        self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
+        if flag.item() == 0.0:   # host sync: once a step with swap files, every rank must agree
+            return
+        if error is not None:
+            raise error
+        raise SwapIOError(f"another rank failed while {what} (its error names the file, offset and tensor); "
+                          f"this rank stops too")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self._tmpdir is not None:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
+            if self._made is not None:
+                try:
+                    Path(self._made).rmdir()   # only if empty: never what another run keeps there
+                except OSError:
+                    pass
+                self._made = None
+
+
+def _return_freed_memory() -> None:
+    """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
+    default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
+    except (OSError, AttributeError):
+        pass
+
+
+def _available_ram() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024   # host sync: no (text of /proc/meminfo)
+    except OSError:
+        return None
+    return None
+
+
+def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
+    return torch.empty(0, dtype=dtype, device="cpu").set_(
+        torch.zeros(1, dtype=dtype, device="cpu").untyped_storage(), 0, (numel,), (0,))
 
 
 class DiskPlacement(NVMePlacement):
@@ -29,14 +240,14 @@ class DiskPlacement(NVMePlacement):
 
     def __init__(self, *args, **kwargs):
         self.gradswap: GradSwap | None = None   # (``swap_grads``) owned gradients in the swap file
-        self._initial: dict[int, tuple] = {}    # disk piece -> (partition, lo, hi) of its working values (setup)
         super().__init__(*args, **kwargs)
 
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
         spec = self.spec
-        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count, read_ahead=spec.read_ahead,
-                                           write_behind=spec.write_behind, name="optimizer")
+        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count,
+                                           read_ahead=spec.pipeline_read, write_behind=spec.pipeline_write,
+                                           name="optimizer")
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
                     chunk: int | None) -> list[tuple[Tier, Piece]]:
@@ -52,7 +263,6 @@ class DiskPlacement(NVMePlacement):
             else:
                 grad = host.allocate(b - a, master_dtype)
                 grad.zero_()
-            self._initial[len(self.infos) + len(pieces)] = (own, a, b)
             staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
             pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
         return pieces
@@ -107,14 +317,16 @@ class DiskPlacement(NVMePlacement):
             store.add(info.index, [info.piece.master, *group_state(state, n, info.index), *grad],
                       [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
-        self.open_swap(store, "optim", lambda: self._preflight(store))
+        agree_swap_room(self.dist, self.folder(), self.swap_stores(), lambda: self._preflight(store))
+        self.open_swap(store, "optim")
         if self.gradswap is not None:
             self.gradswap.bind(store, disk, self.acc)
         failed = None
         try:
             for info in disk:   # initial values: the working values and a fresh state, written out
                 def fill(info=info):
-                    self.acc.copy(info.piece.master, self.shards.initial_values(*self._initial[info.index]))   # blocking: setup
+                    values = self.shards.initial_values(info.partition, info.start, info.end)
+                    self.acc.copy(info.piece.master, values)   # blocking: setup
                     fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
                     for dst, src in zip(group_state(full, n, info.index), fresh):
                         dst.copy_(src)
@@ -124,24 +336,21 @@ class DiskPlacement(NVMePlacement):
             store.flush()
         except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
             failed = e
-        self._initial.clear()
         self.agree(failed, "writing the initial state to the swap files")
         return full
 
     def _preflight(self, store: DiskStore) -> None:
-        """Room on the disk, a writable folder, buffers that hold the largest tile: one line otherwise."""
+        """Room on the disk, a writable folder and host memory for the pool: one line otherwise."""
         from framework.offload._swapfile import preflight
 
-        total, slot = sum(store.extents().values()), store.slot_bytes()
-        preflight(self.folder(), total, slot, slot, self.spec.buffer_count, min_buffer_count=self.spec.buffer_count,
-                  create=True)
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
-        store.buffer_count = pool_layout(store.sizes(), self.spec.buffer_count)[1]
-        self.check_ram(store.buffer_count * slot + store.bounce_bytes(), "")
+        slot, store.buffer_count, total, bounce = store.layout(self.spec.buffer_count)
+        preflight(self.folder(), total, 0, 0, 1, create=True)   # (no buffer check: a slot holds any tile)
+        self.check_ram(store.buffer_count * slot + bounce, "")
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
-        store_memory(fp, self.stores[Tier.DISK], "nvme_optimizer_pool", "optimizer")
+        self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
 
     def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
         if info.tier is not Tier.DISK:
@@ -202,7 +411,7 @@ class DiskShards(HostShards):
     """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
     (read ahead in gather order) or the step copies back into them."""
 
-    def __init__(self, spec):
+    def __init__(self, spec: NVMeOffloadConfig):
         super().__init__()
         self.spec = spec
         self.keys: dict[int, int] = {}                   # id(shard) -> its key in the store
@@ -242,18 +451,16 @@ class DiskShards(HostShards):
         shard.set_(parked(shard.numel(), shard.dtype).untyped_storage(), 0, shard.shape, (0,))
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """From the parameter swap file once the shard is there, else from the spill, else ``own`` itself."""
+        """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
         key = self.keys.get(id(own))
-        if key is not None and self.swapped:   # setup: the bytes were just written through this file
-            file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")   # read from the file on the host
-            short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
-            if short is not None:
-                raise SwapIOError(f"swap file {file.path}: short read at {short}", path=str(file.path),
-                                  offset=short, what="initial master values", errno=None)
-            return out
-        if self.spill is not None and self.spill.has(own):
-            return self.spill.read(own, lo, hi)
-        return own[lo:hi]
+        if key is None or not self.swapped:
+            return own[lo:hi]
+        file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")
+        short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
+        if short is not None:
+            raise SwapIOError(f"swap file {file.path}: short read at {short}", path=str(file.path),
+                              offset=short, what="initial master values", errno=None)
+        return out
 
     def swap_out(self) -> None:
         """Before the optimizer's file: the spill is consumed and closed first (never both on disk),
@@ -262,8 +469,7 @@ class DiskShards(HostShards):
         agree_swap_room(p.dist, p.folder(), p.swap_stores(), self._preflight)
         failed = None
         try:
-            # (with an optimizer file to follow, the ranks agree on both when it is opened)
-            p.open_swap(store, "params", self._preflight, collective=Tier.DISK not in p.stores)
+            p.open_swap(store, "params")
             for key in list(store.order):
                 store.create(key, self._filler(store.entries[key].swapped[0]))
             store.flush()
@@ -290,12 +496,13 @@ class DiskShards(HostShards):
         store, spec = self.store, self.spec
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())
-        preflight(self.p.folder(), sum(store.extents().values()), largest * size, spec.param_buffer_size * size,
-                  spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
-                  count_key="offload.param_buffer_count", create=True)
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
-        store.buffer_count = pool_layout(store.sizes(), min(spec.param_buffer_count, spec.max_in_cpu // largest))[1]
+        _, slots, total, _ = store.layout(min(spec.param_buffer_count, spec.max_in_cpu // largest))
+        preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
+                  spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
+                  count_key="offload.param_buffer_count", create=True)
+        store.buffer_count = slots
         if store.buffer_count == 1 < len(store.entries):
             # A slot is reused only once its last copy to the device has finished (polled, see
             # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.
@@ -308,7 +515,7 @@ class DiskShards(HostShards):
                               f"offload.max_in_cpu >= {largest}")
 
     def memory(self, fp: Footprint, shards) -> None:
-        store_memory(fp, self.store, "nvme_param_pool", "params")
+        self.store.memory(fp, "nvme_param_pool", "params")
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
         if not self.swapped:
@@ -373,9 +580,3 @@ class DiskShards(HostShards):
             self.held = None
         self.store.close()
 
-
-def store_memory(fp: Footprint, store: DiskStore, pool: str, file: str) -> None:
-    """A disk store's pool (host memory: its slots and bounce buffer) and its swap file."""
-    m = store.memory()
-    fp.add(pool, host=m["pool"])
-    fp.add_disk(file, m["file"])

@@ -3,31 +3,35 @@ pieces are read into before the host uses them and written back from after (the 
 ``_store.py``: acquire, wait, release, flush)."""
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import deque
+from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from framework.comm.accelerator import Accelerator, Event
-from framework.offload._store import Handle
-from framework.offload._swapfile import padded
-from framework.offload._verified import verify_extent
+from framework.offload._aio import aligned_empty, verify_extent
+from framework.offload._swapfile import SwapFile, padded
 
 
-def _padded_bytes(t: torch.Tensor) -> int:
-    return padded(t.numel() * t.element_size())
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
-def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int]]], buffer_count: int) -> tuple[int, int, int]:
-    """(slot bytes, slots, file bytes) of a store holding ``entries``, each the byte sizes of its
-    swapped and scratch tensors: every tensor padded to the file's block, a slot as large as the
-    largest entry, never more slots than entries; only swapped tensors are in the file. The store
-    and the estimator (``framework.memory``) both size pools with it."""
-    slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch in entries), default=0)
-    return slot, min(buffer_count, len(entries)), sum(padded(n) for swapped, _ in entries for n in swapped)
+def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
+                ) -> tuple[int, int, int, int]:
+    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``, each the byte
+    sizes of its swapped and scratch tensors and how many swapped ones (the last) are read-only:
+    every tensor padded to the file's block, a slot as large as the largest entry, never more slots
+    than entries, only swapped tensors in the file, and a bounce buffer (``write_extent``) as large
+    as the largest read-only tensor. The store and the estimator (``framework.memory``) both use it."""
+    slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
+    bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
+    return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
 
 
 @dataclass
@@ -43,7 +47,6 @@ class _Entry:
     # gradient: written by ``write_extent`` during backward, read with the piece by the step).
     readonly: int = 0
     offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
-    footprint: int = 0
 
 
 @dataclass(eq=False)   # slots are compared by identity (``writing.remove``)
@@ -93,36 +96,36 @@ class DiskStore:
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
         keep their memory and values until ``create`` writes them out)."""
-        e = _Entry(list(swapped), list(scratch), readonly)
-        for t in (*e.swapped, *e.scratch):
-            e.offsets.append(e.footprint)
-            e.footprint += _padded_bytes(t)
-        self.entries[key] = e
+        tensors = (*swapped, *scratch)
+        offsets = list(accumulate((padded(_nbytes(t)) for t in tensors), initial=0))[:-1]
+        self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
         self.order.append(key)
         if park:
-            for t in (*e.swapped, *e.scratch):
+            for t in tensors:
                 self._park(t)
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
-        return {f"{k}.{j}": _padded_bytes(t) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
+        return {f"{k}.{j}": padded(_nbytes(t)) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
 
-    def sizes(self) -> list[tuple[list[int], list[int]]]:
-        """Byte sizes of each entry's swapped and scratch tensors (``pool_layout``'s input)."""
-        return [([t.numel() * t.element_size() for t in e.swapped], [t.numel() * t.element_size() for t in e.scratch])
-                for e in self.entries.values()]
+    def layout(self, buffer_count: int | None = None) -> tuple[int, int, int, int]:
+        """``pool_layout`` of the entries, with ``buffer_count`` slots (default: this store's)."""
+        sizes = [([_nbytes(t) for t in e.swapped], [_nbytes(t) for t in e.scratch], e.readonly)
+                 for e in self.entries.values()]
+        return pool_layout(sizes, self.buffer_count if buffer_count is None else buffer_count)
 
-    def slot_bytes(self) -> int:
-        return pool_layout(self.sizes(), self.buffer_count)[0]
-
-    def open(self, file, io, pool: torch.Tensor) -> None:
-        """Start swapping: ``file`` (a ``SwapFile`` of ``extents()``), ``io`` (an ``AsyncIO``), ``pool``
-        (uint8, page-aligned, ``buffer_count * slot_bytes()`` bytes)."""
-        self.file, self.io = file, io
-        size = self.slot_bytes()
+    def open(self, path, io, rank: int = 0, world: int = 1) -> None:
+        """Start swapping: ``io`` (an ``AsyncIO``) moves the pieces between the swap file created at
+        ``path`` and a pool of ``buffer_count`` page-aligned slots (``close`` undoes a failed open)."""
+        self.io, extents = io, self.extents()
+        dtype = next(iter(self.entries.values())).swapped[0].dtype   # the extents' element type
+        layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
+        self.file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank, dtype=dtype)
+        size = self.layout()[0]
+        pool = aligned_empty(self.buffer_count * size, torch.uint8, pin=self.pin, acc=self.acc)
         self.slots = [_Slot(pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
 
-    def acquire(self, key: int) -> "Handle":
+    def acquire(self, key: int) -> int:
         with self.cond:
             while (slot := self.where.get(key)) is not None and slot.state == "draining":
                 self.cond.wait()   # its writes are being waited for by another thread; then it is free
@@ -143,13 +146,13 @@ class DiskStore:
                     free = self._free_slot(block=False)
                     if free is not None:
                         self._read(nxt, free)
-        return Handle(key, None)
+        return key
 
-    def wait(self, handle: "Handle", host_writes: bool = True) -> None:
+    def wait(self, key: int, host_writes: bool = True) -> None:
         """``host_writes=False``: the host only reads the piece (zero3 loads a shard from it), so copies
         still reading it from an earlier use need not be waited for."""
         with self.cond:
-            slot = self.where[handle.key]
+            slot = self.where[key]
             pending, slot.io = slot.io, []
         try:
             self._wait_io(pending)   # its reads (or, taken back, its writes)
@@ -164,13 +167,13 @@ class DiskStore:
             slot.state = "resident"
             self.clock += 1
             slot.stamp = self.clock
-            self._point(handle.key, slot)
+            self._point(key, slot)
 
-    def release(self, handle: "Handle", readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
+    def release(self, key: int, readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
         """``dirty=False``: the host only read the piece; it stays resident (clean) until its slot is
         needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
-            slot = self.where.get(handle.key)
+            slot = self.where.get(key)
             if slot is None:
                 return
             if slot.state == "failed":
@@ -185,10 +188,10 @@ class DiskStore:
                 slot.state = "clean"
                 self.cond.notify_all()
                 return
-            e = self.entries[handle.key]
+            e = self.entries[key]
             slot.state = "writing"
             bufs = [self._view(slot, e, j) for j in range(len(e.swapped) - (0 if readonly_too else e.readonly))]
-            slot.io = [self._extent_io(self.io.pwrite, handle.key, j, b) for j, b in enumerate(bufs)]
+            slot.io = [self._extent_io(self.io.pwrite, key, j, b) for j, b in enumerate(bufs)]
             self.bytes_written += sum(b.numel() for b in bufs)
             self.writing.append(slot)
             self.cond.notify_all()
@@ -249,7 +252,7 @@ class DiskStore:
             self.where[key] = slot
             self._point(key, slot)
         fill()
-        self.release(Handle(key, None), None, readonly_too=True)
+        self.release(key, None, readonly_too=True)
 
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
@@ -270,21 +273,14 @@ class DiskStore:
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
 
-    def bounce_bytes(self) -> int:
-        """Bytes of the bounce buffer ``write_extent`` / ``read_extent`` will use (0: none)."""
-        return max((_padded_bytes(x) for e in self.entries.values()
-                    for x in e.swapped[len(e.swapped) - e.readonly:]), default=0)
-
     def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
         """(bytes, padded bounce buffer) for piece ``key``'s tensor ``j``, which must not be in a slot."""
-        from framework.offload._aio import aligned_empty
-
         if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
             self.settle()
         t = self.entries[key].swapped[j]
-        n = t.numel() * t.element_size()
+        n = _nbytes(t)
         if self.bounce is None or self.bounce.numel() < padded(n):
-            self.bounce = aligned_empty(max(self.bounce_bytes(), padded(n)), torch.uint8, pin=False, acc=self.acc)
+            self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
         return n, self.bounce[:padded(n)]
 
     def settle(self) -> None:
@@ -338,9 +334,10 @@ class DiskStore:
                 self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
                 fmap.release(name=name)
 
-    def memory(self) -> dict[str, int]:
-        return {"pool": self.buffer_count * self.slot_bytes() + (0 if self.bounce is None else self.bounce.numel()),
-                "file": sum(self.extents().values())}
+    def memory(self, fp, pool: str, file: str) -> None:
+        """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""
+        fp.add(pool, host=self.buffer_count * self.layout()[0] + (0 if self.bounce is None else self.bounce.numel()))
+        fp.add_disk(file, sum(self.extents().values()))
 
     # --- internals (called with the condition held unless said otherwise) --------------------
 
@@ -435,12 +432,12 @@ class DiskStore:
         self.cond.notify_all()
 
     def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
-        return slot.buffer[e.offsets[j]:e.offsets[j] + _padded_bytes(e.swapped[j])]
+        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(_nbytes(e.swapped[j]))]
 
     def _point(self, key: int, slot: _Slot) -> None:
         e = self.entries[key]
         for j, t in enumerate((*e.swapped, *e.scratch)):
-            t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.numel() * t.element_size()].view(t.dtype).view(t.shape))
+            t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + _nbytes(t)].view(t.dtype).view(t.shape))
 
     def _park(self, t: torch.Tensor) -> None:
         if t.dtype not in self.parking:

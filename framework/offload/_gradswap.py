@@ -1,17 +1,13 @@
 """Owned gradients in the swap file, and construction that streams into it (zero3 + offload=nvme).
 
-* Gradients (``GradSwap``). Each optimizer tile's swap entry holds, after its master and state, its
-  range of the owned gradient partition in the accumulation dtype: read with the tile, never
-  written back by the step (``DiskStore``'s read-only tail). During backward a unit group's
-  reduction is added into a transient partition buffer (zeros on the first micro batch, else read
-  back from the extents: the same additions in the same dtype as in memory), written to the
-  extents on a thread of its own behind an event (at most two queued) and dropped. On the last
-  micro batch its squared norm is kept, stacked in partition order as ``sq_norm`` does, so
-  clipping, the overflow decision and the step are bitwise those of in-memory partitions. Host
-  memory: up to three groups' partitions and one tile's gradient bounce buffer.
-* Construction (``Spill``). A zero3 shard on disk is spilled once filled to an unlinked temporary
-  file (so it never outlives its process) and its memory released; the swap files are filled from
-  the spill range by range, so nothing model-sized is resident during construction.
+* ``GradSwap``: each optimizer tile's swap entry ends with its range of the owned gradient partition
+  (accumulation dtype; ``DiskStore``'s read-only tail, read with the tile). A unit group's reduction
+  is added into a transient partition (zeros, or read back from the extents: the same additions in
+  the same dtype as in memory), written on a thread of its own (at most two queued) and dropped; on
+  the last micro batch its squared norm is kept, so clipping and the step are bitwise those of
+  in-memory partitions. Host memory: up to three partitions and one tile's gradient bounce buffer.
+* ``Spill``: a zero3 shard on disk is spilled once filled to an unlinked temporary file (it never
+  outlives its process) and its memory released; nothing model-sized is resident during construction.
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from framework import ops
 from framework.comm.accelerator import Event
-from framework.offload._store import Handle, Tier
+from framework.offload._store import Tier
 from framework.optimizers import GradientTransformation, group_state, step_groups
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
@@ -63,7 +63,7 @@ class PiecePipeline:
         # The device range each speculated piece's gradient was copied from (valid until the stage
         # zeroes its gradients after the step): copied again only if the speculation is rolled back.
         self.sources: dict[int, Tensor] = {}
-        self.handles: dict[int, Handle] = {}      # pieces acquired from their store this step
+        self.handles: set[int] = set()            # pieces acquired from their store this step
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
         self.jobs: dict[int, Future] = {}
@@ -111,9 +111,7 @@ class PiecePipeline:
                 if info.index not in self.grad_copies:
                     ready = self.acc.event()
                     ready.record()
-                    queued = Future()
-                    queued.set_result(ready)
-                    self.grad_copies[info.index] = queued
+                    self.grad_copies[info.index] = _done(ready)
                 out.append(info.piece.grad)
                 continue
             g = parts[info.group][info.start:info.end]
@@ -121,17 +119,16 @@ class PiecePipeline:
                 if info.index not in self.grad_copies:
                     if info.index not in self.final:  # final on the current stream since backward ended
                         self.acc.use(writes=[g])
-                    queued: Future = Future()
-                    queued.set_result(self.target.copy_grad(info, g))
-                    self.grad_copies[info.index] = queued
+                    self.grad_copies[info.index] = _done(self.target.copy_grad(info, g))
                 g = info.piece.grad
             out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
         return out
 
     def _acquire(self, k: int) -> None:
+        store = self.target.stores[self.info[k].tier]
         if k not in self.handles:
-            self.handles[k] = self.target.stores[self.info[k].tier].acquire(k)
-        self.target.stores[self.info[k].tier].wait(self.handles[k])
+            self.handles.add(store.acquire(k))
+        store.wait(k)
 
     def _speculate(self, k: int) -> Any:
         opt_state, params, lr, scale = self.ctx
@@ -179,7 +176,7 @@ class PiecePipeline:
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
-        self.target.read_errors()   # zero3 shards on disk: a failed read stops every rank here
+        self.target.shards.read_errors()   # zero3 shards on disk: a failed read stops every rank here
         self.early_copies += len(self.grad_copies)
 
     def _settle(self, exact: bool) -> tuple[set[int], Any]:
@@ -198,9 +195,7 @@ class PiecePipeline:
             for dst, t in zip(saved, self.undo[k]):
                 dst.copy_(t)
         for k in jobs:   # its host gradient may be scaled: the original again, from the device
-            queued: Future = Future()
-            queued.set_result(self.target.copy_grad(self.info[k], self.sources[k]))
-            self.grad_copies[k] = queued
+            self.grad_copies[k] = _done(self.target.copy_grad(self.info[k], self.sources[k]))
         self.rolled_back += len(self.undone)
         self.undone = set()
         return set(), None
@@ -221,9 +216,9 @@ class PiecePipeline:
         self.speculate = False
 
     def _release_all(self) -> None:
-        for k, h in self.handles.items():
-            self.target.stores[self.info[k].tier].release(h, None)
-        self.handles = {}
+        for k in self.handles:
+            self.target.stores[self.info[k].tier].release(k, None)
+        self.handles = set()
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
@@ -274,7 +269,8 @@ class PiecePipeline:
         if ev is not None:
             copies.append(ev)
         if k in self.handles:
-            self.target.stores[self.info[k].tier].release(self.handles.pop(k), ev)
+            self.handles.remove(k)
+            self.target.stores[self.info[k].tier].release(k, ev)
 
     def memory(self, fp: Footprint) -> None:
         fp.add("overlap_undo", host=tensor_bytes(t for ts in self.undo.values() for t in ts))
@@ -282,10 +278,17 @@ class PiecePipeline:
     def swap_stats(self) -> dict[str, float]:
         """Swap file bytes, bytes read and written and seconds blocked on IO so far (benchmarks)."""
         stores = [s for s in (self.target.stores.get(Tier.DISK), self.target.shards.store) if s is not None]
-        return {"file": sum(s.memory()["file"] for s in stores), "read": sum(s.bytes_read for s in stores),
+        return {"file": sum(sum(s.extents().values()) for s in stores), "read": sum(s.bytes_read for s in stores),
                 "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 
     def close(self) -> None:
         """Stop the worker thread, settle the stores and remove the swap files."""
         self.pool.shutdown(wait=True)
         self.target.close()
+
+
+def _done(event: Event) -> Future:
+    """A gradient copy queued on this thread, as the worker's are: a finished Future of its event."""
+    f: Future = Future()
+    f.set_result(event)
+    return f

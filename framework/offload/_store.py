@@ -1,13 +1,13 @@
 """Tiered stores: where a master piece's buffers live, and when the host step may use them.
 
 A piece (``base.Piece``: master, gradient, 16-bit staging and optimizer state of a range of an
-owned partition) lives on the DEVICE (stepped in place), the HOST (pinned when the device is CUDA)
-or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The piece
-pipeline asks the store of its tier for it around each host step:
+owned partition) lives on the DEVICE (stepped in place: no store), the HOST (pinned when the device
+is CUDA) or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The
+piece pipeline asks the store of its tier for it around each host step:
 
-    handle = store.acquire(k)       start making piece k usable by the host (may queue a read)
-    store.wait(handle)              block until it is (the last copy back is done, the read landed)
-    store.release(handle, readers)  the host step is done; ``readers``: the event after which the
+    store.acquire(k)                start making piece k usable by the host (may queue a read)
+    store.wait(k)                   block until it is (the last copy back is done, the read landed)
+    store.release(k, readers)       the host step is done; ``readers``: the event after which the
                                     streams copying from its buffers are done with them
     store.flush()                   settle every released piece (before closing, checkpointing)
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,12 +27,6 @@ class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
-
-
-@dataclass(frozen=True)
-class Handle:
-    key: int                   # the piece's position in master order
-    readers: Event | None      # when the streams stop reading its buffers (None: nobody reads them)
 
 
 class HostStore:
@@ -86,34 +79,20 @@ class HostStore:
         """Bytes of pinned host memory this store holds now, as allocated (not as requested)."""
         return self._pinned[0]
 
-    def acquire(self, key: int) -> Handle:
-        return Handle(key, self.readers.pop(key, None))
+    def acquire(self, key: int) -> int:
+        return key
 
-    def wait(self, handle: Handle) -> None:
-        if handle.readers is not None:
-            handle.readers.synchronize()   # sync point: this piece's copy back only, never the device
-
-    def release(self, handle: Handle, readers: Event | None) -> None:
+    def wait(self, key: int) -> None:
+        readers = self.readers.pop(key, None)
         if readers is not None:
-            self.readers[handle.key] = readers
+            readers.synchronize()   # sync point: this piece's copy back only, never the device
+
+    def release(self, key: int, readers: Event | None) -> None:
+        if readers is not None:
+            self.readers[key] = readers
 
     def flush(self) -> None:
         for ev in self.readers.values():
             ev.synchronize()
         self.readers.clear()
 
-
-class DeviceStore:
-    """The compute device: pieces are stepped in place on the compute stream, in queue order."""
-
-    def acquire(self, key: int) -> Handle:
-        return Handle(key, None)
-
-    def wait(self, handle: Handle) -> None:
-        pass
-
-    def release(self, handle: Handle, readers: Event | None) -> None:
-        pass   # later work on the compute stream is ordered after the readers anyway
-
-    def flush(self) -> None:
-        pass

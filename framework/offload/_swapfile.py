@@ -5,12 +5,11 @@
         offset, nbytes = f.extent("master.0")        # 4 KiB aligned offset, moved by AsyncIO
     # leaving the block (or f.remove()) deletes the file and its manifest, also on error
 
-Extents lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks); the size is
-reserved with ``posix_fallocate`` so a full disk fails at creation, not mid-run. The file is
-owner-only and ``flock``-ed while open, so a second run on the same folder is refused. The manifest
-records the layout (and the checksums so far); an existing file of another layout is refused, one of
-the same layout taken over (its contents are not trusted: checksums start empty). The IO engine's
-checksums are kept here per engine kind (block size, checksum name).
+Extents lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks); ``posix_fallocate``
+reserves the size, so a full disk fails at creation, not mid-run. The file is owner-only and
+``flock``-ed while open (a second run on the same folder is refused). The manifest records the
+layout and the checksums the IO engine recorded here (per block size and checksum name); a file of
+another layout is refused, one of the same layout taken over (checksums start empty).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ live, and how they move. A stage talks to it only through these calls:
   otherwise the stage steps itself and calls ``publish()``.
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
-``cpu.HostPlacement`` (tier HOST), ``_swap.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
+``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
 Where zero3's shards live is an independent choice: ``Shards``, ``cpu.HostShards`` or ``_disk.DiskShards``.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._store import DeviceStore, HostStore, Tier
+from framework.offload._store import HostStore, Tier
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class Shards:
         """Every copy back of the step was queued."""
 
     def read_errors(self) -> None:
-        pass
+        """Every rank raises if some rank's shard read failed (after backward, every step)."""
 
     def swap_out(self) -> None:
         """End of setup: the shards go to their swap file, if they have one."""
@@ -147,7 +147,7 @@ class Placement:
 
     def bind(self, acc: Accelerator) -> None:
         self.acc = acc
-        self.stores = {Tier.HOST: HostStore(acc, self.pin), Tier.DEVICE: DeviceStore()}
+        self.stores = {Tier.HOST: HostStore(acc, self.pin)}   # (device pieces need none: stepped in place)
         # Copies between host and device, ordered by events: one stream per direction, so gradient
         # copies to the host never queue behind shard loads or copies back (nor the reverse).
         self.d2h_stream = acc.new_stream("offload d2h")   # gradient copies to the host
@@ -356,10 +356,6 @@ class Placement:
         for p in pieces:
             if p.master.data_ptr() != shard[p.start:].data_ptr():
                 self.acc.copy(p.master, values[p.start:p.end])
-
-    def read_errors(self) -> None:
-        """Every rank raises if some rank's zero3 shard read failed (after backward, every step)."""
-        self.shards.read_errors()
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""

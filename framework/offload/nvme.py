@@ -13,8 +13,7 @@ from dataclasses import dataclass, field, replace
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.offload._disk import DiskPlacement, DiskShards
-from framework.offload._swap import DiskSpec, NVMePlacement
+from framework.offload._disk import DiskPlacement, DiskShards, NVMePlacement
 from framework.offload._swapfile import ALIGN
 from framework.offload.base import Shards
 from framework.offload.cpu import HostShards
@@ -109,16 +108,9 @@ def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> NVM
     if cfg.params == "auto":
         raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
                           "build from framework.compose(...), or set offload.params to none, cpu or nvme")
-    a = cfg.aio
-    disk = DiskSpec(path=cfg.nvme_path, sub_group_size=cfg.sub_group_size, buffer_count=cfg.buffer_count,
-                    read_ahead=cfg.pipeline_read, write_behind=cfg.pipeline_write, block_size=a.block_size,
-                    queue_depth=a.queue_depth, intra_op_parallelism=a.intra_op_parallelism,
-                    optimizer=cfg.optimizer == "nvme", params=cfg.params == "nvme",
-                    param_buffer_count=cfg.param_buffer_count, param_buffer_size=cfg.param_buffer_size,
-                    max_in_cpu=cfg.max_in_cpu)
-    shards = DiskShards(disk) if cfg.params == "nvme" else HostShards() if cfg.params == "cpu" else Shards()
+    shards = DiskShards(cfg) if cfg.params == "nvme" else HostShards() if cfg.params == "cpu" else Shards()
     tier = DiskPlacement if cfg.optimizer == "nvme" else NVMePlacement
-    return tier(disk, cfg.ratio, cfg.pin_memory, shards, overlap_step=cfg.overlap_step, accelerator=accelerator)
+    return tier(cfg, cfg.ratio, cfg.pin_memory, shards, overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
 COMPONENT = Component(config=NVMeOffloadConfig, build=build, check=resolve)

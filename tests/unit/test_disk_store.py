@@ -7,10 +7,8 @@ import pytest
 import torch
 
 from framework.comm.accelerator import for_device
-from framework.offload._aio import AsyncIO, aligned_empty
+from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore
-from framework.offload._store import Handle
-from framework.offload._swapfile import SwapFile
 
 SIZES = [1, 1023, 4097, 3000, 17]
 
@@ -26,9 +24,7 @@ def _store(tmp_path, slots, read_ahead, write_behind, learn=False):
         tensors[k] = (a, b, torch.empty(n, dtype=torch.bfloat16))
         store.add(k, tensors[k][:2], tensors[k][2:], park=False)
     reference = {k: [t.clone() for t in ts[:2]] for k, ts in tensors.items()}
-    file = SwapFile.create(tmp_path / "s.swap", store.extents(), layout_hash="t", world_size=1, rank=0,
-                           dtype=torch.bfloat16)
-    store.open(file, AsyncIO(4096, 2, 1), aligned_empty(slots * store.slot_bytes(), torch.uint8, pin=False, acc=acc))
+    store.open(tmp_path / "s.swap", AsyncIO(4096, 2, 1))
     for k in tensors:
         store.create(k)
     store.flush()
@@ -84,7 +80,7 @@ def test_learned_order_reads_ahead(tmp_path):
 
 def test_handle_for_a_released_piece_is_ignored(tmp_path):
     store, _, _ = _store(tmp_path, 1, False, False)
-    store.release(Handle(2, None), None)   # never acquired: nothing happens
+    store.release(2, None)   # never acquired: nothing happens
     store.close()
 
 
