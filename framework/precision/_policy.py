@@ -13,9 +13,9 @@ from framework.core.errors import ConfigError, TrainingError
 from framework.core.utils import few
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True)
 class ScalerConfig:
-    """DeepSpeed fp16 keys (precision=fp16's config extends it): loss_scale 0 = dynamic, else a static scale."""
+    """DeepSpeed fp16 keys: loss_scale 0 = dynamic, else a static scale."""
 
     loss_scale: float = 0.0
     initial_scale_power: int = 16

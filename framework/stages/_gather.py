@@ -127,10 +127,9 @@ class Gatherer:
         self.on_reduced = on_reduced
         self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
         self.param_dtype, self.reduce_dtype = policy.param_dtype, policy.reduce_dtype
-        # Elements gathered ahead of need; gathered elements kept at most (plus the unit in use); keep
-        # a unit whose next use is this close.
-        self.prefetch, self.max_live = cfg.stage3_prefetch_bucket_size, cfg.stage3_max_live_parameters
-        self.reuse = cfg.stage3_max_reuse_distance
+        self.prefetch = cfg.stage3_prefetch_bucket_size   # elements gathered ahead of need
+        self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
+        self.reuse = cfg.stage3_max_reuse_distance        # keep a unit whose next use is this close
         self.empty = torch.empty(0, dtype=self.param_dtype, device=dist.device)
         self.traces: dict[bool, list[tuple[str, int]]] = {}   # grad mode -> recorded (phase, uid) order
         self.recording: list[tuple[str, int]] | None = None
@@ -163,7 +162,7 @@ class Gatherer:
         """Forward hooks on each unit's modules (``modules``, aligned with ``units``) and gradient hooks
         on every parameter."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
-        for unit, subs in zip(self.units, modules):
+        for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
                     hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))

@@ -22,7 +22,6 @@ from framework.comm.accelerator import Accelerator
 from framework.core.errors import TrainingError
 from framework.core.footprint import Footprint
 from framework.core.utils import few, tensor_bytes
-from framework.stages._flat import views
 from framework.stages._reduce import Bucket, own_parts, reduce_bucket
 
 Entry = tuple[nn.Parameter, str]   # a parameter and its name
@@ -51,7 +50,8 @@ class FlatGrads:
                  buckets: list[Bucket], dist, policy, *, reduce_scatter: bool, overlap: bool, stage: str, what: str):
         """``entries``: (parameter, (group, slot)) in registration order, groups in order."""
         self.grads = [torch.zeros_like(f) for f in flats]
-        self.views = [v for grad, layout in zip(self.grads, layouts) for v in views(grad, layout)]
+        # each parameter's view from its own slot, so no ordering of entries and layouts can pair them wrongly
+        self.views = [self.grads[g][s.offset:s.offset + s.numel].view(s.shape) for _, (g, s) in entries]
         self.entries: list[Entry] = [(p, s.name) for p, (_, s) in entries]
         self.layouts, self.bounds, self.dist, self.stage, self.what = layouts, bounds, dist, stage, what
         self.accum_dtype, self.reduce_dtype = policy.grad_accum_dtype, policy.reduce_dtype
@@ -103,13 +103,13 @@ class FlatGrads:
     def _launch(self, i: int) -> None:
         b = self.launcher.buckets[i]
         ranges = [(b.start, b.start + b.numel)] if b.contiguous else b.ranges
-        views = [self._final(b.group, lo, hi) for lo, hi in ranges]
-        if views[0].dtype == self.reduce_dtype:
-            wire, buf = views, None   # reduced in place in the gradient buffer
+        finals = [self._final(b.group, lo, hi) for lo, hi in ranges]
+        if finals[0].dtype == self.reduce_dtype:
+            wire, buf = finals, None   # reduced in place in the gradient buffer
         else:
-            buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=views[0].device)
-            wire = list(buf.chunk(len(views)))
-            for dst, v in zip(wire, views):
+            buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=finals[0].device)
+            wire = list(buf.chunk(len(finals)))
+            for dst, v in zip(wire, finals):
                 dst.copy_(v)
         pending = reduce_bucket(self.dist.comm, wire, b, self.layouts[b.group].shard, self.reduce_scatter,
                                 what=f"{self.what} of bucket {i}")
