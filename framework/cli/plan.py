@@ -35,7 +35,6 @@ import tempfile
 from pathlib import Path
 
 from framework.cli import run_command
-from framework.cli.estimate import split_assignment
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
@@ -90,33 +89,15 @@ def _plan_yaml(c: Candidate) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
-    own, overrides, flags = {}, [], {"top": 20, "verify": 0, "reprobe": False, "json": False}
-    it = iter(argv)
-    for arg in it:
-        if arg in ("--top", "--verify"):
-            try:
-                flags[arg[2:]] = int(next(it))
-            except (StopIteration, ValueError):
-                raise ConfigError(f"plan: {arg} needs a number") from None
-        elif arg in ("--reprobe", "--json"):
-            flags[arg[2:]] = True
-        elif arg.startswith("--"):
-            raise ConfigError(f"plan: unknown flag {arg} (known: --top N, --verify K, --reprobe, --json)")
-        else:
-            split_assignment(arg, OWN_KEYS, own, overrides, "plan")
-    return own, overrides, flags
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, _run)
+    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False},
+                       "--top N, --verify K, --reprobe, --json", _run)
 
 
-def _run(argv: list[str]) -> None:
+def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     from framework.config import compose
     from framework.memory import probe as _probe
 
-    own, overrides, flags = parse(argv)
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
     base = [f"model={own['model']}", *overrides]

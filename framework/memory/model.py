@@ -123,12 +123,9 @@ class Prediction(Footprint):
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
 
-    def total(self, names) -> int:
-        return sum(sum(self.items.get(n, (0, 0))) for n in names)
-
     @property
     def model_states(self) -> int:
-        return self.total(self.MODEL_STATES)
+        return sum(sum(self.items.get(n, (0, 0))) for n in self.MODEL_STATES)
 
     @property
     def at_setup(self) -> int:
@@ -189,6 +186,16 @@ def _padded(numel: int, world: int) -> int:
     return -(-max(numel, 1) // unit) * unit
 
 
+def data_vocab(cfg) -> int | None:
+    """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
+    from framework.engine.build import component
+
+    try:
+        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
+        return None
+
+
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
@@ -202,14 +209,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
-    vocab = None
-    try:
-        vocab = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
-        vocab = None
     if module is None:
         with torch.device("meta"):
-            module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
+            module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
     stage, offload = cfg.choices["stage"], cfg.choices["offload"]
     keep_grads = False
     w = policy.param_dtype.itemsize
@@ -223,8 +225,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     pred = Prediction(world, count_module(module).params)
     if offload == "nvme":
         pred.host_slack_fraction = 0.0
-    on_host = offload != "none"
-    ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
+    ratio = getattr(cfg.offload, "ratio", 1.0) if offload != "none" else 0.0
 
     opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
     # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
@@ -232,7 +233,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
     tiles: list[tuple[list[int], list[int], int]] = []   # the optimizer swap file's entries
 
-    def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
+    def master_state(shard_elems: int) -> None:
         """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
@@ -263,17 +264,21 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if getattr(cfg.offload, "overlap_step", False):   # allocated by the first speculative step
                 pred.add("overlap_undo", host=(4 + K) * hostn)
                 pred.lazy.add("overlap_undo")
-        if devn and (master_sep or not fp32_in_place):
+        if devn and master_sep:
             pred.add("master_params", device=4 * devn)
         pred.add("optimizer_state", device=K * devn, host=K * hostn)
+
+    def full_grads(n: int) -> None:
+        """ddp and zero1: whole gradients, and an accumulator when it has another dtype."""
+        pred.add("grads", device=w * n)
+        if cfg.train.grad_accum > 1 and acc != w:
+            pred.add("grad_accumulator", device=acc * n)
+            pred.lazy.add("grad_accumulator")
 
     if stage == "ddp":
         padded = [_padded(n, 1) for n in numels]
         pred.add("params", device=w * sum(padded))
-        pred.add("grads", device=w * sum(padded))
-        if cfg.train.grad_accum > 1 and acc != w:
-            pred.add("grad_accumulator", device=acc * sum(padded))
-            pred.lazy.add("grad_accumulator")
+        full_grads(sum(padded))
         if master_sep:
             pred.add("master_params", device=4 * sum(padded))
         pred.add("optimizer_state", device=K * sum(padded))
@@ -284,12 +289,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         shards = [p // world for p in padded]
         pred.add("params", device=w * sum(padded))
         for s in shards:
-            master_state(s, fp32_in_place=True)
+            master_state(s)
         if stage == "zero1":
-            pred.add("grads", device=w * sum(padded))
-            if cfg.train.grad_accum > 1 and acc != w:
-                pred.add("grad_accumulator", device=acc * sum(padded))
-                pred.lazy.add("grad_accumulator")
+            full_grads(sum(padded))
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
@@ -363,7 +365,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         pred.add("params", device=w * layout.shard)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        master_state(layout.shard, fp32_in_place=True)
+        master_state(layout.shard)
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded

@@ -31,13 +31,15 @@ def cache_path(device: torch.device) -> Path:
     return root / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
 
 
-def _best(fn, reps: int = 3) -> float:
-    fn()  # warm up
+def _best(fn, device: torch.device, reps: int = 3) -> float:
+    """The fastest of ``reps`` calls of ``fn`` after a warm-up, each waited for on ``device``."""
     times = []
-    for _ in range(reps):
+    for i in range(reps + 1):
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t)
     return min(times)
 
 
@@ -52,38 +54,21 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-
-    def mm():
-        a @ b
-        _sync(device)
-    out["matmul_flops"] = 2 * n ** 3 / _best(mm)
+    out["matmul_flops"] = 2 * n ** 3 / _best(lambda: a @ b, device)
     src = torch.empty(32 * MiB // 4, device=device).normal_()
     dst = torch.empty_like(src)
-
-    def copy():
-        dst.copy_(src)
-        _sync(device)
-    out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(copy)   # read + write
+    out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), device)   # read + write
     small = torch.zeros(16, device=device)
 
     def dispatch():
         for _ in range(200):
             small.add_(1.0)
-        _sync(device)
-    out["op_dispatch_s"] = _best(dispatch) / 200
+    out["op_dispatch_s"] = _best(dispatch, device) / 200
     out["step_fixed_s"], out["micro_fixed_s"], out["micro_per_layer_s"] = _micro_overhead(device)
     if device.type == "cuda":
         host = torch.empty(src.numel(), device="cpu", pin_memory=True)
-
-        def h2d():
-            src.copy_(host, non_blocking=True)
-            _sync(device)
-
-        def d2h():
-            host.copy_(src, non_blocking=True)
-            _sync(device)
-        out["h2d_bytes_s"] = host.numel() * 4 / _best(h2d)
-        out["d2h_bytes_s"] = host.numel() * 4 / _best(d2h)
+        out["h2d_bytes_s"] = host.numel() * 4 / _best(lambda: src.copy_(host, non_blocking=True), device)
+        out["d2h_bytes_s"] = host.numel() * 4 / _best(lambda: host.copy_(src, non_blocking=True), device)
     else:   # the device is the host: a copy "to the host" is a memory copy
         out["h2d_bytes_s"] = out["d2h_bytes_s"] = out["device_copy_bytes_s"] / 2
     out["host_optimizer_params_s"] = _host_optimizer()
@@ -125,8 +110,7 @@ def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
 
                 def step():
                     box[0], _ = engine.train_step(box[0], [(x, x)] * accum)
-                    _sync(device)
-                t[layers, accum] = _best(step, reps=5)
+                t[layers, accum] = _best(step, device, reps=5)
     per_micro = {L: max(0.0, (t[L, 3] - t[L, 1]) / 2) for L in (1, 3)}
     per_layer = max(0.0, (per_micro[3] - per_micro[1]) / 2)
     fixed_micro = max(0.0, per_micro[1] - per_layer)
@@ -145,7 +129,7 @@ def _host_optimizer() -> float:
 
     def run():
         box[0] = step(tx, [g.clone() for g in grads] if tx.fused is None else grads, box[0], params, 1e-3)
-    return params[0].numel() / _best(run)
+    return params[0].numel() / _best(run, torch.device("cpu"))
 
 
 def _disk(folder: Path) -> tuple[float, float]:

@@ -97,13 +97,6 @@ def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, node
     return rows
 
 
-def format_rows(rows: list[Row]) -> str:
-    """DeepSpeed's layout: ``per CPU | per GPU | Options``, GiB (2^30 bytes) with two decimals."""
-    lines = ["  per CPU  |  per GPU |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.options}" for r in rows]
-    return "\n".join(lines)
-
-
 # --- NVMe (ZeRO-Infinity) rows -----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -156,7 +149,11 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     return rows
 
 
-def format_nvme_rows(rows: list[NVMeRow]) -> str:
-    lines = ["  per CPU  |  per GPU |  NVMe/node |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.disk / GIB:7.2f}GiB | {r.options}" for r in rows]
+def format_rows(rows: list[Row] | list[NVMeRow]) -> str:
+    """DeepSpeed's layout: ``per CPU | per GPU | Options`` (NVMe rows add ``NVMe/node``), GiB (2^30 bytes)
+    with two decimals."""
+    nvme = bool(rows) and isinstance(rows[0], NVMeRow)
+    lines = ["  per CPU  |  per GPU |" + ("  NVMe/node |" if nvme else "") + "   Options"]
+    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | " + (f"{r.disk / GIB:7.2f}GiB | " if nvme else "")
+              + r.options for r in rows]
     return "\n".join(lines)
