@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from framework.cli import run_command
+from framework.cli.report import load_jobs
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
@@ -62,19 +63,14 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
         if run.returncode != 0:
             raise FrameworkError(f"plan --verify: the multirun failed: {run.stderr.strip().splitlines()[-1:]}")
         results = []
-        for i, p in enumerate(top):
-            job = sweep / str(i)
-            summary = json.loads((job / "summary.json").read_text())
-            recs = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-            tps = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r][1:]   # the first step warms up
-            tokens = summary["config"]["train"]["micro_batch"] * summary["config"]["train"]["grad_accum"] * \
-                summary["world"] * summary["config"]["model"]["context"]
-            peaks = summary["peak_memory_per_rank"]
-            key = "peak_device_allocated_bytes" if "peak_device_allocated_bytes" in peaks[0] else "peak_rss_bytes"
+        for p, job in zip(top, load_jobs(sweep)):
+            c = job.summary["config"]
+            tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * job.summary["world"] * c["model"]["context"]
+            tps = job.curve("tokens_per_s")[1][1:]   # the first step warms up
+            key = "peak_device_allocated_bytes" if job.peak("peak_device_allocated_bytes") is not None else "peak_rss_bytes"
             results.append({"candidate": p.cand, "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
-                            "predicted_peak": p.device_peak, "measured_peak": max(x[key] for x in peaks),
-                            "measured_kind": key})
+                            "predicted_peak": p.device_peak, "measured_peak": job.peak(key), "measured_kind": key})
     return results
 
 

@@ -180,12 +180,6 @@ def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int], int]
         pred.add_disk(file, nbytes)
 
 
-def _padded(numel: int, world: int) -> int:
-    from framework.stages import ALIGN
-    unit = world * ALIGN
-    return -(-max(numel, 1) // unit) * unit
-
-
 def data_vocab(cfg) -> int | None:
     """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
     from framework.engine.build import component
@@ -205,7 +199,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import param_groups, plan_buckets
+    from framework.stages import make_layout, param_groups, plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
@@ -220,8 +214,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     red = policy.reduce_dtype.itemsize
     state_bytes = _opt_bytes_per_element(cfg)
     K = sum(state_bytes)
-    groups = param_groups(module)
-    numels = [sum(p.numel() for _, p in named) for _, named in groups]
+    # The flat groups as the stage lays them out (ddp: unpartitioned).
+    layouts = [make_layout(named, 1 if stage == "ddp" else world) for _, named in param_groups(module)]
+    padded = [lay.padded for lay in layouts]
     pred = Prediction(world, count_module(module).params)
     if offload == "nvme":
         pred.host_slack_fraction = 0.0
@@ -276,7 +271,6 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             pred.lazy.add("grad_accumulator")
 
     if stage == "ddp":
-        padded = [_padded(n, 1) for n in numels]
         pred.add("params", device=w * sum(padded))
         full_grads(sum(padded))
         if master_sep:
@@ -285,8 +279,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
-        padded = [_padded(n, world) for n in numels]
-        shards = [p // world for p in padded]
+        shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
         for s in shards:
             master_state(s)
@@ -295,13 +288,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            entries = []
-            for g, (_, named) in enumerate(groups):
-                off = 0
-                for _, p in named:
-                    entries.append((g, off, p.numel()))
-                    off += p.numel()
-            order = [(pid, g, off, n) for pid, (g, off, n) in reversed(list(enumerate(entries)))]
+            slots = [(g, s) for g, lay in enumerate(layouts) for s in lay.slots]
+            order = [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(slots)))]
             buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
             biggest = max(b.numel for b in buckets)
             n_buf = (min(2 if cfg.stage.overlap_comm else 1, len(buckets))
@@ -313,7 +301,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             # buckets in flight plus the one filling.
             keep_grads = any(pd <= cfg.stage.reduce_bucket_size for pd in padded)
             if not keep_grads:
-                pred.transient["param_grads"] = w * min(max(numels), (n_buf + 1) * biggest)
+                pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + 1) * biggest)
     elif stage == "zero3":
         _zero3(cfg, module, policy, world, pred, master_state)
         pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import socket
 import tempfile
 import time
@@ -74,17 +75,17 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     out["host_optimizer_params_s"] = _host_optimizer()
     out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
     out["allreduce_bytes_s"] = _collective() if collectives else None
-    out["process_rss_bytes"] = _rss()   # a process that has imported torch and the framework and trained
+    out["process_rss_bytes"] = rss_now()   # a process that has imported torch and the framework and trained
     return out
 
 
-def _rss() -> int:
-    """This process's resident set now (Linux; 0 elsewhere)."""
+def rss_now() -> int:
+    """This process's resident set size now (bytes)."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
