@@ -1,13 +1,9 @@
-"""DeepSpeed's model-state estimators (exact) and the ZeRO-Infinity rows, from two counts of a model.
-
-* ``count_module``: P (distinct parameters, by identity, at their logical shape, so a model on the
-  meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
-  module registers itself), the two inputs of DeepSpeed's estimators.
-* ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
-  (model states only; per CPU = per node, per GPU; the 1.5 buffer factor on host memory), with the same
-  integer rounding, so the printed GiB agree to the last digit.
-* ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned buffer
-  pools the ``offload=nvme`` keys size).
+"""DeepSpeed's model-state estimators (exact) and the ZeRO-Infinity rows, from two counts of a model:
+P (distinct parameters at their logical shape, so a meta or ZeRO-3 sharded model counts right) and L
+(the most parameters one module registers itself). ``zero2_rows``/``zero3_rows`` are DeepSpeed's
+``estimate_zero{2,3}_model_states_mem_needs`` (model states only; the 1.5 buffer factor on host memory)
+with its integer rounding, so the printed GiB agree to the last digit; ``nvme_rows`` adds what those
+tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size).
 """
 from __future__ import annotations
 
