@@ -30,10 +30,8 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self, preexisting: list[torch.Tensor]):
         super().__init__()
         self.live = self.peak = 0
-        self.refs: dict[int, object] = {}
         self._keep = [t.untyped_storage() for t in preexisting]   # parameters and inputs: not counted
-        for st in self._keep:
-            self.refs[id(st)] = None
+        self.refs: dict[int, object] = {id(st): None for st in self._keep}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -273,9 +271,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     if stage == "ddp":
         pred.add("params", device=w * sum(padded))
         full_grads(sum(padded))
-        if master_sep:
-            pred.add("master_params", device=4 * sum(padded))
-        pred.add("optimizer_state", device=K * sum(padded))
+        master_state(sum(padded))   # ddp offloads nothing: all on the device
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
@@ -317,11 +313,10 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
     key = (cfg.train.micro_batch, ctx, bool(getattr(cfg.model, "activation_checkpointing", False)), keep_grads,
            policy.param_dtype)
-    tr = traces.get(key) if traces is not None else None
-    if tr is None:
-        tr = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
-        if traces is not None:
-            traces[key] = tr
+    traces = {} if traces is None else traces
+    if key not in traces:
+        traces[key] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
+    tr = traces[key]
     pred.transient["activations"] = tr.peak
     ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "

@@ -3,9 +3,9 @@
 What it measures (each a few tenths of a second): matrix-multiply throughput and memory copy
 bandwidth on the compute device, host<->device copies (CUDA; pinned), the host optimizer step
 (our AdamW on host tensors, parameters per second), sequential disk write and read under the
-NVMe path, per-operation dispatch cost, the fixed costs of our train_step per step, per micro step and per
-layer (a width-32 GPT on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks
-(NCCL on two GPUs, else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
+NVMe path, the fixed costs of our train_step per step, per micro step and per layer (a width-32 GPT
+on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks (NCCL on two GPUs,
+else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
 (``~/.cache`` by default); ``python -m framework.plan --reprobe`` measures again.
 """
 from __future__ import annotations
@@ -59,12 +59,6 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     src = torch.empty(32 * MiB // 4, device=device).normal_()
     dst = torch.empty_like(src)
     out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), device)   # read + write
-    small = torch.zeros(16, device=device)
-
-    def dispatch():
-        for _ in range(200):
-            small.add_(1.0)
-    out["op_dispatch_s"] = _best(dispatch, device) / 200
     out["step_fixed_s"], out["micro_fixed_s"], out["micro_per_layer_s"] = _micro_overhead(device)
     if device.type == "cuda":
         host = torch.empty(src.numel(), device="cpu", pin_memory=True)
