@@ -6,18 +6,42 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from framework.core.errors import FrameworkError
+from framework.core.errors import ConfigError, FrameworkError
 
 
-def run_command(doc: str, argv: list[str] | None, body: Callable[[list[str]], None]) -> int:
-    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; a ``FrameworkError`` is one
-    ``error:`` line on stderr and exit code 2; otherwise 0."""
+def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict, known: str,
+                body: Callable[[dict[str, str], list[str], dict], None]) -> int:
+    """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; ``body(own, overrides, flags)``
+    gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
+    flags (a flag whose default is an int takes a number); a ``FrameworkError`` is one ``error:`` line
+    on stderr and exit code 2; otherwise 0."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(doc)
         return 0
     try:
-        body(argv)
+        own, overrides, flags = {}, [], dict(flags)
+        it = iter(argv)
+        for arg in it:
+            name = arg[2:]
+            if arg.startswith("--") and type(flags.get(name)) is int:
+                try:
+                    flags[name] = int(next(it))
+                except (StopIteration, ValueError):
+                    raise ConfigError(f"{tool}: {arg} needs a number") from None
+            elif arg.startswith("--") and name in flags:
+                flags[name] = True
+            elif arg.startswith("--"):
+                raise ConfigError(f"{tool}: unknown flag {arg} (known: {known})")
+            else:
+                key, eq, value = arg.partition("=")
+                if not eq:
+                    raise ConfigError(f"{tool}: expected key=value, got {arg!r} (see python -m framework.{tool} --help)")
+                if key in own_keys:
+                    own[key] = value
+                else:
+                    overrides.append(arg)
+        body(own, overrides, flags)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -26,30 +26,18 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import hf_loss, predict
-from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_nvme_rows, format_rows, nvme_rows,
-                                     parse_count, zero2_rows, zero3_rows)
+from framework.memory.model import data_vocab, hf_loss, predict
+from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
+                                     zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.config import compose
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
             "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
 DS_SUB_GROUP_SIZE = 1_000_000_000   # DeepSpeed's default zero_optimization.sub_group_size
-
-
-def split_assignment(arg: str, own_keys, own: dict[str, str], overrides: list[str], tool: str) -> None:
-    """``key=value``: into ``own`` when the key is this command's (``own_keys``), else a Hydra override.
-    Shared by ``framework.estimate`` and ``framework.plan``."""
-    key, eq, value = arg.partition("=")
-    if not eq:
-        raise ConfigError(f"{tool}: expected key=value, got {arg!r} (see python -m framework.{tool} --help)")
-    if key in own_keys:
-        own[key] = value
-    else:
-        overrides.append(arg)
 
 
 def hf_model_from_config(path: Path) -> torch.nn.Module:
@@ -104,7 +92,7 @@ def _hw_line(params: int, largest: int | None, gpus: int, nodes: int) -> str:
             f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}.")
 
 
-def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> str:
+def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     gpus = parse_count(own.get("gpus_per_node", "1"), "gpus_per_node")
     nodes = parse_count(own.get("nodes", "1"), "nodes")
     if gpus < 1 or nodes < 1:
@@ -119,7 +107,7 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
         if module is None:
             from framework.engine.build import component
             with torch.device("meta"):
-                module = component(cfg, "model").build(cfg.model, vocab_size=_data_vocab(cfg))
+                module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
     elif "params" in own:
@@ -137,35 +125,32 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
     keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in names if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
-    text = [_hw_line(params, largest, gpus, nodes), "",
-            "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size does not "
-            "enter):"]
-    z2 = zero2_rows(params, gpus, nodes, factor)
-    text.append(format_rows(z2))
-    out["zero2"] = [r.__dict__ for r in z2]
+    text = [_hw_line(params, largest, gpus, nodes)]
+
+    def table(key: str, title: str, rows: list) -> None:
+        text.extend(["", title, format_rows(rows)])
+        out[key] = [r.__dict__ for r in rows]
+
+    table("zero2", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size "
+                   "does not enter):", zero2_rows(params, gpus, nodes, factor))
     if largest is not None:
-        z3 = zero3_rows(params, largest, gpus, nodes, factor)
-        text += ["", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
-                     "does not enter):", format_rows(z3)]
-        out["zero3"] = [r.__dict__ for r in z3]
-        nv = nvme_rows(params, largest, gpus, nodes, keys)
-        text += ["", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
-                     f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
-                     f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools: optimizer tiles with "
-                     f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
-                     f"per-rank prediction below adds the working set):", format_nvme_rows(nv)]
-        out["nvme"] = [r.__dict__ for r in nv]
+        table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
+                       "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))
+        table("nvme", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
+                      f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
+                      f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools: optimizer tiles with "
+                      f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
+                      f"per-rank prediction below adds the working set):", nvme_rows(params, largest, gpus, nodes, keys))
         if keys.sub_group_size != DS_SUB_GROUP_SIZE:
-            nv_ds = nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE))
-            text += ["", f"The same with DeepSpeed's default sub_group_size={DS_SUB_GROUP_SIZE:,} (other keys as "
-                         f"above; a partition under that size is one tile, resident for its whole step):",
-                     format_nvme_rows(nv_ds)]
-            out["nvme_deepspeed_sub_group_size"] = [r.__dict__ for r in nv_ds]
+            table("nvme_deepspeed_sub_group_size",
+                  f"The same with DeepSpeed's default sub_group_size={DS_SUB_GROUP_SIZE:,} (other keys as above; a "
+                  f"partition under that size is one tile, resident for its whole step):",
+                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE)))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else None
         if cfg is not None:
-            pred = predict(cfg, world or cfg.dist.nproc)
+            pred = predict(cfg, world or cfg.dist.nproc, module=module)
             text += ["", format_prediction(cfg, pred)]
         else:   # a Hugging Face model: our stages, precision and batch around it
             cfg = compose(overrides)
@@ -176,15 +161,7 @@ def report(own: dict[str, str], overrides: list[str], as_json: bool = False) -> 
             pred = predict(cfg, world or cfg.dist.nproc, module=module, loss_fn=hf_loss, context=context)
             text += ["", f"model {label}", format_prediction(cfg, pred, context=context)]
         out["prediction"] = pred.as_dict()
-    return json.dumps(out, indent=1) if as_json else "\n".join(text)
-
-
-def _data_vocab(cfg) -> int | None:
-    from framework.engine.build import component
-    try:
-        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except FrameworkError:
-        return None
+    print(json.dumps(out, indent=1) if flags["json"] else "\n".join(text))
 
 
 def format_prediction(cfg, pred, context: int | None = None) -> str:
@@ -210,17 +187,4 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, _run)
-
-
-def _run(argv: list[str]) -> None:
-    own, overrides, flags = {}, [], set()
-    for arg in argv:
-        if arg.startswith("--"):
-            flags.add(arg)
-        else:
-            split_assignment(arg, OWN_KEYS, own, overrides, "estimate")
-    unknown = flags - {"--json"}
-    if unknown:
-        raise ConfigError(f"estimate: unknown flag {sorted(unknown)[0]} (known: --json, --help)")
-    print(report(own, overrides, as_json="--json" in flags))
+    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, "--json, --help", report)

@@ -18,6 +18,7 @@ from framework.config import Config
 from framework.comm.distributed import Dist
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
+from framework.memory.probe import rss_now
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
@@ -139,7 +140,7 @@ def reset_peak_memory(device: torch.device) -> int:
         pass
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return _rss_now()
+    return rss_now()
 
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
@@ -159,11 +160,3 @@ def _rss_peak() -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
     except (OSError, StopIteration, ValueError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-
-
-def _rss_now() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -170,8 +170,7 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
 
 @dataclass(frozen=True)
 class Mutation:
-    name: str
-    bug: str                          # the GPU bug class it stands for
+    name: str                         # a row of the table above (its GPU bug class)
     scenario: tuple[str, ...]         # overrides of the tiny run it is injected into
     error: type                       # what the check raises
     place: str                        # a regex the message must match: where it shows
@@ -180,40 +179,33 @@ class Mutation:
 
 
 MUTATIONS: tuple[Mutation, ...] = (
-    Mutation("missing-h2d-wait", "a missing event wait before using a host-to-device copy", ZERO2_OFFLOAD,
-             OrderError, r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
-                         r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
-    Mutation("unwaited-side-gather", "compute consuming a side-stream gather without waiting for it",
-             ZERO3_HOST_SHARDS, OrderError,
+    Mutation("missing-h2d-wait", ZERO2_OFFLOAD, OrderError,
+             r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
+             r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
+    Mutation("unwaited-side-gather", ZERO3_HOST_SHARDS, OrderError,
              r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
              r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
-    Mutation("pinned-reuse", "a pinned buffer reused before its copy finished", ZERO2_NVME,
-             OrderError, r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
-                         r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
-             NoSyncAfterH2D),
-    Mutation("unsynced-d2h", "a non_blocking device-to-host result read on the host without a wait",
-             ZERO2_OFFLOAD, OrderError,
+    Mutation("pinned-reuse", ZERO2_NVME, OrderError,
+             r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
+             r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back", NoSyncAfterH2D),
+    Mutation("unsynced-d2h", ZERO2_OFFLOAD, OrderError,
              r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
              r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
-    Mutation("collective-side-stream", "a collective issued on a side stream without ordering", ZERO3_HOST_SHARDS,
-             OrderError, r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather",
-             CollectivesOnSideStream),
-    Mutation("freed-in-flight", "a tensor crossing streams without record_stream or an event", ZERO2_OFFLOAD,
-             OrderError, r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad",
-             TemporaryCopySource),
-    Mutation("sync-in-hook", "a host sync inside a backward hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"),
-             HostSync, r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
-                       r"framework/stages/_grads\.py:\d+ in _launch", patch=_sync_in_zero2_hook),
-    Mutation("unbound-thread", "a worker thread that never set its device", ZERO2_OFFLOAD,
-             DeviceMismatch, r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad",
-             UnboundThreads),
-    Mutation("unwaited-d2h-source", "a device buffer overwritten while a device-to-host copy may still read it",
-             ZERO2_SPECULATIVE, OrderError,
+    Mutation("collective-side-stream", ZERO3_HOST_SHARDS, OrderError,
+             r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather", CollectivesOnSideStream),
+    Mutation("freed-in-flight", ZERO2_OFFLOAD, OrderError,
+             r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad", TemporaryCopySource),
+    Mutation("sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
+             r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
+             r"framework/stages/_grads\.py:\d+ in _launch", patch=_sync_in_zero2_hook),
+    Mutation("unbound-thread", ZERO2_OFFLOAD, DeviceMismatch,
+             r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),
+    Mutation("unwaited-d2h-source", ZERO2_SPECULATIVE, OrderError,
              r"compute on stream 'compute' writes .* in ready .* stream 'offload d2h' read at "
              r"framework/offload/base\.py:\d+ in copy_grad <- framework/offload/_pipeline\.py:\d+ in grads",
              patch=_copy_speculated_twice),
-    Mutation("pageable-async", "a non_blocking copy from pageable host memory", ZERO2_OFFLOAD,
-             DeviceMismatch, r"needs a pinned host buffer .* in copy_grad", PageableHostBuffers),
+    Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
+             PageableHostBuffers),
 )
 
 # Correct variants of mutations: the check must let them pass.

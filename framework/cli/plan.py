@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from framework.cli import run_command
-from framework.cli.estimate import split_assignment
+from framework.cli.report import load_jobs
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
@@ -63,19 +63,14 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
         if run.returncode != 0:
             raise FrameworkError(f"plan --verify: the multirun failed: {run.stderr.strip().splitlines()[-1:]}")
         results = []
-        for i, p in enumerate(top):
-            job = sweep / str(i)
-            summary = json.loads((job / "summary.json").read_text())
-            recs = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-            tps = [r["tokens_per_s"] for r in recs if "tokens_per_s" in r][1:]   # the first step warms up
-            tokens = summary["config"]["train"]["micro_batch"] * summary["config"]["train"]["grad_accum"] * \
-                summary["world"] * summary["config"]["model"]["context"]
-            peaks = summary["peak_memory_per_rank"]
-            key = "peak_device_allocated_bytes" if "peak_device_allocated_bytes" in peaks[0] else "peak_rss_bytes"
+        for p, job in zip(top, load_jobs(sweep)):
+            c = job.summary["config"]
+            tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * job.summary["world"] * c["model"]["context"]
+            tps = job.curve("tokens_per_s")[1][1:]   # the first step warms up
+            key = "peak_device_allocated_bytes" if job.peak("peak_device_allocated_bytes") is not None else "peak_rss_bytes"
             results.append({"candidate": p.cand, "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
-                            "predicted_peak": p.device_peak, "measured_peak": max(x[key] for x in peaks),
-                            "measured_kind": key})
+                            "predicted_peak": p.device_peak, "measured_peak": job.peak(key), "measured_kind": key})
     return results
 
 
@@ -90,33 +85,15 @@ def _plan_yaml(c: Candidate) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse(argv: list[str]) -> tuple[dict[str, str], list[str], dict]:
-    own, overrides, flags = {}, [], {"top": 20, "verify": 0, "reprobe": False, "json": False}
-    it = iter(argv)
-    for arg in it:
-        if arg in ("--top", "--verify"):
-            try:
-                flags[arg[2:]] = int(next(it))
-            except (StopIteration, ValueError):
-                raise ConfigError(f"plan: {arg} needs a number") from None
-        elif arg in ("--reprobe", "--json"):
-            flags[arg[2:]] = True
-        elif arg.startswith("--"):
-            raise ConfigError(f"plan: unknown flag {arg} (known: --top N, --verify K, --reprobe, --json)")
-        else:
-            split_assignment(arg, OWN_KEYS, own, overrides, "plan")
-    return own, overrides, flags
-
-
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, _run)
+    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False},
+                       "--top N, --verify K, --reprobe, --json", _run)
 
 
-def _run(argv: list[str]) -> None:
+def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     from framework.config import compose
     from framework.memory import probe as _probe
 
-    own, overrides, flags = parse(argv)
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
     base = [f"model={own['model']}", *overrides]

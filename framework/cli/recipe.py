@@ -102,22 +102,16 @@ def missing_requirements(recipe: Recipe) -> list[str]:
 
     from framework.core.registry import registry
 
-    missing = []
-    for req in recipe.spec.get("requires") or []:
-        if req.startswith("module:"):
-            try:
-                found = importlib.util.find_spec(req[len("module:"):]) is not None
-            except ModuleNotFoundError:
-                found = False
-        else:
+    def present(req: str) -> bool:   # module:NAME importable, or GROUP/NAME registered
+        try:
+            if req.startswith("module:"):
+                return importlib.util.find_spec(req[len("module:"):]) is not None
             group, _, name = req.partition("/")
-            try:
-                found = name in registry(group).names()
-            except (KeyError, FrameworkError):
-                found = False
-        if not found:
-            missing.append(req)
-    return missing
+            return name in registry(group).names()
+        except (ModuleNotFoundError, KeyError, FrameworkError):
+            return False
+
+    return [req for req in recipe.spec.get("requires") or [] if not present(req)]
 
 
 def available() -> list[str]:

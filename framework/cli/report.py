@@ -309,16 +309,9 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     md = (f"# {title or 'Sweep report'}\n\n`{root}`: {len(jobs)} jobs "
           f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
           f"{table}\n"
-          f"![loss]({_rel(loss_png, out)})\n\n![tokens/s and memory]({_rel(tm_png, out)})\n")
+          f"![loss](loss.png)\n\n![tokens/s and memory](throughput_memory.png)\n")
     files.write_atomic(out / "report.md", md.encode())
     return {"report": out / "report.md", "plots": [loss_png, tm_png], "jobs": jobs, "table": table}
-
-
-def _rel(p: Path, base: Path) -> str:
-    try:
-        return str(p.relative_to(base))
-    except ValueError:
-        return str(p)
 
 
 def main(argv: list[str] | None = None) -> None:

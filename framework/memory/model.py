@@ -30,10 +30,8 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self, preexisting: list[torch.Tensor]):
         super().__init__()
         self.live = self.peak = 0
-        self.refs: dict[int, object] = {}
         self._keep = [t.untyped_storage() for t in preexisting]   # parameters and inputs: not counted
-        for st in self._keep:
-            self.refs[id(st)] = None
+        self.refs: dict[int, object] = {id(st): None for st in self._keep}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -123,12 +121,9 @@ class Prediction(Footprint):
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
 
-    def total(self, names) -> int:
-        return sum(sum(self.items.get(n, (0, 0))) for n in names)
-
     @property
     def model_states(self) -> int:
-        return self.total(self.MODEL_STATES)
+        return sum(sum(self.items.get(n, (0, 0))) for n in self.MODEL_STATES)
 
     @property
     def at_setup(self) -> int:
@@ -183,10 +178,14 @@ def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int], int]
         pred.add_disk(file, nbytes)
 
 
-def _padded(numel: int, world: int) -> int:
-    from framework.stages import ALIGN
-    unit = world * ALIGN
-    return -(-max(numel, 1) // unit) * unit
+def data_vocab(cfg) -> int | None:
+    """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
+    from framework.engine.build import component
+
+    try:
+        return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
+    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
+        return None
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
@@ -198,18 +197,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import param_groups, plan_buckets
+    from framework.stages import make_layout, param_groups, plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
-    vocab = None
-    try:
-        vocab = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
-        vocab = None
     if module is None:
         with torch.device("meta"):
-            module = component(cfg, "model").build(cfg.model, vocab_size=vocab)
+            module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
     stage, offload = cfg.choices["stage"], cfg.choices["offload"]
     keep_grads = False
     w = policy.param_dtype.itemsize
@@ -218,13 +212,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     red = policy.reduce_dtype.itemsize
     state_bytes = _opt_bytes_per_element(cfg)
     K = sum(state_bytes)
-    groups = param_groups(module)
-    numels = [sum(p.numel() for _, p in named) for _, named in groups]
+    # The flat groups as the stage lays them out (ddp: unpartitioned).
+    layouts = [make_layout(named, 1 if stage == "ddp" else world) for _, named in param_groups(module)]
+    padded = [lay.padded for lay in layouts]
     pred = Prediction(world, count_module(module).params)
     if offload == "nvme":
         pred.host_slack_fraction = 0.0
-    on_host = offload != "none"
-    ratio = getattr(cfg.offload, "ratio", 1.0) if on_host else 0.0
+    ratio = getattr(cfg.offload, "ratio", 1.0) if offload != "none" else 0.0
 
     opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
     # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
@@ -232,7 +226,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
     tiles: list[tuple[list[int], list[int], int]] = []   # the optimizer swap file's entries
 
-    def master_state(shard_elems: int, *, fp32_in_place: bool) -> None:
+    def master_state(shard_elems: int) -> None:
         """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
@@ -263,43 +257,35 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if getattr(cfg.offload, "overlap_step", False):   # allocated by the first speculative step
                 pred.add("overlap_undo", host=(4 + K) * hostn)
                 pred.lazy.add("overlap_undo")
-        if devn and (master_sep or not fp32_in_place):
+        if devn and master_sep:
             pred.add("master_params", device=4 * devn)
         pred.add("optimizer_state", device=K * devn, host=K * hostn)
 
-    if stage == "ddp":
-        padded = [_padded(n, 1) for n in numels]
-        pred.add("params", device=w * sum(padded))
-        pred.add("grads", device=w * sum(padded))
+    def full_grads(n: int) -> None:
+        """ddp and zero1: whole gradients, and an accumulator when it has another dtype."""
+        pred.add("grads", device=w * n)
         if cfg.train.grad_accum > 1 and acc != w:
-            pred.add("grad_accumulator", device=acc * sum(padded))
+            pred.add("grad_accumulator", device=acc * n)
             pred.lazy.add("grad_accumulator")
-        if master_sep:
-            pred.add("master_params", device=4 * sum(padded))
-        pred.add("optimizer_state", device=K * sum(padded))
+
+    if stage == "ddp":
+        pred.add("params", device=w * sum(padded))
+        full_grads(sum(padded))
+        master_state(sum(padded))   # ddp offloads nothing: all on the device
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
-        padded = [_padded(n, world) for n in numels]
-        shards = [p // world for p in padded]
+        shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
         for s in shards:
-            master_state(s, fp32_in_place=True)
+            master_state(s)
         if stage == "zero1":
-            pred.add("grads", device=w * sum(padded))
-            if cfg.train.grad_accum > 1 and acc != w:
-                pred.add("grad_accumulator", device=acc * sum(padded))
-                pred.lazy.add("grad_accumulator")
+            full_grads(sum(padded))
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            entries = []
-            for g, (_, named) in enumerate(groups):
-                off = 0
-                for _, p in named:
-                    entries.append((g, off, p.numel()))
-                    off += p.numel()
-            order = [(pid, g, off, n) for pid, (g, off, n) in reversed(list(enumerate(entries)))]
+            slots = [(g, s) for g, lay in enumerate(layouts) for s in lay.slots]
+            order = [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(slots)))]
             buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
             biggest = max(b.numel for b in buckets)
             n_buf = (min(2 if cfg.stage.overlap_comm else 1, len(buckets))
@@ -311,7 +297,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             # buckets in flight plus the one filling.
             keep_grads = any(pd <= cfg.stage.reduce_bucket_size for pd in padded)
             if not keep_grads:
-                pred.transient["param_grads"] = w * min(max(numels), (n_buf + 1) * biggest)
+                pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + 1) * biggest)
     elif stage == "zero3":
         _zero3(cfg, module, policy, world, pred, master_state)
         pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
@@ -327,11 +313,10 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
     key = (cfg.train.micro_batch, ctx, bool(getattr(cfg.model, "activation_checkpointing", False)), keep_grads,
            policy.param_dtype)
-    tr = traces.get(key) if traces is not None else None
-    if tr is None:
-        tr = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
-        if traces is not None:
-            traces[key] = tr
+    traces = {} if traces is None else traces
+    if key not in traces:
+        traces[key] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
+    tr = traces[key]
     pred.transient["activations"] = tr.peak
     ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
@@ -363,7 +348,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         pred.add("params", device=w * layout.shard)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        master_state(layout.shard, fp32_in_place=True)
+        master_state(layout.shard)
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded

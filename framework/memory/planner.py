@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import predict
+from framework.memory.model import data_vocab, predict
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GiB, KiB, MiB, TiB
 
@@ -189,21 +189,20 @@ class Planned:
     time: dict[str, float]
     device_peak: int
     host: int
-    fits: bool
-    why: str = ""
+    why: str = ""   # what does not fit (empty: the candidate fits)
+
+    @property
+    def fits(self) -> bool:
+        return not self.why
 
 
 def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -> list[Planned]:
     """Every candidate with its predicted time and memory, fitting ones first, fastest first.
     ``base``: the overrides ``cfg`` was composed from (each candidate adds its own)."""
+    from framework.config import compose
     from framework.engine.build import component
 
-    vocab = None
-    try:
-        vocab = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except FrameworkError:
-        pass
-    from framework.config import compose
+    vocab = data_vocab(cfg)
 
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
@@ -218,7 +217,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
                 composed[key] = e
         c = composed[key]
         if isinstance(c, FrameworkError):
-            out.append(Planned(cand, {"total": float("inf")}, 0, 0, False, f"unavailable: {c}"))
+            out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}"))
             continue
         ccfg = dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch=cand.micro_batch,
                                                                 grad_accum=cand.grad_accum),
@@ -230,16 +229,16 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
         # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
         device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
         host = pred.host_total() * (hw.ranks if cuda else 1)
-        fits, why = True, ""
+        why = ""
         if cuda and device_peak > hw.gpu_mem:
-            fits, why = False, f"device {device_peak / GiB:.1f} > {hw.gpu_mem / GiB:.1f} GiB"
+            why = f"device {device_peak / GiB:.1f} > {hw.gpu_mem / GiB:.1f} GiB"
         elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
-            fits, why = False, f"host {device_peak * hw.ranks / GiB:.2f} > {hw.cpu_mem / GiB:.2f} GiB"
+            why = f"host {device_peak * hw.ranks / GiB:.2f} > {hw.cpu_mem / GiB:.2f} GiB"
         elif host > hw.cpu_mem:
-            fits, why = False, f"host {host / GiB:.1f} > {hw.cpu_mem / GiB:.1f} GiB"
+            why = f"host {host / GiB:.1f} > {hw.cpu_mem / GiB:.1f} GiB"
         elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
-            fits, why = False, f"disk {sum(pred.disk.values()) * hw.ranks / GiB:.1f} > {hw.nvme / GiB:.1f} GiB"
-        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, fits, why))
+            why = f"disk {sum(pred.disk.values()) * hw.ranks / GiB:.1f} > {hw.nvme / GiB:.1f} GiB"
+        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))
     return out

@@ -3,9 +3,9 @@
 What it measures (each a few tenths of a second): matrix-multiply throughput and memory copy
 bandwidth on the compute device, host<->device copies (CUDA; pinned), the host optimizer step
 (our AdamW on host tensors, parameters per second), sequential disk write and read under the
-NVMe path, per-operation dispatch cost, the fixed costs of our train_step per step, per micro step and per
-layer (a width-32 GPT on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks
-(NCCL on two GPUs, else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
+NVMe path, the fixed costs of our train_step per step, per micro step and per layer (a width-32 GPT
+on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks (NCCL on two GPUs,
+else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
 (``~/.cache`` by default); ``python -m framework.plan --reprobe`` measures again.
 """
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import socket
 import tempfile
 import time
@@ -31,13 +32,15 @@ def cache_path(device: torch.device) -> Path:
     return root / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
 
 
-def _best(fn, reps: int = 3) -> float:
-    fn()  # warm up
+def _best(fn, device: torch.device, reps: int = 3) -> float:
+    """The fastest of ``reps`` calls of ``fn`` after a warm-up, each waited for on ``device``."""
     times = []
-    for _ in range(reps):
+    for i in range(reps + 1):
         t = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t)
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t)
     return min(times)
 
 
@@ -52,54 +55,31 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device)
     b = torch.randn(n, n, device=device)
-
-    def mm():
-        a @ b
-        _sync(device)
-    out["matmul_flops"] = 2 * n ** 3 / _best(mm)
+    out["matmul_flops"] = 2 * n ** 3 / _best(lambda: a @ b, device)
     src = torch.empty(32 * MiB // 4, device=device).normal_()
     dst = torch.empty_like(src)
-
-    def copy():
-        dst.copy_(src)
-        _sync(device)
-    out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(copy)   # read + write
-    small = torch.zeros(16, device=device)
-
-    def dispatch():
-        for _ in range(200):
-            small.add_(1.0)
-        _sync(device)
-    out["op_dispatch_s"] = _best(dispatch) / 200
+    out["device_copy_bytes_s"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src), device)   # read + write
     out["step_fixed_s"], out["micro_fixed_s"], out["micro_per_layer_s"] = _micro_overhead(device)
     if device.type == "cuda":
         host = torch.empty(src.numel(), device="cpu", pin_memory=True)
-
-        def h2d():
-            src.copy_(host, non_blocking=True)
-            _sync(device)
-
-        def d2h():
-            host.copy_(src, non_blocking=True)
-            _sync(device)
-        out["h2d_bytes_s"] = host.numel() * 4 / _best(h2d)
-        out["d2h_bytes_s"] = host.numel() * 4 / _best(d2h)
+        out["h2d_bytes_s"] = host.numel() * 4 / _best(lambda: src.copy_(host, non_blocking=True), device)
+        out["d2h_bytes_s"] = host.numel() * 4 / _best(lambda: host.copy_(src, non_blocking=True), device)
     else:   # the device is the host: a copy "to the host" is a memory copy
         out["h2d_bytes_s"] = out["d2h_bytes_s"] = out["device_copy_bytes_s"] / 2
     out["host_optimizer_params_s"] = _host_optimizer()
     out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
     out["allreduce_bytes_s"] = _collective() if collectives else None
-    out["process_rss_bytes"] = _rss()   # a process that has imported torch and the framework and trained
+    out["process_rss_bytes"] = rss_now()   # a process that has imported torch and the framework and trained
     return out
 
 
-def _rss() -> int:
-    """This process's resident set now (Linux; 0 elsewhere)."""
+def rss_now() -> int:
+    """This process's resident set size now (bytes)."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return 0
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
@@ -125,8 +105,7 @@ def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
 
                 def step():
                     box[0], _ = engine.train_step(box[0], [(x, x)] * accum)
-                    _sync(device)
-                t[layers, accum] = _best(step, reps=5)
+                t[layers, accum] = _best(step, device, reps=5)
     per_micro = {L: max(0.0, (t[L, 3] - t[L, 1]) / 2) for L in (1, 3)}
     per_layer = max(0.0, (per_micro[3] - per_micro[1]) / 2)
     fixed_micro = max(0.0, per_micro[1] - per_layer)
@@ -145,7 +124,7 @@ def _host_optimizer() -> float:
 
     def run():
         box[0] = step(tx, [g.clone() for g in grads] if tx.fused is None else grads, box[0], params, 1e-3)
-    return params[0].numel() / _best(run)
+    return params[0].numel() / _best(run, torch.device("cpu"))
 
 
 def _disk(folder: Path) -> tuple[float, float]:

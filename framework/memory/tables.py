@@ -1,13 +1,9 @@
-"""DeepSpeed's model-state estimators (exact) and the ZeRO-Infinity rows, from two counts of a model.
-
-* ``count_module``: P (distinct parameters, by identity, at their logical shape, so a model on the
-  meta device or a ZeRO-3 sharded one counts right) and L (the largest number of parameters one
-  module registers itself), the two inputs of DeepSpeed's estimators.
-* ``zero2_rows`` / ``zero3_rows``: DeepSpeed's ``estimate_zero{2,3}_model_states_mem_needs`` formulas
-  (model states only; per CPU = per node, per GPU; the 1.5 buffer factor on host memory), with the same
-  integer rounding, so the printed GiB agree to the last digit.
-* ``nvme_rows``: what DeepSpeed's tables leave out for ZeRO-Infinity (disk bytes and the pinned buffer
-  pools the ``offload=nvme`` keys size).
+"""DeepSpeed's model-state estimators (exact) and the ZeRO-Infinity rows, from two counts of a model:
+P (distinct parameters at their logical shape, so a meta or ZeRO-3 sharded model counts right) and L
+(the most parameters one module registers itself). ``zero2_rows``/``zero3_rows`` are DeepSpeed's
+``estimate_zero{2,3}_model_states_mem_needs`` (model states only; the 1.5 buffer factor on host memory)
+with its integer rounding, so the printed GiB agree to the last digit; ``nvme_rows`` adds what those
+tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size).
 """
 from __future__ import annotations
 
@@ -97,13 +93,6 @@ def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, node
     return rows
 
 
-def format_rows(rows: list[Row]) -> str:
-    """DeepSpeed's layout: ``per CPU | per GPU | Options``, GiB (2^30 bytes) with two decimals."""
-    lines = ["  per CPU  |  per GPU |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.options}" for r in rows]
-    return "\n".join(lines)
-
-
 # --- NVMe (ZeRO-Infinity) rows -----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -156,7 +145,11 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     return rows
 
 
-def format_nvme_rows(rows: list[NVMeRow]) -> str:
-    lines = ["  per CPU  |  per GPU |  NVMe/node |   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | {r.disk / GIB:7.2f}GiB | {r.options}" for r in rows]
+def format_rows(rows: list[Row] | list[NVMeRow]) -> str:
+    """DeepSpeed's layout: ``per CPU | per GPU | Options`` (NVMe rows add ``NVMe/node``), GiB (2^30 bytes)
+    with two decimals."""
+    nvme = bool(rows) and isinstance(rows[0], NVMeRow)
+    lines = ["  per CPU  |  per GPU |" + ("  NVMe/node |" if nvme else "") + "   Options"]
+    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | " + (f"{r.disk / GIB:7.2f}GiB | " if nvme else "")
+              + r.options for r in rows]
     return "\n".join(lines)
