@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
 from framework.core.units import MiB
 from framework.memory.tables import count_module
@@ -184,7 +184,7 @@ def data_vocab(cfg) -> int | None:
 
     try:
         return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except Exception:  # noqa: BLE001 - a data file that is not there: the model's own vocabulary
+    except FrameworkError:   # e.g. a data file that is not there: the model's own vocabulary
         return None
 
 
@@ -369,7 +369,8 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
         pred.items.pop("params")
         # slots as large as the largest shard, no more of them than max_in_cpu allows
         largest = max(shards, default=0)
-        _swap_store(pred, [([w * n], [], 0) for n in shards], min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
+        _swap_store(pred, [([w * n], [], 0) for n in shards],
+                    min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
                     "nvme_param_pool", "params")
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live

@@ -8,7 +8,8 @@
     io.close()
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
-threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL). With O_DIRECT,
+threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL; a synchronous call
+per piece needs a thread per piece in flight). With O_DIRECT,
 partial 4 KiB blocks and memory not aligned like its file offset go through a per-thread bounce
 buffer; where the file system refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO.
 A short count, an OS error or a checksum mismatch fails the request with a ``SwapIOError`` naming
@@ -346,6 +347,7 @@ class AsyncIO:
         warnings.warn(f"{file.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
                       "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=2)
 
+
 def verify_extent(fmap, name: str, what: str = "") -> None:
     """Check extent ``name`` of ``fmap`` piece by piece; SwapIOError naming the file, offset and tensor."""
     file = fmap.file
@@ -367,11 +369,11 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
             raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
         if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
             raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
-                         "the swap file was changed or the disk returned bad data")
+                            "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
     if pos != hi:
         raise _mismatch(file, pos, hi - pos, label, "no checksum recorded",
-                     "these bytes were not written by the IO engine and cannot be verified")
+                        "these bytes were not written by the IO engine and cannot be verified")
     fmap.release(name=name)   # checked: its pages leave this process (the pass stays bounded)
 
 

@@ -318,11 +318,11 @@ class DiskPlacement(NVMePlacement):
                       [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         agree_swap_room(self.dist, self.folder(), self.swap_stores(), lambda: self._preflight(store))
-        self.open_swap(store, "optim")
-        if self.gradswap is not None:
-            self.gradswap.bind(store, disk, self.acc)
         failed = None
-        try:
+        try:   # a rank that cannot open its swap file stops every rank below, none left in a collective
+            self.open_swap(store, "optim")
+            if self.gradswap is not None:
+                self.gradswap.bind(store, disk, self.acc)
             for info in disk:   # initial values: the working values and a fresh state, written out
                 def fill(info=info):
                     values = self.shards.initial_values(info.partition, info.start, info.end)
@@ -344,7 +344,8 @@ class DiskPlacement(NVMePlacement):
         from framework.offload._swapfile import preflight
 
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
-        slot, store.buffer_count, total, bounce = store.layout(self.spec.buffer_count)
+        slot, slots, total, bounce = store.layout(self.spec.buffer_count)
+        store.buffer_count = slots
         preflight(self.folder(), total, 0, 0, 1, create=True)   # (no buffer check: a slot holds any tile)
         self.check_ram(store.buffer_count * slot + bounce, "")
 
@@ -416,7 +417,7 @@ class DiskShards(HostShards):
         self.spec = spec
         self.keys: dict[int, int] = {}                   # id(shard) -> its key in the store
         self.spill: Spill | None = None                  # shards spilled during construction
-        self.held: tuple[int, object] | None = None      # (group, handle): a shard kept resident
+        self.held: tuple[int, int] | None = None         # (group, key): a shard kept resident
         self.read_error: BaseException | None = None     # a failed read, until ranks agree on it
 
     def bind(self, placement: NVMePlacement) -> None:
@@ -453,8 +454,10 @@ class DiskShards(HostShards):
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
         key = self.keys.get(id(own))
-        if key is None or not self.swapped:
+        if key is None:   # not swapped: the shard holds its values
             return own[lo:hi]
+        if not self.swapped:   # a swapped-to-be shard is parked until swap_out has written it
+            raise RuntimeError("initial_values before swap_out")
         file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")
         short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
         if short is not None:

@@ -116,13 +116,18 @@ class DiskStore:
 
     def open(self, path, io, rank: int = 0, world: int = 1) -> None:
         """Start swapping: ``io`` (an ``AsyncIO``) moves the pieces between the swap file created at
-        ``path`` and a pool of ``buffer_count`` page-aligned slots (``close`` undoes a failed open)."""
+        ``path`` and a pool of ``buffer_count`` page-aligned slots."""
         self.io, extents = io, self.extents()
         dtype = next(iter(self.entries.values())).swapped[0].dtype   # the extents' element type
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
         self.file = SwapFile.create(path, extents, layout_hash=layout, world_size=world, rank=rank, dtype=dtype)
         size = self.layout()[0]
-        pool = aligned_empty(self.buffer_count * size, torch.uint8, pin=self.pin, acc=self.acc)
+        try:
+            pool = aligned_empty(self.buffer_count * size, torch.uint8, pin=self.pin, acc=self.acc)
+        except BaseException:   # no pool (host memory, pinning): the new swap file goes with it
+            self.file.remove()
+            self.file = None
+            raise
         self.slots = [_Slot(pool[i * size:(i + 1) * size]) for i in range(self.buffer_count)]
 
     def acquire(self, key: int) -> int:

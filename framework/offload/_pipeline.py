@@ -63,7 +63,7 @@ class PiecePipeline:
         # The device range each speculated piece's gradient was copied from (valid until the stage
         # zeroes its gradients after the step): copied again only if the speculation is rolled back.
         self.sources: dict[int, Tensor] = {}
-        self.handles: set[int] = set()            # pieces acquired from their store this step
+        self.handles: dict[int, None] = {}        # pieces acquired from their store this step, in order
         self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
         self.scale = 1.0
         self.jobs: dict[int, Future] = {}
@@ -127,7 +127,7 @@ class PiecePipeline:
     def _acquire(self, k: int) -> None:
         store = self.target.stores[self.info[k].tier]
         if k not in self.handles:
-            self.handles.add(store.acquire(k))
+            self.handles[store.acquire(k)] = None
         store.wait(k)
 
     def _speculate(self, k: int) -> Any:
@@ -218,7 +218,7 @@ class PiecePipeline:
     def _release_all(self) -> None:
         for k in self.handles:
             self.target.stores[self.info[k].tier].release(k, None)
-        self.handles = set()
+        self.handles = {}
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
@@ -269,7 +269,7 @@ class PiecePipeline:
         if ev is not None:
             copies.append(ev)
         if k in self.handles:
-            self.handles.remove(k)
+            del self.handles[k]
             self.target.stores[self.info[k].tier].release(k, ev)
 
     def memory(self, fp: Footprint) -> None:

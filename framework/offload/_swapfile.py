@@ -9,7 +9,8 @@ Extents lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks
 reserves the size, so a full disk fails at creation, not mid-run. The file is owner-only and
 ``flock``-ed while open (a second run on the same folder is refused). The manifest records the
 layout and the checksums the IO engine recorded here (per block size and checksum name); a file of
-another layout is refused, one of the same layout taken over (checksums start empty).
+another layout is refused, one of the same layout taken over (its contents are not trusted: checksums
+start empty).
 """
 from __future__ import annotations
 

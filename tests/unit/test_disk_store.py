@@ -178,3 +178,19 @@ def test_slots_still_copied_from_are_polled_not_waited_for(tmp_path):
     assert all(torch.equal(t, r) for t, r in zip(tensors[4][:2], ref[4]))
     store.release(h, None, dirty=False)
     store.close()
+
+
+def test_an_open_that_cannot_make_its_pool_leaves_no_swap_file(tmp_path):
+    """The pool is made after the swap file: when host memory for it is refused, the file and its
+    manifest go, so a failed start leaves nothing in the user's folder."""
+    class NoMemory:
+        device = torch.device("cpu")
+
+        def empty_host(self, *args, **kwargs):
+            raise MemoryError("host pool refused")
+
+    store = DiskStore(NoMemory(), pin=False, buffer_count=1, read_ahead=False, write_behind=False, name="test")
+    store.add(0, [torch.ones(1000)], [], park=False)
+    with pytest.raises(MemoryError, match="host pool refused"):
+        store.open(tmp_path / "s.swap", AsyncIO(4096, 1, 1))
+    assert list(tmp_path.iterdir()) == [] and store.file is None

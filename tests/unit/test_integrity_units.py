@@ -122,9 +122,8 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
 def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):
     """Every byte of an extent must lie in a piece whose checksum was recorded: a changed byte and
     bytes without a checksum are both SwapIOErrors naming the file and the offset."""
-    from framework.offload._aio import AsyncIO
+    from framework.offload._aio import AsyncIO, verify_map
     from framework.offload._swapfile import SwapFile
-    from framework.offload._aio import verify_map
 
     with SwapFile.create(tmp_path / "s.swap", {"a": 8192, "b": 4096}, layout_hash="h", world_size=1, rank=0,
                          dtype=torch.float32) as f, AsyncIO(4096, 2, 1) as io:
