@@ -97,7 +97,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     nodes = parse_count(own.get("nodes", "1"), "nodes")
     if gpus < 1 or nodes < 1:
         raise ConfigError("estimate: gpus_per_node and nodes must be >= 1")
-    factor = float(own.get("buffer_factor", BUFFER_FACTOR))
+    try:
+        factor = float(own.get("buffer_factor", BUFFER_FACTOR))
+    except ValueError:
+        raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']!r} is not a number, e.g. 1.5") from None
     cfg = module = None
     label = ""
     if "model" in own:

@@ -67,7 +67,9 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
             c = job.summary["config"]
             tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * job.summary["world"] * c["model"]["context"]
             tps = job.curve("tokens_per_s")[1][1:]   # the first step warms up
-            key = "peak_device_allocated_bytes" if job.peak("peak_device_allocated_bytes") is not None else "peak_rss_bytes"
+            key = "peak_device_allocated_bytes"
+            if job.peak(key) is None:   # a CPU run: the process's peak
+                key = "peak_rss_bytes"
             results.append({"candidate": p.cand, "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
                             "predicted_peak": p.device_peak, "measured_peak": job.peak(key), "measured_kind": key})
@@ -96,6 +98,11 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
+    if "steps" in own and not flags["verify"]:
+        raise ConfigError("plan: steps= sets the length of the --verify runs; add --verify K or drop steps=")
+    steps = own.get("steps", "6")
+    if not steps.isdigit() or int(steps) < 2:   # the first step warms up and is not measured
+        raise ConfigError(f"plan: steps={steps!r} must be a whole number >= 2")
     base = [f"model={own['model']}", *overrides]
     cfg = compose(base)
     hw = detect(own)
@@ -106,8 +113,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
     if flags["verify"]:
-        rows = verify(planned, flags["verify"], base, hw, int(own.get("steps", 6)))
-        print(f"\nverify: top {len(rows)} as one Hydra multirun ({own.get('steps', 6)} steps each; "
+        rows = verify(planned, flags["verify"], base, hw, int(steps))
+        print(f"\nverify: top {len(rows)} as one Hydra multirun ({steps} steps each; "
               f"measured = median s/step after the first)")
         for i, r in enumerate(rows):
             print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "

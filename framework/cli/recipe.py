@@ -103,12 +103,15 @@ def missing_requirements(recipe: Recipe) -> list[str]:
     from framework.core.registry import registry
 
     def present(req: str) -> bool:   # module:NAME importable, or GROUP/NAME registered
-        try:
-            if req.startswith("module:"):
+        if req.startswith("module:"):
+            try:
                 return importlib.util.find_spec(req[len("module:"):]) is not None
-            group, _, name = req.partition("/")
+            except ModuleNotFoundError:   # its parent package is not installed
+                return False
+        group, _, name = req.partition("/")
+        try:   # (a component module that fails to import is a bug: its error goes through)
             return name in registry(group).names()
-        except (ModuleNotFoundError, KeyError, FrameworkError):
+        except (KeyError, FrameworkError):
             return False
 
     return [req for req in recipe.spec.get("requires") or [] if not present(req)]

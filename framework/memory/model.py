@@ -227,7 +227,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     tiles: list[tuple[list[int], list[int], int]] = []   # the optimizer swap file's entries
 
     def master_state(shard_elems: int) -> None:
-        """Master pieces and optimizer state of an owned partition of ``shard_elems`` elements."""
+        """Master pieces and optimizer state of a partition (ddp: the whole buffer) of ``shard_elems``
+        elements."""
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
         if hostn and opt_on_disk:

@@ -15,6 +15,7 @@ import os
 import platform
 import resource
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,12 +75,13 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
 
 
 def rss_now() -> int:
-    """This process's resident set size now (bytes)."""
+    """This process's resident set size now (bytes); off Linux its peak, the best there is."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
-    except (OSError, IndexError, ValueError):  # not Linux: the high-water mark is the best we have
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    except (OSError, IndexError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024   # macOS counts bytes, others KiB
 
 
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:

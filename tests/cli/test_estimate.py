@@ -70,6 +70,8 @@ def test_cli_prints_deepspeed_layout(capsys):
     assert "DeepSpeed's default sub_group_size" not in capsys.readouterr().out   # the one table is DeepSpeed's
     assert main(["params=many"]) == 2
     assert "not a count" in capsys.readouterr().err
+    assert main(["params=1e9", "buffer_factor=x"]) == 2
+    assert "buffer_factor='x' is not a number" in capsys.readouterr().err
 
 
 def test_nvme_rows_name_their_terms():

@@ -108,3 +108,14 @@ def test_verify_top3_order_matches_measured_on_cpu(tmp_path, monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
+
+
+def test_steps_is_checked_and_needs_verify(capsys):
+    """steps= only sets the length of the --verify runs: alone it is refused, not ignored; a bad value
+    is one line before anything is probed or run."""
+    from framework.cli.plan import main
+
+    assert main(["model=gpt-nano", "steps=3"]) == 2
+    assert "add --verify K or drop steps=" in capsys.readouterr().err
+    assert main(["model=gpt-nano", "--verify", "1", "steps=x"]) == 2
+    assert "steps='x' must be a whole number >= 2" in capsys.readouterr().err
