@@ -11,7 +11,7 @@ live, and how they move. A stage talks to it only through these calls:
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
 ``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is an independent choice: ``Shards``, ``cpu.HostShards`` or ``_disk.DiskShards``.
+Where zero3's shards live is an independent choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
-from framework.offload._disk import DiskPlacement, DiskShards, NVMePlacement
+from framework.offload._disk import DiskPlacement, NVMePlacement
+from framework.offload._diskshards import DiskShards
 from framework.offload._swapfile import ALIGN
 from framework.offload.base import Shards
 from framework.offload.cpu import HostShards

@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 HOT = ["framework/engine/step.py", "framework/engine/update.py", "framework/comm/collectives.py",
        "framework/offload/_pipeline.py", "framework/offload/base.py", "framework/offload/_store.py",
-       "framework/offload/_diskstore.py", "framework/offload/cpu.py", "framework/offload/_disk.py",
+       "framework/offload/_diskstore.py", "framework/offload/cpu.py", "framework/offload/_disk.py", "framework/offload/_diskshards.py",
        "framework/stages"]
 MARK = "host sync:"
 METHODS = {"item", "cpu", "tolist", "numpy", "nonzero"}

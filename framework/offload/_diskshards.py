@@ -1,0 +1,197 @@
+"""zero3's parameter shards on NVMe (``offload.params=nvme``): each shard spilled as construction
+fills it, swapped out to its swap file at the end of setup, and made resident in a slot of a
+``DiskStore`` pool while a gather loads it or the step copies back into it."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from framework.comm.accelerator import Event
+from framework.core.errors import ConfigError, SwapIOError
+from framework.core.footprint import Footprint
+from framework.offload._disk import NVMePlacement, agree_swap_room, parked
+from framework.offload._diskstore import DiskStore
+from framework.offload._gradswap import Spill, read_into
+from framework.offload.base import PieceInfo
+from framework.offload.cpu import HostShards
+
+if TYPE_CHECKING:   # the component module builds the shards: no import back at run time
+    from framework.offload.nvme import NVMeOffloadConfig
+
+
+class DiskShards(HostShards):
+    """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
+    (read ahead in gather order) or the step copies back into them."""
+
+    def __init__(self, spec: NVMeOffloadConfig):
+        super().__init__()
+        self.spec = spec
+        self.keys: dict[int, int] = {}                   # id(shard) -> its key in the store
+        self.spill: Spill | None = None                  # shards spilled during construction
+        self.held: tuple[int, int] | None = None         # (group, key): a shard kept resident
+        self.read_error: BaseException | None = None     # a failed read, until ranks agree on it
+
+    def bind(self, placement: NVMePlacement) -> None:
+        super().bind(placement)
+        # Read ahead in the order the shards were loaded last time (zero3's gather order); the
+        # slot count is settled at pre-flight (``max_in_cpu``).
+        self.store = DiskStore(placement.acc, pin=placement.pin, buffer_count=self.spec.param_buffer_count,
+                               read_ahead=True, write_behind=True, name="parameter", learn_order=True)
+
+    @property
+    def swapped(self) -> bool:
+        """From the end of setup on; until then the shards are in host memory."""
+        return self.store.file is not None
+
+    def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        shard = super().buffer(numel, dtype, device)
+        self.keys[id(shard)] = len(self.keys)   # filled by the stage, swapped out in ``swap_out``
+        self.store.add(self.keys[id(shard)], [shard], park=False)
+        return shard
+
+    def filled(self, shard: torch.Tensor) -> None:
+        """Spilled and its memory released, so construction streams."""
+        if self.keys.get(id(shard)) is None:
+            return
+        if self.spill is None:
+            from framework.core.files import make_dirs
+
+            folder = self.p.folder()
+            make_dirs(folder)   # (0700; removed at close when this run made it)
+            self.spill = Spill(folder)
+        self.spill.put(shard)
+        shard.set_(parked(shard.numel(), shard.dtype).untyped_storage(), 0, shard.shape, (0,))
+
+    def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
+        key = self.keys.get(id(own))
+        if key is None:   # not swapped: the shard holds its values
+            return own[lo:hi]
+        if not self.swapped:   # a swapped-to-be shard is parked until swap_out has written it
+            raise RuntimeError("initial_values before swap_out")
+        file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")
+        short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
+        if short is not None:
+            raise SwapIOError(f"swap file {file.path}: short read at {short}", path=str(file.path),
+                              offset=short, what="initial master values", errno=None)
+        return out
+
+    def swap_out(self) -> None:
+        """Before the optimizer's file: the spill is consumed and closed first (never both on disk),
+        and the masters' initial values are read back from this file."""
+        p, store = self.p, self.store
+        agree_swap_room(p.dist, p.folder(), p.swap_stores(), self._preflight)
+        failed = None
+        try:
+            p.open_swap(store, "params")
+            for key in list(store.order):
+                store.create(key, self._filler(store.entries[key].swapped[0]))
+            store.flush()
+            self._close_spill()
+        except Exception as e:   # noqa: BLE001
+            failed = e
+        p.agree(failed, "writing the parameter shards to their swap file")
+
+    def _filler(self, shard: torch.Tensor):
+        """``DiskStore.create``'s fill for a shard: from its spill (None: its own values)."""
+        if self.spill is None or not self.spill.has(shard):
+            return None
+        return lambda: self.spill.read(shard, 0, shard.numel(), out=shard)
+
+    def _close_spill(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+
+    def _preflight(self) -> None:
+        """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
+        from framework.offload._swapfile import preflight
+
+        store, spec = self.store, self.spec
+        size = next(iter(store.entries.values())).swapped[0].element_size()
+        largest = max(e.swapped[0].numel() for e in store.entries.values())
+        # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
+        # max_in_cpu caps how many shards are resident at once.
+        _, slots, total, _ = store.layout(min(spec.param_buffer_count, spec.max_in_cpu // largest))
+        preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
+                  spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
+                  count_key="offload.param_buffer_count", create=True)
+        store.buffer_count = slots
+        if store.buffer_count == 1 < len(store.entries):
+            # A slot is reused only once its last copy to the device has finished (polled, see
+            # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.
+            print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
+                  f"previous shard's copy to the device; allow at least the units prefetched + 1 slots "
+                  f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
+        if store.buffer_count < 1:
+            raise ConfigError(f"offload buffers too small: offload.max_in_cpu={spec.max_in_cpu} is smaller "
+                              f"than the largest parameter shard ({largest} elements): set "
+                              f"offload.max_in_cpu >= {largest}")
+
+    def memory(self, fp: Footprint, shards) -> None:
+        self.store.memory(fp, "nvme_param_pool", "params")
+
+    def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
+        if not self.swapped:
+            return super().load(dst, shard)
+        self.p.acc.on_device(dst, what="zero3 gather buffer")
+        handle = self.store.acquire(self.keys[id(shard)])   # on the host before the gather (read ahead)
+        try:
+            self.store.wait(handle, host_writes=False)   # (only copied from: no wait for earlier copies)
+        except SwapIOError as e:
+            # Raised on every rank at the next agreement (``read_errors``): this rank still takes
+            # part in the gather, with zeros, so no peer waits in it forever.
+            self.read_error = self.read_error or e
+            self.store.release(handle, None, dirty=False)
+            dst.zero_()
+            return
+        self.store.release(handle, self._copy_in(dst, shard), dirty=False)   # its slot is reused after the copy
+
+    def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        if not self.swapped:
+            return super().write(shard, values)
+        handle = self.store.acquire(self.keys[id(shard)])   # resident inside, written back after
+        self.store.wait(handle)
+        try:
+            self.p.acc.copy(shard, values)
+        finally:
+            self.store.release(handle, None, dirty=True)
+
+    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+        if not self.swapped:
+            return super().copy_back(info, dst, src, after)
+        # resident for host copies, written once
+        self.p.acc.copy(self._hold(info.group)[info.start:info.end], src)
+        return None
+
+    def _hold(self, group: int) -> torch.Tensor:
+        """Group ``group``'s shard, kept resident across the copies back of its pieces and written back
+        once (a write per piece rewrote the whole shard each time: 22 bytes per parameter a step, not 2)."""
+        shard = self.p.partitions[group]
+        if self.held is not None and self.held[0] == group:
+            return shard
+        self.flush()
+        handle = self.store.acquire(self.keys[id(shard)])
+        self.held = (group, handle)
+        self.store.wait(handle)
+        return shard
+
+    def flush(self) -> None:
+        """The shard ``_hold`` keeps (if any) -> written back, released."""
+        held, self.held = self.held, None
+        if held is not None:
+            self.store.release(held[1], None, dirty=True)
+
+    def read_errors(self) -> None:
+        if self.swapped:
+            error, self.read_error = self.read_error, None
+            self.p.agree(error, "reading zero3 parameter shards")
+
+    def close(self) -> None:
+        self._close_spill()
+        if self.held is not None:   # (a step that failed between a copy back and ``flush``)
+            self.store.release(self.held[1], None, dirty=False)
+            self.held = None
+        self.store.close()
+
