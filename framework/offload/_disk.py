@@ -124,7 +124,7 @@ class NVMePlacement(HostPlacement):
         if not numel:
             return
         self.clean_stale()
-        spec, size = self.spec, torch.empty((), dtype=param_dtype).element_size()
+        spec, size = self.spec, param_dtype.itemsize
         params = spec.params == "nvme"
         need = numel * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)
                         + (2 * size if params else 0))

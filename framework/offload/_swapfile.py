@@ -96,7 +96,7 @@ class SwapFile:
         (name -> bytes, in order). ConfigError: another layout, or in use; SwapIOError: no room."""
         syscalls = syscalls or Syscalls()
         path = Path(path)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         table, size = {}, 0
         for name, nbytes in extents.items():
             if nbytes < 0 or nbytes % itemsize:
@@ -264,7 +264,7 @@ class FileMap:
     def extent(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
         """The first bytes of extent ``name`` as a tensor of ``dtype`` and ``shape``."""
         e = self.file.extents[name]
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > e.nbytes:
             raise ValueError(f"extent {name!r} of {self.file.path} holds {e.nbytes} bytes, not {nbytes}")
         return self._bytes[e.offset:e.offset + nbytes].view(dtype).view(shape)
