@@ -67,12 +67,12 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
             c = job.summary["config"]
             tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * job.summary["world"] * c["model"]["context"]
             tps = job.curve("tokens_per_s")[1][1:]   # the first step warms up
-            key = "peak_device_allocated_bytes"
-            if job.peak(key) is None:   # a CPU run: the process's peak
-                key = "peak_rss_bytes"
+            key, peak = "peak_device_allocated_bytes", job.peak("peak_device_allocated_bytes")
+            if peak is None:   # a CPU run: the process's peak
+                key, peak = "peak_rss_bytes", job.peak("peak_rss_bytes")
             results.append({"candidate": p.cand, "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
-                            "predicted_peak": p.device_peak, "measured_peak": job.peak(key), "measured_kind": key})
+                            "predicted_peak": p.device_peak, "measured_peak": peak, "measured_kind": key})
     return results
 
 

@@ -118,7 +118,7 @@ class CropSource(DataSource):
                 raise DataError(f"{name}: the {split} split has {len(arr)} tokens, fewer than "
                                 f"context + 1 = {context + 1}; use more data or a shorter context")
         self.train, self.val = train, val
-        self.vocab_size, self.seed, self.context, self.name = vocab_size, seed, context, name
+        self.vocab_size, self.seed, self.context = vocab_size, seed, context
         self.kind, self.path = kind, path
 
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
@@ -128,7 +128,7 @@ class CropSource(DataSource):
         seqs = torch.from_numpy(np.asarray(data[idx]).astype(np.int64))
         # Cheap here, and far clearer than an out-of-range index inside an embedding kernel.
         if seqs.numel() and int(seqs.max()) >= self.vocab_size:
-            raise DataError(f"{self.name}: token id {int(seqs.max())} >= vocab_size "
+            raise DataError(f"{self.kind} {self.path}: token id {int(seqs.max())} >= vocab_size "
                             f"{self.vocab_size}; set data.vocab_size to the tokenizer's size")
         return seqs
 

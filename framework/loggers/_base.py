@@ -36,9 +36,9 @@ class RunRecord:
     """Rank 0's logger: append-only metrics.jsonl plus an atomically written summary.json, then
     the configured ``logger``."""
 
-    def __init__(self, run_dir: Path, logger: NullLogger = NullLogger()):
+    def __init__(self, run_dir: Path, logger: NullLogger | None = None):
         files.make_dirs(run_dir)
-        self.run_dir, self.logger = run_dir, logger
+        self.run_dir, self.logger = run_dir, logger if logger is not None else NullLogger()
         self._metrics = files.open_append(run_dir / "metrics.jsonl")   # never through a planted link
 
     def start(self, config: dict, total_steps: int) -> None:

@@ -346,7 +346,7 @@ class DiskPlacement(NVMePlacement):
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)
         store.buffer_count = slots
-        preflight(self.folder(), total, 0, 0, 1, create=True)   # (no buffer check: a slot holds any tile)
+        preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         self.check_ram(store.buffer_count * slot + bounce, "")
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:

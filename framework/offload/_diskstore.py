@@ -18,10 +18,6 @@ from framework.offload._aio import aligned_empty, verify_extent
 from framework.offload._swapfile import SwapFile, padded
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
                 ) -> tuple[int, int, int, int]:
     """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``, each the byte
@@ -97,7 +93,7 @@ class DiskStore:
         """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
         keep their memory and values until ``create`` writes them out)."""
         tensors = (*swapped, *scratch)
-        offsets = list(accumulate((padded(_nbytes(t)) for t in tensors), initial=0))[:-1]
+        offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
         self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
         self.order.append(key)
         if park:
@@ -106,11 +102,11 @@ class DiskStore:
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
-        return {f"{k}.{j}": padded(_nbytes(t)) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
+        return {f"{k}.{j}": padded(t.nbytes) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
 
     def layout(self, buffer_count: int | None = None) -> tuple[int, int, int, int]:
         """``pool_layout`` of the entries, with ``buffer_count`` slots (default: this store's)."""
-        sizes = [([_nbytes(t) for t in e.swapped], [_nbytes(t) for t in e.scratch], e.readonly)
+        sizes = [([t.nbytes for t in e.swapped], [t.nbytes for t in e.scratch], e.readonly)
                  for e in self.entries.values()]
         return pool_layout(sizes, self.buffer_count if buffer_count is None else buffer_count)
 
@@ -283,7 +279,7 @@ class DiskStore:
         if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
             self.settle()
         t = self.entries[key].swapped[j]
-        n = _nbytes(t)
+        n = t.nbytes
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
         return n, self.bounce[:padded(n)]
@@ -437,12 +433,12 @@ class DiskStore:
         self.cond.notify_all()
 
     def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
-        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(_nbytes(e.swapped[j]))]
+        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(e.swapped[j].nbytes)]
 
     def _point(self, key: int, slot: _Slot) -> None:
         e = self.entries[key]
         for j, t in enumerate((*e.swapped, *e.scratch)):
-            t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + _nbytes(t)].view(t.dtype).view(t.shape))
+            t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.nbytes].view(t.dtype).view(t.shape))
 
     def _park(self, t: torch.Tensor) -> None:
         if t.dtype not in self.parking:

@@ -376,8 +376,8 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
                           f"refusing to reuse it: {fix}")
 
 
-def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int, buffer_bytes: int,
-              buffer_count: int, *, min_buffer_count: int = 1, itemsize: int = 1,
+def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
+              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
               size_key: str = "offload.buffer_size", count_key: str = "offload.buffer_count",
               create: bool = False) -> None:
     """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise:

@@ -119,12 +119,12 @@ class FlatGrads:
         """Complete the step's reduction; per group, the buffer the summed gradients live in."""
         if self.dist.world > 1:
             self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
+            summed = self.summed()
             for b, pending, buf in self.work:
                 self.dist.comm.wait(pending, self.what)
                 if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
-                    summed = self.summed()[b.group]
                     for lo, hi, off in own_parts(b, *self.bounds[b.group]):
-                        summed[lo:hi].copy_(buf[off:off + hi - lo])
+                        summed[b.group][lo:hi].copy_(buf[off:off + hi - lo])
             self.work = []
         else:   # every range is final at once: there is nothing to reduce
             for g, grad in enumerate(self.grads):

@@ -64,8 +64,9 @@ class Zero2Stage(ShardedStage):
                 if end > numel:
                     buf[base + max(start, numel) - start:base + end - start].zero_()
                 base += end - start
-            wire = [buf] if b.contiguous else list(buf.chunk(b.count))
-            pieces = [(start, t) for (start, _), t in zip(b.ranges, buf.chunk(b.count))]
+            chunks = buf.chunk(b.count)
+            wire = [buf] if b.contiguous else list(chunks)
+            pieces = [(start, t) for (start, _), t in zip(b.ranges, chunks)]
             pending = reduce_bucket(comm, wire, b, shard, rs, what)
         else:  # reduce each gradient piece where it lies (no bucket buffer)
             buf = None

@@ -85,6 +85,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
         _fits(c, folder, body, md, StateLayout.of(specs), per, scalars)
+        check_format(body["state_format"])   # before reading anything
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
@@ -120,7 +121,6 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            check_format(body["state_format"])
             for k, host in hosts.items():
                 for key, t in pieces[k].items():
                     t.copy_(host[key])
