@@ -5,10 +5,8 @@
 
 Precedence: our defaults and YAML < the DeepSpeed file < the command line; keys a file leaves out
 follow DeepSpeed's defaults where DeepSpeed's engine decides, our config where it leaves them to
-its client. The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections
-in ``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
-and settings; ``resolve`` (``_resolve``) fills "auto" by Hugging Face's rules and checks the values
-the file states against the ones the run derives, reporting every mismatch together.
+its client. The package is pure: ``load`` parses, ``translate`` maps the file to group choices and
+settings, ``resolve`` fills "auto" by Hugging Face's rules and checks the file against the run.
 """
 from __future__ import annotations
 
