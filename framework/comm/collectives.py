@@ -51,12 +51,6 @@ def adjacent(chunks: list[Tensor]) -> bool:
                for k, c in enumerate(chunks))
 
 
-def joined(chunks: list[Tensor]) -> Tensor:
-    """The adjacent chunks as one tensor (a view, no copy)."""
-    c = chunks[0]
-    return c.as_strided((c.numel() * len(chunks),), (1,), c.storage_offset())
-
-
 class Collectives:
     def __init__(self, dist, ops=tdist):
         # ``ops``: the module providing the primitives (torch.distributed; a recording fake in tests).
@@ -171,8 +165,10 @@ class Nccl(Collectives):
         return Pending([self._go(what, self.ops.all_gather_into_tensor, full, mine)])
 
     def reduce_scatter(self, chunks, what):
-        if adjacent(chunks):
-            return self._reduce_scatter_in_place(joined(chunks), what)
+        if adjacent(chunks):   # one aligned buffer: reduce-scatter a view of it
+            c = chunks[0]
+            return self._reduce_scatter_in_place(c.as_strided((c.numel() * len(chunks),), (1,), c.storage_offset()),
+                                                 what)
         # Stripes of a larger buffer: gather them into one aligned staging buffer (one copy kernel),
         # reduce-scatter it in place, and copy this rank's sum back once the collective is done.
         staging = torch.cat(chunks)

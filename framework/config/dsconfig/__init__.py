@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Mapping
 
 from framework.core.errors import ConfigError
-from framework.config.dsconfig._keys import (AUTO, AUTO_FILLED, COMMAND_LINE, DEFAULT, DS_DEFAULT, DS_FILE,
-                                             STAGES, YAML)
-from framework.config.dsconfig._resolve import Resolved, RunFacts, resolve
-from framework.config.dsconfig._translate import Setting, Translation, translate
+from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_FILE, YAML
+from framework.config.dsconfig._resolve import RunFacts, resolve
+from framework.config.dsconfig._translate import translate
 
 
 def load(source: str | Path | Mapping) -> dict:
@@ -49,5 +48,4 @@ def load(source: str | Path | Mapping) -> dict:
     return data
 
 
-__all__ = ["AUTO", "AUTO_FILLED", "COMMAND_LINE", "DEFAULT", "DS_DEFAULT", "DS_FILE", "STAGES", "YAML", "Resolved",
-           "RunFacts", "Setting", "Translation", "load", "resolve", "translate"]
+__all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve", "translate"]
