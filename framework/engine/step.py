@@ -1,4 +1,4 @@
-"""build_train_step / build_eval_step: a fixed sequence of calls on stage, precision and optimizer.
+"""build_train_step: a fixed sequence of calls on stage, precision and optimizer.
 
     state, metrics = train_step(state, batch)   # one optimizer step over len(batch.micro) micro batches
 
