@@ -80,7 +80,7 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
         fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
         try:
             for e in plan.entries:
-                write_at(fd, e.offset, ckpt.read([e.name])[e.name].reshape(-1), e.dtype)
+                write_at(fd, e.offset, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous())
                 _trim()   # (the tensor is freed once written)
         finally:
             os.close(fd)

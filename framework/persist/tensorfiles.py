@@ -267,18 +267,12 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
             f.truncate(plan.size)
 
 
-def write_at(fd: int, offset: int, values: torch.Tensor, dtype: torch.dtype, release=None) -> None:
-    """The flat tensor ``values`` (on any device) as ``dtype`` -> the file at byte ``offset``,
-    ``WRITE_CHUNK`` elements at a time; ``release(part)``: called after each part is written."""
-    for s in range(0, values.numel(), WRITE_CHUNK):
-        part = values[s:s + WRITE_CHUNK]
-        view = memoryview(part.to(dtype).to("cpu").contiguous().view(torch.uint8).numpy())   # convert, then move
-        pos = offset + s * dtype.itemsize
-        while len(view):
-            n = os.pwrite(fd, view, pos)
-            view, pos = view[n:], pos + n
-        if release is not None:
-            release(part)
+def write_at(fd: int, offset: int, values: torch.Tensor) -> None:
+    """The bytes of the contiguous host tensor ``values`` -> the file at ``offset``."""
+    view = memoryview(values.view(torch.uint8).numpy())
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:

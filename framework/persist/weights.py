@@ -24,7 +24,7 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (INDEX, WeightsSource, create_files, finish_files,
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
                                            open_weights, plan_files, write_at)
 from framework.core.utils import few
 
@@ -172,8 +172,11 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                 if fname not in fds:
                     fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
                     stack.callback(os.close, fds[fname])
-                # a mapped swap file's pages leave the process as they are written
-                write_at(fds[fname], offset, view, out_dtype, fmap.release if fmap is not None else None)
+                for s in range(0, view.numel(), WRITE_CHUNK):
+                    chunk = view[s:s + WRITE_CHUNK].to(out_dtype)   # convert where the values are, then move
+                    write_at(fds[fname], offset + s * out_dtype.itemsize, chunk.to("cpu").contiguous())
+                    if fmap is not None:   # a mapped swap file's pages leave the process as they are written
+                        fmap.release(view[s:s + WRITE_CHUNK])
             for fd in fds.values():
                 os.fsync(fd)
             # what was read from the mapped pages is what was checked: the extents again after the write
