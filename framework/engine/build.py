@@ -23,8 +23,8 @@ from framework.comm.distributed import Dist, connect
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
-from framework.engine.state import TrainState
-from framework.engine.step import Components, LossFn, build_train_step, init_state
+from framework.engine.state import TrainState, capture_rng
+from framework.engine.step import Components, LossFn, build_train_step
 from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained
@@ -194,7 +194,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
                    stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite)
-    return Engine(c, init_state(c, setup.master, position), cfg)
+    state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
+                       precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
+    return Engine(c, state, cfg)
 
 
 def hidden_size_of(module: nn.Module) -> int | None:

@@ -42,11 +42,6 @@ class Components:
     on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
 
 
-def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
-    return TrainState(step=0, params=tuple(master), opt_state=c.update.init(list(master)),
-                      precision=c.policy.init_state(), rng=capture_rng(c.dist.device), data=position)
-
-
 def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
