@@ -197,7 +197,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import make_layout, param_groups, plan_buckets
+    from framework.stages import bucket_buffers, expected_order, make_layout, param_groups, plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
@@ -283,12 +283,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            slots = [(g, s) for g, lay in enumerate(layouts) for s in lay.slots]
-            order = [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(slots)))]
+            order = expected_order([(g, s) for g, lay in enumerate(layouts) for s in lay.slots])
             buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
-            biggest = max(b.numel for b in buckets)
-            n_buf = (min(2 if cfg.stage.overlap_comm else 1, len(buckets))
-                     if cfg.stage.contiguous_gradients else 0)
+            n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
             # Parameter .grad tensors live until their bucket is copied out: when one bucket holds a
