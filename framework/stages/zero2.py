@@ -13,12 +13,10 @@ import torch
 from framework.comm.collectives import Pending
 from framework.core.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
-from framework.stages._reduce import (expected_order, own_overlap, plan_buckets, plan_round_robin, reduce_bucket,
-                                      reduce_to_owners)
+from framework.stages._reduce import (bucket_buffers, expected_order, own_overlap, plan_buckets, plan_round_robin,
+                                      reduce_bucket, reduce_to_owners)
 from framework.stages._sharded import ShardedStage, ZeroConfig
 from framework.core.utils import tensor_bytes
-
-IN_FLIGHT = 2   # bucket buffers in flight: launching a third first completes the oldest
 
 
 class Zero2Stage(ShardedStage):
@@ -38,9 +36,7 @@ class Zero2Stage(ShardedStage):
         buckets = plan(expected_order(self.slots), self.cfg.reduce_bucket_size,
                        {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
-        # Without overlap_comm each bucket completes before the next is filled: one buffer does.
-        n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0
-        size = max(b.numel for b in buckets)
+        n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
