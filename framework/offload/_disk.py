@@ -13,7 +13,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -74,13 +75,12 @@ def _allocated(path) -> int:
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
-    def __init__(self, spec: NVMeOffloadConfig, host_fraction: float, pin: bool, shards: Shards | None = None,
-                 overlap_step: bool = False, accelerator: Accelerator | None = None):
+    def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
         self._made: str | None = None     # the swap folder, when this run made it
-        super().__init__(host_fraction, pin, shards, overlap_step, accelerator)
+        super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
         _return_freed_memory()
@@ -93,18 +93,17 @@ class NVMePlacement(HostPlacement):
         return {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """With every swap file made and written (before the first step)."""
+        """With every swap file made and written (before the first step); zero3's shards go first."""
         try:
+            self.clean_stale()
+            self.shards.swap_out()
             return self._init_state(tx, params)
         except BaseException:
             self.close()   # no swap file outlives a failed start
             raise
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        full = tx.init(list(params))
-        self.clean_stale()
-        self.shards.swap_out()
-        return full
+        return tx.init(list(params))
 
     def clean_stale(self) -> None:
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
@@ -171,6 +170,21 @@ class NVMePlacement(HostPlacement):
         print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
               f"host pool {store.buffer_count} x {slot} bytes", flush=True)
 
+    def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
+        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
+        write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that cannot stops every rank
+        (``agree``), none is left waiting in a collective."""
+        agree_swap_room(self.dist, self.folder(), self.swap_stores(), check)
+        failed = None
+        try:
+            self.open_swap(store, kind)
+            for key, fill in fills:
+                store.create(key, fill)
+            store.flush()
+        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
+            failed = e
+        self.agree(failed, what)
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
         if self.dist is None or self.dist.world == 1:
@@ -234,13 +248,9 @@ def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
         torch.zeros(1, dtype=dtype, device="cpu").untyped_storage(), 0, (numel,), (0,))
 
 
-class DiskPlacement(NVMePlacement):
+class DiskPlacement(GradSwap, NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK)."""
-
-    def __init__(self, *args, **kwargs):
-        self.gradswap: GradSwap | None = None   # (``swap_grads``) owned gradients in the swap file
-        super().__init__(*args, **kwargs)
 
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
@@ -254,12 +264,12 @@ class DiskPlacement(NVMePlacement):
         """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
         at a pool slot only while resident) and fills them from ``own``."""
         step, host, pieces = min(chunk or max(k, 1), self.spec.sub_group_size), self.stores[Tier.HOST], []
-        if self.gradswap is None:   # gradients in host memory: one pinned arena for the partition
+        if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
             host.reserve([(min(a + step, k) - a, master_dtype) for a in range(0, k, step)])
         for a in range(0, k, step):
             b = min(a + step, k)
-            if self.gradswap is not None:   # in the swap file beside the tile (``_gradswap``)
-                grad = parked(b - a, self.gradswap.dtype)
+            if self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
+                grad = parked(b - a, self.grad_dtype)
             else:
                 grad = host.allocate(b - a, master_dtype)
                 grad.zero_()
@@ -267,42 +277,11 @@ class DiskPlacement(NVMePlacement):
             pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
         return pieces
 
-    @property
-    def grad_swap(self) -> bool:
-        return self.gradswap is not None
-
-    def swap_grads(self, accum_dtype: torch.dtype) -> bool:
-        """With every piece stepped by the host the owned gradients live beside their tiles."""
-        if self.host_fraction == 1.0:
-            self.gradswap = GradSwap(accum_dtype)
-        return self.grad_swap
-
-    def load_grad(self, group: int, numel: int, device: torch.device) -> torch.Tensor:
-        return self.gradswap.load(group, numel, device)
-
-    def save_grad(self, group: int, buf: torch.Tensor, final: bool) -> None:
-        self.gradswap.save(group, buf, final, self.acc.device)
-
-    def finish_grads(self, sizes: Sequence[int]) -> None:
-        self.gradswap.finish(sizes, self.acc.device)
-
-    def grad_sq_norm_local(self, sizes: Sequence[int]) -> torch.Tensor:
-        return self.gradswap.sq_norm(sizes, self.acc.device)
-
-    def clear_grads(self) -> None:
-        if self.gradswap is not None:
-            self.gradswap.clear()
-
-    def readable_grads(self, grads: Sequence[torch.Tensor]):
-        return grads if self.gradswap is None else self.gradswap.piece_grads(self.infos)
-
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
-        holds at most a slot's worth); zero3's shards go to their swap file first."""
+        holds at most a slot's worth)."""
         from framework.optimizers import group_state, init_groups, merge_groups
 
-        self.clean_stale()
-        self.shards.swap_out()
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -317,26 +296,20 @@ class DiskPlacement(NVMePlacement):
             store.add(info.index, [info.piece.master, *group_state(state, n, info.index), *grad],
                       [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
-        agree_swap_room(self.dist, self.folder(), self.swap_stores(), lambda: self._preflight(store))
-        failed = None
-        try:   # a rank that cannot open its swap file stops every rank below, none left in a collective
-            self.open_swap(store, "optim")
-            if self.gradswap is not None:
-                self.gradswap.bind(store, disk, self.acc)
-            for info in disk:   # initial values: the working values and a fresh state, written out
-                def fill(info=info):
-                    values = self.shards.initial_values(info.partition, info.start, info.end)
-                    self.acc.copy(info.piece.master, values)   # blocking: setup
-                    fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
-                    for dst, src in zip(group_state(full, n, info.index), fresh):
-                        dst.copy_(src)
-                    if self.grad_swap:
-                        info.piece.grad.zero_()
-                store.create(info.index, fill)
-            store.flush()
-        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
-            failed = e
-        self.agree(failed, "writing the initial state to the swap files")
+        if self.grad_swap:
+            self.start_grad_writer(disk)
+
+        def fill(info):   # initial values: the working values and a fresh state, written out
+            values = self.shards.initial_values(info.partition, info.start, info.end)
+            self.acc.copy(info.piece.master, values)   # blocking: setup
+            fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
+            for dst, src in zip(group_state(full, n, info.index), fresh):
+                dst.copy_(src)
+            if self.grad_swap:
+                info.piece.grad.zero_()
+        self.write_swap(store, "optim", lambda: self._preflight(store),
+                        ((info.index, partial(fill, info)) for info in disk),
+                        "writing the initial state to the swap files")
         return full
 
     def _preflight(self, store: DiskStore) -> None:
@@ -402,7 +375,3 @@ class DiskPlacement(NVMePlacement):
     def unmapped(self, fmap: Any) -> None:
         self.stores[Tier.DISK].unmapped(fmap)
 
-    def close(self) -> None:
-        if self.gradswap is not None:
-            self.gradswap.close()
-        super().close()

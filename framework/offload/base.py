@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -25,6 +25,9 @@ from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier
+
+if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
+    from framework.offload._pipeline import PiecePipeline
 
 
 @dataclass(frozen=True)
@@ -56,13 +59,6 @@ class PieceInfo:
         """Where its updated values go: its range of the working partition. A view made on use: a
         view kept here would keep a zero3 shard's memory alive after it moved to the swap file."""
         return self.partition[self.start:self.end]
-
-
-class GradListener(Protocol):
-    """What a piece pipeline implements to hear from the stage through its offload target."""
-
-    def ready(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None: ...
-    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 class Shards:
@@ -141,7 +137,7 @@ class Placement:
         self.acc: Accelerator | None = None
         self.infos: list[PieceInfo] = []
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
-        self.listener: GradListener | None = None
+        self.listener: PiecePipeline | None = None   # hears from the stage once ``make_update`` built it
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -246,17 +242,10 @@ class Placement:
             self.listener.ready(group, lo, hi, grad)
 
     def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradient pieces aligned with ``pieces()`` (master dtype)."""
+        """Gradient pieces aligned with ``pieces()`` (master dtype); host pieces have a pipeline."""
         if self.listener is not None:
             return self.listener.grads(parts)
-        out = []
-        for info in self.infos:
-            g = parts[info.group][info.start:info.end]
-            if info.tier is not Tier.DEVICE:  # no pipeline (a stage driven by hand): copy and wait
-                self.copy_grad(info, g).synchronize()
-                g = info.piece.grad
-            out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
-        return out
+        return [parts[i.group][i.start:i.end].to(i.piece.master.dtype) for i in self.infos]
 
     def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
         """Queue ``src`` -> the piece's host gradient buffer on the D2H stream after ``produced`` (default:
@@ -360,7 +349,7 @@ class Placement:
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
-        self.listener = PiecePipeline(tx, self, gather, speculative=self.overlap_step)
+        self.listener = PiecePipeline(tx, self, gather)
         return self.listener
 
     def step_errors(self, failed: BaseException | None) -> None:
