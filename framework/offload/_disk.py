@@ -24,7 +24,7 @@ from framework.core.footprint import Footprint
 from framework.core.room import Claim, nearest_existing, shortfalls
 from framework.core.units import GiB, MiB
 from framework.core.utils import tensor_bytes
-from framework.offload._diskstore import DiskStore
+from framework.offload._diskstore import DiskStore, parked
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
 from framework.offload._swapfile import reserved_bytes, swap_path
@@ -88,9 +88,6 @@ class NVMePlacement(HostPlacement):
 
     def swaps(self) -> bool:
         return True
-
-    def swap_stores(self) -> dict:
-        return {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """With every swap file made and written (before the first step); zero3's shards go first."""
@@ -156,28 +153,25 @@ class NVMePlacement(HostPlacement):
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
         return self._tmpdir
 
-    def open_swap(self, store: DiskStore, kind: str) -> None:
-        """After the pre-flight: ``store``'s swap file, IO engine and pool."""
+    def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
+        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file, IO
+        engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
+        cannot stops every rank (``agree``), none is left waiting in a collective."""
         from framework.offload._aio import AsyncIO
 
-        rank = self.dist.rank if self.dist is not None else 0
-        path = swap_path(self.folder(), rank, kind)
-        aio = self.spec.aio
-        store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
-                   self.dist.world if self.dist is not None else 1)
-        slot, _, total, _ = store.layout()
-        what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
-        print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
-              f"host pool {store.buffer_count} x {slot} bytes", flush=True)
-
-    def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
-        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
-        write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that cannot stops every rank
-        (``agree``), none is left waiting in a collective."""
-        agree_swap_room(self.dist, self.folder(), self.swap_stores(), check)
+        stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
+        agree_swap_room(self.dist, self.folder(), stores, check)
         failed = None
         try:
-            self.open_swap(store, kind)
+            rank = self.dist.rank if self.dist is not None else 0
+            path = swap_path(self.folder(), rank, kind)
+            aio = self.spec.aio
+            store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
+                       self.dist.world if self.dist is not None else 1)
+            slot, _, total, _ = store.layout()
+            held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
+            print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path}; "
+                  f"host pool {store.buffer_count} x {slot} bytes", flush=True)
             for key, fill in fills:
                 store.create(key, fill)
             store.flush()
@@ -240,12 +234,6 @@ def _available_ram() -> int | None:
     except OSError:
         return None
     return None
-
-
-def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
-    return torch.empty(0, dtype=dtype, device="cpu").set_(
-        torch.zeros(1, dtype=dtype, device="cpu").untyped_storage(), 0, (numel,), (0,))
 
 
 class DiskPlacement(GradSwap, NVMePlacement):

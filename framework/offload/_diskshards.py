@@ -12,8 +12,8 @@ import torch
 from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.footprint import Footprint
-from framework.offload._disk import NVMePlacement, parked
-from framework.offload._diskstore import DiskStore
+from framework.offload._disk import NVMePlacement
+from framework.offload._diskstore import DiskStore, park_tensor
 from framework.offload.base import PieceInfo
 from framework.offload.cpu import HostShards
 
@@ -81,7 +81,7 @@ class DiskShards(HostShards):
         done = 0
         while done < len(data):
             done += os.pwrite(self.spill, data[done:], at + done)
-        shard.set_(parked(shard.numel(), shard.dtype).untyped_storage(), 0, shard.shape, (0,))
+        park_tensor(shard)
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""

@@ -30,6 +30,16 @@ def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buf
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
 
 
+def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
+    return torch.empty(0, dtype=dtype).set_(torch.zeros(1, dtype=dtype).untyped_storage(), 0, (numel,), (0,))
+
+
+def park_tensor(t: torch.Tensor) -> None:
+    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder."""
+    t.set_(parked(1, t.dtype).untyped_storage(), 0, t.shape, (0,) * t.dim())
+
+
 @dataclass
 class _Entry:
     """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
@@ -79,7 +89,6 @@ class DiskStore:
         self.slots: list[_Slot] = []
         self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
         self.writing: deque[_Slot] = deque()
-        self.parking: dict[torch.dtype, torch.Tensor] = {}
         self.cond = threading.Condition()
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
@@ -98,7 +107,7 @@ class DiskStore:
         self.order.append(key)
         if park:
             for t in tensors:
-                self._park(t)
+                park_tensor(t)
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
@@ -427,7 +436,7 @@ class DiskStore:
     def _free(self, slot: _Slot) -> None:
         e = self.entries[slot.key]
         for t in (*e.swapped, *e.scratch):
-            self._park(t)
+            park_tensor(t)
         self.where.pop(slot.key, None)
         slot.key, slot.state, slot.io = None, "free", []
         self.cond.notify_all()
@@ -439,9 +448,4 @@ class DiskStore:
         e = self.entries[key]
         for j, t in enumerate((*e.swapped, *e.scratch)):
             t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.nbytes].view(t.dtype).view(t.shape))
-
-    def _park(self, t: torch.Tensor) -> None:
-        if t.dtype not in self.parking:
-            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype, device=t.device)
-        t.set_(self.parking[t.dtype].untyped_storage(), 0, t.shape, (0,) * t.dim())
 
