@@ -18,17 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from framework.comm.accelerator import Accelerator, Event
+from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
-from framework.core.footprint import Footprint
 from framework.core.room import Claim, nearest_existing, shortfalls
 from framework.core.units import GiB, MiB
-from framework.core.utils import tensor_bytes
 from framework.offload._diskstore import DiskStore, parked
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
 from framework.offload._swapfile import reserved_bytes, swap_path
-from framework.offload.base import Piece, PieceInfo, Shards
+from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
@@ -310,43 +308,9 @@ class DiskPlacement(GradSwap, NVMePlacement):
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         self.check_ram(store.buffer_count * slot + bounce, "")
 
-    def memory(self, fp: Footprint, opt_state: Any) -> None:
-        super().memory(fp, opt_state)
-        self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
-
-    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
-        if info.tier is not Tier.DISK:
-            super()._piece_memory(fp, info, state)
-        elif not self.grad_swap:   # master, state and staging are in the pool; the gradient buffer is not
-            fp.add("host_grad_buffers", host=tensor_bytes([info.piece.grad]))
-
     def step_errors(self, failed: BaseException | None) -> None:
         # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
         self.agree(failed, "stepping the optimizer tiles")
-
-    def _publish(self, info: PieceInfo, after: Event) -> Event | None:
-        if info.tier is not Tier.DISK:
-            return super()._publish(info, after)
-        store = self.stores[Tier.DISK]
-        handle = store.acquire(info.index)   # resident while its values are copied back
-        store.wait(handle)
-        if info.piece.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
-            info.piece.staging.copy_(info.piece.master)
-        ev = self.copy_back(info, after)
-        store.release(handle, ev)
-        return ev
-
-    def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
-        store = self.stores[Tier.DISK]
-        for p in pieces:
-            info = next((i for i in self.infos if i.piece is p and i.tier is Tier.DISK), None)
-            if info is None:
-                super().reset_master([p], shard, values)
-                continue
-            handle = store.acquire(info.index)
-            store.wait(handle)
-            self.acc.copy(p.master, values[p.start:p.end])
-            store.release(handle, None)
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:

@@ -102,7 +102,7 @@ class DiskShards(HostShards):
         and the masters' initial values are read back from this file."""
         store = self.store
         self.p.write_swap(store, "params", self._preflight,
-                          ((key, self._filler(store.entries[key].swapped[0])) for key in list(store.order)),
+                          ((key, self._filler(store.entries[key].swapped[0])) for key in list(store.entries)),
                           "writing the parameter shards to their swap file")
         self._close_spill()
 

@@ -20,11 +20,9 @@ from framework.offload._swapfile import SwapFile, padded
 
 def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
                 ) -> tuple[int, int, int, int]:
-    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``, each the byte
-    sizes of its swapped and scratch tensors and how many swapped ones (the last) are read-only:
-    every tensor padded to the file's block, a slot as large as the largest entry, never more slots
-    than entries, only swapped tensors in the file, and a bounce buffer (``write_extent``) as large
-    as the largest read-only tensor. The store and the estimator (``framework.memory``) both use it."""
+    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries`` (the byte sizes of
+    each's swapped and scratch tensors, and how many swapped ones, last, are read-only): for the store
+    and the estimator (``framework.memory``) alike. The bounce buffer holds a read-only tensor."""
     slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
     bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
@@ -44,8 +42,7 @@ def park_tensor(t: torch.Tensor) -> None:
 class _Entry:
     """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
     need room while it is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor objects
-    are stable (the train and optimizer state hold them): they view its slot while it is resident,
-    else a one-element parking storage with zero strides (no buffer held, writes raise)."""
+    are stable (the state holds them): they view its slot while it is resident, else are parked."""
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
@@ -81,11 +78,10 @@ class DiskStore:
                  name: str, learn_order: bool = False):
         self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
         self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
-        # learn_order: the read-ahead follows the order of the previous acquires (zero3's recorded
-        # gather order) instead of the order pieces were added (the optimizer's tile order)
+        # The read-ahead reads ``follow[k]`` after k: the order pieces were added (the optimizer's tile
+        # order), or with ``learn_order`` that of the previous acquires (zero3's recorded gather order).
         self.learn_order, self.follow, self.last = learn_order, {}, None
         self.entries: dict[int, _Entry] = {}
-        self.order: list[int] = []          # keys in the order the pipeline steps them
         self.slots: list[_Slot] = []
         self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
         self.writing: deque[_Slot] = deque()
@@ -103,8 +99,9 @@ class DiskStore:
         keep their memory and values until ``create`` writes them out)."""
         tensors = (*swapped, *scratch)
         offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
+        if self.entries and not self.learn_order:
+            self.follow[next(reversed(self.entries))] = key
         self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
-        self.order.append(key)
         if park:
             for t in tensors:
                 park_tensor(t)
@@ -151,7 +148,7 @@ class DiskStore:
                     self.follow[self.last] = key
                 self.last = key
             if self.read_ahead:
-                nxt = self._next(key)
+                nxt = self.follow.get(key)
                 if nxt is not None and nxt not in self.where:
                     free = self._free_slot(block=False)
                     if free is not None:
@@ -350,12 +347,6 @@ class DiskStore:
         fp.add_disk(file, sum(self.extents().values()))
 
     # --- internals (called with the condition held unless said otherwise) --------------------
-
-    def _next(self, key: int) -> int | None:
-        if self.learn_order:
-            return self.follow.get(key)
-        i = self.order.index(key) + 1
-        return self.order[i] if i < len(self.order) else None
 
     def _free_slot(self, block: bool) -> _Slot | None:
         """A slot to read into. Slots whose last copy to the device still runs are taken only when

@@ -207,19 +207,20 @@ class Placement:
         from framework.optimizers import group_state
 
         for info in self.infos:
-            self._piece_memory(fp, info, tensor_bytes(group_state(opt_state, len(self.infos), info.index)))
-
-    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
-        p = info.piece
-        if info.tier is Tier.DEVICE:
-            separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
-            fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
-            fp.add("optimizer_state", device=state)
-        else:   # tier HOST
-            fp.add("master_params", host=tensor_bytes([p.master]))
-            fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
-            fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
-            fp.add("optimizer_state", host=state)
+            p, state = info.piece, tensor_bytes(group_state(opt_state, len(self.infos), info.index))
+            if info.tier is Tier.DEVICE:
+                separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
+                fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
+                fp.add("optimizer_state", device=state)
+            elif info.tier is Tier.HOST:
+                fp.add("master_params", host=tensor_bytes([p.master]))
+                fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
+                fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
+                fp.add("optimizer_state", host=state)
+            elif not self.grad_swap:   # DISK: master, state and staging are in the pool; the gradient buffer is not
+                fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
+        if Tier.DISK in self.stores:
+            self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
 
     def shard_memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
         """zero3's parameter shards, where ``shards`` keeps them."""
@@ -299,10 +300,14 @@ class Placement:
         self.working_ready(copies)
 
     def _publish(self, info: PieceInfo, after: Event) -> Event | None:
+        store = self.stores.get(info.tier)
+        if info.tier is Tier.DISK:   # resident while its values are copied back
+            store.wait(store.acquire(info.index))
+            if info.piece.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
+                info.piece.staging.copy_(info.piece.master)
         ev = self.copy_back(info, after)
-        if ev is not None:   # the host waits for this copy before writing the piece
-            store = self.stores[info.tier]
-            store.release(store.acquire(info.index), ev)
+        if ev is not None or info.tier is Tier.DISK:   # the host waits for this copy before writing the piece
+            store.release(info.index, ev)
         return ev
 
     def out16(self) -> list[torch.Tensor] | None:
@@ -342,9 +347,15 @@ class Placement:
 
     def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
         """``values`` (the partition, device) -> the master of every piece that is not ``shard`` itself."""
+        store, disk = self.stores.get(Tier.DISK), {id(i.piece): i.index for i in self.infos if i.tier is Tier.DISK}
         for p in pieces:
+            k = disk.get(id(p))
+            if k is not None:   # resident while it is written
+                store.wait(store.acquire(k))
             if p.master.data_ptr() != shard[p.start:].data_ptr():
                 self.acc.copy(p.master, values[p.start:p.end])
+            if k is not None:
+                store.release(k, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""
