@@ -246,7 +246,7 @@ class DiskPlacement(GradSwap, NVMePlacement):
                                            name="optimizer")
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[tuple[Tier, Piece]]:
+                    chunk: int | None) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
         at a pool slot only while resident) and fills them from ``own``."""
         step, host, pieces = min(chunk or max(k, 1), self.spec.sub_group_size), self.stores[Tier.HOST], []
@@ -260,7 +260,7 @@ class DiskPlacement(GradSwap, NVMePlacement):
                 grad = host.allocate(b - a, master_dtype)
                 grad.zero_()
             staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
-            pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
+            pieces.append(Piece(a, b, parked(b - a, master_dtype), grad, staging, Tier.DISK))
         return pieces
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
@@ -278,21 +278,21 @@ class DiskPlacement(GradSwap, NVMePlacement):
             state = init_groups(tx, params, {info.index})
             owner[info.index] = len(states)
             states.append(state)
-            grad = [info.piece.grad] if self.grad_swap else []
-            store.add(info.index, [info.piece.master, *group_state(state, n, info.index), *grad],
-                      [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
+            grad = [info.grad] if self.grad_swap else []
+            store.add(info.index, [info.master, *group_state(state, n, info.index), *grad],
+                      [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         if self.grad_swap:
             self.start_grad_writer(disk)
 
         def fill(info):   # initial values: the working values and a fresh state, written out
             values = self.shards.initial_values(info.partition, info.start, info.end)
-            self.acc.copy(info.piece.master, values)   # blocking: setup
+            self.acc.copy(info.master, values)   # blocking: setup
             fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
             for dst, src in zip(group_state(full, n, info.index), fresh):
                 dst.copy_(src)
             if self.grad_swap:
-                info.piece.grad.zero_()
+                info.grad.zero_()
         self.write_swap(store, "optim", lambda: self._preflight(store),
                         ((info.index, partial(fill, info)) for info in disk),
                         "writing the initial state to the swap files")

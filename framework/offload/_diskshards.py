@@ -14,7 +14,7 @@ from framework.core.errors import ConfigError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor
-from framework.offload.base import PieceInfo
+from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
 if TYPE_CHECKING:   # the component module builds the shards: no import back at run time
@@ -178,7 +178,7 @@ class DiskShards(HostShards):
         finally:
             self.store.release(handle, None, dirty=True)
 
-    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         if not self.swapped:
             return super().copy_back(info, dst, src, after)
         # resident for host copies, written once

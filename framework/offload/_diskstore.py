@@ -263,32 +263,32 @@ class DiskStore:
 
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
-    def write_extent(self, key: int, j: int, src: torch.Tensor) -> None:
-        """``src`` (host, contiguous; ``swapped[j]``'s size) -> piece ``key``'s tensor ``j`` in the
+    def write_extent(self, key: int, src: torch.Tensor) -> None:
+        """``src`` (host, contiguous) -> piece ``key``'s last swapped tensor (its read-only tail) in the
         swap file, waited for, through a page-aligned bounce buffer (the extent padded, as the slot
         reads it back, so the checksums are kept over the same pieces)."""
-        n, buf = self._bounce(key, j)
+        j, n, buf = self._bounce(key)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
         self._wait_io([self._extent_io(self.io.pwrite, key, j, buf)])
         self.bytes_written += buf.numel()
 
-    def read_extent(self, key: int, j: int, dst: torch.Tensor) -> None:
-        """Piece ``key``'s tensor ``j`` from the swap file -> ``dst`` (host, contiguous), waited for."""
-        n, buf = self._bounce(key, j)
+    def read_extent(self, key: int, dst: torch.Tensor) -> None:
+        """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for."""
+        j, n, buf = self._bounce(key)
         self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
 
-    def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
-        """(bytes, padded bounce buffer) for piece ``key``'s tensor ``j``, which must not be in a slot."""
+    def _bounce(self, key: int) -> tuple[int, int, torch.Tensor]:
+        """(index, bytes, padded bounce buffer) of piece ``key``'s last tensor, once no slot holds it."""
         if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
             self.settle()
-        t = self.entries[key].swapped[j]
-        n = t.nbytes
+        swapped = self.entries[key].swapped
+        n = swapped[-1].nbytes
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
-        return n, self.bounce[:padded(n)]
+        return len(swapped) - 1, n, self.bounce[:padded(n)]
 
     def settle(self) -> None:
         """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy

@@ -36,7 +36,7 @@ class GradSwap:
             self.grad_dtype = accum_dtype
             self.written: set[int] = set()            # groups whose extents hold this step's sums
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
-            self.grad_pieces: dict[int, list] = {}    # group -> its disk PieceInfos, in order
+            self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
         return self.grad_swap
 
@@ -47,15 +47,6 @@ class GradSwap:
         for info in infos:
             self.grad_pieces.setdefault(info.group, []).append(info)
 
-    def _grad_extent(self, info, out: torch.Tensor | None = None, src: torch.Tensor | None = None) -> None:
-        """Piece ``info``'s gradient (the last of its swapped tensors) -> ``out``, or ``src`` -> it."""
-        store = self.stores[Tier.DISK]
-        j = len(store.entries[info.index].swapped) - 1
-        if src is not None:
-            store.write_extent(info.index, j, src)
-        else:
-            store.read_extent(info.index, j, out)
-
     def load_grad(self, group: int, numel: int, device: torch.device) -> torch.Tensor:
         """Group ``group``'s partition so far this step: zeros, or its extents read back."""
         buf = torch.zeros(numel, dtype=self.grad_dtype, device=device)
@@ -63,7 +54,7 @@ class GradSwap:
             self._wait_writes()
             host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype)
             for info in self.grad_pieces.get(group, ()):
-                self._grad_extent(info, out=host[info.start:info.end])
+                self.stores[Tier.DISK].read_extent(info.index, host[info.start:info.end])
             if host is not buf:
                 buf.copy_(host)
         return buf
@@ -85,7 +76,7 @@ class GradSwap:
         produced.synchronize()   # sync point: this reduction only, off the backward thread
         host = buf if buf.device.type == "cpu" else buf.to("cpu")   # host sync: writer thread, after the event
         for info in self.grad_pieces.get(group, ()):
-            self._grad_extent(info, src=host[info.start:info.end])
+            self.stores[Tier.DISK].write_extent(info.index, host[info.start:info.end])
 
     def _wait_writes(self) -> None:
         """Every queued write has landed (raises the first failure)."""
@@ -117,7 +108,7 @@ class GradSwap:
         self._wait_writes()
         for info in self.infos:
             out = torch.empty(info.end - info.start, dtype=self.grad_dtype)
-            self._grad_extent(info, out=out)
+            self.stores[Tier.DISK].read_extent(info.index, out)
             yield out
 
     def clear_grads(self) -> None:
