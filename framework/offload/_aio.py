@@ -5,7 +5,7 @@ Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_
 threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL; a synchronous call
 per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory not
 aligned like its file offset go through a per-thread bounce buffer; where the file system refuses
-O_DIRECT (EINVAL) the engine warns once and uses buffered IO. A short count, an OS error or a
+O_DIRECT (EINVAL) the swap file warns once and buffered IO is used. A short count, an OS error or a
 checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
 Measured within a few percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``).
 
@@ -24,7 +24,6 @@ import mmap
 import os
 import queue
 import threading
-import warnings
 import weakref
 import zlib
 
@@ -36,10 +35,6 @@ from framework.core.units import MiB
 from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
-
-
-class DirectIOFallback(RuntimeWarning):
-    """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
@@ -162,8 +157,6 @@ class AsyncIO:
             raise ValueError(f"checksum={checksum!r} is not one of {', '.join(CHECKSUMS)}")
         self.block_size, self.direct, self._hash = block_size, direct, CHECKSUMS[checksum]
         self._kind = (block_size, checksum)   # whose checksums a piece is verified against
-        self._warned = False
-        self._warn_lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._worker, name=f"framework-aio-{i}", daemon=True)
                          for i in range(queue_depth * intra_op_parallelism)]
@@ -256,18 +249,13 @@ class AsyncIO:
         # before the write: ``memory`` must not change meanwhile
         value = self._hash(memory, nbytes) if write and self._hash is not None else None
         fd, refused = file.descriptor(self.direct)
-        if refused is not None:
-            self._warn(file, refused)
         direct = self.direct and refused is None
         try:
             self._move(handle, fd, direct, offset, address, nbytes, bounce_addr)
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
-            file.refuse_direct(e)   # overlay: the open succeeded, the IO does not
-            self._warn(file, e)
-            fd, _ = file.descriptor(False)
-            self._move(handle, fd, False, offset, address, nbytes, bounce_addr)
+            self._move(handle, file.refuse_direct(e), False, offset, address, nbytes, bounce_addr)
         if write:
             file.record(self._kind, offset, nbytes, value)
         elif self._hash is not None:
@@ -320,14 +308,6 @@ class AsyncIO:
         return SwapIOError(f"swap {handle.op} of {handle.what!r} failed at offset {offset} "
                            f"({nbytes} bytes) of {handle.file.path}{inside}: {reason}",
                            path=str(handle.file.path), offset=offset, what=handle.what, errno=code)
-
-    def _warn(self, file: SwapFile, error: OSError) -> None:
-        with self._warn_lock:
-            if self._warned:
-                return
-            self._warned = True
-        warnings.warn(f"{file.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
-                      "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=2)
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:

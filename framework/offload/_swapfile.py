@@ -17,6 +17,7 @@ import mmap
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -41,6 +42,10 @@ def reserved_bytes(extents: Mapping[str, int]) -> int:
 
 def swap_path(folder: str | os.PathLike, rank: int, kind: str) -> Path:
     return Path(folder) / f"rank{rank:05d}.{kind}.swap"
+
+
+class DirectIOFallback(RuntimeWarning):
+    """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
 class Syscalls:
@@ -158,18 +163,26 @@ class SwapFile:
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    self._direct_refused = e
+                    self._refuse(e)
             if self._direct_fd is not None:
                 return self._direct_fd, None
             return self._fd, self._direct_refused
 
-    def refuse_direct(self, error: OSError) -> None:
-        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO)."""
+    def refuse_direct(self, error: OSError) -> int:
+        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): the
+        buffered descriptor, from now on."""
         with self._lock:
             if self._direct_fd is not None:
                 os.close(self._direct_fd)
                 self._direct_fd = None
-            self._direct_refused = error
+            self._refuse(error)
+            return self._fd
+
+    def _refuse(self, error: OSError) -> None:
+        if self._direct_refused is None:   # said once per file
+            warnings.warn(f"{self.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
+                          "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=3)
+        self._direct_refused = error
 
     def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
         """The piece [offset, offset + nbytes) now holds bytes with checksum ``value`` (None: written
