@@ -24,7 +24,7 @@ if TYPE_CHECKING:   # the component module builds the shards: no import back at 
 def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
     """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
     first (None: read whole)."""
-    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0   # host sync: no (a host tensor)
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:
@@ -76,7 +76,7 @@ class DiskShards(HostShards):
             make_dirs(folder)   # (0700; removed at close when this run made it)
             self.spill, path = tempfile.mkstemp(prefix=".construction-", suffix=".spill", dir=folder)
             os.unlink(path)   # its space is freed when the descriptor closes, whatever ends the process
-        data = memoryview(shard.detach().reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(shard.detach().reshape(-1).view(torch.uint8).numpy())   # host sync: no (a host shard)
         at = self.spilled[id(shard)] = os.fstat(self.spill).st_size   # appended at its end
         done = 0
         while done < len(data):
