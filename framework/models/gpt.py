@@ -52,17 +52,6 @@ class GPTConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
-def count_params(cfg: GPTConfig) -> int:
-    """Exact parameter count of ``GPT(cfg)`` without building it (used for the 1B preset)."""
-    d, b = cfg.d_model, int(cfg.bias)
-    ln = d + b * d
-    attn = 3 * d * d + b * 3 * d + d * d + b * d
-    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
-    block = 2 * ln + attn + mlp
-    head = 0 if cfg.tie_weights else cfg.vocab_size * d
-    return cfg.vocab_size * d + cfg.context * d + cfg.n_layer * block + ln + head
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

@@ -10,9 +10,9 @@ import torch
 from omegaconf import OmegaConf
 
 from framework.core.errors import ConfigError
-from framework.models.gpt import (COMPONENTS, GPT, PRESETS, Block, GPTConfig, build, count_params,
-                                  gpt_loss)
+from framework.models.gpt import COMPONENTS, GPT, PRESETS, Block, GPTConfig, build, gpt_loss
 from framework.core.registry import registry
+from tests._helpers import count_params
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
 
