@@ -24,6 +24,7 @@ from framework.core.errors import UnsafePathError
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
 _BASE = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC   # the folder itself may be a link the user made
 
 
 def _refused(path: os.PathLike | str, what: str = "") -> UnsafePathError:
@@ -86,13 +87,8 @@ def write_new(path: os.PathLike | str, data: bytes, *, replace_stale: bool = Fal
         os.close(fd)
 
 
-def open_dir(path: os.PathLike | str) -> int:
-    """A descriptor of the folder ``path`` (which may be a link the user made)."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-
-
 def fsync_dir(path: os.PathLike | str) -> None:
-    fd = open_dir(path)
+    fd = os.open(path, _DIR)
     try:
         os.fsync(fd)
     finally:
@@ -105,7 +101,7 @@ def write_atomic(path: os.PathLike | str, data: bytes) -> None:
     folder. A reader sees the old file or the new one, never a part."""
     path = Path(path)
     tmp = f"{path.name}.tmp"
-    dfd = open_dir(path.parent)
+    dfd = os.open(path.parent, _DIR)
     try:
         try:
             write_new(tmp, data, replace_stale=True, dir_fd=dfd)

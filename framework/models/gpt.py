@@ -1,14 +1,8 @@
 """A GPT in the nanoGPT mould, written with einops: pre-LayerNorm blocks, causal attention through
 ``scaled_dot_product_attention``, learned position embeddings, a 4x GELU MLP, optional biases,
-dropout and weight tying. Each layer is a ``Block``: the unit ZeRO-3 gathers and releases and
-activation checkpointing wraps.
-
-Weight tying calls the token embedding itself as the output projection (``TiedEmbedding``,
-``wte(x, unembed=True)``) instead of aliasing a second ``nn.Linear`` to its weight: one tensor
-under one name, which nothing that swaps or shards parameters can untie, used only inside its
-own module's forward, where ZeRO-3 gathers it.
-
-The presets share one schema; their values live in ``conf/model/<name>.yaml``, read into ``PRESETS``.
+dropout and weight tying (``TiedEmbedding``). Each layer is a ``Block``: the unit ZeRO-3 gathers
+and releases and activation checkpointing wraps. The presets share one schema; their values live
+in ``conf/model/<name>.yaml``, read into ``PRESETS``.
 """
 from __future__ import annotations
 
@@ -106,7 +100,9 @@ class Embedding(nn.Embedding):
 
 class TiedEmbedding(Embedding):
     """A token embedding that is also the output projection: ``wte(idx)`` embeds, ``wte(x,
-    unembed=True)`` maps hidden states to logits; hooks around it (ZeRO-3) see every use of the weight."""
+    unembed=True)`` maps hidden states to logits. Not a second ``nn.Linear`` aliased to the weight:
+    one tensor under one name, which nothing that swaps or shards parameters can untie, used only
+    inside its own module's forward, where ZeRO-3's hooks see every use of it."""
 
     def forward(self, x: Tensor, unembed: bool = False) -> Tensor:
         return F.linear(x, self.weight) if unembed else super().forward(x)
