@@ -1,6 +1,6 @@
 """A GPT in the nanoGPT mould, written with einops: pre-LayerNorm blocks, causal attention through
 ``scaled_dot_product_attention``, learned position embeddings, a 4x GELU MLP, optional biases,
-dropout and weight tying (``TiedEmbedding``). Each layer is a ``Block``: the unit ZeRO-3 gathers
+dropout and weight tying (``Embedding``'s ``unembed``). Each layer is a ``Block``: the unit ZeRO-3 gathers
 and releases and activation checkpointing wraps. The presets share one schema; their values live
 in ``conf/model/<name>.yaml``, read into ``PRESETS``.
 """
@@ -89,20 +89,18 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` without its random init on the meta device: ``GPT.init_parameter`` writes every
-    value later, and meta ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors
-    keep torch's init, so the global random stream is consumed as before."""
+    """``nn.Embedding`` that is also the tied output projection: ``wte(idx)`` embeds, ``wte(x,
+    unembed=True)`` maps hidden states to logits. Not a second ``nn.Linear`` aliased to the weight:
+    one tensor under one name, which nothing that swaps or shards parameters can untie, used only
+    inside its own module's forward, where ZeRO-3's hooks see every use of it.
+
+    No random init on the meta device: ``GPT.init_parameter`` writes every value later, and meta
+    ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors keep torch's init,
+    so the global random stream is consumed as before."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
             super().reset_parameters()
-
-
-class TiedEmbedding(Embedding):
-    """A token embedding that is also the output projection: ``wte(idx)`` embeds, ``wte(x,
-    unembed=True)`` maps hidden states to logits. Not a second ``nn.Linear`` aliased to the weight:
-    one tensor under one name, which nothing that swaps or shards parameters can untie, used only
-    inside its own module's forward, where ZeRO-3's hooks see every use of it."""
 
     def forward(self, x: Tensor, unembed: bool = False) -> Tensor:
         return F.linear(x, self.weight) if unembed else super().forward(x)
@@ -112,7 +110,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = TiedEmbedding(cfg.vocab_size, cfg.d_model)
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
