@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from framework.core.batch import Batch
-from framework.core.errors import DataError
+from framework.core.errors import ConfigError, DataError
 from framework.core.paths import REPO_ROOT
 
 # Independent random streams: training batches, held-out batches, and anything else a
@@ -45,8 +45,12 @@ def seeded(*key: int) -> torch.Generator:
 
 
 def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Tensor:
-    """Global-batch row indices of this rank, micro batch after micro batch (see module doc); the
-    sizes were checked when the config was composed."""
+    """Global-batch row indices of this rank, micro batch after micro batch (see module doc)."""
+    if micro_batch < 1 or grad_accum < 1 or world < 1:
+        raise ConfigError(f"micro_batch ({micro_batch}), grad_accum ({grad_accum}) and world "
+                          f"({world}) must all be >= 1")
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is outside [0, {world})")
     steps = torch.arange(grad_accum).unsqueeze(1)
     return ((steps * world + rank) * micro_batch + torch.arange(micro_batch)).flatten()
 
