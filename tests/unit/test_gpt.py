@@ -43,6 +43,8 @@ def test_preset_yaml_has_every_field_and_states_its_size(name):
     text = (CONF / f"{name}.yaml").read_text()
     node = OmegaConf.to_container(OmegaConf.create(text))
     assert set(node) == {f.name for f in dataclasses.fields(GPTConfig)}
+    # PRESETS is read with PyYAML, a run's config with OmegaConf: both must read the same values.
+    assert GPTConfig(**node) == PRESETS[name]
     # The header a user reads is the size the model has.
     assert text.startswith(f"# {name}: {count_params(PRESETS[name]):,} parameters at this vocab_size")
 

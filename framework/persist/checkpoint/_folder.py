@@ -35,7 +35,15 @@ _LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
 
 def sha256(path: Path) -> str:
     with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        return _digest(f)
+
+
+def _digest(f) -> str:
+    """sha256 of an open file from its position (hashlib.file_digest is Python 3.11+; we support 3.10)."""
+    h = hashlib.sha256()
+    while chunk := f.read(1 << 22):
+        h.update(chunk)
+    return h.hexdigest()
 
 
 def files_of(folder: Path) -> list[str]:
@@ -46,7 +54,7 @@ def files_of(folder: Path) -> list[str]:
 def file_entry(folder: Path, name: str) -> dict:
     with os.fdopen(files.open_nofollow(folder / name, os.O_RDONLY), "rb") as f:
         os.fchmod(f.fileno(), 0o600)  # DCP's writer creates files with the umask's mode
-        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": _digest(f)}
 
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:

@@ -140,6 +140,8 @@ def save(ckpt, state):
             # this thread: a background save would need a host copy of all of it (model-sized).
             background = None
         snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
+        # Fixed at submit: a background write keeps the settings of the save that made it.
+        snap.update(writer=ckpt.writer, on_point=ckpt.on_point, keep_last=ckpt.cfg.keep_last)
         recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
         if not _agree_to_save(ckpt, snap, staged16, recheck):
             return None
@@ -205,8 +207,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
             "precision_policy": config.get("precision", {}).get("name")}
 
     def point(name: str) -> None:
-        if ckpt.on_point is not None:
-            ckpt.on_point(f"save-{step}:{name}")
+        if snap["on_point"] is not None:
+            snap["on_point"](f"save-{step}:{name}")
 
     def make_folder():
         if rank == 0:
@@ -220,7 +222,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
 
     def write_files():
         dcp = glue()
-        dcp.dcp.save(snap["dcp"], storage_writer=(ckpt.writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
+        dcp.dcp.save(snap["dcp"], storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
                      planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs())
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
@@ -246,7 +248,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
         _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
                                config_hash=config_hash(config), verified=True)
         _folder.commit(tmp, final, point)
-        gone = _folder.prune(root, final, ckpt.cfg.keep_last)
+        gone = _folder.prune(root, final, snap["keep_last"])
         total = sum(v["bytes"] for v in entries.values())
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
