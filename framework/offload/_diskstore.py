@@ -28,14 +28,17 @@ def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buf
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
 
 
-def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A host placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
-    return torch.empty(0, dtype=dtype).set_(torch.zeros(1, dtype=dtype).untyped_storage(), 0, (numel,), (0,))
+def parked(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element), on
+    the host unless told otherwise."""
+    one = torch.zeros(1, dtype=dtype, device=device)
+    return torch.empty(0, dtype=dtype, device=device).set_(one.untyped_storage(), 0, (numel,), (0,))
 
 
 def park_tensor(t: torch.Tensor) -> None:
-    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder."""
-    t.set_(parked(1, t.dtype).untyped_storage(), 0, t.shape, (0,) * t.dim())
+    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder on its
+    own device."""
+    t.set_(parked(1, t.dtype, t.device).untyped_storage(), 0, t.shape, (0,) * t.dim())
 
 
 @dataclass

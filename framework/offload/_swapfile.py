@@ -175,14 +175,16 @@ class SwapFile:
             if self._direct_fd is not None:
                 os.close(self._direct_fd)
                 self._direct_fd = None
+            if self._fd is None:
+                raise ValueError(f"swap file {self.path} was removed")
             self._refuse(error)
             return self._fd
 
     def _refuse(self, error: OSError) -> None:
-        if self._direct_refused is None:   # said once per file
+        first, self._direct_refused = self._direct_refused is None, error
+        if first:   # said once per file; recorded first, so a warning raised as an error still sticks
             warnings.warn(f"{self.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
                           "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=3)
-        self._direct_refused = error
 
     def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
         """The piece [offset, offset + nbytes) now holds bytes with checksum ``value`` (None: written
