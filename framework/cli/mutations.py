@@ -41,9 +41,6 @@ ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "off
 
 
 class _Forgetful(CheckingEvent):
-    """An event whose stream waits (``wait``) or host waits (``synchronize``) are skipped when it
-    was recorded right after a copy of one of the given kinds (h2d, d2h)."""
-
     def wait(self, stream=None) -> None:
         if self.after_copy not in self.acc.drop_wait:
             super().wait(stream)
@@ -66,8 +63,6 @@ class ForgetsWaits(CheckingCpuAccelerator):
 
 
 class _IgnoredByCompute(CheckingEvent):
-    """An event whose waits by the compute stream are skipped when it was recorded on another stream."""
-
     def record(self, stream=None) -> None:
         super().record(stream)
         self.side = (stream or self.acc.current_stream()) is not self.acc._compute
