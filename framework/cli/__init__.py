@@ -9,7 +9,7 @@ from typing import Callable
 from framework.core.errors import ConfigError, FrameworkError
 
 
-def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict, known: str,
+def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
                 body: Callable[[dict[str, str], list[str], dict], None]) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
@@ -32,7 +32,8 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
             elif arg.startswith("--") and name in flags:
                 flags[name] = True
             elif arg.startswith("--"):
-                raise ConfigError(f"{tool}: unknown flag {arg} (known: {known})")
+                known = ", ".join(f"--{k} N" if type(v) is int else f"--{k}" for k, v in flags.items())
+                raise ConfigError(f"{tool}: unknown flag {arg} (known: {known}, --help)")
             else:
                 key, eq, value = arg.partition("=")
                 if not eq:

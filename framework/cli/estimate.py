@@ -35,9 +35,8 @@ from framework.core.errors import ConfigError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 
-OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context",
-            "sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
-DS_SUB_GROUP_SIZE = 1_000_000_000   # DeepSpeed's default zero_optimization.sub_group_size
+NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
+OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
 
 
 def hf_model_from_config(path: Path) -> torch.nn.Module:
@@ -120,13 +119,12 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         largest = parse_count(own["largest_layer"], "largest_layer") if "largest_layer" in own else None
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
-    names = ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size")
     nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
-    given = {k: getattr(cfg.offload, k) for k in names} if nvme_cfg else {}
+    given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if nvme_cfg else {}
     # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
-    keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in names if k in own}})
+    keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in NVME_KEYS if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
     text = [_hw_line(params, largest, gpus, nodes)]
 
@@ -144,11 +142,12 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                       f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools: optimizer tiles with "
                       f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
                       f"per-rank prediction below adds the working set):", nvme_rows(params, largest, gpus, nodes, keys))
-        if keys.sub_group_size != DS_SUB_GROUP_SIZE:
+        ds = NVMeKeys.sub_group_size
+        if keys.sub_group_size != ds:
             table("nvme_deepspeed_sub_group_size",
-                  f"The same with DeepSpeed's default sub_group_size={DS_SUB_GROUP_SIZE:,} (other keys as above; a "
+                  f"The same with DeepSpeed's default sub_group_size={ds:,} (other keys as above; a "
                   f"partition under that size is one tile, resident for its whole step):",
-                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=DS_SUB_GROUP_SIZE)))
+                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds)))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else None
@@ -190,4 +189,4 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, "--json, --help", report)
+    return run_command(__doc__, argv, "estimate", OWN_KEYS, {"json": False}, report)

@@ -147,16 +147,13 @@ def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
     """Measured peak memory since ``reset_peak_memory``: resident set (VmHWM) and, on CUDA, the
     caching allocator's peaks; ``rss_start_bytes`` (interpreter, torch, libraries) subtracted from
     the peak is what the job itself added."""
-    out = {"peak_rss_bytes": _rss_peak(), "rss_start_bytes": rss_start}
+    try:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    out = {"peak_rss_bytes": peak, "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
     return out
-
-
-def _rss_peak() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
-    except (OSError, StopIteration, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

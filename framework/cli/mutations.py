@@ -23,6 +23,7 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -40,30 +41,28 @@ ZERO2_NVME = ("+stage=zero2", "offload=nvme", "offload.sub_group_size=600", "off
 
 
 class _Forgetful(CheckingEvent):
-    """An event whose stream waits (``wait``) or host waits (``synchronize``) are skipped when it
-    was recorded right after a copy of one of the given kinds (h2d, d2h)."""
-
-    def __init__(self, acc, drop_wait=(), drop_sync=()):
-        super().__init__(acc)
-        self.drop_wait, self.drop_sync = drop_wait, drop_sync
-
     def wait(self, stream=None) -> None:
-        if self.after_copy not in self.drop_wait:
+        if self.after_copy not in self.acc.drop_wait:
             super().wait(stream)
 
     def synchronize(self) -> None:
-        if self.after_copy not in self.drop_sync:
+        if self.after_copy not in self.acc.drop_sync:
             super().synchronize()
 
 
-class NoWaitAfterH2D(CheckingCpuAccelerator):
+class ForgetsWaits(CheckingCpuAccelerator):
+    """Code that forgets the stream waits (``drop_wait``) or host waits (``drop_sync``) on the events
+    recorded after copies of the given kinds."""
+
+    def __init__(self, drop_wait=(), drop_sync=()):
+        super().__init__()
+        self.drop_wait, self.drop_sync = drop_wait, drop_sync
+
     def event(self):
-        return _Forgetful(self, drop_wait=("h2d",))
+        return _Forgetful(self)
 
 
 class _IgnoredByCompute(CheckingEvent):
-    """An event whose waits by the compute stream are skipped when it was recorded on another stream."""
-
     def record(self, stream=None) -> None:
         super().record(stream)
         self.side = (stream or self.acc.current_stream()) is not self.acc._compute
@@ -89,16 +88,6 @@ class ComputeIgnoresSideStreams(CheckingCpuAccelerator):
             super().collective_done(token)
 
 
-class NoSyncAfterH2D(CheckingCpuAccelerator):
-    def event(self):
-        return _Forgetful(self, drop_sync=("h2d",))
-
-
-class NoSyncAfterD2H(CheckingCpuAccelerator):
-    def event(self):
-        return _Forgetful(self, drop_sync=("d2h",))
-
-
 class CollectivesOnSideStream(CheckingCpuAccelerator):
     def _issuing_stream(self) -> Clocked:
         return self._queue(Clocked("side"))   # a stream that waited for nothing but the host
@@ -108,7 +97,9 @@ class TemporaryCopySource(CheckingCpuAccelerator):
     """Device-to-host copies on a side stream read a temporary (``src.to(dtype)`` style) that the
     caller drops at once. ``record=True`` is the fix: the temporary is recorded on the stream."""
 
-    record = False
+    def __init__(self, record=False):
+        super().__init__()
+        self.record = record
 
     def copy(self, dst, src, non_blocking=False):
         if self.current_stream() is self._compute or self._is_host(src) or not self._is_host(dst):
@@ -118,10 +109,6 @@ class TemporaryCopySource(CheckingCpuAccelerator):
         if self.record:
             self.record_stream(tmp, self.current_stream())
         del tmp   # the caching allocator may hand its bytes out now
-
-
-class RecordedTemporaryCopySource(TemporaryCopySource):
-    record = True
 
 
 class NoCollectiveTokens(CheckingCpuAccelerator):
@@ -174,23 +161,26 @@ class Mutation:
     scenario: tuple[str, ...]         # overrides of the tiny run it is injected into
     error: type                       # what the check raises
     place: str                        # a regex the message must match: where it shows
-    accelerator: type = CheckingCpuAccelerator
+    accelerator: Callable = CheckingCpuAccelerator
     patch: Callable[[Callable], None] | None = field(default=None)   # given a setattr (pytest's monkeypatch)
 
 
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("missing-h2d-wait", ZERO2_OFFLOAD, OrderError,
              r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
-             r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back", NoWaitAfterH2D),
+             r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back",
+             partial(ForgetsWaits, drop_wait=("h2d",))),
     Mutation("unwaited-side-gather", ZERO3_HOST_SHARDS, OrderError,
              r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
              r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", ZERO2_NVME, OrderError,
              r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
-             r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back", NoSyncAfterH2D),
+             r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
+             partial(ForgetsWaits, drop_sync=("h2d",))),
     Mutation("unsynced-d2h", ZERO2_OFFLOAD, OrderError,
              r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
-             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad", NoSyncAfterD2H),
+             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad",
+             partial(ForgetsWaits, drop_sync=("d2h",))),
     Mutation("collective-side-stream", ZERO3_HOST_SHARDS, OrderError,
              r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather", CollectivesOnSideStream),
     Mutation("freed-in-flight", ZERO2_OFFLOAD, OrderError,
@@ -209,7 +199,7 @@ MUTATIONS: tuple[Mutation, ...] = (
 )
 
 # Correct variants of mutations: the check must let them pass.
-CORRECT: tuple[tuple[str, tuple[str, ...], type], ...] = (
-    ("recorded-temporary", ZERO2_OFFLOAD, RecordedTemporaryCopySource),
+CORRECT: tuple[tuple[str, tuple[str, ...], Callable], ...] = (
+    ("recorded-temporary", ZERO2_OFFLOAD, partial(TemporaryCopySource, record=True)),
     ("world-1-without-collectives", ZERO3_HOST_SHARDS, NoCollectiveTokens),
 )

@@ -88,8 +88,8 @@ def _plan_yaml(c: Candidate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False},
-                       "--top N, --verify K, --reprobe, --json", _run)
+    flags = {"top": 20, "verify": 0, "reprobe": False, "json": False}
+    return run_command(__doc__, argv, "plan", OWN_KEYS, flags, _run)
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:

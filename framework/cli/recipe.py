@@ -7,12 +7,9 @@
     python -m framework.recipe zero_equivalence train.steps=20      # extra overrides go to every job
     python -m framework.recipe shakespeare_char_cpu check OUT_DIR   # re-check a finished run
 
-A recipe is a folder ``recipes/<name>/`` (or any folder given by path) with ``config.yaml`` (a Hydra
-experiment config), ``recipe.yaml`` (its runs, the quick twin, optional prepare, plots, before/after
-commands and requirements), ``expected.json`` (the reference and the checks) and ``README.md``;
-recipes/README.md describes each file and every kind of check. All jobs write into one folder
-(default ``outputs/recipes/<name>/<time>``), a multirun folder for ``python -m framework.report``:
-the recipe writes that report there, then ``checks.json``, and prints one line per check.
+A recipe is a folder (``recipes/<name>/`` or any path) with ``config.yaml``, ``recipe.yaml``,
+``expected.json`` and ``README.md``, each described in recipes/README.md. All jobs write into one
+multirun folder (default ``outputs/recipes/<name>/<time>``), which gets the report and ``checks.json``.
 """
 from __future__ import annotations
 
@@ -29,14 +26,14 @@ from pathlib import Path
 import yaml
 
 from framework.core import files
-from framework.core.errors import ConfigError, DataError, FrameworkError
+from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.units import MiB
 from framework.cli.report import get_key, matches
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
-_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "requires", "before", "after"}
+_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after"}
 _PLOTS = {"deviation", "memory_scaling"}
 
 
@@ -94,27 +91,6 @@ def find(name: str) -> Recipe:
     except json.JSONDecodeError as e:
         raise RecipeError(f"{d / 'expected.json'}: {e}") from None
     return Recipe(name=d.name, dir=d.resolve(), spec=spec, expected=expected)
-
-
-def missing_requirements(recipe: Recipe) -> list[str]:
-    """What ``requires`` names that this checkout lacks (empty: the recipe can run)."""
-    import importlib.util
-
-    from framework.core.registry import registry
-
-    def present(req: str) -> bool:   # module:NAME importable, or GROUP/NAME registered
-        if req.startswith("module:"):
-            try:
-                return importlib.util.find_spec(req[len("module:"):]) is not None
-            except ModuleNotFoundError:   # its parent package is not installed
-                return False
-        group, _, name = req.partition("/")
-        try:   # (a component module that fails to import is a bug: its error goes through)
-            return name in registry(group).names()
-        except (KeyError, FrameworkError):
-            return False
-
-    return [req for req in recipe.spec.get("requires") or [] if not present(req)]
 
 
 def available() -> list[str]:
@@ -192,9 +168,6 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
 def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=None) -> dict:
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
-    missing = missing_requirements(recipe)
-    if missing:
-        raise RecipeError(f"recipe {recipe.name} needs {', '.join(missing)}, which this checkout lacks")
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
     for r in runs:
@@ -212,8 +185,7 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
               file=stream, flush=True)
         _run_logged(cmd, out / f"run{i}.log", stream)
     _commands(recipe, "after", fill, out, stream)
-    elapsed = time.perf_counter() - t0
-    return finish(recipe, out, quick=quick, elapsed_s=elapsed, stream=stream)
+    return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
 
 
 def _fill(arg, fill: dict) -> str:
@@ -304,10 +276,7 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
 def _metric(jobs, c: dict) -> dict:
     key, where = c["metric"], c.get("where") or {}
     rows = [(j, _value(j, key)) for j in jobs if matches(j, where)]
-    bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
-    if "equals" in c:
-        bound = f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
-    head = f"{key} {bound}" + (f" where {where}" if where else "")
+    head = f"{key} {_bound(c)}" + (f" where {where}" if where else "")
     if not rows:
         return {"check": c, "passed": False, "message": f"{head}: no job matches"}
     bad = "; ".join(f"{j.label} has {_num(v)}" for j, v in rows if not _bound_ok(v, c))
@@ -358,6 +327,12 @@ def _curves(jobs, c: dict) -> dict:
     return {"check": c, "passed": not failures, "message": f"{head}: {tail}", "max_abs_diff": worst}
 
 
+def _bound(c: dict) -> str:
+    if "equals" in c:
+        return f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
+    return " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
+
+
 def _bound_ok(v, c: dict) -> bool:
     """``v`` within the check's ``min``/``max``/``equals`` (± ``tol``); flags and strings only equal."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -371,12 +346,11 @@ def _bound_ok(v, c: dict) -> bool:
 
 def _file(out: Path | None, c: dict) -> dict:
     path = Path(out or ".") / c["file"]
-    what = f"{c['file']}: {c['key']}"
-    bound = " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<="), ("equals", "==")) if k in c)
+    head = f"{c['file']}: {c['key']} {_bound(c)}"
     if not path.is_file():
-        return {"check": c, "passed": False, "message": f"{what} {bound}: {path} was not written"}
+        return {"check": c, "passed": False, "message": f"{head}: {path} was not written"}
     v = get_key(json.loads(path.read_text()), c["key"])
-    return {"check": c, "passed": _bound_ok(v, c), "message": f"{what} {bound}: {_num(v)}", "value": v}
+    return {"check": c, "passed": _bound_ok(v, c), "message": f"{head}: {_num(v)}", "value": v}
 
 
 def _memory(jobs, c: dict) -> dict:
@@ -434,11 +408,11 @@ def main(argv: list[str] | None = None) -> int:
             if not args:
                 raise RecipeError("check needs the output folder of a finished run: check DIR")
             verdict = finish(recipe, Path(args[0]), quick=a.quick)
-            return 0 if verdict["passed"] else 1
-        out = a.out or Path("outputs") / "recipes" / recipe.name / (time.strftime("%Y-%m-%d_%H-%M-%S")
-                                                                   + ("-quick" if a.quick else ""))
-        verdict = run(recipe, quick=a.quick, overrides=args, out=out)
+        else:
+            out = a.out or Path("outputs") / "recipes" / recipe.name / (time.strftime("%Y-%m-%d_%H-%M-%S")
+                                                                       + ("-quick" if a.quick else ""))
+            verdict = run(recipe, quick=a.quick, overrides=args, out=out)
         return 0 if verdict["passed"] else 1
-    except (FrameworkError, ConfigError) as e:
+    except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -165,8 +165,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     """Tokens/s and peak memory per rank (largest rank) for each finished job."""
     plt = _pyplot()
     done = [j for j in jobs if j.summary is not None]
-    labels = [j.label for j in done]
-    wrapped = [textwrap.fill(s, 40) for s in labels]
+    wrapped = [textwrap.fill(j.label, 40) for j in done]
     lines = sum(w.count("\n") + 1 for w in wrapped)
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), dpi=100,
                                sharey=True)
@@ -261,10 +260,8 @@ def measured_memory(j: Job) -> int:
 
 
 def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
-    """Per-rank memory against world size for each stage: measured (largest rank; what the job
-    added over the RSS it started with, and on CUDA the allocator's peak) next to the ZeRO
-    paper's model-state formula for the job's parameter count and precision (left), and the
-    memory each world size saves over world size 1, measured and by the formula (right)."""
+    """Per-rank memory (``measured_memory``) against world size for each stage next to the ZeRO
+    formula (left), and what each world size saves over the smallest, both ways (right)."""
     plt = _pyplot()
     by_stage: dict[str, list[Job]] = {}
     for j in jobs:
