@@ -1,15 +1,16 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-The only module that registers module hooks. A unit (a ``gather_unit`` module, the root, or the
-persistent small parameters) is gathered with one collective per parameter group into ONE buffer
-per group, kept for the unit's life; release resizes its storage to zero bytes, so autograd's
-saved views hold no bytes while released and see the refilled values when gathered again.
-The first step records the order of unit uses; later steps prefetch along that trace.
+A unit (a ``gather_unit`` module, the root, or the persistent small parameters) is gathered with
+one collective per parameter group into ONE buffer per group, kept for the unit's life; release
+resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and see
+the refilled values when gathered again. The first step records the order of unit uses; later
+steps prefetch along that trace, and every rank checks that the others used the same order.
 """
 from __future__ import annotations
 
 import enum
 import logging
+import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -19,10 +20,9 @@ from torch import nn
 
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
-from framework.core.errors import FrameworkError, TrainingError
+from framework.core.errors import DistributedError, FrameworkError, TrainingError
 from framework.core.utils import tensors_in
 from framework.stages._flat import Layout
-from framework.stages._order import OrderCheck
 from framework.stages._reduce import reduce_to_owners
 
 log = logging.getLogger("framework.zero3")
@@ -225,14 +225,12 @@ class Gatherer:
         unit.arrived.add(id(p))
         if unit.in_backward and len(unit.arrived) == len(unit.params):
             self._reduce(unit)
-            unit.in_backward, unit.reduced = False, True
             self._release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
-                unit.in_backward, unit.reduced = False, True
             if unit.state is not UnitState.SHARDED:
                 self._release(unit)
         if self.persistent is not None:
@@ -298,20 +296,15 @@ class Gatherer:
             if unit.state is UnitState.SHARDED:
                 self._start_gather(unit)
 
-    def _next_use_distance(self, unit: Unit) -> int | None:
-        """Elements of other units used before ``unit`` is used again (per the trace)."""
-        dist = 0
+    def _keep(self, unit: Unit) -> bool:
+        """Whether the elements of other units used before ``unit`` is used again (per the trace) are
+        within the reuse distance, or so few that the prefetch would gather it straight back."""
+        near, between = max(self.reuse, self.prefetch - unit.numel), 0
         for u in self._upcoming():
             if u is unit:
-                return dist
-            dist += u.numel
-        return None
-
-    def _keep(self, unit: Unit) -> bool:
-        """Within the reuse distance, or so close that the prefetch would gather it straight back."""
-        d = self._next_use_distance(unit)
-        near = max(self.reuse, self.prefetch - unit.numel)
-        return d is not None and d <= near and self.live <= self.max_live
+                return between <= near and self.live <= self.max_live
+            between += u.numel
+        return False
 
     def _make_room(self, need: int, exclude: Unit) -> None:
         """Release units kept only for reuse until ``need`` more elements fit under max_live."""
@@ -328,13 +321,10 @@ class Gatherer:
         return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
-    def _start_gather(self, unit: Unit) -> None:
-        """The hooks' gathers (train and eval passes): ``_in_place`` groups use their shard."""
-        self._launch_gather(unit, in_place=True)
-
-    def _launch_gather(self, unit: Unit, in_place: bool) -> None:
-        """``gather_now`` uses a buffer of its own at every world size, so that edits inside
-        framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
+    def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
+        """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
+        at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
+        discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:
@@ -384,6 +374,7 @@ class Gatherer:
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
+        unit.in_backward, unit.reduced = False, True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
                 self._reduce_in_place(g)
@@ -422,7 +413,7 @@ class Gatherer:
         if unit.state is not UnitState.SHARDED:
             self._finish_gather(unit)
             return False
-        self._launch_gather(unit, in_place=False)
+        self._start_gather(unit, in_place=False)
         self._finish_gather(unit)
         return True
 
@@ -440,3 +431,42 @@ def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
         g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
     else:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
+
+
+class OrderCheck:
+    """Checks that every rank used the same units in the same order in each backward pass; otherwise
+    ranks would combine unrelated buffers or hang. Each pass starts a tiny asynchronous all-reduce of
+    a hash of its record (no host sync in autograd's callback); ``check`` reads them once a step."""
+
+    def __init__(self, dist: Dist):
+        self.dist = dist
+        self.pending: list = []   # (work, tensor, pass record) per backward pass
+
+    def launch(self, record: list[tuple[str, int]]) -> None:
+        if self.dist.world == 1:
+            return
+        h = zlib.crc32(repr(record).encode())
+        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
+        # from pageable memory, which blocks the host after every backward pass.
+        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
+        t[0].fill_(h)
+        t[1].fill_(-h)
+        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
+                                    async_op=True)
+        self.pending.append((work, t, list(record)))
+
+    def check(self, unit_name: Callable[[int], str]) -> None:
+        """Raise if a pass since the last call differed across ranks (collective; one host sync a step)."""
+        checks, self.pending = self.pending, []
+        for work, t, record in checks:
+            self.dist.wait([work], "zero3 order check")
+            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
+                continue
+            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
+            at = next(i for i in range(max(map(len, records)) + 1)
+                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
+            seen = ", ".join(f"rank {r} at " + (f"{unit_name(rec[at][1])!r} ({rec[at][0]})"
+                                                 if at < len(rec) else "the end of the pass")
+                             for r, rec in enumerate(records))
+            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
+                                   f"(data-dependent control flow?): {seen}")

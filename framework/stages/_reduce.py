@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.comm.collectives import Collectives, Pending
+from framework.stages._flat import ALIGN
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,6 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
     (ALIGN-rounded when that large, at least 1) from the partitions' ends downwards. Not for
     reduction during backward: every stripe would wait for partition 0's gradients, which come last.
     """
-    from framework.stages._flat import ALIGN
-
     out = []
     for g, shard in sorted(shards.items()):
         mine = [(pid, off, n) for pid, gg, off, n in order if gg == g]

@@ -13,7 +13,7 @@ from torch import nn
 from framework.core.footprint import Footprint
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy
-from framework.stages._spec import PieceSpec
+from framework.stages._flat import PieceSpec
 from framework.engine.update import PlainUpdate, Update
 
 

@@ -10,7 +10,7 @@ import torch
 from framework.core.registry import Component
 from framework.stages._grads import FlatGrads
 from framework.stages._reduce import expected_order, plan_buckets, plan_stripes
-from framework.stages._sharded import ShardedStage, ZeroConfig
+from framework.stages._partitions import ShardedStage, ZeroConfig
 
 
 class Zero1Stage(ShardedStage):

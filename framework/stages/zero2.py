@@ -15,7 +15,7 @@ from framework.core.registry import Component
 from framework.stages._grads import Arrivals, check_no_grads
 from framework.stages._reduce import (expected_order, own_overlap, plan_buckets, plan_round_robin, reduce_bucket,
                                       reduce_to_owners)
-from framework.stages._sharded import ShardedStage, ZeroConfig
+from framework.stages._partitions import ShardedStage, ZeroConfig
 from framework.core.utils import tensor_bytes
 
 IN_FLIGHT = 2   # bucket buffers in flight: launching a third first completes the oldest
