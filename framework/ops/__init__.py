@@ -64,11 +64,11 @@ def _kernel() -> ModuleType:
 
 
 def _out(out16: Sequence[Tensor] | None) -> list[Tensor]:
-    return [] if out16 is None else list(out16)
+    return list(out16 or [])
 
 
 def _mask(decay_mask: Sequence[bool] | None) -> list[bool]:
-    return [] if decay_mask is None else [bool(m) for m in decay_mask]
+    return [bool(m) for m in decay_mask or []]
 
 
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -100,13 +100,13 @@ def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: 
 def status() -> dict[str, Any]:
     """What ``python -m framework.ops`` prints. Imports a finished build but never compiles."""
     try:
-        module, reason, where = _loader.load(build=False), None, str(_loader.build_dir())
+        where = str(_loader.build_dir())
+    except OSError:   # unreadable sources: load says why
+        where = "-"
+    try:
+        module, reason = _loader.load(build=False), None
     except Exception as exc:  # noqa: BLE001 - a status report must not fail
         module, reason = None, str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
-        try:
-            where = str(_loader.build_dir())
-        except OSError:
-            where = "-"
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())

@@ -62,13 +62,16 @@ def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
 
 
 def param_groups(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """Trainable parameters as ('decay', >=2-D) and ('no_decay', 1-D) groups; tied ones appear once,
-    empty groups are dropped (the optimizer's weight-decay mask follows the returned kinds)."""
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append((name, p))
-    return [(kind, g) for kind, g in (("decay", decay), ("no_decay", no_decay)) if g]
+    """Trainable parameters in ``unit_groups``; tied ones appear once (the optimizer's weight-decay
+    mask follows the returned kinds)."""
+    return unit_groups([(name, p) for name, p in module.named_parameters() if p.requires_grad])
+
+
+def unit_groups(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """Matrices ('decay') and vectors ('no_decay') as flat groups, empty ones dropped."""
+    return [(kind, members) for kind, members in (("decay", [x for x in named if x[1].ndim >= 2]),
+                                                  ("no_decay", [x for x in named if x[1].ndim < 2]))
+            if members]
 
 
 def param_count(module: nn.Module) -> int:

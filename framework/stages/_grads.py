@@ -1,14 +1,5 @@
-"""Gradient bookkeeping that ddp, zero1 and zero2 share.
-
-* ``FlatGrads`` (ddp, zero1): .grad are views into one flat buffer per group, bound only while
-  train_step's backward runs, so ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and
-  a backward that ran inside ``loss_fn`` (or replaced a .grad) is an error, not a silent zero.
-  With a wider ``precision.grad_accum_dtype`` every micro batch but the last is added into an
-  accumulator; the last one range by range as it is reduced (``_final``).
-* ``Arrivals`` (ddp, zero1, zero2): launches the buckets in plan order, so every rank issues the same
-  collectives in the same order. A per-parameter arrival flag, not a count of hook calls: under
-  reentrant checkpointing a weight can arrive twice, and a second arrival after its bucket was
-  reduced would be lost, so it raises.
+"""Gradient bookkeeping that ddp, zero1 and zero2 share: ``FlatGrads`` (ddp, zero1) holds the
+gradients in flat buffers and reduces them; ``Arrivals`` (all three) launches the buckets.
 """
 from __future__ import annotations
 
@@ -44,7 +35,13 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
 class FlatGrads:
     """ddp's and zero1's gradients and their reduction: buckets go out from the hooks during the
     step's last backward (``overlap``) or after it, each to its owners (``bounds``: this rank's
-    [lo, hi) per group; ddp: the whole buffer, all-reduced)."""
+    [lo, hi) per group; ddp: the whole buffer, all-reduced).
+
+    .grad are views into one flat buffer per group, bound only while train_step's backward runs, so
+    ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and a backward that ran inside
+    ``loss_fn`` (or replaced a .grad) is an error, not a silent zero. With a wider
+    ``precision.grad_accum_dtype`` every micro batch but the last is added into an accumulator; the
+    last one range by range as it is reduced (``_final``)."""
 
     def __init__(self, entries: list, flats: list[torch.Tensor], layouts: list, bounds: list[tuple[int, int]],
                  buckets: list[Bucket], dist, policy, *, reduce_scatter: bool, overlap: bool, stage: str, what: str):
@@ -149,8 +146,10 @@ class FlatGrads:
 
 
 class Arrivals:
-    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order, once every
-    parameter of the bucket arrived (see the module doc)."""
+    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order (so every rank
+    issues the same collectives in the same order), once every parameter of the bucket arrived.
+    A per-parameter arrival flag, not a count of hook calls: under reentrant checkpointing a weight
+    can arrive twice, and a second arrival after its bucket was reduced would be lost, so it raises."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
         self.buckets, self.run, self.names, self.stage = buckets, launch, names, stage

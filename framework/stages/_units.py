@@ -38,13 +38,6 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
     return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
 
 
-def unit_groups(named: Named) -> list[tuple[str, Named]]:
-    """A unit's flat groups: matrices ('decay') and vectors ('no_decay'), empty ones dropped."""
-    return [(kind, members) for kind, members in (("decay", [x for x in named if x[1].ndim >= 2]),
-                                                  ("no_decay", [x for x in named if x[1].ndim < 2]))
-            if members]
-
-
 def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
     """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared
     in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
@@ -73,36 +66,28 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
         if where.get(id(sub), ("root",))[0] != "unit":
             for p in sub.parameters(recurse=False):
                 holders.setdefault(id(p), set()).add(where.get(id(sub), ("root",)))
-    # Merge own-parameter modules that share a parameter (union-find over module ids).
-    parent: dict[int, int] = {key[1]: key[1] for key in where.values() if key[0] == "own"}
-
-    def find(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
+    group: dict[int, set] = {key[1]: {key[1]} for key in where.values() if key[0] == "own"}
     for hs in holders.values():
         if len(hs) > 1 and all(h[0] == "own" for h in hs):
-            first, *rest = [h[1] for h in hs]
-            for r in rest:
-                parent[find(r)] = find(first)
-    merged: dict[int, list[int]] = {}
-    for m in parent:
-        merged.setdefault(find(m), []).append(m)
+            merged = set().union(*(group[h[1]] for h in hs))
+            for m in merged:
+                group[m] = merged
     by_id = {id(sub): sub for sub in module.modules()}
     units: list[tuple[str, list[nn.Module]]] = [("<root>", [module])]
     index = {("root",): 0}
     for i, (name, sub) in enumerate(gather):
         index[("unit", i)] = len(units)
         units.append((name, [sub]))
-    for members in merged.values():
-        members.sort(key=order.__getitem__)
-        for m in members:
-            index[("own", m)] = len(units)
-        units.append(("+".join(names[m] for m in members), [by_id[m] for m in members]))
+    for m in group:   # in registration order: each merged unit where its first member is
+        if ("own", m) in index:
+            continue
+        members = sorted(group[m], key=order.__getitem__)
+        for k in members:
+            index[("own", k)] = len(units)
+        units.append(("+".join(names[k] for k in members), [by_id[k] for k in members]))
     owner: dict[int, int] = {}
     for pid, hs in holders.items():
-        found = {index[h if h[0] != "own" else ("own", find(h[1]))] for h in hs}
+        found = {index[h] for h in hs}
         owner[pid] = found.pop() if len(found) == 1 else -1
     return units, owner
