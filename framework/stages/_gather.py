@@ -11,7 +11,6 @@ from __future__ import annotations
 import enum
 import logging
 import zlib
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -143,20 +142,11 @@ class Gatherer:
         self.hits = 0
         self.hook_handles: list = []
         self.order = OrderCheck(dist)
-        self._final: bool | None = None   # inside ``backward_pass``: its ``final``; None outside it
+        self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
             unit.gatherer = self
             for p in unit.params:
                 p.zero3_unit = unit
-
-    @contextmanager
-    def backward_pass(self, final: bool) -> Iterator[None]:
-        """One micro batch's backward (``final``: the step's last); units run their backward only inside it."""
-        self._final = final
-        try:
-            yield
-        finally:
-            self._final = None
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
         """Forward hooks on each unit's modules (``modules``, aligned with ``units``) and gradient hooks
@@ -196,7 +186,7 @@ class Gatherer:
             self._release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self._final is None:   # outside ``backward_pass``
+        if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
                 "torch.autograd.backward or torch.autograd.grad, e.g. with create_graph=True); under zero3 "
@@ -398,14 +388,14 @@ class Gatherer:
         for p, slot in zip(g.params, g.layout.slots):
             part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
             p.grad = None
-        self.on_reduced(g, self._final)
+        self.on_reduced(g, self.final)
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
             self.dist.comm.wait(works, "zero3 gradient reduction")
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
-            self.on_reduced(g, self._final)
+            self.on_reduced(g, self.final)
         self.reductions = []
 
     def gather_now(self, unit: Unit) -> bool:

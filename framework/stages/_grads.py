@@ -3,8 +3,7 @@ gradients in flat buffers and reduces them; ``Arrivals`` (all three) launches th
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -66,10 +65,12 @@ class FlatGrads:
         check_no_grads(self.entries, self.stage)
         for (p, _), v in zip(self.entries, self.views):
             p.grad = v
+        if sync and self.dist.world > 1:
+            self.launcher.arm()
         try:
-            with self.launcher.backward_pass(arm=sync and self.dist.world > 1):
-                (loss / self.dist.world).backward()
+            (loss / self.dist.world).backward()
         finally:
+            self.launcher.disarm()   # arrivals after this backward are ignored
             replaced = []
             for (p, name), v in zip(self.entries, self.views):
                 if p.grad is not v and p.grad is not None:
@@ -172,17 +173,8 @@ class Arrivals:
                                                               f"the {self.stage} gradient hook"))
                 for i, p in enumerate(params)]
 
-    @contextmanager
-    def backward_pass(self, arm: bool = True) -> Iterator[None]:
-        """With ``arm``, buckets launch as their gradients arrive; arrivals after the block are ignored."""
-        if arm:
-            self.arm()
-        try:
-            yield
-        finally:
-            self.disarm()
-
     def arm(self) -> None:
+        """Buckets launch as their gradients arrive until ``disarm``."""
         self.armed = True
         self.seen = [False] * len(self.names)
         self.pending = [len(b.params) for b in self.buckets]

@@ -73,8 +73,8 @@ class PartitionedStage:
         return local
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
-        mine = set()
-        for g, (group, start) in zip(grads, self.piece_index):
+        mine = set()   # (zero3's gradients in the swap file are read one piece at a time)
+        for g, (group, start) in zip(self.offload.readable_grads(grads), self.piece_index):
             bad = (~torch.isfinite(g)).nonzero().flatten()   # host sync: slow path, after an overflow
             if bad.numel():
                 base = self.bounds[group][0] + start

@@ -113,8 +113,11 @@ class Zero2Stage(ShardedStage):
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.sync = sync
         check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
-        with self.launcher.backward_pass():
+        self.launcher.arm()
+        try:
             (loss / self.dist.world).backward()
+        finally:
+            self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
