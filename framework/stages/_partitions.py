@@ -1,28 +1,19 @@
 """The owned partitions of a ZeRO stage and the Stage methods built on them.
 
-zero1, zero2 (``ShardedStage``: replicated working parameters) and zero3 own, per group, this rank's
-partition [lo, hi) of a padded flat layout and the master pieces the offload target (the stage's
-listener: ``offload.grads_final``, see ``offload.base``) cut it into. After the optimizer step
-zero1/zero2 gather every rank's updated partition back into the working buffers.
+zero1/zero2 (``sharded``) and zero3 own, per group, this rank's partition [lo, hi) of a padded
+flat layout and the master pieces the offload target (the stage's listener: ``offload.grads_final``,
+see ``offload.base``) cut it into.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError
-from framework.core.footprint import Footprint
-from framework.core.utils import sq_norm, tensor_bytes
-from framework.engine.materialize import initializer
+from framework.core.utils import sq_norm
 from framework.engine.update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
-from framework.precision import Policy
-from framework.stages._flat import Layout, PieceSpec, bind_group, param_groups, piece_spec
-from framework.stages.base import Setup, WholeParameters
+from framework.stages._flat import Layout, PieceSpec, piece_spec
 
 
 class PartitionedStage:
@@ -94,72 +85,3 @@ class PartitionedStage:
         if self.offload.has_host_pieces():  # CPU offload: the piece pipeline steps and publishes
             return self.offload.make_update(tx, gather=self.publish_finish)
         return PlainUpdate(tx, self)
-
-
-@dataclass(kw_only=True)
-class ZeroConfig:
-    """DeepSpeed's zero_optimization keys (same names and defaults, so configs port over)."""
-
-    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction bucket
-    allgather_bucket_size: int = 500_000_000   # elements per parameter all-gather chunk
-    overlap_comm: bool = False                 # reduce buckets while backward still runs
-    contiguous_gradients: bool = True          # zero2: copy gradients into a bucket buffer (zero1: always)
-    reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
-    # zero2: parameters laid out round-robin over the partitions (DeepSpeed's order), so every rank
-    # copies its reduced buckets to the host while backward runs (zero1: no effect, a note)
-    round_robin_gradients: bool = False
-
-
-class ShardedStage(PartitionedStage, WholeParameters):
-    """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
-    slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
-
-    round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
-
-    def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
-        if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
-            raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
-        # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
-        super().__init__(cfg, dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
-        self.flats: list[torch.Tensor] = []     # working parameters, replicated
-        self.policy: Policy | None = None
-
-    def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        self.module = module
-        self.policy = policy
-        groups = param_groups(module)
-        init = initializer(module)   # materialises meta parameters, one at a time
-        entries = []  # (param, (group, slot)) in registration order
-        for g, (_, named) in enumerate(groups):
-            # Layout order (round-robin, or registration order); entries stay in registration order,
-            # the order backward runs in reverse, from which buckets are planned.
-            placed = round_robin(named, self.dist.world) if self.round_robin else named
-            layout, flat, bound = bind_group(module, placed, self.dist.world, policy.param_dtype, self.dist, init)
-            params = dict(zip((n for n, _ in placed), bound))
-            slots = {s.name: s for s in layout.slots}
-            lo, hi = layout.partition(self.dist.rank)
-            # fp32 without offload: the owned slice of the working buffer is the master (no copy).
-            self._own(layout, flat[lo:hi], policy.master_dtype)
-            self.flats.append(flat)
-            entries += [(params[n], (g, slots[n])) for n, _ in named]
-        self._setup_grads(entries)
-        return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
-
-    def publish_finish(self) -> None:
-        comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
-        for flat, layout in zip(self.flats, self.layouts):
-            comm.wait(comm.all_gather_into(flat, layout.shard, "parameter all-gather", self.cfg.allgather_bucket_size),
-                      "parameter all-gather")
-
-    def memory(self, opt_state) -> Footprint:
-        fp = Footprint()
-        fp.add("params", device=tensor_bytes(self.flats))
-        self.offload.memory(fp, opt_state)
-        self._grad_memory(fp)
-        return fp
-
-
-def round_robin(named: list, world: int) -> list:
-    """DeepSpeed's round-robin order: parameters adjacent in registration (and backward) order lie
-    in different ranks' partitions of the flat buffer."""
-    return [x for r in range(world) for x in named[r::world]]

@@ -89,7 +89,7 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
 
 def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                      world: int) -> list[Bucket]:
-    """Buckets for a round-robin layout (``_sharded.round_robin``): each partition fills buckets of
+    """Buckets for a round-robin layout (``sharded.round_robin``): each partition fills buckets of
     its own of at most ``bucket_size // world`` elements (the waiting gradients stay within one
     ``bucket_size``), so owners take turns while backward runs."""
     return plan_buckets(order, bucket_size, shards, world, cap=max(1, bucket_size // world))
