@@ -1,7 +1,9 @@
 """zero1 and zero2: replicated working parameters, partitioned master and optimizer state.
 
 Rank r owns elements [r * shard, (r + 1) * shard) of each group's flat buffer; after the optimizer
-step every rank's updated partition is gathered back into the working buffers.
+step every rank's updated partition is gathered back into the working buffers. zero1 accumulates
+gradients in full flat buffers, as ddp, and reduces them on the last micro batch; zero2 reduces
+every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
 """
 from __future__ import annotations
 
@@ -100,10 +102,8 @@ def round_robin(named: list, world: int) -> list:
 
 
 class Zero1Stage(ShardedStage):
-    """zero1: optimizer state (and fp32 master) partitioned; gradients reduced at the boundary.
-
-    Gradients accumulate in one full flat buffer per group, as in ddp; on the last micro batch each
-    bucket is reduced to its owners during backward (``overlap_comm``) or after it, in stripes."""
+    """On the last micro batch each bucket is reduced to its owners during backward (``overlap_comm``)
+    or after it, in stripes."""
 
     def _setup_grads(self, entries: list) -> None:
         # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
@@ -136,11 +136,9 @@ class Zero1Stage(ShardedStage):
 
 
 class Zero2Stage(ShardedStage):
-    """zero2: optimizer state and gradients partitioned; buckets reduced during backward.
-
-    Once a bucket's gradients arrived they are copied into a reusable bucket buffer
+    """Once a bucket's gradients arrived they are copied into a reusable bucket buffer
     (``contiguous_gradients``), their .grad freed, and the buffer reduced to its owners, who add their
-    share into their partition. Every micro batch is reduced, as in DeepSpeed's stage 2."""
+    share into their partition."""
 
     @property
     def round_robin(self) -> bool:
