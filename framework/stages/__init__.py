@@ -4,7 +4,7 @@
 # the stages, so that they allocate and describe the same layout.
 from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, check_shape, cover, make_layout, param_count,
                                     param_groups, unit_groups)
-from framework.stages._reduce import plan_buckets
+from framework.stages._grads import plan_buckets
 from framework.stages._gather import UnitPlan, plan_units
 
 __all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "check_shape", "cover", "make_layout", "param_count",

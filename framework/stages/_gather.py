@@ -25,7 +25,7 @@ from framework.core.errors import DistributedError, FrameworkError, TrainingErro
 from framework.core.utils import tensors_in
 from framework.models.hf import declared_layers
 from framework.stages._flat import Layout
-from framework.stages._reduce import reduce_to_owners
+from framework.stages._grads import reduce_to_owners
 
 log = logging.getLogger("framework.zero3")
 Named = list[tuple[str, nn.Parameter]]
