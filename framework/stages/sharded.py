@@ -25,8 +25,7 @@ from framework.precision import Policy
 from framework.stages._flat import bind_group, param_groups
 from framework.stages._grads import (Arrivals, FlatGrads, check_no_grads, expected_order, own_overlap, plan_buckets,
                                      plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
-from framework.stages._partitions import PartitionedStage
-from framework.stages.base import Setup, WholeParameters
+from framework.stages.base import PartitionedStage, Setup, WholeParameters
 
 IN_FLIGHT = 2   # zero2's bucket buffers in flight: launching a third first completes the oldest
 

@@ -21,8 +21,7 @@ from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter, unit_groups
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup, plan_units
 from framework.offload.base import Placement
-from framework.stages._partitions import PartitionedStage
-from framework.stages.base import HookOwner, Setup
+from framework.stages.base import HookOwner, PartitionedStage, Setup
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
