@@ -6,7 +6,7 @@ rule as a pure function).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -134,16 +134,10 @@ class BF16Config:
     grad_accum_dtype: str = "fp32"
 
 
-@dataclass(kw_only=True)
-class FP16Config:
+@dataclass(frozen=True, kw_only=True)
+class FP16Config(ScalerConfig):
     """fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
 
-    loss_scale: float = 0.0          # 0 = dynamic
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: float = 1.0
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
 
 
@@ -164,8 +158,7 @@ def fp16(cfg: FP16Config) -> Policy:
                           "loss_scale_window >= 1")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
         raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
-    scaler = ScalerConfig(cfg.loss_scale, cfg.initial_scale_power, cfg.loss_scale_window,
-                          cfg.hysteresis, cfg.consecutive_hysteresis, cfg.min_loss_scale)
+    scaler = ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)})
     return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler,
                   grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp16"))
 
