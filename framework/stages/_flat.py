@@ -80,10 +80,6 @@ def param_count(module: nn.Module) -> int:
     return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters())
 
 
-def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
-
-
 @runtime_checkable
 class ParameterInit(Protocol):
     """A model that can initialise any one parameter by name (order-independent init)."""
@@ -112,7 +108,8 @@ def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: 
     layout = make_layout(named, world)
     flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
     params = []
-    for (name, p), v in zip(named, views(flat, layout)):
+    for (name, p), s in zip(named, layout.slots):
+        v = flat[s.offset:s.offset + s.numel].view(s.shape)
         v.copy_(initial_values(init, name, p, flat.device))
         if p.is_meta:  # .data cannot move a meta tensor to a real device
             new = nn.Parameter(v, requires_grad=p.requires_grad)
