@@ -225,7 +225,7 @@ class Gatherer:
         self.demands = 0
         self.hits = 0
         self.hook_handles: list = []
-        self.order = OrderCheck(dist)
+        self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_launch_order_check``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
             unit.gatherer = self
@@ -311,8 +311,8 @@ class Gatherer:
             self._reduce(self.persistent)
         self._complete_reductions()
         self.in_backward = False
-        if self.cfg.check_order and self.recording is not None:
-            self.order.launch(self.recording)
+        if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
+            self._launch_order_check(self.recording)
         self._end_pass()
 
     def _begin_pass(self, grad_mode: bool) -> None:
@@ -442,9 +442,35 @@ class Gatherer:
         if unit is not self.persistent:
             self.live -= unit.numel
 
+    def _launch_order_check(self, record: list[tuple[str, int]]) -> None:
+        """Start comparing a backward pass's record across ranks: a tiny asynchronous all-reduce of its
+        hash (no host sync in autograd's callback). Otherwise ranks that used different units would
+        combine unrelated buffers or hang."""
+        h = zlib.crc32(repr(record).encode())
+        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
+        # from pageable memory, which blocks the host after every backward pass.
+        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
+        t[0].fill_(h)
+        t[1].fill_(-h)
+        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
+                                    async_op=True)
+        self.order_checks.append((work, t, list(record)))
+
     def order_check(self) -> None:
-        """Raise if ranks used units in different orders since the last call (collective, once a step)."""
-        self.order.check(lambda uid: self.units[uid].name)
+        """Raise if ranks used units in different orders since the last call (collective; one host sync a step)."""
+        checks, self.order_checks = self.order_checks, []
+        for work, t, record in checks:
+            self.dist.wait([work], "zero3 order check")
+            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
+                continue
+            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
+            at = next(i for i in range(max(map(len, records)) + 1)
+                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
+            seen = ", ".join(f"rank {r} at " + (f"{self.units[rec[at][1]].name!r} ({rec[at][0]})"
+                                                 if at < len(rec) else "the end of the pass")
+                             for r, rec in enumerate(records))
+            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
+                                   f"(data-dependent control flow?): {seen}")
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -506,41 +532,3 @@ def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
     else:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
 
-
-class OrderCheck:
-    """Checks that every rank used the same units in the same order in each backward pass; otherwise
-    ranks would combine unrelated buffers or hang. Each pass starts a tiny asynchronous all-reduce of
-    a hash of its record (no host sync in autograd's callback); ``check`` reads them once a step."""
-
-    def __init__(self, dist: Dist):
-        self.dist = dist
-        self.pending: list = []   # (work, tensor, pass record) per backward pass
-
-    def launch(self, record: list[tuple[str, int]]) -> None:
-        if self.dist.world == 1:
-            return
-        h = zlib.crc32(repr(record).encode())
-        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
-        # from pageable memory, which blocks the host after every backward pass.
-        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
-        t[0].fill_(h)
-        t[1].fill_(-h)
-        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
-                                    async_op=True)
-        self.pending.append((work, t, list(record)))
-
-    def check(self, unit_name: Callable[[int], str]) -> None:
-        """Raise if a pass since the last call differed across ranks (collective; one host sync a step)."""
-        checks, self.pending = self.pending, []
-        for work, t, record in checks:
-            self.dist.wait([work], "zero3 order check")
-            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
-                continue
-            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
-            at = next(i for i in range(max(map(len, records)) + 1)
-                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
-            seen = ", ".join(f"rank {r} at " + (f"{unit_name(rec[at][1])!r} ({rec[at][0]})"
-                                                 if at < len(rec) else "the end of the pass")
-                             for r, rec in enumerate(records))
-            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
-                                   f"(data-dependent control flow?): {seen}")
