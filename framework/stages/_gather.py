@@ -161,11 +161,8 @@ class UnitGroup:
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use (construction holds only the shards)."""
         if self.part_grad.numel() != self.shard.numel():
-            if self.load_grad is not None:
-                self.part_grad = self.load_grad()
-            else:
-                self.part_grad = torch.zeros(self.shard.numel(), dtype=self.part_grad.dtype,
-                                             device=self.part_grad.device)
+            self.part_grad = self.load_grad() if self.load_grad is not None else torch.zeros(
+                self.shard.numel(), dtype=self.part_grad.dtype, device=self.part_grad.device)
         return self.part_grad
 
 
