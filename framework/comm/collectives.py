@@ -5,13 +5,9 @@
     comm.wait(p, "zero3 gather of 'h.0'")
 
 Every operation is asynchronous and returns a ``Pending``; ``wait`` completes it, naming what it
-waits for (a dead or stalled peer ends the survivors with one line naming it: ``Dist._run``).
-``shard`` is one rank's partition length; a buffer is *aligned* when it is ``world`` equal chunks,
-chunk r belonging to rank r. On NCCL aligned buffers go through the in-place tensor collectives
-(``reduce_scatter_tensor``, ``all_gather_into_tensor``) and others through per-owner ``reduce``.
-On gloo those tensor collectives are slow (0.57-0.75 GB/s against 0.95 for all_reduce on a 2-core
-CPU), so Gloo keeps its measured paths: a broadcast per owner, per-owner reduces, and at two ranks
-two all-reduce halves in flight.
+waits for. ``shard`` is one rank's partition length; a buffer is *aligned* when it is ``world``
+equal chunks, chunk r belonging to rank r. On gloo the tensor collectives are slow (0.57-0.75 GB/s
+against 0.95 for all_reduce on a 2-core CPU), so Gloo keeps its measured paths.
 """
 from __future__ import annotations
 
@@ -55,15 +51,7 @@ def adjacent(chunks: list[Tensor]) -> bool:
                for k, c in enumerate(chunks))
 
 
-def joined(chunks: list[Tensor]) -> Tensor:
-    """The adjacent chunks as one tensor (a view, no copy)."""
-    c = chunks[0]
-    return c.as_strided((c.numel() * len(chunks),), (1,), c.storage_offset())
-
-
 class Collectives:
-    """The operations the stages need. Subclasses: Local, Gloo, Nccl."""
-
     def __init__(self, dist, ops=tdist):
         # ``ops``: the module providing the primitives (torch.distributed; a recording fake in tests).
         self.dist, self.ops = dist, ops
@@ -177,8 +165,10 @@ class Nccl(Collectives):
         return Pending([self._go(what, self.ops.all_gather_into_tensor, full, mine)])
 
     def reduce_scatter(self, chunks, what):
-        if adjacent(chunks):
-            return self._reduce_scatter_in_place(joined(chunks), what)
+        if adjacent(chunks):   # one aligned buffer: reduce-scatter a view of it
+            c = chunks[0]
+            return self._reduce_scatter_in_place(c.as_strided((c.numel() * len(chunks),), (1,), c.storage_offset()),
+                                                 what)
         # Stripes of a larger buffer: gather them into one aligned staging buffer (one copy kernel),
         # reduce-scatter it in place, and copy this rank's sum back once the collective is done.
         staging = torch.cat(chunks)
@@ -200,7 +190,6 @@ class Nccl(Collectives):
 
 
 def collectives_for(dist, ops=tdist) -> Collectives:
-    """The collectives object for ``dist``'s backend (chosen here once; stages never branch on it)."""
     if dist.world == 1:
         return Local(dist, ops)
     if dist.backend == "nccl":

@@ -1,10 +1,9 @@
-"""The Dist value: rank, world size, device, and the collectives object of its backend (``dist.comm``).
+"""The Dist value (rank, world size, device, its accelerator and collectives), made by ``connect``.
 
 Collectives are no-ops at world size 1. Each names what it waits for, so a timeout (a dead or
-stalled peer) ends the surviving ranks with one line naming it. On NCCL a collective's ``wait``
-only orders the compute stream: NCCL's watchdog aborts each waiting rank after ``timeout_s``
-(SIGABRT), which the launcher names (``framework.cli.launch``). The backend follows from the
-devices (``resolve_backend``): ``auto`` is NCCL when this host has a GPU for each rank, else gloo.
+stalled peer) ends the surviving ranks with one line naming it; on NCCL, whose ``wait`` only
+orders the compute stream, the watchdog aborts a waiting rank after ``timeout_s`` (SIGABRT),
+which the launcher names.
 """
 from __future__ import annotations
 
@@ -37,11 +36,9 @@ class Dist:
     device: torch.device
     backend: str | None
     timeout_s: float
-    # (host name, process id) of every rank, gathered at connect: lets a survivor name the
-    # ranks whose process is gone when a collective fails (on its own host; others are unknown).
+    # (host name, process id) of every rank: a survivor names the ranks on its host whose process is gone.
     peers: tuple[tuple[str, int], ...] = ()
-    # The device's accelerator (default: ``for_device(device)``); one per Dist, so the offload
-    # path's copies and the collectives are checked against the same streams.
+    # One per Dist (default: ``for_device(device)``): the offload copies and the collectives share its streams.
     accelerator: Accelerator | None = None
 
     @property
@@ -50,18 +47,14 @@ class Dist:
 
     @cached_property
     def comm(self) -> Collectives:
-        """The collectives object of this backend (Local at world 1, Gloo, Nccl): what stages call."""
         return collectives_for(self)
 
     @cached_property
     def acc(self) -> Accelerator:
-        """The accelerator of ``device``: streams, events and copies (``framework.comm.accelerator``)."""
         return self.accelerator if self.accelerator is not None else for_device(self.device)
 
     def _issue(self, what: str, fn, *args, async_op: bool = False, **kwargs):
-        """Issue collective ``fn`` on the tensors in ``args``, ordered after the current stream as
-        NCCL orders it; an asynchronous one returns a work whose ``wait`` orders the current
-        stream after it (the checking accelerator checks both)."""
+        """Issue collective ``fn`` on the tensor ``args``; the accelerator sees it ordered as NCCL orders it."""
         token = self.acc.collective([a for a in args if isinstance(a, torch.Tensor)], what)
         work = self._run(what, fn, *args, async_op=async_op, **kwargs)
         if token is not None and not async_op:
@@ -79,8 +72,8 @@ class Dist:
             ) from e
 
     def who_failed(self) -> str:
-        """The peers to blame for a failed collective, as far as this host can tell: ranks on this host
-        whose process is gone, or stopped or blocked in the kernel (a slow peer is not named)."""
+        """The ranks on this host to blame for a failed collective: process gone, stopped or blocked in
+        the kernel (a slow peer is not named)."""
         host, lost, stalled = socket.gethostname(), [], []
         for r, (h, pid) in enumerate(self.peers):
             if h == host and r != self.rank:
@@ -153,10 +146,8 @@ def local_world_size() -> int:
 
 
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
-    """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host
-    (default: ``local_world_size()``). NCCL needs a GPU of its own for every local rank (it
-    refuses two ranks on one device), so ``auto`` is NCCL only when there are enough GPUs, and
-    an explicit ``nccl`` without them is an error naming the fix."""
+    """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host.
+    NCCL refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
     local = local_world_size() if local_world is None else local_world
@@ -200,14 +191,10 @@ def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.de
 
 def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None,
             device: str = "auto") -> Dist:
-    """Join (or reuse) the process group described by the environment.
-
-    Under torchrun or our own spawner RANK/WORLD_SIZE/MASTER_ADDR are set; without them this
-    is a single process and no group is created. The group is created once per process and
-    reused by later jobs of a multirun: re-creating it per job hangs under torchrun.
-    ``store_path``: rendezvous through a FileStore there (local spawned ranks) instead of
-    the TCP store named by MASTER_ADDR/MASTER_PORT. ``device``: see ``pick_device``.
-    """
+    """Join the process group the environment describes (torchrun's or our spawner's RANK,
+    WORLD_SIZE, ...; none: a single process). The group is made once per process and reused
+    by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``: rendezvous
+    through a FileStore there instead of MASTER_ADDR/MASTER_PORT."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
@@ -240,9 +227,9 @@ def disconnect() -> None:
 
 
 def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str):
-    """``fn()`` on every rank, its outcome exchanged with ``gather`` (an all-gather of one object per
-    rank; it doubles as a barrier), then its result: a rank that failed raises its own error, the
-    others one naming it, instead of waiting on a peer that will never come to the next collective."""
+    """``fn()`` on every rank, outcomes exchanged with ``gather`` (one object per rank; a barrier too):
+    a rank that failed raises its own error, the others one naming it, instead of waiting on a peer
+    that will never come to the next collective."""
     mine: BaseException | None = None
     try:
         result = fn()

@@ -35,9 +35,8 @@ def have_hydra() -> bool:
 
 def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
                         config_name: str = "train") -> tuple[DictConfig, dict[str, str]]:
-    """Compose conf/train.yaml with Hydra's compose API (outside a Hydra app); ``config_dir`` and
-    ``config_name`` select another primary config as ``--config-dir``/``--config-name`` do (a
-    recipe's), with conf/ kept on the search path so its groups resolve."""
+    """Compose conf/train.yaml outside a Hydra app; ``config_dir``/``config_name`` as ``--config-dir``/
+    ``--config-name`` (a recipe's), with conf/ kept on the search path so its groups resolve."""
     if not have_hydra():
         return plainconf.plain_composer(overrides, config_dir=config_dir, config_name=config_name)
     primary, extra = str(conf_dir()), []
@@ -65,14 +64,13 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
 
 
 def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
-    """Compose inside a running Hydra app: its search path and primary config (--config-name) are set up."""
+    """Compose inside a running Hydra app (its search path and --config-name set up)."""
     from hydra.core.hydra_config import HydraConfig
 
     return _hydra_compose(HydraConfig.get().job.config_name, overrides)
 
 
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:
-    """Hydra's compose (initialised on ``config_dir`` when given); its errors as one line."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -95,8 +93,7 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Pat
     ``ds_config`` (a path or a dict; or ``ds_config=PATH`` among the overrides) layers a DeepSpeed
     config between our YAML and the overrides. ``world`` (default: the torchrun environment, else
     dist.nproc) sizes its batch triple; its "auto" bucket sizes use ``hidden_size``, or the model
-    config's d_model when ``hidden_from_model``. ``config_dir``, ``config_name``: as ``--config-dir``,
-    ``--config-name``.
+    config's d_model when ``hidden_from_model``.
     """
     if config_dir is not None or config_name != "train":
         composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
@@ -154,7 +151,6 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
 
 
 def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
-    """``cfg`` (Hydra's DictConfig, or the plain composer's tree) with each dotted key set."""
     if isinstance(cfg, dict):   # the plain composer's tree
         for key, value in values.items():
             plainconf.set_key(cfg, plainconf.Override("++", key, value))

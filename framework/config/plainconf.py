@@ -21,10 +21,6 @@ class Override:
     key: str
     value: Any = None
 
-    @property
-    def is_choice(self) -> bool:
-        return self.key in GROUPS and self.prefix != "~"
-
 
 def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
@@ -111,8 +107,9 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
                 continue
             choices[str(group)] = str(name)
     parsed = [parse(o) for o in overrides]
-    for o in parsed:
-        if not o.is_choice:
+    is_choice = [o.key in GROUPS and o.prefix != "~" for o in parsed]
+    for o, choice in zip(parsed, is_choice):
+        if not choice:
             continue
         if o.key in choices and o.prefix == "+":
             raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
@@ -130,10 +127,9 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
             raise ConfigError(f"config: no {path}")
         tree[group] = load_yaml(path)
     _merge(tree, primary)
-    for o in parsed:
-        if o.is_choice or o.key.split(".")[0] == "hydra":
-            continue
-        set_key(tree, o)
+    for o, choice in zip(parsed, is_choice):
+        if not choice and o.key.split(".")[0] != "hydra":
+            set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
 
 

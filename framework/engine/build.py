@@ -12,7 +12,7 @@ import contextlib
 import os
 import sys
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -23,8 +23,8 @@ from framework.comm.distributed import Dist, connect
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
-from framework.engine.state import TrainState
-from framework.engine.step import Components, LossFn, build_train_step, init_state
+from framework.engine.state import TrainState, capture_rng
+from framework.engine.step import Components, LossFn, build_train_step
 from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained
@@ -40,12 +40,10 @@ class Engine:
     ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
     and stops the offload worker; the engine cannot step afterwards."""
 
-    def __init__(self, components: Components, state: TrainState, train_step: Callable,
-                 eval_step: Callable[[TrainState, list], float], config: Config | None = None):
+    def __init__(self, components: Components, state: TrainState, config: Config | None = None):
         self.components = components
         self._state = state
-        self._train_step = train_step
-        self._eval_step = eval_step
+        self._train_step = build_train_step(components)
         self.closed = False
         self.config = config   # the config it was built from
 
@@ -61,8 +59,17 @@ class Engine:
         return state, metrics
 
     def eval_step(self, state: TrainState, batches: list) -> float:
+        """Mean loss over this rank's share of fixed batches, averaged over ranks (no grad)."""
         self._check_open()
-        return self._eval_step(state, batches)
+        c = self.components
+        was_training = c.module.training
+        c.module.eval()
+        with torch.no_grad():
+            total = sum(c.loss_fn(c.module, b).float() for b in batches)
+        c.module.train(was_training)
+        total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
+        c.dist.all_reduce(total, what="validation loss all-reduce")
+        return total.item() / (len(batches) * c.dist.world)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -118,19 +125,15 @@ class Engine:
                                      rank=c.dist.rank, world=c.dist.world)
         return self.finish_load(state, loaded)
 
-    def finish_load(self, state: TrainState, loaded: TrainState) -> TrainState:
+    def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:
         """After a load into a ``mapped_state(write=True)`` view: ``state``'s own tensors (under
-        offload=nvme the parked ones) with ``loaded``'s values and scalars; collective."""
-        state = replace(loaded, params=state.params,
-                        opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
-        self.sync_working(state)
-        self._state = state
-        return state
-
-    def sync_working(self, state: TrainState) -> None:
-        """Rebuild the working parameters from masters written directly (a load), as after an
-        optimizer step: the 16-bit staging copies first, then the stage publishes. Collective."""
+        offload=nvme the parked ones) with ``loaded``'s values and scalars (None: ``state``'s), the working
+        parameters rebuilt from the masters as after an optimizer step (the 16-bit staging copies first,
+        then the stage publishes). Collective."""
         c = self.components
+        if loaded is not None:
+            state = replace(loaded, params=state.params,
+                            opt_state=merge_scalars(state.opt_state, loaded.opt_state, len(state.params)))
         out16 = c.stage.out16()
         if out16 is not None:
             offload = self._swapping()   # (a swapped piece's 16-bit copy is made when the publish reads it)
@@ -138,6 +141,8 @@ class Engine:
             copy_16bit([o for i, o in enumerate(out16) if i not in skip],
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
+        self._state = state
+        return state
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:
@@ -189,7 +194,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
                    stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite)
-    return Engine(c, init_state(c, setup.master, position), build_train_step(c), build_eval_step(c), cfg)
+    state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
+                       precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
+    return Engine(c, state, cfg)
 
 
 def hidden_size_of(module: nn.Module) -> int | None:
@@ -200,19 +207,3 @@ def hidden_size_of(module: nn.Module) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
-
-
-def build_eval_step(c: Components) -> Callable[[TrainState, list], float]:
-    """Mean loss over this rank's share of fixed batches, averaged over ranks (no grad)."""
-
-    def eval_step(state: TrainState, batches: list[Any]) -> float:
-        was_training = c.module.training
-        c.module.eval()
-        with torch.no_grad():
-            total = sum(c.loss_fn(c.module, b).float() for b in batches)
-        c.module.train(was_training)
-        total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
-        c.dist.all_reduce(total, what="validation loss all-reduce")
-        return total.item() / (len(batches) * c.dist.world)
-
-    return eval_step

@@ -1,4 +1,4 @@
-"""build_train_step / build_eval_step: a fixed sequence of calls on stage, precision and optimizer.
+"""build_train_step: a fixed sequence of calls on stage, precision and optimizer.
 
     state, metrics = train_step(state, batch)   # one optimizer step over len(batch.micro) micro batches
 
@@ -40,11 +40,6 @@ class Components:
     dist: Dist
     update: Update                # optimizer step + publish (framework.engine.update)
     on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
-
-
-def init_state(c: Components, master: Sequence[torch.Tensor], position: int = 0) -> TrainState:
-    return TrainState(step=0, params=tuple(master), opt_state=c.update.init(list(master)),
-                      precision=c.policy.init_state(), rng=capture_rng(c.dist.device), data=position)
 
 
 def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:

@@ -43,6 +43,3 @@ class PlainUpdate(Update):
         opt_state = optimizer_step(self.tx, grads, opt_state, params, lr, self.stage.out16())
         self.stage.publish(list(params))
         return opt_state
-
-    def memory(self, fp: Footprint) -> None:
-        pass

@@ -197,14 +197,14 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import make_layout, param_groups, plan_buckets
+    from framework.stages import bucket_buffers, expected_order, make_layout, param_groups, plan_buckets
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
             module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
-    stage, offload = cfg.choices["stage"], cfg.choices["offload"]
+    stage, o = cfg.choices["stage"], cfg.offload
     keep_grads = False
     w = policy.param_dtype.itemsize
     master_sep = policy.master_dtype != policy.param_dtype
@@ -216,11 +216,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     layouts = [make_layout(named, 1 if stage == "ddp" else world) for _, named in param_groups(module)]
     padded = [lay.padded for lay in layouts]
     pred = Prediction(world, count_module(module).params)
-    if offload == "nvme":
+    if cfg.choices["offload"] == "nvme":
         pred.host_slack_fraction = 0.0
-    ratio = getattr(cfg.offload, "ratio", 1.0) if offload != "none" else 0.0
-
-    opt_on_disk = offload == "nvme" and getattr(cfg.offload, "optimizer", "nvme") == "nvme"
+    ratio = getattr(o, "ratio", 0.0)   # offload=none: every piece on the device
+    opt_on_disk = getattr(o, "optimizer", None) == "nvme"
+    # ZeRO-Infinity: zero3 with every piece stepped off the device also swaps the owned gradients
+    # (offload/_gradswap.py): they sit in each tile and pass through one bounce buffer.
+    swap_grads = stage == "zero3" and opt_on_disk and ratio == 1.0
     # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
     # share, zero3 one piece per unit group (offload.base.Placement.place).
     chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
@@ -232,17 +234,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         hostn = round(ratio * shard_elems)
         devn = shard_elems - hostn
         if hostn and opt_on_disk:
-            # ZeRO-Infinity: tiles of at most sub_group_size elements, each the master, the optimizer
-            # state and (16-bit training) a staging scratch in a pool slot while stepped. zero3 with
-            # every piece on the host also swaps the owned gradients (offload/_gradswap.py): they
-            # sit in each tile and pass through one bounce buffer; otherwise they are host buffers.
-            swap_grads = stage == "zero3" and hostn == shard_elems
-            step = min(chunk or hostn, cfg.offload.sub_group_size)
+            # Tiles of at most sub_group_size elements, each the master, the optimizer state and
+            # (16-bit training) a staging scratch in a pool slot while stepped.
+            step = min(chunk or hostn, o.sub_group_size)
             for a in range(0, hostn, step):
                 t = min(step, hostn - a)
                 grad = [acc * t] if swap_grads else []
-                swapped = [4 * t, *(b * t for b in state_bytes), *grad]
-                tiles.append((swapped, [w * t] if master_sep else [], len(grad)))
+                tiles.append(([4 * t, *(b * t for b in state_bytes), *grad], [w * t] if master_sep else [], len(grad)))
             if not swap_grads:
                 pred.add("host_grad_buffers", host=4 * hostn)
             pred.add("optimizer_state", device=K * devn)
@@ -255,7 +253,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if master_sep:   # written by the first optimizer step
                 pred.add("host_staging", host=w * hostn)
                 pred.lazy.add("host_staging")
-            if getattr(cfg.offload, "overlap_step", False):   # allocated by the first speculative step
+            if o.overlap_step:   # allocated by the first speculative step
                 pred.add("overlap_undo", host=(4 + K) * hostn)
                 pred.lazy.add("overlap_undo")
         if devn and master_sep:
@@ -278,19 +276,16 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
-        for s in shards:
-            master_state(s)
+        for n in shards:
+            master_state(n)
         if stage == "zero1":
             full_grads(sum(padded))
         else:
             pred.add("grads", device=acc * sum(shards))
             # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            slots = [(g, s) for g, lay in enumerate(layouts) for s in lay.slots]
-            order = [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(slots)))]
+            order = expected_order([(g, s) for g, lay in enumerate(layouts) for s in lay.slots])
             buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
-            biggest = max(b.numel for b in buckets)
-            n_buf = (min(2 if cfg.stage.overlap_comm else 1, len(buckets))
-                     if cfg.stage.contiguous_gradients else 0)
+            n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
             # Parameter .grad tensors live until their bucket is copied out: when one bucket holds a
@@ -300,53 +295,46 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if not keep_grads:
                 pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + 1) * biggest)
     elif stage == "zero3":
-        _zero3(cfg, module, policy, world, pred, master_state)
-        pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
+        _zero3(cfg, module, policy, world, pred, master_state, swap_grads)
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     if tiles:
-        _swap_store(pred, tiles, cfg.offload.buffer_count, "nvme_optimizer_pool", "optimizer")
+        _swap_store(pred, tiles, o.buffer_count, "nvme_optimizer_pool", "optimizer")
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
     module = module.to(policy.param_dtype)
     module.train()
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
-    key = (cfg.train.micro_batch, ctx, bool(getattr(cfg.model, "activation_checkpointing", False)), keep_grads,
-           policy.param_dtype)
+    ckpt = bool(getattr(cfg.model, "activation_checkpointing", False))
+    key = (cfg.train.micro_batch, ctx, ckpt, keep_grads, policy.param_dtype)
     traces = {} if traces is None else traces
     if key not in traces:
         traces[key] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
     tr = traces[key]
     pred.transient["activations"] = tr.peak
-    ckpt = getattr(cfg.model, "activation_checkpointing", False) if loss_fn is None else "as the model is built"
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
-                      f"checkpointing={ckpt}, "
+                      f"checkpointing={ckpt if loss_fn is None else 'as the model is built'}, "
                       f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak")
     return pred
 
 
-def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
+def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grads: bool) -> None:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window."""
     from framework.stages import make_layout, plan_units, unit_groups
 
-    s = cfg.stage
-    w, red = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
+    s, o = cfg.stage, cfg.offload
+    w, red, acc = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize, policy.grad_accum_dtype.itemsize
     # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
     sizes, shards, largest_param = [], [], 0
-    o = cfg.offload
-    # owned gradients in the optimizer's swap file (offload/_gradswap.py): a group's partition exists
-    # from its first reduction until its write lands, none between steps
-    swap_grads = cfg.choices["offload"] == "nvme" and getattr(o, "optimizer", "nvme") == "nvme" \
-        and getattr(o, "ratio", 1.0) == 1.0
-    acc = policy.grad_accum_dtype.itemsize
 
     def group(named, gathered: bool) -> int:
         layout = make_layout(named, world)
         shards.append(layout.shard)
         pred.add("params", device=w * layout.shard)
+        # (with the owned gradients in the swap file a partition exists only while it is reduced)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
         master_state(layout.shard)
@@ -361,12 +349,12 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
             sizes.append(size)
     for _, named in unit_groups(persistent):
         group(named, True)
-    where = getattr(cfg.offload, "params", False)
-    on_host = where is True or where == "cpu" or (where in ("nvme", "auto") and cfg.choices["offload"] == "nvme")
-    if where is True or where == "cpu":
+    pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
+    where = getattr(o, "params", "none")   # (offload=nvme's auto is resolved by the config)
+    if where == "cpu":
         d, h = pred.items["params"]
         pred.items["params"] = (0, d + h)
-    elif where in ("nvme", "auto") and cfg.choices["offload"] == "nvme":   # shards in swap files, a pinned pool
+    elif where == "nvme":   # shards in swap files, a pinned pool
         pred.items.pop("params")
         # slots as large as the largest shard, no more of them than max_in_cpu allows
         largest = max(shards, default=0)
@@ -378,7 +366,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state) -> None:
     # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
     # the hooks gather in place (the shard is the whole buffer: _gather.Gatherer._in_place).
     biggest = max(sizes, default=0)
-    window = 0 if world == 1 and not on_host else min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    window = 0 if world == 1 and where == "none" else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
     # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
     # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a

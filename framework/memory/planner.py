@@ -169,17 +169,10 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
     for stage in stages:
         if stage not in COMPATIBLE:
             raise ConfigError(f"plan: unknown stage {stage!r}; one of {', '.join(COMPATIBLE)}")
-        offs = []
-        for o in COMPATIBLE[stage]:
-            offs.append(o)
-            if o == "cpu" and stage == "zero3":
-                offs.append("cpu+params")
+        offs = [x for o in COMPATIBLE[stage] for x in ([o, "cpu+params"] if (stage, o) == ("zero3", "cpu") else [o])]
         if "offloads" in own:
             offs = [o for o in offs if o in own["offloads"].split(",")]
-        for o in offs:
-            for b in micro:
-                for c in ckpts:
-                    out.append(Candidate(stage, o, b, per_rank // b, c))
+        out += [Candidate(stage, o, b, per_rank // b, c) for o in offs for b in micro for c in ckpts]
     return out
 
 

@@ -22,7 +22,6 @@ from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.room import Claim, nearest_existing, shortfalls
 from framework.core.units import GiB, MiB
-from framework.core.utils import tensor_bytes
 from framework.offload._diskstore import DiskStore
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
@@ -352,12 +351,6 @@ class DiskPlacement(NVMePlacement):
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
         self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
-
-    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
-        if info.tier is not Tier.DISK:
-            super()._piece_memory(fp, info, state)
-        elif not self.grad_swap:   # master, state and staging are in the pool; the gradient buffer is not
-            fp.add("host_grad_buffers", host=tensor_bytes([info.piece.grad]))
 
     def step_errors(self, failed: BaseException | None) -> None:
         # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).

@@ -211,19 +211,18 @@ class Placement:
         from framework.optimizers import group_state
 
         for info in self.infos:
-            self._piece_memory(fp, info, tensor_bytes(group_state(opt_state, len(self.infos), info.index)))
-
-    def _piece_memory(self, fp: Footprint, info: PieceInfo, state: int) -> None:
-        p = info.piece
-        if info.tier is Tier.DEVICE:
-            separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
-            fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
-            fp.add("optimizer_state", device=state)
-        else:   # tier HOST
-            fp.add("master_params", host=tensor_bytes([p.master]))
-            fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
-            fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
-            fp.add("optimizer_state", host=state)
+            p, state = info.piece, tensor_bytes(group_state(opt_state, len(self.infos), info.index))
+            if info.tier is Tier.DEVICE:
+                separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
+                fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
+                fp.add("optimizer_state", device=state)
+            elif info.tier is Tier.HOST:
+                fp.add("master_params", host=tensor_bytes([p.master]))
+                fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
+                fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
+                fp.add("optimizer_state", host=state)
+            elif not self.grad_swap:   # on disk: master, state and staging are in the pool, the gradient not
+                fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
 
     def shard_memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
         """zero3's parameter shards, where ``shards`` keeps them."""

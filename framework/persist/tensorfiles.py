@@ -2,6 +2,7 @@
 before anyone writes, then written in place at byte offsets (by ``weights`` and ``export``)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, 
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
-class WeightsSource:
+class WeightsSource(contextlib.AbstractContextManager):
     """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not
     read stays its name), read by flat element range. ``bytes_read`` counts the bytes handed out,
     so tests can check a rank read only its ranges."""
@@ -56,9 +57,6 @@ class WeightsSource:
 
     def close(self) -> None:
         self.meta.clear()
-
-    def __enter__(self) -> "WeightsSource":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

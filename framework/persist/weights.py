@@ -94,7 +94,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
                     src.close()
 
         _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
-    engine.sync_working(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
+    engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
 def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],

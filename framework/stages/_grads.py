@@ -124,6 +124,15 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
     return out
 
 
+IN_FLIGHT = 2   # zero2's bucket buffers in flight: launching a third first completes the oldest
+
+
+def bucket_buffers(buckets: list[Bucket], overlap: bool, contiguous: bool) -> tuple[int, int]:
+    """(how many, elements each) of the buffers zero2 copies gradients into (none without
+    ``contiguous``); without ``overlap`` each bucket completes before the next is filled: one does."""
+    return (min(IN_FLIGHT if overlap else 1, len(buckets)) if contiguous else 0), max(b.numel for b in buckets)
+
+
 def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, int, int]]:
     """(param id, group, offset, numel) in reverse registration order, from (group, slot) pairs."""
     return [(pid, g, s.offset, s.numel) for pid, (g, s) in reversed(list(enumerate(entries)))]

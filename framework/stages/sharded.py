@@ -23,11 +23,9 @@ from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_group, param_groups
-from framework.stages._grads import (Arrivals, FlatGrads, check_no_grads, expected_order, own_overlap, plan_buckets,
-                                     plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
+from framework.stages._grads import (Arrivals, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
+                                     plan_buckets, plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup, WholeParameters
-
-IN_FLIGHT = 2   # zero2's bucket buffers in flight: launching a third first completes the oldest
 
 
 @dataclass(kw_only=True)
@@ -154,9 +152,7 @@ class Zero2Stage(ShardedStage):
         buckets = plan(expected_order(self.slots), self.cfg.reduce_bucket_size,
                        {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
-        # Without overlap_comm each bucket completes before the next is filled: one buffer does.
-        n = min(IN_FLIGHT if self.cfg.overlap_comm else 1, len(buckets)) if self.cfg.contiguous_gradients else 0
-        size = max(b.numel for b in buckets)
+        n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()

@@ -9,12 +9,10 @@
         done = acc.event(); done.record()
     done.synchronize()                               # now the host may read host_buf
 
-Every device, stream and event decision of the offload path goes through this interface, so the
-same code runs on CUDA (``CudaAccelerator``: blocking events, so a waiting host sleeps instead of
-spinning a core), the plain CPU (``CpuAccelerator``: no streams, events
-do nothing) and the checking CPU accelerator (``CheckingCpuAccelerator``: the CPU, checked for what
-CUDA needs and a CPU run would not notice). ``FRAMEWORK_ACCELERATOR`` picks the CPU one: ``check``
-(the test suite sets it) or ``plain`` (the default).
+The same code runs on CUDA (``CudaAccelerator``), the plain CPU (``CpuAccelerator``: no streams,
+events do nothing) and the checking CPU (``CheckingCpuAccelerator``: raises where CUDA would go
+wrong and a CPU run would not notice). ``FRAMEWORK_ACCELERATOR`` picks the CPU one: ``check`` (the
+test suite sets it) or ``plain`` (the default).
 """
 from __future__ import annotations
 

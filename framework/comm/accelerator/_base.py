@@ -1,5 +1,5 @@
-"""What every accelerator offers (``Accelerator``, ``Event``) and the errors the checks raise. The
-unchecked implementations subclass these: a method they do not define does nothing."""
+"""What every accelerator offers (``Accelerator``, ``Event``; a method an implementation leaves
+out does nothing) and the errors the checks raise."""
 from __future__ import annotations
 
 import contextlib

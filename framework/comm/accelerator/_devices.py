@@ -1,5 +1,4 @@
-"""The unchecked accelerators: CUDA (torch.cuda streams and events, pinned host memory) and the
-plain CPU (no streams; copies are plain ``copy_``, events do nothing)."""
+"""The unchecked accelerators: CUDA and the plain CPU."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -92,7 +91,7 @@ class _NoEvent(Event):
 
 
 class CpuAccelerator(Accelerator):
-    """One CPU process: work runs when it is issued, so streams and events have nothing to order."""
+    """Work runs when it is issued, so streams and events have nothing to order."""
 
     device = torch.device("cpu")
     host = torch.device("cpu")

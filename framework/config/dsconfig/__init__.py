@@ -5,10 +5,8 @@
 
 Precedence: our defaults and YAML < the DeepSpeed file < the command line; keys a file leaves out
 follow DeepSpeed's defaults where DeepSpeed's engine decides, our config where it leaves them to
-its client. The package is pure: ``load`` parses; ``translate`` (``_translate``, with the sections
-in ``_zero`` and ``_training`` and the tables of keys in ``_keys``) maps the file to group choices
-and settings; ``resolve`` (``_resolve``) fills "auto" by Hugging Face's rules and checks the values
-the file states against the ones the run derives, reporting every mismatch together.
+its client. The package is pure: ``load`` parses, ``translate`` maps the file to group choices and
+settings, ``resolve`` fills "auto" by Hugging Face's rules and checks the file against the run.
 """
 from __future__ import annotations
 
@@ -17,10 +15,9 @@ from pathlib import Path
 from typing import Mapping
 
 from framework.core.errors import ConfigError
-from framework.config.dsconfig._keys import (AUTO, AUTO_FILLED, COMMAND_LINE, DEFAULT, DS_DEFAULT, DS_FILE,
-                                             STAGES, YAML)
-from framework.config.dsconfig._resolve import Resolved, RunFacts, resolve
-from framework.config.dsconfig._translate import Setting, Translation, translate
+from framework.config.dsconfig._keys import AUTO, COMMAND_LINE, DEFAULT, DS_FILE, YAML
+from framework.config.dsconfig._resolve import RunFacts, resolve
+from framework.config.dsconfig._translate import translate
 
 
 def load(source: str | Path | Mapping) -> dict:
@@ -51,5 +48,4 @@ def load(source: str | Path | Mapping) -> dict:
     return data
 
 
-__all__ = ["AUTO", "AUTO_FILLED", "COMMAND_LINE", "DEFAULT", "DS_DEFAULT", "DS_FILE", "STAGES", "YAML", "Resolved",
-           "RunFacts", "Setting", "Translation", "load", "resolve", "translate"]
+__all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve", "translate"]

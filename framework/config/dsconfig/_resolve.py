@@ -32,11 +32,7 @@ class Resolved:
 def resolve(t: Translation, run: RunFacts) -> Resolved:
     """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists
     every mismatch."""
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
-    mismatches: list[str] = []
-    leftover: list[str] = []
-    notes: list[str] = []
+    values, sources, mismatches, leftover, notes = {}, {}, [], [], []
     h = run.hidden_size
     # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)
     sizes = {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h} if h is not None else {}

@@ -44,8 +44,6 @@ class Translation:
         out += [f"note: ds_config: {n}" for n in notes]
         return out
 
-    # The walk (``run``, with the section walkers of ``_zero`` and ``_training``) fills the fields.
-
     def error(self, msg: str) -> None:
         self.errors.append(msg)
 
@@ -147,5 +145,4 @@ class Translation:
 
 
 def translate(ds: dict) -> Translation:
-    """Map a loaded DeepSpeed config; errors and notices are collected in the result."""
     return Translation().run(ds)

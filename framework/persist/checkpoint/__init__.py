@@ -6,15 +6,10 @@
     ckpt.close()                                 # waits for an async save; collective
 
 A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
-"optim.<scalar>"), train_state.json (step, data position, loss scaler, optimizer, config, the saving
-layout), rng-<rank>.json and manifest.json (``_folder``: the commit protocol). Each rank writes its
-share of the name-keyed state (``framework.persist.layout``) and reads its own holdings by name, so
-world size, stage and offload may change between save and load.
-
-Only state known good (finite, with room on disk) is committed, and every phase ends in an exchange
-of outcomes, so one rank's failure ends every rank with the same line; ``resume=auto`` falls back past
-a damaged checkpoint. Under offload=nvme the swapped state is read and written where it lies, in the
-mapped swap file, so memory does not grow with the model.
+"optim.<scalar>"), train_state.json, rng-<rank>.json and manifest.json (``_folder``: the commit
+protocol). Each rank writes its share of the name-keyed state (``framework.persist.layout``) and reads
+its own holdings by name, so world size, stage and offload may change between save and load. Every
+phase ends in an exchange of outcomes, so one rank's failure ends every rank with the same line.
 """
 from __future__ import annotations
 
@@ -50,7 +45,7 @@ class Checkpointer:
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite = cfg.train.on_nonfinite
         self.group = Group(dist, self.cfg.timeout_s)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
@@ -126,9 +121,7 @@ class Checkpointer:
 
     def save(self, state) -> None:
         self.wait()
-        self._pending = save(self.engine, state, self.root, group=self.group, config=self.config,
-                             keep_last=self.cfg.keep_last, background=self._pool, nonfinite=self.on_nonfinite,
-                             writer=self.writer, on_point=self.on_point)
+        self._pending = save(self, state)
 
     def wait(self) -> None:
         """Wait for a save in flight; its error is raised here."""
@@ -140,8 +133,8 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
             self.group.close()
 
 

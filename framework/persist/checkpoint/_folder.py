@@ -34,11 +34,8 @@ _LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
 
 
 def sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def files_of(folder: Path) -> list[str]:
@@ -47,14 +44,9 @@ def files_of(folder: Path) -> list[str]:
 
 
 def file_entry(folder: Path, name: str) -> dict:
-    p = folder / name
-    fd = files.open_nofollow(p, os.O_RDONLY)
-    try:
-        os.fchmod(fd, 0o600)  # DCP's writer creates files with the umask's mode
-        size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
-    return {"bytes": size, "sha256": sha256(p)}
+    with os.fdopen(files.open_nofollow(folder / name, os.O_RDONLY), "rb") as f:
+        os.fchmod(f.fileno(), 0o600)  # DCP's writer creates files with the umask's mode
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": hashlib.file_digest(f, "sha256").hexdigest()}
 
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:

@@ -79,19 +79,20 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
+    layout = StateLayout.of(specs, rank=group.rank, world=group.world)
 
     def check():
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
-        _fits(c, folder, body, md, StateLayout.of(specs), per, scalars)
+        _fits(c, folder, body, md, layout, per, scalars)
         check_format(body["state_format"])   # before reading anything
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
-        mine = StateLayout.of(specs, rank=group.rank, world=group.world).mine()
+        mine = layout.mine()
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
         # DCP reads a swapped piece where it lies (straight into the file), the others into host
         # copies that the state takes once checked

@@ -2,7 +2,6 @@
 is finite and fits on the disk, then the files, the checksums and the commit."""
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -12,7 +11,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -117,15 +116,14 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list
     return sorted(bad)
 
 
-def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: int,
-         background: concurrent.futures.Executor | None = None, nonfinite: str = "stop",
-         writer: type | None = None, on_point: Callable[[str], None] | None = None):
-    """Save ``state`` as ``root/step-<state.step>`` (collective). The host copy of this rank's
-    state is taken before returning; with ``background`` the files are written there and its
-    future is returned (None otherwise). Non-finite state raises ``TrainingError`` (with
-    ``nonfinite="warn"``: a warning and no save). ``writer``: DCP's storage writer class (None:
-    ``FileSystemWriter``). ``on_point(point)``: called at ``save-<N>:after-shard`` (every rank),
-    ``:before-manifest``, ``:before-rename`` and ``:before-latest`` (rank 0), for fault tests."""
+def save(ckpt, state):
+    """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective; ``ckpt``: the ``Checkpointer``).
+    The host copy of this rank's state is taken before returning; with ``ckpt.pool`` the files are
+    written there and its future is returned (None otherwise). Non-finite state raises
+    ``TrainingError`` (with ``train.on_nonfinite=warn``: a warning and no save). ``ckpt.on_point(point)``
+    is called at ``save-<N>:after-shard`` (every rank), ``:before-manifest``, ``:before-rename`` and
+    ``:before-latest`` (rank 0), for fault tests."""
+    engine, group, root, background = ckpt.engine, ckpt.group, ckpt.root, ckpt.pool
     staged16 = None
     if engine.components.stage.weights_on_save():
         # stage3_gather_16bit_weights_on_model_save: written now on the training thread (collective
@@ -135,10 +133,6 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
             files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
         save_on_model_save(engine, staged16)
-    meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
-            "precision_policy": config.get("precision", {}).get("name")}
-    write = dict(group=group, config=config, keep_last=keep_last, meta=meta, staged16=staged16, writer=writer,
-                 on_point=on_point)
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
         if fmap is not None:
@@ -147,23 +141,22 @@ def save(engine, state, root: Path, *, group: Group, config: dict, keep_last: in
             background = None
         snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
         recheck = lambda: verify_map(fmap, "checked again after the checkpoint read it")  # noqa: E731
-        if not _agree_to_save(snap, root, group, nonfinite, staged16, recheck):
+        if not _agree_to_save(ckpt, snap, staged16, recheck):
             return None
         if background is None:
             # inside the block: DCP reads the mapped pages before training changes them
-            _write(snap, root, recheck=recheck, **write)
+            _write(ckpt, snap, staged16, recheck)
             return None
         agree_save(group, "swap file check after the host copy", recheck, root / f"step-{state.step}.tmp",
                    cleanup=False)
-    return background.submit(_write, snap, root, **write)
+    return background.submit(_write, ckpt, snap, staged16)
 
 
-def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged16: Path | None,
-                   recheck) -> bool:
+def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     """Every rank's verdict on the state (finite) and on the room for it, exchanged; True to save.
     Non-finite state is a TrainingError unless the swap file changed under it (``recheck`` fails:
     that error is the cause); too little room a CheckpointError naming the folder and the bytes."""
-    step = snap["step"]
+    step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
         claim = Claim.of(root, snap["bytes"], group.rank)
@@ -185,7 +178,7 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
         shutil.rmtree(staged16, ignore_errors=True)
     if problems:
         raise CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}; the previous checkpoints are kept")
-    if refused and nonfinite == "warn":
+    if refused and ckpt.on_nonfinite == "warn":
         if group.rank == 0:
             print(f"warning: {refused} (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
         return False
@@ -200,19 +193,20 @@ def _agree_to_save(snap: dict, root: Path, group: Group, nonfinite: str, staged1
     return True
 
 
-def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int, meta: dict,
-           staged16: Path | None = None, recheck=None, writer: type | None = None,
-           on_point: Callable[[str], None] | None = None) -> Path:
+def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
     """Write and commit the snapshot (collective), each phase ending in an exchange of outcomes
     (``agree_save``). ``recheck``: run after the files are written, before the commit."""
     t0 = time.perf_counter()
+    group, root, config = ckpt.group, ckpt.root, ckpt.config
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     need = snap["bytes"] * group.world
+    meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
+            "precision_policy": config.get("precision", {}).get("name")}
 
     def point(name: str) -> None:
-        if on_point is not None:
-            on_point(f"save-{step}:{name}")
+        if ckpt.on_point is not None:
+            ckpt.on_point(f"save-{step}:{name}")
 
     def make_folder():
         if rank == 0:
@@ -226,7 +220,7 @@ def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int
 
     def write_files():
         dcp = glue()
-        dcp.dcp.save(snap["dcp"], storage_writer=(writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
+        dcp.dcp.save(snap["dcp"], storage_writer=(ckpt.writer or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
                      planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs())
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
@@ -252,7 +246,7 @@ def _write(snap: dict, root: Path, *, group: Group, config: dict, keep_last: int
         _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
                                config_hash=config_hash(config), verified=True)
         _folder.commit(tmp, final, point)
-        gone = _folder.prune(root, final, keep_last)
+        gone = _folder.prune(root, final, ckpt.cfg.keep_last)
         total = sum(v["bytes"] for v in entries.values())
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
