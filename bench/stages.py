@@ -166,7 +166,7 @@ def _deepspeed(dist, name, cfg, model, data):
               "zero_optimization": {"stage": stage},  # DeepSpeed's defaults otherwise
               "fp16": {"enabled": False}, "bf16": {"enabled": False},
               "steps_per_print": 10**9, "wall_clock_breakdown": False}
-    # The tied output projection is a call of the wte module itself (TiedEmbedding), so ZeRO-3's
+    # The tied output projection is a call of the wte module itself (``unembed=True``), so ZeRO-3's
     # module hooks see both uses of its weight: no external-parameter registration is needed.
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_cfg)
     return deepspeed_step(engine, data, dist)

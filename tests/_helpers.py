@@ -13,6 +13,17 @@ TINY = ["model=gpt-nano", "model.n_layer=2", "model.n_head=2", "model.d_model=32
         "data.vocab_size=24", "train.steps=20", "train.micro_batch=4", "logger=none"]
 
 
+def count_params(cfg) -> int:
+    """Exact parameter count of ``GPT(cfg)`` from its config alone: a check of the built model."""
+    d, b = cfg.d_model, int(cfg.bias)
+    ln = d + b * d
+    attn = 3 * d * d + b * 3 * d + d * d + b * d
+    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
+    block = 2 * ln + attn + mlp
+    head = 0 if cfg.tie_weights else cfg.vocab_size * d
+    return cfg.vocab_size * d + cfg.context * d + cfg.n_layer * block + ln + head
+
+
 def tiny_config(*overrides: str):
     return compose([*TINY, *overrides])
 

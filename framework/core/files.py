@@ -24,6 +24,7 @@ from framework.core.errors import UnsafePathError
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
 _BASE = os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC   # the folder itself may be a link the user made
 
 
 def _refused(path: os.PathLike | str, what: str = "") -> UnsafePathError:
@@ -45,23 +46,22 @@ def refuse_links(*paths: os.PathLike | str) -> None:
             raise _refused(p)
 
 
-def open_nofollow(path: os.PathLike | str, flags: int, mode: int = PRIVATE_FILE, *, dir_fd: int | None = None) -> int:
+def open_nofollow(path: os.PathLike | str, flags: int) -> int:
     """``os.open`` that never follows a symbolic link in the final component."""
     try:
-        return os.open(path, flags | _BASE, mode, dir_fd=dir_fd)
+        return os.open(path, flags | _BASE, PRIVATE_FILE)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK) and (dir_fd is not None or is_link(path)):
+        if e.errno in (errno.ELOOP, errno.EMLINK) and is_link(path):
             raise _refused(path) from None
         raise
 
 
-def create_new(path: os.PathLike | str, *, replace_stale: bool = False, flags: int = os.O_WRONLY,
-               dir_fd: int | None = None) -> int:
+def create_new(path: os.PathLike | str, *, replace_stale: bool = False, dir_fd: int | None = None) -> int:
     """A new owner-only file (``O_CREAT | O_EXCL``). ``replace_stale``: a regular file left there
     by an interrupted run (a temporary) is removed first; a link is always refused."""
     for attempt in (0, 1):
         try:
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
             os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
             return fd
         except FileExistsError:
@@ -87,26 +87,21 @@ def write_new(path: os.PathLike | str, data: bytes, *, replace_stale: bool = Fal
         os.close(fd)
 
 
-def open_dir(path: os.PathLike | str) -> int:
-    """A descriptor of the folder ``path`` (which may be a link the user made)."""
-    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-
-
 def fsync_dir(path: os.PathLike | str) -> None:
-    fd = open_dir(path)
+    fd = os.open(path, _DIR)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def write_atomic(path: os.PathLike | str, data: bytes, *, tmp_name: str | None = None) -> None:
-    """Replace ``path`` with a file holding ``data``: written to ``<name>.tmp`` (or ``tmp_name``)
-    in the same folder, fsynced, renamed over ``path`` and the folder fsynced, all relative to one
-    descriptor of the folder. A reader sees the old file or the new one, never a part."""
+def write_atomic(path: os.PathLike | str, data: bytes) -> None:
+    """Replace ``path`` with a file holding ``data``: written to ``<name>.tmp`` in the same folder,
+    fsynced, renamed over ``path`` and the folder fsynced, all relative to one descriptor of the
+    folder. A reader sees the old file or the new one, never a part."""
     path = Path(path)
-    tmp = tmp_name or f"{path.name}.tmp"
-    dfd = open_dir(path.parent)
+    tmp = f"{path.name}.tmp"
+    dfd = os.open(path.parent, _DIR)
     try:
         try:
             write_new(tmp, data, replace_stale=True, dir_fd=dfd)

@@ -1,7 +1,7 @@
 """none: no console output and no service (metrics.jsonl and summary.json are still written)."""
 from dataclasses import dataclass
 
-from framework.loggers._base import NullLogger, RunInfo
+from framework.loggers._base import NullLogger
 from framework.core.registry import Component
 
 
@@ -10,8 +10,4 @@ class NoLoggerConfig:
     pass
 
 
-def build(cfg: NoLoggerConfig, *, run: RunInfo) -> NullLogger:
-    return NullLogger()
-
-
-COMPONENT = Component(config=NoLoggerConfig, build=build)
+COMPONENT = Component(config=NoLoggerConfig, build=lambda cfg, *, run: NullLogger())

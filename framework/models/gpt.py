@@ -1,14 +1,8 @@
 """A GPT in the nanoGPT mould, written with einops: pre-LayerNorm blocks, causal attention through
 ``scaled_dot_product_attention``, learned position embeddings, a 4x GELU MLP, optional biases,
-dropout and weight tying. Each layer is a ``Block``: the unit ZeRO-3 gathers and releases and
-activation checkpointing wraps.
-
-Weight tying calls the token embedding itself as the output projection (``TiedEmbedding``,
-``wte(x, unembed=True)``) instead of aliasing a second ``nn.Linear`` to its weight: one tensor
-under one name, which nothing that swaps or shards parameters can untie, used only inside its
-own module's forward, where ZeRO-3 gathers it.
-
-The presets share one schema; their values live in ``conf/model/<name>.yaml``, read into ``PRESETS``.
+dropout and weight tying (``Embedding``'s ``unembed``). Each layer is a ``Block``: the unit ZeRO-3 gathers
+and releases and activation checkpointing wraps. The presets share one schema; their values live
+in ``conf/model/<name>.yaml``, read into ``PRESETS``.
 """
 from __future__ import annotations
 
@@ -50,17 +44,6 @@ class GPTConfig:
                               f"model.n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-
-
-def count_params(cfg: GPTConfig) -> int:
-    """Exact parameter count of ``GPT(cfg)`` without building it (used for the 1B preset)."""
-    d, b = cfg.d_model, int(cfg.bias)
-    ln = d + b * d
-    attn = 3 * d * d + b * 3 * d + d * d + b * d
-    mlp = 4 * d * d + b * 4 * d + 4 * d * d + b * d
-    block = 2 * ln + attn + mlp
-    head = 0 if cfg.tie_weights else cfg.vocab_size * d
-    return cfg.vocab_size * d + cfg.context * d + cfg.n_layer * block + ln + head
 
 
 class CausalSelfAttention(nn.Module):
@@ -106,18 +89,18 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` without its random init on the meta device: ``GPT.init_parameter`` writes every
-    value later, and meta ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors
-    keep torch's init, so the global random stream is consumed as before."""
+    """``nn.Embedding`` that is also the tied output projection: ``wte(idx)`` embeds, ``wte(x,
+    unembed=True)`` maps hidden states to logits. Not a second ``nn.Linear`` aliased to the weight:
+    one tensor under one name, which nothing that swaps or shards parameters can untie, used only
+    inside its own module's forward, where ZeRO-3's hooks see every use of it.
+
+    No random init on the meta device: ``GPT.init_parameter`` writes every value later, and meta
+    ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors keep torch's init,
+    so the global random stream is consumed as before."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
             super().reset_parameters()
-
-
-class TiedEmbedding(Embedding):
-    """A token embedding that is also the output projection: ``wte(idx)`` embeds, ``wte(x,
-    unembed=True)`` maps hidden states to logits; hooks around it (ZeRO-3) see every use of the weight."""
 
     def forward(self, x: Tensor, unembed: bool = False) -> Tensor:
         return F.linear(x, self.weight) if unembed else super().forward(x)
@@ -127,7 +110,7 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = TiedEmbedding(cfg.vocab_size, cfg.d_model)
+        self.wte = Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = Embedding(cfg.context, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))

@@ -17,6 +17,7 @@ import math
 import sys
 import zlib
 from dataclasses import dataclass
+from functools import partialmethod
 from pathlib import Path
 
 import torch
@@ -149,12 +150,6 @@ class HFInit:
         for path, mod in self.modules.items():    # parents come before children
             self.init_of[path] = mod if isinstance(mod, pretrained) else self.init_of[_parent(path)]
 
-    def init_parameter(self, name: str, t: Tensor) -> None:
-        self._init(name, t, parameter=True)
-
-    def init_buffer(self, name: str, t: Tensor) -> None:
-        self._init(name, t, parameter=False)
-
     def _init(self, name: str, t: Tensor, parameter: bool) -> None:
         path, _, key = name.rpartition(".")
         chain = [path]
@@ -183,6 +178,9 @@ class HFInit:
                               f"from the meta device; build the model on a real device instead")
         if host is not t:
             t.copy_(host)
+
+    init_parameter = partialmethod(_init, parameter=True)
+    init_buffer = partialmethod(_init, parameter=False)
 
 
 def _parent(path: str) -> str:

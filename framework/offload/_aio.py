@@ -1,20 +1,13 @@
-"""Asynchronous reads and writes of host tensors at swap-file offsets: the NVMe offload's IO engine.
-
-    io = AsyncIO(block_size=1 << 20, queue_depth=8, intra_op_parallelism=1)
-    buf = aligned_empty(numel, torch.float32, pin=True, acc=acc)      # page-aligned host buffer
-    h = io.pwrite(swap, offset, buf, "master.3")                      # returns at once
-    h.wait()                                                          # raises SwapIOError
-    io.pread(swap, offset, buf, "master.3").wait()                    # checksums verified
-    io.close()
+"""The NVMe offload's IO engine: ``AsyncIO.pread`` / ``pwrite`` of a host tensor (``aligned_empty``:
+page-aligned) at a swap-file offset return a handle at once; its ``wait()`` raises a ``SwapIOError``.
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
 threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL; a synchronous call
-per piece needs a thread per piece in flight). With O_DIRECT,
-partial 4 KiB blocks and memory not aligned like its file offset go through a per-thread bounce
-buffer; where the file system refuses O_DIRECT (EINVAL) the engine warns once and uses buffered IO.
-A short count, an OS error or a checksum mismatch fails the request with a ``SwapIOError`` naming
-the file, offset and tensor. Measured within a few percent of fio with O_DIRECT and libaio
-(``python -m bench.nvme_io``, BENCHMARKS.md).
+per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory not
+aligned like its file offset go through a per-thread bounce buffer; where the file system refuses
+O_DIRECT (EINVAL) the swap file warns once and buffered IO is used. A short count, an OS error or a
+checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
+Measured within a few percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``).
 
 Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
 ``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
@@ -31,7 +24,6 @@ import mmap
 import os
 import queue
 import threading
-import warnings
 import weakref
 import zlib
 
@@ -43,10 +35,6 @@ from framework.core.units import MiB
 from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
-
-
-class DirectIOFallback(RuntimeWarning):
-    """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
@@ -104,7 +92,7 @@ def _unregister(cudart, ptr: int, mm: mmap.mmap) -> None:
 
 
 def _memory(address: int, nbytes: int):
-    """A writable buffer over ``nbytes`` of memory at ``address`` (kept alive by the caller)."""
+    """A writable buffer over memory the caller keeps alive."""
     return (ctypes.c_char * nbytes).from_address(address)
 
 
@@ -119,7 +107,7 @@ CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory)
 
 
 class IOHandle:
-    """One read or write in flight; ``wait()`` blocks until all its pieces are done."""
+    """One read or write in flight, done when all its pieces are."""
 
     def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int):
         self.op, self.file, self.what = op, file, what
@@ -140,7 +128,6 @@ class IOHandle:
         return self._error
 
     def wait(self) -> None:
-        """Block until the request is done; raise its SwapIOError if a piece failed."""
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -170,8 +157,6 @@ class AsyncIO:
             raise ValueError(f"checksum={checksum!r} is not one of {', '.join(CHECKSUMS)}")
         self.block_size, self.direct, self._hash = block_size, direct, CHECKSUMS[checksum]
         self._kind = (block_size, checksum)   # whose checksums a piece is verified against
-        self._warned = False
-        self._warn_lock = threading.Lock()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._worker, name=f"framework-aio-{i}", daemon=True)
                          for i in range(queue_depth * intra_op_parallelism)]
@@ -179,7 +164,6 @@ class AsyncIO:
             t.start()
 
     def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
-        """Start reading ``dst.nbytes`` bytes at ``offset`` of ``file`` into ``dst``."""
         return self._submit("read", file, offset, dst, what)
 
     def pwrite(self, file: SwapFile, offset: int, src: torch.Tensor, what: str) -> IOHandle:
@@ -265,18 +249,13 @@ class AsyncIO:
         # before the write: ``memory`` must not change meanwhile
         value = self._hash(memory, nbytes) if write and self._hash is not None else None
         fd, refused = file.descriptor(self.direct)
-        if refused is not None:
-            self._warn(file, refused)
         direct = self.direct and refused is None
         try:
             self._move(handle, fd, direct, offset, address, nbytes, bounce_addr)
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
-            file.refuse_direct(e)   # overlay: the open succeeded, the IO does not
-            self._warn(file, e)
-            fd, _ = file.descriptor(False)
-            self._move(handle, fd, False, offset, address, nbytes, bounce_addr)
+            self._move(handle, file.refuse_direct(e), False, offset, address, nbytes, bounce_addr)
         if write:
             file.record(self._kind, offset, nbytes, value)
         elif self._hash is not None:
@@ -287,19 +266,10 @@ class AsyncIO:
 
     def _move(self, handle: IOHandle, fd: int, direct: bool, offset: int, address: int, nbytes: int,
               bounce_addr: int) -> None:
-        if not direct:   # buffered: any offset, length and address
-            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
-            return
-        body_lo = -(-offset // ALIGN) * ALIGN
-        body_hi = (offset + nbytes) // ALIGN * ALIGN
-        if (address - offset) % ALIGN or body_lo >= body_hi:
+        if direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
             self._bounced(handle, fd, offset, address, nbytes, bounce_addr)
-            return
-        if offset < body_lo:
-            self._bounced(handle, fd, offset, address, body_lo - offset, bounce_addr)
-        self._io(handle, fd, body_lo, _memory(address + body_lo - offset, body_hi - body_lo), body_hi - body_lo)
-        if body_hi < offset + nbytes:
-            self._bounced(handle, fd, body_hi, address + body_hi - offset, offset + nbytes - body_hi, bounce_addr)
+        else:   # buffered IO takes any offset, length and address
+            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
 
     def _bounced(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
         """O_DIRECT IO of an unaligned range through the aligned bounce buffer."""
@@ -339,14 +309,6 @@ class AsyncIO:
                            f"({nbytes} bytes) of {handle.file.path}{inside}: {reason}",
                            path=str(handle.file.path), offset=offset, what=handle.what, errno=code)
 
-    def _warn(self, file: SwapFile, error: OSError) -> None:
-        with self._warn_lock:
-            if self._warned:
-                return
-            self._warned = True
-        warnings.warn(f"{file.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
-                      "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=2)
-
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
     """Check extent ``name`` of ``fmap`` piece by piece; SwapIOError naming the file, offset and tensor."""
@@ -378,7 +340,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
 
 
 def verify_map(fmap, what: str = "") -> None:
-    """``verify_extent`` for every extent of the mapped file (nothing without a map)."""
+    """``verify_extent`` for every extent of the mapped file, if any."""
     if fmap is None:
         return
     for name in fmap.file.extents:

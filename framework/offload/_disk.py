@@ -13,20 +13,20 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from framework.comm.accelerator import Accelerator, Event
+from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
-from framework.core.footprint import Footprint
 from framework.core.room import Claim, nearest_existing, shortfalls
 from framework.core.units import GiB, MiB
-from framework.offload._diskstore import DiskStore
+from framework.offload._diskstore import DiskStore, parked
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
 from framework.offload._swapfile import reserved_bytes, swap_path
-from framework.offload.base import Piece, PieceInfo, Shards
+from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
@@ -73,13 +73,12 @@ def _allocated(path) -> int:
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
-    def __init__(self, spec: NVMeOffloadConfig, host_fraction: float, pin: bool, shards: Shards | None = None,
-                 overlap_step: bool = False, accelerator: Accelerator | None = None):
+    def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
         self._made: str | None = None     # the swap folder, when this run made it
-        super().__init__(host_fraction, pin, shards, overlap_step, accelerator)
+        super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
         _return_freed_memory()
@@ -88,22 +87,18 @@ class NVMePlacement(HostPlacement):
     def swaps(self) -> bool:
         return True
 
-    def swap_stores(self) -> dict:
-        return {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
-
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """With every swap file made and written (before the first step)."""
+        """With every swap file made and written (before the first step); zero3's shards go first."""
         try:
+            self.clean_stale()
+            self.shards.swap_out()
             return self._init_state(tx, params)
         except BaseException:
             self.close()   # no swap file outlives a failed start
             raise
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        full = tx.init(list(params))
-        self.clean_stale()
-        self.shards.swap_out()
-        return full
+        return tx.init(list(params))
 
     def clean_stale(self) -> None:
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
@@ -156,19 +151,31 @@ class NVMePlacement(HostPlacement):
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
         return self._tmpdir
 
-    def open_swap(self, store: DiskStore, kind: str) -> None:
-        """After the pre-flight: ``store``'s swap file, IO engine and pool."""
+    def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
+        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file, IO
+        engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
+        cannot stops every rank (``agree``), none is left waiting in a collective."""
         from framework.offload._aio import AsyncIO
 
-        rank = self.dist.rank if self.dist is not None else 0
-        path = swap_path(self.folder(), rank, kind)
-        aio = self.spec.aio
-        store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
-                   self.dist.world if self.dist is not None else 1)
-        slot, _, total, _ = store.layout()
-        what = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
-        print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {what} to {path}; "
-              f"host pool {store.buffer_count} x {slot} bytes", flush=True)
+        stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
+        agree_swap_room(self.dist, self.folder(), stores, check)
+        failed = None
+        try:
+            rank = self.dist.rank if self.dist is not None else 0
+            path = swap_path(self.folder(), rank, kind)
+            aio = self.spec.aio
+            store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
+                       self.dist.world if self.dist is not None else 1)
+            slot, _, total, _ = store.layout()
+            held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
+            print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path}; "
+                  f"host pool {store.buffer_count} x {slot} bytes", flush=True)
+            for key, fill in fills:
+                store.create(key, fill)
+            store.flush()
+        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
+            failed = e
+        self.agree(failed, what)
 
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
@@ -227,19 +234,9 @@ def _available_ram() -> int | None:
     return None
 
 
-def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
-    return torch.empty(0, dtype=dtype, device="cpu").set_(
-        torch.zeros(1, dtype=dtype, device="cpu").untyped_storage(), 0, (numel,), (0,))
-
-
-class DiskPlacement(NVMePlacement):
+class DiskPlacement(GradSwap, NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK)."""
-
-    def __init__(self, *args, **kwargs):
-        self.gradswap: GradSwap | None = None   # (``swap_grads``) owned gradients in the swap file
-        super().__init__(*args, **kwargs)
 
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
@@ -249,59 +246,28 @@ class DiskPlacement(NVMePlacement):
                                            name="optimizer")
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[tuple[Tier, Piece]]:
+                    chunk: int | None) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
         at a pool slot only while resident) and fills them from ``own``."""
         step, host, pieces = min(chunk or max(k, 1), self.spec.sub_group_size), self.stores[Tier.HOST], []
-        if self.gradswap is None:   # gradients in host memory: one pinned arena for the partition
+        if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
             host.reserve([(min(a + step, k) - a, master_dtype) for a in range(0, k, step)])
         for a in range(0, k, step):
             b = min(a + step, k)
-            if self.gradswap is not None:   # in the swap file beside the tile (``_gradswap``)
-                grad = parked(b - a, self.gradswap.dtype)
+            if self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
+                grad = parked(b - a, self.grad_dtype)
             else:
                 grad = host.allocate(b - a, master_dtype)
                 grad.zero_()
             staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
-            pieces.append((Tier.DISK, Piece(a, b, parked(b - a, master_dtype), grad, staging)))
+            pieces.append(Piece(a, b, parked(b - a, master_dtype), grad, staging, Tier.DISK))
         return pieces
-
-    @property
-    def grad_swap(self) -> bool:
-        return self.gradswap is not None
-
-    def swap_grads(self, accum_dtype: torch.dtype) -> bool:
-        """With every piece stepped by the host the owned gradients live beside their tiles."""
-        if self.host_fraction == 1.0:
-            self.gradswap = GradSwap(accum_dtype)
-        return self.grad_swap
-
-    def load_grad(self, group: int, numel: int, device: torch.device) -> torch.Tensor:
-        return self.gradswap.load(group, numel, device)
-
-    def save_grad(self, group: int, buf: torch.Tensor, final: bool) -> None:
-        self.gradswap.save(group, buf, final, self.acc.device)
-
-    def finish_grads(self, sizes: Sequence[int]) -> None:
-        self.gradswap.finish(sizes, self.acc.device)
-
-    def grad_sq_norm_local(self, sizes: Sequence[int]) -> torch.Tensor:
-        return self.gradswap.sq_norm(sizes, self.acc.device)
-
-    def clear_grads(self) -> None:
-        if self.gradswap is not None:
-            self.gradswap.clear()
-
-    def readable_grads(self, grads: Sequence[torch.Tensor]):
-        return grads if self.gradswap is None else self.gradswap.piece_grads(self.infos)
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
-        holds at most a slot's worth); zero3's shards go to their swap file first."""
+        holds at most a slot's worth)."""
         from framework.optimizers import group_state, init_groups, merge_groups
 
-        self.clean_stale()
-        self.shards.swap_out()
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -312,30 +278,24 @@ class DiskPlacement(NVMePlacement):
             state = init_groups(tx, params, {info.index})
             owner[info.index] = len(states)
             states.append(state)
-            grad = [info.piece.grad] if self.grad_swap else []
-            store.add(info.index, [info.piece.master, *group_state(state, n, info.index), *grad],
-                      [info.piece.staging] if info.piece.staging is not None else [], readonly=len(grad))
+            grad = [info.grad] if self.grad_swap else []
+            store.add(info.index, [info.master, *group_state(state, n, info.index), *grad],
+                      [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
-        agree_swap_room(self.dist, self.folder(), self.swap_stores(), lambda: self._preflight(store))
-        failed = None
-        try:   # a rank that cannot open its swap file stops every rank below, none left in a collective
-            self.open_swap(store, "optim")
-            if self.gradswap is not None:
-                self.gradswap.bind(store, disk, self.acc)
-            for info in disk:   # initial values: the working values and a fresh state, written out
-                def fill(info=info):
-                    values = self.shards.initial_values(info.partition, info.start, info.end)
-                    self.acc.copy(info.piece.master, values)   # blocking: setup
-                    fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
-                    for dst, src in zip(group_state(full, n, info.index), fresh):
-                        dst.copy_(src)
-                    if self.grad_swap:
-                        info.piece.grad.zero_()
-                store.create(info.index, fill)
-            store.flush()
-        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
-            failed = e
-        self.agree(failed, "writing the initial state to the swap files")
+        if self.grad_swap:
+            self.start_grad_writer(disk)
+
+        def fill(info):   # initial values: the working values and a fresh state, written out
+            values = self.shards.initial_values(info.partition, info.start, info.end)
+            self.acc.copy(info.master, values)   # blocking: setup
+            fresh = group_state(init_groups(tx, params, {info.index}), n, info.index)
+            for dst, src in zip(group_state(full, n, info.index), fresh):
+                dst.copy_(src)
+            if self.grad_swap:
+                info.grad.zero_()
+        self.write_swap(store, "optim", lambda: self._preflight(store),
+                        ((info.index, partial(fill, info)) for info in disk),
+                        "writing the initial state to the swap files")
         return full
 
     def _preflight(self, store: DiskStore) -> None:
@@ -348,37 +308,9 @@ class DiskPlacement(NVMePlacement):
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         self.check_ram(store.buffer_count * slot + bounce, "")
 
-    def memory(self, fp: Footprint, opt_state: Any) -> None:
-        super().memory(fp, opt_state)
-        self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
-
     def step_errors(self, failed: BaseException | None) -> None:
         # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
         self.agree(failed, "stepping the optimizer tiles")
-
-    def _publish(self, info: PieceInfo, after: Event) -> Event | None:
-        if info.tier is not Tier.DISK:
-            return super()._publish(info, after)
-        store = self.stores[Tier.DISK]
-        handle = store.acquire(info.index)   # resident while its values are copied back
-        store.wait(handle)
-        if info.piece.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
-            info.piece.staging.copy_(info.piece.master)
-        ev = self.copy_back(info, after)
-        store.release(handle, ev)
-        return ev
-
-    def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
-        store = self.stores[Tier.DISK]
-        for p in pieces:
-            info = next((i for i in self.infos if i.piece is p and i.tier is Tier.DISK), None)
-            if info is None:
-                super().reset_master([p], shard, values)
-                continue
-            handle = store.acquire(info.index)
-            store.wait(handle)
-            self.acc.copy(p.master, values[p.start:p.end])
-            store.release(handle, None)
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
@@ -395,7 +327,3 @@ class DiskPlacement(NVMePlacement):
     def unmapped(self, fmap: Any) -> None:
         self.stores[Tier.DISK].unmapped(fmap)
 
-    def close(self) -> None:
-        if self.gradswap is not None:
-            self.gradswap.close()
-        super().close()

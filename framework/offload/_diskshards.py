@@ -3,6 +3,8 @@ fills it, swapped out to its swap file at the end of setup, and made resident in
 ``DiskStore`` pool while a gather loads it or the step copies back into it."""
 from __future__ import annotations
 
+import os
+import tempfile
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,14 +12,25 @@ import torch
 from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.footprint import Footprint
-from framework.offload._disk import NVMePlacement, agree_swap_room, parked
-from framework.offload._diskstore import DiskStore
-from framework.offload._gradswap import Spill, read_into
-from framework.offload.base import PieceInfo
+from framework.offload._disk import NVMePlacement
+from framework.offload._diskstore import DiskStore, park_tensor
+from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
 if TYPE_CHECKING:   # the component module builds the shards: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
+
+
+def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
+    """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
+    first (None: read whole)."""
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0   # host sync: no (a host tensor)
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            return offset + done
+        done += n
+    return None
 
 
 class DiskShards(HostShards):
@@ -28,7 +41,8 @@ class DiskShards(HostShards):
         super().__init__()
         self.spec = spec
         self.keys: dict[int, int] = {}                   # id(shard) -> its key in the store
-        self.spill: Spill | None = None                  # shards spilled during construction
+        self.spill: int | None = None                    # the construction spill's descriptor
+        self.spilled: dict[int, int] = {}                # id(shard) -> its offset in the spill
         self.held: tuple[int, int] | None = None         # (group, key): a shard kept resident
         self.read_error: BaseException | None = None     # a failed read, until ranks agree on it
 
@@ -51,17 +65,23 @@ class DiskShards(HostShards):
         return shard
 
     def filled(self, shard: torch.Tensor) -> None:
-        """Spilled and its memory released, so construction streams."""
-        if self.keys.get(id(shard)) is None:
+        """Appended to an unlinked temporary file (it never outlives its process) and its memory
+        released, so nothing model-sized is resident during construction."""
+        if id(shard) not in self.keys:
             return
         if self.spill is None:
             from framework.core.files import make_dirs
 
             folder = self.p.folder()
             make_dirs(folder)   # (0700; removed at close when this run made it)
-            self.spill = Spill(folder)
-        self.spill.put(shard)
-        shard.set_(parked(shard.numel(), shard.dtype).untyped_storage(), 0, shard.shape, (0,))
+            self.spill, path = tempfile.mkstemp(prefix=".construction-", suffix=".spill", dir=folder)
+            os.unlink(path)   # its space is freed when the descriptor closes, whatever ends the process
+        data = memoryview(shard.detach().reshape(-1).view(torch.uint8).numpy())   # host sync: no (a host shard)
+        at = self.spilled[id(shard)] = os.fstat(self.spill).st_size   # appended at its end
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.spill, data[done:], at + done)
+        park_tensor(shard)
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
@@ -80,29 +100,29 @@ class DiskShards(HostShards):
     def swap_out(self) -> None:
         """Before the optimizer's file: the spill is consumed and closed first (never both on disk),
         and the masters' initial values are read back from this file."""
-        p, store = self.p, self.store
-        agree_swap_room(p.dist, p.folder(), p.swap_stores(), self._preflight)
-        failed = None
-        try:
-            p.open_swap(store, "params")
-            for key in list(store.order):
-                store.create(key, self._filler(store.entries[key].swapped[0]))
-            store.flush()
-            self._close_spill()
-        except Exception as e:   # noqa: BLE001
-            failed = e
-        p.agree(failed, "writing the parameter shards to their swap file")
+        store = self.store
+        self.p.write_swap(store, "params", self._preflight,
+                          ((key, self._filler(store.entries[key].swapped[0])) for key in list(store.entries)),
+                          "writing the parameter shards to their swap file")
+        self._close_spill()
 
     def _filler(self, shard: torch.Tensor):
-        """``DiskStore.create``'s fill for a shard: from its spill (None: its own values)."""
-        if self.spill is None or not self.spill.has(shard):
+        """``DiskStore.create``'s fill for a shard: from the spill (None: its own values)."""
+        at = self.spilled.get(id(shard))
+        if at is None:
             return None
-        return lambda: self.spill.read(shard, 0, shard.numel(), out=shard)
+
+        def fill():
+            short = read_into(self.spill, shard, at)
+            if short is not None:
+                raise OSError(f"construction spill: short read at {short}")
+        return fill
 
     def _close_spill(self) -> None:
         if self.spill is not None:
-            self.spill.close()
+            os.close(self.spill)
             self.spill = None
+        self.spilled.clear()
 
     def _preflight(self) -> None:
         """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
@@ -158,7 +178,7 @@ class DiskShards(HostShards):
         finally:
             self.store.release(handle, None, dirty=True)
 
-    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         if not self.swapped:
             return super().copy_back(info, dst, src, after)
         # resident for host copies, written once

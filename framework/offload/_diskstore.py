@@ -20,22 +20,29 @@ from framework.offload._swapfile import SwapFile, padded
 
 def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
                 ) -> tuple[int, int, int, int]:
-    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``, each the byte
-    sizes of its swapped and scratch tensors and how many swapped ones (the last) are read-only:
-    every tensor padded to the file's block, a slot as large as the largest entry, never more slots
-    than entries, only swapped tensors in the file, and a bounce buffer (``write_extent``) as large
-    as the largest read-only tensor. The store and the estimator (``framework.memory``) both use it."""
+    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries`` (the byte sizes of
+    each's swapped and scratch tensors, and how many swapped ones, last, are read-only): for the store
+    and the estimator (``framework.memory``) alike. The bounce buffer holds a read-only tensor."""
     slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
     bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
+
+
+def parked(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A host placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
+    return torch.empty(0, dtype=dtype).set_(torch.zeros(1, dtype=dtype).untyped_storage(), 0, (numel,), (0,))
+
+
+def park_tensor(t: torch.Tensor) -> None:
+    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder."""
+    t.set_(parked(1, t.dtype).untyped_storage(), 0, t.shape, (0,) * t.dim())
 
 
 @dataclass
 class _Entry:
     """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
     need room while it is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor objects
-    are stable (the train and optimizer state hold them): they view its slot while it is resident,
-    else a one-element parking storage with zero strides (no buffer held, writes raise)."""
+    are stable (the state holds them): they view its slot while it is resident, else are parked."""
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
@@ -71,15 +78,13 @@ class DiskStore:
                  name: str, learn_order: bool = False):
         self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
         self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
-        # learn_order: the read-ahead follows the order of the previous acquires (zero3's recorded
-        # gather order) instead of the order pieces were added (the optimizer's tile order)
+        # The read-ahead reads ``follow[k]`` after k: the order pieces were added (the optimizer's tile
+        # order), or with ``learn_order`` that of the previous acquires (zero3's recorded gather order).
         self.learn_order, self.follow, self.last = learn_order, {}, None
         self.entries: dict[int, _Entry] = {}
-        self.order: list[int] = []          # keys in the order the pipeline steps them
         self.slots: list[_Slot] = []
         self.where: dict[int, _Slot] = {}   # key -> the slot holding (or reading, or writing) it
         self.writing: deque[_Slot] = deque()
-        self.parking: dict[torch.dtype, torch.Tensor] = {}
         self.cond = threading.Condition()
         self.file = self.io = None
         self.bytes_read = self.bytes_written = 0
@@ -94,11 +99,12 @@ class DiskStore:
         keep their memory and values until ``create`` writes them out)."""
         tensors = (*swapped, *scratch)
         offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
+        if self.entries and not self.learn_order:
+            self.follow[next(reversed(self.entries))] = key
         self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
-        self.order.append(key)
         if park:
             for t in tensors:
-                self._park(t)
+                park_tensor(t)
 
     def extents(self) -> dict[str, int]:
         """Swap file extents (padded bytes), one per swapped tensor."""
@@ -142,7 +148,7 @@ class DiskStore:
                     self.follow[self.last] = key
                 self.last = key
             if self.read_ahead:
-                nxt = self._next(key)
+                nxt = self.follow.get(key)
                 if nxt is not None and nxt not in self.where:
                     free = self._free_slot(block=False)
                     if free is not None:
@@ -257,32 +263,32 @@ class DiskStore:
 
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
-    def write_extent(self, key: int, j: int, src: torch.Tensor) -> None:
-        """``src`` (host, contiguous; ``swapped[j]``'s size) -> piece ``key``'s tensor ``j`` in the
+    def write_extent(self, key: int, src: torch.Tensor) -> None:
+        """``src`` (host, contiguous) -> piece ``key``'s last swapped tensor (its read-only tail) in the
         swap file, waited for, through a page-aligned bounce buffer (the extent padded, as the slot
         reads it back, so the checksums are kept over the same pieces)."""
-        n, buf = self._bounce(key, j)
+        j, n, buf = self._bounce(key)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
         self._wait_io([self._extent_io(self.io.pwrite, key, j, buf)])
         self.bytes_written += buf.numel()
 
-    def read_extent(self, key: int, j: int, dst: torch.Tensor) -> None:
-        """Piece ``key``'s tensor ``j`` from the swap file -> ``dst`` (host, contiguous), waited for."""
-        n, buf = self._bounce(key, j)
+    def read_extent(self, key: int, dst: torch.Tensor) -> None:
+        """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for."""
+        j, n, buf = self._bounce(key)
         self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
 
-    def _bounce(self, key: int, j: int) -> tuple[int, torch.Tensor]:
-        """(bytes, padded bounce buffer) for piece ``key``'s tensor ``j``, which must not be in a slot."""
+    def _bounce(self, key: int) -> tuple[int, int, torch.Tensor]:
+        """(index, bytes, padded bounce buffer) of piece ``key``'s last tensor, once no slot holds it."""
         if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
             self.settle()
-        t = self.entries[key].swapped[j]
-        n = t.nbytes
+        swapped = self.entries[key].swapped
+        n = swapped[-1].nbytes
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
-        return n, self.bounce[:padded(n)]
+        return len(swapped) - 1, n, self.bounce[:padded(n)]
 
     def settle(self) -> None:
         """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy
@@ -341,12 +347,6 @@ class DiskStore:
         fp.add_disk(file, sum(self.extents().values()))
 
     # --- internals (called with the condition held unless said otherwise) --------------------
-
-    def _next(self, key: int) -> int | None:
-        if self.learn_order:
-            return self.follow.get(key)
-        i = self.order.index(key) + 1
-        return self.order[i] if i < len(self.order) else None
 
     def _free_slot(self, block: bool) -> _Slot | None:
         """A slot to read into. Slots whose last copy to the device still runs are taken only when
@@ -427,7 +427,7 @@ class DiskStore:
     def _free(self, slot: _Slot) -> None:
         e = self.entries[slot.key]
         for t in (*e.swapped, *e.scratch):
-            self._park(t)
+            park_tensor(t)
         self.where.pop(slot.key, None)
         slot.key, slot.state, slot.io = None, "free", []
         self.cond.notify_all()
@@ -439,9 +439,4 @@ class DiskStore:
         e = self.entries[key]
         for j, t in enumerate((*e.swapped, *e.scratch)):
             t.set_(slot.buffer[e.offsets[j]:e.offsets[j] + t.nbytes].view(t.dtype).view(t.shape))
-
-    def _park(self, t: torch.Tensor) -> None:
-        if t.dtype not in self.parking:
-            self.parking[t.dtype] = torch.zeros(1, dtype=t.dtype, device=t.device)
-        t.set_(self.parking[t.dtype].untyped_storage(), 0, t.shape, (0,) * t.dim())
 

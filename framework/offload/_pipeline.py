@@ -36,9 +36,8 @@ if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update):
 class PiecePipeline:
     """The ``Update`` of a stage with host pieces, and its gradient listener (via the offload target)."""
 
-    def __init__(self, tx: GradientTransformation, target: Placement, gather: Callable[[], None],
-                 speculative: bool):
-        self.tx, self.target, self.gather, self.speculative = tx, target, gather, speculative
+    def __init__(self, tx: GradientTransformation, target: Placement, gather: Callable[[], None]):
+        self.tx, self.target, self.gather = tx, target, gather
         self.acc = target.acc
         self.info = target.pieces()           # in the optimizer's order
         self.host = {i.index for i in self.info if i.tier is not Tier.DEVICE}   # host memory or disk
@@ -78,7 +77,7 @@ class PiecePipeline:
             self.target.stores[Tier.DISK].settle()
         self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
         self.grad_copies, self.final, self.sources = {}, set(), {}
-        self.ctx = (opt_state, list(params), lr, scale) if self.speculative and self.speculate else None
+        self.ctx = (opt_state, list(params), lr, scale) if self.target.overlap_step and self.speculate else None
 
     def ready(self, group: int, lo: int, hi: int, grad: Tensor) -> None:
         """Range [lo, hi) of ``group``'s reduced gradient is final, produced on the current stream."""
@@ -112,7 +111,7 @@ class PiecePipeline:
                     ready = self.acc.event()
                     ready.record()
                     self.grad_copies[info.index] = _done(ready)
-                out.append(info.piece.grad)
+                out.append(info.grad)
                 continue
             g = parts[info.group][info.start:info.end]
             if info.tier is not Tier.DEVICE:
@@ -120,8 +119,8 @@ class PiecePipeline:
                     if info.index not in self.final:  # final on the current stream since backward ended
                         self.acc.use(writes=[g])
                     self.grad_copies[info.index] = _done(self.target.copy_grad(info, g))
-                g = info.piece.grad
-            out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
+                g = info.grad
+            out.append(g if g.dtype == info.master.dtype else g.to(info.master.dtype))
         return out
 
     def _acquire(self, k: int) -> None:
@@ -131,27 +130,21 @@ class PiecePipeline:
         store.wait(k)
 
     def _speculate(self, k: int) -> Any:
+        """``_step`` with the unclipped coefficient, after undo copies of what it changes."""
         opt_state, params, lr, scale = self.ctx
-        pc = self.info[k].piece
+        pc = self.info[k]
         self._acquire(k)
-        self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
-        self.acc.on_host(pc.grad, pc.master, *self._staging(k), what="host step operands")
         saved = [pc.master, *group_state(opt_state, len(params), k)]
-        if k not in self.undo:
-            host = self.target.stores[Tier.HOST]
-            # (only the host touches them: not pinned)
-            self.undo[k] = [host.allocate(t.numel(), t.dtype, pinned=False).view(t.shape) for t in saved]
-        self.acc.host_use(reads=[pc.grad, *saved], writes=[pc.grad, *saved, *self.undo[k], *self._staging(k)])
-        grad = pc.grad if pc.grad.dtype == pc.master.dtype else pc.grad.to(pc.master.dtype)
-        if scale != 1.0:
-            grad.mul_(1.0 / scale)  # what the plain step's unclipped coefficient does
+        if k not in self.undo:   # (only the host touches them: not pinned)
+            self.undo[k] = [self.acc.empty_host(t.shape, t.dtype, pinned=False) for t in saved]
+        self.acc.host_use(reads=saved, writes=self.undo[k])
         for dst, t in zip(self.undo[k], saved):
             dst.copy_(t)
         self.undone.add(k)
-        return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
+        return self._step(k, pc.grad, 1.0 / scale, opt_state, params, lr)
 
     def _step(self, k: int, grad: Tensor, coef: float, opt_state: Any, params: Sequence[Tensor], lr: float) -> Any:
-        pc = self.info[k].piece
+        pc = self.info[k]
         self._acquire(k)
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
         if grad.dtype != pc.master.dtype:   # a swapped gradient in a 16-bit accumulation dtype, resident now
@@ -163,7 +156,7 @@ class PiecePipeline:
         return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
 
     def _staging(self, k: int) -> list[Tensor]:
-        s = self.info[k].piece.staging
+        s = self.info[k].staging
         return [] if s is None else [s]
 
     def _wait(self) -> None:
@@ -190,7 +183,7 @@ class PiecePipeline:
         # Every piece whose undo copy was taken is restored, whether its job finished or failed.
         opt_state, params = self.ctx[0], self.ctx[1]
         for k in self.undone:
-            saved = [self.info[k].piece.master, *group_state(opt_state, len(params), k)]
+            saved = [self.info[k].master, *group_state(opt_state, len(params), k)]
             self.acc.host_use(reads=self.undo[k], writes=saved)
             for dst, t in zip(saved, self.undo[k]):
                 dst.copy_(t)

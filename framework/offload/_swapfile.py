@@ -1,16 +1,11 @@
-"""Swap files of the NVMe offload: one preallocated file per rank and kind, with a manifest beside it.
+"""Swap files of the NVMe offload: one preallocated file per rank and kind (``swap_path``), with a
+manifest beside it; ``SwapFile.create(...)`` as a context manager deletes both on leaving, also on error.
 
-    with SwapFile.create(swap_path(folder, rank, "optim"), {"master.0": 4 * n0, ...}, layout_hash=h,
-                         world_size=w, rank=rank, dtype=torch.float32) as f:
-        offset, nbytes = f.extent("master.0")        # 4 KiB aligned offset, moved by AsyncIO
-    # leaving the block (or f.remove()) deletes the file and its manifest, also on error
-
-Extents lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks); ``posix_fallocate``
-reserves the size, so a full disk fails at creation, not mid-run. The file is owner-only and
-``flock``-ed while open (a second run on the same folder is refused). The manifest records the
-layout and the checksums the IO engine recorded here (per block size and checksum name); a file of
-another layout is refused, one of the same layout taken over (its contents are not trusted: checksums
-start empty).
+Extents (name -> bytes) lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks);
+``posix_fallocate`` reserves the size, so a full disk fails at creation, not mid-run. The file is
+owner-only and ``flock``-ed while open (a second run on the same folder is refused). The manifest
+records the layout and the IO engine's checksums; a file of another layout is refused, one of the
+same layout taken over (its contents are not trusted: checksums start empty).
 """
 from __future__ import annotations
 
@@ -22,6 +17,7 @@ import mmap
 import os
 import tempfile
 import threading
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -37,18 +33,19 @@ FORMAT = 1
 
 
 def padded(nbytes: int) -> int:
-    """``nbytes`` rounded up to a whole number of 4 KiB blocks."""
     return -(-nbytes // ALIGN) * ALIGN
 
 
 def reserved_bytes(extents: Mapping[str, int]) -> int:
-    """Bytes a swap file of ``extents`` (name -> bytes) reserves on disk."""
     return sum(padded(int(n)) for n in extents.values())
 
 
 def swap_path(folder: str | os.PathLike, rank: int, kind: str) -> Path:
-    """Where rank ``rank`` keeps its swap file of ``kind`` (e.g. "optim", "params")."""
     return Path(folder) / f"rank{rank:05d}.{kind}.swap"
+
+
+class DirectIOFallback(RuntimeWarning):
+    """O_DIRECT was refused by the file system; buffered IO is used instead."""
 
 
 class Syscalls:
@@ -76,7 +73,7 @@ class Extent:
 
 
 class SwapFile:
-    """One preallocated swap file (see the module docstring). Build it with ``SwapFile.create``."""
+    """One preallocated swap file (module docstring); made by ``SwapFile.create``."""
 
     def __init__(self, path: Path, extents: dict[str, Extent], size: int, meta: dict, fd: int,
                  syscalls: Syscalls):
@@ -141,7 +138,6 @@ class SwapFile:
         return f
 
     def extent(self, name: str) -> tuple[int, int]:
-        """(offset, bytes) of extent ``name``."""
         e = self.extents[name]
         return e.offset, e.nbytes
 
@@ -167,18 +163,26 @@ class SwapFile:
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
-                    self._direct_refused = e
+                    self._refuse(e)
             if self._direct_fd is not None:
                 return self._direct_fd, None
             return self._fd, self._direct_refused
 
-    def refuse_direct(self, error: OSError) -> None:
-        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO)."""
+    def refuse_direct(self, error: OSError) -> int:
+        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): the
+        buffered descriptor, from now on."""
         with self._lock:
             if self._direct_fd is not None:
                 os.close(self._direct_fd)
                 self._direct_fd = None
-            self._direct_refused = error
+            self._refuse(error)
+            return self._fd
+
+    def _refuse(self, error: OSError) -> None:
+        if self._direct_refused is None:   # said once per file
+            warnings.warn(f"{self.path.parent}: the file system refuses O_DIRECT ({os.strerror(error.errno)}); "
+                          "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=3)
+        self._direct_refused = error
 
     def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
         """The piece [offset, offset + nbytes) now holds bytes with checksum ``value`` (None: written
@@ -193,7 +197,6 @@ class SwapFile:
                 self._sums.setdefault(kind, {}).setdefault(offset // kind[0], []).append((offset, nbytes, value))
 
     def forget(self, offset: int, nbytes: int) -> None:
-        """Bytes [offset, offset + nbytes) have no checksum any more."""
         self.record(None, offset, nbytes, None)
 
     def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
@@ -213,14 +216,12 @@ class SwapFile:
         return sorted(found)
 
     def map(self, write: bool) -> "FileMap":
-        """The whole file mapped into memory: shared when ``write``, else privately (reads only)."""
         with self._lock:
             if self._fd is None:
                 raise ValueError(f"swap file {self.path} was removed")
             return FileMap(self, self._fd, write)
 
     def write_manifest(self) -> None:
-        """Write the manifest (layout, and the checksums recorded so far) atomically, owner-only."""
         extents = {n: {**e, "checksums": [list(p) for p in self.checksums(n)]} for n, e in self.meta["extents"].items()}
         write_atomic(_manifest_path(self.path), json.dumps({**self.meta, "extents": extents}, indent=1).encode())
 
@@ -262,7 +263,6 @@ class FileMap:
         self._start = self._bytes.data_ptr()
 
     def extent(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        """The first bytes of extent ``name`` as a tensor of ``dtype`` and ``shape``."""
         e = self.file.extents[name]
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > e.nbytes:
@@ -281,7 +281,6 @@ class FileMap:
         return self._bytes[e.offset:e.offset + padded(e.nbytes)]
 
     def contains(self, t: torch.Tensor) -> bool:
-        """Whether ``t``'s first element lies in this mapping."""
         offset = t.data_ptr() - self._start
         return t.device.type == "cpu" and 0 <= offset < self.file.size
 
@@ -314,7 +313,7 @@ class FileMap:
             self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def sync(self) -> None:
-        """Write the changed pages to the file (msync): the engine's O_DIRECT IO sees them."""
+        """msync: the engine's O_DIRECT IO sees what was written through the map."""
         if self.write:
             self._mm.flush()
 
@@ -380,10 +379,9 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
               buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
               size_key: str = "offload.buffer_size", count_key: str = "offload.buffer_count",
               create: bool = False) -> None:
-    """Check before the first step that swapping can work; raise one-line ConfigErrors otherwise:
-    ``path`` exists (``create``: made) and is writable with room for ``total_bytes``, and
-    ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the largest tile.
-    ``itemsize`` converts bytes to the elements ``size_key`` / ``count_key`` count, for the message."""
+    """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
+    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
+    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():

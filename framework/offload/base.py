@@ -3,21 +3,21 @@ live, and how they move. A stage talks to it only through these calls:
 
 * setup: ``place`` cuts each owned partition into master pieces (the first ``host_fraction``
   off the device, in ``chunk``-element pieces); zero3 also gets its shards here (``shard_buffer``).
-* backward: the target is the stage's listener: ``grads_final(g, lo, hi, grad)`` says range
-  [lo, hi) of partition g's reduced gradient is final, on the thread and stream that produced it,
-  each element at most once a step; ``grads(parts)`` then returns every piece's gradient.
+* backward: ``grads_final(g, lo, hi, grad)`` says range [lo, hi) of partition g's reduced gradient
+  is final, on the thread and stream that produced it, each element at most once a step;
+  ``grads(parts)`` then returns every piece's gradient.
 * update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
   otherwise the stage steps itself and calls ``publish()``.
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
 ``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is an independent choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``.
+Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -26,9 +26,14 @@ from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier
 
+if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
+    from framework.offload._pipeline import PiecePipeline
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Piece:
+    """One master piece: a range of an owned partition, its buffers and where it is stepped."""
+
     start: int               # range within the partition
     end: int
     master: torch.Tensor     # fp32 (master dtype) values of that range, on host or device
@@ -36,33 +41,18 @@ class Piece:
     # Host pieces of 16-bit training: the optimizer writes the updated values here in the
     # working dtype (the C++ kernels in the same pass), so half the bytes travel back.
     staging: torch.Tensor | None = None
-
-
-@dataclass(frozen=True)
-class PieceInfo:
-    """One master piece as the pipeline sees it."""
-
-    index: int               # position in master order (the optimizer's group index)
-    group: int               # the partition it belongs to (order of ``place`` calls)
-    start: int               # range within the partition
-    end: int
-    real: int                # elements of the range that hold parameters (padding is never reported final)
-    tier: Tier
-    piece: Piece
-    partition: torch.Tensor  # the working partition (the tensor object: its storage may move to a pool slot)
+    tier: Tier = Tier.DEVICE
+    # set by ``place``:
+    index: int = 0           # position in master order (the optimizer's group index)
+    group: int = 0           # the partition it belongs to (order of ``place`` calls)
+    real: int = 0            # elements of the range that hold parameters (padding is never reported final)
+    partition: torch.Tensor | None = None  # the working partition (the tensor object: its storage may move to a pool slot)
 
     @property
     def working(self) -> torch.Tensor:
         """Where its updated values go: its range of the working partition. A view made on use: a
         view kept here would keep a zero3 shard's memory alive after it moved to the swap file."""
         return self.partition[self.start:self.end]
-
-
-class GradListener(Protocol):
-    """What a piece pipeline implements to hear from the stage through its offload target."""
-
-    def ready(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None: ...
-    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 class Shards:
@@ -99,7 +89,7 @@ class Shards:
         """Of ``partitions``, those the compute stream reads and writes directly."""
         return partitions
 
-    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
         acc = self.p.acc
         acc.on_device(dst, what="copy back destination")
@@ -115,7 +105,7 @@ class Shards:
         """Every copy back of the step was queued."""
 
     def read_errors(self) -> None:
-        """Every rank raises if some rank's shard read failed (after backward, every step)."""
+        """After backward: every rank raises if some rank's shard read failed."""
 
     def swap_out(self) -> None:
         """End of setup: the shards go to their swap file, if they have one."""
@@ -139,9 +129,9 @@ class Placement:
         self.shards = shards if shards is not None else Shards()
         self.dist = None      # (``connect``)
         self.acc: Accelerator | None = None
-        self.infos: list[PieceInfo] = []
+        self.infos: list[Piece] = []   # every piece, in master order
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
-        self.listener: GradListener | None = None
+        self.listener: PiecePipeline | None = None   # hears from the stage once ``make_update`` built it
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -179,20 +169,19 @@ class Placement:
         pieces = self._off_device(own, master_dtype, k, chunk)
         if k < n:  # kept with the working values; fp32 training updates them in place
             rest = own[k:]
-            pieces.append((Tier.DEVICE, Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype),
-                                              None)))
-        for tier, p in pieces:
-            self.infos.append(PieceInfo(len(self.infos), group, p.start, p.end, max(0, min(p.end, real) - p.start),
-                                        tier, p, own))
+            pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
+        pieces = [replace(p, index=len(self.infos) + i, group=group, real=max(0, min(p.end, real) - p.start),
+                          partition=own) for i, p in enumerate(pieces)]
+        self.infos += pieces
         self.partitions.append(own)
-        return [p for _, p in pieces]
+        return pieces
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[tuple[Tier, Piece]]:
+                    chunk: int | None) -> list[Piece]:
         """The pieces of ``own[:k]``, stepped off the device (none here: ``k`` is 0)."""
         return []
 
-    def pieces(self) -> list[PieceInfo]:
+    def pieces(self) -> list[Piece]:
         return list(self.infos)
 
     def has_host_pieces(self) -> bool:
@@ -210,19 +199,21 @@ class Placement:
         buffers and optimizer state (``opt_state``, aligned with ``pieces()``), by where they live."""
         from framework.optimizers import group_state
 
-        for info in self.infos:
-            p, state = info.piece, tensor_bytes(group_state(opt_state, len(self.infos), info.index))
-            if info.tier is Tier.DEVICE:
-                separate = p.master.data_ptr() != info.partition[info.start:].data_ptr()
+        for p in self.infos:
+            state = tensor_bytes(group_state(opt_state, len(self.infos), p.index))
+            if p.tier is Tier.DEVICE:
+                separate = p.master.data_ptr() != p.partition[p.start:].data_ptr()
                 fp.add("master_params", device=tensor_bytes([p.master]) if separate else 0)
                 fp.add("optimizer_state", device=state)
-            elif info.tier is Tier.HOST:
+            elif p.tier is Tier.HOST:
                 fp.add("master_params", host=tensor_bytes([p.master]))
                 fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
                 fp.add("host_staging", host=tensor_bytes([p.staging] if p.staging is not None else []))
                 fp.add("optimizer_state", host=state)
-            elif not self.grad_swap:   # on disk: master, state and staging are in the pool, the gradient not
+            elif not self.grad_swap:   # DISK: master, state and staging are in the pool; the gradient buffer is not
                 fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
+        if Tier.DISK in self.stores:
+            self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
 
     def shard_memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
         """zero3's parameter shards, where ``shards`` keeps them."""
@@ -245,30 +236,23 @@ class Placement:
             self.listener.ready(group, lo, hi, grad)
 
     def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradient pieces aligned with ``pieces()`` (master dtype)."""
+        """Gradient pieces aligned with ``pieces()`` (master dtype); host pieces have a pipeline."""
         if self.listener is not None:
             return self.listener.grads(parts)
-        out = []
-        for info in self.infos:
-            g = parts[info.group][info.start:info.end]
-            if info.tier is not Tier.DEVICE:  # no pipeline (a stage driven by hand): copy and wait
-                self.copy_grad(info, g).synchronize()
-                g = info.piece.grad
-            out.append(g if g.dtype == info.piece.master.dtype else g.to(info.piece.master.dtype))
-        return out
+        return [parts[i.group][i.start:i.end].to(i.master.dtype) for i in self.infos]
 
-    def copy_grad(self, info: PieceInfo, src: torch.Tensor, produced: Event | None = None) -> Event:
+    def copy_grad(self, info: Piece, src: torch.Tensor, produced: Event | None = None) -> Event:
         """Queue ``src`` -> the piece's host gradient buffer on the D2H stream after ``produced`` (default:
-        now, on the current stream); the returned event says when the host may read it."""
+        now); the event returned says when the host may read it."""
         acc = self.acc
         acc.on_device(src, what="gradient copy source")
-        acc.on_host(info.piece.grad, what="gradient copy destination")
+        acc.on_host(info.grad, what="gradient copy destination")
         if produced is None:
             produced = acc.event()
             produced.record()
         with acc.stream(self.d2h_stream):
             produced.wait()
-            acc.copy(info.piece.grad, src, non_blocking=self.pin)
+            acc.copy(info.grad, src, non_blocking=self.pin)
             done = acc.event()
             done.record()
         return done
@@ -280,13 +264,12 @@ class Placement:
         mark.record()
         return mark
 
-    def copy_back(self, info: PieceInfo, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, after: Event | None) -> Event | None:
         """The piece's updated values (staging, else master) -> its working range; host pieces on the
         H2D stream after ``after``, returning the copy's event (None: nothing queued off this stream)."""
-        p = info.piece
         # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
         dst = self.partitions[info.group][info.start:info.end]
-        src = p.staging if p.staging is not None else p.master
+        src = info.staging if info.staging is not None else info.master
         if src.data_ptr() == dst.data_ptr():
             return None   # fp32 device piece: the optimizer updated the working values in place
         if info.tier is Tier.DEVICE:
@@ -296,7 +279,7 @@ class Placement:
         return self.shards.copy_back(info, dst, src, after)
 
     def working_ready(self, copies: Sequence[Event]) -> None:
-        """The compute stream waits for the copies back before the stage's gather reads the working values."""
+        """The compute stream waits for the copies back before the stage's gather reads them."""
         self.shards.flush()
         for ev in copies:
             ev.wait()
@@ -308,22 +291,25 @@ class Placement:
         copies = [ev for info in self.infos if (ev := self._publish(info, after)) is not None]
         self.working_ready(copies)
 
-    def _publish(self, info: PieceInfo, after: Event) -> Event | None:
+    def _publish(self, info: Piece, after: Event) -> Event | None:
+        store = self.stores.get(info.tier)
+        if info.tier is Tier.DISK:   # resident while its values are copied back
+            store.wait(store.acquire(info.index))
+            if info.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
+                info.staging.copy_(info.master)
         ev = self.copy_back(info, after)
-        if ev is not None:   # the host waits for this copy before writing the piece
-            store = self.stores[info.tier]
-            store.release(store.acquire(info.index), ev)
+        if ev is not None or info.tier is Tier.DISK:   # the host waits for this copy before writing the piece
+            store.release(info.index, ev)
         return ev
 
     def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer also writes the updated values in the working dtype, per piece: a host
-        piece's staging buffer, else the working slice; None unless some piece stages. Copies still
-        reading the staging buffers are waited for first."""
-        if all(i.piece.staging is None for i in self.infos):
+        """Where the optimizer also writes the updated values in the working dtype, per piece (staging
+        buffer, else the working slice; None unless some piece stages), once no copy reads them."""
+        if all(i.staging is None for i in self.infos):
             return None
         for store in self.stores.values():
             store.flush()
-        return [i.piece.staging if i.piece.staging is not None else i.working for i in self.infos]
+        return [i.staging if i.staging is not None else i.working for i in self.infos]
 
     @property
     def params_on_host(self) -> bool:
@@ -352,14 +338,20 @@ class Placement:
 
     def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
         """``values`` (the partition, device) -> the master of every piece that is not ``shard`` itself."""
+        store, disk = self.stores.get(Tier.DISK), {id(i): i.index for i in self.infos if i.tier is Tier.DISK}
         for p in pieces:
+            k = disk.get(id(p))
+            if k is not None:   # resident while it is written
+                store.wait(store.acquire(k))
             if p.master.data_ptr() != shard[p.start:].data_ptr():
                 self.acc.copy(p.master, values[p.start:p.end])
+            if k is not None:
+                store.release(k, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces; it listens to the stage from now on."""
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
-        self.listener = PiecePipeline(tx, self, gather, speculative=self.overlap_step)
+        self.listener = PiecePipeline(tx, self, gather)
         return self.listener
 
     def step_errors(self, failed: BaseException | None) -> None:
@@ -369,12 +361,12 @@ class Placement:
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
-        """(params, opt_state, map): the state as a checkpoint reads or writes it (a swapping tier: views
-        of its mapped swap file; after writing, pass ``map`` to ``unmapped``)."""
+        """(params, opt_state, map): the state as a checkpoint reads or writes it; a swapping tier's are
+        views of its mapped swap file (after writing, pass ``map`` to ``unmapped``)."""
         return list(params), opt_state, None
 
     def unmapped(self, fmap: Any) -> None:
-        """After writing through ``mapped_state(write=True)``: the next step reads the written values."""
+        pass
 
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""

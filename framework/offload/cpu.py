@@ -17,7 +17,7 @@ from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
 from framework.offload._store import Tier
-from framework.offload.base import Piece, PieceInfo, Placement, Shards
+from framework.offload.base import Piece, Placement, Shards
 
 
 class HostPlacement(Placement):
@@ -29,7 +29,7 @@ class HostPlacement(Placement):
         super().__init__(shards, accelerator)
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[tuple[Tier, Piece]]:
+                    chunk: int | None) -> list[Piece]:
         """Pieces of ``chunk`` elements (gradient buffer, master, 16-bit staging): one pinned arena."""
         step, host = chunk or max(k, 1), self.stores[Tier.HOST]
         sizes = [min(a + step, k) - a for a in range(0, k, step)]
@@ -43,7 +43,7 @@ class HostPlacement(Placement):
             master = host.allocate(b - a, master_dtype)
             self.acc.copy(master, own[a:b])   # blocking: setup
             staging = host.allocate(b - a, own.dtype) if staged else None
-            pieces.append((Tier.HOST, Piece(a, b, master, grad, staging)))
+            pieces.append(Piece(a, b, master, grad, staging, Tier.HOST))
         return pieces
 
 
@@ -97,7 +97,7 @@ class HostShards(Shards):
     def memory(self, fp: Footprint, shards) -> None:
         fp.add("params", host=tensor_bytes(shards))
 
-    def copy_back(self, info: PieceInfo, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         self._settle(dst)   # a host copy, once its loads are done
         self.p.acc.copy(dst, src)
         return None

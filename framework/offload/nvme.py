@@ -111,7 +111,7 @@ def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> NVM
                           "build from framework.compose(...), or set offload.params to none, cpu or nvme")
     shards = DiskShards(cfg) if cfg.params == "nvme" else HostShards() if cfg.params == "cpu" else Shards()
     tier = DiskPlacement if cfg.optimizer == "nvme" else NVMePlacement
-    return tier(cfg, cfg.ratio, cfg.pin_memory, shards, overlap_step=cfg.overlap_step, accelerator=accelerator)
+    return tier(cfg, shards, accelerator)
 
 
 COMPONENT = Component(config=NVMeOffloadConfig, build=build, check=resolve)

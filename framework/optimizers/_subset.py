@@ -7,6 +7,7 @@ scalar leaves (step counts) come from the returned state, advanced once from the
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Mapping, Sequence
 
 from torch import Tensor
@@ -14,25 +15,23 @@ from torch import Tensor
 from framework.optimizers._transforms import GradientTransformation, step
 
 
-def _zip_map(n: int, on_groups: Callable[..., Any], on_scalars: Callable[..., Any], *states: Any) -> Any:
+def _zip_map(n: int, on_groups: Callable[..., Any], *states: Any,
+             on_scalars: Callable[..., Any] = lambda *leaves: leaves[0]) -> Any:
     """States of one layout walked together: ``on_groups(*lists)`` at each per-group tensor list
-    (``n`` tensors), ``on_scalars(*leaves)`` at every other leaf, the tuples (named or not) rebuilt."""
+    (``n`` tensors), ``on_scalars(*leaves)`` (default: the first's) at every other leaf, the tuples
+    (named or not) rebuilt."""
     first = states[0]
     if isinstance(first, list) and len(first) == n and all(isinstance(t, Tensor) for t in first):
         return on_groups(*states)
     if isinstance(first, tuple):
-        items = [_zip_map(n, on_groups, on_scalars, *parts) for parts in zip(*states, strict=True)]
+        items = [_zip_map(n, on_groups, *parts, on_scalars=on_scalars) for parts in zip(*states, strict=True)]
         return type(first)(*items) if hasattr(first, "_fields") else tuple(items)
     return on_scalars(*states)
 
 
-def _keep(state: Any) -> Any:
-    return state
-
-
 def merge_scalars(full: Any, new: Any, n: int) -> Any:
     """``full``'s per-group tensors (updated in place) with ``new``'s scalar leaves (step counts)."""
-    return _zip_map(n, lambda f, s: f, lambda f, s: s, full, new)
+    return _zip_map(n, lambda f, s: f, full, new, on_scalars=lambda f, s: s)
 
 
 def init_groups(tx: GradientTransformation, params: Sequence[Tensor], groups: set[int]) -> Any:
@@ -43,25 +42,24 @@ def init_groups(tx: GradientTransformation, params: Sequence[Tensor], groups: se
 def merge_groups(states: Sequence[Any], owner: Sequence[int]) -> Any:
     """One state from several over the same groups: group ``i``'s tensors from ``states[owner[i]]``,
     scalar leaves from the first (every ``init`` makes the same ones)."""
-    return _zip_map(len(owner), lambda *lists: [lists[o][i] for i, o in enumerate(owner)],
-                    lambda *leaves: leaves[0], *states)
+    return _zip_map(len(owner), lambda *lists: [lists[o][i] for i, o in enumerate(owner)], *states)
 
 
 def replace_groups(state: Any, n: int, groups: Mapping[int, Sequence[Tensor]]) -> Any:
     """``state`` with the tensors of group ``i`` replaced by ``groups[i]`` (in ``group_state``'s order)."""
-    lists = iter(range(10**9))
+    lists = itertools.count()
 
     def swap(ts: list[Tensor]) -> list[Tensor]:
         j = next(lists)
         return [groups[i][j] if i in groups else t for i, t in enumerate(ts)]
 
-    return _zip_map(n, swap, _keep, state)
+    return _zip_map(n, swap, state)
 
 
 def group_state(state: Any, n: int, i: int) -> list[Tensor]:
     """The state tensors of group ``i`` (e.g. Adam's two moments), in a fixed order."""
     out: list[Tensor] = []
-    _zip_map(n, lambda ts: out.append(ts[i]), _keep, state)
+    _zip_map(n, lambda ts: out.append(ts[i]), state)
     return out
 
 
@@ -75,7 +73,7 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:
         return [t if i in grads else t.reshape(-1)[:0] for i, t in enumerate(ts)]
 
-    sub = _zip_map(n, only, _keep, state)
+    sub = _zip_map(n, only, state)
     new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
                sub, only(params), lr, None if out16 is None else only(out16))
     return merge_scalars(state, new, n)

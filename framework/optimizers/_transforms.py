@@ -82,11 +82,10 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     ``direction, decay, -lr`` (``p += -lr * (direction + wd * p)``), decaying the groups whose
     ``decay_mask`` entry is True (False: 1-D params) or all with ``cfg.decay_1d``.
 
-    Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``: its hyperparameters) where it takes
-    the tensors, else ``cuda(grads, direction_state, params, lr, mask)`` (torch's fused kernel: on
-    contiguous CUDA or CPU tensors, about 4x faster than the foreach transforms), else the transforms.
-    The C++ kernel is tried first: it was faster in every case timed (bench/cpu_adam.py, BENCHMARKS.md
-    "CPU AdamW step"; Intel Xeon, not yet AMD)."""
+    Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``: its hyperparameters), tried first as
+    it was faster in every case timed (bench/cpu_adam.py; Intel Xeon, not yet AMD), else
+    ``cuda(grads, direction_state, params, lr, mask)`` (torch's fused kernel, about 4x faster than
+    the foreach transforms on contiguous tensors), else the transforms."""
     mask = [bool(decayed) or cfg.decay_1d for decayed in decay_mask]
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]

@@ -1,5 +1,5 @@
 """Adam (Kingma & Ba) with torch's L2 weight decay: ``g += wd * p`` before the moments.
-``build_adam`` also builds AdamW (``adamw``), whose decay is decoupled."""
+``build(..., decoupled=True)`` is AdamW (``adamw``), whose decay is decoupled."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,17 +43,13 @@ def torch_fused(cfg: AdamConfig, decoupled: bool) -> Callable:
     return fused
 
 
-def build_adam(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool) -> GradientTransformation:
+def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) -> GradientTransformation:
     check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), nonneg=("eps",))
     hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, decoupled=decoupled, bias_correction=cfg.bias_correction)
     # torch's fused kernel (the CUDA path) always corrects bias.
     return optimizer(cfg, decay_mask, scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
                      decoupled=decoupled, kernel="adam_step", hyper=hyper,
                      cuda=torch_fused(cfg, decoupled) if cfg.bias_correction else None)
-
-
-def build(cfg: AdamConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
-    return build_adam(cfg, decay_mask, decoupled=False)
 
 
 COMPONENT = Component(config=AdamConfig, build=build)

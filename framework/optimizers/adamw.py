@@ -2,20 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
 
 from framework.core.registry import Component
-from framework.optimizers._transforms import GradientTransformation
-from framework.optimizers.adam import AdamConfig, build_adam
+from framework.optimizers import adam
 
 
 @dataclass(kw_only=True)
-class AdamWConfig(AdamConfig):
+class AdamWConfig(adam.AdamConfig):
     weight_decay: float = 0.01
 
 
-def build(cfg: AdamWConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
-    return build_adam(cfg, decay_mask, decoupled=True)
-
-
+build = partial(adam.build, decoupled=True)
 COMPONENT = Component(config=AdamWConfig, build=build)

@@ -1,10 +1,18 @@
-"""DeepSpeed's WarmupLR: warm up from warmup_min_lr to warmup_max_lr, then hold.
+"""DeepSpeed's warm-up schedules: WarmupLR, WarmupDecayLR and WarmupCosineLR (``scheduler=warmup_lr``,
+``warmup_decay_lr``, ``warmup_cosine_lr``), one warm-up and three ways to go on after it.
 
-``lr = min + (max - min) * gamma`` with, for ``step < warmup_num_steps``,
-``gamma = log(step + 1) / log(warmup_num_steps)`` ("log") or ``step / warmup_num_steps``
-("linear"), and ``gamma = 1`` after. Like DeepSpeed, warmup_num_steps is raised to at
-least 2 (a log warm-up over one step would divide by log(1) = 0).
-``build``'s ``after`` gives WarmupDecayLR its decay.
+The warm-up's ``gamma`` is ``log(step + 1) / log(warmup_num_steps)`` ("log") or
+``step / warmup_num_steps`` ("linear") for ``step < warmup_num_steps``; like DeepSpeed,
+warmup_num_steps is raised to at least 2 (a log warm-up over one step would divide by log(1) = 0).
+
+- WarmupLR: ``lr = min + (max - min) * gamma``, ``gamma = 1`` after the warm-up (hold).
+- WarmupDecayLR: the same, then ``gamma = max(0, (total - step) / max(1, total - warmup_num_steps))``:
+  linear decay to warmup_min_lr (0 by default) at total_num_steps.
+- WarmupCosineLR: ``lr = base_lr * ratio``, ``ratio = warmup_min_ratio + (1 - warmup_min_ratio) * gamma``
+  during the warm-up, then ``ratio = cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2`` with
+  ``p = min(1, (step - warmup_num_steps + 1) / max(1, total_num_steps - warmup_num_steps))``, so the
+  ratio stays at cos_min_ratio once the decay window ends. Unlike nanoGPT's schedule (``warmup_cosine``)
+  both ends are ratios of the optimizer's lr.
 """
 from __future__ import annotations
 
@@ -26,38 +34,83 @@ class WarmupLRConfig:
     warmup_type: str = "log"  # "log" or "linear"
 
 
-def check_warmup(num_steps: int, kind: str, min_lr: float = 0.0, max_lr: float = 0.0) -> None:
-    """One-line ConfigErrors for the warm-up fields (also of warmup_decay_lr and warmup_cosine_lr)."""
+@dataclass(kw_only=True)
+class WarmupDecayLRConfig(WarmupLRConfig):
+    total_num_steps: int | None = None  # None: the run's number of optimizer steps
+
+
+@dataclass(kw_only=True)
+class WarmupCosineLRConfig:
+    warmup_min_ratio: float = 0.0
+    warmup_num_steps: int = 1000
+    cos_min_ratio: float = 0.0001
+    warmup_type: str = "log"              # "log" or "linear"
+    total_num_steps: int | None = None    # None: the run's number of optimizer steps
+
+
+def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
+    """The warm-up's length (raised to at least 2) and its ``gamma(step)`` in [0, 1) for the steps
+    before it ends, after one-line ConfigErrors for the warm-up fields."""
     if kind not in WARMUP_TYPES:
         raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
                           f"got {kind!r}")
     if not num_steps >= 1:
         raise ConfigError(f"scheduler.warmup_num_steps must be >= 1, got {num_steps}")
-    if not (math.isfinite(min_lr) and min_lr >= 0):
-        raise ConfigError(f"scheduler.warmup_min_lr must be >= 0, got {min_lr}")
-    if not (math.isfinite(max_lr) and max_lr >= 0):
-        raise ConfigError(f"scheduler.warmup_max_lr must be >= 0, got {max_lr}")
-
-
-def warmup_gamma(step: int, num_steps: int, kind: str) -> float:
-    """Warm-up progress in [0, 1) for ``step < num_steps`` (num_steps already >= 2)."""
+    num_steps = max(2, num_steps)
     if kind == "log":
-        return math.log(step + 1) / math.log(num_steps)
-    return step / num_steps
+        return num_steps, lambda step: math.log(step + 1) / math.log(num_steps)
+    return num_steps, lambda step: step / num_steps
+
+
+def run_total(total_num_steps: int | None, total_steps: int) -> int:
+    total = total_steps if total_num_steps is None else total_num_steps
+    if not total >= 1:
+        raise ConfigError(f"scheduler.total_num_steps must be >= 1, got {total}")
+    return total
 
 
 def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
           after: Callable[[int, int], float] = lambda step, num_steps: 1.0) -> Callable[[int], float]:
     """``lr = min + (max - min) * gamma``: the warm-up's gamma, then ``after(step, num_steps)`` (hold)."""
-    max_lr = base_lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
-    check_warmup(cfg.warmup_num_steps, cfg.warmup_type, cfg.warmup_min_lr, max_lr)
-    min_lr, num_steps, kind = cfg.warmup_min_lr, max(2, cfg.warmup_num_steps), cfg.warmup_type
+    num_steps, gamma = warmup(cfg.warmup_num_steps, cfg.warmup_type)
+    min_lr, max_lr = cfg.warmup_min_lr, base_lr if cfg.warmup_max_lr is None else cfg.warmup_max_lr
+    for key, value in (("warmup_min_lr", min_lr), ("warmup_max_lr", max_lr)):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"scheduler.{key} must be >= 0, got {value}")
 
     def lr_at(step: int) -> float:
-        gamma = warmup_gamma(step, num_steps, kind) if step < num_steps else after(step, num_steps)
-        return min_lr + (max_lr - min_lr) * gamma
+        return min_lr + (max_lr - min_lr) * (gamma(step) if step < num_steps else after(step, num_steps))
 
     return lr_at
 
 
-COMPONENT = Component(config=WarmupLRConfig, build=build)
+def build_decay(cfg: WarmupDecayLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
+    def decay(step: int, num_steps: int) -> float:
+        return max(0.0, (total - step) / max(1, total - num_steps))
+
+    lr_at = build(cfg, base_lr, total_steps, after=decay)   # checks the warm-up fields first
+    total = run_total(cfg.total_num_steps, total_steps)
+    return lr_at
+
+
+def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
+    num_steps, gamma = warmup(cfg.warmup_num_steps, cfg.warmup_type)
+    for key in ("warmup_min_ratio", "cos_min_ratio"):
+        value = getattr(cfg, key)
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ConfigError(f"scheduler.{key} must be in [0, 1], got {value}")
+    span = max(1, run_total(cfg.total_num_steps, total_steps) - num_steps)
+    lo, floor = cfg.warmup_min_ratio, cfg.cos_min_ratio
+
+    def lr_at(step: int) -> float:
+        if step < num_steps:
+            return base_lr * (lo + (1.0 - lo) * gamma(step))
+        progress = min(1.0, (step - num_steps + 1) / span)
+        return base_lr * max(0.0, floor + (1.0 - floor) * (1.0 + math.cos(math.pi * progress)) / 2)
+
+    return lr_at
+
+
+COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build),
+              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay),
+              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine)}

@@ -15,7 +15,8 @@ from framework.memory.model import predict
 from framework.memory.tables import GIB, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.cli.estimate import main
-from framework.models.gpt import GPT, PRESETS, count_params
+from framework.models.gpt import GPT, PRESETS
+from tests._helpers import count_params
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,9 @@ import torch
 
 from framework.comm.accelerator import for_device
 from framework.core.errors import ConfigError, SwapIOError
-from framework.offload._aio import AsyncIO, DirectIOFallback, aligned_empty
-from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded, preflight, reserved_bytes, swap_path
+from framework.offload._aio import AsyncIO, aligned_empty
+from framework.offload._swapfile import (ALIGN, DirectIOFallback, SwapFile, Syscalls, padded, preflight, reserved_bytes,
+                                        swap_path)
 
 ACC = for_device(torch.device("cpu"), "check")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

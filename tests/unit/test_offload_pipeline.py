@@ -54,7 +54,7 @@ def test_pipeline_driven_by_events_equals_the_plain_step(speculative, ratio):
         for m, r in zip(master, reference):
             assert torch.equal(m, r), f"iteration {it}"
         for info in infos:   # published into the working partition
-            assert torch.equal(info.working, info.piece.master)
+            assert torch.equal(info.working, info.master)
     assert gathered == [True] * 3
     if ratio == 1.0:
         assert update.early_copies == 3 * len(infos)   # every host piece was copied during "backward"
@@ -73,7 +73,7 @@ def test_host_buffers_are_slices_of_one_pinned_arena_per_partition():
     target = HostPlacement(host_fraction=1.0, pin=True, accelerator=acc)
     for w in (torch.randn(40).bfloat16(), torch.randn(24).bfloat16()):
         target.place(w, torch.float32, chunk=8)
-    buffers = [t for i in target.pieces() for t in (i.piece.master, i.piece.grad, i.piece.staging)]
+    buffers = [t for i in target.pieces() for t in (i.master, i.grad, i.staging)]
     assert len({t.untyped_storage().data_ptr() for t in buffers}) == 2
     assert all(acc._host_entry(t)[1] for t in buffers)   # pinned, as non_blocking copies need
     need = sum(t.numel() * t.element_size() for t in buffers)

@@ -10,7 +10,7 @@ import yaml
 
 from framework.core.errors import ConfigError
 from framework.core.registry import registry
-from framework.schedulers import constant, warmup_cosine, warmup_decay_lr, warmup_lr
+from framework.schedulers import constant, warmup_cosine, warmup_lr
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "scheduler"
 LOG10_2, LOG10_4 = 0.30102999566398120, 0.60205999132796240
@@ -54,9 +54,9 @@ def test_warmup_lr_is_non_decreasing_and_reaches_max(kind):
 
 
 def test_warmup_decay_lr_values():
-    cfg = warmup_decay_lr.WarmupDecayLRConfig(warmup_num_steps=10, warmup_type="linear",
+    cfg = warmup_lr.WarmupDecayLRConfig(warmup_num_steps=10, warmup_type="linear",
                                               total_num_steps=30)
-    lr_at = warmup_decay_lr.build(cfg, base_lr=1.0, total_steps=999)  # explicit total wins
+    lr_at = warmup_lr.build_decay(cfg, base_lr=1.0, total_steps=999)  # explicit total wins
     assert lr_at(5) == pytest.approx(0.5)  # warm-up: 5 / 10
     assert lr_at(10) == pytest.approx(1.0)  # (30 - 10) / (30 - 10)
     assert lr_at(20) == pytest.approx(0.5)
@@ -65,9 +65,9 @@ def test_warmup_decay_lr_values():
 
 
 def test_warmup_decay_lr_log_warmup_and_default_total():
-    cfg = warmup_decay_lr.WarmupDecayLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1,
+    cfg = warmup_lr.WarmupDecayLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1,
                                               warmup_num_steps=10)
-    lr_at = warmup_decay_lr.build(cfg, base_lr=5.0, total_steps=20)
+    lr_at = warmup_lr.build_decay(cfg, base_lr=5.0, total_steps=20)
     assert lr_at(3) == pytest.approx(0.1 + LOG10_4)
     assert lr_at(15) == pytest.approx(0.1 + 1.0 * 5 / 10)  # decays towards warmup_min_lr
     assert lr_at(20) == pytest.approx(0.1)
@@ -103,25 +103,26 @@ def test_warmup_cosine_default_decay_is_run_length():
     assert lr_at(0) == 1.0 and lr_at(50) == pytest.approx(0.5) and lr_at(100) == 0.0
 
 
-@pytest.mark.parametrize("module,overrides,base_lr", [
-    (warmup_lr, {"warmup_type": "cosine"}, 1e-3),
-    (warmup_lr, {"warmup_num_steps": 0}, 1e-3),
-    (warmup_lr, {"warmup_min_lr": -1e-3}, 1e-3),
-    (warmup_lr, {"warmup_max_lr": float("nan")}, 1e-3),
-    (warmup_decay_lr, {"total_num_steps": 0}, 1e-3),
-    (warmup_decay_lr, {"warmup_type": "exp"}, 1e-3),
-    (warmup_cosine, {"warmup_steps": -1}, 1e-3),
-    (warmup_cosine, {"min_lr": 1e-2}, 1e-3),  # above the optimizer's lr
-    (warmup_cosine, {"warmup_steps": 50, "decay_steps": 50}, 1e-3),
+@pytest.mark.parametrize("name,overrides,base_lr", [
+    ("warmup_lr", {"warmup_type": "cosine"}, 1e-3),
+    ("warmup_lr", {"warmup_num_steps": 0}, 1e-3),
+    ("warmup_lr", {"warmup_min_lr": -1e-3}, 1e-3),
+    ("warmup_lr", {"warmup_max_lr": float("nan")}, 1e-3),
+    ("warmup_decay_lr", {"total_num_steps": 0}, 1e-3),
+    ("warmup_decay_lr", {"warmup_type": "exp"}, 1e-3),
+    ("warmup_cosine", {"warmup_steps": -1}, 1e-3),
+    ("warmup_cosine", {"min_lr": 1e-2}, 1e-3),  # above the optimizer's lr
+    ("warmup_cosine", {"warmup_steps": 50, "decay_steps": 50}, 1e-3),
 ])
-def test_bad_config_raises_one_line_config_error(module, overrides, base_lr):
-    cfg = dataclasses.replace(module.COMPONENT.config(), **overrides)
+def test_bad_config_raises_one_line_config_error(name, overrides, base_lr):
+    component = registry("scheduler").get(name)
+    cfg = dataclasses.replace(component.config(), **overrides)
     with pytest.raises(ConfigError) as info:
-        module.COMPONENT.build(cfg, base_lr, 1000)
+        component.build(cfg, base_lr, 1000)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("name", ["constant", "warmup_lr", "warmup_decay_lr", "warmup_cosine"])
+@pytest.mark.parametrize("name", ["constant", "warmup_lr", "warmup_decay_lr", "warmup_cosine", "warmup_cosine_lr"])
 def test_yaml_lists_every_field_with_its_default(name):
     component = registry("scheduler").get(name)
     node = yaml.safe_load((CONF / f"{name}.yaml").read_text())
@@ -132,18 +133,16 @@ def test_yaml_lists_every_field_with_its_default(name):
 
 
 def test_warmup_cosine_lr_values_deepspeed_formula():
-    from framework.schedulers import warmup_cosine_lr
-
-    cfg = warmup_cosine_lr.WarmupCosineLRConfig(warmup_min_ratio=0.2, warmup_num_steps=4, cos_min_ratio=0.1,
+    cfg = warmup_lr.WarmupCosineLRConfig(warmup_min_ratio=0.2, warmup_num_steps=4, cos_min_ratio=0.1,
                                                 warmup_type="linear", total_num_steps=8)
-    lr_at = warmup_cosine_lr.build(cfg, base_lr=2.0, total_steps=999)  # explicit total wins
+    lr_at = warmup_lr.build_cosine(cfg, base_lr=2.0, total_steps=999)  # explicit total wins
     # warm-up: ratio = 0.2 + 0.8 * step / 4
     assert [lr_at(s) for s in range(4)] == pytest.approx([0.4, 0.8, 1.2, 1.6])
     # decay: progress (step - 4 + 1) / (8 - 4); ratio = 0.1 + 0.9 * (1 + cos(pi p)) / 2
     expect = [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * p)) / 2) for p in (0.25, 0.5, 0.75, 1.0)]
     assert [lr_at(s) for s in range(4, 8)] == pytest.approx(expect)
     assert lr_at(8) == lr_at(100) == pytest.approx(0.2)  # stays at cos_min_ratio
-    log = warmup_cosine_lr.build(warmup_cosine_lr.WarmupCosineLRConfig(warmup_num_steps=10), 1.0, 100)
+    log = warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(warmup_num_steps=10), 1.0, 100)
     assert log(0) == 0.0 and log(1) == pytest.approx(LOG10_2) and log(9) == pytest.approx(1.0)
     with pytest.raises(ConfigError, match="cos_min_ratio"):
-        warmup_cosine_lr.build(warmup_cosine_lr.WarmupCosineLRConfig(cos_min_ratio=2.0), 1.0, 10)
+        warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(cos_min_ratio=2.0), 1.0, 10)
