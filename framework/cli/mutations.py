@@ -143,7 +143,7 @@ def _copy_speculated_twice(setattr_: Callable) -> None:
 
 
 def _sync_in_zero2_hook(setattr_: Callable) -> None:
-    from framework.stages.zero2 import Zero2Stage
+    from framework.stages.sharded import Zero2Stage
 
     launch = Zero2Stage._launch
 
@@ -172,7 +172,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              partial(ForgetsWaits, drop_wait=("h2d",))),
     Mutation("unwaited-side-gather", ZERO3_HOST_SHARDS, OrderError,
              r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
-             r"stream 'collectives' wrote at .* in _launch_gather", ComputeIgnoresSideStreams),
+             r"stream 'collectives' wrote at .* in _start_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", ZERO2_NVME, OrderError,
              r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
              r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
@@ -182,7 +182,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad",
              partial(ForgetsWaits, drop_sync=("d2h",))),
     Mutation("collective-side-stream", ZERO3_HOST_SHARDS, OrderError,
-             r"collective .* on stream 'collectives' (reads|writes) .* in _launch_gather", CollectivesOnSideStream),
+             r"collective .* on stream 'collectives' (reads|writes) .* in _start_gather", CollectivesOnSideStream),
     Mutation("freed-in-flight", ZERO2_OFFLOAD, OrderError,
              r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad", TemporaryCopySource),
     Mutation("sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,

@@ -3,9 +3,9 @@
 A registered component is a public module (no leading underscore, not base.py) in the group's package
 that defines ``COMPONENT = Component(config=<dataclass>, build=<callable>)``; its registry
 name is the module's file name, which is also the YAML file name in ``conf/<group>/``.
-A module may instead define ``COMPONENTS = {name: Component, ...}`` for named presets
-(the model sizes). Discovery is explicit and read-only: nothing registers itself by
-mutating a global table at import time.
+A module may instead define ``COMPONENTS = {name: Component, ...}`` for several (the model
+sizes, the warm-up schedules, the precisions, zero1 and zero2). Discovery is explicit and read-only: nothing registers
+itself by mutating a global table at import time.
 """
 from __future__ import annotations
 

@@ -63,50 +63,45 @@ def _kernel() -> ModuleType:
     return module
 
 
-def _out(out16: Sequence[Tensor] | None) -> list[Tensor]:
-    return [] if out16 is None else list(out16)
-
-
-def _mask(decay_mask: Sequence[bool] | None) -> list[bool]:
-    return [] if decay_mask is None else [bool(m) for m in decay_mask]
-
-
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float = 0.9,
               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
               bias_correction: bool = True, out16: Sequence[Tensor] | None = None,
               decay_mask: Sequence[bool] | None = None, strict: bool = True) -> bool:
-    return _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), _out(out16),
+    return _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(out16 or []),
                                int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                               bool(decoupled), bool(bias_correction), _mask(decay_mask), bool(strict))
+                               bool(decoupled), bool(bias_correction), [bool(m) for m in decay_mask or []],
+                               bool(strict))
 
 
 def lion_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], *, lr: float,
               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
               out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
               strict: bool = True) -> bool:
-    return _kernel().lion_step(list(params), list(grads), list(exp_avgs), _out(out16), float(lr), float(beta1),
-                               float(beta2), float(weight_decay), _mask(decay_mask), bool(strict))
+    return _kernel().lion_step(list(params), list(grads), list(exp_avgs), list(out16 or []), float(lr),
+                               float(beta1), float(beta2), float(weight_decay), [bool(m) for m in decay_mask or []],
+                               bool(strict))
 
 
 def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: Sequence[Tensor], *, step: int,
                  lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
                  out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
                  strict: bool = True) -> bool:
-    return _kernel().adagrad_step(list(params), list(grads), list(state_sums), _out(out16), int(step), float(lr),
-                                  float(lr_decay), float(weight_decay), float(eps), _mask(decay_mask), bool(strict))
+    return _kernel().adagrad_step(list(params), list(grads), list(state_sums), list(out16 or []), int(step),
+                                  float(lr), float(lr_decay), float(weight_decay), float(eps),
+                                  [bool(m) for m in decay_mask or []], bool(strict))
 
 
 def status() -> dict[str, Any]:
     """What ``python -m framework.ops`` prints. Imports a finished build but never compiles."""
     try:
-        module, reason, where = _loader.load(build=False), None, str(_loader.build_dir())
+        where = str(_loader.build_dir())
+    except OSError:   # unreadable sources: load says why
+        where = "-"
+    try:
+        module, reason = _loader.load(build=False), None
     except Exception as exc:  # noqa: BLE001 - a status report must not fail
         module, reason = None, str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
-        try:
-            where = str(_loader.build_dir())
-        except OSError:
-            where = "-"
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())

@@ -1,11 +1,9 @@
 """Build-on-first-use of the C++ CPU optimizer kernels (csrc/cpu_optim), with a safe fallback.
 
-The extension is compiled by ``torch.utils.cpp_extension.load`` into a cache folder keyed by the
-torch and Python versions and a hash of the sources and flags, so a folder always holds a build of
-exactly these sources; a finished build is marked by a ``BUILT`` file and then imported directly
-(no compiler or ninja needed). Builds are serialised across processes with an advisory ``flock``
-that the kernel drops if a builder dies, so a ``lock`` file that torch left behind in a build
-killed midway is known to be stale and removed.
+``torch.utils.cpp_extension.load`` compiles into a cache folder keyed by the torch and Python
+versions and a hash of the sources and flags; a ``BUILT`` file marks a finished build, then
+imported directly (no compiler or ninja needed). Builds are serialised across processes with an
+``flock`` that the kernel drops if a builder dies, so a ``lock`` file torch left behind is stale.
 
 Environment:
     FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
@@ -18,6 +16,7 @@ Environment:
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -83,19 +82,15 @@ def kernels_enabled() -> bool:
     return _on("FRAMEWORK_OPS")
 
 
-def _library(directory: Path) -> Path:
-    return directory / f"{NAME}.so"
-
-
 def _import(directory: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(NAME, _library(directory))   # .so: an extension loader
+    spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")   # an extension loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _finished(directory: Path) -> bool:
-    return (directory / "BUILT").is_file() and _library(directory).is_file()
+    return (directory / "BUILT").is_file() and (directory / f"{NAME}.so").is_file()
 
 
 def _ensure_tools() -> None:
@@ -119,10 +114,6 @@ def _ensure_tools() -> None:
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """Hold the build lock of ``directory``: one builder at a time across processes."""
-    try:
-        import fcntl  # POSIX only
-    except ImportError:
-        raise BuildUnavailable("building needs fcntl (POSIX)") from None
     directory.parent.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
@@ -189,10 +180,8 @@ def load(build: bool = True) -> ModuleType:
 
 @functools.cache
 def status() -> Status:
-    """Load (building on first use unless FRAMEWORK_OPS_BUILD=0) once per process.
-
-    Never raises: when the kernels are unavailable it warns ONCE and reports the reason, and the
-    optimizers keep using their pure-PyTorch transforms."""
+    """Load (building on first use unless FRAMEWORK_OPS_BUILD=0) once per process. Never raises: when
+    the kernels are unavailable it warns ONCE with the reason (the optimizers keep their transforms)."""
     try:
         return Status(load(build=_on("FRAMEWORK_OPS_BUILD")), None)
     except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash

@@ -2,10 +2,10 @@
 
 # The layout functions the rest of the package (state, checkpoints, the memory model) shares with
 # the stages, so that they allocate and describe the same layout.
-from framework.stages._flat import ALIGN, ParameterInit, make_layout, param_count, param_groups
-from framework.stages._reduce import bucket_buffers, expected_order, plan_buckets
-from framework.stages._spec import PieceSpec, check_shape, cover
-from framework.stages._units import UnitPlan, plan_units, unit_groups
+from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, check_shape, cover, make_layout, param_count,
+                                    param_groups, unit_groups)
+from framework.stages._gather import UnitPlan, plan_units
+from framework.stages._grads import bucket_buffers, expected_order, plan_buckets
 
 __all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "check_shape", "cover", "expected_order",
            "make_layout", "param_count", "param_groups", "plan_buckets", "plan_units", "unit_groups"]

@@ -1,17 +1,20 @@
 """Flat-buffer layout: parameters of one group laid end to end, padded, and partitioned.
 
 One contiguous buffer per group (module parameters are views into it) makes communication one
-call per bucket and optimizer kernels one call per group.
+call per bucket and optimizer kernels one call per group. How many master pieces a layout is cut
+into depends on world size, stage, offload ratio and bucket sizes; a ``PieceSpec`` says what one
+holds by parameter name, so saved state re-slices into any other layout.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
+from framework.core.errors import FrameworkError
 
 
 # Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
@@ -59,23 +62,22 @@ def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
 
 
 def param_groups(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """Trainable parameters as ('decay', >=2-D) and ('no_decay', 1-D) groups; tied ones appear once,
-    empty groups are dropped (the optimizer's weight-decay mask follows the returned kinds)."""
-    decay, no_decay = [], []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append((name, p))
-    return [(kind, g) for kind, g in (("decay", decay), ("no_decay", no_decay)) if g]
+    """Trainable parameters in ``unit_groups``; tied ones appear once (the optimizer's weight-decay
+    mask follows the returned kinds)."""
+    return unit_groups([(name, p) for name, p in module.named_parameters() if p.requires_grad])
+
+
+def unit_groups(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """Matrices ('decay') and vectors ('no_decay') as flat groups, empty ones dropped."""
+    return [(kind, members) for kind, members in (("decay", [x for x in named if x[1].ndim >= 2]),
+                                                  ("no_decay", [x for x in named if x[1].ndim < 2]))
+            if members]
 
 
 def param_count(module: nn.Module) -> int:
     """Elements of the module's distinct parameters at their logical size: a ZeRO-3 parameter
     (empty between uses) counts its full shape, as in every report (summary, logs)."""
     return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters())
-
-
-def views(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
-    return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in layout.slots]
 
 
 @runtime_checkable
@@ -106,7 +108,8 @@ def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: 
     layout = make_layout(named, world)
     flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
     params = []
-    for (name, p), v in zip(named, views(flat, layout)):
+    for (name, p), s in zip(named, layout.slots):
+        v = flat[s.offset:s.offset + s.numel].view(s.shape)
         v.copy_(initial_values(init, name, p, flat.device))
         if p.is_meta:  # .data cannot move a meta tensor to a real device
             new = nn.Parameter(v, requires_grad=p.requires_grad)
@@ -126,3 +129,60 @@ def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -
             if value is old:
                 sub._parameters[key] = new
 
+
+@dataclass(frozen=True)
+class Span:
+    """Elements ``param`` [lo, hi) of the flattened parameter ``name`` sit at ``piece`` [lo, hi)."""
+
+    name: str
+    shape: tuple[int, ...]    # the parameter's global shape
+    param: tuple[int, int]
+    piece: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """One master piece: its length and the parameter spans it holds (padding holds none)."""
+
+    numel: int
+    spans: tuple[Span, ...]
+
+
+def piece_spec(layout: Layout, start: int, end: int) -> PieceSpec:
+    """The spec of a piece holding elements [start, end) of a flat buffer laid out by ``layout``."""
+    if not 0 <= start <= end <= layout.padded:
+        raise ValueError(f"piece [{start}, {end}) is outside the flat buffer [0, {layout.padded})")
+    spans = []
+    for s in layout.slots:  # slots are in offset order; a few hundred at most
+        a, b = max(start, s.offset), min(end, s.offset + s.numel)
+        if a < b:
+            spans.append(Span(s.name, tuple(s.shape), (a - s.offset, b - s.offset), (a - start, b - start)))
+    return PieceSpec(end - start, tuple(spans))
+
+
+def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Saved ranges covering [lo, hi), as ``(index, a, b)`` tiling it in order: [a, b) from
+    ``ranges[index]``. Of overlapping ranges the one reaching furthest is taken (few copies);
+    ``LookupError`` names the first element range that no saved range holds."""
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    out: list[tuple[int, int, int]] = []
+    pos, j, best = lo, 0, None
+    while pos < hi:
+        while j < len(order) and ranges[order[j]][0] <= pos:
+            i = order[j]
+            if best is None or ranges[i][1] > ranges[best][1]:
+                best = i
+            j += 1
+        if best is None or ranges[best][1] <= pos:
+            nxt = ranges[order[j]][0] if j < len(order) else hi
+            raise LookupError(f"elements [{pos}, {min(nxt, hi)}) are in no saved fragment")
+        b = min(hi, ranges[best][1])
+        out.append((best, pos, b))
+        pos = b
+    return out
+
+
+def check_shape(name: str, saved: Sequence[int], here: Sequence[int]) -> None:
+    if tuple(saved) != tuple(here):
+        raise FrameworkError(f"load_state_dict: parameter {name!r} has shape {tuple(saved)} in the saved state "
+                             f"but {tuple(here)} in this model")

@@ -1,16 +1,18 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-The only module that registers module hooks. A unit (a ``gather_unit`` module, the root, or the
-persistent small parameters) is gathered with one collective per parameter group into ONE buffer
-per group, kept for the unit's life; release resizes its storage to zero bytes, so autograd's
-saved views hold no bytes while released and see the refilled values when gathered again.
-The first step records the order of unit uses; later steps prefetch along that trace.
+``plan_units`` says which parameters each unit gathers and which stay gathered, for the stage and
+the memory model (``framework.memory.model``) alike, so the two cannot disagree. A unit (a
+``gather_unit`` module, the root, or the persistent small parameters) is gathered with one
+collective per parameter group into ONE buffer per group, kept for the unit's life; release
+resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and see
+the refilled values when gathered again. The first step records the order of unit uses; later
+steps prefetch along that trace, and every rank checks that the others used the same order.
 """
 from __future__ import annotations
 
 import enum
 import logging
-from contextlib import contextmanager
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -19,13 +21,94 @@ from torch import nn
 
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
-from framework.core.errors import FrameworkError, TrainingError
+from framework.core.errors import DistributedError, FrameworkError, TrainingError
 from framework.core.utils import tensors_in
+from framework.models.hf import declared_layers
 from framework.stages._flat import Layout
-from framework.stages._order import OrderCheck
-from framework.stages._reduce import reduce_to_owners
+from framework.stages._grads import reduce_to_owners
 
 log = logging.getLogger("framework.zero3")
+Named = list[tuple[str, nn.Parameter]]
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    name: str                 # for messages and records
+    modules: list[nn.Module]  # whose forward hooks gather the unit
+    named: Named              # the parameters it gathers, in registration order
+
+
+def plan_units(module: nn.Module, gather_unit, split_root: bool,
+               persistence_threshold: int) -> tuple[list[UnitPlan], Named]:
+    """The gather units (the root first, kept even when empty: its hooks open and close every pass)
+    and the parameters that stay gathered: the small ones, then those shared in a way no unit covers."""
+    unit_modules, owner = _assign_units(module, gather_unit, split_root)
+    all_named = list(module.named_parameters())
+    units, persistent = [], []
+    for idx, (uname, subs) in enumerate(unit_modules):
+        named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
+        small = [(n, p) for n, p in named if p.numel() < persistence_threshold]
+        persistent += small
+        big = [x for x in named if x not in small]
+        if idx > 0 and not big:  # nothing left to gather: no unit, no hooks
+            continue
+        units.append(UnitPlan(uname, subs, big))
+    return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
+
+
+def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
+    """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared
+    in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
+    ``split_root`` also every module with parameters of its own, merged where they share one (tied weights).
+    """
+    # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
+    classes = set(gather_unit) | set(declared_layers(module))
+    gather: list[tuple[str, nn.Module]] = []
+    where: dict[int, tuple] = {}   # id(module) -> ("root",) | ("unit", i) | ("own", id)
+    for name, sub in module.named_modules():
+        if sub is module or id(sub) in where:
+            continue
+        if type(sub).__name__ in classes:
+            for inner in sub.modules():
+                where[id(inner)] = ("unit", len(gather))
+            gather.append((name, sub))
+        elif split_root and any(True for _ in sub.parameters(recurse=False)):
+            where[id(sub)] = ("own", id(sub))
+    names = {id(sub): name for name, sub in module.named_modules()}
+    order = {m: i for i, m in enumerate(names)}   # registration order
+    holders: dict[int, set] = {}   # id(param) -> the candidates whose modules register it
+    for i, (_, sub) in enumerate(gather):  # all of a unit's parameters, also ones another unit shares
+        for p in sub.parameters():
+            holders.setdefault(id(p), set()).add(("unit", i))
+    for sub in module.modules():
+        if where.get(id(sub), ("root",))[0] != "unit":
+            for p in sub.parameters(recurse=False):
+                holders.setdefault(id(p), set()).add(where.get(id(sub), ("root",)))
+    # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
+    group: dict[int, set] = {key[1]: {key[1]} for key in where.values() if key[0] == "own"}
+    for hs in holders.values():
+        if len(hs) > 1 and all(h[0] == "own" for h in hs):
+            merged = set().union(*(group[h[1]] for h in hs))
+            for m in merged:
+                group[m] = merged
+    by_id = {id(sub): sub for sub in module.modules()}
+    units: list[tuple[str, list[nn.Module]]] = [("<root>", [module])]
+    index = {("root",): 0}
+    for i, (name, sub) in enumerate(gather):
+        index[("unit", i)] = len(units)
+        units.append((name, [sub]))
+    for m in group:   # in registration order: each merged unit where its first member is
+        if ("own", m) in index:
+            continue
+        members = sorted(group[m], key=order.__getitem__)
+        for k in members:
+            index[("own", k)] = len(units)
+        units.append(("+".join(names[k] for k in members), [by_id[k] for k in members]))
+    owner: dict[int, int] = {}
+    for pid, hs in holders.items():
+        found = {index[h] for h in hs}
+        owner[pid] = found.pop() if len(found) == 1 else -1
+    return units, owner
 
 
 class UnitState(enum.Enum):
@@ -78,11 +161,8 @@ class UnitGroup:
     def grad(self) -> torch.Tensor:
         """The gradient partition, allocated on first use (construction holds only the shards)."""
         if self.part_grad.numel() != self.shard.numel():
-            if self.load_grad is not None:
-                self.part_grad = self.load_grad()
-            else:
-                self.part_grad = torch.zeros(self.shard.numel(), dtype=self.part_grad.dtype,
-                                             device=self.part_grad.device)
+            self.part_grad = self.load_grad() if self.load_grad is not None else torch.zeros(
+                self.shard.numel(), dtype=self.part_grad.dtype, device=self.part_grad.device)
         return self.part_grad
 
 
@@ -142,21 +222,12 @@ class Gatherer:
         self.demands = 0
         self.hits = 0
         self.hook_handles: list = []
-        self.order = OrderCheck(dist)
-        self._final: bool | None = None   # inside ``backward_pass``: its ``final``; None outside it
+        self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_launch_order_check``)
+        self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
             unit.gatherer = self
             for p in unit.params:
                 p.zero3_unit = unit
-
-    @contextmanager
-    def backward_pass(self, final: bool) -> Iterator[None]:
-        """One micro batch's backward (``final``: the step's last); units run their backward only inside it."""
-        self._final = final
-        try:
-            yield
-        finally:
-            self._final = None
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
         """Forward hooks on each unit's modules (``modules``, aligned with ``units``) and gradient hooks
@@ -196,7 +267,7 @@ class Gatherer:
             self._release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
-        if self._final is None:   # outside ``backward_pass``
+        if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
                 "torch.autograd.backward or torch.autograd.grad, e.g. with create_graph=True); under zero3 "
@@ -225,22 +296,20 @@ class Gatherer:
         unit.arrived.add(id(p))
         if unit.in_backward and len(unit.arrived) == len(unit.params):
             self._reduce(unit)
-            unit.in_backward, unit.reduced = False, True
             self._release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
-                unit.in_backward, unit.reduced = False, True
             if unit.state is not UnitState.SHARDED:
                 self._release(unit)
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
         self.in_backward = False
-        if self.cfg.check_order and self.recording is not None:
-            self.order.launch(self.recording)
+        if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
+            self._launch_order_check(self.recording)
         self._end_pass()
 
     def _begin_pass(self, grad_mode: bool) -> None:
@@ -298,20 +367,15 @@ class Gatherer:
             if unit.state is UnitState.SHARDED:
                 self._start_gather(unit)
 
-    def _next_use_distance(self, unit: Unit) -> int | None:
-        """Elements of other units used before ``unit`` is used again (per the trace)."""
-        dist = 0
+    def _keep(self, unit: Unit) -> bool:
+        """Whether the elements of other units used before ``unit`` is used again (per the trace) are
+        within the reuse distance, or so few that the prefetch would gather it straight back."""
+        near, between = max(self.reuse, self.prefetch - unit.numel), 0
         for u in self._upcoming():
             if u is unit:
-                return dist
-            dist += u.numel
-        return None
-
-    def _keep(self, unit: Unit) -> bool:
-        """Within the reuse distance, or so close that the prefetch would gather it straight back."""
-        d = self._next_use_distance(unit)
-        near = max(self.reuse, self.prefetch - unit.numel)
-        return d is not None and d <= near and self.live <= self.max_live
+                return between <= near and self.live <= self.max_live
+            between += u.numel
+        return False
 
     def _make_room(self, need: int, exclude: Unit) -> None:
         """Release units kept only for reuse until ``need`` more elements fit under max_live."""
@@ -328,13 +392,10 @@ class Gatherer:
         return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
-    def _start_gather(self, unit: Unit) -> None:
-        """The hooks' gathers (train and eval passes): ``_in_place`` groups use their shard."""
-        self._launch_gather(unit, in_place=True)
-
-    def _launch_gather(self, unit: Unit, in_place: bool) -> None:
-        """``gather_now`` uses a buffer of its own at every world size, so that edits inside
-        framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
+    def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
+        """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
+        at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
+        discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:
@@ -378,12 +439,39 @@ class Gatherer:
         if unit is not self.persistent:
             self.live -= unit.numel
 
+    def _launch_order_check(self, record: list[tuple[str, int]]) -> None:
+        """Start comparing a backward pass's record across ranks: a tiny asynchronous all-reduce of its
+        hash (no host sync in autograd's callback). Otherwise ranks that used different units would
+        combine unrelated buffers or hang."""
+        h = zlib.crc32(repr(record).encode())
+        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
+        # from pageable memory, which blocks the host after every backward pass.
+        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
+        t[0].fill_(h)
+        t[1].fill_(-h)
+        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
+                                    async_op=True)
+        self.order_checks.append((work, t, list(record)))
+
     def order_check(self) -> None:
-        """Raise if ranks used units in different orders since the last call (collective, once a step)."""
-        self.order.check(lambda uid: self.units[uid].name)
+        """Raise if ranks used units in different orders since the last call (collective; one host sync a step)."""
+        checks, self.order_checks = self.order_checks, []
+        for work, t, record in checks:
+            self.dist.wait([work], "zero3 order check")
+            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
+                continue
+            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
+            at = next(i for i in range(max(map(len, records)) + 1)
+                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
+            seen = ", ".join(f"rank {r} at " + (f"{self.units[rec[at][1]].name!r} ({rec[at][0]})"
+                                                 if at < len(rec) else "the end of the pass")
+                             for r, rec in enumerate(records))
+            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
+                                   f"(data-dependent control flow?): {seen}")
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
+        unit.in_backward, unit.reduced = False, True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
                 self._reduce_in_place(g)
@@ -407,14 +495,14 @@ class Gatherer:
         for p, slot in zip(g.params, g.layout.slots):
             part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
             p.grad = None
-        self.on_reduced(g, self._final)
+        self.on_reduced(g, self.final)
 
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
             self.dist.comm.wait(works, "zero3 gradient reduction")
             lo, hi = g.layout.partition(self.dist.rank)
             g.grad().add_(buf[lo:hi])
-            self.on_reduced(g, self._final)
+            self.on_reduced(g, self.final)
         self.reductions = []
 
     def gather_now(self, unit: Unit) -> bool:
@@ -422,7 +510,7 @@ class Gatherer:
         if unit.state is not UnitState.SHARDED:
             self._finish_gather(unit)
             return False
-        self._launch_gather(unit, in_place=False)
+        self._start_gather(unit, in_place=False)
         self._finish_gather(unit)
         return True
 
@@ -440,3 +528,4 @@ def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
         g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
     else:
         g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
+

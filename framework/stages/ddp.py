@@ -15,10 +15,8 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, bind_group, param_groups
-from framework.stages._grads import FlatGrads
-from framework.stages._reduce import expected_order, plan_buckets
-from framework.stages._spec import PieceSpec, piece_spec
+from framework.stages._flat import Layout, PieceSpec, bind_group, param_groups, piece_spec
+from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
 from framework.stages.base import Setup, WholeParameters

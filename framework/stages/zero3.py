@@ -18,12 +18,10 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import initial_values, make_layout, replace_parameter
-from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
+from framework.stages._flat import initial_values, make_layout, replace_parameter, unit_groups
+from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup, plan_units
 from framework.offload.base import Placement
-from framework.stages._partitions import PartitionedStage
-from framework.stages._units import plan_units, unit_groups
-from framework.stages.base import HookOwner, Setup
+from framework.stages.base import HookOwner, PartitionedStage, Setup
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
@@ -126,8 +124,11 @@ class Zero3Stage(PartitionedStage, HookOwner):
         return group
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        with self.gatherer.backward_pass(final=sync):
+        self.gatherer.final = sync   # units run their backward only while it is set
+        try:
             (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
+        finally:
+            self.gatherer.final = None
 
     def _reduced(self, g: UnitGroup, final: bool) -> None:
         """On the last micro batch (``final``) tell the listener (the offload target), which can start
@@ -160,9 +161,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         local = self.offload.grad_sq_norm_local([g.shard.numel() for g in self.groups])
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
-
-    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
-        return super().nonfinite_names(self.offload.readable_grads(grads))
 
     def zero_grads(self) -> None:
         if self.grad_swap:

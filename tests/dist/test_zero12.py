@@ -196,8 +196,8 @@ def test_round_robin_gradients_spreads_bucket_owners_and_changes_no_result(pools
     between ranks instead of one rank's partition after another; the results are those of the
     plain layout (fp32, 1e-6 relative: only the grouping of the gradient norm's sums differs)."""
     from framework.stages._flat import make_layout
-    from framework.stages._reduce import expected_order, plan_buckets, plan_round_robin
-    from framework.stages._sharded import round_robin
+    from framework.stages._grads import expected_order, plan_buckets, plan_round_robin
+    from framework.stages.sharded import round_robin
 
     named = [(f"p{i}", torch.empty(100 + i)) for i in range(12)]
     for world in (2, 4):

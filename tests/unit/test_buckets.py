@@ -4,8 +4,7 @@ import torch
 from torch import nn
 
 from framework.stages._flat import ALIGN, make_layout
-from framework.stages._grads import Arrivals
-from framework.stages._reduce import expected_order, own_parts, plan_buckets, plan_stripes
+from framework.stages._grads import Arrivals, expected_order, own_parts, plan_buckets, plan_stripes
 
 
 def _layouts(world):

@@ -11,8 +11,7 @@ from torch.utils.checkpoint import checkpoint
 import framework
 from framework import Batch, TrainingError
 from framework.stages._flat import make_layout
-from framework.stages._grads import Arrivals
-from framework.stages._reduce import expected_order, plan_buckets
+from framework.stages._grads import Arrivals, expected_order, plan_buckets
 
 
 def _arrivals(launched):

@@ -15,8 +15,7 @@ from framework import compose
 from framework.engine.build import component
 from framework.core.errors import FrameworkError
 from framework.precision import Policy, PrecisionState, ScalerConfig
-from framework.stages._flat import make_layout
-from framework.stages._spec import PieceSpec, cover, piece_spec
+from framework.stages._flat import PieceSpec, cover, make_layout, piece_spec
 from framework.engine.state import TrainState, optimizer_leaves, with_scalars
 from framework.persist.layout import load_state_dict, state_dict
 

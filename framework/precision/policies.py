@@ -1,15 +1,17 @@
-"""Precision policy and the dynamic loss scaler (DeepSpeed's rule as a pure function).
+"""The precisions (conf/precision: fp32, bf16, fp16), their policy and the dynamic loss scaler.
 
 A policy says which dtype each kind of tensor has; stages take it as input and never decide
-dtypes themselves. The loss-scale state is an immutable value updated by ``next_scale``.
+dtypes themselves. The loss-scale state is an immutable value updated by ``next_scale`` (DeepSpeed's
+rule as a pure function).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from framework.core.errors import ConfigError, TrainingError
+from framework.core.registry import Component
 from framework.core.utils import few
 
 
@@ -110,3 +112,56 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
             hyst = cfg.hysteresis
         scale *= 2
     return PrecisionState(scale, st.cur_iter + 1, st.last_overflow_iter, hyst, st.skipped_steps)
+
+
+@dataclass(kw_only=True)
+class FP32Config:
+    """fp32: everything in float32 (the reference for every equivalence test)."""
+
+    grad_accum_dtype: str = "fp32"   # the only choice here; the key exists in every precision
+
+
+@dataclass(kw_only=True)
+class BF16Config:
+    """bf16: bf16 parameters, compute and gradient communication; fp32 master weights and optimizer."""
+
+    # Reducing in fp32 costs twice the bytes on the wire but avoids bf16 summation error
+    # across many ranks (a common surprise with bf16 accumulation).
+    reduce_fp32: bool = False
+    # Micro-batch gradients are summed in fp32 (bf16 sums lose digits with train.grad_accum);
+    # bf16 saves that memory (4 bytes per parameter under ddp/zero1 when grad_accum > 1,
+    # 2 per owned element under zero2/zero3).
+    grad_accum_dtype: str = "fp32"
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config(ScalerConfig):
+    """fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
+
+    grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
+
+
+def fp32(cfg: FP32Config) -> Policy:
+    return Policy("fp32", torch.float32, torch.float32, torch.float32, None,
+                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp32"))
+
+
+def bf16(cfg: BF16Config) -> Policy:
+    reduce = torch.float32 if cfg.reduce_fp32 else torch.bfloat16
+    return Policy("bf16", torch.bfloat16, reduce, torch.float32, None,
+                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "bf16"))
+
+
+def fp16(cfg: FP16Config) -> Policy:
+    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.hysteresis < 1 or cfg.loss_scale_window < 1:
+        raise ConfigError("precision: need loss_scale >= 0, min_loss_scale > 0, hysteresis >= 1 and "
+                          "loss_scale_window >= 1")
+    if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
+        raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
+    scaler = ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)})
+    return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler,
+                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp16"))
+
+
+COMPONENTS = {"fp32": Component(config=FP32Config, build=fp32), "bf16": Component(config=BF16Config, build=bf16),
+              "fp16": Component(config=FP16Config, build=fp16)}

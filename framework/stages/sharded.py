@@ -1,0 +1,253 @@
+"""zero1 and zero2: replicated working parameters, partitioned master and optimizer state.
+
+Rank r owns elements [r * shard, (r + 1) * shard) of each group's flat buffer; after the optimizer
+step every rank's updated partition is gathered back into the working buffers. zero1 accumulates
+gradients in full flat buffers, as ddp, and reduces them on the last micro batch; zero2 reduces
+every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from framework.comm.collectives import Pending
+from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError
+from framework.core.footprint import Footprint
+from framework.core.registry import Component
+from framework.core.utils import tensor_bytes
+from framework.engine.materialize import initializer
+from framework.offload.base import Placement
+from framework.precision import Policy
+from framework.stages._flat import bind_group, param_groups
+from framework.stages._grads import (Arrivals, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
+                                     plan_buckets, plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
+from framework.stages.base import PartitionedStage, Setup, WholeParameters
+
+
+@dataclass(kw_only=True)
+class ZeroConfig:
+    """DeepSpeed's zero_optimization keys (same names and defaults, so configs port over)."""
+
+    reduce_bucket_size: int = 500_000_000      # elements per gradient reduction bucket
+    allgather_bucket_size: int = 500_000_000   # elements per parameter all-gather chunk
+    overlap_comm: bool = False                 # reduce buckets while backward still runs
+    contiguous_gradients: bool = True          # zero2: copy gradients into a bucket buffer (zero1: always)
+    reduce_scatter: bool = True                # False: all-reduce fallback (every rank gets all)
+    # zero2: parameters laid out round-robin over the partitions (DeepSpeed's order), so every rank
+    # copies its reduced buckets to the host while backward runs (zero1: no effect, a note)
+    round_robin_gradients: bool = False
+
+
+class ShardedStage(PartitionedStage, WholeParameters):
+    """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
+    slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
+
+    round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
+
+    def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
+        if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
+            raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
+        # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
+        super().__init__(cfg, dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
+        self.flats: list[torch.Tensor] = []     # working parameters, replicated
+        self.policy: Policy | None = None
+
+    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+        self.module = module
+        self.policy = policy
+        groups = param_groups(module)
+        init = initializer(module)   # materialises meta parameters, one at a time
+        entries = []  # (param, (group, slot)) in registration order
+        for g, (_, named) in enumerate(groups):
+            # Layout order (round-robin, or registration order); entries stay in registration order,
+            # the order backward runs in reverse, from which buckets are planned.
+            placed = round_robin(named, self.dist.world) if self.round_robin else named
+            layout, flat, bound = bind_group(module, placed, self.dist.world, policy.param_dtype, self.dist, init)
+            params = dict(zip((n for n, _ in placed), bound))
+            slots = {s.name: s for s in layout.slots}
+            lo, hi = layout.partition(self.dist.rank)
+            # fp32 without offload: the owned slice of the working buffer is the master (no copy).
+            self._own(layout, flat[lo:hi], policy.master_dtype)
+            self.flats.append(flat)
+            entries += [(params[n], (g, slots[n])) for n, _ in named]
+        self._setup_grads(entries)
+        return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+
+    def publish_finish(self) -> None:
+        comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
+        for flat, layout in zip(self.flats, self.layouts):
+            comm.wait(comm.all_gather_into(flat, layout.shard, "parameter all-gather", self.cfg.allgather_bucket_size),
+                      "parameter all-gather")
+
+    def memory(self, opt_state) -> Footprint:
+        fp = Footprint()
+        fp.add("params", device=tensor_bytes(self.flats))
+        self.offload.memory(fp, opt_state)
+        self._grad_memory(fp)
+        return fp
+
+
+def round_robin(named: list, world: int) -> list:
+    """DeepSpeed's round-robin order: parameters adjacent in registration (and backward) order lie
+    in different ranks' partitions of the flat buffer."""
+    return [x for r in range(world) for x in named[r::world]]
+
+
+class Zero1Stage(ShardedStage):
+    """On the last micro batch each bucket is reduced to its owners during backward (``overlap_comm``)
+    or after it, in stripes."""
+
+    def _setup_grads(self, entries: list) -> None:
+        # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
+        order = expected_order([e[1] for e in entries])
+        shards = {g: layout.shard for g, layout in enumerate(self.layouts)}
+        size, world = self.cfg.reduce_bucket_size, self.dist.world
+        # Reduced during backward: buckets in gradient order on partition boundaries. Reduced after
+        # it: every gradient is present, so stripes (one reduce-scatter per bucket on NCCL).
+        buckets = (plan_buckets(order, size, shards, world) if self.cfg.overlap_comm
+                   else plan_stripes(order, size, shards, world))
+        self.flat_grads = FlatGrads(entries, self.flats, self.layouts, self.bounds, buckets, self.dist, self.policy,
+                                    reduce_scatter=self.cfg.reduce_scatter, overlap=self.cfg.overlap_comm,
+                                    stage="zero1", what="gradient reduction")
+        self.hook_handles = self.flat_grads.hook_handles
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.flat_grads.backward(loss, sync=sync)
+
+    def _finish_grads(self) -> None:
+        self.flat_grads.finish()
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        return [g[lo:hi] for g, (lo, hi) in zip(self.flat_grads.summed(), self.bounds)]
+
+    def zero_grads(self) -> None:
+        self.flat_grads.zero()
+
+    def _grad_memory(self, fp) -> None:
+        self.flat_grads.memory(fp)
+
+
+class Zero2Stage(ShardedStage):
+    """Once a bucket's gradients arrived they are copied into a reusable bucket buffer
+    (``contiguous_gradients``), their .grad freed, and the buffer reduced to its owners, who add their
+    share into their partition."""
+
+    @property
+    def round_robin(self) -> bool:
+        return self.cfg.round_robin_gradients
+
+    def _setup_grads(self, entries: list) -> None:
+        self.params = [p for p, _ in entries]
+        self.slots = [gs for _, gs in entries]
+        dtype = self.policy.reduce_dtype
+        self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
+                     for lo, hi in self.bounds]
+        self.named = [(p, s.name) for p, (_, s) in entries]
+        # On partition boundaries: each bucket has one owner, or is a whole aligned group buffer.
+        plan = plan_round_robin if self.round_robin else plan_buckets
+        buckets = plan(expected_order(self.slots), self.cfg.reduce_bucket_size,
+                       {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
+        self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
+        n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
+        self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
+        self.buffer_elems = n * size
+        self.in_flight: deque = deque()
+        self.sync = True   # set by each backward: its pass is the step's last, so the ranges it completes are final
+        self.hook_handles += self.launcher.attach(self.params, self.dist.acc)
+
+    def _launch(self, i: int) -> None:
+        b = self.launcher.buckets[i]
+        shard, numel = self.layouts[b.group].shard, self.layouts[b.group].numel
+        what = f"gradient reduction of bucket {i}"
+        comm, rs = self.dist.comm, self.cfg.reduce_scatter
+        if self.cfg.contiguous_gradients:
+            while not self.free:  # bound the buffers in flight
+                self._complete(self.in_flight.popleft())
+            buf = self.free.pop()[:b.numel]
+            for lo, hi, part, off in self._pieces(b):
+                dst = buf[off:off + hi - lo]
+                dst.copy_(part) if part is not None else dst.zero_()
+            base = 0
+            for start, end in b.ranges:  # the padding at a group's end (in a whole-buffer bucket)
+                if end > numel:
+                    buf[base + max(start, numel) - start:base + end - start].zero_()
+                base += end - start
+            chunks = buf.chunk(b.count)
+            wire = [buf] if b.contiguous else list(chunks)
+            pieces = [(start, t) for (start, _), t in zip(b.ranges, chunks)]
+            pending = reduce_bucket(comm, wire, b, shard, rs, what)
+        else:  # reduce each gradient piece where it lies (no bucket buffer)
+            buf = None
+            pieces = [(lo, part.to(self.policy.reduce_dtype) if part is not None
+                       else torch.zeros(hi - lo, dtype=self.policy.reduce_dtype, device=self.dist.device))
+                      for lo, hi, part, _ in self._pieces(b)]
+            pending = Pending.of(reduce_to_owners(comm, t, lo, shard, rs, what) for lo, t in pieces)
+        for pid in b.params:  # a parameter's .grad goes with the last bucket that reads it
+            if self.launcher.owners[pid][-1] == i:
+                self.params[pid].grad = None
+        self.in_flight.append((b, pending, pieces, buf))
+        if not self.cfg.overlap_comm:
+            self._complete(self.in_flight.popleft())
+
+    def _pieces(self, b):
+        """(flat lo, flat hi, gradient values or None, offset in the buffer) of each piece in ``b``."""
+        base = 0
+        for start, end in b.ranges:
+            for pid in b.params:
+                slot = self.slots[pid][1]
+                lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+                if lo < hi:
+                    g = self.params[pid].grad
+                    yield lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset], \
+                        base + lo - start
+            base += end - start
+
+    def _complete(self, item) -> None:
+        b, pending, pieces, buf = item
+        self.dist.comm.wait(pending, "gradient reduction")
+        lo, hi = self.bounds[b.group]
+        real = min(hi, self.layouts[b.group].numel)   # a whole-buffer bucket's padding: zeros, never reported
+        for start, t in pieces:   # (flat start, values) of each reduced range
+            own = own_overlap(start, start + t.numel(), lo, real)   # this rank's sums
+            if own is None:
+                continue
+            a, z = own
+            self.part[b.group][a - lo:z - lo] += t[a - start:z - start]
+            if self.sync:  # tell the listener (the offload target)
+                self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
+        if buf is not None:
+            self.free.append(buf._base if buf._base is not None else buf)
+
+    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.sync = sync
+        check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
+        self.launcher.arm()
+        try:
+            (loss / self.dist.world).backward()
+        finally:
+            self.launcher.disarm()
+        self.launcher.flush()  # buckets of parameters that got no gradient
+        while self.in_flight:
+            self._complete(self.in_flight.popleft())
+
+    def _finish_grads(self) -> None:
+        pass   # each backward pass completed its own reductions
+
+    def _partition_grads(self) -> list[torch.Tensor]:
+        return self.part
+
+    def zero_grads(self) -> None:
+        for g in self.part:
+            g.zero_()
+
+    def _grad_memory(self, fp) -> None:
+        fp.add("grads", device=tensor_bytes(self.part))
+        fp.add("bucket_buffers", device=self.buffer_elems * self.policy.reduce_dtype.itemsize)
+
+
+COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage),
+              "zero2": Component(config=ZeroConfig, build=Zero2Stage)}
