@@ -4,7 +4,7 @@
 # the stages, so that they allocate and describe the same layout.
 from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, check_shape, cover, make_layout, param_count,
                                     param_groups, unit_groups)
-from framework.stages._gather import UnitPlan, plan_units
+from framework.stages._units import UnitPlan, plan_units
 from framework.stages._grads import bucket_buffers, expected_order, plan_buckets
 
 __all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "check_shape", "cover", "expected_order",

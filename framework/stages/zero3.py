@@ -19,7 +19,8 @@ from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter, unit_groups
-from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup, plan_units
+from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
+from framework.stages._units import plan_units
 from framework.offload.base import Placement
 from framework.stages.base import HookOwner, PartitionedStage, Setup
 from framework.core.footprint import Footprint
