@@ -328,9 +328,11 @@ def _curves(jobs, c: dict) -> dict:
 
 
 def _bound(c: dict) -> str:
+    """Every bound ``_bound_ok`` enforces, so a failing check says which one it failed."""
+    parts = [f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c]
     if "equals" in c:
-        return f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else "")
-    return " and ".join(f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c)
+        parts.append(f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else ""))
+    return " and ".join(parts)
 
 
 def _bound_ok(v, c: dict) -> bool:
