@@ -296,9 +296,9 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
     root = Path(root)
     out = Path(out) if out is not None else root
+    jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
     files.make_dirs(out)
     files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
-    jobs = load_jobs(root)
     loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
     tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
     table = markdown_table(jobs, root)

@@ -108,6 +108,19 @@ def test_report_of_a_multirun(equivalence, tmp_path):
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "multirun" in p.stderr
 
 
+def test_report_of_a_wrong_folder_makes_nothing(tmp_path, capsys):
+    """A missing folder, or one without jobs, is one line and exit 1, with or without --out, and
+    neither the folder nor --out is created."""
+    (tmp_path / "empty").mkdir()
+    for folder, says in (("nothing", "is not a folder"), ("empty", "no job under")):
+        for extra in ([], ["--out", str(tmp_path / "rep")]):
+            with pytest.raises(SystemExit) as e:
+                report.main([str(tmp_path / folder), *extra])
+            err = capsys.readouterr().err
+            assert e.value.code == 1 and says in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
+
+
 @pytest.fixture(scope="module")
 def shakespeare_tokens(tmp_path_factory) -> Path:
     """The prepare step as a user runs it: text -> uint16 tokens + meta.json, nanoGPT's split."""
