@@ -42,21 +42,16 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         if not already:
             atexit.register(disconnect)
         run = _agree_run_dir(run, dist)
-        return train(preflight(cfg, run.run_dir, _job(run), quiet=not dist.is_main), run, dist, on_point)
+        return train(preflight(cfg, run.run_dir, run.job, quiet=not dist.is_main), run, dist, on_point)
     # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
     # once so that every rank loads the same folder.
-    cfg = preflight(cfg, run.run_dir, _job(run))
+    cfg = preflight(cfg, run.run_dir, run.job)
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
     # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
     resolve_backend(cfg.dist.backend, cfg.dist.nproc)
     _notice(cfg, cfg.dist.nproc, True)
     return _spawn(cfg, run, on_point)
-
-
-def _job(run: RunInfo) -> str | None:
-    """A multirun job's name (its overrides), which keys its folder under an explicit checkpoint.dir."""
-    return run.name if run.group else None
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

@@ -34,7 +34,7 @@ def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None]
     files.make_dirs(run.run_dir)
     with console_log(run.run_dir / "train.log"):
         print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
-                                   checkpoint_root(cfg, run.run_dir, run.name if run.group else None))), flush=True)
+                                   checkpoint_root(cfg, run.run_dir, run.job))), flush=True)
         return _train(cfg, run, dist, on_point)
 
 
@@ -61,8 +61,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     logger = (RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run)) if dist.is_main
               else NullLogger())
     losses, evals = [], []
-    ckpt = Checkpointer(cfg, engine, job=run.name if run.group else None, run_dir=run.run_dir,
-                        on_point=on_point)  # collective
+    ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)

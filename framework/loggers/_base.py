@@ -22,6 +22,11 @@ class RunInfo:
     group: str | None     # W&B group: the multirun sweep, so its jobs appear together
     name: str | None      # W&B run name: the job's overrides or number
 
+    @property
+    def job(self) -> str | None:
+        """A multirun job's name (its overrides), which keys its folder under an explicit checkpoint.dir."""
+        return self.name if self.group else None
+
 
 class NullLogger:
     """What every logger offers, doing nothing."""
