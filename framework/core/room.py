@@ -1,4 +1,5 @@
-"""Disk room summed over the ranks that share one file system.
+"""Room left on the host: free disk space (``free_bytes``) and memory (``available_ram``), and disk
+room summed over the ranks that share one file system.
 
     mine = Claim.of(folder, need_bytes)                 # on every rank
     everyone = all_gather(mine)                         # the caller's collective
@@ -30,9 +31,26 @@ class Claim:
     @staticmethod
     def of(folder: str | os.PathLike, need: int, rank: int = 0) -> "Claim":
         probe = nearest_existing(Path(folder))
-        st = os.statvfs(probe)
-        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, st.f_bavail * st.f_frsize, int(need),
-                     str(folder))
+        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder))
+
+
+def free_bytes(folder: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may use on the file system of ``folder`` (or of its nearest
+    existing parent: a folder about to be made)."""
+    st = os.statvfs(nearest_existing(Path(folder)))
+    return st.f_bavail * st.f_frsize
+
+
+def available_ram() -> int | None:
+    """Host memory the kernel can hand out without swapping (MemAvailable); None without /proc/meminfo."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024   # kB
+    except OSError:
+        pass
+    return None
 
 
 def nearest_existing(path: Path) -> Path:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from framework.memory.model import data_vocab, predict
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.room import available_ram, free_bytes
 from framework.core.units import GiB, KiB, MiB, TiB
 
 
@@ -64,8 +63,10 @@ def detect(own: dict[str, str]) -> Hardware:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     gpu = parse_bytes(own["gpu_mem"]) if "gpu_mem" in own else (
         torch.cuda.get_device_properties(0).total_memory if cuda else None)
-    cpu = parse_bytes(own["cpu_mem"]) if "cpu_mem" in own else _mem_available()
-    nvme = parse_bytes(own["nvme"]) if "nvme" in own else shutil.disk_usage(os.getcwd()).free
+    cpu = parse_bytes(own["cpu_mem"]) if "cpu_mem" in own else available_ram()
+    if cpu is None:   # no /proc/meminfo: the physical memory
+        cpu = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(os.getcwd())
     ranks = int(own["ranks"]) if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")
@@ -80,16 +81,6 @@ def parse_bytes(text: str) -> int:
         return int(float(t[:-1] if mult > 1 else t) * mult)
     except ValueError:
         raise ConfigError(f"plan: {text!r} is not a size; write e.g. 80G, 512M or 2T") from None
-
-
-def _mem_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # --- the roofline --------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
-from framework.core.room import Claim, nearest_existing, shortfalls
+from framework.core.room import Claim, available_ram, free_bytes, shortfalls
 from framework.core.units import GiB, MiB
 from framework.offload._diskstore import DiskStore, parked
 from framework.offload._gradswap import GradSwap
@@ -123,7 +123,7 @@ class NVMePlacement(HostPlacement):
         need = numel * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)
                         + (2 * size if params else 0))
         folder = spec.nvme_path
-        free = shutil.disk_usage(nearest_existing(Path(folder or tempfile.gettempdir()))).free
+        free = free_bytes(folder or tempfile.gettempdir())
         if need > free:
             raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
                               f"{need / GiB:.2f} GiB ({need} bytes) of swap but its file system has "
@@ -136,7 +136,7 @@ class NVMePlacement(HostPlacement):
         self.check_ram(pools, "at least")
 
     def check_ram(self, pools: int, bound: str) -> None:
-        available = _available_ram()
+        available = available_ram()
         if available is not None and pools > available:
             raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / GiB:.2f} GiB ({pools} bytes) of "
                               f"host memory but {available / GiB:.2f} GiB is available; lower offload.buffer_count, "
@@ -221,17 +221,6 @@ def _return_freed_memory() -> None:
         libc.mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
     except (OSError, AttributeError):
         pass
-
-
-def _available_ram() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024   # host sync: no (text of /proc/meminfo)
-    except OSError:
-        return None
-    return None
 
 
 class DiskPlacement(GradSwap, NVMePlacement):

@@ -26,6 +26,7 @@ import torch
 
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import make_dirs, refuse_links, write_atomic
+from framework.core.room import free_bytes
 from framework.core.units import size as _size
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
@@ -403,8 +404,7 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     except OSError as e:
         raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
                           "offload.nvme_path to a writable folder") from None
-    st = os.statvfs(path)
-    free = st.f_bavail * st.f_frsize
+    free = free_bytes(path)
     if free < total_bytes:
         raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
                           f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")

@@ -13,7 +13,7 @@ import torch.distributed as tdist
 
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
-from framework.core.room import Claim
+from framework.core.room import free_bytes
 from framework.core.units import size
 
 
@@ -113,7 +113,7 @@ def _write_error(e: BaseException, tmp: Path, need: int) -> str:
         "unexpected pos" in str(c) or "No space left" in str(c) for c in chain)
     if full:
         try:
-            free = f"{size(Claim.of(tmp.parent, 0).free)} free"
+            free = f"{size(free_bytes(tmp.parent))} free"
         except OSError:
             free = "free space unknown"
         return (f"the file system of {tmp.parent} is full ({free}; the checkpoint needs about {size(need)}): "
