@@ -12,7 +12,8 @@ import argparse
 import sys
 
 from framework.core.errors import FrameworkError
-from framework.persist.export import DTYPES, export
+from framework.persist.export import export
+from framework.precision import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

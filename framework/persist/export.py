@@ -22,7 +22,6 @@ from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import create_files, finish_files, plan_files, write_at
 
 PREFIX = "model."
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def resolve(checkpoint) -> Path:

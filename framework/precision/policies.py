@@ -67,6 +67,7 @@ class Policy:
                 f"loss scaling {scaling}")
 
 
+# The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
