@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-import resource
 import sys
 import time
 from dataclasses import replace
@@ -18,7 +17,7 @@ from framework.config import Config
 from framework.comm.distributed import Dist
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
-from framework.memory.probe import rss_now
+from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
 from framework.core.utils import to_device
@@ -129,9 +128,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
 def reset_peak_memory(device: torch.device) -> int:
     """Start a new measurement window; return the resident set size now (bytes).
 
-    A multirun's jobs share one process at world 1: writing 5 to /proc/self/clear_refs resets the
-    high-water mark (VmHWM) so that it does not carry an earlier job's peak (ru_maxrss cannot be
-    reset, and keeps exited threads' marks: read only where /proc is missing)."""
+    A multirun's jobs share one process at world 1: the resident set's high-water mark is reset so
+    that it does not carry an earlier job's peak (``rss_peak``)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -146,12 +144,7 @@ def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
     """Measured peak memory since ``reset_peak_memory``: resident set (VmHWM) and, on CUDA, the
     caching allocator's peaks; ``rss_start_bytes`` (interpreter, torch, libraries) subtracted from
     the peak is what the job itself added."""
-    try:
-        with open("/proc/self/status") as f:
-            peak = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
-    except (OSError, StopIteration, ValueError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    out = {"peak_rss_bytes": peak, "rss_start_bytes": rss_start}
+    out = {"peak_rss_bytes": rss_peak(), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
         out["peak_device_reserved_bytes"] = torch.cuda.max_memory_reserved(device)

@@ -80,6 +80,16 @@ def rss_now() -> int:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
     except (OSError, IndexError, ValueError):
+        return rss_peak()
+
+
+def rss_peak() -> int:
+    """This process's peak resident set size (bytes): VmHWM, which writing 5 to /proc/self/clear_refs
+    resets; where /proc is missing getrusage's, which cannot be reset and keeps exited threads' marks."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024  # kB
+    except (OSError, StopIteration, ValueError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024   # macOS counts bytes, others KiB
 
