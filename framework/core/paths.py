@@ -1,6 +1,8 @@
-"""Where conf/ and csrc/ are: the source tree's top level, or inside an installed package."""
+"""Where conf/ and csrc/ are (the source tree's top level, or inside an installed package), and
+where the framework caches what it builds or measures."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]   # framework/ (this file is framework/core/paths.py)
@@ -21,3 +23,8 @@ def conf_dir() -> Path:
 
 def csrc_dir() -> Path:
     return _find("csrc", "_csrc")
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/framework`` (``~/.cache/framework``): compiled kernels, the bandwidth probe."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "framework"

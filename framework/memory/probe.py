@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
+from framework.core.paths import cache_dir
 from framework.core.units import MiB
 
 VERSION = 4
 
 
 def cache_path(device: torch.device) -> Path:
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "framework"
     name = device.type if device.type != "cuda" else torch.cuda.get_device_name(device).replace(" ", "_")
-    return root / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
+    return cache_dir() / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
 
 
 def _best(fn, device: torch.device, reps: int = 3) -> float:

@@ -32,7 +32,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from framework.core.paths import csrc_dir
+from framework.core.paths import cache_dir, csrc_dir
 
 NAME = "framework_cpu_optim"
 SOURCES = ("cpu_optim/cpu_optim.cpp",)
@@ -59,8 +59,7 @@ class Status(NamedTuple):
 def cache_root() -> Path:
     if os.environ.get("FRAMEWORK_OPS_CACHE"):
         return Path(os.environ["FRAMEWORK_OPS_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "framework" / "ops"
+    return cache_dir() / "ops"
 
 
 def build_dir() -> Path:
