@@ -29,7 +29,8 @@ from framework.core import files
 from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.units import MiB
-from framework.cli.report import get_key, matches
+from framework.cli.report import matches
+from framework.config.schema import get_key
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from framework.config.schema import get_key
 from framework.core import files
 from framework.core.errors import FrameworkError
 from framework.core.units import MiB
@@ -201,14 +202,6 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
     if stage not in per_param:
         raise FrameworkError(f"report: no ZeRO formula for stage {stage!r}")
     return per_param[stage] * params
-
-
-def get_key(d: dict, dotted: str):
-    for part in dotted.split("."):
-        if not isinstance(d, dict) or part not in d:
-            return None
-        d = d[part]
-    return d
 
 
 def matches(job, where: dict) -> bool:

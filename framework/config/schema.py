@@ -100,6 +100,13 @@ def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def get_key(tree: Mapping, dotted: str) -> Any:
+    """``tree["a"]["b"]`` for ``"a.b"``; None where a part is missing."""
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, Mapping) else None
+    return tree
+
+
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
 COMPATIBLE: Mapping[str, tuple[str, ...]] = {
     "ddp": ("none",),

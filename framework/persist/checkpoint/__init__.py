@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, glue
@@ -201,7 +202,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
     mine = cfg.to_dict()
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
     if diffs:
-        what = ", ".join(f"model.{k} {_flat_get(saved['model'], k)!r} vs {_flat_get(mine['model'], k)!r}"
+        what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
                          for k in diffs[:4])
         raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved by another model ({what}; saved vs "
                           f"this run){OTHER_RUN}")
@@ -210,12 +211,6 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved with optimizer={theirs}, this run uses "
                           f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
     return cfg
-
-
-def _flat_get(node: dict, dotted: str):
-    for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
