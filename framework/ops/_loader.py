@@ -32,6 +32,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
+from framework.core.files import write_atomic
 from framework.core.paths import cache_dir, csrc_dir
 
 NAME = "framework_cpu_optim"
@@ -154,9 +155,7 @@ def _compile(directory: Path) -> ModuleType:
             lines = str(exc).splitlines() or [type(exc).__name__]
             first = next((line.strip() for line in lines if "error:" in line), lines[0])
             raise BuildUnavailable(f"the build failed ({first[:300]}); full log in {log}") from exc
-        tmp = directory / "BUILT.tmp"
-        tmp.write_text(f"{torch.__version__}\n")
-        tmp.replace(directory / "BUILT")
+        write_atomic(directory / "BUILT", f"{torch.__version__}\n".encode())
         return module
 
 
