@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from framework.core.errors import ConfigError
-from framework.core.units import GiB as GIB
+from framework.core.units import GiB
 
 BUFFER_FACTOR = 1.5   # DeepSpeed's additional_buffer_factor (host memory only)
 
@@ -150,6 +150,6 @@ def format_rows(rows: list[Row] | list[NVMeRow]) -> str:
     with two decimals."""
     nvme = bool(rows) and isinstance(rows[0], NVMeRow)
     lines = ["  per CPU  |  per GPU |" + ("  NVMe/node |" if nvme else "") + "   Options"]
-    lines += [f" {r.cpu / GIB:7.2f}GiB | {r.gpu / GIB:6.2f}GiB | " + (f"{r.disk / GIB:7.2f}GiB | " if nvme else "")
+    lines += [f" {r.cpu / GiB:7.2f}GiB | {r.gpu / GiB:6.2f}GiB | " + (f"{r.disk / GiB:7.2f}GiB | " if nvme else "")
               + r.options for r in rows]
     return "\n".join(lines)

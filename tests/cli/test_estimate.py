@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from framework.memory.model import predict
-from framework.memory.tables import GIB, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
+from framework.core.units import GiB
+from framework.memory.tables import count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gib(rows):
-    return [(f"{r.cpu / GIB:.2f}", f"{r.gpu / GIB:.2f}") for r in rows]
+    return [(f"{r.cpu / GiB:.2f}", f"{r.gpu / GiB:.2f}") for r in rows]
 
 
 def test_t5_3b_zero3_table_matches_reference():
