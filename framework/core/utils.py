@@ -24,6 +24,11 @@ def few(items, n: int = 5, show=repr) -> str:
     return ", ".join(map(show, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: a dtype as files and messages name it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 

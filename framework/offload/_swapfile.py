@@ -28,6 +28,7 @@ from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import make_dirs, refuse_links, write_atomic
 from framework.core.room import free_bytes
 from framework.core.units import size as _size
+from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 1
@@ -102,7 +103,7 @@ class SwapFile:
             table[name] = Extent(size, int(nbytes), int(nbytes) // itemsize)
             size += padded(int(nbytes))
         meta = {"format": FORMAT, "layout_hash": str(layout_hash), "world_size": int(world_size),
-                "rank": int(rank), "dtype": str(dtype).removeprefix("torch."), "size": size,
+                "rank": int(rank), "dtype": dtype_name(dtype), "size": size,
                 "extents": {n: asdict(e) for n, e in table.items()}}
         manifest = _manifest_path(path)
         refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each

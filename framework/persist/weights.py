@@ -26,7 +26,7 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
                                            open_weights, plan_files, write_at)
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
             mismatched.append(f"{key}: {src.meta[key][0]} in the file, {t.shape} in the model")
         elif (dt := src.dtype(key)).is_floating_point != t.dtype.is_floating_point or \
                 (dt == torch.bool) != (t.dtype == torch.bool):
-            mismatched.append(f"{key}: dtype {_dt(dt)} in the file, {_dt(t.dtype)} in the model")
+            mismatched.append(f"{key}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
     unexpected = sorted(set(src.meta) - {a for t in tgts for a in t.aliases})
     problems = []
     if strict and missing:
@@ -221,7 +221,3 @@ def save_on_model_save(engine, out_dir) -> list[Path] | None:
     if not c.stage.weights_on_save():
         return None
     return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype)
-
-
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -12,7 +12,7 @@ import torch
 
 from framework.core.errors import ConfigError, TrainingError
 from framework.core.registry import Component
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 
 
 @dataclass(frozen=True)
@@ -59,12 +59,11 @@ class Policy:
         return PrecisionState(cur_scale=scale, cur_hysteresis=s.hysteresis)
 
     def describe(self) -> str:
-        dt = lambda d: str(d).removeprefix("torch.")  # noqa: E731
         scaling = "none" if self.scaler is None else (
             "dynamic" if self.scaler.loss_scale == 0 else f"static {self.scaler.loss_scale:g}")
-        return (f"precision {self.name}: params {dt(self.param_dtype)}, reduce {dt(self.reduce_dtype)}, "
-                f"gradient accumulation {dt(self.grad_accum_dtype)}, master/optimizer {dt(self.master_dtype)}, "
-                f"loss scaling {scaling}")
+        return (f"precision {self.name}: params {dtype_name(self.param_dtype)}, "
+                f"reduce {dtype_name(self.reduce_dtype)}, gradient accumulation {dtype_name(self.grad_accum_dtype)}, "
+                f"master/optimizer {dtype_name(self.master_dtype)}, loss scaling {scaling}")
 
 
 # The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.

@@ -23,7 +23,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, o
 from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 from framework.persist.layout import StateLayout, flat_pieces
 from framework.persist.weights import save_on_model_save
 
@@ -259,5 +259,5 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
 
 def _json_scalar(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
-        return {"tensor": v.tolist(), "dtype": str(v.dtype).removeprefix("torch.")}
+        return {"tensor": v.tolist(), "dtype": dtype_name(v.dtype)}
     return v
