@@ -59,7 +59,7 @@ class Shards:
     """Where zero3's parameter shards live between gathers: here, on the compute device. The
     placement ``p`` (``bind``) lends its accelerator, streams and host store."""
 
-    params_on_host = False
+    params_on_host = False   # on the host: the compute stream reads them only through ``load``
     store = None   # the DiskStore of shards in a swap file
 
     def bind(self, placement: Placement) -> None:
@@ -86,10 +86,6 @@ class Shards:
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         self.p.acc.copy(shard, values)
-
-    def working(self, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Of ``partitions``, those the compute stream reads and writes directly."""
-        return partitions
 
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
@@ -249,7 +245,7 @@ class Placement:
 
     def working_used(self) -> Event:
         """An event after the compute stream's last use of the working partitions: copies back wait on it."""
-        self.acc.use(writes=self.shards.working(self.partitions))
+        self.acc.use(writes=[] if self.shards.params_on_host else self.partitions)
         mark = self.acc.event()
         mark.record()
         return mark
@@ -273,7 +269,7 @@ class Placement:
         self.shards.flush()
         for ev in copies:
             ev.wait()
-        self.acc.use(reads=self.shards.working(self.partitions))
+        self.acc.use(reads=[] if self.shards.params_on_host else self.partitions)
 
     def publish(self) -> None:
         """Every piece's updated values -> the working partitions (outside the pipeline)."""
