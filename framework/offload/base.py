@@ -11,7 +11,8 @@ live, and how they move. A stage talks to it only through these calls:
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
 ``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``.
+Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``,
+which zero3 and its gatherer call directly (``placement.shards``) to load, fill and measure them.
 """
 from __future__ import annotations
 
