@@ -153,7 +153,7 @@ class Engine:
     def _swapping(self):
         """The offload target when some state lives in swap files (offload=nvme), else None."""
         offload = getattr(self.components.stage, "offload", None)
-        return offload if offload is not None and offload.swaps() else None
+        return offload if offload is not None and offload.swaps else None
 
     def memory(self, state: TrainState) -> Footprint:
         """This rank's model states and persistent buffers: the bytes of the tensors it holds, by

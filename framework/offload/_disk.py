@@ -73,6 +73,8 @@ def _allocated(path) -> int:
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
+    swaps = True
+
     def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
@@ -83,9 +85,6 @@ class NVMePlacement(HostPlacement):
     def bind(self, acc: Accelerator) -> None:
         _return_freed_memory()
         super().bind(acc)
-
-    def swaps(self) -> bool:
-        return True
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """With every swap file made and written (before the first step); zero3's shards go first."""

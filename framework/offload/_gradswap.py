@@ -47,9 +47,10 @@ class GradSwap:
         for info in infos:
             self.grad_pieces.setdefault(info.group, []).append(info)
 
-    def load_grad(self, group: int, numel: int, device: torch.device) -> torch.Tensor:
+    def load_grad(self, group: int) -> torch.Tensor:
         """Group ``group``'s partition so far this step: zeros, or its extents read back."""
-        buf = torch.zeros(numel, dtype=self.grad_dtype, device=device)
+        numel = self.partitions[group].numel()
+        buf = torch.zeros(numel, dtype=self.grad_dtype, device=self.acc.device)
         if group in self.written:
             self._wait_writes()
             host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype)
@@ -83,19 +84,19 @@ class GradSwap:
         while self.pending:
             self.pending.popleft().result()
 
-    def finish_grads(self, sizes: Sequence[int]) -> None:
+    def finish_grads(self) -> None:
         """After backward: every partition's extents hold this step's gradient and its norm is known."""
         self._wait_writes()
-        for group, numel in enumerate(sizes):
-            if group in self.norms or not numel:
+        for group, part in enumerate(self.partitions):
+            if group in self.norms or not part.numel():
                 continue
-            buf = self.load_grad(group, numel, self.acc.device)   # reduced on an earlier micro batch only, or never
+            buf = self.load_grad(group)   # reduced on an earlier micro batch only, or never
             self.save_grad(group, buf, final=True)
         self._wait_writes()
 
-    def grad_sq_norm_local(self, sizes: Sequence[int]) -> torch.Tensor:
+    def grad_sq_norm_local(self) -> torch.Tensor:
         """This rank's squared norm over its partitions, summed as ``utils.sq_norm`` sums them."""
-        parts = [self.norms[g] for g, numel in enumerate(sizes) if numel]
+        parts = [self.norms[g] for g, part in enumerate(self.partitions) if part.numel()]
         if not parts:
             return torch.zeros((), dtype=torch.float64, device=self.acc.device)
         return torch.stack(parts).sum()
@@ -113,8 +114,6 @@ class GradSwap:
 
     def clear_grads(self) -> None:
         """A new step: the extents' contents are stale."""
-        if not self.grad_swap:
-            return
         for f in self.pending:   # (after a failed step: a write still queued must not land later)
             f.exception()
         self.pending.clear()

@@ -7,11 +7,12 @@ live, and how they move. A stage talks to it only through these calls:
   is final, on the thread and stream that produced it, each element at most once a step;
   ``grads(parts)`` then returns every piece's gradient.
 * update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
-  otherwise the stage steps itself and calls ``publish()``.
+  otherwise None: the stage steps itself and calls ``publish()``.
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
 ``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``.
+Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``,
+which zero3 and its gatherer call directly (``placement.shards``) to load, fill and measure them.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ class Shards:
     """Where zero3's parameter shards live between gathers: here, on the compute device. The
     placement ``p`` (``bind``) lends its accelerator, streams and host store."""
 
-    params_on_host = False
+    params_on_host = False   # on the host: the compute stream reads them only through ``load``
     store = None   # the DiskStore of shards in a swap file
 
     def bind(self, placement: Placement) -> None:
@@ -69,13 +70,15 @@ class Shards:
         return torch.zeros(numel, dtype=dtype, device=device)
 
     def filled(self, shard: torch.Tensor) -> None:
-        pass
+        """zero3, construction: ``shard`` holds its initial values (shards on disk leave host memory now)."""
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         return own[lo:hi]
 
     @contextmanager
     def loading(self):
+        """Around ``load`` and the gather reading it; yields the waits the current stream makes before
+        it consumes the unit (filled on leaving)."""
         yield []   # on the current stream: nothing to wait for
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -84,10 +87,6 @@ class Shards:
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         self.p.acc.copy(shard, values)
-
-    def working(self, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Of ``partitions``, those the compute stream reads and writes directly."""
-        return partitions
 
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
@@ -111,6 +110,7 @@ class Shards:
         """End of setup: the shards go to their swap file, if they have one."""
 
     def memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
+        """zero3's parameter shards ``shards``, where they live."""
         fp.add("params", device=tensor_bytes(shards))
 
     def close(self) -> None:
@@ -124,6 +124,7 @@ class Placement:
     pin = False           # host buffers page-locked (copies to and from them asynchronous)
     overlap_step = False  # speculative host step during backward (``_pipeline``)
     grad_swap = False     # zero3's owned gradients live in the optimizer's swap file (``_disk``)
+    swaps = False         # some state lives in swap files (offload=nvme)
 
     def __init__(self, shards: Shards | None = None, accelerator: Accelerator | None = None):
         self.shards = shards if shards is not None else Shards()
@@ -150,10 +151,6 @@ class Placement:
 
     def connect(self, dist) -> None:
         self.dist = dist
-
-    def swaps(self) -> bool:
-        """Whether some state lives in swap files (offload=nvme)."""
-        return False
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """zero3, before construction: a tier with swap files stops now if they cannot fit."""
@@ -184,9 +181,6 @@ class Placement:
     def pieces(self) -> list[Piece]:
         return list(self.infos)
 
-    def has_host_pieces(self) -> bool:
-        return any(i.tier is not Tier.DEVICE for i in self.infos)
-
     def swapped_indices(self) -> set[int]:
         """Positions (master order) of the pieces in the swap file."""
         return {i.index for i in self.infos if i.tier is Tier.DISK}
@@ -215,17 +209,10 @@ class Placement:
         if Tier.DISK in self.stores:
             self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
 
-    def shard_memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
-        """zero3's parameter shards, where ``shards`` keeps them."""
-        self.shards.memory(fp, shards)
-
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
         """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
         calls ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``)."""
         return False
-
-    def clear_grads(self) -> None:
-        pass
 
     def readable_grads(self, grads: Sequence[torch.Tensor]):
         """``grads`` (aligned with ``pieces()``), readable by the host one at a time."""
@@ -259,7 +246,7 @@ class Placement:
 
     def working_used(self) -> Event:
         """An event after the compute stream's last use of the working partitions: copies back wait on it."""
-        self.acc.use(writes=self.shards.working(self.partitions))
+        self.acc.use(writes=[] if self.shards.params_on_host else self.partitions)
         mark = self.acc.event()
         mark.record()
         return mark
@@ -283,7 +270,7 @@ class Placement:
         self.shards.flush()
         for ev in copies:
             ev.wait()
-        self.acc.use(reads=self.shards.working(self.partitions))
+        self.acc.use(reads=[] if self.shards.params_on_host else self.partitions)
 
     def publish(self) -> None:
         """Every piece's updated values -> the working partitions (outside the pipeline)."""
@@ -311,33 +298,15 @@ class Placement:
             store.flush()
         return [i.staging if i.staging is not None else i.working for i in self.infos]
 
-    @property
-    def params_on_host(self) -> bool:
-        return self.shards.params_on_host
-
     def shard_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A zeroed zero3 parameter shard, where ``shards`` keeps them."""
         self._bind_device(device)
         return self.shards.buffer(numel, dtype, device)
 
-    def shard_filled(self, shard: torch.Tensor) -> None:
-        """zero3, construction: ``shard`` holds its initial values (shards on disk leave host memory now)."""
-        self.shards.filled(shard)
-
-    def loading(self):
-        """Around ``load_shard`` and the gather reading it; yields the waits the current stream makes
-        before it consumes the unit (filled on leaving)."""
-        return self.shards.loading()
-
-    def load_shard(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
-        self.shards.load(dst, shard)
-
-    def store_shard(self, shard: torch.Tensor, values: torch.Tensor) -> None:
-        """``values`` -> ``shard`` (framework.gathered's modifications; blocking)."""
+    def write_partition(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
+        """``values`` (the partition, device) -> ``shard`` and the master of every piece that is not
+        ``shard`` itself (framework.gathered's modifications; blocking)."""
         self.shards.write(shard, values)
-
-    def reset_master(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
-        """``values`` (the partition, device) -> the master of every piece that is not ``shard`` itself."""
         store, disk = self.stores.get(Tier.DISK), {id(i): i.index for i in self.infos if i.tier is Tier.DISK}
         for p in pieces:
             k = disk.get(id(p))
@@ -349,7 +318,10 @@ class Placement:
                 store.release(k, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
-        """The piece pipeline over the host pieces; it listens to the stage from now on."""
+        """The piece pipeline over the host pieces, which listens to the stage from now on (None: no
+        host pieces, the stage steps itself)."""
+        if all(i.tier is Tier.DEVICE for i in self.infos):
+            return None
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
         self.listener = PiecePipeline(tx, self, gather)
         return self.listener

@@ -91,9 +91,6 @@ class HostShards(Shards):
         self._settle(shard)
         self.p.acc.copy(shard, values)
 
-    def working(self, partitions: list[torch.Tensor]) -> list[torch.Tensor]:
-        return []   # read by the compute stream only through ``load``
-
     def memory(self, fp: Footprint, shards) -> None:
         fp.add("params", host=tensor_bytes(shards))
 

@@ -63,6 +63,11 @@ def _kernel() -> ModuleType:
     return module
 
 
+def _mask(decay_mask: Sequence[bool] | None) -> list[bool]:
+    """The kernels' mask: empty (decay every tensor) only when none is given."""
+    return [] if decay_mask is None else [bool(m) for m in decay_mask]
+
+
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
               exp_avg_sqs: Sequence[Tensor], *, step: int, lr: float, beta1: float = 0.9,
               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
@@ -70,7 +75,7 @@ def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seque
               decay_mask: Sequence[bool] | None = None, strict: bool = True) -> bool:
     return _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(out16 or []),
                                int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                               bool(decoupled), bool(bias_correction), [bool(m) for m in decay_mask or []],
+                               bool(decoupled), bool(bias_correction), _mask(decay_mask),
                                bool(strict))
 
 
@@ -79,7 +84,7 @@ def lion_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seque
               out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
               strict: bool = True) -> bool:
     return _kernel().lion_step(list(params), list(grads), list(exp_avgs), list(out16 or []), float(lr),
-                               float(beta1), float(beta2), float(weight_decay), [bool(m) for m in decay_mask or []],
+                               float(beta1), float(beta2), float(weight_decay), _mask(decay_mask),
                                bool(strict))
 
 
@@ -89,7 +94,7 @@ def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: 
                  strict: bool = True) -> bool:
     return _kernel().adagrad_step(list(params), list(grads), list(state_sums), list(out16 or []), int(step),
                                   float(lr), float(lr_decay), float(weight_decay), float(eps),
-                                  [bool(m) for m in decay_mask or []], bool(strict))
+                                  _mask(decay_mask), bool(strict))
 
 
 def status() -> dict[str, Any]:

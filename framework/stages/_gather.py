@@ -114,14 +114,15 @@ class Unit:
 class Gatherer:
     """Runs the unit lifecycle for one model; the zero3 stage owns one."""
 
-    def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, shards,
+    def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, offload,
                  on_reduced: Callable[[UnitGroup, bool], None]):
         """``cfg``: the stage's (``Zero3Config``). ``on_reduced(g, final)``: called right after a
         reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
         self.dist, self.units, self.persistent, self.cfg = dist, units, persistent, cfg
         self.all_units = [*units, *([persistent] if persistent else [])]
         self.on_reduced = on_reduced
-        self.shards = shards   # the offload target: loads a shard into a gather buffer (host shards on a side stream)
+        self.offload = offload   # the offload target (``framework.gathered`` writes shards and masters through it)
+        self.shards = offload.shards   # loads a shard into a gather buffer (host shards on a side stream)
         self.param_dtype, self.reduce_dtype = policy.param_dtype, policy.reduce_dtype
         self.prefetch = cfg.stage3_prefetch_bucket_size   # elements gathered ahead of need
         self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
@@ -321,7 +322,7 @@ class Gatherer:
             _fill(g, self.param_dtype, self.dist.device)
             lo, hi = g.layout.partition(self.dist.rank)
             with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
-                self.shards.load_shard(g.full[lo:hi], g.shard)
+                self.shards.load(g.full[lo:hi], g.shard)
                 unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
                                                                  f"zero3 gather of {unit.name!r}"))
             unit.works.append(Pending(after=waits))

@@ -180,6 +180,5 @@ class PartitionedStage:
         return self.offload.out16()
 
     def make_update(self, tx: GradientTransformation) -> Update:
-        if self.offload.has_host_pieces():  # CPU offload: the piece pipeline steps and publishes
-            return self.offload.make_update(tx, gather=self.publish_finish)
-        return PlainUpdate(tx, self)
+        pipeline = self.offload.make_update(tx, gather=self.publish_finish)   # host pieces: it steps and publishes
+        return pipeline if pipeline is not None else PlainUpdate(tx, self)

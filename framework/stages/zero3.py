@@ -116,9 +116,9 @@ class Zero3Stage(PartitionedStage, HookOwner):
             del values
         pieces = self._own(layout, shard, policy.master_dtype)
         if unit_name != "<persistent>":   # (gathered at the end of setup, from host memory)
-            self.offload.shard_filled(shard)   # shards on disk: its values leave host memory now
+            self.offload.shards.filled(shard)   # shards on disk: its values leave host memory now
         k = len(self.groups)
-        load = (lambda: self.offload.load_grad(k, hi - lo, device)) if self.grad_swap else None
+        load = (lambda: self.offload.load_grad(k)) if self.grad_swap else None
         group = UnitGroup(kind, k, layout, params, shard,
                           torch.empty(0, dtype=policy.grad_accum_dtype, device=device), pieces=pieces, load_grad=load)
         self.groups.append(group)
@@ -148,7 +148,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def _finish_grads(self) -> None:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
-            self.offload.finish_grads([g.shard.numel() for g in self.groups])
+            self.offload.finish_grads()
 
     def _partition_grads(self) -> list[torch.Tensor]:
         if self.grad_swap:   # not resident (see ``_reduced``)
@@ -159,7 +159,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
         """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
             return super().grad_sq_norm()
-        local = self.offload.grad_sq_norm_local([g.shard.numel() for g in self.groups])
+        local = self.offload.grad_sq_norm_local()
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
 
@@ -180,7 +180,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
 
     def memory(self, opt_state) -> Footprint:
         fp, persistent = Footprint(), self.gatherer.persistent
-        self.offload.shard_memory(fp, [g.shard for g in self.groups])
+        self.offload.shards.memory(fp, [g.shard for g in self.groups])
         # (allocated at a group's first reduction; with the owned gradients in the swap file a
         # partition exists only while it is reduced)
         fp.add("grads", device=tensor_bytes(g.part_grad for g in self.groups))
@@ -228,8 +228,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                 for g in unit.groups:
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    unit.gatherer.shards.store_shard(g.shard, g.full[lo:hi])
-                    unit.gatherer.shards.reset_master(g.pieces, g.shard, g.full[lo:hi])
+                    unit.gatherer.offload.write_partition(g.pieces, g.shard, g.full[lo:hi])
     finally:
         for unit in started:
             unit.gatherer.release_now(unit)

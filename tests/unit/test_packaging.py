@@ -1,4 +1,5 @@
 """A regular (non-editable) install ships conf/ and csrc/ and finds them."""
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -7,9 +8,21 @@ from pathlib import Path
 from framework.core.paths import REPO_ROOT
 
 
+def _wheel(tmp_path: Path, out: Path) -> None:
+    """Build the wheel from a copy of what it is made of: setuptools reuses the checkout's build/
+    folder, where a module deleted since the last build would still be packed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, src / name)
+    for name in ("framework", "conf", "csrc"):
+        shutil.copytree(REPO_ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(out)], check=True, capture_output=True, cwd=tmp_path)
+
+
 def test_wheel_contains_every_package_and_config(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO_ROOT), "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(tmp_path)], check=True, capture_output=True, cwd=tmp_path)
+    _wheel(tmp_path, tmp_path)
     names = set(zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist())
     for yaml in (REPO_ROOT / "conf").rglob("*.yaml"):
         assert f"framework/_conf/{yaml.relative_to(REPO_ROOT / 'conf')}" in names
@@ -19,8 +32,7 @@ def test_wheel_contains_every_package_and_config(tmp_path):
 
 def test_installed_package_finds_conf(tmp_path):
     wheels, target = tmp_path / "w", tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO_ROOT), "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(wheels)], check=True, capture_output=True, cwd=tmp_path)
+    _wheel(tmp_path, wheels)
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),
                     *map(str, wheels.glob("*.whl"))], check=True, capture_output=True, cwd=tmp_path)
     code = ("import framework, framework.core.paths as p; print(framework.__file__); print(p.conf_dir()); "

@@ -106,7 +106,7 @@ def _ours(filename: str) -> bool:
 
 def _place(depth: int = 5) -> str:
     """Where the framework code calling into the checker is: up to ``depth`` framework frames,
-    innermost first ("framework/offload/base.py:512 in load_shard <- ...")."""
+    innermost first ("framework/offload/base.py:512 in copy_grad <- ...")."""
     f, out = sys._getframe(1), []
     while f is not None and len(out) < depth:
         name = f.f_code.co_filename
