@@ -45,12 +45,9 @@ def available_ram() -> int | None:
     """Host memory the kernel can hand out without swapping (MemAvailable); None without /proc/meminfo."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024   # kB
-    except OSError:
-        pass
-    return None
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024   # kB
+    except (OSError, StopIteration):
+        return None
 
 
 def nearest_existing(path: Path) -> Path:
