@@ -1,5 +1,4 @@
-"""Where conf/ and csrc/ are (the source tree's top level, or inside an installed package), and
-where the framework caches what it builds or measures."""
+"""Where conf/ and csrc/ are (the source tree's top level, or inside an installed package), and the cache."""
 from __future__ import annotations
 
 import os

@@ -1,5 +1,4 @@
-"""Room left on the host: free disk space (``free_bytes``) and memory (``available_ram``), and disk
-room summed over the ranks that share one file system.
+"""Room on the host: free disk space, available memory, and disk room summed over the ranks sharing a file system.
 
     mine = Claim.of(folder, need_bytes)                 # on every rank
     everyone = all_gather(mine)                         # the caller's collective
