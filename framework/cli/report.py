@@ -290,6 +290,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     root = Path(root)
     out = Path(out) if out is not None else root
     jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
+    _pyplot()   # and a missing matplotlib
     files.make_dirs(out)
     files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
     loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")

@@ -51,7 +51,7 @@ def available_ram() -> int | None:
 
 def nearest_existing(path: Path) -> Path:
     """``path`` or its nearest parent that exists (a folder about to be made lives there)."""
-    path = Path(os.path.abspath(path))
+    path = Path(path).absolute()   # not abspath: ".." after a link is the kernel's to resolve
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
