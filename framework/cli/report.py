@@ -69,11 +69,9 @@ def load_jobs(root: Path) -> list[Job]:
     jobs = []
     for d in sorted(dirs, key=_natural):
         ov_file = d / ".hydra" / "overrides.yaml"
-        overrides = [str(o) for o in (yaml.safe_load(ov_file.read_text()) or [])] if ov_file.is_file() else []
-        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").is_file() else None
-        records = []
-        if (d / "metrics.jsonl").is_file():
-            records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        overrides = [str(o) for o in (_parsed(ov_file, yaml.safe_load) or [])] if ov_file.is_file() else []
+        summary = _parsed(d / "summary.json", json.loads) if (d / "summary.json").is_file() else None
+        records = _parsed(d / "metrics.jsonl", _records) if (d / "metrics.jsonl").is_file() else []
         jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
     if not jobs:
         raise FrameworkError(f"report: no job under {root} (no summary.json or .hydra/overrides.yaml); "
@@ -82,6 +80,20 @@ def load_jobs(root: Path) -> list[Job]:
     for j in jobs:
         j.label = " ".join(o for o in j.overrides if o not in common) or str(j.dir.relative_to(root)) or j.dir.name
     return jobs
+
+
+def _parsed(path: Path, parse):
+    """``parse(text)`` of a job's file; a malformed one is a one-line error naming it."""
+    try:
+        return parse(path.read_text())
+    except (ValueError, yaml.YAMLError) as e:
+        raise FrameworkError(f"report: {path} is malformed ({str(e).splitlines()[0]}); fix or remove it") from None
+
+
+def _records(text: str) -> list[dict]:
+    """metrics.jsonl's records; a last line without its newline is a write the run's end cut short
+    (e.g. a killed job), not a record."""
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def _fmt(v, spec: str) -> str:

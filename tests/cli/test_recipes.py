@@ -121,6 +121,22 @@ def test_report_of_a_wrong_folder_makes_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
+def test_report_of_malformed_job_files_is_one_line_and_a_cut_last_record_is_skipped(tmp_path, capsys):
+    job = tmp_path / "0"
+    job.mkdir()
+    (job / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')   # killed mid-write
+    (job / "summary.json").write_text("{}")
+    assert [r["step"] for r in report.load_jobs(tmp_path)[0].records] == [1]
+    for name, text in (("summary.json", '{"steps": '), ("metrics.jsonl", "not json\n")):
+        (job / name).write_text(text)
+        with pytest.raises(SystemExit) as e:
+            report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
+        err = capsys.readouterr().err
+        assert e.value.code == 1 and f"{job / name} is malformed" in err and len(err.strip().splitlines()) == 1, err
+        (job / name).write_text("{}" if name == "summary.json" else "")
+    assert not (tmp_path / "rep").exists()
+
+
 @pytest.fixture(scope="module")
 def shakespeare_tokens(tmp_path_factory) -> Path:
     """The prepare step as a user runs it: text -> uint16 tokens + meta.json, nanoGPT's split."""
