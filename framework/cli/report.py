@@ -303,7 +303,11 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     out = Path(out) if out is not None else root
     jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
     _pyplot()   # and a missing matplotlib
-    files.make_dirs(out)
+    try:
+        files.make_dirs(out)
+    except OSError as e:   # e.g. --out names a file
+        raise FrameworkError(f"report: cannot make the output folder {out} ({e.strerror}); pass a folder "
+                             "with --out") from None
     files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
     loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
     tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")

@@ -121,7 +121,7 @@ def test_report_of_a_wrong_folder_makes_nothing(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and not any((tmp_path / "empty").iterdir())
 
 
-def test_report_of_malformed_job_files_is_one_line_and_a_cut_last_record_is_skipped(tmp_path, capsys):
+def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, capsys):
     job = tmp_path / "0"
     job.mkdir()
     (job / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')   # killed mid-write
@@ -135,6 +135,13 @@ def test_report_of_malformed_job_files_is_one_line_and_a_cut_last_record_is_skip
         assert e.value.code == 1 and f"{job / name} is malformed" in err and len(err.strip().splitlines()) == 1, err
         (job / name).write_text("{}" if name == "summary.json" else "")
     assert not (tmp_path / "rep").exists()
+    pytest.importorskip("matplotlib")   # (checked before the folder is made)
+    (tmp_path / "rep").write_text("a file")   # --out naming a file
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and "cannot make the output folder" in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "rep").read_text() == "a file"
 
 
 @pytest.fixture(scope="module")
