@@ -250,7 +250,7 @@ class DiskStore:
         values registered with ``park=False``), write it out."""
         if fill is None:
             e = self.entries[key]
-            old = [torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            old = [torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
                    for t in e.swapped]   # aliases keeping the original memory until copied
 
             def fill():

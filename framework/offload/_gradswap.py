@@ -108,7 +108,7 @@ class GradSwap:
         """Each piece's gradient read from disk, one at a time (the overflow report)."""
         self._wait_writes()
         for info in self.infos:
-            out = torch.empty(info.end - info.start, dtype=self.grad_dtype)
+            out = torch.empty(info.end - info.start, dtype=self.grad_dtype, device="cpu")   # a host read buffer
             self.stores[Tier.DISK].read_extent(info.index, out)
             yield out
 
