@@ -209,8 +209,7 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
     # The jobs import this very package, whatever the working directory.
     env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     tail: list[str] = []
-    files.refuse_links(log)
-    with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    with os.fdopen(files.open_nofollow(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                 text=True, env=env) as p:
         for line in p.stdout:
             f.write(line)

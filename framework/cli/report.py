@@ -10,6 +10,7 @@ the losses, tokens/s and measured peak memory. Needs matplotlib (``pip install '
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import re
@@ -146,9 +147,12 @@ def _pyplot():
 
 
 def _save(plt, fig, path: Path) -> Path:
+    """Rendered in memory, then written atomically and never through a link planted at ``path``."""
     fig.set_layout_engine("constrained")
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    files.write_atomic(path, png.getvalue())
     return path
 
 
@@ -308,7 +312,6 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     except OSError as e:   # e.g. --out names a file
         raise FrameworkError(f"report: cannot make the output folder {out} ({e.strerror}); pass a folder "
                              "with --out") from None
-    files.refuse_links(*(out / n for n in ("loss.png", "throughput_memory.png")))   # matplotlib opens by path
     loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
     tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
     table = markdown_table(jobs, root)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from framework.memory.model import data_vocab, predict
+from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.room import available_ram, free_bytes
 from framework.core.units import GiB, KiB, MiB, TiB
@@ -67,7 +68,7 @@ def detect(own: dict[str, str]) -> Hardware:
     if cpu is None:   # no /proc/meminfo: the physical memory
         cpu = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(os.getcwd())
-    ranks = int(own["ranks"]) if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
+    ranks = parse_count(own["ranks"], "ranks") if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")
     return Hardware(device, gpu, cpu, nvme, ranks)
@@ -147,7 +148,7 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
 
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
     per_rank = global_batch // hw.ranks
-    micro = [int(x) for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
+    micro = [parse_count(x, "micro_batches") for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
         [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= per_rank]
     micro = [b for b in micro if per_rank % b == 0]
     if not micro:

@@ -53,7 +53,7 @@ class GradSwap:
         buf = torch.zeros(numel, dtype=self.grad_dtype, device=self.acc.device)
         if group in self.written:
             self._wait_writes()
-            host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype)
+            host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype, device="cpu")
             for info in self.grad_pieces.get(group, ()):
                 self.stores[Tier.DISK].read_extent(info.index, host[info.start:info.end])
             if host is not buf:

@@ -307,15 +307,15 @@ class Placement:
         """``values`` (the partition, device) -> ``shard`` and the master of every piece that is not
         ``shard`` itself (framework.gathered's modifications; blocking)."""
         self.shards.write(shard, values)
-        store, disk = self.stores.get(Tier.DISK), {id(i): i.index for i in self.infos if i.tier is Tier.DISK}
+        store = self.stores.get(Tier.DISK)
         for p in pieces:
-            k = disk.get(id(p))
-            if k is not None:   # resident while it is written
-                store.wait(store.acquire(k))
+            on_disk = p.tier is Tier.DISK
+            if on_disk:   # resident while it is written
+                store.wait(store.acquire(p.index))
             if p.master.data_ptr() != shard[p.start:].data_ptr():
                 self.acc.copy(p.master, values[p.start:p.end])
-            if k is not None:
-                store.release(k, None)
+            if on_disk:
+                store.release(p.index, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
         """The piece pipeline over the host pieces, which listens to the stage from now on (None: no

@@ -120,6 +120,7 @@ class Gatherer:
         reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
         self.dist, self.units, self.persistent, self.cfg = dist, units, persistent, cfg
         self.all_units = [*units, *([persistent] if persistent else [])]
+        self.max_reductions = 2 * max(len(u.groups) for u in units)   # launched reductions before completing
         self.on_reduced = on_reduced
         self.offload = offload   # the offload target (``framework.gathered`` writes shards and masters through it)
         self.shards = offload.shards   # loads a shard into a gather buffer (host shards on a side stream)
@@ -401,7 +402,7 @@ class Gatherer:
             works = reduce_to_owners(self.dist.comm, buf, 0, g.layout.shard, self.cfg.reduce_scatter,
                                      f"zero3 gradient reduction of {unit.name!r}")
             self.reductions.append((g, buf, works))
-        if not self.cfg.overlap_comm or len(self.reductions) > 2 * max(len(u.groups) for u in self.units):
+        if not self.cfg.overlap_comm or len(self.reductions) > self.max_reductions:
             self._complete_reductions()
 
     def _reduce_in_place(self, g: UnitGroup) -> None:
