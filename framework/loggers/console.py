@@ -1,7 +1,8 @@
-"""console: progress bar on a terminal, plain periodic lines otherwise (rank 0 only)."""
+"""console: progress bar on a terminal, plain periodic lines otherwise; none: no console output and
+no service (metrics.jsonl and summary.json are still written). Rank 0 only."""
 from dataclasses import dataclass
 
-from framework.loggers._base import Console
+from framework.loggers._base import Console, NullLogger
 from framework.core.registry import Component
 
 
@@ -10,4 +11,10 @@ class ConsoleConfig:
     live: bool | None = None   # None: a live bar only when stdout is a terminal
 
 
-COMPONENT = Component(config=ConsoleConfig, build=lambda cfg, *, run: Console(cfg.live))
+@dataclass(kw_only=True)
+class NoLoggerConfig:
+    pass
+
+
+COMPONENTS = {"console": Component(config=ConsoleConfig, build=lambda cfg, *, run: Console(cfg.live)),
+              "none": Component(config=NoLoggerConfig, build=lambda cfg, *, run: NullLogger())}

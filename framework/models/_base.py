@@ -3,8 +3,10 @@ weights to load into it once the stage has set it up, and its hidden size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+import zlib
 from typing import Any, Callable
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from framework.core.registry import Component
@@ -19,3 +21,13 @@ class ModelComponent(Component):
     # The model's hidden size, read from its config without building it (DeepSpeed's "auto"
     # bucket sizes are computed from it), or None when unknown.
     hidden_size: Callable[[Any], int | None] = lambda cfg: None
+
+
+def name_seed(seed: int, name: str) -> int:
+    """The seed of tensor ``name``'s initialisation: independent of the order tensors are made in."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63)
+
+
+def next_token_loss(logits: Tensor, y: Tensor) -> Tensor:
+    """Mean cross-entropy of logits [B, T, vocab] against targets [B, T], in fp32 (as both models train)."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))

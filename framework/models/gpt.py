@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
-from framework.models._base import ModelComponent
+from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
 @dataclass(kw_only=True)
@@ -132,8 +131,7 @@ class GPT(nn.Module):
         elif ".ln" in f".{name}" or name.startswith("ln_f"):
             t.fill_(1.0)  # LayerNorm weight
         else:
-            gen = torch.Generator(device=t.device).manual_seed(
-                (self.init_seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+            gen = torch.Generator(device=t.device).manual_seed(name_seed(self.init_seed, name))
             # Residual projections are scaled by 1/sqrt(2 * n_layer) so the residual stream's
             # variance does not grow with depth (two residual adds per layer), as in GPT-2.
             residual = name.endswith(("attn.proj.weight", "mlp.proj.weight"))
@@ -162,8 +160,7 @@ class GPT(nn.Module):
             x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         x = self.ln_f(x)
         logits = self.wte(x, unembed=True) if self.lm_head is None else self.lm_head(x)
-        # Softmax / cross-entropy over a large vocabulary is where low precision hurts most.
-        return logits.float()
+        return logits.float()   # the loss's softmax over the vocabulary wants fp32
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -186,8 +183,7 @@ class GPT(nn.Module):
 def gpt_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     """Mean next-token cross-entropy of one micro batch ``(x, y)``, both int64 [B, T]."""
     x, y = batch
-    logits = model(x)
-    return F.cross_entropy(rearrange(logits, "b t v -> (b t) v"), rearrange(y, "b t -> (b t)"))
+    return next_token_loss(model(x), y)
 
 
 def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:

@@ -15,17 +15,15 @@ import copy
 import json
 import math
 import sys
-import zlib
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError
-from framework.models._base import ModelComponent
+from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
 @dataclass(kw_only=True)
@@ -120,9 +118,7 @@ def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     """Mean next-token cross-entropy of one micro batch ``(x, y)`` (both int64 [B, T], y = x
     shifted by one, as every data source yields), from the logits of an HF causal LM."""
     x, y = batch
-    logits = model(input_ids=x, use_cache=False).logits
-    # Cross-entropy over the vocabulary in fp32, as for our GPT.
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return next_token_loss(model(input_ids=x, use_cache=False).logits, y)
 
 
 # --- initialisation of one tensor at a time -----------------------------------------------------
@@ -163,7 +159,7 @@ class HFInit:
         old, slots[key] = slots[key], tensor
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.default_generator.manual_seed((self.seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+                torch.default_generator.manual_seed(name_seed(self.seed, name))
                 for p in chain:
                     self.init_of[p]._init_weights(self.modules[p])
             written = slots[key]

@@ -103,10 +103,7 @@ def status() -> dict[str, Any]:
         where = str(_loader.build_dir())
     except OSError:   # unreadable sources: load says why
         where = "-"
-    try:
-        module, reason = _loader.load(build=False), None
-    except Exception as exc:  # noqa: BLE001 - a status report must not fail
-        module, reason = None, str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
+    module, reason = _loader.attempt(build=False)   # a status report must not fail
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())

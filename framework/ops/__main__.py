@@ -13,20 +13,6 @@ import time
 from framework import ops
 
 
-def _print_status() -> None:
-    info = ops.status()
-    print("framework.ops: C++ CPU optimizer kernels (csrc/cpu_optim)")
-    if info["built"]:
-        print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
-    else:
-        print(f"  built:        no ({info['reason']}); the optimizers use their pure-PyTorch transforms")
-    print(f"  build dir:    {info['build_dir']}")
-    print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
-    prefetch = info["prefetch"]
-    print(f"  prefetch:     {'-' if prefetch is None else f'{prefetch} floats ahead' if prefetch else 'off'}")
-    print(f"  threads:      {info['threads']} (torch.get_num_threads())")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
@@ -39,7 +25,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"framework.ops: build failed: {exc}", file=sys.stderr)
             return 1
         print(f"framework.ops: built in {time.perf_counter() - start:.1f} s")
-    _print_status()
+    info = ops.status()
+    print("framework.ops: C++ CPU optimizer kernels (csrc/cpu_optim)")
+    if info["built"]:
+        print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
+    else:
+        print(f"  built:        no ({info['reason']}); the optimizers use their pure-PyTorch transforms")
+    print(f"  build dir:    {info['build_dir']}")
+    print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
+    prefetch = info["prefetch"]
+    print(f"  prefetch:     {'-' if prefetch is None else f'{prefetch} floats ahead' if prefetch else 'off'}")
+    print(f"  threads:      {info['threads']} (torch.get_num_threads())")
     return 0
 
 

@@ -176,14 +176,20 @@ def load(build: bool = True) -> ModuleType:
     return _compile(directory)
 
 
+def attempt(build: bool) -> Status:
+    """``load``, with a failure as its reason instead of an exception."""
+    try:
+        return Status(load(build=build), None)
+    except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash
+        return Status(None, str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}")
+
+
 @functools.cache
 def status() -> Status:
     """Load (building on first use unless FRAMEWORK_OPS_BUILD=0) once per process. Never raises: when
     the kernels are unavailable it warns ONCE with the reason (the optimizers keep their transforms)."""
-    try:
-        return Status(load(build=_on("FRAMEWORK_OPS_BUILD")), None)
-    except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash
-        reason = str(exc) if isinstance(exc, BuildUnavailable) else f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({reason}); "
+    found = attempt(build=_on("FRAMEWORK_OPS_BUILD"))
+    if found.module is None:
+        warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); "
                       "using the pure-PyTorch optimizer transforms", RuntimeWarning, stacklevel=3)
-        return Status(None, reason)
+    return found

@@ -29,10 +29,9 @@ _CHUNK = 1 << 22
 class GradientTransformation(NamedTuple):
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
-    # Optional fast path: ``fused(grads, state, params, lr, out16) -> state`` steps params in place as
-    # ``update`` + ``apply_updates`` would (tested) and writes ``out16`` as ``step`` does; it returns
-    # None, nothing changed, where it cannot take the tensors. One kernel pass over memory instead of
-    # ~10 foreach passes: the optimizer step is memory-bound.
+    # Optional fast path: ``fused(grads, state, params, lr, out16) -> state`` does what ``step`` does
+    # (tested), or returns None, nothing changed, where it cannot take the tensors. One kernel pass
+    # over memory instead of ~10 foreach passes: the optimizer step is memory-bound.
     fused: Callable[..., Any] | None = None
 
 
@@ -79,13 +78,11 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
               kernel: str | None = None, hyper: dict[str, Any] | None = None,
               cuda: Callable | None = None) -> GradientTransformation:
     """The chain ``decay, direction, -lr`` (L2 regularisation, as torch) or, ``decoupled``,
-    ``direction, decay, -lr`` (``p += -lr * (direction + wd * p)``), decaying the groups whose
-    ``decay_mask`` entry is True (False: 1-D params) or all with ``cfg.decay_1d``.
-
-    Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``: its hyperparameters), tried first as
-    it was faster in every case timed (bench/cpu_adam.py; Intel Xeon, not yet AMD), else
-    ``cuda(grads, direction_state, params, lr, mask)`` (torch's fused kernel, about 4x faster than
-    the foreach transforms on contiguous tensors), else the transforms."""
+    ``direction, decay, -lr``, decaying the groups whose ``decay_mask`` entry is True (False: 1-D
+    params) or all with ``cfg.decay_1d``. Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``:
+    its hyperparameters; faster in every case timed, bench/cpu_adam.py), else ``cuda(grads,
+    direction_state, params, lr, mask)`` (torch's fused kernel, ~4x the foreach transforms on
+    contiguous tensors), else the transforms."""
     mask = [bool(decayed) or cfg.decay_1d for decayed in decay_mask]
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]
@@ -166,7 +163,7 @@ class ScaleByRssState(NamedTuple):
 
 
 def _stateless(fn: Callable[[list[Tensor], Sequence[Tensor], float], Any]) -> GradientTransformation:
-    """A transform without state: ``fn(grads, params, lr)`` rewrites the updates in place."""
+    """A transform whose ``fn(grads, params, lr)`` rewrites the updates in place."""
 
     def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor], lr: float):
         fn(grads, params, lr)

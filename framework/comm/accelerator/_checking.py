@@ -85,8 +85,7 @@ class CheckingEvent:
                 self.acc._host.merge(self.clock)
 
     def query(self) -> bool:
-        """On the CPU the work ran when it was queued: reached, and the host knows it."""
-        self.synchronize()
+        self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
         return True
 
 
@@ -104,11 +103,11 @@ def _ours(filename: str) -> bool:
             and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
 
 
-def _place(depth: int = 5) -> str:
-    """Where the framework code calling into the checker is: up to ``depth`` framework frames,
+def _place() -> str:
+    """Where the framework code calling into the checker is: up to 5 framework frames,
     innermost first ("framework/offload/base.py:512 in copy_grad <- ...")."""
     f, out = sys._getframe(1), []
-    while f is not None and len(out) < depth:
+    while f is not None and len(out) < 5:
         name = f.f_code.co_filename
         if name.startswith(_PACKAGE) and not name.startswith(_HERE):
             out.append(f"{os.path.relpath(name, os.path.dirname(_PACKAGE[:-1]))}:{f.f_lineno} in {f.f_code.co_name}")
@@ -338,7 +337,7 @@ class CheckingCpuAccelerator:
 
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):
-            with _NoHostSync(self, where):
+            with self.hot(where):
                 return fn(*args, **kwargs)
         return checked
 
