@@ -26,30 +26,29 @@ class TextConfig:
     path: str
 
 
-def encode_file(path: Path) -> tuple[np.ndarray, str]:
-    """A UTF-8 file -> (int32 ids, vocabulary): each character's rank in the sorted set of the
-    file's distinct characters."""
+def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
+    """The UTF-8 file ``source`` (data.path rules) -> (its path, int32 ids, vocabulary, length of the
+    training split): a character's id is its rank in the sorted set of the file's distinct characters."""
+    path = resolve_path(source, key="data.path")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                         f"point data.path at a UTF-8 file") from None
-    # Vectorised encoding: code points -> rank in the sorted set of distinct code points.
     points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.unique(points)
     if len(vocab) == 0:
         raise DataError(f"{path} is empty; point data.path at a non-empty text file")
-    return np.searchsorted(vocab, points).astype(np.int32), "".join(map(chr, vocab.tolist()))
+    ids = np.searchsorted(vocab, points).astype(np.int32)
+    return path, ids, "".join(map(chr, vocab.tolist())), int(TRAIN_FRACTION * len(ids))
 
 
 def prepare_chars(source: str, out: Path) -> dict:
     """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
     file in order) and ``out.parent / "meta.json"`` (each written atomically); return the metadata."""
-    path = resolve_path(source, key="data.path")
-    ids, chars = encode_file(path)
+    path, ids, chars, split = encode_file(source)
     if len(chars) > 1 << 16:
         raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
-    split = int(TRAIN_FRACTION * len(ids))
     meta = {"source": str(path), "source_bytes": path.stat().st_size,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
@@ -62,9 +61,7 @@ def prepare_chars(source: str, out: Path) -> dict:
 
 class TextSource(CropSource):
     def __init__(self, cfg: TextConfig, *, seed: int, context: int) -> None:
-        path = resolve_path(cfg.path, key="data.path")
-        ids, chars = encode_file(path)
-        split = int(TRAIN_FRACTION * len(ids))
+        path, ids, chars, split = encode_file(cfg.path)
         self.chars = chars
         self._index = {c: i for i, c in enumerate(self.chars)}
         super().__init__(train=ids[:split], val=ids[split:], vocab_size=len(chars), seed=seed,
