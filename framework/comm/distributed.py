@@ -102,10 +102,9 @@ class Dist:
         self._run(what, tdist.all_gather_object, out, obj)
         return out
 
-    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast", async_op=False):
-        if self.world == 1:
-            return None
-        return self._issue(what, tdist.broadcast, t, src=src, async_op=async_op)
+    def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast") -> None:
+        if self.world > 1:
+            self._issue(what, tdist.broadcast, t, src=src)
 
     def barrier(self, what: str = "barrier") -> None:
         if self.world > 1:

@@ -1,9 +1,8 @@
 """C++ CPU optimizer kernels (csrc/cpu_optim), built on first use, with a pure-PyTorch fallback.
 
-Importing builds nothing: the first call that needs the extension compiles it (about 30 s, cached
-per machine, torch and source version under ~/.cache/framework/ops) or imports it. Where that
-fails, ONE warning says why and the optimizers keep their transforms. ``python -m framework.ops
-[status|build]`` reports, or builds ahead of time (then FRAMEWORK_OPS_BUILD=0 forbids building).
+Importing builds nothing: the first call that needs the extension compiles it (about 30 s, cached:
+``_loader``) or imports it; where that fails, ONE warning says why and the optimizers keep their
+transforms. ``python -m framework.ops [status|build]`` reports, or builds ahead of time.
 
 ``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
 counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``

@@ -5,8 +5,9 @@ and a CPU run would not notice (a mutation in ``framework/cli/mutations.py`` pro
   other is expected, or a ``non_blocking`` copy with a pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
   ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
-  earlier access by another stream (or the host) that no event orders: ``OrderError`` naming both
-  places. Work the host queues is ordered after what the host knew;
+  earlier access by another stream (or the host: all its threads count as one, ordering between them
+  is their own business) that no event orders: ``OrderError`` naming both places. Work the host
+  queues is ordered after what the host knew;
 - NCCL's own stream: a collective runs after the stream current at its issue, and the stream
   current at ``collective_done`` after it;
 - the caching allocator: device memory freed while a stream other than compute may still use it
@@ -15,8 +16,6 @@ and a CPU run would not notice (a mutation in ``framework/cli/mutations.py`` pro
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
   reading device memory on the host raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
-
-All host threads count as one host: ordering between them is their own business.
 """
 from __future__ import annotations
 
