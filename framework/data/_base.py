@@ -51,8 +51,8 @@ def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Te
                           f"({world}) must all be >= 1")
     if not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is outside [0, {world})")
-    steps = torch.arange(grad_accum).unsqueeze(1)
-    return ((steps * world + rank) * micro_batch + torch.arange(micro_batch)).flatten()
+    steps = torch.arange(grad_accum, device="cpu").unsqueeze(1)
+    return ((steps * world + rank) * micro_batch + torch.arange(micro_batch, device="cpu")).flatten()
 
 
 def xy(seqs: Tensor) -> tuple[Tensor, Tensor]:
@@ -123,7 +123,7 @@ class CropSource(DataSource):
 
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
         data = self.train if split == "train" else self.val
-        starts = torch.randint(0, len(data) - self.context, (n,), generator=gen)[rows]
+        starts = torch.randint(0, len(data) - self.context, (n,), generator=gen, device="cpu")[rows]
         idx = starts.numpy()[:, None] + np.arange(self.context + 1)
         seqs = torch.from_numpy(np.asarray(data[idx]).astype(np.int64))
         # Cheap here, and far clearer than an out-of-range index inside an embedding kernel.

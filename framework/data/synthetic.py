@@ -65,7 +65,7 @@ class SyntheticSource(DataSource):
 
     def sample(self, u: Tensor) -> Tensor:
         """Uniforms [N, L] in [0, 1) -> chain sequences [N, L], vectorised over N."""
-        seqs = torch.empty(u.shape, dtype=torch.int64)
+        seqs = torch.empty(u.shape, dtype=torch.int64, device="cpu")
         state = torch.searchsorted(self._pi_cdf, u[:, 0].contiguous(), right=True)
         seqs[:, 0] = state
         for t in range(1, u.shape[1]):

@@ -153,7 +153,7 @@ class HFInit:
             chain.append(_parent(chain[-1]))
         owner = self.modules[path]
         slots = owner._parameters if parameter else owner._buffers
-        host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype)
+        host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")
         _poison(host)
         tensor = nn.Parameter(host, requires_grad=False) if parameter else host
         old, slots[key] = slots[key], tensor
