@@ -58,7 +58,7 @@ class _Slot:
     key: int | None = None      # the piece it holds
     # free | reading (reads in flight, or taken back with its writes) | resident (pointed at, in use)
     # | clean (resident, unchanged: evicted without a write) | writing | draining (a thread waits for
-    # its writes)
+    # its writes) | failed (a read failed: freed on release, never written)
     state: str = "free"
     io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
     stamp: int = 0                             # when it was last made resident (eviction order)
@@ -164,7 +164,7 @@ class DiskStore:
             self._wait_io(pending)   # its reads (or, taken back, its writes)
         except BaseException:
             with self.cond:     # nothing valid in the slot: free it, never write it back
-                self._free(slot)
+                slot.state = "failed"
             raise
         if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
             slot.readers.synchronize()
@@ -180,7 +180,12 @@ class DiskStore:
         needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
             slot = self.where.get(key)
-            if slot is None or slot.state != "resident":   # (not resident: an aborted step left it unchanged)
+            if slot is None:
+                return
+            if slot.state == "failed":
+                self._free(slot)
+                return
+            if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
             if slot.readers is not None and readers is None:
                 readers = slot.readers   # an earlier reader of the same piece still counts
