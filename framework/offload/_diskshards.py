@@ -86,10 +86,8 @@ class DiskShards(HostShards):
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
         key = self.keys.get(id(own))
-        if key is None:   # not swapped: the shard holds its values
+        if key is None:   # not swapped: the shard holds its values (the others: after ``swap_out``)
             return own[lo:hi]
-        if not self.swapped:   # a swapped-to-be shard is parked until swap_out has written it
-            raise RuntimeError("initial_values before swap_out")
         file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")
         short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
         if short is not None:
