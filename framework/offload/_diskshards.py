@@ -34,8 +34,7 @@ def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
 
 
 class DiskShards(HostShards):
-    """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
-    (read ahead in gather order) or the step copies back into them."""
+    """zero3 parameter shards in their swap file (module docstring)."""
 
     def __init__(self, spec: NVMeOffloadConfig):
         super().__init__()
