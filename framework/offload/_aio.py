@@ -96,14 +96,14 @@ def _memory(address: int, nbytes: int):
     return (ctypes.c_char * nbytes).from_address(address)
 
 
-def _sum64(memory, nbytes: int) -> int:
+def _sum64(memory) -> int:
     """Sum of the little-endian 64-bit words (the last one zero-padded) modulo 2**64."""
-    words = nbytes // 8
+    words = len(memory) // 8
     total = int(np.frombuffer(memory, dtype="<u8", count=words).sum()) if words else 0
-    return (total + int.from_bytes(memory[words * 8:nbytes], "little")) & 0xFFFF_FFFF_FFFF_FFFF
+    return (total + int.from_bytes(memory[words * 8:], "little")) & 0xFFFF_FFFF_FFFF_FFFF
 
 
-CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory), "none": None}
+CHECKSUMS = {"sum64": _sum64, "crc32": zlib.crc32, "none": None}
 
 
 class IOHandle:
@@ -177,7 +177,7 @@ class AsyncIO:
         its checksums as if the engine had written it."""
         base = data.data_ptr()
         for lo, hi in self._bounds(offset, data.numel()):
-            value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo), hi - lo)
+            value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo))
             file.record(self._kind, lo, hi - lo, value)
 
     def close(self) -> None:
@@ -212,7 +212,7 @@ class AsyncIO:
     def _piece(self, file: SwapFile, write: bool, offset: int, address: int, nbytes: int) -> None:
         memory = _memory(address, nbytes)
         # before the write: ``memory`` must not change meanwhile
-        value = self._hash(memory, nbytes) if write and self._hash is not None else None
+        value = self._hash(memory) if write and self._hash is not None else None
         fd, refused = file.descriptor(self.direct)
         direct = self.direct and refused is None
         try:
@@ -225,7 +225,7 @@ class AsyncIO:
             file.record(self._kind, offset, nbytes, value)
         elif self._hash is not None:
             want = file.expected(self._kind, offset, nbytes)
-            if want is not None and self._hash(memory, nbytes) != want:
+            if want is not None and self._hash(memory) != want:
                 raise OSError("checksum mismatch (the swap file was changed or the disk returned bad data)")
 
     def _move(self, sys: Syscalls, fd: int, direct: bool, write: bool, offset: int, address: int,
@@ -280,7 +280,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
         fn = CHECKSUMS.get(kind)
         if fn is None:
             raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
-        if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
+        if fn(memory[offset - lo:offset - lo + nbytes]) != value:
             raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
                             "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
