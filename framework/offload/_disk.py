@@ -1,11 +1,7 @@
-"""offload=nvme's placements and what they share: the swap folder, the pre-flight agreed by every
-rank, opening swap files, agreeing on swap IO errors across ranks, and removing the files.
-
-``NVMePlacement`` alone is ``optimizer: cpu`` (host pieces); ``DiskPlacement`` keeps optimizer
-tiles in a swap file and ``_diskshards.DiskShards`` zero3's parameter shards, each made resident in
-a pool of pinned host buffers by a ``DiskStore``. The pipeline acquires a tile (read into a slot), steps it
-and releases it (written back); zero3's shards are spilled as construction fills them and swapped
-out at the end of setup.
+"""offload=nvme's placements: the swap folder, the pre-flight agreed by every rank, opening swap
+files, agreeing on swap IO errors across ranks, and removing the files. ``NVMePlacement`` alone is
+``optimizer: cpu`` (host pieces); ``DiskPlacement`` keeps optimizer tiles in a swap file, made
+resident in a pool of pinned host buffers by a ``DiskStore`` (as ``_diskshards`` does zero3's shards).
 """
 from __future__ import annotations
 

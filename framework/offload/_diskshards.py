@@ -34,8 +34,7 @@ def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
 
 
 class DiskShards(HostShards):
-    """zero3 parameter shards in their swap file, resident in a pool slot while a gather loads them
-    (read ahead in gather order) or the step copies back into them."""
+    """zero3 parameter shards in their swap file (module docstring)."""
 
     def __init__(self, spec: NVMeOffloadConfig):
         super().__init__()
@@ -86,10 +85,8 @@ class DiskShards(HostShards):
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
         key = self.keys.get(id(own))
-        if key is None:   # not swapped: the shard holds its values
+        if key is None:   # not swapped: the shard holds its values (the others: after ``swap_out``)
             return own[lo:hi]
-        if not self.swapped:   # a swapped-to-be shard is parked until swap_out has written it
-            raise RuntimeError("initial_values before swap_out")
         file, out = self.store.file, torch.empty(hi - lo, dtype=own.dtype, device="cpu")
         short = read_into(file.descriptor(direct=False)[0], out, file.extent(f"{key}.0")[0] + lo * own.element_size())
         if short is not None:

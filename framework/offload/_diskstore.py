@@ -1,6 +1,5 @@
 """The disk tier's store (offload=nvme): a swap file plus a pool of pinned, page-aligned slots that
-pieces are read into before the host uses them and written back from after (the store calls of
-``_store.py``: acquire, wait, release, flush)."""
+pieces are read into before the host uses them and written back from after (``_store.py``'s calls)."""
 from __future__ import annotations
 
 import hashlib
@@ -29,15 +28,13 @@ def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buf
 
 
 def parked(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element), on
-    the host unless told otherwise."""
+    """A placeholder of ``numel`` elements that holds no memory (zero strides over one element)."""
     one = torch.zeros(1, dtype=dtype, device=device)
     return torch.empty(0, dtype=dtype, device=device).set_(one.untyped_storage(), 0, (numel,), (0,))
 
 
 def park_tensor(t: torch.Tensor) -> None:
-    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder on its
-    own device."""
+    """``t`` (the tensor object others hold; its shape kept) re-pointed at such a placeholder."""
     t.set_(parked(1, t.dtype, t.device).untyped_storage(), 0, t.shape, (0,) * t.dim())
 
 
@@ -69,13 +66,12 @@ class _Slot:
 
 
 class DiskStore:
-    """A swap file plus a pool of ``buffer_count`` page-aligned (pinned on CUDA) slots, each as large
-    as the largest piece. ``acquire(k)`` takes a slot and queues piece k's reads (with
-    ``read_ahead`` also the next piece's); ``wait`` points k's tensors at the slot once they landed;
-    ``release`` queues the writes (with ``write_behind`` they drain while the next piece steps). A
-    slot is reused only after its writes finished and the streams stopped reading it. ``acquire`` /
-    ``wait`` run on the host-step worker, ``release`` on the main thread: a condition variable
-    guards the slot table. ``SwapIOError``s propagate to the pipeline, which agrees across ranks."""
+    """A swap file plus a pool of ``buffer_count`` slots, each as large as the largest piece.
+    ``acquire(k)`` queues piece k's reads (with ``read_ahead`` also the next piece's); ``wait``
+    points k's tensors at the slot once they landed; ``release`` queues the writes (with
+    ``write_behind`` they drain while the next piece steps). A slot is reused only after its writes
+    finished and the streams stopped reading it. ``acquire`` / ``wait`` run on the host-step worker,
+    ``release`` on the main thread: a condition variable guards the slot table."""
 
     def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
                  name: str, learn_order: bool = False):
@@ -121,7 +117,7 @@ class DiskStore:
 
     def open(self, path, io, rank: int = 0, world: int = 1) -> None:
         """Start swapping: ``io`` (an ``AsyncIO``) moves the pieces between the swap file created at
-        ``path`` and a pool of ``buffer_count`` page-aligned slots."""
+        ``path`` and the pool."""
         self.io, extents = io, self.extents()
         dtype = next(iter(self.entries.values())).swapped[0].dtype   # the extents' element type
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
@@ -222,7 +218,7 @@ class DiskStore:
                 slot.readers = None
 
     def close(self) -> None:
-        """Flush, wait for reads still in flight, close the engine and remove the swap file."""
+        """Flush, wait for reads still in flight, close the engine, remove the swap file."""
         try:
             self.flush()
             for slot in self.slots:
@@ -399,7 +395,7 @@ class DiskStore:
         self.bytes_read += sum(b.numel() for b in bufs)
 
     def _extent_io(self, start, key: int, j: int, buf: torch.Tensor):
-        """``start`` (the engine's pread or pwrite) of ``buf`` at piece ``key``'s tensor ``j``."""
+        """``start`` (``io.pread`` or ``io.pwrite``) of ``buf`` at piece ``key``'s tensor ``j``."""
         return start(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
 
     def _wait_io(self, handles) -> None:

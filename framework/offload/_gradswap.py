@@ -1,11 +1,10 @@
 """zero3's owned gradients in the optimizer's swap file (offload=nvme, every piece on the host).
 
-Each optimizer tile's swap entry ends with its range of the owned gradient partition (accumulation
-dtype; ``DiskStore``'s read-only tail, read with the tile). A unit group's reduction is added into a
-transient partition (zeros, or read back from the extents: the same additions in the same dtype as in
-memory), written on a thread of its own (at most two queued) and dropped; on the last micro batch its
-squared norm is kept, so clipping and the step are bitwise those of in-memory partitions. Host
-memory: up to three partitions and one tile's gradient bounce buffer.
+Each tile's swap entry ends with its range of the owned gradient partition (``DiskStore``'s read-only
+tail, read with the tile). A unit group's reduction is added into a transient partition (zeros, or
+read back: the same additions in the same dtype as in memory), written on a thread of its own (at
+most two queued) and dropped; on the last micro batch its squared norm is kept, so clipping and the
+step are bitwise those of in-memory partitions. Host memory: up to three partitions and a bounce buffer.
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""The piece pipeline of CPU offload: gradient copy -> host step -> copy back, per piece, each
-ordered by the accelerator's events, never by a device-wide synchronize.
-
-* gradient copy: once the stage reports a piece's gradient final, the worker thread queues its copy
-  to the piece's pinned host buffer on the D2H stream; with ``offload.overlap_step`` it then steps
-  the piece *speculatively*, as if the step will be neither clipped nor skipped;
-* host step: after backward the norm decides; exact speculative pieces are kept (same element-wise
-  arithmetic, ``optimizers._subset``), others rolled back from undo copies and stepped again;
-* copy back: each finished piece goes to the working partition on the H2D stream; the compute
-  stream waits for these copies before the stage gathers.
-
-The disk tier reads and writes tiles behind the same store calls. Swap IO can fail on one rank
-only, so the ranks agree on failure after backward and after the host step: none hangs.
-Speculation is skipped after a clipped or skipped step (it would most likely be wasted again).
+"""The piece pipeline of CPU offload: gradient copy (D2H stream, queued by a worker thread once the
+stage reports a piece final) -> host step -> copy back (H2D stream), per piece, ordered by events,
+never by a device-wide synchronize. With ``offload.overlap_step`` a piece is stepped speculatively
+during backward: kept when the step is neither clipped nor skipped (the same element-wise arithmetic,
+``optimizers._subset``), else rolled back from undo copies; not tried after a clipped or skipped step
+(it would most likely be wasted again). The disk tier reads and writes tiles behind the same store
+calls; swap IO can fail on one rank only, so the ranks agree on failure after backward and after
+the host step.
 """
 from __future__ import annotations
 
@@ -149,15 +143,12 @@ class PiecePipeline:
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
         if grad.dtype != pc.master.dtype:   # a swapped gradient in a 16-bit accumulation dtype, resident now
             grad = grad.to(pc.master.dtype)
-        self.acc.on_host(grad, pc.master, *self._staging(k), what="host step operands")
-        self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *self._staging(k)])
+        staging = [] if pc.staging is None else [pc.staging]
+        self.acc.on_host(grad, pc.master, *staging, what="host step operands")
+        self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *staging])
         if coef != 1.0:
             grad.mul_(coef)
         return step_groups(self.tx, {k: grad}, opt_state, params, lr, self.out16)
-
-    def _staging(self, k: int) -> list[Tensor]:
-        s = self.info[k].staging
-        return [] if s is None else [s]
 
     def _wait(self) -> None:
         for job in [*self.grad_copies.values(), *self.jobs.values()]:

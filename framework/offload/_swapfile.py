@@ -154,11 +154,8 @@ class SwapFile:
         """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
         otherwise the buffered one, with the error that refused O_DIRECT (None if not asked for)."""
         with self._lock:
-            if self._fd is None:
-                raise ValueError(f"swap file {self.path} was removed")
-            if not direct:
-                return self._fd, None
-            if self._direct_fd is None and self._direct_refused is None:
+            self._open()
+            if direct and self._direct_fd is None and self._direct_refused is None:
                 try:
                     self._direct_fd = self.syscalls.open(str(self.path),
                                                          os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
@@ -166,9 +163,9 @@ class SwapFile:
                     if e.errno != errno.EINVAL:
                         raise
                     self._refuse(e)
-            if self._direct_fd is not None:
+            if direct and self._direct_fd is not None:
                 return self._direct_fd, None
-            return self._fd, self._direct_refused
+            return self._fd, self._direct_refused if direct else None
 
     def refuse_direct(self, error: OSError) -> int:
         """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): the
@@ -177,10 +174,14 @@ class SwapFile:
             if self._direct_fd is not None:
                 os.close(self._direct_fd)
                 self._direct_fd = None
-            if self._fd is None:
-                raise ValueError(f"swap file {self.path} was removed")
+            fd = self._open()
             self._refuse(error)
-            return self._fd
+            return fd
+
+    def _open(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"swap file {self.path} was removed")
+        return self._fd
 
     def _refuse(self, error: OSError) -> None:
         first, self._direct_refused = self._direct_refused is None, error
@@ -221,9 +222,7 @@ class SwapFile:
 
     def map(self, write: bool) -> "FileMap":
         with self._lock:
-            if self._fd is None:
-                raise ValueError(f"swap file {self.path} was removed")
-            return FileMap(self, self._fd, write)
+            return FileMap(self, self._open(), write)
 
     def write_manifest(self) -> None:
         extents = {n: {**e, "checksums": [list(p) for p in self.checksums(n)]} for n, e in self.meta["extents"].items()}
@@ -267,11 +266,8 @@ class FileMap:
         self._start = self._bytes.data_ptr()
 
     def extent(self, name: str, dtype: torch.dtype, shape) -> torch.Tensor:
-        e = self.file.extents[name]
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > e.nbytes:
-            raise ValueError(f"extent {name!r} of {self.file.path} holds {e.nbytes} bytes, not {nbytes}")
-        return self._bytes[e.offset:e.offset + nbytes].view(dtype).view(shape)
+        offset = self.file.extents[name].offset
+        return self._bytes[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def prefetch(self, name: str) -> None:
         """Start reading extent ``name`` into the page cache, so touching it does not fault page by page."""
