@@ -19,7 +19,7 @@ from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError
 from framework.persist.checkpoint import glue
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import create_files, finish_files, plan_files, write_at
+from framework.persist.tensorfiles import create_files, finish_files, plan_files
 
 PREFIX = "model."
 
@@ -79,7 +79,7 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
         fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
         try:
             for e in plan.entries:
-                write_at(fd, e.offset, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous())
+                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
                 _trim()   # (the tensor is freed once written)
         finally:
             os.close(fd)

@@ -160,9 +160,9 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             "params": params}
 
 
-def check_format(saved_format: Any) -> None:
+def check_format(saved_format: Any, caller: str) -> None:
     if saved_format != FORMAT:
-        raise FrameworkError(f"load_state_dict: saved state of format {saved_format!r}, this version "
+        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version "
                              f"reads format {FORMAT}")
 
 
@@ -176,7 +176,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]
     for sd in saved:
-        check_format(sd.get("format"))
+        check_format(sd.get("format"), "load_state_dict")
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
