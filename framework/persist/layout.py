@@ -1,10 +1,9 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-A stage's master pieces are flat ranges of its flat buffers, laid out by world size, stage, offload
-and bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view keyed by parameter
-name: each parameter's global shape, and which rank holds which range of its flattened elements in
-which piece, at which offset. The state dict (here), checkpoints, weights and export all read and
-write through it, so state moves between any two layouts.
+``StateLayout`` turns a stage's ``piece_specs()`` (its master pieces: flat ranges of its flat buffers)
+into one view keyed by parameter name: each parameter's global shape, and which rank holds which
+range of its flattened elements in which piece, at which offset. The state dict (here), checkpoints,
+weights and export all read and write through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -118,7 +117,7 @@ def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Te
 
 # --- the name-keyed state dict -------------------------------------------------------------
 
-def _host(value: Any) -> Any:
+def host_copy(value: Any) -> Any:
     """A host copy of a tensor, independent of later in-place steps; other values as they are."""
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
@@ -147,7 +146,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()
     flats = flat_pieces(state.params, per)
-    host = {k: {key: _host(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
+    host = {k: {key: host_copy(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
     params: dict[str, dict] = {}
     for p, h in mine:
         views = {k: h.of(t) for k, t in host[h.piece].items()}
@@ -155,8 +154,8 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
-            "rng": [_host(t) for t in state.rng],
-            "optimizer": {"per_element": sorted(per), "scalars": {p: _host(v) for p, v in scalars.items()}},
+            "rng": [host_copy(t) for t in state.rng],
+            "optimizer": {"per_element": sorted(per), "scalars": {p: host_copy(v) for p, v in scalars.items()}},
             "params": params}
 
 

@@ -7,7 +7,6 @@ import contextlib
 import math
 import pickle
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -119,7 +118,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            scalars = {p: _from_json_scalar(v) for p, v in body["optimizer"]["scalars"].items()}
+            scalars = {p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+                       if isinstance(v, dict) and "tensor" in v else v for p, v in body["optimizer"]["scalars"].items()}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         loaded, host_rng = agree_load(group, f"reading {folder}", read)
@@ -139,12 +139,6 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
         return _rng.torch_states(saved), saved
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
-
-
-def _from_json_scalar(v: Any) -> Any:
-    if isinstance(v, dict) and "tensor" in v:
-        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
-    return v
 
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict) -> None:
