@@ -45,10 +45,6 @@ class Param:
     dtype: torch.dtype | None            # the stored values' dtype (None: not known here)
     holdings: tuple[Holding, ...] = ()   # every rank's, once gathered; else this rank's
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 class StateLayout:
     """Parameters by name (in the order the pieces hold them) and where their elements lie."""
@@ -86,14 +82,13 @@ class StateLayout:
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
         """This rank's part of writing every parameter once: (parameter, holding, lo, hi), elements
-        [lo, hi) from that holding. Over the ranks the parts tile each parameter exactly once;
-        where several ranks hold an element (replicated stages) the parameters are spread over
+        [lo, hi) from that holding. Elements several ranks hold (replicated stages) are spread over
         them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
             try:
-                parts = cover(0, p.numel, [(h.lo, h.hi) for h in order])
+                parts = cover(0, math.prod(p.shape), [(h.lo, h.hi) for h in order])
             except LookupError as e:
                 raise FrameworkError(f"parameter {p.name!r}: {e} of any rank") from None
             out += [(p, order[j], a, b) for j, a, b in parts if order[j].rank == self.rank]

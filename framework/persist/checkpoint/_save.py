@@ -45,8 +45,7 @@ def optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
 
 
 def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
-    """The DCP key of a parameter's master values (``key`` 'master') or of its optimizer state
-    ``key`` (a leaf path; ``keys``: ``optim_keys``)."""
+    """The DCP key of a parameter's masters (``key`` 'master') or optimizer state ``key`` (a leaf path)."""
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
