@@ -4,6 +4,7 @@
     write_atomic(folder / "latest", b"step-4")     # temporary + fsync + rename, in one folder
     make_dirs(folder)                              # missing folders made 0700 (parents too)
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
+    write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
 
 A folder the framework writes into may be writable by others (a shared scratch disk), where a
 symbolic link planted under a name the framework writes would make a plain ``open`` overwrite
@@ -18,6 +19,8 @@ import errno
 import os
 import stat
 from pathlib import Path
+
+import torch
 
 from framework.core.errors import UnsafePathError
 
@@ -151,3 +154,24 @@ def make_dirs(path: os.PathLike | str) -> None:
         path = path.parent
     for p in reversed(missing):
         make_dir(p)
+
+
+def write_at(fd: int, values: torch.Tensor, offset: int) -> None:
+    """The bytes of the contiguous host tensor ``values`` -> ``fd`` at ``offset`` (a positioned
+    write may write fewer bytes than asked: repeated until all are written)."""
+    view = memoryview(values.reshape(-1).view(torch.uint8).numpy())
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
+    """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
+    first (None: read whole)."""
+    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            return offset + done
+        done += n
+    return None

@@ -11,6 +11,7 @@ import torch
 
 from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, SwapIOError
+from framework.core.files import make_dirs, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor
@@ -69,17 +70,12 @@ class DiskShards(HostShards):
         if id(shard) not in self.keys:
             return
         if self.spill is None:
-            from framework.core.files import make_dirs
-
             folder = self.p.folder()
             make_dirs(folder)   # (0700; removed at close when this run made it)
             self.spill, path = tempfile.mkstemp(prefix=".construction-", suffix=".spill", dir=folder)
             os.unlink(path)   # its space is freed when the descriptor closes, whatever ends the process
-        data = memoryview(shard.detach().reshape(-1).view(torch.uint8).numpy())   # host sync: no (a host shard)
         at = self.spilled[id(shard)] = os.fstat(self.spill).st_size   # appended at its end
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.spill, data[done:], at + done)
+        write_at(self.spill, shard.detach(), at)   # (a host shard)
         park_tensor(shard)
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

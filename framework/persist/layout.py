@@ -1,10 +1,9 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-A stage's master pieces are flat ranges of its flat buffers, laid out by world size, stage, offload
-and bucket sizes. ``StateLayout`` turns the stage's ``piece_specs()`` into one view keyed by parameter
-name: each parameter's global shape, and which rank holds which range of its flattened elements in
-which piece, at which offset. The state dict (here), checkpoints, weights and export all read and
-write through it, so state moves between any two layouts.
+``StateLayout`` turns a stage's ``piece_specs()`` (its master pieces: flat ranges of its flat buffers)
+into one view keyed by parameter name: each parameter's global shape, and which rank holds which
+range of its flattened elements in which piece, at which offset. The state dict (here), checkpoints,
+weights and export all read and write through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -46,10 +45,6 @@ class Param:
     dtype: torch.dtype | None            # the stored values' dtype (None: not known here)
     holdings: tuple[Holding, ...] = ()   # every rank's, once gathered; else this rank's
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 class StateLayout:
     """Parameters by name (in the order the pieces hold them) and where their elements lie."""
@@ -87,14 +82,13 @@ class StateLayout:
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
         """This rank's part of writing every parameter once: (parameter, holding, lo, hi), elements
-        [lo, hi) from that holding. Over the ranks the parts tile each parameter exactly once;
-        where several ranks hold an element (replicated stages) the parameters are spread over
+        [lo, hi) from that holding. Elements several ranks hold (replicated stages) are spread over
         them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
             try:
-                parts = cover(0, p.numel, [(h.lo, h.hi) for h in order])
+                parts = cover(0, math.prod(p.shape), [(h.lo, h.hi) for h in order])
             except LookupError as e:
                 raise FrameworkError(f"parameter {p.name!r}: {e} of any rank") from None
             out += [(p, order[j], a, b) for j, a, b in parts if order[j].rank == self.rank]
@@ -118,7 +112,7 @@ def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Te
 
 # --- the name-keyed state dict -------------------------------------------------------------
 
-def _host(value: Any) -> Any:
+def host_copy(value: Any) -> Any:
     """A host copy of a tensor, independent of later in-place steps; other values as they are."""
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
@@ -147,7 +141,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()
     flats = flat_pieces(state.params, per)
-    host = {k: {key: _host(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
+    host = {k: {key: host_copy(t) for key, t in flats[k].items()} for k in {h.piece for _, h in mine}}
     params: dict[str, dict] = {}
     for p, h in mine:
         views = {k: h.of(t) for k, t in host[h.piece].items()}
@@ -155,14 +149,14 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
-            "rng": [_host(t) for t in state.rng],
-            "optimizer": {"per_element": sorted(per), "scalars": {p: _host(v) for p, v in scalars.items()}},
+            "rng": [host_copy(t) for t in state.rng],
+            "optimizer": {"per_element": sorted(per), "scalars": {p: host_copy(v) for p, v in scalars.items()}},
             "params": params}
 
 
-def check_format(saved_format: Any) -> None:
+def check_format(saved_format: Any, caller: str) -> None:
     if saved_format != FORMAT:
-        raise FrameworkError(f"load_state_dict: saved state of format {saved_format!r}, this version "
+        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version "
                              f"reads format {FORMAT}")
 
 
@@ -176,7 +170,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]
     for sd in saved:
-        check_format(sd.get("format"))
+        check_format(sd.get("format"), "load_state_dict")
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")

@@ -103,14 +103,9 @@ class SafetensorsSource(WeightsSource):
         fd, offset = self._at[name]
         dtype = self.dtype(name)
         out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
-        view = memoryview(out.view(torch.uint8).numpy())
-        pos = 0
-        while pos < len(view):
-            n = os.preadv(fd, [view[pos:]], offset + lo * dtype.itemsize + pos)
-            if n <= 0:
-                raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
-                                  f"(a truncated file)")
-            pos += n
+        if files.read_into(fd, out, offset + lo * dtype.itemsize) is not None:
+            raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
+                              f"(a truncated file)")
         return out
 
     def close(self) -> None:
@@ -265,14 +260,6 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
         with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
             f.write(plan.header)
             f.truncate(plan.size)
-
-
-def write_at(fd: int, offset: int, values: torch.Tensor) -> None:
-    """The bytes of the contiguous host tensor ``values`` -> the file at ``offset``."""
-    view = memoryview(values.view(torch.uint8).numpy())
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:

@@ -25,7 +25,7 @@ from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, plan_files, write_at)
+                                           open_weights, plan_files)
 from framework.core.utils import dtype_name, few
 
 
@@ -174,7 +174,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                     stack.callback(os.close, fds[fname])
                 for s in range(0, view.numel(), WRITE_CHUNK):
                     chunk = view[s:s + WRITE_CHUNK].to(out_dtype)   # convert where the values are, then move
-                    write_at(fds[fname], offset + s * out_dtype.itemsize, chunk.to("cpu").contiguous())
+                    files.write_at(fds[fname], chunk.to("cpu").contiguous(), offset + s * out_dtype.itemsize)
                     if fmap is not None:   # a mapped swap file's pages leave the process as they are written
                         fmap.release(view[s:s + WRITE_CHUNK])
             for fd in fds.values():

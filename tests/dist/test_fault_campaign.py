@@ -112,7 +112,7 @@ def disk(tmp_path_factory):
 def reference(nvme_reference):
     """The uninterrupted run (``nvme_reference``): per-step checkpoint tensors, losses, final state."""
     root = nvme_reference["root"]
-    steps = {_folder.step_of(p): _tensors(p) for p in _folder.committed(root)}
+    steps = {_folder.step_of(p): _tensors(p) for p in _folder.scan(root)[0]}
     return {"steps": steps, "losses": nvme_reference["runs"][0]["losses"], "final": steps[STEPS],
             "window": nvme_reference["runs"][0]["training_s"]}
 
@@ -135,7 +135,7 @@ def _fault(kind: str, rng: random.Random, root: Path):
                     f.seek(rng.randrange(max(1, size - (1 << 20))) // 4096 * 4096)
                     f.write(os.urandom(min(1 << 20, size)))
         elif kind == "checkpoint":
-            folders = _folder.committed(root)
+            folders = _folder.scan(root)[0]
             if folders:
                 folder = rng.choice(folders)
                 files = sorted(p for p in folder.iterdir() if p.is_file())
@@ -189,7 +189,7 @@ def test_random_faults_never_lose_or_corrupt_state(pools, tmp_path, disk, base, 
 
     # No committed checkpoint holds wrong state: it fails its checks, or it is the reference's.
     good = []
-    for folder in _folder.committed(root):
+    for folder in _folder.scan(root)[0]:
         if _passes(folder):
             got, want = _tensors(folder), reference["steps"][_folder.step_of(folder)]
             assert got.keys() == want.keys(), what

@@ -27,7 +27,7 @@ from framework.persist.checkpoint._group import Group, glue
 from framework.persist.checkpoint._load import OTHER_RUN, load
 from framework.persist.checkpoint._save import save
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "find_latest", "glue", "load", "preflight", "save"]
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight"]
 
 
 class Checkpointer:
@@ -60,7 +60,7 @@ class Checkpointer:
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         resume = self.cfg.resume
         if resume == "off":
-            existing = _folder.committed(self.root)
+            existing = _folder.scan(self.root)[0]
             if existing:
                 self._say(f"resume=off: starting from step 0 although {self.root} holds {len(existing)} "
                           f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
@@ -166,7 +166,7 @@ def find_latest(root: Path) -> Path | None:
     for tree in _RUN_TREES:
         for depth in ("*", "*/*", "*/*/*"):
             roots.update(p for p in (cwd / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())
-    newest = [found[0] for found in map(_folder.committed, roots) if found]
+    newest = [found[0] for found, _ in map(_folder.scan, roots) if found]
     return max(newest, key=lambda p: (p / _folder.MANIFEST).stat().st_mtime, default=None)
 
 

@@ -133,7 +133,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
         # The default one maps the values through a walk that drops objects it does not know
-        # (``Boxes``); targets here are already flat, materialised host tensors.
+        # (``Boxes``); targets here are already flat and materialised.
         self.original_state_dict = self.state_dict = state_dict
         self.mappings = {}
         self.metadata = metadata

@@ -38,8 +38,7 @@ def sha256(path: Path) -> str:
         return _digest(f)
 
 
-def _digest(f) -> str:
-    """sha256 of an open file from its position (hashlib.file_digest is Python 3.11+; we support 3.10)."""
+def _digest(f) -> str:   # (hashlib.file_digest is Python 3.11+; we support 3.10)
     h = hashlib.sha256()
     while chunk := f.read(1 << 22):
         h.update(chunk)
@@ -123,10 +122,6 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
     return [p for _, p in sorted(out, reverse=True)], sorted(notes)
 
 
-def committed(root: Path) -> list[Path]:
-    return scan(root)[0]
-
-
 def step_of(folder: Path) -> int:
     m = _STEP.match(folder.name)
     return int(m.group(1)) if m else -1
@@ -164,7 +159,7 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
     steps (another run's, in the same dir) are left alone."""
     if keep_last <= 0:
         return []
-    chain = [p for p in committed(root) if step_of(p) <= step_of(newest)]
+    chain = [p for p in scan(root)[0] if step_of(p) <= step_of(newest)]
     good = next((p for p in chain if verified(p)), None)
     older = [p for p in chain if step_of(p) < step_of(newest)]
     gone = [p for p in older[keep_last - 1:] if p != good]

@@ -1,13 +1,12 @@
 """Reading a checkpoint: files and train state against the manifest, the DCP files against this
-model, then this rank's holdings read by DCP (straight into a mapped swap file where they lie
-there) and checked finite before the state takes them."""
+model, then this rank's holdings read by DCP straight into the state's pieces (a mapped swap
+file where they lie there) and checked finite before the state is handed on."""
 from __future__ import annotations
 
 import contextlib
 import math
 import pickle
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -86,22 +85,19 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
         _fits(c, folder, body, md, layout, per, scalars)
-        check_format(body["state_format"])   # before reading anything
+        check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
-        mine = layout.mine()
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
-        # DCP reads a swapped piece where it lies (straight into the file), the others into host
-        # copies that the state takes once checked
-        hosts = {k: {key: t.to("cpu", copy=True) for key, t in pieces[k].items()}
-                 for k in {h.piece for _, h in mine} if fmap is None or not fmap.contains(mapped.params[k])}
+        # DCP reads every holding straight into its piece (a swapped one into the mapped file). A
+        # read that fails or is not finite leaves a state nobody trains from: every rank raises,
+        # and resume either stops or falls back to a checkpoint that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         dcp = glue()
-        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in mine], [hosts.get(k, f) for k, f in enumerate(pieces)],
-                             body["optimizer"]["keys"])
+        targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
 
         def read():
             try:
@@ -122,10 +118,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")
             torch_rng, host_rng = _rng_of(c, folder, body, seed)
-            for k, host in hosts.items():
-                for key, t in pieces[k].items():
-                    t.copy_(host[key])
-            scalars = {p: _from_json_scalar(v) for p, v in body["optimizer"]["scalars"].items()}
+            scalars = {p: torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
+                       if isinstance(v, dict) and "tensor" in v else v for p, v in body["optimizer"]["scalars"].items()}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         loaded, host_rng = agree_load(group, f"reading {folder}", read)
@@ -145,12 +139,6 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
         return _rng.torch_states(saved), saved
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
-
-
-def _from_json_scalar(v: Any) -> Any:
-    if isinstance(v, dict) and "tensor" in v:
-        return torch.tensor(v["tensor"], dtype=getattr(torch, v["dtype"]), device="cpu")
-    return v
 
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict) -> None:

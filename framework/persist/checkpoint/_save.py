@@ -24,7 +24,7 @@ from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few
-from framework.persist.layout import StateLayout, flat_pieces
+from framework.persist.layout import StateLayout, flat_pieces, host_copy
 from framework.persist.weights import save_on_model_save
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -45,8 +45,7 @@ def optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
 
 
 def dcp_key(key: str, name: str, keys: dict[str, str]) -> str:
-    """The DCP key of a parameter's master values (``key`` 'master') or of its optimizer state
-    ``key`` (a leaf path; ``keys``: ``optim_keys``)."""
+    """The DCP key of a parameter's masters (``key`` 'master') or optimizer state ``key`` (a leaf path)."""
     return f"model.{name}" if key == "master" else f"optim.{keys[key]}.{name}"
 
 
@@ -81,17 +80,17 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
         return owned if owned is not None else box.to("cpu", copy=True)
 
     out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
-    host_scalars = {p: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                    for p, v in scalars.items()}
+    host_scalars = {p: host_copy(v) for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = sum(t.numel() * t.element_size() for v in out.values()
                  for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) + 4096 * len(out) + (64 << 10)
+    json_scalars = {p: {"tensor": v.tolist(), "dtype": dtype_name(v.dtype)} if isinstance(v, torch.Tensor) else v
+                    for p, v in host_scalars.items()}
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
              "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
-             "optimizer": {"per_element": sorted(per), "scalars": {p: _json_scalar(v) for p, v in host_scalars.items()},
-                           "keys": keys}}
+             "optimizer": {"per_element": sorted(per), "scalars": json_scalars, "keys": keys}}
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
@@ -255,9 +254,3 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
 
     agree_save(group, "commit", commit, tmp, need=need)
     return final
-
-
-def _json_scalar(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        return {"tensor": v.tolist(), "dtype": dtype_name(v.dtype)}
-    return v
