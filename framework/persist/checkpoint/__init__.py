@@ -30,6 +30,10 @@ from framework.persist.checkpoint._save import save
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight"]
 
 
+# A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
+SPENT = "; the state passed to resume may be partly overwritten: build a new engine to train"
+
+
 class Checkpointer:
     """Periodic saves and the resume of one training run, as ``cfg.checkpoint`` says."""
 
@@ -88,7 +92,7 @@ class Checkpointer:
                 state, body = load(self.engine, state, folder, group=self.group, seed=self.seed)
             except CheckpointError as e:
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
-                    raise
+                    raise CheckpointError(f"{e}{SPENT}") from None
                 errors.append(str(e))
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {folders[i + 1]}" if i + 1 < len(folders)
@@ -107,7 +111,7 @@ class Checkpointer:
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
                               f"finite (the folders are kept; set checkpoint.resume=off to start afresh): "
-                              + " | ".join(errors))
+                              + " | ".join(errors) + SPENT)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Save every ``checkpoint.every`` steps and at the ``last``; ``metrics``: the step's, whose
