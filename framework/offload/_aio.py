@@ -22,17 +22,17 @@ import ctypes
 import errno
 import mmap
 import os
+import queue
 import threading
 import weakref
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from framework.core.errors import SwapIOError
 from framework.core.units import MiB
-from framework.offload._swapfile import ALIGN, SwapFile, Syscalls, padded
+from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 
@@ -96,36 +96,51 @@ def _memory(address: int, nbytes: int):
     return (ctypes.c_char * nbytes).from_address(address)
 
 
-def _sum64(memory) -> int:
+def _sum64(memory, nbytes: int) -> int:
     """Sum of the little-endian 64-bit words (the last one zero-padded) modulo 2**64."""
-    words = len(memory) // 8
+    words = nbytes // 8
     total = int(np.frombuffer(memory, dtype="<u8", count=words).sum()) if words else 0
-    return (total + int.from_bytes(memory[words * 8:], "little")) & 0xFFFF_FFFF_FFFF_FFFF
+    return (total + int.from_bytes(memory[words * 8:nbytes], "little")) & 0xFFFF_FFFF_FFFF_FFFF
 
 
-CHECKSUMS = {"sum64": _sum64, "crc32": zlib.crc32, "none": None}
+CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory), "none": None}
 
 
 class IOHandle:
-    """One read or write in flight: a future per piece; the first failed piece's error is the request's."""
+    """One read or write in flight, done when all its pieces are."""
 
-    def __init__(self, op: str, file: SwapFile, what: str):
+    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int):
         self.op, self.file, self.what = op, file, what
-        self.pieces: list[Future] = []
-        self.failed = False   # a failed request skips its remaining pieces
+        self._tensor = tensor       # its memory must outlive the IO
+        self._left = pieces
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._error: SwapIOError | None = None
+        if pieces == 0:
+            self._done.set()
 
     def done(self) -> bool:
-        return all(f.done() for f in self.pieces)
+        return self._done.is_set()
 
     def exception(self) -> SwapIOError | None:
         """Wait, then return the request's error (None if it succeeded) instead of raising it."""
-        errors = [f.result() for f in self.pieces]   # every piece: the memory is in use until then
-        return next((e for e in errors if e is not None), None)
+        self._done.wait()
+        return self._error
 
     def wait(self) -> None:
-        error = self.exception()
-        if error is not None:
-            raise error
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _piece_done(self, error: SwapIOError | None) -> None:
+        with self._lock:
+            if self._error is None:   # the first failure is the request's
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._tensor = None
+            self._done.set()
 
 
 class AsyncIO:
@@ -135,12 +150,18 @@ class AsyncIO:
                  direct: bool = True, *, checksum: str = "sum64"):
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
+        if queue_depth < 1 or intra_op_parallelism < 1:
+            raise ValueError(f"aio.queue_depth={queue_depth} and aio.intra_op_parallelism="
+                             f"{intra_op_parallelism} must be at least 1")
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum={checksum!r} is not one of {', '.join(CHECKSUMS)}")
         self.block_size, self.direct, self._hash = block_size, direct, CHECKSUMS[checksum]
         self._kind = (block_size, checksum)   # whose checksums a piece is verified against
-        self._pool = ThreadPoolExecutor(queue_depth * intra_op_parallelism, thread_name_prefix="framework-aio")
-        self._local = threading.local()       # each thread's bounce buffer
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._worker, name=f"framework-aio-{i}", daemon=True)
+                         for i in range(queue_depth * intra_op_parallelism)]
+        for t in self._threads:
+            t.start()
 
     def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
         return self._submit("read", file, offset, dst, what)
@@ -150,6 +171,8 @@ class AsyncIO:
         return self._submit("write", file, offset, src, what)
 
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
+        if self._threads is None:
+            raise ValueError("AsyncIO is closed")
         if t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{op} of {what!r}: needs a contiguous host tensor, got {t.device} "
                              f"{'contiguous' if t.is_contiguous() else 'strided'}")
@@ -157,9 +180,11 @@ class AsyncIO:
         if offset < 0 or offset + nbytes > file.size:
             raise ValueError(f"{op} of {what!r}: bytes [{offset}, {offset + nbytes}) are outside "
                              f"{file.path} ({file.size} bytes)")
-        handle = IOHandle(op, file, what)
-        handle.pieces = [self._pool.submit(self._run, handle, t, offset, lo, hi)
-                         for lo, hi in self._bounds(offset, nbytes)]
+        address = t.data_ptr()
+        bounds = self._bounds(offset, nbytes)
+        handle = IOHandle(op, file, what, t, len(bounds))
+        for lo, hi in bounds:
+            self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
 
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
@@ -177,12 +202,18 @@ class AsyncIO:
         its checksums as if the engine had written it."""
         base = data.data_ptr()
         for lo, hi in self._bounds(offset, data.numel()):
-            value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo))
+            value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo), hi - lo)
             file.record(self._kind, lo, hi - lo, value)
 
     def close(self) -> None:
         """Finish the queued requests, then stop the threads."""
-        self._pool.shutdown(wait=True)
+        if self._threads is None:
+            return
+        for _ in self._threads:
+            self._work.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = None
 
     def __enter__(self) -> "AsyncIO":
         return self
@@ -190,75 +221,93 @@ class AsyncIO:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _run(self, handle: IOHandle, t: torch.Tensor, offset: int, lo: int, hi: int) -> SwapIOError | None:
-        """(a worker) Bytes [lo, hi) of a request at ``offset`` of ``t`` (held: its memory outlives
-        the piece); the error, reported through the handle, never lost in a thread."""
-        if handle.failed:
-            return None
+    def _worker(self) -> None:
+        bounce = mmap.mmap(-1, self.block_size + 2 * ALIGN)   # page-aligned, this thread's own
+        view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
+        bounce_addr = ctypes.addressof(view)
         try:
-            self._piece(handle.file, handle.op == "write", lo, t.data_ptr() + lo - offset, hi - lo)
-            return None
-        except OSError as e:   # (short counts and checksum mismatches too, without an errno)
-            reason, code = os.strerror(e.errno) if e.errno else str(e), e.errno
-        except Exception as e:  # noqa: BLE001
-            reason, code = f"{type(e).__name__}: {e}", None
-        handle.failed = True
-        name = handle.file.name_at(lo)
-        inside = f" (extent {name!r})" if name and name != handle.what else ""
-        return SwapIOError(f"swap {handle.op} of {handle.what!r} failed at offset {lo} ({hi - lo} bytes) of "
-                           f"{handle.file.path}{inside}: {reason}",
-                           path=str(handle.file.path), offset=lo, what=handle.what, errno=code)
+            while (job := self._work.get()) is not None:
+                handle, offset, address, nbytes = job
+                error = None
+                if handle._error is None:   # a failed request skips its remaining pieces
+                    try:
+                        self._piece(handle, offset, address, nbytes, bounce_addr)
+                    except SwapIOError as e:
+                        error = e
+                    except OSError as e:
+                        error = self._error(handle, offset, nbytes, os.strerror(e.errno) if e.errno else str(e), e.errno)
+                    except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
+                        error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
+                handle._piece_done(error)
+        finally:
+            del view
+            bounce.close()
 
-    def _piece(self, file: SwapFile, write: bool, offset: int, address: int, nbytes: int) -> None:
+    def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
+        file, write = handle.file, handle.op == "write"
         memory = _memory(address, nbytes)
         # before the write: ``memory`` must not change meanwhile
-        value = self._hash(memory) if write and self._hash is not None else None
+        value = self._hash(memory, nbytes) if write and self._hash is not None else None
         fd, refused = file.descriptor(self.direct)
         direct = self.direct and refused is None
         try:
-            self._move(file.syscalls, fd, direct, write, offset, address, nbytes)
+            self._move(handle, fd, direct, offset, address, nbytes, bounce_addr)
         except OSError as e:
             if not (direct and e.errno == errno.EINVAL):
                 raise
-            self._move(file.syscalls, file.refuse_direct(e), False, write, offset, address, nbytes)
+            self._move(handle, file.refuse_direct(e), False, offset, address, nbytes, bounce_addr)
         if write:
             file.record(self._kind, offset, nbytes, value)
         elif self._hash is not None:
             want = file.expected(self._kind, offset, nbytes)
-            if want is not None and self._hash(memory) != want:
-                raise OSError("checksum mismatch (the swap file was changed or the disk returned bad data)")
+            if want is not None and self._hash(memory, nbytes) != want:
+                raise self._error(handle, offset, nbytes, "checksum mismatch (the swap file was changed "
+                                  "or the disk returned bad data)", None)
 
-    def _move(self, sys: Syscalls, fd: int, direct: bool, write: bool, offset: int, address: int,
-              nbytes: int) -> None:
-        if not direct or not (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
-            _io(sys, fd, write, offset, address, nbytes)   # buffered IO takes any offset, length and address
+    def _move(self, handle: IOHandle, fd: int, direct: bool, offset: int, address: int, nbytes: int,
+              bounce_addr: int) -> None:
+        if direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
+            self._bounced(handle, fd, offset, address, nbytes, bounce_addr)
+        else:   # buffered IO takes any offset, length and address
+            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
+
+    def _bounced(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
+        """O_DIRECT IO of an unaligned range through the aligned bounce buffer."""
+        lo = offset // ALIGN * ALIGN
+        hi = -(-(offset + nbytes) // ALIGN) * ALIGN
+        span = _memory(bounce_addr, hi - lo)
+        if handle.op == "read":
+            self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+            ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
             return
-        # O_DIRECT IO of an unaligned range through this thread's aligned bounce buffer
-        lo, hi = offset // ALIGN * ALIGN, padded(offset + nbytes)
-        if not hasattr(self._local, "bounce"):
-            self._local.bounce = (ctypes.c_char * (self.block_size + 2 * ALIGN)).from_buffer(
-                mmap.mmap(-1, self.block_size + 2 * ALIGN))   # page-aligned
-        bounce = ctypes.addressof(self._local.bounce)
-        if not write:
-            _io(sys, fd, False, lo, bounce, hi - lo)
-            ctypes.memmove(address, bounce + offset - lo, nbytes)
-            return
-        # keep the bytes of the first and last 4 KiB blocks that are not ours (extents are padded to
-        # 4 KiB, so only writes inside one extent could race here; the store never issues them)
+        # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are
+        # padded to 4 KiB, so only writes inside one extent could race here; the store never issues them)
         if offset > lo:
-            _io(sys, fd, False, lo, bounce, ALIGN)
+            self._io(handle, fd, lo, _memory(bounce_addr, ALIGN), ALIGN, report=(offset, nbytes), op="read")
         if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):
-            _io(sys, fd, False, hi - ALIGN, bounce + hi - ALIGN - lo, ALIGN)
-        ctypes.memmove(bounce + offset - lo, address, nbytes)
-        _io(sys, fd, True, lo, bounce, hi - lo)
+            self._io(handle, fd, hi - ALIGN, _memory(bounce_addr + hi - ALIGN - lo, ALIGN), ALIGN,
+                     report=(offset, nbytes), op="read")
+        ctypes.memmove(bounce_addr + offset - lo, address, nbytes)
+        self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
 
+    def _io(self, handle: IOHandle, fd: int, offset: int, memory, nbytes: int, *, report=None,
+            op: str | None = None) -> None:
+        """One system call; anything but the full byte count fails the request."""
+        sys = handle.file.syscalls
+        read = (op or handle.op) == "read"
+        got = sys.preadv(fd, [memory], offset) if read else sys.pwritev(fd, [memory], offset)
+        if got != nbytes:
+            at, n = report or (offset, nbytes)
+            raise self._error(handle, at, n, f"short {'read' if read else 'write'}: {got} of {nbytes} bytes "
+                              f"at file offset {offset}", None)
 
-def _io(sys: Syscalls, fd: int, write: bool, offset: int, address: int, nbytes: int) -> None:
-    """One system call; anything but the full byte count fails the request."""
-    memory = _memory(address, nbytes)
-    got = sys.pwritev(fd, [memory], offset) if write else sys.preadv(fd, [memory], offset)
-    if got != nbytes:
-        raise OSError(f"short {'write' if write else 'read'}: {got} of {nbytes} bytes at file offset {offset}")
+    @staticmethod
+    def _error(handle: IOHandle, offset: int, nbytes: int, reason: str, code: int | None) -> SwapIOError:
+        name = handle.file.name_at(offset)
+        inside = f" (extent {name!r})" if name and name != handle.what else ""
+        return SwapIOError(f"swap {handle.op} of {handle.what!r} failed at offset {offset} "
+                           f"({nbytes} bytes) of {handle.file.path}{inside}: {reason}",
+                           path=str(handle.file.path), offset=offset, what=handle.what, errno=code)
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
@@ -280,7 +329,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
         fn = CHECKSUMS.get(kind)
         if fn is None:
             raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
-        if fn(memory[offset - lo:offset - lo + nbytes]) != value:
+        if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
             raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
                             "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
