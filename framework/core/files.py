@@ -156,19 +156,27 @@ def make_dirs(path: os.PathLike | str) -> None:
         make_dir(p)
 
 
+def _bytes_of(t: torch.Tensor, what: str) -> memoryview:
+    """The bytes of host tensor ``t``, refused unless contiguous (a reshape of a strided tensor would
+    read or write a hidden copy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{what}: needs a contiguous host tensor, got {t.device} "
+                         f"{'contiguous' if t.is_contiguous() else 'strided'}")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())   # host sync: no (a host tensor)
+
+
 def write_at(fd: int, values: torch.Tensor, offset: int) -> None:
-    """The bytes of the contiguous host tensor ``values`` -> ``fd`` at ``offset`` (a positioned
-    write may write fewer bytes than asked: repeated until all are written)."""
-    view = memoryview(values.reshape(-1).view(torch.uint8).numpy())
+    """The bytes of ``values`` -> ``fd`` at ``offset`` (a positioned write may write fewer bytes
+    than asked: repeated until all are written)."""
+    view = _bytes_of(values, "write_at")
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
 
 
 def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
-    """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
-    first (None: read whole)."""
-    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+    """``out``'s bytes read from ``fd`` at ``offset``; where the file ended first (None: read whole)."""
+    view, done = _bytes_of(out, "read_into"), 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n <= 0:

@@ -11,7 +11,7 @@ import torch
 
 from framework.comm.accelerator import Event
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import make_dirs, write_at
+from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor
@@ -20,18 +20,6 @@ from framework.offload.cpu import HostShards
 
 if TYPE_CHECKING:   # the component module builds the shards: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
-
-
-def read_into(fd: int, out: torch.Tensor, offset: int) -> int | None:
-    """``out``'s bytes (host, contiguous) read from ``fd`` at ``offset``; where the file ended
-    first (None: read whole)."""
-    view, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0   # host sync: no (a host tensor)
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            return offset + done
-        done += n
-    return None
 
 
 class DiskShards(HostShards):
