@@ -209,9 +209,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     pred = Prediction(world, count_module(module).params)
     if cfg.choices["offload"] == "nvme":
         pred.host_slack_fraction = 0.0
-    # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
-    # share, zero3 one piece per unit group (the stages' ``chunk``).
-    chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
+    # The longest piece the stage lets the tier cut (zero3: one per unit group already).
+    chunk = Zero2Stage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
     pieces = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))
 
     def full_grads(n: int) -> None:

@@ -49,8 +49,7 @@ class ShardedStage(PartitionedStage, WholeParameters):
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
             raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
-        # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
-        super().__init__(cfg, dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
+        super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
         self.flats: list[torch.Tensor] = []     # working parameters, replicated
         self.policy: Policy | None = None
 
@@ -74,6 +73,11 @@ class ShardedStage(PartitionedStage, WholeParameters):
             entries += [(params[n], (g, slots[n])) for n, _ in named]
         self._setup_grads(entries)
         return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+
+    @staticmethod
+    def piece_size(cfg: ZeroConfig, world: int) -> int:
+        """Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step."""
+        return -(-cfg.reduce_bucket_size // world)
 
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
