@@ -166,18 +166,6 @@ def _opt_bytes_per_element(cfg) -> list[int]:
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
 
 
-def _swap_store(pred: Prediction, entries: list[tuple[list[int], list[int], int]], buffer_count: int,
-                pool: str, file: str) -> None:
-    """A swap file and its host pool (with the bounce buffer of the swapped gradients), sized as
-    ``offload``'s disk store sizes them (``pool_layout``)."""
-    from framework.offload import pool_layout
-
-    if entries:
-        slot, slots, nbytes, bounce = pool_layout(entries, buffer_count)
-        pred.add(pool, host=slots * slot + bounce)
-        pred.add_disk(file, nbytes)
-
-
 def data_vocab(cfg) -> int | None:
     """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
     from framework.engine.build import component
@@ -197,68 +185,33 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep)."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
-    from framework.stages import bucket_buffers, expected_order, make_layout, param_groups, plan_buckets
+    from framework.stages import bucket_buffers, make_layout, param_groups
+    from framework.stages.sharded import Zero2Stage
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
             module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
-    stage, o = cfg.choices["stage"], cfg.offload
+    stage = cfg.choices["stage"]
+    # The offload tier, built without an accelerator (nothing allocated): it cuts each partition
+    # into pieces and says what each piece holds, as it does for the engine.
+    placement = component(cfg, "offload").build(cfg.offload)
     keep_grads = False
     w = policy.param_dtype.itemsize
-    master_sep = policy.master_dtype != policy.param_dtype
     acc = policy.grad_accum_dtype.itemsize
     red = policy.reduce_dtype.itemsize
-    state_bytes = _opt_bytes_per_element(cfg)
-    K = sum(state_bytes)
-    # The flat groups as the stage lays them out (ddp: unpartitioned).
-    layouts = [make_layout(named, 1 if stage == "ddp" else world) for _, named in param_groups(module)]
+    groups = [named for _, named in param_groups(module)]
+    # The flat groups as the stage lays them out (ddp: unpartitioned; zero2 may lay them round-robin).
+    layouts = [make_layout(Zero2Stage.layout_order(cfg.stage, named, world) if stage == "zero2" else named,
+                           1 if stage == "ddp" else world) for named in groups]
     padded = [lay.padded for lay in layouts]
     pred = Prediction(world, count_module(module).params)
     if cfg.choices["offload"] == "nvme":
         pred.host_slack_fraction = 0.0
-    ratio = getattr(o, "ratio", 0.0)   # offload=none: every piece on the device
-    opt_on_disk = getattr(o, "optimizer", None) == "nvme"
-    # ZeRO-Infinity: zero3 with every piece stepped off the device also swaps the owned gradients
-    # (offload/_gradswap.py): they sit in each tile and pass through one bounce buffer.
-    swap_grads = stage == "zero3" and opt_on_disk and ratio == 1.0
-    # The pieces a host-stepped partition is cut into: zero1/zero2 in pieces of a reduce bucket's
-    # share, zero3 one piece per unit group (offload.base.Placement.place).
-    chunk = -(-cfg.stage.reduce_bucket_size // world) if stage in ("zero1", "zero2") else None
-    tiles: list[tuple[list[int], list[int], int]] = []   # the optimizer swap file's entries
-
-    def master_state(shard_elems: int) -> None:
-        """Master pieces and optimizer state of a partition (ddp: the whole buffer) of ``shard_elems``
-        elements."""
-        hostn = round(ratio * shard_elems)
-        devn = shard_elems - hostn
-        if hostn and opt_on_disk:
-            # Tiles of at most sub_group_size elements, each the master, the optimizer state and
-            # (16-bit training) a staging scratch in a pool slot while stepped.
-            step = min(chunk or hostn, o.sub_group_size)
-            for a in range(0, hostn, step):
-                t = min(step, hostn - a)
-                grad = [acc * t] if swap_grads else []
-                tiles.append(([4 * t, *(b * t for b in state_bytes), *grad], [w * t] if master_sep else [], len(grad)))
-            if not swap_grads:
-                pred.add("host_grad_buffers", host=4 * hostn)
-            pred.add("optimizer_state", device=K * devn)
-            if devn and master_sep:
-                pred.add("master_params", device=4 * devn)
-            return
-        if hostn:
-            pred.add("master_params", host=4 * hostn)
-            pred.add("host_grad_buffers", host=4 * hostn)
-            if master_sep:   # written by the first optimizer step
-                pred.add("host_staging", host=w * hostn)
-                pred.lazy.add("host_staging")
-            if o.overlap_step:   # allocated by the first speculative step
-                pred.add("overlap_undo", host=(4 + K) * hostn)
-                pred.lazy.add("overlap_undo")
-        if devn and master_sep:
-            pred.add("master_params", device=4 * devn)
-        pred.add("optimizer_state", device=K * devn, host=K * hostn)
+    # The longest piece the stage lets the tier cut (zero3: one per unit group already).
+    chunk = Zero2Stage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
+    pieces = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))
 
     def full_grads(n: int) -> None:
         """ddp and zero1: whole gradients, and an accumulator when it has another dtype."""
@@ -267,24 +220,25 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             pred.add("grad_accumulator", device=acc * n)
             pred.lazy.add("grad_accumulator")
 
-    if stage == "ddp":
+    if stage == "ddp":   # (offload=none: every piece on the device)
+        shards = [sum(padded)]
         pred.add("params", device=w * sum(padded))
         full_grads(sum(padded))
-        master_state(sum(padded))   # ddp offloads nothing: all on the device
+        pred.lazy |= placement.predict(pred, shards, *pieces)
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
-        for n in shards:
-            master_state(n)
+        pred.lazy |= placement.predict(pred, shards, *pieces)
         if stage == "zero1":
             full_grads(sum(padded))
         else:
             pred.add("grads", device=acc * sum(shards))
-            # Bucket plan as the stage makes it (on partition boundaries, in gradient order).
-            order = expected_order([(g, s) for g, lay in enumerate(layouts) for s in lay.slots])
-            buckets = plan_buckets(order, cfg.stage.reduce_bucket_size, dict(enumerate(shards)), world)
+            # The bucket plan the stage makes, from its slots in registration order.
+            slots = [(g, {s.name: s for s in lay.slots}[n]) for g, (named, lay) in enumerate(zip(groups, layouts))
+                     for n, _ in named]
+            buckets = Zero2Stage.plan(cfg.stage, slots, dict(enumerate(shards)), world)
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
@@ -295,11 +249,10 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             if not keep_grads:
                 pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + 1) * biggest)
     elif stage == "zero3":
-        _zero3(cfg, module, policy, world, pred, master_state, swap_grads)
+        shards = _zero3(cfg, module, policy, world, pred, placement, pieces)
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
-    if tiles:
-        _swap_store(pred, tiles, o.buffer_count, "nvme_optimizer_pool", "optimizer")
+    placement.predict_pool(pred, shards, *pieces)
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
@@ -319,8 +272,10 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     return pred
 
 
-def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grads: bool) -> None:
-    """zero3: shards of every unit group; persistent small parameters gathered; the live window."""
+def _zero3(cfg, module, policy, world, pred: Prediction, placement, pieces: tuple) -> list[int]:
+    """zero3: shards of every unit group; persistent small parameters gathered; the live window.
+    Returns the shards' lengths."""
+    from framework.offload import pool_layout
     from framework.stages import make_layout, plan_units, unit_groups
 
     s, o = cfg.stage, cfg.offload
@@ -329,6 +284,8 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grad
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
     sizes, shards, largest_param = [], [], 0
+    # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier.
+    swap_grads = placement.swap_grads(policy.grad_accum_dtype)
 
     def group(named, gathered: bool) -> int:
         layout = make_layout(named, world)
@@ -337,7 +294,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grad
         # (with the owned gradients in the swap file a partition exists only while it is reduced)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        master_state(layout.shard)
+        pred.lazy.update(placement.predict(pred, [layout.shard], *pieces))
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded
@@ -357,10 +314,10 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grad
     elif where == "nvme":   # shards in swap files, a pinned pool
         pred.items.pop("params")
         # slots as large as the largest shard, no more of them than max_in_cpu allows
-        largest = max(shards, default=0)
-        _swap_store(pred, [([w * n], [], 0) for n in shards],
-                    min(o.param_buffer_count, o.max_in_cpu // max(largest, 1)),
-                    "nvme_param_pool", "params")
+        slot, slots, nbytes, _ = pool_layout([([w * n], [], 0) for n in shards],
+                                             min(o.param_buffer_count, o.max_in_cpu // max(max(shards), 1)))
+        pred.add("nvme_param_pool", host=slots * slot)
+        pred.add_disk("params", nbytes)
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
@@ -385,3 +342,4 @@ def _zero3(cfg, module, policy, world, pred: Prediction, master_state, swap_grad
                           "slower than backward)")
     pred.notes.append(f"zero3: {len(sizes)} gather units (largest {biggest:,} elements), "
                       f"{sum(p.numel() for _, p in persistent):,} persistent elements, live window {window:,}")
+    return shards

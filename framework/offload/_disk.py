@@ -222,6 +222,12 @@ class DiskPlacement(GradSwap, NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK)."""
 
+    tier = Tier.DISK
+
+    @property
+    def tile(self) -> int:
+        return self.spec.sub_group_size
+
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
         spec = self.spec
@@ -229,15 +235,13 @@ class DiskPlacement(GradSwap, NVMePlacement):
                                            read_ahead=spec.pipeline_read, write_behind=spec.pipeline_write,
                                            name="optimizer")
 
-    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[Piece]:
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
         at a pool slot only while resident) and fills them from ``own``."""
-        step, host, pieces = min(chunk or max(k, 1), self.spec.sub_group_size), self.stores[Tier.HOST], []
+        host, pieces = self.stores[Tier.HOST], []
         if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
-            host.reserve([(min(a + step, k) - a, master_dtype) for a in range(0, k, step)])
-        for a in range(0, k, step):
-            b = min(a + step, k)
+            host.reserve([(b - a, master_dtype) for a, b in cut])
+        for a, b in cut:
             if self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
                 grad = parked(b - a, self.grad_dtype)
             else:

@@ -1,8 +1,9 @@
 """The offload target: where a rank's master partition, optimizer state and zero3 parameter shards
 live, and how they move. A stage talks to it only through these calls:
 
-* setup: ``place`` cuts each owned partition into master pieces (the first ``host_fraction``
-  off the device, in ``chunk``-element pieces); zero3 also gets its shards here (``shard_buffer``).
+* setup: ``place`` cuts each owned partition into master pieces (``ranges``: the first
+  ``host_fraction`` off the device, in ``chunk``-element pieces); zero3 also gets its shards here
+  (``shard_buffer``). ``predict`` says from sizes alone what ``memory`` will measure (``framework.memory``).
 * backward: ``grads_final(g, lo, hi, grad)`` says range [lo, hi) of partition g's reduced gradient
   is final, on the thread and stream that produced it, each element at most once a step;
   ``grads(parts)`` then returns every piece's gradient.
@@ -25,6 +26,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
+from framework.offload._diskstore import pool_layout
 from framework.offload._store import HostStore, Tier
 
 if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
@@ -125,6 +127,8 @@ class Placement:
     overlap_step = False  # speculative host step during backward (``_pipeline``)
     grad_swap = False     # zero3's owned gradients live in the optimizer's swap file (``_disk``)
     swaps = False         # some state lives in swap files (offload=nvme)
+    tier = Tier.DEVICE    # where the pieces off the device live
+    tile: int | None = None   # the longest piece off the device (None: as long as ``chunk``)
 
     def __init__(self, shards: Shards | None = None, accelerator: Accelerator | None = None):
         self.shards = shards if shards is not None else Shards()
@@ -155,6 +159,14 @@ class Placement:
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """zero3, before construction: a tier with swap files stops now if they cannot fit."""
 
+    def ranges(self, n: int, chunk: int | None) -> list[tuple[int, int, Tier]]:
+        """How ``place`` cuts a partition of ``n`` elements: (start, end, tier) of each piece, the first
+        ``host_fraction`` off the device in pieces of at most ``chunk`` (and ``tile``) elements."""
+        k = round(self.host_fraction * n)
+        step = max(1, min(chunk or k, self.tile or k))
+        cut = [(a, min(a + step, k), self.tier) for a in range(0, k, step)]
+        return cut + [(k, n, Tier.DEVICE)] if k < n else cut
+
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
               real: int | None = None) -> list[Piece]:
         """Master pieces of owned partition ``own`` (working values; the first ``real`` elements hold
@@ -162,20 +174,20 @@ class Placement:
         self._bind_device(own.device)
         group, n = len(self.partitions), own.numel()
         real = n if real is None else real
-        k = round(self.host_fraction * n)
-        pieces = self._off_device(own, master_dtype, k, chunk)
-        if k < n:  # kept with the working values; fp32 training updates them in place
-            rest = own[k:]
-            pieces.append(Piece(k, n, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
+        cut = self.ranges(n, chunk)
+        pieces = self._off_device(own, master_dtype, [(a, b) for a, b, tier in cut if tier is not Tier.DEVICE])
+        for a, b, tier in cut:
+            if tier is Tier.DEVICE:  # kept with the working values; fp32 training updates them in place
+                rest = own[a:b]
+                pieces.append(Piece(a, b, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
         pieces = [replace(p, index=len(self.infos) + i, group=group, real=max(0, min(p.end, real) - p.start),
                           partition=own) for i, p in enumerate(pieces)]
         self.infos += pieces
         self.partitions.append(own)
         return pieces
 
-    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[Piece]:
-        """The pieces of ``own[:k]``, stepped off the device (none here: ``k`` is 0)."""
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
+        """The pieces of ranges ``cut`` of ``own``, stepped off the device (none here)."""
         return []
 
     def pieces(self) -> list[Piece]:
@@ -208,6 +220,47 @@ class Placement:
                 fp.add("host_grad_buffers", host=tensor_bytes([p.grad]))
         if Tier.DISK in self.stores:
             self.stores[Tier.DISK].memory(fp, "nvme_optimizer_pool", "optimizer")
+
+    def predict(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
+                master: torch.dtype, state: Sequence[int]) -> set[str]:
+        """What ``memory`` (and the pipeline's) will report for partitions of ``sizes`` elements, from the
+        sizes alone (``state``: the optimizer's bytes per master element, per state tensor); returns
+        the items that appear at the first step, not at setup."""
+        m, k, lazy = master.itemsize, sum(state), set()
+        for n in sizes:
+            for a, b, tier in self.ranges(n, chunk):
+                if tier is Tier.DEVICE:
+                    if working != master:
+                        fp.add("master_params", device=m * (b - a))
+                    fp.add("optimizer_state", device=k * (b - a))
+                elif tier is Tier.HOST:
+                    fp.add("master_params", host=m * (b - a))
+                    fp.add("host_grad_buffers", host=m * (b - a))
+                    if working != master:   # written by the first optimizer step
+                        fp.add("host_staging", host=working.itemsize * (b - a))
+                        lazy.add("host_staging")
+                    if self.overlap_step:   # allocated by the first speculative step
+                        fp.add("overlap_undo", host=(m + k) * (b - a))
+                        lazy.add("overlap_undo")
+                    fp.add("optimizer_state", host=k * (b - a))
+                else:   # DISK: master, state and staging are in the pool (``predict_pool``)
+                    if not self.grad_swap:
+                        fp.add("host_grad_buffers", host=m * (b - a))
+                    fp.add("optimizer_state")
+        return lazy
+
+    def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
+                     master: torch.dtype, state: Sequence[int]) -> None:
+        """The optimizer's swap file and pool for the same partitions: each tile's master, state and
+        swapped gradient in the file, and its 16-bit staging too in a slot."""
+        grad = [self.grad_dtype.itemsize] if self.grad_swap else []
+        tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
+                  [working.itemsize * (b - a)] if working != master else [], len(grad))
+                 for n in sizes for a, b, tier in self.ranges(n, chunk) if tier is Tier.DISK]
+        if tiles:
+            slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
+            fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
+            fp.add_disk("optimizer", nbytes)
 
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
         """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it

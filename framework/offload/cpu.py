@@ -23,21 +23,19 @@ from framework.offload.base import Piece, Placement, Shards
 class HostPlacement(Placement):
     """The first ``host_fraction`` of each partition in host memory, stepped by the host (tier HOST)."""
 
+    tier = Tier.HOST
+
     def __init__(self, host_fraction: float, pin: bool, shards: Shards | None = None, overlap_step: bool = False,
                  accelerator: Accelerator | None = None):
         self.host_fraction, self.pin, self.overlap_step = host_fraction, pin, overlap_step
         super().__init__(shards, accelerator)
 
-    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, k: int,
-                    chunk: int | None) -> list[Piece]:
-        """Pieces of ``chunk`` elements (gradient buffer, master, 16-bit staging): one pinned arena."""
-        step, host = chunk or max(k, 1), self.stores[Tier.HOST]
-        sizes = [min(a + step, k) - a for a in range(0, k, step)]
-        staged = own.dtype != master_dtype
-        host.reserve([(m, dt) for m in sizes for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
+        """Each piece's gradient buffer, master and 16-bit staging: one pinned arena."""
+        host, staged = self.stores[Tier.HOST], own.dtype != master_dtype
+        host.reserve([(b - a, dt) for a, b in cut for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
         pieces = []
-        for a in range(0, k, step):
-            b = min(a + step, k)
+        for a, b in cut:
             grad = host.allocate(b - a, master_dtype)
             grad.zero_()
             master = host.allocate(b - a, master_dtype)

@@ -5,7 +5,7 @@
 from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, check_shape, cover, make_layout, param_count,
                                     param_groups, unit_groups)
 from framework.stages._units import UnitPlan, plan_units
-from framework.stages._grads import bucket_buffers, expected_order, plan_buckets
+from framework.stages._grads import bucket_buffers
 
-__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "check_shape", "cover", "expected_order",
-           "make_layout", "param_count", "param_groups", "plan_buckets", "plan_units", "unit_groups"]
+__all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "check_shape", "cover", "make_layout",
+           "param_count", "param_groups", "plan_units", "unit_groups"]

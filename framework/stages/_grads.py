@@ -271,9 +271,9 @@ class FlatGrads:
 
     def finish(self) -> list[torch.Tensor]:
         """Complete the step's reduction; per group, the buffer the summed gradients live in."""
+        summed = self.summed()
         if self.dist.world > 1:
             self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
-            summed = self.summed()
             for b, pending, buf in self.work:
                 self.dist.comm.wait(pending, self.what)
                 if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
@@ -283,7 +283,7 @@ class FlatGrads:
         else:   # every range is final at once: there is nothing to reduce
             for g, grad in enumerate(self.grads):
                 self._final(g, 0, grad.numel())
-        return self.summed()
+        return summed
 
     def summed(self) -> list[torch.Tensor]:
         """Per group, the buffer ``_final`` ranges live in."""

@@ -23,7 +23,7 @@ from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_group, param_groups
-from framework.stages._grads import (Arrivals, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
+from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
                                      plan_buckets, plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup, WholeParameters
 
@@ -46,13 +46,10 @@ class ShardedStage(PartitionedStage, WholeParameters):
     """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
     slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
 
-    round_robin = False   # lay parameters out round-robin over the partitions (zero2's round_robin_gradients)
-
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
             raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
-        # Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step.
-        super().__init__(cfg, dist, offload, chunk=-(-cfg.reduce_bucket_size // dist.world))
+        super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
         self.flats: list[torch.Tensor] = []     # working parameters, replicated
         self.policy: Policy | None = None
 
@@ -65,7 +62,7 @@ class ShardedStage(PartitionedStage, WholeParameters):
         for g, (_, named) in enumerate(groups):
             # Layout order (round-robin, or registration order); entries stay in registration order,
             # the order backward runs in reverse, from which buckets are planned.
-            placed = round_robin(named, self.dist.world) if self.round_robin else named
+            placed = self.layout_order(self.cfg, named, self.dist.world)
             layout, flat, bound = bind_group(module, placed, self.dist.world, policy.param_dtype, self.dist, init)
             params = dict(zip((n for n, _ in placed), bound))
             slots = {s.name: s for s in layout.slots}
@@ -76,6 +73,16 @@ class ShardedStage(PartitionedStage, WholeParameters):
             entries += [(params[n], (g, slots[n])) for n, _ in named]
         self._setup_grads(entries)
         return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+
+    @staticmethod
+    def piece_size(cfg: ZeroConfig, world: int) -> int:
+        """Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step."""
+        return -(-cfg.reduce_bucket_size // world)
+
+    @staticmethod
+    def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
+        """The order a group's parameters are laid out in: registration order."""
+        return named
 
     def publish_finish(self) -> None:
         comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
@@ -136,9 +143,17 @@ class Zero2Stage(ShardedStage):
     (``contiguous_gradients``), their .grad freed, and the buffer reduced to its owners, who add their
     share into their partition."""
 
-    @property
-    def round_robin(self) -> bool:
-        return self.cfg.round_robin_gradients
+    @staticmethod
+    def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
+        """Round-robin over the partitions with ``round_robin_gradients``."""
+        return round_robin(named, world) if cfg.round_robin_gradients else named
+
+    @staticmethod
+    def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:
+        """Buckets on partition boundaries, each with one owner or a whole aligned group buffer, from
+        the (group, slot) of each parameter in registration order (and ``framework.memory``'s)."""
+        plan = plan_round_robin if cfg.round_robin_gradients else plan_buckets
+        return plan(expected_order(slots), cfg.reduce_bucket_size, shards, world)
 
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]
@@ -147,10 +162,8 @@ class Zero2Stage(ShardedStage):
         self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]
-        # On partition boundaries: each bucket has one owner, or is a whole aligned group buffer.
-        plan = plan_round_robin if self.round_robin else plan_buckets
-        buckets = plan(expected_order(self.slots), self.cfg.reduce_bucket_size,
-                       {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
+        buckets = self.plan(self.cfg, self.slots, {g: layout.shard for g, layout in enumerate(self.layouts)},
+                            self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]

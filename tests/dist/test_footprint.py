@@ -36,7 +36,10 @@ ONE_RANK += [
 ]
 TWO_RANKS = [(f"+stage={s}", f"offload={o}", "precision=bf16")
              for s, o in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"])]
-TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300")]
+TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300"),
+              # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
+              ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",
+               "stage.overlap_comm=true", "precision=bf16")]
 
 
 def _footprints(dist, cases, folder):
