@@ -82,8 +82,9 @@ class StateLayout:
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
         """This rank's part of writing every parameter once: (parameter, holding, lo, hi), elements
-        [lo, hi) from that holding. Elements several ranks hold (replicated stages) are spread over
-        them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
+        [lo, hi) from that holding. Over the ranks the parts tile each parameter exactly once (a
+        checkpoint load fills every element); elements several ranks hold (replicated stages) are
+        spread over them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)

@@ -31,7 +31,7 @@ __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "prefli
 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
-SPENT = "; the state passed to resume may be partly overwritten: build a new engine to train"
+SPENT = "; the state given to resume may be partly overwritten: do not train from it"
 
 
 class Checkpointer:

@@ -85,23 +85,24 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
 
 def agree_load(group: Group, what: str, fn):
     """``fn()`` on every rank, outcomes exchanged before anyone goes on: a rank that failed raises
-    its own error, the others the same kind (ConfigError: the checkpoint is another run's, no
-    fallback; otherwise CheckpointError)."""
+    its own error, the others the same kind, so every rank takes the same path (ConfigError: the
+    checkpoint is another run's, no fallback; CheckpointError: damaged, fall back; any other
+    FrameworkError, e.g. a swap file's IO: the run stops)."""
     result, problem = None, None
     try:
         result = fn()
     except FrameworkError as e:
-        problem = (type(e) is ConfigError, str(e))
+        problem = (next(k for k in (ConfigError, CheckpointError, FrameworkError) if isinstance(e, k)), str(e))
         mine = e
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        problem = (False, f"{what}: {describe(e)}")
+        problem = (CheckpointError, f"{what}: {describe(e)}")
         mine = CheckpointError(problem[1])
     problems = [p for p in group.all_gather(problem, what) if p]
     if problem is not None:
         raise mine
     if problems:
-        config, text = problems[0]
-        raise (ConfigError if config else CheckpointError)(text)
+        kind, text = problems[0]
+        raise kind(text)
     return result
 
 
