@@ -55,12 +55,10 @@ def _typed(node: Mapping, schema: type, prefix: str) -> Any:
 
 def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     """Check a composed config against the schemas; return the typed, frozen Config."""
-    if OmegaConf is None:
-        raw = copy.deepcopy(dict(cfg))
-        raw.pop("hydra", None)
-    else:
-        raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-        raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+    raw = copy.deepcopy(dict(cfg)) if OmegaConf is None else (
+        OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg))
+    raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+    if OmegaConf is not None:
         try:
             raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
         except OmegaConfBaseException as e:
