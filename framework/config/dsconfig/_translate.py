@@ -109,71 +109,67 @@ class Translation:
             self.error(f"{ds_key} must be {want}, got {json.dumps(value)}")
         return ok
 
-    def run(self, ds: dict) -> Translation:
-        top = self.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
-        if "bfloat16" in top:
-            if "bf16" in top:
-                self.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
-            top["bf16"] = top.pop("bfloat16")
-        for key, why in INERT_TOP.items():
-            if key in top:
-                self.inert_key(key, why)
-        for key, what in FEATURES.items():
-            if key in top and not switched_off(top[key], key):
-                self.error(f"'{key}': {what} is not implemented here; remove it")
-            elif key in top:
-                self.inert_key(key, "switched off")
-        if "zero_optimization" in top:
-            zero(self, top["zero_optimization"], top.get("aio"))
-        elif "aio" in top:
-            aio_keys(self, top["aio"], applies=False)
-        precision(self, top)
-        optimizer(self, top.get("optimizer"))
-        scheduler(self, top.get("scheduler"))
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-            if key in top:
-                value = self.typed(top[key], "int", key, auto_ok=True)
-                if value is not None and value != AUTO and value < 1:
-                    self.error(f"{key} must be >= 1, got {value}")
-                elif value is not None:
-                    self.batch[key] = value
-        if "gradient_clipping" in top:
-            value = self.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
-            if value is not None:
-                self.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
-        else:  # DeepSpeed clips only when asked
-            self.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
-        activation_checkpointing(self, top.get("activation_checkpointing"))
-        return self
-
 
 def translate(ds: dict) -> Translation:
-    return Translation().run(ds)
+    tr = Translation()
+    top = tr.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
+    if "bfloat16" in top:
+        if "bf16" in top:
+            tr.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
+        top["bf16"] = top.pop("bfloat16")
+    for key, why in INERT_TOP.items():
+        if key in top:
+            tr.inert_key(key, why)
+    for key, what in FEATURES.items():
+        if key in top and not switched_off(top[key], key):
+            tr.error(f"'{key}': {what} is not implemented here; remove it")
+        elif key in top:
+            tr.inert_key(key, "switched off")
+    if "zero_optimization" in top:
+        zero(tr, top["zero_optimization"], top.get("aio"))
+    elif "aio" in top:
+        aio_keys(tr, top["aio"], applies=False)
+    precision(tr, top)
+    optimizer(tr, top.get("optimizer"))
+    scheduler(tr, top.get("scheduler"))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in top:
+            value = tr.typed(top[key], "int", key, auto_ok=True)
+            if value is not None and value != AUTO and value < 1:
+                tr.error(f"{key} must be >= 1, got {value}")
+            elif value is not None:
+                tr.batch[key] = value
+    if "gradient_clipping" in top:
+        value = tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
+        if value is not None:
+            tr.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
+    else:  # DeepSpeed clips only when asked
+        tr.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
+    activation_checkpointing(tr, top.get("activation_checkpointing"))
+    return tr
 
 
-def zero(tr: Translation, node: Any, aio: Any) -> int:
+def zero(tr: Translation, node: Any, aio: Any) -> None:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
     if stage is None:
-        return 0
+        return
     if stage not in STAGES:
         tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-        return 0
+        return
     name = STAGES[stage]
     tr.choose("stage", name, "zero_optimization.stage")
     p = "zero_optimization."
     # Deprecated spellings -> the current keys.
     if "stage3_gather_fp16_weights_on_model_save" in z:
         z.setdefault("stage3_gather_16bit_weights_on_model_save", z.pop("stage3_gather_fp16_weights_on_model_save"))
-    sections = {"offload_optimizer": z.get("offload_optimizer"), "offload_param": z.get("offload_param")}
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if switch in z and tr.typed(z.pop(switch), "bool", p + switch) and sections[section] is None:
-            sections[section] = {"device": "cpu"}
-    offload_opt, offload_param = sections.values()
+        if switch in z and tr.typed(z.pop(switch), "bool", p + switch) and z.get(section) is None:
+            z[section] = {"device": "cpu"}
     if "cpu_offload_use_pin_memory" in z:
         pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", p + "cpu_offload_use_pin_memory")
-        for sec in (offload_opt, offload_param):
+        for sec in (z.get("offload_optimizer"), z.get("offload_param")):
             if isinstance(sec, dict):
                 sec.setdefault("pin_memory", pin)
     # Stage-3 keys with and without the prefix.
@@ -185,7 +181,7 @@ def zero(tr: Translation, node: Any, aio: Any) -> int:
         if k in z:
             z[long] = z.pop(k)
     zero_stage_keys(tr, z, name)
-    offload(tr, offload_opt, offload_param, z.get("sub_group_size"), aio, stage)
+    offload(tr, z.get("offload_optimizer"), z.get("offload_param"), z.get("sub_group_size"), aio, stage)
     for key, off, what in ZERO_FEATURES:
         if key in z:
             if z[key] == off or (off is None and switched_off(z[key], key)):
@@ -201,7 +197,6 @@ def zero(tr: Translation, node: Any, aio: Any) -> int:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
             tr.inert_key(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
-    return stage
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
