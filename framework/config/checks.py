@@ -89,8 +89,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     check = registry("offload").get(chosen["offload"]).check
     if check is not None:
         nodes["offload"] = check(nodes["offload"], chosen["stage"])
-    return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
-                  ds_config=root.ds_config, ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
+    return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
