@@ -36,8 +36,10 @@ from pathlib import Path
 
 from framework.cli import run_command
 from framework.cli.report import load_jobs
+from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
+from framework.memory import probe as _probe
 from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
@@ -93,9 +95,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
-    from framework.config import compose
-    from framework.memory import probe as _probe
-
     if "model" not in own:
         raise ConfigError("plan: give model=NAME (one of our model configs)")
     if "steps" in own and not flags["verify"]:

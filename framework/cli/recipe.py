@@ -29,7 +29,8 @@ from framework.core import files
 from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.units import MiB
-from framework.cli.report import matches
+from framework.cli import report
+from framework.cli.report import matches, measured_memory, zero_model_state_bytes
 from framework.config.schema import get_key
 
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -222,8 +223,6 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
 
 def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = None, stream=None) -> dict:
     """Report, extra plots and checks of a finished (or re-checked) output folder."""
-    from framework.cli import report
-
     stream = stream or sys.stdout
     res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}")
     jobs = res["jobs"]
@@ -358,8 +357,6 @@ def _file(out: Path | None, c: dict) -> dict:
 def _memory(jobs, c: dict) -> dict:
     """What a stage saves per rank from the smallest to the largest world size, measured, against
     what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
-    from framework.cli.report import measured_memory, zero_model_state_bytes
-
     stage = c["memory_scaling"]
     sel = sorted((j for j in jobs if matches(j, {"stage": stage})
                   and ("worlds" not in c or j.summary["world"] in c["worlds"])), key=lambda j: j.summary["world"])

@@ -55,12 +55,10 @@ def _typed(node: Mapping, schema: type, prefix: str) -> Any:
 
 def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     """Check a composed config against the schemas; return the typed, frozen Config."""
-    if OmegaConf is None:
-        raw = copy.deepcopy(dict(cfg))
-        raw.pop("hydra", None)
-    else:
-        raw = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg)
-        raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+    raw = copy.deepcopy(dict(cfg)) if OmegaConf is None else (
+        OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg))
+    raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+    if OmegaConf is not None:
         try:
             raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
         except OmegaConfBaseException as e:
@@ -91,8 +89,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     check = registry("offload").get(chosen["offload"]).check
     if check is not None:
         nodes["offload"] = check(nodes["offload"], chosen["stage"])
-    return Config(seed=root.seed, train=root.train, dist=root.dist, checkpoint=root.checkpoint, choices=chosen,
-                  ds_config=root.ds_config, ds_config_strict=root.ds_config_strict, notices=tuple(notes), **nodes)
+    return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere

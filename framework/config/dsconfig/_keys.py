@@ -72,7 +72,7 @@ MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_ac
 ALIASES_TOP = {"bfloat16": "bf16"}
 
 # zero_optimization keys that set a stage key: DeepSpeed key -> (kind, the "auto" rule filling it; h: the
-# model's hidden size). Where each lands per stage: ``_zero.zero_stage_keys``.
+# model's hidden size). Where each lands per stage: ``_translate.zero_stage_keys``.
 ZERO_STAGE = {"reduce_bucket_size": ("int", "h*h"), "allgather_bucket_size": ("int", ""),
               "stage3_prefetch_bucket_size": ("int", "0.9*h*h"), "stage3_max_live_parameters": ("int", ""),
               "stage3_max_reuse_distance": ("int", ""), "stage3_param_persistence_threshold": ("int", "10*h"),

@@ -135,14 +135,11 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
     tb, mb, ga = (b.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                      "gradient_accumulation_steps"))
     derived = {}
-    if mb == AUTO:
-        sources["train.micro_batch"] = AUTO_FILLED
-    elif mb is not None:
-        derived["train.micro_batch"] = mb
-    if ga == AUTO:
-        sources["train.grad_accum"] = AUTO_FILLED
-    elif ga is not None:
-        derived["train.grad_accum"] = ga
+    for key, v in (("train.micro_batch", mb), ("train.grad_accum", ga)):
+        if v == AUTO:
+            sources[key] = AUTO_FILLED
+        elif v is not None:
+            derived[key] = v
     if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
         if mb is not None:
             key, other, n = "train.grad_accum", "train_micro_batch_size_per_gpu", mb

@@ -1,6 +1,7 @@
-"""The walk over a DeepSpeed config: its top level, with the ZeRO sections in ``_zero`` and the
-training sections in ``_training``; what it finds is collected in a ``Translation`` (group
-choices, settings of our keys, errors and notices), nothing is composed."""
+"""The walk over a DeepSpeed config: its top level, ``zero_optimization`` and ``aio`` (onto the stage
+and offload groups), and the training sections (``fp16``/``bf16`` and the data types onto precision,
+``optimizer``, ``scheduler``; ``activation_checkpointing``, inert here). What it finds is collected in
+a ``Translation`` (group choices, settings of our keys, errors and notices); nothing is composed."""
 from __future__ import annotations
 
 import json
@@ -8,10 +9,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import (ALIASES_TOP, AUTO, DS_DEFAULT, DS_FILE, FEATURES, INERT_TOP, MAPPED_TOP,
-                                             close, switched_off)
-from framework.config.dsconfig._training import activation_checkpointing, optimizer, precision, scheduler
-from framework.config.dsconfig._zero import aio_keys, zero
+from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, ALIASES_TOP, ALIASES_ZERO, AUTO, BF16_KEYS, DS_DEFAULT,
+                                             DS_FILE, FEATURES, FP16_KEYS, FP16_SCALER, INERT_TOP, MAPPED_TOP,
+                                             NOT_IMPLEMENTED_OPTIMIZERS, OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS,
+                                             OPTIMIZER_INERT, OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES,
+                                             SCHEDULERS, STAGE3_KEYS, STAGES, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
+                                             ZERO_STAGE, close, switched_off)
 
 
 @dataclass(frozen=True)
@@ -106,43 +109,410 @@ class Translation:
             self.error(f"{ds_key} must be {want}, got {json.dumps(value)}")
         return ok
 
-    def run(self, ds: dict) -> Translation:
-        top = self.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
-        if "bfloat16" in top:
-            if "bf16" in top:
-                self.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
-            top["bf16"] = top.pop("bfloat16")
-        for key, why in INERT_TOP.items():
-            if key in top:
-                self.inert_key(key, why)
-        for key, what in FEATURES.items():
-            if key in top and not switched_off(top[key], key):
-                self.error(f"'{key}': {what} is not implemented here; remove it")
-            elif key in top:
-                self.inert_key(key, "switched off")
-        if "zero_optimization" in top:
-            zero(self, top["zero_optimization"], top.get("aio"))
-        elif "aio" in top:
-            aio_keys(self, top["aio"], applies=False)
-        precision(self, top)
-        optimizer(self, top.get("optimizer"))
-        scheduler(self, top.get("scheduler"))
-        for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-            if key in top:
-                value = self.typed(top[key], "int", key, auto_ok=True)
-                if value is not None and value != AUTO and value < 1:
-                    self.error(f"{key} must be >= 1, got {value}")
-                elif value is not None:
-                    self.batch[key] = value
-        if "gradient_clipping" in top:
-            value = self.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
-            if value is not None:
-                self.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
-        else:  # DeepSpeed clips only when asked
-            self.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
-        activation_checkpointing(self, top.get("activation_checkpointing"))
-        return self
-
 
 def translate(ds: dict) -> Translation:
-    return Translation().run(ds)
+    tr = Translation()
+    top = tr.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
+    if "bfloat16" in top:
+        if "bf16" in top:
+            tr.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
+        top["bf16"] = top.pop("bfloat16")
+    for key, why in INERT_TOP.items():
+        if key in top:
+            tr.inert_key(key, why)
+    for key, what in FEATURES.items():
+        if key in top and not switched_off(top[key], key):
+            tr.error(f"'{key}': {what} is not implemented here; remove it")
+        elif key in top:
+            tr.inert_key(key, "switched off")
+    if "zero_optimization" in top:
+        zero(tr, top["zero_optimization"], top.get("aio"))
+    elif "aio" in top:
+        aio_keys(tr, top["aio"], applies=False)
+    precision(tr, top)
+    optimizer(tr, top.get("optimizer"))
+    scheduler(tr, top.get("scheduler"))
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in top:
+            value = tr.typed(top[key], "int", key, auto_ok=True)
+            if value is not None and value != AUTO and value < 1:
+                tr.error(f"{key} must be >= 1, got {value}")
+            elif value is not None:
+                tr.batch[key] = value
+    if "gradient_clipping" in top:
+        value = tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
+        if value is not None:
+            tr.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
+    else:  # DeepSpeed clips only when asked
+        tr.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
+    activation_checkpointing(tr, top.get("activation_checkpointing"))
+    return tr
+
+
+def zero(tr: Translation, node: Any, aio: Any) -> None:
+    z = tr.section(node, "zero_optimization",
+                   [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO)
+    stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
+    if stage is None:
+        return
+    if stage not in STAGES:
+        tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+        return
+    name = STAGES[stage]
+    tr.choose("stage", name, "zero_optimization.stage")
+    p = "zero_optimization."
+    # Deprecated spellings -> the current keys.
+    if "stage3_gather_fp16_weights_on_model_save" in z:
+        z.setdefault("stage3_gather_16bit_weights_on_model_save", z.pop("stage3_gather_fp16_weights_on_model_save"))
+    for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if switch in z and tr.typed(z.pop(switch), "bool", p + switch) and z.get(section) is None:
+            z[section] = {"device": "cpu"}
+    if "cpu_offload_use_pin_memory" in z:
+        pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", p + "cpu_offload_use_pin_memory")
+        for sec in (z.get("offload_optimizer"), z.get("offload_param")):
+            if isinstance(sec, dict):
+                sec.setdefault("pin_memory", pin)
+    # Stage-3 keys with and without the prefix.
+    for k in STAGE3_KEYS:
+        long = f"stage3_{k}"
+        if k in z and long in z and z[k] != z[long]:
+            tr.error(f"{p}{k} and {p}{long} are the same key with different values ({json.dumps(z[k])} "
+                     f"and {json.dumps(z[long])}); keep one")
+        if k in z:
+            z[long] = z.pop(k)
+    zero_stage_keys(tr, z, name)
+    offload(tr, z.get("offload_optimizer"), z.get("offload_param"), z.get("sub_group_size"), aio, stage)
+    for key, off, what in ZERO_FEATURES:
+        if key in z:
+            if z[key] == off or (off is None and switched_off(z[key], key)):
+                tr.inert_key(p + key, "switched off")
+            else:
+                tr.error(f"{p}{key}: {what} is not implemented here; remove it")
+    if "leaf_module" in z:
+        if switched_off(z["leaf_module"], "leaf_module") or z["leaf_module"] == {}:
+            tr.inert_key(p + "leaf_module", "empty")
+        else:
+            tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
+    for key in ZERO_PERF:
+        if key in z:
+            tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
+            tr.inert_key(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
+
+
+def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
+    p = "zero_optimization."
+    # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
+    # take the keys without the stage3_ prefix, zero3 those with it and two more.
+    zero3 = name == "zero3"
+    targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
+        k: k for k in ZERO_STAGE
+        if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
+    why = {"ddp": "stage 0 replicates everything",
+           "zero1": "a stage-3 key", "zero2": "a stage-3 key",
+           "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
+    for key, (kind, rule) in ZERO_STAGE.items():
+        if key not in z:
+            continue
+        # Hugging Face fills the stage3_ sizes only under ZeRO-3; elsewhere an "auto" is left over.
+        # accelerate fills the 16-bit save flag with its own default (false), which is ours.
+        auto_ok = (bool(rule) and (zero3 or not key.startswith("stage3_"))) \
+            or key == "stage3_gather_16bit_weights_on_model_save"
+        value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
+        if value is None:
+            continue
+        if kind == "int" and value != AUTO and value < 0:
+            tr.error(f"{p}{key} must be >= 0, got {value}")
+        target = targets.get(key)
+        if target is not None:
+            tr.set(f"stage.{target}", value, p + key, rule=rule)
+        else:
+            tr.inert_key(p + key, why)
+            if value == AUTO and rule:  # resolved like any other, though nothing reads it
+                tr.set(f"_inert.{key}", value, p + key, rule=rule)
+
+
+def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
+    p = "zero_optimization."
+    o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS) if opt is not None else {}
+    q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS) if param is not None else {}
+    devices = []
+    for sec, name in ((o, "offload_optimizer"), (q, "offload_param")):
+        dev = tr.typed(sec.get("device", "none"), "str", f"{p}{name}.device")
+        if dev is not None and dev not in ("none", "cpu", "nvme"):
+            tr.error(f"{p}{name}.device must be none, cpu or nvme, got {json.dumps(dev)}")
+            dev = None
+        devices.append(dev or "none")
+    od, pd = devices
+    if pd != "none" and stage != 3:
+        tr.error(f"{p}offload_param.device={pd} needs zero_optimization.stage 3 (parameters are partitioned "
+                 f"only there), got stage {stage}")
+    target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
+    if target != "none" and od == "none":
+        tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
+                 f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
+
+    def both(key: str, kind: str) -> None:
+        values = {}
+        for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+            if key in sec and dev != "none":
+                v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
+                if v is not None:
+                    values[f"{p}{name}.{key}"] = v
+        if len(set(values.values())) > 1:
+            tr.error(f"{' and '.join(values)} differ ({', '.join(map(json.dumps, values.values()))}); "
+                     f"one value applies to both here")
+        elif values:
+            ds_key, v = next(iter(values.items()))
+            tr.set(f"offload.{key}", v, ds_key)
+
+    def one(sec: dict, name: str, key: str, ours: str, kind: str, applies: bool, why: str) -> None:
+        if key not in sec:
+            return
+        v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
+        if v is None:
+            return
+        if applies:
+            tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
+        else:
+            tr.inert_key(f"{p}{name}.{key}", why)
+
+    for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+        if dev == "none":
+            for key in sec:
+                if key != "device":
+                    tr.inert_key(f"{p}{name}.{key}", "device none")
+    if opt is not None or param is not None:  # absent sections leave the run's offload choice
+        tr.choose("offload", target, f"{p}offload_optimizer.device / offload_param.device")
+    if target == "none":
+        if sub_group_size is not None:
+            tr.typed(sub_group_size, "int", p + "sub_group_size")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
+        aio_keys(tr, aio, applies=False)
+        return
+    nvme = target == "nvme"
+    if nvme:
+        tr.set("offload.optimizer", od, f"{p}offload_optimizer.device")
+        tr.set("offload.params", pd, f"{p}offload_param.device")
+        both("nvme_path", "str")
+    else:  # offload=cpu takes params none|cpu
+        tr.set("offload.params", pd, f"{p}offload_param.device")
+        for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+            if "nvme_path" in sec and dev != "none":
+                tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
+    both("pin_memory", "bool")
+    why = "device cpu: NVMe buffers"
+    if od != "none":
+        one(o, "offload_optimizer", "ratio", "ratio", "float", True, "")
+        one(o, "offload_optimizer", "buffer_count", "buffer_count", "int", nvme, why)
+        one(o, "offload_optimizer", "pipeline_read", "pipeline_read", "bool", nvme, why)
+        one(o, "offload_optimizer", "pipeline_write", "pipeline_write", "bool", nvme, why)
+        if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
+            tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
+                               f"pipeline_write")
+            one(o, "offload_optimizer", "pipeline", "pipeline_read", "bool", nvme, why)
+            one(o, "offload_optimizer", "pipeline", "pipeline_write", "bool", nvme, why)
+        for key in ("fast_init", "cpuadam_cores_perc"):
+            if key in o:
+                tr.inert_key(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
+        if "super_offload" in o and o["super_offload"] is not False:
+            tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
+    if pd != "none":
+        one(q, "offload_param", "buffer_count", "param_buffer_count", "int", nvme, why)
+        one(q, "offload_param", "buffer_size", "param_buffer_size", "int", nvme, why)
+        one(q, "offload_param", "max_in_cpu", "max_in_cpu", "int", nvme, why)
+    if sub_group_size is not None:
+        v = tr.typed(sub_group_size, "int", p + "sub_group_size")
+        if v is not None and nvme:
+            tr.set("offload.sub_group_size", v, p + "sub_group_size")
+        elif v is not None:
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
+    aio_keys(tr, aio, applies=nvme)
+
+
+def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
+    if aio is None:
+        return
+    a = tr.section(aio, "aio", AIO_KEYS, {"thread_count": "intra_op_parallelism"})
+    if "thread_count" in a:
+        if "intra_op_parallelism" in a:
+            tr.error("aio.thread_count and aio.intra_op_parallelism are the same key; keep intra_op_parallelism")
+        a["intra_op_parallelism"] = a.pop("thread_count")
+    for key, value in a.items():
+        v = tr.typed(value, AIO_KEYS[key], f"aio.{key}")
+        if v is None:
+            continue
+        if key == "use_gds":
+            if v:
+                tr.error("aio.use_gds: GPUDirect Storage is not implemented here; remove it")
+            else:
+                tr.inert_key("aio.use_gds", "false")
+        elif applies:
+            tr.set(f"offload.aio.{key}", v, f"aio.{key}")
+        else:
+            tr.inert_key(f"aio.{key}", "no NVMe offload")
+
+
+def precision(tr: Translation, top: dict) -> None:
+    fp16 = tr.section(top["fp16"], "fp16", FP16_KEYS) if "fp16" in top else None
+    bf16 = tr.section(top["bf16"], "bf16", BF16_KEYS) if "bf16" in top else None
+    on16 = False if fp16 is None else tr.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True)
+    onbf = False if bf16 is None else tr.typed(bf16.get("enabled", False), "bool", "bf16.enabled", auto_ok=True)
+    if on16 is True and onbf is True:
+        tr.error("fp16.enabled and bf16.enabled are both true; enable one")
+    if on16 is True:
+        tr.choose("precision", "fp16", "fp16.enabled")
+    elif onbf is True:
+        tr.choose("precision", "bf16", "bf16.enabled")
+    elif AUTO in (on16, onbf):
+        # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
+        # section that says false (not absent) contradicts a run in that precision.
+        stated = {"fp16": None if fp16 is None else on16, "bf16": None if bf16 is None else onbf}
+        tr.set("_precision_auto", stated, "fp16.enabled / bf16.enabled", rule="precision")
+    elif fp16 is not None or bf16 is not None:
+        tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
+    if fp16 is not None:
+        for key, kind in FP16_SCALER.items():
+            if key in fp16:
+                v = tr.typed(fp16[key], kind, f"fp16.{key}")
+                if v is not None and on16 is False:
+                    tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
+                elif v is not None:
+                    tr.set(f"_fp16.{key}", v, f"fp16.{key}")
+        if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
+            tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
+                                             "precision=fp16 computes in fp16 already")
+        key = "fp16_master_weights_and_grads"
+        if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
+            tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
+    if bf16 is not None:
+        for key in ("immediate_grad_update", "check_grad_overflow"):
+            if key in bf16:
+                tr.typed(bf16[key], "bool", f"bf16.{key}")
+                tr.inert_key(f"bf16.{key}", "the bf16 step here is always the same")
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
+                tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
+                         f"fp32); remove it")
+    if "communication_data_type" in top:
+        v = tr.typed(top["communication_data_type"], "str", "communication_data_type")
+        if v is not None:
+            tr.set("_comm_dtype", v, "communication_data_type")
+    if "data_types" in top:
+        d = tr.section(top["data_types"], "data_types", ("grad_accum_dtype",))
+        if "grad_accum_dtype" in d:
+            v = tr.typed(d["grad_accum_dtype"], "str", "data_types.grad_accum_dtype")
+            if v is not None:
+                tr.set("precision.grad_accum_dtype", v, "data_types.grad_accum_dtype")
+
+
+def optimizer(tr: Translation, node: Any) -> None:
+    if node is None:
+        return
+    o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"))
+    if "legacy_fusion" in o:
+        tr.inert_key("optimizer.legacy_fusion", "selects a kernel")
+    low = _type(tr, o, "optimizer", OPTIMIZERS, NOT_IMPLEMENTED_OPTIMIZERS,
+                {k: k for k in [*OPTIMIZERS, *NOT_IMPLEMENTED_OPTIMIZERS]}, "Adam, AdamW, Adagrad, Lion or SGD")
+    if low is None:
+        return
+    defaults = OPTIMIZERS[low]
+    extra = ("adam_w_mode",) if low in ("adam", "adamw") else ()
+    params = tr.section(o.get("params", {}), "optimizer.params",
+                        [*defaults, *extra, *OPTIMIZER_INERT, *OPTIMIZER_REFUSED])
+    for key, why in OPTIMIZER_INERT.items():
+        if key in params:
+            tr.inert_key(f"optimizer.params.{key}", why)
+    for key, (off, why) in OPTIMIZER_REFUSED.items():
+        if key in params and params[key] != off:
+            tr.error(f"optimizer.params.{key}: {why}")
+    # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" always is.
+    name = low
+    if low in ("adam", "adamw"):
+        mode = tr.typed(params.get("adam_w_mode", True), "bool", "optimizer.params.adam_w_mode")
+        name = "adamw" if low == "adamw" or mode is not False else "adam"
+    tr.choose("optimizer", name, "optimizer.type")
+    # DeepSpeed passes all parameters in one group: biases and norm weights decay too.
+    tr.set("optimizer.decay_1d", True, "optimizer.params", DS_DEFAULT)
+    for key, default in defaults.items():
+        value = params.get(key, default)
+        ds_key = f"optimizer.params.{key}"
+        src = DS_FILE if key in params else DS_DEFAULT
+        if key == "betas":
+            if value == AUTO:
+                tr.set("optimizer.beta1", AUTO, ds_key, rule="optimizer.beta1")
+                tr.set("optimizer.beta2", AUTO, ds_key, rule="optimizer.beta2")
+            elif (isinstance(value, list) and len(value) == 2
+                  and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
+                tr.set("optimizer.beta1", float(value[0]), ds_key, src)
+                tr.set("optimizer.beta2", float(value[1]), ds_key, src)
+            else:
+                tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
+            continue
+        kind = "bool" if isinstance(default, bool) else "float"
+        v = tr.typed(value, kind, ds_key, auto_ok=key in ("lr", "eps", "weight_decay"))
+        if v is not None:
+            tr.set(f"optimizer.{key}", v, ds_key, src, rule=f"optimizer.{key}" if v == AUTO else "")
+
+
+def scheduler(tr: Translation, node: Any) -> None:
+    if node is None:
+        return
+    s = tr.section(node, "scheduler", ("type", "params"))
+    low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
+                SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
+    if low is None:
+        return
+    name, defaults = SCHEDULERS[low]
+    tr.choose("scheduler", name, "scheduler.type")
+    params = tr.section(s.get("params", {}), "scheduler.params", [*defaults, "last_batch_iteration"])
+    if "last_batch_iteration" in params:
+        v = tr.typed(params["last_batch_iteration"], "int", "scheduler.params.last_batch_iteration")
+        if v is not None and v != -1:
+            tr.error("scheduler.params.last_batch_iteration: resuming a schedule this way is not "
+                     "implemented here (the step is part of the train state); remove it")
+        else:
+            tr.inert_key("scheduler.params.last_batch_iteration", "-1: a fresh schedule")
+    rules = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")   # "auto" fills these
+    for key, default in defaults.items():
+        ds_key = f"scheduler.params.{key}"
+        if key not in params:
+            if default is None:
+                tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": "
+                         f"train.steps)")
+            else:
+                tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
+            continue
+        kind = {"warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str"}.get(key, "float")
+        v = tr.typed(params[key], kind, ds_key, auto_ok=key in rules)
+        if v is not None:
+            tr.set(f"scheduler.{key}", v, ds_key, rule=key if v == AUTO else "")
+
+
+def _type(tr: Translation, node: dict, section: str, have: Mapping, missing: Mapping[str, str],
+          spelled: Mapping[str, str], use: str) -> str | None:
+    """The section's ``type``, lower case, when we have it; else None, with an error naming what is
+    not implemented, or the closest type we have (``spelled``: lower case -> as DeepSpeed writes it)."""
+    kind = tr.typed(node.get("type"), "str", f"{section}.type")
+    if kind is None:
+        return None
+    low = kind.lower()
+    if low in missing:
+        tr.error(f"{section}.type {kind}: {missing[low]} is not implemented here; use {use}")
+        return None
+    if low not in have:
+        near = close(low, spelled)
+        hint = f" (did you mean {spelled[near]!r}?)" if near else ""
+        tr.error(f"{section}.type {kind!r} is not a DeepSpeed {section} we have{hint}; use {use}")
+        return None
+    return low
+
+
+def activation_checkpointing(tr: Translation, node: Any) -> None:
+    if node is None:
+        return
+    a = tr.section(node, "activation_checkpointing", ACT_KEYS)
+    for key in a:
+        # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
+        # model that calls it (Megatron) uses; the run goes on without them.
+        tr.inert_key(f"activation_checkpointing.{key}", "configures deepspeed.checkpointing, which is not used "
+                     "(model.activation_checkpointing turns checkpointing on)")
