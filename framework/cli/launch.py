@@ -150,8 +150,11 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
             continue
         try:
             st = entry.stat(follow_symlinks=False)
-            if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
-                continue   # another user's, or a launch that may not hold its lock yet
+        except OSError:   # removed meanwhile by another launch's clean-up
+            continue
+        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
+            continue   # another user's, or a launch that may not hold its lock yet
+        try:
             fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
             if time.time() - st.st_mtime > UNLOCKED_AGE_S:

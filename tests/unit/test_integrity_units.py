@@ -216,6 +216,25 @@ def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path
     assert live.is_dir() and young.is_dir() and other.is_dir()
 
 
+def test_a_rendezvous_folder_removed_meanwhile_is_skipped(tmp_path, monkeypatch):
+    """Another launch's clean-up removes a folder between the listing and its stat: skipped, the
+    others still handled (it used to end the launch with an UnboundLocalError)."""
+    import framework.cli.launch as launch
+
+    old = time.time() - 7200
+    folders = [tmp_path / f"{launch.RDZV_PREFIX}{name}" for name in ("a-vanished", "b-dead")]
+    for d in folders:
+        d.mkdir()
+        (d / launch.RDZV_LOCK).write_text("")
+        os.utime(d, (old, old))
+    listed = sorted(os.scandir(tmp_path), key=lambda e: e.name)
+    (folders[0] / launch.RDZV_LOCK).unlink()
+    folders[0].rmdir()
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda where: iter(listed) if where == str(tmp_path) else scandir(where))
+    assert launch.remove_dead_rendezvous(str(tmp_path)) == [str(folders[1])]
+
+
 # --- numbers in configs ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,message", [
