@@ -186,7 +186,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
     from framework.stages import bucket_buffers, make_layout, param_groups
-    from framework.stages.sharded import Zero2Stage
+    from framework.stages.sharded import ShardedStage, Zero2Stage
 
     world = world or cfg.dist.nproc
     policy = component(cfg, "precision").build(cfg.precision)
@@ -210,8 +210,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     if cfg.choices["offload"] == "nvme":
         pred.host_slack_fraction = 0.0
     # The longest piece the stage lets the tier cut (zero3: one per unit group already).
-    chunk = Zero2Stage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
-    pieces = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))
+    chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
+    cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
 
     def full_grads(n: int) -> None:
         """ddp and zero1: whole gradients, and an accumulator when it has another dtype."""
@@ -220,39 +220,43 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             pred.add("grad_accumulator", device=acc * n)
             pred.lazy.add("grad_accumulator")
 
-    if stage == "ddp":   # (offload=none: every piece on the device)
+    if stage == "ddp":   # (its own master and state on the device: the device tier's bytes)
         shards = [sum(padded)]
         pred.add("params", device=w * sum(padded))
         full_grads(sum(padded))
-        pred.lazy |= placement.predict(pred, shards, *pieces)
+        pred.lazy |= placement.predict(pred, shards, *cut)
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
     elif stage in ("zero1", "zero2"):
         shards = [lay.shard for lay in layouts]
         pred.add("params", device=w * sum(padded))
-        pred.lazy |= placement.predict(pred, shards, *pieces)
+        pred.lazy |= placement.predict(pred, shards, *cut)
         if stage == "zero1":
             full_grads(sum(padded))
         else:
             pred.add("grads", device=acc * sum(shards))
             # The bucket plan the stage makes, from its slots in registration order.
-            slots = [(g, {s.name: s for s in lay.slots}[n]) for g, (named, lay) in enumerate(zip(groups, layouts))
-                     for n, _ in named]
+            slots = []
+            for g, (named, lay) in enumerate(zip(groups, layouts)):
+                by_name = {s.name: s for s in lay.slots}
+                slots += [(g, by_name[n]) for n, _ in named]
             buckets = Zero2Stage.plan(cfg.stage, slots, dict(enumerate(shards)), world)
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
             # Parameter .grad tensors live until their bucket is copied out: when one bucket holds a
             # whole group, until the end of backward (traced with the activations); else about the
-            # buckets in flight plus the one filling.
+            # buckets in flight plus the ones filling: one, or with round robin one per partition
+            # (neighbouring gradients go to different ranks' buckets).
             keep_grads = any(pd <= cfg.stage.reduce_bucket_size for pd in padded)
             if not keep_grads:
-                pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + 1) * biggest)
+                filling = world if cfg.stage.round_robin_gradients else 1
+                pred.transient["param_grads"] = w * min(max(lay.numel for lay in layouts), (n_buf + filling) * biggest)
     elif stage == "zero3":
-        shards = _zero3(cfg, module, policy, world, pred, placement, pieces)
+        shards = _zero3(cfg, module, policy, world, pred, placement, cut)
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
-    placement.predict_pool(pred, shards, *pieces)
+    placement.predict_pool(pred, shards, *cut)
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
@@ -272,7 +276,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     return pred
 
 
-def _zero3(cfg, module, policy, world, pred: Prediction, placement, pieces: tuple) -> list[int]:
+def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window.
     Returns the shards' lengths."""
     from framework.offload import pool_layout
@@ -294,7 +298,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, pieces: tupl
         # (with the owned gradients in the swap file a partition exists only while it is reduced)
         if not swap_grads:
             pred.add("grads", device=acc * layout.shard)
-        pred.lazy.update(placement.predict(pred, [layout.shard], *pieces))
+        pred.lazy |= placement.predict(pred, [layout.shard], *cut)
         if gathered:
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded

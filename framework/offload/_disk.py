@@ -16,9 +16,10 @@ import torch
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
+from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, free_bytes, shortfalls
 from framework.core.units import GiB, MiB
-from framework.offload._diskstore import DiskStore, parked
+from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
 from framework.offload._swapfile import reserved_bytes, swap_path
@@ -234,6 +235,19 @@ class DiskPlacement(GradSwap, NVMePlacement):
         self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count,
                                            read_ahead=spec.pipeline_read, write_behind=spec.pipeline_write,
                                            name="optimizer")
+
+    def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
+                     master: torch.dtype, state: Sequence[int]) -> None:
+        """The optimizer's swap file and pool for the same partitions: each tile's master, state and
+        swapped gradient in the file, and its 16-bit staging too in a slot."""
+        grad = [self.grad_dtype.itemsize] if self.grad_swap else []
+        tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
+                  [working.itemsize * (b - a)] if working != master else [], len(grad))
+                 for n in sizes for a, b, tier in self.ranges(n, chunk) if tier is Tier.DISK]
+        if tiles:
+            slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
+            fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
+            fp.add_disk("optimizer", nbytes)
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store (which points them

@@ -26,7 +26,6 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._diskstore import pool_layout
 from framework.offload._store import HostStore, Tier
 
 if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
@@ -251,16 +250,7 @@ class Placement:
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
-        """The optimizer's swap file and pool for the same partitions: each tile's master, state and
-        swapped gradient in the file, and its 16-bit staging too in a slot."""
-        grad = [self.grad_dtype.itemsize] if self.grad_swap else []
-        tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
-                  [working.itemsize * (b - a)] if working != master else [], len(grad))
-                 for n in sizes for a, b, tier in self.ranges(n, chunk) if tier is Tier.DISK]
-        if tiles:
-            slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
-            fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
-            fp.add_disk("optimizer", nbytes)
+        """The swap file and pool of the disk pieces of the same partitions (none here)."""
 
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
         """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
