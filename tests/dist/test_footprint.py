@@ -4,8 +4,9 @@
 parameters, gradients, masters, optimizer state, host buffers, swap pools, swap files), by item
 and by where they live; ``framework.memory.predict`` computes the same items from the model's
 shapes with the functions the stages and tiers lay themselves out with (``make_layout``,
-``plan_units``, ``Zero2Stage.plan``, ``Placement.ranges`` and ``Placement.predict``). Every stage x offload x precision on one rank, the settings that change the
-layout (partial offload, parameter offload, speculation, accumulation, small tiles and buckets),
+``plan_units``, ``Zero2Stage.plan``, ``Placement.ranges`` and ``Placement.predict``). Every
+stage x offload x precision on one rank, the settings that change the layout (partial offload,
+parameter offload, speculation, accumulation, small tiles and buckets),
 and the sharded compositions on two ranks.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from framework import ConfigError, compose
-from framework.core.errors import SwapIOError, UnsafePathError
+from framework.core.errors import CheckpointError, FrameworkError, SwapIOError, UnsafePathError
 from framework.core.files import create_new, make_dir, make_dirs, open_append, write_atomic
 from framework.core.room import Claim, shortfalls
 
@@ -263,3 +263,77 @@ def test_deepspeed_numbers_that_are_not_finite_or_overflow_are_one_line_errors(t
     path.write_text(ds)
     with pytest.raises(ConfigError, match="^" + message.replace("(", r"\(").replace("+", r"\+")):
         compose([f"ds_config={path}"])
+
+
+# --- a failed checkpoint read: one path for every rank ------------------------------------------------
+
+class _Sent(Exception):
+    pass
+
+
+class _Gather:
+    """A checkpoint group of ``world`` ranks seen from ``rank``: first records what this rank sends
+    (``_Sent``), then answers with what every rank sent."""
+
+    def __init__(self, rank, world, everyone=None):
+        self.rank, self.world, self.everyone = rank, world, everyone
+
+    def all_gather(self, obj, what):
+        if self.everyone is None:
+            raise _Sent(obj)
+        return self.everyone
+
+
+def _agreed(outcomes):
+    """What ``agree_load`` raises on each rank when rank r's ``fn`` raises ``outcomes[r]`` (None: succeeds)."""
+    from framework.persist.checkpoint._group import agree_load
+
+    def fn(e):
+        def run():
+            if e is not None:
+                raise e
+            return "loaded"
+        return run
+
+    sent = []
+    for r, e in enumerate(outcomes):
+        with pytest.raises(_Sent) as got:
+            agree_load(_Gather(r, len(outcomes)), "reading", fn(e))
+        sent.append(got.value.args[0])
+    raised = []
+    for r, e in enumerate(outcomes):
+        with pytest.raises(Exception) as got:
+            agree_load(_Gather(r, len(outcomes), sent), "reading", fn(e))
+        raised.append(got.value)
+    return raised
+
+
+@pytest.mark.parametrize("outcomes,falls_back,config", [
+    ([None, CheckpointError("damaged"), None], True, False),
+    ([RuntimeError("dcp"), None], True, False),
+    ([CheckpointError("damaged"), SwapIOError("swap read failed"), None], False, False),
+    ([None, SwapIOError("swap read failed"), CheckpointError("damaged")], False, False),
+    ([ConfigError("another model"), CheckpointError("damaged"), None], False, True),
+])
+def test_after_a_failed_read_every_rank_takes_the_same_path(outcomes, falls_back, config):
+    """``Checkpointer.resume`` falls back on a CheckpointError and stops on any other error: every
+    rank must raise the same kind, or some would go on to the next folder's collectives while the
+    others left (a hang until the timeout)."""
+    raised = _agreed(outcomes)
+    assert all(isinstance(e, FrameworkError) for e in raised), raised
+    assert [isinstance(e, CheckpointError) for e in raised] == [falls_back] * len(raised), raised
+    assert [isinstance(e, ConfigError) for e in raised] == [config] * len(raised), raised
+
+
+def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
+    """An edited manifest whose file entry is not {bytes, sha256} is one CheckpointError naming the
+    manifest (it used to be a KeyError on the rank that read it, its peers left waiting)."""
+    from framework.persist.checkpoint import _folder
+    from framework.persist.checkpoint._load import verify
+
+    (tmp_path / "a").write_text("x")
+    (tmp_path / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": {"a": {"size": 1}}}))
+    with pytest.raises(_Sent) as got:
+        verify(tmp_path, _Gather(0, 1))
+    with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(KeyError"):
+        verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))

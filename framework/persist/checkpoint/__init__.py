@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from framework.config.schema import get_key
-from framework.core.errors import CheckpointError, ConfigError
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, glue
 from framework.persist.checkpoint._load import OTHER_RUN, load
@@ -99,6 +99,10 @@ class Checkpointer:
                         else "no older checkpoint is left")
                 print(f"rank {self.rank}: {e}; {then}", flush=True)
                 continue
+            except FrameworkError as e:
+                if errors:   # an earlier folder's refused read may have written into the state
+                    raise type(e)(f"{e}{SPENT}") from e
+                raise
             if body["world"] != self.group.world:
                 how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
             elif body["stage"] != self.config["stage"]["name"]:

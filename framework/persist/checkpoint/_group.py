@@ -98,12 +98,15 @@ def agree_load(group: Group, what: str, fn):
         problem = (CheckpointError, f"{what}: {describe(e)}")
         mine = CheckpointError(problem[1])
     problems = [p for p in group.all_gather(problem, what) if p]
-    if problem is not None:
+    if not problems:
+        return result
+    # One kind on every rank, failed or not: a refusal that stops the run wins over damage (fall back).
+    kind = next(k for k in (ConfigError, FrameworkError, CheckpointError) if any(p[0] is k for p in problems))
+    if problem is None:
+        raise kind(next(text for k, text in problems if k is kind))
+    if problem[0] is kind:
         raise mine
-    if problems:
-        kind, text = problems[0]
-        raise kind(text)
-    return result
+    raise kind(problem[1]) from mine
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:

@@ -33,6 +33,8 @@ def verify(folder: Path, group: Group) -> dict:
         problems = [p for p in mine if p]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
+    except (KeyError, TypeError) as e:   # an edited manifest entry: refused on every rank like a bad file
+        problems = [f"{folder / _folder.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
     everyone = group.all_gather(problems, "checksum verification")
     bad = sorted({p for part in everyone for p in part})
     if bad:
@@ -56,10 +58,10 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     if not isinstance(world, int) or world < 1 or world != manifest.get("world"):
         raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {_folder.MANIFEST} says "
                               f"{manifest.get('world')!r} (edited, or files of different saves)")
-    if body["step"] != manifest.get("step") or not isinstance(body["fragments"], list) \
-            or len(body["fragments"]) != world:
+    layouts = len(body["fragments"]) if isinstance(body["fragments"], list) else None
+    if body["step"] != manifest.get("step") or layouts != world:
         raise CheckpointError(f"checkpoint {folder}: {path} does not match {_folder.MANIFEST} (step {body['step']!r} "
-                              f"vs {manifest.get('step')!r}, {len(body['fragments'])} rank layouts for world {world})")
+                              f"vs {manifest.get('step')!r}, {layouts} rank layouts for world {world})")
     absent = [f"rng-{r}.json" for r in range(world) if f"rng-{r}.json" not in manifest["files"]]
     if absent:
         raise CheckpointError(f"checkpoint {folder}: {_folder.MANIFEST} lists no {few(absent)} for world size {world}")
