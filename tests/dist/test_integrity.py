@@ -265,6 +265,24 @@ def test_resume_falls_back_past_every_kind_of_damage_on_every_rank(pools, tmp_pa
     assert (root / "step-6" / "manifest.json").is_file()   # saved again over the damaged one
 
 
+def test_an_error_after_a_refused_read_says_the_state_was_read_into(pools, tmp_path, reference):
+    """resume=auto: step 2 is read and refused (non-finite values), the fallback to step 1 stops the run
+    (a state format of a newer version: not damage, no fallback). The step-2 read already wrote into the
+    state, so every rank's error says not to train from it."""
+    import shutil
+
+    root = tmp_path / "ckpt"
+    shutil.copytree(reference["zero2"][0], root)
+    for step in range(3, 7):
+        shutil.rmtree(root / f"step-{step}")
+    _rewrite(root / "step-2", _nan)
+    _edit_train_state(root / "step-1", lambda t: t.replace('"state_format": 1', '"state_format": 99'))
+    runs = pools(2).run(_run, ZERO2, str(root), steps=3, resume="auto", keep_last=0, timeout=240)
+    for r in runs:
+        assert r["error"].startswith(f"FrameworkError: checkpoint {root / 'step-1'}: saved state of format 99"), r
+        assert r["error"].endswith("; the state given to resume may be partly overwritten: do not train from it"), r
+
+
 # --- item 4: a full disk during a save ---------------------------------------------------------------
 
 def test_a_full_disk_during_a_save_names_the_folder_and_keeps_the_previous(pools, tmp_path):

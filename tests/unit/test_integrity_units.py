@@ -15,7 +15,7 @@ import torch
 
 from framework import ConfigError, compose
 from framework.core.errors import CheckpointError, FrameworkError, SwapIOError, UnsafePathError
-from framework.core.files import create_new, make_dir, make_dirs, open_append, write_atomic
+from framework.core.files import create_new, make_dir, make_dirs, open_append, read_into, write_at, write_atomic
 from framework.core.room import Claim, shortfalls
 
 
@@ -337,3 +337,19 @@ def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
         verify(tmp_path, _Gather(0, 1))
     with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(KeyError"):
         verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))
+
+
+def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):
+    """``write_at``/``read_into`` move a host tensor's own bytes: a strided one would be copied by the
+    reshape (a read would land in the copy and be lost), a device one has no host bytes."""
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        write_at(fd, torch.arange(16, dtype=torch.float32), 0)
+        out = torch.zeros(4, 4)
+        assert read_into(fd, out, 0) is None and out.flatten().tolist() == list(range(16))
+        for bad, kind in ((torch.zeros(4, 4).t(), "cpu strided"), (torch.zeros(4, device="meta"), "meta contiguous")):
+            for call in (write_at, read_into):
+                with pytest.raises(ValueError, match=f"needs a contiguous host tensor, got {kind}"):
+                    call(fd, bad, 0)
+    finally:
+        os.close(fd)
