@@ -279,10 +279,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window.
     Returns the shards' lengths."""
-    from framework.offload import pool_layout
     from framework.stages import make_layout, plan_units, unit_groups
 
-    s, o = cfg.stage, cfg.offload
+    s = cfg.stage
     w, red, acc = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize, policy.grad_accum_dtype.itemsize
     # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
@@ -311,23 +310,13 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     for _, named in unit_groups(persistent):
         group(named, True)
     pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
-    where = getattr(o, "params", "none")   # (offload=nvme's auto is resolved by the config)
-    if where == "cpu":
-        d, h = pred.items["params"]
-        pred.items["params"] = (0, d + h)
-    elif where == "nvme":   # shards in swap files, a pinned pool
-        pred.items.pop("params")
-        # slots as large as the largest shard, no more of them than max_in_cpu allows
-        slot, slots, nbytes, _ = pool_layout([([w * n], [], 0) for n in shards],
-                                             min(o.param_buffer_count, o.max_in_cpu // max(max(shards), 1)))
-        pred.add("nvme_param_pool", host=slots * slot)
-        pred.add_disk("params", nbytes)
+    placement.shards.predict(pred, shards, w)   # where the tier keeps the shards (offload.params)
     # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
     # model under a billion parameters stays gathered from its forward into its backward; the live
     # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
     # the hooks gather in place (the shard is the whole buffer: _gather.Gatherer._in_place).
     biggest = max(sizes, default=0)
-    window = 0 if world == 1 and where == "none" else min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    window = 0 if world == 1 and not placement.shards.params_on_host else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
     # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
     # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a

@@ -14,7 +14,7 @@ from framework.core.errors import ConfigError, SwapIOError
 from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
-from framework.offload._diskstore import DiskStore, park_tensor
+from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
@@ -114,7 +114,7 @@ class DiskShards(HostShards):
         largest = max(e.swapped[0].numel() for e in store.entries.values())
         # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
         # max_in_cpu caps how many shards are resident at once.
-        _, slots, total, _ = store.layout(min(spec.param_buffer_count, spec.max_in_cpu // largest))
+        _, slots, total, _ = store.layout(self.slots(largest))
         preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
                   spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
                   count_key="offload.param_buffer_count", create=True)
@@ -130,8 +130,19 @@ class DiskShards(HostShards):
                               f"than the largest parameter shard ({largest} elements): set "
                               f"offload.max_in_cpu >= {largest}")
 
+    def slots(self, largest: int) -> int:
+        """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
+        pinned memory idles), no more than max_in_cpu lets be resident at once."""
+        return min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
+
     def memory(self, fp: Footprint, shards) -> None:
         self.store.memory(fp, "nvme_param_pool", "params")
+
+    def predict(self, fp: Footprint, sizes, itemsize: int) -> None:
+        fp.items.pop("params")
+        slot, slots, nbytes, _ = pool_layout([([itemsize * n], [], 0) for n in sizes], self.slots(max(sizes)))
+        fp.add("nvme_param_pool", host=slots * slot)
+        fp.add_disk("params", nbytes)
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
         if not self.swapped:

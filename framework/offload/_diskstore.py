@@ -21,7 +21,7 @@ def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buf
                 ) -> tuple[int, int, int, int]:
     """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries`` (the byte sizes of
     each's swapped and scratch tensors, and how many swapped ones, last, are read-only): for the store
-    and the estimator (``framework.memory``) alike. The bounce buffer holds a read-only tensor."""
+    and the tiers' predictions alike. The bounce buffer holds a read-only tensor."""
     slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
     bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce

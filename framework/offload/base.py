@@ -114,6 +114,10 @@ class Shards:
         """zero3's parameter shards ``shards``, where they live."""
         fp.add("params", device=tensor_bytes(shards))
 
+    def predict(self, fp: Footprint, sizes: Sequence[int], itemsize: int) -> None:
+        """The estimator's ``params`` item (shards of ``sizes`` elements, counted on the device), moved
+        to where ``memory`` will find them: here, on the device."""
+
     def close(self) -> None:
         pass
 

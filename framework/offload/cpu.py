@@ -92,6 +92,10 @@ class HostShards(Shards):
     def memory(self, fp: Footprint, shards) -> None:
         fp.add("params", host=tensor_bytes(shards))
 
+    def predict(self, fp: Footprint, sizes, itemsize: int) -> None:
+        device, host = fp.items["params"]
+        fp.items["params"] = (0, device + host)
+
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         self._settle(dst)   # a host copy, once its loads are done
         self.p.acc.copy(dst, src)
