@@ -337,6 +337,12 @@ def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
         verify(tmp_path, _Gather(0, 1))
     with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(KeyError"):
         verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))
+    # a file name the OS refuses (an embedded NUL byte): the same, not a ValueError on one rank
+    (tmp_path / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": {"a\u0000b": {}}}))
+    with pytest.raises(_Sent) as got:
+        verify(tmp_path, _Gather(0, 1))
+    with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(ValueError"):
+        verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))
 
 
 def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):

@@ -99,9 +99,8 @@ class Checkpointer:
                         else "no older checkpoint is left")
                 print(f"rank {self.rank}: {e}; {then}", flush=True)
                 continue
-            except FrameworkError as e:
-                if errors:   # an earlier folder's refused read may have written into the state
-                    raise type(e)(f"{e}{SPENT}") from e
+            except FrameworkError as e:   # (a read that began may have written into the state)
+                e.args = (f"{e}{SPENT}", *e.args[1:])
                 raise
             if body["world"] != self.group.world:
                 how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"

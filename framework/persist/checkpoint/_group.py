@@ -84,10 +84,10 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
 
 
 def agree_load(group: Group, what: str, fn):
-    """``fn()`` on every rank, outcomes exchanged before anyone goes on: a rank that failed raises
-    its own error, the others the same kind, so every rank takes the same path (ConfigError: the
-    checkpoint is another run's, no fallback; CheckpointError: damaged, fall back; any other
-    FrameworkError, e.g. a swap file's IO: the run stops)."""
+    """``fn()`` on every rank, outcomes exchanged before anyone goes on: every rank raises one kind,
+    so all take the same path (ConfigError: the checkpoint is another run's, no fallback;
+    CheckpointError: damaged, fall back; any other FrameworkError, e.g. a swap file's IO: the run
+    stops); a rank whose own error is of that kind raises it, the others the first of that kind."""
     result, problem = None, None
     try:
         result = fn()
@@ -102,11 +102,9 @@ def agree_load(group: Group, what: str, fn):
         return result
     # One kind on every rank, failed or not: a refusal that stops the run wins over damage (fall back).
     kind = next(k for k in (ConfigError, FrameworkError, CheckpointError) if any(p[0] is k for p in problems))
-    if problem is None:
-        raise kind(next(text for k, text in problems if k is kind))
-    if problem[0] is kind:
+    if problem is not None and problem[0] is kind:
         raise mine
-    raise kind(problem[1]) from mine
+    raise kind(next(text for k, text in problems if k is kind)) from (mine if problem is not None else None)
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:

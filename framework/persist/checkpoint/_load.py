@@ -33,7 +33,7 @@ def verify(folder: Path, group: Group) -> dict:
         problems = [p for p in mine if p]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
-    except (KeyError, TypeError) as e:   # an edited manifest entry: refused on every rank like a bad file
+    except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
         problems = [f"{folder / _folder.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
     everyone = group.all_gather(problems, "checksum verification")
     bad = sorted({p for part in everyone for p in part})
