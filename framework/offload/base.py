@@ -249,7 +249,7 @@ class Placement:
                 else:   # DISK: master, state and staging are in the pool (``predict_pool``)
                     if not self.grad_swap:
                         fp.add("host_grad_buffers", host=m * (b - a))
-                    fp.add("optimizer_state")
+                    fp.add("optimizer_state")   # (no bytes: the item keeps its place in the estimate's order)
         return lazy
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
