@@ -125,15 +125,17 @@ class DiskShards(HostShards):
             print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
                   f"previous shard's copy to the device; allow at least the units prefetched + 1 slots "
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
-        if store.buffer_count < 1:
-            raise ConfigError(f"offload buffers too small: offload.max_in_cpu={spec.max_in_cpu} is smaller "
-                              f"than the largest parameter shard ({largest} elements): set "
-                              f"offload.max_in_cpu >= {largest}")
 
     def slots(self, largest: int) -> int:
         """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
-        pinned memory idles), no more than max_in_cpu lets be resident at once."""
-        return min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
+        pinned memory idles), no more than max_in_cpu lets be resident at once; none: refused (the
+        pre-flight and the estimate alike)."""
+        slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
+        if slots < 1:
+            raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "
+                              f"than the largest parameter shard ({largest} elements): set "
+                              f"offload.max_in_cpu >= {largest}")
+        return slots
 
     def memory(self, fp: Footprint, shards) -> None:
         self.store.memory(fp, "nvme_param_pool", "params")

@@ -162,16 +162,6 @@ class ScaleByRssState(NamedTuple):
     sum_of_squares: list[Tensor]
 
 
-def _stateless(fn: Callable[[list[Tensor], Sequence[Tensor], float], Any]) -> GradientTransformation:
-    """A transform whose ``fn(grads, params, lr)`` rewrites the updates in place."""
-
-    def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor], lr: float):
-        fn(grads, params, lr)
-        return grads, state
-
-    return GradientTransformation(lambda params: EmptyState(), update)
-
-
 def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
     """``(scratch, *views)`` per chunk: aligned views of at most ``_CHUNK`` elements of same-sized
     tensors (no copies), led by as long a view of one scratch buffer for the chunk's temporary."""
@@ -213,10 +203,11 @@ def add_decayed_weights(weight_decay: float, mask: Sequence[bool]) -> GradientTr
     """``u += weight_decay * p`` for the groups whose mask entry is True: L2 regularisation before the
     direction (Adam, SGD, Adagrad), decoupled decay ``p -= lr * wd * p`` after it (AdamW, Lion)."""
 
-    def decay(grads: list[Tensor], params: Sequence[Tensor], lr: float) -> None:
+    def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor], lr: float):
         for u, p, decayed in zip(grads, params, mask, strict=True):
             if decayed and weight_decay != 0:
                 u.add_(p, alpha=weight_decay)
+        return grads, state
 
     def init(params: Sequence[Tensor]) -> EmptyState:
         # Checked when the state is made: the fused kernels index the mask by group without a check.
@@ -224,12 +215,17 @@ def add_decayed_weights(weight_decay: float, mask: Sequence[bool]) -> GradientTr
             raise ValueError(f"weight-decay mask has {len(mask)} entries for {len(params)} groups")
         return EmptyState()
 
-    return GradientTransformation(init, _stateless(decay).update)
+    return GradientTransformation(init, update)
 
 
 def scale_by_lr() -> GradientTransformation:
     """``u *= -lr``: the final step that turns a direction into a descent update."""
-    return _stateless(lambda grads, params, lr: torch._foreach_mul_(grads, -lr))
+
+    def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor], lr: float):
+        torch._foreach_mul_(grads, -lr)
+        return grads, state
+
+    return GradientTransformation(lambda params: EmptyState(), update)
 
 
 def scale_by_lion(b1: float, b2: float) -> GradientTransformation:

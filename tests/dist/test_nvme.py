@@ -9,7 +9,7 @@ pool call per world size runs every case. Also: an IO error on one rank (a corru
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
 checkpoint save or a weights export (both read the mapped swap file after checking it); a full
 disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
-start-up.
+start-up, as does a max_in_cpu below the largest shard (in the estimate too).
 """
 import os
 import tempfile
@@ -165,6 +165,20 @@ def test_too_small_parameter_buffer_fails_at_start_up(tmp_path):
     with pytest.raises(framework.ConfigError, match=r"offload.param_buffer_size=10 is smaller than the largest tile"):
         framework.initialize(module, gpt_loss, cfg, _local())
     assert [p for p in tmp_path.iterdir() if p.suffix == ".swap"] == []
+
+
+def test_max_in_cpu_below_the_largest_shard_is_refused_by_the_engine_and_the_estimate_alike(tmp_path):
+    """offload.params=nvme with max_in_cpu below the largest shard leaves the parameter pool no slot:
+    the engine's pre-flight refuses it, and the estimator refuses it with the same line (it printed a
+    0-slot pool)."""
+    from framework.memory.model import predict
+
+    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", "offload.max_in_cpu=10", f"offload.nvme_path={tmp_path}")
+    with pytest.raises(framework.ConfigError, match=r"offload.max_in_cpu=10 is smaller than the largest") as engine:
+        framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local())
+    with pytest.raises(framework.ConfigError) as estimate:
+        predict(cfg, 1)
+    assert str(estimate.value) == str(engine.value)
 
 
 def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):

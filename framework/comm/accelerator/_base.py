@@ -1,5 +1,5 @@
 """What every accelerator offers (``Accelerator``, ``Event``; a method an implementation leaves
-out does nothing) and the errors the checks raise."""
+out does nothing: no pinned bytes for ``pinned_stats``) and the errors the checks raise."""
 from __future__ import annotations
 
 import contextlib
@@ -90,6 +90,7 @@ class Accelerator(Protocol):
 
     def pinned_stats(self) -> dict[str, int]:
         """Pinned host bytes: ``requested`` (live buffers) and ``reserved`` (what the allocator holds)."""
+        return {"requested": 0, "reserved": 0}
 
     def verify(self) -> None:
         """Raise what the checks found outside a call (a freed buffer still in use); else nothing."""
