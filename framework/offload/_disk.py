@@ -5,6 +5,8 @@ resident in a pool of pinned host buffers by a ``DiskStore`` (as ``_diskshards``
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import tempfile
@@ -19,12 +21,14 @@ from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, free_bytes, shortfalls
 from framework.core.units import GiB, MiB
+from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, pool_layout
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
-from framework.offload._swapfile import reserved_bytes, swap_path
-from framework.offload.base import Piece, Shards
+from framework.offload._swapfile import preflight, remove_stale, reserved_bytes, swap_path
+from framework.offload.base import Shards
 from framework.offload.cpu import HostPlacement
+from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
@@ -100,8 +104,6 @@ class NVMePlacement(HostPlacement):
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
         if self._cleaned or self.spec.nvme_path is None:
             return
-        from framework.offload._swapfile import remove_stale
-
         self._cleaned = True
         count, freed = remove_stale(self.spec.nvme_path)
         if count:
@@ -151,8 +153,6 @@ class NVMePlacement(HostPlacement):
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file, IO
         engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
         cannot stops every rank (``agree``), none is left waiting in a collective."""
-        from framework.offload._aio import AsyncIO
-
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         agree_swap_room(self.dist, self.folder(), stores, check)
         failed = None
@@ -206,9 +206,6 @@ class NVMePlacement(HostPlacement):
 def _return_freed_memory() -> None:
     """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
     default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     if name is None:
         return
@@ -252,8 +249,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
         holds at most a slot's worth)."""
-        from framework.optimizers import group_state, init_groups, merge_groups
-
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -286,8 +281,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
 
     def _preflight(self, store: DiskStore) -> None:
         """Room on the disk, a writable folder and host memory for the pool: one line otherwise."""
-        from framework.offload._swapfile import preflight
-
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)
         store.buffer_count = slots
@@ -301,8 +294,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
         """Every disk piece's master and state as views of the mapped swap file (no host copy)."""
-        from framework.optimizers import replace_groups
-
         fmap, views = self.stores[Tier.DISK].mapped(write)
         out, groups = list(params), {}
         for info in self.infos:

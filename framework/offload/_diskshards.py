@@ -15,6 +15,7 @@ from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
+from framework.offload._swapfile import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
@@ -107,8 +108,6 @@ class DiskShards(HostShards):
 
     def _preflight(self) -> None:
         """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
-        from framework.offload._swapfile import preflight
-
         store, spec = self.store, self.spec
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())

@@ -27,6 +27,7 @@ from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier
+from framework.optimizers import group_state
 
 if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
     from framework.offload._pipeline import PiecePipeline
@@ -206,8 +207,6 @@ class Placement:
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         """The pieces' masters (where separate from the working values), gradient and staging
         buffers and optimizer state (``opt_state``, aligned with ``pieces()``), by where they live."""
-        from framework.optimizers import group_state
-
         for p in self.infos:
             state = tensor_bytes(group_state(opt_state, len(self.infos), p.index))
             if p.tier is Tier.DEVICE:
