@@ -16,7 +16,6 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
-from framework.offload._diskstore import parked
 from framework.offload._store import Tier
 from framework.offload.base import Piece, Placement, Shards
 
@@ -30,27 +29,6 @@ class HostPlacement(Placement):
                  accelerator: Accelerator | None = None):
         self.host_fraction, self.pin, self.overlap_step = host_fraction, pin, overlap_step
         super().__init__(shards, accelerator)
-
-    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
-        """Each piece's gradient buffer, master and 16-bit staging: those in host memory from one pinned
-        arena, the rest (the disk tier's) placeholders until ``init_opt_state`` registers them with the
-        disk store (which points them at a pool slot only while resident) and fills them from ``own``."""
-        host, on_host = self.stores[Tier.HOST], self.tier is Tier.HOST
-        # (dtype, in host memory) of the gradient (swapped: in the swap file beside the tile, ``_gradswap``),
-        # the master and the staging (None: fp32 training has none)
-        kinds = [(self.grad_dtype if self.grad_swap else master_dtype, not self.grad_swap), (master_dtype, on_host),
-                 (own.dtype if own.dtype != master_dtype else None, on_host)]
-        host.reserve([(b - a, dt) for a, b in cut for dt, held in kinds if dt is not None and held])
-        pieces = []
-        for a, b in cut:
-            grad, master, staging = (None if dt is None else host.allocate(b - a, dt) if held else parked(b - a, dt)
-                                     for dt, held in kinds)
-            if not self.grad_swap:
-                grad.zero_()
-            if on_host:
-                self.acc.copy(master, own[a:b])   # blocking: setup
-            pieces.append(Piece(a, b, master, grad, staging, self.tier))
-        return pieces
 
 
 class HostShards(Shards):
