@@ -320,7 +320,8 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     pieces = file.checksums(name)
     if not pieces and not any(file.checksums(n) for n in file.extents):
         return   # an engine built with checksum="none" records none anywhere: nothing to verify against
-    memory = memoryview(fmap.padded(name).numpy())
+    data = fmap.padded(name)
+    memory = memoryview(data.numpy())
     label = what or f"extent {name!r}"
     pos = lo
     for offset, nbytes, value, kind in pieces:
@@ -336,7 +337,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     if pos != hi:
         raise _mismatch(file, pos, hi - pos, label, "no checksum recorded",
                         "these bytes were not written by the IO engine and cannot be verified")
-    fmap.release(name=name)   # checked: its pages leave this process (the pass stays bounded)
+    fmap.release(data)   # checked: its pages leave this process (the pass stays bounded)
 
 
 def verify_map(fmap, what: str = "") -> None:

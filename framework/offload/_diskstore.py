@@ -337,8 +337,9 @@ class DiskStore:
         for key, e in self.entries.items():
             for j in range(len(e.swapped)):
                 name = f"{key}.{j}"
-                self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
-                fmap.release(name=name)
+                data = fmap.padded(name)
+                self.io.rehash(self.file, self.file.extent(name)[0], data)
+                fmap.release(data)
 
     def memory(self, fp, pool: str, file: str) -> None:
         """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""
