@@ -6,7 +6,6 @@ resident in a pool of pinned host buffers by a ``DiskStore`` (as ``_diskshards``
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import shutil
 import tempfile
@@ -206,13 +205,9 @@ class NVMePlacement(HostPlacement):
 def _return_freed_memory() -> None:
     """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
     default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
-    except (OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
+    except (OSError, AttributeError):   # no C library that has it
         pass
 
 

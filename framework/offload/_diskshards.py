@@ -111,8 +111,6 @@ class DiskShards(HostShards):
         store, spec = self.store, self.spec
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())
-        # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
-        # max_in_cpu caps how many shards are resident at once.
         _, slots, total, _ = store.layout(self.slots(largest))
         preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
                   spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",

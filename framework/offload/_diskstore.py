@@ -246,8 +246,7 @@ class DiskStore:
         values registered with ``park=False``), write it out."""
         if fill is None:
             e = self.entries[key]
-            old = [torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-                   for t in e.swapped]   # aliases keeping the original memory until copied
+            old = [t.detach() for t in e.swapped]   # aliases keeping the original memory until copied
 
             def fill():
                 for t, o in zip(e.swapped, old):
