@@ -327,10 +327,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     for offset, nbytes, value, kind in pieces:
         if offset != pos:
             break
-        fn = CHECKSUMS.get(kind)
-        if fn is None:
-            raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
-        if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
+        if CHECKSUMS[kind](memory[offset - lo:offset - lo + nbytes], nbytes) != value:   # (recorded by an engine: a known kind)
             raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
                             "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
