@@ -320,23 +320,21 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
     pieces = file.checksums(name)
     if not pieces and not any(file.checksums(n) for n in file.extents):
         return   # an engine built with checksum="none" records none anywhere: nothing to verify against
-    memory = memoryview(fmap.padded(name).numpy())
+    data = fmap.padded(name)
+    memory = memoryview(data.numpy())
     label = what or f"extent {name!r}"
     pos = lo
     for offset, nbytes, value, kind in pieces:
         if offset != pos:
             break
-        fn = CHECKSUMS.get(kind)
-        if fn is None:
-            raise _mismatch(file, offset, nbytes, label, f"unknown checksum kind {kind!r}", "cannot verify it")
-        if fn(memory[offset - lo:offset - lo + nbytes], nbytes) != value:
+        if CHECKSUMS[kind](memory[offset - lo:offset - lo + nbytes], nbytes) != value:   # (recorded by an engine: a known kind)
             raise _mismatch(file, offset, nbytes, label, "checksum mismatch",
                             "the swap file was changed or the disk returned bad data")
         pos = offset + nbytes
     if pos != hi:
         raise _mismatch(file, pos, hi - pos, label, "no checksum recorded",
                         "these bytes were not written by the IO engine and cannot be verified")
-    fmap.release(name=name)   # checked: its pages leave this process (the pass stays bounded)
+    fmap.release(data)   # checked: its pages leave this process (the pass stays bounded)
 
 
 def verify_map(fmap, what: str = "") -> None:

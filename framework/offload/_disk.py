@@ -5,6 +5,7 @@ resident in a pool of pinned host buffers by a ``DiskStore`` (as ``_diskshards``
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import tempfile
@@ -19,12 +20,14 @@ from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, free_bytes, shortfalls
 from framework.core.units import GiB, MiB
-from framework.offload._diskstore import DiskStore, parked, pool_layout
+from framework.offload._aio import AsyncIO
+from framework.offload._diskstore import DiskStore, pool_layout
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
-from framework.offload._swapfile import reserved_bytes, swap_path
-from framework.offload.base import Piece, Shards
+from framework.offload._swapfile import preflight, remove_stale, reserved_bytes, swap_path
+from framework.offload.base import Shards
 from framework.offload.cpu import HostPlacement
+from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
@@ -100,8 +103,6 @@ class NVMePlacement(HostPlacement):
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
         if self._cleaned or self.spec.nvme_path is None:
             return
-        from framework.offload._swapfile import remove_stale
-
         self._cleaned = True
         count, freed = remove_stale(self.spec.nvme_path)
         if count:
@@ -151,8 +152,6 @@ class NVMePlacement(HostPlacement):
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file, IO
         engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
         cannot stops every rank (``agree``), none is left waiting in a collective."""
-        from framework.offload._aio import AsyncIO
-
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         agree_swap_room(self.dist, self.folder(), stores, check)
         failed = None
@@ -206,16 +205,9 @@ class NVMePlacement(HostPlacement):
 def _return_freed_memory() -> None:
     """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
     default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
     try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
-    except (OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
+    except (OSError, AttributeError):   # no C library that has it
         pass
 
 
@@ -249,27 +241,9 @@ class DiskPlacement(GradSwap, NVMePlacement):
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
 
-    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
-        """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
-        at a pool slot only while resident) and fills them from ``own``."""
-        host, pieces = self.stores[Tier.HOST], []
-        if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
-            host.reserve([(b - a, master_dtype) for a, b in cut])
-        for a, b in cut:
-            if self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
-                grad = parked(b - a, self.grad_dtype)
-            else:
-                grad = host.allocate(b - a, master_dtype)
-                grad.zero_()
-            staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
-            pieces.append(Piece(a, b, parked(b - a, master_dtype), grad, staging, Tier.DISK))
-        return pieces
-
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
         holds at most a slot's worth)."""
-        from framework.optimizers import group_state, init_groups, merge_groups
-
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -302,8 +276,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
 
     def _preflight(self, store: DiskStore) -> None:
         """Room on the disk, a writable folder and host memory for the pool: one line otherwise."""
-        from framework.offload._swapfile import preflight
-
         # never more slots than tiles (with the default sub_group_size a partition is one tile)
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)
         store.buffer_count = slots
@@ -317,8 +289,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
         """Every disk piece's master and state as views of the mapped swap file (no host copy)."""
-        from framework.optimizers import replace_groups
-
         fmap, views = self.stores[Tier.DISK].mapped(write)
         out, groups = list(params), {}
         for info in self.infos:

@@ -15,6 +15,7 @@ from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
+from framework.offload._swapfile import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
@@ -107,13 +108,9 @@ class DiskShards(HostShards):
 
     def _preflight(self) -> None:
         """Room on the disk, a writable folder, buffers that hold the largest shard: one line otherwise."""
-        from framework.offload._swapfile import preflight
-
         store, spec = self.store, self.spec
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())
-        # Slots are as large as the largest shard (not param_buffer_size: no pinned memory idles);
-        # max_in_cpu caps how many shards are resident at once.
         _, slots, total, _ = store.layout(self.slots(largest))
         preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
                   spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",

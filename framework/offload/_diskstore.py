@@ -246,8 +246,7 @@ class DiskStore:
         values registered with ``park=False``), write it out."""
         if fill is None:
             e = self.entries[key]
-            old = [torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
-                   for t in e.swapped]   # aliases keeping the original memory until copied
+            old = [t.detach() for t in e.swapped]   # aliases keeping the original memory until copied
 
             def fill():
                 for t, o in zip(e.swapped, old):
@@ -337,8 +336,9 @@ class DiskStore:
         for key, e in self.entries.items():
             for j in range(len(e.swapped)):
                 name = f"{key}.{j}"
-                self.io.rehash(self.file, self.file.extent(name)[0], fmap.padded(name))
-                fmap.release(name=name)
+                data = fmap.padded(name)
+                self.io.rehash(self.file, self.file.extent(name)[0], data)
+                fmap.release(data)
 
     def memory(self, fp, pool: str, file: str) -> None:
         """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""

@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator, Event
+from framework.offload._aio import host_arena
 
 
 class Tier(enum.Enum):
@@ -63,8 +64,6 @@ class HostStore:
         return self._arena(numel * dtype.itemsize).view(dtype)
 
     def _arena(self, nbytes: int) -> torch.Tensor:
-        from framework.offload._aio import host_arena
-
         arena = host_arena(nbytes, pin=True, acc=self.acc)
         size = arena.untyped_storage().nbytes()   # what is really allocated (CUDA: whole pages)
         self._pinned[0] += size

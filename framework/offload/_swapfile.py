@@ -295,18 +295,14 @@ class FileMap:
             return t.new_empty(t.shape)
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
-    def release(self, t: torch.Tensor | None = None, *, name: str | None = None) -> None:
-        """Drop this process's mapping of the pages under ``t`` (or of extent ``name``), so a pass over
-        the swapped state keeps a bounded resident set; the pages stay in the file (or the page
-        cache, still to be synced) and the next touch maps them again."""
-        if name is not None:
-            e = self.file.extents[name]
-            lo, hi = e.offset, e.offset + padded(e.nbytes)
-        elif self.contains(t) and t.numel():
-            lo = t.data_ptr() - self._start
-            hi = min(lo + t.numel() * t.element_size(), self.file.size)
-        else:
+    def release(self, t: torch.Tensor) -> None:
+        """Drop this process's mapping of the pages under ``t``, so a pass over the swapped state keeps
+        a bounded resident set; the pages stay in the file (or the page cache, still to be synced)
+        and the next touch maps them again."""
+        if not (self.contains(t) and t.numel()):
             return
+        lo = t.data_ptr() - self._start
+        hi = min(lo + t.numel() * t.element_size(), self.file.size)
         page = mmap.PAGESIZE
         lo, hi = lo // page * page, min(-(-hi // page) * page, self.file.size)
         if hi > lo:
