@@ -21,11 +21,11 @@ from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, free_bytes, shortfalls
 from framework.core.units import GiB, MiB
 from framework.offload._aio import AsyncIO
-from framework.offload._diskstore import DiskStore, pool_layout
+from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._gradswap import GradSwap
 from framework.offload._store import Tier
 from framework.offload._swapfile import preflight, remove_stale, reserved_bytes, swap_path
-from framework.offload.base import Shards
+from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
 
@@ -240,6 +240,22 @@ class DiskPlacement(GradSwap, NVMePlacement):
             slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
+
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
+        """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
+        at a pool slot only while resident) and fills them from ``own``."""
+        host, pieces = self.stores[Tier.HOST], []
+        if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
+            host.reserve([(b - a, master_dtype) for a, b in cut])
+        for a, b in cut:
+            if self.grad_swap:   # in the swap file beside the tile (``_gradswap``)
+                grad = parked(b - a, self.grad_dtype)
+            else:
+                grad = host.allocate(b - a, master_dtype)
+                grad.zero_()
+            staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
+            pieces.append(Piece(a, b, parked(b - a, master_dtype), grad, staging, Tier.DISK))
+        return pieces
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
         """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory

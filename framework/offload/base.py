@@ -26,7 +26,6 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._diskstore import parked
 from framework.offload._store import HostStore, Tier
 from framework.optimizers import group_state
 
@@ -175,38 +174,25 @@ class Placement:
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
               real: int | None = None) -> list[Piece]:
         """Master pieces of owned partition ``own`` (working values; the first ``real`` elements hold
-        parameters); the host part in ``chunk``-element pieces, the pipeline's unit. Off the device each
-        piece has a gradient buffer, master and 16-bit staging: those in host memory from one pinned
-        arena, the rest (the disk tier's) placeholders until ``init_opt_state`` registers them with the
-        disk store (which points them at a pool slot only while resident) and fills them from ``own``."""
+        parameters); the host part in ``chunk``-element pieces, the pipeline's unit."""
         self._bind_device(own.device)
         group, n = len(self.partitions), own.numel()
         real = n if real is None else real
-        cut, host, on_host = self.ranges(n, chunk), self.stores[Tier.HOST], self.tier is Tier.HOST
-        # (dtype, in host memory) of the gradient (swapped: in the swap file beside the tile, ``_gradswap``),
-        # the master and the staging (None: fp32 training has none) of a piece off the device
-        kinds = [(self.grad_dtype if self.grad_swap else master_dtype, not self.grad_swap), (master_dtype, on_host),
-                 (own.dtype if own.dtype != master_dtype else None, on_host)]
-        host.reserve([(b - a, dt) for a, b, tier in cut if tier is not Tier.DEVICE
-                      for dt, held in kinds if dt is not None and held])
-        pieces = []
+        cut = self.ranges(n, chunk)
+        pieces = self._off_device(own, master_dtype, [(a, b) for a, b, tier in cut if tier is not Tier.DEVICE])
         for a, b, tier in cut:
             if tier is Tier.DEVICE:  # kept with the working values; fp32 training updates them in place
                 rest = own[a:b]
                 pieces.append(Piece(a, b, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
-                continue
-            grad, master, staging = (None if dt is None else host.allocate(b - a, dt) if held else parked(b - a, dt)
-                                     for dt, held in kinds)
-            if not self.grad_swap:
-                grad.zero_()
-            if on_host:
-                self.acc.copy(master, own[a:b])   # blocking: setup
-            pieces.append(Piece(a, b, master, grad, staging, tier))
         pieces = [replace(p, index=len(self.infos) + i, group=group, real=max(0, min(p.end, real) - p.start),
                           partition=own) for i, p in enumerate(pieces)]
         self.infos += pieces
         self.partitions.append(own)
         return pieces
+
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
+        """The pieces of ranges ``cut`` of ``own``, stepped off the device (none here)."""
+        return []
 
     def pieces(self) -> list[Piece]:
         return list(self.infos)

@@ -30,6 +30,20 @@ class HostPlacement(Placement):
         self.host_fraction, self.pin, self.overlap_step = host_fraction, pin, overlap_step
         super().__init__(shards, accelerator)
 
+    def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
+        """Each piece's gradient buffer, master and 16-bit staging: one pinned arena."""
+        host, staged = self.stores[Tier.HOST], own.dtype != master_dtype
+        host.reserve([(b - a, dt) for a, b in cut for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
+        pieces = []
+        for a, b in cut:
+            grad = host.allocate(b - a, master_dtype)
+            grad.zero_()
+            master = host.allocate(b - a, master_dtype)
+            self.acc.copy(master, own[a:b])   # blocking: setup
+            staging = host.allocate(b - a, own.dtype) if staged else None
+            pieces.append(Piece(a, b, master, grad, staging, Tier.HOST))
+        return pieces
+
 
 class HostShards(Shards):
     """zero3 parameter shards in pinned host memory (``offload.params=cpu``): loaded for a gather
