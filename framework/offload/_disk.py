@@ -127,7 +127,8 @@ class NVMePlacement(HostPlacement):
                               f"{free / GiB:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
                               f"or use more ranks")
         tile = min(spec.sub_group_size, numel)
-        pools = spec.buffer_count * tile * (4 + (4 if self.grad_swap else 0))
+        # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
+        pools = spec.buffer_count * tile * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0))
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
         self.check_ram(pools, "at least")

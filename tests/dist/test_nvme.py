@@ -181,6 +181,26 @@ def test_max_in_cpu_below_the_largest_shard_is_refused_by_the_engine_and_the_est
     assert str(estimate.value) == str(engine.value)
 
 
+def test_the_ram_bound_counts_an_optimizer_tile_pool_only_where_one_exists(tmp_path, monkeypatch):
+    """zero3's early host-memory bound (before any file or pool exists) counts the optimizer's tile pool
+    only for offload.optimizer=nvme: with optimizer=cpu the state lives in host memory as under
+    offload=cpu and no such pool is made, so a host that holds the parameter pool is not refused."""
+    import framework.offload._disk as disk
+
+    tiles = ["offload.sub_group_size=4096", "offload.buffer_count=64", "offload.param_buffer_count=2",
+             "offload.param_buffer_size=30000", f"offload.nvme_path={tmp_path}"]
+    # room for the parameter pool (at most 2 x 30,000 fp32 elements: 240 kB), not also for the optimizer's
+    # 64 tiles of 4096 fp32 elements (1 MiB)
+    monkeypatch.setattr(disk, "available_ram", lambda: 512 << 10)
+    for optimizer, refused in (("nvme", True), ("cpu", False)):
+        cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", f"offload.optimizer={optimizer}", *tiles)
+        if refused:
+            with pytest.raises(framework.ConfigError, match="swap buffer pools need at least"):
+                framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local())
+        else:
+            framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
+
+
 def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):
     """A file system without room for the swap file (here: a 256 KiB file size limit, RLIMIT_FSIZE, on
     the training process) stops the CLI run before the first step with one line naming the swap file
