@@ -4,8 +4,8 @@ manifest beside it; ``SwapFile.create(...)`` as a context manager deletes both o
 Extents (name -> bytes) lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks);
 ``posix_fallocate`` reserves the size, so a full disk fails at creation, not mid-run. The file is
 owner-only and ``flock``-ed while open (a second run on the same folder is refused). The manifest
-records the layout and the IO engine's checksums; a file of another layout is refused, one of the
-same layout taken over (its contents are not trusted: checksums start empty).
+records the layout; a file of another layout is refused, one of the same layout taken over (its
+contents are not trusted: the IO engine's checksums, kept in memory, start empty).
 """
 from __future__ import annotations
 
@@ -225,8 +225,7 @@ class SwapFile:
             return FileMap(self, self._open(), write)
 
     def write_manifest(self) -> None:
-        extents = {n: {**e, "checksums": [list(p) for p in self.checksums(n)]} for n, e in self.meta["extents"].items()}
-        write_atomic(_manifest_path(self.path), json.dumps({**self.meta, "extents": extents}, indent=1).encode())
+        write_atomic(_manifest_path(self.path), json.dumps(self.meta, indent=1).encode())
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent)."""
@@ -365,8 +364,7 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
         if old.get(key) != meta[key]:
             raise ConfigError(f"swap file {path} belongs to another layout ({key} {old.get(key)!r}, "
                               f"this run {meta[key]!r}); refusing to reuse it: {fix}")
-    strip = {n: {k: v for k, v in e.items() if k != "checksums"} for n, e in old.get("extents", {}).items()}
-    if strip != meta["extents"]:
+    if old.get("extents") != meta["extents"]:
         raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
                           f"refusing to reuse it: {fix}")
 
