@@ -89,6 +89,8 @@ def read_manifest(folder: Path) -> dict:
 
 def check_file(folder: Path, name: str, want: dict) -> str | None:
     """None if the file has the manifest's size and checksum, else what is wrong (naming it)."""
+    if name in ("", ".", "..") or "/" in name:   # an edited manifest must not reach outside its folder
+        return f"{folder / MANIFEST} names {name!r}, which is not a file name in the folder (edited)"
     p = folder / name
     try:
         st = os.lstat(p)
