@@ -168,11 +168,11 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
-        files = {name: path.parent / f for name, f in weight_map.items()}
-        absent = sorted({str(f) for f in files.values() if not f.is_file()})
+        shards = {name: path.parent / f for name, f in weight_map.items()}
+        absent = sorted({str(f) for f in shards.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {few(absent, 20, str)}")
-        return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
+        return SafetensorsSource(list(dict.fromkeys(shards.values())), str(path), shards)
     if path.suffix == ".safetensors":
         return SafetensorsSource([path], str(path))
     return StateDictSource(path)
@@ -200,21 +200,16 @@ class Entry:
     """One tensor of an output file: where its bytes go."""
 
     name: str
-    shape: tuple[int, ...]
     dtype: torch.dtype
     file: str
     offset: int      # byte offset of its data in the file (header included)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class FilePlan:
     name: str
     header: bytes    # length prefix + JSON header (padded to 8 bytes)
-    size: int        # total file size
+    size: int        # total file size: the header, then the entries' data back to back
     entries: tuple[Entry, ...]
 
 
@@ -244,7 +239,7 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
         body = json.dumps(meta, separators=(",", ":")).encode()
         body += b" " * (-len(body) % 8)   # data starts 8-byte aligned
         header = struct.pack("<Q", len(body)) + body
-        entries = tuple(Entry(name, shape, dt, fname, len(header) + lo) for name, shape, dt, lo, _ in group)
+        entries = tuple(Entry(name, dt, fname, len(header) + lo) for name, _, dt, lo, _ in group)
         plans.append(FilePlan(fname, header, len(header) + (group[-1][4] if group else 0), entries))
     return plans
 
@@ -275,7 +270,7 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
+        index = {"metadata": {"total_size": sum(p.size - len(p.header) for p in plans)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
