@@ -64,17 +64,17 @@ class Boxes:
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  take: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.shape = torch.Size(shape)
-        self.views: list[tuple[torch.Size, torch.Tensor]] = []
+        self.chunks: dict[torch.Size, torch.Tensor] = {}   # a box's offsets in the parameter -> the box
         for (lo, hi), flat in pieces:
             pos = 0
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
                 box = flat[pos:pos + n]
-                self.views.append((torch.Size(offsets), (box if take is None else take(box)).view(sizes)))
+                self.chunks[torch.Size(offsets)] = (box if take is None else take(box)).view(sizes)
                 pos += n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for _, t in self.views]
+        return list(self.chunks.values())
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
         return self.shape
@@ -86,13 +86,10 @@ class Boxes:
                 for c, t in zip(self.__create_chunk_list__(), self.tensors())]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.views]
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.chunks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, t in self.views:
-            if offsets == index.offset:
-                return t
-        raise KeyError(f"{index.fqn}: no chunk at {tuple(index.offset)}")
+        return self.chunks[index.offset]
 
 
 def _lookup(state_dict: dict, index: MetadataIndex):
