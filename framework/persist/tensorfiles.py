@@ -200,16 +200,21 @@ class Entry:
     """One tensor of an output file: where its bytes go."""
 
     name: str
+    shape: tuple[int, ...]
     dtype: torch.dtype
     file: str
     offset: int      # byte offset of its data in the file (header included)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
 class FilePlan:
     name: str
     header: bytes    # length prefix + JSON header (padded to 8 bytes)
-    size: int        # total file size: the header, then the entries' data back to back
+    size: int        # total file size
     entries: tuple[Entry, ...]
 
 
@@ -239,7 +244,7 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
         body = json.dumps(meta, separators=(",", ":")).encode()
         body += b" " * (-len(body) % 8)   # data starts 8-byte aligned
         header = struct.pack("<Q", len(body)) + body
-        entries = tuple(Entry(name, dt, fname, len(header) + lo) for name, _, dt, lo, _ in group)
+        entries = tuple(Entry(name, shape, dt, fname, len(header) + lo) for name, shape, dt, lo, _ in group)
         plans.append(FilePlan(fname, header, len(header) + (group[-1][4] if group else 0), entries))
     return plans
 
@@ -270,7 +275,7 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:
-        index = {"metadata": {"total_size": sum(p.size - len(p.header) for p in plans)},
+        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
         files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
         paths.append(out_dir / INDEX)
