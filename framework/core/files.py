@@ -118,11 +118,11 @@ def open_append(path: os.PathLike | str):
     return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", buffering=1)
 
 
-def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
-    """Create the folder ``path`` owner-only (0700); True if it was made here. An existing folder
-    keeps its mode (it may be the user's own); a link in its place is refused unless it is a
-    folder the user gave (``exist_ok`` and it points at a folder: callers that create names of
-    their own pass ``exist_ok=False`` or check with ``refuse_links``)."""
+def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
+    """Create the folder ``path`` owner-only (0700). An existing folder keeps its mode (it may be the
+    user's own); a link in its place is refused unless it is a folder the user gave (``exist_ok`` and
+    it points at a folder: callers that create names of their own pass ``exist_ok=False`` or check
+    with ``refuse_links``)."""
     try:
         os.mkdir(path, PRIVATE_DIR)
     except FileExistsError:
@@ -134,9 +134,8 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
             if is_link(path):
                 raise _refused(path, " to something that is not a folder") from None
             raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
-        return False
+        return
     os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
-    return True
 
 
 def make_dirs(path: os.PathLike | str) -> None:
