@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Callable
 
@@ -195,8 +194,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         return cfg
     folder = folders[0]
     try:
-        saved = json.loads((folder / _folder.TRAIN_STATE).read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = _folder.read_json(folder / _folder.TRAIN_STATE, "the train state")["config"]
+    except (CheckpointError, KeyError, TypeError):
         return cfg
     mine = cfg.to_dict()
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
