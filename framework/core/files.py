@@ -15,6 +15,7 @@ final name stay in the same folder.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -59,28 +60,21 @@ def open_nofollow(path: os.PathLike | str, flags: int) -> int:
         raise
 
 
-def create_new(path: os.PathLike | str, *, replace_stale: bool = False, dir_fd: int | None = None) -> int:
-    """A new owner-only file (``O_CREAT | O_EXCL``). ``replace_stale``: a regular file left there
-    by an interrupted run (a temporary) is removed first; a link is always refused."""
-    for attempt in (0, 1):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
-            os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
-            return fd
-        except FileExistsError:
-            st = os.lstat(path, dir_fd=dir_fd)
-            if stat.S_ISLNK(st.st_mode):
-                raise _refused(path) from None
-            if not replace_stale or attempt or not stat.S_ISREG(st.st_mode):
-                raise
-            os.unlink(path, dir_fd=dir_fd)
-    raise AssertionError("unreachable")
+def create_new(path: os.PathLike | str, *, dir_fd: int | None = None) -> int:
+    """A new owner-only file (``O_CREAT | O_EXCL``); a link in its place is refused by name."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
+    except FileExistsError:
+        if stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode):
+            raise _refused(path) from None
+        raise
+    os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
+    return fd
 
 
-def write_new(path: os.PathLike | str, data: bytes, *, replace_stale: bool = False,
-              dir_fd: int | None = None) -> None:
+def write_new(path: os.PathLike | str, data: bytes, *, dir_fd: int | None = None) -> None:
     """Write ``data`` into a new owner-only file (``create_new``), fsync and close it."""
-    fd = create_new(path, replace_stale=replace_stale, dir_fd=dir_fd)
+    fd = create_new(path, dir_fd=dir_fd)
     try:
         view = memoryview(data)
         while view:
@@ -106,8 +100,11 @@ def write_atomic(path: os.PathLike | str, data: bytes) -> None:
     tmp = f"{path.name}.tmp"
     dfd = os.open(path.parent, _DIR)
     try:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(tmp, dir_fd=dfd).st_mode):
+                os.unlink(tmp, dir_fd=dfd)   # left by an interrupted run
         try:
-            write_new(tmp, data, replace_stale=True, dir_fd=dfd)
+            write_new(tmp, data, dir_fd=dfd)
         except UnsafePathError:
             raise _refused(path.parent / tmp) from None
         os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -121,11 +118,11 @@ def open_append(path: os.PathLike | str):
     return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", buffering=1)
 
 
-def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
-    """Create the folder ``path`` owner-only (0700); True if it was made here. An existing folder
-    keeps its mode (it may be the user's own); a link in its place is refused unless it is a
-    folder the user gave (``exist_ok`` and it points at a folder: callers that create names of
-    their own pass ``exist_ok=False`` or check with ``refuse_links``)."""
+def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
+    """Create the folder ``path`` owner-only (0700). An existing folder keeps its mode (it may be the
+    user's own); a link in its place is refused unless it is a folder the user gave (``exist_ok`` and
+    it points at a folder: callers that create names of their own pass ``exist_ok=False`` or check
+    with ``refuse_links``)."""
     try:
         os.mkdir(path, PRIVATE_DIR)
     except FileExistsError:
@@ -137,9 +134,8 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> bool:
             if is_link(path):
                 raise _refused(path, " to something that is not a folder") from None
             raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
-        return False
+        return
     os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
-    return True
 
 
 def make_dirs(path: os.PathLike | str) -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import warnings
 from pathlib import Path
 
 import torch
 
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import create_files, finish_files, plan_files
@@ -53,18 +52,8 @@ class Checkpoint:
     def read(self, names) -> dict[str, torch.Tensor]:
         """Full tensors ``names`` at their global shapes and stored dtypes, assembled by DCP from
         every rank's shard files (only their byte ranges are read). No process group needed."""
-        dcp = glue()
         sd = {PREFIX + n: torch.empty(self.params[n].shape, dtype=self.params[n].dtype, device="cpu") for n in names}
-        try:
-            with warnings.catch_warnings():   # no_dist is what we ask for: DCP's "assuming single process" note
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.dcp.load(sd, storage_reader=dcp.SafeReader(self.step_dir, self.metadata),
-                             planner=dcp.LoadPlanner(), no_dist=True)
-        except FrameworkError:
-            raise
-        except Exception as e:  # noqa: BLE001 - DCP wraps per-item failures in its own exception types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"export: reading {self.step_dir} failed: {first}") from None
+        glue().read(self.step_dir, self.metadata, sd, no_dist=True)
         return {k[len(PREFIX):]: v for k, v in sd.items()}
 
 

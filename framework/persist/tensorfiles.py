@@ -35,13 +35,16 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 class WeightsSource(contextlib.AbstractContextManager):
     """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not
-    read stays its name), read by flat element range. ``bytes_read`` counts the bytes handed out,
-    so tests can check a rank read only its ranges."""
+    read stays its name), read by flat element range; this class reads them from ``tensors``
+    ({name: tensor}). ``bytes_read`` counts the bytes handed out, so tests can check a rank read
+    only its ranges."""
 
-    def __init__(self, where: str):
+    def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None):
         self.where = where
         self.bytes_read = 0
-        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {}
+        self._tensors = tensors or {}
+        self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {
+            k: (tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
 
     def dtype(self, name: str) -> torch.dtype:
         d = self.meta[name][1]
@@ -55,8 +58,12 @@ class WeightsSource(contextlib.AbstractContextManager):
         self.bytes_read += out.numel() * out.element_size()
         return out
 
+    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self._tensors[name].reshape(-1)[lo:hi]
+
     def close(self) -> None:
         self.meta.clear()
+        self._tensors = {}
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -116,40 +123,29 @@ class SafetensorsSource(WeightsSource):
         super().close()
 
 
-class StateDictSource(WeightsSource):
+def _torch_file(path: Path) -> dict[str, torch.Tensor]:
     """A torch state-dict file, loaded with ``weights_only=True`` (a pickle that would run code is
     refused) and memory-mapped where the file format allows, so reads touch only their ranges."""
-
-    def __init__(self, path: Path):
-        super().__init__(str(path))
+    try:
         try:
-            try:
-                sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as e:
-                if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
-                    raise
-                sd = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
-                              f"weights_only=True, nothing in it ran): {first}") from None
-        except (RuntimeError, OSError, EOFError) as e:
-            raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
-        if bad is None or bad:
-            what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"
-            raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
-                              f"(e.g. model.state_dict())")
-        self._sd = sd
-        self.meta = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
-
-    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._sd[name].reshape(-1)[lo:hi]
-
-    def close(self) -> None:
-        self._sd = {}
-        super().close()
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):  # legacy (non-zip) files cannot be mapped: read them whole
+                raise
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
+                          f"weights_only=True, nothing in it ran): {first}") from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
+                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
+    if bad is None or bad:
+        what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"
+        raise ConfigError(f"load_weights: {path} holds {what}; expected a flat {{name: tensor}} state dict "
+                          f"(e.g. model.state_dict())")
+    return sd
 
 
 def open_weights(source: str | os.PathLike) -> WeightsSource:
@@ -168,14 +164,14 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
-        files = {name: path.parent / f for name, f in weight_map.items()}
-        absent = sorted({str(f) for f in files.values() if not f.is_file()})
+        shards = {name: path.parent / f for name, f in weight_map.items()}
+        absent = sorted({str(f) for f in shards.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {few(absent, 20, str)}")
-        return SafetensorsSource(list(dict.fromkeys(files.values())), str(path), files)
+        return SafetensorsSource(list(dict.fromkeys(shards.values())), str(path), shards)
     if path.suffix == ".safetensors":
         return SafetensorsSource([path], str(path))
-    return StateDictSource(path)
+    return WeightsSource(str(path), _torch_file(path))
 
 
 def parse_size(size: int | str) -> int:

@@ -114,13 +114,9 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
                 (dt == torch.bool) != (t.dtype == torch.bool):
             mismatched.append(f"{key}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
     unexpected = sorted(set(src.meta) - {a for t in tgts for a in t.aliases})
-    problems = []
-    if strict and missing:
-        problems.append(f"missing {len(missing)}: {few(missing, 20, str)}")
-    if strict and unexpected:
-        problems.append(f"unexpected {len(unexpected)}: {few(unexpected, 20, str)}")
-    if mismatched:
-        problems.append(f"mismatched {len(mismatched)}: {few(mismatched, 20, str)}")
+    problems = [f"{what} {len(names)}: {few(names, 20, str)}" for what, names in
+                (("missing", missing if strict else []), ("unexpected", unexpected if strict else []),
+                 ("mismatched", mismatched)) if names]
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))

@@ -345,6 +345,32 @@ def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
         verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))
 
 
+def test_a_manifest_naming_a_file_outside_its_folder_is_refused_on_every_rank(tmp_path):
+    """A manifest entry is a file name in the checkpoint folder: an edited one naming a path (``../x``,
+    ``sub/x``) is refused like other manifest damage, even when that file's size and checksum match,
+    with the same CheckpointError on every rank (only rank 0 checks it here)."""
+    from framework.persist.checkpoint import _folder
+    from framework.persist.checkpoint._load import verify
+
+    folder = tmp_path / "step-1"
+    (folder / "sub").mkdir(parents=True)
+    for where in (tmp_path / "x", folder / "sub" / "x", folder / "z"):
+        where.write_text("x")
+    for name in ("../x", "sub/x"):
+        entries = {name: _folder.file_entry(folder, name), "z": _folder.file_entry(folder, "z")}
+        (folder / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": entries}))
+        sent = []
+        for rank in (0, 1):
+            with pytest.raises(_Sent) as got:
+                verify(folder, _Gather(rank, 2))
+            sent.append(got.value.args[0])
+        assert sent[1] == []   # rank 1's share ("z") is sound
+        for rank in (0, 1):
+            with pytest.raises(CheckpointError, match=f"is damaged: .*manifest.json names {name!r}, which is "
+                                                      f"not a file name in the folder"):
+                verify(folder, _Gather(rank, 2, sent))
+
+
 def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):
     """``write_at``/``read_into`` move a host tensor's own bytes: a strided one would be copied by the
     reshape (a read would land in the copy and be lost), a device one has no host bytes."""

@@ -16,14 +16,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.persist.checkpoint import _folder
-from framework.persist.checkpoint._group import Group, glue
+from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import OTHER_RUN, load
 from framework.persist.checkpoint._save import save
 
@@ -70,16 +69,8 @@ class Checkpointer:
                           f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
-        choice: Any = None
-        if self.rank == 0:
-            try:
-                choice = candidates(resume, self.root)
-            except ConfigError as e:
-                choice = str(e)
-        choice = self.group.all_gather(choice, "resume choice")[0]
-        if isinstance(choice, str):
-            raise ConfigError(choice)
-        folders, notes = choice
+        mine = agree_load(self.group, "resume choice", lambda: candidates(resume, self.root) if self.rank == 0 else None)
+        folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
             self._say(note)
         if not folders:
@@ -203,8 +194,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         return cfg
     folder = folders[0]
     try:
-        saved = json.loads((folder / _folder.TRAIN_STATE).read_text())["config"]
-    except (OSError, ValueError, KeyError, TypeError):
+        saved = _folder.read_json(folder / _folder.TRAIN_STATE, "the train state")["config"]
+    except (CheckpointError, KeyError, TypeError):
         return cfg
     mine = cfg.to_dict()
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]

@@ -1,5 +1,5 @@
-"""torch.distributed.checkpoint glue: flat fragments as rectangular chunks, and a reader that
-never unpickles code.
+"""torch.distributed.checkpoint glue: flat fragments as rectangular chunks, a reader that never
+unpickles code, and DCP's errors unpacked into one line.
 
 ZeRO's master pieces are ranges of *flattened* parameters, which DCP's types cannot hold (a
 ``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major tensor
@@ -12,19 +12,20 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp  # noqa: F401 - the package reaches DCP only through this module
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: F401 - as above
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta,
                                                    TensorProperties)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from framework.core.errors import CheckpointError
+from framework.core.errors import CheckpointError, FrameworkError
 
 
 def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -63,17 +64,17 @@ class Boxes:
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  take: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.shape = torch.Size(shape)
-        self.views: list[tuple[torch.Size, torch.Tensor]] = []
+        self.chunks: dict[torch.Size, torch.Tensor] = {}   # a box's offsets in the parameter -> the box
         for (lo, hi), flat in pieces:
             pos = 0
             for offsets, sizes in boxes(self.shape, lo, hi):
                 n = math.prod(sizes)
                 box = flat[pos:pos + n]
-                self.views.append((torch.Size(offsets), (box if take is None else take(box)).view(sizes)))
+                self.chunks[torch.Size(offsets)] = (box if take is None else take(box)).view(sizes)
                 pos += n
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for _, t in self.views]
+        return list(self.chunks.values())
 
     def size(self) -> torch.Size:  # DCP compares it with the saved global shape on load
         return self.shape
@@ -85,13 +86,10 @@ class Boxes:
                 for c, t in zip(self.__create_chunk_list__(), self.tensors())]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.views]
+        return [ChunkStorageMetadata(offsets=offsets, sizes=t.size()) for offsets, t in self.chunks.items()]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        for offsets, t in self.views:
-            if offsets == index.offset:
-                return t
-        raise KeyError(f"{index.fqn}: no chunk at {tuple(index.offset)}")
+        return self.chunks[index.offset]
 
 
 def _lookup(state_dict: dict, index: MetadataIndex):
@@ -203,7 +201,28 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def unpicklable(folder, metadata) -> str | None:
+def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
+         **kwargs: Any) -> None:
+    """DCP's load of ``targets`` (``Boxes`` or whole tensors by key) from ``folder``, whose
+    ``metadata`` ``read_metadata`` read; ``kwargs``: the process group or ``no_dist``. A failure is
+    one CheckpointError (a record torch refuses to unpickle named by file and offset)."""
+    try:
+        with warnings.catch_warnings():   # no_dist is what we ask for: DCP's "assuming single process" note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
+    except FrameworkError:
+        raise
+    except (Exception, CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
+        # (a shard torch refuses to unpickle with weights_only ends here: a BaseException)
+        if any(isinstance(x, pickle.UnpicklingError) for x in causes(e)):
+            where = _unpicklable(folder, metadata) or f"a DCP file in {folder}"
+            raise CheckpointError(f"checkpoint {folder}: {where}: torch refuses to unpickle it with "
+                                  f"weights_only=True (not plain tensor data: a crafted or foreign file); "
+                                  f"it is never loaded") from None
+        raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {describe(e)}") from None
+
+
+def _unpicklable(folder, metadata) -> str | None:
     """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses, named
     by file, key and offset; None if every record loads (DCP reports the refusal without saying where)."""
     storage = getattr(metadata, "storage_data", None) or {}
@@ -221,3 +240,27 @@ def unpicklable(folder, metadata) -> str | None:
         except Exception:  # noqa: BLE001 - another kind of damage: not what is looked for
             continue
     return None
+
+
+def describe(e: BaseException) -> str:
+    """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
+    first = next((c for c in causes(e) if not isinstance(c, CheckpointException)), e)
+    text = " ".join(str(first).split()) or type(first).__name__
+    if isinstance(first, FrameworkError):
+        return text[:500]
+    where = f" ({first.filename})" if isinstance(first, OSError) and first.filename else ""
+    return f"{type(first).__name__}{where}: {text[:400]}"
+
+
+def causes(e: BaseException) -> list[BaseException]:
+    """``e``, the per-rank failures DCP wrapped in it and their chained causes."""
+    out, todo = [], [e]
+    while todo:
+        c = todo.pop()
+        if c is None or any(c is x for x in out):
+            continue
+        out.append(c)
+        if isinstance(c, CheckpointException):
+            todo += [pair[0] for pair in c.failures.values()]
+        todo += [c.__cause__, c.__context__]
+    return out

@@ -33,27 +33,21 @@ _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
 
 
-def sha256(path: Path) -> str:
-    with os.fdopen(files.open_nofollow(path, os.O_RDONLY), "rb") as f:
-        return _digest(f)
-
-
-def _digest(f) -> str:   # (hashlib.file_digest is Python 3.11+; we support 3.10)
-    h = hashlib.sha256()
-    while chunk := f.read(1 << 22):
-        h.update(chunk)
-    return h.hexdigest()
-
-
 def files_of(folder: Path) -> list[str]:
     """Every file of a checkpoint folder except the manifest, sorted (what the manifest lists)."""
     return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink()))
 
 
-def file_entry(folder: Path, name: str) -> dict:
+def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
+    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (a save's
+    files: DCP's writer creates them with the umask's mode)."""
     with os.fdopen(files.open_nofollow(folder / name, os.O_RDONLY), "rb") as f:
-        os.fchmod(f.fileno(), 0o600)  # DCP's writer creates files with the umask's mode
-        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": _digest(f)}
+        if own:
+            os.fchmod(f.fileno(), 0o600)
+        h = hashlib.sha256()   # (hashlib.file_digest is Python 3.11+; we support 3.10)
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+        return {"bytes": os.fstat(f.fileno()).st_size, "sha256": h.hexdigest()}
 
 
 def write_manifest(folder: Path, files_: dict[str, dict], **fields: Any) -> None:
@@ -89,6 +83,8 @@ def read_manifest(folder: Path) -> dict:
 
 def check_file(folder: Path, name: str, want: dict) -> str | None:
     """None if the file has the manifest's size and checksum, else what is wrong (naming it)."""
+    if name in ("", ".", "..") or "/" in name:   # an edited manifest must not reach outside its folder
+        return f"{folder / MANIFEST} names {name!r}, which is not a file name in the folder (edited)"
     p = folder / name
     try:
         st = os.lstat(p)
@@ -98,7 +94,7 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
         return f"{p} is a symbolic link (not written by a save)"
     if st.st_size != want["bytes"]:
         return f"{p} has {st.st_size} bytes, the manifest says {want['bytes']} (truncated or overwritten)"
-    if sha256(p) != want["sha256"]:
+    if file_entry(folder, name, own=False)["sha256"] != want["sha256"]:
         return f"{p} does not match its sha256 checksum in the manifest (altered or corrupted)"
     return None
 

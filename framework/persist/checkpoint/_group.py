@@ -1,5 +1,5 @@
-"""The checkpoint's collectives and how their failures read: its own gloo group, the exchange of
-outcomes that ends every rank with the same line, and DCP's errors unpacked into one line."""
+"""The checkpoint's collectives and how their failures read: its own gloo group, and the exchange
+of outcomes that ends every rank with the same line."""
 from __future__ import annotations
 
 import contextlib
@@ -95,7 +95,7 @@ def agree_load(group: Group, what: str, fn):
         problem = (next(k for k in (ConfigError, CheckpointError, FrameworkError) if isinstance(e, k)), str(e))
         mine = e
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        problem = (CheckpointError, f"{what}: {describe(e)}")
+        problem = (CheckpointError, f"{what}: {glue().describe(e)}")
         mine = CheckpointError(problem[1])
     problems = [p for p in group.all_gather(problem, what) if p]
     if not problems:
@@ -110,7 +110,7 @@ def agree_load(group: Group, what: str, fn):
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
     """One line for a failed write: a full disk names the folder, the free and the needed bytes
     (torch's zip writer reports ENOSPC as "unexpected pos", DCP wraps it per rank)."""
-    chain = causes(e)
+    chain = glue().causes(e)
     full = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in chain) or any(
         "unexpected pos" in str(c) or "No space left" in str(c) for c in chain)
     if full:
@@ -120,29 +120,4 @@ def _write_error(e: BaseException, tmp: Path, need: int) -> str:
             free = "free space unknown"
         return (f"the file system of {tmp.parent} is full ({free}; the checkpoint needs about {size(need)}): "
                 f"free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk")
-    return describe(e)
-
-
-def describe(e: BaseException) -> str:
-    """One line for an error, DCP's per-rank wrapping unpacked: its first real cause."""
-    exc = glue().CheckpointException
-    first = next((c for c in causes(e) if not isinstance(c, exc)), e)
-    text = " ".join(str(first).split()) or type(first).__name__
-    if isinstance(first, FrameworkError):
-        return text[:500]
-    where = f" ({first.filename})" if isinstance(first, OSError) and first.filename else ""
-    return f"{type(first).__name__}{where}: {text[:400]}"
-
-
-def causes(e: BaseException) -> list[BaseException]:
-    """``e``, the per-rank failures DCP wrapped in it and their chained causes."""
-    out, todo, exc = [], [e], glue().CheckpointException
-    while todo:
-        c = todo.pop()
-        if c is None or any(c is x for x in out):
-            continue
-        out.append(c)
-        if isinstance(c, exc):
-            todo += [pair[0] for pair in c.failures.values()]
-        todo += [c.__cause__, c.__context__]
-    return out
+    return glue().describe(e)

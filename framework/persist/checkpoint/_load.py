@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import pickle
 from pathlib import Path
 
 import torch
 
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.errors import CheckpointError, ConfigError
 from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
-from framework.persist.checkpoint._group import Group, agree_load, causes, describe, glue
+from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
 from framework.persist.layout import StateLayout, check_aligned, check_format, flat_pieces, with_saved_scalars
 from framework.core.utils import few
@@ -98,23 +97,10 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
         # read that fails or is not finite leaves a state nobody trains from: every rank raises,
         # and resume either stops or falls back to a checkpoint that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
-        dcp = glue()
         targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
 
         def read():
-            try:
-                dcp.dcp.load(targets, storage_reader=dcp.SafeReader(folder, md), planner=dcp.LoadPlanner(release),
-                             **group.dcp_kwargs())
-            except FrameworkError:
-                raise
-            except (Exception, dcp.CheckpointException) as e:   # noqa: BLE001 - DCP wraps per-rank failures
-                # (a shard torch refuses to unpickle with weights_only ends here: a BaseException)
-                if any(isinstance(x, pickle.UnpicklingError) for x in causes(e)):
-                    where = dcp.unpicklable(folder, md) or f"a DCP file in {folder}"
-                    raise CheckpointError(f"checkpoint {folder}: {where}: torch refuses to unpickle it with "
-                                          f"weights_only=True (not plain tensor data: a crafted or foreign file); "
-                                          f"it is never loaded") from None
-                raise CheckpointError(f"checkpoint {folder}: reading the DCP files failed: {describe(e)}") from None
+            glue().read(folder, md, targets, release, **group.dcp_kwargs())
             bad = nonfinite_items([(k, t) for k, b in targets.items() for t in b.tensors()], release)
             if bad:
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "

@@ -169,10 +169,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
         problem = f"rank {group.rank}: {e}"
     everyone = group.all_gather((snap["nonfinite"], claim, problem), "pre-save check")
     bad = [f"rank {r}: {few(names)}" for r, (names, _, _) in enumerate(everyone) if names]
-    refused = None
-    if bad:
-        refused = (f"checkpoint: not saving step {step}: the state holds non-finite values (NaN or inf) in "
-                   f"{'; '.join(bad)}")
+    refused = (f"checkpoint: not saving step {step}: the state holds non-finite values (NaN or inf) in "
+               f"{'; '.join(bad)}") if bad else None
     problems = [p for _, _, p in everyone if p]
     shorts = shortfalls([c for _, c, _ in everyone if c is not None]) if not problems else []
     if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
@@ -194,7 +192,7 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     return True
 
 
-def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
+def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
     """Write and commit the snapshot (collective), each phase ending in an exchange of outcomes
     (``agree_save``). ``recheck``: run after the files are written, before the commit."""
     t0 = time.perf_counter()
@@ -253,4 +251,3 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> Path:
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
     agree_save(group, "commit", commit, tmp, need=need)
-    return final
