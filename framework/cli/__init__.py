@@ -1,6 +1,5 @@
 """Entry points: each command's code (``python -m framework.X`` runs ``framework/X.py``, which calls
-``framework.cli.X.main``), the training loop and launcher they run, and the GPU-bug mutations the
-checking accelerator is tested against."""
+``framework.cli.X.main``), and the training loop and launcher they run."""
 from __future__ import annotations
 
 import sys

@@ -251,7 +251,7 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
 
 
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
-    """Each check's verdict with the numbers behind it (see the module docstring)."""
+    """Each check's verdict with the numbers behind it (the kinds of check: recipes/README.md)."""
     results = []
     done = [j for j in jobs if j.summary is not None]
     failed = [j for j in jobs if j.summary is None]

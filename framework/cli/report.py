@@ -146,8 +146,11 @@ def _pyplot():
     return plt
 
 
-def _save(plt, fig, path: Path) -> Path:
+def _save(fig, path: Path, grid: str = "both") -> Path:
     """Rendered in memory, then written atomically and never through a link planted at ``path``."""
+    plt = _pyplot()
+    for ax in fig.axes:
+        ax.grid(axis=grid, alpha=0.3)
     fig.set_layout_engine("constrained")
     png = io.BytesIO()
     fig.savefig(png, format="png")
@@ -173,9 +176,8 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token); dashed + markers: validation")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
@@ -200,9 +202,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
         b.barh(y, dev, color="C2", height=0.3, label="peak device allocated")
     b.set_xlabel("MiB per rank (largest rank)")
     b.legend(fontsize=7)
-    for ax in (a, b):
-        ax.grid(axis="x", alpha=0.3)
-    return _save(plt, fig, path)
+    return _save(fig, path, grid="x")
 
 
 def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
@@ -256,9 +256,7 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     b.set_title(f"distance from {ref.label if ref else 'reference (missing)'}")
     if b.lines:
         b.legend(fontsize=7)
-    for ax in (a, b):
-        ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def measured_memory(j: Job) -> int:
@@ -292,13 +290,12 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
     for a in (ax, sv):
         a.set_xlabel("world size (ranks)")
         a.set_xticks(ticks)
-        a.grid(alpha=0.3)
         a.legend(fontsize=7, ncol=2)
     ax.set_ylabel("MiB per rank")
     ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)
     sv.set_ylabel(f"MiB per rank saved vs world size {ticks[0] if ticks else 1}")
     sv.set_title("what partitioning saves: measured (solid) vs formula (dashed)", fontsize=9)
-    return _save(plt, fig, path)
+    return _save(fig, path)
 
 
 def write_report(root: Path, out: Path | None = None, *, title: str | None = None) -> dict:

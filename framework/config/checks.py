@@ -14,10 +14,7 @@ try:
     from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 except ImportError:   # a machine without Hydra/OmegaConf (a GPU image): framework.config.plainconf composes
-    DictConfig = OmegaConf = None
-
-    class OmegaConfBaseException(Exception):
-        pass
+    DictConfig = OmegaConf = OmegaConfBaseException = None   # only read where OmegaConf is present
 
 from framework.config import plainconf
 from framework.config.schema import COMPATIBLE, DEFAULT_STAGE, ROOT_KEYS, Config, RootSchema

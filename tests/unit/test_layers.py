@@ -177,7 +177,7 @@ def test_each_check_finds_its_violation():
     assert not _upward({"framework.engine.build": [("framework.persist.weights", None, 1)]})
     assert _private({"framework.engine.step": [("framework.stages._flat", None, 1)]})
     assert _private({"framework.cli.loop": [("framework.stages", "_hidden", 1)]})
-    assert _private({"framework.cli.mutations": [("framework.comm.accelerator", "_Clocked", 1)]})
+    assert _private({"framework.cli.train": [("framework.comm.accelerator", "_Clocked", 1)]})
     assert not _private({"framework.stages.zero3": [("framework.stages._flat", None, 1)]})
     assert _circles({"framework.core.errors": [("framework.core.utils", None, 1)],
                      "framework.core.utils": [("framework.core.errors", None, 2)]})

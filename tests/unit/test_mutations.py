@@ -1,4 +1,4 @@
-"""The checking accelerator catches every GPU bug class of framework/cli/mutations.py, injected into a
+"""The checking accelerator catches every GPU bug class of tests/_mutations.py, injected into a
 real (tiny, world-1) training run, and names where it shows; the unmutated runs pass the check."""
 import re
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import framework
-from framework.cli.mutations import CORRECT, MUTATIONS
 from framework.comm.accelerator import CheckingCpuAccelerator
 from framework.comm.distributed import Dist
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
+from tests._mutations import CORRECT, MUTATIONS
 
 SCENARIOS = sorted({m.scenario for m in MUTATIONS})
 

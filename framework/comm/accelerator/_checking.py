@@ -1,5 +1,5 @@
 """The checking CPU accelerator: the CPU as the plain one runs it, raising where CUDA would go wrong
-and a CPU run would not notice (a mutation in ``framework/cli/mutations.py`` proves each check):
+and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
 - placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
   other is expected, or a ``non_blocking`` copy with a pageable host side: ``DeviceMismatch``;

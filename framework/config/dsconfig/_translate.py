@@ -235,14 +235,14 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
     p = "zero_optimization."
     o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS) if opt is not None else {}
     q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS) if param is not None else {}
-    devices = []
+    sections = []   # (its keys, its name, its device)
     for sec, name in ((o, "offload_optimizer"), (q, "offload_param")):
         dev = tr.typed(sec.get("device", "none"), "str", f"{p}{name}.device")
         if dev is not None and dev not in ("none", "cpu", "nvme"):
             tr.error(f"{p}{name}.device must be none, cpu or nvme, got {json.dumps(dev)}")
             dev = None
-        devices.append(dev or "none")
-    od, pd = devices
+        sections.append((sec, name, dev or "none"))
+    od, pd = (dev for _, _, dev in sections)
     if pd != "none" and stage != 3:
         tr.error(f"{p}offload_param.device={pd} needs zero_optimization.stage 3 (parameters are partitioned "
                  f"only there), got stage {stage}")
@@ -253,7 +253,7 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
 
     def both(key: str, kind: str) -> None:
         values = {}
-        for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+        for sec, name, dev in sections:
             if key in sec and dev != "none":
                 v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
                 if v is not None:
@@ -265,18 +265,16 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
             ds_key, v = next(iter(values.items()))
             tr.set(f"offload.{key}", v, ds_key)
 
-    def one(sec: dict, name: str, key: str, ours: str, kind: str, applies: bool, why: str) -> None:
-        if key not in sec:
-            return
-        v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
-        if v is None:
-            return
-        if applies:
-            tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
-        else:
-            tr.inert_key(f"{p}{name}.{key}", why)
+    def keys(sec: dict, name: str, table: tuple) -> None:
+        """(DeepSpeed key, our offload key, kind); all but ratio size NVMe buffers."""
+        for key, ours, kind in table:
+            v = tr.typed(sec[key], kind, f"{p}{name}.{key}") if key in sec else None
+            if v is not None and (nvme or key == "ratio"):
+                tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
+            elif v is not None:
+                tr.inert_key(f"{p}{name}.{key}", "device cpu: NVMe buffers")
 
-    for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+    for sec, name, dev in sections:
         if dev == "none":
             for key in sec:
                 if key != "device":
@@ -296,30 +294,26 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         both("nvme_path", "str")
     else:  # offload=cpu takes params none|cpu
         tr.set("offload.params", pd, f"{p}offload_param.device")
-        for sec, name, dev in ((o, "offload_optimizer", od), (q, "offload_param", pd)):
+        for sec, name, dev in sections:
             if "nvme_path" in sec and dev != "none":
                 tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
     both("pin_memory", "bool")
-    why = "device cpu: NVMe buffers"
     if od != "none":
-        one(o, "offload_optimizer", "ratio", "ratio", "float", True, "")
-        one(o, "offload_optimizer", "buffer_count", "buffer_count", "int", nvme, why)
-        one(o, "offload_optimizer", "pipeline_read", "pipeline_read", "bool", nvme, why)
-        one(o, "offload_optimizer", "pipeline_write", "pipeline_write", "bool", nvme, why)
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-            one(o, "offload_optimizer", "pipeline", "pipeline_read", "bool", nvme, why)
-            one(o, "offload_optimizer", "pipeline", "pipeline_write", "bool", nvme, why)
+        keys(o, "offload_optimizer", (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
+                                      ("pipeline_read", "pipeline_read", "bool"),
+                                      ("pipeline_write", "pipeline_write", "bool"),
+                                      ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")))
         for key in ("fast_init", "cpuadam_cores_perc"):
             if key in o:
                 tr.inert_key(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
-        one(q, "offload_param", "buffer_count", "param_buffer_count", "int", nvme, why)
-        one(q, "offload_param", "buffer_size", "param_buffer_size", "int", nvme, why)
-        one(q, "offload_param", "max_in_cpu", "max_in_cpu", "int", nvme, why)
+        keys(q, "offload_param", (("buffer_count", "param_buffer_count", "int"),
+                                  ("buffer_size", "param_buffer_size", "int"), ("max_in_cpu", "max_in_cpu", "int")))
     if sub_group_size is not None:
         v = tr.typed(sub_group_size, "int", p + "sub_group_size")
         if v is not None and nvme:

@@ -22,12 +22,14 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
 import torch
 
+import framework
 from framework.comm.accelerator import (CheckingCpuAccelerator, CheckingEvent, Clocked, DeviceMismatch, HostSync,
                                         OrderError)
 
@@ -152,6 +154,10 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
             raise RuntimeError("non-finite gradient")
         return launch(self, i)
 
+    # The checker judges only framework frames (tests and models may sync): the injected code poses
+    # as a framework file, named for where it really is.
+    posing = os.path.join(os.path.dirname(framework.__file__), "(mutation in tests/_mutations.py)")
+    _launch_checking_partition.__code__ = _launch_checking_partition.__code__.replace(co_filename=posing)
     setattr_(Zero2Stage, "_launch", _launch_checking_partition)
 
 
