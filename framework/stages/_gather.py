@@ -182,7 +182,7 @@ class Gatherer:
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
         if unit.active == 0 and not self._keep(unit):
-            self._release(unit)
+            self.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.final is None:   # outside the stage's backward
@@ -214,14 +214,14 @@ class Gatherer:
         unit.arrived.add(id(p))
         if unit.in_backward and len(unit.arrived) == len(unit.params):
             self._reduce(unit)
-            self._release(unit)
+            self.release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
-                self._release(unit)
+                self.release(unit)
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
@@ -302,7 +302,7 @@ class Gatherer:
                 return
             if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
                     and unit.active == 0:
-                self._release(unit)
+                self.release(unit)
 
     def _in_place(self, g: UnitGroup) -> bool:
         """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working
@@ -343,7 +343,7 @@ class Gatherer:
                 p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         unit.to(UnitState.GATHERED)
 
-    def _release(self, unit: Unit) -> None:
+    def release(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)
@@ -431,8 +431,6 @@ class Gatherer:
         self._start_gather(unit, in_place=False)
         self._finish_gather(unit)
         return True
-
-    release_now = _release
 
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0

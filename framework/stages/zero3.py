@@ -175,7 +175,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
-            self.gatherer.release_now(persistent)
+            self.gatherer.release(persistent)
             self.gatherer.gather_now(persistent)
 
     def memory(self, opt_state) -> Footprint:
@@ -206,7 +206,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
                     for name in p.zero3_names:
                         out[name] = value
             if started:
-                self.gatherer.release_now(unit)
+                self.gatherer.release(unit)
         return out if self.dist.is_main else None
 
 
@@ -231,7 +231,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, g.full[lo:hi])
     finally:
         for unit in started:
-            unit.gatherer.release_now(unit)
+            unit.gatherer.release(unit)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
