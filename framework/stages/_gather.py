@@ -320,7 +320,10 @@ class Gatherer:
             if in_place and self._in_place(g):
                 g.full = g.shard   # no copy, no collective (world size 1)
                 continue
-            _fill(g, self.param_dtype, self.dist.device)
+            if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
+                g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+            else:   # its bytes again (released: zero bytes); the gather fills them
+                g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
             lo, hi = g.layout.partition(self.dist.rank)
             with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
                 self.shards.load(g.full[lo:hi], g.shard)
@@ -436,12 +439,3 @@ class Gatherer:
         rate = self.hits / self.demands if self.demands else 0.0
         self.hits = self.demands = 0
         return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
-
-
-def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
-    """Give ``g.full`` its bytes again (the first time: allocate it); the gather fills it."""
-    if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
-        g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
-    else:
-        g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-

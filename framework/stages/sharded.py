@@ -24,7 +24,7 @@ from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
-                                     plan_buckets, plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
+                                     plan_buckets, plan_stripes, reduce_bucket, reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup, WholeParameters
 
 
@@ -142,9 +142,13 @@ class Zero2Stage(ShardedStage):
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:
         """Buckets on partition boundaries, each with one owner or a whole aligned group buffer, from
-        the (group, slot) of each parameter in registration order (and ``framework.memory``'s)."""
-        plan = plan_round_robin if cfg.round_robin_gradients else plan_buckets
-        return plan(expected_order(slots), cfg.reduce_bucket_size, shards, world)
+        the (group, slot) of each parameter in registration order (and ``framework.memory``'s). A
+        round-robin layout's partitions each fill buckets of their own of at most ``bucket_size //
+        world`` elements (the waiting gradients stay within one ``bucket_size``), so owners take turns
+        while backward runs."""
+        size = cfg.reduce_bucket_size
+        cap = max(1, size // world) if cfg.round_robin_gradients else None
+        return plan_buckets(expected_order(slots), size, shards, world, cap)
 
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]
