@@ -33,11 +33,9 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-ALLOWED = {
-    UnitState.SHARDED: {UnitState.GATHERING},
-    UnitState.GATHERING: {UnitState.GATHERED},
-    UnitState.GATHERED: {UnitState.SHARDED},
-}
+# The states are one cycle: each has a single legal successor.
+NEXT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.GATHERED,
+        UnitState.GATHERED: UnitState.SHARDED}
 
 
 class ShardedParameter(nn.Parameter):
@@ -106,7 +104,7 @@ class Unit:
         return [p for g in self.groups for p in g.params]
 
     def to(self, new: UnitState) -> None:
-        if new not in ALLOWED[self.state]:
+        if new is not NEXT[self.state]:
             raise FrameworkError(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
         self.state = new
 
