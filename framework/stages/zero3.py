@@ -151,9 +151,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
             self.offload.finish_grads()
 
     def _partition_grads(self) -> list[torch.Tensor]:
-        if self.grad_swap:   # not resident (see ``_reduced``)
-            return [g.part_grad for g in self.groups]
-        return [g.grad() for g in self.groups]
+        return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
