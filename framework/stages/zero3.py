@@ -197,14 +197,11 @@ class Zero3Stage(PartitionedStage, HookOwner):
         """Gathers one unit at a time (collective)."""
         out = {}
         for unit in self.gatherer.all_units:
-            started = self.gatherer.gather_now(unit)
-            if self.dist.is_main:
-                for p in unit.params:
-                    value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
-                    for name in p.zero3_names:
-                        out[name] = value
-            if started:
-                self.gatherer.release(unit)
+            with gathered(unit.params):
+                if self.dist.is_main:
+                    for p in unit.params:
+                        value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
+                        out.update(dict.fromkeys(p.zero3_names, value))
         return out if self.dist.is_main else None
 
 
