@@ -100,26 +100,35 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
     return full
 
 
-def bind_group(module: nn.Module, named: list[tuple[str, nn.Parameter]], world: int, dtype: torch.dtype,
-               dist: Dist, init: ParameterInit) -> tuple[Layout, torch.Tensor, list[nn.Parameter]]:
-    """Make each parameter of ``named`` a view into a new flat buffer laid out for ``world`` ranks,
-    holding rank 0's initial values on every rank; returns the layout, the buffer and the parameters
-    (a meta one is replaced by a new Parameter everywhere it is registered)."""
-    layout = make_layout(named, world)
-    flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
-    params = []
-    for (name, p), s in zip(named, layout.slots):
-        v = flat[s.offset:s.offset + s.numel].view(s.shape)
-        v.copy_(initial_values(init, name, p, flat.device))
-        if p.is_meta:  # .data cannot move a meta tensor to a real device
-            new = nn.Parameter(v, requires_grad=p.requires_grad)
-            replace_parameter(module, p, new)
-            p = new
-        else:
-            p.data = v
-        params.append(p)
-    dist.broadcast(flat, what="initial parameter broadcast")
-    return layout, flat, params
+def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, init: ParameterInit,
+                order=lambda named: named) -> tuple[list[str], list[Layout], list[torch.Tensor], list]:
+    """Make each trainable parameter a view into a new flat buffer per ``param_groups`` group, laid
+    out for ``world`` ranks in ``order(named)`` and holding rank 0's initial values on every rank (a
+    meta parameter is replaced by a new Parameter everywhere it is registered). Returns the kinds,
+    layouts and buffers per group, and (parameter, (group, slot)) in registration order: backward
+    runs in its reverse, so buckets are planned from it."""
+    kinds, layouts, flats, entries = [], [], [], []
+    for g, (kind, named) in enumerate(param_groups(module)):
+        placed = order(named)
+        layout = make_layout(placed, world)
+        flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
+        bound = {}
+        for (name, p), s in zip(placed, layout.slots):
+            v = flat[s.offset:s.offset + s.numel].view(s.shape)
+            v.copy_(initial_values(init, name, p, flat.device))
+            if p.is_meta:  # .data cannot move a meta tensor to a real device
+                new = nn.Parameter(v, requires_grad=p.requires_grad)
+                replace_parameter(module, p, new)
+                p = new
+            else:
+                p.data = v
+            bound[name] = (p, (g, s))
+        dist.broadcast(flat, what="initial parameter broadcast")
+        kinds.append(kind)
+        layouts.append(layout)
+        flats.append(flat)
+        entries += [bound[name] for name, _ in named]
+    return kinds, layouts, flats, entries
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

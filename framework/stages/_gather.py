@@ -33,11 +33,9 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-ALLOWED = {
-    UnitState.SHARDED: {UnitState.GATHERING},
-    UnitState.GATHERING: {UnitState.GATHERED},
-    UnitState.GATHERED: {UnitState.SHARDED},
-}
+# The states are one cycle: each has a single legal successor.
+NEXT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.GATHERED,
+        UnitState.GATHERED: UnitState.SHARDED}
 
 
 class ShardedParameter(nn.Parameter):
@@ -106,7 +104,7 @@ class Unit:
         return [p for g in self.groups for p in g.params]
 
     def to(self, new: UnitState) -> None:
-        if new not in ALLOWED[self.state]:
+        if new is not NEXT[self.state]:
             raise FrameworkError(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
         self.state = new
 
@@ -182,7 +180,7 @@ class Gatherer:
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
         if unit.active == 0 and not self._keep(unit):
-            self._release(unit)
+            self.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.final is None:   # outside the stage's backward
@@ -214,14 +212,14 @@ class Gatherer:
         unit.arrived.add(id(p))
         if unit.in_backward and len(unit.arrived) == len(unit.params):
             self._reduce(unit)
-            self._release(unit)
+            self.release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
-                self._release(unit)
+                self.release(unit)
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
@@ -302,7 +300,7 @@ class Gatherer:
                 return
             if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
                     and unit.active == 0:
-                self._release(unit)
+                self.release(unit)
 
     def _in_place(self, g: UnitGroup) -> bool:
         """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working
@@ -320,7 +318,10 @@ class Gatherer:
             if in_place and self._in_place(g):
                 g.full = g.shard   # no copy, no collective (world size 1)
                 continue
-            _fill(g, self.param_dtype, self.dist.device)
+            if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
+                g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+            else:   # its bytes again (released: zero bytes); the gather fills them
+                g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
             lo, hi = g.layout.partition(self.dist.rank)
             with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
                 self.shards.load(g.full[lo:hi], g.shard)
@@ -343,7 +344,7 @@ class Gatherer:
                 p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         unit.to(UnitState.GATHERED)
 
-    def _release(self, unit: Unit) -> None:
+    def release(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)
@@ -432,18 +433,7 @@ class Gatherer:
         self._finish_gather(unit)
         return True
 
-    release_now = _release
-
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0
         self.hits = self.demands = 0
         return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
-
-
-def _fill(g: UnitGroup, dtype: torch.dtype, device: torch.device) -> None:
-    """Give ``g.full`` its bytes again (the first time: allocate it); the gather fills it."""
-    if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
-        g.full = torch.empty(g.layout.padded, dtype=dtype, device=device)
-    else:
-        g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-

@@ -95,14 +95,6 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
     return out
 
 
-def plan_round_robin(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
-                     world: int) -> list[Bucket]:
-    """Buckets for a round-robin layout (``sharded.round_robin``): each partition fills buckets of
-    its own of at most ``bucket_size // world`` elements (the waiting gradients stay within one
-    ``bucket_size``), so owners take turns while backward runs."""
-    return plan_buckets(order, bucket_size, shards, world, cap=max(1, bucket_size // world))
-
-
 def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                  world: int) -> list[Bucket]:
     """Striped buckets, for gradients all present when reduction starts (zero1 without overlap_comm):

@@ -43,48 +43,43 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     """
     # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
     classes = set(gather_unit) | set(declared_layers(module))
-    gather: list[tuple[str, nn.Module]] = []
-    where: dict[int, tuple] = {}   # id(module) -> ("root",) | ("unit", i) | ("own", id)
+    cands: list[tuple[str, nn.Module]] = [("<root>", module)]   # 0, then units and own-parameter modules
+    where: dict[int, int] = {}   # id(module) -> its candidate (absent: the root)
+    gather: list[int] = []       # the candidates that are gather units
     for name, sub in module.named_modules():
         if sub is module or id(sub) in where:
             continue
         if type(sub).__name__ in classes:
-            for inner in sub.modules():
-                where[id(inner)] = ("unit", len(gather))
-            gather.append((name, sub))
+            gather.append(len(cands))
+            where.update((id(inner), len(cands)) for inner in sub.modules())
         elif split_root and any(True for _ in sub.parameters(recurse=False)):
-            where[id(sub)] = ("own", id(sub))
-    names = {id(sub): name for name, sub in module.named_modules()}
-    order = {m: i for i, m in enumerate(names)}   # registration order
+            where[id(sub)] = len(cands)
+        else:
+            continue
+        cands.append((name, sub))
     holders: dict[int, set] = {}   # id(param) -> the candidates whose modules register it
-    for i, (_, sub) in enumerate(gather):  # all of a unit's parameters, also ones another unit shares
-        for p in sub.parameters():
-            holders.setdefault(id(p), set()).add(("unit", i))
+    for i in gather:  # all of a unit's parameters, also ones another unit shares
+        for p in cands[i][1].parameters():
+            holders.setdefault(id(p), set()).add(i)
     for sub in module.modules():
-        if where.get(id(sub), ("root",))[0] != "unit":
+        if where.get(id(sub), 0) not in gather:
             for p in sub.parameters(recurse=False):
-                holders.setdefault(id(p), set()).add(where.get(id(sub), ("root",)))
+                holders.setdefault(id(p), set()).add(where.get(id(sub), 0))
     # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
-    group: dict[int, set] = {key[1]: {key[1]} for key in where.values() if key[0] == "own"}
+    group = {i: {i} for i in range(1, len(cands)) if i not in gather}
     for hs in holders.values():
-        if len(hs) > 1 and all(h[0] == "own" for h in hs):
-            merged = set().union(*(group[h[1]] for h in hs))
+        if len(hs) > 1 and all(h in group for h in hs):
+            merged = set().union(*(group[h] for h in hs))
             for m in merged:
                 group[m] = merged
-    by_id = {id(sub): sub for sub in module.modules()}
-    units: list[tuple[str, list[nn.Module]]] = [("<root>", [module])]
-    index = {("root",): 0}
-    for i, (name, sub) in enumerate(gather):
-        index[("unit", i)] = len(units)
-        units.append((name, [sub]))
+    index = {0: 0} | {i: k + 1 for k, i in enumerate(gather)}
+    units = [("<root>", [module])] + [(cands[i][0], [cands[i][1]]) for i in gather]
     for m in group:   # in registration order: each merged unit where its first member is
-        if ("own", m) in index:
-            continue
-        members = sorted(group[m], key=order.__getitem__)
-        for k in members:
-            index[("own", k)] = len(units)
-        units.append(("+".join(names[k] for k in members), [by_id[k] for k in members]))
-    owner: dict[int, int] = {}
+        if m not in index:
+            members = sorted(group[m])
+            index.update((k, len(units)) for k in members)
+            units.append(("+".join(cands[k][0] for k in members), [cands[k][1] for k in members]))
+    owner = {}
     for pid, hs in holders.items():
         found = {index[h] for h in hs}
         owner[pid] = found.pop() if len(found) == 1 else -1

@@ -15,7 +15,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import Layout, PieceSpec, bind_group, param_groups, piece_spec
+from framework.stages._flat import PieceSpec, bind_groups, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
@@ -34,30 +34,20 @@ class DDPStage(WholeParameters):
         if cfg.bucket_size < 1:
             raise ConfigError("stage.bucket_size must be >= 1 element")
         self.cfg, self.dist = cfg, dist
-        self.layouts: list[Layout] = []
-        self.flats: list[torch.Tensor] = []
-        self.master: list[torch.Tensor] = []
-        self.flat_grads: FlatGrads | None = None
         self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
         self.hook_handles: list = []   # removed by close()
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
-        groups = param_groups(module)
-        init = initializer(module)   # materialises meta parameters, one at a time
-        entries = []  # (param, (group, slot)) in registration order
-        for g, (_, named) in enumerate(groups):
-            layout, flat, params = bind_group(module, named, 1, policy.param_dtype, self.dist, init)
-            self.layouts.append(layout)
-            self.flats.append(flat)
-            self.master.append(flat if policy.master_dtype == flat.dtype else flat.to(policy.master_dtype))
-            entries += [(p, (g, s)) for p, s in zip(params, layout.slots)]
+        kinds, self.layouts, self.flats, entries = bind_groups(module, 1, policy.param_dtype, self.dist,
+                                                               initializer(module))
+        self.master = [f if policy.master_dtype == f.dtype else f.to(policy.master_dtype) for f in self.flats]
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
         self.flat_grads = FlatGrads(entries, self.flats, self.layouts, [(0, f.numel()) for f in self.flats], buckets,
                                     self.dist, policy, reduce_scatter=False, overlap=self.cfg.overlap_comm,
                                     stage="ddp", what="gradient all-reduce")
         self.hook_handles = self.flat_grads.hook_handles
-        return Setup(self.master, [kind for kind, _ in groups])
+        return Setup(self.master, kinds)
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         # Buckets go out during the last micro batch's backward only.

@@ -22,9 +22,9 @@ from framework.core.utils import tensor_bytes
 from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_group, param_groups
+from framework.stages._flat import bind_groups
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
-                                     plan_buckets, plan_round_robin, plan_stripes, reduce_bucket, reduce_to_owners)
+                                     plan_buckets, plan_stripes, reduce_bucket, reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup, WholeParameters
 
 
@@ -50,29 +50,20 @@ class ShardedStage(PartitionedStage, WholeParameters):
         if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
             raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
         super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
-        self.flats: list[torch.Tensor] = []     # working parameters, replicated
-        self.policy: Policy | None = None
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module
         self.policy = policy
-        groups = param_groups(module)
-        init = initializer(module)   # materialises meta parameters, one at a time
-        entries = []  # (param, (group, slot)) in registration order
-        for g, (_, named) in enumerate(groups):
-            # Layout order (round-robin, or registration order); entries stay in registration order,
-            # the order backward runs in reverse, from which buckets are planned.
-            placed = self.layout_order(self.cfg, named, self.dist.world)
-            layout, flat, bound = bind_group(module, placed, self.dist.world, policy.param_dtype, self.dist, init)
-            params = dict(zip((n for n, _ in placed), bound))
-            slots = {s.name: s for s in layout.slots}
+        world = self.dist.world
+        # self.flats: the working parameters, replicated
+        kinds, layouts, self.flats, entries = bind_groups(module, world, policy.param_dtype, self.dist, initializer(module),
+                                                          lambda named: self.layout_order(self.cfg, named, world))
+        for layout, flat in zip(layouts, self.flats):
             lo, hi = layout.partition(self.dist.rank)
             # fp32 without offload: the owned slice of the working buffer is the master (no copy).
             self._own(layout, flat[lo:hi], policy.master_dtype)
-            self.flats.append(flat)
-            entries += [(params[n], (g, slots[n])) for n, _ in named]
         self._setup_grads(entries)
-        return Setup(self.master, [groups[g][0] for g, _ in self.piece_index])
+        return Setup(self.master, [kinds[g] for g, _ in self.piece_index])
 
     @staticmethod
     def piece_size(cfg: ZeroConfig, world: int) -> int:
@@ -151,9 +142,13 @@ class Zero2Stage(ShardedStage):
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:
         """Buckets on partition boundaries, each with one owner or a whole aligned group buffer, from
-        the (group, slot) of each parameter in registration order (and ``framework.memory``'s)."""
-        plan = plan_round_robin if cfg.round_robin_gradients else plan_buckets
-        return plan(expected_order(slots), cfg.reduce_bucket_size, shards, world)
+        the (group, slot) of each parameter in registration order (and ``framework.memory``'s). A
+        round-robin layout's partitions each fill buckets of their own of at most ``bucket_size //
+        world`` elements (the waiting gradients stay within one ``bucket_size``), so owners take turns
+        while backward runs."""
+        size = cfg.reduce_bucket_size
+        cap = max(1, size // world) if cfg.round_robin_gradients else None
+        return plan_buckets(expected_order(slots), size, shards, world, cap)
 
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]

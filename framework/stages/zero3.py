@@ -151,9 +151,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
             self.offload.finish_grads()
 
     def _partition_grads(self) -> list[torch.Tensor]:
-        if self.grad_swap:   # not resident (see ``_reduced``)
-            return [g.part_grad for g in self.groups]
-        return [g.grad() for g in self.groups]
+        return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def grad_sq_norm(self) -> torch.Tensor:
         """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
@@ -175,7 +173,7 @@ class Zero3Stage(PartitionedStage, HookOwner):
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
-            self.gatherer.release_now(persistent)
+            self.gatherer.release(persistent)
             self.gatherer.gather_now(persistent)
 
     def memory(self, opt_state) -> Footprint:
@@ -199,14 +197,11 @@ class Zero3Stage(PartitionedStage, HookOwner):
         """Gathers one unit at a time (collective)."""
         out = {}
         for unit in self.gatherer.all_units:
-            started = self.gatherer.gather_now(unit)
-            if self.dist.is_main:
-                for p in unit.params:
-                    value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
-                    for name in p.zero3_names:
-                        out[name] = value
-            if started:
-                self.gatherer.release_now(unit)
+            with gathered(unit.params):
+                if self.dist.is_main:
+                    for p in unit.params:
+                        value = p.detach().to("cpu", copy=True)   # host sync: consolidation, between steps
+                        out.update(dict.fromkeys(p.zero3_names, value))
         return out if self.dist.is_main else None
 
 
@@ -231,7 +226,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, g.full[lo:hi])
     finally:
         for unit in started:
-            unit.gatherer.release_now(unit)
+            unit.gatherer.release(unit)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):

@@ -196,20 +196,19 @@ def test_round_robin_gradients_spreads_bucket_owners_and_changes_no_result(pools
     between ranks instead of one rank's partition after another; the results are those of the
     plain layout (fp32, 1e-6 relative: only the grouping of the gradient norm's sums differs)."""
     from framework.stages._flat import make_layout
-    from framework.stages._grads import expected_order, plan_buckets, plan_round_robin
-    from framework.stages.sharded import round_robin
+    from framework.stages.sharded import Zero2Stage, ZeroConfig, round_robin
 
     named = [(f"p{i}", torch.empty(100 + i)) for i in range(12)]
     for world in (2, 4):
         owners = {}
-        for plan, placed in ((plan_buckets, named), (plan_round_robin, round_robin(named, world))):
+        for rr, placed in ((False, named), (True, round_robin(named, world))):
             layout = make_layout(placed, world)
             slots = {s.name: s for s in layout.slots}
-            buckets = plan(expected_order([(0, slots[n]) for n, _ in named]), 128 * world, {0: layout.shard},
-                           world)
+            cfg = ZeroConfig(reduce_bucket_size=128 * world, round_robin_gradients=rr)
+            buckets = Zero2Stage.plan(cfg, [(0, slots[n]) for n, _ in named], {0: layout.shard}, world)
             assert sum(b.numel for b in buckets) == layout.numel   # every gradient element, once
-            owners[plan] = [b.start // layout.shard for b in buckets]
-        plain, rr = owners[plan_buckets], owners[plan_round_robin]
+            owners[rr] = [b.start // layout.shard for b in buckets]
+        plain, rr = owners[False], owners[True]
 
         def changes(seq):
             return sum(a != b for a, b in zip(seq, seq[1:]))
