@@ -105,8 +105,8 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
     """Make each trainable parameter a view into a new flat buffer per ``param_groups`` group, laid
     out for ``world`` ranks in ``order(named)`` and holding rank 0's initial values on every rank (a
     meta parameter is replaced by a new Parameter everywhere it is registered). Returns the kinds,
-    layouts and buffers per group, and (parameter, (group, slot)) in registration order: backward
-    runs in its reverse, so buckets are planned from it."""
+    layouts and buffers per group, and (parameter, (group, slot)) group by group, each in registration
+    order: backward runs in its reverse, so buckets are planned from it."""
     kinds, layouts, flats, entries = [], [], [], []
     for g, (kind, named) in enumerate(param_groups(module)):
         placed = order(named)

@@ -58,15 +58,16 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             continue
         cands.append((name, sub))
     holders: dict[int, set] = {}   # id(param) -> the candidates whose modules register it
+    is_unit = set(gather)
     for i in gather:  # all of a unit's parameters, also ones another unit shares
         for p in cands[i][1].parameters():
             holders.setdefault(id(p), set()).add(i)
     for sub in module.modules():
-        if where.get(id(sub), 0) not in gather:
+        if where.get(id(sub), 0) not in is_unit:
             for p in sub.parameters(recurse=False):
                 holders.setdefault(id(p), set()).add(where.get(id(sub), 0))
     # Own-parameter modules that share a parameter are one unit (each member maps to one shared set).
-    group = {i: {i} for i in range(1, len(cands)) if i not in gather}
+    group = {i: {i} for i in range(1, len(cands)) if i not in is_unit}
     for hs in holders.values():
         if len(hs) > 1 and all(h in group for h in hs):
             merged = set().union(*(group[h] for h in hs))
