@@ -5,6 +5,8 @@ CHECKPOINT is a step folder (DCP keys ``model.<name>``: the fp32 masters at glob
 checkpoint directory (its ``latest`` is followed). The output loads with the plain model's
 ``load_state_dict`` and with ``load_weights``; one tensor is read at a time, so peak memory stays near
 one tensor. ``get_fp32_state_dict_from_checkpoint`` (DeepSpeed's ``zero_to_fp32`` name) returns it all.
+What is not a checkpoint is a ConfigError; a damaged one (a file that fails its manifest's checksum,
+a DCP file that does not read) a CheckpointError.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from framework.core import files
 from framework.core.errors import ConfigError
-from framework.persist.checkpoint import glue
+from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import create_files, finish_files, plan_files
 
@@ -40,10 +42,14 @@ def resolve(checkpoint) -> Path:
 class Checkpoint:
     """A DCP step folder opened for reading: its metadata unpickled once, with the checkpoint
     module's allow-list (a crafted ``.metadata`` cannot run code); tensors are read with DCP's
-    reader (``torch.load(weights_only=True)`` per item; pickled objects are never loaded)."""
+    reader (``torch.load(weights_only=True)`` per item; pickled objects are never loaded). A folder
+    our save wrote is checked against its manifest first (sizes and sha256: a damaged file is one
+    CheckpointError naming it, never exported weights); a plain DCP folder has no manifest to check."""
 
     def __init__(self, checkpoint):
         self.step_dir = resolve(checkpoint)
+        if os.path.lexists(self.step_dir / "manifest.json"):
+            verify(self.step_dir)
         self.metadata = glue().read_metadata(self.step_dir / ".metadata")
         self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
         if not self.params:

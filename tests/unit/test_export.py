@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework.core.errors import ConfigError
+from framework.core.errors import CheckpointError, ConfigError
 from framework.cli.export import main
 from framework.persist.export import get_fp32_state_dict_from_checkpoint
 from tests._helpers import build_gpt, tiny_config
@@ -67,6 +67,31 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     _dcp_save({"optim.step": torch.tensor(1)}, tmp_path / "nomodel")
     with pytest.raises(ConfigError, match="holds no 'model.<name>' tensors"):
         get_fp32_state_dict_from_checkpoint(tmp_path / "nomodel")
+
+
+def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
+    """A step folder our save wrote carries a manifest (sizes and sha256): export checks every file
+    against it first, so a byte altered in a shard (same size) is one line naming the file, exit 1,
+    and no output."""
+    from framework.persist.checkpoint import _folder
+
+    _checkpoint(tmp_path)
+    step = tmp_path / "ckpt" / "step-3"
+    _folder.write_manifest(step, {n: _folder.file_entry(step, n) for n in _folder.files_of(step)}, step=3)
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "ok")]) == 0   # intact: exported
+    shard = next(step.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and f"{shard} does not match its sha256" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match="is damaged"):
+        get_fp32_state_dict_from_checkpoint(step)
 
 
 # Peak RSS of an export in a fresh process, after a warm-up export of a tiny checkpoint (so

@@ -23,10 +23,10 @@ from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import OTHER_RUN, load
+from framework.persist.checkpoint._load import OTHER_RUN, load, verify
 from framework.persist.checkpoint._save import save
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight"]
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "verify"]
 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).

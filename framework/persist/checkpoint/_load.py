@@ -21,20 +21,22 @@ from framework.core.utils import few
 OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
 
 
-def verify(folder: Path, group: Group) -> dict:
-    """Check every file against the manifest (each rank a share of them); every rank raises the
-    same CheckpointError naming the bad files. Returns the manifest."""
+def verify(folder: Path, group: Group | None = None) -> dict:
+    """Check every file against the manifest (each rank a share of them; without ``group`` this
+    process all of them); every rank raises the same CheckpointError naming the bad files. Returns
+    the manifest."""
     manifest = None
+    rank, world = (0, 1) if group is None else (group.rank, group.world)
     try:
         manifest = _folder.read_manifest(folder)
         files = sorted(manifest["files"])
-        mine = [_folder.check_file(folder, n, manifest["files"][n]) for n in files[group.rank::group.world]]
+        mine = [_folder.check_file(folder, n, manifest["files"][n]) for n in files[rank::world]]
         problems = [p for p in mine if p]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
         problems = [f"{folder / _folder.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
-    everyone = group.all_gather(problems, "checksum verification")
+    everyone = [problems] if group is None else group.all_gather(problems, "checksum verification")
     bad = sorted({p for part in everyone for p in part})
     if bad:
         raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
