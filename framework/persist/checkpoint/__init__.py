@@ -69,7 +69,8 @@ class Checkpointer:
                           f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
-        mine = agree_load(self.group, "resume choice", lambda: candidates(resume, self.root) if self.rank == 0 else None)
+        what = f"looking for checkpoint.resume={resume} in {self.root} (checkpoint.resume=off skips it)"
+        mine = agree_load(self.group, what, lambda: candidates(resume, self.root) if self.rank == 0 else None)
         folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
             self._say(note)
