@@ -1,12 +1,7 @@
-"""Bandwidth probe for the planner: measured once per machine and cached in the user cache dir.
-
-What it measures (each a few tenths of a second): matrix-multiply throughput and memory copy
-bandwidth on the compute device, host<->device copies (CUDA; pinned), the host optimizer step
-(our AdamW on host tensors, parameters per second), sequential disk write and read under the
-NVMe path, the fixed costs of our train_step per step, per micro step and per layer (a width-32 GPT
-on 8 tokens), and, when ranks > 1, all-reduce bandwidth between two local ranks (NCCL on two GPUs,
-else gloo). The cache file is ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json``
-(``~/.cache`` by default); ``python -m framework.plan --reprobe`` measures again.
+"""Bandwidth probe for the planner: the machine's throughputs (matmul, copies, host optimizer step,
+disk, the train step's fixed costs, all-reduce), each measured in a few tenths of a second, once per
+machine, cached as ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json`` (``~/.cache`` by default);
+``python -m framework.plan --reprobe`` measures again.
 """
 from __future__ import annotations
 

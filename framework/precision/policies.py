@@ -12,7 +12,7 @@ import torch
 
 from framework.core.errors import ConfigError, TrainingError
 from framework.core.registry import Component
-from framework.core.utils import dtype_name, few
+from framework.core.utils import few
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,6 @@ class Policy:
         s = self.scaler
         scale = s.loss_scale if s.loss_scale > 0 else float(2 ** s.initial_scale_power)
         return PrecisionState(cur_scale=scale, cur_hysteresis=s.hysteresis)
-
-    def describe(self) -> str:
-        scaling = "none" if self.scaler is None else (
-            "dynamic" if self.scaler.loss_scale == 0 else f"static {self.scaler.loss_scale:g}")
-        return (f"precision {self.name}: params {dtype_name(self.param_dtype)}, "
-                f"reduce {dtype_name(self.reduce_dtype)}, gradient accumulation {dtype_name(self.grad_accum_dtype)}, "
-                f"master/optimizer {dtype_name(self.master_dtype)}, loss scaling {scaling}")
 
 
 # The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.

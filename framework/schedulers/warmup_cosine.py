@@ -1,9 +1,4 @@
-"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr at decay_steps, then min_lr.
-
-``lr = base * (step + 1) / (warmup_steps + 1)`` while ``step < warmup_steps``; then
-``min_lr + (base - min_lr) * (1 + cos(pi * r)) / 2`` with
-``r = (step - warmup_steps) / (decay_steps - warmup_steps)``; ``min_lr`` after decay_steps.
-"""
+"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr at decay_steps, then min_lr."""
 from __future__ import annotations
 
 import math

@@ -1,18 +1,9 @@
-"""DeepSpeed's warm-up schedules: WarmupLR, WarmupDecayLR and WarmupCosineLR (``scheduler=warmup_lr``,
-``warmup_decay_lr``, ``warmup_cosine_lr``), one warm-up and three ways to go on after it.
-
-The warm-up's ``gamma`` is ``log(step + 1) / log(warmup_num_steps)`` ("log") or
-``step / warmup_num_steps`` ("linear") for ``step < warmup_num_steps``; like DeepSpeed,
-warmup_num_steps is raised to at least 2 (a log warm-up over one step would divide by log(1) = 0).
-
-- WarmupLR: ``lr = min + (max - min) * gamma``, ``gamma = 1`` after the warm-up (hold).
-- WarmupDecayLR: the same, then ``gamma = max(0, (total - step) / max(1, total - warmup_num_steps))``:
-  linear decay to warmup_min_lr (0 by default) at total_num_steps.
-- WarmupCosineLR: ``lr = base_lr * ratio``, ``ratio = warmup_min_ratio + (1 - warmup_min_ratio) * gamma``
-  during the warm-up, then ``ratio = cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * p)) / 2`` with
-  ``p = min(1, (step - warmup_num_steps + 1) / max(1, total_num_steps - warmup_num_steps))``, so the
-  ratio stays at cos_min_ratio once the decay window ends. Unlike nanoGPT's schedule (``warmup_cosine``)
-  both ends are ratios of the optimizer's lr.
+"""DeepSpeed's warm-up schedules: WarmupLR (warm up, then hold), WarmupDecayLR (then linear decay to
+warmup_min_lr at total_num_steps) and WarmupCosineLR (then a cosine to cos_min_ratio, held once the
+decay window ends; unlike nanoGPT's ``warmup_cosine`` both ends are ratios of the optimizer's lr).
+The warm-up's ``gamma`` is ``log(step + 1) / log(warmup_num_steps)`` ("log") or ``step / warmup_num_steps``
+("linear"); like DeepSpeed, warmup_num_steps is raised to at least 2 (a log warm-up over one step would
+divide by log(1) = 0).
 """
 from __future__ import annotations
 
