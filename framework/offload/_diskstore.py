@@ -333,12 +333,10 @@ class DiskStore:
         if fmap is None:
             return
         fmap.sync()
-        for key, e in self.entries.items():
-            for j in range(len(e.swapped)):
-                name = f"{key}.{j}"
-                data = fmap.padded(name)
-                self.io.rehash(self.file, self.file.extent(name)[0], data)
-                fmap.release(data)
+        for name, extent in self.file.extents.items():
+            data = fmap.padded(name)
+            self.io.rehash(self.file, extent.offset, data)
+            fmap.release(data)
 
     def memory(self, fp, pool: str, file: str) -> None:
         """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""
