@@ -116,8 +116,7 @@ class DiskStore:
         return pool_layout(sizes, self.buffer_count if buffer_count is None else buffer_count)
 
     def open(self, path, io, rank: int = 0, world: int = 1) -> None:
-        """Start swapping: ``io`` (an ``AsyncIO``) moves the pieces between the swap file created at
-        ``path`` and the pool."""
+        """Create the swap file at ``path`` and the pool; ``io`` (an ``AsyncIO``) moves pieces between them."""
         self.io, extents = io, self.extents()
         dtype = next(iter(self.entries.values())).swapped[0].dtype   # the extents' element type
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
@@ -218,7 +217,6 @@ class DiskStore:
                 slot.readers = None
 
     def close(self) -> None:
-        """Flush, wait for reads still in flight, close the engine, remove the swap file."""
         try:
             self.flush()
             for slot in self.slots:
