@@ -186,9 +186,8 @@ class DiskStore:
                 return
             if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
-            if slot.readers is not None and readers is None:
-                readers = slot.readers   # an earlier reader of the same piece still counts
-            slot.readers = readers
+            if readers is not None:   # (else an earlier reader of the same piece still counts)
+                slot.readers = readers
             if not dirty:
                 slot.state = "clean"
                 self.cond.notify_all()
