@@ -1,20 +1,16 @@
-"""The NVMe offload's IO engine: ``AsyncIO.pread`` / ``pwrite`` of a host tensor (``aligned_empty``:
-page-aligned) at a swap-file offset return a handle at once; its ``wait()`` raises a ``SwapIOError``.
+"""The NVMe offload's IO engine: ``AsyncIO.pread`` / ``pwrite`` of a host tensor at a swap-file offset
+return a handle at once; its ``wait()`` raises a ``SwapIOError`` naming the file, offset and tensor
+(a short count, an OS error or a checksum mismatch).
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
 threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL; a synchronous call
-per piece needs a thread per piece in flight). With O_DIRECT, partial 4 KiB blocks and memory not
-aligned like its file offset go through a per-thread bounce buffer; where the file system refuses
-O_DIRECT (EINVAL) the swap file warns once and buffered IO is used. A short count, an OS error or a
-checksum mismatch fails the request with a ``SwapIOError`` naming the file, offset and tensor.
-Measured within a few percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``).
+per piece needs a thread per piece in flight). Measured within a few percent of fio with O_DIRECT and
+libaio (``python -m bench.nvme_io``).
 
 Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
 ``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
 confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves
-(not how disks fail). ``crc32``: stronger, slower; ``none``: off. ``verify_extent`` / ``verify_map``
-check a mapped swap file against them before a checkpoint takes it: a byte without one is an error
-(only ``checksum="none"`` records none and is not checked).
+(not how disks fail). ``crc32``: stronger, slower; ``none``: off.
 """
 from __future__ import annotations
 
@@ -128,8 +124,7 @@ class IOHandle:
         return self._error
 
     def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
+        if self.exception() is not None:
             raise self._error
 
     def _piece_done(self, error: SwapIOError | None) -> None:
@@ -311,7 +306,8 @@ class AsyncIO:
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
-    """Check extent ``name`` of ``fmap`` piece by piece; SwapIOError naming the file, offset and tensor."""
+    """Check extent ``name`` of ``fmap`` against the engine's checksums before a checkpoint takes it:
+    a mismatch, or a byte without one, is a SwapIOError naming the file, offset and tensor."""
     file = fmap.file
     extent = file.extents[name]
     lo, hi = extent.offset, extent.offset + padded(extent.nbytes)

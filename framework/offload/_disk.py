@@ -117,8 +117,8 @@ class NVMePlacement(HostPlacement):
         self.clean_stale()
         spec, size = self.spec, param_dtype.itemsize
         params = spec.params == "nvme"
-        need = numel * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)
-                        + (2 * size if params else 0))
+        fp32 = (4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)   # swapped bytes per element
+        need = numel * (fp32 + (2 * size if params else 0))
         folder = spec.nvme_path
         free = free_bytes(folder or tempfile.gettempdir())
         if need > free:
@@ -128,7 +128,7 @@ class NVMePlacement(HostPlacement):
                               f"or use more ranks")
         tile = min(spec.sub_group_size, numel)
         # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
-        pools = spec.buffer_count * tile * ((4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0))
+        pools = spec.buffer_count * tile * fp32
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
         self.check_ram(pools, "at least")

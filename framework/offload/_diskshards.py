@@ -189,7 +189,6 @@ class DiskShards(HostShards):
         return shard
 
     def flush(self) -> None:
-        """The shard ``_hold`` keeps (if any) -> written back, released."""
         held, self.held = self.held, None
         if held is not None:
             self.store.release(held[1], None, dirty=True)

@@ -116,8 +116,7 @@ class DiskStore:
         return pool_layout(sizes, self.buffer_count if buffer_count is None else buffer_count)
 
     def open(self, path, io, rank: int = 0, world: int = 1) -> None:
-        """Start swapping: ``io`` (an ``AsyncIO``) moves the pieces between the swap file created at
-        ``path`` and the pool."""
+        """Create the swap file at ``path`` and the pool; ``io`` (an ``AsyncIO``) moves pieces between them."""
         self.io, extents = io, self.extents()
         dtype = next(iter(self.entries.values())).swapped[0].dtype   # the extents' element type
         layout = hashlib.sha256(repr((world, rank, sorted(extents.items()))).encode()).hexdigest()[:16]
@@ -187,9 +186,8 @@ class DiskStore:
                 return
             if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
-            if slot.readers is not None and readers is None:
-                readers = slot.readers   # an earlier reader of the same piece still counts
-            slot.readers = readers
+            if readers is not None:   # (else an earlier reader of the same piece still counts)
+                slot.readers = readers
             if not dirty:
                 slot.state = "clean"
                 self.cond.notify_all()
@@ -218,7 +216,6 @@ class DiskStore:
                 slot.readers = None
 
     def close(self) -> None:
-        """Flush, wait for reads still in flight, close the engine, remove the swap file."""
         try:
             self.flush()
             for slot in self.slots:
@@ -333,12 +330,10 @@ class DiskStore:
         if fmap is None:
             return
         fmap.sync()
-        for key, e in self.entries.items():
-            for j in range(len(e.swapped)):
-                name = f"{key}.{j}"
-                data = fmap.padded(name)
-                self.io.rehash(self.file, self.file.extent(name)[0], data)
-                fmap.release(data)
+        for name, extent in self.file.extents.items():
+            data = fmap.padded(name)
+            self.io.rehash(self.file, extent.offset, data)
+            fmap.release(data)
 
     def memory(self, fp, pool: str, file: str) -> None:
         """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""

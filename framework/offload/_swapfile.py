@@ -201,9 +201,6 @@ class SwapFile:
             if value is not None:
                 self._sums.setdefault(kind, {}).setdefault(offset // kind[0], []).append((offset, nbytes, value))
 
-    def forget(self, offset: int, nbytes: int) -> None:
-        self.record(None, offset, nbytes, None)
-
     def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
         """The checksum of ``kind`` recorded for exactly this piece (None: not written as one piece)."""
         with self._lock:
@@ -279,10 +276,6 @@ class FileMap:
         e = self.file.extents[name]
         return self._bytes[e.offset:e.offset + padded(e.nbytes)]
 
-    def contains(self, t: torch.Tensor) -> bool:
-        offset = t.data_ptr() - self._start
-        return t.device.type == "cpu" and 0 <= offset < self.file.size
-
     def own(self, t: torch.Tensor) -> torch.Tensor | None:
         """A tensor over ``t``'s bytes whose storage is exactly those bytes (so a writer that clones
         views of larger storages writes it as it is); None unless ``t`` is a contiguous view of this map."""
@@ -298,14 +291,13 @@ class FileMap:
         """Drop this process's mapping of the pages under ``t``, so a pass over the swapped state keeps
         a bounded resident set; the pages stay in the file (or the page cache, still to be synced)
         and the next touch maps them again."""
-        if not (self.contains(t) and t.numel()):
-            return
         lo = t.data_ptr() - self._start
-        hi = min(lo + t.numel() * t.element_size(), self.file.size)
+        if t.device.type != "cpu" or not t.numel() or not 0 <= lo < self.file.size:
+            return   # not a view of this map
         page = mmap.PAGESIZE
-        lo, hi = lo // page * page, min(-(-hi // page) * page, self.file.size)
-        if hi > lo:
-            self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        hi = min(-(-(lo + t.numel() * t.element_size()) // page) * page, self.file.size)
+        lo = lo // page * page
+        self._mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def sync(self) -> None:
         """msync: the engine's O_DIRECT IO sees what was written through the map."""
