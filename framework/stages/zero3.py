@@ -154,7 +154,6 @@ class Zero3Stage(PartitionedStage):
         return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
             return super().grad_sq_norm()
         local = self.offload.grad_sq_norm_local()
