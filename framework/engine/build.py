@@ -31,7 +31,6 @@ from framework.persist.weights import save_pretrained
 
 
 def component(cfg: Config, group: str):
-    """The registered component chosen for ``group`` in this config."""
     return registry(group).get(cfg.choices[group])
 
 

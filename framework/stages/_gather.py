@@ -146,8 +146,7 @@ class Gatherer:
                 p.zero3_unit = unit
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
-        """Forward hooks on each unit's modules (``modules``, aligned with ``units``) and gradient hooks
-        on every parameter."""
+        """``modules``: each unit's modules, whose forward hooks gather it."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
@@ -426,12 +425,11 @@ class Gatherer:
 
     def gather_now(self, unit: Unit) -> bool:
         """Gather ``unit`` for use outside its forward (framework.gathered); True if it was sharded."""
-        if unit.state is not UnitState.SHARDED:
-            self._finish_gather(unit)
-            return False
-        self._start_gather(unit, in_place=False)
+        sharded = unit.state is UnitState.SHARDED
+        if sharded:
+            self._start_gather(unit, in_place=False)
         self._finish_gather(unit)
-        return True
+        return sharded
 
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0

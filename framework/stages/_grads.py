@@ -316,7 +316,6 @@ class Arrivals:
         self.run(self.next - 1)
 
     def attach(self, params: list[nn.Parameter], acc: Accelerator) -> list:
-        """Hooks reporting parameter ``i`` of ``params`` to ``ready``; returns their handles."""
         return [p.register_post_accumulate_grad_hook(acc.hook(lambda _p, i=i: self.ready(i),
                                                               f"the {self.stage} gradient hook"))
                 for i, p in enumerate(params)]

@@ -27,9 +27,8 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
     units, persistent = [], []
     for idx, (uname, subs) in enumerate(unit_modules):
         named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
-        small = [(n, p) for n, p in named if p.numel() < persistence_threshold]
-        persistent += small
-        big = [x for x in named if x not in small]
+        persistent += [(n, p) for n, p in named if p.numel() < persistence_threshold]
+        big = [(n, p) for n, p in named if p.numel() >= persistence_threshold]
         if idx > 0 and not big:  # nothing left to gather: no unit, no hooks
             continue
         units.append(UnitPlan(uname, subs, big))

@@ -25,9 +25,7 @@ from framework.stages._flat import Layout, PieceSpec, piece_spec
 
 @dataclass(frozen=True)
 class Setup:
-    """The master tensors the optimizer updates and each one's group kind."""
-
-    master: list[torch.Tensor]
+    master: list[torch.Tensor]   # what the optimizer updates
     kinds: list[str]          # 'decay' or 'no_decay', aligned with ``master``
 
 
@@ -79,8 +77,6 @@ class Stage(Protocol):
 
 
 class HookOwner:
-    """``close`` for a stage that keeps its hooks' handles in ``hook_handles``."""
-
     hook_handles: list
 
     def close(self) -> None:
@@ -114,7 +110,7 @@ class WholeParameters(HookOwner):
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
 
-class PartitionedStage:
+class PartitionedStage(HookOwner):
     """Subclasses supply ``_finish_grads()`` (complete the step's reduction after its last backward),
     ``_partition_grads()`` (each group's reduced gradient partition on the device, once finished; read
     only) and ``publish_finish()`` (after every piece is published, make the working parameters current)."""

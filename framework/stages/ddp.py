@@ -41,7 +41,7 @@ class DDPStage(WholeParameters):
         self.module = module
         kinds, self.layouts, self.flats, entries = bind_groups(module, 1, policy.param_dtype, self.dist,
                                                                initializer(module))
-        self.master = [f if policy.master_dtype == f.dtype else f.to(policy.master_dtype) for f in self.flats]
+        self.master = [f.to(policy.master_dtype) for f in self.flats]   # the flat buffer itself when fp32
         buckets = plan_buckets(expected_order([e[1] for e in entries]), self.cfg.bucket_size)
         self.flat_grads = FlatGrads(entries, self.flats, self.layouts, [(0, f.numel()) for f in self.flats], buckets,
                                     self.dist, policy, reduce_scatter=False, overlap=self.cfg.overlap_comm,
@@ -50,12 +50,11 @@ class DDPStage(WholeParameters):
         return Setup(self.master, kinds)
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        # Buckets go out during the last micro batch's backward only.
         self.flat_grads.backward(loss, sync=sync)
 
     def reduce_grads(self) -> list[torch.Tensor]:
         summed = self.flat_grads.finish()
-        self.reduced = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(summed, self.master)]
+        self.reduced = [g.to(m.dtype) for g, m in zip(summed, self.master)]
         return self.reduced
 
     def grad_sq_norm(self) -> torch.Tensor:

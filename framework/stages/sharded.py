@@ -96,9 +96,6 @@ def round_robin(named: list, world: int) -> list:
 
 
 class Zero1Stage(ShardedStage):
-    """On the last micro batch each bucket is reduced to its owners during backward (``overlap_comm``)
-    or after it, in stripes."""
-
     def _setup_grads(self, entries: list) -> None:
         # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
         order = expected_order([e[1] for e in entries])
@@ -136,14 +133,12 @@ class Zero2Stage(ShardedStage):
 
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
-        """Round-robin over the partitions with ``round_robin_gradients``."""
         return round_robin(named, world) if cfg.round_robin_gradients else named
 
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:
-        """Buckets on partition boundaries, each with one owner or a whole aligned group buffer, from
-        the (group, slot) of each parameter in registration order (and ``framework.memory``'s). A
-        round-robin layout's partitions each fill buckets of their own of at most ``bucket_size //
+        """The buckets from each parameter's (group, slot) in registration order (``framework.memory``
+        plans them too). A round-robin layout's partitions each fill buckets of at most ``bucket_size //
         world`` elements (the waiting gradients stay within one ``bucket_size``), so owners take turns
         while backward runs."""
         size = cfg.reduce_bucket_size
@@ -153,7 +148,6 @@ class Zero2Stage(ShardedStage):
     def _setup_grads(self, entries: list) -> None:
         self.params = [p for p, _ in entries]
         self.slots = [gs for _, gs in entries]
-        dtype = self.policy.reduce_dtype
         self.part = [torch.zeros(hi - lo, dtype=self.policy.grad_accum_dtype, device=self.dist.device)
                      for lo, hi in self.bounds]
         self.named = [(p, s.name) for p, (_, s) in entries]
@@ -161,7 +155,7 @@ class Zero2Stage(ShardedStage):
                             self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
-        self.free = [torch.empty(size, dtype=dtype, device=self.dist.device) for _ in range(n)]
+        self.free = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
         self.sync = True   # set by each backward: its pass is the step's last, so the ranges it completes are final

@@ -22,7 +22,7 @@ from framework.stages._flat import initial_values, make_layout, replace_paramete
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.stages._units import plan_units
 from framework.offload.base import Placement
-from framework.stages.base import HookOwner, PartitionedStage, Setup
+from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 
@@ -46,7 +46,7 @@ class Zero3Config:
     check_order: bool = True   # each backward pass checks that all ranks used the same units in order
 
 
-class Zero3Stage(PartitionedStage, HookOwner):
+class Zero3Stage(PartitionedStage):
     """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
@@ -154,7 +154,6 @@ class Zero3Stage(PartitionedStage, HookOwner):
         return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def grad_sq_norm(self) -> torch.Tensor:
-        """Over the reduced partitions; in the swap file (offload=nvme gradients) read from there."""
         if not self.grad_swap:
             return super().grad_sq_norm()
         local = self.offload.grad_sq_norm_local()
