@@ -47,9 +47,14 @@ class Layout:
     def partition(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
-    def names_in(self, start: int, end: int) -> list[str]:
-        """Parameters that overlap elements [start, end) of the flat buffer."""
-        return [s.name for s in self.slots if s.offset < end and s.offset + s.numel > start]
+    def names_at(self, positions: torch.Tensor) -> list[str]:
+        """The parameters holding elements ``positions`` (1-D int64) of the flat buffer, each once, in
+        layout order; padding holds none."""
+        positions = positions[positions < self.numel]
+        starts = torch.tensor([s.offset for s in self.slots if s.numel], dtype=torch.int64, device=positions.device)
+        held = [s for s in self.slots if s.numel]   # a 0-element slot shares its offset with the next one
+        hit = torch.searchsorted(starts, positions, right=True) - 1
+        return [held[i].name for i in hit.unique().tolist()]   # host sync: slow path, for error messages
 
 
 def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:

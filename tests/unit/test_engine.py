@@ -91,3 +91,20 @@ def test_a_host_buffer_in_device_memory_fails_on_cpu(monkeypatch):
         engine, data = _engine(*OFFLOAD)
         with engine:
             engine.train_step(engine.state, _batch(data, engine.state))
+
+
+@pytest.mark.parametrize("overrides", [[], ["+stage=zero1"], ["+stage=zero2"], ["+stage=zero3"],
+                                       ["+stage=zero2", "offload=cpu"]])
+def test_the_overflow_error_names_exactly_the_parameters_with_non_finite_gradients(overrides):
+    # two parameters of one piece get a NaN, with finite ones between them: only those two are named
+    engine, _ = _engine(*overrides)
+    stage = engine.components.stage
+    specs = stage.piece_specs()
+    grads = [torch.zeros(s.numel) for s in specs]
+    i = max(range(len(specs)), key=lambda k: len(specs[k].spans))
+    first, last = specs[i].spans[0], specs[i].spans[-1]
+    assert len(specs[i].spans) >= 3
+    grads[i][first.piece[0]] = float("nan")
+    grads[i][last.piece[1] - 1] = float("inf")
+    assert sorted(stage.nonfinite_names(grads)) == sorted([first.name, last.name])
+    engine.close()

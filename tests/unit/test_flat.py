@@ -21,7 +21,15 @@ def test_layout_partitions_cover_padded_buffer(world):
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
     offsets = [s.offset for s in layout.slots]
     assert offsets == [0, 35, 48, 49]
-    assert layout.names_in(34, 36) == ["p0", "p1"] and layout.names_in(76, 80) == []
+    at = lambda *i: layout.names_at(torch.tensor(i, dtype=torch.int64))  # noqa: E731
+    assert at(34, 35) == ["p0", "p1"] and at(76, 77, 78, 79) == []   # 76..: padding
+    # exactly the parameters holding the positions, not every one between the first and the last
+    assert at(49, 0, 0) == ["p0", "p3"] and at() == []
+
+
+def test_names_at_skips_empty_parameters():
+    layout = make_layout(named((2,), (0,), (3,)), 1)
+    assert layout.names_at(torch.tensor([2, 4])) == ["p2"]
 
 
 def test_param_groups_split_by_dimension_and_dedupe_tied():
