@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator
+from framework.comm.distributed import agree
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, free_bytes, shortfalls
@@ -111,9 +112,16 @@ class NVMePlacement(HostPlacement):
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """One line if the disk cannot hold even the least every optimizer needs, or host memory the
-        pools; the exact checks follow at ``init_opt_state``."""
+        pools, on every rank (hosts differ: none may go on into a collective that a refused one never
+        joins); the exact checks follow at ``init_opt_state``."""
         if not numel:
             return
+        if self.dist is None:
+            return self._expect(numel, param_dtype)
+        agree(lambda obj: self.dist.all_gather_object(obj, what="nvme pre-flight"), self.dist.rank,
+              partial(self._expect, numel, param_dtype), "the nvme pre-flight")
+
+    def _expect(self, numel: int, param_dtype: torch.dtype) -> None:
         self.clean_stale()
         spec, size = self.spec, param_dtype.itemsize
         params = spec.params == "nvme"

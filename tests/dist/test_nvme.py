@@ -201,6 +201,31 @@ def test_the_ram_bound_counts_an_optimizer_tile_pool_only_where_one_exists(tmp_p
             framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()).close()
 
 
+def _short_of_ram_on_rank_1(dist, folder):
+    import framework.offload._disk as disk
+
+    cfg = tiny_config(*BASE, "+stage=zero3", "offload=nvme", f"offload.nvme_path={folder}/r{dist.rank}")
+    real = disk.available_ram
+    if dist.rank == 1:   # this rank's host has no room for the swap pools; rank 0's has
+        disk.available_ram = lambda: 1 << 10
+    try:
+        framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, dist).close()
+    except framework.FrameworkError as e:
+        return type(e).__name__, str(e)
+    finally:
+        disk.available_ram = real
+    return None
+
+
+def test_a_rank_refused_by_the_early_bound_stops_every_rank(pools, tmp_path):
+    """zero3's early disk and host-memory bound is judged per host: a rank it refuses must not leave the
+    others waiting in the set-up's collectives; every rank raises, rank 0 naming rank 1's reason."""
+    results = pools(2).run(_short_of_ram_on_rank_1, str(tmp_path), timeout=120)
+    assert results[1] is not None and results[1][0] == "ConfigError", results
+    assert "swap buffer pools need at least" in results[1][1], results
+    assert results[0] is not None and "failed on another rank: rank 1: offload: the swap buffer pools" in results[0][1], results
+
+
 def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):
     """A file system without room for the swap file (here: a 256 KiB file size limit, RLIMIT_FSIZE, on
     the training process) stops the CLI run before the first step with one line naming the swap file
