@@ -1,12 +1,11 @@
 """Consolidate a training checkpoint into safetensors that the plain model loads (the command:
 ``python -m framework.export``, framework/cli/export.py).
 
-CHECKPOINT is a step folder (DCP keys ``model.<name>``: the fp32 masters at global shapes) or the
-checkpoint directory (its ``latest`` is followed). The output loads with the plain model's
-``load_state_dict`` and with ``load_weights``; one tensor is read at a time, so peak memory stays near
-one tensor. ``get_fp32_state_dict_from_checkpoint`` (DeepSpeed's ``zero_to_fp32`` name) returns it all.
-What is not a checkpoint is a ConfigError; a damaged one (a file that fails its manifest's checksum,
-a DCP file that does not read) a CheckpointError.
+The fp32 masters (DCP keys ``model.<name>``, global shapes) are read one tensor at a time, so peak
+memory stays near one tensor; the output loads with the plain model's ``load_state_dict`` and with
+``load_weights`` (``get_fp32_state_dict_from_checkpoint``: all of them in memory). What is not a
+checkpoint is a ConfigError; a damaged one (a file that fails its manifest's checksum, a DCP file
+that does not read) a CheckpointError.
 """
 from __future__ import annotations
 
@@ -40,11 +39,9 @@ def resolve(checkpoint) -> Path:
 
 
 class Checkpoint:
-    """A DCP step folder opened for reading: its metadata unpickled once, with the checkpoint
-    module's allow-list (a crafted ``.metadata`` cannot run code); tensors are read with DCP's
-    reader (``torch.load(weights_only=True)`` per item; pickled objects are never loaded). A folder
-    our save wrote is checked against its manifest first (sizes and sha256: a damaged file is one
-    CheckpointError naming it, never exported weights); a plain DCP folder has no manifest to check."""
+    """A DCP step folder opened for reading through the checkpoint's readers (nothing pickled
+    runs). A folder our save wrote is checked against its manifest first (a damaged file is one
+    CheckpointError naming it, never exported weights); a plain DCP folder has no manifest."""
 
     def __init__(self, checkpoint):
         self.step_dir = resolve(checkpoint)
@@ -65,7 +62,7 @@ class Checkpoint:
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's model weights as consolidated safetensors (``dtype``: default the
-    stored fp32). One tensor at a time is read, converted, written and freed."""
+    stored fp32); returns the written paths."""
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)

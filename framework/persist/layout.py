@@ -1,9 +1,8 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-``StateLayout`` turns a stage's ``piece_specs()`` (its master pieces: flat ranges of its flat buffers)
-into one view keyed by parameter name: each parameter's global shape, and which rank holds which
-range of its flattened elements in which piece, at which offset. The state dict (here), checkpoints,
-weights and export all read and write through it, so state moves between any two layouts.
+``StateLayout`` turns a stage's ``piece_specs()`` into a view keyed by parameter name: its global
+shape, and which rank holds which range of its flattened elements in which piece. The state dict,
+checkpoints, weights and export all go through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -114,7 +113,7 @@ def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Te
 # --- the name-keyed state dict -------------------------------------------------------------
 
 def host_copy(value: Any) -> Any:
-    """A host copy of a tensor, independent of later in-place steps; other values as they are."""
+    """A host copy of a tensor (later in-place steps do not change it); other values as they are."""
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
 
@@ -135,9 +134,8 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
          "params": {name: {"shape": (...), "fragments": [
              {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}}}
 
-    ``range`` is a range of the flattened parameter; ``specs`` (``stage.piece_specs()``) say
-    which ranges each piece of ``state.params`` holds. Each piece tensor is copied to the host
-    once (one transfer, not one per parameter) and its fragments are views of that copy."""
+    ``range``: of the flattened parameter. Each piece is copied to the host once (one transfer,
+    not one per parameter) and its fragments are views of that copy."""
     check_aligned(specs, state.params)
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     mine = StateLayout.of(specs, rank=rank, world=world).mine()

@@ -32,10 +32,6 @@ _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer",
                 "count": "step"}
 
 
-def config_hash(cfg: dict) -> str:
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 def optim_keys(per: list[str], scalars: list[str]) -> dict[str, str]:
     """Optimizer leaf path ('0.mu') -> DCP key part ('exp_avg'); the chain index is kept only
     where two leaves would get one name."""
@@ -118,9 +114,8 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list
 def save(ckpt, state):
     """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective; ``ckpt``: the ``Checkpointer``).
     The host copy of this rank's state is taken before returning; with ``ckpt.pool`` the files are
-    written there and its future is returned (None otherwise). Non-finite state raises
-    ``TrainingError`` (with ``train.on_nonfinite=warn``: a warning and no save). ``ckpt.on_point(point)``
-    is called at ``save-<N>:after-shard`` (every rank), ``:before-manifest``, ``:before-rename`` and
+    written there and its future is returned (None otherwise). ``ckpt.on_point(point)`` is called at
+    ``save-<N>:after-shard`` (every rank), ``:before-manifest``, ``:before-rename`` and
     ``:before-latest`` (rank 0), for fault tests."""
     engine, group, root, background = ckpt.engine, ckpt.group, ckpt.root, ckpt.pool
     staged16 = None
@@ -201,7 +196,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
     need = snap["bytes"] * group.world
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
-            "precision_policy": config.get("precision", {}).get("name")}
+            "precision_policy": config.get("precision", {}).get("name"),
+            "config_hash": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]}
 
     def point(name: str) -> None:
         if snap["on_point"] is not None:
@@ -225,7 +221,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         point("after-shard")
         if rank == 0:
             body = {"format": 1, "state_format": STATE_FORMAT, **snap["train"], "world": group.world, **meta,
-                    "config": config, "config_hash": config_hash(config),
+                    "config": config,
                     # The saving layout: each parameter's shape and the flat ranges each rank held.
                     **snap["layout"]}
             files.write_new(tmp / _folder.TRAIN_STATE, json.dumps(body).encode())
@@ -243,7 +239,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
         _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
-                               config_hash=config_hash(config), verified=True)
+                               config_hash=meta["config_hash"], verified=True)
         _folder.commit(tmp, final, point)
         gone = _folder.prune(root, final, snap["keep_last"])
         total = sum(v["bytes"] for v in entries.values())
