@@ -146,7 +146,8 @@ class Gatherer:
                 p.zero3_unit = unit
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
-        """``modules``: each unit's modules, whose forward hooks gather it."""
+        """``modules``: each unit's modules, whose forward hooks gather it; every parameter of every
+        unit (the persistent one too) also gets a gradient hook that reports it ready for reduction."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:

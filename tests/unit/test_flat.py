@@ -27,7 +27,7 @@ def test_layout_partitions_cover_padded_buffer(world):
     assert at(49, 0, 0) == ["p0", "p3"] and at() == []
 
 
-def test_names_at_skips_empty_parameters():
+def test_names_at_never_names_an_empty_parameter_sharing_an_offset():
     layout = make_layout(named((2,), (0,), (3,)), 1)
     assert layout.names_at(torch.tensor([2, 4])) == ["p2"]
 
