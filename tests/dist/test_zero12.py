@@ -221,3 +221,29 @@ def test_round_robin_gradients_spreads_bucket_owners_and_changes_no_result(pools
         (l0, p0), (l1, p1) = rank_out["false"], rank_out["true"]
         torch.testing.assert_close(torch.tensor(l1), torch.tensor(l0), rtol=FP32_RTOL, atol=0)
         torch.testing.assert_close(p1, p0, rtol=FP32_RTOL, atol=1e-7)
+
+
+def _overflow_names(dist):
+    out = {}
+    for stage in ("zero1", "zero2"):
+        cfg = tiny_config(*ODD, f"+stage={stage}")
+        with framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, dist) as engine:
+            specs = engine.components.stage.piece_specs()
+            grads = [torch.zeros(s.numel) for s in specs]
+            marked = []
+            for g, spec in zip(grads, specs):   # the last parameter of each piece this rank holds
+                if spec.spans:
+                    g[spec.spans[-1].piece[1] - 1] = float("nan")
+                    marked.append(spec.spans[-1].name)
+            out[stage] = (marked, engine.components.stage.nonfinite_names(grads))
+    return out
+
+
+def test_the_overflow_error_names_each_ranks_parameters_exactly(pools):
+    """Rank 1's partitions start inside the flat buffers: the names its non-finite gradients map to
+    count that offset, and every rank reports the union of all ranks' parameters, no more."""
+    out = pools(2).run(_overflow_names, timeout=120)
+    for stage in ("zero1", "zero2"):
+        every = sorted({n for rank in out for n in rank[stage][0]})
+        assert all(rank[stage][1] == every for rank in out), (stage, out)
+        assert set(out[1][stage][0]) - set(out[0][stage][0]), (stage, out)   # rank 1 adds names of its own
