@@ -85,12 +85,6 @@ def resolve_model(value: str, overrides: list[str]):
     return None, dataclasses.replace(cfg, model=model), str(path)
 
 
-def _hw_line(params: int, largest: int | None, gpus: int, nodes: int) -> str:
-    layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
-    return (f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
-            f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}.")
-
-
 def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     gpus = parse_count(own.get("gpus_per_node", "1"), "gpus_per_node")
     nodes = parse_count(own.get("nodes", "1"), "nodes")
@@ -126,7 +120,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
     keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in NVME_KEYS if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
-    text = [_hw_line(params, largest, gpus, nodes)]
+    layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
+    text = [f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
+            f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}."]
 
     def table(key: str, title: str, rows: list) -> None:
         text.extend(["", title, format_rows(rows)])

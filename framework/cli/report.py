@@ -173,9 +173,7 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     floors = {(j.summary or {}).get("data", {}).get("entropy_floor") for j in jobs}
     if len(floors) == 1 and None not in floors:   # the synthetic chain's exact optimum
         ax.axhline(floors.pop(), color="k", ls=":", lw=1, label="entropy floor of the data")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token); dashed + markers: validation")
-    ax.set_title(title)
+    ax.set(xlabel="step", ylabel="loss (nats/token); dashed + markers: validation", title=title)
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -246,14 +244,11 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
             if rs == steps:
                 b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
                        label=textwrap.fill(j.label, 60))
-    a.set_xlabel("step")
-    a.set_ylabel(key)
-    a.set_title(f"{key}: every job")
+    a.set(xlabel="step", ylabel=key, title=f"{key}: every job")
     a.legend(fontsize=7)
     b.set_yscale("symlog", linthresh=1e-9)
-    b.set_xlabel("step")
-    b.set_ylabel(f"|{key} - reference| (0 = identical)")
-    b.set_title(f"distance from {ref.label if ref else 'reference (missing)'}")
+    b.set(xlabel="step", ylabel=f"|{key} - reference| (0 = identical)",
+          title=f"distance from {ref.label if ref else 'reference (missing)'}")
     if b.lines:
         b.legend(fontsize=7)
     return _save(fig, path)
@@ -288,8 +283,7 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
         sv.plot(worlds, [formula[0] - f for f in formula], color=color, ls="--", lw=1, label=f"{stage} formula")
     ticks = sorted({j.summary["world"] for js in by_stage.values() for j in js})
     for a in (ax, sv):
-        a.set_xlabel("world size (ranks)")
-        a.set_xticks(ticks)
+        a.set(xlabel="world size (ranks)", xticks=ticks)
         a.legend(fontsize=7, ncol=2)
     ax.set_ylabel("MiB per rank")
     ax.set_title("per rank: measured (solid) vs model states, ZeRO formula (dashed)", fontsize=9)

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from framework.core.errors import ConfigError
-from framework.core.registry import GROUPS
+from framework.core.registry import GROUPS, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,7 +122,6 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     for group, name in choices.items():
         path = conf / group / f"{name}.yaml"
         if not path.is_file():
-            from framework.core.registry import registry
             registry(group).get(name)   # raises, naming the closest option
             raise ConfigError(f"config: no {path}")
         tree[group] = load_yaml(path)
@@ -175,17 +174,9 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return v
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        rest = [a for a in args if a is not type(None)]
-        errors = []
-        for a in rest:
-            try:
-                return _convert(v, a, key)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
+    if origin in (typing.Union, types.UnionType):   # the schemas' only unions: X | None
+        (inner,) = [a for a in args if a is not type(None)]
+        return None if v is None else _convert(v, inner, key)
     if v is None:
         raise ConfigError(f"config: {key}: field '{key}' is not Optional")
     if dataclasses.is_dataclass(hint) or origin is dict or hint is dict:

@@ -189,7 +189,7 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
             else:
                 tr.error(f"{p}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
-        if switched_off(z["leaf_module"], "leaf_module") or z["leaf_module"] == {}:
+        if switched_off(z["leaf_module"], "leaf_module"):
             tr.inert_key(p + "leaf_module", "empty")
         else:
             tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
