@@ -95,12 +95,15 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     except ValueError:
         raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']!r} is not a number, e.g. 1.5") from None
     cfg = module = None
-    label = ""
+    label, hf = "", False
     if "model" in own:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         module, cfg, label = resolve_model(own["model"], overrides)
-        if module is None:
+        hf = cfg is None
+        if hf:   # a Hugging Face model: our stages, precision, batch and offload keys around it
+            cfg = compose(overrides)
+        else:
             from framework.engine.build import component
             with torch.device("meta"):
                 module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
@@ -147,11 +150,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else None
-        if cfg is not None:
+        if not hf:
             pred = predict(cfg, world or cfg.dist.nproc, module=module)
             text += ["", format_prediction(cfg, pred)]
-        else:   # a Hugging Face model: our stages, precision and batch around it
-            cfg = compose(overrides)
+        else:
             conf = getattr(module, "config", None)
             context = parse_count(own["context"], "context") if "context" in own else (
                 getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or

@@ -127,6 +127,10 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert pred["items"]["params"]["device"] >= 4 * expected
     assert pred["items"]["params"]["device"] <= 4 * (padded + 128)   # two groups (matrices, vectors)
     assert pred["transient"]["activations"] > 2 * 64 * 1000 * 4    # at least the fp32 logits
+    # The NVMe tables take the offload keys composed around a Hugging Face model, as around ours.
+    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
+                 "offload.sub_group_size=12345", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["nvme_sub_group_size"] == 12345
 
 
 # --- the prediction against the OS -----------------------------------------------------------
