@@ -51,10 +51,11 @@ class Layout:
         """The parameters holding elements ``positions`` (1-D int64) of the flat buffer, each once, in
         layout order; padding holds none."""
         positions = positions[positions < self.numel]
+        # host sync: slow path, only to name the parameters in an error message
         starts = torch.tensor([s.offset for s in self.slots], dtype=torch.int64, device=positions.device)
         # right=True: the last slot starting at or before the position, never a 0-element one sharing its offset
         hit = torch.searchsorted(starts, positions, right=True) - 1
-        return [self.slots[i].name for i in hit.unique().tolist()]   # host sync: slow path, for error messages
+        return [self.slots[i].name for i in hit.unique().tolist()]   # host sync: as above
 
 
 def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
