@@ -174,9 +174,11 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return v
-    if origin in (typing.Union, types.UnionType):   # the schemas' only unions: X | None
-        (inner,) = [a for a in args if a is not type(None)]
-        return None if v is None else _convert(v, inner, key)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1 or len(args) != 2:   # a schema bug, not a user's: OmegaConf takes X | None only
+            raise TypeError(f"schema of {key}: {hint} is not 'X | None', the only union a config field may have")
+        return None if v is None else _convert(v, inner[0], key)
     if v is None:
         raise ConfigError(f"config: {key}: field '{key}' is not Optional")
     if dataclasses.is_dataclass(hint) or origin is dict or hint is dict:

@@ -131,6 +131,9 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
                  "offload.sub_group_size=12345", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["nvme_sub_group_size"] == 12345
+    assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
+                 "offload.buffer_count=7"]) == 0
+    assert "buffer_count=7," in capsys.readouterr().out
 
 
 # --- the prediction against the OS -----------------------------------------------------------

@@ -159,6 +159,7 @@ def test_deprecated_alias_accepted_with_a_warning(ds, new):
     ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "ZeRO++"),
     ({"optimizer": {"type": "AdamW", "params": {"max_grad_norm": 1.0}}}, "gradient_clipping"),
     ({"optimizer": {"type": "AdamWW"}}, "did you mean 'adamw'"),
+    ({"zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block"]}}}, "use stage.gather_unit"),
 ])
 def test_unimplemented_feature_is_an_error_saying_so(ds, needle):
     assert needle in error_of(ds)
@@ -171,6 +172,13 @@ def test_inert_keys_listed_once_and_switched_off_features_accepted():
     assert len(notes) == 1
     for key in ("steps_per_print", "wall_clock_breakdown", "prescale_gradients", "_comment", "sparse_attention"):
         assert key in notes[0]
+
+
+@pytest.mark.parametrize("leaf", [{}, {"enabled": False}])
+def test_switched_off_leaf_module_is_inert(leaf):
+    ds = {"zero_optimization": {"stage": 3, "leaf_module": leaf}}
+    (note,) = [n for n in framework.compose([], ds_config=ds).notices if n.startswith("note:")]
+    assert "zero_optimization.leaf_module" in note
 
 
 def test_broken_json_names_line_and_column(tmp_path):

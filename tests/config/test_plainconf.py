@@ -1,11 +1,16 @@
 """Without Hydra (the GPU image has none) ``compose`` composes with framework.config.plainconf: the same
 configs as Hydra for the overrides library and benchmark code use, the same one-line errors."""
+import dataclasses
 import re
+import types
+from typing import Union, get_args, get_origin, get_type_hints
 
 import pytest
 
 from framework import ConfigError
-from framework.config.plainconf import plain_composer, value
+from framework.config.plainconf import plain_composer, typed, value
+from framework.config.schema import RootSchema
+from framework.core.registry import GROUPS, registry
 from framework.config import compose, validate
 
 CASES = [
@@ -50,3 +55,36 @@ def test_plain_errors_are_one_line(overrides, message, typing):
 def test_values_read_as_hydra_reads_them():
     assert [value(v) for v in ("1e9", "12", "0.5", "null", "true", "abc", "'x y'", "[1,'a,b',c]", "")] == \
         [1e9, 12, 0.5, None, True, "abc", "x y", [1, "a,b", "c"], ""]
+
+
+def _unions(schema: type, prefix: str = "") -> list[tuple[str, object]]:
+    """(key, hint) of every union in ``schema`` and the dataclasses under it."""
+    out = []
+    for name, hint in get_type_hints(schema).items():
+        for h in (hint, *get_args(hint)):
+            if get_origin(h) in (Union, types.UnionType):
+                out.append((prefix + name, h))
+            if dataclasses.is_dataclass(h):
+                out += _unions(h, f"{prefix}{name}.")
+    return out
+
+
+def test_every_schema_union_is_x_or_none():
+    """The plain composer (like OmegaConf) converts ``X | None`` only; a wider union would be refused
+    on first use, so catch one when it is written."""
+    schemas = [("", RootSchema)] + [(f"{g}.{n}.", registry(g).get(n).config) for g in GROUPS
+                                     for n in registry(g).names()]
+    found = [(p + k, h) for p, s in schemas for k, h in _unions(s)]
+    assert found, "the walk found no union at all: it is not looking"
+    wide = [(k, h) for k, h in found if len([a for a in get_args(h) if a is not type(None)]) != 1
+            or type(None) not in get_args(h)]
+    assert not wide, wide
+
+
+def test_a_wider_union_is_a_schema_error_naming_the_key():
+    @dataclasses.dataclass
+    class Bad:
+        size: int | str = 1
+
+    with pytest.raises(TypeError, match=r"schema of x\.size: .* is not 'X \| None'"):
+        typed({"size": 2}, Bad, "x.")
