@@ -63,20 +63,17 @@ class SyntheticSource(DataSource):
         self._pi_cdf = torch.from_numpy(np.cumsum(pi))
         self._pi_cdf[-1] = 1.0
 
-    def sample(self, u: Tensor) -> Tensor:
-        """Uniforms [N, L] in [0, 1) -> chain sequences [N, L], vectorised over N."""
+    def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
+        # Every rank draws the whole batch's uniforms (cheap) and simulates only its rows,
+        # vectorised over them: each token is the inverse CDF of a uniform.
+        u = torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64, device="cpu")[rows]
         seqs = torch.empty(u.shape, dtype=torch.int64, device="cpu")
         state = torch.searchsorted(self._pi_cdf, u[:, 0].contiguous(), right=True)
         seqs[:, 0] = state
         for t in range(1, u.shape[1]):
-            state = torch.searchsorted(self._cdf[state], u[:, t:t + 1].contiguous(),
-                                       right=True).squeeze(1)
+            state = torch.searchsorted(self._cdf[state], u[:, t:t + 1].contiguous(), right=True).squeeze(1)
             seqs[:, t] = state
         return seqs
-
-    def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
-        # Every rank draws the whole batch's uniforms (cheap) and simulates only its rows.
-        return self.sample(torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64, device="cpu")[rows])
 
     def describe(self) -> dict:
         return {"source": "synthetic", "vocab_size": self.vocab_size,

@@ -144,13 +144,13 @@ class HFInit:
         pretrained = sys.modules["transformers"].PreTrainedModel
         self.init_of: dict[str, nn.Module] = {}   # module path -> the PreTrainedModel whose _init_weights applies
         for path, mod in self.modules.items():    # parents come before children
-            self.init_of[path] = mod if isinstance(mod, pretrained) else self.init_of[_parent(path)]
+            self.init_of[path] = mod if isinstance(mod, pretrained) else self.init_of[path.rpartition(".")[0]]
 
     def _init(self, name: str, t: Tensor, parameter: bool) -> None:
         path, _, key = name.rpartition(".")
-        chain = [path]
+        chain = [path]   # the owner, then each ancestor up to the root ("")
         while chain[-1]:
-            chain.append(_parent(chain[-1]))
+            chain.append(chain[-1].rpartition(".")[0])
         owner = self.modules[path]
         slots = owner._parameters if parameter else owner._buffers
         host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")
@@ -177,10 +177,6 @@ class HFInit:
 
     init_parameter = partialmethod(_init, parameter=True)
     init_buffer = partialmethod(_init, parameter=False)
-
-
-def _parent(path: str) -> str:
-    return path.rpartition(".")[0]
 
 
 def _poison(t: Tensor) -> None:

@@ -63,15 +63,6 @@ class Policy:
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def grad_accum_dtype(value: str, working: str) -> torch.dtype:
-    """``precision.grad_accum_dtype``: fp32, or the working dtype (``working``) itself."""
-    allowed = sorted({"fp32", working})
-    if value not in allowed:
-        raise ConfigError(f"precision.grad_accum_dtype={value!r} is not valid with precision={working}; use "
-                          f"{' or '.join(allowed)}")
-    return DTYPES[value]
-
-
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                culprits=lambda: []) -> PrecisionState:
     """One step of DeepSpeed's dynamic loss scaler (its DynamicLossScaler: the rule is written out below).
@@ -134,15 +125,23 @@ class FP16Config(ScalerConfig):
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
 
 
+def _policy(name: str, cfg, reduce: torch.dtype | None = None, scaler: ScalerConfig | None = None) -> Policy:
+    """Precision ``name`` (fp32 master weights; gradients reduced in ``name`` unless ``reduce``) with
+    ``precision.grad_accum_dtype``: fp32, or the working dtype itself."""
+    allowed = sorted({"fp32", name})
+    if cfg.grad_accum_dtype not in allowed:
+        raise ConfigError(f"precision.grad_accum_dtype={cfg.grad_accum_dtype!r} is not valid with precision={name}; "
+                          f"use {' or '.join(allowed)}")
+    return Policy(name, DTYPES[name], reduce or DTYPES[name], torch.float32, scaler,
+                  grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
+
+
 def fp32(cfg: FP32Config) -> Policy:
-    return Policy("fp32", torch.float32, torch.float32, torch.float32, None,
-                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp32"))
+    return _policy("fp32", cfg)
 
 
 def bf16(cfg: BF16Config) -> Policy:
-    reduce = torch.float32 if cfg.reduce_fp32 else torch.bfloat16
-    return Policy("bf16", torch.bfloat16, reduce, torch.float32, None,
-                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "bf16"))
+    return _policy("bf16", cfg, reduce=torch.float32 if cfg.reduce_fp32 else None)
 
 
 def fp16(cfg: FP16Config) -> Policy:
@@ -151,9 +150,7 @@ def fp16(cfg: FP16Config) -> Policy:
                           "loss_scale_window >= 1")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
         raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
-    scaler = ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)})
-    return Policy("fp16", torch.float16, torch.float16, torch.float32, scaler,
-                  grad_accum_dtype=grad_accum_dtype(cfg.grad_accum_dtype, "fp16"))
+    return _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
 
 
 COMPONENTS = {"fp32": Component(config=FP32Config, build=fp32), "bf16": Component(config=BF16Config, build=bf16),
