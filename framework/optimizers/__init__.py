@@ -7,7 +7,7 @@ a config's ``lr`` is the schedule's base lr.
 """
 from framework.optimizers._subset import (group_state, init_groups, merge_groups, merge_scalars, replace_groups,
                                           step_groups)
-from framework.optimizers._transforms import GradientTransformation, apply_updates, chain, copy_16bit, step
+from framework.optimizers._transforms import GradientTransformation, apply_updates, copy_16bit, step
 
-__all__ = ["GradientTransformation", "apply_updates", "chain", "copy_16bit", "group_state", "init_groups",
+__all__ = ["GradientTransformation", "apply_updates", "copy_16bit", "group_state", "init_groups",
            "merge_groups", "merge_scalars", "replace_groups", "step", "step_groups"]

@@ -6,9 +6,7 @@ A group may hold 100M+ elements, so everything works in place: updates are writt
 grads' storage, state tensors are updated in place and shared by the returned state (a state
 passed to ``update`` must not be used again), and where one more buffer is needed (Lion,
 Adagrad) it is a bounded chunked scratch buffer. Step counts are python ints: no device sync.
-
-Every registered optimizer is built by ``optimizer``: a chain of weight decay, a direction and
-``-lr``, with a fast path (``fused``) that keeps the transforms' state layout, so a run may switch paths.
+Every registered optimizer is built by ``optimizer``.
 """
 from __future__ import annotations
 
@@ -55,7 +53,6 @@ def copy_16bit(out16: Sequence[Tensor], params: Sequence[Tensor]) -> None:
 
 
 def apply_updates(params: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
-    """``p += u`` for every group, in place."""
     torch._foreach_add_(list(params), list(updates))
 
 
@@ -82,7 +79,7 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     params) or all with ``cfg.decay_1d``. Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``:
     its hyperparameters; faster in every case timed, bench/cpu_adam.py), else ``cuda(grads,
     direction_state, params, lr, mask)`` (torch's fused kernel, ~4x the foreach transforms on
-    contiguous tensors), else the transforms."""
+    contiguous tensors), else the transforms. Each path keeps the transforms' state, so a run may switch paths."""
     mask = [bool(decayed) or cfg.decay_1d for decayed in decay_mask]
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]
