@@ -45,10 +45,8 @@ class Policy:
     reduce_dtype: torch.dtype    # gradients on the wire
     master_dtype: torch.dtype    # what the optimizer updates
     scaler: ScalerConfig | None  # None: no loss scaling (the scale stays 1)
-    # Gradients are summed across the micro batches of a step in this dtype (each micro batch's
-    # backward still produces param_dtype gradients): fp32 by default, as DeepSpeed's BF16
-    # optimizer does; param_dtype sums in 16 bits (less memory, rounding that grows with
-    # train.grad_accum).
+    # Micro-batch gradients (param_dtype, from each backward) are summed in this dtype: fp32 by
+    # default, as DeepSpeed's BF16 optimizer does (the trade-off: BF16Config.grad_accum_dtype).
     grad_accum_dtype: torch.dtype = torch.float32
 
     def init_state(self) -> PrecisionState:
