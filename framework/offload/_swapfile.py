@@ -31,7 +31,7 @@ from framework.core.units import size as _size
 from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
-FORMAT = 2          # 2: the manifest no longer carries a (always empty) checksums list per extent
+FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
 
 
 def padded(nbytes: int) -> int:
