@@ -139,12 +139,12 @@ class NVMePlacement(HostPlacement):
         pools = spec.buffer_count * tile * fp32
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        self.check_ram(pools, "at least")
+        self.check_ram(pools, "at least ")
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()
         if available is not None and pools > available:
-            raise ConfigError(f"offload: the swap buffer pools need {bound} {pools / GiB:.2f} GiB ({pools} bytes) of "
+            raise ConfigError(f"offload: the swap buffer pools need {bound}{pools / GiB:.2f} GiB ({pools} bytes) of "
                               f"host memory but {available / GiB:.2f} GiB is available; lower offload.buffer_count, "
                               f"offload.sub_group_size, offload.param_buffer_count or offload.max_in_cpu")
 

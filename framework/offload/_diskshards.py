@@ -113,8 +113,7 @@ class DiskShards(HostShards):
         largest = max(e.swapped[0].numel() for e in store.entries.values())
         _, slots, total, _ = store.layout(self.slots(largest))
         preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
-                  spec.param_buffer_count, itemsize=size, size_key="offload.param_buffer_size",
-                  count_key="offload.param_buffer_count", create=True)
+                  spec.param_buffer_count, itemsize=size, create=True)
         store.buffer_count = slots
         if store.buffer_count == 1 < len(store.entries):
             # A slot is reused only once its last copy to the device has finished (polled, see

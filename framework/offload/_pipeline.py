@@ -152,7 +152,7 @@ class PiecePipeline:
 
     def _wait(self) -> None:
         for job in [*self.grad_copies.values(), *self.jobs.values()]:
-            job.exception()  # wait only; result() raises in _settle or below
+            job.exception()  # wait only; result() raises in _settle or drain
 
     def drain(self) -> None:
         """Wait for the worker. A speculative piece's gradient is copied again only if rolled back
@@ -266,7 +266,6 @@ class PiecePipeline:
                 "written": sum(s.bytes_written for s in stores), "wait_s": sum(s.wait_s for s in stores)}
 
     def close(self) -> None:
-        """Stop the worker thread, settle the stores and remove the swap files."""
         self.pool.shutdown(wait=True)
         self.target.close()
 

@@ -31,7 +31,7 @@ from framework.core.units import size as _size
 from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
-FORMAT = 2          # 2: the manifest no longer carries a (always empty) checksums list per extent
+FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
 
 
 def padded(nbytes: int) -> int:
@@ -363,7 +363,7 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
 
 def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
               buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
-              size_key: str = "offload.buffer_size", count_key: str = "offload.buffer_count",
+              size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
               create: bool = False) -> None:
     """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
     ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the

@@ -10,10 +10,9 @@ live, and how they move. A stage talks to it only through these calls:
 * update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
   otherwise None: the stage steps itself and calls ``publish()``.
 
-Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
-``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``,
-which zero3 and its gatherer call directly (``placement.shards``) to load, fill and measure them.
+Tiers (``conf/offload``) subclass ``Placement`` and override only what differs. Where zero3's shards
+live is a second choice (``Shards`` and subclasses), which zero3 and its gatherer call directly
+(``placement.shards``) to load, fill and measure them.
 """
 from __future__ import annotations
 
@@ -112,12 +111,11 @@ class Shards:
         """End of setup: the shards go to their swap file, if they have one."""
 
     def memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
-        """zero3's parameter shards ``shards``, where they live."""
         fp.add("params", device=tensor_bytes(shards))
 
     def predict(self, fp: Footprint, sizes: Sequence[int], itemsize: int) -> None:
-        """The estimator's ``params`` item (shards of ``sizes`` elements, counted on the device), moved
-        to where ``memory`` will find them: here, on the device."""
+        """Move the estimator's ``params`` item (shards of ``sizes`` elements, counted on the device)
+        to where ``memory`` will find them (here: nothing to move)."""
 
     def close(self) -> None:
         pass
@@ -253,7 +251,7 @@ class Placement:
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
-        """The swap file and pool of the disk pieces of the same partitions (none here)."""
+        """``predict``'s swap file and pool for the disk pieces (none here)."""
 
     def swap_grads(self, accum_dtype: torch.dtype) -> bool:
         """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
@@ -291,7 +289,7 @@ class Placement:
         return done
 
     def working_used(self) -> Event:
-        """An event after the compute stream's last use of the working partitions: copies back wait on it."""
+        """After the compute stream's last use of the working partitions: copies back wait on it."""
         self.acc.use(writes=[] if self.shards.params_on_host else self.partitions)
         mark = self.acc.event()
         mark.record()
@@ -345,7 +343,7 @@ class Placement:
         return [i.staging if i.staging is not None else i.working for i in self.infos]
 
     def shard_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A zeroed zero3 parameter shard, where ``shards`` keeps them."""
+        """A zeroed zero3 parameter shard."""
         self._bind_device(device)
         return self.shards.buffer(numel, dtype, device)
 

@@ -95,12 +95,11 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
                           f"(O_DIRECT), got {a.block_size}")
     if a.queue_depth < 1 or a.intra_op_parallelism < 1:
         raise ConfigError("config: offload.aio.queue_depth and offload.aio.intra_op_parallelism must be >= 1")
-    if a.single_submit:
-        raise ConfigError("config: offload.aio.single_submit=true has no effect here (the IO engine always "
-                          "submits a batch of requests); remove it or set false")
-    if not a.overlap_events:
-        raise ConfigError("config: offload.aio.overlap_events=false has no effect here (completions always "
-                          "overlap submission); remove it or set true")
+    for key, default, why in (("single_submit", False, "the IO engine always submits a batch of requests"),
+                              ("overlap_events", True, "completions always overlap submission")):
+        if getattr(a, key) != default:
+            raise ConfigError(f"config: offload.aio.{key}={str(not default).lower()} has no effect here ({why}); "
+                              f"remove it or set {str(default).lower()}")
     return replace(cfg, params=params)
 
 
