@@ -181,6 +181,11 @@ class NVMePlacement(HostPlacement):
             failed = e
         self.agree(failed, what)
 
+    def step_errors(self, failed: BaseException | None) -> None:
+        # Swap IO (the optimizer tiles, or zero3's shards read for the copy back) may fail on one rank
+        # only: all ranks agree before the next collective
+        self.agree(failed, "stepping the optimizer")
+
     def agree(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
         if self.dist is None or self.dist.world == 1:
@@ -306,10 +311,6 @@ class DiskPlacement(GradSwap, NVMePlacement):
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         self.check_ram(store.buffer_count * slot + bounce, "")
-
-    def step_errors(self, failed: BaseException | None) -> None:
-        # Swap IO may fail on one rank only: all ranks agree before the gather (a collective).
-        self.agree(failed, "stepping the optimizer tiles")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:

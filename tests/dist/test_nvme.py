@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import framework
+from framework.core.errors import SwapIOError
 from framework.persist.checkpoint import Checkpointer
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
@@ -144,6 +145,35 @@ def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
     assert all(name == "SwapIOError" for name, _ in results), results
     assert f"rank00001.{kind}.swap" in results[1][1], results[1]   # the failing rank names file and offset
     assert "another rank failed" in results[0][1], results[0]
+
+
+def _fail_copy_back_on_one_rank(dist, folder):
+    """zero3 with its shards on NVMe and the optimizer in host memory: rank 1's read of a shard for the
+    copy back after the host step fails (the forward's reads succeeded)."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.optimizer=cpu", f"offload.nvme_path={folder}/r{dist.rank}",
+                      "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, _ = engine.train_step(engine.state, batch)
+        if dist.rank == 1:
+            def fail(group):
+                raise SwapIOError(f"injected: reading group {group}'s shard on rank 1")
+            engine.components.stage.offload.shards._hold = fail
+        try:
+            for _ in range(2):   # (without agreement rank 0 finishes this step and waits in the next one's gather)
+                state, _ = engine.train_step(state, batch)
+        except framework.FrameworkError as e:
+            return type(e).__name__, str(e)
+    return None
+
+
+def test_a_shard_read_failing_at_the_copy_back_fails_every_rank(pools, tmp_path):
+    """The copy back reads the shard it writes into; a rank whose read fails must not leave the other
+    waiting in the gather that follows the host step."""
+    results = pools(2).run(_fail_copy_back_on_one_rank, str(tmp_path), timeout=120)
+    assert results[1] is not None and "injected" in results[1][1], results
+    assert results[0] is not None and "another rank failed" in results[0][1], results
 
 
 @pytest.mark.parametrize("then", ["save", "save_weights"])
