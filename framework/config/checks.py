@@ -1,7 +1,5 @@
-"""Checking a composed config: every node against its dataclass (the top-level keys against
-``RootSchema``, each group's node against the chosen component's schema), then the values and
-the combination of stage and offload. Values are typed by OmegaConf, or without it by
-``framework.config.plainconf``."""
+"""Checking a composed config against its dataclasses (``RootSchema``, each chosen component's schema),
+then its values and the stage/offload combination. Typed by OmegaConf, or without it by ``plainconf``."""
 from __future__ import annotations
 
 import copy

@@ -1,6 +1,4 @@
-"""Composing a config: Hydra (or ``framework.config.plainconf`` without it) composes the YAML
-with the overrides, a DeepSpeed config sits between the two, ``checks.validate`` types the
-result, and provenance records where each value came from."""
+"""Composing a config (YAML < DeepSpeed config < overrides) and recording where each value came from."""
 from __future__ import annotations
 
 import contextlib

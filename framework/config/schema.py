@@ -42,13 +42,13 @@ class CheckpointConfig:
     timeout_s: float = 1800.0   # checkpoint collectives (their own gloo group) wait at most this long
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class RootSchema:
     seed: int = 1337
     train: TrainLoopConfig
     dist: DistConfig = field(default_factory=DistConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    ds_config: str | None = None      # a DeepSpeed JSON config, layered between our YAML and the command line
+    ds_config: str | None = None      # a DeepSpeed JSON config ("<dict>": given as a dict), under the command line
     ds_config_strict: bool = False    # keys DeepSpeed does not know in it: an error instead of a warning
 
 
@@ -56,11 +56,7 @@ ROOT_KEYS = tuple(f.name for f in dataclasses.fields(RootSchema))
 
 
 @dataclass(frozen=True)
-class Config:
-    seed: int
-    train: TrainLoopConfig
-    dist: DistConfig
-    checkpoint: CheckpointConfig
+class Config(RootSchema):
     choices: Mapping[str, str]      # group -> registry name of the chosen component
     # One typed node per conf/ group (the chosen component's config dataclass).
     model: Any
@@ -71,8 +67,6 @@ class Config:
     offload: Any
     logger: Any
     stage: Any
-    ds_config: str | None = None     # the DeepSpeed config's path ("<dict>" when given as a dict)
-    ds_config_strict: bool = False
     # Where each value came from, keyed like flat(to_dict()): default, YAML, DeepSpeed file,
     # DeepSpeed default, auto, command line.
     sources: Mapping[str, str] = field(default_factory=dict)

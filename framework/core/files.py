@@ -10,8 +10,7 @@ A folder the framework writes into may be writable by others (a shared scratch d
 symbolic link planted under a name the framework writes would make a plain ``open`` overwrite
 its target: every open here refuses a link in the final component (``UnsafePathError``, one line
 naming it). The folder the user gave may itself be a link; only what the framework creates
-inside it is guarded. Renames are relative to one directory descriptor, so a temporary and its
-final name stay in the same folder.
+inside it is guarded.
 """
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ def refuse_links(*paths: os.PathLike | str) -> None:
 
 
 def open_nofollow(path: os.PathLike | str, flags: int) -> int:
-    """``os.open`` that never follows a symbolic link in the final component."""
     try:
         return os.open(path, flags | _BASE, PRIVATE_FILE)
     except OSError as e:
@@ -73,7 +71,6 @@ def create_new(path: os.PathLike | str, *, dir_fd: int | None = None) -> int:
 
 
 def write_new(path: os.PathLike | str, data: bytes, *, dir_fd: int | None = None) -> None:
-    """Write ``data`` into a new owner-only file (``create_new``), fsync and close it."""
     fd = create_new(path, dir_fd=dir_fd)
     try:
         view = memoryview(data)
@@ -93,9 +90,8 @@ def fsync_dir(path: os.PathLike | str) -> None:
 
 
 def write_atomic(path: os.PathLike | str, data: bytes) -> None:
-    """Replace ``path`` with a file holding ``data``: written to ``<name>.tmp`` in the same folder,
-    fsynced, renamed over ``path`` and the folder fsynced, all relative to one descriptor of the
-    folder. A reader sees the old file or the new one, never a part."""
+    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` is renamed over it
+    relative to one descriptor of the folder, so both names stay in the same folder."""
     path = Path(path)
     tmp = f"{path.name}.tmp"
     dfd = os.open(path.parent, _DIR)

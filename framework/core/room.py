@@ -34,8 +34,7 @@ class Claim:
 
 
 def free_bytes(folder: str | os.PathLike) -> int:
-    """Bytes an unprivileged writer may use on the file system of ``folder`` (or of its nearest
-    existing parent: a folder about to be made)."""
+    """Bytes an unprivileged writer may use on the file system of ``folder`` (``nearest_existing``)."""
     st = os.statvfs(nearest_existing(Path(folder)))
     return st.f_bavail * st.f_frsize
 

@@ -94,9 +94,7 @@ ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy 
                  ("zero_quantized_gradients", False, "ZeRO++ quantized gradients (qgZ)"),
                  ("zeropp_loco_param", None, "ZeRO++ LoCo"), ("mics_shard_size", -1, "MiCS"))
 # Stage-3 keys, which DeepSpeed accepts with and without the "stage3_" prefix.
-STAGE3_KEYS = ("prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-               "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
-               "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential")
+STAGE3_KEYS = tuple(k.removeprefix("stage3_") for k in (*ZERO_STAGE, *ZERO_PERF) if k.startswith("stage3_"))
 ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size", "leaf_module",
              *(k for k in (*ZERO_STAGE, *ZERO_PERF) if not k.startswith("stage3_")), *(f[0] for f in ZERO_FEATURES))
 ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",

@@ -147,7 +147,6 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
             key, other, n = "train.micro_batch", "gradient_accumulation_steps", ga
         else:
             key, other, n = "train.micro_batch", "", 1
-        if not other:
             derived["train.grad_accum"] = 1
         if tb % (n * world):
             mismatches.append(f"train_batch_size={tb} is not divisible by " +

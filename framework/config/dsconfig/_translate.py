@@ -1,7 +1,5 @@
-"""The walk over a DeepSpeed config: its top level, ``zero_optimization`` and ``aio`` (onto the stage
-and offload groups), and the training sections (``fp16``/``bf16`` and the data types onto precision,
-``optimizer``, ``scheduler``; ``activation_checkpointing``, inert here). What it finds is collected in
-a ``Translation`` (group choices, settings of our keys, errors and notices); nothing is composed."""
+"""The walk over a DeepSpeed config, section by section, collecting in a ``Translation`` the group
+choices, the settings of our keys, errors and notices; nothing is composed."""
 from __future__ import annotations
 
 import json
@@ -172,7 +170,6 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         for sec in (z.get("offload_optimizer"), z.get("offload_param")):
             if isinstance(sec, dict):
                 sec.setdefault("pin_memory", pin)
-    # Stage-3 keys with and without the prefix.
     for k in STAGE3_KEYS:
         long = f"stage3_{k}"
         if k in z and long in z and z[k] != z[long]:
