@@ -61,14 +61,15 @@ class Dist:
             self.acc.collective_done(token)
         return CheckedWork(work, token, self.acc) if token is not None and async_op else work
 
-    def _run(self, what: str, fn, *args, **kwargs):
+    def _run(self, what: str, fn, *args, limit: tuple[float, str] | None = None, **kwargs):
+        """``fn(*args, **kwargs)``; ``limit``: (timeout, the key setting it) of another group than the default."""
         try:
             return fn(*args, **kwargs)
         except RuntimeError as e:  # gloo/NCCL report timeouts and dead peers as RuntimeError
-            who = self.who_failed()
+            timeout_s, key = limit or (self.timeout_s, "dist.timeout_s")
             raise DistributedError(
-                f"rank {self.rank}/{self.world}: {what} failed after waiting up to {self.timeout_s:g}s "
-                f"({who}; dist.timeout_s sets the limit): {str(e).splitlines()[0]}"
+                f"rank {self.rank}/{self.world}: {what} failed after waiting up to {timeout_s:g}s "
+                f"({self.who_failed()}; {key} sets the limit): {str(e).splitlines()[0]}"
             ) from e
 
     def who_failed(self) -> str:
@@ -95,11 +96,13 @@ class Dist:
             if w is not None:
                 self._run(what, w.wait)
 
-    def all_gather_object(self, obj, what: str = "all_gather_object") -> list:
+    def all_gather_object(self, obj, what: str = "all_gather_object", group=None,
+                          limit: tuple[float, str] | None = None) -> list:
+        """``group``, ``limit``: a process group of its own and its (timeout, key), as ``_run``'s."""
         if self.world == 1:
             return [obj]
         out = [None] * self.world
-        self._run(what, tdist.all_gather_object, out, obj)
+        self._run(what, tdist.all_gather_object, out, obj, group=group, limit=limit)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0, what: str = "broadcast") -> None:

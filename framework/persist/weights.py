@@ -85,13 +85,9 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
         masters = list(mapped.params)
         layout = _layout(engine, "weights")
 
-        def load() -> None:
-            src = source if isinstance(source, WeightsSource) else open_weights(source)
-            try:
+        def load() -> None:   # a source given open stays open
+            with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
                 _load(src, strict, layout, masters, targets(c.module, layout, masters), fmap)
-            finally:
-                if src is not source:
-                    src.close()
 
         _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
@@ -185,7 +181,6 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def _agree(dist, fn: Callable[[], object], what: str):
-    """``fn`` on every rank, its outcome agreed on over ``dist`` (``framework.comm.distributed.agree``)."""
     return agree(lambda obj: dist.all_gather_object(obj, what=what), dist.rank, fn, what)
 
 

@@ -34,16 +34,7 @@ class Group:
         self.pg = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
 
     def all_gather(self, obj: Any, what: str) -> list:
-        if self.world == 1:
-            return [obj]
-        out = [None] * self.world
-        try:
-            tdist.all_gather_object(out, obj, group=self.pg)
-        except RuntimeError as e:
-            raise FrameworkError(f"rank {self.rank}/{self.world}: checkpoint {what} failed after waiting up to "
-                                 f"{self.timeout_s:g}s ({self.dist.who_failed()}; checkpoint.timeout_s sets the "
-                                 f"limit): {str(e).splitlines()[0]}") from e
-        return out
+        return self.dist.all_gather_object(obj, f"checkpoint {what}", self.pg, (self.timeout_s, "checkpoint.timeout_s"))
 
     def enter(self, stack: contextlib.ExitStack, context, what: str):
         """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):

@@ -23,7 +23,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, o
 from framework.offload import verify_map
 from framework.persist.checkpoint import _folder, _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
-from framework.core.utils import dtype_name, few
+from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, flat_pieces, host_copy
 from framework.persist.weights import save_on_model_save
 
@@ -80,8 +80,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
-    nbytes = sum(t.numel() * t.element_size() for v in out.values()
-                 for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) + 4096 * len(out) + (64 << 10)
+    nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
+        + 4096 * len(out) + (64 << 10)
     json_scalars = {p: {"tensor": v.tolist(), "dtype": dtype_name(v.dtype)} if isinstance(v, torch.Tensor) else v
                     for p, v in host_scalars.items()}
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
