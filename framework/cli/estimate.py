@@ -126,7 +126,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 
     def table(key: str, title: str, rows: list) -> None:
         text.extend(["", title, format_rows(rows)])
-        out[key] = [r.__dict__ for r in rows]
+        out[key] = [{k: v for k, v in r.__dict__.items() if v is not None} for r in rows]
 
     table("zero2", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size "
                    "does not enter):", zero2_rows(params, gpus, nodes, factor))
