@@ -64,25 +64,30 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
 
 
 def resolve_model(value: str, overrides: list[str]):
-    """(module on meta or None, composed Config or None, label) for ``model=value``."""
+    """(module on meta, composed Config, whether it is a Hugging Face model) for ``model=value``."""
     path = Path(value)
     hf = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
-    if not hf and path.suffix not in (".yaml", ".yml"):
-        return None, compose([f"model={value}", *overrides]), value
-    if not path.exists():
+    yaml = path.suffix in (".yaml", ".yml")
+    if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
-    if hf:
-        return hf_model_from_config(path), None, str(path)
-    from omegaconf import OmegaConf
+    if hf:   # our stages, precision, batch and offload keys around it
+        return hf_model_from_config(path), compose(overrides), True
+    if yaml:
+        from omegaconf import OmegaConf
 
-    from framework.models.gpt import GPTConfig
+        from framework.models.gpt import GPTConfig
 
-    cfg = compose(overrides)
-    try:   # a GPT model config in a YAML file (as conf/model/*.yaml)
-        model = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"estimate: {path} is not a model config: {e}") from None
-    return None, dataclasses.replace(cfg, model=model), str(path)
+        try:   # a GPT model config in a YAML file (as conf/model/*.yaml)
+            model = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path), resolve=True))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"estimate: {path} is not a model config: {e}") from None
+        cfg = dataclasses.replace(compose(overrides), model=model)
+    else:
+        cfg = compose([f"model={value}", *overrides])
+    from framework.engine.build import component
+
+    with torch.device("meta"):
+        return component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg)), cfg, False
 
 
 def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
@@ -95,18 +100,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     except ValueError:
         raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']!r} is not a number, e.g. 1.5") from None
     cfg = module = None
-    label, hf = "", False
     if "model" in own:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
-        module, cfg, label = resolve_model(own["model"], overrides)
-        hf = cfg is None
-        if hf:   # a Hugging Face model: our stages, precision, batch and offload keys around it
-            cfg = compose(overrides)
-        else:
-            from framework.engine.build import component
-            with torch.device("meta"):
-                module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
+        module, cfg, hf = resolve_model(own["model"], overrides)
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
     elif "params" in own:
@@ -129,7 +126,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 
     def table(key: str, title: str, rows: list) -> None:
         text.extend(["", title, format_rows(rows)])
-        out[key] = [r.__dict__ for r in rows]
+        out[key] = [{k: v for k, v in r.__dict__.items() if v is not None} for r in rows]
 
     table("zero2", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size "
                    "does not enter):", zero2_rows(params, gpus, nodes, factor))
@@ -149,17 +146,16 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds)))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
-        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else None
-        if not hf:
-            pred = predict(cfg, world or cfg.dist.nproc, module=module)
-            text += ["", format_prediction(cfg, pred)]
-        else:
+        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
+        context = None
+        if hf:
             conf = getattr(module, "config", None)
             context = parse_count(own["context"], "context") if "context" in own else (
                 getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
                 cfg.model.context)
-            pred = predict(cfg, world or cfg.dist.nproc, module=module, loss_fn=hf_loss, context=context)
-            text += ["", f"model {label}", format_prediction(cfg, pred, context=context)]
+        pred = predict(cfg, world, module=module, loss_fn=hf_loss if hf else None, context=context)
+        text += ["", f"model {Path(own['model'])}"] if hf else [""]
+        text.append(format_prediction(cfg, pred, context=context))
         out["prediction"] = pred.as_dict()
     print(json.dumps(out, indent=1) if flags["json"] else "\n".join(text))
 

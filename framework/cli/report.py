@@ -79,7 +79,7 @@ def load_jobs(root: Path) -> list[Job]:
                              f"pass the folder a multirun wrote (hydra.sweep.dir)")
     common = set(common_overrides(jobs))
     for j in jobs:
-        j.label = " ".join(o for o in j.overrides if o not in common) or str(j.dir.relative_to(root)) or j.dir.name
+        j.label = " ".join(o for o in j.overrides if o not in common) or str(j.dir.relative_to(root))
     return jobs
 
 
@@ -120,7 +120,7 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
     common = set(common_overrides(jobs))
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in jobs:
-        name = str(j.dir.relative_to(root)) if j.dir != root else "."
+        name = str(j.dir.relative_to(root))
         ov = " ".join(f"`{o}`" for o in j.overrides if o not in common) or "-"
         if j.summary is None:
             rows.append(f"| {name} | {ov} | " + " | ".join(["no summary.json (failed or running)"]

@@ -55,9 +55,10 @@ def count_module(module: nn.Module) -> Counts:
 
 @dataclass(frozen=True)
 class Row:
-    cpu: int        # bytes per node (DeepSpeed's "per CPU")
+    cpu: int        # bytes per node (DeepSpeed's "per CPU"; NVMe rows: pinned pools [+ cpu param shards])
     gpu: int        # bytes per GPU
     options: str
+    disk: int | None = None   # NVMe rows: bytes per node on the NVMe path
 
 
 def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
@@ -105,16 +106,8 @@ class NVMeKeys:
     param_buffer_size: int = 100_000_000  # offload_param.buffer_size (elements)
 
 
-@dataclass(frozen=True)
-class NVMeRow:
-    cpu: int        # host bytes per node: pinned pools (+ the fp32 gradient partition, + cpu param shards)
-    gpu: int        # bytes per GPU
-    disk: int       # bytes per node on the NVMe path
-    options: str
-
-
 def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
-              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2) -> list[NVMeRow]:
+              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2) -> list[Row]:
     """Per-node disk bytes and host pools of ZeRO-Infinity, for zero3 (our model, not DeepSpeed's:
     no fudge factor; every term is named).
 
@@ -141,14 +134,14 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
             host += gpus_per_node * part * param_bytes
         else:
             gpu += part * param_bytes
-        rows.append(NVMeRow(host, gpu, disk, f"offload_param={par}, offload_optimizer=nvme"))
+        rows.append(Row(host, gpu, f"offload_param={par}, offload_optimizer=nvme", disk))
     return rows
 
 
-def format_rows(rows: list[Row] | list[NVMeRow]) -> str:
+def format_rows(rows: list[Row]) -> str:
     """DeepSpeed's layout: ``per CPU | per GPU | Options`` (NVMe rows add ``NVMe/node``), GiB (2^30 bytes)
     with two decimals."""
-    nvme = bool(rows) and isinstance(rows[0], NVMeRow)
+    nvme = bool(rows) and rows[0].disk is not None
     lines = ["  per CPU  |  per GPU |" + ("  NVMe/node |" if nvme else "") + "   Options"]
     lines += [f" {r.cpu / GiB:7.2f}GiB | {r.gpu / GiB:6.2f}GiB | " + (f"{r.disk / GiB:7.2f}GiB | " if nvme else "")
               + r.options for r in rows]
