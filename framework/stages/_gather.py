@@ -33,7 +33,6 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-# The states are one cycle: each has a single legal successor.
 NEXT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.GATHERED,
         UnitState.GATHERED: UnitState.SHARDED}
 

@@ -72,8 +72,7 @@ class ShardedStage(PartitionedStage):
 
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
-        """The order a group's parameters are laid out in: registration order."""
-        return named
+        return named   # zero2 may lay them out round-robin
 
     def publish_finish(self) -> None:
         comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)
