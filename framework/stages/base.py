@@ -120,6 +120,7 @@ class PartitionedStage(BaseStage):
         self.bounds: list[tuple[int, int]] = []     # owned [lo, hi) per group
         self.pieces: list[list[Piece]] = []         # from the offload target, in the optimizer's order
         self.hook_handles: list = []
+        self.grad_swap = False   # zero3 under offload=nvme: the owned gradients live in the swap file
 
     def _own(self, layout: Layout, owned: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
         """Own ``owned`` (this rank's partition of ``layout``, working values) and place its master."""
@@ -149,8 +150,10 @@ class PartitionedStage(BaseStage):
 
     def grad_sq_norm(self) -> torch.Tensor:
         # Over the reduced partitions, not the pieces: how a partition is cut must not change the
-        # rounding of the norm, so offload and overlap settings give identical steps.
-        local = sq_norm(self._partition_grads(), self.dist.device)
+        # rounding of the norm, so offload and overlap settings give identical steps. (Swapped out:
+        # the offload target kept each partition's as it wrote it.)
+        local = (self.offload.grad_sq_norm_local() if self.grad_swap
+                 else sq_norm(self._partition_grads(), self.dist.device))
         # Partitions are disjoint: the global squared norm is the sum over ranks.
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local
