@@ -22,7 +22,7 @@ from framework.comm.distributed import Dist
 from framework.core.errors import DistributedError, FrameworkError, TrainingError
 from framework.core.utils import tensors_in
 from framework.stages._flat import Layout
-from framework.stages._grads import reduce_to_owners
+from framework.stages._grads import late_gradient, reduce_to_owners
 
 log = logging.getLogger("framework.zero3")
 
@@ -33,7 +33,6 @@ class UnitState(enum.Enum):
     GATHERED = "gathered"
 
 
-# The states are one cycle: each has a single legal successor.
 NEXT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.GATHERED,
         UnitState.GATHERED: UnitState.SHARDED}
 
@@ -203,11 +202,8 @@ class Gatherer:
         if unit is self.persistent:
             return  # reduced once at the end of backward
         if id(p) in unit.arrived:
-            if unit.reduced:  # it would be lost: the unit's gradients already went to their owners
-                raise TrainingError(
-                    f"zero3: a parameter of unit {unit.name!r} received a second gradient in one backward pass "
-                    f"after the unit was reduced (a weight used in two segments of reentrant activation "
-                    f"checkpointing?); use torch.utils.checkpoint with use_reentrant=False")
+            if unit.reduced:
+                raise late_gradient(f"zero3: a parameter of unit {unit.name!r}", "the unit")
             return  # accumulated again before the unit was reduced: nothing is lost
         unit.arrived.add(id(p))
         if unit.in_backward and len(unit.arrived) == len(unit.params):

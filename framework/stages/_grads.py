@@ -179,6 +179,13 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
         f"loss_fn must only return the loss; train_step runs the backward pass")
 
 
+def late_gradient(who: str, reduced: str) -> TrainingError:
+    """A gradient arrived after ``reduced`` went to its owners: it would be lost."""
+    return TrainingError(f"{who} received a second gradient in one backward pass after {reduced} was reduced "
+                         f"(a weight used in two segments of reentrant activation checkpointing?); "
+                         f"use torch.utils.checkpoint with use_reentrant=False")
+
+
 class FlatGrads:
     """ddp's and zero1's gradients and their reduction: buckets go out from the hooks during the
     step's last backward (``overlap``) or after it, each to its owners (``bounds``: this rank's
@@ -335,10 +342,7 @@ class Arrivals:
             return
         if self.seen[pid]:
             if any(b < self.next for b in self.owners.get(pid, ())):
-                raise TrainingError(
-                    f"{self.stage}: {self.names[pid]!r} received a second gradient in one backward pass after its "
-                    f"bucket was reduced (a weight used in two segments of reentrant activation checkpointing?); "
-                    f"use torch.utils.checkpoint with use_reentrant=False")
+                raise late_gradient(f"{self.stage}: {self.names[pid]!r}", "its bucket")
             return  # accumulated again before its bucket went out: nothing is lost
         self.seen[pid] = True
         for i in self.owners[pid]:

@@ -1,7 +1,7 @@
 """The Stage protocol: how parameters, gradients and optimizer inputs are laid out and moved.
 
 ``train_step`` never asks which stage it drives; stages never know which optimizer runs. The bases:
-``WholeParameters`` (ddp, zero1, zero2: working parameters whole on every rank) and
+``BaseStage`` (defaults; ddp, zero1 and zero2 keep working parameters whole on every rank) and
 ``PartitionedStage`` (zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a
 padded flat layout and the master pieces the offload target, the stage's listener, cut it into).
 """
@@ -76,20 +76,18 @@ class Stage(Protocol):
         """Remove the hooks this stage registered on the module."""
 
 
-class HookOwner:
-    hook_handles: list
+class BaseStage:
+    """Defaults for every stage, written for working parameters whole on every rank; zero3 and the
+    partitioned stages override what differs."""
+
+    module: nn.Module
+    dist: Dist
+    hook_handles: list   # removed by close()
 
     def close(self) -> None:
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
-
-
-class WholeParameters(HookOwner):
-    """Defaults for stages whose working parameters are whole on every rank (ddp, zero1, zero2)."""
-
-    module: nn.Module
-    dist: object
 
     def stats(self) -> dict:
         return {}
@@ -110,7 +108,7 @@ class WholeParameters(HookOwner):
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
 
-class PartitionedStage(HookOwner):
+class PartitionedStage(BaseStage):
     """Subclasses supply ``_finish_grads()`` (complete the step's reduction after its last backward),
     ``_partition_grads()`` (each group's reduced gradient partition on the device, once finished; read
     only) and ``publish_finish()`` (after every piece is published, make the working parameters current)."""
@@ -121,7 +119,8 @@ class PartitionedStage(HookOwner):
         self.layouts: list[Layout] = []
         self.bounds: list[tuple[int, int]] = []     # owned [lo, hi) per group
         self.pieces: list[list[Piece]] = []         # from the offload target, in the optimizer's order
-        self.hook_handles: list = []                # removed by close()
+        self.hook_handles: list = []
+        self.grad_swap = False   # zero3 under offload=nvme: the owned gradients live in the swap file
 
     def _own(self, layout: Layout, owned: torch.Tensor, master_dtype: torch.dtype) -> list[Piece]:
         """Own ``owned`` (this rank's partition of ``layout``, working values) and place its master."""
@@ -151,8 +150,10 @@ class PartitionedStage(HookOwner):
 
     def grad_sq_norm(self) -> torch.Tensor:
         # Over the reduced partitions, not the pieces: how a partition is cut must not change the
-        # rounding of the norm, so offload and overlap settings give identical steps.
-        local = sq_norm(self._partition_grads(), self.dist.device)
+        # rounding of the norm, so offload and overlap settings give identical steps. (Swapped out:
+        # the offload target kept each partition's as it wrote it.)
+        local = (self.offload.grad_sq_norm_local() if self.grad_swap
+                 else sq_norm(self._partition_grads(), self.dist.device))
         # Partitions are disjoint: the global squared norm is the sum over ranks.
         self.dist.all_reduce(local, what="gradient norm all-reduce")
         return local

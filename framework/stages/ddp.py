@@ -19,7 +19,7 @@ from framework.stages._flat import PieceSpec, bind_groups, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
-from framework.stages.base import Setup, WholeParameters
+from framework.stages.base import BaseStage, Setup
 
 
 @dataclass(kw_only=True)
@@ -28,14 +28,14 @@ class DDPConfig:
     overlap_comm: bool = True      # launch buckets during backward instead of after it
 
 
-class DDPStage(WholeParameters):
+class DDPStage(BaseStage):
     def __init__(self, cfg: DDPConfig, dist: Dist, offload=None):
         # (replicated training has no partition to offload: the compatibility table allows only none)
         if cfg.bucket_size < 1:
             raise ConfigError("stage.bucket_size must be >= 1 element")
         self.cfg, self.dist = cfg, dist
         self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
-        self.hook_handles: list = []   # removed by close()
+        self.hook_handles: list = []
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
         self.module = module

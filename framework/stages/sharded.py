@@ -25,7 +25,7 @@ from framework.precision import Policy
 from framework.stages._flat import bind_groups
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
                                      plan_buckets, plan_stripes, reduce_bucket, reduce_to_owners)
-from framework.stages.base import PartitionedStage, Setup, WholeParameters
+from framework.stages.base import PartitionedStage, Setup
 
 
 @dataclass(kw_only=True)
@@ -42,7 +42,7 @@ class ZeroConfig:
     round_robin_gradients: bool = False
 
 
-class ShardedStage(PartitionedStage, WholeParameters):
+class ShardedStage(PartitionedStage):
     """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
     slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
 
@@ -72,8 +72,7 @@ class ShardedStage(PartitionedStage, WholeParameters):
 
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
-        """The order a group's parameters are laid out in: registration order."""
-        return named
+        return named   # zero2 may lay them out round-robin
 
     def publish_finish(self) -> None:
         comm = self.dist.comm   # every rank's owned partition -> everywhere (gloo: in allgather_bucket_size calls)

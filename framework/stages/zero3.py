@@ -153,13 +153,6 @@ class Zero3Stage(PartitionedStage):
     def _partition_grads(self) -> list[torch.Tensor]:
         return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        if not self.grad_swap:
-            return super().grad_sq_norm()
-        local = self.offload.grad_sq_norm_local()
-        self.dist.all_reduce(local, what="gradient norm all-reduce")
-        return local
-
     def zero_grads(self) -> None:
         if self.grad_swap:
             for g in self.groups:
