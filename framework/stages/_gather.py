@@ -206,7 +206,8 @@ class Gatherer:
                 raise late_gradient(f"zero3: a parameter of unit {unit.name!r}", "the unit")
             return  # accumulated again before the unit was reduced: nothing is lost
         unit.arrived.add(id(p))
-        if unit.in_backward and len(unit.arrived) == len(unit.params):
+        # (counted per group: ``unit.params`` builds a list, once per gradient would be quadratic)
+        if unit.in_backward and len(unit.arrived) == sum(len(g.params) for g in unit.groups):
             self._reduce(unit)
             self.release(unit)
 
