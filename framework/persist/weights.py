@@ -80,8 +80,9 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported in one ``ConfigError`` before anything is written. The optimizer state is left as it is."""
     c = engine.components
-    # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
-    with engine.mapped_state(engine.state, write=True) as (mapped, fmap):
+    with contextlib.ExitStack() as stack:   # offload=nvme: the swapped masters are written where they lie
+        mapped, fmap = _agree(c.dist, lambda: stack.enter_context(engine.mapped_state(engine.state, write=True)),
+                              "load_weights: swap file map")
         masters = list(mapped.params)
         layout = _layout(engine, "weights")
 

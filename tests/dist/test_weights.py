@@ -288,6 +288,30 @@ def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
     assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
 
 
+def _load_with_a_failed_map(dist, folder):
+    """offload=nvme: rank 1 cannot map its swap file to write the loaded masters into it."""
+    cfg = tiny_config("+stage=zero2", "offload=nvme", f"offload.nvme_path={folder}/r{dist.rank}",
+                      f"train.micro_batch={ROWS // dist.world}")
+    module, _ = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        save_weights(engine, f"{folder}/out")
+        if dist.rank == 1:
+            def fail(state, write=False):
+                raise OSError("injected: cannot map rank 1's swap file")
+            engine.mapped_state = fail
+        try:
+            load_weights(engine, f"{folder}/out")
+        except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+            return type(e).__name__, str(e)
+    return None
+
+
+def test_a_rank_that_cannot_map_its_swap_file_stops_every_rank_loading(pools, tmp_path):
+    r0, r1 = pools(2).run(_load_with_a_failed_map, str(tmp_path), timeout=120)
+    assert r1 == ("OSError", "injected: cannot map rank 1's swap file"), r1
+    assert r0 is not None and r0[0] == "FrameworkError" and "on another rank: rank 1" in r0[1], r0
+
+
 # --- a real checkpoint: stage3_gather_16bit_weights_on_model_save in each step folder, then export -------
 
 def _checkpointed(dist, ckpt_dir):
