@@ -50,6 +50,7 @@ def refuse_links(*paths: os.PathLike | str) -> None:
 
 
 def open_nofollow(path: os.PathLike | str, flags: int) -> int:
+    """``os.open`` that never follows a symbolic link in the final component."""
     try:
         return os.open(path, flags | _BASE, PRIVATE_FILE)
     except OSError as e:
@@ -90,8 +91,9 @@ def fsync_dir(path: os.PathLike | str) -> None:
 
 
 def write_atomic(path: os.PathLike | str, data: bytes) -> None:
-    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` is renamed over it
-    relative to one descriptor of the folder, so both names stay in the same folder."""
+    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` is written and fsynced,
+    renamed over it relative to one descriptor of the folder (both names stay in that folder), and the
+    folder fsynced, so the rename survives a crash."""
     path = Path(path)
     tmp = f"{path.name}.tmp"
     dfd = os.open(path.parent, _DIR)

@@ -207,27 +207,27 @@ class PiecePipeline:
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
               lr: float) -> Any:
         clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
-        done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
-        self.ctx, self.speculate = None, clean
-        after = self.target.working_used()
         copies: list[Event] = []
-        for store in self.target.stores.values():
-            getattr(store, "resume", lambda: None)()
-        for k in done:  # copy back while the worker steps the rest
-            self._publish(k, after, copies)
-        rest = [k for k in range(len(self.info)) if k not in done]
-        jobs = [(k, self.pool.submit(self._step, k, grads[k], coef, opt_state, params, lr))
-                for k in rest if k in self.host]
-        device_rest = [k for k in rest if k not in self.host]
-        if device_rest:  # (offload.ratio < 1) stepped here, on the compute stream, meanwhile
-            if coef != 1.0:
-                torch._foreach_mul_([grads[k] for k in device_rest], coef)
-            new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr,
-                                    self.out16)
-            for k in device_rest:
+        jobs, new_state, failed = [], None, None
+        try:   # every failure below (a speculative job, a copy back's shard read) is agreed on after it
+            done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
+            self.ctx, self.speculate = None, clean
+            after = self.target.working_used()
+            for store in self.target.stores.values():
+                getattr(store, "resume", lambda: None)()
+            for k in done:  # copy back while the worker steps the rest
                 self._publish(k, after, copies)
-        failed = None
-        try:
+            rest = [k for k in range(len(self.info)) if k not in done]
+            jobs = [(k, self.pool.submit(self._step, k, grads[k], coef, opt_state, params, lr))
+                    for k in rest if k in self.host]
+            device_rest = [k for k in rest if k not in self.host]
+            if device_rest:  # (offload.ratio < 1) stepped here, on the compute stream, meanwhile
+                if coef != 1.0:
+                    torch._foreach_mul_([grads[k] for k in device_rest], coef)
+                new_state = step_groups(self.tx, {k: grads[k] for k in device_rest}, opt_state, params, lr,
+                                        self.out16)
+                for k in device_rest:
+                    self._publish(k, after, copies)
             for k, job in jobs:
                 new_state = job.result()
                 self._publish(k, after, copies)

@@ -10,9 +10,10 @@ live, and how they move. A stage talks to it only through these calls:
 * update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
   otherwise None: the stage steps itself and calls ``publish()``.
 
-Tiers (``conf/offload``) subclass ``Placement`` and override only what differs. Where zero3's shards
-live is a second choice (``Shards`` and subclasses), which zero3 and its gatherer call directly
-(``placement.shards``) to load, fill and measure them.
+Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
+``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
+Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``,
+which zero3 and its gatherer call directly (``placement.shards``) to load, fill and measure them.
 """
 from __future__ import annotations
 

@@ -147,11 +147,13 @@ def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
     assert "another rank failed" in results[0][1], results[0]
 
 
-def _fail_copy_back_on_one_rank(dist, folder):
+def _fail_copy_back_on_one_rank(dist, folder, overlap):
     """zero3 with its shards on NVMe and the optimizer in host memory: rank 1's read of a shard for the
-    copy back after the host step fails (the forward's reads succeeded)."""
+    copy back after the host step fails (the forward's reads succeeded); with ``overlap`` the pieces
+    stepped during backward are copied back first."""
     cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.optimizer=cpu", f"offload.nvme_path={folder}/r{dist.rank}",
-                      "stage.stage3_param_persistence_threshold=0")
+                      "stage.stage3_param_persistence_threshold=0", f"offload.overlap_step={overlap}",
+                      *(["train.grad_clip=0"] if overlap else []))   # (a clipped step is never speculated)
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg, dist) as engine:
         batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
@@ -164,16 +166,18 @@ def _fail_copy_back_on_one_rank(dist, folder):
             for _ in range(2):   # (without agreement rank 0 finishes this step and waits in the next one's gather)
                 state, _ = engine.train_step(state, batch)
         except framework.FrameworkError as e:
-            return type(e).__name__, str(e)
+            return type(e).__name__, str(e), engine.components.update.kept
     return None
 
 
-def test_a_shard_read_failing_at_the_copy_back_fails_every_rank(pools, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_shard_read_failing_at_the_copy_back_fails_every_rank(pools, tmp_path, overlap):
     """The copy back reads the shard it writes into; a rank whose read fails must not leave the other
     waiting in the gather that follows the host step."""
-    results = pools(2).run(_fail_copy_back_on_one_rank, str(tmp_path), timeout=120)
+    results = pools(2).run(_fail_copy_back_on_one_rank, str(tmp_path), overlap, timeout=120)
     assert results[1] is not None and "injected" in results[1][1], results
     assert results[0] is not None and "another rank failed" in results[0][1], results
+    assert (results[1][2] > 0) == overlap, results   # with overlap: the speculated pieces' copy back failed
 
 
 @pytest.mark.parametrize("then", ["save", "save_weights"])
