@@ -19,7 +19,7 @@ from torch import nn
 
 from framework.config import Config, compose
 from framework.core.errors import ConfigError, FrameworkError
-from framework.comm.distributed import Dist, connect
+from framework.comm.distributed import Dist, agree, connect
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
@@ -119,7 +119,10 @@ class Engine:
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        with self.mapped_state(state, write=True) as (mapped, _):
+        with contextlib.ExitStack() as stack:   # a rank that cannot map its swap file stops every rank
+            mapped, _ = agree(lambda obj: c.dist.all_gather_object(obj, what="load_state_dict: swap file map"),
+                              c.dist.rank, lambda: stack.enter_context(self.mapped_state(state, write=True)),
+                              "load_state_dict: swap file map")
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
                                      rank=c.dist.rank, world=c.dist.world)
         return self.finish_load(state, loaded)
