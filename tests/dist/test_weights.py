@@ -288,26 +288,31 @@ def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
     assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
 
 
-def _load_with_a_failed_map(dist, folder):
+def _load_with_a_failed_map(dist, folder, via):
     """offload=nvme: rank 1 cannot map its swap file to write the loaded masters into it."""
     cfg = tiny_config("+stage=zero2", "offload=nvme", f"offload.nvme_path={folder}/r{dist.rank}",
                       f"train.micro_batch={ROWS // dist.world}")
     module, _ = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg, dist) as engine:
         save_weights(engine, f"{folder}/out")
+        saved = dist.all_gather_object(engine.state_dict(engine.state), what="test state gather")
         if dist.rank == 1:
             def fail(state, write=False):
                 raise OSError("injected: cannot map rank 1's swap file")
             engine.mapped_state = fail
         try:
-            load_weights(engine, f"{folder}/out")
+            if via == "load_weights":
+                load_weights(engine, f"{folder}/out")
+            else:
+                engine.load_state_dict(engine.state, saved)
         except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
             return type(e).__name__, str(e)
     return None
 
 
-def test_a_rank_that_cannot_map_its_swap_file_stops_every_rank_loading(pools, tmp_path):
-    r0, r1 = pools(2).run(_load_with_a_failed_map, str(tmp_path), timeout=120)
+@pytest.mark.parametrize("via", ["load_weights", "load_state_dict"])
+def test_a_rank_that_cannot_map_its_swap_file_stops_every_rank_loading(pools, tmp_path, via):
+    r0, r1 = pools(2).run(_load_with_a_failed_map, str(tmp_path), via, timeout=120)
     assert r1 == ("OSError", "injected: cannot map rank 1's swap file"), r1
     assert r0 is not None and r0[0] == "FrameworkError" and "on another rank: rank 1" in r0[1], r0
 
