@@ -99,15 +99,25 @@ class Engine:
                               world=c.dist.world)
 
     @contextlib.contextmanager
-    def mapped_state(self, state: TrainState, write: bool = False) -> Iterator[tuple[TrainState, Any]]:
+    def mapped_state(self, state: TrainState, write: bool = False, *,
+                     agreed: str | None = None) -> Iterator[tuple[TrainState, Any]]:
         """(``state`` with every piece a tensor inside the block, the mapped swap file or None): under
         offload=nvme views of the mapped file, no host copy; with ``write`` what is stored into them is
-        the file's on exit (also after an error). Only between steps."""
+        the file's on exit (also after an error). Only between steps. ``agreed`` (collective callers):
+        the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
+        every rank at once instead of leaving them in the caller's next collective."""
         offload = self._swapping()
         if offload is None:
             yield state, None
             return
-        params, opt_state, fmap = offload.mapped_state(state.params, state.opt_state, write=write)
+        dist = self.components.dist
+
+        def mapped():
+            return offload.mapped_state(state.params, state.opt_state, write=write)
+
+        # (when another rank failed, this rank's map is dropped unwritten: file and checksums unchanged)
+        params, opt_state, fmap = mapped() if agreed is None else agree(
+            lambda obj: dist.all_gather_object(obj, what=agreed), dist.rank, mapped, agreed)
         try:
             yield replace(state, params=tuple(params), opt_state=opt_state), fmap
         finally:
@@ -119,10 +129,7 @@ class Engine:
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
-        with contextlib.ExitStack() as stack:   # a rank that cannot map its swap file stops every rank
-            mapped, _ = agree(lambda obj: c.dist.all_gather_object(obj, what="load_state_dict: swap file map"),
-                              c.dist.rank, lambda: stack.enter_context(self.mapped_state(state, write=True)),
-                              "load_state_dict: swap file map")
+        with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
                                      rank=c.dist.rank, world=c.dist.world)
         return self.finish_load(state, loaded)

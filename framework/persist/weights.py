@@ -80,9 +80,8 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
     reported in one ``ConfigError`` before anything is written. The optimizer state is left as it is."""
     c = engine.components
-    with contextlib.ExitStack() as stack:   # offload=nvme: the swapped masters are written where they lie
-        mapped, fmap = _agree(c.dist, lambda: stack.enter_context(engine.mapped_state(engine.state, write=True)),
-                              "load_weights: swap file map")
+    # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
+    with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
         masters = list(mapped.params)
         layout = _layout(engine, "weights")
 
@@ -142,8 +141,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
     out_dir = Path(out_dir)
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
-        mapped, fmap = _agree(dist, lambda: stack.enter_context(engine.mapped_state(engine.state)),
-                              "save_weights: swap file check")
+        mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
         masters = list(mapped.params)
         layout = _layout(engine, "save_weights")
         tgts = targets(c.module, layout, masters)

@@ -296,10 +296,10 @@ def _load_with_a_failed_map(dist, folder, via):
     with framework.initialize(module, gpt_loss, cfg, dist) as engine:
         save_weights(engine, f"{folder}/out")
         saved = dist.all_gather_object(engine.state_dict(engine.state), what="test state gather")
-        if dist.rank == 1:
-            def fail(state, write=False):
+        if dist.rank == 1:   # the offload target's map of its swap file (an mmap) fails
+            def fail(params, opt_state, *, write):
                 raise OSError("injected: cannot map rank 1's swap file")
-            engine.mapped_state = fail
+            engine.components.stage.offload.mapped_state = fail
         try:
             if via == "load_weights":
                 load_weights(engine, f"{folder}/out")
