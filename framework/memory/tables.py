@@ -112,7 +112,7 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     no fudge factor; every term is named).
 
     Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
-    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_gradswap.py)
+    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_disk.py)
     live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
     of master + state + gradient + 16-bit staging, and one tile's gradient bounce buffer. Parameters on NVMe: each rank's 16-bit shard on disk and
     ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards

@@ -68,7 +68,7 @@ class Zero3Stage(PartitionedStage):
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
         all_named = list(module.named_parameters())  # before any parameter is replaced
-        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_gradswap.py.
+        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_disk.py (DiskPlacement).
         self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype)
         self.offload.expect(sum(p.numel() for _, p in all_named) // self.dist.world, policy.param_dtype)
         # One reusable buffer for materialising meta parameters (the largest one).
