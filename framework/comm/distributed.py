@@ -228,16 +228,17 @@ def disconnect() -> None:
         tdist.destroy_process_group()
 
 
-def agree(gather: Callable[[object], list], rank: int, fn: Callable[[], object], what: str):
-    """``fn()`` on every rank, outcomes exchanged with ``gather`` (one object per rank; a barrier too):
-    a rank that failed raises its own error, the others one naming it, instead of waiting on a peer
-    that will never come to the next collective."""
+def agree(dist, fn: Callable[[], object], what: str):
+    """``fn()`` on every rank, outcomes exchanged with ``dist.all_gather_object`` under ``what`` (a
+    ``Dist`` or the checkpoint's group; a barrier too): a rank that failed raises its own error, the
+    others one naming it, instead of waiting on a peer that will never come to the next collective."""
     mine: BaseException | None = None
     try:
         result = fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine = e
-    errs = gather(None if mine is None else f"rank {rank}: {str(mine).splitlines()[0]}")
+    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {str(mine).splitlines()[0]}",
+                                  what=what)
     if mine is not None:
         raise mine
     failed = [e for e in errs if e]

@@ -110,14 +110,12 @@ class Engine:
         if offload is None:
             yield state, None
             return
-        dist = self.components.dist
 
         def mapped():
             return offload.mapped_state(state.params, state.opt_state, write=write)
 
         # (when another rank failed, this rank's map is dropped unwritten: file and checksums unchanged)
-        params, opt_state, fmap = mapped() if agreed is None else agree(
-            lambda obj: dist.all_gather_object(obj, what=agreed), dist.rank, mapped, agreed)
+        params, opt_state, fmap = mapped() if agreed is None else agree(self.components.dist, mapped, agreed)
         try:
             yield replace(state, params=tuple(params), opt_state=opt_state), fmap
         finally:

@@ -121,8 +121,7 @@ class NVMePlacement(HostPlacement):
             return
         if self.dist is None:
             return self._expect(numel, param_dtype)
-        agree(lambda obj: self.dist.all_gather_object(obj, what="nvme pre-flight"), self.dist.rank,
-              partial(self._expect, numel, param_dtype), "the nvme pre-flight")
+        agree(self.dist, partial(self._expect, numel, param_dtype), "the nvme pre-flight")
 
     def _expect(self, numel: int, param_dtype: torch.dtype) -> None:
         self.clean_stale()

@@ -14,7 +14,6 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn
@@ -89,7 +88,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
             with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
                 _load(src, strict, layout, masters, targets(c.module, layout, masters), fmap)
 
-        _agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
+        agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
@@ -173,14 +172,10 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
 
-        _agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-        _agree(dist, write, "save_weights: write")
-        _agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
+        agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
+        agree(dist, write, "save_weights: write")
+        agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
-
-
-def _agree(dist, fn: Callable[[], object], what: str):
-    return agree(lambda obj: dist.all_gather_object(obj, what=what), dist.rank, fn, what)
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,

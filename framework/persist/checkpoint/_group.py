@@ -34,13 +34,16 @@ class Group:
         self.pg = tdist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s)) if self.world > 1 else None
 
     def all_gather(self, obj: Any, what: str) -> list:
-        return self.dist.all_gather_object(obj, f"checkpoint {what}", self.pg, (self.timeout_s, "checkpoint.timeout_s"))
+        return self.all_gather_object(obj, f"checkpoint {what}")
+
+    def all_gather_object(self, obj: Any, what: str) -> list:
+        """``Dist.all_gather_object`` on this group, with its timeout (and so a ``dist`` for ``agree``)."""
+        return self.dist.all_gather_object(obj, what, self.pg, (self.timeout_s, "checkpoint.timeout_s"))
 
     def enter(self, stack: contextlib.ExitStack, context, what: str):
         """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):
         when it fails on some rank (a damaged swap file), every rank raises at once, naming it."""
-        return agree(lambda obj: self.all_gather(obj, what), self.rank, lambda: stack.enter_context(context),
-                     f"checkpoint {what}")
+        return agree(self, lambda: stack.enter_context(context), f"checkpoint {what}")
 
     def dcp_kwargs(self) -> dict:
         return {"process_group": self.pg} if self.world > 1 else {"no_dist": True}
