@@ -181,14 +181,14 @@ class NVMePlacement(HostPlacement):
             store.flush()
         except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
             failed = e
-        self.agree(failed, what)
+        self.agree_io_error(failed, what)
 
     def step_errors(self, failed: BaseException | None) -> None:
         # Swap IO (the optimizer tiles, or zero3's shards read for the copy back) may fail on one rank
         # only: all ranks agree before the next collective
-        self.agree(failed, "stepping the optimizer")
+        self.agree_io_error(failed, "stepping the optimizer")
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree_io_error(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
         if self.dist is None or self.dist.world == 1:
             if error is not None:

@@ -195,7 +195,7 @@ class DiskShards(HostShards):
     def read_errors(self) -> None:
         if self.swapped:
             error, self.read_error = self.read_error, None
-            self.p.agree(error, "reading zero3 parameter shards")
+            self.p.agree_io_error(error, "reading zero3 parameter shards")
 
     def close(self) -> None:
         self._close_spill()
