@@ -80,10 +80,13 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         _check_numbers(node, f"{group}.")
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
-    notes = _check_inert_stage_keys(chosen["stage"], nodes["stage"])
-    check = registry("offload").get(chosen["offload"]).check
-    if check is not None:
-        nodes["offload"] = check(nodes["offload"], chosen["stage"])
+    notes = []
+    for group in GROUPS:
+        component = registry(group).get(chosen[group])
+        if component.check is not None:
+            nodes[group] = component.check(nodes[group], chosen["stage"])
+        if component.notes is not None:
+            notes += component.notes(nodes[group])
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
 
 
@@ -130,21 +133,6 @@ def _check_values(root: RootSchema) -> None:
     if c.async_ and c.every == 0:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
                           "set checkpoint.every=N or remove checkpoint.async")
-
-
-def _check_inert_stage_keys(stage: str, node: Any) -> list[str]:
-    """DeepSpeed keys that the ZeRO stages accept (so that configs port over) but whose other value
-    would do nothing here: refused, naming the fix, rather than silently ignored; or, where a
-    DeepSpeed config sets them for a reason our path already meets, one note saying why."""
-    notes = []
-    if stage == "zero1" and node.round_robin_gradients:
-        notes.append("note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are "
-                     "reduced and copied to the host after backward, by every rank at once (DeepSpeed uses it "
-                     "to spread those copies across ranks)")
-    if stage == "zero1" and not node.contiguous_gradients:
-        raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
-                          "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
-    return notes
 
 
 def check_compatible(stage: str, offload: str) -> None:

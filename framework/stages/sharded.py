@@ -250,5 +250,21 @@ class Zero2Stage(ShardedStage):
         fp.add("bucket_buffers", device=self.buffer_elems * self.policy.reduce_dtype.itemsize)
 
 
-COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage),
+# DeepSpeed keys that zero1 accepts (so that configs port over) but whose other value would do
+# nothing here: refused, naming the fix, rather than silently ignored; or, where a DeepSpeed config
+# sets them for a reason zero1 already meets, one note saying why.
+def _check_zero1(node: ZeroConfig, stage: str) -> ZeroConfig:
+    if not node.contiguous_gradients:
+        raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
+                          "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
+    return node
+
+
+def _zero1_notes(node: ZeroConfig) -> list[str]:
+    return ["note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are reduced and "
+            "copied to the host after backward, by every rank at once (DeepSpeed uses it to spread those copies "
+            "across ranks)"] if node.round_robin_gradients else []
+
+
+COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage, check=_check_zero1, notes=_zero1_notes),
               "zero2": Component(config=ZeroConfig, build=Zero2Stage)}
