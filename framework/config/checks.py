@@ -1,5 +1,6 @@
 """Checking a composed config against its dataclasses (``RootSchema``, each chosen component's schema),
-then its values and the stage/offload combination. Typed by OmegaConf, or without it by ``plainconf``."""
+then its values, the stage/offload combination and each chosen component's own rules (``Component.check``
+and ``notes``). Typed by OmegaConf, or without it by ``plainconf``."""
 from __future__ import annotations
 
 import copy

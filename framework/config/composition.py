@@ -167,12 +167,12 @@ class CommandLine:
     choices: Mapping[str, str]
     ds_config: str | None
     strict: bool
-    named: frozenset[str] = frozenset()   # groups whose choice is one name (not a sweep or a list)
-    deleted: frozenset[str] = frozenset()  # keys deleted (~key)
+    named: frozenset[str]     # groups whose choice is one name (not a sweep or a list)
+    deleted: frozenset[str]   # keys deleted (~key)
     # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra rejects an
     # unknown key with a multi-line message and no suggestion; forced in, ``validate`` rejects it
     # with one line naming the closest valid key. (The plain composer sets every key it is given.)
-    forced: tuple[str, ...] = ()
+    forced: tuple[str, ...]
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":

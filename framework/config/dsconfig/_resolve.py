@@ -2,7 +2,7 @@
 derived, the values the file states checked against the ones the run derives."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
@@ -26,7 +26,7 @@ class Resolved:
     values: dict[str, Any]              # our dotted key -> value to override (Hydra order: before the command line)
     sources: dict[str, str]             # our dotted key -> provenance label
     inert: list[str]                    # file keys that turned out to change nothing (fp16 keys of a bf16 run)
-    notes: list[str] = field(default_factory=list)   # where the run differs from the file's intent
+    notes: list[str]                    # where the run differs from the file's intent
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:

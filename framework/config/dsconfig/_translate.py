@@ -34,7 +34,7 @@ class Translation:
     unknown: list[str] = field(default_factory=list)            # keys resembling nothing DeepSpeed knows
     inert: list[str] = field(default_factory=list)              # accepted, change nothing here
 
-    def notices(self, strict: bool, inert: tuple[str, ...] | list[str] = (), notes=()) -> list[str]:
+    def notices(self, strict: bool, inert: list[str], notes: list[str]) -> list[str]:
         """The one-line warnings to print at start-up (unknown keys are errors when strict)."""
         out = [f"warning: ds_config: {w}" for w in self.warnings]
         if self.unknown and not strict:
