@@ -285,12 +285,11 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         aio_keys(tr, aio, applies=False)
         return
     nvme = target == "nvme"
+    tr.set("offload.params", pd, f"{p}offload_param.device")
     if nvme:
         tr.set("offload.optimizer", od, f"{p}offload_optimizer.device")
-        tr.set("offload.params", pd, f"{p}offload_param.device")
         both("nvme_path", "str")
-    else:  # offload=cpu takes params none|cpu
-        tr.set("offload.params", pd, f"{p}offload_param.device")
+    else:
         for sec, name, dev in sections:
             if "nvme_path" in sec and dev != "none":
                 tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
