@@ -70,7 +70,7 @@ class Config(RootSchema):
     # Where each value came from, keyed like flat(to_dict()): default, YAML, DeepSpeed file,
     # DeepSpeed default, auto, command line.
     sources: Mapping[str, str] = field(default_factory=dict)
-    notices: tuple[str, ...] = ()    # the DeepSpeed config's warnings, printed once at start-up
+    notices: tuple[str, ...] = ()    # the DeepSpeed config's and the components' notes, printed once at start-up
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""

@@ -114,7 +114,7 @@ BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_ma
 ACT_KEYS = ("partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
             "synchronize_checkpoint_boundary", "profile")
 
-# DeepSpeed optimizer type (lower case) -> (our optimizer, its DeepSpeed defaults).
+# DeepSpeed optimizer type (lower case) -> its DeepSpeed defaults.
 ADAM_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "bias_correction": True}
 OPTIMIZERS = {
     "adam": ADAM_DEFAULTS, "adamw": ADAM_DEFAULTS,
