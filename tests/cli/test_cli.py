@@ -1,6 +1,7 @@
 """The command line as a user runs it: python -m framework.train ..."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,14 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     lines = error_lines(wrong)
     assert len(lines) == 1 and "was saved by another model (model.n_layer 1 vs 2" in lines[0], wrong.stderr
     assert "rank" not in wrong.stderr   # refused before any rank started
+
+    # The same refusal for the folder a resume falls back to: the newest one's train state is damaged
+    # (so the check before the ranks cannot read its config) and the older one has another n_head,
+    # whose shapes fit this model.
+    shutil.copytree(run / "checkpoints", tmp_path / "copy")
+    (tmp_path / "copy" / "step-6" / "train_state.json").write_text("{")
+    fallback = _run(forkrun, tmp_path, f"checkpoint.resume={tmp_path / 'copy'}", "model.n_head=4",
+                    "train.steps=7", "hydra.run.dir=outputs/e")
+    assert fallback.returncode != 0, fallback.stdout
+    lines = error_lines(fallback)
+    assert len(lines) == 1 and "step-4 was saved by another model (model.n_head 2 vs 4" in lines[0], fallback.stderr

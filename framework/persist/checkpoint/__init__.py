@@ -19,11 +19,11 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.utils import few
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import OTHER_RUN, load, verify
+from framework.persist.checkpoint._load import changed, load, same_run, verify
 from framework.persist.checkpoint._save import save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "verify"]
@@ -81,7 +81,8 @@ class Checkpointer:
         errors = []
         for i, folder in enumerate(folders):
             try:
-                state, body = load(self.engine, state, folder, group=self.group, seed=self.seed)
+                state, body = load(self.engine, state, folder, group=self.group, seed=self.seed,
+                                   same=(self.config, resume))
             except CheckpointError as e:
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     raise CheckpointError(f"{e}{SPENT}") from None
@@ -102,7 +103,7 @@ class Checkpointer:
                 how = "same layout"
             diff = changed(body["config"], self.config)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
-                      + (f"; config differs in {', '.join(diff[:8])}" if diff else ""))
+                      + (f"; config differs in {few(diff, 8, show=str)}" if diff else ""))
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
                               f"finite (the folders are kept; set checkpoint.resume=off to start afresh): "
@@ -169,10 +170,6 @@ def find_latest(root: Path) -> Path | None:
     return max(newest, key=lambda p: (p / _folder.MANIFEST).stat().st_mtime, default=None)
 
 
-# Model keys that may change between a save and a resume: how the same weights are computed.
-_MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
-
-
 def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = False):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every
     rank loads the same); a checkpoint of another model or optimizer is refused on one line. A
@@ -198,17 +195,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         saved = _folder.read_json(folder / _folder.TRAIN_STATE, "the train state")["config"]
     except (CheckpointError, KeyError, TypeError):
         return cfg
-    mine = cfg.to_dict()
-    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
-    if diffs:
-        what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
-                         for k in diffs[:4])
-        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved by another model ({what}; saved vs "
-                          f"this run){OTHER_RUN}")
-    theirs = saved.get("optimizer", {}).get("name")
-    if theirs is not None and theirs != mine["optimizer"]["name"]:
-        raise ConfigError(f"checkpoint.resume={c.resume}: {folder} was saved with optimizer={theirs}, this run uses "
-                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
+    same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
 
 
@@ -228,13 +215,3 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there (expected a step-<N> folder with "
                       f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
 
-
-def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k in sorted(set(a) | set(b)):
-        x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict):
-            out += changed(x, y, f"{prefix}{k}.")
-        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" == "dist.nproc"):
-            out.append(f"{prefix}{k}")
-    return out

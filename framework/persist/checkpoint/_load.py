@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError
 from framework.engine.state import optimizer_leaves
 from framework.persist.checkpoint import _folder, _rng
@@ -19,6 +20,36 @@ from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
 OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
+# Model keys that may change between a save and a resume: how the same weights are computed.
+_MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
+
+
+def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
+    """ConfigError unless ``saved`` (the config ``folder`` was saved with) has the model and optimizer
+    of ``mine`` (this run's): checked before the ranks start and again for each folder a resume
+    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused)."""
+    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
+    if diffs:
+        what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
+                         for k in diffs[:4])
+        raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({what}; saved vs "
+                          f"this run){OTHER_RUN}")
+    theirs = saved.get("optimizer", {}).get("name")
+    if theirs is not None and theirs != mine["optimizer"]["name"]:
+        raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved with optimizer={theirs}, this run uses "
+                          f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
+
+
+def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two config dicts (checkpoint.* and dist.nproc aside)."""
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += changed(x, y, f"{prefix}{k}.")
+        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" == "dist.nproc"):
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def verify(folder: Path, group: Group | None = None) -> dict:
@@ -73,10 +104,11 @@ def _train_state(folder: Path, manifest: dict) -> dict:
     return body
 
 
-def load(engine, state, folder: Path, *, group: Group, seed: int):
+def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None):
     """Load ``folder`` into ``state`` under this engine's layout (collective); return
     (state, train_state dict). A damaged or non-finite checkpoint raises CheckpointError on
-    every rank (``resume=auto`` then falls back)."""
+    every rank (``resume=auto`` then falls back); with ``same`` (this run's config dict and its
+    ``checkpoint.resume``), one of another model or optimizer a ConfigError (``same_run``)."""
     manifest = verify(folder, group)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
@@ -86,6 +118,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int):
     def check():
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
+        if same is not None and isinstance(body["config"], dict):
+            same_run(folder, body["config"], *same)
         md = glue().read_metadata(folder / ".metadata")
         _fits(c, folder, body, md, layout, per, scalars)
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
