@@ -183,3 +183,11 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert fallback.returncode != 0, fallback.stdout
     lines = error_lines(fallback)
     assert len(lines) == 1 and "step-4 was saved by another model (model.n_head 2 vs 4" in lines[0], fallback.stderr
+
+    # A run started afresh (resume=off) in a folder holding an older run's higher steps: resume=auto
+    # continues the newest commit (its step-2), not the older run's step-6.
+    fresh = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=2", "checkpoint.resume=off",
+                 "hydra.run.dir=outputs/a")
+    assert fresh.returncode == 0, fresh.stderr
+    later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
+    assert f"resumed from {run / 'checkpoints' / 'step-2'}" in later.stdout, later.stdout

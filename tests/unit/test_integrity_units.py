@@ -117,6 +117,20 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
 
 
+def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
+    """``scan`` lists the newest commit first: a run started with resume=off beside an older run's
+    higher steps (step-2 committed after step-6) resumes its own; manifests without ``seq``
+    (written before it existed) keep the step order, below every numbered commit."""
+    from framework.persist.checkpoint import _folder
+
+    for step, seq in ((2, 4), (4, 2), (6, 3), (8, None), (10, None)):
+        folder = tmp_path / f"step-{step}"
+        folder.mkdir()
+        (folder / _folder.MANIFEST).write_text(json.dumps({"format": 1, "files": {}, "seq": seq}))
+    assert [p.name for p in _folder.scan(tmp_path)[0]] == ["step-2", "step-6", "step-4", "step-10", "step-8"]
+    assert _folder.next_seq(tmp_path) == 5 and _folder.next_seq(tmp_path / "none") == 1
+
+
 # --- strict swap-extent checks ----------------------------------------------------------------------
 
 def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):

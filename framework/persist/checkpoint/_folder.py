@@ -101,7 +101,9 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
-    first, and one line for each ``step-<N>`` that is not one, so none is dropped silently."""
+    commit first (``seq``, then the step: a run started with ``resume=off`` beside an older run's
+    higher steps resumes its own), and one line for each ``step-<N>`` that is not one, so none is
+    dropped silently."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -111,11 +113,22 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
             notes.append(f"{p} is a symbolic link, not a checkpoint this run wrote; ignored")
         elif m and p.is_dir():
             try:
-                read_manifest(p)
-                out.append((int(m.group(1)), p))
+                out.append((seq(read_manifest(p)), int(m.group(1)), p))
             except CheckpointError as e:
                 notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
-    return [p for _, p in sorted(out, reverse=True)], sorted(notes)
+    return [p for *_, p in sorted(out, reverse=True)], sorted(notes)
+
+
+def seq(manifest: dict) -> int:
+    """A committed folder's commit number (0 in manifests that predate it)."""
+    n = manifest.get("seq", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def next_seq(root: Path) -> int:
+    """The commit number of the next save under ``root``: above every committed folder's."""
+    newest = scan(root)[0]
+    return 1 + seq(read_manifest(newest[0])) if newest else 1
 
 
 def step_of(folder: Path) -> int:

@@ -239,7 +239,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
         _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
-                               config_hash=meta["config_hash"], verified=True)
+                               config_hash=meta["config_hash"], verified=True, seq=_folder.next_seq(root))
         _folder.commit(tmp, final, point)
         gone = _folder.prune(root, final, snap["keep_last"])
         total = sum(v["bytes"] for v in entries.values())
