@@ -81,6 +81,10 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         _check_numbers(node, f"{group}.")
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
+    if root.checkpoint.async_ and chosen["offload"] == "nvme":
+        raise ConfigError("config: checkpoint.async=true has no effect with offload=nvme (a swapped state is saved "
+                          "from its swap files on the training thread: a background save would need a host copy of "
+                          "all of it); remove checkpoint.async")
     notes = []
     for group in GROUPS:
         component = registry(group).get(chosen[group])

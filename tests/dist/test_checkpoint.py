@@ -99,7 +99,7 @@ EXACT = {
     "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"],
     "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
     "zero1 fp32 nvme accum2": ["+stage=zero1", *NVME, "train.grad_accum=2"],
-    "zero2 bf16 nvme async": ["+stage=zero2", "precision=bf16", *NVME, "checkpoint.async=true"],
+    "zero2 bf16 nvme": ["+stage=zero2", "precision=bf16", *NVME],
 }
 EXACT_MORE = {
     "ddp bf16": ["precision=bf16"],

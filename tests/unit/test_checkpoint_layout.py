@@ -57,6 +57,8 @@ def test_checkpoint_config_keys():
     assert cfg.to_dict()["checkpoint"]["async"] is True
     with pytest.raises(ConfigError, match="checkpoint.async=true does nothing with checkpoint.every=0"):
         tiny_config("checkpoint.async=true")
+    with pytest.raises(ConfigError, match="checkpoint.async=true has no effect with offload=nvme"):
+        tiny_config("checkpoint.every=5", "checkpoint.async=true", "+stage=zero2", "offload=nvme")
     with pytest.raises(ConfigError, match=r"checkpoint.every \(-1\)"):
         tiny_config("checkpoint.every=-1")
     with pytest.raises(ConfigError, match="unknown key 'checkpoint.evry'"):
