@@ -9,6 +9,7 @@ DCP's planners call on a checkpointable value (the protocol ``DTensor`` uses).
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
@@ -201,14 +202,23 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+@contextlib.contextmanager
+def single_process_quiet():
+    """Without DCP's "torch.distributed is disabled ... assuming single process" warning: no_dist is
+    what a one-rank save or load asks for. (catch_warnings swaps the process-wide filter list: on an
+    async save's thread it may also hide, for that moment, a warning of the same text elsewhere.)"""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
          **kwargs: Any) -> None:
     """DCP's load of ``targets`` (``Boxes`` or whole tensors by key) from ``folder``, whose
     ``metadata`` ``read_metadata`` read; ``kwargs``: the process group or ``no_dist``. A failure is
     one CheckpointError (a record torch refuses to unpickle named by file and offset)."""
     try:
-        with warnings.catch_warnings():   # no_dist is what we ask for: DCP's "assuming single process" note
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with single_process_quiet():
             dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
     except FrameworkError:
         raise

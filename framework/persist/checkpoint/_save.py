@@ -215,8 +215,9 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
 
     def write_files():
         dcp = glue()
-        dcp.dcp.save(snap["dcp"], storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True),
-                     planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs())
+        with dcp.single_process_quiet():
+            dcp.dcp.save(snap["dcp"], planner=dcp.SavePlanner(snap["release"]), **group.dcp_kwargs(),
+                         storage_writer=(snap["writer"] or dcp.dcp.FileSystemWriter)(tmp, sync_files=True))
         files.write_new(tmp / f"rng-{rank}.json", json.dumps(snap["rng"]).encode())
         point("after-shard")
         if rank == 0:
