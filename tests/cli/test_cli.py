@@ -184,10 +184,15 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     lines = error_lines(fallback)
     assert len(lines) == 1 and "step-4 was saved by another model (model.n_head 2 vs 4" in lines[0], fallback.stderr
 
-    # A run started afresh (resume=off) in a folder holding an older run's higher steps: resume=auto
-    # continues the newest commit (its step-2), not the older run's step-6.
-    fresh = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=2", "checkpoint.resume=off",
-                 "hydra.run.dir=outputs/a")
-    assert fresh.returncode == 0, fresh.stderr
-    later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
-    assert f"resumed from {run / 'checkpoints' / 'step-2'}" in later.stdout, later.stdout
+    # Starting afresh where this run's saves would overwrite another run's checkpoints: refused.
+    afresh = _run(forkrun, tmp_path, "checkpoint.every=2", "checkpoint.resume=off", "hydra.run.dir=outputs/a")
+    assert afresh.returncode != 0
+    lines = error_lines(afresh)
+    assert len(lines) == 1 and "holds 2 checkpoint(s), newest step-6, which this run's saves would" in lines[0], lines
+    # Rewound to step-4 and saved step-5: resume=auto continues that newest commit, not the
+    # abandoned step-6 beside it.
+    rewound = _run(forkrun, tmp_path, "checkpoint.every=2", f"checkpoint.resume={run / 'checkpoints' / 'step-4'}",
+                   "train.steps=5", "hydra.run.dir=outputs/a")
+    assert rewound.returncode == 0, rewound.stderr
+    later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
+    assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout

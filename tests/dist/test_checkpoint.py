@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import framework
+from framework.core.errors import ConfigError
 from framework.persist.checkpoint import Checkpointer, CheckpointError
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
@@ -248,14 +249,16 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
-def test_resume_off_says_checkpoints_exist_and_incomplete_folders_are_ignored(tmp_path, capsys):
+def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incomplete_folders_are_ignored(tmp_path, capsys):
     dist = _local()
     _train(dist, [], str(tmp_path), steps=K)
     (tmp_path / f"step-{N}.tmp").mkdir()                # an interrupted save
     (tmp_path / "step-9").mkdir()                      # a folder without a manifest
-    _train(dist, [], str(tmp_path), resume="off", steps=0)
+    _train(dist, ["checkpoint.every=0"], str(tmp_path), resume="off", steps=0)   # no saves: a note
     assert f"resume=off: starting from step 0 although {tmp_path} holds 1 checkpoint(s), newest step-{K}" \
         in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=f"holds 1 checkpoint.s., newest step-{K}, which this run's saves would"):
+        _train(dist, [], str(tmp_path), resume="off", steps=0)   # saves: they would overwrite them
     losses, _, first, _ = _train(dist, [], str(tmp_path), resume="auto", steps=N)
     assert first[:2] == (K, K) and len(losses) == N - K
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out

@@ -118,8 +118,8 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
 
 
 def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
-    """``scan`` lists the newest commit first: a run started with resume=off beside an older run's
-    higher steps (step-2 committed after step-6) resumes its own; manifests without ``seq``
+    """``scan`` lists the newest commit first: a run rewound to an older step goes on from its own
+    newest save (step-2 committed after step-6), not from the abandoned higher steps; manifests without ``seq``
     (written before it existed) keep the step order, below every numbered commit."""
     from framework.persist.checkpoint import _folder
 

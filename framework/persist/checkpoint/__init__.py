@@ -62,11 +62,11 @@ class Checkpointer:
     def resume(self, state):
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
         resume = self.cfg.resume
-        if resume == "off":
-            existing = _folder.scan(self.root)[0]
-            if existing:
-                self._say(f"resume=off: starting from step 0 although {self.root} holds {len(existing)} "
-                          f"checkpoint(s), newest {existing[0].name}; set checkpoint.resume=auto to continue from it")
+        if resume == "off":   # rank 0 looks, every rank raises if it refuses
+            note = agree_load(self.group, "checkpoint.resume=off",
+                              lambda: fresh_start(self.root, self.cfg.every) if self.rank == 0 else None)
+            if note:
+                self._say(note)
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = f"looking for checkpoint.resume={resume} in {self.root} (checkpoint.resume=off skips it)"
@@ -177,6 +177,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.resume == "off":
+        fresh_start(root, c.every)
         return cfg
     if c.resume == "latest":
         folder = find_latest(root)
@@ -197,6 +198,20 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
+
+
+def fresh_start(root: Path, every: int) -> str | None:
+    """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds
+    committed checkpoints (a save of the same step replaces one, rotation deletes the older ones:
+    the earlier run would be lost); else the note to print when some exist (no saves)."""
+    existing = _folder.scan(root)[0]
+    if not existing:
+        return None
+    what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
+    if every:
+        raise ConfigError(f"checkpoint.resume=off: {what}, which this run's saves would overwrite or rotate away; "
+                          "set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
+    return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:

@@ -101,8 +101,8 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
-    commit first (``seq``, then the step: a run started with ``resume=off`` beside an older run's
-    higher steps resumes its own), and one line for each ``step-<N>`` that is not one, so none is
+    commit first (``seq``, then the step: a run rewound to an older step, e.g. ``resume=PATH``, goes
+    on from its own newest save, not from the abandoned higher steps beside it), and one line for each ``step-<N>`` that is not one, so none is
     dropped silently."""
     if not root.is_dir():
         return [], []

@@ -19,7 +19,7 @@ from framework.persist.layout import StateLayout, check_aligned, check_format, f
 from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
-OTHER_RUN = "; use another checkpoint.dir or checkpoint.resume=off to start this run afresh"
+OTHER_RUN = "; use another checkpoint.dir to start this run afresh"
 # Model keys that may change between a save and a resume: how the same weights are computed.
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
 
@@ -118,10 +118,10 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     def check():
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
+        md = glue().read_metadata(folder / ".metadata")
+        _fits(c, folder, body, md, layout, per, scalars)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same)
-        md = glue().read_metadata(folder / ".metadata")
-        _fits(c, folder, body, md, layout, per, scalars)
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
         return body, md
 
