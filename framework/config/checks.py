@@ -45,6 +45,7 @@ def _typed(node: Mapping, schema: type, prefix: str) -> Any:
         return OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
+        key = key.removesuffix("_") if key.endswith("async_") else key   # as YAML spells the field
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
 
@@ -118,23 +119,25 @@ def _check_numbers(node: Any, prefix: str) -> None:
 
 
 def _check_values(root: RootSchema) -> None:
-    t = root.train
-    for key in ("steps", "micro_batch", "grad_accum", "log_every", "eval_batches"):
-        if getattr(t, key) < 1:
-            raise ConfigError(f"config: train.{key} must be >= 1, got {getattr(t, key)}")
-    if t.eval_every < 0 or t.grad_clip < 0:
-        raise ConfigError("config: train.eval_every and train.grad_clip must be >= 0")
+    t, d, c = root.train, root.dist, root.checkpoint
     if t.on_nonfinite not in ("stop", "warn"):
         raise ConfigError(f"config: train.on_nonfinite must be stop or warn, got {t.on_nonfinite!r}")
-    if root.dist.nproc < 1 or root.dist.timeout_s <= 0:
-        raise ConfigError("config: dist.nproc must be >= 1 and dist.timeout_s > 0")
-    c = root.checkpoint
-    if c.every < 0 or c.keep_last < 0 or c.timeout_s <= 0:
-        raise ConfigError(f"config: checkpoint.every ({c.every}) and checkpoint.keep_last ({c.keep_last}) must be "
-                          f">= 0 and checkpoint.timeout_s ({c.timeout_s:g}) > 0")
+    least = {**{f"train.{k}": (getattr(t, k), 1) for k in ("steps", "micro_batch", "grad_accum", "log_every",
+                                                           "eval_batches")},
+             "train.eval_every": (t.eval_every, 0), "train.grad_clip": (t.grad_clip, 0), "dist.nproc": (d.nproc, 1),
+             "checkpoint.every": (c.every, 0), "checkpoint.keep_last": (c.keep_last, 0)}
+    for key, (value, bound) in least.items():
+        if value < bound:
+            raise ConfigError(f"config: {key} must be >= {bound}, got {value:g}")
+    for key, value in (("dist.timeout_s", d.timeout_s), ("checkpoint.timeout_s", c.timeout_s)):
+        if value <= 0:
+            raise ConfigError(f"config: {key} must be > 0, got {value:g}")
     if not c.resume.strip() or (c.dir is not None and not c.dir.strip()):
         raise ConfigError("config: checkpoint.resume must be auto, off, latest or a path, and checkpoint.dir a path "
                           "(or null: checkpoints/ in the run folder)")
+    if root.ds_config_strict and root.ds_config is None:
+        raise ConfigError("config: ds_config_strict=true does nothing without a DeepSpeed file; add ds_config=FILE "
+                          "or remove ds_config_strict")
     if c.async_ and c.every == 0:
         raise ConfigError("config: checkpoint.async=true does nothing with checkpoint.every=0 (no saves); "
                           "set checkpoint.every=N or remove checkpoint.async")

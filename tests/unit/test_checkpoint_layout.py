@@ -59,7 +59,15 @@ def test_checkpoint_config_keys():
         tiny_config("checkpoint.async=true")
     with pytest.raises(ConfigError, match="checkpoint.async=true has no effect with offload=nvme"):
         tiny_config("checkpoint.every=5", "checkpoint.async=true", "+stage=zero2", "offload=nvme")
-    with pytest.raises(ConfigError, match=r"checkpoint.every \(-1\)"):
+    with pytest.raises(ConfigError, match="config: checkpoint.async: Value 'maybe' is not a valid bool"):
+        tiny_config("checkpoint.every=5", "checkpoint.async=maybe")   # the key as YAML spells it
+    for key, message in (("dist.nproc=0", "dist.nproc must be >= 1, got 0"),
+                         ("train.grad_clip=-1", "train.grad_clip must be >= 0, got -1"),
+                         ("checkpoint.timeout_s=0", "checkpoint.timeout_s must be > 0, got 0"),
+                         ("ds_config_strict=true", "ds_config_strict=true does nothing without a DeepSpeed file")):
+        with pytest.raises(ConfigError, match=message):   # the one key that is wrong, not a list of rules
+            tiny_config(key)
+    with pytest.raises(ConfigError, match=r"checkpoint.every must be >= 0, got -1"):
         tiny_config("checkpoint.every=-1")
     with pytest.raises(ConfigError, match="unknown key 'checkpoint.evry'"):
         tiny_config("checkpoint.evry=3")
