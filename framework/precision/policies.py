@@ -143,11 +143,19 @@ def bf16(cfg: BF16Config) -> Policy:
 
 
 def fp16(cfg: FP16Config) -> Policy:
-    if cfg.loss_scale < 0 or cfg.min_loss_scale <= 0 or cfg.hysteresis < 1 or cfg.loss_scale_window < 1:
-        raise ConfigError("precision: need loss_scale >= 0, min_loss_scale > 0, hysteresis >= 1 and "
-                          "loss_scale_window >= 1")
+    for key, value, bad, rule in (("loss_scale", cfg.loss_scale, cfg.loss_scale < 0, ">= 0 (0: dynamic)"),
+                                  ("min_loss_scale", cfg.min_loss_scale, cfg.min_loss_scale <= 0, "> 0"),
+                                  ("hysteresis", cfg.hysteresis, cfg.hysteresis < 1, ">= 1"),
+                                  ("loss_scale_window", cfg.loss_scale_window, cfg.loss_scale_window < 1, ">= 1")):
+        if bad:
+            raise ConfigError(f"precision.{key} must be {rule}, got {value:g}")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
         raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
+    unused = [f.name for f in fields(ScalerConfig) if f.name != "loss_scale" and getattr(cfg, f.name) != f.default]
+    if cfg.loss_scale > 0 and unused:
+        raise ConfigError(f"precision.{unused[0]}={getattr(cfg, unused[0])} has no effect with a static "
+                          f"precision.loss_scale={cfg.loss_scale:g} (only the dynamic scaler, loss_scale=0, uses it); "
+                          f"remove it or set precision.loss_scale=0")
     return _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
 
 

@@ -377,6 +377,22 @@ def test_fp16_block_maps_to_our_loss_scaler():
     assert got == (0, 12, 50, 3, 2)
 
 
+def test_a_static_loss_scale_leaves_the_dynamic_keys_inert():
+    """With a static loss_scale the dynamic scaler's keys change nothing: those that differ from
+    DeepSpeed's defaults are listed in the note and not set (precision=fp16 refuses them given
+    directly); the defaults compared with are ScalerConfig's."""
+    import dataclasses
+
+    from framework.config.dsconfig._keys import SCALER_DEFAULTS
+    from framework.precision.policies import ScalerConfig
+    cfg = framework.compose([], ds_config={"fp16": {"enabled": True, "loss_scale": 128, "hysteresis": 5,
+                                                    "loss_scale_window": 1000}})
+    assert (cfg.precision.loss_scale, cfg.precision.hysteresis) == (128, 2)
+    (note,) = [n for n in cfg.notices if n.startswith("note:")]
+    assert "fp16.hysteresis (loss_scale 128 is static)" in note and "loss_scale_window" not in note
+    assert SCALER_DEFAULTS == {f.name: f.default for f in dataclasses.fields(ScalerConfig) if f.name != "loss_scale"}
+
+
 def test_bf16_communication_dtype_and_grad_accum_dtype():
     cfg = framework.compose([], ds_config={"bfloat16": {"enabled": True}, "communication_data_type": "fp32",
                                            "data_types": {"grad_accum_dtype": "bf16"}})

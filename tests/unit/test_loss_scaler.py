@@ -69,3 +69,15 @@ def test_static_and_no_scaler_only_count_skips():
     assert (st.cur_scale, st.skipped_steps) == (1.0, 1)
     st = next_scale(ScalerConfig(loss_scale=128.0), PrecisionState(cur_scale=128.0), True)
     assert (st.cur_scale, st.skipped_steps) == (128.0, 1)
+
+
+def test_fp16_keys_name_the_wrong_one_and_a_static_scale_refuses_the_dynamic_keys():
+    from framework.core.errors import ConfigError
+    from framework.precision.policies import FP16Config, fp16
+    with pytest.raises(ConfigError, match=r"precision.hysteresis=5 has no effect with a static precision.loss_scale=128"):
+        fp16(FP16Config(loss_scale=128.0, hysteresis=5))
+    with pytest.raises(ConfigError, match=r"precision.loss_scale must be >= 0 \(0: dynamic\), got -1"):
+        fp16(FP16Config(loss_scale=-1.0))
+    with pytest.raises(ConfigError, match=r"precision.min_loss_scale must be > 0, got 0"):
+        fp16(FP16Config(min_loss_scale=0.0))
+    assert fp16(FP16Config(loss_scale=128.0)).scaler.loss_scale == 128.0

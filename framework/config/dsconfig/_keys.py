@@ -108,6 +108,9 @@ AIO_KEYS = {"block_size": "int", "queue_depth": "int", "intra_op_parallelism": "
 # fp16 loss-scaler keys (precision.* under fp16) and their kinds.
 FP16_SCALER = {"loss_scale": "float", "initial_scale_power": "int", "loss_scale_window": "int", "hysteresis": "int",
                "consecutive_hysteresis": "bool", "min_loss_scale": "float"}
+# DeepSpeed's defaults of the dynamic scaler's keys (precision.ScalerConfig's too: a test holds them equal).
+SCALER_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                   "consecutive_hysteresis": False, "min_loss_scale": 1.0}
 FP16_KEYS = ("enabled", "auto_cast", *FP16_SCALER, "fp16_master_weights_and_grads")
 BF16_KEYS = ("enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
              "bf16_optimizer_states")

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
-from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE
+from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, SCALER_DEFAULTS
 from framework.config.dsconfig._translate import Setting, Translation
 
 
@@ -62,6 +62,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     fp16_keys = {k.removeprefix("_fp16."): settings.pop(k) for k in [k for k in settings if k.startswith("_fp16.")]}
     inert = [] if precision == "fp16" else [f"{s.ds_key} (the run is {precision})" for s in fp16_keys.values()]
     if precision == "fp16":
+        static = fp16_keys.get("loss_scale")
+        if static is not None and isinstance(static.value, (int, float)) and static.value > 0:
+            # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
+            unused = [k for k, s in fp16_keys.items() if k != "loss_scale" and s.value != SCALER_DEFAULTS[k]]
+            inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     comm = settings.pop("_comm_dtype", None)
     if comm is not None:
