@@ -196,3 +196,12 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert rewound.returncode == 0, rewound.stderr
     later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp_path):
+    """Found before step 1 (one line), not at the first save after hours of training."""
+    (tmp_path / "afile").write_text("x")
+    p = _run(forkrun, tmp_path, "checkpoint.every=2", f"checkpoint.dir={tmp_path / 'afile'}", "hydra.run.dir=run")
+    assert p.returncode != 0 and "loss" not in p.stdout, p.stdout   # no step ran
+    lines = error_lines(p)
+    assert len(lines) == 1 and f"checkpoint folder {tmp_path / 'afile'} is not writable" in lines[0], p.stderr

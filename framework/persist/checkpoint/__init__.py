@@ -16,9 +16,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
+from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.core.utils import few
 from framework.persist.checkpoint import _folder
@@ -176,6 +179,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
     damaged or unreadable candidate is left to the ranks (they fall back and say so)."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
+    if c.every:
+        _check_writable(root)
     if c.resume == "off":
         fresh_start(root, c.every)
         return cfg
@@ -198,6 +203,19 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
+
+
+def _check_writable(root: Path) -> None:
+    """A checkpoint folder that cannot be written is found before the first step, not at the
+    first save (hours later): made now, as the save would make it, and a file created in it."""
+    try:
+        files.make_dirs(root)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to a "
+                          "writable folder, or checkpoint.every=0 to save nothing") from None
 
 
 def fresh_start(root: Path, every: int) -> str | None:
