@@ -40,13 +40,15 @@ def resolve(checkpoint) -> Path:
 
 class Checkpoint:
     """A DCP step folder opened for reading through the checkpoint's readers (nothing pickled
-    runs). A folder our save wrote is checked against its manifest first (a damaged file is one
-    CheckpointError naming it, never exported weights); a plain DCP folder has no manifest."""
+    runs). A folder our save wrote (a manifest, a train state or an rng file in it) is checked
+    against its manifest first: a damaged file, or the manifest deleted, is one CheckpointError
+    naming it, never exported weights. A plain DCP folder has none of these files."""
 
     def __init__(self, checkpoint):
         self.step_dir = resolve(checkpoint)
-        if os.path.lexists(self.step_dir / "manifest.json"):
-            verify(self.step_dir)
+        d = self.step_dir
+        if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
+            verify(d)
         self.metadata = glue().read_metadata(self.step_dir / ".metadata")
         self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
         if not self.params:

@@ -363,3 +363,19 @@ def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
         assert torch.equal(p.detach().reshape(-1), masters[name]), f"exported {name} is not the fp32 master"
         assert torch.equal(fp32[name], p.detach())
         assert torch.equal(p.detach().to(torch.bfloat16), working[name])
+    # model_16bit/ is in the step's manifest: a byte flipped there is damage, not exported
+    from framework.persist.checkpoint import CheckpointError, verify
+    step = tmp_path / "ckpt" / "step-4"
+    listed = json.loads((step / "manifest.json").read_text())["files"]
+    assert {f"model_16bit/{p.name}" for p in (step / "model_16bit").iterdir()} <= set(listed)
+    assert "model_16bit/model.safetensors" in listed
+    verify(step)
+    weights = step / "model_16bit" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.seek(weights.stat().st_size - 1)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
+        verify(step)
+    assert main([str(step), "--to", str(tmp_path / "refused")]) == 1

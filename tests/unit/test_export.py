@@ -94,6 +94,31 @@ def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
         get_fp32_state_dict_from_checkpoint(step)
 
 
+@pytest.mark.parametrize("ours", ["train_state.json", "rng-0.json"])
+def test_a_checkpoint_of_ours_without_its_manifest_is_refused(tmp_path, capsys, ours):
+    """A step folder our save wrote (its train_state.json or an rng-<rank>.json) whose manifest.json
+    was deleted cannot be checked: refused as damaged on one line naming the folder and the missing
+    manifest (as resume refuses it), not exported unchecked. (A plain DCP folder, none of those files,
+    is exported: test_export_loads_into_the_plain_model.)"""
+    _checkpoint(tmp_path)
+    step = tmp_path / "ckpt" / "step-3"
+    (step / ours).write_text("{}")
+    shard = next(step.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: checkpoint {step} is damaged: ") and "\n" not in err, err
+    assert "no manifest.json (deleted, or an interrupted save)" in err, err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(CheckpointError, match=f"checkpoint {step} is damaged: .*no manifest.json"):
+        get_fp32_state_dict_from_checkpoint(step)
+
+
 # Peak RSS of an export in a fresh process, after a warm-up export of a tiny checkpoint (so
 # imports and DCP's lazily built state are in the baseline): the growth is bounded by a few
 # output shards, while reading the whole model (get_fp32_state_dict_from_checkpoint, the

@@ -385,6 +385,56 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_on_every_rank(tm
                 verify(folder, _Gather(rank, 2, sent))
 
 
+def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
+    """The zero3 16-bit weights a save puts in ``model_16bit/`` are in the manifest as
+    ``model_16bit/<name>`` and checked like the other files: a flipped byte there is damage; a link
+    there (the subfolder itself, or a file in it) is refused, never read through. A manifest without
+    those entries (an older checkpoint's) still verifies."""
+    from framework.persist.checkpoint import _folder
+    from framework.persist.checkpoint._load import verify
+
+    folder = tmp_path / "step-1"
+    (folder / "model_16bit").mkdir(parents=True)
+    (folder / "a.distcp").write_bytes(b"shard")
+    (folder / "model_16bit" / "model.safetensors").write_bytes(b"weights")
+    (folder / "model_16bit" / "config.json").write_text("{}")
+    names = _folder.files_of(folder)
+    assert names == ["a.distcp", "model_16bit/config.json", "model_16bit/model.safetensors"]
+    entries = {n: _folder.file_entry(folder, n) for n in names}
+    assert (folder / "model_16bit" / "model.safetensors").stat().st_mode & 0o777 == 0o600
+    _folder.write_manifest(folder, entries)
+    verify(folder)
+    weights = folder / "model_16bit" / "model.safetensors"
+    weights.write_bytes(b"weightz")
+    with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
+        verify(folder)
+    # an older checkpoint's manifest: the top-level files only
+    (folder / _folder.MANIFEST).unlink()
+    _folder.write_manifest(folder, {"a.distcp": entries["a.distcp"]})
+    verify(folder)
+    # a link in the subfolder, and the subfolder as a link: refused by name, by a save and by verify
+    (folder / _folder.MANIFEST).unlink()
+    _folder.write_manifest(folder, entries)
+    weights.unlink()
+    link, victim = _plant(tmp_path, "step-1/model_16bit/model.safetensors")
+    victim.write_bytes(b"weights")
+    with pytest.raises(UnsafePathError, match=f"^{link} is a symbolic link"):
+        _folder.files_of(folder)
+    with pytest.raises(CheckpointError, match=f"is damaged: {link} is a symbolic link"):
+        verify(folder)
+    moved = tmp_path / "elsewhere"
+    (folder / "model_16bit").rename(moved)
+    (moved / "model.safetensors").unlink()
+    (moved / "model.safetensors").write_bytes(b"weights")
+    (folder / "model_16bit").symlink_to(moved)
+    with pytest.raises(UnsafePathError, match=f"^{folder / 'model_16bit'} is a symbolic link"):
+        _folder.files_of(folder)
+    with pytest.raises(CheckpointError, match=f"is damaged: {folder / 'model_16bit'} is a symbolic link"):
+        verify(folder)
+    with pytest.raises(UnsafePathError, match="is a symbolic link"):
+        _folder.file_entry(folder, "model_16bit/model.safetensors")
+
+
 def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):
     """``write_at``/``read_into`` move a host tensor's own bytes: a strided one would be copied by the
     reshape (a read would land in the copy and be lost), a device one has no host bytes."""

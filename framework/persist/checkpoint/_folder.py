@@ -2,6 +2,7 @@
 
     <dir>/step-<N>.tmp/   being written (ignored by every reader, removed by the next save)
     <dir>/step-<N>/       committed: DCP files + train_state.json + rng-<rank>.json + manifest.json
+                          (+ model_16bit/: zero3's 16-bit weights, when saved with the step)
     <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
 
@@ -28,20 +29,43 @@ from framework.core.errors import CheckpointError, UnsafePathError
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 LATEST = "latest"
+WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
 _LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
 
 
 def files_of(folder: Path) -> list[str]:
-    """Every file of a checkpoint folder except the manifest, sorted (what the manifest lists)."""
-    return sorted(p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink()))
+    """Every file of a checkpoint folder except the manifest, sorted (what the manifest lists), those
+    of its ``model_16bit/`` as ``model_16bit/<name>``; a link there (or as it) is refused."""
+    names = [p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink())]
+    sub = folder / WEIGHTS16
+    files.refuse_links(sub)
+    if sub.is_dir():
+        inner = list(sub.iterdir())
+        files.refuse_links(*inner)
+        names += [f"{WEIGHTS16}/{p.name}" for p in inner if p.is_file()]
+    return sorted(names)
+
+
+def _open(folder: Path, name: str) -> int:
+    """``folder/name`` read-only, never through a link: in ``model_16bit/<file>`` neither the file
+    nor the subfolder (opened first, without following it)."""
+    sub, _, base = name.rpartition("/")
+    if not sub:
+        return files.open_nofollow(folder / name, os.O_RDONLY)
+    files.refuse_links(folder / sub)   # by name (a link made since fails the open: O_NOFOLLOW)
+    dir_fd = files.open_nofollow(folder / sub, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.open(base, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
     """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (a save's
     files: DCP's writer creates them with the umask's mode)."""
-    with os.fdopen(files.open_nofollow(folder / name, os.O_RDONLY), "rb") as f:
+    with os.fdopen(_open(folder, name), "rb") as f:
         if own:
             os.fchmod(f.fileno(), 0o600)
         h = hashlib.sha256()   # (hashlib.file_digest is Python 3.11+; we support 3.10)
@@ -83,10 +107,13 @@ def read_manifest(folder: Path) -> dict:
 
 def check_file(folder: Path, name: str, want: dict) -> str | None:
     """None if the file has the manifest's size and checksum, else what is wrong (naming it)."""
-    if name in ("", ".", "..") or "/" in name:   # an edited manifest must not reach outside its folder
+    sub, _, base = name.rpartition("/")
+    if sub not in ("", WEIGHTS16) or base in ("", ".", ".."):   # an edited manifest must not reach outside its folder
         return f"{folder / MANIFEST} names {name!r}, which is not a file name in the folder (edited)"
     p = folder / name
     try:
+        if sub and stat.S_ISLNK(os.lstat(folder / sub).st_mode):
+            return f"{folder / sub} is a symbolic link (not written by a save)"
         st = os.lstat(p)
     except FileNotFoundError:
         return f"{p} is missing"

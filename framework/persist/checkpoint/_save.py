@@ -208,8 +208,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
             files.make_dirs(root)
             _folder.remove_stale(root, keep=staged16)
             files.make_dir(tmp, exist_ok=False)   # refused if anything (a planted link) is there
-            if staged16 is not None:   # a subfolder: beside the manifest's files, moved and pruned with them
-                os.replace(staged16, tmp / "model_16bit")
+            if staged16 is not None:   # a subfolder: in the manifest, moved and pruned with the step
+                os.replace(staged16, tmp / _folder.WEIGHTS16)
 
     agree_save(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
 
