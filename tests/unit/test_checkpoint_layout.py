@@ -71,3 +71,11 @@ def test_checkpoint_config_keys():
         tiny_config("checkpoint.every=-1")
     with pytest.raises(ConfigError, match="unknown key 'checkpoint.evry'"):
         tiny_config("checkpoint.evry=3")
+
+
+def test_a_resume_value_that_is_no_checkpoint_suggests_the_closest_choice(tmp_path):
+    from framework.persist.checkpoint import candidates
+    with pytest.raises(ConfigError, match=r"checkpoint.resume=lastest: no checkpoint there \(did you mean 'latest'\?\)"):
+        candidates("lastest", tmp_path)
+    with pytest.raises(ConfigError, match=r"no checkpoint there \(expected a step-<N> folder"):
+        candidates(str(tmp_path / "nowhere"), tmp_path)   # a path: nothing to suggest

@@ -23,6 +23,7 @@ from typing import Callable
 
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.registry import closest_hint
 from framework.core.utils import few
 from framework.persist.checkpoint import _folder
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -245,6 +246,7 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
         found, notes = _folder.scan(path)
         if found:
             return found, notes
-    raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there (expected a step-<N> folder with "
+    hint = "" if path.exists() else closest_hint(resume, ("auto", "off", "latest"))
+    raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there{hint} (expected a step-<N> folder with "
                       f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
 
