@@ -121,9 +121,11 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
         params, largest = _count(own, "params"), _count(own, "largest_layer")
-        unused = [k for k in ("context", *NVME_KEYS) if k in own and (k == "context" or largest is None)]
-        if unused:   # context= is a model's; the NVMe keys size the ZeRO-3 rows, which need largest_layer
-            raise ConfigError(f"estimate: {unused[0]}= needs {'model=' if unused[0] == 'context' else 'largest_layer='}")
+        if "context" in own:
+            raise ConfigError("estimate: context= needs model=... (a Hugging Face config)")
+        nvme = [k for k in NVME_KEYS if k in own]
+        if nvme and largest is None:   # the NVMe keys size the ZeRO-3 rows, which need largest_layer
+            raise ConfigError(f"estimate: {nvme[0]}= needs largest_layer= (it sizes the ZeRO-3 NVMe rows)")
         if largest is not None and largest > params:
             raise ConfigError(f"estimate: largest_layer={own['largest_layer']} is more than params={own['params']}")
     else:
