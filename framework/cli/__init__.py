@@ -5,15 +5,17 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
+from framework.config import GROUPS, ROOT_KEYS
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import closest_hint
 
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
                 body: Callable[[dict[str, str], list[str], dict], None]) -> int:
     """A ``key=value`` command's frame: ``-h``/``--help`` prints ``doc``; ``body(own, overrides, flags)``
     gets the arguments whose key is in ``own_keys``, the rest as Hydra overrides, and the ``--name``
-    flags (a flag whose default is an int takes a number); a ``FrameworkError`` is one ``error:`` line
-    on stderr and exit code 2; otherwise 0."""
+    flags (a flag whose default is an int takes a whole number >= 1); a ``FrameworkError`` is one
+    ``error:`` line on stderr and exit code 2; otherwise 0."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(doc)
@@ -28,6 +30,8 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                     flags[name] = int(next(it))
                 except (StopIteration, ValueError):
                     raise ConfigError(f"{tool}: {arg} needs a number") from None
+                if flags[name] < 1:
+                    raise ConfigError(f"{tool}: {arg} needs a whole number >= 1, got {flags[name]}")
             elif arg.startswith("--") and name in flags:
                 flags[name] = True
             elif arg.startswith("--"):
@@ -38,10 +42,16 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                 if not eq:
                     raise ConfigError(f"{tool}: expected key=value, got {arg!r} "
                                       f"(see python -m framework.{tool} --help)")
+                top = key.lstrip("+~").split(".")[0].split("@")[0]
                 if key in own_keys:
                     own[key] = value
-                else:
+                elif top in (*ROOT_KEYS, *GROUPS, "hydra"):
                     overrides.append(arg)
+                else:   # neither this tool's key nor the training config's: most likely a mistyped own key
+                    valid = (*own_keys, *ROOT_KEYS, *GROUPS)
+                    raise ConfigError(f"{tool}: unknown key {top!r}{closest_hint(top, valid)}; {tool}'s keys: "
+                                      f"{', '.join(own_keys)}; any other key=value overrides the training "
+                                      f"config (conf/train.yaml: {', '.join((*ROOT_KEYS, *GROUPS))})")
         body(own, overrides, flags)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)

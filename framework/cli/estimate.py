@@ -90,27 +90,44 @@ def resolve_model(value: str, overrides: list[str]):
         return component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg)), cfg, False
 
 
+def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
+    """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
+    if key not in own:
+        return default
+    if (n := parse_count(own[key], key)) < 1:
+        raise ConfigError(f"estimate: {key}={own[key]} must be >= 1")
+    return n
+
+
 def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
-    gpus = parse_count(own.get("gpus_per_node", "1"), "gpus_per_node")
-    nodes = parse_count(own.get("nodes", "1"), "nodes")
-    if gpus < 1 or nodes < 1:
-        raise ConfigError("estimate: gpus_per_node and nodes must be >= 1")
+    gpus, nodes = _count(own, "gpus_per_node", 1), _count(own, "nodes", 1)
     try:
         factor = float(own.get("buffer_factor", BUFFER_FACTOR))
     except ValueError:
         raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']!r} is not a number, e.g. 1.5") from None
+    if not 0 <= factor < float("inf"):
+        raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']} must be >= 0 (DeepSpeed's default: 1.5)")
     cfg = module = None
     if "model" in own:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         module, cfg, hf = resolve_model(own["model"], overrides)
+        if "context" in own and not hf:
+            raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
+                              f"model={own['model']} use model.context=N")
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
     elif "params" in own:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
-        params = parse_count(own["params"], "params")
-        largest = parse_count(own["largest_layer"], "largest_layer") if "largest_layer" in own else None
+        params, largest = _count(own, "params"), _count(own, "largest_layer")
+        if "context" in own:
+            raise ConfigError("estimate: context= needs model=... (a Hugging Face config)")
+        nvme = [k for k in NVME_KEYS if k in own]
+        if nvme and largest is None:   # the NVMe keys size the ZeRO-3 rows, which need largest_layer
+            raise ConfigError(f"estimate: {nvme[0]}= needs largest_layer= (it sizes the ZeRO-3 NVMe rows)")
+        if largest is not None and largest > params:
+            raise ConfigError(f"estimate: largest_layer={own['largest_layer']} is more than params={own['params']}")
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
     nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
@@ -118,7 +135,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
-    keys = NVMeKeys(**{**ours, **given, **{k: parse_count(own[k], k) for k in NVME_KEYS if k in own}})
+    keys = NVMeKeys(**{**ours, **given, **{k: _count(own, k) for k in NVME_KEYS if k in own}})
     out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
     layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
     text = [f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
@@ -150,9 +167,11 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         context = None
         if hf:
             conf = getattr(module, "config", None)
-            context = parse_count(own["context"], "context") if "context" in own else (
-                getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None) or
-                cfg.model.context)
+            limit = getattr(conf, "n_positions", None) or getattr(conf, "max_position_embeddings", None)
+            context = _count(own, "context", limit or cfg.model.context)
+            if limit is not None and context > limit:   # as framework.train refuses it
+                raise ConfigError(f"estimate: context={context} exceeds the model's max_position_embeddings "
+                                  f"({limit}); set context <= {limit}")
         pred = predict(cfg, world, module=module, loss_fn=hf_loss if hf else None, context=context)
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         text.append(format_prediction(cfg, pred, context=context))

@@ -40,7 +40,7 @@ from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
-from framework.memory.planner import Candidate, Hardware, Planned, detect, plan
+from framework.memory.planner import Candidate, Hardware, Planned, candidates, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
@@ -105,6 +105,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     base = [f"model={own['model']}", *overrides]
     cfg = compose(base)
     hw = detect(own)
+    candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe)
     print(_describe(hw, probe, cfg, planned, flags["top"]))

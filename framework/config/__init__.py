@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from framework.config.checks import check_compatible, validate
 from framework.config.composition import app_composer, compose, compose_layers, standalone_composer
-from framework.config.schema import COMPATIBLE, Config
+from framework.config.schema import COMPATIBLE, ROOT_KEYS, Config
 from framework.core.registry import GROUPS
 
-__all__ = ["COMPATIBLE", "GROUPS", "Config", "app_composer", "check_compatible", "compose", "compose_layers",
+__all__ = ["COMPATIBLE", "GROUPS", "ROOT_KEYS", "Config", "app_composer", "check_compatible", "compose", "compose_layers",
            "standalone_composer", "validate"]

@@ -15,6 +15,7 @@ import torch
 from framework.memory.model import data_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
 from framework.core.units import GiB, KiB, MiB, TiB
 
@@ -68,6 +69,9 @@ def detect(own: dict[str, str]) -> Hardware:
     if cpu is None:   # no /proc/meminfo: the physical memory
         cpu = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(os.getcwd())
+    for key, value, least in (("gpu_mem", gpu, 1), ("cpu_mem", cpu, 1), ("nvme", nvme, 0)):   # nvme=0: no disk
+        if key in own and value < least:
+            raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")
     ranks = parse_count(own["ranks"], "ranks") if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")
@@ -150,22 +154,33 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
     per_rank = global_batch // hw.ranks
     micro = [parse_count(x, "micro_batches") for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
         [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= per_rank]
+    if "micro_batches" in own and min(micro) < 1:
+        raise ConfigError(f"plan: micro_batches={own['micro_batches']}: each size must be >= 1")
     micro = [b for b in micro if per_rank % b == 0]
     if not micro:
         raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
                           f"(global batch {global_batch} over {hw.ranks} ranks)")
-    stages = own["stages"].split(",") if "stages" in own else list(COMPATIBLE)
-    ckpts = [x.strip().lower() == "true" for x in own["checkpointing"].split(",")] if "checkpointing" in own \
-        else [False, True]
+    offloads = sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"})
+    stages = _choices(own, "stages", list(COMPATIBLE))
+    wanted = _choices(own, "offloads", offloads)
+    ckpts = [x == "true" for x in _choices(own, "checkpointing", ["false", "true"])]
     out = []
     for stage in stages:
-        if stage not in COMPATIBLE:
-            raise ConfigError(f"plan: unknown stage {stage!r}; one of {', '.join(COMPATIBLE)}")
         offs = [x for o in COMPATIBLE[stage] for x in ([o, "cpu+params"] if (stage, o) == ("zero3", "cpu") else [o])]
-        if "offloads" in own:
-            offs = [o for o in offs if o in own["offloads"].split(",")]
+        offs = [o for o in offs if o in wanted]
         out += [Candidate(stage, o, b, per_rank // b, c) for o in offs for b in micro for c in ckpts]
     return out
+
+
+def _choices(own: dict[str, str], key: str, valid: list[str]) -> list[str]:
+    """``key=a,b``'s values (all of ``valid`` when not given); one outside ``valid`` is an error."""
+    if key not in own:
+        return valid
+    values = [x.strip().lower() for x in own[key].split(",")]
+    for x in values:
+        if x not in valid:
+            raise ConfigError(f"plan: {key}: unknown value {x!r}{closest_hint(x, valid)}; one of {', '.join(valid)}")
+    return values
 
 
 @dataclass

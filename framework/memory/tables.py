@@ -24,11 +24,13 @@ _SUFFIX = {"": 1, "K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "G": 10 ** 9, "T": 1
 
 
 def parse_count(text: str, what: str = "count") -> int:
-    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count."""
+    """``2.78e9``, ``2783M``, ``32K``, ``1.4B``, ``1_000_000`` -> an integer count (a fraction is an error)."""
     m = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
     if not m:
         raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
     value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+    if abs(value - round(value)) > 1e-9 * max(1.0, value):   # tolerates 2.783M's float error, not 1.5
+        raise ConfigError(f"{what}={text!r} is not a whole number")
     return int(round(value))
 
 

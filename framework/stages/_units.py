@@ -6,9 +6,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from framework.core.errors import ConfigError
+from framework.core.registry import closest_hint
 from framework.models.hf import declared_layers
 
 Named = list[tuple[str, nn.Parameter]]
+# Our GPT's layer: by default a unit where present; a model without it (a Hugging Face model, whose own
+# layers are units, or a module given to framework.initialize) simply has none. Other names must match.
+DEFAULT_GATHER_UNIT = ("Block",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,12 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
     ``split_root`` also every module with parameters of its own, merged where they share one (tied weights).
     """
+    present = {type(m).__name__ for m in module.modules()}
+    if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
+        for name in gather_unit:
+            if name not in present:
+                raise ConfigError(f"stage.gather_unit: {name!r} matches no module of the model"
+                                  f"{closest_hint(name, present)}")
     # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
     classes = set(gather_unit) | set(declared_layers(module))
     cands: list[tuple[str, nn.Module]] = [("<root>", module)]   # 0, then units and own-parameter modules

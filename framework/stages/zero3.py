@@ -20,7 +20,7 @@ from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import initial_values, make_layout, replace_parameter, unit_groups
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
-from framework.stages._units import plan_units
+from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
 from framework.core.footprint import Footprint
@@ -38,7 +38,7 @@ class Zero3Config:
     stage3_max_reuse_distance: int = 1_000_000_000       # keep a unit reused within this many elements
     stage3_param_persistence_threshold: int = 100_000    # parameters smaller than this stay gathered
     stage3_gather_16bit_weights_on_model_save: bool = False
-    gather_unit: list[str] = field(default_factory=lambda: ["Block"])   # module class names
+    gather_unit: list[str] = field(default_factory=lambda: list(DEFAULT_GATHER_UNIT))   # module class names
     # Every other module that registers parameters itself (embeddings, final norm, output head)
     # is a unit of its own, so the root's parameters are not gathered through the whole forward.
     # A module whose weights its parent reads directly (outside the module's forward) needs false.

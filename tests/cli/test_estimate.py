@@ -195,3 +195,39 @@ def test_model_yaml_path(capsys):
 def dataclasses_replace_vocab(cfg, vocab):
     import dataclasses
     return dataclasses.replace(cfg, vocab_size=vocab)   # the default data source's vocabulary (synthetic: 64)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["model=gpt-mini", "+stage=zero3", "stage.gather_unit=[Blok]"],
+     "stage.gather_unit: 'Blok' matches no module of the model (did you mean 'Block'?)"),
+    (["model=gpt-mini", "gpus_per_nod=8"], "unknown key 'gpus_per_nod' (did you mean 'gpus_per_node'?)"),
+    (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),
+    (["params=1e9", "nodes=1.5"], "nodes='1.5' is not a whole number"),
+    (["params=1e9", "gpus_per_node=1.5"], "gpus_per_node='1.5' is not a whole number"),
+    (["params=1e9", "nodes=0"], "estimate: nodes=0 must be >= 1"),
+    (["params=1e9", "buffer_factor=-1"], "estimate: buffer_factor=-1 must be >= 0"),
+    (["params=0"], "estimate: params=0 must be >= 1"),
+    (["params=1e9", "largest_layer=2e9"], "estimate: largest_layer=2e9 is more than params=1e9"),
+    (["params=1e9", "largest_layer=1e6", "buffer_count=0"], "estimate: buffer_count=0 must be >= 1"),
+    (["params=1e9", "buffer_count=2"], "estimate: buffer_count= needs largest_layer="),
+    (["params=1e9", "largest_layer=1e6", "context=8"], "estimate: context= needs model="),
+    (["model=gpt-mini", "context=99999"], "for model=gpt-mini use model.context=N"),
+])
+def test_bad_arguments_are_one_line(capsys, args, needle):
+    """Each value estimate cannot use is refused with one line (nothing rounded, dropped or defaulted);
+    an unknown key names the closest of the tool's own keys."""
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=32)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    for context, needle in (("0", "estimate: context=0 must be >= 1"),
+                            ("33", "estimate: context=33 exceeds the model's max_position_embeddings (32)")):
+        assert main([f"model={tmp_path}", f"context={context}"]) == 2
+        assert needle in capsys.readouterr().err

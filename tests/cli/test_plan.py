@@ -119,3 +119,28 @@ def test_steps_is_checked_and_needs_verify(capsys):
     assert "add --verify K or drop steps=" in capsys.readouterr().err
     assert main(["model=gpt-nano", "--verify", "1", "steps=x"]) == 2
     assert "steps='x' must be a whole number >= 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["ranks=1", "micro_batches=0,3"], "plan: micro_batches=0,3: each size must be >= 1"),
+    (["offloads=cpu,nvmee"], "plan: offloads: unknown value 'nvmee' (did you mean 'nvme'?)"),
+    (["stages=zero2,zero4"], "plan: stages: unknown value 'zero4' (did you mean 'zero3'?)"),
+    (["checkpointing=maybe"], "plan: checkpointing: unknown value 'maybe'"),
+    (["gpu_mem=-8G"], "plan: gpu_mem=-8G must be > 0"),
+    (["gpu_mem=0"], "plan: gpu_mem=0 must be > 0"),
+    (["cpu_mem=0"], "plan: cpu_mem=0 must be > 0"),
+    (["nvme=-1T"], "plan: nvme=-1T must be >= 0"),
+    (["--top", "-1"], "plan: --top needs a whole number >= 1, got -1"),
+    (["--top", "0"], "plan: --top needs a whole number >= 1, got 0"),
+    (["--verify", "0"], "plan: --verify needs a whole number >= 1, got 0"),
+    (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
+])
+def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, needle):
+    """Each value plan cannot use is refused with one line before anything is probed (nothing dropped,
+    misread or divided by); an unknown key names the closest of plan's own keys."""
+    from framework.cli import plan as cli
+
+    monkeypatch.setattr(cli._probe, "load", lambda *a, **k: pytest.fail("probed"))
+    assert cli.main(["model=gpt-nano", *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err

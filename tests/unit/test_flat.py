@@ -71,3 +71,23 @@ def test_launcher_orders_and_flushes():
 def test_own_overlap():
     assert own_overlap(0, 10, 5, 20) == (5, 10)
     assert own_overlap(0, 5, 5, 20) is None
+
+
+def test_a_gather_unit_that_matches_no_module_is_an_error():
+    """stage.gather_unit names module classes; one the model does not have is refused, naming the closest
+    class it has. The default ([Block], our GPT's layer) does nothing on a model without one."""
+    from framework.core.errors import ConfigError
+    from framework.models.gpt import GPT, PRESETS
+    from framework.stages import plan_units
+
+    with torch.device("meta"):
+        gpt = GPT(PRESETS["gpt-nano"])
+    with pytest.raises(ConfigError, match=r"^stage.gather_unit: 'Blok' matches no module of the model "
+                                          r"\(did you mean 'Block'\?\)"):
+        plan_units(gpt, ["Block", "Blok"], True, 0)
+    assert len(plan_units(gpt, ["Block"], True, 0)[0]) > PRESETS["gpt-nano"].n_layer
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    assert [u.name for u in plan_units(seq, ["Block"], True, 0)[0]] == ["<root>", "0", "1"]   # the default
+    assert [u.name for u in plan_units(seq, ["Linear"], True, 0)[0]] == ["<root>", "0", "1"]
+    with pytest.raises(ConfigError, match="'Block' matches no module"):
+        plan_units(seq, ["Linear", "Block"], True, 0)
