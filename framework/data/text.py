@@ -35,6 +35,9 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); "
                         f"point data.path at a UTF-8 file") from None
+    except OSError as e:
+        raise DataError(f"data.path={path}: cannot read it ({e.strerror}); fix its permissions or point "
+                        "data.path at a readable file") from None
     points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
     vocab = np.unique(points)
     if len(vocab) == 0:

@@ -70,7 +70,7 @@ def _allocated(path) -> int:
     """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
     try:
         return os.lstat(path).st_blocks * 512
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):   # none yet, or a folder that is not one: check() says so
         return 0
 
 

@@ -43,6 +43,9 @@ def load(source: str | Path | Mapping) -> dict:
                           f"(strict JSON: no comments or trailing commas)") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"ds_config: {path}: not UTF-8 text ({e.reason})") from None
+    except OSError as e:
+        raise ConfigError(f"ds_config: cannot read {path} ({e.strerror}); fix its permissions or set "
+                          "ds_config to a readable file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {type(data).__name__}")
     return data

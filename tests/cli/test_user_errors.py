@@ -1,0 +1,43 @@
+"""Bad input is one ``error:`` line naming the key to fix and a non-zero exit, never a traceback:
+the functions behind each command called directly where they can be."""
+import pytest
+
+import framework
+
+# A regular file whose read fails (EIO): the code path of an unreadable input without needing to
+# drop root's capabilities (root reads a mode-000 file).
+UNREADABLE = "/proc/self/mem"
+
+
+def test_nvme_path_that_is_a_file(tmp_path):
+    from framework.offload._disk import agree_swap_room
+    from framework.offload._swapfile import preflight
+
+    class Store:
+        def extents(self):
+            return {"0.0": 4096}
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(framework.ConfigError) as e:
+        agree_swap_room(None, str(afile), {"optim": Store()}, check=lambda: preflight(afile, 4096, create=True))
+    assert str(e.value).endswith(f"offload.nvme_path={afile} is not a folder; set offload.nvme_path to a folder")
+
+
+def test_unreadable_ds_config():
+    from framework.config import dsconfig
+
+    with pytest.raises(framework.ConfigError) as e:
+        dsconfig.load(UNREADABLE)
+    assert str(e.value).startswith(f"ds_config: cannot read {UNREADABLE} (") and "\n" not in str(e.value)
+
+
+def test_unreadable_text_data():
+    from framework.core.errors import DataError
+    from framework.data.text import encode_file
+
+    with pytest.raises(DataError) as e:
+        encode_file(UNREADABLE)
+    line = str(e.value)   # (the path as resolved: /proc/<pid>/mem)
+    assert line.startswith("data.path=/proc/") and line.endswith("/mem: cannot read it (Input/output error); fix its "
+                                                                 "permissions or point data.path at a readable file")
