@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -26,11 +27,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from framework.cli.launch import launch
 from framework.config import Config, app_composer, compose, compose_layers, standalone_composer
-from framework.core.errors import FrameworkError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import conf_dir
+from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
 
 # Hydra's command-line flags (hydra.main parses and acts on them); read here only to know which
@@ -41,10 +44,10 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
           ("--config-dir", "-cd"), ("--experimental-rerun",))
 
 
-def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
+def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
-    Hydra's info flags and for a command line Hydra will refuse) and the primary config they apply
-    to (``--config-dir``/``--config-name``, e.g. a recipe's)."""
+    Hydra's info flags and for a command line Hydra will refuse), the primary config they apply
+    to (``--config-dir``/``--config-name``, e.g. a recipe's) and the key of the folder Hydra makes."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
     for names in SWITCHES:
@@ -54,28 +57,44 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict]:
     parser.add_argument("--info", "-i", nargs="?", const="all")
     args, unknown = parser.parse_known_args(argv)
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
+    folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     if unknown:
-        return None, primary
+        return None, primary, folder
     if args.cfg == "job" and not args.multirun and any(o.split("=")[0].lstrip("+") == "ds_config"
                                                        for o in args.overrides):
         _print_resolved(args.overrides, args.resolve, primary)  # Hydra's own --cfg would not show the DeepSpeed layer
         sys.exit(0)
     if args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
-        return None, primary
+        return None, primary, folder
     if not args.multirun:
-        return [args.overrides], primary
+        return [args.overrides], primary, folder
     axes = {}   # by key: a later override of the same key replaces the earlier one
     for o in OverridesParser.create().parse_overrides(args.overrides):
         key = o.get_key_element()
         axes[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                      else [f"{key}={o.get_value_element_as_str()}"])
-    return [list(combo) for combo in itertools.product(*axes.values())], primary
+    return [list(combo) for combo in itertools.product(*axes.values())], primary, folder
 
 
 def _key(overrides: list[str]) -> tuple[str, ...]:
     """A job's overrides as Hydra hands them to it (``hydra.*`` ones apart), spelled one way."""
     return tuple(o.input_line if o.is_sweep_override() else f"{o.get_key_element()}={o.get_value_element_as_str()}"
                  for o in OverridesParser.create().parse_overrides(list(overrides)) if not o.is_hydra_override())
+
+
+def check_folder(cfg: DictConfig, key: str) -> None:
+    """One line for a run folder (``key``: hydra.run.dir or hydra.sweep.dir) that Hydra could not make
+    or write in (it would fail with a traceback once it tries)."""
+    try:
+        folder = Path(str(OmegaConf.select(cfg, key)))
+    except OmegaConfBaseException:   # an interpolation only a running Hydra resolves: Hydra's to check
+        return
+    base = nearest_existing(folder)
+    if not base.is_dir():
+        raise ConfigError(f"{key}={folder}: {base} is not a folder; set {key} to a folder")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={folder}: {base} is not writable; fix its permissions or set {key} "
+                          "to a writable folder")
 
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
@@ -111,10 +130,12 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
-        jobs, primary = _jobs(sys.argv[1:])
+        jobs, primary, folder = _jobs(sys.argv[1:])
         configs = {}
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            configs[_key(overrides)] = compose(overrides, **primary)
+            cfg, configs[_key(overrides)] = compose_layers(
+                overrides, composer=functools.partial(standalone_composer, **primary))
+            check_folder(cfg, folder)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -41,3 +41,25 @@ def test_unreadable_text_data():
     line = str(e.value)   # (the path as resolved: /proc/<pid>/mem)
     assert line.startswith("data.path=/proc/") and line.endswith("/mem: cannot read it (Input/output error); fix its "
                                                                  "permissions or point data.path at a readable file")
+
+
+def test_run_folder_that_cannot_be_made(tmp_path):
+    from omegaconf import OmegaConf
+
+    from framework.cli.train import check_folder
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for key, folder in (("hydra.run.dir", afile), ("hydra.sweep.dir", afile / "sub")):
+        cfg = OmegaConf.create({"hydra": {"run": {"dir": str(folder)}, "sweep": {"dir": str(folder)}}})
+        with pytest.raises(framework.ConfigError) as e:
+            check_folder(cfg, key)
+        assert str(e.value) == f"{key}={folder}: {afile} is not a folder; set {key} to a folder"
+    check_folder(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path / "new" / "run")}}}), "hydra.run.dir")
+
+
+def test_run_folder_that_is_a_file_from_the_command_line(forkrun, tmp_path):
+    (tmp_path / "afile").write_text("")
+    p = forkrun.run("framework.train", ["train.steps=2", f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        f"error: hydra.run.dir={tmp_path / 'afile'}: {tmp_path / 'afile'} is not a folder; set hydra.run.dir to a folder"]
