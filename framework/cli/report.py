@@ -71,7 +71,7 @@ def load_jobs(root: Path) -> list[Job]:
     for d in sorted(dirs, key=_natural):
         ov_file = d / ".hydra" / "overrides.yaml"
         overrides = [str(o) for o in (_parsed(ov_file, yaml.safe_load) or [])] if ov_file.is_file() else []
-        summary = _parsed(d / "summary.json", json.loads) if (d / "summary.json").is_file() else None
+        summary = _parsed(d / "summary.json", _summary) if (d / "summary.json").is_file() else None
         records = _parsed(d / "metrics.jsonl", _records) if (d / "metrics.jsonl").is_file() else []
         jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
     if not jobs:
@@ -94,7 +94,35 @@ def _parsed(path: Path, parse):
 def _records(text: str) -> list[dict]:
     """metrics.jsonl's records; a last line without its newline is a write the run's end cut short
     (e.g. a killed job), not a record."""
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError("a line is not a JSON object")
+    return records
+
+
+def _summary(text: str) -> dict:
+    """summary.json, with the shape of the values the report reads (a ValueError names the first
+    that is off)."""
+    def number(v, key):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{key} is {v!r}, not a number")
+
+    s = json.loads(text)
+    if not isinstance(s, dict):
+        raise ValueError(f"not a JSON object but {type(s).__name__}")
+    for key in ("config", "data"):
+        if not isinstance(s.get(key, {}), dict):
+            raise ValueError(f"{key} is {s[key]!r}, not an object")
+    ranks = s.get("peak_memory_per_rank") or []
+    if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
+        raise ValueError("peak_memory_per_rank is not a list of objects")
+    for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "world", "params"):
+        number(s.get(key), key)
+    number(s.get("data", {}).get("entropy_floor"), "data.entropy_floor")
+    for r in ranks:
+        for key, v in r.items():
+            number(v, f"peak_memory_per_rank: {key}")
+    return s
 
 
 def _fmt(v, spec: str) -> str:
@@ -303,15 +331,19 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     except OSError as e:   # e.g. --out names a file
         raise FrameworkError(f"report: cannot make the output folder {out} ({e.strerror}); pass a folder "
                              "with --out") from None
-    loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
-    tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
     table = markdown_table(jobs, root)
     shared = " ".join(f"`{o}`" for o in common_overrides(jobs)) or "none"
     md = (f"# {title or 'Sweep report'}\n\n`{root}`: {len(jobs)} jobs "
           f"({sum(j.summary is None for j in jobs)} without a summary); overrides of every job: {shared}\n\n"
           f"{table}\n"
           f"![loss](loss.png)\n\n![tokens/s and memory](throughput_memory.png)\n")
-    files.write_atomic(out / "report.md", md.encode())
+    try:
+        loss_png = plot_losses(jobs, out / "loss.png", title=title or f"loss: {root.name}")
+        tm_png = plot_throughput_memory(jobs, out / "throughput_memory.png")
+        files.write_atomic(out / "report.md", md.encode())
+    except OSError as e:   # e.g. a read-only run folder
+        raise FrameworkError(f"report: cannot write in {out} ({e.strerror}); fix its permissions or pass a "
+                             "writable folder with --out") from None
     return {"report": out / "report.md", "plots": [loss_png, tm_png], "jobs": jobs, "table": table}
 
 

@@ -63,3 +63,38 @@ def test_run_folder_that_is_a_file_from_the_command_line(forkrun, tmp_path):
     p = forkrun.run("framework.train", ["train.steps=2", f"hydra.run.dir={tmp_path / 'afile'}"], cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines() == [
         f"error: hydra.run.dir={tmp_path / 'afile'}: {tmp_path / 'afile'} is not a folder; set hydra.run.dir to a folder"]
+
+
+@pytest.mark.parametrize("name,text,says", [
+    ("summary.json", "[1, 2]", "not a JSON object but list"),
+    ("summary.json", '{"data": 5}', "data is 5, not an object"),
+    ("summary.json", '{"steps": "ten"}', "steps is 'ten', not a number"),
+    ("summary.json", '{"peak_memory_per_rank": [3]}', "peak_memory_per_rank is not a list of objects"),
+    ("metrics.jsonl", "5\n", "a line is not a JSON object"),
+])
+def test_report_of_a_summary_of_the_wrong_shape(tmp_path, capsys, name, text, says):
+    from framework.cli import report
+
+    job = tmp_path / "0"
+    job.mkdir()
+    (job / "summary.json").write_text("{}")
+    (job / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err == f"error: report: {job / name} is malformed ({says}); fix or remove it\n"
+
+
+def test_report_into_a_folder_it_cannot_write(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from framework.cli import report
+
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "summary.json").write_text("{}")
+    (tmp_path / "0" / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    out = "/proc/self"   # a folder where no file can be made, even by root
+    with pytest.raises(SystemExit) as e:
+        report.main([str(tmp_path), "--out", out])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.startswith(f"error: report: cannot write in {out} (") and err.endswith(
+        "); fix its permissions or pass a writable folder with --out\n"), err
