@@ -28,6 +28,7 @@ import yaml
 from framework.core import files
 from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
+from framework.core.registry import closest_hint
 from framework.core.units import MiB
 from framework.cli import report
 from framework.cli.report import matches, measured_memory, zero_model_state_bytes
@@ -399,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         recipe = find(a.name)
         args = list(a.args)
+        if args and args[0] not in ACTIONS and "=" not in args[0] and not args[0].startswith("~"):
+            raise RecipeError(f"unknown action {args[0]!r}{closest_hint(args[0], ACTIONS)}: give one of "
+                              f"{', '.join(ACTIONS)} (or none: run), then key=value overrides")
         action = args.pop(0) if args and args[0] in ACTIONS else "run"
         if action == "prepare":
             prepare(recipe, args, a.out)

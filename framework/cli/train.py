@@ -24,13 +24,12 @@ from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.cli.launch import launch
-from framework.config import Config, app_composer, compose, compose_layers, standalone_composer
+from framework.config import Config, app_composer, compose, compose_layers, parse_overrides, standalone_composer
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
@@ -69,7 +68,7 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     if not args.multirun:
         return [args.overrides], primary, folder
     axes = {}   # by key: a later override of the same key replaces the earlier one
-    for o in OverridesParser.create().parse_overrides(args.overrides):
+    for o in parse_overrides(args.overrides):
         key = o.get_key_element()
         axes[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
                      else [f"{key}={o.get_value_element_as_str()}"])
@@ -79,7 +78,7 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
 def _key(overrides: list[str]) -> tuple[str, ...]:
     """A job's overrides as Hydra hands them to it (``hydra.*`` ones apart), spelled one way."""
     return tuple(o.input_line if o.is_sweep_override() else f"{o.get_key_element()}={o.get_value_element_as_str()}"
-                 for o in OverridesParser.create().parse_overrides(list(overrides)) if not o.is_hydra_override())
+                 for o in parse_overrides(list(overrides)) if not o.is_hydra_override())
 
 
 def check_folder(cfg: DictConfig, key: str) -> None:

@@ -68,6 +68,20 @@ def app_composer(overrides: list[str]) -> tuple[DictConfig, dict[str, str]]:
     return _hydra_compose(HydraConfig.get().job.config_name, overrides)
 
 
+def parse_overrides(overrides: list[str]) -> list:
+    """Hydra's parsed overrides; a syntax mistake is one line naming the override (Hydra's own
+    message spans several)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides(list(overrides))
+    except OverrideParseException as e:
+        why = [line for line in str(e).splitlines() if line and not line.startswith(("Error parsing", "See "))]
+        raise ConfigError(f"cannot parse override {e.override!r}: {'; '.join(why)} (overrides are key=value; "
+                          "the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)") from None
+
+
 def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = None) -> tuple[DictConfig, dict]:
     from hydra import compose as hydra_compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -177,9 +191,8 @@ class CommandLine:
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
         if have_hydra():
-            from hydra.core.override_parser.overrides_parser import OverridesParser
             parsed = [(o.key_or_group, o.is_delete(), o.value(), not (o.is_add() or o.is_force_add() or o.is_delete()))
-                      for o in OverridesParser.create().parse_overrides(overrides)]
+                      for o in parse_overrides(overrides)]
         else:
             parsed = [(o.key, o.prefix == "~", o.value, False) for o in map(plainconf.parse, overrides)]
         keys, choices, ds_config, strict, named, deleted, forced = set(), {}, None, False, set(), set(), []

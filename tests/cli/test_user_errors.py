@@ -98,3 +98,30 @@ def test_report_into_a_folder_it_cannot_write(tmp_path, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.startswith(f"error: report: cannot write in {out} (") and err.endswith(
         "); fix its permissions or pass a writable folder with --out\n"), err
+
+
+SYNTAX = "(overrides are key=value; the syntax: https://hydra.cc/docs/advanced/override_grammar/basic)"
+
+
+@pytest.mark.parametrize("override,why", [
+    ("train.steps", "missing EQUAL at '<EOF>'"),
+    ("optimizer.lr=[1,", "no viable alternative at input '[1,'"),
+])
+def test_override_syntax_mistake(override, why):
+    from framework.cli.train import _jobs
+
+    line = f"cannot parse override {override!r}: {why} {SYNTAX}"
+    with pytest.raises(framework.ConfigError) as e:
+        framework.compose([override])
+    assert str(e.value) == line
+    with pytest.raises(framework.ConfigError) as e:   # a multirun parses its sweeps first
+        _jobs(["-m", override])
+    assert str(e.value) == line
+
+
+def test_recipe_misspelt_action(capsys):
+    from framework.cli import recipe
+
+    assert recipe.main(["shakespeare_char_cpu", "prepar", "data.path=README.md"]) == 2
+    assert capsys.readouterr().err == ("error: unknown action 'prepar' (did you mean 'prepare'?): give one of run, "
+                                       "prepare, check (or none: run), then key=value overrides\n")
