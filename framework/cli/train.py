@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from framework.cli.launch import launch
 from framework.config import Config, app_composer, compose, compose_layers, parse_overrides, standalone_composer
+from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
@@ -96,6 +97,19 @@ def check_folder(cfg: DictConfig, key: str) -> None:
                           "to a writable folder")
 
 
+def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) -> None:
+    """Hydra's run composes the command line again, as given, where a plain ``stage.KEY=V`` (which
+    ``compose`` forces in) fails unless a stage is chosen, on the command line or in the primary
+    config's defaults list (never in ours: no stage is ddp), with advice that does not help
+    (``+stage.KEY``): one line naming the fix instead."""
+    if "stage" in cfg.hydra.runtime.choices and config.sources.get("stage.name") != DS_FILE:
+        return   # (a DeepSpeed file's stage is not on the command line Hydra composes)
+    for o in parse_overrides(overrides):
+        if o.key_or_group.startswith("stage.") and not (o.is_add() or o.is_force_add() or o.is_delete()):
+            raise ConfigError(f"config: {o.input_line} sets a key of the stage, which the command line does not "
+                              f"choose; choose it first: +stage={config.choices['stage']} {o.input_line}")
+
+
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     """``--cfg job`` with a DeepSpeed config: the composed config with the file's values in it."""
     cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
@@ -134,6 +148,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
             cfg, configs[_key(overrides)] = compose_layers(
                 overrides, composer=functools.partial(standalone_composer, **primary))
+            check_stage_chosen(overrides, cfg, configs[_key(overrides)])
             check_folder(cfg, folder)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -125,3 +125,27 @@ def test_recipe_misspelt_action(capsys):
     assert recipe.main(["shakespeare_char_cpu", "prepar", "data.path=README.md"]) == 2
     assert capsys.readouterr().err == ("error: unknown action 'prepar' (did you mean 'prepare'?): give one of run, "
                                        "prepare, check (or none: run), then key=value overrides\n")
+
+
+def test_a_stage_key_without_a_stage():
+    """Hydra's run composes the command line as given: a stage's key needs the stage chosen first."""
+    from framework.cli.train import check_stage_chosen
+    from framework.config import compose_layers
+
+    for overrides, ds, name in ((["stage.bucket_size=5"], None, "ddp"),
+                                (["stage.overlap_comm=true"], {"zero_optimization": {"stage": 2}}, "zero2")):
+        cfg, config = compose_layers(overrides, ds_config=ds)
+        with pytest.raises(framework.ConfigError) as e:
+            check_stage_chosen(overrides, cfg, config)
+        assert str(e.value) == (f"config: {overrides[0]} sets a key of the stage, which the command line does not "
+                                f"choose; choose it first: +stage={name} {overrides[0]}")
+    for overrides in (["+stage=ddp", "stage.bucket_size=5"], ["++stage.bucket_size=5"]):
+        check_stage_chosen(overrides, *compose_layers(overrides))
+
+
+def test_a_stage_key_without_a_stage_from_the_command_line(forkrun, tmp_path):
+    p = forkrun.run("framework.train", ["stage.bucket_size=-5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "error: config: stage.bucket_size=-5 sets a key of the stage, which the command line does not choose; "
+        "choose it first: +stage=ddp stage.bucket_size=-5"]
+    assert not (tmp_path / "run").exists()
