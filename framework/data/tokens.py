@@ -38,7 +38,11 @@ class TokensSource(CropSource):
         if path.stat().st_size == 0:
             raise DataError(f"{path} is empty; point data.path at a .bin of uint16 token ids")
         vocab = cfg.vocab_size if cfg.vocab_size is not None else _meta_vocab(path)
-        data = np.memmap(path, dtype="<u2", mode="r")
+        try:
+            data = np.memmap(path, dtype="<u2", mode="r")
+        except OSError as e:
+            raise DataError(f"data.path={path}: cannot read it ({e.strerror}); fix its permissions or point "
+                            "data.path at a readable file") from None
         split = int((1.0 - cfg.val_fraction) * len(data))
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab,
                          seed=seed, context=context, kind="tokens", path=path)

@@ -1,5 +1,10 @@
 """Bad input is one ``error:`` line naming the key to fix and a non-zero exit, never a traceback:
 the functions behind each command called directly where they can be."""
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 import framework
@@ -149,3 +154,20 @@ def test_a_stage_key_without_a_stage_from_the_command_line(forkrun, tmp_path):
         "error: config: stage.bucket_size=-5 sets a key of the stage, which the command line does not choose; "
         "choose it first: +stage=ddp stage.bucket_size=-5"]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None,
+                    reason="as root, needs setpriv (util-linux) to drop root's file access")
+def test_unreadable_token_data(tmp_path):
+    """A mode-000 token file (root reads any file: its capabilities are dropped for the check)."""
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps",
+            "-dac_override,-dac_read_search,-fowner"] if os.geteuid() == 0 else []
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(b"ab")
+    tokens.chmod(0)
+    code = ("from framework.data.tokens import TokensConfig, TokensSource\n"
+            f"TokensSource(TokensConfig(path={str(tokens)!r}, vocab_size=256), seed=0, context=1)")
+    p = subprocess.run([*drop, sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and p.stderr.splitlines()[-1] == (
+        f"framework.core.errors.DataError: data.path={tokens}: cannot read it (Permission denied); "
+        "fix its permissions or point data.path at a readable file"), p.stderr
