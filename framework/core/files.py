@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import torch
@@ -148,6 +149,14 @@ def make_dirs(path: os.PathLike | str) -> None:
         path = path.parent
     for p in reversed(missing):
         make_dir(p)
+
+
+def probe_writable(folder: os.PathLike | str) -> None:
+    """Create and remove a file in ``folder`` (an OSError if that fails): the one test of
+    writability that also holds for root and for read-only mounts, which ``os.access`` misjudges."""
+    fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> memoryview:

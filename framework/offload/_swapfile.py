@@ -15,7 +15,6 @@ import json
 import math
 import mmap
 import os
-import tempfile
 import threading
 import warnings
 from dataclasses import asdict, dataclass
@@ -25,7 +24,7 @@ from typing import Mapping
 import torch
 
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import make_dirs, refuse_links, write_atomic
+from framework.core.files import make_dirs, probe_writable, refuse_links, write_atomic
 from framework.core.room import free_bytes
 from framework.core.units import size as _size
 from framework.core.utils import dtype_name
@@ -381,9 +380,7 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     if not path.is_dir():
         raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".preflight-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(path)
     except OSError as e:
         raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
                           "offload.nvme_path to a writable folder") from None

@@ -16,8 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -211,9 +209,7 @@ def _check_writable(root: Path) -> None:
     first save (hours later): made now, as the save would make it, and a file created in it."""
     try:
         files.make_dirs(root)
-        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
-        os.close(fd)
-        os.unlink(probe)
+        files.probe_writable(root)
     except OSError as e:
         raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to a "
                           "writable folder, or checkpoint.every=0 to save nothing") from None
