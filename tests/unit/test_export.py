@@ -69,6 +69,17 @@ def test_export_errors_are_one_line(tmp_path, capsys):
         get_fp32_state_dict_from_checkpoint(tmp_path / "nomodel")
 
 
+def _flip_a_byte(step):
+    """Alter one byte in the middle of a DCP shard of ``step`` (same size); return the shard."""
+    shard = next(step.glob("*.distcp"))
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return shard
+
+
 def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
     """A step folder our save wrote carries a manifest (sizes and sha256): export checks every file
     against it first, so a byte altered in a shard (same size) is one line naming the file, exit 1,
@@ -79,12 +90,7 @@ def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
     step = tmp_path / "ckpt" / "step-3"
     _folder.write_manifest(step, {n: _folder.file_entry(step, n) for n in _folder.files_of(step)}, step=3)
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "ok")]) == 0   # intact: exported
-    shard = next(step.glob("*.distcp"))
-    with open(shard, "r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    shard = _flip_a_byte(step)
     capsys.readouterr()
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
@@ -103,12 +109,7 @@ def test_a_checkpoint_of_ours_without_its_manifest_is_refused(tmp_path, capsys, 
     _checkpoint(tmp_path)
     step = tmp_path / "ckpt" / "step-3"
     (step / ours).write_text("{}")
-    shard = next(step.glob("*.distcp"))
-    with open(shard, "r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    _flip_a_byte(step)
     capsys.readouterr()
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()
