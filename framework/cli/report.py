@@ -94,9 +94,16 @@ def _parsed(path: Path, parse):
 def _records(text: str) -> list[dict]:
     """metrics.jsonl's records; a last line without its newline is a write the run's end cut short
     (e.g. a killed job), not a record."""
-    records = [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-    if not all(isinstance(r, dict) for r in records):
-        raise ValueError("a line is not a JSON object")
+    records = []
+    for n, line in enumerate(text.split("\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:   # json counts lines within the one line it was given
+            raise ValueError(f"line {n}: {str(e).split(': line ')[0]}") from None
+        if not isinstance(records[-1], dict):
+            raise ValueError(f"line {n} is not a JSON object")
     return records
 
 

@@ -75,7 +75,8 @@ def test_run_folder_that_is_a_file_from_the_command_line(forkrun, tmp_path):
     ("summary.json", '{"data": 5}', "data is 5, not an object"),
     ("summary.json", '{"steps": "ten"}', "steps is 'ten', not a number"),
     ("summary.json", '{"peak_memory_per_rank": [3]}', "peak_memory_per_rank is not a list of objects"),
-    ("metrics.jsonl", "5\n", "a line is not a JSON object"),
+    ("metrics.jsonl", '{"step": 1}\n5\n', "line 2 is not a JSON object"),
+    ("metrics.jsonl", '{"step": 1}\n\n{"step": 2, lo\n', "line 3: Expecting property name enclosed in double quotes"),
 ])
 def test_report_of_a_summary_of_the_wrong_shape(tmp_path, capsys, name, text, says):
     from framework.cli import report
