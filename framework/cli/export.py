@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from framework.core.errors import FrameworkError
 from framework.persist.export import export
@@ -26,7 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size)
     except (FrameworkError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        msg, out = str(e), Path(args.out).resolve()
+        if isinstance(e, OSError) and e.filename and out in (p := Path(e.filename).resolve(), *p.parents):
+            msg = f"--to {args.out}: cannot write {e.filename} ({e.strerror}); pass a writable folder"
+        print(f"error: {msg}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)

@@ -186,3 +186,12 @@ def test_crafted_metadata_is_refused_without_running_it(tmp_path, capsys):
     assert main([str(step), "--to", str(tmp_path / "out")]) == 1
     assert "refused to read the DCP metadata" in capsys.readouterr().err
     assert not (tmp_path / "ran").exists()
+
+
+def test_an_output_that_cannot_be_written_names_to(tmp_path, capsys):
+    _checkpoint(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "afile")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --to {tmp_path / 'afile'}: cannot write") and err.count("\n") == 1, err
