@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 
 from framework.persist.checkpoint import preflight
 from framework.config import Config
-from framework.comm.distributed import Dist, backend_notice, connect, disconnect, local_world_size, resolve_backend
+from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
+                                       resolve_backend)
 from framework.core.errors import FrameworkError
 from framework.loggers import RunInfo
 from framework.cli.loop import train
@@ -42,7 +43,11 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         if not already:
             atexit.register(disconnect)
         run = _agree_run_dir(run, dist)
-        return train(preflight(cfg, run.run_dir, run.job, quiet=not dist.is_main), run, dist, on_point)
+        # Rank 0 checks (checkpoints live where every rank sees them) and resolves "latest" once;
+        # every rank stops with its error, or trains the config it resolved.
+        mine = agree(dist, lambda: preflight(cfg, run.run_dir, run.job) if dist.is_main else None,
+                     "the checkpoint pre-flight")
+        return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
     # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
     # once so that every rank loads the same folder.
     cfg = preflight(cfg, run.run_dir, run.job)

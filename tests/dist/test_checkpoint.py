@@ -266,6 +266,19 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
 
 
+def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
+    """resume=auto with every folder damaged: one error, the folders kept, and the advice is one that
+    works (another checkpoint.dir: resume=off is refused where the run would save among them)."""
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=K)
+    for folder in tmp_path.glob("step-*"):
+        (folder / "train_state.json").write_text("{")
+    with pytest.raises(CheckpointError, match=r"every checkpoint in .* is damaged or not finite \(the folders are "
+                                              r"kept; set checkpoint.dir to another folder to start afresh\)"):
+        _train(dist, [], str(tmp_path), resume="auto")
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
+
+
 def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     dist = _local()
     _train(dist, [], str(tmp_path), steps=K)

@@ -71,7 +71,7 @@ class Checkpointer:
                 self._say(note)
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
-        what = f"looking for checkpoint.resume={resume} in {self.root} (checkpoint.resume=off skips it)"
+        what = f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
         mine = agree_load(self.group, what, lambda: candidates(resume, self.root) if self.rank == 0 else None)
         folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
@@ -108,7 +108,7 @@ class Checkpointer:
                       + (f"; config differs in {few(diff, 8, show=str)}" if diff else ""))
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
-                              f"finite (the folders are kept; set checkpoint.resume=off to start afresh): "
+                              f"finite (the folders are kept; set checkpoint.dir to another folder to start afresh): "
                               + " | ".join(errors) + SPENT)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
@@ -172,7 +172,7 @@ def find_latest(root: Path) -> Path | None:
     return max(newest, key=lambda p: (p / _folder.MANIFEST).stat().st_mtime, default=None)
 
 
-def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = False):
+def preflight(cfg, run_dir: Path | None, job: str | None = None):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every
     rank loads the same); a checkpoint of another model or optimizer is refused on one line. A
     damaged or unreadable candidate is left to the ranks (they fall back and say so)."""
@@ -186,7 +186,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, quiet: bool = F
     if c.resume == "latest":
         folder = find_latest(root)
         if folder is None:
-            quiet or print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
+            print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
                   f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
