@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -31,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 from framework.cli.launch import launch
 from framework.config import Config, app_composer, compose, compose_layers, parse_overrides, standalone_composer
 from framework.config.dsconfig import DS_FILE
+from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
@@ -92,9 +92,11 @@ def check_folder(cfg: DictConfig, key: str) -> None:
     base = nearest_existing(folder)
     if not base.is_dir():
         raise ConfigError(f"{key}={folder}: {base} is not a folder; set {key} to a folder")
-    if not os.access(base, os.W_OK | os.X_OK):
+    try:
+        files.probe_writable(base)
+    except OSError:
         raise ConfigError(f"{key}={folder}: {base} is not writable; fix its permissions or set {key} "
-                          "to a writable folder")
+                          "to a writable folder") from None
 
 
 def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) -> None:

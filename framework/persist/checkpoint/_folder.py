@@ -32,7 +32,7 @@ LATEST = "latest"
 WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
-_LEFTOVER = (".tmp", ".old", ".del", ".model_16bit")
+_LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
 
 
 def files_of(folder: Path) -> list[str]:
@@ -129,8 +129,8 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
     commit first (``seq``, then the step: a run rewound to an older step, e.g. ``resume=PATH``, goes
-    on from its own newest save, not from the abandoned higher steps beside it), and one line for each ``step-<N>`` that is not one, so none is
-    dropped silently."""
+    on from its own newest save, not from the abandoned higher steps beside it), and one line for
+    each ``step-<N>`` that is not one, so none is dropped silently."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
