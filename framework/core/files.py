@@ -152,8 +152,8 @@ def make_dirs(path: os.PathLike | str) -> None:
 
 
 def probe_writable(folder: os.PathLike | str) -> None:
-    """Create and remove a file in ``folder`` (an OSError if that fails): the one test of
-    writability that also holds for root and for read-only mounts, which ``os.access`` misjudges."""
+    """Create and remove a file in ``folder`` (an OSError if that fails): what a write will meet
+    (ACLs, a root-squashed NFS export), where ``os.access`` answers from permission bits and ids."""
     fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
     os.close(fd)
     os.unlink(probe)
