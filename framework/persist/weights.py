@@ -23,6 +23,7 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
+from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
                                            open_weights, plan_files)
 from framework.core.utils import dtype_name, few
@@ -77,12 +78,16 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     and buffers. Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; tied
     parameters take any one of their names; values are converted to each target's dtype (of the same
     kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
-    reported in one ``ConfigError`` before anything is written. The optimizer state is left as it is."""
+    reported in one ``ConfigError`` before anything is written; a checkpoint's ``model_16bit/``
+    that differs from the step's manifest, in a ``CheckpointError``. The optimizer state is left as it is."""
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
         masters = list(mapped.params)
         layout = _layout(engine, "weights")
+
+        if not isinstance(source, WeightsSource):   # a checkpoint's model_16bit/: against its manifest
+            agree(c.dist, lambda: check_weights16(source) if c.dist.is_main else None, "load_weights: manifest")
 
         def load() -> None:   # a source given open stays open
             with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:

@@ -241,7 +241,7 @@ def test_metadata_that_would_run_code_is_refused(tmp_path):
 
     (folder / ".metadata").write_bytes(pickle.dumps(Evil()))
     manifest = json.loads((folder / "manifest.json").read_text())
-    from framework.persist.checkpoint._folder import file_entry
+    from framework.persist.stepfolders import file_entry
     manifest["files"][".metadata"] = file_entry(folder, ".metadata")
     (folder / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"refused to read the DCP metadata \(posix.system is not part"):

@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from framework.persist.checkpoint import _folder
+from framework.persist import stepfolders
 from tests.dist.test_checkpoint import NVME
 from tests.dist.test_integrity import _run
 
@@ -91,10 +91,10 @@ def _tensors(folder: Path) -> dict:
 def _passes(folder: Path) -> bool:
     """Whether ``folder`` passes the manifest checks a load makes first (sizes, sha256)."""
     try:
-        manifest = _folder.read_manifest(folder)
+        manifest = stepfolders.read_manifest(folder)
     except Exception:  # noqa: BLE001
         return False
-    return all(_folder.check_file(folder, n, e) is None for n, e in manifest["files"].items())
+    return all(stepfolders.check_file(folder, n, e) is None for n, e in manifest["files"].items())
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def disk(tmp_path_factory):
 def reference(nvme_reference):
     """The uninterrupted run (``nvme_reference``): per-step checkpoint tensors, losses, final state."""
     root = nvme_reference["root"]
-    steps = {_folder.step_of(p): _tensors(p) for p in _folder.scan(root)[0]}
+    steps = {stepfolders.step_of(p): _tensors(p) for p in stepfolders.scan(root)[0]}
     return {"steps": steps, "losses": nvme_reference["runs"][0]["losses"], "final": steps[STEPS],
             "window": nvme_reference["runs"][0]["training_s"]}
 
@@ -135,7 +135,7 @@ def _fault(kind: str, rng: random.Random, root: Path):
                     f.seek(rng.randrange(max(1, size - (1 << 20))) // 4096 * 4096)
                     f.write(os.urandom(min(1 << 20, size)))
         elif kind == "checkpoint":
-            folders = _folder.scan(root)[0]
+            folders = stepfolders.scan(root)[0]
             if folders:
                 folder = rng.choice(folders)
                 files = sorted(p for p in folder.iterdir() if p.is_file())
@@ -189,13 +189,13 @@ def test_random_faults_never_lose_or_corrupt_state(pools, tmp_path, disk, base, 
 
     # No committed checkpoint holds wrong state: it fails its checks, or it is the reference's.
     good = []
-    for folder in _folder.scan(root)[0]:
+    for folder in stepfolders.scan(root)[0]:
         if _passes(folder):
-            got, want = _tensors(folder), reference["steps"][_folder.step_of(folder)]
+            got, want = _tensors(folder), reference["steps"][stepfolders.step_of(folder)]
             assert got.keys() == want.keys(), what
             for key in got:
                 assert torch.equal(got[key], want[key]), f"{what}: {folder.name} {key} differs from the reference"
-            good.append(_folder.step_of(folder))
+            good.append(stepfolders.step_of(folder))
 
     # Nothing is lost: the resume starts from the newest good checkpoint and ends as the reference.
     again = pools(2).run(_run, OVER, str(root), steps=STEPS, resume="auto", keep_last=2, seed=99, timeout=240)

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 import framework
 from framework.persist.checkpoint import Checkpointer
-from framework.persist.checkpoint._folder import file_entry
+from framework.persist.stepfolders import file_entry
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 from tests.dist.test_checkpoint import NVME, ROWS, _same_state

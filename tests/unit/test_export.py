@@ -84,11 +84,11 @@ def test_a_damaged_checkpoint_is_refused_not_exported(tmp_path, capsys):
     """A step folder our save wrote carries a manifest (sizes and sha256): export checks every file
     against it first, so a byte altered in a shard (same size) is one line naming the file, exit 1,
     and no output."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
 
     _checkpoint(tmp_path)
     step = tmp_path / "ckpt" / "step-3"
-    _folder.write_manifest(step, {n: _folder.file_entry(step, n) for n in _folder.files_of(step)}, step=3)
+    stepfolders.write_manifest(step, {n: stepfolders.file_entry(step, n) for n in stepfolders.files_of(step)}, step=3)
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "ok")]) == 0   # intact: exported
     shard = _flip_a_byte(step)
     capsys.readouterr()

@@ -54,21 +54,21 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
 def test_a_planted_link_in_the_checkpoint_folder_is_refused(tmp_path):
     """``latest.tmp`` and a ``step-N.tmp`` folder planted as links: the commit protocol refuses them
     by name and never writes through them."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
 
     root = tmp_path / "ckpt"
     root.mkdir()
     link, victim = _plant(root, "latest.tmp")
     tmp = root / "step-1.tmp"
     tmp.mkdir()
-    (tmp / _folder.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
+    (tmp / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
     with pytest.raises(UnsafePathError, match=rf"{link} is a symbolic link"):
-        _folder.commit(tmp, root / "step-1", lambda point: None)
+        stepfolders.commit(tmp, root / "step-1", lambda point: None)
     assert victim.read_text() == "precious" and tmp.is_dir() and not (root / "step-1").exists()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (root / "step-2.tmp").symlink_to(elsewhere)
-    _folder.remove_stale(root)                          # links are left alone, never deleted through
+    stepfolders.remove_stale(root)                          # links are left alone, never deleted through
     with pytest.raises(UnsafePathError, match="step-2.tmp is a symbolic link"):
         make_dir(root / "step-2.tmp", exist_ok=False)   # how a save makes its step folder
     assert elsewhere.is_dir() and not list(elsewhere.iterdir())
@@ -105,14 +105,14 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
     """keep_last=1 after a commit of step 3 whose save could not vouch for its state (no ``verified``
     flag: an older framework's, or a folder made by hand): step 1, the newest verified one, stays;
     the folders go through ``step-N.del`` and are gone."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
 
     for step, verified in ((1, True), (2, None), (3, None)):
         folder = tmp_path / f"step-{step}"
         folder.mkdir()
         body = {"format": 1, "files": {}, **({"verified": True} if verified else {})}
-        (folder / _folder.MANIFEST).write_text(json.dumps(body))
-    gone = _folder.prune(tmp_path, tmp_path / "step-3", keep_last=1)
+        (folder / stepfolders.MANIFEST).write_text(json.dumps(body))
+    gone = stepfolders.prune(tmp_path, tmp_path / "step-3", keep_last=1)
     assert [p.name for p in gone] == ["step-2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
 
@@ -121,14 +121,14 @@ def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
     """``scan`` lists the newest commit first: a run rewound to an older step goes on from its own
     newest save (step-2 committed after step-6), not from the abandoned higher steps; manifests without ``seq``
     (written before it existed) keep the step order, below every numbered commit."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
 
     for step, seq in ((2, 4), (4, 2), (6, 3), (8, None), (10, None)):
         folder = tmp_path / f"step-{step}"
         folder.mkdir()
-        (folder / _folder.MANIFEST).write_text(json.dumps({"format": 1, "files": {}, "seq": seq}))
-    assert [p.name for p in _folder.scan(tmp_path)[0]] == ["step-2", "step-6", "step-4", "step-10", "step-8"]
-    assert _folder.next_seq(tmp_path) == 5 and _folder.next_seq(tmp_path / "none") == 1
+        (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}, "seq": seq}))
+    assert [p.name for p in stepfolders.scan(tmp_path)[0]] == ["step-2", "step-6", "step-4", "step-10", "step-8"]
+    assert stepfolders.next_seq(tmp_path) == 5 and stepfolders.next_seq(tmp_path / "none") == 1
 
 
 # --- strict swap-extent checks ----------------------------------------------------------------------
@@ -342,17 +342,17 @@ def test_after_a_failed_read_every_rank_takes_the_same_path(outcomes, falls_back
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
     """An edited manifest whose file entry is not {bytes, sha256} is one CheckpointError naming the
     manifest (it used to be a KeyError on the rank that read it, its peers left waiting)."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
     from framework.persist.checkpoint._load import verify
 
     (tmp_path / "a").write_text("x")
-    (tmp_path / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": {"a": {"size": 1}}}))
+    (tmp_path / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": {"a": {"size": 1}}}))
     with pytest.raises(_Sent) as got:
         verify(tmp_path, _Gather(0, 1))
     with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(KeyError"):
         verify(tmp_path, _Gather(0, 1, [got.value.args[0]]))
     # a file name the OS refuses (an embedded NUL byte): the same, not a ValueError on one rank
-    (tmp_path / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": {"a\u0000b": {}}}))
+    (tmp_path / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": {"a\u0000b": {}}}))
     with pytest.raises(_Sent) as got:
         verify(tmp_path, _Gather(0, 1))
     with pytest.raises(CheckpointError, match=r"manifest.json has a malformed file entry \(ValueError"):
@@ -363,7 +363,7 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_on_every_rank(tm
     """A manifest entry is a file name in the checkpoint folder: an edited one naming a path (``../x``,
     ``sub/x``) is refused like other manifest damage, even when that file's size and checksum match,
     with the same CheckpointError on every rank (only rank 0 checks it here)."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
     from framework.persist.checkpoint._load import verify
 
     folder = tmp_path / "step-1"
@@ -371,8 +371,8 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused_on_every_rank(tm
     for where in (tmp_path / "x", folder / "sub" / "x", folder / "z"):
         where.write_text("x")
     for name in ("../x", "sub/x"):
-        entries = {name: _folder.file_entry(folder, name), "z": _folder.file_entry(folder, "z")}
-        (folder / _folder.MANIFEST).write_text(json.dumps({"format": _folder.FORMAT, "files": entries}))
+        entries = {name: stepfolders.file_entry(folder, name), "z": stepfolders.file_entry(folder, "z")}
+        (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": entries}))
         sent = []
         for rank in (0, 1):
             with pytest.raises(_Sent) as got:
@@ -390,7 +390,7 @@ def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
     ``model_16bit/<name>`` and checked like the other files: a flipped byte there is damage; a link
     there (the subfolder itself, or a file in it) is refused, never read through. A manifest without
     those entries (an older checkpoint's) still verifies."""
-    from framework.persist.checkpoint import _folder
+    from framework.persist import stepfolders
     from framework.persist.checkpoint._load import verify
 
     folder = tmp_path / "step-1"
@@ -398,28 +398,28 @@ def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
     (folder / "a.distcp").write_bytes(b"shard")
     (folder / "model_16bit" / "model.safetensors").write_bytes(b"weights")
     (folder / "model_16bit" / "config.json").write_text("{}")
-    names = _folder.files_of(folder)
+    names = stepfolders.files_of(folder)
     assert names == ["a.distcp", "model_16bit/config.json", "model_16bit/model.safetensors"]
-    entries = {n: _folder.file_entry(folder, n) for n in names}
+    entries = {n: stepfolders.file_entry(folder, n) for n in names}
     assert (folder / "model_16bit" / "model.safetensors").stat().st_mode & 0o777 == 0o600
-    _folder.write_manifest(folder, entries)
+    stepfolders.write_manifest(folder, entries)
     verify(folder)
     weights = folder / "model_16bit" / "model.safetensors"
     weights.write_bytes(b"weightz")
     with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
         verify(folder)
     # an older checkpoint's manifest: the top-level files only
-    (folder / _folder.MANIFEST).unlink()
-    _folder.write_manifest(folder, {"a.distcp": entries["a.distcp"]})
+    (folder / stepfolders.MANIFEST).unlink()
+    stepfolders.write_manifest(folder, {"a.distcp": entries["a.distcp"]})
     verify(folder)
     # a link in the subfolder, and the subfolder as a link: refused by name, by a save and by verify
-    (folder / _folder.MANIFEST).unlink()
-    _folder.write_manifest(folder, entries)
+    (folder / stepfolders.MANIFEST).unlink()
+    stepfolders.write_manifest(folder, entries)
     weights.unlink()
     link, victim = _plant(tmp_path, "step-1/model_16bit/model.safetensors")
     victim.write_bytes(b"weights")
     with pytest.raises(UnsafePathError, match=f"^{link} is a symbolic link"):
-        _folder.files_of(folder)
+        stepfolders.files_of(folder)
     with pytest.raises(CheckpointError, match=f"is damaged: {link} is a symbolic link"):
         verify(folder)
     moved = tmp_path / "elsewhere"
@@ -428,11 +428,11 @@ def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
     (moved / "model.safetensors").write_bytes(b"weights")
     (folder / "model_16bit").symlink_to(moved)
     with pytest.raises(UnsafePathError, match=f"^{folder / 'model_16bit'} is a symbolic link"):
-        _folder.files_of(folder)
+        stepfolders.files_of(folder)
     with pytest.raises(CheckpointError, match=f"is damaged: {folder / 'model_16bit'} is a symbolic link"):
         verify(folder)
     with pytest.raises(UnsafePathError, match="is a symbolic link"):
-        _folder.file_entry(folder, "model_16bit/model.safetensors")
+        stepfolders.file_entry(folder, "model_16bit/model.safetensors")
 
 
 def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):

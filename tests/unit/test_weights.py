@@ -204,3 +204,43 @@ def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage):
     save_weights(engine, tmp_path / "out")
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())
+
+
+def test_weights_inside_a_checkpoint_are_checked_against_its_manifest(tmp_path):
+    """load_weights from a step folder's model_16bit/ (the folder or a file in it) checks those files
+    against the step's manifest first: a flipped byte there is refused before anything is written,
+    as a resume or an export of that step would refuse it. The same files elsewhere load unchecked."""
+    from safetensors.torch import save_file
+
+    from framework.core.errors import CheckpointError
+    from framework.persist import stepfolders
+    engine = _engine("+stage=zero2")
+    step = tmp_path / "ckpt" / "step-3"
+    sub = step / stepfolders.WEIGHTS16
+    sub.mkdir(parents=True)
+    save_file(_plain_sd(), sub / "model.safetensors")
+    (step / "train_state.json").write_text("{}")
+    stepfolders.write_manifest(step, {n: stepfolders.file_entry(step, n) for n in stepfolders.files_of(step)})
+    for source in (sub, sub / "model.safetensors"):
+        load_weights(engine, source)
+    weights = sub / "model.safetensors"
+    with open(weights, "r+b") as f:   # the last byte of the last tensor's data
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x01]))
+    before = [t.clone() for t in engine.state.params]
+    for source in (sub, weights):
+        with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
+            load_weights(engine, source)
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.state.params))   # nothing written
+    # a manifest without model_16bit/ entries: those files were not written by that save
+    (step / stepfolders.MANIFEST).unlink()
+    stepfolders.write_manifest(step, {"train_state.json": stepfolders.file_entry(step, "train_state.json")})
+    with pytest.raises(CheckpointError, match="lists no model_16bit/ files"):
+        load_weights(engine, sub)
+    # a run folder's model_16bit/ (not in a step folder) loads as any safetensors folder
+    elsewhere = tmp_path / "run" / stepfolders.WEIGHTS16
+    elsewhere.parent.mkdir()
+    sub.rename(elsewhere)
+    load_weights(engine, elsewhere)

@@ -6,8 +6,8 @@
     ckpt.close()                                 # waits for an async save; collective
 
 A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
-"optim.<scalar>"), train_state.json, rng-<rank>.json and manifest.json (``_folder``: the commit
-protocol). Each rank writes its share of the name-keyed state (``framework.persist.layout``) and reads
+"optim.<scalar>"), train_state.json, rng-<rank>.json and manifest.json (the commit protocol:
+``framework.persist.stepfolders``). Each rank writes its share of the name-keyed state (``framework.persist.layout``) and reads
 its own holdings by name, so world size, stage and offload may change between save and load. Every
 phase ends in an exchange of outcomes, so one rank's failure ends every rank with the same line.
 """
@@ -23,7 +23,7 @@ from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.utils import few
-from framework.persist.checkpoint import _folder
+from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import changed, load, same_run, verify
 from framework.persist.checkpoint._save import save
@@ -168,8 +168,8 @@ def find_latest(root: Path) -> Path | None:
     for tree in _RUN_TREES:
         for depth in ("*", "*/*", "*/*/*"):
             roots.update(p for p in (cwd / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())
-    newest = [found[0] for found, _ in map(_folder.scan, roots) if found]
-    return max(newest, key=lambda p: (p / _folder.MANIFEST).stat().st_mtime, default=None)
+    newest = [found[0] for found, _ in map(stepfolders.scan, roots) if found]
+    return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None):
@@ -197,7 +197,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         return cfg
     folder = folders[0]
     try:
-        saved = _folder.read_json(folder / _folder.TRAIN_STATE, "the train state")["config"]
+        saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
     except (CheckpointError, KeyError, TypeError):
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume)
@@ -219,7 +219,7 @@ def fresh_start(root: Path, every: int) -> str | None:
     """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds
     committed checkpoints (a save of the same step replaces one, rotation deletes the older ones:
     the earlier run would be lost); else the note to print when some exist (no saves)."""
-    existing = _folder.scan(root)[0]
+    existing = stepfolders.scan(root)[0]
     if not existing:
         return None
     what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
@@ -234,15 +234,15 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     ``root``; a path: that step folder, or the committed ones in it), and one line per ``step-<N>``
     folder passed over."""
     if resume == "auto":
-        return _folder.scan(root)
+        return stepfolders.scan(root)
     path = Path(resume).expanduser()
-    if (path / _folder.MANIFEST).is_file() or (path / _folder.TRAIN_STATE).exists():
+    if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
     if path.is_dir():
-        found, notes = _folder.scan(path)
+        found, notes = stepfolders.scan(path)
         if found:
             return found, notes
     hint = "" if path.exists() else closest_hint(resume, ("auto", "off", "latest"))
     raise ConfigError(f"checkpoint.resume={resume}: no checkpoint there{hint} (expected a step-<N> folder with "
-                      f"{_folder.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
+                      f"{stepfolders.MANIFEST}, or a directory holding them); use checkpoint.resume=auto or off")
 

@@ -12,7 +12,8 @@ import torch
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError
 from framework.engine.state import optimizer_leaves
-from framework.persist.checkpoint import _folder, _rng
+from framework.persist import stepfolders
+from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
 from framework.persist.layout import StateLayout, check_aligned, check_format, flat_pieces, with_saved_scalars
@@ -59,14 +60,14 @@ def verify(folder: Path, group: Group | None = None) -> dict:
     manifest = None
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     try:
-        manifest = _folder.read_manifest(folder)
+        manifest = stepfolders.read_manifest(folder)
         files = sorted(manifest["files"])
-        mine = [_folder.check_file(folder, n, manifest["files"][n]) for n in files[rank::world]]
+        mine = [stepfolders.check_file(folder, n, manifest["files"][n]) for n in files[rank::world]]
         problems = [p for p in mine if p]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
-        problems = [f"{folder / _folder.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
+        problems = [f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
     everyone = [problems] if group is None else group.all_gather(problems, "checksum verification")
     bad = sorted({p for part in everyone for p in part})
     if bad:
@@ -81,22 +82,22 @@ _BODY_KEYS = ("state_format", "step", "data", "precision", "dynamic_loss_scale",
 def _train_state(folder: Path, manifest: dict) -> dict:
     """train_state.json, checked against the manifest (the world size, step and per-rank files it
     implies): a file edited or mixed from another save is refused by name."""
-    path = folder / _folder.TRAIN_STATE
-    body = _folder.read_json(path, "the train state")
+    path = folder / stepfolders.TRAIN_STATE
+    body = stepfolders.read_json(path, "the train state")
     missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
     if missing:
         raise CheckpointError(f"checkpoint {folder}: {path} lacks {few(missing)}")
     world = body["world"]
     if not isinstance(world, int) or world < 1 or world != manifest.get("world"):
-        raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {_folder.MANIFEST} says "
+        raise CheckpointError(f"checkpoint {folder}: {path} says world size {world!r} but {stepfolders.MANIFEST} says "
                               f"{manifest.get('world')!r} (edited, or files of different saves)")
     layouts = len(body["fragments"]) if isinstance(body["fragments"], list) else None
     if body["step"] != manifest.get("step") or layouts != world:
-        raise CheckpointError(f"checkpoint {folder}: {path} does not match {_folder.MANIFEST} (step {body['step']!r} "
+        raise CheckpointError(f"checkpoint {folder}: {path} does not match {stepfolders.MANIFEST} (step {body['step']!r} "
                               f"vs {manifest.get('step')!r}, {layouts} rank layouts for world {world})")
     absent = [f"rng-{r}.json" for r in range(world) if f"rng-{r}.json" not in manifest["files"]]
     if absent:
-        raise CheckpointError(f"checkpoint {folder}: {_folder.MANIFEST} lists no {few(absent)} for world size {world}")
+        raise CheckpointError(f"checkpoint {folder}: {stepfolders.MANIFEST} lists no {few(absent)} for world size {world}")
     scale = body["precision"].get("cur_scale") if isinstance(body["precision"], dict) else None
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise CheckpointError(f"checkpoint {folder}: {path} holds the loss scale {scale!r} (not a positive finite "
@@ -158,7 +159,7 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     rank = c.dist.rank
     if body["world"] != c.dist.world:
         return _rng.derive(seed, body["step"], rank, c.dist.device)
-    saved = _folder.read_json(folder / f"rng-{rank}.json", "random generator states")
+    saved = stepfolders.read_json(folder / f"rng-{rank}.json", "random generator states")
     try:
         return _rng.torch_states(saved), saved
     except (KeyError, TypeError, ValueError) as e:

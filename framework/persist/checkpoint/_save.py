@@ -21,7 +21,8 @@ from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
 from framework.offload import verify_map
-from framework.persist.checkpoint import _folder, _rng
+from framework.persist import stepfolders
+from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, flat_pieces, host_copy
@@ -206,10 +207,10 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
     def make_folder():
         if rank == 0:
             files.make_dirs(root)
-            _folder.remove_stale(root, keep=staged16)
+            stepfolders.remove_stale(root, keep=staged16)
             files.make_dir(tmp, exist_ok=False)   # refused if anything (a planted link) is there
             if staged16 is not None:   # a subfolder: in the manifest, moved and pruned with the step
-                os.replace(staged16, tmp / _folder.WEIGHTS16)
+                os.replace(staged16, tmp / stepfolders.WEIGHTS16)
 
     agree_save(group, "making the folder", make_folder, tmp)   # the folder exists before any rank writes
 
@@ -225,24 +226,24 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
                     "config": config,
                     # The saving layout: each parameter's shape and the flat ranges each rank held.
                     **snap["layout"]}
-            files.write_new(tmp / _folder.TRAIN_STATE, json.dumps(body).encode())
+            files.write_new(tmp / stepfolders.TRAIN_STATE, json.dumps(body).encode())
         if recheck is not None:
             recheck()
 
     agree_save(group, "writing the files", write_files, tmp, need=need)
     # Checksums: each rank hashes every world-th file, so the reading is spread over the ranks.
-    parts = agree_save(group, "checksums", lambda: {n: _folder.file_entry(tmp, n)
-                                                    for n in _folder.files_of(tmp)[rank::group.world]}, tmp)
+    parts = agree_save(group, "checksums", lambda: {n: stepfolders.file_entry(tmp, n)
+                                                    for n in stepfolders.files_of(tmp)[rank::group.world]}, tmp)
 
     def commit():
         if rank != 0:
             return []
         entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
-        _folder.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
-                               config_hash=meta["config_hash"], verified=True, seq=_folder.next_seq(root))
-        _folder.commit(tmp, final, point)
-        gone = _folder.prune(root, final, snap["keep_last"])
+        stepfolders.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
+                               config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
+        stepfolders.commit(tmp, final, point)
+        gone = stepfolders.prune(root, final, snap["keep_last"])
         total = sum(v["bytes"] for v in entries.values())
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)

@@ -126,6 +126,24 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
     return None
 
 
+def check_weights16(path: Path) -> None:
+    """When ``path`` is a committed step folder's ``model_16bit/`` (or a file in it), a CheckpointError
+    naming any of its files that differ from that step's manifest: weights loaded from inside a
+    checkpoint are checked like the checkpoint (safetensors carry no checksum). Elsewhere: nothing."""
+    sub = Path(path).absolute()
+    sub = sub if sub.name == WEIGHTS16 else sub.parent
+    step = sub.parent
+    if sub.name != WEIGHTS16 or not _STEP.match(step.name):
+        return
+    entries = {n: e for n, e in read_manifest(step)["files"].items() if n.startswith(f"{WEIGHTS16}/")}
+    if not entries:
+        raise CheckpointError(f"checkpoint {step}: {MANIFEST} lists no {WEIGHTS16}/ files, so {sub} was not "
+                              "written by that save")
+    problems = [p for n, e in sorted(entries.items()) if (p := check_file(step, n, e))]
+    if problems:
+        raise CheckpointError(f"checkpoint {step} is damaged: " + "; ".join(problems))
+
+
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
     commit first (``seq``, then the step: a run rewound to an older step, e.g. ``resume=PATH``, goes
