@@ -4,6 +4,11 @@ decay window ends; unlike nanoGPT's ``warmup_cosine`` both ends are ratios of th
 The warm-up's ``gamma`` is ``log(step + 1) / log(warmup_num_steps)`` ("log") or ``step / warmup_num_steps``
 ("linear"); like DeepSpeed, warmup_num_steps is raised to at least 2 (a log warm-up over one step would
 divide by log(1) = 0).
+
+The formulas are DeepSpeed's at its ``last_batch_iteration``, which lags the updates by one: its
+constructor sets the lr for the first update (warmup_min_lr; 0 for WarmupCosineLR) and its engine
+steps the schedule after each applied update, so update ``k >= 1`` uses the formula at ``k - 1``
+(``deepspeed_order``). The first two updates of a warm-up from warmup_min_lr both use it.
 """
 from __future__ import annotations
 
@@ -60,6 +65,12 @@ def run_total(total_num_steps: int | None, total_steps: int) -> int:
     return total
 
 
+def deepspeed_order(formula: Callable[[int], float], first: float) -> Callable[[int], float]:
+    """The lr of applied update ``step`` as DeepSpeed's engine sets it: ``first`` (what the schedule's
+    constructor sets), then ``formula(step - 1)``."""
+    return lambda step: first if step == 0 else formula(step - 1)
+
+
 def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
           after: Callable[[int, int], float] = lambda step, num_steps: 1.0) -> Callable[[int], float]:
     """``lr = min + (max - min) * gamma``: the warm-up's gamma, then ``after(step, num_steps)`` (hold)."""
@@ -72,7 +83,7 @@ def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
     def lr_at(step: int) -> float:
         return min_lr + (max_lr - min_lr) * (gamma(step) if step < num_steps else after(step, num_steps))
 
-    return lr_at
+    return deepspeed_order(lr_at, min_lr)
 
 
 def build_decay(cfg: WarmupDecayLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
@@ -99,7 +110,7 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
         progress = min(1.0, (step - num_steps + 1) / span)
         return base_lr * max(0.0, floor + (1.0 - floor) * (1.0 + math.cos(math.pi * progress)) / 2)
 
-    return lr_at
+    return deepspeed_order(lr_at, 0.0)
 
 
 COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build),

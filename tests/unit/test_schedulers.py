@@ -16,6 +16,12 @@ CONF = Path(__file__).resolve().parents[2] / "conf" / "scheduler"
 LOG10_2, LOG10_4 = 0.30102999566398120, 0.60205999132796240
 
 
+def at_iteration(lr_at):
+    """DeepSpeed's schedules by its ``last_batch_iteration``: applied update ``it + 1`` uses the
+    formula at ``it`` (update 0 uses what the constructor set: ``test_deepspeed_update_order``)."""
+    return lambda it: lr_at(it + 1)
+
+
 def test_constant():
     lr_at = constant.build(constant.ConstantConfig(), base_lr=3e-4, total_steps=10)
     assert [lr_at(s) for s in (0, 5, 10, 10_000)] == [3e-4] * 4
@@ -23,7 +29,7 @@ def test_constant():
 
 def test_warmup_lr_log():
     cfg = warmup_lr.WarmupLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=10)
-    lr_at = warmup_lr.build(cfg, base_lr=5.0, total_steps=100)  # explicit max wins over base
+    lr_at = at_iteration(warmup_lr.build(cfg, base_lr=5.0, total_steps=100))  # explicit max wins
     assert lr_at(0) == pytest.approx(0.1)  # log(1) = 0: the first update uses the min lr
     assert lr_at(1) == pytest.approx(0.1 + LOG10_2)
     assert lr_at(3) == pytest.approx(0.1 + LOG10_4)
@@ -33,22 +39,22 @@ def test_warmup_lr_log():
 
 def test_warmup_lr_linear_and_default_max():
     cfg = warmup_lr.WarmupLRConfig(warmup_num_steps=4, warmup_type="linear")
-    lr_at = warmup_lr.build(cfg, base_lr=2.0, total_steps=100)
+    lr_at = at_iteration(warmup_lr.build(cfg, base_lr=2.0, total_steps=100))
     assert [lr_at(s) for s in range(7)] == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0])
 
 
 def test_warmup_lr_one_step_is_raised_to_two_like_deepspeed():
     cfg = warmup_lr.WarmupLRConfig(warmup_num_steps=1, warmup_type="linear")
-    lr_at = warmup_lr.build(cfg, base_lr=1.0, total_steps=10)
+    lr_at = at_iteration(warmup_lr.build(cfg, base_lr=1.0, total_steps=10))
     assert [lr_at(s) for s in range(3)] == pytest.approx([0.0, 0.5, 1.0])
-    log_at = warmup_lr.build(dataclasses.replace(cfg, warmup_type="log"), 1.0, 10)
+    log_at = at_iteration(warmup_lr.build(dataclasses.replace(cfg, warmup_type="log"), 1.0, 10))
     assert [log_at(s) for s in range(3)] == pytest.approx([0.0, 1.0, 1.0])  # log 2 / log 2
 
 
 @pytest.mark.parametrize("kind", ["log", "linear"])
 def test_warmup_lr_is_non_decreasing_and_reaches_max(kind):
     cfg = warmup_lr.WarmupLRConfig(warmup_min_lr=1e-5, warmup_num_steps=100, warmup_type=kind)
-    lrs = [warmup_lr.build(cfg, 1e-3, 1000)(s) for s in range(300)]
+    lrs = [warmup_lr.build(cfg, 1e-3, 1000)(s) for s in range(300)]   # in update order
     assert all(a <= b for a, b in zip(lrs, lrs[1:]))
     assert lrs[0] == pytest.approx(1e-5) and lrs[-1] == pytest.approx(1e-3)
 
@@ -56,7 +62,7 @@ def test_warmup_lr_is_non_decreasing_and_reaches_max(kind):
 def test_warmup_decay_lr_values():
     cfg = warmup_lr.WarmupDecayLRConfig(warmup_num_steps=10, warmup_type="linear",
                                               total_num_steps=30)
-    lr_at = warmup_lr.build_decay(cfg, base_lr=1.0, total_steps=999)  # explicit total wins
+    lr_at = at_iteration(warmup_lr.build_decay(cfg, base_lr=1.0, total_steps=999))  # explicit total wins
     assert lr_at(5) == pytest.approx(0.5)  # warm-up: 5 / 10
     assert lr_at(10) == pytest.approx(1.0)  # (30 - 10) / (30 - 10)
     assert lr_at(20) == pytest.approx(0.5)
@@ -67,7 +73,7 @@ def test_warmup_decay_lr_values():
 def test_warmup_decay_lr_log_warmup_and_default_total():
     cfg = warmup_lr.WarmupDecayLRConfig(warmup_min_lr=0.1, warmup_max_lr=1.1,
                                               warmup_num_steps=10)
-    lr_at = warmup_lr.build_decay(cfg, base_lr=5.0, total_steps=20)
+    lr_at = at_iteration(warmup_lr.build_decay(cfg, base_lr=5.0, total_steps=20))
     assert lr_at(3) == pytest.approx(0.1 + LOG10_4)
     assert lr_at(15) == pytest.approx(0.1 + 1.0 * 5 / 10)  # decays towards warmup_min_lr
     assert lr_at(20) == pytest.approx(0.1)
@@ -135,14 +141,32 @@ def test_yaml_lists_every_field_with_its_default(name):
 def test_warmup_cosine_lr_values_deepspeed_formula():
     cfg = warmup_lr.WarmupCosineLRConfig(warmup_min_ratio=0.2, warmup_num_steps=4, cos_min_ratio=0.1,
                                                 warmup_type="linear", total_num_steps=8)
-    lr_at = warmup_lr.build_cosine(cfg, base_lr=2.0, total_steps=999)  # explicit total wins
+    lr_at = at_iteration(warmup_lr.build_cosine(cfg, base_lr=2.0, total_steps=999))  # explicit total wins
     # warm-up: ratio = 0.2 + 0.8 * step / 4
     assert [lr_at(s) for s in range(4)] == pytest.approx([0.4, 0.8, 1.2, 1.6])
     # decay: progress (step - 4 + 1) / (8 - 4); ratio = 0.1 + 0.9 * (1 + cos(pi p)) / 2
     expect = [2.0 * (0.1 + 0.9 * (1 + math.cos(math.pi * p)) / 2) for p in (0.25, 0.5, 0.75, 1.0)]
     assert [lr_at(s) for s in range(4, 8)] == pytest.approx(expect)
     assert lr_at(8) == lr_at(100) == pytest.approx(0.2)  # stays at cos_min_ratio
-    log = warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(warmup_num_steps=10), 1.0, 100)
+    log = at_iteration(warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(warmup_num_steps=10), 1.0, 100))
     assert log(0) == 0.0 and log(1) == pytest.approx(LOG10_2) and log(9) == pytest.approx(1.0)
     with pytest.raises(ConfigError, match="cos_min_ratio"):
         warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(cos_min_ratio=2.0), 1.0, 10)
+
+
+def test_deepspeed_update_order():
+    """The lr each applied update uses, as DeepSpeed 0.19.8's engine sets it: the schedule's
+    constructor sets the first (warmup_min_lr; 0 for WarmupCosineLR), then the engine steps it after
+    every applied update, so the formula runs one update behind (sequences read from DeepSpeed's
+    lr_schedules.py and engine._take_model_step)."""
+    lin = warmup_lr.build(warmup_lr.WarmupLRConfig(warmup_num_steps=4, warmup_type="linear"), 1e-3, 100)
+    assert [lin(k) for k in range(7)] == pytest.approx([0, 0, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    log = warmup_lr.build(warmup_lr.WarmupLRConfig(warmup_min_lr=1e-4, warmup_num_steps=4), 1e-3, 100)
+    assert [log(k) for k in range(3)] == pytest.approx([1e-4, 1e-4, 1e-4 + 9e-4 * math.log(2) / math.log(4)])
+    decay = warmup_lr.build_decay(warmup_lr.WarmupDecayLRConfig(warmup_num_steps=3, warmup_type="linear",
+                                                                total_num_steps=6), 1e-3, 100)
+    assert [decay(k) for k in range(9)] == pytest.approx([0, 0, 1e-3 / 3, 2e-3 / 3, 1e-3, 2e-3 / 3, 1e-3 / 3, 0, 0])
+    cos = warmup_lr.build_cosine(warmup_lr.WarmupCosineLRConfig(warmup_min_ratio=0.1, warmup_num_steps=3,
+                                                                cos_min_ratio=0.01, warmup_type="linear",
+                                                                total_num_steps=6), 1e-3, 100)
+    assert cos(0) == 0.0 and cos(1) == pytest.approx(1e-4) and cos(2) == pytest.approx(4e-4)
