@@ -462,8 +462,8 @@ def optimizer(tr: Translation, node: Any) -> None:
                 tr.set("optimizer.beta2", AUTO, ds_key, rule="optimizer.beta2")
             elif (isinstance(value, list) and len(value) == 2
                   and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
-                tr.set("optimizer.beta1", float(value[0]), ds_key, src)
-                tr.set("optimizer.beta2", float(value[1]), ds_key, src)
+                tr.set("optimizer.beta1", float(value[0]), ds_key + "[0]", src)
+                tr.set("optimizer.beta2", float(value[1]), ds_key + "[1]", src)
             else:
                 tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
             continue
