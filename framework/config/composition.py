@@ -123,23 +123,28 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
+    own = None   # the run's config composed without the DeepSpeed file's group choices
     if source is None:
-        cfg, choices = composer(list(cli.forced))
-        config = validate(cfg, choices)
-        return cfg, dataclasses.replace(config, sources=provenance(config, cli))
+        own = composer(list(cli.forced))
+        config = validate(*own)
+        if config.ds_config is None:
+            return own[0], dataclasses.replace(config, sources=provenance(config, cli))
+        source = config.ds_config   # named in a YAML config
     t = dsconfig.translate(dsconfig.load(source))
+    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
+    # the file's group choices unless the command line makes its own (a mismatch, see resolve);
+    # the file's errors wait for it only to read ds_config_strict from the YAML.
+    choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
+                        if g not in cli.choices]
+    cfg, choices = composer(choice_overrides + list(cli.forced))
+    strict = cli.strict if cli.strict is not None else bool(cfg["ds_config_strict"])
     errors = list(t.errors)
-    if cli.strict and t.unknown:
+    if strict and t.unknown:
         errors.append("keys DeepSpeed does not know (ds_config_strict=true): " + ", ".join(t.unknown))
     if errors:
         if len(errors) == 1:
             raise ConfigError(f"ds_config: {errors[0]}")
         raise ConfigError("ds_config: " + f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
-    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
-    # the file's group choices unless the command line makes its own (a mismatch, see resolve).
-    choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
-                        if g not in cli.choices]
-    cfg, choices = composer(choice_overrides + list(cli.forced))
     base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
@@ -147,8 +152,17 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         world = env_world if env_world > 1 else base.dist.nproc
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
+    warmup = None
+    stated = t.settings.get("scheduler.warmup_num_steps")
+    if stated is not None and stated.source == dsconfig.DS_FILE and "scheduler.warmup_num_steps" not in cli.keys:
+        # Hugging Face's warm-up steps: those of the scheduler the run itself chooses (YAML, command
+        # line), not the default of the file's scheduler group.
+        own_cfg, own_choices = own or composer(list(cli.forced))
+        node = own_cfg["scheduler"]
+        warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0),
+                  own_choices.get("scheduler") == t.choices.get("scheduler"))
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
-                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices))
+                              cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
     resolved = dsconfig.resolve(t, facts)
     # The DeepSpeed layer goes under the command line: its values are set on the composed tree
     # wherever the command line did not set (or delete) the key, as ++key=value before the
@@ -158,7 +172,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=config.notices + tuple(t.notices(cli.strict, resolved.inert,
+                                    notices=config.notices + tuple(t.notices(strict, resolved.inert,
                                                                              resolved.notes)))
 
 
@@ -180,7 +194,7 @@ class CommandLine:
     keys: frozenset[str]
     choices: Mapping[str, str]
     ds_config: str | None
-    strict: bool
+    strict: bool | None       # None: not on the command line (the YAML's ds_config_strict holds)
     named: frozenset[str]     # groups whose choice is one name (not a sweep or a list)
     deleted: frozenset[str]   # keys deleted (~key)
     # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra rejects an
@@ -195,7 +209,7 @@ class CommandLine:
                       for o in parse_overrides(overrides)]
         else:
             parsed = [(o.key, o.prefix == "~", o.value, False) for o in map(plainconf.parse, overrides)]
-        keys, choices, ds_config, strict, named, deleted, forced = set(), {}, None, False, set(), set(), []
+        keys, choices, ds_config, strict, named, deleted, forced = set(), {}, None, None, set(), set(), []
         for line, (key, delete, value, plain) in zip(overrides, parsed):
             group = key.split("@")[0]
             forced.append("++" + line if plain and group not in GROUPS and not key.startswith("hydra") else line)

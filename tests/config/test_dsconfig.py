@@ -55,7 +55,9 @@ def test_hf_guide_config_trains(tmp_path, name, stage, params_on_host):
     assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["dist.timeout_s"] == "YAML"
     assert src["optimizer.decay_1d"] == "DeepSpeed default"
     notes = [n for n in saved["ds_config_notices"] if n.startswith("note:")]
-    assert len(notes) == 1 and "steps_per_print" in notes[0] and "fp16.loss_scale_window (the run is fp32)" in notes[0]
+    assert len(notes) == 2 and "steps_per_print" in notes[0] and "fp16.loss_scale_window (the run is fp32)" in notes[0]
+    # "auto" warm-up: the run's own (warmup_cosine's 100 steps), longer than this 3-step run
+    assert "warm-up (warmup_num_steps=100) is longer than the run (train.steps=3)" in notes[1], notes
 
 
 def test_hf_guide_nvme_config_maps():
@@ -122,10 +124,11 @@ def test_typo_at_every_level_names_the_key(path, value, needle):
 
 
 def test_unknown_key_far_from_any_is_one_warning_or_an_error_when_strict():
-    ds = {"zero_optimization": {"stage": 1, "my_private_knob": 3}, "totally_custom": {"x": 1}}
+    # (top level and aio: DeepSpeed ignores such keys there; where it rejects them, so does this)
+    ds = {"aio": {"my_private_knob": 3}, "totally_custom": {"x": 1}}
     cfg = framework.compose([], ds_config=ds)
     warnings = [n for n in cfg.notices if "does not know" in n]
-    assert len(warnings) == 1 and "totally_custom" in warnings[0] and "zero_optimization.my_private_knob" in warnings[0]
+    assert len(warnings) == 1 and "totally_custom" in warnings[0] and "aio.my_private_knob" in warnings[0]
     msg = error_of(ds, ["ds_config_strict=true"])
     assert "totally_custom" in msg and "my_private_knob" in msg
 
@@ -221,14 +224,14 @@ def _train(ds=None, overrides=(), steps=4) -> list[torch.Tensor]:
 def test_deepspeed_adam_with_weight_decay_trains_bitwise_like_adamw():
     ds = {"optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}}}
     ours = _train(overrides=["optimizer=adamw", "optimizer.lr=1e-2", "optimizer.weight_decay=0.1",
-                             "optimizer.beta2=0.999", "optimizer.decay_1d=true", "train.grad_clip=0"])
+                             "optimizer.beta2=0.999", "optimizer.decay_1d=true", "train.grad_clip=1.0"])
     theirs = _train(ds)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     # adam_w_mode false: L2 decay (our adam), which is a different update.
     ds["optimizer"]["params"]["adam_w_mode"] = False
     l2 = _train(ds)
     l2_ours = _train(overrides=["optimizer=adam", "optimizer.lr=1e-2", "optimizer.weight_decay=0.1",
-                                "optimizer.decay_1d=true", "train.grad_clip=0"])
+                                "optimizer.decay_1d=true", "train.grad_clip=1.0"])
     assert all(torch.equal(a, b) for a, b in zip(l2, l2_ours))
     assert not all(torch.equal(a, b) for a, b in zip(l2, theirs))
 
@@ -238,7 +241,7 @@ def test_optimizer_type_case_insensitive_and_deepspeed_defaults():
     o = cfg.optimizer
     assert cfg.choices["optimizer"] == "adamw"
     assert (o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.decay_1d) == (1e-3, 0.9, 0.999, 1e-8, 0.0, True)
-    assert cfg.train.grad_clip == 0.0 and cfg.sources["train.grad_clip"] == "DeepSpeed default"
+    assert cfg.train.grad_clip == 1.0 and cfg.sources["train.grad_clip"] == "DeepSpeed default"  # DeepSpeed's default
 
 
 # --- auto, batch triple, precedence -----------------------------------------------------------
@@ -297,33 +300,33 @@ def test_mismatches_listed_together():
           "fp16": {"enabled": True}, "train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
           "gradient_accumulation_steps": 4}
     msg = error_of(ds, ["precision=bf16", "train.steps=10"], world=2)
-    assert "does not match" in msg and msg.count("\n  - ") == 3, msg
-    for needle in ("warmup_max_lr=0.001", "precision=bf16", "train_batch_size=64"):
+    assert "does not match" in msg and msg.count("\n  - ") == 4, msg
+    for needle in ("warmup_max_lr=0.001", "precision=bf16", "train_batch_size=64",
+                   "total_num_steps=100 but train.steps=10"):   # Hugging Face's fill_match: must match
         assert needle in msg, msg
-    assert "total_num_steps" not in msg   # Hugging Face runs a longer schedule as written: a note, not an error
 
 
 def test_what_hugging_face_runs_as_written_runs_here_with_a_note():
-    """A schedule longer than the run, DeepSpeed's activation-checkpointing section (for models
-    that call deepspeed.checkpointing), fp16.auto_cast and an "auto" 16-bit save flag run, each
-    with one note; real mistakes (a batch triple that does not add up, a typo) stay errors."""
+    """DeepSpeed's activation-checkpointing section (for models that call deepspeed.checkpointing),
+    fp16.auto_cast and an "auto" 16-bit save flag run, each with one note; real mistakes (a batch
+    triple that does not add up, a typo, a schedule of another length than the run) stay errors."""
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "fp16": {"enabled": True, "auto_cast": True},
-          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": 100000}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": "auto"}},
           "activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True},
           "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": "auto"}}
     cfg = framework.compose(["train.steps=3"], ds_config=ds)
-    assert cfg.scheduler.total_num_steps == 100000 and cfg.train.steps == 3
+    assert cfg.scheduler.total_num_steps == 3 and cfg.train.steps == 3
     assert cfg.stage.stage3_gather_16bit_weights_on_model_save is False
     assert cfg.sources["stage.stage3_gather_16bit_weights_on_model_save"] == "auto"
     notes = "\n".join(cfg.notices)
-    assert "total_num_steps=100000 but train.steps=3: the schedule runs as written, so this run stops at step 3" \
-        in notes, notes
     for key in ("fp16.auto_cast", "activation_checkpointing.partition_activations",
                 "activation_checkpointing.cpu_checkpointing"):
         assert key in notes, notes
     assert all("\n" not in n for n in cfg.notices)
     assert "did you mean" in error_of({"zero_optimization": {"stage": 3, "stage3_param_persitence_threshold": 1}})
     assert "train_batch_size=3 is not divisible" in error_of({"train_batch_size": 3}, world=2)
+    ds["scheduler"]["params"]["total_num_steps"] = 100000
+    assert "total_num_steps=100000 but train.steps=3" in error_of(ds, ["train.steps=3"])
 
 
 def test_auto_scheduler_and_phase_two_fill():
@@ -399,3 +402,159 @@ def test_bf16_communication_dtype_and_grad_accum_dtype():
     assert cfg.choices["precision"] == "bf16" and cfg.precision.reduce_fp32 is True
     assert cfg.precision.grad_accum_dtype == "bf16" and cfg.sources["precision.reduce_fp32"] == "DeepSpeed file"
     assert "only fp16 is implemented" in error_of({"fp16": {"enabled": True}, "communication_data_type": "bf16"})
+
+
+# --- defects found in review (round 9) ----------------------------------------------------------
+
+def _folder(tmp_path, ds: dict, body: str = "") -> str:
+    """A --config-dir whose primary config (mine.yaml) extends train.yaml and names the DeepSpeed file."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    (tmp_path / "mine.yaml").write_text(f"defaults:\n  - train\n  - _self_\nds_config: {path}\n{body}")
+    return str(tmp_path)
+
+
+def test_ds_config_and_strict_set_in_yaml_are_honoured(tmp_path):
+    folder = _folder(tmp_path, {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25, "my_knob": 1})
+    cfg = framework.compose([], config_dir=folder, config_name="mine")
+    assert cfg.choices["stage"] == "zero2" and cfg.train.grad_clip == 0.25
+    assert cfg.ds_config == str(tmp_path / "ds.json") and cfg.sources["train.grad_clip"] == "DeepSpeed file"
+    assert any("my_knob" in n and "does not know" in n for n in cfg.notices), cfg.notices
+    folder = _folder(tmp_path, {"zero_optimization": {"stage": 2}, "my_knob": 1}, "ds_config_strict: true\n")
+    with pytest.raises(ConfigError, match="ds_config_strict=true.*my_knob"):
+        framework.compose([], config_dir=folder, config_name="mine")
+    # The command line still wins over the YAML for both keys.
+    assert framework.compose(["ds_config_strict=false"], config_dir=folder, config_name="mine").choices["stage"] \
+        == "zero2"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    cfg = framework.compose([f"ds_config={other}", "ds_config_strict=false"], config_dir=folder, config_name="mine")
+    assert cfg.choices["stage"] == "zero1"
+
+
+def test_auto_warmup_comes_from_the_runs_own_warmup(tmp_path):
+    ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}
+    # The run's own scheduler (warmup_cosine, 100 warm-up steps), not warmup_lr's YAML default (1000).
+    cfg = framework.compose(["train.steps=500"], ds_config=ds)
+    assert cfg.scheduler.warmup_num_steps == 100 and cfg.sources["scheduler.warmup_num_steps"] == "auto"
+    assert not any("warm-up" in n for n in cfg.notices), cfg.notices
+    cfg = framework.compose(["train.steps=50"], ds_config=ds)
+    (note,) = [n for n in cfg.notices if "warm-up" in n]
+    assert "warmup_num_steps=100" in note and "train.steps=50" in note and "\n" not in note
+    # A run whose own scheduler has no warm-up: 1, as Hugging Face's max(1, warm-up steps).
+    folder = _folder(tmp_path, ds, "train:\n  steps: 5\n")
+    (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace(
+        "  - train\n", "  - train\n  - override scheduler: constant\n"))
+    cfg = framework.compose([], config_dir=folder, config_name="mine")
+    assert cfg.scheduler.warmup_num_steps == 1 and cfg.choices["scheduler"] == "warmup_lr"
+
+
+def test_explicit_total_and_warmup_steps_must_match_the_run():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}}}
+    msg = error_of(ds, ["train.steps=50", "scheduler=warmup_decay_lr"])
+    assert "does not match" in msg and msg.count("\n  - ") == 2, msg
+    assert "scheduler.params.total_num_steps=100 but train.steps=50" in msg, msg
+    assert "scheduler.params.warmup_num_steps=10 but the run's scheduler.warmup_num_steps is 1000" in msg, msg
+    cfg = framework.compose(["train.steps=100", "scheduler=warmup_decay_lr", "scheduler.warmup_num_steps=10"],
+                            ds_config=ds)
+    assert (cfg.scheduler.warmup_num_steps, cfg.scheduler.total_num_steps) == (10, 100)
+
+
+UNKNOWN_IN_VALIDATED = [
+    (("zero_optimization", "comm_overlap"), "did you mean 'zero_optimization.overlap_comm'"),
+    (("zero_optimization", "my_private_knob"), "zero_optimization: unknown key my_private_knob"),
+    (("zero_optimization", "offload_optimizer", "my_knob"), "zero_optimization.offload_optimizer: unknown key my_knob"),
+    (("zero_optimization", "offload_param", "my_knob"), "zero_optimization.offload_param: unknown key my_knob"),
+    (("fp16", "my_knob"), "fp16: unknown key my_knob"),
+    (("bf16", "my_knob"), "bf16: unknown key my_knob"),
+    (("optimizer", "params", "my_knob"), "optimizer.params: unknown key my_knob"),
+    (("scheduler", "params", "my_knob"), "scheduler.params: unknown key my_knob"),
+]
+
+
+@pytest.mark.parametrize("path,needle", UNKNOWN_IN_VALIDATED, ids=[".".join(p) for p, _ in UNKNOWN_IN_VALIDATED])
+def test_unknown_key_where_deepspeed_rejects_it_is_an_error(path, needle):
+    ds = hf("hf_zero3_nvme")
+    ds["bf16"] = {"enabled": False}
+    node = ds
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = 1
+    msg = error_of(ds)
+    assert needle in msg and "\n" not in msg, msg
+
+
+DS019 = [
+    ({"gradient_allreduce_op": "mean"}, None, "gradient_allreduce_op"),
+    ({"gradient_allreduce_op": "sum"}, "error", "gradient_allreduce_op=\"sum\""),
+    ({"data_types": {"param_dtype": "fp32", "buffer_dtype": "fp32"}}, None, "data_types.buffer_dtype"),
+    ({"bf16": {"enabled": True}, "data_types": {"param_dtype": "bf16"}}, None, "data_types.param_dtype"),
+    ({"data_types": {"param_dtype": "bf16"}}, "error", "data_types.param_dtype=bf16 with precision=fp32"),
+    ({"data_types": {"keep_in_fp32_modules": []}}, None, "data_types.keep_in_fp32_modules"),
+    ({"data_types": {"keep_in_fp32_modules": ["norm"]}}, None, "data_types.keep_in_fp32_modules (the run is fp32)"),
+    ({"bf16": {"enabled": True}, "data_types": {"keep_in_fp32_modules": ["norm"]}}, "error",
+     "data_types.keep_in_fp32_modules: keeping modules in fp32 under precision=bf16 is not implemented"),
+    ({"ddp_bf16": False}, None, "ddp_bf16"),
+    ({"ddp_bf16": True}, "error", "ddp_bf16"),
+    ({"disable_python_gc": 1}, None, "disable_python_gc"),
+    ({"vocabulary_size": 50304}, None, "vocabulary_size"),
+    ({"log_level": "info"}, None, "log_level"),
+    ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": True}}}, None, "fp32_optimizer_states"),
+    ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}}}, "error", "fp32_optimizer_states"),
+    ({"managed_gradient_accumulation": True}, None, "managed_gradient_accumulation"),
+    ({"managed_gradient_accumulation": False}, "error", "managed_gradient_accumulation=false is not supported"),
+]
+
+
+@pytest.mark.parametrize("ds,error,needle", DS019, ids=[json.dumps(d) for d, _, _ in DS019])
+def test_deepspeed_019_keys_are_known(ds, error, needle):
+    if error:
+        msg = error_of(ds)
+        assert needle in msg and "did you mean" not in msg and "\n" not in msg, msg
+        return
+    cfg = framework.compose([], ds_config=ds)
+    assert not any("does not know" in n for n in cfg.notices), cfg.notices
+    assert any(n.startswith("note:") and needle in n for n in cfg.notices), cfg.notices
+
+
+def test_command_line_over_an_explicit_file_value_is_noted():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": "auto"}}, "gradient_clipping": 0.5,
+          "train_micro_batch_size_per_gpu": 4}
+    cfg = framework.compose(["optimizer.lr=1e-3", "train.grad_clip=0.5", "train.micro_batch=2",
+                             "optimizer.weight_decay=0.2"], ds_config=ds)
+    assert cfg.optimizer.lr == 1e-3 and cfg.train.micro_batch == 2   # the documented precedence stays
+    (note,) = [n for n in cfg.notices if "command line" in n]
+    for needle in ("optimizer.params.lr=0.0003 in the file, optimizer.lr=0.001 on the command line",
+                   "train_micro_batch_size_per_gpu=4 in the file, train.micro_batch=2 on the command line"):
+        assert needle in note, note
+    assert "gradient_clipping" not in note and "weight_decay" not in note, note   # same value; "auto"
+
+
+def test_zero1_contiguous_gradients_false_from_a_file_is_a_note():
+    cfg = framework.compose([], ds_config={"zero_optimization": {"stage": 1, "contiguous_gradients": False}})
+    assert cfg.choices["stage"] == "zero1" and cfg.stage.contiguous_gradients is True
+    assert any(n.startswith("note:") and "zero_optimization.contiguous_gradients" in n for n in cfg.notices)
+    with pytest.raises(ConfigError, match="stage.contiguous_gradients=false has no effect with stage=zero1"):
+        framework.compose(["+stage=zero1", "stage.contiguous_gradients=false"])
+
+
+def test_base64_config_and_torch_adam_weight_decay():
+    import base64
+
+    ds = {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25}
+    encoded = base64.urlsafe_b64encode(json.dumps(ds).encode()).decode()
+    # On the command line: quoted (Hydra's grammar takes no bare '='), or without the padding.
+    for cfg in (framework.compose([], ds_config=encoded), framework.compose([f"ds_config='{encoded}'"]),
+                framework.compose([f"ds_config={encoded.rstrip('=')}"])):
+        assert cfg.choices["stage"] == "zero2" and cfg.train.grad_clip == 0.25
+    assert "no such file" in error_of("not-a-file-nor-base64.json")
+    long = hf("hf_zero3_nvme")   # longer in base64 than a file name may be
+    assert dsconfig.load(base64.urlsafe_b64encode(json.dumps(long).encode()).decode()) == long
+    # torch_adam: DeepSpeed builds torch.optim.AdamW, whose weight_decay defaults to 0.01.
+    for kind in ("AdamW", "Adam"):
+        cfg = framework.compose([], ds_config={"optimizer": {"type": kind, "params": {"torch_adam": True}}})
+        assert cfg.optimizer.weight_decay == 0.01 and cfg.sources["optimizer.weight_decay"] == "DeepSpeed default"
+    cfg = framework.compose([], ds_config={"optimizer": {"type": "Adam", "params": {"torch_adam": True,
+                                                                                  "adam_w_mode": False}}})
+    assert cfg.optimizer.weight_decay == 0.0   # torch.optim.Adam's default

@@ -40,6 +40,9 @@ INERT_TOP = {
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
     "use_data_before_expert_parallelism": "expert parallelism is not used",
     "graph_harvesting": "a CUDA-graph option of DeepSpeed's engine",
+    "disable_python_gc": "when Python's garbage collector runs",
+    "vocabulary_size": "DeepSpeed's own use of the vocabulary size (the model config sets ours)",
+    "log_level": "DeepSpeed's log verbosity",
     "_comment": "a comment",
 }
 # DeepSpeed features not implemented here: an error unless the value switches them off.
@@ -65,6 +68,14 @@ FEATURES = {
     "autotuning": "the autotuner",
     "compile": "DeepCompile",
     "sparse_gradients": "sparse gradients",
+}
+# Keys whose one value is what happens here anyway (a note) and whose other values would change
+# the math in a way not implemented (an error): key -> (that value, why it is inert, what the others do).
+AS_HERE = {
+    "gradient_allreduce_op": ("mean", "gradients are averaged over the ranks here",
+                              "summed gradients are not supported here (they are averaged over the ranks)"),
+    "ddp_bf16": (False, "the default", "bf16 parameters without fp32 master weights are not implemented here"),
+    "managed_gradient_accumulation": (True, "the default", "the engine always manages gradient accumulation here"),
 }
 MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
               "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio",
@@ -134,6 +145,7 @@ OPTIMIZER_INERT = {"torch_adam": "selects torch's implementation; the math is th
                    "differentiable": "autograd through the step",
                    "capturable": "CUDA-graph capture", "set_grad_none": "gradients are freed by the stages anyway"}
 OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
+                     "fp32_optimizer_states": (True, "optimizer states below fp32 are not implemented"),
                      "maximize": (False, "maximize is not implemented"),
                      "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
 SCHEDULERS = {
@@ -150,8 +162,10 @@ SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "wa
 
 
 def close(key: str, valid) -> str | None:
-    # Stricter than for our own keys: DeepSpeed's sections hold many short, similar names.
-    return closest(key, valid, cutoff=0.75)
+    # Stricter than for our own keys: DeepSpeed's sections hold many short, similar names; the
+    # same words in another order (comm_overlap for overlap_comm) count as close too.
+    words = sorted(key.split("_"))
+    return closest(key, valid, cutoff=0.75) or next((v for v in valid if sorted(v.split("_")) == words), None)
 
 
 def switched_off(value: Any, key: str) -> bool:

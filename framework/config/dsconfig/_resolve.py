@@ -2,12 +2,17 @@
 derived, the values the file states checked against the ones the run derives."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, SCALER_DEFAULTS
 from framework.config.dsconfig._translate import Setting, Translation
+
+
+# DeepSpeed's data_types spellings -> our precision names.
+DTYPES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -19,6 +24,9 @@ class RunFacts:
     value: Callable[[str], Any]         # dotted key -> the run config's value
     cli_keys: frozenset[str]            # keys the command line sets
     cli_choices: Mapping[str, str]      # groups the command line chooses
+    # The run's own warm-up steps (0: its scheduler has none) and whether the run itself chose the
+    # file's scheduler (then a stated warmup_num_steps must match); None: not needed.
+    warmup: tuple[int, bool] | None = None
 
 
 @dataclass
@@ -32,7 +40,7 @@ class Resolved:
 def resolve(t: Translation, run: RunFacts) -> Resolved:
     """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists
     every mismatch."""
-    values, sources, mismatches, leftover, notes = {}, {}, [], [], []
+    values, sources, mismatches, leftover, notes, overridden = {}, {}, [], [], [], []
     h = run.hidden_size
     # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)
     sizes = {"h*h": h * h, "0.9*h*h": int(0.9 * h * h), "10*h": 10 * h} if h is not None else {}
@@ -76,6 +84,19 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
+    for key in ("param_dtype", "buffer_dtype"):
+        d = settings.pop(f"_dtype.{key}", None)
+        if d is not None and DTYPES.get(d.value, d.value) == precision:
+            inert.append(f"{d.ds_key} (the run is {precision})")
+        elif d is not None:
+            mismatches.append(f"{d.ds_key}={d.value} with precision={precision}: give {precision} or remove it")
+    keep = settings.pop("_keep_fp32", None)
+    if keep is not None and precision == "fp32":
+        inert.append(f"{keep.ds_key} (the run is fp32)")
+    elif keep is not None:
+        mismatches.append(f"{keep.ds_key}: keeping modules in fp32 under precision={precision} is not implemented "
+                          f"here; remove it")
+
     for key, s in settings.items():
         if key.startswith("_inert."):   # an "auto" with a size rule, resolved though nothing reads it
             if h is None:
@@ -92,11 +113,14 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             else:
                 sources[key] = AUTO_FILLED                          # the run's own value stays
             continue
-        if key in run.cli_keys:
-            continue                                                # the command line wins
+        if key in run.cli_keys:                                     # the command line wins
+            if s.source == DS_FILE and run.value(key) != s.value:
+                overridden.append(f"{s.ds_key}={_show(s.value)} in the file, {key}={_show(run.value(key))} "
+                                  f"on the command line")
+            continue
         values[key], sources[key] = s.value, s.source
 
-    # Scheduler relations (phase 1 and 2: must match).
+    # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
     lr = final("optimizer.lr")
     s = t.settings.get("scheduler.warmup_max_lr")
     if s is not None:
@@ -104,23 +128,31 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
         elif s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
             mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr}")
+    steps = final("train.steps")
     s = t.settings.get("scheduler.total_num_steps")
     if s is not None:
-        steps = final("train.steps")
         if s.value == AUTO:
             values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
         elif "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
-            # Hugging Face fills only an "auto" here and runs the file's schedule as written.
-            notes.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps}: the schedule runs "
-                         f"as written, so this run " + (f"stops at step {steps} of it" if steps < s.value else
-                         f"holds the schedule's last lr after step {s.value}") +
-                         " (total_num_steps \"auto\" or train.steps=" + f"{s.value} makes them agree)")
+            mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} (give \"auto\" "
+                              f"or train.steps={s.value})")
     s = t.settings.get("scheduler.warmup_num_steps")
-    if s is not None and s.value == AUTO:
-        values["scheduler.warmup_num_steps"] = max(1, int(run.value("scheduler.warmup_num_steps")))
-        sources["scheduler.warmup_num_steps"] = AUTO_FILLED
+    if s is not None and run.warmup is not None:
+        own, chosen = run.warmup
+        if s.value == AUTO:
+            values["scheduler.warmup_num_steps"], sources["scheduler.warmup_num_steps"] = max(1, own), AUTO_FILLED
+        elif chosen and s.source == DS_FILE and s.value != own:
+            mismatches.append(f"scheduler.params.warmup_num_steps={s.value} but the run's scheduler.warmup_num_steps "
+                              f"is {own} (give \"auto\" or scheduler.warmup_num_steps={s.value})")
+    if s is not None and run.cli_choices.get("scheduler", t.choices["scheduler"]) == t.choices["scheduler"]:
+        warm = final("scheduler.warmup_num_steps")
+        if warm > steps:
+            notes.append(f"the scheduler's warm-up (warmup_num_steps={warm}) is longer than the run "
+                         f"(train.steps={steps}): the lr never reaches its peak")
 
-    _batch(t.batch, run, final, values, sources, mismatches)
+    _batch(t.batch, run, final, values, sources, mismatches, overridden)
+    if overridden:
+        notes.append("the command line overrides the file: " + "; ".join(overridden))
     if leftover:
         mismatches.append("\"auto\" left over: " + ", ".join(leftover))
     if mismatches:
@@ -131,8 +163,12 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     return Resolved(values, sources, inert, notes)
 
 
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, sources: dict,
-           mismatches: list) -> None:
+           mismatches: list, overridden: list) -> None:
     """DeepSpeed's batch triple: train = micro x accumulation x world. A missing one is derived from
     the other two (only micro given: accumulation 1; only train given: accumulation 1); "auto"
     (phase 1) takes micro and accumulation from the run's config and train from the product."""
@@ -159,9 +195,13 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
         derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
+    stated = {"train.micro_batch": ("train_micro_batch_size_per_gpu", mb), "train.grad_accum":
+              ("gradient_accumulation_steps", ga)}
     for key, v in derived.items():
         if key not in run.cli_keys:
             values[key], sources[key] = v, DS_FILE
+        elif stated[key][1] == v and run.value(key) != v:
+            overridden.append(f"{stated[key][0]}={v} in the file, {key}={run.value(key)} on the command line")
     if isinstance(tb, int):
         m, g = final("train.micro_batch"), final("train.grad_accum")
         if m * g * world != tb and not any("divisible" in x for x in mismatches):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, ALIASES_TOP, ALIASES_ZERO, AUTO, BF16_KEYS, DS_DEFAULT,
+from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASES_TOP, ALIASES_ZERO, AUTO, BF16_KEYS, DS_DEFAULT,
                                              DS_FILE, FEATURES, FP16_KEYS, FP16_SCALER, INERT_TOP, MAPPED_TOP,
                                              NOT_IMPLEMENTED_OPTIMIZERS, OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS,
                                              OPTIMIZER_INERT, OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES,
@@ -48,12 +48,15 @@ class Translation:
     def error(self, msg: str) -> None:
         self.errors.append(msg)
 
-    def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None) -> dict:
-        """The section's keys after alias and typo checks (unknown keys dropped)."""
+    def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
+                strict: bool = False) -> dict:
+        """The section's keys after alias and typo checks (unknown keys dropped). ``strict``: a
+        section DeepSpeed validates (pydantic extra="forbid", or optimizer/scheduler kwargs), where
+        DeepSpeed refuses an unknown key, so it is an error here too; elsewhere it is a warning."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
-        out, aliases, pre = {}, aliases or {}, f"{path}." if path else ""
+        out, aliases, pre, refused = {}, aliases or {}, f"{path}." if path else "", []
         for key, value in node.items():
             if key in known:
                 out[key] = value
@@ -62,8 +65,13 @@ class Translation:
                 out[key] = value
             elif (near := close(key, [*known, *aliases])) is not None:
                 self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
+            elif strict:
+                refused.append(key)
             else:
                 self.unknown.append(pre + key)
+        if refused:
+            self.error(f"{path}: unknown key{'s' if len(refused) > 1 else ''} {', '.join(refused)} (DeepSpeed "
+                       f"rejects unknown keys in {path}); remove {'them' if len(refused) > 1 else 'it'}")
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:
@@ -110,7 +118,7 @@ class Translation:
 
 def translate(ds: dict) -> Translation:
     tr = Translation()
-    top = tr.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *FEATURES], ALIASES_TOP)
+    top = tr.section(ds, "", [*MAPPED_TOP, *INERT_TOP, *AS_HERE, *FEATURES], ALIASES_TOP)
     if "bfloat16" in top:
         if "bf16" in top:
             tr.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
@@ -118,6 +126,12 @@ def translate(ds: dict) -> Translation:
     for key, why in INERT_TOP.items():
         if key in top:
             tr.inert_key(key, why)
+    for key, (inert, why, what) in AS_HERE.items():
+        if key in top and top[key] == inert:
+            tr.inert_key(key, why)
+        elif key in top:
+            tr.error(f"{key}={json.dumps(top[key])} is not supported here ({what}); remove it or give "
+                     f"{json.dumps(inert)}")
     for key, what in FEATURES.items():
         if key in top and not switched_off(top[key], key):
             tr.error(f"'{key}': {what} is not implemented here; remove it")
@@ -141,15 +155,15 @@ def translate(ds: dict) -> Translation:
         value = tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
         if value is not None:
             tr.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
-    else:  # DeepSpeed clips only when asked
-        tr.set("train.grad_clip", 0.0, "gradient_clipping", DS_DEFAULT)
+    else:  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT
+        tr.set("train.grad_clip", 1.0, "gradient_clipping", DS_DEFAULT)
     activation_checkpointing(tr, top.get("activation_checkpointing"))
     return tr
 
 
 def zero(tr: Translation, node: Any, aio: Any) -> None:
     z = tr.section(node, "zero_optimization",
-                   [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO)
+                   [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO, strict=True)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
     if stage is None:
         return
@@ -220,7 +234,10 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
         if kind == "int" and value != AUTO and value < 0:
             tr.error(f"{p}{key} must be >= 0, got {value}")
         target = targets.get(key)
-        if target is not None:
+        if name == "zero1" and key == "contiguous_gradients" and value is False:
+            # DeepSpeed runs it; zero1's gradients are contiguous anyway (the key itself is refused)
+            tr.inert_key(p + key, "zero1's gradients always accumulate in one contiguous flat buffer")
+        elif target is not None:
             tr.set(f"stage.{target}", value, p + key, rule=rule)
         else:
             tr.inert_key(p + key, why)
@@ -230,8 +247,8 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
 
 def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
     p = "zero_optimization."
-    o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS) if opt is not None else {}
-    q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS) if param is not None else {}
+    o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS, strict=True) if opt is not None else {}
+    q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS, strict=True) if param is not None else {}
     sections = []   # (its keys, its name, its device)
     for sec, name in ((o, "offload_optimizer"), (q, "offload_param")):
         dev = tr.typed(sec.get("device", "none"), "str", f"{p}{name}.device")
@@ -343,8 +360,8 @@ def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
 
 
 def precision(tr: Translation, top: dict) -> None:
-    fp16 = tr.section(top["fp16"], "fp16", FP16_KEYS) if "fp16" in top else None
-    bf16 = tr.section(top["bf16"], "bf16", BF16_KEYS) if "bf16" in top else None
+    fp16 = tr.section(top["fp16"], "fp16", FP16_KEYS, strict=True) if "fp16" in top else None
+    bf16 = tr.section(top["bf16"], "bf16", BF16_KEYS, strict=True) if "bf16" in top else None
     on16 = False if fp16 is None else tr.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True)
     onbf = False if bf16 is None else tr.typed(bf16.get("enabled", False), "bool", "bf16.enabled", auto_ok=True)
     if on16 is True and onbf is True:
@@ -388,11 +405,19 @@ def precision(tr: Translation, top: dict) -> None:
         if v is not None:
             tr.set("_comm_dtype", v, "communication_data_type")
     if "data_types" in top:
-        d = tr.section(top["data_types"], "data_types", ("grad_accum_dtype",))
+        d = tr.section(top["data_types"], "data_types",
+                       ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
         if "grad_accum_dtype" in d:
             v = tr.typed(d["grad_accum_dtype"], "str", "data_types.grad_accum_dtype")
             if v is not None:
                 tr.set("precision.grad_accum_dtype", v, "data_types.grad_accum_dtype")
+        for key in ("param_dtype", "buffer_dtype"):   # checked against the run's precision (resolve)
+            if key in d and (v := tr.typed(d[key], "str", f"data_types.{key}")) is not None:
+                tr.set(f"_dtype.{key}", v, f"data_types.{key}")
+        if d.get("keep_in_fp32_modules"):
+            tr.set("_keep_fp32", d["keep_in_fp32_modules"], "data_types.keep_in_fp32_modules")
+        elif "keep_in_fp32_modules" in d:
+            tr.inert_key("data_types.keep_in_fp32_modules", "empty")
 
 
 def optimizer(tr: Translation, node: Any) -> None:
@@ -408,19 +433,23 @@ def optimizer(tr: Translation, node: Any) -> None:
     defaults = OPTIMIZERS[low]
     extra = ("adam_w_mode",) if low in ("adam", "adamw") else ()
     params = tr.section(o.get("params", {}), "optimizer.params",
-                        [*defaults, *extra, *OPTIMIZER_INERT, *OPTIMIZER_REFUSED])
+                        [*defaults, *extra, *OPTIMIZER_INERT, *OPTIMIZER_REFUSED], strict=True)
     for key, why in OPTIMIZER_INERT.items():
         if key in params:
             tr.inert_key(f"optimizer.params.{key}", why)
     for key, (off, why) in OPTIMIZER_REFUSED.items():
         if key in params and params[key] != off:
             tr.error(f"optimizer.params.{key}: {why}")
+        elif key in params:
+            tr.inert_key(f"optimizer.params.{key}", "the default")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" always is.
     name = low
     if low in ("adam", "adamw"):
         mode = tr.typed(params.get("adam_w_mode", True), "bool", "optimizer.params.adam_w_mode")
         name = "adamw" if low == "adamw" or mode is not False else "adam"
     tr.choose("optimizer", name, "optimizer.type")
+    if name == "adamw" and params.get("torch_adam") is True:   # DeepSpeed builds torch.optim.AdamW
+        defaults = {**defaults, "weight_decay": 0.01}
     # DeepSpeed passes all parameters in one group: biases and norm weights decay too.
     tr.set("optimizer.decay_1d", True, "optimizer.params", DS_DEFAULT)
     for key, default in defaults.items():
@@ -433,8 +462,8 @@ def optimizer(tr: Translation, node: Any) -> None:
                 tr.set("optimizer.beta2", AUTO, ds_key, rule="optimizer.beta2")
             elif (isinstance(value, list) and len(value) == 2
                   and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
-                tr.set("optimizer.beta1", float(value[0]), ds_key, src)
-                tr.set("optimizer.beta2", float(value[1]), ds_key, src)
+                tr.set("optimizer.beta1", float(value[0]), ds_key + "[0]", src)
+                tr.set("optimizer.beta2", float(value[1]), ds_key + "[1]", src)
             else:
                 tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
             continue
@@ -454,7 +483,7 @@ def scheduler(tr: Translation, node: Any) -> None:
         return
     name, defaults = SCHEDULERS[low]
     tr.choose("scheduler", name, "scheduler.type")
-    params = tr.section(s.get("params", {}), "scheduler.params", [*defaults, "last_batch_iteration"])
+    params = tr.section(s.get("params", {}), "scheduler.params", [*defaults, "last_batch_iteration"], strict=True)
     if "last_batch_iteration" in params:
         v = tr.typed(params["last_batch_iteration"], "int", "scheduler.params.last_batch_iteration")
         if v is not None and v != -1:
