@@ -495,8 +495,6 @@ DS019 = [
     ({"data_types": {"keep_in_fp32_modules": ["norm"]}}, None, "data_types.keep_in_fp32_modules (the run is fp32)"),
     ({"bf16": {"enabled": True}, "data_types": {"keep_in_fp32_modules": ["norm"]}}, "error",
      "data_types.keep_in_fp32_modules: keeping modules in fp32 under precision=bf16 is not implemented"),
-    ({"ddp_bf16": False}, None, "ddp_bf16"),
-    ({"ddp_bf16": True}, "error", "ddp_bf16"),
     ({"disable_python_gc": 1}, None, "disable_python_gc"),
     ({"vocabulary_size": 50304}, None, "vocabulary_size"),
     ({"log_level": "info"}, None, "log_level"),

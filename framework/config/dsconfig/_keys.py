@@ -74,7 +74,6 @@ FEATURES = {
 AS_HERE = {
     "gradient_allreduce_op": ("mean", "gradients are averaged over the ranks here",
                               "summed gradients are not supported here (they are averaged over the ranks)"),
-    "ddp_bf16": (False, "the default", "bf16 parameters without fp32 master weights are not implemented here"),
     "managed_gradient_accumulation": (True, "the default", "the engine always manages gradient accumulation here"),
 }
 MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
