@@ -60,9 +60,8 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     if unknown:
         return None, primary, folder
-    if args.cfg == "job" and not args.multirun and any(o.split("=")[0].lstrip("+") == "ds_config"
-                                                       for o in args.overrides):
-        _print_resolved(args.overrides, args.resolve, primary)  # Hydra's own --cfg would not show the DeepSpeed layer
+    if args.cfg == "job" and not args.multirun:   # Hydra's own --cfg would not show a DeepSpeed config's layer
+        _print_resolved(args.overrides, args.resolve, primary)
         sys.exit(0)
     if args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
         return None, primary, folder
@@ -113,7 +112,8 @@ def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) ->
 
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
-    """``--cfg job`` with a DeepSpeed config: the composed config with the file's values in it."""
+    """``--cfg job``: the composed config, with a DeepSpeed config's values in it (named on the command
+    line or in the YAML)."""
     cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg, resolve=resolve)
     node.pop("hydra", None)

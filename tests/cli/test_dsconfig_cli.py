@@ -36,6 +36,16 @@ def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
     assert shown["stage"]["stage3_param_persistence_threshold"] == 640
     assert shown["optimizer"]["decay_1d"] is True and shown["train"]["grad_clip"] == 1.0
     assert not (tmp_path / "run").exists()
+    # a DeepSpeed config named in the user's own YAML is shown resolved too
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25}))
+    (tmp_path / "mine.yaml").write_text(f"defaults:\n  - train\n  - _self_\nds_config: {tmp_path / 'ds.json'}\n")
+    p = cli(forkrun, tmp_path, "--cfg", "job", "--config-dir", str(tmp_path), "--config-name", "mine")
+    assert p.returncode == 0, p.stderr
+    shown = yaml.safe_load(p.stdout)
+    assert "reduce_scatter" in shown["stage"] and shown["train"]["grad_clip"] == 0.25   # the file's zero2
+    # an override Hydra cannot parse: one line, as without --cfg
+    p = cli(forkrun, tmp_path, "--cfg", "job", "train.steps")
+    assert p.returncode != 0 and len(error_lines(p)) == 1 and "train.steps" in p.stderr, p.stderr
 
 
 def test_bad_ds_config_is_one_line_and_nonzero(forkrun, tmp_path):
