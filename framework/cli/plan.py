@@ -40,6 +40,7 @@ from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
+from framework.memory.model import build_vocab
 from framework.memory.planner import Candidate, Hardware, Planned, candidates, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
@@ -108,7 +109,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe)
-    print(_describe(hw, probe, cfg, planned, flags["top"]))
+    vocab, source = build_vocab(cfg, base)
+    vocab = vocab or getattr(cfg.model, "vocab_size", None)
+    print(_describe(hw, probe, cfg, planned, flags["top"],
+                    f"vocab {vocab} (from {source})" if vocab else "the model's own vocabulary"))
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
@@ -127,7 +131,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
 
 
-def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) -> str:
+def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str) -> str:
     gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
     lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, {hw.nvme / GiB:.0f} GiB disk",
              f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
@@ -136,7 +140,8 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) 
              f"M params/s, disk w/r {probe['disk_write_bytes_s'] / GB:.2f}/{probe['disk_read_bytes_s'] / GB:.2f} "
              f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / GB:.2f} GB/s"
                         if probe.get("allreduce_bytes_s") else ""),
-             f"model {cfg.choices['model']}, precision {cfg.choices['precision']}, context {cfg.model.context}",
+             f"model {cfg.choices['model']}, {vocab}, precision {cfg.choices['precision']}, "
+             f"context {cfg.model.context}",
              "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
     fitting = [p for p in planned if p.fits]
     for i, p in enumerate(fitting[:top]):

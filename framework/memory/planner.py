@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.memory.model import data_vocab, predict
+from framework.memory.model import build_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
@@ -202,7 +202,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
     from framework.config import compose
     from framework.engine.build import component
 
-    vocab = data_vocab(cfg)
+    vocab = build_vocab(cfg, base)[0]
 
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
