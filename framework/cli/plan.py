@@ -16,7 +16,8 @@ and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths me
 short probe (``framework.memory.probe``; cached in the user cache dir): compute at the measured matmul
 rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
 measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
-host<->device copies, disk.
+host<->device copies, disk. The probe measures this machine: ``gpu_mem=`` on a host without CUDA
+checks memory against those GPUs, but the times (and so the order) are this CPU's (a note says so).
 Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
 optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
 ``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
@@ -142,6 +143,9 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
                         if probe.get("allreduce_bytes_s") else ""),
              f"model {cfg.choices['model']}, {vocab}, precision {cfg.choices['precision']}, "
              f"context {cfg.model.context}",
+             *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
+                "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
+               if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
              "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
     fitting = [p for p in planned if p.fits]
     for i, p in enumerate(fitting[:top]):
