@@ -8,7 +8,8 @@
 
 The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
-``stages=``, ``offloads=``, ``checkpointing=true,false``). Memory per rank comes from
+``stages=``, ``offloads=``, ``checkpointing=true,false``). Sizes: ``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9),
+or bytes. Memory per rank comes from
 ``framework.estimate``'s prediction (activations traced on the meta device); a candidate fits when
 its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus the resident set of a
 process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
