@@ -8,12 +8,11 @@
 
 The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
-``stages=``, ``offloads=``, ``checkpointing=true,false``). Sizes: ``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9),
-or bytes. Memory per rank comes from
-``framework.estimate``'s prediction (activations traced on the meta device); a candidate fits when
-its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus the resident set of a
-process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
-and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
+``stages=``, ``offloads=``, ``checkpointing=true,false``). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
+(activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
+CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
+measured it, fits ``cpu_mem`` over all ranks) and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
 short probe (``framework.memory.probe``; cached in the user cache dir): compute at the measured matmul
 rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
 measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
@@ -51,6 +50,8 @@ OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "st
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
     top = [p for p in planned if p.fits][:k]
+    if not top:
+        raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
         group = Path(d) / "search" / "plan"
         group.mkdir(parents=True)
@@ -66,7 +67,8 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
                "logger=none", f"dist.nproc={hw.ranks}", f"hydra.sweep.dir={sweep}"]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
-            raise FrameworkError(f"plan --verify: the multirun failed: {run.stderr.strip().splitlines()[-1:]}")
+            last = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
+            raise FrameworkError(f"plan --verify: the multirun failed: {last}")
         results = []
         for p, job in zip(top, load_jobs(sweep)):
             c = job.summary["config"]
