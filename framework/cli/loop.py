@@ -95,7 +95,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
+            # The mean of the last log_every steps' losses (metrics.jsonl has single steps' losses).
             "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
+            "train_loss_steps": min(len(losses), t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)

@@ -41,6 +41,9 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
     assert "entropy floor" in p.stdout and "val loss" in p.stdout
+    # The summary's train loss is a mean over the last log_every steps (metrics.jsonl logs single
+    # steps' losses): the console line and summary.json say over how many.
+    assert summary["train_loss_steps"] == 2 and "(mean of last 2 steps)" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -94,6 +94,7 @@ def test_report_of_a_multirun(equivalence, tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| run")]
     assert len(rows) == 4, md
     assert "`+stage=zero3`" in md and "no summary.json" in rows[-1]
+    assert "| train loss (mean of last log_every steps) |" in md, md
     jobs = report.load_jobs(sweep)
     done = [j for j in jobs if j.summary]
     for j, row in zip(done, rows):
