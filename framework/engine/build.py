@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
@@ -19,7 +18,7 @@ from torch import nn
 
 from framework.config import Config, compose
 from framework.core.errors import ConfigError, FrameworkError
-from framework.comm.distributed import Dist, agree, connect
+from framework.comm.distributed import Dist, agree, connect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
@@ -180,7 +179,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
     if cfg is None:
-        world = dist.world if dist is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
                       hidden_from_model=False)
         if (dist is None or dist.is_main) and cfg.notices:
