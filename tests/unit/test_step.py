@@ -181,3 +181,22 @@ def test_sq_norm_small_cases_and_device_path():
     parts = framework.core.utils._device_sq_norms(ts)
     assert len(parts) == 2 and all(p.dtype == torch.float64 for p in parts)
     assert sum(p.item() for p in parts) == 25 + 16 + 169
+
+
+def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_work():
+    # A DeepSpeed config's accumulation (train_batch_size 32 = micro 8 x accum 4) must not be dropped
+    # by a one-micro-batch Batch; a plain (x, y) tuple is two micro batches; empty input divides by 0.
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW"}}
+    torch.manual_seed(0)
+    engine = framework.initialize(TwoLayer(), mse, ds_config=ds)
+    assert engine.config.train.grad_accum == 4
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    state = engine.state
+    for batch, n in ((Batch(((x, y),)), 1), ((x, y), 2), (Batch(()), 0)):
+        with pytest.raises(framework.DataError, match=rf"{n} micro batches but train.grad_accum=4"):
+            engine.train_step(state, batch)
+    assert engine.state is state and state.step == 0
+    with pytest.raises(framework.DataError, match="eval_step: no batches"):
+        engine.eval_step(state, [])
+    state, _ = engine.train_step(state, Batch(((x, y),) * 4))
+    assert state.step == 1
