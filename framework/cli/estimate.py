@@ -115,9 +115,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
         nproc = [o for o in overrides if o.split("=")[0].lstrip("+~") == "dist.nproc"]
-        if nproc and ("gpus_per_node" in own or "nodes" in own):
-            raise ConfigError(f"estimate: {nproc[0]} conflicts with gpus_per_node=/nodes= (both set the "
-                              "world size); give one of them")
+        if nproc and ("gpus_per_node" in own or "nodes" in own) and nproc[-1].split("=", 1)[-1] != str(gpus * nodes):
+            raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
+                              "give one of them")
         module, cfg, hf, source = resolve_model(own["model"], overrides)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "

@@ -262,3 +262,5 @@ def test_world_from_gpus_or_nproc_not_both(capsys):
     assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=4"]) == 2
     err = capsys.readouterr().err
     assert "estimate: dist.nproc=4 conflicts with gpus_per_node=/nodes=" in err and err.count("\n") == 1, err
+    # the same world both ways (the hf_gpt2_zero3 recipe's estimate) is no conflict
+    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=2"]) == 0
