@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -120,9 +121,15 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     print(OmegaConf.to_yaml(node), end="")
 
 
-def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None) -> Callable[[], None]:
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None,
+         failed: list[str]) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
-    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function."""
+    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
+    A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
+    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(_: DictConfig) -> float:
         hc = HydraConfig.get()
@@ -138,7 +145,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             return launch(config, run, on_point)["val_loss"]
         except FrameworkError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
+                sys.exit(1)   # (another launcher reports the job's exit)
+            failed.append(f"job {hc.job.num} ({run.run_dir})")
+            return math.nan
     return job
 
 
@@ -155,4 +165,9 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _app(configs, on_point)()
+    failed: list[str] = []
+    _app(configs, on_point, failed)()
+    if failed:
+        print(f"error: {len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}",
+              file=sys.stderr)
+        sys.exit(1)

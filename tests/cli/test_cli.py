@@ -85,7 +85,7 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     assert (tmp_path / "sweep" / "1" / "summary.json").is_file()   # the job after the failed one ran
     lines = error_lines(p)
     assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
-    assert lines[1] == "error: 1 of 2 jobs failed: job 0 (data=text data.path=missing.txt)", lines
+    assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
 
 
 def test_glob_sweeps_the_names_of_a_group(forkrun, tmp_path):
