@@ -24,6 +24,7 @@ from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -71,9 +72,29 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     axes = {}   # by key: a later override of the same key replaces the earlier one
     for o in parse_overrides(args.overrides):
         key = o.get_key_element()
-        axes[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+        axes[key] = ([f"{key}={v}" for v in _sweep(o, primary, args.overrides)] if o.is_sweep_override()
                      else [f"{key}={o.get_value_element_as_str()}"])
     return [list(combo) for combo in itertools.product(*axes.values())], primary, folder
+
+
+def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
+    """The values of a sweep override as Hydra's basic sweeper enumerates them; ``glob`` against the
+    names of the config group (conf/ and the primary config's folder), which Hydra's parser cannot
+    list without its config loader."""
+    if o.value_type == ValueType.INTERVAL_SWEEP:
+        if any(x.startswith("hydra/sweeper=") for x in overrides):
+            return []   # that sweeper samples; its jobs are composed in the job
+        raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
+                          "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
+                          "(a,b,c) or use range(...)")
+    if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
+        return list(o.sweep_string_iterator())
+    group = o.key_or_group
+    folders = [conf_dir(), *([Path(primary["config_dir"])] if primary["config_dir"] else [])]
+    names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
+    if not names:
+        raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
+    return o.value().filter(names)
 
 
 def _key(overrides: list[str]) -> tuple[str, ...]:
