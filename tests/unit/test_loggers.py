@@ -98,7 +98,7 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
     from framework.loggers.wandb import WandbConfig, WandbLogger
 
     for finished, code in ((False, 1), (True, None)):
-        logger = WandbLogger(WandbConfig(live=False), RunInfo(None, None, None))
+        logger = WandbLogger(WandbConfig(live=False), run=RunInfo(None, None, None))
         logger.run = run = _FakeRun()
         if finished:
             logger.finish({"steps": 2, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0})
@@ -108,7 +108,7 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
 
 @pytest.mark.parametrize("overrides,env,says", [
     (["logger.project=a/b"], {}, "logger.project='a/b' has a character W&B refuses"),
-    (["logger.project=a#b"], {}, "logger.project='a#b' has a character W&B refuses"),
+    (["logger.project='a#b'"], {}, "logger.project='a#b' has a character W&B refuses"),
     ([], {"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not one of online, offline, disabled"),
     (["logger.mode=bogus"], {}, "logger.mode='bogus' is not one of online, offline, disabled"),
     ([], {"no wandb": ""}, "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"),
