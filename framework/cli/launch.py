@@ -8,6 +8,7 @@ it per job hangs under torchrun).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -27,6 +28,7 @@ from framework.persist.checkpoint import preflight
 from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
                                        resolve_backend)
+from framework.core import files
 from framework.core.errors import FrameworkError
 from framework.loggers import RunInfo
 from framework.cli.loop import train
@@ -35,6 +37,11 @@ from framework.cli.loop import train
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None) -> dict:
     """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
     os.environ.update(slurm_task_env())
+    with contextlib.ExitStack() as held:   # the run folder's lock (rank 0 / the launcher), until the run ends
+        return _launch(cfg, run, on_point, held)
+
+
+def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None, held: contextlib.ExitStack) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
         cap_threads(local_world_size())
@@ -43,20 +50,44 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         if not already:
             atexit.register(disconnect)
         run = _agree_run_dir(run, dist)
-        # Rank 0 checks (checkpoints live where every rank sees them) and resolves "latest" once;
-        # every rank stops with its error, or trains the config it resolved.
-        mine = agree(dist, lambda: preflight(cfg, run.run_dir, run.job) if dist.is_main else None,
+        # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
+        # "latest" once; every rank stops with its error, or trains the config it resolved.
+        mine = agree(dist, lambda: _own_and_preflight(cfg, run, held) if dist.is_main else None,
                      "the checkpoint pre-flight")
         return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
     # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
     # once so that every rank loads the same folder.
-    cfg = preflight(cfg, run.run_dir, run.job)
+    cfg = _own_and_preflight(cfg, run, held)
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
     # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
     resolve_backend(cfg.dist.backend, cfg.dist.nproc)
     _notice(cfg, cfg.dist.nproc, True)
     return _spawn(cfg, run, on_point)
+
+
+def _own_and_preflight(cfg: Config, run: RunInfo, held: contextlib.ExitStack) -> Config:
+    held.callback(os.close, own_run_folder(run))
+    return preflight(cfg, run.run_dir, run.job)
+
+
+RUN_LOCK = "run.lock"
+
+
+def own_run_folder(run: RunInfo) -> int:
+    """A descriptor holding an exclusive lock on the run folder's run.lock for as long as it stays
+    open (the kernel drops it when the process dies, however it dies): two runs started in the same
+    second (the default folder is named by the time) would mix their records and checkpoints."""
+    files.make_dirs(run.run_dir)
+    fd = files.open_nofollow(run.run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        key = "hydra.sweep.dir" if run.job else "hydra.run.dir"
+        raise FrameworkError(f"run folder {run.run_dir} is in use by another run (it holds {RUN_LOCK}); "
+                             f"give this run a folder of its own: {key}=PATH") from None
+    return fd
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

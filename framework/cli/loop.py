@@ -57,14 +57,15 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     shard = dict(rank=dist.rank, world=dist.world)
     val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
-    logger = (RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run)) if dist.is_main
-              else NullLogger())
+    logger = NullLogger()
     losses, evals = [], []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
         state = ckpt.resume(state)
+        if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
+            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()
@@ -91,6 +92,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 eval_s += time.perf_counter() - t_eval
                 logger.log({"step": state.step, "val_loss": evals[-1]})
             ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+        if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
+            evals.append(engine.eval_step(state, val))
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {
