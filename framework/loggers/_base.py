@@ -234,8 +234,10 @@ class Console:
 
 
 def summary_line(s: dict) -> str:
-    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f} (mean of last {s['train_loss_steps']} "
-            f"steps) | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
+    window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
+    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f}"
+            + (f" (mean of last {window} steps)" if window else "")
+            + f" | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")
     if floor is not None:
         line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
