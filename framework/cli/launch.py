@@ -74,9 +74,11 @@ def check_launch_env(cfg: Config) -> None:
     if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
-    tasks = int(env.get("SLURM_NTASKS", "1"))
-    if world == 1 and "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
-        raise ConfigError(f"SLURM_NTASKS={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
+    # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
+    key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    tasks = int(env.get(key, "1"))
+    if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
+        raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
                           f"would train alone into one run folder); run torchrun under srun "
                           f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
