@@ -14,7 +14,9 @@ from framework.engine.build import component, initialize
 from framework.core import files
 from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
+from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
@@ -43,6 +45,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    if cfg.sources.get("model.vocab_size") == COMMAND_LINE and cfg.model.vocab_size != data.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
+                          f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
+                          f"where the data source has it)")
     model = component(cfg, "model")
     with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
         module = model.build(cfg.model, vocab_size=data.vocab_size)
