@@ -18,6 +18,7 @@ import torch
 import framework
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import Checkpointer, CheckpointError
+from framework.persist.export import get_fp32_state_dict_from_checkpoint
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
 from tests._fault_train import fault
@@ -350,3 +351,5 @@ def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, o
     assert va.keys() == vb.keys() and "norm.running_var" in va and "scratch" not in va
     for k in va:
         assert torch.equal(va[k], vb[k]), f"{k} differs after the resume"
+    exported = get_fp32_state_dict_from_checkpoint(tmp_path / f"step-{N}")   # buffers included
+    assert exported.keys() == va.keys() and all(torch.equal(exported[k], va[k]) for k in va)
