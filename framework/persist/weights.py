@@ -72,8 +72,9 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's tensors every rank holds whole and alike, by checkpoint key: ``frozen.<name>``
-    (parameters with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers)."""
+    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (parameters
+    with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers; each
+    rank's own: BatchNorm counts the rank's batches, and a checkpoint keeps rank 0's)."""
     return {**{f"frozen.{n}": p for n, p in module.named_parameters() if not p.requires_grad},
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 

@@ -310,7 +310,7 @@ def _norm_loss(m, batch):
     return (m(x.to(m.b.weight.dtype)).float() - y).square().mean()
 
 
-def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True):
+def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True, model=_Norm):
     """Train ``_Norm`` to ``steps`` saving every K (a fresh module of ``seed``, resumed first); return
     the losses and the module's persistent buffers, frozen and (gathered) trained parameters."""
     from framework.engine.step import Batch
@@ -318,7 +318,7 @@ def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True)
                              f"checkpoint.every={K}", "checkpoint.keep_last=0", "checkpoint.timeout_s=60",
                              f"checkpoint.resume={resume}", *over])
     torch.manual_seed(seed)
-    module = _Norm(freeze)
+    module = model(freeze)
     with framework.initialize(module, _norm_loss, cfg, dist) as engine:
         ckpt = Checkpointer(cfg, engine)
         try:
@@ -353,3 +353,39 @@ def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, o
         assert torch.equal(va[k], vb[k]), f"{k} differs after the resume"
     exported = get_fp32_state_dict_from_checkpoint(tmp_path / f"step-{N}")   # buffers included
     assert exported.keys() == va.keys() and all(torch.equal(exported[k], va[k]) for k in va)
+
+
+class _ExtraBuffer(_Norm):
+    def __init__(self, freeze: bool):
+        super().__init__(freeze)
+        self.register_buffer("extra", torch.ones(2))
+
+
+class _WiderMean(_Norm):
+    def __init__(self, freeze: bool):
+        super().__init__(freeze)
+        self.norm.register_buffer("running_mean", torch.zeros(9))
+
+
+def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_models(tmp_path, capsys, monkeypatch):
+    from framework.persist.checkpoint import _save
+    dist = _local()
+    _norm_train(dist, [], str(tmp_path), steps=K)
+    step = str(tmp_path / f"step-{K}")
+    with pytest.raises(ConfigError, match=r"does not fit this model: missing 'buffer.extra'; use another "
+                                          r"checkpoint.dir"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_ExtraBuffer)
+    with pytest.raises(ConfigError, match=r"'buffer.norm.running_mean' has shape \(8,\) in the checkpoint but "
+                                          r"\(9,\) in this model; use another checkpoint.dir"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_WiderMean)
+    # a checkpoint written before buffers and frozen parameters were saved: they keep the model's values
+    monkeypatch.setattr(_save, "whole_tensors", lambda module: {})
+    _norm_train(dist, [], str(tmp_path / "old"), steps=K)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _, fresh = _norm_train(dist, [], str(tmp_path / "c"), resume=str(tmp_path / "old" / f"step-{K}"), seed=99,
+                           steps=K)
+    torch.manual_seed(99)
+    assert torch.equal(fresh["f.weight"], _Norm(True).f.weight) and fresh["norm.num_batches_tracked"] == 0
+    assert "holds no buffers or frozen parameters (saved before checkpoints had them): 'buffer.norm.num_batches_" \
+           in capsys.readouterr().out

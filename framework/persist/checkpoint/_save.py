@@ -80,7 +80,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
-    if group.rank == 0:   # buffers and frozen parameters: whole and alike on every rank, written once
+    if group.rank == 0:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
         out.update({k: host_copy(t) for k, t in whole_tensors(c.module).items()})
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
