@@ -26,7 +26,7 @@ from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import Components, LossFn, build_train_step
 from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
-from framework.persist.weights import save_pretrained
+from framework.persist.weights import save_pretrained, whole_tensors
 
 
 def component(cfg: Config, group: str):
@@ -100,11 +100,12 @@ class Engine:
         return self.components.stage.consolidated_state_dict()
 
     def state_dict(self, state: TrainState) -> dict:
-        """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``)."""
+        """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``);
+        rank 0's also holds the module's buffers and frozen parameters (a load gives them to every rank)."""
         c = self.components
         with self.mapped_state(state) as (mapped, _):
             return state_dict(mapped, c.stage.piece_specs(), policy=c.policy, rank=c.dist.rank,
-                              world=c.dist.world)
+                              world=c.dist.world, whole=whole_tensors(c.module) if c.dist.is_main else None)
 
     @contextlib.contextmanager
     def mapped_state(self, state: TrainState, write: bool = False, *,
@@ -137,7 +138,7 @@ class Engine:
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
-                                     rank=c.dist.rank, world=c.dist.world)
+                                     rank=c.dist.rank, world=c.dist.world, whole=whole_tensors(c.module))
         return self.finish_load(state, loaded)
 
     def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:

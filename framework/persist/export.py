@@ -1,8 +1,9 @@
 """Consolidate a training checkpoint into safetensors that the plain model loads (the command:
 ``python -m framework.export``, framework/cli/export.py).
 
-The fp32 masters (DCP keys ``model.<name>``, global shapes) are read one tensor at a time, so peak
-memory stays near one tensor; the output loads with the plain model's ``load_state_dict`` and with
+The fp32 masters (DCP keys ``model.<name>``, global shapes), with the frozen parameters and
+persistent buffers (``frozen.<name>``, ``buffer.<name>``) where the checkpoint holds them, are read
+one tensor at a time, so peak memory stays near one tensor; the output loads with the plain model's ``load_state_dict`` and with
 ``load_weights`` (``get_fp32_state_dict_from_checkpoint``: all of them in memory). What is not a
 checkpoint is a ConfigError; a damaged one (a file that fails its manifest's checksum, a DCP file
 that does not read) a CheckpointError.
@@ -22,6 +23,7 @@ from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import create_files, finish_files, plan_files
 
 PREFIX = "model."
+WHOLE = ("frozen.", "buffer.")
 
 
 def resolve(checkpoint) -> Path:
@@ -53,13 +55,18 @@ class Checkpoint:
         self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
         if not self.params:
             raise ConfigError(f"export: {self.step_dir} holds no '{PREFIX}<name>' tensors")
+        self.keys = dict.fromkeys(self.params, PREFIX)   # name -> its DCP key's prefix
+        for prefix in WHOLE:   # frozen parameters and buffers (in checkpoints written since they are)
+            found = StateLayout.in_checkpoint(self.metadata, prefix).params
+            self.params.update(found)
+            self.keys.update(dict.fromkeys(found, prefix))
 
     def read(self, names) -> dict[str, torch.Tensor]:
         """Full tensors ``names`` at their global shapes and stored dtypes, assembled by DCP from
         every rank's shard files (only their byte ranges are read). No process group needed."""
-        sd = {PREFIX + n: torch.empty(self.params[n].shape, dtype=self.params[n].dtype, device="cpu") for n in names}
-        glue().read(self.step_dir, self.metadata, sd, no_dist=True)
-        return {k[len(PREFIX):]: v for k, v in sd.items()}
+        sd = {n: torch.empty(self.params[n].shape, dtype=self.params[n].dtype, device="cpu") for n in names}
+        glue().read(self.step_dir, self.metadata, {self.keys[n] + n: t for n, t in sd.items()}, no_dist=True)
+        return sd
 
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:

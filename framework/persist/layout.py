@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -125,14 +125,15 @@ def check_aligned(specs: Sequence[PieceSpec], params: Sequence[torch.Tensor]) ->
 
 
 def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy, rank: int = 0,
-               world: int = 1) -> dict:
+               world: int = 1, whole: Mapping[str, torch.Tensor] | None = None) -> dict:
     """This rank's part of ``state`` keyed by parameter name, as host copies::
 
         {"format": 1, "rank": r, "world": w, "step": int, "data": int, "precision": {...},
          "dynamic_loss_scale": bool, "rng": [...],
          "optimizer": {"per_element": [path, ...], "scalars": {path: value}},
          "params": {name: {"shape": (...), "fragments": [
-             {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}}}
+             {"range": (lo, hi), "master": 1-D tensor, "optim": {path: 1-D tensor}}, ...]}},
+         "whole": {key: tensor}}   # only with ``whole``: the module's buffers and frozen parameters
 
     ``range``: of the flattened parameter. Each piece is copied to the host once (one transfer,
     not one per parameter) and its fragments are views of that copy."""
@@ -150,7 +151,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
             "rng": [host_copy(t) for t in state.rng],
             "optimizer": {"per_element": sorted(per), "scalars": {p: host_copy(v) for p, v in scalars.items()}},
-            "params": params}
+            "params": params, **({} if whole is None else {"whole": {k: host_copy(t) for k, t in whole.items()}})}
 
 
 def check_format(saved_format: Any, caller: str) -> None:
@@ -160,10 +161,12 @@ def check_format(saved_format: Any, caller: str) -> None:
 
 
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
-                    names: Iterable[str], rank: int = 0, world: int = 1) -> TrainState:
+                    names: Iterable[str], rank: int = 0, world: int = 1,
+                    whole: Mapping[str, torch.Tensor] | None = None) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
-    parameter of the model. Everything is checked before anything is written (``FrameworkError``)."""
+    parameter of the model; ``whole``: its buffers and frozen parameters, given the saved ones (a
+    state dict without them leaves them). Everything is checked before anything is written (``FrameworkError``)."""
     check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
@@ -193,6 +196,15 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     extra = sorted(set(index) - set(names))
     if extra:
         raise FrameworkError(f"load_state_dict: the saved state has parameters this model does not train: {few(extra)}")
+    kept = next((sd["whole"] for sd in saved if "whole" in sd), None) if whole is not None else None
+    if kept is not None:
+        if set(kept) != set(whole):
+            raise FrameworkError(f"load_state_dict: the saved state holds the buffers and frozen parameters "
+                                 f"{few(sorted(kept))}, this model {few(sorted(whole))}")
+        for k, t in kept.items():
+            if t.shape != whole[k].shape:
+                raise FrameworkError(f"load_state_dict: {k!r} has shape {tuple(t.shape)} in the saved state but "
+                                     f"{tuple(whole[k].shape)} in this model")
     plans: list[list] = [[] for _ in specs]  # per piece: (holding, fragments, cover) of each holding
     for p, h in StateLayout.of(specs, rank=rank, world=world).mine():
         if p.name not in index:
@@ -219,6 +231,9 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     h.of(buf, a, b).copy_(values[a - f["range"][0]:b - f["range"][0]])
             if buf is not target:
                 target.copy_(buf)
+    with torch.no_grad():
+        for k, t in (kept or {}).items():
+            whole[k].copy_(t)
     # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
     # resumes its own generators; otherwise (no rank to match) all take rank 0's.
     mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first

@@ -55,15 +55,28 @@ def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor])
             out.append(Target(first, tuple(aliases), staged.shape, trained, None))
         else:  # a frozen parameter outside the stage's layout: whole on every rank
             out.append(Target(first, tuple(aliases), tuple(p.shape), p.dtype, p))
-    seen: set[int] = set()
+    out += [Target(n, (n,), tuple(buf.shape), buf.dtype, buf) for n, buf in persistent_buffers(module).items()]
+    return out
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's persistent buffers by name (a shared one once), in module order."""
+    out, seen = {}, set()
     for mod_name, sub in module.named_modules():
         for b_name, buf in sub.named_buffers(recurse=False):
             if buf is None or b_name in sub._non_persistent_buffers_set or id(buf) in seen:
                 continue
             seen.add(id(buf))
-            full = f"{mod_name}.{b_name}" if mod_name else b_name
-            out.append(Target(full, (full,), tuple(buf.shape), buf.dtype, buf))
+            out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
     return out
+
+
+def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (parameters
+    with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers; each
+    rank's own: BatchNorm counts the rank's batches, and a checkpoint keeps rank 0's)."""
+    return {**{f"frozen.{n}": p for n, p in module.named_parameters() if not p.requires_grad},
+            **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
 
 def _layout(engine, what: str) -> StateLayout:

@@ -18,6 +18,7 @@ import torch
 import framework
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import Checkpointer, CheckpointError
+from framework.persist.export import get_fp32_state_dict_from_checkpoint
 from framework.models.gpt import gpt_loss
 from framework.engine.state import capture_rng
 from tests._fault_train import fault
@@ -285,3 +286,106 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
                                                        r"but \(24, 36\) in this model; use another checkpoint.dir"):
         _train(dist, ["model.d_model=36"], str(tmp_path), resume="auto")
+
+
+class _Norm(torch.nn.Module):
+    """Persistent buffers that training changes (BatchNorm's running statistics and step count), a
+    frozen layer (outside every stage's layout; zero3 takes none) and a non-persistent buffer."""
+
+    def __init__(self, freeze: bool):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+        self.f = torch.nn.Linear(8, 8)
+        self.f.requires_grad_(not freeze)
+        self.b = torch.nn.Linear(8, 1)
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.f(self.norm(self.a(x)))))
+
+
+def _norm_loss(m, batch):
+    x, y = batch
+    return (m(x.to(m.b.weight.dtype)).float() - y).square().mean()
+
+
+def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True, model=_Norm):
+    """Train ``_Norm`` to ``steps`` saving every K (a fresh module of ``seed``, resumed first); return
+    the losses and the module's persistent buffers, frozen and (gathered) trained parameters."""
+    from framework.engine.step import Batch
+    cfg = framework.compose(["logger=none", "optimizer=adamw", f"train.steps={N}", f"checkpoint.dir={root}",
+                             f"checkpoint.every={K}", "checkpoint.keep_last=0", "checkpoint.timeout_s=60",
+                             f"checkpoint.resume={resume}", *over])
+    torch.manual_seed(seed)
+    module = model(freeze)
+    with framework.initialize(module, _norm_loss, cfg, dist) as engine:
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            state, losses = ckpt.resume(engine.state), []
+            while state.step < steps:
+                g = torch.Generator().manual_seed(1000 * state.step + dist.rank)
+                x = torch.randn(4, 6, generator=g) * 3 + 1
+                state, m = engine.train_step(state, Batch(((x, x.sum(1, keepdim=True).sin()),)))
+                losses.append(m["loss"])
+                ckpt.maybe_save(state)
+        finally:
+            ckpt.close()
+        values = {**(engine.consolidated_state_dict() or {}),   # the parameters: rank 0's
+                  **{n: t.clone() for n, t in module.named_buffers() if n != "scratch"}}
+    return losses, values
+
+
+@pytest.mark.parametrize("world,over", [(1, []), (1, ["+stage=zero3"]), (2, ["+stage=zero2"])])
+def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, over):
+    """Buffers changed by training (BatchNorm's) and frozen parameters are in the checkpoint: N steps
+    straight equal K + save + resume into a fresh module (other initial values) + N - K, bitwise."""
+    freeze = "+stage=zero3" not in over
+    a = _on(pools, world, _norm_train, over, str(tmp_path), freeze=freeze)
+    b = _on(pools, world, _norm_train, over, str(tmp_path / "b"), resume=str(tmp_path / f"step-{K}"), seed=99,
+            freeze=freeze)
+    assert [r[0][K:] for r in a] == [r[0] for r in b]
+    # Each rank's BatchNorm counts its own batches (no buffer broadcast); the checkpoint holds rank
+    # 0's buffers (as DeepSpeed's does): rank 0's run is the uninterrupted one, bitwise.
+    (_, va), (_, vb) = a[0], b[0]
+    assert va.keys() == vb.keys() and "norm.running_var" in va and "scratch" not in va
+    for k in va:
+        assert torch.equal(va[k], vb[k]), f"{k} differs after the resume"
+    exported = get_fp32_state_dict_from_checkpoint(tmp_path / f"step-{N}")   # buffers included
+    assert exported.keys() == va.keys() and all(torch.equal(exported[k], va[k]) for k in va)
+
+
+class _ExtraBuffer(_Norm):
+    def __init__(self, freeze: bool):
+        super().__init__(freeze)
+        self.register_buffer("extra", torch.ones(2))
+
+
+class _WiderMean(_Norm):
+    def __init__(self, freeze: bool):
+        super().__init__(freeze)
+        self.norm.register_buffer("running_mean", torch.zeros(9))
+
+
+def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_models(tmp_path, capsys, monkeypatch):
+    from framework.persist.checkpoint import _save
+    dist = _local()
+    _norm_train(dist, [], str(tmp_path), steps=K)
+    step = str(tmp_path / f"step-{K}")
+    with pytest.raises(ConfigError, match=r"does not fit this model: missing 'buffer.extra'; use another "
+                                          r"checkpoint.dir"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_ExtraBuffer)
+    with pytest.raises(ConfigError, match=r"'buffer.norm.running_mean' has shape \(8,\) in the checkpoint but "
+                                          r"\(9,\) in this model; use another checkpoint.dir"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_WiderMean)
+    # a checkpoint written before buffers and frozen parameters were saved: they keep the model's values
+    monkeypatch.setattr(_save, "whole_tensors", lambda module: {})
+    _norm_train(dist, [], str(tmp_path / "old"), steps=K)
+    monkeypatch.undo()
+    capsys.readouterr()
+    _, fresh = _norm_train(dist, [], str(tmp_path / "c"), resume=str(tmp_path / "old" / f"step-{K}"), seed=99,
+                           steps=K)
+    torch.manual_seed(99)
+    assert torch.equal(fresh["f.weight"], _Norm(True).f.weight) and fresh["norm.num_batches_tracked"] == 0
+    assert "holds no buffers or frozen parameters (saved before checkpoints had them): 'buffer.norm.num_batches_" \
+           in capsys.readouterr().out

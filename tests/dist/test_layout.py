@@ -179,3 +179,41 @@ def test_every_optimizers_state_reloads(opt):
     assert all(torch.equal(dst[k], src[k]) for k in src)
     assert all(torch.equal(working_b[n], v) for n, v in working.items())
     assert losses == ref
+
+
+class _Norm(torch.nn.Module):
+    """A BatchNorm (buffers that training changes) and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.f = torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1)
+        self.f.requires_grad_(False)
+
+    def forward(self, x):
+        return self.f(self.norm(self.a(x)))
+
+
+def test_state_dicts_hold_buffers_and_frozen_parameters():
+    from framework.engine.step import Batch
+    dist, cfg = _local(), framework.compose(["logger=none", "+stage=zero2"])
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 3 + 1
+    engines = []
+    for seed, width in ((0, 8), (99, 8), (0, 9)):
+        torch.manual_seed(seed)
+        module = _Norm()
+        if width != 8:
+            module.norm.register_buffer("running_mean", torch.zeros(width))
+        engines.append(framework.initialize(module, lambda m, b: m(b[0]).square().mean(), cfg, dist))
+    a, b, wider = engines
+    a.train_step(a.state, Batch(((x, None),)))
+    saved = [a.state_dict(a.state)]
+    b.load_state_dict(b.state, saved)
+    ma, mb = a.components.module, b.components.module
+    assert int(mb.norm.num_batches_tracked) == 1
+    for k, t in ma.state_dict().items():
+        assert torch.equal(t, mb.state_dict()[k]), k
+    with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: 'buffer.norm.running_mean' has shape "
+                                                       r"\(8,\) in the saved state but \(9,\) in this model$"):
+        wider.load_state_dict(wider.state, saved)
+    for e in engines:
+        e.close()

@@ -6,7 +6,8 @@
     ckpt.close()                                 # waits for an async save; collective
 
 A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
-"optim.<scalar>"), train_state.json, rng-<rank>.json and manifest.json (the commit protocol:
+"optim.<scalar>", rank 0's persistent buffers and frozen parameters "buffer.<name>", "frozen.<name>"),
+train_state.json, rng-<rank>.json and manifest.json (the commit protocol:
 ``framework.persist.stepfolders``). Each rank writes its share of the name-keyed state (``framework.persist.layout``) and reads
 its own holdings by name, so world size, stage and offload may change between save and load. Every
 phase ends in an exchange of outcomes, so one rank's failure ends every rank with the same line.

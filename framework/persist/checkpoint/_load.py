@@ -17,6 +17,7 @@ from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
 from framework.persist.layout import StateLayout, check_aligned, check_format, flat_pieces, with_saved_scalars
+from framework.persist.weights import whole_tensors
 from framework.core.utils import few
 
 # A checkpoint of another model or optimizer is not damaged: no fallback, the user chooses.
@@ -115,12 +116,13 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
     layout = StateLayout.of(specs, rank=group.rank, world=group.world)
+    whole = whole_tensors(c.module)   # buffers and frozen parameters
 
     def check():
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
-        _fits(c, folder, body, md, layout, per, scalars)   # names the parameter whose shape differs
+        _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same)
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
@@ -135,9 +137,14 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         # and resume either stops or falls back to a checkpoint that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
+        # read into host tensors, into the module once every rank read its share (a refused load leaves it)
+        read_whole = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in whole.items() if k in md.state_dict_metadata}
+        if whole and not read_whole and group.rank == 0:
+            print(f"checkpoint: {folder} holds no buffers or frozen parameters (saved before checkpoints had them): "
+                  f"{few(sorted(whole))} keep this model's values", flush=True)
 
         def read():
-            glue().read(folder, md, targets, release, **group.dcp_kwargs())
+            glue().read(folder, md, {**targets, **read_whole}, release, **group.dcp_kwargs())
             bad = nonfinite_items([(k, t) for k, b in targets.items() for t in b.tensors()], release)
             if bad:
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
@@ -148,6 +155,9 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
         loaded, host_rng = agree_load(group, f"reading {folder}", read)
+    with torch.no_grad():
+        for k, values in read_whole.items():
+            whole[k].copy_(values)
     state = engine.finish_load(state, loaded)
     _rng.restore_host(host_rng)
     return state, body
@@ -166,9 +176,11 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
         raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
 
 
-def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict) -> None:
+def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
+          whole: dict[str, torch.Tensor]) -> None:
     """ConfigError when the checkpoint is of another model or optimizer (the user chooses: no
-    fallback); CheckpointError when its files lack what its train state names."""
+    fallback); CheckpointError when its files lack what its train state names. ``whole``: the
+    model's buffers and frozen parameters by key (a checkpoint without any: saved before they were)."""
     opt = body["optimizer"]
     if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
         raise ConfigError(f"checkpoint {folder} holds the optimizer state "
@@ -187,6 +199,17 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
         if p.shape != saved[p.name].shape:
             raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name].shape} "
                               f"in the checkpoint but {p.shape} in this model{OTHER_RUN}")
+    kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
+    missing, extra = sorted(set(whole) - set(kept)), sorted(set(kept) - set(whole))
+    if kept and (missing or extra):
+        raise ConfigError(f"checkpoint {folder} does not fit this model: "
+                          + "; ".join(x for x in (f"missing {few(missing)}" if missing else "",
+                                                  f"unexpected {few(extra)}" if extra else "") if x)
+                          + OTHER_RUN)
+    for k in kept:
+        if kept[k] != tuple(whole[k].shape):
+            raise ConfigError(f"checkpoint {folder}: {k!r} has shape {kept[k]} in the checkpoint but "
+                              f"{tuple(whole[k].shape)} in this model{OTHER_RUN}")
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:

@@ -26,7 +26,7 @@ from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, flat_pieces, host_copy
-from framework.persist.weights import save_on_model_save
+from framework.persist.weights import save_on_model_save, whole_tensors
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
 _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer", "sum_of_squares": "sum",
@@ -80,6 +80,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+    if group.rank == 0:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
+        out.update({k: host_copy(t) for k, t in whole_tensors(c.module).items()})
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
         + 4096 * len(out) + (64 << 10)
