@@ -8,6 +8,7 @@ it per job hangs under torchrun).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -18,7 +19,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -34,6 +35,27 @@ from framework.cli.loop import train
 
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None) -> dict:
     """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
+    with sigterm_exits():
+        return _launch(cfg, run, on_point)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
+    as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
+    after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
+    every process, and the launcher passes it on to its ranks). The previous handler comes back after."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -> dict:
     os.environ.update(slurm_task_env())
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
@@ -108,6 +130,7 @@ def slurm_task_env() -> dict[str, str]:
 RDZV_PREFIX = "framework-rdzv-"
 RDZV_LOCK = "owner.lock"
 UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
+STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
@@ -118,8 +141,14 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
-        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"), on_point),
-                           nprocs=cfg.dist.nproc, join=True, start_method="spawn")
+        ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
+                                                  on_point), nprocs=cfg.dist.nproc, join=False, start_method="spawn")
+        try:
+            while not ranks.join():
+                pass
+        except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
+            _stop(ranks.processes, STOP_GRACE_S if isinstance(e, KeyboardInterrupt) else 0.0)
+            raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
         raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
@@ -131,6 +160,19 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _stop(ranks: list, grace_s: float) -> None:
+    """Wait for the ranks to end; those still running after ``grace_s`` (Ctrl-C reaches every process of
+    the terminal's group, a SIGTERM to the launcher alone does not) get SIGTERM, so each removes its files."""
+    deadline = time.monotonic() + grace_s
+    for p in ranks:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in ranks:
+        if p.is_alive():
+            p.terminate()
+    for p in ranks:
+        p.join()
 
 
 def _hold(path: str, create: bool = False) -> int:
@@ -187,13 +229,17 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
-        dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
-        train(cfg, run, dist, on_point)
-        # Leave together: no rank closes its gloo connections while a peer still waits on one.
-        dist.barrier("shutdown barrier")
+        with sigterm_exits():
+            dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
+            train(cfg, run, dist, on_point)
+            # Leave together: no rank closes its gloo connections while a peer still waits on one.
+            dist.barrier("shutdown barrier")
     except FrameworkError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
+        print(f"rank {rank}: {str(e) or 'interrupted'}", file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         disconnect()
 

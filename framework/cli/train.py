@@ -139,6 +139,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except FrameworkError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(1)
+        except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
+            print(str(e) or "interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
     return job
 
 
