@@ -63,11 +63,11 @@ class Shortfall:
     need: int
     free: int
 
-    def describe(self, what: str) -> str:
+    def describe(self, what: str, verb: str = "need") -> str:
         where = ", ".join(self.folders)
         ranks = (f"rank {self.ranks[0]}" if len(self.ranks) == 1
                  else f"ranks {', '.join(map(str, self.ranks))}, sharing this file system,")
-        return (f"{where}: {what} of {ranks} need {size(self.need)} but the file system has {size(self.free)} free")
+        return (f"{where}: {what} of {ranks} {verb} {size(self.need)} but the file system has {size(self.free)} free")
 
 
 def shortfalls(claims: list[Claim]) -> list[Shortfall]:
