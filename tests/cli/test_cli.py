@@ -221,7 +221,9 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
         p = subprocess.Popen([sys.executable, "-m", "framework.train", *SHORT[4:], "train.steps=100000",
                               "train.log_every=1", "train.eval_every=0", "+stage=zero2", "offload=nvme",
                               f"dist.nproc={nproc}", f"hydra.run.dir={run}"],
-                             cwd=tmp_path, env={**os.environ, **ENV}, stdout=out, stderr=err, start_new_session=True)
+                             cwd=tmp_path, env={**os.environ, **ENV}, stdout=out, stderr=err, start_new_session=True,
+                             # as a terminal's: a test run in the background inherits SIGINT ignored
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 180
             while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
