@@ -26,11 +26,13 @@ class Claim:
     free: int            # bytes an unprivileged writer may use there now
     need: int            # bytes this rank will write
     folder: str
+    missing: bool = False   # the folder does not exist yet (the writer will make it)
 
     @staticmethod
     def of(folder: str | os.PathLike, need: int, rank: int = 0) -> "Claim":
         probe = nearest_existing(Path(folder))
-        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder))
+        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder),
+                     probe != Path(folder).absolute())
 
 
 def free_bytes(folder: str | os.PathLike) -> int:

@@ -36,18 +36,19 @@ if TYPE_CHECKING:   # the component module builds the placements: no import back
     from framework.offload.nvme import NVMeOffloadConfig
 
 
-def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> None:
+def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
     """``check()`` on this rank, then with every rank of ``dist`` the room the swap files of ``stores``
     (kind -> ``DiskStore`` or None) still need, summed per file system (``agree_room``)."""
     rank = dist.rank if dist is not None else 0
-    agree_room(dist, folder, lambda: sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
+    return agree_room(dist, folder, lambda: sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
                                          for kind, store in stores.items() if store is not None), check)
 
 
-def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> None:
+def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
     """``check()`` on this rank, and the bytes ``need()`` of swap files in ``folder`` summed over the ranks
     of ``dist`` that share its file system: every rank raises the same one-line ConfigError, so none dies
-    alone while the others wait for it."""
+    alone while the others wait for it. True: a rank sharing the file system found ``folder`` missing
+    (this run makes it, and whichever rank closes last removes it once empty)."""
     rank = dist.rank if dist is not None else 0
     error, claim = None, None
     try:
@@ -69,6 +70,7 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
     errors = [e for _, e in everyone if e]
     if errors:
         raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
+    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
 
 
 def _allocated(path) -> int:
@@ -88,7 +90,7 @@ class NVMePlacement(HostPlacement):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
-        self._made: str | None = None     # the swap folder, when this run made it
+        self._made: str | None = None     # the swap folder, when a rank of this run made it
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
@@ -137,8 +139,9 @@ class NVMePlacement(HostPlacement):
         pools = spec.buffer_count * tile * fp32
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        agree_room(self.dist, spec.nvme_path or tempfile.gettempdir(), need,
-                   partial(self.check_ram, pools, "at least "), verb="need at least")
+        if agree_room(self.dist, spec.nvme_path or tempfile.gettempdir(), need,
+                      partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
+            self._made = spec.nvme_path
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()
@@ -149,8 +152,6 @@ class NVMePlacement(HostPlacement):
 
     def folder(self) -> str:
         if self.spec.nvme_path is not None:
-            if self._made is None and not Path(self.spec.nvme_path).exists():
-                self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
             return self.spec.nvme_path
         if self._tmpdir is None:   # library use without a run directory: a private folder
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
@@ -161,7 +162,8 @@ class NVMePlacement(HostPlacement):
         engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
         cannot stops every rank (``agree``), none is left waiting in a collective."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
-        agree_swap_room(self.dist, self.folder(), stores, check)
+        if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
+            self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
         failed = None
         try:
             rank = self.dist.rank if self.dist is not None else 0

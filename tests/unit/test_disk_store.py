@@ -225,3 +225,30 @@ def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
                                    "file system, need at least "), str(e.value)
     assert "GiB (" in str(e.value) and "\n" not in str(e.value)
     placement.expect(numel // 4, torch.bfloat16)   # both fit
+
+
+class _PeerMade:
+    """Rank 1 of two on one host, whose peer (rank 0) found the swap folder missing and made it."""
+    rank, world, device = 1, 2, torch.device("cpu")
+
+    def all_gather_object(self, obj, what):
+        import dataclasses
+
+        claim, error = obj
+        return [(dataclasses.replace(claim, rank=0, missing=True), None), obj]
+
+
+def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
+    """Only the rank that found the folder missing knew this run made it: the ranks agree, so whichever
+    closes last (its files gone, the folder empty) removes it; a folder no rank made is kept."""
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    folder = tmp_path / "nvme"
+    for peer_made in (True, False):
+        folder.mkdir()
+        placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3"), for_device(torch.device("cpu")))
+        placement.connect(_PeerMade() if peer_made else _TwoRanks())
+        placement.expect(1024, torch.bfloat16)
+        placement.close()
+        assert folder.exists() is not peer_made
+    folder.rmdir()
