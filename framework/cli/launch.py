@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +49,9 @@ def sigterm_exits() -> Iterator[None]:
     def stop(signum, frame):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
+        yield
+        return
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         yield
