@@ -23,7 +23,7 @@ def main() -> None:
 
     cases = rows = 0
     grid = itertools.product((2851e6, 1.417e9, 124_475_904, 7e9, 804_096), (32e6, 103_022_592, 65_536),
-                             (1, 2, 8), (1, 2, 4))
+                             (1, 2, 8), (1, 2, 3, 4, 5, 7))
     for P, L, G, N in grid:
         ours2 = zero2_rows(P, G, N)
         for row, off in zip(ours2, (True, False)):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import data_vocab, hf_loss, predict
+from framework.memory.model import build_vocab, hf_loss, predict
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
 from framework.cli import run_command
@@ -64,14 +64,15 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
 
 
 def resolve_model(value: str, overrides: list[str]):
-    """(module on meta, composed Config, whether it is a Hugging Face model) for ``model=value``."""
+    """(module on meta, composed Config, whether it is a Hugging Face model, where its vocabulary comes
+    from: ``memory.model.build_vocab``) for ``model=value``."""
     path = Path(value)
     hf = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
     yaml = path.suffix in (".yaml", ".yml")
     if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     if hf:   # our stages, precision, batch and offload keys around it
-        return hf_model_from_config(path), compose(overrides), True
+        return hf_model_from_config(path), compose(overrides), True, "model"
     if yaml:
         from omegaconf import OmegaConf
 
@@ -86,8 +87,9 @@ def resolve_model(value: str, overrides: list[str]):
         cfg = compose([f"model={value}", *overrides])
     from framework.engine.build import component
 
+    vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):
-        return component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg)), cfg, False
+        return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
@@ -108,15 +110,21 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if not 0 <= factor < float("inf"):
         raise ConfigError(f"estimate: buffer_factor={own['buffer_factor']} must be >= 0 (DeepSpeed's default: 1.5)")
     cfg = module = None
+    out: dict = {}
     if "model" in own:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
-        module, cfg, hf = resolve_model(own["model"], overrides)
+        nproc = [o for o in overrides if o.split("=")[0].lstrip("+~") == "dist.nproc"]
+        if nproc and ("gpus_per_node" in own or "nodes" in own) and nproc[-1].split("=", 1)[-1] != str(gpus * nodes):
+            raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
+                              "give one of them")
+        module, cfg, hf, source = resolve_model(own["model"], overrides)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
                               f"model={own['model']} use model.context=N")
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
+        out["vocab"] = {"size": (getattr(module, "config", None) or module.cfg).vocab_size, "from": source}
     elif "params" in own:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
@@ -136,8 +144,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
     keys = NVMeKeys(**{**ours, **given, **{k: _count(own, k) for k in NVME_KEYS if k in own}})
-    out: dict = {"params": params, "largest_layer": largest, "gpus_per_node": gpus, "nodes": nodes}
+    out.update(params=params, largest_layer=largest, gpus_per_node=gpus, nodes=nodes)
     layer = f", {int(largest / 1e6)}M largest layer params" if largest is not None else ""
+    if "vocab" in out:
+        layer += f"; vocab {out['vocab']['size']} (from {out['vocab']['from']})"
     text = [f"Model states (params, gradients, optimizer state) for {nodes} {'nodes' if nodes > 1 else 'node'} x "
             f"{gpus} {'GPUs' if gpus > 1 else 'GPU'} per node; model with {int(params / 1e6)}M total params{layer}."]
 

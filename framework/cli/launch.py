@@ -29,7 +29,8 @@ from framework.persist.checkpoint import preflight
 from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
                                        resolve_backend)
-from framework.core.errors import FrameworkError
+from framework.core import files
+from framework.core.errors import ConfigError, FrameworkError
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -61,6 +62,12 @@ def sigterm_exits() -> Iterator[None]:
 
 def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -> dict:
     os.environ.update(slurm_task_env())
+    check_launch_env(cfg)
+    with contextlib.ExitStack() as held:   # the run folder's lock (rank 0 / the launcher), until the run ends
+        return _launch(cfg, run, on_point, held)
+
+
+def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None, held: contextlib.ExitStack) -> dict:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
         already = torch.distributed.is_initialized()
         cap_threads(local_world_size())
@@ -69,20 +76,67 @@ def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -
         if not already:
             atexit.register(disconnect)
         run = _agree_run_dir(run, dist)
-        # Rank 0 checks (checkpoints live where every rank sees them) and resolves "latest" once;
-        # every rank stops with its error, or trains the config it resolved.
-        mine = agree(dist, lambda: preflight(cfg, run.run_dir, run.job) if dist.is_main else None,
+        # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
+        # "latest" once; every rank stops with its error, or trains the config it resolved.
+        mine = agree(dist, lambda: _own_and_preflight(cfg, run, held) if dist.is_main else None,
                      "the checkpoint pre-flight")
         return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
     # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
     # once so that every rank loads the same folder.
-    cfg = preflight(cfg, run.run_dir, run.job)
+    cfg = _own_and_preflight(cfg, run, held)
     if cfg.dist.nproc == 1:
         return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
     # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
     resolve_backend(cfg.dist.backend, cfg.dist.nproc)
     _notice(cfg, cfg.dist.nproc, True)
     return _spawn(cfg, run, on_point)
+
+
+def _own_and_preflight(cfg: Config, run: RunInfo, held: contextlib.ExitStack) -> Config:
+    held.callback(os.close, own_run_folder(run))
+    return preflight(cfg, run.run_dir, run.job)
+
+
+RUN_LOCK = "run.lock"
+
+
+def own_run_folder(run: RunInfo) -> int:
+    """A descriptor holding an exclusive lock on the run folder's run.lock for as long as it stays
+    open (the kernel drops it when the process dies, however it dies): two runs started in the same
+    second (the default folder is named by the time) would mix their records and checkpoints."""
+    files.make_dirs(run.run_dir)
+    fd = files.open_nofollow(run.run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        key = "hydra.sweep.dir" if run.job else "hydra.run.dir"
+        raise FrameworkError(f"run folder {run.run_dir} is in use by another run (it holds {RUN_LOCK}); "
+                             f"give this run a folder of its own: {key}=PATH") from None
+    return fd
+
+
+def check_launch_env(cfg: Config) -> None:
+    """One line, before anything connects or spawns, for a launch environment that cannot work: a
+    leftover WORLD_SIZE without the rest of torchrun's variables, a dist.nproc that an external
+    launcher's WORLD_SIZE overrules, or Slurm tasks that nothing made into one group."""
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world > 1 and not torch.distributed.is_initialized():   # (a group the user made needs none)
+        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
+        if missing:
+            raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                              f"not: launch with torchrun (or dist.nproc=N for local ranks), or unset WORLD_SIZE")
+    if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
+        raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
+                          f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
+    # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
+    key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    tasks = int(env.get(key, "1"))
+    if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
+        raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
+                          f"would train alone into one run folder); run torchrun under srun "
+                          f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

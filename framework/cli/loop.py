@@ -14,7 +14,9 @@ from framework.engine.build import component, initialize
 from framework.core import files
 from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
+from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist
+from framework.core.errors import ConfigError
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
@@ -44,6 +46,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
     torch.manual_seed(cfg.seed)  # same model initialisation on every rank
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
+    if cfg.sources.get("model.vocab_size") == COMMAND_LINE and cfg.model.vocab_size != data.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} differs from the {data.vocab_size} token ids of the "
+                          f"data, which set the model's vocabulary; drop model.vocab_size (set data.vocab_size "
+                          f"where the data source has it)")
     model = component(cfg, "model")
     with zero_init():  # on the meta device: the stage materialises parameters (only its shard under zero3)
         module = model.build(cfg.model, vocab_size=data.vocab_size)
@@ -58,14 +64,15 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     shard = dict(rank=dist.rank, world=dist.world)
     val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
-    logger = (RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run)) if dist.is_main
-              else NullLogger())
+    logger = NullLogger()
     losses, evals = [], []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
         state = ckpt.resume(state)
+        if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
+            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()
@@ -92,11 +99,15 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 eval_s += time.perf_counter() - t_eval
                 logger.log({"step": state.step, "val_loss": evals[-1]})
             ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+        if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
+            evals.append(engine.eval_step(state, val))
         ckpt.wait()
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
+            # The mean of the last log_every steps' losses (metrics.jsonl has single steps' losses).
             "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
+            "train_loss_steps": min(len(losses), t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)

@@ -8,15 +8,16 @@
 
 The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
-``stages=``, ``offloads=``, ``checkpointing=true,false``). Memory per rank comes from
-``framework.estimate``'s prediction (activations traced on the meta device); a candidate fits when
-its device peak fits ``gpu_mem`` (on a CPU-only machine: its whole peak, plus the resident set of a
-process with torch loaded as the probe measured it, fits ``cpu_mem`` over all ranks)
-and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
+``stages=``, ``offloads=``, ``checkpointing=true,false``). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
+(activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
+CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
+measured it, fits ``cpu_mem`` over all ranks) and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
 short probe (``framework.memory.probe``; cached in the user cache dir): compute at the measured matmul
 rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
 measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
-host<->device copies, disk.
+host<->device copies, disk. The probe measures this machine: ``gpu_mem=`` on a host without CUDA
+checks memory against those GPUs, but the times (and so the order) are this CPU's (a note says so).
 Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
 optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
 ``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
@@ -40,6 +41,7 @@ from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
+from framework.memory.model import build_vocab
 from framework.memory.planner import Candidate, Hardware, Planned, candidates, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
@@ -48,6 +50,8 @@ OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "st
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
     top = [p for p in planned if p.fits][:k]
+    if not top:
+        raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
         group = Path(d) / "search" / "plan"
         group.mkdir(parents=True)
@@ -63,7 +67,8 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
                "logger=none", f"dist.nproc={hw.ranks}", f"hydra.sweep.dir={sweep}"]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
-            raise FrameworkError(f"plan --verify: the multirun failed: {run.stderr.strip().splitlines()[-1:]}")
+            last = (run.stderr.strip().splitlines() or [f"exit code {run.returncode}"])[-1]
+            raise FrameworkError(f"plan --verify: the multirun failed: {last}")
         results = []
         for p, job in zip(top, load_jobs(sweep)):
             c = job.summary["config"]
@@ -108,7 +113,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe)
-    print(_describe(hw, probe, cfg, planned, flags["top"]))
+    vocab, source = build_vocab(cfg, base)
+    vocab = vocab or getattr(cfg.model, "vocab_size", None)
+    print(_describe(hw, probe, cfg, planned, flags["top"],
+                    f"vocab {vocab} (from {source})" if vocab else "the model's own vocabulary"))
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
@@ -127,7 +135,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
 
 
-def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) -> str:
+def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str) -> str:
     gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
     lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, {hw.nvme / GiB:.0f} GiB disk",
              f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
@@ -136,7 +144,11 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int) 
              f"M params/s, disk w/r {probe['disk_write_bytes_s'] / GB:.2f}/{probe['disk_read_bytes_s'] / GB:.2f} "
              f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / GB:.2f} GB/s"
                         if probe.get("allreduce_bytes_s") else ""),
-             f"model {cfg.choices['model']}, precision {cfg.choices['precision']}, context {cfg.model.context}",
+             f"model {cfg.choices['model']}, {vocab}, precision {cfg.choices['precision']}, "
+             f"context {cfg.model.context}",
+             *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
+                "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
+               if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
              "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
     fitting = [p for p in planned if p.fits]
     for i, p in enumerate(fitting[:top]):

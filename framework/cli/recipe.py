@@ -157,11 +157,13 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
         cfg = compose_jobs(recipe, list(recipe.spec["runs"][0]))[0]
         out = Path(cfg.data.path)
     from framework.data.text import prepare_chars
+    from framework.data.tokens import meta_path
 
-    meta = prepare_chars(source, Path(out).expanduser())
+    out = Path(out).expanduser()
+    meta = prepare_chars(source, out)
     want = recipe.expected.get("data") or {}
     print(f"wrote {out} ({meta['train_tokens'] + meta['val_tokens']:,} tokens, vocab {meta['vocab_size']}: "
-          f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,}) and {Path(out).parent / 'meta.json'}")
+          f"train {meta['train_tokens']:,} / val {meta['val_tokens']:,}) and {meta_path(out)}")
     if want.get("source_sha256") and want["source_sha256"] != meta["source_sha256"]:
         print(f"warning: {meta['source']} has sha256 {meta['source_sha256']}, not the reference's "
               f"{want['source_sha256']}: the expected numbers assume the reference file", file=sys.stderr)

@@ -148,7 +148,7 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
     """One row per job (its own overrides; the shared ones are listed above the table); memory
     columns are the largest value over the job's ranks."""
     cuda = any(j.peak("peak_device_allocated_bytes") is not None for j in jobs)
-    head = ["job", "overrides", "steps", "train loss", "val loss", "tokens/s", "peak RSS/rank MiB",
+    head = ["job", "overrides", "steps", "train loss (mean of last log_every steps)", "val loss", "tokens/s", "peak RSS/rank MiB",
             "added RSS/rank MiB"]
     if cuda:
         head += ["peak allocated/rank MiB", "peak reserved/rank MiB"]

@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import sys
 from pathlib import Path
 from typing import Callable
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -70,9 +72,29 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     axes = {}   # by key: a later override of the same key replaces the earlier one
     for o in parse_overrides(args.overrides):
         key = o.get_key_element()
-        axes[key] = ([f"{key}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override()
+        axes[key] = ([f"{key}={v}" for v in _sweep(o, primary, args.overrides)] if o.is_sweep_override()
                      else [f"{key}={o.get_value_element_as_str()}"])
     return [list(combo) for combo in itertools.product(*axes.values())], primary, folder
+
+
+def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
+    """The values of a sweep override as Hydra's basic sweeper enumerates them; ``glob`` against the
+    names of the config group (conf/ and the primary config's folder), which Hydra's parser cannot
+    list without its config loader."""
+    if o.value_type == ValueType.INTERVAL_SWEEP:
+        if any(x.startswith("hydra/sweeper=") for x in overrides):
+            return []   # that sweeper samples; its jobs are composed in the job
+        raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
+                          "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
+                          "(a,b,c) or use range(...)")
+    if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
+        return list(o.sweep_string_iterator())
+    group = o.key_or_group
+    folders = [conf_dir(), *([Path(primary["config_dir"])] if primary["config_dir"] else [])]
+    names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
+    if not names:
+        raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
+    return o.value().filter(names)
 
 
 def _key(overrides: list[str]) -> tuple[str, ...]:
@@ -120,9 +142,15 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
     print(OmegaConf.to_yaml(node), end="")
 
 
-def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None) -> Callable[[], None]:
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None,
+         failed: list[str]) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
-    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function."""
+    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
+    A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
+    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(_: DictConfig) -> float:
         hc = HydraConfig.get()
@@ -138,7 +166,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             return launch(config, run, on_point)["val_loss"]
         except FrameworkError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(1)
+            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
+                sys.exit(1)   # (another launcher reports the job's exit)
+            failed.append(f"job {hc.job.num} ({run.run_dir})")
+            return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
@@ -158,4 +189,9 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    _app(configs, on_point)()
+    failed: list[str] = []
+    _app(configs, on_point, failed)()
+    if failed:
+        print(f"error: {len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}",
+              file=sys.stderr)
+        sys.exit(1)

@@ -191,16 +191,30 @@ def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.de
     return torch.device("cpu")
 
 
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the group this process joined, else of the environment (RANK, WORLD_SIZE;
+    none: a single process). An environment that disagrees with the joined group is refused."""
+    if not tdist.is_initialized():
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    group = tdist.get_rank(), tdist.get_world_size()
+    wrong = [f"{k}={os.environ[k]}" for k, v in zip(("RANK", "WORLD_SIZE"), group)
+             if os.environ.get(k, str(v)) != str(v)]
+    if wrong:
+        raise ConfigError(f"this process joined a process group as rank {group[0]} of {group[1]}, but the "
+                          f"environment says {' '.join(wrong)}; unset it or make it match the group")
+    return group
+
+
 def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None,
             device: str = "auto") -> Dist:
     """Join the process group the environment describes (torchrun's or our spawner's RANK,
-    WORLD_SIZE, ...; none: a single process). The group is made once per process and reused
-    by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``: rendezvous
-    through a FileStore there instead of MASTER_ADDR/MASTER_PORT."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    WORLD_SIZE, ...; none: a single process), or the one this process already joined (the caller's
+    own ``init_process_group``; its backend is taken for ``auto``). The group is made once per process
+    and reused by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``:
+    rendezvous through a FileStore there instead of MASTER_ADDR/MASTER_PORT."""
+    rank, world = rank_and_world()
     local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    name = resolve_backend(backend)
+    name = tdist.get_backend() if backend == "auto" and tdist.is_initialized() else resolve_backend(backend)
     dev = pick_device(name, local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)   # before init_process_group(device_id=...), and for this thread

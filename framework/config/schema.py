@@ -25,7 +25,7 @@ class TrainLoopConfig:
 
 @dataclass(kw_only=True)
 class DistConfig:
-    nproc: int = 1              # >1: spawn this many local ranks (ignored under torchrun)
+    nproc: int = 1              # >1: spawn this many local ranks (under torchrun: 1 or its WORLD_SIZE)
     backend: str = "auto"       # auto | gloo | nccl
     timeout_s: float = 300.0    # any collective waiting longer fails with a message
 

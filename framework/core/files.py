@@ -106,7 +106,11 @@ def write_atomic(path: os.PathLike | str, data: bytes) -> None:
             write_new(tmp, data, dir_fd=dfd)
         except UnsafePathError:
             raise _refused(path.parent / tmp) from None
-        os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        try:
+            os.rename(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:   # e.g. a folder under that name: no full-size temporary left behind
+            os.unlink(tmp, dir_fd=dfd)
+            raise
         os.fsync(dfd)
     finally:
         os.close(dfd)

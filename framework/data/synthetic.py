@@ -22,6 +22,9 @@ from framework.core.errors import ConfigError
 from framework.core.registry import Component
 
 
+MAX_VOCAB = 4096
+
+
 @dataclass(kw_only=True)
 class SyntheticConfig:
     vocab_size: int = 64
@@ -35,6 +38,11 @@ class SyntheticConfig:
     def __post_init__(self) -> None:
         if self.vocab_size < 2:
             raise ConfigError(f"data.vocab_size must be >= 2, got {self.vocab_size}")
+        # The chain is dense: about 48 V^2 bytes of float64 tables plus an O(V^3) solve (0.8 GB and
+        # ~15 s on 2 cores at 4096, measured; 50304 would need ~120 GB). Every use here is <= 2048.
+        if self.vocab_size > MAX_VOCAB:
+            raise ConfigError(f"data.vocab_size must be <= {MAX_VOCAB} for synthetic data, got {self.vocab_size} "
+                              f"(its transition matrix is dense: ~48 V^2 bytes); use data=tokens for a larger vocabulary")
         if not self.concentration > 0:
             raise ConfigError(f"data.concentration must be > 0, got {self.concentration}")
 

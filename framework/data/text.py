@@ -1,12 +1,13 @@
 """Character-level text: the vocabulary is the sorted set of characters of the whole file; the
 first 90% of the characters (``int(0.9 * n)``) are the training split, the rest held out, and
 batches are random crops (``_base.CropSource``). ``prepare_chars`` writes the same encoding once
-as a uint16 token file for ``data=tokens`` (nanoGPT's format) plus a ``meta.json`` with the
+as a uint16 token file for ``data=tokens`` (nanoGPT's format) plus its ``<stem>.meta.json`` with the
 vocabulary; its ``val_fraction`` of 0.1 gives exactly this module's split."""
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from framework.core import files
 from framework.data._base import CropSource, resolve_path
+from framework.data.tokens import meta_path, read_meta
 from framework.core.errors import DataError
 from framework.core.registry import Component
 
@@ -48,17 +50,29 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
 
 def prepare_chars(source: str, out: Path) -> dict:
     """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
-    file in order) and ``out.parent / "meta.json"`` (each written atomically); return the metadata."""
+    file in order) and its ``<stem>.meta.json`` (each written atomically); return the metadata.
+    ``out`` must be new or this function's own earlier output: nothing else is overwritten."""
     path, ids, chars, split = encode_file(source)
     if len(chars) > 1 << 16:
         raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
+    if out.is_dir():
+        raise DataError(f"--out {out} is a folder; give the token file to write, e.g. --out {out / 'tokens.bin'}")
+    if out.exists():
+        if os.path.samefile(out, path):   # a link to it too
+            raise DataError(f"--out {out} is the text file being encoded (data.path); write the tokens to "
+                            f"another file")
+        _, old = read_meta(out)
+        if not isinstance(old.get("train_tokens"), int) or not isinstance(old.get("val_tokens"), int) \
+                or out.stat().st_size != 2 * (old["train_tokens"] + old["val_tokens"]):
+            raise DataError(f"--out {out} exists and is not a token file prepare wrote (no {meta_path(out)} "
+                            f"describes it); remove it or choose another file")
     meta = {"source": str(path), "source_bytes": path.stat().st_size,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
             "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION}
     files.make_dirs(out.parent)
     files.write_atomic(out, ids.astype("<u2").tobytes())   # never through a planted link
-    files.write_atomic(out.parent / "meta.json", (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+    files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
     return meta
 
 

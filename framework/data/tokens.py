@@ -2,11 +2,13 @@
 
 The file is memory-mapped, never loaded: each batch reads only its crops, so it scales to
 files larger than RAM. The last ``val_fraction`` of the tokens is the held-out split.
+``<stem>.meta.json`` beside it (``recipe prepare`` writes one per token file) gives its vocabulary.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -18,7 +20,7 @@ from framework.core.registry import Component
 @dataclass(kw_only=True)
 class TokensConfig:
     path: str               # relative paths: working directory first, then the repo root
-    vocab_size: int | None = None   # the tokenizer's size (50304 for padded GPT-2); None: meta.json beside it
+    vocab_size: int | None = None   # the tokenizer's size (50304 for padded GPT-2); None: the file's meta
     val_fraction: float = 0.1
 
     def __post_init__(self) -> None:
@@ -37,7 +39,14 @@ class TokensSource(CropSource):
                             f"file; point data.path at a .bin of uint16 token ids")
         if path.stat().st_size == 0:
             raise DataError(f"{path} is empty; point data.path at a .bin of uint16 token ids")
-        vocab = cfg.vocab_size if cfg.vocab_size is not None else _meta_vocab(path)
+        meta, own = _meta_vocab(path)
+        vocab = cfg.vocab_size if cfg.vocab_size is not None else own
+        if vocab is None:
+            raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size "
+                              f"to the tokenizer's size")
+        if own is not None and vocab < own:
+            raise ConfigError(f"data.vocab_size={vocab} is smaller than the {own} token ids of {meta}: its "
+                              f"tokens would be out of range; set data.vocab_size={own} (or null: the file's own)")
         try:
             data = np.memmap(path, dtype="<u2", mode="r")
         except OSError as e:
@@ -48,17 +57,45 @@ class TokensSource(CropSource):
                          seed=seed, context=context, kind="tokens", path=path)
 
 
-def _meta_vocab(path) -> int:
-    """The vocabulary size that ``prepare`` wrote into meta.json beside the token file."""
-    meta = path.parent / "meta.json"
-    try:
-        vocab = json.loads(meta.read_text())["vocab_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size to the "
-                          f"tokenizer's size") from None
-    if not isinstance(vocab, int) or not 1 <= vocab <= 1 << 16:
+def meta_path(path: Path) -> Path:
+    """Where ``recipe prepare`` writes the metadata of the token file ``path``: ``<stem>.meta.json``."""
+    return path.with_name(f"{path.stem}.meta.json")
+
+
+def read_meta(path: Path) -> tuple[Path, dict]:
+    """The metadata of the token file ``path`` and where it is: its own ``<stem>.meta.json``, else a
+    folder-wide ``meta.json`` (written by earlier versions, or by hand) unless that names another
+    token file; ``(meta_path(path), {})`` when there is none."""
+    for meta in (meta_path(path), path.parent / "meta.json"):
+        try:
+            found = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(found, dict) and found.get("tokens", path.name) == path.name:
+            return meta, found
+    return meta_path(path), {}
+
+
+def _meta_vocab(path: Path) -> tuple[Path, int | None]:
+    """Where the token file's metadata is and the vocabulary size it gives (None: none)."""
+    meta, found = read_meta(path)
+    vocab = found.get("vocab_size")
+    if vocab is not None and (not isinstance(vocab, int) or not 1 <= vocab <= 1 << 16):
         raise ConfigError(f"{meta}: vocab_size {vocab!r} is not in [1, 65536]; set data.vocab_size")
-    return vocab
+    return meta, vocab
 
 
-COMPONENT = Component(config=TokensConfig, build=TokensSource)
+def _notes(cfg: TokensConfig) -> list[str]:
+    """A data.vocab_size above the file's own vocabulary: valid (unused ids), but worth a word."""
+    try:
+        meta, own = _meta_vocab(resolve_path(cfg.path, key="data.path"))
+    except (DataError, ConfigError):   # the build says it, in its own words
+        return []
+    if cfg.vocab_size is None or own is None or cfg.vocab_size <= own:
+        return []
+    return [f"note: data.vocab_size={cfg.vocab_size} is larger than the {own} token ids of {meta}: "
+            f"{cfg.vocab_size - own} of the model's vocabulary rows are never used; set data.vocab_size=null "
+            f"to take the file's"]
+
+
+COMPONENT = Component(config=TokensConfig, build=TokensSource, notes=_notes)

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from dataclasses import replace
 from typing import Any, Iterator, Mapping, Sequence
@@ -18,8 +17,8 @@ import torch
 from torch import nn
 
 from framework.config import Config, compose
-from framework.core.errors import ConfigError, FrameworkError
-from framework.comm.distributed import Dist, agree, connect
+from framework.core.errors import ConfigError, DataError, FrameworkError
+from framework.comm.distributed import Dist, agree, connect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
@@ -53,6 +52,13 @@ class Engine:
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open()
+        cur = self._state
+        # Its tensors are updated in place: an older state's step, optimizer and loss-scale counters
+        # no longer match them (the same state with other scalars, e.g. the CLI's RNG, is the current one).
+        if state is not cur and (state.step != cur.step or state.params is not cur.params):
+            raise FrameworkError(f"train_step: this state (step {state.step}) is not the one the last train_step, "
+                                 f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
+                                 f"in place since: pass the state train_step returned (engine.state)")
         state, metrics = self._train_step(state, batch)
         self._state = state
         return state, metrics
@@ -60,6 +66,8 @@ class Engine:
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over this rank's share of fixed batches, averaged over ranks (no grad)."""
         self._check_open()
+        if not batches:   # before the collective: every rank stops here alike
+            raise DataError("eval_step: no batches; pass a list of at least one batch")
         c = self.components
         was_training = c.module.training
         c.module.eval()
@@ -180,7 +188,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
     if cfg is None:
-        world = dist.world if dist is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
                       hidden_from_model=False)
         if (dist is None or dist.is_main) and cfg.notices:
@@ -200,7 +208,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
     c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
-                   stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite)
+                   stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite,
+                   grad_accum=cfg.train.grad_accum)
     state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
                        precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
     return Engine(c, state, cfg)

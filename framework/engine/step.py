@@ -18,7 +18,7 @@ from torch import nn
 
 from framework.core.batch import Batch
 from framework.comm.distributed import Dist
-from framework.core.errors import TrainingError
+from framework.core.errors import DataError, TrainingError
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import Stage
@@ -40,12 +40,17 @@ class Components:
     dist: Dist
     update: Update                # optimizer step + publish (framework.engine.update)
     on_nonfinite: str = "stop"    # non-finite loss or gradient norm without loss scaling: stop | warn
+    grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
 
 def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
+        if len(batch.micro) != c.grad_accum:   # before any collective: every rank stops here alike
+            raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
+                            f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "
+                            f"(one (x, y) micro batch is Batch(((x, y),)))")
         restore_rng(state.rng, c.dist.device)
         scale = state.precision.cur_scale
         n = len(batch.micro)

@@ -6,8 +6,10 @@ chosen; loggers add a console view and/or an external service.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +40,18 @@ class NullLogger:
 
 
 class RunRecord:
-    """Rank 0's logger: append-only metrics.jsonl plus an atomically written summary.json, then
-    the configured ``logger``."""
+    """Rank 0's logger: metrics.jsonl (one record per logged step of this run's history) plus an
+    atomically written summary.json, then the configured ``logger``.
 
-    def __init__(self, run_dir: Path, logger: NullLogger | None = None):
+    ``start``: the step this run trains from (0, or the checkpoint's it resumed). Records of later
+    steps in the folder (an earlier run's, or steps after that checkpoint) would repeat or mix with
+    this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a fresh start an
+    earlier ``summary.json`` too (``summary.json.N``), so nothing is lost."""
+
+    def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
         self.run_dir, self.logger = run_dir, logger if logger is not None else NullLogger()
+        _set_aside(run_dir, start)
         self._metrics = files.open_append(run_dir / "metrics.jsonl")   # never through a planted link
 
     def start(self, config: dict, total_steps: int) -> None:
@@ -54,12 +62,58 @@ class RunRecord:
         self.logger.log(record)
 
     def finish(self, summary: dict) -> None:
-        files.write_atomic(self.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+        kept = _summary(self.run_dir) if summary["steps_run"] == 0 else None
+        if kept is not None and kept.get("steps") == summary["steps"]:
+            # A re-run that trained nothing (its checkpoint was at train.steps): the summary of the
+            # run that trained those steps holds their train loss, throughput and memory.
+            print(f"summary.json of step {summary['steps']} kept (no step left to train; val loss of the loaded "
+                  f"state {summary['val_loss']:.4f})", flush=True)
+            summary = kept
+        else:
+            files.write_atomic(self.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
         self.logger.finish(summary)
 
     def close(self) -> None:
         self.logger.close()
         self._metrics.close()
+
+
+def _summary(run_dir: Path) -> dict | None:
+    try:
+        with os.fdopen(files.open_nofollow(run_dir / "summary.json", os.O_RDONLY)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _set_aside(run_dir: Path, start: int) -> None:
+    """Keep in metrics.jsonl only the records of steps up to ``start`` (see ``RunRecord``)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with os.fdopen(files.open_nofollow(path, os.O_RDONLY)) as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        lines = []
+    keep = [line for line in lines if line.endswith("\n") and _step(line) <= start]   # (a line cut short: aside)
+    summary = run_dir / "summary.json"
+    aside = [p for p in (path if len(keep) < len(lines) else None, summary if start == 0 else None)
+             if p is not None and p.is_file()]
+    if not aside:
+        return
+    n = next(n for n in itertools.count(1) if not any(p.with_name(f"{p.name}.{n}").exists() for p in (path, summary)))
+    for p in aside:
+        os.rename(p, p.with_name(f"{p.name}.{n}"))
+    if path in aside:
+        files.write_atomic(path, "".join(keep).encode())
+    print(f"run folder: {' and '.join(p.name for p in aside)} of an earlier run set aside as "
+          f"{' and '.join(f'{p.name}.{n}' for p in aside)} (this run starts at step {start})", flush=True)
+
+
+def _step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 class _Tee:
@@ -180,8 +234,10 @@ class Console:
 
 
 def summary_line(s: dict) -> str:
-    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f} | val loss {s['val_loss']:.4f} | "
-            f"{s['tokens_per_s']:,.0f} tok/s")
+    window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
+    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f}"
+            + (f" (mean of last {window} steps)" if window else "")
+            + f" | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")
     if floor is not None:
         line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"

@@ -6,6 +6,7 @@ lazily (1-2.5 s) and only on rank 0.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -26,10 +27,11 @@ class WandbConfig:
 
 
 class WandbLogger:
-    def __init__(self, cfg: WandbConfig, run: RunInfo):
+    def __init__(self, cfg: WandbConfig, *, run: RunInfo):
         self.cfg, self.run_info = cfg, run
         self.console = Console(cfg.live)
         self.run = None
+        self.finished = False   # finish(summary) reached
 
     def start(self, config: dict, total_steps: int) -> None:
         import wandb
@@ -47,6 +49,7 @@ class WandbLogger:
 
     def finish(self, summary: dict) -> None:
         self.console.finish(summary)
+        self.finished = True
         if self.run is not None:
             for k, v in summary.items():
                 if isinstance(v, (int, float, str)):
@@ -55,14 +58,29 @@ class WandbLogger:
     def close(self) -> None:
         self.console.close()
         if self.run is not None:
-            self.run.finish()
+            # A run that ended before its summary failed: W&B records it so (exit code 0 is "finished").
+            self.run.finish(exit_code=None if self.finished else 1)
             self.run = None
 
 
-def build(cfg: WandbConfig, *, run: RunInfo) -> WandbLogger:
+FORBIDDEN = "/\\#?%:"   # W&B refuses these in a project name (after the run is set up)
+
+
+def check(cfg: WandbConfig, stage: str) -> WandbConfig:
+    """When composing, before any run folder or rank: what W&B would refuse only once the run starts."""
     if cfg.mode is not None and cfg.mode not in MODES:
         raise ConfigError(f"logger.mode={cfg.mode!r} is not one of {', '.join(MODES)}")
-    return WandbLogger(cfg, run)
+    env = os.environ.get("WANDB_MODE")
+    if cfg.mode is None and env and env not in MODES:
+        raise ConfigError(f"the environment variable WANDB_MODE={env!r} is not one of {', '.join(MODES)}; "
+                          "fix or unset it, or set logger.mode")
+    bad = sorted(set(FORBIDDEN) & set(cfg.project))
+    if bad:
+        raise ConfigError(f"logger.project={cfg.project!r} has a character W&B refuses ({' '.join(bad)}); "
+                          f"choose a name without any of {' '.join(FORBIDDEN)}")
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console")
+    return cfg
 
 
-COMPONENT = Component(config=WandbConfig, build=build)
+COMPONENT = Component(config=WandbConfig, build=WandbLogger, check=check)

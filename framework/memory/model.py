@@ -176,6 +176,17 @@ def data_vocab(cfg) -> int | None:
         return None
 
 
+def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
+    """(the ``vocab_size`` to build the model with, where it comes from) for ``estimate``/``plan``: the
+    data's vocabulary (as training builds it) when ``overrides`` choose the data (``data=`` or a
+    ``data.`` key), else the model config's own, so a preset counts at the size its YAML states."""
+    if any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides):
+        vocab = data_vocab(cfg)
+        if vocab is not None:
+            return vocab, f"data={cfg.choices['data']}"
+    return None, "model"
+
+
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks

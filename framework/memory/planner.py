@@ -12,12 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
-from framework.memory.model import data_vocab, predict
+from framework.memory.model import build_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
-from framework.core.units import GiB, KiB, MiB, TiB
+from framework.core import units
+from framework.core.units import GiB
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,11 @@ def detect(own: dict[str, str]) -> Hardware:
 
 
 def parse_bytes(text: str) -> int:
-    """``80G``/``80GiB`` (2^30), ``512M``, ``2T``, or plain bytes."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": GiB, "T": TiB}.get(t[-1:], 1)
+    """``80G`` = ``80GiB`` (2^30), ``80GB`` (10^9: ``framework.core.units``), ``512M``, ``2T``, or plain bytes."""
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
+        return units.parse_size(text, bare=1024)
     except ValueError:
-        raise ConfigError(f"plan: {text!r} is not a size; write e.g. 80G, 512M or 2T") from None
+        raise ConfigError(f"plan: {text!r} is not a size; write e.g. 80G, 80GB, 512M or 2T") from None
 
 
 # --- the roofline --------------------------------------------------------------------------------
@@ -202,7 +201,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
     from framework.config import compose
     from framework.engine.build import component
 
-    vocab = data_vocab(cfg)
+    vocab = build_vocab(cfg, base)[0]
 
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []

@@ -76,7 +76,9 @@ def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
 
 def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
                factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-3 estimate, rows in its order."""
+    """DeepSpeed's ZeRO-3 estimate, rows in its order. Products are taken in its order, left to right:
+    ``P * 18 * (1 / nodes)`` and ``P * (18 * (1 / nodes))`` differ in the last bit for 3, 5 or 7 nodes,
+    and int() truncates that to a byte."""
     t, per_node = gpus_per_node * nodes, 1 / nodes
     layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
     rows = []
@@ -84,10 +86,10 @@ def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, node
         for zero_init in (True, False):
             if par == "cpu":
                 gpu = layer
-                cpu = params * (18 * per_node if zero_init else max(4 * gpus_per_node, 18 * per_node)) * factor
+                cpu = (params * 18 * per_node if zero_init else params * max(4 * gpus_per_node, 18 * per_node)) * factor
             elif opt == "cpu":
                 gpu = layer + int(2 * params / t)
-                cpu = params * (16 * per_node if zero_init else max(4 * gpus_per_node, 16 * per_node)) * factor
+                cpu = (params * 16 * per_node if zero_init else params * max(4 * gpus_per_node, 16 * per_node)) * factor
             else:
                 gpu = layer + int(18 * params / t)
                 cpu = (largest_layer if zero_init else params) * 4 * gpus_per_node * factor

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from framework.core import files
+from framework.core import files, units
 from framework.core.errors import ConfigError
 from framework.core.units import MiB
 from framework.core.utils import few
@@ -177,15 +177,10 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
 def parse_size(size: int | str) -> int:
     """Bytes from ``5GB``, ``500MB``, ``1.5GiB`` or an integer (Hugging Face's convention:
     KB/MB/GB are powers of 1000, KiB/MiB/GiB of 1024)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        n = size
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(size), re.IGNORECASE)
-        if not m:
-            raise ConfigError(f"max_shard_size={size!r}: expected bytes as an integer or like '5GB', '500MB', '2GiB'")
-        unit = (m.group(2) or "B").upper()
-        base = 1024 if "I" in unit else 1000
-        n = int(float(m.group(1)) * base ** "BKMGT".index(unit[0]))
+    try:
+        n = size if isinstance(size, int) and not isinstance(size, bool) else units.parse_size(size)
+    except ValueError:
+        raise ConfigError(f"max_shard_size={size!r}: expected bytes as an integer or like '5GB', '500MB', '2GiB'") from None
     if n < 1:
         raise ConfigError(f"max_shard_size={size!r} must be at least 1 byte")
     return n

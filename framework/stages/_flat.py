@@ -134,7 +134,23 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
         layouts.append(layout)
         flats.append(flat)
         entries += [bound[name] for name, _ in named]
+    bind_frozen(module, dtype, dist, init)
     return kinds, layouts, flats, entries
+
+
+def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:
+    """Every frozen parameter (requires_grad=False) whole on every rank, as torch DDP and DeepSpeed keep
+    them: on ``dist.device``, in the working ``dtype`` when floating, rank 0's values (a meta one is
+    initialised by ``init`` and replaced by a new Parameter). No gradient, master or optimizer state."""
+    for name, p in list(module.named_parameters()):
+        if p.requires_grad:
+            continue
+        v = initial_values(init, name, p, dist.device).to(dtype if p.is_floating_point() else p.dtype).contiguous()
+        dist.broadcast(v, what=f"initial values of frozen {name!r}")
+        if p.is_meta:
+            replace_parameter(module, p, nn.Parameter(v, requires_grad=False))
+        else:
+            p.data = v
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

@@ -26,9 +26,10 @@ class UnitPlan:
 def plan_units(module: nn.Module, gather_unit, split_root: bool,
                persistence_threshold: int) -> tuple[list[UnitPlan], Named]:
     """The gather units (the root first, kept even when empty: its hooks open and close every pass)
-    and the parameters that stay gathered: the small ones, then those shared in a way no unit covers."""
+    and the parameters that stay gathered: the small ones, then those shared in a way no unit covers.
+    Frozen parameters are in neither: they stay whole on every rank (``_flat.bind_frozen``)."""
     unit_modules, owner = _assign_units(module, gather_unit, split_root)
-    all_named = list(module.named_parameters())
+    all_named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     units, persistent = [], []
     for idx, (uname, subs) in enumerate(unit_modules):
         named = [(n, p) for n, p in all_named if owner[id(p)] == idx]

@@ -18,7 +18,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import initial_values, make_layout, replace_parameter, unit_groups
+from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
@@ -60,17 +60,19 @@ class Zero3Stage(PartitionedStage):
         self.gatherer: Gatherer | None = None
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        self.policy = policy
+        self.module, self.policy = module, policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
         plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,
                                              self.cfg.stage3_param_persistence_threshold)
         names_of: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names_of.setdefault(id(p), []).append(name)
+        bind_frozen(module, policy.param_dtype, self.dist, self._init)   # whole on every rank, as under zero2
         all_named = list(module.named_parameters())  # before any parameter is replaced
         # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_disk.py (DiskPlacement).
         self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype)
-        self.offload.expect(sum(p.numel() for _, p in all_named) // self.dist.world, policy.param_dtype)
+        self.offload.expect(sum(p.numel() for _, p in all_named if p.requires_grad) // self.dist.world,
+                            policy.param_dtype)
         # One reusable buffer for materialising meta parameters (the largest one).
         metas = [p for _, p in all_named if p.is_meta]
         self._scratch = torch.empty(max((p.numel() for p in metas), default=0), dtype=torch.float32,
@@ -187,7 +189,9 @@ class Zero3Stage(PartitionedStage):
 
     def consolidated_state_dict(self) -> dict | None:
         """Gathers one unit at a time (collective)."""
-        out = {}
+        frozen = [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
+                  if not isinstance(p, ShardedParameter)]   # whole on every rank
+        out = {n: p.detach().to("cpu", copy=True) for n, p in frozen} if self.dist.is_main else {}  # host sync: as below
         for unit in self.gatherer.all_units:
             with gathered(unit.params):
                 if self.dist.is_main:

@@ -41,6 +41,9 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
     assert "entropy floor" in p.stdout and "val loss" in p.stdout
+    # The summary's train loss is a mean over the last log_every steps (metrics.jsonl logs single
+    # steps' losses): the console line and summary.json say over how many.
+    assert summary["train_loss_steps"] == 2 and "(mean of last 2 steps)" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -49,6 +52,8 @@ def test_default_job_shortened(forkrun, tmp_path):
     (["train.steps=ten"], "train.steps"),
     (["+stage=zero4"], "unknown stage 'zero4' (did you mean 'zero3'?)"),
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
+    (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
+    (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
 ])
 def test_bad_override_one_line(forkrun, tmp_path, args, needle):
     p = cli(forkrun, tmp_path, *args)
@@ -74,6 +79,54 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     first = [json.loads((tmp_path / "sweep" / str(i) / "metrics.jsonl").read_text().splitlines()[0])
              for i in (0, 1)]
     assert all(r["step"] == 2 for r in first)
+
+
+def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
+    (tmp_path / "t.txt").write_text("some text to train on, " * 20)
+    p = cli(forkrun, tmp_path, "-m", "data=text", "data.path=missing.txt,t.txt", *SHORT)
+    assert p.returncode == 1
+    assert (tmp_path / "sweep" / "1" / "summary.json").is_file()   # the job after the failed one ran
+    lines = error_lines(p)
+    assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
+    assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
+
+
+def test_glob_sweeps_the_names_of_a_group(forkrun, tmp_path):
+    from framework.cli.train import _jobs
+
+    assert _jobs(["-m", "optimizer=glob(ada*)", "seed=1"])[0] == [["optimizer=adagrad", "seed=1"],
+                                                                 ["optimizer=adam", "seed=1"],
+                                                                 ["optimizer=adamw", "seed=1"]]
+    p = cli(forkrun, tmp_path, "-m", "optimizer=glob([lion,sgd],exclude=sgd)", *SHORT)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "sweep" / "0" / "summary.json").read_text())["config"]["optimizer"]["name"] == "lion"
+    assert not (tmp_path / "sweep" / "1").exists()
+
+
+def test_rerunning_a_finished_run_keeps_its_summary(forkrun, tmp_path):
+    args = ["checkpoint.every=2", "train.steps=2", f"hydra.run.dir={tmp_path / 'done'}"]
+    first = forkrun.run("framework.train", [*SHORT, *args], cwd=tmp_path, env=ENV)
+    assert first.returncode == 0, first.stderr
+    summary, metrics = ((tmp_path / "done" / name).read_text() for name in ("summary.json", "metrics.jsonl"))
+    again = forkrun.run("framework.train", [*SHORT, *args], cwd=tmp_path, env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert "loss nan" not in again.stdout and "summary.json of step 2 kept" in again.stdout, again.stdout
+    assert (tmp_path / "done" / "summary.json").read_text() == summary
+    assert (tmp_path / "done" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_second_run_into_a_live_runs_folder_is_refused(forkrun, tmp_path):
+    from framework.cli.launch import own_run_folder
+    from framework.loggers import RunInfo
+
+    fd = own_run_folder(RunInfo(tmp_path / "run", None, None))   # a live run holds it
+    try:
+        p = cli(forkrun, tmp_path, *SHORT)
+    finally:
+        os.close(fd)
+    assert p.returncode == 1 and "loss" not in p.stdout
+    lines = error_lines(p)
+    assert len(lines) == 1 and f"run folder {tmp_path / 'run'} is in use by another run" in lines[0], p.stderr
 
 
 def test_two_local_ranks(forkrun, tmp_path):

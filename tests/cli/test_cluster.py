@@ -109,3 +109,39 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_task_env() == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                                 "MASTER_ADDR": "gpu03", "MASTER_PORT": "29611"}
+
+
+@pytest.mark.parametrize("env,says", [
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "NPROC": "4"},
+     "dist.nproc=4 differs from WORLD_SIZE=2"),
+    ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS=4"),
+    ({"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS=2"),
+])
+def test_a_launch_environment_that_cannot_work_is_one_line(monkeypatch, tmp_path, env, says):
+    """A leftover WORLD_SIZE, dist.nproc under torchrun, or srun without torchrun/submitit: one line
+    before anything connects or spawns."""
+    from framework.cli.launch import launch
+    from framework.core.errors import ConfigError
+    from framework.loggers import RunInfo
+
+    for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_STEP_ID",
+                "SLURM_STEP_NUM_TASKS", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    nproc = env.pop("NPROC", "1")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cfg = compose(["train.steps=1", f"dist.nproc={nproc}", "logger=none"])
+    with pytest.raises(ConfigError) as e:
+        launch(cfg, RunInfo(tmp_path / "run", None, None))
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_one_process_in_an_interactive_slurm_step_runs(monkeypatch):
+    """salloc's interactive step keeps the allocation's SLURM_NTASKS; the step itself has one task."""
+    from framework.cli.launch import check_launch_env
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for key, value in {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_ID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    check_launch_env(compose(["train.steps=1"]))

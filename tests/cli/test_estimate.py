@@ -188,7 +188,7 @@ def test_nvme_prediction_puts_state_on_disk():
 def test_model_yaml_path(capsys):
     assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["params"] == count_params(dataclasses_replace_vocab(PRESETS["gpt-nano"], 64))
+    assert out["params"] == count_params(PRESETS["gpt-nano"])   # the YAML's own vocab_size (no data= given)
     assert out["prediction"]["items"]["params"]["device"] > 0
 
 
@@ -231,3 +231,36 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
                             ("33", "estimate: context=33 exceeds the model's max_position_embeddings (32)")):
         assert main([f"model={tmp_path}", f"context={context}"]) == 2
         assert needle in capsys.readouterr().err
+
+
+def test_preset_counts_with_its_own_vocabulary(capsys):
+    """Without data= on the command line a preset is counted at its config's vocab_size (as its YAML
+    states); data= (or a data.* key) counts it at the data's vocabulary, as training builds it."""
+    assert main(["model=gpt2-medium", "gpus_per_node=8", "nodes=2"]) == 0
+    out = capsys.readouterr().out
+    assert "model with 354M total params, 51M largest layer params; vocab 50304 (from model)" in out, out
+    assert main(["model=gpt-mini", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == count_params(PRESETS["gpt-mini"]) and out["vocab"] == {"size": 256, "from": "model"}
+    assert main(["model=gpt-mini", "data=synthetic", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 64))
+    assert out["vocab"] == {"size": 64, "from": "data=synthetic"}
+
+
+def test_zero3_rows_multiply_in_deepspeeds_order():
+    # DeepSpeed: int(total_params * 18 * (1 / num_nodes) * 1.5); 18 * (1 / 7) first is one byte less.
+    rows = zero3_rows(124475904, 32e6, 1, 7)
+    assert rows[0].cpu == int(124475904 * 18 * (1 / 7) * 1.5) == 480121344
+    assert rows[2].cpu == int(124475904 * 16 * (1 / 7) * 1.5)
+    for n in (3, 5, 7):
+        assert [r.cpu for r in zero3_rows(2851e6, 32e6, 8, n)][::2] == [
+            int(2851e6 * k * (1 / n) * 1.5) for k in (18, 16)] + [int(32e6 * 4 * 8 * 1.5)]
+
+
+def test_world_from_gpus_or_nproc_not_both(capsys):
+    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=4"]) == 2
+    err = capsys.readouterr().err
+    assert "estimate: dist.nproc=4 conflicts with gpus_per_node=/nodes=" in err and err.count("\n") == 1, err
+    # the same world both ways (the hf_gpt2_zero3 recipe's estimate) is no conflict
+    assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=2"]) == 0

@@ -29,6 +29,11 @@ def test_sizes_parse():
     assert parse_bytes("512M") == 2 ** 29 and parse_bytes("2T") == 2 * 2 ** 40 and parse_bytes("1000") == 1000
     with pytest.raises(Exception, match="not a size"):
         parse_bytes("big")
+    # B is decimal (framework.core.units), iB binary, a bare letter binary (as documented: 80G = 80 GiB).
+    assert parse_bytes("80GB") == 80 * 10 ** 9 and parse_bytes("2TB") == 2 * 10 ** 12 and parse_bytes("512MiB") == 2 ** 29
+    for bad in ("80IB", "80iB", "80 GBB", "80X", "G"):
+        with pytest.raises(Exception, match="not a size"):
+            parse_bytes(bad)
 
 
 def test_fits_and_order_follow_memory_and_time():
@@ -144,3 +149,50 @@ def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, 
     assert cli.main(["model=gpt-nano", *args]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
+
+
+def _quiet_probe(monkeypatch):
+    from framework.cli import plan as cli
+
+    monkeypatch.setattr(cli._probe, "load", lambda *a, **k: {**PROBE, "cache": "test", "process_rss_bytes": 0})
+    return cli
+
+
+SMALL = ["model=gpt-mini", "micro_batches=16", "stages=ddp", "checkpointing=false"]
+
+
+def test_plan_counts_the_model_vocabulary_unless_data_is_given(capsys, monkeypatch):
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main([*SMALL, "ranks=1"]) == 0
+    assert "vocab 256 (from model)" in capsys.readouterr().out
+    assert cli.main([*SMALL, "ranks=1", "data=synthetic"]) == 0
+    assert "vocab 64 (from data=synthetic)" in capsys.readouterr().out
+    hw = Hardware(torch.device("cuda", 0), 2 ** 36, 2 ** 36, 2 ** 40, 1)
+    own = {"micro_batches": "8", "stages": "ddp", "checkpointing": "false"}
+    model = plan(compose(BASE), BASE, hw, own, PROBE)[0]
+    data = plan(compose([*BASE, "data=synthetic"]), [*BASE, "data=synthetic"], hw, own, PROBE)[0]
+    assert model.device_peak > data.device_peak   # 256 x 384 embedding against 64 x 384
+
+
+def test_gpu_sizes_on_a_cpu_host_say_the_times_are_this_cpu(capsys, monkeypatch):
+    cli = _quiet_probe(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main([*SMALL, "gpu_mem=80G", "cpu_mem=512G", "ranks=1"]) == 0
+    out = capsys.readouterr().out
+    assert "step times are measured on this host's CPU" in out and "not on the GPUs" in out, out
+    assert cli.main([*SMALL, "ranks=1"]) == 0
+    assert "step times are measured on this host's CPU" not in capsys.readouterr().out
+
+
+def test_verify_refuses_when_nothing_fits_and_reports_failure_as_text(capsys, monkeypatch):
+    cli = _quiet_probe(monkeypatch)
+    monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
+    assert cli.main([*SMALL, "ranks=1", "cpu_mem=1M", "--verify", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "plan --verify: no setup fits; nothing to run" in err and err.count("\n") == 1, err
+    monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 1, "", "Traceback ...\nhydra.errors.ConfigCompositionException: boom\n"))
+    assert cli.main([*SMALL, "ranks=1", "--verify", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "plan --verify: the multirun failed: hydra.errors.ConfigCompositionException: boom" in err, err
+    assert "[" not in err and err.count("\n") == 1, err

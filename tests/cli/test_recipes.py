@@ -94,6 +94,7 @@ def test_report_of_a_multirun(equivalence, tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| run")]
     assert len(rows) == 4, md
     assert "`+stage=zero3`" in md and "no summary.json" in rows[-1]
+    assert "| train loss (mean of last log_every steps) |" in md, md
     jobs = report.load_jobs(sweep)
     done = [j for j in jobs if j.summary]
     for j, row in zip(done, rows):
@@ -146,7 +147,7 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
 
 @pytest.fixture(scope="module")
 def shakespeare_tokens(tmp_path_factory) -> Path:
-    """The prepare step as a user runs it: text -> uint16 tokens + meta.json, nanoGPT's split."""
+    """The prepare step as a user runs it: text -> uint16 tokens + tokens.meta.json, nanoGPT's split."""
     if not SHAKESPEARE.is_file():
         pytest.skip(f"{SHAKESPEARE} not available (tiny shakespeare; see recipes/shakespeare_char_cpu/README.md)")
     tokens = tmp_path_factory.mktemp("shakespeare") / "data" / "tokens.bin"
@@ -156,11 +157,35 @@ def shakespeare_tokens(tmp_path_factory) -> Path:
 
 
 def test_prepare_chars(shakespeare_tokens):
-    meta = json.loads((shakespeare_tokens.parent / "meta.json").read_text())
+    meta = json.loads((shakespeare_tokens.parent / "tokens.meta.json").read_text())
     assert (meta["vocab_size"], meta["train_tokens"], meta["val_tokens"]) == (65, 1_003_854, 111_540)
     assert meta["source_sha256"] == recipes.find("shakespeare_char_cpu").expected["data"]["source_sha256"]
     assert shakespeare_tokens.stat().st_size == 2 * 1_115_394
     assert meta["chars"][0] == "\n" and len(meta["chars"]) == 65
+
+
+def test_prepare_writes_only_a_new_file_or_its_own_earlier_output(tmp_path, capsys):
+    """The source text, a folder or another file as the output: one line, exit 2, nothing touched."""
+    src = tmp_path / "in.txt"
+    src.write_text("to be or not to be\n" * 20)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"keep")
+    (tmp_path / "outd").mkdir()
+
+    def prepare(out: Path) -> int:
+        return recipes.main(["shakespeare_char_cpu", "prepare", f"data.path={src}", "--out", str(out)])
+
+    for out, words in ((src, "is the text file"), (tmp_path / "outd", "is a folder"),
+                       (other, "is not a token file prepare wrote")):
+        capsys.readouterr()
+        assert prepare(out) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert src.read_text() == "to be or not to be\n" * 20 and other.read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "other.bin", "outd"]
+    assert not list((tmp_path / "outd").iterdir())
+    assert prepare(tmp_path / "tok.bin") == 0 and prepare(tmp_path / "tok.bin") == 0   # its own output: rewritten
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_shakespeare_char_cpu_quick(shakespeare_tokens, tmp_path):

@@ -172,3 +172,16 @@ def test_unreadable_token_data(tmp_path):
     assert p.returncode != 0 and p.stderr.splitlines()[-1] == (
         f"framework.core.errors.DataError: data.path={tokens}: cannot read it (Permission denied); "
         "fix its permissions or point data.path at a readable file"), p.stderr
+
+
+def test_a_model_vocab_size_that_the_data_overrides_is_refused(tmp_path):
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+    from tests._helpers import tiny_config
+
+    cfg = tiny_config("model.vocab_size=512", "train.steps=1", "train.eval_batches=1")
+    with pytest.raises(framework.ConfigError) as e:
+        launch(cfg, RunInfo(tmp_path / "run", None, None))
+    assert str(e.value).startswith("model.vocab_size=512 differs from the 24 token ids of the data") and \
+        "data.vocab_size" in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "summary.json").exists()

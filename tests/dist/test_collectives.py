@@ -332,3 +332,39 @@ def test_bf16_with_fp32_wire_matches_ddp(pools):
         for stage, rel in (("zero1", 1e-4), ("zero1-overlap", 1e-4), ("zero2", 2e-3)):
             for i, (a, b) in enumerate(zip(res[stage], res["ddp"])):
                 assert a == pytest.approx(b, rel=rel), f"rank {rank} {stage} step {i}: {a} vs ddp {b} (rel {rel})"
+
+
+def _own_group(dist):
+    """On a rank of a group made before ``connect`` (as a user's init_process_group makes one), with no
+    RANK/WORLD_SIZE in the environment: what connect and initialize see, and a mismatching environment."""
+    import framework
+    from framework.comm.distributed import connect
+    from framework.core.errors import ConfigError
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    try:
+        mine = connect("gloo")
+        torch.manual_seed(dist.rank)   # a different init per rank: rank 0's is broadcast
+        model = torch.nn.Linear(4, 2)
+        with framework.initialize(model, lambda m, b: m(b).square().mean(),
+                                  framework.compose(["+stage=zero2", "train.steps=1", "train.grad_accum=1"])) as eng:
+            eng.train_step(eng.state, [torch.full((3, 4), float(dist.rank))])
+            world = eng.components.dist.world
+        weights = model.weight.detach().clone()
+        os.environ["WORLD_SIZE"] = "3"
+        try:
+            connect("gloo")
+            refused = None
+        except ConfigError as e:
+            refused = str(e)
+    finally:
+        os.environ.pop("WORLD_SIZE", None)
+        os.environ.update(saved)
+    return mine.rank, mine.world, world, weights, refused
+
+
+def test_connect_joins_a_group_made_before(pools):
+    out = pools(2).run(_own_group)
+    assert [(r, w, ew) for r, w, ew, _, _ in out] == [(0, 2, 2), (1, 2, 2)]
+    assert torch.equal(out[0][3], out[1][3])   # one model trained together, not two alone
+    assert all("WORLD_SIZE=3" in refused and "2" in refused for *_, refused in out)

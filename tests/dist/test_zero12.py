@@ -12,6 +12,7 @@ import framework
 from framework import Batch
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, flat_params, tiny_config
+from tests.unit.test_step import WithFrozen
 
 ODD = ["model.d_model=33", "model.n_head=3", "train.steps=10", "train.micro_batch=2"]
 FP32_RTOL = 1e-6
@@ -116,7 +117,7 @@ def _odd(dist, stage):
                              "scheduler=constant", "train.steps=10", "train.micro_batch=4", "train.grad_accum=2",
                              "stage.reduce_bucket_size=40", "stage.overlap_comm=true"]
                             if stage != "ddp" else ["optimizer=adamw", "optimizer.weight_decay=0.1",
-                                                    "scheduler=constant", "train.steps=10"])
+                                                    "scheduler=constant", "train.steps=10", "train.grad_accum=2"])
     torch.manual_seed(0)
     engine = framework.initialize(Odd(), lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
     g = torch.Generator().manual_seed(5)
@@ -144,6 +145,31 @@ def test_odd_shapes_and_unused_parameters(pools):
             torch.testing.assert_close(res[stage][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
             # Without a gradient only weight decay moves it, exactly as under ddp.
             assert not torch.equal(res[stage][2], initial_unused)
+
+
+def _frozen(dist):
+    """Each rank builds the model from its own seed (a frozen middle layer): what each stage made of it."""
+    from tests.unit.test_step import mse
+    out = {}
+    for stage in ("ddp", "zero2", "zero3"):
+        torch.manual_seed(10 + dist.rank)
+        model = WithFrozen()
+        cfg = framework.compose(([f"+stage={stage}"] if stage != "ddp" else []) + ["train.steps=2"])
+        with framework.initialize(model, mse, cfg, dist) as engine:
+            x = torch.randn(4, 5)
+            engine.train_step(engine.state, Batch(((x, x[:, :1]),)))
+            out[stage] = model.f.weight.detach().clone(), engine.consolidated_state_dict()
+    return out
+
+
+def test_frozen_parameters_take_rank_0s_values(pools):
+    # As torch DDP and DeepSpeed: every parameter, frozen ones too, starts from rank 0's values.
+    out = pools(2).run(_frozen, timeout=120)
+    torch.manual_seed(10)
+    rank0 = WithFrozen().f.weight.detach()
+    for stage in ("ddp", "zero2", "zero3"):
+        assert all(torch.equal(res[stage][0], rank0) for res in out), stage
+        assert torch.equal(out[0][stage][1]["f.weight"], rank0)
 
 
 # --- memory ledger against the ZeRO paper's model-state counts------------------------------------------------

@@ -220,3 +220,43 @@ def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
     assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4).vocab_size == 201
     assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin"), vocab_size=300), seed=0,
                         context=4).vocab_size == 300
+
+
+def test_each_token_file_has_its_own_meta_and_data_vocab_size_must_fit_it(tmp_path):
+    """Two data sets prepared into one folder keep their own vocabularies; a data.vocab_size below the
+    file's is refused, above it is a start-up note; an old folder-wide meta.json counts only for the
+    file it names."""
+    import json
+
+    from framework.config import compose
+    from framework.core.errors import ConfigError
+
+    for name, chars in (("a", "abc"), ("b", "abcdefgh")):
+        (tmp_path / f"{name}.txt").write_text(chars * 50)
+        text.prepare_chars(str(tmp_path / f"{name}.txt"), tmp_path / "ds" / f"{name}.bin")
+    ds = tmp_path / "ds"
+
+    def vocab(name, vocab_size=None):
+        cfg = tokens.TokensConfig(path=str(ds / name), vocab_size=vocab_size)
+        return tokens.TokensSource(cfg, seed=0, context=4).vocab_size
+
+    assert (vocab("a.bin"), vocab("b.bin"), vocab("a.bin", 300)) == (3, 8, 300)
+    assert json.loads((ds / "a.meta.json").read_text())["chars"] == "abc"
+    with pytest.raises(ConfigError, match=r"^data.vocab_size=2 is smaller than the 3 token ids of .*a.meta.json"):
+        vocab("a.bin", 2)
+    notes = compose(["data=tokens", f"data.path={ds / 'a.bin'}"]).notices   # the default 50304
+    assert [n for n in notes if "data.vocab_size=50304" in n and "3 token ids" in n], notes
+    assert not compose(["data=tokens", f"data.path={ds / 'a.bin'}", "data.vocab_size=null"]).notices
+    np.tile(np.arange(9, dtype="<u2"), 10).tofile(ds / "c.bin")
+    (ds / "meta.json").write_text(json.dumps({"tokens": "b.bin", "vocab_size": 8}))   # another file's
+    with pytest.raises(ConfigError, match="data.vocab_size is not set"):
+        vocab("c.bin")
+    (ds / "meta.json").write_text(json.dumps({"tokens": "c.bin", "vocab_size": 9}))
+    assert vocab("c.bin") == 9
+
+
+def test_synthetic_vocab_size_is_bounded():
+    from framework.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data.vocab_size must be <= 4096 for synthetic data, got 50304"):
+        synthetic.SyntheticConfig(vocab_size=50304)

@@ -2,12 +2,14 @@
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
 import framework
 from framework.comm.accelerator import DeviceMismatch, OrderError
+from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
 
@@ -34,6 +36,12 @@ def test_engine_state_is_the_latest_state():
     assert engine.state is state and state.step == 1
     state, _ = engine.train_step(state, _batch(data, state))
     assert engine.state is state and state.step == 2
+    # An older state's counters are stale (its tensors were updated in place): refused, nothing run.
+    with pytest.raises(framework.FrameworkError, match=r"pass the state .*engine\.state"):
+        engine.train_step(first, _batch(data, first))
+    assert engine.state is state
+    state, _ = engine.train_step(replace(state, rng=capture_rng(torch.device("cpu"))), _batch(data, state))
+    assert state.step == 3   # the same state with other scalars (the CLI's RNG) is the current one
     engine.close()
 
 

@@ -42,6 +42,10 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
     write_atomic(tmp_path / "stale", b"new")            # a stale regular temporary is replaced
     assert (tmp_path / "stale").read_bytes() == b"new" and not (tmp_path / "stale.tmp").exists()
     assert (tmp_path / "stale").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(IsADirectoryError):              # a failed rename leaves no temporary behind
+        write_atomic(tmp_path / "folder", b"data")
+    assert not (tmp_path / "folder.tmp").exists()
     old = os.umask(0o022)
     try:
         make_dirs(tmp_path / "a" / "b" / "c")

@@ -181,3 +181,82 @@ def test_sq_norm_small_cases_and_device_path():
     parts = framework.core.utils._device_sq_norms(ts)
     assert len(parts) == 2 and all(p.dtype == torch.float64 for p in parts)
     assert sum(p.item() for p in parts) == 25 + 16 + 169
+
+
+def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_work():
+    # A DeepSpeed config's accumulation (train_batch_size 32 = micro 8 x accum 4) must not be dropped
+    # by a one-micro-batch Batch; a plain (x, y) tuple is two micro batches; empty input divides by 0.
+    ds = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW"}}
+    torch.manual_seed(0)
+    engine = framework.initialize(TwoLayer(), mse, ds_config=ds)
+    assert engine.config.train.grad_accum == 4
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    state = engine.state
+    for batch, n in ((Batch(((x, y),)), 1), ((x, y), 2), (Batch(()), 0)):
+        with pytest.raises(framework.DataError, match=rf"{n} micro batches but train.grad_accum=4"):
+            engine.train_step(state, batch)
+    assert engine.state is state and state.step == 0
+    with pytest.raises(framework.DataError, match="eval_step: no batches"):
+        engine.eval_step(state, [])
+    state, _ = engine.train_step(state, Batch(((x, y),) * 4))
+    assert state.step == 1
+
+
+class WithFrozen(nn.Module):
+    """A middle layer with requires_grad=False (a frozen embedding, a LoRA base), and its own initialiser."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.f = nn.Linear(7, 7)
+        self.b = nn.Linear(7, 1)
+        self.f.requires_grad_(False)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.f(torch.tanh(self.a(x)))))
+
+    def init_parameter(self, name, t):
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(len(name) + t.numel())) * 0.3)
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path):
+    over = ([] if stage == "ddp" else [f"+stage={stage}"]) + [
+        "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0", "logger=none"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 5, generator=g)
+    y = x.sum(1, keepdim=True).sin()
+    torch.manual_seed(0)
+    model = WithFrozen()
+    ref = copy.deepcopy(model)
+    frozen = model.f.weight.detach().clone()
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    with framework.initialize(model, mse, framework.compose(over)) as engine:   # fp32: as plain PyTorch
+        state = engine.state
+        for _ in range(3):
+            state, m = engine.train_step(state, Batch(((x, y),)))
+            loss = mse(ref, (x, y))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert m["loss"] == pytest.approx(loss.item(), rel=RTOL)
+        assert torch.equal(model.f.weight, frozen)
+        full = engine.consolidated_state_dict()
+        assert set(full) == {n for n, _ in ref.named_parameters()} and torch.equal(full["f.weight"], frozen)
+        framework.save_weights(engine, tmp_path)
+        with torch.no_grad():
+            model.f.weight.zero_()
+        framework.load_weights(engine, tmp_path)   # the frozen layer is read back too
+        assert torch.equal(model.f.weight, frozen)
+    # bf16: cast to the working dtype like every other parameter (else: "mat1 and mat2 must have the same dtype")
+    model = WithFrozen()
+    with framework.initialize(model, mse, framework.compose([*over, "precision=bf16"])) as engine:
+        assert model.f.weight.dtype == torch.bfloat16 and not model.f.weight.requires_grad
+        engine.train_step(engine.state, Batch(((x.bfloat16(), y.bfloat16()),)))
+    with framework.zero_init():   # materialised by the model's initialiser, like the trainable ones
+        model = WithFrozen()
+    with framework.initialize(model, mse, framework.compose(over)) as engine:
+        expect = torch.empty(7, 7)
+        model.init_parameter("f.weight", expect)
+        assert model.f.weight.device.type == "cpu" and torch.equal(model.f.weight, expect)
+        engine.train_step(engine.state, Batch(((x, y),)))

@@ -1,0 +1,129 @@
+"""The run folder's records (metrics.jsonl, summary.json), its owner lock, and the W&B logger's
+checks and exit code, on one process without training."""
+import json
+import math
+import os
+import sys
+
+import pytest
+
+from framework import ConfigError, compose
+from framework.core.errors import FrameworkError
+from framework.loggers import RunInfo, RunRecord
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _earlier_run(folder, steps=(2, 4, 6)):
+    folder.mkdir(exist_ok=True)
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in steps] + ['{"step": 6, "val_lo']   # cut short
+    (folder / "metrics.jsonl").write_text("\n".join(lines))
+    (folder / "summary.json").write_text(json.dumps({"steps": steps[-1], "train_loss": 0.5, "val_loss": 0.6}))
+
+
+def test_a_fresh_start_sets_the_earlier_runs_records_aside(tmp_path):
+    _earlier_run(tmp_path)
+    old = (tmp_path / "metrics.jsonl").read_text()
+    record = RunRecord(tmp_path, start=0)
+    record.log({"step": 2, "loss": 9.0})
+    record.close()
+    assert _records(tmp_path / "metrics.jsonl") == [{"step": 2, "loss": 9.0}]   # this run's only
+    assert (tmp_path / "metrics.jsonl.1").read_text() == old                    # nothing lost
+    assert json.loads((tmp_path / "summary.json.1").read_text())["steps"] == 6
+    assert not (tmp_path / "summary.json").exists()   # no summary of another run beside this run's records
+    _earlier_run(tmp_path)
+    RunRecord(tmp_path, start=0).close()   # the next free number
+    assert (tmp_path / "metrics.jsonl.2").read_text() == old and (tmp_path / "summary.json.2").is_file()
+
+
+def test_a_resume_drops_the_records_after_its_step(tmp_path):
+    _earlier_run(tmp_path)
+    old = (tmp_path / "metrics.jsonl").read_text()
+    record = RunRecord(tmp_path, start=4)
+    record.log({"step": 6, "loss": 9.0})
+    record.close()
+    assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [2, 4, 6]   # step 6 once: this run's
+    assert _records(tmp_path / "metrics.jsonl")[-1]["loss"] == 9.0
+    assert (tmp_path / "metrics.jsonl.1").read_text() == old
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6   # replaced when this run ends
+
+
+def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    RunRecord(tmp_path, start=2).close()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.0}\n'
+    assert not (tmp_path / "metrics.jsonl.1").exists()
+
+
+def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, capsys):
+    """Re-running a finished run (resumed at train.steps) never replaces its summary with NaN."""
+    _earlier_run(tmp_path, steps=(2,))
+    before = (tmp_path / "summary.json").read_text()
+    record = RunRecord(tmp_path, start=2)
+    record.finish({"steps": 2, "steps_run": 0, "train_loss": math.nan, "val_loss": 0.6})
+    record.close()
+    assert (tmp_path / "summary.json").read_text() == before
+    assert "summary.json of step 2 kept" in capsys.readouterr().out
+    # Another step's summary (or none): this one is written.
+    record = RunRecord(tmp_path, start=4)
+    record.finish({"steps": 4, "steps_run": 0, "train_loss": math.nan, "val_loss": 0.5})
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
+def test_one_live_run_per_folder(tmp_path):
+    from framework.cli.launch import own_run_folder
+
+    fd = own_run_folder(RunInfo(tmp_path / "run", group=None, name=None))
+    try:
+        with pytest.raises(FrameworkError, match=r"run folder .*/run is in use by another run .*hydra\.run\.dir="):
+            own_run_folder(RunInfo(tmp_path / "run", group=None, name=None))
+        with pytest.raises(FrameworkError, match=r"hydra\.sweep\.dir="):   # a multirun job's folder
+            own_run_folder(RunInfo(tmp_path / "run", group="train-x", name="seed=1"))
+    finally:
+        os.close(fd)
+    os.close(own_run_folder(RunInfo(tmp_path / "run", group=None, name=None)))   # free again
+
+
+class _FakeRun:
+    def __init__(self):
+        self.summary, self.exit_code = {}, "not finished"
+
+    def finish(self, exit_code=None):
+        self.exit_code = exit_code
+
+
+def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
+    from framework.loggers.wandb import WandbConfig, WandbLogger
+
+    for finished, code in ((False, 1), (True, None)):
+        logger = WandbLogger(WandbConfig(live=False), run=RunInfo(None, None, None))
+        logger.run = run = _FakeRun()
+        if finished:
+            logger.finish({"steps": 2, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0})
+        logger.close()
+        assert run.exit_code == code
+
+
+@pytest.mark.parametrize("overrides,env,says", [
+    (["logger.project=a/b"], {}, "logger.project='a/b' has a character W&B refuses"),
+    (["logger.project='a#b'"], {}, "logger.project='a#b' has a character W&B refuses"),
+    ([], {"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not one of online, offline, disabled"),
+    (["logger.mode=bogus"], {}, "logger.mode='bogus' is not one of online, offline, disabled"),
+    ([], {"no wandb": ""}, "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"),
+])
+def test_wandb_settings_are_checked_when_composing(monkeypatch, overrides, env, says):
+    for k, v in env.items():
+        if k == "no wandb":
+            monkeypatch.setitem(sys.modules, "wandb", None)   # import wandb fails
+        else:
+            monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        compose(["logger=wandb", *overrides])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_logger_mode_comes_before_wandb_mode(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    compose(["logger=wandb", "logger.mode=offline"])   # WANDB_MODE is not read
