@@ -37,8 +37,11 @@ from framework.cli.loop import train
 
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None) -> dict:
     """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
-    with sigterm_exits():
-        return _launch(cfg, run, on_point)
+    os.environ.update(slurm_task_env())
+    check_launch_env(cfg)
+    # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
+    with sigterm_exits(), contextlib.ExitStack() as held:
+        return _launch(cfg, run, on_point, held)
 
 
 @contextlib.contextmanager
@@ -58,13 +61,6 @@ def sigterm_exits() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -> dict:
-    os.environ.update(slurm_task_env())
-    check_launch_env(cfg)
-    with contextlib.ExitStack() as held:   # the run folder's lock (rank 0 / the launcher), until the run ends
-        return _launch(cfg, run, on_point, held)
 
 
 def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None, held: contextlib.ExitStack) -> dict:
