@@ -16,10 +16,11 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -38,8 +39,28 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
-    with contextlib.ExitStack() as held:   # the run folder's lock (rank 0 / the launcher), until the run ends
+    # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
+    with sigterm_exits(), contextlib.ExitStack() as held:
         return _launch(cfg, run, on_point, held)
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
+    as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
+    after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
+    every process, and the launcher passes it on to its ranks). The previous handler comes back after."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+    if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None, held: contextlib.ExitStack) -> dict:
@@ -163,6 +184,7 @@ def slurm_task_env() -> dict[str, str]:
 RDZV_PREFIX = "framework-rdzv-"
 RDZV_LOCK = "owner.lock"
 UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
+STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
@@ -173,8 +195,14 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
-        mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"), on_point),
-                           nprocs=cfg.dist.nproc, join=True, start_method="spawn")
+        ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
+                                                  on_point), nprocs=cfg.dist.nproc, join=False, start_method="spawn")
+        try:
+            while not ranks.join():
+                pass
+        except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
+            _stop(ranks.processes, STOP_GRACE_S if isinstance(e, KeyboardInterrupt) else 0.0)
+            raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
         raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
@@ -186,6 +214,19 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _stop(ranks: list, grace_s: float) -> None:
+    """Wait for the ranks to end; those still running after ``grace_s`` (Ctrl-C reaches every process of
+    the terminal's group, a SIGTERM to the launcher alone does not) get SIGTERM, so each removes its files."""
+    deadline = time.monotonic() + grace_s
+    for p in ranks:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in ranks:
+        if p.is_alive():
+            p.terminate()
+    for p in ranks:
+        p.join()
 
 
 def _hold(path: str, create: bool = False) -> int:
@@ -242,13 +283,17 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
-        dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
-        train(cfg, run, dist, on_point)
-        # Leave together: no rank closes its gloo connections while a peer still waits on one.
-        dist.barrier("shutdown barrier")
+        with sigterm_exits():
+            dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
+            train(cfg, run, dist, on_point)
+            # Leave together: no rank closes its gloo connections while a peer still waits on one.
+            dist.barrier("shutdown barrier")
     except FrameworkError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         sys.exit(1)
+    except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
+        print(f"rank {rank}: {str(e) or 'interrupted'}", file=sys.stderr, flush=True)
+        sys.exit(130)
     finally:
         disconnect()
 

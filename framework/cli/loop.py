@@ -22,6 +22,7 @@ from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
+from framework.core.errors import Interrupted
 from framework.core.utils import to_device
 from framework.persist.weights import load_weights, save_on_model_save
 
@@ -130,6 +131,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             summary["exported"] = "model_16bit"
         logger.finish(summary)
         return summary
+    except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
+        raise Interrupted(state.step) from None
     finally:
         ckpt.close()
         engine.close()

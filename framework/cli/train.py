@@ -170,6 +170,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 sys.exit(1)   # (another launcher reports the job's exit)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
+        except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
+            print(str(e) or "interrupted", file=sys.stderr, flush=True)
+            sys.exit(130)
     return job
 
 

@@ -38,3 +38,10 @@ class CheckpointError(FrameworkError):
 
 class UnsafePathError(FrameworkError):
     """A path the framework would create or write is a symbolic link (planted or left there)."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) while training: the CLI prints this one line, not a traceback."""
+
+    def __init__(self, step: int):
+        super().__init__(f"interrupted at step {step}")

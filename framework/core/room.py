@@ -26,11 +26,13 @@ class Claim:
     free: int            # bytes an unprivileged writer may use there now
     need: int            # bytes this rank will write
     folder: str
+    missing: bool = False   # the folder does not exist yet (the writer will make it)
 
     @staticmethod
     def of(folder: str | os.PathLike, need: int, rank: int = 0) -> "Claim":
         probe = nearest_existing(Path(folder))
-        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder))
+        return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder),
+                     probe != Path(folder).absolute())
 
 
 def free_bytes(folder: str | os.PathLike) -> int:
@@ -63,11 +65,11 @@ class Shortfall:
     need: int
     free: int
 
-    def describe(self, what: str) -> str:
+    def describe(self, what: str, verb: str = "need") -> str:
         where = ", ".join(self.folders)
         ranks = (f"rank {self.ranks[0]}" if len(self.ranks) == 1
                  else f"ranks {', '.join(map(str, self.ranks))}, sharing this file system,")
-        return (f"{where}: {what} of {ranks} need {size(self.need)} but the file system has {size(self.free)} free")
+        return (f"{where}: {what} of {ranks} {verb} {size(self.need)} but the file system has {size(self.free)} free")
 
 
 def shortfalls(claims: list[Claim]) -> list[Shortfall]:

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Se
 import torch
 
 from framework.comm.accelerator import Accelerator
-from framework.comm.distributed import agree
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.footprint import Footprint
-from framework.core.room import Claim, available_ram, free_bytes, shortfalls
+from framework.core.room import Claim, available_ram, shortfalls
 from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
@@ -37,16 +36,23 @@ if TYPE_CHECKING:   # the component module builds the placements: no import back
     from framework.offload.nvme import NVMeOffloadConfig
 
 
-def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> None:
+def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
     """``check()`` on this rank, then with every rank of ``dist`` the room the swap files of ``stores``
-    (kind -> ``DiskStore`` or None) still need, summed per file system: every rank raises the same
-    one-line ConfigError, so none dies alone while the others wait for it."""
+    (kind -> ``DiskStore`` or None) still need, summed per file system (``agree_room``)."""
+    rank = dist.rank if dist is not None else 0
+    return agree_room(dist, folder, lambda: sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
+                                         for kind, store in stores.items() if store is not None), check)
+
+
+def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
+    """``check()`` on this rank, and the bytes ``need()`` of swap files in ``folder`` summed over the ranks
+    of ``dist`` that share its file system: every rank raises the same one-line ConfigError, so none dies
+    alone while the others wait for it. True: a rank sharing the file system found ``folder`` missing
+    (this run makes it, and whichever rank closes last removes it once empty)."""
     rank = dist.rank if dist is not None else 0
     error, claim = None, None
     try:
-        need = sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
-                   for kind, store in stores.items() if store is not None)
-        claim = Claim.of(folder, need, rank)
+        claim = Claim.of(folder, need(), rank)
         check()
     except (FrameworkError, OSError) as e:
         error = f"rank {rank}: {e}"
@@ -57,13 +63,14 @@ def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Call
         everyone = [(claim, error)]
     shorts = shortfalls([c for c, _ in everyone if c is not None])
     if shorts:
-        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files')}; free space or point "
+        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
                           "offload.nvme_path at a larger disk (each rank of a host needs its own files there)")
     if error is not None:
         raise mine
     errors = [e for _, e in everyone if e]
     if errors:
-        raise ConfigError(f"nvme pre-flight failed on another rank ({errors[0]}); this rank stops too")
+        raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
+    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
 
 
 def _allocated(path) -> int:
@@ -83,7 +90,7 @@ class NVMePlacement(HostPlacement):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
-        self._made: str | None = None     # the swap folder, when this run made it
+        self._made: str | None = None     # the swap folder, when a rank of this run made it
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
@@ -114,34 +121,27 @@ class NVMePlacement(HostPlacement):
                   f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """One line if the disk cannot hold even the least every optimizer needs, or host memory the
-        pools, on every rank (hosts differ: none may go on into a collective that a refused one never
-        joins); the exact checks follow at ``init_opt_state``."""
+        """One line if the disk cannot hold even the least every optimizer needs (summed over the ranks
+        sharing it, as ``agree_swap_room`` does), or host memory the pools, on every rank (hosts differ:
+        none may go on into a collective that a refused one never joins); the exact checks follow at
+        ``init_opt_state``."""
         if not numel:
             return
-        if self.dist is None:
-            return self._expect(numel, param_dtype)
-        agree(self.dist, partial(self._expect, numel, param_dtype), "the nvme pre-flight")
-
-    def _expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        self.clean_stale()
         spec, size = self.spec, param_dtype.itemsize
         params = spec.params == "nvme"
         fp32 = (4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)   # swapped bytes per element
-        need = numel * (fp32 + (2 * size if params else 0))
-        folder = spec.nvme_path
-        free = free_bytes(folder or tempfile.gettempdir())
-        if need > free:
-            raise ConfigError(f"offload.nvme_path={folder}: this rank's {numel} parameters need at least "
-                              f"{need / GiB:.2f} GiB ({need} bytes) of swap but its file system has "
-                              f"{free / GiB:.2f} GiB free; free space, point offload.nvme_path at a larger disk "
-                              f"or use more ranks")
+
+        def need() -> int:   # once dead runs' files are gone: their room is free
+            self.clean_stale()
+            return numel * (fp32 + (2 * size if params else 0))
         tile = min(spec.sub_group_size, numel)
         # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
         pools = spec.buffer_count * tile * fp32
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        self.check_ram(pools, "at least ")
+        if agree_room(self.dist, spec.nvme_path or tempfile.gettempdir(), need,
+                      partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
+            self._made = spec.nvme_path
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()
@@ -152,8 +152,6 @@ class NVMePlacement(HostPlacement):
 
     def folder(self) -> str:
         if self.spec.nvme_path is not None:
-            if self._made is None and not Path(self.spec.nvme_path).exists():
-                self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
             return self.spec.nvme_path
         if self._tmpdir is None:   # library use without a run directory: a private folder
             self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
@@ -164,7 +162,8 @@ class NVMePlacement(HostPlacement):
         engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
         cannot stops every rank (``agree``), none is left waiting in a collective."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
-        agree_swap_room(self.dist, self.folder(), stores, check)
+        if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
+            self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
         failed = None
         try:
             rank = self.dist.rank if self.dist is not None else 0

@@ -83,6 +83,7 @@ class SwapFile:
         self._direct_fd: int | None = None  # O_DIRECT descriptor, opened on first use
         self._direct_refused: OSError | None = None
         self._lock = threading.Lock()
+        self._manifest_stat: os.stat_result | None = None   # of the manifest this run wrote
         # (block size, checksum name) -> block -> [(offset, nbytes, checksum)] of the pieces written
         self._sums: dict[tuple[int, str], dict[int, list[tuple[int, int, int]]]] = {}
 
@@ -107,7 +108,8 @@ class SwapFile:
         manifest = _manifest_path(path)
         refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
         made = not os.path.lexists(path)
-        if not made:
+        if not made:   # a live run's file is in use, whatever its layout: never advise deleting it
+            _refuse_if_held(path)
             _check_same_layout(path, manifest, meta)
         fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
         try:
@@ -115,8 +117,7 @@ class SwapFile:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise ConfigError(f"swap file {path} is in use by another process; give each run its "
-                                  "own offload.nvme_path") from None
+                raise _in_use(path) from None
             try:
                 if size:
                     syscalls.fallocate(fd, 0, size)
@@ -127,9 +128,9 @@ class SwapFile:
                                   path=str(path), offset=0, what="all extents", errno=e.errno) from e
             f = cls(path, table, size, meta, fd, syscalls)
         except BaseException:
-            os.close(fd)
             if made:   # never delete what another run (or a crashed one) left
-                path.unlink(missing_ok=True)
+                _unlink_if(path, os.fstat(fd))
+            os.close(fd)
             raise
         try:
             f.write_manifest()
@@ -221,17 +222,22 @@ class SwapFile:
             return FileMap(self, self._open(), write)
 
     def write_manifest(self) -> None:
-        write_atomic(_manifest_path(self.path), json.dumps(self.meta, indent=1).encode())
+        manifest = _manifest_path(self.path)
+        write_atomic(manifest, json.dumps(self.meta, indent=1).encode())
+        self._manifest_stat = os.lstat(manifest)
 
     def remove(self) -> None:
-        """Close the file and delete it and its manifest (idempotent)."""
+        """Close the file and delete it and its manifest (idempotent), each only while its path still
+        names this run's: deleted under a live run, the path may hold another run's file by now."""
         with self._lock:
+            mine = os.fstat(self._fd) if self._fd is not None else None
             for fd in (self._direct_fd, self._fd):
                 if fd is not None:
                     os.close(fd)
             self._fd = self._direct_fd = None
-        self.path.unlink(missing_ok=True)
-        _manifest_path(self.path).unlink(missing_ok=True)
+        if mine is not None:
+            _unlink_if(self.path, mine)
+            _unlink_if(_manifest_path(self.path), self._manifest_stat)
 
     def __enter__(self) -> "SwapFile":
         return self
@@ -341,6 +347,34 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
 
 def _manifest_path(path: Path) -> Path:
     return path.with_name(path.name + ".manifest.json")
+
+
+def _unlink_if(path: Path, mine: os.stat_result | None) -> None:
+    """Delete ``path`` if it is still the file ``mine`` describes (same device and inode)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+        path.unlink(missing_ok=True)
+
+
+def _in_use(path: Path) -> ConfigError:
+    return ConfigError(f"swap file {path} is in use by another process; give each run its own offload.nvme_path")
+
+
+def _refuse_if_held(path: Path) -> None:
+    """ConfigError if a live process holds the swap file at ``path`` (its ``flock``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:   # a link, gone meanwhile, unreadable: the checks that follow say so
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _in_use(path) from None
+    finally:
+        os.close(fd)
 
 
 def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:

@@ -84,6 +84,13 @@ def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
             raise ConfigError(f"config: offload.{key} must be >= 1, got {getattr(cfg, key)}")
     if cfg.max_in_cpu < 0:
         raise ConfigError(f"config: offload.max_in_cpu must be >= 0, got {cfg.max_in_cpu}")
+    default = NVMeOffloadConfig()   # a tier that is off: its keys would do nothing
+    for tier, on, keys in (("params", params, ("param_buffer_count", "param_buffer_size", "max_in_cpu")),
+                           ("optimizer", cfg.optimizer, ("sub_group_size", "buffer_count", "pipeline_read",
+                                                         "pipeline_write"))):
+        for key in keys:
+            if on != "nvme" and getattr(cfg, key) != getattr(default, key):
+                raise ConfigError(f"config: offload.{key} has no effect unless offload.{tier}=nvme; remove it")
     tiles = 1 + int(cfg.pipeline_read) + int(cfg.pipeline_write)   # stepping, read ahead, being written
     if cfg.buffer_count < tiles:
         raise ConfigError(f"config: offload.buffer_count={cfg.buffer_count} is too small for pipeline_read="

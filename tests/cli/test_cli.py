@@ -258,3 +258,45 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp
     assert p.returncode != 0 and "loss" not in p.stdout, p.stdout   # no step ran
     lines = error_lines(p)
     assert len(lines) == 1 and f"checkpoint folder {tmp_path / 'afile'} is not writable" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGINT", 1), ("SIGINT", 2)])
+def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
+    """SIGTERM to the launcher alone (kill, a Slurm time limit) and Ctrl-C (SIGINT to the terminal's
+    process group) once it stepped: every rank unwinds and removes its swap files; Ctrl-C is one line
+    per process, no traceback."""
+    import re
+    import signal
+    import time
+
+    run = tmp_path / "run"
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        p = subprocess.Popen([sys.executable, "-m", "framework.train", *SHORT[4:], "train.steps=100000",
+                              "train.log_every=1", "train.eval_every=0", "+stage=zero2", "offload=nvme",
+                              f"dist.nproc={nproc}", f"hydra.run.dir={run}"],
+                             cwd=tmp_path, env={**os.environ, **ENV}, stdout=out, stderr=err, start_new_session=True,
+                             # as a terminal's: a test run in the background inherits SIGINT ignored
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + 180
+            while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text()):
+                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+                time.sleep(0.2)
+            assert list((run / "nvme").glob("rank*.swap"))
+            if sig == "SIGINT":
+                os.killpg(p.pid, signal.SIGINT)
+            else:
+                os.kill(p.pid, signal.SIGTERM)
+            rc = p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    stderr = (tmp_path / "err").read_text()
+    assert rc == (130 if sig == "SIGINT" else 143), stderr
+    assert not (run / "nvme").exists() or list((run / "nvme").iterdir()) == []
+    assert "Traceback" not in stderr, stderr
+    if sig == "SIGINT":
+        lines = [line for line in stderr.splitlines() if "interrupted" in line]
+        want = [r"interrupted at step \d+"] if nproc == 1 else [r"rank [01]: interrupted at step \d+"] * 2 + ["interrupted"]
+        assert len(lines) == len(want), stderr
+        assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr

@@ -123,6 +123,21 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero3", "offload=cpu", "offload.params=nvme"], "offload.params must be none or cpu with offload=cpu"),
     (["+stage=zero3", "offload=cpu", "offload.params=true"], "offload.params must be none or cpu"),
     (["+stage=zero2", "offload=cpu", "offload.params=cpu"], "offload.params=cpu (parameter offload) needs +stage=zero3"),
+    # keys of a tier that is off would do nothing
+    (["+stage=zero2", "offload=nvme", "offload.param_buffer_size=1"],
+     "offload.param_buffer_size has no effect unless offload.params=nvme; remove it"),
+    (["+stage=zero2", "offload=nvme", "offload.max_in_cpu=0", "offload.param_buffer_count=1"],
+     "offload.param_buffer_count has no effect unless offload.params=nvme; remove it"),
+    (["+stage=zero3", "offload=nvme", "offload.params=cpu", "offload.max_in_cpu=0"],
+     "offload.max_in_cpu has no effect unless offload.params=nvme; remove it"),
+    (["+stage=zero3", "offload=nvme", "offload.optimizer=cpu", "offload.buffer_count=2"],
+     "offload.buffer_count has no effect unless offload.optimizer=nvme; remove it"),
+    (["+stage=zero3", "offload=nvme", "offload.optimizer=cpu", "offload.pipeline_write=true"],
+     "offload.pipeline_write has no effect unless offload.optimizer=nvme; remove it"),
+    (["+stage=zero3", "offload=nvme", "offload.optimizer=cpu", "offload.pipeline_read=true"],
+     "offload.pipeline_read has no effect unless offload.optimizer=nvme; remove it"),
+    (["+stage=zero3", "offload=nvme", "offload.optimizer=cpu", "offload.sub_group_size=7"],
+     "offload.sub_group_size has no effect unless offload.optimizer=nvme; remove it"),
 ])
 def test_offload_schema_errors_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:

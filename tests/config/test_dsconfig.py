@@ -361,6 +361,23 @@ def test_offload_sections_and_mismatched_pin_memory():
     assert "needs zero_optimization.stage 3" in error_of(bad)
 
 
+def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
+    """A section on the cpu beside one on nvme: its NVMe buffer keys do nothing (a note), the run loads."""
+    ds = {"zero_optimization": {"stage": 3, "sub_group_size": 1000,
+                                "offload_optimizer": {"device": "cpu", "buffer_count": 2, "pipeline_write": True},
+                                "offload_param": {"device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3}}}
+    cfg = framework.compose([], ds_config=ds)
+    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.param_buffer_count) == ("cpu", "nvme", 3)
+    notes = " ".join(cfg.notices)
+    for key in ("offload_optimizer.buffer_count", "offload_optimizer.pipeline_write", "zero_optimization.sub_group_size"):
+        assert key in notes, notes
+    ds["zero_optimization"].update(offload_optimizer={"device": "nvme", "nvme_path": "/tmp/x"},
+                                   offload_param={"device": "cpu", "buffer_size": 10, "max_in_cpu": 5})
+    cfg = framework.compose([], ds_config=ds)
+    assert (cfg.offload.optimizer, cfg.offload.params, cfg.offload.sub_group_size) == ("nvme", "cpu", 1000)
+    assert "offload_param.buffer_size" in " ".join(cfg.notices) and "offload_param.max_in_cpu" in " ".join(cfg.notices)
+
+
 def test_stage3_keys_with_and_without_prefix():
     a = framework.compose([], ds_config={"zero_optimization": {"stage": 3, "max_live_parameters": 1234,
                                                                "prefetch_bucket_size": 99}})

@@ -513,3 +513,31 @@ def test_many_requests_in_flight_on_two_files(tmp_path):
             h.wait()
         for k in sizes:
             assert torch.equal(back["a.swap", k], src[k]) and torch.equal(back["b.swap", k], src[k] * 2), k
+
+
+def test_removing_a_swap_file_spares_what_another_run_put_at_its_path(tmp_path):
+    """A run whose file was deleted under it, and re-created by another run at the same path, must
+    not delete that run's file and manifest when it ends."""
+    a = _swap(tmp_path, {"a": 10}, torch.float32)
+    a.write_manifest()
+    manifest = a.path.with_name(a.path.name + ".manifest.json")
+    a.path.unlink()
+    manifest.unlink()
+    with _swap(tmp_path, {"a": 10}, torch.float32, layout="layout-b") as b:
+        b.write_manifest()
+        a.remove()
+        assert sorted(os.listdir(tmp_path)) == [b.path.name, manifest.name]
+        assert json.loads(manifest.read_text())["layout_hash"] == "layout-b"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_live_runs_swap_file_is_in_use_whatever_its_layout(tmp_path):
+    """Another layout's file that a live process holds: never advise deleting it."""
+    with _swap(tmp_path, {"a": 10}, torch.float32) as f:
+        f.write_manifest()
+        for kwargs in ({"layout": "layout-b"}, {}):
+            with pytest.raises(ConfigError, match="in use by another process; give each run its own "
+                                                  "offload.nvme_path") as info:
+                _swap(tmp_path, {"a": 10}, torch.float32, **kwargs)
+            assert "delete" not in str(info.value)
+        assert os.path.exists(f.path)

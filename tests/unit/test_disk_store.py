@@ -194,3 +194,61 @@ def test_an_open_that_cannot_make_its_pool_leaves_no_swap_file(tmp_path):
     with pytest.raises(MemoryError, match="host pool refused"):
         store.open(tmp_path / "s.swap", AsyncIO(4096, 1, 1))
     assert list(tmp_path.iterdir()) == [] and store.file is None
+
+
+class _TwoRanks:
+    """Two ranks of one host with the same request (this process plays both)."""
+    rank, world, device = 0, 2, torch.device("cpu")
+
+    def all_gather_object(self, obj, what):
+        return [obj, obj]
+
+
+def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
+    """zero3's bound before any swap file is written: each rank's files alone fit (60% of the free
+    space), both ranks' do not; the line gives sizes as the later checks do (not "0.00 GiB")."""
+    import os
+
+    from framework.core.errors import ConfigError
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    spec = resolve(NVMeOffloadConfig(nvme_path=str(tmp_path), sub_group_size=1024, param_buffer_size=1024), "zero3")
+    placement = build(spec, for_device(torch.device("cpu")))
+    placement.connect(_TwoRanks())
+    st = os.statvfs(tmp_path)
+    per_param = 4 + 4 + 2 * 2   # fp32 master + optimizer on nvme, the owned gradient, bf16 shards in and out
+    placement.swap_grads(torch.float32)
+    numel = int(st.f_bavail * st.f_frsize * 0.6) // per_param
+    with pytest.raises(ConfigError) as e:
+        placement.expect(numel, torch.bfloat16)
+    assert str(e.value).startswith(f"offload.nvme_path={tmp_path}: the swap files of ranks 0, 0, sharing this "
+                                   "file system, need at least "), str(e.value)
+    assert "GiB (" in str(e.value) and "\n" not in str(e.value)
+    placement.expect(numel // 4, torch.bfloat16)   # both fit
+
+
+class _PeerMade:
+    """Rank 1 of two on one host, whose peer (rank 0) found the swap folder missing and made it."""
+    rank, world, device = 1, 2, torch.device("cpu")
+
+    def all_gather_object(self, obj, what):
+        import dataclasses
+
+        claim, error = obj
+        return [(dataclasses.replace(claim, rank=0, missing=True), None), obj]
+
+
+def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
+    """Only the rank that found the folder missing knew this run made it: the ranks agree, so whichever
+    closes last (its files gone, the folder empty) removes it; a folder no rank made is kept."""
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    folder = tmp_path / "nvme"
+    for peer_made in (True, False):
+        folder.mkdir()
+        placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3"), for_device(torch.device("cpu")))
+        placement.connect(_PeerMade() if peer_made else _TwoRanks())
+        placement.expect(1024, torch.bfloat16)
+        placement.close()
+        assert folder.exists() is not peer_made
+    folder.rmdir()

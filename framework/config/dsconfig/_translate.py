@@ -279,11 +279,11 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
             ds_key, v = next(iter(values.items()))
             tr.set(f"offload.{key}", v, ds_key)
 
-    def keys(sec: dict, name: str, table: tuple) -> None:
-        """(DeepSpeed key, our offload key, kind); all but ratio size NVMe buffers."""
+    def keys(sec: dict, name: str, dev: str, table: tuple) -> None:
+        """(DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section."""
         for key, ours, kind in table:
             v = tr.typed(sec[key], kind, f"{p}{name}.{key}") if key in sec else None
-            if v is not None and (nvme or key == "ratio"):
+            if v is not None and (dev == "nvme" or key == "ratio"):
                 tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
             elif v is not None:
                 tr.inert_key(f"{p}{name}.{key}", "device cpu: NVMe buffers")
@@ -315,7 +315,7 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-        keys(o, "offload_optimizer", (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
+        keys(o, "offload_optimizer", od, (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
                                       ("pipeline_read", "pipeline_read", "bool"),
                                       ("pipeline_write", "pipeline_write", "bool"),
                                       ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")))
@@ -325,14 +325,14 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
-        keys(q, "offload_param", (("buffer_count", "param_buffer_count", "int"),
+        keys(q, "offload_param", pd, (("buffer_count", "param_buffer_count", "int"),
                                   ("buffer_size", "param_buffer_size", "int"), ("max_in_cpu", "max_in_cpu", "int")))
     if sub_group_size is not None:
         v = tr.typed(sub_group_size, "int", p + "sub_group_size")
-        if v is not None and nvme:
+        if v is not None and od == "nvme":
             tr.set("offload.sub_group_size", v, p + "sub_group_size")
         elif v is not None:
-            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; offload is cpu")
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; the optimizer is not on nvme")
     aio_keys(tr, aio, applies=nvme)
 
 
