@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -109,6 +110,12 @@ def own_run_folder(run: RunInfo) -> int:
         key = "hydra.sweep.dir" if run.job else "hydra.run.dir"
         raise FrameworkError(f"run folder {run.run_dir} is in use by another run (it holds {RUN_LOCK}); "
                              f"give this run a folder of its own: {key}=PATH") from None
+    except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): run unlocked
+        if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+        print(f"note: {run.run_dir}'s file system cannot lock {RUN_LOCK} ({os.strerror(e.errno)}): a second run "
+              f"into this folder is not detected", file=sys.stderr, flush=True)
     return fd
 
 

@@ -63,7 +63,7 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     if unknown:
         return None, primary, folder
     if args.cfg == "job" and not args.multirun:   # Hydra's own --cfg would not show a DeepSpeed config's layer
-        _print_resolved(args.overrides, args.resolve, primary)
+        _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
     if args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
         return None, primary, folder
@@ -133,13 +133,18 @@ def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) ->
                               f"choose; choose it first: +stage={config.choices['stage']} {o.input_line}")
 
 
-def _print_resolved(overrides: list[str], resolve: bool, primary: dict) -> None:
-    """``--cfg job``: the composed config, with a DeepSpeed config's values in it (named on the command
-    line or in the YAML)."""
+def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package: str | None) -> None:
+    """``--cfg job [--package KEY]``: the composed config (or its KEY section), with a DeepSpeed
+    config's values in it (named on the command line or in the YAML)."""
     cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg, resolve=resolve)
     node.pop("hydra", None)
-    print(OmegaConf.to_yaml(node), end="")
+    if package:
+        node = OmegaConf.select(OmegaConf.create(node), package)
+        if node is None:
+            raise ConfigError(f"--package {package}: the config has no such key")
+        node = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
+    print(OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{node}\n", end="")
 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"

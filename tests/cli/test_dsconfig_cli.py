@@ -43,6 +43,10 @@ def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
     assert p.returncode == 0, p.stderr
     shown = yaml.safe_load(p.stdout)
     assert "reduce_scatter" in shown["stage"] and shown["train"]["grad_clip"] == 0.25   # the file's zero2
+    # --package shows one section, as Hydra's own --cfg job --package does
+    p = cli(forkrun, tmp_path, "--cfg", "job", "--package", "train", "--config-dir", str(tmp_path),
+            "--config-name", "mine")
+    assert p.returncode == 0 and yaml.safe_load(p.stdout)["grad_clip"] == 0.25, p.stdout + p.stderr
     # an override Hydra cannot parse: one line, as without --cfg
     p = cli(forkrun, tmp_path, "--cfg", "job", "train.steps")
     assert p.returncode != 0 and len(error_lines(p)) == 1 and "train.steps" in p.stderr, p.stderr
