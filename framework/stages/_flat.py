@@ -139,9 +139,10 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
 
 
 def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:
-    """Every frozen parameter (requires_grad=False) whole on every rank, as torch DDP and DeepSpeed keep
-    them: on ``dist.device``, in the working ``dtype`` when floating, rank 0's values (a meta one is
-    initialised by ``init`` and replaced by a new Parameter). No gradient, master or optimizer state."""
+    """Every frozen parameter (requires_grad=False) whole on every rank, as torch DDP and DeepSpeed's
+    ZeRO-1/2 keep them (zero3 too, where DeepSpeed would partition them): on ``dist.device``, in the
+    working ``dtype`` when floating, rank 0's values (a meta one is initialised by ``init`` and
+    replaced by a new Parameter). No gradient, master or optimizer state."""
     for name, p in list(module.named_parameters()):
         if p.requires_grad:
             continue

@@ -138,7 +138,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
         # read into host tensors, into the module once every rank read its share (a refused load leaves it)
-        read_whole = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in whole.items() if k in md.state_dict_metadata}
+        read_whole = {k: torch.empty(t.shape, dtype=t.dtype, device="cpu") for k, t in whole.items()
+                      if k in md.state_dict_metadata}
         if whole and not read_whole and group.rank == 0:
             print(f"checkpoint: {folder} holds no buffers or frozen parameters (saved before checkpoints had them): "
                   f"{few(sorted(whole))} keep this model's values", flush=True)

@@ -243,7 +243,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
         stepfolders.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
-                               config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
+                                   config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
         stepfolders.commit(tmp, final, point)
         gone = stepfolders.prune(root, final, snap["keep_last"])
         total = sum(v["bytes"] for v in entries.values())
