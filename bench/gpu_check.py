@@ -12,7 +12,7 @@ reported as skipped):
   picks for one and for more local ranks than GPUs, the one-line error of an impossible request;
 * kernels: the C++ host optimizer kernels built (or loaded), the host-step thread's device, pinned
   memory as CUDA's caching host allocator holds it (power-of-two rounding) next to what was asked;
-* equivalence: ``pytest tests/gpu`` (every stage x offload target, fp32 and bf16, against a
+* equivalence: ``pytest tests/gpu`` (every stage x offload target, fp32, bf16 and fp16, against a
   single-GPU reference: world 1 on NCCL, two ranks over gloo with CUDA tensors on one GPU, NCCL
   across GPUs where there are two or more), one row per compared run with its largest differences;
 * memory: peak ``max_memory_allocated`` per stage against the estimator (gpt2-medium, bf16);
@@ -184,7 +184,7 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
                  else r.get("error", ""))
         rows.append(row("equivalence", f"{r['case']} {r['precision']}, world {r['world']} "
                         f"({r['backend']}, {r['device']})", r["ok"], value,
-                        "fp32 vs plain PyTorch: rel 2e-5 / abs 2e-5; bf16 vs our ddp: rel 2e-2 / abs 3e-2"))
+                        "fp32 vs plain PyTorch: rel 2e-5 / abs 2e-5; bf16, fp16 vs our ddp: rel 2e-2 / abs 3e-2"))
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"

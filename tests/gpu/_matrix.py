@@ -1,9 +1,10 @@
-"""The GPU equivalence matrix: every stage x offload target, fp32 and bf16, against a single-GPU
+"""The GPU equivalence matrix: every stage x offload target, fp32, bf16 and fp16, against a single-GPU
 reference, shared by tests/gpu/test_matrix.py and bench/gpu_check.py.
 
 References: fp32 runs are compared with plain PyTorch on one device (torch AdamW, clip_grad_norm_,
-the same init and batches); bf16 runs with our replicated stage (ddp) on one device, no offload
-(bf16 working parameters, fp32 master: what sharding and offload must not change).
+the same init and batches); bf16 and fp16 runs with our replicated stage (ddp) on one device, no
+offload (16-bit working parameters, fp32 master, and for fp16 the dynamic loss scale with its skipped
+steps: what sharding and offload must not change).
 
 FRAMEWORK_GPU_DRY=1 runs the same code on the CPU (gloo instead of NCCL, the checking accelerator,
 a shorter matrix): bench/gpu_check.sh --dry-run, part of the CPU suite. FRAMEWORK_GPU_REPORT=PATH
@@ -43,12 +44,12 @@ CASES: dict[str, list[str]] = {
     "zero2+nvme": [*Z2, *NVME],
     "zero3+nvme params": [*Z3, *NVME],
 }
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 if DRY:   # the code paths, not the whole matrix (the CPU suite covers that): its time is short
     CASES = {"zero3+cpu params": CASES["zero3+cpu params"]}
     PRECISIONS = ("fp32",)
-LOSS_RTOL = {"fp32": 2e-5, "bf16": 2e-2}      # per step, relative
-PARAM_ATOL = {"fp32": 2e-5, "bf16": 3e-2}     # final parameters, absolute (they are O(0.1))
+LOSS_RTOL = {"fp32": 2e-5, "bf16": 2e-2, "fp16": 2e-2}      # per step, relative
+PARAM_ATOL = {"fp32": 2e-5, "bf16": 3e-2, "fp16": 3e-2}  # final parameters, absolute (they are O(0.1))
 
 
 def device_kind() -> str:

@@ -1,4 +1,4 @@
-"""Every stage x offload target, fp32 and bf16, equals a single-GPU reference (tests/gpu/_matrix.py):
+"""Every stage x offload target, fp32, bf16 and fp16, equals a single-GPU reference (tests/gpu/_matrix.py):
 one process on NCCL (world 1); two ranks over gloo with CUDA tensors sharing one GPU (the gloo
 collectives the stages use there: broadcast and all-reduce); NCCL across GPUs where there are two
 or more. Skipped without CUDA, except under FRAMEWORK_GPU_DRY=1 (the same code on the CPU).
