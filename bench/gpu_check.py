@@ -15,7 +15,8 @@ reported as skipped):
 * equivalence: ``pytest tests/gpu`` (every stage x offload target, fp32, bf16 and fp16, against a
   single-GPU reference: world 1 on NCCL, two ranks over gloo with CUDA tensors on one GPU, NCCL
   across GPUs where there are two or more), one row per compared run with its largest differences;
-* memory: peak ``max_memory_allocated`` per stage against the estimator (gpt2-medium, bf16);
+* memory: peak ``max_memory_allocated`` per stage against the estimator (gpt2-medium, bf16; within
+  0.8-1.1 of its CUDA peak, which traces attention as the fused kernels hold it);
 * sync: host syncs the main thread makes during backward, counted by CUDA's sync debug mode
   (expected 0), and over a whole step (the deliberate ones: gradient norm, loss);
 * timing: the anchor config (GPT 1.417 B, 16 x 1024 tokens, bf16) for plain PyTorch, FSDP2 (with
@@ -44,8 +45,8 @@ ORDER = ("environment", "kernels", "equivalence", "memory", "sync", "timing")
 CAP = {"environment": 60, "kernels": 120, "equivalence": 240, "memory": 120, "sync": 90, "timing": 300}
 FLOOR = {"environment": 10, "kernels": 20, "equivalence": 60, "memory": 30, "sync": 20, "timing": 60}
 # Most telling first (the budget may end the list): offload against the offload peers, then no offload.
-TIMING = ("plain", "zero2-offload", "fsdp2-offload", "deepspeed-zero2-offload", "zero3", "fsdp2", "zero3-offload",
-          "zero2")
+TIMING = ("plain", "zero2-offload", "zero2-offload-overlap", "fsdp2-offload", "deepspeed-zero2-offload", "zero3",
+          "fsdp2", "zero3-offload", "zero2")
 TIMING_DRY = ("fsdp2", "deepspeed-zero2-offload")   # (ours runs in memory and sync; DeepSpeed: if installed)
 MEMORY = {"ddp": [], "zero1": ["+stage=zero1"], "zero2": ["+stage=zero2"], "zero3": ["+stage=zero3"],
           "zero2+cpu": ["+stage=zero2", "offload=cpu"], "zero3+cpu params": ["+stage=zero3", "offload=cpu",
@@ -242,6 +243,8 @@ def check_memory(dry: bool, out: Path) -> list[dict]:
 
     device = _device(dry)
     model = ["model=gpt-nano", "train.micro_batch=2"] if dry else ["model=gpt2-medium", "train.micro_batch=8"]
+    if device.type == "cuda":   # the caching allocator's statistics exist once CUDA is initialised
+        torch.zeros(1, device=device)
     rows = []
     for name, overrides in MEMORY.items():
         if dry and name != "zero3+cpu params":   # the code path once: the CPU suite's time is short
@@ -260,7 +263,7 @@ def check_memory(dry: bool, out: Path) -> list[dict]:
                 rows.append(row("memory", name, None, "no device allocator on the CPU", f"estimated {predicted} GiB"))
                 continue
             ratio = measured / predicted if predicted else float("nan")
-            rows.append(row("memory", name, ratio <= 1.1, f"{measured:.2f} GiB peak allocated",
+            rows.append(row("memory", name, 0.8 <= ratio <= 1.1, f"{measured:.2f} GiB peak allocated",
                             f"estimated {predicted} GiB", f"measured / estimated = {ratio:.2f}"))
         except Exception as e:  # noqa: BLE001 - one stage's failure is its own row
             rows.append(row("memory", name, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))

@@ -6,11 +6,15 @@ the OS reports for real runs. DeepSpeed's tables and the NVMe rows are in ``tabl
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointError
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -60,26 +64,59 @@ def hf_loss(module: nn.Module, batch) -> torch.Tensor:
     return module(input_ids=x, labels=y).loss
 
 
+class _FusedAttentionKernel(torch.autograd.Function):
+    """The memory of CUDA's fused attention (the flash and memory-efficient kernels that
+    ``scaled_dot_product_attention`` picks there): forward saves the output and one fp32 log-sum-exp
+    per query row, backward makes the input gradients and an fp32 accumulator of the query's
+    shape. No sequence x sequence matrix exists, unlike the math path that the meta device runs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        accum = q.new_empty(q.shape, dtype=torch.float32)   # noqa: F841 - held while the gradients are made
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Trace ``scaled_dot_product_attention`` as the CUDA kernels hold memory (``_FusedAttentionKernel``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
+            return _FusedAttentionKernel.apply(q, k, v)
+        return func(*args, **(kwargs or {}))
+
+
 @dataclass(frozen=True)
 class ActivationTrace:
     saved: int      # bytes alive at the end of forward (what autograd keeps for backward, the loss path)
     peak: int       # peak bytes during forward + backward, parameter gradients excluded
 
 
-def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False) -> ActivationTrace:
+def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False,
+                      fused_attention: bool = False) -> ActivationTrace:
     """Run ``loss_fn(module, batch)`` and its backward on the meta device and follow live bytes.
 
     ``module`` and ``batch`` must be on the meta device. Parameter gradients are dropped as soon
     as they are accumulated (the stages own them: counted as model states or buckets), unless
     ``keep_grads``: then they live to the end of backward (zero2 when one bucket holds a whole
-    group: no gradient leaves before the last one arrives)."""
+    group: no gradient leaves before the last one arrives). ``fused_attention``: attention as CUDA's
+    fused kernels hold it (the meta device, like the CPU's math path, keeps the attention matrices)."""
     params = list(module.parameters())
     handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
                                      for p in params if p.requires_grad]
     inputs = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     mode = _LiveBytes(params + list(module.buffers()) + inputs)
+    attention = _FusedAttention() if fused_attention else contextlib.nullcontext()
     try:
-        with mode:
+        with mode, attention:
             loss = loss_fn(module, batch)
             saved = mode.live
             loss.backward()
@@ -117,6 +154,9 @@ class Prediction(Footprint):
     # block of 1 MiB or more is a mapping of its own, returned when freed, so the large transients leave
     # nothing behind (measured on the capacity runs: BENCHMARKS.md, "Capacity").
     host_slack_fraction: float = SLACK_FRACTION
+    # The activations' peak traced with CUDA's fused attention (``device_peak(cuda=True)``); the
+    # "activations" transient is the math path's, which the CPU runs.
+    cuda_activations: int | None = None
 
     MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
@@ -141,8 +181,13 @@ class Prediction(Footprint):
 
     def device_peak(self, cuda: bool) -> int:
         dev = sum(d for d, _ in self.items.values())
-        slack = int(SLACK_FRACTION * sum(self.transient.values())) if cuda else self.slack   # the caching allocator
-        return dev + sum(self.transient.values()) + slack + (CUDA_FIXED_SLACK if cuda else 0)
+        if not cuda:
+            return dev + sum(self.transient.values()) + self.slack
+        transient = sum(self.transient.values())
+        if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
+            transient += self.cuda_activations - self.transient.get("activations", 0)
+        # (the caching allocator's slack)
+        return dev + transient + int(SLACK_FRACTION * transient) + CUDA_FIXED_SLACK
 
     def host_total(self) -> int:
         return sum(h for _, h in self.items.values())
@@ -150,7 +195,7 @@ class Prediction(Footprint):
     def as_dict(self) -> dict:
         return {"world": self.world, "params": self.params,
                 "items": {k: {"device": d, "host": h} for k, (d, h) in self.items.items()},
-                "transient": dict(self.transient), "lazy": sorted(self.lazy), "disk": dict(self.disk),
+                "transient": dict(self.transient), "cuda_activations": self.cuda_activations, "lazy": sorted(self.lazy), "disk": dict(self.disk),
                 "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
@@ -280,10 +325,22 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     if key not in traces:
         traces[key] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
     tr = traces[key]
+    if (*key, "fused") not in traces:
+        try:
+            traces[(*key, "fused")] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads,
+                                                        fused_attention=True)
+        except CheckpointError:
+            # Activation checkpointing recomputes each block in backward outside the tracing mode, so
+            # the recomputed attention is the math path's: the CUDA peak counts it that way too (one
+            # block's attention matrices too many at most: the forward keeps only block inputs).
+            traces[(*key, "fused")] = tr
+    fused = traces[(*key, "fused")]
     pred.transient["activations"] = tr.peak
+    pred.cuda_activations = fused.peak
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
                       f"checkpointing={ckpt if loss_fn is None else 'as the model is built'}, "
-                      f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak")
+                      f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak "
+                      f"({fused.peak / MiB:.1f} MiB with CUDA's fused attention)")
     return pred
 
 

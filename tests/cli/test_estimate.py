@@ -185,6 +185,23 @@ def test_nvme_prediction_puts_state_on_disk():
     assert pred.items.get("optimizer_state", (0, 0)) == (0, 0)
 
 
+def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():
+    # The meta trace runs attention's math path (as the CPU does): its batch x heads x context^2 score
+    # matrices grow 4x when the context doubles. CUDA's flash and memory-efficient kernels keep none of
+    # them, only the output and a log-sum-exp per row: linear in the context. (Measured on one H200:
+    # the math-path trace over-predicted the 1.4 B anchor's peak by 35 GiB, BENCHMARKS.md "GPU check".)
+    preds = {ctx: predict(compose(["model=gpt-nano", f"model.context={ctx}", "train.micro_batch=2", "precision=bf16",
+                                   "logger=none"]), 1) for ctx in (128, 256, 512)}
+    fused = {ctx: p.cuda_activations for ctx, p in preds.items()}
+    scores = {ctx: p.transient["activations"] - p.cuda_activations for ctx, p in preds.items()}
+    for short, long in ((128, 256), (256, 512)):
+        assert 1.8 < fused[long] / fused[short] < 2.2, fused
+        assert 3.5 < scores[long] / scores[short] < 4.8, scores
+    p = preds[512]   # the CUDA peak: without the score matrices and their slack, with CUDA's fixed 64 MiB
+    assert p.device_peak(cuda=True) - p.device_peak(cuda=False) == pytest.approx(
+        -1.1 * scores[512] + (64 << 20), abs=1 << 20)
+
+
 def test_model_yaml_path(capsys):
     assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
