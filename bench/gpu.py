@@ -38,8 +38,9 @@ SYSTEMS = {  # name -> overrides of ours (None: plain PyTorch)
     # NVMe (ZeRO-Infinity): swap files under --nvme-dir (default: a temporary folder), 100 M-element tiles
     "zero2-nvme": ["+stage=zero2", "offload=nvme", "offload.sub_group_size=100000000",
                    "offload.pipeline_read=true", "offload.pipeline_write=true"],
+    # (zero3 swaps parameters through buffers that must hold the largest tile: the embedding, 103 M)
     "zero3-nvme": ["+stage=zero3", "offload=nvme", "offload.sub_group_size=100000000",
-                   "offload.pipeline_read=true", "offload.pipeline_write=true"],
+                   "offload.param_buffer_size=200000000", "offload.pipeline_read=true", "offload.pipeline_write=true"],
 }
 # Peers (not our code): FSDP2 with and without CPU offload, DeepSpeed ZeRO-2 with CPU offload.
 PEERS = ("fsdp2", "fsdp2-offload", "deepspeed-zero2-offload")
