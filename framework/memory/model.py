@@ -233,12 +233,14 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
-            traces: dict | None = None, loss_fn=None, context: int | None = None) -> Prediction:
+            traces: dict | None = None, loss_fn=None, context: int | None = None,
+            device: str | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
     (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
     the configured one), with ``loss_fn(module, (x, y))`` (default: our GPT's) and ``context`` (default
     ``cfg.model.context``) for its activations. ``traces``: a dict to reuse activation traces in (the
-    planner's sweep)."""
+    planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
+    attention (the planner's sweep knows which); by default both, for ``peak`` and ``device_peak``."""
     from framework.engine.build import component
     from framework.models.gpt import gpt_loss
     from framework.stages import bucket_buffers, make_layout, param_groups
@@ -322,25 +324,31 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     ckpt = bool(getattr(cfg.model, "activation_checkpointing", False))
     key = (cfg.train.micro_batch, ctx, ckpt, keep_grads, policy.param_dtype)
     traces = {} if traces is None else traces
-    if key not in traces:
-        traces[key] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads)
-    tr = traces[key]
-    if (*key, "fused") not in traces:
-        try:
-            traces[(*key, "fused")] = trace_activations(module, loss_fn or gpt_loss, (x, x), keep_grads=keep_grads,
-                                                        fused_attention=True)
-        except CheckpointError:
+
+    def traced(fused: bool) -> ActivationTrace:
+        if (*key, fused) not in traces:
             # Activation checkpointing recomputes each block in backward outside the tracing mode, so
             # the recomputed attention is the math path's: the CUDA peak counts it that way too (one
-            # block's attention matrices too many at most: the forward keeps only block inputs).
-            traces[(*key, "fused")] = tr
-    fused = traces[(*key, "fused")]
+            # block's attention matrices too many at most: the forward keeps only block inputs). A
+            # model that checkpoints on its own says so by the recomputation's mismatch.
+            try:
+                if fused and ckpt:
+                    traces[(*key, fused)] = traced(False)
+                else:
+                    traces[(*key, fused)] = trace_activations(module, loss_fn or gpt_loss, (x, x),
+                                                              keep_grads=keep_grads, fused_attention=fused)
+            except CheckpointError:
+                traces[(*key, fused)] = traced(False)
+        return traces[(*key, fused)]
+
+    tr = traced(fused=device == "cuda")
+    fused = traced(True) if device != "cpu" else None
     pred.transient["activations"] = tr.peak
-    pred.cuda_activations = fused.peak
+    pred.cuda_activations = fused.peak if fused else None
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
                       f"checkpointing={ckpt if loss_fn is None else 'as the model is built'}, "
-                      f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak "
-                      f"({fused.peak / MiB:.1f} MiB with CUDA's fused attention)")
+                      f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak"
+                      + (f" ({fused.peak / MiB:.1f} MiB with CUDA's fused attention)" if device is None else ""))
     return pred
 
 

@@ -223,8 +223,8 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -
                                    model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
         with torch.device("meta"):
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
-        pred = predict(ccfg, hw.ranks, module=module, traces=traces)
         cuda = hw.gpu_mem is not None
+        pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
         # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
         device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
         host = pred.host_total() * (hw.ranks if cuda else 1)
