@@ -25,9 +25,11 @@ train: setup
 
 # Two pytest workers (TEST_JOBS), one test file at a time each: file-scoped fixtures (a recipe run,
 # a rank pool per worker) are built once, and the cores that single-process tests leave idle are used.
+# Files are handed out slowest first (tests/conftest.py), not by xdist's count of tests per file.
 TEST_JOBS ?= 2
 test: setup lint
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
+		$(PYTEST_ARGS)
 
 # pyflakes + pycodestyle through ruff (settings in pyproject.toml); part of `make test`.
 lint: setup
