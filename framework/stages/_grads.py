@@ -195,7 +195,12 @@ class FlatGrads:
     ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and a backward that ran inside
     ``loss_fn`` (or replaced a .grad) is an error, not a silent zero. With a wider
     ``precision.grad_accum_dtype`` every micro batch but the last is added into an accumulator; the
-    last one range by range as it is reduced (``_final``)."""
+    last one range by range as it is reduced (``_final``).
+
+    Under loss scaling (fp16) a wider sum goes on the narrower wire divided by the number of micro
+    batches and is multiplied back after the reduce: the wire then carries one micro batch's
+    magnitude, as zero2 and zero3 send each micro batch, so every stage overflows at the same
+    loss scale (a power-of-two count divides and multiplies back exactly)."""
 
     def __init__(self, entries: list, flats: list[torch.Tensor], layouts: list, bounds: list[tuple[int, int]],
                  buckets: list[Bucket], dist, policy, *, reduce_scatter: bool, overlap: bool, stage: str, what: str):
@@ -207,9 +212,11 @@ class FlatGrads:
         self.layouts, self.bounds, self.dist, self.stage, self.what = layouts, bounds, dist, stage, what
         self.accum_dtype, self.reduce_dtype = policy.grad_accum_dtype, policy.reduce_dtype
         self.reduce_scatter = reduce_scatter
+        self.scaled = policy.scaler is not None   # gradients are scaled up to the edge of the wire's range
         self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
         self.used = False   # acc holds earlier micro batches of this step
-        self.work: list = []   # (bucket, pending, wire buffer or None) of launched buckets
+        self.micro = 0      # how many micro batches acc holds
+        self.work: list = []   # (bucket, pending, wire buffer or None, micro batches divided out) of launched buckets
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
         self.hook_handles = (self.launcher.attach([p for p, _ in self.entries], dist.acc)
                              if dist.world > 1 and overlap else [])
@@ -243,6 +250,7 @@ class FlatGrads:
                 a.add_(g)
                 g.zero_()
             self.used = True
+            self.micro += 1
 
     def _final(self, g: int, start: int, end: int) -> torch.Tensor:
         """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
@@ -257,27 +265,33 @@ class FlatGrads:
         b = self.launcher.buckets[i]
         ranges = [(b.start, b.start + b.numel)] if b.contiguous else b.ranges
         finals = [self._final(b.group, lo, hi) for lo, hi in ranges]
+        n = 1
         if finals[0].dtype == self.reduce_dtype:
             wire, buf = finals, None   # reduced in place in the gradient buffer
         else:
             buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=finals[0].device)
             wire = list(buf.chunk(len(finals)))
+            n = self.micro + 1 if self.scaled and self.used else 1
             for dst, v in zip(wire, finals):
+                if n > 1:   # in the wide dtype, before the cast (the accumulator is overwritten after the reduce)
+                    v.div_(n)
                 dst.copy_(v)
         pending = reduce_bucket(self.dist.comm, wire, b, self.layouts[b.group].shard, self.reduce_scatter,
                                 what=f"{self.what} of bucket {i}")
-        self.work.append((b, pending, buf))
+        self.work.append((b, pending, buf, n))
 
     def finish(self) -> list[torch.Tensor]:
         """Complete the step's reduction; per group, the buffer the summed gradients live in."""
         summed = self.summed()
         if self.dist.world > 1:
             self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
-            for b, pending, buf in self.work:
+            for b, pending, buf, n in self.work:
                 self.dist.comm.wait(pending, self.what)
                 if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
                     for lo, hi, off in own_parts(b, *self.bounds[b.group]):
-                        summed[b.group][lo:hi].copy_(buf[off:off + hi - lo])
+                        own = summed[b.group][lo:hi].copy_(buf[off:off + hi - lo])
+                        if n > 1:   # in the wide dtype: exact (an fp16 value times a small integer)
+                            own.mul_(n)
             self.work = []
         else:   # every range is final at once: there is nothing to reduce
             for g, grad in enumerate(self.grads):
@@ -294,7 +308,7 @@ class FlatGrads:
         if self.used:
             for a in self.acc:
                 a.zero_()
-        self.used = False
+        self.used, self.micro = False, 0
 
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))

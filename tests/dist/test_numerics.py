@@ -6,6 +6,7 @@
   runs a backward pass itself (``create_graph=True``) fails with a message instead of training
   on zero gradients.
 * fp16 overflow on one rank only skips the same step on every rank (zero3).
+* fp16 with gradient accumulation overflows at the same loss scale on every stage.
 """
 import copy
 
@@ -187,6 +188,32 @@ def test_zero3_fp16_overflow_on_one_rank_skips_the_same_step_everywhere(pools):
     torch.testing.assert_close(params0[3], params0[2], rtol=0, atol=0)  # the skipped step changed nothing
     for a, b in zip(params0, params1):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # ranks hold the same model after every step
+
+
+# --- fp16 with gradient accumulation: the stage does not choose which steps overflow ---------------
+
+def _fp16_accum(dist, stage):
+    # 2**18 fits one micro batch's gradients on the fp16 wire (2**19 overflows it on every stage);
+    # when ddp and zero1 sent the sum of both micro batches (zero2 and zero3 send each), it did not.
+    cfg = tiny_config("precision=fp16", "precision.initial_scale_power=18", f"+stage={stage}", "train.grad_accum=2",
+                      "train.steps=4", "train.micro_batch=2", "train.grad_clip=0.5")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    state, out = engine.state, []
+    for _ in range(cfg.train.steps):
+        batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, m = engine.train_step(state, batch)
+        out.append((m["skipped"], m["loss_scale"], m["loss"]))
+    return out
+
+
+def test_fp16_grad_accumulation_overflows_alike_on_every_stage(pools):
+    runs = {stage: pools(2).run(_fp16_accum, stage, timeout=240)[0] for stage in STAGES}
+    assert [(s, scale) for s, scale, _ in runs["zero2"]] == [(False, 2.0 ** 18)] * 4
+    for stage, out in runs.items():
+        assert [x[:2] for x in out] == [x[:2] for x in runs["zero2"]], stage
+        # the same updates, up to where fp16 rounds each micro batch's sum (measured: 1e-5)
+        torch.testing.assert_close([x[2] for x in out], [x[2] for x in runs["zero2"]], rtol=0, atol=1e-4)
 
 
 # --- the gradient norm does not depend on how a partition is cut -------------------------------

@@ -81,3 +81,21 @@ def test_fp16_keys_name_the_wrong_one_and_a_static_scale_refuses_the_dynamic_key
     with pytest.raises(ConfigError, match=r"precision.min_loss_scale must be > 0, got 0"):
         fp16(FP16Config(min_loss_scale=0.0))
     assert fp16(FP16Config(loss_scale=128.0)).scaler.loss_scale == 128.0
+
+
+def test_fp16_refuses_a_min_scale_above_the_initial_scale():
+    from framework.core.errors import ConfigError
+    from framework.precision.policies import FP16Config, fp16
+    with pytest.raises(ConfigError, match=r"precision.min_loss_scale=64 is above the initial scale "
+                                          r"2\*\*precision.initial_scale_power=4"):
+        fp16(FP16Config(initial_scale_power=2, min_loss_scale=64.0))
+    assert fp16(FP16Config(initial_scale_power=6, min_loss_scale=64.0)).scaler.min_loss_scale == 64.0   # equal: fine
+
+
+def test_fp16_refuses_a_static_scale_beyond_fp16():
+    from framework.core.errors import ConfigError
+    from framework.precision.policies import FP16Config, fp16
+    for bad in (1e30, 65536.0, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"precision.loss_scale=\S+ is above fp16's largest value 65504"):
+            fp16(FP16Config(loss_scale=bad))
+    assert fp16(FP16Config(loss_scale=32768.0)).scaler.loss_scale == 32768.0
