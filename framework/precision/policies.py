@@ -151,11 +151,10 @@ def fp16(cfg: FP16Config) -> Policy:
             raise ConfigError(f"precision.{key} must be {rule}, got {value:g}")
     if not 0 <= cfg.initial_scale_power <= 127:   # 2**128 is not a float32 (nor a float beyond 2**1023)
         raise ConfigError(f"precision.initial_scale_power must be in [0, 127], got {cfg.initial_scale_power}")
-    fp16_max = torch.finfo(torch.float16).max
-    if not cfg.loss_scale <= fp16_max:   # (NaN too) a static scale never comes down: every overflow is skipped
-        raise ConfigError(f"precision.loss_scale={cfg.loss_scale:g} is above fp16's largest value {fp16_max:g}: "
-                          f"gradients scaled by it overflow and a static scale never lowers itself, so steps "
-                          f"are skipped without updates; use a power of two such as 1024, or 0 (dynamic)")
+    if not cfg.loss_scale <= 2 ** 32:   # (NaN too) a static scale never comes down: every overflow is skipped
+        raise ConfigError(f"precision.loss_scale={cfg.loss_scale:g} is above 2**32: fp16 gradients scaled by it "
+                          f"overflow on every step and a static scale never lowers itself, so no step would "
+                          f"update; use a power of two such as 1024 or 65536, or 0 (dynamic)")
     if cfg.loss_scale == 0 and cfg.min_loss_scale > 2 ** cfg.initial_scale_power:
         raise ConfigError(f"precision.min_loss_scale={cfg.min_loss_scale:g} is above the initial scale "
                           f"2**precision.initial_scale_power={2 ** cfg.initial_scale_power}: the scale starts below "

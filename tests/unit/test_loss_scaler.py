@@ -93,9 +93,11 @@ def test_fp16_refuses_a_min_scale_above_the_initial_scale():
 
 
 def test_fp16_refuses_a_static_scale_beyond_fp16():
+    # A static 65536 (2**16, DeepSpeed's default initial dynamic scale) is a usual choice: accepted.
     from framework.core.errors import ConfigError
     from framework.precision.policies import FP16Config, fp16
-    for bad in (1e30, 65536.0, float("inf"), float("nan")):
-        with pytest.raises(ConfigError, match=r"precision.loss_scale=\S+ is above fp16's largest value 65504"):
+    for bad in (1e30, 2.0 ** 33, float("inf"), float("nan")):
+        with pytest.raises(ConfigError, match=r"precision.loss_scale=\S+ is above 2\*\*32"):
             fp16(FP16Config(loss_scale=bad))
+    assert fp16(FP16Config(loss_scale=65536.0)).scaler.loss_scale == 65536.0
     assert fp16(FP16Config(loss_scale=32768.0)).scaler.loss_scale == 32768.0
