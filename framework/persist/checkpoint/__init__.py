@@ -145,8 +145,8 @@ class Checkpointer:
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
     """Where a run's checkpoints go: ``checkpoint.dir``, else ``checkpoints/`` in the run folder
     (so a run never meets another run's checkpoints unless pointed at them), else in the working
-    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: its overrides) gets
-    ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
+    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: the overrides that say
+    which job it is) gets ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
