@@ -121,6 +121,21 @@ def check_folder(cfg: DictConfig, key: str) -> None:
                           "to a writable folder") from None
 
 
+def check_no_chdir(cfg: DictConfig) -> None:
+    """hydra.job.chdir=true is refused: every relative path the framework takes (data files,
+    checkpoint.dir and .resume, offload.nvme_path, the outputs/ and multirun/ that resume=latest
+    searches) is the launch directory's, and the job writes into its run folder by name, so moving
+    into the run folder would only make those paths point elsewhere in the job than when checked."""
+    try:
+        chdir = OmegaConf.select(cfg, "hydra.job.chdir")
+    except OmegaConfBaseException:
+        return
+    if chdir:
+        raise ConfigError("hydra.job.chdir=true: the job stays in the launch directory, against which relative paths "
+                          "(data, checkpoint.dir, checkpoint.resume, outputs/) are resolved, and writes into its run "
+                          "folder (hydra.run.dir / hydra.sweep.dir) all the same; drop hydra.job.chdir")
+
+
 def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) -> None:
     """Hydra's run composes the command line again, as given, where a plain ``stage.KEY=V`` (which
     ``compose`` forces in) fails unless a stage is chosen, on the command line or in the primary
@@ -230,6 +245,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
                 overrides, composer=functools.partial(standalone_composer, **primary))
             check_stage_chosen(overrides, cfg, configs[_key(overrides)])
             check_folder(cfg, folder)
+            check_no_chdir(cfg)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
