@@ -239,7 +239,9 @@ class Console:
 
 def summary_line(s: dict) -> str:
     window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
-    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f}"
+    loss = s["train_loss"]
+    line = (f"done: {s['steps']} steps | "
+            + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
             + (f" (mean of last {window} steps)" if window else "")
             + f" | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")

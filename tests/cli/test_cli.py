@@ -269,6 +269,21 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout
 
+    # resume=latest whose newest checkpoint is damaged falls back to the one before it, as auto does.
+    (run / "checkpoints" / "step-7" / "train_state.json").write_text("{")
+    damaged = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/f")
+    assert damaged.returncode == 0, damaged.stderr
+    assert f"falling back to the previous checkpoint, {run / 'checkpoints' / 'step-6'}" in damaged.stdout, damaged.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-6'} (step 6" in damaged.stdout, damaged.stdout
+
+    # A checkpoint already past train.steps: said, and no NaN train loss for the steps nobody ran.
+    past = _run(forkrun, tmp_path, f"checkpoint.resume={run / 'checkpoints' / 'step-6'}", "train.steps=4",
+                "hydra.run.dir=outputs/g")
+    assert past.returncode == 0, past.stderr
+    assert "checkpoint: the checkpoint's step 6 is already past train.steps=4: nothing is trained" in past.stdout
+    assert "done: 6 steps | no step trained | val loss" in past.stdout and "loss nan" not in past.stdout, past.stdout
+    assert json.loads((tmp_path / "outputs" / "g" / "summary.json").read_text())["train_loss"] is None
+
 
 def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp_path):
     """Found before step 1 (one line), not at the first save after hours of training."""

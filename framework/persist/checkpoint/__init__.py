@@ -190,7 +190,9 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
             print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
                   f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
+        # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
+        # back to the one before it, as resume=auto does.
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder.parent)))
         folders = [folder]
     else:
         folders = candidates(c.resume, root)[0]
