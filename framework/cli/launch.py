@@ -107,7 +107,7 @@ def own_run_folder(run: RunInfo) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        key = "hydra.sweep.dir" if run.job else "hydra.run.dir"
+        key = "hydra.sweep.dir" if run.group else "hydra.run.dir"
         raise FrameworkError(f"run folder {run.run_dir} is in use by another run (it holds {RUN_LOCK}); "
                              f"give this run a folder of its own: {key}=PATH") from None
     except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): run unlocked

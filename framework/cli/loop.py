@@ -71,6 +71,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         if dist.is_main and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
         state = ckpt.resume(state)
+        if state.step > t.steps and dist.is_main:
+            print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
+                  f"trained; set train.steps above {state.step} to train on from it, or give this run another "
+                  f"checkpoint.dir (or run folder) to start afresh", flush=True)
         if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
         # The W&B config: the resolved values and where each came from.
@@ -106,7 +110,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         summary = {
             "steps": state.step,
             # The mean of the last log_every steps' losses (metrics.jsonl has single steps' losses).
-            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else math.nan,
+            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else None,   # None: no step ran
             "train_loss_steps": min(len(losses), t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,

@@ -37,6 +37,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
+from framework.persist.checkpoint import checkpoint_root
 
 # Hydra's command-line flags (hydra.main parses and acts on them); read here only to know which
 # jobs a command line describes.
@@ -120,6 +121,21 @@ def check_folder(cfg: DictConfig, key: str) -> None:
                           "to a writable folder") from None
 
 
+def check_no_chdir(cfg: DictConfig) -> None:
+    """hydra.job.chdir=true is refused: every relative path the framework takes (data files,
+    checkpoint.dir and .resume, offload.nvme_path, the outputs/ and multirun/ that resume=latest
+    searches) is the launch directory's, and the job writes into its run folder by name, so moving
+    into the run folder would only make those paths point elsewhere in the job than when checked."""
+    try:
+        chdir = OmegaConf.select(cfg, "hydra.job.chdir")
+    except OmegaConfBaseException:
+        return
+    if chdir:
+        raise ConfigError("hydra.job.chdir=true: the job stays in the launch directory, against which relative paths "
+                          "(data, checkpoint.dir, checkpoint.resume, outputs/) are resolved, and writes into its run "
+                          "folder (hydra.run.dir / hydra.sweep.dir) all the same; drop hydra.job.chdir")
+
+
 def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) -> None:
     """Hydra's run composes the command line again, as given, where a plain ``stage.KEY=V`` (which
     ``compose`` forces in) fails unless a stage is chosen, on the command line or in the primary
@@ -149,9 +165,45 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
+# Keys that say how long, how visibly or where a job runs, not which job it is: left out of the name of
+# its folder under an explicit checkpoint.dir (unless the sweep varies them), so that a relaunch with
+# more train.steps or on more ranks resumes the job.
+NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "logger",
+                "dist.nproc", "dist.timeout_s")
+
+
+def swept_keys(jobs: list[list[str]] | None) -> frozenset[str]:
+    """The keys whose values differ between the jobs of a sweep."""
+    values: dict[str, set[str]] = {}
+    for overrides in jobs or []:
+        for o in parse_overrides(overrides):
+            values.setdefault(o.key_or_group, set()).add(o.input_line)
+    return frozenset(k for k, v in values.items() if len(v) > 1)
+
+
+def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
+    """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
+    override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary."""
+    def identity(key: str) -> bool:
+        return key in swept or not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
+    return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group)))
+
+
+def _checkpoint_key(config: Config, key: str, older: str) -> str:
+    """``key``, or ``older`` (the job's name as earlier versions made it: all its overrides) where
+    only the folder of that name exists under checkpoint.dir (said in one line)."""
+    if config.checkpoint.dir is None or older == key:
+        return key
+    new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
+    if new.exists() or not old.is_dir():
+        return key
+    print(f"checkpoint: using {old} (this job's folder named by all its overrides, as earlier versions named it); "
+          f"move it to {new} to resume it under the job's current name", flush=True)
+    return older
+
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None,
-         failed: list[str]) -> Callable[[], None]:
+         failed: list[str], swept: frozenset[str] = frozenset()) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
     A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
@@ -166,7 +218,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         multirun = hc.mode == RunMode.MULTIRUN
         run = RunInfo(Path(hc.runtime.output_dir),
                       group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
-                      name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None)
+                      name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
+                      key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
+                      if multirun else None)
         try:
             return launch(config, run, on_point)["val_loss"]
         except FrameworkError as e:
@@ -191,11 +245,12 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
                 overrides, composer=functools.partial(standalone_composer, **primary))
             check_stage_chosen(overrides, cfg, configs[_key(overrides)])
             check_folder(cfg, folder)
+            check_no_chdir(cfg)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     failed: list[str] = []
-    _app(configs, on_point, failed)()
+    _app(configs, on_point, failed, swept_keys(jobs))()
     if failed:
         print(f"error: {len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}",
               file=sys.stderr)

@@ -23,11 +23,15 @@ class RunInfo:
     run_dir: Path
     group: str | None     # W&B group: the multirun sweep, so its jobs appear together
     name: str | None      # W&B run name: the job's overrides or number
+    key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
 
     @property
     def job(self) -> str | None:
-        """A multirun job's name (its overrides), which keys its folder under an explicit checkpoint.dir."""
-        return self.name if self.group else None
+        """A multirun job's name (the overrides that say which job it is), which keys its folder
+        under an explicit checkpoint.dir."""
+        if not self.group:
+            return None
+        return self.key if self.key is not None else self.name
 
 
 class NullLogger:
@@ -235,7 +239,9 @@ class Console:
 
 def summary_line(s: dict) -> str:
     window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
-    line = (f"done: {s['steps']} steps | train loss {s['train_loss']:.4f}"
+    loss = s["train_loss"]
+    line = (f"done: {s['steps']} steps | "
+            + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
             + (f" (mean of last {window} steps)" if window else "")
             + f" | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")

@@ -71,7 +71,11 @@ def test_missing_data_file(forkrun, tmp_path):
 
 
 def test_multirun_two_optimizers(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, "-m", "optimizer=adamw,lion", *SHORT)
+    from framework.cli.train import job_key
+    from framework.persist.checkpoint import checkpoint_root
+
+    saves = [f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.every=6"]
+    p = cli(forkrun, tmp_path, "-m", "optimizer=adamw,lion", *SHORT, *saves)
     assert p.returncode == 0, p.stderr
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["config"]["optimizer"]["name"] for s in summaries] == ["adamw", "lion"]
@@ -79,6 +83,21 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     first = [json.loads((tmp_path / "sweep" / str(i) / "metrics.jsonl").read_text().splitlines()[0])
              for i in (0, 1)]
     assert all(r["step"] == 2 for r in first)
+
+    # A relaunch (another sweep folder) with more steps is the same jobs: each resumes its own
+    # checkpoints; a job folder named by all the job's overrides (as earlier versions named it) is used.
+    longer = [o for o in SHORT if not o.startswith("train.steps=")] + ["train.steps=8"]
+    ckpt = type("C", (), {"checkpoint": type("D", (), {"dir": str(tmp_path / "ck")})})
+    folder = {o: checkpoint_root(ckpt, None, job_key([*SHORT, *saves, f"optimizer={o}"], frozenset({"optimizer"})))
+              for o in ("adamw", "lion")}
+    older = checkpoint_root(ckpt, None, ",".join(sorted([*longer, *saves, "optimizer=lion"])))
+    folder["lion"].rename(older)
+    again = forkrun.run("framework.train", ["-m", "optimizer=adamw,lion", *longer, *saves,
+                                            f"hydra.sweep.dir={tmp_path / 'again'}"], cwd=tmp_path, env=ENV)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {folder['adamw'] / 'step-6'} (step 6" in again.stdout, again.stdout
+    assert f"checkpoint: using {older} (this job's folder named by all its overrides" in again.stdout, again.stdout
+    assert f"resumed from {older / 'step-6'} (step 6" in again.stdout, again.stdout
 
 
 def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
@@ -249,6 +268,21 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert rewound.returncode == 0, rewound.stderr
     later = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=7", "hydra.run.dir=outputs/a")
     assert f"resumed from {run / 'checkpoints' / 'step-5'}" in later.stdout, later.stdout
+
+    # resume=latest whose newest checkpoint is damaged falls back to the one before it, as auto does.
+    (run / "checkpoints" / "step-7" / "train_state.json").write_text("{")
+    damaged = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/f")
+    assert damaged.returncode == 0, damaged.stderr
+    assert f"falling back to the previous checkpoint, {run / 'checkpoints' / 'step-6'}" in damaged.stdout, damaged.stdout
+    assert f"resumed from {run / 'checkpoints' / 'step-6'} (step 6" in damaged.stdout, damaged.stdout
+
+    # A checkpoint already past train.steps: said, and no NaN train loss for the steps nobody ran.
+    past = _run(forkrun, tmp_path, f"checkpoint.resume={run / 'checkpoints' / 'step-6'}", "train.steps=4",
+                "hydra.run.dir=outputs/g")
+    assert past.returncode == 0, past.stderr
+    assert "checkpoint: the checkpoint's step 6 is already past train.steps=4: nothing is trained" in past.stdout
+    assert "done: 6 steps | no step trained | val loss" in past.stdout and "loss nan" not in past.stdout, past.stdout
+    assert json.loads((tmp_path / "outputs" / "g" / "summary.json").read_text())["train_loss"] is None
 
 
 def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp_path):

@@ -70,6 +70,17 @@ def test_run_folder_that_is_a_file_from_the_command_line(forkrun, tmp_path):
         f"error: hydra.run.dir={tmp_path / 'afile'}: {tmp_path / 'afile'} is not a folder; set hydra.run.dir to a folder"]
 
 
+def test_hydra_job_chdir_is_refused(forkrun, tmp_path):
+    """Relative paths (checkpoint.resume, data, outputs/ for resume=latest) are the launch directory's:
+    a job moved into its run folder would resume nothing, quietly."""
+    for mode in ([], ["-m"]):
+        p = forkrun.run("framework.train", [*mode, "train.steps=2", "checkpoint.resume=latest", "hydra.job.chdir=true",
+                                            "hydra.run.dir=outputs/r", "hydra.sweep.dir=multirun/s"], cwd=tmp_path)
+        assert p.returncode == 2 and len(p.stderr.splitlines()) == 1, p.stderr
+        assert p.stderr.startswith("error: hydra.job.chdir=true: the job stays in the launch directory"), p.stderr
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
 @pytest.mark.parametrize("name,text,says", [
     ("summary.json", "[1, 2]", "not a JSON object but list"),
     ("summary.json", '{"data": 5}', "data is 5, not an object"),

@@ -389,3 +389,14 @@ def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_mod
     assert torch.equal(fresh["f.weight"], _Norm(True).f.weight) and fresh["norm.num_batches_tracked"] == 0
     assert "holds no buffers or frozen parameters (saved before checkpoints had them): 'buffer.norm.num_batches_" \
            in capsys.readouterr().out
+
+
+def test_a_resume_lists_no_difference_in_where_files_lie():
+    """offload.nvme_path defaults to the run folder, so it is another path at every relaunch into a
+    new folder; like checkpoint.*, where files lie changes no number and is not listed as a difference."""
+    from framework.persist.checkpoint._load import changed
+
+    saved = tiny_config("+stage=zero2", "offload=nvme", "offload.nvme_path=/runs/a/nvme", "checkpoint.dir=/ck/a").to_dict()
+    mine = tiny_config("+stage=zero2", "offload=nvme", "offload.nvme_path=/runs/b/nvme", "checkpoint.dir=/ck/b").to_dict()
+    assert changed(saved, mine) == []
+    assert changed(saved, {**mine, "seed": mine["seed"] + 1}) == ["seed"]

@@ -1,7 +1,6 @@
 """The run folder's records (metrics.jsonl, summary.json), its owner lock, and the W&B logger's
 checks and exit code, on one process without training."""
 import json
-import math
 import os
 import sys
 
@@ -62,13 +61,13 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     _earlier_run(tmp_path, steps=(2,))
     before = (tmp_path / "summary.json").read_text()
     record = RunRecord(tmp_path, start=2)
-    record.finish({"steps": 2, "steps_run": 0, "train_loss": math.nan, "val_loss": 0.6})
+    record.finish({"steps": 2, "steps_run": 0, "train_loss": None, "val_loss": 0.6})
     record.close()
     assert (tmp_path / "summary.json").read_text() == before
     assert "summary.json of step 2 kept" in capsys.readouterr().out
     # Another step's summary (or none): this one is written.
     record = RunRecord(tmp_path, start=4)
-    record.finish({"steps": 4, "steps_run": 0, "train_loss": math.nan, "val_loss": 0.5})
+    record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.5})
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
 
 

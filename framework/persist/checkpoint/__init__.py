@@ -145,8 +145,8 @@ class Checkpointer:
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
     """Where a run's checkpoints go: ``checkpoint.dir``, else ``checkpoints/`` in the run folder
     (so a run never meets another run's checkpoints unless pointed at them), else in the working
-    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: its overrides) gets
-    ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
+    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: the overrides that say
+    which job it is) gets ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
@@ -190,7 +190,9 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
             print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
                   f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder)))
+        # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
+        # back to the one before it, as resume=auto does.
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder.parent)))
         folders = [folder]
     else:
         folders = candidates(c.resume, root)[0]

@@ -42,14 +42,19 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
                           f"optimizer={mine['optimizer']['name']}; resume with optimizer={theirs}{OTHER_RUN}")
 
 
+# Where files lie and how many ranks run (said as "resharded"): no difference a resume lists. The
+# swap files' default is in the run folder, so offload.nvme_path differs at every relaunch into a new one.
+_UNLISTED = {"dist.nproc", "offload.nvme_path"}
+
+
 def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two config dicts (checkpoint.* and dist.nproc aside)."""
+    """The dotted keys whose values differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside)."""
     out = []
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
         if isinstance(x, dict) and isinstance(y, dict):
             out += changed(x, y, f"{prefix}{k}.")
-        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" == "dist.nproc"):
+        elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" in _UNLISTED):
             out.append(f"{prefix}{k}")
     return out
 
