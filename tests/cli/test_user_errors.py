@@ -185,3 +185,28 @@ def test_a_model_vocab_size_that_the_data_overrides_is_refused(tmp_path):
     assert str(e.value).startswith("model.vocab_size=512 differs from the 24 token ids of the data") and \
         "data.vocab_size" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("override,says", [
+    ("offload.ratio=0.5", "config: offload.ratio is a key of offload=cpu, offload=nvme, not of offload=none (chosen); "
+                          "choose one first: offload=cpu offload.ratio=0.5"),
+    ("data.path=a.bin", "config: data.path is a key of data=text, data=tokens, not of data=synthetic (chosen); "
+                        "choose one first: data=text data.path=a.bin"),
+    ("stage.reduce_scatter=false", "config: stage.reduce_scatter is a key of stage=zero1, stage=zero2, stage=zero3, "
+                                   "not of stage=ddp (chosen); choose one first: +stage=zero1 "
+                                   "stage.reduce_scatter=false"),
+    ("offload.nothing=1", "config: unknown key 'offload.nothing'; offload=none has no keys"),
+])
+def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
+    """With Hydra and without (framework.config.plainconf composes and types, as on the GPU image)."""
+    from framework.config import compose, validate
+    from framework.config.plainconf import plain_composer
+
+    overrides = [override] if not override.startswith("stage.") else ["+stage=ddp", override]
+    with pytest.raises(framework.ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == says
+    monkeypatch.setattr("framework.config.checks.OmegaConf", None)
+    with pytest.raises(framework.ConfigError) as e:
+        validate(*plain_composer(overrides))
+    assert str(e.value) == says
