@@ -137,8 +137,11 @@ def _check_numbers(node: Any, prefix: str) -> None:
 
 def _check_values(root: RootSchema) -> None:
     t, d, c = root.train, root.dist, root.checkpoint
-    if t.on_nonfinite not in ("stop", "warn"):
-        raise ConfigError(f"config: train.on_nonfinite must be stop or warn, got {t.on_nonfinite!r}")
+    for key, value, valid in (("train.on_nonfinite", t.on_nonfinite, ("stop", "warn")),
+                              ("dist.backend", d.backend, ("auto", "gloo", "nccl"))):
+        if value not in valid:
+            raise ConfigError(f"config: {key} must be {', '.join(valid[:-1])} or {valid[-1]}, got "
+                              f"{value!r}{closest_hint(value, valid)}")
     least = {**{f"train.{k}": (getattr(t, k), 1) for k in ("steps", "micro_batch", "grad_accum", "log_every",
                                                            "eval_batches")},
              "train.eval_every": (t.eval_every, 0), "train.grad_clip": (t.grad_clip, 0), "dist.nproc": (d.nproc, 1),

@@ -210,3 +210,15 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     with pytest.raises(framework.ConfigError) as e:
         validate(*plain_composer(overrides))
     assert str(e.value) == says
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["dist.backend=ncl"], "config: dist.backend must be auto, gloo or nccl, got 'ncl' (did you mean 'nccl'?)"),
+    (["scheduler=warmup_decay_lr", "scheduler.warmup_type=lienar"],
+     "config: scheduler.warmup_type must be log or linear, got 'lienar' (did you mean 'linear'?)"),
+])
+def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
+    p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [f"error: {says}"]
+    assert not (tmp_path / "run").exists()
