@@ -222,3 +222,29 @@ def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, ove
                     cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines() == [f"error: {says}"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_token_file_without_metadata_says_what_it_is_read_as(tmp_path):
+    """No <stem>.meta.json: the default vocabulary is a stated assumption, and a file of text is
+    named as such with the group that reads text."""
+    import numpy as np
+
+    from framework.config import compose
+
+    text, ids = tmp_path / "a.txt", tmp_path / "t.bin"
+    text.write_text("hello world, some text\n" * 8)
+    np.arange(100, 2100, dtype="<u2").tofile(ids)
+
+    def notes(*overrides):
+        return [n for n in compose(["data=tokens", *overrides]).notices if "data.path" in n]
+
+    assert notes(f"data.path={text}") == [
+        f"note: data.path={text} looks like text (its first 184 bytes are printable characters) and has no "
+        f"a.meta.json, so its bytes are read as uint16 token ids of a 50304-token vocabulary; for a text file use "
+        f"data=text data.path={text}"]
+    assert notes(f"data.path={ids}") == [
+        f"note: data.path={ids} has no t.meta.json: its uint16 token ids are taken to be of the default "
+        "vocabulary (data.vocab_size=50304, GPT-2's padded); set data.vocab_size to the tokenizer's size"]
+    assert notes(f"data.path={ids}", "data.vocab_size=4096") == []
+    (tmp_path / "t.meta.json").write_text('{"vocab_size": 2100}')
+    assert notes(f"data.path={ids}", "data.vocab_size=2100") == notes(f"data.path={ids}") == []
