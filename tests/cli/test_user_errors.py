@@ -248,3 +248,12 @@ def test_a_token_file_without_metadata_says_what_it_is_read_as(tmp_path):
     assert notes(f"data.path={ids}", "data.vocab_size=4096") == []
     (tmp_path / "t.meta.json").write_text('{"vocab_size": 2100}')
     assert notes(f"data.path={ids}", "data.vocab_size=2100") == notes(f"data.path={ids}") == []
+
+
+def test_a_recipe_name_near_one_gets_a_did_you_mean():
+    from framework.cli import recipe
+
+    with pytest.raises(framework.FrameworkError) as e:
+        recipe.find("shakespeare_char")
+    assert str(e.value).startswith("no recipe 'shakespeare_char' (did you mean 'shakespeare_char_")
+    assert "; available: " in str(e.value) and "\n" not in str(e.value)
