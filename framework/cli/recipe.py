@@ -70,7 +70,7 @@ def find(name: str) -> Recipe:
     if not (d / "recipe.yaml").is_file():
         d = RECIPES_DIR / name
     if not (d / "recipe.yaml").is_file():
-        raise RecipeError(f"no recipe '{name}'; available: {', '.join(available()) or 'none'} "
+        raise RecipeError(f"no recipe '{name}'{closest_hint(name, available())}; available: {', '.join(available()) or 'none'} "
                           f"(or give a folder with recipe.yaml, config.yaml and expected.json)")
     for f in ("config.yaml", "expected.json"):
         if not (d / f).is_file():

@@ -21,7 +21,9 @@ from pathlib import Path
 
 import yaml
 
+from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
+from framework.core.registry import GROUPS
 from framework.core import files
 from framework.core.errors import FrameworkError
 from framework.core.units import MiB
@@ -72,6 +74,8 @@ def load_jobs(root: Path) -> list[Job]:
         ov_file = d / ".hydra" / "overrides.yaml"
         overrides = [str(o) for o in (_parsed(ov_file, yaml.safe_load) or [])] if ov_file.is_file() else []
         summary = _parsed(d / "summary.json", _summary) if (d / "summary.json").is_file() else None
+        if summary is not None and "config_sources" in summary:
+            overrides = summary_overrides(summary, overrides)
         records = _parsed(d / "metrics.jsonl", _records) if (d / "metrics.jsonl").is_file() else []
         jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
     if not jobs:
@@ -81,6 +85,45 @@ def load_jobs(root: Path) -> list[Job]:
     for j in jobs:
         j.label = " ".join(o for o in j.overrides if o not in common) or str(j.dir.relative_to(root))
     return jobs
+
+
+def _spelled(value) -> str:
+    """A config value as an override spells it."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value) if isinstance(value, (bool, type(None), list, dict)) else repr(value)
+
+
+def _same(text: str, value) -> bool:
+    """Whether an override's value ``text`` spells the config's ``value`` (1e-3 and 0.001 alike)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(text) == value
+        except ValueError:
+            return False
+    try:
+        return yaml.safe_load(text) == value or text == _spelled(value)
+    except yaml.YAMLError:
+        return text == _spelled(value)
+
+
+def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
+    """The overrides of the run that wrote ``summary``: the keys its ``config_sources`` has from the
+    command line, with their values from its ``config``. Hydra rewrites ``.hydra/overrides.yaml``
+    when a later run starts in the same folder, even one whose checks then fail, so the folder's
+    overrides are used (as they were spelled) only where they say the same."""
+    cfg, sources = summary.get("config", {}), summary.get("config_sources", {})
+
+    def value(key):
+        node = cfg.get(key)
+        return (node.get("name") if isinstance(node, dict) else None) if key in GROUPS else get_key(cfg, key)
+
+    own = [key[:-len(".name")] if key.endswith(".name") and key[:-len(".name")] in GROUPS else key
+           for key, source in sources.items() if source == COMMAND_LINE]
+    said = dict(o.lstrip("+").split("=", 1) for o in hydra_overrides if "=" in o and not o.startswith("hydra"))
+    if set(own) <= said.keys() and all(_same(text, value(k)) for k, text in said.items()):
+        return hydra_overrides
+    return [f"{k}={_spelled(value(k))}" for k in own]
 
 
 def _parsed(path: Path, parse):
@@ -117,7 +160,7 @@ def _summary(text: str) -> dict:
     s = json.loads(text)
     if not isinstance(s, dict):
         raise ValueError(f"not a JSON object but {type(s).__name__}")
-    for key in ("config", "data"):
+    for key in ("config", "config_sources", "data"):
         if not isinstance(s.get(key, {}), dict):
             raise ValueError(f"{key} is {s[key]!r}, not an object")
     ranks = s.get("peak_memory_per_rank") or []

@@ -21,23 +21,40 @@ from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
-def _check_keys(node: Any, schema: type, prefix: str) -> None:
+def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> None:
+    """``option``: the chosen name of the group ``prefix`` names (a key of another of its options
+    is told apart from a typo)."""
     if not isinstance(node, Mapping):
         raise ConfigError(f"config: {prefix.rstrip('.') or 'config'} must be a mapping, got {node!r}")
     hints = typing.get_type_hints(schema)
     valid = [f.name for f in dataclasses.fields(schema)]
     for key, value in node.items():
         if key not in valid:
+            if option is not None:
+                _other_option(prefix.rstrip("."), option, key, value)
             match = closest(key, valid)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
-            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; valid keys under "
-                              f"{prefix.rstrip('.') or 'the top level'}: {', '.join(valid) or 'none'}")
+            where = (f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(valid)}" if valid
+                     else f"{prefix.rstrip('.')}={option} has no keys")
+            raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
             _check_keys(value, hints[key], f"{prefix}{key}.")
 
 
-def _typed(node: Mapping, schema: type, prefix: str) -> Any:
-    _check_keys(node, schema, prefix)
+def _other_option(group: str, option: str, key: str, value: Any) -> None:
+    """A key of other options of ``group`` than the chosen one: which options have it, and how to
+    choose one (stage is not in train.yaml's defaults list, so Hydra adds it with +)."""
+    owners = [n for n in registry(group).names() if n != option
+              and key in {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
+    if owners:
+        spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
+        choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
+        raise ConfigError(f"config: {group}.{key} is a key of {', '.join(f'{group}={n}' for n in owners)}, not of "
+                          f"{group}={option} (chosen); choose one first: {choose} {group}.{key}={spelled}")
+
+
+def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:
+    _check_keys(node, schema, prefix, option)
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
@@ -75,7 +92,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if name is None:
             raise ConfigError(f"config: no {group} chosen; add {group}=NAME "
                               f"(one of {', '.join(registry(group).names())})")
-        nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.")
+        nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
         chosen[group] = name
     _check_numbers(root, "")
     for group, node in nodes.items():
@@ -120,8 +137,11 @@ def _check_numbers(node: Any, prefix: str) -> None:
 
 def _check_values(root: RootSchema) -> None:
     t, d, c = root.train, root.dist, root.checkpoint
-    if t.on_nonfinite not in ("stop", "warn"):
-        raise ConfigError(f"config: train.on_nonfinite must be stop or warn, got {t.on_nonfinite!r}")
+    for key, value, valid in (("train.on_nonfinite", t.on_nonfinite, ("stop", "warn")),
+                              ("dist.backend", d.backend, ("auto", "gloo", "nccl"))):
+        if value not in valid:
+            raise ConfigError(f"config: {key} must be {', '.join(valid[:-1])} or {valid[-1]}, got "
+                              f"{value!r}{closest_hint(value, valid)}")
     least = {**{f"train.{k}": (getattr(t, k), 1) for k in ("steps", "micro_batch", "grad_accum", "log_every",
                                                            "eval_batches")},
              "train.eval_every": (t.eval_every, 0), "train.grad_clip": (t.grad_clip, 0), "dist.nproc": (d.nproc, 1),

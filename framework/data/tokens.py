@@ -85,12 +85,33 @@ def _meta_vocab(path: Path) -> tuple[Path, int | None]:
     return meta, vocab
 
 
+# conf/data/tokens.yaml's data.vocab_size (GPT-2's 50257 padded): what a file without metadata is read with.
+DEFAULT_VOCAB = 50304
+# Bytes of text: printable ASCII and whitespace. A uint16 token file has high bytes below 0x20 for
+# every id under 8192, so its first bytes are hardly ever all of these.
+_TEXT_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
+
+
 def _notes(cfg: TokensConfig) -> list[str]:
-    """A data.vocab_size above the file's own vocabulary: valid (unused ids), but worth a word."""
+    """A data.vocab_size above the file's own vocabulary: valid (unused ids), but worth a word; a
+    file without metadata read with the default vocabulary, or one that looks like text: the
+    assumption said once."""
     try:
-        meta, own = _meta_vocab(resolve_path(cfg.path, key="data.path"))
-    except (DataError, ConfigError):   # the build says it, in its own words
+        path = resolve_path(cfg.path, key="data.path")
+        meta, own = _meta_vocab(path)
+        found = read_meta(path)[1]
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except (DataError, ConfigError, OSError):   # the build says it, in its own words
         return []
+    if not found and cfg.vocab_size is not None and head and set(head) <= _TEXT_BYTES:
+        return [f"note: data.path={cfg.path} looks like text (its first {len(head)} bytes are printable "
+                f"characters) and has no {meta.name}, so its bytes are read as uint16 token ids of a "
+                f"{cfg.vocab_size}-token vocabulary; for a text file use data=text data.path={cfg.path}"]
+    if not found and cfg.vocab_size == DEFAULT_VOCAB:
+        return [f"note: data.path={cfg.path} has no {meta.name}: its uint16 token ids are taken to be of the "
+                f"default vocabulary (data.vocab_size={DEFAULT_VOCAB}, GPT-2's padded); set data.vocab_size to "
+                f"the tokenizer's size"]
     if cfg.vocab_size is None or own is None or cfg.vocab_size <= own:
         return []
     return [f"note: data.vocab_size={cfg.vocab_size} is larger than the {own} token ids of {meta}: "

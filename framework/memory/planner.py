@@ -73,6 +73,10 @@ def detect(own: dict[str, str]) -> Hardware:
     for key, value, least in (("gpu_mem", gpu, 1), ("cpu_mem", cpu, 1), ("nvme", nvme, 0)):   # nvme=0: no disk
         if key in own and value < least:
             raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")
+        # A plain number is bytes; one too small for any setup is a size whose unit was left out.
+        if key in own and 0 < value < units.MiB and not any(c.isalpha() and c not in "eE" for c in own[key]):
+            n = own[key].strip()
+            raise ConfigError(f"plan: {key}={n} is {value} bytes; write {n}G (GiB) or {n}GB")
     ranks = parse_count(own["ranks"], "ranks") if "ranks" in own else (torch.cuda.device_count() if cuda else 1)
     if ranks < 1:
         raise ConfigError("plan: ranks must be >= 1")

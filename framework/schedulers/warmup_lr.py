@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from framework.core.errors import ConfigError
-from framework.core.registry import Component
+from framework.core.registry import Component, closest_hint
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -113,6 +113,14 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
     return deepspeed_order(lr_at, 0.0)
 
 
-COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build),
-              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay),
-              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine)}
+def check(node, stage: str):
+    """warmup_type with the composed config's other checks (before a run folder is made)."""
+    if node.warmup_type not in WARMUP_TYPES:
+        raise ConfigError(f"config: scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
+                          f"{node.warmup_type!r}{closest_hint(node.warmup_type, WARMUP_TYPES)}")
+    return node
+
+
+COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check),
+              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check),
+              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine, check=check)}

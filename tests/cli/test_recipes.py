@@ -145,6 +145,27 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
     assert (tmp_path / "rep").read_text() == "a file"
 
 
+
+def test_report_labels_a_job_by_the_overrides_its_summary_records(tmp_path):
+    """A later run in the same folder rewrites .hydra/overrides.yaml before its checks fail; the
+    row of the finished run keeps the overrides that made its summary.json (as the user spelled
+    them where the folder's still say the same)."""
+    def job(name, hydra_overrides, cli_keys, config):
+        d = tmp_path / name
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in hydra_overrides))
+        sources = {k: "YAML" for k in ("train.steps", "optimizer.lr", "stage.name")} | dict.fromkeys(cli_keys,
+                                                                                                  "command line")
+        (d / "summary.json").write_text(json.dumps({"steps": 2, "config": config, "config_sources": sources}))
+
+    config = {"train": {"steps": 2}, "optimizer": {"name": "adamw", "lr": 0.001}, "stage": {"name": "zero1"}}
+    job("0", ["train.steps=2", "optimizer.lr=-1"], ["train.steps"], config)   # overwritten by a failed run
+    job("1", ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"], ["train.steps", "optimizer.lr", "stage.name"],
+        config)
+    jobs = report.load_jobs(tmp_path)
+    assert [j.overrides for j in jobs] == [["train.steps=2"], ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"]]
+
+
 @pytest.fixture(scope="module")
 def shakespeare_tokens(tmp_path_factory) -> Path:
     """The prepare step as a user runs it: text -> uint16 tokens + tokens.meta.json, nanoGPT's split."""

@@ -196,3 +196,75 @@ def test_a_model_vocab_size_that_the_data_overrides_is_refused(tmp_path):
     assert str(e.value).startswith("model.vocab_size=512 differs from the 24 token ids of the data") and \
         "data.vocab_size" in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("override,says", [
+    ("offload.ratio=0.5", "config: offload.ratio is a key of offload=cpu, offload=nvme, not of offload=none (chosen); "
+                          "choose one first: offload=cpu offload.ratio=0.5"),
+    ("data.path=a.bin", "config: data.path is a key of data=text, data=tokens, not of data=synthetic (chosen); "
+                        "choose one first: data=text data.path=a.bin"),
+    ("stage.reduce_scatter=false", "config: stage.reduce_scatter is a key of stage=zero1, stage=zero2, stage=zero3, "
+                                   "not of stage=ddp (chosen); choose one first: +stage=zero1 "
+                                   "stage.reduce_scatter=false"),
+    ("offload.nothing=1", "config: unknown key 'offload.nothing'; offload=none has no keys"),
+])
+def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
+    """With Hydra and without (framework.config.plainconf composes and types, as on the GPU image)."""
+    from framework.config import compose, validate
+    from framework.config.plainconf import plain_composer
+
+    overrides = [override] if not override.startswith("stage.") else ["+stage=ddp", override]
+    with pytest.raises(framework.ConfigError) as e:
+        compose(overrides)
+    assert str(e.value) == says
+    monkeypatch.setattr("framework.config.checks.OmegaConf", None)
+    with pytest.raises(framework.ConfigError) as e:
+        validate(*plain_composer(overrides))
+    assert str(e.value) == says
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["dist.backend=ncl"], "config: dist.backend must be auto, gloo or nccl, got 'ncl' (did you mean 'nccl'?)"),
+    (["scheduler=warmup_decay_lr", "scheduler.warmup_type=lienar"],
+     "config: scheduler.warmup_type must be log or linear, got 'lienar' (did you mean 'linear'?)"),
+])
+def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
+    p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.splitlines() == [f"error: {says}"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_token_file_without_metadata_says_what_it_is_read_as(tmp_path):
+    """No <stem>.meta.json: the default vocabulary is a stated assumption, and a file of text is
+    named as such with the group that reads text."""
+    import numpy as np
+
+    from framework.config import compose
+
+    text, ids = tmp_path / "a.txt", tmp_path / "t.bin"
+    text.write_text("hello world, some text\n" * 8)
+    np.arange(100, 2100, dtype="<u2").tofile(ids)
+
+    def notes(*overrides):
+        return [n for n in compose(["data=tokens", *overrides]).notices if "data.path" in n]
+
+    assert notes(f"data.path={text}") == [
+        f"note: data.path={text} looks like text (its first 184 bytes are printable characters) and has no "
+        f"a.meta.json, so its bytes are read as uint16 token ids of a 50304-token vocabulary; for a text file use "
+        f"data=text data.path={text}"]
+    assert notes(f"data.path={ids}") == [
+        f"note: data.path={ids} has no t.meta.json: its uint16 token ids are taken to be of the default "
+        "vocabulary (data.vocab_size=50304, GPT-2's padded); set data.vocab_size to the tokenizer's size"]
+    assert notes(f"data.path={ids}", "data.vocab_size=4096") == []
+    (tmp_path / "t.meta.json").write_text('{"vocab_size": 2100}')
+    assert notes(f"data.path={ids}", "data.vocab_size=2100") == notes(f"data.path={ids}") == []
+
+
+def test_a_recipe_name_near_one_gets_a_did_you_mean():
+    from framework.cli import recipe
+
+    with pytest.raises(framework.FrameworkError) as e:
+        recipe.find("shakespeare_char")
+    assert str(e.value).startswith("no recipe 'shakespeare_char' (did you mean 'shakespeare_char_")
+    assert "; available: " in str(e.value) and "\n" not in str(e.value)
