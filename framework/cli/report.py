@@ -121,7 +121,9 @@ def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
     own = [key[:-len(".name")] if key.endswith(".name") and key[:-len(".name")] in GROUPS else key
            for key, source in sources.items() if source == COMMAND_LINE]
     said = dict(o.lstrip("+").split("=", 1) for o in hydra_overrides if "=" in o and not o.startswith("hydra"))
-    if set(own) <= said.keys() and all(_same(text, value(k)) for k, text in said.items()):
+    # (checkpoint.resume=latest or auto is recorded as what it resolved to: not a disagreement)
+    if set(own) <= said.keys() and all(_same(text, value(k)) for k, text in said.items()
+                                       if not k.startswith("checkpoint.")):
         return hydra_overrides
     return [f"{k}={_spelled(value(k))}" for k in own]
 

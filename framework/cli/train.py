@@ -183,15 +183,17 @@ def swept_keys(jobs: list[list[str]] | None) -> frozenset[str]:
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
-    override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary."""
+    override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary; ``job`` when none
+    is left (a folder of its own all the same, not checkpoint.dir itself, where a plain run saves)."""
     def identity(key: str) -> bool:
         return key in swept or not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
-    return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group)))
+    return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group))) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
-    """``key``, or ``older`` (the job's name as earlier versions made it: all its overrides) where
-    only the folder of that name exists under checkpoint.dir (said in one line)."""
+    """``key``, or ``older`` (the job's name as earlier versions made it: all its overrides, so found
+    for the same command line only) where only the folder of that name exists under checkpoint.dir
+    (said in one line)."""
     if config.checkpoint.dir is None or older == key:
         return key
     new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)

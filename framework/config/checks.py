@@ -42,15 +42,17 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
 
 
 def _other_option(group: str, option: str, key: str, value: Any) -> None:
-    """A key of other options of ``group`` than the chosen one: which options have it, and how to
-    choose one (stage is not in train.yaml's defaults list, so Hydra adds it with +)."""
+    """A key of other options of ``group`` than the chosen one: which options have it, and both ways
+    out (the option may be the default or the user's own choice; stage is not in train.yaml's
+    defaults list, so Hydra adds it with +)."""
     owners = [n for n in registry(group).names() if n != option
               and key in {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
     if owners:
         spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
         choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
-        raise ConfigError(f"config: {group}.{key} is a key of {', '.join(f'{group}={n}' for n in owners)}, not of "
-                          f"{group}={option} (chosen); choose one first: {choose} {group}.{key}={spelled}")
+        named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
+        raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
+                          f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
 
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:

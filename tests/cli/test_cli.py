@@ -70,6 +70,14 @@ def test_missing_data_file(forkrun, tmp_path):
     assert len(lines) == 1 and "no/such/file.txt" in lines[0], p.stderr
 
 
+def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
+    from framework.cli.train import job_key
+    assert job_key(["train.steps=4", "checkpoint.every=2", "optimizer=adamw"]) == "optimizer=adamw"
+    assert job_key(["train.steps=2", "optimizer=lion"], frozenset({"train.steps"})) == "optimizer=lion,train.steps=2"
+    # nothing left: a folder of its own, not checkpoint.dir itself (where a plain run saves)
+    assert job_key(["train.steps=4", "checkpoint.dir=ck"]) == "job"
+
+
 def test_multirun_two_optimizers(forkrun, tmp_path):
     from framework.cli.train import job_key
     from framework.persist.checkpoint import checkpoint_root
@@ -85,7 +93,8 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     assert all(r["step"] == 2 for r in first)
 
     # A relaunch (another sweep folder) with more steps is the same jobs: each resumes its own
-    # checkpoints; a job folder named by all the job's overrides (as earlier versions named it) is used.
+    # checkpoints; a job folder named by all the job's overrides (as earlier versions named it for this
+    # same command line) is used.
     longer = [o for o in SHORT if not o.startswith("train.steps=")] + ["train.steps=8"]
     ckpt = type("C", (), {"checkpoint": type("D", (), {"dir": str(tmp_path / "ck")})})
     folder = {o: checkpoint_root(ckpt, None, job_key([*SHORT, *saves, f"optimizer={o}"], frozenset({"optimizer"})))

@@ -162,8 +162,12 @@ def test_report_labels_a_job_by_the_overrides_its_summary_records(tmp_path):
     job("0", ["train.steps=2", "optimizer.lr=-1"], ["train.steps"], config)   # overwritten by a failed run
     job("1", ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"], ["train.steps", "optimizer.lr", "stage.name"],
         config)
+    # checkpoint.resume=latest is recorded as what it resolved to: the folder's own spelling stays
+    resumed = {**config, "checkpoint": {"resume": "off"}}
+    job("2", ["train.steps=2", "checkpoint.resume=latest"], ["train.steps", "checkpoint.resume"], resumed)
     jobs = report.load_jobs(tmp_path)
-    assert [j.overrides for j in jobs] == [["train.steps=2"], ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"]]
+    assert [j.overrides for j in jobs] == [["train.steps=2"], ["train.steps=2", "optimizer.lr=1e-3", "+stage=zero1"],
+                                           ["train.steps=2", "checkpoint.resume=latest"]]
 
 
 @pytest.fixture(scope="module")

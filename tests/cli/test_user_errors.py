@@ -200,12 +200,12 @@ def test_a_model_vocab_size_that_the_data_overrides_is_refused(tmp_path):
 
 @pytest.mark.parametrize("override,says", [
     ("offload.ratio=0.5", "config: offload.ratio is a key of offload=cpu, offload=nvme, not of offload=none (chosen); "
-                          "choose one first: offload=cpu offload.ratio=0.5"),
+                          "choose such an option (offload=cpu offload.ratio=0.5) or drop offload.ratio"),
     ("data.path=a.bin", "config: data.path is a key of data=text, data=tokens, not of data=synthetic (chosen); "
-                        "choose one first: data=text data.path=a.bin"),
+                        "choose such an option (data=text data.path=a.bin) or drop data.path"),
     ("stage.reduce_scatter=false", "config: stage.reduce_scatter is a key of stage=zero1, stage=zero2, stage=zero3, "
-                                   "not of stage=ddp (chosen); choose one first: +stage=zero1 "
-                                   "stage.reduce_scatter=false"),
+                                   "not of stage=ddp (chosen); choose such an option (+stage=zero1 "
+                                   "stage.reduce_scatter=false) or drop stage.reduce_scatter"),
     ("offload.nothing=1", "config: unknown key 'offload.nothing'; offload=none has no keys"),
 ])
 def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
