@@ -121,6 +121,13 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
             saved = mode.live
             loss.backward()
         del loss
+    except RuntimeError as e:
+        if "meta tensor" not in str(e):
+            raise
+        raise ConfigError("memory prediction: the model reads a tensor's value in its forward, which the trace of "
+                          "its activations on the meta device cannot (transformers' packed-sequence check does so "
+                          "under activation checkpointing); predict it with model.activation_checkpointing=false"
+                          ) from None
     finally:
         for h in handles:
             h.remove()

@@ -202,6 +202,15 @@ def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():
         -1.1 * scores[512] + (64 << 20), abs=1 << 20)
 
 
+def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
+    # transformers' packed-sequence check reads a tensor's value under activation checkpointing
+    cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
+    assert main(["model=hf", f"model.config={cfg}", "model.context=64", "model.activation_checkpointing=true"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()   # (after transformers' own warning)
+    assert err[-1].startswith("error: memory prediction: the model reads a tensor's value") and \
+        err[-1].endswith("model.activation_checkpointing=false"), err
+
+
 def test_model_yaml_path(capsys):
     assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
