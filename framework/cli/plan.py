@@ -109,6 +109,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         raise ConfigError(f"plan: steps={steps!r} must be a whole number >= 2")
     base = [f"model={own['model']}", *overrides]
     cfg = compose(base)
+    if cfg.choices["model"] == "hf":   # before the probe
+        raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
+                          "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
+                          "rank")
     hw = detect(own)
     candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])

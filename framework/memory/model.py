@@ -244,16 +244,19 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             device: str | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
     (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
-    the configured one), with ``loss_fn(module, (x, y))`` (default: our GPT's) and ``context`` (default
+    the configured one), with ``loss_fn(module, (x, y))`` (default: the configured model's own, as
+    training uses it) and ``context`` (default
     ``cfg.model.context``) for its activations. ``traces``: a dict to reuse activation traces in (the
     planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
     attention (the planner's sweep knows which); by default both, for ``peak`` and ``device_peak``."""
     from framework.engine.build import component
-    from framework.models.gpt import gpt_loss
     from framework.stages import bucket_buffers, make_layout, param_groups
     from framework.stages.sharded import ShardedStage, Zero2Stage
 
     world = world or cfg.dist.nproc
+    own_loss = loss_fn is None   # (then the configured model's checkpointing key is the one in force)
+    if own_loss:   # the configured model's loss as training computes it (a Hugging Face model: see hf_loss)
+        loss_fn = hf_loss if cfg.choices["model"] == "hf" else component(cfg, "model").loss
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
@@ -342,7 +345,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
                 if fused and ckpt:
                     traces[(*key, fused)] = traced(False)
                 else:
-                    traces[(*key, fused)] = trace_activations(module, loss_fn or gpt_loss, (x, x),
+                    traces[(*key, fused)] = trace_activations(module, loss_fn, (x, x),
                                                               keep_grads=keep_grads, fused_attention=fused)
             except CheckpointError:
                 traces[(*key, fused)] = traced(False)
@@ -353,7 +356,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     pred.transient["activations"] = tr.peak
     pred.cuda_activations = fused.peak if fused else None
     pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
-                      f"checkpointing={ckpt if loss_fn is None else 'as the model is built'}, "
+                      f"checkpointing={ckpt if own_loss else 'as the model is built'}, "
                       f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak"
                       + (f" ({fused.peak / MiB:.1f} MiB with CUDA's fused attention)" if device is None else ""))
     return pred

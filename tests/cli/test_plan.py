@@ -114,6 +114,24 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
 
 
+def test_a_hugging_face_model_is_refused_on_one_line(capsys):
+    from framework.cli.plan import main
+    cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
+    assert main(["model=hf", f"model.config={cfg}", "gpu_mem=80G"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: plan: Hugging Face models (model=hf) are not planned") and "\n" not in err, err
+
+
+def test_a_hugging_face_models_memory_is_predicted_with_its_own_loss():
+    # predict() without loss_fn: the configured model's loss (for model=hf: traced as hf_loss), not our GPT's
+    from framework.config import compose
+    from framework.memory.model import predict
+    cfg = compose(["model=hf", f"model.config={ROOT / 'recipes' / 'hf_gpt2_zero3' / 'gpt2_config.json'}",
+                   "model.context=32", "train.micro_batch=1"])
+    pred = predict(cfg, 1)
+    assert pred.transient["activations"] > 0 and pred.cuda_activations > 0
+
+
 def test_steps_is_checked_and_needs_verify(capsys):
     """steps= only sets the length of the --verify runs: alone it is refused, not ignored; a bad value
     is one line before anything is probed or run."""
