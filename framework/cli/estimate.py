@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import build_vocab, hf_loss, predict
+from framework.memory.model import build_vocab, predict
+from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
 from framework.cli import run_command
@@ -182,7 +183,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             if limit is not None and context > limit:   # as framework.train refuses it
                 raise ConfigError(f"estimate: context={context} exceeds the model's max_position_embeddings "
                                   f"({limit}); set context <= {limit}")
-        pred = predict(cfg, world, module=module, loss_fn=hf_loss if hf else None, context=context)
+        pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         text.append(format_prediction(cfg, pred, context=context))
         out["prediction"] = pred.as_dict()

@@ -39,7 +39,7 @@ class TokensSource(CropSource):
                             f"file; point data.path at a .bin of uint16 token ids")
         if path.stat().st_size == 0:
             raise DataError(f"{path} is empty; point data.path at a .bin of uint16 token ids")
-        meta, own = _meta_vocab(path)
+        meta, own, _ = _meta_vocab(path)
         vocab = cfg.vocab_size if cfg.vocab_size is not None else own
         if vocab is None:
             raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size "
@@ -76,13 +76,14 @@ def read_meta(path: Path) -> tuple[Path, dict]:
     return meta_path(path), {}
 
 
-def _meta_vocab(path: Path) -> tuple[Path, int | None]:
-    """Where the token file's metadata is and the vocabulary size it gives (None: none)."""
+def _meta_vocab(path: Path) -> tuple[Path, int | None, bool]:
+    """Where the token file's metadata is, the vocabulary size it gives (None: none), and whether
+    there is any."""
     meta, found = read_meta(path)
     vocab = found.get("vocab_size")
     if vocab is not None and (not isinstance(vocab, int) or not 1 <= vocab <= 1 << 16):
         raise ConfigError(f"{meta}: vocab_size {vocab!r} is not in [1, 65536]; set data.vocab_size")
-    return meta, vocab
+    return meta, vocab, bool(found)
 
 
 # conf/data/tokens.yaml's data.vocab_size (GPT-2's 50257 padded): what a file without metadata is read with.
@@ -98,8 +99,7 @@ def _notes(cfg: TokensConfig) -> list[str]:
     assumption said once."""
     try:
         path = resolve_path(cfg.path, key="data.path")
-        meta, own = _meta_vocab(path)
-        found = read_meta(path)[1]
+        meta, own, found = _meta_vocab(path)
         with open(path, "rb") as f:
             head = f.read(4096)
     except (DataError, ConfigError, OSError):   # the build says it, in its own words

@@ -56,14 +56,6 @@ class _LiveBytes(TorchDispatchMode):
         self.refs.pop(key, None)
 
 
-def hf_loss(module: nn.Module, batch) -> torch.Tensor:
-    """A Hugging Face causal LM's own loss (labels shifted inside the model), for tracing on meta:
-    with ``use_cache=False`` (as training calls it) transformers' packed-sequence check reads a
-    tensor's value, which a meta tensor does not have; the activations are the same."""
-    x, y = batch
-    return module(input_ids=x, labels=y).loss
-
-
 class _FusedAttentionKernel(torch.autograd.Function):
     """The memory of CUDA's fused attention (the flash and memory-efficient kernels that
     ``scaled_dot_product_attention`` picks there): forward saves the output and one fp32 log-sum-exp
@@ -255,8 +247,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
     world = world or cfg.dist.nproc
     own_loss = loss_fn is None   # (then the configured model's checkpointing key is the one in force)
-    if own_loss:   # the configured model's loss as training computes it (a Hugging Face model: see hf_loss)
-        loss_fn = hf_loss if cfg.choices["model"] == "hf" else component(cfg, "model").loss
+    if own_loss:   # the configured model's loss, as training computes it
+        model = component(cfg, "model")
+        loss_fn = model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):

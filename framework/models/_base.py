@@ -21,6 +21,9 @@ class ModelComponent(Component):
     # The model's hidden size, read from its config without building it (DeepSpeed's "auto"
     # bucket sizes are computed from it), or None when unknown.
     hidden_size: Callable[[Any], int | None] = lambda cfg: None
+    # The loss the memory prediction traces on the meta device, where ``loss`` cannot run there (a
+    # value read in the forward); None: ``loss``. Same activations as ``loss``.
+    trace_loss: Callable[[nn.Module, Any], Tensor] | None = None
 
 
 def name_seed(seed: int, name: str) -> int:

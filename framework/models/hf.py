@@ -121,6 +121,14 @@ def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return next_token_loss(model(input_ids=x, use_cache=False).logits, y)
 
 
+def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    """The model's own loss (labels shifted inside it), for the memory prediction's trace on the
+    meta device: with ``use_cache=False``, as ``causal_lm_loss`` calls it, transformers' packed-sequence
+    check reads a tensor's value, which a meta tensor does not have; the activations are the same."""
+    x, y = batch
+    return model(input_ids=x, labels=y).loss
+
+
 # --- initialisation of one tensor at a time -----------------------------------------------------
 
 
@@ -218,4 +226,4 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size)
+                           hidden_size=hidden_size, trace_loss=trace_loss)

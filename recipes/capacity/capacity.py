@@ -89,12 +89,11 @@ def estimate(cfg, vocab_size: int) -> int:
     import torch
 
     from framework.engine.build import component
-    from framework.memory.model import hf_loss, predict
+    from framework.memory.model import predict
 
     with torch.device("meta"):
         module = component(cfg, "model").build(cfg.model, vocab_size=vocab_size)
-    loss = hf_loss if cfg.choices["model"] == "hf" else component(cfg, "model").loss
-    return predict(cfg, 1, module=module, loss_fn=loss).peak
+    return predict(cfg, 1, module=module).peak   # (traced with the model's own loss)
 
 
 def ram_total() -> int:

@@ -123,7 +123,7 @@ def test_a_hugging_face_model_is_refused_on_one_line(capsys):
 
 
 def test_a_hugging_face_models_memory_is_predicted_with_its_own_loss():
-    # predict() without loss_fn: the configured model's loss (for model=hf: traced as hf_loss), not our GPT's
+    # predict() without loss_fn: the configured model's loss (model=hf: its trace_loss), not our GPT's
     from framework.config import compose
     from framework.memory.model import predict
     cfg = compose(["model=hf", f"model.config={ROOT / 'recipes' / 'hf_gpt2_zero3' / 'gpt2_config.json'}",
