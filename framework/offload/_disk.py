@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -26,7 +27,7 @@ from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
-from framework.offload._store import Tier
+from framework.offload._store import Tier, recorded
 from framework.offload._swapfile import preflight, remove_stale, reserved_bytes, swap_path
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
@@ -57,10 +58,8 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
     except (FrameworkError, OSError) as e:
         error = f"rank {rank}: {e}"
         mine = e
-    if dist is not None and dist.world > 1:
-        everyone = dist.all_gather_object((claim, error), what="nvme pre-flight")
-    else:
-        everyone = [(claim, error)]
+    everyone = [(claim, error)] if dist is None or dist.world == 1 else \
+        dist.all_gather_object((claim, error), what="nvme pre-flight")
     shorts = shortfalls([c for c, _ in everyone if c is not None])
     if shorts:
         raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
@@ -182,25 +181,19 @@ class NVMePlacement(HostPlacement):
             failed = e
         self.agree_io_error(failed, what)
 
-    def step_errors(self, failed: BaseException | None) -> None:
-        # Swap IO (the optimizer tiles, or zero3's shards read for the copy back) may fail on one rank
-        # only: all ranks agree before the next collective
-        self.agree_io_error(failed, "stepping the optimizer")
-
     def agree_io_error(self, error: BaseException | None, what: str) -> None:
-        """Every rank raises if some rank's swap IO failed (none is left waiting in a collective)."""
-        if self.dist is None or self.dist.world == 1:
-            if error is not None:
-                raise error
-            return
-        flag = torch.full((1,), 0.0 if error is None else 1.0, device=self.dist.device)   # no pageable copy
-        self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
-        if flag.item() == 0.0:   # host sync: once a step with swap files, every rank must agree
-            return
+        """Every rank raises if some rank's swap IO failed (none is left waiting in a collective):
+        swap IO (the optimizer tiles, zero3's shards read for the copy back) may fail on one rank only."""
+        failed = error is not None
+        if self.dist is not None and self.dist.world > 1:
+            flag = torch.full((1,), 1.0 if failed else 0.0, device=self.dist.device)   # no pageable copy
+            self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
+            failed = flag.item() != 0.0   # host sync: once a step with swap files, every rank must agree
         if error is not None:
             raise error
-        raise SwapIOError(f"another rank failed while {what} (its error names the file, offset and tensor); "
-                          f"this rank stops too")
+        if failed:
+            raise SwapIOError(f"another rank failed while {what} (its error names the file, offset and tensor); "
+                              f"this rank stops too")
 
     def close(self) -> None:
         try:
@@ -210,20 +203,16 @@ class NVMePlacement(HostPlacement):
                 shutil.rmtree(self._tmpdir, ignore_errors=True)
                 self._tmpdir = None
             if self._made is not None:
-                try:
+                with suppress(OSError):
                     Path(self._made).rmdir()   # only if empty: never what another run keeps there
-                except OSError:
-                    pass
                 self._made = None
 
 
 def _return_freed_memory() -> None:
     """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
     default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
-    try:
+    with suppress(OSError, AttributeError):   # (no C library that has it)
         ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
-    except (OSError, AttributeError):   # no C library that has it
-        pass
 
 
 class DiskPlacement(NVMePlacement):
@@ -368,8 +357,7 @@ class DiskPlacement(NVMePlacement):
         batch (``final``) its squared norm is kept for the step's global norm."""
         if final:
             self.norms[group] = sq_norm_part(buf, self.acc.device)   # on the device, no host sync
-        produced = self.acc.event()
-        produced.record()
+        produced = recorded(self.acc)
         while len(self.pending) >= 2:   # back-pressure: the oldest write finishes first
             self.pending.popleft().result()
         self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))

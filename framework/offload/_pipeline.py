@@ -18,7 +18,7 @@ from torch import Tensor
 
 from framework import ops
 from framework.comm.accelerator import Event
-from framework.offload._store import Tier
+from framework.offload._store import Tier, recorded
 from framework.optimizers import GradientTransformation, group_state, step_groups
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
@@ -50,18 +50,20 @@ class PiecePipeline:
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run
         self.early_copies = 0   # pieces whose gradient copy was queued during backward, over the run
+        self.handles: dict[int, None] = {}        # pieces acquired from their store this step, in order
+        self._new_step(1.0, None)
+
+    def _new_step(self, scale: float, ctx: tuple | None) -> None:
+        self.scale, self.ctx = scale, ctx   # ctx: (opt_state, params, lr, scale) while speculating
         # This step's host gradient copies, by piece: the queued copy's event, once queued.
         self.grad_copies: dict[int, Future] = {}
         self.final: set[int] = set()              # pieces the stage reported final this step
         # The device range each speculated piece's gradient was copied from (valid until the stage
         # zeroes its gradients after the step): copied again only if the speculation is rolled back.
         self.sources: dict[int, Tensor] = {}
-        self.handles: dict[int, None] = {}        # pieces acquired from their store this step, in order
-        self.ctx: tuple | None = None   # (opt_state, params, lr, scale) while speculating
-        self.scale = 1.0
         self.jobs: dict[int, Future] = {}
         self.undone: set[int] = set()   # pieces whose undo copies were taken this step
-        self.covered: dict[int, int] = {}
+        self.covered = dict.fromkeys(self.host, 0)   # elements reported final, per host piece
 
     def init(self, params: Sequence[Tensor]) -> Any:
         return self.target.init_opt_state(self.tx, params)
@@ -69,9 +71,8 @@ class PiecePipeline:
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None:
         if self.target.grad_swap:   # backward writes gradient extents: no slot may hold a tile now
             self.target.stores[Tier.DISK].settle()
-        self.jobs, self.undone, self.covered, self.scale = {}, set(), dict.fromkeys(self.host, 0), scale
-        self.grad_copies, self.final, self.sources = {}, set(), {}
-        self.ctx = (opt_state, list(params), lr, scale) if self.target.overlap_step and self.speculate else None
+        self._new_step(scale, (opt_state, list(params), lr, scale) if self.target.overlap_step and self.speculate
+                       else None)
 
     def ready(self, group: int, lo: int, hi: int, grad: Tensor) -> None:
         """Range [lo, hi) of ``group``'s reduced gradient is final, produced on the current stream."""
@@ -88,9 +89,8 @@ class PiecePipeline:
             self.final.add(k)
             # Recorded here, on the stage's stream; the worker queues the copy behind it (on the CPU
             # the copy itself moves off this thread, overlapping backward as it would on a device).
-            produced = self.acc.event()
-            produced.record()
-            self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end], produced)
+            self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end],
+                                                   recorded(self.acc))
             if self.ctx is not None:
                 self.sources[k] = grad[info.start:info.end]
                 self.jobs[k] = self.pool.submit(self._speculate, k)
@@ -102,9 +102,7 @@ class PiecePipeline:
             if info.tier is Tier.DISK and self.target.grad_swap:
                 # In the swap file beside the tile, resident once the step acquires it: nothing to copy.
                 if info.index not in self.grad_copies:
-                    ready = self.acc.event()
-                    ready.record()
-                    self.grad_copies[info.index] = _done(ready)
+                    self.grad_copies[info.index] = _done(recorded(self.acc))
                 out.append(info.grad)
                 continue
             g = parts[info.group][info.start:info.end]
@@ -243,7 +241,7 @@ class PiecePipeline:
                 self._release_all()
             except Exception as e:   # noqa: BLE001 - a swap write that failed
                 failed = failed or e
-        self.target.step_errors(failed)   # (with swap files: on every rank, before the gather)
+        self.target.agree_io_error(failed, "stepping the optimizer")   # (swap files: every rank, before the gather)
         self.target.working_ready(copies)
         self.gather()
         return new_state

@@ -24,6 +24,13 @@ from framework.comm.accelerator import Accelerator, Event
 from framework.offload._aio import host_arena
 
 
+def recorded(acc: Accelerator) -> Event:
+    """An event recorded now, on the current stream."""
+    ev = acc.event()
+    ev.record()
+    return ev
+
+
 class Tier(enum.Enum):
     DEVICE = "device"
     HOST = "host"

@@ -26,7 +26,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._store import HostStore, Tier
+from framework.offload._store import HostStore, Tier, recorded
 from framework.optimizers import group_state
 
 if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
@@ -59,8 +59,7 @@ class Piece:
 
 
 class Shards:
-    """Where zero3's parameter shards live between gathers: here, on the compute device. The
-    placement ``p`` (``bind``) lends its accelerator, streams and host store."""
+    """Where zero3's parameter shards live between gathers: here, on the compute device (placement ``p``)."""
 
     params_on_host = False   # on the host: the compute stream reads them only through ``load``
     store = None   # the DiskStore of shards in a swap file
@@ -79,8 +78,7 @@ class Shards:
 
     @contextmanager
     def loading(self):
-        """Around ``load`` and the gather reading it; yields the waits the current stream makes before
-        it consumes the unit (filled on leaving)."""
+        """Around ``load`` and its gather; yields the waits the current stream makes before it consumes the unit."""
         yield []   # on the current stream: nothing to wait for
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -95,12 +93,9 @@ class Shards:
         acc = self.p.acc
         acc.on_device(dst, what="copy back destination")
         with acc.stream(self.p.h2d_stream):
-            if after is not None:
-                after.wait()
+            after.wait()
             acc.copy(dst, src, non_blocking=self.p.pin)
-            done = acc.event()
-            done.record()
-        return done
+            return recorded(acc)
 
     def flush(self) -> None:
         """Every copy back of the step was queued."""
@@ -115,8 +110,7 @@ class Shards:
         fp.add("params", device=tensor_bytes(shards))
 
     def predict(self, fp: Footprint, sizes: Sequence[int], itemsize: int) -> None:
-        """Move the estimator's ``params`` item (shards of ``sizes`` elements, counted on the device)
-        to where ``memory`` will find them (here: nothing to move)."""
+        """Move the estimator's ``params`` item (counted on the device) to where ``memory`` finds them."""
 
     def close(self) -> None:
         pass
@@ -163,8 +157,7 @@ class Placement:
         """zero3, before construction: a tier with swap files stops now if they cannot fit."""
 
     def ranges(self, n: int, chunk: int | None) -> list[tuple[int, int, Tier]]:
-        """How ``place`` cuts a partition of ``n`` elements: (start, end, tier) of each piece, the first
-        ``host_fraction`` off the device in pieces of at most ``chunk`` (and ``tile``) elements."""
+        """(start, end, tier) of the pieces ``place`` cuts a partition of ``n`` elements into."""
         k = round(self.host_fraction * n)
         step = max(1, min(chunk or k, self.tile or k))
         cut = [(a, min(a + step, k), self.tier) for a in range(0, k, step)]
@@ -172,8 +165,7 @@ class Placement:
 
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,
               real: int | None = None) -> list[Piece]:
-        """Master pieces of owned partition ``own`` (working values; the first ``real`` elements hold
-        parameters); the host part in ``chunk``-element pieces, the pipeline's unit."""
+        """Master pieces of owned partition ``own`` (its first ``real`` elements hold parameters)."""
         self._bind_device(own.device)
         group, n = len(self.partitions), own.numel()
         real = n if real is None else real
@@ -204,8 +196,7 @@ class Placement:
         return tx.init(list(params))
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
-        """The pieces' masters (where separate from the working values), gradient and staging
-        buffers and optimizer state (``opt_state``, aligned with ``pieces()``), by where they live."""
+        """The pieces' separate masters, host buffers and optimizer state, by where they live."""
         for p in self.infos:
             state = tensor_bytes(group_state(opt_state, len(self.infos), p.index))
             if p.tier is Tier.DEVICE:
@@ -224,9 +215,8 @@ class Placement:
 
     def predict(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                 master: torch.dtype, state: Sequence[int]) -> set[str]:
-        """What ``memory`` (and the pipeline's) will report for partitions of ``sizes`` elements, from the
-        sizes alone (``state``: the optimizer's bytes per master element, per state tensor); returns
-        the items that appear at the first step, not at setup."""
+        """What ``memory`` (and the pipeline's) will report, from the sizes alone (``state``: optimizer
+        bytes per element, per state tensor); returns the items that appear at the first step, not at setup."""
         m, k, lazy = master.itemsize, sum(state), set()
         for n in sizes:
             for a, b, tier in self.ranges(n, chunk):
@@ -274,31 +264,23 @@ class Placement:
         return [parts[i.group][i.start:i.end].to(i.master.dtype) for i in self.infos]
 
     def copy_grad(self, info: Piece, src: torch.Tensor, produced: Event | None = None) -> Event:
-        """Queue ``src`` -> the piece's host gradient buffer on the D2H stream after ``produced`` (default:
-        now); the event returned says when the host may read it."""
+        """Queue ``src`` -> the piece's host gradient buffer on the D2H stream; its event: the host may read it."""
         acc = self.acc
         acc.on_device(src, what="gradient copy source")
         acc.on_host(info.grad, what="gradient copy destination")
-        if produced is None:
-            produced = acc.event()
-            produced.record()
+        produced = recorded(acc) if produced is None else produced
         with acc.stream(self.d2h_stream):
             produced.wait()
             acc.copy(info.grad, src, non_blocking=self.pin)
-            done = acc.event()
-            done.record()
-        return done
+            return recorded(acc)
 
     def working_used(self) -> Event:
         """After the compute stream's last use of the working partitions: copies back wait on it."""
         self.acc.use(writes=[] if self.shards.params_on_host else self.partitions)
-        mark = self.acc.event()
-        mark.record()
-        return mark
+        return recorded(self.acc)
 
     def copy_back(self, info: Piece, after: Event | None) -> Event | None:
-        """The piece's updated values (staging, else master) -> its working range; host pieces on the
-        H2D stream after ``after``, returning the copy's event (None: nothing queued off this stream)."""
+        """The piece's updated values -> its working range; the copy's event (None: none off this stream)."""
         # (sliced now: a shard on disk is re-pointed at a pool slot while resident)
         dst = self.partitions[info.group][info.start:info.end]
         src = info.staging if info.staging is not None else info.master
@@ -319,24 +301,21 @@ class Placement:
 
     def publish(self) -> None:
         """Every piece's updated values -> the working partitions (outside the pipeline)."""
-        after = self.working_used()
-        copies = [ev for info in self.infos if (ev := self._publish(info, after)) is not None]
+        after, copies = self.working_used(), []
+        for info in self.infos:
+            store = self.stores.get(info.tier)
+            if info.tier is Tier.DISK:   # resident while its values are copied back
+                store.wait(store.acquire(info.index))
+                if info.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
+                    info.staging.copy_(info.master)
+            ev = self.copy_back(info, after)
+            if ev is not None or info.tier is Tier.DISK:   # the host waits for this copy before writing the piece
+                store.release(info.index, ev)
+            copies += [ev] if ev is not None else []
         self.working_ready(copies)
 
-    def _publish(self, info: Piece, after: Event) -> Event | None:
-        store = self.stores.get(info.tier)
-        if info.tier is Tier.DISK:   # resident while its values are copied back
-            store.wait(store.acquire(info.index))
-            if info.staging is not None:   # (not swapped: made from the master, as copy_16bit would)
-                info.staging.copy_(info.master)
-        ev = self.copy_back(info, after)
-        if ev is not None or info.tier is Tier.DISK:   # the host waits for this copy before writing the piece
-            store.release(info.index, ev)
-        return ev
-
     def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer also writes the updated values in the working dtype, per piece (staging
-        buffer, else the working slice; None unless some piece stages), once no copy reads them."""
+        """Per piece, where the optimizer also writes the 16-bit values (None unless some piece stages)."""
         if all(i.staging is None for i in self.infos):
             return None
         for store in self.stores.values():
@@ -349,8 +328,7 @@ class Placement:
         return self.shards.buffer(numel, dtype, device)
 
     def write_partition(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
-        """``values`` (the partition, device) -> ``shard`` and the master of every piece that is not
-        ``shard`` itself (framework.gathered's modifications; blocking)."""
+        """``values`` -> ``shard`` and the pieces' masters (framework.gathered's modifications; blocking)."""
         self.shards.write(shard, values)
         store = self.stores.get(Tier.DISK)
         for p in pieces:
@@ -363,23 +341,21 @@ class Placement:
                 store.release(p.index, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
-        """The piece pipeline over the host pieces, which listens to the stage from now on (None: no
-        host pieces, the stage steps itself)."""
+        """The piece pipeline, listening to the stage from now on (None: no host pieces)."""
         if all(i.tier is Tier.DEVICE for i in self.infos):
             return None
         from framework.offload._pipeline import PiecePipeline  # it builds on this module
         self.listener = PiecePipeline(tx, self, gather)
         return self.listener
 
-    def step_errors(self, failed: BaseException | None) -> None:
-        """After the host step: raise ``failed`` (a swapping tier: on every rank, if any failed)."""
-        if failed is not None:
-            raise failed
+    def agree_io_error(self, error: BaseException | None, what: str) -> None:
+        """After the host step: raise ``error`` (a swapping tier: on every rank, if any failed)."""
+        if error is not None:
+            raise error
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
-        """(params, opt_state, map): the state as a checkpoint reads or writes it; a swapping tier's are
-        views of its mapped swap file (after writing, pass ``map`` to ``unmapped``)."""
+        """(params, opt_state, map) as a checkpoint reads or writes them (swap files: mapped views)."""
         return list(params), opt_state, None
 
     def unmapped(self, fmap: Any) -> None:

@@ -16,7 +16,7 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
-from framework.offload._store import Tier
+from framework.offload._store import Tier, recorded
 from framework.offload.base import Piece, Placement, Shards
 
 
@@ -64,13 +64,11 @@ class HostShards(Shards):
         """The load and its gather go on the H2D stream behind the current stream's work so far, so a
         prefetch hides both; the current stream waits only where it consumes the unit."""
         acc, waits = self.p.acc, []
-        fresh = acc.event()
-        fresh.record()
+        fresh = recorded(acc)
         with acc.stream(self.p.h2d_stream):
             fresh.wait()
             yield waits
-            issued = acc.event()
-            issued.record()
+            issued = recorded(acc)
         waits.append(issued.wait)
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -81,9 +79,7 @@ class HostShards(Shards):
         acc = self.p.acc
         acc.on_host(shard, what="zero3 host shard")
         acc.copy(dst, shard, non_blocking=self.p.pin)   # the gather reads it on this stream next
-        done = acc.event()
-        done.record()
-        return done
+        return recorded(acc)
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         self._settle(shard)
