@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -38,18 +38,16 @@ if TYPE_CHECKING:   # the component module builds the placements: no import back
 
 
 def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
-    """``check()`` on this rank, then with every rank of ``dist`` the room the swap files of ``stores``
-    (kind -> ``DiskStore`` or None) still need, summed per file system (``agree_room``)."""
+    """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
     rank = dist.rank if dist is not None else 0
     return agree_room(dist, folder, lambda: sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
                                          for kind, store in stores.items() if store is not None), check)
 
 
 def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
-    """``check()`` on this rank, and the bytes ``need()`` of swap files in ``folder`` summed over the ranks
-    of ``dist`` that share its file system: every rank raises the same one-line ConfigError, so none dies
-    alone while the others wait for it. True: a rank sharing the file system found ``folder`` missing
-    (this run makes it, and whichever rank closes last removes it once empty)."""
+    """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
+    system: every rank raises the same one-line ConfigError, so none dies alone while the others wait.
+    True: a rank sharing the file system found ``folder`` missing (the last to close removes it once empty)."""
     rank = dist.rank if dist is not None else 0
     error, claim = None, None
     try:
@@ -93,7 +91,10 @@ class NVMePlacement(HostPlacement):
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
-        _return_freed_memory()
+        # glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
+        # default threshold rises to 32 MiB, and resident memory would creep with the model's size)
+        with suppress(OSError, AttributeError):   # (no C library that has it)
+            ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
         super().bind(acc)
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
@@ -120,10 +121,8 @@ class NVMePlacement(HostPlacement):
                   f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """One line if the disk cannot hold even the least every optimizer needs (summed over the ranks
-        sharing it, as ``agree_swap_room`` does), or host memory the pools, on every rank (hosts differ:
-        none may go on into a collective that a refused one never joins); the exact checks follow at
-        ``init_opt_state``."""
+        """One line on every rank if the disk (summed over the ranks sharing it) or host memory cannot hold
+        even the least the swap files and pools need (exact checks follow at ``init_opt_state``)."""
         if not numel:
             return
         spec, size = self.spec, param_dtype.itemsize
@@ -157,9 +156,8 @@ class NVMePlacement(HostPlacement):
         return self._tmpdir
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
-        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file, IO
-        engine and pool, and write each (key, fill) of ``fills`` (``DiskStore.create``): a rank that
-        cannot stops every rank (``agree``), none is left waiting in a collective."""
+        """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
+        ``create`` each (key, fill) of ``fills``: a rank that cannot stops every rank."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
             self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
@@ -208,13 +206,6 @@ class NVMePlacement(HostPlacement):
                 self._made = None
 
 
-def _return_freed_memory() -> None:
-    """glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
-    default threshold rises to 32 MiB, and resident memory would creep with the model's size)."""
-    with suppress(OSError, AttributeError):   # (no C library that has it)
-        ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
-
-
 class DiskPlacement(NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK).
@@ -243,8 +234,7 @@ class DiskPlacement(NVMePlacement):
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
-        """The optimizer's swap file and pool for the same partitions: each tile's master, state and
-        swapped gradient in the file, and its 16-bit staging too in a slot."""
+        """Each tile's master, state and swapped gradient in the file, and its 16-bit staging too in a slot."""
         grad = [self.grad_dtype.itemsize] if self.grad_swap else []
         tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
                   [working.itemsize * (b - a)] if working != master else [], len(grad))
@@ -255,24 +245,18 @@ class DiskPlacement(NVMePlacement):
             fp.add_disk("optimizer", nbytes)
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
-        """Placeholders until ``init_opt_state`` registers them with the disk store (which points them
-        at a pool slot only while resident) and fills them from ``own``."""
+        """Placeholders until ``init_opt_state`` registers them with the disk store and fills them."""
         host, pieces = self.stores[Tier.HOST], []
         if not self.grad_swap:   # gradients in host memory: one pinned arena for the partition
             host.reserve([(b - a, master_dtype) for a, b in cut])
-        for a, b in cut:
-            if self.grad_swap:   # in the swap file beside the tile (``swap_grads``)
-                grad = parked(b - a, self.grad_dtype)
-            else:
-                grad = host.allocate(b - a, master_dtype)
-                grad.zero_()
+        for a, b in cut:   # (a swapped gradient: in the swap file beside the tile, ``swap_grads``)
+            grad = parked(b - a, self.grad_dtype) if self.grad_swap else host.allocate(b - a, master_dtype).zero_()
             staging = None if own.dtype == master_dtype else parked(b - a, own.dtype)
             pieces.append(Piece(a, b, parked(b - a, master_dtype), grad, staging, Tier.DISK))
         return pieces
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
-        holds at most a slot's worth)."""
+        """``tx.init(params)``, each disk piece's state made and swapped out one at a time."""
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -280,18 +264,15 @@ class DiskPlacement(NVMePlacement):
         for info in disk:
             # The piece's master is parked (zero strides): its new state tensors are contiguous,
             # and ``add`` parks them at once, so only one piece's state exists at a time.
-            state = init_groups(tx, params, {info.index})
             owner[info.index] = len(states)
-            states.append(state)
+            states.append(init_groups(tx, params, {info.index}))
             grad = [info.grad] if self.grad_swap else []
-            store.add(info.index, [info.master, *group_state(state, n, info.index), *grad],
+            store.add(info.index, [info.master, *group_state(states[-1], n, info.index), *grad],
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         if self.grad_swap:   # the thread that writes the partitions
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-swap",
                                              initializer=self.acc.bind_thread)
-            for info in disk:
-                self.grad_pieces.setdefault(info.group, []).append(info)
 
         def fill(info):   # initial values: the working values and a fresh state, written out
             values = self.shards.initial_values(info.partition, info.start, info.end)
@@ -335,7 +316,6 @@ class DiskPlacement(NVMePlacement):
             self.grad_swap, self.grad_dtype = True, accum_dtype
             self.written: set[int] = set()            # groups whose extents hold this step's sums
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
-            self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
         return self.grad_swap
 
@@ -346,20 +326,18 @@ class DiskPlacement(NVMePlacement):
         if group in self.written:
             self._wait_writes()
             host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype, device="cpu")
-            for info in self.grad_pieces.get(group, ()):
+            for info in self._tiles(group):
                 self.stores[Tier.DISK].read_extent(info.index, host[info.start:info.end])
             if host is not buf:
                 buf.copy_(host)
         return buf
 
     def save_grad(self, group: int, buf: torch.Tensor, final: bool) -> None:
-        """Group ``group``'s partition ``buf`` -> its tiles' gradient extents; on the last micro
-        batch (``final``) its squared norm is kept for the step's global norm."""
+        """``buf`` -> the group's gradient extents; on the last micro batch (``final``) its squared norm is kept."""
         if final:
             self.norms[group] = sq_norm_part(buf, self.acc.device)   # on the device, no host sync
         produced = recorded(self.acc)
-        while len(self.pending) >= 2:   # back-pressure: the oldest write finishes first
-            self.pending.popleft().result()
+        self._wait_writes(keep=1)   # back-pressure: the oldest write finishes first
         self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))
         self.written.add(group)
 
@@ -367,12 +345,15 @@ class DiskPlacement(NVMePlacement):
         """(the writer thread) ``buf`` -> the group's extents, once the stream that added it is done."""
         produced.synchronize()   # sync point: this reduction only, off the backward thread
         host = buf if buf.device.type == "cpu" else buf.to("cpu")   # host sync: writer thread, after the event
-        for info in self.grad_pieces.get(group, ()):
+        for info in self._tiles(group):
             self.stores[Tier.DISK].write_extent(info.index, host[info.start:info.end])
 
-    def _wait_writes(self) -> None:
-        """Every queued write has landed (raises the first failure)."""
-        while self.pending:
+    def _tiles(self, group: int) -> list[Piece]:
+        return [i for i in self.infos if i.group == group]   # (swapped gradients: every piece is on disk)
+
+    def _wait_writes(self, keep: int = 0) -> None:
+        """Until at most ``keep`` writes are queued (raises the first failure)."""
+        while len(self.pending) > keep:
             self.pending.popleft().result()
 
     def finish_grads(self) -> None:
@@ -393,15 +374,13 @@ class DiskPlacement(NVMePlacement):
         return torch.stack(parts).sum()
 
     def readable_grads(self, grads: Sequence[torch.Tensor]) -> Iterable[torch.Tensor]:
-        return self._read_grads() if self.grad_swap else grads
-
-    def _read_grads(self) -> Iterator[torch.Tensor]:
-        """Each piece's gradient read from disk, one at a time (the overflow report)."""
+        """Swapped: each piece's gradient read from disk into a host buffer, one at a time (the overflow report)."""
+        if not self.grad_swap:
+            return grads
         self._wait_writes()
-        for info in self.infos:
-            out = torch.empty(info.end - info.start, dtype=self.grad_dtype, device="cpu")   # a host read buffer
-            self.stores[Tier.DISK].read_extent(info.index, out)
-            yield out
+        store = self.stores[Tier.DISK]
+        return (store.read_extent(i.index, torch.empty(i.end - i.start, dtype=self.grad_dtype, device="cpu"))
+                for i in self.infos)
 
     def clear_grads(self) -> None:
         """A new step: the extents' contents are stale."""

@@ -123,9 +123,7 @@ class DiskShards(HostShards):
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
-        """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
-        pinned memory idles), no more than max_in_cpu lets be resident at once; none: refused (the
-        pre-flight and the estimate alike)."""
+        """Slots as large as the largest shard (no pinned memory idles), as many as max_in_cpu allows."""
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "
@@ -149,14 +147,13 @@ class DiskShards(HostShards):
         handle = self.store.acquire(self.keys[id(shard)])   # on the host before the gather (read ahead)
         try:
             self.store.wait(handle, host_writes=False)   # (only copied from: no wait for earlier copies)
+            copied = self._copy_in(dst, shard)   # its slot is reused after the copy
         except SwapIOError as e:
             # Raised on every rank at the next agreement (``read_errors``): this rank still takes
             # part in the gather, with zeros, so no peer waits in it forever.
-            self.read_error = self.read_error or e
-            self.store.release(handle, None, dirty=False)
+            self.read_error, copied = self.read_error or e, None
             dst.zero_()
-            return
-        self.store.release(handle, self._copy_in(dst, shard), dirty=False)   # its slot is reused after the copy
+        self.store.release(handle, copied, dirty=False)
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         if not self.swapped:
@@ -182,9 +179,8 @@ class DiskShards(HostShards):
         if self.held is not None and self.held[0] == group:
             return shard
         self.flush()
-        handle = self.store.acquire(self.keys[id(shard)])
-        self.held = (group, handle)
-        self.store.wait(handle)
+        self.held = (group, self.store.acquire(self.keys[id(shard)]))
+        self.store.wait(self.held[1])
         return shard
 
     def flush(self) -> None:

@@ -19,9 +19,8 @@ from framework.offload._swapfile import SwapFile, padded
 
 def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
                 ) -> tuple[int, int, int, int]:
-    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries`` (the byte sizes of
-    each's swapped and scratch tensors, and how many swapped ones, last, are read-only): for the store
-    and the tiers' predictions alike. The bounce buffer holds a read-only tensor."""
+    """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``: (swapped bytes,
+    scratch bytes, how many swapped ones, last, are read-only), for the store and the predictions alike."""
     slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
     bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
@@ -94,8 +93,7 @@ class DiskStore:
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
-        """Register piece ``key``'s tensors (contiguous, any dtype) and park them (``park=False``: they
-        keep their memory and values until ``create`` writes them out)."""
+        """Register piece ``key``'s tensors and park them (``park=False``: until ``create`` writes them)."""
         tensors = (*swapped, *scratch)
         offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
         if self.entries and not self.learn_order:
@@ -239,8 +237,7 @@ class DiskStore:
             self.interrupted = False
 
     def create(self, key: int, fill=None) -> None:
-        """Setup: make piece ``key`` resident without reading it, ``fill()`` its tensors (default: their
-        values registered with ``park=False``), write it out."""
+        """Setup: piece ``key`` made resident unread, ``fill()``-ed (default: its unparked values), written."""
         if fill is None:
             e = self.entries[key]
             old = [t.detach() for t in e.swapped]   # aliases keeping the original memory until copied
@@ -259,21 +256,21 @@ class DiskStore:
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
     def write_extent(self, key: int, src: torch.Tensor) -> None:
-        """``src`` (host, contiguous) -> piece ``key``'s last swapped tensor (its read-only tail) in the
-        swap file, waited for, through a page-aligned bounce buffer (the extent padded, as the slot
-        reads it back, so the checksums are kept over the same pieces)."""
+        """``src`` (host) -> piece ``key``'s read-only tail in the swap file, waited for, through the bounce
+        buffer (padded, as the slot reads it back, so the checksums are kept over the same pieces)."""
         j, n, buf = self._bounce(key)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
         self._wait_io([self._extent_io(self.io.pwrite, key, j, buf)])
         self.bytes_written += buf.numel()
 
-    def read_extent(self, key: int, dst: torch.Tensor) -> None:
+    def read_extent(self, key: int, dst: torch.Tensor) -> torch.Tensor:
         """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for."""
         j, n, buf = self._bounce(key)
         self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
+        return dst
 
     def _bounce(self, key: int) -> tuple[int, int, torch.Tensor]:
         """(index, bytes, padded bounce buffer) of piece ``key``'s last tensor, once no slot holds it."""

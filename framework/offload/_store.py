@@ -50,8 +50,7 @@ class HostStore:
         self._pinned = [0]                # bytes of the live arenas (their finalizers subtract)
 
     def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
-        """One arena for the pinned buffers of ``sizes`` ((numel, dtype), in the order ``allocate``
-        will ask for them; each slice 64-byte aligned)."""
+        """One arena for the pinned buffers ``allocate`` will ask for next, (numel, dtype) in order."""
         if not self.pin or not sizes:
             return
         offsets, total = [], 0

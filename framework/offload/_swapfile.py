@@ -190,9 +190,8 @@ class SwapFile:
                           "swapping through the page cache (buffered IO) instead", DirectIOFallback, stacklevel=3)
 
     def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
-        """The piece [offset, offset + nbytes) now holds bytes with checksum ``value`` (None: written
-        without one); ``kind`` is the writing engine's (block size, checksum name), whose pieces
-        never straddle one of its blocks."""
+        """[offset, offset + nbytes) now holds bytes with checksum ``value`` (None: none), written by an
+        engine of ``kind`` (block size, checksum name), whose pieces never straddle one of its blocks."""
         with self._lock:
             for (grid, _), table in self._sums.items():   # what overlaps is stale, whoever wrote it
                 for block in range(offset // grid, (offset + max(nbytes, 1) - 1) // grid + 1):
@@ -293,9 +292,8 @@ class FileMap:
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def release(self, t: torch.Tensor) -> None:
-        """Drop this process's mapping of the pages under ``t``, so a pass over the swapped state keeps
-        a bounded resident set; the pages stay in the file (or the page cache, still to be synced)
-        and the next touch maps them again."""
+        """Drop this process's mapping of the pages under ``t`` (a pass over the swapped state keeps a
+        bounded resident set); the next touch maps them again."""
         lo = t.data_ptr() - self._start
         if t.device.type != "cpu" or not t.numel() or not 0 <= lo < self.file.size:
             return   # not a view of this map
@@ -311,9 +309,8 @@ class FileMap:
 
 
 def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
-    """Remove the swap files (and manifests) in ``folder`` that no live process holds (each is
-    ``flock``-ed while open: a lock granted here means its process is gone). Returns (files
-    removed, bytes freed on disk). Links are never followed."""
+    """Remove the swap files (and manifests) in ``folder`` no live process holds (a lock granted here
+    means its process is gone); (files removed, bytes freed). Links are never followed."""
     count = freed = 0
     try:
         names = sorted(os.listdir(folder))
@@ -399,8 +396,7 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
               size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
               create: bool = False) -> None:
     """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
-    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
+    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the largest tile."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():

@@ -36,8 +36,7 @@ class HostPlacement(Placement):
         host.reserve([(b - a, dt) for a, b in cut for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
         pieces = []
         for a, b in cut:
-            grad = host.allocate(b - a, master_dtype)
-            grad.zero_()
+            grad = host.allocate(b - a, master_dtype).zero_()
             master = host.allocate(b - a, master_dtype)
             self.acc.copy(master, own[a:b])   # blocking: setup
             staging = host.allocate(b - a, own.dtype) if staged else None
@@ -55,9 +54,7 @@ class HostShards(Shards):
         self.reads: dict[int, Event] = {}   # host shard storage address -> its last load's copy
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        shard = self.p.stores[Tier.HOST].allocate(numel, dtype)
-        shard.zero_()
-        return shard
+        return self.p.stores[Tier.HOST].allocate(numel, dtype).zero_()
 
     @contextmanager
     def loading(self):
@@ -93,8 +90,7 @@ class HostShards(Shards):
         fp.items["params"] = (0, device + host)
 
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
-        self._settle(dst)   # a host copy, once its loads are done
-        self.p.acc.copy(dst, src)
+        self.write(dst, src)   # a host copy, once its loads are done
         return None
 
     def _settle(self, shard: torch.Tensor) -> None:
