@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import replace
+from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -120,9 +121,7 @@ class Engine:
             yield state, None
             return
 
-        def mapped():
-            return offload.mapped_state(state.params, state.opt_state, write=write)
-
+        mapped = partial(offload.mapped_state, state.params, state.opt_state, write=write)
         # (when another rank failed, this rank's map is dropped unwritten: file and checksums unchanged)
         params, opt_state, fmap = mapped() if agreed is None else agree(self.components.dist, mapped, agreed)
         try:

@@ -52,9 +52,7 @@ class ShardedStage(PartitionedStage):
         super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        self.module = module
-        self.policy = policy
-        world = self.dist.world
+        self.module, self.policy, world = module, policy, self.dist.world
         # self.flats: the working parameters, replicated
         kinds, layouts, self.flats, entries = bind_groups(module, world, policy.param_dtype, self.dist, initializer(module),
                                                           lambda named: self.layout_order(self.cfg, named, world))
