@@ -34,7 +34,7 @@ def component(cfg: Config, group: str):
     return registry(group).get(cfg.choices[group])
 
 
-class Engine:
+class Engine(contextlib.AbstractContextManager):
     """The built components, their step functions and ``state``, the one the last ``train_step`` (or
     ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
     and stops the offload worker; the engine cannot step afterwards."""
@@ -89,9 +89,6 @@ class Engine:
             self.closed = True
             self.components.update.close()   # the offload worker thread, if any
             self.components.stage.close()    # hooks on the module
-
-    def __enter__(self) -> "Engine":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()
