@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from dataclasses import replace
+from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
@@ -33,7 +34,7 @@ def component(cfg: Config, group: str):
     return registry(group).get(cfg.choices[group])
 
 
-class Engine:
+class Engine(contextlib.AbstractContextManager):
     """The built components, their step functions and ``state``, the one the last ``train_step`` (or
     ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
     and stops the offload worker; the engine cannot step afterwards."""
@@ -89,9 +90,6 @@ class Engine:
             self.components.update.close()   # the offload worker thread, if any
             self.components.stage.close()    # hooks on the module
 
-    def __enter__(self) -> "Engine":
-        return self
-
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -120,9 +118,7 @@ class Engine:
             yield state, None
             return
 
-        def mapped():
-            return offload.mapped_state(state.params, state.opt_state, write=write)
-
+        mapped = partial(offload.mapped_state, state.params, state.opt_state, write=write)
         # (when another rank failed, this rank's map is dropped unwritten: file and checksums unchanged)
         params, opt_state, fmap = mapped() if agreed is None else agree(self.components.dist, mapped, agreed)
         try:

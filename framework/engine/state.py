@@ -55,9 +55,7 @@ def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[s
     per-element leaves are kept (same tensors), a tensor scalar is overwritten in place."""
 
     def scalar(path: str, leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return leaf.copy_(scalars[path])
-        return scalars[path]
+        return leaf.copy_(scalars[path]) if isinstance(leaf, torch.Tensor) else scalars[path]
 
     return _rebuild(opt_state, params, lambda path, leaf: leaf, scalar)
 

@@ -21,7 +21,7 @@ from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
-from framework.stages.base import Stage
+from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
 from framework.engine.update import Update
 
@@ -32,7 +32,7 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 class Components:
     module: nn.Module
     loss_fn: LossFn
-    stage: Stage
+    stage: BaseStage
     policy: Policy
     optimizer: GradientTransformation
     schedule: Callable[[int], float]

@@ -132,10 +132,8 @@ class Gatherer:
         self.mode = True
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
-        self.live = 0                         # gathered (or gathering) elements, persistent excluded
-        self.peak_live = 0
-        self.demands = 0
-        self.hits = 0
+        self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
+        self.demands = self.hits = 0
         self.hook_handles: list = []
         self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_launch_order_check``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
@@ -306,9 +304,8 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
-        at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
-        discarded at world size 1 too."""
+        """``in_place=False`` (``gather_now``): a buffer of its own at every world size, so that edits inside
+        framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:
@@ -362,8 +359,7 @@ class Gatherer:
         h = zlib.crc32(repr(record).encode())
         # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
         # from pageable memory, which blocks the host after every backward pass.
-        t = torch.empty(2, dtype=torch.int64, device=self.dist.device)
-        t[0].fill_(h)
+        t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
         t[1].fill_(-h)
         work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
                                     async_op=True)

@@ -143,20 +143,14 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
     range (chunk r is rank r's); each rank's sums are then in ``own_parts``."""
     if len(wire) == 1:
         return reduce_to_owners(comm, wire[0], b.start, shard, reduce_scatter, what)
-    if not reduce_scatter:
-        return Pending.of(comm.all_reduce(t, what) for t in wire)
-    return comm.reduce_scatter(wire, what)
+    return comm.reduce_scatter(wire, what) if reduce_scatter else Pending.of(comm.all_reduce(t, what) for t in wire)
 
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
-    out, base = [], 0
-    for start, end in b.ranges:
-        own = own_overlap(start, end, lo, hi)
-        if own is not None:
-            out.append((own[0], own[1], base + own[0] - start))
-        base += end - start
-    return out
+    starts = [k * (b.end - b.start) for k in range(b.count)]   # each range's offset in the buffer
+    return [(own[0], own[1], base + own[0] - start) for (start, end), base in zip(b.ranges, starts)
+            if (own := own_overlap(start, end, lo, hi)) is not None]
 
 
 def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:
@@ -172,9 +166,8 @@ def check_no_grads(entries: list[Entry], stage: str) -> None:
         return
     for p, _ in entries:
         p.grad = None
-    shown = few(stray, 4)
     raise TrainingError(
-        f"{stage}: {shown} already had a gradient when train_step started its backward pass: loss_fn ran a "
+        f"{stage}: {few(stray, 4)} already had a gradient when train_step started its backward pass: loss_fn ran a "
         f"backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "
         f"loss_fn must only return the loss; train_step runs the backward pass")
 
@@ -214,8 +207,7 @@ class FlatGrads:
         self.reduce_scatter = reduce_scatter
         self.scaled = policy.scaler is not None   # gradients are scaled up to the edge of the wire's range
         self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
-        self.used = False   # acc holds earlier micro batches of this step
-        self.micro = 0      # how many micro batches acc holds
+        self.micro = 0   # how many earlier micro batches of this step acc holds
         self.work: list = []   # (bucket, pending, wire buffer or None, micro batches divided out) of launched buckets
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
         self.hook_handles = (self.launcher.attach([p for p, _ in self.entries], dist.acc)
@@ -249,13 +241,12 @@ class FlatGrads:
             for a, g in zip(self.acc, self.grads):
                 a.add_(g)
                 g.zero_()
-            self.used = True
             self.micro += 1
 
     def _final(self, g: int, start: int, end: int) -> torch.Tensor:
         """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
         after the last backward produced it (it adds that micro batch)."""
-        if not self.used:
+        if not self.micro:
             return self.grads[g][start:end]
         out = self.acc[g][start:end]
         out.add_(self.grads[g][start:end])
@@ -271,7 +262,7 @@ class FlatGrads:
         else:
             buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=finals[0].device)
             wire = list(buf.chunk(len(finals)))
-            n = self.micro + 1 if self.scaled and self.used else 1
+            n = self.micro + 1 if self.scaled and self.micro else 1
             for dst, v in zip(wire, finals):
                 if n > 1:   # in the wide dtype, before the cast (the accumulator is overwritten after the reduce)
                     v.div_(n)
@@ -300,15 +291,15 @@ class FlatGrads:
 
     def summed(self) -> list[torch.Tensor]:
         """Per group, the buffer ``_final`` ranges live in."""
-        return self.acc if self.used else self.grads
+        return self.acc if self.micro else self.grads
 
     def zero(self) -> None:
         for g in self.grads:
             g.zero_()
-        if self.used:
+        if self.micro:
             for a in self.acc:
                 a.zero_()
-        self.used, self.micro = False, 0
+        self.micro = 0
 
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))

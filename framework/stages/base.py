@@ -1,4 +1,4 @@
-"""The Stage protocol: how parameters, gradients and optimizer inputs are laid out and moved.
+"""The stage interface: how parameters, gradients and optimizer inputs are laid out and moved.
 
 ``train_step`` never asks which stage it drives; stages never know which optimizer runs. The bases:
 ``BaseStage`` (defaults; ddp, zero1 and zero2 keep working parameters whole on every rank) and
@@ -8,18 +8,15 @@ padded flat layout and the master pieces the offload target, the stage's listene
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
-from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm
 from framework.engine.update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
-from framework.precision import Policy
 from framework.stages._flat import Layout, PieceSpec, piece_spec
 
 
@@ -29,79 +26,47 @@ class Setup:
     kinds: list[str]          # 'decay' or 'no_decay', aligned with ``master``
 
 
-class Stage(Protocol):
-    def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        """Take ownership of the module's parameters (flatten, shard, bind views)."""
-
-    def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
-        """Backpropagate one micro batch; ``sync`` marks the accumulation boundary."""
-
-    def reduce_grads(self) -> list[torch.Tensor]:
-        """Finish gradient reduction; return gradients aligned with ``Setup.master`` (master dtype)."""
-
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Global squared L2 norm of the gradients the last ``reduce_grads`` finished (non-finite if
-        any element is)."""
-
-    def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
-        """Names of parameters with non-finite gradients on any rank (slow path, for errors)."""
-
-    def publish(self, master: list[torch.Tensor]) -> None:
-        """Copy updated master values into the working parameters the module computes with."""
-
-    def piece_specs(self) -> list[PieceSpec]:
-        """What each master piece holds by parameter name (the layout behind ``TrainState.params``)."""
-
-    def zero_grads(self) -> None: ...
-
-    def memory(self, opt_state) -> Footprint:
-        """This rank's model states and persistent buffers (``opt_state``: the optimizer state of
-        the master pieces) by item and by where they live (framework.core.footprint)."""
-
-    def make_update(self, tx: GradientTransformation) -> Update: ...
-
-    def out16(self) -> list[torch.Tensor] | None:
-        """Where the optimizer step also writes the updated values in the working dtype, or None."""
-
-    def stats(self) -> dict:
-        """Stage metrics for the last step (e.g. zero3's prefetch hit rate); may be empty."""
-
-    def consolidated_state_dict(self) -> dict | None:
-        """Full working-dtype weights under every parameter name, on rank 0 (None elsewhere). Collective."""
-
-    def weights_on_save(self) -> bool:
-        """Whether each save also writes consolidated working-dtype weights (zero3's option)."""
-
-    def close(self) -> None:
-        """Remove the hooks this stage registered on the module."""
-
-
 class BaseStage:
-    """Defaults for every stage, written for working parameters whole on every rank; zero3 and the
-    partitioned stages override what differs."""
+    """The stage interface ``train_step`` drives, with defaults for working parameters whole on every
+    rank (zero3 and the partitioned stages override what differs). Each stage also provides:
+
+    - ``setup(module, policy) -> Setup``: take ownership of the module's parameters (flatten, shard, bind views);
+    - ``backward(loss, *, sync)``: backpropagate one micro batch; ``sync`` marks the accumulation boundary;
+    - ``reduce_grads()``: finish gradient reduction; the gradients aligned with ``Setup.master`` (master dtype);
+    - ``grad_sq_norm()``: global squared L2 norm of those gradients (non-finite if any element is);
+    - ``nonfinite_names(grads)``: parameters with non-finite gradients on any rank (slow path, for errors);
+    - ``publish(master)``: copy updated master values into the working parameters the module computes with;
+    - ``piece_specs()``: what each master piece holds by parameter name (the layout behind ``TrainState.params``);
+    - ``zero_grads()``;
+    - ``memory(opt_state)``: this rank's model states and persistent buffers (``opt_state``: the optimizer
+      state of the master pieces) by item and by where they live (framework.core.footprint).
+    """
 
     module: nn.Module
     dist: Dist
     hook_handles: list   # removed by close()
 
-    def close(self) -> None:
+    def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
             h.remove()
         self.hook_handles.clear()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict:   # stage metrics for the last step (e.g. zero3's prefetch hit rate)
         return {}
 
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
 
     def out16(self) -> list[torch.Tensor] | None:
+        """Where the optimizer step also writes the updated values in the working dtype, or None."""
         return None  # publish converts the master values itself
 
     def weights_on_save(self) -> bool:
+        """Whether each save also writes consolidated working-dtype weights (zero3's option)."""
         return False  # no such key: the plain module's own state_dict already holds full weights
 
     def consolidated_state_dict(self) -> dict | None:
+        """Full working-dtype weights under every parameter name, on rank 0 (None elsewhere). Collective."""
         if not self.dist.is_main:
             return None
         # host sync: consolidation, between steps

@@ -52,9 +52,7 @@ class ShardedStage(PartitionedStage):
         super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        self.module = module
-        self.policy = policy
-        world = self.dist.world
+        self.module, self.policy, world = module, policy, self.dist.world
         # self.flats: the working parameters, replicated
         kinds, layouts, self.flats, entries = bind_groups(module, world, policy.param_dtype, self.dist, initializer(module),
                                                           lambda named: self.layout_order(self.cfg, named, world))
@@ -172,12 +170,10 @@ class Zero2Stage(ShardedStage):
             for lo, hi, part, off in self._pieces(b):
                 dst = buf[off:off + hi - lo]
                 dst.copy_(part) if part is not None else dst.zero_()
-            base = 0
-            for start, end in b.ranges:  # the padding at a group's end (in a whole-buffer bucket)
+            chunks = buf.chunk(b.count)   # one per range
+            for (start, end), t in zip(b.ranges, chunks):  # the padding at a group's end (in a whole-buffer bucket)
                 if end > numel:
-                    buf[base + max(start, numel) - start:base + end - start].zero_()
-                base += end - start
-            chunks = buf.chunk(b.count)
+                    t[max(start, numel) - start:].zero_()
             wire = [buf] if b.contiguous else list(chunks)
             pieces = [(start, t) for (start, _), t in zip(b.ranges, chunks)]
             pending = reduce_bucket(comm, wire, b, shard, rs, what)
@@ -213,8 +209,7 @@ class Zero2Stage(ShardedStage):
         lo, hi = self.bounds[b.group]
         real = min(hi, self.layouts[b.group].numel)   # a whole-buffer bucket's padding: zeros, never reported
         for start, t in pieces:   # (flat start, values) of each reduced range
-            own = own_overlap(start, start + t.numel(), lo, real)   # this rank's sums
-            if own is None:
+            if (own := own_overlap(start, start + t.numel(), lo, real)) is None:   # this rank's sums
                 continue
             a, z = own
             self.part[b.group][a - lo:z - lo] += t[a - start:z - start]
