@@ -41,17 +41,12 @@ class Checkpointer:
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
                  on_point: Callable[[str], None] | None = None):
-        """``run_dir``, ``job``: where the checkpoints go (``checkpoint_root``). ``on_point``: called
-        at the points of each save's protocol (``save``'s; fault tests)."""
-        self.cfg = cfg.checkpoint
-        self.config = cfg.to_dict()
-        self.seed = cfg.seed
-        self.engine = engine
-        dist = engine.components.dist
-        self.rank = dist.rank
+        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests)."""
+        self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite = cfg.train.on_nonfinite
-        self.group = Group(dist, self.cfg.timeout_s)
+        self.group = Group(engine.components.dist, self.cfg.timeout_s)
+        self.rank = self.group.rank
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
@@ -179,8 +174,13 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
     damaged or unreadable candidate is left to the ranks (they fall back and say so)."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
-    if c.every:
-        _check_writable(root)
+    if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
+        try:
+            files.make_dirs(root)
+            files.probe_writable(root)
+        except OSError as e:
+            raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
+                              "a writable folder, or checkpoint.every=0 to save nothing") from None
     if c.resume == "off":
         fresh_start(root, c.every)
         return cfg
@@ -205,17 +205,6 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
-
-
-def _check_writable(root: Path) -> None:
-    """A checkpoint folder that cannot be written is found before the first step, not at the
-    first save (hours later): made now, as the save would make it, and a file created in it."""
-    try:
-        files.make_dirs(root)
-        files.probe_writable(root)
-    except OSError as e:
-        raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to a "
-                          "writable folder, or checkpoint.every=0 to save nothing") from None
 
 
 def fresh_start(root: Path, every: int) -> str | None:

@@ -63,13 +63,11 @@ def verify(folder: Path, group: Group | None = None) -> dict:
     """Check every file against the manifest (each rank a share of them; without ``group`` this
     process all of them); every rank raises the same CheckpointError naming the bad files. Returns
     the manifest."""
-    manifest = None
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     try:
         manifest = stepfolders.read_manifest(folder)
-        files = sorted(manifest["files"])
-        mine = [stepfolders.check_file(folder, n, manifest["files"][n]) for n in files[rank::world]]
-        problems = [p for p in mine if p]
+        entries = manifest["files"]
+        problems = [p for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
@@ -193,30 +191,30 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
                           f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
                           f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
                           f"{OTHER_RUN}")
-    saved = StateLayout.in_checkpoint(md).params
-    names = [n for n, p in c.module.named_parameters() if p.requires_grad]
-    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-    if missing or extra:
-        raise ConfigError(f"checkpoint {folder} does not fit this model: "
-                          + "; ".join(x for x in (f"missing parameters {few(missing)}" if missing else "",
-                                                  f"unexpected parameters {few(extra)}" if extra else "") if x)
-                          + OTHER_RUN)
+    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
+    _same_names(folder, [n for n, p in c.module.named_parameters() if p.requires_grad], saved, "parameters ")
     for p in layout.params.values():
-        if p.shape != saved[p.name].shape:
-            raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name].shape} "
-                              f"in the checkpoint but {p.shape} in this model{OTHER_RUN}")
+        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape)
     kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
-    missing, extra = sorted(set(whole) - set(kept)), sorted(set(kept) - set(whole))
-    if kept and (missing or extra):
-        raise ConfigError(f"checkpoint {folder} does not fit this model: "
-                          + "; ".join(x for x in (f"missing {few(missing)}" if missing else "",
-                                                  f"unexpected {few(extra)}" if extra else "") if x)
-                          + OTHER_RUN)
+    if kept:
+        _same_names(folder, whole, kept)
     for k in kept:
-        if kept[k] != tuple(whole[k].shape):
-            raise ConfigError(f"checkpoint {folder}: {k!r} has shape {kept[k]} in the checkpoint but "
-                              f"{tuple(whole[k].shape)} in this model{OTHER_RUN}")
+        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape))
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
+
+
+def _same_names(folder: Path, mine, saved, what: str = "") -> None:
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(
+            [f"missing {what}{few(missing)}"] * bool(missing) + [f"unexpected {what}{few(extra)}"] * bool(extra))
+            + OTHER_RUN)
+
+
+def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple) -> None:
+    if saved != mine:
+        raise ConfigError(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
+                          f"{OTHER_RUN}")
