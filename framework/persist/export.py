@@ -51,13 +51,13 @@ class Checkpoint:
         d = self.step_dir
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
             verify(d)
-        self.metadata = glue().read_metadata(self.step_dir / ".metadata")
-        self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
-        if not self.params:
-            raise ConfigError(f"export: {self.step_dir} holds no '{PREFIX}<name>' tensors")
-        self.keys = dict.fromkeys(self.params, PREFIX)   # name -> its DCP key's prefix
-        for prefix in WHOLE:   # frozen parameters and buffers (in checkpoints written since they are)
+        self.metadata = glue().read_metadata(d / ".metadata")
+        self.params, self.keys = {}, {}   # name -> its DCP key's prefix
+        # the masters, then frozen parameters and buffers (in checkpoints written since they are)
+        for prefix in (PREFIX, *WHOLE):
             found = StateLayout.in_checkpoint(self.metadata, prefix).params
+            if prefix == PREFIX and not found:
+                raise ConfigError(f"export: {d} holds no '{PREFIX}<name>' tensors")
             self.params.update(found)
             self.keys.update(dict.fromkeys(found, prefix))
 
@@ -77,13 +77,10 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
     for plan in plans:
-        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
-        try:
+        with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY), "wb") as f:
             for e in plan.entries:
-                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
+                files.write_at(f.fileno(), ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
                 _trim()   # (the tensor is freed once written)
-        finally:
-            os.close(fd)
     return finish_files(out_dir, plans)
 
 
