@@ -34,10 +34,10 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not
-    read stays its name), read by flat element range from ``tensors`` ({name: tensor}) or from
-    safetensors files (``open_weights``). ``bytes_read`` counts the bytes handed out, so tests can
-    check a rank read only its ranges.
+    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
+    name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
+    (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
+    handed out, so tests can check a rank read only its ranges.
 
     A safetensors value is read with a positioned read of exactly its bytes (a flat range of a
     row-major tensor is one byte range), never through a map of the file: a map's touched pages
@@ -45,8 +45,6 @@ class WeightsSource(contextlib.AbstractContextManager):
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
-        """``paths``: safetensors files (one, or the shards an index names: ``weight_map``, which file
-        holds each name)."""
         self.where = where
         self.bytes_read = 0
         self._tensors = tensors or {}
@@ -114,8 +112,8 @@ class WeightsSource(contextlib.AbstractContextManager):
 
 
 def _torch_file(path: Path) -> dict[str, torch.Tensor]:
-    """A torch state-dict file, loaded with ``weights_only=True`` (a pickle that would run code is
-    refused) and memory-mapped where the file format allows, so reads touch only their ranges."""
+    """A torch state-dict file, loaded ``weights_only`` (nothing in it runs) and memory-mapped where the format
+    allows, so reads touch only their ranges."""
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -201,9 +199,8 @@ class FilePlan:
 
 def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str,
                as_dtype: torch.dtype | None = None) -> list[FilePlan]:
-    """Split ``tensors`` (name, shape, dtype; in order; floating ones stored as ``as_dtype`` if
-    given) into safetensors files of at most ``max_shard_size`` bytes each (a larger tensor gets a
-    file of its own) and lay out each file. Pure arithmetic: every rank computes the same plan."""
+    """Lay out ``tensors`` ((name, shape, dtype), in order; floating ones as ``as_dtype`` if given) in safetensors
+    files of at most ``max_shard_size`` bytes (a larger tensor alone). Pure arithmetic: the same on every rank."""
     limit = parse_size(max_shard_size)
     groups: list[list] = [[]]
     used = 0
@@ -231,8 +228,8 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
-    """Create each planned file as ``<name>.tmp`` at its final size with its header written
-    (data left as a hole the writers fill), after removing outputs of an earlier save there."""
+    """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
+    fill), after removing outputs of an earlier save there."""
     files.make_dirs(out_dir)
     for old in out_dir.iterdir():
         if old.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old.name):
