@@ -1,12 +1,10 @@
 """Consolidate a training checkpoint into safetensors that the plain model loads (the command:
 ``python -m framework.export``, framework/cli/export.py).
 
-The fp32 masters (DCP keys ``model.<name>``, global shapes), with the frozen parameters and
-persistent buffers (``frozen.<name>``, ``buffer.<name>``) where the checkpoint holds them, are read
-one tensor at a time, so peak memory stays near one tensor; the output loads with the plain model's ``load_state_dict`` and with
-``load_weights`` (``get_fp32_state_dict_from_checkpoint``: all of them in memory). What is not a
-checkpoint is a ConfigError; a damaged one (a file that fails its manifest's checksum, a DCP file
-that does not read) a CheckpointError.
+The fp32 masters (``model.<name>``), with the frozen parameters and persistent buffers (``frozen.<name>``,
+``buffer.<name>``) where the checkpoint holds them, are read one tensor at a time, so peak memory stays near one
+tensor; the output loads with the plain model's ``load_state_dict`` and with ``load_weights``. What is not a
+checkpoint is a ConfigError; a damaged one (a checksum, a DCP file that does not read) a CheckpointError.
 """
 from __future__ import annotations
 
@@ -41,49 +39,43 @@ def resolve(checkpoint) -> Path:
 
 
 class Checkpoint:
-    """A DCP step folder opened for reading through the checkpoint's readers (nothing pickled
-    runs). A folder our save wrote (a manifest, a train state or an rng file in it) is checked
-    against its manifest first: a damaged file, or the manifest deleted, is one CheckpointError
-    naming it, never exported weights. A plain DCP folder has none of these files."""
+    """A DCP step folder opened through the checkpoint's readers (nothing pickled runs). One our save wrote (a
+    manifest, train state or rng file in it; a plain DCP folder has none) is checked against its manifest first:
+    a damaged file, or the manifest deleted, is one CheckpointError naming it, never exported weights."""
 
     def __init__(self, checkpoint):
         self.step_dir = resolve(checkpoint)
         d = self.step_dir
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
             verify(d)
-        self.metadata = glue().read_metadata(self.step_dir / ".metadata")
-        self.params = StateLayout.in_checkpoint(self.metadata, PREFIX).params
-        if not self.params:
-            raise ConfigError(f"export: {self.step_dir} holds no '{PREFIX}<name>' tensors")
-        self.keys = dict.fromkeys(self.params, PREFIX)   # name -> its DCP key's prefix
-        for prefix in WHOLE:   # frozen parameters and buffers (in checkpoints written since they are)
+        self.metadata = glue().read_metadata(d / ".metadata")
+        self.params, self.keys = {}, {}   # name -> its DCP key's prefix
+        # the masters, then frozen parameters and buffers (in checkpoints written since they are)
+        for prefix in (PREFIX, *WHOLE):
             found = StateLayout.in_checkpoint(self.metadata, prefix).params
+            if prefix == PREFIX and not found:
+                raise ConfigError(f"export: {d} holds no '{PREFIX}<name>' tensors")
             self.params.update(found)
             self.keys.update(dict.fromkeys(found, prefix))
 
     def read(self, names) -> dict[str, torch.Tensor]:
-        """Full tensors ``names`` at their global shapes and stored dtypes, assembled by DCP from
-        every rank's shard files (only their byte ranges are read). No process group needed."""
+        """Full tensors ``names`` (global shapes, stored dtypes), assembled by DCP from every rank's files."""
         sd = {n: torch.empty(self.params[n].shape, dtype=self.params[n].dtype, device="cpu") for n in names}
         glue().read(self.step_dir, self.metadata, {self.keys[n] + n: t for n, t in sd.items()}, no_dist=True)
         return sd
 
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write the checkpoint's model weights as consolidated safetensors (``dtype``: default the
-    stored fp32); returns the written paths."""
+    """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
     for plan in plans:
-        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
-        try:
+        with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY), "wb") as f:
             for e in plan.entries:
-                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
+                files.write_at(f.fileno(), ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
                 _trim()   # (the tensor is freed once written)
-        finally:
-            os.close(fd)
     return finish_files(out_dir, plans)
 
 
@@ -97,8 +89,7 @@ def _trim() -> None:
 
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
-    """The checkpoint's consolidated fp32 model weights, ``{name: tensor}`` at global shapes
-    (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``). The whole model is in memory: to
-    write files, use ``export`` (streamed)."""
+    """The checkpoint's consolidated fp32 weights ``{name: tensor}`` (DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint``): the whole model in memory, where ``export`` streams."""
     ckpt = Checkpoint(checkpoint)
     return {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}

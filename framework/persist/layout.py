@@ -31,8 +31,7 @@ class Holding:
     at: int
 
     def of(self, flat: torch.Tensor, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
-        """Elements [lo, hi) of the parameter (default: all this holds) as a view of ``flat``, its
-        piece (or a tensor laid out like it)."""
+        """Elements [lo, hi) of the parameter (default: all this holds) as a view of ``flat``, its piece."""
         lo, hi = self.lo if lo is None else lo, self.hi if hi is None else hi
         return flat[self.at + lo - self.lo:self.at + hi - self.lo]
 
@@ -70,8 +69,7 @@ class StateLayout:
 
     @classmethod
     def in_checkpoint(cls, metadata: Any, prefix: str = "model.") -> "StateLayout":
-        """The parameters a DCP checkpoint's metadata holds under ``prefix`` (global shapes and
-        stored dtypes)."""
+        """The parameters a DCP checkpoint's metadata holds under ``prefix`` (global shapes, stored dtypes)."""
         return cls(Param(k[len(prefix):], tuple(md.size), md.properties.dtype)
                    for k, md in metadata.state_dict_metadata.items()
                    if k.startswith(prefix) and hasattr(md, "properties") and hasattr(md, "chunks"))
@@ -95,8 +93,8 @@ class StateLayout:
         return out
 
     def saved(self) -> dict:
-        """The layout as train_state.json keeps it: each parameter's shape and, per rank, the flat
-        ranges that rank held. Needs a gathered layout."""
+        """As train_state.json keeps it: each parameter's shape, per rank the flat ranges it held. Needs a gathered
+        layout."""
         ranges = [{} for _ in range(self.world)]
         for p in self.params.values():
             for h in p.holdings:
@@ -105,8 +103,7 @@ class StateLayout:
 
 
 def flat_pieces(params: Sequence[torch.Tensor], per: dict[str, Sequence[torch.Tensor]]) -> list[dict]:
-    """Each master piece's flat tensors: {'master': its values, optimizer path: its per-element state}
-    (``per``: ``optimizer_leaves``'s)."""
+    """Each master piece's flat tensors: {'master': its values, optimizer path (``per``'s): its state}."""
     return [{k: t[i].reshape(-1) for k, t in [("master", params), *per.items()]} for i in range(len(params))]
 
 
@@ -242,10 +239,9 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
 
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,
                        policy: Policy) -> TrainState:
-    """``state`` with the step, data position and loss scale of ``saved`` (a state dict or a
-    checkpoint's train state), the generators ``rng`` and the optimizer ``scalars``. The loss scale
-    carries over only between two runs with dynamic loss scaling (fp16); otherwise ``policy``'s
-    initial scale applies, with the saved step bookkeeping."""
+    """``state`` with the step, data position and loss scale of ``saved`` (a state dict or a train state), the
+    generators ``rng`` and the optimizer ``scalars``. The loss scale carries over only between two runs with
+    dynamic loss scaling (fp16); otherwise ``policy``'s initial scale, with the saved step bookkeeping."""
     rng = tuple(rng)
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]

@@ -36,8 +36,8 @@ _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
 
 
 def files_of(folder: Path) -> list[str]:
-    """Every file of a checkpoint folder except the manifest, sorted (what the manifest lists), those
-    of its ``model_16bit/`` as ``model_16bit/<name>``; a link there (or as it) is refused."""
+    """The files the manifest lists, sorted: every one but the manifest, ``model_16bit/<name>`` for those in that
+    subfolder (a link there, or as it, is refused)."""
     names = [p.name for p in folder.iterdir() if p.name != MANIFEST and (p.is_file() or p.is_symlink())]
     sub = folder / WEIGHTS16
     files.refuse_links(sub)
@@ -49,8 +49,7 @@ def files_of(folder: Path) -> list[str]:
 
 
 def _open(folder: Path, name: str) -> int:
-    """``folder/name`` read-only, never through a link: in ``model_16bit/<file>`` neither the file
-    nor the subfolder (opened first, without following it)."""
+    """``folder/name`` read-only, never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
     sub, _, base = name.rpartition("/")
     if not sub:
         return files.open_nofollow(folder / name, os.O_RDONLY)
@@ -63,8 +62,8 @@ def _open(folder: Path, name: str) -> int:
 
 
 def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
-    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (a save's
-    files: DCP's writer creates them with the umask's mode)."""
+    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP's writer creates a
+    save's files with the umask's mode)."""
     with os.fdopen(_open(folder, name), "rb") as f:
         if own:
             os.fchmod(f.fileno(), 0o600)
@@ -127,9 +126,8 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 
 
 def check_weights16(path: Path) -> None:
-    """When ``path`` is a committed step folder's ``model_16bit/`` (or a file in it), a CheckpointError
-    naming any of its files that differ from that step's manifest: weights loaded from inside a
-    checkpoint are checked like the checkpoint (safetensors carry no checksum). Elsewhere: nothing."""
+    """When ``path`` is (in) a committed step folder's ``model_16bit/``, a CheckpointError naming its files that
+    differ from that step's manifest (safetensors carry no checksum). Elsewhere: nothing."""
     sub = Path(path).absolute()
     sub = sub if sub.name == WEIGHTS16 else sub.parent
     step = sub.parent
@@ -145,10 +143,9 @@ def check_weights16(path: Path) -> None:
 
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
-    """(folders, notes): the ``step-<N>`` folders under ``root`` whose manifest parses, newest
-    commit first (``seq``, then the step: a run rewound to an older step, e.g. ``resume=PATH``, goes
-    on from its own newest save, not from the abandoned higher steps beside it), and one line for
-    each ``step-<N>`` that is not one, so none is dropped silently."""
+    """The ``step-<N>`` folders under ``root`` whose manifest parses, newest commit first (``seq``, then the step:
+    a run rewound to an older step goes on from its own newest save, not from the abandoned higher steps beside
+    it), and one note per ``step-<N>`` that is not one, so none is dropped silently."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -189,8 +186,8 @@ def verified(folder: Path) -> bool:
 
 
 def commit(tmp: Path, final: Path, on_point) -> None:
-    """Rename ``step-N.tmp`` to ``step-N`` (an older folder of that step moved aside first, deleted
-    after), then point ``latest`` at it. Rank 0 only. ``on_point(name)``: for fault tests."""
+    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first, deleted after), then point ``latest``
+    at it. Rank 0 only. ``on_point(name)``: for fault tests."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -208,9 +205,8 @@ def commit(tmp: Path, final: Path, on_point) -> None:
 
 
 def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
-    """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps
-    all), never the newest one whose save verified its state (``verified``). Folders of later
-    steps (another run's, in the same dir) are left alone."""
+    """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
+    newest verified one; those of later steps (another run's, in the same dir) are left alone."""
     if keep_last <= 0:
         return []
     chain = [p for p in scan(root)[0] if step_of(p) <= step_of(newest)]
@@ -227,8 +223,7 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """Remove the folders of interrupted saves and deletions (``_LEFTOVER``) except ``keep``
-    (links are left alone: a save refuses them by name)."""
+    """Remove the folders of interrupted saves and deletions except ``keep`` (links: a save refuses them by name)."""
     if root.is_dir():
         for p in root.iterdir():
             if (p.name.startswith("step-") and p.name.endswith(_LEFTOVER) and p != keep and not p.is_symlink()

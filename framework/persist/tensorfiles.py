@@ -34,53 +34,26 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not
-    read stays its name), read by flat element range; this class reads them from ``tensors``
-    ({name: tensor}). ``bytes_read`` counts the bytes handed out, so tests can check a rank read
-    only its ranges."""
+    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
+    name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
+    (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
+    handed out, so tests can check a rank read only its ranges.
 
-    def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None):
+    A safetensors value is read with a positioned read of exactly its bytes (a flat range of a
+    row-major tensor is one byte range), never through a map of the file: a map's touched pages
+    would stay resident until the file is closed, so a model larger than memory would not load."""
+
+    def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
+                 weight_map: dict[str, Path] | None = None):
         self.where = where
         self.bytes_read = 0
         self._tensors = tensors or {}
         self.meta: dict[str, tuple[tuple[int, ...], torch.dtype | str]] = {
             k: (tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
-
-    def dtype(self, name: str) -> torch.dtype:
-        d = self.meta[name][1]
-        if isinstance(d, str):
-            raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
-        return d
-
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of the flattened tensor ``name``: a 1-D host tensor in its stored dtype."""
-        out = self._read(name, lo, hi)
-        self.bytes_read += out.numel() * out.element_size()
-        return out
-
-    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        return self._tensors[name].reshape(-1)[lo:hi]
-
-    def close(self) -> None:
-        self.meta.clear()
-        self._tensors = {}
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class SafetensorsSource(WeightsSource):
-    """One ``.safetensors`` file or the shards an index names (``weight_map``: which file holds
-    each name). Values are read with positioned reads of exactly the requested bytes (a flat range
-    of a row-major tensor is one byte range), never through a map of the file: a map's touched
-    pages would stay resident until the file is closed, so a model larger than memory would not load."""
-
-    def __init__(self, paths: Sequence[Path], where: str, weight_map: dict[str, Path] | None = None):
-        super().__init__(where)
-        from safetensors import safe_open  # the hf extra
-
         self._fds: list[int] = []
-        self._at: dict[str, tuple[int, int]] = {}   # name -> fd, offset of its data
+        self._at: dict[str, tuple[int, int]] = {}   # name -> fd, offset of its data in a safetensors file
+        if paths or weight_map is not None:
+            from safetensors import safe_open  # the hf extra
         try:
             for path in paths:
                 try:
@@ -100,19 +73,30 @@ class SafetensorsSource(WeightsSource):
                         self._at[name] = (fd, 8 + size + int(m["data_offsets"][0]))
             missing = sorted(set(weight_map or ()) - set(self.meta))
             if missing:
-                raise ConfigError(f"load_weights: {where} names {len(missing)} tensor(s) that are not in their "
+                raise ConfigError(f"load_weights: {self.where} names {len(missing)} tensor(s) that are not in their "
                                   f"files: {few(missing, 20, str)}")
         except BaseException:
             self.close()
             raise
 
-    def _read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        fd, offset = self._at[name]
-        dtype = self.dtype(name)
-        out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
-        if files.read_into(fd, out, offset + lo * dtype.itemsize) is not None:
-            raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
-                              f"(a truncated file)")
+    def dtype(self, name: str) -> torch.dtype:
+        d = self.meta[name][1]
+        if isinstance(d, str):
+            raise ConfigError(f"load_weights: tensor {name!r} has dtype {d}, which this loader does not read")
+        return d
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened tensor ``name``: a 1-D host tensor in its stored dtype."""
+        if name in self._at:
+            fd, offset = self._at[name]
+            dtype = self.dtype(name)
+            out = torch.empty(max(hi - lo, 0), dtype=dtype, device="cpu")   # file reads land in host memory
+            if files.read_into(fd, out, offset + lo * dtype.itemsize) is not None:
+                raise ConfigError(f"load_weights: {self.where}: tensor {name!r} ends before its stated size "
+                                  f"(a truncated file)")
+        else:
+            out = self._tensors[name].reshape(-1)[lo:hi]
+        self.bytes_read += out.numel() * out.element_size()
         return out
 
     def close(self) -> None:
@@ -120,12 +104,16 @@ class SafetensorsSource(WeightsSource):
             os.close(fd)
         self._fds.clear()
         self._at.clear()
-        super().close()
+        self.meta.clear()
+        self._tensors = {}
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _torch_file(path: Path) -> dict[str, torch.Tensor]:
-    """A torch state-dict file, loaded with ``weights_only=True`` (a pickle that would run code is
-    refused) and memory-mapped where the file format allows, so reads touch only their ranges."""
+    """A torch state-dict file, loaded ``weights_only`` (nothing in it runs) and memory-mapped where the format
+    allows, so reads touch only their ranges."""
     try:
         try:
             sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -168,9 +156,9 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
         absent = sorted({str(f) for f in shards.values() if not f.is_file()})
         if absent:
             raise ConfigError(f"load_weights: {path} names shard(s) that do not exist: {few(absent, 20, str)}")
-        return SafetensorsSource(list(dict.fromkeys(shards.values())), str(path), shards)
+        return WeightsSource(str(path), paths=list(dict.fromkeys(shards.values())), weight_map=shards)
     if path.suffix == ".safetensors":
-        return SafetensorsSource([path], str(path))
+        return WeightsSource(str(path), paths=[path])
     return WeightsSource(str(path), _torch_file(path))
 
 
@@ -211,9 +199,8 @@ class FilePlan:
 
 def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_shard_size: int | str,
                as_dtype: torch.dtype | None = None) -> list[FilePlan]:
-    """Split ``tensors`` (name, shape, dtype; in order; floating ones stored as ``as_dtype`` if
-    given) into safetensors files of at most ``max_shard_size`` bytes each (a larger tensor gets a
-    file of its own) and lay out each file. Pure arithmetic: every rank computes the same plan."""
+    """Lay out ``tensors`` ((name, shape, dtype), in order; floating ones as ``as_dtype`` if given) in safetensors
+    files of at most ``max_shard_size`` bytes (a larger tensor alone). Pure arithmetic: the same on every rank."""
     limit = parse_size(max_shard_size)
     groups: list[list] = [[]]
     used = 0
@@ -241,8 +228,8 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
-    """Create each planned file as ``<name>.tmp`` at its final size with its header written
-    (data left as a hole the writers fill), after removing outputs of an earlier save there."""
+    """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
+    fill), after removing outputs of an earlier save there."""
     files.make_dirs(out_dir)
     for old in out_dir.iterdir():
         if old.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old.name):
@@ -258,11 +245,8 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
     paths = []
     for plan in plans:
         tmp = out_dir / (plan.name + ".tmp")
-        fd = files.open_nofollow(tmp, os.O_RDWR)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        with os.fdopen(files.open_nofollow(tmp, os.O_RDWR), "rb") as f:
+            os.fsync(f)
         os.replace(tmp, out_dir / plan.name)
         paths.append(out_dir / plan.name)
     if len(plans) > 1:

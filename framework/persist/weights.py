@@ -50,11 +50,9 @@ def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor])
     out = []
     trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
     for p, aliases in params.values():
-        first, staged = aliases[0], layout.params.get(aliases[0])
-        if staged is not None:
-            out.append(Target(first, tuple(aliases), staged.shape, trained, None))
-        else:  # a frozen parameter outside the stage's layout: whole on every rank
-            out.append(Target(first, tuple(aliases), tuple(p.shape), p.dtype, p))
+        staged = layout.params.get(aliases[0])   # None: a frozen parameter outside the layout, whole on every rank
+        out.append(Target(aliases[0], tuple(aliases), staged.shape, trained, None) if staged is not None
+                   else Target(aliases[0], tuple(aliases), tuple(p.shape), p.dtype, p))
     out += [Target(n, (n,), tuple(buf.shape), buf.dtype, buf) for n, buf in persistent_buffers(module).items()]
     return out
 
@@ -63,11 +61,10 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's persistent buffers by name (a shared one once), in module order."""
     out, seen = {}, set()
     for mod_name, sub in module.named_modules():
-        for b_name, buf in sub.named_buffers(recurse=False):
-            if buf is None or b_name in sub._non_persistent_buffers_set or id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
+        for b_name, buf in sub.named_buffers(recurse=False):   # (None buffers are not named)
+            if b_name not in sub._non_persistent_buffers_set and id(buf) not in seen:
+                seen.add(id(buf))
+                out[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
     return out
 
 
@@ -79,11 +76,13 @@ def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
 
-def _layout(engine, what: str) -> StateLayout:
-    """Every rank's holdings of the master pieces (collective)."""
+def _holdings(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor], list[Target]]:
+    """Every rank's holdings of the master pieces (collective), the master pieces of the ``mapped`` state and
+    the model's ``targets``."""
     c = engine.components
-    return StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
-                          gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
+    layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
+                            gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
+    return layout, list(mapped.params), targets(c.module, layout, list(mapped.params))
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
@@ -96,15 +95,13 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
-        masters = list(mapped.params)
-        layout = _layout(engine, "weights")
-
+        layout, masters, tgts = _holdings(engine, mapped, "weights")
         if not isinstance(source, WeightsSource):   # a checkpoint's model_16bit/: against its manifest
             agree(c.dist, lambda: check_weights16(source) if c.dist.is_main else None, "load_weights: manifest")
 
         def load() -> None:   # a source given open stays open
             with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
-                _load(src, strict, layout, masters, targets(c.module, layout, masters), fmap)
+                _load(src, strict, layout, masters, tgts, fmap)
 
         agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
@@ -152,16 +149,13 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     beyond ``max_shard_size``) under the module's names (tied weights once), with the persistent
     buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype; a
     16-bit dtype gives the working parameters bit for bit). Collective; returns the written paths."""
-    c = engine.components
-    dist = c.dist
+    dist = engine.components.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
     out_dir = Path(out_dir)
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
-        masters = list(mapped.params)
-        layout = _layout(engine, "save_weights")
-        tgts = targets(c.module, layout, masters)
+        layout, masters, tgts = _holdings(engine, mapped, "save_weights")
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
         jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes

@@ -7,10 +7,10 @@
 
 A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
 "optim.<scalar>", rank 0's persistent buffers and frozen parameters "buffer.<name>", "frozen.<name>"),
-train_state.json, rng-<rank>.json and manifest.json (the commit protocol:
-``framework.persist.stepfolders``). Each rank writes its share of the name-keyed state (``framework.persist.layout``) and reads
-its own holdings by name, so world size, stage and offload may change between save and load. Every
-phase ends in an exchange of outcomes, so one rank's failure ends every rank with the same line.
+train_state.json, rng-<rank>.json and manifest.json (the commit protocol: ``stepfolders``). Each rank
+writes its share of the name-keyed state (``layout``) and reads its own holdings by name, so world size,
+stage and offload may change between save and load. Every phase ends in an exchange of outcomes, so
+one rank's failure ends every rank with the same line.
 """
 from __future__ import annotations
 
@@ -41,17 +41,12 @@ class Checkpointer:
 
     def __init__(self, cfg, engine, job: str | None = None, run_dir: Path | None = None,
                  on_point: Callable[[str], None] | None = None):
-        """``run_dir``, ``job``: where the checkpoints go (``checkpoint_root``). ``on_point``: called
-        at the points of each save's protocol (``save``'s; fault tests)."""
-        self.cfg = cfg.checkpoint
-        self.config = cfg.to_dict()
-        self.seed = cfg.seed
-        self.engine = engine
-        dist = engine.components.dist
-        self.rank = dist.rank
+        """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests)."""
+        self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.root = checkpoint_root(cfg, run_dir, job)
         self.on_nonfinite = cfg.train.on_nonfinite
-        self.group = Group(dist, self.cfg.timeout_s)
+        self.group = Group(engine.components.dist, self.cfg.timeout_s)
+        self.rank = self.group.rank
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
@@ -113,8 +108,7 @@ class Checkpointer:
                               + " | ".join(errors) + SPENT)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
-        """Save every ``checkpoint.every`` steps and at the ``last``; ``metrics``: the step's, whose
-        non-finite loss or gradient norm (``train.on_nonfinite=warn``) means no save of it."""
+        """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
         every = self.cfg.every
         if every and (state.step % every == 0 or last):
             if metrics is not None and metrics.get("nonfinite"):
@@ -143,10 +137,9 @@ class Checkpointer:
 
 
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
-    """Where a run's checkpoints go: ``checkpoint.dir``, else ``checkpoints/`` in the run folder
-    (so a run never meets another run's checkpoints unless pointed at them), else in the working
-    directory. Under an explicit ``checkpoint.dir`` each multirun job (``job``: the overrides that say
-    which job it is) gets ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
+    """``checkpoint.dir``, else ``checkpoints/`` in the run folder (a run never meets another run's checkpoints
+    unless pointed at them), else in the working directory. Under an explicit ``checkpoint.dir`` each multirun
+    job (``job``: its overrides) gets ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
@@ -174,13 +167,17 @@ def find_latest(root: Path) -> Path | None:
 
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None):
-    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every
-    rank loads the same); a checkpoint of another model or optimizer is refused on one line. A
-    damaged or unreadable candidate is left to the ranks (they fall back and say so)."""
+    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every rank loads the
+    same); a checkpoint of another model or optimizer is refused on one line, a damaged one left to the ranks."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
-    if c.every:
-        _check_writable(root)
+    if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
+        try:
+            files.make_dirs(root)
+            files.probe_writable(root)
+        except OSError as e:
+            raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
+                              "a writable folder, or checkpoint.every=0 to save nothing") from None
     if c.resume == "off":
         fresh_start(root, c.every)
         return cfg
@@ -196,32 +193,18 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         folders = [folder]
     else:
         folders = candidates(c.resume, root)[0]
-    if not folders:
-        return cfg
-    folder = folders[0]
-    try:
-        saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
-    except (CheckpointError, KeyError, TypeError):
-        return cfg
-    same_run(folder, saved, cfg.to_dict(), c.resume)
+    for folder in folders[:1]:   # the one every rank reads first
+        try:
+            saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
+        except (CheckpointError, KeyError, TypeError):
+            break
+        same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
 
 
-def _check_writable(root: Path) -> None:
-    """A checkpoint folder that cannot be written is found before the first step, not at the
-    first save (hours later): made now, as the save would make it, and a file created in it."""
-    try:
-        files.make_dirs(root)
-        files.probe_writable(root)
-    except OSError as e:
-        raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to a "
-                          "writable folder, or checkpoint.every=0 to save nothing") from None
-
-
 def fresh_start(root: Path, every: int) -> str | None:
-    """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds
-    committed checkpoints (a save of the same step replaces one, rotation deletes the older ones:
-    the earlier run would be lost); else the note to print when some exist (no saves)."""
+    """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds committed
+    checkpoints (same-step saves and rotation would lose the earlier run); else the note to print, if any."""
     existing = stepfolders.scan(root)[0]
     if not existing:
         return None
@@ -233,9 +216,8 @@ def fresh_start(root: Path, every: int) -> str | None:
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
-    """Candidate folders for ``checkpoint.resume``, best first (``auto``: every committed one under
-    ``root``; a path: that step folder, or the committed ones in it), and one line per ``step-<N>``
-    folder passed over."""
+    """Candidate folders for ``checkpoint.resume`` (``auto``, or a path: a step folder or a folder of them), best
+    first, and one line per ``step-<N>`` folder passed over."""
     if resume == "auto":
         return stepfolders.scan(root)
     path = Path(resume).expanduser()

@@ -58,9 +58,9 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 
 class Boxes:
-    """One parameter's global shape and this rank's boxes of it, views of flat tensors holding
-    ranges of the flattened parameter (``pieces``: ((lo, hi), flat)), which DCP reads from or
-    writes into; ``take(box)``: the tensor to use for a box instead of its view."""
+    """One parameter's global shape and this rank's boxes of it, views of the flat tensors ``pieces``
+    (((lo, hi), flat): a range of the flattened parameter) that DCP reads from or writes into;
+    ``take(box)``: the tensor to use for a box instead of its view."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  take: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -99,12 +99,11 @@ def _lookup(state_dict: dict, index: MetadataIndex):
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner (deduplicates replicated plain tensors across ranks), routing
-    the chunks of ``Boxes`` values to their views."""
+    """DCP's default save planner (deduplicates replicated plain tensors across ranks), routing the chunks of
+    ``Boxes`` to their views. ``release(t)``: called with each value once the writer asked for the next one (a
+    mapped swap file's pages leave the process as they are written)."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
-        """``release(t)``: called with each value once the writer asked for the next one (a
-        mapped swap file's pages leave the process as they are written)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.release, self._last = release, None
 
@@ -122,11 +121,10 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a
-    pickled object: only tensors are requested."""
+    """DCP's default load planner for ``Boxes`` and plain tensor targets; it never loads a pickled object.
+    ``release(t)``: called with each target once DCP filled it."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
-        """``release(t)``: called with each target once DCP filled it (see ``SavePlanner``)."""
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, allow_partial_load=True)
         self.release = release
 
@@ -134,9 +132,7 @@ class LoadPlanner(DefaultLoadPlanner):
         # The default one maps the values through a walk that drops objects it does not know
         # (``Boxes``); targets here are already flat and materialised.
         self.original_state_dict = self.state_dict = state_dict
-        self.mappings = {}
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
+        self.mappings, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)
@@ -187,8 +183,7 @@ def read_metadata(path) -> Any:
 
 
 class SafeReader(FileSystemReader):
-    """``FileSystemReader`` with the metadata ``read_metadata`` read; DCP itself reads tensor data
-    with ``torch.load(weights_only=True)``."""
+    """``FileSystemReader`` with the metadata ``read_metadata`` read (DCP loads tensor data weights_only)."""
 
     def __init__(self, path, metadata) -> None:
         super().__init__(path)
@@ -204,9 +199,9 @@ class SafeReader(FileSystemReader):
 
 @contextlib.contextmanager
 def single_process_quiet():
-    """Without DCP's "torch.distributed is disabled ... assuming single process" warning: no_dist is
-    what a one-rank save or load asks for. (catch_warnings swaps the process-wide filter list: on an
-    async save's thread it may also hide, for that moment, a warning of the same text elsewhere.)"""
+    """Without DCP's "torch.distributed is disabled" warning: no_dist is what a one-rank save or load asks for.
+    (catch_warnings swaps the process-wide filter list: on an async save's thread it may also hide, for that
+    moment, a warning of the same text elsewhere.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -214,9 +209,8 @@ def single_process_quiet():
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
          **kwargs: Any) -> None:
-    """DCP's load of ``targets`` (``Boxes`` or whole tensors by key) from ``folder``, whose
-    ``metadata`` ``read_metadata`` read; ``kwargs``: the process group or ``no_dist``. A failure is
-    one CheckpointError (a record torch refuses to unpickle named by file and offset)."""
+    """DCP's load of ``targets`` (``Boxes`` or whole tensors by key) from ``folder``; ``kwargs``: the process
+    group or ``no_dist``. A failure is one CheckpointError (a record torch refuses to unpickle named)."""
     try:
         with single_process_quiet():
             dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)

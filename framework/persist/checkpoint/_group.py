@@ -41,8 +41,7 @@ class Group:
         return self.dist.all_gather_object(obj, what, self.pg, (self.timeout_s, "checkpoint.timeout_s"))
 
     def enter(self, stack: contextlib.ExitStack, context, what: str):
-        """``stack.enter_context(context)`` on every rank, agreed on (``framework.comm.distributed.agree``):
-        when it fails on some rank (a damaged swap file), every rank raises at once, naming it."""
+        """``stack.enter_context(context)``, agreed on: when it fails on a rank (a damaged swap file), all raise."""
         return agree(self, lambda: stack.enter_context(context), f"checkpoint {what}")
 
     def dcp_kwargs(self) -> dict:
@@ -55,10 +54,9 @@ class Group:
 
 
 def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
-    """``fn()`` on every rank, outcomes exchanged (also a barrier); returns every rank's result.
-    When it failed anywhere, rank 0 removes the unfinished ``tmp`` folder (``cleanup``) and every
-    rank raises one CheckpointError naming the rank and the cause. ``need``: the checkpoint's
-    bytes, for the message of a full disk."""
+    """``fn()`` on every rank, outcomes exchanged (a barrier too); every rank's result. When it failed anywhere,
+    rank 0 removes the unfinished ``tmp`` folder (``cleanup``) and every rank raises one CheckpointError naming
+    the rank and the cause. ``need``: the checkpoint's bytes, for the message of a full disk."""
     result, problem = None, None
     try:
         result = fn()

@@ -27,9 +27,8 @@ _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pr
 
 
 def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
-    """ConfigError unless ``saved`` (the config ``folder`` was saved with) has the model and optimizer
-    of ``mine`` (this run's): checked before the ranks start and again for each folder a resume
-    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused)."""
+    """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (this run's):
+    checked for every folder a resume reads (one of another model whose shapes happen to fit is still refused)."""
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
     if diffs:
         what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
@@ -60,16 +59,13 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 
 def verify(folder: Path, group: Group | None = None) -> dict:
-    """Check every file against the manifest (each rank a share of them; without ``group`` this
-    process all of them); every rank raises the same CheckpointError naming the bad files. Returns
-    the manifest."""
-    manifest = None
+    """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
+    raises the same CheckpointError naming the bad files."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     try:
         manifest = stepfolders.read_manifest(folder)
-        files = sorted(manifest["files"])
-        mine = [stepfolders.check_file(folder, n, manifest["files"][n]) for n in files[rank::world]]
-        problems = [p for p in mine if p]
+        entries = manifest["files"]
+        problems = [p for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
     except (CheckpointError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
@@ -86,8 +82,7 @@ _BODY_KEYS = ("state_format", "step", "data", "precision", "dynamic_loss_scale",
 
 
 def _train_state(folder: Path, manifest: dict) -> dict:
-    """train_state.json, checked against the manifest (the world size, step and per-rank files it
-    implies): a file edited or mixed from another save is refused by name."""
+    """train_state.json, checked against the manifest: a file edited or mixed from another save is refused."""
     path = folder / stepfolders.TRAIN_STATE
     body = stepfolders.read_json(path, "the train state")
     missing = [k for k in _BODY_KEYS if k not in body] if isinstance(body, dict) else list(_BODY_KEYS)
@@ -112,10 +107,9 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 
 def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None):
-    """Load ``folder`` into ``state`` under this engine's layout (collective); return
-    (state, train_state dict). A damaged or non-finite checkpoint raises CheckpointError on
-    every rank (``resume=auto`` then falls back); with ``same`` (this run's config dict and its
-    ``checkpoint.resume``), one of another model or optimizer a ConfigError (``same_run``)."""
+    """(``folder`` loaded into ``state`` under this engine's layout, its train state); collective. A damaged or
+    non-finite checkpoint is a CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this
+    run's config dict and ``checkpoint.resume``), one of another model or optimizer a ConfigError."""
     manifest = verify(folder, group)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
@@ -170,8 +164,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
 
 
 def _rng_of(c, folder: Path, body: dict, seed: int):
-    """(torch generator states, host RNG states) to resume with: each rank its own under the same
-    world size, otherwise re-derived."""
+    """(torch, host) generator states: each rank its own under the same world size, otherwise re-derived."""
     rank = c.dist.rank
     if body["world"] != c.dist.world:
         return _rng.derive(seed, body["step"], rank, c.dist.device)
@@ -184,39 +177,39 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
           whole: dict[str, torch.Tensor]) -> None:
-    """ConfigError when the checkpoint is of another model or optimizer (the user chooses: no
-    fallback); CheckpointError when its files lack what its train state names. ``whole``: the
-    model's buffers and frozen parameters by key (a checkpoint without any: saved before they were)."""
+    """ConfigError when the checkpoint is of another model or optimizer (no fallback: the user chooses);
+    CheckpointError when its files lack what its train state names. ``whole``: the buffers and frozen
+    parameters by key (a checkpoint without any was saved before they were)."""
     opt = body["optimizer"]
     if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
         raise ConfigError(f"checkpoint {folder} holds the optimizer state "
                           f"{sorted([*opt['per_element'], *opt['scalars']])} but this "
                           f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
                           f"{OTHER_RUN}")
-    saved = StateLayout.in_checkpoint(md).params
-    names = [n for n, p in c.module.named_parameters() if p.requires_grad]
-    missing, extra = sorted(set(names) - set(saved)), sorted(set(saved) - set(names))
-    if missing or extra:
-        raise ConfigError(f"checkpoint {folder} does not fit this model: "
-                          + "; ".join(x for x in (f"missing parameters {few(missing)}" if missing else "",
-                                                  f"unexpected parameters {few(extra)}" if extra else "") if x)
-                          + OTHER_RUN)
+    saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
+    _same_names(folder, [n for n, p in c.module.named_parameters() if p.requires_grad], saved, "parameters ")
     for p in layout.params.values():
-        if p.shape != saved[p.name].shape:
-            raise ConfigError(f"checkpoint {folder}: parameter {p.name!r} has shape {saved[p.name].shape} "
-                              f"in the checkpoint but {p.shape} in this model{OTHER_RUN}")
+        _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape)
     kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
-    missing, extra = sorted(set(whole) - set(kept)), sorted(set(kept) - set(whole))
-    if kept and (missing or extra):
-        raise ConfigError(f"checkpoint {folder} does not fit this model: "
-                          + "; ".join(x for x in (f"missing {few(missing)}" if missing else "",
-                                                  f"unexpected {few(extra)}" if extra else "") if x)
-                          + OTHER_RUN)
+    if kept:
+        _same_names(folder, whole, kept)
     for k in kept:
-        if kept[k] != tuple(whole[k].shape):
-            raise ConfigError(f"checkpoint {folder}: {k!r} has shape {kept[k]} in the checkpoint but "
-                              f"{tuple(whole[k].shape)} in this model{OTHER_RUN}")
+        _same_shape(folder, repr(k), kept[k], tuple(whole[k].shape))
     wanted = [dcp_key(key, n, opt["keys"]) for n in layout.params for key in ("master", *per)]
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
+
+
+def _same_names(folder: Path, mine, saved, what: str = "") -> None:
+    missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+    if missing or extra:
+        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(
+            [f"missing {what}{few(missing)}"] * bool(missing) + [f"unexpected {what}{few(extra)}"] * bool(extra))
+            + OTHER_RUN)
+
+
+def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple) -> None:
+    if saved != mine:
+        raise ConfigError(f"checkpoint {folder}: {what} has shape {saved} in the checkpoint but {mine} in this model"
+                          f"{OTHER_RUN}")

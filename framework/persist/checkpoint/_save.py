@@ -57,11 +57,9 @@ def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
 
 
 def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of ``state`` (mapped by ``engine.mapped_state``; ``fmap``
-    its swap file or None) as DCP values, with what the save records (collective). Each box is a
-    host copy owning exactly its bytes, taken now (training goes on), so DCP's writer (which clones
-    views of larger storages) makes no second copy; with ``zero_copy`` boxes of the mapped swap
-    file are written from its pages."""
+    """This rank's ``StateLayout.share`` of the (mapped: ``fmap``, or None) ``state`` as DCP values, with what the
+    save records (collective). Each box is a host copy owning exactly its bytes, taken now, so DCP's writer
+    (which clones views of larger storages) makes no second copy; ``zero_copy``: swap file boxes from its pages."""
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
@@ -95,9 +93,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity: min and
-    max propagate both, so one small reduction per tensor where it lives and one sync per device.
-    ``release(t)``: called after each tensor's reduction."""
+    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity (min and max propagate
+    both: one small reduction per tensor where it lives, one sync per device); ``release(t)`` after each."""
     by_device: dict[torch.device, list] = {}
     for n, t in items:
         if t.numel() > 0 and t.is_floating_point():
@@ -152,9 +149,8 @@ def save(ckpt, state):
 
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
-    """Every rank's verdict on the state (finite) and on the room for it, exchanged; True to save.
-    Non-finite state is a TrainingError unless the swap file changed under it (``recheck`` fails:
-    that error is the cause); too little room a CheckpointError naming the folder and the bytes."""
+    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save. Non-finite state
+    is a TrainingError unless the swap file changed under it (``recheck`` fails), too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
@@ -191,8 +187,8 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
 
 
 def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
-    """Write and commit the snapshot (collective), each phase ending in an exchange of outcomes
-    (``agree_save``). ``recheck``: run after the files are written, before the commit."""
+    """Write and commit the snapshot (collective), each phase ending in ``agree_save``. ``recheck``: run after the
+    files are written, before the commit."""
     t0 = time.perf_counter()
     group, root, config = ckpt.group, ckpt.root, ckpt.config
     step, rank = snap["step"], group.rank
