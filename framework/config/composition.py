@@ -245,12 +245,8 @@ def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | No
         if g != "stage":  # the defaults list of train.yaml chooses every group but stage
             in_yaml.add(f"{g}.name")
     out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
-    for key, label in (layered or {}).items():
-        if key in out:
-            out[key] = label
-    for key in cli.keys:
-        if key in out:
-            out[key] = dsconfig.COMMAND_LINE
+    above = {**(layered or {}), **dict.fromkeys(cli.keys, dsconfig.COMMAND_LINE)}   # only keys the config has
+    out.update({k: label for k, label in above.items() if k in out})
     for g in cli.choices:
         out[f"{g}.name"] = dsconfig.COMMAND_LINE
     if cli.ds_config is not None:
