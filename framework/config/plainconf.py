@@ -47,11 +47,9 @@ def value(text: str) -> Any:
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         return [value(x) for x in _split(inner)] if inner else []
-    low = text.lower()
-    if low == "null":
-        return None
-    if low in ("true", "false"):
-        return low == "true"
+    constants = {"null": None, "true": True, "false": False}
+    if text.lower() in constants:
+        return constants[text.lower()]
     for cast in (int, float):
         try:
             return cast(text.replace("_", "")) if not text.startswith("_") else text

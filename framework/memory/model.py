@@ -40,12 +40,8 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self.refs:
-                    continue
-                n = st.nbytes()
+            if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in self.refs:
+                key, n = id(st), st.nbytes()
                 self.live += n
                 self.peak = max(self.peak, self.live)
                 self.refs[key] = weakref.ref(st, lambda _r, key=key, n=n: self._free(key, n))

@@ -202,8 +202,8 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
             tr.inert_or_error(z[key] == off or (off is None and switched_off(z[key], key)), p + key,
                               f"{p}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
-        tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), p + "leaf_module",
-                          f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units", "empty")
+        tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), p + "leaf_module", f"{p}leaf_module is not "
+                          "implemented here; use stage.gather_unit to name gather units", "empty")
     for key in ZERO_PERF:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
@@ -425,7 +425,8 @@ def optimizer(tr: Translation, node: Any) -> None:
             tr.inert_key(f"optimizer.params.{key}", why)
     for key, (off, why) in OPTIMIZER_REFUSED.items():
         if key in params:
-            tr.inert_or_error(params[key] == off, f"optimizer.params.{key}", f"optimizer.params.{key}: {why}", "the default")
+            tr.inert_or_error(params[key] == off, f"optimizer.params.{key}", f"optimizer.params.{key}: {why}",
+                              "the default")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" always is.
     name = low
     if low in ("adam", "adamw"):
