@@ -44,11 +44,7 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
             raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
         # Hydra finds the primary config only in the folder it is initialised with; the other folder
         # joins any search path the overrides give (Hydra takes one hydra.searchpath value).
-        other = conf_dir()
-        if (given / f"{config_name}.yaml").is_file():
-            primary = str(given)
-        else:
-            other = given
+        primary, other = (str(given), conf_dir()) if (given / f"{config_name}.yaml").is_file() else (primary, given)
         paths, rest = [], []
         for o in overrides:
             key, _, value = o.lstrip("+").partition("=")

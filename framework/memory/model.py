@@ -175,10 +175,9 @@ class Prediction(Footprint):
         return self.resident + sum(self.transient.values()) + self.slack
 
     def device_peak(self, cuda: bool) -> int:
-        dev = sum(d for d, _ in self.items.values())
+        dev, transient = sum(d for d, _ in self.items.values()), sum(self.transient.values())
         if not cuda:
-            return dev + sum(self.transient.values()) + self.slack
-        transient = sum(self.transient.values())
+            return dev + transient + self.slack
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
         # (the caching allocator's slack)

@@ -125,8 +125,7 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
         else:
             comm = cand.grad_accum * (2 * params * w + params * red) / ar
     k = 12   # Adam: master, m, v (fp32); read and write, plus the gradient read
-    host_opt = cand.offload != "none"
-    if host_opt:
+    if cand.offload != "none":   # the optimizer steps on the host
         optimizer = shard / probe["host_optimizer_params_s"]
         copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"]
     else:
