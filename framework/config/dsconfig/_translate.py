@@ -169,10 +169,9 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO, strict=True)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
-    if stage is None:
-        return
-    if stage not in STAGES:
+    if stage is not None and stage not in STAGES:
         tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    if stage not in STAGES:   # (None: a bad value, already an error)
         return
     name = STAGES[stage]
     tr.choose("stage", name, "zero_optimization.stage")
@@ -218,8 +217,7 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
         k: k for k in ZERO_STAGE
         if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
-    why = {"ddp": "stage 0 replicates everything",
-           "zero1": "a stage-3 key", "zero2": "a stage-3 key",
+    why = {"ddp": "stage 0 replicates everything", "zero1": "a stage-3 key", "zero2": "a stage-3 key",
            "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
     for key, (kind, rule) in ZERO_STAGE.items():
         if key not in z:
