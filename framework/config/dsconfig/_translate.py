@@ -263,13 +263,14 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
-    def both(key: str, kind: str) -> None:
+    def both(key: str, kind: str, inert: str = "") -> None:
+        """``key`` of the sections in use: one value applies to both, or it is ``inert`` (why)."""
         values = {}
         for sec, name, dev in sections:
-            if key in sec and dev != "none":
-                v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
-                if v is not None:
-                    values[f"{p}{name}.{key}"] = v
+            if key in sec and dev != "none" and inert:
+                tr.inert_key(f"{p}{name}.{key}", inert)
+            elif key in sec and dev != "none" and (v := tr.typed(sec[key], kind, f"{p}{name}.{key}")) is not None:
+                values[f"{p}{name}.{key}"] = v
         if len(set(values.values())) > 1:
             tr.error(f"{' and '.join(values)} differ ({', '.join(map(json.dumps, values.values()))}); "
                      f"one value applies to both here")
@@ -298,11 +299,7 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         tr.set("offload.params", pd, f"{p}offload_param.device")
     if target == "nvme":
         tr.set("offload.optimizer", od, f"{p}offload_optimizer.device")
-        both("nvme_path", "str")
-    else:
-        for sec, name, dev in sections:
-            if "nvme_path" in sec and dev != "none":
-                tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
+    both("nvme_path", "str", "" if target == "nvme" else "device cpu")
     both("pin_memory", "bool")
     if od != "none":
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
