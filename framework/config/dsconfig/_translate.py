@@ -472,16 +472,12 @@ def scheduler(tr: Translation, node: Any) -> None:
     rules = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")   # "auto" fills these
     for key, default in defaults.items():
         ds_key = f"scheduler.params.{key}"
-        if key not in params:
-            if default is None:
-                tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": "
-                         f"train.steps)")
-            else:
-                tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
-            continue
         kind = {"warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str"}.get(key, "float")
-        v = tr.typed(params[key], kind, ds_key, auto_ok=key in rules)
-        if v is not None:
+        if key not in params and default is None:
+            tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": train.steps)")
+        elif key not in params:
+            tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
+        elif (v := tr.typed(params[key], kind, ds_key, auto_ok=key in rules)) is not None:
             tr.set(f"scheduler.{key}", v, ds_key, rule=key if v == AUTO else "")
 
 
