@@ -213,8 +213,7 @@ class CommandLine:
                 continue
             if delete:
                 deleted.add(key)
-                continue
-            if group in GROUPS:
+            elif group in GROUPS:
                 choices[group] = str(value)
                 if isinstance(value, str):
                     named.add(group)

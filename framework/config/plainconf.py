@@ -106,9 +106,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
             choices[str(group)] = str(name)
     parsed = [parse(o) for o in overrides]
     is_choice = [o.key in GROUPS and o.prefix != "~" for o in parsed]
-    for o, choice in zip(parsed, is_choice):
-        if not choice:
-            continue
+    for o in [o for o, choice in zip(parsed, is_choice) if choice]:
         if o.key in choices and o.prefix == "+":
             raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
                               f"(use {o.key}={o.value})")
