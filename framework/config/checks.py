@@ -96,9 +96,8 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
                               f"(one of {', '.join(registry(group).names())})")
         nodes[group] = _typed(raw.get(group) or {}, registry(group).get(name).config, f"{group}.", name)
         chosen[group] = name
-    _check_numbers(root, "")
-    for group, node in nodes.items():
-        _check_numbers(node, f"{group}.")
+    for prefix, node in (("", root), *((f"{group}.", node) for group, node in nodes.items())):
+        _check_numbers(node, prefix)
     _check_values(root)
     check_compatible(chosen["stage"], chosen["offload"])
     if root.checkpoint.async_ and chosen["offload"] == "nvme":

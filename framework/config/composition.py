@@ -44,11 +44,7 @@ def standalone_composer(overrides: list[str], *, config_dir: str | None = None,
             raise ConfigError(f"config: --config-dir {config_dir} is not a folder")
         # Hydra finds the primary config only in the folder it is initialised with; the other folder
         # joins any search path the overrides give (Hydra takes one hydra.searchpath value).
-        other = conf_dir()
-        if (given / f"{config_name}.yaml").is_file():
-            primary = str(given)
-        else:
-            other = given
+        primary, other = (str(given), conf_dir()) if (given / f"{config_name}.yaml").is_file() else (primary, given)
         paths, rest = [], []
         for o in overrides:
             key, _, value = o.lstrip("+").partition("=")
@@ -217,8 +213,7 @@ class CommandLine:
                 continue
             if delete:
                 deleted.add(key)
-                continue
-            if group in GROUPS:
+            elif group in GROUPS:
                 choices[group] = str(value)
                 if isinstance(value, str):
                     named.add(group)
@@ -245,12 +240,8 @@ def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | No
         if g != "stage":  # the defaults list of train.yaml chooses every group but stage
             in_yaml.add(f"{g}.name")
     out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
-    for key, label in (layered or {}).items():
-        if key in out:
-            out[key] = label
-    for key in cli.keys:
-        if key in out:
-            out[key] = dsconfig.COMMAND_LINE
+    above = {**(layered or {}), **dict.fromkeys(cli.keys, dsconfig.COMMAND_LINE)}   # only keys the config has
+    out.update({k: label for k, label in above.items() if k in out})
     for g in cli.choices:
         out[f"{g}.name"] = dsconfig.COMMAND_LINE
     if cli.ds_config is not None:

@@ -47,11 +47,9 @@ def value(text: str) -> Any:
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         return [value(x) for x in _split(inner)] if inner else []
-    low = text.lower()
-    if low == "null":
-        return None
-    if low in ("true", "false"):
-        return low == "true"
+    constants = {"null": None, "true": True, "false": False}
+    if text.lower() in constants:
+        return constants[text.lower()]
     for cast in (int, float):
         try:
             return cast(text.replace("_", "")) if not text.startswith("_") else text
@@ -108,9 +106,7 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
             choices[str(group)] = str(name)
     parsed = [parse(o) for o in overrides]
     is_choice = [o.key in GROUPS and o.prefix != "~" for o in parsed]
-    for o, choice in zip(parsed, is_choice):
-        if not choice:
-            continue
+    for o in [o for o, choice in zip(parsed, is_choice) if choice]:
         if o.key in choices and o.prefix == "+":
             raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
                               f"(use {o.key}={o.value})")

@@ -102,9 +102,5 @@ def get_key(tree: Mapping, dotted: str) -> Any:
 
 
 # Which offload targets each stage supports (the one table; tested). ZeRO stages add rows.
-COMPATIBLE: Mapping[str, tuple[str, ...]] = {
-    "ddp": ("none",),
-    "zero1": ("none", "cpu", "nvme"),
-    "zero2": ("none", "cpu", "nvme"),
-    "zero3": ("none", "cpu", "nvme"),
-}
+COMPATIBLE: Mapping[str, tuple[str, ...]] = {"ddp": ("none",),
+                                             **dict.fromkeys(("zero1", "zero2", "zero3"), ("none", "cpu", "nvme"))}

@@ -40,12 +40,8 @@ class _LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                key = id(st)
-                if key in self.refs:
-                    continue
-                n = st.nbytes()
+            if isinstance(t, torch.Tensor) and id(st := t.untyped_storage()) not in self.refs:
+                key, n = id(st), st.nbytes()
                 self.live += n
                 self.peak = max(self.peak, self.live)
                 self.refs[key] = weakref.ref(st, lambda _r, key=key, n=n: self._free(key, n))
@@ -179,10 +175,9 @@ class Prediction(Footprint):
         return self.resident + sum(self.transient.values()) + self.slack
 
     def device_peak(self, cuda: bool) -> int:
-        dev = sum(d for d, _ in self.items.values())
+        dev, transient = sum(d for d, _ in self.items.values()), sum(self.transient.values())
         if not cuda:
-            return dev + sum(self.transient.values()) + self.slack
-        transient = sum(self.transient.values())
+            return dev + transient + self.slack
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
         # (the caching allocator's slack)
@@ -194,7 +189,8 @@ class Prediction(Footprint):
     def as_dict(self) -> dict:
         return {"world": self.world, "params": self.params,
                 "items": {k: {"device": d, "host": h} for k, (d, h) in self.items.items()},
-                "transient": dict(self.transient), "cuda_activations": self.cuda_activations, "lazy": sorted(self.lazy), "disk": dict(self.disk),
+                "transient": dict(self.transient), "cuda_activations": self.cuda_activations,
+                "lazy": sorted(self.lazy), "disk": dict(self.disk),
                 "at_setup": self.at_setup, "slack": self.slack, "model_states": self.model_states,
                 "resident": self.resident, "peak": self.peak, "notes": list(self.notes)}
 
@@ -235,33 +231,30 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
             device: str | None = None) -> Prediction:
     """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
-    (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default:
-    the configured one), with ``loss_fn(module, (x, y))`` (default: the configured model's own, as
-    training uses it) and ``context`` (default
-    ``cfg.model.context``) for its activations. ``traces``: a dict to reuse activation traces in (the
+    (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default: the
+    configured one), traced with ``loss_fn(module, (x, y))`` (default: the configured model's own) at
+    ``context`` (default ``cfg.model.context``). ``traces``: a dict to reuse activation traces in (the
     planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
-    attention (the planner's sweep knows which); by default both, for ``peak`` and ``device_peak``."""
+    attention; by default both, for ``peak`` and ``device_peak``."""
     from framework.engine.build import component
     from framework.stages import bucket_buffers, make_layout, param_groups
     from framework.stages.sharded import ShardedStage, Zero2Stage
 
     world = world or cfg.dist.nproc
+    model = component(cfg, "model")
     own_loss = loss_fn is None   # (then the configured model's checkpointing key is the one in force)
     if own_loss:   # the configured model's loss, as training computes it
-        model = component(cfg, "model")
         loss_fn = model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
-            module = component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg))
+            module = model.build(cfg.model, vocab_size=data_vocab(cfg))
     stage = cfg.choices["stage"]
     # The offload tier, built without an accelerator (nothing allocated): it cuts each partition
     # into pieces and says what each piece holds, as it does for the engine.
     placement = component(cfg, "offload").build(cfg.offload)
     keep_grads = False
-    w = policy.param_dtype.itemsize
-    acc = policy.grad_accum_dtype.itemsize
-    red = policy.reduce_dtype.itemsize
+    w, acc, red = policy.param_dtype.itemsize, policy.grad_accum_dtype.itemsize, policy.reduce_dtype.itemsize
     groups = [named for _, named in param_groups(module)]
     # The flat groups as the stage lays them out (ddp: unpartitioned; zero2 may lay them round-robin).
     layouts = [make_layout(Zero2Stage.layout_order(cfg.stage, named, world) if stage == "zero2" else named,
@@ -329,20 +322,18 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     traces = {} if traces is None else traces
 
     def traced(fused: bool) -> ActivationTrace:
-        if (*key, fused) not in traces:
+        k = (*key, fused)
+        if k not in traces:
             # Activation checkpointing recomputes each block in backward outside the tracing mode, so
             # the recomputed attention is the math path's: the CUDA peak counts it that way too (one
             # block's attention matrices too many at most: the forward keeps only block inputs). A
             # model that checkpoints on its own says so by the recomputation's mismatch.
             try:
-                if fused and ckpt:
-                    traces[(*key, fused)] = traced(False)
-                else:
-                    traces[(*key, fused)] = trace_activations(module, loss_fn, (x, x),
-                                                              keep_grads=keep_grads, fused_attention=fused)
+                traces[k] = traced(False) if fused and ckpt else trace_activations(
+                    module, loss_fn, (x, x), keep_grads=keep_grads, fused_attention=fused)
             except CheckpointError:
-                traces[(*key, fused)] = traced(False)
-        return traces[(*key, fused)]
+                traces[k] = traced(False)
+        return traces[k]
 
     tr = traced(fused=device == "cuda")
     fused = traced(True) if device != "cpu" else None

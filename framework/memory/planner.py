@@ -114,19 +114,13 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
     shard = params / n
     ar = probe.get("allreduce_bytes_s") or float("inf")
     frac = (n - 1) / n
-    comm = 0.0
-    if n > 1:   # algorithmic bandwidths: a reduce-scatter or all-gather moves about half an all-reduce
-        if cand.stage == "ddp":
-            comm = params * red / ar
-        elif cand.stage == "zero1":
-            comm = frac * params * red / (ar / 2) / 2 + frac * params * w / (ar / 2) / 2
-        elif cand.stage == "zero2":
-            comm = cand.grad_accum * params * red / ar + params * w / ar
-        else:
-            comm = cand.grad_accum * (2 * params * w + params * red) / ar
+    # Algorithmic bandwidths: a reduce-scatter or all-gather moves about half an all-reduce.
+    comm = {"ddp": params * red / ar,
+            "zero1": frac * params * red / (ar / 2) / 2 + frac * params * w / (ar / 2) / 2,
+            "zero2": cand.grad_accum * params * red / ar + params * w / ar,
+            "zero3": cand.grad_accum * (2 * params * w + params * red) / ar}[cand.stage] if n > 1 else 0.0
     k = 12   # Adam: master, m, v (fp32); read and write, plus the gradient read
-    host_opt = cand.offload != "none"
-    if host_opt:
+    if cand.offload != "none":   # the optimizer steps on the host
         optimizer = shard / probe["host_optimizer_params_s"]
         copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"]
     else:

@@ -49,8 +49,7 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
     out: dict = {"version": VERSION, "device": str(device), "threads": torch.get_num_threads(),
                  "machine": platform.processor() or platform.machine()}
     n = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
+    a, b = torch.randn(2, n, n, device=device)
     out["matmul_flops"] = 2 * n ** 3 / _best(lambda: a @ b, device)
     src = torch.empty(32 * MiB // 4, device=device).normal_()
     dst = torch.empty_like(src)
@@ -205,6 +204,4 @@ def load(device: torch.device, disk_dir: Path, collectives: bool, reprobe: bool 
     result = measure(device, disk_dir, collectives)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
-    result["cache"] = str(path)
-    result["measured_now"] = True
-    return result
+    return {**result, "cache": str(path), "measured_now": True}

@@ -103,13 +103,10 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
                 leftover.append(f"{s.ds_key} (needs the model's hidden size)")
             continue
         if s.value == AUTO:
-            if s.rule in ("h*h", "0.9*h*h", "10*h"):
-                if h is None:
-                    leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
-                    continue
-                values[key], sources[key] = sizes[s.rule], AUTO_FILLED
-            elif s.rule == "warmup_min_lr":
-                values[key], sources[key] = 0.0, AUTO_FILLED        # fill only
+            if s.rule in ("h*h", "0.9*h*h", "10*h") and h is None:
+                leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
+            elif s.rule in sizes or s.rule == "warmup_min_lr":      # warmup_min_lr: fill only, 0
+                values[key], sources[key] = sizes.get(s.rule, 0.0), AUTO_FILLED
             else:
                 sources[key] = AUTO_FILLED                          # the run's own value stays
             continue

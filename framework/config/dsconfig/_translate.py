@@ -84,6 +84,13 @@ class Translation:
     def inert_key(self, ds_key: str, why: str) -> None:
         self.inert.append(f"{ds_key} ({why})")
 
+    def inert_or_error(self, inert: bool, ds_key: str, error: str, why: str = "switched off") -> None:
+        """A key whose one value changes nothing here (a note) and whose others are refused."""
+        if inert:
+            self.inert_key(ds_key, why)
+        else:
+            self.error(error)
+
     def typed(self, value: Any, kind: str, ds_key: str, auto_ok: bool = False) -> Any:
         """Check and convert a JSON value: 'int' (integral floats such as 1e9 accepted), 'float',
         'bool', 'str'. None when the value is bad (the error is recorded)."""
@@ -99,9 +106,7 @@ class Translation:
             self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
             return None
         if kind == "int" and not isinstance(value, bool):
-            if isinstance(value, int):
-                ok = value
-            elif isinstance(value, float) and value.is_integer():
+            if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
                 ok = int(value)
             if ok is not None and not -2 ** 63 <= ok < 2 ** 63:
                 self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
@@ -115,6 +120,12 @@ class Translation:
             self.error(f"{ds_key} must be {want}, got {json.dumps(value)}")
         return ok
 
+    def put(self, node: Mapping, key: str, kind: str, ours: str, path: str = "", auto_ok: bool = False,
+            rule: str = "") -> None:
+        """``node[key]`` (DeepSpeed's ``path + key``), when given and good, set as our key ``ours``."""
+        if key in node and (value := self.typed(node[key], kind, path + key, auto_ok)) is not None:
+            self.set(ours, value, path + key, rule=rule)
+
 
 def translate(ds: dict) -> Translation:
     tr = Translation()
@@ -127,16 +138,12 @@ def translate(ds: dict) -> Translation:
         if key in top:
             tr.inert_key(key, why)
     for key, (inert, why, what) in AS_HERE.items():
-        if key in top and top[key] == inert:
-            tr.inert_key(key, why)
-        elif key in top:
-            tr.error(f"{key}={json.dumps(top[key])} is not supported here ({what}); remove it or give "
-                     f"{json.dumps(inert)}")
+        if key in top:
+            tr.inert_or_error(top[key] == inert, key, f"{key}={json.dumps(top[key])} is not supported here "
+                              f"({what}); remove it or give {json.dumps(inert)}", why)
     for key, what in FEATURES.items():
-        if key in top and not switched_off(top[key], key):
-            tr.error(f"'{key}': {what} is not implemented here; remove it")
-        elif key in top:
-            tr.inert_key(key, "switched off")
+        if key in top:
+            tr.inert_or_error(switched_off(top[key], key), key, f"'{key}': {what} is not implemented here; remove it")
     if "zero_optimization" in top:
         zero(tr, top["zero_optimization"], top.get("aio"))
     elif "aio" in top:
@@ -151,12 +158,9 @@ def translate(ds: dict) -> Translation:
                 tr.error(f"{key} must be >= 1, got {value}")
             elif value is not None:
                 tr.batch[key] = value
-    if "gradient_clipping" in top:
-        value = tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)
-        if value is not None:
-            tr.set("train.grad_clip", value, "gradient_clipping", rule="train.grad_clip")
-    else:  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT
+    if "gradient_clipping" not in top:  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT
         tr.set("train.grad_clip", 1.0, "gradient_clipping", DS_DEFAULT)
+    tr.put(top, "gradient_clipping", "float", "train.grad_clip", auto_ok=True, rule="train.grad_clip")
     activation_checkpointing(tr, top.get("activation_checkpointing"))
     return tr
 
@@ -165,10 +169,9 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO, strict=True)
     stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
-    if stage is None:
-        return
-    if stage not in STAGES:
+    if stage is not None and stage not in STAGES:
         tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
+    if stage not in STAGES:   # (None: a bad value, already an error)
         return
     name = STAGES[stage]
     tr.choose("stage", name, "zero_optimization.stage")
@@ -195,15 +198,11 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
     offload(tr, z.get("offload_optimizer"), z.get("offload_param"), z.get("sub_group_size"), aio, stage)
     for key, off, what in ZERO_FEATURES:
         if key in z:
-            if z[key] == off or (off is None and switched_off(z[key], key)):
-                tr.inert_key(p + key, "switched off")
-            else:
-                tr.error(f"{p}{key}: {what} is not implemented here; remove it")
+            tr.inert_or_error(z[key] == off or (off is None and switched_off(z[key], key)), p + key,
+                              f"{p}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
-        if switched_off(z["leaf_module"], "leaf_module"):
-            tr.inert_key(p + "leaf_module", "empty")
-        else:
-            tr.error(f"{p}leaf_module is not implemented here; use stage.gather_unit to name gather units")
+        tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), p + "leaf_module", f"{p}leaf_module is not "
+                          "implemented here; use stage.gather_unit to name gather units", "empty")
     for key in ZERO_PERF:
         if key in z:
             tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
@@ -218,8 +217,7 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
         k: k for k in ZERO_STAGE
         if k.startswith("stage3_") == zero3 or (zero3 and k in ("overlap_comm", "reduce_scatter"))}
-    why = {"ddp": "stage 0 replicates everything",
-           "zero1": "a stage-3 key", "zero2": "a stage-3 key",
+    why = {"ddp": "stage 0 replicates everything", "zero1": "a stage-3 key", "zero2": "a stage-3 key",
            "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
     for key, (kind, rule) in ZERO_STAGE.items():
         if key not in z:
@@ -265,13 +263,14 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
-    def both(key: str, kind: str) -> None:
+    def both(key: str, kind: str, inert: str = "") -> None:
+        """``key`` of the sections in use: one value applies to both, or it is ``inert`` (why)."""
         values = {}
         for sec, name, dev in sections:
-            if key in sec and dev != "none":
-                v = tr.typed(sec[key], kind, f"{p}{name}.{key}")
-                if v is not None:
-                    values[f"{p}{name}.{key}"] = v
+            if key in sec and dev != "none" and inert:
+                tr.inert_key(f"{p}{name}.{key}", inert)
+            elif key in sec and dev != "none" and (v := tr.typed(sec[key], kind, f"{p}{name}.{key}")) is not None:
+                values[f"{p}{name}.{key}"] = v
         if len(set(values.values())) > 1:
             tr.error(f"{' and '.join(values)} differ ({', '.join(map(json.dumps, values.values()))}); "
                      f"one value applies to both here")
@@ -295,21 +294,12 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
                     tr.inert_key(f"{p}{name}.{key}", "device none")
     if opt is not None or param is not None:  # absent sections leave the run's offload choice
         tr.choose("offload", target, f"{p}offload_optimizer.device / offload_param.device")
-    if target == "none":
-        if sub_group_size is not None:
-            tr.typed(sub_group_size, "int", p + "sub_group_size")
-            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; no NVMe offload")
-        aio_keys(tr, aio, applies=False)
-        return
-    nvme = target == "nvme"
-    tr.set("offload.params", pd, f"{p}offload_param.device")
-    if nvme:
+    # (with target none both devices are none: only the offload_*.device checks above apply)
+    if target != "none":
+        tr.set("offload.params", pd, f"{p}offload_param.device")
+    if target == "nvme":
         tr.set("offload.optimizer", od, f"{p}offload_optimizer.device")
-        both("nvme_path", "str")
-    else:
-        for sec, name, dev in sections:
-            if "nvme_path" in sec and dev != "none":
-                tr.inert_key(f"{p}{name}.nvme_path", "device cpu")
+    both("nvme_path", "str", "" if target == "nvme" else "device cpu")
     both("pin_memory", "bool")
     if od != "none":
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
@@ -331,9 +321,10 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         v = tr.typed(sub_group_size, "int", p + "sub_group_size")
         if v is not None and od == "nvme":
             tr.set("offload.sub_group_size", v, p + "sub_group_size")
-        elif v is not None:
-            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; the optimizer is not on nvme")
-    aio_keys(tr, aio, applies=nvme)
+        elif v is not None or target == "none":
+            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; " +
+                         ("no NVMe offload" if target == "none" else "the optimizer is not on nvme"))
+    aio_keys(tr, aio, applies=target == "nvme")
 
 
 def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
@@ -349,10 +340,8 @@ def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
         if v is None:
             continue
         if key == "use_gds":
-            if v:
-                tr.error("aio.use_gds: GPUDirect Storage is not implemented here; remove it")
-            else:
-                tr.inert_key("aio.use_gds", "false")
+            tr.inert_or_error(not v, "aio.use_gds", "aio.use_gds: GPUDirect Storage is not implemented here; remove it",
+                              "false")
         elif applies:
             tr.set(f"offload.aio.{key}", v, f"aio.{key}")
         else:
@@ -360,31 +349,29 @@ def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
 
 
 def precision(tr: Translation, top: dict) -> None:
-    fp16 = tr.section(top["fp16"], "fp16", FP16_KEYS, strict=True) if "fp16" in top else None
-    bf16 = tr.section(top["bf16"], "bf16", BF16_KEYS, strict=True) if "bf16" in top else None
-    on16 = False if fp16 is None else tr.typed(fp16.get("enabled", False), "bool", "fp16.enabled", auto_ok=True)
-    onbf = False if bf16 is None else tr.typed(bf16.get("enabled", False), "bool", "bf16.enabled", auto_ok=True)
-    if on16 is True and onbf is True:
+    secs = {n: tr.section(top[n], n, keys, strict=True) for n, keys in (("fp16", FP16_KEYS), ("bf16", BF16_KEYS))
+            if n in top}
+    on = {n: tr.typed(sec.get("enabled", False), "bool", f"{n}.enabled", auto_ok=True) for n, sec in secs.items()}
+    if on.get("fp16") is True and on.get("bf16") is True:
         tr.error("fp16.enabled and bf16.enabled are both true; enable one")
-    if on16 is True:
-        tr.choose("precision", "fp16", "fp16.enabled")
-    elif onbf is True:
-        tr.choose("precision", "bf16", "bf16.enabled")
-    elif AUTO in (on16, onbf):
+    chosen = next((n for n in ("fp16", "bf16") if on.get(n) is True), None)
+    if chosen is not None:
+        tr.choose("precision", chosen, f"{chosen}.enabled")
+    elif AUTO in on.values():
         # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
         # section that says false (not absent) contradicts a run in that precision.
-        stated = {"fp16": None if fp16 is None else on16, "bf16": None if bf16 is None else onbf}
+        stated = {"fp16": on.get("fp16"), "bf16": on.get("bf16")}
         tr.set("_precision_auto", stated, "fp16.enabled / bf16.enabled", rule="precision")
-    elif fp16 is not None or bf16 is not None:
+    elif secs:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
+    fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
         for key, kind in FP16_SCALER.items():
-            if key in fp16:
-                v = tr.typed(fp16[key], kind, f"fp16.{key}")
-                if v is not None and on16 is False:
-                    tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
-                elif v is not None:
-                    tr.set(f"_fp16.{key}", v, f"fp16.{key}")
+            v = tr.typed(fp16[key], kind, f"fp16.{key}") if key in fp16 else None
+            if v is not None and on["fp16"] is False:
+                tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
+            elif v is not None:
+                tr.set(f"_fp16.{key}", v, f"fp16.{key}")
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
             tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
                                              "precision=fp16 computes in fp16 already")
@@ -400,20 +387,14 @@ def precision(tr: Translation, top: dict) -> None:
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
                          f"fp32); remove it")
-    if "communication_data_type" in top:
-        v = tr.typed(top["communication_data_type"], "str", "communication_data_type")
-        if v is not None:
-            tr.set("_comm_dtype", v, "communication_data_type")
+    tr.put(top, "communication_data_type", "str", "_comm_dtype")
     if "data_types" in top:
         d = tr.section(top["data_types"], "data_types",
                        ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
-        if "grad_accum_dtype" in d:
-            v = tr.typed(d["grad_accum_dtype"], "str", "data_types.grad_accum_dtype")
-            if v is not None:
-                tr.set("precision.grad_accum_dtype", v, "data_types.grad_accum_dtype")
-        for key in ("param_dtype", "buffer_dtype"):   # checked against the run's precision (resolve)
-            if key in d and (v := tr.typed(d[key], "str", f"data_types.{key}")) is not None:
-                tr.set(f"_dtype.{key}", v, f"data_types.{key}")
+        # param_dtype and buffer_dtype are checked against the run's precision (resolve)
+        for key, ours in (("grad_accum_dtype", "precision.grad_accum_dtype"), ("param_dtype", "_dtype.param_dtype"),
+                          ("buffer_dtype", "_dtype.buffer_dtype")):
+            tr.put(d, key, "str", ours, "data_types.")
         if d.get("keep_in_fp32_modules"):
             tr.set("_keep_fp32", d["keep_in_fp32_modules"], "data_types.keep_in_fp32_modules")
         elif "keep_in_fp32_modules" in d:
@@ -438,10 +419,9 @@ def optimizer(tr: Translation, node: Any) -> None:
         if key in params:
             tr.inert_key(f"optimizer.params.{key}", why)
     for key, (off, why) in OPTIMIZER_REFUSED.items():
-        if key in params and params[key] != off:
-            tr.error(f"optimizer.params.{key}: {why}")
-        elif key in params:
-            tr.inert_key(f"optimizer.params.{key}", "the default")
+        if key in params:
+            tr.inert_or_error(params[key] == off, f"optimizer.params.{key}", f"optimizer.params.{key}: {why}",
+                              "the default")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" always is.
     name = low
     if low in ("adam", "adamw"):
@@ -486,24 +466,18 @@ def scheduler(tr: Translation, node: Any) -> None:
     params = tr.section(s.get("params", {}), "scheduler.params", [*defaults, "last_batch_iteration"], strict=True)
     if "last_batch_iteration" in params:
         v = tr.typed(params["last_batch_iteration"], "int", "scheduler.params.last_batch_iteration")
-        if v is not None and v != -1:
-            tr.error("scheduler.params.last_batch_iteration: resuming a schedule this way is not "
-                     "implemented here (the step is part of the train state); remove it")
-        else:
-            tr.inert_key("scheduler.params.last_batch_iteration", "-1: a fresh schedule")
+        tr.inert_or_error(v is None or v == -1, "scheduler.params.last_batch_iteration",
+                          "scheduler.params.last_batch_iteration: resuming a schedule this way is not implemented "
+                          "here (the step is part of the train state); remove it", "-1: a fresh schedule")
     rules = ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps")   # "auto" fills these
     for key, default in defaults.items():
         ds_key = f"scheduler.params.{key}"
-        if key not in params:
-            if default is None:
-                tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": "
-                         f"train.steps)")
-            else:
-                tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
-            continue
         kind = {"warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str"}.get(key, "float")
-        v = tr.typed(params[key], kind, ds_key, auto_ok=key in rules)
-        if v is not None:
+        if key not in params and default is None:
+            tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": train.steps)")
+        elif key not in params:
+            tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
+        elif (v := tr.typed(params[key], kind, ds_key, auto_ok=key in rules)) is not None:
             tr.set(f"scheduler.{key}", v, ds_key, rule=key if v == AUTO else "")
 
 
