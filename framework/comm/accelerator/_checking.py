@@ -98,8 +98,7 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 def _ours(filename: str) -> bool:
     """Framework code other than this package, and not model code (that is the user's to judge)."""
-    return (filename.startswith(_PACKAGE) and not filename.startswith(_HERE)
-            and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
+    return filename.startswith(_PACKAGE) and not filename.startswith((_HERE, os.path.join(_PACKAGE, "models", "")))
 
 
 def _place() -> str:
@@ -127,8 +126,7 @@ class _NoHostSync(TorchFunctionMode):
         if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
                 and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
             caller = sys._getframe(1)
-            while caller is not None and (caller.f_code.co_filename.startswith(_TORCH)
-                                          or caller.f_code.co_filename.startswith(_HERE)):
+            while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
                 caller = caller.f_back
             if caller is not None and _ours(caller.f_code.co_filename):
                 raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
@@ -228,11 +226,10 @@ class CheckingCpuAccelerator:
             with self._lock:
                 if pinned:
                     self._entry("pin host memory")
+                    self._pin(t)
                 key = _storage(t)
                 self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
                 self._accesses.pop(key, None)   # a new buffer at a reused address
-                if pinned:
-                    self._pin(t)
         return t
 
     def _pin(self, t: Tensor) -> None:
@@ -256,11 +253,10 @@ class CheckingCpuAccelerator:
             return dict(self._pinned)
 
     def _host_entry(self, t: Tensor) -> tuple[weakref.ref, bool] | None:
-        if t.numel() == 0:
-            return None
-        entry = self._host_buffers.get(_storage(t))
-        if entry is not None and not _owns(entry[0], _storage(t)):   # freed; the address may be reused
-            del self._host_buffers[_storage(t)]
+        key = _storage(t) if t.numel() else None
+        entry = self._host_buffers.get(key)
+        if entry is not None and not _owns(entry[0], key):   # freed; the address may be reused
+            del self._host_buffers[key]
             return None
         return entry
 
