@@ -138,14 +138,10 @@ def make_dirs(path: os.PathLike | str) -> None:
     """``mkdir -p`` whose every folder made is 0700 (``Path.mkdir(parents=True)`` makes the
     parents with the umask's mode)."""
     path = Path(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for p in reversed(missing):
-        make_dir(p)
+    if not os.path.isdir(path):
+        if path.parent != path:
+            make_dirs(path.parent)
+        make_dir(path)
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

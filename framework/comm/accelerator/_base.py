@@ -175,8 +175,6 @@ class _NoStream:
 
 
 class _NoEvent(Event):
-    """Work ran when it was issued: nothing to record, wait for or synchronize."""
-
     def query(self) -> bool:
         return True
 
