@@ -348,31 +348,30 @@ class CheckingCpuAccelerator:
     def _access(self, s: Clocked, reads: Sequence[Tensor], writes: Sequence[Tensor], what: str) -> None:
         s.pos += 1
         place = None
-        for ts, write in ((reads, False), (writes, True)):
-            for t in ts:
-                if t.numel() == 0:
-                    continue
-                place = place or _place()
-                key = _storage(t)
-                lo, hi = _span(t)
-                keeper, log = self._accesses.get(key, (None, None))
-                if keeper is None or not _owns(keeper, key):
-                    log = []
-                    self._accesses[key] = (self._keeper(t, self._accesses, key), log)
-                    if not self._is_host(t):
-                        self._watch_free(t, key, log)
-                for a_lo, a_hi, other, pos, other_write, other_place in log:
-                    if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
-                        raise OrderError(
-                            f"{what} on {s!r} {'writes' if write else 'reads'} bytes [{lo}, {hi}) of a "
-                            f"{tuple(t.shape)} {t.dtype} buffer at {place}, which {other!r} "
-                            f"{'wrote' if other_write else 'read'} at {other_place} without an event ordering them "
-                            f"(record an event after that use and wait on it / synchronize it first)")
-                if write:  # what this write is ordered after no longer matters for later accesses
-                    log[:] = [a for a in log if not (lo <= a[0] and a[1] <= hi and s.sees(a[2], a[3]))]
-                else:      # nor does an earlier read of the same bytes on the same stream
-                    log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
-                log.append((lo, hi, s, s.pos, write, place))
+        for t, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
+            if t.numel() == 0:
+                continue
+            place = place or _place()
+            key = _storage(t)
+            lo, hi = _span(t)
+            keeper, log = self._accesses.get(key, (None, None))
+            if keeper is None or not _owns(keeper, key):
+                log = []
+                self._accesses[key] = (self._keeper(t, self._accesses, key), log)
+                if not self._is_host(t):
+                    self._watch_free(t, key, log)
+            for a_lo, a_hi, other, pos, other_write, other_place in log:
+                if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
+                    raise OrderError(
+                        f"{what} on {s!r} {'writes' if write else 'reads'} bytes [{lo}, {hi}) of a "
+                        f"{tuple(t.shape)} {t.dtype} buffer at {place}, which {other!r} "
+                        f"{'wrote' if other_write else 'read'} at {other_place} without an event ordering them "
+                        f"(record an event after that use and wait on it / synchronize it first)")
+            if write:  # what this write is ordered after no longer matters for later accesses
+                log[:] = [a for a in log if not (lo <= a[0] and a[1] <= hi and s.sees(a[2], a[3]))]
+            else:      # nor does an earlier read of the same bytes on the same stream
+                log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
+            log.append((lo, hi, s, s.pos, write, place))
 
     def _watch_free(self, t: Tensor, key: int, log: list) -> None:
         """When ``t``'s device storage is freed, check that no stream may still use it (the caching
