@@ -36,9 +36,9 @@ def _refused(path: os.PathLike | str, what: str = "") -> UnsafePathError:
                            f"its own files there): remove the link or choose another folder")
 
 
-def is_link(path: os.PathLike | str) -> bool:
+def is_link(path: os.PathLike | str, dir_fd: int | None = None) -> bool:
     try:
-        return stat.S_ISLNK(os.lstat(path).st_mode)
+        return stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode)
     except FileNotFoundError:
         return False
 
@@ -50,24 +50,19 @@ def refuse_links(*paths: os.PathLike | str) -> None:
             raise _refused(p)
 
 
-def open_nofollow(path: os.PathLike | str, flags: int) -> int:
-    """``os.open`` that never follows a symbolic link in the final component."""
+def open_nofollow(path: os.PathLike | str, flags: int, *, dir_fd: int | None = None) -> int:
+    """``os.open`` that never follows a symbolic link in the final component (``O_EXCL`` refuses one too)."""
     try:
-        return os.open(path, flags | _BASE, PRIVATE_FILE)
+        return os.open(path, flags | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
     except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK) and is_link(path):
+        if e.errno in (errno.ELOOP, errno.EMLINK, errno.EEXIST) and is_link(path, dir_fd):
             raise _refused(path) from None
         raise
 
 
 def create_new(path: os.PathLike | str, *, dir_fd: int | None = None) -> int:
     """A new owner-only file (``O_CREAT | O_EXCL``); a link in its place is refused by name."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
-    except FileExistsError:
-        if stat.S_ISLNK(os.lstat(path, dir_fd=dir_fd).st_mode):
-            raise _refused(path) from None
-        raise
+    fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
     os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
     return fd
 
@@ -129,15 +124,13 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
     try:
         os.mkdir(path, PRIVATE_DIR)
     except FileExistsError:
+        if exist_ok and os.path.isdir(path):
+            return
+        if is_link(path):
+            raise _refused(path, " to something that is not a folder" if exist_ok else "") from None
         if not exist_ok:
-            if is_link(path):
-                raise _refused(path) from None
             raise
-        if not os.path.isdir(path):
-            if is_link(path):
-                raise _refused(path, " to something that is not a folder") from None
-            raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
-        return
+        raise FileExistsError(errno.EEXIST, "exists and is not a folder", str(path)) from None
     os.chmod(path, PRIVATE_DIR)   # mkdir's mode is masked by the umask
 
 
@@ -145,14 +138,10 @@ def make_dirs(path: os.PathLike | str) -> None:
     """``mkdir -p`` whose every folder made is 0700 (``Path.mkdir(parents=True)`` makes the
     parents with the umask's mode)."""
     path = Path(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        if path.parent == path:
-            break
-        path = path.parent
-    for p in reversed(missing):
-        make_dir(p)
+    if not os.path.isdir(path):
+        if path.parent != path:
+            make_dirs(path.parent)
+        make_dir(path)
 
 
 def probe_writable(folder: os.PathLike | str) -> None:

@@ -12,7 +12,6 @@ import re
 KiB = 2 ** 10
 MiB = 2 ** 20
 GiB = 2 ** 30
-TiB = 2 ** 40
 GB = 10 ** 9   # decimal: only for rates printed as GB/s
 
 

@@ -20,10 +20,9 @@ import os
 
 import torch
 
-from framework.comm.accelerator._base import (Accelerator, AcceleratorError, DeviceMismatch, Event, HostSync,
-                                              OrderError)
+from framework.comm.accelerator._base import (Accelerator, AcceleratorError, CpuAccelerator, CudaAccelerator,
+                                              DeviceMismatch, Event, HostSync, OrderError)
 from framework.comm.accelerator._checking import CheckingCpuAccelerator, CheckingEvent, Clocked
-from framework.comm.accelerator._devices import CpuAccelerator, CudaAccelerator
 from framework.core.errors import ConfigError
 
 ENV = "FRAMEWORK_ACCELERATOR"

@@ -98,8 +98,7 @@ _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 def _ours(filename: str) -> bool:
     """Framework code other than this package, and not model code (that is the user's to judge)."""
-    return (filename.startswith(_PACKAGE) and not filename.startswith(_HERE)
-            and not filename.startswith(os.path.join(_PACKAGE, "models") + os.sep))
+    return filename.startswith(_PACKAGE) and not filename.startswith((_HERE, os.path.join(_PACKAGE, "models", "")))
 
 
 def _place() -> str:
@@ -127,8 +126,7 @@ class _NoHostSync(TorchFunctionMode):
         if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
                 and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
             caller = sys._getframe(1)
-            while caller is not None and (caller.f_code.co_filename.startswith(_TORCH)
-                                          or caller.f_code.co_filename.startswith(_HERE)):
+            while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
                 caller = caller.f_back
             if caller is not None and _ours(caller.f_code.co_filename):
                 raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
@@ -228,11 +226,10 @@ class CheckingCpuAccelerator:
             with self._lock:
                 if pinned:
                     self._entry("pin host memory")
+                    self._pin(t)
                 key = _storage(t)
                 self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
                 self._accesses.pop(key, None)   # a new buffer at a reused address
-                if pinned:
-                    self._pin(t)
         return t
 
     def _pin(self, t: Tensor) -> None:
@@ -256,11 +253,10 @@ class CheckingCpuAccelerator:
             return dict(self._pinned)
 
     def _host_entry(self, t: Tensor) -> tuple[weakref.ref, bool] | None:
-        if t.numel() == 0:
-            return None
-        entry = self._host_buffers.get(_storage(t))
-        if entry is not None and not _owns(entry[0], _storage(t)):   # freed; the address may be reused
-            del self._host_buffers[_storage(t)]
+        key = _storage(t) if t.numel() else None
+        entry = self._host_buffers.get(key)
+        if entry is not None and not _owns(entry[0], key):   # freed; the address may be reused
+            del self._host_buffers[key]
             return None
         return entry
 
@@ -352,31 +348,30 @@ class CheckingCpuAccelerator:
     def _access(self, s: Clocked, reads: Sequence[Tensor], writes: Sequence[Tensor], what: str) -> None:
         s.pos += 1
         place = None
-        for ts, write in ((reads, False), (writes, True)):
-            for t in ts:
-                if t.numel() == 0:
-                    continue
-                place = place or _place()
-                key = _storage(t)
-                lo, hi = _span(t)
-                keeper, log = self._accesses.get(key, (None, None))
-                if keeper is None or not _owns(keeper, key):
-                    log = []
-                    self._accesses[key] = (self._keeper(t, self._accesses, key), log)
-                    if not self._is_host(t):
-                        self._watch_free(t, key, log)
-                for a_lo, a_hi, other, pos, other_write, other_place in log:
-                    if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
-                        raise OrderError(
-                            f"{what} on {s!r} {'writes' if write else 'reads'} bytes [{lo}, {hi}) of a "
-                            f"{tuple(t.shape)} {t.dtype} buffer at {place}, which {other!r} "
-                            f"{'wrote' if other_write else 'read'} at {other_place} without an event ordering them "
-                            f"(record an event after that use and wait on it / synchronize it first)")
-                if write:  # what this write is ordered after no longer matters for later accesses
-                    log[:] = [a for a in log if not (lo <= a[0] and a[1] <= hi and s.sees(a[2], a[3]))]
-                else:      # nor does an earlier read of the same bytes on the same stream
-                    log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
-                log.append((lo, hi, s, s.pos, write, place))
+        for t, write in [(r, False) for r in reads] + [(w, True) for w in writes]:
+            if t.numel() == 0:
+                continue
+            place = place or _place()
+            key = _storage(t)
+            lo, hi = _span(t)
+            keeper, log = self._accesses.get(key, (None, None))
+            if keeper is None or not _owns(keeper, key):
+                log = []
+                self._accesses[key] = (self._keeper(t, self._accesses, key), log)
+                if not self._is_host(t):
+                    self._watch_free(t, key, log)
+            for a_lo, a_hi, other, pos, other_write, other_place in log:
+                if a_lo < hi and lo < a_hi and (write or other_write) and not s.sees(other, pos):
+                    raise OrderError(
+                        f"{what} on {s!r} {'writes' if write else 'reads'} bytes [{lo}, {hi}) of a "
+                        f"{tuple(t.shape)} {t.dtype} buffer at {place}, which {other!r} "
+                        f"{'wrote' if other_write else 'read'} at {other_place} without an event ordering them "
+                        f"(record an event after that use and wait on it / synchronize it first)")
+            if write:  # what this write is ordered after no longer matters for later accesses
+                log[:] = [a for a in log if not (lo <= a[0] and a[1] <= hi and s.sees(a[2], a[3]))]
+            else:      # nor does an earlier read of the same bytes on the same stream
+                log[:] = [a for a in log if not (a[0] == lo and a[1] == hi and a[2] is s and not a[4])]
+            log.append((lo, hi, s, s.pos, write, place))
 
     def _watch_free(self, t: Tensor, key: int, log: list) -> None:
         """When ``t``'s device storage is freed, check that no stream may still use it (the caching
