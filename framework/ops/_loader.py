@@ -25,10 +25,9 @@ import shutil
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -111,10 +110,12 @@ def _ensure_tools() -> None:
         raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
 
 
-@contextmanager
-def _exclusive(directory: Path) -> Iterator[None]:
-    """Hold the build lock of ``directory``: one builder at a time across processes."""
+def _compile(directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ensure_tools()
     directory.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time across processes; closing the file (or dying) drops the flock.
     with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -126,23 +127,11 @@ def _exclusive(directory: Path) -> Iterator[None]:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _compile(directory: Path) -> ModuleType:
-    from torch.utils import cpp_extension
-
-    _ensure_tools()
-    with _exclusive(directory):
         if _finished(directory):  # another process built it while we waited
             return _import(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
-        if stale.exists():
-            stale.unlink()
+        # torch's baton; nobody else builds here while we hold the flock
+        (directory / "lock").unlink(missing_ok=True)
         root = csrc_dir()
         try:
             module = cpp_extension.load(
