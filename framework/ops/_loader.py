@@ -16,6 +16,7 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -51,15 +52,13 @@ class BuildUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 
-class Status(NamedTuple):
-    module: ModuleType | None
-    reason: str | None  # why module is None
+# ``reason``: why ``module`` is None
+Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | None)])
 
 
 def cache_root() -> Path:
-    if os.environ.get("FRAMEWORK_OPS_CACHE"):
-        return Path(os.environ["FRAMEWORK_OPS_CACHE"]).expanduser()
-    return cache_dir() / "ops"
+    own = os.environ.get("FRAMEWORK_OPS_CACHE")
+    return Path(own).expanduser() if own else cache_dir() / "ops"
 
 
 def build_dir() -> Path:
@@ -95,12 +94,10 @@ def _finished(directory: Path) -> bool:
 def _ensure_tools() -> None:
     """Put the interpreter's bin folder (a venv's ninja) on PATH; fail clearly without a compiler."""
     dirs = [os.path.dirname(sys.executable)]
-    try:
+    with contextlib.suppress(ImportError, AttributeError):
         import ninja  # the PyPI package ships the binary
 
         dirs.append(ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        pass
     path = os.environ.get("PATH", "").split(os.pathsep)
     os.environ["PATH"] = os.pathsep.join([d for d in dirs if d and d not in path] + path)
     compiler = os.environ.get("CXX", "c++")

@@ -158,13 +158,14 @@ def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
         torch._foreach_lerp_(state.mu, grads, 1 - b1)  # torch uses lerp, not mul+add
         torch._foreach_mul_(state.nu, b2)
         torch._foreach_addcmul_(state.nu, grads, grads, value=1 - b2)
-        # Without bias correction both are 1.0, and dividing by 1.0 is exact.
-        bc1 = 1 - b1 ** count if bias_correction else 1.0
-        bc2_sqrt = (1 - b2 ** count) ** 0.5 if bias_correction else 1.0
         for g, m, v in zip(grads, state.mu, state.nu):
             # g is consumed: its storage holds the denominator, then the update.
-            torch.sqrt(v, out=g).div_(bc2_sqrt).add_(eps)
-            torch.div(m, g, out=g).div_(bc1)
+            torch.sqrt(v, out=g)
+            if bias_correction:
+                g.div_((1 - b2 ** count) ** 0.5)
+            torch.div(m, g.add_(eps), out=g)
+            if bias_correction:
+                g.div_(1 - b1 ** count)
         return grads, ScaleByAdamState(count, state.mu, state.nu)
 
     return GradientTransformation(init, update)

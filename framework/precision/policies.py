@@ -75,8 +75,7 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
     if overflow:
         if cfg.hysteresis == 1 or hyst == 1:
             if scale <= cfg.min_loss_scale:
-                names = list(culprits())
-                shown = few(names, 8, str)
+                shown = few(list(culprits()), 8, str)
                 raise TrainingError(
                     f"fp16 loss scale is at min_loss_scale={cfg.min_loss_scale:g} and gradients still overflow "
                     f"at step {st.cur_iter} (non-finite gradients in: {shown or 'unknown'}); after "
