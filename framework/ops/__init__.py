@@ -101,7 +101,7 @@ def status() -> dict[str, Any]:
     except OSError:   # unreadable sources: load says why
         where = "-"
     module, reason = _loader.attempt(build=False)   # a status report must not fail
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    capability = torch.backends.cpu.get_cpu_capability()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())
     return {"built": module is not None, "reason": reason, "build_dir": where,
