@@ -88,14 +88,11 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` that is also the tied output projection: ``wte(idx)`` embeds, ``wte(x,
-    unembed=True)`` maps hidden states to logits. Not a second ``nn.Linear`` aliased to the weight:
-    one tensor under one name, which nothing that swaps or shards parameters can untie, used only
-    inside its own module's forward, where ZeRO-3's hooks see every use of it.
-
-    No random init on the meta device: ``GPT.init_parameter`` writes every value later, and meta
-    ``normal_`` imports ``torch._dynamo`` (over a second per rank). Real tensors keep torch's init,
-    so the global random stream is consumed as before."""
+    """``nn.Embedding`` that is also the tied output projection (``wte(x, unembed=True)``): one tensor
+    under one name, which nothing that swaps or shards parameters can untie, used only inside its own
+    forward, where ZeRO-3's hooks see every use. No random init on the meta device
+    (``GPT.init_parameter`` writes every value later; meta ``normal_`` imports ``torch._dynamo``,
+    over a second per rank); real tensors keep torch's init, so the global random stream is unchanged."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -125,8 +122,7 @@ class GPT(nn.Module):
         """nanoGPT's init of parameter ``name`` written into ``t``, from a generator seeded by
         (torch.initial_seed(), name): independent of the order of initialisation, so a ZeRO-3 stage
         materialising one parameter at a time gets the values of a model built whole."""
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
+        if name.endswith(".bias"):
             t.zero_()
         elif ".ln" in f".{name}" or name.startswith("ln_f"):
             t.fill_(1.0)  # LayerNorm weight
@@ -143,8 +139,7 @@ class GPT(nn.Module):
         """The [vocab, d_model] output projection: the token embedding itself when tied."""
         return self.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def num_params(self) -> int:
-        """Number of distinct parameters (a tied matrix counts once)."""
+    def num_params(self) -> int:   # a tied matrix counts once
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -188,9 +183,7 @@ def gpt_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 def build(cfg: GPTConfig, vocab_size: int | None = None) -> GPT:
     """Build on the current default device; ``vocab_size`` (from the data source) overrides the YAML."""
-    if vocab_size is not None and vocab_size != cfg.vocab_size:
-        cfg = dataclasses.replace(cfg, vocab_size=vocab_size)
-    return GPT(cfg)
+    return GPT(cfg if vocab_size in (None, cfg.vocab_size) else dataclasses.replace(cfg, vocab_size=vocab_size))
 
 
 # The presets' values, each file's header with its parameter count (position embeddings included).

@@ -45,8 +45,7 @@ class HFConfig:
 
 
 def is_hf_model(module: nn.Module) -> bool:
-    """A transformers ``PreTrainedModel`` (without importing transformers: a module of that class
-    cannot exist unless transformers was imported)."""
+    """A transformers ``PreTrainedModel`` (no import: one cannot exist unless transformers was imported)."""
     transformers = sys.modules.get("transformers")
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
@@ -78,8 +77,8 @@ def hidden_size(cfg: HFConfig) -> int | None:
 
 
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
-    """An ``AutoModelForCausalLM`` from the config (local files only), on the current default device
-    (meta under the loop); ``vocab_size`` (the data source's) must fit the model's vocabulary."""
+    """An ``AutoModelForCausalLM`` from local files, on the current default device (meta under the loop);
+    ``vocab_size`` (the data source's) must fit the model's vocabulary."""
     try:
         import transformers
     except ImportError:
@@ -115,8 +114,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """Mean next-token cross-entropy of one micro batch ``(x, y)`` (both int64 [B, T], y = x
-    shifted by one, as every data source yields), from the logits of an HF causal LM."""
+    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields."""
     x, y = batch
     return next_token_loss(model(input_ids=x, use_cache=False).logits, y)
 
@@ -188,7 +186,7 @@ class HFInit:
 
 
 def _poison(t: Tensor) -> None:
-    """Fill with values no init writes, so that an uncovered tensor is detected (not trained on garbage)."""
+    """Fill with values no init writes: an uncovered tensor is detected, not trained on garbage."""
     t.fill_(math.nan if t.is_floating_point() else (torch.iinfo(t.dtype).min if t.dtype != torch.bool else False))
 
 
@@ -220,8 +218,7 @@ def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int 
 
 
 def declared_layers(module: nn.Module) -> list[str]:
-    """Class names of an HF model's transformer layers (``_no_split_modules``: the modules
-    transformers never splits across devices), the natural ZeRO-3 gather units."""
+    """An HF model's ``_no_split_modules`` (layers transformers never splits): the ZeRO-3 gather units."""
     return list(module._no_split_modules or []) if is_hf_model(module) else []
 
 

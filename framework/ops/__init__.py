@@ -62,9 +62,10 @@ def _kernel() -> ModuleType:
     return module
 
 
-def _mask(decay_mask: Sequence[bool] | None) -> list[bool]:
-    """The kernels' mask: empty (decay every tensor) only when none is given."""
-    return [] if decay_mask is None else [bool(m) for m in decay_mask]
+def _run(kernel: str, tensors: tuple, out16: Sequence[Tensor] | None, scalars: tuple,
+         decay_mask: Sequence[bool] | None, strict: bool) -> bool:
+    mask = [] if decay_mask is None else [bool(m) for m in decay_mask]   # empty: decay every tensor
+    return getattr(_kernel(), kernel)(*map(list, tensors), list(out16 or []), *scalars, mask, bool(strict))
 
 
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
@@ -72,28 +73,25 @@ def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Seque
               beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0, decoupled: bool = True,
               bias_correction: bool = True, out16: Sequence[Tensor] | None = None,
               decay_mask: Sequence[bool] | None = None, strict: bool = True) -> bool:
-    return _kernel().adam_step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(out16 or []),
-                               int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
-                               bool(decoupled), bool(bias_correction), _mask(decay_mask),
-                               bool(strict))
+    return _run("adam_step", (params, grads, exp_avgs, exp_avg_sqs), out16,
+                (int(step), float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), bool(decoupled),
+                 bool(bias_correction)), decay_mask, strict)
 
 
 def lion_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor], *, lr: float,
               beta1: float = 0.9, beta2: float = 0.99, weight_decay: float = 0.0,
               out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
               strict: bool = True) -> bool:
-    return _kernel().lion_step(list(params), list(grads), list(exp_avgs), list(out16 or []), float(lr),
-                               float(beta1), float(beta2), float(weight_decay), _mask(decay_mask),
-                               bool(strict))
+    return _run("lion_step", (params, grads, exp_avgs), out16,
+                (float(lr), float(beta1), float(beta2), float(weight_decay)), decay_mask, strict)
 
 
 def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: Sequence[Tensor], *, step: int,
                  lr: float, lr_decay: float = 0.0, weight_decay: float = 0.0, eps: float = 1e-10,
                  out16: Sequence[Tensor] | None = None, decay_mask: Sequence[bool] | None = None,
                  strict: bool = True) -> bool:
-    return _kernel().adagrad_step(list(params), list(grads), list(state_sums), list(out16 or []), int(step),
-                                  float(lr), float(lr_decay), float(weight_decay), float(eps),
-                                  _mask(decay_mask), bool(strict))
+    return _run("adagrad_step", (params, grads, state_sums), out16,
+                (int(step), float(lr), float(lr_decay), float(weight_decay), float(eps)), decay_mask, strict)
 
 
 def status() -> dict[str, Any]:
@@ -103,7 +101,7 @@ def status() -> dict[str, Any]:
     except OSError:   # unreadable sources: load says why
         where = "-"
     module, reason = _loader.attempt(build=False)   # a status report must not fail
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    capability = torch.backends.cpu.get_cpu_capability()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())
     return {"built": module is not None, "reason": reason, "build_dir": where,

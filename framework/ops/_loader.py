@@ -16,6 +16,7 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -25,10 +26,9 @@ import shutil
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -52,15 +52,13 @@ class BuildUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 
-class Status(NamedTuple):
-    module: ModuleType | None
-    reason: str | None  # why module is None
+# ``reason``: why ``module`` is None
+Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | None)])
 
 
 def cache_root() -> Path:
-    if os.environ.get("FRAMEWORK_OPS_CACHE"):
-        return Path(os.environ["FRAMEWORK_OPS_CACHE"]).expanduser()
-    return cache_dir() / "ops"
+    own = os.environ.get("FRAMEWORK_OPS_CACHE")
+    return Path(own).expanduser() if own else cache_dir() / "ops"
 
 
 def build_dir() -> Path:
@@ -96,12 +94,10 @@ def _finished(directory: Path) -> bool:
 def _ensure_tools() -> None:
     """Put the interpreter's bin folder (a venv's ninja) on PATH; fail clearly without a compiler."""
     dirs = [os.path.dirname(sys.executable)]
-    try:
+    with contextlib.suppress(ImportError, AttributeError):
         import ninja  # the PyPI package ships the binary
 
         dirs.append(ninja.BIN_DIR)
-    except (ImportError, AttributeError):
-        pass
     path = os.environ.get("PATH", "").split(os.pathsep)
     os.environ["PATH"] = os.pathsep.join([d for d in dirs if d and d not in path] + path)
     compiler = os.environ.get("CXX", "c++")
@@ -111,10 +107,12 @@ def _ensure_tools() -> None:
         raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
 
 
-@contextmanager
-def _exclusive(directory: Path) -> Iterator[None]:
-    """Hold the build lock of ``directory``: one builder at a time across processes."""
+def _compile(directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ensure_tools()
     directory.parent.mkdir(parents=True, exist_ok=True)
+    # One builder at a time across processes; closing the file (or dying) drops the flock.
     with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -126,23 +124,11 @@ def _exclusive(directory: Path) -> Iterator[None]:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _compile(directory: Path) -> ModuleType:
-    from torch.utils import cpp_extension
-
-    _ensure_tools()
-    with _exclusive(directory):
         if _finished(directory):  # another process built it while we waited
             return _import(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
-        if stale.exists():
-            stale.unlink()
+        # torch's baton; nobody else builds here while we hold the flock
+        (directory / "lock").unlink(missing_ok=True)
         root = csrc_dir()
         try:
             module = cpp_extension.load(

@@ -7,6 +7,7 @@ rule as a pure function).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from functools import partial
 
 import torch
 
@@ -75,8 +76,7 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
     if overflow:
         if cfg.hysteresis == 1 or hyst == 1:
             if scale <= cfg.min_loss_scale:
-                names = list(culprits())
-                shown = few(names, 8, str)
+                shown = few(list(culprits()), 8, str)
                 raise TrainingError(
                     f"fp16 loss scale is at min_loss_scale={cfg.min_loss_scale:g} and gradients still overflow "
                     f"at step {st.cur_iter} (non-finite gradients in: {shown or 'unknown'}); after "
@@ -134,10 +134,6 @@ def _policy(name: str, cfg, reduce: torch.dtype | None = None, scaler: ScalerCon
                   grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
 
 
-def fp32(cfg: FP32Config) -> Policy:
-    return _policy("fp32", cfg)
-
-
 def bf16(cfg: BF16Config) -> Policy:
     return _policy("bf16", cfg, reduce=torch.float32 if cfg.reduce_fp32 else None)
 
@@ -167,5 +163,5 @@ def fp16(cfg: FP16Config) -> Policy:
     return _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
 
 
-COMPONENTS = {"fp32": Component(config=FP32Config, build=fp32), "bf16": Component(config=BF16Config, build=bf16),
-              "fp16": Component(config=FP16Config, build=fp16)}
+COMPONENTS = {"fp32": Component(config=FP32Config, build=partial(_policy, "fp32")),
+              "bf16": Component(config=BF16Config, build=bf16), "fp16": Component(config=FP16Config, build=fp16)}

@@ -45,8 +45,7 @@ class WarmupCosineLRConfig:
 
 
 def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
-    """The warm-up's length (raised to at least 2) and its ``gamma(step)`` in [0, 1) for the steps
-    before it ends, after one-line ConfigErrors for the warm-up fields."""
+    """The warm-up's checked length (at least 2) and its ``gamma(step)`` in [0, 1) before it ends."""
     if kind not in WARMUP_TYPES:
         raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
                           f"got {kind!r}")
@@ -87,10 +86,8 @@ def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
 
 
 def build_decay(cfg: WarmupDecayLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
-    def decay(step: int, num_steps: int) -> float:
-        return max(0.0, (total - step) / max(1, total - num_steps))
-
-    lr_at = build(cfg, base_lr, total_steps, after=decay)   # checks the warm-up fields first
+    # build checks the warm-up fields first; ``total`` is bound (and checked) right after.
+    lr_at = build(cfg, base_lr, total_steps, after=lambda step, num: max(0.0, (total - step) / max(1, total - num)))
     total = run_total(cfg.total_num_steps, total_steps)
     return lr_at
 
