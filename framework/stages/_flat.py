@@ -142,7 +142,8 @@ def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: Paramet
     """Every frozen parameter (requires_grad=False) whole on every rank, as torch DDP and DeepSpeed's
     ZeRO-1/2 keep them (zero3 too, where DeepSpeed would partition them): on ``dist.device``, in the
     working ``dtype`` when floating, rank 0's values (a meta one is initialised by ``init`` and
-    replaced by a new Parameter). No gradient, master or optimizer state."""
+    replaced by a new Parameter). No gradient, master or optimizer state. Then the buffers take rank 0's
+    values too (``broadcast_buffers``): every stage calls this once."""
     for name, p in list(module.named_parameters()):
         if p.requires_grad:
             continue
@@ -152,6 +153,21 @@ def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: Paramet
             replace_parameter(module, p, nn.Parameter(v, requires_grad=False))
         else:
             p.data = v
+    broadcast_buffers(module, dist)
+
+
+def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
+    """Every buffer (persistent or not, integer ones too) takes rank 0's values, as torch DDP and DeepSpeed
+    do at construction: a buffer initialised per rank (a random projection, another seed) would otherwise
+    train differently on each rank, silently. The engine has put them whole on ``dist.device`` already
+    (a meta one initialised); a buffer registered under several names is one tensor, sent once."""
+    for name, buf in module.named_buffers():   # remove_duplicate: a shared buffer appears once
+        if buf.is_contiguous():
+            dist.broadcast(buf, what=f"initial values of buffer {name!r}")
+        else:   # NCCL sends contiguous memory only
+            v = buf.contiguous()
+            dist.broadcast(v, what=f"initial values of buffer {name!r}")
+            buf.copy_(v)
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

@@ -345,8 +345,8 @@ def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, o
     b = _on(pools, world, _norm_train, over, str(tmp_path / "b"), resume=str(tmp_path / f"step-{K}"), seed=99,
             freeze=freeze)
     assert [r[0][K:] for r in a] == [r[0] for r in b]
-    # Each rank's BatchNorm counts its own batches (no buffer broadcast); the checkpoint holds rank
-    # 0's buffers (as DeepSpeed's does): rank 0's run is the uninterrupted one, bitwise.
+    # Each rank's BatchNorm counts its own batches (buffers take rank 0's values at build only); the
+    # checkpoint holds rank 0's buffers (as DeepSpeed's does): rank 0's run is the uninterrupted one, bitwise.
     (_, va), (_, vb) = a[0], b[0]
     assert va.keys() == vb.keys() and "norm.running_var" in va and "scratch" not in va
     for k in va:

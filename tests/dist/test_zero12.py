@@ -147,29 +147,62 @@ def test_odd_shapes_and_unused_parameters(pools):
             assert not torch.equal(res[stage][2], initial_unused)
 
 
-def _frozen(dist):
-    """Each rank builds the model from its own seed (a frozen middle layer): what each stage made of it."""
+class _WithBuffers(WithFrozen):
+    """Buffers each rank initialises its own way: a random projection registered under two names (one
+    tensor), an integer one (as BatchNorm's step count) and a non-persistent one."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("proj", torch.randn(7, 7))
+        self.a.register_buffer("proj", self.proj)
+        self.register_buffer("count", torch.randint(0, 1000, (3,)))
+        self.register_buffer("shift", torch.randn(7), persistent=False)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) @ self.a.proj + self.shift + self.count.sum() * 1e-4
+        return self.b(torch.tanh(self.f(h)))
+
+
+def _rank_seeded(dist, stage, seed):
+    """A model built from ``seed`` (a frozen middle layer, buffers) trained 2 steps on the same batch on
+    every rank: the losses, what the stage made of it and the rank's buffers."""
     from tests.unit.test_step import mse
-    out = {}
-    for stage in ("ddp", "zero2", "zero3"):
-        torch.manual_seed(10 + dist.rank)
-        model = WithFrozen()
-        cfg = framework.compose(([f"+stage={stage}"] if stage != "ddp" else []) + ["train.steps=2"])
-        with framework.initialize(model, mse, cfg, dist) as engine:
-            x = torch.randn(4, 5)
-            engine.train_step(engine.state, Batch(((x, x[:, :1]),)))
-            out[stage] = model.f.weight.detach().clone(), engine.consolidated_state_dict()
-    return out
+    torch.manual_seed(seed)
+    model = _WithBuffers()
+    cfg = framework.compose(([f"+stage={stage}"] if stage != "ddp" else []) + ["train.steps=2"])
+    with framework.initialize(model, mse, cfg, dist) as engine:
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(3))
+        state, losses = engine.state, []
+        for _ in range(2):
+            state, m = engine.train_step(state, Batch(((x, x[:, :1]),)))
+            losses.append(m["loss"])
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers(remove_duplicate=False)}
+        return (losses, model.f.weight.detach().clone(), engine.consolidated_state_dict(), buffers,
+                model.a.proj is model.proj)
 
 
-def test_frozen_parameters_take_rank_0s_values(pools):
-    # As torch DDP and DeepSpeed: every parameter, frozen ones too, starts from rank 0's values.
+def _frozen(dist):
+    """Each rank builds the model from its own seed: what each stage made of it."""
+    return {stage: _rank_seeded(dist, stage, 10 + dist.rank) for stage in ("ddp", "zero1", "zero2", "zero3")}
+
+
+def test_frozen_parameters_and_buffers_take_rank_0s_values(pools):
+    # As torch DDP and DeepSpeed: every parameter, frozen ones too, and every buffer start from rank 0's values.
     out = pools(2).run(_frozen, timeout=120)
-    torch.manual_seed(10)
-    rank0 = WithFrozen().f.weight.detach()
-    for stage in ("ddp", "zero2", "zero3"):
-        assert all(torch.equal(res[stage][0], rank0) for res in out), stage
-        assert torch.equal(out[0][stage][1]["f.weight"], rank0)
+    ref_losses, ref_frozen, ref_state, ref_buffers, _ = _rank_seeded(_local(), "ddp", 10)   # one rank, rank 0's model
+    assert ref_buffers.keys() == {"proj", "a.proj", "count", "shift"}
+    for stage in ("ddp", "zero1", "zero2", "zero3"):
+        for res in out:
+            losses, frozen, _, buffers, tied = res[stage]
+            assert torch.equal(frozen, ref_frozen), stage
+            assert buffers.keys() == ref_buffers.keys() and tied, stage
+            for n in buffers:
+                assert torch.equal(buffers[n], ref_buffers[n]), f"{stage}: buffer {n!r} is not rank 0's"
+            assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), stage
+        state = out[0][stage][2]
+        assert state.keys() == ref_state.keys(), stage
+        for n in state:
+            torch.testing.assert_close(state[n], ref_state[n], rtol=FP32_RTOL, atol=1e-7, msg=f"{stage}: {n}")
 
 
 # --- memory ledger against the ZeRO paper's model-state counts------------------------------------------------
