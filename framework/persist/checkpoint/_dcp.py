@@ -132,7 +132,9 @@ class LoadPlanner(DefaultLoadPlanner):
         # The default one maps the values through a walk that drops objects it does not know
         # (``Boxes``); targets here are already flat and materialised.
         self.original_state_dict = self.state_dict = state_dict
-        self.mappings, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+        self.mappings = {}
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         found = _lookup(self.state_dict, index)

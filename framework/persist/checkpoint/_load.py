@@ -204,9 +204,8 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
 def _same_names(folder: Path, mine, saved, what: str = "") -> None:
     missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
     if missing or extra:
-        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(
-            [f"missing {what}{few(missing)}"] * bool(missing) + [f"unexpected {what}{few(extra)}"] * bool(extra))
-            + OTHER_RUN)
+        parts = [f"{word} {what}{few(names)}" for word, names in (("missing", missing), ("unexpected", extra)) if names]
+        raise ConfigError(f"checkpoint {folder} does not fit this model: " + "; ".join(parts) + OTHER_RUN)
 
 
 def _same_shape(folder: Path, what: str, saved: tuple, mine: tuple) -> None:
