@@ -161,13 +161,15 @@ def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
     do at construction: a buffer initialised per rank (a random projection, another seed) would otherwise
     train differently on each rank, silently. The engine has put them whole on ``dist.device`` already
     (a meta one initialised); a buffer registered under several names is one tensor, sent once."""
-    for name, buf in module.named_buffers():   # remove_duplicate: a shared buffer appears once
-        if buf.is_contiguous():
-            dist.broadcast(buf, what=f"initial values of buffer {name!r}")
-        else:   # NCCL sends contiguous memory only
-            v = buf.contiguous()
-            dist.broadcast(v, what=f"initial values of buffer {name!r}")
-            buf.copy_(v)
+    if dist.world == 1:
+        return
+    dense: dict[int, torch.Tensor] = {}   # NCCL sends contiguous memory only: a view (an expanded one
+    for name, buf in list(module.named_buffers(remove_duplicate=False)):   # cannot be written) is replaced
+        path, _, key = name.rpartition(".")
+        if id(buf) not in dense:
+            dense[id(buf)] = buf if buf.is_contiguous() else buf.contiguous()
+            dist.broadcast(dense[id(buf)], what=f"initial values of buffer {name!r}")
+        module.get_submodule(path)._buffers[key] = dense[id(buf)]
 
 
 def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:

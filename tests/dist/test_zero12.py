@@ -149,7 +149,8 @@ def test_odd_shapes_and_unused_parameters(pools):
 
 class _WithBuffers(WithFrozen):
     """Buffers each rank initialises its own way: a random projection registered under two names (one
-    tensor), an integer one (as BatchNorm's step count) and a non-persistent one."""
+    tensor), an integer one (as BatchNorm's step count), a non-persistent one and an expanded view (its
+    elements share memory: it cannot be written in place)."""
 
     def __init__(self):
         super().__init__()
@@ -157,9 +158,10 @@ class _WithBuffers(WithFrozen):
         self.a.register_buffer("proj", self.proj)
         self.register_buffer("count", torch.randint(0, 1000, (3,)))
         self.register_buffer("shift", torch.randn(7), persistent=False)
+        self.register_buffer("bias", torch.randn(7).expand(4, 7), persistent=False)
 
     def forward(self, x):
-        h = torch.tanh(self.a(x)) @ self.a.proj + self.shift + self.count.sum() * 1e-4
+        h = torch.tanh(self.a(x)) @ self.a.proj + self.shift + self.bias + self.count.sum() * 1e-4
         return self.b(torch.tanh(self.f(h)))
 
 
@@ -190,7 +192,7 @@ def test_frozen_parameters_and_buffers_take_rank_0s_values(pools):
     # As torch DDP and DeepSpeed: every parameter, frozen ones too, and every buffer start from rank 0's values.
     out = pools(2).run(_frozen, timeout=120)
     ref_losses, ref_frozen, ref_state, ref_buffers, _ = _rank_seeded(_local(), "ddp", 10)   # one rank, rank 0's model
-    assert ref_buffers.keys() == {"proj", "a.proj", "count", "shift"}
+    assert ref_buffers.keys() == {"proj", "a.proj", "count", "shift", "bias"}
     for stage in ("ddp", "zero1", "zero2", "zero3"):
         for res in out:
             losses, frozen, _, buffers, tied = res[stage]
