@@ -139,8 +139,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             raise ConfigError(f"estimate: largest_layer={own['largest_layer']} is more than params={own['params']}")
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
-    nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
-    given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if nvme_cfg else {}
+    given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if cfg and cfg.choices["offload"] == "nvme" else {}
     # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
