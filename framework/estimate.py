@@ -3,9 +3,7 @@
     python -m framework.estimate model=gpt2-medium gpus_per_node=8 nodes=2
     python -m framework.estimate params=2851M largest_layer=32M gpus_per_node=8
 """
-import sys
-
 from framework.cli.estimate import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

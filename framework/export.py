@@ -2,9 +2,7 @@
 
     python -m framework.export outputs/.../checkpoints/step-100 --to exported/
 """
-import sys
-
 from framework.cli.export import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -4,9 +4,7 @@ keys and flags).
     python -m framework.plan model=gpt2-medium
     python -m framework.plan model=gpt-mini --verify 3
 """
-import sys
-
 from framework.cli.plan import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -4,9 +4,7 @@
     python -m framework.recipe --list
     python -m framework.recipe shakespeare_char_cpu --quick
 """
-import sys
-
 from framework.cli.recipe import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

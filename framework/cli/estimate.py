@@ -139,8 +139,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             raise ConfigError(f"estimate: largest_layer={own['largest_layer']} is more than params={own['params']}")
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
-    nvme_cfg = cfg is not None and cfg.choices["offload"] == "nvme"
-    given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if nvme_cfg else {}
+    given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if cfg and cfg.choices["offload"] == "nvme" else {}
     # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
@@ -198,13 +197,10 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
             f"context={context or cfg.model.context}{ckpt}")
     mib = lambda b: f"{b / MiB:10.1f} MiB"   # noqa: E731
     lines = [head, f"  {'':24s} {'device':>14s} {'host':>14s}" + (f" {'NVMe':>14s}" if pred.disk else "")]
-    for name, (d, h) in pred.items.items():
-        lines.append(f"  {name:24s} {mib(d):>14s} {mib(h):>14s}")
+    lines += [f"  {name:24s} {mib(d):>14s} {mib(h):>14s}" for name, (d, h) in pred.items.items()]
     lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
-    for name, b in pred.disk.items():
-        lines.append(f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}")
-    for name, b in pred.transient.items():
-        lines.append(f"  {name + ' (peak)':24s} {mib(b):>14s}")
+    lines += [f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}" for name, b in pred.disk.items()]
+    lines += [f"  {name + ' (peak)':24s} {mib(b):>14s}" for name, b in pred.transient.items()]
     lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient bytes, stated)")
     lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
                  f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")

@@ -42,7 +42,32 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     check_launch_env(cfg)
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
     with sigterm_exits(), contextlib.ExitStack() as held:
-        return _launch(cfg, run, on_point, held)
+        def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
+            held.callback(os.close, own_run_folder(run))
+            return preflight(cfg, run.run_dir, run.job)
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
+            already = torch.distributed.is_initialized()
+            cap_threads(local_world_size())
+            dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+            _notice(cfg, local_world_size(), dist.is_main)
+            if not already:
+                atexit.register(disconnect)
+            run = _agree_run_dir(run, dist)
+            # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
+            # "latest" once; every rank stops with its error, or trains the config it resolved.
+            mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
+                         "the checkpoint pre-flight")
+            return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
+        # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
+        # once so that every rank loads the same folder.
+        cfg = own_and_preflight(cfg, run)
+        if cfg.dist.nproc == 1:
+            return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
+        # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
+        resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+        _notice(cfg, cfg.dist.nproc, True)
+        return _spawn(cfg, run, on_point)
 
 
 @contextlib.contextmanager
@@ -62,36 +87,6 @@ def sigterm_exits() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-def _launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None, held: contextlib.ExitStack) -> dict:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
-        already = torch.distributed.is_initialized()
-        cap_threads(local_world_size())
-        dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
-        _notice(cfg, local_world_size(), dist.is_main)
-        if not already:
-            atexit.register(disconnect)
-        run = _agree_run_dir(run, dist)
-        # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
-        # "latest" once; every rank stops with its error, or trains the config it resolved.
-        mine = agree(dist, lambda: _own_and_preflight(cfg, run, held) if dist.is_main else None,
-                     "the checkpoint pre-flight")
-        return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
-    # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
-    # once so that every rank loads the same folder.
-    cfg = _own_and_preflight(cfg, run, held)
-    if cfg.dist.nproc == 1:
-        return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
-    # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
-    resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-    _notice(cfg, cfg.dist.nproc, True)
-    return _spawn(cfg, run, on_point)
-
-
-def _own_and_preflight(cfg: Config, run: RunInfo, held: contextlib.ExitStack) -> Config:
-    held.callback(os.close, own_run_folder(run))
-    return preflight(cfg, run.run_dir, run.job)
 
 
 RUN_LOCK = "run.lock"
@@ -143,8 +138,7 @@ def check_launch_env(cfg: Config) -> None:
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:
-    line = backend_notice(cfg.dist.backend, local_world)
-    if line and main:
+    if main and (line := backend_notice(cfg.dist.backend, local_world)):
         print(line, file=sys.stderr, flush=True)
 
 

@@ -1,6 +1,7 @@
 """The training loop of the CLI: build by registry name, then state, metrics = train_step(state, batch)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -16,13 +17,12 @@ from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, Interrupted
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
 from framework.stages import param_count
 from framework.engine.state import capture_rng
-from framework.core.errors import Interrupted
 from framework.core.utils import to_device
 from framework.persist.weights import load_weights, save_on_model_save
 
@@ -91,12 +91,11 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             window += 1
             if state.step % t.log_every == 0 or state.step == t.steps:
                 now = time.perf_counter()
-                rec = {"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
-                       "skipped_steps": state.precision.skipped_steps,
-                       "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
-                       "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)}
+                logger.log({"step": state.step, **{k: v for k, v in m.items() if k != "skipped"},
+                            "skipped_steps": state.precision.skipped_steps,
+                            "tokens_per_s": tokens_per_step * window / (now - t_window - eval_s),
+                            "eta_s": (now - t_start) / (state.step - first) * (t.steps - state.step)})
                 t_window, window, eval_s = now, 0, 0.0
-                logger.log(rec)
             if (t.eval_every and state.step % t.eval_every == 0) or state.step == t.steps:
                 t_eval = time.perf_counter()
                 evals.append(engine.eval_step(state, val))
@@ -148,11 +147,8 @@ def reset_peak_memory(device: torch.device) -> int:
 
     A multirun's jobs share one process at world 1: the resident set's high-water mark is reset so
     that it does not carry an earlier job's peak (``rss_peak``)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return rss_now()

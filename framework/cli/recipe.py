@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,10 +53,8 @@ class Recipe:
     expected: dict    # expected.json
 
     def runs(self, quick: bool) -> list[list[str]]:
-        q = self.spec.get("quick") or {}
-        runs = q.get("runs") if quick and q.get("runs") else self.spec["runs"]
-        extra = list(q.get("overrides") or []) if quick else []
-        return [merge_overrides(list(r), extra) for r in runs]
+        q = (self.spec.get("quick") or {}) if quick else {}
+        return [merge_overrides(list(r), list(q.get("overrides") or [])) for r in q.get("runs") or self.spec["runs"]]
 
     def checks(self, quick: bool) -> dict:
         key = "quick" if quick else "full"
@@ -108,10 +107,9 @@ def merge_overrides(*groups: list[str]) -> list[str]:
     """Concatenate override lists; a later override of the same key replaces an earlier one
     (Hydra itself refuses two values for one key)."""
     out: dict[str, str] = {}
-    for group in groups:
-        for o in group:
-            out.pop(_key(o), None)
-            out[_key(o)] = o
+    for o in (o for group in groups for o in group):
+        out.pop(_key(o), None)
+        out[_key(o)] = o
     return list(out.values())
 
 
@@ -122,22 +120,6 @@ def compose_jobs(recipe: Recipe, overrides: list[str]):
 
     jobs, _, _ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
-
-
-def _check_data(recipe: Recipe, cfg) -> None:
-    from framework.data import resolve_path
-
-    path = getattr(cfg.data, "path", None)
-    if path is None:
-        return
-    try:
-        resolve_path(path, key="data.path")
-    except DataError as e:
-        hint = ""
-        if recipe.spec.get("prepare"):
-            hint = (f"; build it with `python -m framework.recipe {recipe.name} prepare data.path=FILE` "
-                    f"(see {recipe.dir / 'README.md'} for where to get FILE)")
-        raise DataError(f"{e}{hint}") from None
 
 
 def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> dict:
@@ -153,13 +135,10 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     rest = [o for o in overrides if _key(o) != "data.path"]
     if rest:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
-    if out is None:
-        cfg = compose_jobs(recipe, list(recipe.spec["runs"][0]))[0]
-        out = Path(cfg.data.path)
     from framework.data.text import prepare_chars
     from framework.data.tokens import meta_path
 
-    out = Path(out).expanduser()
+    out = Path(out if out is not None else compose_jobs(recipe, list(recipe.spec["runs"][0]))[0].data.path).expanduser()
     meta = prepare_chars(source, out)
     want = recipe.expected.get("data") or {}
     print(f"wrote {out} ({meta['train_tokens'] + meta['val_tokens']:,} tokens, vocab {meta['vocab_size']}: "
@@ -175,9 +154,16 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     stream = stream or sys.stdout
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
-    for r in runs:
-        for cfg in compose_jobs(recipe, r):
-            _check_data(recipe, cfg)
+    from framework.data import resolve_path
+
+    for cfg in (cfg for r in runs for cfg in compose_jobs(recipe, r)):
+        try:
+            if getattr(cfg.data, "path", None) is not None:
+                resolve_path(cfg.data.path, key="data.path")
+        except DataError as e:
+            hint = (f"; build it with `python -m framework.recipe {recipe.name} prepare data.path=FILE` "
+                    f"(see {recipe.dir / 'README.md'} for where to get FILE)") if recipe.spec.get("prepare") else ""
+            raise DataError(f"{e}{hint}") from None
     files.make_dirs(out)
     t0 = time.perf_counter()
     fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
@@ -209,17 +195,16 @@ def _commands(recipe: Recipe, when: str, fill: dict, out: Path, stream) -> None:
 
 
 def _run_logged(cmd: list[str], log: Path, stream) -> None:
-    env = dict(os.environ)
     # The jobs import this very package, whatever the working directory.
-    env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_DIR.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    tail: list[str] = []
-    with os.fdopen(files.open_nofollow(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                text=True, env=env) as p:
+    path = [str(PACKAGE_DIR.parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    tail: deque[str] = deque(maxlen=8)
+    with os.fdopen(files.open_nofollow(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f, subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(path)}) as p:
         for line in p.stdout:
             f.write(line)
             stream.write(line)
-            tail = (tail + [line.rstrip()])[-8:]
-        p.wait()
+            tail.append(line.rstrip())
     if p.returncode != 0:
         raise RecipeError(f"a run failed (exit {p.returncode}); its log: {log}; last lines:\n  " + "\n  ".join(tail))
 
@@ -341,11 +326,8 @@ def _bound_ok(v, c: dict) -> bool:
     """``v`` within the check's ``min``/``max``/``equals`` (± ``tol``); flags and strings only equal."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return "equals" in c and v == c["equals"]
-    if math.isnan(v):
-        return False
-    if "max" in c and v > c["max"] or "min" in c and v < c["min"]:
-        return False
-    return "equals" not in c or abs(v - c["equals"]) <= c.get("tol", 0)
+    return (not math.isnan(v) and c.get("min", -math.inf) <= v <= c.get("max", math.inf)
+            and ("equals" not in c or abs(v - c["equals"]) <= c.get("tol", 0)))
 
 
 def _file(out: Path | None, c: dict) -> dict:

@@ -41,8 +41,7 @@ class Job:
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of ``key`` over the logged records (e.g. ``loss`` or ``val_loss``)."""
-        pts = [(r["step"], r[key]) for r in self.records if key in r]
-        return [s for s, _ in pts], [v for _, v in pts]
+        return [r["step"] for r in self.records if key in r], [r[key] for r in self.records if key in r]
 
     def peak(self, key: str = "peak_rss_bytes") -> int | None:
         """The largest measured value of ``key`` over the job's ranks."""
@@ -57,10 +56,6 @@ class Job:
         return (self.summary or {}).get("peak_memory_per_rank") or []
 
 
-def _natural(path: Path) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(path))]
-
-
 def load_jobs(root: Path) -> list[Job]:
     """Every job under ``root``, in natural path order, labelled by its distinguishing overrides."""
     root = Path(root)
@@ -70,13 +65,12 @@ def load_jobs(root: Path) -> list[Job]:
     dirs = {p.parent for p in root.rglob("summary.json")} | {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")
                                                              if p.parent.parent != root}
     jobs = []
-    for d in sorted(dirs, key=_natural):
-        ov_file = d / ".hydra" / "overrides.yaml"
-        overrides = [str(o) for o in (_parsed(ov_file, yaml.safe_load) or [])] if ov_file.is_file() else []
-        summary = _parsed(d / "summary.json", _summary) if (d / "summary.json").is_file() else None
+    for d in sorted(dirs, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
+        overrides = [str(o) for o in _parsed(d / ".hydra" / "overrides.yaml", yaml.safe_load) or []]
+        summary = _parsed(d / "summary.json", _summary)
         if summary is not None and "config_sources" in summary:
             overrides = summary_overrides(summary, overrides)
-        records = _parsed(d / "metrics.jsonl", _records) if (d / "metrics.jsonl").is_file() else []
+        records = _parsed(d / "metrics.jsonl", _records) or []
         jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
     if not jobs:
         raise FrameworkError(f"report: no job under {root} (no summary.json or .hydra/overrides.yaml); "
@@ -129,7 +123,9 @@ def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
 
 
 def _parsed(path: Path, parse):
-    """``parse(text)`` of a job's file; a malformed one is a one-line error naming it."""
+    """``parse(text)`` of a job's file (None when it has none); a malformed one is a one-line error naming it."""
+    if not path.is_file():
+        return None
     try:
         return parse(path.read_text())
     except (ValueError, yaml.YAMLError) as e:
@@ -155,10 +151,6 @@ def _records(text: str) -> list[dict]:
 def _summary(text: str) -> dict:
     """summary.json, with the shape of the values the report reads (a ValueError names the first
     that is off)."""
-    def number(v, key):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ValueError(f"{key} is {v!r}, not a number")
-
     s = json.loads(text)
     if not isinstance(s, dict):
         raise ValueError(f"not a JSON object but {type(s).__name__}")
@@ -168,12 +160,12 @@ def _summary(text: str) -> dict:
     ranks = s.get("peak_memory_per_rank") or []
     if not isinstance(ranks, list) or not all(isinstance(r, dict) for r in ranks):
         raise ValueError("peak_memory_per_rank is not a list of objects")
-    for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "world", "params"):
-        number(s.get(key), key)
-    number(s.get("data", {}).get("entropy_floor"), "data.entropy_floor")
-    for r in ranks:
-        for key, v in r.items():
-            number(v, f"peak_memory_per_rank: {key}")
+    numbers = [(key, s.get(key)) for key in ("steps", "train_loss", "val_loss", "tokens_per_s", "world", "params")]
+    numbers += [("data.entropy_floor", s.get("data", {}).get("entropy_floor"))]
+    numbers += [(f"peak_memory_per_rank: {key}", v) for r in ranks for key, v in r.items()]
+    for key, v in numbers:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ValueError(f"{key} is {v!r}, not a number")
     return s
 
 
@@ -192,11 +184,10 @@ def common_overrides(jobs: list[Job]) -> list[str]:
 def markdown_table(jobs: list[Job], root: Path) -> str:
     """One row per job (its own overrides; the shared ones are listed above the table); memory
     columns are the largest value over the job's ranks."""
-    cuda = any(j.peak("peak_device_allocated_bytes") is not None for j in jobs)
-    head = ["job", "overrides", "steps", "train loss (mean of last log_every steps)", "val loss", "tokens/s", "peak RSS/rank MiB",
-            "added RSS/rank MiB"]
-    if cuda:
-        head += ["peak allocated/rank MiB", "peak reserved/rank MiB"]
+    device = ("peak_device_allocated_bytes", "peak_device_reserved_bytes")
+    cuda = any(j.peak(device[0]) is not None for j in jobs)
+    head = ["job", "overrides", "steps", "train loss (mean of last log_every steps)", "val loss", "tokens/s",
+            "peak RSS/rank MiB", "added RSS/rank MiB", *(["peak allocated/rank MiB", "peak reserved/rank MiB"] * cuda)]
     common = set(common_overrides(jobs))
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for j in jobs:
@@ -207,11 +198,10 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
                                                           + ["-"] * (len(head) - 3)) + " |")
             continue
         s = j.summary
-        mib = [(j.peak(), j.added())] + ([(j.peak("peak_device_allocated_bytes"),
-                                           j.peak("peak_device_reserved_bytes"))] if cuda else [])
+        mib = [j.peak(), j.added(), *(j.peak(k) for k in device if cuda)]
         cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
                  _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f")]
-        cells += [_fmt(None if v is None else v / MiB, ",.0f") for pair in mib for v in pair]
+        cells += [_fmt(None if v is None else v / MiB, ",.0f") for v in mib]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -271,10 +261,8 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     a.set_xlabel("tokens/s")
     a.set_yticks(y, wrapped, fontsize=7)
     a.invert_yaxis()
-    peak = [(j.peak() or 0) / MiB for j in done]
-    added = [(j.added() or 0) / MiB for j in done]
-    b.barh(y, peak, color="C1", alpha=0.45, label="peak RSS")
-    b.barh(y, added, color="C1", label="added during the job")
+    b.barh(y, [(j.peak() or 0) / MiB for j in done], color="C1", alpha=0.45, label="peak RSS")
+    b.barh(y, [(j.added() or 0) / MiB for j in done], color="C1", label="added during the job")
     dev = [(j.peak("peak_device_allocated_bytes") or 0) / MiB for j in done]
     if any(dev):
         b.barh(y, dev, color="C2", height=0.3, label="peak device allocated")
@@ -291,8 +279,7 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
     share by the world size, zero2 also the gradients, zero3 everything; ddp divides nothing."""
     p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
     n = world
-    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n,
-                 "zero3": (p + g + k) / n}
+    per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n, "zero3": (p + g + k) / n}
     if stage not in per_param:
         raise FrameworkError(f"report: no ZeRO formula for stage {stage!r}")
     return per_param[stage] * params
@@ -301,11 +288,8 @@ def zero_model_state_bytes(stage: str, params: int, world: int, precision: str =
 def matches(job, where: dict) -> bool:
     """``where``: {group: registry name} or {dotted config key: value} against the job's config."""
     cfg = (job.summary or {}).get("config", {})
-    for k, v in (where or {}).items():
-        got = cfg.get(k, {}).get("name") if isinstance(cfg.get(k), dict) and "name" in cfg[k] else get_key(cfg, k)
-        if got != v:
-            return False
-    return True
+    return all((cfg[k]["name"] if isinstance(cfg.get(k), dict) and "name" in cfg[k] else get_key(cfg, k)) == v
+               for k, v in (where or {}).items())
 
 
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
@@ -315,10 +299,9 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
-    styles = ["-", "--", ":", "-."]
     for i, j in enumerate(done):
         steps, vals = j.curve(key)
-        a.plot(steps, vals, ls=styles[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
+        a.plot(steps, vals, ls=("-", "--", ":", "-.")[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
         if ref is not None and j is not ref:
             rs, rv = ref.curve(key)
             if rs == steps:
@@ -374,8 +357,7 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
 
 def write_report(root: Path, out: Path | None = None, *, title: str | None = None) -> dict:
     """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
-    root = Path(root)
-    out = Path(out) if out is not None else root
+    root, out = Path(root), Path(out if out is not None else root)
     jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
     _pyplot()   # and a missing matplotlib
     try:

@@ -61,12 +61,10 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
     args, unknown = parser.parse_known_args(argv)
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
-    if unknown:
-        return None, primary, folder
-    if args.cfg == "job" and not args.multirun:   # Hydra's own --cfg would not show a DeepSpeed config's layer
+    if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
-    if args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
+    if unknown or args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
         return None, primary, folder
     if not args.multirun:
         return [args.overrides], primary, folder
@@ -204,8 +202,8 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
     return older
 
 
-def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None,
-         failed: list[str], swept: frozenset[str] = frozenset()) -> Callable[[], None]:
+def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
+         swept: frozenset[str]) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
     A job of a multirun run in this process (Hydra's basic launcher) that fails is added to

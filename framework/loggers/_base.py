@@ -29,9 +29,7 @@ class RunInfo:
     def job(self) -> str | None:
         """A multirun job's name (the overrides that say which job it is), which keys its folder
         under an explicit checkpoint.dir."""
-        if not self.group:
-            return None
-        return self.key if self.key is not None else self.name
+        return (self.key if self.key is not None else self.name) if self.group else None
 
 
 class NullLogger:
@@ -163,8 +161,7 @@ def console_log(path: Path):
 
 def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, checkpoints: Path) -> list[str]:
     """The first lines of a run: where it writes, and what was composed."""
-    c, t = cfg.checkpoint, cfg.train
-    ch = cfg.choices
+    c, t, ch = cfg.checkpoint, cfg.train, cfg.choices
     saves = (f"{checkpoints} (every {c.every} steps, keep {c.keep_last or 'all'})" if c.every
              else "none saved (checkpoint.every=0)")
     return [f"run folder: {run.run_dir} (train.log: this console)",
@@ -178,13 +175,10 @@ def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, check
 def fmt_record(r: dict) -> str:
     if "val_loss" in r:
         return f"step {r['step']:>6} | val loss {r['val_loss']:.4f}"
-    parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-             f"{r['tokens_per_s']:,.0f} tok/s"]
-    if r.get("skipped_steps"):
-        parts.append(f"skipped {r['skipped_steps']}")
-    if "eta_s" in r:
-        parts.append(f"eta {_hms(r['eta_s'])}")
-    return " | ".join(parts)
+    return " | ".join([f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                       f"{r['tokens_per_s']:,.0f} tok/s",
+                       *([f"skipped {r['skipped_steps']}"] if r.get("skipped_steps") else []),
+                       *([f"eta {_hms(r['eta_s'])}"] if "eta_s" in r else [])])
 
 
 def _hms(s: float) -> str:
@@ -200,8 +194,7 @@ class Console:
 
     def __init__(self, live: bool | None = None):
         self.live = sys.stdout.isatty() if live is None else live
-        self._progress = None
-        self._task = None
+        self._progress = self._task = None
 
     def start(self, config: dict, total_steps: int) -> None:
         if self.live:
@@ -221,9 +214,8 @@ class Console:
                 self._progress.update(self._task, completed=record["step"], status=status)
             else:
                 self._progress.console.print(fmt_record(record))
-            log_only = getattr(sys.stdout, "log_only", None)
-            if log_only is not None:
-                log_only(fmt_record(record) + "\n")
+            if hasattr(sys.stdout, "log_only"):   # train.log gets the records the bar shows
+                sys.stdout.log_only(fmt_record(record) + "\n")
         else:
             print(fmt_record(record), flush=True)
 

@@ -51,9 +51,7 @@ class WandbLogger:
         self.console.finish(summary)
         self.finished = True
         if self.run is not None:
-            for k, v in summary.items():
-                if isinstance(v, (int, float, str)):
-                    self.run.summary[k] = v
+            self.run.summary.update({k: v for k, v in summary.items() if isinstance(v, (int, float, str))})
 
     def close(self) -> None:
         self.console.close()
