@@ -22,7 +22,6 @@ import queue
 import threading
 import weakref
 import zlib
-from functools import partialmethod
 
 import numpy as np
 import torch
@@ -159,8 +158,14 @@ class AsyncIO:
         for t in self._threads:
             t.start()
 
+    def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
+        return self._submit("read", file, offset, dst, what)
+
+    def pwrite(self, file: SwapFile, offset: int, src: torch.Tensor, what: str) -> IOHandle:
+        """Start writing ``src`` at ``offset`` of ``file``; ``src`` must not change until done."""
+        return self._submit("write", file, offset, src, what)
+
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
-        """Start moving ``t`` to or from ``offset`` of ``file``; a written ``t`` must not change until done."""
         if self._threads is None:
             raise ValueError("AsyncIO is closed")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -177,13 +182,15 @@ class AsyncIO:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
 
-    pread, pwrite = partialmethod(_submit, "read"), partialmethod(_submit, "write")
-
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
         """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
         is always cut the same way (checksums are kept per piece)."""
-        cuts = [offset, *range((offset // self.block_size + 1) * self.block_size, offset + nbytes, self.block_size)]
-        return list(zip(cuts, [*cuts[1:], offset + nbytes])) if nbytes else []
+        bounds, lo = [], offset
+        while lo < offset + nbytes:
+            hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
+            bounds.append((lo, hi))
+            lo = hi
+        return bounds
 
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
         """``data`` (uint8) was written at ``offset`` around the engine (through a memory map): record

@@ -121,8 +121,10 @@ class NVMePlacement(HostPlacement):
                   f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """One line on every rank if the disk (summed over the ranks sharing it) or host memory cannot hold
-        even the least the swap files and pools need (exact checks follow at ``init_opt_state``)."""
+        """One line if the disk cannot hold even the least every optimizer needs (summed over the ranks
+        sharing it, as ``agree_swap_room`` does), or host memory the pools, on every rank (hosts differ:
+        none may go on into a collective that a refused one never joins); the exact checks follow at
+        ``init_opt_state``."""
         if not numel:
             return
         spec, size = self.spec, param_dtype.itemsize
@@ -256,7 +258,8 @@ class DiskPlacement(NVMePlacement):
         return pieces
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """``tx.init(params)``, each disk piece's state made and swapped out one at a time."""
+        """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
+        holds at most a slot's worth)."""
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -273,6 +276,8 @@ class DiskPlacement(NVMePlacement):
         if self.grad_swap:   # the thread that writes the partitions
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-swap",
                                              initializer=self.acc.bind_thread)
+            for info in disk:
+                self.grad_pieces.setdefault(info.group, []).append(info)
 
         def fill(info):   # initial values: the working values and a fresh state, written out
             values = self.shards.initial_values(info.partition, info.start, info.end)
@@ -316,6 +321,7 @@ class DiskPlacement(NVMePlacement):
             self.grad_swap, self.grad_dtype = True, accum_dtype
             self.written: set[int] = set()            # groups whose extents hold this step's sums
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
+            self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
         return self.grad_swap
 
@@ -326,7 +332,7 @@ class DiskPlacement(NVMePlacement):
         if group in self.written:
             self._wait_writes()
             host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype, device="cpu")
-            for info in self._tiles(group):
+            for info in self.grad_pieces.get(group, ()):
                 self.stores[Tier.DISK].read_extent(info.index, host[info.start:info.end])
             if host is not buf:
                 buf.copy_(host)
@@ -345,11 +351,8 @@ class DiskPlacement(NVMePlacement):
         """(the writer thread) ``buf`` -> the group's extents, once the stream that added it is done."""
         produced.synchronize()   # sync point: this reduction only, off the backward thread
         host = buf if buf.device.type == "cpu" else buf.to("cpu")   # host sync: writer thread, after the event
-        for info in self._tiles(group):
+        for info in self.grad_pieces.get(group, ()):
             self.stores[Tier.DISK].write_extent(info.index, host[info.start:info.end])
-
-    def _tiles(self, group: int) -> list[Piece]:
-        return [i for i in self.infos if i.group == group]   # (swapped gradients: every piece is on disk)
 
     def _wait_writes(self, keep: int = 0) -> None:
         """Until at most ``keep`` writes are queued (raises the first failure)."""

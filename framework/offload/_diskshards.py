@@ -123,7 +123,9 @@ class DiskShards(HostShards):
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
-        """Slots as large as the largest shard (no pinned memory idles), as many as max_in_cpu allows."""
+        """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
+        pinned memory idles), no more than max_in_cpu lets be resident at once; none: refused (the
+        pre-flight and the estimate alike)."""
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "

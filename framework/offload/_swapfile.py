@@ -292,8 +292,9 @@ class FileMap:
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def release(self, t: torch.Tensor) -> None:
-        """Drop this process's mapping of the pages under ``t`` (a pass over the swapped state keeps a
-        bounded resident set); the next touch maps them again."""
+        """Drop this process's mapping of the pages under ``t``, so a pass over the swapped state keeps
+        a bounded resident set; the pages stay in the file (or the page cache, still to be synced)
+        and the next touch maps them again."""
         lo = t.data_ptr() - self._start
         if t.device.type != "cpu" or not t.numel() or not 0 <= lo < self.file.size:
             return   # not a view of this map
@@ -396,7 +397,8 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
               size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
               create: bool = False) -> None:
     """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the largest tile."""
+    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
+    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():

@@ -78,7 +78,8 @@ class Shards:
 
     @contextmanager
     def loading(self):
-        """Around ``load`` and its gather; yields the waits the current stream makes before it consumes the unit."""
+        """Around ``load`` and the gather reading it; yields the waits the current stream makes before
+        it consumes the unit (filled on leaving)."""
         yield []   # on the current stream: nothing to wait for
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -88,7 +89,7 @@ class Shards:
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
         self.p.acc.copy(shard, values)
 
-    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
+    def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event | None:
         """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
         acc = self.p.acc
         acc.on_device(dst, what="copy back destination")

@@ -26,9 +26,10 @@ import shutil
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -52,8 +53,9 @@ class BuildUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 
-# ``reason``: why ``module`` is None
-Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | None)])
+class Status(NamedTuple):
+    module: ModuleType | None
+    reason: str | None  # why module is None
 
 
 def cache_root() -> Path:
@@ -107,12 +109,10 @@ def _ensure_tools() -> None:
         raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
 
 
-def _compile(directory: Path) -> ModuleType:
-    from torch.utils import cpp_extension
-
-    _ensure_tools()
+@contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """Hold the build lock of ``directory``: one builder at a time across processes."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    # One builder at a time across processes; closing the file (or dying) drops the flock.
     with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
@@ -124,11 +124,23 @@ def _compile(directory: Path) -> ModuleType:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.2)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(directory: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    _ensure_tools()
+    with _exclusive(directory):
         if _finished(directory):  # another process built it while we waited
             return _import(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        # torch's baton; nobody else builds here while we hold the flock
-        (directory / "lock").unlink(missing_ok=True)
+        stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
+        if stale.exists():
+            stale.unlink()
         root = csrc_dir()
         try:
             module = cpp_extension.load(

@@ -130,11 +130,28 @@ def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] 
 
 # --- the transforms --------------------------------------------------------------------------
 
-EmptyState = NamedTuple("EmptyState", [])   # the state of a stateless transform
-ScaleByAdamState = NamedTuple("ScaleByAdamState", [("count", int), ("mu", list[Tensor]), ("nu", list[Tensor])])
-ScaleByLionState = NamedTuple("ScaleByLionState", [("mu", list[Tensor])])
-TraceState = NamedTuple("TraceState", [("count", int), ("trace", list[Tensor])])
-ScaleByRssState = NamedTuple("ScaleByRssState", [("count", int), ("sum_of_squares", list[Tensor])])
+class EmptyState(NamedTuple):
+    """State of a stateless transform."""
+
+
+class ScaleByAdamState(NamedTuple):
+    count: int
+    mu: list[Tensor]
+    nu: list[Tensor]
+
+
+class ScaleByLionState(NamedTuple):
+    mu: list[Tensor]
+
+
+class TraceState(NamedTuple):
+    count: int
+    trace: list[Tensor]
+
+
+class ScaleByRssState(NamedTuple):
+    count: int
+    sum_of_squares: list[Tensor]
 
 
 def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:
@@ -158,14 +175,17 @@ def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
         torch._foreach_lerp_(state.mu, grads, 1 - b1)  # torch uses lerp, not mul+add
         torch._foreach_mul_(state.nu, b2)
         torch._foreach_addcmul_(state.nu, grads, grads, value=1 - b2)
+        bc1 = 1 - b1 ** count if bias_correction else 1.0
+        bc2_sqrt = (1 - b2 ** count) ** 0.5 if bias_correction else 1.0
         for g, m, v in zip(grads, state.mu, state.nu):
             # g is consumed: its storage holds the denominator, then the update.
             torch.sqrt(v, out=g)
             if bias_correction:
-                g.div_((1 - b2 ** count) ** 0.5)
-            torch.div(m, g.add_(eps), out=g)
+                g.div_(bc2_sqrt)
+            g.add_(eps)
+            torch.div(m, g, out=g)
             if bias_correction:
-                g.div_(1 - b1 ** count)
+                g.div_(bc1)
         return grads, ScaleByAdamState(count, state.mu, state.nu)
 
     return GradientTransformation(init, update)

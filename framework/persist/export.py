@@ -72,10 +72,13 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     out_dir = Path(out_dir)
     create_files(out_dir, plans)
     for plan in plans:
-        with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY), "wb") as f:
+        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+        try:
             for e in plan.entries:
-                files.write_at(f.fileno(), ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
+                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
                 _trim()   # (the tensor is freed once written)
+        finally:
+            os.close(fd)
     return finish_files(out_dir, plans)
 
 

@@ -304,8 +304,9 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """``in_place=False`` (``gather_now``): a buffer of its own at every world size, so that edits inside
-        framework.gathered without ``modifier_rank`` are discarded at world size 1 too."""
+        """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
+        at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
+        discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)
         unit.works = []
         for g in unit.groups:

@@ -148,9 +148,13 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
-    starts = [k * (b.end - b.start) for k in range(b.count)]   # each range's offset in the buffer
-    return [(own[0], own[1], base + own[0] - start) for (start, end), base in zip(b.ranges, starts)
-            if (own := own_overlap(start, end, lo, hi)) is not None]
+    out, base = [], 0
+    for start, end in b.ranges:
+        own = own_overlap(start, end, lo, hi)
+        if own is not None:
+            out.append((own[0], own[1], base + own[0] - start))
+        base += end - start
+    return out
 
 
 def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:

@@ -193,12 +193,14 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         folders = [folder]
     else:
         folders = candidates(c.resume, root)[0]
-    for folder in folders[:1]:   # the one every rank reads first
-        try:
-            saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
-        except (CheckpointError, KeyError, TypeError):
-            break
-        same_run(folder, saved, cfg.to_dict(), c.resume)
+    if not folders:
+        return cfg
+    folder = folders[0]   # the one every rank reads first
+    try:
+        saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
+    except (CheckpointError, KeyError, TypeError):
+        return cfg
+    same_run(folder, saved, cfg.to_dict(), c.resume)
     return cfg
 
 

@@ -27,8 +27,9 @@ _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pr
 
 
 def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
-    """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (this run's):
-    checked for every folder a resume reads (one of another model whose shapes happen to fit is still refused)."""
+    """ConfigError unless ``saved`` (the config ``folder`` was saved with) has the model and optimizer
+    of ``mine`` (this run's): checked before the ranks start and again for each folder a resume
+    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused)."""
     diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
     if diffs:
         what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
