@@ -153,7 +153,7 @@ class Prediction(Footprint):
     # "activations" transient is the math path's, which the CPU runs.
     cuda_activations: int | None = None
 
-    MODEL_STATES = ("params", "grads", "grad_accumulator", "master_params", "optimizer_state",
+    MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
 
     @property
@@ -237,7 +237,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
     attention; by default both, for ``peak`` and ``device_peak``."""
     from framework.engine.build import component
-    from framework.stages import bucket_buffers, make_layout, param_groups
+    from framework.stages import bucket_buffers, make_layout, param_groups, whole_memory
     from framework.stages.sharded import ShardedStage, Zero2Stage
 
     world = world or cfg.dist.nproc
@@ -311,6 +311,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     else:
         raise ConfigError(f"estimate: no memory model for stage {stage!r}")
     placement.predict_pool(pred, shards, *cut)
+    whole_memory(pred, module, policy.param_dtype)   # frozen parameters and buffers, whole on every rank
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context

@@ -15,6 +15,7 @@ from torch import nn
 
 from framework.comm.distributed import Dist
 from framework.core.errors import FrameworkError
+from framework.core.footprint import Footprint
 
 
 # Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
@@ -147,13 +148,32 @@ def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: Paramet
     for name, p in list(module.named_parameters()):
         if p.requires_grad:
             continue
-        v = initial_values(init, name, p, dist.device).to(dtype if p.is_floating_point() else p.dtype).contiguous()
+        v = initial_values(init, name, p, dist.device).to(whole_dtype(p, dtype)).contiguous()
         dist.broadcast(v, what=f"initial values of frozen {name!r}")
         if p.is_meta:
             replace_parameter(module, p, nn.Parameter(v, requires_grad=False))
         else:
             p.data = v
     broadcast_buffers(module, dist)
+
+
+def whole_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a frozen parameter is kept in: the working ``dtype`` when floating, else its own."""
+    return dtype if p.is_floating_point() else p.dtype
+
+
+def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
+    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params"
+    (each distinct frozen parameter: in the working ``dtype`` when floating, as ``bind_frozen`` keeps it)
+    and "buffers" (each distinct buffer in its own dtype). The stages report their bound module's (the
+    bytes its tensors hold), the estimator a meta one's (a meta parameter as ``bind_frozen`` will keep
+    it), so the two compare. Items with no bytes are left out."""
+    frozen = sum(p.numel() * (whole_dtype(p, dtype).itemsize if p.is_meta else p.element_size())
+                 for p in module.parameters() if not p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    for name, nbytes in (("frozen_params", frozen), ("buffers", buffers)):
+        if nbytes:
+            fp.add(name, device=nbytes)
 
 
 def broadcast_buffers(module: nn.Module, dist: Dist) -> None:

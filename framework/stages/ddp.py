@@ -15,7 +15,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import PieceSpec, bind_groups, piece_spec
+from framework.stages._flat import PieceSpec, bind_groups, piece_spec, whole_memory
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
@@ -38,7 +38,7 @@ class DDPStage(BaseStage):
         self.hook_handles: list = []
 
     def setup(self, module: nn.Module, policy: Policy) -> Setup:
-        self.module = module
+        self.module, self.policy = module, policy
         kinds, self.layouts, self.flats, entries = bind_groups(module, 1, policy.param_dtype, self.dist,
                                                                initializer(module))
         self.master = [f.to(policy.master_dtype) for f in self.flats]   # the flat buffer itself when fp32
@@ -83,6 +83,7 @@ class DDPStage(BaseStage):
         self.flat_grads.memory(fp)
         fp.add("master_params", device=tensor_bytes(m for m, f in zip(self.master, self.flats) if m is not f))
         fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
+        whole_memory(fp, self.module, self.policy.param_dtype)
         return fp
 
 

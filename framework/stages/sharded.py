@@ -22,7 +22,7 @@ from framework.core.utils import tensor_bytes
 from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_groups
+from framework.stages._flat import bind_groups, whole_memory
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
                                      plan_buckets, plan_stripes, reduce_bucket, reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup
@@ -83,6 +83,7 @@ class ShardedStage(PartitionedStage):
         fp.add("params", device=tensor_bytes(self.flats))
         self.offload.memory(fp, opt_state)
         self._grad_memory(fp)
+        whole_memory(fp, self.module, self.policy.param_dtype)
         return fp
 
 

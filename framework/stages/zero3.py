@@ -18,7 +18,8 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
+from framework.stages._flat import (bind_frozen, initial_values, make_layout, replace_parameter, unit_groups,
+                                    whole_memory)
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
@@ -179,6 +180,7 @@ class Zero3Stage(PartitionedStage):
         self.offload.memory(fp, opt_state)
         if persistent is not None:
             fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
+        whole_memory(fp, self.module, self.policy.param_dtype)   # frozen ones whole: not in any unit
         return fp
 
     def stats(self) -> dict:

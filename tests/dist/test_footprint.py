@@ -7,16 +7,23 @@ shapes with the functions the stages and tiers lay themselves out with (``make_l
 ``plan_units``, ``Zero2Stage.plan``, ``Placement.ranges`` and ``Placement.predict``). Every
 stage x offload x precision on one rank, the settings that change the layout (partial offload,
 parameter offload, speculation, accumulation, small tiles and buckets),
-and the sharded compositions on two ranks.
+and the sharded compositions on two ranks. Cases marked ``FROZEN`` add what every stage keeps whole
+on every rank: frozen parameters (in the working dtype when floating) and buffers (their own dtype).
 """
 from __future__ import annotations
 
 import itertools
 
+import torch
+from torch import nn
+
 import framework
-from framework.memory.model import predict
+from framework.engine.build import component
+from framework.memory.model import data_vocab, predict
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
+
+FROZEN = "frozen+buffers"   # not an override: the case's model gets frozen parameters and buffers (``_freeze``)
 
 ONE_RANK = [(f"+stage={s}", f"offload={o}", f"precision={p}")
             for s, o, p in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"],
@@ -34,22 +41,48 @@ ONE_RANK += [
     ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16"),
     ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300", "offload.param_buffer_count=2"),
     ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "precision=bf16"),
+    ("+stage=ddp", "precision=bf16", FROZEN),
+    ("+stage=zero1", FROZEN),
+    ("+stage=zero2", "offload=cpu", "precision=fp16", FROZEN),
+    ("+stage=zero3", "precision=bf16", FROZEN),
+    ("+stage=zero3", "offload=nvme", "precision=bf16", FROZEN),
 ]
 TWO_RANKS = [(f"+stage={s}", f"offload={o}", "precision=bf16")
              for s, o in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"])]
 TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300"),
               # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
               ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",
-               "stage.overlap_comm=true", "precision=bf16")]
+               "stage.overlap_comm=true", "precision=bf16"),
+              ("+stage=zero3", "precision=bf16", FROZEN)]
+
+
+def _freeze(module: nn.Module) -> nn.Module:
+    """A LoRA-style model: the position embedding frozen, a frozen integer parameter, and buffers of
+    their own dtypes (one registered under two names, one non-persistent); the forward reads none of
+    the additions. Built on the meta device (the estimator's) as on the host (the engine's)."""
+    module.wpe.weight.requires_grad_(False)
+    module.register_parameter("frozen_ids", nn.Parameter(torch.zeros(7, dtype=torch.int64), requires_grad=False))
+    scale = torch.ones(5, 3, dtype=torch.float64)
+    module.register_buffer("scale", scale)
+    module.ln_f.register_buffer("scale_alias", scale)
+    module.register_buffer("counts", torch.zeros(11, dtype=torch.int32), persistent=False)
+    return module
 
 
 def _footprints(dist, cases, folder):
     """(case, what the engine holds, what the estimator predicts) after one step of each case."""
     out = []
     for case in cases:
-        overrides = [*case, "train.steps=1", *([f"offload.nvme_path={folder}"] if "offload=nvme" in case else [])]
+        frozen = FROZEN in case
+        overrides = [*(o for o in case if o != FROZEN), "train.steps=1",
+                     *([f"offload.nvme_path={folder}"] if "offload=nvme" in case else [])]
         cfg = tiny_config(*overrides)
         module, data = build_gpt(cfg)
+        meta = None
+        if frozen:
+            _freeze(module)
+            with torch.device("meta"):
+                meta = _freeze(component(cfg, "model").build(cfg.model, vocab_size=data_vocab(cfg)))
         engine = framework.initialize(module, gpt_loss, cfg, dist)
         try:
             batch = data.train_batch(0, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
@@ -58,7 +91,9 @@ def _footprints(dist, cases, folder):
             held = engine.memory(state).nonzero()
         finally:
             engine.close()
-        out.append((case, held, predict(cfg, dist.world).nonzero()))
+        if frozen:
+            assert {"frozen_params", "buffers"} <= set(held[0]), held   # (the case tests something)
+        out.append((case, held, predict(cfg, dist.world, module=meta).nonzero()))
     return out
 
 
