@@ -36,15 +36,21 @@ from framework.loggers import RunInfo
 from framework.cli.loop import train
 
 
-def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None) -> dict:
-    """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests)."""
+def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None,
+           on_owned: Callable[[Path], None] | None = None) -> dict:
+    """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests);
+    ``on_owned(run folder)`` is called once, where the run folder's lock is held and the checks before
+    any rank passed (the CLI writes Hydra's record of the run there then, never over a live run's)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
     with sigterm_exits(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
-            return preflight(cfg, run.run_dir, run.job)
+            cfg = preflight(cfg, run.run_dir, run.job)
+            if on_owned is not None:
+                on_owned(run.run_dir)
+            return cfg
 
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
             already = torch.distributed.is_initialized()

@@ -10,7 +10,9 @@
     python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
 Every job's config is composed and checked once, before any run folder or process exists; Hydra
-then makes the run folder and the job (and the ranks it spawns) receives that config.
+then makes the run folder and the job (and the ranks it spawns) receives that config. Hydra's record
+of the job (.hydra/) is written by the job once it holds the run folder, and a job refused before it
+trained removes the folders made for it: a refused run leaves the file system as it found it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import argparse
 import functools
 import itertools
 import math
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Callable
@@ -29,7 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.cli.launch import launch
+from framework.cli.launch import RUN_LOCK, launch
 from framework.config import Config, app_composer, compose, compose_layers, parse_overrides, standalone_composer
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
@@ -161,6 +165,79 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
     print(OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{node}\n", end="")
 
 
+# Hydra writes its record of a job (config.yaml, hydra.yaml, overrides.yaml in hydra.output_subdir) into
+# the run folder before the job runs: over the record of the live run there that the job then refuses,
+# into a folder of a job refused a moment later. So Hydra is told to write none, and the job writes it
+# (``_record``) once it holds the folder and its checks passed.
+NO_RECORD = "hydra.output_subdir=null"
+
+
+def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path) -> None:
+    """Hydra's record of the job, as Hydra writes it (hydra.yaml with the user's output_subdir and
+    overrides, not ``NO_RECORD``), in ``folder``/``subdir``; none where output_subdir is null."""
+    if subdir is None:
+        return
+    hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir)
+    out = folder / subdir
+    files.make_dirs(out)
+    for name, node in (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hc.overrides.task)):
+        files.write_atomic(out / name, OmegaConf.to_yaml(node).encode())
+
+
+def _as_given(cfg: DictConfig, subdir: str | None) -> DictConfig:
+    """``cfg`` (with Hydra's config under ``hydra``) with the user's output_subdir and without ``NO_RECORD``."""
+    given = OmegaConf.to_container(cfg.hydra.overrides.hydra)   # as given: interpolations unresolved
+    if NO_RECORD in given:
+        del given[len(given) - 1 - given[::-1].index(NO_RECORD)]   # ours: the last one
+    cfg.hydra.overrides.hydra, cfg.hydra.output_subdir = given, subdir
+    return cfg
+
+
+def _record_sweep(sweep_dir: Path, subdir: str | None) -> None:
+    """The sweep's multirun.yaml (Hydra's launcher wrote it before the jobs) as without ``NO_RECORD``;
+    each job of the sweep writes the same."""
+    path = sweep_dir / "multirun.yaml"
+    try:
+        cfg = OmegaConf.load(path)
+    except FileNotFoundError:   # (a launcher that writes none)
+        return
+    if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
+        files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir)).encode())
+
+
+def _base(cfg: DictConfig, key: str) -> Path | None:
+    """The nearest folder of the job's run folder (``key``) that exists before Hydra runs; None where
+    only a running Hydra resolves it."""
+    try:
+        return nearest_existing(Path(str(OmegaConf.select(cfg, key))))
+    except OmegaConfBaseException:
+        return None
+
+
+def _made(folder: Path, base: Path | None) -> list[Path]:
+    """The folders Hydra made for this job, deepest first: ``folder`` and those above it below
+    ``base``; none where ``folder`` holds anything (it was there before)."""
+    if base is None or base not in folder.parents or any(folder.iterdir()):
+        return []
+    return [folder, *(p for p in folder.parents if base in p.parents)]
+
+
+def _remove_made(made: list[Path], subdir: str | None) -> None:
+    """Remove the folders made for a job that was refused before it trained (rank 0's, which holds
+    nothing but what the job wrote: Hydra's record, train.log, run.lock)."""
+    if not made or int(os.environ.get("RANK", "0")) != 0:
+        return
+    ours = {"train.log", RUN_LOCK, *([Path(subdir).parts[0]] if subdir else [])}
+    if not {p.name for p in made[0].iterdir()} <= ours:
+        return
+    shutil.rmtree(made[0], ignore_errors=True)
+    for p in made[1:]:
+        try:
+            p.rmdir()
+        except OSError:   # holds another run's folder (or a sweep's multirun.yaml)
+            break
+
+
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
 # Keys that say how long, how visibly or where a job runs, not which job it is: left out of the name of
@@ -203,13 +280,15 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
 
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
-         swept: frozenset[str]) -> Callable[[], None]:
+         swept: frozenset[str], subdir: str | None, base: Path | None) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
+    ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
+    of the run folder that existed before Hydra made it.
     A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
     ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
-    def job(_: DictConfig) -> float:
+    def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
         overrides = list(hc.overrides.task)
         config = configs.get(_key(overrides))
@@ -221,9 +300,13 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
                       if multirun else None)
+        made = _made(run.run_dir, base)
+        if multirun:
+            _record_sweep(Path(hc.sweep.dir), subdir)
         try:
-            return launch(config, run, on_point)["val_loss"]
+            return launch(config, run, on_point, functools.partial(_record, task, hc, subdir))["val_loss"]
         except FrameworkError as e:
+            _remove_made(made, subdir)
             print(f"error: {e}", file=sys.stderr, flush=True)
             if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
                 sys.exit(1)   # (another launcher reports the job's exit)
@@ -239,18 +322,25 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
         jobs, primary, folder = _jobs(sys.argv[1:])
-        configs = {}
+        configs, subdir, base = {}, None, None
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
             cfg, configs[_key(overrides)] = compose_layers(
                 overrides, composer=functools.partial(standalone_composer, **primary))
             check_stage_chosen(overrides, cfg, configs[_key(overrides)])
             check_folder(cfg, folder)
             check_no_chdir(cfg)
+            subdir, base = OmegaConf.select(cfg, "hydra.output_subdir"), _base(cfg, folder)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     failed: list[str] = []
-    _app(configs, on_point, failed, swept_keys(jobs))()
+    argv = list(sys.argv)
+    if configs:   # (not for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
+        sys.argv.append(NO_RECORD)
+    try:
+        _app(configs, on_point, failed, swept_keys(jobs), subdir, base)()
+    finally:
+        sys.argv[:] = argv
     if failed:
         print(f"error: {len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}",
               file=sys.stderr)

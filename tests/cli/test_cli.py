@@ -68,6 +68,21 @@ def test_missing_data_file(forkrun, tmp_path):
     assert p.returncode != 0
     lines = error_lines(p)
     assert len(lines) == 1 and "no/such/file.txt" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()   # the run folder made for the refused run is gone again
+
+
+def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
+    """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
+    those that were there before are kept."""
+    for outputs in (False, True):
+        p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99"], cwd=tmp_path, env=ENV)
+        assert p.returncode == 1 and "model.vocab_size=99 differs" in error_lines(p)[-1], p.stderr
+        assert [q.name for q in tmp_path.iterdir()] == (["outputs"] if outputs else [])
+        (tmp_path / "outputs").mkdir(exist_ok=True)   # (kept: there before)
+    (tmp_path / "outputs" / "mine").mkdir()   # an empty folder of the user's, named as the run folder: kept
+    p = forkrun.run("framework.train", [*SHORT, "model.vocab_size=99", "hydra.run.dir=outputs/mine"], cwd=tmp_path,
+                    env=ENV)
+    assert p.returncode == 1 and [q.name for q in (tmp_path / "outputs").iterdir()] == ["mine"]
 
 
 def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
@@ -87,6 +102,11 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     assert p.returncode == 0, p.stderr
     summaries = [json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text()) for i in (0, 1)]
     assert [s["config"]["optimizer"]["name"] for s in summaries] == ["adamw", "lion"]
+    # Hydra's records of the sweep and of each job, as Hydra writes them (the job writes its own).
+    for record in (tmp_path / "sweep" / "multirun.yaml", tmp_path / "sweep" / "1" / ".hydra" / "hydra.yaml"):
+        assert "output_subdir: .hydra" in record.read_text() and "output_subdir=null" not in record.read_text()
+    assert "optimizer=lion" in (tmp_path / "sweep" / "1" / ".hydra" / "overrides.yaml").read_text()
+    assert len({(tmp_path / "sweep" / str(i) / ".hydra" / "config.yaml").read_text() for i in (0, 1)}) == 2
     # No state leaks between jobs: the lion job starts from the same initial loss as a fresh run.
     first = [json.loads((tmp_path / "sweep" / str(i) / "metrics.jsonl").read_text().splitlines()[0])
              for i in (0, 1)]
@@ -114,6 +134,7 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     p = cli(forkrun, tmp_path, "-m", "data=text", "data.path=missing.txt,t.txt", *SHORT)
     assert p.returncode == 1
     assert (tmp_path / "sweep" / "1" / "summary.json").is_file()   # the job after the failed one ran
+    assert not (tmp_path / "sweep" / "0").exists()   # the refused job's folder is gone again
     lines = error_lines(p)
     assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
@@ -147,14 +168,22 @@ def test_a_second_run_into_a_live_runs_folder_is_refused(forkrun, tmp_path):
     from framework.cli.launch import own_run_folder
     from framework.loggers import RunInfo
 
-    fd = own_run_folder(RunInfo(tmp_path / "run", None, None))   # a live run holds it
+    run = tmp_path / "run"
+    fd = own_run_folder(RunInfo(run, None, None))   # a live run holds it, with its record of its config
+    (run / ".hydra").mkdir()
+    record = {name: f"the live run's {name}\n" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    for name, text in record.items():
+        (run / ".hydra" / name).write_text(text)
     try:
         p = cli(forkrun, tmp_path, *SHORT)
     finally:
         os.close(fd)
     assert p.returncode == 1 and "loss" not in p.stdout
     lines = error_lines(p)
-    assert len(lines) == 1 and f"run folder {tmp_path / 'run'} is in use by another run" in lines[0], p.stderr
+    assert len(lines) == 1 and f"run folder {run} is in use by another run" in lines[0], p.stderr
+    # The refused run wrote nothing there: the live run's record of its config is as it was.
+    assert {q.name for q in run.iterdir()} == {".hydra", "run.lock"}
+    assert {q.name: q.read_text() for q in (run / ".hydra").iterdir()} == record
 
 
 def test_two_local_ranks(forkrun, tmp_path):
@@ -266,10 +295,12 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert len(lines) == 1 and "step-4 was saved by another model (model.n_head 2 vs 4" in lines[0], fallback.stderr
 
     # Starting afresh where this run's saves would overwrite another run's checkpoints: refused.
+    recorded = (run / ".hydra" / "overrides.yaml").read_text()
     afresh = _run(forkrun, tmp_path, "checkpoint.every=2", "checkpoint.resume=off", "hydra.run.dir=outputs/a")
     assert afresh.returncode != 0
     lines = error_lines(afresh)
     assert len(lines) == 1 and "holds 2 checkpoint(s), newest step-6, which this run's saves would" in lines[0], lines
+    assert (run / ".hydra" / "overrides.yaml").read_text() == recorded   # the refused run's is not recorded
     # Rewound to step-4 and saved step-5: resume=auto continues that newest commit, not the
     # abandoned step-6 beside it.
     rewound = _run(forkrun, tmp_path, "checkpoint.every=2", f"checkpoint.resume={run / 'checkpoints' / 'step-4'}",

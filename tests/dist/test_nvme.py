@@ -266,7 +266,8 @@ def test_a_rank_refused_by_the_early_bound_stops_every_rank(pools, tmp_path):
 def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path):
     """A file system without room for the swap file (here: a 256 KiB file size limit, RLIMIT_FSIZE, on
     the training process) stops the CLI run before the first step with one line naming the swap file
-    and the fix, exit code 1; the run directory keeps what it had and no swap file remains."""
+    and the fix, exit code 1; the run directory (there before: a folder made for a refused run is
+    removed) keeps what it had and no swap file remains."""
     import resource
     import subprocess
     import sys
@@ -275,6 +276,8 @@ def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path
     from tests._helpers import TINY
 
     run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("the user's")
     root = Path(__file__).resolve().parents[2]
 
     def limit():
@@ -289,7 +292,7 @@ def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path
     assert len(errors) == 1 and "cannot reserve" in errors[0] and "rank00000.optim.swap" in errors[0] \
         and "offload.nvme_path" in errors[0], out.stderr[-2000:]
     left = sorted(p.name for p in run_dir.iterdir())
-    assert ".hydra" in left and "nvme" not in left, left
+    assert ".hydra" in left and "notes.txt" in left and "nvme" not in left, left
     assert not list(run_dir.rglob("*.swap")), left
 
 
