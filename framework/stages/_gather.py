@@ -92,6 +92,9 @@ class Unit:
     reduced: bool = False                           # reduced (and released) in this backward pass
     in_backward: bool = False                       # gathered for this backward, not yet reduced
     active: int = 0                                 # forwards of this unit currently running
+    # framework.gathered blocks holding it: the hooks release it only when none does, so a forward
+    # inside the block (or a nested block) leaves it gathered for the holder that gathered it.
+    held: int = 0
     gatherer: "Gatherer | None" = None
 
     @property
@@ -176,7 +179,7 @@ class Gatherer:
                 if t.requires_grad:
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
-        if unit.active == 0 and not self._keep(unit):
+        if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
@@ -294,7 +297,7 @@ class Gatherer:
             if self.live + need <= self.max_live:
                 return
             if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
-                    and unit.active == 0:
+                    and unit.active == 0 and not unit.held:
                 self.release(unit)
 
     def _in_place(self, g: UnitGroup) -> bool:
@@ -347,6 +350,11 @@ class Gatherer:
             for p in g.params:
                 p.data = self.empty
             if g.full is g.shard:   # gathered in place: the shard keeps its values
+                continue
+            if not g.full.untyped_storage().resizable():
+                # Shared with a NumPy array (.numpy() on a parameter inside framework.gathered): the
+                # array keeps these bytes; the next gather takes a buffer of its own.
+                g.full = None
                 continue
             # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
             g.full.untyped_storage().resize_(0)
@@ -425,6 +433,32 @@ class Gatherer:
             self._start_gather(unit, in_place=False)
         self._finish_gather(unit)
         return sharded
+
+    def hold(self, unit: Unit) -> bool:
+        """Gather ``unit`` and keep it gathered until ``unhold`` (framework.gathered); True if this
+        call gathered it, and so is the holder that releases it."""
+        started = self.gather_now(unit)
+        unit.held += 1
+        return started
+
+    def unhold(self, unit: Unit, started: bool) -> None:
+        unit.held -= 1
+        if started and not unit.held and unit.active == 0 and not unit.in_backward:
+            self.release(unit)
+
+    def check_not_held(self) -> None:
+        """The backward pass and the step would reduce and update what a framework.gathered block
+        still holds (and its exit with modifier_rank would write the old values back over the step)."""
+        held = [u.name for u in self.all_units if u.held]
+        if held:
+            # This pass's forward ran, its backward will not: not a trace to follow, nor units to keep for it.
+            self.recording = None
+            for u in self.units:
+                if u.state is not UnitState.SHARDED and not u.held and u.active == 0:
+                    self.release(u)
+            raise TrainingError(f"zero3: train_step inside framework.gathered (which holds unit {held[0]!r}"
+                                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): leave the with block "
+                                f"before training; a forward alone is fine inside it")
 
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0

@@ -128,6 +128,7 @@ class Zero3Stage(PartitionedStage):
         return group
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
+        self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set
         try:
             (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
@@ -207,14 +208,18 @@ class Zero3Stage(PartitionedStage):
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
     GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit and
-    re-partitioned into every shard and master copy (ZeRO-3 parameters only)."""
+    re-partitioned into every shard and master copy (ZeRO-3 parameters only). Forwards inside the
+    block leave the parameters gathered; a train_step inside it is refused (TrainingError)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     if modifier_rank is not None and len(sharded) != len(params):
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
-    started = [u for u in units if u.gatherer.gather_now(u)]
+    # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
+    held = []
     try:
+        for u in units:
+            held.append((u, u.gatherer.hold(u)))
         yield
         if modifier_rank is not None:
             for unit in units:
@@ -223,8 +228,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, g.full[lo:hi])
     finally:
-        for unit in started:
-            unit.gatherer.release(unit)
+        for unit, started in held:
+            unit.gatherer.unhold(unit, started)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):

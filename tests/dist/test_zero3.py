@@ -259,6 +259,7 @@ def _modify(dist):
         if dist.rank == 1:
             with torch.no_grad():
                 w.fill_(0.5)
+        module.generate(prompt, 1)   # a forward inside the block keeps w gathered and the edit with it
     with framework.gathered([w]):
         seen = w.detach().clone()
     export = engine.consolidated_state_dict()
@@ -369,3 +370,57 @@ def test_order_change_logs_one_line_and_keeps_results(caplog):
     lines = [r.getMessage() for r in caplog.records if "module order changed" in r.getMessage()]
     assert lines and ("'extra'" in lines[0] or "'b'" in lines[0]), lines
     assert len(losses) == 8
+
+
+def _forward_inside_gathered(dist):
+    """Two zero3 runs of the same steps; between them the second runs forwards inside (nested)
+    framework.gathered blocks, edits without modifier_rank, reads a parameter through NumPy and
+    tries a train_step inside a block."""
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0")
+    x = torch.tensor([[1, 2, 3, 4]])
+    runs = []
+    for poke in (False, True):
+        module, data = build_gpt(cfg)
+        engine = framework.initialize(module, gpt_loss, cfg, dist)
+        units = engine.components.stage.gatherer.units
+        batches = [data.train_batch(k, micro_batch=2, grad_accum=1, rank=dist.rank, world=dist.world)
+                   for k in range(2)]
+        state, m0 = engine.train_step(engine.state, batches[0])   # records the traces
+        with torch.no_grad():
+            plain = module(x)
+        seen = {}
+        if poke:
+            params, block = list(module.parameters()), list(module.blocks[0].parameters())
+            whole = lambda ps: all(p.numel() == p.logical_shape.numel() for p in ps)  # noqa: E731
+            with framework.gathered(block):
+                with framework.gathered(params):   # gathers every other unit; releases those on exit
+                    with torch.no_grad():
+                        seen["inner"] = torch.equal(module(x), plain)
+                    seen["whole_inner"] = whole(params)
+                seen["outer_keeps_block"] = whole(block) and not whole(params)
+                with torch.no_grad():
+                    seen["outer"] = torch.equal(module(x), plain)
+                    block[0].add_(1.0)   # no modifier_rank: discarded on exit
+                    seen["edit_used"] = not torch.equal(module(x), plain)
+                seen["whole_outer"] = whole(block)
+                try:
+                    engine.train_step(state, batches[1])
+                except framework.TrainingError as e:
+                    seen["refused"] = str(e)
+            with framework.gathered(params[:1]):
+                params[0].detach().numpy()   # shares the storage, which can then not be resized
+            seen["released"] = all(u.state.value == "sharded" for u in units) and not any(p.numel() for p in params)
+        state, m1 = engine.train_step(state, batches[1])
+        runs.append(([m0["loss"], m1["loss"]], _full_params(engine), seen))
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_forward_inside_gathered_keeps_units_until_their_holder_exits(pools, world):
+    out = [_forward_inside_gathered(_local())] if world == 1 else pools(2).run(_forward_inside_gathered,
+                                                                               timeout=120)
+    for (ref_losses, ref_params, _), (losses, params, seen) in out:
+        assert seen.pop("refused").startswith("zero3: train_step inside framework.gathered")
+        assert all(seen.values()), seen
+        assert losses == ref_losses   # the next steps as without the blocks (the edit discarded)
+        torch.testing.assert_close(params, ref_params, rtol=0, atol=0)
