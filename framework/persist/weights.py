@@ -11,6 +11,7 @@ rank assembles a whole tensor; the price is that every rank must see ``out_dir``
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,6 +203,11 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     config = getattr(module, "config", None)
     if isinstance(config, PretrainedConfig):
         files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
+        # As transformers' own save_pretrained: the config names the dtype actually written (from_pretrained
+        # casts to it, so a source config's bfloat16 would round fp32 trained values) and the class.
+        config = copy.deepcopy(config)
+        config.dtype = dtype if dtype is not None else engine.components.policy.master_dtype
+        config.architectures = [type(module).__name__]
         config.save_pretrained(out_dir)
         paths.append(Path(out_dir) / "config.json")
         gen = getattr(module, "generation_config", None)

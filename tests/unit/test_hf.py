@@ -151,3 +151,27 @@ def test_deepspeed_auto_bucket_sizes_use_the_hf_hidden_size(tmp_path):
     path = write_config("gpt2", tmp_path)
     cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
     assert cfg.stage.reduce_bucket_size == 32 * 32
+
+
+def _engine(cfg):
+    model, _ = build(cfg)
+    return framework.initialize(model, component(cfg, "model").loss, cfg)
+
+
+def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
+    """A source config saying bfloat16 must not make from_pretrained round the fp32 values written."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_cfg(write_config("llama", tmp_path / "src", dtype="bfloat16"), "+stage=zero3")
+    with _engine(cfg) as engine:
+        engine.save_pretrained(tmp_path / "out")
+        with framework.gathered(list(engine.components.module.parameters())):
+            params = {n: p.detach().clone() for n, p in engine.components.module.named_parameters()}
+        engine.save_pretrained(tmp_path / "out16", dtype=torch.bfloat16)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["dtype"] == "float32" and written["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((tmp_path / "out16" / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert all(torch.equal(p, params[n]) for n, p in hf.named_parameters())
