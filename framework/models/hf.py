@@ -89,16 +89,6 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except ValueError as e:
         raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
-    if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
-        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts).
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        if get_checkpoint_conversion_mapping(config.model_type) is not None:
-            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
-                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
-                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
-                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -107,7 +97,27 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if limit is not None and cfg.context > limit:
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
                           f"set model.context <= {limit}")
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"{key}: model_type {model_type} is not a causal language model (transformers has no "
+                          f"AutoModelForCausalLM class for it); model=hf trains causal LMs only")
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
+        raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
+                          f"set model.attn_implementation=eager")
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    if cfg.pretrained is not None:
+        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
+        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts), looked up as
+        # transformers does (by class name, then model_type, for the model and its sub-models).
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        if get_model_conversion_mapping(model, add_legacy=False):
+            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
+                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
+                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
+                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
+        if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
+            model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model

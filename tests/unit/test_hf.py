@@ -135,8 +135,15 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
         component(cfg, "model").build(cfg.model)
     folder = tmp_path / "mixtral"
     write_config("llama", folder, model_type="mixtral", num_local_experts=2, num_experts_per_tok=1)
-    cfg = framework.compose(["model=hf", f"model.pretrained={folder}"])
+    cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
     with pytest.raises(ConfigError, match="mixtral checkpoints need key conversions on load"):
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model)
+    # Mappings keyed by class name are found too (GPTNeoXForCausalLM renames embed_out to lm_head).
+    neox = tmp_path / "neox"
+    write_config("llama", neox, model_type="gpt_neox", num_attention_heads=4)
+    cfg = framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
+    with pytest.raises(ConfigError, match="gpt_neox checkpoints need key conversions on load"):
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
     # From scratch the same architecture builds (no checkpoint keys to convert).
@@ -175,3 +182,37 @@ def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
     assert json.loads((tmp_path / "out16" / "config.json").read_text())["dtype"] == "bfloat16"
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
     assert all(torch.equal(p, params[n]) for n, p in hf.named_parameters())
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (dict(model_type="gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], hidden_size=32,
+          num_heads=4, vocab_size=96, max_position_embeddings=32),
+     "model.attn_implementation=sdpa is not supported by GPTNeoForCausalLM; set model.attn_implementation=eager"),
+    (dict(model_type="t5", d_model=32, num_layers=2, num_heads=4, vocab_size=96, d_ff=64, d_kv=8),
+     "model_type t5 is not a causal language model"),
+])
+def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16"])
+    with pytest.raises(ConfigError) as e:
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    if raw["model_type"] == "gpt_neo":   # eager builds
+        cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
+                                 "model.attn_implementation=eager"])
+        with framework.zero_init():
+            assert component(cfg, "model").build(cfg.model) is not None
+
+
+def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
+    import json
+
+    write_config("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7], "max_new_tokens": 5}))
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16"])
+    with framework.zero_init():
+        model = component(cfg, "model").build(cfg.model)
+    assert model.generation_config.eos_token_id == [0, 7] and model.generation_config.max_new_tokens == 5
