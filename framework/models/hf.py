@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import sys
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
@@ -121,6 +123,32 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
+    """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
+    keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
+    hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
+    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers). ``names``: the model's
+    tensor names. Anything else maps to itself (unexpected, for a strict load to report)."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    keys = list(keys)
+    out: dict[str, str | None] = {k: k for k in keys if k in names}
+    claimed = set(out)
+    for k in keys:
+        if k in out:
+            continue
+        stripped = k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else None
+        for name in (stripped, f"{prefix}.{k}" if prefix else None):
+            if name is not None and name in names and name not in claimed:
+                out[k] = name
+                claimed.add(name)
+                break
+        else:
+            out[k] = None if ignore is not None and ignore.search(k) else k
+    return out
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:

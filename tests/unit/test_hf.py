@@ -216,3 +216,29 @@ def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
     with framework.zero_init():
         model = component(cfg, "model").build(cfg.model)
     assert model.generation_config.eos_token_id == [0, 7] and model.generation_config.max_new_tokens == 5
+
+
+def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_path):
+    """The hub GPT-2 layout: a GPT2Model's keys (no ``transformer.`` prefix) plus old ``attn.bias`` buffers the
+    class ignores on load; anything else unexpected is still refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model
+
+    raw = dict(CONFIGS["gpt2"])
+    raw.pop("model_type")
+    torch.manual_seed(3)
+    GPT2Model(GPT2Config(**raw)).save_pretrained(tmp_path / "hub")
+    tensors = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "wte.weight" in tensors and not any(k.startswith("transformer.") for k in tensors)
+    tensors["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hub", local_files_only=True)
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path / 'hub'}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        framework.load_weights(engine, tmp_path / "hub")
+        got = dict(engine.components.module.named_parameters())
+        assert all(torch.equal(got[n], p) for n, p in hf.named_parameters())
+        save_file({**tensors, "h.0.extra": torch.zeros(2)}, tmp_path / "hub" / "model.safetensors",
+                  metadata={"format": "pt"})
+        with pytest.raises(ConfigError, match=r"unexpected 1: h\.0\.extra"):
+            framework.load_weights(engine, tmp_path / "hub")
