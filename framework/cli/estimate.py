@@ -73,7 +73,14 @@ def resolve_model(value: str, overrides: list[str]):
     if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     if hf:   # our stages, precision, batch and offload keys around it
-        return hf_model_from_config(path), compose(overrides), True, "model"
+        cfg = compose(overrides)
+        if cfg.model.activation_checkpointing:
+            # The config.json is built as it is; the trace on meta cannot run transformers' checkpointing
+            # (as for model=hf model.config=...), so the key would change nothing: refused, not ignored.
+            raise ConfigError(f"estimate: model.activation_checkpointing=true does not apply to model={value} (its "
+                              f"activations are traced on the meta device, where transformers' checkpointing cannot "
+                              f"run); predict it with model.activation_checkpointing=false")
+        return hf_model_from_config(path), cfg, True, "model"
     if yaml:
         from omegaconf import OmegaConf
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 import sys
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
@@ -89,16 +91,6 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except ValueError as e:
         raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
-    if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
-        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts).
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-        if get_checkpoint_conversion_mapping(config.model_type) is not None:
-            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
-                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
-                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
-                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -107,10 +99,56 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if limit is not None and cfg.context > limit:
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
                           f"set model.context <= {limit}")
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"{key}: model_type {model_type} is not a causal language model (transformers has no "
+                          f"AutoModelForCausalLM class for it); model=hf trains causal LMs only")
+    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
+        raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
+                          f"set model.attn_implementation=eager")
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    if cfg.pretrained is not None:
+        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
+        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts), looked up as
+        # transformers does (by class name, then model_type, for the model and its sub-models).
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        if get_model_conversion_mapping(model, add_legacy=False):
+            raise ConfigError(f"model.pretrained: {config.model_type} checkpoints need key conversions on load "
+                              f"(transformers.conversion_mapping renames or fuses their weights), which framework's "
+                              f"sliced loader does not apply; load it with AutoModelForCausalLM.from_pretrained and "
+                              f"pass the model to framework.initialize, or use model.config to train one from scratch")
+        if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
+            model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
+    """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
+    keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
+    hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
+    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers). ``names``: the model's
+    tensor names. Anything else maps to itself (unexpected, for a strict load to report)."""
+    prefix = getattr(module, "base_model_prefix", "") or ""
+    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
+    keys = list(keys)
+    out: dict[str, str | None] = {k: k for k in keys if k in names}
+    claimed = set(out)
+    for k in keys:
+        if k in out:
+            continue
+        stripped = k[len(prefix) + 1:] if prefix and k.startswith(prefix + ".") else None
+        for name in (stripped, f"{prefix}.{k}" if prefix else None):
+            if name is not None and name in names and name not in claimed:
+                out[k] = name
+                claimed.add(name)
+                break
+        else:
+            out[k] = None if ignore is not None and ignore.search(k) else k
+    return out
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:

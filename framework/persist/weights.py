@@ -11,6 +11,7 @@ rank assembles a whole tensor; the price is that every rank must see ``out_dir``
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 from framework.comm.distributed import agree
 from framework.core import files
 from framework.core.errors import ConfigError
+from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
@@ -101,19 +103,25 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
 
         def load() -> None:   # a source given open stays open
             with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
-                _load(src, strict, layout, masters, tgts, fmap)
+                names = {a for t in tgts for a in t.aliases}
+                # a transformers model takes the checkpoint keys its own from_pretrained would map
+                keys = checkpoint_names(c.module, src.meta, names) if is_hf_model(c.module) else None
+                _load(src, strict, layout, masters, tgts, fmap, keys)
 
         agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
 def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],
-          fmap) -> None:
-    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written."""
+          fmap, keys: dict[str, str | None] | None = None) -> None:
+    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written. ``keys``:
+    source key -> the model name it loads into (None: ignored); by default each key names itself."""
+    keys = {k: k for k in src.meta} if keys is None else keys
+    by_name = {n: k for k, n in keys.items() if n is not None}   # model name -> source key
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
     for t in tgts:
-        key = next((a for a in t.aliases if a in src.meta), None)
+        key = next((by_name[a] for a in t.aliases if a in by_name), None)
         if key is None:
             missing.append(t.name if len(t.aliases) == 1 else f"{t.name} (or {', '.join(t.aliases[1:])})")
             continue
@@ -123,7 +131,8 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
         elif (dt := src.dtype(key)).is_floating_point != t.dtype.is_floating_point or \
                 (dt == torch.bool) != (t.dtype == torch.bool):
             mismatched.append(f"{key}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
-    unexpected = sorted(set(src.meta) - {a for t in tgts for a in t.aliases})
+    names = {a for t in tgts for a in t.aliases}
+    unexpected = sorted(k for k, n in keys.items() if n is not None and n not in names)
     problems = [f"{what} {len(names)}: {few(names, 20, str)}" for what, names in
                 (("missing", missing if strict else []), ("unexpected", unexpected if strict else []),
                  ("mismatched", mismatched)) if names]
@@ -202,6 +211,11 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     config = getattr(module, "config", None)
     if isinstance(config, PretrainedConfig):
         files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
+        # As transformers' own save_pretrained: the config names the dtype actually written (from_pretrained
+        # casts to it, so a source config's bfloat16 would round fp32 trained values) and the class.
+        config = copy.deepcopy(config)
+        config.dtype = dtype if dtype is not None else engine.components.policy.master_dtype
+        config.architectures = [type(module).__name__]
         config.save_pretrained(out_dir)
         paths.append(Path(out_dir) / "config.json")
         gen = getattr(module, "generation_config", None)

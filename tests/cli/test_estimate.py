@@ -257,6 +257,10 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
                             ("33", "estimate: context=33 exceeds the model's max_position_embeddings (32)")):
         assert main([f"model={tmp_path}", f"context={context}"]) == 2
         assert needle in capsys.readouterr().err
+    # Refused as model=hf refuses it in the prediction, not ignored (the prediction would be unchanged).
+    assert main([f"model={tmp_path}", "context=8", "model.activation_checkpointing=true"]) == 2
+    err = capsys.readouterr().err
+    assert "model.activation_checkpointing=true does not apply to model=" in err and err.count("\n") == 1, err
 
 
 def test_preset_counts_with_its_own_vocabulary(capsys):

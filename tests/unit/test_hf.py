@@ -135,8 +135,15 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
         component(cfg, "model").build(cfg.model)
     folder = tmp_path / "mixtral"
     write_config("llama", folder, model_type="mixtral", num_local_experts=2, num_experts_per_tok=1)
-    cfg = framework.compose(["model=hf", f"model.pretrained={folder}"])
+    cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
     with pytest.raises(ConfigError, match="mixtral checkpoints need key conversions on load"):
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model)
+    # Mappings keyed by class name are found too (GPTNeoXForCausalLM renames embed_out to lm_head).
+    neox = tmp_path / "neox"
+    write_config("llama", neox, model_type="gpt_neox", num_attention_heads=4)
+    cfg = framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
+    with pytest.raises(ConfigError, match="gpt_neox checkpoints need key conversions on load"):
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
     # From scratch the same architecture builds (no checkpoint keys to convert).
@@ -151,3 +158,87 @@ def test_deepspeed_auto_bucket_sizes_use_the_hf_hidden_size(tmp_path):
     path = write_config("gpt2", tmp_path)
     cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
     assert cfg.stage.reduce_bucket_size == 32 * 32
+
+
+def _engine(cfg):
+    model, _ = build(cfg)
+    return framework.initialize(model, component(cfg, "model").loss, cfg)
+
+
+def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
+    """A source config saying bfloat16 must not make from_pretrained round the fp32 values written."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    cfg = hf_cfg(write_config("llama", tmp_path / "src", dtype="bfloat16"), "+stage=zero3")
+    with _engine(cfg) as engine:
+        engine.save_pretrained(tmp_path / "out")
+        with framework.gathered(list(engine.components.module.parameters())):
+            params = {n: p.detach().clone() for n, p in engine.components.module.named_parameters()}
+        engine.save_pretrained(tmp_path / "out16", dtype=torch.bfloat16)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["dtype"] == "float32" and written["architectures"] == ["LlamaForCausalLM"]
+    assert json.loads((tmp_path / "out16" / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert all(torch.equal(p, params[n]) for n, p in hf.named_parameters())
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (dict(model_type="gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], hidden_size=32,
+          num_heads=4, vocab_size=96, max_position_embeddings=32),
+     "model.attn_implementation=sdpa is not supported by GPTNeoForCausalLM; set model.attn_implementation=eager"),
+    (dict(model_type="t5", d_model=32, num_layers=2, num_heads=4, vocab_size=96, d_ff=64, d_kv=8),
+     "model_type t5 is not a causal language model"),
+])
+def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16"])
+    with pytest.raises(ConfigError) as e:
+        with framework.zero_init():
+            component(cfg, "model").build(cfg.model)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    if raw["model_type"] == "gpt_neo":   # eager builds
+        cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
+                                 "model.attn_implementation=eager"])
+        with framework.zero_init():
+            assert component(cfg, "model").build(cfg.model) is not None
+
+
+def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
+    import json
+
+    write_config("llama", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7], "max_new_tokens": 5}))
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16"])
+    with framework.zero_init():
+        model = component(cfg, "model").build(cfg.model)
+    assert model.generation_config.eos_token_id == [0, 7] and model.generation_config.max_new_tokens == 5
+
+
+def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_path):
+    """The hub GPT-2 layout: a GPT2Model's keys (no ``transformer.`` prefix) plus old ``attn.bias`` buffers the
+    class ignores on load; anything else unexpected is still refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2Model
+
+    raw = dict(CONFIGS["gpt2"])
+    raw.pop("model_type")
+    torch.manual_seed(3)
+    GPT2Model(GPT2Config(**raw)).save_pretrained(tmp_path / "hub")
+    tensors = load_file(tmp_path / "hub" / "model.safetensors")
+    assert "wte.weight" in tensors and not any(k.startswith("transformer.") for k in tensors)
+    tensors["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    save_file(tensors, tmp_path / "hub" / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hub", local_files_only=True)
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path / 'hub'}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        framework.load_weights(engine, tmp_path / "hub")
+        got = dict(engine.components.module.named_parameters())
+        assert all(torch.equal(got[n], p) for n, p in hf.named_parameters())
+        save_file({**tensors, "h.0.extra": torch.zeros(2)}, tmp_path / "hub" / "model.safetensors",
+                  metadata={"format": "pt"})
+        with pytest.raises(ConfigError, match=r"unexpected 1: h\.0\.extra"):
+            framework.load_weights(engine, tmp_path / "hub")
