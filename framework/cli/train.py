@@ -17,6 +17,7 @@ trained removes the folders made for it: a refused run leaves the file system as
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import itertools
 import math
@@ -179,9 +180,16 @@ def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path) 
         return
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir)
     out = folder / subdir
-    files.make_dirs(out)
+    out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
     for name, node in (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hc.overrides.task)):
-        files.write_atomic(out / name, OmegaConf.to_yaml(node).encode())
+        _write_shared(out / name, OmegaConf.to_yaml(node))
+
+
+def _write_shared(path: Path, text: str) -> None:
+    """``path`` replaced whole by ``text``, with the umask's mode (as Hydra writes its records)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _as_given(cfg: DictConfig, subdir: str | None) -> DictConfig:
@@ -202,7 +210,7 @@ def _record_sweep(sweep_dir: Path, subdir: str | None) -> None:
     except FileNotFoundError:   # (a launcher that writes none)
         return
     if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
-        files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir)).encode())
+        _write_shared(path, OmegaConf.to_yaml(_as_given(cfg, subdir)))
 
 
 def _base(cfg: DictConfig, key: str) -> Path | None:
@@ -222,15 +230,33 @@ def _made(folder: Path, base: Path | None) -> list[Path]:
     return [folder, *(p for p in folder.parents if base in p.parents)]
 
 
-def _remove_made(made: list[Path], subdir: str | None) -> None:
-    """Remove the folders made for a job that was refused before it trained (rank 0's, which holds
-    nothing but what the job wrote: Hydra's record, train.log, run.lock)."""
+def _remove_made(made: list[Path], subdir: str | None, owned: bool) -> None:
+    """Remove the folders made for a job that was refused before it trained (rank 0's). One it held
+    (``owned``: it took the run lock) goes only under that lock again, and only while it holds nothing
+    but what the job wrote (Hydra's record, train.log, run.lock): another run that started into the same
+    folder and holds its lock keeps it. One it never held goes only if empty (rmdir: atomic)."""
     if not made or int(os.environ.get("RANK", "0")) != 0:
         return
-    ours = {"train.log", RUN_LOCK, *([Path(subdir).parts[0]] if subdir else [])}
-    if not {p.name for p in made[0].iterdir()} <= ours:
-        return
-    shutil.rmtree(made[0], ignore_errors=True)
+    if owned:
+        try:
+            fd = files.open_nofollow(made[0] / RUN_LOCK, os.O_RDWR)
+        except OSError:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # (a file system without locks: nothing removed)
+            ours = {"train.log", RUN_LOCK, *([Path(subdir).parts[0]] if subdir else [])}
+            if not {p.name for p in made[0].iterdir()} <= ours:
+                return
+            shutil.rmtree(made[0], ignore_errors=True)
+        except OSError:   # locked by another run (or no locks here)
+            return
+        finally:
+            os.close(fd)
+    else:
+        try:
+            made[0].rmdir()
+        except OSError:   # not empty: another run's now
+            return
     for p in made[1:]:
         try:
             p.rmdir()
@@ -300,13 +326,18 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
                       if multirun else None)
-        made = _made(run.run_dir, base)
+        made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir)
+
+        def on_owned(folder: Path) -> None:
+            owned.append(folder)
+            _record(task, hc, subdir, folder)
+
         try:
-            return launch(config, run, on_point, functools.partial(_record, task, hc, subdir))["val_loss"]
+            return launch(config, run, on_point, on_owned)["val_loss"]
         except FrameworkError as e:
-            _remove_made(made, subdir)
+            _remove_made(made, subdir, bool(owned))
             print(f"error: {e}", file=sys.stderr, flush=True)
             if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
                 sys.exit(1)   # (another launcher reports the job's exit)

@@ -85,6 +85,28 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     assert p.returncode == 1 and [q.name for q in (tmp_path / "outputs").iterdir()] == ["mine"]
 
 
+def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path):
+    """Two runs started into the same new folder both found it empty: the refused one removes it only
+    under its lock (a live run holding it keeps it), and one that never held it only if it is empty."""
+    from framework.cli.launch import own_run_folder
+    from framework.cli.train import _remove_made
+    from framework.loggers import RunInfo
+
+    run = tmp_path / "outputs" / "run"
+    fd = own_run_folder(RunInfo(run, None, None))   # the other run took the lock first
+    try:
+        for owned in (True, False):
+            _remove_made([run, run.parent], ".hydra", owned)
+            assert (run / "run.lock").is_file(), owned
+    finally:
+        os.close(fd)
+    _remove_made([run, run.parent], ".hydra", True)   # nobody holds it: the refused run's own, removed
+    assert not (tmp_path / "outputs").exists()
+    run.mkdir(parents=True)
+    _remove_made([run, run.parent], ".hydra", False)   # never held, still empty: removed
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
     from framework.cli.train import job_key
     assert job_key(["train.steps=4", "checkpoint.every=2", "optimizer=adamw"]) == "optimizer=adamw"
