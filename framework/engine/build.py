@@ -184,6 +184,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     """
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
+    if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
+        raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
+                             "train; unfreeze at least one (p.requires_grad_(True))")
     if cfg is None:
         world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),

@@ -14,6 +14,9 @@ Named = list[tuple[str, nn.Parameter]]
 # Our GPT's layer: by default a unit where present; a model without it (a Hugging Face model, whose own
 # layers are units, or a module given to framework.initialize) simply has none. Other names must match.
 DEFAULT_GATHER_UNIT = ("Block",)
+# Modules whose own forward reads their children's weights directly, not through the children's forwards
+# (MultiheadAttention passes out_proj.weight to a functional call): a child's hooks would never gather them.
+_READS_CHILDREN = (nn.MultiheadAttention,)
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,12 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared
     in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
     ``split_root`` also every module with parameters of its own, merged where they share one (tied weights).
+    A module's own parameters here include those of the modules its forward gathers for (``_gathered_by``).
     """
+    by = _gathered_by(module)
+    owns = {id(m): False for m in module.modules()}
+    for m in module.modules():
+        owns[id(by[id(m)])] |= any(True for _ in m.parameters(recurse=False))
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
         for name in gather_unit:
@@ -60,10 +68,14 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     for name, sub in module.named_modules():
         if sub is module or id(sub) in where:
             continue
+        if by[id(sub)] is not sub:   # gathered with the module whose forward reads it (visited before)
+            if id(by[id(sub)]) in where:
+                where[id(sub)] = where[id(by[id(sub)])]
+            continue
         if type(sub).__name__ in classes:
             gather.append(len(cands))
             where.update((id(inner), len(cands)) for inner in sub.modules())
-        elif split_root and any(True for _ in sub.parameters(recurse=False)):
+        elif split_root and owns[id(sub)]:
             where[id(sub)] = len(cands)
         else:
             continue
@@ -96,3 +108,28 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
         found = {index[h] for h in hs}
         owner[pid] = found.pop() if len(found) == 1 else -1
     return units, owner
+
+
+def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:
+    """Per module id, the module whose forward hooks must gather its own parameters: itself, except
+    for a module with no forward of its own (``nn.ParameterList``, ``nn.ParameterDict``: never called,
+    whoever holds it reads them), which goes with its parent, and everything inside a module that reads
+    its children's weights itself (``_READS_CHILDREN``), which goes with that module."""
+    by: dict[int, nn.Module] = {}
+    whole: set[int] = set()   # inside a _READS_CHILDREN module: its descendants go with it too
+    stack: list[tuple[nn.Module, nn.Module | None]] = [(module, None)]
+    while stack:   # pre-order, as named_modules (a shared module goes where it is first met)
+        m, parent = stack.pop()
+        if id(m) in by:
+            continue
+        if parent is None:
+            by[id(m)] = m
+        elif id(parent) in whole or isinstance(parent, _READS_CHILDREN):
+            by[id(m)] = by[id(parent)]
+            whole.add(id(m))
+        elif type(m).forward is nn.Module.forward:   # containers too: their children are judged on their own
+            by[id(m)] = by[id(parent)]
+        else:
+            by[id(m)] = m
+        stack.extend((c, m) for c in reversed(list(m.children())))
+    return by

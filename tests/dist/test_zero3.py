@@ -424,3 +424,50 @@ def test_forward_inside_gathered_keeps_units_until_their_holder_exits(pools, wor
         assert all(seen.values()), seen
         assert losses == ref_losses   # the next steps as without the blocks (the edit discarded)
         torch.testing.assert_close(params, ref_params, rtol=0, atol=0)
+
+
+class ReadByParent(nn.Module):
+    """Parameters that no forward of their own module reads: a ParameterList read by the root, a
+    ParameterDict read by a submodule with no parameters of its own, and MultiheadAttention, whose
+    forward reads out_proj.weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 8)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.scale = nn.Module()
+        self.scale.pd = nn.ParameterDict({"g": nn.Parameter(torch.linspace(0.5, 1.5, 8))})
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(8, 1) * 0.3), nn.Parameter(torch.zeros(1))])
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.att(h, h, h)
+        return (a * self.scale.pd["g"]) @ self.ps[0] + self.ps[1]
+
+
+def _read_by_parent(dist, stage):
+    cfg = framework.compose([f"+stage={stage}", "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant",
+                             *(["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else [])])
+    torch.manual_seed(0)
+    model = ReadByParent()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+    g = torch.Generator().manual_seed(3)
+    state, losses = engine.state, []
+    for _ in range(3):
+        x = torch.randn(dist.world, 2, 4, 3, generator=g)[dist.rank]
+        state, m = engine.train_step(state, Batch(((x, x[..., :1].sin()),)))
+        losses.append(m["loss"])
+    val = engine.eval_step(state, [(x, x[..., :1].cos())])
+    return losses, val, _full_params(engine) if stage == "zero3" else flat_params(model)
+
+
+def _read_by_parent_both(dist):
+    return {s: _read_by_parent(dist, s) for s in ("ddp", "zero3")}
+
+
+def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
+    for res in pools(2).run(_read_by_parent_both, timeout=120):
+        (ref_losses, ref_val, ref_params), (losses, val, params) = res["ddp"], res["zero3"]
+        assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
+        assert val == pytest.approx(ref_val, rel=FP32_RTOL)
+        torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)

@@ -125,3 +125,10 @@ def test_the_overflow_error_names_exactly_the_parameters_with_non_finite_gradien
         assert len(specs) > 2 and any(start for _, start in stage.piece_index)
     assert sorted(stage.nonfinite_names(grads)) == sorted(named)
     engine.close()
+
+
+def test_a_module_with_nothing_to_train_is_refused_by_initialize():
+    module = torch.nn.Linear(3, 1).requires_grad_(False)
+    with pytest.raises(framework.FrameworkError, match=r"^initialize: the module has no parameters with "
+                                                       r"requires_grad=True: nothing to train"):
+        framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config())

@@ -91,3 +91,24 @@ def test_a_gather_unit_that_matches_no_module_is_an_error():
     assert [u.name for u in plan_units(seq, ["Linear"], True, 0)[0]] == ["<root>", "0", "1"]
     with pytest.raises(ConfigError, match="'Block' matches no module"):
         plan_units(seq, ["Linear", "Block"], True, 0)
+
+
+def test_parameters_read_by_a_parent_module_are_in_its_unit():
+    """A ParameterList/ParameterDict is never called (whoever holds it reads it), and MultiheadAttention
+    reads out_proj.weight itself: their parameters are gathered with the module whose forward reads them."""
+    from framework.stages import plan_units
+
+    class Scale(nn.Module):   # no parameters of its own, but its forward reads its ParameterDict
+        def forward(self, x):
+            return x * self.pd["g"]
+
+    m = nn.Module()
+    m.att = nn.MultiheadAttention(4, 2)
+    m.ps = nn.ParameterList([nn.Parameter(torch.ones(2))])
+    m.h = Scale()
+    m.h.pd = nn.ParameterDict({"g": nn.Parameter(torch.ones(2))})
+    m.layers = nn.ModuleList([nn.Linear(2, 2)])   # a container's children are still units of their own
+    units, _ = plan_units(m, ["Block"], True, 0)
+    assert {u.name: [n for n, _ in u.named] for u in units} == {
+        "<root>": ["ps.0"], "h": ["h.pd.g"], "layers.0": ["layers.0.weight", "layers.0.bias"],
+        "att": ["att.in_proj_weight", "att.in_proj_bias", "att.out_proj.weight", "att.out_proj.bias"]}
