@@ -156,8 +156,13 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
     """``--cfg job [--package KEY]``: the composed config (or its KEY section), with a DeepSpeed
     config's values in it (named on the command line or in the YAML)."""
     cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
-    node = OmegaConf.to_container(cfg, resolve=resolve)
-    node.pop("hydra", None)
+    node = OmegaConf.to_container(cfg)
+    node.pop("hydra", None)   # Hydra's section (--cfg hydra): only a running Hydra resolves it (hydra.job.num)
+    if resolve:
+        try:
+            node = OmegaConf.to_container(OmegaConf.create(node), resolve=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"--resolve: {str(e).splitlines()[0]}") from None
     if package:
         node = OmegaConf.select(OmegaConf.create(node), package)
         if node is None:

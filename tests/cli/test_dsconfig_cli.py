@@ -47,6 +47,12 @@ def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
     p = cli(forkrun, tmp_path, "--cfg", "job", "--package", "train", "--config-dir", str(tmp_path),
             "--config-name", "mine")
     assert p.returncode == 0 and yaml.safe_load(p.stdout)["grad_clip"] == 0.25, p.stdout + p.stderr
+    # --resolve: the job's config with its interpolations resolved (Hydra's own section, which only a
+    # running Hydra resolves, is not part of it); one it cannot resolve is one line
+    p = cli(forkrun, tmp_path, "--cfg", "job", "--resolve", "train.steps=2", "checkpoint.dir=ck${train.steps}")
+    assert p.returncode == 0 and yaml.safe_load(p.stdout)["checkpoint"]["dir"] == "ck2", p.stdout + p.stderr
+    p = cli(forkrun, tmp_path, "--cfg", "job", "--resolve", "checkpoint.dir=${hydra.job.num}")
+    assert p.returncode != 0 and len(error_lines(p)) == 1 and "hydra.job.num" in p.stderr, p.stderr
     # an override Hydra cannot parse: one line, as without --cfg
     p = cli(forkrun, tmp_path, "--cfg", "job", "train.steps")
     assert p.returncode != 0 and len(error_lines(p)) == 1 and "train.steps" in p.stderr, p.stderr
