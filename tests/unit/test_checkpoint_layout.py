@@ -79,3 +79,25 @@ def test_a_resume_value_that_is_no_checkpoint_suggests_the_closest_choice(tmp_pa
         candidates("lastest", tmp_path)
     with pytest.raises(ConfigError, match=r"no checkpoint there \(expected a step-<N> folder"):
         candidates(str(tmp_path / "nowhere"), tmp_path)   # a path: nothing to suggest
+
+
+def test_resume_latest_in_a_library_loop_is_the_newest_checkpoint(tmp_path, monkeypatch):
+    """``checkpoint.resume=latest`` where no CLI resolved it first (a loop of one's own around Checkpointer):
+    the newest committed checkpoint, in checkpoint.dir or in a run folder under outputs/, not a path."""
+    import json
+    import os
+
+    from framework.persist import stepfolders
+    from framework.persist.checkpoint import candidates
+
+    monkeypatch.chdir(tmp_path)
+    assert candidates("latest", tmp_path / "ckpt") == ([], [
+        f"resume=latest: no checkpoint in {tmp_path / 'ckpt'} or in the run folders under outputs/, multirun/; "
+        "starting from step 0"])
+    made = []
+    for folder in (tmp_path / "ckpt" / "step-4", tmp_path / "outputs" / "a" / "checkpoints" / "step-2"):
+        folder.mkdir(parents=True)
+        (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": {}}))
+        os.utime(folder / stepfolders.MANIFEST, (1e9 + len(made), 1e9 + len(made)))   # the run folder's is newer
+        made.append(folder)
+    assert candidates("latest", tmp_path / "ckpt") == ([made[1]], [])

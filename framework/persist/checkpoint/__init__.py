@@ -218,10 +218,17 @@ def fresh_start(root: Path, every: int) -> str | None:
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
-    """Candidate folders for ``checkpoint.resume`` (``auto``, or a path: a step folder or a folder of them), best
-    first, and one line per ``step-<N>`` folder passed over."""
+    """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: the run folder of the newest checkpoint,
+    ``find_latest``; or a path: a step folder or a folder of them), best first, and one line per ``step-<N>``
+    folder passed over (or saying that ``latest`` found none)."""
     if resume == "auto":
         return stepfolders.scan(root)
+    if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
+        folder = find_latest(root)
+        if folder is None:
+            return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
+                        f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0"]
+        return stepfolders.scan(folder.parent)   # that run's folder: a damaged newest one falls back, as auto does
     path = Path(resume).expanduser()
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
