@@ -24,8 +24,9 @@ import math
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -35,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch
-from framework.config import Config, app_composer, compose, compose_layers, parse_overrides, standalone_composer
+from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
+                              standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError
@@ -139,15 +141,23 @@ def check_no_chdir(cfg: DictConfig) -> None:
                           "folder (hydra.run.dir / hydra.sweep.dir) all the same; drop hydra.job.chdir")
 
 
-def check_stage_chosen(overrides: list[str], cfg: DictConfig, config: Config) -> None:
-    """Hydra's run composes the command line again, as given, where a plain ``stage.KEY=V`` (which
-    ``compose`` forces in) fails unless a stage is chosen, on the command line or in the primary
-    config's defaults list (never in ours: no stage is ddp), with advice that does not help
-    (``+stage.KEY``): one line naming the fix instead."""
-    if "stage" in cfg.hydra.runtime.choices and config.sources.get("stage.name") != DS_FILE:
-        return   # (a DeepSpeed file's stage is not on the command line Hydra composes)
-    for o in parse_overrides(overrides):
-        if o.key_or_group.startswith("stage.") and not (o.is_add() or o.is_force_add() or o.is_delete()):
+def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, passed: Mapping[str, str]) -> None:
+    """Hydra's run composes the command line again, as given, with the DeepSpeed file's group choices
+    that every job shares (``passed``), where a plain ``GROUP.KEY=V`` (which ``compose`` forces in)
+    fails unless its group is chosen there, with advice that does not help (``+GROUP.KEY``): one line
+    naming the fix instead, where a sweep's files choose the group differently, or no stage is chosen
+    (on the command line or in the primary config's defaults list; never in ours: no stage is ddp)."""
+    parsed = parse_overrides(overrides)
+    given = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
+    for o in parsed:
+        group = o.key_or_group.split(".")[0]
+        if (group not in GROUPS or group == o.key_or_group or group in given or group in passed
+                or o.is_add() or o.is_force_add() or o.is_delete()):
+            continue
+        if config.sources.get(f"{group}.name") == DS_FILE:
+            raise ConfigError(f"config: {o.input_line} sets a key of the {group} group, which the DeepSpeed files of "
+                              f"the sweep's jobs choose differently; set it as ++{o.input_line}")
+        if group == "stage" and "stage" not in cfg.hydra.runtime.choices:
             raise ConfigError(f"config: {o.input_line} sets a key of the stage, which the command line does not "
                               f"choose; choose it first: +stage={config.choices['stage']} {o.input_line}")
 
@@ -176,17 +186,42 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 # into a folder of a job refused a moment later. So Hydra is told to write none, and the job writes it
 # (``_record``) once it holds the folder and its checks passed.
 NO_RECORD = "hydra.output_subdir=null"
+OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 
 
-def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path) -> None:
+@dataclass(frozen=True)
+class Passed:
+    """What the run adds to the command line Hydra composes, and leaves out of Hydra's record of it
+    (which says what was given): the DeepSpeed file's group choices (``task``: Hydra composes the
+    command line without the file, where a key of the file's optimizer would be unknown), kept out of
+    ``hydra.job.override_dirname`` by an ``exclude_keys`` override (``hydra``, with ``NO_RECORD``;
+    ``exclude_keys``: the value given, None where the run sets none)."""
+    task: tuple[str, ...] = ()
+    hydra: tuple[str, ...] = ()
+    exclude_keys: list | None = None
+
+    @staticmethod
+    def make(chosen: Mapping[str, str], exclude_keys: list) -> "Passed":
+        if not chosen:
+            return Passed(hydra=(NO_RECORD,))
+        keys = ",".join(f"'{k}'" for k in [*exclude_keys, *chosen])
+        return Passed(tuple(choice_override(g, n) for g, n in chosen.items()),
+                      (f"{OVERRIDE_DIRNAME_EXCLUDE}=[{keys}]", NO_RECORD), list(exclude_keys))
+
+    def given(self, task: list[str]) -> list[str]:
+        """``task`` (a job's overrides) as given."""
+        return [o for o in task if o not in self.task]
+
+
+def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path, passed: Passed) -> None:
     """Hydra's record of the job, as Hydra writes it (hydra.yaml with the user's output_subdir and
-    overrides, not ``NO_RECORD``), in ``folder``/``subdir``; none where output_subdir is null."""
+    overrides, not ``passed``), in ``folder``/``subdir``; none where output_subdir is null."""
     if subdir is None:
         return
-    hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir)
+    hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
     out = folder / subdir
     out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
-    for name, node in (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hc.overrides.task)):
+    for name, node in (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
         _write_shared(out / name, OmegaConf.to_yaml(node))
 
 
@@ -197,17 +232,22 @@ def _write_shared(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _as_given(cfg: DictConfig, subdir: str | None) -> DictConfig:
-    """``cfg`` (with Hydra's config under ``hydra``) with the user's output_subdir and without ``NO_RECORD``."""
+def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
+    """``cfg`` (with Hydra's config under ``hydra``) with the user's output_subdir and override_dirname
+    exclude_keys, and without what the run ``passed`` to Hydra."""
     given = OmegaConf.to_container(cfg.hydra.overrides.hydra)   # as given: interpolations unresolved
-    if NO_RECORD in given:
-        del given[len(given) - 1 - given[::-1].index(NO_RECORD)]   # ours: the last one
+    for line in passed.hydra:
+        if line in given:
+            del given[len(given) - 1 - given[::-1].index(line)]   # ours: the last one
     cfg.hydra.overrides.hydra, cfg.hydra.output_subdir = given, subdir
+    cfg.hydra.overrides.task = passed.given(OmegaConf.to_container(cfg.hydra.overrides.task))
+    if passed.exclude_keys is not None:
+        cfg.hydra.job.config.override_dirname.exclude_keys = passed.exclude_keys
     return cfg
 
 
-def _record_sweep(sweep_dir: Path, subdir: str | None) -> None:
-    """The sweep's multirun.yaml (Hydra's launcher wrote it before the jobs) as without ``NO_RECORD``;
+def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
+    """The sweep's multirun.yaml (Hydra's launcher wrote it before the jobs) as without ``passed``;
     each job of the sweep writes the same."""
     path = sweep_dir / "multirun.yaml"
     try:
@@ -215,7 +255,7 @@ def _record_sweep(sweep_dir: Path, subdir: str | None) -> None:
     except FileNotFoundError:   # (a launcher that writes none)
         return
     if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
-        _write_shared(path, OmegaConf.to_yaml(_as_given(cfg, subdir)))
+        _write_shared(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)))
 
 
 def _base(cfg: DictConfig, key: str) -> Path | None:
@@ -311,17 +351,17 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
 
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
-         swept: frozenset[str], subdir: str | None, base: Path | None) -> Callable[[], None]:
+         swept: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
     ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
-    of the run folder that existed before Hydra made it.
+    of the run folder that existed before Hydra made it; ``passed``: what the run added to the command line.
     A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
     ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
-        overrides = list(hc.overrides.task)
+        overrides = passed.given(list(hc.overrides.task))
         config = configs.get(_key(overrides))
         if config is None:   # a job another sweeper made up: composed here, from its overrides
             config = compose(overrides, composer=app_composer)
@@ -333,11 +373,11 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
-            _record_sweep(Path(hc.sweep.dir), subdir)
+            _record_sweep(Path(hc.sweep.dir), subdir, passed)
 
         def on_owned(folder: Path) -> None:
             owned.append(folder)
-            _record(task, hc, subdir, folder)
+            _record(task, hc, subdir, folder, passed)
 
         try:
             return launch(config, run, on_point, on_owned)["val_loss"]
@@ -358,23 +398,30 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
         jobs, primary, folder = _jobs(sys.argv[1:])
-        configs, subdir, base = {}, None, None
+        configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            cfg, configs[_key(overrides)] = compose_layers(
-                overrides, composer=functools.partial(standalone_composer, **primary))
-            check_stage_chosen(overrides, cfg, configs[_key(overrides)])
+            cfg, config = compose_layers(overrides, composer=functools.partial(standalone_composer, **primary))
+            configs[_key(overrides)] = config
+            composed.append((overrides, cfg, config))
+            # The file's group choices go to Hydra's run too: those all the jobs share.
+            mine = {g: config.choices[g] for g in GROUPS if config.sources.get(f"{g}.name") == DS_FILE}
+            chosen = mine if chosen is None else {g: n for g, n in chosen.items() if mine.get(g) == n}
+            exclude = OmegaConf.to_container(OmegaConf.select(cfg, OVERRIDE_DIRNAME_EXCLUDE) or OmegaConf.create([]))
             check_folder(cfg, folder)
             check_no_chdir(cfg)
             subdir, base = OmegaConf.select(cfg, "hydra.output_subdir"), _base(cfg, folder)
+        for overrides, cfg, config in composed:
+            check_groups_chosen(overrides, cfg, config, chosen or {})
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     failed: list[str] = []
     argv = list(sys.argv)
-    if configs:   # (not for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
-        sys.argv.append(NO_RECORD)
+    # (none for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
+    passed = Passed.make(chosen or {}, exclude) if configs else Passed()
+    sys.argv += [*passed.task, *passed.hydra]
     try:
-        _app(configs, on_point, failed, swept_keys(jobs), subdir, base)()
+        _app(configs, on_point, failed, swept_keys(jobs), subdir, base, passed)()
     finally:
         sys.argv[:] = argv
     if failed:

@@ -130,8 +130,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
     # the file's group choices unless the command line makes its own (a mismatch, see resolve);
     # the file's errors wait for it only to read ds_config_strict from the YAML.
-    choice_overrides = [f"{'+' if g == 'stage' else ''}{g}={n}" for g, n in t.choices.items()
-                        if g not in cli.choices]
+    choice_overrides = [choice_override(g, n) for g, n in t.choices.items() if g not in cli.choices]
     cfg, choices = composer(choice_overrides + list(cli.forced))
     strict = cli.strict if cli.strict is not None else bool(cfg["ds_config_strict"])
     errors = list(t.errors)
@@ -170,6 +169,12 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
                                     notices=config.notices + tuple(t.notices(strict, resolved.inert,
                                                                              resolved.notes)))
+
+
+def choice_override(group: str, name: str) -> str:
+    """The override choosing ``name`` for ``group`` (a DeepSpeed file's choice): ``+stage=`` as no
+    defaults list of ours chooses a stage."""
+    return f"{'+' if group == 'stage' else ''}{group}={name}"
 
 
 def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:

@@ -49,8 +49,8 @@ def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
     if kind not in WARMUP_TYPES:
         raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
                           f"got {kind!r}")
-    if not num_steps >= 1:
-        raise ConfigError(f"scheduler.warmup_num_steps must be >= 1, got {num_steps}")
+    if not num_steps >= 0:   # 0 or 1 (no warm-up) as DeepSpeed takes them: raised to 2 below
+        raise ConfigError(f"scheduler.warmup_num_steps must be >= 0, got {num_steps}")
     num_steps = max(2, num_steps)
     if kind == "log":
         return num_steps, lambda step: math.log(step + 1) / math.log(num_steps)

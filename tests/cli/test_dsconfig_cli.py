@@ -66,3 +66,37 @@ def test_bad_ds_config_is_one_line_and_nonzero(forkrun, tmp_path):
     lines = error_lines(p)
     assert len(lines) == 1 and "did you mean 'zero_optimization.overlap_comm'" in lines[0], p.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_command_line_sets_keys_of_the_groups_the_file_chooses(forkrun, tmp_path):
+    """Hydra's run composes the command line again, without the file: the file's group choices go
+    to it too, so a key of the file's optimizer (stage, offload) set on the command line runs as
+    ``--cfg job`` shows it; the records stay as given."""
+    sgd = tmp_path / "sgd.json"
+    sgd.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}}))
+    p = cli(forkrun, tmp_path, f"ds_config={sgd}", "optimizer.momentum=0.5", *SHORT[:1], "train.eval_every=0")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["optimizer"]["name"] == "sgd" and summary["config"]["optimizer"]["momentum"] == 0.5
+    assert summary["config_sources"]["optimizer.momentum"] == "command line"
+    assert summary["config_sources"]["optimizer.name"] == "DeepSpeed file"
+    record = tmp_path / "run" / ".hydra"
+    assert yaml.safe_load((record / "overrides.yaml").read_text())[:2] == [f"ds_config={sgd}", "optimizer.momentum=0.5"]
+    assert not any(o.startswith("optimizer=") for o in yaml.safe_load((record / "overrides.yaml").read_text()))
+    hydra_cfg = yaml.safe_load((record / "hydra.yaml").read_text())["hydra"]
+    assert hydra_cfg["runtime"]["choices"]["optimizer"] == "sgd"
+    assert hydra_cfg["job"]["config"]["override_dirname"]["exclude_keys"] == []
+    assert "hydra.output_subdir=null" not in hydra_cfg["overrides"]["hydra"]
+    assert not any("exclude_keys" in o for o in hydra_cfg["overrides"]["hydra"])
+    # a sweep: the offload group and the stage the file chooses, set on the command line
+    p = cli(forkrun, tmp_path, "-m", f"ds_config={DS / 'hf_zero2_cpu_offload.json'}", "offload.ratio=0.5,1.0",
+            "stage.overlap_comm=false", *SHORT[:1], "train.eval_every=0")
+    assert p.returncode == 0, p.stderr
+    for job, ratio in ((0, 0.5), (1, 1.0)):
+        summary = json.loads((tmp_path / "sweep" / str(job) / "summary.json").read_text())
+        assert summary["config"]["offload"]["ratio"] == ratio and summary["config"]["stage"]["overlap_comm"] is False
+        assert summary["config"]["stage"]["name"] == "zero2"
+        overrides = yaml.safe_load((tmp_path / "sweep" / str(job) / ".hydra" / "overrides.yaml").read_text())
+        assert not any(o.startswith(("offload=", "+stage=")) for o in overrides), overrides
+    multirun = yaml.safe_load((tmp_path / "sweep" / "multirun.yaml").read_text())["hydra"]
+    assert not any(o.startswith(("offload=", "+stage=")) for o in multirun["overrides"]["task"])

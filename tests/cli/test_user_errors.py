@@ -145,19 +145,28 @@ def test_recipe_misspelt_action(capsys):
 
 
 def test_a_stage_key_without_a_stage():
-    """Hydra's run composes the command line as given: a stage's key needs the stage chosen first."""
-    from framework.cli.train import check_stage_chosen
+    """Hydra's run composes the command line as given, with the DeepSpeed file's group choices that
+    all jobs share: a stage's key needs the stage chosen there."""
+    from framework.cli.train import check_groups_chosen
     from framework.config import compose_layers
 
-    for overrides, ds, name in ((["stage.bucket_size=5"], None, "ddp"),
-                                (["stage.overlap_comm=true"], {"zero_optimization": {"stage": 2}}, "zero2")):
-        cfg, config = compose_layers(overrides, ds_config=ds)
-        with pytest.raises(framework.ConfigError) as e:
-            check_stage_chosen(overrides, cfg, config)
-        assert str(e.value) == (f"config: {overrides[0]} sets a key of the stage, which the command line does not "
-                                f"choose; choose it first: +stage={name} {overrides[0]}")
+    overrides = ["stage.bucket_size=5"]
+    cfg, config = compose_layers(overrides)
+    with pytest.raises(framework.ConfigError) as e:
+        check_groups_chosen(overrides, cfg, config, {})
+    assert str(e.value) == ("config: stage.bucket_size=5 sets a key of the stage, which the command line does not "
+                            "choose; choose it first: +stage=ddp stage.bucket_size=5")
     for overrides in (["+stage=ddp", "stage.bucket_size=5"], ["++stage.bucket_size=5"]):
-        check_stage_chosen(overrides, *compose_layers(overrides))
+        check_groups_chosen(overrides, *compose_layers(overrides), {})
+    # the file's stage (optimizer) goes to Hydra's run, unless a sweep's files choose differently
+    for overrides, ds, group in ((["stage.overlap_comm=true"], {"zero_optimization": {"stage": 2}}, "stage"),
+                                 (["optimizer.momentum=0.5"], {"optimizer": {"type": "SGD", "params": {}}}, "optimizer")):
+        cfg, config = compose_layers(overrides, ds_config=ds)
+        check_groups_chosen(overrides, cfg, config, {group: config.choices[group]})
+        with pytest.raises(framework.ConfigError) as e:
+            check_groups_chosen(overrides, cfg, config, {})
+        assert str(e.value) == (f"config: {overrides[0]} sets a key of the {group} group, which the DeepSpeed files "
+                                f"of the sweep's jobs choose differently; set it as ++{overrides[0]}")
 
 
 def test_a_stage_key_without_a_stage_from_the_command_line(forkrun, tmp_path):

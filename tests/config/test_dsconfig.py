@@ -268,9 +268,26 @@ def test_batch_triple_mismatch_names_all_numbers_and_world():
                    "world size 4", "= 32"):
         assert needle in msg, msg
     assert "not divisible" in error_of({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4}, world=2)
-    # A command-line micro batch against an explicit train_batch_size: the same check.
-    msg = error_of({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4}, ["train.micro_batch=8"], world=1)
+    # A command-line micro batch against a whole triple in the file: the same check.
+    msg = error_of({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4},
+                   ["train.micro_batch=8"], world=1)
     assert "train_micro_batch_size_per_gpu=8" in msg and "gradient_accumulation_steps=4" in msg
+    assert "not divisible by train.micro_batch=5" in error_of({"train_batch_size": 16}, ["train.micro_batch=5"])
+
+
+@pytest.mark.parametrize("ds,overrides,expect", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, ["train.micro_batch=4"], (4, 8)),
+    ({"train_batch_size": 32, "gradient_accumulation_steps": 2}, ["train.grad_accum=8"], (4, 8)),
+    ({"train_batch_size": 32}, ["train.micro_batch=4"], (4, 8)),
+    ({"train_batch_size": 32}, ["train.grad_accum=4"], (8, 4)),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 8}, ["train.micro_batch=4", "train.grad_accum=8"],
+     (4, 8)),
+])
+def test_batch_triple_derived_from_the_command_line_values(ds, overrides, expect):
+    """The command line overrides the file before the missing member of the triple is derived
+    (DeepSpeed's rule on the final values): train_batch_size stays what the file says."""
+    cfg = framework.compose(overrides, ds_config=ds, world=1)
+    assert (cfg.train.micro_batch, cfg.train.grad_accum) == expect
 
 
 def test_auto_batch_fills_from_the_run():
@@ -573,3 +590,25 @@ def test_base64_config_and_torch_adam_weight_decay():
     cfg = framework.compose([], ds_config={"optimizer": {"type": "Adam", "params": {"torch_adam": True,
                                                                                   "adam_w_mode": False}}})
     assert cfg.optimizer.weight_decay == 0.0   # torch.optim.Adam's default
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupCosineLR"])
+def test_a_warmup_of_zero_steps_runs_as_deepspeed_runs_it(kind):
+    """DeepSpeed raises a warm-up below 2 steps to 2: 0 (no warm-up) runs so, as 2 does."""
+    from framework.core.registry import registry
+
+    lrs = []
+    for steps in (0, 2):
+        cfg = framework.compose(["train.steps=6"], ds_config={
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "scheduler": {"type": kind, "params": {"warmup_num_steps": steps,
+                                                   **({"total_num_steps": 6} if kind == "WarmupCosineLR" else {})}}})
+        lr_at = registry("scheduler").get(cfg.choices["scheduler"]).build(cfg.scheduler, 1e-3, 6)
+        lrs.append([lr_at(step) for step in range(6)])
+    assert lrs[0] == lrs[1]
+
+
+@pytest.mark.parametrize("key", ["reduce_bucket_size", "allgather_bucket_size"])
+def test_a_bucket_of_no_elements_is_refused_by_the_translator(key):
+    msg = error_of({"zero_optimization": {"stage": 2, key: 0}})
+    assert msg == f"ds_config: zero_optimization.{key} must be >= 1, got 0", msg

@@ -111,7 +111,7 @@ def test_warmup_cosine_default_decay_is_run_length():
 
 @pytest.mark.parametrize("name,overrides,base_lr", [
     ("warmup_lr", {"warmup_type": "cosine"}, 1e-3),
-    ("warmup_lr", {"warmup_num_steps": 0}, 1e-3),
+    ("warmup_lr", {"warmup_num_steps": -1}, 1e-3),
     ("warmup_lr", {"warmup_min_lr": -1e-3}, 1e-3),
     ("warmup_lr", {"warmup_max_lr": float("nan")}, 1e-3),
     ("warmup_decay_lr", {"total_num_steps": 0}, 1e-3),

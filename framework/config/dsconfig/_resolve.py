@@ -179,17 +179,24 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
         elif v is not None:
             derived[key] = v
     if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
-        if mb is not None:
-            key, other, n = "train.grad_accum", "train_micro_batch_size_per_gpu", mb
-        elif ga is not None:
-            key, other, n = "train.micro_batch", "gradient_accumulation_steps", ga
+        # The missing member from the final values of the others: the command line's over the file's.
+        names = {"train.micro_batch": "train_micro_batch_size_per_gpu", "train.grad_accum": "gradient_accumulation_steps"}
+        known = {k: (f"{k}={run.value(k)}", run.value(k)) if k in run.cli_keys else (f"{names[k]}={v}", v)
+                 for k, v in (("train.micro_batch", mb), ("train.grad_accum", ga))
+                 if k in run.cli_keys or v is not None}
+        if len(known) == 2:   # the missing one is on the command line: checked below
+            key = None
+        elif known:
+            (given, (other, n)), = known.items()
+            key = "train.grad_accum" if given == "train.micro_batch" else "train.micro_batch"
         else:
             key, other, n = "train.micro_batch", "", 1
             derived["train.grad_accum"] = 1
-        if tb % (n * world):
-            mismatches.append(f"train_batch_size={tb} is not divisible by " +
-                              (f"{other}={n} x world size {world}" if other else f"the world size {world}"))
-        derived[key] = max(1, tb // (n * world))
+        if key is not None:
+            if tb % (n * world):
+                mismatches.append(f"train_batch_size={tb} is not divisible by " +
+                                  (f"{other} x world size {world}" if other else f"the world size {world}"))
+            derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
     stated = {"train.micro_batch": ("train_micro_batch_size_per_gpu", mb), "train.grad_accum":

@@ -229,8 +229,9 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
         value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
         if value is None:
             continue
-        if kind == "int" and value != AUTO and value < 0:
-            tr.error(f"{p}{key} must be >= 0, got {value}")
+        floor = 1 if key in ("reduce_bucket_size", "allgather_bucket_size") else 0   # elements; the stages need one
+        if kind == "int" and value != AUTO and value < floor:
+            tr.error(f"{p}{key} must be >= {floor}, got {value}")
         target = targets.get(key)
         if name == "zero1" and key == "contiguous_gradients" and value is False:
             # DeepSpeed runs it; zero1's gradients are contiguous anyway (the key itself is refused)
