@@ -126,6 +126,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if nproc and ("gpus_per_node" in own or "nodes" in own) and nproc[-1].split("=", 1)[-1] != str(gpus * nodes):
             raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
                               "give one of them")
+        if not nproc and ("gpus_per_node" in own or "nodes" in own):
+            # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
+            overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
         module, cfg, hf, source = resolve_model(own["model"], overrides)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "

@@ -8,7 +8,8 @@
 
 The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
-``stages=``, ``offloads=``, ``checkpointing=true,false``). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
+file's choice restricts the stage or offload the same way). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
 each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
 (activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
 CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
@@ -38,6 +39,7 @@ from pathlib import Path
 from framework.cli import run_command
 from framework.cli.report import load_jobs
 from framework.config import compose
+from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
@@ -107,8 +109,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     steps = own.get("steps", "6")
     if not steps.isdigit() or int(steps) < 2:   # the first step warms up and is not measured
         raise ConfigError(f"plan: steps={steps!r} must be a whole number >= 2")
+    overrides, given = _given_setup(overrides)
     base = [f"model={own['model']}", *overrides]
     cfg = compose(base)
+    own, notes = _restrict(own, given, cfg)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
@@ -120,7 +124,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     vocab, source = build_vocab(cfg, base)
     vocab = vocab or getattr(cfg.model, "vocab_size", None)
     print(_describe(hw, probe, cfg, planned, flags["top"],
-                    f"vocab {vocab} (from {source})" if vocab else "the model's own vocabulary"))
+                    f"vocab {vocab} (from {source})" if vocab else "the model's own vocabulary", notes))
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
@@ -139,7 +143,49 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
 
 
-def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str) -> str:
+def _given_setup(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The overrides without a stage or offload choice (each candidate makes its own), and those choices
+    ({"stage": ..., "offload": none|cpu|cpu+params|nvme}); ``offload.params=`` goes with an ``offload=``."""
+    keys = [o.partition("=")[0] for o in overrides]
+    has_offload = any(k.lstrip("+") == "offload" for k in keys)
+    given, rest = {}, []
+    for o, key in zip(overrides, keys):
+        name = key.lstrip("+")
+        if key.startswith("~") or not (name in ("stage", "offload") or (name == "offload.params" and has_offload)):
+            rest.append(o)
+        else:
+            given[name] = o.partition("=")[2].strip()
+    if "offload" in given:
+        given["offload"] += "+params" if (given["offload"], given.pop("offload.params", None)) == ("cpu", "cpu") else ""
+    return rest, given
+
+
+def _restrict(own: dict[str, str], given: dict[str, str], cfg) -> tuple[dict[str, str], list[str]]:
+    """A stage or offload chosen on the command line or by the DeepSpeed file (which refuses any other)
+    restricts the search as ``stages=`` / ``offloads=`` does, with a note saying so."""
+    own, chosen = dict(own), []
+    for group, key in (("stage", "stages"), ("offload", "offloads")):
+        where = "the command line"
+        value = given.get(group)
+        if value is None and cfg.sources.get(f"{group}.name") == DS_FILE:
+            where, value = f"ds_config={cfg.ds_config}", cfg.choices[group]
+            if value == "cpu" and getattr(cfg.offload, "params", None) == "cpu":
+                value = "cpu+params"
+        if value is None:
+            continue
+        if key in own and [x.strip().lower() for x in own[key].split(",")] != [value]:
+            raise ConfigError(f"plan: {where} sets {group}={value}, but {key}={own[key]}; plan tries each of "
+                              f"{key}= itself: give one of them")
+        own[key] = value
+        chosen.append((f"{group}={value} ({where})", f"{key}={value}"))
+    if not chosen:
+        return own, []
+    return own, [f"note: planned only with {' and '.join(c for c, _ in chosen)}, as "
+                 f"{' '.join(k for _, k in chosen)} would"]
+
+
+def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str,
+              notes: list[str] = ()) -> str:
     gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
     lines = [f"hardware: {hw.ranks} rank(s), {gpu}, {hw.cpu_mem / GiB:.1f} GiB host, {hw.nvme / GiB:.0f} GiB disk",
              f"probe ({'measured now' if probe.get('measured_now') else 'cached'}: {probe['cache']}): "
@@ -149,7 +195,7 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
              f"GB/s" + (f", all-reduce {probe['allreduce_bytes_s'] / GB:.2f} GB/s"
                         if probe.get("allreduce_bytes_s") else ""),
              f"model {cfg.choices['model']}, {vocab}, precision {cfg.choices['precision']}, "
-             f"context {cfg.model.context}",
+             f"context {cfg.model.context}", *notes,
              *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
                 "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
                if hw.gpu_mem is not None and hw.device.type == "cpu" else []),

@@ -166,6 +166,9 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
         offs = [x for o in COMPATIBLE[stage] for x in ([o, "cpu+params"] if (stage, o) == ("zero3", "cpu") else [o])]
         offs = [o for o in offs if o in wanted]
         out += [Candidate(stage, o, b, per_rank // b, c) for o in offs for b in micro for c in ckpts]
+    if not out:
+        raise ConfigError(f"plan: no stage of {','.join(stages)} supports an offload of {','.join(wanted)} "
+                          f"(see stages= and offloads=)")
     return out
 
 

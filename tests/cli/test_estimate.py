@@ -294,3 +294,15 @@ def test_world_from_gpus_or_nproc_not_both(capsys):
     assert "estimate: dist.nproc=4 conflicts with gpus_per_node=/nodes=" in err and err.count("\n") == 1, err
     # the same world both ways (the hf_gpt2_zero3 recipe's estimate) is no conflict
     assert main(["model=gpt-nano", "gpus_per_node=2", "dist.nproc=2"]) == 0
+
+
+def test_gpus_per_node_and_nodes_size_the_ds_config_batch(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 2}}')
+    assert main(["model=gpt-nano", f"ds_config={ds}", "gpus_per_node=4", "nodes=2"]) == 0
+    assert "world=8 micro_batch=1 " in capsys.readouterr().out   # 8 = 1 x 1 x 8, as under dist.nproc=8
+    ds.write_text('{"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4}')
+    assert main(["model=gpt-nano", f"ds_config={ds}", "gpus_per_node=2"]) == 2   # 4 x 1 x 2 != 4
+    err = capsys.readouterr().err
+    assert main(["model=gpt-nano", f"ds_config={ds}", "dist.nproc=2"]) == 2
+    assert err == capsys.readouterr().err and err.count("\n") == 1, err

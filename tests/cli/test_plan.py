@@ -158,6 +158,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["--top", "-1"], "plan: --top needs a whole number >= 1, got -1"),
     (["--top", "0"], "plan: --top needs a whole number >= 1, got 0"),
     (["--verify", "0"], "plan: --verify needs a whole number >= 1, got 0"),
+    (["+stage=zero2", "stages=zero3"], "plan: the command line sets stage=zero2, but stages=zero3; plan tries each"),
+    (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
 ])
 def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, needle):
@@ -192,6 +194,24 @@ def test_plan_counts_the_model_vocabulary_unless_data_is_given(capsys, monkeypat
     model = plan(compose(BASE), BASE, hw, own, PROBE)[0]
     data = plan(compose([*BASE, "data=synthetic"]), [*BASE, "data=synthetic"], hw, own, PROBE)[0]
     assert model.device_peak > data.device_peak   # 256 x 384 embedding against 64 x 384
+
+
+@pytest.mark.parametrize("args,stages,offloads", [
+    (["offload=cpu"], {"zero1", "zero2", "zero3"}, {"cpu"}),
+    (["+stage=zero2"], {"zero2"}, {"none", "cpu", "nvme"}),
+    (["+stage=zero3", "offload=cpu", "offload.params=cpu"], {"zero3"}, {"cpu+params"}),
+    ([f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"], {"zero3"}, {"cpu+params"}),
+])
+def test_a_given_stage_or_offload_restricts_the_search(capsys, monkeypatch, args, stages, offloads):
+    """plan chooses the stage and offload of each candidate: one given on the command line, or by a
+    DeepSpeed file (which refuses any other), is the search's restriction, said in one note line."""
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-nano", "micro_batches=16", "checkpointing=false", "ranks=1", "--json", *args]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert {r["stage"] for r in rows} == stages and {r["offload"] for r in rows} == offloads, rows
+    assert out.count("note: planned only with") == 1, out
 
 
 def test_gpu_sizes_on_a_cpu_host_say_the_times_are_this_cpu(capsys, monkeypatch):
