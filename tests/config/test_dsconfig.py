@@ -612,3 +612,5 @@ def test_a_warmup_of_zero_steps_runs_as_deepspeed_runs_it(kind):
 def test_a_bucket_of_no_elements_is_refused_by_the_translator(key):
     msg = error_of({"zero_optimization": {"stage": 2, key: 0}})
     assert msg == f"ds_config: zero_optimization.{key} must be >= 1, got 0", msg
+    # where no stage reads it (zero3 reduces per gather unit), 0 is what real configs write: accepted
+    assert dsconfig.translate({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}}).errors == []

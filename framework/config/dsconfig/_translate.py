@@ -229,10 +229,12 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
         value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
         if value is None:
             continue
-        floor = 1 if key in ("reduce_bucket_size", "allgather_bucket_size") else 0   # elements; the stages need one
+        target = targets.get(key)
+        # A bucket of elements: a stage that reads it needs one; where it is inert (zero3's reduce_bucket_size)
+        # real configs set 0, as DeepSpeed accepts.
+        floor = 1 if target is not None and key in ("reduce_bucket_size", "allgather_bucket_size") else 0
         if kind == "int" and value != AUTO and value < floor:
             tr.error(f"{p}{key} must be >= {floor}, got {value}")
-        target = targets.get(key)
         if name == "zero1" and key == "contiguous_gradients" and value is False:
             # DeepSpeed runs it; zero1's gradients are contiguous anyway (the key itself is refused)
             tr.inert_key(p + key, "zero1's gradients always accumulate in one contiguous flat buffer")
