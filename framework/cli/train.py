@@ -145,19 +145,21 @@ def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, p
     """Hydra's run composes the command line again, as given, with the DeepSpeed file's group choices
     that every job shares (``passed``), where a plain ``GROUP.KEY=V`` (which ``compose`` forces in)
     fails unless its group is chosen there, with advice that does not help (``+GROUP.KEY``): one line
-    naming the fix instead, where a sweep's files choose the group differently, or no stage is chosen
-    (on the command line or in the primary config's defaults list; never in ours: no stage is ddp)."""
+    naming the fix instead for a stage key (no stage is chosen by default), where a sweep's files choose
+    the stage differently, or none is chosen on the command line or in the primary config's defaults."""
     parsed = parse_overrides(overrides)
     given = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
     for o in parsed:
         group = o.key_or_group.split(".")[0]
-        if (group not in GROUPS or group == o.key_or_group or group in given or group in passed
+        # Another group has a default in the config Hydra composes, where the key may well be (optimizer.lr
+        # in adamw, when a sweep's files choose optimizers differently): Hydra's to judge, as before.
+        if (group != "stage" or group == o.key_or_group or group in given or group in passed
                 or o.is_add() or o.is_force_add() or o.is_delete()):
             continue
         if config.sources.get(f"{group}.name") == DS_FILE:
             raise ConfigError(f"config: {o.input_line} sets a key of the {group} group, which the DeepSpeed files of "
                               f"the sweep's jobs choose differently; set it as ++{o.input_line}")
-        if group == "stage" and "stage" not in cfg.hydra.runtime.choices:
+        if "stage" not in cfg.hydra.runtime.choices:
             raise ConfigError(f"config: {o.input_line} sets a key of the stage, which the command line does not "
                               f"choose; choose it first: +stage={config.choices['stage']} {o.input_line}")
 

@@ -158,11 +158,17 @@ def test_a_stage_key_without_a_stage():
                             "choose; choose it first: +stage=ddp stage.bucket_size=5")
     for overrides in (["+stage=ddp", "stage.bucket_size=5"], ["++stage.bucket_size=5"]):
         check_groups_chosen(overrides, *compose_layers(overrides), {})
-    # the file's stage (optimizer) goes to Hydra's run, unless a sweep's files choose differently
+    # the file's stage (optimizer) goes to Hydra's run, unless a sweep's files choose differently: then a
+    # stage key is one line (no stage is chosen by default), another group's is Hydra's to judge (its
+    # default group may have the key: optimizer.lr in adamw, in a sweep over files of two optimizers)
     for overrides, ds, group in ((["stage.overlap_comm=true"], {"zero_optimization": {"stage": 2}}, "stage"),
-                                 (["optimizer.momentum=0.5"], {"optimizer": {"type": "SGD", "params": {}}}, "optimizer")):
+                                 (["optimizer.momentum=0.5"], {"optimizer": {"type": "SGD", "params": {}}}, "optimizer"),
+                                 (["optimizer.lr=0.01"], {"optimizer": {"type": "SGD", "params": {}}}, "optimizer")):
         cfg, config = compose_layers(overrides, ds_config=ds)
         check_groups_chosen(overrides, cfg, config, {group: config.choices[group]})
+        if group != "stage":
+            check_groups_chosen(overrides, cfg, config, {})
+            continue
         with pytest.raises(framework.ConfigError) as e:
             check_groups_chosen(overrides, cfg, config, {})
         assert str(e.value) == (f"config: {overrides[0]} sets a key of the {group} group, which the DeepSpeed files "
