@@ -223,15 +223,9 @@ def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path, 
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
     out = folder / subdir
     out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
-    for name, node in (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
-        _write_shared(out / name, OmegaConf.to_yaml(node))
-
-
-def _write_shared(path: Path, text: str) -> None:
-    """``path`` replaced whole by ``text``, with the umask's mode (as Hydra writes its records)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
+    for name, node in records:   # (with the umask's modes, as Hydra writes them: colleagues read them)
+        files.write_atomic(out / name, OmegaConf.to_yaml(node).encode(), shared=True)
 
 
 def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
@@ -257,7 +251,7 @@ def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
     except FileNotFoundError:   # (a launcher that writes none)
         return
     if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
-        _write_shared(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)))
+        files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)).encode(), shared=True)
 
 
 def _base(cfg: DictConfig, key: str) -> Path | None:

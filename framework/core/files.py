@@ -50,25 +50,28 @@ def refuse_links(*paths: os.PathLike | str) -> None:
             raise _refused(p)
 
 
-def open_nofollow(path: os.PathLike | str, flags: int, *, dir_fd: int | None = None) -> int:
+def open_nofollow(path: os.PathLike | str, flags: int, *, dir_fd: int | None = None, mode: int = PRIVATE_FILE) -> int:
     """``os.open`` that never follows a symbolic link in the final component (``O_EXCL`` refuses one too)."""
     try:
-        return os.open(path, flags | _BASE, PRIVATE_FILE, dir_fd=dir_fd)
+        return os.open(path, flags | _BASE, mode, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK, errno.EEXIST) and is_link(path, dir_fd):
             raise _refused(path) from None
         raise
 
 
-def create_new(path: os.PathLike | str, *, dir_fd: int | None = None) -> int:
-    """A new owner-only file (``O_CREAT | O_EXCL``); a link in its place is refused by name."""
-    fd = open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, dir_fd=dir_fd)
-    os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
+def create_new(path: os.PathLike | str, *, dir_fd: int | None = None, shared: bool = False) -> int:
+    """A new owner-only file (``O_CREAT | O_EXCL``; ``shared``: the umask's mode, as other tools write
+    records colleagues read); a link in its place is refused by name."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = open_nofollow(path, flags, dir_fd=dir_fd, mode=0o666 if shared else PRIVATE_FILE)
+    if not shared:
+        os.fchmod(fd, PRIVATE_FILE)   # the mode given to open is masked by the umask
     return fd
 
 
-def write_new(path: os.PathLike | str, data: bytes, *, dir_fd: int | None = None) -> None:
-    fd = create_new(path, dir_fd=dir_fd)
+def write_new(path: os.PathLike | str, data: bytes, *, dir_fd: int | None = None, shared: bool = False) -> None:
+    fd = create_new(path, dir_fd=dir_fd, shared=shared)
     try:
         view = memoryview(data)
         while view:
@@ -86,10 +89,10 @@ def fsync_dir(path: os.PathLike | str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: os.PathLike | str, data: bytes) -> None:
+def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False) -> None:
     """A reader sees the old file or the new one, never a part: ``<name>.tmp`` is written and fsynced,
     renamed over it relative to one descriptor of the folder (both names stay in that folder), and the
-    folder fsynced, so the rename survives a crash."""
+    folder fsynced, so the rename survives a crash. ``shared``: see ``create_new``."""
     path = Path(path)
     tmp = f"{path.name}.tmp"
     dfd = os.open(path.parent, _DIR)
@@ -98,7 +101,7 @@ def write_atomic(path: os.PathLike | str, data: bytes) -> None:
             if stat.S_ISREG(os.lstat(tmp, dir_fd=dfd).st_mode):
                 os.unlink(tmp, dir_fd=dfd)   # left by an interrupted run
         try:
-            write_new(tmp, data, dir_fd=dfd)
+            write_new(tmp, data, dir_fd=dfd, shared=shared)
         except UnsafePathError:
             raise _refused(path.parent / tmp) from None
         try:

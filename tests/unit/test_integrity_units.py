@@ -42,6 +42,14 @@ def test_safe_opens_refuse_links_and_make_private_files_and_folders(tmp_path):
     write_atomic(tmp_path / "stale", b"new")            # a stale regular temporary is replaced
     assert (tmp_path / "stale").read_bytes() == b"new" and not (tmp_path / "stale.tmp").exists()
     assert (tmp_path / "stale").stat().st_mode & 0o777 == 0o600
+    old = os.umask(0o022)   # a shared record (Hydra's .hydra/ files): the umask's mode, links still refused
+    try:
+        write_atomic(tmp_path / "record", b"r", shared=True)
+        with pytest.raises(UnsafePathError, match="is a symbolic link"):
+            write_atomic(tmp_path / "latest", b"step-2", shared=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "record").stat().st_mode & 0o777 == 0o644 and victim.read_text() == "precious"
     (tmp_path / "folder").mkdir()
     with pytest.raises(IsADirectoryError):              # a failed rename leaves no temporary behind
         write_atomic(tmp_path / "folder", b"data")
