@@ -181,18 +181,14 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
     if c.resume == "off":
         fresh_start(root, c.every)
         return cfg
-    if c.resume == "latest":
-        folder = find_latest(root)
-        if folder is None:
-            print(f"checkpoint: resume=latest: no checkpoint in {root} or in the run folders under "
-                  f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0", flush=True)
+    folders, notes = candidates(c.resume, root)
+    if c.resume == "latest":   # resolved once, here, so that every rank loads the same
+        if not folders:
+            print(f"checkpoint: {notes[0]}", flush=True)
             return dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume="off"))
         # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
         # back to the one before it, as resume=auto does.
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folder.parent)))
-        folders = [folder]
-    else:
-        folders = candidates(c.resume, root)[0]
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)))
     if not folders:
         return cfg
     folder = folders[0]   # the one every rank reads first
