@@ -7,6 +7,7 @@ it per job hangs under torchrun).
 """
 from __future__ import annotations
 
+import _thread
 import atexit
 import contextlib
 import errno
@@ -44,7 +45,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
-    with sigterm_exits(), contextlib.ExitStack() as held:
+    with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
             cfg = preflight(cfg, run.run_dir, run.job)
@@ -77,22 +78,63 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
 
 
 @contextlib.contextmanager
-def sigterm_exits() -> Iterator[None]:
+def signals_unwind() -> Iterator[None]:
     """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
     as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
     after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
-    every process, and the launcher passes it on to its ranks). The previous handler comes back after."""
-    def stop(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
+    every process, and the launcher passes it on to its ranks). The previous handlers come back after.
+
+    Either exception raised while the main thread runs a finalizer (a weakref callback) would be
+    printed with a traceback and dropped by Python, the run going on: the signal is sent again from
+    another thread, to land once the main thread has left the callback."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
-    previous = signal.signal(signal.SIGTERM, stop)
+    stopping: list[int] = []   # the SIGTERM being acted on
+    hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
+
+    def again(signum: int) -> None:   # (threading.Thread.start would wait, in the callback, for it to run)
+        _thread.start_new_thread(_signal_soon, (threading.main_thread().ident, signum))
+
+    def interrupt(signum, frame):
+        if hooked.is_set():
+            return again(signum)
+        raise KeyboardInterrupt
+
+    def stop(signum, frame):
+        if hooked.is_set():
+            return again(signum)
+        if not stopping:
+            stopping.append(signum)
+            raise SystemExit(128 + signum)
+
+    def dropped(info):
+        hooked.set()
+        try:
+            if info.exc_type is KeyboardInterrupt:
+                again(signal.SIGINT)
+            elif info.exc_type is SystemExit and stopping:
+                again(stopping.pop())
+            else:
+                hook(info)
+        finally:
+            hooked.clear()
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # (not where it is ignored)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    hook, sys.unraisablehook = sys.unraisablehook, dropped
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        sys.unraisablehook = hook
+
+
+def _signal_soon(thread: int, signum: int) -> None:
+    time.sleep(0.001)   # let the main thread leave the callback first
+    signal.pthread_kill(thread, signum)
 
 
 RUN_LOCK = "run.lock"
@@ -290,7 +332,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
-        with sigterm_exits():
+        with signals_unwind():
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
             train(cfg, run, dist, on_point)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
