@@ -36,6 +36,11 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
                          for k in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({what}; saved vs "
                           f"this run){OTHER_RUN}")
+    same_optimizer(folder, saved, mine, resume)
+
+
+def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
+    """``same_run``'s optimizer half: a load checks it before the state's keys, which name no optimizer."""
     theirs = saved.get("optimizer", {}).get("name")
     if theirs is not None and theirs != mine["optimizer"]["name"]:
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved with optimizer={theirs}, this run uses "
@@ -122,6 +127,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
+        if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
+            same_optimizer(folder, body["config"], *same)
         _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same)
