@@ -286,6 +286,10 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
                                                        r"but \(24, 36\) in this model; use another checkpoint.dir"):
         _train(dist, ["model.d_model=36"], str(tmp_path), resume="auto")
+    # another optimizer: named as the configs name it (not by its state's keys), in a loop of one's own too
+    with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
+                                          r"optimizer=adamw; use another checkpoint.dir"):
+        _train(dist, ["optimizer=sgd"], str(tmp_path), resume="auto")
 
 
 class _Norm(torch.nn.Module):
@@ -378,6 +382,14 @@ def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_mod
     with pytest.raises(ConfigError, match=r"'buffer.norm.running_mean' has shape \(8,\) in the checkpoint but "
                                           r"\(9,\) in this model; use another checkpoint.dir"):
         _norm_train(dist, [], str(tmp_path / "b"), resume=step, model=_WiderMean)
+    # parameters frozen when saved and trainable now (and the other way round): named as such, with the ways out
+    with pytest.raises(ConfigError, match=r"parameters 'f.bias', 'f.weight' were frozen \(requires_grad=False\) "
+                                          r"when saved but are trainable in this run; set their requires_grad as"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=step, freeze=False)
+    _norm_train(dist, [], str(tmp_path / "trainable"), steps=K, freeze=False)
+    with pytest.raises(ConfigError, match=r"'f.bias', 'f.weight' were trainable when saved but are frozen in this "
+                                          r"run; .* \(python -m framework.export .* framework.load_weights"):
+        _norm_train(dist, [], str(tmp_path / "b"), resume=str(tmp_path / "trainable" / f"step-{K}"))
     # a checkpoint written before buffers and frozen parameters were saved: they keep the model's values
     monkeypatch.setattr(_save, "whole_tensors", lambda module: {})
     _norm_train(dist, [], str(tmp_path / "old"), steps=K)

@@ -36,6 +36,11 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
                          for k in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({what}; saved vs "
                           f"this run){OTHER_RUN}")
+    same_optimizer(folder, saved, mine, resume)
+
+
+def same_optimizer(folder: Path, saved: dict, mine: dict, resume: str) -> None:
+    """``same_run``'s optimizer half: a load checks it before the state's keys, which name no optimizer."""
     theirs = saved.get("optimizer", {}).get("name")
     if theirs is not None and theirs != mine["optimizer"]["name"]:
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved with optimizer={theirs}, this run uses "
@@ -122,6 +127,8 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         check_aligned(specs, state.params)
         body = _train_state(folder, manifest)
         md = glue().read_metadata(folder / ".metadata")
+        if same is not None and isinstance(body["config"], dict):   # (the state's keys only where no name says it)
+            same_optimizer(folder, body["config"], *same)
         _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
             same_run(folder, body["config"], *same)
@@ -188,7 +195,9 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
                           f"optimizer's is {sorted([*per, *scalars])}; resume with the optimizer it was saved with"
                           f"{OTHER_RUN}")
     saved = {n: p.shape for n, p in StateLayout.in_checkpoint(md).params.items()}
-    _same_names(folder, [n for n, p in c.module.named_parameters() if p.requires_grad], saved, "parameters ")
+    trainable = [n for n, p in c.module.named_parameters() if p.requires_grad]
+    _same_trainable(folder, trainable, saved, md.state_dict_metadata, whole)
+    _same_names(folder, trainable, saved, "parameters ")
     for p in layout.params.values():
         _same_shape(folder, f"parameter {p.name!r}", saved[p.name], p.shape)
     kept = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if k.startswith(("buffer.", "frozen."))}
@@ -200,6 +209,21 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
     absent = sorted(set(wanted) - set(md.state_dict_metadata))
     if absent:
         raise CheckpointError(f"checkpoint {folder}: the DCP files lack {few(absent)}")
+
+
+def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict) -> None:
+    """ConfigError naming the parameters frozen when saved and trainable now, or the other way round: the
+    same model, which a resume cannot continue (the frozen ones have no optimizer state, the others no
+    whole copy), so the message says so rather than calling them missing. ``keys``: the checkpoint's."""
+    were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in keys)
+    now = sorted(n for n in set(saved) - set(trainable) if f"frozen.{n}" in whole)
+    if were or now:
+        parts = [f"{few(names)} {how}" for names, how in (
+            (were, "were frozen (requires_grad=False) when saved but are trainable in this run"),
+            (now, "were trainable when saved but are frozen in this run")) if names]
+        raise ConfigError(f"checkpoint {folder}: parameters {'; '.join(parts)}; set their requires_grad as when saved to resume "
+                          f"from it, or start afresh from its weights alone (python -m framework.export {folder} "
+                          f"--to DIR, then framework.load_weights(engine, DIR), with another checkpoint.dir)")
 
 
 def _same_names(folder: Path, mine, saved, what: str = "") -> None:
