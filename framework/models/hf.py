@@ -170,7 +170,8 @@ def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 class HFInit:
     """Initialises any one parameter or buffer of an HF model built on the meta device with the
-    model's own ``_init_weights``, the rest of the model staying unmaterialised.
+    model's own ``_init_weights`` (or, for a module it leaves to its constructor, that constructor's
+    scheme: ``_constructor_init``), the rest of the model staying unmaterialised.
 
     Transformers calls ``_init_weights`` on a module and then on each of its ancestors (GPT-2 scales
     its residual projections from the parent); that chain runs on a meta copy of the model (the
@@ -206,7 +207,8 @@ class HFInit:
                 torch.default_generator.manual_seed(name_seed(self.seed, name))
                 for p in chain:
                     self.init_of[p]._init_weights(self.modules[p])
-            written = slots[key]
+                written = slots[key]
+                _constructor_init(owner, key, written)
         finally:
             slots[key] = old
         if written is not tensor:  # an init that assigned a new tensor instead of writing in place
@@ -221,6 +223,20 @@ class HFInit:
 
     init_parameter = partialmethod(_init, parameter=True)
     init_buffer = partialmethod(_init, parameter=False)
+
+
+def _constructor_init(module: nn.Module, key: str, t: Tensor) -> None:
+    """Write the values ``module``'s own constructor gives its tensor ``key`` if the model's
+    ``_init_weights`` left ``t`` unwritten: eager construction keeps those, the meta device never wrote
+    them. Transformers' ``Conv1D`` draws its weight from N(0, 0.02) and zeroes its bias in ``__init__``;
+    OpenAI GPT relies on that (GPT-2's ``_init_weights`` covers Conv1D itself)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, Conv1D) and _poisoned(t):
+        if key == "weight":
+            t.normal_(mean=0.0, std=0.02)
+        elif key == "bias":
+            t.zero_()
 
 
 def _poison(t: Tensor) -> None:

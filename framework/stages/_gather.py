@@ -338,9 +338,14 @@ class Gatherer:
         # The forward and backward read the gathered values on the compute stream from here on.
         self.dist.acc.use(reads=[g.full for g in unit.groups if g.full is not g.shard])
         for g in unit.groups:
-            for p, slot in zip(g.params, g.layout.slots):
-                p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self._point(g)
         unit.to(UnitState.GATHERED)
+
+    @staticmethod
+    def _point(g: UnitGroup) -> None:
+        """Each parameter of ``g`` a view of its slice of the gathered buffer."""
+        for p, slot in zip(g.params, g.layout.slots):
+            p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def release(self, unit: Unit) -> None:
         if unit.state is UnitState.GATHERING:
@@ -438,6 +443,14 @@ class Gatherer:
         """Gather ``unit`` and keep it gathered until ``unhold`` (framework.gathered); True if this
         call gathered it, and so is the holder that releases it."""
         started = self.gather_now(unit)
+        for g in unit.groups:
+            if g.full is g.shard:
+                # Gathered in place by the hooks (world size 1, a block entered inside the unit's forward):
+                # the block and the rest of that forward use a copy, as a gather buffer at any other world
+                # size, so that edits without modifier_rank are discarded when the unit is released, not
+                # written into the shard. The copy is made only here; the hooks' gathers stay copy-free.
+                g.full = g.shard.clone()
+                self._point(g)
         unit.held += 1
         return started
 

@@ -312,6 +312,20 @@ def test_world1_gathers_in_place_and_gathered_still_discards_edits():
     engine.eval_step(state, data.val_batches(1, batch=2, rank=0, world=1))
     assert torch.all(seen[-1][1] == 0.5)
     hook.remove()
+
+    # Inside the unit's own forward, gathered in place on the shard: the edit serves the rest of that
+    # forward, as at any world size, and is discarded on exit all the same.
+    def edit(m, _a):
+        with framework.gathered([m.fc.weight]), torch.no_grad():
+            m.fc.weight.fill_(0.75)
+        seen.append(m.fc.weight.detach().clone())
+
+    hook = module.blocks[0].mlp.register_forward_pre_hook(edit)
+    engine.eval_step(state, data.val_batches(1, batch=2, rank=0, world=1))
+    hook.remove()
+    assert torch.all(seen[-1] == 0.75)
+    with framework.gathered([w]):
+        assert torch.all(w == 0.5)
     assert all(u.state.value == "sharded" for u in g.units) and w.numel() == 0
 
 

@@ -50,6 +50,28 @@ def test_init_follows_the_models_own_init_weights(tmp_path):
     assert torch.all(p["transformer.h.1.ln_1.weight"] == 1) and torch.all(p["transformer.h.1.attn.c_attn.bias"] == 0)
 
 
+def test_conv1d_initialised_by_its_constructor_alone_materialises(tmp_path):
+    """OpenAI GPT's _init_weights leaves transformers' Conv1D to its constructor (weight N(0, 0.02),
+    bias zero), which the meta device skips: under model=hf it gets that scheme, and a zero3 step runs."""
+    import json
+
+    raw = dict(CONFIGS["gpt2"], model_type="openai-gpt", n_embd=128)
+    for k in ("bos_token_id", "eos_token_id"):
+        raw.pop(k)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = hf_cfg(tmp_path / "config.json", "model.attn_implementation=eager")
+    model, _ = build(cfg, meta=False)
+    p = dict(model.named_parameters())
+    for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+        assert p[f"transformer.h.1.{name}.weight"].std().item() == pytest.approx(0.02, rel=0.1), name
+        assert torch.all(p[f"transformer.h.1.{name}.bias"] == 0), name
+    cfg = hf_cfg(tmp_path / "config.json", "model.attn_implementation=eager", "+stage=zero3")
+    model, data = build(cfg)
+    with framework.initialize(model, component(cfg, "model").loss, cfg) as engine:
+        _, m = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+    assert math.isfinite(m["loss"])
+
+
 def test_meta_buffers_equal_eager_construction(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
