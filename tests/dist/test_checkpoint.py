@@ -284,11 +284,12 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
     dist = _local()
     _train(dist, [], str(tmp_path), steps=K)
     with pytest.raises(framework.FrameworkError, match=r"parameter 'wte.weight' has shape \(24, 32\) in the checkpoint "
-                                                       r"but \(24, 36\) in this model; use another checkpoint.dir"):
+                                                       r"but \(24, 36\) in this model; use another checkpoint.dir "
+                                                       r"to start this run afresh$"):   # (nothing was read into the state)
         _train(dist, ["model.d_model=36"], str(tmp_path), resume="auto")
     # another optimizer: named as the configs name it (not by its state's keys), in a loop of one's own too
     with pytest.raises(ConfigError, match=r"was saved with optimizer=adamw, this run uses optimizer=sgd; resume with "
-                                          r"optimizer=adamw; use another checkpoint.dir"):
+                                          r"optimizer=adamw; use another checkpoint.dir to start this run afresh$"):
         _train(dist, ["optimizer=sgd"], str(tmp_path), resume="auto")
 
 

@@ -76,22 +76,23 @@ class Checkpointer:
             if resume == "auto" and self.cfg.every:
                 self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")
             return state
-        errors = []
+        errors, spent = [], ""   # SPENT once a read began (it may have written into the state)
         for i, folder in enumerate(folders):
             try:
-                state, body = load(self.engine, state, folder, group=self.group, seed=self.seed,
-                                   same=(self.config, resume))
+                read = load(self.engine, state, folder, group=self.group, seed=self.seed, same=(self.config, resume))
+                spent = SPENT
+                state, body = read()
             except CheckpointError as e:
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
-                    raise CheckpointError(f"{e}{SPENT}") from None
+                    raise CheckpointError(f"{e}{spent}") from None
                 errors.append(str(e))
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {folders[i + 1]}" if i + 1 < len(folders)
                         else "no older checkpoint is left")
                 print(f"rank {self.rank}: {e}; {then}", flush=True)
                 continue
-            except FrameworkError as e:   # (a read that began may have written into the state)
-                e.args = (f"{e}{SPENT}", *e.args[1:])
+            except FrameworkError as e:
+                e.args = (f"{e}{spent}", *e.args[1:])
                 raise
             if body["world"] != self.group.world:
                 how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
@@ -105,7 +106,7 @@ class Checkpointer:
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
                               f"finite (the folders are kept; set checkpoint.dir to another folder to start afresh): "
-                              + " | ".join(errors) + SPENT)
+                              + " | ".join(errors) + spent)
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""

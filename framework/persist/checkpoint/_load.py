@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -113,9 +114,10 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 
 def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None):
-    """(``folder`` loaded into ``state`` under this engine's layout, its train state); collective. A damaged or
-    non-finite checkpoint is a CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this
-    run's config dict and ``checkpoint.resume``), one of another model or optimizer a ConfigError."""
+    """Check ``folder`` against this engine's layout and return ``read``: its call loads it into ``state``,
+    returning (the state, its train state). Both collective. A damaged or non-finite checkpoint is a
+    CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this run's config dict and
+    ``checkpoint.resume``), one of another model or optimizer a ConfigError. Only ``read`` writes into ``state``."""
     manifest = verify(folder, group)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
@@ -136,6 +138,11 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
         return body, md
 
     body, md = agree_load(group, f"checkpoint check of {folder}", check)
+    return partial(_read, engine, state, folder, body, md, layout, whole, group, seed)
+
+
+def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whole: dict, group: Group, seed: int):
+    c = engine.components
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
