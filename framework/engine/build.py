@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from framework.config import Config, compose
+from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError
 from framework.comm.distributed import Dist, agree, connect, rank_and_world
 from framework.engine.materialize import materialize_buffers
@@ -65,16 +66,21 @@ class Engine(contextlib.AbstractContextManager):
         return state, metrics
 
     def eval_step(self, state: TrainState, batches: list) -> float:
-        """Mean loss over this rank's share of fixed batches, averaged over ranks (no grad)."""
+        """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
+        not a ``Batch``), averaged over ranks (no grad)."""
         self._check_open()
         if not batches:   # before the collective: every rank stops here alike
             raise DataError("eval_step: no batches; pass a list of at least one batch")
+        if isinstance(batches, Batch) or any(isinstance(b, Batch) for b in batches):
+            raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
         was_training = c.module.training
         c.module.eval()
-        with torch.no_grad():
-            total = sum(c.loss_fn(c.module, b).float() for b in batches)
-        c.module.train(was_training)
+        try:
+            with torch.no_grad():
+                total = sum(c.loss_fn(c.module, b).float() for b in batches)
+        finally:   # a loss_fn that raises leaves dropout and batch norm as they were
+            c.module.train(was_training)
         total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
         c.dist.all_reduce(total, what="validation loss all-reduce")
         return total.item() / (len(batches) * c.dist.world)

@@ -198,6 +198,11 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     assert engine.state is state and state.step == 0
     with pytest.raises(framework.DataError, match="eval_step: no batches"):
         engine.eval_step(state, [])
+    with pytest.raises(framework.DataError, match="eval_step: pass a list of micro batches .* not Batch objects"):
+        engine.eval_step(state, [Batch(((x, y),))])
+    with pytest.raises(RuntimeError):   # a loss_fn that raises (wrong width) leaves the module training
+        engine.eval_step(state, [(x, y), (x[:, :3], y)])
+    assert engine.components.module.training
     state, _ = engine.train_step(state, Batch(((x, y),) * 4))
     assert state.step == 1
 
