@@ -167,6 +167,13 @@ def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, 
     return rest, keys, given
 
 
+def _chosen(cfg, group: str) -> str:
+    """The stage or offload (none|cpu|cpu+params|nvme) of a composed config, as ``_given_setup`` names it."""
+    value = cfg.choices[group]
+    return "cpu+params" if group == "offload" and value == "cpu" and getattr(cfg.offload, "params", None) == "cpu" \
+        else value
+
+
 def _choice(group: str, value: str) -> list[str]:
     """The overrides that choose ``value`` (as ``_given_setup`` names it) of ``group``, as a candidate's do."""
     if group == "stage":
@@ -183,13 +190,11 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str]) 
         where = "the command line"
         value = given.get(group)
         if cfg.sources.get(f"{group}.name") == DS_FILE:
-            file_value = cfg.choices[group]
-            if file_value == "cpu" and getattr(cfg.offload, "params", None) == "cpu":
-                file_value = "cpu+params"
             if value is None:
-                where, value = f"ds_config={cfg.ds_config}", file_value
-            elif value != file_value:   # every candidate would fail to compose, after the probe: now
-                compose([*base, *_choice(group, value)])
+                where, value = f"ds_config={cfg.ds_config}", _chosen(cfg, group)
+            elif value != _chosen(cfg, group):   # the file refuses it (its line now, not each candidate's after
+                # the probe), or it is offload=cpu against the file's cpu+params, whose offload_param stands
+                value = _chosen(compose([*base, *_choice(group, value)]), group)
         if value is None:
             continue
         if key in own and [x.strip().lower() for x in own[key].split(",")] != [value]:

@@ -210,6 +210,10 @@ def test_plan_counts_the_model_vocabulary_unless_data_is_given(capsys, monkeypat
     (["+stage=zero2"], {"zero2"}, {"none", "cpu", "nvme"}),
     (["+stage=zero3", "offload=cpu", "offload.params=cpu"], {"zero3"}, {"cpu+params"}),
     ([f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"], {"zero3"}, {"cpu+params"}),
+    # offload=cpu leaves the file's offload_param (params on the host) standing, unless offload.params= is given
+    (["offload=cpu", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"], {"zero3"}, {"cpu+params"}),
+    (["offload=cpu", "offload.params=none", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
+     {"zero3"}, {"cpu"}),
 ])
 def test_a_given_stage_or_offload_restricts_the_search(capsys, monkeypatch, args, stages, offloads):
     """plan chooses the stage and offload of each candidate: one given on the command line, or by a
