@@ -38,10 +38,12 @@ from framework.cli.loop import train
 
 
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None,
-           on_owned: Callable[[Path], None] | None = None) -> dict:
+           on_owned: Callable[[Path], None] | None = None, on_ready: Callable[[Path], None] | None = None) -> dict:
     """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests);
     ``on_owned(run folder)`` is called once, where the run folder's lock is held and the checks before
-    any rank passed (the CLI writes Hydra's record of the run there then, never over a live run's)."""
+    any rank passed; ``on_ready`` goes to rank 0's loop (``train``: called once the run's checks passed;
+    the CLI writes Hydra's record of the run then, never over a live run's or that of a run the new one
+    was refused in; picklable, for a spawned rank 0)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
@@ -65,16 +67,17 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             # "latest" once; every rank stops with its error, or trains the config it resolved.
             mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
                          "the checkpoint pre-flight")
-            return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point)
+            return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point,
+                         on_ready if dist.is_main else None)
         # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
         # once so that every rank loads the same folder.
         cfg = own_and_preflight(cfg, run)
         if cfg.dist.nproc == 1:
-            return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point)
+            return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point, on_ready)
         # One line for an impossible request (NCCL with more local ranks than GPUs) before any rank starts.
         resolve_backend(cfg.dist.backend, cfg.dist.nproc)
         _notice(cfg, cfg.dist.nproc, True)
-        return _spawn(cfg, run, on_point)
+        return _spawn(cfg, run, on_point, on_ready)
 
 
 @contextlib.contextmanager
@@ -239,13 +242,15 @@ YOUNG_S = 60            # between making a folder and locking it a launch holds 
 
 # The launcher and every rank hold a shared lock on the rendezvous folder's owner.lock while they
 # live, so the next launch removes the folders of runs killed with -9 and never a live run's.
-def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) -> dict:
+def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
+           on_ready: Callable[[Path], None] | None = None) -> dict:
     remove_dead_rendezvous(tempfile.gettempdir())
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
         ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
-                                                  on_point), nprocs=cfg.dist.nproc, join=False, start_method="spawn")
+                                                  on_point, on_ready), nprocs=cfg.dist.nproc, join=False,
+                                 start_method="spawn")
         try:
             while not ranks.join():
                 pass
@@ -325,7 +330,7 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
 
 
 def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
-            on_point: Callable[[str], None] | None) -> None:
+            on_point: Callable[[str], None] | None, on_ready: Callable[[Path], None] | None = None) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
@@ -334,7 +339,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     try:
         with signals_unwind():
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
-            train(cfg, run, dist, on_point)
+            train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
             dist.barrier("shutdown barrier")
     except FrameworkError as e:

@@ -6,6 +6,7 @@ import math
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from statistics import fmean
 from typing import Callable
 
@@ -27,20 +28,24 @@ from framework.core.utils import to_device
 from framework.persist.weights import load_weights, save_on_model_save
 
 
-def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None = None) -> dict:
+def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None = None,
+          on_ready: Callable[[Path], None] | None = None) -> dict:
     """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and its
     console goes to the run folder's train.log too. ``on_point(point)`` (fault tests) is called
-    after each train step (``step:<N>``) and at the points of each save (``Checkpointer``'s)."""
+    after each train step (``step:<N>``) and at the points of each save (``Checkpointer``'s).
+    ``on_ready(run folder)`` is called on rank 0 once the checks that can refuse the run passed
+    (the model is built, any checkpoint resumed, the logger started), before the first step."""
     if not dist.is_main:
-        return _train(cfg, run, dist, on_point)
+        return _train(cfg, run, dist, on_point, None)
     files.make_dirs(run.run_dir)
     with console_log(run.run_dir / "train.log"):
         print("\n".join(run_header(cfg, run, dist.world, dist.backend, dist.device,
                                    checkpoint_root(cfg, run.run_dir, run.job))), flush=True)
-        return _train(cfg, run, dist, on_point)
+        return _train(cfg, run, dist, on_point, on_ready)
 
 
-def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None) -> dict:
+def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None,
+           on_ready: Callable[[Path], None] | None) -> dict:
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))
@@ -79,6 +84,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
+        if on_ready is not None:   # (rank 0's)
+            on_ready(run.run_dir)
         t_start = t_window = time.perf_counter()
         first = state.step   # a resumed run: throughput and ETA count only the steps this process runs
         window, eval_s = 0, 0.0  # steps and evaluation seconds since the last log line

@@ -9,7 +9,8 @@
 The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
 ``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
-file's choice restricts the stage or offload the same way). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+file's choice restricts the stage or offload the same way, and the given one's keys, as in
+``offload=cpu offload.ratio=0.5``, go to each of its candidates). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
 each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
 (activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
 CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
@@ -44,7 +45,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
 from framework.memory.model import build_vocab
-from framework.memory.planner import Candidate, Hardware, Planned, candidates, detect, plan
+from framework.memory.planner import Candidate, Hardware, Planned, candidates, compose_setups, detect, plan
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
@@ -109,18 +110,19 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     steps = own.get("steps", "6")
     if not steps.isdigit() or int(steps) < 2:   # the first step warms up and is not measured
         raise ConfigError(f"plan: steps={steps!r} must be a whole number >= 2")
-    overrides, given = _given_setup(overrides)
-    base = [f"model={own['model']}", *overrides]
-    cfg = compose(base)
-    own, notes = _restrict(own, given, cfg)
+    overrides, keys, given = _given_setup(overrides)
+    cfg = compose([f"model={own['model']}", *overrides])
+    base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
+    own, notes = _restrict(own, given, cfg, base)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
                           "rank")
     hw = detect(own)
-    candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
+    cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
+    setups = compose_setups(base, cands)   # so does a key of the given stage or offload that a candidate refuses
     probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
-    planned = plan(cfg, base, hw, own, probe)
+    planned = plan(cfg, base, hw, own, probe, setups)
     vocab, source = build_vocab(cfg, base)
     vocab = vocab or getattr(cfg.model, "vocab_size", None)
     print(_describe(hw, probe, cfg, planned, flags["top"],
@@ -143,34 +145,56 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
 
 
-def _given_setup(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """The overrides without a stage or offload choice (each candidate makes its own), and those choices
-    ({"stage": ..., "offload": none|cpu|cpu+params|nvme}); ``offload.params=`` goes with an ``offload=``."""
-    keys = [o.partition("=")[0] for o in overrides]
-    has_offload = any(k.lstrip("+") == "offload" for k in keys)
-    given, rest = {}, []
-    for o, key in zip(overrides, keys):
-        name = key.lstrip("+")
-        if key.startswith("~") or not (name in ("stage", "offload") or (name == "offload.params" and has_offload)):
-            rest.append(o)
-        else:
+def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
+    """The overrides without a stage or offload choice (each candidate makes its own) or a key of a chosen
+    one (``offload.ratio=`` with ``offload=cpu``: the config plan composes first has the default stage and
+    offload, which may lack it), those keys (every candidate of that choice gets them), and the choices
+    ({"stage": ..., "offload": none|cpu|cpu+params|nvme}; ``offload=cpu offload.params=cpu``: cpu+params)."""
+    raw = [o.partition("=")[0] for o in overrides]
+    chosen = {k.lstrip("+") for k in raw if k.lstrip("+") in ("stage", "offload")}
+    given, keys, rest = {}, [], []
+    for o, key in zip(overrides, raw):
+        name = key.lstrip("+~")
+        if name in chosen and not key.startswith("~"):
             given[name] = o.partition("=")[2].strip()
-    if "offload" in given:
-        given["offload"] += "+params" if (given["offload"], given.pop("offload.params", None)) == ("cpu", "cpu") else ""
-    return rest, given
+        elif name.partition(".")[0] in chosen and "." in name:
+            keys.append(o)
+        else:
+            rest.append(o)
+    params = [o for o in keys if o.partition("=")[0].lstrip("+") == "offload.params"]
+    if given.get("offload") == "cpu" and params and params[-1].partition("=")[2].strip() == "cpu":
+        given["offload"], keys = "cpu+params", [o for o in keys if o not in params]   # the candidate's own choice
+    return rest, keys, given
 
 
-def _restrict(own: dict[str, str], given: dict[str, str], cfg) -> tuple[dict[str, str], list[str]]:
+def _chosen(cfg, group: str) -> str:
+    """The stage or offload (none|cpu|cpu+params|nvme) of a composed config, as ``_given_setup`` names it."""
+    value = cfg.choices[group]
+    return "cpu+params" if group == "offload" and value == "cpu" and getattr(cfg.offload, "params", None) == "cpu" \
+        else value
+
+
+def _choice(group: str, value: str) -> list[str]:
+    """The overrides that choose ``value`` (as ``_given_setup`` names it) of ``group``, as a candidate's do."""
+    if group == "stage":
+        return [f"+stage={value}"]
+    return [f"offload={value.split('+')[0]}", *(["offload.params=cpu"] if value == "cpu+params" else [])]
+
+
+def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str]) -> tuple[dict[str, str], list[str]]:
     """A stage or offload chosen on the command line or by the DeepSpeed file (which refuses any other)
-    restricts the search as ``stages=`` / ``offloads=`` does, with a note saying so."""
+    restricts the search as ``stages=`` / ``offloads=`` does, with a note saying so; one chosen on the
+    command line that the file refuses is the composition's line (``base``: the candidates' overrides)."""
     own, chosen = dict(own), []
     for group, key in (("stage", "stages"), ("offload", "offloads")):
         where = "the command line"
         value = given.get(group)
-        if value is None and cfg.sources.get(f"{group}.name") == DS_FILE:
-            where, value = f"ds_config={cfg.ds_config}", cfg.choices[group]
-            if value == "cpu" and getattr(cfg.offload, "params", None) == "cpu":
-                value = "cpu+params"
+        if cfg.sources.get(f"{group}.name") == DS_FILE:
+            if value is None:
+                where, value = f"ds_config={cfg.ds_config}", _chosen(cfg, group)
+            elif value != _chosen(cfg, group):   # the file refuses it (its line now, not each candidate's after
+                # the probe), or it is offload=cpu against the file's cpu+params, whose offload_param stands
+                value = _chosen(compose([*base, *_choice(group, value)]), group)
         if value is None:
             continue
         if key in own and [x.strip().lower() for x in own[key].split(",")] != [value]:

@@ -11,8 +11,9 @@
 
 Every job's config is composed and checked once, before any run folder or process exists; Hydra
 then makes the run folder and the job (and the ranks it spawns) receives that config. Hydra's record
-of the job (.hydra/) is written by the job once it holds the run folder, and a job refused before it
-trained removes the folders made for it: a refused run leaves the file system as it found it.
+of the job (.hydra/) is written by the job once it holds the run folder and the run's checks passed,
+and a job refused before it trained removes the folders made for it: a refused run leaves the file
+system as it found it (an earlier run's record in its folder too).
 """
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 # Hydra writes its record of a job (config.yaml, hydra.yaml, overrides.yaml in hydra.output_subdir) into
 # the run folder before the job runs: over the record of the live run there that the job then refuses,
 # into a folder of a job refused a moment later. So Hydra is told to write none, and the job writes it
-# (``_record``) once it holds the folder and its checks passed.
+# (``_record``) once it holds the folder and its checks passed (those of the training loop too: over
+# an earlier run's record in the folder otherwise).
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 
@@ -215,17 +217,22 @@ class Passed:
         return [o for o in task if o not in self.task]
 
 
-def _record(task: DictConfig, hc: DictConfig, subdir: str | None, folder: Path, passed: Passed) -> None:
+def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
     """Hydra's record of the job, as Hydra writes it (hydra.yaml with the user's output_subdir and
-    overrides, not ``passed``), in ``folder``/``subdir``; none where output_subdir is null."""
+    overrides, not ``passed``): a function writing it in a folder's ``subdir`` (picklable: a spawned
+    rank 0 calls it); None where output_subdir is null."""
     if subdir is None:
-        return
+        return None
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
+    records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
+    return functools.partial(_write_record, subdir, {name: OmegaConf.to_yaml(node).encode() for name, node in records})
+
+
+def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
     out = folder / subdir
     out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
-    records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
-    for name, node in records:   # (with the umask's modes, as Hydra writes them: colleagues read them)
-        files.write_atomic(out / name, OmegaConf.to_yaml(node).encode(), shared=True)
+    for name, data in records.items():   # (with the umask's modes, as Hydra writes them: colleagues read them)
+        files.write_atomic(out / name, data, shared=True)
 
 
 def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
@@ -371,12 +378,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
 
-        def on_owned(folder: Path) -> None:
-            owned.append(folder)
-            _record(task, hc, subdir, folder, passed)
-
         try:
-            return launch(config, run, on_point, on_owned)["val_loss"]
+            return launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
         except FrameworkError as e:
             _remove_made(made, subdir, bool(owned))
             print(f"error: {e}", file=sys.stderr, flush=True)

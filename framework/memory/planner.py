@@ -196,26 +196,40 @@ class Planned:
         return not self.why
 
 
-def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict) -> list[Planned]:
-    """Every candidate with its predicted time and memory, fitting ones first, fastest first.
-    ``base``: the overrides ``cfg`` was composed from (each candidate adds its own)."""
+def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, str], object]:
+    """One composed config per stage and offload of ``cands`` (``base`` plus the candidate's choices), or,
+    for an offload target that cannot be built here, its error (listed, never run); a config that does
+    not compose raises its error (for ``plan``'s command line: before anything is probed)."""
     from framework.config import compose
+    from framework.engine.build import component
+
+    composed: dict[tuple[str, str], object] = {}
+    for cand in cands:
+        key = (cand.stage, cand.offload)
+        if key not in composed:
+            composed[key] = compose([*base, *cand.overrides()])
+            try:
+                component(composed[key], "offload").build(composed[key].offload)
+            except FrameworkError as e:
+                composed[key] = e
+    return composed
+
+
+def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
+         composed: dict[tuple[str, str], object] | None = None) -> list[Planned]:
+    """Every candidate with its predicted time and memory, fitting ones first, fastest first.
+    ``base``: the overrides of the candidates' configs (each candidate adds its own choices);
+    ``composed``: ``compose_setups``' configs of these candidates, where composed already."""
     from framework.engine.build import component
 
     vocab = build_vocab(cfg, base)[0]
 
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
-    composed: dict[tuple[str, str], object] = {}   # one Hydra compose per stage and offload
-    for cand in candidates(cfg, hw, own):
-        key = (cand.stage, cand.offload)
-        if key not in composed:
-            composed[key] = compose([*base, *cand.overrides()])
-            try:   # an offload target that cannot be built here is listed, never run
-                component(composed[key], "offload").build(composed[key].offload)
-            except FrameworkError as e:
-                composed[key] = e
-        c = composed[key]
+    cands = candidates(cfg, hw, own)
+    composed = compose_setups(base, cands) if composed is None else composed   # one compose per stage and offload
+    for cand in cands:
+        c = composed[(cand.stage, cand.offload)]
         if isinstance(c, FrameworkError):
             out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}"))
             continue

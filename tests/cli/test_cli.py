@@ -208,9 +208,24 @@ def test_a_second_run_into_a_live_runs_folder_is_refused(forkrun, tmp_path):
     assert {q.name: q.read_text() for q in (run / ".hydra").iterdir()} == record
 
 
+def test_a_run_refused_in_training_keeps_an_earlier_runs_record(forkrun, tmp_path):
+    """Refused by a check of the training loop (after it took the run folder) in an earlier run's
+    folder: that run's record of its config (.hydra/) is as it was."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    record = {name: f"the earlier run's {name}\n" for name in ("config.yaml", "hydra.yaml", "overrides.yaml")}
+    for name, text in record.items():
+        (run / ".hydra" / name).write_text(text)
+    p = cli(forkrun, tmp_path, *SHORT, "model.vocab_size=99")
+    assert p.returncode == 1 and "model.vocab_size=99 differs" in error_lines(p)[-1], p.stderr
+    assert {q.name: q.read_text() for q in (run / ".hydra").iterdir()} == record
+
+
 def test_two_local_ranks(forkrun, tmp_path):
     p = cli(forkrun, tmp_path, *SHORT, "dist.nproc=2")
     assert p.returncode == 0, p.stderr
+    # Hydra's record, written by rank 0 (a spawned process) once the run's checks passed
+    assert "dist.nproc=2" in (tmp_path / "run" / ".hydra" / "overrides.yaml").read_text()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["world"] == 2 and len(summary["memory_per_rank"]) == 2
 

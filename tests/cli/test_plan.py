@@ -161,6 +161,15 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["+stage=zero2", "stages=zero3"], "plan: the command line sets stage=zero2, but stages=zero3; plan tries each"),
     (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
+    # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
+    (["+stage=zero3", f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"],
+     "ds_config: stage=zero3 on the command line, but zero_optimization.stage in the file means stage=zero2"),
+    (["+stage=zero2", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
+     "ds_config: stage=zero2 on the command line, but zero_optimization.stage in the file means stage=zero3"),
+    (["offload=nvme", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
+     "ds_config: offload=nvme on the command line, but zero_optimization.offload_optimizer.device"),
+    # A key of the given offload that a candidate's stage refuses: that composition's line, before the probe.
+    (["offload=nvme", "offload.params=nvme"], "offload.params=nvme (parameter offload) needs +stage=zero3"),
 ])
 def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, needle):
     """Each value plan cannot use is refused with one line before anything is probed (nothing dropped,
@@ -201,6 +210,10 @@ def test_plan_counts_the_model_vocabulary_unless_data_is_given(capsys, monkeypat
     (["+stage=zero2"], {"zero2"}, {"none", "cpu", "nvme"}),
     (["+stage=zero3", "offload=cpu", "offload.params=cpu"], {"zero3"}, {"cpu+params"}),
     ([f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"], {"zero3"}, {"cpu+params"}),
+    # offload=cpu leaves the file's offload_param (params on the host) standing, unless offload.params= is given
+    (["offload=cpu", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"], {"zero3"}, {"cpu+params"}),
+    (["offload=cpu", "offload.params=none", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
+     {"zero3"}, {"cpu"}),
 ])
 def test_a_given_stage_or_offload_restricts_the_search(capsys, monkeypatch, args, stages, offloads):
     """plan chooses the stage and offload of each candidate: one given on the command line, or by a
@@ -212,6 +225,32 @@ def test_a_given_stage_or_offload_restricts_the_search(capsys, monkeypatch, args
     rows = json.loads(out.strip().splitlines()[-1])
     assert {r["stage"] for r in rows} == stages and {r["offload"] for r in rows} == offloads, rows
     assert out.count("note: planned only with") == 1, out
+
+
+@pytest.mark.parametrize("args,offloads,applied", [
+    (["offload=cpu", "offload.ratio=0.5"], {"cpu"}, {("offload", "ratio"): 0.5}),
+    (["offload=nvme", "offload.params=none", "offload.buffer_count=2"], {"nvme"},
+     {("offload", "params"): "none", ("offload", "buffer_count"): 2}),
+    (["+stage=zero3", "offload=cpu", "offload.params=cpu", "offload.ratio=0.5"], {"cpu+params"},
+     {("offload", "ratio"): 0.5, ("offload", "params"): "cpu"}),
+    (["+stage=zero3", "stage.stage3_prefetch_bucket_size=5"], {"none", "cpu", "cpu+params", "nvme"},
+     {("stage", "stage3_prefetch_bucket_size"): 5}),
+])
+def test_the_given_stages_or_offloads_own_keys_apply_to_its_candidates(capsys, monkeypatch, args, offloads, applied):
+    """A key of the given offload (stage) goes with it: every candidate of that offload (stage) is
+    planned with it, none is dropped, and it does not need the default offload (stage) to have it."""
+    from framework.memory import planner
+
+    cli = _quiet_probe(monkeypatch)
+    seen = []
+    real = planner.predict
+    monkeypatch.setattr(planner, "predict", lambda cfg, *a, **k: seen.append(cfg) or real(cfg, *a, **k))
+    assert cli.main(["model=gpt-nano", "micro_batches=16", "checkpointing=false", "ranks=1", "--json", *args]) == 0, \
+        capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {r["offload"] for r in rows} == offloads, rows
+    assert len(seen) == len(rows) and all(getattr(getattr(c, group), key) == value
+                                          for c in seen for (group, key), value in applied.items()), seen
 
 
 def test_gpu_sizes_on_a_cpu_host_say_the_times_are_this_cpu(capsys, monkeypatch):
