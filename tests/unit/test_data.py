@@ -260,3 +260,17 @@ def test_synthetic_vocab_size_is_bounded():
 
     with pytest.raises(ConfigError, match=r"^data.vocab_size must be <= 4096 for synthetic data, got 50304"):
         synthetic.SyntheticConfig(vocab_size=50304)
+
+
+@pytest.mark.parametrize("vocab_size,concentration,chain_seed", [
+    (64, 1e-6, 0),    # a singular system: numpy would raise LinAlgError
+    (8, 3e-3, 2),     # a solve that returns, but whose answer is not stationary
+])
+def test_synthetic_chain_without_a_unique_stationary_distribution_is_one_line(vocab_size, concentration, chain_seed):
+    from framework.core.errors import ConfigError
+
+    cfg = synthetic.SyntheticConfig(vocab_size=vocab_size, concentration=concentration, chain_seed=chain_seed)
+    with pytest.raises(ConfigError, match=rf"^data.concentration={concentration} gives a chain .* raise "
+                                          r"data.concentration \(0.01 or more") as e:
+        synthetic.SyntheticSource(cfg, seed=0, context=8)
+    assert "\n" not in str(e.value)
