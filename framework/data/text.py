@@ -70,9 +70,17 @@ def prepare_chars(source: str, out: Path) -> dict:
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
             "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION}
-    files.make_dirs(out.parent)
-    files.write_atomic(out, ids.astype("<u2").tobytes())   # never through a planted link
-    files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+    try:
+        files.make_dirs(out.parent)
+    except OSError as e:
+        raise DataError(f"--out {out}: cannot make its folder ({e.filename}: {e.strerror}); give a token file "
+                        f"in a folder you can write, e.g. --out data/tokens.bin") from None
+    try:
+        files.write_atomic(out, ids.astype("<u2").tobytes())   # never through a planted link
+        files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+    except OSError as e:   # the name it gives is the temporary file's, relative to the folder
+        raise DataError(f"--out {out}: cannot write it in {out.parent} ({e.strerror}); give a token file in a "
+                        f"folder you can write, e.g. --out data/tokens.bin") from None
     return meta
 
 
