@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import math
 import typing
+from types import MappingProxyType
 from typing import Any, Mapping
 
 try:
@@ -108,7 +109,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     for group in GROUPS:
         component = registry(group).get(chosen[group])
         if component.check is not None:
-            nodes[group] = component.check(nodes[group], chosen["stage"])
+            nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
         if component.notes is not None:
             notes += component.notes(nodes[group])
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)

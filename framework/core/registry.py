@@ -35,14 +35,16 @@ GROUPS: Mapping[str, str] = MappingProxyType({
 @dataclass(frozen=True)
 class Component:
     """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
-    ``check(node, stage)``, where given, validates the typed node against the chosen stage (one
-    line per error) and returns it with its ``auto`` values resolved; ``notes(node)``, where given,
+    ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage
+    and the other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor
+    against ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto``
+    values resolved; ``notes(node)``, where given,
     returns the notices its values call for (printed once at start-up). Each component knows its
     own rules, and the configuration layer needs no import of any component."""
 
     config: type
     build: Callable[..., Any]
-    check: Callable[[Any, str], Any] | None = field(default=None, kw_only=True)
+    check: Callable[[Any, str, Mapping[str, Any]], Any] | None = field(default=None, kw_only=True)
     notes: Callable[[Any], list[str]] | None = field(default=None, kw_only=True)
 
 

@@ -47,6 +47,24 @@ class SyntheticConfig:
             raise ConfigError(f"data.concentration must be > 0, got {self.concentration}")
 
 
+def stationary(p: np.ndarray, a: np.ndarray, cfg: SyntheticConfig) -> np.ndarray:
+    """pi of ``pi P = pi``, or a ConfigError where a small concentration rounds enough transitions to 0
+    that the chain splits into parts that never reach each other: no unique pi (a singular system, or a
+    solve whose answer is not stationary), so no floor. No bound on concentration alone rules that out
+    (it depends on vocab_size and chain_seed too), hence the check of the answer."""
+    try:
+        pi = np.linalg.solve(a, np.eye(len(p))[-1])
+    except np.linalg.LinAlgError:
+        pi = None
+    if pi is None or not np.isfinite(pi).all() or pi.min() < -1e-9 or np.abs(pi @ p - pi).max() > 1e-9:
+        raise ConfigError(f"data.concentration={cfg.concentration} gives a chain (vocab_size={cfg.vocab_size}, "
+                          f"chain_seed={cfg.chain_seed}) whose states split into parts that never reach each other, "
+                          f"so it has no unique stationary distribution or entropy floor; raise data.concentration "
+                          f"(0.01 or more; the default is 0.05) or choose another data.chain_seed")
+    pi = np.clip(pi, 0.0, None)
+    return pi / pi.sum()
+
+
 class SyntheticSource(DataSource):
     def __init__(self, cfg: SyntheticConfig, *, seed: int, context: int) -> None:
         self.cfg, self.seed, self.context = cfg, seed, context
@@ -58,8 +76,7 @@ class SyntheticSource(DataSource):
         # singular system replaced by the normalisation).
         a = p.T - np.eye(v)
         a[-1] = 1.0
-        pi = np.clip(np.linalg.solve(a, np.eye(v)[-1]), 0.0, None)
-        pi /= pi.sum()
+        pi = stationary(p, a, cfg)
         plogp = np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)
         self.entropy_rate = float(-(pi * plogp.sum(axis=1)).sum())
         self.unigram_entropy = float(-(pi[pi > 0] * np.log(pi[pi > 0])).sum())

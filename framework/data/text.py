@@ -50,8 +50,9 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
 
 def prepare_chars(source: str, out: Path) -> dict:
     """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
-    file in order) and its ``<stem>.meta.json`` (each written atomically); return the metadata.
-    ``out`` must be new or this function's own earlier output: nothing else is overwritten."""
+    file in order) and its ``<stem>.meta.json`` (each written atomically, the metadata first, with the
+    tokens' checksum that the reader checks: a pair left half-written is refused, not read); return the
+    metadata. ``out`` must be new or this function's own earlier output: nothing else is overwritten."""
     path, ids, chars, split = encode_file(source)
     if len(chars) > 1 << 16:
         raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
@@ -62,17 +63,30 @@ def prepare_chars(source: str, out: Path) -> dict:
             raise DataError(f"--out {out} is the text file being encoded (data.path); write the tokens to "
                             f"another file")
         _, old = read_meta(out)
-        if not isinstance(old.get("train_tokens"), int) or not isinstance(old.get("val_tokens"), int) \
-                or out.stat().st_size != 2 * (old["train_tokens"] + old["val_tokens"]):
+        # A metadata file naming it with the tokens' checksum: written by prepare (perhaps one that was
+        # stopped before the tokens, so the size need not match).
+        ours = old.get("tokens") == out.name and isinstance(old.get("tokens_sha256"), str)
+        if not ours and (not isinstance(old.get("train_tokens"), int) or not isinstance(old.get("val_tokens"), int)
+                         or out.stat().st_size != 2 * (old["train_tokens"] + old["val_tokens"])):
             raise DataError(f"--out {out} exists and is not a token file prepare wrote (no {meta_path(out)} "
                             f"describes it); remove it or choose another file")
+    tokens = ids.astype("<u2").tobytes()
     meta = {"source": str(path), "source_bytes": path.stat().st_size,
             "source_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokens": str(out.name), "vocab_size": len(chars), "chars": chars,
-            "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION}
-    files.make_dirs(out.parent)
-    files.write_atomic(out, ids.astype("<u2").tobytes())   # never through a planted link
-    files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+            "train_tokens": split, "val_tokens": len(ids) - split, "val_fraction": 1.0 - TRAIN_FRACTION,
+            "tokens_sha256": hashlib.sha256(tokens).hexdigest()}
+    try:
+        files.make_dirs(out.parent)
+    except OSError as e:
+        raise DataError(f"--out {out}: cannot make its folder ({e.filename}: {e.strerror}); give a token file "
+                        f"in a folder you can write, e.g. --out data/tokens.bin") from None
+    try:
+        files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
+        files.write_atomic(out, tokens)   # never through a planted link
+    except OSError as e:   # the name it gives is the temporary file's, relative to the folder
+        raise DataError(f"--out {out}: cannot write it in {out.parent} ({e.strerror}); give a token file in a "
+                        f"folder you can write, e.g. --out data/tokens.bin") from None
     return meta
 
 

@@ -6,6 +6,7 @@ files larger than RAM. The last ``val_fraction`` of the tokens is the held-out s
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class TokensSource(CropSource):
         except OSError as e:
             raise DataError(f"data.path={path}: cannot read it ({e.strerror}); fix its permissions or point "
                             "data.path at a readable file") from None
+        check_pair(path, data)
         split = int((1.0 - cfg.val_fraction) * len(data))
         super().__init__(train=data[:split], val=data[split:], vocab_size=vocab,
                          seed=seed, context=context, kind="tokens", path=path)
@@ -60,6 +62,20 @@ class TokensSource(CropSource):
 def meta_path(path: Path) -> Path:
     """Where ``recipe prepare`` writes the metadata of the token file ``path``: ``<stem>.meta.json``."""
     return path.with_name(f"{path.stem}.meta.json")
+
+
+def check_pair(path: Path, data: np.ndarray) -> None:
+    """The token file against the ``<stem>.meta.json`` prepare wrote for it (one naming it): its token
+    count and checksum. The two are renamed into place one after the other, so a prepare stopped
+    between them leaves one file new and the other old; such a pair is refused, not read."""
+    meta, found = read_meta(path)
+    if found.get("tokens") != path.name:
+        return
+    counts, digest = (found.get("train_tokens"), found.get("val_tokens")), found.get("tokens_sha256")
+    if (all(isinstance(c, int) for c in counts) and sum(counts) != len(data)) or \
+            (isinstance(digest, str) and hashlib.sha256(data).hexdigest() != digest):
+        raise DataError(f"{path} is not the token file {meta} describes (another token count or checksum: a "
+                        f"prepare that was stopped, or a file changed by hand); run prepare again")
 
 
 def read_meta(path: Path) -> tuple[Path, dict]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from framework.core.errors import ConfigError
 from framework.loggers._base import Console, RunInfo
@@ -64,7 +65,7 @@ class WandbLogger:
 FORBIDDEN = "/\\#?%:"   # W&B refuses these in a project name (after the run is set up)
 
 
-def check(cfg: WandbConfig, stage: str) -> WandbConfig:
+def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig:
     """When composing, before any run folder or rank: what W&B would refuse only once the run starts."""
     if cfg.mode is not None and cfg.mode not in MODES:
         raise ConfigError(f"logger.mode={cfg.mode!r} is not one of {', '.join(MODES)}")

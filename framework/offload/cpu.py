@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -117,7 +118,7 @@ def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> Host
                          overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
-def check(node: CPUOffloadConfig, stage: str) -> CPUOffloadConfig:
+def check(node: CPUOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> CPUOffloadConfig:
     """``offload.params`` against the stage (the configuration's check for this target)."""
     if node.params not in ("none", "cpu"):
         hint = {"nvme": " (parameter shards on disk: offload=nvme)",

@@ -9,6 +9,7 @@ only pools of pinned, page-aligned buffers. The disk is one more tier of the off
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
@@ -55,7 +56,7 @@ class NVMeOffloadConfig:
     aio: AIOConfig = field(default_factory=AIOConfig)
 
 
-def resolve(cfg: NVMeOffloadConfig, stage: str) -> NVMeOffloadConfig:
+def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVMeOffloadConfig:
     """Check ``cfg`` against ``stage`` (one line per error) and return it with ``params: auto`` resolved."""
     if stage == "ddp":
         raise ConfigError("config: offload=nvme needs a ZeRO stage (the replicated ddp stage keeps every "

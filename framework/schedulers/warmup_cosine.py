@@ -1,9 +1,13 @@
-"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr at decay_steps, then min_lr."""
+"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr at decay_steps, then min_lr.
+
+min_lr defaults to a tenth of the optimizer's lr (nanoGPT's rule of thumb), so that it follows the lr
+a run or a DeepSpeed file sets; a stated min_lr above the lr is refused when the config is checked.
+"""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
@@ -12,20 +16,21 @@ from framework.core.registry import Component
 @dataclass(kw_only=True)
 class WarmupCosineConfig:
     warmup_steps: int = 100
-    min_lr: float = 1e-4
+    min_lr: float | None = None  # None: optimizer.lr / 10
     decay_steps: int | None = None  # None: the run's number of optimizer steps
 
 
 def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
     if not cfg.warmup_steps >= 0:
         raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}")
-    if not (math.isfinite(cfg.min_lr) and 0 <= cfg.min_lr <= base_lr):
-        raise ConfigError(f"scheduler.min_lr must be in [0, optimizer.lr={base_lr}], "
-                          f"got {cfg.min_lr}")
+    min_lr = floor(cfg, base_lr)
+    if not (math.isfinite(min_lr) and 0 <= min_lr <= base_lr):
+        raise ConfigError(f"scheduler.min_lr must be in [0, optimizer.lr={base_lr}], got {min_lr}; "
+                          f"set scheduler.min_lr <= optimizer.lr or scheduler=constant")
     if cfg.decay_steps is not None and not cfg.decay_steps > cfg.warmup_steps:
         raise ConfigError(f"scheduler.decay_steps must be > warmup_steps={cfg.warmup_steps}, "
                           f"got {cfg.decay_steps}")
-    warmup, min_lr = cfg.warmup_steps, cfg.min_lr
+    warmup = cfg.warmup_steps
     # A run shorter than its warm-up (decay_steps defaults to the run length) has no cosine
     # phase; nanoGPT would divide by zero at step == warmup == decay, here that step is min_lr.
     decay = total_steps if cfg.decay_steps is None else cfg.decay_steps
@@ -41,4 +46,18 @@ def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable
     return lr_at
 
 
-COMPONENT = Component(config=WarmupCosineConfig, build=build)
+def floor(cfg: WarmupCosineConfig, base_lr: float) -> float:
+    return base_lr / 10 if cfg.min_lr is None else cfg.min_lr
+
+
+def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> WarmupCosineConfig:
+    """A stated min_lr against the optimizer's lr, before a run folder is made (a floor above the
+    lr would make the cosine rise, not decay)."""
+    lr = nodes["optimizer"].lr
+    if node.min_lr is not None and not 0 <= node.min_lr <= lr:
+        raise ConfigError(f"config: scheduler.min_lr={node.min_lr} must be in [0, optimizer.lr={lr}]; set "
+                          f"scheduler.min_lr <= optimizer.lr or scheduler=constant (min_lr: null is lr / 10)")
+    return node
+
+
+COMPONENT = Component(config=WarmupCosineConfig, build=build, check=check)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
@@ -112,7 +112,7 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
     return deepspeed_order(lr_at, 0.0)
 
 
-def check(node, stage: str):
+def check(node, stage: str, nodes: Mapping[str, Any]):
     """warmup_type with the composed config's other checks (before a run folder is made)."""
     if node.warmup_type not in WARMUP_TYPES:
         raise ConfigError(f"config: scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -249,7 +250,7 @@ class Zero2Stage(ShardedStage):
 # DeepSpeed keys that zero1 accepts (so that configs port over) but whose other value would do
 # nothing here: refused, naming the fix, rather than silently ignored; or, where a DeepSpeed config
 # sets them for a reason zero1 already meets, one note saying why.
-def _check_zero1(node: ZeroConfig, stage: str) -> ZeroConfig:
+def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
     if not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")

@@ -200,8 +200,11 @@ def test_prepare_writes_only_a_new_file_or_its_own_earlier_output(tmp_path, caps
     def prepare(out: Path) -> int:
         return recipes.main(["shakespeare_char_cpu", "prepare", f"data.path={src}", "--out", str(out)])
 
-    for out, words in ((src, "is the text file"), (tmp_path / "outd", "is a folder"),
-                       (other, "is not a token file prepare wrote")):
+    cases = [(src, "is the text file"), (tmp_path / "outd", "is a folder"), (other, "is not a token file prepare wrote"),
+             (src / "tok.bin", f"--out {src / 'tok.bin'}: cannot make its folder")]
+    if Path("/proc").is_dir():   # a folder nothing can be created in, even by root
+        cases.append((Path("/proc/tok.bin"), "--out /proc/tok.bin: cannot write it in /proc"))
+    for out, words in cases:
         capsys.readouterr()
         assert prepare(out) == 2
         err = capsys.readouterr().err

@@ -242,6 +242,9 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     (["dist.backend=ncl"], "config: dist.backend must be auto, gloo or nccl, got 'ncl' (did you mean 'nccl'?)"),
     (["scheduler=warmup_decay_lr", "scheduler.warmup_type=lienar"],
      "config: scheduler.warmup_type must be log or linear, got 'lienar' (did you mean 'linear'?)"),
+    (["optimizer.lr=5e-5", "scheduler.min_lr=1e-4"],
+     "config: scheduler.min_lr=0.0001 must be in [0, optimizer.lr=5e-05]; set scheduler.min_lr <= optimizer.lr or "
+     "scheduler=constant (min_lr: null is lr / 10)"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],

@@ -133,6 +133,19 @@ def test_unknown_key_far_from_any_is_one_warning_or_an_error_when_strict():
     assert "totally_custom" in msg and "my_private_knob" in msg
 
 
+def test_a_file_without_a_scheduler_keeps_the_runs_schedule_under_its_lr():
+    """No scheduler section: the run's scheduler (docs/deepspeed.md: what DeepSpeed leaves to its caller
+    follows our config), whose default floor follows the file's lr, here below the old fixed 1e-4."""
+    from framework.schedulers import warmup_cosine
+
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 2e-5}},
+          "zero_optimization": {"stage": 2}}
+    cfg = framework.compose(["train.steps=2"], ds_config=ds)
+    assert cfg.choices["scheduler"] == "warmup_cosine" and cfg.optimizer.lr == 2e-5
+    assert warmup_cosine.build(cfg.scheduler, cfg.optimizer.lr, 2)(200) == pytest.approx(2e-6)  # after the warm-up
+    assert framework.compose(["scheduler=constant"], ds_config=ds).choices["scheduler"] == "constant"
+
+
 @pytest.mark.parametrize("ds,new", [
     ({"bfloat16": {"enabled": True}}, "'bf16'"),
     ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'offload_optimizer'"),

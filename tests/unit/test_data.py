@@ -260,3 +260,39 @@ def test_synthetic_vocab_size_is_bounded():
 
     with pytest.raises(ConfigError, match=r"^data.vocab_size must be <= 4096 for synthetic data, got 50304"):
         synthetic.SyntheticConfig(vocab_size=50304)
+
+
+@pytest.mark.parametrize("vocab_size,concentration,chain_seed", [
+    (64, 1e-6, 0),    # a singular system: numpy would raise LinAlgError
+    (8, 3e-3, 2),     # a solve that returns, but whose answer is not stationary
+])
+def test_synthetic_chain_without_a_unique_stationary_distribution_is_one_line(vocab_size, concentration, chain_seed):
+    from framework.core.errors import ConfigError
+
+    cfg = synthetic.SyntheticConfig(vocab_size=vocab_size, concentration=concentration, chain_seed=chain_seed)
+    with pytest.raises(ConfigError, match=rf"^data.concentration={concentration} gives a chain .* raise "
+                                          r"data.concentration \(0.01 or more") as e:
+        synthetic.SyntheticSource(cfg, seed=0, context=8)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("stopped_after", ["tokens", "meta"])
+def test_prepare_stopped_between_its_two_files_leaves_a_pair_the_reader_refuses(tmp_path, stopped_after):
+    """The token file and its meta.json are renamed into place one after the other: a prepare stopped
+    between them leaves one old and one new (same size here: only the checksum tells), which is one
+    DataError line, and prepare run again puts it right."""
+    from framework.data.tokens import TokensConfig, TokensSource, meta_path
+
+    a, b, out = tmp_path / "a.txt", tmp_path / "b.txt", tmp_path / "tok.bin"
+    a.write_text("abcdefgh" * 8)
+    b.write_text("hgfedcba" * 8)
+    text.prepare_chars(str(a), out)
+    old = {p: p.read_bytes() for p in (out, meta_path(out))}
+    text.prepare_chars(str(b), out)
+    kept = out if stopped_after == "meta" else meta_path(out)   # the file the stopped run did not write
+    kept.write_bytes(old[kept])
+    with pytest.raises(DataError, match=rf"^{out} is not the token file .* run prepare again$"):
+        TokensSource(TokensConfig(path=str(out), vocab_size=None), seed=0, context=4)
+    text.prepare_chars(str(b), out)
+    source = TokensSource(TokensConfig(path=str(out), vocab_size=None), seed=0, context=4)
+    assert source.vocab_size == 8

@@ -170,3 +170,31 @@ def test_deepspeed_update_order():
                                                                 cos_min_ratio=0.01, warmup_type="linear",
                                                                 total_num_steps=6), 1e-3, 100)
     assert cos(0) == 0.0 and cos(1) == pytest.approx(1e-4) and cos(2) == pytest.approx(4e-4)
+
+
+def test_warmup_cosine_default_min_lr_is_a_tenth_of_the_lr():
+    """The YAML default follows the lr: an lr below the old fixed floor (1e-4) builds, and the
+    default lr of 1e-3 keeps the floor of 1e-4 exactly."""
+    node = yaml.safe_load((CONF / "warmup_cosine.yaml").read_text())
+    cfg = warmup_cosine.WarmupCosineConfig(**{**node, "warmup_steps": 0})
+    assert warmup_cosine.build(cfg, base_lr=5e-5, total_steps=10)(10) == 5e-6
+    assert warmup_cosine.build(cfg, base_lr=1e-3, total_steps=10)(10) == 1e-4
+
+
+@pytest.mark.parametrize("overrides,says", [
+    ([], None),
+    (["optimizer.lr=5e-5"], None),
+    (["optimizer.lr=5e-5", "scheduler.min_lr=5e-5"], None),
+    (["scheduler.min_lr=1e-2"], "config: scheduler.min_lr=0.01 must be in [0, optimizer.lr=0.001]; set "
+                                "scheduler.min_lr <= optimizer.lr or scheduler=constant (min_lr: null is lr / 10)"),
+])
+def test_warmup_cosine_min_lr_is_checked_with_the_config(overrides, says):
+    from framework.config import compose
+
+    if says is None:
+        cfg = compose(overrides)
+        warmup_cosine.build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
+        return
+    with pytest.raises(ConfigError) as info:
+        compose(overrides)
+    assert str(info.value) == says
