@@ -51,9 +51,12 @@ def test_every_recipe_is_complete_and_composes():
 
 
 def test_zero_equivalence_quick(equivalence):
-    assert next(c for c in equivalence["checks"] if c["check"] == "jobs")["finished"] == 3
+    assert next(c for c in equivalence["checks"] if c["check"] == "jobs")["finished"] == 4
     curves = [c for c in equivalence["checks"] if isinstance(c["check"], dict) and "curves_match" in c["check"]]
     assert len(curves) == 2 and all(c["passed"] for c in curves)
+    configs = [j.summary["config"] for j in report.load_jobs(Path(equivalence["out"]))]
+    assert ("zero2", "nvme") in [(c["stage"]["name"], c["offload"]["name"]) for c in configs]
+    assert {c["train"]["grad_accum"] for c in configs} == {2}   # accumulation in every stage, as the full run
     out = Path(equivalence["out"])
     for png in ("loss.png", "throughput_memory.png", "deviation.png"):
         assert (out / png).read_bytes()[:8] == PNG, png
@@ -92,7 +95,7 @@ def test_report_of_a_multirun(equivalence, tmp_path):
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "rep" / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| run")]
-    assert len(rows) == 4, md
+    assert len(rows) == 5, md
     assert "`+stage=zero3`" in md and "no summary.json" in rows[-1]
     assert "| train loss (mean of last log_every steps) |" in md, md
     jobs = report.load_jobs(sweep)
@@ -239,18 +242,19 @@ def test_missing_data_names_the_prepare_step(tmp_path):
 
 def test_metric_check_reports_the_numbers(equivalence):
     jobs = report.load_jobs(Path(equivalence["out"]))
-    res = recipes.evaluate(jobs, {"jobs": 3, "checks": [{"metric": "val_loss", "max": 1.0},
+    res = recipes.evaluate(jobs, {"jobs": 4, "checks": [{"metric": "val_loss", "max": 1.0},
                                                         {"metric": "val_loss", "min": 1.0}]})
     assert [r["passed"] for r in res] == [True, False, True]
     worst = jobs[0].summary["val_loss"]
     assert "val_loss <= 1.0" in res[1]["message"] and f"{worst:.4f}" in res[1]["message"]
-    res = recipes.evaluate(jobs, {"jobs": 4, "checks": [{"metric": "val_loss", "max": 9, "where": {"stage": "zero9"}}]})
-    assert not res[0]["passed"] and "expected 4" in res[0]["message"]
+    res = recipes.evaluate(jobs, {"jobs": 5, "checks": [{"metric": "val_loss", "max": 9, "where": {"stage": "zero9"}}]})
+    assert not res[0]["passed"] and "expected 5" in res[0]["message"]
     assert not res[1]["passed"] and "no job matches" in res[1]["message"]
 
 
 def test_memory_scaling_quick(tmp_path):
     verdict = run_quick("memory_scaling", tmp_path)
+    assert [c["check"] for c in verdict["checks"]][1:] == [{"memory_scaling": "ddp", "max_change": 0.25}]
     out = Path(verdict["out"])
     assert (out / "memory_scaling.png").read_bytes()[:8] == PNG
     jobs = [j for j in report.load_jobs(out) if j.summary]
@@ -403,7 +407,7 @@ def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsy
         with pytest.raises(recipes.RecipeError, match=says):
             recipes.evaluate(jobs, {"checks": [check]})
     good = json.loads((ROOT / "recipes" / "zero_equivalence" / "expected.json").read_text())
-    for expected, says in (({**good, "quick": {"jobs": 3, "checks": [{"metric": "val_loss", "maximum": 1}]}},
+    for expected, says in (({**good, "quick": {"jobs": 4, "checks": [{"metric": "val_loss", "maximum": 1}]}},
                             "did you mean 'max'"),
                            ({k: v for k, v in good.items() if k != "quick"}, "no 'quick' section"),
                            ({**good, "quick": {"jobs": 3, "check": []}}, "did you mean 'checks'"),
