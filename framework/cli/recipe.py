@@ -39,6 +39,13 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
 _SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after"}
 _PLOTS = {"deviation", "memory_scaling"}
+_BOUNDS = {"min", "max", "equals", "tol"}
+# Each kind of check (named by its first key) and every key it reads: a misspelled bound would
+# otherwise be ignored and the check pass whatever the numbers.
+_CHECK_KEYS = {"metric": {"metric", "where"} | _BOUNDS,
+               "curves_match": {"curves_match", "reference", "atol", "rtol"},
+               "memory_scaling": {"memory_scaling", "worlds", "min_ratio", "max_ratio", "max_change"},
+               "file": {"file", "key"} | _BOUNDS}
 
 
 class RecipeError(FrameworkError):
@@ -57,10 +64,39 @@ class Recipe:
         return [merge_overrides(list(r), list(q.get("overrides") or [])) for r in q.get("runs") or self.spec["runs"]]
 
     def checks(self, quick: bool) -> dict:
+        """expected.json's section for the full run or the twin, every check in it valid."""
         key = "quick" if quick else "full"
-        if key not in self.expected:
-            raise RecipeError(f"{self.dir / 'expected.json'} has no '{key}' section")
+        if not isinstance(self.expected.get(key), dict):
+            raise RecipeError(f"{self.dir / 'expected.json'} has no '{key}' section (an object with jobs and checks)")
+        try:
+            validate_checks(self.expected[key])
+        except RecipeError as e:
+            raise RecipeError(f"{self.dir / 'expected.json'}, section '{key}': {e}") from None
         return self.expected[key]
+
+
+def validate_checks(want: dict) -> None:
+    """Refuse a section of expected.json with an unknown key, check kind or check key, or a bound-less check."""
+    extra = set(want) - {"jobs", "checks"}
+    if extra:
+        k = sorted(extra)[0]
+        raise RecipeError(f"unknown key {k!r}{closest_hint(k, ['jobs', 'checks'])}; valid: checks, jobs")
+    if not isinstance(want.get("checks", []), list):
+        raise RecipeError("'checks' must be a list of checks")
+    for c in want.get("checks", []):
+        kind = next((k for k in _CHECK_KEYS if k in c), None) if isinstance(c, dict) else None
+        if kind is None:
+            raise RecipeError(f"unknown check {c}; use metric, curves_match, memory_scaling or file "
+                              f"(recipes/README.md)")
+        extra = set(c) - _CHECK_KEYS[kind]
+        if extra:
+            k = sorted(extra)[0]
+            raise RecipeError(f"{kind} check {c}: unknown key {k!r}{closest_hint(k, _CHECK_KEYS[kind])}; "
+                              f"valid: {', '.join(sorted(_CHECK_KEYS[kind]))}")
+        if kind == "file" and "key" not in c:
+            raise RecipeError(f"file check {c} has no 'key' (the value to read in the file)")
+        if kind in ("metric", "file") and not set(c) & {"min", "max", "equals"}:
+            raise RecipeError(f"{kind} check {c} has no bound: give min, max or equals (with tol)")
 
 
 def find(name: str) -> Recipe:
@@ -74,7 +110,12 @@ def find(name: str) -> Recipe:
     for f in ("config.yaml", "expected.json"):
         if not (d / f).is_file():
             raise RecipeError(f"recipe {d} has no {f}")
-    spec = yaml.safe_load((d / "recipe.yaml").read_text()) or {}
+    try:
+        spec = yaml.safe_load((d / "recipe.yaml").read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{d / 'recipe.yaml'} is not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(spec, dict):
+        raise RecipeError(f"{d / 'recipe.yaml'} is not a mapping (runs:, quick:, ...) but a {type(spec).__name__}")
 
     def refuse_unknown(what: str, given, allowed: set) -> None:
         extra = set(given or []) - allowed
@@ -92,6 +133,8 @@ def find(name: str) -> Recipe:
         expected = json.loads((d / "expected.json").read_text())
     except json.JSONDecodeError as e:
         raise RecipeError(f"{d / 'expected.json'}: {e}") from None
+    if not isinstance(expected, dict):
+        raise RecipeError(f"{d / 'expected.json'} is not a JSON object (full, quick, ...) but a {type(expected).__name__}")
     return Recipe(name=d.name, dir=d.resolve(), spec=spec, expected=expected)
 
 
@@ -152,19 +195,26 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
 def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=None) -> dict:
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
+    recipe.checks(quick)   # a malformed expected.json: before anything trains
+    _refuse_used(out)
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
     from framework.data import resolve_path
 
+    hint = (f"`python -m framework.recipe {recipe.name} prepare data.path=FILE` "
+            f"(see {recipe.dir / 'README.md'} for where to get FILE)")
     for cfg in (cfg for r in runs for cfg in compose_jobs(recipe, r)):
+        if getattr(cfg.data, "path", None) is None:
+            continue
         try:
-            if getattr(cfg.data, "path", None) is not None:
-                resolve_path(cfg.data.path, key="data.path")
+            path = resolve_path(cfg.data.path, key="data.path")
         except DataError as e:
-            hint = (f"; build it with `python -m framework.recipe {recipe.name} prepare data.path=FILE` "
-                    f"(see {recipe.dir / 'README.md'} for where to get FILE)") if recipe.spec.get("prepare") else ""
-            raise DataError(f"{e}{hint}") from None
-    files.make_dirs(out)
+            raise DataError(f"{e}; build it with {hint}" if recipe.spec.get("prepare") else str(e)) from None
+        _refuse_other_data(recipe, path, hint)
+    try:
+        files.make_dirs(out)
+    except OSError as e:   # e.g. --out names a file
+        raise RecipeError(f"cannot make the output folder {out} ({e.strerror}); pass a new folder with --out") from None
     t0 = time.perf_counter()
     fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
     _commands(recipe, "before", fill, out, stream)
@@ -177,6 +227,44 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         _run_logged(cmd, out / f"run{i}.log", stream)
     _commands(recipe, "after", fill, out, stream)
     return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
+
+
+def _refuse_used(out: Path) -> None:
+    """A second run into a folder holding a run's results would resume or overwrite its jobs (and
+    count the leftovers of a larger one): refused, nothing deleted; ``check DIR`` re-checks it."""
+    if out.is_dir() and (any(out.glob("run*-job*")) or (out / "checks.json").exists()):
+        raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
+                          f"pass a new folder with --out, or re-check it with `check {out}`")
+
+
+def _refuse_other_data(recipe: Recipe, path: Path, hint: str) -> None:
+    """A token file built from another text than the reference's would train for nothing and then
+    fail its checks: its ``<stem>.meta.json`` (written by prepare) against expected.json's ``data``."""
+    from framework.data.tokens import read_meta
+
+    want, (meta_file, meta) = recipe.expected.get("data") or {}, read_meta(path)
+    keys = ("source_sha256", "train_tokens", "val_tokens")
+    off = [k for k in keys if k in want and k in meta and meta[k] != want[k]]
+    if off:
+        said = ", ".join(f"{k} {meta[k]}" for k in off)
+        raise DataError(f"data.path {path} was built from {meta.get('source', 'another file')} ({said} in {meta_file}), "
+                        f"not the reference's ({', '.join(f'{k} {want[k]}' for k in off)}); build it from the "
+                        f"reference text with {hint}")
+
+
+def _checked_section(out: Path, quick: bool | None) -> bool:
+    """Whether ``check DIR`` checks against the quick section: the run's own (its checks.json), so a
+    re-check never replaces the verdict of one section with the other's."""
+    try:
+        ran = json.loads((out / "checks.json").read_text()).get("quick")
+    except (OSError, ValueError, AttributeError):
+        ran = None
+    if not isinstance(ran, bool):
+        return bool(quick)
+    if quick is not None and quick != ran:
+        raise RecipeError(f"{out} holds a {'quick' if ran else 'full'} run (its checks.json); check it "
+                          f"{'with' if ran else 'without'} --quick")
+    return ran
 
 
 def _fill(arg, fill: dict) -> str:
@@ -240,6 +328,7 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
 
 def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     """Each check's verdict with the numbers behind it (the kinds of check: recipes/README.md)."""
+    validate_checks(want)
     results = []
     done = [j for j in jobs if j.summary is not None]
     failed = [j for j in jobs if j.summary is None]
@@ -253,9 +342,7 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory,
              "file": lambda _, c: _file(out, c)}
     for c in want.get("checks", []):
-        kind = next((k for k in kinds if k in c), None)
-        if kind is None:
-            raise RecipeError(f"expected.json: unknown check {c}; use metric, curves_match, memory_scaling or file")
+        kind = next(k for k in kinds if k in c)
         results.append(kinds[kind](done, c))
     return results
 
@@ -300,6 +387,14 @@ def _curves(jobs, c: dict) -> dict:
         if steps != rsteps or not steps:
             failures.append(f"{j.label} logged {key} at steps {steps[:5]}... vs the reference's {rsteps[:5]}...")
             continue
+        # NaN compares false with every tolerance: a non-finite value on either side is a failure.
+        bad = next(((s, a, b) for s, a, b in zip(steps, vals, rvals) if not _finite(a) or not _finite(b)), None)
+        if bad is not None:
+            s0, a0, b0 = bad
+            who = f"the reference ({ref.label})" if not _finite(b0) else j.label
+            failures.append(f"{who} logged {key} {a0 if who == j.label else b0} at step {s0} "
+                            f"({j.label}: {a0}, reference: {b0})")
+            continue
         dev = [(abs(a - b), s, a, b) for s, a, b in zip(steps, vals, rvals)]
         d, s, a, b = max(dev)
         worst[j.label] = d
@@ -312,6 +407,10 @@ def _curves(jobs, c: dict) -> dict:
     head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
     tail = "; ".join(failures) if failures else f"largest |diff| {max(worst.values(), default=0.0):.2e}"
     return {"check": c, "passed": not failures, "message": f"{head}: {tail}", "max_abs_diff": worst}
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _bound(c: dict) -> str:
@@ -335,7 +434,10 @@ def _file(out: Path | None, c: dict) -> dict:
     head = f"{c['file']}: {c['key']} {_bound(c)}"
     if not path.is_file():
         return {"check": c, "passed": False, "message": f"{head}: {path} was not written"}
-    v = get_key(json.loads(path.read_text()), c["key"])
+    try:
+        v = get_key(json.loads(path.read_text()), c["key"])
+    except ValueError as e:   # e.g. a command killed while writing it
+        return {"check": c, "passed": False, "message": f"{head}: {path.name} is malformed ({str(e).splitlines()[0]})"}
     return {"check": c, "passed": _bound_ok(v, c), "message": f"{head}: {_num(v)}", "value": v}
 
 
@@ -371,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("name", nargs="?", help="recipe name (recipes/<name>) or folder")
     ap.add_argument("args", nargs="*", help="[prepare|check DIR] then key=value overrides")
-    ap.add_argument("--quick", action="store_true", help="run the tiny twin (what the test suite runs)")
+    ap.add_argument("--quick", action="store_true", default=None,
+                    help="run the tiny twin (what the test suite runs); check: default, the section the run used")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (run) or data file (prepare); default outputs/recipes/<name>/<time>")
     ap.add_argument("--list", action="store_true", help="list the recipes")
@@ -394,11 +497,12 @@ def main(argv: list[str] | None = None) -> int:
         if action == "check":
             if not args:
                 raise RecipeError("check needs the output folder of a finished run: check DIR")
-            verdict = finish(recipe, Path(args[0]), quick=a.quick)
+            out = Path(args[0])
+            verdict = finish(recipe, out, quick=_checked_section(out, a.quick))
         else:
             out = a.out or Path("outputs") / "recipes" / recipe.name / (time.strftime("%Y-%m-%d_%H-%M-%S")
                                                                        + ("-quick" if a.quick else ""))
-            verdict = run(recipe, quick=a.quick, overrides=args, out=out)
+            verdict = run(recipe, quick=bool(a.quick), overrides=args, out=out)
         return 0 if verdict["passed"] else 1
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,9 +51,12 @@ def test_every_recipe_is_complete_and_composes():
 
 
 def test_zero_equivalence_quick(equivalence):
-    assert next(c for c in equivalence["checks"] if c["check"] == "jobs")["finished"] == 3
+    assert next(c for c in equivalence["checks"] if c["check"] == "jobs")["finished"] == 4
     curves = [c for c in equivalence["checks"] if isinstance(c["check"], dict) and "curves_match" in c["check"]]
     assert len(curves) == 2 and all(c["passed"] for c in curves)
+    configs = [j.summary["config"] for j in report.load_jobs(Path(equivalence["out"]))]
+    assert ("zero2", "nvme") in [(c["stage"]["name"], c["offload"]["name"]) for c in configs]
+    assert {c["train"]["grad_accum"] for c in configs} == {2}   # accumulation in every stage, as the full run
     out = Path(equivalence["out"])
     for png in ("loss.png", "throughput_memory.png", "deviation.png"):
         assert (out / png).read_bytes()[:8] == PNG, png
@@ -92,7 +95,7 @@ def test_report_of_a_multirun(equivalence, tmp_path):
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "rep" / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| run")]
-    assert len(rows) == 4, md
+    assert len(rows) == 5, md
     assert "`+stage=zero3`" in md and "no summary.json" in rows[-1]
     assert "| train loss (mean of last log_every steps) |" in md, md
     jobs = report.load_jobs(sweep)
@@ -242,18 +245,19 @@ def test_missing_data_names_the_prepare_step(tmp_path):
 
 def test_metric_check_reports_the_numbers(equivalence):
     jobs = report.load_jobs(Path(equivalence["out"]))
-    res = recipes.evaluate(jobs, {"jobs": 3, "checks": [{"metric": "val_loss", "max": 1.0},
+    res = recipes.evaluate(jobs, {"jobs": 4, "checks": [{"metric": "val_loss", "max": 1.0},
                                                         {"metric": "val_loss", "min": 1.0}]})
     assert [r["passed"] for r in res] == [True, False, True]
     worst = jobs[0].summary["val_loss"]
     assert "val_loss <= 1.0" in res[1]["message"] and f"{worst:.4f}" in res[1]["message"]
-    res = recipes.evaluate(jobs, {"jobs": 4, "checks": [{"metric": "val_loss", "max": 9, "where": {"stage": "zero9"}}]})
-    assert not res[0]["passed"] and "expected 4" in res[0]["message"]
+    res = recipes.evaluate(jobs, {"jobs": 5, "checks": [{"metric": "val_loss", "max": 9, "where": {"stage": "zero9"}}]})
+    assert not res[0]["passed"] and "expected 5" in res[0]["message"]
     assert not res[1]["passed"] and "no job matches" in res[1]["message"]
 
 
 def test_memory_scaling_quick(tmp_path):
     verdict = run_quick("memory_scaling", tmp_path)
+    assert [c["check"] for c in verdict["checks"]][1:] == [{"memory_scaling": "ddp", "max_change": 0.25}]
     out = Path(verdict["out"])
     assert (out / "memory_scaling.png").read_bytes()[:8] == PNG
     jobs = [j for j in report.load_jobs(out) if j.summary]
@@ -338,3 +342,118 @@ def test_capacity_quick(model, tmp_path):
     # runtime's fixed costs dominate; the full runs are compared in BENCHMARKS.md)
     assert r["runtime_rss_bytes"] < r["estimated_peak_bytes"] and 0.3 < r["estimate_vs_measured"] < 2, r
     assert os.listdir(tmp_path / "nvme" / "swap") == [] if (tmp_path / "nvme" / "swap").exists() else True
+
+
+def _curve_job(stage: str, losses: list[float]) -> report.Job:
+    return report.Job(dir=Path(stage), overrides=[], summary={"config": {"stage": {"name": stage}}},
+                      records=[{"step": s, "loss": v} for s, v in enumerate(losses, 1)], label=stage)
+
+
+def test_curve_check_fails_on_a_non_finite_loss():
+    """A NaN or inf in a job's curve or in the reference's is a failure naming its first step (NaN
+    compares false with every tolerance)."""
+    want = {"checks": [{"curves_match": "loss", "reference": {"stage": "ddp"}, "atol": 1e-6}]}
+    nan, inf = float("nan"), float("inf")
+    for ref, other, step, who in (([3.0, 2.0, 1.0], [3.0, nan, nan], 2, "zero2"),
+                                  ([3.0, 2.0, inf], [3.0, 2.0, 1.0], 3, "ddp"),
+                                  ([nan, nan, nan], [nan, nan, nan], 1, "ddp")):
+        res = recipes.evaluate([_curve_job("ddp", ref), _curve_job("zero2", other)], want)
+        assert not res[0]["passed"], res[0]["message"]
+        assert f"step {step}" in res[0]["message"] and who in res[0]["message"], res[0]["message"]
+    res = recipes.evaluate([_curve_job("ddp", [3.0, 2.0]), _curve_job("zero2", [3.0, 2.0])], want)
+    assert res[0]["passed"], res[0]["message"]
+
+
+def _recipe_copy(tmp_path: Path, name: str = "zero_equivalence", **files_text: str) -> Path:
+    """A copy of a recipe folder with some of its files replaced (file name with '.' as '_')."""
+    d = tmp_path / f"my_{name}"
+    shutil.copytree(ROOT / "recipes" / name, d)
+    for f, text in files_text.items():
+        (d / f.replace("_", ".")).write_text(text)
+    return d
+
+
+def _one_line_error(capsys, argv: list[str], says: str) -> str:
+    capsys.readouterr()
+    assert recipes.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_run_refuses_an_out_folder_holding_results(tmp_path, capsys):
+    """A second run into the same --out would resume or overwrite the first one's jobs and count
+    its leftovers: refused in one line before anything runs, nothing deleted."""
+    for leftover in ("run3-job1", "checks.json"):
+        out = tmp_path / leftover.replace(".", "_")
+        (out / leftover).parent.mkdir(parents=True, exist_ok=True)
+        (out / "run3-job1").mkdir() if leftover == "run3-job1" else (out / leftover).write_text("{}")
+        _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out)], f"{out} already holds")
+        assert [p.name for p in out.iterdir()] == [leftover]
+    (tmp_path / "file").write_text("a file")   # --out naming a file
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(tmp_path / "file")],
+                    "cannot make the output folder")
+    assert (tmp_path / "file").read_text() == "a file"
+
+
+def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsys):
+    """A misspelled bound ("maximum") would make a check always pass, a check without a bound
+    too; an unknown kind or a missing section: one line before the output folder is made."""
+    jobs = [_curve_job("ddp", [3.0, 2.0])]
+    for check, says in (({"metric": "val_loss", "maximum": 1.0}, "did you mean 'max'"),
+                        ({"metric": "val_loss"}, "no bound"),
+                        ({"file": "reload.json", "key": "x"}, "no bound"),
+                        ({"file": "reload.json", "max": 1}, "'key'"),
+                        ({"curves_match": "loss", "referenc": {"stage": "ddp"}}, "did you mean 'reference'"),
+                        ({"memory_scaling": "zero3", "min_ration": 0.8}, "did you mean 'min_ratio'"),
+                        ({"metrik": "val_loss", "max": 1.0}, "unknown check")):
+        with pytest.raises(recipes.RecipeError, match=says):
+            recipes.evaluate(jobs, {"checks": [check]})
+    good = json.loads((ROOT / "recipes" / "zero_equivalence" / "expected.json").read_text())
+    for expected, says in (({**good, "quick": {"jobs": 4, "checks": [{"metric": "val_loss", "maximum": 1}]}},
+                            "did you mean 'max'"),
+                           ({k: v for k, v in good.items() if k != "quick"}, "no 'quick' section"),
+                           ({**good, "quick": {"jobs": 3, "check": []}}, "did you mean 'checks'"),
+                           ({**good, "quick": {"jobs": 3, "checks": [{"loss": 1}]}}, "unknown check")):
+        d = _recipe_copy(tmp_path / str(len(says)) / says[:3], expected_json=json.dumps(expected))
+        out = tmp_path / "out"
+        _one_line_error(capsys, [str(d), "--quick", "--out", str(out)], says)
+        assert not out.exists()
+
+
+def test_malformed_recipe_files_are_one_line(tmp_path, capsys):
+    for i, (files_text, says) in enumerate(((dict(recipe_yaml="runs: [[a\n  b: ]"), "recipe.yaml is not valid YAML"),
+                                            (dict(recipe_yaml="- [a]\n"), "not a mapping"),
+                                            (dict(expected_json="[1]"), "not a JSON object"))):
+        d = _recipe_copy(tmp_path / str(i), **files_text)
+        _one_line_error(capsys, [str(d), "--quick", "--out", str(tmp_path / "out")], says)
+    (tmp_path / "reload.json").write_text('{"val_loss_abs_diff": ')   # cut short
+    res = recipes.evaluate([], {"checks": [{"file": "reload.json", "key": "val_loss_abs_diff", "max": 1e-4}]},
+                           tmp_path)
+    assert not res[0]["passed"] and "reload.json is malformed" in res[0]["message"], res[0]["message"]
+
+
+def test_run_refuses_data_unlike_the_reference(tmp_path, capsys):
+    """A token file prepared from another text than tiny shakespeare would train for nothing and
+    then fail on its token counts: its meta.json is compared with expected.json's data first."""
+    src = tmp_path / "README.md"
+    src.write_text("to be or not to be\n" * 200)
+    tokens = tmp_path / "tokens.bin"
+    assert recipes.main(["shakespeare_char_cpu", "prepare", f"data.path={src}", "--out", str(tokens)]) == 0
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["shakespeare_char_cpu", "--quick", "--out", str(out), f"data.path={tokens}"],
+                    "not the reference's")
+    assert not out.exists()
+
+
+def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
+    """check DIR on a quick run's folder without --quick checks it against the quick section (its
+    verdict is not overwritten with the full section's); --quick on a full run's folder is refused."""
+    out = tmp_path / "quick_run"
+    shutil.copytree(equivalence["out"], out)
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 0
+    assert json.loads((out / "checks.json").read_text())["quick"] is True
+    verdict = json.loads((out / "checks.json").read_text())
+    (out / "checks.json").write_text(json.dumps({**verdict, "quick": False}))
+    _one_line_error(capsys, ["zero_equivalence", "check", str(out), "--quick"], "full run")
+    assert json.loads((out / "checks.json").read_text())["quick"] is False
