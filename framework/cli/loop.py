@@ -136,10 +136,22 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         return summary
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
         raise Interrupted(state.step) from None
-    finally:
-        ckpt.close()
-        engine.close()
-        logger.close()
+    finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
+        close_all(ckpt.close, engine.close, logger.close)
+
+
+def close_all(*closes: Callable[[], None]) -> None:
+    """Call every one of ``closes`` in order, whatever an earlier one raised (a SIGTERM's SystemExit
+    landing in one included); then raise the first exception, which a later one does not mask."""
+    first: BaseException | None = None
+    for close in closes:
+        try:
+            close()
+        except BaseException as e:   # (SystemExit, KeyboardInterrupt too: the rest must still run)
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 def reset_peak_memory(device: torch.device) -> int:
