@@ -228,13 +228,16 @@ def test_torchrun_multirun_reuses_group(tmp_path):
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, "-m", "logger=wandb", "optimizer=adamw,lion", *SHORT)
+    sweep = tmp_path / "multirun" / "2026-12-01" / "10-00-00"   # as the default sweep folder: date/time
+    p = forkrun.run("framework.train", ["-m", "logger=wandb", "optimizer=adamw,lion", *SHORT,
+                                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV, timeout=240)
     assert p.returncode == 0, p.stderr
     for i in (0, 1):
-        runs = list((tmp_path / "sweep" / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
+        runs = list((sweep / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(runs) == 1
         blob = runs[0].read_bytes()
-        assert b"train-sweep" in blob  # the group: job name + sweep folder, shared by both jobs
+        # the group: job name + sweep folder (its date too: another day's sweep is another group), shared by both jobs
+        assert b"train-multirun_2026-12-01_10-00-00" in blob
 
 
 def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
