@@ -76,7 +76,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
         if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
-            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
+            # A resume from this run folder's own checkpoints continues its W&B run; any other start is a new one.
+            mine = ckpt.resumed_from is not None and run.run_dir.resolve() in ckpt.resumed_from.resolve().parents
+            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
+                               start=state.step)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         t_start = t_window = time.perf_counter()

@@ -24,6 +24,7 @@ class RunInfo:
     group: str | None     # W&B group: the multirun sweep, so its jobs appear together
     name: str | None      # W&B run name: the job's overrides or number
     key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
+    resumed: bool = False    # resumed from a checkpoint in run_dir: its W&B run (id in run_dir) goes on
 
     @property
     def job(self) -> str | None:

@@ -10,9 +10,12 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.loggers._base import Console, RunInfo
 from framework.core.registry import Component
+
+RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues
 
 # wandb's own modes (its Settings.mode); "shared" and "run" go online as "online" does, "dryrun" is offline.
 MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
@@ -38,15 +41,27 @@ class WandbLogger:
     def start(self, config: dict, total_steps: int) -> None:
         import wandb
 
+        run_id = self._run_id() if self.run_info.resumed else None
         try:
             self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
                                   group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
-                                  dir=str(self.run_info.run_dir), config=config, reinit="finish_previous")
+                                  dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",
+                                  **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
             why = " ".join(str(e).split(" For further information")[0].split())[:300] or type(e).__name__
             raise ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
                               f"(project, entity, tags, mode) and WANDB_API_KEY, or run with logger.mode=offline") from None
+        if mode(self.cfg) != "disabled" and self.run is not None and self.run.id != run_id:
+            files.write_atomic(self.run_info.run_dir / RUN_ID, self.run.id.encode())   # for a resume of this run
         self.console.start(config, total_steps)
+
+    def _run_id(self) -> str | None:
+        """The W&B run id a resumed run continues: the one this run folder's earlier run wrote."""
+        try:
+            with os.fdopen(files.open_nofollow(self.run_info.run_dir / RUN_ID, os.O_RDONLY)) as f:
+                return f.read().strip() or None
+        except (OSError, UnicodeDecodeError):   # none (or unreadable): a new W&B run
+            return None
 
     def log(self, record: dict) -> None:
         self.console.log(record)

@@ -279,7 +279,7 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     """A run says where it writes, its train.log holds rank 0's console, its checkpoints live in
     its own folder: a rerun there resumes them, another run never does, unless pointed at them
     (``latest``, a path); a checkpoint of another model is refused on one line before any rank."""
-    first = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
+    first = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a", "logger=wandb")
     assert first.returncode == 0, first.stderr
     run = tmp_path / "outputs" / "a"
     head = first.stdout.splitlines()[:3]
@@ -294,8 +294,11 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
-    again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a")
+    run_id = (run / "wandb-run-id").read_text()
+    again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a", "logger=wandb")
     assert f"resumed from {run / 'checkpoints' / 'step-4'}" in again.stdout, again.stdout
+    # the resume goes on with the folder's W&B run (offline: a second record of the same run id)
+    assert [p.name.endswith(f"-{run_id}") for p in (run / "wandb").glob("offline-run-*")] == [True, True]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["steps_run"] == 2   # tokens/s counts these two only
 

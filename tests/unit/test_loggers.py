@@ -194,3 +194,25 @@ def test_wandb_refusing_to_start_the_run_is_one_line(monkeypatch, tmp_path, cfg,
         logger.start({}, 1)
     assert str(e.value).startswith("logger=wandb: W&B refused to start the run: ") and says in str(e.value)
     assert "\n" not in str(e.value) and "WANDB_API_KEY" in str(e.value)
+
+
+def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path):
+    """The W&B run id is kept in the run folder: a resume from the folder's checkpoints (``resumed``)
+    passes it on, any other start is a new W&B run (and its id the one kept)."""
+    from dataclasses import replace
+
+    from framework.loggers.wandb import RUN_ID, WandbConfig, WandbLogger
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    info = RunInfo(tmp_path / "run", None, None)
+    info.run_dir.mkdir()
+    ids = []
+    for resumed in (False, True, False):
+        logger = WandbLogger(WandbConfig(live=False), run=replace(info, resumed=resumed))
+        logger.start({}, 1)
+        ids.append(logger.run.id)
+        logger.close()
+        assert (info.run_dir / RUN_ID).read_text() == ids[-1]
+    assert ids[1] == ids[0] and ids[2] != ids[0], ids
