@@ -32,7 +32,7 @@ from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
                                        resolve_backend)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, Terminated
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -130,6 +130,14 @@ def signals_unwind() -> Iterator[None]:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         sys.unraisablehook = hook
+
+
+def terminated_line(e: SystemExit) -> str | None:
+    """The one line for a run that a SIGTERM ended (``signals_unwind``'s SystemExit; with the step where
+    the loop was), None for any other exit."""
+    if isinstance(e, Terminated):
+        return e.line
+    return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
 
 
 def _signal_soon(thread: int, signum: int) -> None:
@@ -343,6 +351,10 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         print(f"rank {rank}: {str(e) or 'interrupted'}", file=sys.stderr, flush=True)
         sys.exit(130)
+    except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept
+        if (line := terminated_line(e)) is not None:
+            print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
+        raise
     finally:
         disconnect()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -17,7 +18,7 @@ from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError, Interrupted
+from framework.core.errors import ConfigError, Interrupted, Terminated
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
@@ -139,6 +140,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         return summary
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
         raise Interrupted(state.step) from None
+    except SystemExit as e:   # SIGTERM (launch.signals_unwind): the same, for this signal
+        if e.code == 128 + signal.SIGTERM and not isinstance(e, Terminated):
+            raise Terminated(state.step, e.code) from None
+        raise
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
 

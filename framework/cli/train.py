@@ -35,7 +35,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.cli.launch import RUN_LOCK, launch
+from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
@@ -397,6 +397,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except SystemExit as e:   # SIGTERM: as Ctrl-C, with its exit status
+            if (line := terminated_line(e)) is not None:
+                print(line, file=sys.stderr, flush=True)
+            raise
     return job
 
 

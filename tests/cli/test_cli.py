@@ -362,11 +362,11 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp
     assert len(lines) == 1 and f"checkpoint folder {tmp_path / 'afile'} is not writable" in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGINT", 1), ("SIGINT", 2)])
+@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
 def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     """SIGTERM to the launcher alone (kill, a Slurm time limit) and Ctrl-C (SIGINT to the terminal's
-    process group) once it stepped: every rank unwinds and removes its swap files; Ctrl-C is one line
-    per process, no traceback."""
+    process group) once it stepped: every rank unwinds and removes its swap files; each is one line
+    per process (in train.log too), no traceback."""
     import re
     import signal
     import time
@@ -397,8 +397,9 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     assert rc == (130 if sig == "SIGINT" else 143), stderr
     assert not (run / "nvme").exists() or list((run / "nvme").iterdir()) == []
     assert "Traceback" not in stderr, stderr
-    if sig == "SIGINT":
-        lines = [line for line in stderr.splitlines() if "interrupted" in line]
-        want = [r"interrupted at step \d+"] if nproc == 1 else [r"rank [01]: interrupted at step \d+"] * 2 + ["interrupted"]
-        assert len(lines) == len(want), stderr
-        assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
+    said, last = ("interrupted", "interrupted") if sig == "SIGINT" else (r"terminated \(SIGTERM\)", "terminated (SIGTERM)")
+    lines = [line for line in stderr.splitlines() if line.startswith(("interrupted", "terminated", "rank"))]
+    want = [rf"{said} at step \d+"] if nproc == 1 else [rf"rank [01]: {said} at step \d+"] * 2 + [re.escape(last)]
+    assert len(lines) == len(want), stderr
+    assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
+    assert re.search(rf"^{said} at step \d+$", (run / "train.log").read_text(), re.M), (run / "train.log").read_text()
