@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -210,7 +211,8 @@ def cap_threads(local_world: int) -> None:
 def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float) -> str:
     """One line for a rank that exited with ``code`` (negative: killed by that signal)."""
     if code >= 0:
-        return f"rank {rank} of {nproc} exited with code {code} (its error is printed above); the other ranks were stopped"
+        return (f"rank {rank} of {nproc} exited with code {code} (anything it printed is above); the other ranks "
+                f"were stopped")
     try:
         name = signal.Signals(-code).name
     except ValueError:
@@ -255,8 +257,9 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
         ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
                                                   on_point), nprocs=cfg.dist.nproc, join=False, start_method="spawn")
         try:
-            while not ranks.join():
-                pass
+            with _quiet_termination():
+                while not ranks.join():
+                    pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, STOP_GRACE_S if isinstance(e, KeyboardInterrupt) else 0.0)
             raise
@@ -271,6 +274,25 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None) ->
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+class _NoTerminatingLine(logging.Filter):
+    """Drops torch's "Terminating process N via signal SIGTERM" warning: stopping the other ranks once
+    one failed is said in the launcher's own line (its warning that SIGKILL was needed stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Terminating process")
+
+
+@contextlib.contextmanager
+def _quiet_termination() -> Iterator[None]:
+    """``_NoTerminatingLine`` on torch's spawn logger within the block only."""
+    log, quiet = logging.getLogger(mp.ProcessContext.__module__), _NoTerminatingLine()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _stop(ranks: list, grace_s: float) -> None:

@@ -403,3 +403,14 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     assert len(lines) == len(want), stderr
     assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
     assert re.search(rf"^{said} at step \d+$", (run / "train.log").read_text(), re.M), (run / "train.log").read_text()
+
+
+def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):
+    """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
+    does not point at an error above that is not there, and torch's own line about stopping the
+    others is not printed."""
+    p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": "step:2@1"})
+    assert p.returncode == 1, p.stderr
+    assert "rank 1 of 2 exited with code 17 (anything it printed is above); the other ranks were stopped" in p.stderr
+    assert "Terminating process" not in p.stderr and "Traceback" not in p.stderr, p.stderr
