@@ -13,6 +13,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -32,7 +33,7 @@ from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
                                        resolve_backend)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, Terminated
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -135,6 +136,14 @@ def signals_unwind() -> Iterator[None]:
         sys.unraisablehook = hook
 
 
+def terminated_line(e: SystemExit) -> str | None:
+    """The one line for a run that a SIGTERM ended (``signals_unwind``'s SystemExit; with the step where
+    the loop was), None for any other exit."""
+    if isinstance(e, Terminated):
+        return e.line
+    return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
+
+
 def _signal_soon(thread: int, signum: int) -> None:
     time.sleep(0.001)   # let the main thread leave the callback first
     signal.pthread_kill(thread, signum)
@@ -205,7 +214,8 @@ def cap_threads(local_world: int) -> None:
 def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_s: float) -> str:
     """One line for a rank that exited with ``code`` (negative: killed by that signal)."""
     if code >= 0:
-        return f"rank {rank} of {nproc} exited with code {code} (its error is printed above); the other ranks were stopped"
+        return (f"rank {rank} of {nproc} exited with code {code} (anything it printed is above); the other ranks "
+                f"were stopped")
     try:
         name = signal.Signals(-code).name
     except ValueError:
@@ -252,8 +262,9 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
                                                   on_point, on_ready), nprocs=cfg.dist.nproc, join=False,
                                  start_method="spawn")
         try:
-            while not ranks.join():
-                pass
+            with _quiet_termination():
+                while not ranks.join():
+                    pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, STOP_GRACE_S if isinstance(e, KeyboardInterrupt) else 0.0)
             raise
@@ -268,6 +279,25 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+class _NoTerminatingLine(logging.Filter):
+    """Drops torch's "Terminating process N via signal SIGTERM" warning: stopping the other ranks once
+    one failed is said in the launcher's own line (its warning that SIGKILL was needed stays)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Terminating process")
+
+
+@contextlib.contextmanager
+def _quiet_termination() -> Iterator[None]:
+    """``_NoTerminatingLine`` on torch's spawn logger within the block only."""
+    log, quiet = logging.getLogger(mp.ProcessContext.__module__), _NoTerminatingLine()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _stop(ranks: list, grace_s: float) -> None:
@@ -348,6 +378,10 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         print(f"rank {rank}: {str(e) or 'interrupted'}", file=sys.stderr, flush=True)
         sys.exit(130)
+    except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept
+        if (line := terminated_line(e)) is not None:
+            print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
+        raise
     finally:
         disconnect()
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -18,7 +19,7 @@ from framework.persist.checkpoint import Checkpointer, checkpoint_root
 from framework.config import Config
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import Dist
-from framework.core.errors import ConfigError, Interrupted
+from framework.core.errors import ConfigError, Interrupted, Terminated
 from framework.loggers import NullLogger, RunInfo, RunRecord, console_log, run_header
 from framework.engine.materialize import zero_init
 from framework.memory.probe import rss_now, rss_peak
@@ -81,7 +82,10 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
         if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
-            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=run), start=state.step)
+            # A resume from this run folder's own checkpoints continues its W&B run; any other start is a new one.
+            mine = ckpt.resumed_from is not None and run.run_dir.resolve() in ckpt.resumed_from.resolve().parents
+            logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
+                               start=state.step)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         if on_ready is not None:   # (rank 0's)
@@ -143,10 +147,26 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         return summary
     except KeyboardInterrupt:   # Ctrl-C: one line with the last finished step (the CLI prints it)
         raise Interrupted(state.step) from None
-    finally:
-        ckpt.close()
-        engine.close()
-        logger.close()
+    except SystemExit as e:   # SIGTERM (launch.signals_unwind): the same, for this signal
+        if e.code == 128 + signal.SIGTERM and not isinstance(e, Terminated):
+            raise Terminated(state.step, e.code) from None
+        raise
+    finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
+        close_all(ckpt.close, engine.close, logger.close)
+
+
+def close_all(*closes: Callable[[], None]) -> None:
+    """Call every one of ``closes`` in order, whatever an earlier one raised (a SIGTERM's SystemExit
+    landing in one included); then raise the first exception, which a later one does not mask."""
+    first: BaseException | None = None
+    for close in closes:
+        try:
+            close()
+        except BaseException as e:   # (SystemExit, KeyboardInterrupt too: the rest must still run)
+            if first is None:
+                first = e
+    if first is not None:
+        raise first
 
 
 def reset_peak_memory(device: torch.device) -> int:

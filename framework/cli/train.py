@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from framework.cli.launch import RUN_LOCK, launch
+from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
@@ -353,6 +353,16 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
     return older
 
 
+def sweep_group(job_name: str, sweep_dir: str) -> str:
+    """The W&B group of a sweep's runs: the job's name and the sweep folder, relative to the working
+    folder where it is inside it (else its last two parts), '/' as '_': the default folder's date and
+    time both (multirun/<date>/<time>), so that sweeps of another day are another group."""
+    folder = os.path.abspath(sweep_dir)
+    rel = os.path.relpath(folder, os.getcwd())
+    parts = Path(rel).parts if not rel.startswith("..") else Path(folder).parts[-2:]
+    return f"{job_name}-{'_'.join(parts)}"
+
+
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
          swept: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
@@ -370,7 +380,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             config = compose(overrides, composer=app_composer)
         multirun = hc.mode == RunMode.MULTIRUN
         run = RunInfo(Path(hc.runtime.output_dir),
-                      group=f"{hc.job.name}-{Path(hc.sweep.dir).name}" if multirun else None,
+                      group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
                       if multirun else None)
@@ -390,6 +400,10 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
             print(str(e) or "interrupted", file=sys.stderr, flush=True)
             sys.exit(130)
+        except SystemExit as e:   # SIGTERM: as Ctrl-C, with its exit status
+            if (line := terminated_line(e)) is not None:
+                print(line, file=sys.stderr, flush=True)
+            raise
     return job
 
 

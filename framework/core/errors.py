@@ -45,3 +45,15 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, step: int):
         super().__init__(f"interrupted at step {step}")
+
+
+class Terminated(SystemExit):
+    """SIGTERM while training (kill, a Slurm time limit or pre-emption): the run exits with 128 + the
+    signal's number, as a process the signal ended, and the CLI prints ``line`` (as for Ctrl-C)."""
+
+    def __init__(self, step: int, code: int):
+        super().__init__(code)
+        self.line = f"terminated (SIGTERM) at step {step}"
+
+    def __str__(self) -> str:
+        return self.line

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.core import files
-from framework.core.errors import FrameworkError
+from framework.core.errors import FrameworkError, Interrupted, Terminated
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class RunInfo:
     group: str | None     # W&B group: the multirun sweep, so its jobs appear together
     name: str | None      # W&B run name: the job's overrides or number
     key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
+    resumed: bool = False    # resumed from a checkpoint in run_dir: its W&B run (id in run_dir) goes on
 
     @property
     def job(self) -> str | None:
@@ -144,8 +145,8 @@ class _Tee:
 @contextlib.contextmanager
 def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
-    (appended): rank 0's console of a run is its folder's train.log. An error that ends the run
-    is written there too (the caller prints it to the console)."""
+    (appended): rank 0's console of a run is its folder's train.log. An error, Ctrl-C or SIGTERM that
+    ends the run is written there too (the caller prints it to the console)."""
     log = files.open_append(path)
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
@@ -153,6 +154,9 @@ def console_log(path: Path):
         yield
     except FrameworkError as e:
         log.write(f"error: {e}\n")
+        raise
+    except (Interrupted, Terminated) as e:   # Ctrl-C, SIGTERM: the line the console gets, and the log too
+        log.write(f"{e}\n")
         raise
     finally:
         sys.stdout, sys.stderr = out, err

@@ -11,18 +11,23 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from framework.core import files
 from framework.core.errors import ConfigError
 from framework.loggers._base import Console, RunInfo
 from framework.core.registry import Component
 
-MODES = ("online", "offline", "disabled")
+RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues
+
+# wandb's own modes (its Settings.mode); "shared" and "run" go online as "online" does, "dryrun" is offline.
+MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+ONLINE = ("online", "shared", "run")
 
 
 @dataclass(kw_only=True)
 class WandbConfig:
     project: str = "framework"
     entity: str | None = None
-    mode: str | None = None          # online | offline | disabled; None: $WANDB_MODE or offline
+    mode: str | None = None          # online | offline | disabled (or wandb's shared, dryrun, run); None: $WANDB_MODE or offline
     tags: list[str] = field(default_factory=list)
     live: bool | None = None         # console bar, as in logger=console
 
@@ -37,11 +42,27 @@ class WandbLogger:
     def start(self, config: dict, total_steps: int) -> None:
         import wandb
 
-        mode = self.cfg.mode or os.environ.get("WANDB_MODE") or "offline"
-        self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode,
-                              group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
-                              dir=str(self.run_info.run_dir), config=config, reinit="finish_previous")
+        run_id = self._run_id() if self.run_info.resumed else None
+        try:
+            self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
+                                  group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
+                                  dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",
+                                  **(dict(id=run_id, resume="allow") if run_id else {}))
+        except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
+            why = " ".join(str(e).split(" For further information")[0].split())[:300] or type(e).__name__
+            raise ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
+                              f"(project, entity, tags, mode) and WANDB_API_KEY, or run with logger.mode=offline") from None
+        if mode(self.cfg) != "disabled" and self.run is not None and self.run.id != run_id:
+            files.write_atomic(self.run_info.run_dir / RUN_ID, self.run.id.encode())   # for a resume of this run
         self.console.start(config, total_steps)
+
+    def _run_id(self) -> str | None:
+        """The W&B run id a resumed run continues: the one this run folder's earlier run wrote."""
+        try:
+            with os.fdopen(files.open_nofollow(self.run_info.run_dir / RUN_ID, os.O_RDONLY)) as f:
+                return f.read().strip() or None
+        except (OSError, UnicodeDecodeError):   # none (or unreadable): a new W&B run
+            return None
 
     def log(self, record: dict) -> None:
         self.console.log(record)
@@ -63,6 +84,28 @@ class WandbLogger:
 
 
 FORBIDDEN = "/\\#?%:"   # W&B refuses these in a project name (after the run is set up)
+PROJECT_MAX, TAG_MAX = 128, 64   # W&B's limits on a project name and on each tag
+
+
+def mode(cfg: WandbConfig) -> str:
+    """``logger.mode``, else WANDB_MODE, else offline."""
+    return cfg.mode or os.environ.get("WANDB_MODE") or "offline"
+
+
+def key_configured() -> bool:
+    """Whether W&B finds credentials here (WANDB_API_KEY, an identity token file, .netrc, its settings
+    file), as wandb.init would, without prompting and without asking the server. A key W&B refuses
+    by its form is a ConfigError."""
+    from wandb.errors import Error
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib import wbauth
+
+    try:
+        return wbauth.authenticate_session(host=wandb_setup.singleton().settings.base_url, source="logger=wandb",
+                                           prompt=False, update_session=False) is not None
+    except Error as e:   # (AuthenticationError: a key of the wrong form)
+        raise ConfigError(f"logger=wandb: {str(e).strip().splitlines()[0]}; fix WANDB_API_KEY "
+                          f"(or `wandb login`), or set logger.mode=offline") from None
 
 
 def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig:
@@ -77,8 +120,18 @@ def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig
     if bad:
         raise ConfigError(f"logger.project={cfg.project!r} has a character W&B refuses ({' '.join(bad)}); "
                           f"choose a name without any of {' '.join(FORBIDDEN)}")
+    if len(cfg.project) > PROJECT_MAX:
+        raise ConfigError(f"logger.project is {len(cfg.project)} characters long; W&B takes at most {PROJECT_MAX}")
+    for tag in cfg.tags:
+        if not 1 <= len(str(tag)) <= TAG_MAX:
+            raise ConfigError(f"logger.tags: the tag {str(tag)[:TAG_MAX]!r}{'...' if len(str(tag)) > TAG_MAX else ''} "
+                              f"is {len(str(tag))} characters long; W&B takes tags of 1 to {TAG_MAX} characters")
     if importlib.util.find_spec("wandb") is None:
         raise ConfigError("logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console")
+    if mode(cfg) in ONLINE and not key_configured():
+        where = f"logger.mode={cfg.mode}" if cfg.mode else f"WANDB_MODE={mode(cfg)}"
+        raise ConfigError(f"{where} logs to the W&B server, and no W&B API key is configured: set WANDB_API_KEY "
+                          f"(or run `wandb login`), or set logger.mode=offline")
     return cfg
 
 

@@ -243,13 +243,16 @@ def test_torchrun_multirun_reuses_group(tmp_path):
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, "-m", "logger=wandb", "optimizer=adamw,lion", *SHORT)
+    sweep = tmp_path / "multirun" / "2026-12-01" / "10-00-00"   # as the default sweep folder: date/time
+    p = forkrun.run("framework.train", ["-m", "logger=wandb", "optimizer=adamw,lion", *SHORT,
+                                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env=ENV, timeout=240)
     assert p.returncode == 0, p.stderr
     for i in (0, 1):
-        runs = list((tmp_path / "sweep" / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
+        runs = list((sweep / str(i) / "wandb").glob("offline-run-*/run-*.wandb"))
         assert len(runs) == 1
         blob = runs[0].read_bytes()
-        assert b"train-sweep" in blob  # the group: job name + sweep folder, shared by both jobs
+        # the group: job name + sweep folder (its date too: another day's sweep is another group), shared by both jobs
+        assert b"train-multirun_2026-12-01_10-00-00" in blob
 
 
 def test_failing_rank_exits_nonzero_with_message(forkrun, tmp_path):
@@ -291,7 +294,7 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     """A run says where it writes, its train.log holds rank 0's console, its checkpoints live in
     its own folder: a rerun there resumes them, another run never does, unless pointed at them
     (``latest``, a path); a checkpoint of another model is refused on one line before any rank."""
-    first = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a")
+    first = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=4", "hydra.run.dir=outputs/a", "logger=wandb")
     assert first.returncode == 0, first.stderr
     run = tmp_path / "outputs" / "a"
     head = first.stdout.splitlines()[:3]
@@ -306,8 +309,11 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     other = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/b")
     assert other.returncode == 0 and "resumed" not in other.stdout, other.stdout
-    again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a")
+    run_id = (run / "wandb-run-id").read_text()
+    again = _run(forkrun, tmp_path, "checkpoint.every=2", "train.steps=6", "hydra.run.dir=outputs/a", "logger=wandb")
     assert f"resumed from {run / 'checkpoints' / 'step-4'}" in again.stdout, again.stdout
+    # the resume goes on with the folder's W&B run (offline: a second record of the same run id)
+    assert [p.name.endswith(f"-{run_id}") for p in (run / "wandb").glob("offline-run-*")] == [True, True]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["steps_run"] == 2   # tokens/s counts these two only
 
@@ -371,11 +377,11 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp
     assert len(lines) == 1 and f"checkpoint folder {tmp_path / 'afile'} is not writable" in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGINT", 1), ("SIGINT", 2)])
+@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
 def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     """SIGTERM to the launcher alone (kill, a Slurm time limit) and Ctrl-C (SIGINT to the terminal's
-    process group) once it stepped: every rank unwinds and removes its swap files; Ctrl-C is one line
-    per process, no traceback."""
+    process group) once it stepped: every rank unwinds and removes its swap files; each is one line
+    per process (in train.log too), no traceback."""
     import re
     import signal
     import time
@@ -406,8 +412,20 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     assert rc == (130 if sig == "SIGINT" else 143), stderr
     assert not (run / "nvme").exists() or list((run / "nvme").iterdir()) == []
     assert "Traceback" not in stderr, stderr
-    if sig == "SIGINT":
-        lines = [line for line in stderr.splitlines() if "interrupted" in line]
-        want = [r"interrupted at step \d+"] if nproc == 1 else [r"rank [01]: interrupted at step \d+"] * 2 + ["interrupted"]
-        assert len(lines) == len(want), stderr
-        assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
+    said, last = ("interrupted", "interrupted") if sig == "SIGINT" else (r"terminated \(SIGTERM\)", "terminated (SIGTERM)")
+    lines = [line for line in stderr.splitlines() if line.startswith(("interrupted", "terminated", "rank"))]
+    want = [rf"{said} at step \d+"] if nproc == 1 else [rf"rank [01]: {said} at step \d+"] * 2 + [re.escape(last)]
+    assert len(lines) == len(want), stderr
+    assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
+    assert re.search(rf"^{said} at step \d+$", (run / "train.log").read_text(), re.M), (run / "train.log").read_text()
+
+
+def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):
+    """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
+    does not point at an error above that is not there, and torch's own line about stopping the
+    others is not printed."""
+    p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
+                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": "step:2@1"})
+    assert p.returncode == 1, p.stderr
+    assert "rank 1 of 2 exited with code 17 (anything it printed is above); the other ranks were stopped" in p.stderr
+    assert "Terminating process" not in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -171,3 +171,42 @@ def test_a_signal_landing_in_a_finalizer_still_stops_the_run(sig, raised, capfd)
             time.sleep(5)   # a lost signal: nothing ends the sleep early
     assert "Traceback" not in capfd.readouterr().err
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigterm_inside_the_first_close_still_closes_the_engine_and_the_logger(monkeypatch, tmp_path):
+    """torch's spawn sends SIGTERM to the surviving ranks just as they unwind from a peer's failure: its
+    SystemExit landing in the checkpointer's close still lets the engine (swap files) and the logger
+    (the W&B run) close, and stays the exception raised (exit 143)."""
+    from framework.cli.launch import launch
+    from framework.engine.build import Engine
+    from framework.loggers import RunInfo, RunRecord
+    from framework.persist.checkpoint import Checkpointer
+    from tests._helpers import tiny_config
+
+    closed = []
+
+    def sigterm(self):
+        closed.append("checkpointer")
+        raise SystemExit(143)
+
+    def recorded(name, close, then=None):
+        def wrapper(self):
+            closed.append(name)
+            close(self)
+            if then is not None:
+                raise then
+        return wrapper
+
+    monkeypatch.setattr(Checkpointer, "close", sigterm)
+    monkeypatch.setattr(Engine, "close", recorded("engine", Engine.close))
+    # (a later close's error does not mask the first's)
+    monkeypatch.setattr(RunRecord, "close", recorded("logger", RunRecord.close, OSError("disk gone")))
+
+    def fail(point):
+        if point == "step:1":
+            raise RuntimeError("a peer failed")
+
+    cfg = tiny_config("train.steps=3", "train.eval_batches=1")
+    with pytest.raises(SystemExit) as e:
+        launch(cfg, RunInfo(tmp_path / "run", None, None), on_point=fail)
+    assert e.value.code == 143 and closed == ["checkpointer", "engine", "logger"], closed

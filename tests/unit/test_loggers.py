@@ -124,11 +124,19 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
 @pytest.mark.parametrize("overrides,env,says", [
     (["logger.project=a/b"], {}, "logger.project='a/b' has a character W&B refuses"),
     (["logger.project='a#b'"], {}, "logger.project='a#b' has a character W&B refuses"),
-    ([], {"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not one of online, offline, disabled"),
-    (["logger.mode=bogus"], {}, "logger.mode='bogus' is not one of online, offline, disabled"),
+    ([], {"WANDB_MODE": "bogus"}, "WANDB_MODE='bogus' is not one of online, offline, shared, disabled, dryrun, run"),
+    (["logger.mode=bogus"], {}, "logger.mode='bogus' is not one of online, offline, shared, disabled, dryrun, run"),
+    (["logger.tags=[" + "t" * 70 + "]"], {}, "the tag 'tttt"),
+    (["logger.tags=['']"], {}, "the tag '' is 0 characters long; W&B takes tags of 1 to 64 characters"),
+    (["logger.project=" + "p" * 129], {}, "logger.project is 129 characters long; W&B takes at most 128"),
+    ([], {"WANDB_MODE": "online"}, "WANDB_MODE=online logs to the W&B server, and no W&B API key is configured: "
+                                   "set WANDB_API_KEY"),
+    (["logger.mode=shared"], {}, "logger.mode=shared logs to the W&B server, and no W&B API key is configured"),
+    ([], {"WANDB_MODE": "online", "WANDB_API_KEY": "short"}, "logger=wandb: WANDB_API_KEY invalid"),
     ([], {"no wandb": ""}, "logger=wandb needs wandb, which is not installed: pip install wandb, or logger=console"),
 ])
-def test_wandb_settings_are_checked_when_composing(monkeypatch, overrides, env, says):
+def test_wandb_settings_are_checked_when_composing(monkeypatch, tmp_path, overrides, env, says):
+    _no_wandb_credentials(monkeypatch, tmp_path)
     for k, v in env.items():
         if k == "no wandb":
             monkeypatch.setitem(sys.modules, "wandb", None)   # import wandb fails
@@ -142,3 +150,69 @@ def test_wandb_settings_are_checked_when_composing(monkeypatch, overrides, env, 
 def test_logger_mode_comes_before_wandb_mode(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "bogus")
     compose(["logger=wandb", "logger.mode=offline"])   # WANDB_MODE is not read
+
+
+def _no_wandb_credentials(monkeypatch, tmp_path):
+    """No W&B key anywhere W&B looks (environment, .netrc, its settings files), and a server address
+    that refuses at once: nothing here may reach the network."""
+    for k in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+
+
+def test_every_mode_wandb_takes_is_accepted_and_a_configured_key_goes_online(monkeypatch, tmp_path):
+    import typing
+
+    from wandb.sdk.wandb_settings import Settings
+
+    from framework.loggers.wandb import MODES
+
+    assert set(MODES) == set(typing.get_args(Settings.model_fields["mode"].annotation))
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    for m in ("offline", "dryrun", "disabled"):
+        compose(["logger=wandb", f"logger.mode={m}", "logger.tags=[a," + "t" * 64 + "]", "logger.project=" + "p" * 128])
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    for m in ("online", "shared", "run"):
+        compose(["logger=wandb", f"logger.mode={m}"])
+
+
+@pytest.mark.parametrize("cfg,says", [
+    (dict(tags=["t" * 70]), "Tag 'tttt"),
+    (dict(mode="online"), "No API key configured"),
+])
+def test_wandb_refusing_to_start_the_run_is_one_line(monkeypatch, tmp_path, cfg, says):
+    """What the check when composing cannot see (a settings file, a server's refusal): one line, no traceback."""
+    from framework.loggers.wandb import WandbConfig, WandbLogger
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = WandbLogger(WandbConfig(live=False, **cfg), run=RunInfo(tmp_path / "run", None, None))
+    with pytest.raises(ConfigError) as e:
+        logger.start({}, 1)
+    assert str(e.value).startswith("logger=wandb: W&B refused to start the run: ") and says in str(e.value)
+    assert "\n" not in str(e.value) and "WANDB_API_KEY" in str(e.value)
+
+
+def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path):
+    """The W&B run id is kept in the run folder: a resume from the folder's checkpoints (``resumed``)
+    passes it on, any other start is a new W&B run (and its id the one kept)."""
+    from dataclasses import replace
+
+    from framework.loggers.wandb import RUN_ID, WandbConfig, WandbLogger
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    info = RunInfo(tmp_path / "run", None, None)
+    info.run_dir.mkdir()
+    ids = []
+    for resumed in (False, True, False):
+        logger = WandbLogger(WandbConfig(live=False), run=replace(info, resumed=resumed))
+        logger.start({}, 1)
+        ids.append(logger.run.id)
+        logger.close()
+        assert (info.run_dir / RUN_ID).read_text() == ids[-1]
+    assert ids[1] == ids[0] and ids[2] != ids[0], ids

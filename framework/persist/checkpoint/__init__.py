@@ -52,6 +52,7 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.on_point = on_point
+        self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
@@ -100,6 +101,7 @@ class Checkpointer:
                 how = f"resharded from stage {body['stage']}"
             else:
                 how = "same layout"
+            self.resumed_from = Path(folder)
             diff = changed(body["config"], self.config)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
                       + (f"; config differs in {few(diff, 8, show=str)}" if diff else ""))
