@@ -72,9 +72,17 @@ def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
-    """The model's hidden size from its config.json (no transformers import, nothing built)."""
+    """The model's hidden size from its config.json (nothing built); a file that leaves it out gets
+    transformers' default for its model_type, as ``build`` would (offline: nothing is downloaded)."""
     raw = _raw_config(cfg)[2]
     value = next((raw[k] for k in ("hidden_size", "n_embd", "d_model") if k in raw), None)
+    if value is None:
+        try:
+            import transformers
+            config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+        except (ImportError, ValueError, TypeError):   # build() says what is wrong
+            return None
+        value = getattr(config, "hidden_size", None)
     return value if isinstance(value, int) else None
 
 

@@ -1,6 +1,7 @@
 """model=hf on one process: initialisation from the meta device, the loss, and clear errors."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -264,3 +265,13 @@ def test_pretrained_takes_a_base_model_checkpoint_as_from_pretrained_does(tmp_pa
                   metadata={"format": "pt"})
         with pytest.raises(ConfigError, match=r"unexpected 1: h\.0\.extra"):
             framework.load_weights(engine, tmp_path / "hub")
+
+
+def test_auto_bucket_sizes_without_a_hidden_size_in_config_json_use_transformers_default(tmp_path):
+    """A config.json may leave hidden_size to transformers' default for its model_type (llama: 4096)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 2,
+                                "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 128}))
+    ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+    cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
+    assert cfg.stage.reduce_bucket_size == 4096 * 4096
