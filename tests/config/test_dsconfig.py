@@ -387,8 +387,6 @@ def test_offload_sections_and_mismatched_pin_memory():
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_param"]["pin_memory"] = True
     assert "differ" in error_of(bad)
-    bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
-    assert "needs zero_optimization.stage 3" in error_of(bad)
 
 
 def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
@@ -627,3 +625,104 @@ def test_a_bucket_of_no_elements_is_refused_by_the_translator(key):
     assert msg == f"ds_config: zero_optimization.{key} must be >= 1, got 0", msg
     # where no stage reads it (zero3 reduces per gather unit), 0 is what real configs write: accepted
     assert dsconfig.translate({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}}).errors == []
+
+
+# --- configs from DeepSpeed's own guides and tools ------------------------------------------------
+
+def test_boolean_zero_optimization_runs_as_deepspeed_reads_it():
+    """DeepSpeed's Getting Started config says "zero_optimization": true (deprecated): stage 1, and a
+    top-level allgather_size becomes allgather_bucket_size; false is stage 0."""
+    cfg = framework.compose([], ds_config=DS / "ds_getting_started.json", world=2)
+    assert cfg.choices["stage"] == "zero1" and cfg.choices["precision"] == "fp16"
+    assert (cfg.train.micro_batch, cfg.train.grad_accum, cfg.optimizer.lr) == (4, 1, 0.00015)
+    (w,) = [n for n in cfg.notices if "deprecated" in n]
+    assert w.startswith("warning: ds_config:") and "'zero_optimization': true" in w and '{"stage": 1}' in w, w
+    cfg = framework.compose([], ds_config={"zero_optimization": True, "allgather_size": 1000})
+    assert cfg.stage.allgather_bucket_size == 1000 and cfg.sources["stage.allgather_bucket_size"] == "DeepSpeed file"
+    cfg = framework.compose([], ds_config={"zero_optimization": False, "allgather_size": 1000})
+    assert cfg.choices["stage"] == "ddp"
+    assert any(n.startswith("note:") and "allgather_size" in n for n in cfg.notices), cfg.notices
+    assert "zero_optimization must be a JSON object" in error_of({"zero_optimization": 1})
+
+
+def test_offload_param_below_stage_3_is_inert_as_in_deepspeed():
+    """DeepSpeed-Chat's stage-2 offload config names offload_param too; DeepSpeed ignores it below
+    stage 3: a note, and offload_optimizer's choice stays."""
+    cfg = framework.compose([], ds_config=DS / "dschat_zero2_offload.json", world=2)
+    assert cfg.choices["stage"] == "zero2" and cfg.choices["offload"] == "cpu" and cfg.offload.params == "none"
+    (note,) = [n for n in cfg.notices if n.startswith("note:")]
+    assert "zero_optimization.offload_param (parameters are partitioned only under stage 3; DeepSpeed ignores " \
+           "it)" in note, note
+    for stage in (0, 1):
+        cfg = framework.compose([], ds_config={"zero_optimization": {"stage": stage, "offload_param": {
+            "device": "nvme", "nvme_path": "/tmp/x", "buffer_count": 3}}})
+        assert cfg.choices["offload"] == "none" and "offload_param.buffer_count" not in " ".join(cfg.notices)
+
+
+@pytest.mark.parametrize("spelling,precision,ours", [
+    ("float32", "bf16", "fp32"), ("float", "fp16", "fp32"), ("torch.float32", "fp32", "fp32"),
+    ("bfloat16", "bf16", "bf16"), ("torch.bfloat16", "bf16", "bf16"), ("half", "fp16", "fp16"),
+    ("float16", "fp16", "fp16"), ("torch.float16", "fp16", "fp16"), ("fp16", "fp16", "fp16"),
+])
+def test_grad_accum_dtype_takes_deepspeeds_spellings(spelling, precision, ours):
+    ds = {"data_types": {"grad_accum_dtype": spelling}}
+    if precision != "fp32":
+        ds[precision] = {"enabled": True}
+    cfg = framework.compose([], ds_config=ds)
+    assert cfg.choices["precision"] == precision and cfg.precision.grad_accum_dtype == ours
+    assert cfg.sources["precision.grad_accum_dtype"] == "DeepSpeed file"
+
+
+@pytest.mark.parametrize("ds,needle", [
+    ({"data_types": {"grad_accum_dtype": "bf16"}},
+     "data_types.grad_accum_dtype=bf16 with precision=fp32: gradients accumulate here in fp32"),
+    ({"fp16": {"enabled": True}, "data_types": {"grad_accum_dtype": "bfloat16"}},
+     "data_types.grad_accum_dtype=bfloat16 with precision=fp16: gradients accumulate here in fp32 or fp16"),
+    ({"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "int8"}},
+     "data_types.grad_accum_dtype=int8 with precision=bf16"),
+    ({"data_types": {"grad_accum_dtype": "float64"}},
+     "data_types.grad_accum_dtype=\"float64\" is not a dtype DeepSpeed knows"),
+])
+def test_unsupported_grad_accum_dtype_is_one_line_naming_the_deepspeed_key(ds, needle):
+    msg = error_of(ds)
+    assert needle in msg and "\n" not in msg and "precision.grad_accum_dtype" not in msg, msg
+
+
+@pytest.mark.parametrize("section", [{"deepcompile": False}, {}, {"deepcompile": False, "free_activation": True},
+                                     {"disable": False, "backend": "inductor"}, {"enabled": False}])
+def test_compile_section_without_deepcompile_is_a_note(section):
+    cfg = framework.compose([], ds_config={"compile": section})
+    assert any(n.startswith("note:") and "compile" in n for n in cfg.notices), cfg.notices
+    assert not any("does not know" in n for n in cfg.notices), cfg.notices
+
+
+def test_axolotl_torch_compile_config_runs_with_a_note():
+    cfg = framework.compose(["train.micro_batch=2"], ds_config=DS / "axolotl_zero1_torch_compile.json")
+    assert cfg.choices["stage"] == "zero1"
+    (note,) = [n for n in cfg.notices if n.startswith("note:")]
+    assert "compile.backend" in note and "compile.disable" in note, note
+
+
+def test_deepcompile_on_is_refused_saying_so():
+    assert "DeepCompile is not implemented" in error_of({"compile": {"deepcompile": True}})
+    assert "did you mean 'compile.deepcompile'" in error_of({"compile": {"deep_compile": True}})
+
+
+def test_both_spellings_of_the_16bit_save_flag_must_agree():
+    z = {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True, "stage3_gather_16bit_weights_on_model_save": False}
+    msg = error_of({"zero_optimization": z})
+    assert "stage3_gather_fp16_weights_on_model_save and zero_optimization.stage3_gather_16bit_weights_on_model_save" \
+           in msg and "same key with different values" in msg and "keep one" in msg, msg
+    z["stage3_gather_16bit_weights_on_model_save"] = True
+    assert framework.compose([], ds_config={"zero_optimization": z}).stage.stage3_gather_16bit_weights_on_model_save
+
+
+def test_warmup_max_lr_mismatch_says_how_to_fix_it():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}}
+    msg = error_of(ds)
+    assert "scheduler.params.warmup_max_lr=0.001 but the optimizer's lr is 0.0001 (give \"auto\" or make " \
+           "optimizer.params.lr 0.001)" in msg, msg
+    assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])
+    del ds["optimizer"]
+    assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])

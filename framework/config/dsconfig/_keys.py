@@ -13,6 +13,10 @@ DEFAULT, YAML, DS_FILE, DS_DEFAULT, AUTO_FILLED, COMMAND_LINE = (
     "default", "YAML", "DeepSpeed file", "DeepSpeed default", "auto", "command line")
 
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+# DeepSpeed's dtype spellings (its DtypeEnum) -> our precision names (int8: none of ours).
+DTYPES = {**dict.fromkeys(("fp32", "float32", "float", "torch.float32"), "fp32"),
+          **dict.fromkeys(("fp16", "float16", "half", "torch.float16"), "fp16"),
+          **dict.fromkeys(("bf16", "bfloat16", "torch.bfloat16"), "bf16"), **dict.fromkeys(("int8", "torch.int8"), "int8")}
 
 
 # Keys that change nothing here (listed once at start-up), with why.
@@ -52,8 +56,15 @@ FEATURES = {
     "progressive_layer_drop": "progressive layer drop", "quantize_training": "quantization-aware training",
     "eigenvalue": "eigenvalue computation", "hybrid_engine": "the RLHF hybrid engine",
     "nebula": "Nebula checkpointing", "weight_quantization": "weight quantization", "elasticity": "elastic training",
-    "autotuning": "the autotuner", "compile": "DeepCompile", "sparse_gradients": "sparse gradients",
+    "autotuning": "the autotuner", "sparse_gradients": "sparse gradients",
 }
+# The compile section: DeepCompile's switch and the settings it reads (DeepSpeed 0.19), and older
+# DeepSpeed's torch.compile settings (runtime/compiler.py, which 0.19 no longer knows).
+DEEPCOMPILE_KEYS = ("deepcompile", "free_activation", "free_activation_threshold", "offload_activation",
+                    "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
+                    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+                    "keep_int_input_tensors", "keep_all_input_tensors", "passes")
+TORCH_COMPILE_KEYS = ("enabled", "backend", "kwargs", "fullgraph", "dynamic", "mode", "options", "disable")
 # Keys whose one value is what happens here anyway (a note) and whose other values would change
 # the math in a way not implemented (an error): key -> (that value, why it is inert, what the others do).
 AS_HERE = {
@@ -63,8 +74,8 @@ AS_HERE = {
 }
 MAPPED_TOP = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
               "gradient_clipping", "optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "aio",
-              "data_types", "communication_data_type", "activation_checkpointing")
-ALIASES_TOP = {"bfloat16": "bf16"}
+              "data_types", "communication_data_type", "activation_checkpointing", "compile")
+ALIASES_TOP = {"bfloat16": "bf16", "allgather_size": "zero_optimization.allgather_bucket_size"}
 
 # zero_optimization keys that set a stage key: DeepSpeed key -> (kind, the "auto" rule filling it; h: the
 # model's hidden size). Where each lands per stage: ``_translate.zero_stage_keys``.

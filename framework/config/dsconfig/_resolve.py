@@ -7,12 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
-from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, SCALER_DEFAULTS
+from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, DTYPES, SCALER_DEFAULTS
 from framework.config.dsconfig._translate import Setting, Translation
-
-
-# DeepSpeed's data_types spellings -> our precision names.
-DTYPES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
 
 
 @dataclass(frozen=True)
@@ -84,9 +80,18 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
+    d = settings.pop("_dtype.grad_accum_dtype", None)
+    if d is not None:
+        # precision.grad_accum_dtype: fp32, or the working dtype itself (precision.policies)
+        allowed = sorted({"fp32", precision}, key=lambda n: n != "fp32")
+        if DTYPES[d.value] in allowed:
+            settings["precision.grad_accum_dtype"] = Setting(DTYPES[d.value], d.ds_key, d.source)
+        else:
+            mismatches.append(f"{d.ds_key}={d.value} with precision={precision}: gradients accumulate here in "
+                              f"{' or '.join(allowed)}; give {' or '.join(allowed)} or remove it")
     for key in ("param_dtype", "buffer_dtype"):
         d = settings.pop(f"_dtype.{key}", None)
-        if d is not None and DTYPES.get(d.value, d.value) == precision:
+        if d is not None and DTYPES[d.value] == precision:
             inert.append(f"{d.ds_key} (the run is {precision})")
         elif d is not None:
             mismatches.append(f"{d.ds_key}={d.value} with precision={precision}: give {precision} or remove it")
@@ -124,7 +129,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         if s.value == AUTO:
             values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
         elif s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
-            mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr}")
+            # the lr from the file's optimizer section, or else from the run's config
+            fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
+                "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
+            mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
+                              f"\"auto\" or {fix})")
     steps = final("train.steps")
     s = t.settings.get("scheduler.total_num_steps")
     if s is not None:

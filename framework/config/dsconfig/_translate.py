@@ -7,11 +7,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASES_TOP, ALIASES_ZERO, AUTO, BF16_KEYS, DS_DEFAULT,
-                                             DS_FILE, FEATURES, FP16_KEYS, FP16_SCALER, INERT_TOP, MAPPED_TOP,
-                                             NOT_IMPLEMENTED_OPTIMIZERS, OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS,
-                                             OPTIMIZER_INERT, OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES,
-                                             SCHEDULERS, STAGE3_KEYS, STAGES, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
+from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASES_TOP, ALIASES_ZERO, AUTO, BF16_KEYS,
+                                             DEEPCOMPILE_KEYS, DS_DEFAULT, DS_FILE, DTYPES, FEATURES, FP16_KEYS,
+                                             FP16_SCALER, INERT_TOP, MAPPED_TOP, NOT_IMPLEMENTED_OPTIMIZERS,
+                                             OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, OPTIMIZER_INERT,
+                                             OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, STAGE3_KEYS,
+                                             STAGES, TORCH_COMPILE_KEYS, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
                                              ZERO_STAGE, close, switched_off)
 
 
@@ -144,6 +145,17 @@ def translate(ds: dict) -> Translation:
     for key, what in FEATURES.items():
         if key in top:
             tr.inert_or_error(switched_off(top[key], key), key, f"'{key}': {what} is not implemented here; remove it")
+    if isinstance(top.get("zero_optimization"), bool):
+        # DeepSpeed's deprecated form: true is stage 1 (whose allgather bucket the top-level
+        # allgather_size sizes), false stage 0.
+        on = top["zero_optimization"]
+        tr.warnings.append(f"'zero_optimization': {json.dumps(on)} is deprecated; use "
+                           f"'zero_optimization': {{\"stage\": {int(on)}}}")
+        top["zero_optimization"] = {"stage": int(on)}
+        if on and "allgather_size" in top:
+            top["zero_optimization"]["allgather_bucket_size"] = top.pop("allgather_size")
+    if "allgather_size" in top:
+        tr.inert_key("allgather_size", "DeepSpeed reads it only with \"zero_optimization\": true")
     if "zero_optimization" in top:
         zero(tr, top["zero_optimization"], top.get("aio"))
     elif "aio" in top:
@@ -162,6 +174,7 @@ def translate(ds: dict) -> Translation:
         tr.set("train.grad_clip", 1.0, "gradient_clipping", DS_DEFAULT)
     tr.put(top, "gradient_clipping", "float", "train.grad_clip", auto_ok=True, rule="train.grad_clip")
     activation_checkpointing(tr, top.get("activation_checkpointing"))
+    compile_section(tr, top.get("compile"))
     return tr
 
 
@@ -177,8 +190,12 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
     tr.choose("stage", name, "zero_optimization.stage")
     p = "zero_optimization."
     # Deprecated spellings -> the current keys.
-    if "stage3_gather_fp16_weights_on_model_save" in z:
-        z.setdefault("stage3_gather_16bit_weights_on_model_save", z.pop("stage3_gather_fp16_weights_on_model_save"))
+    old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
+    if old in z and new in z and z[old] != z[new]:
+        tr.error(f"{p}{old} and {p}{new} are the same key with different values ({json.dumps(z[old])} and "
+                 f"{json.dumps(z[new])}); keep one")
+    if old in z:
+        z.setdefault(new, z.pop(old))
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if switch in z and tr.typed(z.pop(switch), "bool", p + switch) and z.get(section) is None:
             z[section] = {"device": "cpu"}
@@ -257,10 +274,12 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
             tr.error(f"{p}{name}.device must be none, cpu or nvme, got {json.dumps(dev)}")
             dev = None
         sections.append((sec, name, dev or "none"))
+    if sections[1][2] != "none" and stage != 3:
+        # As in DeepSpeed, whose stages 1 and 2 read only offload_optimizer: the whole section is inert.
+        tr.inert_key(f"{p}offload_param", "parameters are partitioned only under stage 3; DeepSpeed ignores it")
+        q = {}
+        sections[1] = (q, "offload_param", "none")
     od, pd = (dev for _, _, dev in sections)
-    if pd != "none" and stage != 3:
-        tr.error(f"{p}offload_param.device={pd} needs zero_optimization.stage 3 (parameters are partitioned "
-                 f"only there), got stage {stage}")
     target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
     if target != "none" and od == "none":
         tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
@@ -394,10 +413,14 @@ def precision(tr: Translation, top: dict) -> None:
     if "data_types" in top:
         d = tr.section(top["data_types"], "data_types",
                        ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
-        # param_dtype and buffer_dtype are checked against the run's precision (resolve)
-        for key, ours in (("grad_accum_dtype", "precision.grad_accum_dtype"), ("param_dtype", "_dtype.param_dtype"),
-                          ("buffer_dtype", "_dtype.buffer_dtype")):
-            tr.put(d, key, "str", ours, "data_types.")
+        # checked against the run's precision (resolve)
+        for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+            v = tr.typed(d[key], "str", f"data_types.{key}") if key in d else None
+            if v is not None and v not in DTYPES:
+                tr.error(f"data_types.{key}={json.dumps(v)} is not a dtype DeepSpeed knows; give fp32, fp16 or "
+                         f"bf16 (or float32, float16, bfloat16, half, torch.float32...)")
+            elif v is not None:
+                tr.set(f"_dtype.{key}", v, f"data_types.{key}")
         if d.get("keep_in_fp32_modules"):
             tr.set("_keep_fp32", d["keep_in_fp32_modules"], "data_types.keep_in_fp32_modules")
         elif "keep_in_fp32_modules" in d:
@@ -512,3 +535,21 @@ def activation_checkpointing(tr: Translation, node: Any) -> None:
         # model that calls it (Megatron) uses; the run goes on without them.
         tr.inert_key(f"activation_checkpointing.{key}", "configures deepspeed.checkpointing, which is not used "
                      "(model.activation_checkpointing turns checkpointing on)")
+
+
+def compile_section(tr: Translation, node: Any) -> None:
+    if node is None:
+        return
+    c = tr.section(node, "compile", [*DEEPCOMPILE_KEYS, *TORCH_COMPILE_KEYS], strict=True)
+    on = tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile")
+    if on:
+        tr.error("compile.deepcompile=true: DeepCompile is not implemented here; remove it or give false")
+        return
+    for key in c:
+        if key in TORCH_COMPILE_KEYS:
+            tr.inert_key(f"compile.{key}", "torch.compile settings of DeepSpeed before 0.16, which 0.19 rejects; "
+                         "the model is not compiled here (a speed difference only)")
+        else:
+            tr.inert_key(f"compile.{key}", "DeepCompile is off" if key != "deepcompile" else "false")
+    if not c:
+        tr.inert_key("compile", "empty")
