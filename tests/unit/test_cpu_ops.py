@@ -450,6 +450,32 @@ def test_a_list_the_kernel_declines_is_stepped_whole_by_the_fallback(kernels, mo
         torch.testing.assert_close(p, e.detach(), rtol=RTOL, atol=ATOL)
 
 
+def test_subset_step_beside_a_device_piece_runs_the_kernel(kernels, monkeypatch):
+    """``step_groups`` on a host piece while another group lives on the device (meta stands in for
+    cuda): the other group's empty slice must not make the kernel decline the host piece."""
+    from framework.optimizers import step_groups
+
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)  # about the kernel's answer: kernels on
+    calls = []
+    real = ops.adam_step
+    monkeypatch.setattr(ops, "adam_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    cfg = adamw.AdamWConfig(lr=1e-2, weight_decay=0.1)
+    tx = adamw.build(cfg, [False, True])
+    gen = torch.Generator().manual_seed(5)
+    host, device = torch.randn(1000, generator=gen), torch.zeros(1000, device="meta")
+    expected = host.clone().requires_grad_()
+    opt = torch.optim.AdamW([expected], lr=cfg.lr, weight_decay=0.0, foreach=False)
+    state = tx.init([host, device])
+    for _ in range(3):
+        grad = torch.randn(1000, generator=gen)
+        expected.grad = grad.clone()
+        opt.step()
+        state = step_groups(tx, {0: grad}, state, [host, device], cfg.lr)
+    assert calls == [True, True, True], calls
+    assert state[0].count == 3
+    torch.testing.assert_close(host, expected.detach(), rtol=RTOL, atol=ATOL)
+
+
 # --- the loader ------------------------------------------------------------------------------------
 
 def _train_adamw(steps: int = 3) -> list[Tensor]:
