@@ -105,15 +105,10 @@ Isa parse_isa(const std::string& name) {
   return kScalar;  // not reached
 }
 
-// The ISA the kernels run: the best one the CPU has, capped by FRAMEWORK_OPS_ISA (read once) or
-// by set_isa() (tests and benchmarks compare ISAs).
+// The ISA the kernels run: the best one the CPU has, capped by set_isa() (the loader applies
+// FRAMEWORK_OPS_ISA, validated there, so a bad value never reaches a training step).
 std::atomic<int>& active_isa() {
-  static std::atomic<int> isa([] {
-    const Isa best = detect_isa();
-    const char* env = std::getenv("FRAMEWORK_OPS_ISA");
-    if (env == nullptr || *env == '\0' || std::string(env) == "auto") return static_cast<int>(best);
-    return static_cast<int>(std::min(best, parse_isa(env)));
-  }());
+  static std::atomic<int> isa(static_cast<int>(detect_isa()));
   return isa;
 }
 
@@ -149,22 +144,11 @@ int64_t default_prefetch() {
   return 0;
 }
 
-int64_t parse_prefetch(const std::string& text) {
-  char* stop = nullptr;
-  const long long floats = std::strtoll(text.c_str(), &stop, 10);
-  TORCH_CHECK_VALUE(!text.empty() && *stop == '\0' && floats >= 0, "FRAMEWORK_OPS_PREFETCH must be 'auto' or a ",
-                    "number of floats >= 0 (0: no software prefetch), got '", text, "'");
-  return floats;
-}
-
-// The distance the kernels use: default_prefetch(), or FRAMEWORK_OPS_PREFETCH (read once), or
-// set_prefetch() (tests and benchmarks compare distances). The results do not depend on it.
+// The distance the kernels use: default_prefetch(), or set_prefetch() (the loader applies
+// FRAMEWORK_OPS_PREFETCH, validated there; tests and benchmarks compare distances). The results do
+// not depend on it.
 std::atomic<int64_t>& active_prefetch() {
-  static std::atomic<int64_t> ahead([] {
-    const char* env = std::getenv("FRAMEWORK_OPS_PREFETCH");
-    if (env == nullptr || *env == '\0' || std::string(env) == "auto") return default_prefetch();
-    return parse_prefetch(env);
-  }());
+  static std::atomic<int64_t> ahead(default_prefetch());
   return ahead;
 }
 

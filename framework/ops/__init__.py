@@ -9,7 +9,8 @@ counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors
 (bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
 not fit raises TypeError/ValueError naming it (with ``strict=False``: returns False, nothing
 changed); unbuilt kernels raise BuildUnavailable. ``usable`` checks tensors before any build
-(always False under FRAMEWORK_OPS=0, read on every call).
+(always False under FRAMEWORK_OPS=0, read on every call: then ``cpu_optim`` is None and nothing is
+built or imported).
 """
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ from framework.ops._loader import BuildUnavailable
 
 KERNELS = ("adam_step", "lion_step", "adagrad_step")
 
-__all__ = ["BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
+__all__ = ["OFF", "BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
            "lion_step", "status", "usable"]
 
 
+OFF = "off (FRAMEWORK_OPS=0)"
+
+
 def cpu_optim() -> ModuleType | None:
-    """The extension (built or imported on the first call), or None after one warning."""
-    return _loader.status().module
+    """The extension (built or imported on the first call), or None after one warning; None
+    without a build or a warning under FRAMEWORK_OPS=0."""
+    return _loader.status().module if _loader.kernels_enabled() else None
 
 
 def available() -> bool:
@@ -38,8 +43,9 @@ def available() -> bool:
 
 
 def build() -> ModuleType:
-    """Build now (or import a finished build); raises BuildUnavailable with the reason."""
-    return _loader.load(build=True)
+    """Compile now, also over a finished build (which may be damaged); raises BuildUnavailable
+    with the reason."""
+    return _loader.load(build=True, force=True)
 
 
 def _cpu(tensors: Iterable[Tensor], dtypes: tuple) -> bool:
@@ -58,7 +64,8 @@ def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = Non
 def _kernel() -> ModuleType:
     module = cpu_optim()
     if module is None:
-        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {_loader.status().reason}")
+        reason = _loader.status().reason if _loader.kernels_enabled() else OFF
+        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {reason}")
     return module
 
 
@@ -100,7 +107,8 @@ def status() -> dict[str, Any]:
         where = str(_loader.build_dir())
     except OSError:   # unreadable sources: load says why
         where = "-"
-    module, reason = _loader.attempt(build=False)   # a status report must not fail
+    # A status report must not fail; under FRAMEWORK_OPS=0 it says the kernels are off.
+    module, reason = _loader.attempt(build=False) if _loader.kernels_enabled() else (None, OFF)
     capability = torch.backends.cpu.get_cpu_capability()
     detected = module.detected_isa() if module is not None else {
         "AVX512": "avx512", "AVX2": "avx2", "DEFAULT": "scalar"}.get(capability, str(capability).lower())

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     if info["built"]:
         print(f"  built:        yes, usable: {', '.join(info['kernels'])}")
     else:
-        print(f"  built:        no ({info['reason']}); the optimizers use their pure-PyTorch transforms")
+        state = info["reason"] if info["reason"] == ops.OFF else f"no ({info['reason']})"
+        print(f"  built:        {state}; the optimizers use their pure-PyTorch transforms")
     print(f"  build dir:    {info['build_dir']}")
     print(f"  isa:          {info['isa'] or '-'} (detected: {info['detected_isa']})")
     prefetch = info["prefetch"]

@@ -2,17 +2,20 @@
 
 ``torch.utils.cpp_extension.load`` compiles into a cache folder keyed by the torch and Python
 versions and a hash of the sources and flags; a ``BUILT`` file marks a finished build, then
-imported directly (no compiler or ninja needed). Builds are serialised across processes with an
-``flock`` that the kernel drops if a builder dies, so a ``lock`` file torch left behind is stale.
+imported directly (no compiler or ninja needed) once the extension's size and sha256, recorded in
+``BUILT``, match: a truncated or damaged file is rebuilt, never mapped. Builds are serialised
+across processes with an ``flock`` that the kernel drops if a builder dies, so a ``lock`` file
+torch left behind is stale.
 
 Environment:
     FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
     FRAMEWORK_OPS_BUILD=0       never compile; use a finished build if there is one, else fall back
     FRAMEWORK_OPS_CACHE=DIR     cache root (default $XDG_CACHE_HOME/framework/ops or ~/.cache/...)
     FRAMEWORK_OPS_VERBOSE=1     show the compiler's output
-    FRAMEWORK_OPS_ISA=NAME      cap the instruction set (scalar, avx2, avx512), read by the kernels
+    FRAMEWORK_OPS_ISA=NAME      cap the instruction set (auto, scalar, avx2, avx512; any case)
     FRAMEWORK_OPS_PREFETCH=N    software prefetch distance in floats (0: off; default: 256 on Intel,
-                                off elsewhere), read by the kernels; results do not depend on it
+                                off elsewhere; auto); results do not depend on it
+A value these do not allow makes the kernels unavailable, with the usual one warning saying so.
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ HEADERS = ("include/framework_ops/simd.h", "include/framework_ops/optim_kernels.
 # (with its own thread pool) comes in.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")
 LOCK_TIMEOUT_S = 1800.0  # waiting for another process's build
+ISAS = ("scalar", "avx2", "avx512")  # as the kernels name them, weakest first
 
 
 class BuildUnavailable(RuntimeError):
@@ -82,6 +86,29 @@ def kernels_enabled() -> bool:
     return _on("FRAMEWORK_OPS")
 
 
+def settings() -> tuple[str | None, int | None]:
+    """FRAMEWORK_OPS_ISA (lower case) and FRAMEWORK_OPS_PREFETCH, None where unset or auto;
+    raises BuildUnavailable naming the variable and what it allows."""
+    isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
+    if isa not in ("", "auto") + ISAS:
+        raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
+                               f"{', '.join(ISAS)} (any case); fix or unset it")
+    text = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
+    if text not in ("", "auto") and not text.isdigit():
+        raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
+                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
+    return isa if isa in ISAS else None, int(text) if text.isdigit() else None
+
+
+def _configure(module: ModuleType, isa: str | None, prefetch: int | None) -> ModuleType:
+    """Apply the environment's settings (validated by ``settings``) to a loaded module."""
+    if isa is not None:   # a cap: never above what this CPU has
+        module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
+    if prefetch is not None:
+        module.set_prefetch(prefetch)
+    return module
+
+
 def _import(directory: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")   # an extension loader
     module = importlib.util.module_from_spec(spec)
@@ -89,8 +116,28 @@ def _import(directory: Path) -> ModuleType:
     return module
 
 
+def _fingerprint(path: Path) -> str:
+    """What BUILT records of the extension: its size and sha256."""
+    data = path.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
 def _finished(directory: Path) -> bool:
-    return (directory / "BUILT").is_file() and (directory / f"{NAME}.so").is_file()
+    """A complete build: BUILT names the extension's size and sha256 and the file has them (a
+    truncated file mapped by the import would crash the process with SIGBUS)."""
+    try:
+        recorded = (directory / "BUILT").read_text().splitlines()
+        return len(recorded) >= 2 and recorded[1] == _fingerprint(directory / f"{NAME}.so")
+    except OSError:
+        return False
+
+
+def _discard(directory: Path) -> None:
+    """Remove a build's outputs so that the next build compiles and links everything again (ninja
+    would keep an output newer than its inputs, however damaged)."""
+    (directory / "BUILT").unlink(missing_ok=True)
+    for name in (f"{NAME}.so", ".ninja_log", ".ninja_deps", *(p.name for p in directory.glob("*.o"))):
+        (directory / name).unlink(missing_ok=True)   # unlinked, not rewritten: a process that has it mapped keeps it
 
 
 def _ensure_tools() -> None:
@@ -130,14 +177,16 @@ def _exclusive(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _compile(directory: Path) -> ModuleType:
+def _compile(directory: Path, force: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
     _ensure_tools()
     with _exclusive(directory):
-        if _finished(directory):  # another process built it while we waited
-            return _import(directory)
+        if _finished(directory) and not force:  # another process built it while we waited
+            with contextlib.suppress(ImportError):
+                return _import(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        _discard(directory)
         stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
         if stale.exists():
             stale.unlink()
@@ -153,25 +202,27 @@ def _compile(directory: Path) -> ModuleType:
             lines = str(exc).splitlines() or [type(exc).__name__]
             first = next((line.strip() for line in lines if "error:" in line), lines[0])
             raise BuildUnavailable(f"the build failed ({first[:300]}); full log in {log}") from exc
-        write_atomic(directory / "BUILT", f"{torch.__version__}\n".encode())
+        write_atomic(directory / "BUILT", f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n".encode())
         return module
 
 
-def load(build: bool = True) -> ModuleType:
-    """The extension module: a finished build is imported, otherwise (if ``build``) compiled.
-    Raises BuildUnavailable with the reason when neither works."""
+def load(build: bool = True, force: bool = False) -> ModuleType:
+    """The extension module: a finished build is imported, otherwise (if ``build``) compiled;
+    ``force``: compiled again in any case. Raises BuildUnavailable with the reason when neither
+    works, or when FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH has a value they do not allow."""
+    isa, prefetch = settings()
     directory = build_dir()
-    if _finished(directory):
+    if _finished(directory) and not force:
         try:
-            return _import(directory)
+            return _configure(_import(directory), isa, prefetch)
         except ImportError as exc:
             if not build:
                 raise BuildUnavailable(f"cannot import the build in {directory}: {exc}") from exc
-            (directory / "BUILT").unlink(missing_ok=True)  # rebuild it
+            # rebuilt from scratch below, under the lock
     if not build:
         raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
                                "run `python -m framework.ops build`")
-    return _compile(directory)
+    return _configure(_compile(directory, force), isa, prefetch)
 
 
 def attempt(build: bool) -> Status:

@@ -93,6 +93,21 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
         inner = state[index]
         counted = "count" in inner._fields   # Lion keeps no step count
         step = {"step": inner.count + 1} if counted else {}
+        new_state = state[:index] + (inner._replace(count=inner.count + 1),) + state[index + 1:] if counted else state
+        # Empty groups have nothing to step: a subset step (``step_groups``) passes the others as
+        # empty slices, which may live on another device (a device piece beside host pieces). Left
+        # in, they would make the kernel decline the host pieces and hand torch's fused kernel a list
+        # of mixed devices, so they are dropped here (the state is updated in place either way).
+        keep = [i for i, p in enumerate(params) if p.numel()]
+        if not keep:
+            return new_state
+        lists = inner[1:] if counted else inner
+        decays = mask
+        if len(keep) < len(params):
+            params, grads, decays = [params[i] for i in keep], [grads[i] for i in keep], [mask[i] for i in keep]
+            lists = tuple([ts[i] for i in keep] for ts in lists)
+            out16 = None if out16 is None else [out16[i] for i in keep]
+            inner = inner._replace(**dict(zip(inner._fields[1 if counted else 0:], lists)))
         # Python looks at the first param only (so that CUDA tensors never trigger a build and
         # FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and declines
         # (``strict=False``, nothing changed) where one does not fit: a per-tensor check here cost
@@ -102,19 +117,21 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
         # that lives elsewhere (e.g. on the device) is written after the step.
         in_pass = out16 if usable and out16 and ops.usable(out16=out16[:1]) else None
         if not (usable and getattr(ops, kernel)(
-                params, grads, *(inner[1:] if counted else inner), weight_decay=cfg.weight_decay,
-                decay_mask=mask, out16=in_pass, strict=False, lr=lr, **step, **(hyper or {}))):
+                params, grads, *lists, weight_decay=cfg.weight_decay,
+                decay_mask=decays, out16=in_pass, strict=False, lr=lr, **step, **(hyper or {}))):
             # torch's fused kernels assume contiguous tensors (on CPU, a strided param comes out
-            # wrong: tests/unit/test_cpu_ops.py); those take the transforms.
-            if cuda is None or len(params) == 0 or not all(
-                    p.device.type in ("cuda", "cpu") and p.is_contiguous() and g.is_contiguous()
+            # wrong: tests/unit/test_cpu_ops.py) on one device (CUDA refuses a mixed list); the
+            # others take the transforms.
+            device = params[0].device
+            if cuda is None or not all(
+                    p.device == device and device.type in ("cuda", "cpu") and p.is_contiguous() and g.is_contiguous()
                     for p, g in zip(params, grads)):
                 return None
-            cuda(grads, inner, params, lr, mask)
+            cuda(grads, inner, params, lr, decays)
             in_pass = None
         if out16 is not None and in_pass is None:
             copy_16bit(out16, params)
-        return state[:index] + (inner._replace(count=inner.count + 1),) + state[index + 1:] if counted else state
+        return new_state
 
     return tx._replace(fused=fused)
 

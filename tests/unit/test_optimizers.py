@@ -252,6 +252,38 @@ def test_fused_adam_path_equals_transforms_and_torch(name):
     assert type(state) is type(tx._replace(fused=None).init(initial_params()))
 
 
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_step_groups_gives_torchs_fused_adam_one_device(monkeypatch, decoupled):
+    """A subset step beside a group on another device (meta stands in for cuda) hands torch's
+    fused Adam only the stepped groups: CUDA's kernel refuses a list of mixed devices."""
+    from framework.optimizers import step_groups
+
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")   # the torch fused path, not the C++ kernels
+    name = "_fused_adamw_" if decoupled else "_fused_adam_"
+    real, seen = getattr(torch, name), []
+
+    def spy(*lists, **kwargs):
+        seen.append([{t.device.type for t in ts} for ts in lists if ts])
+        return real(*lists, **kwargs)
+
+    monkeypatch.setattr(torch, name, spy)
+    cfg = adam.AdamConfig(lr=1e-2, weight_decay=0.1)
+    tx = adam.build(cfg, [True, True, False], decoupled=decoupled)
+    gen = torch.Generator().manual_seed(3)
+    host = [torch.randn(100, generator=gen), torch.randn(7, generator=gen)]
+    params = [host[0], torch.zeros(100, device="meta"), host[1]]
+    expected = [p.clone() for p in host]
+    reference = adam.build(cfg, [True, False], decoupled=decoupled)._replace(fused=None)
+    s_ref, state = reference.init(expected), tx.init(params)
+    for _ in range(2):
+        grads = [torch.randn(100, generator=gen), torch.randn(7, generator=gen)]
+        s_ref = _transforms.step(reference, [g.clone() for g in grads], s_ref, expected, cfg.lr)
+        state = step_groups(tx, {0: grads[0], 2: grads[1]}, state, params, cfg.lr)
+    assert seen and all(devices == {"cpu"} for call in seen for devices in call), seen
+    for p, e in zip(host, expected):
+        torch.testing.assert_close(p, e, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("kernels", ["1", "0"])
 @pytest.mark.parametrize("name", ["adamw", "adam", "lion", "adagrad", "sgd"])
 def test_step_groups_equals_one_step_over_all_groups(monkeypatch, name, kernels):
