@@ -40,6 +40,9 @@ SKIP = {
 # Recipes run their --quick twin, which tests/cli/test_recipes.py runs for every recipe.
 RECIPE_RUN = re.compile(r"^python -m framework\.recipe (\w+)( --quick)?$")
 PLACEHOLDER = re.compile(r"\b(NAME|DIR|FILE)\b|key=value \.\.\.")
+# The user's copy of tiny shakespeare (``path/to/input.txt`` in the docs): the suite's copy beside the
+# repository, as in tests/cli/test_recipes.py; any text file where it is missing (prepare only warns).
+SHAKESPEARE = Path(os.environ.get("TINYSHAKESPEARE", ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"))
 
 
 def commands() -> list[tuple[str, str]]:
@@ -104,7 +107,8 @@ def test_every_documented_command_runs(clone, forkrun):
             continue   # the syntax lines of recipes/README.md; their concrete forms are in the docs
         if here[line] <= before[line]:
             continue   # a page repeating a README command: it ran there, on the same files
-        words = shlex.split(line)
+        words = shlex.split(line.replace("path/to/input.txt", str(SHAKESPEARE if SHAKESPEARE.is_file()
+                                                                  else ROOT / "README.md")))
         assigned = {}
         while words and re.match(r"^[A-Z_]+=", words[0]):   # VAR=value python ...
             k, _, v = words.pop(0).partition("=")

@@ -292,7 +292,8 @@ def test_disk_full_ends_with_one_clear_line_and_an_intact_run_directory(tmp_path
     assert len(errors) == 1 and "cannot reserve" in errors[0] and "rank00000.optim.swap" in errors[0] \
         and "offload.nvme_path" in errors[0], out.stderr[-2000:]
     left = sorted(p.name for p in run_dir.iterdir())
-    assert ".hydra" in left and "notes.txt" in left and "nvme" not in left, left
+    # refused before its first step: no record of a run that never trained (train.log says why)
+    assert "notes.txt" in left and "train.log" in left and ".hydra" not in left and "nvme" not in left, left
     assert not list(run_dir.rglob("*.swap")), left
 
 

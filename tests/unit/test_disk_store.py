@@ -212,7 +212,7 @@ def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
     from framework.core.errors import ConfigError
     from framework.offload.nvme import NVMeOffloadConfig, build, resolve
 
-    spec = resolve(NVMeOffloadConfig(nvme_path=str(tmp_path), sub_group_size=1024, param_buffer_size=1024), "zero3")
+    spec = resolve(NVMeOffloadConfig(nvme_path=str(tmp_path), sub_group_size=1024, param_buffer_size=1024), "zero3", {})
     placement = build(spec, for_device(torch.device("cpu")))
     placement.connect(_TwoRanks())
     st = os.statvfs(tmp_path)
@@ -246,7 +246,7 @@ def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
     folder = tmp_path / "nvme"
     for peer_made in (True, False):
         folder.mkdir()
-        placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3"), for_device(torch.device("cpu")))
+        placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero3", {}), for_device(torch.device("cpu")))
         placement.connect(_PeerMade() if peer_made else _TwoRanks())
         placement.expect(1024, torch.bfloat16)
         placement.close()
