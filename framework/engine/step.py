@@ -51,7 +51,17 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
                             f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "
                             f"(one (x, y) micro batch is Batch(((x, y),)))")
+        # The step draws (dropout, ...) from the state's generators; the caller's are put back after,
+        # also on error, so the caller's own draws between steps go on as if no step ran. (A CUDA
+        # generator's state is a host value: saving and setting it syncs nothing.)
+        caller = capture_rng(c.dist.device)
         restore_rng(state.rng, c.dist.device)
+        try:
+            return _step(state, batch)
+        finally:
+            restore_rng(caller, c.dist.device)
+
+    def _step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         scale = state.precision.cur_scale
         n = len(batch.micro)
         lr = c.schedule(state.applied_steps)

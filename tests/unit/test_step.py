@@ -265,3 +265,41 @@ def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path)
         model.init_parameter("f.weight", expect)
         assert model.f.weight.device.type == "cpu" and torch.equal(model.f.weight, expect)
         engine.train_step(engine.state, Batch(((x, y),)))
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 16), nn.Linear(16, 1)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def test_the_step_draws_from_the_states_generators_and_leaves_the_callers_as_they_were():
+    over = ["optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0",
+            "logger=none"]
+    x, y = torch.randn(8, 5, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 1)
+    runs = []
+    for caller_seed in (1, 2):
+        torch.manual_seed(0)
+        engine = framework.initialize(Dropped(), mse, framework.compose(over))
+        failing = framework.initialize(Dropped(), lambda m, b: 1 / 0, framework.compose(over))
+        torch.manual_seed(caller_seed)
+        expected = torch.rand(3, 4)   # the caller's draws between steps, as if no step ran
+        torch.manual_seed(caller_seed)
+        state, losses = engine.state, []
+        for k in range(3):
+            state, m = engine.train_step(state, Batch(((x, y),)))
+            losses.append(m["loss"])
+            assert torch.equal(torch.rand(4), expected[k])
+        runs.append(losses)
+        with pytest.raises(ZeroDivisionError):   # a failed step puts the caller's generator back too
+            failing.train_step(failing.state, Batch(((x, y),)))
+        after = torch.get_rng_state()
+        torch.manual_seed(caller_seed)
+        torch.rand(3, 4)
+        assert torch.equal(after, torch.get_rng_state())
+    # The dropout masks come from the state's generators only: the caller's seed changes nothing.
+    assert runs[0] == runs[1] and len(set(runs[0])) == 3
