@@ -56,6 +56,12 @@ class ShardedParameter(nn.Parameter):
                              f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
 
 
+def zero3_sharded(module: nn.Module) -> bool:
+    """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards once its engine
+    is closed or its build failed: another engine cannot be built on them)."""
+    return any(isinstance(p, ShardedParameter) for p in module.parameters())
+
+
 @dataclass
 class UnitGroup:
     kind: str                        # 'decay' | 'no_decay'
