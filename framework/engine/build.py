@@ -25,7 +25,7 @@ from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step
+from framework.engine.step import Components, LossFn, build_train_step, checked_loss
 from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
@@ -79,7 +79,7 @@ class Engine(contextlib.AbstractContextManager):
         c.module.eval()
         try:
             with torch.no_grad():
-                total = sum(c.loss_fn(c.module, b).float() for b in batches)
+                total = sum(checked_loss(c.loss_fn(c.module, b)).float() for b in batches)
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)

@@ -303,3 +303,32 @@ def test_the_step_draws_from_the_states_generators_and_leaves_the_callers_as_the
         assert torch.equal(after, torch.get_rng_state())
     # The dropout masks come from the state's generators only: the caller's seed changes nothing.
     assert runs[0] == runs[1] and len(set(runs[0])) == 3
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_a_loss_fn_returning_anything_but_a_0_dim_floating_tensor_is_refused_in_one_line(stage):
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    bad = {"per-row": lambda m, mb: (m(mb[0]) - mb[1]).square(), "shape [1]": lambda m, mb: mse(m, mb).reshape(1),
+           "tuple": lambda m, mb: (mse(m, mb), 0), "dict": lambda m, mb: {"loss": mse(m, mb)},
+           "number": lambda m, mb: 1.0, "integer tensor": lambda m, mb: torch.tensor(1)}
+    choice = {"fn": mse}
+    over = [] if stage == "ddp" else [f"+stage={stage}"]
+    torch.manual_seed(0)
+    model = TwoLayer()
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref, (x, y))
+    ref_loss.backward()
+    ref_norm = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm().item()
+    with framework.initialize(model, lambda m, mb: choice["fn"](m, mb), framework.compose(over)) as engine:
+        for what, fn in bad.items():
+            choice["fn"] = fn
+            with pytest.raises(framework.TrainingError, match=r"^loss_fn must return the loss as a 0-dim floating "
+                                                              r"tensor \(e\.g\. reduce it with \.mean\(\)\), got "):
+                engine.train_step(engine.state, Batch(((x, y),)))
+            with pytest.raises(framework.TrainingError, match="^loss_fn must return the loss as a 0-dim"):
+                engine.eval_step(engine.state, [(x, y)])
+        choice["fn"] = mse
+        assert engine.state.step == 0
+        state, m = engine.train_step(engine.state, Batch(((x, y),)))   # nothing of the refused steps is left
+        assert state.step == 1 and m["loss"] == pytest.approx(ref_loss.item(), rel=RTOL)
+        assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
