@@ -136,8 +136,11 @@ class Zero3Stage(PartitionedStage):
                 scaled.register_hook(self.dist.acc.hook(lambda _grad: self.gatherer.begin_backward(),
                                                         "zero3's loss hook"))
             scaled.backward()  # hooks gather, reduce and release per unit
-        except BaseException:   # the next step starts from a clean gatherer, as after a completed pass
-            self.gatherer.abort_backward()
+        except BaseException as e:   # the next step starts from a clean gatherer, as after a completed pass
+            try:
+                self.gatherer.abort_backward()
+            except Exception as reset:   # the pass's own error is the one to report
+                e.add_note(f"zero3 could not reset its gather state after it: {type(reset).__name__}: {reset}")
             raise
         finally:
             self.gatherer.final = None
