@@ -119,7 +119,7 @@ def checked_loss(loss: Any) -> torch.Tensor:
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
         return loss
     got = (f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
-           else f"a {type(loss).__name__}")
+           else f"a value of type {type(loss).__name__}")
     raise TrainingError(f"loss_fn must return the loss as a 0-dim floating tensor (e.g. reduce it with .mean()), got {got}")
 
 
