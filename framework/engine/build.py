@@ -25,10 +25,11 @@ from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step
+from framework.engine.step import Components, LossFn, build_train_step, checked_loss
 from framework.core.footprint import Footprint
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
+from framework.stages import zero3_sharded
 
 
 def component(cfg: Config, group: str):
@@ -78,7 +79,7 @@ class Engine(contextlib.AbstractContextManager):
         c.module.eval()
         try:
             with torch.no_grad():
-                total = sum(c.loss_fn(c.module, b).float() for b in batches)
+                total = sum(checked_loss(c.loss_fn(c.module, b)).float() for b in batches)
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
@@ -190,6 +191,10 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     """
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
+    if zero3_sharded(module):   # (before any collective: every rank stops here)
+        raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
+                             "shards, also after close() or a failed initialize); build a fresh module (or load "
+                             "its weights into one: engine.consolidated_state_dict() before closing)")
     if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
@@ -207,17 +212,27 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
     # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
     # parameters move to dist.device as the stage lays them out (materialised if on meta).
-    materialize_buffers(module, dist.device)
-    setup = stage.setup(module, policy)
-    decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
-    optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
+    # Config-only: refused before the module is touched.
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
-    c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
-                   stage.make_update(optimizer), on_nonfinite=cfg.train.on_nonfinite,
-                   grad_accum=cfg.train.grad_accum)
-    state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
-                       precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
+    materialize_buffers(module, dist.device)
+    setup = stage.setup(module, policy)
+    update = None
+    try:
+        decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
+        optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
+        update = stage.make_update(optimizer)
+        c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
+                       update, on_nonfinite=cfg.train.on_nonfinite, grad_accum=cfg.train.grad_accum)
+        state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
+                           precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
+    except BaseException:
+        # No engine owns them: the stage's hooks and the offload worker go. (Sharded parameters stay
+        # sharded: a retry on this module is refused in one line.)
+        if update is not None:
+            update.close()
+        stage.close()
+        raise
     return Engine(c, state, cfg)
 
 

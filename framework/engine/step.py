@@ -51,7 +51,17 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
                             f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "
                             f"(one (x, y) micro batch is Batch(((x, y),)))")
+        # The step draws (dropout, ...) from the state's generators; the caller's are put back after,
+        # also on error, so the caller's own draws between steps go on as if no step ran. (A CUDA
+        # generator's state is a host value: saving and setting it syncs nothing.)
+        caller = capture_rng(c.dist.device)
         restore_rng(state.rng, c.dist.device)
+        try:
+            return _step(state, batch)
+        finally:
+            restore_rng(caller, c.dist.device)
+
+    def _step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         scale = state.precision.cur_scale
         n = len(batch.micro)
         lr = c.schedule(state.applied_steps)
@@ -60,7 +70,7 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             # On the compute device: state.params live on the host under offload.
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
-                loss = c.loss_fn(c.module, micro)
+                loss = checked_loss(c.loss_fn(c.module, micro))
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
                     c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()
@@ -101,6 +111,16 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
         return new, metrics
 
     return train_step
+
+
+def checked_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is what loss_fn must return, a 0-dim floating tensor; else one line (shape and dtype
+    only: no host sync)."""
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        return loss
+    got = (f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+           else f"a value of type {type(loss).__name__}")
+    raise TrainingError(f"loss_fn must return the loss as a 0-dim floating tensor (e.g. reduce it with .mean()), got {got}")
 
 
 def _nonfinite(c: Components, step: int, loss: float, norm: float) -> None:

@@ -56,6 +56,12 @@ class ShardedParameter(nn.Parameter):
                              f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
 
 
+def zero3_sharded(module: nn.Module) -> bool:
+    """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards once its engine
+    is closed or its build failed: another engine cannot be built on them)."""
+    return any(isinstance(p, ShardedParameter) for p in module.parameters())
+
+
 @dataclass
 class UnitGroup:
     kind: str                        # 'decay' | 'no_decay'
@@ -182,7 +188,11 @@ class Gatherer:
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
 
-    def _pre_backward(self, unit: Unit) -> None:
+    def begin_backward(self) -> None:
+        """A backward pass starts (the first unit output's gradient, or the loss's: the stage hooks the
+        loss too, so that a pass in which no unit's forward ran, e.g. a loss_fn that calls a submodule
+        whose parameters are all persistent, still reduces them): the end-of-backward callback is
+        queued once per pass."""
         if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
@@ -194,6 +204,9 @@ class Gatherer:
                 u.arrived, u.reduced = set(), False
             torch.autograd.Variable._execution_engine.queue_callback(
                 self.dist.acc.hook(self._end_backward, "zero3's end-of-backward callback"))
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.begin_backward()
         if unit.in_backward:
             return
         unit.in_backward = True
@@ -225,6 +238,23 @@ class Gatherer:
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
             self._launch_order_check(self.recording)
         self._end_pass()
+
+    def abort_backward(self) -> None:
+        """A backward pass the stage drove was cut short by an error (its end-of-backward callback never
+        ran): back to the state between passes, as if it had not started. Reductions in flight are
+        waited for and dropped (the step's partitions are zeroed by the caller), gradients not yet
+        reduced are discarded, units gathered for it are released; the persistent unit stays gathered."""
+        reductions, self.reductions = self.reductions, []
+        for _g, _buf, works in reductions:   # (their buffers must outlive the collectives)
+            self.dist.comm.wait(works, "zero3 gradient reduction")
+        for unit in self.all_units:
+            for p in unit.params:
+                p.grad = None
+            unit.arrived, unit.reduced, unit.in_backward, unit.active = set(), False, False, 0
+            if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held:
+                self.release(unit)
+        self.in_backward = False
+        self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
     def _begin_pass(self, grad_mode: bool) -> None:
         self._end_pass()

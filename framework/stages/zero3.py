@@ -131,7 +131,17 @@ class Zero3Stage(PartitionedStage):
         self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set
         try:
-            (loss / self.dist.world).backward()  # hooks gather, reduce and release per unit
+            scaled = loss / self.dist.world
+            if scaled.requires_grad:   # the pass's end-of-backward work runs even if no unit's output is in it
+                scaled.register_hook(self.dist.acc.hook(lambda _grad: self.gatherer.begin_backward(),
+                                                        "zero3's loss hook"))
+            scaled.backward()  # hooks gather, reduce and release per unit
+        except BaseException as e:   # the next step starts from a clean gatherer, as after a completed pass
+            try:
+                self.gatherer.abort_backward()
+            except Exception as reset:   # the pass's own error is the one to report
+                e.add_note(f"zero3 could not reset its gather state after it: {type(reset).__name__}: {reset}")
+            raise
         finally:
             self.gatherer.final = None
 

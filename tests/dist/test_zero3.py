@@ -377,6 +377,69 @@ def test_parameter_unused_in_some_steps(pools, world):
         torch.testing.assert_close(res["zero3"][1], res["ddp"][1], rtol=FP32_RTOL, atol=1e-7)
 
 
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("backward failed")
+
+
+def _detours(dist, stage, extra):
+    """Steps whose loss_fn calls submodules (no forward of the root: under zero3's default threshold
+    no unit's forward at all), and a step whose backward raises half way (after ``b``'s gradients)."""
+    cfg = framework.compose([f"+stage={stage}", *extra, "optimizer=adamw", "optimizer.weight_decay=0.1",
+                             "scheduler=constant", "train.steps=6", "train.micro_batch=4", "train.grad_accum=2"])
+    torch.manual_seed(0)
+    model, calls = Sometimes(), [0]
+
+    def loss_fn(m, mb):
+        calls[0] += 1
+        if model.step == 0:
+            return nn.functional.mse_loss(m(mb[0]), mb[1])
+        h = torch.relu(m.a(mb[0]))
+        if model.step == 3 and calls[0] % 2 == 0:   # the second micro batch's backward fails
+            h = FailingBackward.apply(h)
+        return nn.functional.mse_loss(m.b(h), mb[1])
+
+    engine = framework.initialize(model, loss_fn, cfg, dist)
+    g = torch.Generator().manual_seed(5)
+    state, losses = engine.state, []
+    for step in range(6):
+        model.step = step % 2 if step != 3 else 3
+        x = torch.randn(2, dist.world, 4, 7, generator=g)
+        micro = tuple((x[k, dist.rank], x[k, dist.rank, :, :3].cos()) for k in range(2))
+        try:
+            state, m = engine.train_step(state, Batch(micro))
+            losses.append((m["loss"], m["grad_norm"]))
+        except ValueError as e:
+            losses.append(str(e))
+    return losses, _full_params(engine) if stage == "zero3" else flat_params(model)
+
+
+def _detours_all(dist):
+    return {name: _detours(dist, stage, extra) for name, stage, extra in [
+        ("ddp", "ddp", []), ("zero3", "zero3", []),
+        ("zero3-units", "zero3", ["stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0"])]}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_loss_fn_calling_submodules_and_a_failed_backward_match_ddp(pools, world):
+    # Persistent parameters are reduced at the end of every backward pass, also one in which no
+    # unit's forward ran; a backward cut short leaves nothing behind for the next step.
+    for res in [_detours_all(_local())] if world == 1 else pools(2).run(_detours_all, timeout=120):
+        ref_losses, ref_params = res["ddp"]
+        assert ref_losses[3] == "backward failed" and len({l for l, _ in ref_losses[4:]}) == 2
+        for name in ("zero3", "zero3-units"):
+            losses, params = res[name]
+            assert losses[3] == "backward failed"
+            for i in (0, 1, 2, 4, 5):
+                assert losses[i] == pytest.approx(ref_losses[i], rel=FP32_RTOL), f"{name} step {i}"
+            torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
 def test_order_change_logs_one_line_and_keeps_results(caplog):
     dist = _local()
     with caplog.at_level("WARNING", logger="framework.zero3"):

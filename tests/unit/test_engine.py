@@ -70,6 +70,37 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
         assert fired == []
     with pytest.raises(framework.FrameworkError, match="engine is closed"):
         engine.train_step(engine.state, _batch(data, engine.state))
+    if "+stage=zero3" in overrides:   # its empty shards cannot be trained again
+        with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
+            framework.initialize(module, gpt_loss, tiny_config(*overrides))
+
+
+def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
+    def loss(m, mb):
+        return m(mb).square().mean()
+
+    x = torch.randn(2, 4)
+    # A bad scheduler is refused before the module is touched: a retry on it works.
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with pytest.raises(framework.ConfigError, match="warmup_steps"):
+        framework.initialize(module, loss, framework.compose(["+stage=zero3", "scheduler.warmup_steps=-1"]))
+    assert all(type(p) is torch.nn.Parameter and p.numel() for p in module.parameters())
+    # A failure after the stage's setup (the optimizer's build) removes the stage's hooks; the parameters
+    # stay empty shards, and a retry (or a second engine on an open one's module) is refused in one line.
+    with pytest.raises(framework.ConfigError, match="nesterov"):
+        framework.initialize(module, loss, framework.compose(
+            ["+stage=zero3", "optimizer=sgd", "optimizer.nesterov=true", "optimizer.momentum=0"]))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in module.parameters())
+    for cfg in (["+stage=zero3"], []):
+        with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
+            framework.initialize(module, loss, framework.compose(cfg))
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    with framework.initialize(module, loss, framework.compose(["+stage=zero3"])) as engine:
+        engine.train_step(engine.state, framework.Batch((x,)))
+        with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
+            framework.initialize(module, loss, framework.compose(["+stage=zero3"]))
+        engine.train_step(engine.state, framework.Batch((x,)))   # the first engine goes on
 
 
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",

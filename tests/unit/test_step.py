@@ -265,3 +265,70 @@ def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path)
         model.init_parameter("f.weight", expect)
         assert model.f.weight.device.type == "cpu" and torch.equal(model.f.weight, expect)
         engine.train_step(engine.state, Batch(((x, y),)))
+
+
+class Dropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 16), nn.Linear(16, 1)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def test_the_step_draws_from_the_states_generators_and_leaves_the_callers_as_they_were():
+    over = ["optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.steps=3", "train.grad_clip=0",
+            "logger=none"]
+    x, y = torch.randn(8, 5, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 1)
+    runs = []
+    for caller_seed in (1, 2):
+        torch.manual_seed(0)
+        engine = framework.initialize(Dropped(), mse, framework.compose(over))
+        failing = framework.initialize(Dropped(), lambda m, b: 1 / 0, framework.compose(over))
+        torch.manual_seed(caller_seed)
+        expected = torch.rand(3, 4)   # the caller's draws between steps, as if no step ran
+        torch.manual_seed(caller_seed)
+        state, losses = engine.state, []
+        for k in range(3):
+            state, m = engine.train_step(state, Batch(((x, y),)))
+            losses.append(m["loss"])
+            assert torch.equal(torch.rand(4), expected[k])
+        runs.append(losses)
+        with pytest.raises(ZeroDivisionError):   # a failed step puts the caller's generator back too
+            failing.train_step(failing.state, Batch(((x, y),)))
+        after = torch.get_rng_state()
+        torch.manual_seed(caller_seed)
+        torch.rand(3, 4)
+        assert torch.equal(after, torch.get_rng_state())
+    # The dropout masks come from the state's generators only: the caller's seed changes nothing.
+    assert runs[0] == runs[1] and len(set(runs[0])) == 3
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_a_loss_fn_returning_anything_but_a_0_dim_floating_tensor_is_refused_in_one_line(stage):
+    x, y = torch.randn(8, 5), torch.randn(8, 1)
+    bad = {"per-row": lambda m, mb: (m(mb[0]) - mb[1]).square(), "shape [1]": lambda m, mb: mse(m, mb).reshape(1),
+           "tuple": lambda m, mb: (mse(m, mb), 0), "dict": lambda m, mb: {"loss": mse(m, mb)},
+           "number": lambda m, mb: 1.0, "integer tensor": lambda m, mb: torch.tensor(1)}
+    choice = {"fn": mse}
+    over = [] if stage == "ddp" else [f"+stage={stage}"]
+    torch.manual_seed(0)
+    model = TwoLayer()
+    ref = copy.deepcopy(model)
+    ref_loss = mse(ref, (x, y))
+    ref_loss.backward()
+    ref_norm = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).norm().item()
+    with framework.initialize(model, lambda m, mb: choice["fn"](m, mb), framework.compose(over)) as engine:
+        for what, fn in bad.items():
+            choice["fn"] = fn
+            with pytest.raises(framework.TrainingError, match=r"^loss_fn must return the loss as a 0-dim floating "
+                                                              r"tensor \(e\.g\. reduce it with \.mean\(\)\), got "):
+                engine.train_step(engine.state, Batch(((x, y),)))
+            with pytest.raises(framework.TrainingError, match="^loss_fn must return the loss as a 0-dim"):
+                engine.eval_step(engine.state, [(x, y)])
+        choice["fn"] = mse
+        assert engine.state.step == 0
+        state, m = engine.train_step(engine.state, Batch(((x, y),)))   # nothing of the refused steps is left
+        assert state.step == 1 and m["loss"] == pytest.approx(ref_loss.item(), rel=RTOL)
+        assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
