@@ -26,11 +26,16 @@ import zlib
 import numpy as np
 import torch
 
-from framework.core.errors import SwapIOError
-from framework.core.units import MiB
+from framework.core.errors import ConfigError, SwapIOError
+from framework.core.units import MiB, size as _size
 from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
+# Sane bounds for the ``aio`` keys (DeepSpeed's tuning sweeps go up to 1 MiB blocks and 128 x 8 requests
+# in flight): each thread keeps a bounce buffer of ``block_size``, and threads are not free.
+MAX_BLOCK_SIZE = 64 * MiB
+MAX_THREADS = 1024
+POLL_S = 1.0     # how often a wait checks that the engine still has a thread to finish it
 
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
@@ -87,6 +92,10 @@ def _unregister(cudart, ptr: int, mm: mmap.mmap) -> None:
     cudart.cudaHostUnregister(ptr)   # ``mm`` (an argument, so still mapped) goes after this
 
 
+def _bounce(nbytes: int) -> mmap.mmap:
+    return mmap.mmap(-1, nbytes)   # page-aligned (O_DIRECT), anonymous: committed when touched
+
+
 def _memory(address: int, nbytes: int):
     """A writable buffer over memory the caller keeps alive."""
     return (ctypes.c_char * nbytes).from_address(address)
@@ -105,13 +114,15 @@ CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory)
 class IOHandle:
     """One read or write in flight, done when all its pieces are."""
 
-    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int):
+    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int,
+                 engine: "AsyncIO | None" = None):
         self.op, self.file, self.what = op, file, what
         self._tensor = tensor       # its memory must outlive the IO
         self._left = pieces
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._error: SwapIOError | None = None
+        self._engine = engine       # whose threads finish it (a wait gives up once none is alive)
         if pieces == 0:
             self._done.set()
 
@@ -120,7 +131,12 @@ class IOHandle:
 
     def exception(self) -> SwapIOError | None:
         """Wait, then return the request's error (None if it succeeded) instead of raising it."""
-        self._done.wait()
+        while not self._done.wait(POLL_S):
+            engine = self._engine
+            if engine is not None and not engine._alive():   # nobody left to finish it: never wait forever
+                self._abandon(engine._broken or SwapIOError(
+                    f"swap {self.op} of {self.what!r} on {self.file.path}: the IO engine's threads have "
+                    "stopped", path=str(self.file.path), offset=-1, what=self.what))
         return self._error
 
     def wait(self) -> None:
@@ -137,12 +153,23 @@ class IOHandle:
             self._tensor = None
             self._done.set()
 
+    def _abandon(self, error: SwapIOError) -> None:
+        """Fail the request now (no thread is left to do its remaining pieces)."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            self._left = 0
+        self._tensor = None
+        self._done.set()
+
 
 class AsyncIO:
     """Worker threads moving ``block_size`` pieces between host tensors and swap files."""
 
     def __init__(self, block_size: int = MiB, queue_depth: int = 8, intra_op_parallelism: int = 1,
-                 direct: bool = True, *, checksum: str = "sum64"):
+                 direct: bool = True, *, checksum: str = "sum64", bounce=None):
+        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO (default: an
+        anonymous mmap, committed when touched); a seam for tests."""
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
         if queue_depth < 1 or intra_op_parallelism < 1:
@@ -153,10 +180,37 @@ class AsyncIO:
         self.block_size, self.direct, self._hash = block_size, direct, CHECKSUMS[checksum]
         self._kind = (block_size, checksum)   # whose checksums a piece is verified against
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._worker, name=f"framework-aio-{i}", daemon=True)
-                         for i in range(queue_depth * intra_op_parallelism)]
-        for t in self._threads:
-            t.start()
+        self._broken: SwapIOError | None = None   # set when a thread died: every request fails from then on
+        self._threads: list[threading.Thread] | None = None
+        count, nbytes = queue_depth * intra_op_parallelism, block_size + 2 * ALIGN
+        # on the caller's thread: a buffer that cannot be had is one error here, never a dead thread
+        bounces: list[mmap.mmap] = []
+        try:
+            for _ in range(count):
+                bounces.append((bounce or _bounce)(nbytes))
+        except OSError as e:
+            for b in bounces:
+                b.close()
+            raise ConfigError(f"offload.aio.block_size={block_size}: cannot allocate the IO threads' bounce "
+                              f"buffers ({count} x {_size(nbytes)}: {os.strerror(e.errno) if e.errno else e}); "
+                              f"lower offload.aio.block_size (DeepSpeed's default is {MiB})") from None
+        started: list[threading.Thread] = []
+        try:
+            for i, b in enumerate(bounces):
+                t = threading.Thread(target=self._worker, args=(b,), name=f"framework-aio-{i}", daemon=True)
+                t.start()
+                started.append(t)
+        except RuntimeError as e:   # "can't start new thread": a thread or memory limit
+            for _ in started:
+                self._work.put(None)
+            for t in started:
+                t.join()
+            for b in bounces[len(started):]:
+                b.close()
+            raise ConfigError(f"offload.aio.queue_depth={queue_depth} x offload.aio.intra_op_parallelism="
+                              f"{intra_op_parallelism}: cannot start {count} IO threads ({e}); lower them "
+                              "(DeepSpeed's defaults are 8 x 1)") from None
+        self._threads = started
 
     def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
         return self._submit("read", file, offset, dst, what)
@@ -177,7 +231,10 @@ class AsyncIO:
                              f"{file.path} ({file.size} bytes)")
         address = t.data_ptr()
         bounds = self._bounds(offset, nbytes)
-        handle = IOHandle(op, file, what, t, len(bounds))
+        handle = IOHandle(op, file, what, t, len(bounds), self)
+        if self._broken is not None:
+            handle._abandon(self._broken)
+            return handle
         for lo, hi in bounds:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
@@ -216,15 +273,20 @@ class AsyncIO:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _worker(self) -> None:
-        bounce = mmap.mmap(-1, self.block_size + 2 * ALIGN)   # page-aligned, this thread's own
+    def _alive(self) -> bool:
+        """Whether a thread is left to finish the queued requests."""
+        threads = self._threads
+        return threads is not None and any(t.is_alive() for t in threads)
+
+    def _worker(self, bounce: mmap.mmap) -> None:
         view = (ctypes.c_char * len(bounce)).from_buffer(bounce)
         bounce_addr = ctypes.addressof(view)
+        job = None
         try:
             while (job := self._work.get()) is not None:
                 handle, offset, address, nbytes = job
-                error = None
-                if handle._error is None:   # a failed request skips its remaining pieces
+                error = self._broken
+                if error is None and handle._error is None:   # a failed request skips its remaining pieces
                     try:
                         self._piece(handle, offset, address, nbytes, bounce_addr)
                     except SwapIOError as e:
@@ -234,9 +296,33 @@ class AsyncIO:
                     except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
                         error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
                 handle._piece_done(error)
+                job = None
+        except BaseException as e:  # noqa: BLE001 - this thread is lost: fail what is queued, never hang a wait
+            self._die(e, job)
         finally:
             del view
             bounce.close()
+
+    def _die(self, cause: BaseException, job) -> None:
+        """A thread stopped on ``cause``: its request and every queued and later one fail with one error."""
+        if self._broken is None:
+            self._broken = SwapIOError(f"the swap IO thread {threading.current_thread().name} stopped "
+                                       f"({type(cause).__name__}: {cause}); the swap IO in flight failed",
+                                       path="", offset=-1, what="")
+        if job is not None:
+            job[0]._piece_done(self._broken)
+        stops = 0   # the other threads' stop signals stay queued for them
+        while True:
+            try:
+                job = self._work.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                stops += 1
+            else:
+                job[0]._piece_done(self._broken)
+        for _ in range(stops):
+            self._work.put(None)
 
     def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
         file, write = handle.file, handle.op == "write"

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
+from framework.offload._aio import MAX_BLOCK_SIZE, MAX_THREADS
 from framework.offload._disk import DiskPlacement, NVMePlacement
 from framework.offload._diskshards import DiskShards
 from framework.offload._swapfile import ALIGN
@@ -98,11 +99,16 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
                           f"{str(cfg.pipeline_read).lower()} pipeline_write={str(cfg.pipeline_write).lower()}; "
                           f"set offload.buffer_count>={tiles}")
     a = cfg.aio
-    if a.block_size < ALIGN or a.block_size % ALIGN:
+    if a.block_size < ALIGN or a.block_size % ALIGN or a.block_size > MAX_BLOCK_SIZE:
         raise ConfigError(f"config: offload.aio.block_size must be a positive multiple of {ALIGN} bytes "
-                          f"(O_DIRECT), got {a.block_size}")
+                          f"(O_DIRECT) of at most {MAX_BLOCK_SIZE} (each IO thread keeps a buffer of it; "
+                          f"DeepSpeed's default is 1048576), got {a.block_size}")
     if a.queue_depth < 1 or a.intra_op_parallelism < 1:
         raise ConfigError("config: offload.aio.queue_depth and offload.aio.intra_op_parallelism must be >= 1")
+    if a.queue_depth * a.intra_op_parallelism > MAX_THREADS:
+        raise ConfigError(f"config: offload.aio.queue_depth={a.queue_depth} x offload.aio.intra_op_parallelism="
+                          f"{a.intra_op_parallelism} IO threads is more than {MAX_THREADS}; lower them "
+                          "(DeepSpeed's defaults are 8 x 1)")
     for key, default, why in (("single_submit", False, "the IO engine always submits a batch of requests"),
                               ("overlap_events", True, "completions always overlap submission")):
         if getattr(a, key) != default:

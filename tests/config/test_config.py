@@ -116,6 +116,10 @@ def test_nvme_schema_resolves_params_auto_per_stage():
       "offload.buffer_count=2"], "set offload.buffer_count>=3"),
     (["+stage=zero2", "offload=nvme", "offload.sub_group_size=0"], "offload.sub_group_size must be >= 1"),
     (["+stage=zero2", "offload=nvme", "offload.aio.block_size=1000"], "offload.aio.block_size must be a positive multiple of 4096"),
+    # absurd values: per-thread bounce buffers of 64 GiB, 20000 IO threads
+    (["+stage=zero2", "offload=nvme", "offload.aio.block_size=68719476736"], "of at most 67108864"),
+    (["+stage=zero2", "offload=nvme", "offload.aio.queue_depth=20000"],
+     "offload.aio.queue_depth=20000 x offload.aio.intra_op_parallelism=1 IO threads is more than 1024"),
     (["+stage=zero2", "offload=nvme", "offload.aio.single_submit=true"], "offload.aio.single_submit=true has no effect"),
     (["+stage=zero2", "offload=nvme", "offload.aio.overlap_events=false"], "offload.aio.overlap_events=false has no effect"),
     (["+stage=zero2", "offload=nvme", "offload.overlap_step=true"], "offload.overlap_step=true needs whole optimizer pieces"),

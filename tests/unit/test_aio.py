@@ -4,9 +4,11 @@ Faults are injected through the engine's system-call seam (``Syscalls``), never 
 import errno
 import fcntl
 import json
+import mmap
 import os
 import shutil
 import stat
+import threading
 import warnings
 
 import pytest
@@ -393,6 +395,63 @@ def test_requests_are_checked(tmp_path):
         h.wait()
     with pytest.raises(ValueError, match="block_size"):
         AsyncIO(1000, 1, 1)
+
+
+def _aio_threads() -> list:
+    return [t for t in threading.enumerate() if t.name.startswith("framework-aio-")]
+
+
+def test_bounce_buffers_that_cannot_be_had_are_one_config_error_naming_block_size():
+    """Allocated on the caller's thread: ENOMEM (a huge aio.block_size) is one line, no thread left behind."""
+    made = []
+
+    def bounce(nbytes):
+        if len(made) == 2:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        made.append(mmap.mmap(-1, nbytes))
+        return made[-1]
+    before = len(_aio_threads())
+    with pytest.raises(ConfigError, match=r"offload\.aio\.block_size=16384: .*Cannot allocate memory") as info:
+        AsyncIO(BLOCK, 4, 1, bounce=bounce)
+    assert "\n" not in str(info.value)
+    assert all(m.closed for m in made) and len(_aio_threads()) == before
+
+
+@pytest.mark.timeout(60)
+def test_io_threads_that_cannot_start_are_one_config_error():
+    before = len(_aio_threads())
+    old = threading.stack_size(1 << 40)   # no room for a thread's stack: "can't start new thread"
+    try:
+        with pytest.raises(ConfigError, match=r"offload\.aio\.queue_depth=4 x offload\.aio\.intra_op_parallelism=2: "
+                                              "cannot start 8 IO threads"):
+            AsyncIO(BLOCK, 4, 2)
+    finally:
+        threading.stack_size(old)
+    assert len(_aio_threads()) == before
+
+
+class _Fatal(BaseException):
+    """Escapes the engine's per-request error handling: its thread dies."""
+
+
+class _Killing(Syscalls):
+    def pwritev(self, fd, buffers, offset):
+        raise _Fatal("injected")
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_io_thread_fails_every_queued_and_later_request(tmp_path):
+    """Never a silent dead pool: waits end with the thread's error instead of hanging."""
+    n = 3 * BLOCK
+    with _swap(tmp_path, {"a": n, "b": n}, torch.float32, _Killing()) as f, AsyncIO(BLOCK, 1, 1) as io:
+        handles = [io.pwrite(f, f.extent(k)[0], torch.zeros(n), k) for k in ("a", "b")]
+        for h in handles:
+            with pytest.raises(SwapIOError, match="framework-aio-0 stopped .*_Fatal: injected"):
+                h.wait()
+        io._threads[0].join(30)   # (it fails the queued requests before it ends)
+        assert not io._alive()
+        with pytest.raises(SwapIOError, match="stopped"):
+            io.pread(f, 0, torch.empty(n), "a").wait()
 
 
 def test_checksums_off_and_pieces_rewritten_by_another_engine(tmp_path):
