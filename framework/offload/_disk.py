@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import sys
 import tempfile
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,7 +29,7 @@ from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._store import Tier, recorded
-from framework.offload._swapfile import preflight, remove_stale, reserved_bytes, swap_path
+from framework.offload._swapfile import memory_fs, preflight, remove_stale, reserved_bytes, swap_path
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
@@ -78,6 +79,15 @@ def _allocated(path) -> int:
         return 0
 
 
+def _temp_root() -> str:
+    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (kept on disk by
+    convention) when the temporary folder is in memory (a tmpfs /tmp) and /var/tmp is not."""
+    tmp = tempfile.gettempdir()
+    if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
+        return "/var/tmp"
+    return tmp
+
+
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
@@ -88,6 +98,7 @@ class NVMePlacement(HostPlacement):
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
         self._tmpdir: str | None = None
         self._made: str | None = None     # the swap folder, when a rank of this run made it
+        self._fs_checked = False          # the swap folder's file system looked at (``check_fs``)
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
@@ -139,7 +150,7 @@ class NVMePlacement(HostPlacement):
         pools = spec.buffer_count * tile * fp32
         if params:
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        if agree_room(self.dist, spec.nvme_path or tempfile.gettempdir(), need,
+        if agree_room(self.dist, spec.nvme_path or _temp_root(), need,
                       partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
             self._made = spec.nvme_path
 
@@ -154,13 +165,28 @@ class NVMePlacement(HostPlacement):
         if self.spec.nvme_path is not None:
             return self.spec.nvme_path
         if self._tmpdir is None:   # library use without a run directory: a private folder
-            self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-")
+            self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
+            print(f"nvme: offload.nvme_path is not set: the swap files go to {self._tmpdir} (removed at exit)",
+                  flush=True)
         return self._tmpdir
+
+    def check_fs(self) -> None:
+        """One warning line when the swap folder is on a file system kept in host memory: the swap files
+        would take RAM (shared memory, not counted in the process's resident set), not disk."""
+        if self._fs_checked:
+            return
+        self._fs_checked = True
+        fs = memory_fs(self.folder())
+        if fs is not None:
+            print(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
+                  "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk",
+                  file=sys.stderr, flush=True)
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
         ``create`` each (key, fill) of ``fills``: a rank that cannot stops every rank."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
+        self.check_fs()
         if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
             self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
         failed = None

@@ -9,12 +9,14 @@ contents are not trusted: the IO engine's checksums, kept in memory, start empty
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import math
 import mmap
 import os
+import sys
 import threading
 import warnings
 from dataclasses import asdict, dataclass
@@ -31,6 +33,28 @@ from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
+
+
+# statfs(2) f_type of the file systems that keep their files in host memory (<linux/magic.h>)
+MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_fs(path: str | os.PathLike) -> str | None:
+    """The type of the file system holding ``path`` (or its nearest existing parent) when it keeps its
+    files in host memory (tmpfs, ramfs: /dev/shm, often /tmp); None otherwise or where unknown.
+    (``os.statvfs`` does not say the type.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    buf = ctypes.create_string_buffer(512)   # struct statfs (120 bytes on 64-bit Linux); f_type comes first
+    try:
+        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(p), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFF_FFFF)
 
 
 def padded(nbytes: int) -> int:

@@ -12,6 +12,7 @@ disk ends a CLI run with one line and an intact run directory; a too-small param
 start-up, as does a max_in_cpu below the largest shard (in the estimate too).
 """
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -353,3 +354,46 @@ def test_checkpointer_resume_of_an_nvme_run_is_bitwise(pools, tmp_path):
     for rank in range(2):
         assert b[rank][0] == a[rank][0][K:], f"rank {rank}: losses {b[rank][0]} vs {a[rank][0][K:]}"
     _same_state([r[1] for r in a], [r[1] for r in b], "zero3 bf16 nvme")
+
+
+def _start(capsys, *overrides) -> tuple[str, str]:
+    """Build an engine (its swap files written), close it; (stdout, stderr)."""
+    cfg = tiny_config(*BASE, "+stage=zero2", *NVME, *overrides)
+    with framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local()):
+        pass
+    out = capsys.readouterr()
+    return out.out, out.err
+
+
+def test_a_swap_folder_in_memory_is_one_warning_line(tmp_path, capsys):
+    """tmpfs/ramfs keep the "swap" files in RAM (shared memory, not in the resident set): a model larger
+    than host memory would silently not fit. A warning, not a refusal (small runs use such folders)."""
+    from framework.offload._swapfile import memory_fs
+
+    if memory_fs("/dev/shm") is None:
+        pytest.skip("no tmpfs at /dev/shm")
+    _, err = _start(capsys, f"offload.nvme_path={tmp_path}")
+    assert "offload.nvme_path" not in err or memory_fs(tmp_path)   # a disk: no warning
+    folder = tempfile.mkdtemp(prefix="nvme-test-", dir="/dev/shm")
+    try:
+        _, err = _start(capsys, f"offload.nvme_path={folder}")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert [line for line in err.splitlines() if "offload.nvme_path" in line] == [
+        f"warning: offload.nvme_path={folder} is on tmpfs, which keeps files in host memory: the swap files "
+        "will take RAM, not disk; set offload.nvme_path to a folder on a disk"]
+
+
+def test_without_nvme_path_swap_files_avoid_a_temp_folder_in_memory(tmp_path, monkeypatch, capsys):
+    """Library use without offload.nvme_path: the temporary folder, or /var/tmp when that one is in memory,
+    said in one line; never a tmpfs when a disk folder is at hand."""
+    from framework.offload._swapfile import memory_fs
+
+    if memory_fs("/dev/shm") is None or memory_fs("/var/tmp") or not os.access("/var/tmp", os.W_OK):
+        pytest.skip("needs a tmpfs at /dev/shm and a writable /var/tmp on a disk")
+    monkeypatch.setattr(tempfile, "tempdir", "/dev/shm")   # (tempfile's documented override)
+    out, err = _start(capsys)
+    said = [line for line in out.splitlines() if "offload.nvme_path is not set" in line]
+    assert len(said) == 1 and " the swap files go to /var/tmp/framework-nvme-" in said[0], out
+    assert "offload.nvme_path" not in err
+    assert not [p for p in os.listdir("/var/tmp") if p.startswith("framework-nvme-") and said[0].find(p) > 0]
