@@ -131,17 +131,35 @@ class SwapFile:
                 "extents": {n: asdict(e) for n, e in table.items()}}
         manifest = _manifest_path(path)
         refuse_links(path, manifest, manifest.with_name(manifest.name + ".tmp"))   # planted links: one line each
-        made = not os.path.lexists(path)
-        if not made:   # a live run's file is in use, whatever its layout: never advise deleting it
-            _refuse_if_held(path)
-            _check_same_layout(path, manifest, meta)
-        fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
-        try:
-            os.fchmod(fd, 0o600)
+        # Until this run holds the lock, another run's ``remove_stale`` may take the file for a dead
+        # run's and unlink it: once locked, the path must still name the file, else it starts again.
+        for _ in range(3):
+            made = not os.path.lexists(path)
+            if not made:   # a live run's file is in use, whatever its layout: never advise deleting it
+                _refuse_if_held(path)
+                _check_same_layout(path, manifest, meta)
+            fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise _in_use(path) from None
+                os.fchmod(fd, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    locked = False
+                if _names(path, fd):
+                    if not locked:
+                        raise _in_use(path)
+                    break
+            except BaseException:
+                if made:   # never delete what another run (or a crashed one) left
+                    _unlink_if(path, os.fstat(fd))
+                os.close(fd)
+                raise
+            os.close(fd)   # removed meanwhile: what the path names now is looked at again
+        else:
+            raise ConfigError(f"swap file {path} keeps being removed by another process while it is created; "
+                              "give each run its own offload.nvme_path")
+        try:
             try:
                 if size:
                     syscalls.fallocate(fd, 0, size)
@@ -379,6 +397,16 @@ def _unlink_if(path: Path, mine: os.stat_result | None) -> None:
         return
     if mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
         path.unlink(missing_ok=True)
+
+
+def _names(path: Path, fd: int) -> bool:
+    """Whether ``path`` (not followed) names the file open at ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _in_use(path: Path) -> ConfigError:

@@ -17,8 +17,8 @@ import torch
 from framework.comm.accelerator import for_device
 from framework.core.errors import ConfigError, SwapIOError
 from framework.offload._aio import AsyncIO, aligned_empty
-from framework.offload._swapfile import (ALIGN, DirectIOFallback, SwapFile, Syscalls, padded, preflight, reserved_bytes,
-                                        swap_path)
+from framework.offload._swapfile import (ALIGN, DirectIOFallback, SwapFile, Syscalls, padded, preflight, remove_stale,
+                                        reserved_bytes, swap_path)
 
 ACC = for_device(torch.device("cpu"), "check")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -600,3 +600,32 @@ def test_a_live_runs_swap_file_is_in_use_whatever_its_layout(tmp_path):
                 _swap(tmp_path, {"a": 10}, torch.float32, **kwargs)
             assert "delete" not in str(info.value)
         assert os.path.exists(f.path)
+
+
+class _CleanedMeanwhile(Syscalls):
+    """Another run's ``remove_stale`` of the folder runs between the file's creation and its lock."""
+
+    def __init__(self):
+        self.removed = None
+
+    def open(self, path, flags, mode=0o600):
+        fd = super().open(path, flags, mode)
+        if flags & os.O_CREAT and self.removed is None:
+            self.removed = remove_stale(os.path.dirname(path))
+        return fd
+
+
+def test_a_swap_file_removed_before_it_is_locked_is_made_again(tmp_path):
+    """Not yet locked, a new file looks like a dead run's to another run's clean-up: once locked, the
+    path must still name it (else its writes would go to an unlinked file and O_DIRECT open another)."""
+    seam = _CleanedMeanwhile()
+    with _swap(tmp_path, {"a": 3000}, torch.float32, seam) as f, AsyncIO(BLOCK, 2, 1) as io:
+        assert seam.removed[0] == 1   # the clean-up did take it
+        assert os.path.samestat(os.stat(f.path), os.fstat(f._fd))
+        src = _random(3000, torch.float32, 1)
+        io.pwrite(f, 0, src, "a").wait()
+        back = torch.empty(3000)
+        io.pread(f, 0, back, "a").wait()
+        assert torch.equal(back, src)
+        assert remove_stale(tmp_path) == (0, 0)   # locked now: never taken for a dead run's
+    assert os.listdir(tmp_path) == []
