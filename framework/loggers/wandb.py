@@ -97,15 +97,35 @@ def key_configured() -> bool:
     file), as wandb.init would, without prompting and without asking the server. A key W&B refuses
     by its form is a ConfigError."""
     from wandb.errors import Error
-    from wandb.sdk import wandb_setup
-    from wandb.sdk.lib import wbauth
 
+    try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.17)
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        authenticate, host = wbauth.authenticate_session, wandb_setup.singleton().settings.base_url
+    except (ImportError, AttributeError):
+        return _key_in_environment_or_netrc()
     try:
-        return wbauth.authenticate_session(host=wandb_setup.singleton().settings.base_url, source="logger=wandb",
-                                           prompt=False, update_session=False) is not None
+        return authenticate(host=host, source="logger=wandb", prompt=False, update_session=False) is not None
     except Error as e:   # (AuthenticationError: a key of the wrong form)
         raise ConfigError(f"logger=wandb: {str(e).strip().splitlines()[0]}; fix WANDB_API_KEY "
                           f"(or `wandb login`), or set logger.mode=offline") from None
+
+
+def _key_in_environment_or_netrc() -> bool:
+    """Where every wandb version looks for a key: WANDB_API_KEY, an identity token file, or the .netrc
+    entry `wandb login` writes for the server's host."""
+    import netrc
+    from urllib.parse import urlsplit
+
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    try:
+        entries = netrc.netrc(os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc"))
+    except (OSError, netrc.NetrcParseError):   # none, or unreadable: W&B would find no key there either
+        return False
+    return any((entries.authenticators(host) or (None, None, None))[2] for host in {url.netloc, url.hostname} if host)
 
 
 def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig:

@@ -179,6 +179,26 @@ def test_every_mode_wandb_takes_is_accepted_and_a_configured_key_goes_online(mon
         compose(["logger=wandb", f"logger.mode={m}"])
 
 
+def test_a_wandb_without_its_private_key_lookup_checks_the_environment_and_netrc(monkeypatch, tmp_path):
+    """Older wandb (pyproject takes >=0.17) has no wandb.sdk.lib.wbauth: the check when composing falls back to
+    WANDB_API_KEY and the .netrc entry for the server's host, never a traceback."""
+    import wandb.sdk.lib
+
+    _no_wandb_credentials(monkeypatch, tmp_path)
+    monkeypatch.delattr(wandb.sdk.lib, "wbauth", raising=False)
+    monkeypatch.setitem(sys.modules, "wandb.sdk.lib.wbauth", None)   # import fails, as where it does not exist
+    with pytest.raises(ConfigError, match="no W&B API key is configured"):
+        compose(["logger=wandb", "logger.mode=online"])
+    (tmp_path / "no-netrc").write_text("machine api.wandb.ai login user password " + "k" * 40 + "\n")
+    with pytest.raises(ConfigError, match="no W&B API key is configured"):   # another host's key
+        compose(["logger=wandb", "logger.mode=online"])
+    (tmp_path / "no-netrc").write_text("machine 127.0.0.1:9 login user password " + "k" * 40 + "\n")
+    compose(["logger=wandb", "logger.mode=online"])
+    (tmp_path / "no-netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    compose(["logger=wandb", "logger.mode=online"])
+
+
 @pytest.mark.parametrize("cfg,says", [
     (dict(tags=["t" * 70]), "Tag 'tttt"),
     (dict(mode="online"), "No API key configured"),
