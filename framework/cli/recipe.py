@@ -97,6 +97,10 @@ def validate_checks(want: dict) -> None:
             raise RecipeError(f"file check {c} has no 'key' (the value to read in the file)")
         if kind in ("metric", "file") and not set(c) & {"min", "max", "equals"}:
             raise RecipeError(f"{kind} check {c} has no bound: give min, max or equals (with tol)")
+        if kind == "memory_scaling":   # ddp's formula saves nothing: only max_change bounds it (_memory)
+            need = ["max_change"] if c["memory_scaling"] == "ddp" else ["min_ratio", "max_ratio"]
+            if not set(c) & set(need):
+                raise RecipeError(f"memory_scaling check {c} has no bound: give {' or '.join(need)}")
 
 
 def find(name: str) -> Recipe:

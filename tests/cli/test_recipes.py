@@ -406,6 +406,9 @@ def test_expected_json_checks_are_validated_before_anything_runs(tmp_path, capsy
                         ({"file": "reload.json", "max": 1}, "'key'"),
                         ({"curves_match": "loss", "referenc": {"stage": "ddp"}}, "did you mean 'reference'"),
                         ({"memory_scaling": "zero3", "min_ration": 0.8}, "did you mean 'min_ratio'"),
+                        ({"memory_scaling": "ddp"}, "no bound: give max_change"),
+                        ({"memory_scaling": "ddp", "max_ratio": 1.2}, "no bound: give max_change"),
+                        ({"memory_scaling": "zero3", "worlds": [2, 4]}, "no bound: give min_ratio or max_ratio"),
                         ({"metrik": "val_loss", "max": 1.0}, "unknown check")):
         with pytest.raises(recipes.RecipeError, match=says):
             recipes.evaluate(jobs, {"checks": [check]})
