@@ -15,7 +15,7 @@ import numpy as np
 
 from framework.core import files
 from framework.data._base import CropSource, resolve_path
-from framework.data.tokens import meta_path, read_meta
+from framework.data.tokens import meta_path, read_meta, tokens_stat
 from framework.core.errors import DataError
 from framework.core.registry import Component
 
@@ -51,7 +51,8 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
 def prepare_chars(source: str, out: Path) -> dict:
     """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
     file in order) and its ``<stem>.meta.json`` (each written atomically, the metadata first, with the
-    tokens' checksum that the reader checks: a pair left half-written is refused, not read); return the
+    tokens' checksum that the reader checks: a pair left half-written is refused, not read; then again
+    with the token file's size, modification time and inode, which spare the reader the checksum); return the
     metadata. ``out`` must be new or this function's own earlier output: nothing else is overwritten."""
     path, ids, chars, split = encode_file(source)
     if len(chars) > 1 << 16:
@@ -84,6 +85,10 @@ def prepare_chars(source: str, out: Path) -> dict:
     try:
         files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
         files.write_atomic(out, tokens)   # never through a planted link
+        # Then the file just written, by its identity: a reader whose file still has it skips the checksum
+        # (a stop before this leaves the metadata without it, and the reader hashes).
+        meta["tokens_stat"] = tokens_stat(out)
+        files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
     except OSError as e:   # the name it gives is the temporary file's, relative to the folder
         raise DataError(f"--out {out}: cannot write it in {out.parent} ({e.strerror}); give a token file in a "
                         f"folder you can write, e.g. --out data/tokens.bin") from None

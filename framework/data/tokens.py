@@ -64,16 +64,26 @@ def meta_path(path: Path) -> Path:
     return path.with_name(f"{path.stem}.meta.json")
 
 
+def tokens_stat(path: Path) -> list[int]:
+    """The token file's identity as prepare records it: size, modification time (ns) and inode. Any
+    write changes the time, a replacement the inode."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
 def check_pair(path: Path, data: np.ndarray) -> None:
     """The token file against the ``<stem>.meta.json`` prepare wrote for it (one naming it): its token
     count and checksum. The two are renamed into place one after the other, so a prepare stopped
-    between them leaves one file new and the other old; such a pair is refused, not read."""
+    between them leaves one file new and the other old; such a pair is refused, not read. The checksum
+    (a read of the whole file, on every rank) only where the file is not the one prepare recorded
+    (``tokens_stat``): a stopped prepare, a copy, a file changed by hand."""
     meta, found = read_meta(path)
     if found.get("tokens") != path.name:
         return
     counts, digest = (found.get("train_tokens"), found.get("val_tokens")), found.get("tokens_sha256")
     if (all(isinstance(c, int) for c in counts) and sum(counts) != len(data)) or \
-            (isinstance(digest, str) and hashlib.sha256(data).hexdigest() != digest):
+            (isinstance(digest, str) and found.get("tokens_stat") != tokens_stat(path)
+             and hashlib.sha256(data).hexdigest() != digest):
         raise DataError(f"{path} is not the token file {meta} describes (another token count or checksum: a "
                         f"prepare that was stopped, or a file changed by hand); run prepare again")
 

@@ -276,6 +276,37 @@ def test_synthetic_chain_without_a_unique_stationary_distribution_is_one_line(vo
     assert "\n" not in str(e.value)
 
 
+def test_a_token_file_is_hashed_only_when_it_is_not_the_one_prepare_recorded(tmp_path, monkeypatch):
+    """Every rank of every job builds the source: the checksum (a read of the whole file) is skipped for
+    the file prepare wrote and recorded; a file written since, or a metadata file without the record (an
+    earlier prepare, or one stopped before it), is hashed, and refused when it differs."""
+    import hashlib
+    import json
+
+    from framework.data.tokens import TokensConfig, TokensSource, meta_path
+
+    hashed = []
+    monkeypatch.setattr(tokens, "hashlib", type("H", (), {"sha256": staticmethod(
+        lambda b=b"": hashed.append(len(memoryview(b).cast("B"))) or hashlib.sha256(b))}))
+    (tmp_path / "a.txt").write_text("abcdefgh" * 8)
+    out = tmp_path / "tok.bin"
+    text.prepare_chars(str(tmp_path / "a.txt"), out)
+    build = lambda: TokensSource(TokensConfig(path=str(out), vocab_size=None), seed=0, context=4)  # noqa: E731
+    build()
+    assert hashed == []
+    out.write_bytes(out.read_bytes())   # the same tokens written again: hashed, accepted
+    build()
+    assert hashed == [128]
+    meta = json.loads(meta_path(out).read_text())
+    out.write_bytes(out.read_bytes()[::-1])   # other tokens, same size
+    with pytest.raises(DataError, match=rf"^{out} is not the token file"):
+        build()
+    del meta["tokens_stat"]
+    meta_path(out).write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=rf"^{out} is not the token file"):
+        build()
+
+
 @pytest.mark.parametrize("stopped_after", ["tokens", "meta"])
 def test_prepare_stopped_between_its_two_files_leaves_a_pair_the_reader_refuses(tmp_path, stopped_after):
     """The token file and its meta.json are renamed into place one after the other: a prepare stopped
