@@ -90,15 +90,20 @@ def signals_unwind() -> Iterator[None]:
 
     Either exception raised while the main thread runs a finalizer (a weakref callback) would be
     printed with a traceback and dropped by Python, the run going on: the signal is sent again from
-    another thread, to land once the main thread has left the callback."""
+    another thread, to land once the main thread has left the callback. Leaving waits for a signal
+    being sent again (its exception raised there), so it never lands under the previous handlers
+    (SIGTERM's default ends the process without any cleanup)."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
     stopping: list[int] = []   # the SIGTERM being acted on
     hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
+    resent: list[threading.Event] = []   # per signal sent again, set once it is sent
 
     def again(signum: int) -> None:   # (threading.Thread.start would wait, in the callback, for it to run)
-        _thread.start_new_thread(_signal_soon, (threading.main_thread().ident, signum))
+        sent = threading.Event()
+        resent.append(sent)
+        _thread.start_new_thread(_signal_soon, (threading.main_thread().ident, signum, sent))
 
     def interrupt(signum, frame):
         if hooked.is_set():
@@ -131,9 +136,12 @@ def signals_unwind() -> Iterator[None]:
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        sys.unraisablehook = hook
+        try:
+            _wait_sent(resent)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+            sys.unraisablehook = hook
 
 
 def terminated_line(e: SystemExit) -> str | None:
@@ -144,9 +152,27 @@ def terminated_line(e: SystemExit) -> str | None:
     return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
 
 
-def _signal_soon(thread: int, signum: int) -> None:
-    time.sleep(0.001)   # let the main thread leave the callback first
-    signal.pthread_kill(thread, signum)
+def _signal_soon(thread: int, signum: int, sent: threading.Event) -> None:
+    try:
+        time.sleep(0.001)   # let the main thread leave the callback first
+        signal.pthread_kill(thread, signum)
+    finally:
+        sent.set()
+
+
+def _wait_sent(resent: list[threading.Event]) -> None:
+    """Wait (a second at most each) until every signal sent again is sent: its handler runs here, and
+    the first exception one raises (SystemExit, KeyboardInterrupt) is raised once all are."""
+    raised = None
+    for sent in resent:
+        while True:
+            try:
+                sent.wait(1.0)
+                break
+            except BaseException as e:   # a handler's, raised inside the wait
+                raised = raised or e
+    if raised is not None:
+        raise raised
 
 
 RUN_LOCK = "run.lock"

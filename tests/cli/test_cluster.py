@@ -173,6 +173,33 @@ def test_a_signal_landing_in_a_finalizer_still_stops_the_run(sig, raised, capfd)
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_signal_sent_again_lands_before_the_previous_handlers_come_back():
+    """A SIGTERM whose SystemExit a finalizer dropped is sent again from another thread: a block left before
+    it lands waits for it, and raises its SystemExit, never letting it reach the handler from before
+    (SIGTERM's default would end the process without any cleanup)."""
+    import signal
+    import sys
+    import time
+    from types import SimpleNamespace
+
+    before = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: before.append(signum))
+    code = None
+    try:
+        with signals_unwind():
+            with pytest.raises(SystemExit):
+                signal.raise_signal(signal.SIGTERM)
+            # that SystemExit, as if dropped inside a finalizer: sent again, and the block left at once
+            sys.unraisablehook(SimpleNamespace(exc_type=SystemExit, exc_value=SystemExit(143),
+                                               exc_traceback=None, err_msg=None, object=None))
+    except SystemExit as e:
+        code = e.code
+    finally:
+        time.sleep(0.1)   # (where it was not waited for: its landing, here under the handler from before)
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and before == [], (code, before)
+
+
 def test_a_sigterm_inside_the_first_close_still_closes_the_engine_and_the_logger(monkeypatch, tmp_path):
     """torch's spawn sends SIGTERM to the surviving ranks just as they unwind from a peer's failure: its
     SystemExit landing in the checkpointer's close still lets the engine (swap files) and the logger
