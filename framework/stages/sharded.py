@@ -226,11 +226,30 @@ class Zero2Stage(ShardedStage):
         self.launcher.arm()
         try:
             (loss / self.dist.world).backward()
+        except BaseException as e:   # the next step starts clean, as after a completed pass
+            try:
+                self._abort_backward()
+            except Exception as reset:   # the pass's own error is the one to report
+                e.add_note(f"zero2 could not reset its gradient state after it: {type(reset).__name__}: {reset}")
+            raise
         finally:
             self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
+
+    def _abort_backward(self) -> None:
+        """A backward pass cut short by an error: its reductions in flight are waited for and dropped
+        (not added into the partitions, which the caller zeroes next), their buffers reused; gradients
+        of buckets that never launched are discarded."""
+        self.launcher.reset()
+        in_flight, self.in_flight = self.in_flight, deque()
+        for _b, pending, _pieces, buf in in_flight:
+            self.dist.comm.wait(pending, "gradient reduction")
+            if buf is not None:
+                self.free.append(buf._base if buf._base is not None else buf)
+        for p in self.params:
+            p.grad = None
 
     def _finish_grads(self) -> None:
         pass   # each backward pass completed its own reductions
