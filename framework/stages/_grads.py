@@ -373,7 +373,7 @@ class Arrivals:
                 raise late_gradient(f"{self.stage}: {self.names[pid]!r}", "its bucket")
             return  # accumulated again before its bucket went out: nothing is lost
         self.seen[pid] = True
-        for i in self.owners[pid]:
+        for i in self.owners.get(pid, ()):   # none for a parameter of 0 elements: no bucket holds it
             self.pending[i] -= 1
         while self.next < len(self.buckets) and self.pending[self.next] == 0:
             self._launch()

@@ -153,6 +153,7 @@ class Zero2Stage(ShardedStage):
         buckets = self.plan(self.cfg, self.slots, {g: layout.shard for g, layout in enumerate(self.layouts)},
                             self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
+        self.unowned = [pid for pid in range(len(self.params)) if pid not in self.launcher.owners]   # 0 elements
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.free = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
@@ -237,6 +238,8 @@ class Zero2Stage(ShardedStage):
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
+        for pid in self.unowned:   # no bucket frees these
+            self.params[pid].grad = None
 
     def _abort_backward(self) -> None:
         """A backward pass cut short by an error: its reductions in flight are waited for and dropped
