@@ -75,11 +75,11 @@ def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
     scale, hyst = st.cur_scale, st.cur_hysteresis
     if overflow:
         if cfg.hysteresis == 1 or hyst == 1:
-            if scale <= cfg.min_loss_scale:
+            if scale <= cfg.min_loss_scale:   # (the step named 1-based, as train_step names it)
                 shown = few(list(culprits()), 8, str)
                 raise TrainingError(
                     f"fp16 loss scale is at min_loss_scale={cfg.min_loss_scale:g} and gradients still overflow "
-                    f"at step {st.cur_iter} (non-finite gradients in: {shown or 'unknown'}); after "
+                    f"at step {st.cur_iter + 1} (non-finite gradients in: {shown or 'unknown'}); after "
                     f"{st.skipped_steps} skipped steps. Lower the learning rate, use precision=bf16, or "
                     f"lower precision.min_loss_scale")
             scale = max(scale / 2, cfg.min_loss_scale)

@@ -227,6 +227,12 @@ class FlatGrads:
             self.launcher.arm()
         try:
             (loss / self.dist.world).backward()
+        except BaseException as e:   # the next step starts clean, as after a completed pass
+            try:
+                self.abort_backward()
+            except Exception as reset:   # the pass's own error is the one to report
+                e.add_note(f"{self.stage} could not reset its gradient state after it: {type(reset).__name__}: {reset}")
+            raise
         finally:
             self.launcher.disarm()   # arrivals after this backward are ignored
             replaced = []
@@ -246,6 +252,15 @@ class FlatGrads:
                 a.add_(g)
                 g.zero_()
             self.micro += 1
+
+    def abort_backward(self) -> None:
+        """A backward pass cut short by an error: reductions it launched are waited for (they write into
+        the buffers, which the caller zeroes next) and dropped, so none lands in, or is waited on by, a
+        later step."""
+        self.launcher.reset()
+        work, self.work = self.work, []
+        for _b, pending, _buf, _n in work:   # (their wire buffers must outlive the collectives)
+            self.dist.comm.wait(pending, self.what)
 
     def _final(self, g: int, start: int, end: int) -> torch.Tensor:
         """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
@@ -346,6 +361,10 @@ class Arrivals:
     def disarm(self) -> None:
         self.armed = False
 
+    def reset(self) -> None:
+        """After a pass cut short: nothing armed and no bucket left to launch."""
+        self.armed, self.next = False, len(self.buckets)
+
     def ready(self, pid: int) -> None:
         if not self.armed:
             return
@@ -354,7 +373,7 @@ class Arrivals:
                 raise late_gradient(f"{self.stage}: {self.names[pid]!r}", "its bucket")
             return  # accumulated again before its bucket went out: nothing is lost
         self.seen[pid] = True
-        for i in self.owners[pid]:
+        for i in self.owners.get(pid, ()):   # none for a parameter of 0 elements: no bucket holds it
             self.pending[i] -= 1
         while self.next < len(self.buckets) and self.pending[self.next] == 0:
             self._launch()

@@ -153,6 +153,7 @@ class Zero2Stage(ShardedStage):
         buckets = self.plan(self.cfg, self.slots, {g: layout.shard for g, layout in enumerate(self.layouts)},
                             self.dist.world)
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
+        self.unowned = [pid for pid in range(len(self.params)) if pid not in self.launcher.owners]   # 0 elements
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
         self.free = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
@@ -226,11 +227,32 @@ class Zero2Stage(ShardedStage):
         self.launcher.arm()
         try:
             (loss / self.dist.world).backward()
+        except BaseException as e:   # the next step starts clean, as after a completed pass
+            try:
+                self._abort_backward()
+            except Exception as reset:   # the pass's own error is the one to report
+                e.add_note(f"zero2 could not reset its gradient state after it: {type(reset).__name__}: {reset}")
+            raise
         finally:
             self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
         while self.in_flight:
             self._complete(self.in_flight.popleft())
+        for pid in self.unowned:   # no bucket frees these
+            self.params[pid].grad = None
+
+    def _abort_backward(self) -> None:
+        """A backward pass cut short by an error: its reductions in flight are waited for and dropped
+        (not added into the partitions, which the caller zeroes next), their buffers reused; gradients
+        of buckets that never launched are discarded."""
+        self.launcher.reset()
+        in_flight, self.in_flight = self.in_flight, deque()
+        for _b, pending, _pieces, buf in in_flight:
+            self.dist.comm.wait(pending, "gradient reduction")
+            if buf is not None:
+                self.free.append(buf._base if buf._base is not None else buf)
+        for p in self.params:
+            p.grad = None
 
     def _finish_grads(self) -> None:
         pass   # each backward pass completed its own reductions

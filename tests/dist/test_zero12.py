@@ -107,9 +107,12 @@ class Odd(nn.Module):
         self.b = nn.Linear(13, 3)
         self.unused = nn.Linear(5, 5)      # never gets a gradient
         self.scale = nn.Parameter(torch.ones(3))
+        # used, but of 0 elements: in no bucket, in either group
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+        self.empty1 = nn.Parameter(torch.zeros(0))
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x))) * self.scale
+        return self.b(torch.relu(self.a(x))) * self.scale + self.empty.sum() + self.empty1.sum()
 
 
 def _odd(dist, stage):
@@ -135,8 +138,9 @@ def _odd_all(dist):
     return {s: _odd(dist, s) for s in ("ddp", "zero1", "zero2")}
 
 
-def test_odd_shapes_and_unused_parameters(pools):
-    out = pools(2).run(_odd_all, timeout=120)
+@pytest.mark.parametrize("world", [1, 2])
+def test_odd_shapes_and_unused_parameters(pools, world):
+    out = [_odd_all(_local())] if world == 1 else pools(2).run(_odd_all, timeout=120)
     torch.manual_seed(0)
     initial_unused = Odd().unused.weight.detach()
     for res in out:

@@ -387,9 +387,10 @@ class FailingBackward(torch.autograd.Function):
         raise ValueError("backward failed")
 
 
-def _detours(dist, stage, extra):
+def _detours(dist, stage, extra, skip=None):
     """Steps whose loss_fn calls submodules (no forward of the root: under zero3's default threshold
-    no unit's forward at all), and a step whose backward raises half way (after ``b``'s gradients)."""
+    no unit's forward at all), and a step whose backward raises half way (after ``b``'s gradients).
+    ``skip``: a step left out (its batch drawn, no train_step), for a clean reference."""
     cfg = framework.compose([f"+stage={stage}", *extra, "optimizer=adamw", "optimizer.weight_decay=0.1",
                              "scheduler=constant", "train.steps=6", "train.micro_batch=4", "train.grad_accum=2"])
     torch.manual_seed(0)
@@ -411,6 +412,10 @@ def _detours(dist, stage, extra):
         model.step = step % 2 if step != 3 else 3
         x = torch.randn(2, dist.world, 4, 7, generator=g)
         micro = tuple((x[k, dist.rank], x[k, dist.rank, :, :3].cos()) for k in range(2))
+        if step == skip:
+            calls[0] += 2
+            losses.append("backward failed")
+            continue
         try:
             state, m = engine.train_step(state, Batch(micro))
             losses.append((m["loss"], m["grad_norm"]))
@@ -419,20 +424,29 @@ def _detours(dist, stage, extra):
     return losses, _full_params(engine) if stage == "zero3" else flat_params(model)
 
 
+# Small buckets, so some reductions go out before the failure (b's gradients) and some never do.
+DETOURS = [("ddp", "ddp", []), ("zero3", "zero3", []),
+           ("zero3-units", "zero3", ["stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0"]),
+           ("ddp-buckets", "ddp", ["stage.bucket_size=3"]),
+           ("zero1", "zero1", ["stage.reduce_bucket_size=3", "stage.overlap_comm=true"]),
+           ("zero2", "zero2", ["stage.reduce_bucket_size=3"]),
+           ("zero2-overlap", "zero2", ["stage.reduce_bucket_size=3", "stage.overlap_comm=true"])]
+
+
 def _detours_all(dist):
-    return {name: _detours(dist, stage, extra) for name, stage, extra in [
-        ("ddp", "ddp", []), ("zero3", "zero3", []),
-        ("zero3-units", "zero3", ["stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0"])]}
+    return {"clean": _detours(dist, "ddp", [], skip=3),
+            **{name: _detours(dist, stage, extra) for name, stage, extra in DETOURS}}
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_loss_fn_calling_submodules_and_a_failed_backward_match_ddp(pools, world):
     # Persistent parameters are reduced at the end of every backward pass, also one in which no
-    # unit's forward ran; a backward cut short leaves nothing behind for the next step.
+    # unit's forward ran; a backward cut short leaves nothing behind for the next step (every
+    # stage: no reduction of it lands later, no gradient of it is kept), as if it never ran.
     for res in [_detours_all(_local())] if world == 1 else pools(2).run(_detours_all, timeout=120):
-        ref_losses, ref_params = res["ddp"]
-        assert ref_losses[3] == "backward failed" and len({l for l, _ in ref_losses[4:]}) == 2
-        for name in ("zero3", "zero3-units"):
+        ref_losses, ref_params = res["clean"]
+        assert len({l for l, _ in ref_losses[4:]}) == 2
+        for name, _, _ in DETOURS:
             losses, params = res[name]
             assert losses[3] == "backward failed"
             for i in (0, 1, 2, 4, 5):

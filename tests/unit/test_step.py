@@ -66,6 +66,23 @@ def test_fp16_overflow_skips_step_and_leaves_everything_untouched():
         assert torch.equal(a, b)
 
 
+def test_an_overflowing_step_has_one_number_with_and_without_loss_scaling():
+    # The first step is step 1 in both messages: at the fp16 scale floor and without loss scaling.
+    errors = []
+    for precision in (["precision=fp16", "precision.initial_scale_power=0", "precision.min_loss_scale=1",
+                       "precision.hysteresis=1"], ["precision=fp32"]):
+        cfg = framework.compose(["optimizer=sgd", "scheduler=constant", "train.micro_batch=4", "logger=none",
+                                 *precision])
+        torch.manual_seed(0)
+        engine = framework.initialize(
+            TwoLayer(), lambda m, mb: nn.functional.mse_loss(m(mb[0].to(m.a.weight.dtype)).float(), mb[1]) * float("inf"),
+            cfg)
+        with pytest.raises(framework.TrainingError) as e:
+            engine.train_step(engine.state, Batch(((torch.randn(4, 5), torch.randn(4, 1)),)))
+        errors.append(str(e.value))
+    assert "gradients still overflow at step 1 " in errors[0] and errors[1].startswith("step 1: "), errors
+
+
 class TwoLayer(nn.Module):
     """A user's own model, not a framework component."""
 
