@@ -18,7 +18,7 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import create_files, finish_files, plan_files
+from framework.persist.tensorfiles import create_files, finish_files, plan_files, remove_tmp
 
 PREFIX = "model."
 WHOLE = ("frozen.", "buffer.")
@@ -70,16 +70,20 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)
-    create_files(out_dir, plans)
-    for plan in plans:
-        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
-        try:
-            for e in plan.entries:
-                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
-                _trim()   # (the tensor is freed once written)
-        finally:
-            os.close(fd)
-    return finish_files(out_dir, plans)
+    create_files(out_dir, plans, "export")
+    try:
+        for plan in plans:
+            fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+            try:
+                for e in plan.entries:
+                    files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
+                    _trim()   # (the tensor is freed once written)
+            finally:
+                os.close(fd)
+        return finish_files(out_dir, plans)
+    except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
+        remove_tmp(out_dir)
+        raise
 
 
 def _trim() -> None:

@@ -142,6 +142,15 @@ def check_weights16(path: Path) -> None:
         raise CheckpointError(f"checkpoint {step} is damaged: " + "; ".join(problems))
 
 
+def committed_step(path: Path) -> Path | None:
+    """The committed ``step-<N>`` folder (one holding a manifest) that ``path`` is or lies in, else None."""
+    real = Path(path).resolve()   # (through links: a link to a step folder writes into it too)
+    for p in (real, *real.parents):
+        if _STEP.match(p.name) and os.path.lexists(p / MANIFEST):
+            return p
+    return None
+
+
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """The ``step-<N>`` folders under ``root`` whose manifest parses, newest commit first (``seq``, then the step:
     a run rewound to an older step goes on from its own newest save, not from the abandoned higher steps beside

@@ -27,7 +27,7 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, plan_files)
+                                           open_weights, plan_files, remove_tmp, write_error)
 from framework.core.utils import dtype_name, few
 
 
@@ -193,10 +193,28 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
 
-        agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-        agree(dist, write, "save_weights: write")
-        agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
+        def on_main(fn):
+            return (lambda: fn(out_dir, plans)) if dist.is_main else (lambda: None)
+
+        try:
+            agree(dist, reported(on_main(create_files), out_dir, plans), "save_weights: create files")
+            agree(dist, reported(write, out_dir, plans), "save_weights: write")
+            agree(dist, reported(on_main(finish_files), out_dir, plans), "save_weights: finish files")
+        except BaseException:
+            if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
+                remove_tmp(out_dir)
+            raise
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
+
+
+def reported(fn, out_dir: Path, plans):
+    """``fn`` with an OSError turned into one line naming ``out_dir`` (so every rank's message names it)."""
+    def run():
+        try:
+            return fn()
+        except OSError as e:
+            raise write_error(e, out_dir, "save_weights", sum(p.size for p in plans)) from None
+    return run
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
