@@ -21,7 +21,7 @@ from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.room import free_bytes
 from framework.core.units import MiB, size
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 from framework.persist import stepfolders
 
 INDEX = "model.safetensors.index.json"
@@ -293,6 +293,25 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
             old.unlink()   # a link is removed, never followed
     files.fsync_dir(out_dir)
     return paths
+
+
+def narrower(src: torch.dtype, out: torch.dtype) -> bool:
+    """Whether finite ``src`` values can overflow to inf as ``out``: float32 to float16, not to bfloat16 (the same
+    exponent range: only values within rounding of float32's largest would)."""
+    return src.is_floating_point and out.is_floating_point and torch.finfo(out).max < torch.finfo(src).max / 2
+
+
+def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device."""
+    return (torch.isinf(out) & torch.isfinite(src)).sum()
+
+
+def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = True) -> None:
+    """One warning line when ``count`` values overflowed in the conversion to ``dtype``."""
+    if count and say:
+        print(f"warning: {what}: {count} finite value(s) beyond the {dtype_name(dtype)} range (largest "
+              f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
+              file=sys.stderr, flush=True)
 
 
 def write_error(e: OSError, out_dir: Path, what: str, need: int) -> FrameworkError:

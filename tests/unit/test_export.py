@@ -225,3 +225,17 @@ def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
         assert err == f"error: export: {where} is in the committed checkpoint {step}: writing there would make it " \
                       f"differ from its manifest.json; choose a folder outside the checkpoint\n", err
     assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
+
+
+def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
+    plain, _ = build_gpt(tiny_config(), seed=99)
+    sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}
+    big = next(k for k, v in sd.items() if v.numel() >= 2)
+    sd[big].view(-1)[:2] = torch.tensor([1e6, 70000.0])
+    _dcp_save(sd, tmp_path / "step-1")
+    capsys.readouterr()
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out"), "--dtype", "fp16"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: export: 2 finite value(s) beyond the float16 range"), err
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out32")]) == 0
+    assert capsys.readouterr().err == ""

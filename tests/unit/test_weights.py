@@ -289,3 +289,20 @@ def test_a_folder_in_a_committed_checkpoint_step_is_refused(tmp_path):
             save_weights(engine, where)
     assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
     save_weights(engine, tmp_path / "ckpt" / "step-4")   # (no manifest: not a checkpoint)
+
+
+def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
+    from framework.persist.tensorfiles import WeightsSource
+    from safetensors.torch import load_file
+    engine = _engine("+stage=zero2")
+    sd = _plain_sd()
+    name = next(k for k, v in sd.items() if v.numel() >= 3)
+    sd[name].view(-1)[:3] = torch.tensor([1e5, -7e4, 6e4])   # two beyond 65504, one within
+    load_weights(engine, WeightsSource("test", sd))
+    capsys.readouterr()
+    save_weights(engine, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert capsys.readouterr().err == ""
+    save_weights(engine, tmp_path / "fp16", dtype=torch.float16)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: save_weights: 2 finite value(s) beyond the float16 range"), err
+    assert load_file(tmp_path / "fp16" / "model.safetensors")[name].view(-1)[:3].isinf().tolist() == [True, True, False]
