@@ -1,6 +1,7 @@
 """Shared builders for tests: tiny configs, engines and a plain-PyTorch reference loop."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -104,3 +105,19 @@ class OverflowAt:
     def __call__(self, module, micro):
         loss = gpt_loss(module, micro)
         return loss * float("inf") if self.step == self.inf_at and self.rank == self.overflow_rank else loss
+
+
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """A write past ``nbytes`` in any file fails with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored) while inside: a full
+    disk for this process alone. The limits and the signal's handler are restored after."""
+    import resource
+    import signal
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)

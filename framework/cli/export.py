@@ -9,6 +9,7 @@ output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framewor
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 
@@ -28,8 +29,12 @@ def main(argv: list[str] | None = None) -> int:
         paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size)
     except (FrameworkError, OSError) as e:
         msg, out = str(e), Path(args.out).resolve()
-        if isinstance(e, OSError) and e.filename and out in (p := Path(e.filename).resolve(), *p.parents):
-            msg = f"--to {args.out}: cannot write {e.filename} ({e.strerror}); pass a writable folder"
+        # an OSError naming a file outside --to is a read; any other is a write (os.write names no file)
+        if isinstance(e, OSError) and not (e.filename and out not in (p := Path(e.filename).resolve(), *p.parents)):
+            msg = (f"--to {args.out}: cannot write {e.filename or args.out} ({e.strerror or e}); "
+                   + ("no room on the disk (or a file size limit): free space or pass a folder on a larger disk"
+                      if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "pass a writable folder")
+                   + "; an earlier export there is kept")
         print(f"error: {msg}", file=sys.stderr)
         return 1
     for path in paths:

@@ -18,7 +18,8 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import create_files, finish_files, plan_files
+from framework.persist.tensorfiles import (create_files, finish_files, narrower, overflowed, plan_files, remove_tmp,
+                                           warn_overflow)
 
 PREFIX = "model."
 WHOLE = ("frozen.", "buffer.")
@@ -70,16 +71,28 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)
-    create_files(out_dir, plans)
-    for plan in plans:
-        fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
-        try:
-            for e in plan.entries:
-                files.write_at(fd, ckpt.read([e.name])[e.name].reshape(-1).to(e.dtype).contiguous(), e.offset)
-                _trim()   # (the tensor is freed once written)
-        finally:
-            os.close(fd)
-    return finish_files(out_dir, plans)
+    create_files(out_dir, plans, "export")
+    over = 0   # finite values that became inf (fp32 to fp16)
+    try:
+        for plan in plans:
+            fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+            try:
+                for e in plan.entries:
+                    value = ckpt.read([e.name])[e.name].reshape(-1)
+                    out = value.to(e.dtype).contiguous()
+                    if narrower(value.dtype, e.dtype):
+                        over += int(overflowed(value, out))   # (host tensors, read from the files)
+                    files.write_at(fd, out, e.offset)
+                    del value, out
+                    _trim()   # (the tensor is freed once written)
+            finally:
+                os.close(fd)
+        paths = finish_files(out_dir, plans)
+    except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
+        remove_tmp(out_dir)
+        raise
+    warn_overflow(over, dtype, "export")
+    return paths
 
 
 def _trim() -> None:

@@ -142,6 +142,15 @@ def check_weights16(path: Path) -> None:
         raise CheckpointError(f"checkpoint {step} is damaged: " + "; ".join(problems))
 
 
+def committed_step(path: Path) -> Path | None:
+    """The committed ``step-<N>`` folder (one holding a manifest) that ``path`` is or lies in, else None."""
+    real = Path(path).resolve()   # (through links: a link to a step folder writes into it too)
+    for p in (real, *real.parents):
+        if _STEP.match(p.name) and os.path.lexists(p / MANIFEST):
+            return p
+    return None
+
+
 def scan(root: Path) -> tuple[list[Path], list[str]]:
     """The ``step-<N>`` folders under ``root`` whose manifest parses, newest commit first (``seq``, then the step:
     a run rewound to an older step goes on from its own newest save, not from the abandoned higher steps beside
@@ -223,12 +232,38 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """Remove the folders of interrupted saves and deletions except ``keep`` (links: a save refuses them by name)."""
+    """Remove the folders of interrupted saves and deletions except ``keep`` (links: a save refuses them by name),
+    after ``restore``."""
     if root.is_dir():
+        restore(root)
         for p in root.iterdir():
             if (p.name.startswith("step-") and p.name.endswith(_LEFTOVER) and p != keep and not p.is_symlink()
                     and p.is_dir()):
                 _remove_tree(p)
+
+
+def restore(root: Path) -> list[Path]:
+    """Put back a committed step that a save interrupted inside ``commit`` left without its ``step-<N>`` folder:
+    a complete ``step-<N>.tmp`` (its manifest written, the last file of a save) becomes ``step-<N>``, else the
+    ``step-<N>.old`` moved aside goes back. One line for each; the folders restored."""
+    done = []
+    for p in sorted(root.iterdir()):
+        m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)
+        final = root / m.group(1) if m else None
+        if final is None or os.path.lexists(final) or p.is_symlink() or not p.is_dir():
+            continue
+        if m.group(2) == "old" and (root / f"{final.name}.tmp" / MANIFEST).is_file() \
+                and not (root / f"{final.name}.tmp").is_symlink():
+            continue   # (the new one is complete: it goes in below)
+        if m.group(2) == "tmp" and not (p / MANIFEST).is_file():
+            continue
+        os.replace(p, final)
+        files.fsync_dir(root)
+        print(f"checkpoint: {final} was missing after an interrupted save: restored it from {p.name}"
+              + (" (complete: its manifest was written)" if m.group(2) == "tmp" else " (the copy moved aside)"),
+              flush=True)
+        done.append(final)
+    return done
 
 
 def _remove_tree(p: Path) -> None:

@@ -3,6 +3,7 @@ before anyone writes, then written in place at byte offsets (by ``weights`` and 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -17,9 +18,11 @@ from typing import Sequence
 import torch
 
 from framework.core import files, units
-from framework.core.errors import ConfigError
-from framework.core.units import MiB
-from framework.core.utils import few
+from framework.core.errors import ConfigError, FrameworkError
+from framework.core.room import free_bytes
+from framework.core.units import MiB, size
+from framework.core.utils import dtype_name, few
+from framework.persist import stepfolders
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -227,34 +230,105 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
     return plans
 
 
-def create_files(out_dir: Path, plans: Sequence[FilePlan]) -> None:
+_OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # no room: the disk, a file size limit, a quota
+
+
+def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:
     """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
-    fill), after removing outputs of an earlier save there."""
+    fill). Refused (``what`` names the caller): a folder in a committed checkpoint step (its manifest would no
+    longer match), and, as an OSError ENOSPC, a file system without room for the files. An earlier save's
+    outputs there stay until ``finish_files`` renames the new ones in: a failed save loses nothing; on any
+    error the ``.tmp`` files made are removed."""
+    step = stepfolders.committed_step(out_dir)
+    if step is not None:
+        raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
+                          f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
     files.make_dirs(out_dir)
-    for old in out_dir.iterdir():
-        if old.name == INDEX or re.fullmatch(r"model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?", old.name):
-            old.unlink()   # a link is removed, never followed
-    for plan in plans:
-        with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
-            f.write(plan.header)
-            f.truncate(plan.size)
+    remove_tmp(out_dir)   # an interrupted save's
+    need, free = sum(p.size for p in plans), free_bytes(out_dir)
+    if need > free:
+        raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has {size(free)} free",
+                      str(out_dir))
+    try:
+        for plan in plans:
+            with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
+                f.write(plan.header)
+                f.truncate(plan.size)
+    except BaseException:
+        remove_tmp(out_dir)
+        raise
+
+
+def remove_tmp(out_dir: Path) -> None:
+    """Remove the ``.tmp`` output files (and a new index not yet renamed) in ``out_dir`` (a link is removed, never followed)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):   # (no folder: no files)
+        for old in out_dir.iterdir():
+            if old.name == INDEX + ".new" or (old.name.endswith(".tmp") and _OUTPUT.fullmatch(old.name[:-4])):
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
-    """Flush and rename the ``.tmp`` files, then write the index when there are several files."""
+    """Flush and rename the ``.tmp`` files, write the index when there are several files, then remove the
+    outputs of an earlier save there that this one did not replace (its other shards, its index)."""
     paths = []
     for plan in plans:
         tmp = out_dir / (plan.name + ".tmp")
         with os.fdopen(files.open_nofollow(tmp, os.O_RDWR), "rb") as f:
             os.fsync(f)
-        os.replace(tmp, out_dir / plan.name)
-        paths.append(out_dir / plan.name)
+    # (an error before here leaves the earlier save whole; the renames cannot run out of room)
     if len(plans) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
-        files.write_atomic(out_dir / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        files.write_atomic(out_dir / (INDEX + ".new"), (json.dumps(index, indent=2) + "\n").encode())
+    for plan in plans:
+        os.replace(out_dir / (plan.name + ".tmp"), out_dir / plan.name)
+        paths.append(out_dir / plan.name)
+    if len(plans) > 1:
+        os.replace(out_dir / (INDEX + ".new"), out_dir / INDEX)
         paths.append(out_dir / INDEX)
+    for old in out_dir.iterdir():
+        if (old.name == INDEX and len(plans) == 1) or (_OUTPUT.fullmatch(old.name) and old not in paths):
+            old.unlink()   # a link is removed, never followed
+    files.fsync_dir(out_dir)
     return paths
+
+
+def narrower(src: torch.dtype, out: torch.dtype) -> bool:
+    """Whether finite ``src`` values can overflow to inf as ``out``: float32 to float16, not to bfloat16 (the same
+    exponent range: only values within rounding of float32's largest would)."""
+    return src.is_floating_point and out.is_floating_point and torch.finfo(out).max < torch.finfo(src).max / 2
+
+
+def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device."""
+    return (torch.isinf(out) & torch.isfinite(src)).sum()
+
+
+def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = True) -> None:
+    """One warning line when ``count`` values overflowed in the conversion to ``dtype``."""
+    if count and say:
+        print(f"warning: {what}: {count} finite value(s) beyond the {dtype_name(dtype)} range (largest "
+              f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
+              file=sys.stderr, flush=True)
+
+
+def write_error(e: OSError, out_dir: Path, what: str, need: int) -> FrameworkError:
+    """An OSError of writing ``need`` bytes of files in ``out_dir`` as one line naming the folder (and, for no
+    room, the sizes and the fix)."""
+    where = f"{e.filename}" if e.filename else str(out_dir)
+    if e.errno in FULL:
+        try:
+            free = f", {size(free_bytes(out_dir))} free"
+        except OSError:
+            free = ""
+        hint = (f"; no room on the disk or a file size limit (the files need {size(need)}{free}): free space or "
+                "choose a folder on a larger disk")
+    else:
+        hint = "; choose a writable folder"
+    return FrameworkError(f"{what}: cannot write {where} ({e.strerror or e}){hint}"
+                          + "; nothing there was replaced")
 
 
 if sys.byteorder != "little":  # safetensors stores little-endian bytes; tensors are written as they lie

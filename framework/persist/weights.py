@@ -27,7 +27,8 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, plan_files)
+                                           narrower, open_weights, overflowed, plan_files,
+                                           remove_tmp, warn_overflow, write_error)
 from framework.core.utils import dtype_name, few
 
 
@@ -177,14 +178,18 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                 jobs.append((e.file, e.offset, t.tensor.detach().reshape(-1), e.dtype))
         jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back
 
-        def write() -> None:
+        def write() -> int:
             fds: dict[str, int] = {}
+            over: dict[torch.device, torch.Tensor] = {}   # values that became inf, counted where they lie
             for fname, offset, view, out_dtype in jobs:
                 if fname not in fds:
                     fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
                     stack.callback(os.close, fds[fname])
                 for s in range(0, view.numel(), WRITE_CHUNK):
                     chunk = view[s:s + WRITE_CHUNK].to(out_dtype)   # convert where the values are, then move
+                    if narrower(view.dtype, out_dtype):
+                        n = overflowed(view[s:s + WRITE_CHUNK], chunk)
+                        over[n.device] = over[n.device] + n if n.device in over else n
                     files.write_at(fds[fname], chunk.to("cpu").contiguous(), offset + s * out_dtype.itemsize)
                     if fmap is not None:   # a mapped swap file's pages leave the process as they are written
                         fmap.release(view[s:s + WRITE_CHUNK])
@@ -192,11 +197,32 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                 os.fsync(fd)
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
+            return sum(int(n) for n in over.values())   # (one sync per device, after the writes)
 
-        agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
-        agree(dist, write, "save_weights: write")
-        agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
+        def on_main(fn):
+            return (lambda: fn(out_dir, plans)) if dist.is_main else (lambda: None)
+
+        try:
+            agree(dist, reported(on_main(create_files), out_dir, plans), "save_weights: create files")
+            mine = agree(dist, reported(write, out_dir, plans), "save_weights: write")
+            agree(dist, reported(on_main(finish_files), out_dir, plans), "save_weights: finish files")
+        except BaseException:
+            if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
+                remove_tmp(out_dir)
+            raise
+    warn_overflow(sum(dist.all_gather_object(mine, what="save_weights: overflow count")), dtype,
+                  "save_weights", dist.is_main)
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
+
+
+def reported(fn, out_dir: Path, plans):
+    """``fn`` with an OSError turned into one line naming ``out_dir`` (so every rank's message names it)."""
+    def run():
+        try:
+            return fn()
+        except OSError as e:
+            raise write_error(e, out_dir, "save_weights", sum(p.size for p in plans)) from None
+    return run
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,

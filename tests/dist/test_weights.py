@@ -280,12 +280,13 @@ def _save_into_a_file(dist, path):
 
 
 def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
-    """Rank 0 cannot create the files (out_dir is a file): it raises its OSError, the other rank
-    a FrameworkError naming it, and nobody waits for a collective that will never come."""
+    """Rank 0 cannot create the files (out_dir is a file): it raises one line naming the folder, the other rank
+    a FrameworkError naming that, and nobody waits for a collective that will never come."""
     (tmp_path / "taken").write_text("not a folder")
     r0, r1 = pools(2).run(_save_into_a_file, str(tmp_path / "taken"), timeout=120)
-    assert r0[0] == "FileExistsError", r0
-    assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0:")
+    assert r0[0] == "FrameworkError" and r0[1].startswith(f"save_weights: cannot write {tmp_path / 'taken'} ("), r0
+    assert r1[0] == "FrameworkError" and r1[1].startswith("save_weights: create files failed on another rank: rank 0: "
+                                                          f"save_weights: cannot write {tmp_path / 'taken'} ("), r1
 
 
 def _load_with_a_failed_map(dist, folder, via):

@@ -1,6 +1,7 @@
 """python -m framework.export: a DCP checkpoint folder (contract D: ``model.<name>`` fp32 masters at
 global shapes) -> consolidated safetensors the plain model loads; streamed (measured peak RSS)."""
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -195,3 +196,46 @@ def test_an_output_that_cannot_be_written_names_to(tmp_path, capsys):
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "afile")]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: --to {tmp_path / 'afile'}: cannot write") and err.count("\n") == 1, err
+
+
+def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
+    """No room (a file size limit here): one line naming --to, the earlier export there whole, no .tmp left."""
+    from tests._helpers import file_size_limit
+    _checkpoint(tmp_path)
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", "20KB"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for shard in ("20KB", "5GB"):
+        capsys.readouterr()
+        with file_size_limit(4000):
+            assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --to {out}: cannot write") and "no room" in err and err.count("\n") == 1, err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
+    _checkpoint(tmp_path)
+    step = tmp_path / "other" / "step-7"
+    (step / "model_16bit").mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    for where in (step, step / "model_16bit"):
+        assert main([str(tmp_path / "ckpt"), "--to", str(where)]) == 1
+        err = capsys.readouterr().err
+        assert err == f"error: export: {where} is in the committed checkpoint {step}: writing there would make it " \
+                      f"differ from its manifest.json; choose a folder outside the checkpoint\n", err
+    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
+
+
+def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
+    plain, _ = build_gpt(tiny_config(), seed=99)
+    sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}
+    big = next(k for k, v in sd.items() if v.numel() >= 2)
+    sd[big].view(-1)[:2] = torch.tensor([1e6, 70000.0])
+    _dcp_save(sd, tmp_path / "step-1")
+    capsys.readouterr()
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out"), "--dtype", "fp16"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: export: 2 finite value(s) beyond the float16 range"), err
+    assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out32")]) == 0
+    assert capsys.readouterr().err == ""

@@ -129,6 +129,29 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
 
 
+@pytest.mark.parametrize("complete", [True, False])
+def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, complete):
+    """Killed while saving a step again, between moving step-4 aside (step-4.old) and renaming step-4.tmp in: the
+    next save's clean-up puts step-4 back (the new one when its manifest was written, else the old one) before
+    it removes what is left, with one line saying so; ``latest`` names a folder that exists."""
+    from framework.persist import stepfolders
+    for name, body in (("step-4.old", "old"), ("step-4.tmp", "new")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x").write_text(body)
+    if complete:
+        (tmp_path / "step-4.tmp" / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
+    (tmp_path / "step-4.old" / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
+    (tmp_path / "step-2.del").mkdir()
+    (tmp_path / "latest").write_text("step-4")
+    stepfolders.remove_stale(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
+    assert (tmp_path / "step-4" / "x").read_text() == ("new" if complete else "old")
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith(f"checkpoint: {tmp_path / 'step-4'} was missing"), said
+    stepfolders.remove_stale(tmp_path)   # nothing more to do: nothing said
+    assert capsys.readouterr().out == "" and sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
+
+
 def test_resume_order_is_the_commit_order_not_the_step(tmp_path):
     """``scan`` lists the newest commit first: a run rewound to an older step goes on from its own
     newest save (step-2 committed after step-6), not from the abandoned higher steps; manifests without ``seq``

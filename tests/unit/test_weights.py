@@ -244,3 +244,65 @@ def test_weights_inside_a_checkpoint_are_checked_against_its_manifest(tmp_path):
     elsewhere.parent.mkdir()
     sub.rename(elsewhere)
     load_weights(engine, elsewhere)
+
+
+def test_a_full_disk_names_the_folder_and_keeps_the_earlier_save(tmp_path):
+    """No room for the files (a file size limit here) is one FrameworkError naming the folder; the earlier save
+    there stays whole and no .tmp file is left. The checkpoint's 16-bit weights: a CheckpointError, no staging
+    folder left."""
+    from framework.core.errors import CheckpointError, FrameworkError
+    from framework.persist.checkpoint import Checkpointer
+    from tests._helpers import file_size_limit
+    cfg = tiny_config("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true",
+                      f"checkpoint.dir={tmp_path / 'ckpt'}")
+    module, _ = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, connect("gloo"))
+    out = tmp_path / "out"
+    save_weights(engine, out, max_shard_size="10KB")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for shard in ("10KB", "5GB"):
+        with file_size_limit(4000), pytest.raises(FrameworkError) as e:
+            save_weights(engine, out, max_shard_size=shard)
+        assert f"save_weights: cannot write {out} (" in str(e.value) and "no room" in str(e.value), e.value
+        assert "\n" not in str(e.value)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    ckpt = Checkpointer(cfg, engine)
+    with file_size_limit(4000), pytest.raises(CheckpointError, match=r"checkpoint: not saving step 0: save_weights: "
+                                              r"cannot write .*step-0\.model_16bit \(.*the previous checkpoints"):
+        ckpt.save(engine.state)
+    ckpt.close()
+    assert os.listdir(tmp_path / "ckpt") == []
+    with file_size_limit(4000), pytest.raises(FrameworkError, match="no room"):
+        save_on_model_save(engine, tmp_path / "end")
+    assert os.listdir(tmp_path / "end") == []
+
+
+def test_a_folder_in_a_committed_checkpoint_step_is_refused(tmp_path):
+    """Writing into a committed step folder (a manifest in it) or a folder in it would make it differ from its
+    manifest: refused before anything is written."""
+    engine = _engine("+stage=zero3", "precision=bf16")
+    step = tmp_path / "ckpt" / "step-3"
+    (step / "model_16bit").mkdir(parents=True)
+    (step / "manifest.json").write_text("{}")
+    for where in (step, step / "model_16bit", step / "new"):
+        with pytest.raises(ConfigError, match=f"save_weights: {where} is in the committed checkpoint {step}"):
+            save_weights(engine, where)
+    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
+    save_weights(engine, tmp_path / "ckpt" / "step-4")   # (no manifest: not a checkpoint)
+
+
+def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
+    from framework.persist.tensorfiles import WeightsSource
+    from safetensors.torch import load_file
+    engine = _engine("+stage=zero2")
+    sd = _plain_sd()
+    name = next(k for k, v in sd.items() if v.numel() >= 3)
+    sd[name].view(-1)[:3] = torch.tensor([1e5, -7e4, 6e4])   # two beyond 65504, one within
+    load_weights(engine, WeightsSource("test", sd))
+    capsys.readouterr()
+    save_weights(engine, tmp_path / "bf16", dtype=torch.bfloat16)
+    assert capsys.readouterr().err == ""
+    save_weights(engine, tmp_path / "fp16", dtype=torch.float16)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: save_weights: 2 finite value(s) beyond the float16 range"), err
+    assert load_file(tmp_path / "fp16" / "model.safetensors")[name].view(-1)[:3].isinf().tolist() == [True, True, False]

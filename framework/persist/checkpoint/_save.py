@@ -126,7 +126,13 @@ def save(ckpt, state):
         if group.rank == 0:
             files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
-        save_on_model_save(engine, staged16)
+        try:   # (save_weights checks the room for its files first, and names the folder on a full disk)
+            save_on_model_save(engine, staged16)
+        except FrameworkError as e:
+            if group.rank == 0:
+                shutil.rmtree(staged16, ignore_errors=True)
+            raise CheckpointError(f"checkpoint: not saving step {state.step}: {e}; the previous checkpoints "
+                                  "are kept") from None
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
         if fmap is not None:
