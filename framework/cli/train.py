@@ -67,6 +67,10 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
         parser.add_argument(*names)
     parser.add_argument("--info", "-i", nargs="?", const="all")
     args, unknown = parser.parse_known_args(argv)
+    if args.config_path is not None:   # Hydra's would replace conf/ (every group) and be read from framework/cli/
+        raise ConfigError(f"--config-path {args.config_path}: not supported (Hydra would replace the framework's "
+                          f"conf/ with it, read relative to framework/cli/); use --config-dir {args.config_path} "
+                          "(with --config-name NAME for a file other than train.yaml)")
     primary = {"config_dir": args.config_dir, "config_name": args.config_name or "train"}
     folder = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
     if args.cfg == "job" and not args.multirun and not unknown:   # Hydra's --cfg lacks a DeepSpeed config's layer

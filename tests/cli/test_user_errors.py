@@ -286,3 +286,17 @@ def test_a_recipe_name_near_one_gets_a_did_you_mean():
         recipe.find("shakespeare_char")
     assert str(e.value).startswith("no recipe 'shakespeare_char' (did you mean 'shakespeare_char_")
     assert "; available: " in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag", ["--config-path", "-cp"])
+def test_config_path_is_refused_naming_config_dir(flag, tmp_path):
+    """The config was composed from conf/ and checked while Hydra's run read the folder given: the job
+    trained the default config, its record said the folder's."""
+    from framework.cli.train import _jobs
+
+    (tmp_path / "train.yaml").write_text("defaults:\n  - train\n  - _self_\ntrain:\n  steps: 3\n")
+    for argv in ([flag, str(tmp_path), "train.micro_batch=2"], ["--cfg", "job", flag, str(tmp_path)]):
+        with pytest.raises(framework.ConfigError) as e:
+            _jobs(argv)
+        assert str(e.value).startswith(f"--config-path {tmp_path}: not supported") and str(e.value).endswith(
+            f"use --config-dir {tmp_path} (with --config-name NAME for a file other than train.yaml)")
