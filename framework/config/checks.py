@@ -75,6 +75,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     raw = copy.deepcopy(dict(cfg)) if OmegaConf is None else (
         OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else dict(cfg))
     raw.pop("hydra", None)  # Hydra's own node; some of its fields only resolve inside a job
+    _refuse_hydra_resolver(raw, "")
     if OmegaConf is not None:
         try:
             raw = OmegaConf.to_container(OmegaConf.create(raw), resolve=True)
@@ -113,6 +114,19 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if component.notes is not None:
             notes += component.notes(nodes[group])
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
+
+
+def _refuse_hydra_resolver(node: Any, prefix: str) -> None:
+    """A ``${hydra:...}`` value: one line. The config is composed and checked before Hydra runs (and its
+    run folder exists), where only a job could resolve it: the checks would have judged another value."""
+    items = node.items() if isinstance(node, Mapping) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        key = f"{prefix.rstrip('.')}[{k}]" if isinstance(node, list) else f"{prefix}{k}"
+        if isinstance(v, str) and "${hydra:" in v:
+            raise ConfigError(f"config: {key}={v}: hydra: interpolations are not supported in framework keys (they "
+                              "resolve only inside Hydra's job, after the config is checked); checkpoint.dir defaults "
+                              "to the run folder's checkpoints/, else use ${oc.env:...} or an explicit path")
+        _refuse_hydra_resolver(v, f"{key}.")
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere

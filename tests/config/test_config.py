@@ -163,3 +163,18 @@ def test_a_wrong_group_name_is_one_line_with_the_closest(group):
     assert "\n" not in msg and "search path" not in msg, msg
     assert f"unknown {group} '{wrong}' (did you mean '{name}'?); available: " in msg, msg
     assert ", ".join(registry(group).names()) in msg
+
+
+@pytest.mark.parametrize("override,key", [
+    ("checkpoint.dir=${hydra:runtime.output_dir}/ck", "checkpoint.dir"),
+    ("logger.tags=[a,'${hydra:job.name}']", "logger.tags[1]"),
+])
+def test_a_hydra_resolver_value_is_one_line_naming_the_alternatives(override, key):
+    """Composed and checked before Hydra runs, where only a job resolves ``${hydra:...}``."""
+    with pytest.raises(ConfigError) as e:
+        compose([override] if key == "checkpoint.dir" else ["logger=wandb", override])
+    msg = str(e.value)
+    assert msg.startswith(f"config: {key}=${{hydra:") and "\n" not in msg, msg
+    assert msg.endswith("hydra: interpolations are not supported in framework keys (they resolve only inside "
+                        "Hydra's job, after the config is checked); checkpoint.dir defaults to the run folder's "
+                        "checkpoints/, else use ${oc.env:...} or an explicit path"), msg
