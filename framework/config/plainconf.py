@@ -6,13 +6,14 @@ same ``validate``. Interpolations, ``--config-dir`` and sweeps are errors saying
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
 from typing import Any, Mapping
 
 from framework.core.errors import ConfigError
-from framework.core.registry import GROUPS, registry
+from framework.core.registry import GROUPS, closest_hint, registry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,7 @@ def value(text: str) -> Any:
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         return [value(x) for x in _split(inner)] if inner else []
+    text = _UNESCAPE.sub(r"\1", text)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
         return constants[text.lower()]
@@ -56,6 +58,9 @@ def value(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+_UNESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
 
 
 def _split(inner: str) -> list[str]:
@@ -105,8 +110,16 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
                 continue
             choices[str(group)] = str(name)
     parsed = [parse(o) for o in overrides]
-    is_choice = [o.key in GROUPS and o.prefix != "~" for o in parsed]
+    is_choice = [o.key in GROUPS for o in parsed]
     for o in [o for o, choice in zip(parsed, is_choice) if choice]:
+        if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
+            line = o.key if o.value is None else f"{o.key}={o.value}"
+            if o.key not in choices or (o.value is not None and choices[o.key] != str(o.value)):
+                raise ConfigError(f"config: Could not delete '{line}'. No match in the defaults list")
+            del choices[o.key]
+            continue
+        if o.prefix == "++":
+            raise ConfigError(f"config: force-add of config groups is not supported: '++{o.key}={o.value}'")
         if o.key in choices and o.prefix == "+":
             raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}' "
                               f"(use {o.key}={o.value})")
@@ -137,19 +150,43 @@ def _merge(dst: dict, src: Mapping) -> None:
 
 
 def set_key(tree: dict, o: Override) -> None:
+    """``o`` applied to ``tree`` as Hydra applies it to the composed config, with Hydra's refusals:
+    ``+key`` of a key that is there, ``~key`` of one that is not (naming the closest) or whose value
+    is not the one given."""
     *path, last = o.key.split(".")
     node = tree
     for part in path:
         nxt = node.get(part)
         if not isinstance(nxt, dict):
             if o.prefix == "~":
-                return
+                node = {}
+                break
             nxt = node[part] = {}
         node = nxt
     if o.prefix == "~":
-        node.pop(last, None)
+        if last not in node:
+            raise ConfigError(f"config: Could not delete from config. '{o.key}' does not exist."
+                              f"{closest_hint(o.key, list(_flat_keys(tree)))}")
+        if node[last] is None:   # Hydra takes a null value for none
+            raise ConfigError(f"config: Could not delete from config. '{o.key}' does not exist. (It is null, "
+                              f"its default: drop ~{o.key})")
+        if o.value is not None and node[last] != o.value:
+            raise ConfigError(f"config: Could not delete from config. The value of '{o.key}' is {node[last]} "
+                              f"and not {o.value}.")
+        del node[last]
+    elif o.prefix == "+" and last in node:
+        raise ConfigError(f"config: Could not append to config. An item is already at '{o.key}'. Either remove + "
+                          f"prefix: '{o.key}={o.value}' Or add a second + to add or override '{o.key}': "
+                          f"'++{o.key}={o.value}'")
     else:
         node[last] = o.value
+
+
+def _flat_keys(node: Mapping, prefix: str = ""):
+    for k, v in node.items():
+        yield f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            yield from _flat_keys(v, f"{prefix}{k}.")
 
 
 def typed(node: Mapping, schema: type, prefix: str) -> Any:

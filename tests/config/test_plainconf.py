@@ -88,3 +88,39 @@ def test_a_wider_union_is_a_schema_error_naming_the_key():
 
     with pytest.raises(TypeError, match=r"schema of x\.size: .* is not 'X \| None'"):
         typed({"size": 2}, Bad, "x.")
+
+
+# Hydra's +, ++ and ~ overrides (of keys and of groups) and its escapes: the plain composer gives Hydra's
+# config, or refuses as Hydra does (one line; the same words where Hydra's are clear).
+SAME_AS_HYDRA = [
+    (["+train.steps=5"], "An item is already at 'train.steps'"), (["+optimizer.lr=1"], "'++optimizer.lr=1'"),
+    (["++optimizer=lion"], "force-add of config groups is not supported"), (["++stage=zero1"], "force-add"),
+    (["+optimizer=lion"], None), (["~stage"], "Could not delete 'stage'. No match in the defaults list"),
+    (["+stage=zero1", "~stage"], ""), (["~optimizer=adamw"], "no optimizer chosen"),
+    (["~optimizer=lion"], "Could not delete 'optimizer=lion'. No match in the defaults list"),
+    (["~train.steps=300"], "missing mandatory value"), (["~train.steps=5"], "is 300 and not 5."),
+    (["~train.stepz"], "'train.stepz' does not exist. (did you mean 'train.steps'?)"),
+    (["~scheduler.min_lr"], "'scheduler.min_lr' does not exist."), (["+stage=zero3", "~stage.stage3_max_reuse_distance=1000000000"], ""),
+    (["train.steps=5", "~train"], "missing mandatory value"), (["model@model=gpt-mini"], None),
+    (["checkpoint.dir=a\\ b"], ""), (["checkpoint.dir=a\\:b\\=c\\\\d\\e"], ""),
+]
+
+
+@pytest.mark.parametrize("overrides,says", SAME_AS_HYDRA)
+def test_plus_and_delete_overrides_as_hydra(overrides, says):
+    from framework.config.composition import CommandLine
+
+    def run(plain):
+        try:
+            if plain:
+                return validate(*plain_composer(list(CommandLine.parse(overrides).forced))).to_dict()
+            return compose(overrides).to_dict()
+        except ConfigError as e:
+            assert "\n" not in str(e)
+            return "refused: " + str(e)
+    hydra, plain = run(False), run(True)
+    if says == "":
+        assert plain == hydra and isinstance(hydra, dict)
+    else:
+        assert isinstance(hydra, str) and isinstance(plain, str), (hydra, plain)
+        assert says is None or says in plain, plain
