@@ -181,11 +181,12 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
         except OmegaConfBaseException as e:
             raise ConfigError(f"--resolve: {str(e).splitlines()[0]}") from None
     if package:
-        node = OmegaConf.select(OmegaConf.create(node), package)
-        if node is None:
+        absent = object()   # a key whose value is null (checkpoint.dir) is there
+        node = OmegaConf.select(OmegaConf.create(node), package, default=absent)
+        if node is absent:
             raise ConfigError(f"--package {package}: the config has no such key")
         node = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
-    print(OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{node}\n", end="")
+    print(OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{'null' if node is None else node}\n", end="")
 
 
 # Hydra writes its record of a job (config.yaml, hydra.yaml, overrides.yaml in hydra.output_subdir) into

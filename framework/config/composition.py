@@ -103,6 +103,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Pat
     dist.nproc) sizes its batch triple; its "auto" bucket sizes use ``hidden_size``, or the model
     config's d_model when ``hidden_from_model``.
     """
+    if isinstance(overrides, str):   # list() below would split it into one-character overrides
+        raise ConfigError(f"config: overrides must be a list of strings, not the string {overrides!r}; "
+                          f"pass [{overrides!r}]")
     if config_dir is not None or config_name != "train":
         composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
     return compose_layers(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size,
@@ -113,6 +116,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
                    hidden_size: int | None = None, hidden_from_model: bool = True,
                    composer: Composer = standalone_composer) -> tuple[DictConfig, Config]:
     """compose(), also returning the final composed DictConfig (``--cfg job`` prints it)."""
+    if isinstance(overrides, str):   # (a str would be taken for a list of one-character overrides)
+        raise ConfigError(f"config: overrides must be a list of strings, not the string {overrides!r}; "
+                          f"pass [{overrides!r}]")
+    if world is not None and world < 1:
+        raise ConfigError(f"config: world={world}: the number of ranks must be >= 1")
     cli = CommandLine.parse(overrides)
     for group in cli.named:   # an unknown name: one line naming the closest, before Hydra's search path
         registry(group).get(cli.choices[group])

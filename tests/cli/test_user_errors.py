@@ -300,3 +300,28 @@ def test_config_path_is_refused_naming_config_dir(flag, tmp_path):
             _jobs(argv)
         assert str(e.value).startswith(f"--config-path {tmp_path}: not supported") and str(e.value).endswith(
             f"use --config-dir {tmp_path} (with --config-name NAME for a file other than train.yaml)")
+
+
+def test_cfg_job_package_of_a_null_key_shows_null(capsys):
+    from framework.cli.train import _print_resolved
+
+    primary = {"config_dir": None, "config_name": "train"}
+    _print_resolved([], False, primary, "checkpoint.dir")   # null: the run folder's checkpoints/
+    assert capsys.readouterr().out == "null\n"
+    with pytest.raises(framework.ConfigError) as e:
+        _print_resolved([], False, primary, "checkpoint.dirr")
+    assert str(e.value) == "--package checkpoint.dirr: the config has no such key"
+
+
+def test_compose_refuses_a_string_and_a_world_below_one():
+    from framework.config import compose_layers
+
+    for call in (lambda: framework.compose("train.steps=5"), lambda: compose_layers("train.steps=5")):
+        with pytest.raises(framework.ConfigError) as e:
+            call()
+        assert str(e.value) == ("config: overrides must be a list of strings, not the string 'train.steps=5'; "
+                                "pass ['train.steps=5']")
+    for world in (0, -2):
+        with pytest.raises(framework.ConfigError) as e:
+            framework.compose(["train.steps=5"], world=world, ds_config={"train_batch_size": 16})
+        assert str(e.value) == f"config: world={world}: the number of ranks must be >= 1"
