@@ -13,7 +13,7 @@ import torch
 
 from framework.memory.model import predict
 from framework.core.units import GiB
-from framework.memory.tables import count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
+from framework.memory.tables import NVMeKeys, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS
@@ -86,6 +86,24 @@ def test_nvme_rows_name_their_terms():
     # tiles of master + state + gradient + 16-bit staging, one tile's gradient bounce, the parameter pool
     assert both.cpu == G * (4 * part * (12 + 4 + 2) + 4 * part + 5 * 100_000_000 * 2)
     assert rows["offload_param=none, offload_optimizer=nvme"].gpu == 4 * L + 2 * part
+
+
+def test_nvme_rows_take_the_composed_precision(capsys):
+    # For a model, the NVMe rows count the composed precision's parameter bytes (fp32: 4, no staging
+    # copy) and the optimizer's state bytes, as the per-rank prediction printed below them does.
+    rows = {}
+    for precision in ("fp32", "bf16"):
+        assert main(["model=gpt-nano", "+stage=zero3", f"precision={precision}", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        rows[precision] = out["nvme"]
+        P, L = out["params"], out["largest_layer"]
+    keys = NVMeKeys(sub_group_size=10_000_000)
+    expect = {"fp32": nvme_rows(P, L, keys=keys, param_bytes=4), "bf16": nvme_rows(P, L, keys=keys, param_bytes=2)}
+    for precision, got in rows.items():
+        assert [(r["cpu"], r["gpu"], r["disk"]) for r in got] == \
+            [(r.cpu, r.gpu, r.disk) for r in expect[precision]], precision
+    assert rows["fp32"][2]["gpu"] == 8 * L + 4 * P and rows["bf16"][2]["gpu"] == 4 * L + 2 * P
+    assert rows["fp32"][0]["disk"] == P * (12 + 4 + 4)   # master + Adam + gradient, and the fp32 shard
 
 
 def test_our_gpt_presets_count_on_meta():
