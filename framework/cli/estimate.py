@@ -32,7 +32,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.config import compose
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 
@@ -100,6 +100,18 @@ def resolve_model(value: str, overrides: list[str]):
         return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
 
 
+def _vocab_size(module: torch.nn.Module) -> int | None:
+    """The model's vocabulary: our models' ``cfg``, a Hugging Face config's own or its text part's
+    (a multimodal config such as CLIP's keeps it in ``text_config``); None when it states none."""
+    conf = getattr(module, "config", None)
+    if conf is None:
+        return module.cfg.vocab_size
+    size = getattr(conf, "vocab_size", None)
+    if size is None and hasattr(conf, "get_text_config"):
+        size = getattr(conf.get_text_config(), "vocab_size", None)
+    return size
+
+
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
@@ -135,7 +147,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                               f"model={own['model']} use model.context=N")
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
-        out["vocab"] = {"size": (getattr(module, "config", None) or module.cfg).vocab_size, "from": source}
+        out["vocab"] = {"size": _vocab_size(module), "from": source}
     elif "params" in own:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
@@ -195,10 +207,23 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             if limit is not None and context > limit:   # as framework.train refuses it
                 raise ConfigError(f"estimate: context={context} exceeds the model's max_position_embeddings "
                                   f"({limit}); set context <= {limit}")
-        pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
-        text.append(format_prediction(cfg, pred, context=context))
-        out["prediction"] = pred.as_dict()
+        try:
+            pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
+        except FrameworkError:
+            raise
+        except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
+            if not hf:
+                raise
+            # e.g. a multimodal model, whose forward needs more than input_ids and labels: the tables stand
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            out["prediction"] = None
+            out["prediction_error"] = (f"no per-rank prediction: the model's forward(input_ids, labels) cannot be "
+                                       f"traced on the meta device ({why}); the tables above still hold")
+            text.append(out["prediction_error"])
+        else:
+            text.append(format_prediction(cfg, pred, context=context))
+            out["prediction"] = pred.as_dict()
     print(json.dumps(out, indent=1) if flags["json"] else "\n".join(text))
 
 

@@ -154,6 +154,25 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert "buffer_count=7," in capsys.readouterr().out
 
 
+def test_multimodal_hf_config_prints_the_tables(tmp_path, monkeypatch, capsys):
+    # CLIP keeps vocab_size in text_config, and its forward needs pixel values: the vocabulary is
+    # found there, and the per-rank part that cannot be traced is one line under the tables.
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    layers = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "clip", "projection_dim": 8,
+                                "text_config": {**layers, "vocab_size": 20, "max_position_embeddings": 8},
+                                "vision_config": {**layers, "image_size": 8, "patch_size": 4}}))
+    assert main([f"model={path}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["vocab"]["size"] == 20 and out["prediction"] is None and len(out["zero3"]) == 6
+    assert main([f"model={path}"]) == 0
+    text = capsys.readouterr().out
+    assert "vocab 20 (from model)" in text and "DeepSpeed ZeRO-3" in text
+    assert text.strip().splitlines()[-1].startswith("no per-rank prediction: the model's forward")
+
+
 # --- the prediction against the OS -----------------------------------------------------------
 
 MEASURED = [  # (overrides, world): three stages, with and without offload and checkpointing
