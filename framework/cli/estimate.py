@@ -53,15 +53,25 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
                           f"{str(e).splitlines()[0]}") from None
+    # transformers builds a model of -1 layers without a word (and fails later, in its forward)
+    for conf in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(conf, key, None)
+            if isinstance(value, int) and value < 1:
+                raise ConfigError(f"estimate: {config_path}: {key}={value} must be >= 1")
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
-    with torch.device("meta"):
-        if cls is not None:
-            return cls(config)
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return transformers.AutoModel.from_config(config)
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                return cls(config)
+            try:
+                return transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                return transformers.AutoModel.from_config(config)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError) as e:
+        raise ConfigError(f"estimate: cannot build a model from {config_path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def resolve_model(value: str, overrides: list[str]):

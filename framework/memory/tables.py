@@ -7,6 +7,7 @@ tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ def parse_count(text: str, what: str = "count") -> int:
     if not m:
         raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
     value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(value):   # 1e400 reads as infinity
+        raise ConfigError(f"{what}={text!r} is too large to be a count")
     if abs(value - round(value)) > 1e-9 * max(1.0, value):   # tolerates 2.783M's float error, not 1.5
         raise ConfigError(f"{what}={text!r} is not a whole number")
     return int(round(value))

@@ -173,6 +173,22 @@ def test_multimodal_hf_config_prints_the_tables(tmp_path, monkeypatch, capsys):
     assert text.strip().splitlines()[-1].startswith("no per-rank prediction: the model's forward")
 
 
+def test_values_past_a_float_and_an_unbuildable_config_are_one_line(tmp_path, monkeypatch, capsys):
+    assert main(["params=1e400"]) == 2   # infinity
+    err = capsys.readouterr().err
+    assert "params='1e400' is too large to be a count" in err and err.count("\n") == 1, err
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = {"model_type": "gpt2", "n_head": 2, "n_embd": 8, "vocab_size": 10, "n_positions": 8}
+    for extra, needle in (({"n_layer": -1}, "num_hidden_layers=-1 must be >= 1"),
+                          ({"n_layer": 1, "n_head": 3}, "cannot build a model from")):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**base, **extra}))
+        assert main([f"model={path}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]   # (after transformers' own warnings)
+        assert err.startswith("error: estimate:") and needle in err, err
+
+
 # --- the prediction against the OS -----------------------------------------------------------
 
 MEASURED = [  # (overrides, world): three stages, with and without offload and checkpointing
