@@ -114,6 +114,29 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
 
 
+def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
+    """process_rss_bytes is the process's own baseline: the probe's matmul and copy tensors are gone
+    when it is read (each measurement stubbed: only what is alive matters here)."""
+    import weakref
+
+    from framework.memory import probe
+
+    alive = []
+
+    def best(fn, device, reps=3):
+        alive.extend(weakref.ref(c.cell_contents) for c in fn.__closure__ or ()
+                     if isinstance(c.cell_contents, torch.Tensor))
+        return 1.0
+
+    monkeypatch.setattr(probe, "_best", best)
+    monkeypatch.setattr(probe, "_micro_overhead", lambda device: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(probe, "_host_optimizer", lambda: 1.0)
+    monkeypatch.setattr(probe, "_disk", lambda folder: (1.0, 1.0))
+    monkeypatch.setattr(probe, "rss_now", lambda: [r for r in alive if r() is not None] and pytest.fail("alive") or 1)
+    assert probe.measure(torch.device("cpu"), tmp_path, collectives=False)["process_rss_bytes"] == 1
+    assert len(alive) == 4   # a, b, src, dst
+
+
 def test_a_hugging_face_model_is_refused_on_one_line(capsys):
     from framework.cli.plan import main
     cfg = ROOT / "recipes" / "hf_gpt2_zero3" / "gpt2_config.json"
