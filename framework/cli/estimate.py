@@ -26,13 +26,13 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import build_vocab, predict
+from framework.memory.model import build_vocab, predict, state_bytes
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.config import compose
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 
@@ -53,15 +53,25 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
     except (OSError, ValueError) as e:
         raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
                           f"{str(e).splitlines()[0]}") from None
+    # transformers builds a model of -1 layers without a word (and fails later, in its forward)
+    for conf in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(conf, key, None)
+            if isinstance(value, int) and value < 1:
+                raise ConfigError(f"estimate: {config_path}: {key}={value} must be >= 1")
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
-    with torch.device("meta"):
-        if cls is not None:
-            return cls(config)
-        try:
-            return transformers.AutoModelForCausalLM.from_config(config)
-        except ValueError:
-            return transformers.AutoModel.from_config(config)
+    try:
+        with torch.device("meta"):
+            if cls is not None:
+                return cls(config)
+            try:
+                return transformers.AutoModelForCausalLM.from_config(config)
+            except ValueError:
+                return transformers.AutoModel.from_config(config)
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError) as e:
+        raise ConfigError(f"estimate: cannot build a model from {config_path}: {type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 def resolve_model(value: str, overrides: list[str]):
@@ -100,6 +110,18 @@ def resolve_model(value: str, overrides: list[str]):
         return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
 
 
+def _vocab_size(module: torch.nn.Module) -> int | None:
+    """The model's vocabulary: our models' ``cfg``, a Hugging Face config's own or its text part's
+    (a multimodal config such as CLIP's keeps it in ``text_config``); None when it states none."""
+    conf = getattr(module, "config", None)
+    if conf is None:
+        return module.cfg.vocab_size
+    size = getattr(conf, "vocab_size", None)
+    if size is None and hasattr(conf, "get_text_config"):
+        size = getattr(conf.get_text_config(), "vocab_size", None)
+    return size
+
+
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
     """``own[key]`` as a whole number >= 1 (``default`` when not given)."""
     if key not in own:
@@ -135,7 +157,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                               f"model={own['model']} use model.context=N")
         counts = count_module(module)
         params, largest = counts.params, counts.largest_layer
-        out["vocab"] = {"size": (getattr(module, "config", None) or module.cfg).vocab_size, "from": source}
+        out["vocab"] = {"size": _vocab_size(module), "from": source}
     elif "params" in own:
         if overrides:
             raise ConfigError(f"estimate: {overrides[0]!r} needs model=... (a per-rank prediction is for a model)")
@@ -167,20 +189,23 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
 
     table("zero2", "DeepSpeed ZeRO-2 (estimate_zero2_model_states_mem_needs; model states only, sub_group_size "
                    "does not enter):", zero2_rows(params, gpus, nodes, factor))
+    # The NVMe rows at the composed precision and optimizer (DeepSpeed's 16-bit Adam without a model).
+    widths = dict(zip(("param_bytes", "optimizer_bytes"), state_bytes(cfg))) if cfg is not None else {}
+    precision = f", precision={cfg.choices['precision']}" if cfg is not None else ""
     if largest is not None:
         table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
                        "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))
         table("nvme", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
                       f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
-                      f"param_buffer_size={keys.param_buffer_size:,}; per CPU = pinned pools: optimizer tiles with "
+                      f"param_buffer_size={keys.param_buffer_size:,}{precision}; per CPU = pinned pools: optimizer tiles with "
                       f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
-                      f"per-rank prediction below adds the working set):", nvme_rows(params, largest, gpus, nodes, keys))
+                      f"per-rank prediction below adds the working set):", nvme_rows(params, largest, gpus, nodes, keys, **widths))
         ds = NVMeKeys.sub_group_size
         if keys.sub_group_size != ds:
             table("nvme_deepspeed_sub_group_size",
                   f"The same with DeepSpeed's default sub_group_size={ds:,} (other keys as above; a "
                   f"partition under that size is one tile, resident for its whole step):",
-                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds)))
+                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds), **widths))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
@@ -192,10 +217,23 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             if limit is not None and context > limit:   # as framework.train refuses it
                 raise ConfigError(f"estimate: context={context} exceeds the model's max_position_embeddings "
                                   f"({limit}); set context <= {limit}")
-        pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
-        text.append(format_prediction(cfg, pred, context=context))
-        out["prediction"] = pred.as_dict()
+        try:
+            pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
+        except FrameworkError:
+            raise
+        except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
+            if not hf:
+                raise
+            # e.g. a multimodal model, whose forward needs more than input_ids and labels: the tables stand
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            out["prediction"] = None
+            out["prediction_error"] = (f"no per-rank prediction: the model's forward(input_ids, labels) cannot be "
+                                       f"traced on the meta device ({why}); the tables above still hold")
+            text.append(out["prediction_error"])
+        else:
+            text.append(format_prediction(cfg, pred, context=context))
+            out["prediction"] = pred.as_dict()
     print(json.dumps(out, indent=1) if flags["json"] else "\n".join(text))
 
 

@@ -42,6 +42,7 @@ from framework.cli.report import load_jobs
 from framework.config import compose
 from framework.config.dsconfig import DS_FILE
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.room import nearest_existing
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
 from framework.memory.model import build_vocab
@@ -118,10 +119,11 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
                           "rank")
-    hw = detect(own)
+    disk = _disk_dir(cfg, base)
+    hw = detect(own, disk)
     cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     setups = compose_setups(base, cands)   # so does a key of the given stage or offload that a candidate refuses
-    probe = _probe.load(hw.device, Path(os.getcwd()), collectives=hw.ranks > 1, reprobe=flags["reprobe"])
+    probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe, setups)
     vocab, source = build_vocab(cfg, base)
     vocab = vocab or getattr(cfg.model, "vocab_size", None)
@@ -143,6 +145,17 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   "it includes the earlier jobs' peaks)")
         if flags["json"]:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
+
+
+def _disk_dir(cfg, base: list[str]) -> Path:
+    """Where offload=nvme would swap, for its free bytes and the probe's disk test: the nearest existing
+    folder of ``offload.nvme_path`` when given (on the command line or by a DeepSpeed file), else the
+    working directory (the run directory's file system, where the swap files go by default)."""
+    given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
+    path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
+    if path in (None, "", "null"):
+        return Path(os.getcwd())
+    return nearest_existing(Path(path).expanduser().absolute())
 
 
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:

@@ -7,6 +7,7 @@ bytes a second), as disk and link speeds are quoted. Sizes given by a user follo
 """
 from __future__ import annotations
 
+import math
 import re
 
 KiB = 2 ** 10
@@ -33,4 +34,7 @@ def parse_size(text: str, bare: int | None = None) -> int:
         raise ValueError(f"{text!r} is not a size")
     prefix, tail = m.group(2), (m.group(3) or "").lower()
     base = 1024 if tail == "ib" else 1000 if tail == "b" else bare
-    return int(float(m.group(1)) * (base ** ("kmgt".index(prefix.lower()) + 1) if prefix else 1))
+    value = float(m.group(1)) * (base ** ("kmgt".index(prefix.lower()) + 1) if prefix else 1)
+    if not math.isfinite(value):   # 1e400 reads as infinity
+        raise ValueError(f"{text!r} is not a size (too large)")
+    return int(value)

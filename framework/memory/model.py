@@ -206,6 +206,14 @@ def _opt_bytes_per_element(cfg) -> list[int]:
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
 
 
+def state_bytes(cfg) -> tuple[int, int]:
+    """(bytes of one working-precision parameter, optimizer-state bytes per fp32 master element) of
+    ``cfg``: what the NVMe rows of ``tables.nvme_rows`` take for the composed precision and optimizer."""
+    from framework.engine.build import component
+
+    return component(cfg, "precision").build(cfg.precision).param_dtype.itemsize, sum(_opt_bytes_per_element(cfg))
+
+
 def data_vocab(cfg) -> int | None:
     """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
     from framework.engine.build import component

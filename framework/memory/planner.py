@@ -61,7 +61,8 @@ class Hardware:
     ranks: int
 
 
-def detect(own: dict[str, str]) -> Hardware:
+def detect(own: dict[str, str], disk: str | os.PathLike | None = None) -> Hardware:
+    """``disk``: where offload=nvme would swap (its free bytes are ``nvme``; default the working directory)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     gpu = parse_bytes(own["gpu_mem"]) if "gpu_mem" in own else (
@@ -69,7 +70,7 @@ def detect(own: dict[str, str]) -> Hardware:
     cpu = parse_bytes(own["cpu_mem"]) if "cpu_mem" in own else available_ram()
     if cpu is None:   # no /proc/meminfo: the physical memory
         cpu = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(os.getcwd())
+    nvme = parse_bytes(own["nvme"]) if "nvme" in own else free_bytes(disk or os.getcwd())
     for key, value, least in (("gpu_mem", gpu, 1), ("cpu_mem", cpu, 1), ("nvme", nvme, 0)):   # nvme=0: no disk
         if key in own and value < least:
             raise ConfigError(f"plan: {key}={own[key]} must be {'> 0' if least else '>= 0'}")

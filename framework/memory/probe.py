@@ -1,10 +1,12 @@
 """Bandwidth probe for the planner: the machine's throughputs (matmul, copies, host optimizer step,
 disk, the train step's fixed costs, all-reduce), each measured in a few tenths of a second, once per
-machine, cached as ``$XDG_CACHE_HOME/framework/probe-<host>-<device>.json`` (``~/.cache`` by default);
+machine and disk, cached as ``$XDG_CACHE_HOME/framework/probe-<host>-<device>-t<threads>-fs<disk>.json``
+(``~/.cache`` by default; ``<disk>``: the file system the disk test ran on);
 ``python -m framework.plan --reprobe`` measures again.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -23,9 +25,12 @@ from framework.core.units import MiB
 VERSION = 4
 
 
-def cache_path(device: torch.device) -> Path:
+def cache_path(device: torch.device, disk_dir: Path) -> Path:
+    """The cache of ``device``'s probe with its disk test on ``disk_dir``'s file system (another disk,
+    another bandwidth: measured again)."""
     name = device.type if device.type != "cuda" else torch.cuda.get_device_name(device).replace(" ", "_")
-    return cache_dir() / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}.json"
+    fs = os.stat(disk_dir).st_dev
+    return cache_dir() / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}-fs{fs:x}.json"
 
 
 def _best(fn, device: torch.device, reps: int = 3) -> float:
@@ -61,6 +66,9 @@ def measure(device: torch.device, disk_dir: Path, collectives: bool) -> dict:
         out["d2h_bytes_s"] = host.numel() * 4 / _best(lambda: host.copy_(src, non_blocking=True), device)
     else:   # the device is the host: a copy "to the host" is a memory copy
         out["h2d_bytes_s"] = out["d2h_bytes_s"] = out["device_copy_bytes_s"] / 2
+    # The test tensors go before the resident set is read below (about 70 MiB of them on the CPU).
+    a = b = src = dst = host = None
+    gc.collect()
     out["host_optimizer_params_s"] = _host_optimizer()
     out["disk_write_bytes_s"], out["disk_read_bytes_s"] = _disk(disk_dir)
     out["allreduce_bytes_s"] = _collective() if collectives else None
@@ -191,8 +199,9 @@ def _collective() -> float:
 
 
 def load(device: torch.device, disk_dir: Path, collectives: bool, reprobe: bool = False) -> dict:
-    """The cached probe for this machine and device, measured now when missing (or ``reprobe``)."""
-    path = cache_path(device)
+    """The cached probe for this machine, device and ``disk_dir`` (an existing folder: the disk test
+    writes a temporary file there), measured now when missing (or ``reprobe``)."""
+    path = cache_path(device, disk_dir)
     if not reprobe and path.exists():
         try:
             cached = json.loads(path.read_text())

@@ -7,6 +7,7 @@ tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ def parse_count(text: str, what: str = "count") -> int:
     if not m:
         raise ConfigError(f"{what}={text!r} is not a count; write e.g. 2.78e9, 2783M, 32K or 1.4B")
     value = float(m.group(1).replace("_", "")) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(value):   # 1e400 reads as infinity
+        raise ConfigError(f"{what}={text!r} is too large to be a count")
     if abs(value - round(value)) > 1e-9 * max(1.0, value):   # tolerates 2.783M's float error, not 1.5
         raise ConfigError(f"{what}={text!r} is not a whole number")
     return int(round(value))
@@ -118,19 +121,22 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
     element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_disk.py)
     live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
-    of master + state + gradient + 16-bit staging, and one tile's gradient bounce buffer. Parameters on NVMe: each rank's 16-bit shard on disk and
+    of master + state + gradient + working-precision staging (none when the working precision is the
+    fp32 master's), and one tile's gradient bounce buffer. ``param_bytes``: the working precision (2:
+    16-bit, as DeepSpeed assumes). Parameters on NVMe: each rank's shard on disk and
     ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards
-    in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (16-bit params and
-    grads), plus the 16-bit shard when parameters stay on the GPU."""
+    in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (params and grads),
+    plus the shard when parameters stay on the GPU."""
     t = gpus_per_node * nodes
     part = -(-params // t)   # elements of one rank's partition
     state = 4 + optimizer_bytes
+    staging = 0 if param_bytes == 4 else param_bytes   # an fp32 step writes the working copy itself
     tile = min(keys.sub_group_size, part)
     rows = []
     for par in ("nvme", "cpu", "none"):
-        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + param_bytes) + 4 * tile)
+        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + staging) + 4 * tile)
         disk = gpus_per_node * part * (state + 4)
-        host, gpu = opt_host, 4 * largest_layer
+        host, gpu = opt_host, 2 * param_bytes * largest_layer
         if par == "nvme":
             host += gpus_per_node * keys.param_buffer_count * keys.param_buffer_size * param_bytes
             disk += gpus_per_node * part * param_bytes

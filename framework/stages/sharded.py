@@ -276,6 +276,10 @@ def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Zero
     if not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
+    if getattr(nodes.get("offload"), "overlap_step", False):   # zero1 reports no gradient range before backward ends
+        raise ConfigError("config: offload.overlap_step=true has no effect with stage=zero1 (its gradients are "
+                          "final only after backward, so no host step can start early); remove it, or use "
+                          "+stage=zero2 or +stage=zero3")
     return node
 
 

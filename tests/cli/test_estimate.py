@@ -13,7 +13,7 @@ import torch
 
 from framework.memory.model import predict
 from framework.core.units import GiB
-from framework.memory.tables import count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
+from framework.memory.tables import NVMeKeys, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS
@@ -88,6 +88,24 @@ def test_nvme_rows_name_their_terms():
     assert rows["offload_param=none, offload_optimizer=nvme"].gpu == 4 * L + 2 * part
 
 
+def test_nvme_rows_take_the_composed_precision(capsys):
+    # For a model, the NVMe rows count the composed precision's parameter bytes (fp32: 4, no staging
+    # copy) and the optimizer's state bytes, as the per-rank prediction printed below them does.
+    rows = {}
+    for precision in ("fp32", "bf16"):
+        assert main(["model=gpt-nano", "+stage=zero3", f"precision={precision}", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        rows[precision] = out["nvme"]
+        P, L = out["params"], out["largest_layer"]
+    keys = NVMeKeys(sub_group_size=10_000_000)
+    expect = {"fp32": nvme_rows(P, L, keys=keys, param_bytes=4), "bf16": nvme_rows(P, L, keys=keys, param_bytes=2)}
+    for precision, got in rows.items():
+        assert [(r["cpu"], r["gpu"], r["disk"]) for r in got] == \
+            [(r.cpu, r.gpu, r.disk) for r in expect[precision]], precision
+    assert rows["fp32"][2]["gpu"] == 8 * L + 4 * P and rows["bf16"][2]["gpu"] == 4 * L + 2 * P
+    assert rows["fp32"][0]["disk"] == P * (12 + 4 + 4)   # master + Adam + gradient, and the fp32 shard
+
+
 def test_our_gpt_presets_count_on_meta():
     for name, cfg in PRESETS.items():
         with torch.device("meta"):
@@ -134,6 +152,41 @@ def test_hf_config_json_counted_on_meta(tmp_path, monkeypatch, capsys):
     assert main([f"model={tmp_path / 'config.json'}", "+stage=zero3", "offload=nvme",
                  "offload.buffer_count=7"]) == 0
     assert "buffer_count=7," in capsys.readouterr().out
+
+
+def test_multimodal_hf_config_prints_the_tables(tmp_path, monkeypatch, capsys):
+    # CLIP keeps vocab_size in text_config, and its forward needs pixel values: the vocabulary is
+    # found there, and the per-rank part that cannot be traced is one line under the tables.
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    layers = {"hidden_size": 8, "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "clip", "projection_dim": 8,
+                                "text_config": {**layers, "vocab_size": 20, "max_position_embeddings": 8},
+                                "vision_config": {**layers, "image_size": 8, "patch_size": 4}}))
+    assert main([f"model={path}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["vocab"]["size"] == 20 and out["prediction"] is None and len(out["zero3"]) == 6
+    assert main([f"model={path}"]) == 0
+    text = capsys.readouterr().out
+    assert "vocab 20 (from model)" in text and "DeepSpeed ZeRO-3" in text
+    assert text.strip().splitlines()[-1].startswith("no per-rank prediction: the model's forward")
+
+
+def test_values_past_a_float_and_an_unbuildable_config_are_one_line(tmp_path, monkeypatch, capsys):
+    assert main(["params=1e400"]) == 2   # infinity
+    err = capsys.readouterr().err
+    assert "params='1e400' is too large to be a count" in err and err.count("\n") == 1, err
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = {"model_type": "gpt2", "n_head": 2, "n_embd": 8, "vocab_size": 10, "n_positions": 8}
+    for extra, needle in (({"n_layer": -1}, "num_hidden_layers=-1 must be >= 1"),
+                          ({"n_layer": 1, "n_head": 3}, "cannot build a model from")):
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps({**base, **extra}))
+        assert main([f"model={path}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()[-1]   # (after transformers' own warnings)
+        assert err.startswith("error: estimate:") and needle in err, err
 
 
 # --- the prediction against the OS -----------------------------------------------------------

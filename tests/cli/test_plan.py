@@ -108,10 +108,33 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     try:
         torch.set_num_threads(1)
         cached = probe.load(torch.device("cpu"), tmp_path, collectives=False)
-        written = json.loads(probe.cache_path(torch.device("cpu")).read_text())
+        written = json.loads(probe.cache_path(torch.device("cpu"), tmp_path).read_text())
     finally:
         torch.set_num_threads(threads)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
+
+
+def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
+    """process_rss_bytes is the process's own baseline: the probe's matmul and copy tensors are gone
+    when it is read (each measurement stubbed: only what is alive matters here)."""
+    import weakref
+
+    from framework.memory import probe
+
+    alive = []
+
+    def best(fn, device, reps=3):
+        alive.extend(weakref.ref(c.cell_contents) for c in fn.__closure__ or ()
+                     if isinstance(c.cell_contents, torch.Tensor))
+        return 1.0
+
+    monkeypatch.setattr(probe, "_best", best)
+    monkeypatch.setattr(probe, "_micro_overhead", lambda device: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(probe, "_host_optimizer", lambda: 1.0)
+    monkeypatch.setattr(probe, "_disk", lambda folder: (1.0, 1.0))
+    monkeypatch.setattr(probe, "rss_now", lambda: [r for r in alive if r() is not None] and pytest.fail("alive") or 1)
+    assert probe.measure(torch.device("cpu"), tmp_path, collectives=False)["process_rss_bytes"] == 1
+    assert len(alive) == 4   # a, b, src, dst
 
 
 def test_a_hugging_face_model_is_refused_on_one_line(capsys):
@@ -152,6 +175,7 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["gpu_mem=0"], "plan: gpu_mem=0 must be > 0"),
     (["cpu_mem=0"], "plan: cpu_mem=0 must be > 0"),
     (["nvme=-1T"], "plan: nvme=-1T must be >= 0"),
+    (["gpu_mem=1e400"], "plan: '1e400' is not a size"),   # infinity, not a number of bytes
     (["gpu_mem=80"], "plan: gpu_mem=80 is 80 bytes; write 80G (GiB) or 80GB"),
     (["cpu_mem=512"], "plan: cpu_mem=512 is 512 bytes; write 512G (GiB) or 512GB"),
     (["nvme=2"], "plan: nvme=2 is 2 bytes; write 2G (GiB) or 2GB"),
@@ -251,6 +275,23 @@ def test_the_given_stages_or_offloads_own_keys_apply_to_its_candidates(capsys, m
     assert {r["offload"] for r in rows} == offloads, rows
     assert len(seen) == len(rows) and all(getattr(getattr(c, group), key) == value
                                           for c in seen for (group, key), value in applied.items()), seen
+
+
+def test_free_disk_and_the_disk_probe_are_those_of_the_nvme_path(capsys, monkeypatch, tmp_path):
+    """offload.nvme_path (a folder about to be made) sizes the disk and is where the probe's disk test
+    runs: its nearest existing folder, not the working directory."""
+    from framework.cli import plan as cli
+    from framework.memory import planner
+
+    asked = {}
+    monkeypatch.setattr(cli._probe, "load", lambda device, disk_dir, **k: asked.setdefault("probe", disk_dir) and
+                        {**PROBE, "cache": "test", "process_rss_bytes": 0})
+    monkeypatch.setattr(planner, "free_bytes", lambda folder: asked.setdefault("free", Path(folder)) and 2 ** 40)
+    monkeypatch.chdir(ROOT)
+    assert cli.main(["model=gpt-nano", "micro_batches=16", "checkpointing=false", "ranks=1", "offload=nvme",
+                     f"offload.nvme_path={tmp_path}/swap/r0"]) == 0, capsys.readouterr().err
+    assert asked == {"probe": tmp_path, "free": tmp_path}, asked
+    assert not (tmp_path / "swap").exists()
 
 
 def test_gpu_sizes_on_a_cpu_host_say_the_times_are_this_cpu(capsys, monkeypatch):

@@ -123,6 +123,8 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero2", "offload=nvme", "offload.aio.single_submit=true"], "offload.aio.single_submit=true has no effect"),
     (["+stage=zero2", "offload=nvme", "offload.aio.overlap_events=false"], "offload.aio.overlap_events=false has no effect"),
     (["+stage=zero2", "offload=nvme", "offload.overlap_step=true"], "offload.overlap_step=true needs whole optimizer pieces"),
+    (["+stage=zero1", "offload=cpu", "offload.overlap_step=true"],
+     "offload.overlap_step=true has no effect with stage=zero1 (its gradients are final only after backward"),
     (["+stage=zero2", "offload=nvme", "offload.aio.blok_size=4096"], "did you mean 'offload.aio.block_size'?"),
     (["+stage=zero3", "offload=cpu", "offload.params=nvme"], "offload.params must be none or cpu with offload=cpu"),
     (["+stage=zero3", "offload=cpu", "offload.params=true"], "offload.params must be none or cpu"),
