@@ -141,6 +141,7 @@ class Gatherer:
         self.mode = True
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
+        self.abandoned: list | None = None    # those of an interrupted pass, not waited for
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
@@ -239,19 +240,22 @@ class Gatherer:
             self._launch_order_check(self.recording)
         self._end_pass()
 
-    def abort_backward(self) -> None:
-        """A backward pass the stage drove was cut short by an error (its end-of-backward callback never
-        ran): back to the state between passes, as if it had not started. Reductions in flight are
-        waited for and dropped (the step's partitions are zeroed by the caller), gradients not yet
-        reduced are discarded, units gathered for it are released; the persistent unit stays gathered."""
+    def abort_backward(self, wait: bool) -> None:
+        """A backward pass the stage drove was cut short (its end-of-backward callback never ran): back to
+        the state between passes, as if it had not started. Reductions in flight are waited for (not when
+        ``wait`` is false: then they stay referenced, their buffers alive) and dropped (the step's
+        partitions are zeroed by the caller), gradients not yet reduced are discarded, units gathered for
+        it are released; the persistent unit stays gathered."""
         reductions, self.reductions = self.reductions, []
-        for _g, _buf, works in reductions:   # (their buffers must outlive the collectives)
+        self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
+        for _g, _buf, works in reductions if wait else ():
             self.dist.comm.wait(works, "zero3 gradient reduction")
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
             unit.arrived, unit.reduced, unit.in_backward, unit.active = set(), False, False, 0
-            if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held:
+            if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
+                    and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
         self.in_backward = False
         self.recording = self.cursor = None   # a pass cut short is no trace to follow

@@ -183,6 +183,23 @@ def late_gradient(who: str, reduced: str) -> TrainingError:
                          f"use torch.utils.checkpoint with use_reentrant=False")
 
 
+def backward_or_reset(backward: Callable[[], None], reset: Callable[[bool], None], what: str) -> None:
+    """Run a stage's ``backward``; if it raises, ``reset(wait)`` puts the stage back as between passes, so
+    that the next step starts clean. ``wait``: whether the reductions the pass launched are waited for, on
+    an error (ranks fail at the same point of a pass as a rule), not on Ctrl-C or SIGTERM (the process is
+    leaving, and a peer interrupted at another point may never join them). The pass's error is raised."""
+    try:
+        backward()
+    except BaseException as e:
+        try:
+            reset(isinstance(e, Exception))
+        except Exception as failed:
+            e.add_note(f"{what} could not reset its gradient state after it: {type(failed).__name__}: {failed} "
+                       f"(if the ranks' backward passes failed at different points, this process group cannot "
+                       f"go on: restart, from a checkpoint)")
+        raise
+
+
 class FlatGrads:
     """ddp's and zero1's gradients and their reduction: buckets go out from the hooks during the
     step's last backward (``overlap``) or after it, each to its owners (``bounds``: this rank's
@@ -213,6 +230,7 @@ class FlatGrads:
         self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
         self.micro = 0   # how many earlier micro batches of this step acc holds
         self.work: list = []   # (bucket, pending, wire buffer or None, micro batches divided out) of launched buckets
+        self.abandoned: list | None = None   # those of an interrupted pass, not waited for
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
         self.hook_handles = (self.launcher.attach([p for p, _ in self.entries], dist.acc)
                              if dist.world > 1 and overlap else [])
@@ -226,13 +244,7 @@ class FlatGrads:
         if sync and self.dist.world > 1:
             self.launcher.arm()
         try:
-            (loss / self.dist.world).backward()
-        except BaseException as e:   # the next step starts clean, as after a completed pass
-            try:
-                self.abort_backward()
-            except Exception as reset:   # the pass's own error is the one to report
-                e.add_note(f"{self.stage} could not reset its gradient state after it: {type(reset).__name__}: {reset}")
-            raise
+            backward_or_reset(lambda: (loss / self.dist.world).backward(), self.abort_backward, self.stage)
         finally:
             self.launcher.disarm()   # arrivals after this backward are ignored
             replaced = []
@@ -253,13 +265,14 @@ class FlatGrads:
                 g.zero_()
             self.micro += 1
 
-    def abort_backward(self) -> None:
-        """A backward pass cut short by an error: reductions it launched are waited for (they write into
-        the buffers, which the caller zeroes next) and dropped, so none lands in, or is waited on by, a
-        later step."""
+    def abort_backward(self, wait: bool) -> None:
+        """A backward pass cut short: reductions it launched are waited for (they write into the buffers,
+        which the caller zeroes next; not when ``wait`` is false: then they stay referenced, their
+        buffers alive) and dropped, so none lands in, or is waited on by, a later step."""
         self.launcher.reset()
         work, self.work = self.work, []
-        for _b, pending, _buf, _n in work:   # (their wire buffers must outlive the collectives)
+        self.abandoned = None if wait else work   # (their wire buffers must outlive the collectives)
+        for _b, pending, _buf, _n in work if wait else ():
             self.dist.comm.wait(pending, self.what)
 
     def _final(self, g: int, start: int, end: int) -> torch.Tensor:

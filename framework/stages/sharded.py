@@ -24,8 +24,9 @@ from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
 from framework.stages._flat import bind_groups, whole_memory
-from framework.stages._grads import (Arrivals, Bucket, FlatGrads, bucket_buffers, check_no_grads, expected_order, own_overlap,
-                                     plan_buckets, plan_stripes, reduce_bucket, reduce_to_owners)
+from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
+                                     expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
+                                     reduce_to_owners)
 from framework.stages.base import PartitionedStage, Setup
 
 
@@ -158,6 +159,7 @@ class Zero2Stage(ShardedStage):
         self.free = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
+        self.abandoned: deque | None = None   # those of an interrupted pass, not waited for
         self.sync = True   # set by each backward: its pass is the step's last, so the ranges it completes are final
         self.hook_handles += self.launcher.attach(self.params, self.dist.acc)
 
@@ -226,13 +228,7 @@ class Zero2Stage(ShardedStage):
         check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
         self.launcher.arm()
         try:
-            (loss / self.dist.world).backward()
-        except BaseException as e:   # the next step starts clean, as after a completed pass
-            try:
-                self._abort_backward()
-            except Exception as reset:   # the pass's own error is the one to report
-                e.add_note(f"zero2 could not reset its gradient state after it: {type(reset).__name__}: {reset}")
-            raise
+            backward_or_reset(lambda: (loss / self.dist.world).backward(), self._abort_backward, "zero2")
         finally:
             self.launcher.disarm()
         self.launcher.flush()  # buckets of parameters that got no gradient
@@ -241,13 +237,15 @@ class Zero2Stage(ShardedStage):
         for pid in self.unowned:   # no bucket frees these
             self.params[pid].grad = None
 
-    def _abort_backward(self) -> None:
-        """A backward pass cut short by an error: its reductions in flight are waited for and dropped
-        (not added into the partitions, which the caller zeroes next), their buffers reused; gradients
-        of buckets that never launched are discarded."""
+    def _abort_backward(self, wait: bool) -> None:
+        """A backward pass cut short: its reductions in flight are waited for and dropped (not added into
+        the partitions, which the caller zeroes next), their buffers reused (not waited for when ``wait`` is
+        false: then they stay referenced, never reused); gradients of buckets that never launched are
+        discarded."""
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
-        for _b, pending, _pieces, buf in in_flight:
+        self.abandoned = None if wait else in_flight
+        for _b, pending, _pieces, buf in in_flight if wait else ():
             self.dist.comm.wait(pending, "gradient reduction")
             if buf is not None:
                 self.free.append(buf._base if buf._base is not None else buf)

@@ -21,6 +21,7 @@ from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, make_layout, replace_parameter, unit_groups,
                                     whole_memory)
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
+from framework.stages._grads import backward_or_reset
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
@@ -130,18 +131,11 @@ class Zero3Stage(PartitionedStage):
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set
-        try:
-            scaled = loss / self.dist.world
-            if scaled.requires_grad:   # the pass's end-of-backward work runs even if no unit's output is in it
-                scaled.register_hook(self.dist.acc.hook(lambda _grad: self.gatherer.begin_backward(),
-                                                        "zero3's loss hook"))
-            scaled.backward()  # hooks gather, reduce and release per unit
-        except BaseException as e:   # the next step starts from a clean gatherer, as after a completed pass
-            try:
-                self.gatherer.abort_backward()
-            except Exception as reset:   # the pass's own error is the one to report
-                e.add_note(f"zero3 could not reset its gather state after it: {type(reset).__name__}: {reset}")
-            raise
+        scaled = loss / self.dist.world
+        if scaled.requires_grad:   # the pass's end-of-backward work runs even if no unit's output is in it
+            scaled.register_hook(self.dist.acc.hook(lambda _grad: self.gatherer.begin_backward(), "zero3's loss hook"))
+        try:   # hooks gather, reduce and release per unit
+            backward_or_reset(scaled.backward, self.gatherer.abort_backward, "zero3")
         finally:
             self.gatherer.final = None
 

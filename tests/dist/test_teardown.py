@@ -55,3 +55,64 @@ def test_disconnect_frees_the_gloo_group():
     for rank, during, after in results:
         assert any("runloop" in n for n in during), during  # the check can see the threads
         assert after == [], f"rank {rank}: gloo threads alive after disconnect: {after}"
+
+
+class _Interrupt(__import__("torch").autograd.Function):
+    """Ctrl-C landing during backward, as on the CPU, where the gradient hooks run on the main thread."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise KeyboardInterrupt
+
+
+def _interrupted_at_different_points(dist, over):
+    """Rank 0 is interrupted after its last layer's gradient bucket went out, rank 1 before any did."""
+    import time
+
+    import torch
+    from torch import nn
+
+    import framework
+    from framework.engine.step import Batch
+
+    cfg = framework.compose([*over, "train.micro_batch=4", "optimizer=sgd"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 13), nn.ReLU(), nn.Linear(13, 3))
+
+    def loss_fn(m, micro):
+        x, y = micro
+        h = m[1](m[0](x))
+        h = _Interrupt.apply(h) if dist.rank == 0 else h
+        out = m[2](h)
+        out = _Interrupt.apply(out) if dist.rank == 1 else out
+        return nn.functional.mse_loss(out, y)
+
+    engine = framework.initialize(model, loss_fn, cfg, dist)
+    start = time.monotonic()
+    try:
+        engine.train_step(engine.state, Batch(((torch.randn(4, 7), torch.randn(4, 3)),)))
+    except KeyboardInterrupt as e:
+        return time.monotonic() - start, getattr(e, "__notes__", None)
+    return None
+
+
+# (zero3 is not here: its backward itself gathers, so rank 0 waits for rank 1 in the pass, not in the reset)
+@pytest.mark.parametrize("over", [["stage.bucket_size=3"],
+                                  ["+stage=zero2", "stage.reduce_bucket_size=3", "stage.overlap_comm=true"]])
+def test_an_interrupted_backward_does_not_wait_for_reductions_a_peer_never_joins(over):
+    """Ctrl-C (or SIGTERM) reaches the ranks at different points of a backward pass: a rank that launched
+    a reduction its peer never will leaves at once (the process is ending), instead of waiting out the
+    collective timeout and then blaming a dead peer. Its own pool: the group is left inconsistent."""
+    from tests._pool import RankPool
+
+    pool = RankPool(2)
+    try:
+        results = pool.run(_interrupted_at_different_points, over, timeout=120)
+    finally:
+        pool.close(kill=True)
+    for rank, r in enumerate(results):
+        assert r is not None and r[0] < 15 and r[1] is None, (rank, r)
