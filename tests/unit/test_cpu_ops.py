@@ -426,13 +426,19 @@ def test_tensors_the_kernel_cannot_take_use_the_transforms(kernels, monkeypatch)
     torch.testing.assert_close(params[0], expected.detach(), rtol=1e-12, atol=1e-14)
 
 
-def test_a_list_the_kernel_declines_is_stepped_whole_by_the_fallback(kernels, monkeypatch):
-    """One tensor the kernel cannot take (here the second, not contiguous) sends the whole step to
-    the fallback; nothing is stepped twice or half-way."""
-    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)  # about the kernel's answer: kernels on
+def _kernel_answers(monkeypatch) -> list:
+    """Kernels on; the list each ``ops.adam_step`` call's answer (True: stepped, False: declined) is added to."""
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
     calls = []
     real = ops.adam_step
     monkeypatch.setattr(ops, "adam_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    return calls
+
+
+def test_a_list_the_kernel_declines_is_stepped_whole_by_the_fallback(kernels, monkeypatch):
+    """One tensor the kernel cannot take (here the second, not contiguous) sends the whole step to
+    the fallback; nothing is stepped twice or half-way."""
+    calls = _kernel_answers(monkeypatch)
     cfg = adamw.AdamWConfig(lr=1e-2, weight_decay=0.1)
     tx = adamw.build(cfg, [True, False])
     gen = torch.Generator().manual_seed(4)
@@ -457,10 +463,7 @@ def test_subset_step_beside_a_device_piece_runs_the_kernel(kernels, monkeypatch)
     cuda): the other group's empty slice must not make the kernel decline the host piece."""
     from framework.optimizers import step_groups
 
-    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)  # about the kernel's answer: kernels on
-    calls = []
-    real = ops.adam_step
-    monkeypatch.setattr(ops, "adam_step", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    calls = _kernel_answers(monkeypatch)
     cfg = adamw.AdamWConfig(lr=1e-2, weight_decay=0.1)
     tx = adamw.build(cfg, [False, True])
     gen = torch.Generator().manual_seed(5)
