@@ -9,9 +9,7 @@ output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framewor
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
-from pathlib import Path
 
 from framework.core.errors import FrameworkError
 from framework.persist.export import export
@@ -27,15 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size)
-    except (FrameworkError, OSError) as e:
-        msg, out = str(e), Path(args.out).resolve()
-        # an OSError naming a file outside --to is a read; any other is a write (os.write names no file)
-        if isinstance(e, OSError) and not (e.filename and out not in (p := Path(e.filename).resolve(), *p.parents)):
-            msg = (f"--to {args.out}: cannot write {e.filename or args.out} ({e.strerror or e}); "
-                   + ("no room on the disk (or a file size limit): free space or pass a folder on a larger disk"
-                      if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "pass a writable folder")
-                   + "; an earlier export there is kept")
-        print(f"error: {msg}", file=sys.stderr)
+    except FrameworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:   # (export names every write error itself: this is a read of the checkpoint)
+        print(f"error: export: cannot read {e.filename or args.checkpoint} ({e.strerror or e}); check the "
+              "checkpoint's files and their permissions", file=sys.stderr)
         return 1
     for path in paths:
         print(path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,7 +20,7 @@ from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (create_files, finish_files, narrower, overflowed, plan_files, remove_tmp,
-                                           warn_overflow)
+                                           warn_overflow, writing)
 
 PREFIX = "model."
 WHOLE = ("frozen.", "buffer.")
@@ -71,23 +72,28 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     out_dir = Path(out_dir)
-    create_files(out_dir, plans, "export")
+    written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
+    with written():
+        create_files(out_dir, plans, "export")
     over = 0   # finite values that became inf (fp32 to fp16)
     try:
         for plan in plans:
-            fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
+            with written():
+                fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
             try:
                 for e in plan.entries:
                     value = ckpt.read([e.name])[e.name].reshape(-1)
                     out = value.to(e.dtype).contiguous()
                     if narrower(value.dtype, e.dtype):
                         over += int(overflowed(value, out))   # (host tensors, read from the files)
-                    files.write_at(fd, out, e.offset)
+                    with written():
+                        files.write_at(fd, out, e.offset)
                     del value, out
                     _trim()   # (the tensor is freed once written)
             finally:
                 os.close(fd)
-        paths = finish_files(out_dir, plans)
+        with written():
+            paths = finish_files(out_dir, plans)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
         remove_tmp(out_dir)
         raise

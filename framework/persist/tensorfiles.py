@@ -314,6 +314,16 @@ def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = 
               file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
+    """Run the block with an OSError turned into ``write_error``'s one line (so it names the folder, and a read
+    error elsewhere is never taken for a write error)."""
+    try:
+        yield
+    except OSError as e:
+        raise write_error(e, out_dir, what, sum(p.size for p in plans)) from None
+
+
 def write_error(e: OSError, out_dir: Path, what: str, need: int) -> FrameworkError:
     """An OSError of writing ``need`` bytes of files in ``out_dir`` as one line naming the folder (and, for no
     room, the sizes and the fix)."""

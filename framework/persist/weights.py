@@ -28,7 +28,7 @@ from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
                                            narrower, open_weights, overflowed, plan_files,
-                                           remove_tmp, warn_overflow, write_error)
+                                           remove_tmp, warn_overflow, writing)
 from framework.core.utils import dtype_name, few
 
 
@@ -218,10 +218,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
 def reported(fn, out_dir: Path, plans):
     """``fn`` with an OSError turned into one line naming ``out_dir`` (so every rank's message names it)."""
     def run():
-        try:
+        with writing(out_dir, plans, "save_weights"):
             return fn()
-        except OSError as e:
-            raise write_error(e, out_dir, "save_weights", sum(p.size for p in plans)) from None
     return run
 
 

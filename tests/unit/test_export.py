@@ -195,7 +195,7 @@ def test_an_output_that_cannot_be_written_names_to(tmp_path, capsys):
     capsys.readouterr()
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "afile")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --to {tmp_path / 'afile'}: cannot write") and err.count("\n") == 1, err
+    assert err.startswith(f"error: export: cannot write {tmp_path / 'afile'} (") and err.count("\n") == 1, err
 
 
 def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
@@ -210,8 +210,26 @@ def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
         with file_size_limit(4000):
             assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard]) == 1
         err = capsys.readouterr().err
-        assert err.startswith(f"error: --to {out}: cannot write") and "no room" in err and err.count("\n") == 1, err
+        assert err.startswith(f"error: export: cannot write {out} (") and "no room" in err and err.count("\n") == 1, err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_a_read_error_naming_no_file_is_a_read_error(tmp_path, capsys, monkeypatch):
+    """A checkpoint read failing with an errno alone (EIO from a dying disk) is said to be a read, never blamed
+    on --to (every write error names --to itself)."""
+    import errno
+
+    from framework.persist import export as export_module
+    _checkpoint(tmp_path)
+
+    def failing(self, names):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(export_module.Checkpoint, "read", failing)
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: export: cannot read {tmp_path / 'ckpt'} (Input/output error)"), err
+    assert err.count("\n") == 1 and not list((tmp_path / "out").glob("*.tmp")), err
 
 
 def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
