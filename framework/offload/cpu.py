@@ -129,6 +129,13 @@ def check(node: CPUOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> CPUOf
     if node.params == "cpu" and stage != "zero3":
         raise ConfigError(f"config: offload.params=cpu (parameter offload) needs +stage=zero3, got "
                           f"stage={stage}; use offload.params=none or +stage=zero3")
+    if node.params == "cpu" and node.ratio < 1.0:   # the device pieces would be stepped on host slices
+        raise ConfigError("config: offload.ratio<1 keeps part of each partition's step on the device, which zero3 "
+                          "parameter shards in host memory (offload.params=cpu) cannot share; use offload.ratio=1 "
+                          "or offload.params=none")
+    if node.overlap_step and node.ratio == 0.0:
+        raise ConfigError("config: offload.overlap_step=true has no effect with offload.ratio=0 (no part of the "
+                          "step runs on the host); raise offload.ratio or drop offload.overlap_step")
     return node
 
 

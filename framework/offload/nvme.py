@@ -77,7 +77,7 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
         raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
     if params == "nvme" and cfg.ratio < 1.0:
         raise ConfigError("config: offload.ratio<1 keeps part of each partition on the device, which zero3 "
-                          "parameter shards on NVMe cannot share; use offload.ratio=1 or offload.params=cpu")
+                          "parameter shards on NVMe cannot share; use offload.ratio=1 or offload.params=none")
     if cfg.overlap_step and cfg.optimizer == "nvme":
         raise ConfigError("config: offload.overlap_step=true needs whole optimizer pieces in host memory "
                           "(speculation keeps undo copies); use offload.optimizer=cpu or overlap_step=false")

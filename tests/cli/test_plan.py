@@ -255,8 +255,8 @@ def test_a_given_stage_or_offload_restricts_the_search(capsys, monkeypatch, args
     (["offload=cpu", "offload.ratio=0.5"], {"cpu"}, {("offload", "ratio"): 0.5}),
     (["offload=nvme", "offload.params=none", "offload.buffer_count=2"], {"nvme"},
      {("offload", "params"): "none", ("offload", "buffer_count"): 2}),
-    (["+stage=zero3", "offload=cpu", "offload.params=cpu", "offload.ratio=0.5"], {"cpu+params"},
-     {("offload", "ratio"): 0.5, ("offload", "params"): "cpu"}),
+    (["+stage=zero3", "offload=cpu", "offload.params=cpu", "offload.pin_memory=false"], {"cpu+params"},
+     {("offload", "pin_memory"): False, ("offload", "params"): "cpu"}),
     (["+stage=zero3", "stage.stage3_prefetch_bucket_size=5"], {"none", "cpu", "cpu+params", "nvme"},
      {("stage", "stage3_prefetch_bucket_size"): 5}),
 ])

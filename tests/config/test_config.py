@@ -129,6 +129,10 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero3", "offload=cpu", "offload.params=nvme"], "offload.params must be none or cpu with offload=cpu"),
     (["+stage=zero3", "offload=cpu", "offload.params=true"], "offload.params must be none or cpu"),
     (["+stage=zero2", "offload=cpu", "offload.params=cpu"], "offload.params=cpu (parameter offload) needs +stage=zero3"),
+    (["+stage=zero3", "offload=cpu", "offload.params=cpu", "offload.ratio=0.5"],
+     "offload.ratio<1 keeps part of each partition's step on the device, which zero3 parameter shards in host memory"),
+    (["+stage=zero2", "offload=cpu", "offload.ratio=0", "offload.overlap_step=true"],
+     "offload.overlap_step=true has no effect with offload.ratio=0"),
     # keys of a tier that is off would do nothing
     (["+stage=zero2", "offload=nvme", "offload.param_buffer_size=1"],
      "offload.param_buffer_size has no effect unless offload.params=nvme; remove it"),
