@@ -24,6 +24,9 @@ def build(cfg: SGDConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
     if cfg.nesterov and not (cfg.momentum > 0 and cfg.dampening == 0):
         raise ConfigError("optimizer.nesterov needs momentum > 0 and dampening == 0 for sgd, got "
                           f"momentum={cfg.momentum} dampening={cfg.dampening}")
+    if cfg.momentum == 0 and cfg.dampening != 0:   # (torch ignores it silently)
+        raise ConfigError(f"optimizer.dampening has no effect with momentum=0 for sgd, got dampening={cfg.dampening};"
+                          " set optimizer.momentum or drop optimizer.dampening")
     # torch keeps no momentum buffer at all when momentum is 0
     direction = trace(cfg.momentum, cfg.dampening, cfg.nesterov) if cfg.momentum != 0 else None
     return optimizer(cfg, decay_mask, direction, decoupled=False)

@@ -202,6 +202,7 @@ def test_chain_state_is_tuple_of_inner_states():
     (sgd, {"nesterov": True}),
     (sgd, {"nesterov": True, "momentum": 0.9, "dampening": 0.1}),
     (sgd, {"momentum": -0.5}),
+    (sgd, {"dampening": 0.9}),
     (lion, {"beta2": 1.5}),
     (adagrad, {"lr_decay": -0.1}),
     (adagrad, {"initial_accumulator_value": -1.0}),
