@@ -103,6 +103,13 @@ def test_host_and_device_memory_are_told_apart(acc):
         acc.on_device(host[2:], what="x")
     with pytest.raises(DeviceMismatch, match="expected a host buffer, got device memory"):
         acc.on_host(dev, what="x")
+    # compute and collectives run on the device: NCCL fails on a host tensor
+    acc.use(reads=[dev], writes=[dev])
+    acc.collective_done(acc.collective([dev], "x"))
+    for call in (lambda: acc.use(reads=[host]), lambda: acc.use(writes=[host[1:]]),
+                 lambda: acc.collective([dev, host], "x")):
+        with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+            call()
 
 
 def test_asynchronous_copies_need_pinned_host_buffers(acc):

@@ -2,7 +2,8 @@
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
 - placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
-  other is expected, or a ``non_blocking`` copy with a pageable host side: ``DeviceMismatch``;
+  other is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking``
+  copy with a pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
   ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
   earlier access by another stream (or the host: all its threads count as one, ordering between them
@@ -304,6 +305,7 @@ class CheckingCpuAccelerator:
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
         with self._lock:
             self._entry("queue compute")
+            self._device_only([*reads, *writes], "compute on the device")
             self._access(self._queue(None), reads, writes, "compute")
 
     def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
@@ -318,6 +320,7 @@ class CheckingCpuAccelerator:
     def collective(self, tensors: Sequence[Tensor], what: str):
         with self._lock:
             self._entry("issue a collective")
+            self._device_only(tensors, f"collective {what!r} (NCCL takes device memory only)")
             self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
             self._access(self._collectives, tensors, tensors, f"collective {what!r}")
             return self._collectives.clock()
@@ -326,6 +329,12 @@ class CheckingCpuAccelerator:
         with self._lock:
             self._entry("wait for a collective")
             self._queue(None).merge(token)
+
+    def _device_only(self, tensors: Sequence[Tensor], what: str) -> None:
+        for t in tensors:
+            if self._is_host(t):
+                raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
+                                     f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return _NoHostSync(self, where)
