@@ -268,3 +268,26 @@ def test_pinned_memory_is_rounded_and_cached_as_cudas_host_allocator_does(acc):
     acc.empty_host(1 << 10, torch.float32, pinned=False)
     assert acc.pinned_stats()["requested"] - before["requested"] == 4 << 20
     del b
+
+
+def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
+    import os
+
+    import framework
+    from framework.comm.accelerator import HostSync
+    host, dev = acc.empty_host(8, torch.float32), torch.ones(8)
+    src = ("def interface(): acc.copy(host, dev)\n"                     # the framework's interface, blocking
+           "def plain(): host.copy_(dev)\n"                             # torch's own, blocking
+           "def queued(): acc.copy(host, dev, non_blocking=True)\n"     # fine: ordered by an event later
+           "def to_device(): acc.copy(dev, host)\n")                    # host-to-device: no wait for the device
+    ns = {"acc": acc, "host": host, "dev": dev}
+    exec(compile(src, os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py"), "exec"), ns)
+    for name in ("interface", "plain"):
+        with pytest.raises(HostSync, match=r"host sync \(copy_ of a \(8,\) torch.float32 device tensor\) inside "
+                                           r"a hook, at framework/stages/hook.py"):
+            with acc.hot("a hook"):
+                ns[name]()
+    with acc.hot("a hook"):
+        ns["queued"]()
+        ns["to_device"]()
+    ns["interface"]()   # outside a hook: fine

@@ -15,7 +15,7 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
   (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
-  reading device memory on the host raises ``HostSync``;
+  reading device memory on the host, or copying it into a host buffer blocking, raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
@@ -125,15 +125,23 @@ class _NoHostSync(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
-                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
+                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]) \
+                or name == "copy_" and self._blocking_d2h(args, kwargs):
             caller = sys._getframe(1)
             while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
                 caller = caller.f_back
             if caller is not None and _ours(caller.f_code.co_filename):
-                raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
+                t = args[1] if name == "copy_" else args[0]
+                raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
                                f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
                                f"move it out of the hook, or keep the value on the device")
         return func(*args, **kwargs)
+
+    def _blocking_d2h(self, args, kwargs) -> bool:
+        """A blocking copy of device memory into a host buffer (``host.copy_(dev)``): it waits for the device."""
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return len(args) > 1 and not non_blocking and isinstance(args[1], Tensor) and args[1].numel() > 0 \
+            and self.acc._is_host(args[0]) and not self.acc._is_host(args[1])
 
 
 def _to_host(args, kwargs) -> bool:
@@ -300,7 +308,7 @@ class CheckingCpuAccelerator:
                 s.last_copy = "h2d" if src_host else "d2h" if dst_host else "d2d"
                 if (dst_host or src_host) and not non_blocking:
                     self._host.merge(s.clock())   # a blocking copy returns when it is done
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)   # (inside ``hot``, a blocking device-to-host copy is a sync)
 
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
         with self._lock:
