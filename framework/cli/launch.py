@@ -30,8 +30,8 @@ import torch.multiprocessing as mp
 
 from framework.persist.checkpoint import preflight
 from framework.config import Config
-from framework.comm.distributed import (Dist, agree, backend_notice, connect, disconnect, local_world_size,
-                                       resolve_backend)
+from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
+                                       local_world_size, resolve_backend)
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated
 from framework.loggers import RunInfo
@@ -201,26 +201,14 @@ def own_run_folder(run: RunInfo) -> int:
 
 
 def check_launch_env(cfg: Config) -> None:
-    """One line, before anything connects or spawns, for a launch environment that cannot work: a
-    leftover WORLD_SIZE without the rest of torchrun's variables, a dist.nproc that an external
-    launcher's WORLD_SIZE overrules, or Slurm tasks that nothing made into one group."""
-    env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
-    if world > 1 and not torch.distributed.is_initialized():   # (a group the user made needs none)
-        missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if not env.get(k)]
-        if missing:
-            raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                              f"not: launch with torchrun (or dist.nproc=N for local ranks), or unset WORLD_SIZE")
+    """One line, before anything connects or spawns, for a launch environment that cannot work: those
+    ``connect`` refuses (``check_env``: a leftover WORLD_SIZE, Slurm tasks that nothing made into one
+    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules."""
+    check_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
-    # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
-    key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    tasks = int(env.get(key, "1"))
-    if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
-        raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
-                          f"would train alone into one run folder); run torchrun under srun "
-                          f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

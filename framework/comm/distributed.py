@@ -143,8 +143,59 @@ def gpu_count() -> int:
 
 
 def local_world_size() -> int:
-    """Ranks on this host: LOCAL_WORLD_SIZE (torchrun, our spawner, Slurm), else WORLD_SIZE."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1")
+    """Ranks on this host: the launcher's (``local_ranks``), else WORLD_SIZE (one host)."""
+    return local_ranks(*rank_and_world())[1] or int(os.environ.get("WORLD_SIZE") or "1")
+
+
+def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
+    """(this rank's index on its host, ranks on its host) as the launcher says, None where it does not:
+    LOCAL_RANK / LOCAL_WORLD_SIZE (torchrun, our spawner), else Slurm's for an srun task that is this
+    rank (SLURM_PROCID = the rank, the step's task count = the world size)."""
+    env = os.environ
+    local, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
+    if env.get("SLURM_PROCID") == str(rank) and tasks == str(world):
+        local = local or env.get("SLURM_LOCALID")
+        local_world = local_world or _slurm_tasks_here()
+    return (int(local) if local else None), (int(local_world) if local_world else None)
+
+
+def _slurm_tasks_here() -> str | None:
+    """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes)."""
+    env = os.environ
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    counts = []
+    for part in spec.split(","):
+        n, _, times = part.partition("(x")
+        counts += [n] * int(times.rstrip(")") or "1")
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node < len(counts):
+        return counts[node]
+    return counts[0] if len(set(counts)) == 1 else None
+
+
+def check_env(store_path: str | None = None) -> None:
+    """One line, before anything connects, for a launch environment that cannot work: a leftover
+    WORLD_SIZE without the rest of torchrun's variables, or Slurm tasks that nothing made into one
+    group. A group this process joined already needs neither."""
+    if tdist.is_initialized():
+        return
+    env = os.environ
+    world = int(env.get("WORLD_SIZE", "1"))
+    if world > 1:
+        needed = ("RANK",) if store_path else ("RANK", "MASTER_ADDR", "MASTER_PORT")
+        if missing := [k for k in needed if not env.get(k)]:
+            raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                              f"not: launch with torchrun (or dist.nproc=N for local ranks), or unset WORLD_SIZE")
+    # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
+    key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    tasks = int(env.get(key, "1"))
+    if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
+        raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
+                          f"would train alone into one run folder); run torchrun under srun "
+                          f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
 
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
@@ -209,32 +260,82 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
             device: str = "auto") -> Dist:
     """Join the process group the environment describes (torchrun's or our spawner's RANK,
     WORLD_SIZE, ...; none: a single process), or the one this process already joined (the caller's
-    own ``init_process_group``; its backend is taken for ``auto``). The group is made once per process
-    and reused by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``:
+    own ``init_process_group``, with any backend spec torch takes: the part of it that carries this
+    rank's tensors is used; ``timeout_s`` is set on it too, so that every message names the limit that
+    applies; a CUDA device the caller made current is kept). The group is made once per process and
+    reused by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``:
     rendezvous through a FileStore there instead of MASTER_ADDR/MASTER_PORT."""
+    check_env(store_path)
     rank, world = rank_and_world()
-    local_rank = int(os.environ.get("LOCAL_RANK", str(rank)))
-    name = tdist.get_backend() if backend == "auto" and tdist.is_initialized() else resolve_backend(backend)
-    dev = pick_device(name, local_rank, device)
-    if dev.type == "cuda":
+    joined = tdist.is_initialized()
+    gpus = gpu_count()
+    local, local_world = local_ranks(rank, world)
+    mine = _current_cuda_device() if joined else None   # the caller's choice, for the group they made
+    if world > 1 and gpus and device != "cpu" and (backend != "gloo" or device == "cuda") \
+            and (local_world is None or (local is None and mine is None)) and world > gpus:
+        raise ConfigError(f"cannot tell which of this host's {gpus} GPUs rank {rank} of {world} uses: set "
+                          f"LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets them; Slurm's SLURM_LOCALID is used "
+                          f"where SLURM_PROCID is the rank), or dist.backend=gloo to train on the CPU")
+    index = device_index(local, mine, gpus)
+    local = rank if local is None else local
+    local_world = world if local_world is None else local_world
+    name = joined_backend(backend, device, local_world) if joined else resolve_backend(backend, local_world)
+    dev = pick_device(name, local if index is None else index, device)
+    if dev.type == "cuda" and dev.index != mine:
         torch.cuda.set_device(dev)   # before init_process_group(device_id=...), and for this thread
     if world == 1:
-        return Dist(rank, world, local_rank, dev, None, timeout_s)
+        return Dist(rank, world, local, dev, None, timeout_s)
     if name == "nccl" and not faulthandler.is_enabled():
         # NCCL's watchdog ends a rank whose collective timed out with SIGABRT: print where each
         # thread was (which collective the main thread waited behind) before the process goes.
         faulthandler.enable(all_threads=True)
-    if not tdist.is_initialized():
+    if joined:   # made with its own timeout (the caller's, or an earlier job's of a multirun)
+        tdist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
+    else:
         store = tdist.FileStore(store_path, world) if store_path else None
         tdist.init_process_group(name, rank=rank, world_size=world, store=store,
                                  timeout=timedelta(seconds=timeout_s),
                                  device_id=dev if name == "nccl" else None)
-    if tdist.get_backend() != name:
-        raise ConfigError(f"this process already joined a {tdist.get_backend()} group; dist.backend={name} "
-                          f"cannot change within one process")
-    dist = Dist(rank, world, local_rank, dev, name, timeout_s)
+    dist = Dist(rank, world, local, dev, name, timeout_s)
     peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
     return replace(dist, peers=tuple(tuple(p) for p in peers))
+
+
+def device_index(local: int | None, mine: int | None, gpus: int) -> int | None:
+    """The GPU of a rank whose launcher says ``local`` (LOCAL_RANK; None: unknown) and whose caller made
+    ``mine`` current for the group it made (None: not): the caller's wins, unless it is CUDA's default
+    (0) while LOCAL_RANK names another visible GPU (CUDA touched before set_device)."""
+    return mine if mine is not None and (mine != 0 or local is None or local >= gpus) else local
+
+
+def _current_cuda_device() -> int | None:
+    """The CUDA device this process made current, None where it has not touched CUDA."""
+    return torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+def joined_backend(backend: str, device: str = "auto", local_world: int = 1,
+                   spec: str | None = None) -> str:
+    """gloo or nccl: the backend of the group this process joined (``spec``, as get_backend_config gives
+    it: "cpu:gloo,cuda:nccl", torch's default) that carries this rank's tensors; ``auto`` prefers
+    what ``resolve_backend`` would pick. A group without one the framework can use is refused."""
+    spec = tdist.get_backend_config() if spec is None else spec
+    per = dict(part.rpartition(":")[::2] for part in spec.replace(" ", "").split(","))
+    usable = []
+    if device != "cpu" and gpu_count() and per.get("cuda", per.get("")) == "nccl":
+        usable.append("nccl")
+    if per.get("cuda" if device == "cuda" else "cpu", per.get("")) == "gloo":
+        usable.append("gloo")
+    if backend == "auto":
+        want = resolve_backend("auto", local_world) if device != "cpu" else "gloo"
+        if usable:
+            return want if want in usable else usable[0]
+    elif resolve_backend(backend, local_world) in usable:
+        return backend
+    raise ConfigError(f"this process joined a process group with backend {spec!r}, which has no "
+                      f"{'gloo or nccl' if backend == 'auto' else backend} backend for "
+                      f"{'CUDA' if device == 'cuda' else 'CPU' if device == 'cpu' else 'this device'}'s tensors "
+                      f"(dist.backend={backend}, device={device}); make it with backend='gloo' or 'nccl' "
+                      f"(or 'cpu:gloo,cuda:nccl'), or match dist.backend and device to it")
 
 
 def disconnect() -> None:

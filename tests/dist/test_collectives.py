@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from datetime import timedelta
 
 import pytest
 import torch
@@ -342,8 +343,10 @@ def _own_group(dist):
     from framework.core.errors import ConfigError
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+    group = torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
     try:
-        mine = connect("gloo")
+        mine = connect("gloo", timeout_s=7)
+        timeout = group.options._timeout.total_seconds()   # dist.timeout_s applies to it now
         torch.manual_seed(dist.rank)   # a different init per rank: rank 0's is broadcast
         model = torch.nn.Linear(4, 2)
         with framework.initialize(model, lambda m, b: m(b).square().mean(),
@@ -360,11 +363,14 @@ def _own_group(dist):
     finally:
         os.environ.pop("WORLD_SIZE", None)
         os.environ.update(saved)
-    return mine.rank, mine.world, world, weights, refused
+        torch.distributed.group.WORLD.set_timeout(timedelta(seconds=dist.timeout_s))   # the pool's again
+    return mine.rank, mine.world, world, weights, refused, timeout
 
 
 def test_connect_joins_a_group_made_before(pools):
     out = pools(2).run(_own_group)
+    assert [timeout for *_, timeout in out] == [7.0, 7.0]
+    out = [o[:-1] for o in out]
     assert [(r, w, ew) for r, w, ew, _, _ in out] == [(0, 2, 2), (1, 2, 2)]
     assert torch.equal(out[0][3], out[1][3])   # one model trained together, not two alone
     assert all("WORLD_SIZE=3" in refused and "2" in refused for *_, refused in out)

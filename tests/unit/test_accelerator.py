@@ -103,6 +103,13 @@ def test_host_and_device_memory_are_told_apart(acc):
         acc.on_device(host[2:], what="x")
     with pytest.raises(DeviceMismatch, match="expected a host buffer, got device memory"):
         acc.on_host(dev, what="x")
+    # compute and collectives run on the device: NCCL fails on a host tensor
+    acc.use(reads=[dev], writes=[dev])
+    acc.collective_done(acc.collective([dev], "x"))
+    for call in (lambda: acc.use(reads=[host]), lambda: acc.use(writes=[host[1:]]),
+                 lambda: acc.collective([dev, host], "x")):
+        with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+            call()
 
 
 def test_asynchronous_copies_need_pinned_host_buffers(acc):
@@ -261,3 +268,26 @@ def test_pinned_memory_is_rounded_and_cached_as_cudas_host_allocator_does(acc):
     acc.empty_host(1 << 10, torch.float32, pinned=False)
     assert acc.pinned_stats()["requested"] - before["requested"] == 4 << 20
     del b
+
+
+def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
+    import os
+
+    import framework
+    from framework.comm.accelerator import HostSync
+    host, dev = acc.empty_host(8, torch.float32), torch.ones(8)
+    src = ("def interface(): acc.copy(host, dev)\n"                     # the framework's interface, blocking
+           "def plain(): host.copy_(dev)\n"                             # torch's own, blocking
+           "def queued(): acc.copy(host, dev, non_blocking=True)\n"     # fine: ordered by an event later
+           "def to_device(): acc.copy(dev, host)\n")                    # host-to-device: no wait for the device
+    ns = {"acc": acc, "host": host, "dev": dev}
+    exec(compile(src, os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py"), "exec"), ns)
+    for name in ("interface", "plain"):
+        with pytest.raises(HostSync, match=r"host sync \(copy_ of a \(8,\) torch.float32 device tensor\) inside "
+                                           r"a hook, at framework/stages/hook.py"):
+            with acc.hot("a hook"):
+                ns[name]()
+    with acc.hot("a hook"):
+        ns["queued"]()
+        ns["to_device"]()
+    ns["interface"]()   # outside a hook: fine

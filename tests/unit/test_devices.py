@@ -79,3 +79,72 @@ def test_exit_lines_name_the_watchdog():
     assert "out of memory" in exit_message(0, 2, -signal.SIGKILL, "nccl", 300)
     assert exit_message(0, 2, -signal.SIGABRT, "gloo", 300) == "rank 0 of 2 was killed by SIGABRT; the other ranks were stopped"
     assert exit_message(1, 4, 1, "gloo", 300).startswith("rank 1 of 4 exited with code 1 (anything it printed is above)")
+
+
+@pytest.mark.parametrize("spec,n,device,backend", [
+    ("cpu:gloo", 0, "auto", "gloo"), ("cpu:gloo,cuda:nccl", 0, "auto", "gloo"),   # torch's default group
+    ("cpu:gloo,cuda:nccl", 2, "auto", "nccl"), ("cpu:gloo,cuda:nccl", 1, "auto", "gloo"),   # 2 local ranks
+    ("cpu:gloo,cuda:nccl", 2, "cpu", "gloo"), ("cpu:gloo,cuda:gloo", 2, "cuda", "gloo"), ("nccl", 2, "auto", "nccl"),
+    ("cuda:nccl", 1, "auto", "nccl")])
+def test_a_joined_groups_backend_spec_maps_to_gloo_or_nccl(gpus, spec, n, device, backend):
+    """A group made without backend= (get_backend() is 'undefined') or with a per-device spec."""
+    gpus(n)
+    assert d.joined_backend("auto", device, 2, spec=spec) == backend
+    assert d.joined_backend(backend, device, 2 if n != 1 else 1, spec=spec) == backend
+
+
+@pytest.mark.parametrize("spec,n,backend,device", [("cpu:mpi", 0, "auto", "auto"), ("cuda:nccl", 2, "auto", "cpu"),
+                                                   ("cpu:gloo", 2, "nccl", "auto"), ("cpu:gloo", 0, "gloo", "cuda")])
+def test_a_joined_group_without_a_usable_backend_is_one_line(gpus, spec, n, backend, device):
+    gpus(n)
+    with pytest.raises(ConfigError, match=r"^this process joined a process group with backend") as e:
+        d.joined_backend(backend, device, 1, spec=spec)
+    assert "\n" not in str(e.value)
+
+
+def test_local_rank_from_slurm_and_unknown_local_ranks_refused(monkeypatch, gpus):
+    """srun with RANK/WORLD_SIZE/MASTER_* only: the local rank is not the global one (cuda:9 on an
+    8-GPU node), nor are all 16 ranks on this host."""
+    gpus(8)
+    for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE",
+              "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(RANK="9", WORLD_SIZE="16", MASTER_ADDR="127.0.0.1", MASTER_PORT="1", SLURM_NTASKS="16").items():
+        monkeypatch.setenv(k, v)
+    assert d.local_ranks(9, 16) == (None, None)
+    with pytest.raises(ConfigError, match=r"^cannot tell which of this host's 8 GPUs rank 9 of 16 uses: set "
+                                          r"LOCAL_RANK and LOCAL_WORLD_SIZE"):
+        d.connect("auto", 10.0)
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
+    assert d.local_ranks(9, 16) == (None, None)   # Slurm's tasks are not the ranks (no SLURM_PROCID)
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    assert d.local_ranks(9, 16) == (1, 8) and d.local_world_size() == 8 and d.resolve_backend("auto") == "nccl"
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "9,7")   # uneven: this node's entry
+    assert d.local_ranks(9, 16) == (1, 7)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert d.local_ranks(9, 16) == (3, 4)   # the launcher's own variables first
+
+
+def test_a_device_the_caller_made_current_is_kept():
+    assert d.device_index(3, None, 8) == 3                # connect makes the group: LOCAL_RANK
+    assert d.device_index(None, 5, 8) == 5                # the caller's group, no LOCAL_RANK
+    assert d.device_index(3, 5, 8) == 5                   # the caller set another device: theirs
+    assert d.device_index(3, 0, 8) == 3                   # CUDA touched before any set_device: LOCAL_RANK
+    assert d.device_index(3, 0, 1) == 0                   # one visible GPU per rank (CUDA_VISIBLE_DEVICES)
+
+
+@pytest.mark.parametrize("env, says", [({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
+                                       ({"SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, "srun started 2 tasks")])
+def test_connect_refuses_a_launch_env_that_cannot_work(monkeypatch, env, says):
+    """The library path (initialize) gets the CLI's one line too."""
+    for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+              "SLURM_STEP_ID", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        d.connect("auto", 5.0)
+    assert says in str(e.value) and "\n" not in str(e.value)

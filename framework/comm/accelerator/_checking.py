@@ -2,7 +2,8 @@
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
 - placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
-  other is expected, or a ``non_blocking`` copy with a pageable host side: ``DeviceMismatch``;
+  other is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking``
+  copy with a pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
   ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
   earlier access by another stream (or the host: all its threads count as one, ordering between them
@@ -14,7 +15,7 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
   (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
-  reading device memory on the host raises ``HostSync``;
+  reading device memory on the host, or copying it into a host buffer blocking, raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
@@ -124,15 +125,23 @@ class _NoHostSync(TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
-                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]):
+                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]) \
+                or name == "copy_" and self._blocking_d2h(args, kwargs):
             caller = sys._getframe(1)
             while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
                 caller = caller.f_back
             if caller is not None and _ours(caller.f_code.co_filename):
-                raise HostSync(f"host sync ({name} of a {tuple(args[0].shape)} {args[0].dtype} device tensor) inside "
+                t = args[1] if name == "copy_" else args[0]
+                raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
                                f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
                                f"move it out of the hook, or keep the value on the device")
         return func(*args, **kwargs)
+
+    def _blocking_d2h(self, args, kwargs) -> bool:
+        """A blocking copy of device memory into a host buffer (``host.copy_(dev)``): it waits for the device."""
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return len(args) > 1 and not non_blocking and isinstance(args[1], Tensor) and args[1].numel() > 0 \
+            and self.acc._is_host(args[0]) and not self.acc._is_host(args[1])
 
 
 def _to_host(args, kwargs) -> bool:
@@ -299,11 +308,12 @@ class CheckingCpuAccelerator:
                 s.last_copy = "h2d" if src_host else "d2h" if dst_host else "d2d"
                 if (dst_host or src_host) and not non_blocking:
                     self._host.merge(s.clock())   # a blocking copy returns when it is done
-        dst.copy_(src)
+        dst.copy_(src, non_blocking=non_blocking)   # (inside ``hot``, a blocking device-to-host copy is a sync)
 
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
         with self._lock:
             self._entry("queue compute")
+            self._device_only([*reads, *writes], "compute on the device")
             self._access(self._queue(None), reads, writes, "compute")
 
     def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
@@ -318,6 +328,7 @@ class CheckingCpuAccelerator:
     def collective(self, tensors: Sequence[Tensor], what: str):
         with self._lock:
             self._entry("issue a collective")
+            self._device_only(tensors, f"collective {what!r} (NCCL takes device memory only)")
             self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
             self._access(self._collectives, tensors, tensors, f"collective {what!r}")
             return self._collectives.clock()
@@ -326,6 +337,12 @@ class CheckingCpuAccelerator:
         with self._lock:
             self._entry("wait for a collective")
             self._queue(None).merge(token)
+
+    def _device_only(self, tensors: Sequence[Tensor], what: str) -> None:
+        for t in tensors:
+            if self._is_host(t):
+                raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
+                                     f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return _NoHostSync(self, where)
