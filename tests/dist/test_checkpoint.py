@@ -413,3 +413,48 @@ def test_a_resume_lists_no_difference_in_where_files_lie():
     mine = tiny_config("+stage=zero2", "offload=nvme", "offload.nvme_path=/runs/b/nvme", "checkpoint.dir=/ck/b").to_dict()
     assert changed(saved, mine) == []
     assert changed(saved, {**mine, "seed": mine["seed"] + 1}) == ["seed"]
+
+
+def _hf_train(dist, path, root, *over, steps=K):
+    """Train a tiny HF GPT-2 (its config.json at ``path``) to ``steps``, resuming from ``root`` first (auto)."""
+    from framework.engine.build import component
+    from tests._hf import build, hf_cfg
+    cfg = hf_cfg(path, f"train.steps={steps}", f"checkpoint.dir={root}", f"checkpoint.every={K}",
+                 "checkpoint.timeout_s=60", *over)
+    model, data = build(cfg)
+    with framework.initialize(model, component(cfg, "model").loss, cfg, dist) as engine:
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            state = ckpt.resume(engine.state)
+            while state.step < steps:
+                batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=1, rank=0, world=1)
+                state, _ = engine.train_step(state, batch)
+                ckpt.maybe_save(state)
+        finally:
+            ckpt.close()
+    return cfg
+
+
+def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, capsys):
+    """model=hf: the checkpoint records the model's resolved config. Another architecture whose shapes fit
+    (more heads) behind the same config path is refused; the same model read from a copy of its config, with
+    another model.context, resumes (both listed as differences)."""
+    from framework.persist.checkpoint import preflight
+    from tests._hf import write_config
+    dist, root = _local(), tmp_path / "ck"
+    path = write_config("gpt2", tmp_path / "m", n_head=2)
+    _hf_train(dist, path, root)
+    write_config("gpt2", tmp_path / "m", n_head=4)   # the same file, another model
+    with pytest.raises(ConfigError, match=r"step-2 was saved by another model \(its config: n_head 2 vs 4; saved vs "
+                                          r"this run\); use another checkpoint.dir"):
+        _hf_train(dist, path, root, steps=N)
+    copy = write_config("gpt2", tmp_path / "copy", n_head=2)
+    again = ("model.context=8", f"train.steps={N}")
+    preflight(framework.compose(
+        ["model=hf", f"model.config={copy}", *again, f"checkpoint.dir={root}", "checkpoint.every=2",
+         "data.vocab_size=64", "logger=none"]), None)   # before the ranks: not refused for the path either
+    capsys.readouterr()
+    _hf_train(dist, copy, root, *again, steps=N)
+    out = capsys.readouterr().out
+    assert f"resumed from {root / 'step-2'} (step 2" in out and "differs in model.config, model.context, train" in out, out
+    assert (root / f"step-{N}").is_dir()

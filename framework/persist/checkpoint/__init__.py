@@ -196,10 +196,11 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         return cfg
     folder = folders[0]   # the one every rank reads first
     try:
-        saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
+        body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
+        saved = body["config"]
     except (CheckpointError, KeyError, TypeError):
         return cfg
-    same_run(folder, saved, cfg.to_dict(), c.resume)
+    same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
     return cfg
 
 
