@@ -10,6 +10,7 @@ stage are bitwise the saved ones, and the data position continues.
 import json
 import os
 import pickle
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -260,6 +261,16 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
         in capsys.readouterr().out
     with pytest.raises(ConfigError, match=f"holds 1 checkpoint.s., newest step-{K}, which this run's saves would"):
         _train(dist, [], str(tmp_path), resume="off", steps=0)   # saves: they would overwrite them
+    # So is a resume from another folder's checkpoint, in the check before the ranks and in the loop's own.
+    from framework.persist.checkpoint import preflight
+    other = tmp_path / "other" / f"step-{K}"
+    shutil.copytree(tmp_path / f"step-{K}", other)
+    refused = fr"checkpoint.resume={other}: {tmp_path} holds 1 checkpoint.s., newest step-{K}, which this run's saves"
+    with pytest.raises(ConfigError, match=refused):
+        preflight(_cfg(1, [], str(tmp_path), [f"checkpoint.resume={other}"]), None)
+    with pytest.raises(ConfigError, match=refused):
+        _train(dist, [], str(tmp_path), resume=str(other), steps=0)
+    _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(other), steps=0)   # no saves: nothing to lose
     losses, _, first, _ = _train(dist, [], str(tmp_path), resume="auto", steps=N)
     assert first[:2] == (K, K) and len(losses) == N - K
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out

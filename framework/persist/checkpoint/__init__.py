@@ -69,7 +69,13 @@ class Checkpointer:
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
-        mine = agree_load(self.group, what, lambda: candidates(resume, self.root) if self.rank == 0 else None)
+
+        def look():
+            found = candidates(resume, self.root)
+            elsewhere(found[0], self.root, resume, self.cfg.every)
+            return found
+
+        mine = agree_load(self.group, what, lambda: look() if self.rank == 0 else None)
         folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
             self._say(note)
@@ -194,6 +200,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)))
     if not folders:
         return cfg
+    elsewhere(folders, root, c.resume, c.every)
     folder = folders[0]   # the one every rank reads first
     try:
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
@@ -204,17 +211,26 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
     return cfg
 
 
-def fresh_start(root: Path, every: int) -> str | None:
-    """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds committed
-    checkpoints (same-step saves and rotation would lose the earlier run); else the note to print, if any."""
+def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
+    """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``elsewhere``): a ConfigError if this
+    run would save into a folder that holds committed checkpoints (same-step saves and rotation would lose the
+    earlier run); else the note to print, if any."""
     existing = stepfolders.scan(root)[0]
     if not existing:
         return None
     what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
     if every:
-        raise ConfigError(f"checkpoint.resume=off: {what}, which this run's saves would overwrite or rotate away; "
-                          "set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
+        raise ConfigError(f"checkpoint.resume={resume}: {what}, which this run's saves would overwrite or rotate away"
+                          + ("" if resume == "off" else " (this resume reads another folder)")
+                          + "; set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
     return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
+
+
+def elsewhere(folders: list[Path], root: Path, resume: str, every: int) -> None:
+    """A resume from checkpoints outside ``root`` (``folders``: the candidates) into a run that saves in ``root``:
+    ``fresh_start``'s refusal where ``root`` holds committed checkpoints, as for ``checkpoint.resume=off``."""
+    if folders and every and folders[0].resolve().parent != root.resolve():
+        fresh_start(root, every, resume)
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
