@@ -278,6 +278,24 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
 
 
+def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys):
+    """A save of a step already there killed inside its commit leaves step-N moved to step-N.old (and maybe a
+    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier."""
+    from framework.persist.checkpoint import preflight
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=N)
+    final = tmp_path / f"step-{N}"
+    final.rename(tmp_path / f"step-{N}.old")
+    shutil.copytree(tmp_path / f"step-{N}.old", tmp_path / f"step-{N}.tmp")   # the new one, complete
+    preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=auto"]), None)   # the check before the ranks
+    assert "restored it from step-4.tmp (complete" in capsys.readouterr().out and final.is_dir()
+    shutil.rmtree(tmp_path / f"step-{N}.old")
+    final.rename(tmp_path / f"step-{N}.old")   # moved aside, its successor not yet complete
+    _, _, first, _ = _train(dist, [], str(tmp_path), resume=str(tmp_path), steps=N)   # the loop's own, a path
+    assert first[:2] == (N, N)
+    assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
+
+
 def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     """resume=auto with every folder damaged: one error, the folders kept, and the advice is one that
     works (another checkpoint.dir: resume=off is refused where the run would save among them)."""

@@ -215,6 +215,7 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
     """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``elsewhere``): a ConfigError if this
     run would save into a folder that holds committed checkpoints (same-step saves and rotation would lose the
     earlier run); else the note to print, if any."""
+    restore(root)
     existing = stepfolders.scan(root)[0]
     if not existing:
         return None
@@ -233,11 +234,25 @@ def elsewhere(folders: list[Path], root: Path, resume: str, every: int) -> None:
         fresh_start(root, every, resume)
 
 
+def restore(root: Path) -> None:
+    """Before looking for checkpoints in ``root``: put back the step a save killed inside its commit left as
+    ``step-<N>.old`` / ``.tmp`` (``stepfolders.restore``, one line each), which the next save would do only after
+    the resume had gone back a save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
+    if not root.is_dir() or root.is_symlink():
+        return
+    try:
+        stepfolders.restore(root)
+    except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
+        print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
+              "looking at the committed ones only", flush=True)
+
+
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: the run folder of the newest checkpoint,
     ``find_latest``; or a path: a step folder or a folder of them), best first, and one line per ``step-<N>``
     folder passed over (or saying that ``latest`` found none)."""
     if resume == "auto":
+        restore(root)
         return stepfolders.scan(root)
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
         folder = find_latest(root)
@@ -249,6 +264,7 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
     if path.is_dir():
+        restore(path)
         found, notes = stepfolders.scan(path)
         if found:
             return found, notes
