@@ -235,13 +235,14 @@ def elsewhere(folders: list[Path], root: Path, resume: str, every: int) -> None:
 
 
 def restore(root: Path) -> None:
-    """Before looking for checkpoints in ``root``: put back the step a save killed inside its commit left as
-    ``step-<N>.old`` / ``.tmp`` (``stepfolders.restore``, one line each), which the next save would do only after
-    the resume had gone back a save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
+    """Before looking for checkpoints in ``root``: put back a committed step that a save killed inside its commit
+    had moved aside to ``step-<N>.old`` (from there, or from the complete ``step-<N>.tmp`` replacing it:
+    ``stepfolders.restore``, one line each), which the next save would do only after the resume had gone back a
+    save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
     if not root.is_dir() or root.is_symlink():
         return
     try:
-        stepfolders.restore(root)
+        stepfolders.restore(root, aside_only=True)
     except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
