@@ -52,6 +52,16 @@ def is_hf_model(module: nn.Module) -> bool:
     return transformers is not None and isinstance(module, transformers.PreTrainedModel)
 
 
+def architecture(module: nn.Module) -> dict | None:
+    """An HF model's resolved config (``config.to_dict()`` as JSON gives it back) without the keys that say
+    nothing of the model (the transformers version, private ones such as the path it was read from); None for
+    another model. A checkpoint records it: a resume compares what the model is, not where its file lies."""
+    if not is_hf_model(module):
+        return None
+    body = {k: v for k, v in module.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    return json.loads(json.dumps(body, sort_keys=True, default=str))
+
+
 def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
     """(key, file, contents) of the config.json named by ``model.config`` or ``model.pretrained``."""
     key, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)

@@ -242,15 +242,19 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
                 _remove_tree(p)
 
 
-def restore(root: Path) -> list[Path]:
+def restore(root: Path, aside_only: bool = False) -> list[Path]:
     """Put back a committed step that a save interrupted inside ``commit`` left without its ``step-<N>`` folder:
     a complete ``step-<N>.tmp`` (its manifest written, the last file of a save) becomes ``step-<N>``, else the
-    ``step-<N>.old`` moved aside goes back. One line for each; the folders restored."""
+    ``step-<N>.old`` moved aside goes back. One line for each; the folders restored. ``aside_only``: only where a
+    committed folder was moved aside (a ``step-<N>.old`` is there; a resume: a first save of a step that never
+    reached its rename stays uncommitted)."""
     done = []
     for p in sorted(root.iterdir()):
         m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)
         final = root / m.group(1) if m else None
         if final is None or os.path.lexists(final) or p.is_symlink() or not p.is_dir():
+            continue
+        if aside_only and not (root / f"{final.name}.old").is_dir():
             continue
         if m.group(2) == "old" and (root / f"{final.name}.tmp" / MANIFEST).is_file() \
                 and not (root / f"{final.name}.tmp").is_symlink():

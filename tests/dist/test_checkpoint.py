@@ -10,6 +10,7 @@ stage are bitwise the saved ones, and the data position continues.
 import json
 import os
 import pickle
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -260,11 +261,39 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
         in capsys.readouterr().out
     with pytest.raises(ConfigError, match=f"holds 1 checkpoint.s., newest step-{K}, which this run's saves would"):
         _train(dist, [], str(tmp_path), resume="off", steps=0)   # saves: they would overwrite them
+    # So is a resume from another folder's checkpoint, in the check before the ranks and in the loop's own.
+    from framework.persist.checkpoint import preflight
+    other = tmp_path / "other" / f"step-{K}"
+    shutil.copytree(tmp_path / f"step-{K}", other)
+    refused = fr"checkpoint.resume={other}: {tmp_path} holds 1 checkpoint.s., newest step-{K}, which this run's saves"
+    with pytest.raises(ConfigError, match=refused):
+        preflight(_cfg(1, [], str(tmp_path), [f"checkpoint.resume={other}"]), None)
+    with pytest.raises(ConfigError, match=refused):
+        _train(dist, [], str(tmp_path), resume=str(other), steps=0)
+    _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(other), steps=0)   # no saves: nothing to lose
     losses, _, first, _ = _train(dist, [], str(tmp_path), resume="auto", steps=N)
     assert first[:2] == (K, K) and len(losses) == N - K
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
+
+
+def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys):
+    """A save of a step already there killed inside its commit leaves step-N moved to step-N.old (and maybe a
+    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier."""
+    from framework.persist.checkpoint import preflight
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=N)
+    final = tmp_path / f"step-{N}"
+    final.rename(tmp_path / f"step-{N}.old")
+    shutil.copytree(tmp_path / f"step-{N}.old", tmp_path / f"step-{N}.tmp")   # the new one, complete
+    preflight(_cfg(1, [], str(tmp_path), ["checkpoint.resume=auto"]), None)   # the check before the ranks
+    assert "restored it from step-4.tmp (complete" in capsys.readouterr().out and final.is_dir()
+    shutil.rmtree(tmp_path / f"step-{N}.old")
+    final.rename(tmp_path / f"step-{N}.old")   # moved aside, its successor not yet complete
+    _, _, first, _ = _train(dist, [], str(tmp_path), resume=str(tmp_path), steps=N)   # the loop's own, a path
+    assert first[:2] == (N, N)
+    assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
 
 
 def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
@@ -413,3 +442,48 @@ def test_a_resume_lists_no_difference_in_where_files_lie():
     mine = tiny_config("+stage=zero2", "offload=nvme", "offload.nvme_path=/runs/b/nvme", "checkpoint.dir=/ck/b").to_dict()
     assert changed(saved, mine) == []
     assert changed(saved, {**mine, "seed": mine["seed"] + 1}) == ["seed"]
+
+
+def _hf_train(dist, path, root, *over, steps=K):
+    """Train a tiny HF GPT-2 (its config.json at ``path``) to ``steps``, resuming from ``root`` first (auto)."""
+    from framework.engine.build import component
+    from tests._hf import build, hf_cfg
+    cfg = hf_cfg(path, f"train.steps={steps}", f"checkpoint.dir={root}", f"checkpoint.every={K}",
+                 "checkpoint.timeout_s=60", *over)
+    model, data = build(cfg)
+    with framework.initialize(model, component(cfg, "model").loss, cfg, dist) as engine:
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            state = ckpt.resume(engine.state)
+            while state.step < steps:
+                batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=1, rank=0, world=1)
+                state, _ = engine.train_step(state, batch)
+                ckpt.maybe_save(state)
+        finally:
+            ckpt.close()
+    return cfg
+
+
+def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, capsys):
+    """model=hf: the checkpoint records the model's resolved config. Another architecture whose shapes fit
+    (more heads) behind the same config path is refused; the same model read from a copy of its config, with
+    another model.context, resumes (both listed as differences)."""
+    from framework.persist.checkpoint import preflight
+    from tests._hf import write_config
+    dist, root = _local(), tmp_path / "ck"
+    path = write_config("gpt2", tmp_path / "m", n_head=2)
+    _hf_train(dist, path, root)
+    write_config("gpt2", tmp_path / "m", n_head=4)   # the same file, another model
+    with pytest.raises(ConfigError, match=r"step-2 was saved by another model \(its config: n_head 2 vs 4; saved vs "
+                                          r"this run\); use another checkpoint.dir"):
+        _hf_train(dist, path, root, steps=N)
+    copy = write_config("gpt2", tmp_path / "copy", n_head=2)
+    again = ("model.context=8", f"train.steps={N}")
+    preflight(framework.compose(
+        ["model=hf", f"model.config={copy}", *again, f"checkpoint.dir={root}", "checkpoint.every=2",
+         "data.vocab_size=64", "logger=none"]), None)   # before the ranks: not refused for the path either
+    capsys.readouterr()
+    _hf_train(dist, copy, root, *again, steps=N)
+    out = capsys.readouterr().out
+    assert f"resumed from {root / 'step-2'} (step 2" in out and "differs in model.config, model.context, train" in out, out
+    assert (root / f"step-{N}").is_dir()

@@ -101,3 +101,15 @@ def test_resume_latest_in_a_library_loop_is_the_newest_checkpoint(tmp_path, monk
         os.utime(folder / stepfolders.MANIFEST, (1e9 + len(made), 1e9 + len(made)))   # the run folder's is newer
         made.append(folder)
     assert candidates("latest", tmp_path / "ckpt") == ([made[1]], [])
+
+
+def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():
+    """Checkpoints saved before the HF model config was recorded: the config path is all there is to compare."""
+    from framework.persist.checkpoint._load import same_run
+    saved = {"model": {"name": "hf", "config": "/a/config.json", "context": 16}, "optimizer": {"name": "adamw"}}
+    mine = {"model": {"name": "hf", "config": "/b/config.json", "context": 8}, "optimizer": {"name": "adamw"}}
+    with pytest.raises(ConfigError, match=r"another model \(model.config '/a/config.json' vs '/b/config.json'; saved"):
+        same_run("f", saved, mine, "auto")
+    same_run("f", saved, mine, "auto", {"n_head": 2}, {"n_head": 2, "new_key": 1})   # recorded: the content counts
+    with pytest.raises(ConfigError, match=r"another model \(its config: n_head 2 vs 4; saved vs this run\)"):
+        same_run("f", saved, mine, "auto", {"n_head": 2}, {"n_head": 4})

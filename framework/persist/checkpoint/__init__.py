@@ -69,7 +69,13 @@ class Checkpointer:
             return state
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
-        mine = agree_load(self.group, what, lambda: candidates(resume, self.root) if self.rank == 0 else None)
+
+        def look():
+            found = candidates(resume, self.root)
+            elsewhere(found[0], self.root, resume, self.cfg.every)
+            return found
+
+        mine = agree_load(self.group, what, lambda: look() if self.rank == 0 else None)
         folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
             self._say(note)
@@ -194,26 +200,52 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)))
     if not folders:
         return cfg
+    elsewhere(folders, root, c.resume, c.every)
     folder = folders[0]   # the one every rank reads first
     try:
-        saved = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")["config"]
+        body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
+        saved = body["config"]
     except (CheckpointError, KeyError, TypeError):
         return cfg
-    same_run(folder, saved, cfg.to_dict(), c.resume)
+    same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
     return cfg
 
 
-def fresh_start(root: Path, every: int) -> str | None:
-    """``checkpoint.resume=off``: a ConfigError if this run would save into a folder that holds committed
-    checkpoints (same-step saves and rotation would lose the earlier run); else the note to print, if any."""
+def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
+    """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``elsewhere``): a ConfigError if this
+    run would save into a folder that holds committed checkpoints (same-step saves and rotation would lose the
+    earlier run); else the note to print, if any."""
+    restore(root)
     existing = stepfolders.scan(root)[0]
     if not existing:
         return None
     what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
     if every:
-        raise ConfigError(f"checkpoint.resume=off: {what}, which this run's saves would overwrite or rotate away; "
-                          "set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
+        raise ConfigError(f"checkpoint.resume={resume}: {what}, which this run's saves would overwrite or rotate away"
+                          + ("" if resume == "off" else " (this resume reads another folder)")
+                          + "; set checkpoint.resume=auto to continue from it, or checkpoint.dir to another folder")
     return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
+
+
+def elsewhere(folders: list[Path], root: Path, resume: str, every: int) -> None:
+    """A resume from checkpoints outside ``root`` (``folders``: the candidates) into a run that saves in ``root``:
+    ``fresh_start``'s refusal where ``root`` holds committed checkpoints, as for ``checkpoint.resume=off``."""
+    if folders and every and folders[0].resolve().parent != root.resolve():
+        fresh_start(root, every, resume)
+
+
+def restore(root: Path) -> None:
+    """Before looking for checkpoints in ``root``: put back a committed step that a save killed inside its commit
+    had moved aside to ``step-<N>.old`` (from there, or from the complete ``step-<N>.tmp`` replacing it:
+    ``stepfolders.restore``, one line each), which the next save would do only after the resume had gone back a
+    save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
+    if not root.is_dir() or root.is_symlink():
+        return
+    try:
+        stepfolders.restore(root, aside_only=True)
+    except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
+        print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
+              "looking at the committed ones only", flush=True)
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
@@ -221,6 +253,7 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     ``find_latest``; or a path: a step folder or a folder of them), best first, and one line per ``step-<N>``
     folder passed over (or saying that ``latest`` found none)."""
     if resume == "auto":
+        restore(root)
         return stepfolders.scan(root)
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
         folder = find_latest(root)
@@ -232,6 +265,7 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
     if path.is_dir():
+        restore(path)
         found, notes = stepfolders.scan(path)
         if found:
             return found, notes

@@ -13,6 +13,7 @@ import torch
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError
 from framework.engine.state import optimizer_leaves
+from framework.models.hf import architecture
 from framework.persist import stepfolders
 from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -25,18 +26,34 @@ from framework.core.utils import few
 OTHER_RUN = "; use another checkpoint.dir to start this run afresh"
 # Model keys that may change between a save and a resume: how the same weights are computed.
 _MODEL_FREE = {"activation_checkpointing", "attn_implementation", "dropout", "pretrained"}
+# model=hf: also the sequence length (build keeps it within the model's positions) and, where the checkpoint
+# recorded the resolved config (``architecture``, compared instead), the path of the file it was read from.
+_HF_FREE = {"context"}
+_HF_RECORDED_FREE = {"config"}
 
 
-def same_run(folder: Path, saved: dict, mine: dict, resume: str) -> None:
+def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None) -> None:
     """ConfigError unless ``saved`` (the config ``folder`` was saved with) has the model and optimizer
     of ``mine`` (this run's): checked before the ranks start and again for each folder a resume
-    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused)."""
-    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in _MODEL_FREE]
+    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused).
+    ``recorded``: the HF model config the train state holds (``architecture``), compared with this model's
+    ``current`` one where both are known (the check before the ranks has no model yet)."""
+    free = _MODEL_FREE
+    if mine["model"].get("name") == "hf":
+        free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
+    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in free]
     if diffs:
         what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
                          for k in diffs[:4])
         raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({what}; saved vs "
                           f"this run){OTHER_RUN}")
+    if isinstance(recorded, dict) and current is not None:
+        # Keys of both only: another transformers version may add a key with its default.
+        keys = sorted(k for k in set(recorded) & set(current) if recorded[k] != current[k])
+        if keys:
+            what = ", ".join(f"{k} {recorded[k]!r} vs {current[k]!r}" for k in keys[:4])
+            raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model (its config: {what}; "
+                              f"saved vs this run){OTHER_RUN}")
     same_optimizer(folder, saved, mine, resume)
 
 
@@ -133,7 +150,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
             same_optimizer(folder, body["config"], *same)
         _fits(c, folder, body, md, layout, per, scalars, whole)   # names the parameter whose shape differs
         if same is not None and isinstance(body["config"], dict):
-            same_run(folder, body["config"], *same)
+            same_run(folder, body["config"], *same, body.get("model_config"), architecture(c.module))
         check_format(body["state_format"], f"checkpoint {folder}")   # before reading anything
         return body, md
 

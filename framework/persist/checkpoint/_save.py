@@ -20,6 +20,7 @@ from framework.core.errors import CheckpointError, FrameworkError, TrainingError
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
+from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import stepfolders
 from framework.persist.checkpoint import _rng
@@ -88,6 +89,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
              "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
              "optimizer": {"per_element": sorted(per), "scalars": json_scalars, "keys": keys}}
+    if (arch := architecture(c.module)) is not None:   # model=hf: what its config file resolved to
+        train["model_config"] = arch
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
