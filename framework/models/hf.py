@@ -137,10 +137,17 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
     """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
     keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
     hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
-    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers). ``names``: the model's
-    tensor names. Anything else maps to itself (unexpected, for a strict load to report)."""
+    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers, and as transformers adds
+    for every model: old per-layer ``rotary_emb.inv_freq`` and persistent ``position_ids`` buffers where the
+    model has such buffers now). ``names``: the model's tensor names. Anything else maps to itself
+    (unexpected, for a strict load to report)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
-    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
     ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
     keys = list(keys)
     out: dict[str, str | None] = {k: k for k in keys if k in names}

@@ -275,3 +275,54 @@ def test_auto_bucket_sizes_without_a_hidden_size_in_config_json_use_transformers
     ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
     assert cfg.stage.reduce_bucket_size == 4096 * 4096
+
+
+def _llama_folder(tmp_path, **overrides):
+    """A save_pretrained folder of a tiny Llama (transformers' own save) and its tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = {**CONFIGS["llama"], **overrides}
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw)).save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def test_tied_names_with_different_values_in_the_file_are_refused(tmp_path):
+    """transformers unties such a checkpoint; the built model holds one tensor, so either value would be lost."""
+    from safetensors.torch import save_file
+
+    tensors = _llama_folder(tmp_path, tie_word_embeddings=True)
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        embed = tensors["model.embed_tokens.weight"]
+        save_file({**tensors, "lm_head.weight": embed.clone()}, tmp_path / "model.safetensors",
+                  metadata={"format": "pt"})
+        framework.load_weights(engine, tmp_path)   # the same values under both names: one tensor
+        assert torch.equal(engine.components.module.lm_head.weight, embed)
+        save_file({**tensors, "lm_head.weight": embed + 1}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ConfigError) as e:
+            framework.load_weights(engine, tmp_path)
+    assert "set tie_word_embeddings=false in its config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_old_rotary_inv_freq_and_position_ids_keys_are_ignored_as_from_pretrained_does(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = _llama_folder(tmp_path)
+    old = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(4) for i in range(2)}
+    save_file({**tensors, **old}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        framework.load_weights(engine, tmp_path)
+        got = dict(engine.components.module.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    # An old persistent position_ids is ignored where the model has such a buffer now (Llama has none:
+    # unexpected there, as in transformers).
+    from framework.models.hf import checkpoint_names
+
+    key = "model.embed.position_ids"
+    assert checkpoint_names(engine.components.module, [key], set())[key] == key
+    with_ids = nn.Module()
+    with_ids.register_buffer("position_ids", torch.arange(4), persistent=False)
+    assert checkpoint_names(with_ids, [key], set())[key] is None
