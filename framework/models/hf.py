@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -80,7 +80,7 @@ def hidden_size(cfg: HFConfig) -> int | None:
         try:
             import transformers
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-        except (ImportError, ValueError, TypeError):   # build() says what is wrong
+        except Exception:  # noqa: BLE001 - build() says what is wrong
             return None
         value = getattr(config, "hidden_size", None)
     return value if isinstance(value, int) else None
@@ -97,8 +97,8 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     model_type = raw.pop("model_type")
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
-    except ValueError as e:
-        raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
+        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -114,7 +114,15 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
                           f"set model.attn_implementation=eager")
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing and not getattr(cls, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
+                          f"no gradient checkpointing for it); set model.activation_checkpointing=false")
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    except FrameworkError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
+        raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {_one_line(e)}") from None
     if cfg.pretrained is not None:
         # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
         # whose keys transformers renames or fuses on load (e.g. Mixtral's experts), looked up as
@@ -131,6 +139,11 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if cfg.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _one_line(e: BaseException) -> str:
+    """``e``'s message on one line (validators spread theirs over several), or its type when it has none."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:

@@ -213,12 +213,24 @@ def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
      "model.attn_implementation=sdpa is not supported by GPTNeoForCausalLM; set model.attn_implementation=eager"),
     (dict(model_type="t5", d_model=32, num_layers=2, num_heads=4, vocab_size=96, d_ff=64, d_kv=8),
      "model_type t5 is not a causal language model"),
+    # Rejected by the config class's validators (an exception type of huggingface_hub's), by the model's
+    # constructor (an assert), or a flag the class has no support for.
+    ({**CONFIGS["llama"], "model_type": "qwen3", "layer_types": ["full_attention"] * 4},
+     "config.json is not a valid qwen3 config: Class validation error for validator 'validate_layer_type': "
+     "ValueError: `num_hidden_layers` (2) must be equal to the number of `layer_types` (4)"),
+    ({**CONFIGS["llama"], "pad_token_id": 100},
+     "LlamaForCausalLM cannot be built from"),
+    (dict(model_type="ctrl", n_embd=32, n_layer=2, n_head=4, dff=64, vocab_size=96, n_positions=64,
+          activation_checkpointing=True),
+     "model.activation_checkpointing=true is not supported by CTRLLMHeadModel"),
 ])
 def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
     import json
 
+    checkpointing = raw.pop("activation_checkpointing", False)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16"])
+    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
+                             f"model.activation_checkpointing={checkpointing}"])
     with pytest.raises(ConfigError) as e:
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
