@@ -237,6 +237,11 @@ class HFInit:
                     self.init_of[p]._init_weights(self.modules[p])
                 written = slots[key]
                 _constructor_init(owner, key, written)
+        except Exception as e:  # noqa: BLE001 - e.g. an init that reads a sibling tensor, still on meta here
+            kind = "parameter" if parameter else "buffer"
+            raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} cannot be materialised from the meta "
+                              f"device: its _init_weights failed on {type(owner).__name__} with only this tensor real "
+                              f"({_one_line(e)}); build the model on a real device instead") from None
         finally:
             slots[key] = old
         if written is not tensor:  # an init that assigned a new tensor instead of writing in place

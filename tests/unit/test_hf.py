@@ -100,6 +100,20 @@ def test_uncovered_parameter_fails_naming_it(tmp_path):
         materialize(model)
 
 
+def test_an_init_reading_a_sibling_tensor_fails_naming_it():
+    """RWKV's _init_weights computes one tensor from another of its module: still on meta one at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("rwkv", hidden_size=32, num_hidden_layers=1, vocab_size=96,
+                                  attention_hidden_size=32, intermediate_size=64)
+    with framework.zero_init():
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError) as e:
+        materialize(model)
+    assert "of RwkvForCausalLM cannot be materialised from the meta device: its _init_weights failed on " \
+           "RwkvSelfAttention" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_loss_is_hf_causal_lm_loss(tmp_path):
     cfg = hf_cfg(write_config("llama", tmp_path))
     model, data = build(cfg, meta=False)
