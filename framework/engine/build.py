@@ -27,6 +27,7 @@ from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import Components, LossFn, build_train_step, checked_loss
 from framework.core.footprint import Footprint
+from framework.core.utils import few
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 from framework.stages import zero3_sharded
@@ -198,6 +199,11 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
+    complex_ = [n for n, p in module.named_parameters() if p.requires_grad and p.is_complex()]
+    if complex_:   # every stage keeps masters in a real dtype: the imaginary part would be dropped
+        raise ConfigError(f"initialize: complex trainable parameters are not supported ({few(complex_, 5, str)}); "
+                          f"hold each as a real parameter with a last dimension of 2 and use "
+                          f"torch.view_as_complex(p) in forward (or freeze it: requires_grad=False)")
     if cfg is None:
         world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),

@@ -127,12 +127,17 @@ class GPT(nn.Module):
         elif ".ln" in f".{name}" or name.startswith("ln_f"):
             t.fill_(1.0)  # LayerNorm weight
         else:
-            gen = torch.Generator(device=t.device).manual_seed(name_seed(self.init_seed, name))
+            # A CPU generator whatever t's device: an accelerator's draws differ from the CPU's, and a model
+            # materialised on the device must equal one built on the host.
+            gen = torch.Generator().manual_seed(name_seed(self.init_seed, name))
             # Residual projections are scaled by 1/sqrt(2 * n_layer) so the residual stream's
             # variance does not grow with depth (two residual adds per layer), as in GPT-2.
             residual = name.endswith(("attn.proj.weight", "mlp.proj.weight"))
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
-            t.normal_(0.0, std, generator=gen)
+            host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            host.normal_(0.0, std, generator=gen)
+            if host is not t:
+                t.copy_(host)
 
     @property
     def output_weight(self) -> Tensor:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, FrameworkError
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -90,7 +90,7 @@ def hidden_size(cfg: HFConfig) -> int | None:
         try:
             import transformers
             config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
-        except (ImportError, ValueError, TypeError):   # build() says what is wrong
+        except Exception:  # noqa: BLE001 - build() says what is wrong
             return None
         value = getattr(config, "hidden_size", None)
     return value if isinstance(value, int) else None
@@ -107,8 +107,8 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     model_type = raw.pop("model_type")
     try:
         config = transformers.AutoConfig.for_model(model_type, **raw)
-    except ValueError as e:
-        raise ConfigError(f"{key}: {file}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
+        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -124,7 +124,15 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
                           f"set model.attn_implementation=eager")
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    if cfg.activation_checkpointing and not getattr(cls, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
+                          f"no gradient checkpointing for it); set model.activation_checkpointing=false")
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+    except FrameworkError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
+        raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {_one_line(e)}") from None
     if cfg.pretrained is not None:
         # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
         # whose keys transformers renames or fuses on load (e.g. Mixtral's experts), looked up as
@@ -143,14 +151,26 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     return model
 
 
+def _one_line(e: BaseException) -> str:
+    """``e``'s message on one line (validators spread theirs over several), or its type when it has none."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
     """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
     keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
     hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
-    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers). ``names``: the model's
-    tensor names. Anything else maps to itself (unexpected, for a strict load to report)."""
+    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers, and as transformers adds
+    for every model: old per-layer ``rotary_emb.inv_freq`` and persistent ``position_ids`` buffers where the
+    model has such buffers now). ``names``: the model's tensor names. Anything else maps to itself
+    (unexpected, for a strict load to report)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
-    patterns = getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ()
+    patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
+    buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
+    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(n.endswith("position_ids") for n in buffers):
+        patterns.add(r"(^|\.)position_ids$")
     ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
     keys = list(keys)
     out: dict[str, str | None] = {k: k for k in keys if k in names}
@@ -227,6 +247,11 @@ class HFInit:
                     self.init_of[p]._init_weights(self.modules[p])
                 written = slots[key]
                 _constructor_init(owner, key, written)
+        except Exception as e:  # noqa: BLE001 - e.g. an init that reads a sibling tensor, still on meta here
+            kind = "parameter" if parameter else "buffer"
+            raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} cannot be materialised from the meta "
+                              f"device: its _init_weights failed on {type(owner).__name__} with only this tensor real "
+                              f"({_one_line(e)}); build the model on a real device instead") from None
         finally:
             slots[key] = old
         if written is not tensor:  # an init that assigned a new tensor instead of writing in place

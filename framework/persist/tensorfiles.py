@@ -144,7 +144,7 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
     folder holding it, or ``model.safetensors``, or ``pytorch_model.bin``), or a torch state-dict file."""
     path = Path(source)
     if path.is_dir():
-        for name in (INDEX, SINGLE, "pytorch_model.bin"):
+        for name in (INDEX, SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json"):   # (the last: refused)
             if (path / name).is_file():
                 return open_weights(path / name)
         raise ConfigError(f"load_weights: {path} holds none of {INDEX}, {SINGLE}, pytorch_model.bin")
@@ -155,6 +155,12 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
             weight_map = json.loads(path.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"load_weights: {path} is not a safetensors index ({e})") from None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"load_weights: {path} is not a safetensors index (its weight_map is not an object)")
+        if any(not str(f).endswith(".safetensors") for f in weight_map.values()):
+            raise ConfigError(f"load_weights: {path} indexes torch .bin shards, which load_weights does not read "
+                              f"sharded; convert the checkpoint to safetensors (transformers' from_pretrained, then "
+                              f"save_pretrained) and load that")
         shards = {name: path.parent / f for name, f in weight_map.items()}
         absent = sorted({str(f) for f in shards.values() if not f.is_file()})
         if absent:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,16 +123,22 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
     for t in tgts:
-        key = next((by_name[a] for a in t.aliases if a in by_name), None)
-        if key is None:
+        found = [by_name[a] for a in t.aliases if a in by_name]
+        if not found:
             missing.append(t.name if len(t.aliases) == 1 else f"{t.name} (or {', '.join(t.aliases[1:])})")
             continue
-        chosen[t.name] = key
-        if src.meta[key][0] != t.shape:
-            mismatched.append(f"{key}: {src.meta[key][0]} in the file, {t.shape} in the model")
-        elif (dt := src.dtype(key)).is_floating_point != t.dtype.is_floating_point or \
-                (dt == torch.bool) != (t.dtype == torch.bool):
-            mismatched.append(f"{key}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
+        key = chosen[t.name] = found[0]
+        for k in [key, *found[1:]]:
+            if src.meta[k][0] != t.shape:
+                mismatched.append(f"{k}: {src.meta[k][0]} in the file, {t.shape} in the model")
+            elif (dt := src.dtype(k)).is_floating_point != t.dtype.is_floating_point or \
+                    (dt == torch.bool) != (t.dtype == torch.bool):
+                mismatched.append(f"{k}: dtype {dtype_name(dt)} in the file, {dtype_name(t.dtype)} in the model")
+            elif k != key and not _same_values(src, key, k, t):
+                # The model holds one tensor for both names: loading either would drop the other's values.
+                raise ConfigError(f"load_weights: {src.where} holds different values under {key} and {k}, which this "
+                                  f"model ties into one parameter; set tie_word_embeddings=false in its config.json "
+                                  f"(a transformers model) to train them apart, or keep one of them in the file")
     names = {a for t in tgts for a in t.aliases}
     unexpected = sorted(k for k, n in keys.items() if n is not None and n not in names)
     problems = [f"{what} {len(names)}: {few(names, 20, str)}" for what, names in
@@ -151,6 +158,14 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
             if t.tensor is not None and t.name in chosen:
                 values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
                 t.tensor.copy_(values.view(t.tensor.shape))
+
+
+def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
+    """Whether the file's tensors ``a`` and ``b`` load the same values into ``t`` (read chunk by chunk)."""
+    n = math.prod(t.shape)
+    step = WRITE_CHUNK // 4
+    return all(torch.equal(src.read(a, s, min(s + step, n)).to(t.dtype), src.read(b, s, min(s + step, n)).to(t.dtype))
+               for s in range(0, n, step))
 
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,

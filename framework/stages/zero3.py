@@ -105,8 +105,9 @@ class Zero3Stage(PartitionedStage):
         for (pname, p), slot in zip(named, layout.slots):
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
             values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
-            if not p.is_meta:  # user-built modules: every rank takes rank 0's values
-                self.dist.broadcast(values, what=f"initial values of {pname!r}")
+            # Every rank takes rank 0's values, as the other stages do: a meta one's too, since a model's
+            # init may draw from each rank's own seed (GPT.init_seed, HFInit's torch.initial_seed()).
+            self.dist.broadcast(values, what=f"initial values of {pname!r}")
             a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a < b:
                 shard[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])

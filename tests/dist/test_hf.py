@@ -40,6 +40,7 @@ def _train_all(dist, path):
         cfg = hf_cfg(path, *TRAIN, *overrides)
         model, data = build(cfg)
         from framework.engine.build import component
+        torch.manual_seed(cfg.seed + dist.rank)   # a seed per rank: every stage materialises rank 0's values
         engine = framework.initialize(model, component(cfg, "model").loss, cfg, dist)
         state, losses = engine.state, []
         for _ in range(cfg.train.steps):

@@ -23,9 +23,8 @@ def _train(dist, stage, overrides):
     if stage == "ddp":
         overrides = [o for o in overrides if not o.startswith("stage.")]
     cfg = tiny_config(*ODD, f"+stage={stage}", *overrides)
-    torch.manual_seed(cfg.seed)
-    with torch.device("meta"):
-        module, _ = build_gpt(cfg)
+    with torch.device("meta"):   # a seed per rank: every stage materialises rank 0's values
+        module, _ = build_gpt(cfg, seed=cfg.seed + dist.rank)
     _, data = build_gpt(cfg)
     engine = framework.initialize(module, gpt_loss, cfg, dist)
     state, losses, norms, hits = engine.state, [], [], []

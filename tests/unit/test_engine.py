@@ -163,3 +163,12 @@ def test_a_module_with_nothing_to_train_is_refused_by_initialize():
     with pytest.raises(framework.FrameworkError, match=r"^initialize: the module has no parameters with "
                                                        r"requires_grad=True: nothing to train"):
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config())
+
+
+def test_a_complex_trainable_parameter_is_refused_by_initialize():
+    """Every stage keeps real masters: its imaginary part would be dropped with only a warning."""
+    module = torch.nn.Linear(3, 1)
+    module.c = torch.nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+    with pytest.raises(framework.ConfigError, match=r"^initialize: complex trainable parameters are not "
+                                                    r"supported \(c\); .*torch\.view_as_complex"):
+        framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3"))

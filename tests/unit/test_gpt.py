@@ -95,6 +95,22 @@ def test_forward_shape_dtype_and_loss_at_init():
         model(torch.zeros(1, cfg.context + 1, dtype=torch.long))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_init_parameter_on_any_device_gives_the_host_built_values(device):
+    """A stage materialises meta parameters on its device: the draws must be the CPU generator's."""
+    cfg = tiny()
+    torch.manual_seed(7)
+    host = dict(GPT(cfg).named_parameters())
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    for name, p in meta.named_parameters():
+        t = torch.empty(p.shape, device=device)
+        meta.init_parameter(name, t)
+        assert torch.equal(t.cpu(), host[name].detach()), name
+
+
 def test_low_precision_params_give_fp32_logits():
     cfg = tiny()
     model = GPT(cfg).to(torch.bfloat16)

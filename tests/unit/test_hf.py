@@ -100,6 +100,20 @@ def test_uncovered_parameter_fails_naming_it(tmp_path):
         materialize(model)
 
 
+def test_an_init_reading_a_sibling_tensor_fails_naming_it():
+    """RWKV's _init_weights computes one tensor from another of its module: still on meta one at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("rwkv", hidden_size=32, num_hidden_layers=1, vocab_size=96,
+                                  attention_hidden_size=32, intermediate_size=64)
+    with framework.zero_init():
+        model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ConfigError) as e:
+        materialize(model)
+    assert "of RwkvForCausalLM cannot be materialised from the meta device: its _init_weights failed on " \
+           "RwkvSelfAttention" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_loss_is_hf_causal_lm_loss(tmp_path):
     cfg = hf_cfg(write_config("llama", tmp_path))
     model, data = build(cfg, meta=False)
@@ -213,12 +227,24 @@ def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
      "model.attn_implementation=sdpa is not supported by GPTNeoForCausalLM; set model.attn_implementation=eager"),
     (dict(model_type="t5", d_model=32, num_layers=2, num_heads=4, vocab_size=96, d_ff=64, d_kv=8),
      "model_type t5 is not a causal language model"),
+    # Rejected by the config class's validators (an exception type of huggingface_hub's), by the model's
+    # constructor (an assert), or a flag the class has no support for.
+    ({**CONFIGS["llama"], "model_type": "qwen3", "layer_types": ["full_attention"] * 4},
+     "config.json is not a valid qwen3 config: Class validation error for validator 'validate_layer_type': "
+     "ValueError: `num_hidden_layers` (2) must be equal to the number of `layer_types` (4)"),
+    ({**CONFIGS["llama"], "pad_token_id": 100},
+     "LlamaForCausalLM cannot be built from"),
+    (dict(model_type="ctrl", n_embd=32, n_layer=2, n_head=4, dff=64, vocab_size=96, n_positions=64,
+          activation_checkpointing=True),
+     "model.activation_checkpointing=true is not supported by CTRLLMHeadModel"),
 ])
 def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
     import json
 
+    checkpointing = raw.pop("activation_checkpointing", False)
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16"])
+    cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
+                             f"model.activation_checkpointing={checkpointing}"])
     with pytest.raises(ConfigError) as e:
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
@@ -275,3 +301,54 @@ def test_auto_bucket_sizes_without_a_hidden_size_in_config_json_use_transformers
     ds = {"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
     cfg = framework.compose(["model=hf", f"model.config={path}", "model.context=16"], ds_config=ds)
     assert cfg.stage.reduce_bucket_size == 4096 * 4096
+
+
+def _llama_folder(tmp_path, **overrides):
+    """A save_pretrained folder of a tiny Llama (transformers' own save) and its tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = {**CONFIGS["llama"], **overrides}
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(raw.pop("model_type"), **raw)).save_pretrained(tmp_path)
+    return load_file(tmp_path / "model.safetensors")
+
+
+def test_tied_names_with_different_values_in_the_file_are_refused(tmp_path):
+    """transformers unties such a checkpoint; the built model holds one tensor, so either value would be lost."""
+    from safetensors.torch import save_file
+
+    tensors = _llama_folder(tmp_path, tie_word_embeddings=True)
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        embed = tensors["model.embed_tokens.weight"]
+        save_file({**tensors, "lm_head.weight": embed.clone()}, tmp_path / "model.safetensors",
+                  metadata={"format": "pt"})
+        framework.load_weights(engine, tmp_path)   # the same values under both names: one tensor
+        assert torch.equal(engine.components.module.lm_head.weight, embed)
+        save_file({**tensors, "lm_head.weight": embed + 1}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ConfigError) as e:
+            framework.load_weights(engine, tmp_path)
+    assert "set tie_word_embeddings=false in its config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_old_rotary_inv_freq_and_position_ids_keys_are_ignored_as_from_pretrained_does(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = _llama_folder(tmp_path)
+    old = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(4) for i in range(2)}
+    save_file({**tensors, **old}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16", "logger=none"])
+    with _engine(cfg) as engine:
+        framework.load_weights(engine, tmp_path)
+        got = dict(engine.components.module.named_parameters())
+        assert all(torch.equal(got[n], t) for n, t in tensors.items())
+    # An old persistent position_ids is ignored where the model has such a buffer now (Llama has none:
+    # unexpected there, as in transformers).
+    from framework.models.hf import checkpoint_names
+
+    key = "model.embed.position_ids"
+    assert checkpoint_names(engine.components.module, [key], set())[key] == key
+    with_ids = nn.Module()
+    with_ids.register_buffer("position_ids", torch.arange(4), persistent=False)
+    assert checkpoint_names(with_ids, [key], set())[key] is None

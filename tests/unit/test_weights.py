@@ -119,6 +119,15 @@ def test_not_a_state_dict_and_missing_paths(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "s2.safetensors"}}))
     with pytest.raises(ConfigError, match="shard\\(s\\) that do not exist"):
         load_weights(engine, index)
+    # A sharded torch checkpoint (transformers' pytorch_model.bin.index.json): one line, not read as safetensors.
+    bins = tmp_path / "bins"
+    bins.mkdir()
+    torch.save(_plain_sd(), bins / "pytorch_model-00001-of-00001.bin")
+    (bins / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {k: "pytorch_model-00001-of-00001.bin" for k in _plain_sd()}}))
+    for source in (bins, bins / "pytorch_model.bin.index.json"):
+        with pytest.raises(ConfigError, match=r"indexes torch \.bin shards, .*convert the checkpoint to safetensors"):
+            load_weights(engine, source)
 
 
 def test_parse_size():
