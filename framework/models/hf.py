@@ -147,7 +147,11 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
     if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable = getattr(model, "activation_checkpointing_enable", None)   # (transformers 5's name; older: below)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
