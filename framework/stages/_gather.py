@@ -175,12 +175,16 @@ class Gatherer:
             # grad (so no output hook announced this unit's backward): its gradients follow now.
             unit.in_backward = True
         self._demand(unit, "forward")
-        unit.active += 1
+        if not self.in_backward:
+            # A forward recomputed inside backward (activation checkpointing) is not counted: torch's
+            # early stop (on by default) cuts it short, so its output hook never runs; the unit stays
+            # gathered through it as in_backward, released when reduced or at the end of backward.
+            unit.active += 1
 
     def _post_forward(self, unit: Unit, out) -> None:
-        unit.active -= 1
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return
+        unit.active -= 1
         if torch.is_grad_enabled():
             for t in tensors_in(out):
                 if t.requires_grad:
@@ -228,6 +232,7 @@ class Gatherer:
 
     def _end_backward(self) -> None:
         for unit in self.units:
+            unit.active = 0   # no forward runs across the end of a backward pass
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:

@@ -562,3 +562,26 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
         assert val == pytest.approx(ref_val, rel=FP32_RTOL)
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
+# --- the gatherer's bookkeeping across steps (world size 1: the hooks and the ledger are the same at any size) ---
+
+def _peaks(checkpointing):
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "model.n_layer=3",
+                      f"model.activation_checkpointing={checkpointing}", "stage.stage3_max_live_parameters=5000",
+                      "stage.stage3_max_reuse_distance=0")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, _local())
+    g, state, peaks = engine.components.stage.gatherer, engine.state, []
+    for _ in range(3):
+        batch = data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
+        state, m = engine.train_step(state, batch)
+        peaks.append(m["peak_gathered_elements"])
+        assert all(u.active == 0 and u.state.value == "sharded" for u in g.units)
+    return peaks
+
+
+def test_activation_checkpointing_releases_every_block_after_its_forward():
+    # torch's checkpoint stops the recomputed forward early (no output hook): that recomputation must
+    # not leave its unit counted as running, or every block stays gathered from the second step on.
+    assert _peaks("true") == _peaks("false")
