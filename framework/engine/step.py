@@ -70,7 +70,8 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             # On the compute device: state.params live on the host under offload.
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
-                loss = checked_loss(c.loss_fn(c.module, micro))
+                with c.stage.forward_pass(train=True):
+                    loss = checked_loss(c.loss_fn(c.module, micro))
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
                     c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()

@@ -139,6 +139,7 @@ class Gatherer:
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
+        self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
         self.abandoned: list | None = None    # those of an interrupted pass, not waited for
@@ -168,7 +169,7 @@ class Gatherer:
                     hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
-        if is_root and not self.in_backward:
+        if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
             self._begin_pass(torch.is_grad_enabled())
         if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
             # Recomputed inside backward by reentrant checkpointing, whose first forward ran without
@@ -255,6 +256,12 @@ class Gatherer:
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
             self.dist.comm.wait(works, "zero3 gradient reduction")
+        self.abort_pass(wait)
+
+    def abort_pass(self, wait: bool) -> None:
+        """A pass cut short before its backward ran to the end (loss_fn raised, or its backward did):
+        no unit counted as running, units gathered for it released (not one still gathering when
+        ``wait`` is false), no gradient of it kept, and not a trace to follow."""
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -262,8 +269,22 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
-        self.in_backward = False
+        self.in_backward = self.driven = False
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
+
+    def begin_pass(self, grad_mode: bool) -> None:
+        """The stage starts one loss_fn call (``grad_mode``: of train_step, ended by its backward; else of
+        eval_step, ended by ``end_pass``): one pass, whichever modules loss_fn calls (submodules of the
+        root, or the root twice), so that it is recorded, followed and checked across ranks as a whole."""
+        for unit in self.units:
+            unit.active = 0   # no forward runs between loss_fn calls
+        self._begin_pass(grad_mode)
+        self.driven = True
+
+    def end_pass(self) -> None:
+        """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
+        self._end_pass()
+        self._release_idle()
 
     def _begin_pass(self, grad_mode: bool) -> None:
         self._end_pass()
@@ -275,6 +296,16 @@ class Gatherer:
         if self.recording:
             self.traces[self.mode] = self.recording
         self.recording = None
+        self.driven = False
+
+    def _release_idle(self, keep: Unit | None = None) -> None:
+        """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for
+        reuse): with the trace abandoned or the pass over, that use may never come. A unit still
+        gathering is waited for first (its collective and copies must finish before its buffer goes)."""
+        for unit in self.units:
+            if unit is not keep and unit.state is not UnitState.SHARDED and unit.active == 0 \
+                    and not unit.held and not unit.in_backward:
+                self.release(unit)
 
     def _demand(self, unit: Unit, phase: str) -> None:
         event = (phase, unit.uid)
@@ -291,6 +322,7 @@ class Gatherer:
                     log.warning("zero3: module order changed at use %d (expected %s, got %s of %r); prefetch "
                                 "off until the new order is recorded", self.cursor, expected, phase, unit.name)
                 self.cursor = None
+                self._release_idle(keep=unit)
         self.demands += 1
         self.hits += unit.state is not UnitState.SHARDED
         if unit.state is UnitState.SHARDED:

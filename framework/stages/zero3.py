@@ -128,6 +128,17 @@ class Zero3Stage(PartitionedStage):
         self.groups.append(group)
         return group
 
+    @contextmanager
+    def forward_pass(self, train: bool) -> Iterator[None]:
+        self.gatherer.begin_pass(train)
+        try:
+            yield
+        except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
+            self.gatherer.abort_pass(isinstance(e, Exception))
+            raise
+        if not train:   # train_step's pass ends with its backward
+            self.gatherer.end_pass()
+
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set

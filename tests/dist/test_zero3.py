@@ -187,12 +187,14 @@ class TwoPaths(nn.Module):
         return (self.a if self.rank == 0 else self.b)(x)
 
 
-def _diverge(dist):
+def _diverge(dist, direct=False):
+    """``direct``: loss_fn calls the submodules, not the root (the ranks' passes are checked all the same)."""
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Sequential]",
                              "stage.stage3_param_persistence_threshold=0", "train.steps=1", "dist.timeout_s=20"])
     torch.manual_seed(0)
     model = TwoPaths()
-    engine = framework.initialize(model, lambda m, mb: m(mb).sum(), cfg, dist)
+    loss_fn = (lambda m, mb: (m.a if m.rank == 0 else m.b)(mb).sum()) if direct else (lambda m, mb: m(mb).sum())
+    engine = framework.initialize(model, loss_fn, cfg, dist)
     model.rank = dist.rank
     try:
         engine.train_step(engine.state, Batch((torch.ones(2, 4),)))
@@ -203,7 +205,7 @@ def _diverge(dist):
 
 def test_divergent_module_order_fails_with_names(pools):
     pool = pools(2)
-    out = pool.run(_diverge, timeout=60)
+    out = pool.run(_diverge, True, timeout=60) + pool.run(_diverge, timeout=60)
     pool.close(kill=True)  # ranks are out of step now: start a fresh pool for later tests
     assert all("rank 0 at 'a'" in o and "rank 1 at 'b'" in o for o in out), out
 
@@ -585,3 +587,82 @@ def test_activation_checkpointing_releases_every_block_after_its_forward():
     # torch's checkpoint stops the recomputed forward early (no output hook): that recomputation must
     # not leave its unit counted as running, or every block stays gathered from the second step on.
     assert _peaks("true") == _peaks("false")
+
+
+def _linear_units(loss_fn, **cfg):
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "stage.stage3_max_reuse_distance=0", "optimizer=sgd", "scheduler=constant",
+                             *(f"stage.{k}={v}" for k, v in cfg.items())])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    return model, engine, engine.components.stage.gatherer
+
+
+def _micro(i):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(4, 7, generator=g)
+    return x, x[:, :3].cos()
+
+
+def _direct(m, mb):   # the root's forward, written out in loss_fn
+    h = torch.relu(m.a(mb[0]))
+    return nn.functional.mse_loss(m.b(h + m.extra(h)), mb[1])
+
+
+def _twice(m, mb):    # the root called twice with grad (siamese)
+    return nn.functional.mse_loss(m(mb[0]) - m(mb[0] + 0.5), mb[1])
+
+
+@pytest.mark.parametrize("loss_fn", [_direct, _twice])
+def test_loss_fn_calling_submodules_or_the_root_twice_is_one_followed_pass(caplog, loss_fn):
+    # train_step opens one pass per loss_fn call: recorded, prefetched along and order-checked
+    # whether loss_fn calls the root once, twice or not at all.
+    _, engine, g = _linear_units(loss_fn)
+    state, rates = engine.state, []
+    with caplog.at_level("WARNING", logger="framework.zero3"):
+        for i in range(3):
+            state, m = engine.train_step(state, Batch((_micro(i),)))
+            rates.append(m["prefetch_hit_rate"])
+    assert not [r for r in caplog.records if "module order changed" in r.getMessage()]
+    assert rates[0] < 0.5 and rates[1] == rates[2] > 0.8, rates
+    uses = 2 * 3 * (2 if loss_fn is _twice else 1)   # forward and backward of a, extra, b per call
+    assert len(g.traces[True]) >= uses
+
+
+def test_failed_forward_leaves_no_unit_gathered():
+    # A loss_fn that raises inside a unit's forward (an out-of-memory error, say): its units are
+    # released and the cut-short pass is not the trace the next steps follow; eval_step alike.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    fail = [False]
+
+    def boom(_m, _a):
+        if fail[0]:
+            raise RuntimeError("out of memory")
+
+    model.b.register_forward_pre_hook(boom)
+    state, peaks = engine.state, []
+    for i in range(4):
+        fail[0] = i == 1
+        try:
+            state, m = engine.train_step(state, Batch((_micro(i),)))
+            peaks.append(m["peak_gathered_elements"])
+        except RuntimeError:
+            assert i == 1
+        assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+        g.peak_live = 0
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        engine.eval_step(state, [_micro(9)])
+    assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+    assert len(g.traces[True]) == 8 and peaks[1] == peaks[2], (g.traces, peaks)   # root, a, extra, b: forward, backward
+
+
+def test_eval_in_another_order_leaves_no_prefetched_unit_gathered():
+    # Step 1 skips 'extra', which the trace of step 0 had prefetched: it is released when the
+    # order changes (and at the end of every eval_step), not left gathering with its memory.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    for step in (0, 0, 1, 1, 0):
+        model.step = step
+        engine.eval_step(engine.state, [_micro(step)])
+        assert all(u.state.value == "sharded" for u in g.units) and g.live == 0, [u.state for u in g.units]
