@@ -187,10 +187,18 @@ class Gatherer:
             return
         unit.active -= 1
         if torch.is_grad_enabled():
+            hooked = False
             for t in tensors_in(out):
                 if t.requires_grad:
+                    hooked = True
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
+            if not hooked and any(p.requires_grad for g in unit.groups for p in g.params):
+                # Its backward would find its parameters released (a raw size mismatch deep in autograd).
+                raise TrainingError(
+                    f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
+                    f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
+                    f"or dataclass, or call it under torch.no_grad() where it is not trained")
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
 
