@@ -719,3 +719,38 @@ def test_unit_returning_a_dataclass_trains_and_an_opaque_output_is_refused(box):
         opt.step()
         opt.zero_grad()
     torch.testing.assert_close(_full_params(engine), flat_params(ref), rtol=FP32_RTOL, atol=1e-7)
+
+
+def test_gathered_with_modifier_rank_writes_only_what_the_block_changed():
+    # bf16 working values over fp32 masters: a block that edits nothing (or edits a parameter it did
+    # not ask for) must not round the unit's masters to bf16.
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "precision=bf16", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0].bfloat16()).float(), mb[1]),
+                                  cfg, _local())
+    state = engine.state
+    for i in range(2):
+        state, _ = engine.train_step(state, Batch((_micro(i),)))
+    a = model.a
+    masters = {g.kind: g.pieces[0].master for g in a.weight.zero3_unit.groups}   # weight: decay, bias: no_decay
+
+    def snapshot():
+        return {k: m.detach().clone() for k, m in masters.items()}
+
+    start = snapshot()
+    assert not torch.equal(start["decay"], start["decay"].bfloat16().float())   # wider than bf16
+    with framework.gathered([a.weight], modifier_rank=0):
+        pass
+    assert all(torch.equal(start[k], m) for k, m in masters.items())
+    with framework.gathered([a.weight], modifier_rank=0), torch.no_grad():
+        bias = a.bias.detach().clone()
+        a.weight[0].fill_(0.5)
+        a.bias.fill_(0.25)   # gathered with its unit, not asked for: not written
+    after = snapshot()
+    n = a.weight.logical_shape[1]
+    assert torch.all(after["decay"][:n] == 0.5) and torch.equal(after["decay"][n:], start["decay"][n:])
+    assert torch.equal(after["no_decay"], start["no_decay"])
+    with framework.gathered([a.bias, a.weight]):
+        assert torch.equal(a.bias, bias) and torch.all(a.weight[0] == 0.5)
