@@ -186,6 +186,7 @@ class Gatherer:
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return
         unit.active -= 1
+        unannounced = False
         if torch.is_grad_enabled():
             hooked = False
             for t in tensors_in(out):
@@ -193,14 +194,15 @@ class Gatherer:
                     hooked = True
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
-            if not hooked and any(p.requires_grad for g in unit.groups for p in g.params):
-                # Its backward would find its parameters released (a raw size mismatch deep in autograd).
-                raise TrainingError(
-                    f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
-                    f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
-                    f"or dataclass, or call it under torch.no_grad() where it is not trained")
+            # Its backward would find its parameters released (a raw size mismatch deep in autograd).
+            unannounced = not hooked and any(p.requires_grad for g in unit.groups for p in g.params)
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
+        if unannounced:
+            raise TrainingError(
+                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
+                f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
+                f"or dataclass, or call it under torch.no_grad() where it is not trained")
 
     def begin_backward(self) -> None:
         """A backward pass starts (the first unit output's gradient, or the loss's: the stage hooks the
@@ -544,7 +546,7 @@ class Gatherer:
         held = [u.name for u in self.all_units if u.held]
         if held:
             # This pass's forward ran, its backward will not: not a trace to follow, nor units to keep for it.
-            self.recording = None
+            self.recording, self.driven = None, False
             for u in self.units:
                 if u.state is not UnitState.SHARDED and not u.held and u.active == 0:
                     self.release(u)
