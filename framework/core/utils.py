@@ -1,13 +1,15 @@
 """Small helpers shared across rooms."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 import torch
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts and NamedTuples."""
+    """Every tensor inside nested tuples, lists, dicts, NamedTuples and dataclass instances (a module's
+    output, e.g. Hugging Face's ModelOutput)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -16,6 +18,9 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, (tuple, list)):
         for v in obj:
             yield from tensors_in(v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name, None))
 
 
 def few(items, n: int = 5, show=repr) -> str:

@@ -79,8 +79,10 @@ class Engine(contextlib.AbstractContextManager):
         was_training = c.module.training
         c.module.eval()
         try:
-            with torch.no_grad():
-                total = sum(checked_loss(c.loss_fn(c.module, b)).float() for b in batches)
+            total = 0
+            for b in batches:
+                with torch.no_grad(), c.stage.forward_pass(train=False):
+                    total = total + checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)

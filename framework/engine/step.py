@@ -70,7 +70,8 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             # On the compute device: state.params live on the host under offload.
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
-                loss = checked_loss(c.loss_fn(c.module, micro))
+                with c.stage.forward_pass(train=True):
+                    loss = checked_loss(c.loss_fn(c.module, micro), train=True)
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
                     c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()
@@ -113,10 +114,14 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
     return train_step
 
 
-def checked_loss(loss: Any) -> torch.Tensor:
-    """``loss`` if it is what loss_fn must return, a 0-dim floating tensor; else one line (shape and dtype
-    only: no host sync)."""
+def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:
+    """``loss`` if it is what loss_fn must return, a 0-dim floating tensor (``train``: one that requires
+    grad); else one line (shape and dtype only: no host sync)."""
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
+        if train and not loss.requires_grad:
+            raise TrainingError("loss_fn returned a loss that does not require grad (detached, computed under "
+                                "torch.no_grad(), or from no trained parameter): return the loss computed from the "
+                                "module's output; for a micro batch that must add nothing, return (output * 0).sum()")
         return loss
     got = (f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
            else f"a value of type {type(loss).__name__}")

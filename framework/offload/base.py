@@ -328,8 +328,11 @@ class Placement:
         self._bind_device(device)
         return self.shards.buffer(numel, dtype, device)
 
-    def write_partition(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor) -> None:
-        """``values`` -> ``shard`` and the pieces' masters (framework.gathered's modifications; blocking)."""
+    def write_partition(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor,
+                        changed: torch.Tensor) -> None:
+        """``values`` -> ``shard``, and where ``changed`` (a bool mask over the partition) the pieces' masters
+        (framework.gathered's modifications; blocking): a master the block did not change keeps its
+        wider values, not ``values``' rounding of them."""
         self.shards.write(shard, values)
         store = self.stores.get(Tier.DISK)
         for p in pieces:
@@ -337,7 +340,8 @@ class Placement:
             if on_disk:   # resident while it is written
                 store.wait(store.acquire(p.index))
             if p.master.data_ptr() != shard[p.start:].data_ptr():
-                self.acc.copy(p.master, values[p.start:p.end])
+                old = p.master.to(values.device)
+                self.acc.copy(p.master, torch.where(changed[p.start:p.end], values[p.start:p.end].to(old.dtype), old))
             if on_disk:
                 store.release(p.index, None)
 

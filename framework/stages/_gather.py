@@ -139,6 +139,7 @@ class Gatherer:
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
+        self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
         self.abandoned: list | None = None    # those of an interrupted pass, not waited for
@@ -168,26 +169,40 @@ class Gatherer:
                     hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
-        if is_root and not self.in_backward:
+        if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
             self._begin_pass(torch.is_grad_enabled())
         if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
             # Recomputed inside backward by reentrant checkpointing, whose first forward ran without
             # grad (so no output hook announced this unit's backward): its gradients follow now.
             unit.in_backward = True
         self._demand(unit, "forward")
-        unit.active += 1
+        if not self.in_backward:
+            # A forward recomputed inside backward (activation checkpointing) is not counted: torch's
+            # early stop (on by default) cuts it short, so its output hook never runs; the unit stays
+            # gathered through it as in_backward, released when reduced or at the end of backward.
+            unit.active += 1
 
     def _post_forward(self, unit: Unit, out) -> None:
-        unit.active -= 1
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return
+        unit.active -= 1
+        unannounced = False
         if torch.is_grad_enabled():
+            hooked = False
             for t in tensors_in(out):
                 if t.requires_grad:
+                    hooked = True
                     t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
                                                        "zero3's pre-backward hook"))
+            # Its backward would find its parameters released (a raw size mismatch deep in autograd).
+            unannounced = not hooked and any(p.requires_grad for g in unit.groups for p in g.params)
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
+        if unannounced:
+            raise TrainingError(
+                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
+                f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
+                f"or dataclass, or call it under torch.no_grad() where it is not trained")
 
     def begin_backward(self) -> None:
         """A backward pass starts (the first unit output's gradient, or the loss's: the stage hooks the
@@ -228,6 +243,7 @@ class Gatherer:
 
     def _end_backward(self) -> None:
         for unit in self.units:
+            unit.active = 0   # no forward runs across the end of a backward pass
             if unit.in_backward:  # some parameters got no gradient in this pass
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
@@ -250,6 +266,12 @@ class Gatherer:
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
             self.dist.comm.wait(works, "zero3 gradient reduction")
+        self.abort_pass(wait)
+
+    def abort_pass(self, wait: bool) -> None:
+        """A pass cut short before its backward ran to the end (loss_fn raised, or its backward did):
+        no unit counted as running, units gathered for it released (not one still gathering when
+        ``wait`` is false), no gradient of it kept, and not a trace to follow."""
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -257,8 +279,22 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
-        self.in_backward = False
+        self.in_backward = self.driven = False
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
+
+    def begin_pass(self, grad_mode: bool) -> None:
+        """The stage starts one loss_fn call (``grad_mode``: of train_step, ended by its backward; else of
+        eval_step, ended by ``end_pass``): one pass, whichever modules loss_fn calls (submodules of the
+        root, or the root twice), so that it is recorded, followed and checked across ranks as a whole."""
+        for unit in self.units:
+            unit.active = 0   # no forward runs between loss_fn calls
+        self._begin_pass(grad_mode)
+        self.driven = True
+
+    def end_pass(self) -> None:
+        """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
+        self._end_pass()
+        self._release_idle()
 
     def _begin_pass(self, grad_mode: bool) -> None:
         self._end_pass()
@@ -270,6 +306,16 @@ class Gatherer:
         if self.recording:
             self.traces[self.mode] = self.recording
         self.recording = None
+        self.driven = False
+
+    def _release_idle(self, keep: Unit | None = None) -> None:
+        """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for
+        reuse): with the trace abandoned or the pass over, that use may never come. A unit still
+        gathering is waited for first (its collective and copies must finish before its buffer goes)."""
+        for unit in self.units:
+            if unit is not keep and unit.state is not UnitState.SHARDED and unit.active == 0 \
+                    and not unit.held and not unit.in_backward:
+                self.release(unit)
 
     def _demand(self, unit: Unit, phase: str) -> None:
         event = (phase, unit.uid)
@@ -286,6 +332,7 @@ class Gatherer:
                     log.warning("zero3: module order changed at use %d (expected %s, got %s of %r); prefetch "
                                 "off until the new order is recorded", self.cursor, expected, phase, unit.name)
                 self.cursor = None
+                self._release_idle(keep=unit)
         self.demands += 1
         self.hits += unit.state is not UnitState.SHARDED
         if unit.state is UnitState.SHARDED:
@@ -499,7 +546,7 @@ class Gatherer:
         held = [u.name for u in self.all_units if u.held]
         if held:
             # This pass's forward ran, its backward will not: not a trace to follow, nor units to keep for it.
-            self.recording = None
+            self.recording, self.driven = None, False
             for u in self.units:
                 if u.state is not UnitState.SHARDED and not u.held and u.active == 0:
                     self.release(u)

@@ -7,7 +7,9 @@ padded flat layout and the master pieces the offload target, the stage's listene
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -53,6 +55,12 @@ class BaseStage:
 
     def stats(self) -> dict:   # stage metrics for the last step (e.g. zero3's prefetch hit rate)
         return {}
+
+    @contextmanager
+    def forward_pass(self, train: bool) -> Iterator[None]:
+        """Around one loss_fn call of train_step (``train``: its backward follows) or of eval_step. zero3
+        makes it one pass of its gather trace, and puts its units back if loss_fn raises."""
+        yield
 
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)

@@ -129,6 +129,17 @@ class Zero3Stage(PartitionedStage):
         self.groups.append(group)
         return group
 
+    @contextmanager
+    def forward_pass(self, train: bool) -> Iterator[None]:
+        self.gatherer.begin_pass(train)
+        try:
+            yield
+        except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
+            self.gatherer.abort_pass(isinstance(e, Exception))
+            raise
+        if not train:   # train_step's pass ends with its backward
+            self.gatherer.end_pass()
+
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set
@@ -221,17 +232,33 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
-    held = []
+    held, before = [], {}
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
+        if modifier_rank is not None:   # this rank's partition as it was (the shard's values), to see what changed
+            for unit in units:
+                for g in unit.groups:
+                    lo, hi = g.layout.partition(unit.gatherer.dist.rank)
+                    before[id(g)] = g.full[lo:hi].clone()
         yield
         if modifier_rank is not None:
+            wanted = {id(p) for p in sharded}
             for unit in units:
                 for g in unit.groups:
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    unit.gatherer.offload.write_partition(g.pieces, g.shard, g.full[lo:hi])
+                    # Only the parameters asked for, and of those only the elements the block changed: the
+                    # rest of the unit keeps its shard and its (wider) master values.
+                    asked = torch.zeros(hi - lo, dtype=torch.bool, device=g.full.device)
+                    for p, slot in zip(g.params, g.layout.slots):
+                        a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+                        if id(p) in wanted and a < b:
+                            asked[a - lo:b - lo] = True
+                    old = before[id(g)]
+                    changed = asked & (g.full[lo:hi] != old)
+                    unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
+                                                          changed)
     finally:
         for unit, started in held:
             unit.gatherer.unhold(unit, started)

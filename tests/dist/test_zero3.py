@@ -1,4 +1,6 @@
 """zero3 on 1, 2 and 4 gloo ranks: equivalence with ddp, prefetch, memory limits, construction."""
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -186,12 +188,14 @@ class TwoPaths(nn.Module):
         return (self.a if self.rank == 0 else self.b)(x)
 
 
-def _diverge(dist):
+def _diverge(dist, direct=False):
+    """``direct``: loss_fn calls the submodules, not the root (the ranks' passes are checked all the same)."""
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Sequential]",
                              "stage.stage3_param_persistence_threshold=0", "train.steps=1", "dist.timeout_s=20"])
     torch.manual_seed(0)
     model = TwoPaths()
-    engine = framework.initialize(model, lambda m, mb: m(mb).sum(), cfg, dist)
+    loss_fn = (lambda m, mb: (m.a if m.rank == 0 else m.b)(mb).sum()) if direct else (lambda m, mb: m(mb).sum())
+    engine = framework.initialize(model, loss_fn, cfg, dist)
     model.rank = dist.rank
     try:
         engine.train_step(engine.state, Batch((torch.ones(2, 4),)))
@@ -202,7 +206,7 @@ def _diverge(dist):
 
 def test_divergent_module_order_fails_with_names(pools):
     pool = pools(2)
-    out = pool.run(_diverge, timeout=60)
+    out = pool.run(_diverge, True, timeout=60) + pool.run(_diverge, timeout=60)
     pool.close(kill=True)  # ranks are out of step now: start a fresh pool for later tests
     assert all("rank 0 at 'a'" in o and "rank 1 at 'b'" in o for o in out), out
 
@@ -561,3 +565,191 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
         assert val == pytest.approx(ref_val, rel=FP32_RTOL)
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
+# --- the gatherer's bookkeeping across steps (world size 1: the hooks and the ledger are the same at any size) ---
+
+def _peaks(checkpointing):
+    cfg = tiny_config("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "model.n_layer=3",
+                      f"model.activation_checkpointing={checkpointing}", "stage.stage3_max_live_parameters=5000",
+                      "stage.stage3_max_reuse_distance=0")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, _local())
+    g, state, peaks = engine.components.stage.gatherer, engine.state, []
+    for _ in range(3):
+        batch = data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
+        state, m = engine.train_step(state, batch)
+        peaks.append(m["peak_gathered_elements"])
+        assert all(u.active == 0 and u.state.value == "sharded" for u in g.units)
+    return peaks
+
+
+def test_activation_checkpointing_releases_every_block_after_its_forward():
+    # torch's checkpoint stops the recomputed forward early (no output hook): that recomputation must
+    # not leave its unit counted as running, or every block stays gathered from the second step on.
+    assert _peaks("true") == _peaks("false")
+
+
+def _linear_units(loss_fn, **cfg):
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "stage.stage3_max_reuse_distance=0", "optimizer=sgd", "scheduler=constant",
+                             *(f"stage.{k}={v}" for k, v in cfg.items())])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    return model, engine, engine.components.stage.gatherer
+
+
+def _micro(i):
+    g = torch.Generator().manual_seed(i)
+    x = torch.randn(4, 7, generator=g)
+    return x, x[:, :3].cos()
+
+
+def _direct(m, mb):   # the root's forward, written out in loss_fn
+    h = torch.relu(m.a(mb[0]))
+    return nn.functional.mse_loss(m.b(h + m.extra(h)), mb[1])
+
+
+def _twice(m, mb):    # the root called twice with grad (siamese)
+    return nn.functional.mse_loss(m(mb[0]) - m(mb[0] + 0.5), mb[1])
+
+
+@pytest.mark.parametrize("loss_fn", [_direct, _twice])
+def test_loss_fn_calling_submodules_or_the_root_twice_is_one_followed_pass(caplog, loss_fn):
+    # train_step opens one pass per loss_fn call: recorded, prefetched along and order-checked
+    # whether loss_fn calls the root once, twice or not at all.
+    _, engine, g = _linear_units(loss_fn)
+    state, rates = engine.state, []
+    with caplog.at_level("WARNING", logger="framework.zero3"):
+        for i in range(3):
+            state, m = engine.train_step(state, Batch((_micro(i),)))
+            rates.append(m["prefetch_hit_rate"])
+    assert not [r for r in caplog.records if "module order changed" in r.getMessage()]
+    assert rates[0] < 0.5 and rates[1] == rates[2] > 0.8, rates
+    uses = 2 * 3 * (2 if loss_fn is _twice else 1)   # forward and backward of a, extra, b per call
+    assert len(g.traces[True]) >= uses
+
+
+def test_failed_forward_leaves_no_unit_gathered():
+    # A loss_fn that raises inside a unit's forward (an out-of-memory error, say): its units are
+    # released and the cut-short pass is not the trace the next steps follow; eval_step alike.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    fail = [False]
+
+    def boom(_m, _a):
+        if fail[0]:
+            raise RuntimeError("out of memory")
+
+    model.b.register_forward_pre_hook(boom)
+    state, peaks = engine.state, []
+    for i in range(4):
+        fail[0] = i == 1
+        try:
+            state, m = engine.train_step(state, Batch((_micro(i),)))
+            peaks.append(m["peak_gathered_elements"])
+        except RuntimeError:
+            assert i == 1
+        assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+        g.peak_live = 0
+    fail[0] = True
+    with pytest.raises(RuntimeError):
+        engine.eval_step(state, [_micro(9)])
+    assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+    assert len(g.traces[True]) == 8 and peaks[1] == peaks[2], (g.traces, peaks)   # root, a, extra, b: forward, backward
+
+
+def test_eval_in_another_order_leaves_no_prefetched_unit_gathered():
+    # Step 1 skips 'extra', which the trace of step 0 had prefetched: it is released when the
+    # order changes (and at the end of every eval_step), not left gathering with its memory.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    for step in (0, 0, 1, 1, 0):
+        model.step = step
+        engine.eval_step(engine.state, [_micro(step)])
+        assert all(u.state.value == "sharded" for u in g.units) and g.live == 0, [u.state for u in g.units]
+
+
+@dataclasses.dataclass
+class _Out:
+    h: torch.Tensor
+
+
+class _Boxed:   # an output type the hooks cannot look into
+    def __init__(self, h):
+        self.h = h
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, box):
+        super().__init__()
+        self.lin, self.box = nn.Linear(7, 7), box
+
+    def forward(self, x):
+        return self.box(torch.tanh(self.lin(x)))
+
+
+class _Head(nn.Module):
+    def __init__(self, box):
+        super().__init__()
+        self.body, self.out = _Wrapped(box), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.out(self.body(x).h)
+
+
+@pytest.mark.parametrize("box", [_Out, _Boxed])
+def test_unit_returning_a_dataclass_trains_and_an_opaque_output_is_refused(box):
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_Wrapped]", "stage.stage3_param_persistence_threshold=0",
+                             "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0"])
+    torch.manual_seed(0)
+    model = _Head(box)
+    ref = _Head(box)
+    ref.load_state_dict(model.state_dict())
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, _local())
+    if box is _Boxed:   # one line naming the unit and the type, not a size mismatch inside autograd's backward
+        with pytest.raises(framework.TrainingError, match=r"unit 'body' returned a _Boxed in which no tensor"):
+            engine.train_step(engine.state, Batch((_micro(0),)))
+        return
+    state = engine.state
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for i in range(2):
+        state, _ = engine.train_step(state, Batch((_micro(i),)))
+        nn.functional.mse_loss(ref(_micro(i)[0]), _micro(i)[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.testing.assert_close(_full_params(engine), flat_params(ref), rtol=FP32_RTOL, atol=1e-7)
+
+
+def test_gathered_with_modifier_rank_writes_only_what_the_block_changed():
+    # bf16 working values over fp32 masters: a block that edits nothing (or edits a parameter it did
+    # not ask for) must not round the unit's masters to bf16.
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "precision=bf16", "optimizer=sgd", "optimizer.lr=0.01", "scheduler=constant"])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0].bfloat16()).float(), mb[1]),
+                                  cfg, _local())
+    state = engine.state
+    for i in range(2):
+        state, _ = engine.train_step(state, Batch((_micro(i),)))
+    a = model.a
+    masters = {g.kind: g.pieces[0].master for g in a.weight.zero3_unit.groups}   # weight: decay, bias: no_decay
+
+    def snapshot():
+        return {k: m.detach().clone() for k, m in masters.items()}
+
+    start = snapshot()
+    assert not torch.equal(start["decay"], start["decay"].bfloat16().float())   # wider than bf16
+    with framework.gathered([a.weight], modifier_rank=0):
+        pass
+    assert all(torch.equal(start[k], m) for k, m in masters.items())
+    with framework.gathered([a.weight], modifier_rank=0), torch.no_grad():
+        bias = a.bias.detach().clone()
+        a.weight[0].fill_(0.5)
+        a.bias.fill_(0.25)   # gathered with its unit, not asked for: not written
+    after = snapshot()
+    n = a.weight.logical_shape[1]
+    assert torch.all(after["decay"][:n] == 0.5) and torch.equal(after["decay"][n:], start["decay"][n:])
+    assert torch.equal(after["no_decay"], start["no_decay"])
+    with framework.gathered([a.bias, a.weight]):
+        assert torch.equal(a.bias, bias) and torch.all(a.weight[0] == 0.5)

@@ -344,6 +344,11 @@ def test_a_loss_fn_returning_anything_but_a_0_dim_floating_tensor_is_refused_in_
                 engine.train_step(engine.state, Batch(((x, y),)))
             with pytest.raises(framework.TrainingError, match="^loss_fn must return the loss as a 0-dim"):
                 engine.eval_step(engine.state, [(x, y)])
+        # A loss with no grad (detached, or computed under no_grad): fine for eval_step, refused by train_step.
+        choice["fn"] = lambda m, mb: mse(m, mb).detach()
+        with pytest.raises(framework.TrainingError, match=r"^loss_fn returned a loss that does not require grad"):
+            engine.train_step(engine.state, Batch(((x, y),)))
+        assert engine.eval_step(engine.state, [(x, y)]) == pytest.approx(ref_loss.item(), rel=RTOL)
         choice["fn"] = mse
         assert engine.state.step == 0
         state, m = engine.train_step(engine.state, Batch(((x, y),)))   # nothing of the refused steps is left
