@@ -28,7 +28,8 @@ def error_lines(p: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_default_job_shortened(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, *SHORT)
+    # (train.on_nonfinite: every schema key can be set on the command line, through Hydra's struct config)
+    p = cli(forkrun, tmp_path, *SHORT, "train.on_nonfinite=warn")
     assert p.returncode == 0, p.stderr
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -37,6 +38,7 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in train)
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["train"]["on_nonfinite"] == "warn"
     mem = {k: v["device"] + v["host"] for k, v in summary["memory_per_rank"][0]["items"].items()}
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
