@@ -81,11 +81,13 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
-        if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
-            # A resume from this run folder's own checkpoints continues its W&B run; any other start is a new one.
+        if dist.is_main:
+            # A resume from this run folder's own checkpoints continues its W&B run and its metrics.jsonl
+            # (from the step resumed); any other start, from another folder's checkpoint too, is a new
+            # run here: the folder's records (of another history) are set aside, its summary.json too.
             mine = ckpt.resumed_from is not None and run.run_dir.resolve() in ckpt.resumed_from.resolve().parents
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
-                               start=state.step)
+                               start=state.step if mine else 0)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         if on_ready is not None:   # (rank 0's)

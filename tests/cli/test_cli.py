@@ -321,6 +321,15 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     newest = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
     assert f"resumed from {run / 'checkpoints' / 'step-6'}" in newest.stdout, newest.stdout
+    # Into a folder with another run's records (b's, steps 2-6), from a's checkpoint: a new record there,
+    # b's metrics.jsonl and summary.json set aside whole (not b's steps up to 4 followed by a's history).
+    elsewhere = _run(forkrun, tmp_path, f"checkpoint.resume={run / 'checkpoints' / 'step-4'}", "train.steps=5",
+                     "hydra.run.dir=outputs/b")
+    assert f"resumed from {run / 'checkpoints' / 'step-4'}" in elsewhere.stdout, elsewhere.stdout
+    b = tmp_path / "outputs" / "b"
+    assert [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()] == [5, 5]
+    assert json.loads((b / "summary.json.1").read_text())["steps"] == 6
+    assert [json.loads(line)["step"] for line in (b / "metrics.jsonl.1").read_text().splitlines()] == [2, 3, 4, 6, 6]
     wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2",
                  "hydra.run.dir=outputs/d")
     assert wrong.returncode != 0
