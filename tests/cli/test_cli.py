@@ -115,6 +115,24 @@ def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
     assert job_key(["train.steps=2", "optimizer=lion"], frozenset({"train.steps"})) == "optimizer=lion,train.steps=2"
     # nothing left: a folder of its own, not checkpoint.dir itself (where a plain run saves)
     assert job_key(["train.steps=4", "checkpoint.dir=ck"]) == "job"
+    # what the command line fixes (a key any other job's overrides hold is swept, by it or by a sweeper)
+    from framework.cli.train import _jobs
+    assert _jobs(["-m", "train.steps=2,3", "seed=1", "optimizer=glob(lion)", "optimizer.lr=interval(0,1)",
+                  "hydra/sweeper=x"])[3] == {"seed", "optimizer"}
+
+
+def test_a_sweep_of_a_config_files_sweeper_params_gives_each_job_its_checkpoint_folder(forkrun, tmp_path):
+    """Jobs swept by the config's hydra.sweeper.params (not the command line) that differ only in a key
+    that says how long a job runs are distinct jobs under an explicit checkpoint.dir: none resumes another's."""
+    (tmp_path / "sw.yaml").write_text("defaults: [train, _self_]\nhydra:\n  sweeper:\n    params:\n"
+                                      "      train.steps: 2,3\n")
+    p = cli(forkrun, tmp_path, "-m", "--config-dir", str(tmp_path), "--config-name", "sw",
+            *[o for o in SHORT if not o.startswith("train.steps=")], "checkpoint.every=1",
+            f"checkpoint.dir={tmp_path / 'ck'}")
+    assert p.returncode == 0, p.stderr
+    assert "resumed" not in p.stdout, p.stdout
+    names = sorted(q.name for q in (tmp_path / "ck").iterdir())   # (the model.* overrides, then train.steps)
+    assert [n.rsplit(",", 1)[-1] for n in names] == ["train.steps=2", "train.steps=3"], names
 
 
 def test_multirun_two_optimizers(forkrun, tmp_path):
