@@ -378,7 +378,11 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
     of the run folder that existed before Hydra made it; ``passed``: what the run added to the command line.
     ``fixed``: the keys the command line fixes (``_jobs``). A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
-    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
+    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception).
+    A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
+    that job's records and report them as its own (``folders``: each folder's job number)."""
+    folders: dict[Path, int] = {}
+
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
@@ -397,6 +401,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
 
         try:
+            if multirun:
+                _own_folder_in_sweep(folders, run.run_dir, hc.job.num)
             return launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
         except FrameworkError as e:
             _remove_made(made, subdir, bool(owned))
@@ -413,6 +419,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 print(line, file=sys.stderr, flush=True)
             raise
     return job
+
+
+def _own_folder_in_sweep(folders: dict[Path, int], run_dir: Path, num: int) -> None:
+    """Refuse job ``num`` where an earlier job of the sweep had ``run_dir`` (``folders``), else note it."""
+    earlier = folders.setdefault(run_dir.resolve(), num)
+    if earlier != num:
+        raise ConfigError(f"run folder {run_dir}: job {num} of this sweep would share it with job {earlier} (resuming "
+                          f"or setting aside that job's run); make hydra.sweep.subdir name one folder per job, e.g. "
+                          f"its default ${{hydra.job.num}} (and, with override_dirname, exclude no swept key)")
 
 
 def main(on_point: Callable[[str], None] | None = None) -> None:

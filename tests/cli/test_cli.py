@@ -182,6 +182,17 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
 
 
+def test_two_jobs_of_a_sweep_never_share_a_run_folder(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "-m", "train.steps=2,3", *[o for o in SHORT if not o.startswith("train.steps=")],
+            "checkpoint.every=1", "hydra.sweep.subdir=same")
+    assert p.returncode == 1
+    lines = error_lines(p)
+    assert len(lines) == 2 and lines[0].startswith(f"error: run folder {tmp_path / 'sweep' / 'same'}: job 1 of this "
+                                                   "sweep would share it with job 0") and "hydra.sweep.subdir" in lines[0]
+    assert "resumed" not in p.stdout, p.stdout
+    assert json.loads((tmp_path / "sweep" / "same" / "summary.json").read_text())["steps"] == 2   # job 0's, kept
+
+
 def test_glob_sweeps_the_names_of_a_group(forkrun, tmp_path):
     from framework.cli.train import _jobs
 
