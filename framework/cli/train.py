@@ -105,13 +105,21 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
                           "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
                           "(a,b,c) or use range(...)")
     if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
-        return list(o.sweep_string_iterator())
+        values = list(o.sweep_string_iterator())
+        if not values:   # (Hydra's sweeper would run no job and exit 0)
+            why = " (range(start, stop[, step]) stops before stop)" if o.value_type == ValueType.RANGE_SWEEP else ""
+            raise ConfigError(f"config: {o.input_line}: the sweep has no value{why}; give it at least one")
+        return values
     group = o.key_or_group
     folders = [conf_dir(), *([Path(primary["config_dir"])] if primary["config_dir"] else [])]
     names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
     if not names:
         raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
-    return o.value().filter(names)
+    values = o.value().filter(names)
+    if not values:
+        raise ConfigError(f"config: {o.input_line}: glob() selects none of the {group} names "
+                          f"({', '.join(names)}); give a pattern that matches one")
+    return values
 
 
 def _key(overrides: list[str]) -> tuple[str, ...]:
