@@ -68,7 +68,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
 
     t = cfg.train
     shard = dict(rank=dist.rank, world=dist.world)
-    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
+    # Global batches of train's size, evaluated in its micro batches: the val loss does not depend on the split.
+    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, grad_accum=t.grad_accum, **shard),
+                    dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
     losses, evals = [], []

@@ -48,6 +48,18 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert summary["train_loss_steps"] == 2 and "(mean of last 2 steps)" in p.stdout, p.stdout
 
 
+def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path):
+    """micro_batch 4 and micro_batch 2 with grad_accum 2 train alike: their val loss (on held-out global
+    batches of 4 rows, evaluated in micro batches) is the same too."""
+    val = []
+    for name, split in (("one", ["train.micro_batch=4"]), ("two", ["train.micro_batch=2", "train.grad_accum=2"])):
+        p = forkrun.run("framework.train", [*SHORT, "train.steps=2", *split,
+                                            f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=ENV)
+        assert p.returncode == 0, p.stderr
+        val.append(json.loads((tmp_path / name / "summary.json").read_text())["val_loss"])
+    assert val[0] == pytest.approx(val[1], rel=1e-5), val
+
+
 @pytest.mark.parametrize("args,needle", [
     (["train.stpes=10"], "did you mean 'train.steps'"),
     (["optimizer.betas1=0.9"], "did you mean 'optimizer.beta1'"),
