@@ -123,9 +123,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
-            # The mean of the last log_every steps' losses (metrics.jsonl has single steps' losses).
-            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else None,   # None: no step ran
-            "train_loss_steps": min(len(losses), t.log_every),
+            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses).
+            **train_loss(losses, t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
@@ -157,6 +156,14 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
+
+
+def train_loss(losses: list[float], window: int) -> dict:
+    """The summary's train loss: the mean of the last ``window`` finite losses (a step skipped for a
+    non-finite loss, under train.on_nonfinite=warn, trained nothing and would make it NaN) and over how
+    many steps; None where no step trained."""
+    last = [x for x in losses if math.isfinite(x)][-window:]
+    return {"train_loss": fmean(last) if last else None, "train_loss_steps": len(last)}
 
 
 def close_all(*closes: Callable[[], None]) -> None:

@@ -150,6 +150,13 @@ def test_a_sweep_of_a_config_files_sweeper_params_gives_each_job_its_checkpoint_
     assert [n.rsplit(",", 1)[-1] for n in names] == ["train.steps=2", "train.steps=3"], names
 
 
+def test_the_summarys_train_loss_leaves_out_a_skipped_non_finite_step():
+    from framework.cli.loop import train_loss
+    assert train_loss([4.0, 3.0, float("nan"), 2.0], 2) == {"train_loss": 2.5, "train_loss_steps": 2}
+    assert train_loss([1.0, 2.0, 3.0], 5) == {"train_loss": 2.0, "train_loss_steps": 3}
+    assert train_loss([float("inf")], 2) == train_loss([], 2) == {"train_loss": None, "train_loss_steps": 0}
+
+
 def test_multirun_two_optimizers(forkrun, tmp_path):
     from framework.cli.train import job_key
     from framework.persist.checkpoint import checkpoint_root
