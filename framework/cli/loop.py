@@ -68,7 +68,9 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
 
     t = cfg.train
     shard = dict(rank=dist.rank, world=dist.world)
-    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, **shard), dist.device)
+    # Global batches of train's size, evaluated in its micro batches: the val loss does not depend on the split.
+    val = to_device(data.val_batches(t.eval_batches, batch=t.micro_batch, grad_accum=t.grad_accum, **shard),
+                    dist.device)
     tokens_per_step = t.micro_batch * t.grad_accum * dist.world * cfg.model.context
     logger = NullLogger()
     losses, evals = [], []
@@ -81,11 +83,13 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
-        if dist.is_main:   # metrics.jsonl continues from the step resumed (0: a new run's records)
-            # A resume from this run folder's own checkpoints continues its W&B run; any other start is a new one.
+        if dist.is_main:
+            # A resume from this run folder's own checkpoints continues its W&B run and its metrics.jsonl
+            # (from the step resumed); any other start, from another folder's checkpoint too, is a new
+            # run here: the folder's records (of another history) are set aside, its summary.json too.
             mine = ckpt.resumed_from is not None and run.run_dir.resolve() in ckpt.resumed_from.resolve().parents
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
-                               start=state.step)
+                               start=state.step if mine else 0)
         # The W&B config: the resolved values and where each came from.
         logger.start({**cfg.to_dict(), "config_sources": dict(cfg.sources)}, t.steps)
         if on_ready is not None:   # (rank 0's)
@@ -119,9 +123,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": state.step,
-            # The mean of the last log_every steps' losses (metrics.jsonl has single steps' losses).
-            "train_loss": fmean(losses[-min(len(losses), t.log_every):]) if losses else None,   # None: no step ran
-            "train_loss_steps": min(len(losses), t.log_every),
+            # The mean of the last log_every trained steps' losses (metrics.jsonl has single steps' losses).
+            **train_loss(losses, t.log_every),
             "val_loss": evals[-1] if evals else math.nan,
             "tokens_per_s": tokens_per_step * (state.step - first) / elapsed if state.step > first else 0.0,
             "steps_run": state.step - first,   # by this process (fewer than steps after a resume)
@@ -153,6 +156,14 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         raise
     finally:   # every close runs: a SIGTERM (SystemExit) inside one must not leave swap files or an unfinished W&B run
         close_all(ckpt.close, engine.close, logger.close)
+
+
+def train_loss(losses: list[float], window: int) -> dict:
+    """The summary's train loss: the mean of the last ``window`` finite losses (a step skipped for a
+    non-finite loss, under train.on_nonfinite=warn, trained nothing and would make it NaN) and over how
+    many steps; None where no step trained."""
+    last = [x for x in losses if math.isfinite(x)][-window:]
+    return {"train_loss": fmean(last) if last else None, "train_loss_steps": len(last)}
 
 
 def close_all(*closes: Callable[[], None]) -> None:

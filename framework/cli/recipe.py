@@ -165,7 +165,7 @@ def compose_jobs(recipe: Recipe, overrides: list[str]):
     from framework.config import compose
     from framework.cli.train import _jobs
 
-    jobs, _, _ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
+    jobs, *_ = _jobs(["-m", *[_fill(o, {"recipe": str(recipe.dir)}) for o in overrides]])
     return [compose(job, config_dir=str(recipe.dir), config_name="config") for job in jobs]
 
 

@@ -55,10 +55,12 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
           ("--config-dir", "-cd"), ("--experimental-rerun",))
 
 
-def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
+def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
     """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
     Hydra's info flags and for a command line Hydra will refuse), the primary config they apply
-    to (``--config-dir``/``--config-name``, e.g. a recipe's) and the key of the folder Hydra makes."""
+    to (``--config-dir``/``--config-name``, e.g. a recipe's), the key of the folder Hydra makes and
+    the keys the command line fixes (one value for every job: any other key a job's overrides hold
+    is swept, by the command line or by a sweeper, from its own params or sampling)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
     for names in SWITCHES:
@@ -77,15 +79,19 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str]:
         _print_resolved(args.overrides, args.resolve, primary, args.package)
         sys.exit(0)
     if unknown or args.help or args.hydra_help or args.version or args.info or args.shell_completion or args.cfg:
-        return None, primary, folder
+        return None, primary, folder, frozenset()
     if not args.multirun:
-        return [args.overrides], primary, folder
-    axes = {}   # by key: a later override of the same key replaces the earlier one
+        return [args.overrides], primary, folder, frozenset(o.key_or_group for o in parse_overrides(args.overrides)
+                                                                  if not o.is_hydra_override())
+    axes, fixed = {}, {}   # by key: a later override of the same key replaces the earlier one
     for o in parse_overrides(args.overrides):
         key = o.get_key_element()
         axes[key] = ([f"{key}={v}" for v in _sweep(o, primary, args.overrides)] if o.is_sweep_override()
                      else [f"{key}={o.get_value_element_as_str()}"])
-    return [list(combo) for combo in itertools.product(*axes.values())], primary, folder
+        if not o.is_hydra_override():
+            fixed[o.key_or_group] = len(axes[key]) == 1
+    return ([list(combo) for combo in itertools.product(*axes.values())], primary, folder,
+            frozenset(k for k, one in fixed.items() if one))
 
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
@@ -99,13 +105,21 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
                           "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
                           "(a,b,c) or use range(...)")
     if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
-        return list(o.sweep_string_iterator())
+        values = list(o.sweep_string_iterator())
+        if not values:   # (Hydra's sweeper would run no job and exit 0)
+            why = " (range(start, stop[, step]) stops before stop)" if o.value_type == ValueType.RANGE_SWEEP else ""
+            raise ConfigError(f"config: {o.input_line}: the sweep has no value{why}; give it at least one")
+        return values
     group = o.key_or_group
     folders = [conf_dir(), *([Path(primary["config_dir"])] if primary["config_dir"] else [])]
     names = sorted({p.stem for d in folders for p in (d / group).glob("*.yaml")})
     if not names:
         raise ConfigError(f"config: {o.input_line}: glob() selects names of a config group, and {group} is none")
-    return o.value().filter(names)
+    values = o.value().filter(names)
+    if not values:
+        raise ConfigError(f"config: {o.input_line}: glob() selects none of the {group} names "
+                          f"({', '.join(names)}); give a pattern that matches one")
+    return values
 
 
 def _key(overrides: list[str]) -> tuple[str, ...]:
@@ -326,15 +340,6 @@ NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_ever
                 "dist.nproc", "dist.timeout_s")
 
 
-def swept_keys(jobs: list[list[str]] | None) -> frozenset[str]:
-    """The keys whose values differ between the jobs of a sweep."""
-    values: dict[str, set[str]] = {}
-    for overrides in jobs or []:
-        for o in parse_overrides(overrides):
-            values.setdefault(o.key_or_group, set()).add(o.input_line)
-    return frozenset(k for k, v in values.items() if len(v) > 1)
-
-
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
     override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary; ``job`` when none
@@ -342,6 +347,12 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     def identity(key: str) -> bool:
         return key in swept or not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
     return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group))) or "job"
+
+
+def _swept(overrides: list[str], fixed: frozenset[str]) -> frozenset[str]:
+    """The keys a job's overrides hold that the command line does not fix: swept, on the command line
+    or by the sweeper (a config's hydra.sweeper.params, a sampling sweeper), so they tell the jobs apart."""
+    return frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
@@ -369,13 +380,17 @@ def sweep_group(job_name: str, sweep_dir: str) -> str:
 
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
-         swept: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
+         fixed: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
     ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
     of the run folder that existed before Hydra made it; ``passed``: what the run added to the command line.
-    A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
-    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception)."""
+    ``fixed``: the keys the command line fixes (``_jobs``). A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
+    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception).
+    A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
+    that job's records and report them as its own (``folders``: each folder's job number)."""
+    folders: dict[Path, int] = {}
+
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(task: DictConfig) -> float:
         hc = HydraConfig.get()
@@ -387,13 +402,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         run = RunInfo(Path(hc.runtime.output_dir),
                       group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
-                      key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
+                      key=_checkpoint_key(config, job_key(overrides, _swept(overrides, fixed)), hc.job.override_dirname)
                       if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
 
         try:
+            if multirun:
+                _own_folder_in_sweep(folders, run.run_dir, hc.job.num)
             return launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
         except FrameworkError as e:
             _remove_made(made, subdir, bool(owned))
@@ -412,10 +429,19 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     return job
 
 
+def _own_folder_in_sweep(folders: dict[Path, int], run_dir: Path, num: int) -> None:
+    """Refuse job ``num`` where an earlier job of the sweep had ``run_dir`` (``folders``), else note it."""
+    earlier = folders.setdefault(run_dir.resolve(), num)
+    if earlier != num:
+        raise ConfigError(f"run folder {run_dir}: job {num} of this sweep would share it with job {earlier} (resuming "
+                          f"or setting aside that job's run); make hydra.sweep.subdir name one folder per job, e.g. "
+                          f"its default ${{hydra.job.num}} (and, with override_dirname, exclude no swept key)")
+
+
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
-        jobs, primary, folder = _jobs(sys.argv[1:])
+        jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
             cfg, config = compose_layers(overrides, composer=functools.partial(standalone_composer, **primary))
@@ -439,7 +465,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
     sys.argv += [*passed.task, *passed.hydra]
     try:
-        _app(configs, on_point, failed, swept_keys(jobs), subdir, base, passed)()
+        _app(configs, on_point, failed, fixed, subdir, base, passed)()
     finally:
         sys.argv[:] = argv
     if failed:

@@ -97,12 +97,20 @@ class DataSource:
         micro = tuple((x[i:i + micro_batch], y[i:i + micro_batch]) for i in range(0, seqs.shape[0], micro_batch))
         return Batch(micro=micro, position=position + 1)
 
-    def val_batches(self, n: int, *, batch: int, rank: int,
-                    world: int) -> list[tuple[Tensor, Tensor]]:
+    def val_batches(self, n: int, *, batch: int, rank: int, world: int,
+                    grad_accum: int = 1) -> list[tuple[Tensor, Tensor]]:
+        """This rank's micro batches (``batch`` rows each) of ``n`` held-out global batches of
+        ``batch * grad_accum * world`` rows, split as train's are: batch after batch, ``grad_accum``
+        each. So the held-out rows (and, in equal chunks, the mean loss) depend on the global batch
+        only, not on how it is split into micro batches and ranks."""
         # Independent of the run seed (so val losses compare across seeds) and of n (batch j
-        # is the same whether 4 or 40 are asked for); ranks split each batch like train does.
-        rows = rank_rows(micro_batch=batch, grad_accum=1, rank=rank, world=world)
-        return [xy(self._draw("val", batch * world, seeded(VAL_STREAM, *self.val_key, j), rows)) for j in range(n)]
+        # is the same whether 4 or 40 are asked for).
+        rows = rank_rows(micro_batch=batch, grad_accum=grad_accum, rank=rank, world=world)
+        out = []
+        for j in range(n):
+            x, y = xy(self._draw("val", batch * grad_accum * world, seeded(VAL_STREAM, *self.val_key, j), rows))
+            out += [(x[i:i + batch], y[i:i + batch]) for i in range(0, x.shape[0], batch)]
+        return out
 
 
 class CropSource(DataSource):

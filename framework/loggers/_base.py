@@ -46,9 +46,10 @@ class RunRecord:
     """Rank 0's logger: metrics.jsonl (one record per logged step of this run's history) plus an
     atomically written summary.json, then the configured ``logger``.
 
-    ``start``: the step this run trains from (0, or the checkpoint's it resumed). Records of later
+    ``start``: the step this run's record goes on from (0: a new record, also for a resume from another
+    folder's checkpoint; else the step of this folder's own checkpoint it resumed). Records of later
     steps in the folder (an earlier run's, or steps after that checkpoint) would repeat or mix with
-    this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a fresh start an
+    this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a new record an
     earlier ``summary.json`` too (``summary.json.N``), so nothing is lost."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
@@ -109,7 +110,8 @@ def _set_aside(run_dir: Path, start: int) -> None:
     if path in aside:
         files.write_atomic(path, "".join(keep).encode())
     print(f"run folder: {' and '.join(p.name for p in aside)} of an earlier run set aside as "
-          f"{' and '.join(f'{p.name}.{n}' for p in aside)} (this run starts at step {start})", flush=True)
+          f"{' and '.join(f'{p.name}.{n}' for p in aside)} "
+          f"({f'this run goes on from step {start}' if start else 'this run starts a new record'})", flush=True)
 
 
 def _step(line: str) -> float:

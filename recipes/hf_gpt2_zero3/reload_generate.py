@@ -47,7 +47,8 @@ def main(out: Path) -> None:
     # The job's validation batches, as one rank of world 1 sees them (the same rows as every rank's together).
     data_cfg = {k: v for k, v in cfg["data"].items() if k != "name"}
     src = synthetic.SyntheticSource(synthetic.SyntheticConfig(**data_cfg), seed=cfg["seed"], context=cfg["model"]["context"])
-    batches = src.val_batches(cfg["train"]["eval_batches"], batch=cfg["train"]["micro_batch"] * summary["world"],
+    batches = src.val_batches(cfg["train"]["eval_batches"], batch=cfg["train"]["micro_batch"] * cfg["train"]["grad_accum"]
+                              * summary["world"],
                               rank=0, world=1)
     with torch.no_grad():
         losses = [torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()).item()

@@ -28,7 +28,8 @@ def error_lines(p: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_default_job_shortened(forkrun, tmp_path):
-    p = cli(forkrun, tmp_path, *SHORT)
+    # (train.on_nonfinite: every schema key can be set on the command line, through Hydra's struct config)
+    p = cli(forkrun, tmp_path, *SHORT, "train.on_nonfinite=warn")
     assert p.returncode == 0, p.stderr
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -37,6 +38,7 @@ def test_default_job_shortened(forkrun, tmp_path):
     assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in train)
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     summary = json.loads((run / "summary.json").read_text())
+    assert summary["config"]["train"]["on_nonfinite"] == "warn"
     mem = {k: v["device"] + v["host"] for k, v in summary["memory_per_rank"][0]["items"].items()}
     assert {"params", "grads", "optimizer_state"} <= mem.keys()
     assert mem["optimizer_state"] == 2 * mem["params"]  # AdamW m and v in fp32
@@ -44,6 +46,18 @@ def test_default_job_shortened(forkrun, tmp_path):
     # The summary's train loss is a mean over the last log_every steps (metrics.jsonl logs single
     # steps' losses): the console line and summary.json say over how many.
     assert summary["train_loss_steps"] == 2 and "(mean of last 2 steps)" in p.stdout, p.stdout
+
+
+def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path):
+    """micro_batch 4 and micro_batch 2 with grad_accum 2 train alike: their val loss (on held-out global
+    batches of 4 rows, evaluated in micro batches) is the same too."""
+    val = []
+    for name, split in (("one", ["train.micro_batch=4"]), ("two", ["train.micro_batch=2", "train.grad_accum=2"])):
+        p = forkrun.run("framework.train", [*SHORT, "train.steps=2", *split,
+                                            f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=ENV)
+        assert p.returncode == 0, p.stderr
+        val.append(json.loads((tmp_path / name / "summary.json").read_text())["val_loss"])
+    assert val[0] == pytest.approx(val[1], rel=1e-5), val
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -54,6 +68,9 @@ def test_default_job_shortened(forkrun, tmp_path):
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
     (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
+    # a sweep of no job: refused (Hydra would run none and exit 0)
+    (["-m", "optimizer=glob(adm*)"], "glob() selects none of the optimizer names (adagrad, adam, adamw, lion, sgd)"),
+    (["-m", "optimizer.lr=range(1,1)"], "optimizer.lr=range(1,1): the sweep has no value (range(start, stop[, step])"),
 ])
 def test_bad_override_one_line(forkrun, tmp_path, args, needle):
     p = cli(forkrun, tmp_path, *args)
@@ -113,6 +130,31 @@ def test_a_jobs_checkpoint_folder_is_named_by_what_says_which_job_it_is():
     assert job_key(["train.steps=2", "optimizer=lion"], frozenset({"train.steps"})) == "optimizer=lion,train.steps=2"
     # nothing left: a folder of its own, not checkpoint.dir itself (where a plain run saves)
     assert job_key(["train.steps=4", "checkpoint.dir=ck"]) == "job"
+    # what the command line fixes (a key any other job's overrides hold is swept, by it or by a sweeper)
+    from framework.cli.train import _jobs
+    assert _jobs(["-m", "train.steps=2,3", "seed=1", "optimizer=glob(lion)", "optimizer.lr=interval(0,1)",
+                  "hydra/sweeper=x"])[3] == {"seed", "optimizer"}
+
+
+def test_a_sweep_of_a_config_files_sweeper_params_gives_each_job_its_checkpoint_folder(forkrun, tmp_path):
+    """Jobs swept by the config's hydra.sweeper.params (not the command line) that differ only in a key
+    that says how long a job runs are distinct jobs under an explicit checkpoint.dir: none resumes another's."""
+    (tmp_path / "sw.yaml").write_text("defaults: [train, _self_]\nhydra:\n  sweeper:\n    params:\n"
+                                      "      train.steps: 2,3\n")
+    p = cli(forkrun, tmp_path, "-m", "--config-dir", str(tmp_path), "--config-name", "sw",
+            *[o for o in SHORT if not o.startswith("train.steps=")], "checkpoint.every=1",
+            f"checkpoint.dir={tmp_path / 'ck'}")
+    assert p.returncode == 0, p.stderr
+    assert "resumed" not in p.stdout, p.stdout
+    names = sorted(q.name for q in (tmp_path / "ck").iterdir())   # (the model.* overrides, then train.steps)
+    assert [n.rsplit(",", 1)[-1] for n in names] == ["train.steps=2", "train.steps=3"], names
+
+
+def test_the_summarys_train_loss_leaves_out_a_skipped_non_finite_step():
+    from framework.cli.loop import train_loss
+    assert train_loss([4.0, 3.0, float("nan"), 2.0], 2) == {"train_loss": 2.5, "train_loss_steps": 2}
+    assert train_loss([1.0, 2.0, 3.0], 5) == {"train_loss": 2.0, "train_loss_steps": 3}
+    assert train_loss([float("inf")], 2) == train_loss([], 2) == {"train_loss": None, "train_loss_steps": 0}
 
 
 def test_multirun_two_optimizers(forkrun, tmp_path):
@@ -160,6 +202,17 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     lines = error_lines(p)
     assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
+
+
+def test_two_jobs_of_a_sweep_never_share_a_run_folder(forkrun, tmp_path):
+    p = cli(forkrun, tmp_path, "-m", "train.steps=2,3", *[o for o in SHORT if not o.startswith("train.steps=")],
+            "checkpoint.every=1", "hydra.sweep.subdir=same")
+    assert p.returncode == 1
+    lines = error_lines(p)
+    assert len(lines) == 2 and lines[0].startswith(f"error: run folder {tmp_path / 'sweep' / 'same'}: job 1 of this "
+                                                   "sweep would share it with job 0") and "hydra.sweep.subdir" in lines[0]
+    assert "resumed" not in p.stdout, p.stdout
+    assert json.loads((tmp_path / "sweep" / "same" / "summary.json").read_text())["steps"] == 2   # job 0's, kept
 
 
 def test_glob_sweeps_the_names_of_a_group(forkrun, tmp_path):
@@ -319,6 +372,15 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
 
     newest = _run(forkrun, tmp_path, "checkpoint.resume=latest", "train.steps=7", "hydra.run.dir=outputs/c")
     assert f"resumed from {run / 'checkpoints' / 'step-6'}" in newest.stdout, newest.stdout
+    # Into a folder with another run's records (b's, steps 2-6), from a's checkpoint: a new record there,
+    # b's metrics.jsonl and summary.json set aside whole (not b's steps up to 4 followed by a's history).
+    elsewhere = _run(forkrun, tmp_path, f"checkpoint.resume={run / 'checkpoints' / 'step-4'}", "train.steps=5",
+                     "hydra.run.dir=outputs/b")
+    assert f"resumed from {run / 'checkpoints' / 'step-4'}" in elsewhere.stdout, elsewhere.stdout
+    b = tmp_path / "outputs" / "b"
+    assert [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()] == [5, 5]
+    assert json.loads((b / "summary.json.1").read_text())["steps"] == 6
+    assert [json.loads(line)["step"] for line in (b / "metrics.jsonl.1").read_text().splitlines()] == [2, 3, 4, 6, 6]
     wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2",
                  "hydra.run.dir=outputs/d")
     assert wrong.returncode != 0

@@ -22,6 +22,27 @@ def test_config_fields_cover_every_group():
     assert set(GROUPS) <= {f.name for f in dataclasses.fields(Config)}
 
 
+def test_every_schema_key_is_in_the_conf_tree():
+    """The command line (Hydra, struct mode) can set only the keys the YAML files have: every key of a
+    schema must be in its file, or ``KEY=V`` fails there (where ``compose`` forces it in)."""
+    import yaml
+
+    from framework.config.schema import CheckpointConfig, DistConfig, RootSchema, TrainLoopConfig
+
+    root = yaml.safe_load((conf_dir() / "train.yaml").read_text())
+    missing = [f"train.yaml: {f.name}" for f in dataclasses.fields(RootSchema)
+               if f.name not in root and f.name not in ("train", "dist", "checkpoint")]
+    for section, schema in (("train", TrainLoopConfig), ("dist", DistConfig), ("checkpoint", CheckpointConfig)):
+        missing += [f"train.yaml: {section}.{f.name.rstrip('_')}" for f in dataclasses.fields(schema)
+                    if f.name.rstrip("_") not in root[section]]   # (YAML spells async_ async)
+    for group in GROUPS:
+        for path in sorted((conf_dir() / group).glob("*.yaml")):
+            node = yaml.safe_load(path.read_text()) or {}
+            missing += [f"{group}/{path.name}: {f.name}" for f in dataclasses.fields(registry(group).get(path.stem).config)
+                        if f.init and f.name not in node]
+    assert not missing, missing
+
+
 def _build(cfg, group):
     comp = registry(group).get(cfg.choices[group])
     node = getattr(cfg, group)

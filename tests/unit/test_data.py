@@ -114,6 +114,24 @@ def test_val_fixed_and_rank_split(sources):
         assert not torch.equal(train.micro[0][0], first[0][0]), name
 
 
+def test_val_rows_depend_on_the_global_batch_only(sources):
+    """16 rows in one micro batch, in two of 8 (grad_accum 2), or over 2 ranks of 2 x 4: the same
+    held-out rows, in micro batches of train's size (so the same mean loss, whatever the split)."""
+    for name, src in sources.items():
+        whole = src.val_batches(2, batch=16, rank=0, world=1)
+        assert [x.shape[0] for x, _ in whole] == [16, 16], name
+        split = src.val_batches(2, batch=8, grad_accum=2, rank=0, world=1)
+        assert [x.shape[0] for x, _ in split] == [8, 8, 8, 8], name
+        ranks = [src.val_batches(2, batch=4, grad_accum=2, rank=r, world=2) for r in range(2)]
+        for j in range(2):
+            for i in (0, 1):    # x, then y
+                assert torch.equal(torch.cat([split[2 * j][i], split[2 * j + 1][i]]), whole[j][i]), name
+                # accumulation step k of rank r: global rows (k * world + r) * micro_batch + ...
+                joined = torch.cat([ranks[0][2 * j][i], ranks[1][2 * j][i], ranks[0][2 * j + 1][i],
+                                    ranks[1][2 * j + 1][i]])
+                assert torch.equal(joined, whole[j][i]), name
+
+
 def test_synthetic_floor_matches_empirical_nll():
     src = synthetic.SyntheticSource(synthetic.SyntheticConfig(), seed=0, context=64)
     p, pi = src.transition, src.stationary
