@@ -397,3 +397,49 @@ def test_without_nvme_path_swap_files_avoid_a_temp_folder_in_memory(tmp_path, mo
     assert len(said) == 1 and " the swap files go to /var/tmp/framework-nvme-" in said[0], out
     assert "offload.nvme_path" not in err
     assert not [p for p in os.listdir("/var/tmp") if p.startswith("framework-nvme-") and said[0].find(p) > 0]
+
+
+_UNCLOSED = """
+import os, sys
+import framework
+from framework.comm.distributed import connect
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+def start(*extra):
+    cfg = tiny_config("+stage=zero3", "offload=nvme", *extra)   # the optimizer's and the shards' files
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, connect("gloo"))
+    engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+    return engine, module
+
+made = sys.argv[1]
+kept = [start(f"offload.nvme_path={made}"), start()]   # a folder pre-flight makes; the private temporary one
+print("made:", sorted(os.listdir(made)), flush=True)
+raise RuntimeError("the script dies with its engines never closed")
+"""
+
+
+def test_an_engine_never_closed_leaves_no_swap_file_or_folder(tmp_path):
+    """Library use without ``with`` or ``close``, the script ended by an uncaught error: at exit the
+    engines' swap files are removed, with the folder pre-flight made for them and the private temporary
+    folder (offload.nvme_path unset)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    made, tmp = tmp_path / "made", tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-c", _UNCLOSED, str(made)], cwd=root, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(root), "TMPDIR": str(tmp)})
+    assert out.returncode == 1 and "the script dies" in out.stderr, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "made: ['rank00000.optim.swap', 'rank00000.optim.swap.manifest.json', 'rank00000.params.swap', " \
+           "'rank00000.params.swap.manifest.json']" in lines, out.stdout
+    assert not made.exists(), os.listdir(made)
+    said = [line for line in lines if "offload.nvme_path is not set" in line]
+    assert len(said) == 1, out.stdout
+    private = said[0].split(" the swap files go to ")[1].split(" ")[0]
+    assert "framework-nvme-" in private and not os.path.exists(private), out.stdout
+    assert not os.listdir(tmp), os.listdir(tmp)
