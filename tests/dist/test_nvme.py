@@ -443,3 +443,31 @@ def test_an_engine_never_closed_leaves_no_swap_file_or_folder(tmp_path):
     private = said[0].split(" the swap files go to ")[1].split(" ")[0]
     assert "framework-nvme-" in private and not os.path.exists(private), out.stdout
     assert not os.listdir(tmp), os.listdir(tmp)
+
+
+def test_state_dict_reads_the_swapped_masters_that_the_state_holds_as_placeholders(tmp_path):
+    """Under offload.optimizer=nvme the state's swapped master pieces and moments are placeholders between
+    steps (zero strides; docs/library.md, docs/nvme.md): ``engine.state_dict(state)`` is the way to read
+    them, and gives offload=cpu's values bitwise."""
+    def whole(sd):   # name -> (master, moments...) over the fragments, whatever the tiling
+        out = {}
+        for name, entry in sd["params"].items():
+            for f in entry["fragments"]:
+                parts = out.setdefault(name, {})
+                for key, t in (("master", f["master"]), *f["optim"].items()):
+                    parts.setdefault(key, []).append((f["range"], t))
+        return {(name, key): torch.cat([t for _, t in sorted(frags, key=lambda x: x[0])])
+                for name, parts in out.items() for key, frags in parts.items()}
+
+    def run(*offload):
+        cfg = tiny_config(*BASE, "+stage=zero2", *offload)
+        module, data = build_gpt(cfg)
+        with framework.initialize(module, gpt_loss, cfg, _local()) as engine:
+            state, _ = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=2, rank=0, world=1))
+            return [t.stride() for t in state.params], whole(engine.state_dict(state))
+    strides, cpu = run("offload=cpu")
+    parked, nvme = run(*NVME, f"offload.nvme_path={tmp_path}")
+    assert all(s != (0,) for s in strides) and all(s == (0,) for s in parked), parked
+    assert cpu.keys() == nvme.keys() and all(t.abs().sum() > 0 for t in nvme.values())
+    for key, t in cpu.items():
+        assert torch.equal(t, nvme[key]), key
