@@ -14,8 +14,12 @@ from framework.precision import Policy, PrecisionState
 @dataclass(frozen=True)
 class TrainState:
     step: int                        # train_step calls so far (optimizer steps, skipped ones included)
-    params: tuple[torch.Tensor, ...]  # master parameters as the stage lays them out (flat, per group/partition)
-    opt_state: Any                   # the optimizer transformation's state
+    # Master parameters as the stage lays them out (flat, per group/partition) and the optimizer
+    # transformation's state. Under offload.optimizer=nvme the pieces kept in the swap file are
+    # placeholders here between steps (zero strides, reading as zeros, writes lost): read or change
+    # them through ``engine.state_dict(state)`` / ``engine.load_state_dict``.
+    params: tuple[torch.Tensor, ...]
+    opt_state: Any
     precision: PrecisionState        # loss scale and skipped-step bookkeeping
     rng: tuple[torch.Tensor, ...]    # generator states after the last step: CPU, then the device's (dropout)
     data: int                        # data position: global batches consumed

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -88,6 +89,28 @@ def _temp_root() -> str:
     return tmp
 
 
+class _Made:
+    """What a placement made on disk: its private temporary folder (removed with what is in it), the
+    swap folder pre-flight made (removed once empty) and the removals of its swap files (run first).
+    Apart from the placement, so that its finalizer (which must not refer to it) can remove them."""
+
+    def __init__(self):
+        self.tmpdir: str | None = None
+        self.folder: str | None = None   # the swap folder, when a rank of this run made it
+        self.files: list[weakref.finalize] = []
+
+    def remove(self) -> None:
+        for removal in self.files:   # (each runs once: one already run does nothing)
+            removal()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.folder is not None:
+            with suppress(OSError):
+                Path(self.folder).rmdir()   # only if empty: never what another run keeps there
+        self.tmpdir = self.folder = None
+        self.files.clear()
+
+
 class NVMePlacement(HostPlacement):
     """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
 
@@ -96,8 +119,10 @@ class NVMePlacement(HostPlacement):
     def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
-        self._tmpdir: str | None = None
-        self._made: str | None = None     # the swap folder, when a rank of this run made it
+        self._made = _Made()
+        # Runs once: at ``close``, or when this placement is collected unclosed, or at interpreter exit
+        # (an engine never closed, a script ended by an uncaught error): nothing it made is left behind.
+        self._remove_made = weakref.finalize(self, self._made.remove)
         self._fs_checked = False          # the swap folder's file system looked at (``check_fs``)
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
@@ -152,7 +177,7 @@ class NVMePlacement(HostPlacement):
             pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
         if agree_room(self.dist, spec.nvme_path or _temp_root(), need,
                       partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
-            self._made = spec.nvme_path
+            self._made.folder = spec.nvme_path
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()
@@ -164,11 +189,11 @@ class NVMePlacement(HostPlacement):
     def folder(self) -> str:
         if self.spec.nvme_path is not None:
             return self.spec.nvme_path
-        if self._tmpdir is None:   # library use without a run directory: a private folder
-            self._tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
-            print(f"nvme: offload.nvme_path is not set: the swap files go to {self._tmpdir} (removed at exit)",
-                  flush=True)
-        return self._tmpdir
+        if self._made.tmpdir is None:   # library use without a run directory: a private folder
+            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
+            print(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
+                  "close or exit)", flush=True)
+        return self._made.tmpdir
 
     def check_fs(self) -> None:
         """One warning line when the swap folder is on a file system kept in host memory: the swap files
@@ -188,7 +213,7 @@ class NVMePlacement(HostPlacement):
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         self.check_fs()
         if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
-            self._made = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
+            self._made.folder = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
         failed = None
         try:
             rank = self.dist.rank if self.dist is not None else 0
@@ -196,6 +221,7 @@ class NVMePlacement(HostPlacement):
             aio = self.spec.aio
             store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
                        self.dist.world if self.dist is not None else 1)
+            self._made.files.append(store.file.removal)   # removed before the folder it is in
             slot, _, total, _ = store.layout()
             held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
             print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path}; "
@@ -225,13 +251,7 @@ class NVMePlacement(HostPlacement):
         try:
             super().close()
         finally:
-            if self._tmpdir is not None:
-                shutil.rmtree(self._tmpdir, ignore_errors=True)
-                self._tmpdir = None
-            if self._made is not None:
-                with suppress(OSError):
-                    Path(self._made).rmdir()   # only if empty: never what another run keeps there
-                self._made = None
+            self._remove_made()
 
 
 class DiskPlacement(NVMePlacement):

@@ -1,5 +1,7 @@
 """Swap files of the NVMe offload: one preallocated file per rank and kind (``swap_path``), with a
 manifest beside it; ``SwapFile.create(...)`` as a context manager deletes both on leaving, also on error.
+A swap file never removed (its engine dropped unclosed, the interpreter exiting, also after an
+uncaught error) is deleted by a finalizer when it is collected or at exit.
 
 Extents (name -> bytes) lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks);
 ``posix_fallocate`` reserves the size, so a full disk fails at creation, not mid-run. The file is
@@ -19,6 +21,8 @@ import os
 import sys
 import threading
 import warnings
+import weakref
+from contextlib import suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping
@@ -97,17 +101,42 @@ class Extent:
     numel: int
 
 
+class _Held:
+    """What a swap file holds outside Python: its descriptors, and its paths while they name this
+    run's files. Apart from the ``SwapFile``, so that its finalizer (which must not refer to it) can
+    let them go."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self.fd: int | None = fd           # buffered descriptor (creation, fallback IO)
+        self.direct: int | None = None     # O_DIRECT descriptor, opened on first use
+        self.file = os.fstat(fd)           # the swap file this run made or took over
+        self.manifest: os.stat_result | None = None   # of the manifest this run wrote
+
+    def release(self) -> None:
+        """Close the descriptors; delete the file and its manifest while their paths still name this
+        run's (deleted under a live run, a path may hold another run's file by now)."""
+        fds, self.fd, self.direct = (self.direct, self.fd), None, None
+        for fd in fds:
+            if fd is not None:
+                with suppress(OSError):
+                    os.close(fd)
+        _unlink_if(self.path, self.file)
+        _unlink_if(_manifest_path(self.path), self.manifest)
+
+
 class SwapFile:
     """One preallocated swap file (module docstring); made by ``SwapFile.create``."""
 
     def __init__(self, path: Path, extents: dict[str, Extent], size: int, meta: dict, fd: int,
                  syscalls: Syscalls):
         self.path, self.size, self.meta, self.syscalls, self.extents = path, size, meta, syscalls, extents
-        self._fd: int | None = fd           # buffered descriptor (creation, fallback IO)
-        self._direct_fd: int | None = None  # O_DIRECT descriptor, opened on first use
+        self._held = _Held(path, fd)
+        # Runs once: at ``remove``, or when this object is collected unremoved, or at interpreter exit
+        # (an engine never closed, a script ended by an uncaught error): no swap file outlives its run.
+        self.removal = weakref.finalize(self, self._held.release)
         self._direct_refused: OSError | None = None
         self._lock = threading.Lock()
-        self._manifest_stat: os.stat_result | None = None   # of the manifest this run wrote
         # (block size, checksum name) -> block -> [(offset, nbytes, checksum)] of the pieces written
         self._sums: dict[tuple[int, str], dict[int, list[tuple[int, int, int]]]] = {}
 
@@ -197,33 +226,33 @@ class SwapFile:
         otherwise the buffered one, with the error that refused O_DIRECT (None if not asked for)."""
         with self._lock:
             self._open()
-            if direct and self._direct_fd is None and self._direct_refused is None:
+            if direct and self._held.direct is None and self._direct_refused is None:
                 try:
-                    self._direct_fd = self.syscalls.open(str(self.path),
+                    self._held.direct = self.syscalls.open(str(self.path),
                                                          os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT | os.O_NOFOLLOW)
                 except OSError as e:
                     if e.errno != errno.EINVAL:
                         raise
                     self._refuse(e)
-            if direct and self._direct_fd is not None:
-                return self._direct_fd, None
-            return self._fd, self._direct_refused if direct else None
+            if direct and self._held.direct is not None:
+                return self._held.direct, None
+            return self._held.fd, self._direct_refused if direct else None
 
     def refuse_direct(self, error: OSError) -> int:
         """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): the
         buffered descriptor, from now on."""
         with self._lock:
-            if self._direct_fd is not None:
-                os.close(self._direct_fd)
-                self._direct_fd = None
+            if self._held.direct is not None:
+                os.close(self._held.direct)
+                self._held.direct = None
             fd = self._open()
             self._refuse(error)
             return fd
 
     def _open(self) -> int:
-        if self._fd is None:
+        if self._held.fd is None:
             raise ValueError(f"swap file {self.path} was removed")
-        return self._fd
+        return self._held.fd
 
     def _refuse(self, error: OSError) -> None:
         first, self._direct_refused = self._direct_refused is None, error
@@ -265,20 +294,13 @@ class SwapFile:
     def write_manifest(self) -> None:
         manifest = _manifest_path(self.path)
         write_atomic(manifest, json.dumps(self.meta, indent=1).encode())
-        self._manifest_stat = os.lstat(manifest)
+        self._held.manifest = os.lstat(manifest)
 
     def remove(self) -> None:
         """Close the file and delete it and its manifest (idempotent), each only while its path still
         names this run's: deleted under a live run, the path may hold another run's file by now."""
         with self._lock:
-            mine = os.fstat(self._fd) if self._fd is not None else None
-            for fd in (self._direct_fd, self._fd):
-                if fd is not None:
-                    os.close(fd)
-            self._fd = self._direct_fd = None
-        if mine is not None:
-            _unlink_if(self.path, mine)
-            _unlink_if(_manifest_path(self.path), self._manifest_stat)
+            self.removal()   # (once: later calls, and the finalizer, do nothing)
 
     def __enter__(self) -> "SwapFile":
         return self

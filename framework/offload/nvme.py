@@ -70,11 +70,16 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     if params != "none" and stage != "zero3":
         raise ConfigError(f"config: offload.params={params} (parameter offload) needs +stage=zero3, got "
                           f"stage={stage}; use offload.params=none or +stage=zero3")
+    if not 0.0 <= cfg.ratio <= 1.0:
+        raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
+    # offload.ratio=0 steps every partition on the device: no optimizer tile is ever swapped (nor are
+    # the tile keys used); with offload.params=nvme the ratio check below refuses it
+    if cfg.optimizer == "nvme" and cfg.ratio == 0 and params != "nvme":
+        raise ConfigError(f"config: offload=nvme with offload.ratio=0 (every optimizer step on the device) and "
+                          f"offload.params={params} puts nothing on NVMe; set offload.ratio>0, or use offload=none")
     if cfg.optimizer != "nvme" and params != "nvme":
         raise ConfigError(f"config: offload=nvme with offload.optimizer={cfg.optimizer} and offload.params={params} "
                           f"puts nothing on NVMe; use offload=cpu, or set offload.optimizer=nvme")
-    if not 0.0 <= cfg.ratio <= 1.0:
-        raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
     if params == "nvme" and cfg.ratio < 1.0:
         raise ConfigError("config: offload.ratio<1 keeps part of each partition on the device, which zero3 "
                           "parameter shards on NVMe cannot share; use offload.ratio=1 or offload.params=none")

@@ -169,6 +169,14 @@ def test_nvme_schema_resolves_params_auto_per_stage():
      "offload.pipeline_read has no effect unless offload.optimizer=nvme; remove it"),
     (["+stage=zero3", "offload=nvme", "offload.optimizer=cpu", "offload.sub_group_size=7"],
      "offload.sub_group_size has no effect unless offload.optimizer=nvme; remove it"),
+    # offload.ratio=0: every optimizer step on the device, no tile ever on disk (the tile keys with it)
+    (["+stage=zero2", "offload=nvme", "offload.ratio=0"], "offload=nvme with offload.ratio=0 (every optimizer step "
+     "on the device) and offload.params=none puts nothing on NVMe; set offload.ratio>0, or use offload=none"),
+    (["+stage=zero3", "offload=nvme", "offload.ratio=0", "offload.params=cpu"],
+     "offload.ratio=0 (every optimizer step on the device) and offload.params=cpu puts nothing on NVMe"),
+    (["+stage=zero2", "offload=nvme", "offload.ratio=0", "offload.sub_group_size=700", "offload.buffer_count=7",
+      "offload.pipeline_read=true"], "offload.params=none puts nothing on NVMe"),
+    (["+stage=zero3", "offload=nvme", "offload.ratio=0"], "offload.ratio<1 keeps part of each partition on the device"),
 ])
 def test_offload_schema_errors_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -397,3 +397,77 @@ def test_without_nvme_path_swap_files_avoid_a_temp_folder_in_memory(tmp_path, mo
     assert len(said) == 1 and " the swap files go to /var/tmp/framework-nvme-" in said[0], out
     assert "offload.nvme_path" not in err
     assert not [p for p in os.listdir("/var/tmp") if p.startswith("framework-nvme-") and said[0].find(p) > 0]
+
+
+_UNCLOSED = """
+import os, sys
+import framework
+from framework.comm.distributed import connect
+from framework.models.gpt import gpt_loss
+from tests._helpers import build_gpt, tiny_config
+
+def start(*extra):
+    cfg = tiny_config("+stage=zero3", "offload=nvme", *extra)   # the optimizer's and the shards' files
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, connect("gloo"))
+    engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1))
+    return engine, module
+
+made = sys.argv[1]
+kept = [start(f"offload.nvme_path={made}"), start()]   # a folder pre-flight makes; the private temporary one
+print("made:", sorted(os.listdir(made)), flush=True)
+raise RuntimeError("the script dies with its engines never closed")
+"""
+
+
+def test_an_engine_never_closed_leaves_no_swap_file_or_folder(tmp_path):
+    """Library use without ``with`` or ``close``, the script ended by an uncaught error: at exit the
+    engines' swap files are removed, with the folder pre-flight made for them and the private temporary
+    folder (offload.nvme_path unset)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    made, tmp = tmp_path / "made", tmp_path / "tmp"
+    tmp.mkdir()
+    out = subprocess.run([sys.executable, "-c", _UNCLOSED, str(made)], cwd=root, capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": str(root), "TMPDIR": str(tmp)})
+    assert out.returncode == 1 and "the script dies" in out.stderr, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert "made: ['rank00000.optim.swap', 'rank00000.optim.swap.manifest.json', 'rank00000.params.swap', " \
+           "'rank00000.params.swap.manifest.json']" in lines, out.stdout
+    assert not made.exists(), os.listdir(made)
+    said = [line for line in lines if "offload.nvme_path is not set" in line]
+    assert len(said) == 1, out.stdout
+    private = said[0].split(" the swap files go to ")[1].split(" ")[0]
+    assert "framework-nvme-" in private and not os.path.exists(private), out.stdout
+    assert not os.listdir(tmp), os.listdir(tmp)
+
+
+def test_state_dict_reads_the_swapped_masters_that_the_state_holds_as_placeholders(tmp_path):
+    """Under offload.optimizer=nvme the state's swapped master pieces and moments are placeholders between
+    steps (zero strides; docs/library.md, docs/nvme.md): ``engine.state_dict(state)`` is the way to read
+    them, and gives offload=cpu's values bitwise."""
+    def whole(sd):   # name -> (master, moments...) over the fragments, whatever the tiling
+        out = {}
+        for name, entry in sd["params"].items():
+            for f in entry["fragments"]:
+                parts = out.setdefault(name, {})
+                for key, t in (("master", f["master"]), *f["optim"].items()):
+                    parts.setdefault(key, []).append((f["range"], t))
+        return {(name, key): torch.cat([t for _, t in sorted(frags, key=lambda x: x[0])])
+                for name, parts in out.items() for key, frags in parts.items()}
+
+    def run(*offload):
+        cfg = tiny_config(*BASE, "+stage=zero2", *offload)
+        module, data = build_gpt(cfg)
+        with framework.initialize(module, gpt_loss, cfg, _local()) as engine:
+            state, _ = engine.train_step(engine.state, data.train_batch(0, micro_batch=2, grad_accum=2, rank=0, world=1))
+            return [t.stride() for t in state.params], whole(engine.state_dict(state))
+    strides, cpu = run("offload=cpu")
+    parked, nvme = run(*NVME, f"offload.nvme_path={tmp_path}")
+    assert all(s != (0,) for s in strides) and all(s == (0,) for s in parked), parked
+    assert cpu.keys() == nvme.keys() and all(t.abs().sum() > 0 for t in nvme.values())
+    for key, t in cpu.items():
+        assert torch.equal(t, nvme[key]), key

@@ -621,7 +621,7 @@ def test_a_swap_file_removed_before_it_is_locked_is_made_again(tmp_path):
     seam = _CleanedMeanwhile()
     with _swap(tmp_path, {"a": 3000}, torch.float32, seam) as f, AsyncIO(BLOCK, 2, 1) as io:
         assert seam.removed[0] == 1   # the clean-up did take it
-        assert os.path.samestat(os.stat(f.path), os.fstat(f._fd))
+        assert os.path.samestat(os.stat(f.path), os.fstat(f._held.fd))
         src = _random(3000, torch.float32, 1)
         io.pwrite(f, 0, src, "a").wait()
         back = torch.empty(3000)
