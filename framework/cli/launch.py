@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from framework.persist.checkpoint import preflight
 from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
-                                       local_world_size, resolve_backend)
+                                       env_int, local_world_size, resolve_backend)
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated
 from framework.loggers import RunInfo
@@ -56,7 +56,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
                 on_owned(run.run_dir)
             return cfg
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun (or another launcher) made the ranks
+        if env_int("WORLD_SIZE", 1) > 1:  # torchrun (or another launcher) made the ranks
             already = torch.distributed.is_initialized()
             cap_threads(local_world_size())
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
@@ -205,7 +205,7 @@ def check_launch_env(cfg: Config) -> None:
     ``connect`` refuses (``check_env``: a leftover WORLD_SIZE, Slurm tasks that nothing made into one
     group), and a dist.nproc that an external launcher's WORLD_SIZE overrules."""
     check_env()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE", 1)
     if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
@@ -247,7 +247,7 @@ def slurm_task_env() -> dict[str, str]:
     started (one task per rank); empty where WORLD_SIZE is set already, outside submitit, or for
     a single task."""
     env = os.environ
-    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or int(env.get("SLURM_NTASKS", "1")) <= 1:
+    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or env_int("SLURM_NTASKS", 1) <= 1:
         return {}
     from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
 

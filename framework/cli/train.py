@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
+from framework.comm.distributed import check_env_ints, env_int
 from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
@@ -302,7 +303,7 @@ def _remove_made(made: list[Path], subdir: str | None, owned: bool) -> None:
     (``owned``: it took the run lock) goes only under that lock again, and only while it holds nothing
     but what the job wrote (Hydra's record, train.log, run.lock): another run that started into the same
     folder and holds its lock keeps it. One it never held goes only if empty (rmdir: atomic)."""
-    if not made or int(os.environ.get("RANK", "0")) != 0:
+    if not made or env_int("RANK", 0) != 0:
         return
     if owned:
         try:
@@ -441,6 +442,7 @@ def _own_folder_in_sweep(folders: dict[Path, int], run_dir: Path, num: int) -> N
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
+        check_env_ints()   # a malformed launcher variable: one line, before any run folder
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         for overrides in jobs or []:   # fail fast, before any run directory or process exists

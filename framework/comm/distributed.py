@@ -138,13 +138,40 @@ def _alive(pid: int) -> bool:
     return _state(pid) != "Z"   # a zombie (exited, not yet reaped by its parent) counts as gone
 
 
+# The launchers' integer variables (torchrun's, Slurm's): ``check_env_ints`` reads each before any
+# run folder is made.
+LAUNCH_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+               "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+
+
+def env_int(name: str, default: int) -> int:
+    """The environment variable ``name`` as an integer (``default``: unset or empty); one line for any
+    other value."""
+    text = os.environ.get(name, "")
+    return default if not text else _launcher_int(name, text)
+
+
+def _launcher_int(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        how = "srun" if name.startswith("SLURM_") else "torchrun"
+        raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
+
+
+def check_env_ints() -> None:
+    """One line for a launcher variable that is set but not an integer (``LAUNCH_INTS``)."""
+    for name in LAUNCH_INTS:
+        env_int(name, 0)
+
+
 def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def local_world_size() -> int:
     """Ranks on this host: the launcher's (``local_ranks``), else WORLD_SIZE (one host)."""
-    return local_ranks(*rank_and_world())[1] or int(os.environ.get("WORLD_SIZE") or "1")
+    return local_ranks(*rank_and_world())[1] or env_int("WORLD_SIZE", 1)
 
 
 def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
@@ -157,7 +184,8 @@ def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
     if env.get("SLURM_PROCID") == str(rank) and tasks == str(world):
         local = local or env.get("SLURM_LOCALID")
         local_world = local_world or _slurm_tasks_here()
-    return (int(local) if local else None), (int(local_world) if local_world else None)
+    return (_launcher_int("LOCAL_RANK", local) if local else None), \
+        (_launcher_int("LOCAL_WORLD_SIZE", local_world) if local_world else None)
 
 
 def _slurm_tasks_here() -> str | None:
@@ -170,7 +198,7 @@ def _slurm_tasks_here() -> str | None:
     for part in spec.split(","):
         n, _, times = part.partition("(x")
         counts += [n] * int(times.rstrip(")") or "1")
-    node = int(env.get("SLURM_NODEID", "0"))
+    node = env_int("SLURM_NODEID", 0)
     if node < len(counts):
         return counts[node]
     return counts[0] if len(set(counts)) == 1 else None
@@ -183,7 +211,7 @@ def check_env(store_path: str | None = None) -> None:
     if tdist.is_initialized():
         return
     env = os.environ
-    world = int(env.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE", 1)
     if world > 1:
         needed = ("RANK",) if store_path else ("RANK", "MASTER_ADDR", "MASTER_PORT")
         if missing := [k for k in needed if not env.get(k)]:
@@ -191,7 +219,7 @@ def check_env(store_path: str | None = None) -> None:
                               f"not: launch with torchrun (or dist.nproc=N for local ranks), or unset WORLD_SIZE")
     # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
     key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
-    tasks = int(env.get(key, "1"))
+    tasks = env_int(key, 1)
     if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
         raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
                           f"would train alone into one run folder); run torchrun under srun "
@@ -246,7 +274,7 @@ def rank_and_world() -> tuple[int, int]:
     """(rank, world size) of the group this process joined, else of the environment (RANK, WORLD_SIZE;
     none: a single process). An environment that disagrees with the joined group is refused."""
     if not tdist.is_initialized():
-        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     group = tdist.get_rank(), tdist.get_world_size()
     wrong = [f"{k}={os.environ[k]}" for k, v in zip(("RANK", "WORLD_SIZE"), group)
              if os.environ.get(k, str(v)) != str(v)]

@@ -4,11 +4,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from framework.comm.distributed import env_int
 from framework.config import dsconfig, plainconf
 from framework.config.checks import validate
 from framework.config.schema import Config, flat
@@ -151,7 +151,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
-        env_world = int(os.environ.get("WORLD_SIZE", "1"))
+        env_world = env_int("WORLD_SIZE", 1)
         world = env_world if env_world > 1 else base.dist.nproc
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)

@@ -79,11 +79,15 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
             grads = c.stage.reduce_grads()
             # One global norm serves clipping and overflow detection: inf/nan propagate through
             # it, so every rank reaches the same skip decision.
-            norm = math.sqrt(c.stage.grad_sq_norm().item()) / scale   # host sync: once a step, decides clip/skip
+            sq_norm = c.stage.grad_sq_norm()
             # The logged loss is the mean over the global batch (ranks hold equal shares); known
             # before the update, so a non-finite one is never stepped on.
             c.dist.all_reduce(loss_sum, what="loss all-reduce")
-            mean_loss = loss_sum.item() / (n * c.dist.world)   # host sync: the step's loss, once a step
+            # Both read in one wait (float64 holds the fp32 loss exactly: the same numbers as two reads).
+            both = torch.stack([sq_norm.double(), loss_sum.to(sq_norm.device, torch.float64)])
+            sq, total = both.tolist()   # host sync: once a step, decides clip/skip and logs the loss
+            norm = math.sqrt(sq) / scale
+            mean_loss = total / (n * c.dist.world)
             overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
             nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
             if nonfinite:

@@ -140,20 +140,30 @@ def _discard(directory: Path) -> None:
         (directory / name).unlink(missing_ok=True)   # unlinked, not rewritten: a process that has it mapped keeps it
 
 
-def _ensure_tools() -> None:
-    """Put the interpreter's bin folder (a venv's ninja) on PATH; fail clearly without a compiler."""
+@contextmanager
+def _tools_on_path() -> Iterator[None]:
+    """Put the interpreter's bin folder (a venv's ninja) on PATH for the build, and PATH back as it was
+    after it (the process's later subprocesses see the user's PATH); fail clearly without a compiler."""
     dirs = [os.path.dirname(sys.executable)]
     with contextlib.suppress(ImportError, AttributeError):
         import ninja  # the PyPI package ships the binary
 
         dirs.append(ninja.BIN_DIR)
-    path = os.environ.get("PATH", "").split(os.pathsep)
+    before = os.environ.get("PATH")
+    path = (before or "").split(os.pathsep)
     os.environ["PATH"] = os.pathsep.join([d for d in dirs if d and d not in path] + path)
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        raise BuildUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
-    if shutil.which("ninja") is None:
-        raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
+    try:
+        compiler = os.environ.get("CXX", "c++")
+        if shutil.which(compiler) is None:
+            raise BuildUnavailable(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
+        if shutil.which("ninja") is None:
+            raise BuildUnavailable("ninja is not on PATH (pip install ninja)")
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = before
 
 
 @contextmanager
@@ -180,8 +190,7 @@ def _exclusive(directory: Path) -> Iterator[None]:
 def _compile(directory: Path, force: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
-    _ensure_tools()
-    with _exclusive(directory):
+    with _tools_on_path(), _exclusive(directory):
         if _finished(directory) and not force:  # another process built it while we waited
             with contextlib.suppress(ImportError):
                 return _import(directory)

@@ -88,6 +88,17 @@ def test_missing_data_file(forkrun, tmp_path):
     assert not (tmp_path / "run").exists()   # the run folder made for the refused run is gone again
 
 
+@pytest.mark.parametrize("env", [{"WORLD_SIZE": "2x"}, {"LOCAL_WORLD_SIZE": "x"},
+                                 {"SLURM_NTASKS": "two", "SLURM_STEP_ID": "0"}])
+def test_a_malformed_launcher_variable_is_one_line_and_no_folder(forkrun, tmp_path, env):
+    p = forkrun.run("framework.train", [*SHORT, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                    env={**ENV, **env})
+    (name, value), = list(env.items())[:1]
+    assert p.returncode != 0 and error_lines(p) == [f"error: {name}={value!r} is not an integer; unset it or "
+                                                    f"launch with {'srun' if 'SLURM' in name else 'torchrun'}"], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     """Refused after Hydra made its (timestamped) run folder: the folders made for it are removed,
     those that were there before are kept."""

@@ -117,6 +117,8 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
      "dist.nproc=4 differs from WORLD_SIZE=2"),
     ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS=4"),
     ({"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS=2"),
+    ({"WORLD_SIZE": "2x"}, "WORLD_SIZE='2x' is not an integer; unset it or launch with torchrun"),
+    ({"SLURM_NTASKS": "two", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS='two' is not an integer; unset it or launch with srun"),
 ])
 def test_a_launch_environment_that_cannot_work_is_one_line(monkeypatch, tmp_path, env, says):
     """A leftover WORLD_SIZE, dist.nproc under torchrun, or srun without torchrun/submitit: one line

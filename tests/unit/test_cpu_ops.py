@@ -8,6 +8,7 @@ build fails here; the fallback cases always run.
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import math
 import os
@@ -548,9 +549,10 @@ class _FakeBuild:
     """Stands in for the compile step (tests of the loader's logic build nothing): ``load`` writes an
     extension file as a link step would and returns a module that records what it was set to."""
 
-    def __init__(self, monkeypatch, directory: Path):
-        self.directory, self.builds, self.imported, self.set = directory, [], [], []
-        monkeypatch.setattr(_loader, "_ensure_tools", lambda: None)
+    def __init__(self, monkeypatch, directory: Path, tools: bool = False):
+        self.directory, self.builds, self.imported, self.set, self.paths = directory, [], [], [], []
+        if not tools:
+            monkeypatch.setattr(_loader, "_tools_on_path", contextlib.nullcontext)
         monkeypatch.setattr(cpp_extension, "load", self.load)
         monkeypatch.setattr(_loader, "_import", self.import_)
 
@@ -562,6 +564,7 @@ class _FakeBuild:
     def load(self, **kwargs):
         leftovers = [p.name for p in self.directory.iterdir() if p.name in (".ninja_log", f"{_loader.NAME}.so")]
         self.builds.append(leftovers)
+        self.paths.append(os.environ.get("PATH"))
         (self.directory / f"{_loader.NAME}.so").write_bytes(b"\x7fELF" + bytes(4000))
         return self.module()
 
@@ -589,6 +592,26 @@ def test_a_damaged_build_is_rebuilt_from_scratch_never_imported(fresh_loader, mo
     monkeypatch.setattr(_loader, "_import", lambda d: (_ for _ in ()).throw(ImportError("undefined symbol")))
     _loader.load()
     assert len(fake.builds) == 3 and fake.builds[-1] == []
+
+
+def test_the_build_puts_its_tools_on_path_for_the_build_only(fresh_loader, monkeypatch):
+    """The interpreter's bin folder (a venv's ninja) is on PATH while the build runs; after it, built or
+    failed, the process's PATH is the user's again (its later subprocesses run what the user's finds)."""
+    user = os.pathsep.join(["/usr/bin", "/bin"])
+    monkeypatch.setenv("PATH", user)
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(_loader.BuildUnavailable, match=r"no C\+\+ compiler"):
+        _loader.load()
+    assert os.environ["PATH"] == user
+    monkeypatch.setenv("CXX", sys.executable)   # any program: only found on PATH, never run here
+    directory = _loader.build_dir()
+    fake = _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory, tools=True)
+    try:
+        _loader.load()
+    except _loader.BuildUnavailable as e:
+        pytest.skip(str(e))   # no ninja on this machine
+    assert fake.paths[0].split(os.pathsep)[0] == os.path.dirname(sys.executable), fake.paths
+    assert os.environ["PATH"] == user
 
 
 def test_ops_build_compiles_again_over_a_finished_build(fresh_loader, monkeypatch):

@@ -172,3 +172,30 @@ def test_a_complex_trainable_parameter_is_refused_by_initialize():
     with pytest.raises(framework.ConfigError, match=r"^initialize: complex trainable parameters are not "
                                                     r"supported \(c\); .*torch\.view_as_complex"):
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config("+stage=zero3"))
+
+
+def test_a_step_reads_the_device_once():
+    """The gradient norm and the loss come to the host together: the step itself waits for the device
+    once (on CUDA each read is a wait for the queue)."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__"):
+                f = sys._getframe(1)
+                while f is not None and "/site-packages/torch/" in f.f_code.co_filename:
+                    f = f.f_back   # (torch's own Python wrappers)
+                if f is not None and f.f_code.co_filename.endswith("framework/engine/step.py"):
+                    reads.append(f.f_lineno)
+            return func(*args, **(kwargs or {}))
+
+    engine, data = _engine("train.grad_clip=0.5")
+    batch = _batch(data, engine.state)
+    with Reads():
+        _, metrics = engine.train_step(engine.state, batch)
+    assert len(reads) == 1 and metrics["grad_norm"] > 0.5, reads
+    engine.close()

@@ -59,7 +59,7 @@ FEATURES = {
     "autotuning": "the autotuner", "sparse_gradients": "sparse gradients",
 }
 # The compile section: DeepCompile's switch and the settings it reads (DeepSpeed 0.19), and older
-# DeepSpeed's torch.compile settings (runtime/compiler.py, which 0.19 no longer knows).
+# DeepSpeed's torch.compile settings, which 0.19 no longer reads.
 DEEPCOMPILE_KEYS = ("deepcompile", "free_activation", "free_activation_threshold", "offload_activation",
                     "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
                     "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
