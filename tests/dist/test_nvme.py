@@ -34,7 +34,7 @@ CASES = {
     "zero1 none": (["+stage=zero1"], None),
     "zero1 cpu": (["+stage=zero1", "offload=cpu"], None),
     "zero1 nvme": (["+stage=zero1", *NVME], "zero1 cpu"),
-    "zero2 cpu": (["+stage=zero2", "stage.reduce_bucket_size=1500"], None),
+    "zero2 cpu": (["+stage=zero2", "stage.reduce_bucket_size=1500", "offload=cpu"], None),
     "zero2 nvme piped": (["+stage=zero2", "stage.reduce_bucket_size=1500", *NVME, "offload.pipeline_read=true",
                           "offload.pipeline_write=true"], "zero2 cpu"),
     "zero2 nvme": (["+stage=zero2", "stage.reduce_bucket_size=1500", *NVME], "zero2 nvme piped"),

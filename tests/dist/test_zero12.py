@@ -1,6 +1,7 @@
 """zero1 and zero2 equal the ddp stage on 1, 2 and 4 gloo ranks.
 
-fp32: per-step losses and final parameters to 1e-6 relative; bf16/fp16: losses within 1e-2.
+fp32: per-step losses and final parameters to 1e-6 relative; bf16/fp16: per-step losses and
+gradient norms within what the wire's rounding explains (LOW_PRECISION_RTOL).
 The model's no-decay group (LayerNorm weights, 5 x 33 = 165 elements) is not divisible by
 the world size, so partitions are padded.
 """
@@ -77,12 +78,22 @@ def test_fp32_equals_ddp(pools, world, case):
             assert res[stage][4] == pytest.approx(res["ddp"][4], rel=FP32_RTOL), f"{stage} gradient norms"
 
 
+# (loss, gradient norm) relative tolerances against ddp. Measured on world 2 over 10 steps: bf16
+# 1.6e-5 and 5.4e-4, fp16 1.8e-6 and 6.6e-5 (zero1 is bitwise equal in the losses; zero2 rounds
+# each micro batch's gradients on the wire). About 10x (norm 5x) margin for another CPU's kernels;
+# a rank whose gradients go missing halves the norm (1.36 -> 0.77) long before Adam shows it in a loss.
+LOW_PRECISION_RTOL = {"bf16": (2e-4, 3e-3), "fp16": (2e-5, 5e-4)}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_close_to_ddp(pools, precision):
     res = pools(2).run(_compare, [f"precision={precision}", "train.grad_accum=2"], timeout=240)[0]
+    loss_rtol, norm_rtol = LOW_PRECISION_RTOL[precision]
     for stage in ("zero1", "zero2"):
+        for i, (a, b) in enumerate(zip(res[stage][4], res["ddp"][4])):
+            assert a == pytest.approx(b, rel=norm_rtol), f"{precision} {stage} step {i}: grad_norm {a} vs ddp {b}"
         for i, (a, b) in enumerate(zip(res[stage][0], res["ddp"][0])):
-            assert a == pytest.approx(b, rel=1e-2), f"{precision} {stage} step {i}: {a} vs ddp {b}"
+            assert a == pytest.approx(b, rel=loss_rtol), f"{precision} {stage} step {i}: loss {a} vs ddp {b}"
 
 
 def test_fp16_overflow_skips_same_step_on_every_rank(pools):

@@ -88,12 +88,22 @@ def test_prefetch_on_and_off_identical_and_hits(pools):
     assert max(off["hits"]) < on["hits"][-1]
 
 
+# (loss, gradient norm) relative tolerances against ddp. Measured on world 2 over 10 steps: bf16
+# 1.6e-5 and 5.4e-4, fp16 1.8e-6 and 6.6e-5 (each micro batch's gradients are rounded on the wire).
+# About 10x (norm 5x) margin for another CPU's kernels; a rank whose gradients go missing halves the
+# norm long before Adam shows it in a loss.
+LOW_PRECISION_RTOL = {"bf16": (2e-4, 3e-3), "fp16": (2e-5, 5e-4)}
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_low_precision_close_to_ddp(pools, precision):
     res = pools(2).run(_compare, [f"precision={precision}", "train.grad_accum=2", "train.steps=10"],
                        timeout=240)[0]
+    loss_rtol, norm_rtol = LOW_PRECISION_RTOL[precision]
+    for i, (a, b) in enumerate(zip(res["zero3"]["norms"], res["ddp"]["norms"])):
+        assert a == pytest.approx(b, rel=norm_rtol), f"{precision} step {i}: zero3 grad_norm {a} vs ddp {b}"
     for i, (a, b) in enumerate(zip(res["zero3"]["losses"], res["ddp"]["losses"])):
-        assert a == pytest.approx(b, rel=1e-2), f"{precision} step {i}: zero3 {a} vs ddp {b}"
+        assert a == pytest.approx(b, rel=loss_rtol), f"{precision} step {i}: zero3 loss {a} vs ddp {b}"
 
 
 def _ledger_and_peak(dist, limit):
