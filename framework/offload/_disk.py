@@ -263,11 +263,15 @@ class DiskPlacement(NVMePlacement):
     tile). A unit group's reduction is added into a transient partition (zeros, or read back: the same
     additions in the same dtype as in memory), written on a thread of its own (at most two queued) and
     dropped; on the last micro batch its squared norm is kept, so clipping and the step are bitwise
-    those of in-memory partitions. Host memory: up to three partitions and a bounce buffer."""
+    those of in-memory partitions. A partition read back is read by a second thread into one of two
+    pinned buffers, ahead of its reduction where the order of the last ones says which comes next,
+    and copied to the device on the H2D stream (the backward hook waits for that read only, never for
+    the device). Host memory: up to three partitions, two pinned ones and two bounce buffers."""
 
     tier = Tier.DISK
     grad_dtype: torch.dtype | None = None    # the gradients' accumulation dtype, while swapped
     writer: ThreadPoolExecutor | None = None
+    reader: ThreadPoolExecutor | None = None
 
     @property
     def tile(self) -> int:
@@ -319,8 +323,10 @@ class DiskPlacement(NVMePlacement):
             store.add(info.index, [info.master, *group_state(states[-1], n, info.index), *grad],
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
-        if self.grad_swap:   # the thread that writes the partitions
+        if self.grad_swap:   # the threads that write the partitions and read them back
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-swap",
+                                             initializer=self.acc.bind_thread)
+            self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-read",
                                              initializer=self.acc.bind_thread)
             for info in disk:
                 self.grad_pieces.setdefault(info.group, []).append(info)
@@ -369,29 +375,96 @@ class DiskPlacement(NVMePlacement):
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
             self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
+            self.writes: dict[int, Future] = {}       # group -> its latest write
+            self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
+            self.follow: dict[int, int] = {}          # group -> the group reduced after it last time
+            self.last: int | None = None              # the group saved last
+            self.landings: list[tuple[torch.Tensor, Any]] = []   # pinned buffers and their last copy's event
+            self.free: list[int] = []                 # landings no read holds
+            self.read_bounce: torch.Tensor | None = None   # the reader thread's ``read_extent`` buffer
         return self.grad_swap
 
     def load_grad(self, group: int) -> torch.Tensor:
-        """Group ``group``'s partition so far this step: zeros, or its extents read back."""
-        numel = self.partitions[group].numel()
-        buf = torch.zeros(numel, dtype=self.grad_dtype, device=self.acc.device)
-        if group in self.written:
-            self._wait_writes()
-            host = buf if buf.device.type == "cpu" else torch.empty(numel, dtype=self.grad_dtype, device="cpu")
-            for info in self.grad_pieces.get(group, ()):
-                self.stores[Tier.DISK].read_extent(info.index, host[info.start:info.end])
-            if host is not buf:
-                buf.copy_(host)
+        """Group ``group``'s partition so far this step, on the device: zeros, or its extents read back.
+        Called in the backward hook: the host waits for the read (IO on the reader thread, usually
+        issued ahead by ``save_grad``) only; the copy to the device is queued on the H2D stream from a
+        pinned buffer, and the current stream waits for it by an event."""
+        acc, numel = self.acc, self.partitions[group].numel()
+        if group not in self.written:
+            return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
+        future, k = self.reads.pop(group, None) or self._read_back(group)
+        try:
+            host = future.result()   # IO wait (the write it reads waited for the previous micro batch only)
+        except BaseException:
+            self.free.append(k)      # (the read wrote nothing the device reads)
+            raise
+        buf = torch.empty(numel, dtype=self.grad_dtype, device=acc.device)
+        fresh = recorded(acc)   # buf's memory: after the current stream's earlier uses of it
+        with acc.stream(self.h2d_stream):
+            fresh.wait()
+            acc.copy(buf, host, non_blocking=True)
+            copied = recorded(acc)
+        copied.wait()
+        self.landings[k] = (self.landings[k][0], copied)   # reused once this copy is done
+        self.free.append(k)
         return buf
+
+    def _read_back(self, group: int) -> tuple[Future, int]:
+        """Queue group ``group``'s extents -> a free pinned buffer on the reader thread, after its latest write."""
+        if not self.free:   # two at most: one read ahead, one read in the hook
+            numel = max(p.numel() for p in self.partitions)
+            self.landings.append((self.acc.empty_host(numel, self.grad_dtype), None))
+            self.free.append(len(self.landings) - 1)
+        k = self.free.pop()
+        landing, copied = self.landings[k]
+        return self.reader.submit(self._read_grads, group, self.writes.get(group), landing, copied), k
+
+    def _read_grads(self, group: int, write: Future | None, landing: torch.Tensor, copied) -> torch.Tensor:
+        """(the reader thread) The group's extents, once written, -> ``landing``, once no copy reads it."""
+        if write is not None:
+            write.result()       # its extents hold the previous micro batch's sums (raises its failure)
+        if copied is not None:
+            copied.synchronize()   # sync point: the last copy from this buffer, off the backward thread
+        host = landing[:self.partitions[group].numel()]
+        self.acc.host_use(writes=[host])
+        pieces = self.grad_pieces.get(group, ())
+        if sum(i.end - i.start for i in pieces) != host.numel():
+            host.zero_()
+        store = self.stores[Tier.DISK]
+        if self.read_bounce is None:   # (its own: the writer thread uses the store's meanwhile)
+            self.read_bounce = store.new_bounce()
+        for info in pieces:
+            store.read_extent(info.index, host[info.start:info.end], self.read_bounce)
+        return host
+
+    def _read_ahead(self, group: int | None) -> None:
+        """Start reading back ``group`` (the one reduced next, last time), unless a read ahead is still
+        unused (the order changed: it waits for its group's reduction or the end of backward, as the hook
+        must not wait for it) or there is nothing to read (never written, or final this step)."""
+        if group is not None and not self.reads and group in self.written and group not in self.norms:
+            self.reads[group] = self._read_back(group)
+
+    def _drop_reads(self) -> None:
+        """(outside the hooks) Reads ahead no reduction took, waited for: their buffers are free again."""
+        for future, k in self.reads.values():
+            future.exception()
+            self.free.append(k)
+        self.reads.clear()
 
     def save_grad(self, group: int, buf: torch.Tensor, final: bool) -> None:
         """``buf`` -> the group's gradient extents; on the last micro batch (``final``) its squared norm is kept."""
         if final:
             self.norms[group] = sq_norm_part(buf, self.acc.device)   # on the device, no host sync
+        self.acc.use(writes=[buf])   # the reduction added into it on this stream (after its copy from the host)
         produced = recorded(self.acc)
         self._wait_writes(keep=1)   # back-pressure: the oldest write finishes first
         self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))
+        self.writes[group] = self.pending[-1]
         self.written.add(group)
+        if self.last is not None:
+            self.follow[self.last] = group
+        self.last = group
+        self._read_ahead(self.follow.get(group))   # the group reduced next, as last time
 
     def _write_grads(self, group: int, buf: torch.Tensor, produced) -> None:
         """(the writer thread) ``buf`` -> the group's extents, once the stream that added it is done."""
@@ -413,6 +486,7 @@ class DiskPlacement(NVMePlacement):
                 continue
             buf = self.load_grad(group)   # reduced on an earlier micro batch only, or never
             self.save_grad(group, buf, final=True)
+        self._drop_reads()   # (one read ahead for a reduction that did not come)
         self._wait_writes()
 
     def grad_sq_norm_local(self) -> torch.Tensor:
@@ -435,7 +509,9 @@ class DiskPlacement(NVMePlacement):
         """A new step: the extents' contents are stale."""
         for f in self.pending:   # (after a failed step: a write still queued must not land later)
             f.exception()
+        self._drop_reads()
         self.pending.clear()
+        self.writes.clear()
         self.written.clear()
         self.norms.clear()
 
@@ -443,5 +519,6 @@ class DiskPlacement(NVMePlacement):
         if self.writer is not None:
             self.clear_grads()
             self.writer.shutdown(wait=True)
-            self.writer = None
+            self.reader.shutdown(wait=True)
+            self.writer = self.reader = None
         super().close()

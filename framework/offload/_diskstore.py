@@ -264,20 +264,28 @@ class DiskStore:
         self._wait_io([self._extent_io(self.io.pwrite, key, j, buf)])
         self.bytes_written += buf.numel()
 
-    def read_extent(self, key: int, dst: torch.Tensor) -> torch.Tensor:
-        """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for."""
-        j, n, buf = self._bounce(key)
+    def read_extent(self, key: int, dst: torch.Tensor, bounce: torch.Tensor | None = None) -> torch.Tensor:
+        """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for.
+        ``bounce``: the caller's own (``new_bounce``), for a thread reading while another writes."""
+        j, n, buf = self._bounce(key, bounce)
         self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
         return dst
 
-    def _bounce(self, key: int) -> tuple[int, int, torch.Tensor]:
-        """(index, bytes, padded bounce buffer) of piece ``key``'s last tensor, once no slot holds it."""
+    def new_bounce(self) -> torch.Tensor:
+        """An aligned buffer as large as any piece's last swapped tensor (``read_extent``'s ``bounce``)."""
+        return aligned_empty(self.layout()[3], torch.uint8, pin=False, acc=self.acc)
+
+    def _bounce(self, key: int, own: torch.Tensor | None = None) -> tuple[int, int, torch.Tensor]:
+        """(index, bytes, padded bounce buffer: ``own`` or the store's) of piece ``key``'s last tensor,
+        once no slot holds it."""
         if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
             self.settle()
         swapped = self.entries[key].swapped
         n = swapped[-1].nbytes
+        if own is not None:
+            return len(swapped) - 1, n, own[:padded(n)]
         if self.bounce is None or self.bounce.numel() < padded(n):
             self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
         return len(swapped) - 1, n, self.bounce[:padded(n)]

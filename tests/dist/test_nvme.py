@@ -9,16 +9,21 @@ pool call per world size runs every case. Also: an IO error on one rank (a corru
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
 checkpoint save or a weights export (both read the mapped swap file after checking it); a full
 disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
-start-up, as does a max_in_cpu below the largest shard (in the estimate too).
+start-up, as does a max_in_cpu below the largest shard (in the estimate too). zero3's swapped gradients
+read back on later micro batches reach the device without a host sync in the backward hook.
 """
+import contextlib
 import os
 import shutil
 import tempfile
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import framework
+from framework.comm.accelerator import CheckingCpuAccelerator, HostSync
+from framework.comm.distributed import Dist
 from framework.core.errors import SwapIOError
 from framework.persist.checkpoint import Checkpointer
 from framework.models.gpt import gpt_loss
@@ -471,3 +476,47 @@ def test_state_dict_reads_the_swapped_masters_that_the_state_holds_as_placeholde
     assert cpu.keys() == nvme.keys() and all(t.abs().sum() > 0 for t in nvme.values())
     for key, t in cpu.items():
         assert torch.equal(t, nvme[key]), key
+
+
+class _BlockingH2D(TorchFunctionMode):
+    """Fails a blocking copy of a host buffer into device memory: torch waits for the stream after it."""
+
+    def __init__(self, acc, where):
+        super().__init__()
+        self.acc, self.where = acc, where
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor) \
+                and args[1].numel() and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False) \
+                and self.acc._is_host(args[1]) and not self.acc._is_host(args[0]):
+            raise HostSync(f"a blocking copy of a {tuple(args[1].shape)} host buffer to the device inside {self.where}")
+        return func(*args, **kwargs)
+
+
+class _NoBlockingH2DInHooks(CheckingCpuAccelerator):
+    """(Here, not in the checker: with offload.pin_memory=false the shard loads in the hooks block by choice.)"""
+
+    @contextlib.contextmanager
+    def hot(self, where):
+        with super().hot(where), _BlockingH2D(self, where):
+            yield
+
+
+def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a_host_sync(tmp_path):
+    """zero3's swapped gradient partitions, read back on every micro batch after the first: the backward
+    hook waits for the read (IO) only; the copy to the device is queued (pinned, on the H2D stream) and
+    the compute stream waits for it by an event, which the checker verifies."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.params=none", f"offload.nvme_path={tmp_path}",
+                      "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    acc = _NoBlockingH2DInHooks()
+    with framework.initialize(module, gpt_loss, cfg, Dist(0, 1, 0, torch.device("cpu"), None, 60.0,
+                                                          accelerator=acc)) as engine:
+        state = engine.state
+        for _ in range(2):   # (the second step reads ahead in the order the first one learned)
+            state, _ = engine.train_step(state, data.train_batch(state.data, micro_batch=2, grad_accum=2,
+                                                                 rank=0, world=1))
+        landings = engine.components.stage.offload.landings
+    acc.verify()
+    assert 1 <= len(landings) <= 2   # pinned buffers for the read back, reused: one read ahead, one read now
