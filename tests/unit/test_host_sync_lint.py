@@ -32,13 +32,10 @@ SYNC_CALLS = {"equal", "allclose", "unique", "unique_consecutive", "masked_selec
 # plain names, not methods, and are not listed.
 TENSOR_TRUTH = {"all", "any", "isfinite", "isnan", "isinf", "eq", "ne", "gt", "ge", "lt", "le", "sum", "max",
                 "min", "count_nonzero", "logical_and", "logical_or", "logical_not"}
-# Functions the lint does not read, each with why. Setup code in a hot module runs before any hook;
-# a known slip is listed until the change that moves it out of the hook lands.
+# Functions the lint does not read, each with why (setup code in a hot module runs before any hook).
 NOT_HOT = {
     ("framework/offload/_swapfile.py", "reserved_bytes"): "setup: sizes the swap file; int() of Python ints",
     ("framework/offload/_swapfile.py", "create"): "setup: makes the swap file; int() of Python ints",
-    ("framework/offload/_disk.py", "load_grad"): "known: load_grad reads the swap file in the hook on CUDA "
-                                                 "(a blocking copy to the device); to be moved out of the hook",
 }
 
 
