@@ -84,10 +84,12 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
         if dist.is_main:
-            # A resume from this run folder's own checkpoints continues its W&B run and its metrics.jsonl
-            # (from the step resumed); any other start, from another folder's checkpoint too, is a new
-            # run here: the folder's records (of another history) are set aside, its summary.json too.
-            mine = ckpt.resumed_from is not None and run.run_dir.resolve() in ckpt.resumed_from.resolve().parents
+            # A resume from this run's own checkpoints (in its folder, or its checkpoint.dir elsewhere)
+            # continues its W&B run and its metrics.jsonl (from the step resumed); any other start, from
+            # another folder's checkpoint too, is a new run here: the folder's records (of another
+            # history) are set aside, its summary.json too.
+            mine = ckpt.resumed_from is not None and bool(
+                {run.run_dir.resolve(), ckpt.root.resolve()} & set(ckpt.resumed_from.resolve().parents))
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
                                start=state.step if mine else 0)
         # The W&B config: the resolved values and where each came from.

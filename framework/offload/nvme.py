@@ -80,9 +80,10 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     if cfg.optimizer != "nvme" and params != "nvme":
         raise ConfigError(f"config: offload=nvme with offload.optimizer={cfg.optimizer} and offload.params={params} "
                           f"puts nothing on NVMe; use offload=cpu, or set offload.optimizer=nvme")
-    if params == "nvme" and cfg.ratio < 1.0:
-        raise ConfigError("config: offload.ratio<1 keeps part of each partition on the device, which zero3 "
-                          "parameter shards on NVMe cannot share; use offload.ratio=1 or offload.params=none")
+    if params != "none" and cfg.ratio < 1.0:   # (the device pieces would be slices of host or disk shards)
+        where = "on NVMe" if params == "nvme" else "in host memory (offload.params=cpu)"
+        raise ConfigError(f"config: offload.ratio<1 keeps part of each partition on the device, which zero3 "
+                          f"parameter shards {where} cannot share; use offload.ratio=1 or offload.params=none")
     if cfg.overlap_step and cfg.optimizer == "nvme":
         raise ConfigError("config: offload.overlap_step=true needs whole optimizer pieces in host memory "
                           "(speculation keeps undo copies); use offload.optimizer=cpu or overlap_step=false")

@@ -392,6 +392,14 @@ def test_run_folder_header_log_and_own_checkpoints(forkrun, tmp_path):
     assert [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()] == [5, 5]
     assert json.loads((b / "summary.json.1").read_text())["steps"] == 6
     assert [json.loads(line)["step"] for line in (b / "metrics.jsonl.1").read_text().splitlines()] == [2, 3, 4, 6, 6]
+    # Checkpoints on another disk (checkpoint.dir): a rerun resumes them and goes on with the same record.
+    for steps in (2, 4):
+        far = _run(forkrun, tmp_path, "checkpoint.every=2", f"train.steps={steps}", f"checkpoint.dir={tmp_path / 'ck'}",
+                   "hydra.run.dir=outputs/f")
+        assert far.returncode == 0, far.stderr
+    f = tmp_path / "outputs" / "f"
+    assert f"resumed from {tmp_path / 'ck'}" in far.stdout and not (f / "metrics.jsonl.1").exists(), far.stdout
+    assert [json.loads(line)["step"] for line in (f / "metrics.jsonl").read_text().splitlines()][-1] == 4
     wrong = _run(forkrun, tmp_path, "checkpoint.resume=latest", "model.n_layer=2", "dist.nproc=2",
                  "hydra.run.dir=outputs/d")
     assert wrong.returncode != 0

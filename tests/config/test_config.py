@@ -152,6 +152,8 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero2", "offload=cpu", "offload.params=cpu"], "offload.params=cpu (parameter offload) needs +stage=zero3"),
     (["+stage=zero3", "offload=cpu", "offload.params=cpu", "offload.ratio=0.5"],
      "offload.ratio<1 keeps part of each partition's step on the device, which zero3 parameter shards in host memory"),
+    (["+stage=zero3", "offload=nvme", "offload.params=cpu", "offload.ratio=0.5"],
+     "which zero3 parameter shards in host memory (offload.params=cpu) cannot share"),
     (["+stage=zero2", "offload=cpu", "offload.ratio=0", "offload.overlap_step=true"],
      "offload.overlap_step=true has no effect with offload.ratio=0"),
     # keys of a tier that is off would do nothing
