@@ -179,29 +179,32 @@ def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
     LOCAL_RANK / LOCAL_WORLD_SIZE (torchrun, our spawner), else Slurm's for an srun task that is this
     rank (SLURM_PROCID = the rank, the step's task count = the world size)."""
     env = os.environ
-    local, local_world = env.get("LOCAL_RANK"), env.get("LOCAL_WORLD_SIZE")
+    local = ("LOCAL_RANK", env.get("LOCAL_RANK"))
+    local_world = ("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE"))
     tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
     if env.get("SLURM_PROCID") == str(rank) and tasks == str(world):
-        local = local or env.get("SLURM_LOCALID")
-        local_world = local_world or _slurm_tasks_here()
-    return (_launcher_int("LOCAL_RANK", local) if local else None), \
-        (_launcher_int("LOCAL_WORLD_SIZE", local_world) if local_world else None)
+        local = local if local[1] else ("SLURM_LOCALID", env.get("SLURM_LOCALID"))
+        local_world = local_world if local_world[1] else _slurm_tasks_here()
+    return tuple(_launcher_int(*named) if named[1] else None for named in (local, local_world))
 
 
-def _slurm_tasks_here() -> str | None:
-    """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes)."""
+def _slurm_tasks_here() -> tuple[str, str | None]:
+    """(the variable, this node's task count) from Slurm's per-node list ("4(x2),3": 4 on each of the first
+    two nodes); None where it does not say."""
     env = os.environ
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    name = next((k for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+                 if env.get(k)), "SLURM_TASKS_PER_NODE")
+    spec = env.get(name)
     if not spec:
-        return None
+        return name, None
     counts = []
     for part in spec.split(","):
         n, _, times = part.partition("(x")
-        counts += [n] * int(times.rstrip(")") or "1")
+        counts += [n] * _launcher_int(name, times.rstrip(")") or "1")
     node = env_int("SLURM_NODEID", 0)
     if node < len(counts):
-        return counts[node]
-    return counts[0] if len(set(counts)) == 1 else None
+        return name, counts[node]
+    return name, (counts[0] if len(set(counts)) == 1 else None)
 
 
 def check_env(store_path: str | None = None) -> None:
@@ -299,7 +302,9 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     gpus = gpu_count()
     local, local_world = local_ranks(rank, world)
     mine = _current_cuda_device() if joined else None   # the caller's choice, for the group they made
-    if world > 1 and gpus and device != "cpu" and (backend != "gloo" or device == "cuda") \
+    # A group the caller made with gloo alone trains on the CPU: no GPU to pick.
+    on_cpu = joined and device != "cuda" and joined_backend(backend, device, local_world or world) == "gloo"
+    if world > 1 and gpus and device != "cpu" and (backend != "gloo" or device == "cuda") and not on_cpu \
             and (local_world is None or (local is None and mine is None)) and world > gpus:
         raise ConfigError(f"cannot tell which of this host's {gpus} GPUs rank {rank} of {world} uses: set "
                           f"LOCAL_RANK and LOCAL_WORLD_SIZE (torchrun sets them; Slurm's SLURM_LOCALID is used "

@@ -115,6 +115,16 @@ def test_local_rank_from_slurm_and_unknown_local_ranks_refused(monkeypatch, gpus
     with pytest.raises(ConfigError, match=r"^cannot tell which of this host's 8 GPUs rank 9 of 16 uses: set "
                                           r"LOCAL_RANK and LOCAL_WORLD_SIZE"):
         d.connect("auto", 10.0)
+    # ...but a group the caller made with gloo alone trains on the CPU: no GPU to pick, nothing refused
+    with monkeypatch.context() as m:
+        m.setattr(d.tdist, "is_initialized", lambda: True)
+        m.setattr(d.tdist, "get_backend_config", lambda: "gloo")
+        m.setattr(d.tdist, "get_rank", lambda: 9)
+        m.setattr(d.tdist, "get_world_size", lambda: 16)
+        m.setattr(d, "_current_cuda_device", lambda: None)
+        with pytest.raises(Exception) as joined:   # (past the check: the fake group cannot take a timeout)
+            d.connect("auto", 10.0)
+        assert "cannot tell" not in str(joined.value), joined.value
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_NODEID", "1")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
@@ -123,6 +133,11 @@ def test_local_rank_from_slurm_and_unknown_local_ranks_refused(monkeypatch, gpus
     assert d.local_ranks(9, 16) == (1, 8) and d.local_world_size() == 8 and d.resolve_backend("auto") == "nccl"
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "9,7")   # uneven: this node's entry
     assert d.local_ranks(9, 16) == (1, 7)
+    for name, bad in (("SLURM_STEP_TASKS_PER_NODE", "8(xz)"), ("SLURM_LOCALID", "x")):   # named as it is
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            with pytest.raises(ConfigError, match=rf"^{name}="):
+                d.local_ranks(9, 16)
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert d.local_ranks(9, 16) == (3, 4)   # the launcher's own variables first
