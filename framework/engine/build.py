@@ -40,12 +40,15 @@ def component(cfg: Config, group: str):
 class Engine(contextlib.AbstractContextManager):
     """The built components, their step functions and ``state``, the one the last ``train_step`` (or
     ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
-    and stops the offload worker; the engine cannot step afterwards."""
+    and stops the offload worker; the engine cannot step afterwards. A step interrupted (Ctrl-C) or
+    failed inside the optimizer update leaves the state half-updated: the engine then refuses to step,
+    evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces the state."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None):
         self.components = components
         self._state = state
-        self._train_step = build_train_step(components)
+        self._half_applied: int | None = None   # the step whose update did not finish, if any
+        self._train_step = build_train_step(components, applying=self._applying)
         self.closed = False
         self.config = config   # the config it was built from
 
@@ -65,7 +68,11 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
         state, metrics = self._train_step(state, batch)
         self._state = state
+        self._half_applied = None   # (set once the update began: an exception before here keeps it)
         return state, metrics
+
+    def _applying(self, step: int) -> None:
+        self._half_applied = step
 
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
@@ -93,6 +100,13 @@ class Engine(contextlib.AbstractContextManager):
         if self.closed:
             raise FrameworkError("this engine is closed (engine.close() or its with block ended); "
                                  "build a new one with framework.initialize")
+        self._check_whole()
+
+    def _check_whole(self) -> None:
+        if self._half_applied is not None:
+            raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
+                                 f"half-applied: load a checkpoint into this engine (engine.load_state_dict, or "
+                                 f"resume) or close it and build a new engine")
 
     def close(self) -> None:
         if not self.closed:
@@ -123,6 +137,8 @@ class Engine(contextlib.AbstractContextManager):
         the file's on exit (also after an error). Only between steps. ``agreed`` (collective callers):
         the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
         every rank at once instead of leaving them in the caller's next collective."""
+        if not write:   # a half-updated state is never saved (a load replaces it: allowed)
+            agree(self.components.dist, self._check_whole, agreed) if agreed is not None else self._check_whole()
         offload = self._swapping()
         if offload is None:
             yield state, None
@@ -164,6 +180,8 @@ class Engine(contextlib.AbstractContextManager):
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
         self._state = state
+        if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
+            self._half_applied = None
         return state
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,

@@ -11,6 +11,7 @@ import framework
 from framework.comm.accelerator import DeviceMismatch, OrderError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
+from framework.persist.checkpoint import Checkpointer
 from tests._helpers import build_gpt, tiny_config
 
 
@@ -101,6 +102,63 @@ def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_on
         with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
             framework.initialize(module, loss, framework.compose(["+stage=zero3"]))
         engine.train_step(engine.state, framework.Batch((x,)))   # the first engine goes on
+
+
+def _interrupt_inside_the_update(engine):
+    """Ctrl-C once the update has changed part of the state: in the publish (plain update) or after the
+    first piece's copy back (the offload pipeline)."""
+    upd, stage = engine.components.update, engine.components.stage
+    owner, name = (upd, "_publish") if hasattr(upd, "_publish") else (stage, "publish")
+    real = getattr(owner, name)
+
+    def once(*args, **kwargs):
+        real(*args, **kwargs)
+        del owner.__dict__[name]   # the real one again
+        raise KeyboardInterrupt
+
+    setattr(owner, name, once)
+
+
+@pytest.mark.parametrize("overrides", [["+stage=zero1"], ["+stage=zero3"], ["+stage=zero2", "offload=cpu"],
+                                       ["+stage=zero2", "offload=nvme"]])
+def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_load(overrides, tmp_path):
+    """A step interrupted (Ctrl-C, SIGTERM's SystemExit) while the update changes the masters and moments
+    in place cannot be undone: stepping on would apply it twice, saving would keep a half-updated state.
+    Every use of the state is refused in one line until a load replaces all of it; then training goes on
+    exactly as a run that was never interrupted."""
+    def build(name):
+        cfg = tiny_config("train.micro_batch=2", "scheduler=constant", *overrides, f"checkpoint.dir={tmp_path}/ckpt",
+                          *([f"offload.nvme_path={tmp_path}/{name}"] if "offload=nvme" in overrides else []))
+        module, data = build_gpt(cfg)
+        return framework.initialize(module, gpt_loss, cfg), data, cfg
+
+    (clean, data, _), (broken, _, cfg) = build("clean"), build("broken")
+    with clean, broken:
+        ref, state = [], clean.state
+        for _ in range(3):
+            state, m = clean.train_step(state, _batch(data, state))
+            ref.append(m["loss"])
+        state, m = broken.train_step(broken.state, _batch(data, broken.state))
+        saved = broken.state_dict(state)
+        _interrupt_inside_the_update(broken)
+        with pytest.raises(KeyboardInterrupt):
+            broken.train_step(state, _batch(data, state))
+        assert broken.state is state
+        refused = r"^step 2 was interrupted during the optimizer update, which is half-applied: load a checkpoint"
+        for use in (lambda: broken.train_step(state, _batch(data, state)), lambda: broken.eval_step(state, [(0, 0)]),
+                    lambda: broken.state_dict(state), lambda: framework.save_weights(broken, tmp_path / "w"),
+                    lambda: Checkpointer(cfg, broken).save(state)):
+            with pytest.raises(framework.FrameworkError, match=refused):
+                use()
+        assert not (tmp_path / "w").exists() and not (tmp_path / "ckpt" / "latest").exists()
+        state = broken.load_state_dict(state, [saved])
+        got = [m["loss"]]
+        for _ in range(2):
+            state, m = broken.train_step(state, _batch(data, state))
+            got.append(m["loss"])
+        assert got == ref
+        assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
+                                                      broken.consolidated_state_dict().values()))
 
 
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
