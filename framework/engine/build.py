@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from dataclasses import replace
 from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
@@ -111,6 +112,8 @@ class Engine(contextlib.AbstractContextManager):
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if _owner(self.components.module) is self:   # another initialize may take the module now
+                del self.components.module._framework_owner
             self.components.update.close()   # the offload worker thread, if any
             self.components.stage.close()    # hooks on the module
 
@@ -203,6 +206,24 @@ class Engine(contextlib.AbstractContextManager):
         return fp
 
 
+class _Owner:
+    """The open engine training a module, held weakly in an attribute of the module (no registry
+    outside it); a copy or a pickle of the module is owned by nobody (its tensors are its own)."""
+
+    def __init__(self, engine: Engine | None):
+        self.ref = weakref.ref(engine) if engine is not None else None
+
+    def __reduce__(self):
+        return _Owner, (None,)
+
+
+def _owner(module: nn.Module) -> Engine | None:
+    """The open engine that trains ``module``, or None."""
+    owner = getattr(module, "_framework_owner", None)
+    engine = owner.ref() if isinstance(owner, _Owner) and owner.ref is not None else None
+    return engine if engine is not None and not engine.closed else None
+
+
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
     """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``.
@@ -216,6 +237,10 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
                              "shards, also after close() or a failed initialize); build a fresh module (or load "
                              "its weights into one: engine.consolidated_state_dict() before closing)")
+    if _owner(module) is not None:   # its parameters are views of that engine's buffers: a second one would
+        # rebind them, and the first would go on stepping buffers the module no longer reads
+        raise FrameworkError("initialize: this module is trained by another open engine; close that one first "
+                             "(engine.close() or end its with block), or build a fresh module")
     if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
@@ -259,7 +284,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             update.close()
         stage.close()
         raise
-    return Engine(c, state, cfg)
+    engine = Engine(c, state, cfg)
+    module._framework_owner = _Owner(engine)
+    return engine
 
 
 def hidden_size_of(module: nn.Module) -> int | None:

@@ -1,6 +1,7 @@
 """Engine lifetime: engine.state follows train_step; close() (or a with block) stops our worker
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
+import copy
 import threading
 from dataclasses import replace
 
@@ -159,6 +160,25 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
         assert got == ref
         assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
                                                       broken.consolidated_state_dict().values()))
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero2"])
+def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(stage):
+    """ddp to zero2 bind the module's parameters to the engine's buffers: a second initialize would rebind
+    them, and the first engine would step buffers the module no longer reads (training nothing)."""
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}")
+    module, data = build_gpt(cfg)
+    first = framework.initialize(module, gpt_loss, cfg)
+    with pytest.raises(framework.FrameworkError, match=r"^initialize: this module is trained by another open "
+                                                       r"engine; close that one first \(engine.close\(\)"):
+        framework.initialize(module, gpt_loss, cfg)
+    before = [p.detach().clone() for p in module.parameters()]
+    first.train_step(first.state, _batch(data, first.state))   # the first engine still trains the module
+    assert any(not torch.equal(a, p) for a, p in zip(before, module.parameters()))
+    framework.initialize(copy.deepcopy(module), gpt_loss, cfg).close()   # a copy is its own module
+    first.close()
+    with framework.initialize(module, gpt_loss, cfg) as second:
+        second.train_step(second.state, _batch(data, second.state))
 
 
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
