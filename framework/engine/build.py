@@ -140,9 +140,18 @@ class Engine(contextlib.AbstractContextManager):
         the file's on exit (also after an error). Only between steps. ``agreed`` (collective callers):
         the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
         every rank at once instead of leaving them in the caller's next collective."""
-        if not write:   # a half-updated state is never saved (a load replaces it: allowed)
-            agree(self.components.dist, self._check_whole, agreed) if agreed is not None else self._check_whole()
         offload = self._swapping()
+
+        def usable() -> None:
+            if not write:   # a half-updated state is never saved (a load replaces it: allowed)
+                self._check_whole()
+            if offload is not None and self.closed:
+                raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
+                                     "state_dict, load_state_dict, save_weights or a checkpoint save before "
+                                     "engine.close() (inside its with block)")
+
+        if not write or offload is not None:
+            agree(self.components.dist, usable, agreed) if agreed is not None else usable()
         if offload is None:
             yield state, None
             return

@@ -181,6 +181,25 @@ def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(st
         second.train_step(second.state, _batch(data, second.state))
 
 
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_after_close_the_state_is_saved_from_host_memory_and_refused_in_one_line_from_swap_files(offload, tmp_path):
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2", f"offload={offload}",
+                      *([f"offload.nvme_path={tmp_path}/swap"] if offload == "nvme" else []))
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        saved = engine.state_dict(state)
+    uses = (lambda: engine.state_dict(state), lambda: engine.load_state_dict(state, [saved]),
+            lambda: framework.save_weights(engine, tmp_path / "w"))
+    for use in uses:
+        if offload == "cpu":   # the state is in host memory: still there
+            use()
+        else:
+            with pytest.raises(framework.FrameworkError, match=r"^this engine is closed and its swap files "
+                                                               r"\(offload=nvme\) are gone: call state_dict"):
+                use()
+
+
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
            "train.grad_clip=0"]
 
