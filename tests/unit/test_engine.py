@@ -75,6 +75,11 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
     if "+stage=zero3" in overrides:   # its empty shards cannot be trained again
         with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
             framework.initialize(module, gpt_loss, tiny_config(*overrides))
+        with pytest.raises(framework.FrameworkError, match="^state_dict.. of a ZeRO-3 module may hold empty sharded"):
+            module.state_dict()
+        x = torch.randint(0, 24, (2, 16))
+        with framework.gathered(module.parameters()):   # the module's own use after close (docs/library.md)
+            assert torch.isfinite(gpt_loss(module, (x, x)))
 
 
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
