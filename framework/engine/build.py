@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from dataclasses import replace
 from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
@@ -40,12 +41,15 @@ def component(cfg: Config, group: str):
 class Engine(contextlib.AbstractContextManager):
     """The built components, their step functions and ``state``, the one the last ``train_step`` (or
     ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
-    and stops the offload worker; the engine cannot step afterwards."""
+    and stops the offload worker; the engine cannot step afterwards. A step interrupted (Ctrl-C) or
+    failed inside the optimizer update leaves the state half-updated: the engine then refuses to step,
+    evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces the state."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None):
         self.components = components
         self._state = state
-        self._train_step = build_train_step(components)
+        self._half_applied: int | None = None   # the step whose update did not finish, if any
+        self._train_step = build_train_step(components, applying=self._applying)
         self.closed = False
         self.config = config   # the config it was built from
 
@@ -65,7 +69,11 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
         state, metrics = self._train_step(state, batch)
         self._state = state
+        self._half_applied = None   # (set once the update began: an exception before here keeps it)
         return state, metrics
+
+    def _applying(self, step: int) -> None:
+        self._half_applied = step
 
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
@@ -93,10 +101,19 @@ class Engine(contextlib.AbstractContextManager):
         if self.closed:
             raise FrameworkError("this engine is closed (engine.close() or its with block ended); "
                                  "build a new one with framework.initialize")
+        self._check_whole()
+
+    def _check_whole(self) -> None:
+        if self._half_applied is not None:
+            raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
+                                 f"half-applied: load a checkpoint into this engine (engine.load_state_dict, or "
+                                 f"resume) or close it and build a new engine")
 
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if _owner(self.components.module) is self:   # another initialize may take the module now
+                del self.components.module._framework_owner
             self.components.update.close()   # the offload worker thread, if any
             self.components.stage.close()    # hooks on the module
 
@@ -124,6 +141,17 @@ class Engine(contextlib.AbstractContextManager):
         the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
         every rank at once instead of leaving them in the caller's next collective."""
         offload = self._swapping()
+
+        def usable() -> None:
+            if not write:   # a half-updated state is never saved (a load replaces it: allowed)
+                self._check_whole()
+            if offload is not None and self.closed:
+                raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
+                                     "state_dict, load_state_dict, save_weights or a checkpoint save before "
+                                     "engine.close() (inside its with block)")
+
+        if not write or offload is not None:
+            agree(self.components.dist, usable, agreed) if agreed is not None else usable()
         if offload is None:
             yield state, None
             return
@@ -164,6 +192,8 @@ class Engine(contextlib.AbstractContextManager):
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
         self._state = state
+        if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
+            self._half_applied = None
         return state
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
@@ -185,6 +215,24 @@ class Engine(contextlib.AbstractContextManager):
         return fp
 
 
+class _Owner:
+    """The open engine training a module, held weakly in an attribute of the module (no registry
+    outside it); a copy or a pickle of the module is owned by nobody (its tensors are its own)."""
+
+    def __init__(self, engine: Engine | None):
+        self.ref = weakref.ref(engine) if engine is not None else None
+
+    def __reduce__(self):
+        return _Owner, (None,)
+
+
+def _owner(module: nn.Module) -> Engine | None:
+    """The open engine that trains ``module``, or None."""
+    owner = getattr(module, "_framework_owner", None)
+    engine = owner.ref() if isinstance(owner, _Owner) and owner.ref is not None else None
+    return engine if engine is not None and not engine.closed else None
+
+
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
     """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``.
@@ -198,6 +246,10 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
                              "shards, also after close() or a failed initialize); build a fresh module (or load "
                              "its weights into one: engine.consolidated_state_dict() before closing)")
+    if _owner(module) is not None:   # its parameters are views of that engine's buffers: a second one would
+        # rebind them, and the first would go on stepping buffers the module no longer reads
+        raise FrameworkError("initialize: this module is trained by another open engine; close that one first "
+                             "(engine.close() or end its with block), or build a fresh module")
     if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
@@ -241,7 +293,9 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             update.close()
         stage.close()
         raise
-    return Engine(c, state, cfg)
+    engine = Engine(c, state, cfg)
+    module._framework_owner = _Owner(engine)
+    return engine
 
 
 def hidden_size_of(module: nn.Module) -> int | None:

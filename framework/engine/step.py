@@ -43,7 +43,11 @@ class Components:
     grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
 
-def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+def build_train_step(c: Components, applying: Callable[[int], None] | None = None
+                     ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
+    """``applying(step)`` is called just before the optimizer update of ``step`` starts changing the
+    state in place: an exception from then on (Ctrl-C included) leaves it half-applied, which no
+    ``abort`` undoes, so the caller must not step from that state again."""
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
@@ -101,9 +105,12 @@ def build_train_step(c: Components) -> Callable[[TrainState, Batch], tuple[Train
                 coef = 1.0 / scale
                 if c.grad_clip > 0 and norm > c.grad_clip:
                     coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
+                if applying is not None:
+                    applying(state.step + 1)
                 opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
         except BaseException:
-            # A failed step leaves no trace: optimizer state as it was, no gradients kept.
+            # A step that failed before the update leaves no trace: optimizer state as it was, no
+            # gradients kept (one that failed in it is half-applied: ``applying`` told the caller).
             c.update.abort()
             c.stage.zero_grads()
             raise

@@ -206,7 +206,7 @@ class PiecePipeline:
               lr: float) -> Any:
         clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
         copies: list[Event] = []
-        jobs, new_state, failed = [], None, None
+        jobs, new_state, failed, finished = [], None, None, False
         try:   # every failure below (a speculative job, a copy back's shard read) is agreed on after it
             done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
             self.ctx, self.speculate = None, clean
@@ -229,6 +229,7 @@ class PiecePipeline:
             for k, job in jobs:
                 new_state = job.result()
                 self._publish(k, after, copies)
+            finished = True
         except Exception as e:   # noqa: BLE001 - raised below (with a disk tier, on every rank)
             failed = e
         finally:
@@ -237,6 +238,9 @@ class PiecePipeline:
             for store in self.target.stores.values():   # a worker waiting for a slot gives up
                 getattr(store, "interrupt", lambda: None)()
             wait_all([job for _, job in jobs])
+            if not finished:   # (an error or Ctrl-C) what the compute stream does next (a load) follows the
+                for ev in copies:   # copies back already queued, as it would after working_ready
+                    ev.wait()
             try:
                 self._release_all()
             except Exception as e:   # noqa: BLE001 - a swap write that failed

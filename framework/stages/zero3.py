@@ -265,7 +265,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
-    raise FrameworkError("state_dict() of a ZeRO-3 module would hold empty sharded parameters: use "
+    raise FrameworkError("state_dict() of a ZeRO-3 module may hold empty sharded parameters: use "
                          "engine.consolidated_state_dict() (or framework.gathered) instead")
 
 

@@ -1,6 +1,7 @@
 """Engine lifetime: engine.state follows train_step; close() (or a with block) stops our worker
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
+import copy
 import threading
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import framework
 from framework.comm.accelerator import DeviceMismatch, OrderError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
+from framework.persist.checkpoint import Checkpointer
 from tests._helpers import build_gpt, tiny_config
 
 
@@ -73,6 +75,11 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
     if "+stage=zero3" in overrides:   # its empty shards cannot be trained again
         with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
             framework.initialize(module, gpt_loss, tiny_config(*overrides))
+        with pytest.raises(framework.FrameworkError, match="^state_dict.. of a ZeRO-3 module may hold empty sharded"):
+            module.state_dict()
+        x = torch.randint(0, 24, (2, 16))
+        with framework.gathered(module.parameters()):   # the module's own use after close (docs/library.md)
+            assert torch.isfinite(gpt_loss(module, (x, x)))
 
 
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():
@@ -101,6 +108,101 @@ def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_on
         with pytest.raises(framework.FrameworkError, match="^initialize: this module was sharded by a zero3 engine"):
             framework.initialize(module, loss, framework.compose(["+stage=zero3"]))
         engine.train_step(engine.state, framework.Batch((x,)))   # the first engine goes on
+
+
+def _interrupt_inside_the_update(engine):
+    """Ctrl-C once the update has changed part of the state: in the publish (plain update) or after the
+    first piece's copy back (the offload pipeline)."""
+    upd, stage = engine.components.update, engine.components.stage
+    owner, name = (upd, "_publish") if hasattr(upd, "_publish") else (stage, "publish")
+    real = getattr(owner, name)
+
+    def once(*args, **kwargs):
+        real(*args, **kwargs)
+        del owner.__dict__[name]   # the real one again
+        raise KeyboardInterrupt
+
+    setattr(owner, name, once)
+
+
+@pytest.mark.parametrize("overrides", [["+stage=zero1"], ["+stage=zero3"], ["+stage=zero2", "offload=cpu"],
+                                       ["+stage=zero2", "offload=nvme"]])
+def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_load(overrides, tmp_path):
+    """A step interrupted (Ctrl-C, SIGTERM's SystemExit) while the update changes the masters and moments
+    in place cannot be undone: stepping on would apply it twice, saving would keep a half-updated state.
+    Every use of the state is refused in one line until a load replaces all of it; then training goes on
+    exactly as a run that was never interrupted."""
+    def build(name):
+        cfg = tiny_config("train.micro_batch=2", "scheduler=constant", *overrides, f"checkpoint.dir={tmp_path}/ckpt",
+                          *([f"offload.nvme_path={tmp_path}/{name}"] if "offload=nvme" in overrides else []))
+        module, data = build_gpt(cfg)
+        return framework.initialize(module, gpt_loss, cfg), data, cfg
+
+    (clean, data, _), (broken, _, cfg) = build("clean"), build("broken")
+    with clean, broken:
+        ref, state = [], clean.state
+        for _ in range(3):
+            state, m = clean.train_step(state, _batch(data, state))
+            ref.append(m["loss"])
+        state, m = broken.train_step(broken.state, _batch(data, broken.state))
+        saved = broken.state_dict(state)
+        _interrupt_inside_the_update(broken)
+        with pytest.raises(KeyboardInterrupt):
+            broken.train_step(state, _batch(data, state))
+        assert broken.state is state
+        refused = r"^step 2 was interrupted during the optimizer update, which is half-applied: load a checkpoint"
+        for use in (lambda: broken.train_step(state, _batch(data, state)), lambda: broken.eval_step(state, [(0, 0)]),
+                    lambda: broken.state_dict(state), lambda: framework.save_weights(broken, tmp_path / "w"),
+                    lambda: Checkpointer(cfg, broken).save(state)):
+            with pytest.raises(framework.FrameworkError, match=refused):
+                use()
+        assert not (tmp_path / "w").exists() and not (tmp_path / "ckpt" / "latest").exists()
+        state = broken.load_state_dict(state, [saved])
+        got = [m["loss"]]
+        for _ in range(2):
+            state, m = broken.train_step(state, _batch(data, state))
+            got.append(m["loss"])
+        assert got == ref
+        assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
+                                                      broken.consolidated_state_dict().values()))
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero2"])
+def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(stage):
+    """ddp to zero2 bind the module's parameters to the engine's buffers: a second initialize would rebind
+    them, and the first engine would step buffers the module no longer reads (training nothing)."""
+    cfg = tiny_config("train.micro_batch=2", f"+stage={stage}")
+    module, data = build_gpt(cfg)
+    first = framework.initialize(module, gpt_loss, cfg)
+    with pytest.raises(framework.FrameworkError, match=r"^initialize: this module is trained by another open "
+                                                       r"engine; close that one first \(engine.close\(\)"):
+        framework.initialize(module, gpt_loss, cfg)
+    before = [p.detach().clone() for p in module.parameters()]
+    first.train_step(first.state, _batch(data, first.state))   # the first engine still trains the module
+    assert any(not torch.equal(a, p) for a, p in zip(before, module.parameters()))
+    framework.initialize(copy.deepcopy(module), gpt_loss, cfg).close()   # a copy is its own module
+    first.close()
+    with framework.initialize(module, gpt_loss, cfg) as second:
+        second.train_step(second.state, _batch(data, second.state))
+
+
+@pytest.mark.parametrize("offload", ["cpu", "nvme"])
+def test_after_close_the_state_is_saved_from_host_memory_and_refused_in_one_line_from_swap_files(offload, tmp_path):
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2", f"offload={offload}",
+                      *([f"offload.nvme_path={tmp_path}/swap"] if offload == "nvme" else []))
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        saved = engine.state_dict(state)
+    uses = (lambda: engine.state_dict(state), lambda: engine.load_state_dict(state, [saved]),
+            lambda: framework.save_weights(engine, tmp_path / "w"))
+    for use in uses:
+        if offload == "cpu":   # the state is in host memory: still there
+            use()
+        else:
+            with pytest.raises(framework.FrameworkError, match=r"^this engine is closed and its swap files "
+                                                               r"\(offload=nvme\) are gone: call state_dict"):
+                use()
 
 
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
