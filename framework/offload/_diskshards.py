@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from framework.comm.accelerator import Event
-from framework.core.errors import ConfigError, SwapIOError
+from framework.core.errors import ConfigError, FrameworkError, SwapIOError
 from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
@@ -34,6 +34,7 @@ class DiskShards(HostShards):
         self.spilled: dict[int, int] = {}                # id(shard) -> its offset in the spill
         self.held: tuple[int, int] | None = None         # (group, key): a shard kept resident
         self.read_error: BaseException | None = None     # a failed read, until ranks agree on it
+        self.closed = False                              # the swap file is gone: its shards hold nothing
 
     def bind(self, placement: NVMePlacement) -> None:
         super().bind(placement)
@@ -143,6 +144,7 @@ class DiskShards(HostShards):
         fp.add_disk("params", nbytes)
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
+        self._check_open(shard)
         if not self.swapped:
             return super().load(dst, shard)
         self.p.acc.on_device(dst, what="zero3 gather buffer")
@@ -158,6 +160,7 @@ class DiskShards(HostShards):
         self.store.release(handle, copied, dirty=False)
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
+        self._check_open(shard)
         if not self.swapped:
             return super().write(shard, values)
         handle = self.store.acquire(self.keys[id(shard)])   # resident inside, written back after
@@ -195,7 +198,15 @@ class DiskShards(HostShards):
             error, self.read_error = self.read_error, None
             self.p.agree_io_error(error, "reading zero3 parameter shards")
 
+    def _check_open(self, shard: torch.Tensor) -> None:
+        """A gather after ``close`` would read the parked placeholder (zeros) silently: one line instead."""
+        if self.closed and id(shard) in self.keys:
+            raise FrameworkError("this engine is closed and its zero3 parameter swap file (offload.params=nvme) is "
+                                 "gone: run or save the module inside framework.gathered before engine.close() "
+                                 "(inside its with block), or save_weights then")
+
     def close(self) -> None:
+        self.closed = True
         self._close_spill()
         if self.held is not None:   # (a step that failed between a copy back and ``flush``)
             self.store.release(self.held[1], None, dirty=False)

@@ -205,6 +205,19 @@ def test_after_close_the_state_is_saved_from_host_memory_and_refused_in_one_line
                 use()
 
 
+def test_after_close_zero3_shards_on_nvme_are_refused_not_read_as_zeros(tmp_path):
+    """The module's swapped parameter shards are gone with the swap file: a gathered forward after close is
+    one line, never a forward on the zero placeholders."""
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero3", "stage.stage3_param_persistence_threshold=0",
+                      "offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        engine.train_step(engine.state, _batch(data, engine.state))
+    with pytest.raises(framework.FrameworkError, match=r"^this engine is closed and its zero3 parameter swap file"):
+        with framework.gathered(module.parameters()):
+            pass
+
+
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
            "train.grad_clip=0"]
 
