@@ -135,7 +135,10 @@ class Zero3Stage(PartitionedStage):
         try:
             yield
         except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
-            self.gatherer.abort_pass(isinstance(e, Exception))
+            try:
+                self.gatherer.abort_pass(isinstance(e, Exception))
+            except Exception as failed:   # the pass's error is the one to see, not its reset's
+                e.add_note(f"zero3 could not put its units back after it: {type(failed).__name__}: {failed}")
             raise
         if not train:   # train_step's pass ends with its backward
             self.gatherer.end_pass()

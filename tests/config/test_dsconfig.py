@@ -380,13 +380,19 @@ def test_auto_left_over_is_an_error():
 
 
 def test_offload_sections_and_mismatched_pin_memory():
-    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False, "ratio": 0.5},
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                                 "offload_param": {"device": "cpu", "pin_memory": False}}}
     cfg = framework.compose([], ds_config=ds)
-    assert cfg.choices["offload"] == "cpu" and cfg.offload.ratio == 0.5 and cfg.offload.pin_memory is False
+    assert cfg.choices["offload"] == "cpu" and cfg.offload.params == "cpu" and cfg.offload.pin_memory is False
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_param"]["pin_memory"] = True
     assert "differ" in error_of(bad)
+    # the optimizer section's ratio: taken at stage 2; with parameters in host memory, refused
+    partial = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    assert framework.compose([], ds_config=partial).offload.ratio == 0.5
+    bad = copy.deepcopy(ds)
+    bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
+    assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)
 
 
 def test_nvme_buffer_keys_of_a_section_on_the_cpu_are_notes():
