@@ -303,7 +303,8 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     local, local_world = local_ranks(rank, world)
     mine = _current_cuda_device() if joined else None   # the caller's choice, for the group they made
     # A group the caller made with gloo alone trains on the CPU: no GPU to pick.
-    on_cpu = joined and device != "cuda" and joined_backend(backend, device, local_world or world) == "gloo"
+    # (asked as if one rank per GPU: a group that has nccl answers nccl, one of gloo alone gloo)
+    on_cpu = joined and device != "cuda" and joined_backend(backend, device, 1) == "gloo"
     if world > 1 and gpus and device != "cpu" and (backend != "gloo" or device == "cuda") and not on_cpu \
             and (local_world is None or (local is None and mine is None)) and world > gpus:
         raise ConfigError(f"cannot tell which of this host's {gpus} GPUs rank {rank} of {world} uses: set "

@@ -125,6 +125,9 @@ def test_local_rank_from_slurm_and_unknown_local_ranks_refused(monkeypatch, gpus
         with pytest.raises(Exception) as joined:   # (past the check: the fake group cannot take a timeout)
             d.connect("auto", 10.0)
         assert "cannot tell" not in str(joined.value), joined.value
+        m.setattr(d.tdist, "get_backend_config", lambda: "cpu:gloo,cuda:nccl")   # torch's default: has nccl
+        with pytest.raises(ConfigError, match=r"^cannot tell which of this host's 8 GPUs"):
+            d.connect("auto", 10.0)
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_NODEID", "1")
     monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
