@@ -154,7 +154,8 @@ class Prediction(Footprint):
     cuda_activations: int | None = None
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
-                    "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool", "nvme_param_pool")
+                    "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool",
+                    "nvme_grad_read_back", "nvme_param_pool")
 
     @property
     def model_states(self) -> int:

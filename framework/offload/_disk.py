@@ -295,6 +295,19 @@ class DiskPlacement(NVMePlacement):
             slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
+            if self.grad_swap:
+                fp.add("nvme_grad_read_back", host=self.read_back_bytes(max(sizes), bounce))
+
+    def read_back_bytes(self, largest: int, bounce: int) -> int:
+        """The swapped gradients' read-back buffers (``_init_state``): two pinned landings as large as
+        the largest partition (``largest`` elements) and the reader thread's ``bounce``-byte buffer."""
+        return 2 * largest * self.grad_dtype.itemsize + bounce
+
+    def memory(self, fp: Footprint, opt_state: Any) -> None:
+        super().memory(fp, opt_state)
+        if self.grad_swap:
+            bounce = [self.read_bounce] if self.read_bounce is not None else []
+            fp.add("nvme_grad_read_back", host=sum(t.nbytes for t in [*(t for t, _ in self.landings), *bounce]))
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store and fills them."""
@@ -342,6 +355,13 @@ class DiskPlacement(NVMePlacement):
         self.write_swap(store, "optim", lambda: self._preflight(store),
                         ((info.index, partial(fill, info)) for info in disk),
                         "writing the initial state to the swap files")
+        if self.grad_swap:
+            # The read-back buffers, made at setup (once the pre-flight counted them): a page-locked
+            # allocation in the backward hook would wait for the device (cudaHostAlloc synchronizes).
+            numel = max((p.numel() for p in self.partitions), default=0)
+            self.landings = [(self.acc.empty_host(numel, self.grad_dtype), None) for _ in range(2)]
+            self.free = [1, 0]
+            self.read_bounce = store.new_bounce()
         return full
 
     def _preflight(self, store: DiskStore) -> None:
@@ -350,7 +370,9 @@ class DiskPlacement(NVMePlacement):
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
-        self.check_ram(store.buffer_count * slot + bounce, "")
+        largest = max((p.numel() for p in self.partitions), default=0)
+        reads = self.read_back_bytes(largest, bounce) if self.grad_swap else 0
+        self.check_ram(store.buffer_count * slot + bounce + reads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
@@ -379,9 +401,10 @@ class DiskPlacement(NVMePlacement):
             self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
             self.follow: dict[int, int] = {}          # group -> the group reduced after it last time
             self.last: int | None = None              # the group saved last
-            self.landings: list[tuple[torch.Tensor, Any]] = []   # pinned buffers and their last copy's event
+            self.landings: list[tuple[torch.Tensor, Any]] = []   # two pinned buffers and their last copy's event
             self.free: list[int] = []                 # landings no read holds
             self.read_bounce: torch.Tensor | None = None   # the reader thread's ``read_extent`` buffer
+            # (the three are made at setup, ``_init_state``; their bytes: ``read_back_bytes``)
         return self.grad_swap
 
     def load_grad(self, group: int) -> torch.Tensor:
@@ -411,11 +434,7 @@ class DiskPlacement(NVMePlacement):
 
     def _read_back(self, group: int) -> tuple[Future, int]:
         """Queue group ``group``'s extents -> a free pinned buffer on the reader thread, after its latest write."""
-        if not self.free:   # two at most: one read ahead, one read in the hook
-            numel = max(p.numel() for p in self.partitions)
-            self.landings.append((self.acc.empty_host(numel, self.grad_dtype), None))
-            self.free.append(len(self.landings) - 1)
-        k = self.free.pop()
+        k = self.free.pop()   # (two: one read ahead, one read in the hook)
         landing, copied = self.landings[k]
         return self.reader.submit(self._read_grads, group, self.writes.get(group), landing, copied), k
 
@@ -431,9 +450,7 @@ class DiskPlacement(NVMePlacement):
         if sum(i.end - i.start for i in pieces) != host.numel():
             host.zero_()
         store = self.stores[Tier.DISK]
-        if self.read_bounce is None:   # (its own: the writer thread uses the store's meanwhile)
-            self.read_bounce = store.new_bounce()
-        for info in pieces:
+        for info in pieces:   # (its own bounce buffer: the writer thread uses the store's meanwhile)
             store.read_extent(info.index, host[info.start:info.end], self.read_bounce)
         return host
 

@@ -39,6 +39,8 @@ ONE_RANK += [
     ("+stage=zero3", "offload=cpu", "offload.params=cpu", "precision=bf16"),
     ("+stage=zero3", "offload=nvme", "offload.optimizer=cpu"),
     ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16"),
+    # owned gradients in the swap file, read back on the second micro batch (pinned landings)
+    ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16", "train.grad_accum=2"),
     ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300", "offload.param_buffer_count=2"),
     ("+stage=zero3", "stage.stage3_param_persistence_threshold=0", "precision=bf16"),
     ("+stage=ddp", "precision=bf16", FROZEN),
@@ -87,12 +89,18 @@ def _footprints(dist, cases, folder):
         try:
             batch = data.train_batch(0, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
                                      rank=dist.rank, world=dist.world)
+            pinned = dist.acc.pinned_stats()["requested"]
             state, _ = engine.train_step(engine.state, batch)
+            # every page-locked buffer is made at setup, where the report and the pre-flight see it
+            # (and, on CUDA, not in a hook: page-locking waits for the device)
+            assert dist.acc.pinned_stats()["requested"] == pinned, (case, "a step pinned host memory")
             held = engine.memory(state).nonzero()
         finally:
             engine.close()
         if frozen:
             assert {"frozen_params", "buffers"} <= set(held[0]), held   # (the case tests something)
+        if "train.grad_accum=2" in case and "offload=nvme" in case and "+stage=zero3" in case:
+            assert "nvme_grad_read_back" in held[0], held   # (the swapped gradients' read-back buffers)
         out.append((case, held, predict(cfg, dist.world, module=meta).nonzero()))
     return out
 
