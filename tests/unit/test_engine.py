@@ -167,6 +167,39 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
                                                       broken.consolidated_state_dict().values()))
 
 
+def test_under_overlap_step_a_failure_before_the_update_publishes_is_rolled_back_and_training_goes_on():
+    """offload.overlap_step steps pieces speculatively during the backward, after undo copies: a speculative
+    step that fails, or Ctrl-C while the update waits for them, changes nothing for good (abort restores the
+    copies), so the engine is not marked half-applied and goes on exactly as a run that never failed."""
+    overrides = ("+stage=zero2", "offload=cpu", "offload.overlap_step=true", "stage.reduce_bucket_size=1500",
+                 "train.grad_clip=0", "train.micro_batch=2", "scheduler=constant")
+    (clean, data), (engine, _) = _engine(*overrides), _engine(*overrides)
+    with clean, engine:
+        ref, state = [], clean.state
+        for _ in range(3):
+            state, m = clean.train_step(state, _batch(data, state))
+            ref.append(m["loss"])
+        state, m = engine.train_step(engine.state, _batch(data, engine.state))
+        got = [m["loss"]]
+        upd = engine.components.update
+        for name, error in (("_speculate", MemoryError("a speculative step ran out of host memory")),
+                            ("_settle", KeyboardInterrupt())):
+            def once(*args, name=name, error=error, **kwargs):
+                del upd.__dict__[name]   # the real one again
+                raise error
+
+            setattr(upd, name, once)
+            with pytest.raises(type(error)):
+                engine.train_step(state, _batch(data, state))
+            assert name not in upd.__dict__ and upd.rolled_back > 0
+        for _ in range(2):
+            state, m = engine.train_step(state, _batch(data, state))
+            got.append(m["loss"])
+        assert got == ref
+        assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
+                                                      engine.consolidated_state_dict().values()))
+
+
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
 def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(stage):
     """ddp to zero2 bind the module's parameters to the engine's buffers: a second initialize would rebind
