@@ -2,7 +2,9 @@
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
 import copy
+import gc
 import threading
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -217,6 +219,26 @@ def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(st
     first.close()
     with framework.initialize(module, gpt_loss, cfg) as second:
         second.train_step(second.state, _batch(data, second.state))
+
+
+def test_a_dropped_engine_is_freed_at_once_and_its_module_can_be_initialized_again():
+    """No reference cycle through the engine: ``del engine`` (unclosed) frees it and its optimizer state
+    without waiting for the garbage collector, and the module is free for a new initialize."""
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg)
+    engine.train_step(engine.state, _batch(data, engine.state))
+    gone = weakref.ref(engine)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert gone() is None
+        with framework.initialize(module, gpt_loss, cfg) as second:
+            second.train_step(second.state, _batch(data, second.state))
+    finally:
+        if was:
+            gc.enable()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
