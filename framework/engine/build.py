@@ -125,6 +125,7 @@ class Engine(contextlib.AbstractContextManager):
 
     def consolidated_state_dict(self) -> dict | None:
         """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
+        self._check_whole()   # (the half-updated weights are never handed out to be saved)
         return self.components.stage.consolidated_state_dict()
 
     def state_dict(self, state: TrainState) -> dict:

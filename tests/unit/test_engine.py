@@ -154,7 +154,8 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
         assert broken.state is state
         refused = r"^step 2 was interrupted during the optimizer update, which is half-applied: load a checkpoint"
         for use in (lambda: broken.train_step(state, _batch(data, state)), lambda: broken.eval_step(state, [(0, 0)]),
-                    lambda: broken.state_dict(state), lambda: framework.save_weights(broken, tmp_path / "w"),
+                    lambda: broken.state_dict(state), broken.consolidated_state_dict,
+                    lambda: framework.save_weights(broken, tmp_path / "w"),
                     lambda: Checkpointer(cfg, broken).save(state)):
             with pytest.raises(framework.FrameworkError, match=refused):
                 use()
