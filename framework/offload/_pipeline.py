@@ -249,8 +249,14 @@ class PiecePipeline:
                 self._release_all()
             except Exception as e:   # noqa: BLE001 - a swap write that failed
                 failed = failed or e
-        self.target.agree_io_error(failed, "stepping the optimizer")   # (swap files: every rank, before the gather)
-        self.target.working_ready(copies)
+        try:
+            self.target.agree_io_error(failed, "stepping the optimizer")   # (swap files: every rank, before the gather)
+            self.target.working_ready(copies)
+        except BaseException:
+            if finished:   # (a peer's failure, after this rank queued every copy back) as above
+                for ev in copies:
+                    ev.wait()
+            raise
         self.gather()
         return new_state
 

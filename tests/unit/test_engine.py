@@ -12,6 +12,7 @@ import torch
 
 import framework
 from framework.comm.accelerator import DeviceMismatch, OrderError
+from framework.core.errors import SwapIOError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
 from framework.persist.checkpoint import Checkpointer
@@ -201,6 +202,27 @@ def test_under_overlap_step_a_failure_before_the_update_publishes_is_rolled_back
         assert got == ref
         assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
                                                       engine.consolidated_state_dict().values()))
+
+
+def test_a_peers_failure_after_this_ranks_update_still_orders_the_copies_back_before_compute(tmp_path):
+    """offload=nvme: this rank's update finished and queued its copies back, then the agreement on IO
+    errors raises for another rank's failure (simulated at world 1). Whatever the compute stream does next
+    (the module run outside the engine) must follow those copies, as after a step that finished."""
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2", "offload=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        target = engine.components.stage.offload
+        real = target.agree_io_error
+
+        def peer_failed(error, what):
+            del target.__dict__["agree_io_error"]   # the real one again
+            real(error or SwapIOError("rank 1: stepping the optimizer failed"), what)
+
+        target.agree_io_error = peer_failed
+        with pytest.raises(SwapIOError, match="rank 1"):
+            engine.train_step(state, _batch(data, state))
+        target.acc.use(reads=target.partitions)   # the compute stream reads the working parameters
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
