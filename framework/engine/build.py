@@ -49,7 +49,10 @@ class Engine(contextlib.AbstractContextManager):
         self.components = components
         self._state = state
         self._half_applied: int | None = None   # the step whose update did not finish, if any
-        self._train_step = build_train_step(components, applying=self._applying)
+        # (weakly: the engine holds the step function, so a strong reference back would be a cycle, and a
+        # dropped engine would keep its optimizer state and its module's ownership until the GC runs)
+        mark = weakref.WeakMethod(self._applying)
+        self._train_step = build_train_step(components, applying=lambda step: mark()(step))
         self.closed = False
         self.config = config   # the config it was built from
 
@@ -122,6 +125,7 @@ class Engine(contextlib.AbstractContextManager):
 
     def consolidated_state_dict(self) -> dict | None:
         """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
+        self._check_whole()   # (the half-updated weights are never handed out to be saved)
         return self.components.stage.consolidated_state_dict()
 
     def state_dict(self, state: TrainState) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,9 +46,9 @@ class Components:
 
 def build_train_step(c: Components, applying: Callable[[int], None] | None = None
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """``applying(step)`` is called just before the optimizer update of ``step`` starts changing the
-    state in place: an exception from then on (Ctrl-C included) leaves it half-applied, which no
-    ``abort`` undoes, so the caller must not step from that state again."""
+    """``applying(step)`` is called when the optimizer update of ``step`` first changes the state in
+    place beyond what ``abort`` undoes (``Update.apply`` says when): an exception from then on (Ctrl-C
+    included) leaves it half-applied, so the caller must not step from that state again."""
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
@@ -105,9 +106,8 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
                 coef = 1.0 / scale
                 if c.grad_clip > 0 and norm > c.grad_clip:
                     coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-                if applying is not None:
-                    applying(state.step + 1)
-                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr)
+                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr,
+                                           applying=None if applying is None else partial(applying, state.step + 1))
         except BaseException:
             # A step that failed before the update leaves no trace: optimizer state as it was, no
             # gradients kept (one that failed in it is half-applied: ``applying`` told the caller).

@@ -2,11 +2,13 @@
 
 ``train_step`` calls ``arm``, ``drain`` after the backward passes, then ``apply`` (scale, step,
 publish) or ``skip``; ``abort`` if anything raised, so a failed step leaves the optimizer as it was.
+``apply`` calls its ``applying`` just before it first changes the state in place in a way ``abort``
+cannot undo: an exception from then on leaves the state half-applied.
 ``offload._pipeline`` is a pipelined one that must give ``PlainUpdate``'s results.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +22,7 @@ class Update(Protocol):
     def arm(self, opt_state: Any, params: Sequence[Tensor], lr: float, scale: float) -> None: ...
     def drain(self) -> None: ...
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
-              lr: float) -> Any: ...
+              lr: float, applying: Callable[[], None] | None = None) -> Any: ...
     def skip(self) -> None: ...
     def abort(self) -> None: ...
     def memory(self, fp: Footprint) -> None: ...   # its own buffers, added to ``fp``
@@ -37,7 +39,9 @@ class PlainUpdate(Update):
         return self.tx.init(list(params))
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
-              lr: float) -> Any:
+              lr: float, applying: Callable[[], None] | None = None) -> Any:
+        if applying is not None:
+            applying()
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
         opt_state = optimizer_step(self.tx, grads, opt_state, params, lr, self.stage.out16())

@@ -203,12 +203,16 @@ class PiecePipeline:
         self.handles = {}
 
     def apply(self, grads: list[Tensor], coef: float, opt_state: Any, params: Sequence[Tensor],
-              lr: float) -> Any:
+              lr: float, applying: Callable[[], None] | None = None) -> Any:
         clean = coef == 1.0 / self.scale  # neither clipped nor (we are here) skipped
         copies: list[Event] = []
         jobs, new_state, failed, finished = [], None, None, False
         try:   # every failure below (a speculative job, a copy back's shard read) is agreed on after it
             done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
+            # Until here abort restores the undo copies (a speculative job that failed, Ctrl-C while
+            # waiting); from here on the pieces are stepped and published in place, for good.
+            if applying is not None:
+                applying()
             self.ctx, self.speculate = None, clean
             after = self.target.working_used()
             for store in self.target.stores.values():
@@ -245,8 +249,14 @@ class PiecePipeline:
                 self._release_all()
             except Exception as e:   # noqa: BLE001 - a swap write that failed
                 failed = failed or e
-        self.target.agree_io_error(failed, "stepping the optimizer")   # (swap files: every rank, before the gather)
-        self.target.working_ready(copies)
+        try:
+            self.target.agree_io_error(failed, "stepping the optimizer")   # (swap files: every rank, before the gather)
+            self.target.working_ready(copies)
+        except BaseException:
+            if finished:   # (a peer's failure, after this rank queued every copy back) as above
+                for ev in copies:
+                    ev.wait()
+            raise
         self.gather()
         return new_state
 

@@ -2,7 +2,9 @@
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
 import copy
+import gc
 import threading
+import weakref
 from dataclasses import replace
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 import framework
 from framework.comm.accelerator import DeviceMismatch, OrderError
+from framework.core.errors import SwapIOError
 from framework.engine.state import capture_rng
 from framework.models.gpt import gpt_loss
 from framework.persist.checkpoint import Checkpointer
@@ -152,7 +155,8 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
         assert broken.state is state
         refused = r"^step 2 was interrupted during the optimizer update, which is half-applied: load a checkpoint"
         for use in (lambda: broken.train_step(state, _batch(data, state)), lambda: broken.eval_step(state, [(0, 0)]),
-                    lambda: broken.state_dict(state), lambda: framework.save_weights(broken, tmp_path / "w"),
+                    lambda: broken.state_dict(state), broken.consolidated_state_dict,
+                    lambda: framework.save_weights(broken, tmp_path / "w"),
                     lambda: Checkpointer(cfg, broken).save(state)):
             with pytest.raises(framework.FrameworkError, match=refused):
                 use()
@@ -165,6 +169,60 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
         assert got == ref
         assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
                                                       broken.consolidated_state_dict().values()))
+
+
+def test_under_overlap_step_a_failure_before_the_update_publishes_is_rolled_back_and_training_goes_on():
+    """offload.overlap_step steps pieces speculatively during the backward, after undo copies: a speculative
+    step that fails, or Ctrl-C while the update waits for them, changes nothing for good (abort restores the
+    copies), so the engine is not marked half-applied and goes on exactly as a run that never failed."""
+    overrides = ("+stage=zero2", "offload=cpu", "offload.overlap_step=true", "stage.reduce_bucket_size=1500",
+                 "train.grad_clip=0", "train.micro_batch=2", "scheduler=constant")
+    (clean, data), (engine, _) = _engine(*overrides), _engine(*overrides)
+    with clean, engine:
+        ref, state = [], clean.state
+        for _ in range(3):
+            state, m = clean.train_step(state, _batch(data, state))
+            ref.append(m["loss"])
+        state, m = engine.train_step(engine.state, _batch(data, engine.state))
+        got = [m["loss"]]
+        upd = engine.components.update
+        for name, error in (("_speculate", MemoryError("a speculative step ran out of host memory")),
+                            ("_settle", KeyboardInterrupt())):
+            def once(*args, name=name, error=error, **kwargs):
+                del upd.__dict__[name]   # the real one again
+                raise error
+
+            setattr(upd, name, once)
+            with pytest.raises(type(error)):
+                engine.train_step(state, _batch(data, state))
+            assert name not in upd.__dict__ and upd.rolled_back > 0
+        for _ in range(2):
+            state, m = engine.train_step(state, _batch(data, state))
+            got.append(m["loss"])
+        assert got == ref
+        assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
+                                                      engine.consolidated_state_dict().values()))
+
+
+def test_a_peers_failure_after_this_ranks_update_still_orders_the_copies_back_before_compute(tmp_path):
+    """offload=nvme: this rank's update finished and queued its copies back, then the agreement on IO
+    errors raises for another rank's failure (simulated at world 1). Whatever the compute stream does next
+    (the module run outside the engine) must follow those copies, as after a step that finished."""
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2", "offload=nvme", f"offload.nvme_path={tmp_path}/swap")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg) as engine:
+        state, _ = engine.train_step(engine.state, _batch(data, engine.state))
+        target = engine.components.stage.offload
+        real = target.agree_io_error
+
+        def peer_failed(error, what):
+            del target.__dict__["agree_io_error"]   # the real one again
+            real(error or SwapIOError("rank 1: stepping the optimizer failed"), what)
+
+        target.agree_io_error = peer_failed
+        with pytest.raises(SwapIOError, match="rank 1"):
+            engine.train_step(state, _batch(data, state))
+        target.acc.use(reads=target.partitions)   # the compute stream reads the working parameters
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero2"])
@@ -184,6 +242,26 @@ def test_a_second_engine_on_an_open_engines_module_is_refused_until_it_closes(st
     first.close()
     with framework.initialize(module, gpt_loss, cfg) as second:
         second.train_step(second.state, _batch(data, second.state))
+
+
+def test_a_dropped_engine_is_freed_at_once_and_its_module_can_be_initialized_again():
+    """No reference cycle through the engine: ``del engine`` (unclosed) frees it and its optimizer state
+    without waiting for the garbage collector, and the module is free for a new initialize."""
+    cfg = tiny_config("train.micro_batch=2", "+stage=zero2")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg)
+    engine.train_step(engine.state, _batch(data, engine.state))
+    gone = weakref.ref(engine)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert gone() is None
+        with framework.initialize(module, gpt_loss, cfg) as second:
+            second.train_step(second.state, _batch(data, second.state))
+    finally:
+        if was:
+            gc.enable()
 
 
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
