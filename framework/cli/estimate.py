@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -83,14 +84,20 @@ def resolve_model(value: str, overrides: list[str]):
     if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     if hf:   # our stages, precision, batch and offload keys around it
-        cfg = compose(overrides)
+        module = hf_model_from_config(path)
+        # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
+        # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
+        conf = getattr(module, "config", None)
+        text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+        hidden = getattr(text, "hidden_size", None)
+        cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
         if cfg.model.activation_checkpointing:
             # The config.json is built as it is; the trace on meta cannot run transformers' checkpointing
             # (as for model=hf model.config=...), so the key would change nothing: refused, not ignored.
             raise ConfigError(f"estimate: model.activation_checkpointing=true does not apply to model={value} (its "
                               f"activations are traced on the meta device, where transformers' checkpointing cannot "
                               f"run); predict it with model.activation_checkpointing=false")
-        return hf_model_from_config(path), cfg, True, "model"
+        return module, cfg, True, "model"
     if yaml:
         from omegaconf import OmegaConf
 
@@ -152,6 +159,8 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             # The world sizes a ds_config's batch triple (and its checks) as dist.nproc does for training.
             overrides = [*overrides, f"dist.nproc={gpus * nodes}"]
         module, cfg, hf, source = resolve_model(own["model"], overrides)
+        if "gpus_per_node" not in own and "nodes" not in own:
+            gpus = cfg.dist.nproc   # the tables for the world the prediction below is for (one node)
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
                               f"model={own['model']} use model.context=N")
@@ -234,6 +243,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         else:
             text.append(format_prediction(cfg, pred, context=context))
             out["prediction"] = pred.as_dict()
+    if cfg is not None and cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them
+        print("\n".join(cfg.notices), file=sys.stderr, flush=True)   # (after the checks: a bad argument is one line)
+        out["ds_config_notices"] = list(cfg.notices)
     print(json.dumps(out, indent=1) if flags["json"] else "\n".join(text))
 
 

@@ -123,6 +123,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     hw = detect(own, disk)
     cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     setups = compose_setups(base, cands)   # so does a key of the given stage or offload that a candidate refuses
+    if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them at start-up (once the
+        print("\n".join(cfg.notices), file=sys.stderr, flush=True)   # arguments passed: a bad one is one line)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe, setups)
     vocab, source = build_vocab(cfg, base)

@@ -20,6 +20,7 @@ from torch import nn
 from framework.core.batch import Batch
 from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
+from framework.core.utils import few
 from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
@@ -96,7 +97,8 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
             overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
             nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
             if nonfinite:
-                _nonfinite(c, state.step + 1, mean_loss, norm)
+                _nonfinite(c, state.step + 1, mean_loss, norm, c.stage.nonfinite_names(grads),
+                           state.precision.skipped_steps + 1)
             opt_state = state.opt_state
             if overflow:
                 c.update.skip()
@@ -139,11 +141,14 @@ def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:
     raise TrainingError(f"loss_fn must return the loss as a 0-dim floating tensor (e.g. reduce it with .mean()), got {got}")
 
 
-def _nonfinite(c: Components, step: int, loss: float, norm: float) -> None:
-    what = f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite)"
+def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[str], skipped: int) -> None:
+    """``names``: the parameters with non-finite gradients (``stage.nonfinite_names``, a collective on
+    a partitioned stage: every rank computes them); ``skipped``: the steps skipped so far, this one too."""
+    what = (f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite; non-finite "
+            f"gradients in: {few(names, 8, str) or 'none'})")
     if c.on_nonfinite != "warn":
         raise TrainingError(f"{what}; stopping before the update, nothing of this step is saved. Lower the "
                             f"learning rate or check the data; train.on_nonfinite=warn skips such steps instead")
     if c.dist.rank == 0:
-        print(f"warning: {what}; update skipped, no checkpoint of this step (train.on_nonfinite=warn)",
-              file=sys.stderr, flush=True)
+        print(f"warning: {what}; update skipped ({skipped} skipped step{'s' if skipped != 1 else ''} so far), "
+              f"no checkpoint of this step (train.on_nonfinite=warn)", file=sys.stderr, flush=True)

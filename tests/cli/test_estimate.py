@@ -359,3 +359,46 @@ def test_gpus_per_node_and_nodes_size_the_ds_config_batch(tmp_path, capsys):
     err = capsys.readouterr().err
     assert main(["model=gpt-nano", f"ds_config={ds}", "dist.nproc=2"]) == 2
     assert err == capsys.readouterr().err and err.count("\n") == 1, err
+
+
+def test_hf_config_fills_ds_auto_sizes_from_its_hidden_size(tmp_path, monkeypatch):
+    """A DeepSpeed file's "auto" bucket sizes around a config.json take that model's hidden size (as
+    model=hf model.config=... does), not the composed default model's d_model."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from framework.cli.estimate import resolve_model
+
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=48, vocab_size=100, n_positions=32)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": "auto",
+                                                    "stage3_param_persistence_threshold": "auto"}}))
+    cfg = resolve_model(str(tmp_path / "config.json"), [f"ds_config={ds}"])[1]
+    assert cfg.stage.stage3_param_persistence_threshold == 10 * 48
+    assert cfg.stage.stage3_prefetch_bucket_size == int(0.9 * 48 * 48)
+
+
+def test_the_ds_configs_notices_are_printed(tmp_path, capsys):
+    """A DeepSpeed file's warnings and notes reach the user as training prints them (and --json has them)."""
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"steps_per_print": 10, "qqq_unheard_of": 1}')
+    assert main(["model=gpt-nano", f"ds_config={ds}"]) == 0
+    err = capsys.readouterr().err
+    assert "keys DeepSpeed does not know, ignored" in err and "qqq_unheard_of" in err, err
+    assert "accepted, change nothing here: steps_per_print" in err, err
+    assert main(["model=gpt-nano", f"ds_config={ds}", "--json"]) == 0
+    notices = json.loads(capsys.readouterr().out)["ds_config_notices"]
+    assert any("qqq_unheard_of" in n for n in notices) and any("steps_per_print" in n for n in notices), notices
+
+
+def test_dist_nproc_alone_sizes_the_tables(capsys):
+    """dist.nproc without gpus_per_node=/nodes= is one node of that many GPUs for the tables too, the
+    world the per-rank prediction is for."""
+    assert main(["model=gpt-nano", "dist.nproc=4", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["gpus_per_node"], out["nodes"], out["prediction"]["world"]) == (4, 1, 4)
+    assert out["zero2"] == json.loads(json.dumps([{k: v for k, v in r.__dict__.items() if v is not None} for r in
+                                                  zero2_rows(out["params"], 4, 1, 1.5)]))
+    assert main(["model=gpt-nano", "dist.nproc=4"]) == 0
+    assert "for 1 node x 4 GPUs per node" in capsys.readouterr().out

@@ -316,3 +316,15 @@ def test_verify_refuses_when_nothing_fits_and_reports_failure_as_text(capsys, mo
     err = capsys.readouterr().err
     assert "plan --verify: the multirun failed: hydra.errors.ConfigCompositionException: boom" in err, err
     assert "[" not in err and err.count("\n") == 1, err
+
+
+def test_the_ds_configs_notices_are_printed_once(capsys, monkeypatch, tmp_path):
+    """A DeepSpeed file's warnings (unknown keys) and notes (keys that change nothing) reach the user
+    as training prints them, once (not for each candidate)."""
+    cli = _quiet_probe(monkeypatch)
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"steps_per_print": 10, "qqq_unheard_of": 1}')
+    assert cli.main([*SMALL, "ranks=1", f"ds_config={ds}"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("keys DeepSpeed does not know, ignored") == 1 and "qqq_unheard_of" in err, err
+    assert err.count("accepted, change nothing here: steps_per_print") == 1, err

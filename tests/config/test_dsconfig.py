@@ -107,6 +107,18 @@ TYPOS = [
     (("bf16", "enabeld"), True, "bf16.enabled"),
     (("aio", "queue_dept"), 8, "aio.queue_depth"),
     (("train_micro_batch_size_per_gpus",), 2, "train_micro_batch_size_per_gpu"),
+    # DeepSpeed's keys are case-sensitive: another case is a typo, not a key to ignore (the run would go fp32)
+    (("FP16",), {"enabled": True}, "did you mean 'fp16'"),
+    (("BF16",), {"enabled": True}, "did you mean 'bf16'"),
+    (("Bf16",), {"enabled": True}, "did you mean 'bf16'"),
+    (("zero_optimization", "Stage"), 3, "did you mean 'zero_optimization.stage'"),
+    # misnames no spelling distance finds
+    (("zero",), {"stage": 2}, "did you mean 'zero_optimization'"),
+    (("grad_clip",), 0.5, "did you mean 'gradient_clipping'"),
+    (("clip_grad",), 0.5, "did you mean 'gradient_clipping'"),
+    (("micro_batch_size",), 2, "did you mean 'train_micro_batch_size_per_gpu'"),
+    (("optimizer", "params", "epsilon"), 1e-6, "did you mean 'optimizer.params.eps'"),
+    (("fp16", "initial_loss_scale"), 12, "did you mean 'fp16.initial_scale_power'"),
 ]
 
 
@@ -453,6 +465,11 @@ def test_bf16_communication_dtype_and_grad_accum_dtype():
     assert cfg.choices["precision"] == "bf16" and cfg.precision.reduce_fp32 is True
     assert cfg.precision.grad_accum_dtype == "bf16" and cfg.sources["precision.reduce_fp32"] == "DeepSpeed file"
     assert "only fp16 is implemented" in error_of({"fp16": {"enabled": True}, "communication_data_type": "bf16"})
+    # DeepSpeed lower-cases it: "FP32" is fp32 (for an fp32 run, what happens anyway)
+    assert framework.compose([], ds_config={"communication_data_type": "FP32"}).choices["precision"] == "fp32"
+    cfg = framework.compose([], ds_config={"bf16": {"enabled": True}, "communication_data_type": "BF16"})
+    assert cfg.precision.reduce_fp32 is False
+    assert "is not one DeepSpeed knows; give fp16, bf16 or fp32" in error_of({"communication_data_type": "fp8"})
 
 
 # --- defects found in review (round 9) ----------------------------------------------------------
@@ -600,6 +617,9 @@ def test_base64_config_and_torch_adam_weight_decay():
     assert "no such file" in error_of("not-a-file-nor-base64.json")
     long = hf("hf_zero3_nvme")   # longer in base64 than a file name may be
     assert dsconfig.load(base64.urlsafe_b64encode(json.dumps(long).encode()).decode()) == long
+    # a key given twice is refused as in a file, not last-wins
+    twice = base64.urlsafe_b64encode(b'{"gradient_clipping": 1.0, "gradient_clipping": 0.0}').decode()
+    assert "key 'gradient_clipping' appears twice in one object" in error_of(twice)
     # torch_adam: DeepSpeed builds torch.optim.AdamW, whose weight_decay defaults to 0.01.
     for kind in ("AdamW", "Adam"):
         cfg = framework.compose([], ds_config={"optimizer": {"type": kind, "params": {"torch_adam": True}}})

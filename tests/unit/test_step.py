@@ -83,6 +83,41 @@ def test_an_overflowing_step_has_one_number_with_and_without_loss_scaling():
     assert "gradients still overflow at step 1 " in errors[0] and errors[1].startswith("step 1: "), errors
 
 
+class _InfGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * float("inf")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_nonfinite_step_without_loss_scaling_names_the_parameters_and_counts_skips(precision, capsys):
+    """As fp16 at its scale floor does: the parameters whose gradients are non-finite are named (only
+    a.weight's here), and train.on_nonfinite=warn says how many steps were skipped so far."""
+    def loss_fn(m, mb):   # a finite loss; an infinite gradient reaches a.weight only
+        out = m(mb[0].to(m.a.weight.dtype)) + _InfGrad.apply(m.a.weight).sum() * 0
+        return nn.functional.mse_loss(out.float(), mb[1])
+
+    batch = Batch(((torch.randn(4, 5), torch.randn(4, 1)),))
+    for mode in ("stop", "warn"):
+        cfg = framework.compose(["optimizer=sgd", "scheduler=constant", "train.micro_batch=4", "logger=none",
+                                 f"precision={precision}", f"train.on_nonfinite={mode}"])
+        torch.manual_seed(0)
+        with framework.initialize(TwoLayer(), loss_fn, cfg) as engine:
+            if mode == "stop":
+                with pytest.raises(framework.TrainingError, match=r"non-finite gradients in: a\.weight\)"):
+                    engine.train_step(engine.state, batch)
+                continue
+            state = engine.train_step(engine.state, batch)[0]
+            engine.train_step(state, batch)
+    err = capsys.readouterr().err
+    assert "(1 skipped step so far)" in err and "(2 skipped steps so far)" in err, err
+    assert "non-finite gradients in: a.weight)" in err and "b.weight" not in err, err
+
+
 class TwoLayer(nn.Module):
     """A user's own model, not a framework component."""
 

@@ -34,23 +34,19 @@ def load(source: str | Path | Mapping) -> dict:
     if not found:
         try:   # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it)
             text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
-            data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode())
-        except ValueError:   # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+            decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
+        except ValueError:   # binascii.Error and UnicodeDecodeError are ValueErrors
+            raise ConfigError(f"ds_config: no such file: {path}") from None
+        try:   # duplicate keys refused as in a file (json keeps the last one silently)
+            data = json.loads(decoded, object_pairs_hook=_no_duplicates("the base64-encoded config"))
+        except json.JSONDecodeError:
             raise ConfigError(f"ds_config: no such file: {path}") from None
         if isinstance(data, dict):
             return data
         raise ConfigError(f"ds_config: no such file: {path}")
 
-    def no_duplicates(pairs: list) -> dict:
-        out = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"ds_config: {path}: key {key!r} appears twice in one object")
-            out[key] = value
-        return out
-
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=no_duplicates)
+        data = json.loads(path.read_text(), object_pairs_hook=_no_duplicates(str(path)))
     except json.JSONDecodeError as e:
         raise ConfigError(f"ds_config: {path}: line {e.lineno} column {e.colno}: {e.msg} "
                           f"(strict JSON: no comments or trailing commas)") from None
@@ -62,6 +58,18 @@ def load(source: str | Path | Mapping) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _no_duplicates(where: str):
+    """A json object_pairs_hook refusing a key given twice in one object."""
+    def hook(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
+            out[key] = value
+        return out
+    return hook
 
 
 __all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve", "translate"]

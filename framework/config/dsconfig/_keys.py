@@ -156,9 +156,23 @@ SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "wa
                    "onecycle": "OneCycle", "lrrangetest": "LRRangeTest"}
 
 
+# Names people give these keys (other frameworks' spellings) that no spelling distance finds.
+MISNAMES = {"zero": "zero_optimization", "grad_clip": "gradient_clipping", "clip_grad": "gradient_clipping",
+            "epsilon": "eps", "initial_loss_scale": "initial_scale_power",
+            "micro_batch_size": "train_micro_batch_size_per_gpu"}
+
+
 def close(key: str, valid) -> str | None:
-    # Stricter than for our own keys: DeepSpeed's sections hold many short, similar names; the
+    # DeepSpeed's keys are case-sensitive: "FP16" is not "fp16" there, so the case alone makes a
+    # key close (else it would be ignored and the run would go fp32). Then the usual misnames; then
+    # stricter than for our own keys: DeepSpeed's sections hold many short, similar names; the
     # same words in another order (comm_overlap for overlap_comm) count as close too.
+    valid = list(valid)
+    low = key.lower()
+    same = next((v for v in valid if v.lower() == low), None) or \
+        (MISNAMES[low] if MISNAMES.get(low) in valid else None)
+    if same is not None:
+        return same
     words = sorted(key.split("_"))
     return closest(key, valid, cutoff=0.75) or next((v for v in valid if sorted(v.split("_")) == words), None)
 

@@ -74,9 +74,13 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     comm = settings.pop("_comm_dtype", None)
     if comm is not None:
-        if precision == "bf16" and comm.value in ("fp32", "bf16"):
-            settings["precision.reduce_fp32"] = Setting(comm.value == "fp32", "communication_data_type", DS_FILE)
-        elif comm.value != precision:
+        value = comm.value.lower()   # as DeepSpeed reads it ("FP32" is fp32)
+        if value not in ("fp16", "bf16", "fp32"):
+            mismatches.append(f"communication_data_type={json.dumps(comm.value)} is not one DeepSpeed knows; give "
+                              f"fp16, bf16 or fp32")
+        elif precision == "bf16" and value in ("fp32", "bf16"):
+            settings["precision.reduce_fp32"] = Setting(value == "fp32", "communication_data_type", DS_FILE)
+        elif value != precision:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
