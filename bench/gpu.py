@@ -98,10 +98,10 @@ def _plain_step(cfg, device):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()   # (set_to_none, torch's default and the peers': no fp32 gradients through the next forward)
         return loss.item()
 
-    return step, {}
+    return step, {"model": model}
 
 
 def _world_one_group(device) -> None:
