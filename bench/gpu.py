@@ -9,7 +9,8 @@ and (where installed) DeepSpeed, on the anchor config.
 The anchor config: GPT d_model 2048, 24 layers, 16 heads, vocab 50304, context 1024 (``model=gpt-1b``,
 1.417 B params), batch 16 x 1024 tokens, bf16, AdamW, clipping 1.0, world size 1. Every system runs
 in its own subprocess, so peak memory is its own; each prints one JSON line and the parent prints
-a markdown table with the anchors measured on one H200 (torch 2.11, DeepSpeed 0.19.8) beside it.
+a markdown table with reference anchors beside it (another run on one H200 with another harness,
+torch 2.11, DeepSpeed 0.19.8: not a side-by-side measurement).
 Our rows also carry the estimator's device peak for the same config (``framework.memory.model``).
 Per phase (milliseconds, median): forward, backward (for zero2 offload with overlap_step the
 speculative host steps run during it), reduce (gradient partitions to the host), apply (clip,
@@ -44,7 +45,8 @@ SYSTEMS = {  # name -> overrides of ours (None: plain PyTorch)
 }
 # Peers (not our code): FSDP2 with and without CPU offload, DeepSpeed ZeRO-2 with CPU offload.
 PEERS = ("fsdp2", "fsdp2-offload", "deepspeed-zero2-offload")
-# Measured on one H200 (16 host cores, torch 2.11, DeepSpeed 0.19.8): s/step, peak GPU GiB.
+# Reference numbers from another run on one H200 with another harness (16 host cores, torch 2.11,
+# DeepSpeed 0.19.8), not measured beside ours: s/step, peak GPU GiB.
 ANCHORS = {"plain": (0.297, 54.8), "fsdp2": (0.283, 49.7), "fsdp2-offload": (0.818, 33.8),
            "deepspeed-zero2-offload": (0.934, 36.3), "zero2": (0.328, 51.9), "zero3": (0.356, 55.5),
            "zero2-offload": (0.934, 36.3), "zero3-offload": (1.021, 36.2)}
@@ -98,10 +100,10 @@ def _plain_step(cfg, device):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()   # (set_to_none, torch's default and the peers': no fp32 gradients through the next forward)
         return loss.item()
 
-    return step, {}
+    return step, {"model": model}
 
 
 def _world_one_group(device) -> None:

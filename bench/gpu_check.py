@@ -4,8 +4,9 @@
     bash bench/gpu_check.sh --dry-run             # the same code paths on the CPU checking accelerator
     bash bench/gpu_check.sh --out DIR --budget 480 --skip timing
 
-Checks, in order (each in its own process with its own time limit, so one that fails or hangs is
-reported and the others still run; a check that would not fit in what is left of the budget is
+Checks, in order (each in its own process and session with its own time limit, so one that fails
+or hangs is reported, with what it recorded and its log's last lines, and stopped with every process
+it started before the others run; a check that would not fit in what is left of the budget is
 reported as skipped):
 
 * environment: versions, GPUs, which optional packages exist, the backend ``dist.backend=auto``
@@ -32,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -66,6 +68,18 @@ UNRUN_ONE_GPU = [
 
 def row(check: str, item: str, ok, value="", expected="", note="") -> dict:
     return {"check": check, "item": item, "ok": ok, "value": str(value), "expected": str(expected), "note": str(note)}
+
+
+def _tail(path: Path, n: int = 3, width: int = 300) -> str:
+    """The last ``n`` non-empty lines of ``path``, as one line (a row's note)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return " / ".join(x.strip() for x in text.strip().splitlines()[-n:] if x.strip())[-width:]
+
+
+def _deadline(name: str) -> float:
+    """When this check's process will be stopped (``time.time()``), as the driver set it before the
+    launch: the clock starts before Python's start-up and the imports, not after them."""
+    return float(os.environ.get("GPU_CHECK_DEADLINE", time.time() + CAP[name]))
 
 
 def _device(dry: bool):
@@ -170,22 +184,24 @@ def check_kernels(dry: bool, out: Path) -> list[dict]:
 def check_equivalence(dry: bool, out: Path) -> list[dict]:
     import xml.etree.ElementTree as ET
 
-    report, junit = out / "equivalence.jsonl", out / "equivalence.xml"
+    report, junit, log = out / "equivalence.jsonl", out / "equivalence.xml", out / "equivalence_pytest.log"
     report.unlink(missing_ok=True)
+    junit.unlink(missing_ok=True)
     env = {**os.environ, "FRAMEWORK_GPU_REPORT": str(report)}
     if dry:
         env.update(FRAMEWORK_GPU_DRY="1", FRAMEWORK_ACCELERATOR="check")
+    # pytest stops a little before the driver stops this process, so its verdict and the rows it
+    # recorded are still reported; its output goes to the log as it comes (kept on a timeout).
+    limit = max(1.0, _deadline("equivalence") - time.time() - 15)
     # (-p no:hydra_pytest: Hydra's plugin, where Hydra is installed but must not be used)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hydra_pytest", "tests/gpu",
-                        f"--junitxml={junit}"], cwd=ROOT, env=env, capture_output=True, text=True)
-    rows = []
-    for line in report.read_text().splitlines() if report.exists() else []:
-        r = json.loads(line)
-        value = (f"loss rel {r['max_rel_loss']:.1e}, params abs {r['max_abs_param']:.1e}" if "max_rel_loss" in r
-                 else r.get("error", ""))
-        rows.append(row("equivalence", f"{r['case']} {r['precision']}, world {r['world']} "
-                        f"({r['backend']}, {r['device']})", r["ok"], value,
-                        "fp32 vs plain PyTorch: rel 2e-5 / abs 2e-5; bf16, fp16 vs our ddp: rel 2e-2 / abs 3e-2"))
+    with log.open("w") as f:
+        try:
+            code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hydra_pytest",
+                                   "tests/gpu", f"--junitxml={junit}"], cwd=ROOT, env=env, stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=limit).returncode
+        except subprocess.TimeoutExpired:   # its ranks, in this process group, go when the driver ends the group
+            code = None
+    rows = _equivalence_rows(report)
     if junit.exists():
         for case in ET.parse(junit).getroot().iter("testcase"):
             name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
@@ -198,10 +214,27 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
                 rows.append(row("equivalence", f"pytest {name}", None, "skipped", "", skipped.get("message", "")[:200]))
     # pytest's own verdict, always: a crash after the comparisons (a process group's teardown, say)
     # leaves every row above ok and no junit file.
-    (out / "equivalence_pytest.log").write_text(p.stdout + p.stderr)
-    tail = (p.stdout + p.stderr).strip().splitlines()[-1:]
-    rows.append(row("equivalence", "pytest tests/gpu: exit status", p.returncode in (0, 5), f"exit {p.returncode}",
-                    "0", "" if p.returncode in (0, 5) else f"{tail}; junit file {'written' if junit.exists() else 'missing'}"))
+    ok = code in (0, 5)
+    rows.append(row("equivalence", "pytest tests/gpu: exit status", ok,
+                    f"timed out after {limit:.0f} s" if code is None else f"exit {code}", "0",
+                    "" if ok else f"{_tail(log)}; junit file {'written' if junit.exists() else 'missing'}"))
+    return rows
+
+
+def _equivalence_rows(report: Path) -> list[dict]:
+    """One row per compared run in ``report`` (FRAMEWORK_GPU_REPORT's JSON lines, written as each
+    comparison ends, so a run cut short still has its first rows)."""
+    rows = []
+    for line in report.read_text().splitlines() if report.exists() else []:
+        try:
+            r = json.loads(line)
+        except ValueError:   # the last line, cut off by a kill
+            continue
+        value = (f"loss rel {r['max_rel_loss']:.1e}, params abs {r['max_abs_param']:.1e}" if "max_rel_loss" in r
+                 else r.get("error", ""))
+        rows.append(row("equivalence", f"{r['case']} {r['precision']}, world {r['world']} "
+                        f"({r['backend']}, {r['device']})", r["ok"], value,
+                        "fp32 vs plain PyTorch: rel 2e-5 / abs 2e-5; bf16, fp16 vs our ddp: rel 2e-2 / abs 3e-2"))
     return rows
 
 
@@ -319,9 +352,9 @@ def check_timing(dry: bool, out: Path) -> list[dict]:
     from bench.gpu import ANCHORS, anchor
 
     rows = []
-    deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_TIMING_S", CAP["timing"])) - 5
+    deadline = _deadline("timing") - 10
     for system in TIMING_DRY if dry else TIMING:
-        left = deadline - time.monotonic()
+        left = deadline - time.time()
         if left < 20:
             rows.append(row("timing", system, None, "skipped (time budget)"))
             continue
@@ -367,25 +400,60 @@ def _one(name: str, dry: bool, out: Path) -> None:
     except Exception as e:  # noqa: BLE001 - the check's own failure is a row too
         import traceback
         rows = [row(name, "check", False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "",
-                    traceback.format_exc().strip().splitlines()[-3:])]
+                    " / ".join(traceback.format_exc().strip().splitlines()[-3:]))]
     (out / f"{name}.json").write_text(json.dumps(rows))
 
 
+GRACE_S = 3   # between SIGTERM and SIGKILL to a check's process group
+
+
+def _end_group(p: subprocess.Popen, term: bool) -> None:
+    """End every process of ``p``'s group (its session: ``p`` and what it started, pytest's ranks,
+    bench.gpu's runs): SIGTERM (when ``term``), up to GRACE_S seconds for them to go, then SIGKILL,
+    and again up to GRACE_S seconds until the kernel has taken them (the next check's memory)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL) if term else (signal.SIGKILL,):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            break
+        end, gone = time.monotonic() + GRACE_S, False
+        while not gone and time.monotonic() < end:
+            p.poll()   # reap the leader: a zombie still counts as a member of its group
+            try:
+                os.killpg(p.pid, 0)
+                time.sleep(0.05)
+            except ProcessLookupError:
+                gone = True
+        if gone:
+            break
+    p.wait()
+
+
 def _run_child(name: str, dry: bool, out: Path, limit: float) -> list[dict]:
+    """Check ``name`` in its own process and session, stopped with all it started after ``limit``
+    seconds; its output goes to OUT/NAME.log as it comes."""
     (out / f"{name}.json").unlink(missing_ok=True)
-    env = {**os.environ, "GPU_CHECK_TIMING_S": str(int(limit))}
+    if name == "equivalence":
+        (out / "equivalence.jsonl").unlink(missing_ok=True)
+    env = {**os.environ, "GPU_CHECK_DEADLINE": repr(time.time() + limit)}
     cmd = [sys.executable, "-m", "bench.gpu_check", "--one", name, "--out", str(out), *(["--dry-run"] if dry else [])]
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
-    except subprocess.TimeoutExpired as e:
-        tail = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-1:] if e.stderr else []
-        return [row(name, "check", False, f"timed out after {limit:.0f} s", "", tail)]
-    (out / f"{name}.log").write_text(p.stdout + p.stderr)
+    log = out / f"{name}.log"
+    with log.open("w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            _end_group(p, term=True)
+            partial = _equivalence_rows(out / "equivalence.jsonl") if name == "equivalence" else []
+            return [*partial, row(name, "check", False, f"timed out after {limit:.0f} s", "", _tail(log))]
+        except BaseException:   # the driver itself stopped (SIGTERM from gpu_check.sh's timeout, Ctrl-C)
+            _end_group(p, term=True)
+            raise
+        _end_group(p, term=False)   # what it left behind (a timed-out pytest's ranks)
     done = out / f"{name}.json"
     if done.exists():
         return json.loads(done.read_text())
-    tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-    return [row(name, "check", False, f"exit {p.returncode}", "", tail[:300])]
+    return [row(name, "check", False, f"exit {p.returncode}", "", _tail(log, 1))]
 
 
 def _table(rows: list[dict]) -> str:
@@ -424,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(ORDER):
         ap.error(f"unknown check(s) {', '.join(sorted(skip - set(ORDER)))}; choose from {', '.join(ORDER)}")
+    # gpu_check.sh's timeout signals this process's group, which the checks' sessions are not in:
+    # SIGTERM ends the running check's group too (_run_child) before this process goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     start = time.monotonic()

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,3 +30,78 @@ def test_gpu_check_dry_run_without_hydra(tmp_path):
     assert timing["fsdp2"]["ok"], timing   # the peer's code path (ours runs in memory and sync)
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("\n| ") >= len(rows) and "Not verifiable on one GPU" in table
+
+
+FAKE_CHECK = """#!{python}
+import json, os, subprocess, sys, time
+from pathlib import Path
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+# a grandchild that ignores SIGTERM (as a rank busy in a collective may): only SIGKILL ends it
+kid = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                        "print('ready', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+kid.stdout.readline()
+(out / "equivalence.jsonl").write_text(json.dumps(dict(case="zero2", precision="fp32", world=1, backend="nccl",
+                                                       device="cuda", ok=True, max_rel_loss=0.0, max_abs_param=0.0))
+                                       + "\\n")
+(out / "pids").write_text(f"{{kid.pid}}")
+(out / "deadline").write_text(os.environ.get("GPU_CHECK_DEADLINE", ""))
+print("fake: comparing zero3 next", flush=True)
+time.sleep(60)
+"""
+
+
+def _group_alive(pgid: int) -> list[str]:
+    """Processes of group ``pgid`` that are not zombies, from /proc."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(stat.parent.name)
+    return alive
+
+
+def test_gpu_check_timeout_ends_the_check_and_all_it_started(tmp_path, monkeypatch):
+    """A check past its limit goes with every process it started (pytest's ranks, say: here a
+    grandchild that ignores SIGTERM), before the next check starts; the rows it recorded and its
+    log's last line are reported."""
+    from bench import gpu_check
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_CHECK.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_check.sys, "executable", str(fake))   # the driver's command for the child
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1)   # the grandchild waits for SIGKILL anyway
+    launched = time.time()
+    rows = gpu_check._run_child("equivalence", True, tmp_path, 2)
+    grandchild = int((tmp_path / "pids").read_text())
+    pgid = None
+    try:
+        pgid = os.getpgid(grandchild)
+    except ProcessLookupError:
+        pass
+    try:
+        assert pgid is None or str(grandchild) not in _group_alive(pgid), "the check's grandchild is still running"
+        assert pgid is None or pgid == os.getpgrp() or not _group_alive(pgid), _group_alive(pgid)
+    finally:
+        if pgid is not None and pgid != os.getpgrp():   # the old driver's leftovers: not into later tests
+            os.killpg(pgid, 9)
+        elif pgid is not None:
+            os.kill(grandchild, 9)
+    assert [r["item"] for r in rows] == ["zero2 fp32, world 1 (nccl, cuda)", "check"], rows
+    assert rows[0]["ok"] and rows[1]["ok"] is False and rows[1]["value"] == "timed out after 2 s"
+    assert rows[1]["note"] == "fake: comparing zero3 next", rows
+    # the child's deadline is the driver's clock from before the launch, not its own after start-up
+    assert launched + 2 <= float((tmp_path / "deadline").read_text()) <= time.time() + 2
+
+
+def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_path):
+    """The timing check starts no run that the driver's deadline (absolute, set before the check's
+    process started) leaves too little time for."""
+    from bench import gpu_check
+
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 25))
+    rows = gpu_check.check_timing(True, tmp_path)
+    assert [r["value"] for r in rows] == ["skipped (time budget)"] * len(gpu_check.TIMING_DRY), rows

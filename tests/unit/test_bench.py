@@ -19,6 +19,21 @@ def test_gpu_bench_runs_tiny(system, tmp_path):
             assert r["speculated_kept"] + r["rolled_back"] > 0  # the overlapped host step was exercised
 
 
+def test_plain_baseline_frees_its_gradients_after_the_step():
+    """bench.gpu's plain PyTorch baseline drops its gradients after the optimizer step (zero_grad's
+    default, as FSDP2's harness and ours do), so its peak does not hold an fp32 gradient copy
+    through the next forward."""
+    import torch
+
+    from bench.gpu import COMMON, TINY, _batch, _plain_step
+    from framework.config import compose
+
+    cfg = compose([*TINY, *COMMON])
+    step, extra = _plain_step(cfg, torch.device("cpu"))
+    step(_batch(cfg, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    assert all(p.grad is None for p in extra["model"].parameters())
+
+
 def test_nvme_io_bench_runs_tiny(tmp_path):
     from bench.nvme_io import main
 
