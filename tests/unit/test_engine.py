@@ -29,6 +29,15 @@ def _batch(data, state):
     return data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
 
 
+def _steps(engine, data, state, n):
+    """``n`` steps from ``state``: the last state and the losses."""
+    losses = []
+    for _ in range(n):
+        state, m = engine.train_step(state, _batch(data, state))
+        losses.append(m["loss"])
+    return state, losses
+
+
 def _ours() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("host-step")]
 
@@ -143,10 +152,7 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
 
     (clean, data, _), (broken, _, cfg) = build("clean"), build("broken")
     with clean, broken:
-        ref, state = [], clean.state
-        for _ in range(3):
-            state, m = clean.train_step(state, _batch(data, state))
-            ref.append(m["loss"])
+        _, ref = _steps(clean, data, clean.state, 3)
         state, m = broken.train_step(broken.state, _batch(data, broken.state))
         saved = broken.state_dict(state)
         _interrupt_inside_the_update(broken)
@@ -162,11 +168,7 @@ def test_an_interrupt_inside_the_optimizer_update_stops_the_engine_until_a_full_
                 use()
         assert not (tmp_path / "w").exists() and not (tmp_path / "ckpt" / "latest").exists()
         state = broken.load_state_dict(state, [saved])
-        got = [m["loss"]]
-        for _ in range(2):
-            state, m = broken.train_step(state, _batch(data, state))
-            got.append(m["loss"])
-        assert got == ref
+        assert [m["loss"], *_steps(broken, data, state, 2)[1]] == ref
         assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
                                                       broken.consolidated_state_dict().values()))
 
@@ -179,10 +181,7 @@ def test_under_overlap_step_a_failure_before_the_update_publishes_is_rolled_back
                  "train.grad_clip=0", "train.micro_batch=2", "scheduler=constant")
     (clean, data), (engine, _) = _engine(*overrides), _engine(*overrides)
     with clean, engine:
-        ref, state = [], clean.state
-        for _ in range(3):
-            state, m = clean.train_step(state, _batch(data, state))
-            ref.append(m["loss"])
+        _, ref = _steps(clean, data, clean.state, 3)
         state, m = engine.train_step(engine.state, _batch(data, engine.state))
         got = [m["loss"]]
         upd = engine.components.update
@@ -196,10 +195,7 @@ def test_under_overlap_step_a_failure_before_the_update_publishes_is_rolled_back
             with pytest.raises(type(error)):
                 engine.train_step(state, _batch(data, state))
             assert name not in upd.__dict__ and upd.rolled_back > 0
-        for _ in range(2):
-            state, m = engine.train_step(state, _batch(data, state))
-            got.append(m["loss"])
-        assert got == ref
+        assert got + _steps(engine, data, state, 2)[1] == ref
         assert all(torch.equal(a, b) for a, b in zip(clean.consolidated_state_dict().values(),
                                                       engine.consolidated_state_dict().values()))
 
