@@ -470,6 +470,9 @@ def test_bf16_communication_dtype_and_grad_accum_dtype():
     cfg = framework.compose([], ds_config={"bf16": {"enabled": True}, "communication_data_type": "BF16"})
     assert cfg.precision.reduce_fp32 is False
     assert "is not one DeepSpeed knows; give fp16, bf16 or fp32" in error_of({"communication_data_type": "fp8"})
+    # null is not given, as DeepSpeed reads it (the precision decides)
+    cfg = framework.compose([], ds_config={"bf16": {"enabled": True}, "communication_data_type": None})
+    assert cfg.choices["precision"] == "bf16" and cfg.sources["precision.reduce_fp32"] != "DeepSpeed file"
 
 
 # --- defects found in review (round 9) ----------------------------------------------------------

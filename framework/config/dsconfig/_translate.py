@@ -409,7 +409,8 @@ def precision(tr: Translation, top: dict) -> None:
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
                          f"fp32); remove it")
-    tr.put(top, "communication_data_type", "str", "_comm_dtype")
+    if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
+        tr.put(top, "communication_data_type", "str", "_comm_dtype")
     if "data_types" in top:
         d = tr.section(top["data_types"], "data_types",
                        ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
