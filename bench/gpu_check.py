@@ -76,6 +76,12 @@ def _tail(path: Path, n: int = 3, width: int = 300) -> str:
     return " / ".join(x.strip() for x in text.strip().splitlines()[-n:] if x.strip())[-width:]
 
 
+def _new_log(path: Path):
+    """``path`` opened for writing, truncated; a link there is refused, never followed (the driver stays
+    light: no framework import)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644), "w")
+
+
 def _deadline(name: str) -> float:
     """When this check's process will be stopped (``time.time()``), as the driver set it before the
     launch: the clock starts before Python's start-up and the imports, not after them."""
@@ -194,7 +200,7 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
     # recorded are still reported; its output goes to the log as it comes (kept on a timeout).
     limit = max(1.0, _deadline("equivalence") - time.time() - 15)
     # (-p no:hydra_pytest: Hydra's plugin, where Hydra is installed but must not be used)
-    with log.open("w") as f:
+    with _new_log(log) as f:
         try:
             code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hydra_pytest",
                                    "tests/gpu", f"--junitxml={junit}"], cwd=ROOT, env=env, stdout=f,
@@ -438,7 +444,7 @@ def _run_child(name: str, dry: bool, out: Path, limit: float) -> list[dict]:
     env = {**os.environ, "GPU_CHECK_DEADLINE": repr(time.time() + limit)}
     cmd = [sys.executable, "-m", "bench.gpu_check", "--one", name, "--out", str(out), *(["--dry-run"] if dry else [])]
     log = out / f"{name}.log"
-    with log.open("w") as f:
+    with _new_log(log) as f:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             p.wait(timeout=limit)

@@ -105,3 +105,21 @@ def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_
     monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 25))
     rows = gpu_check.check_timing(True, tmp_path)
     assert [r["value"] for r in rows] == ["skipped (time budget)"] * len(gpu_check.TIMING_DRY), rows
+
+
+def test_a_check_log_planted_as_a_link_is_refused_not_followed(tmp_path):
+    from bench.gpu_check import _new_log
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep")
+    (tmp_path / "sync.log").symlink_to(target)
+    try:
+        _new_log(tmp_path / "sync.log")
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the link was followed")
+    assert target.read_text() == "keep"
+    with _new_log(tmp_path / "fresh.log") as f:
+        f.write("x")
+    assert (tmp_path / "fresh.log").read_text() == "x"
