@@ -33,7 +33,7 @@ from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
                                        env_int, local_world_size, resolve_backend)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, Terminated
+from framework.core.errors import ConfigError, FrameworkError, Terminated, say
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -387,14 +387,14 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
             dist.barrier("shutdown barrier")
     except FrameworkError as e:
-        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        say(f"error: rank {rank}: {e}")
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
-        print(f"rank {rank}: {str(e) or 'interrupted'}", file=sys.stderr, flush=True)
+        say(f"rank {rank}: {str(e) or 'interrupted'}")
         sys.exit(130)
     except SystemExit as e:   # SIGTERM: a line as for Ctrl-C, the exit status kept
         if (line := terminated_line(e)) is not None:
-            print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
+            say(f"rank {rank}: {line}")
         raise
     finally:
         disconnect()

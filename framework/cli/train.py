@@ -42,7 +42,7 @@ from framework.config import (GROUPS, Config, app_composer, choice_override, com
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
@@ -415,17 +415,17 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             return launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
         except FrameworkError as e:
             _remove_made(made, subdir, bool(owned))
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say(f"error: {e}")   # (under torchrun every rank prints its line)
             if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
                 sys.exit(1)   # (another launcher reports the job's exit)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
-            print(str(e) or "interrupted", file=sys.stderr, flush=True)
+            say(str(e) or "interrupted")
             sys.exit(130)
         except SystemExit as e:   # SIGTERM: as Ctrl-C, with its exit status
             if (line := terminated_line(e)) is not None:
-                print(line, file=sys.stderr, flush=True)
+                say(line)
             raise
     return job
 

@@ -1,4 +1,21 @@
-"""Errors that the CLI turns into one line on stderr and a non-zero exit."""
+"""Errors that the CLI turns into one line on stderr and a non-zero exit, and ``say``, which prints that line."""
+
+import os
+import sys
+
+
+def say(line: str) -> None:
+    """Print one line on stderr in a single write. Ranks share their launcher's stderr, and ``print`` writes the
+    text and its newline apart: two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line."""
+    sys.stderr.flush()   # (anything printed before stays before)
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # a stream without a descriptor (a test's capture)
+        print(line, file=sys.stderr, flush=True)
+        return
+    data = (line + "\n").encode(errors="replace")
+    while data:   # (one write unless the stream takes less)
+        data = data[os.write(fd, data):]
 
 
 class FrameworkError(Exception):

@@ -501,6 +501,19 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
     assert re.search(rf"^{said} at step \d+$", (run / "train.log").read_text(), re.M), (run / "train.log").read_text()
 
 
+def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):
+    """Ranks share the launcher's stderr: a line and its newline in one write, so two ranks stopped together
+    never print "rank 1: ...rank 0: ..." on one line (print wrote them apart; CI saw it)."""
+    from framework.core.errors import say
+
+    writes = []
+    with open(tmp_path / "err", "w") as err:
+        monkeypatch.setattr(sys, "stderr", err)
+        monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
+        say("rank 1: interrupted at step 1")
+        assert writes == [(err.fileno(), b"rank 1: interrupted at step 1\n")]
+
+
 def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the
