@@ -280,7 +280,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
                                                  total_steps=cfg.train.steps)
     materialize_buffers(module, dist.device)
-    setup = stage.setup(module, policy)
+    setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
     update = None
     try:
         decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]

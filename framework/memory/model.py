@@ -367,8 +367,9 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
     sizes, shards, largest_param = [], [], 0
-    # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier.
-    swap_grads = placement.swap_grads(policy.grad_accum_dtype)
+    # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier (read back, with
+    # buffers of their own, only with more than one micro batch a step).
+    swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)
 
     def group(named, gathered: bool) -> int:
         layout = make_layout(named, world)

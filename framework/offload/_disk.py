@@ -266,10 +266,13 @@ class DiskPlacement(NVMePlacement):
     those of in-memory partitions. A partition read back is read by a second thread into one of two
     pinned buffers, ahead of its reduction where the order of the last ones says which comes next,
     and copied to the device on the H2D stream (the backward hook waits for that read only, never for
-    the device). Host memory: up to three partitions, two pinned ones and two bounce buffers."""
+    the device). Host memory: up to three partitions, two pinned ones and two bounce buffers. With one
+    micro batch a step (``swap_grads``' ``grad_accum``) nothing is read back: no pinned buffers, no
+    reader thread, no second bounce buffer."""
 
     tier = Tier.DISK
     grad_dtype: torch.dtype | None = None    # the gradients' accumulation dtype, while swapped
+    read_back = False                        # swapped and more than one micro batch a step: partitions read back
     writer: ThreadPoolExecutor | None = None
     reader: ThreadPoolExecutor | None = None
 
@@ -295,7 +298,7 @@ class DiskPlacement(NVMePlacement):
             slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
-            if self.grad_swap:
+            if self.read_back:
                 fp.add("nvme_grad_read_back", host=self.read_back_bytes(max(sizes), bounce))
 
     def read_back_bytes(self, largest: int, bounce: int) -> int:
@@ -305,7 +308,7 @@ class DiskPlacement(NVMePlacement):
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
-        if self.grad_swap:
+        if self.read_back:
             bounce = [self.read_bounce] if self.read_bounce is not None else []
             fp.add("nvme_grad_read_back", host=sum(t.nbytes for t in [*(t for t, _ in self.landings), *bounce]))
 
@@ -336,11 +339,12 @@ class DiskPlacement(NVMePlacement):
             store.add(info.index, [info.master, *group_state(states[-1], n, info.index), *grad],
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
-        if self.grad_swap:   # the threads that write the partitions and read them back
+        if self.grad_swap:   # the threads that write the partitions and (``read_back``) read them back
             self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-swap",
                                              initializer=self.acc.bind_thread)
-            self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-read",
-                                             initializer=self.acc.bind_thread)
+            if self.read_back:
+                self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-read",
+                                                 initializer=self.acc.bind_thread)
             for info in disk:
                 self.grad_pieces.setdefault(info.group, []).append(info)
 
@@ -355,7 +359,7 @@ class DiskPlacement(NVMePlacement):
         self.write_swap(store, "optim", lambda: self._preflight(store),
                         ((info.index, partial(fill, info)) for info in disk),
                         "writing the initial state to the swap files")
-        if self.grad_swap:
+        if self.read_back:
             # The read-back buffers, made at setup (once the pre-flight counted them): a page-locked
             # allocation in the backward hook would wait for the device (cudaHostAlloc synchronizes).
             numel = max((p.numel() for p in self.partitions), default=0)
@@ -371,7 +375,7 @@ class DiskPlacement(NVMePlacement):
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         largest = max((p.numel() for p in self.partitions), default=0)
-        reads = self.read_back_bytes(largest, bounce) if self.grad_swap else 0
+        reads = self.read_back_bytes(largest, bounce) if self.read_back else 0
         self.check_ram(store.buffer_count * slot + bounce + reads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
@@ -389,10 +393,11 @@ class DiskPlacement(NVMePlacement):
 
     # zero3's owned gradients in the swap file (class docstring)
 
-    def swap_grads(self, accum_dtype: torch.dtype) -> bool:
-        """With every piece stepped by the host the owned gradients live beside their tiles."""
+    def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:
+        """With every piece stepped by the host the owned gradients live beside their tiles; a partition
+        is read back only on a later micro batch of its step, so only for ``grad_accum`` > 1."""
         if self.host_fraction == 1.0:
-            self.grad_swap, self.grad_dtype = True, accum_dtype
+            self.grad_swap, self.grad_dtype, self.read_back = True, accum_dtype, grad_accum > 1
             self.written: set[int] = set()            # groups whose extents hold this step's sums
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
             self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
@@ -404,7 +409,7 @@ class DiskPlacement(NVMePlacement):
             self.landings: list[tuple[torch.Tensor, Any]] = []   # two pinned buffers and their last copy's event
             self.free: list[int] = []                 # landings no read holds
             self.read_bounce: torch.Tensor | None = None   # the reader thread's ``read_extent`` buffer
-            # (the three are made at setup, ``_init_state``; their bytes: ``read_back_bytes``)
+            # (the three are made at setup, ``_init_state``, if ``read_back``; their bytes: ``read_back_bytes``)
         return self.grad_swap
 
     def load_grad(self, group: int) -> torch.Tensor:
@@ -415,6 +420,9 @@ class DiskPlacement(NVMePlacement):
         acc, numel = self.acc, self.partitions[group].numel()
         if group not in self.written:
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
+        if not self.read_back:   # (one micro batch a step: each group is reduced once, as its final sum)
+            raise FrameworkError(f"internal error: zero3's swapped gradient partition {group} was reduced twice "
+                                 f"in a step set up for one micro batch (no read-back buffers were made)")
         future, k = self.reads.pop(group, None) or self._read_back(group)
         try:
             host = future.result()   # IO wait (the write it reads waited for the previous micro batch only)
@@ -458,7 +466,8 @@ class DiskPlacement(NVMePlacement):
         """Start reading back ``group`` (the one reduced next, last time), unless a read ahead is still
         unused (the order changed: it waits for its group's reduction or the end of backward, as the hook
         must not wait for it) or there is nothing to read (never written, or final this step)."""
-        if group is not None and not self.reads and group in self.written and group not in self.norms:
+        if self.read_back and group is not None and not self.reads and group in self.written \
+                and group not in self.norms:
             self.reads[group] = self._read_back(group)
 
     def _drop_reads(self) -> None:
@@ -536,6 +545,7 @@ class DiskPlacement(NVMePlacement):
         if self.writer is not None:
             self.clear_grads()
             self.writer.shutdown(wait=True)
-            self.reader.shutdown(wait=True)
+            if self.reader is not None:
+                self.reader.shutdown(wait=True)
             self.writer = self.reader = None
         super().close()

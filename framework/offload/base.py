@@ -245,9 +245,10 @@ class Placement:
                      master: torch.dtype, state: Sequence[int]) -> None:
         """``predict``'s swap file and pool for the disk pieces (none here)."""
 
-    def swap_grads(self, accum_dtype: torch.dtype) -> bool:
+    def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:
         """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
-        calls ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``)."""
+        calls ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``); ``grad_accum``:
+        the micro batches of a step (train.grad_accum), which say whether a partition is ever read back."""
         return False
 
     def readable_grads(self, grads: Sequence[torch.Tensor]):

@@ -32,7 +32,8 @@ class BaseStage:
     """The stage interface ``train_step`` drives, with defaults for working parameters whole on every
     rank (zero3 and the partitioned stages override what differs). Each stage also provides:
 
-    - ``setup(module, policy) -> Setup``: take ownership of the module's parameters (flatten, shard, bind views);
+    - ``setup(module, policy, *, grad_accum) -> Setup``: take ownership of the module's parameters (flatten,
+      shard, bind views); ``grad_accum``: the micro batches of every step (train.grad_accum);
     - ``backward(loss, *, sync)``: backpropagate one micro batch; ``sync`` marks the accumulation boundary;
     - ``reduce_grads()``: finish gradient reduction; the gradients aligned with ``Setup.master`` (master dtype);
     - ``grad_sq_norm()``: global squared L2 norm of those gradients (non-finite if any element is);

@@ -37,7 +37,7 @@ class DDPStage(BaseStage):
         self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
         self.hook_handles: list = []
 
-    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+    def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         self.module, self.policy = module, policy
         kinds, self.layouts, self.flats, entries = bind_groups(module, 1, policy.param_dtype, self.dist,
                                                                initializer(module))

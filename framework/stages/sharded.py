@@ -53,7 +53,7 @@ class ShardedStage(PartitionedStage):
             raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
         super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
 
-    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+    def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         self.module, self.policy, world = module, policy, self.dist.world
         # self.flats: the working parameters, replicated
         kinds, layouts, self.flats, entries = bind_groups(module, world, policy.param_dtype, self.dist, initializer(module),

@@ -61,7 +61,7 @@ class Zero3Stage(PartitionedStage):
         self.groups: list[UnitGroup] = []
         self.gatherer: Gatherer | None = None
 
-    def setup(self, module: nn.Module, policy: Policy) -> Setup:
+    def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
         self.module, self.policy = module, policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
         plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,
@@ -71,8 +71,9 @@ class Zero3Stage(PartitionedStage):
             names_of.setdefault(id(p), []).append(name)
         bind_frozen(module, policy.param_dtype, self.dist, self._init)   # whole on every rank, as under zero2
         all_named = list(module.named_parameters())  # before any parameter is replaced
-        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_disk.py (DiskPlacement).
-        self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype)
+        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_disk.py (DiskPlacement);
+        # read back from it on a later micro batch of a step only (buffers for that: grad_accum > 1).
+        self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype, grad_accum)
         self.offload.expect(sum(p.numel() for _, p in all_named if p.requires_grad) // self.dist.world,
                             policy.param_dtype)
         # One reusable buffer for materialising meta parameters (the largest one).

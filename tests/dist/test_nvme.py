@@ -10,7 +10,8 @@ optimizer's or of zero3's parameter swap file) fails every rank with the error, 
 checkpoint save or a weights export (both read the mapped swap file after checking it); a full
 disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
 start-up, as does a max_in_cpu below the largest shard (in the estimate too). zero3's swapped gradients
-read back on later micro batches reach the device without a host sync in the backward hook.
+read back on later micro batches reach the device without a host sync in the backward hook; their
+read-back buffers exist only with more than one micro batch a step.
 """
 import contextlib
 import os
@@ -520,3 +521,65 @@ def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a
         landings = engine.components.stage.offload.landings
     acc.verify()
     assert 1 <= len(landings) <= 2   # pinned buffers for the read back, reused: one read ahead, one read now
+
+
+def test_zero3_read_back_buffers_exist_only_with_accumulation(tmp_path, monkeypatch):
+    """With one micro batch a step each swapped gradient partition is written once, final, and never
+    read back: no pinned read-back buffers (measured as the accelerator's pinned host bytes at setup),
+    no reader thread, no footprint entry and no room for them in the pre-flight's host-memory check;
+    with two, all of them. Either way the steps equal offload=cpu's bitwise."""
+    from framework.offload._disk import DiskPlacement
+
+    checked = []   # the pre-flight's host-memory bound (bytes), per engine built
+    real = DiskPlacement.check_ram
+
+    def check_ram(self, pools, bound):
+        if bound == "":   # (the exact check, once the pool's layout is known)
+            checked.append(pools)
+        return real(self, pools, bound)
+    monkeypatch.setattr(DiskPlacement, "check_ram", check_ram)
+    dist, out = _local(), {}
+    nvme = [*NVME, "offload.params=none", f"offload.nvme_path={tmp_path}"]
+    for accum, offload in ((1, nvme), (2, nvme), (1, ["offload=cpu"])):
+        cfg = tiny_config(*BASE, "+stage=zero3", *offload, "stage.stage3_param_persistence_threshold=0",
+                          f"train.grad_accum={accum}")
+        module, data = build_gpt(cfg)
+        before = dist.acc.pinned_stats()["requested"]
+        with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+            pinned = dist.acc.pinned_stats()["requested"] - before
+            state, losses = engine.state, []
+            for _ in range(2):
+                batch = data.train_batch(state.data, micro_batch=2, grad_accum=accum, rank=0, world=1)
+                state, m = engine.train_step(state, batch)
+                losses.append(m["loss"])
+            items = engine.memory(state).nonzero()[0]
+            reader = engine.components.stage.offload.reader if offload is nvme else None
+            with framework.gathered(list(module.parameters())):
+                full = torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
+        out[accum, offload[0]] = pinned, items, reader, losses, full
+    (pinned1, items1, reader1, losses1, full1), (pinned2, items2, reader2, *_) = out[1, "offload=nvme"], out[2, "offload=nvme"]
+    assert "nvme_grad_read_back" not in items1 and reader1 is None, items1
+    read_back = items2["nvme_grad_read_back"][1]   # two pinned partitions and an unpinned bounce buffer
+    assert reader2 is not None
+    assert 0 < pinned2 - pinned1 <= read_back, (pinned1, pinned2, read_back)
+    pool = items1["nvme_optimizer_pool"][1]
+    assert checked == [pool, items2["nvme_optimizer_pool"][1] + read_back], (checked, items1, items2)
+    _, _, _, cpu_losses, cpu_full = out[1, "offload=cpu"]
+    assert losses1 == cpu_losses and torch.equal(full1, cpu_full)
+
+
+def test_zero3_set_up_for_one_micro_batch_refuses_a_read_back(tmp_path):
+    """A stage set up for one micro batch a step (no read-back buffers) driven through two: the second
+    reduction of a swapped partition is an internal error, not an allocation in the backward hook."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.params=none", f"offload.nvme_path={tmp_path}",
+                      "stage.stage3_param_persistence_threshold=0", "train.grad_accum=1")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, _local()) as engine:
+        stage = engine.components.stage
+        micro = data.train_batch(0, micro_batch=2, grad_accum=2, rank=0, world=1).micro
+        with pytest.raises(framework.FrameworkError, match="internal error: zero3's swapped gradient partition"):
+            for x in micro:   # (as train_step would with train.grad_accum=2)
+                with stage.forward_pass(train=True):
+                    loss = gpt_loss(module, x)
+                stage.backward(loss, sync=x is micro[-1])
+        stage.zero_grads()

@@ -217,7 +217,7 @@ def test_the_early_swap_bound_sums_the_ranks_sharing_a_disk(tmp_path):
     placement.connect(_TwoRanks())
     st = os.statvfs(tmp_path)
     per_param = 4 + 4 + 2 * 2   # fp32 master + optimizer on nvme, the owned gradient, bf16 shards in and out
-    placement.swap_grads(torch.float32)
+    placement.swap_grads(torch.float32, 2)
     numel = int(st.f_bavail * st.f_frsize * 0.6) // per_param
     with pytest.raises(ConfigError) as e:
         placement.expect(numel, torch.bfloat16)
