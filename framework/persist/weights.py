@@ -187,8 +187,11 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         for p, h, a, b in layout.share():
             e = entries[p.name]
             jobs.append((e.file, e.offset + a * e.dtype.itemsize, h.of(masters[h.piece].view(-1), a, b), e.dtype))
-        for i, t in enumerate(tgts):   # whole on every rank (buffers, frozen parameters): spread over the ranks
-            if t.tensor is not None and i % dist.world == dist.rank:
+        # Whole on every rank: frozen parameters (the same everywhere) spread over the ranks; buffers
+        # (BatchNorm's statistics differ per rank) all from rank 0, as the checkpoint keeps them.
+        buffers = set(persistent_buffers(engine.components.module))
+        for i, t in enumerate(tgts):
+            if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank:
                 e = entries[t.name]
                 jobs.append((e.file, e.offset, t.tensor.detach().reshape(-1), e.dtype))
         jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back
