@@ -19,7 +19,7 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (create_files, finish_files, narrower, overflowed, plan_files, remove_tmp,
+from framework.persist.tensorfiles import (create_files, finish_files, narrower, output_dir, overflowed, plan_files, remove_tmp,
                                            warn_overflow, writing)
 
 PREFIX = "model."
@@ -69,9 +69,9 @@ class Checkpoint:
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
+    out_dir = output_dir(out_dir, "export")
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
-    out_dir = Path(out_dir)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
     with written():
         create_files(out_dir, plans, "export")

@@ -28,7 +28,7 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           narrower, open_weights, overflowed, plan_files,
+                                           narrower, open_weights, output_dir, overflowed, plan_files,
                                            remove_tmp, warn_overflow, writing)
 from framework.core.utils import dtype_name, few
 
@@ -177,7 +177,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     dist = engine.components.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
-    out_dir = Path(out_dir)
+    out_dir = output_dir(out_dir, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
         layout, masters, tgts = _holdings(engine, mapped, "save_weights")

@@ -245,6 +245,18 @@ def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
 
 
+def test_an_empty_to_is_refused_not_the_current_directory(tmp_path, capsys, monkeypatch):
+    """--to "" would be the current directory, where the export replaces (deleting its shards) a model."""
+    _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_text("kept")
+    before = sorted(os.listdir(tmp_path))
+    assert main([str(tmp_path / "ckpt"), "--to", ""]) == 1
+    assert capsys.readouterr().err == "error: export: the output folder is empty (''); name a folder\n"
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
     plain, _ = build_gpt(tiny_config(), seed=99)
     sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}

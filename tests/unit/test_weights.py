@@ -300,6 +300,16 @@ def test_a_folder_in_a_committed_checkpoint_step_is_refused(tmp_path):
     save_weights(engine, tmp_path / "ckpt" / "step-4")   # (no manifest: not a checkpoint)
 
 
+def test_an_empty_output_folder_is_refused(tmp_path, monkeypatch):
+    """"" is not the current directory (where a model's shards would be replaced): refused, nothing written."""
+    engine = _engine()
+    monkeypatch.chdir(tmp_path)
+    for out in ("", " "):
+        with pytest.raises(ConfigError, match=r"^save_weights: the output folder is empty \('\s*'\); name a folder$"):
+            engine.save_pretrained(out)
+    assert os.listdir(tmp_path) == []
+
+
 def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
     from framework.persist.tensorfiles import WeightsSource
     from safetensors.torch import load_file
