@@ -48,18 +48,26 @@ def value(text: str) -> Any:
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
         return [value(x) for x in _split(inner)] if inner else []
+    if not text.isascii():   # as Hydra's grammar: 12 in other scripts' digits is no number, nor a plain string
+        raise ConfigError(f"config: the value {text!r} has characters other than ASCII; quote it ('{text}')")
     text = _UNESCAPE.sub(r"\1", text)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
         return constants[text.lower()]
-    for cast in (int, float):
-        try:
-            return cast(text.replace("_", "")) if not text.startswith("_") else text
-        except ValueError:
-            pass
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
     return text
 
 
+# Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
+# integer part but 0 itself, inf and nan in any case; anything else (007, 1_, Infinity) is a string.
+_UINT = r"(?:0|[1-9](?:_?[0-9])*)"
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_POINT = rf"(?:{_UINT}\.|(?:{_UINT})?\.{_DIGITS})"
+_INT = re.compile(rf"[+-]?{_UINT}")
+_FLOAT = re.compile(rf"[+-]?(?:(?:{_UINT}|{_POINT})[eE][+-]?{_DIGITS}|{_POINT}|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
 _UNESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
 
 

@@ -57,6 +57,24 @@ def test_values_read_as_hydra_reads_them():
         [1e9, 12, 0.5, None, True, "abc", "x y", [1, "a,b", "c"], ""]
 
 
+# Numbers as Hydra's grammar has them (ASCII digits, '_' only between digits, no leading zeros, inf/nan);
+# the rest stays the string given.
+NUMBERS = ["007", "00", "0_1", "Infinity", "inf", "-INF", "+nan", "1_", "1__0", "1_000", "0", "-0", "+5", "1e9",
+           "1E-3", "1.", "1.e5", ".5", "00.5", "1_0.5_1", "1e1_0", "1.5.3", "5_", "_5", "0x10", "1e", "12abc"]
+
+
+def test_numbers_read_as_hydra_reads_them():
+    from framework.config.composition import parse_overrides
+
+    def same(v):
+        return (type(v).__name__, "nan" if v != v else v)
+    hydra = [same(parse_overrides([f"x={t}"])[0].value()) for t in NUMBERS]
+    assert [same(value(t)) for t in NUMBERS] == hydra
+    with pytest.raises(ConfigError, match="other than ASCII; quote it"):   # (Hydra refuses these unquoted)
+        plain_composer(["seed=\u0661\u0662"])
+    assert value("'\u0661'") == "\u0661"
+
+
 def _unions(schema: type, prefix: str = "") -> list[tuple[str, object]]:
     """(key, hint) of every union in ``schema`` and the dataclasses under it."""
     out = []
