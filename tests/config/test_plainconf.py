@@ -45,6 +45,9 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train.steps=1e3"], "train.steps: Value '1000.0'"),
     (["train.steps=${seed}"], "needs Hydra"),
     (["train.steps=1,2"], "needs Hydra"),
+    (["train={steps:5}"], "override 'train={steps:5}' gives a mapping ({...}), which needs Hydra"),
+    (["+stage=zero3", "stage.gather_unit=[Block,]"], "the list [Block,] has an empty item; drop the extra comma"),
+    (["logger=wandb", "logger.tags=[a,,b]"], "has an empty item"),
 ])
 def test_plain_errors_are_one_line(overrides, message, typing):
     typing()
@@ -121,6 +124,9 @@ SAME_AS_HYDRA = [
     (["~scheduler.min_lr"], "'scheduler.min_lr' does not exist."), (["+stage=zero3", "~stage.stage3_max_reuse_distance=1000000000"], ""),
     (["train.steps=5", "~train"], "missing mandatory value"), (["model@model=gpt-mini"], None),
     (["checkpoint.dir=a\\ b"], ""), (["checkpoint.dir=a\\:b\\=c\\\\d\\e"], ""),
+    # commas in quotes or escaped are no sweep; a list item cannot be empty
+    (["checkpoint.dir='a,b'"], ""), (["checkpoint.dir=a\\,b"], ""), (["logger=wandb", "logger.tags=[a,'b,c',d\\,e]"], ""),
+    (["+stage=zero3", "stage.gather_unit=[Block,]"], None), (["logger=wandb", "logger.tags=[a,,b]"], None),
 ]
 
 
