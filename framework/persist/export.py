@@ -29,14 +29,25 @@ WHOLE = ("frozen.", "buffer.")
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself, or what its ``latest`` points at (a
     symbolic link, or a file holding the step folder's name)."""
-    path = Path(checkpoint)
+    return _resolve(Path(checkpoint), set())
+
+
+def _resolve(path: Path, seen: set[Path]) -> Path:
     if (path / ".metadata").is_file():
         return path
+    if path.resolve() in seen:   # a 'latest' pointing at its own folder, or round a loop
+        raise ConfigError(f"export: {path}/latest points back at {path} (a loop); point it at a step folder "
+                          "(e.g. step-100), or give the step folder itself")
+    seen.add(path.resolve())
     latest = path / "latest"
     if latest.is_symlink() or latest.is_dir():
-        return resolve(latest.resolve())
+        try:
+            target = latest.resolve()
+        except (RuntimeError, OSError):   # a link loop (RuntimeError before Python 3.13)
+            raise ConfigError(f"export: {latest} is a link that loops; point it at a step folder") from None
+        return _resolve(target, seen)
     if latest.is_file():
-        return resolve(path / latest.read_text().strip())
+        return _resolve(path / latest.read_text().strip(), seen)
     raise ConfigError(f"export: {path} is not a checkpoint (no .metadata, no 'latest' pointing at a step folder)")
 
 
