@@ -19,8 +19,8 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (create_files, finish_files, narrower, output_dir, overflowed, plan_files, remove_tmp,
-                                           warn_overflow, writing)
+from framework.persist.tensorfiles import (check_dtype, create_files, finish_files, narrower, output_dir, overflowed,
+                                           plan_files, remove_tmp, warn_overflow, writing)
 
 PREFIX = "model."
 WHOLE = ("frozen.", "buffer.")
@@ -81,6 +81,7 @@ class Checkpoint:
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
     out_dir = output_dir(out_dir, "export")
+    check_dtype(dtype, "export")
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)

@@ -27,8 +27,8 @@ from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           narrower, open_weights, output_dir, overflowed, plan_files,
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, check_dtype, create_files,
+                                           finish_files, narrower, open_weights, output_dir, overflowed, plan_files,
                                            remove_tmp, warn_overflow, writing)
 from framework.core.utils import dtype_name, few
 
@@ -177,6 +177,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     dist = engine.components.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
+    check_dtype(dtype, "save_weights")
     out_dir = output_dir(out_dir, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
