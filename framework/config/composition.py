@@ -87,7 +87,8 @@ def _hydra_compose(name: str, overrides: list[str], config_dir: str | None = Non
         with (initialize_config_dir(config_dir=config_dir, version_base="1.3") if config_dir
               else contextlib.nullcontext()):
             cfg = hydra_compose(name, overrides=overrides, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException) as e:
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        # (Hydra raises a bare ValueError for a group choice that is not a name)
         raise ConfigError("config: " + " ".join(str(e).split())) from None
     return cfg, {k: v for k, v in cfg.hydra.runtime.choices.items() if k in GROUPS}
 
@@ -227,6 +228,15 @@ class CommandLine:
             if delete:
                 deleted.add(key)
             elif group in GROUPS:
+                if isinstance(value, list):
+                    raise ConfigError(f"config: {line}: a config group takes one name, not a list; "
+                                      f"give {line.partition('=')[0]}=NAME")
+                if value is None or isinstance(value, (bool, int, float)):
+                    # Read as a number, boolean or null: named as typed, the registry refuses it
+                    # naming the closest option (Hydra would stop with a traceback).
+                    value = line.partition("=")[2].strip()
+                    registry(group).get(value)
+                    raise ConfigError(f"config: {line}: quote the name ({key}='{value}')")
                 choices[group] = str(value)
                 if isinstance(value, str):
                     named.add(group)

@@ -31,10 +31,37 @@ def parse(line: str) -> Override:
     key = key.strip()
     if not key or (not eq and prefix != "~"):
         raise ConfigError(f"config: cannot parse override {line!r}; expected key=value")
-    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or ("," in text and not text.startswith("[")):
+    brace, sweep = _scan(text)
+    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or sweep:
         raise ConfigError(f"config: override {line!r} uses Hydra syntax that needs Hydra (interpolation or "
                           f"sweep); install hydra-core or give a plain value")
+    if brace:
+        raise ConfigError(f"config: override {line!r} gives a mapping ({{...}}), which needs Hydra; install "
+                          f"hydra-core or set its keys one by one ({key}.NAME=VALUE)")
     return Override(prefix, key, value(text) if eq else None)
+
+
+def _scan(text: str) -> tuple[bool, bool]:
+    """(an unquoted '{', a comma outside quotes and brackets: a sweep) in ``text``; backslash escapes kept."""
+    depth, quote, escaped, brace, sweep = 0, None, False, False, False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif quote:
+            quote = None if c == quote else quote
+        elif c == "\\":
+            escaped = True
+        elif c in "'\"":
+            quote = c
+        elif c == "{":
+            brace = True
+        elif c == "[":
+            depth += 1
+        elif c == "]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            sweep = True
+    return brace, sweep
 
 
 def value(text: str) -> Any:
@@ -47,28 +74,43 @@ def value(text: str) -> Any:
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
         inner = text[1:-1].strip()
-        return [value(x) for x in _split(inner)] if inner else []
+        items = _split(inner) if inner else []
+        if any(not x.strip() for x in items):   # [a,] or [a,,b]: Hydra's grammar has no empty item
+            raise ConfigError(f"config: the list {text} has an empty item; drop the extra comma")
+        return [value(x) for x in items]
+    if not text.isascii():   # as Hydra's grammar: 12 in other scripts' digits is no number, nor a plain string
+        raise ConfigError(f"config: the value {text!r} has characters other than ASCII; quote it ('{text}')")
     text = _UNESCAPE.sub(r"\1", text)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
         return constants[text.lower()]
-    for cast in (int, float):
-        try:
-            return cast(text.replace("_", "")) if not text.startswith("_") else text
-        except ValueError:
-            pass
+    if _INT.fullmatch(text):
+        return int(text)
+    if _FLOAT.fullmatch(text):
+        return float(text)
     return text
 
 
+# Hydra's numbers (its override grammar): ASCII digits, '_' only between digits, no leading zero on an
+# integer part but 0 itself, inf and nan in any case; anything else (007, 1_, Infinity) is a string.
+_UINT = r"(?:0|[1-9](?:_?[0-9])*)"
+_DIGITS = r"[0-9](?:_?[0-9])*"
+_POINT = rf"(?:{_UINT}\.|(?:{_UINT})?\.{_DIGITS})"
+_INT = re.compile(rf"[+-]?{_UINT}")
+_FLOAT = re.compile(rf"[+-]?(?:(?:{_UINT}|{_POINT})[eE][+-]?{_DIGITS}|{_POINT}|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
 _UNESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
 
 
 def _split(inner: str) -> list[str]:
-    """Top-level comma split of a list body (quotes and nested brackets kept together)."""
-    out, depth, quote, cur = [], 0, None, ""
+    """Top-level comma split of a list body (quotes, nested brackets and escapes kept together)."""
+    out, depth, quote, cur, escaped = [], 0, None, "", False
     for c in inner:
-        if quote:
+        if escaped:
+            escaped = False
+        elif quote:
             quote = None if c == quote else quote
+        elif c == "\\":
+            escaped = True
         elif c in "'\"":
             quote = c
         elif c == "[":

@@ -40,7 +40,10 @@ class TokensSource(CropSource):
                             f"file; point data.path at a .bin of uint16 token ids")
         if path.stat().st_size == 0:
             raise DataError(f"{path} is empty; point data.path at a .bin of uint16 token ids")
-        meta, own, _ = _meta_vocab(path)
+        meta, own, _, bad = _meta_vocab(path)
+        if bad is not None and cfg.vocab_size is None:   # (with data.vocab_size set, the file's is not used)
+            raise ConfigError(f"{meta}: vocab_size {bad!r} is not in [1, 65536]; set data.vocab_size to the "
+                              "tokenizer's size")
         vocab = cfg.vocab_size if cfg.vocab_size is not None else own
         if vocab is None:
             raise ConfigError(f"data.vocab_size is not set and {meta} gives none; set data.vocab_size "
@@ -102,14 +105,14 @@ def read_meta(path: Path) -> tuple[Path, dict]:
     return meta_path(path), {}
 
 
-def _meta_vocab(path: Path) -> tuple[Path, int | None, bool]:
-    """Where the token file's metadata is, the vocabulary size it gives (None: none), and whether
-    there is any."""
+def _meta_vocab(path: Path) -> tuple[Path, object, bool, object]:
+    """Where the token file's metadata is, the vocabulary size it gives (None: none or not valid),
+    whether there is any, and the size it gives when that is not valid (a uint16 file's: in [1, 65536])."""
     meta, found = read_meta(path)
     vocab = found.get("vocab_size")
-    if vocab is not None and (not isinstance(vocab, int) or not 1 <= vocab <= 1 << 16):
-        raise ConfigError(f"{meta}: vocab_size {vocab!r} is not in [1, 65536]; set data.vocab_size")
-    return meta, vocab, bool(found)
+    if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= 1 << 16):
+        return meta, None, bool(found), vocab
+    return meta, vocab, bool(found), None
 
 
 # conf/data/tokens.yaml's data.vocab_size (GPT-2's 50257 padded): what a file without metadata is read with.
@@ -125,11 +128,14 @@ def _notes(cfg: TokensConfig) -> list[str]:
     assumption said once."""
     try:
         path = resolve_path(cfg.path, key="data.path")
-        meta, own, found = _meta_vocab(path)
+        meta, own, found, bad = _meta_vocab(path)
         with open(path, "rb") as f:
             head = f.read(4096)
     except (DataError, ConfigError, OSError):   # the build says it, in its own words
         return []
+    if bad is not None and cfg.vocab_size is not None:
+        return [f"note: {meta} gives vocab_size {bad!r}, not in [1, 65536]: ignored, data.vocab_size="
+                f"{cfg.vocab_size} is used"]
     if not found and cfg.vocab_size is not None and head and set(head) <= _TEXT_BYTES:
         return [f"note: data.path={cfg.path} looks like text (its first {len(head)} bytes are printable "
                 f"characters) and has no {meta.name}, so its bytes are read as uint16 token ids of a "

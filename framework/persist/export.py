@@ -19,8 +19,8 @@ from framework.core import files
 from framework.core.errors import ConfigError
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (create_files, finish_files, narrower, overflowed, plan_files, remove_tmp,
-                                           warn_overflow, writing)
+from framework.persist.tensorfiles import (check_dtype, create_files, finish_files, narrower, output_dir, overflowed,
+                                           plan_files, remove_tmp, warn_overflow, writing)
 
 PREFIX = "model."
 WHOLE = ("frozen.", "buffer.")
@@ -29,14 +29,25 @@ WHOLE = ("frozen.", "buffer.")
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself, or what its ``latest`` points at (a
     symbolic link, or a file holding the step folder's name)."""
-    path = Path(checkpoint)
+    return _resolve(Path(checkpoint), set())
+
+
+def _resolve(path: Path, seen: set[Path]) -> Path:
     if (path / ".metadata").is_file():
         return path
+    if path.resolve() in seen:   # a 'latest' pointing at its own folder, or round a loop
+        raise ConfigError(f"export: {path}/latest points back at {path} (a loop); point it at a step folder "
+                          "(e.g. step-100), or give the step folder itself")
+    seen.add(path.resolve())
     latest = path / "latest"
     if latest.is_symlink() or latest.is_dir():
-        return resolve(latest.resolve())
+        try:
+            target = latest.resolve()
+        except (RuntimeError, OSError):   # a link loop (RuntimeError before Python 3.13)
+            raise ConfigError(f"export: {latest} is a link that loops; point it at a step folder") from None
+        return _resolve(target, seen)
     if latest.is_file():
-        return resolve(path / latest.read_text().strip())
+        return _resolve(path / latest.read_text().strip(), seen)
     raise ConfigError(f"export: {path} is not a checkpoint (no .metadata, no 'latest' pointing at a step folder)")
 
 
@@ -69,9 +80,10 @@ class Checkpoint:
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
+    out_dir = output_dir(out_dir, "export")
+    check_dtype(dtype, "export")
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
-    out_dir = Path(out_dir)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
     with written():
         create_files(out_dir, plans, "export")

@@ -236,6 +236,22 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
     return plans
 
 
+def output_dir(out_dir: str | os.PathLike, what: str) -> Path:
+    """``out_dir`` as a Path; an empty name is refused: Path("") is the current directory, where the
+    save would replace (and delete the shards of) a model already there."""
+    if not os.fspath(out_dir).strip():
+        raise ConfigError(f"{what}: the output folder is empty ({os.fspath(out_dir)!r}); name a folder")
+    return Path(out_dir)
+
+
+def check_dtype(dtype: torch.dtype | None, what: str) -> None:
+    """A dtype to write the floating tensors as: one safetensors has (float8 and the like are not written)."""
+    allowed = [t for t in _ST_NAMES if t.is_floating_point]
+    if dtype is not None and dtype not in allowed:
+        raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of "
+                          f"{', '.join(str(t) for t in allowed)}")
+
+
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # no room: the disk, a file size limit, a quota
 

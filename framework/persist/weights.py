@@ -27,8 +27,8 @@ from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           narrower, open_weights, overflowed, plan_files,
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, check_dtype, create_files,
+                                           finish_files, narrower, open_weights, output_dir, overflowed, plan_files,
                                            remove_tmp, warn_overflow, writing)
 from framework.core.utils import dtype_name, few
 
@@ -177,7 +177,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     dist = engine.components.dist
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
-    out_dir = Path(out_dir)
+    check_dtype(dtype, "save_weights")
+    out_dir = output_dir(out_dir, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
         layout, masters, tgts = _holdings(engine, mapped, "save_weights")
@@ -187,8 +188,11 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         for p, h, a, b in layout.share():
             e = entries[p.name]
             jobs.append((e.file, e.offset + a * e.dtype.itemsize, h.of(masters[h.piece].view(-1), a, b), e.dtype))
-        for i, t in enumerate(tgts):   # whole on every rank (buffers, frozen parameters): spread over the ranks
-            if t.tensor is not None and i % dist.world == dist.rank:
+        # Whole on every rank: frozen parameters (the same everywhere) spread over the ranks; buffers
+        # (BatchNorm's statistics differ per rank) all from rank 0, as the checkpoint keeps them.
+        buffers = set(persistent_buffers(engine.components.module))
+        for i, t in enumerate(tgts):
+            if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank:
                 e = entries[t.name]
                 jobs.append((e.file, e.offset, t.tensor.detach().reshape(-1), e.dtype))
         jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back

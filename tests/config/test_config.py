@@ -93,12 +93,25 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer=adamww"], "adamw"),
     (["+stage=zero5"], "zero5"),
     (["train.steps=0"], "train.steps must be >= 1"),
+    # a group choice read as a number, boolean or null is a name the registry does not know
+    (["precision=16"], "unknown precision '16' (did you mean 'fp16'?)"),
+    (["optimizer=null"], "unknown optimizer 'null'"), (["+stage=null"], "unknown stage 'null'"),
+    (["optimizer=true"], "unknown optimizer 'true'"), (["data=1.5"], "unknown data '1.5'"),
+    (["optimizer=[adamw]"], "optimizer=[adamw]: a config group takes one name, not a list; give optimizer=NAME"),
+    (["+stage=[zero1]"], "a config group takes one name, not a list; give +stage=NAME"),
 ])
 def test_bad_config_is_one_clear_line(overrides, needle):
     with pytest.raises(ConfigError) as e:
         compose(overrides)
     msg = str(e.value)
     assert "\n" not in msg and needle in msg, msg
+
+
+def test_hydra_refusing_a_group_value_is_one_line():
+    from framework.config.composition import standalone_composer
+
+    with pytest.raises(ConfigError, match="^config: Config group override must be a string or a list. Got int$"):
+        standalone_composer(["precision=16"])
 
 
 def test_validate_rejects_unknown_root_key_directly():

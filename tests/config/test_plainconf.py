@@ -45,6 +45,9 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train.steps=1e3"], "train.steps: Value '1000.0'"),
     (["train.steps=${seed}"], "needs Hydra"),
     (["train.steps=1,2"], "needs Hydra"),
+    (["train={steps:5}"], "override 'train={steps:5}' gives a mapping ({...}), which needs Hydra"),
+    (["+stage=zero3", "stage.gather_unit=[Block,]"], "the list [Block,] has an empty item; drop the extra comma"),
+    (["logger=wandb", "logger.tags=[a,,b]"], "has an empty item"),
 ])
 def test_plain_errors_are_one_line(overrides, message, typing):
     typing()
@@ -55,6 +58,24 @@ def test_plain_errors_are_one_line(overrides, message, typing):
 def test_values_read_as_hydra_reads_them():
     assert [value(v) for v in ("1e9", "12", "0.5", "null", "true", "abc", "'x y'", "[1,'a,b',c]", "")] == \
         [1e9, 12, 0.5, None, True, "abc", "x y", [1, "a,b", "c"], ""]
+
+
+# Numbers as Hydra's grammar has them (ASCII digits, '_' only between digits, no leading zeros, inf/nan);
+# the rest stays the string given.
+NUMBERS = ["007", "00", "0_1", "Infinity", "inf", "-INF", "+nan", "1_", "1__0", "1_000", "0", "-0", "+5", "1e9",
+           "1E-3", "1.", "1.e5", ".5", "00.5", "1_0.5_1", "1e1_0", "1.5.3", "5_", "_5", "0x10", "1e", "12abc"]
+
+
+def test_numbers_read_as_hydra_reads_them():
+    from framework.config.composition import parse_overrides
+
+    def same(v):
+        return (type(v).__name__, "nan" if v != v else v)
+    hydra = [same(parse_overrides([f"x={t}"])[0].value()) for t in NUMBERS]
+    assert [same(value(t)) for t in NUMBERS] == hydra
+    with pytest.raises(ConfigError, match="other than ASCII; quote it"):   # (Hydra refuses these unquoted)
+        plain_composer(["seed=\u0661\u0662"])
+    assert value("'\u0661'") == "\u0661"
 
 
 def _unions(schema: type, prefix: str = "") -> list[tuple[str, object]]:
@@ -103,6 +124,9 @@ SAME_AS_HYDRA = [
     (["~scheduler.min_lr"], "'scheduler.min_lr' does not exist."), (["+stage=zero3", "~stage.stage3_max_reuse_distance=1000000000"], ""),
     (["train.steps=5", "~train"], "missing mandatory value"), (["model@model=gpt-mini"], None),
     (["checkpoint.dir=a\\ b"], ""), (["checkpoint.dir=a\\:b\\=c\\\\d\\e"], ""),
+    # commas in quotes or escaped are no sweep; a list item cannot be empty
+    (["checkpoint.dir='a,b'"], ""), (["checkpoint.dir=a\\,b"], ""), (["logger=wandb", "logger.tags=[a,'b,c',d\\,e]"], ""),
+    (["+stage=zero3", "stage.gather_unit=[Block,]"], None), (["logger=wandb", "logger.tags=[a,,b]"], None),
 ]
 
 

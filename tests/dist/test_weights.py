@@ -289,6 +289,42 @@ def test_a_rank_that_cannot_write_stops_every_rank(pools, tmp_path):
                                                           f"save_weights: cannot write {tmp_path / 'taken'} ("), r1
 
 
+class _WithBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.bn, self.head = nn.Embedding(24, 8), nn.BatchNorm1d(8), nn.Linear(8, 24)
+
+    def forward(self, x):
+        return self.head(self.bn(self.emb(x).reshape(-1, 8)))
+
+
+def _buffers_loss(module, micro):
+    x, y = micro
+    return nn.functional.cross_entropy(module(x), y.reshape(-1))
+
+
+def _save_rank_dependent_buffers(dist, out_dir):
+    """BatchNorm's statistics differ per rank (each saw its own batches); save_weights writes rank 0's."""
+    cfg = tiny_config("+stage=zero1", "train.micro_batch=2")
+    with framework.initialize(_WithBuffers(), _buffers_loss, cfg, dist) as engine:
+        bn = engine.components.module.bn
+        with torch.no_grad():
+            bn.running_mean.fill_(dist.rank + 1)
+            bn.running_var.fill_(10 * (dist.rank + 1))
+            bn.num_batches_tracked.fill_(100 * (dist.rank + 1))
+        save_weights(engine, out_dir)
+        return {k: v.clone() for k, v in bn.state_dict().items() if k.startswith(("running", "num"))}
+
+
+def test_saved_buffers_are_rank_0s(pools, tmp_path):
+    """Buffers are written from one rank (rank 0, as the checkpoint keeps them), never some from each."""
+    rank0, rank1 = pools(2).run(_save_rank_dependent_buffers, str(tmp_path / "out"), timeout=120)
+    saved = _read_files(tmp_path / "out")
+    assert not torch.equal(rank0["running_mean"], rank1["running_mean"])
+    for name, value in rank0.items():
+        assert torch.equal(saved[f"bn.{name}"], value), (name, saved[f"bn.{name}"], value)
+
+
 def _load_with_a_failed_map(dist, folder, via):
     """offload=nvme: rank 1 cannot map its swap file to write the loaded masters into it."""
     cfg = tiny_config("+stage=zero2", "offload=nvme", f"offload.nvme_path={folder}/r{dist.rank}",

@@ -238,6 +238,18 @@ def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
     assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4).vocab_size == 201
     assert TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin"), vocab_size=300), seed=0,
                         context=4).vocab_size == 300
+    # A meta.json vocab_size no uint16 file can have (another tool's, or not a number): data.vocab_size
+    # set wins (a note says the file's was ignored); unset, the file's is refused.
+    from framework.data.tokens import COMPONENT
+    for bad in ("x", 100277):
+        (tmp_path / "meta.json").write_text(json.dumps({"vocab_size": bad}))
+        with pytest.raises(ConfigError, match=f"^{tmp_path / 'meta.json'}: vocab_size {bad!r} is not in "
+                                              r"\[1, 65536\]; set data.vocab_size to the tokenizer's size$"):
+            TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4)
+        cfg = TokensConfig(path=str(tmp_path / "tokens.bin"), vocab_size=300)
+        assert TokensSource(cfg, seed=0, context=4).vocab_size == 300
+        assert COMPONENT.notes(cfg) == [f"note: {tmp_path / 'meta.json'} gives vocab_size {bad!r}, not in "
+                                        "[1, 65536]: ignored, data.vocab_size=300 is used"]
 
 
 def test_each_token_file_has_its_own_meta_and_data_vocab_size_must_fit_it(tmp_path):

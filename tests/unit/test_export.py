@@ -245,6 +245,33 @@ def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
     assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
 
 
+def test_an_empty_to_is_refused_not_the_current_directory(tmp_path, capsys, monkeypatch):
+    """--to "" would be the current directory, where the export replaces (deleting its shards) a model."""
+    _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    (tmp_path / "model-00001-of-00002.safetensors").write_text("kept")
+    before = sorted(os.listdir(tmp_path))
+    assert main([str(tmp_path / "ckpt"), "--to", ""]) == 1
+    assert capsys.readouterr().err == "error: export: the output folder is empty (''); name a folder\n"
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("loop", ["file .", "file ../ckpt", "link .", "link latest"])
+def test_a_latest_that_loops_is_refused_in_one_line(tmp_path, capsys, loop):
+    (tmp_path / "ckpt").mkdir()
+    kind, target = loop.split()
+    if kind == "file":
+        (tmp_path / "ckpt" / "latest").write_text(target)
+    else:
+        (tmp_path / "ckpt" / "latest").symlink_to(target)
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: export: ") and err.count("\n") == 1, err
+    assert err.endswith(("(a loop); point it at a step folder (e.g. step-100), or give the step folder itself\n",
+                         "is a link that loops; point it at a step folder\n")), err
+
+
 def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
     plain, _ = build_gpt(tiny_config(), seed=99)
     sd = {f"model.{k}": v.clone() for k, v in plain.state_dict().items()}

@@ -3,6 +3,7 @@ pickles, shard-size parsing, the file layout, and the stage3_gather_16bit_weight
 import json
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -298,6 +299,28 @@ def test_a_folder_in_a_committed_checkpoint_step_is_refused(tmp_path):
             save_weights(engine, where)
     assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
     save_weights(engine, tmp_path / "ckpt" / "step-4")   # (no manifest: not a checkpoint)
+
+
+def test_an_empty_output_folder_is_refused(tmp_path, monkeypatch):
+    """"" is not the current directory (where a model's shards would be replaced): refused, nothing written."""
+    engine = _engine()
+    monkeypatch.chdir(tmp_path)
+    for out in ("", " "):
+        with pytest.raises(ConfigError, match=r"^save_weights: the output folder is empty \('\s*'\); name a folder$"):
+            engine.save_pretrained(out)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dtype_safetensors_cannot_hold_is_refused(tmp_path):
+    from framework.persist.export import export
+    engine = _engine()
+    says = ("dtype=torch.float8_e4m3fn cannot be written; use one of torch.float64, torch.float32, torch.float16, "
+            "torch.bfloat16")
+    with pytest.raises(ConfigError, match=re.escape(f"save_weights: {says}")):
+        save_weights(engine, tmp_path / "out", dtype=torch.float8_e4m3fn)
+    with pytest.raises(ConfigError, match=re.escape(f"export: {says}")):   # (before the checkpoint is read)
+        export(tmp_path / "no-checkpoint", tmp_path / "out", dtype=torch.float8_e4m3fn)
+    assert not (tmp_path / "out").exists()
 
 
 def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
