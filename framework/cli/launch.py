@@ -82,11 +82,13 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
 
 
 @contextlib.contextmanager
-def signals_unwind() -> Iterator[None]:
+def signals_unwind(rank: bool = False) -> Iterator[None]:
     """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
     as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
     after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
-    every process, and the launcher passes it on to its ranks). The previous handlers come back after.
+    every process, and the launcher passes it on to its ranks). In a ``rank`` later SIGINTs are too:
+    Ctrl-C reaches the terminal's whole process group and the launcher passes it on as well, so a rank
+    gets the one Ctrl-C twice. The previous handlers come back after.
 
     Either exception raised while the main thread runs a finalizer (a weakref callback) would be
     printed with a traceback and dropped by Python, the run going on: the signal is sent again from
@@ -97,6 +99,7 @@ def signals_unwind() -> Iterator[None]:
         yield
         return
     stopping: list[int] = []   # the SIGTERM being acted on
+    interrupting: list[int] = []   # (a rank) the SIGINT being acted on
     hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
     resent: list[threading.Event] = []   # per signal sent again, set once it is sent
 
@@ -108,6 +111,10 @@ def signals_unwind() -> Iterator[None]:
     def interrupt(signum, frame):
         if hooked.is_set():
             return again(signum)
+        if rank and interrupting:   # the same Ctrl-C, passed on by the launcher
+            return None
+        if rank:
+            interrupting.append(signum)
         raise KeyboardInterrupt
 
     def stop(signum, frame):
@@ -121,6 +128,7 @@ def signals_unwind() -> Iterator[None]:
         hooked.set()
         try:
             if info.exc_type is KeyboardInterrupt:
+                interrupting.clear()   # (sent again to be raised: not a repeat)
                 again(signal.SIGINT)
             elif info.exc_type is SystemExit and stopping:
                 again(stopping.pop())
@@ -280,7 +288,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
                 while not ranks.join():
                     pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
-            _stop(ranks.processes, STOP_GRACE_S if isinstance(e, KeyboardInterrupt) else 0.0)
+            _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
             raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
@@ -314,10 +322,16 @@ def _quiet_termination() -> Iterator[None]:
         log.removeFilter(quiet)
 
 
-def _stop(ranks: list, grace_s: float) -> None:
-    """Wait for the ranks to end; those still running after ``grace_s`` (Ctrl-C reaches every process of
-    the terminal's group, a SIGTERM to the launcher alone does not) get SIGTERM, so each removes its files."""
-    deadline = time.monotonic() + grace_s
+def _stop(ranks: list, signum: int) -> None:
+    """Pass the launcher's signal on to the ranks (one sent to the launcher alone, a ``kill`` or a Slurm
+    time limit, would not reach them; Ctrl-C in a terminal reaches them already, and a rank takes the
+    second SIGINT for the same one) and wait for them to end, each removing its files and saying how it
+    stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM."""
+    for p in ranks:
+        if p.is_alive():
+            with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
+                os.kill(p.pid, signum)
+    deadline = time.monotonic() + (STOP_GRACE_S if signum == signal.SIGINT else 0.0)
     for p in ranks:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in ranks:
@@ -381,7 +395,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
-        with signals_unwind():
+        with signals_unwind(rank=True):
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.

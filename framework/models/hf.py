@@ -16,10 +16,11 @@ import json
 import math
 import re
 import sys
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partialmethod
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -69,7 +70,9 @@ def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         # Never let transformers read a missing path as a Hub repository id.
-        raise ConfigError(f"{key}={where}: no such file (want a config.json or a folder holding one)")
+        want = "a save_pretrained folder" if cfg.pretrained is not None else "a config.json or a folder holding one"
+        raise ConfigError(f"{key}={where}: no such file (a Hub name? nothing is downloaded; give a local folder: "
+                          f"{want})")
     if cfg.pretrained is not None and not path.is_dir():
         raise ConfigError(f"model.pretrained={where} must be a folder written by save_pretrained")
     try:
@@ -79,6 +82,13 @@ def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ConfigError(f"{key}: {file} is not a transformers config.json (JSON with a model_type)")
     return key, file, raw
+
+
+def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
+    """The files ``model.config`` / ``model.pretrained`` name, read when the config is checked: a missing one
+    is refused before the run folder is made."""
+    _raw_config(cfg)
+    return cfg
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
@@ -324,4 +334,4 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size, trace_loss=trace_loss)
+                           hidden_size=hidden_size, trace_loss=trace_loss, check=check)

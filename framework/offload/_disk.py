@@ -224,7 +224,8 @@ class NVMePlacement(HostPlacement):
             self._made.files.append(store.file.removal)   # removed before the folder it is in
             slot, _, total, _ = store.layout()
             held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
-            print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path}; "
+            # the full path: a relative offload.nvme_path is relative to the launch directory, not the run's
+            print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path.absolute()}; "
                   f"host pool {store.buffer_count} x {slot} bytes", flush=True)
             for key, fill in fills:
                 store.create(key, fill)

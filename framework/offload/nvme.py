@@ -59,6 +59,7 @@ class NVMeOffloadConfig:
 
 def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVMeOffloadConfig:
     """Check ``cfg`` against ``stage`` (one line per error) and return it with ``params: auto`` resolved."""
+    _refuse_empty_path(cfg)
     if stage == "ddp":
         raise ConfigError("config: offload=nvme needs a ZeRO stage (the replicated ddp stage keeps every "
                           "optimizer state on every rank); add +stage=zero1, +stage=zero2 or +stage=zero3")
@@ -123,11 +124,18 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     return replace(cfg, params=params)
 
 
+def _refuse_empty_path(cfg: NVMeOffloadConfig) -> None:
+    """An empty folder name would put the swap files in the working directory, named nowhere."""
+    if cfg.nvme_path is not None and not cfg.nvme_path.strip():
+        raise ConfigError("config: offload.nvme_path is empty: give a folder, or leave it unset for <run dir>/nvme")
+
+
 def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> NVMePlacement:
     """``cfg`` as ``framework.config`` resolved it (``params`` is never auto here)."""
     if cfg.params == "auto":
         raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
                           "build from framework.compose(...), or set offload.params to none, cpu or nvme")
+    _refuse_empty_path(cfg)   # (a config built without framework.config's checks)
     shards = DiskShards(cfg) if cfg.params == "nvme" else HostShards() if cfg.params == "cpu" else Shards()
     tier = DiskPlacement if cfg.optimizer == "nvme" else NVMePlacement
     return tier(cfg, shards, accelerator)

@@ -458,11 +458,12 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(forkrun, tmp
     assert len(lines) == 1 and f"checkpoint folder {tmp_path / 'afile'} is not writable" in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("sig,nproc", [("SIGTERM", 2), ("SIGTERM", 1), ("SIGINT", 1), ("SIGINT", 2)])
-def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
-    """SIGTERM to the launcher alone (kill, a Slurm time limit) and Ctrl-C (SIGINT to the terminal's
-    process group) once it stepped: every rank unwinds and removes its swap files; each is one line
-    per process (in train.log too), no traceback."""
+@pytest.mark.parametrize("sig,nproc,group", [("SIGTERM", 2, False), ("SIGTERM", 1, False), ("SIGINT", 1, True),
+                                             ("SIGINT", 2, True), ("SIGINT", 2, False)])
+def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc, group):
+    """SIGTERM to the launcher alone (kill, a Slurm time limit), Ctrl-C (SIGINT to the terminal's
+    process group) and SIGINT to the launcher alone once it stepped: every rank unwinds and removes its
+    swap files; each is one line per process (in train.log too) naming the signal sent, no traceback."""
     import re
     import signal
     import time
@@ -481,10 +482,7 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc):
                 assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
                 time.sleep(0.2)
             assert list((run / "nvme").glob("rank*.swap"))
-            if sig == "SIGINT":
-                os.killpg(p.pid, signal.SIGINT)
-            else:
-                os.kill(p.pid, signal.SIGTERM)
+            (os.killpg if group else os.kill)(p.pid, getattr(signal, sig))
             rc = p.wait(timeout=120)
         finally:
             if p.poll() is None:

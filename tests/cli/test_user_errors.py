@@ -245,6 +245,11 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     (["optimizer.lr=5e-5", "scheduler.min_lr=1e-4"],
      "config: scheduler.min_lr=0.0001 must be in [0, optimizer.lr=5e-05]; set scheduler.min_lr <= optimizer.lr or "
      "scheduler=constant (min_lr: null is lr / 10)"),
+    # a Hub name is not on disk (nothing is downloaded): refused with the config, not after the header
+    (["model=hf", "model.config=gpt2"], "model.config=gpt2: no such file (a Hub name? nothing is downloaded; give a "
+     "local folder: a config.json or a folder holding one)"),
+    (["model=hf", "model.pretrained=gpt2"], "model.pretrained=gpt2: no such file (a Hub name? nothing is downloaded; "
+     "give a local folder: a save_pretrained folder)"),
 ])
 def test_a_closed_choice_is_checked_before_the_run_folder(forkrun, tmp_path, overrides, says):
     p = forkrun.run("framework.train", [*overrides, "train.steps=2", f"hydra.run.dir={tmp_path / 'run'}"],

@@ -192,6 +192,10 @@ def test_nvme_schema_resolves_params_auto_per_stage():
     (["+stage=zero2", "offload=nvme", "offload.ratio=0", "offload.sub_group_size=700", "offload.buffer_count=7",
       "offload.pipeline_read=true"], "offload.params=none puts nothing on NVMe"),
     (["+stage=zero3", "offload=nvme", "offload.ratio=0"], "offload.ratio<1 keeps part of each partition on the device"),
+    # an empty folder name would swap into the working directory, named nowhere
+    (["+stage=zero3", "offload=nvme", "offload.nvme_path="], "offload.nvme_path is empty: give a folder, or leave it "
+     "unset for <run dir>/nvme"),
+    (["+stage=zero2", "offload=nvme", "offload.nvme_path=' '"], "offload.nvme_path is empty"),
 ])
 def test_offload_schema_errors_are_one_line(overrides, needle):
     with pytest.raises(ConfigError) as e:

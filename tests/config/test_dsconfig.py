@@ -76,6 +76,14 @@ def test_hf_guide_nvme_config_maps():
     assert s["stage.stage3_prefetch_bucket_size"] == dsconfig.AUTO
 
 
+def test_an_empty_nvme_path_is_refused():
+    """(as on the command line: the swap files would go to the working directory)"""
+    ds = hf("hf_zero3_nvme")
+    for sec in ("offload_optimizer", "offload_param"):
+        ds["zero_optimization"][sec]["nvme_path"] = ""
+    assert "offload.nvme_path is empty: give a folder" in error_of(ds, TINY)
+
+
 def test_hf_guide_nvme_config_trains(tmp_path):
     ds = hf("hf_zero3_nvme")
     for sec in ("offload_optimizer", "offload_param"):

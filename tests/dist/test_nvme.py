@@ -14,6 +14,7 @@ read back on later micro batches reach the device without a host sync in the bac
 read-back buffers exist only with more than one micro batch a step.
 """
 import contextlib
+import dataclasses
 import os
 import shutil
 import tempfile
@@ -25,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 import framework
 from framework.comm.accelerator import CheckingCpuAccelerator, HostSync
 from framework.comm.distributed import Dist
-from framework.core.errors import SwapIOError
+from framework.core.errors import ConfigError, SwapIOError
 from framework.persist.checkpoint import Checkpointer
 from framework.models.gpt import gpt_loss
 from tests._helpers import build_gpt, tiny_config
@@ -369,6 +370,22 @@ def _start(capsys, *overrides) -> tuple[str, str]:
         pass
     out = capsys.readouterr()
     return out.out, out.err
+
+
+def test_an_empty_nvme_path_is_refused_at_engine_build(tmp_path, monkeypatch):
+    """A config made without framework.config's checks (library use): no swap files in the working directory."""
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config(*BASE, "+stage=zero2", *NVME)
+    cfg = dataclasses.replace(cfg, offload=dataclasses.replace(cfg.offload, nvme_path=""))
+    with pytest.raises(ConfigError, match="offload.nvme_path is empty: give a folder"):
+        framework.initialize(build_gpt(cfg)[0], gpt_loss, cfg, _local())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_start_up_line_names_a_relative_swap_folder_in_full(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    out, _ = _start(capsys, "offload.nvme_path=swap")
+    assert f" to {tmp_path / 'swap' / 'rank00000.optim.swap'}; host pool " in out, out
 
 
 def test_a_swap_folder_in_memory_is_one_warning_line(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """model=hf on one process: initialisation from the meta device, the loss, and clear errors."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -167,9 +168,11 @@ def test_bad_hf_config_is_one_clear_line(tmp_path, overrides, needle):
 
 
 def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
-    cfg = framework.compose(["model=hf", f"model.config={tmp_path / 'nope.json'}"])
-    with pytest.raises(ConfigError, match="no such file"):
-        component(cfg, "model").build(cfg.model)
+    with pytest.raises(ConfigError, match="no such file"):   # when the config is checked
+        framework.compose(["model=hf", f"model.config={tmp_path / 'nope.json'}"])
+    cfg = framework.compose(["model=hf", f"model.config={write_config('gpt2', tmp_path)}"])
+    with pytest.raises(ConfigError, match="no such file"):   # (a config made without the checks)
+        component(cfg, "model").build(dataclasses.replace(cfg.model, config=str(tmp_path / "nope.json")))
     folder = tmp_path / "mixtral"
     write_config("llama", folder, model_type="mixtral", num_local_experts=2, num_experts_per_tok=1)
     cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
