@@ -364,9 +364,13 @@ def _metric(jobs, c: dict) -> dict:
 
 
 def _value(job, key: str):
-    if key.startswith("min:"):
-        return min((v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)),
-                   default=None)
+    if key.startswith(("min:", "drop:")):
+        kind, name = key.split(":", 1)
+        vals = [v for v in job.curve(name)[1] if isinstance(v, (int, float)) and not math.isnan(v)]
+        if not vals:
+            return None
+        # drop: how far the curve fell below its first logged value (0 for a model that learns nothing)
+        return min(vals) if kind == "min" else vals[0] - min(vals)
     return get_key(job.summary, key)
 
 

@@ -234,6 +234,12 @@ def test_shakespeare_char_gpu_quick(shakespeare_tokens, tmp_path):
     verdict = run_quick("shakespeare_char_gpu", tmp_path, f"data.path={shakespeare_tokens}")
     summary = report.load_jobs(Path(verdict["out"]))[0].summary
     assert summary["config"]["precision"]["name"] == "bf16" and summary["config"]["model"]["dropout"] == 0.2
+    # The twin's checks ask that it learns: at lr 1e-9 its val loss stays near ln 65 (uniform) and fails them.
+    log = io.StringIO()
+    stuck = recipes.run(recipes.find("shakespeare_char_gpu"), quick=True, out=tmp_path / "stuck", stream=log,
+                        overrides=[f"data.path={shakespeare_tokens}", "optimizer.lr=1e-9", "scheduler.min_lr=0"])
+    failed = [c["check"]["metric"] for c in stuck["checks"] if not c["passed"]]
+    assert not stuck["passed"] and failed == ["min:val_loss", "drop:val_loss"], log.getvalue()[-2000:]
 
 
 def test_missing_data_names_the_prepare_step(tmp_path):
