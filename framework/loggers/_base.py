@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,8 +148,8 @@ class _Tee:
 @contextlib.contextmanager
 def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
-    (appended): rank 0's console of a run is its folder's train.log. An error, Ctrl-C or SIGTERM that
-    ends the run is written there too (the caller prints it to the console)."""
+    (appended): rank 0's console of a run is its folder's train.log. An error (any exception), Ctrl-C or
+    SIGTERM that ends the run is written there too (the caller prints it to the console)."""
     log = files.open_append(path)
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
@@ -156,6 +157,9 @@ def console_log(path: Path):
         yield
     except FrameworkError as e:
         log.write(f"error: {e}\n")
+        raise
+    except Exception as e:   # a bug, CUDA out of memory, ...: its line and traceback, which the console gets too
+        log.write(f"error: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
         raise
     except (Interrupted, Terminated) as e:   # Ctrl-C, SIGTERM: the line the console gets, and the log too
         log.write(f"{e}\n")

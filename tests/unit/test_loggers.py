@@ -71,6 +71,22 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
 
 
+def test_an_error_that_ends_the_run_is_in_train_log(tmp_path):
+    """Not only the framework's own errors: a bug or CUDA running out of memory is the line a run's log
+    most needs (its type, message and traceback)."""
+    from framework.loggers import console_log
+
+    for i, error in enumerate((RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ConfigError("bad key"))):
+        with pytest.raises(type(error)), console_log(tmp_path / f"train{i}.log"):
+            print("step 3 | loss 4.1647")
+            raise error
+        log = (tmp_path / f"train{i}.log").read_text()
+        assert log.startswith("step 3 | loss 4.1647\n"), log
+        said = "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" if i == 0 else "bad key"
+        assert f"error: {said}\n" in log, log
+    assert "Traceback" in (tmp_path / "train0.log").read_text()
+
+
 def test_one_live_run_per_folder(tmp_path):
     from framework.cli.launch import own_run_folder
 
