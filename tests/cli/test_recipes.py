@@ -442,6 +442,26 @@ def test_malformed_recipe_files_are_one_line(tmp_path, capsys):
     assert not res[0]["passed"] and "reload.json is malformed" in res[0]["message"], res[0]["message"]
 
 
+def test_a_recipe_that_requires_cuda_refuses_a_full_run_without_one(tmp_path, capsys, monkeypatch):
+    """shakespeare_char_gpu's full run on the CPU would go on for hours: one line before anything is
+    made; its twin runs anywhere. requires: takes only what is checked, and unknown keys stay refused."""
+    monkeypatch.setattr(recipes, "gpu_count", lambda: 0)   # (whatever this host has)
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["shakespeare_char_gpu", "--out", str(out), f"data.path={tmp_path / 'none.bin'}"],
+                    "needs a CUDA GPU")
+    assert not out.exists()
+    with pytest.raises(DataError, match="none.bin"):   # the twin goes on (to its missing data here)
+        recipes.run(recipes.find("shakespeare_char_gpu"), quick=True, out=out, stream=io.StringIO(),
+                    overrides=[f"data.path={tmp_path / 'none.bin'}"])
+    spec = (ROOT / "recipes" / "shakespeare_char_gpu" / "recipe.yaml").read_text()
+    assert "requires: cuda" in spec
+    for i, (text, says) in enumerate(((spec.replace("requires: cuda", "requires: tpu"), "'tpu' is not one of cuda"),
+                                      (spec.replace("requires: cuda", "require: cuda"), "unknown key(s) require"))):
+        d = _recipe_copy(tmp_path / str(i), "shakespeare_char_gpu", recipe_yaml=text)
+        _one_line_error(capsys, [str(d), "--quick", "--out", str(out)], says)
+    assert not out.exists()
+
+
 def test_run_refuses_data_unlike_the_reference(tmp_path, capsys):
     """A token file prepared from another text than tiny shakespeare would train for nothing and
     then fail on its token counts: its meta.json is compared with expected.json's data first."""
