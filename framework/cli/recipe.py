@@ -514,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         if action == "check":
             if not args:
                 raise RecipeError("check needs the output folder of a finished run: check DIR")
+            if len(args) > 1:   # overrides or a second folder would be ignored: the re-check reads what ran
+                raise RecipeError(f"check takes one folder (check DIR), not also {' '.join(args[1:])}; overrides "
+                                  f"belong to a run, and each folder is checked on its own")
             out = Path(args[0])
             verdict = finish(recipe, out, quick=_checked_section(out, a.quick))
         else:

@@ -486,3 +486,6 @@ def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
     (out / "checks.json").write_text(json.dumps({**verdict, "quick": False}))
     _one_line_error(capsys, ["zero_equivalence", "check", str(out), "--quick"], "full run")
     assert json.loads((out / "checks.json").read_text())["quick"] is False
+    for extra in (["train.steps=20"], [str(out), "x=1"]):   # would be ignored: refused, the verdict untouched
+        _one_line_error(capsys, ["zero_equivalence", "check", str(out), *extra], f"not also {' '.join(extra)}")
+    assert json.loads((out / "checks.json").read_text()) == {**verdict, "quick": False}
