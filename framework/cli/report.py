@@ -147,6 +147,9 @@ def _records(text: str) -> list[dict]:
             raise ValueError(f"line {n}: {str(e).split(': line ')[0]}") from None
         if not isinstance(records[-1], dict):
             raise ValueError(f"line {n} is not a JSON object")
+        step = records[-1].get("step")
+        if isinstance(step, bool) or not isinstance(step, int):   # every record is of a step (Job.curve)
+            raise ValueError(f"line {n} has no integer 'step' (it has {step!r})")
     return records
 
 

@@ -131,7 +131,8 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
     (job / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')   # killed mid-write
     (job / "summary.json").write_text("{}")
     assert [r["step"] for r in report.load_jobs(tmp_path)[0].records] == [1]
-    for name, text in (("summary.json", '{"steps": '), ("metrics.jsonl", "not json\n")):
+    for name, text in (("summary.json", '{"steps": '), ("metrics.jsonl", "not json\n"),
+                       ("metrics.jsonl", '{"loss": 2.0}\n'), ("metrics.jsonl", '{"step": "2", "loss": 2.0}\n')):
         (job / name).write_text(text)
         with pytest.raises(SystemExit) as e:
             report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
