@@ -26,6 +26,7 @@ from pathlib import Path
 
 import yaml
 
+from framework.comm.distributed import gpu_count
 from framework.core import files
 from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
@@ -37,7 +38,8 @@ from framework.config.schema import get_key
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
-_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after"}
+_SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after", "requires"}
+_REQUIRES = {"cuda"}   # what the full run needs of the machine (the quick twin runs anywhere)
 _PLOTS = {"deviation", "memory_scaling"}
 _BOUNDS = {"min", "max", "equals", "tol"}
 # Each kind of check (named by its first key) and every key it reads: a misspelled bound would
@@ -133,6 +135,9 @@ def find(name: str) -> Recipe:
     refuse_unknown("key(s) under quick:", spec.get("quick"), {"overrides", "runs"})
     refuse_unknown("key(s) under prepare:", spec.get("prepare"), {"kind", "source"})
     refuse_unknown("plot(s)", spec.get("plots"), _PLOTS)
+    if "requires" in spec and spec["requires"] not in _REQUIRES:
+        raise RecipeError(f"{d / 'recipe.yaml'}: requires: {spec['requires']!r} is not one of "
+                          f"{', '.join(sorted(_REQUIRES))} (what the full run needs; or drop the key)")
     try:
         expected = json.loads((d / "expected.json").read_text())
     except json.JSONDecodeError as e:
@@ -200,6 +205,10 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     """Run every job of the recipe into ``out``, write the report, check it; return the verdict."""
     stream = stream or sys.stdout
     recipe.checks(quick)   # a malformed expected.json: before anything trains
+    if not quick and recipe.spec.get("requires") == "cuda" and gpu_count() == 0:
+        # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
+        raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "
+                          f"none here; run it on a machine with one, or its CPU twin with --quick")
     _refuse_used(out)
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
@@ -364,9 +373,13 @@ def _metric(jobs, c: dict) -> dict:
 
 
 def _value(job, key: str):
-    if key.startswith("min:"):
-        return min((v for v in job.curve(key[4:])[1] if isinstance(v, (int, float)) and not math.isnan(v)),
-                   default=None)
+    if key.startswith(("min:", "drop:")):
+        kind, name = key.split(":", 1)
+        vals = [v for v in job.curve(name)[1] if isinstance(v, (int, float)) and not math.isnan(v)]
+        if not vals:
+            return None
+        # drop: how far the curve fell below its first logged value (0 for a model that learns nothing)
+        return min(vals) if kind == "min" else vals[0] - min(vals)
     return get_key(job.summary, key)
 
 
@@ -501,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         if action == "check":
             if not args:
                 raise RecipeError("check needs the output folder of a finished run: check DIR")
+            if len(args) > 1:   # overrides or a second folder would be ignored: the re-check reads what ran
+                raise RecipeError(f"check takes one folder (check DIR), not also {' '.join(args[1:])}; overrides "
+                                  f"belong to a run, and each folder is checked on its own")
             out = Path(args[0])
             verdict = finish(recipe, out, quick=_checked_section(out, a.quick))
         else:

@@ -40,8 +40,10 @@ class Job:
     label: str = ""                          # the overrides that differ between the jobs
 
     def curve(self, key: str) -> tuple[list[int], list[float]]:
-        """(steps, values) of ``key`` over the logged records (e.g. ``loss`` or ``val_loss``)."""
-        return [r["step"] for r in self.records if key in r], [r[key] for r in self.records if key in r]
+        """(steps, values) of ``key`` over the logged records (e.g. ``loss`` or ``val_loss``); a null
+        (how metrics.jsonl writes a NaN or infinite value) is NaN."""
+        return ([r["step"] for r in self.records if key in r],
+                [math.nan if r[key] is None else r[key] for r in self.records if key in r])
 
     def peak(self, key: str = "peak_rss_bytes") -> int | None:
         """The largest measured value of ``key`` over the job's ranks."""
@@ -145,6 +147,9 @@ def _records(text: str) -> list[dict]:
             raise ValueError(f"line {n}: {str(e).split(': line ')[0]}") from None
         if not isinstance(records[-1], dict):
             raise ValueError(f"line {n} is not a JSON object")
+        step = records[-1].get("step")
+        if isinstance(step, bool) or not isinstance(step, int):   # every record is of a step (Job.curve)
+            raise ValueError(f"line {n} has no integer 'step' (it has {step!r})")
     return records
 
 

@@ -412,7 +412,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         try:
             if multirun:
                 _own_folder_in_sweep(folders, run.run_dir, hc.job.num)
-            return launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
+            val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
+            return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except FrameworkError as e:
             _remove_made(made, subdir, bool(owned))
             say(f"error: {e}")   # (under torchrun every rank prints its line)

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +63,7 @@ class RunRecord:
         self.logger.start(config, total_steps)
 
     def log(self, record: dict) -> None:
-        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.write(_json(record) + "\n")
         self.logger.log(record)
 
     def finish(self, summary: dict) -> None:
@@ -74,12 +75,28 @@ class RunRecord:
                   f"state {summary['val_loss']:.4f})", flush=True)
             summary = kept
         else:
-            files.write_atomic(self.run_dir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+            files.write_atomic(self.run_dir / "summary.json", (_json(summary, indent=2) + "\n").encode())
         self.logger.finish(summary)
 
     def close(self) -> None:
         self.logger.close()
         self._metrics.close()
+
+
+def _json(obj, **kw) -> str:
+    """JSON that strict readers parse: a NaN or infinite float (a skipped fp16 step's loss, a diverged
+    run's) is written as null, not as the bare NaN/Infinity Python's json would write."""
+    return json.dumps(_finite_or_none(obj), allow_nan=False, **kw)
+
+
+def _finite_or_none(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
 
 
 def _summary(run_dir: Path) -> dict | None:
@@ -147,8 +164,8 @@ class _Tee:
 @contextlib.contextmanager
 def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
-    (appended): rank 0's console of a run is its folder's train.log. An error, Ctrl-C or SIGTERM that
-    ends the run is written there too (the caller prints it to the console)."""
+    (appended): rank 0's console of a run is its folder's train.log. An error (any exception), Ctrl-C or
+    SIGTERM that ends the run is written there too (the caller prints it to the console)."""
     log = files.open_append(path)
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
@@ -156,6 +173,9 @@ def console_log(path: Path):
         yield
     except FrameworkError as e:
         log.write(f"error: {e}\n")
+        raise
+    except Exception as e:   # a bug, CUDA out of memory, ...: its line and traceback, which the console gets too
+        log.write(f"error: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}")
         raise
     except (Interrupted, Terminated) as e:   # Ctrl-C, SIGTERM: the line the console gets, and the log too
         log.write(f"{e}\n")
@@ -241,8 +261,13 @@ def summary_line(s: dict) -> str:
     line = (f"done: {s['steps']} steps | "
             + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
             + (f" (mean of last {window} steps)" if window else "")
-            + f" | val loss {s['val_loss']:.4f} | {s['tokens_per_s']:,.0f} tok/s")
+            + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")
-    if floor is not None:
+    if floor is not None and s["val_loss"] is not None:
         line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
     return line
+
+
+def _nan(v):
+    """A kept summary.json's null (a non-finite value when written) as the NaN it was."""
+    return math.nan if v is None else v

@@ -168,6 +168,37 @@ def test_the_summarys_train_loss_leaves_out_a_skipped_non_finite_step():
     assert train_loss([float("inf")], 2) == train_loss([], 2) == {"train_loss": None, "train_loss_steps": 0}
 
 
+def _strict_json(text: str):
+    """json.loads refusing the bare NaN/Infinity that Python writes and strict readers reject."""
+    def refuse(word):
+        raise AssertionError(f"{word} in {text[:300]}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_an_fp16_run_with_skipped_steps_writes_strict_json(tmp_path):
+    """An overflowing fp16 step (loss scale 2^40) has a non-finite grad norm: metrics.jsonl has null
+    there, and the report and the recipe checks read it as the NaN it was."""
+    from framework import compose
+    from framework.cli import recipe, report
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    cfg = compose([*(o for o in SHORT if not o.startswith(("train.log_every", "train.steps"))), "train.log_every=1",
+                   "train.steps=3", "precision=fp16", "precision.initial_scale_power=40"])
+    launch(cfg, RunInfo(tmp_path / "run", None, None))
+    records = [_strict_json(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["skipped_steps"] == 1 and records[0]["grad_norm"] is None, records[0]
+    _strict_json((tmp_path / "run" / "summary.json").read_text())
+    job = report.load_jobs(tmp_path)[0]
+    steps, norms = job.curve("grad_norm")
+    assert steps == [1, 2, 3]
+    assert all(n != n for n in norms)   # every step overflowed: NaN, as before it was written as null
+    res = recipe.evaluate([job], {"checks": [{"metric": "min:grad_norm", "max": 1e30},
+                                             {"metric": "min:loss", "max": 1e30}]})
+    assert [r["passed"] for r in res] == [False, True], res   # (no finite grad norm to bound)
+    assert report.markdown_table([job], tmp_path).count("\n") == 3
+
+
 def test_multirun_two_optimizers(forkrun, tmp_path):
     from framework.cli.train import job_key
     from framework.persist.checkpoint import checkpoint_root

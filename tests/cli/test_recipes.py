@@ -131,7 +131,8 @@ def test_report_of_malformed_job_files_or_a_file_as_out_is_one_line(tmp_path, ca
     (job / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')   # killed mid-write
     (job / "summary.json").write_text("{}")
     assert [r["step"] for r in report.load_jobs(tmp_path)[0].records] == [1]
-    for name, text in (("summary.json", '{"steps": '), ("metrics.jsonl", "not json\n")):
+    for name, text in (("summary.json", '{"steps": '), ("metrics.jsonl", "not json\n"),
+                       ("metrics.jsonl", '{"loss": 2.0}\n'), ("metrics.jsonl", '{"step": "2", "loss": 2.0}\n')):
         (job / name).write_text(text)
         with pytest.raises(SystemExit) as e:
             report.main([str(tmp_path), "--out", str(tmp_path / "rep")])
@@ -234,6 +235,12 @@ def test_shakespeare_char_gpu_quick(shakespeare_tokens, tmp_path):
     verdict = run_quick("shakespeare_char_gpu", tmp_path, f"data.path={shakespeare_tokens}")
     summary = report.load_jobs(Path(verdict["out"]))[0].summary
     assert summary["config"]["precision"]["name"] == "bf16" and summary["config"]["model"]["dropout"] == 0.2
+    # The twin's checks ask that it learns: at lr 1e-9 its val loss stays near ln 65 (uniform) and fails them.
+    log = io.StringIO()
+    stuck = recipes.run(recipes.find("shakespeare_char_gpu"), quick=True, out=tmp_path / "stuck", stream=log,
+                        overrides=[f"data.path={shakespeare_tokens}", "optimizer.lr=1e-9", "scheduler.min_lr=0"])
+    failed = [c["check"]["metric"] for c in stuck["checks"] if not c["passed"]]
+    assert not stuck["passed"] and failed == ["min:val_loss", "drop:val_loss"], log.getvalue()[-2000:]
 
 
 def test_missing_data_names_the_prepare_step(tmp_path):
@@ -436,6 +443,26 @@ def test_malformed_recipe_files_are_one_line(tmp_path, capsys):
     assert not res[0]["passed"] and "reload.json is malformed" in res[0]["message"], res[0]["message"]
 
 
+def test_a_recipe_that_requires_cuda_refuses_a_full_run_without_one(tmp_path, capsys, monkeypatch):
+    """shakespeare_char_gpu's full run on the CPU would go on for hours: one line before anything is
+    made; its twin runs anywhere. requires: takes only what is checked, and unknown keys stay refused."""
+    monkeypatch.setattr(recipes, "gpu_count", lambda: 0)   # (whatever this host has)
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["shakespeare_char_gpu", "--out", str(out), f"data.path={tmp_path / 'none.bin'}"],
+                    "needs a CUDA GPU")
+    assert not out.exists()
+    with pytest.raises(DataError, match="none.bin"):   # the twin goes on (to its missing data here)
+        recipes.run(recipes.find("shakespeare_char_gpu"), quick=True, out=out, stream=io.StringIO(),
+                    overrides=[f"data.path={tmp_path / 'none.bin'}"])
+    spec = (ROOT / "recipes" / "shakespeare_char_gpu" / "recipe.yaml").read_text()
+    assert "requires: cuda" in spec
+    for i, (text, says) in enumerate(((spec.replace("requires: cuda", "requires: tpu"), "'tpu' is not one of cuda"),
+                                      (spec.replace("requires: cuda", "require: cuda"), "unknown key(s) require"))):
+        d = _recipe_copy(tmp_path / str(i), "shakespeare_char_gpu", recipe_yaml=text)
+        _one_line_error(capsys, [str(d), "--quick", "--out", str(out)], says)
+    assert not out.exists()
+
+
 def test_run_refuses_data_unlike_the_reference(tmp_path, capsys):
     """A token file prepared from another text than tiny shakespeare would train for nothing and
     then fail on its token counts: its meta.json is compared with expected.json's data first."""
@@ -460,3 +487,6 @@ def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
     (out / "checks.json").write_text(json.dumps({**verdict, "quick": False}))
     _one_line_error(capsys, ["zero_equivalence", "check", str(out), "--quick"], "full run")
     assert json.loads((out / "checks.json").read_text())["quick"] is False
+    for extra in (["train.steps=20"], [str(out), "x=1"]):   # would be ignored: refused, the verdict untouched
+        _one_line_error(capsys, ["zero_equivalence", "check", str(out), *extra], f"not also {' '.join(extra)}")
+    assert json.loads((out / "checks.json").read_text()) == {**verdict, "quick": False}

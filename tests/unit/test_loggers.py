@@ -71,6 +71,44 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
 
 
+def test_an_error_that_ends_the_run_is_in_train_log(tmp_path):
+    """Not only the framework's own errors: a bug or CUDA running out of memory is the line a run's log
+    most needs (its type, message and traceback)."""
+    from framework.loggers import console_log
+
+    for i, error in enumerate((RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), ConfigError("bad key"))):
+        with pytest.raises(type(error)), console_log(tmp_path / f"train{i}.log"):
+            print("step 3 | loss 4.1647")
+            raise error
+        log = (tmp_path / f"train{i}.log").read_text()
+        assert log.startswith("step 3 | loss 4.1647\n"), log
+        said = "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" if i == 0 else "bad key"
+        assert f"error: {said}\n" in log, log
+    assert "Traceback" in (tmp_path / "train0.log").read_text()
+
+
+def test_non_finite_values_are_written_as_null(tmp_path):
+    """A diverged run's NaN val loss is null in summary.json (strict JSON readers refuse a bare NaN);
+    a kept summary with a null val loss still makes its console line."""
+    from framework.loggers._base import summary_line
+
+    nan, inf = float("nan"), float("inf")
+    record = RunRecord(tmp_path)
+    record.log({"step": 1, "loss": inf, "grad_norm": nan, "peaks": [1.0, -inf]})
+    record.finish({"steps": 1, "steps_run": 1, "train_loss": None, "val_loss": nan, "tokens_per_s": 10.0,
+                   "data": {"entropy_floor": 1.5}})
+    record.close()
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda word: pytest.fail(f"{word} in {text}"))
+
+    assert strict((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": None, "grad_norm": None,
+                                                                "peaks": [1.0, None]}
+    summary = strict((tmp_path / "summary.json").read_text())
+    assert summary["val_loss"] is None and summary["tokens_per_s"] == 10.0
+    assert "| val loss nan |" in summary_line(summary)
+
+
 def test_one_live_run_per_folder(tmp_path):
     from framework.cli.launch import own_run_folder
 
