@@ -26,8 +26,12 @@ train: setup
 # Two pytest workers (TEST_JOBS), one test file at a time each: file-scoped fixtures (a recipe run,
 # a rank pool per worker) are built once, and the cores that single-process tests leave idle are used.
 # Files are handed out slowest first (tests/conftest.py), not by xdist's count of tests per file.
+# The C++ CPU optimizer kernels are built first where none is built (a fresh machine's cache), not inside
+# the first test that uses them and its time limit; a failed build is said and the tests use the fallback.
 TEST_JOBS ?= 2
 test: setup lint
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m framework.ops build --if-needed \
+		|| echo "make test: the C++ CPU optimizer kernels did not build (the reason is above); the tests use the fallback"
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder \
 		$(PYTEST_ARGS)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import socket
+import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import cached_property
@@ -72,16 +73,24 @@ class Dist:
                 f"({self.who_failed()}; {key} sets the limit): {str(e).splitlines()[0]}"
             ) from e
 
-    def who_failed(self) -> str:
-        """The ranks on this host to blame for a failed collective: process gone, stopped or blocked in
-        the kernel (a slow peer is not named)."""
-        host, lost, stalled = socket.gethostname(), [], []
-        for r, (h, pid) in enumerate(self.peers):
-            if h == host and r != self.rank:
+    def who_failed(self, settle_s: float | None = None) -> str:
+        """The ranks on this host to blame for a failed collective: process gone (or exiting), stopped or
+        blocked in the kernel (a slow peer is not named). A peer that crashed may still be tearing down when
+        its closed sockets fail this rank's collective: when nobody is named yet, its end is waited for up
+        to ``settle_s`` (default ``_SETTLE_S``; this is the error path only)."""
+        host = socket.gethostname()
+        local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank]
+        deadline = time.monotonic() + (_SETTLE_S if settle_s is None else settle_s)
+        while True:
+            lost, stalled = [], []
+            for r, pid in local:
                 if not _alive(pid):
                     lost.append(r)
-                if (state := _state(pid)) in _STALLED:
+                elif (state := _state(pid)) in _STALLED:
                     stalled.append(f"rank {r} stalled (pid {pid} {_STALLED[state]})")
+            if lost or stalled or not local or time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)
         parts = [f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} lost (process gone)"] if lost else []
         return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
@@ -119,13 +128,31 @@ _STALLED = {"T": "is stopped (SIGSTOP or SIGTSTP: send SIGCONT, or kill it)", "t
             "D": "is blocked in the kernel (uninterruptible sleep: a hung disk or network file system?)"}
 
 
-def _state(pid: int) -> str | None:
-    """The kernel's one-letter state of process ``pid`` (Linux /proc), None if unknown or gone."""
+# How long ``who_failed`` waits for a local peer to be seen gone when none is yet: the kernel closes a dying
+# process's sockets before it shows as a zombie, and a peer may close them itself while still exiting.
+_SETTLE_S = 1.0
+_PF_EXITING = 0x4   # the kernel's task flag for a process inside exit (``flags``, field 9 of /proc/<pid>/stat)
+
+
+def parse_stat(text: str) -> tuple[str, int]:
+    """(state letter, flags) from the text of /proc/<pid>/stat. The command name (field 2) may hold spaces
+    and parentheses: the fields are counted after its last ')'."""
+    fields = text.rsplit(")", 1)[1].split()
+    return fields[0], int(fields[6])
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            return parse_stat(f.read())
+    except (OSError, IndexError, ValueError):
         return None
+
+
+def _state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (Linux /proc), None if unknown or gone."""
+    stat = _stat(pid)
+    return stat[0] if stat is not None else None
 
 
 def _alive(pid: int) -> bool:
@@ -135,7 +162,9 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return _state(pid) != "Z"   # a zombie (exited, not yet reaped by its parent) counts as gone
+    stat = _stat(pid)
+    # A zombie (exited, not yet reaped by its parent) or a process inside exit counts as gone.
+    return stat is None or (stat[0] != "Z" and not stat[1] & _PF_EXITING)
 
 
 # The launchers' integer variables (torchrun's, Slurm's): ``check_env_ints`` reads each before any

@@ -4,14 +4,16 @@ import os
 import sys
 
 
-def say(line: str) -> None:
-    """Print one line on stderr in a single write. Ranks share their launcher's stderr, and ``print`` writes the
-    text and its newline apart: two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line."""
-    sys.stderr.flush()   # (anything printed before stays before)
+def say(line: str, out=None) -> None:
+    """Print one line on ``out`` (default stderr; ``sys.stdout`` for a progress line) in a single write. Ranks
+    share their launcher's streams, and ``print`` writes the text and its newline apart (always so when
+    PYTHONUNBUFFERED is set): two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line."""
+    out = sys.stderr if out is None else out
+    out.flush()   # (anything printed before stays before)
     try:
-        fd = sys.stderr.fileno()
+        fd = out.fileno()
     except (AttributeError, OSError, ValueError):   # a stream without a descriptor (a test's capture)
-        print(line, file=sys.stderr, flush=True)
+        print(line, file=out, flush=True)
         return
     data = (line + "\n").encode(errors="replace")
     while data:   # (one write unless the stream takes less)

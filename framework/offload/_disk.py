@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from framework.comm.accelerator import Accelerator
-from framework.core.errors import ConfigError, FrameworkError, SwapIOError
+from framework.core.errors import ConfigError, FrameworkError, SwapIOError, say
 from framework.core.footprint import Footprint
 from framework.core.room import Claim, available_ram, shortfalls
 from framework.core.units import GiB, MiB
@@ -153,8 +153,8 @@ class NVMePlacement(HostPlacement):
         self._cleaned = True
         count, freed = remove_stale(self.spec.nvme_path)
         if count:
-            print(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
-                  f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", flush=True)
+            say(f"nvme: removed {count} stale swap file(s) of dead processes from {self.spec.nvme_path}, "
+                f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", sys.stdout)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """One line if the disk cannot hold even the least every optimizer needs (summed over the ranks
@@ -191,8 +191,8 @@ class NVMePlacement(HostPlacement):
             return self.spec.nvme_path
         if self._made.tmpdir is None:   # library use without a run directory: a private folder
             self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
-            print(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
-                  "close or exit)", flush=True)
+            say(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
+                "close or exit)", sys.stdout)
         return self._made.tmpdir
 
     def check_fs(self) -> None:
@@ -203,9 +203,8 @@ class NVMePlacement(HostPlacement):
         self._fs_checked = True
         fs = memory_fs(self.folder())
         if fs is not None:
-            print(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
-                  "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk",
-                  file=sys.stderr, flush=True)
+            say(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
+                "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk")
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
@@ -225,8 +224,8 @@ class NVMePlacement(HostPlacement):
             slot, _, total, _ = store.layout()
             held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
             # the full path: a relative offload.nvme_path is relative to the launch directory, not the run's
-            print(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path.absolute()}; "
-                  f"host pool {store.buffer_count} x {slot} bytes", flush=True)
+            say(f"nvme: rank {rank} swaps {total} bytes ({total / GiB:.2f} GiB) of {held} to {path.absolute()}; "
+                f"host pool {store.buffer_count} x {slot} bytes", sys.stdout)
             for key, fill in fills:
                 store.create(key, fill)
             store.flush()

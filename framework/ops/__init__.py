@@ -42,10 +42,10 @@ def available() -> bool:
     return cpu_optim() is not None
 
 
-def build() -> ModuleType:
-    """Compile now, also over a finished build (which may be damaged); raises BuildUnavailable
-    with the reason."""
-    return _loader.load(build=True, force=True)
+def build(force: bool = True) -> ModuleType:
+    """Compile now, also over a finished build (which may be damaged); ``force=False``: import a
+    finished build, compiling only where there is none. Raises BuildUnavailable with the reason."""
+    return _loader.load(build=True, force=force)
 
 
 def _cpu(tensors: Iterable[Tensor], dtypes: tuple) -> bool:

@@ -2,7 +2,8 @@
 
 ``status`` (the default) never compiles; it exits 0 whether or not the kernels are built (the
 optimizers fall back to their transforms). ``build`` compiles them now (about 30 s the first time)
-and exits 1 with the reason if that fails.
+and exits 1 with the reason if that fails; ``build --if-needed`` only where no finished build is
+there (``make test`` runs it first, so that no test pays for the first build within its time limit).
 """
 from __future__ import annotations
 
@@ -16,15 +17,19 @@ from framework import ops
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m framework.ops", description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="?", default="status", choices=["status", "build"])
+    parser.add_argument("--if-needed", action="store_true",
+                        help="build: keep a finished build (import it), compile only where there is none")
     args = parser.parse_args(argv)
+    if args.if_needed and args.command != "build":
+        parser.error("--if-needed goes with build")
     if args.command == "build":
         start = time.perf_counter()
         try:
-            ops.build()
+            ops.build(force=not args.if_needed)
         except ops.BuildUnavailable as exc:
             print(f"framework.ops: build failed: {exc}", file=sys.stderr)
             return 1
-        print(f"framework.ops: built in {time.perf_counter() - start:.1f} s")
+        print(f"framework.ops: {'ready' if args.if_needed else 'built'} in {time.perf_counter() - start:.1f} s")
     info = ops.status()
     print("framework.ops: C++ CPU optimizer kernels (csrc/cpu_optim)")
     if info["built"]:

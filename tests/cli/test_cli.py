@@ -541,6 +541,11 @@ def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):
         monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, data)) or len(data))
         say("rank 1: interrupted at step 1")
         assert writes == [(err.fileno(), b"rank 1: interrupted at step 1\n")]
+    writes.clear()
+    with open(tmp_path / "out", "w") as out:   # a rank's progress line on stdout (nvme, checkpoint fallback)
+        monkeypatch.setattr(sys, "stdout", out)
+        say("nvme: rank 1 swaps 4096 bytes", sys.stdout)
+        assert writes == [(out.fileno(), b"nvme: rank 1 swaps 4096 bytes\n")]
 
 
 def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):

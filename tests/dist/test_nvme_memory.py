@@ -1,11 +1,14 @@
 """zero3 + offload=nvme keeps host memory bounded by its pools, measured by the kernel, and stays exact.
 
-* Memory: the same configuration at two model sizes, 4x apart in parameters (2 and 8 layers of
-  d_model 256; the gather unit, the pools and the activations per layer do not change), each in a
-  fresh process (tests/cli/_memrun.py: the kernel's peak resident set over a baseline taken after
-  a warm-up, the peak reset to it). Under offload=nvme the peak grows by less than a fixed slack
-  (gradients, shards and optimizer state on disk; what grows is the activations of the extra layers, a few MB here); under
-  offload=cpu the same growth holds the model states (16+ bytes per parameter) and is many times larger.
+* Memory: the same configuration at two model sizes, 7x apart in parameters (2 and 14 layers of
+  d_model 256, 9.4M parameters apart; the gather unit, the pools and the activations per layer do not
+  change), each in a fresh process (tests/cli/_memrun.py: the kernel's peak resident set over a baseline
+  taken after a warm-up, the peak reset to it). Under offload=nvme the peak grows by less than a fixed
+  slack (gradients, shards and optimizer state on disk; what grows is the activations and 16-bit
+  working copies of the extra layers, about 4 bytes per parameter); under offload=cpu the same growth
+  holds the model states (16+ bytes per parameter) and is many times larger. A run's peak varies by
+  up to ~10 MiB with the machine's load: a pair that misses is measured again, the smallest growth
+  of up to three pairs counts (a state kept in host memory, 4+ bytes per parameter, is in every pair).
 * Exactness the equivalence matrix (test_nvme.py) does not cover: fp16 with an overflow injected
   on one rank (the skip decided from the swapped gradients' norms) and clipping on every step,
   bitwise equal to offload=cpu, on 1 and 2 ranks; no swap file is left.
@@ -24,7 +27,10 @@ import framework
 from tests._helpers import OverflowAt, build_gpt, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
-SLACK = 24 << 20   # bytes: the nvme peak's growth allowed for a 4x larger model (measured: 10-22 MB)
+# bytes: the nvme peak's growth allowed for 12 more layers (measured: 31-47 MiB; with the fp32 master
+# kept in host memory as well, 36 MiB more: 70-86 MiB; offload=cpu: 218-223 MiB)
+SLACK = 56 << 20
+SMALL, LARGE = 2, 14
 SIZE = ["+stage=zero3", "precision=bf16", "model.d_model=256", "model.n_head=4", "train.micro_batch=1",
         "model.context=16", "train.grad_accum=2", "stage.stage3_max_live_parameters=1",
         "stage.stage3_prefetch_bucket_size=1"]
@@ -44,13 +50,15 @@ def _peak(overrides: list[str]) -> int:
 def test_nvme_peak_rss_does_not_grow_with_the_model_and_cpu_does():
     with tempfile.TemporaryDirectory(prefix="nvme-mem-") as folder:
         nvme = [*NVME, f"offload.nvme_path={folder}"]
-        small, large = (_peak([*SIZE, *nvme, f"model.n_layer={n}"]) for n in (2, 8))
-        if large - small >= SLACK:   # a peak taken while the machine was busy: each size's lower of two runs
-            small, large = (min(was, _peak([*SIZE, *nvme, f"model.n_layer={n}"])) for was, n in ((small, 2), (large, 8)))
+        pairs = []
+        while len(pairs) < 3 and (not pairs or min(pairs) >= SLACK):   # a pair measured on a busy machine: again
+            small, large = (_peak([*SIZE, *nvme, f"model.n_layer={n}"]) for n in (SMALL, LARGE))
+            pairs.append(large - small)
         assert os.listdir(folder) == []
-    cpu_small, cpu_large = (_peak([*SIZE, *CPU, f"model.n_layer={n}"]) for n in (2, 8))
-    grown, cpu_grown = large - small, cpu_large - cpu_small
-    assert grown < SLACK, f"offload=nvme: peak RSS grew {grown / 2**20:.1f} MiB for 4x the parameters"
+    cpu_small, cpu_large = (_peak([*SIZE, *CPU, f"model.n_layer={n}"]) for n in (SMALL, LARGE))
+    grown, cpu_grown = min(pairs), cpu_large - cpu_small
+    assert grown < SLACK, (f"offload=nvme: peak RSS grew {', '.join(f'{g / 2**20:.1f}' for g in pairs)} MiB "
+                           f"from {SMALL} to {LARGE} layers")
     assert cpu_grown > 3 * SLACK, f"offload=cpu: peak RSS grew only {cpu_grown / 2**20:.1f} MiB"
 
 

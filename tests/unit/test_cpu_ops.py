@@ -622,6 +622,20 @@ def test_ops_build_compiles_again_over_a_finished_build(fresh_loader, monkeypatc
     assert len(fake.builds) == 2 and fake.imported == []
 
 
+def test_ops_build_if_needed_compiles_once_and_then_imports(fresh_loader, monkeypatch, capsys):
+    """``make test`` runs it before the tests: a fresh cache is built there, a finished build kept."""
+    from framework.ops.__main__ import main
+
+    directory = _loader.build_dir()
+    fake = _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
+    assert main(["build", "--if-needed"]) == 0
+    assert len(fake.builds) == 1
+    _loader.status.cache_clear()
+    assert main(["build", "--if-needed"]) == 0
+    assert len(fake.builds) == 1 and len(fake.imported) >= 1
+    assert "framework.ops: ready in" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("var, value", [("FRAMEWORK_OPS_ISA", "avx3"), ("FRAMEWORK_OPS_PREFETCH", "-3"),
                                         ("FRAMEWORK_OPS_PREFETCH", "lots")])
 def test_a_bad_isa_or_prefetch_value_falls_back_with_one_line(fresh_loader, monkeypatch, var, value):

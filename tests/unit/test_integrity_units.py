@@ -230,6 +230,34 @@ def test_a_stopped_or_dead_peer_is_named():
         child.wait()
 
 
+def test_a_peer_still_exiting_is_named_once_gone():
+    """A crashed rank's sockets close while its process is still ending: the survivor's failed collective
+    waits for it to be gone and names it, rather than "a peer rank died or stalled"."""
+    from framework.comm.distributed import Dist
+
+    code = ("import atexit, sys, time\n"
+            "atexit.register(lambda: (print('exiting', flush=True), time.sleep(0.2)))\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "exiting\n"   # inside its exit path, not yet gone
+        host = socket.gethostname()
+        dist = Dist(0, 2, 0, torch.device("cpu"), "gloo", 3.0, peers=((host, os.getpid()), (host, child.pid)))
+        assert dist.who_failed(settle_s=30.0) == "rank 1 lost (process gone)"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_proc_stat_is_read_past_the_command_name():
+    """The command name may hold spaces and parentheses; flags (field 9) carry the kernel's
+    PF_EXITING (0x4) for a process inside exit, which counts as gone."""
+    from framework.comm.distributed import parse_stat
+
+    line = "4242 (py (x) ) y)) R 1 4242 4242 0 -1 4194628 120 0 0 0 3 1 0 0 20 0 1 0\n"
+    assert parse_stat(line) == ("R", 4194628)
+    assert parse_stat(line)[1] & 0x4
+
+
 # --- rendezvous folders of dead runs --------------------------------------------------------------
 
 def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path):

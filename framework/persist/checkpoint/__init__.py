@@ -17,11 +17,12 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import sys
 from pathlib import Path
 from typing import Callable
 
 from framework.core import files
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
 from framework.core.utils import few
 from framework.persist import stepfolders
@@ -96,7 +97,7 @@ class Checkpointer:
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {folders[i + 1]}" if i + 1 < len(folders)
                         else "no older checkpoint is left")
-                print(f"rank {self.rank}: {e}; {then}", flush=True)
+                say(f"rank {self.rank}: {e}; {then}", sys.stdout)
                 continue
             except FrameworkError as e:
                 e.args = (f"{e}{spent}", *e.args[1:])
