@@ -247,10 +247,8 @@ class FlatGrads:
             backward_or_reset(lambda: (loss / self.dist.world).backward(), self.abort_backward, self.stage)
         finally:
             self.launcher.disarm()   # arrivals after this backward are ignored
-            replaced = []
-            for (p, name), v in zip(self.entries, self.views):
-                if p.grad is not v and p.grad is not None:
-                    replaced.append(name)
+            replaced = [name for (p, name), v in zip(self.entries, self.views) if p.grad is not v and p.grad is not None]
+            for p, _ in self.entries:
                 p.grad = None
         if replaced:
             raise TrainingError(
@@ -326,11 +324,8 @@ class FlatGrads:
         return self.acc if self.micro else self.grads
 
     def zero(self) -> None:
-        for g in self.grads:
+        for g in self.grads + (self.acc if self.micro else []):
             g.zero_()
-        if self.micro:
-            for a in self.acc:
-                a.zero_()
         self.micro = 0
 
     def memory(self, fp: Footprint) -> None:

@@ -51,9 +51,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     A module's own parameters here include those of the modules its forward gathers for (``_gathered_by``).
     """
     by = _gathered_by(module)
-    owns = {id(m): False for m in module.modules()}
-    for m in module.modules():
-        owns[id(by[id(m)])] |= any(True for _ in m.parameters(recurse=False))
+    owns = {id(by[id(m)]) for m in module.modules() if any(True for _ in m.parameters(recurse=False))}
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
         for name in gather_unit:
@@ -75,7 +73,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
         if type(sub).__name__ in classes:
             gather.append(len(cands))
             where.update((id(inner), len(cands)) for inner in sub.modules())
-        elif split_root and owns[id(sub)]:
+        elif split_root and id(sub) in owns:
             where[id(sub)] = len(cands)
         else:
             continue
