@@ -158,11 +158,9 @@ def whole_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
-    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params"
-    (each distinct frozen parameter: in the working ``dtype`` when floating, as ``bind_frozen`` keeps it)
-    and "buffers" (each distinct buffer in its own dtype). The stages report their bound module's (the
-    bytes its tensors hold), the estimator a meta one's (a meta parameter as ``bind_frozen`` will keep
-    it), so the two compare. Items with no bytes are left out."""
+    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params" (as
+    ``bind_frozen`` keeps them) and "buffers", each distinct one once; items with no bytes are left out.
+    The stages report their bound module, the estimator a meta one (as ``bind_frozen`` will keep it)."""
     frozen = sum(p.numel() * (whole_dtype(p, dtype).itemsize if p.is_meta else p.element_size())
                  for p in module.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())

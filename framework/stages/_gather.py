@@ -221,10 +221,9 @@ class Gatherer:
 
     def _pre_backward(self, unit: Unit) -> None:
         self.begin_backward()
-        if unit.in_backward:
-            return
-        unit.in_backward = True
-        self._demand(unit, "backward")
+        if not unit.in_backward:
+            unit.in_backward = True
+            self._demand(unit, "backward")
 
     def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
         if unit is self.persistent:
@@ -256,10 +255,9 @@ class Gatherer:
 
     def abort_backward(self, wait: bool) -> None:
         """A backward pass the stage drove was cut short (its end-of-backward callback never ran): back to
-        the state between passes, as if it had not started. Reductions in flight are waited for (not when
-        ``wait`` is false: then they stay referenced, their buffers alive) and dropped (the step's
-        partitions are zeroed by the caller), gradients not yet reduced are discarded, units gathered for
-        it are released; the persistent unit stays gathered."""
+        the state between passes. Reductions in flight are waited for (not when ``wait`` is false: then they
+        stay referenced, their buffers alive) and dropped (the caller zeroes the step's partitions); then
+        ``abort_pass``."""
         reductions, self.reductions = self.reductions, []
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
