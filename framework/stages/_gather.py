@@ -337,8 +337,14 @@ class Gatherer:
     def _upcoming(self) -> Iterator[Unit]:
         """The units the followed trace uses next, each once (none when not following one)."""
         trace = self.traces.get(self.mode)
-        if self.cursor is not None and trace is not None:
-            yield from (self.units[uid] for uid in dict.fromkeys(uid for _, uid in trace[self.cursor:]))
+        if self.cursor is None or trace is None:
+            return
+        seen = set()   # (lazy: the prefetch takes the next few only, not the rest of the trace)
+        for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
+            uid = trace[i][1]
+            if uid not in seen:
+                seen.add(uid)
+                yield self.units[uid]
 
     def _prefetch(self) -> None:
         """Start gathers for the next units within ``prefetch`` elements (each counted once) and ``max_live``."""
