@@ -110,12 +110,12 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
 def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, init: ParameterInit,
                 order=lambda named: named) -> tuple[list[str], list[Layout], list[torch.Tensor], list]:
     """Make each trainable parameter a view into a new flat buffer per ``param_groups`` group, laid
-    out for ``world`` ranks in ``order(named)`` and holding rank 0's initial values on every rank (a
-    meta parameter is replaced by a new Parameter everywhere it is registered). Returns the kinds,
-    layouts and buffers per group, and (parameter, (group, slot)) group by group, each in registration
+    out for ``world`` ranks in ``order(named)``, holding rank 0's initial values on every rank. Returns the
+    kinds, layouts and buffers per group, and (parameter, (group, slot)) group by group, each in registration
     order: backward runs in its reverse, so buckets are planned from it."""
-    kinds, layouts, flats, entries = [], [], [], []
-    for g, (kind, named) in enumerate(param_groups(module)):
+    groups = param_groups(module)
+    layouts, flats, entries = [], [], []
+    for g, (_, named) in enumerate(groups):
         placed = order(named)
         layout = make_layout(placed, world)
         flat = torch.zeros(layout.padded, dtype=dtype, device=dist.device)
@@ -123,37 +123,32 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
         for (name, p), s in zip(placed, layout.slots):
             v = flat[s.offset:s.offset + s.numel].view(s.shape)
             v.copy_(initial_values(init, name, p, flat.device))
-            if p.is_meta:  # .data cannot move a meta tensor to a real device
-                new = nn.Parameter(v, requires_grad=p.requires_grad)
-                replace_parameter(module, p, new)
-                p = new
-            else:
-                p.data = v
-            bound[name] = (p, (g, s))
+            bound[name] = (_bind(module, p, v), (g, s))
         dist.broadcast(flat, what="initial parameter broadcast")
-        kinds.append(kind)
         layouts.append(layout)
         flats.append(flat)
         entries += [bound[name] for name, _ in named]
     bind_frozen(module, dtype, dist, init)
-    return kinds, layouts, flats, entries
+    return [kind for kind, _ in groups], layouts, flats, entries
+
+
+def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:
+    """``p`` holding ``v``: a meta one (whose .data cannot move to a real device) replaced by a new
+    Parameter everywhere it is registered."""
+    if not p.is_meta:
+        p.data = v
+        return p
+    return replace_parameter(module, p, nn.Parameter(v, requires_grad=p.requires_grad))
 
 
 def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:
-    """Every frozen parameter (requires_grad=False) whole on every rank, as torch DDP and DeepSpeed's
-    ZeRO-1/2 keep them (zero3 too, where DeepSpeed would partition them): on ``dist.device``, in the
-    working ``dtype`` when floating, rank 0's values (a meta one is initialised by ``init`` and
-    replaced by a new Parameter). No gradient, master or optimizer state. Then the buffers take rank 0's
-    values too (``broadcast_buffers``): every stage calls this once."""
-    for name, p in list(module.named_parameters()):
-        if p.requires_grad:
-            continue
+    """Every frozen parameter whole on every rank, as torch DDP and DeepSpeed's ZeRO-1/2 keep them (zero3
+    too, where DeepSpeed would partition them): rank 0's values, in ``whole_dtype``; no gradient, master or
+    optimizer state. Then the buffers take rank 0's values too: every stage calls this once."""
+    for name, p in [(n, p) for n, p in module.named_parameters() if not p.requires_grad]:
         v = initial_values(init, name, p, dist.device).to(whole_dtype(p, dtype)).contiguous()
         dist.broadcast(v, what=f"initial values of frozen {name!r}")
-        if p.is_meta:
-            replace_parameter(module, p, nn.Parameter(v, requires_grad=False))
-        else:
-            p.data = v
+        _bind(module, p, v)
     broadcast_buffers(module, dist)
 
 
@@ -163,11 +158,9 @@ def whole_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 
 def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
-    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params"
-    (each distinct frozen parameter: in the working ``dtype`` when floating, as ``bind_frozen`` keeps it)
-    and "buffers" (each distinct buffer in its own dtype). The stages report their bound module's (the
-    bytes its tensors hold), the estimator a meta one's (a meta parameter as ``bind_frozen`` will keep
-    it), so the two compare. Items with no bytes are left out."""
+    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params" (as
+    ``bind_frozen`` keeps them) and "buffers", each distinct one once; items with no bytes are left out.
+    The stages report their bound module, the estimator a meta one (as ``bind_frozen`` will keep it)."""
     frozen = sum(p.numel() * (whole_dtype(p, dtype).itemsize if p.is_meta else p.element_size())
                  for p in module.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
@@ -192,12 +185,13 @@ def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
         module.get_submodule(path)._buffers[key] = dense[id(buf)]
 
 
-def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+def replace_parameter(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """Register ``new`` wherever ``old`` is registered (tied weights stay tied)."""
     for sub in module.modules():
         for key, value in sub._parameters.items():
             if value is old:
                 sub._parameters[key] = new
+    return new
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ class Gatherer:
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
-            self._begin_pass(torch.is_grad_enabled())
+            self.begin_pass(torch.is_grad_enabled(), driven=False)
         if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
             # Recomputed inside backward by reentrant checkpointing, whose first forward ran without
             # grad (so no output hook announced this unit's backward): its gradients follow now.
@@ -188,14 +188,12 @@ class Gatherer:
         unit.active -= 1
         unannounced = False
         if torch.is_grad_enabled():
-            hooked = False
-            for t in tensors_in(out):
-                if t.requires_grad:
-                    hooked = True
-                    t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
-                                                       "zero3's pre-backward hook"))
+            hooked = [t for t in tensors_in(out) if t.requires_grad]
+            for t in hooked:
+                t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
+                                                   "zero3's pre-backward hook"))
             # Its backward would find its parameters released (a raw size mismatch deep in autograd).
-            unannounced = not hooked and any(p.requires_grad for g in unit.groups for p in g.params)
+            unannounced = not hooked and any(p.requires_grad for p in unit.params)
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
         if unannounced:
@@ -223,10 +221,9 @@ class Gatherer:
 
     def _pre_backward(self, unit: Unit) -> None:
         self.begin_backward()
-        if unit.in_backward:
-            return
-        unit.in_backward = True
-        self._demand(unit, "backward")
+        if not unit.in_backward:
+            unit.in_backward = True
+            self._demand(unit, "backward")
 
     def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
         if unit is self.persistent:
@@ -258,10 +255,9 @@ class Gatherer:
 
     def abort_backward(self, wait: bool) -> None:
         """A backward pass the stage drove was cut short (its end-of-backward callback never ran): back to
-        the state between passes, as if it had not started. Reductions in flight are waited for (not when
-        ``wait`` is false: then they stay referenced, their buffers alive) and dropped (the step's
-        partitions are zeroed by the caller), gradients not yet reduced are discarded, units gathered for
-        it are released; the persistent unit stays gathered."""
+        the state between passes. Reductions in flight are waited for (not when ``wait`` is false: then they
+        stay referenced, their buffers alive) and dropped (the caller zeroes the step's partitions); then
+        ``abort_pass``."""
         reductions, self.reductions = self.reductions, []
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
@@ -282,25 +278,22 @@ class Gatherer:
         self.in_backward = self.driven = False
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
-    def begin_pass(self, grad_mode: bool) -> None:
+    def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
         """The stage starts one loss_fn call (``grad_mode``: of train_step, ended by its backward; else of
         eval_step, ended by ``end_pass``): one pass, whichever modules loss_fn calls (submodules of the
-        root, or the root twice), so that it is recorded, followed and checked across ranks as a whole."""
-        for unit in self.units:
-            unit.active = 0   # no forward runs between loss_fn calls
-        self._begin_pass(grad_mode)
-        self.driven = True
+        root, or the root twice), so that it is recorded, followed and checked across ranks as a whole.
+        (Not ``driven``: a root forward outside train_step and eval_step starts its own pass.)"""
+        if driven:
+            for unit in self.units:
+                unit.active = 0   # no forward runs between loss_fn calls
+        self._end_pass()
+        self.mode, self.recording, self.driven = grad_mode, [], driven
+        self.cursor = 0 if grad_mode in self.traces else None
 
     def end_pass(self) -> None:
         """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
         self._end_pass()
         self._release_idle()
-
-    def _begin_pass(self, grad_mode: bool) -> None:
-        self._end_pass()
-        self.mode = grad_mode
-        self.recording = []
-        self.cursor = 0 if grad_mode in self.traces else None
 
     def _end_pass(self) -> None:
         if self.recording:
@@ -346,8 +339,9 @@ class Gatherer:
         trace = self.traces.get(self.mode)
         if self.cursor is None or trace is None:
             return
-        seen = set()
-        for _, uid in trace[self.cursor:]:
+        seen = set()   # (lazy: the prefetch takes the next few only, not the rest of the trace)
+        for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
+            uid = trace[i][1]
             if uid not in seen:
                 seen.add(uid)
                 yield self.units[uid]

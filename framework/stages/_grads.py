@@ -61,8 +61,7 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
     """
     shards, cap = shards or {}, cap or bucket_size
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
-    left = {g: sum(1 for _, gg, _, _ in order if gg == g) for g in whole}   # parameters not yet seen
-    seen: dict[int, list[int]] = {}
+    last = {g: i for i, (_, g, _, _) in enumerate(order) if g in whole}   # where each whole group closes
     open_: dict[tuple[int, int], tuple[int, int, list[int]]] = {}   # (group, partition start) -> (start, end, ids)
     out: list[Bucket] = []
 
@@ -70,12 +69,11 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
         start, end, pids = open_.pop(key)
         out.append(Bucket(key[0], start, end, tuple(pids)))
 
-    for pid, g, offset, numel in order:
+    for i, (pid, g, offset, numel) in enumerate(order):
         if g in whole:
-            seen.setdefault(g, []).append(pid)
-            left[g] -= 1
-            if not left[g]:
-                out.append(Bucket(g, 0, shards[g], tuple(seen[g]), stride=shards[g], count=world))
+            if i == last[g]:
+                pids = tuple(p for p, gg, _, _ in order if gg == g)
+                out.append(Bucket(g, 0, shards[g], pids, stride=shards[g], count=world))
             continue
         top = offset + numel
         while top > offset:
@@ -247,10 +245,8 @@ class FlatGrads:
             backward_or_reset(lambda: (loss / self.dist.world).backward(), self.abort_backward, self.stage)
         finally:
             self.launcher.disarm()   # arrivals after this backward are ignored
-            replaced = []
-            for (p, name), v in zip(self.entries, self.views):
-                if p.grad is not v and p.grad is not None:
-                    replaced.append(name)
+            replaced = [name for (p, name), v in zip(self.entries, self.views) if p.grad is not v and p.grad is not None]
+            for p, _ in self.entries:
                 p.grad = None
         if replaced:
             raise TrainingError(
@@ -266,9 +262,8 @@ class FlatGrads:
             self.micro += 1
 
     def abort_backward(self, wait: bool) -> None:
-        """A backward pass cut short: reductions it launched are waited for (they write into the buffers,
-        which the caller zeroes next; not when ``wait`` is false: then they stay referenced, their
-        buffers alive) and dropped, so none lands in, or is waited on by, a later step."""
+        """A backward pass cut short: reductions it launched are waited for (they write into the buffers, which
+        the caller zeroes next; unless not ``wait``: then kept referenced, their buffers alive) and dropped."""
         self.launcher.reset()
         work, self.work = self.work, []
         self.abandoned = None if wait else work   # (their wire buffers must outlive the collectives)
@@ -326,11 +321,8 @@ class FlatGrads:
         return self.acc if self.micro else self.grads
 
     def zero(self) -> None:
-        for g in self.grads:
+        for g in self.grads + (self.acc if self.micro else []):
             g.zero_()
-        if self.micro:
-            for a in self.acc:
-                a.zero_()
         self.micro = 0
 
     def memory(self, fp: Footprint) -> None:

@@ -38,9 +38,8 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
         named = [(n, p) for n, p in all_named if owner[id(p)] == idx]
         persistent += [(n, p) for n, p in named if p.numel() < persistence_threshold]
         big = [(n, p) for n, p in named if p.numel() >= persistence_threshold]
-        if idx > 0 and not big:  # nothing left to gather: no unit, no hooks
-            continue
-        units.append(UnitPlan(uname, subs, big))
+        if idx == 0 or big:   # else nothing left to gather: no unit, no hooks
+            units.append(UnitPlan(uname, subs, big))
     return units, persistent + [(n, p) for n, p in all_named if owner[id(p)] == -1]
 
 
@@ -51,9 +50,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
     A module's own parameters here include those of the modules its forward gathers for (``_gathered_by``).
     """
     by = _gathered_by(module)
-    owns = {id(m): False for m in module.modules()}
-    for m in module.modules():
-        owns[id(by[id(m)])] |= any(True for _ in m.parameters(recurse=False))
+    owns = {id(by[id(m)]) for m in module.modules() if any(True for _ in m.parameters(recurse=False))}
     present = {type(m).__name__ for m in module.modules()}
     if tuple(gather_unit) != DEFAULT_GATHER_UNIT:
         for name in gather_unit:
@@ -75,7 +72,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
         if type(sub).__name__ in classes:
             gather.append(len(cands))
             where.update((id(inner), len(cands)) for inner in sub.modules())
-        elif split_root and owns[id(sub)]:
+        elif split_root and id(sub) in owns:
             where[id(sub)] = len(cands)
         else:
             continue
@@ -103,11 +100,8 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             members = sorted(group[m])
             index.update((k, len(units)) for k in members)
             units.append(("+".join(cands[k][0] for k in members), [cands[k][1] for k in members]))
-    owner = {}
-    for pid, hs in holders.items():
-        found = {index[h] for h in hs}
-        owner[pid] = found.pop() if len(found) == 1 else -1
-    return units, owner
+    found = {pid: {index[h] for h in hs} for pid, hs in holders.items()}
+    return units, {pid: min(f) if len(f) == 1 else -1 for pid, f in found.items()}
 
 
 def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:

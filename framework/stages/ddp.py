@@ -62,12 +62,8 @@ class DDPStage(BaseStage):
         return sq_norm(self.reduced, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
-        slots = [(g, s) for g, lay in zip(grads, self.layouts) for s in lay.slots]
-        if not slots:
-            return []
-        bad = torch.stack([~torch.isfinite(g[s.offset:s.offset + s.numel]).all() for g, s in slots])
-        # host sync: once for all parameters, on the slow path after an overflow
-        return [s.name for (_, s), b in zip(slots, bad.tolist()) if b]
+        # host sync: on the slow path after an overflow
+        return [n for g, lay in zip(grads, self.layouts) for n in lay.names_at((~torch.isfinite(g)).nonzero().flatten())]
 
     def publish(self, master: list[torch.Tensor]) -> None:
         for flat, m in zip(self.flats, master):

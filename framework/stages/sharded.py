@@ -98,13 +98,11 @@ def round_robin(named: list, world: int) -> list:
 class Zero1Stage(ShardedStage):
     def _setup_grads(self, entries: list) -> None:
         # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
-        order = expected_order([e[1] for e in entries])
-        shards = {g: layout.shard for g, layout in enumerate(self.layouts)}
-        size, world = self.cfg.reduce_bucket_size, self.dist.world
         # Reduced during backward: buckets in gradient order on partition boundaries. Reduced after
         # it: every gradient is present, so stripes (one reduce-scatter per bucket on NCCL).
-        buckets = (plan_buckets(order, size, shards, world) if self.cfg.overlap_comm
-                   else plan_stripes(order, size, shards, world))
+        plan = plan_buckets if self.cfg.overlap_comm else plan_stripes
+        buckets = plan(expected_order([e[1] for e in entries]), self.cfg.reduce_bucket_size,
+                       {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
         self.flat_grads = FlatGrads(entries, self.flats, self.layouts, self.bounds, buckets, self.dist, self.policy,
                                     reduce_scatter=self.cfg.reduce_scatter, overlap=self.cfg.overlap_comm,
                                     stage="zero1", what="gradient reduction")
@@ -238,10 +236,8 @@ class Zero2Stage(ShardedStage):
             self.params[pid].grad = None
 
     def _abort_backward(self, wait: bool) -> None:
-        """A backward pass cut short: its reductions in flight are waited for and dropped (not added into
-        the partitions, which the caller zeroes next), their buffers reused (not waited for when ``wait`` is
-        false: then they stay referenced, never reused); gradients of buckets that never launched are
-        discarded."""
+        """As ``FlatGrads.abort_backward`` (not added into the partitions), their buffers reused (unless not
+        ``wait``: never reused); gradients of buckets that never launched are discarded."""
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
         self.abandoned = None if wait else in_flight

@@ -162,12 +162,10 @@ class Zero3Stage(PartitionedStage):
             self.offload.save_grad(g.index, g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
             return
-        if final:
-            k = g.index
-            lo, hi = self.bounds[k]
-            real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
-            if real:
-                self.offload.grads_final(k, 0, real, g.grad())
+        lo, hi = self.bounds[g.index]
+        real = max(0, min(hi, g.layout.numel) - lo)   # the padding is never reported
+        if final and real:
+            self.offload.grads_final(g.index, 0, real, g.grad())
 
     def _finish_grads(self) -> None:
         self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
@@ -236,15 +234,13 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
-    held, before = [], {}
+    held = []
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
-        if modifier_rank is not None:   # this rank's partition as it was (the shard's values), to see what changed
-            for unit in units:
-                for g in unit.groups:
-                    lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    before[id(g)] = g.full[lo:hi].clone()
+        # this rank's partition as it was (the shard's values), to see what changed
+        before = {id(g): g.full[slice(*g.layout.partition(u.gatherer.dist.rank))].clone()
+                  for u in units for g in u.groups} if modifier_rank is not None else {}
         yield
         if modifier_rank is not None:
             wanted = {id(p) for p in sharded}
