@@ -31,20 +31,18 @@ def load(source: str | Path | Mapping) -> dict:
         found = path.is_file()
     except OSError:   # a name too long for a path (a real config in base64 is)
         found = False
-    if not found:
-        try:   # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it)
-            text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
-            decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
-        except ValueError:   # binascii.Error and UnicodeDecodeError are ValueErrors
-            raise ConfigError(f"ds_config: no such file: {path}") from None
+    if not found:   # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it)
+        text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
         try:   # duplicate keys refused as in a file (json keeps the last one silently)
-            data = json.loads(decoded, object_pairs_hook=_no_duplicates("the base64-encoded config"))
-        except json.JSONDecodeError:
-            raise ConfigError(f"ds_config: no such file: {path}") from None
+            data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode(),
+                              object_pairs_hook=_no_duplicates("the base64-encoded config"))
+        except ConfigError:
+            raise
+        except ValueError:   # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+            data = None
         if isinstance(data, dict):
             return data
         raise ConfigError(f"ds_config: no such file: {path}")
-
     try:
         data = json.loads(path.read_text(), object_pairs_hook=_no_duplicates(str(path)))
     except json.JSONDecodeError as e:
