@@ -43,14 +43,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
 
     def final(key: str) -> Any:
         """The value a key will have: command line > DeepSpeed layer > the run's config."""
-        if key in run.cli_keys or key not in values:
-            return run.value(key)
-        return values[key]
+        return run.value(key) if key in run.cli_keys or key not in values else values[key]
 
     # Group choices: a command-line choice that contradicts the file is a mismatch.
     for group, name in t.choices.items():
-        cli = run.cli_choices.get(group)
-        if cli is not None and cli != name:
+        if (cli := run.cli_choices.get(group, name)) != name:
             mismatches.append(f"{group}={cli} on the command line, but {t.choice_keys[group]} in the file means "
                               f"{group}={name}")
 
@@ -87,7 +84,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     d = settings.pop("_dtype.grad_accum_dtype", None)
     if d is not None:
         # precision.grad_accum_dtype: fp32, or the working dtype itself (precision.policies)
-        allowed = sorted({"fp32", precision}, key=lambda n: n != "fp32")
+        allowed = list(dict.fromkeys(("fp32", precision)))
         if DTYPES[d.value] in allowed:
             settings["precision.grad_accum_dtype"] = Setting(DTYPES[d.value], d.ds_key, d.source)
         else:
@@ -127,7 +124,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         values[key], sources[key] = s.value, s.source
 
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
-    lr = final("optimizer.lr")
+    lr, steps = final("optimizer.lr"), final("train.steps")
     s = t.settings.get("scheduler.warmup_max_lr")
     if s is not None:
         if s.value == AUTO:
@@ -138,7 +135,6 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
                 "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
             mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
                               f"\"auto\" or {fix})")
-    steps = final("train.steps")
     s = t.settings.get("scheduler.total_num_steps")
     if s is not None:
         if s.value == AUTO:
@@ -182,27 +178,21 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
     """DeepSpeed's batch triple: train = micro x accumulation x world. A missing one is derived from
     the other two (only micro given: accumulation 1; only train given: accumulation 1); "auto"
     (phase 1) takes micro and accumulation from the run's config and train from the product."""
-    world = run.world
-    tb, mb, ga = (b.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                     "gradient_accumulation_steps"))
-    derived = {}
-    for key, v in (("train.micro_batch", mb), ("train.grad_accum", ga)):
-        if v == AUTO:
-            sources[key] = AUTO_FILLED
-        elif v is not None:
-            derived[key] = v
+    world, tb = run.world, b.get("train_batch_size")
+    names = {"train.micro_batch": "train_micro_batch_size_per_gpu", "train.grad_accum": "gradient_accumulation_steps"}
+    stated = {key: b.get(name) for key, name in names.items()}
+    mb, ga = stated.values()
+    sources.update({key: AUTO_FILLED for key, v in stated.items() if v == AUTO})
+    derived = {key: v for key, v in stated.items() if v is not None and v != AUTO}
     if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
         # The missing member from the final values of the others: the command line's over the file's.
-        names = {"train.micro_batch": "train_micro_batch_size_per_gpu", "train.grad_accum": "gradient_accumulation_steps"}
         known = {k: (f"{k}={run.value(k)}", run.value(k)) if k in run.cli_keys else (f"{names[k]}={v}", v)
-                 for k, v in (("train.micro_batch", mb), ("train.grad_accum", ga))
-                 if k in run.cli_keys or v is not None}
-        if len(known) == 2:   # the missing one is on the command line: checked below
-            key = None
-        elif known:
+                 for k, v in stated.items() if k in run.cli_keys or v is not None}
+        key = None   # both known: the missing one is on the command line, checked below
+        if len(known) == 1:
             (given, (other, n)), = known.items()
             key = "train.grad_accum" if given == "train.micro_batch" else "train.micro_batch"
-        else:
+        elif not known:
             key, other, n = "train.micro_batch", "", 1
             derived["train.grad_accum"] = 1
         if key is not None:
@@ -212,13 +202,11 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
             derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
-    stated = {"train.micro_batch": ("train_micro_batch_size_per_gpu", mb), "train.grad_accum":
-              ("gradient_accumulation_steps", ga)}
     for key, v in derived.items():
         if key not in run.cli_keys:
             values[key], sources[key] = v, DS_FILE
-        elif stated[key][1] == v and run.value(key) != v:
-            overridden.append(f"{stated[key][0]}={v} in the file, {key}={run.value(key)} on the command line")
+        elif stated[key] == v and run.value(key) != v:
+            overridden.append(f"{names[key]}={v} in the file, {key}={run.value(key)} on the command line")
     if isinstance(tb, int):
         m, g = final("train.micro_batch"), final("train.grad_accum")
         if m * g * world != tb and not any("divisible" in x for x in mismatches):
