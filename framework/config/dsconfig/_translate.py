@@ -154,8 +154,9 @@ def translate(ds: dict) -> Translation:
     else:
         aio_keys(tr, top.get("aio"), applies=False)
     precision(tr, top)
-    optimizer(tr, top.get("optimizer"))
-    scheduler(tr, top.get("scheduler"))
+    for key, walk in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if top.get(key) is not None:
+            walk(tr, top[key])
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = tr.typed(top[key], "int", key, auto_ok=True) if key in top else None
         if value is not None and value != AUTO and value < 1:
@@ -166,8 +167,9 @@ def translate(ds: dict) -> Translation:
         tr.set("train.grad_clip", 1.0, "gradient_clipping", DS_DEFAULT)
     elif (v := tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)) is not None:
         tr.set("train.grad_clip", v, "gradient_clipping")
-    activation_checkpointing(tr, top.get("activation_checkpointing"))
-    compile_section(tr, top.get("compile"))
+    for key, walk in (("activation_checkpointing", activation_checkpointing), ("compile", compile_section)):
+        if top.get(key) is not None:
+            walk(tr, top[key])
     return tr
 
 
@@ -355,8 +357,7 @@ def precision(tr: Translation, top: dict) -> None:
     on = {n: tr.typed(sec.get("enabled", False), "bool", f"{n}.enabled", auto_ok=True) for n, sec in secs.items()}
     if on.get("fp16") is True and on.get("bf16") is True:
         tr.error("fp16.enabled and bf16.enabled are both true; enable one")
-    chosen = next((n for n in ("fp16", "bf16") if on.get(n) is True), None)
-    if chosen is not None:
+    if (chosen := next((n for n in ("fp16", "bf16") if on.get(n) is True), None)) is not None:
         tr.choose("precision", chosen, f"{chosen}.enabled")
     elif AUTO in on.values():
         # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
@@ -364,8 +365,8 @@ def precision(tr: Translation, top: dict) -> None:
         tr.set("_precision_auto", {n: on.get(n) for n in ("fp16", "bf16")}, "fp16.enabled / bf16.enabled")
     elif secs:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
-    if "fp16" in secs:
-        fp16 = secs["fp16"]
+    fp16, bf16 = secs.get("fp16"), secs.get("bf16")
+    if fp16 is not None:
         for key, kind in FP16_SCALER.items():
             v = tr.typed(fp16[key], kind, f"fp16.{key}") if key in fp16 else None
             if v is not None and on["fp16"] is False:
@@ -378,8 +379,7 @@ def precision(tr: Translation, top: dict) -> None:
         key = "fp16_master_weights_and_grads"
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
-    if "bf16" in secs:
-        bf16 = secs["bf16"]
+    if bf16 is not None:
         tr.inert_keys(bf16, dict.fromkeys(("immediate_grad_update", "check_grad_overflow"),
                                           "the bf16 step here is always the same"), "bf16.", kind="bool")
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
@@ -407,8 +407,6 @@ def precision(tr: Translation, top: dict) -> None:
 
 
 def optimizer(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"))
     tr.inert_keys(o, {"legacy_fusion": "selects a kernel"}, "optimizer.")
     low = _type(tr, o, "optimizer", OPTIMIZERS, NOT_IMPLEMENTED_OPTIMIZERS,
@@ -453,8 +451,6 @@ def optimizer(tr: Translation, node: Any) -> None:
 
 
 def scheduler(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     s = tr.section(node, "scheduler", ("type", "params"))
     low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
                 SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
@@ -496,8 +492,6 @@ def _type(tr: Translation, node: dict, section: str, have: Mapping, missing: Map
 
 
 def activation_checkpointing(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     a = tr.section(node, "activation_checkpointing", ACT_KEYS)
     # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
     # model that calls it (Megatron) uses; the run goes on without them.
@@ -507,8 +501,6 @@ def activation_checkpointing(tr: Translation, node: Any) -> None:
 
 
 def compile_section(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     c = tr.section(node, "compile", [*DEEPCOMPILE_KEYS, *TORCH_COMPILE_KEYS], strict=True)
     if tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile"):
         tr.error("compile.deepcompile=true: DeepCompile is not implemented here; remove it or give false")
