@@ -94,6 +94,15 @@ class Translation:
                 self.typed(node[key], kind, path + key)
             self.inert_key(path + key, whys[key])
 
+    def put(self, node: Mapping, key: str, kind: str, ours: str, path: str, use: bool = True, why: str = "") -> None:
+        """``node[key]`` (DeepSpeed's ``path + key``), when given and good: our key ``ours`` where ``use``,
+        else a note (``why``)."""
+        v = self.typed(node[key], kind, path + key) if key in node else None
+        if v is not None and use:
+            self.set(ours, v, path + key)
+        elif v is not None:
+            self.inert_key(path + key, why)
+
     def inert_or_error(self, inert: bool, ds_key: str, error: str, why: str = "switched off") -> None:
         """A key whose one value changes nothing here (a note) and whose others are refused."""
         if inert:
@@ -286,15 +295,6 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         elif values:
             tr.set(f"offload.{key}", *next(iter(values.items()))[::-1])
 
-    def keys(sec: dict, name: str, dev: str, table: tuple) -> None:
-        """(DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section."""
-        for key, ours, kind in table:
-            v = tr.typed(sec[key], kind, f"{Z}{name}.{key}") if key in sec else None
-            if v is not None and (dev == "nvme" or key == "ratio"):
-                tr.set(f"offload.{ours}", v, f"{Z}{name}.{key}")
-            elif v is not None:
-                tr.inert_key(f"{Z}{name}.{key}", "device cpu: NVMe buffers")
-
     for sec, name, dev in sections:
         if dev == "none":
             tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
@@ -311,17 +311,21 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-        keys(o, "offload_optimizer", od, (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
-                                      ("pipeline_read", "pipeline_read", "bool"),
-                                      ("pipeline_write", "pipeline_write", "bool"),
-                                      ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")))
-        tr.inert_keys(o, dict.fromkeys(("fast_init", "cpuadam_cores_perc"), "a speed knob of DeepSpeed's CPU optimizer"),
-                      f"{Z}offload_optimizer.")
+        # (DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section.
+        for key, ours, kind in (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
+                                ("pipeline_read", "pipeline_read", "bool"),
+                                ("pipeline_write", "pipeline_write", "bool"),
+                                ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")):
+            tr.put(o, key, kind, f"offload.{ours}", f"{Z}offload_optimizer.", od == "nvme" or key == "ratio",
+                   "device cpu: NVMe buffers")
+        tr.inert_keys(o, dict.fromkeys(("fast_init", "cpuadam_cores_perc"),
+                                       "a speed knob of DeepSpeed's CPU optimizer"), f"{Z}offload_optimizer.")
         if "super_offload" in o and o["super_offload"] is not False:
             tr.error(f"{Z}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
-        keys(q, "offload_param", pd, (("buffer_count", "param_buffer_count", "int"),
-                                  ("buffer_size", "param_buffer_size", "int"), ("max_in_cpu", "max_in_cpu", "int")))
+        for key, ours in (("buffer_count", "param_buffer_count"), ("buffer_size", "param_buffer_size"),
+                          ("max_in_cpu", "max_in_cpu")):
+            tr.put(q, key, "int", f"offload.{ours}", f"{Z}offload_param.", pd == "nvme", "device cpu: NVMe buffers")
     if sub_group_size is not None:
         v = tr.typed(sub_group_size, "int", Z + "sub_group_size")
         if v is not None and od == "nvme":
@@ -341,14 +345,11 @@ def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
             tr.error("aio.thread_count and aio.intra_op_parallelism are the same key; keep intra_op_parallelism")
         a["intra_op_parallelism"] = a.pop("thread_count")
     for key, value in a.items():
-        v = tr.typed(value, AIO_KEYS[key], f"aio.{key}")
-        if v is not None and key == "use_gds":
+        if key != "use_gds":
+            tr.put(a, key, AIO_KEYS[key], f"offload.aio.{key}", "aio.", applies, "no NVMe offload")
+        elif (v := tr.typed(value, "bool", "aio.use_gds")) is not None:
             tr.inert_or_error(not v, "aio.use_gds", "aio.use_gds: GPUDirect Storage is not implemented here; remove it",
                               "false")
-        elif v is not None and applies:
-            tr.set(f"offload.aio.{key}", v, f"aio.{key}")
-        elif v is not None:
-            tr.inert_key(f"aio.{key}", "no NVMe offload")
 
 
 def precision(tr: Translation, top: dict) -> None:
@@ -368,11 +369,7 @@ def precision(tr: Translation, top: dict) -> None:
     fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
         for key, kind in FP16_SCALER.items():
-            v = tr.typed(fp16[key], kind, f"fp16.{key}") if key in fp16 else None
-            if v is not None and on["fp16"] is False:
-                tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
-            elif v is not None:
-                tr.set(f"_fp16.{key}", v, f"fp16.{key}")
+            tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
             tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
                                              "precision=fp16 computes in fp16 already")
@@ -386,9 +383,8 @@ def precision(tr: Translation, top: dict) -> None:
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
                          f"fp32); remove it")
-    if (comm := top.get("communication_data_type")) is not None:   # (DeepSpeed reads null as not given)
-        if (v := tr.typed(comm, "str", "communication_data_type")) is not None:
-            tr.set("_comm_dtype", v, "communication_data_type")
+    if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
+        tr.put(top, "communication_data_type", "str", "_comm_dtype", "")
     if "data_types" in top:
         d = tr.section(top["data_types"], "data_types",
                        ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
