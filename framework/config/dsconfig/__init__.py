@@ -22,8 +22,7 @@ from framework.config.dsconfig._translate import translate
 
 
 def load(source: str | Path | Mapping) -> dict:
-    """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping
-    (copied)."""
+    """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping (copied)."""
     if isinstance(source, Mapping):
         return json.loads(json.dumps(source))  # a deep, plain copy; non-JSON values fail here
     path = Path(source)
@@ -61,11 +60,9 @@ def load(source: str | Path | Mapping) -> dict:
 def _no_duplicates(where: str):
     """A json object_pairs_hook refusing a key given twice in one object."""
     def hook(pairs: list) -> dict:
-        out = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
-            out[key] = value
+        if len(out := dict(pairs)) < len(pairs):
+            key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+            raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
         return out
     return hook
 

@@ -34,8 +34,7 @@ class Resolved:
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:
-    """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists
-    every mismatch."""
+    """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists every mismatch."""
     values, sources, mismatches, leftover, notes, overridden = {}, {}, [], [], [], []
     h = run.hidden_size
     # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)

@@ -95,8 +95,7 @@ class Translation:
             self.inert_key(path + key, whys[key])
 
     def put(self, node: Mapping, key: str, kind: str, ours: str, path: str, use: bool = True, why: str = "") -> None:
-        """``node[key]`` (DeepSpeed's ``path + key``), when given and good: our key ``ours`` where ``use``,
-        else a note (``why``)."""
+        """``node[key]``, when given and good: our key ``ours`` where ``use``, else a note (``why``)."""
         v = self.typed(node[key], kind, path + key) if key in node else None
         if v is not None and use:
             self.set(ours, v, path + key)
@@ -111,8 +110,7 @@ class Translation:
             self.error(error)
 
     def typed(self, value: Any, kind: str, ds_key: str, auto_ok: bool = False) -> Any:
-        """Check and convert a JSON value: 'int' (integral floats such as 1e9 accepted), 'float',
-        'bool', 'str'. None when the value is bad (the error is recorded)."""
+        """A JSON value as ``kind`` (an integral float such as 1e9 is an int); None when bad (an error)."""
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if value == AUTO and auto_ok:
             return AUTO
