@@ -106,21 +106,18 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         if key.startswith("_inert."):   # an "auto" with a size rule, resolved though nothing reads it
             if h is None:
                 leftover.append(f"{s.ds_key} (needs the model's hidden size)")
-            continue
-        if s.value == AUTO:
-            if s.rule in ("h*h", "0.9*h*h", "10*h") and h is None:
-                leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
-            elif s.rule in sizes or s.rule == "warmup_min_lr":      # warmup_min_lr: fill only, 0
-                values[key], sources[key] = sizes.get(s.rule, 0.0), AUTO_FILLED
-            else:
-                sources[key] = AUTO_FILLED                          # the run's own value stays
-            continue
-        if key in run.cli_keys:                                     # the command line wins
+        elif s.value == AUTO and s.rule in ("h*h", "0.9*h*h", "10*h") and h is None:
+            leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
+        elif s.value == AUTO:
+            if s.rule in sizes or s.rule == "warmup_min_lr":      # warmup_min_lr: fill only, 0
+                values[key] = sizes.get(s.rule, 0.0)
+            sources[key] = AUTO_FILLED                          # (else the run's own value stays)
+        elif key in run.cli_keys:                                   # the command line wins
             if s.source == DS_FILE and run.value(key) != s.value:
                 overridden.append(f"{s.ds_key}={_show(s.value)} in the file, {key}={_show(run.value(key))} "
                                   f"on the command line")
-            continue
-        values[key], sources[key] = s.value, s.source
+        else:
+            values[key], sources[key] = s.value, s.source
 
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
     lr, steps = final("optimizer.lr"), final("train.steps")
