@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Mapping
 
@@ -26,11 +27,9 @@ def load(source: str | Path | Mapping) -> dict:
     if isinstance(source, Mapping):
         return json.loads(json.dumps(source))  # a deep, plain copy; non-JSON values fail here
     path = Path(source)
-    try:
-        found = path.is_file()
-    except OSError:   # a name too long for a path (a real config in base64 is)
-        found = False
-    if not found:   # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it)
+    # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
+    # error, for a name too long for a path (a real config in base64 is)
+    if not os.path.isfile(path):
         text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
         try:   # duplicate keys refused as in a file (json keeps the last one silently)
             data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode(),

@@ -53,8 +53,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     # fp16/bf16 "auto": Hugging Face phase 1 takes the run's precision.
     precision = t.choices.get("precision") or run.cli_choices.get("precision") or run.value("precision.name")
     settings = dict(t.settings)
-    pa = settings.pop("_precision_auto", None)
-    if pa is not None:
+    if (pa := settings.pop("_precision_auto", None)) is not None:
         if pa.value.get(precision) is False:
             mismatches.append(f"precision={precision} in the run's config, but the file says {precision}.enabled "
                               f"false")
@@ -68,8 +67,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             unused = [k for k, s in fp16_keys.items() if k != "loss_scale" and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
-    comm = settings.pop("_comm_dtype", None)
-    if comm is not None:
+    if (comm := settings.pop("_comm_dtype", None)) is not None:
         value = comm.value.lower()   # as DeepSpeed reads it ("FP32" is fp32)
         if value not in ("fp16", "bf16", "fp32"):
             mismatches.append(f"communication_data_type={json.dumps(comm.value)} is not one DeepSpeed knows; give "
@@ -80,8 +78,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
-    d = settings.pop("_dtype.grad_accum_dtype", None)
-    if d is not None:
+    if (d := settings.pop("_dtype.grad_accum_dtype", None)) is not None:
         # precision.grad_accum_dtype: fp32, or the working dtype itself (precision.policies)
         allowed = list(dict.fromkeys(("fp32", precision)))
         if DTYPES[d.value] in allowed:

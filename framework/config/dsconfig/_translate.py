@@ -279,8 +279,18 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         tr.error(f"{Z}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
-    def both(key: str, kind: str, inert: str = "") -> None:
-        """``key`` of the sections in use: one value applies to both, or it is ``inert`` (why)."""
+    for sec, name, dev in sections:
+        if dev == "none":
+            tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
+    if opt is not None or param is not None:  # absent sections leave the run's offload choice
+        tr.choose("offload", target, f"{Z}offload_optimizer.device / offload_param.device")
+    # (with target none both devices are none: only the offload_*.device checks above apply)
+    if target != "none":
+        tr.set("offload.params", pd, f"{Z}offload_param.device")
+    if target == "nvme":
+        tr.set("offload.optimizer", od, f"{Z}offload_optimizer.device")
+    for key, kind, inert in (("nvme_path", "str", "" if target == "nvme" else "device cpu"),
+                             ("pin_memory", "bool", "")):   # one value for both sections in use, or inert (why)
         values = {}
         for sec, name, dev in sections:
             if key in sec and dev != "none" and inert:
@@ -292,19 +302,6 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
                      f"one value applies to both here")
         elif values:
             tr.set(f"offload.{key}", *next(iter(values.items()))[::-1])
-
-    for sec, name, dev in sections:
-        if dev == "none":
-            tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
-    if opt is not None or param is not None:  # absent sections leave the run's offload choice
-        tr.choose("offload", target, f"{Z}offload_optimizer.device / offload_param.device")
-    # (with target none both devices are none: only the offload_*.device checks above apply)
-    if target != "none":
-        tr.set("offload.params", pd, f"{Z}offload_param.device")
-    if target == "nvme":
-        tr.set("offload.optimizer", od, f"{Z}offload_optimizer.device")
-    both("nvme_path", "str", "" if target == "nvme" else "device cpu")
-    both("pin_memory", "bool")
     if od != "none":
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
