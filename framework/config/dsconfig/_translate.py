@@ -73,8 +73,8 @@ class Translation:
                 self.unknown.append(pre + key)
         if refused:
             many = len(refused) > 1
-            self.error(f"{path}: unknown key{'s' * many} {', '.join(refused)} (DeepSpeed rejects unknown keys in "
-                       f"{path}); remove {'them' if many else 'it'}")
+            self.error(f"{path}: unknown key{'s' if many else ''} {', '.join(refused)} (DeepSpeed rejects unknown "
+                       f"keys in {path}); remove {'them' if many else 'it'}")
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:
@@ -124,7 +124,8 @@ class Translation:
             if -2 ** 63 <= value < 2 ** 63:
                 return int(value)
             self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
-        elif (kind == "float" and number) or isinstance(value, {"bool": bool, "str": str}.get(kind, ())):
+        elif (kind == "float" and number) or (kind == "bool" and isinstance(value, bool)) \
+                or (kind == "str" and isinstance(value, str)):
             return float(value) if kind == "float" else value
         else:
             self.error(f"{ds_key} must be {KINDS[kind]}, got {json.dumps(value)}")
