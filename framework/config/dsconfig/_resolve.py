@@ -119,22 +119,20 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
     lr, steps = final("optimizer.lr"), final("train.steps")
     s = t.settings.get("scheduler.warmup_max_lr")
-    if s is not None:
-        if s.value == AUTO:
-            values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
-        elif s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
-            # the lr from the file's optimizer section, or else from the run's config
-            fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
-                "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
-            mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
-                              f"\"auto\" or {fix})")
+    if s is not None and s.value == AUTO:
+        values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
+    elif s is not None and s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+        # the lr from the file's optimizer section, or else from the run's config
+        fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
+            "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
+        mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
+                          f"\"auto\" or {fix})")
     s = t.settings.get("scheduler.total_num_steps")
-    if s is not None:
-        if s.value == AUTO:
-            values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
-        elif "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
-            mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} (give \"auto\" "
-                              f"or train.steps={s.value})")
+    if s is not None and s.value == AUTO:
+        values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
+    elif s is not None and "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
+        mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} (give \"auto\" "
+                          f"or train.steps={s.value})")
     s = t.settings.get("scheduler.warmup_num_steps")
     if s is not None and run.warmup is not None:
         own, chosen = run.warmup
