@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 from pathlib import Path
 from typing import Mapping
 
@@ -22,29 +23,24 @@ from framework.config.dsconfig._translate import translate
 
 
 def load(source: str | Path | Mapping) -> dict:
-    """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping
-    (copied)."""
+    """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping (copied)."""
     if isinstance(source, Mapping):
         return json.loads(json.dumps(source))  # a deep, plain copy; non-JSON values fail here
     path = Path(source)
-    try:
-        found = path.is_file()
-    except OSError:   # a name too long for a path (a real config in base64 is)
-        found = False
-    if not found:
-        try:   # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it)
-            text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
-            decoded = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode()
-        except ValueError:   # binascii.Error and UnicodeDecodeError are ValueErrors
-            raise ConfigError(f"ds_config: no such file: {path}") from None
+    # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
+    # error, for a name too long for a path (a real config in base64 is)
+    if not os.path.isfile(path):
+        text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
         try:   # duplicate keys refused as in a file (json keeps the last one silently)
-            data = json.loads(decoded, object_pairs_hook=_no_duplicates("the base64-encoded config"))
-        except json.JSONDecodeError:
-            raise ConfigError(f"ds_config: no such file: {path}") from None
+            data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode(),
+                              object_pairs_hook=_no_duplicates("the base64-encoded config"))
+        except ConfigError:
+            raise
+        except ValueError:   # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
+            data = None
         if isinstance(data, dict):
             return data
         raise ConfigError(f"ds_config: no such file: {path}")
-
     try:
         data = json.loads(path.read_text(), object_pairs_hook=_no_duplicates(str(path)))
     except json.JSONDecodeError as e:
@@ -63,11 +59,9 @@ def load(source: str | Path | Mapping) -> dict:
 def _no_duplicates(where: str):
     """A json object_pairs_hook refusing a key given twice in one object."""
     def hook(pairs: list) -> dict:
-        out = {}
-        for key, value in pairs:
-            if key in out:
-                raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
-            out[key] = value
+        if len(out := dict(pairs)) < len(pairs):
+            key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+            raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
         return out
     return hook
 

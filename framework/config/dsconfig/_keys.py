@@ -167,14 +167,10 @@ def close(key: str, valid) -> str | None:
     # key close (else it would be ignored and the run would go fp32). Then the usual misnames; then
     # stricter than for our own keys: DeepSpeed's sections hold many short, similar names; the
     # same words in another order (comm_overlap for overlap_comm) count as close too.
-    valid = list(valid)
-    low = key.lower()
-    same = next((v for v in valid if v.lower() == low), None) or \
-        (MISNAMES[low] if MISNAMES.get(low) in valid else None)
-    if same is not None:
-        return same
-    words = sorted(key.split("_"))
-    return closest(key, valid, cutoff=0.75) or next((v for v in valid if sorted(v.split("_")) == words), None)
+    valid, low, words = list(valid), key.lower(), sorted(key.split("_"))
+    return (next((v for v in valid if v.lower() == low), None)
+            or (MISNAMES[low] if MISNAMES.get(low) in valid else None) or closest(key, valid, cutoff=0.75)
+            or next((v for v in valid if sorted(v.split("_")) == words), None))
 
 
 def switched_off(value: Any, key: str) -> bool:

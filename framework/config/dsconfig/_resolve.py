@@ -34,8 +34,7 @@ class Resolved:
 
 
 def resolve(t: Translation, run: RunFacts) -> Resolved:
-    """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists
-    every mismatch."""
+    """Fill "auto", derive the batch triple, check must-match relations; one ConfigError lists every mismatch."""
     values, sources, mismatches, leftover, notes, overridden = {}, {}, [], [], [], []
     h = run.hidden_size
     # Hugging Face's phase 2: sizes from the model's hidden size (None: unknown)
@@ -43,22 +42,18 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
 
     def final(key: str) -> Any:
         """The value a key will have: command line > DeepSpeed layer > the run's config."""
-        if key in run.cli_keys or key not in values:
-            return run.value(key)
-        return values[key]
+        return run.value(key) if key in run.cli_keys or key not in values else values[key]
 
     # Group choices: a command-line choice that contradicts the file is a mismatch.
     for group, name in t.choices.items():
-        cli = run.cli_choices.get(group)
-        if cli is not None and cli != name:
+        if (cli := run.cli_choices.get(group, name)) != name:
             mismatches.append(f"{group}={cli} on the command line, but {t.choice_keys[group]} in the file means "
                               f"{group}={name}")
 
     # fp16/bf16 "auto": Hugging Face phase 1 takes the run's precision.
     precision = t.choices.get("precision") or run.cli_choices.get("precision") or run.value("precision.name")
     settings = dict(t.settings)
-    pa = settings.pop("_precision_auto", None)
-    if pa is not None:
+    if (pa := settings.pop("_precision_auto", None)) is not None:
         if pa.value.get(precision) is False:
             mismatches.append(f"precision={precision} in the run's config, but the file says {precision}.enabled "
                               f"false")
@@ -72,8 +67,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             unused = [k for k, s in fp16_keys.items() if k != "loss_scale" and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
-    comm = settings.pop("_comm_dtype", None)
-    if comm is not None:
+    if (comm := settings.pop("_comm_dtype", None)) is not None:
         value = comm.value.lower()   # as DeepSpeed reads it ("FP32" is fp32)
         if value not in ("fp16", "bf16", "fp32"):
             mismatches.append(f"communication_data_type={json.dumps(comm.value)} is not one DeepSpeed knows; give "
@@ -84,10 +78,9 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
-    d = settings.pop("_dtype.grad_accum_dtype", None)
-    if d is not None:
+    if (d := settings.pop("_dtype.grad_accum_dtype", None)) is not None:
         # precision.grad_accum_dtype: fp32, or the working dtype itself (precision.policies)
-        allowed = sorted({"fp32", precision}, key=lambda n: n != "fp32")
+        allowed = list(dict.fromkeys(("fp32", precision)))
         if DTYPES[d.value] in allowed:
             settings["precision.grad_accum_dtype"] = Setting(DTYPES[d.value], d.ds_key, d.source)
         else:
@@ -110,42 +103,36 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         if key.startswith("_inert."):   # an "auto" with a size rule, resolved though nothing reads it
             if h is None:
                 leftover.append(f"{s.ds_key} (needs the model's hidden size)")
-            continue
-        if s.value == AUTO:
-            if s.rule in ("h*h", "0.9*h*h", "10*h") and h is None:
-                leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
-            elif s.rule in sizes or s.rule == "warmup_min_lr":      # warmup_min_lr: fill only, 0
-                values[key], sources[key] = sizes.get(s.rule, 0.0), AUTO_FILLED
-            else:
-                sources[key] = AUTO_FILLED                          # the run's own value stays
-            continue
-        if key in run.cli_keys:                                     # the command line wins
+        elif s.value == AUTO and s.rule in ("h*h", "0.9*h*h", "10*h") and h is None:
+            leftover.append(f"{s.ds_key} (the model's hidden size is unknown: give a number)")
+        elif s.value == AUTO:
+            if s.rule in sizes or s.rule == "warmup_min_lr":      # warmup_min_lr: fill only, 0
+                values[key] = sizes.get(s.rule, 0.0)
+            sources[key] = AUTO_FILLED                          # (else the run's own value stays)
+        elif key in run.cli_keys:                                   # the command line wins
             if s.source == DS_FILE and run.value(key) != s.value:
                 overridden.append(f"{s.ds_key}={_show(s.value)} in the file, {key}={_show(run.value(key))} "
                                   f"on the command line")
-            continue
-        values[key], sources[key] = s.value, s.source
+        else:
+            values[key], sources[key] = s.value, s.source
 
     # Scheduler relations (phase 1 and 2): "auto" takes the run's value, a stated one must match it.
-    lr = final("optimizer.lr")
+    lr, steps = final("optimizer.lr"), final("train.steps")
     s = t.settings.get("scheduler.warmup_max_lr")
-    if s is not None:
-        if s.value == AUTO:
-            values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
-        elif s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
-            # the lr from the file's optimizer section, or else from the run's config
-            fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
-                "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
-            mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
-                              f"\"auto\" or {fix})")
-    steps = final("train.steps")
+    if s is not None and s.value == AUTO:
+        values["scheduler.warmup_max_lr"], sources["scheduler.warmup_max_lr"] = lr, AUTO_FILLED
+    elif s is not None and s.source == DS_FILE and "scheduler.warmup_max_lr" not in run.cli_keys and s.value != lr:
+        # the lr from the file's optimizer section, or else from the run's config
+        fix = f"make optimizer.params.lr {s.value}" if "optimizer.lr" in t.settings and \
+            "optimizer.lr" not in run.cli_keys else f"give optimizer.lr={s.value}"
+        mismatches.append(f"scheduler.params.warmup_max_lr={s.value} but the optimizer's lr is {lr} (give "
+                          f"\"auto\" or {fix})")
     s = t.settings.get("scheduler.total_num_steps")
-    if s is not None:
-        if s.value == AUTO:
-            values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
-        elif "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
-            mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} (give \"auto\" "
-                              f"or train.steps={s.value})")
+    if s is not None and s.value == AUTO:
+        values["scheduler.total_num_steps"], sources["scheduler.total_num_steps"] = steps, AUTO_FILLED
+    elif s is not None and "scheduler.total_num_steps" not in run.cli_keys and s.value != steps:
+        mismatches.append(f"scheduler.params.total_num_steps={s.value} but train.steps={steps} (give \"auto\" "
+                          f"or train.steps={s.value})")
     s = t.settings.get("scheduler.warmup_num_steps")
     if s is not None and run.warmup is not None:
         own, chosen = run.warmup
@@ -182,27 +169,21 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
     """DeepSpeed's batch triple: train = micro x accumulation x world. A missing one is derived from
     the other two (only micro given: accumulation 1; only train given: accumulation 1); "auto"
     (phase 1) takes micro and accumulation from the run's config and train from the product."""
-    world = run.world
-    tb, mb, ga = (b.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
-                                     "gradient_accumulation_steps"))
-    derived = {}
-    for key, v in (("train.micro_batch", mb), ("train.grad_accum", ga)):
-        if v == AUTO:
-            sources[key] = AUTO_FILLED
-        elif v is not None:
-            derived[key] = v
+    world, tb = run.world, b.get("train_batch_size")
+    names = {"train.micro_batch": "train_micro_batch_size_per_gpu", "train.grad_accum": "gradient_accumulation_steps"}
+    stated = {key: b.get(name) for key, name in names.items()}
+    mb, ga = stated.values()
+    sources.update({key: AUTO_FILLED for key, v in stated.items() if v == AUTO})
+    derived = {key: v for key, v in stated.items() if v is not None and v != AUTO}
     if isinstance(tb, int) and None in (mb, ga) and AUTO not in (mb, ga):
         # The missing member from the final values of the others: the command line's over the file's.
-        names = {"train.micro_batch": "train_micro_batch_size_per_gpu", "train.grad_accum": "gradient_accumulation_steps"}
         known = {k: (f"{k}={run.value(k)}", run.value(k)) if k in run.cli_keys else (f"{names[k]}={v}", v)
-                 for k, v in (("train.micro_batch", mb), ("train.grad_accum", ga))
-                 if k in run.cli_keys or v is not None}
-        if len(known) == 2:   # the missing one is on the command line: checked below
-            key = None
-        elif known:
+                 for k, v in stated.items() if k in run.cli_keys or v is not None}
+        key = None   # both known: the missing one is on the command line, checked below
+        if len(known) == 1:
             (given, (other, n)), = known.items()
             key = "train.grad_accum" if given == "train.micro_batch" else "train.micro_batch"
-        else:
+        elif not known:
             key, other, n = "train.micro_batch", "", 1
             derived["train.grad_accum"] = 1
         if key is not None:
@@ -212,13 +193,11 @@ def _batch(b: dict, run: RunFacts, final: Callable[[str], Any], values: dict, so
             derived[key] = max(1, tb // (n * world))
     elif tb is None and isinstance(mb, int) and ga is None:
         derived["train.grad_accum"] = 1
-    stated = {"train.micro_batch": ("train_micro_batch_size_per_gpu", mb), "train.grad_accum":
-              ("gradient_accumulation_steps", ga)}
     for key, v in derived.items():
         if key not in run.cli_keys:
             values[key], sources[key] = v, DS_FILE
-        elif stated[key][1] == v and run.value(key) != v:
-            overridden.append(f"{stated[key][0]}={v} in the file, {key}={run.value(key)} on the command line")
+        elif stated[key] == v and run.value(key) != v:
+            overridden.append(f"{names[key]}={v} in the file, {key}={run.value(key)} on the command line")
     if isinstance(tb, int):
         m, g = final("train.micro_batch"), final("train.grad_accum")
         if m * g * world != tb and not any("divisible" in x for x in mismatches):

@@ -15,6 +15,9 @@ from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASE
                                              STAGES, TORCH_COMPILE_KEYS, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
                                              ZERO_STAGE, close, switched_off)
 
+Z = "zero_optimization."
+KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -43,8 +46,7 @@ class Translation:
                        "this an error): " + ", ".join(self.unknown))
         if self.inert or inert:
             out.append("note: ds_config: accepted, change nothing here: " + "; ".join([*self.inert, *inert]))
-        out += [f"note: ds_config: {n}" for n in notes]
-        return out
+        return out + [f"note: ds_config: {n}" for n in notes]
 
     def error(self, msg: str) -> None:
         self.errors.append(msg)
@@ -59,10 +61,9 @@ class Translation:
             return {}
         out, aliases, pre, refused = {}, aliases or {}, f"{path}." if path else "", []
         for key, value in node.items():
-            if key in known:
-                out[key] = value
-            elif key in aliases:
+            if key in aliases:
                 self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
+            if key in known or key in aliases:
                 out[key] = value
             elif (near := close(key, [*known, *aliases])) is not None:
                 self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
@@ -71,8 +72,9 @@ class Translation:
             else:
                 self.unknown.append(pre + key)
         if refused:
-            self.error(f"{path}: unknown key{'s' if len(refused) > 1 else ''} {', '.join(refused)} (DeepSpeed "
-                       f"rejects unknown keys in {path}); remove {'them' if len(refused) > 1 else 'it'}")
+            many = len(refused) > 1
+            self.error(f"{path}: unknown key{'s' if many else ''} {', '.join(refused)} (DeepSpeed rejects unknown "
+                       f"keys in {path}); remove {'them' if many else 'it'}")
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:
@@ -85,6 +87,21 @@ class Translation:
     def inert_key(self, ds_key: str, why: str) -> None:
         self.inert.append(f"{ds_key} ({why})")
 
+    def inert_keys(self, node: Mapping, whys: Mapping[str, str], path: str = "", kind: str = "") -> None:
+        """A note for each key of ``whys`` that ``node`` has (its value checked as ``kind`` first, if given)."""
+        for key in (k for k in whys if k in node):
+            if kind:
+                self.typed(node[key], kind, path + key)
+            self.inert_key(path + key, whys[key])
+
+    def put(self, node: Mapping, key: str, kind: str, ours: str, path: str, use: bool = True, why: str = "") -> None:
+        """``node[key]``, when given and good: our key ``ours`` where ``use``, else a note (``why``)."""
+        v = self.typed(node[key], kind, path + key) if key in node else None
+        if v is not None and use:
+            self.set(ours, v, path + key)
+        elif v is not None:
+            self.inert_key(path + key, why)
+
     def inert_or_error(self, inert: bool, ds_key: str, error: str, why: str = "switched off") -> None:
         """A key whose one value changes nothing here (a note) and whose others are refused."""
         if inert:
@@ -93,39 +110,26 @@ class Translation:
             self.error(error)
 
     def typed(self, value: Any, kind: str, ds_key: str, auto_ok: bool = False) -> Any:
-        """Check and convert a JSON value: 'int' (integral floats such as 1e9 accepted), 'float',
-        'bool', 'str'. None when the value is bad (the error is recorded)."""
+        """A JSON value as ``kind`` (an integral float such as 1e9 is an int); None when bad (an error)."""
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value == AUTO and auto_ok:
+            return AUTO
         if value == AUTO:
-            if auto_ok:
-                return AUTO
             self.error(f"{ds_key} is \"auto\" but no rule fills it here; give a value")
-            return None
-        ok = None
-        if isinstance(value, float) and not math.isfinite(value) and kind in ("int", "float"):
+        elif isinstance(value, float) and not math.isfinite(value) and kind in ("int", "float"):
             # Python's json reads NaN and Infinity (and 1e309 as inf): a NaN limit disables the
             # comparison it feeds (gradient_clipping: NaN would never clip).
             self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
-            return None
-        if kind == "int" and not isinstance(value, bool):
-            if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
-                ok = int(value)
-            if ok is not None and not -2 ** 63 <= ok < 2 ** 63:
-                self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
-                return None
-        elif kind == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
-            ok = float(value)
-        elif kind in ("bool", "str") and isinstance(value, bool if kind == "bool" else str):
-            ok = value
-        if ok is None:
-            want = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}[kind]
-            self.error(f"{ds_key} must be {want}, got {json.dumps(value)}")
-        return ok
-
-    def put(self, node: Mapping, key: str, kind: str, ours: str, path: str = "", auto_ok: bool = False,
-            rule: str = "") -> None:
-        """``node[key]`` (DeepSpeed's ``path + key``), when given and good, set as our key ``ours``."""
-        if key in node and (value := self.typed(node[key], kind, path + key, auto_ok)) is not None:
-            self.set(ours, value, path + key, rule=rule)
+        elif kind == "int" and number and (isinstance(value, int) or value.is_integer()):
+            if -2 ** 63 <= value < 2 ** 63:
+                return int(value)
+            self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
+        elif (kind == "float" and number) or (kind == "bool" and isinstance(value, bool)) \
+                or (kind == "str" and isinstance(value, str)):
+            return float(value) if kind == "float" else value
+        else:
+            self.error(f"{ds_key} must be {KINDS[kind]}, got {json.dumps(value)}")
+        return None
 
 
 def translate(ds: dict) -> Translation:
@@ -135,9 +139,7 @@ def translate(ds: dict) -> Translation:
         if "bf16" in top:
             tr.error("both 'bf16' and its deprecated alias 'bfloat16' are given; keep 'bf16'")
         top["bf16"] = top.pop("bfloat16")
-    for key, why in INERT_TOP.items():
-        if key in top:
-            tr.inert_key(key, why)
+    tr.inert_keys(top, INERT_TOP)
     for key, (inert, why, what) in AS_HERE.items():
         if key in top:
             tr.inert_or_error(top[key] == inert, key, f"{key}={json.dumps(top[key])} is not supported here "
@@ -145,10 +147,9 @@ def translate(ds: dict) -> Translation:
     for key, what in FEATURES.items():
         if key in top:
             tr.inert_or_error(switched_off(top[key], key), key, f"'{key}': {what} is not implemented here; remove it")
-    if isinstance(top.get("zero_optimization"), bool):
+    if isinstance(on := top.get("zero_optimization"), bool):
         # DeepSpeed's deprecated form: true is stage 1 (whose allgather bucket the top-level
         # allgather_size sizes), false stage 0.
-        on = top["zero_optimization"]
         tr.warnings.append(f"'zero_optimization': {json.dumps(on)} is deprecated; use "
                            f"'zero_optimization': {{\"stage\": {int(on)}}}")
         top["zero_optimization"] = {"stage": int(on)}
@@ -158,76 +159,75 @@ def translate(ds: dict) -> Translation:
         tr.inert_key("allgather_size", "DeepSpeed reads it only with \"zero_optimization\": true")
     if "zero_optimization" in top:
         zero(tr, top["zero_optimization"], top.get("aio"))
-    elif "aio" in top:
-        aio_keys(tr, top["aio"], applies=False)
+    else:
+        aio_keys(tr, top.get("aio"), applies=False)
     precision(tr, top)
-    optimizer(tr, top.get("optimizer"))
-    scheduler(tr, top.get("scheduler"))
+    for key, walk in (("optimizer", optimizer), ("scheduler", scheduler)):
+        if top.get(key) is not None:
+            walk(tr, top[key])
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if key in top:
-            value = tr.typed(top[key], "int", key, auto_ok=True)
-            if value is not None and value != AUTO and value < 1:
-                tr.error(f"{key} must be >= 1, got {value}")
-            elif value is not None:
-                tr.batch[key] = value
+        value = tr.typed(top[key], "int", key, auto_ok=True) if key in top else None
+        if value is not None and value != AUTO and value < 1:
+            tr.error(f"{key} must be >= 1, got {value}")
+        elif value is not None:
+            tr.batch[key] = value
     if "gradient_clipping" not in top:  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT
         tr.set("train.grad_clip", 1.0, "gradient_clipping", DS_DEFAULT)
-    tr.put(top, "gradient_clipping", "float", "train.grad_clip", auto_ok=True, rule="train.grad_clip")
-    activation_checkpointing(tr, top.get("activation_checkpointing"))
-    compile_section(tr, top.get("compile"))
+    elif (v := tr.typed(top["gradient_clipping"], "float", "gradient_clipping", auto_ok=True)) is not None:
+        tr.set("train.grad_clip", v, "gradient_clipping")
+    for key, walk in (("activation_checkpointing", activation_checkpointing), ("compile", compile_section)):
+        if top.get(key) is not None:
+            walk(tr, top[key])
     return tr
 
 
 def zero(tr: Translation, node: Any, aio: Any) -> None:
     z = tr.section(node, "zero_optimization",
                    [*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS)], ALIASES_ZERO, strict=True)
-    stage = tr.typed(z.get("stage", 0), "int", "zero_optimization.stage")
-    if stage is not None and stage not in STAGES:
-        tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
-    if stage not in STAGES:   # (None: a bad value, already an error)
+    stage = tr.typed(z.get("stage", 0), "int", Z + "stage")
+    if stage not in STAGES:
+        if stage is not None:   # (None: a bad value, already an error)
+            tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
         return
-    name = STAGES[stage]
-    tr.choose("stage", name, "zero_optimization.stage")
-    p = "zero_optimization."
+    tr.choose("stage", STAGES[stage], Z + "stage")
     # Deprecated spellings -> the current keys.
     old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
     if old in z and new in z and z[old] != z[new]:
-        tr.error(f"{p}{old} and {p}{new} are the same key with different values ({json.dumps(z[old])} and "
+        tr.error(f"{Z}{old} and {Z}{new} are the same key with different values ({json.dumps(z[old])} and "
                  f"{json.dumps(z[new])}); keep one")
     if old in z:
         z.setdefault(new, z.pop(old))
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if switch in z and tr.typed(z.pop(switch), "bool", p + switch) and z.get(section) is None:
+        if switch in z and tr.typed(z.pop(switch), "bool", Z + switch) and z.get(section) is None:
             z[section] = {"device": "cpu"}
     if "cpu_offload_use_pin_memory" in z:
-        pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", p + "cpu_offload_use_pin_memory")
+        pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", Z + "cpu_offload_use_pin_memory")
         for sec in (z.get("offload_optimizer"), z.get("offload_param")):
             if isinstance(sec, dict):
                 sec.setdefault("pin_memory", pin)
     for k in STAGE3_KEYS:
         long = f"stage3_{k}"
         if k in z and long in z and z[k] != z[long]:
-            tr.error(f"{p}{k} and {p}{long} are the same key with different values ({json.dumps(z[k])} "
+            tr.error(f"{Z}{k} and {Z}{long} are the same key with different values ({json.dumps(z[k])} "
                      f"and {json.dumps(z[long])}); keep one")
         if k in z:
             z[long] = z.pop(k)
-    zero_stage_keys(tr, z, name)
+    zero_stage_keys(tr, z, STAGES[stage])
     offload(tr, z.get("offload_optimizer"), z.get("offload_param"), z.get("sub_group_size"), aio, stage)
     for key, off, what in ZERO_FEATURES:
         if key in z:
-            tr.inert_or_error(z[key] == off or (off is None and switched_off(z[key], key)), p + key,
-                              f"{p}{key}: {what} is not implemented here; remove it")
+            tr.inert_or_error(z[key] == off or (off is None and switched_off(z[key], key)), Z + key,
+                              f"{Z}{key}: {what} is not implemented here; remove it")
     if "leaf_module" in z:
-        tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), p + "leaf_module", f"{p}leaf_module is not "
+        tr.inert_or_error(switched_off(z["leaf_module"], "leaf_module"), Z + "leaf_module", f"{Z}leaf_module is not "
                           "implemented here; use stage.gather_unit to name gather units", "empty")
     for key in ZERO_PERF:
         if key in z:
-            tr.typed(z[key], "int" if "threshold" in key else "bool", p + key)
-            tr.inert_key(p + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
+            tr.typed(z[key], "int" if "threshold" in key else "bool", Z + key)
+            tr.inert_key(Z + key, "a speed/memory knob of DeepSpeed's with no counterpart here")
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
-    p = "zero_optimization."
     # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
     # take the keys without the stage3_ prefix, zero3 those with it and two more.
     zero3 = name == "zero3"
@@ -237,13 +237,11 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
     why = {"ddp": "stage 0 replicates everything", "zero1": "a stage-3 key", "zero2": "a stage-3 key",
            "zero3": "zero3 reduces each gather unit's gradients in one collective"}[name]
     for key, (kind, rule) in ZERO_STAGE.items():
-        if key not in z:
-            continue
         # Hugging Face fills the stage3_ sizes only under ZeRO-3; elsewhere an "auto" is left over.
         # accelerate fills the 16-bit save flag with its own default (false), which is ours.
         auto_ok = (bool(rule) and (zero3 or not key.startswith("stage3_"))) \
             or key == "stage3_gather_16bit_weights_on_model_save"
-        value = tr.typed(z[key], kind, p + key, auto_ok=auto_ok)
+        value = tr.typed(z[key], kind, Z + key, auto_ok=auto_ok) if key in z else None
         if value is None:
             continue
         target = targets.get(key)
@@ -251,100 +249,85 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
         # real configs set 0, as DeepSpeed accepts.
         floor = 1 if target is not None and key in ("reduce_bucket_size", "allgather_bucket_size") else 0
         if kind == "int" and value != AUTO and value < floor:
-            tr.error(f"{p}{key} must be >= {floor}, got {value}")
+            tr.error(f"{Z}{key} must be >= {floor}, got {value}")
         if name == "zero1" and key == "contiguous_gradients" and value is False:
             # DeepSpeed runs it; zero1's gradients are contiguous anyway (the key itself is refused)
-            tr.inert_key(p + key, "zero1's gradients always accumulate in one contiguous flat buffer")
+            tr.inert_key(Z + key, "zero1's gradients always accumulate in one contiguous flat buffer")
         elif target is not None:
-            tr.set(f"stage.{target}", value, p + key, rule=rule)
+            tr.set(f"stage.{target}", value, Z + key, rule=rule)
         else:
-            tr.inert_key(p + key, why)
+            tr.inert_key(Z + key, why)
             if value == AUTO and rule:  # resolved like any other, though nothing reads it
-                tr.set(f"_inert.{key}", value, p + key, rule=rule)
+                tr.set(f"_inert.{key}", value, Z + key, rule=rule)
 
 
 def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
-    p = "zero_optimization."
-    o = tr.section(opt, p + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS, strict=True) if opt is not None else {}
-    q = tr.section(param, p + "offload_param", OFFLOAD_PARAM_KEYS, strict=True) if param is not None else {}
+    o = tr.section(opt, Z + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS, strict=True) if opt is not None else {}
+    q = tr.section(param, Z + "offload_param", OFFLOAD_PARAM_KEYS, strict=True) if param is not None else {}
     sections = []   # (its keys, its name, its device)
     for sec, name in ((o, "offload_optimizer"), (q, "offload_param")):
-        dev = tr.typed(sec.get("device", "none"), "str", f"{p}{name}.device")
+        dev = tr.typed(sec.get("device", "none"), "str", f"{Z}{name}.device")
         if dev is not None and dev not in ("none", "cpu", "nvme"):
-            tr.error(f"{p}{name}.device must be none, cpu or nvme, got {json.dumps(dev)}")
-            dev = None
-        sections.append((sec, name, dev or "none"))
+            tr.error(f"{Z}{name}.device must be none, cpu or nvme, got {json.dumps(dev)}")
+        sections.append((sec, name, dev if dev in ("cpu", "nvme") else "none"))
     if sections[1][2] != "none" and stage != 3:
         # As in DeepSpeed, whose stages 1 and 2 read only offload_optimizer: the whole section is inert.
-        tr.inert_key(f"{p}offload_param", "parameters are partitioned only under stage 3; DeepSpeed ignores it")
-        q = {}
-        sections[1] = (q, "offload_param", "none")
+        tr.inert_key(f"{Z}offload_param", "parameters are partitioned only under stage 3; DeepSpeed ignores it")
+        sections[1] = ({}, "offload_param", "none")
     od, pd = (dev for _, _, dev in sections)
     target = "nvme" if "nvme" in (od, pd) else "cpu" if "cpu" in (od, pd) else "none"
     if target != "none" and od == "none":
-        tr.error(f"{p}offload_param.device={target} without offload_optimizer is not implemented here; add "
+        tr.error(f"{Z}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
 
-    def both(key: str, kind: str, inert: str = "") -> None:
-        """``key`` of the sections in use: one value applies to both, or it is ``inert`` (why)."""
+    for sec, name, dev in sections:
+        if dev == "none":
+            tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
+    if opt is not None or param is not None:  # absent sections leave the run's offload choice
+        tr.choose("offload", target, f"{Z}offload_optimizer.device / offload_param.device")
+    # (with target none both devices are none: only the offload_*.device checks above apply)
+    if target != "none":
+        tr.set("offload.params", pd, f"{Z}offload_param.device")
+    if target == "nvme":
+        tr.set("offload.optimizer", od, f"{Z}offload_optimizer.device")
+    for key, kind, inert in (("nvme_path", "str", "" if target == "nvme" else "device cpu"),
+                             ("pin_memory", "bool", "")):   # one value for both sections in use, or inert (why)
         values = {}
         for sec, name, dev in sections:
             if key in sec and dev != "none" and inert:
-                tr.inert_key(f"{p}{name}.{key}", inert)
-            elif key in sec and dev != "none" and (v := tr.typed(sec[key], kind, f"{p}{name}.{key}")) is not None:
-                values[f"{p}{name}.{key}"] = v
+                tr.inert_key(f"{Z}{name}.{key}", inert)
+            elif key in sec and dev != "none" and (v := tr.typed(sec[key], kind, f"{Z}{name}.{key}")) is not None:
+                values[f"{Z}{name}.{key}"] = v
         if len(set(values.values())) > 1:
             tr.error(f"{' and '.join(values)} differ ({', '.join(map(json.dumps, values.values()))}); "
                      f"one value applies to both here")
         elif values:
-            ds_key, v = next(iter(values.items()))
-            tr.set(f"offload.{key}", v, ds_key)
-
-    def keys(sec: dict, name: str, dev: str, table: tuple) -> None:
-        """(DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section."""
-        for key, ours, kind in table:
-            v = tr.typed(sec[key], kind, f"{p}{name}.{key}") if key in sec else None
-            if v is not None and (dev == "nvme" or key == "ratio"):
-                tr.set(f"offload.{ours}", v, f"{p}{name}.{key}")
-            elif v is not None:
-                tr.inert_key(f"{p}{name}.{key}", "device cpu: NVMe buffers")
-
-    for sec, name, dev in sections:
-        if dev == "none":
-            for key in sec:
-                if key != "device":
-                    tr.inert_key(f"{p}{name}.{key}", "device none")
-    if opt is not None or param is not None:  # absent sections leave the run's offload choice
-        tr.choose("offload", target, f"{p}offload_optimizer.device / offload_param.device")
-    # (with target none both devices are none: only the offload_*.device checks above apply)
-    if target != "none":
-        tr.set("offload.params", pd, f"{p}offload_param.device")
-    if target == "nvme":
-        tr.set("offload.optimizer", od, f"{p}offload_optimizer.device")
-    both("nvme_path", "str", "" if target == "nvme" else "device cpu")
-    both("pin_memory", "bool")
+            tr.set(f"offload.{key}", *next(iter(values.items()))[::-1])
     if od != "none":
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
-            tr.warnings.append(f"'{p}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
+            tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-        keys(o, "offload_optimizer", od, (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
-                                      ("pipeline_read", "pipeline_read", "bool"),
-                                      ("pipeline_write", "pipeline_write", "bool"),
-                                      ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")))
-        for key in ("fast_init", "cpuadam_cores_perc"):
-            if key in o:
-                tr.inert_key(f"{p}offload_optimizer.{key}", "a speed knob of DeepSpeed's CPU optimizer")
+        # (DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section.
+        for key, ours, kind in (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
+                                ("pipeline_read", "pipeline_read", "bool"),
+                                ("pipeline_write", "pipeline_write", "bool"),
+                                ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")):
+            tr.put(o, key, kind, f"offload.{ours}", f"{Z}offload_optimizer.", od == "nvme" or key == "ratio",
+                   "device cpu: NVMe buffers")
+        tr.inert_keys(o, dict.fromkeys(("fast_init", "cpuadam_cores_perc"),
+                                       "a speed knob of DeepSpeed's CPU optimizer"), f"{Z}offload_optimizer.")
         if "super_offload" in o and o["super_offload"] is not False:
-            tr.error(f"{p}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
+            tr.error(f"{Z}offload_optimizer.super_offload: SuperOffload is not implemented here; remove it")
     if pd != "none":
-        keys(q, "offload_param", pd, (("buffer_count", "param_buffer_count", "int"),
-                                  ("buffer_size", "param_buffer_size", "int"), ("max_in_cpu", "max_in_cpu", "int")))
+        for key, ours in (("buffer_count", "param_buffer_count"), ("buffer_size", "param_buffer_size"),
+                          ("max_in_cpu", "max_in_cpu")):
+            tr.put(q, key, "int", f"offload.{ours}", f"{Z}offload_param.", pd == "nvme", "device cpu: NVMe buffers")
     if sub_group_size is not None:
-        v = tr.typed(sub_group_size, "int", p + "sub_group_size")
+        v = tr.typed(sub_group_size, "int", Z + "sub_group_size")
         if v is not None and od == "nvme":
-            tr.set("offload.sub_group_size", v, p + "sub_group_size")
+            tr.set("offload.sub_group_size", v, Z + "sub_group_size")
         elif v is not None or target == "none":
-            tr.inert_key(p + "sub_group_size", "tiles the NVMe optimizer step; " +
+            tr.inert_key(Z + "sub_group_size", "tiles the NVMe optimizer step; " +
                          ("no NVMe offload" if target == "none" else "the optimizer is not on nvme"))
     aio_keys(tr, aio, applies=target == "nvme")
 
@@ -358,16 +341,11 @@ def aio_keys(tr: Translation, aio: Any, applies: bool) -> None:
             tr.error("aio.thread_count and aio.intra_op_parallelism are the same key; keep intra_op_parallelism")
         a["intra_op_parallelism"] = a.pop("thread_count")
     for key, value in a.items():
-        v = tr.typed(value, AIO_KEYS[key], f"aio.{key}")
-        if v is None:
-            continue
-        if key == "use_gds":
+        if key != "use_gds":
+            tr.put(a, key, AIO_KEYS[key], f"offload.aio.{key}", "aio.", applies, "no NVMe offload")
+        elif (v := tr.typed(value, "bool", "aio.use_gds")) is not None:
             tr.inert_or_error(not v, "aio.use_gds", "aio.use_gds: GPUDirect Storage is not implemented here; remove it",
                               "false")
-        elif applies:
-            tr.set(f"offload.aio.{key}", v, f"aio.{key}")
-        else:
-            tr.inert_key(f"aio.{key}", "no NVMe offload")
 
 
 def precision(tr: Translation, top: dict) -> None:
@@ -376,24 +354,18 @@ def precision(tr: Translation, top: dict) -> None:
     on = {n: tr.typed(sec.get("enabled", False), "bool", f"{n}.enabled", auto_ok=True) for n, sec in secs.items()}
     if on.get("fp16") is True and on.get("bf16") is True:
         tr.error("fp16.enabled and bf16.enabled are both true; enable one")
-    chosen = next((n for n in ("fp16", "bf16") if on.get(n) is True), None)
-    if chosen is not None:
+    if (chosen := next((n for n in ("fp16", "bf16") if on.get(n) is True), None)) is not None:
         tr.choose("precision", chosen, f"{chosen}.enabled")
     elif AUTO in on.values():
         # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
         # section that says false (not absent) contradicts a run in that precision.
-        stated = {"fp16": on.get("fp16"), "bf16": on.get("bf16")}
-        tr.set("_precision_auto", stated, "fp16.enabled / bf16.enabled", rule="precision")
+        tr.set("_precision_auto", {n: on.get(n) for n in ("fp16", "bf16")}, "fp16.enabled / bf16.enabled")
     elif secs:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
         for key, kind in FP16_SCALER.items():
-            v = tr.typed(fp16[key], kind, f"fp16.{key}") if key in fp16 else None
-            if v is not None and on["fp16"] is False:
-                tr.inert_key(f"fp16.{key}", "fp16 is not enabled")
-            elif v is not None:
-                tr.set(f"_fp16.{key}", v, f"fp16.{key}")
+            tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
         if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
             tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
                                              "precision=fp16 computes in fp16 already")
@@ -401,16 +373,14 @@ def precision(tr: Translation, top: dict) -> None:
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
-        for key in ("immediate_grad_update", "check_grad_overflow"):
-            if key in bf16:
-                tr.typed(bf16[key], "bool", f"bf16.{key}")
-                tr.inert_key(f"bf16.{key}", "the bf16 step here is always the same")
+        tr.inert_keys(bf16, dict.fromkeys(("immediate_grad_update", "check_grad_overflow"),
+                                          "the bf16 step here is always the same"), "bf16.", kind="bool")
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
                          f"fp32); remove it")
     if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
-        tr.put(top, "communication_data_type", "str", "_comm_dtype")
+        tr.put(top, "communication_data_type", "str", "_comm_dtype", "")
     if "data_types" in top:
         d = tr.section(top["data_types"], "data_types",
                        ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
@@ -429,11 +399,8 @@ def precision(tr: Translation, top: dict) -> None:
 
 
 def optimizer(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"))
-    if "legacy_fusion" in o:
-        tr.inert_key("optimizer.legacy_fusion", "selects a kernel")
+    tr.inert_keys(o, {"legacy_fusion": "selects a kernel"}, "optimizer.")
     low = _type(tr, o, "optimizer", OPTIMIZERS, NOT_IMPLEMENTED_OPTIMIZERS,
                 {k: k for k in [*OPTIMIZERS, *NOT_IMPLEMENTED_OPTIMIZERS]}, "Adam, AdamW, Adagrad, Lion or SGD")
     if low is None:
@@ -442,16 +409,14 @@ def optimizer(tr: Translation, node: Any) -> None:
     extra = ("adam_w_mode",) if low in ("adam", "adamw") else ()
     params = tr.section(o.get("params", {}), "optimizer.params",
                         [*defaults, *extra, *OPTIMIZER_INERT, *OPTIMIZER_REFUSED], strict=True)
-    for key, why in OPTIMIZER_INERT.items():
-        if key in params:
-            tr.inert_key(f"optimizer.params.{key}", why)
+    tr.inert_keys(params, OPTIMIZER_INERT, "optimizer.params.")
     for key, (off, why) in OPTIMIZER_REFUSED.items():
         if key in params:
             tr.inert_or_error(params[key] == off, f"optimizer.params.{key}", f"optimizer.params.{key}: {why}",
                               "the default")
     # DeepSpeed: "Adam" is AdamW (decoupled decay) unless adam_w_mode is false; "AdamW" always is.
     name = low
-    if low in ("adam", "adamw"):
+    if extra:
         mode = tr.typed(params.get("adam_w_mode", True), "bool", "optimizer.params.adam_w_mode")
         name = "adamw" if low == "adamw" or mode is not False else "adam"
     tr.choose("optimizer", name, "optimizer.type")
@@ -463,26 +428,21 @@ def optimizer(tr: Translation, node: Any) -> None:
         value = params.get(key, default)
         ds_key = f"optimizer.params.{key}"
         src = DS_FILE if key in params else DS_DEFAULT
-        if key == "betas":
-            if value == AUTO:
-                tr.set("optimizer.beta1", AUTO, ds_key, rule="optimizer.beta1")
-                tr.set("optimizer.beta2", AUTO, ds_key, rule="optimizer.beta2")
-            elif (isinstance(value, list) and len(value) == 2
-                  and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value)):
-                tr.set("optimizer.beta1", float(value[0]), ds_key + "[0]", src)
-                tr.set("optimizer.beta2", float(value[1]), ds_key + "[1]", src)
-            else:
-                tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
-            continue
-        kind = "bool" if isinstance(default, bool) else "float"
-        v = tr.typed(value, kind, ds_key, auto_ok=key in ("lr", "eps", "weight_decay"))
-        if v is not None:
-            tr.set(f"optimizer.{key}", v, ds_key, src, rule=f"optimizer.{key}" if v == AUTO else "")
+        if key == "betas" and value == AUTO:
+            tr.set("optimizer.beta1", AUTO, ds_key)
+            tr.set("optimizer.beta2", AUTO, ds_key)
+        elif key == "betas" and isinstance(value, list) and len(value) == 2 \
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in value):
+            tr.set("optimizer.beta1", float(value[0]), ds_key + "[0]", src)
+            tr.set("optimizer.beta2", float(value[1]), ds_key + "[1]", src)
+        elif key == "betas":
+            tr.error(f"{ds_key} must be a list of two numbers, got {json.dumps(value)}")
+        elif (v := tr.typed(value, "bool" if isinstance(default, bool) else "float", ds_key,
+                            auto_ok=key in ("lr", "eps", "weight_decay"))) is not None:
+            tr.set(f"optimizer.{key}", v, ds_key, src)
 
 
 def scheduler(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     s = tr.section(node, "scheduler", ("type", "params"))
     low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
                 SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
@@ -513,44 +473,33 @@ def _type(tr: Translation, node: dict, section: str, have: Mapping, missing: Map
     """The section's ``type``, lower case, when we have it; else None, with an error naming what is
     not implemented, or the closest type we have (``spelled``: lower case -> as DeepSpeed writes it)."""
     kind = tr.typed(node.get("type"), "str", f"{section}.type")
-    if kind is None:
-        return None
-    low = kind.lower()
+    low = kind.lower() if kind is not None else None
     if low in missing:
         tr.error(f"{section}.type {kind}: {missing[low]} is not implemented here; use {use}")
-        return None
-    if low not in have:
+    elif kind is not None and low not in have:
         near = close(low, spelled)
         hint = f" (did you mean {spelled[near]!r}?)" if near else ""
         tr.error(f"{section}.type {kind!r} is not a DeepSpeed {section} we have{hint}; use {use}")
-        return None
-    return low
+    return low if low in have else None
 
 
 def activation_checkpointing(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     a = tr.section(node, "activation_checkpointing", ACT_KEYS)
-    for key in a:
-        # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
-        # model that calls it (Megatron) uses; the run goes on without them.
-        tr.inert_key(f"activation_checkpointing.{key}", "configures deepspeed.checkpointing, which is not used "
-                     "(model.activation_checkpointing turns checkpointing on)")
+    # As under Hugging Face's Trainer: these configure deepspeed.checkpointing, which only a
+    # model that calls it (Megatron) uses; the run goes on without them.
+    tr.inert_keys(a, dict.fromkeys(a, "configures deepspeed.checkpointing, which is not used "
+                                      "(model.activation_checkpointing turns checkpointing on)"),
+                  "activation_checkpointing.")
 
 
 def compile_section(tr: Translation, node: Any) -> None:
-    if node is None:
-        return
     c = tr.section(node, "compile", [*DEEPCOMPILE_KEYS, *TORCH_COMPILE_KEYS], strict=True)
-    on = tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile")
-    if on:
+    if tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile"):
         tr.error("compile.deepcompile=true: DeepCompile is not implemented here; remove it or give false")
         return
     for key in c:
-        if key in TORCH_COMPILE_KEYS:
-            tr.inert_key(f"compile.{key}", "torch.compile settings of DeepSpeed before 0.16, which 0.19 rejects; "
-                         "the model is not compiled here (a speed difference only)")
-        else:
-            tr.inert_key(f"compile.{key}", "DeepCompile is off" if key != "deepcompile" else "false")
+        tr.inert_key(f"compile.{key}", "false" if key == "deepcompile" else "DeepCompile is off"
+                     if key not in TORCH_COMPILE_KEYS else "torch.compile settings of DeepSpeed before 0.16, which "
+                     "0.19 rejects; the model is not compiled here (a speed difference only)")
     if not c:
         tr.inert_key("compile", "empty")
