@@ -3,9 +3,13 @@
 ``torch.utils.cpp_extension.load`` compiles into a cache folder keyed by the torch and Python
 versions and a hash of the sources and flags; a ``BUILT`` file marks a finished build, then
 imported directly (no compiler or ninja needed) once the extension's size and sha256, recorded in
-``BUILT``, match: a truncated or damaged file is rebuilt, never mapped. Builds are serialised
-across processes with an ``flock`` that the kernel drops if a builder dies, so a ``lock`` file
-torch left behind is stale.
+``BUILT``, match: a truncated or damaged file is rebuilt, never mapped. ``BUILT`` is readable per
+the umask, as the extension is, so that others can use a build in a shared cache. Builds are
+serialised across processes with an ``flock`` (taken only when a build is needed) that the kernel
+drops if a builder dies, so a ``lock`` file torch left behind is stale. A failed build leaves
+``FAILED`` (the reason, keyed by the compiler: ``CXX`` and ``PATH`` as the build uses them): a
+process that waited for it, and later runs with the same compiler, fall back at once with that reason
+instead of compiling again; ``python -m framework.ops build`` clears it and retries.
 
 Environment:
     FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
@@ -128,14 +132,19 @@ def _finished(directory: Path) -> bool:
     try:
         recorded = (directory / "BUILT").read_text().splitlines()
         return len(recorded) >= 2 and recorded[1] == _fingerprint(directory / f"{NAME}.so")
+    except PermissionError as exc:   # another user's build, made owner-only (by an older version)
+        raise BuildUnavailable(f"cannot read the build in {directory} ({exc.filename}: {exc.strerror}); have "
+                               "the cache's owner run `python -m framework.ops build`, or set FRAMEWORK_OPS_CACHE "
+                               "to a folder of yours") from None
     except OSError:
         return False
 
 
 def _discard(directory: Path) -> None:
-    """Remove a build's outputs so that the next build compiles and links everything again (ninja
-    would keep an output newer than its inputs, however damaged)."""
+    """Remove a build's outputs (and a recorded failure) so that the next build compiles and links
+    everything again (ninja would keep an output newer than its inputs, however damaged)."""
     (directory / "BUILT").unlink(missing_ok=True)
+    (directory / "FAILED").unlink(missing_ok=True)
     for name in (f"{NAME}.so", ".ninja_log", ".ninja_deps", *(p.name for p in directory.glob("*.o"))):
         (directory / name).unlink(missing_ok=True)   # unlinked, not rewritten: a process that has it mapped keeps it
 
@@ -166,11 +175,38 @@ def _tools_on_path() -> Iterator[None]:
             os.environ["PATH"] = before
 
 
+def _compiler_key() -> str:
+    """Which compiler a build here would run: CXX, what it resolves to and PATH (with the build's tools
+    on it: call within ``_tools_on_path``). A recorded failure holds only for the same key."""
+    compiler = os.environ.get("CXX", "c++")
+    return hashlib.sha256("\0".join([compiler, str(shutil.which(compiler)),
+                                      os.environ.get("PATH", "")]).encode()).hexdigest()
+
+
+def _recorded_failure(directory: Path, key: str) -> None:
+    """Raise BuildUnavailable with the reason of a failed build of these sources by this compiler."""
+    try:
+        recorded = (directory / "FAILED").read_text()
+    except OSError:
+        return
+    found, _, reason = recorded.partition("\n")
+    if found == key and reason.strip():
+        raise BuildUnavailable(f"{reason.strip()} [recorded by an earlier build with this compiler; "
+                               "`python -m framework.ops build` retries]")
+
+
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """Hold the build lock of ``directory``: one builder at a time across processes."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f"{directory.name}.flock", "a+") as handle:
+    flock = directory.parent / f"{directory.name}.flock"
+    try:
+        handle = open(flock, "a+")
+    except PermissionError as exc:   # e.g. a cache another user built, without a usable build of these sources
+        raise BuildUnavailable(f"no usable build in {directory}, and this user cannot build there ({flock}: "
+                               f"{exc.strerror}); have the cache's owner run `python -m framework.ops build`, "
+                               "or set FRAMEWORK_OPS_CACHE to a folder of yours") from None
+    with handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -188,31 +224,46 @@ def _exclusive(directory: Path) -> Iterator[None]:
 
 
 def _compile(directory: Path, force: bool = False) -> ModuleType:
+    with _tools_on_path():
+        key = _compiler_key()
+        if not force:
+            _recorded_failure(directory, key)   # no lock needed to read it: written atomically
+        with _exclusive(directory):
+            return _compile_locked(directory, force, key)
+
+
+def _compile_locked(directory: Path, force: bool, key: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    with _tools_on_path(), _exclusive(directory):
-        if _finished(directory) and not force:  # another process built it while we waited
+    if not force:
+        if _finished(directory):  # another process built it while we waited
             with contextlib.suppress(ImportError):
                 return _import(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        _discard(directory)
-        stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
-        if stale.exists():
-            stale.unlink()
-        root = csrc_dir()
-        try:
-            module = cpp_extension.load(
-                name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-                extra_include_paths=[str(root / "include")], build_directory=str(directory),
-                with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
-        except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
-            log = directory / "build_error.log"
-            log.write_text(str(exc))
-            lines = str(exc).splitlines() or [type(exc).__name__]
-            first = next((line.strip() for line in lines if "error:" in line), lines[0])
-            raise BuildUnavailable(f"the build failed ({first[:300]}); full log in {log}") from exc
-        write_atomic(directory / "BUILT", f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n".encode())
-        return module
+        _recorded_failure(directory, key)   # or failed to
+    directory.mkdir(parents=True, exist_ok=True)
+    _discard(directory)
+    stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
+    if stale.exists():
+        stale.unlink()
+    root = csrc_dir()
+    try:
+        module = cpp_extension.load(
+            name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+            extra_include_paths=[str(root / "include")], build_directory=str(directory),
+            with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
+    except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
+        log = directory / "build_error.log"
+        log.write_text(str(exc))
+        lines = str(exc).splitlines() or [type(exc).__name__]
+        first = next((line.strip() for line in lines if "error:" in line), lines[0])
+        reason = f"the build failed ({first[:300]}); full log in {log}"
+        # Recorded, so that the processes waiting for this lock and later runs with this compiler do
+        # not each compile again (a slow failing compile per rank would outlast the launch's timeout).
+        write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
+        raise BuildUnavailable(reason) from exc
+    write_atomic(directory / "BUILT", f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n".encode(),
+                 shared=True)   # readable per the umask, as the extension is: others may use this build
+    return module
 
 
 def load(build: bool = True, force: bool = False) -> ModuleType:

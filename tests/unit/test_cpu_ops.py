@@ -12,6 +12,7 @@ import contextlib
 import functools
 import math
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -634,6 +635,97 @@ def test_ops_build_if_needed_compiles_once_and_then_imports(fresh_loader, monkey
     assert main(["build", "--if-needed"]) == 0
     assert len(fake.builds) == 1 and len(fake.imported) >= 1
     assert "framework.ops: ready in" in capsys.readouterr().out
+
+
+def test_a_finished_build_is_readable_per_the_umask(fresh_loader, monkeypatch):
+    """A build in a shared cache serves every user: BUILT is not owner-only."""
+    directory = _loader.build_dir()
+    _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
+    old = os.umask(0o022)
+    try:
+        _loader.load()
+    finally:
+        os.umask(old)
+    assert (directory / "BUILT").stat().st_mode & 0o777 == 0o644
+
+
+_NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv (util-linux)")
+def test_another_users_build_is_used_and_a_needed_build_says_why_not(fresh_loader, monkeypatch):
+    """As root without the capability to override file modes, a cache owned by uid 1234: its finished
+    build is found; an owner-only BUILT (as an older version wrote) or a missing one gives a reason
+    saying what to do, not a failure to open the lock file."""
+    directory = _loader.build_dir()
+    _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
+    old = os.umask(0o022)
+    try:
+        _loader.load()
+    finally:
+        os.umask(old)
+    caches = {}
+    for case in ("usable", "private", "missing"):
+        root = fresh_loader / case
+        shutil.copytree(fresh_loader / "cache", root)
+        monkeypatch.setenv("FRAMEWORK_OPS_CACHE", str(root))
+        built = _loader.build_dir() / "BUILT"
+        if case == "private":
+            built.chmod(0o600)
+        elif case == "missing":
+            built.unlink()
+        for path in [root, *root.rglob("*")]:
+            os.chown(path, 1234, 1234, follow_symlinks=False)
+        caches[case] = str(root)
+    code = ("import os, sys; from framework.ops import _loader\n"
+            "for root in sys.argv[1:]:\n"
+            "    os.environ['FRAMEWORK_OPS_CACHE'] = root\n"
+            "    try: print(_loader._finished(_loader.build_dir()))\n"
+            "    except _loader.BuildUnavailable as e: print(e)\n"
+            "    print(_loader.attempt(build=True).reason if root.endswith('missing') else '')\n")
+    out = subprocess.run([*_NO_DAC, sys.executable, "-c", code, *caches.values()], capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.returncode == 0, out.stderr
+    usable, _, private, _, missing, needed = out.stdout.splitlines()
+    assert usable == "True"
+    assert "cannot read the build in" in private and "FRAMEWORK_OPS_CACHE" in private, private
+    assert missing == "False"
+    assert "this user cannot build there" in needed and "FRAMEWORK_OPS_CACHE" in needed, needed
+
+
+def test_a_failed_build_is_recorded_and_not_compiled_again(fresh_loader, monkeypatch, capsys):
+    """Processes that waited for a failing build, and later runs, fall back at once with its reason
+    (each compiling again took the ranks of one launch in turn, past its timeout); the same sources
+    with another compiler, or ``python -m framework.ops build``, compile again."""
+    from framework.ops.__main__ import main
+
+    counter = fresh_loader / "calls"
+    compilers = []
+    for name in ("cc-a", "cc-b"):
+        script = fresh_loader / name
+        script.write_text(f"#!/bin/sh\nfor a; do [ \"$a\" = -c ] && {{ echo {name} >> {counter}; "   # a compile
+                          f"echo 'error: {name} fails' >&2; exit 1; }}; done\necho '{name} 1.0'\n")
+        script.chmod(0o755)
+        compilers.append(str(script))
+    calls = lambda: counter.read_text().split() if counter.exists() else []   # noqa: E731
+    monkeypatch.setenv("CXX", compilers[0])
+    first = _loader.attempt(build=True).reason
+    if "ninja is not on PATH" in first:
+        pytest.skip(first)
+    assert "the build failed" in first and len(calls()) >= 1, first
+    assert (_loader.build_dir() / "FAILED").is_file()
+    ran = len(calls())
+    again = _loader.attempt(build=True).reason
+    assert len(calls()) == ran, "a recorded failure was compiled again"
+    assert again.startswith(first) and "recorded by an earlier build" in again
+    assert main(["build", "--if-needed"]) == 1
+    assert len(calls()) == ran and "recorded by an earlier build" in capsys.readouterr().err
+    # Retried (torch itself does not run the compiler again within one process for the same sources).
+    with pytest.raises(ops.BuildUnavailable, match="the build failed") as forced:
+        ops.build()
+    assert "recorded" not in str(forced.value)
+    monkeypatch.setenv("CXX", compilers[1])   # another compiler: its own attempt
+    assert "recorded" not in _loader.attempt(build=True).reason
 
 
 @pytest.mark.parametrize("var, value", [("FRAMEWORK_OPS_ISA", "avx3"), ("FRAMEWORK_OPS_PREFETCH", "-3"),
