@@ -43,7 +43,8 @@ class PiecePipeline:
             starts.append(self.info[k].start)
             ks.append(k)
         self.out16 = target.out16()
-        ops.cpu_optim()  # load (or build) the kernels here, not racing from two threads later
+        if tx.fused is not None:   # only an optimizer with a fast path uses the kernels (not SGD)
+            ops.cpu_optim()  # load (or build) them here, not racing from two threads later
         # The worker queues copies and pins memory: on this rank's device, not the thread default (GPU 0).
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step", initializer=self.acc.bind_thread)
         self.undo: dict[int, list[Tensor]] = {}
