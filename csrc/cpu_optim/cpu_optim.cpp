@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <optional>
 #include <utility>
@@ -177,6 +178,48 @@ void check_fp32(const char* op, const char* list, size_t i, const at::Tensor& t,
                     " elements but params[", i, "] has ", numel);
 }
 
+// One tensor's memory, for check_disjoint.
+struct Span {
+  uintptr_t begin, end;
+  bool written;
+  const char* list;
+  size_t index;
+};
+
+// Refuse tensors that share memory (the same tensor twice, or overlapping views) where one of them is
+// written: the threads split the work by tensor, so one thread would write what another reads or
+// writes, and the result would change from run to run. Read-only tensors (grads) may share memory.
+// O(n log n): sorted by address, one sweep keeps the furthest-reaching span of each kind so far.
+void check_disjoint(const char* op, const TensorList& params, const TensorList& grads, const char* s1_name,
+                    const TensorList& s1, const char* s2_name, const TensorList* s2, const TensorList& out16) {
+  std::vector<Span> spans;
+  spans.reserve(params.size() * 5);
+  auto add = [&](const char* list, const TensorList& ts, bool written) {
+    for (size_t i = 0; i < ts.size(); ++i) {
+      if (ts[i].numel() == 0) continue;
+      const auto begin = reinterpret_cast<uintptr_t>(ts[i].data_ptr());
+      spans.push_back(Span{begin, begin + static_cast<uintptr_t>(ts[i].nbytes()), written, list, i});
+    }
+  };
+  add("params", params, true);
+  add("grads", grads, false);
+  add(s1_name, s1, true);
+  if (s2 != nullptr) add(s2_name, *s2, true);
+  add("out16", out16, true);
+  std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  const Span* reach_any = nullptr;      // the span reaching furthest so far
+  const Span* reach_written = nullptr;  // the written span reaching furthest so far
+  for (const Span& s : spans) {
+    const Span* other = s.written ? reach_any : reach_written;
+    TORCH_CHECK_VALUE(other == nullptr || s.begin >= other->end, op, ": ", other == nullptr ? "" : other->list, "[",
+                      other == nullptr ? 0 : other->index, "] and ", s.list, "[", s.index,
+                      "] share memory (the same tensor twice, or overlapping views); the op writes one of them, "
+                      "so pass separate tensors");
+    if (reach_any == nullptr || s.end > reach_any->end) reach_any = &s;
+    if (s.written && (reach_written == nullptr || s.end > reach_written->end)) reach_written = &s;
+  }
+}
+
 // Check every list against params and turn them into raw-pointer segments.
 std::vector<Segment> segments(const char* op, const TensorList& params, const TensorList& grads,
                               const char* s1_name, const TensorList& s1, const char* s2_name,
@@ -214,6 +257,17 @@ std::vector<Segment> segments(const char* op, const TensorList& params, const Te
       sg.out = reinterpret_cast<uint16_t*>(o.data_ptr());
       sg.out_kind = o.scalar_type() == at::kBFloat16 ? kOutBf16 : kOutFp16;
     }
+  }
+  check_disjoint(op, params, grads, s1_name, s1, s2_name, s2, out16);
+  // Every tensor the op writes gets one version bump per call, as torch's in-place ops do, so that
+  // autograd refuses a backward through a saved tensor the step changed. Here, after the checks and
+  // before any write: an inference tensor outside inference mode is refused (by the bump) with
+  // nothing changed.
+  for (size_t i = 0; i < n; ++i) {
+    torch::autograd::impl::bump_version(params[i]);
+    torch::autograd::impl::bump_version(s1[i]);
+    if (s2 != nullptr) torch::autograd::impl::bump_version((*s2)[i]);
+    if (!out16.empty()) torch::autograd::impl::bump_version(out16[i]);
   }
   return segs;
 }

@@ -367,6 +367,49 @@ def test_non_strict_kernels_decline_without_changing_anything(kernels):
         ops.adam_step(p, g, m, v, step=1, lr=1e-2, decay_mask=[True])
 
 
+def test_kernels_refuse_tensors_that_share_memory(kernels):
+    """The threads split the work by tensor: one tensor twice, or overlapping views, where the op writes
+    one of them, would race (results changing from run to run). Refused like the other bad inputs;
+    grads, which are only read, may share memory."""
+    base = torch.zeros(100)
+    p, g, m, v = (torch.zeros(10) for _ in range(4))
+    q = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"params\[0\] and params\[1\] share memory"):
+        ops.adam_step([p, p], [g, g], [m, torch.zeros(10)], [v, torch.zeros(10)], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"exp_avgs\[0\] and exp_avg_sqs\[0\] share memory"):
+        ops.adam_step([p], [g], [base[:10]], [base[5:15]], step=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"params\[0\] and grads\[0\] share memory"):
+        ops.lion_step([p], [p], [m], lr=1e-3)
+    with pytest.raises(ValueError, match=r"state_sums\[0\] and out16\[0\] share memory"):
+        ops.adagrad_step([p], [g], [base[:10]], step=1, lr=1e-3, out16=[base[:10].view(torch.bfloat16)[:10]])
+    before = [t.clone() for t in (p, m, v)]
+    assert ops.adam_step([p, q], [g, g], [m, m], [v, torch.zeros(10)], step=1, lr=1e-3, strict=False) is False
+    assert all(torch.equal(a, b) for a, b in zip((p, m, v), before))
+    # Adjacent (touching, not overlapping) views and one grad for two params are fine.
+    assert ops.adam_step([base[:10], base[10:20]], [g, g], [base[20:30], base[30:40]], [base[40:50], base[50:60]],
+                         step=1, lr=1e-3) is True
+
+
+def test_kernels_bump_the_version_of_every_tensor_they_write(kernels):
+    """As torch's in-place ops: autograd then refuses a backward through a saved tensor the step changed."""
+    w = torch.randn(8, requires_grad=True)
+    x = w * 1.0
+    loss = (x * x).sum()   # saves x
+    p, g, m, v, o = x.detach(), torch.randn(8), torch.zeros(8), torch.zeros(8), torch.zeros(8, dtype=torch.bfloat16)
+    versions = [t._version for t in (p, g, m, v, o)]
+    ops.adam_step([p], [g], [m], [v], step=1, lr=0.1, out16=[o])
+    assert [t._version for t in (p, g, m, v, o)] == [versions[0] + 1, versions[1], versions[2] + 1,
+                                                    versions[3] + 1, versions[4] + 1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    ops.lion_step([p], [g], [m], lr=0.1)
+    ops.adagrad_step([p], [g], [v], step=1, lr=0.1)
+    assert (p._version, m._version, v._version, g._version) == (versions[0] + 3, versions[2] + 2,
+                                                                 versions[3] + 2, versions[1])
+    assert ops.lion_step([p], [g.double()], [m], lr=0.1, strict=False) is False
+    assert p._version == versions[0] + 3, "a declined call changed nothing, its version included"
+
+
 @pytest.mark.parametrize("kernel", ["adam", "lion", "adagrad"])
 def test_decay_mask_equals_one_call_per_part(kernels, kernel):
     """One call with decay_mask = the decayed tensors with weight_decay plus the others without."""
