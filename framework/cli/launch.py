@@ -86,9 +86,11 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
     as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
     after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
-    every process, and the launcher passes it on to its ranks). In a ``rank`` later SIGINTs are too:
-    Ctrl-C reaches the terminal's whole process group and the launcher passes it on as well, so a rank
-    gets the one Ctrl-C twice. The previous handlers come back after.
+    every process, and the launcher passes it on to its ranks). In a ``rank`` a SIGINT within
+    ``REPEAT_S`` of the first is too: Ctrl-C reaches the terminal's whole process group and the launcher
+    passes it on as well, so a rank gets the one Ctrl-C twice (a second Ctrl-C later cuts the cleanup
+    short). The previous handlers come back after; a rank ignores SIGINT from then on (it is ending, and
+    a Ctrl-C passed on just then must not print a traceback).
 
     Either exception raised while the main thread runs a finalizer (a weakref callback) would be
     printed with a traceback and dropped by Python, the run going on: the signal is sent again from
@@ -99,7 +101,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         yield
         return
     stopping: list[int] = []   # the SIGTERM being acted on
-    interrupting: list[int] = []   # (a rank) the SIGINT being acted on
+    interrupting: list[float] = []   # (a rank) when the SIGINT being acted on came
     hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
     resent: list[threading.Event] = []   # per signal sent again, set once it is sent
 
@@ -111,10 +113,10 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     def interrupt(signum, frame):
         if hooked.is_set():
             return again(signum)
-        if rank and interrupting:   # the same Ctrl-C, passed on by the launcher
-            return None
+        if rank and interrupting and time.monotonic() - interrupting[0] < REPEAT_S:
+            return None   # the same Ctrl-C, passed on by the launcher
         if rank:
-            interrupting.append(signum)
+            interrupting[:] = [time.monotonic()]
         raise KeyboardInterrupt
 
     def stop(signum, frame):
@@ -148,7 +150,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
             _wait_sent(resent)
         finally:
             for signum, handler in previous.items():
-                signal.signal(signum, handler)
+                signal.signal(signum, signal.SIG_IGN if rank and signum == signal.SIGINT else handler)
             sys.unraisablehook = hook
 
 
@@ -269,6 +271,8 @@ RDZV_PREFIX = "framework-rdzv-"
 RDZV_LOCK = "owner.lock"
 UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
+KILL_AFTER_S = 5       # after a second Ctrl-C: the ranks' time to end on SIGTERM before SIGKILL
+REPEAT_S = 1.5         # a rank takes a SIGINT this soon after the first for the same Ctrl-C
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
@@ -288,7 +292,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
                 while not ranks.join():
                     pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
-            _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM)
+            _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
+                  lambda rank: os.path.exists(_ready_path(store_dir, rank)))
             raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
@@ -322,23 +327,43 @@ def _quiet_termination() -> Iterator[None]:
         log.removeFilter(quiet)
 
 
-def _stop(ranks: list, signum: int) -> None:
+def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
     """Pass the launcher's signal on to the ranks (one sent to the launcher alone, a ``kill`` or a Slurm
     time limit, would not reach them; Ctrl-C in a terminal reaches them already, and a rank takes the
     second SIGINT for the same one) and wait for them to end, each removing its files and saying how it
-    stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM."""
-    for p in ranks:
+    stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM. A rank not ``ready``
+    (still starting, its handlers not installed: SIGINT would print a traceback) gets SIGTERM, which
+    ends it silently. Ctrl-C again while waiting cuts that short: SIGTERM at once, SIGKILL
+    ``KILL_AFTER_S`` later; no rank is left running."""
+    for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
-                os.kill(p.pid, signum)
-    deadline = time.monotonic() + (STOP_GRACE_S if signum == signal.SIGINT else 0.0)
+                os.kill(p.pid, signum if signum != signal.SIGINT or ready(rank) else signal.SIGTERM)
+    patient = _join(ranks, STOP_GRACE_S if signum == signal.SIGINT else 0.0)
     for p in ranks:
-        p.join(max(0.0, deadline - time.monotonic()))
+        p.terminate()   # (nothing for a rank that ended)
+    if patient and _join(ranks, None):
+        return
+    _join(ranks, KILL_AFTER_S)   # (Ctrl-C once more: SIGKILL at once)
     for p in ranks:
-        if p.is_alive():
-            p.terminate()
-    for p in ranks:
-        p.join()
+        p.kill()
+    _join(ranks, None)
+
+
+def _join(ranks: list, timeout_s: float | None) -> bool:
+    """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        for p in ranks:
+            p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        return False
+    return True
+
+
+def _ready_path(store_dir: str, rank: int) -> str:
+    """Made by a rank once its signal handlers are installed (``_stop`` may send it SIGINT then)."""
+    return os.path.join(store_dir, f"ready-{rank}")
 
 
 def _hold(path: str, create: bool = False) -> int:
@@ -396,6 +421,8 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
         with signals_unwind(rank=True):
+            os.close(os.open(_ready_path(os.path.dirname(store_path), rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
+                             0o600))
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.

@@ -7,17 +7,31 @@ import sys
 def say(line: str, out=None) -> None:
     """Print one line on ``out`` (default stderr; ``sys.stdout`` for a progress line) in a single write. Ranks
     share their launcher's streams, and ``print`` writes the text and its newline apart (always so when
-    PYTHONUNBUFFERED is set): two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line."""
+    PYTHONUNBUFFERED is set): two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line.
+    A stream that also keeps a log (``log_only``: rank 0's console, which train.log copies) gets the line
+    there too. Never raises for a console that is gone (stderr closed: stdout, as ``print``; a closed pipe)."""
     out = sys.stderr if out is None else out
-    out.flush()   # (anything printed before stays before)
+    out = sys.stdout if out is None else out
+    if out is None:
+        return
+    text = line + "\n"
     try:
+        out.flush()   # (anything printed before stays before)
         fd = out.fileno()
     except (AttributeError, OSError, ValueError):   # a stream without a descriptor (a test's capture)
-        print(line, file=out, flush=True)
-        return
-    data = (line + "\n").encode(errors="replace")
-    while data:   # (one write unless the stream takes less)
-        data = data[os.write(fd, data):]
+        fd = None
+    try:
+        if fd is None:
+            out.write(text)   # (one call: a log it keeps gets the line too)
+            out.flush()
+            return
+        data = text.encode(errors="replace")
+        while data:   # (one write unless the stream takes less)
+            data = data[os.write(fd, data):]
+    except (OSError, ValueError):   # the reader is gone (a closed pipe): the line has nowhere to go there
+        pass
+    if hasattr(out, "log_only"):
+        out.log_only(text)
 
 
 class FrameworkError(Exception):

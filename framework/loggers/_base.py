@@ -150,7 +150,8 @@ class _Tee:
         return len(text)
 
     def log_only(self, text: str) -> None:
-        """What a live progress bar shows on the console, as plain lines in the log."""
+        """What a live progress bar shows on the console, as plain lines in the log; and a line that
+        ``say`` wrote to the console's descriptor itself (in one write)."""
         self.log.write(text)
 
     def flush(self) -> None:

@@ -11,6 +11,7 @@ Writes OUT_DIR/reload.json.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -57,11 +58,18 @@ def main(out: Path) -> None:
         prompt = batches[0][0][:1, :8]
         generated = model.generate(prompt, max_new_tokens=16, do_sample=False, pad_token_id=0)
     new = generated[0, prompt.shape[1]:].tolist()
-    result = {"export": str(hf), "val_loss_reloaded": val, "val_loss_job": summary["val_loss"],
-              "val_loss_abs_diff": abs(val - summary["val_loss"]), "prompt": prompt[0].tolist(),
-              "generated": new, "generated_tokens": len(new)}
+    # null where either loss is not finite (summary.json's null: the job diverged), which fails the check
+    job_val = summary["val_loss"]
+    val = val if math.isfinite(val) else None
+    result = {"export": str(hf), "val_loss_reloaded": val, "val_loss_job": job_val,
+              "val_loss_abs_diff": None if val is None or job_val is None else abs(val - job_val),
+              "prompt": prompt[0].tolist(), "generated": new, "generated_tokens": len(new)}
     (out / "reload.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"from_pretrained({hf}): val loss {val:.6f} vs the job's {summary['val_loss']:.6f}; generated {new}")
+    print(f"from_pretrained({hf}): val loss {_loss(val)} vs the job's {_loss(job_val)}; generated {new}")
+
+
+def _loss(v: float | None) -> str:
+    return "not finite" if v is None else f"{v:.6f}"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """The command line as a user runs it: python -m framework.train ..."""
+import contextlib
 import json
 import os
 import shutil
@@ -527,7 +528,9 @@ def test_a_signalled_run_removes_its_swap_files(tmp_path, sig, nproc, group):
     want = [rf"{said} at step \d+"] if nproc == 1 else [rf"rank [01]: {said} at step \d+"] * 2 + [re.escape(last)]
     assert len(lines) == len(want), stderr
     assert all(any(re.fullmatch(w, line) for line in lines) for w in want), stderr
-    assert re.search(rf"^{said} at step \d+$", (run / "train.log").read_text(), re.M), (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert re.search(rf"^{said} at step \d+$", log, re.M), log
+    assert re.search(r"^nvme: rank 0 swaps \d+ bytes", log, re.M), log   # (rank 0's lines written whole)
 
 
 def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):
@@ -546,6 +549,34 @@ def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "stdout", out)
         say("nvme: rank 1 swaps 4096 bytes", sys.stdout)
         assert writes == [(out.fileno(), b"nvme: rank 1 swaps 4096 bytes\n")]
+    writes.clear()
+    # rank 0's console is also its train.log: the line goes there too, still one write on the console
+    from framework.loggers import console_log
+    with open(tmp_path / "out", "w") as out:
+        monkeypatch.setattr(sys, "stdout", out)
+        with console_log(tmp_path / "train.log"):
+            say("nvme: rank 0 swaps 4096 bytes", sys.stdout)
+            assert writes == [(out.fileno(), b"nvme: rank 0 swaps 4096 bytes\n")]
+    assert (tmp_path / "train.log").read_text() == "nvme: rank 0 swaps 4096 bytes\n"
+
+
+def test_a_line_for_a_console_that_is_gone_raises_nothing(tmp_path, monkeypatch, capsys):
+    """stderr closed (``2>&-``: sys.stderr is None): the line goes to stdout, as print's did; a reader
+    that went away (a closed pipe): the line is dropped, no traceback in place of the run's own exit."""
+    from framework.core.errors import say
+
+    monkeypatch.setattr(sys, "stderr", None)
+    say("error: checkpoint folder x is not writable")
+    assert capsys.readouterr().out == "error: checkpoint folder x is not writable\n"
+    r, w = os.pipe()
+    os.close(r)
+    with open(w, "w") as gone:
+        monkeypatch.setattr(sys, "stderr", gone)
+        say("rank 1: interrupted at step 1")
+        gone.write("x")   # (pending, so that the flush before the line fails too)
+        say("rank 1: interrupted at step 1")
+        with contextlib.suppress(BrokenPipeError):
+            gone.close()
 
 
 def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):

@@ -202,6 +202,112 @@ def test_a_signal_sent_again_lands_before_the_previous_handlers_come_back():
     assert code == 143 and before == [], (code, before)
 
 
+def test_a_rank_takes_the_same_ctrl_c_once_and_a_later_one_again(monkeypatch):
+    """Ctrl-C reaches a rank from the terminal and again from its launcher: the copy (soon after) is ignored,
+    a deliberate second Ctrl-C later cuts the rank's cleanup short. A rank that left ignores SIGINT (it is
+    ending: one passed on just then must not print a traceback)."""
+    import signal
+    import time
+
+    from framework.cli import launch
+
+    monkeypatch.setattr(launch, "REPEAT_S", 0.3, raising=False)
+    try:
+        with signals_unwind(rank=True):
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)   # the launcher's copy
+            time.sleep(0.5)
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _stand_in_rank(w: int, stubborn: bool, started) -> None:
+    """A rank for ``_stop``: writes each signal it gets to ``w``; ``stubborn``: a cleanup that never ends."""
+    import signal
+    import time
+
+    def got(signum, frame):
+        os.write(w, bytes([signum]))
+        if not stubborn:
+            os._exit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, got)
+    started.set()
+    time.sleep(60)
+
+
+def _stand_ins(stubborn: bool, n: int = 2) -> tuple[list, list[int]]:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    ranks, reads = [], []
+    for _ in range(n):
+        r, w = os.pipe()
+        started = ctx.Event()
+        p = ctx.Process(target=_stand_in_rank, args=(w, stubborn, started))
+        p.start()
+        os.close(w)
+        assert started.wait(30)
+        ranks.append(p)
+        reads.append(r)
+    return ranks, reads
+
+
+def _signals(r: int) -> list[int]:
+    got = b""
+    while chunk := os.read(r, 16):
+        got += chunk
+    os.close(r)
+    return list(got)
+
+
+def test_a_second_ctrl_c_while_the_ranks_clean_up_ends_them(monkeypatch):
+    """Ctrl-C again while the launcher waits for its ranks' cleanup: SIGTERM at once, then SIGKILL; it never
+    leaves with ranks running (multiprocessing would wait for them forever at exit)."""
+    import signal
+    import threading
+    import time
+
+    from framework.cli import launch
+
+    monkeypatch.setattr(launch, "KILL_AFTER_S", 0.5, raising=False)
+    ranks, reads = _stand_ins(stubborn=True)
+    try:
+        threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            launch._stop(ranks, signal.SIGINT)
+        except KeyboardInterrupt:
+            pytest.fail("the second Ctrl-C left _stop with the ranks still running")
+        assert not any(p.is_alive() for p in ranks) and time.monotonic() - start < 20
+        assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
+        assert [_signals(r) for r in reads] == [[signal.SIGINT, signal.SIGTERM]] * 2
+    finally:
+        for p in ranks:
+            p.kill()
+
+
+def test_ctrl_c_goes_on_only_to_ranks_whose_handlers_are_installed():
+    """A rank still starting (importing torch) would print a KeyboardInterrupt traceback: it gets SIGTERM,
+    whose default ends it silently."""
+    import signal
+
+    from framework.cli import launch
+
+    ranks, reads = _stand_ins(stubborn=False)
+    try:
+        launch._stop(ranks, signal.SIGINT, lambda rank: rank == 0)
+        assert [_signals(r) for r in reads] == [[signal.SIGINT], [signal.SIGTERM]]
+    finally:
+        for p in ranks:
+            p.kill()
+
+
 def test_a_sigterm_inside_the_first_close_still_closes_the_engine_and_the_logger(monkeypatch, tmp_path):
     """torch's spawn sends SIGTERM to the surviving ranks just as they unwind from a peer's failure: its
     SystemExit landing in the checkpointer's close still lets the engine (swap files) and the logger

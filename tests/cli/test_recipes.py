@@ -326,8 +326,17 @@ def test_hf_gpt2_zero3_quick(tmp_path):
     pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     verdict = run_quick("hf_gpt2_zero3", tmp_path)
-    reload = json.loads((Path(verdict["out"]) / "reload.json").read_text())
+    out = Path(verdict["out"])
+    reload = json.loads((out / "reload.json").read_text())
     assert reload["val_loss_abs_diff"] <= 1e-4 and reload["generated_tokens"] == 16
+    # A job whose validation loss was not finite (null in summary.json): a failing check, not a traceback.
+    summary = next(out.glob("run*-job*/summary.json"))
+    summary.write_text(json.dumps({**json.loads(summary.read_text()), "val_loss": None}))
+    p = subprocess.run([sys.executable, str(ROOT / "recipes" / "hf_gpt2_zero3" / "reload_generate.py"), str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "vs the job's not finite" in p.stdout, p.stderr[-3000:]
+    check = {"file": "reload.json", "key": "val_loss_abs_diff", "max": 1e-4}
+    assert not recipes.evaluate([], {"checks": [check]}, out=out)[0]["passed"]
 
 
 @pytest.mark.parametrize("model", ["gpt", "llama"])
