@@ -10,7 +10,8 @@ The global batch is the composed config's (``train.micro_batch x train.grad_accu
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
 ``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
 file's choice restricts the stage or offload the same way, and the given one's keys, as in
-``offload=cpu offload.ratio=0.5``, go to each of its candidates). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+``offload=cpu offload.ratio=0.5``, go to each of its candidates; ``model.activation_checkpointing=`` restricts
+the search as ``checkpointing=`` does). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
 each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
 (activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
 CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
@@ -50,10 +51,14 @@ from framework.memory.planner import Candidate, Hardware, Planned, candidates, c
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
+# What each candidate sets itself (its ``+plan=cN`` file): the command line's values of these would win
+# over the file's in Hydra, so verify's jobs leave them out.
+CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_checkpointing")
 
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
     top = [p for p in planned if p.fits][:k]
+    base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS]
     if not top:
         raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
@@ -81,7 +86,10 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
             key, peak = "peak_device_allocated_bytes", job.peak("peak_device_allocated_bytes")
             if peak is None:   # a CPU run: the process's peak
                 key, peak = "peak_rss_bytes", job.peak("peak_rss_bytes")
-            results.append({"candidate": p.cand, "predicted_s": p.time["total"],
+            results.append({"candidate": p.cand, "ran": {"micro_batch": c["train"]["micro_batch"],
+                                                         "grad_accum": c["train"]["grad_accum"],
+                                                         "checkpointing": c["model"]["activation_checkpointing"]},
+                            "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
                             "predicted_peak": p.device_peak, "measured_peak": peak, "measured_kind": key})
     return results
@@ -115,6 +123,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     cfg = compose([f"model={own['model']}", *overrides])
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     own, notes = _restrict(own, given, cfg, base)
+    own, notes = _restrict_checkpointing(own, overrides, notes)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
@@ -147,6 +156,24 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   "it includes the earlier jobs' peaks)")
         if flags["json"]:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _restrict_checkpointing(own: dict[str, str], overrides: list[str], notes: list[str]) -> tuple[dict, list[str]]:
+    """``model.activation_checkpointing=`` on the command line restricts the search as ``checkpointing=``
+    does (each candidate sets the key itself), with a note saying so."""
+    given = [o.partition("=")[2].strip().lower() for o in overrides if _key(o) == "model.activation_checkpointing"]
+    if not given or given[-1] not in ("true", "false"):   # a bad value is the composition's line
+        return own, notes
+    value = given[-1]
+    if "checkpointing" in own and [x.strip().lower() for x in own["checkpointing"].split(",")] != [value]:
+        raise ConfigError(f"plan: the command line sets model.activation_checkpointing={value}, but checkpointing="
+                          f"{own['checkpointing']}; plan tries each of checkpointing= itself: give one of them")
+    return {**own, "checkpointing": value}, [*notes, f"note: planned only with model.activation_checkpointing={value} "
+                                                    f"(the command line), as checkpointing={value} would"]
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:

@@ -91,13 +91,19 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "FRAMEWORK_OPS_CACHE": str(cache_root()),
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The command line's train.micro_batch (the global batch) and model.activation_checkpointing (which
+    # restricts the search as checkpointing= would) do not replace the candidates' own values in the runs.
     cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.context=16", "train.micro_batch=8",
-           "micro_batches=8,2,1", "stages=ddp", "checkpointing=false", "steps=3", "--verify", "3", "--json"]
+           "micro_batches=8,2,1", "stages=ddp", "model.activation_checkpointing=true", "steps=3", "--verify", "3",
+           "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (measured now" in run.stdout and (tmp_path / "cache" / "framework").is_dir()
+    assert "note: planned only with model.activation_checkpointing=true (the command line)" in run.stdout
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     assert [r["candidate"]["micro_batch"] for r in rows] == [8, 2, 1]
+    assert [r["ran"] for r in rows] == [{k: r["candidate"][k] for k in ("micro_batch", "grad_accum", "checkpointing")}
+                                        for r in rows] and all(r["ran"]["checkpointing"] for r in rows), rows
     predicted = [r["predicted_s"] for r in rows]
     assert predicted == sorted(predicted)
     assert all(0 < r["measured_s"] < 60 for r in rows), rows
@@ -183,6 +189,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["--top", "0"], "plan: --top needs a whole number >= 1, got 0"),
     (["--verify", "0"], "plan: --verify needs a whole number >= 1, got 0"),
     (["+stage=zero2", "stages=zero3"], "plan: the command line sets stage=zero2, but stages=zero3; plan tries each"),
+    (["model.activation_checkpointing=true", "checkpointing=false"],
+     "plan: the command line sets model.activation_checkpointing=true, but checkpointing=false"),
     (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
