@@ -56,7 +56,10 @@ OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "st
 CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_checkpointing")
 
 
-def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
+def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int,
+           from_file: frozenset[str] = frozenset()) -> list[dict]:
+    """``from_file``: the groups (stage, offload) the DeepSpeed file of ``base_overrides`` chooses (the plan
+    is restricted to its choice); the jobs' plan files leave them to it."""
     top = [p for p in planned if p.fits][:k]
     base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS]
     if not top:
@@ -65,7 +68,7 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
         group = Path(d) / "search" / "plan"
         group.mkdir(parents=True)
         for i, p in enumerate(top):
-            group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand))
+            group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand, from_file))
         sweep = Path(d) / "runs"
         # The plan group must be on the search path both of the up-front check of every job (an
         # override) and of each job's composition inside the Hydra app (--config-dir).
@@ -95,12 +98,15 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
     return results
 
 
-def _plan_yaml(c: Candidate) -> str:
-    lines = ["# @package _global_", "defaults:", f"  - /stage: {c.stage}"]
-    if c.offload != "none":
-        lines.append(f"  - override /offload: {c.offload.split('+')[0]}")
-    lines += ["train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}",
-              "model:", f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
+def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
+    # A group the DeepSpeed file chooses is chosen again by the file in each job: a second choice here
+    # would be a duplicate in Hydra's defaults list.
+    defaults = [f"  - /stage: {c.stage}"] if "stage" not in from_file else []
+    if c.offload != "none" and "offload" not in from_file:
+        defaults.append(f"  - override /offload: {c.offload.split('+')[0]}")
+    lines = ["# @package _global_", *(["defaults:", *defaults] if defaults else []),
+             "train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}", "model:",
+             f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
     if c.offload == "cpu+params":
         lines += ["offload:", "  params: cpu"]
     return "\n".join(lines) + "\n"
@@ -144,7 +150,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
     if flags["verify"]:
-        rows = verify(planned, flags["verify"], base, hw, int(steps))
+        rows = verify(planned, flags["verify"], base, hw, int(steps),
+                      frozenset(g for g in ("stage", "offload") if cfg.sources.get(f"{g}.name") == DS_FILE))
         print(f"\nverify: top {len(rows)} as one Hydra multirun ({steps} steps each; "
               f"measured = median s/step after the first)")
         for i, r in enumerate(rows):

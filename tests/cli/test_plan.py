@@ -120,6 +120,38 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
 
 
+def test_verify_runs_with_a_ds_config_files_stage_and_offload(tmp_path, monkeypatch):
+    """The DeepSpeed file chooses the stage and offload in each verified job too (the plan is restricted to
+    its choice): the candidates' plan files do not choose them a second time (a duplicate in Hydra's
+    defaults list). The one end-to-end run of a multirun composed with a DeepSpeed file: 1 job, 2 steps;
+    a cached probe of made-up bandwidths, as the probe itself is tested above."""
+    from framework.memory import probe
+    from framework.ops._loader import cache_root
+    ops = str(cache_root())   # where the C++ kernels were built (before the cache folder moves)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cached = probe.cache_path(torch.device("cpu"), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({**PROBE, "version": probe.VERSION, "process_rss_bytes": 0}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "FRAMEWORK_OPS_CACHE": ops,
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.n_layer=2", "model.d_model=32",
+           "model.n_head=2", "model.context=16", "data.vocab_size=24", "train.micro_batch=4",
+           f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json", "micro_batches=2", "checkpointing=false",
+           "steps=2", "--verify", "1", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "probe (cached" in run.stdout, run.stdout
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(r["candidate"]["stage"], r["candidate"]["offload"], r["ran"]["micro_batch"]) for r in rows] == \
+        [("zero2", "cpu", 2)], rows
+
+
 def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
     """process_rss_bytes is the process's own baseline: the probe's matmul and copy tensors are gone
     when it is read (each measurement stubbed: only what is alive matters here)."""
