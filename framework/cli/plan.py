@@ -137,7 +137,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     disk = _disk_dir(cfg, base)
     hw = detect(own, disk)
     cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
-    setups = compose_setups(base, cands)   # so does a key of the given stage or offload that a candidate refuses
+    setups = compose_setups(base, cands)   # so does a given key that every candidate's setup refuses
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them at start-up (once the
         print("\n".join(cfg.notices), file=sys.stderr, flush=True)   # arguments passed: a bad one is one line)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])

@@ -232,8 +232,10 @@ def test_steps_is_checked_and_needs_verify(capsys):
      "ds_config: stage=zero2 on the command line, but zero_optimization.stage in the file means stage=zero3"),
     (["offload=nvme", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
      "ds_config: offload=nvme on the command line, but zero_optimization.offload_optimizer.device"),
-    # A key of the given offload that a candidate's stage refuses: that composition's line, before the probe.
-    (["offload=nvme", "offload.params=nvme"], "offload.params=nvme (parameter offload) needs +stage=zero3"),
+    # A key of the given offload that every candidate's stage refuses: that composition's line, before the probe.
+    (["stages=zero1,zero2", "offload=nvme", "offload.params=nvme"],
+     "offload.params=nvme (parameter offload) needs +stage=zero3, got stage=zero1; use offload.params=none or "
+     "+stage=zero3 (plan: no setup of stages=zero1,zero2 composes with the given keys; choose"),
 ])
 def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, needle):
     """Each value plan cannot use is refused with one line before anything is probed (nothing dropped,
@@ -315,6 +317,22 @@ def test_the_given_stages_or_offloads_own_keys_apply_to_its_candidates(capsys, m
     assert {r["offload"] for r in rows} == offloads, rows
     assert len(seen) == len(rows) and all(getattr(getattr(c, group), key) == value
                                           for c in seen for (group, key), value in applied.items()), seen
+
+
+@pytest.mark.parametrize("args,refused,needle", [
+    (["offload=cpu", "offload.overlap_step=true"], {"zero1"}, "unavailable: config: offload.overlap_step=true"),
+    (["offload=nvme", "offload.ratio=0.5"], {"zero3"}, "unavailable: config: offload.ratio<1"),
+])
+def test_a_setup_that_refuses_a_given_key_is_listed_unavailable(capsys, monkeypatch, args, refused, needle):
+    """A given key that some stage refuses leaves that stage's setups out, listed with its reason; the
+    other stages are planned (not the whole plan refused)."""
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-nano", "micro_batches=16", "checkpointing=false", "ranks=1", "--json", *args]) == 0, \
+        capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {r["stage"] for r in rows if not r["fits"]} == refused and all(
+        r["why"].startswith(needle) for r in rows if not r["fits"]), rows
+    assert {r["stage"] for r in rows if r["fits"]} == {"zero1", "zero2", "zero3"} - refused, rows
 
 
 def test_free_disk_and_the_disk_probe_are_those_of_the_nvme_path(capsys, monkeypatch, tmp_path):
