@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from framework.memory.model import build_vocab, predict, state_bytes
+from framework.memory.model import build_vocab, nvme_pools, predict, state_bytes
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
@@ -201,20 +201,32 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     # The NVMe rows at the composed precision and optimizer (DeepSpeed's 16-bit Adam without a model).
     widths = dict(zip(("param_bytes", "optimizer_bytes"), state_bytes(cfg))) if cfg is not None else {}
     precision = f", precision={cfg.choices['precision']}" if cfg is not None else ""
+    def pools(nvme: NVMeKeys) -> dict:
+        """A model's host pools per rank (params on NVMe, CPU, GPU) as the engine sizes them; none without one."""
+        if module is None:
+            return {}
+        given = dataclasses.asdict(nvme)
+        return {"pools": tuple(nvme_pools(cfg, module, gpus * nodes, par, **given).host_total()
+                               for par in ("nvme", "cpu", "none"))}
+
+    sized = ("the engine's pools for this model" if module is not None else
+             "upper bounds without a model's structure: every tile and parameter slot at its largest")
     if largest is not None:
         table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
                        "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))
         table("nvme", f"ZeRO-3 with offload=nvme (ours: no buffer factor; sub_group_size={keys.sub_group_size:,}, "
                       f"buffer_count={keys.buffer_count}, param_buffer_count={keys.param_buffer_count}, "
                       f"param_buffer_size={keys.param_buffer_size:,}{precision}; per CPU = pinned pools: optimizer tiles with "
-                      f"their gradient, one gradient bounce, parameter slots [or the parameter shards]; the "
-                      f"per-rank prediction below adds the working set):", nvme_rows(params, largest, gpus, nodes, keys, **widths))
+                      f"their gradient, one gradient bounce, parameter slots [or the parameter shards], {sized}; the "
+                      f"per-rank prediction below adds the working set):",
+              nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools(keys)))
         ds = NVMeKeys.sub_group_size
         if keys.sub_group_size != ds:
             table("nvme_deepspeed_sub_group_size",
                   f"The same with DeepSpeed's default sub_group_size={ds:,} (other keys as above; a "
                   f"partition under that size is one tile, resident for its whole step):",
-                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds), **widths))
+                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds), **widths,
+                            **pools(dataclasses.replace(keys, sub_group_size=ds))))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
         world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc

@@ -10,7 +10,8 @@ The global batch is the composed config's (``train.micro_batch x train.grad_accu
 candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
 ``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
 file's choice restricts the stage or offload the same way, and the given one's keys, as in
-``offload=cpu offload.ratio=0.5``, go to each of its candidates). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+``offload=cpu offload.ratio=0.5``, go to each of its candidates; ``model.activation_checkpointing=`` restricts
+the search as ``checkpointing=`` does). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
 each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
 (activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
 CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
@@ -50,17 +51,24 @@ from framework.memory.planner import Candidate, Hardware, Planned, candidates, c
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
+# What each candidate sets itself (its ``+plan=cN`` file): the command line's values of these would win
+# over the file's in Hydra, so verify's jobs leave them out.
+CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_checkpointing")
 
 
-def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int) -> list[dict]:
+def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int,
+           from_file: frozenset[str] = frozenset()) -> list[dict]:
+    """``from_file``: the groups (stage, offload) the DeepSpeed file of ``base_overrides`` chooses (the plan
+    is restricted to its choice); the jobs' plan files leave them to it."""
     top = [p for p in planned if p.fits][:k]
+    base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS]
     if not top:
         raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
         group = Path(d) / "search" / "plan"
         group.mkdir(parents=True)
         for i, p in enumerate(top):
-            group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand))
+            group.joinpath(f"c{i}.yaml").write_text(_plan_yaml(p.cand, from_file))
         sweep = Path(d) / "runs"
         # The plan group must be on the search path both of the up-front check of every job (an
         # override) and of each job's composition inside the Hydra app (--config-dir).
@@ -81,18 +89,24 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
             key, peak = "peak_device_allocated_bytes", job.peak("peak_device_allocated_bytes")
             if peak is None:   # a CPU run: the process's peak
                 key, peak = "peak_rss_bytes", job.peak("peak_rss_bytes")
-            results.append({"candidate": p.cand, "predicted_s": p.time["total"],
+            results.append({"candidate": p.cand, "ran": {"micro_batch": c["train"]["micro_batch"],
+                                                         "grad_accum": c["train"]["grad_accum"],
+                                                         "checkpointing": c["model"]["activation_checkpointing"]},
+                            "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
                             "predicted_peak": p.device_peak, "measured_peak": peak, "measured_kind": key})
     return results
 
 
-def _plan_yaml(c: Candidate) -> str:
-    lines = ["# @package _global_", "defaults:", f"  - /stage: {c.stage}"]
-    if c.offload != "none":
-        lines.append(f"  - override /offload: {c.offload.split('+')[0]}")
-    lines += ["train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}",
-              "model:", f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
+def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
+    # A group the DeepSpeed file chooses is chosen again by the file in each job: a second choice here
+    # would be a duplicate in Hydra's defaults list.
+    defaults = [f"  - /stage: {c.stage}"] if "stage" not in from_file else []
+    if c.offload != "none" and "offload" not in from_file:
+        defaults.append(f"  - override /offload: {c.offload.split('+')[0]}")
+    lines = ["# @package _global_", *(["defaults:", *defaults] if defaults else []),
+             "train:", f"  micro_batch: {c.micro_batch}", f"  grad_accum: {c.grad_accum}", "model:",
+             f"  activation_checkpointing: {str(c.checkpointing).lower()}"]
     if c.offload == "cpu+params":
         lines += ["offload:", "  params: cpu"]
     return "\n".join(lines) + "\n"
@@ -115,6 +129,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     cfg = compose([f"model={own['model']}", *overrides])
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     own, notes = _restrict(own, given, cfg, base)
+    own, notes = _restrict_checkpointing(own, overrides, notes)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
@@ -122,7 +137,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     disk = _disk_dir(cfg, base)
     hw = detect(own, disk)
     cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
-    setups = compose_setups(base, cands)   # so does a key of the given stage or offload that a candidate refuses
+    setups = compose_setups(base, cands)   # so does a given key that every candidate's setup refuses
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them at start-up (once the
         print("\n".join(cfg.notices), file=sys.stderr, flush=True)   # arguments passed: a bad one is one line)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
@@ -135,7 +150,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
     if flags["verify"]:
-        rows = verify(planned, flags["verify"], base, hw, int(steps))
+        rows = verify(planned, flags["verify"], base, hw, int(steps),
+                      frozenset(g for g in ("stage", "offload") if cfg.sources.get(f"{g}.name") == DS_FILE))
         print(f"\nverify: top {len(rows)} as one Hydra multirun ({steps} steps each; "
               f"measured = median s/step after the first)")
         for i, r in enumerate(rows):
@@ -147,6 +163,24 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                   "it includes the earlier jobs' peaks)")
         if flags["json"]:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
+
+
+def _key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _restrict_checkpointing(own: dict[str, str], overrides: list[str], notes: list[str]) -> tuple[dict, list[str]]:
+    """``model.activation_checkpointing=`` on the command line restricts the search as ``checkpointing=``
+    does (each candidate sets the key itself), with a note saying so."""
+    given = [o.partition("=")[2].strip().lower() for o in overrides if _key(o) == "model.activation_checkpointing"]
+    if not given or given[-1] not in ("true", "false"):   # a bad value is the composition's line
+        return own, notes
+    value = given[-1]
+    if "checkpointing" in own and [x.strip().lower() for x in own["checkpointing"].split(",")] != [value]:
+        raise ConfigError(f"plan: the command line sets model.activation_checkpointing={value}, but checkpointing="
+                          f"{own['checkpointing']}; plan tries each of checkpointing= itself: give one of them")
+    return {**own, "checkpointing": value}, [*notes, f"note: planned only with model.activation_checkpointing={value} "
+                                                    f"(the command line), as checkpointing={value} would"]
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:

@@ -356,6 +356,31 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     return pred
 
 
+def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footprint:
+    """What zero3 + offload=nvme (``offload.params=params``; ``keys``: other ``offload=nvme`` keys) holds
+    per rank for ``module`` on ``world`` ranks: the host pools and host shards (``host``) and the swap
+    files (``disk``), sized by the functions the prediction and the engine size them with; ``cfg``'s own
+    stage and offload keys where it has chosen zero3 and offload=nvme, else their defaults (the
+    estimate's ZeRO-Infinity rows, for any composed config)."""
+    import dataclasses
+
+    from framework.core.registry import registry
+    from framework.engine.build import component
+
+    def chosen(group: str, name: str):
+        return getattr(cfg, group) if cfg.choices[group] == name else registry(group).get(name).config()
+
+    offload = dataclasses.replace(chosen("offload", "nvme"), params=params, **keys)
+    z3 = dataclasses.replace(cfg, choices={**cfg.choices, "stage": "zero3", "offload": "nvme"},
+                             stage=chosen("stage", "zero3"), offload=offload)
+    policy = component(z3, "precision").build(z3.precision)
+    placement = component(z3, "offload").build(z3.offload)
+    pred = Prediction(world, 0)
+    cut = (None, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(z3))
+    placement.predict_pool(pred, _zero3(z3, module, policy, world, pred, placement, cut), *cut)
+    return pred
+
+
 def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window.
     Returns the shards' lengths."""

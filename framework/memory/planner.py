@@ -199,20 +199,31 @@ class Planned:
 
 def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, str], object]:
     """One composed config per stage and offload of ``cands`` (``base`` plus the candidate's choices), or,
-    for an offload target that cannot be built here, its error (listed, never run); a config that does
-    not compose raises its error (for ``plan``'s command line: before anything is probed)."""
+    for one that does not compose (a given key that stage refuses, as ``offload.overlap_step=true`` with
+    zero1) or an offload target that cannot be built here, its error (listed, never run). When no setup
+    composes, the first one's error is raised (for ``plan``'s command line: before anything is probed)."""
     from framework.config import compose
     from framework.engine.build import component
 
     composed: dict[tuple[str, str], object] = {}
+    refused: list[ConfigError] = []
     for cand in cands:
         key = (cand.stage, cand.offload)
         if key not in composed:
-            composed[key] = compose([*base, *cand.overrides()])
+            try:
+                composed[key] = compose([*base, *cand.overrides()])
+            except ConfigError as e:
+                composed[key] = e
+                refused.append(e)
+                continue
             try:
                 component(composed[key], "offload").build(composed[key].offload)
             except FrameworkError as e:
                 composed[key] = e
+    if composed and len(refused) == len(composed):
+        stages = ",".join(dict.fromkeys(stage for stage, _ in composed))
+        raise ConfigError(f"{refused[0]} (plan: no setup of stages={stages} composes with the given keys; choose "
+                          f"the stages they allow with stages=)")
     return composed
 
 

@@ -3,7 +3,8 @@ P (distinct parameters at their logical shape, so a meta or ZeRO-3 sharded model
 (the most parameters one module registers itself). ``zero2_rows``/``zero3_rows`` are DeepSpeed's
 ``estimate_zero{2,3}_model_states_mem_needs`` (model states only; the 1.5 buffer factor on host memory)
 with its integer rounding, so the printed GiB agree to the last digit; ``nvme_rows`` adds what those
-tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size).
+tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size: a model's as the engine
+sizes them, a parameter count's an upper bound).
 """
 from __future__ import annotations
 
@@ -114,36 +115,42 @@ class NVMeKeys:
 
 
 def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
-              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2) -> list[Row]:
+              keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2,
+              pools: tuple[int, int, int] | None = None) -> list[Row]:
     """Per-node disk bytes and host pools of ZeRO-Infinity, for zero3 (our model, not DeepSpeed's:
     no fudge factor; every term is named).
 
     Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
     element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_disk.py)
-    live on disk; the host holds ``buffer_count`` tiles of min(sub_group_size, partition) elements
-    of master + state + gradient + working-precision staging (none when the working precision is the
-    fp32 master's), and one tile's gradient bounce buffer. ``param_bytes``: the working precision (2:
-    16-bit, as DeepSpeed assumes). Parameters on NVMe: each rank's shard on disk and
-    ``param_buffer_count`` x ``param_buffer_size`` elements of pinned buffers; on the CPU: the shards
-    in host memory. GPU as DeepSpeed's zero_init rows: the largest layer gathered (params and grads),
-    plus the shard when parameters stay on the GPU."""
+    live on disk. ``pools``: a model's host bytes per rank for parameters on NVMe, CPU, GPU
+    (``framework.memory.model.nvme_pools``: the engine's pools, sized by its tiles and shards). Without
+    it (a parameter count alone) an upper bound: ``buffer_count`` tiles of min(sub_group_size,
+    partition) elements (zero3 cuts a tile per unit group, none larger) of master + state + gradient +
+    working-precision staging (none when the working precision is the fp32 master's), one tile's
+    gradient bounce buffer, and with parameters on NVMe ``param_buffer_count`` slots of min(
+    param_buffer_size, partition) elements (a slot holds the largest shard, which the engine refuses
+    above param_buffer_size); on the CPU: the shards in host memory. ``param_bytes``: the working
+    precision (2: 16-bit, as DeepSpeed assumes). GPU as DeepSpeed's zero_init rows: the largest layer
+    gathered (params and grads), plus the shard when parameters stay on the GPU."""
     t = gpus_per_node * nodes
     part = -(-params // t)   # elements of one rank's partition
     state = 4 + optimizer_bytes
     staging = 0 if param_bytes == 4 else param_bytes   # an fp32 step writes the working copy itself
     tile = min(keys.sub_group_size, part)
     rows = []
-    for par in ("nvme", "cpu", "none"):
+    for i, par in enumerate(("nvme", "cpu", "none")):
         opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + staging) + 4 * tile)
         disk = gpus_per_node * part * (state + 4)
         host, gpu = opt_host, 2 * param_bytes * largest_layer
         if par == "nvme":
-            host += gpus_per_node * keys.param_buffer_count * keys.param_buffer_size * param_bytes
+            host += gpus_per_node * keys.param_buffer_count * min(keys.param_buffer_size, part) * param_bytes
             disk += gpus_per_node * part * param_bytes
         elif par == "cpu":
             host += gpus_per_node * part * param_bytes
         else:
             gpu += part * param_bytes
+        if pools is not None:
+            host = gpus_per_node * pools[i]
         rows.append(Row(host, gpu, f"offload_param={par}, offload_optimizer=nvme", disk))
     return rows
 

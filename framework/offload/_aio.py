@@ -44,8 +44,11 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     1.3 -> 2.1 GB/s here); pages are committed when first written."""
     nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
-    raw = host_arena(nbytes + align, pin=pin, acc=acc)
-    shift = (-raw.data_ptr()) % align   # (host allocations are 64-byte aligned: whole elements)
+    if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
+        raw, shift = _mapped(max(nbytes, 1), pin, align=align), 0
+    else:   # (what the extra ``align`` bytes span is never touched, so never committed)
+        raw = host_arena(nbytes + align, pin=pin, acc=acc)
+        shift = (-raw.data_ptr()) % align   # (host allocations are 64-byte aligned: whole elements)
     if align == HUGE:
         _advise_huge(raw.data_ptr() + shift, nbytes)
     return raw[shift:shift + nbytes].view(dtype)
@@ -70,13 +73,20 @@ def _advise_huge(address: int, nbytes: int) -> None:
     libc.madvise(address, nbytes // HUGE * HUGE, advice)
 
 
-def _mapped(nbytes: int, pin: bool, cudart=None) -> torch.Tensor:
-    """Anonymous mmap memory as a uint8 tensor, page-locked with ``cudaHostRegister`` when ``pin``.
+def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
+    """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
+    ``align`` boundary, page-locked with ``cudaHostRegister`` when ``pin``. For a larger alignment the
+    mapping spans ``align`` more bytes of address space, but the tensor's storage, and what is
+    registered, is the aligned range only: the pages around it are never touched, so never committed.
     The finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered
     before it is unmapped (the mmap's own finalizers would run after its munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm)   # a subclass: weak-referenceable
+    extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
+    mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.c_char.from_buffer(mm)
+    shift = (-ctypes.addressof(start)) % align
+    del start   # (a view of the mapping: the one below is the only one kept)
+    pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm, shift)   # a subclass: weak-referenceable
     t = torch.frombuffer(pages, dtype=torch.uint8)
     if pin:
         cudart = cudart or torch.cuda.cudart()

@@ -86,6 +86,26 @@ def test_nvme_rows_name_their_terms():
     # tiles of master + state + gradient + 16-bit staging, one tile's gradient bounce, the parameter pool
     assert both.cpu == G * (4 * part * (12 + 4 + 2) + 4 * part + 5 * 100_000_000 * 2)
     assert rows["offload_param=none, offload_optimizer=nvme"].gpu == 4 * L + 2 * part
+    # Without a model's structure the pools are upper bounds: no tile nor parameter slot is larger than the
+    # partition (a slot holds the largest shard), so a small model's slots are not param_buffer_size.
+    small = nvme_rows(10_000_000, 1_000_000)[0]
+    assert small.cpu == 4 * 10_000_000 * (12 + 4 + 2) + 4 * 10_000_000 + 5 * 10_000_000 * 2
+
+
+def test_nvme_rows_of_a_model_are_the_pools_the_engine_builds(capsys):
+    """With model=, the ZeRO-Infinity rows' host column is the pools the engine builds for that model
+    (tiles per unit group, parameter slots as large as the largest shard), the same bytes as the per-rank
+    prediction printed with it (tests/dist/test_footprint.py ties those to a built engine's report)."""
+    assert main(["model=gpt-mini", "+stage=zero3", "offload=nvme", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    items = out["prediction"]["items"]
+    pools = sum(items.get(k, {"host": 0})["host"] for k in ("nvme_param_pool", "nvme_optimizer_pool",
+                                                             "nvme_grad_read_back"))
+    assert out["nvme"][0]["cpu"] == pools and pools < 160 * 2 ** 20, (out["nvme"], pools)
+    assert main(["model=gpt-mini", "+stage=zero3", "offload=nvme"]) == 0
+    assert "the engine's pools for this model" in capsys.readouterr().out
+    assert main(["params=10M", "largest_layer=1M"]) == 0
+    assert "upper bounds without a model's structure" in capsys.readouterr().out
 
 
 def test_nvme_rows_take_the_composed_precision(capsys):
@@ -99,9 +119,10 @@ def test_nvme_rows_take_the_composed_precision(capsys):
         P, L = out["params"], out["largest_layer"]
     keys = NVMeKeys(sub_group_size=10_000_000)
     expect = {"fp32": nvme_rows(P, L, keys=keys, param_bytes=4), "bf16": nvme_rows(P, L, keys=keys, param_bytes=2)}
-    for precision, got in rows.items():
-        assert [(r["cpu"], r["gpu"], r["disk"]) for r in got] == \
-            [(r.cpu, r.gpu, r.disk) for r in expect[precision]], precision
+    for precision, got in rows.items():   # (the host pools: the model's, test_nvme_rows_of_a_model_are_...)
+        assert [(r["gpu"], r["disk"]) for r in got] == [(r.gpu, r.disk) for r in expect[precision]], precision
+    assert rows["fp32"][1]["cpu"] - rows["fp32"][2]["cpu"] == 4 * P   # the fp32 shards in host memory
+    assert rows["bf16"][1]["cpu"] - rows["bf16"][2]["cpu"] == 2 * P
     assert rows["fp32"][2]["gpu"] == 8 * L + 4 * P and rows["bf16"][2]["gpu"] == 4 * L + 2 * P
     assert rows["fp32"][0]["disk"] == P * (12 + 4 + 4)   # master + Adam + gradient, and the fp32 shard
 

@@ -91,13 +91,19 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "FRAMEWORK_OPS_CACHE": str(cache_root()),
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The command line's train.micro_batch (the global batch) and model.activation_checkpointing (which
+    # restricts the search as checkpointing= would) do not replace the candidates' own values in the runs.
     cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.context=16", "train.micro_batch=8",
-           "micro_batches=8,2,1", "stages=ddp", "checkpointing=false", "steps=3", "--verify", "3", "--json"]
+           "micro_batches=8,2,1", "stages=ddp", "model.activation_checkpointing=true", "steps=3", "--verify", "3",
+           "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (measured now" in run.stdout and (tmp_path / "cache" / "framework").is_dir()
+    assert "note: planned only with model.activation_checkpointing=true (the command line)" in run.stdout
     rows = json.loads(run.stdout.strip().splitlines()[-1])
     assert [r["candidate"]["micro_batch"] for r in rows] == [8, 2, 1]
+    assert [r["ran"] for r in rows] == [{k: r["candidate"][k] for k in ("micro_batch", "grad_accum", "checkpointing")}
+                                        for r in rows] and all(r["ran"]["checkpointing"] for r in rows), rows
     predicted = [r["predicted_s"] for r in rows]
     assert predicted == sorted(predicted)
     assert all(0 < r["measured_s"] < 60 for r in rows), rows
@@ -112,6 +118,38 @@ def test_verify_top3_runs_each_and_reports_measured_times(tmp_path, monkeypatch)
     finally:
         torch.set_num_threads(threads)
     assert "measured_now" not in cached and {k: cached[k] for k in written} == written
+
+
+def test_verify_runs_with_a_ds_config_files_stage_and_offload(tmp_path, monkeypatch):
+    """The DeepSpeed file chooses the stage and offload in each verified job too (the plan is restricted to
+    its choice): the candidates' plan files do not choose them a second time (a duplicate in Hydra's
+    defaults list). The one end-to-end run of a multirun composed with a DeepSpeed file: 1 job, 2 steps;
+    a cached probe of made-up bandwidths, as the probe itself is tested above."""
+    from framework.memory import probe
+    from framework.ops._loader import cache_root
+    ops = str(cache_root())   # where the C++ kernels were built (before the cache folder moves)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        cached = probe.cache_path(torch.device("cpu"), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    cached.parent.mkdir(parents=True)
+    cached.write_text(json.dumps({**PROBE, "version": probe.VERSION, "process_rss_bytes": 0}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "FRAMEWORK_OPS_CACHE": ops,
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.n_layer=2", "model.d_model=32",
+           "model.n_head=2", "model.context=16", "data.vocab_size=24", "train.micro_batch=4",
+           f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json", "micro_batches=2", "checkpointing=false",
+           "steps=2", "--verify", "1", "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "probe (cached" in run.stdout, run.stdout
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert [(r["candidate"]["stage"], r["candidate"]["offload"], r["ran"]["micro_batch"]) for r in rows] == \
+        [("zero2", "cpu", 2)], rows
 
 
 def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
@@ -183,6 +221,8 @@ def test_steps_is_checked_and_needs_verify(capsys):
     (["--top", "0"], "plan: --top needs a whole number >= 1, got 0"),
     (["--verify", "0"], "plan: --verify needs a whole number >= 1, got 0"),
     (["+stage=zero2", "stages=zero3"], "plan: the command line sets stage=zero2, but stages=zero3; plan tries each"),
+    (["model.activation_checkpointing=true", "checkpointing=false"],
+     "plan: the command line sets model.activation_checkpointing=true, but checkpointing=false"),
     (["+stage=ddp", "offload=cpu"], "plan: no stage of ddp supports an offload of cpu (see stages= and offloads=)"),
     (["gpu_mme=8G"], "plan: unknown key 'gpu_mme' (did you mean 'gpu_mem'?); plan's keys: model, gpu_mem,"),
     # A command-line choice the DeepSpeed file refuses: the candidates' own composition's line, before the probe.
@@ -192,8 +232,10 @@ def test_steps_is_checked_and_needs_verify(capsys):
      "ds_config: stage=zero2 on the command line, but zero_optimization.stage in the file means stage=zero3"),
     (["offload=nvme", f"ds_config={ROOT}/tests/config/ds/hf_zero3_cpu_offload.json"],
      "ds_config: offload=nvme on the command line, but zero_optimization.offload_optimizer.device"),
-    # A key of the given offload that a candidate's stage refuses: that composition's line, before the probe.
-    (["offload=nvme", "offload.params=nvme"], "offload.params=nvme (parameter offload) needs +stage=zero3"),
+    # A key of the given offload that every candidate's stage refuses: that composition's line, before the probe.
+    (["stages=zero1,zero2", "offload=nvme", "offload.params=nvme"],
+     "offload.params=nvme (parameter offload) needs +stage=zero3, got stage=zero1; use offload.params=none or "
+     "+stage=zero3 (plan: no setup of stages=zero1,zero2 composes with the given keys; choose"),
 ])
 def test_bad_arguments_are_one_line_before_the_probe(capsys, monkeypatch, args, needle):
     """Each value plan cannot use is refused with one line before anything is probed (nothing dropped,
@@ -275,6 +317,22 @@ def test_the_given_stages_or_offloads_own_keys_apply_to_its_candidates(capsys, m
     assert {r["offload"] for r in rows} == offloads, rows
     assert len(seen) == len(rows) and all(getattr(getattr(c, group), key) == value
                                           for c in seen for (group, key), value in applied.items()), seen
+
+
+@pytest.mark.parametrize("args,refused,needle", [
+    (["offload=cpu", "offload.overlap_step=true"], {"zero1"}, "unavailable: config: offload.overlap_step=true"),
+    (["offload=nvme", "offload.ratio=0.5"], {"zero3"}, "unavailable: config: offload.ratio<1"),
+])
+def test_a_setup_that_refuses_a_given_key_is_listed_unavailable(capsys, monkeypatch, args, refused, needle):
+    """A given key that some stage refuses leaves that stage's setups out, listed with its reason; the
+    other stages are planned (not the whole plan refused)."""
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-nano", "micro_batches=16", "checkpointing=false", "ranks=1", "--json", *args]) == 0, \
+        capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {r["stage"] for r in rows if not r["fits"]} == refused and all(
+        r["why"].startswith(needle) for r in rows if not r["fits"]), rows
+    assert {r["stage"] for r in rows if r["fits"]} == {"zero1", "zero2", "zero3"} - refused, rows
 
 
 def test_free_disk_and_the_disk_probe_are_those_of_the_nvme_path(capsys, monkeypatch, tmp_path):

@@ -480,6 +480,11 @@ def test_mapped_buffers_of_the_cuda_path_without_pinning(tmp_path):
         device = torch.device("cuda", 0)
 
     assert aligned_empty(1 << 21, torch.float32, pin=False, acc=_Cuda()).data_ptr() % (2 << 20) == 0
+    # The 2 MiB alignment costs address space only: the storage (what is held, and pinned with pin=True)
+    # is the buffer's own bytes, as the engine's memory report and the estimate count them.
+    for n in (3 << 20, 12 << 20):
+        pool = aligned_empty(n, torch.uint8, pin=False, acc=_Cuda())
+        assert pool.data_ptr() % (2 << 20) == 0 and pool.untyped_storage().nbytes() == n
     t = aligned_empty(3001, torch.bfloat16, pin=False, acc=_Cuda())
     assert t.data_ptr() % ALIGN == 0 and t.numel() == 3001 and t.dtype == torch.bfloat16
     t.copy_(_random(3001, torch.bfloat16, 7))
@@ -527,6 +532,9 @@ def test_pinned_mapping_is_unregistered_before_it_is_unmapped():
     assert len(calls) == 1 and int(view[0]) == 3        # a view keeps the memory registered
     del view   # freed by reference counting: no collection needed
     assert calls[1:] == [("unregister", ptr, True)]     # still mapped when unregistered
+    # A 2 MiB-aligned one: only its own bytes are registered (page-locked), not the alignment's.
+    big = _mapped(3 << 20, True, _Cudart(), align=2 << 20)
+    assert big.data_ptr() % (2 << 20) == 0 and calls[2:] == [("register", big.data_ptr(), 3 << 20)]
 
 
 @pytest.fixture
