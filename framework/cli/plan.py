@@ -11,7 +11,8 @@ candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the si
 ``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
 file's choice restricts the stage or offload the same way, and the given one's keys, as in
 ``offload=cpu offload.ratio=0.5``, go to each of its candidates; ``model.activation_checkpointing=`` restricts
-the search as ``checkpointing=`` does). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
+the search as ``checkpointing=`` does, and a ``ds_config=`` file that fixes the micro batch or accumulation
+(not "auto") restricts it to the file's, as ``micro_batches=`` does). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
 each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
 (activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
 CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
@@ -57,11 +58,13 @@ CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_che
 
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int,
-           from_file: frozenset[str] = frozenset()) -> list[dict]:
+           from_file: frozenset[str] = frozenset(), pinned: frozenset[str] = frozenset()) -> list[dict]:
     """``from_file``: the groups (stage, offload) the DeepSpeed file of ``base_overrides`` chooses (the plan
-    is restricted to its choice); the jobs' plan files leave them to it."""
+    is restricted to its choice); the jobs' plan files leave them to it. ``pinned``: the batch keys the file
+    fixes (every candidate has their planned value): a command-line value of one stays in the jobs, as without
+    it the file's would replace the candidate's."""
     top = [p for p in planned if p.fits][:k]
-    base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS]
+    base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS or _key(o) in pinned]
     if not top:
         raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
@@ -130,6 +133,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     own, notes = _restrict(own, given, cfg, base)
     own, notes = _restrict_checkpointing(own, overrides, notes)
+    own, notes, pinned = _restrict_batch(own, [f"model={own['model']}", *overrides], cfg, notes)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
@@ -151,7 +155,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
     if flags["verify"]:
         rows = verify(planned, flags["verify"], base, hw, int(steps),
-                      frozenset(g for g in ("stage", "offload") if cfg.sources.get(f"{g}.name") == DS_FILE))
+                      frozenset(g for g in ("stage", "offload") if cfg.sources.get(f"{g}.name") == DS_FILE), pinned)
         print(f"\nverify: top {len(rows)} as one Hydra multirun ({steps} steps each; "
               f"measured = median s/step after the first)")
         for i, r in enumerate(rows):
@@ -181,6 +185,37 @@ def _restrict_checkpointing(own: dict[str, str], overrides: list[str], notes: li
                           f"{own['checkpointing']}; plan tries each of checkpointing= itself: give one of them")
     return {**own, "checkpointing": value}, [*notes, f"note: planned only with model.activation_checkpointing={value} "
                                                     f"(the command line), as checkpointing={value} would"]
+
+
+def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
+                    notes: list[str]) -> tuple[dict, list[str], frozenset[str]]:
+    """``overrides``: the composed config's. A DeepSpeed file that fixes train_micro_batch_size_per_gpu or gradient_accumulation_steps (or
+    train_batch_size alone, from which DeepSpeed derives both) sets them under everything but the command
+    line, so a candidate's own values would not run: the search keeps the composed micro batch (which, with
+    the global batch, fixes the accumulation too), with a note. "auto" leaves the search free. Returns the
+    keys fixed this way (``verify``'s ``pinned``)."""
+    keys = ("train.micro_batch", "train.grad_accum")
+    if cfg.ds_config is None:
+        return own, notes, frozenset()
+    job = cfg   # what a verify job composes: without the command line's batch keys (the candidate's own)
+    given = {_key(o) for o in overrides} & set(keys)
+    if given:
+        try:
+            job = compose([o for o in overrides if _key(o) not in CANDIDATE_KEYS])
+        except ConfigError:   # the file's batch does not compose without them: they are what runs
+            job = None
+    pinned = frozenset(given if job is None else {k for k in keys if job.sources.get(k) == DS_FILE})
+    if not pinned:
+        return own, notes, pinned
+    micro = cfg.train.micro_batch
+    if "micro_batches" in own and [x.strip() for x in own["micro_batches"].split(",")] != [str(micro)]:
+        raise ConfigError(f"plan: ds_config={cfg.ds_config} fixes train.micro_batch={micro} (with "
+                          f"train.grad_accum={cfg.train.grad_accum}), but micro_batches={own['micro_batches']}; "
+                          f"give micro_batches={micro}, or \"auto\" in the file to let plan choose")
+    return {**own, "micro_batches": str(micro)}, [
+        *notes, f"note: planned only with train.micro_batch={micro} x train.grad_accum={cfg.train.grad_accum} "
+                f"(ds_config={cfg.ds_config}{' and the command line' if given & pinned else ''}), as "
+                f"micro_batches={micro} would; \"auto\" in the file lets plan choose"], pinned
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:

@@ -140,16 +140,53 @@ def test_verify_runs_with_a_ds_config_files_stage_and_offload(tmp_path, monkeypa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "FRAMEWORK_OPS_CACHE": ops,
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # The file also fixes the micro batch (2; the accumulation stays "auto"): every candidate has it, and
+    # the job runs it (the file's value is set under the command line only, over the candidate's own).
+    ds = json.loads((ROOT / "tests/config/ds/hf_zero2_cpu_offload.json").read_text())
+    (tmp_path / "ds.json").write_text(json.dumps({**ds, "train_micro_batch_size_per_gpu": 2}))
     cmd = [sys.executable, "-m", "framework.plan", "model=gpt-nano", "model.n_layer=2", "model.d_model=32",
-           "model.n_head=2", "model.context=16", "data.vocab_size=24", "train.micro_batch=4",
-           f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json", "micro_batches=2", "checkpointing=false",
-           "steps=2", "--verify", "1", "--json"]
+           "model.n_head=2", "model.context=16", "data.vocab_size=24", "train.grad_accum=2",
+           f"ds_config={tmp_path}/ds.json", "checkpointing=false", "steps=2", "--verify", "1", "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "probe (cached" in run.stdout, run.stdout
+    assert "note: planned only with train.micro_batch=2 x train.grad_accum=2 (ds_config=" in run.stdout, run.stdout
+    table = [line for line in run.stdout.splitlines() if " micro " in line]
+    assert table and all("micro   2 x accum   2" in line for line in table), run.stdout
     rows = json.loads(run.stdout.strip().splitlines()[-1])
-    assert [(r["candidate"]["stage"], r["candidate"]["offload"], r["ran"]["micro_batch"]) for r in rows] == \
-        [("zero2", "cpu", 2)], rows
+    assert [(r["candidate"]["stage"], r["candidate"]["offload"], r["candidate"]["micro_batch"], r["ran"]["micro_batch"],
+             r["ran"]["grad_accum"]) for r in rows] == [("zero2", "cpu", 2, 2, 2)], rows
+
+
+@pytest.mark.parametrize("args,setups,note", [
+    # train_batch_size 16 and micro 8: DeepSpeed's accumulation is 2
+    ([], {(8, 2)}, "train.micro_batch=8 x train.grad_accum=2 (ds_config="),
+    # the command line's micro batch overrides the file's: it fixes the search, and stays in verify's jobs
+    (["train.micro_batch=4"], {(4, 4)}, "x train.grad_accum=4 (ds_config="),
+])
+def test_a_ds_configs_fixed_batch_restricts_the_search(capsys, monkeypatch, args, setups, note):
+    """A DeepSpeed file's fixed micro batch and accumulation are set in each run under the command line
+    only, so plan tries only them (with a note) and verify runs exactly them; "auto" leaves the search free."""
+    cli = _quiet_probe(monkeypatch)
+    ds = f"ds_config={ROOT}/tests/config/ds/dschat_zero2_offload.json"
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=1", "--json", ds, *args]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert {(r["micro_batch"], r["grad_accum"]) for r in rows} == setups and note in out, out
+    ran = []
+    monkeypatch.setattr(cli.subprocess, "run", lambda cmd, **k: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 1, "", "boom\n"))
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=1", ds, *args, "--verify", "1"]) == 2
+    assert [o for o in ran[0] if o.startswith("train.micro_batch")] == args, ran
+    capsys.readouterr()
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=1", ds, "micro_batches=2"]) == 2
+    assert "dschat_zero2_offload.json fixes train.micro_batch=8 (with train.grad_accum=2), but micro_batches=2" \
+        in capsys.readouterr().err
+    auto = f"ds_config={ROOT}/tests/config/ds/hf_zero2_cpu_offload.json"
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=1", "--json", auto]) == 0
+    out = capsys.readouterr().out
+    assert len({r["micro_batch"] for r in json.loads(out.strip().splitlines()[-1])}) > 1 and "micro_batch=" not in out
 
 
 def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
