@@ -344,9 +344,10 @@ def _norm_loss(m, batch):
     return (m(x.to(m.b.weight.dtype)).float() - y).square().mean()
 
 
-def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True, model=_Norm):
+def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True, model=_Norm, after=None):
     """Train ``_Norm`` to ``steps`` saving every K (a fresh module of ``seed``, resumed first); return
-    the losses and the module's persistent buffers, frozen and (gathered) trained parameters."""
+    the losses and the module's persistent buffers, frozen and (gathered) trained parameters. ``after(module,
+    state)``: the state to go on with, after each step, before its save."""
     from framework.engine.step import Batch
     cfg = framework.compose(["logger=none", "optimizer=adamw", f"train.steps={N}", f"checkpoint.dir={root}",
                              f"checkpoint.every={K}", "checkpoint.keep_last=0", "checkpoint.timeout_s=60",
@@ -362,6 +363,8 @@ def _norm_train(dist, over, root, *, resume="off", seed=0, steps=N, freeze=True,
                 x = torch.randn(4, 6, generator=g) * 3 + 1
                 state, m = engine.train_step(state, Batch(((x, x.sum(1, keepdim=True).sin()),)))
                 losses.append(m["loss"])
+                if after is not None:
+                    state = after(module, state)
                 ckpt.maybe_save(state)
         finally:
             ckpt.close()
@@ -387,6 +390,50 @@ def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, o
         assert torch.equal(va[k], vb[k]), f"{k} differs after the resume"
     exported = get_fp32_state_dict_from_checkpoint(tmp_path / f"step-{N}")   # buffers included
     assert exported.keys() == va.keys() and all(torch.equal(exported[k], va[k]) for k in va)
+
+
+def _poison(what):
+    """``_norm_train``'s ``after``: at step N, a NaN running variance, an infinite frozen weight or loss scale."""
+    def after(module, state):
+        if state.step != N:
+            return state
+        with torch.no_grad():
+            if what == "buffer":
+                module.norm.running_var.fill_(float("nan"))
+            elif what == "frozen":
+                module.f.weight[0, 0] = float("inf")
+        return replace(state, precision=replace(state.precision, cur_scale=float("inf"))) if what == "scale" else state
+    return after
+
+
+def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_nor_resumed(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """A NaN in BatchNorm's running statistics (a NaN forward under train.on_nonfinite=warn), an infinite frozen
+    weight or a non-finite loss scale stops the save as a non-finite master does (warn: not saved); a checkpoint
+    holding such buffers is damaged: resume=auto falls back to the one before it."""
+    from framework.core.errors import TrainingError
+    from framework.persist.checkpoint import _save
+    dist = _local()
+    for what, name in (("buffer", "'buffer.norm.running_var'"), ("frozen", "'frozen.f.weight'"),
+                       ("scale", r"'precision.cur_scale \(inf\)'")):
+        root = tmp_path / what
+        with pytest.raises(TrainingError, match=f"not saving step {N}: the state holds non-finite values "
+                                                 fr"\(NaN or inf\) in rank 0: {name}; stopping"):
+            _norm_train(dist, [], str(root), after=_poison(what))
+        assert sorted(p.name for p in root.glob("step-*")) == [f"step-{K}"]
+    _norm_train(dist, ["train.on_nonfinite=warn"], str(tmp_path / "warn"), after=_poison("buffer"))
+    assert sorted(p.name for p in (tmp_path / "warn").glob("step-*")) == [f"step-{K}"]
+    assert f"warning: checkpoint: not saving step {N}: the state holds non-finite values (NaN or inf) in rank 0: " \
+           "'buffer.norm.running_var' (train.on_nonfinite=warn)" in capsys.readouterr().err
+    # saved by a save that did not check them: refused at the load, the older checkpoint resumed
+    monkeypatch.setattr(_save, "nonfinite_items", lambda items, release=None: [])
+    _norm_train(dist, [], str(tmp_path / "old"), after=_poison("buffer"))
+    monkeypatch.undo()
+    capsys.readouterr()
+    losses, _ = _norm_train(dist, [], str(tmp_path / "old"), resume="auto", steps=N)
+    assert len(losses) == N - K
+    assert "non-finite values (NaN or inf) in 'buffer.norm.running_var' (rank 0's share): not a state to train " \
+           f"from; falling back to the previous checkpoint, {tmp_path / 'old' / f'step-{K}'}" in capsys.readouterr().out
 
 
 class _ExtraBuffer(_Norm):

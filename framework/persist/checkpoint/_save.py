@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -80,7 +81,14 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
         out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
     if group.rank == 0:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
-        out.update({k: host_copy(t) for k, t in whole_tensors(c.module).items()})
+        whole = {k: host_copy(t) for k, t in whole_tensors(c.module).items()}
+        out.update(whole)
+        # Checked on their host copies (no device sync): a NaN forward under train.on_nonfinite=warn leaves
+        # NaN in BatchNorm's running statistics, which a resume would load into every rank.
+        nonfinite = sorted({*nonfinite, *nonfinite_items(list(whole.items()))})
+        scale = state.precision.cur_scale   # (a float, the same on every rank; a load refuses a bad one)
+        if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+            nonfinite.append(f"precision.cur_scale ({scale!r})")
     # the files' bytes: the tensors', with room for DCP's per-item records, the JSON files and the metadata
     nbytes = tensor_bytes(t for v in out.values() for t in (v.tensors() if isinstance(v, glue().Boxes) else [v])) \
         + 4096 * len(out) + (64 << 10)
