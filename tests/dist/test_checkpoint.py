@@ -296,6 +296,18 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
     assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
 
 
+def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
+    dist = _local()
+    _train(dist, [], str(tmp_path), steps=K)
+    folder = tmp_path / f"step-{K}"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["files"]["__0_0.distcp"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"checkpoint {folder} is damaged: {folder / '__0_0.distcp'} is not in "
+                                              r"manifest.json \(a save lists every file it writes"):
+        _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
+
+
 def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     """resume=auto with every folder damaged: one error, the folders kept, and the advice is one that
     works (another checkpoint.dir: resume=off is refused where the run would save among them)."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from framework.config.schema import get_key
-from framework.core.errors import CheckpointError, ConfigError
+from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
 from framework.engine.state import optimizer_leaves
 from framework.models.hf import architecture
 from framework.persist import stepfolders
@@ -90,7 +90,11 @@ def verify(folder: Path, group: Group | None = None) -> dict:
         manifest = stepfolders.read_manifest(folder)
         entries = manifest["files"]
         problems = [p for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
-    except (CheckpointError, OSError) as e:
+        if rank == 0:   # a file the manifest leaves out would be read unchecked
+            problems += [f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
+                         "the manifest was edited, or the file added since)"
+                         for n in sorted(set(stepfolders.files_of(folder)) - set(entries))]
+    except (CheckpointError, UnsafePathError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
         problems = [f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
