@@ -152,9 +152,11 @@ def committed_step(path: Path) -> Path | None:
 
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
-    """The ``step-<N>`` folders under ``root`` whose manifest parses, newest commit first (``seq``, then the step:
-    a run rewound to an older step goes on from its own newest save, not from the abandoned higher steps beside
-    it), and one note per ``step-<N>`` that is not one, so none is dropped silently."""
+    """The committed ``step-<N>`` folders under ``root`` (those holding a manifest), newest commit first (``seq``,
+    then the step: a run rewound to an older step goes on from its own newest save, not from the abandoned higher
+    steps beside it), and one note per ``step-<N>`` that is not one, so none is dropped silently. A manifest there
+    that does not parse is damage, not an uncommitted folder: that folder is listed last (its commit order is
+    unknown), so a resume tries it (and fails, naming the damage) rather than starting afresh over it."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -166,7 +168,11 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
             try:
                 out.append((seq(read_manifest(p)), int(m.group(1)), p))
             except CheckpointError as e:
-                notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
+                if os.path.lexists(p / MANIFEST):
+                    out.append((-1, int(m.group(1)), p))
+                    notes.append(f"{str(e).removeprefix('checkpoint ')}; a damaged checkpoint, tried last")
+                else:
+                    notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
     return [p for *_, p in sorted(out, reverse=True)], sorted(notes)
 
 
@@ -178,8 +184,13 @@ def seq(manifest: dict) -> int:
 
 def next_seq(root: Path) -> int:
     """The commit number of the next save under ``root``: above every committed folder's."""
-    newest = scan(root)[0]
-    return 1 + seq(read_manifest(newest[0])) if newest else 1
+    numbers = []
+    for p in scan(root)[0]:
+        try:
+            numbers.append(seq(read_manifest(p)))
+        except CheckpointError:   # (a damaged manifest: scan lists it last)
+            pass
+    return 1 + max(numbers, default=0)
 
 
 def step_of(folder: Path) -> int:

@@ -319,6 +319,13 @@ def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
                                               r"kept; set checkpoint.dir to another folder to start afresh\)"):
         _train(dist, [], str(tmp_path), resume="auto")
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
+    # a manifest there that does not parse (truncated) is damage too, not a folder without a commit to ignore
+    manifest = tmp_path / f"step-{K}" / "manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-20])
+    with pytest.raises(CheckpointError, match=fr"every checkpoint in .* is damaged .*{manifest} is unreadable as the "
+                                              r"manifest"):
+        _train(dist, [], str(tmp_path), resume="auto")
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}"]
 
 
 def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
