@@ -475,6 +475,11 @@ def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
     (folder / stepfolders.MANIFEST).unlink()
     stepfolders.write_manifest(folder, {"a.distcp": entries["a.distcp"]})
     verify(folder)
+    # one that lists the subfolder lists all of it: a file left out is damage, as at the top level
+    (folder / stepfolders.MANIFEST).unlink()
+    stepfolders.write_manifest(folder, {n: e for n, e in entries.items() if n != "model_16bit/config.json"})
+    with pytest.raises(CheckpointError, match=f"is damaged: {folder / 'model_16bit/config.json'} is not in manifest"):
+        verify(folder)
     # a link in the subfolder, and the subfolder as a link: refused by name, by a save and by verify
     (folder / stepfolders.MANIFEST).unlink()
     stepfolders.write_manifest(folder, entries)
