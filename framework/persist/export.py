@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from framework.core import files
 from framework.core.errors import ConfigError
+from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (check_dtype, create_files, finish_files, narrower, output_dir, overflowed,
@@ -27,9 +29,20 @@ WHOLE = ("frozen.", "buffer.")
 
 
 def resolve(checkpoint) -> Path:
-    """The DCP step folder of ``checkpoint``: itself, or what its ``latest`` points at (a
-    symbolic link, or a file holding the step folder's name)."""
-    return _resolve(Path(checkpoint), set())
+    """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
+    ``checkpoint.resume=auto`` picks it (said when ``latest`` names another: a save that failed to update it);
+    else what its ``latest`` points at (a symbolic link, or a file holding the step folder's name)."""
+    path = Path(checkpoint)
+    if not (path / ".metadata").is_file():
+        found = stepfolders.scan(path)[0]
+        if found:
+            latest = path / "latest"
+            named = latest.read_text().strip() if latest.is_file() and not latest.is_symlink() else None
+            if named != found[0].name:
+                print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
+                      f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
+            return found[0]
+    return _resolve(path, set())
 
 
 def _resolve(path: Path, seen: set[Path]) -> Path:

@@ -205,9 +205,10 @@ def verified(folder: Path) -> bool:
         return False
 
 
-def commit(tmp: Path, final: Path, on_point) -> None:
+def commit(tmp: Path, final: Path, on_point) -> str | None:
     """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first, deleted after), then point ``latest``
-    at it. Rank 0 only. ``on_point(name)``: for fault tests."""
+    at it. Rank 0 only. ``on_point(name)``: for fault tests. After the rename (the commit point) a failure is no
+    failed save: what went wrong is returned, to be said as a warning."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -218,10 +219,15 @@ def commit(tmp: Path, final: Path, on_point) -> None:
     on_point("before-rename")
     os.replace(tmp, final)
     files.fsync_dir(root)
-    on_point("before-latest")
-    files.write_atomic(root / LATEST, final.name.encode())
-    if aside is not None:
-        _remove_tree(aside)
+    try:
+        on_point("before-latest")
+        files.write_atomic(root / LATEST, final.name.encode())
+        if aside is not None:
+            _remove_tree(aside)
+    except (OSError, UnsafePathError) as e:
+        return (f"{final} committed; {root / LATEST} not updated ({getattr(e, 'strerror', None) or e}): a resume "
+                f"finds {final.name} by its manifest, and the next save writes {LATEST}")
+    return None
 
 
 def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:

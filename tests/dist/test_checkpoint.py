@@ -308,6 +308,25 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
 
 
+def test_a_failure_after_the_commit_rename_is_a_warning_and_export_takes_the_newest_step(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Renamed, step-N is committed (resume=auto uses it): a full disk writing ``latest`` then is a warning, not
+    a failed save, and an export of the folder takes step-N, not the step ``latest`` still names."""
+    from framework.persist.export import resolve
+
+    def full(point, rank):
+        if point == f"save-{N}:before-latest":
+            raise OSError(28, "No space left on device")
+    monkeypatch.setitem(globals(), "fault", full)
+    _train(_local(), [], str(tmp_path), steps=N)
+    assert f"warning: checkpoint: {tmp_path / f'step-{N}'} committed; {tmp_path / 'latest'} not updated (No space " \
+           "left on device)" in capsys.readouterr().err
+    assert (tmp_path / "latest").read_text() == f"step-{K}"
+    assert resolve(tmp_path) == tmp_path / f"step-{N}"
+    assert f"warning: export: {tmp_path} holds step-{N}, its newest committed checkpoint, but its latest names " \
+           f"step-{K}; exporting step-{N}" in capsys.readouterr().err
+
+
 def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):
     """resume=auto with every folder damaged: one error, the folders kept, and the advice is one that
     works (another checkpoint.dir: resume=off is refused where the run would save among them)."""

@@ -257,8 +257,13 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         point("before-manifest")
         stepfolders.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
                                    config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
-        stepfolders.commit(tmp, final, point)
-        gone = stepfolders.prune(root, final, snap["keep_last"])
+        late = stepfolders.commit(tmp, final, point)
+        try:
+            gone = stepfolders.prune(root, final, snap["keep_last"])
+        except (OSError, FrameworkError) as e:   # committed already: the older folders are left for the next save
+            gone, late = [], f"{final} committed; deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
+        if late:
+            print(f"warning: checkpoint: {late}", file=sys.stderr, flush=True)
         total = sum(v["bytes"] for v in entries.values())
         print(f"checkpoint: saved {final} ({total / MiB:.1f} MiB in {time.perf_counter() - t0:.2f}s"
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
