@@ -294,6 +294,10 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
     _, _, first, _ = _train(dist, [], str(tmp_path), resume=str(tmp_path), steps=N)   # the loop's own, a path
     assert first[:2] == (N, N)
     assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
+    final.rename(tmp_path / f"step-{N}.old")   # and so is the step folder itself, named as the resume
+    _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(final), steps=N)
+    assert first[:2] == (N, N)
+    assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
 
 
 def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):

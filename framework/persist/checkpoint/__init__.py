@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import os
 import sys
 from pathlib import Path
 from typing import Callable
@@ -263,6 +264,8 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
                         f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0"]
         return stepfolders.scan(folder.parent)   # that run's folder: a damaged newest one falls back, as auto does
     path = Path(resume).expanduser()
+    if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
+        restore(path.parent)   # a save of that step killed inside its commit moved it aside: put back first
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
     if path.is_dir():
