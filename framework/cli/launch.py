@@ -86,11 +86,13 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
     as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
     after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
-    every process, and the launcher passes it on to its ranks). In a ``rank`` a SIGINT within
-    ``REPEAT_S`` of the first is too: Ctrl-C reaches the terminal's whole process group and the launcher
-    passes it on as well, so a rank gets the one Ctrl-C twice (a second Ctrl-C later cuts the cleanup
-    short). The previous handlers come back after; a rank ignores SIGINT from then on (it is ending, and
-    a Ctrl-C passed on just then must not print a traceback).
+    every process, and the launcher passes it on to its ranks). A ``rank`` takes ``INTERRUPT`` (the
+    launcher's Ctrl-C, passed on) as Ctrl-C unless it is interrupted already: Ctrl-C in a terminal reaches
+    the whole process group, and the launcher's copy must not cut the cleanup short, however late it is
+    run (a long C call delays every handler); every SIGINT raises, so a second Ctrl-C does. A rank starts
+    with SIGINT ignored (``_spawn``: a Ctrl-C while it imports would print a traceback) and gets its
+    handler here. The previous handlers come back after; a rank ignores SIGINT and ``INTERRUPT`` from then
+    on (it is ending, and a Ctrl-C passed on just then must neither print a traceback nor kill it).
 
     Either exception raised while the main thread runs a finalizer (a weakref callback) would be
     printed with a traceback and dropped by Python, the run going on: the signal is sent again from
@@ -101,7 +103,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         yield
         return
     stopping: list[int] = []   # the SIGTERM being acted on
-    interrupting: list[float] = []   # (a rank) when the SIGINT being acted on came
+    interrupting: list[bool] = []   # non-empty once interrupted (a rank's launcher's copy then ignored)
     hooked = threading.Event()   # set while a dropped exception is being handled: no raising there
     resent: list[threading.Event] = []   # per signal sent again, set once it is sent
 
@@ -113,10 +115,9 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     def interrupt(signum, frame):
         if hooked.is_set():
             return again(signum)
-        if rank and interrupting and time.monotonic() - interrupting[0] < REPEAT_S:
-            return None   # the same Ctrl-C, passed on by the launcher
-        if rank:
-            interrupting[:] = [time.monotonic()]
+        if signum == INTERRUPT and interrupting:
+            return None   # the launcher's copy of the Ctrl-C being acted on
+        interrupting[:] = [True]
         raise KeyboardInterrupt
 
     def stop(signum, frame):
@@ -130,8 +131,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         hooked.set()
         try:
             if info.exc_type is KeyboardInterrupt:
-                interrupting.clear()   # (sent again to be raised: not a repeat)
-                again(signal.SIGINT)
+                again(signal.SIGINT)   # (a SIGINT always raises)
             elif info.exc_type is SystemExit and stopping:
                 again(stopping.pop())
             else:
@@ -140,7 +140,9 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
             hooked.clear()
 
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # (not where it is ignored)
+    if rank:
+        previous[INTERRUPT] = signal.signal(INTERRUPT, interrupt)
+    if rank or signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # (not where it is ignored)
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     hook, sys.unraisablehook = sys.unraisablehook, dropped
     try:
@@ -150,7 +152,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
             _wait_sent(resent)
         finally:
             for signum, handler in previous.items():
-                signal.signal(signum, signal.SIG_IGN if rank and signum == signal.SIGINT else handler)
+                signal.signal(signum, signal.SIG_IGN if rank and signum != signal.SIGTERM else handler)
             sys.unraisablehook = hook
 
 
@@ -272,7 +274,7 @@ RDZV_LOCK = "owner.lock"
 UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
 KILL_AFTER_S = 5       # after a second Ctrl-C: the ranks' time to end on SIGTERM before SIGKILL
-REPEAT_S = 1.5         # a rank takes a SIGINT this soon after the first for the same Ctrl-C
+INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C unless it is interrupted already
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
@@ -284,9 +286,17 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
     try:
-        ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
-                                                  on_point, on_ready), nprocs=cfg.dist.nproc, join=False,
-                                 start_method="spawn")
+        # The ranks start with SIGINT ignored (inherited through exec; Python keeps it so): a Ctrl-C to the
+        # whole group while they import torch would print a traceback each. Until they are ready (their
+        # handlers installed) the launcher ends them with SIGTERM. (Starting takes milliseconds: a Ctrl-C to
+        # the launcher alone just then is lost.)
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
+                                                      on_point, on_ready), nprocs=cfg.dist.nproc, join=False,
+                                       start_method="spawn")
+        finally:
+            signal.signal(signal.SIGINT, interrupt)
         try:
             with _quiet_termination():
                 while not ranks.join():
@@ -329,16 +339,16 @@ def _quiet_termination() -> Iterator[None]:
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
     """Pass the launcher's signal on to the ranks (one sent to the launcher alone, a ``kill`` or a Slurm
-    time limit, would not reach them; Ctrl-C in a terminal reaches them already, and a rank takes the
-    second SIGINT for the same one) and wait for them to end, each removing its files and saying how it
-    stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM. A rank not ``ready``
-    (still starting, its handlers not installed: SIGINT would print a traceback) gets SIGTERM, which
-    ends it silently. Ctrl-C again while waiting cuts that short: SIGTERM at once, SIGKILL
-    ``KILL_AFTER_S`` later; no rank is left running."""
+    time limit, would not reach them; Ctrl-C in a terminal reaches them already: it goes on as
+    ``INTERRUPT``, which a rank acting on that Ctrl-C ignores) and wait for them to end, each removing its
+    files and saying how it stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM.
+    A rank not ``ready`` (still starting, its handlers not installed) gets SIGTERM, which ends it silently.
+    Ctrl-C again while waiting cuts that short: SIGTERM at once, SIGKILL ``KILL_AFTER_S`` later; so does
+    a SIGTERM, which is raised after; no rank is left running."""
     for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
-                os.kill(p.pid, signum if signum != signal.SIGINT or ready(rank) else signal.SIGTERM)
+                os.kill(p.pid, signal.SIGTERM if signum != signal.SIGINT or not ready(rank) else INTERRUPT)
     patient = _join(ranks, STOP_GRACE_S if signum == signal.SIGINT else 0.0)
     for p in ranks:
         p.terminate()   # (nothing for a rank that ended)
@@ -351,14 +361,36 @@ def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: 
 
 
 def _join(ranks: list, timeout_s: float | None) -> bool:
-    """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C."""
+    """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C.
+    Anything else raised while waiting (SIGTERM's SystemExit) ends them first, as ``_end``, and is raised."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for p in ranks:
             p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         return False
+    except BaseException:
+        _end(ranks)
+        raise
     return True
+
+
+def _end(ranks: list) -> None:
+    """SIGTERM to the ranks, SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising
+    meanwhile: leaving, the launcher leaves no rank running)."""
+    for p in ranks:
+        p.terminate()
+    deadline = time.monotonic() + KILL_AFTER_S
+    with contextlib.suppress(BaseException):
+        for p in ranks:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in ranks:
+        p.kill()
+    for p in ranks:
+        while True:
+            with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
+                p.join()
+                break
 
 
 def _ready_path(store_dir: str, rank: int) -> str:
@@ -421,8 +453,9 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
     lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
     try:
         with signals_unwind(rank=True):
-            os.close(os.open(_ready_path(os.path.dirname(store_path), rank), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC,
-                             0o600))
+            with contextlib.suppress(OSError):   # (without it the launcher ends this rank with SIGTERM)
+                os.close(os.open(_ready_path(os.path.dirname(store_path), rank),
+                                 os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.

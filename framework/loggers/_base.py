@@ -139,15 +139,38 @@ def _step(line: str) -> float:
 
 
 class _Tee:
-    """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log)."""
+    """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log). A console that
+    is gone (``| head``: a closed pipe) ends the run no more than it ends its log: noted there once, the
+    log goes on alone."""
 
     def __init__(self, terminal, log):
         self.terminal, self.log = terminal, log
+        self.gone: bool | str = False   # once gone: the note for the log, until written (True)
 
     def write(self, text: str) -> int:
-        self.terminal.write(text)
+        self._console(self.terminal.write, text)
         self.log.write(text)
+        if isinstance(self.gone, str) and text.endswith("\n"):   # (on a line of its own)
+            self.log.write(self.gone)
+            self.gone = True
         return len(text)
+
+    def _console(self, act, *args) -> None:
+        if self.gone:
+            return
+        try:
+            act(*args)
+        except (OSError, ValueError) as e:
+            self.gone = f"(the console is gone: {e}; this log goes on alone)\n"
+            if isinstance(e, BrokenPipeError):
+                # Its reader is gone for good: the descriptor writes to nowhere, so that nothing printed
+                # later (the console's own buffer flushed at exit included) fails with a traceback.
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    nowhere = os.open(os.devnull, os.O_WRONLY)
+                    try:
+                        os.dup2(nowhere, self.terminal.fileno())
+                    finally:
+                        os.close(nowhere)
 
     def log_only(self, text: str) -> None:
         """What a live progress bar shows on the console, as plain lines in the log; and a line that
@@ -155,7 +178,7 @@ class _Tee:
         self.log.write(text)
 
     def flush(self) -> None:
-        self.terminal.flush()
+        self._console(self.terminal.flush)
         self.log.flush()
 
     def __getattr__(self, name):   # isatty, fileno, encoding, ... of the console stream

@@ -3,7 +3,8 @@
 ``status`` (the default) never compiles; it exits 0 whether or not the kernels are built (the
 optimizers fall back to their transforms). ``build`` compiles them now (about 30 s the first time)
 and exits 1 with the reason if that fails; ``build --if-needed`` only where no finished build is
-there (``make test`` runs it first, so that no test pays for the first build within its time limit).
+there, also over a failure an earlier build recorded (``make test`` runs it first, so that no test pays
+for the first build within its time limit).
 """
 from __future__ import annotations
 

@@ -223,23 +223,24 @@ def _exclusive(directory: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _compile(directory: Path, force: bool = False) -> ModuleType:
+def _compile(directory: Path, force: bool = False, retry: bool = False) -> ModuleType:
     with _tools_on_path():
         key = _compiler_key()
-        if not force:
+        if not force and not retry:
             _recorded_failure(directory, key)   # no lock needed to read it: written atomically
         with _exclusive(directory):
-            return _compile_locked(directory, force, key)
+            return _compile_locked(directory, force, key, retry)
 
 
-def _compile_locked(directory: Path, force: bool, key: str) -> ModuleType:
+def _compile_locked(directory: Path, force: bool, key: str, retry: bool = False) -> ModuleType:
     from torch.utils import cpp_extension
 
     if not force:
         if _finished(directory):  # another process built it while we waited
             with contextlib.suppress(ImportError):
                 return _import(directory)
-        _recorded_failure(directory, key)   # or failed to
+        if not retry:
+            _recorded_failure(directory, key)   # or failed to
     directory.mkdir(parents=True, exist_ok=True)
     _discard(directory)
     stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
@@ -266,9 +267,10 @@ def _compile_locked(directory: Path, force: bool, key: str) -> ModuleType:
     return module
 
 
-def load(build: bool = True, force: bool = False) -> ModuleType:
+def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
     """The extension module: a finished build is imported, otherwise (if ``build``) compiled;
-    ``force``: compiled again in any case. Raises BuildUnavailable with the reason when neither
+    ``force``: compiled again in any case; ``retry``: compiled also over a recorded failure (an
+    explicit build request: the failure may have been transient). Raises BuildUnavailable with the reason when neither
     works, or when FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH has a value they do not allow."""
     isa, prefetch = settings()
     directory = build_dir()
@@ -282,7 +284,7 @@ def load(build: bool = True, force: bool = False) -> ModuleType:
     if not build:
         raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
                                "run `python -m framework.ops build`")
-    return _configure(_compile(directory, force), isa, prefetch)
+    return _configure(_compile(directory, force, retry), isa, prefetch)
 
 
 def attempt(build: bool) -> Status:

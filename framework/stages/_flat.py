@@ -48,15 +48,21 @@ class Layout:
     def partition(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
-    def names_at(self, positions: torch.Tensor) -> list[str]:
-        """The parameters holding elements ``positions`` (1-D int64) of the flat buffer, each once, in
-        layout order; padding holds none."""
-        positions = positions[positions < self.numel]
+    def nonfinite_names(self, values: torch.Tensor, start: int = 0) -> list[str]:
+        """The parameters with a non-finite element among ``values``, the flat buffer's elements from
+        ``start`` on, in layout order; padding holds none. One reduction per parameter slot and one host
+        read: no per-element index tensors, so a gradient full of NaN costs no more than a finite one."""
+        end = start + values.numel()
+        hits = [(s.name, values[max(s.offset, start) - start:min(s.offset + s.numel, end) - start])
+                for s in self.slots if s.numel and s.offset < end and s.offset + s.numel > start]
+        if not hits:
+            return []
+        # min and max read the slot in place (no temporary the size of a parameter) and are both
+        # finite exactly when every element is: NaN propagates to both, an infinity is one of them
+        extremes = torch.stack([torch.stack(torch.aminmax(v)) for _, v in hits])
+        finite = torch.isfinite(extremes).all(dim=1)
         # host sync: slow path, only to name the parameters in an error message
-        starts = torch.tensor([s.offset for s in self.slots], dtype=torch.int64, device=positions.device)
-        # right=True: the last slot starting at or before the position, never a 0-element one sharing its offset
-        hit = torch.searchsorted(starts, positions, right=True) - 1
-        return [self.slots[i].name for i in hit.unique().tolist()]   # host sync: as above
+        return [name for (name, _), ok in zip(hits, finite.tolist()) if not ok]
 
 
 def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:

@@ -135,9 +135,8 @@ class PartitionedStage(BaseStage):
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         mine = set()   # (zero3's gradients in the swap file are read one piece at a time)
         for g, (group, start) in zip(self.offload.readable_grads(grads), self.piece_index):
-            bad = (~torch.isfinite(g)).nonzero().flatten()   # host sync: slow path, after an overflow
-            if bad.numel():
-                mine.update(self.layouts[group].names_at(bad + (self.bounds[group][0] + start)))
+            # host sync: slow path, after an overflow
+            mine.update(self.layouts[group].nonfinite_names(g, self.bounds[group][0] + start))
         return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))
 
     def publish(self, master: list[torch.Tensor]) -> None:

@@ -63,7 +63,7 @@ class DDPStage(BaseStage):
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         # host sync: on the slow path after an overflow
-        return [n for g, lay in zip(grads, self.layouts) for n in lay.names_at((~torch.isfinite(g)).nonzero().flatten())]
+        return [n for g, lay in zip(grads, self.layouts) for n in lay.nonfinite_names(g)]
 
     def publish(self, master: list[torch.Tensor]) -> None:
         for flat, m in zip(self.flats, master):

@@ -202,27 +202,50 @@ def test_a_signal_sent_again_lands_before_the_previous_handlers_come_back():
     assert code == 143 and before == [], (code, before)
 
 
-def test_a_rank_takes_the_same_ctrl_c_once_and_a_later_one_again(monkeypatch):
-    """Ctrl-C reaches a rank from the terminal and again from its launcher: the copy (soon after) is ignored,
-    a deliberate second Ctrl-C later cuts the rank's cleanup short. A rank that left ignores SIGINT (it is
-    ending: one passed on just then must not print a traceback)."""
+def test_a_rank_takes_the_same_ctrl_c_once_and_a_second_one_again():
+    """Ctrl-C reaches a rank from the terminal and again from its launcher, as ``INTERRUPT``: the copy is
+    ignored however late it is run, a deliberate second Ctrl-C (a SIGINT) cuts the rank's cleanup short; a
+    Ctrl-C sent to the launcher alone reaches the rank as ``INTERRUPT`` only. A rank starts with SIGINT
+    ignored and gets its handler all the same; one that left ignores both (it is ending: one passed on
+    just then must neither print a traceback nor kill it)."""
     import signal
-    import time
 
     from framework.cli import launch
 
-    monkeypatch.setattr(launch, "REPEAT_S", 0.3, raising=False)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # as _spawn starts a rank
     try:
         with signals_unwind(rank=True):
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
-            signal.raise_signal(signal.SIGINT)   # the launcher's copy
-            time.sleep(0.5)
+            signal.raise_signal(launch.INTERRUPT)   # the launcher's copy
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        with signals_unwind(rank=True):
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(launch.INTERRUPT)
+            signal.raise_signal(launch.INTERRUPT)
+        assert signal.getsignal(signal.SIGINT) is signal.getsignal(launch.INTERRUPT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def test_ranks_start_with_sigint_ignored_and_the_launcher_keeps_its_handler(monkeypatch):
+    import signal
+    from types import SimpleNamespace
+
+    from framework.cli import launch
+
+    seen = []
+
+    def start_processes(*args, **kwargs):
+        seen.append(signal.getsignal(signal.SIGINT))
+        raise RuntimeError("started")
+
+    monkeypatch.setattr(launch.mp, "start_processes", start_processes)
+    with pytest.raises(RuntimeError, match="started"):
+        launch._spawn(SimpleNamespace(dist=SimpleNamespace(nproc=2)), None, None)
+    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def _stand_in_rank(w: int, stubborn: bool, started) -> None:
@@ -235,7 +258,7 @@ def _stand_in_rank(w: int, stubborn: bool, started) -> None:
         if not stubborn:
             os._exit(0)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, got)
     started.set()
     time.sleep(60)
@@ -286,7 +309,30 @@ def test_a_second_ctrl_c_while_the_ranks_clean_up_ends_them(monkeypatch):
             pytest.fail("the second Ctrl-C left _stop with the ranks still running")
         assert not any(p.is_alive() for p in ranks) and time.monotonic() - start < 20
         assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
-        assert [_signals(r) for r in reads] == [[signal.SIGINT, signal.SIGTERM]] * 2
+        assert [_signals(r) for r in reads] == [[launch.INTERRUPT, signal.SIGTERM]] * 2
+    finally:
+        for p in ranks:
+            p.kill()
+
+
+def test_a_sigterm_while_the_ranks_clean_up_ends_them_and_is_raised(monkeypatch):
+    """``kill <launcher>`` during the grace after Ctrl-C: SIGTERM to the ranks, SIGKILL after
+    ``KILL_AFTER_S``, then the SystemExit goes on; no rank is left running."""
+    import signal
+    import threading
+
+    from framework.cli import launch
+
+    monkeypatch.setattr(launch, "KILL_AFTER_S", 0.5, raising=False)
+    ranks, reads = _stand_ins(stubborn=True)
+    try:
+        with pytest.raises(SystemExit) as stopped, signals_unwind():
+            threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM)).start()
+            launch._stop(ranks, signal.SIGINT)
+        assert stopped.value.code == 128 + signal.SIGTERM
+        assert not any(p.is_alive() for p in ranks), "ranks left running"
+        assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
+        assert [_signals(r) for r in reads] == [[launch.INTERRUPT, signal.SIGTERM]] * 2
     finally:
         for p in ranks:
             p.kill()
@@ -302,7 +348,7 @@ def test_ctrl_c_goes_on_only_to_ranks_whose_handlers_are_installed():
     ranks, reads = _stand_ins(stubborn=False)
     try:
         launch._stop(ranks, signal.SIGINT, lambda rank: rank == 0)
-        assert [_signals(r) for r in reads] == [[signal.SIGINT], [signal.SIGTERM]]
+        assert [_signals(r) for r in reads] == [[launch.INTERRUPT], [signal.SIGTERM]]
     finally:
         for p in ranks:
             p.kill()

@@ -739,7 +739,8 @@ def test_another_users_build_is_used_and_a_needed_build_says_why_not(fresh_loade
 def test_a_failed_build_is_recorded_and_not_compiled_again(fresh_loader, monkeypatch, capsys):
     """Processes that waited for a failing build, and later runs, fall back at once with its reason
     (each compiling again took the ranks of one launch in turn, past its timeout); the same sources
-    with another compiler, or ``python -m framework.ops build``, compile again."""
+    with another compiler, or ``python -m framework.ops build`` (also ``--if-needed``: the failure may
+    have been transient), compile again."""
     from framework.ops.__main__ import main
 
     counter = fresh_loader / "calls"
@@ -761,9 +762,10 @@ def test_a_failed_build_is_recorded_and_not_compiled_again(fresh_loader, monkeyp
     again = _loader.attempt(build=True).reason
     assert len(calls()) == ran, "a recorded failure was compiled again"
     assert again.startswith(first) and "recorded by an earlier build" in again
-    assert main(["build", "--if-needed"]) == 1
-    assert len(calls()) == ran and "recorded by an earlier build" in capsys.readouterr().err
     # Retried (torch itself does not run the compiler again within one process for the same sources).
+    assert main(["build", "--if-needed"]) == 1
+    err = capsys.readouterr().err
+    assert "the build failed" in err and "recorded" not in err, err
     with pytest.raises(ops.BuildUnavailable, match="the build failed") as forced:
         ops.build()
     assert "recorded" not in str(forced.value)

@@ -1,4 +1,9 @@
 """Partition math and bucket plans: the arithmetic every sharded stage relies on."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -21,15 +26,51 @@ def test_layout_partitions_cover_padded_buffer(world):
     assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
     offsets = [s.offset for s in layout.slots]
     assert offsets == [0, 35, 48, 49]
-    at = lambda *i: layout.names_at(torch.tensor(i, dtype=torch.int64))  # noqa: E731
+
+    def at(*i, start=0, end=layout.padded):
+        g = torch.zeros(end - start)
+        g[[k - start for k in i]] = float("nan")
+        return layout.nonfinite_names(g, start)
     assert at(34, 35) == ["p0", "p1"] and at(76, 77, 78, 79) == []   # 76..: padding
-    # exactly the parameters holding the positions, not every one between the first and the last
+    # exactly the parameters holding the bad elements, not every one between the first and the last
     assert at(49, 0, 0) == ["p0", "p3"] and at() == []
+    # a piece from ``start``: its positions count from there, and parameters outside it are not read
+    assert at(40, 50, start=36, end=60) == ["p1", "p3"] and at(start=36, end=60) == []
 
 
-def test_names_at_never_names_an_empty_parameter_sharing_an_offset():
+def test_nonfinite_names_never_names_an_empty_parameter_sharing_an_offset():
     layout = make_layout(named((2,), (0,), (3,)), 1)
-    assert layout.names_at(torch.tensor([2, 4])) == ["p2"]
+    g = torch.zeros(layout.padded)
+    g[[2, 4]] = float("inf")
+    assert layout.nonfinite_names(g) == ["p2"]
+
+
+_NAN_PEAK = """
+import resource, torch
+from types import SimpleNamespace
+from framework.stages._flat import make_layout
+from framework.stages.ddp import DDPStage
+def names(layout, g):   # the stage's method on just what it reads
+    return DDPStage.nonfinite_names(SimpleNamespace(layouts=[layout]), [g])
+torch.set_num_threads(1)   # no worker threads' heaps appearing mid-measurement
+n, k = 1 << 20, 20
+one = make_layout([("w", torch.empty(n))], 1)
+names(one, torch.full((one.padded,), float("nan")))   # first call: kernels' code pages, not counted
+layout = make_layout([(f"p{i}", torch.empty(n)) for i in range(k)], 1)
+g = torch.full((layout.padded,), float("nan"))
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+names = names(layout, g)
+assert names == [f"p{i}" for i in range(k)], names
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) // 1024)
+"""
+
+
+def test_nonfinite_names_of_all_nan_gradients_needs_no_more_than_a_few_parameters_memory():
+    # the error path after an overflow: per-element index tensors of 80 MiB of NaN would take ~1 GiB
+    out = subprocess.run([sys.executable, "-c", _NAN_PEAK], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 16, out.stdout   # MiB of peak RSS growth; one parameter is 4 MiB
 
 
 def test_param_groups_split_by_dimension_and_dedupe_tied():

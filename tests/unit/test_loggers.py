@@ -274,3 +274,27 @@ def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, 
         logger.close()
         assert (info.run_dir / RUN_ID).read_text() == ids[-1]
     assert ids[1] == ids[0] and ids[2] != ids[0], ids
+
+
+def test_a_console_that_is_gone_ends_nothing_and_the_log_goes_on(tmp_path, monkeypatch):
+    """``python -m framework.train ... | head -1``: the pipe's reader leaves after one line; the run and
+    its train.log go on, and nothing printed later (the console's buffer flushed at exit) fails."""
+    import os
+    import sys
+
+    from framework.loggers import console_log
+
+    r, w = os.pipe()
+    os.close(r)   # the reader is gone
+    console = open(w, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", console)
+    with console_log(tmp_path / "train.log"):
+        for step in range(3):
+            print(f"step {step} | loss 4.1647")
+        sys.stdout.flush()
+    monkeypatch.undo()
+    print("after the run", file=console)
+    console.close()
+    log = (tmp_path / "train.log").read_text()
+    assert [line for line in log.splitlines() if line.startswith("step")] == [f"step {i} | loss 4.1647" for i in range(3)]
+    assert log.count("the console is gone") == 1, log
