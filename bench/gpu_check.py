@@ -214,7 +214,9 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
             failed = case.find("failure") is not None or case.find("error") is not None
             skipped = case.find("skipped")
             if failed or skipped is None:
-                msg = ((case.find("failure") or case.find("error")).get("message", "")[:300] if failed else "")
+                # (an Element without children is falsy: test against None, not truthiness)
+                bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+                msg = (bad.get("message", "") or (bad.text or "").strip())[:300] if failed else ""
                 rows.append(row("equivalence", f"pytest {name}", not failed, "failed" if failed else "passed", "", msg))
             else:
                 rows.append(row("equivalence", f"pytest {name}", None, "skipped", "", skipped.get("message", "")[:200]))

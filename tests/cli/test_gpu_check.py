@@ -123,3 +123,32 @@ def test_a_check_log_planted_as_a_link_is_refused_not_followed(tmp_path):
     with _new_log(tmp_path / "fresh.log") as f:
         f.write("x")
     assert (tmp_path / "fresh.log").read_text() == "x"
+
+
+def _fake_pytest(junit_xml: str, seen: list):
+    """subprocess.run for check_equivalence: records the command, writes ``junit_xml``, exits 1."""
+    import types
+
+    def run(cmd, **kw):
+        seen.append(cmd)
+        junit = next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]
+        Path(junit).write_text(junit_xml)
+        return types.SimpleNamespace(returncode=1)
+    return run
+
+
+def test_gpu_check_reports_a_failed_gpu_test_whose_failure_element_is_bare(monkeypatch, tmp_path):
+    """A <failure/> without children (falsy as an Element) is one failed row, not the whole
+    equivalence check lost to an AttributeError."""
+    from bench import gpu_check
+
+    xml = ('<testsuites><testsuite><testcase classname="tests.gpu.test_zz" name="test_p"><failure/></testcase>'
+           '<testcase classname="tests.gpu.test_zz" name="test_e"><error message="boom">tb</error></testcase>'
+           '<testcase classname="tests.gpu.test_zz" name="test_ok"/></testsuite></testsuites>')
+    seen = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest(xml, seen))
+    rows = {r["item"]: r for r in gpu_check.check_equivalence(True, tmp_path)}
+    assert rows["pytest test_zz::test_p"]["ok"] is False and rows["pytest test_zz::test_p"]["value"] == "failed"
+    assert rows["pytest test_zz::test_e"]["ok"] is False and rows["pytest test_zz::test_e"]["note"] == "boom"
+    assert rows["pytest test_zz::test_ok"]["ok"] is True
+    assert rows["pytest tests/gpu: exit status"]["ok"] is False
