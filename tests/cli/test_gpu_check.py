@@ -152,3 +152,14 @@ def test_gpu_check_reports_a_failed_gpu_test_whose_failure_element_is_bare(monke
     assert rows["pytest test_zz::test_e"]["ok"] is False and rows["pytest test_zz::test_e"]["note"] == "boom"
     assert rows["pytest test_zz::test_ok"]["ok"] is True
     assert rows["pytest tests/gpu: exit status"]["ok"] is False
+
+
+def test_gpu_check_runs_the_offload_test_before_the_comparison_matrix(monkeypatch, tmp_path):
+    """pytest's time limit may cut the long matrix; the short CUDA offload test runs before it."""
+    from bench import gpu_check
+
+    seen = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest("<testsuites/>", seen))
+    gpu_check.check_equivalence(True, tmp_path)
+    tests = [a for a in seen[0] if a.startswith("tests/")]
+    assert tests[0] == "tests/gpu/test_offload_cuda.py" and "tests/gpu/test_matrix.py" in tests, tests
