@@ -141,7 +141,7 @@ def check_kernels(dry: bool, out: Path) -> list[dict]:
     t = time.perf_counter()
     ops.cpu_optim()
     rows.append(row("kernels", "C++ host optimizer kernels", ops.available(),
-                    f"{'available' if ops.available() else ops.status()} in {time.perf_counter() - t:.1f} s",
+                    f"{'available' if ops.available() else ops.unavailable_reason()} in {time.perf_counter() - t:.1f} s",
                     "available (else the slower PyTorch fallback)"))
     device = _device(dry)
     acc = for_device(device)

@@ -163,3 +163,27 @@ def test_gpu_check_runs_the_offload_test_before_the_comparison_matrix(monkeypatc
     gpu_check.check_equivalence(True, tmp_path)
     tests = [a for a in seen[0] if a.startswith("tests/")]
     assert tests[0] == "tests/gpu/test_offload_cuda.py" and "tests/gpu/test_matrix.py" in tests, tests
+
+
+def test_gpu_check_kernels_row_gives_the_failed_builds_own_reason(monkeypatch, tmp_path):
+    """Not what a status call that may not build says afterwards ("building is off")."""
+    import warnings
+
+    from bench import gpu_check
+    from framework import ops
+    from framework.ops import _loader
+
+    def load(build=True, force=False):
+        raise ops.BuildUnavailable("the build failed (c++: not found)" if build else
+                                   "not built yet and building is off (FRAMEWORK_OPS_BUILD=0)")
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
+    monkeypatch.setattr(_loader, "load", load)
+    _loader.status.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the fallback's one warning
+            rows = gpu_check.check_kernels(True, tmp_path)
+    finally:
+        _loader.status.cache_clear()
+    kernels = rows[0]
+    assert kernels["ok"] is False and kernels["value"].startswith("the build failed (c++: not found)"), kernels
