@@ -23,19 +23,26 @@ reported as skipped):
 * timing: the anchor config (GPT 1.417 B, 16 x 1024 tokens, bf16) for plain PyTorch, FSDP2 (with
   and without CPU offload), DeepSpeed where installed, and our stages (``bench.gpu``).
 
-Writes DIR/gpu_check.md (one Markdown table) and DIR/gpu_check.json, rewritten after every check.
+Writes DIR/gpu_check.md (one Markdown table), DIR/gpu_check.json and DIR/gpu_check.tgz (both and every
+check's log and records), rewritten after every check: three files (the checks' own files go to
+``--logs``, default DIR/logs; the device tool returns at most 8 files, so give it a folder outside DIR).
+Standard output ends with a short summary (failed rows in full, the rest as counts per check) and the
+verdict. Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
+stops the run, the table is still written, with the interrupted check's row.
 ``--dry-run`` runs each check on the CPU (gloo, FRAMEWORK_ACCELERATOR=check, tiny sizes); the test
 suite runs it without Hydra, OmegaConf and W&B, as the GPU image has none.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import warnings
@@ -141,7 +148,7 @@ def check_kernels(dry: bool, out: Path) -> list[dict]:
     t = time.perf_counter()
     ops.cpu_optim()
     rows.append(row("kernels", "C++ host optimizer kernels", ops.available(),
-                    f"{'available' if ops.available() else ops.status()} in {time.perf_counter() - t:.1f} s",
+                    f"{'available' if ops.available() else ops.unavailable_reason()} in {time.perf_counter() - t:.1f} s",
                     "available (else the slower PyTorch fallback)"))
     device = _device(dry)
     acc = for_device(device)
@@ -199,11 +206,14 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
     # pytest stops a little before the driver stops this process, so its verdict and the rows it
     # recorded are still reported; its output goes to the log as it comes (kept on a timeout).
     limit = max(1.0, _deadline("equivalence") - time.time() - 15)
+    # The short offload test first: the long comparison matrix must not leave it to pytest's time limit.
+    files = sorted((ROOT / "tests" / "gpu").glob("test_*.py"), key=lambda f: (f.name != "test_offload_cuda.py", f.name))
     # (-p no:hydra_pytest: Hydra's plugin, where Hydra is installed but must not be used)
     with _new_log(log) as f:
         try:
             code = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:hydra_pytest",
-                                   "tests/gpu", f"--junitxml={junit}"], cwd=ROOT, env=env, stdout=f,
+                                   *(str(x.relative_to(ROOT)) for x in files), f"--junitxml={junit}"],
+                                  cwd=ROOT, env=env, stdout=f,
                                   stderr=subprocess.STDOUT, timeout=limit).returncode
         except subprocess.TimeoutExpired:   # its ranks, in this process group, go when the driver ends the group
             code = None
@@ -214,7 +224,9 @@ def check_equivalence(dry: bool, out: Path) -> list[dict]:
             failed = case.find("failure") is not None or case.find("error") is not None
             skipped = case.find("skipped")
             if failed or skipped is None:
-                msg = ((case.find("failure") or case.find("error")).get("message", "")[:300] if failed else "")
+                # (an Element without children is falsy: test against None, not truthiness)
+                bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+                msg = (bad.get("message", "") or (bad.text or "").strip())[:300] if failed else ""
                 rows.append(row("equivalence", f"pytest {name}", not failed, "failed" if failed else "passed", "", msg))
             else:
                 rows.append(row("equivalence", f"pytest {name}", None, "skipped", "", skipped.get("message", "")[:200]))
@@ -462,6 +474,13 @@ def _run_child(name: str, dry: bool, out: Path, limit: float) -> list[dict]:
     return [row(name, "check", False, f"exit {p.returncode}", "", _tail(log, 1))]
 
 
+HARD_MARGIN_S = 25   # gpu_check.sh's hard limit less this is the most --budget: start-up, the last check's end
+
+
+class _Stopped(BaseException):
+    """SIGTERM (gpu_check.sh's hard time limit, or a person) while a check runs."""
+
+
 def _table(rows: list[dict]) -> str:
     mark = {True: "ok", False: "FAIL", None: "-"}
     lines = ["| check | item | ok | value | expected / anchor | note |", "|---|---|---|---|---|---|"]
@@ -471,7 +490,51 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(out: Path, info: dict, rows: list[dict]) -> None:
+def _summary(out: Path, info: dict, rows: list[dict], most: int = 30) -> str:
+    """What standard output ends with (a tool may keep only its last few thousand characters): the
+    failed rows, one line each, then one line per check with its counts, then the verdict."""
+    fails = [r for r in rows if r["ok"] is False]
+    lines = [f"Failed rows ({len(fails)}):"] if fails else []
+    for r in fails[:most]:
+        lines.append(f"FAIL {r['check']} / {r['item']}: {r['value']}"
+                     + (f"; expected {r['expected']}" if r["expected"] else "") + (f"; {r['note']}" if r["note"] else ""))
+        lines[-1] = lines[-1].replace("\n", " ")[:300]
+    if len(fails) > most:
+        lines.append(f"... and {len(fails) - most} more in gpu_check.md")
+    lines += ["", "| check | ok | FAIL | not checked | s |", "|---|---|---|---|---|"]
+    for name in ORDER:
+        mine = [r for r in rows if r["check"] == name]
+        if not mine:
+            continue
+        lone = mine[0]["value"] if len(mine) == 1 and mine[0]["ok"] is None else ""
+        counts = [sum(r["ok"] is v for r in mine) for v in (True, False, None)]
+        lines.append(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]}{f' ({lone})' if lone else ''} | "
+                     f"{info['per_check_s'].get(name, '-')} |")
+    failed, checked = len(fails), sum(r["ok"] is not None for r in rows)
+    lines += ["", f"gpu_check: {'FAILED' if failed else 'PASSED'}: {failed} failed of {checked} checked rows"
+              f"{' (dry run)' if info['dry_run'] else ''}; {info['machine']}; {info['seconds']:.0f} s"
+              f"{'; ' + info['stopped'] if info.get('stopped') else ''}",
+              f"gpu_check: full table {out / 'gpu_check.md'}; rows {out / 'gpu_check.json'}; "
+              f"with every log {out / 'gpu_check.tgz'}"]
+    return "\n".join(lines)
+
+
+def _bundle(out: Path, logs: Path) -> None:
+    """OUT/gpu_check.tgz: the table, the rows and every check's files (under logs/), replaced whole."""
+    tmp = out / ".gpu_check.tgz.tmp"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for name in ("gpu_check.md", "gpu_check.json"):
+            tar.add(out / name, arcname=name)
+        for f in sorted(logs.iterdir()) if logs.is_dir() else []:
+            if f.is_file() and not f.is_symlink():
+                data = f.read_bytes()
+                info = tarfile.TarInfo(f"logs/{f.name}")
+                info.size, info.mtime = len(data), int(f.stat().st_mtime)
+                tar.addfile(info, io.BytesIO(data))
+    os.replace(tmp, out / "gpu_check.tgz")
+
+
+def write(out: Path, info: dict, rows: list[dict], logs: Path | None = None) -> None:
     failed = sum(r["ok"] is False for r in rows)
     head = (f"# GPU check{' (dry run on the CPU)' if info['dry_run'] else ''}\n\n{info['machine']}; "
             f"{info['started']}; {info['seconds']:.0f} s; {failed} failed of {sum(r['ok'] is not None for r in rows)}"
@@ -479,12 +542,16 @@ def write(out: Path, info: dict, rows: list[dict]) -> None:
     unrun = "\n\nNot verifiable on one GPU:\n" + "\n".join(f"- {u}" for u in info["unrun"]) if info["unrun"] else ""
     (out / "gpu_check.md").write_text(head + _table(rows) + unrun + "\n")
     (out / "gpu_check.json").write_text(json.dumps({**info, "failed": failed, "rows": rows}, indent=1))
+    if logs is not None:
+        _bundle(out, logs)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="the same code paths on the CPU checking accelerator")
-    ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md / gpu_check.json")
+    ap.add_argument("--out", default="gpu_check_out", help="folder for gpu_check.md, .json and .tgz")
+    ap.add_argument("--logs", help="folder for each check's log and records (default: OUT/logs; on a tool that "
+                                   "returns few files from OUT, one outside it)")
     ap.add_argument("--budget", type=float, default=450, help="seconds for all checks (the script stops starting "
                                                                "checks that would not fit)")
     ap.add_argument("--skip", default="", help=f"comma-separated checks to skip: {', '.join(ORDER)}")
@@ -498,20 +565,37 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(ORDER):
         ap.error(f"unknown check(s) {', '.join(sorted(skip - set(ORDER)))}; choose from {', '.join(ORDER)}")
+    logs = Path(args.logs).resolve() if args.logs else out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    budget = args.budget
+    hard = os.environ.get("GPU_CHECK_HARD_LIMIT_S")   # gpu_check.sh's timeout, which ends everything
+    if hard and budget > float(hard) - HARD_MARGIN_S:
+        budget = float(hard) - HARD_MARGIN_S
+        print(f"gpu_check: --budget {args.budget:g} clamped to {budget:g} s (gpu_check.sh stops everything at "
+              f"{float(hard):g} s; start-up and the last check's end need the rest)", flush=True)
     # gpu_check.sh's timeout signals this process's group, which the checks' sessions are not in:
-    # SIGTERM ends the running check's group too (_run_child) before this process goes.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM ends the running check's group (_run_child), then the table is written with its row.
+    state = {"running": False, "stopped": False}
+
+    def stop(*_):
+        state["stopped"] = True
+        if state["running"]:
+            state["running"] = False
+            raise _Stopped
+    signal.signal(signal.SIGTERM, stop)
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     start = time.monotonic()
     machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus else "no GPU") + \
         f"; {os.cpu_count()} host cores; torch {torch.__version__}; python {platform.python_version()}"
     info = {"dry_run": args.dry_run, "machine": machine, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "seconds": 0.0, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
+            "seconds": 0.0, "budget_s": budget, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
     rows: list[dict] = []
     for name in ORDER:
-        left = args.budget - (time.monotonic() - start)
-        if name in skip:
+        left = budget - (time.monotonic() - start)
+        if state["stopped"]:
+            rows.append(row(name, "check", None, "not run (stopped by the time limit)"))
+        elif name in skip:
             rows.append(row(name, "check", None, "skipped (--skip)"))
         elif left < (3 if args.dry_run else FLOOR[name]):
             rows.append(row(name, "check", None, f"skipped (time budget: {left:.0f} s left)"))
@@ -519,12 +603,21 @@ def main(argv: list[str] | None = None) -> int:
             t = time.monotonic()
             limit = left if args.dry_run else min(CAP[name], left)
             print(f"gpu_check: {name} (up to {limit:.0f} s)", flush=True)
-            rows += _run_child(name, args.dry_run, out, limit)
+            try:
+                state["running"] = True
+                rows += _run_child(name, args.dry_run, logs, limit)
+            except _Stopped:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)   # the table first; SIGKILL comes anyway
+                partial = _equivalence_rows(logs / "equivalence.jsonl") if name == "equivalence" else []
+                rows += [*partial, row(name, "check", False, "stopped by the time limit (SIGTERM)", "",
+                                       _tail(logs / f"{name}.log"))]
+                info["stopped"] = f"stopped by the time limit during {name}"
+            finally:
+                state["running"] = False
             info["per_check_s"][name] = round(time.monotonic() - t, 1)
         info["seconds"] = time.monotonic() - start
-        write(out, info, rows)
-    print((out / "gpu_check.md").read_text(), flush=True)
-    print(f"gpu_check: wrote {out / 'gpu_check.md'} and {out / 'gpu_check.json'}", flush=True)
+        write(out, info, rows, logs)
+    print(_summary(out, info, rows), flush=True)
     return 1 if any(r["ok"] is False for r in rows) else 0
 
 

@@ -31,7 +31,7 @@ from framework.ops._loader import BuildUnavailable
 KERNELS = ("adam_step", "lion_step", "adagrad_step")
 
 __all__ = ["OFF", "BuildUnavailable", "KERNELS", "adagrad_step", "adam_step", "available", "build", "cpu_optim",
-           "lion_step", "status", "usable"]
+           "lion_step", "status", "unavailable_reason", "usable"]
 
 
 OFF = "off (FRAMEWORK_OPS=0)"
@@ -45,6 +45,15 @@ def cpu_optim() -> ModuleType | None:
 
 def available() -> bool:
     return cpu_optim() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why ``cpu_optim`` is None (the failed build's or import's own reason, or OFF); None where the
+    kernels are available. Builds on the first call as ``cpu_optim`` does (``status`` never builds, so
+    its reason after a failed build is only that building is off)."""
+    if not _loader.kernels_enabled():
+        return OFF
+    return _loader.status().reason
 
 
 def build(force: bool = True) -> ModuleType:
@@ -70,8 +79,7 @@ def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = Non
 def _kernel() -> ModuleType:
     module = cpu_optim()
     if module is None:
-        reason = _loader.status().reason if _loader.kernels_enabled() else OFF
-        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {reason}")
+        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {unavailable_reason()}")
     return module
 
 

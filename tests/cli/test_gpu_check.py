@@ -12,10 +12,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_dry_run_without_hydra(tmp_path):
+    """Also what a tool that returns few files and the end of the output gets: three files in OUT
+    (everything in the bundle) and the verdict with its summary at the end of standard output."""
+    import tarfile
+
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra")}
-    p = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    out, logs = tmp_path / "out", tmp_path / "logs"
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(out), "--logs", str(logs)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(os.listdir(out)) == ["gpu_check.json", "gpu_check.md", "gpu_check.tgz"]
+    with tarfile.open(out / "gpu_check.tgz") as tar:
+        names = set(tar.getnames())
+    assert {"gpu_check.md", "gpu_check.json", "logs/equivalence_pytest.log", "logs/sync.log"} <= names, names
+    tail = p.stdout[-12000:]
+    assert len(p.stdout) < 6000 and "| equivalence |" in tail and "gpu_check: PASSED: 0 failed of" in tail, p.stdout
+    tmp_path = out
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     rows = report["rows"]
     assert report["dry_run"] and report["failed"] == 0
@@ -123,3 +135,114 @@ def test_a_check_log_planted_as_a_link_is_refused_not_followed(tmp_path):
     with _new_log(tmp_path / "fresh.log") as f:
         f.write("x")
     assert (tmp_path / "fresh.log").read_text() == "x"
+
+
+def _fake_pytest(junit_xml: str, seen: list):
+    """subprocess.run for check_equivalence: records the command, writes ``junit_xml``, exits 1."""
+    import types
+
+    def run(cmd, **kw):
+        seen.append(cmd)
+        junit = next(a for a in cmd if a.startswith("--junitxml=")).split("=", 1)[1]
+        Path(junit).write_text(junit_xml)
+        return types.SimpleNamespace(returncode=1)
+    return run
+
+
+def test_gpu_check_reports_a_failed_gpu_test_whose_failure_element_is_bare(monkeypatch, tmp_path):
+    """A <failure/> without children (falsy as an Element) is one failed row, not the whole
+    equivalence check lost to an AttributeError."""
+    from bench import gpu_check
+
+    xml = ('<testsuites><testsuite><testcase classname="tests.gpu.test_zz" name="test_p"><failure/></testcase>'
+           '<testcase classname="tests.gpu.test_zz" name="test_e"><error message="boom">tb</error></testcase>'
+           '<testcase classname="tests.gpu.test_zz" name="test_ok"/></testsuite></testsuites>')
+    seen = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest(xml, seen))
+    rows = {r["item"]: r for r in gpu_check.check_equivalence(True, tmp_path)}
+    assert rows["pytest test_zz::test_p"]["ok"] is False and rows["pytest test_zz::test_p"]["value"] == "failed"
+    assert rows["pytest test_zz::test_e"]["ok"] is False and rows["pytest test_zz::test_e"]["note"] == "boom"
+    assert rows["pytest test_zz::test_ok"]["ok"] is True
+    assert rows["pytest tests/gpu: exit status"]["ok"] is False
+
+
+def test_gpu_check_runs_the_offload_test_before_the_comparison_matrix(monkeypatch, tmp_path):
+    """pytest's time limit may cut the long matrix; the short CUDA offload test runs before it."""
+    from bench import gpu_check
+
+    seen = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", _fake_pytest("<testsuites/>", seen))
+    gpu_check.check_equivalence(True, tmp_path)
+    tests = [a for a in seen[0] if a.startswith("tests/")]
+    assert tests[0] == "tests/gpu/test_offload_cuda.py" and "tests/gpu/test_matrix.py" in tests, tests
+
+
+def test_gpu_check_kernels_row_gives_the_failed_builds_own_reason(monkeypatch, tmp_path):
+    """Not what a status call that may not build says afterwards ("building is off")."""
+    import warnings
+
+    from bench import gpu_check
+    from framework import ops
+    from framework.ops import _loader
+
+    def load(build=True, force=False):
+        raise ops.BuildUnavailable("the build failed (c++: not found)" if build else
+                                   "not built yet and building is off (FRAMEWORK_OPS_BUILD=0)")
+    monkeypatch.delenv("FRAMEWORK_OPS", raising=False)
+    monkeypatch.setattr(_loader, "load", load)
+    _loader.status.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the fallback's one warning
+            rows = gpu_check.check_kernels(True, tmp_path)
+    finally:
+        _loader.status.cache_clear()
+    kernels = rows[0]
+    assert kernels["ok"] is False and kernels["value"].startswith("the build failed (c++: not found)"), kernels
+
+
+STOP = """import sys
+from bench import gpu_check
+sys.executable = {fake!r}   # the driver's command for the child
+gpu_check.GRACE_S = 1
+sys.exit(gpu_check.main(["--dry-run", "--out", {out!r}, "--logs", {logs!r}, "--skip", "environment,kernels"]))
+"""
+
+
+def test_gpu_check_stopped_by_the_time_limit_still_writes_the_table(tmp_path):
+    """SIGTERM (gpu_check.sh's hard limit) during a check: the check's group goes, and the table is
+    written with the rows it recorded, its "stopped" row and the checks not run."""
+    fake, out, logs = tmp_path / "fake_python", tmp_path / "out", tmp_path / "logs"
+    fake.write_text(FAKE_CHECK.format(python=sys.executable))
+    fake.chmod(0o755)
+    driver = subprocess.Popen([sys.executable, "-c", STOP.format(fake=str(fake), out=str(out), logs=str(logs))],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        end = time.monotonic() + 60
+        while not (logs / "pids").exists() and time.monotonic() < end and driver.poll() is None:
+            time.sleep(0.1)
+        driver.terminate()
+        output = driver.communicate(timeout=60)[0]
+    finally:
+        driver.kill()
+        if (logs / "pids").exists():
+            try:
+                os.kill(int((logs / "pids").read_text()), 9)
+            except ProcessLookupError:
+                pass
+    assert driver.returncode == 1, output
+    rows = {(r["check"], r["item"]): r for r in json.loads((out / "gpu_check.json").read_text())["rows"]}
+    assert rows[("equivalence", "zero2 fp32, world 1 (nccl, cuda)")]["ok"], rows
+    assert rows[("equivalence", "check")]["value"] == "stopped by the time limit (SIGTERM)", rows
+    assert all(rows[(c, "check")]["value"] == "not run (stopped by the time limit)" for c in ("memory", "sync", "timing"))
+    assert "stopped by the time limit during equivalence" in output.splitlines()[-2], output
+
+
+def test_gpu_check_budget_is_clamped_below_the_scripts_hard_limit(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra")}
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "--out", str(tmp_path), "--budget", "900", "--skip",
+                        "environment,kernels,equivalence,memory,sync,timing"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "--budget 900 clamped to 455 s" in p.stdout, p.stdout
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["budget_s"] == 455
