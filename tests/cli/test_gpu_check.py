@@ -246,3 +246,21 @@ def test_gpu_check_budget_is_clamped_below_the_scripts_hard_limit(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "--budget 900 clamped to 455 s" in p.stdout, p.stdout
     assert json.loads((tmp_path / "gpu_check.json").read_text())["budget_s"] == 455
+
+
+def test_gpu_check_sync_watches_the_thread_that_runs_backward():
+    """On CUDA the hooks run on autograd's device thread, not the caller's: the sync check is told that
+    thread from inside the graph (a hook on the loss), once per backward, between its start and end."""
+    import threading
+
+    import torch
+
+    from bench import gpu_check
+    from framework.config import compose
+
+    told = []
+    cfg = compose(["model=gpt-nano", "precision=bf16", "logger=none", "train.micro_batch=4",
+                   *gpu_check.SYNC["zero3"]])
+    gpu_check._engine_run(cfg, torch.device("cpu"), 2,
+                          around_backward=lambda now: told.append((now, threading.get_ident())))
+    assert [now for now, _ in told] == ["backward", "autograd", "step"] * 2, told
