@@ -468,7 +468,7 @@ def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_
     assert f"warning: checkpoint: not saving step {N}: the state holds non-finite values (NaN or inf) in rank 0: " \
            "'buffer.norm.running_var' (train.on_nonfinite=warn)" in capsys.readouterr().err
     # saved by a save that did not check them: refused at the load, the older checkpoint resumed
-    monkeypatch.setattr(_save, "nonfinite_items", lambda items, release=None: [])
+    monkeypatch.setattr(_save, "nonfinite_items", lambda items, release=None, nan_only=(): [])
     _norm_train(dist, [], str(tmp_path / "old"), after=_poison("buffer"))
     monkeypatch.undo()
     capsys.readouterr()
@@ -476,6 +476,23 @@ def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_
     assert len(losses) == N - K
     assert "non-finite values (NaN or inf) in 'buffer.norm.running_var' (rank 0's share): not a state to train " \
            f"from; falling back to the previous checkpoint, {tmp_path / 'old' / f'step-{K}'}" in capsys.readouterr().out
+
+
+class _Masked(_Norm):
+    """An additive causal mask: -inf in a float buffer by design."""
+    def __init__(self, freeze: bool):
+        super().__init__(freeze)
+        self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+
+def test_a_buffer_infinite_by_design_is_saved_and_resumed(tmp_path):
+    """Only a NaN marks a buffer as diverged: an infinity in one can be by design (an additive mask)."""
+    dist = _local()
+    losses, values = _norm_train(dist, [], str(tmp_path), model=_Masked)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}", f"step-{N}"]
+    again, resumed = _norm_train(dist, [], str(tmp_path / "b"), resume=str(tmp_path / f"step-{K}"), seed=99,
+                                 model=_Masked)
+    assert again == losses[K:] and torch.equal(resumed["mask"], values["mask"])
 
 
 class _ExtraBuffer(_Norm):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from framework.persist.checkpoint._dcp import boxes
-from framework.persist.checkpoint._save import optim_keys
+from framework.persist.checkpoint._save import nonfinite_items, optim_keys
 from framework.persist.layout import Holding, Param, StateLayout
 from framework.core.errors import ConfigError, FrameworkError
 from tests._helpers import tiny_config
@@ -49,6 +49,20 @@ def test_share_writes_each_element_once_spreading_replicated_parameters():
 def test_optimizer_keys_use_torch_names_and_stay_unique():
     assert optim_keys(["0.mu", "0.nu"], ["0.count"]) == {"0.mu": "exp_avg", "0.nu": "exp_avg_sq", "0.count": "step"}
     assert optim_keys(["0.mu", "2.mu"], []) == {"0.mu": "0.mu", "2.mu": "2.mu"}
+
+
+def test_the_finiteness_check_takes_float8_and_flags_only_nan_where_asked(monkeypatch):
+    """float8 tensors (no aminmax kernel) are checked a chunk at a time; ``nan_only`` names pass an infinity."""
+    from framework.persist.checkpoint import _save
+    monkeypatch.setattr(_save, "_CHUNK", 3)   # several chunks, the last one short
+    f8 = torch.zeros(10, dtype=torch.float8_e4m3fn)
+    nan8 = f8.clone()
+    nan8[7] = float("nan")
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    items = [("buffer.f8", f8), ("buffer.nan8", nan8), ("frozen.nan8", nan8), ("buffer.mask", mask),
+             ("frozen.mask", mask), ("buffer.nan", torch.tensor([1.0, float("nan")]))]
+    assert nonfinite_items(items, nan_only=("buffer.",)) == ["buffer.nan", "buffer.nan8", "frozen.mask", "frozen.nan8"]
+    assert nonfinite_items(items) == ["buffer.mask", "buffer.nan", "buffer.nan8", "frozen.mask", "frozen.nan8"]
 
 
 def test_checkpoint_config_keys():
