@@ -48,6 +48,16 @@ def files_of(folder: Path) -> list[str]:
     return sorted(names)
 
 
+_SAVED = re.compile(r"(.+\.distcp|\.metadata|rng-\d+\.json|" + re.escape(TRAIN_STATE) + "|" + re.escape(WEIGHTS16) + "/.+)")
+
+
+def a_save_writes(name: str) -> bool:
+    """Whether ``name`` (as ``files_of`` gives it) is one a save may write: DCP's files, the rank's generator
+    states, the train state, the 16-bit weights. Others (an editor's swap file, .DS_Store, a user's notes) are
+    no part of a checkpoint, and their presence is no damage."""
+    return _SAVED.fullmatch(name) is not None
+
+
 def _open(folder: Path, name: str) -> int:
     """``folder/name`` read-only, never through a link (in ``model_16bit/<file>`` neither the subfolder nor the file)."""
     sub, _, base = name.rpartition("/")

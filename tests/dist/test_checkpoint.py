@@ -312,6 +312,24 @@ def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
         _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=K)
 
 
+def test_files_no_save_writes_are_ignored_not_damage(tmp_path, capsys):
+    """An editor's swap file, .DS_Store or a user's notes in the newest step do not make resume skip it (and the
+    re-save replace it); an unlisted file a save could have written still is damage."""
+    dist = _local()
+    _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), steps=N)
+    folder = tmp_path / f"step-{N}"
+    for name in (".train_state.json.swp", ".DS_Store", "notes.txt"):
+        (folder / name).write_bytes(b"not a checkpoint file")
+    capsys.readouterr()
+    _, _, first, _ = _train(dist, ["checkpoint.keep_last=0"], str(tmp_path), resume="auto", steps=N)
+    assert first[0] == N
+    assert (f"checkpoint: {folder} holds '.DS_Store', '.train_state.json.swp', 'notes.txt', which no save writes: "
+            "ignored") in capsys.readouterr().out
+    (folder / "__1_0.distcp").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match=f"{folder / '__1_0.distcp'} is not in manifest.json"):
+        _train(dist, [], str(tmp_path / "b"), resume=str(folder), steps=N)
+
+
 def test_a_failure_after_the_commit_rename_is_a_warning_and_export_takes_the_newest_step(tmp_path, capsys,
                                                                                          monkeypatch):
     """Renamed, step-N is committed (resume=auto uses it): a full disk writing ``latest`` then is a warning, not

@@ -94,10 +94,14 @@ def verify(folder: Path, group: Group | None = None) -> dict:
             # (manifests that predate the 16-bit weights subfolder list none of its files: a resume never reads
             # them, and check_weights16 refuses them to a weights load)
             sub = any(n.startswith(f"{stepfolders.WEIGHTS16}/") for n in entries)
+            unlisted = sorted(set(stepfolders.files_of(folder)) - set(entries))
             problems += [f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
                          "the manifest was edited, or the file added since)"
-                         for n in sorted(set(stepfolders.files_of(folder)) - set(entries))
-                         if sub or not n.startswith(f"{stepfolders.WEIGHTS16}/")]
+                         for n in unlisted if stepfolders.a_save_writes(n)
+                         and (sub or not n.startswith(f"{stepfolders.WEIGHTS16}/"))]
+            # (a name no save writes is never read: an editor's swap file or a user's notes are no damage)
+            if other := [n for n in unlisted if not stepfolders.a_save_writes(n)]:
+                print(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored", flush=True)
     except (CheckpointError, UnsafePathError, OSError) as e:
         problems = [str(e)]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
