@@ -242,13 +242,14 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
 
 def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
     """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
-    newest verified one; those of later steps (another run's, in the same dir) are left alone."""
+    newest verified one nor one whose manifest cannot be read (its state is unknown: a newer framework's, or
+    unreadable for now); those of later steps (another run's, in the same dir) are left alone."""
     if keep_last <= 0:
         return []
     chain = [p for p in scan(root)[0] if step_of(p) <= step_of(newest)]
     good = next((p for p in chain if verified(p)), None)
     older = [p for p in chain if step_of(p) < step_of(newest)]
-    gone = [p for p in older[keep_last - 1:] if p != good]
+    gone = [p for p in older[keep_last - 1:] if p != good and _readable(p)]
     for p in gone:
         # Renamed first: a kill halfway leaves a step-N.del folder, never a half checkpoint.
         doomed = p.with_name(p.name + ".del")
@@ -256,6 +257,14 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
         os.replace(p, doomed)
         _remove_tree(doomed)
     return gone
+
+
+def _readable(folder: Path) -> bool:
+    try:
+        read_manifest(folder)
+    except CheckpointError:
+        return False
+    return True
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:

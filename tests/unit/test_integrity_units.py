@@ -129,6 +129,20 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
 
 
+def test_rotation_never_deletes_a_checkpoint_whose_manifest_it_cannot_read(tmp_path):
+    """A committed folder whose manifest does not parse (a newer framework's format, unreadable for now) is of
+    unknown state: keep_last passes it over, deleting only the older readable ones."""
+    from framework.persist import stepfolders
+
+    for step, fmt in ((1, 1), (2, 2), (3, 1), (4, 1)):
+        folder = tmp_path / f"step-{step}"
+        folder.mkdir()
+        (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": fmt, "files": {}, "verified": True}))
+    gone = stepfolders.prune(tmp_path, tmp_path / "step-4", keep_last=1)
+    assert [p.name for p in gone] == ["step-3", "step-1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+
+
 @pytest.mark.parametrize("complete", [True, False])
 def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, complete):
     """Killed while saving a step again, between moving step-4 aside (step-4.old) and renaming step-4.tmp in: the
