@@ -64,7 +64,8 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
     fixes (every candidate has their planned value): a command-line value of one stays in the jobs, as without
     it the file's would replace the candidate's."""
     top = [p for p in planned if p.fits][:k]
-    base_overrides = [o for o in base_overrides if _key(o) not in CANDIDATE_KEYS or _key(o) in pinned]
+    base_overrides = [o for o in base_overrides if (_key(o) not in CANDIDATE_KEYS or _key(o) in pinned)
+                      and _key(o) != "dist.nproc"]   # (the jobs' is hw.ranks, given last)
     if not top:
         raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
@@ -131,15 +132,20 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     overrides, keys, given = _given_setup(overrides)
     cfg = compose([f"model={own['model']}", *overrides])
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
+    disk = _disk_dir(cfg, base)
+    hw = detect(own, disk)
+    # composed for the planned ranks, as each verify job is: a DeepSpeed file's train_batch_size fixes the
+    # accumulation per rank count
+    ranked = [f"model={own['model']}", *overrides, f"dist.nproc={hw.ranks}"]
+    base = [*base, f"dist.nproc={hw.ranks}"]
+    cfg = compose(ranked)
     own, notes = _restrict(own, given, cfg, base)
     own, notes = _restrict_checkpointing(own, overrides, notes)
-    own, notes, pinned = _restrict_batch(own, [f"model={own['model']}", *overrides], cfg, notes)
+    own, notes, pinned = _restrict_batch(own, ranked, cfg, notes)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
                           "rank")
-    disk = _disk_dir(cfg, base)
-    hw = detect(own, disk)
     cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
     setups = compose_setups(base, cands)   # so does a given key that every candidate's setup refuses
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them at start-up (once the
@@ -162,11 +168,20 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             print(f"  {i + 1}. {r['candidate'].label()}  predicted {r['predicted_s']:.3f} s  measured "
                   f"{r['measured_s']:.3f} s   peak predicted {r['predicted_peak'] / MiB:.0f} MiB  "
                   f"measured {r['measured_peak'] / MiB:.0f} MiB ({r['measured_kind']})")
+            planned_as = {k: getattr(r["candidate"], k) for k in r["ran"]}
+            if r["ran"] != planned_as:   # its measurement is of another setup than the row's prediction
+                print(f"     warning: this job ran {_setup(r['ran'])}, not the planned {_setup(planned_as)}: "
+                      "its measurement is of another setup")
         if rows and rows[0]["measured_kind"] == "peak_rss_bytes":
             print("  (peak RSS is per process, and a multirun runs its jobs in one: after the first job "
                   "it includes the earlier jobs' peaks)")
         if flags["json"]:
             print(json.dumps([{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows]))
+
+
+def _setup(batch: dict) -> str:
+    return (f"micro {batch['micro_batch']} x accum {batch['grad_accum']}"
+            f"{' with' if batch['checkpointing'] else ' without'} activation checkpointing")
 
 
 def _key(override: str) -> str:

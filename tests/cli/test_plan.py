@@ -189,6 +189,29 @@ def test_a_ds_configs_fixed_batch_restricts_the_search(capsys, monkeypatch, args
     assert len({r["micro_batch"] for r in json.loads(out.strip().splitlines()[-1])}) > 1 and "micro_batch=" not in out
 
 
+def test_a_ds_files_global_batch_is_resolved_for_the_planned_ranks(capsys, monkeypatch):
+    """train_batch_size 16 with micro 8 is accumulation 2 on one rank, 1 on two: the table says what a job of
+    ranks=2 composes; a verified job that ran another batch than its row's is said, not measured silently."""
+    cli = _quiet_probe(monkeypatch)
+    ds = f"ds_config={ROOT}/tests/config/ds/dschat_zero2_offload.json"
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=2", "--json", ds]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    rows = json.loads(out.strip().splitlines()[-1])
+    assert {(r["micro_batch"], r["grad_accum"]) for r in rows} == {(8, 1)}, out
+    assert "train.micro_batch=8 x train.grad_accum=1 (ds_config=" in out, out
+
+    def ran_other(planned, *a, **k):
+        p = planned[0]
+        return [{"candidate": p.cand, "ran": {"micro_batch": p.cand.micro_batch, "grad_accum": 2,
+                                              "checkpointing": p.cand.checkpointing},
+                 "predicted_s": 1.0, "measured_s": 1.0, "predicted_peak": 0, "measured_peak": 0,
+                 "measured_kind": "peak_rss_bytes"}]
+    monkeypatch.setattr(cli, "verify", ran_other)
+    assert cli.main(["model=gpt-nano", "checkpointing=false", "ranks=2", ds, "--verify", "1"]) == 0
+    assert ("warning: this job ran micro 8 x accum 2 without activation checkpointing, not the planned micro 8 x "
+            "accum 1 without activation checkpointing: its measurement is of another setup") in capsys.readouterr().out
+
+
 def test_probe_reads_its_resident_set_without_its_test_tensors(monkeypatch, tmp_path):
     """process_rss_bytes is the process's own baseline: the probe's matmul and copy tensors are gone
     when it is read (each measurement stubbed: only what is alive matters here)."""
