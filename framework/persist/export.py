@@ -37,7 +37,10 @@ def resolve(checkpoint) -> Path:
         found = stepfolders.scan(path)[0]
         if found:
             latest = path / "latest"
-            named = latest.read_text().strip() if latest.is_file() and not latest.is_symlink() else None
+            if latest.is_symlink():   # (a link to the step folder, as allowed above: named by its target)
+                named = Path(os.readlink(latest)).name
+            else:
+                named = latest.read_text().strip() if latest.is_file() else None
             if named != found[0].name:
                 print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
                       f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)

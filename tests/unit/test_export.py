@@ -284,3 +284,20 @@ def test_export_to_fp16_counts_the_values_that_overflow(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("warning: export: 2 finite value(s) beyond the float16 range"), err
     assert main([str(tmp_path / "step-1"), "--to", str(tmp_path / "out32")]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
+    """``latest`` may be a symbolic link to the step folder: named by its target, it agrees with the newest."""
+    from framework.persist.export import resolve
+    ckpt = tmp_path / "ckpt"
+    for step in (2, 3):
+        (ckpt / f"step-{step}").mkdir(parents=True)
+        (ckpt / f"step-{step}" / "manifest.json").write_text(json.dumps({"format": 1, "files": {}, "seq": step}))
+    for target in ("step-3", str(ckpt / "step-3")):
+        (ckpt / "latest").unlink(missing_ok=True)
+        (ckpt / "latest").symlink_to(target)
+        assert resolve(ckpt) == ckpt / "step-3" and capsys.readouterr().err == ""
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").symlink_to("step-2")
+    assert resolve(ckpt) == ckpt / "step-3"
+    assert "holds step-3, its newest committed checkpoint, but its latest names step-2" in capsys.readouterr().err
