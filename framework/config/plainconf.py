@@ -10,7 +10,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest_hint, registry
@@ -41,10 +41,12 @@ def parse(line: str) -> Override:
     return Override(prefix, key, value(text) if eq else None)
 
 
-def _scan(text: str) -> tuple[bool, bool]:
-    """(an unquoted '{', a comma outside quotes and brackets: a sweep) in ``text``; backslash escapes kept."""
-    depth, quote, escaped, brace, sweep = 0, None, False, False, False
+def _walk(text: str) -> Iterator[tuple[str, bool, int]]:
+    """Each character of ``text``, whether it is plain (outside quotes, not a quote or an escape or escaped)
+    and the bracket depth there."""
+    depth, quote, escaped = 0, None, False
     for c in text:
+        plain = not (escaped or quote) and c not in "\\'\""
         if escaped:
             escaped = False
         elif quote:
@@ -53,15 +55,17 @@ def _scan(text: str) -> tuple[bool, bool]:
             escaped = True
         elif c in "'\"":
             quote = c
-        elif c == "{":
-            brace = True
         elif c == "[":
             depth += 1
         elif c == "]":
             depth -= 1
-        elif c == "," and depth == 0:
-            sweep = True
-    return brace, sweep
+        yield c, plain, depth
+
+
+def _scan(text: str) -> tuple[bool, bool]:
+    """(an unquoted '{', a comma outside quotes and brackets: a sweep) in ``text``."""
+    marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
+    return "{" in marks, "," in marks
 
 
 def value(text: str) -> Any:
@@ -103,25 +107,13 @@ _UNESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
 
 def _split(inner: str) -> list[str]:
     """Top-level comma split of a list body (quotes, nested brackets and escapes kept together)."""
-    out, depth, quote, cur, escaped = [], 0, None, "", False
-    for c in inner:
-        if escaped:
-            escaped = False
-        elif quote:
-            quote = None if c == quote else quote
-        elif c == "\\":
-            escaped = True
-        elif c in "'\"":
-            quote = c
-        elif c == "[":
-            depth += 1
-        elif c == "]":
-            depth -= 1
-        elif c == "," and depth == 0:
+    out, cur = [], ""
+    for c, plain, depth in _walk(inner):
+        if plain and c == "," and depth == 0:
             out.append(cur)
             cur = ""
-            continue
-        cur += c
+        else:
+            cur += c
     return out + [cur]
 
 
