@@ -680,8 +680,8 @@ def test_ops_build_if_needed_compiles_once_and_then_imports(fresh_loader, monkey
     assert "framework.ops: ready in" in capsys.readouterr().out
 
 
-def test_a_finished_build_is_readable_per_the_umask(fresh_loader, monkeypatch):
-    """A build in a shared cache serves every user: BUILT is not owner-only."""
+def _built_under_umask_022(monkeypatch) -> Path:
+    """A fake finished build made under umask 022 (a usual shell's); its folder."""
     directory = _loader.build_dir()
     _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
     old = os.umask(0o022)
@@ -689,6 +689,12 @@ def test_a_finished_build_is_readable_per_the_umask(fresh_loader, monkeypatch):
         _loader.load()
     finally:
         os.umask(old)
+    return directory
+
+
+def test_a_finished_build_is_readable_per_the_umask(fresh_loader, monkeypatch):
+    """A build in a shared cache serves every user: BUILT is not owner-only."""
+    directory = _built_under_umask_022(monkeypatch)
     assert (directory / "BUILT").stat().st_mode & 0o777 == 0o644
 
 
@@ -700,13 +706,7 @@ def test_another_users_build_is_used_and_a_needed_build_says_why_not(fresh_loade
     """As root without the capability to override file modes, a cache owned by uid 1234: its finished
     build is found; an owner-only BUILT (as an older version wrote) or a missing one gives a reason
     saying what to do, not a failure to open the lock file."""
-    directory = _loader.build_dir()
-    _FakeBuild(monkeypatch, directory.parent.mkdir(parents=True) or directory)
-    old = os.umask(0o022)
-    try:
-        _loader.load()
-    finally:
-        os.umask(old)
+    _built_under_umask_022(monkeypatch)
     caches = {}
     for case in ("usable", "private", "missing"):
         root = fresh_loader / case
