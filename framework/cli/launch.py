@@ -455,7 +455,7 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
         with signals_unwind(rank=True):
             with contextlib.suppress(OSError):   # (without it the launcher ends this rank with SIGTERM)
                 os.close(os.open(_ready_path(os.path.dirname(store_path), rank),
-                                 os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                                 os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
