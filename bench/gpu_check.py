@@ -531,7 +531,11 @@ def _summary(out: Path, info: dict, rows: list[dict], most: int = 30) -> str:
 def _bundle(out: Path, logs: Path) -> None:
     """OUT/gpu_check.tgz: the table, the rows and every check's files (under logs/), replaced whole."""
     tmp = out / ".gpu_check.tgz.tmp"
-    with tarfile.open(tmp, "w:gz") as tar:
+    if tmp.is_file() and not tmp.is_symlink():   # a stopped run's leftover
+        tmp.unlink()
+    # (made new: a link planted there is refused, never followed)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w:gz") as tar:
         for name in ("gpu_check.md", "gpu_check.json"):
             tar.add(out / name, arcname=name)
         for f in sorted(logs.iterdir()) if logs.is_dir() else []:

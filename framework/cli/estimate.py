@@ -229,7 +229,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                             **pools(dataclasses.replace(keys, sub_group_size=ds))))
         out["nvme_sub_group_size"] = keys.sub_group_size
     if module is not None:   # a model: the per-rank prediction
-        world = gpus * nodes if ("gpus_per_node" in own or "nodes" in own) else cfg.dist.nproc
+        world = gpus * nodes   # (gpus is dist.nproc where neither count was given)
         context = None
         if hf:
             conf = getattr(module, "config", None)

@@ -167,6 +167,12 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
     steps beside it), and one note per ``step-<N>`` that is not one, so none is dropped silently. A manifest there
     that does not parse is damage, not an uncommitted folder: that folder is listed last (its commit order is
     unknown), so a resume tries it (and fails, naming the damage) rather than starting afresh over it."""
+    found, notes = _committed(root)
+    return [p for p, _ in found], notes
+
+
+def _committed(root: Path) -> tuple[list[tuple[Path, dict | None]], list[str]]:
+    """``scan``'s folders, each with its manifest (None: it does not parse), and its notes; one read each."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
@@ -176,14 +182,15 @@ def scan(root: Path) -> tuple[list[Path], list[str]]:
             notes.append(f"{p} is a symbolic link, not a checkpoint this run wrote; ignored")
         elif m and p.is_dir():
             try:
-                out.append((seq(read_manifest(p)), int(m.group(1)), p))
+                manifest = read_manifest(p)
+                out.append((seq(manifest), int(m.group(1)), p, manifest))
             except CheckpointError as e:
                 if os.path.lexists(p / MANIFEST):
-                    out.append((-1, int(m.group(1)), p))
+                    out.append((-1, int(m.group(1)), p, None))
                     notes.append(f"{str(e).removeprefix('checkpoint ')}; a damaged checkpoint, tried last")
                 else:
                     notes.append(f"{str(e).removeprefix('checkpoint ')}; ignored")
-    return [p for *_, p in sorted(out, reverse=True)], sorted(notes)
+    return [(p, manifest) for *_, p, manifest in sorted(out, key=lambda e: e[:3], reverse=True)], sorted(notes)
 
 
 def seq(manifest: dict) -> int:
@@ -194,25 +201,12 @@ def seq(manifest: dict) -> int:
 
 def next_seq(root: Path) -> int:
     """The commit number of the next save under ``root``: above every committed folder's."""
-    numbers = []
-    for p in scan(root)[0]:
-        try:
-            numbers.append(seq(read_manifest(p)))
-        except CheckpointError:   # (a damaged manifest: scan lists it last)
-            pass
-    return 1 + max(numbers, default=0)
+    return 1 + max((seq(m) for _, m in _committed(root)[0] if m is not None), default=0)
 
 
 def step_of(folder: Path) -> int:
     m = _STEP.match(folder.name)
     return int(m.group(1)) if m else -1
-
-
-def verified(folder: Path) -> bool:
-    try:
-        return read_manifest(folder).get("verified") is True
-    except CheckpointError:
-        return False
 
 
 def commit(tmp: Path, final: Path, on_point) -> str | None:
@@ -246,10 +240,10 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
     unreadable for now); those of later steps (another run's, in the same dir) are left alone."""
     if keep_last <= 0:
         return []
-    chain = [p for p in scan(root)[0] if step_of(p) <= step_of(newest)]
-    good = next((p for p in chain if verified(p)), None)
-    older = [p for p in chain if step_of(p) < step_of(newest)]
-    gone = [p for p in older[keep_last - 1:] if p != good and _readable(p)]
+    chain = [(p, m) for p, m in _committed(root)[0] if step_of(p) <= step_of(newest)]
+    good = next((p for p, m in chain if m is not None and m.get("verified") is True), None)
+    older = [(p, m) for p, m in chain if step_of(p) < step_of(newest)]
+    gone = [p for p, m in older[keep_last - 1:] if p != good and m is not None]
     for p in gone:
         # Renamed first: a kill halfway leaves a step-N.del folder, never a half checkpoint.
         doomed = p.with_name(p.name + ".del")
@@ -257,14 +251,6 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
         os.replace(p, doomed)
         _remove_tree(doomed)
     return gone
-
-
-def _readable(folder: Path) -> bool:
-    try:
-        read_manifest(folder)
-    except CheckpointError:
-        return False
-    return True
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:

@@ -277,7 +277,8 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
         try:
             gone = stepfolders.prune(root, final, snap["keep_last"])
         except (OSError, FrameworkError) as e:   # committed already: the older folders are left for the next save
-            gone, late = [], f"{final} committed; deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
+            failed = f"deleting the older checkpoints failed ({getattr(e, 'strerror', None) or e})"
+            gone, late = [], f"{late}; {failed}" if late else f"{final} committed; {failed}"
         if late:
             print(f"warning: checkpoint: {late}", file=sys.stderr, flush=True)
         total = sum(v["bytes"] for v in entries.values())
