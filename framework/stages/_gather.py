@@ -1,9 +1,9 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-A unit (``_units.plan_units``: a ``gather_unit`` module, the root, or the persistent small
-parameters) is gathered with one collective per parameter group into ONE buffer per group, kept for the unit's life; release
-resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and see
-the refilled values when gathered again. The first step records the order of unit uses; later
+A unit (``_units.plan_units``: a ``gather_unit`` module, the root, or the persistent small parameters)
+is gathered with one collective per parameter group into ONE buffer per group, kept for the unit's life;
+release resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and
+see the refilled values when gathered again. The first step records the order of unit uses; later
 steps prefetch along that trace, and every rank checks that the others used the same order.
 """
 from __future__ import annotations
@@ -118,18 +118,17 @@ class Unit:
 
 
 class Gatherer:
-    """Runs the unit lifecycle for one model; the zero3 stage owns one."""
+    """Runs the unit lifecycle for one model; the zero3 stage owns one. ``cfg``: the stage's (``Zero3Config``).
+    ``on_reduced(g, final)``: called right after a reduction of group ``g`` was added into ``g.grad()``, at
+    most once per group and backward pass."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, offload,
                  on_reduced: Callable[[UnitGroup, bool], None]):
-        """``cfg``: the stage's (``Zero3Config``). ``on_reduced(g, final)``: called right after a
-        reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
         self.dist, self.units, self.persistent, self.cfg = dist, units, persistent, cfg
         self.all_units = [*units, *([persistent] if persistent else [])]
         self.max_reductions = 2 * max(len(u.groups) for u in units)   # launched reductions before completing
         self.on_reduced = on_reduced
-        self.offload = offload   # the offload target (``framework.gathered`` writes shards and masters through it)
-        self.shards = offload.shards   # loads a shard into a gather buffer (host shards on a side stream)
+        self.offload = offload   # loads shards into gather buffers; framework.gathered writes shards and masters
         self.param_dtype, self.reduce_dtype = policy.param_dtype, policy.reduce_dtype
         self.prefetch = cfg.stage3_prefetch_bucket_size   # elements gathered ahead of need
         self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
@@ -146,7 +145,7 @@ class Gatherer:
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
-        self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_launch_order_check``)
+        self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_end_backward``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
             unit.gatherer = self
@@ -186,14 +185,11 @@ class Gatherer:
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return
         unit.active -= 1
-        unannounced = False
-        if torch.is_grad_enabled():
-            hooked = [t for t in tensors_in(out) if t.requires_grad]
-            for t in hooked:
-                t.register_hook(self.dist.acc.hook(lambda _grad, u=unit: self._pre_backward(u),
-                                                   "zero3's pre-backward hook"))
-            # Its backward would find its parameters released (a raw size mismatch deep in autograd).
-            unannounced = not hooked and any(p.requires_grad for p in unit.params)
+        hooked = [t for t in tensors_in(out) if t.requires_grad] if torch.is_grad_enabled() else []
+        for t in hooked:
+            t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
+        # Its backward would find its parameters released (a raw size mismatch deep in autograd).
+        unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
         if unannounced:
@@ -203,10 +199,8 @@ class Gatherer:
                 f"or dataclass, or call it under torch.no_grad() where it is not trained")
 
     def begin_backward(self) -> None:
-        """A backward pass starts (the first unit output's gradient, or the loss's: the stage hooks the
-        loss too, so that a pass in which no unit's forward ran, e.g. a loss_fn that calls a submodule
-        whose parameters are all persistent, still reduces them): the end-of-backward callback is
-        queued once per pass."""
+        """A backward pass starts (at the first unit output's gradient, or the loss's: so a pass in which no
+        unit's forward ran, e.g. of persistent parameters only, still reduces them); queues its end once."""
         if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
@@ -250,14 +244,21 @@ class Gatherer:
         self._complete_reductions()
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
-            self._launch_order_check(self.recording)
+            # The pass's record compared across ranks (else ranks that used different units would combine
+            # unrelated buffers or hang): an asynchronous all-reduce of its hash, no host sync in this callback.
+            # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy from
+            # pageable memory, which blocks the host after every backward pass.
+            h = zlib.crc32(repr(self.recording).encode())
+            t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
+            t[1].fill_(-h)
+            work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check", async_op=True)
+            self.order_checks.append((work, t, list(self.recording)))
         self._end_pass()
 
     def abort_backward(self, wait: bool) -> None:
-        """A backward pass the stage drove was cut short (its end-of-backward callback never ran): back to
-        the state between passes. Reductions in flight are waited for (not when ``wait`` is false: then they
-        stay referenced, their buffers alive) and dropped (the caller zeroes the step's partitions); then
-        ``abort_pass``."""
+        """A backward pass the stage drove was cut short (its end never ran): reductions in flight are waited
+        for (unless not ``wait``: then kept referenced, their buffers alive) and dropped (the caller zeroes the
+        step's partitions); then ``abort_pass``."""
         reductions, self.reductions = self.reductions, []
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
@@ -265,9 +266,8 @@ class Gatherer:
         self.abort_pass(wait)
 
     def abort_pass(self, wait: bool) -> None:
-        """A pass cut short before its backward ran to the end (loss_fn raised, or its backward did):
-        no unit counted as running, units gathered for it released (not one still gathering when
-        ``wait`` is false), no gradient of it kept, and not a trace to follow."""
+        """A pass cut short (loss_fn or its backward raised): no unit counted as running, its units released
+        (not one still gathering unless ``wait``), no gradient of it kept, and not a trace to follow."""
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -279,10 +279,10 @@ class Gatherer:
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
-        """The stage starts one loss_fn call (``grad_mode``: of train_step, ended by its backward; else of
-        eval_step, ended by ``end_pass``): one pass, whichever modules loss_fn calls (submodules of the
-        root, or the root twice), so that it is recorded, followed and checked across ranks as a whole.
-        (Not ``driven``: a root forward outside train_step and eval_step starts its own pass.)"""
+        """The stage starts one loss_fn call (``grad_mode``: train_step's, ended by its backward; else
+        eval_step's, ended by ``end_pass``): one pass whichever modules it calls (submodules of the root, or the
+        root twice), recorded, followed and checked across ranks as a whole. (Not ``driven``: a root forward
+        outside train_step and eval_step starts its own pass.)"""
         if driven:
             for unit in self.units:
                 unit.active = 0   # no forward runs between loss_fn calls
@@ -298,13 +298,11 @@ class Gatherer:
     def _end_pass(self) -> None:
         if self.recording:
             self.traces[self.mode] = self.recording
-        self.recording = None
-        self.driven = False
+        self.recording, self.driven = None, False
 
     def _release_idle(self, keep: Unit | None = None) -> None:
-        """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for
-        reuse): with the trace abandoned or the pass over, that use may never come. A unit still
-        gathering is waited for first (its collective and copies must finish before its buffer goes)."""
+        """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for reuse) that,
+        with the trace abandoned or the pass over, may never come; one still gathering is waited for first."""
         for unit in self.units:
             if unit is not keep and unit.state is not UnitState.SHARDED and unit.active == 0 \
                     and not unit.held and not unit.in_backward:
@@ -314,8 +312,8 @@ class Gatherer:
         event = (phase, unit.uid)
         if self.recording is not None:
             self.recording.append(event)
-        trace = self.traces.get(self.mode)
-        if self.cursor is not None and trace is not None:
+        if self.cursor is not None:   # (set only in a mode with a recorded trace)
+            trace = self.traces[self.mode]
             if self.cursor < len(trace) and trace[self.cursor] == event:
                 self.cursor += 1
             else:
@@ -336,10 +334,9 @@ class Gatherer:
 
     def _upcoming(self) -> Iterator[Unit]:
         """The units the followed trace uses next, each once (none when not following one)."""
-        trace = self.traces.get(self.mode)
-        if self.cursor is None or trace is None:
+        if self.cursor is None:
             return
-        seen = set()   # (lazy: the prefetch takes the next few only, not the rest of the trace)
+        trace, seen = self.traces[self.mode], set()   # (lazy: the prefetch takes the next few only, not the rest)
         for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
             uid = trace[i][1]
             if uid not in seen:
@@ -378,15 +375,14 @@ class Gatherer:
     def _in_place(self, g: UnitGroup) -> bool:
         """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working
         dtype), so a world-1 run holds no second copy of the model for the hooks' gathers."""
-        return (self.dist.world == 1 and not self.shards.params_on_host and g.shard.device == self.dist.device
+        return (self.dist.world == 1 and not self.offload.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
         """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
         at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
         discarded at world size 1 too."""
-        unit.to(UnitState.GATHERING)
-        unit.works = []
+        unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         for g in unit.groups:
             if in_place and self._in_place(g):
                 g.full = g.shard   # no copy, no collective (world size 1)
@@ -395,9 +391,8 @@ class Gatherer:
                 g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
             else:   # its bytes again (released: zero bytes); the gather fills them
                 g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-            lo, hi = g.layout.partition(self.dist.rank)
-            with self.shards.loading() as waits:   # host shards: copy and gather off the compute stream
-                self.shards.load(g.full[lo:hi], g.shard)
+            with self.offload.shards.loading() as waits:   # host shards: copy and gather off the compute stream
+                self.offload.shards.load(g.full[slice(*g.layout.partition(self.dist.rank))], g.shard)
                 unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
                                                                  f"zero3 gather of {unit.name!r}"))
             unit.works.append(Pending(after=waits))
@@ -431,28 +426,13 @@ class Gatherer:
                 p.data = self.empty
             if g.full is g.shard:   # gathered in place: the shard keeps its values
                 continue
-            if not g.full.untyped_storage().resizable():
-                # Shared with a NumPy array (.numpy() on a parameter inside framework.gathered): the
-                # array keeps these bytes; the next gather takes a buffer of its own.
-                g.full = None
-                continue
-            # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
-            g.full.untyped_storage().resize_(0)
+            if g.full.untyped_storage().resizable():
+                # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
+                g.full.untyped_storage().resize_(0)
+            else:   # shared with a NumPy array (.numpy() inside framework.gathered): the array keeps
+                g.full = None   # these bytes; the next gather takes a buffer of its own
         if unit is not self.persistent:
             self.live -= unit.numel
-
-    def _launch_order_check(self, record: list[tuple[str, int]]) -> None:
-        """Start comparing a backward pass's record across ranks: a tiny asynchronous all-reduce of its
-        hash (no host sync in autograd's callback). Otherwise ranks that used different units would
-        combine unrelated buffers or hang."""
-        h = zlib.crc32(repr(record).encode())
-        # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy
-        # from pageable memory, which blocks the host after every backward pass.
-        t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
-        t[1].fill_(-h)
-        work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check",
-                                    async_op=True)
-        self.order_checks.append((work, t, list(record)))
 
     def order_check(self) -> None:
         """Raise if ranks used units in different orders since the last call (collective; one host sync a step)."""
@@ -475,7 +455,14 @@ class Gatherer:
         unit.in_backward, unit.reduced = False, True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
-                self._reduce_in_place(g)
+                # Each gradient added into the partition directly, with no zeroed group buffer: the same sums
+                # element by element (rounded to the reduce dtype, added in the accumulation dtype).
+                self._complete_reductions()   # earlier groups' reductions first: on_reduced keeps its order
+                part = g.grad()
+                for p, slot in zip(g.params, g.layout.slots):
+                    part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
+                    p.grad = None
+                self.on_reduced(g, self.final)
                 continue
             buf = torch.zeros(g.layout.padded, dtype=self.reduce_dtype, device=self.dist.device)
             for p, slot in zip(g.params, g.layout.slots):
@@ -488,21 +475,10 @@ class Gatherer:
         if not self.cfg.overlap_comm or len(self.reductions) > self.max_reductions:
             self._complete_reductions()
 
-    def _reduce_in_place(self, g: UnitGroup) -> None:
-        """World size 1: each gradient is added into the partition directly, with no zeroed group buffer;
-        the same sums element by element (rounded to the reduce dtype, added in the accumulation dtype)."""
-        self._complete_reductions()   # earlier groups' reductions first: on_reduced keeps its order
-        part = g.grad()
-        for p, slot in zip(g.params, g.layout.slots):
-            part[slot.offset:slot.offset + slot.numel].add_(p.grad.reshape(-1).to(self.reduce_dtype))
-            p.grad = None
-        self.on_reduced(g, self.final)
-
     def _complete_reductions(self) -> None:
         for g, buf, works in self.reductions:
             self.dist.comm.wait(works, "zero3 gradient reduction")
-            lo, hi = g.layout.partition(self.dist.rank)
-            g.grad().add_(buf[lo:hi])
+            g.grad().add_(buf[slice(*g.layout.partition(self.dist.rank))])
             self.on_reduced(g, self.final)
         self.reductions = []
 
@@ -520,10 +496,9 @@ class Gatherer:
         started = self.gather_now(unit)
         for g in unit.groups:
             if g.full is g.shard:
-                # Gathered in place by the hooks (world size 1, a block entered inside the unit's forward):
-                # the block and the rest of that forward use a copy, as a gather buffer at any other world
-                # size, so that edits without modifier_rank are discarded when the unit is released, not
-                # written into the shard. The copy is made only here; the hooks' gathers stay copy-free.
+                # Gathered in place by the hooks (world size 1, a block entered inside the unit's forward): the
+                # block and the rest of that forward use a copy, as at any other world size, so that edits without
+                # modifier_rank are discarded at release, not written into the shard; the hooks' stay copy-free.
                 g.full = g.shard.clone()
                 self._point(g)
         unit.held += 1
@@ -541,9 +516,7 @@ class Gatherer:
         if held:
             # This pass's forward ran, its backward will not: not a trace to follow, nor units to keep for it.
             self.recording, self.driven = None, False
-            for u in self.units:
-                if u.state is not UnitState.SHARDED and not u.held and u.active == 0:
-                    self.release(u)
+            self._release_idle()
             raise TrainingError(f"zero3: train_step inside framework.gathered (which holds unit {held[0]!r}"
                                 f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): leave the with block "
                                 f"before training; a forward alone is fine inside it")
