@@ -379,9 +379,8 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """The hooks' gathers use the shard of an ``_in_place`` group; ``gather_now`` a buffer of its own
-        at every world size, so that edits inside framework.gathered without ``modifier_rank`` are
-        discarded at world size 1 too."""
+        """The hooks' gathers use an ``_in_place`` group's shard; ``gather_now``'s a buffer of its own at every
+        world size, so that edits inside framework.gathered without ``modifier_rank`` are discarded at world 1 too."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         for g in unit.groups:
             if in_place and self._in_place(g):
@@ -429,8 +428,8 @@ class Gatherer:
             if g.full.untyped_storage().resizable():
                 # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
                 g.full.untyped_storage().resize_(0)
-            else:   # shared with a NumPy array (.numpy() inside framework.gathered): the array keeps
-                g.full = None   # these bytes; the next gather takes a buffer of its own
+            else:   # shared with a NumPy array (.numpy() inside framework.gathered), which keeps these bytes
+                g.full = None   # the next gather takes a buffer of its own
         if unit is not self.persistent:
             self.live -= unit.numel
 
