@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -40,7 +41,6 @@ RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
 _SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after", "requires"}
 _REQUIRES = {"cuda"}   # what the full run needs of the machine (the quick twin runs anywhere)
-_PLOTS = {"deviation", "memory_scaling"}
 _BOUNDS = {"min", "max", "equals", "tol"}
 # Each kind of check (named by its first key) and every key it reads: a misspelled bound would
 # otherwise be ignored and the check pass whatever the numbers.
@@ -79,10 +79,8 @@ class Recipe:
 
 def validate_checks(want: dict) -> None:
     """Refuse a section of expected.json with an unknown key, check kind or check key, or a bound-less check."""
-    extra = set(want) - {"jobs", "checks"}
-    if extra:
-        k = sorted(extra)[0]
-        raise RecipeError(f"unknown key {k!r}{closest_hint(k, ['jobs', 'checks'])}; valid: checks, jobs")
+    if extra := sorted(set(want) - {"jobs", "checks"}):
+        raise RecipeError(f"unknown key {extra[0]!r}{closest_hint(extra[0], ['jobs', 'checks'])}; valid: checks, jobs")
     if not isinstance(want.get("checks", []), list):
         raise RecipeError("'checks' must be a list of checks")
     for c in want.get("checks", []):
@@ -90,11 +88,9 @@ def validate_checks(want: dict) -> None:
         if kind is None:
             raise RecipeError(f"unknown check {c}; use metric, curves_match, memory_scaling or file "
                               f"(recipes/README.md)")
-        extra = set(c) - _CHECK_KEYS[kind]
-        if extra:
-            k = sorted(extra)[0]
-            raise RecipeError(f"{kind} check {c}: unknown key {k!r}{closest_hint(k, _CHECK_KEYS[kind])}; "
-                              f"valid: {', '.join(sorted(_CHECK_KEYS[kind]))}")
+        if extra := sorted(set(c) - _CHECK_KEYS[kind]):
+            raise RecipeError(f"{kind} check {c}: unknown key {extra[0]!r}{closest_hint(extra[0], _CHECK_KEYS[kind])}"
+                              f"; valid: {', '.join(sorted(_CHECK_KEYS[kind]))}")
         if kind == "file" and "key" not in c:
             raise RecipeError(f"file check {c} has no 'key' (the value to read in the file)")
         if kind in ("metric", "file") and not set(c) & {"min", "max", "equals"}:
@@ -107,10 +103,8 @@ def validate_checks(want: dict) -> None:
 
 def find(name: str) -> Recipe:
     """A recipe by name (``recipes/<name>``) or by folder path."""
-    d = Path(name).expanduser()
-    if not (d / "recipe.yaml").is_file():
-        d = RECIPES_DIR / name
-    if not (d / "recipe.yaml").is_file():
+    d = next((d for d in (Path(name).expanduser(), RECIPES_DIR / name) if (d / "recipe.yaml").is_file()), None)
+    if d is None:
         raise RecipeError(f"no recipe '{name}'{closest_hint(name, available())}; available: {', '.join(available()) or 'none'} "
                           f"(or give a folder with recipe.yaml, config.yaml and expected.json)")
     for f in ("config.yaml", "expected.json"):
@@ -134,7 +128,7 @@ def find(name: str) -> Recipe:
         raise RecipeError(f"{d / 'recipe.yaml'}: 'runs' must be a list of override lists")
     refuse_unknown("key(s) under quick:", spec.get("quick"), {"overrides", "runs"})
     refuse_unknown("key(s) under prepare:", spec.get("prepare"), {"kind", "source"})
-    refuse_unknown("plot(s)", spec.get("plots"), _PLOTS)
+    refuse_unknown("plot(s)", spec.get("plots"), {"deviation", "memory_scaling"})
     if "requires" in spec and spec["requires"] not in _REQUIRES:
         raise RecipeError(f"{d / 'recipe.yaml'}: requires: {spec['requires']!r} is not one of "
                           f"{', '.join(sorted(_REQUIRES))} (what the full run needs; or drop the key)")
@@ -158,11 +152,9 @@ def _key(override: str) -> str:
 def merge_overrides(*groups: list[str]) -> list[str]:
     """Concatenate override lists; a later override of the same key replaces an earlier one
     (Hydra itself refuses two values for one key)."""
-    out: dict[str, str] = {}
-    for o in (o for group in groups for o in group):
-        out.pop(_key(o), None)
-        out[_key(o)] = o
-    return list(out.values())
+    flat = [o for group in groups for o in group]
+    last = {_key(o): i for i, o in enumerate(flat)}
+    return [o for i, o in enumerate(flat) if last[_key(o)] == i]
 
 
 def compose_jobs(recipe: Recipe, overrides: list[str]):
@@ -182,11 +174,10 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
         raise RecipeError(f"recipe {recipe.name} has no prepare step (its data needs none)")
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
-    paths = [o.split("=", 1)[1] for o in overrides if _key(o) == "data.path"]
-    source = paths[-1] if paths else spec.get("source")
     rest = [o for o in overrides if _key(o) != "data.path"]
     if rest:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
+    source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")
     from framework.data.text import prepare_chars
     from framework.data.tokens import meta_path
 
@@ -209,13 +200,39 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
         raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "
                           f"none here; run it on a machine with one, or its CPU twin with --quick")
-    _refuse_used(out)
+    # A second run into a folder holding a run's results would resume or overwrite its jobs (and
+    # count the leftovers of a larger one): refused, nothing deleted; ``check DIR`` re-checks it.
+    if out.is_dir() and (any(out.glob("run*-job*")) or (out / "checks.json").exists()):
+        raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
+                          f"pass a new folder with --out, or re-check it with `check {out}`")
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
+    _check_data(recipe, runs)
+    try:
+        files.make_dirs(out)
+    except OSError as e:   # e.g. --out names a file
+        raise RecipeError(f"cannot make the output folder {out} ({e.strerror}); pass a new folder with --out") from None
+    t0 = time.perf_counter()
+    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
+    jobs = [(f"run{i}", f"run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
+             [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir), "--config-name", "config",
+              *r, f"hydra.sweep.dir={out}", f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"])
+            for i, r in enumerate(runs)]
+    for log, say, cmd in [*_commands(recipe, "before", fill), *jobs, *_commands(recipe, "after", fill)]:
+        print(f"[recipe {recipe.name}] {say}", file=stream, flush=True)
+        _run_logged(cmd, out / f"{log}.log", stream)
+    return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
+
+
+def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
+    """Every job's data file is there and built from the reference text (its ``<stem>.meta.json``, written
+    by prepare, against expected.json's ``data``): one from another text would train for nothing, then fail."""
     from framework.data import resolve_path
+    from framework.data.tokens import read_meta
 
     hint = (f"`python -m framework.recipe {recipe.name} prepare data.path=FILE` "
             f"(see {recipe.dir / 'README.md'} for where to get FILE)")
+    want = recipe.expected.get("data") or {}
     for cfg in (cfg for r in runs for cfg in compose_jobs(recipe, r)):
         if getattr(cfg.data, "path", None) is None:
             continue
@@ -223,46 +240,14 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
             path = resolve_path(cfg.data.path, key="data.path")
         except DataError as e:
             raise DataError(f"{e}; build it with {hint}" if recipe.spec.get("prepare") else str(e)) from None
-        _refuse_other_data(recipe, path, hint)
-    try:
-        files.make_dirs(out)
-    except OSError as e:   # e.g. --out names a file
-        raise RecipeError(f"cannot make the output folder {out} ({e.strerror}); pass a new folder with --out") from None
-    t0 = time.perf_counter()
-    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
-    _commands(recipe, "before", fill, out, stream)
-    for i, r in enumerate(runs):
-        cmd = [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir),
-               "--config-name", "config", *r, f"hydra.sweep.dir={out}",
-               f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"]
-        print(f"[recipe {recipe.name}] run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
-              file=stream, flush=True)
-        _run_logged(cmd, out / f"run{i}.log", stream)
-    _commands(recipe, "after", fill, out, stream)
-    return finish(recipe, out, quick=quick, elapsed_s=time.perf_counter() - t0, stream=stream)
-
-
-def _refuse_used(out: Path) -> None:
-    """A second run into a folder holding a run's results would resume or overwrite its jobs (and
-    count the leftovers of a larger one): refused, nothing deleted; ``check DIR`` re-checks it."""
-    if out.is_dir() and (any(out.glob("run*-job*")) or (out / "checks.json").exists()):
-        raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
-                          f"pass a new folder with --out, or re-check it with `check {out}`")
-
-
-def _refuse_other_data(recipe: Recipe, path: Path, hint: str) -> None:
-    """A token file built from another text than the reference's would train for nothing and then
-    fail its checks: its ``<stem>.meta.json`` (written by prepare) against expected.json's ``data``."""
-    from framework.data.tokens import read_meta
-
-    want, (meta_file, meta) = recipe.expected.get("data") or {}, read_meta(path)
-    keys = ("source_sha256", "train_tokens", "val_tokens")
-    off = [k for k in keys if k in want and k in meta and meta[k] != want[k]]
-    if off:
-        said = ", ".join(f"{k} {meta[k]}" for k in off)
-        raise DataError(f"data.path {path} was built from {meta.get('source', 'another file')} ({said} in {meta_file}), "
-                        f"not the reference's ({', '.join(f'{k} {want[k]}' for k in off)}); build it from the "
-                        f"reference text with {hint}")
+        meta_file, meta = read_meta(path)
+        off = [k for k in ("source_sha256", "train_tokens", "val_tokens")
+               if k in want and meta.get(k, want[k]) != want[k]]
+        if off:
+            raise DataError(f"data.path {path} was built from {meta.get('source', 'another file')} "
+                            f"({', '.join(f'{k} {meta[k]}' for k in off)} in {meta_file}), not the reference's "
+                            f"({', '.join(f'{k} {want[k]}' for k in off)}); build it from the reference text "
+                            f"with {hint}")
 
 
 def _checked_section(out: Path, quick: bool | None) -> bool:
@@ -272,27 +257,21 @@ def _checked_section(out: Path, quick: bool | None) -> bool:
         ran = json.loads((out / "checks.json").read_text()).get("quick")
     except (OSError, ValueError, AttributeError):
         ran = None
-    if not isinstance(ran, bool):
-        return bool(quick)
-    if quick is not None and quick != ran:
+    if isinstance(ran, bool) and quick is not None and quick != ran:
         raise RecipeError(f"{out} holds a {'quick' if ran else 'full'} run (its checks.json); check it "
                           f"{'with' if ran else 'without'} --quick")
-    return ran
+    return ran if isinstance(ran, bool) else bool(quick)
 
 
 def _fill(arg, fill: dict) -> str:
-    # Plain replacement, not str.format: overrides may hold Hydra's ${...} interpolations.
-    arg = str(arg)
-    for k, v in fill.items():
-        arg = arg.replace("{" + k + "}", v)
-    return arg
+    # Not str.format: overrides may hold Hydra's ${...} interpolations, left as they are.
+    return re.sub(r"\{(\w+)\}", lambda m: fill.get(m[1], m[0]), str(arg))
 
 
-def _commands(recipe: Recipe, when: str, fill: dict, out: Path, stream) -> None:
-    for i, cmd in enumerate(recipe.spec.get(when) or []):
-        cmd = [a for a in (_fill(a, fill) for a in cmd) if a != ""]   # an empty {quick} drops out
-        print(f"[recipe {recipe.name}] {' '.join(cmd)}", file=stream, flush=True)
-        _run_logged(cmd, out / f"{when}{i}.log", stream)
+def _commands(recipe: Recipe, when: str, fill: dict) -> list[tuple[str, str, list[str]]]:
+    """recipe.yaml's commands ``before`` or ``after`` the jobs: (log name, what to print, command)."""
+    cmds = [[a for a in (_fill(a, fill) for a in cmd) if a != ""] for cmd in recipe.spec.get(when) or []]
+    return [(f"{when}{i}", " ".join(cmd), cmd) for i, cmd in enumerate(cmds)]   # (an empty {quick} dropped out)
 
 
 def _run_logged(cmd: list[str], log: Path, stream) -> None:
@@ -318,14 +297,13 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     want = recipe.checks(quick)
     results = evaluate(jobs, want, out)
     plots = [str(p) for p in res["plots"]]
-    for kind in recipe.spec.get("plots") or []:
-        if kind == "deviation":
-            ref = next((c for c in want.get("checks", []) if "curves_match" in c), None)
-            if ref is not None:
-                plots.append(str(report.plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
-                                                       out / "deviation.png")))
-        elif kind == "memory_scaling":
+    ref = next((c for c in want.get("checks", []) if "curves_match" in c), None)
+    for kind in recipe.spec.get("plots") or []:   # (find allows only these two)
+        if kind == "memory_scaling":
             plots.append(str(report.plot_memory_scaling(jobs, out / "memory_scaling.png")))
+        elif ref is not None:
+            plots.append(str(report.plot_deviation(jobs, ref["curves_match"], ref.get("reference", {}),
+                                                   out / "deviation.png")))
     verdict = {"recipe": recipe.name, "quick": quick, "out": str(out), "passed": all(r["passed"] for r in results),
                "checks": results, "elapsed_s": elapsed_s, "report": str(res["report"]), "plots": plots,
                "reference": recipe.expected.get("reference")}
@@ -355,8 +333,7 @@ def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
     kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory,
              "file": lambda _, c: _file(out, c)}
     for c in want.get("checks", []):
-        kind = next(k for k in kinds if k in c)
-        results.append(kinds[kind](done, c))
+        results.append(kinds[next(k for k in kinds if k in c)](done, c))
     return results
 
 
@@ -397,29 +374,25 @@ def _curves(jobs, c: dict) -> dict:
     ref = refs[0]
     rsteps, rvals = ref.curve(key)
     worst, failures = {}, []
-    for j in jobs:
-        if j is ref:
-            continue
+    for j in (j for j in jobs if j is not ref):
         steps, vals = j.curve(key)
+        rows = list(zip(steps, vals, rvals))
+        # NaN compares false with every tolerance: a non-finite value on either side is a failure.
+        bad = [(s, a, b) for s, a, b in rows if not (_finite(a) and _finite(b))]
         if steps != rsteps or not steps:
             failures.append(f"{j.label} logged {key} at steps {steps[:5]}... vs the reference's {rsteps[:5]}...")
-            continue
-        # NaN compares false with every tolerance: a non-finite value on either side is a failure.
-        bad = next(((s, a, b) for s, a, b in zip(steps, vals, rvals) if not _finite(a) or not _finite(b)), None)
-        if bad is not None:
-            s0, a0, b0 = bad
-            who = f"the reference ({ref.label})" if not _finite(b0) else j.label
-            failures.append(f"{who} logged {key} {a0 if who == j.label else b0} at step {s0} "
-                            f"({j.label}: {a0}, reference: {b0})")
-            continue
-        dev = [(abs(a - b), s, a, b) for s, a, b in zip(steps, vals, rvals)]
-        d, s, a, b = max(dev)
-        worst[j.label] = d
-        over = [(s, a, b) for (dd, s, a, b) in dev if dd > atol + rtol * abs(b)]
-        if over:
-            s0, a0, b0 = over[0]
-            failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
-                            f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
+        elif bad:
+            s0, a0, b0 = bad[0]
+            who, v = (j.label, a0) if _finite(b0) else (f"the reference ({ref.label})", b0)
+            failures.append(f"{who} logged {key} {v} at step {s0} ({j.label}: {a0}, reference: {b0})")
+        else:
+            d, s, a, b = max((abs(a - b), s, a, b) for s, a, b in rows)
+            worst[j.label] = d
+            over = [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]
+            if over:
+                s0, a0, b0 = over[0]
+                failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
+                                f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
     tol = f"atol {atol:g}" + (f" + rtol {rtol:g}" if rtol else "")
     head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
     tail = "; ".join(failures) if failures else f"largest |diff| {max(worst.values(), default=0.0):.2e}"

@@ -124,8 +124,7 @@ class Translation:
             if -2 ** 63 <= value < 2 ** 63:
                 return int(value)
             self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
-        elif (kind == "float" and number) or (kind == "bool" and isinstance(value, bool)) \
-                or (kind == "str" and isinstance(value, str)):
+        elif {"float": number, "bool": isinstance(value, bool), "str": isinstance(value, str)}.get(kind):
             return float(value) if kind == "float" else value
         else:
             self.error(f"{ds_key} must be {KINDS[kind]}, got {json.dumps(value)}")
@@ -213,7 +212,7 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         if k in z:
             z[long] = z.pop(k)
     zero_stage_keys(tr, z, STAGES[stage])
-    offload(tr, z.get("offload_optimizer"), z.get("offload_param"), z.get("sub_group_size"), aio, stage)
+    offload(tr, z, aio, stage)
     for key, off, what in ZERO_FEATURES:
         if key in z:
             tr.inert_or_error(z[key] == off or (off is None and switched_off(z[key], key)), Z + key,
@@ -261,7 +260,8 @@ def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
                 tr.set(f"_inert.{key}", value, Z + key, rule=rule)
 
 
-def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any, stage: int) -> None:
+def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
+    opt, param = z.get("offload_optimizer"), z.get("offload_param")
     o = tr.section(opt, Z + "offload_optimizer", OFFLOAD_OPTIMIZER_KEYS, strict=True) if opt is not None else {}
     q = tr.section(param, Z + "offload_param", OFFLOAD_PARAM_KEYS, strict=True) if param is not None else {}
     sections = []   # (its keys, its name, its device)
@@ -322,13 +322,9 @@ def offload(tr: Translation, opt: Any, param: Any, sub_group_size: Any, aio: Any
         for key, ours in (("buffer_count", "param_buffer_count"), ("buffer_size", "param_buffer_size"),
                           ("max_in_cpu", "max_in_cpu")):
             tr.put(q, key, "int", f"offload.{ours}", f"{Z}offload_param.", pd == "nvme", "device cpu: NVMe buffers")
-    if sub_group_size is not None:
-        v = tr.typed(sub_group_size, "int", Z + "sub_group_size")
-        if v is not None and od == "nvme":
-            tr.set("offload.sub_group_size", v, Z + "sub_group_size")
-        elif v is not None or target == "none":
-            tr.inert_key(Z + "sub_group_size", "tiles the NVMe optimizer step; " +
-                         ("no NVMe offload" if target == "none" else "the optimizer is not on nvme"))
+    if z.get("sub_group_size") is not None:
+        tr.put(z, "sub_group_size", "int", "offload.sub_group_size", Z, od == "nvme", "tiles the NVMe optimizer step; "
+               + ("no NVMe offload" if target == "none" else "the optimizer is not on nvme"))
     aio_keys(tr, aio, applies=target == "nvme")
 
 
@@ -382,10 +378,9 @@ def precision(tr: Translation, top: dict) -> None:
     if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
         tr.put(top, "communication_data_type", "str", "_comm_dtype", "")
     if "data_types" in top:
-        d = tr.section(top["data_types"], "data_types",
-                       ("grad_accum_dtype", "param_dtype", "buffer_dtype", "keep_in_fp32_modules"))
-        # checked against the run's precision (resolve)
-        for key in ("grad_accum_dtype", "param_dtype", "buffer_dtype"):
+        dtypes = ("grad_accum_dtype", "param_dtype", "buffer_dtype")   # checked against the run's precision (resolve)
+        d = tr.section(top["data_types"], "data_types", (*dtypes, "keep_in_fp32_modules"))
+        for key in dtypes:
             v = tr.typed(d[key], "str", f"data_types.{key}") if key in d else None
             if v is not None and v not in DTYPES:
                 tr.error(f"data_types.{key}={json.dumps(v)} is not a dtype DeepSpeed knows; give fp32, fp16 or "
