@@ -1,6 +1,7 @@
 """bench/gpu_check.sh --dry-run: the GPU check's code paths on the CPU checking accelerator, run as the
 GPU image would run them (no Hydra, OmegaConf or W&B importable), end to end: every check reports,
 none fails, one Markdown table and one JSON file come out."""
+import contextlib
 import json
 import os
 import subprocess
@@ -62,6 +63,10 @@ time.sleep(60)
 """
 
 
+# the fake check's limit: room for two Python start-ups on a loaded machine before it is cut short
+LIMIT_S = 6
+
+
 def _group_alive(pgid: int) -> list[str]:
     """Processes of group ``pgid`` that are not zombies, from /proc."""
     alive = []
@@ -87,7 +92,7 @@ def test_gpu_check_timeout_ends_the_check_and_all_it_started(tmp_path, monkeypat
     monkeypatch.setattr(gpu_check.sys, "executable", str(fake))   # the driver's command for the child
     monkeypatch.setattr(gpu_check, "GRACE_S", 1)   # the grandchild waits for SIGKILL anyway
     launched = time.time()
-    rows = gpu_check._run_child("equivalence", True, tmp_path, 2)
+    rows = gpu_check._run_child("equivalence", True, tmp_path, LIMIT_S)
     grandchild = int((tmp_path / "pids").read_text())
     pgid = None
     try:
@@ -97,16 +102,17 @@ def test_gpu_check_timeout_ends_the_check_and_all_it_started(tmp_path, monkeypat
     try:
         assert pgid is None or str(grandchild) not in _group_alive(pgid), "the check's grandchild is still running"
         assert pgid is None or pgid == os.getpgrp() or not _group_alive(pgid), _group_alive(pgid)
-    finally:
-        if pgid is not None and pgid != os.getpgrp():   # the old driver's leftovers: not into later tests
-            os.killpg(pgid, 9)
-        elif pgid is not None:
-            os.kill(grandchild, 9)
+    finally:   # a killed grandchild may be reaped between the checks and here
+        with contextlib.suppress(ProcessLookupError):
+            if pgid is not None and pgid != os.getpgrp():   # the old driver's leftovers: not into later tests
+                os.killpg(pgid, 9)
+            elif pgid is not None:
+                os.kill(grandchild, 9)
     assert [r["item"] for r in rows] == ["zero2 fp32, world 1 (nccl, cuda)", "check"], rows
-    assert rows[0]["ok"] and rows[1]["ok"] is False and rows[1]["value"] == "timed out after 2 s"
+    assert rows[0]["ok"] and rows[1]["ok"] is False and rows[1]["value"] == f"timed out after {LIMIT_S} s"
     assert rows[1]["note"] == "fake: comparing zero3 next", rows
     # the child's deadline is the driver's clock from before the launch, not its own after start-up
-    assert launched + 2 <= float((tmp_path / "deadline").read_text()) <= time.time() + 2
+    assert launched + LIMIT_S <= float((tmp_path / "deadline").read_text()) <= time.time() + LIMIT_S
 
 
 def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_path):

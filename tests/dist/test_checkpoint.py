@@ -334,15 +334,22 @@ def test_a_failure_after_the_commit_rename_is_a_warning_and_export_takes_the_new
                                                                                          monkeypatch):
     """Renamed, step-N is committed (resume=auto uses it): a full disk writing ``latest`` then is a warning, not
     a failed save, and an export of the folder takes step-N, not the step ``latest`` still names."""
+    from framework.persist import stepfolders
     from framework.persist.export import resolve
 
     def full(point, rank):
         if point == f"save-{N}:before-latest":
             raise OSError(28, "No space left on device")
+    def busy(*args):
+        raise OSError(16, "Device or resource busy")
     monkeypatch.setitem(globals(), "fault", full)
+    monkeypatch.setattr(stepfolders, "prune", busy)   # a failed rotation after it keeps the first warning
     _train(_local(), [], str(tmp_path), steps=N)
+    err = capsys.readouterr().err
     assert f"warning: checkpoint: {tmp_path / f'step-{N}'} committed; {tmp_path / 'latest'} not updated (No space " \
-           "left on device)" in capsys.readouterr().err
+           "left on device)" in err
+    line = next(x for x in err.splitlines() if f"step-{N} committed" in x)
+    assert line.endswith("; deleting the older checkpoints failed (Device or resource busy)"), line
     assert (tmp_path / "latest").read_text() == f"step-{K}"
     assert resolve(tmp_path) == tmp_path / f"step-{N}"
     assert f"warning: export: {tmp_path} holds step-{N}, its newest committed checkpoint, but its latest names " \
