@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
-from framework.persist.checkpoint import preflight
+from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
                                        env_int, local_world_size, resolve_backend)
@@ -68,8 +68,10 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             # "latest" once; every rank stops with its error, or trains the config it resolved.
             mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
                          "the checkpoint pre-flight")
-            return train(dist.all_gather_object(mine, what="the checkpoint pre-flight")[0], run, dist, on_point,
-                         on_ready if dist.is_main else None)
+            cfg = dist.all_gather_object(mine, what="the checkpoint pre-flight")[0]
+            if cfg.checkpoint.every:   # ranks on other nodes may see another folder at the same path
+                shared(dist, checkpoint_root(cfg, run.run_dir, run.job))
+            return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
         # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
         # once so that every rank loads the same folder.
         cfg = own_and_preflight(cfg, run)

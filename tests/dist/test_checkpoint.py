@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -354,6 +355,54 @@ def test_a_failure_after_the_commit_rename_is_a_warning_and_export_takes_the_new
     assert resolve(tmp_path) == tmp_path / f"step-{N}"
     assert f"warning: export: {tmp_path} holds step-{N}, its newest committed checkpoint, but its latest names " \
            f"step-{K}; exporting step-{N}" in capsys.readouterr().err
+
+
+def _apart(dist, root):
+    """The pre-training check on the folder every rank shares, then on one folder per rank (as a node-local /tmp
+    on each of two nodes), then a save into one folder per rank: every rank's errors."""
+    from framework.persist.checkpoint import shared
+    shared(dist, Path(root))   # one folder: passes, and leaves nothing there
+    out = [sorted(p.name for p in Path(root).iterdir() if not p.name.startswith("node-"))]
+    mine = Path(root) / f"node-{dist.rank}"
+    mine.mkdir()
+    for check in (lambda: shared(dist, mine), lambda: _train(dist, [], str(mine), steps=K)):
+        try:
+            check()
+            out.append(None)
+        except (ConfigError, CheckpointError) as e:
+            out.append((type(e).__name__, str(e)))
+    return out
+
+
+def test_a_checkpoint_dir_not_every_rank_sees_is_refused_before_training_and_never_committed(pools, tmp_path):
+    """A checkpoint.dir that is another folder on each node: refused on every rank before training (rank 0 writes a
+    file there that rank 1 does not see), and a save into it (a library loop, or a folder that changed since) is
+    refused at the commit, rank 0's folder lacking the files rank 1 wrote, instead of committed as verified."""
+    for rank, (listing, check, save) in enumerate(pools(2).run(_apart, str(tmp_path), timeout=240)):
+        assert listing == [] and check == ("ConfigError", f"checkpoint.dir {tmp_path / f'node-{rank}'} is not one "
+                                           f"folder every rank sees (rank 1 on host {os.uname().nodename} does not "
+                                           f"see the files rank 0 on host {os.uname().nodename} writes there): put it "
+                                           "on a shared file system")
+        tmp = tmp_path / "node-0" / f"step-{K}.tmp"
+        assert save[0] == "CheckpointError" and save[1].startswith(
+            f"checkpoint: saving step-{K} failed (commit): rank 0: {tmp} is not the folder every rank wrote (rank 0 "
+            "does not see 'rng-1.json'")
+        assert save[1].endswith("checkpoint.dir must be one folder every rank sees; put it on a shared file system; "
+                                "the previous checkpoints are kept")
+    assert not list((tmp_path / "node-0").iterdir())   # nothing committed, the unfinished folder removed
+
+
+def test_a_listed_file_gone_before_the_commit_is_no_verified_checkpoint(tmp_path, monkeypatch):
+    """A file the ranks wrote and hashed that the folder being committed no longer holds: the save is refused,
+    nothing committed, the previous checkpoint kept."""
+    def gone(point, rank):
+        if point == f"save-{N}:before-manifest":
+            (tmp_path / f"step-{N}.tmp" / "rng-0.json").unlink()
+    monkeypatch.setitem(globals(), "fault", gone)
+    with pytest.raises(CheckpointError, match=fr"saving step-{N} failed \(commit\): rank 0: .*step-{N}.tmp is not the "
+                                              r"folder every rank wrote \(rank 0 does not see 'rng-0.json' there"):
+        _train(_local(), [], str(tmp_path), steps=N)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", f"step-{K}"]
 
 
 def test_every_checkpoint_damaged_keeps_them_and_names_the_way_out(tmp_path):

@@ -18,6 +18,8 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+import secrets
+import socket
 import sys
 from pathlib import Path
 from typing import Callable
@@ -31,7 +33,7 @@ from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import changed, load, same_run, verify
 from framework.persist.checkpoint._save import save
 
-__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "verify"]
+__all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
 
 
 # A refused load may have read part of a checkpoint into the state's tensors (DCP reads in place).
@@ -211,6 +213,45 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         return cfg
     same_run(folder, saved, cfg.to_dict(), c.resume, body.get("model_config"))   # (the model's own: at the load)
     return cfg
+
+
+def shared(dist, root: Path) -> None:
+    """Before training, with more than one rank (collective on ``dist``): a ConfigError on every rank unless every
+    rank sees ``root`` as the folder rank 0 sees. A node-local folder (/tmp, or a path that is another disk on each
+    node) would have each node's ranks write their shards into their own copy of a step folder: saves reported
+    done that no resume can read. Rank 0 writes a file of a random name and content there (created new, removed
+    after: one small file's round trip), every rank reads it back."""
+    if dist.world == 1:
+        return
+    token, problem, wrote = secrets.token_hex(16), None, False
+    probe = root / f".shared-{token}"
+    if dist.rank == 0:
+        try:
+            files.write_new(probe, token.encode())
+            wrote = True
+        except OSError as e:
+            problem = f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to a writable " \
+                      "folder every rank sees, or checkpoint.every=0 to save nothing"
+    try:
+        token, problem = dist.all_gather_object((token, problem), what="the checkpoint folder check")[0]
+        if problem:
+            raise ConfigError(problem)
+        probe = root / f".shared-{token}"
+        try:   # (a random name: no file system has a cached answer for it)
+            seen = probe.read_bytes() == token.encode()
+        except OSError:
+            seen = False
+        views = dist.all_gather_object((seen, socket.gethostname()), what="the checkpoint folder check")
+    finally:
+        if wrote:
+            probe.unlink(missing_ok=True)
+    blind = [(r, host) for r, (seen, host) in enumerate(views) if not seen]
+    if blind:
+        r, host = blind[0]
+        more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
+        raise ConfigError(f"checkpoint.dir {root} is not one folder every rank sees (rank {r} on host {host} does not "
+                          f"see the files rank 0 on host {views[0][1]} writes there{more}): put it on a shared file "
+                          "system")
 
 
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:

@@ -271,6 +271,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
             return []
         entries = {k: v for part in parts for k, v in part.items()}
         point("before-manifest")
+        unseen(tmp, entries, group.world)
         stepfolders.write_manifest(tmp, entries, step=step, world=group.world, stage=meta["stage"],
                                    config_hash=meta["config_hash"], verified=True, seq=stepfolders.next_seq(root))
         late = stepfolders.commit(tmp, final, point)
@@ -286,3 +287,19 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
               + (f"; deleted {', '.join(p.name for p in gone)}" if gone else "") + ")", flush=True)
 
     agree_save(group, "commit", commit, tmp, need=need)
+
+
+def unseen(tmp: Path, entries: dict[str, dict], world: int) -> None:
+    """Before rank 0 writes ``tmp``'s manifest (``verified``): a CheckpointError unless ``tmp`` as rank 0 sees it
+    holds every file the ranks hashed (``entries``) and every rank's ``rng-<rank>.json``, and no file a save writes
+    that they left out. Each rank hashes its share of its own listing of ``tmp``: where ``checkpoint.dir`` is another
+    folder on another node (a node-local /tmp), each node's shards land in its own copy, and the manifest would
+    vouch for files the folder renamed here does not hold."""
+    names = set(stepfolders.files_of(tmp))
+    missing = sorted({*entries, *(f"rng-{r}.json" for r in range(world))} - names)
+    extra = sorted(n for n in names - set(entries) if stepfolders.a_save_writes(n))
+    if missing or extra:
+        what = "; ".join(([f"rank 0 does not see {few(missing)} there, which the ranks wrote"] if missing else [])
+                         + ([f"it holds {few(extra)}, which no rank hashed"] if extra else []))
+        raise CheckpointError(f"{tmp} is not the folder every rank wrote ({what}): checkpoint.dir must be one "
+                              "folder every rank sees; put it on a shared file system")
