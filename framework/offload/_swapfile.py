@@ -102,9 +102,8 @@ class Extent:
 
 
 class _Held:
-    """What a swap file holds outside Python: its descriptors, and its paths while they name this
-    run's files. Apart from the ``SwapFile``, so that its finalizer (which must not refer to it) can
-    let them go."""
+    """A swap file's descriptors, and its paths while they name this run's files: apart from the
+    ``SwapFile``, so that its finalizer (which must not refer to it) can let them go."""
 
     def __init__(self, path: Path, fd: int):
         self.path = path
@@ -170,14 +169,19 @@ class SwapFile:
             fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
             try:
                 os.fchmod(fd, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                except BlockingIOError:
-                    locked = False
-                if _names(path, fd):
+                locked = _lock(fd)
+                if _names(path, os.fstat(fd)):
                     if not locked:
                         raise _in_use(path)
+                    try:
+                        if size:
+                            syscalls.fallocate(fd, 0, size)
+                    except OSError as e:
+                        raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
+                                          f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
+                                          "or point offload.nvme_path at a larger disk",
+                                          path=str(path), offset=0, what="all extents", errno=e.errno) from e
+                    f = cls(path, table, size, meta, fd, syscalls)
                     break
             except BaseException:
                 if made:   # never delete what another run (or a crashed one) left
@@ -188,21 +192,6 @@ class SwapFile:
         else:
             raise ConfigError(f"swap file {path} keeps being removed by another process while it is created; "
                               "give each run its own offload.nvme_path")
-        try:
-            try:
-                if size:
-                    syscalls.fallocate(fd, 0, size)
-            except OSError as e:
-                raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
-                                  f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
-                                  "or point offload.nvme_path at a larger disk",
-                                  path=str(path), offset=0, what="all extents", errno=e.errno) from e
-            f = cls(path, table, size, meta, fd, syscalls)
-        except BaseException:
-            if made:   # never delete what another run (or a crashed one) left
-                _unlink_if(path, os.fstat(fd))
-            os.close(fd)
-            raise
         try:
             f.write_manifest()
         except BaseException:
@@ -274,10 +263,8 @@ class SwapFile:
     def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
         """The checksum of ``kind`` recorded for exactly this piece (None: not written as one piece)."""
         with self._lock:
-            for o, n, value in self._sums.get(kind, {}).get(offset // kind[0], ()):
-                if o == offset and n == nbytes:
-                    return value
-            return None
+            pieces = self._sums.get(kind, {}).get(offset // kind[0], ())
+            return next((value for o, n, value in pieces if (o, n) == (offset, nbytes)), None)
 
     def checksums(self, name: str) -> list[tuple[int, int, int, str]]:
         """The (offset, bytes, checksum, checksum name) pieces recorded inside extent ``name``, in file order."""
@@ -297,8 +284,7 @@ class SwapFile:
         self._held.manifest = os.lstat(manifest)
 
     def remove(self) -> None:
-        """Close the file and delete it and its manifest (idempotent), each only while its path still
-        names this run's: deleted under a live run, the path may hold another run's file by now."""
+        """Close the file and delete it and its manifest (idempotent; ``_Held.release``)."""
         with self._lock:
             self.removal()   # (once: later calls, and the finalizer, do nothing)
 
@@ -390,9 +376,7 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
         except OSError:   # a link, gone meanwhile, not ours to open
             continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _lock(fd):
                 continue   # held: its process is alive
             st = os.fstat(fd)
             path.unlink(missing_ok=True)
@@ -412,23 +396,27 @@ def _manifest_path(path: Path) -> Path:
 
 
 def _unlink_if(path: Path, mine: os.stat_result | None) -> None:
-    """Delete ``path`` if it is still the file ``mine`` describes (same device and inode)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+    """Delete ``path`` if it is still the file ``mine`` describes."""
+    if _names(path, mine):
         path.unlink(missing_ok=True)
 
 
-def _names(path: Path, fd: int) -> bool:
-    """Whether ``path`` (not followed) names the file open at ``fd``."""
+def _names(path: Path, mine: os.stat_result | None) -> bool:
+    """Whether ``path`` (not followed) names the file ``mine`` describes (same device and inode)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+    return mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _lock(fd: int) -> bool:
+    """Take ``fd``'s exclusive ``flock``; False: a live process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _in_use(path: Path) -> ConfigError:
@@ -442,9 +430,8 @@ def _refuse_if_held(path: Path) -> None:
     except OSError:   # a link, gone meanwhile, unreadable: the checks that follow say so
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(path) from None
+        if not _lock(fd):
+            raise _in_use(path)
     finally:
         os.close(fd)
 
