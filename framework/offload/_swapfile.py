@@ -169,7 +169,7 @@ class SwapFile:
             fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
             try:
                 os.fchmod(fd, 0o600)
-                locked = _lock(fd)
+                locked = _flock(fd)
                 if _names(path, os.fstat(fd)):
                     if not locked:
                         raise _in_use(path)
@@ -205,10 +205,7 @@ class SwapFile:
 
     def name_at(self, offset: int) -> str | None:
         """The extent holding byte ``offset`` (None: padding or past the end)."""
-        for name, e in self.extents.items():
-            if e.offset <= offset < e.offset + e.nbytes:
-                return name
-        return None
+        return next((name for name, e in self.extents.items() if e.offset <= offset < e.offset + e.nbytes), None)
 
     def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
         """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
@@ -376,7 +373,7 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
         except OSError:   # a link, gone meanwhile, not ours to open
             continue
         try:
-            if not _lock(fd):
+            if not _flock(fd):
                 continue   # held: its process is alive
             st = os.fstat(fd)
             path.unlink(missing_ok=True)
@@ -410,7 +407,7 @@ def _names(path: Path, mine: os.stat_result | None) -> bool:
     return mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
-def _lock(fd: int) -> bool:
+def _flock(fd: int) -> bool:
     """Take ``fd``'s exclusive ``flock``; False: a live process holds it."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -430,7 +427,7 @@ def _refuse_if_held(path: Path) -> None:
     except OSError:   # a link, gone meanwhile, unreadable: the checks that follow say so
         return
     try:
-        if not _lock(fd):
+        if not _flock(fd):
             raise _in_use(path)
     finally:
         os.close(fd)
