@@ -1,113 +1,39 @@
-"""offload=nvme's placements: the swap folder, the pre-flight agreed by every rank, opening swap
-files, agreeing on swap IO errors across ranks, and removing the files. ``NVMePlacement`` alone is
-``optimizer: cpu`` (host pieces); ``DiskPlacement`` keeps optimizer tiles (and, every piece on the host,
-zero3's owned gradients) in a swap file, resident in a ``DiskStore``'s pinned pool as zero3's shards are.
+"""offload=nvme's placements: the swap folder (``_swapfolder``), opening swap files, agreeing on swap
+IO errors across ranks, and removing the files. ``NVMePlacement`` alone is ``optimizer: cpu`` (host
+pieces); ``DiskPlacement`` keeps optimizer tiles (and, every piece on the host, zero3's owned gradients)
+in a swap file, resident in a ``DiskStore``'s pinned pool as zero3's shards are.
 """
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import sys
 import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from pathlib import Path
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError, say
 from framework.core.footprint import Footprint
-from framework.core.room import Claim, available_ram, shortfalls
+from framework.core.room import available_ram
 from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._store import Tier, recorded
-from framework.offload._swapfile import memory_fs, preflight, remove_stale, reserved_bytes, swap_path
+from framework.offload._swapfile import remove_stale, swap_path
+from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
-
-
-def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
-    """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
-    rank = dist.rank if dist is not None else 0
-    return agree_room(dist, folder, lambda: sum(
-        max(0, reserved_bytes(s.extents()) - _allocated(swap_path(folder, rank, k)))
-        for k, s in stores.items() if s is not None), check)
-
-
-def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
-    """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
-    system: every rank raises the same one-line ConfigError, so none dies alone while the others wait.
-    True: a rank sharing the file system found ``folder`` missing (the last to close removes it once empty)."""
-    rank = dist.rank if dist is not None else 0
-    claim = mine = None
-    try:
-        claim = Claim.of(folder, need(), rank)
-        check()
-    except (FrameworkError, OSError) as e:
-        mine = e
-    error = None if mine is None else f"rank {rank}: {mine}"
-    everyone = [(claim, error)] if dist is None or dist.world == 1 else \
-        dist.all_gather_object((claim, error), what="nvme pre-flight")
-    shorts = shortfalls([c for c, _ in everyone if c is not None])
-    if shorts:
-        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
-                          "offload.nvme_path at a larger disk (each rank of a host needs its own files there)")
-    if mine is not None:
-        raise mine
-    errors = [e for _, e in everyone if e]
-    if errors:
-        raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
-    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
-
-
-def _allocated(path) -> int:
-    """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
-    try:
-        return os.lstat(path).st_blocks * 512
-    except (FileNotFoundError, NotADirectoryError):   # none yet, or a folder that is not one: check() says so
-        return 0
-
-
-def _temp_root() -> str:
-    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (kept on disk by
-    convention) when the temporary folder is in memory (a tmpfs /tmp) and /var/tmp is not."""
-    tmp = tempfile.gettempdir()
-    if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
-        return "/var/tmp"
-    return tmp
-
-
-class _Made:
-    """What a placement made on disk: its private temporary folder, the swap folder pre-flight made (removed
-    once empty), its swap files' removals (run first). Apart, so the placement's finalizer may remove them."""
-
-    def __init__(self):
-        self.tmpdir: str | None = None
-        self.folder: str | None = None   # the swap folder, when a rank of this run made it
-        self.files: list[weakref.finalize] = []
-
-    def remove(self) -> None:
-        for removal in self.files:   # (each runs once: one already run does nothing)
-            removal()
-        if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self.folder is not None:
-            with suppress(OSError):
-                Path(self.folder).rmdir()   # only if empty: never what another run keeps there
-        self.tmpdir = self.folder = None
-        self.files.clear()
 
 
 class NVMePlacement(HostPlacement):
@@ -118,7 +44,7 @@ class NVMePlacement(HostPlacement):
     def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
-        self._made = _Made()
+        self._made = MadeOnDisk()
         # Runs once: at ``close``, or when this placement is collected unclosed, or at interpreter exit
         # (an engine never closed, a script ended by an uncaught error): nothing it made is left behind.
         self._remove_made = weakref.finalize(self, self._made.remove)
@@ -169,7 +95,7 @@ class NVMePlacement(HostPlacement):
         # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
         pools = spec.buffer_count * min(spec.sub_group_size, numel) * fp32 \
             + min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        if agree_room(self.dist, spec.nvme_path or _temp_root(), need,
+        if agree_room(self.dist, spec.nvme_path or temp_root(), need,
                       partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
             self._made.folder = spec.nvme_path
 
@@ -184,7 +110,7 @@ class NVMePlacement(HostPlacement):
         if self.spec.nvme_path is not None:
             return self.spec.nvme_path
         if self._made.tmpdir is None:   # library use without a run directory: a private folder
-            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
+            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=temp_root())
             say(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
                 "close or exit)", sys.stdout)
         return self._made.tmpdir

@@ -11,14 +11,12 @@ contents are not trusted: the IO engine's checksums, kept in memory, start empty
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
 import math
 import mmap
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -30,35 +28,11 @@ from typing import Mapping
 import torch
 
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import make_dirs, probe_writable, refuse_links, write_atomic
-from framework.core.room import free_bytes
-from framework.core.units import size as _size
+from framework.core.files import refuse_links, write_atomic
 from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
-
-
-# statfs(2) f_type of the file systems that keep their files in host memory (<linux/magic.h>)
-MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
-
-
-def memory_fs(path: str | os.PathLike) -> str | None:
-    """The type of the file system holding ``path`` (or its nearest existing parent) when it keeps its
-    files in host memory (tmpfs, ramfs: /dev/shm, often /tmp); None otherwise or where unknown.
-    (``os.statvfs`` does not say the type.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    buf = ctypes.create_string_buffer(512)   # struct statfs (120 bytes on 64-bit Linux); f_type comes first
-    try:
-        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(p), buf) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFF_FFFF)
 
 
 def padded(nbytes: int) -> int:
@@ -448,43 +422,3 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
     if old.get("extents") != meta["extents"]:
         raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
                           f"refusing to reuse it: {fix}")
-
-
-def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
-              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
-              size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
-              create: bool = False) -> None:
-    """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
-    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
-    path = Path(path)
-    where = f"offload.nvme_path={path}"
-    if not path.exists():
-        if not create:
-            raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
-        try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
-            make_dirs(path)   # 0700, parents too
-        except OSError as e:
-            raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
-                              "writable folder") from None
-    if not path.is_dir():
-        raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")
-    try:
-        probe_writable(path)
-    except OSError as e:
-        raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
-                          "offload.nvme_path to a writable folder") from None
-    free = free_bytes(path)
-    if free < total_bytes:
-        raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
-                          f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
-    problems = []
-    if buffer_bytes < largest_tile_bytes:
-        need = -(-largest_tile_bytes // itemsize)
-        problems.append(f"{size_key}={buffer_bytes // itemsize} is smaller than the largest tile "
-                        f"({need} elements): set {size_key} >= {need}")
-    if buffer_count < min_buffer_count:
-        problems.append(f"{count_key}={buffer_count} is too few: set {count_key} >= {min_buffer_count}")
-    if problems:
-        raise ConfigError("offload buffers too small: " + "; ".join(problems))
-
