@@ -44,23 +44,22 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     1.3 -> 2.1 GB/s here); pages are committed when first written."""
     nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
-    if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
-        raw, shift = _mapped(max(nbytes, 1), pin, align=align), 0
-    else:   # (what the extra ``align`` bytes span is never touched, so never committed)
-        raw = host_arena(nbytes + align, pin=pin, acc=acc)
-        shift = (-raw.data_ptr()) % align   # (host allocations are 64-byte aligned: whole elements)
+    raw = host_arena(nbytes, pin=pin, acc=acc, align=align)
     if align == HUGE:
-        _advise_huge(raw.data_ptr() + shift, nbytes)
-    return raw[shift:shift + nbytes].view(dtype)
+        _advise_huge(raw.data_ptr(), nbytes)
+    return raw[:nbytes].view(dtype)
 
 
-def host_arena(nbytes: int, *, pin: bool, acc) -> torch.Tensor:
-    """``nbytes`` of host memory (uint8) as one allocation. On CUDA an anonymous mmap, registered
-    with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator would round it up to a power of
-    two and keep it); on the CPU accelerators ``acc.empty_host``, so the checking one knows it."""
-    if acc.device.type == "cuda":
-        return _mapped(max(int(nbytes), 1), pin)
-    return acc.empty_host(max(int(nbytes), 1), torch.uint8, pinned=pin)
+def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
+    """``nbytes`` of host memory (uint8) as one allocation, starting on an ``align`` boundary if given. On
+    CUDA an anonymous mmap, registered with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
+    would round it up to a power of two and keep it); on the CPU accelerators ``acc.empty_host``, so the
+    checking one knows it."""
+    if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
+        return _mapped(max(int(nbytes), 1), pin, align=align or mmap.PAGESIZE)
+    # (what the extra ``align`` bytes span is never touched, so never committed)
+    raw = acc.empty_host(max(int(nbytes) + align, 1), torch.uint8, pinned=pin)
+    return raw[(-raw.data_ptr()) % align:] if align else raw   # (host allocations are 64-byte aligned: whole elements)
 
 
 def _advise_huge(address: int, nbytes: int) -> None:

@@ -1,114 +1,39 @@
-"""offload=nvme's placements: the swap folder, the pre-flight agreed by every rank, opening swap
-files, agreeing on swap IO errors across ranks, and removing the files. ``NVMePlacement`` alone is
-``optimizer: cpu`` (host pieces); ``DiskPlacement`` keeps optimizer tiles in a swap file, made
-resident in a pool of pinned host buffers by a ``DiskStore`` (as ``_diskshards`` does zero3's shards),
-and with them zero3's owned gradients when every piece is on the host (``DiskPlacement.swap_grads``).
+"""offload=nvme's placements: the swap folder (``_swapfolder``), opening swap files, agreeing on swap
+IO errors across ranks, and removing the files. ``NVMePlacement`` alone is ``optimizer: cpu`` (host
+pieces); ``DiskPlacement`` keeps optimizer tiles (and, every piece on the host, zero3's owned gradients)
+in a swap file, resident in a ``DiskStore``'s pinned pool as zero3's shards are.
 """
 from __future__ import annotations
 
 import ctypes
-import os
-import shutil
 import sys
 import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
-from pathlib import Path
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
 from framework.comm.accelerator import Accelerator
 from framework.core.errors import ConfigError, FrameworkError, SwapIOError, say
 from framework.core.footprint import Footprint
-from framework.core.room import Claim, available_ram, shortfalls
+from framework.core.room import available_ram
 from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._store import Tier, recorded
-from framework.offload._swapfile import memory_fs, preflight, remove_stale, reserved_bytes, swap_path
+from framework.offload._swapfile import remove_stale, swap_path
+from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
 
 if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
     from framework.offload.nvme import NVMeOffloadConfig
-
-
-def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
-    """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
-    rank = dist.rank if dist is not None else 0
-    return agree_room(dist, folder, lambda: sum(max(0, reserved_bytes(store.extents()) - _allocated(swap_path(folder, rank, kind)))
-                                         for kind, store in stores.items() if store is not None), check)
-
-
-def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
-    """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
-    system: every rank raises the same one-line ConfigError, so none dies alone while the others wait.
-    True: a rank sharing the file system found ``folder`` missing (the last to close removes it once empty)."""
-    rank = dist.rank if dist is not None else 0
-    error, claim = None, None
-    try:
-        claim = Claim.of(folder, need(), rank)
-        check()
-    except (FrameworkError, OSError) as e:
-        error = f"rank {rank}: {e}"
-        mine = e
-    everyone = [(claim, error)] if dist is None or dist.world == 1 else \
-        dist.all_gather_object((claim, error), what="nvme pre-flight")
-    shorts = shortfalls([c for c, _ in everyone if c is not None])
-    if shorts:
-        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
-                          "offload.nvme_path at a larger disk (each rank of a host needs its own files there)")
-    if error is not None:
-        raise mine
-    errors = [e for _, e in everyone if e]
-    if errors:
-        raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
-    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
-
-
-def _allocated(path) -> int:
-    """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
-    try:
-        return os.lstat(path).st_blocks * 512
-    except (FileNotFoundError, NotADirectoryError):   # none yet, or a folder that is not one: check() says so
-        return 0
-
-
-def _temp_root() -> str:
-    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (kept on disk by
-    convention) when the temporary folder is in memory (a tmpfs /tmp) and /var/tmp is not."""
-    tmp = tempfile.gettempdir()
-    if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
-        return "/var/tmp"
-    return tmp
-
-
-class _Made:
-    """What a placement made on disk: its private temporary folder (removed with what is in it), the
-    swap folder pre-flight made (removed once empty) and the removals of its swap files (run first).
-    Apart from the placement, so that its finalizer (which must not refer to it) can remove them."""
-
-    def __init__(self):
-        self.tmpdir: str | None = None
-        self.folder: str | None = None   # the swap folder, when a rank of this run made it
-        self.files: list[weakref.finalize] = []
-
-    def remove(self) -> None:
-        for removal in self.files:   # (each runs once: one already run does nothing)
-            removal()
-        if self.tmpdir is not None:
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self.folder is not None:
-            with suppress(OSError):
-                Path(self.folder).rmdir()   # only if empty: never what another run keeps there
-        self.tmpdir = self.folder = None
-        self.files.clear()
 
 
 class NVMePlacement(HostPlacement):
@@ -119,7 +44,7 @@ class NVMePlacement(HostPlacement):
     def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
         self._cleaned = False             # stale swap files looked for (``clean_stale``)
-        self._made = _Made()
+        self._made = MadeOnDisk()
         # Runs once: at ``close``, or when this placement is collected unclosed, or at interpreter exit
         # (an engine never closed, a script ended by an uncaught error): nothing it made is left behind.
         self._remove_made = weakref.finalize(self, self._made.remove)
@@ -143,8 +68,7 @@ class NVMePlacement(HostPlacement):
             self.close()   # no swap file outlives a failed start
             raise
 
-    def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        return tx.init(list(params))
+    _init_state = HostPlacement.init_opt_state   # (``DiskPlacement`` swaps its tiles' state out)
 
     def clean_stale(self) -> None:
         """Before the pre-flight counts free space: remove swap files that dead processes left."""
@@ -157,25 +81,21 @@ class NVMePlacement(HostPlacement):
                 f"freeing {freed / GiB:.2f} GiB ({freed} bytes)", sys.stdout)
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
-        """One line if the disk cannot hold even the least every optimizer needs (summed over the ranks
-        sharing it, as ``agree_swap_room`` does), or host memory the pools, on every rank (hosts differ:
-        none may go on into a collective that a refused one never joins); the exact checks follow at
-        ``init_opt_state``."""
+        """One line on every rank if a disk (its ranks summed) cannot hold the least any optimizer needs, or
+        a host the pools (none may go on into a collective a refused one never joins); exact at init."""
         if not numel:
             return
-        spec, size = self.spec, param_dtype.itemsize
-        params = spec.params == "nvme"
+        spec = self.spec
+        size = param_dtype.itemsize if spec.params == "nvme" else 0   # a swapped parameter's bytes
         fp32 = (4 if spec.optimizer == "nvme" else 0) + (4 if self.grad_swap else 0)   # swapped bytes per element
 
         def need() -> int:   # once dead runs' files are gone: their room is free
             self.clean_stale()
-            return numel * (fp32 + (2 * size if params else 0))
-        tile = min(spec.sub_group_size, numel)
+            return numel * (fp32 + 2 * size)
         # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
-        pools = spec.buffer_count * tile * fp32
-        if params:
-            pools += min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        if agree_room(self.dist, spec.nvme_path or _temp_root(), need,
+        pools = spec.buffer_count * min(spec.sub_group_size, numel) * fp32 \
+            + min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
+        if agree_room(self.dist, spec.nvme_path or temp_root(), need,
                       partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
             self._made.folder = spec.nvme_path
 
@@ -190,7 +110,7 @@ class NVMePlacement(HostPlacement):
         if self.spec.nvme_path is not None:
             return self.spec.nvme_path
         if self._made.tmpdir is None:   # library use without a run directory: a private folder
-            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=_temp_root())
+            self._made.tmpdir = tempfile.mkdtemp(prefix="framework-nvme-", dir=temp_root())
             say(f"nvme: offload.nvme_path is not set: the swap files go to {self._made.tmpdir} (removed at "
                 "close or exit)", sys.stdout)
         return self._made.tmpdir
@@ -213,13 +133,11 @@ class NVMePlacement(HostPlacement):
         self.check_fs()
         if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
             self._made.folder = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
-        failed = None
+        failed, aio = None, self.spec.aio
         try:
-            rank = self.dist.rank if self.dist is not None else 0
+            rank, world = (self.dist.rank, self.dist.world) if self.dist is not None else (0, 1)
             path = swap_path(self.folder(), rank, kind)
-            aio = self.spec.aio
-            store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank,
-                       self.dist.world if self.dist is not None else 1)
+            store.open(path, AsyncIO(aio.block_size, aio.queue_depth, aio.intra_op_parallelism), rank, world)
             self._made.files.append(store.file.removal)   # removed before the folder it is in
             slot, _, total, _ = store.layout()
             held = "fp32 master + optimizer state" if kind == "optim" else "zero3 parameter shards"
@@ -282,10 +200,8 @@ class DiskPlacement(NVMePlacement):
 
     def bind(self, acc: Accelerator) -> None:
         super().bind(acc)
-        spec = self.spec
-        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=spec.buffer_count,
-                                           read_ahead=spec.pipeline_read, write_behind=spec.pipeline_write,
-                                           name="optimizer")
+        self.stores[Tier.DISK] = DiskStore(acc, pin=self.pin, buffer_count=self.spec.buffer_count, name="optimizer",
+                                           read_ahead=self.spec.pipeline_read, write_behind=self.spec.pipeline_write)
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
@@ -299,18 +215,22 @@ class DiskPlacement(NVMePlacement):
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
             if self.read_back:
-                fp.add("nvme_grad_read_back", host=self.read_back_bytes(max(sizes), bounce))
+                fp.add("nvme_grad_read_back", host=self.read_back_bytes(bounce, sizes))
 
-    def read_back_bytes(self, largest: int, bounce: int) -> int:
+    def _largest(self, sizes: Iterable[int] | None = None) -> int:
+        """Elements of the largest partition (of ``sizes``, else of those placed): a read-back landing's."""
+        return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
+
+    def read_back_bytes(self, bounce: int, sizes: Iterable[int] | None = None) -> int:
         """The swapped gradients' read-back buffers (``_init_state``): two pinned landings as large as
-        the largest partition (``largest`` elements) and the reader thread's ``bounce``-byte buffer."""
-        return 2 * largest * self.grad_dtype.itemsize + bounce
+        the largest partition and the reader thread's ``bounce``-byte buffer."""
+        return 2 * self._largest(sizes) * self.grad_dtype.itemsize + bounce
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
         if self.read_back:
-            bounce = [self.read_bounce] if self.read_bounce is not None else []
-            fp.add("nvme_grad_read_back", host=sum(t.nbytes for t in [*(t for t, _ in self.landings), *bounce]))
+            bounce = self.read_bounce.nbytes if self.read_bounce is not None else 0
+            fp.add("nvme_grad_read_back", host=sum(t.nbytes for t, _ in self.landings) + bounce)
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Placeholders until ``init_opt_state`` registers them with the disk store and fills them."""
@@ -340,11 +260,9 @@ class DiskPlacement(NVMePlacement):
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         if self.grad_swap:   # the threads that write the partitions and (``read_back``) read them back
-            self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-swap",
-                                             initializer=self.acc.bind_thread)
-            if self.read_back:
-                self.reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grad-read",
-                                                 initializer=self.acc.bind_thread)
+            thread = partial(ThreadPoolExecutor, max_workers=1, initializer=self.acc.bind_thread)
+            self.writer = thread(thread_name_prefix="grad-swap")
+            self.reader = thread(thread_name_prefix="grad-read") if self.read_back else None
             for info in disk:
                 self.grad_pieces.setdefault(info.group, []).append(info)
 
@@ -362,8 +280,7 @@ class DiskPlacement(NVMePlacement):
         if self.read_back:
             # The read-back buffers, made at setup (once the pre-flight counted them): a page-locked
             # allocation in the backward hook would wait for the device (cudaHostAlloc synchronizes).
-            numel = max((p.numel() for p in self.partitions), default=0)
-            self.landings = [(self.acc.empty_host(numel, self.grad_dtype), None) for _ in range(2)]
+            self.landings = [(self.acc.empty_host(self._largest(), self.grad_dtype), None) for _ in range(2)]
             self.free = [1, 0]
             self.read_bounce = store.new_bounce()
         return full
@@ -374,8 +291,7 @@ class DiskPlacement(NVMePlacement):
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
-        largest = max((p.numel() for p in self.partitions), default=0)
-        reads = self.read_back_bytes(largest, bounce) if self.read_back else 0
+        reads = self.read_back_bytes(bounce) if self.read_back else 0
         self.check_ram(store.buffer_count * slot + bounce + reads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
@@ -508,19 +424,15 @@ class DiskPlacement(NVMePlacement):
         """After backward: every partition's extents hold this step's gradient and its norm is known."""
         self._wait_writes()
         for group, part in enumerate(self.partitions):
-            if group in self.norms or not part.numel():
-                continue
-            buf = self.load_grad(group)   # reduced on an earlier micro batch only, or never
-            self.save_grad(group, buf, final=True)
+            if group not in self.norms and part.numel():   # reduced on an earlier micro batch only, or never
+                self.save_grad(group, self.load_grad(group), final=True)
         self._drop_reads()   # (one read ahead for a reduction that did not come)
         self._wait_writes()
 
     def grad_sq_norm_local(self) -> torch.Tensor:
         """This rank's squared norm over its partitions, summed as ``utils.sq_norm`` sums them."""
         parts = [self.norms[g] for g, part in enumerate(self.partitions) if part.numel()]
-        if not parts:
-            return torch.zeros((), dtype=torch.float64, device=self.acc.device)
-        return torch.stack(parts).sum()
+        return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=self.acc.device)
 
     def readable_grads(self, grads: Sequence[torch.Tensor]) -> Iterable[torch.Tensor]:
         """Swapped: each piece's gradient read from disk into a host buffer, one at a time (the overflow report)."""
@@ -536,10 +448,8 @@ class DiskPlacement(NVMePlacement):
         for f in self.pending:   # (after a failed step: a write still queued must not land later)
             f.exception()
         self._drop_reads()
-        self.pending.clear()
-        self.writes.clear()
-        self.written.clear()
-        self.norms.clear()
+        for done in (self.pending, self.writes, self.written, self.norms):
+            done.clear()
 
     def close(self) -> None:
         if self.writer is not None:

@@ -15,7 +15,7 @@ from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
-from framework.offload._swapfile import preflight
+from framework.offload._swapfolder import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 

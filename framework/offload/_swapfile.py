@@ -11,14 +11,12 @@ contents are not trusted: the IO engine's checksums, kept in memory, start empty
 """
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import json
 import math
 import mmap
 import os
-import sys
 import threading
 import warnings
 import weakref
@@ -30,35 +28,11 @@ from typing import Mapping
 import torch
 
 from framework.core.errors import ConfigError, SwapIOError
-from framework.core.files import make_dirs, probe_writable, refuse_links, write_atomic
-from framework.core.room import free_bytes
-from framework.core.units import size as _size
+from framework.core.files import refuse_links, write_atomic
 from framework.core.utils import dtype_name
 
 ALIGN = 4096          # O_DIRECT unit: file offsets, lengths and buffer addresses are multiples of it
 FORMAT = 2            # of the manifest: a file of another format is refused (``_check_same_layout``)
-
-
-# statfs(2) f_type of the file systems that keep their files in host memory (<linux/magic.h>)
-MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
-
-
-def memory_fs(path: str | os.PathLike) -> str | None:
-    """The type of the file system holding ``path`` (or its nearest existing parent) when it keeps its
-    files in host memory (tmpfs, ramfs: /dev/shm, often /tmp); None otherwise or where unknown.
-    (``os.statvfs`` does not say the type.)"""
-    if not sys.platform.startswith("linux"):
-        return None
-    p = Path(path).absolute()
-    while not p.exists() and p != p.parent:
-        p = p.parent
-    buf = ctypes.create_string_buffer(512)   # struct statfs (120 bytes on 64-bit Linux); f_type comes first
-    try:
-        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(p), buf) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFF_FFFF)
 
 
 def padded(nbytes: int) -> int:
@@ -102,9 +76,8 @@ class Extent:
 
 
 class _Held:
-    """What a swap file holds outside Python: its descriptors, and its paths while they name this
-    run's files. Apart from the ``SwapFile``, so that its finalizer (which must not refer to it) can
-    let them go."""
+    """A swap file's descriptors, and its paths while they name this run's files: apart from the
+    ``SwapFile``, so that its finalizer (which must not refer to it) can let them go."""
 
     def __init__(self, path: Path, fd: int):
         self.path = path
@@ -170,14 +143,19 @@ class SwapFile:
             fd = syscalls.open(str(path), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if made else 0))
             try:
                 os.fchmod(fd, 0o600)
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    locked = True
-                except BlockingIOError:
-                    locked = False
-                if _names(path, fd):
+                locked = _flock(fd)
+                if _names(path, os.fstat(fd)):
                     if not locked:
                         raise _in_use(path)
+                    try:
+                        if size:
+                            syscalls.fallocate(fd, 0, size)
+                    except OSError as e:
+                        raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
+                                          f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
+                                          "or point offload.nvme_path at a larger disk",
+                                          path=str(path), offset=0, what="all extents", errno=e.errno) from e
+                    f = cls(path, table, size, meta, fd, syscalls)
                     break
             except BaseException:
                 if made:   # never delete what another run (or a crashed one) left
@@ -188,21 +166,6 @@ class SwapFile:
         else:
             raise ConfigError(f"swap file {path} keeps being removed by another process while it is created; "
                               "give each run its own offload.nvme_path")
-        try:
-            try:
-                if size:
-                    syscalls.fallocate(fd, 0, size)
-            except OSError as e:
-                raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
-                                  f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
-                                  "or point offload.nvme_path at a larger disk",
-                                  path=str(path), offset=0, what="all extents", errno=e.errno) from e
-            f = cls(path, table, size, meta, fd, syscalls)
-        except BaseException:
-            if made:   # never delete what another run (or a crashed one) left
-                _unlink_if(path, os.fstat(fd))
-            os.close(fd)
-            raise
         try:
             f.write_manifest()
         except BaseException:
@@ -216,10 +179,7 @@ class SwapFile:
 
     def name_at(self, offset: int) -> str | None:
         """The extent holding byte ``offset`` (None: padding or past the end)."""
-        for name, e in self.extents.items():
-            if e.offset <= offset < e.offset + e.nbytes:
-                return name
-        return None
+        return next((name for name, e in self.extents.items() if e.offset <= offset < e.offset + e.nbytes), None)
 
     def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
         """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
@@ -274,10 +234,8 @@ class SwapFile:
     def expected(self, kind: tuple[int, str], offset: int, nbytes: int) -> int | None:
         """The checksum of ``kind`` recorded for exactly this piece (None: not written as one piece)."""
         with self._lock:
-            for o, n, value in self._sums.get(kind, {}).get(offset // kind[0], ()):
-                if o == offset and n == nbytes:
-                    return value
-            return None
+            pieces = self._sums.get(kind, {}).get(offset // kind[0], ())
+            return next((value for o, n, value in pieces if (o, n) == (offset, nbytes)), None)
 
     def checksums(self, name: str) -> list[tuple[int, int, int, str]]:
         """The (offset, bytes, checksum, checksum name) pieces recorded inside extent ``name``, in file order."""
@@ -297,8 +255,7 @@ class SwapFile:
         self._held.manifest = os.lstat(manifest)
 
     def remove(self) -> None:
-        """Close the file and delete it and its manifest (idempotent), each only while its path still
-        names this run's: deleted under a live run, the path may hold another run's file by now."""
+        """Close the file and delete it and its manifest (idempotent; ``_Held.release``)."""
         with self._lock:
             self.removal()   # (once: later calls, and the finalizer, do nothing)
 
@@ -390,9 +347,7 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
         except OSError:   # a link, gone meanwhile, not ours to open
             continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock(fd):
                 continue   # held: its process is alive
             st = os.fstat(fd)
             path.unlink(missing_ok=True)
@@ -412,23 +367,27 @@ def _manifest_path(path: Path) -> Path:
 
 
 def _unlink_if(path: Path, mine: os.stat_result | None) -> None:
-    """Delete ``path`` if it is still the file ``mine`` describes (same device and inode)."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+    """Delete ``path`` if it is still the file ``mine`` describes."""
+    if _names(path, mine):
         path.unlink(missing_ok=True)
 
 
-def _names(path: Path, fd: int) -> bool:
-    """Whether ``path`` (not followed) names the file open at ``fd``."""
+def _names(path: Path, mine: os.stat_result | None) -> bool:
+    """Whether ``path`` (not followed) names the file ``mine`` describes (same device and inode)."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+    return mine is not None and (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _flock(fd: int) -> bool:
+    """Take ``fd``'s exclusive ``flock``; False: a live process holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _in_use(path: Path) -> ConfigError:
@@ -442,9 +401,8 @@ def _refuse_if_held(path: Path) -> None:
     except OSError:   # a link, gone meanwhile, unreadable: the checks that follow say so
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise _in_use(path) from None
+        if not _flock(fd):
+            raise _in_use(path)
     finally:
         os.close(fd)
 
@@ -464,43 +422,3 @@ def _check_same_layout(path: Path, manifest: Path, meta: dict) -> None:
     if old.get("extents") != meta["extents"]:
         raise ConfigError(f"swap file {path} belongs to another layout (its extents differ); "
                           f"refusing to reuse it: {fix}")
-
-
-def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
-              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
-              size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
-              create: bool = False) -> None:
-    """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
-    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
-    path = Path(path)
-    where = f"offload.nvme_path={path}"
-    if not path.exists():
-        if not create:
-            raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
-        try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
-            make_dirs(path)   # 0700, parents too
-        except OSError as e:
-            raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
-                              "writable folder") from None
-    if not path.is_dir():
-        raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")
-    try:
-        probe_writable(path)
-    except OSError as e:
-        raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
-                          "offload.nvme_path to a writable folder") from None
-    free = free_bytes(path)
-    if free < total_bytes:
-        raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
-                          f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
-    problems = []
-    if buffer_bytes < largest_tile_bytes:
-        need = -(-largest_tile_bytes // itemsize)
-        problems.append(f"{size_key}={buffer_bytes // itemsize} is smaller than the largest tile "
-                        f"({need} elements): set {size_key} >= {need}")
-    if buffer_count < min_buffer_count:
-        problems.append(f"{count_key}={buffer_count} is too few: set {count_key} >= {min_buffer_count}")
-    if problems:
-        raise ConfigError("offload buffers too small: " + "; ".join(problems))
-

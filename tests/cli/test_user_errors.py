@@ -15,8 +15,7 @@ UNREADABLE = "/proc/self/mem"
 
 
 def test_nvme_path_that_is_a_file(tmp_path):
-    from framework.offload._disk import agree_swap_room
-    from framework.offload._swapfile import preflight
+    from framework.offload._swapfolder import agree_swap_room, preflight
 
     class Store:
         def extents(self):

@@ -341,7 +341,7 @@ class _Extents:
 
 
 def _preflight(dist, folder, fraction):
-    from framework.offload._disk import agree_swap_room
+    from framework.offload._swapfolder import agree_swap_room
 
     st = os.statvfs(folder)
     each = int(st.f_bavail * st.f_frsize * fraction) // 4096 * 4096

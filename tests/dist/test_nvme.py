@@ -391,7 +391,7 @@ def test_the_start_up_line_names_a_relative_swap_folder_in_full(tmp_path, monkey
 def test_a_swap_folder_in_memory_is_one_warning_line(tmp_path, capsys):
     """tmpfs/ramfs keep the "swap" files in RAM (shared memory, not in the resident set): a model larger
     than host memory would silently not fit. A warning, not a refusal (small runs use such folders)."""
-    from framework.offload._swapfile import memory_fs
+    from framework.offload._swapfolder import memory_fs
 
     if memory_fs("/dev/shm") is None:
         pytest.skip("no tmpfs at /dev/shm")
@@ -410,7 +410,7 @@ def test_a_swap_folder_in_memory_is_one_warning_line(tmp_path, capsys):
 def test_without_nvme_path_swap_files_avoid_a_temp_folder_in_memory(tmp_path, monkeypatch, capsys):
     """Library use without offload.nvme_path: the temporary folder, or /var/tmp when that one is in memory,
     said in one line; never a tmpfs when a disk folder is at hand."""
-    from framework.offload._swapfile import memory_fs
+    from framework.offload._swapfolder import memory_fs
 
     if memory_fs("/dev/shm") is None or memory_fs("/var/tmp") or not os.access("/var/tmp", os.W_OK):
         pytest.skip("needs a tmpfs at /dev/shm and a writable /var/tmp on a disk")

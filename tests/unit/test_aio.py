@@ -17,8 +17,9 @@ import torch
 from framework.comm.accelerator import for_device
 from framework.core.errors import ConfigError, SwapIOError
 from framework.offload._aio import AsyncIO, aligned_empty
-from framework.offload._swapfile import (ALIGN, DirectIOFallback, SwapFile, Syscalls, padded, preflight, remove_stale,
+from framework.offload._swapfile import (ALIGN, DirectIOFallback, SwapFile, Syscalls, padded, remove_stale,
                                         reserved_bytes, swap_path)
+from framework.offload._swapfolder import preflight
 
 ACC = for_device(torch.device("cpu"), "check")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -1,0 +1,154 @@
+"""The NVMe offload's swap folder: where the swap files go without ``offload.nvme_path``, whether its
+file system keeps files in host memory, the pre-flight (a writable folder with room for every rank's
+swap files) that all ranks agree on before any file is made, and what a placement made there.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import sys
+import tempfile
+import weakref
+from contextlib import suppress
+from pathlib import Path
+from typing import Callable, Mapping
+
+from framework.core.errors import ConfigError, FrameworkError
+from framework.core.files import make_dirs, probe_writable
+from framework.core.room import Claim, free_bytes, shortfalls
+from framework.core.units import size as _size
+from framework.offload._swapfile import reserved_bytes, swap_path
+
+# statfs(2) f_type of the file systems that keep their files in host memory (<linux/magic.h>)
+MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+def memory_fs(path: str | os.PathLike) -> str | None:
+    """The type of the file system holding ``path`` (or its nearest existing parent) when it keeps its
+    files in host memory (tmpfs, ramfs: /dev/shm, often /tmp); None otherwise or where unknown.
+    (``os.statvfs`` does not say the type.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    buf = ctypes.create_string_buffer(512)   # struct statfs (120 bytes on 64-bit Linux); f_type comes first
+    try:
+        if ctypes.CDLL(None, use_errno=True).statfs(os.fsencode(p), buf) != 0:
+            return None
+    except (OSError, AttributeError):
+        return None
+    return MEMORY_FS.get(ctypes.c_ulong.from_buffer(buf).value & 0xFFFF_FFFF)
+
+
+def temp_root() -> str:
+    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (kept on disk by
+    convention) when the temporary folder is in memory (a tmpfs /tmp) and /var/tmp is not."""
+    tmp = tempfile.gettempdir()
+    if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
+        return "/var/tmp"
+    return tmp
+
+
+def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
+              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
+              size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
+              create: bool = False) -> None:
+    """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
+    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
+    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
+    path = Path(path)
+    where = f"offload.nvme_path={path}"
+    if not path.exists():
+        if not create:
+            raise ConfigError(f"{where} does not exist; create it or set offload.nvme_path to a folder on a fast disk")
+        try:   # exist_ok: the ranks of one host share the folder and may make it at the same moment
+            make_dirs(path)   # 0700, parents too
+        except OSError as e:
+            raise ConfigError(f"{where}: cannot create it ({e.strerror}); set offload.nvme_path to a "
+                              "writable folder") from None
+    if not path.is_dir():
+        raise ConfigError(f"{where} is not a folder; set offload.nvme_path to a folder")
+    try:
+        probe_writable(path)
+    except OSError as e:
+        raise ConfigError(f"{where} is not writable ({e.strerror}); fix its permissions or set "
+                          "offload.nvme_path to a writable folder") from None
+    free = free_bytes(path)
+    if free < total_bytes:
+        raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
+                          f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
+    problems = []
+    if buffer_bytes < largest_tile_bytes:
+        need = -(-largest_tile_bytes // itemsize)
+        problems.append(f"{size_key}={buffer_bytes // itemsize} is smaller than the largest tile "
+                        f"({need} elements): set {size_key} >= {need}")
+    if buffer_count < min_buffer_count:
+        problems.append(f"{count_key}={buffer_count} is too few: set {count_key} >= {min_buffer_count}")
+    if problems:
+        raise ConfigError("offload buffers too small: " + "; ".join(problems))
+
+
+
+def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
+    """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
+    rank = dist.rank if dist is not None else 0
+    return agree_room(dist, folder, lambda: sum(
+        max(0, reserved_bytes(s.extents()) - _allocated(swap_path(folder, rank, k)))
+        for k, s in stores.items() if s is not None), check)
+
+
+def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
+    """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
+    system: every rank raises the same one-line ConfigError, so none dies alone while the others wait.
+    True: a rank sharing the file system found ``folder`` missing (the last to close removes it once empty)."""
+    rank = dist.rank if dist is not None else 0
+    claim = mine = None
+    try:
+        claim = Claim.of(folder, need(), rank)
+        check()
+    except (FrameworkError, OSError) as e:
+        mine = e
+    error = None if mine is None else f"rank {rank}: {mine}"
+    everyone = [(claim, error)] if dist is None or dist.world == 1 else \
+        dist.all_gather_object((claim, error), what="nvme pre-flight")
+    shorts = shortfalls([c for c, _ in everyone if c is not None])
+    if shorts:
+        raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
+                          "offload.nvme_path at a larger disk (each rank of a host needs its own files there)")
+    if mine is not None:
+        raise mine
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
+    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
+
+
+def _allocated(path) -> int:
+    """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
+    try:
+        return os.lstat(path).st_blocks * 512
+    except (FileNotFoundError, NotADirectoryError):   # none yet, or a folder that is not one: check() says so
+        return 0
+
+
+class MadeOnDisk:
+    """What a placement made on disk: its private temporary folder, the swap folder pre-flight made (removed
+    once empty), its swap files' removals (run first). Apart, so the placement's finalizer may remove them."""
+
+    def __init__(self):
+        self.tmpdir: str | None = None
+        self.folder: str | None = None   # the swap folder, when a rank of this run made it
+        self.files: list[weakref.finalize] = []
+
+    def remove(self) -> None:
+        for removal in self.files:   # (each runs once: one already run does nothing)
+            removal()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+        if self.folder is not None:
+            with suppress(OSError):
+                Path(self.folder).rmdir()   # only if empty: never what another run keeps there
+        self.tmpdir = self.folder = None
+        self.files.clear()
