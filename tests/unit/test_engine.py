@@ -42,7 +42,7 @@ def _ours() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("host-step")]
 
 
-def test_engine_state_is_the_latest_state():
+def test_engine_state_is_the_latest_state(tmp_path):
     engine, data = _engine("+stage=zero1")
     first = engine.state
     assert first.step == 0
@@ -54,8 +54,21 @@ def test_engine_state_is_the_latest_state():
     with pytest.raises(framework.FrameworkError, match=r"pass the state .*engine\.state"):
         engine.train_step(first, _batch(data, first))
     assert engine.state is state
+    # Nor is it saved, evaluated or measured: its step 0 and optimizer counters with the trained tensors
+    # would resume the schedule and the bias correction from the start on trained moments.
+    micro = _batch(data, state).micro[0]
+    ckpt = Checkpointer(tiny_config(), engine, run_dir=tmp_path)
+    for what, call in [("state_dict", lambda: engine.state_dict(first)), ("checkpoint", lambda: ckpt.save(first)),
+                       ("eval_step", lambda: engine.eval_step(first, [micro])),
+                       ("memory", lambda: engine.memory(first))]:
+        with pytest.raises(framework.FrameworkError, match=r"this state \(step 0\) is not the one .*engine\.state"):
+            call()
+    ckpt.close()
+    assert not list(tmp_path.rglob("step-*"))
     state, _ = engine.train_step(replace(state, rng=capture_rng(torch.device("cpu"))), _batch(data, state))
     assert state.step == 3   # the same state with other scalars (the CLI's RNG) is the current one
+    engine.state_dict(replace(state, rng=capture_rng(torch.device("cpu"))))
+    engine.eval_step(state, [micro])
     engine.close()
 
 
@@ -352,6 +365,34 @@ def test_a_module_with_nothing_to_train_is_refused_by_initialize():
     with pytest.raises(framework.FrameworkError, match=r"^initialize: the module has no parameters with "
                                                        r"requires_grad=True: nothing to train"):
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config())
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((lambda x: x, lambda m, mb: m(mb[0]).sum(), None), r"module must be a torch\.nn\.Module, got function$"),
+    ((torch.nn.Linear(3, 1), None, None), r"loss_fn must be callable .*got NoneType$"),
+    ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), ["+stage=zero2"]),
+     r"cfg must be a framework Config, got list; build one with framework\.compose"),
+    ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), {"optimizer": {"lr": 1}}), r"cfg must be a framework Config, got dict; build one"),
+])
+def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle):
+    module, loss_fn, cfg = args
+    with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
+        framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
+    assert "\n" not in str(e.value)
+
+
+def test_eval_step_takes_any_iterable_of_micro_batches():
+    module = torch.nn.Linear(3, 1)
+    micro = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(2)]
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(module, loss, tiny_config()) as engine:
+        want = engine.eval_step(engine.state, micro)
+        assert engine.eval_step(engine.state, iter(micro)) == want
+        assert engine.eval_step(engine.state, (b for b in micro)) == want
+        with pytest.raises(framework.DataError, match="^eval_step: no batches"):
+            engine.eval_step(engine.state, iter([]))
+        with pytest.raises(framework.FrameworkError, match="^eval_step: state must be a TrainState, got NoneType"):
+            engine.eval_step(None, micro)
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
