@@ -395,6 +395,55 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
             engine.eval_step(None, micro)
 
 
+class _Blk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        return self.b(torch.relu(self.a(h)))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blk, self.out = torch.nn.Linear(8, 16), _Blk(), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(self.blk(self.inp(x)))
+
+
+@pytest.mark.parametrize("split_root,call,needle", [
+    ("true", lambda m, x: m.out(m.blk(m.inp(x))), None),   # units and split-root children: gathered
+    ("true", lambda m, x: m.out(m.blk.b(torch.relu(m.blk.a(m.inp(x))))),
+     r"Linear\) whose parameters were not gathered \(RuntimeError: .*\): it is part of gather unit 'blk', .*"
+     r"call module\.blk\(\.\.\.\) \(or the whole module\) in loss_fn, not its parts$"),
+    ("false", lambda m, x: m.out(m.blk(m.inp(x))),
+     r"Linear\) whose .* part of the root module's unit, .*or set stage\.split_root=true"),
+])
+def test_under_zero3_a_part_of_a_unit_called_directly_fails_in_one_line_naming_the_unit(split_root, call, needle):
+    """Only a unit's own forward gathers it (no hook on every submodule): the torch error of a part's empty
+    shards becomes one line saying which unit to call."""
+    cfg = tiny_config("+stage=zero3", "stage.gather_unit=[_Blk]", "stage.stage3_param_persistence_threshold=0",
+                      f"stage.split_root={split_root}")
+    loss = lambda m, mb: torch.nn.functional.mse_loss(call(m, mb[0]), mb[1])   # noqa: E731
+    batch = framework.Batch(((torch.randn(4, 8), torch.randn(4, 2)),))
+    with framework.initialize(_Net(), loss, cfg) as engine:
+        if needle is None:
+            engine.train_step(engine.state, batch)
+            # An error before a unit's forward (here a hook ahead of its gather) is not taken for such a call.
+            def boom(*_):
+                raise RuntimeError("simulated out of memory")
+            engine.components.module.blk.register_forward_pre_hook(boom, prepend=True)
+            with pytest.raises(RuntimeError, match="^simulated out of memory$"):
+                engine.train_step(engine.state, batch)
+            return
+        for run in (lambda: engine.train_step(engine.state, batch), lambda: engine.eval_step(engine.state, batch.micro)):
+            with pytest.raises(framework.FrameworkError, match=r"^zero3: loss_fn called a module \(" + needle) as e:
+                run()
+            assert "\n" not in str(e.value)
+
+
 def test_a_complex_trainable_parameter_is_refused_by_initialize():
     """Every stage keeps real masters: its imaginary part would be dropped with only a warning."""
     module = torch.nn.Linear(3, 1)
