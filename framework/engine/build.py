@@ -63,17 +63,24 @@ class Engine(contextlib.AbstractContextManager):
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open()
-        cur = self._state
-        # Its tensors are updated in place: an older state's step, optimizer and loss-scale counters
-        # no longer match them (the same state with other scalars, e.g. the CLI's RNG, is the current one).
-        if state is not cur and (state.step != cur.step or state.params is not cur.params):
-            raise FrameworkError(f"train_step: this state (step {state.step}) is not the one the last train_step, "
-                                 f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
-                                 f"in place since: pass the state train_step returned (engine.state)")
+        self._check_current(state, "train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
         return state, metrics
+
+    def _check_current(self, state: TrainState, what: str) -> None:
+        """Refuse a state superseded by a later train_step or load: its tensors are updated in place, so an
+        older state's step, optimizer and loss-scale counters no longer match them (the same state with
+        other scalars, e.g. the CLI's RNG, is the current one)."""
+        cur = self._state
+        if not isinstance(state, TrainState):
+            raise FrameworkError(f"{what}: state must be a TrainState, got {type(state).__name__}; pass the state "
+                                 f"train_step returned (engine.state)")
+        if state is not cur and (state.step != cur.step or state.params is not cur.params):
+            raise FrameworkError(f"{what}: this state (step {state.step}) is not the one the last train_step, "
+                                 f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
+                                 f"in place since: pass the state train_step returned (engine.state)")
 
     def _applying(self, step: int) -> None:
         self._half_applied = step
@@ -82,9 +89,13 @@ class Engine(contextlib.AbstractContextManager):
         """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
         not a ``Batch``), averaged over ranks (no grad)."""
         self._check_open()
+        self._check_current(state, "eval_step")
+        if isinstance(batches, Batch):
+            raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
+        batches = list(batches)   # any iterable: a generator is read once, and its length counted
         if not batches:   # before the collective: every rank stops here alike
             raise DataError("eval_step: no batches; pass a list of at least one batch")
-        if isinstance(batches, Batch) or any(isinstance(b, Batch) for b in batches):
+        if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
         was_training = c.module.training
@@ -147,8 +158,9 @@ class Engine(contextlib.AbstractContextManager):
         offload = self._swapping()
 
         def usable() -> None:
-            if not write:   # a half-updated state is never saved (a load replaces it: allowed)
+            if not write:   # a half-updated or stale state is never saved (a load replaces it: allowed)
                 self._check_whole()
+                self._check_current(state, "state_dict or checkpoint save")
             if offload is not None and self.closed:
                 raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
                                      "state_dict, load_state_dict, save_weights or a checkpoint save before "
@@ -214,6 +226,7 @@ class Engine(contextlib.AbstractContextManager):
     def memory(self, state: TrainState) -> Footprint:
         """This rank's model states and persistent buffers: the bytes of the tensors it holds, by
         item and by where they live (``framework.memory.predict`` predicts the same items)."""
+        self._check_current(state, "memory")
         fp = self.components.stage.memory(state.opt_state)
         self.components.update.memory(fp)
         return fp
@@ -244,6 +257,15 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     Without ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a
     DeepSpeed JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides.
     """
+    # Before any collective (every rank stops here alike), one line instead of a traceback from inside.
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")
+    if not callable(loss_fn):
+        raise ConfigError(f"initialize: loss_fn must be callable as loss_fn(module, micro_batch) -> scalar loss, "
+                          f"got {type(loss_fn).__name__}")
+    if cfg is not None and not isinstance(cfg, Config):
+        raise ConfigError(f"initialize: cfg must be a framework Config, got {type(cfg).__name__}; build one with "
+                          f"framework.compose([...overrides]) (or pass ds_config=/overrides=)")
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
     if zero3_sharded(module):   # (before any collective: every rank stops here)

@@ -247,24 +247,29 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
     """``save_weights`` plus a Hugging Face model's ``config.json`` (and generation config), so
     ``from_pretrained(out_dir)`` loads it. Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
-    module = engine.components.module
-    if not (type(module).__module__.startswith("transformers.") and engine.components.dist.is_main):
-        return paths   # (transformers is imported only for a model that comes from it)
-    from transformers import PretrainedConfig
+    module, dist = engine.components.module, engine.components.dist
     config = getattr(module, "config", None)
-    if isinstance(config, PretrainedConfig):
+    if not is_hf_model(module):   # (a subclass of a transformers model too; transformers is not imported)
+        return paths
+    from transformers import PretrainedConfig
+    if not isinstance(config, PretrainedConfig):
+        return paths
+
+    def write_configs() -> None:
         files.refuse_links(*(Path(out_dir) / n for n in ("config.json", "generation_config.json")))   # HF opens by path
         # As transformers' own save_pretrained: the config names the dtype actually written (from_pretrained
         # casts to it, so a source config's bfloat16 would round fp32 trained values) and the class.
-        config = copy.deepcopy(config)
-        config.dtype = dtype if dtype is not None else engine.components.policy.master_dtype
-        config.architectures = [type(module).__name__]
-        config.save_pretrained(out_dir)
-        paths.append(Path(out_dir) / "config.json")
+        written = copy.deepcopy(config)
+        written.dtype = dtype if dtype is not None else engine.components.policy.master_dtype
+        written.architectures = [type(module).__name__]
+        written.save_pretrained(out_dir)
         gen = getattr(module, "generation_config", None)
         if gen is not None and type(gen).__name__ == "GenerationConfig":
             gen.save_pretrained(out_dir)
-    return paths
+
+    # Agreed: every rank returns once the folder is complete, or all raise (not rank 0 alone).
+    agree(dist, write_configs if dist.is_main else (lambda: None), "save_pretrained: config files")
+    return paths + [Path(out_dir) / "config.json"]
 
 
 def save_on_model_save(engine, out_dir) -> list[Path] | None:

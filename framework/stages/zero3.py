@@ -136,10 +136,13 @@ class Zero3Stage(PartitionedStage):
         try:
             yield
         except BaseException as e:   # (Ctrl-C or SIGTERM: a gather still in flight is not waited for)
+            hint = _ungathered_call(e, self.cfg.split_root)   # (read before the abort releases every unit)
             try:
                 self.gatherer.abort_pass(isinstance(e, Exception))
             except Exception as failed:   # the pass's error is the one to see, not its reset's
                 e.add_note(f"zero3 could not put its units back after it: {type(failed).__name__}: {failed}")
+            if hint is not None:
+                raise FrameworkError(hint) from e
             raise
         if not train:   # train_step's pass ends with its backward
             self.gatherer.end_pass()
@@ -270,3 +273,35 @@ def _refuse_state_dict(module, prefix, keep_vars):
 
 
 COMPONENT = Component(config=Zero3Config, build=Zero3Stage)
+
+
+def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
+    """For an error raised inside a module whose own parameters were still empty shards (a submodule of a
+    gather unit called directly: only the unit's own forward gathers them), one line naming the fix; else
+    None. Read from the traceback, on the error path only (no hook on every submodule)."""
+    if not isinstance(error, Exception) or isinstance(error, FrameworkError):
+        return None
+    found = None
+    tb = error.__traceback__
+    while tb is not None:   # innermost last
+        owner = tb.tb_frame.f_locals.get("self")
+        # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
+        if isinstance(owner, nn.Module) and tb.tb_frame.f_code is getattr(type(owner).forward, "__code__", None):
+            idle = [p for p in owner.parameters(recurse=False)
+                    if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
+            if idle:
+                found = (type(owner).__name__, idle[0].unit_name)
+        tb = tb.tb_next
+    if found is None:
+        return None
+    cls, unit = found
+    first = str(error).splitlines()[0] if str(error) else ""
+    head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({type(error).__name__}: {first}): "
+    if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
+        return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
+                       f"call module.{unit}(...) (or the whole module) in loss_fn, not its parts")
+    fixes = ["call the whole module in loss_fn", f"add {cls} to stage.gather_unit"]
+    if not split_root:
+        fixes.append("set stage.split_root=true (the root's children become units)")
+    return head + f"it is part of the root module's unit, gathered only when the module itself is called; " \
+                  f"{', or '.join(fixes)}"

@@ -178,6 +178,17 @@ def _hf_case(dist, out_dir, tied_file):
     trained = _gathered(engine)
     paths = engine.save_pretrained(out_dir)
     engine.save_pretrained(out_dir + "-bf16-sharded", torch.bfloat16, max_shard_size="200KB")
+    # Rank 0's config write is agreed on: when it fails (here a link where config.json goes) every rank
+    # raises, none returns as if the folder were complete.
+    if dist.is_main:
+        os.makedirs(out_dir + "-link")
+        os.symlink(os.path.join(out_dir, "config.json"), os.path.join(out_dir + "-link", "config.json"))
+    dist.barrier()
+    try:
+        engine.save_pretrained(out_dir + "-link")
+        refused = None
+    except framework.FrameworkError as e:
+        refused = str(e)
     # A fresh engine loads the export back, and a file naming the tied matrix by its other name.
     fresh = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
     load_weights(fresh, out_dir)
@@ -187,7 +198,7 @@ def _hf_case(dist, out_dir, tied_file):
     via_alias = _gathered(fresh2)
     for e in (engine, fresh, fresh2):
         e.close()
-    return trained, [str(p) for p in paths], reloaded, via_alias
+    return trained, [str(p) for p in paths], reloaded, via_alias, refused
 
 
 def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
@@ -199,9 +210,11 @@ def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
     sd = {k: v.clone() * 1.5 for k, v in ref.state_dict().items() if k != "transformer.wte.weight"}
     assert "lm_head.weight" in sd
     torch.save(sd, tmp_path / "tied.pt")   # the tie only under lm_head.weight
-    trained, paths, reloaded, via_alias = pools(2).run(_hf_case, str(tmp_path / "hf"), str(tmp_path / "tied.pt"),
-                                                       timeout=240)[0]
-    assert [os.path.basename(p) for p in paths] == ["model.safetensors", "config.json"]
+    ranks = pools(2).run(_hf_case, str(tmp_path / "hf"), str(tmp_path / "tied.pt"), timeout=240)
+    trained, paths, reloaded, via_alias, _ = ranks[0]
+    for r, (_, p, _, _, refused) in enumerate(ranks):
+        assert [os.path.basename(x) for x in p] == ["model.safetensors", "config.json"], r
+        assert refused is not None and "config.json" in refused, (r, refused)
     saved = _read_files(tmp_path / "hf")
     assert "lm_head.weight" not in saved and "transformer.wte.weight" in saved   # tied: written once
     back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

@@ -42,7 +42,7 @@ def _ours() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("host-step")]
 
 
-def test_engine_state_is_the_latest_state():
+def test_engine_state_is_the_latest_state(tmp_path):
     engine, data = _engine("+stage=zero1")
     first = engine.state
     assert first.step == 0
@@ -54,8 +54,21 @@ def test_engine_state_is_the_latest_state():
     with pytest.raises(framework.FrameworkError, match=r"pass the state .*engine\.state"):
         engine.train_step(first, _batch(data, first))
     assert engine.state is state
+    # Nor is it saved, evaluated or measured: its step 0 and optimizer counters with the trained tensors
+    # would resume the schedule and the bias correction from the start on trained moments.
+    micro = _batch(data, state).micro[0]
+    ckpt = Checkpointer(tiny_config(), engine, run_dir=tmp_path)
+    for what, call in [("state_dict", lambda: engine.state_dict(first)), ("checkpoint", lambda: ckpt.save(first)),
+                       ("eval_step", lambda: engine.eval_step(first, [micro])),
+                       ("memory", lambda: engine.memory(first))]:
+        with pytest.raises(framework.FrameworkError, match=r"this state \(step 0\) is not the one .*engine\.state"):
+            call()
+    ckpt.close()
+    assert not list(tmp_path.rglob("step-*"))
     state, _ = engine.train_step(replace(state, rng=capture_rng(torch.device("cpu"))), _batch(data, state))
     assert state.step == 3   # the same state with other scalars (the CLI's RNG) is the current one
+    engine.state_dict(replace(state, rng=capture_rng(torch.device("cpu"))))
+    engine.eval_step(state, [micro])
     engine.close()
 
 
@@ -352,6 +365,83 @@ def test_a_module_with_nothing_to_train_is_refused_by_initialize():
     with pytest.raises(framework.FrameworkError, match=r"^initialize: the module has no parameters with "
                                                        r"requires_grad=True: nothing to train"):
         framework.initialize(module, lambda m, mb: m(mb[0]).sum(), tiny_config())
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((lambda x: x, lambda m, mb: m(mb[0]).sum(), None), r"module must be a torch\.nn\.Module, got function$"),
+    ((torch.nn.Linear(3, 1), None, None), r"loss_fn must be callable .*got NoneType$"),
+    ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), ["+stage=zero2"]),
+     r"cfg must be a framework Config, got list; build one with framework\.compose"),
+    ((torch.nn.Linear(3, 1), lambda m, mb: m(mb[0]).sum(), {"optimizer": {"lr": 1}}), r"cfg must be a framework Config, got dict; build one"),
+])
+def test_initialize_refuses_arguments_of_the_wrong_type_in_one_line(args, needle):
+    module, loss_fn, cfg = args
+    with pytest.raises(framework.ConfigError, match="^initialize: " + needle) as e:
+        framework.initialize(module, loss_fn, cfg if cfg is not None else tiny_config())
+    assert "\n" not in str(e.value)
+
+
+def test_eval_step_takes_any_iterable_of_micro_batches():
+    module = torch.nn.Linear(3, 1)
+    micro = [(torch.randn(2, 3), torch.randn(2, 1)) for _ in range(2)]
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(module, loss, tiny_config()) as engine:
+        want = engine.eval_step(engine.state, micro)
+        assert engine.eval_step(engine.state, iter(micro)) == want
+        assert engine.eval_step(engine.state, (b for b in micro)) == want
+        with pytest.raises(framework.DataError, match="^eval_step: no batches"):
+            engine.eval_step(engine.state, iter([]))
+        with pytest.raises(framework.FrameworkError, match="^eval_step: state must be a TrainState, got NoneType"):
+            engine.eval_step(None, micro)
+
+
+class _Blk(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        return self.b(torch.relu(self.a(h)))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blk, self.out = torch.nn.Linear(8, 16), _Blk(), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.out(self.blk(self.inp(x)))
+
+
+@pytest.mark.parametrize("split_root,call,needle", [
+    ("true", lambda m, x: m.out(m.blk(m.inp(x))), None),   # units and split-root children: gathered
+    ("true", lambda m, x: m.out(m.blk.b(torch.relu(m.blk.a(m.inp(x))))),
+     r"Linear\) whose parameters were not gathered \(RuntimeError: .*\): it is part of gather unit 'blk', .*"
+     r"call module\.blk\(\.\.\.\) \(or the whole module\) in loss_fn, not its parts$"),
+    ("false", lambda m, x: m.out(m.blk(m.inp(x))),
+     r"Linear\) whose .* part of the root module's unit, .*or set stage\.split_root=true"),
+])
+def test_under_zero3_a_part_of_a_unit_called_directly_fails_in_one_line_naming_the_unit(split_root, call, needle):
+    """Only a unit's own forward gathers it (no hook on every submodule): the torch error of a part's empty
+    shards becomes one line saying which unit to call."""
+    cfg = tiny_config("+stage=zero3", "stage.gather_unit=[_Blk]", "stage.stage3_param_persistence_threshold=0",
+                      f"stage.split_root={split_root}")
+    loss = lambda m, mb: torch.nn.functional.mse_loss(call(m, mb[0]), mb[1])   # noqa: E731
+    batch = framework.Batch(((torch.randn(4, 8), torch.randn(4, 2)),))
+    with framework.initialize(_Net(), loss, cfg) as engine:
+        if needle is None:
+            engine.train_step(engine.state, batch)
+            # An error before a unit's forward (here a hook ahead of its gather) is not taken for such a call.
+            def boom(*_):
+                raise RuntimeError("simulated out of memory")
+            engine.components.module.blk.register_forward_pre_hook(boom, prepend=True)
+            with pytest.raises(RuntimeError, match="^simulated out of memory$"):
+                engine.train_step(engine.state, batch)
+            return
+        for run in (lambda: engine.train_step(engine.state, batch), lambda: engine.eval_step(engine.state, batch.micro)):
+            with pytest.raises(framework.FrameworkError, match=r"^zero3: loss_fn called a module \(" + needle) as e:
+                run()
+            assert "\n" not in str(e.value)
 
 
 def test_a_complex_trainable_parameter_is_refused_by_initialize():

@@ -224,6 +224,24 @@ def test_save_pretrained_config_names_the_written_dtype_and_class(tmp_path):
     assert all(torch.equal(p, params[n]) for n, p in hf.named_parameters())
 
 
+def test_save_pretrained_writes_the_config_of_a_subclass_of_a_transformers_model(tmp_path):
+    """A user's class deriving from a transformers model is one too: its folder loads with from_pretrained."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class MyLM(GPT2LMHeadModel):
+        pass
+
+    model = MyLM(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                            eos_token_id=0))
+    model.generation_config.max_new_tokens = 7
+    with framework.initialize(model, causal_lm_loss, framework.compose(["scheduler=constant"])) as engine:
+        engine.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["MyLM"]
+    back = MyLM.from_pretrained(tmp_path, local_files_only=True)
+    assert back.generation_config.max_new_tokens == 7
+    assert all(torch.equal(p, q) for p, q in zip(back.parameters(), model.parameters()))
+
+
 @pytest.mark.parametrize("raw,needle", [
     (dict(model_type="gpt_neo", num_layers=2, attention_types=[[["global", "local"], 1]], hidden_size=32,
           num_heads=4, vocab_size=96, max_position_embeddings=32),
