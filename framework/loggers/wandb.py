@@ -99,7 +99,7 @@ def key_configured() -> bool:
     by its form is a ConfigError."""
     from wandb.errors import Error
 
-    try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.17)
+    try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.19.9)
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
 

@@ -219,6 +219,23 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
         assert run.exit_code == code
 
 
+def test_the_wandb_pyproject_takes_starts_runs_as_the_logger_asks():
+    """The logger passes wandb.init(reinit="finish_previous") (a sweep's jobs share a process): wandb before
+    0.19.9 takes only a bool there and refuses every run, so pyproject asks for 0.19.9 or later."""
+    import inspect
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from framework.loggers.wandb import WandbLogger
+
+    assert 'reinit="finish_previous"' in inspect.getsource(WandbLogger.start)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pins = [d.replace(" ", "") for d in pyproject["project"]["dependencies"] if re.match(r"wandb\b", d)]
+    assert len(pins) == 1 and (low := re.fullmatch(r"wandb>=([\d.]+)", pins[0])), pins
+    assert tuple(map(int, low.group(1).split("."))) >= (0, 19, 9), pins
+
+
 @pytest.mark.parametrize("overrides,env,says", [
     (["logger.project=a/b"], {}, "logger.project='a/b' has a character W&B refuses"),
     (["logger.project='a#b'"], {}, "logger.project='a#b' has a character W&B refuses"),
@@ -278,7 +295,7 @@ def test_every_mode_wandb_takes_is_accepted_and_a_configured_key_goes_online(mon
 
 
 def test_a_wandb_without_its_private_key_lookup_checks_the_environment_and_netrc(monkeypatch, tmp_path):
-    """Older wandb (pyproject takes >=0.17) has no wandb.sdk.lib.wbauth: the check when composing falls back to
+    """Older wandb (pyproject takes >=0.19.9) has no wandb.sdk.lib.wbauth: the check when composing falls back to
     WANDB_API_KEY and the .netrc entry for the server's host, never a traceback."""
     import wandb.sdk.lib
 
