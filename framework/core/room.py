@@ -10,6 +10,7 @@ the claims per file system, every rank refuses at once with the same line.
 """
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from framework.core.units import size
 
+FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # no room: the disk, a file size limit, a quota
 
 @dataclass(frozen=True)
 class Claim:

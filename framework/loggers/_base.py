@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from framework.core import files
-from framework.core.errors import FrameworkError, Interrupted, Terminated
+from framework.core.errors import FrameworkError, Interrupted, Terminated, say
+from framework.core.room import FULL, free_bytes
+from framework.core.units import size
 
 
 @dataclass(frozen=True)
@@ -51,19 +53,27 @@ class RunRecord:
     folder's checkpoint; else the step of this folder's own checkpoint it resumed). Records of later
     steps in the folder (an earlier run's, or steps after that checkpoint) would repeat or mix with
     this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a new record an
-    earlier ``summary.json`` too (``summary.json.N``), so nothing is lost."""
+    earlier ``summary.json`` too (``summary.json.N``), so nothing is lost. That happens in ``start``,
+    once the configured logger started: a run it refuses (W&B) leaves the folder's records as they were.
+
+    No room to write them (a full disk, a file size limit, a quota) ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
-        self.run_dir, self.logger = run_dir, logger if logger is not None else NullLogger()
-        _set_aside(run_dir, start)
-        self._metrics = files.open_append(run_dir / "metrics.jsonl")   # never through a planted link
+        files.refuse_links(run_dir / "metrics.jsonl")   # (before anything starts; the open never follows one either)
+        self.run_dir, self.logger, self._from = run_dir, logger if logger is not None else NullLogger(), start
+        self._metrics = None
+        self._full = False   # a write found no room: closing (flushing what it left) fails the same way
 
     def start(self, config: dict, total_steps: int) -> None:
         self.logger.start(config, total_steps)
+        with self._room("metrics.jsonl"):
+            _set_aside(self.run_dir, self._from)
+            self._metrics = files.open_append(self.run_dir / "metrics.jsonl")   # never through a planted link
 
     def log(self, record: dict) -> None:
-        self._metrics.write(_json(record) + "\n")
+        with self._room("metrics.jsonl"):
+            self._metrics.write(_json(record) + "\n")
         self.logger.log(record)
 
     def finish(self, summary: dict) -> None:
@@ -75,12 +85,39 @@ class RunRecord:
                   f"state {summary['val_loss']:.4f})", flush=True)
             summary = kept
         else:
-            files.write_atomic(self.run_dir / "summary.json", (_json(summary, indent=2) + "\n").encode())
+            with self._room("summary.json"):
+                files.write_atomic(self.run_dir / "summary.json", (_json(summary, indent=2) + "\n").encode())
         self.logger.finish(summary)
 
     def close(self) -> None:
-        self.logger.close()
-        self._metrics.close()
+        try:
+            self.logger.close()
+        finally:
+            if self._metrics is not None:
+                metrics, self._metrics = self._metrics, None
+                if self._full:   # the failed write's error ends the run, not a second one of the same kind
+                    with contextlib.suppress(OSError):
+                        metrics.close()
+                else:
+                    with self._room("metrics.jsonl"):
+                        metrics.close()
+
+    @contextlib.contextmanager
+    def _room(self, name: str):
+        """An OSError of no room writing ``name`` as one line (the folder, the free space, the fix)."""
+        try:
+            yield
+        except OSError as e:
+            if e.errno not in FULL:
+                raise
+            self._full = True
+            try:
+                free = f"; {size(free_bytes(self.run_dir))} free"
+            except OSError:
+                free = ""
+            raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}{free}): free space, "
+                                 f"raise the file size limit (ulimit -f) or quota, or choose a run folder on a "
+                                 f"larger disk") from None
 
 
 def _json(obj, **kw) -> str:
@@ -138,21 +175,59 @@ def _step(line: str) -> float:
         return math.inf
 
 
+class _Log:
+    """train.log, shared by the console's two streams. A write that fails (no room on the disk, a file
+    size limit) ends the log, not the run: noted once on the console, which goes on alone."""
+
+    def __init__(self, f):
+        self.f = f
+        self.gone: bool | str = False   # once gone: the note for the console, until written (True)
+
+    def write(self, text: str) -> None:
+        self._do(self.f.write, text)
+
+    def flush(self) -> None:
+        self._do(self.f.flush)
+
+    def close(self) -> None:
+        self._do(self.f.close)
+        with contextlib.suppress(OSError, ValueError):   # gone: what a failed write left buffered is dropped
+            self.f.close()
+
+    def _do(self, act, *args) -> None:
+        if self.gone:
+            return
+        try:
+            act(*args)
+        except (OSError, ValueError) as e:
+            self.gone = f"(train.log cannot be written: {e}; the console goes on alone)\n"
+
+    def note(self) -> str | None:
+        """The note that the log is gone, once."""
+        if not isinstance(self.gone, str):
+            return None
+        note, self.gone = self.gone, True
+        return note
+
+
 class _Tee:
     """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log). A console that
     is gone (``| head``: a closed pipe) ends the run no more than it ends its log: noted there once, the
-    log goes on alone."""
+    log goes on alone; and a log that cannot be written (``_Log``) is noted once on the console."""
 
-    def __init__(self, terminal, log):
+    def __init__(self, terminal, log: _Log):
         self.terminal, self.log = terminal, log
         self.gone: bool | str = False   # once gone: the note for the log, until written (True)
 
     def write(self, text: str) -> int:
         self._console(self.terminal.write, text)
         self.log.write(text)
-        if isinstance(self.gone, str) and text.endswith("\n"):   # (on a line of its own)
-            self.log.write(self.gone)
-            self.gone = True
+        if text.endswith("\n"):   # (notes on a line of their own)
+            if isinstance(self.gone, str):
+                self.log.write(self.gone)
+                self.gone = True
+            if (note := self.log.note()) is not None:
+                self._console(self.terminal.write, note)
         return len(text)
 
     def _console(self, act, *args) -> None:
@@ -189,8 +264,9 @@ class _Tee:
 def console_log(path: Path):
     """Within the block, what this process prints (stdout and stderr) also goes to ``path``
     (appended): rank 0's console of a run is its folder's train.log. An error (any exception), Ctrl-C or
-    SIGTERM that ends the run is written there too (the caller prints it to the console)."""
-    log = files.open_append(path)
+    SIGTERM that ends the run is written there too (the caller prints it to the console). A log that
+    cannot be written (no room) ends nothing: the console goes on alone, with a note."""
+    log = _Log(files.open_append(path))
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
     try:
@@ -207,6 +283,8 @@ def console_log(path: Path):
     finally:
         sys.stdout, sys.stderr = out, err
         log.close()
+        if (note := log.note()) is not None:
+            say(note.rstrip("\n"), err)
 
 
 def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, checkpoints: Path) -> list[str]:

@@ -50,8 +50,9 @@ class WandbLogger:
                                   **(dict(id=run_id, resume="allow") if run_id else {}))
         except Exception as e:   # (UsageError, CommError, pydantic's ValidationError, ...): one line, no traceback
             why = " ".join(str(e).split(" For further information")[0].split())[:300] or type(e).__name__
+            offline = ", or run with logger.mode=offline" if mode(self.cfg) in ONLINE else ""
             raise ConfigError(f"logger=wandb: W&B refused to start the run: {why}; check the logger.* settings "
-                              f"(project, entity, tags, mode) and WANDB_API_KEY, or run with logger.mode=offline") from None
+                              f"(project, entity, tags, mode) and WANDB_API_KEY{offline}") from None
         if mode(self.cfg) != "disabled" and self.run is not None and self.run.id != run_id:
             files.write_atomic(self.run_info.run_dir / RUN_ID, self.run.id.encode())   # for a resume of this run
         self.console.start(config, total_steps)
@@ -98,7 +99,7 @@ def key_configured() -> bool:
     by its form is a ConfigError."""
     from wandb.errors import Error
 
-    try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.17)
+    try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.19.9)
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
 

@@ -19,7 +19,7 @@ import torch
 
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError
-from framework.core.room import free_bytes
+from framework.core.room import FULL, free_bytes
 from framework.core.units import MiB, size
 from framework.core.utils import dtype_name, few
 from framework.persist import stepfolders
@@ -253,7 +253,6 @@ def check_dtype(dtype: torch.dtype | None, what: str) -> None:
 
 
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
-FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # no room: the disk, a file size limit, a quota
 
 
 def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:

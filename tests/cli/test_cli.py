@@ -247,6 +247,30 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
 
 
+def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
+    """A full disk under metrics.jsonl (here a 5 KiB file size limit, RLIMIT_FSIZE, which job 0's record
+    outgrows and job 1's does not): one line for job 0, then job 1, then the sweep's count of failed jobs.
+    (A fresh process, not forkrun: the limit would hold for the fork server's output files too.)"""
+    import resource
+
+    root = Path(__file__).resolve().parents[2]
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (5 * 1024, 5 * 1024))
+
+    sweep = tmp_path / "sweep"
+    p = subprocess.run([sys.executable, "-m", "framework.train", "-m", "train.steps=40,2", "train.log_every=1",
+                        "train.eval_every=0", "train.eval_batches=1", *SHORT[4:], "hydra.output_subdir=null",
+                        f"hydra.sweep.dir={sweep}"], cwd=tmp_path, env={**os.environ, **ENV, "PYTHONPATH": str(root)},
+                       capture_output=True, text=True, timeout=240, preexec_fn=limit)
+    lines = error_lines(p)
+    assert p.returncode == 1 and len(lines) == 2, p.stderr[-3000:]
+    assert lines[0].startswith(f"error: no room to write metrics.jsonl in {sweep / '0'} (File too large; "), lines
+    assert "raise the file size limit" in lines[0], lines
+    assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({sweep / '0'})", lines
+    assert (sweep / "1" / "summary.json").is_file()   # the job after the failed one ran
+
+
 def test_two_jobs_of_a_sweep_never_share_a_run_folder(forkrun, tmp_path):
     p = cli(forkrun, tmp_path, "-m", "train.steps=2,3", *[o for o in SHORT if not o.startswith("train.steps=")],
             "checkpoint.every=1", "hydra.sweep.subdir=same")

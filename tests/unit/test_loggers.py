@@ -15,6 +15,11 @@ def _records(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _started(record):
+    record.start({}, 1)
+    return record
+
+
 def _earlier_run(folder, steps=(2, 4, 6)):
     folder.mkdir(exist_ok=True)
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in steps] + ['{"step": 6, "val_lo']   # cut short
@@ -25,7 +30,7 @@ def _earlier_run(folder, steps=(2, 4, 6)):
 def test_a_fresh_start_sets_the_earlier_runs_records_aside(tmp_path):
     _earlier_run(tmp_path)
     old = (tmp_path / "metrics.jsonl").read_text()
-    record = RunRecord(tmp_path, start=0)
+    record = _started(RunRecord(tmp_path, start=0))
     record.log({"step": 2, "loss": 9.0})
     record.close()
     assert _records(tmp_path / "metrics.jsonl") == [{"step": 2, "loss": 9.0}]   # this run's only
@@ -33,14 +38,14 @@ def test_a_fresh_start_sets_the_earlier_runs_records_aside(tmp_path):
     assert json.loads((tmp_path / "summary.json.1").read_text())["steps"] == 6
     assert not (tmp_path / "summary.json").exists()   # no summary of another run beside this run's records
     _earlier_run(tmp_path)
-    RunRecord(tmp_path, start=0).close()   # the next free number
+    _started(RunRecord(tmp_path, start=0)).close()   # the next free number
     assert (tmp_path / "metrics.jsonl.2").read_text() == old and (tmp_path / "summary.json.2").is_file()
 
 
 def test_a_resume_drops_the_records_after_its_step(tmp_path):
     _earlier_run(tmp_path)
     old = (tmp_path / "metrics.jsonl").read_text()
-    record = RunRecord(tmp_path, start=4)
+    record = _started(RunRecord(tmp_path, start=4))
     record.log({"step": 6, "loss": 9.0})
     record.close()
     assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [2, 4, 6]   # step 6 once: this run's
@@ -51,7 +56,7 @@ def test_a_resume_drops_the_records_after_its_step(tmp_path):
 
 def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
-    RunRecord(tmp_path, start=2).close()
+    _started(RunRecord(tmp_path, start=2)).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.0}\n'
     assert not (tmp_path / "metrics.jsonl.1").exists()
 
@@ -60,13 +65,13 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     """Re-running a finished run (resumed at train.steps) never replaces its summary with NaN."""
     _earlier_run(tmp_path, steps=(2,))
     before = (tmp_path / "summary.json").read_text()
-    record = RunRecord(tmp_path, start=2)
+    record = _started(RunRecord(tmp_path, start=2))
     record.finish({"steps": 2, "steps_run": 0, "train_loss": None, "val_loss": 0.6})
     record.close()
     assert (tmp_path / "summary.json").read_text() == before
     assert "summary.json of step 2 kept" in capsys.readouterr().out
     # Another step's summary (or none): this one is written.
-    record = RunRecord(tmp_path, start=4)
+    record = _started(RunRecord(tmp_path, start=4))
     record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.5})
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
 
@@ -93,7 +98,7 @@ def test_non_finite_values_are_written_as_null(tmp_path):
     from framework.loggers._base import summary_line
 
     nan, inf = float("nan"), float("inf")
-    record = RunRecord(tmp_path)
+    record = _started(RunRecord(tmp_path))
     record.log({"step": 1, "loss": inf, "grad_norm": nan, "peaks": [1.0, -inf]})
     record.finish({"steps": 1, "steps_run": 1, "train_loss": None, "val_loss": nan, "tokens_per_s": 10.0,
                    "data": {"entropy_floor": 1.5}})
@@ -139,6 +144,61 @@ def test_a_file_system_without_flock_runs_unlocked_with_a_note(tmp_path, monkeyp
     assert err.startswith("note: ") and "cannot lock run.lock" in err and err.count("\n") == 1, err
 
 
+def test_no_room_for_the_run_record_is_one_line(tmp_path):
+    """A full disk (or a file size limit, a quota) under metrics.jsonl or summary.json ends the run with one
+    line naming the file and the folder; closing the record (what the failed write left) adds no second error."""
+    from tests._helpers import file_size_limit
+
+    record = _started(RunRecord(tmp_path))
+    with file_size_limit(1000), pytest.raises(FrameworkError) as e:
+        try:
+            for step in range(1, 100):
+                record.log({"step": step, "loss": 1.0 / step, "lr": 1e-3, "tokens_per_s": 1234.5})
+        finally:
+            record.close()
+    assert str(e.value).startswith(f"no room to write metrics.jsonl in {tmp_path} (File too large; "), e.value
+    assert "free space" in str(e.value) and "\n" not in str(e.value)
+    record = _started(RunRecord(tmp_path / "b"))
+    with file_size_limit(100), pytest.raises(FrameworkError, match=f"^no room to write summary.json in {tmp_path / 'b'} "):
+        record.finish({"steps": 1, "steps_run": 1, "train_loss": None, "val_loss": 1.0, "notes": "x" * 200})
+    record.close()
+
+
+def test_a_train_log_without_room_ends_nothing_and_the_console_goes_on(tmp_path, capsys):
+    """train.log on a full disk is as a console that is gone: noted once (on the console), the run and its
+    console go on, and the error that ends the run is the run's own, not a failed write of the log's."""
+    from framework.loggers import console_log
+    from tests._helpers import file_size_limit
+
+    with file_size_limit(200), pytest.raises(FrameworkError, match="^the run's own error$"):
+        with console_log(tmp_path / "train.log"):
+            for step in range(20):
+                print(f"step {step} | loss 4.1647")
+            raise FrameworkError("the run's own error")
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("step")] == [f"step {i} | loss 4.1647" for i in range(20)], out
+    assert sum("(train.log cannot be written: [Errno 27] File too large; the console goes on alone)" == line
+               for line in out) == 1, out
+    assert (tmp_path / "train.log").read_text().startswith("step 0 | loss 4.1647\n")
+
+
+def test_a_run_its_logger_refuses_leaves_the_folders_records_as_they_were(tmp_path):
+    """W&B refusing to start the run (a ConfigError): the folder's earlier records are not set aside."""
+    from framework.loggers import NullLogger
+
+    class Refusing(NullLogger):
+        def start(self, config, total_steps):
+            raise ConfigError("logger=wandb: W&B refused to start the run")
+
+    _earlier_run(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    record = RunRecord(tmp_path, Refusing(), start=0)
+    with pytest.raises(ConfigError):
+        record.start({}, 1)
+    record.close()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
 class _FakeRun:
     def __init__(self):
         self.summary, self.exit_code = {}, "not finished"
@@ -157,6 +217,23 @@ def test_a_failed_run_is_finished_in_wandb_with_exit_code_1():
             logger.finish({"steps": 2, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0})
         logger.close()
         assert run.exit_code == code
+
+
+def test_the_wandb_pyproject_takes_starts_runs_as_the_logger_asks():
+    """The logger passes wandb.init(reinit="finish_previous") (a sweep's jobs share a process): wandb before
+    0.19.9 takes only a bool there and refuses every run, so pyproject asks for 0.19.9 or later."""
+    import inspect
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from framework.loggers.wandb import WandbLogger
+
+    assert 'reinit="finish_previous"' in inspect.getsource(WandbLogger.start)
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    pins = [d.replace(" ", "") for d in pyproject["project"]["dependencies"] if re.match(r"wandb\b", d)]
+    assert len(pins) == 1 and (low := re.fullmatch(r"wandb>=([\d.]+)", pins[0])), pins
+    assert tuple(map(int, low.group(1).split("."))) >= (0, 19, 9), pins
 
 
 @pytest.mark.parametrize("overrides,env,says", [
@@ -218,7 +295,7 @@ def test_every_mode_wandb_takes_is_accepted_and_a_configured_key_goes_online(mon
 
 
 def test_a_wandb_without_its_private_key_lookup_checks_the_environment_and_netrc(monkeypatch, tmp_path):
-    """Older wandb (pyproject takes >=0.17) has no wandb.sdk.lib.wbauth: the check when composing falls back to
+    """Older wandb (pyproject takes >=0.19.9) has no wandb.sdk.lib.wbauth: the check when composing falls back to
     WANDB_API_KEY and the .netrc entry for the server's host, never a traceback."""
     import wandb.sdk.lib
 
@@ -252,6 +329,8 @@ def test_wandb_refusing_to_start_the_run_is_one_line(monkeypatch, tmp_path, cfg,
         logger.start({}, 1)
     assert str(e.value).startswith("logger=wandb: W&B refused to start the run: ") and says in str(e.value)
     assert "\n" not in str(e.value) and "WANDB_API_KEY" in str(e.value)
+    # Going offline is advice only for a run that was not offline already.
+    assert ("or run with logger.mode=offline" in str(e.value)) == (cfg.get("mode") == "online"), e.value
 
 
 def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, tmp_path):
