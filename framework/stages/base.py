@@ -66,6 +66,10 @@ class BaseStage:
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
 
+    def read_errors(self) -> None:
+        """Collective where gathers read shards from a swap file (zero3, offload.params=nvme): every rank
+        raises SwapIOError if some rank's read failed since the last check (that rank gathered zeros)."""
+
     def out16(self) -> list[torch.Tensor] | None:
         """Where the optimizer step also writes the updated values in the working dtype, or None."""
         return None  # publish converts the master values itself

@@ -156,6 +156,42 @@ def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
     assert "another rank failed" in results[0][1], results[0]
 
 
+def _read_after_corrupting_params(dist, folder):
+    """Rank 1 corrupts its zero3 parameter swap file after a step; then eval_step, framework.gathered,
+    consolidated_state_dict, a bare forward, close: None or (error name, message) of each."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, f"offload.nvme_path={folder}/r{dist.rank}",
+                      "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+    state, _ = engine.train_step(engine.state, batch)
+    if dist.rank == 1:
+        with open(os.path.join(folder, "r1", "rank00001.params.swap"), "r+b") as f:
+            f.write(os.urandom(64))
+    out = []
+    for call in (lambda: engine.eval_step(state, batch.micro), lambda: framework.gathered(list(module.parameters())).__enter__(),
+                 engine.consolidated_state_dict, lambda: gpt_loss(module, batch.micro[0]), engine.close):
+        try:
+            with torch.no_grad():
+                call()
+            out.append(None)
+        except framework.FrameworkError as e:
+            out.append((type(e).__name__, str(e)))
+    engine.close()
+    return out
+
+
+def test_a_failed_shard_read_fails_eval_gathered_and_consolidation_on_every_rank(pools, tmp_path):
+    """A failed read gives its gather zeros (so no peer waits in it); the zeros never reach a caller:
+    eval_step, framework.gathered and consolidated_state_dict raise on every rank (the failing one
+    naming the file), and a failure no agreement saw (a bare forward) is raised by close."""
+    results = pools(2).run(_read_after_corrupting_params, str(tmp_path), timeout=120)
+    for rank0, rank1 in zip(*(r[:3] for r in results)):
+        assert rank0 is not None and "another rank failed" in rank0[1] and rank0[0] == "SwapIOError", results[0]
+        assert rank1 is not None and rank1[0] == "SwapIOError" and "rank00001.params.swap" in rank1[1], results[1]
+    assert results[0][3:] == [None, None] and results[1][3] is None and results[1][4][0] == "SwapIOError", results
+
+
 def _fail_copy_back_on_one_rank(dist, folder, overlap):
     """zero3 with its shards on NVMe and the optimizer in host memory: rank 1's read of a shard for the
     copy back after the host step fails (the forward's reads succeeded); with ``overlap`` the pieces
