@@ -107,6 +107,7 @@ class Engine(contextlib.AbstractContextManager):
                     total = total + checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
+        c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
         total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
         c.dist.all_reduce(total, what="validation loss all-reduce")
         return total.item() / (len(batches) * c.dist.world)
@@ -128,8 +129,10 @@ class Engine(contextlib.AbstractContextManager):
             self.closed = True
             if _owner(self.components.module) is self:   # another initialize may take the module now
                 del self.components.module._framework_owner
-            self.components.update.close()   # the offload worker thread, if any
-            self.components.stage.close()    # hooks on the module
+            try:
+                self.components.update.close()   # the offload worker thread, if any
+            finally:   # (a swap read failure it raises leaves no hook behind)
+                self.components.stage.close()    # hooks on the module
 
     def __exit__(self, *exc) -> None:
         self.close()

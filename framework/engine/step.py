@@ -96,12 +96,12 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
             mean_loss = total / (n * c.dist.world)
             overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))
             nonfinite = overflow and c.policy.scaler is None   # fp16's loss scaling skips such steps
+            if overflow:   # (first: it waits for the gradients' copies to the host, which the names read)
+                c.update.skip()
             if nonfinite:
                 _nonfinite(c, state.step + 1, mean_loss, norm, c.stage.nonfinite_names(grads),
                            state.precision.skipped_steps + 1)
             opt_state = state.opt_state
-            if overflow:
-                c.update.skip()
             precision = next_scale(c.policy.scaler, state.precision, overflow,
                                    culprits=lambda: c.stage.nonfinite_names(grads))
             if not overflow:

@@ -319,6 +319,8 @@ class DiskPlacement(NVMePlacement):
             self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
             self.writes: dict[int, Future] = {}       # group -> its latest write
+            # A write or read back that failed in a backward hook (one rank only): agreed on after backward
+            self.grad_error: BaseException | None = None
             self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
             self.follow: dict[int, int] = {}          # group -> the group reduced after it last time
             self.last: int | None = None              # the group saved last
@@ -342,9 +344,12 @@ class DiskPlacement(NVMePlacement):
         future, k = self.reads.pop(group, None) or self._read_back(group)
         try:
             host = future.result()   # IO wait (the write it reads waited for the previous micro batch only)
-        except BaseException:
+        except BaseException as e:
             self.free.append(k)      # (the read wrote nothing the device reads)
-            raise
+            if not isinstance(e, Exception):
+                raise
+            self.grad_error = self.grad_error or e   # (zeros: backward goes on on every rank)
+            return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
         buf = torch.empty(numel, dtype=self.grad_dtype, device=acc.device)
         fresh = recorded(acc)   # buf's memory: after the current stream's earlier uses of it
         with acc.stream(self.h2d_stream):
@@ -399,7 +404,10 @@ class DiskPlacement(NVMePlacement):
             self.norms[group] = sq_norm_part(buf, self.acc.device)   # on the device, no host sync
         self.acc.use(writes=[buf])   # the reduction added into it on this stream (after its copy from the host)
         produced = recorded(self.acc)
-        self._wait_writes(keep=1)   # back-pressure: the oldest write finishes first
+        try:
+            self._wait_writes(keep=1)   # back-pressure: the oldest write finishes first
+        except Exception as e:   # noqa: BLE001 - raised on every rank once backward ends (``finish_grads``)
+            self.grad_error = self.grad_error or e
         self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))
         self.writes[group] = self.pending[-1]
         self.written.add(group)
@@ -421,13 +429,19 @@ class DiskPlacement(NVMePlacement):
             self.pending.popleft().result()
 
     def finish_grads(self) -> None:
-        """After backward: every partition's extents hold this step's gradient and its norm is known."""
-        self._wait_writes()
-        for group, part in enumerate(self.partitions):
-            if group not in self.norms and part.numel():   # reduced on an earlier micro batch only, or never
-                self.save_grad(group, self.load_grad(group), final=True)
-        self._drop_reads()   # (one read ahead for a reduction that did not come)
-        self._wait_writes()
+        """After backward: every partition's extents hold this step's gradient and its norm is known; a
+        gradient write or read back that failed on any rank raises SwapIOError on every rank."""
+        try:
+            self._wait_writes()
+            for group, part in enumerate(self.partitions):
+                if group not in self.norms and part.numel():   # reduced on an earlier micro batch only, or never
+                    self.save_grad(group, self.load_grad(group), final=True)
+            self._drop_reads()   # (one read ahead for a reduction that did not come)
+            self._wait_writes()
+        except Exception as e:   # noqa: BLE001 - agreed on below, re-raised on every rank
+            self.grad_error = self.grad_error or e
+        error, self.grad_error = self.grad_error, None
+        self.agree_io_error(error, "writing or reading back zero3's gradients in the swap file")
 
     def grad_sq_norm_local(self) -> torch.Tensor:
         """This rank's squared norm over its partitions, summed as ``utils.sq_norm`` sums them."""
@@ -448,6 +462,7 @@ class DiskPlacement(NVMePlacement):
         for f in self.pending:   # (after a failed step: a write still queued must not land later)
             f.exception()
         self._drop_reads()
+        self.grad_error = None
         for done in (self.pending, self.writes, self.written, self.norms):
             done.clear()
 

@@ -206,10 +206,14 @@ class DiskShards(HostShards):
                                  "(inside its with block), or save_weights then")
 
     def close(self) -> None:
+        """Raises a read failure no agreement saw (a gather's zeros were used unchecked), once closed."""
         self.closed = True
         self._close_spill()
         if self.held is not None:   # (a step that failed between a copy back and ``flush``)
             self.store.release(self.held[1], None, dirty=False)
             self.held = None
         self.store.close()
+        error, self.read_error = self.read_error, None
+        if error is not None:
+            raise error
 

@@ -369,6 +369,8 @@ class Placement:
 
     def close(self) -> None:
         """Settle the stores; remove the swap files (also after an error)."""
-        self.shards.close()
-        for store in self.stores.values():
-            (store.close if hasattr(store, "close") else store.flush)()
+        try:
+            self.shards.close()
+        finally:   # (a read failure it raises leaves no store open)
+            for store in self.stores.values():
+                (store.close if hasattr(store, "close") else store.flush)()

@@ -66,6 +66,10 @@ class BaseStage:
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
 
+    def read_errors(self) -> None:
+        """Collective where gathers read shards from a swap file (zero3, offload.params=nvme): every rank
+        raises SwapIOError if some rank's read failed since the last check (that rank gathered zeros)."""
+
     def out16(self) -> list[torch.Tensor] | None:
         """Where the optimizer step also writes the updated values in the working dtype, or None."""
         return None  # publish converts the master values itself
@@ -135,6 +139,7 @@ class PartitionedStage(BaseStage):
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
         mine = set()   # (zero3's gradients in the swap file are read one piece at a time)
         for g, (group, start) in zip(self.offload.readable_grads(grads), self.piece_index):
+            self.dist.acc.host_use(reads=[g])   # (offload: a host buffer the D2H stream fills; read once done)
             # host sync: slow path, after an overflow
             mine.update(self.layouts[group].nonfinite_names(g, self.bounds[group][0] + start))
         return sorted(set().union(*self.dist.all_gather_object(sorted(mine), what="overflow names gather")))

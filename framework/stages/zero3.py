@@ -147,6 +147,9 @@ class Zero3Stage(PartitionedStage):
         if not train:   # train_step's pass ends with its backward
             self.gatherer.end_pass()
 
+    def read_errors(self) -> None:
+        self.offload.shards.read_errors()
+
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.gatherer.check_not_held()
         self.gatherer.final = sync   # units run their backward only while it is set
@@ -212,7 +215,7 @@ class Zero3Stage(PartitionedStage):
         return self.cfg.stage3_gather_16bit_weights_on_model_save
 
     def consolidated_state_dict(self) -> dict | None:
-        """Gathers one unit at a time (collective)."""
+        """Gathers one unit at a time (collective; each ``gathered`` checks its shard reads)."""
         frozen = [(n, p) for n, p in self.module.named_parameters(remove_duplicate=False)
                   if not isinstance(p, ShardedParameter)]   # whole on every rank
         out = {n: p.detach().to("cpu", copy=True) for n, p in frozen} if self.dist.is_main else {}  # host sync: as below
@@ -241,6 +244,9 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
+        # A shard read that failed on some rank gave it zeros: every rank raises before the block sees them.
+        for gatherer in {id(u.gatherer): u.gatherer for u in units}.values():
+            gatherer.offload.shards.read_errors()
         # this rank's partition as it was (the shard's values), to see what changed
         before = {id(g): g.full[slice(*g.layout.partition(u.gatherer.dist.rank))].clone()
                   for u in units for g in u.groups} if modifier_rank is not None else {}

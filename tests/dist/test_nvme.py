@@ -7,7 +7,9 @@ pipeline_write on and off (bitwise equal to each other), and zero3 parameter sha
 nvme (also with the optimizer in host memory). Tiles are small (sub_group_size=700, a few buffers) so every step swaps many of them. One
 pool call per world size runs every case. Also: an IO error on one rank (a corrupted extent of the
 optimizer's or of zero3's parameter swap file) fails every rank with the error, not a hang, in a step, a
-checkpoint save or a weights export (both read the mapped swap file after checking it); a full
+checkpoint save or a weights export (both read the mapped swap file after checking it), as do a
+failed zero3 shard read before eval_step, framework.gathered or consolidated_state_dict hands out its
+values and a zero3 gradient write failing in a backward hook (raised once backward ends); a full
 disk ends a CLI run with one line and an intact run directory; a too-small parameter buffer fails at
 start-up, as does a max_in_cpu below the largest shard (in the estimate too). zero3's swapped gradients
 read back on later micro batches reach the device without a host sync in the backward hook; their
@@ -154,6 +156,86 @@ def test_io_error_on_one_rank_fails_every_rank(pools, tmp_path, stage, kind):
     assert all(name == "SwapIOError" for name, _ in results), results
     assert f"rank00001.{kind}.swap" in results[1][1], results[1]   # the failing rank names file and offset
     assert "another rank failed" in results[0][1], results[0]
+
+
+def _read_after_corrupting_params(dist, folder):
+    """Rank 1 corrupts its zero3 parameter swap file after a step; then eval_step, framework.gathered,
+    consolidated_state_dict, a bare forward, close: None or (error name, message) of each."""
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, f"offload.nvme_path={folder}/r{dist.rank}",
+                      "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+    state, _ = engine.train_step(engine.state, batch)
+    if dist.rank == 1:
+        with open(os.path.join(folder, "r1", "rank00001.params.swap"), "r+b") as f:
+            f.write(os.urandom(64))
+    out = []
+    for call in (lambda: engine.eval_step(state, batch.micro), lambda: framework.gathered(list(module.parameters())).__enter__(),
+                 engine.consolidated_state_dict, lambda: gpt_loss(module, batch.micro[0]), engine.close):
+        try:
+            with torch.no_grad():
+                call()
+            out.append(None)
+        except framework.FrameworkError as e:
+            out.append((type(e).__name__, str(e)))
+    engine.close()
+    return out
+
+
+def test_a_failed_shard_read_fails_eval_gathered_and_consolidation_on_every_rank(pools, tmp_path):
+    """A failed read gives its gather zeros (so no peer waits in it); the zeros never reach a caller:
+    eval_step, framework.gathered and consolidated_state_dict raise on every rank (the failing one
+    naming the file), and a failure no agreement saw (a bare forward) is raised by close."""
+    results = pools(2).run(_read_after_corrupting_params, str(tmp_path), timeout=120)
+    for rank0, rank1 in zip(*(r[:3] for r in results)):
+        assert rank0 is not None and "another rank failed" in rank0[1] and rank0[0] == "SwapIOError", results[0]
+        assert rank1 is not None and rank1[0] == "SwapIOError" and "rank00001.params.swap" in rank1[1], results[1]
+    assert results[0][3:] == [None, None] and results[1][3] is None and results[1][4][0] == "SwapIOError", results
+
+
+def _fail_a_gradient_write_on_one_rank(dist, folder):
+    """zero3 with its gradients in the swap file: rank 1's writes fail (EIO) from the second step on,
+    first inside a backward hook; (error name, message) of what each rank raised."""
+    import errno
+
+    from framework.offload._store import Tier
+    from framework.offload._swapfile import Syscalls
+
+    class Failing(Syscalls):
+        armed = False
+
+        def pwritev(self, fd, bufs, offset):
+            if self.armed:
+                raise OSError(errno.EIO, "injected")
+            return super().pwritev(fd, bufs, offset)
+
+    cfg = tiny_config(*BASE, "+stage=zero3", *NVME, f"offload.nvme_path={folder}/r{dist.rank}",
+                      "stage.stage3_param_persistence_threshold=0")
+    module, data = build_gpt(cfg)
+    with framework.initialize(module, gpt_loss, cfg, dist) as engine:
+        fail = engine.components.stage.offload.stores[Tier.DISK].file.syscalls = Failing()
+        batch = data.train_batch(0, micro_batch=2, grad_accum=2, rank=dist.rank, world=dist.world)
+        state, _ = engine.train_step(engine.state, batch)
+        fail.armed = dist.rank == 1
+        try:
+            engine.train_step(state, batch)
+        except framework.FrameworkError as e:
+            return type(e).__name__, str(e)
+        finally:
+            fail.armed = False
+    return None
+
+
+def test_a_gradient_write_failing_in_backward_fails_every_rank(pools, tmp_path):
+    """The failure is kept until backward ends (the hook that met it must not raise on one rank only,
+    leaving the others in the next reduction): then every rank raises SwapIOError, the failing one
+    naming the file."""
+    results = pools(2).run(_fail_a_gradient_write_on_one_rank, str(tmp_path), timeout=120)
+    assert results[1] is not None and results[1][0] == "SwapIOError", results
+    assert "swap write of" in results[1][1] and "rank00001.optim.swap" in results[1][1], results[1]
+    assert results[0] is not None and results[0][0] == "SwapIOError", results
+    assert "another rank failed while writing or reading back zero3's gradients" in results[0][1], results[0]
 
 
 def _fail_copy_back_on_one_rank(dist, folder, overlap):

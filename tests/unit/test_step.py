@@ -93,10 +93,13 @@ class _InfGrad(torch.autograd.Function):
         return g * float("inf")
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_a_nonfinite_step_without_loss_scaling_names_the_parameters_and_counts_skips(precision, capsys):
+@pytest.mark.parametrize("precision,offload", [("bf16", []), ("fp32", []), ("fp32", ["+stage=zero2", "offload=cpu"]),
+                                               ("bf16", ["+stage=zero3", "offload=cpu", "offload.params=cpu"])])
+def test_a_nonfinite_step_without_loss_scaling_names_the_parameters_and_counts_skips(precision, offload, capsys):
     """As fp16 at its scale floor does: the parameters whose gradients are non-finite are named (only
-    a.weight's here), and train.on_nonfinite=warn says how many steps were skipped so far."""
+    a.weight's here), and train.on_nonfinite=warn says how many steps were skipped so far. With
+    offload=cpu the names are read from the host gradients once their copies from the device are done
+    (the checking accelerator refuses an earlier read)."""
     def loss_fn(m, mb):   # a finite loss; an infinite gradient reaches a.weight only
         out = m(mb[0].to(m.a.weight.dtype)) + _InfGrad.apply(m.a.weight).sum() * 0
         return nn.functional.mse_loss(out.float(), mb[1])
@@ -104,7 +107,7 @@ def test_a_nonfinite_step_without_loss_scaling_names_the_parameters_and_counts_s
     batch = Batch(((torch.randn(4, 5), torch.randn(4, 1)),))
     for mode in ("stop", "warn"):
         cfg = framework.compose(["optimizer=sgd", "scheduler=constant", "train.micro_batch=4", "logger=none",
-                                 f"precision={precision}", f"train.on_nonfinite={mode}"])
+                                 f"precision={precision}", f"train.on_nonfinite={mode}", *offload])
         torch.manual_seed(0)
         with framework.initialize(TwoLayer(), loss_fn, cfg) as engine:
             if mode == "stop":
