@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config
 from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
@@ -52,6 +53,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
             cfg = preflight(cfg, run.run_dir, run.job)
+            restart_notice(cfg, run)
             if on_owned is not None:
                 on_owned(run.run_dir)
             return cfg
@@ -223,6 +225,19 @@ def check_launch_env(cfg: Config) -> None:
     if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
+
+
+def restart_notice(cfg: Config, run: RunInfo) -> None:
+    """One line where a torchrun restart (a rank failed, torchrun started them all again) finds nothing to
+    resume: each attempt composes the run folder anew, so a folder named by ${now} is a new one."""
+    restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    if restarts < 1 or cfg.checkpoint.resume != "auto" or not cfg.checkpoint.every:
+        return
+    root = checkpoint_root(cfg, run.run_dir, run.job)
+    if not root.is_dir() or not stepfolders.scan(root)[0]:
+        print(f"torchrun restart {restarts}: no checkpoint in {root} to resume (a run folder named by ${{now}} is "
+              f"new on each attempt); set hydra.run.dir (or checkpoint.dir) to a fixed folder to resume after a restart",
+              file=sys.stderr, flush=True)
 
 
 def _notice(cfg: Config, local_world: int, main: bool) -> None:

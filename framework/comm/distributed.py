@@ -189,9 +189,30 @@ def _launcher_int(name: str, text: str) -> int:
 
 
 def check_env_ints() -> None:
-    """One line for a launcher variable that is set but not an integer (``LAUNCH_INTS``)."""
+    """One line for a launcher variable that is set but not an integer (``LAUNCH_INTS``), or for rank
+    variables that disagree with each other (a rank outside its world; Slurm tasks that share one RANK):
+    such a run would wait out dist.timeout_s at the rendezvous and end in torch's traceback."""
     for name in LAUNCH_INTS:
         env_int(name, 0)
+    env = os.environ
+    for idx, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
+        if idx == "LOCAL_RANK" and not env.get(size):   # (a LOCAL_RANK alone names a GPU, nothing to check)
+            continue
+        n = env_int(size, 1)
+        if n < 1:
+            raise ConfigError(f"{size}={n}: a launch has at least 1 rank; unset {size} or launch with torchrun")
+        if env.get(idx) and not 0 <= (i := env_int(idx, 0)) < n:
+            raise ConfigError(f"{idx}={i} is not a rank of {f'{size}={n}' if env.get(size) else f'{size} unset (1)'} "
+                              f"(0 to {n - 1}); set both per rank "
+                              f"(torchrun does) or unset them")
+    # srun starting the ranks itself (a task per rank): a RANK exported once for the whole step is every
+    # task's, and the tasks would all claim it. (torchrun under srun numbers its ranks itself.)
+    key = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    if env.get("RANK") and env.get("SLURM_PROCID") and "TORCHELASTIC_RUN_ID" not in env \
+            and env_int(key, 0) == env_int("WORLD_SIZE", 1) > 1 and env["RANK"] != env["SLURM_PROCID"]:
+        raise ConfigError(f"RANK={env['RANK']} but SLURM_PROCID={env['SLURM_PROCID']} in a step of {env[key]} tasks: "
+                          f"RANK must be set per task (unset RANK or export it per task: RANK=$SLURM_PROCID), or "
+                          f"run torchrun under srun (recipes/cluster/sbatch_torchrun.sh)")
 
 
 def gpu_count() -> int:
@@ -242,6 +263,7 @@ def check_env(store_path: str | None = None) -> None:
     group. A group this process joined already needs neither."""
     if tdist.is_initialized():
         return
+    check_env_ints()
     env = os.environ
     world = env_int("WORLD_SIZE", 1)
     if world > 1:
@@ -258,13 +280,26 @@ def check_env(store_path: str | None = None) -> None:
                           f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
 
+def bound_per_task(local_world: int, gpus: int) -> bool:
+    """Whether this rank is a Slurm task bound to GPUs of its own (srun --gpus-per-task, --gpu-bind: Slurm
+    sets CUDA_VISIBLE_DEVICES per task), so that it sees fewer GPUs than its host has ranks although each
+    rank has one. Ranks that share GPUs (torchrun: one CUDA_VISIBLE_DEVICES for all) are not."""
+    env = os.environ
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
+    return (bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world and env.get("SLURM_PROCID") is not None
+            and env.get("SLURM_PROCID") == env.get("RANK") and tasks is not None and tasks == env.get("WORLD_SIZE"))
+
+
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
     """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host.
-    NCCL refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank."""
+    NCCL refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank (one
+    seen by each rank, for Slurm tasks bound to GPUs of their own)."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
     local = local_world_size() if local_world is None else local_world
     gpus = gpu_count()
+    if bound_per_task(local, gpus):
+        local = 1   # a rank per task, each with its own GPU(s)
     if backend == "auto":
         return "nccl" if gpus and local <= gpus else "gloo"
     if backend == "nccl" and not gpus:
@@ -279,7 +314,7 @@ def resolve_backend(backend: str, local_world: int | None = None) -> str:
 def backend_notice(backend: str, local_world: int) -> str | None:
     """One line when ``auto`` falls back to gloo on the CPU although there is a GPU (else None)."""
     gpus = gpu_count()
-    if backend == "auto" and gpus and local_world > gpus:
+    if backend == "auto" and gpus and local_world > gpus and not bound_per_task(local_world, gpus):
         return (f"dist.backend=auto: {local_world} ranks on this host but {gpus} GPU{'s' if gpus != 1 else ''}: "
                 f"training on the CPU over gloo (NCCL needs one GPU per rank); use at most {gpus} "
                 f"rank{'s' if gpus != 1 else ''} per host to train on the GPU{'s' if gpus != 1 else ''}")
@@ -287,14 +322,16 @@ def backend_notice(backend: str, local_world: int) -> str | None:
 
 
 def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.device:
-    """The compute device of a rank: ``auto`` is cuda:LOCAL_RANK on NCCL and the CPU on gloo;
-    ``cuda`` puts a gloo rank on GPU LOCAL_RANK % GPUs (ranks may share one: tests and checks)."""
+    """The compute device of a rank: ``auto`` is cuda:LOCAL_RANK on NCCL (LOCAL_RANK % GPUs where the
+    rank sees fewer: a Slurm task bound to GPUs of its own) and the CPU on gloo; ``cuda`` puts a gloo
+    rank on GPU LOCAL_RANK % GPUs (ranks may share one: tests and checks)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not one of auto, cpu, cuda")
     if backend == "nccl":
         if device == "cpu":
             raise ConfigError("the nccl backend needs CUDA tensors; use gloo for a CPU device")
-        return torch.device("cuda", local_rank)
+        gpus = gpu_count()
+        return torch.device("cuda", local_rank % gpus if 0 < gpus <= local_rank else local_rank)
     if device == "cuda":
         if not gpu_count():
             raise ConfigError("device=cuda needs a GPU; none is visible")
@@ -355,13 +392,39 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     if joined:   # made with its own timeout (the caller's, or an earlier job's of a multirun)
         tdist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     else:
-        store = tdist.FileStore(store_path, world) if store_path else None
-        tdist.init_process_group(name, rank=rank, world_size=world, store=store,
-                                 timeout=timedelta(seconds=timeout_s),
-                                 device_id=dev if name == "nccl" else None)
+        _join(name, rank, world, timeout_s, store_path, dev if name == "nccl" else None)
     dist = Dist(rank, world, local, dev, name, timeout_s)
     peers = dist.all_gather_object((socket.gethostname(), os.getpid()), what="peer gather at connect")
     return replace(dist, peers=tuple(tuple(p) for p in peers))
+
+
+def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None,
+          device_id: torch.device | None) -> None:
+    """init_process_group, through a FileStore at ``store_path`` (else MASTER_ADDR:MASTER_PORT); a
+    rendezvous that fails (the port taken, a peer that never joins) is one line naming where and how long."""
+    timeout = timedelta(seconds=timeout_s)
+    where = f"FileStore {store_path}" if store_path else \
+        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
+    try:
+        store = None
+        if store_path:
+            store = tdist.FileStore(store_path, world)
+            store.set_timeout(timeout)   # (its own default is 300 s, whatever the group's timeout)
+        tdist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout,
+                                 device_id=device_id)
+    except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
+        text = str(e)
+        why = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        if "Duplicate GPU" in text:   # NCCL's own check, at the eager init device_id asks for
+            why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's "
+                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): bind a GPU of its own to "
+                   f"each task (srun --gpus-per-task=1) or use dist.backend=gloo")
+        elif "EADDRINUSE" in text or "address already in use" in text.lower():
+            why = "address already in use (another job on MASTER_PORT? give each job a port of its own)"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
+            why = (f"not every rank joined within dist.timeout_s={timeout_s:g}s (a rank that never started, "
+                   f"or another host's MASTER_ADDR/MASTER_PORT): {why}")
+        raise DistributedError(f"rank {rank}/{world}: rendezvous at {where} failed: {why}") from e
 
 
 def device_index(local: int | None, mine: int | None, gpus: int) -> int | None:

@@ -13,7 +13,9 @@ set -euo pipefail
 
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-PORT=${MASTER_PORT:-29500}
+# A port per job (from its id): two jobs whose first node is the same host would otherwise share one
+# rendezvous store, and one job's ranks die when the other job ends. MASTER_PORT overrides it.
+PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 40000))}
 # Every rank must write into one run folder on a shared file system (ranks of different nodes
 # would otherwise resolve ${now:...} at different seconds).
 RUN_DIR=${RUN_DIR:-outputs/slurm-$SLURM_JOB_ID}

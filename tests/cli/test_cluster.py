@@ -85,12 +85,19 @@ def test_sbatch_torchrun_script_command_line(tmp_path):
     args = record.read_text().splitlines()
     flags = dict(zip(args[0:10:2], args[1:10:2]))
     assert flags == {"--nnodes": "2", "--nproc-per-node": "8", "--rdzv-id": "4242", "--rdzv-backend": "c10d",
-                     "--rdzv-endpoint": "gpu03:29500"}
+                     "--rdzv-endpoint": "gpu03:24242"}   # a port of the job's own: 20000 + 4242 % 40000
     assert args[10:12] == ["-m", "framework.train"]
     overrides = args[12:]
     assert "hydra.run.dir=outputs/slurm-4242" in overrides and overrides[-2:] == ["+stage=zero3", "offload=cpu"]
     cfg = compose([o for o in overrides if not o.startswith("hydra.")])
     assert (cfg.choices["stage"], cfg.choices["offload"], cfg.dist.backend) == ("zero3", "cpu", "nccl")
+    env.update(SLURM_JOB_ID="123456", MASTER_PORT="")   # another job on the same head node: another port
+    p = subprocess.run(["bash", str(CLUSTER / "sbatch_torchrun.sh")], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 0 and "gpu03:23456" in record.read_text().splitlines(), p.stderr
+    env["MASTER_PORT"] = "29611"
+    subprocess.run(["bash", str(CLUSTER / "sbatch_torchrun.sh")], check=True, env=env, cwd=tmp_path, timeout=60)
+    assert "gpu03:29611" in record.read_text().splitlines()
 
 
 def test_slurm_tasks_map_to_rank_variables(monkeypatch):
@@ -119,6 +126,15 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
     ({"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS=2"),
     ({"WORLD_SIZE": "2x"}, "WORLD_SIZE='2x' is not an integer; unset it or launch with torchrun"),
     ({"SLURM_NTASKS": "two", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS='two' is not an integer; unset it or launch with srun"),
+    # rank variables that disagree: one line, not a wait at the rendezvous that ends in torch's traceback
+    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+     "RANK=2 is not a rank of WORLD_SIZE=2 (0 to 1)"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0: a launch has at least 1 rank"),
+    ({"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_RANK": "2",
+      "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK=2 is not a rank of LOCAL_WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "SLURM_PROCID": "1",
+      "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "RANK=0 but SLURM_PROCID=1 in a step of 2 tasks: RANK must "
+                                                          "be set per task"),
 ])
 def test_a_launch_environment_that_cannot_work_is_one_line(monkeypatch, tmp_path, env, says):
     """A leftover WORLD_SIZE, dist.nproc under torchrun, or srun without torchrun/submitit: one line
@@ -128,7 +144,8 @@ def test_a_launch_environment_that_cannot_work_is_one_line(monkeypatch, tmp_path
     from framework.loggers import RunInfo
 
     for key in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_STEP_ID",
-                "SLURM_STEP_NUM_TASKS", "SUBMITIT_EXECUTOR"):
+                "SLURM_STEP_NUM_TASKS", "SUBMITIT_EXECUTOR", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID",
+                "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(key, raising=False)
     nproc = env.pop("NPROC", "1")
     for key, value in env.items():
@@ -137,6 +154,44 @@ def test_a_launch_environment_that_cannot_work_is_one_line(monkeypatch, tmp_path
     with pytest.raises(ConfigError) as e:
         launch(cfg, RunInfo(tmp_path / "run", None, None))
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_rank_variables_that_agree_pass(monkeypatch):
+    """torchrun under srun numbers its ranks itself (RANK need not be SLURM_PROCID); a leftover RANK=0 alone is
+    rank 0 of 1; srun tasks that each have their own RANK pass."""
+    from framework.comm.distributed import check_env_ints
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "3")   # alone: a GPU's index, with no local world to be out of
+    check_env_ints()
+    for key, value in {"WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "4242"}.items():
+        monkeypatch.setenv(key, value)
+    check_env_ints()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("RANK", "1")
+    check_env_ints()
+
+
+def test_a_torchrun_restart_with_nothing_to_resume_says_why(monkeypatch, tmp_path, capfd):
+    """A restart (TORCHELASTIC_RESTART_COUNT > 0) composes a new ${now} run folder: it names the fixed folder
+    that would resume it instead of silently starting from step 0."""
+    from framework.cli.launch import launch
+    from framework.loggers import RunInfo
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = compose(["train.steps=1", "logger=none", "checkpoint.every=1"])
+    launch(cfg, RunInfo(tmp_path / "run", None, None))   # attempt 0: its own folder
+    assert "torchrun restart" not in capfd.readouterr().err
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    launch(cfg, RunInfo(tmp_path / "run1", None, None))   # attempt 1: a new ${now} folder
+    err = capfd.readouterr().err
+    assert f"torchrun restart 1: no checkpoint in {tmp_path / 'run1'}" in err and "hydra.run.dir" in err, err
+    launch(cfg, RunInfo(tmp_path / "run", None, None))   # a fixed folder: resumed, nothing said
+    assert "torchrun restart" not in capfd.readouterr().err
 
 
 def test_one_process_in_an_interactive_slurm_step_runs(monkeypatch):

@@ -166,3 +166,68 @@ def test_connect_refuses_a_launch_env_that_cannot_work(monkeypatch, env, says):
     with pytest.raises(ConfigError) as e:
         d.connect("auto", 5.0)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+RANK_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID",
+             "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "SLURM_LOCALID", "CUDA_VISIBLE_DEVICES",
+             "TORCHELASTIC_RUN_ID")
+
+
+def test_slurm_tasks_bound_to_a_gpu_each_train_on_it(monkeypatch, gpus):
+    """srun --gpus-per-task=1 (or --gpu-bind): 4 tasks on a host, each sees only its own GPU (cuda:0)."""
+    for k in RANK_VARS:
+        monkeypatch.delenv(k, raising=False)
+    for k, v in dict(RANK="3", WORLD_SIZE="4", LOCAL_RANK="3", LOCAL_WORLD_SIZE="4", SLURM_PROCID="3",
+                     SLURM_STEP_NUM_TASKS="4", CUDA_VISIBLE_DEVICES="3").items():
+        monkeypatch.setenv(k, v)
+    gpus(1)
+    assert d.resolve_backend("auto") == "nccl" and d.resolve_backend("nccl") == "nccl"
+    assert d.backend_notice("auto", 4) is None
+    assert d.pick_device("nccl", 3) == torch.device("cuda", 0)
+    gpus(2)   # two GPUs per task (--gpus-per-task=2): the rank's own first
+    assert d.resolve_backend("auto") == "nccl" and d.pick_device("nccl", 3) == torch.device("cuda", 1)
+    # ranks that share the GPUs they see are refused or fall back to the CPU as before: no CUDA_VISIBLE_DEVICES,
+    # or torchrun's ranks (not Slurm tasks: one CUDA_VISIBLE_DEVICES for all of them)
+    gpus(1)
+    for unset in ("CUDA_VISIBLE_DEVICES", "SLURM_PROCID"):
+        with monkeypatch.context() as m:
+            m.delenv(unset)
+            assert d.resolve_backend("auto") == "gloo" and d.backend_notice("auto", 4) is not None
+            with pytest.raises(ConfigError, match="4 ranks on this host but 1 GPU"):
+                d.resolve_backend("nccl")
+
+
+def test_nccls_duplicate_gpu_is_one_line_naming_the_binding(monkeypatch):
+    def duplicate(*args, **kwargs):
+        raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1, invalid usage, NCCL version 2.21.5\n"
+                           "Last error:\nDuplicate GPU detected : rank 1 and rank 0 both on CUDA device 1a000")
+    monkeypatch.setattr(d.tdist, "init_process_group", duplicate)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(d.DistributedError, match=r"rank 1/2: .*two ranks on one GPU .*CUDA_VISIBLE_DEVICES=0\): "
+                                                 r"bind a GPU of its own") as e:
+        d._join("nccl", 1, 2, 5.0, None, None)
+    assert "\n" not in str(e.value)
+
+
+def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
+    """The port taken by another job, or a peer that never joins (the FileStore of dist.nproc waits
+    dist.timeout_s, not its own 300 s): DistributedError naming where and how long, no traceback."""
+    import socket
+    import time
+    for k in RANK_VARS:
+        monkeypatch.delenv(k, raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for k, v in dict(WORLD_SIZE="2", RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(d.DistributedError, match=rf"^rank 0/2: rendezvous at 127.0.0.1:{port} .*failed: address "
+                                                     r"already in use \(another job on MASTER_PORT\?"):
+            d.connect("gloo", 2.0)
+    monkeypatch.setenv("RANK", "1")
+    start = time.monotonic()
+    with pytest.raises(d.DistributedError, match=r"^rank 1/2: rendezvous at FileStore .*not every rank joined within "
+                                                 r"dist.timeout_s=1s") as e:
+        d.connect("gloo", 1.0, store_path=str(tmp_path / "store"))
+    assert time.monotonic() - start < 60 and "\n" not in str(e.value) and not d.tdist.is_initialized()
