@@ -175,6 +175,19 @@ def test_rank_variables_that_agree_pass(monkeypatch):
     check_env_ints()
 
 
+def test_local_ranks_started_inside_a_slurm_batch_step_pass(monkeypatch):
+    """dist.nproc=2 in an sbatch --ntasks=2 script: the launcher numbers its ranks itself and each inherits the
+    batch step's SLURM_PROCID=0, which is no per-task RANK to compare with."""
+    from framework.comm.distributed import check_env
+
+    for key in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                       "LOCAL_WORLD_SIZE": "2", "RANK": "1"}.items():
+        monkeypatch.setenv(key, value)
+    check_env(store_path="rendezvous-file")
+
+
 def test_a_torchrun_restart_with_nothing_to_resume_says_why(monkeypatch, tmp_path, capfd):
     """A restart (TORCHELASTIC_RESTART_COUNT > 0) composes a new ${now} run folder: it names the fixed folder
     that would resume it instead of silently starting from step 0."""
