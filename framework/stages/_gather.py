@@ -507,6 +507,12 @@ class Gatherer:
         unit.held -= 1
         if started and not unit.held and unit.active == 0 and not unit.in_backward:
             self.release(unit)
+        elif unit is self.persistent and not unit.held:
+            # Always gathered, so no block's exit releases it: gathered again from the shards (collective, as
+            # the block is), so that edits without modifier_rank are discarded here too, not used by the next
+            # pass and then lost at the step, and those with it leave every rank the broadcast values.
+            self.release(unit)
+            self.gather_now(unit)
 
     def check_not_held(self) -> None:
         """The backward pass and the step would reduce and update what a framework.gathered block

@@ -763,3 +763,39 @@ def test_gathered_with_modifier_rank_writes_only_what_the_block_changed():
     assert torch.equal(after["no_decay"], start["no_decay"])
     with framework.gathered([a.bias, a.weight]):
         assert torch.equal(a.bias, bias) and torch.all(a.weight[0] == 0.5)
+
+
+def _edit_persistent(dist):
+    """Two runs of the same steps; in the second the last rank edits persistent (always gathered) parameters
+    inside framework.gathered without modifier_rank between the steps."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "optimizer.lr=0.1",
+                             "scheduler=constant", "stage.stage3_param_persistence_threshold=10"])   # the biases
+    runs = []
+    for edit in (False, True):
+        torch.manual_seed(0)
+        model = Sometimes()
+        engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+        assert model.b.bias.zero3_unit is engine.components.stage.gatherer.persistent
+        state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
+        seen = None
+        if edit:
+            with framework.gathered([model.b.bias, model.b.weight]):
+                before = model.b.bias.detach().clone()
+                if dist.rank == dist.world - 1:
+                    with torch.no_grad():
+                        model.b.bias.fill_(100.0)
+                        model.b.weight.fill_(100.0)
+            with framework.gathered([model.b.bias]):
+                seen = torch.equal(model.b.bias, before)
+        val = engine.eval_step(state, [_micro(1)])
+        state, _ = engine.train_step(state, Batch((_micro(1),)))
+        runs.append((val, _full_params(engine), seen))
+    return runs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gathered_discards_edits_of_persistent_parameters(pools, world):
+    for plain, edited in [_edit_persistent(_local())] if world == 1 else pools(2).run(_edit_persistent, timeout=120):
+        assert edited[2], "the edit outlived its block"
+        assert edited[0] == plain[0]   # the next forward
+        torch.testing.assert_close(edited[1], plain[1], rtol=0, atol=0)   # and the step
