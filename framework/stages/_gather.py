@@ -138,6 +138,7 @@ class Gatherer:
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
+        self.order_warned = False   # the module order changed in a pass: warned once
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
@@ -319,9 +320,12 @@ class Gatherer:
             else:
                 expected = (f"{trace[self.cursor][0]} of {self.units[trace[self.cursor][1]].name!r}"
                             if self.cursor < len(trace) else "the end of the pass")
-                if self.dist.is_main:
-                    log.warning("zero3: module order changed at use %d (expected %s, got %s of %r); prefetch "
-                                "off until the new order is recorded", self.cursor, expected, phase, unit.name)
+                if self.dist.is_main:   # once a run: control flow that changes every step would log every step
+                    (log.debug if self.order_warned else log.warning)(
+                        "zero3: module order changed at use %d (expected %s, got %s of %r); prefetch off until the "
+                        "new order is recorded%s", self.cursor, expected, phase, unit.name,
+                        "" if self.order_warned else " (later changes are logged at debug level)")
+                    self.order_warned = True
                 self.cursor = None
                 self._release_idle(keep=unit)
         self.demands += 1
