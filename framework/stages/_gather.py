@@ -139,6 +139,7 @@ class Gatherer:
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
+        self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
@@ -237,6 +238,8 @@ class Gatherer:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
             if unit.in_backward:  # some parameters got no gradient in this pass
+                if not self.partial_warned and self.dist.is_main:
+                    self._warn_partial(unit)
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
                 self.release(unit)
@@ -255,6 +258,18 @@ class Gatherer:
             work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check", async_op=True)
             self.order_checks.append((work, t, list(self.recording)))
         self._end_pass()
+
+    def _warn_partial(self, unit: Unit) -> None:
+        """Once a run: a unit that waits for a gradient that never comes stays gathered through the whole backward."""
+        missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
+        if not missing:   # (the root's unit without parameters of its own)
+            return
+        self.partial_warned = True
+        log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
+                    "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
+                    "the end of its own backward could not be told. Parameters a pass does not train (run under "
+                    "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
+                    unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
         """A backward pass the stage drove was cut short (its end never ran): reductions in flight are waited

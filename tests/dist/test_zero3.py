@@ -801,3 +801,32 @@ def test_gathered_discards_edits_of_persistent_parameters(pools, world):
         assert edited[2], "the edit outlived its block"
         assert edited[0] == plain[0]   # the next forward
         torch.testing.assert_close(edited[1], plain[1], rtol=0, atol=0)   # and the step
+
+
+class _HalfTrained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.fixed = nn.Linear(7, 7), nn.Linear(7, 7)
+
+    def forward(self, x):
+        with torch.no_grad():   # a part the pass does not train: its gradients never come
+            y = self.fixed(x)
+        return self.used(x) + y
+
+
+def test_unit_whose_parameters_get_no_gradient_is_warned_about_once(caplog):
+    """Such a unit cannot tell that its own backward is over: it stays gathered to the end of the backward
+    pass (docs/stages.md), which is warned about once a run, naming the unit and the parameters."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_HalfTrained]", "optimizer=sgd", "scheduler=constant",
+                             "stage.stage3_param_persistence_threshold=0"])
+    torch.manual_seed(0)
+    model = nn.Sequential(_HalfTrained(), nn.Linear(7, 3))
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, _local())
+    state = engine.state
+    with caplog.at_level("WARNING", logger="framework.zero3"):
+        for i in range(3):
+            state, _ = engine.train_step(state, Batch((_micro(i),)))
+    lines = [r.getMessage() for r in caplog.records if "got no gradient" in r.getMessage()]
+    assert len(lines) == 1 and "unit '0'" in lines[0] and "2 of its parameters" in lines[0], lines
+    assert "0.fixed.weight, 0.fixed.bias" in lines[0], lines
+    assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
