@@ -138,6 +138,8 @@ class Gatherer:
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
+        self.order_warned = False   # the module order changed in a pass: warned once
+        self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
@@ -236,6 +238,8 @@ class Gatherer:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
             if unit.in_backward:  # some parameters got no gradient in this pass
+                if not self.partial_warned and self.dist.is_main:
+                    self._warn_partial(unit)
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
                 self.release(unit)
@@ -254,6 +258,18 @@ class Gatherer:
             work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check", async_op=True)
             self.order_checks.append((work, t, list(self.recording)))
         self._end_pass()
+
+    def _warn_partial(self, unit: Unit) -> None:
+        """Once a run: a unit that waits for a gradient that never comes stays gathered through the whole backward."""
+        missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
+        if not missing:   # (the root's unit without parameters of its own)
+            return
+        self.partial_warned = True
+        log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
+                    "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
+                    "the end of its own backward could not be told. Parameters a pass does not train (run under "
+                    "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
+                    unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
         """A backward pass the stage drove was cut short (its end never ran): reductions in flight are waited
@@ -319,9 +335,12 @@ class Gatherer:
             else:
                 expected = (f"{trace[self.cursor][0]} of {self.units[trace[self.cursor][1]].name!r}"
                             if self.cursor < len(trace) else "the end of the pass")
-                if self.dist.is_main:
-                    log.warning("zero3: module order changed at use %d (expected %s, got %s of %r); prefetch "
-                                "off until the new order is recorded", self.cursor, expected, phase, unit.name)
+                if self.dist.is_main:   # once a run: control flow that changes every step would log every step
+                    (log.debug if self.order_warned else log.warning)(
+                        "zero3: module order changed at use %d (expected %s, got %s of %r); prefetch off until the "
+                        "new order is recorded%s", self.cursor, expected, phase, unit.name,
+                        "" if self.order_warned else " (later changes are logged at debug level)")
+                    self.order_warned = True
                 self.cursor = None
                 self._release_idle(keep=unit)
         self.demands += 1
@@ -507,6 +526,12 @@ class Gatherer:
         unit.held -= 1
         if started and not unit.held and unit.active == 0 and not unit.in_backward:
             self.release(unit)
+        elif unit is self.persistent and not unit.held:
+            # Always gathered, so no block's exit releases it: gathered again from the shards (collective, as
+            # the block is), so that edits without modifier_rank are discarded here too, not used by the next
+            # pass and then lost at the step, and those with it leave every rank the broadcast values.
+            self.release(unit)
+            self.gather_now(unit)
 
     def check_not_held(self) -> None:
         """The backward pass and the step would reduce and update what a framework.gathered block

@@ -57,6 +57,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             if name not in present:
                 raise ConfigError(f"stage.gather_unit: {name!r} matches no module of the model"
                                   f"{closest_hint(name, present)}")
+            _check_named_unit(module, name, by)
     # A Hugging Face model's transformer layers are units too (its _no_split_modules classes).
     classes = set(gather_unit) | set(declared_layers(module))
     cands: list[tuple[str, nn.Module]] = [("<root>", module)]   # 0, then units and own-parameter modules
@@ -102,6 +103,22 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
             units.append(("+".join(cands[k][0] for k in members), [cands[k][1] for k in members]))
     found = {pid: {index[h] for h in hs} for pid, hs in holders.items()}
     return units, {pid: min(f) if len(f) == 1 else -1 for pid, f in found.items()}
+
+
+def _check_named_unit(module: nn.Module, name: str, by: dict[int, nn.Module]) -> None:
+    """Refuse a ``gather_unit`` class name that would gather nothing (so a typo'd intent is not silently ignored)."""
+    subs = [m for m in module.modules() if type(m).__name__ == name and m is not module]
+    if not subs:
+        raise ConfigError(f"stage.gather_unit: {name} is the root module, always a unit: to gather the whole model "
+                          f"as one unit set stage.gather_unit=[] and stage.split_root=false")
+    if all(by[id(m)] is not m for m in subs):
+        if all(type(m).forward is nn.Module.forward for m in subs):
+            raise ConfigError(f"stage.gather_unit: {name} has no forward of its own (it is never called, so its "
+                              f"hooks never gather): name the modules inside it")
+        raise ConfigError(f"stage.gather_unit: {name} is read by its parent's own forward, so it is gathered with "
+                          f"{type(by[id(subs[0])]).__name__}: name that class")
+    if not any(p.requires_grad for m in subs for p in m.parameters()):
+        raise ConfigError(f"stage.gather_unit: {name} holds no trainable parameters: name a module class that does")
 
 
 def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:

@@ -132,6 +132,16 @@ def test_a_gather_unit_that_matches_no_module_is_an_error():
     assert [u.name for u in plan_units(seq, ["Linear"], True, 0)[0]] == ["<root>", "0", "1"]
     with pytest.raises(ConfigError, match="'Block' matches no module"):
         plan_units(seq, ["Linear", "Block"], True, 0)
+    # A name that matches only modules that would gather nothing is refused too, saying why.
+    for name, why in (("GPT", "GPT is the root module, always a unit: .* stage.split_root=false"),
+                      ("ModuleList", "ModuleList has no forward of its own"),
+                      ("Dropout", "Dropout holds no trainable parameters")):
+        with pytest.raises(ConfigError, match=f"^stage.gather_unit: {why}"):
+            plan_units(gpt, [name], True, 0)
+    att = nn.Sequential(nn.MultiheadAttention(4, 2))
+    with pytest.raises(ConfigError, match="NonDynamicallyQuantizableLinear is read by its parent's own forward, "
+                                          "so it is gathered with MultiheadAttention: name that class"):
+        plan_units(att, ["NonDynamicallyQuantizableLinear"], True, 0)
 
 
 def test_parameters_read_by_a_parent_module_are_in_its_unit():
