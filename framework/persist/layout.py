@@ -241,12 +241,12 @@ def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tenso
                        policy: Policy) -> TrainState:
     """``state`` with the step, data position and loss scale of ``saved`` (a state dict or a train state), the
     generators ``rng`` and the optimizer ``scalars``. The loss scale carries over only between two runs with
-    dynamic loss scaling (fp16); otherwise ``policy``'s initial scale, with the saved step bookkeeping."""
+    dynamic loss scaling (fp16); otherwise ``policy``'s initial scale, with the saved step bookkeeping (``Policy.continued``)."""
     rng = tuple(rng)
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]
     precision = PrecisionState(**saved["precision"])
     if not (saved["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
-        precision = replace(policy.init_state(), cur_iter=precision.cur_iter, skipped_steps=precision.skipped_steps)
+        precision = policy.continued(precision)
     return replace(state, step=saved["step"], data=saved["data"], precision=precision, rng=rng,
                    opt_state=with_scalars(state.opt_state, state.params, scalars))

@@ -57,6 +57,14 @@ class Policy:
         scale = s.loss_scale if s.loss_scale > 0 else float(2 ** s.initial_scale_power)
         return PrecisionState(cur_scale=scale, cur_hysteresis=s.hysteresis)
 
+    def continued(self, saved: PrecisionState) -> PrecisionState:
+        """The initial scale for a run resumed from a state saved without dynamic loss scaling (another
+        precision, or a static scale), keeping the saved step and skip counts: the scale first grows after
+        a full loss_scale_window of clean steps from here, as in a fresh run (not at the next multiple of
+        the window in the saved step count)."""
+        return replace(self.init_state(), cur_iter=saved.cur_iter, last_overflow_iter=saved.cur_iter - 1,
+                       skipped_steps=saved.skipped_steps)
+
 
 # The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -101,3 +101,21 @@ def test_fp16_refuses_a_static_scale_beyond_fp16():
             fp16(FP16Config(loss_scale=bad))
     assert fp16(FP16Config(loss_scale=65536.0)).scaler.loss_scale == 65536.0
     assert fp16(FP16Config(loss_scale=32768.0)).scaler.loss_scale == 32768.0
+
+
+@pytest.mark.parametrize("at", [2, 3, 8])
+def test_a_switch_to_fp16_on_resume_grows_the_scale_after_a_full_window(at):
+    """Resumed into fp16 from a state saved without dynamic scaling (fp32, bf16, a static scale) at step ``at``:
+    the scale starts at the initial scale and first doubles after loss_scale_window clean steps, as in a
+    fresh fp16 run (not at the next multiple of the window in the saved step count); counts carry over."""
+    from framework.precision.policies import FP16Config, fp16
+
+    policy = fp16(FP16Config(loss_scale_window=4))
+    st = policy.continued(PrecisionState(cur_iter=at, skipped_steps=1))
+    fresh = policy.init_state()
+    assert (st.cur_scale, st.cur_iter, st.skipped_steps) == (fresh.cur_scale, at, 1)
+    scales = []
+    for _ in range(9):
+        st, fresh = next_scale(policy.scaler, st, False), next_scale(policy.scaler, fresh, False)
+        scales.append((st.cur_scale, fresh.cur_scale))
+    assert all(a == b for a, b in scales), scales
