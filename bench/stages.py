@@ -126,13 +126,18 @@ def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
     return step
 
 
-def _torch_ddp(dist, name, cfg, model, data):
+def _wrap_ddp(model):
+    """torch DDP as every bench script runs it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    # Gradients as views of DDP's buckets: no copy between .grad and the buckets (its fast setting).
+    return DDP(model, gradient_as_bucket_view=True)
+
+
+def _torch_ddp(dist, name, cfg, model, data):
     from framework.models.gpt import gpt_loss
 
-    # Gradients as views of DDP's buckets: no copy between .grad and the buckets (its fast setting).
-    model = DDP(model, gradient_as_bucket_view=True)
+    model = _wrap_ddp(model)
     if name == "torch-ddp":
         opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
     else:  # torch-zero

@@ -90,3 +90,34 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
         # the state came through the map, whose pages leave the process piece by piece (FileMap.release):
         # at most about one piece's tensor (here the 43 MB master) is mapped at a time
         assert 0 < r["nvme"][op]["mapped_bytes"] < 0.5 * state, (op, r)
+
+
+def test_phases_refuses_a_system_it_does_not_know(capsys):
+    """bench.phases ran every name that was not ours as torch DDP (a typo or "fsdp2" printed DDP's
+    phases under that name): it now says which names it knows, before measuring anything."""
+    from bench.phases import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--systems", "zero2,fsdp2"])
+    assert e.value.code == 2 and "unknown system(s) fsdp2; choose from" in capsys.readouterr().err
+
+
+def test_phases_builds_torch_ddp_as_stages_does(monkeypatch):
+    """bench.phases' torch DDP is built by bench.stages' helper (gradients as bucket views), not a
+    DDP of its own settings."""
+    import inspect
+
+    import bench.phases
+    import bench.stages
+    from framework.comm.distributed import connect
+
+    class Built(Exception):
+        pass
+
+    def spy(model):
+        raise Built
+
+    monkeypatch.setattr(bench.phases, "_wrap_ddp", spy)
+    with pytest.raises(Built):
+        bench.phases.run_phases(connect("gloo"), "torch-ddp", 1)
+    assert "gradient_as_bucket_view=True" in inspect.getsource(bench.stages._wrap_ddp)
