@@ -121,3 +121,17 @@ def test_phases_builds_torch_ddp_as_stages_does(monkeypatch):
     with pytest.raises(Built):
         bench.phases.run_phases(connect("gloo"), "torch-ddp", 1)
     assert "gradient_as_bucket_view=True" in inspect.getsource(bench.stages._wrap_ddp)
+
+
+def _many_losses(dist, n):
+    return {"times": [0.0], "losses": [i + 0.5 for i in range(n)]}
+
+
+def test_ranks_return_results_larger_than_a_pipe_buffer():
+    """A rank's result (here 200 000 losses, about 2 MB pickled) comes back whole: results went
+    through a queue that the parent read only after joining, so one larger than the pipe's buffer
+    blocked the rank, and the join, forever. One spawned rank, a few seconds."""
+    from bench._common import run_ranks_detail
+
+    _, rss, info = run_ranks_detail(1, _many_losses, 200_000)
+    assert len(info[0]["losses"]) == 200_000 and info[0]["losses"][-1] == 199_999.5 and rss[0] > 0
