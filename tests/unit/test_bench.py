@@ -83,6 +83,8 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
     r = compare("gpt-mini", vocab=256)
     state = r["nvme"]["state_bytes"]
     assert r["nvme"]["loss"] == r["cpu"]["loss"] and r["nvme"]["resumed_step"] == r["cpu"]["resumed_step"] == 1
+    # the swap files were in the folder the bench was given (its --dir), not under a run directory
+    assert r["nvme"]["swap_dir_bytes"] > 0.5 * state and r["cpu"]["swap_dir_bytes"] == 0, r
     assert r["cpu"]["save"]["anon_bytes"] > 0.8 * state, r          # the sampler sees a host copy
     assert r["cpu"]["load"]["anon_bytes"] < 0.25 * state, r          # DCP reads into the state in place
     for op in ("save", "load"):
