@@ -111,8 +111,9 @@ def _ours(dist, name, cfg, model, data):
     return step
 
 
-def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
-    """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares."""
+def _plain_step(dist, data, model, opt, loss_fn, after_backward=None, set_to_none=True):
+    """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares.
+    ``set_to_none``: zero_grad's, torch's default (gradients freed between steps)."""
 
     def step(pos: int) -> float:
         batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
@@ -120,7 +121,7 @@ def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         return _global_loss(loss, dist.world)
 
     return step
@@ -145,7 +146,9 @@ def _torch_ddp(dist, name, cfg, model, data):
 
         opt = ZeroRedundancyOptimizer(_adamw_groups(model.parameters()), optimizer_class=torch.optim.AdamW,
                                       **ADAMW, fused=True)
-    return _plain_step(dist, data, model, opt, gpt_loss)
+    # The gradients are views of DDP's buckets, which DDP keeps allocated either way: freeing the
+    # views saves nothing, and zeroing them in place keeps .grad and the buckets one memory.
+    return _plain_step(dist, data, model, opt, gpt_loss, set_to_none=False)
 
 
 def _fsdp2(dist, name, cfg, model, data):
