@@ -162,3 +162,21 @@ def test_stages_fsdp2_peer_frees_its_gradients_after_the_step(tmp_path):
         assert all(p.grad is None for p in model.parameters())
     finally:
         tdist.destroy_process_group()
+
+
+def test_estimate_ds_without_deepspeed_says_so_in_one_line(capsys):
+    """bench.estimate_ds without DeepSpeed importable: --help works, a run exits 2 with one line
+    naming what is missing (was a traceback, --help included)."""
+    import importlib.util
+
+    from bench.estimate_ds import main
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed is installed here")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "DeepSpeed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("needs DeepSpeed: `import deepspeed` failed") and err.count("\n") == 1
