@@ -180,3 +180,22 @@ def test_estimate_ds_without_deepspeed_says_so_in_one_line(capsys):
         main([])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("needs DeepSpeed: `import deepspeed` failed") and err.count("\n") == 1
+
+
+def test_nvme_io_report_says_when_raw_is_dd_alone(tmp_path, capsys):
+    """Without fio the comparison's "best raw" is dd's one setting alone: the report says so."""
+    from types import SimpleNamespace
+
+    from bench.nvme_io import report
+
+    def r(system, block, depth, gbs):
+        return {"system": system, "block": block, "depth": depth, "checksum": "", "write": gbs, "read": gbs,
+                "write_median": gbs, "read_median": gbs, "write_cpu_s_per_gb": None, "read_cpu_s_per_gb": None}
+
+    args = SimpleNamespace(dir=str(tmp_path), tensor_size=1 << 20, rounds=1)
+    report([r("ours", 1 << 20, 8, 2.0), r("dd", 4 << 20, 1, 1.0)], args, 4 << 20)
+    out = capsys.readouterr().out
+    assert "note: fio not installed: raw = dd only (4 MiB blocks, depth 1)" in out
+    assert "of the best raw 1.00 GB/s" in out
+    report([r("ours", 1 << 20, 8, 2.0), r("dd", 4 << 20, 1, 1.0), r("fio", 1 << 20, 8, 1.5)], args, 4 << 20)
+    assert "fio not installed" not in capsys.readouterr().out
