@@ -199,3 +199,14 @@ def test_nvme_io_report_says_when_raw_is_dd_alone(tmp_path, capsys):
     assert "of the best raw 1.00 GB/s" in out
     report([r("ours", 1 << 20, 8, 2.0), r("dd", 4 << 20, 1, 1.0), r("fio", 1 << 20, 8, 1.5)], args, 4 << 20)
     assert "fio not installed" not in capsys.readouterr().out
+
+
+def test_nvme_e2e_refuses_an_unknown_system_before_measuring(tmp_path, capsys):
+    """bench.nvme_e2e checks --systems before it measures anything (was: a KeyError inside the ranks,
+    shown in a table cell, exit 0)."""
+    from bench.nvme_e2e import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dir", str(tmp_path / "d"), "--systems", "zero3 offload=cpu,zero3 offlod=nvme"])
+    assert e.value.code == 2 and "unknown system(s) 'zero3 offlod=nvme'; choose from" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
