@@ -330,25 +330,29 @@ def main(argv: list[str] | None = None) -> None:
             if name in failed:
                 continue
             runs = []  # (result, cores others used) of each completed try
-            for attempt in range(ATTEMPTS + args.noisy_retries):
-                if attempt - len(runs) >= ATTEMPTS:
-                    break
+            crashes = 0  # counted apart from noisy repeats: noise must not use up a crash's retry
+            while crashes < ATTEMPTS:
+                attempt = len(runs) + crashes + 1
                 try:
                     b0, o0, w0 = *_busy_seconds(), time.perf_counter()
                     res = run_ranks_detail(args.world, run_system, name, args.steps)
                     b1, o1, w1 = *_busy_seconds(), time.perf_counter()
                 except Exception as e:  # one system failing must not lose the others' numbers
                     why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                    print(f"round {r} {name}: attempt {attempt + 1} FAILED {why}", flush=True)
-                    retried.append(f"{name} round {r} attempt {attempt + 1}: {why}")
+                    print(f"round {r} {name}: attempt {attempt} FAILED {why}", flush=True)
+                    retried.append(f"{name} round {r} attempt {attempt}: {why}")
+                    crashes += 1
                     continue
                 runs.append((res, max(0.0, (b1 - b0) - (o1 - o0)) / (w1 - w0)))
                 if runs[-1][1] <= args.max_other:
                     break
-                print(f"round {r} {name}: {res[0]:.3f} s/step discarded, others used {runs[-1][1]:.2f} cores",
-                      flush=True)
-                if attempt + 1 < ATTEMPTS + args.noisy_retries:
-                    time.sleep(args.noisy_wait)
+                if len(runs) > args.noisy_retries:
+                    print(f"round {r} {name}: {res[0]:.3f} s/step, others used {runs[-1][1]:.2f} cores: noisy, "
+                          f"no repeats left, the quietest run is kept", flush=True)
+                    break
+                print(f"round {r} {name}: {res[0]:.3f} s/step, others used {runs[-1][1]:.2f} cores: noisy, "
+                      f"repeating", flush=True)
+                time.sleep(args.noisy_wait)
             if not runs:
                 failed[name] = why
                 continue

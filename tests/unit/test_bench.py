@@ -210,3 +210,31 @@ def test_nvme_e2e_refuses_an_unknown_system_before_measuring(tmp_path, capsys):
         main(["--dir", str(tmp_path / "d"), "--systems", "zero3 offload=cpu,zero3 offlod=nvme"])
     assert e.value.code == 2 and "unknown system(s) 'zero3 offlod=nvme'; choose from" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_stages_noisy_retries_zero_keeps_the_noisy_run(monkeypatch, capsys):
+    """--noisy-retries 0: a noisy run is kept, not repeated in the slot of a crash's retry, and is not
+    reported as discarded; a crash is still retried once. (Ranks and the CPU meter faked.)"""
+    import bench._common
+    import bench.stages
+
+    calls, clock = [], [0.0]
+
+    def fake_run(world, fn, name, steps):
+        calls.append(name)
+        if name == "torch-zero" and len(calls) == 2:
+            raise RuntimeError("rank died")
+        return 0.5, [1 << 20], [{"losses": [5.0, 4.0], "start_rss": 0, "params": 1, "threads": 1}]
+
+    def noisy_meter():   # others use many cores during every run
+        clock[0] += 1e6
+        return clock[0], 0.0
+
+    monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
+    monkeypatch.setattr(bench.stages, "_busy_seconds", noisy_meter)
+    bench.stages.main(["--systems", "torch-ddp,torch-zero", "--rounds", "1", "--noisy-retries", "0",
+                       "--noisy-wait", "0"])
+    out = capsys.readouterr().out
+    assert calls == ["torch-ddp", "torch-zero", "torch-zero"], calls
+    assert "discarded noisy run" not in out and "0 runs discarded" in out and "no repeats left" in out, out
+    assert "| torch-ddp | 0.500 |" in out and "| torch-zero | 0.500 |" in out, out
