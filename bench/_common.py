@@ -1,4 +1,4 @@
-"""Shared pieces of the side-by-side benchmarks: spawned gloo ranks, timing, peak RSS.
+"""Shared pieces of the side-by-side benchmarks: spawned gloo ranks, timing, peak RSS (VmHWM).
 
 Each system runs in its own fresh set of rank processes so that peak RSS belongs to that
 system alone; systems alternate over several rounds so that machine noise hits all alike.
@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import pickle
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -21,7 +20,11 @@ import torch.multiprocessing as mp
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's own peak RSS: VmHWM, not ru_maxrss, which a spawned rank inherits from the
+    parent's peak (Linux keeps it across exec)."""
+    from framework.memory.probe import rss_peak
+
+    return rss_peak()
 
 
 def time_steps(step, warmup: int, steps: int) -> list[float]:

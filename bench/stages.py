@@ -19,7 +19,7 @@ source, 8 sequences per rank), fp32, AdamW lr 1e-3, betas (0.9, 0.99), weight de
 >=2-D parameters only, constant lr, gradient clipping at global norm 1.0, N gloo ranks with one
 thread each. Median step time of ``--steps`` steps after 3 warm-up steps, the slower rank
 counts; every system runs in fresh rank processes each round and systems alternate order
-over rounds. Peak RSS is ``ru_maxrss`` of each rank process; "RSS over start" subtracts the
+over rounds. Peak RSS is the VmHWM of each rank process; "RSS over start" subtracts the
 peak measured after imports and process-group set-up, before the model is built.
 
 Every system steps with the same optimizer kernel: torch's fused AdamW (``torch.optim.AdamW(fused=

@@ -132,11 +132,17 @@ def _many_losses(dist, n):
 def test_ranks_return_results_larger_than_a_pipe_buffer():
     """A rank's result (here 200 000 losses, about 2 MB pickled) comes back whole: results went
     through a queue that the parent read only after joining, so one larger than the pipe's buffer
-    blocked the rank, and the join, forever. One spawned rank, a few seconds."""
+    blocked the rank, and the join, forever. Its peak RSS is its own. One spawned rank, a few seconds."""
     from bench._common import run_ranks_detail
+    from framework.memory.probe import rss_peak
 
+    big = bytearray(1 << 30)   # this process peaks 1 GiB higher before it spawns the rank
+    big[::4096] = b"\1" * len(range(0, len(big), 4096))
+    del big
     _, rss, info = run_ranks_detail(1, _many_losses, 200_000)
-    assert len(info[0]["losses"]) == 200_000 and info[0]["losses"][-1] == 199_999.5 and rss[0] > 0
+    assert len(info[0]["losses"]) == 200_000 and info[0]["losses"][-1] == 199_999.5
+    # the rank's peak RSS is its own (VmHWM), not this process's, which ru_maxrss carries across exec
+    assert 0 < rss[0] < rss_peak() - (512 << 20), (rss, rss_peak())
 
 
 def test_stages_fsdp2_peer_frees_its_gradients_after_the_step(tmp_path):
