@@ -316,6 +316,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL + EXTRA)}")
     # Read by our optimizers in every spawned rank (they inherit the environment).
     os.environ["FRAMEWORK_OPS"] = "0" if args.kernel == "torch" else "1"
+    if args.kernel == "ours":
+        import framework.ops
+
+        # (builds it here if needed, once, before the ranks): without it ours would run torch's kernel
+        if not framework.ops.available():
+            ap.error(f"--kernel ours: our C++ CPU kernel is not available ({framework.ops.unavailable_reason()}); "
+                     f"see `python -m framework.ops status`, or use --kernel torch")
     systems, notes = _available(asked)
     for n in notes:
         print(f"note: {n}", flush=True)

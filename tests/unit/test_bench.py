@@ -236,6 +236,7 @@ def test_stages_noisy_retries_zero_keeps_the_noisy_run(monkeypatch, capsys):
         clock[0] += 1e6
         return clock[0], 0.0
 
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")   # main sets it: restored after the test
     monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
     monkeypatch.setattr(bench.stages, "_busy_seconds", noisy_meter)
     bench.stages.main(["--systems", "torch-ddp,torch-zero", "--rounds", "1", "--noisy-retries", "0",
@@ -244,3 +245,23 @@ def test_stages_noisy_retries_zero_keeps_the_noisy_run(monkeypatch, capsys):
     assert calls == ["torch-ddp", "torch-zero", "torch-zero"], calls
     assert "discarded noisy run" not in out and "0 runs discarded" in out and "no repeats left" in out, out
     assert "| torch-ddp | 0.500 |" in out and "| torch-zero | 0.500 |" in out, out
+
+
+def test_stages_kernel_ours_refuses_without_our_kernel(monkeypatch, capsys):
+    """--kernel ours where our C++ kernel cannot be had: one error line, nothing measured (was: a
+    run on torch's fallback under a header saying "our C++ CPU kernel")."""
+    import bench._common
+    import bench.stages
+    import framework.ops
+
+    def no_run(*a):
+        raise AssertionError("measured")
+
+    monkeypatch.setenv("FRAMEWORK_OPS", "1")
+    monkeypatch.setattr(framework.ops, "available", lambda: False)
+    monkeypatch.setattr(framework.ops, "unavailable_reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(bench._common, "run_ranks_detail", no_run)
+    with pytest.raises(SystemExit) as e:
+        bench.stages.main(["--kernel", "ours", "--systems", "ddp", "--rounds", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "our C++ CPU kernel is not available (no C++ compiler)" in err, err
