@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup train test lint bench clean gpu-check
+.PHONY: setup train test lint clean gpu-check
 
 setup: $(STAMP)
 

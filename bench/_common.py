@@ -1,4 +1,4 @@
-"""Shared pieces of the side-by-side benchmarks: spawned gloo ranks, timing, peak RSS.
+"""Shared pieces of the side-by-side benchmarks: spawned gloo ranks, timing, peak RSS (VmHWM).
 
 Each system runs in its own fresh set of rank processes so that peak RSS belongs to that
 system alone; systems alternate over several rounds so that machine noise hits all alike.
@@ -6,8 +6,8 @@ system alone; systems alternate over several rounds so that machine noise hits a
 from __future__ import annotations
 
 import os
+import pickle
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -20,7 +20,11 @@ import torch.multiprocessing as mp
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    """This process's own peak RSS: VmHWM, not ru_maxrss, which a spawned rank inherits from the
+    parent's peak (Linux keeps it across exec)."""
+    from framework.memory.probe import rss_peak
+
+    return rss_peak()
 
 
 def time_steps(step, warmup: int, steps: int) -> list[float]:
@@ -34,7 +38,7 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def _rank(rank: int, world: int, store: str, fn, args, out) -> None:
+def _rank(rank: int, world: int, store: str, fn, args, out: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from framework.comm.distributed import connect
@@ -42,8 +46,13 @@ def _rank(rank: int, world: int, store: str, fn, args, out) -> None:
     dist = connect("gloo", timeout_s=600, store_path=store)
     res = fn(dist, *args)
     times, info = (res["times"], res) if isinstance(res, dict) else (res, {})
-    out.put((rank, statistics.median(times), peak_rss_bytes(), {k: v for k, v in info.items() if k != "times"}))
-    torch.distributed.destroy_process_group()
+    # A file, not a queue: the parent reads only after joining, and a result larger than a pipe's
+    # buffer would block this rank's put (and the join) forever.
+    with open(os.path.join(out, f"result-{rank}.pkl"), "wb") as f:
+        pickle.dump((rank, statistics.median(times), peak_rss_bytes(),
+                     {k: v for k, v in info.items() if k != "times"}), f)
+    if torch.distributed.is_initialized():   # one rank alone makes no group
+        torch.distributed.destroy_process_group()
 
 
 def run_ranks(world: int, fn, *args) -> tuple[float, list[int]]:
@@ -57,14 +66,15 @@ def run_ranks_detail(world: int, fn, *args) -> tuple[float, list[int], list[dict
     """As ``run_ranks``; ``fn`` may also return a dict with "times" and other picklable
     entries, which come back per rank as the third element (an empty dict otherwise)."""
     tmp = tempfile.mkdtemp(prefix="bench-")
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
     try:
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), fn, args, out), nprocs=world,
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), fn, args, tmp), nprocs=world,
                            start_method="spawn")
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"result-{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    results = sorted((out.get() for _ in range(world)), key=lambda r: r[0])
     return max(r[1] for r in results), [r[2] for r in results], [r[3] for r in results]
 
 

@@ -9,14 +9,23 @@ benchmark peer only; the framework does not import it.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
+import sys
 
 import torch
 
 
-def main() -> None:
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.estimate_ds", description=__doc__.split("\n\n")[0])
+    ap.parse_args(argv)
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except Exception as e:  # ImportError, or DeepSpeed failing to set up its accelerator
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        ap.exit(2, f"needs DeepSpeed: `import deepspeed` failed in {sys.executable} ({type(e).__name__}: {why}); "
+                   f"put it on PYTHONPATH as the module docstring shows\n")
 
     from framework.memory.tables import count_module, zero2_rows, zero3_rows
     from framework.models.gpt import GPT, PRESETS

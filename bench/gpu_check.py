@@ -78,6 +78,10 @@ def row(check: str, item: str, ok, value="", expected="", note="") -> dict:
     return {"check": check, "item": item, "ok": ok, "value": str(value), "expected": str(expected), "note": str(note)}
 
 
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
 def _tail(path: Path, n: int = 3, width: int = 300) -> str:
     """The last ``n`` non-empty lines of ``path``, as one line (a row's note)."""
     text = path.read_text(errors="replace") if path.exists() else ""
@@ -122,6 +126,8 @@ def check_environment(dry: bool, out: Path) -> list[dict]:
             have = "installed"
         except ImportError:
             have = "not installed"
+        except Exception as e:  # e.g. DeepSpeed raising RuntimeError when it finds no CUDA_HOME
+            have = f"import failed: {_first_line(e)}"
         rows.append(row("environment", f"import {mod}", None, have,
                         "not needed" if mod in ("hydra", "omegaconf", "wandb", "deepspeed") else "needed"))
     rows.append(row("environment", "dist.backend=auto, 1 local rank", True, resolve_backend("auto", 1),
@@ -390,6 +396,10 @@ def check_timing(dry: bool, out: Path) -> list[dict]:
                 __import__("deepspeed")
             except ImportError:
                 rows.append(row("timing", system, None, "not installed", anchor(system)))
+                continue
+            except Exception as e:  # a broken install: this row says so, the others still run
+                rows.append(row("timing", system, None, f"deepspeed: import failed: {_first_line(e)}",
+                                anchor(system)))
                 continue
         cmd = [sys.executable, "-m", "bench.gpu", "--one", system, "--steps", "1" if dry else "4",
                "--warmup", "0" if dry else "1", *(["--tiny"] if dry else [])]

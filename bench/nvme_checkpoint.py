@@ -95,8 +95,10 @@ def _child(spec: dict) -> dict:
     folder = Path(spec["dir"])
     tokens = folder / "tokens.bin"
     np.random.default_rng(0).integers(0, spec["vocab"], 50_000, dtype=np.uint16).tofile(tokens)
-    cfg = compose([f"model={spec['model']}", "+stage=zero2", *spec["offload"], "data=tokens", f"data.path={tokens}",
-                   f"data.vocab_size={spec['vocab']}", "model.context=64", "train.micro_batch=1",
+    # the swap files go into the folder asked for (--dir), not under the run directory's default
+    swap = [f"offload.nvme_path={folder / 'nvme'}"] if "offload=nvme" in spec["offload"] else []
+    cfg = compose([f"model={spec['model']}", "+stage=zero2", *spec["offload"], *swap, "data=tokens",
+                   f"data.path={tokens}", f"data.vocab_size={spec['vocab']}", "model.context=64", "train.micro_batch=1",
                    f"checkpoint.dir={folder / 'ckpt'}", "checkpoint.every=1", "checkpoint.keep_last=0",
                    "checkpoint.resume=auto", "logger=none"])
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)
@@ -119,6 +121,7 @@ def _child(spec: dict) -> dict:
             ckpt.save(state)
         ckpt.close()
         out["save"] = p.result()
+        out["swap_dir_bytes"] = sum(f.stat().st_size for f in (folder / "nvme").rglob("*") if f.is_file())
     del state, m, e   # the first engine's tensors go before the second is measured
     with engine() as e:
         ckpt = Checkpointer(cfg, e)

@@ -142,8 +142,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--dir", default=".bench-nvme", help="folder for the swap files (same disk as the repo)")
-    ap.add_argument("--systems", default=",".join([*SYSTEMS, *DEEPSPEED]))
+    ap.add_argument("--systems", default=",".join([*SYSTEMS, *DEEPSPEED]),
+                    help=f"comma-separated, from: {', '.join([*SYSTEMS, *DEEPSPEED])}")
     args = ap.parse_args(argv)
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS and s not in DEEPSPEED]
+    if unknown or not names:   # before the disk measurement, not a traceback in a table cell after it
+        ap.error(f"unknown system(s) {', '.join(map(repr, unknown)) or '(none given)'}; choose from "
+                 f"{', '.join(map(repr, [*SYSTEMS, *DEEPSPEED]))}")
     os.makedirs(args.dir, exist_ok=True)
     folder = tempfile.mkdtemp(prefix="nvme-e2e-", dir=args.dir)
     rows = []
@@ -151,7 +157,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         read_bw, write_bw = disk_bandwidth(folder)
         print(f"machine: {machine()}; disk (ours, O_DIRECT): read {read_bw / 1e9:.2f} GB/s, "
               f"write {write_bw / 1e9:.2f} GB/s", flush=True)
-        for name in [s.strip() for s in args.systems.split(",") if s.strip()]:
+        for name in names:
             if name in DEEPSPEED and (why := _ds_available()) is not None:
                 rows.append({"system": name, "note": why})
                 print(f"{name}: skipped: {why}", flush=True)
@@ -173,8 +179,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     cpu = next((r["s_per_step"] for r in rows if r["system"] == "zero3 offload=cpu" and "s_per_step" in r), None)
-    # (no peak RSS column: spawned ranks inherit ru_maxrss from this process, which the disk
-    # measurement above has grown; bench.nvme_memory measures memory in fresh processes)
+    # (no peak RSS column: bench.nvme_memory measures memory, in fresh processes)
     print(f"\n| gpt-mini, {args.world} ranks, zero3 | s/step | IO wait | bytes/step (all ranks) | disk floor s | "
           f"vs max(floor, cpu) | loss after {WARMUP + args.steps} steps |")
     print("|---|---|---|---|---|---|---|")

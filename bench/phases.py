@@ -7,8 +7,9 @@ from outside (nothing in framework/ changes): forward = the loss function, backw
 ``stage.backward`` (autograd plus whatever communication it launches and waits for),
 reduce = ``stage.reduce_grads``, norm = ``stage.grad_sq_norm`` (an all-reduce and the sync
 point), publish = ``stage.publish`` (the parameter gather), rest = the remainder of
-``train_step`` (clipping, optimizer, zeroing, loss all-reduce). torch DDP: forward, backward
-(with DDP's overlapped all-reduce), clip, optimizer step, zero_grad + loss all-reduce.
+``train_step`` (clipping, optimizer, zeroing, loss all-reduce). torch DDP (built as in
+``bench.stages``: ``gradient_as_bucket_view=True``): forward, backward (with DDP's overlapped
+all-reduce), clip, optimizer step, zero_grad + loss all-reduce.
 Medians over ``--steps`` steps after 3 warm-up, per rank, in milliseconds.
 """
 from __future__ import annotations
@@ -20,7 +21,10 @@ from collections import defaultdict
 
 import torch
 
-from bench.stages import ADAMW, CLIP, MICRO, OURS, OVERRIDES, WARMUP, _adamw_groups, _busy_seconds, _global_loss
+from bench.stages import (ADAMW, CLIP, MICRO, OURS, OVERRIDES, WARMUP, _adamw_groups, _busy_seconds, _global_loss,
+                          _wrap_ddp)
+
+SYSTEMS = [*OURS, "torch-ddp"]
 
 
 def _timed(fn, phases, key):
@@ -58,9 +62,7 @@ def run_phases(dist, name: str, steps: int) -> dict:
             box["state"], _ = engine.train_step(box["state"], batch)
             phases["rest"] += time.perf_counter() - t - sum(v for k, v in phases.items() if k != "rest")
     else:  # torch-ddp
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model)
+        model = _wrap_ddp(model)
         opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
 
         def step(pos):
@@ -94,16 +96,21 @@ def run_phases(dist, name: str, steps: int) -> dict:
     return {"times": per_step["total"], "phases": {k: statistics.median(v) for k, v in per_step.items()}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from bench._common import machine, run_ranks_detail
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="ddp,zero1,zero1-overlap,zero2,zero2-overlap,torch-ddp")
+    ap.add_argument("--systems", default="ddp,zero1,zero1-overlap,zero2,zero2-overlap,torch-ddp",
+                    help=f"comma-separated, from: {', '.join(SYSTEMS)}")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        ap.error(f"unknown system(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(SYSTEMS)}")
     print(f"{machine()}; {args.world} gloo ranks; median ms per step and phase, each rank\n")
-    for name in args.systems.split(","):
+    for name in names:
         b0, o0, w0 = *_busy_seconds(), time.perf_counter()
         _, _, infos = run_ranks_detail(args.world, run_phases, name, args.steps)
         b1, o1, w1 = *_busy_seconds(), time.perf_counter()

@@ -19,7 +19,7 @@ source, 8 sequences per rank), fp32, AdamW lr 1e-3, betas (0.9, 0.99), weight de
 >=2-D parameters only, constant lr, gradient clipping at global norm 1.0, N gloo ranks with one
 thread each. Median step time of ``--steps`` steps after 3 warm-up steps, the slower rank
 counts; every system runs in fresh rank processes each round and systems alternate order
-over rounds. Peak RSS is ``ru_maxrss`` of each rank process; "RSS over start" subtracts the
+over rounds. Peak RSS is the VmHWM of each rank process; "RSS over start" subtracts the
 peak measured after imports and process-group set-up, before the model is built.
 
 Every system steps with the same optimizer kernel: torch's fused AdamW (``torch.optim.AdamW(fused=
@@ -111,8 +111,9 @@ def _ours(dist, name, cfg, model, data):
     return step
 
 
-def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
-    """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares."""
+def _plain_step(dist, data, model, opt, loss_fn, after_backward=None, set_to_none=True):
+    """forward, backward, clip, step, zero_grad, global loss: the loop every torch peer shares.
+    ``set_to_none``: zero_grad's, torch's default (gradients freed between steps)."""
 
     def step(pos: int) -> float:
         batch = data.train_batch(pos, micro_batch=MICRO, grad_accum=1, rank=dist.rank, world=dist.world)
@@ -120,19 +121,24 @@ def _plain_step(dist, data, model, opt, loss_fn, after_backward=None):
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         return _global_loss(loss, dist.world)
 
     return step
 
 
-def _torch_ddp(dist, name, cfg, model, data):
+def _wrap_ddp(model):
+    """torch DDP as every bench script runs it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    # Gradients as views of DDP's buckets: no copy between .grad and the buckets (its fast setting).
+    return DDP(model, gradient_as_bucket_view=True)
+
+
+def _torch_ddp(dist, name, cfg, model, data):
     from framework.models.gpt import gpt_loss
 
-    # Gradients as views of DDP's buckets: no copy between .grad and the buckets (its fast setting).
-    model = DDP(model, gradient_as_bucket_view=True)
+    model = _wrap_ddp(model)
     if name == "torch-ddp":
         opt = torch.optim.AdamW(_adamw_groups(model.parameters()), **ADAMW, fused=True)
     else:  # torch-zero
@@ -140,7 +146,9 @@ def _torch_ddp(dist, name, cfg, model, data):
 
         opt = ZeroRedundancyOptimizer(_adamw_groups(model.parameters()), optimizer_class=torch.optim.AdamW,
                                       **ADAMW, fused=True)
-    return _plain_step(dist, data, model, opt, gpt_loss)
+    # The gradients are views of DDP's buckets, which DDP keeps allocated either way: freeing the
+    # views saves nothing, and zeroing them in place keeps .grad and the buckets one memory.
+    return _plain_step(dist, data, model, opt, gpt_loss, set_to_none=False)
 
 
 def _fsdp2(dist, name, cfg, model, data):
@@ -308,6 +316,13 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(ALL + EXTRA)}")
     # Read by our optimizers in every spawned rank (they inherit the environment).
     os.environ["FRAMEWORK_OPS"] = "0" if args.kernel == "torch" else "1"
+    if args.kernel == "ours":
+        import framework.ops
+
+        # (builds it here if needed, once, before the ranks): without it ours would run torch's kernel
+        if not framework.ops.available():
+            ap.error(f"--kernel ours: our C++ CPU kernel is not available ({framework.ops.unavailable_reason()}); "
+                     f"see `python -m framework.ops status`, or use --kernel torch")
     systems, notes = _available(asked)
     for n in notes:
         print(f"note: {n}", flush=True)
@@ -322,25 +337,29 @@ def main(argv: list[str] | None = None) -> None:
             if name in failed:
                 continue
             runs = []  # (result, cores others used) of each completed try
-            for attempt in range(ATTEMPTS + args.noisy_retries):
-                if attempt - len(runs) >= ATTEMPTS:
-                    break
+            crashes = 0  # counted apart from noisy repeats: noise must not use up a crash's retry
+            while crashes < ATTEMPTS:
+                attempt = len(runs) + crashes + 1
                 try:
                     b0, o0, w0 = *_busy_seconds(), time.perf_counter()
                     res = run_ranks_detail(args.world, run_system, name, args.steps)
                     b1, o1, w1 = *_busy_seconds(), time.perf_counter()
                 except Exception as e:  # one system failing must not lose the others' numbers
                     why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                    print(f"round {r} {name}: attempt {attempt + 1} FAILED {why}", flush=True)
-                    retried.append(f"{name} round {r} attempt {attempt + 1}: {why}")
+                    print(f"round {r} {name}: attempt {attempt} FAILED {why}", flush=True)
+                    retried.append(f"{name} round {r} attempt {attempt}: {why}")
+                    crashes += 1
                     continue
                 runs.append((res, max(0.0, (b1 - b0) - (o1 - o0)) / (w1 - w0)))
                 if runs[-1][1] <= args.max_other:
                     break
-                print(f"round {r} {name}: {res[0]:.3f} s/step discarded, others used {runs[-1][1]:.2f} cores",
-                      flush=True)
-                if attempt + 1 < ATTEMPTS + args.noisy_retries:
-                    time.sleep(args.noisy_wait)
+                if len(runs) > args.noisy_retries:
+                    print(f"round {r} {name}: {res[0]:.3f} s/step, others used {runs[-1][1]:.2f} cores: noisy, "
+                          f"no repeats left, the quietest run is kept", flush=True)
+                    break
+                print(f"round {r} {name}: {res[0]:.3f} s/step, others used {runs[-1][1]:.2f} cores: noisy, "
+                      f"repeating", flush=True)
+                time.sleep(args.noisy_wait)
             if not runs:
                 failed[name] = why
                 continue

@@ -270,3 +270,21 @@ def test_gpu_check_sync_watches_the_thread_that_runs_backward():
     gpu_check._engine_run(cfg, torch.device("cpu"), 2,
                           around_backward=lambda now: told.append((now, threading.get_ident())))
     assert [now for now, _ in told] == ["backward", "autograd", "step"] * 2, told
+
+
+def test_gpu_check_a_deepspeed_that_raises_on_import_is_one_row(monkeypatch, tmp_path):
+    """A DeepSpeed install that raises something other than ImportError on import (its RuntimeError
+    when CUDA_HOME is missing) gives one "import failed" row; the check's other rows stay."""
+    from bench import gpu_check
+
+    fake = tmp_path / "fake"
+    (fake / "deepspeed").mkdir(parents=True)
+    (fake / "deepspeed" / "__init__.py").write_text('raise RuntimeError("CUDA_HOME does not exist")\n')
+    monkeypatch.syspath_prepend(str(fake))
+    rows = gpu_check.check_environment(True, tmp_path)
+    values = {r["item"]: r["value"] for r in rows}
+    assert values["import deepspeed"] == "import failed: RuntimeError: CUDA_HOME does not exist", rows
+    assert "import transformers" in values and "dist.backend=auto, 1 local rank" in values
+    monkeypatch.setattr(gpu_check, "TIMING_DRY", ("deepspeed-zero2-offload",))
+    rows = gpu_check.check_timing(True, tmp_path)
+    assert [r["value"] for r in rows] == ["deepspeed: import failed: RuntimeError: CUDA_HOME does not exist"], rows

@@ -83,6 +83,8 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
     r = compare("gpt-mini", vocab=256)
     state = r["nvme"]["state_bytes"]
     assert r["nvme"]["loss"] == r["cpu"]["loss"] and r["nvme"]["resumed_step"] == r["cpu"]["resumed_step"] == 1
+    # the swap files were in the folder the bench was given (its --dir), not under a run directory
+    assert r["nvme"]["swap_dir_bytes"] > 0.5 * state and r["cpu"]["swap_dir_bytes"] == 0, r
     assert r["cpu"]["save"]["anon_bytes"] > 0.8 * state, r          # the sampler sees a host copy
     assert r["cpu"]["load"]["anon_bytes"] < 0.25 * state, r          # DCP reads into the state in place
     for op in ("save", "load"):
@@ -90,3 +92,176 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
         # the state came through the map, whose pages leave the process piece by piece (FileMap.release):
         # at most about one piece's tensor (here the 43 MB master) is mapped at a time
         assert 0 < r["nvme"][op]["mapped_bytes"] < 0.5 * state, (op, r)
+
+
+def test_phases_refuses_a_system_it_does_not_know(capsys):
+    """bench.phases ran every name that was not ours as torch DDP (a typo or "fsdp2" printed DDP's
+    phases under that name): it now says which names it knows, before measuring anything."""
+    from bench.phases import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--systems", "zero2,fsdp2"])
+    assert e.value.code == 2 and "unknown system(s) fsdp2; choose from" in capsys.readouterr().err
+
+
+def test_phases_builds_torch_ddp_as_stages_does(monkeypatch):
+    """bench.phases' torch DDP is built by bench.stages' helper (gradients as bucket views), not a
+    DDP of its own settings."""
+    import inspect
+
+    import bench.phases
+    import bench.stages
+    from framework.comm.distributed import connect
+
+    class Built(Exception):
+        pass
+
+    def spy(model):
+        raise Built
+
+    monkeypatch.setattr(bench.phases, "_wrap_ddp", spy)
+    with pytest.raises(Built):
+        bench.phases.run_phases(connect("gloo"), "torch-ddp", 1)
+    assert "gradient_as_bucket_view=True" in inspect.getsource(bench.stages._wrap_ddp)
+
+
+def _many_losses(dist, n):
+    return {"times": [0.0], "losses": [i + 0.5 for i in range(n)]}
+
+
+def test_ranks_return_results_larger_than_a_pipe_buffer():
+    """A rank's result (here 200 000 losses, about 2 MB pickled) comes back whole: results went
+    through a queue that the parent read only after joining, so one larger than the pipe's buffer
+    blocked the rank, and the join, forever. Its peak RSS is its own. One spawned rank, a few seconds."""
+    from bench._common import run_ranks_detail
+    from framework.memory.probe import rss_peak
+
+    big = bytearray(1 << 30)   # this process peaks 1 GiB higher before it spawns the rank
+    big[::4096] = b"\1" * len(range(0, len(big), 4096))
+    del big
+    _, rss, info = run_ranks_detail(1, _many_losses, 200_000)
+    assert len(info[0]["losses"]) == 200_000 and info[0]["losses"][-1] == 199_999.5
+    # the rank's peak RSS is its own (VmHWM), not this process's, which ru_maxrss carries across exec
+    assert 0 < rss[0] < rss_peak() - (512 << 20), (rss, rss_peak())
+
+
+def test_stages_fsdp2_peer_frees_its_gradients_after_the_step(tmp_path):
+    """bench.stages' FSDP2 peer steps at FSDP2's default (zero_grad's set_to_none=True): no
+    gradients held between steps, which inflated its peak (about 72 MiB at gpt-mini). One rank,
+    one step of gpt-mini in this process's own single-rank gloo group."""
+    import torch
+    import torch.distributed as tdist
+
+    from bench.stages import OVERRIDES, _fsdp2
+    from framework.comm.distributed import connect
+    from framework.config import compose
+    from framework.engine.build import component
+
+    assert not tdist.is_initialized()
+    tdist.init_process_group("gloo", store=tdist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = compose(OVERRIDES)
+        data = component(cfg, "data").build(cfg.data, seed=0, context=cfg.model.context)
+        torch.manual_seed(0)
+        model = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
+        _fsdp2(connect("gloo"), "fsdp2", cfg, model, data)(0)
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        tdist.destroy_process_group()
+
+
+def test_estimate_ds_without_deepspeed_says_so_in_one_line(capsys):
+    """bench.estimate_ds without DeepSpeed importable: --help works, a run exits 2 with one line
+    naming what is missing (was a traceback, --help included)."""
+    import importlib.util
+
+    from bench.estimate_ds import main
+
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed is installed here")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "DeepSpeed" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("needs DeepSpeed: `import deepspeed` failed") and err.count("\n") == 1
+
+
+def test_nvme_io_report_says_when_raw_is_dd_alone(tmp_path, capsys):
+    """Without fio the comparison's "best raw" is dd's one setting alone: the report says so."""
+    from types import SimpleNamespace
+
+    from bench.nvme_io import report
+
+    def r(system, block, depth, gbs):
+        return {"system": system, "block": block, "depth": depth, "checksum": "", "write": gbs, "read": gbs,
+                "write_median": gbs, "read_median": gbs, "write_cpu_s_per_gb": None, "read_cpu_s_per_gb": None}
+
+    args = SimpleNamespace(dir=str(tmp_path), tensor_size=1 << 20, rounds=1)
+    report([r("ours", 1 << 20, 8, 2.0), r("dd", 4 << 20, 1, 1.0)], args, 4 << 20)
+    out = capsys.readouterr().out
+    assert "note: fio not installed: raw = dd only (4 MiB blocks, depth 1)" in out
+    assert "of the best raw 1.00 GB/s" in out
+    report([r("ours", 1 << 20, 8, 2.0), r("dd", 4 << 20, 1, 1.0), r("fio", 1 << 20, 8, 1.5)], args, 4 << 20)
+    assert "fio not installed" not in capsys.readouterr().out
+
+
+def test_nvme_e2e_refuses_an_unknown_system_before_measuring(tmp_path, capsys):
+    """bench.nvme_e2e checks --systems before it measures anything (was: a KeyError inside the ranks,
+    shown in a table cell, exit 0)."""
+    from bench.nvme_e2e import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--dir", str(tmp_path / "d"), "--systems", "zero3 offload=cpu,zero3 offlod=nvme"])
+    assert e.value.code == 2 and "unknown system(s) 'zero3 offlod=nvme'; choose from" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_stages_noisy_retries_zero_keeps_the_noisy_run(monkeypatch, capsys):
+    """--noisy-retries 0: a noisy run is kept, not repeated in the slot of a crash's retry, and is not
+    reported as discarded; a crash is still retried once. (Ranks and the CPU meter faked.)"""
+    import bench._common
+    import bench.stages
+
+    calls, clock = [], [0.0]
+
+    def fake_run(world, fn, name, steps):
+        calls.append(name)
+        if name == "torch-zero" and len(calls) == 2:
+            raise RuntimeError("rank died")
+        return 0.5, [1 << 20], [{"losses": [5.0, 4.0], "start_rss": 0, "params": 1, "threads": 1}]
+
+    def noisy_meter():   # others use many cores during every run
+        clock[0] += 1e6
+        return clock[0], 0.0
+
+    monkeypatch.setenv("FRAMEWORK_OPS", "0")   # main sets it: restored after the test
+    monkeypatch.setattr(bench._common, "run_ranks_detail", fake_run)
+    monkeypatch.setattr(bench.stages, "_busy_seconds", noisy_meter)
+    bench.stages.main(["--systems", "torch-ddp,torch-zero", "--rounds", "1", "--noisy-retries", "0",
+                       "--noisy-wait", "0"])
+    out = capsys.readouterr().out
+    assert calls == ["torch-ddp", "torch-zero", "torch-zero"], calls
+    assert "discarded noisy run" not in out and "0 runs discarded" in out and "no repeats left" in out, out
+    assert "| torch-ddp | 0.500 |" in out and "| torch-zero | 0.500 |" in out, out
+
+
+def test_stages_kernel_ours_refuses_without_our_kernel(monkeypatch, capsys):
+    """--kernel ours where our C++ kernel cannot be had: one error line, nothing measured (was: a
+    run on torch's fallback under a header saying "our C++ CPU kernel")."""
+    import bench._common
+    import bench.stages
+    import framework.ops
+
+    def no_run(*a):
+        raise AssertionError("measured")
+
+    monkeypatch.setenv("FRAMEWORK_OPS", "1")
+    monkeypatch.setattr(framework.ops, "available", lambda: False)
+    monkeypatch.setattr(framework.ops, "unavailable_reason", lambda: "no C++ compiler")
+    monkeypatch.setattr(bench._common, "run_ranks_detail", no_run)
+    with pytest.raises(SystemExit) as e:
+        bench.stages.main(["--kernel", "ours", "--systems", "ddp", "--rounds", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "our C++ CPU kernel is not available (no C++ compiler)" in err, err
