@@ -3,9 +3,9 @@
 Each module of ``framework`` belongs to one layer, lowest first; a module may import from its own
 layer and the ones below, never from above. On top of that:
 
-* no circles between modules (lazy imports inside functions count; imports under
-  ``if TYPE_CHECKING:`` do not, since they never run, but they still obey the layers and the
-  private names);
+* no circles between modules (lazy imports inside functions and imports under
+  ``if TYPE_CHECKING:`` count too: a type the other module needs goes below both of them, or the
+  lower module states what it needs as a ``Protocol``);
 * no private names across packages: ``framework.a._b`` and ``_name`` are for ``framework.a``
   itself; other packages use what a package's ``__init__`` exports, or a public module's public
   names (the package root's own modules, the command shims, form one package);
@@ -57,23 +57,11 @@ def _package(mod: str) -> str:
     return mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """ids of import nodes under ``if TYPE_CHECKING:``."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out |= {id(n) for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    return out
-
-
-def _imports(mod: str, typing: bool = True, source: str | None = None) -> list[tuple[str, str | None, int]]:
+def _imports(mod: str, source: str | None = None) -> list[tuple[str, str | None, int]]:
     """(target module, imported name or None, line) for every framework import of ``mod`` (of
-    ``source`` if given; without ``typing``: leaving out those under ``if TYPE_CHECKING:``)."""
-    tree = ast.parse(MODULES[mod].read_text() if source is None else source)
-    skip, out = (set() if typing else _typing_only(tree)), []
+    ``source`` if given), wherever it is: lazy, or under ``if TYPE_CHECKING:``."""
+    tree, out = ast.parse(MODULES[mod].read_text() if source is None else source), []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, None, node.lineno) for a in node.names if a.name in MODULES]
         elif isinstance(node, ast.ImportFrom):
@@ -91,7 +79,6 @@ def _imports(mod: str, typing: bool = True, source: str | None = None) -> list[t
 
 
 EDGES = {m: _imports(m) for m in MODULES}
-RUN_EDGES = {m: _imports(m, typing=False) for m in MODULES}   # the circle check's: these run
 
 
 def _layer(mod: str) -> int | None:
@@ -174,7 +161,7 @@ def test_no_private_names_across_packages():
 
 
 def test_no_import_circles():
-    assert not _circles(RUN_EDGES), f"import circles: {_circles(RUN_EDGES)}"
+    assert not _circles(EDGES), f"import circles: {_circles(EDGES)}"
 
 
 # The modules that import by name at run time, and why.
@@ -209,7 +196,8 @@ def test_each_check_finds_its_violation():
     assert not _upward({"framework.models.gpt": [("framework.ops", None, 1)]})   # from framework import ops
     typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from framework.engine.build import Engine\n"
     assert _upward({"framework.models.gpt": _imports("framework.models.gpt", source=typed)})
-    assert not _imports("framework.models.gpt", typing=False, source=typed)   # not in the circle graph
+    assert _circles({"framework.models.gpt": _imports("framework.models.gpt", source=typed),
+                     "framework.engine.build": [("framework.models.gpt", None, 1)]})
     assert _private({"framework.engine.step": [("framework.stages._flat", None, 1)]})
     assert _private({"framework.cli.loop": [("framework.stages", "_hidden", 1)]})
     assert _private({"framework.cli.train": [("framework.comm.accelerator", "_Clocked", 1)]})
