@@ -13,7 +13,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -25,15 +25,13 @@ from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
+from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._store import Tier, recorded
 from framework.offload._swapfile import remove_stale, swap_path
 from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
 from framework.offload.base import Piece, Shards
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import group_state, init_groups, merge_groups, replace_groups
-
-if TYPE_CHECKING:   # the component module builds the placements: no import back at run time
-    from framework.offload.nvme import NVMeOffloadConfig
 
 
 class NVMePlacement(HostPlacement):

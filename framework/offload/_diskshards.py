@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,12 +14,11 @@ from framework.core.files import make_dirs, read_into, write_at
 from framework.core.footprint import Footprint
 from framework.offload._disk import NVMePlacement
 from framework.offload._diskstore import DiskStore, park_tensor, pool_layout
+from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._swapfolder import preflight
 from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
-if TYPE_CHECKING:   # the component module builds the shards: no import back at run time
-    from framework.offload.nvme import NVMeOffloadConfig
 
 
 class DiskShards(HostShards):

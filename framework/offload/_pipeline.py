@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -19,12 +19,10 @@ from torch import Tensor
 from framework import ops
 from framework.comm.accelerator import Event
 from framework.offload._store import Tier, recorded
+from framework.offload.base import Placement
 from framework.optimizers import GradientTransformation, group_state, step_groups
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-
-if TYPE_CHECKING:   # the placement builds its pipeline (Placement.make_update): no import back at run time
-    from framework.offload.base import Placement
 
 
 class PiecePipeline:

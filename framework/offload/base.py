@@ -7,7 +7,8 @@ live, and how they move. A stage talks to it only through these calls:
 * backward: ``grads_final(g, lo, hi, grad)`` says range [lo, hi) of partition g's reduced gradient
   is final, on the thread and stream that produced it, each element at most once a step;
   ``grads(parts)`` then returns every piece's gradient.
-* update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
+* update: ``make_update`` returns the piece pipeline (``_pipeline.py``, built by ``cpu.HostPlacement``)
+  when there are host pieces;
   otherwise None: the stage steps itself and calls ``publish()``.
 
 Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -29,8 +30,13 @@ from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier, recorded
 from framework.optimizers import group_state
 
-if TYPE_CHECKING:   # built by ``make_update``: no import back at run time
-    from framework.offload._pipeline import PiecePipeline
+
+class GradListener(Protocol):
+    """What hears of the final gradient ranges once ``make_update`` built it (``_pipeline.PiecePipeline``)."""
+
+    def ready(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None: ...
+
+    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,7 +140,7 @@ class Placement:
         self.acc: Accelerator | None = None
         self.infos: list[Piece] = []   # every piece, in master order
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
-        self.listener: PiecePipeline | None = None   # hears from the stage once ``make_update`` built it
+        self.listener: GradListener | None = None   # hears from the stage once ``make_update`` built it
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -347,12 +353,9 @@ class Placement:
                 store.release(p.index, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
-        """The piece pipeline, listening to the stage from now on (None: no host pieces)."""
-        if all(i.tier is Tier.DEVICE for i in self.infos):
-            return None
-        from framework.offload._pipeline import PiecePipeline  # it builds on this module
-        self.listener = PiecePipeline(tx, self, gather)
-        return self.listener
+        """The piece pipeline, listening to the stage from now on (None: no host pieces; every piece
+        is on the device, the only tier here)."""
+        return None
 
     def agree_io_error(self, error: BaseException | None, what: str) -> None:
         """After the host step: raise ``error`` (a swapping tier: on every rank, if any failed)."""

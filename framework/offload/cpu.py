@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -17,6 +17,7 @@ from framework.core.errors import ConfigError
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
+from framework.offload._pipeline import PiecePipeline
 from framework.offload._store import Tier, recorded
 from framework.offload.base import Piece, Placement, Shards
 
@@ -30,6 +31,12 @@ class HostPlacement(Placement):
                  accelerator: Accelerator | None = None):
         self.host_fraction, self.pin, self.overlap_step = host_fraction, pin, overlap_step
         super().__init__(shards, accelerator)
+
+    def make_update(self, tx, gather: Callable[[], None]) -> PiecePipeline | None:
+        if all(i.tier is Tier.DEVICE for i in self.infos):   # (host_fraction 0)
+            return None
+        self.listener = PiecePipeline(tx, self, gather)
+        return self.listener
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Each piece's gradient buffer, master and 16-bit staging: one pinned arena."""

@@ -6,9 +6,10 @@ and by where they live; ``framework.memory.predict`` computes the same items fro
 shapes with the functions the stages and tiers lay themselves out with (``make_layout``,
 ``plan_units``, ``Zero2Stage.plan``, ``Placement.ranges`` and ``Placement.predict``). Every
 stage x offload x precision on one rank, the settings that change the layout (partial offload,
-parameter offload, speculation, accumulation, small tiles and buckets),
-and the sharded compositions on two ranks. Cases marked ``FROZEN`` add what every stage keeps whole
-on every rank: frozen parameters (in the working dtype when floating) and buffers (their own dtype).
+parameter offload, speculation, accumulation, small tiles and buckets), and the sharded
+compositions on two ranks (zero3 on NVMe and zero2 on the host in every precision). Cases marked
+``FROZEN`` add what every stage keeps whole on every rank: frozen parameters (in the working dtype
+when floating) and buffers (their own dtype).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ ONE_RANK += [
     ("+stage=zero2", "offload=nvme", "offload.ratio=0.5", "precision=bf16"),
     ("+stage=zero2", "offload=nvme", "stage.reduce_bucket_size=1000", "precision=bf16"),
     ("+stage=zero3", "offload=cpu", "offload.params=cpu", "precision=bf16"),
+    ("+stage=zero3", "offload=nvme", "offload.params=cpu"),
     ("+stage=zero3", "offload=nvme", "offload.optimizer=cpu"),
     ("+stage=zero3", "offload=nvme", "offload.params=none", "precision=bf16"),
     # owned gradients in the swap file, read back on the second micro batch (pinned landings)
@@ -51,6 +53,9 @@ ONE_RANK += [
 ]
 TWO_RANKS = [(f"+stage={s}", f"offload={o}", "precision=bf16")
              for s, o in itertools.product(["zero1", "zero2", "zero3"], ["none", "cpu", "nvme"])]
+# the other precisions where a rank's share differs most: swapped and host-stepped partitions
+TWO_RANKS += [("+stage=zero3", "offload=nvme", f"precision={p}") for p in ("fp32", "fp16")]
+TWO_RANKS += [("+stage=zero2", "offload=cpu", f"precision={p}") for p in ("fp32", "fp16")]
 TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300"),
               # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
               ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",

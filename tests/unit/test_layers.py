@@ -3,11 +3,14 @@
 Each module of ``framework`` belongs to one layer, lowest first; a module may import from its own
 layer and the ones below, never from above. On top of that:
 
-* no circles between modules (lazy imports inside functions count; imports under
-  ``if TYPE_CHECKING:`` do not, since they never run);
+* no circles between modules (lazy imports inside functions and imports under
+  ``if TYPE_CHECKING:`` count too: a type the other module needs goes below both of them, or the
+  lower module states what it needs as a ``Protocol``);
 * no private names across packages: ``framework.a._b`` and ``_name`` are for ``framework.a``
   itself; other packages use what a package's ``__init__`` exports, or a public module's public
-  names (the package root's own modules, the command shims, form one package).
+  names (the package root's own modules, the command shims, form one package);
+* no imports by name at run time (``importlib.import_module``, ``__import__``, loading a module
+  from a file) outside ``DYNAMIC``: they are invisible to the checks above.
 
 A new module goes into the layer where it belongs (``LAYERS`` below and docs/architecture.md).
 """
@@ -32,6 +35,9 @@ LAYERS = [
     ("assembly", "engine.build"),
     ("memory model", "memory"),
     ("entry points", "cli train estimate plan recipe report export"),
+    # ``framework`` itself (its __init__): it re-exports initialize and the weights functions, so
+    # nothing inside the package imports it; ``from framework import ops`` is an import of ops.
+    ("public API", "__init__"),
 ]
 LAYER = {name: i for i, (_, names) in enumerate(LAYERS) for name in names.split()}
 
@@ -51,22 +57,11 @@ def _package(mod: str) -> str:
     return mod if MODULES[mod].name == "__init__.py" else mod.rsplit(".", 1)[0]
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """ids of import nodes under ``if TYPE_CHECKING:``."""
-    out = set()
+def _imports(mod: str, source: str | None = None) -> list[tuple[str, str | None, int]]:
+    """(target module, imported name or None, line) for every framework import of ``mod`` (of
+    ``source`` if given), wherever it is: lazy, or under ``if TYPE_CHECKING:``."""
+    tree, out = ast.parse(MODULES[mod].read_text() if source is None else source), []
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out |= {id(n) for b in node.body for n in ast.walk(b) if isinstance(n, (ast.Import, ast.ImportFrom))}
-    return out
-
-
-def _imports(mod: str) -> list[tuple[str, str | None, int]]:
-    """(target module, imported name or None, line) for every framework import of ``mod``."""
-    tree = ast.parse(MODULES[mod].read_text())
-    skip, out = _typing_only(tree), []
-    for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out += [(a.name, None, node.lineno) for a in node.names if a.name in MODULES]
         elif isinstance(node, ast.ImportFrom):
@@ -87,13 +82,13 @@ EDGES = {m: _imports(m) for m in MODULES}
 
 
 def _layer(mod: str) -> int | None:
-    parts = mod.split(".")[1:]
+    parts = mod.split(".")[1:] or ["__init__"]
     keys = [".".join(parts[:n]) for n in range(len(parts), 0, -1)]
     return next((LAYER[k] for k in keys if k in LAYER), None)
 
 
 def test_every_module_has_a_layer():
-    missing = sorted({m.split(".")[1] for m in MODULES if "." in m and _layer(m) is None})
+    missing = sorted({m.split(".")[-1] for m in MODULES if _layer(m) is None})
     assert not missing, f"add these to LAYERS in {__file__}: {missing}"
 
 
@@ -169,15 +164,47 @@ def test_no_import_circles():
     assert not _circles(EDGES), f"import circles: {_circles(EDGES)}"
 
 
+# The modules that import by name at run time, and why.
+DYNAMIC = {
+    # registry(): a config group's components are found in its package (stages, offload, ...) when
+    # first asked for, so the layers below them (config) can name them without importing them.
+    "framework.core.registry",
+    # the compiled C++ extension, loaded from its build folder: not a module of the package.
+    "framework.ops._loader",
+}
+_BY_NAME = {"import_module", "__import__", "spec_from_file_location", "module_from_spec"}
+
+
+def _dynamic(mod: str, source: str) -> list[str]:
+    return [f"{mod}:{node.lineno} {ast.unparse(node.func)}(...)" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and mod not in DYNAMIC
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")) in _BY_NAME]
+
+
+def test_no_imports_by_name():
+    bad = [line for m, p in MODULES.items() for line in _dynamic(m, p.read_text())]
+    assert not bad, "import these with an import statement (or add the module to DYNAMIC, saying why):\n" + "\n".join(bad)
+
+
 def test_each_check_finds_its_violation():
     """The checks are not vacuous: each finds a planted violation, and the real graph is read."""
     assert any(t == "framework.core.errors" for t, _, _ in EDGES["framework.engine.step"])
     assert _upward({"framework.core.errors": [("framework.engine.step", None, 1)]})
     assert _upward({"framework.persist.checkpoint": [("framework.engine.build", None, 1)]})
     assert not _upward({"framework.engine.build": [("framework.persist.weights", None, 1)]})
+    assert _upward({"framework.models.gpt": [("framework", "initialize", 1)]})   # the public API is on top
+    assert not _upward({"framework.models.gpt": [("framework.ops", None, 1)]})   # from framework import ops
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from framework.engine.build import Engine\n"
+    assert _upward({"framework.models.gpt": _imports("framework.models.gpt", source=typed)})
+    assert _circles({"framework.models.gpt": _imports("framework.models.gpt", source=typed),
+                     "framework.engine.build": [("framework.models.gpt", None, 1)]})
     assert _private({"framework.engine.step": [("framework.stages._flat", None, 1)]})
     assert _private({"framework.cli.loop": [("framework.stages", "_hidden", 1)]})
     assert _private({"framework.cli.train": [("framework.comm.accelerator", "_Clocked", 1)]})
     assert not _private({"framework.stages.zero3": [("framework.stages._flat", None, 1)]})
     assert _circles({"framework.core.errors": [("framework.core.utils", None, 1)],
                      "framework.core.utils": [("framework.core.errors", None, 2)]})
+    for call in ("importlib.import_module('framework.stages')", "__import__('framework.stages')",
+                 "import_module('framework.stages')"):
+        assert _dynamic("framework.config.checks", f"def _z():\n    {call}\n")
+    assert not _dynamic("framework.core.registry", "importlib.import_module('framework.stages')")
