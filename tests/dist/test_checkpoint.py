@@ -362,6 +362,7 @@ def _apart(dist, root):
     on each of two nodes), then a save into one folder per rank: every rank's errors."""
     from framework.persist.checkpoint import shared
     shared(dist, Path(root))   # one folder: passes, and leaves nothing there
+    dist.all_gather_object(None, what="rank 0's removal of the check's file")   # (rank 0 removes it last)
     out = [sorted(p.name for p in Path(root).iterdir() if not p.name.startswith("node-"))]
     mine = Path(root) / f"node-{dist.rank}"
     mine.mkdir()

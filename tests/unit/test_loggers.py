@@ -164,18 +164,33 @@ def test_no_room_for_the_run_record_is_one_line(tmp_path):
     record.close()
 
 
-def test_a_train_log_without_room_ends_nothing_and_the_console_goes_on(tmp_path, capsys):
+def test_a_train_log_without_room_ends_nothing_and_the_console_goes_on(tmp_path):
     """train.log on a full disk is as a console that is gone: noted once (on the console), the run and its
-    console go on, and the error that ends the run is the run's own, not a failed write of the log's."""
-    from framework.loggers import console_log
-    from tests._helpers import file_size_limit
+    console go on, and the error that ends the run is the run's own, not a failed write of the log's.
+    (In a child process: a file size limit in pytest's own process also fails pytest's writes to its
+    capture and log files, which are past the limit already.)"""
+    import subprocess
+    from pathlib import Path
 
-    with file_size_limit(200), pytest.raises(FrameworkError, match="^the run's own error$"):
-        with console_log(tmp_path / "train.log"):
-            for step in range(20):
-                print(f"step {step} | loss 4.1647")
-            raise FrameworkError("the run's own error")
-    out = capsys.readouterr().out.splitlines()
+    script = f"""
+import resource, signal
+from pathlib import Path
+from framework.core.errors import FrameworkError
+from framework.loggers import console_log
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    with console_log(Path({str(tmp_path / "train.log")!r})):
+        for step in range(20):
+            print(f"step {{step}} | loss 4.1647")
+        raise FrameworkError("the run's own error")
+except FrameworkError as e:
+    print(f"raised: {{e}}")
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    out = child.stdout.splitlines()
+    assert child.returncode == 0 and out[-1] == "raised: the run's own error", (child.stdout, child.stderr)
     assert [line for line in out if line.startswith("step")] == [f"step {i} | loss 4.1647" for i in range(20)], out
     assert sum("(train.log cannot be written: [Errno 27] File too large; the console goes on alone)" == line
                for line in out) == 1, out
