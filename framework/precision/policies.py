@@ -62,8 +62,10 @@ class Policy:
         precision, or a static scale), keeping the saved step and skip counts: the scale first grows after
         a full loss_scale_window of clean steps from here, as in a fresh run (not at the next multiple of
         the window in the saved step count)."""
-        return replace(self.init_state(), cur_iter=saved.cur_iter, last_overflow_iter=saved.cur_iter - 1,
-                       skipped_steps=saved.skipped_steps)
+        fresh = self.init_state()
+        dynamic = self.scaler is not None and self.scaler.loss_scale == 0
+        return replace(fresh, cur_iter=saved.cur_iter, skipped_steps=saved.skipped_steps,
+                       last_overflow_iter=saved.cur_iter - 1 if dynamic else fresh.last_overflow_iter)
 
 
 # The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.
