@@ -276,16 +276,17 @@ class CheckingCpuAccelerator:
         with self._lock:
             for t in tensors:
                 all_cpu([t], what)
-                if self._is_host(t):
-                    raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
-                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+                self._placed([t], what, host=False)
 
     def on_host(self, *tensors: Tensor, what: str) -> None:
         with self._lock:
-            for t in tensors:
-                if t.numel() and not self._is_host(t):
-                    raise DeviceMismatch(f"{what}: expected a host buffer, got device memory "
-                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+            self._placed(tensors, what, host=True)
+
+    def _placed(self, tensors: Sequence[Tensor], what: str, host: bool) -> None:
+        for t in tensors:
+            if t.numel() and self._is_host(t) != host:
+                want, got = ("a host buffer", "device memory") if host else ("device memory", "a host buffer")
+                raise DeviceMismatch(f"{what}: expected {want}, got {got} ({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     # accesses
 
@@ -313,7 +314,7 @@ class CheckingCpuAccelerator:
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
         with self._lock:
             self._entry("queue compute")
-            self._device_only([*reads, *writes], "compute on the device")
+            self._placed([*reads, *writes], "compute on the device", host=False)
             self._access(self._queue(None), reads, writes, "compute")
 
     def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
@@ -328,7 +329,7 @@ class CheckingCpuAccelerator:
     def collective(self, tensors: Sequence[Tensor], what: str):
         with self._lock:
             self._entry("issue a collective")
-            self._device_only(tensors, f"collective {what!r} (NCCL takes device memory only)")
+            self._placed(tensors, f"collective {what!r} (NCCL takes device memory only)", host=False)
             self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
             self._access(self._collectives, tensors, tensors, f"collective {what!r}")
             return self._collectives.clock()
@@ -337,12 +338,6 @@ class CheckingCpuAccelerator:
         with self._lock:
             self._entry("wait for a collective")
             self._queue(None).merge(token)
-
-    def _device_only(self, tensors: Sequence[Tensor], what: str) -> None:
-        for t in tensors:
-            if self._is_host(t):
-                raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
-                                     f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return _NoHostSync(self, where)
