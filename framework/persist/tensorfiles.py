@@ -40,11 +40,9 @@ class WeightsSource(contextlib.AbstractContextManager):
     """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
     name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
     (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
-    handed out, so tests can check a rank read only its ranges.
-
-    A safetensors value is read with a positioned read of exactly its bytes (a flat range of a
-    row-major tensor is one byte range), never through a map of the file: a map's touched pages
-    would stay resident until the file is closed, so a model larger than memory would not load."""
+    handed out, so tests can check a rank read only its ranges. A safetensors value is read with a positioned read
+    of exactly its bytes (a flat range of a row-major tensor is one byte range), never through a map of the file: a
+    map's touched pages would stay resident until the file is closed, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -286,8 +284,7 @@ def remove_tmp(out_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):   # (no folder: no files)
         for old in out_dir.iterdir():
             if old.name == INDEX + ".new" or (old.name.endswith(".tmp") and _OUTPUT.fullmatch(old.name[:-4])):
-                with contextlib.suppress(FileNotFoundError):
-                    old.unlink()
+                old.unlink(missing_ok=True)
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:

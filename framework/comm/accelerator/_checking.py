@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from framework.comm.accelerator._base import DeviceMismatch, Event, HostSync, OrderError, all_cpu
+from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
 
 
 class Clocked:
@@ -152,11 +152,8 @@ def _to_host(args, kwargs) -> bool:
         return False
 
 
-class CheckingCpuAccelerator:
+class CheckingCpuAccelerator(CpuAccelerator):
     """The CPU, checked as if it were CUDA (see the module docstring)."""
-
-    device = torch.device("cpu")
-    host = torch.device("cpu")
 
     def __init__(self):
         self._lock = threading.RLock()
