@@ -74,15 +74,12 @@ class CheckingEvent:
     def wait(self, stream=None) -> None:
         with self.acc._lock:
             self.acc._entry("make a stream wait for an event")
-            s = self.acc._queue(stream)
-            if self.clock is not None:
-                s.merge(self.clock)
+            self.acc._queue(stream).merge(self.clock or {})
 
     def synchronize(self) -> None:
         with self.acc._lock:
             self.acc._pending()
-            if self.clock is not None:
-                self.acc._host.merge(self.clock)
+            self.acc._host.merge(self.clock or {})
 
     def query(self) -> bool:
         self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
