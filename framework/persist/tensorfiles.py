@@ -40,11 +40,9 @@ class WeightsSource(contextlib.AbstractContextManager):
     """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
     name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
     (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
-    handed out, so tests can check a rank read only its ranges.
-
-    A safetensors value is read with a positioned read of exactly its bytes (a flat range of a
-    row-major tensor is one byte range), never through a map of the file: a map's touched pages
-    would stay resident until the file is closed, so a model larger than memory would not load."""
+    handed out, so tests can check a rank read only its ranges. A safetensors value is read with a positioned read
+    of exactly its bytes (a flat range of a row-major tensor is one byte range), never through a map of the file: a
+    map's touched pages would stay resident until the file is closed, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -286,26 +284,23 @@ def remove_tmp(out_dir: Path) -> None:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):   # (no folder: no files)
         for old in out_dir.iterdir():
             if old.name == INDEX + ".new" or (old.name.endswith(".tmp") and _OUTPUT.fullmatch(old.name[:-4])):
-                with contextlib.suppress(FileNotFoundError):
-                    old.unlink()
+                old.unlink(missing_ok=True)
 
 
 def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
     """Flush and rename the ``.tmp`` files, write the index when there are several files, then remove the
     outputs of an earlier save there that this one did not replace (its other shards, its index)."""
-    paths = []
     for plan in plans:
-        tmp = out_dir / (plan.name + ".tmp")
-        with os.fdopen(files.open_nofollow(tmp, os.O_RDWR), "rb") as f:
+        with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_RDWR), "rb") as f:
             os.fsync(f)
     # (an error before here leaves the earlier save whole; the renames cannot run out of room)
     if len(plans) > 1:
         index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
                  "weight_map": {e.name: p.name for p in plans for e in p.entries}}
         files.write_atomic(out_dir / (INDEX + ".new"), (json.dumps(index, indent=2) + "\n").encode())
+    paths = [out_dir / plan.name for plan in plans]
     for plan in plans:
         os.replace(out_dir / (plan.name + ".tmp"), out_dir / plan.name)
-        paths.append(out_dir / plan.name)
     if len(plans) > 1:
         os.replace(out_dir / (INDEX + ".new"), out_dir / INDEX)
         paths.append(out_dir / INDEX)
@@ -342,24 +337,16 @@ def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
     try:
         yield
     except OSError as e:
-        raise write_error(e, out_dir, what, sum(p.size for p in plans)) from None
-
-
-def write_error(e: OSError, out_dir: Path, what: str, need: int) -> FrameworkError:
-    """An OSError of writing ``need`` bytes of files in ``out_dir`` as one line naming the folder (and, for no
-    room, the sizes and the fix)."""
-    where = f"{e.filename}" if e.filename else str(out_dir)
-    if e.errno in FULL:
-        try:
-            free = f", {size(free_bytes(out_dir))} free"
-        except OSError:
-            free = ""
-        hint = (f"; no room on the disk or a file size limit (the files need {size(need)}{free}): free space or "
-                "choose a folder on a larger disk")
-    else:
         hint = "; choose a writable folder"
-    return FrameworkError(f"{what}: cannot write {where} ({e.strerror or e}){hint}"
-                          + "; nothing there was replaced")
+        if e.errno in FULL:   # no room: the sizes and the fix
+            try:
+                free = f", {size(free_bytes(out_dir))} free"
+            except OSError:
+                free = ""
+            hint = (f"; no room on the disk or a file size limit (the files need {size(sum(p.size for p in plans))}"
+                    f"{free}): free space or choose a folder on a larger disk")
+        raise FrameworkError(f"{what}: cannot write {e.filename or out_dir} ({e.strerror or e}){hint}"
+                             "; nothing there was replaced") from None
 
 
 if sys.byteorder != "little":  # safetensors stores little-endian bytes; tensors are written as they lie

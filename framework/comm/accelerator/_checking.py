@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from framework.comm.accelerator._base import DeviceMismatch, Event, HostSync, OrderError, all_cpu
+from framework.comm.accelerator._base import CpuAccelerator, DeviceMismatch, Event, HostSync, OrderError, all_cpu
 
 
 class Clocked:
@@ -74,15 +74,12 @@ class CheckingEvent:
     def wait(self, stream=None) -> None:
         with self.acc._lock:
             self.acc._entry("make a stream wait for an event")
-            s = self.acc._queue(stream)
-            if self.clock is not None:
-                s.merge(self.clock)
+            self.acc._queue(stream).merge(self.clock or {})
 
     def synchronize(self) -> None:
         with self.acc._lock:
             self.acc._pending()
-            if self.clock is not None:
-                self.acc._host.merge(self.clock)
+            self.acc._host.merge(self.clock or {})
 
     def query(self) -> bool:
         self.synchronize()   # on the CPU the work ran when it was queued: reached, and the host knows it
@@ -152,11 +149,8 @@ def _to_host(args, kwargs) -> bool:
         return False
 
 
-class CheckingCpuAccelerator:
+class CheckingCpuAccelerator(CpuAccelerator):
     """The CPU, checked as if it were CUDA (see the module docstring)."""
-
-    device = torch.device("cpu")
-    host = torch.device("cpu")
 
     def __init__(self):
         self._lock = threading.RLock()
@@ -276,16 +270,17 @@ class CheckingCpuAccelerator:
         with self._lock:
             for t in tensors:
                 all_cpu([t], what)
-                if self._is_host(t):
-                    raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
-                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+                self._placed([t], what, host=False)
 
     def on_host(self, *tensors: Tensor, what: str) -> None:
         with self._lock:
-            for t in tensors:
-                if t.numel() and not self._is_host(t):
-                    raise DeviceMismatch(f"{what}: expected a host buffer, got device memory "
-                                         f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
+            self._placed(tensors, what, host=True)
+
+    def _placed(self, tensors: Sequence[Tensor], what: str, host: bool) -> None:
+        for t in tensors:
+            if t.numel() and self._is_host(t) != host:
+                want, got = ("a host buffer", "device memory") if host else ("device memory", "a host buffer")
+                raise DeviceMismatch(f"{what}: expected {want}, got {got} ({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     # accesses
 
@@ -313,7 +308,7 @@ class CheckingCpuAccelerator:
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
         with self._lock:
             self._entry("queue compute")
-            self._device_only([*reads, *writes], "compute on the device")
+            self._placed([*reads, *writes], "compute on the device", host=False)
             self._access(self._queue(None), reads, writes, "compute")
 
     def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
@@ -328,7 +323,7 @@ class CheckingCpuAccelerator:
     def collective(self, tensors: Sequence[Tensor], what: str):
         with self._lock:
             self._entry("issue a collective")
-            self._device_only(tensors, f"collective {what!r} (NCCL takes device memory only)")
+            self._placed(tensors, f"collective {what!r} (NCCL takes device memory only)", host=False)
             self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
             self._access(self._collectives, tensors, tensors, f"collective {what!r}")
             return self._collectives.clock()
@@ -337,12 +332,6 @@ class CheckingCpuAccelerator:
         with self._lock:
             self._entry("wait for a collective")
             self._queue(None).merge(token)
-
-    def _device_only(self, tensors: Sequence[Tensor], what: str) -> None:
-        for t in tensors:
-            if self._is_host(t):
-                raise DeviceMismatch(f"{what}: expected device memory, got a host buffer "
-                                     f"({tuple(t.shape)}, {t.dtype}), at {_place()}")
 
     def hot(self, where: str) -> contextlib.AbstractContextManager:
         return _NoHostSync(self, where)
