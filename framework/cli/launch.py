@@ -364,7 +364,9 @@ def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: 
 
 def _join(ranks: list, timeout_s: float | None) -> bool:
     """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C.
-    Anything else raised while waiting (SIGTERM's SystemExit) ends them first, as ``_end``, and is raised."""
+    Anything else raised while waiting (SIGTERM's SystemExit) is raised once they ended: SIGTERM to them,
+    SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising meanwhile: leaving, the
+    launcher leaves no rank running)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for p in ranks:
@@ -372,27 +374,21 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
     except KeyboardInterrupt:
         return False
     except BaseException:
-        _end(ranks)
+        for p in ranks:
+            p.terminate()
+        deadline = time.monotonic() + KILL_AFTER_S
+        with contextlib.suppress(BaseException):
+            for p in ranks:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in ranks:
+            p.kill()
+        for p in ranks:
+            while True:
+                with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
+                    p.join()
+                    break
         raise
     return True
-
-
-def _end(ranks: list) -> None:
-    """SIGTERM to the ranks, SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising
-    meanwhile: leaving, the launcher leaves no rank running)."""
-    for p in ranks:
-        p.terminate()
-    deadline = time.monotonic() + KILL_AFTER_S
-    with contextlib.suppress(BaseException):
-        for p in ranks:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in ranks:
-        p.kill()
-    for p in ranks:
-        while True:
-            with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
-                p.join()
-                break
 
 
 def _ready_path(store_dir: str, rank: int) -> str:
