@@ -337,9 +337,9 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
     override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary; ``job`` when none
     is left (a folder of its own all the same, not checkpoint.dir itself, where a plain run saves)."""
-    def identity(key: str) -> bool:
-        return key in swept or not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
-    return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group))) or "job"
+    kept = [o.input_line for o in parse_overrides(overrides) if o.key_or_group in swept
+            or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
+    return ",".join(sorted(kept)) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
