@@ -31,8 +31,8 @@ import torch.multiprocessing as mp
 from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config
-from framework.comm.distributed import (Dist, agree, backend_notice, check_env, connect, disconnect,
-                                       env_int, local_world_size, resolve_backend)
+from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
+                                       local_world_size, resolve_backend)
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated, say
 from framework.loggers import RunInfo
@@ -65,7 +65,13 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             _notice(cfg, local_world_size(), dist.is_main)
             if not already:
                 atexit.register(disconnect)
-            run = _agree_run_dir(run, dist)
+            # Each rank may resolve ${now:...} differently: rank 0's folder, this rank's removed where it
+            # holds only what Hydra wrote for this rank.
+            dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
+            if dirs[0] != dirs[dist.rank] and run.run_dir.is_dir() and (
+                    {p.name for p in run.run_dir.iterdir()} <= {".hydra", "train.log"}):
+                shutil.rmtree(run.run_dir, ignore_errors=True)
+            run = replace(run, run_dir=Path(dirs[0]))
             # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
             # "latest" once; every rank stops with its error, or trains the config it resolved.
             mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
@@ -114,22 +120,25 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     def again(signum: int) -> None:   # (threading.Thread.start would wait, in the callback, for it to run)
         sent = threading.Event()
         resent.append(sent)
-        _thread.start_new_thread(_signal_soon, (threading.main_thread().ident, signum, sent))
 
-    def interrupt(signum, frame):
+        def soon(thread: int) -> None:
+            try:
+                time.sleep(0.001)   # let the main thread leave the callback first
+                signal.pthread_kill(thread, signum)
+            finally:
+                sent.set()
+        _thread.start_new_thread(soon, (threading.main_thread().ident,))
+
+    def handle(signum, frame):
         if hooked.is_set():
             return again(signum)
-        if signum == INTERRUPT and interrupting:
-            return None   # the launcher's copy of the Ctrl-C being acted on
-        interrupting[:] = [True]
-        raise KeyboardInterrupt
-
-    def stop(signum, frame):
-        if hooked.is_set():
-            return again(signum)
-        if not stopping:
-            stopping.append(signum)
-            raise SystemExit(128 + signum)
+        if signum == signal.SIGTERM:
+            if not stopping:
+                stopping.append(signum)
+                raise SystemExit(128 + signum)
+        elif signum != INTERRUPT or not interrupting:   # (else the launcher's copy of the Ctrl-C being acted on)
+            interrupting[:] = [True]
+            raise KeyboardInterrupt
 
     def dropped(info):
         hooked.set()
@@ -143,17 +152,28 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
         finally:
             hooked.clear()
 
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, stop)}
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, handle)}
     if rank:
-        previous[INTERRUPT] = signal.signal(INTERRUPT, interrupt)
+        previous[INTERRUPT] = signal.signal(INTERRUPT, handle)
     if rank or signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # (not where it is ignored)
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, handle)
     hook, sys.unraisablehook = sys.unraisablehook, dropped
     try:
         yield
     finally:
+        # Wait (a second at most each) until every signal sent again is sent: its handler runs here, and the
+        # first exception one raises (SystemExit, KeyboardInterrupt) is raised once all are.
+        raised = None
         try:
-            _wait_sent(resent)
+            for sent in resent:
+                while True:
+                    try:
+                        sent.wait(1.0)
+                        break
+                    except BaseException as e:   # a handler's, raised inside the wait
+                        raised = raised or e
+            if raised is not None:
+                raise raised
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, signal.SIG_IGN if rank and signum != signal.SIGTERM else handler)
@@ -166,29 +186,6 @@ def terminated_line(e: SystemExit) -> str | None:
     if isinstance(e, Terminated):
         return e.line
     return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
-
-
-def _signal_soon(thread: int, signum: int, sent: threading.Event) -> None:
-    try:
-        time.sleep(0.001)   # let the main thread leave the callback first
-        signal.pthread_kill(thread, signum)
-    finally:
-        sent.set()
-
-
-def _wait_sent(resent: list[threading.Event]) -> None:
-    """Wait (a second at most each) until every signal sent again is sent: its handler runs here, and
-    the first exception one raises (SystemExit, KeyboardInterrupt) is raised once all are."""
-    raised = None
-    for sent in resent:
-        while True:
-            try:
-                sent.wait(1.0)
-                break
-            except BaseException as e:   # a handler's, raised inside the wait
-                raised = raised or e
-    if raised is not None:
-        raise raised
 
 
 RUN_LOCK = "run.lock"
@@ -302,6 +299,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     remove_dead_rendezvous(tempfile.gettempdir())
     store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
     lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
+    log = logging.getLogger(mp.ProcessContext.__module__)
+    log.addFilter(_no_terminating_line)
     try:
         # The ranks start with SIGINT ignored (inherited through exec; Python keeps it so): a Ctrl-C to the
         # whole group while they import torch would print a traceback each. Until they are ready (their
@@ -309,15 +308,13 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         # the launcher alone just then is lost.)
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            ranks = mp.start_processes(_worker, args=(cfg, run, cfg.dist.nproc, os.path.join(store_dir, "store"),
-                                                      on_point, on_ready), nprocs=cfg.dist.nproc, join=False,
-                                       start_method="spawn")
+            ranks = mp.start_processes(_worker, args=(cfg, run, store_dir, on_point, on_ready), nprocs=cfg.dist.nproc,
+                                       join=False, start_method="spawn")
         finally:
             signal.signal(signal.SIGINT, interrupt)
         try:
-            with _quiet_termination():
-                while not ranks.join():
-                    pass
+            while not ranks.join():
+                pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(_ready_path(store_dir, rank)))
@@ -330,28 +327,16 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
                              f"{str(e).strip().splitlines()[-1]}") from None
     finally:
+        log.removeFilter(_no_terminating_line)
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
 
 
-class _NoTerminatingLine(logging.Filter):
+def _no_terminating_line(record: logging.LogRecord) -> bool:
     """Drops torch's "Terminating process N via signal SIGTERM" warning: stopping the other ranks once
     one failed is said in the launcher's own line (its warning that SIGKILL was needed stays)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Terminating process")
-
-
-@contextlib.contextmanager
-def _quiet_termination() -> Iterator[None]:
-    """``_NoTerminatingLine`` on torch's spawn logger within the block only."""
-    log, quiet = logging.getLogger(mp.ProcessContext.__module__), _NoTerminatingLine()
-    log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        log.removeFilter(quiet)
+    return not str(record.msg).startswith("Terminating process")
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
@@ -379,7 +364,9 @@ def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: 
 
 def _join(ranks: list, timeout_s: float | None) -> bool:
     """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C.
-    Anything else raised while waiting (SIGTERM's SystemExit) ends them first, as ``_end``, and is raised."""
+    Anything else raised while waiting (SIGTERM's SystemExit) is raised once they ended: SIGTERM to them,
+    SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising meanwhile: leaving, the
+    launcher leaves no rank running)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for p in ranks:
@@ -387,27 +374,21 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
     except KeyboardInterrupt:
         return False
     except BaseException:
-        _end(ranks)
+        for p in ranks:
+            p.terminate()
+        deadline = time.monotonic() + KILL_AFTER_S
+        with contextlib.suppress(BaseException):
+            for p in ranks:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in ranks:
+            p.kill()
+        for p in ranks:
+            while True:
+                with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
+                    p.join()
+                    break
         raise
     return True
-
-
-def _end(ranks: list) -> None:
-    """SIGTERM to the ranks, SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising
-    meanwhile: leaving, the launcher leaves no rank running)."""
-    for p in ranks:
-        p.terminate()
-    deadline = time.monotonic() + KILL_AFTER_S
-    with contextlib.suppress(BaseException):
-        for p in ranks:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in ranks:
-        p.kill()
-    for p in ranks:
-        while True:
-            with contextlib.suppress(BaseException):   # (ends at once after SIGKILL)
-                p.join()
-                break
 
 
 def _ready_path(store_dir: str, rank: int) -> str:
@@ -444,36 +425,36 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
         try:
             fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            if time.time() - st.st_mtime > UNLOCKED_AGE_S:
-                shutil.rmtree(entry.path, ignore_errors=True)
-                gone.append(entry.path)
-            continue
+            if time.time() - st.st_mtime <= UNLOCKED_AGE_S:
+                continue
         except OSError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
-        except BlockingIOError:
-            continue   # a live run
-        finally:
-            os.close(fd)
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
+            except BlockingIOError:
+                continue   # a live run
+            finally:
+                os.close(fd)
         shutil.rmtree(entry.path, ignore_errors=True)
         gone.append(entry.path)
     return gone
 
 
-def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
-            on_point: Callable[[str], None] | None, on_ready: Callable[[Path], None] | None = None) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
+            on_ready: Callable[[Path], None] | None) -> None:
+    world = str(cfg.dist.nproc)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cap_threads(world)   # ranks share the host's cores, with CUDA too (the host optimizer step)
+    cap_threads(cfg.dist.nproc)   # ranks share the host's cores, with CUDA too (the host optimizer step)
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
-    lock = _hold(os.path.join(os.path.dirname(store_path), RDZV_LOCK))  # noqa: F841
+    lock = _hold(os.path.join(store_dir, RDZV_LOCK))  # noqa: F841
     try:
         with signals_unwind(rank=True):
             with contextlib.suppress(OSError):   # (without it the launcher ends this rank with SIGTERM)
-                os.close(os.open(_ready_path(os.path.dirname(store_path), rank),
+                os.close(os.open(_ready_path(store_dir, rank),
                                  os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
-            dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=store_path)
+            dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=os.path.join(store_dir, "store"))
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)
             # Leave together: no rank closes its gloo connections while a peer still waits on one.
             dist.barrier("shutdown barrier")
@@ -489,14 +470,3 @@ def _worker(rank: int, cfg: Config, run: RunInfo, world: int, store_path: str,
         raise
     finally:
         disconnect()
-
-
-def _agree_run_dir(run: RunInfo, dist: Dist) -> RunInfo:
-    """Under torchrun each rank may resolve ${now:...} differently: use rank 0's folder."""
-    dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
-    mine = Path(dirs[dist.rank])
-    if dirs[0] != dirs[dist.rank] and mine.is_dir():
-        leftovers = {p.name for p in mine.iterdir()}
-        if leftovers <= {".hydra", "train.log"}:  # only what Hydra wrote for this rank
-            shutil.rmtree(mine, ignore_errors=True)
-    return replace(run, run_dir=Path(dirs[0]))

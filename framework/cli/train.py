@@ -129,13 +129,13 @@ def _key(overrides: list[str]) -> tuple[str, ...]:
                  for o in parse_overrides(list(overrides)) if not o.is_hydra_override())
 
 
-def check_folder(cfg: DictConfig, key: str) -> None:
+def check_folder(cfg: DictConfig, key: str) -> Path | None:
     """One line for a run folder (``key``: hydra.run.dir or hydra.sweep.dir) that Hydra could not make
-    or write in (it would fail with a traceback once it tries)."""
+    or write in (it would fail with a traceback once it tries); else its nearest folder that exists."""
     try:
         folder = Path(str(OmegaConf.select(cfg, key)))
     except OmegaConfBaseException:   # an interpolation only a running Hydra resolves: Hydra's to check
-        return
+        return None
     base = nearest_existing(folder)
     if not base.is_dir():
         raise ConfigError(f"{key}={folder}: {base} is not a folder; set {key} to a folder")
@@ -144,6 +144,7 @@ def check_folder(cfg: DictConfig, key: str) -> None:
     except OSError:
         raise ConfigError(f"{key}={folder}: {base} is not writable; fix its permissions or set {key} "
                           "to a writable folder") from None
+    return base
 
 
 def check_no_chdir(cfg: DictConfig) -> None:
@@ -251,7 +252,7 @@ def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed
 def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
     out = folder / subdir
     out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
-    for name, data in records.items():   # (with the umask's modes, as Hydra writes them: colleagues read them)
+    for name, data in records.items():
         files.write_atomic(out / name, data, shared=True)
 
 
@@ -279,15 +280,6 @@ def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
         return
     if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
         files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)).encode(), shared=True)
-
-
-def _base(cfg: DictConfig, key: str) -> Path | None:
-    """The nearest folder of the job's run folder (``key``) that exists before Hydra runs; None where
-    only a running Hydra resolves it."""
-    try:
-        return nearest_existing(Path(str(OmegaConf.select(cfg, key))))
-    except OmegaConfBaseException:
-        return None
 
 
 def _made(folder: Path, base: Path | None) -> list[Path]:
@@ -345,15 +337,9 @@ def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
     """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
     override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary; ``job`` when none
     is left (a folder of its own all the same, not checkpoint.dir itself, where a plain run saves)."""
-    def identity(key: str) -> bool:
-        return key in swept or not any(key == k or key.startswith(f"{k}.") for k in NOT_IDENTITY)
-    return ",".join(sorted(o.input_line for o in parse_overrides(overrides) if identity(o.key_or_group))) or "job"
-
-
-def _swept(overrides: list[str], fixed: frozenset[str]) -> frozenset[str]:
-    """The keys a job's overrides hold that the command line does not fix: swept, on the command line
-    or by the sweeper (a config's hydra.sweeper.params, a sampling sweeper), so they tell the jobs apart."""
-    return frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
+    kept = [o.input_line for o in parse_overrides(overrides) if o.key_or_group in swept
+            or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
+    return ",".join(sorted(kept)) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
@@ -385,12 +371,11 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
     a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
     ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
-    of the run folder that existed before Hydra made it; ``passed``: what the run added to the command line.
-    ``fixed``: the keys the command line fixes (``_jobs``). A job of a multirun run in this process (Hydra's basic launcher) that fails is added to
-    ``failed`` and the sweep goes on (a SystemExit would end it: Hydra catches only Exception).
-    A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
-    that job's records and report them as its own (``folders``: each folder's job number)."""
-    folders: dict[Path, int] = {}
+    of the run folder that existed before Hydra made it; ``passed``: what the run added to the command
+    line; ``fixed``: the keys the command line fixes (``_jobs``). A job of a multirun run in this process
+    (Hydra's basic launcher) that fails is added to ``failed`` and the sweep goes on (a SystemExit would
+    end it: Hydra catches only Exception)."""
+    folders: dict[Path, int] = {}   # each run folder's job number
 
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
     def job(task: DictConfig) -> float:
@@ -400,18 +385,26 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         if config is None:   # a job another sweeper made up: composed here, from its overrides
             config = compose(overrides, composer=app_composer)
         multirun = hc.mode == RunMode.MULTIRUN
+        # The keys the job's overrides hold that the command line does not fix are swept (on the command
+        # line or by the sweeper: a config's hydra.sweeper.params, a sampling sweeper): they tell the jobs apart.
+        swept = frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
         run = RunInfo(Path(hc.runtime.output_dir),
                       group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
-                      key=_checkpoint_key(config, job_key(overrides, _swept(overrides, fixed)), hc.job.override_dirname)
+                      key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
                       if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
 
         try:
-            if multirun:
-                _own_folder_in_sweep(folders, run.run_dir, hc.job.num)
+            # A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
+            # that job's records and report them as its own.
+            if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
+                raise ConfigError(f"run folder {run.run_dir}: job {hc.job.num} of this sweep would share it with job "
+                                  f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
+                                  "one folder per job, e.g. its default ${hydra.job.num} (and, with override_dirname, "
+                                  "exclude no swept key)")
             val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except FrameworkError as e:
@@ -431,15 +424,6 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     return job
 
 
-def _own_folder_in_sweep(folders: dict[Path, int], run_dir: Path, num: int) -> None:
-    """Refuse job ``num`` where an earlier job of the sweep had ``run_dir`` (``folders``), else note it."""
-    earlier = folders.setdefault(run_dir.resolve(), num)
-    if earlier != num:
-        raise ConfigError(f"run folder {run_dir}: job {num} of this sweep would share it with job {earlier} (resuming "
-                          f"or setting aside that job's run); make hydra.sweep.subdir name one folder per job, e.g. "
-                          f"its default ${{hydra.job.num}} (and, with override_dirname, exclude no swept key)")
-
-
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
@@ -454,9 +438,9 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             mine = {g: config.choices[g] for g in GROUPS if config.sources.get(f"{g}.name") == DS_FILE}
             chosen = mine if chosen is None else {g: n for g, n in chosen.items() if mine.get(g) == n}
             exclude = OmegaConf.to_container(OmegaConf.select(cfg, OVERRIDE_DIRNAME_EXCLUDE) or OmegaConf.create([]))
-            check_folder(cfg, folder)
+            base = check_folder(cfg, folder)
             check_no_chdir(cfg)
-            subdir, base = OmegaConf.select(cfg, "hydra.output_subdir"), _base(cfg, folder)
+            subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:
             check_groups_chosen(overrides, cfg, config, chosen or {})
     except FrameworkError as e:
