@@ -441,11 +441,19 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
     return gone
 
 
+def rank_env(rank: int, nproc: int) -> None:
+    """This process's launch variables as rank ``rank`` of the ``nproc`` local ranks this launcher made. They
+    are no Slurm tasks: in a batch step every rank inherits task 0's SLURM_PROCID and the step's task count,
+    which would make rank 0 alone look like a task bound to a GPU of its own (another backend than its peers)."""
+    for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
+        os.environ.pop(key, None)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
             on_ready: Callable[[Path], None] | None) -> None:
-    world = str(cfg.dist.nproc)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world, LOCAL_WORLD_SIZE=world)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    rank_env(rank, cfg.dist.nproc)
     cap_threads(cfg.dist.nproc)   # ranks share the host's cores, with CUDA too (the host optimizer step)
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
     lock = _hold(os.path.join(store_dir, RDZV_LOCK))  # noqa: F841

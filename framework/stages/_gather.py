@@ -522,11 +522,11 @@ class Gatherer:
         unit.held += 1
         return started
 
-    def unhold(self, unit: Unit, started: bool) -> None:
+    def unhold(self, unit: Unit, started: bool, collective: bool = True) -> None:
         unit.held -= 1
         if started and not unit.held and unit.active == 0 and not unit.in_backward:
             self.release(unit)
-        elif unit is self.persistent and not unit.held:
+        elif unit is self.persistent and not unit.held and collective:
             # Always gathered, so no block's exit releases it: gathered again from the shards (collective, as
             # the block is), so that edits without modifier_rank are discarded here too, not used by the next
             # pass and then lost at the step, and those with it leave every rank the broadcast values.

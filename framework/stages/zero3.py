@@ -240,7 +240,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
-    held = []
+    held, failed = [], False
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
@@ -268,9 +268,12 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)
+    except BaseException:
+        failed = True
+        raise
     finally:
-        for unit, started in held:
-            unit.gatherer.unhold(unit, started)
+        for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
+            unit.gatherer.unhold(unit, started, collective=not failed)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):

@@ -188,6 +188,25 @@ def test_local_ranks_started_inside_a_slurm_batch_step_pass(monkeypatch):
     check_env(store_path="rendezvous-file")
 
 
+def test_local_ranks_inside_a_slurm_batch_step_choose_one_backend(monkeypatch):
+    """dist.nproc=2 with one GPU in an sbatch --ntasks=2 script: every rank resolves the same backend (gloo with
+    its note), not rank 0 alone NCCL as if it were a Slurm task bound to a GPU of its own."""
+    from framework.cli.launch import rank_env
+    from framework.comm import distributed
+
+    monkeypatch.setattr(distributed, "gpu_count", lambda: 1)
+    chosen = []
+    for rank in (0, 1):
+        for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+                           "CUDA_VISIBLE_DEVICES": "0"}.items():
+            monkeypatch.setenv(key, value)
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GLOO_SOCKET_IFNAME"):
+            monkeypatch.setenv(key, "x")   # (monkeypatch puts each back as it was after the test)
+        rank_env(rank, 2)
+        chosen.append(distributed.resolve_backend("auto", 2))
+    assert chosen == ["gloo", "gloo"], chosen
+
+
 def test_a_torchrun_restart_with_nothing_to_resume_says_why(monkeypatch, tmp_path, capfd):
     """A restart (TORCHELASTIC_RESTART_COUNT > 0) composes a new ${now} run folder: it names the fixed folder
     that would resume it instead of silently starting from step 0."""

@@ -803,6 +803,30 @@ def test_gathered_discards_edits_of_persistent_parameters(pools, world):
         torch.testing.assert_close(edited[1], plain[1], rtol=0, atol=0)   # and the step
 
 
+def test_an_error_inside_gathered_leaves_it_without_a_collective():
+    """A block left by an error on one rank runs no collective on its way out (its peers may wait in another:
+    the error would be replaced by a gather timeout): the persistent unit is not gathered again then."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "scheduler=constant",
+                             "stage.stage3_param_persistence_threshold=10"])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, _local())
+    gatherer, calls = engine.components.stage.gatherer, []
+    gather_now = gatherer.gather_now
+
+    def spy():   # the gathers from here on: the block's way out
+        gatherer.gather_now = lambda unit: (calls.append(unit.name), gather_now(unit))[1]
+    with pytest.raises(FileNotFoundError):
+        with framework.gathered(list(model.parameters()), modifier_rank=0):
+            spy()
+            raise FileNotFoundError("pretrained.pt")
+    assert calls == [], calls
+    with framework.gathered([model.b.bias]):
+        pass
+    assert "<persistent>" in calls, calls   # a block left normally gathers it again
+    engine.train_step(engine.state, Batch((_micro(0),)))
+
+
 class _HalfTrained(nn.Module):
     def __init__(self):
         super().__init__()
