@@ -264,10 +264,10 @@ def test_loss_scale_carries_over_only_between_dynamic_scalers():
                                                      skipped_steps=3))):
         (s, sp), = make_state(2, 64)[:1]
         assert load_state_dict(s, sp, saved, policy=policy, names=SHAPES, world=2).precision == expected, policy.name
-    # and from fp32 into fp16: the scaler starts where a new fp16 run would
+    # and from fp32 into fp16: the scaler starts where a new fp16 run would (its first growth a full window on)
     (s, sp), = make_state(1, None)
     got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16, names=SHAPES).precision
-    assert got == replace(FP16.init_state(), cur_iter=11, skipped_steps=2)
+    assert got == replace(FP16.init_state(), cur_iter=11, last_overflow_iter=10, skipped_steps=2)
 
 
 def test_specs_must_describe_the_pieces_one_for_one():
