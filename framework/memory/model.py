@@ -239,21 +239,18 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
             device: str | None = None) -> Prediction:
-    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
-    (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default: the
-    configured one), traced with ``loss_fn(module, (x, y))`` (default: the configured model's own) at
-    ``context`` (default ``cfg.model.context``). ``traces``: a dict to reuse activation traces in (the
-    planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
-    attention; by default both, for ``peak`` and ``device_peak``."""
+    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks.
+    ``module``: a model already built on the meta device, traced with ``loss_fn(module, (x, y))`` at
+    ``context``; ``traces``: a dict to reuse activation traces in (the planner's sweep). ``device``:
+    "cpu" or "cuda" traces the activations only as that device runs attention; by default both."""
     from framework.engine.build import component
     from framework.stages import bucket_buffers, make_layout, param_groups, whole_memory
     from framework.stages.sharded import ShardedStage, Zero2Stage
 
     world = world or cfg.dist.nproc
     model = component(cfg, "model")
-    own_loss = loss_fn is None   # (then the configured model's checkpointing key is the one in force)
-    if own_loss:   # the configured model's loss, as training computes it
-        loss_fn = model.trace_loss or model.loss
+    # By default the configured model's loss, as training computes it (and its checkpointing key in force).
+    own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
@@ -299,10 +296,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         else:
             pred.add("grads", device=acc * sum(shards))
             # The bucket plan the stage makes, from its slots in registration order.
-            slots = []
-            for g, (named, lay) in enumerate(zip(groups, layouts)):
-                by_name = {s.name: s for s in lay.slots}
-                slots += [(g, by_name[n]) for n, _ in named]
+            by_name = [{s.name: s for s in lay.slots} for lay in layouts]
+            slots = [(g, by_name[g][n]) for g, named in enumerate(groups) for n, _ in named]
             buckets = Zero2Stage.plan(cfg.stage, slots, dict(enumerate(shards)), world)
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
@@ -358,10 +353,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
 def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footprint:
     """What zero3 + offload=nvme (``offload.params=params``; ``keys``: other ``offload=nvme`` keys) holds
-    per rank for ``module`` on ``world`` ranks: the host pools and host shards (``host``) and the swap
-    files (``disk``), sized by the functions the prediction and the engine size them with; ``cfg``'s own
-    stage and offload keys where it has chosen zero3 and offload=nvme, else their defaults (the
-    estimate's ZeRO-Infinity rows, for any composed config)."""
+    per rank for ``module`` on ``world`` ranks, as the prediction sizes it: for the estimate's ZeRO-Infinity
+    rows of any composed config (``cfg``'s own stage and offload keys where it chose them, else defaults)."""
     import dataclasses
 
     from framework.core.registry import registry
@@ -427,10 +420,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
     # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a
     # time); otherwise a zeroed buffer per group, up to two rounds per unit group with overlap_comm.
-    if world == 1:
-        reduce = red * largest_param if red != w else 0
-    else:
-        reduce = red * biggest * (3 if s.overlap_comm else 1)
+    reduce = (red * largest_param if red != w else 0) if world == 1 else red * biggest * (3 if s.overlap_comm else 1)
     pred.transient["zero3_reduce"] = w * biggest + reduce
     if swap_grads:
         # The partition being reduced, and the previous unit's, whose write to the swap file overlaps

@@ -18,7 +18,6 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
 from framework.core import units
-from framework.core.units import GiB
 
 
 @dataclass(frozen=True)
@@ -39,13 +38,10 @@ class Candidate:
         return order.index(key) if key in order else len(order)
 
     def overrides(self) -> list[str]:
-        out = [f"+stage={self.stage}"]
-        if self.offload != "none":
-            out.append(f"offload={self.offload.split('+')[0]}")
-        if self.offload == "cpu+params":
-            out.append("offload.params=cpu")
-        return out + [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
-                      f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
+        offload = {"none": [], "cpu+params": ["offload=cpu", "offload.params=cpu"]}
+        return [f"+stage={self.stage}", *offload.get(self.offload, [f"offload={self.offload}"]),
+                f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
+                f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
 
     def label(self) -> str:
         return (f"{self.stage:5s} {self.offload:10s} micro {self.micro_batch:3d} x accum {self.grad_accum:3d}  "
@@ -121,13 +117,10 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
             "zero2": cand.grad_accum * params * red / ar + params * w / ar,
             "zero3": cand.grad_accum * (2 * params * w + params * red) / ar}[cand.stage] if n > 1 else 0.0
     k = 12   # Adam: master, m, v (fp32); read and write, plus the gradient read
-    if cand.offload != "none":   # the optimizer steps on the host
-        optimizer = shard / probe["host_optimizer_params_s"]
-        copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"]
-    else:
-        optimizer = (shard / probe["host_optimizer_params_s"] if hw.device.type == "cpu"
-                     else shard * 2 * (k + 4) / probe["device_copy_bytes_s"])
-        copies = 0.0
+    offloaded = cand.offload != "none"   # the optimizer steps on the host, as it does on a CPU-only machine
+    optimizer = (shard / probe["host_optimizer_params_s"] if offloaded or hw.device.type == "cpu"
+                 else shard * 2 * (k + 4) / probe["device_copy_bytes_s"])
+    copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"] if offloaded else 0.0
     if cand.offload == "cpu+params":   # each gather loads the shard from the host, forward and backward
         copies += cand.grad_accum * 2 * shard * w / probe["h2d_bytes_s"]
     if cand.stage == "zero3":          # gathering into and releasing unit buffers: a copy per use
@@ -158,9 +151,8 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
     if not micro:
         raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
                           f"(global batch {global_batch} over {hw.ranks} ranks)")
-    offloads = sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"})
     stages = _choices(own, "stages", list(COMPATIBLE))
-    wanted = _choices(own, "offloads", offloads)
+    wanted = _choices(own, "offloads", sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"}))
     ckpts = [x == "true" for x in _choices(own, "checkpointing", ["false", "true"])]
     out = []
     for stage in stages:
@@ -234,8 +226,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     ``composed``: ``compose_setups``' configs of these candidates, where composed already."""
     from framework.engine.build import component
 
-    vocab = build_vocab(cfg, base)[0]
-
+    vocab, cuda = build_vocab(cfg, base)[0], hw.gpu_mem is not None
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
     cands = candidates(cfg, hw, own)
@@ -250,20 +241,19 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
                                    model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
         with torch.device("meta"):
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
-        cuda = hw.gpu_mem is not None
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
         # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
         device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
         host = pred.host_total() * (hw.ranks if cuda else 1)
         why = ""
         if cuda and device_peak > hw.gpu_mem:
-            why = f"device {device_peak / GiB:.1f} > {hw.gpu_mem / GiB:.1f} GiB"
+            why = f"device {device_peak / units.GiB:.1f} > {hw.gpu_mem / units.GiB:.1f} GiB"
         elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
-            why = f"host {device_peak * hw.ranks / GiB:.2f} > {hw.cpu_mem / GiB:.2f} GiB"
+            why = f"host {device_peak * hw.ranks / units.GiB:.2f} > {hw.cpu_mem / units.GiB:.2f} GiB"
         elif host > hw.cpu_mem:
-            why = f"host {host / GiB:.1f} > {hw.cpu_mem / GiB:.1f} GiB"
+            why = f"host {host / units.GiB:.1f} > {hw.cpu_mem / units.GiB:.1f} GiB"
         elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
-            why = f"disk {sum(pred.disk.values()) * hw.ranks / GiB:.1f} > {hw.nvme / GiB:.1f} GiB"
+            why = f"disk {sum(pred.disk.values()) * hw.ranks / units.GiB:.1f} > {hw.nvme / units.GiB:.1f} GiB"
         out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))
