@@ -6,12 +6,13 @@ how candidates are chosen, when one fits and what the roofline counts.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from framework.config import COMPATIBLE, compose
+from framework.engine.build import component
 from framework.memory.model import build_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
@@ -93,8 +94,6 @@ def parse_bytes(text: str) -> int:
 def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> dict[str, float]:
     """Seconds per optimizer step on one rank, by phase (what each counts: ``python -m framework.plan
     --help``)."""
-    from framework.engine.build import component
-
     m = cfg.model
     policy = component(cfg, "precision").build(cfg.precision)
     n, w, red = hw.ranks, policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
@@ -139,8 +138,6 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
 # --- candidates ----------------------------------------------------------------------------------
 
 def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
-    from framework.config import COMPATIBLE
-
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
     per_rank = global_batch // hw.ranks
     micro = [parse_count(x, "micro_batches") for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
@@ -194,9 +191,6 @@ def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, s
     for one that does not compose (a given key that stage refuses, as ``offload.overlap_step=true`` with
     zero1) or an offload target that cannot be built here, its error (listed, never run). When no setup
     composes, the first one's error is raised (for ``plan``'s command line: before anything is probed)."""
-    from framework.config import compose
-    from framework.engine.build import component
-
     composed: dict[tuple[str, str], object] = {}
     refused: list[ConfigError] = []
     for cand in cands:
@@ -224,8 +218,6 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     """Every candidate with its predicted time and memory, fitting ones first, fastest first.
     ``base``: the overrides of the candidates' configs (each candidate adds its own choices);
     ``composed``: ``compose_setups``' configs of these candidates, where composed already."""
-    from framework.engine.build import component
-
     vocab, cuda = build_vocab(cfg, base)[0], hw.gpu_mem is not None
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
@@ -236,9 +228,8 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
         if isinstance(c, FrameworkError):
             out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}"))
             continue
-        ccfg = dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch=cand.micro_batch,
-                                                                grad_accum=cand.grad_accum),
-                                   model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
+        ccfg = replace(c, train=replace(c.train, micro_batch=cand.micro_batch, grad_accum=cand.grad_accum),
+                       model=replace(c.model, activation_checkpointing=cand.checkpointing))
         with torch.device("meta"):
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
