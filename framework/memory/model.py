@@ -364,7 +364,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
-    sizes, shards, largest_param = [], [], 0
+    shards = []
     # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier (read back, with
     # buffers of their own, only with more than one micro batch a step).
     swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)
@@ -381,11 +381,8 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded
 
-    for plan in plans:
-        size = sum(group(named, False) for _, named in unit_groups(plan.named))
-        largest_param = max([largest_param, *(p.numel() for _, p in plan.named)])
-        if size:
-            sizes.append(size)
+    sizes = [sum(group(named, False) for _, named in unit_groups(plan.named)) for plan in plans]
+    sizes = [n for n in sizes if n]   # the gather units' elements (a plan of no groups gathers nothing)
     for _, named in unit_groups(persistent):
         group(named, True)
     pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
@@ -401,6 +398,7 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
     # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a
     # time); otherwise a zeroed buffer per group, up to two rounds per unit group with overlap_comm.
+    largest_param = max((p.numel() for plan in plans for _, p in plan.named), default=0)
     reduce = (red * largest_param if red != w else 0) if world == 1 else red * biggest * (3 if s.overlap_comm else 1)
     pred.transient["zero3_reduce"] = w * biggest + reduce
     if swap_grads:
