@@ -1,2 +1,2 @@
-"""The memory model: DeepSpeed's estimators and the NVMe rows (``tables``), our per-rank prediction (``model``), the bandwidth probe
-(``probe``) and the planner's candidates and roofline (``planner``). The commands are in ``framework.cli``."""
+"""The memory model: DeepSpeed's estimators and the NVMe rows (``tables``), our per-rank prediction (``model``),
+the bandwidth probe (``probe``) and the planner's candidates and roofline (``planner``). Commands: ``framework.cli``."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -20,8 +20,13 @@ from torch.utils._pytree import tree_flatten
 
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
+from framework.core.registry import registry
 from framework.core.units import MiB
+from framework.core.utils import tensors_in
+from framework.engine.build import component
 from framework.memory.tables import count_module
+from framework.stages import bucket_buffers, make_layout, param_groups, plan_units, unit_groups, whole_memory
+from framework.stages.sharded import ShardedStage, Zero2Stage
 
 # --- activations, traced on the meta device ---------------------------------------------------
 
@@ -90,13 +95,11 @@ class ActivationTrace:
 
 def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False,
                       fused_attention: bool = False) -> ActivationTrace:
-    """Run ``loss_fn(module, batch)`` and its backward on the meta device and follow live bytes.
-
-    ``module`` and ``batch`` must be on the meta device. Parameter gradients are dropped as soon
-    as they are accumulated (the stages own them: counted as model states or buckets), unless
-    ``keep_grads``: then they live to the end of backward (zero2 when one bucket holds a whole
-    group: no gradient leaves before the last one arrives). ``fused_attention``: attention as CUDA's
-    fused kernels hold it (the meta device, like the CPU's math path, keeps the attention matrices)."""
+    """Run ``loss_fn(module, batch)`` and its backward on the meta device (``module`` and ``batch`` are
+    there) and follow live bytes. Parameter gradients are dropped as soon as they are accumulated (the
+    stages own them: model states or buckets), unless ``keep_grads``: then they live to the end of backward
+    (zero2 when one bucket holds a whole group). ``fused_attention``: attention as CUDA's fused kernels
+    hold it (the meta device, like the CPU's math path, keeps the attention matrices)."""
     params = list(module.parameters())
     handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
                                      for p in params if p.requires_grad]
@@ -181,8 +184,7 @@ class Prediction(Footprint):
             return dev + transient + self.slack
         if self.cuda_activations is not None:   # attention as CUDA's fused kernels hold it
             transient += self.cuda_activations - self.transient.get("activations", 0)
-        # (the caching allocator's slack)
-        return dev + transient + int(SLACK_FRACTION * transient) + CUDA_FIXED_SLACK
+        return dev + transient + int(SLACK_FRACTION * transient) + CUDA_FIXED_SLACK   # the caching allocator's slack
 
     def host_total(self) -> int:
         return sum(h for _, h in self.items.values())
@@ -199,26 +201,18 @@ class Prediction(Footprint):
 def _opt_bytes_per_element(cfg) -> list[int]:
     """Bytes per fp32 master element of each optimizer-state tensor (Adam: [4, 4]), from the
     optimizer's own init on meta (scalars such as step counts are not per element)."""
-    from framework.engine.build import component
-    from framework.core.utils import tensors_in
-
     tx = component(cfg, "optimizer").build(cfg.optimizer, [True])
     probe = torch.empty(1024, dtype=torch.float32, device="meta")
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
 
 
 def state_bytes(cfg) -> tuple[int, int]:
-    """(bytes of one working-precision parameter, optimizer-state bytes per fp32 master element) of
-    ``cfg``: what the NVMe rows of ``tables.nvme_rows`` take for the composed precision and optimizer."""
-    from framework.engine.build import component
-
+    """(bytes of one working-precision parameter, optimizer-state bytes per fp32 master element) of ``cfg``."""
     return component(cfg, "precision").build(cfg.precision).param_dtype.itemsize, sum(_opt_bytes_per_element(cfg))
 
 
 def data_vocab(cfg) -> int | None:
     """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
-    from framework.engine.build import component
-
     try:
         return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
     except FrameworkError:   # e.g. a data file that is not there: the model's own vocabulary
@@ -229,31 +223,23 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
     """(the ``vocab_size`` to build the model with, where it comes from) for ``estimate``/``plan``: the
     data's vocabulary (as training builds it) when ``overrides`` choose the data (``data=`` or a
     ``data.`` key), else the model config's own, so a preset counts at the size its YAML states."""
-    if any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides):
-        vocab = data_vocab(cfg)
-        if vocab is not None:
-            return vocab, f"data={cfg.choices['data']}"
+    chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
+    if chosen and (vocab := data_vocab(cfg)) is not None:
+        return vocab, f"data={cfg.choices['data']}"
     return None, "model"
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
             device: str | None = None) -> Prediction:
-    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks
-    (default ``cfg.dist.nproc``). ``module``: a model already built on the meta device (default: the
-    configured one), traced with ``loss_fn(module, (x, y))`` (default: the configured model's own) at
-    ``context`` (default ``cfg.model.context``). ``traces``: a dict to reuse activation traces in (the
-    planner's sweep). ``device``: "cpu" or "cuda" traces the activations only as that device runs
-    attention; by default both, for ``peak`` and ``device_peak``."""
-    from framework.engine.build import component
-    from framework.stages import bucket_buffers, make_layout, param_groups, whole_memory
-    from framework.stages.sharded import ShardedStage, Zero2Stage
-
+    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks.
+    ``module``: a model already built on the meta device, traced with ``loss_fn(module, (x, y))`` at
+    ``context``; ``traces``: a dict to reuse activation traces in (the planner's sweep). ``device``:
+    "cpu" or "cuda" traces the activations only as that device runs attention; by default both."""
     world = world or cfg.dist.nproc
     model = component(cfg, "model")
-    own_loss = loss_fn is None   # (then the configured model's checkpointing key is the one in force)
-    if own_loss:   # the configured model's loss, as training computes it
-        loss_fn = model.trace_loss or model.loss
+    # By default the configured model's loss, as training computes it (and its checkpointing key in force).
+    own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
     if module is None:
         with torch.device("meta"):
@@ -269,9 +255,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     layouts = [make_layout(Zero2Stage.layout_order(cfg.stage, named, world) if stage == "zero2" else named,
                            1 if stage == "ddp" else world) for named in groups]
     padded = [lay.padded for lay in layouts]
-    pred = Prediction(world, count_module(module).params)
-    if cfg.choices["offload"] == "nvme":
-        pred.host_slack_fraction = 0.0
+    pred = Prediction(world, count_module(module).params,
+                      host_slack_fraction=0.0 if cfg.choices["offload"] == "nvme" else SLACK_FRACTION)
     # The longest piece the stage lets the tier cut (zero3: one per unit group already).
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
     cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
@@ -299,10 +284,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         else:
             pred.add("grads", device=acc * sum(shards))
             # The bucket plan the stage makes, from its slots in registration order.
-            slots = []
-            for g, (named, lay) in enumerate(zip(groups, layouts)):
-                by_name = {s.name: s for s in lay.slots}
-                slots += [(g, by_name[n]) for n, _ in named]
+            by_name = [{s.name: s for s in lay.slots} for lay in layouts]
+            slots = [(g, by_name[g][n]) for g, named in enumerate(groups) for n, _ in named]
             buckets = Zero2Stage.plan(cfg.stage, slots, dict(enumerate(shards)), world)
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
@@ -324,8 +307,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
-    module = module.to(policy.param_dtype)
-    module.train()
+    module = module.to(policy.param_dtype).train()
     x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
     ckpt = bool(getattr(cfg.model, "activation_checkpointing", False))
     key = (cfg.train.micro_batch, ctx, ckpt, keep_grads, policy.param_dtype)
@@ -358,20 +340,13 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
 def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footprint:
     """What zero3 + offload=nvme (``offload.params=params``; ``keys``: other ``offload=nvme`` keys) holds
-    per rank for ``module`` on ``world`` ranks: the host pools and host shards (``host``) and the swap
-    files (``disk``), sized by the functions the prediction and the engine size them with; ``cfg``'s own
-    stage and offload keys where it has chosen zero3 and offload=nvme, else their defaults (the
-    estimate's ZeRO-Infinity rows, for any composed config)."""
-    import dataclasses
-
-    from framework.core.registry import registry
-    from framework.engine.build import component
-
+    per rank for ``module`` on ``world`` ranks, as the prediction sizes it: for the estimate's ZeRO-Infinity
+    rows of any composed config (``cfg``'s own stage and offload keys where it chose them, else defaults)."""
     def chosen(group: str, name: str):
         return getattr(cfg, group) if cfg.choices[group] == name else registry(group).get(name).config()
 
-    offload = dataclasses.replace(chosen("offload", "nvme"), params=params, **keys)
-    z3 = dataclasses.replace(cfg, choices={**cfg.choices, "stage": "zero3", "offload": "nvme"},
+    offload = replace(chosen("offload", "nvme"), params=params, **keys)
+    z3 = replace(cfg, choices={**cfg.choices, "stage": "zero3", "offload": "nvme"},
                              stage=chosen("stage", "zero3"), offload=offload)
     policy = component(z3, "precision").build(z3.precision)
     placement = component(z3, "offload").build(z3.offload)
@@ -384,14 +359,12 @@ def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footp
 def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
     """zero3: shards of every unit group; persistent small parameters gathered; the live window.
     Returns the shards' lengths."""
-    from framework.stages import make_layout, plan_units, unit_groups
-
     s = cfg.stage
     w, red, acc = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize, policy.grad_accum_dtype.itemsize
     # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
     # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
-    sizes, shards, largest_param = [], [], 0
+    shards = []
     # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier (read back, with
     # buffers of their own, only with more than one micro batch a step).
     swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)
@@ -408,11 +381,8 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
             pred.add("gathered_persistent", device=w * layout.padded)
         return layout.padded
 
-    for plan in plans:
-        size = sum(group(named, False) for _, named in unit_groups(plan.named))
-        largest_param = max([largest_param, *(p.numel() for _, p in plan.named)])
-        if size:
-            sizes.append(size)
+    sizes = [sum(group(named, False) for _, named in unit_groups(plan.named)) for plan in plans]
+    sizes = [n for n in sizes if n]   # the gather units' elements (a plan of no groups gathers nothing)
     for _, named in unit_groups(persistent):
         group(named, True)
     pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
@@ -422,15 +392,14 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
     # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
     # the hooks gather in place (the shard is the whole buffer: _gather.Gatherer._in_place).
     biggest = max(sizes, default=0)
-    window = 0 if world == 1 and not placement.shards.params_on_host else min(sum(sizes), s.stage3_max_live_parameters + biggest)
+    in_place = world == 1 and not placement.shards.params_on_host
+    window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
     # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
     # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a
     # time); otherwise a zeroed buffer per group, up to two rounds per unit group with overlap_comm.
-    if world == 1:
-        reduce = red * largest_param if red != w else 0
-    else:
-        reduce = red * biggest * (3 if s.overlap_comm else 1)
+    largest_param = max((p.numel() for plan in plans for _, p in plan.named), default=0)
+    reduce = (red * largest_param if red != w else 0) if world == 1 else red * biggest * (3 if s.overlap_comm else 1)
     pred.transient["zero3_reduce"] = w * biggest + reduce
     if swap_grads:
         # The partition being reduced, and the previous unit's, whose write to the swap file overlaps

@@ -6,19 +6,19 @@ how candidates are chosen, when one fits and what the roofline counts.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from framework.config import COMPATIBLE, compose
+from framework.engine.build import component
 from framework.memory.model import build_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
 from framework.core import units
-from framework.core.units import GiB
 
 
 @dataclass(frozen=True)
@@ -39,13 +39,10 @@ class Candidate:
         return order.index(key) if key in order else len(order)
 
     def overrides(self) -> list[str]:
-        out = [f"+stage={self.stage}"]
-        if self.offload != "none":
-            out.append(f"offload={self.offload.split('+')[0]}")
-        if self.offload == "cpu+params":
-            out.append("offload.params=cpu")
-        return out + [f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
-                      f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
+        offload = {"none": [], "cpu+params": ["offload=cpu", "offload.params=cpu"]}
+        return [f"+stage={self.stage}", *offload.get(self.offload, [f"offload={self.offload}"]),
+                f"train.micro_batch={self.micro_batch}", f"train.grad_accum={self.grad_accum}",
+                f"model.activation_checkpointing={str(self.checkpointing).lower()}"]
 
     def label(self) -> str:
         return (f"{self.stage:5s} {self.offload:10s} micro {self.micro_batch:3d} x accum {self.grad_accum:3d}  "
@@ -97,8 +94,6 @@ def parse_bytes(text: str) -> int:
 def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> dict[str, float]:
     """Seconds per optimizer step on one rank, by phase (what each counts: ``python -m framework.plan
     --help``)."""
-    from framework.engine.build import component
-
     m = cfg.model
     policy = component(cfg, "precision").build(cfg.precision)
     n, w, red = hw.ranks, policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
@@ -121,13 +116,10 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
             "zero2": cand.grad_accum * params * red / ar + params * w / ar,
             "zero3": cand.grad_accum * (2 * params * w + params * red) / ar}[cand.stage] if n > 1 else 0.0
     k = 12   # Adam: master, m, v (fp32); read and write, plus the gradient read
-    if cand.offload != "none":   # the optimizer steps on the host
-        optimizer = shard / probe["host_optimizer_params_s"]
-        copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"]
-    else:
-        optimizer = (shard / probe["host_optimizer_params_s"] if hw.device.type == "cpu"
-                     else shard * 2 * (k + 4) / probe["device_copy_bytes_s"])
-        copies = 0.0
+    offloaded = cand.offload != "none"   # the optimizer steps on the host, as it does on a CPU-only machine
+    optimizer = (shard / probe["host_optimizer_params_s"] if offloaded or hw.device.type == "cpu"
+                 else shard * 2 * (k + 4) / probe["device_copy_bytes_s"])
+    copies = shard * 4 / probe["d2h_bytes_s"] + shard * w / probe["h2d_bytes_s"] if offloaded else 0.0
     if cand.offload == "cpu+params":   # each gather loads the shard from the host, forward and backward
         copies += cand.grad_accum * 2 * shard * w / probe["h2d_bytes_s"]
     if cand.stage == "zero3":          # gathering into and releasing unit buffers: a copy per use
@@ -146,8 +138,6 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
 # --- candidates ----------------------------------------------------------------------------------
 
 def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
-    from framework.config import COMPATIBLE
-
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
     per_rank = global_batch // hw.ranks
     micro = [parse_count(x, "micro_batches") for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
@@ -158,9 +148,8 @@ def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
     if not micro:
         raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
                           f"(global batch {global_batch} over {hw.ranks} ranks)")
-    offloads = sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"})
     stages = _choices(own, "stages", list(COMPATIBLE))
-    wanted = _choices(own, "offloads", offloads)
+    wanted = _choices(own, "offloads", sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"}))
     ckpts = [x == "true" for x in _choices(own, "checkpointing", ["false", "true"])]
     out = []
     for stage in stages:
@@ -202,9 +191,6 @@ def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, s
     for one that does not compose (a given key that stage refuses, as ``offload.overlap_step=true`` with
     zero1) or an offload target that cannot be built here, its error (listed, never run). When no setup
     composes, the first one's error is raised (for ``plan``'s command line: before anything is probed)."""
-    from framework.config import compose
-    from framework.engine.build import component
-
     composed: dict[tuple[str, str], object] = {}
     refused: list[ConfigError] = []
     for cand in cands:
@@ -232,10 +218,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     """Every candidate with its predicted time and memory, fitting ones first, fastest first.
     ``base``: the overrides of the candidates' configs (each candidate adds its own choices);
     ``composed``: ``compose_setups``' configs of these candidates, where composed already."""
-    from framework.engine.build import component
-
-    vocab = build_vocab(cfg, base)[0]
-
+    vocab, cuda = build_vocab(cfg, base)[0], hw.gpu_mem is not None
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
     cands = candidates(cfg, hw, own)
@@ -245,25 +228,23 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
         if isinstance(c, FrameworkError):
             out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}"))
             continue
-        ccfg = dataclasses.replace(c, train=dataclasses.replace(c.train, micro_batch=cand.micro_batch,
-                                                                grad_accum=cand.grad_accum),
-                                   model=dataclasses.replace(c.model, activation_checkpointing=cand.checkpointing))
+        ccfg = replace(c, train=replace(c.train, micro_batch=cand.micro_batch, grad_accum=cand.grad_accum),
+                       model=replace(c.model, activation_checkpointing=cand.checkpointing))
         with torch.device("meta"):
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
-        cuda = hw.gpu_mem is not None
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
         # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
         device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
         host = pred.host_total() * (hw.ranks if cuda else 1)
         why = ""
         if cuda and device_peak > hw.gpu_mem:
-            why = f"device {device_peak / GiB:.1f} > {hw.gpu_mem / GiB:.1f} GiB"
+            why = f"device {device_peak / units.GiB:.1f} > {hw.gpu_mem / units.GiB:.1f} GiB"
         elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
-            why = f"host {device_peak * hw.ranks / GiB:.2f} > {hw.cpu_mem / GiB:.2f} GiB"
+            why = f"host {device_peak * hw.ranks / units.GiB:.2f} > {hw.cpu_mem / units.GiB:.2f} GiB"
         elif host > hw.cpu_mem:
-            why = f"host {host / GiB:.1f} > {hw.cpu_mem / GiB:.1f} GiB"
+            why = f"host {host / units.GiB:.1f} > {hw.cpu_mem / units.GiB:.1f} GiB"
         elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
-            why = f"disk {sum(pred.disk.values()) * hw.ranks / GiB:.1f} > {hw.nvme / GiB:.1f} GiB"
+            why = f"disk {sum(pred.disk.values()) * hw.ranks / units.GiB:.1f} > {hw.nvme / units.GiB:.1f} GiB"
         out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))

@@ -6,6 +6,7 @@ machine and disk, cached as ``$XDG_CACHE_HOME/framework/probe-<host>-<device>-t<
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -203,13 +204,10 @@ def load(device: torch.device, disk_dir: Path, collectives: bool, reprobe: bool 
     writes a temporary file there), measured now when missing (or ``reprobe``)."""
     path = cache_path(device, disk_dir)
     if not reprobe and path.exists():
-        try:
+        with contextlib.suppress(ValueError):   # an unreadable cache is measured again
             cached = json.loads(path.read_text())
             if cached.get("version") == VERSION and (not collectives or cached.get("allreduce_bytes_s")):
-                cached["cache"] = str(path)
-                return cached
-        except ValueError:
-            pass
+                return {**cached, "cache": str(path)}
     result = measure(device, disk_dir, collectives)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

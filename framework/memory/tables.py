@@ -12,7 +12,6 @@ import math
 import re
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from framework.core.errors import ConfigError
@@ -44,17 +43,14 @@ class Counts:
     largest_layer: int   # L: most parameters registered by one module itself (not its children)
 
 
-def logical_numel(p: torch.Tensor) -> int:
-    return getattr(p, "logical_shape", p.shape).numel()
-
-
 def count_module(module: nn.Module) -> Counts:
     """P and L of ``module``. Parameters are deduplicated by identity (``parameters()`` yields a
     tied tensor once); DeepSpeed keys them by ``data_ptr()``, which is 0 for every tensor on the meta
     device and collapses the count (as DeepSpeed's estimator source does)."""
-    total = sum(logical_numel(p) for p in module.parameters())
-    largest = max((sum(logical_numel(p) for p in m.parameters(recurse=False)) for m in module.modules()), default=0)
-    return Counts(total, largest)
+    def numel(params) -> int:   # at the logical shape (a ZeRO-3 shard's full size)
+        return sum(getattr(p, "logical_shape", p.shape).numel() for p in params)
+    return Counts(numel(module.parameters()),
+                  max((numel(m.parameters(recurse=False)) for m in module.modules()), default=0))
 
 
 # --- DeepSpeed's tables ----------------------------------------------------------------------
@@ -86,18 +82,15 @@ def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, node
     t, per_node = gpus_per_node * nodes, 1 / nodes
     layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
     rows = []
-    for opt, par in (("cpu", "cpu"), ("cpu", "none"), ("none", "none")):
+    # host bytes per parameter (None: the gathered layer's, or all parameters, per GPU); GPU bytes per parameter
+    for opt, par, host, dev in (("cpu", "cpu", 18, 0), ("cpu", "none", 16, 2), ("none", "none", None, 18)):
         for zero_init in (True, False):
-            if par == "cpu":
-                gpu = layer
-                cpu = (params * 18 * per_node if zero_init else params * max(4 * gpus_per_node, 18 * per_node)) * factor
-            elif opt == "cpu":
-                gpu = layer + int(2 * params / t)
-                cpu = (params * 16 * per_node if zero_init else params * max(4 * gpus_per_node, 16 * per_node)) * factor
-            else:
-                gpu = layer + int(18 * params / t)
+            if host is None:
                 cpu = (largest_layer if zero_init else params) * 4 * gpus_per_node * factor
-            rows.append(Row(int(cpu), int(gpu),
+            else:
+                cpu = (params * host * per_node if zero_init
+                       else params * max(4 * gpus_per_node, host * per_node)) * factor
+            rows.append(Row(int(cpu), int(layer + int(dev * params / t)),
                             f"offload_param={par}, offload_optimizer={opt}, zero_init={int(zero_init)}"))
     return rows
 
@@ -126,32 +119,26 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
     (``framework.memory.model.nvme_pools``: the engine's pools, sized by its tiles and shards). Without
     it (a parameter count alone) an upper bound: ``buffer_count`` tiles of min(sub_group_size,
     partition) elements (zero3 cuts a tile per unit group, none larger) of master + state + gradient +
-    working-precision staging (none when the working precision is the fp32 master's), one tile's
-    gradient bounce buffer, and with parameters on NVMe ``param_buffer_count`` slots of min(
-    param_buffer_size, partition) elements (a slot holds the largest shard, which the engine refuses
-    above param_buffer_size); on the CPU: the shards in host memory. ``param_bytes``: the working
-    precision (2: 16-bit, as DeepSpeed assumes). GPU as DeepSpeed's zero_init rows: the largest layer
-    gathered (params and grads), plus the shard when parameters stay on the GPU."""
+    working-precision staging, one tile's gradient bounce buffer, and with parameters on NVMe
+    ``param_buffer_count`` slots of min(param_buffer_size, partition) elements (a slot holds the largest
+    shard, which the engine refuses above param_buffer_size); on the CPU: the shards in host memory.
+    ``param_bytes``: the working precision (2: 16-bit, as DeepSpeed assumes). GPU as DeepSpeed's
+    zero_init rows: the largest layer gathered (params and grads), plus the shard when parameters stay on
+    the GPU."""
     t = gpus_per_node * nodes
     part = -(-params // t)   # elements of one rank's partition
     state = 4 + optimizer_bytes
     staging = 0 if param_bytes == 4 else param_bytes   # an fp32 step writes the working copy itself
     tile = min(keys.sub_group_size, part)
+    opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + staging) + 4 * tile)
+    slots = keys.param_buffer_count * min(keys.param_buffer_size, part)
     rows = []
-    for i, par in enumerate(("nvme", "cpu", "none")):
-        opt_host = gpus_per_node * (keys.buffer_count * tile * (state + 4 + staging) + 4 * tile)
-        disk = gpus_per_node * part * (state + 4)
-        host, gpu = opt_host, 2 * param_bytes * largest_layer
-        if par == "nvme":
-            host += gpus_per_node * keys.param_buffer_count * min(keys.param_buffer_size, part) * param_bytes
-            disk += gpus_per_node * part * param_bytes
-        elif par == "cpu":
-            host += gpus_per_node * part * param_bytes
-        else:
-            gpu += part * param_bytes
-        if pools is not None:
-            host = gpus_per_node * pools[i]
-        rows.append(Row(host, gpu, f"offload_param={par}, offload_optimizer=nvme", disk))
+    # per rank, elements of working-precision parameters in host memory, on disk, on the GPU
+    for i, (par, host, disk, gpu) in enumerate((("nvme", slots, part, 0), ("cpu", part, 0, 0), ("none", 0, 0, part))):
+        host = gpus_per_node * pools[i] if pools is not None else opt_host + gpus_per_node * host * param_bytes
+        rows.append(Row(host, 2 * param_bytes * largest_layer + gpu * param_bytes,
+                        f"offload_param={par}, offload_optimizer=nvme",
+                        gpus_per_node * part * (state + 4) + gpus_per_node * disk * param_bytes))
     return rows
 
 
