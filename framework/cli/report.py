@@ -292,15 +292,14 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
     reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
+    rs, rv = ref.curve(key) if ref is not None else (None, None)
     fig, (a, b) = _figure((11, 4.2), 2)
     for i, j in enumerate(done):
         steps, vals = j.curve(key)
         a.plot(steps, vals, ls=("-", "--", ":", "-.")[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
-        if ref is not None and j is not ref:
-            rs, rv = ref.curve(key)
-            if rs == steps:
-                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
-                       label=textwrap.fill(j.label, 60))
+        if j is not ref and rs == steps:   # (no reference: rs is None)
+            b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
+                   label=textwrap.fill(j.label, 60))
     a.set(xlabel="step", ylabel=key, title=f"{key}: every job")
     a.legend(fontsize=7)
     b.set_yscale("symlog", linthresh=1e-9)
