@@ -26,7 +26,9 @@ import sys
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
+from framework.engine.build import component
 from framework.memory.model import build_vocab, nvme_pools, predict, state_bytes
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
@@ -36,6 +38,7 @@ from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
+from framework.models.gpt import GPTConfig
 
 NVME_KEYS = tuple(f.name for f in dataclasses.fields(NVMeKeys))   # NVMeKeys' defaults are DeepSpeed's
 OWN_KEYS = ("params", "largest_layer", "gpus_per_node", "nodes", "model", "buffer_factor", "context", *NVME_KEYS)
@@ -55,7 +58,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
                           f"{str(e).splitlines()[0]}") from None
     # transformers builds a model of -1 layers without a word (and fails later, in its forward)
-    for conf in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+    for conf in {id(c): c for c in (config, _text_config(config))}.values():
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(conf, key, None)
             if isinstance(value, int) and value < 1:
@@ -87,9 +90,7 @@ def resolve_model(value: str, overrides: list[str]):
         module = hf_model_from_config(path)
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
-        conf = getattr(module, "config", None)
-        text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
-        hidden = getattr(text, "hidden_size", None)
+        hidden = getattr(_text_config(module.config), "hidden_size", None)
         cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
         if cfg.model.activation_checkpointing:
             # The config.json is built as it is; the trace on meta cannot run transformers' checkpointing
@@ -99,10 +100,6 @@ def resolve_model(value: str, overrides: list[str]):
                               f"run); predict it with model.activation_checkpointing=false")
         return module, cfg, True, "model"
     if yaml:
-        from omegaconf import OmegaConf
-
-        from framework.models.gpt import GPTConfig
-
         try:   # a GPT model config in a YAML file (as conf/model/*.yaml)
             model = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path), resolve=True))
         except (TypeError, ValueError) as e:
@@ -110,23 +107,24 @@ def resolve_model(value: str, overrides: list[str]):
         cfg = dataclasses.replace(compose(overrides), model=model)
     else:
         cfg = compose([f"model={value}", *overrides])
-    from framework.engine.build import component
-
     vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):
         return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
 
 
+def _text_config(conf):
+    """A Hugging Face config's text part (a multimodal config such as CLIP's keeps its vocabulary and
+    sizes in ``text_config``), or the config itself."""
+    return conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+
+
 def _vocab_size(module: torch.nn.Module) -> int | None:
-    """The model's vocabulary: our models' ``cfg``, a Hugging Face config's own or its text part's
-    (a multimodal config such as CLIP's keeps it in ``text_config``); None when it states none."""
+    """Our models' ``cfg.vocab_size``, a Hugging Face config's own or its text part's; None when it states none."""
     conf = getattr(module, "config", None)
     if conf is None:
         return module.cfg.vocab_size
     size = getattr(conf, "vocab_size", None)
-    if size is None and hasattr(conf, "get_text_config"):
-        size = getattr(conf.get_text_config(), "vocab_size", None)
-    return size
+    return getattr(_text_config(conf), "vocab_size", None) if size is None else size
 
 
 def _count(own: dict[str, str], key: str, default: int | None = None) -> int | None:
@@ -164,8 +162,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         if "context" in own and not hf:
             raise ConfigError(f"estimate: context= sets a Hugging Face model's sequence length; for "
                               f"model={own['model']} use model.context=N")
-        counts = count_module(module)
-        params, largest = counts.params, counts.largest_layer
+        params, largest = dataclasses.astuple(count_module(module))
         out["vocab"] = {"size": _vocab_size(module), "from": source}
     elif "params" in own:
         if overrides:
@@ -201,13 +198,14 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     # The NVMe rows at the composed precision and optimizer (DeepSpeed's 16-bit Adam without a model).
     widths = dict(zip(("param_bytes", "optimizer_bytes"), state_bytes(cfg))) if cfg is not None else {}
     precision = f", precision={cfg.choices['precision']}" if cfg is not None else ""
-    def pools(nvme: NVMeKeys) -> dict:
-        """A model's host pools per rank (params on NVMe, CPU, GPU) as the engine sizes them; none without one."""
-        if module is None:
-            return {}
-        given = dataclasses.asdict(nvme)
-        return {"pools": tuple(nvme_pools(cfg, module, gpus * nodes, par, **given).host_total()
-                               for par in ("nvme", "cpu", "none"))}
+
+    def nvme(keys: NVMeKeys) -> list:
+        """The NVMe rows; a model's with its host pools per rank (params on NVMe, CPU, GPU), as the engine
+        sizes them."""
+        pools = {} if module is None else {"pools": tuple(
+            nvme_pools(cfg, module, gpus * nodes, par, **dataclasses.asdict(keys)).host_total()
+            for par in ("nvme", "cpu", "none"))}
+        return nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools)
 
     sized = ("the engine's pools for this model" if module is not None else
              "upper bounds without a model's structure: every tile and parameter slot at its largest")
@@ -219,17 +217,15 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                       f"param_buffer_size={keys.param_buffer_size:,}{precision}; per CPU = pinned pools: optimizer tiles with "
                       f"their gradient, one gradient bounce, parameter slots [or the parameter shards], {sized}; the "
                       f"per-rank prediction below adds the working set):",
-              nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools(keys)))
+              nvme(keys))
         ds = NVMeKeys.sub_group_size
         if keys.sub_group_size != ds:
             table("nvme_deepspeed_sub_group_size",
                   f"The same with DeepSpeed's default sub_group_size={ds:,} (other keys as above; a "
                   f"partition under that size is one tile, resident for its whole step):",
-                  nvme_rows(params, largest, gpus, nodes, dataclasses.replace(keys, sub_group_size=ds), **widths,
-                            **pools(dataclasses.replace(keys, sub_group_size=ds))))
+                  nvme(dataclasses.replace(keys, sub_group_size=ds)))
         out["nvme_sub_group_size"] = keys.sub_group_size
-    if module is not None:   # a model: the per-rank prediction
-        world = gpus * nodes   # (gpus is dist.nproc where neither count was given)
+    if module is not None:   # a model: the per-rank prediction (for gpus = dist.nproc where neither count was given)
         context = None
         if hf:
             conf = getattr(module, "config", None)
@@ -240,17 +236,14 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                                   f"({limit}); set context <= {limit}")
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         try:
-            pred = predict(cfg, world, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
-        except FrameworkError:
-            raise
+            pred = predict(cfg, gpus * nodes, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
         except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
-            if not hf:
+            if not hf or isinstance(e, FrameworkError):
                 raise
             # e.g. a multimodal model, whose forward needs more than input_ids and labels: the tables stand
             why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            out["prediction"] = None
-            out["prediction_error"] = (f"no per-rank prediction: the model's forward(input_ids, labels) cannot be "
-                                       f"traced on the meta device ({why}); the tables above still hold")
+            out.update(prediction=None, prediction_error=f"no per-rank prediction: the model's forward(input_ids, "
+                       f"labels) cannot be traced on the meta device ({why}); the tables above still hold")
             text.append(out["prediction_error"])
         else:
             text.append(format_prediction(cfg, pred, context=context))

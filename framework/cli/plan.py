@@ -87,18 +87,16 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
             raise FrameworkError(f"plan --verify: the multirun failed: {last}")
         results = []
         for p, job in zip(top, load_jobs(sweep)):
-            c = job.summary["config"]
-            tokens = c["train"]["micro_batch"] * c["train"]["grad_accum"] * job.summary["world"] * c["model"]["context"]
+            train, model = job.summary["config"]["train"], job.summary["config"]["model"]
+            tokens = train["micro_batch"] * train["grad_accum"] * job.summary["world"] * model["context"]
             tps = job.curve("tokens_per_s")[1][1:]   # the first step warms up
-            key, peak = "peak_device_allocated_bytes", job.peak("peak_device_allocated_bytes")
-            if peak is None:   # a CPU run: the process's peak
-                key, peak = "peak_rss_bytes", job.peak("peak_rss_bytes")
-            results.append({"candidate": p.cand, "ran": {"micro_batch": c["train"]["micro_batch"],
-                                                         "grad_accum": c["train"]["grad_accum"],
-                                                         "checkpointing": c["model"]["activation_checkpointing"]},
-                            "predicted_s": p.time["total"],
+            device = job.peak("peak_device_allocated_bytes")   # None on a CPU run: the process's peak instead
+            key = "peak_rss_bytes" if device is None else "peak_device_allocated_bytes"
+            ran = {"micro_batch": train["micro_batch"], "grad_accum": train["grad_accum"],
+                   "checkpointing": model["activation_checkpointing"]}
+            results.append({"candidate": p.cand, "ran": ran, "predicted_s": p.time["total"],
                             "measured_s": statistics.median(tokens / t for t in tps),
-                            "predicted_peak": p.device_peak, "measured_peak": peak, "measured_kind": key})
+                            "predicted_peak": p.device_peak, "measured_peak": job.peak(key), "measured_kind": key})
     return results
 
 
@@ -117,8 +115,7 @@ def _plan_yaml(c: Candidate, from_file: frozenset[str] = frozenset()) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    flags = {"top": 20, "verify": 0, "reprobe": False, "json": False}
-    return run_command(__doc__, argv, "plan", OWN_KEYS, flags, _run)
+    return run_command(__doc__, argv, "plan", OWN_KEYS, {"top": 20, "verify": 0, "reprobe": False, "json": False}, _run)
 
 
 def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
@@ -139,8 +136,7 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     ranked = [f"model={own['model']}", *overrides, f"dist.nproc={hw.ranks}"]
     base = [*base, f"dist.nproc={hw.ranks}"]
     cfg = compose(ranked)
-    own, notes = _restrict(own, given, cfg, base)
-    own, notes = _restrict_checkpointing(own, overrides, notes)
+    own, notes = _restrict(own, given, cfg, base, overrides)
     own, notes, pinned = _restrict_batch(own, ranked, cfg, notes)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
@@ -188,20 +184,6 @@ def _key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
 
 
-def _restrict_checkpointing(own: dict[str, str], overrides: list[str], notes: list[str]) -> tuple[dict, list[str]]:
-    """``model.activation_checkpointing=`` on the command line restricts the search as ``checkpointing=``
-    does (each candidate sets the key itself), with a note saying so."""
-    given = [o.partition("=")[2].strip().lower() for o in overrides if _key(o) == "model.activation_checkpointing"]
-    if not given or given[-1] not in ("true", "false"):   # a bad value is the composition's line
-        return own, notes
-    value = given[-1]
-    if "checkpointing" in own and [x.strip().lower() for x in own["checkpointing"].split(",")] != [value]:
-        raise ConfigError(f"plan: the command line sets model.activation_checkpointing={value}, but checkpointing="
-                          f"{own['checkpointing']}; plan tries each of checkpointing= itself: give one of them")
-    return {**own, "checkpointing": value}, [*notes, f"note: planned only with model.activation_checkpointing={value} "
-                                                    f"(the command line), as checkpointing={value} would"]
-
-
 def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
                     notes: list[str]) -> tuple[dict, list[str], frozenset[str]]:
     """``overrides``: the composed config's. A DeepSpeed file that fixes train_micro_batch_size_per_gpu or gradient_accumulation_steps (or
@@ -239,9 +221,7 @@ def _disk_dir(cfg, base: list[str]) -> Path:
     working directory (the run directory's file system, where the swap files go by default)."""
     given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
-    if path in (None, "", "null"):
-        return Path(os.getcwd())
-    return nearest_existing(Path(path).expanduser().absolute())
+    return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(path).expanduser().absolute())
 
 
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
@@ -273,38 +253,42 @@ def _chosen(cfg, group: str) -> str:
         else value
 
 
-def _choice(group: str, value: str) -> list[str]:
-    """The overrides that choose ``value`` (as ``_given_setup`` names it) of ``group``, as a candidate's do."""
-    if group == "stage":
-        return [f"+stage={value}"]
-    return [f"offload={value.split('+')[0]}", *(["offload.params=cpu"] if value == "cpu+params" else [])]
-
-
-def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str]) -> tuple[dict[str, str], list[str]]:
-    """A stage or offload chosen on the command line or by the DeepSpeed file (which refuses any other)
-    restricts the search as ``stages=`` / ``offloads=`` does, with a note saying so; one chosen on the
-    command line that the file refuses is the composition's line (``base``: the candidates' overrides)."""
+def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
+              overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """A stage or offload chosen on the command line or by the DeepSpeed file (which refuses any other), and
+    ``model.activation_checkpointing=`` on the command line, restrict the search as ``stages=`` / ``offloads=``
+    / ``checkpointing=`` do (each candidate sets them itself), with a note saying so; a stage or offload chosen
+    on the command line that the file refuses is the composition's line (``base``: the candidates' overrides)."""
     own, chosen = dict(own), []
+
+    def pin(where: str, group: str, key: str, value: str) -> tuple[str, str]:
+        if key in own and [x.strip().lower() for x in own[key].split(",")] != [value]:
+            raise ConfigError(f"plan: {where} sets {group}={value}, but {key}={own[key]}; plan tries each of "
+                              f"{key}= itself: give one of them")
+        own[key] = value
+        return f"{group}={value} ({where})", f"{key}={value}"
+
+    def note(chosen: list[tuple[str, str]]) -> str:
+        return (f"note: planned only with {' and '.join(c for c, _ in chosen)}, as "
+                f"{' '.join(k for _, k in chosen)} would")
+
     for group, key in (("stage", "stages"), ("offload", "offloads")):
-        where = "the command line"
-        value = given.get(group)
+        where, value = "the command line", given.get(group)
         if cfg.sources.get(f"{group}.name") == DS_FILE:
             if value is None:
                 where, value = f"ds_config={cfg.ds_config}", _chosen(cfg, group)
             elif value != _chosen(cfg, group):   # the file refuses it (its line now, not each candidate's after
                 # the probe), or it is offload=cpu against the file's cpu+params, whose offload_param stands
-                value = _chosen(compose([*base, *_choice(group, value)]), group)
-        if value is None:
-            continue
-        if key in own and [x.strip().lower() for x in own[key].split(",")] != [value]:
-            raise ConfigError(f"plan: {where} sets {group}={value}, but {key}={own[key]}; plan tries each of "
-                              f"{key}= itself: give one of them")
-        own[key] = value
-        chosen.append((f"{group}={value} ({where})", f"{key}={value}"))
-    if not chosen:
-        return own, []
-    return own, [f"note: planned only with {' and '.join(c for c, _ in chosen)}, as "
-                 f"{' '.join(k for _, k in chosen)} would"]
+                choice = ([f"+stage={value}"] if group == "stage" else [f"offload={value.split('+')[0]}"]
+                          + ["offload.params=cpu"] * (value == "cpu+params"))
+                value = _chosen(compose([*base, *choice]), group)
+        if value is not None:
+            chosen.append(pin(where, group, key, value))
+    notes = [note(chosen)] if chosen else []
+    ckpt = [o.partition("=")[2].strip().lower() for o in overrides if _key(o) == "model.activation_checkpointing"]
+    if ckpt and ckpt[-1] in ("true", "false"):   # a bad value is the composition's line
+        notes.append(note([pin("the command line", "model.activation_checkpointing", "checkpointing", ckpt[-1])]))
+    return own, notes
 
 
 def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str,
@@ -324,9 +308,8 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
                if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
              "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
     fitting = [p for p in planned if p.fits]
-    for i, p in enumerate(fitting[:top]):
-        lines.append(f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
-                     f"{p.host / GiB:8.2f}Gi")
+    lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
+              f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"
                  + (f"; e.g. not: {planned[-1].cand.label().split('  ')[0]} ({planned[-1].why})"
                     if len(fitting) < len(planned) else "") + ")")

@@ -72,8 +72,7 @@ def load_jobs(root: Path) -> list[Job]:
         summary = _parsed(d / "summary.json", _summary)
         if summary is not None and "config_sources" in summary:
             overrides = summary_overrides(summary, overrides)
-        records = _parsed(d / "metrics.jsonl", _records) or []
-        jobs.append(Job(dir=d, overrides=overrides, summary=summary, records=records))
+        jobs.append(Job(d, overrides, summary, _parsed(d / "metrics.jsonl", _records) or []))
     if not jobs:
         raise FrameworkError(f"report: no job under {root} (no summary.json or .hydra/overrides.yaml); "
                              f"pass the folder a multirun wrote (hydra.sweep.dir)")
@@ -135,8 +134,7 @@ def _parsed(path: Path, parse):
 
 
 def _records(text: str) -> list[dict]:
-    """metrics.jsonl's records; a last line without its newline is a write the run's end cut short
-    (e.g. a killed job), not a record."""
+    """metrics.jsonl's records; a last line without its newline is a write cut short (a killed job), not a record."""
     records = []
     for n, line in enumerate(text.split("\n")[:-1], 1):
         if not line.strip():
@@ -154,8 +152,7 @@ def _records(text: str) -> list[dict]:
 
 
 def _summary(text: str) -> dict:
-    """summary.json, with the shape of the values the report reads (a ValueError names the first
-    that is off)."""
+    """summary.json, checked for the shapes of the values the report reads (a ValueError names the first off)."""
     s = json.loads(text)
     if not isinstance(s, dict):
         raise ValueError(f"not a JSON object but {type(s).__name__}")
@@ -187,8 +184,7 @@ def common_overrides(jobs: list[Job]) -> list[str]:
 
 
 def markdown_table(jobs: list[Job], root: Path) -> str:
-    """One row per job (its own overrides; the shared ones are listed above the table); memory
-    columns are the largest value over the job's ranks."""
+    """One row per job (its own overrides; the shared ones go above the table); memory: the largest over its ranks."""
     device = ("peak_device_allocated_bytes", "peak_device_reserved_bytes")
     cuda = any(j.peak(device[0]) is not None for j in jobs)
     head = ["job", "overrides", "steps", "train loss (mean of last log_every steps)", "val loss", "tokens/s",
@@ -198,46 +194,42 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
     for j in jobs:
         name = str(j.dir.relative_to(root))
         ov = " ".join(f"`{o}`" for o in j.overrides if o not in common) or "-"
-        if j.summary is None:
-            rows.append(f"| {name} | {ov} | " + " | ".join(["no summary.json (failed or running)"]
-                                                          + ["-"] * (len(head) - 3)) + " |")
-            continue
         s = j.summary
-        mib = [j.peak(), j.added(), *(j.peak(k) for k in device if cuda)]
-        cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
-                 _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f")]
-        cells += [_fmt(None if v is None else v / MiB, ",.0f") for v in mib]
+        if s is None:
+            cells = [name, ov, "no summary.json (failed or running)", *["-"] * (len(head) - 3)]
+        else:
+            mib = [j.peak(), j.added(), *(j.peak(k) for k in device if cuda)]
+            cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
+                     _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f"),
+                     *(_fmt(None if v is None else v / MiB, ",.0f") for v in mib)]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
 
-def _pyplot():
+def _figure(figsize: tuple[float, float], cols: int = 1, **subplots):
+    """(figure, its axes): a matplotlib Figure made without pyplot (files only; never a window, no global state)."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise FrameworkError("report: plots need matplotlib; pip install 'framework[report]'") from None
-    matplotlib.use("Agg")  # files only; never a window
-    import matplotlib.pyplot as plt
-    return plt
+    fig = Figure(figsize=figsize, dpi=100)
+    return fig, fig.subplots(1, cols, **subplots)
 
 
 def _save(fig, path: Path, grid: str = "both") -> Path:
     """Rendered in memory, then written atomically and never through a link planted at ``path``."""
-    plt = _pyplot()
     for ax in fig.axes:
         ax.grid(axis=grid, alpha=0.3)
     fig.set_layout_engine("constrained")
     png = io.BytesIO()
     fig.savefig(png, format="png")
-    plt.close(fig)
     files.write_atomic(path, png.getvalue())
     return path
 
 
 def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
     """Train loss per logged step (lines) and validation loss (markers), one colour per job."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
+    fig, ax = _figure((7, 4.2))
     for i, j in enumerate(x for x in jobs if x.records):
         color = f"C{i % 10}"
         steps, loss = j.curve("loss")
@@ -255,12 +247,10 @@ def plot_losses(jobs: list[Job], path: Path, *, title: str = "loss") -> Path:
 
 def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     """Tokens/s and peak memory per rank (largest rank) for each finished job."""
-    plt = _pyplot()
     done = [j for j in jobs if j.summary is not None]
     wrapped = [textwrap.fill(j.label, 40) for j in done]
     lines = sum(w.count("\n") + 1 for w in wrapped)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), dpi=100,
-                               sharey=True)
+    fig, (a, b) = _figure((10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), 2, sharey=True)
     y = list(range(len(done)))
     a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
     a.set_xlabel("tokens/s")
@@ -300,18 +290,16 @@ def matches(job, where: dict) -> bool:
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
     """All jobs' ``key`` curves on one chart, and beside it each job's distance from the
     reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
-    plt = _pyplot()
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
+    rs, rv = ref.curve(key) if ref is not None else (None, None)
+    fig, (a, b) = _figure((11, 4.2), 2)
     for i, j in enumerate(done):
         steps, vals = j.curve(key)
         a.plot(steps, vals, ls=("-", "--", ":", "-.")[i % 4], color=f"C{i % 10}", lw=1.2, label=textwrap.fill(j.label, 60))
-        if ref is not None and j is not ref:
-            rs, rv = ref.curve(key)
-            if rs == steps:
-                b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
-                       label=textwrap.fill(j.label, 60))
+        if j is not ref and rs == steps:   # (no reference: rs is None)
+            b.plot(steps, [abs(x - y) for x, y in zip(vals, rv)], color=f"C{i % 10}", lw=1,
+                   label=textwrap.fill(j.label, 60))
     a.set(xlabel="step", ylabel=key, title=f"{key}: every job")
     a.legend(fontsize=7)
     b.set_yscale("symlog", linthresh=1e-9)
@@ -323,8 +311,7 @@ def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Pa
 
 
 def measured_memory(j: Job) -> int:
-    """Per-rank memory of a job for scaling plots: the device allocator's peak on CUDA, else what the
-    resident set grew during the job (largest rank)."""
+    """Per-rank memory for scaling plots: the device allocator's peak on CUDA, else the largest rank's RSS growth."""
     dev = j.peak("peak_device_allocated_bytes")
     return dev if dev is not None else (j.added() or 0)
 
@@ -332,12 +319,11 @@ def measured_memory(j: Job) -> int:
 def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
     """Per-rank memory (``measured_memory``) against world size for each stage next to the ZeRO
     formula (left), and what each world size saves over the smallest, both ways (right)."""
-    plt = _pyplot()
     by_stage: dict[str, list[Job]] = {}
     for j in jobs:
         if j.summary is not None:
             by_stage.setdefault(j.summary["config"]["stage"]["name"], []).append(j)
-    fig, (ax, sv) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
+    fig, (ax, sv) = _figure((11, 4.5), 2)
     for i, (stage, js) in enumerate(sorted(by_stage.items())):
         js.sort(key=lambda j: j.summary["world"])
         worlds = [j.summary["world"] for j in js]
@@ -364,7 +350,7 @@ def write_report(root: Path, out: Path | None = None, *, title: str | None = Non
     """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
     root, out = Path(root), Path(out if out is not None else root)
     jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
-    _pyplot()   # and a missing matplotlib
+    _figure((1, 1))   # and a missing matplotlib
     try:
         files.make_dirs(out)
     except OSError as e:   # e.g. --out names a file
