@@ -140,6 +140,7 @@ class Gatherer:
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
+        self.entered: list[torch.Tensor] = []   # the persistent unit's values as a framework.gathered block began
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
@@ -512,6 +513,8 @@ class Gatherer:
         """Gather ``unit`` and keep it gathered until ``unhold`` (framework.gathered); True if this
         call gathered it, and so is the holder that releases it."""
         started = self.gather_now(unit)
+        if unit is self.persistent and not unit.held:   # (small by the threshold) for an exit by an error
+            self.entered = [g.full.clone() for g in unit.groups]
         for g in unit.groups:
             if g.full is g.shard:
                 # Gathered in place by the hooks (world size 1, a block entered inside the unit's forward): the
@@ -532,6 +535,11 @@ class Gatherer:
             # pass and then lost at the step, and those with it leave every rank the broadcast values.
             self.release(unit)
             self.gather_now(unit)
+        elif unit is self.persistent and not unit.held:   # an error on this rank: no collective, its values put back
+            for g, value in zip(unit.groups, self.entered):
+                g.full.copy_(value)
+        if unit is self.persistent and not unit.held:
+            self.entered = []
 
     def check_not_held(self) -> None:
         """The backward pass and the step would reduce and update what a framework.gathered block

@@ -816,11 +816,15 @@ def test_an_error_inside_gathered_leaves_it_without_a_collective():
 
     def spy():   # the gathers from here on: the block's way out
         gatherer.gather_now = lambda unit: (calls.append(unit.name), gather_now(unit))[1]
+    bias = model.b.bias.detach().clone()
     with pytest.raises(FileNotFoundError):
         with framework.gathered(list(model.parameters()), modifier_rank=0):
             spy()
+            with torch.no_grad():
+                model.b.bias.fill_(100.0)   # an edit (a load that failed half way): put back all the same
             raise FileNotFoundError("pretrained.pt")
     assert calls == [], calls
+    assert torch.equal(model.b.bias, bias)
     with framework.gathered([model.b.bias]):
         pass
     assert "<persistent>" in calls, calls   # a block left normally gathers it again
