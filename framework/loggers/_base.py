@@ -175,35 +175,38 @@ def _step(line: str) -> float:
         return math.inf
 
 
-class _Log:
-    """train.log, shared by the console's two streams. A write that fails (no room on the disk, a file
-    size limit) ends the log, not the run: noted once on the console, which goes on alone."""
+class _Sink:
+    """A stream (train.log, or the console) whose failing write (no room on the disk, a file size limit, a
+    console that is gone) ends it, not the run: what failed becomes a note, given once (``note``) for the
+    other stream to carry; ``on_fail`` gets the error."""
 
-    def __init__(self, f):
-        self.f = f
-        self.gone: bool | str = False   # once gone: the note for the console, until written (True)
+    def __init__(self, stream, says: str, on_fail=None):
+        self.stream, self.says, self.on_fail = stream, says, on_fail
+        self.gone: bool | str = False   # once gone: the note, until given (True)
 
-    def write(self, text: str) -> None:
-        self._do(self.f.write, text)
-
-    def flush(self) -> None:
-        self._do(self.f.flush)
-
-    def close(self) -> None:
-        self._do(self.f.close)
-        with contextlib.suppress(OSError, ValueError):   # gone: what a failed write left buffered is dropped
-            self.f.close()
-
-    def _do(self, act, *args) -> None:
+    def do(self, act, *args) -> None:
         if self.gone:
             return
         try:
             act(*args)
         except (OSError, ValueError) as e:
-            self.gone = f"(train.log cannot be written: {e}; the console goes on alone)\n"
+            self.gone = self.says.format(e)
+            if self.on_fail is not None:
+                self.on_fail(e)
+
+    def write(self, text: str) -> None:
+        self.do(self.stream.write, text)
+
+    def flush(self) -> None:
+        self.do(self.stream.flush)
+
+    def close(self) -> None:
+        self.do(self.stream.close)
+        with contextlib.suppress(OSError, ValueError):   # gone: what a failed write left buffered is dropped
+            self.stream.close()
 
     def note(self) -> str | None:
-        """The note that the log is gone, once."""
+        """The note that the stream is gone, once."""
         if not isinstance(self.gone, str):
             return None
         note, self.gone = self.gone, True
@@ -213,39 +216,32 @@ class _Log:
 class _Tee:
     """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log). A console that
     is gone (``| head``: a closed pipe) ends the run no more than it ends its log: noted there once, the
-    log goes on alone; and a log that cannot be written (``_Log``) is noted once on the console."""
+    log goes on alone; and a log that cannot be written is noted once on the console."""
 
-    def __init__(self, terminal, log: _Log):
+    def __init__(self, terminal, log: _Sink):
         self.terminal, self.log = terminal, log
-        self.gone: bool | str = False   # once gone: the note for the log, until written (True)
+        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n", self._nowhere)
 
     def write(self, text: str) -> int:
-        self._console(self.terminal.write, text)
+        self.console.write(text)
         self.log.write(text)
         if text.endswith("\n"):   # (notes on a line of their own)
-            if isinstance(self.gone, str):
-                self.log.write(self.gone)
-                self.gone = True
+            if (note := self.console.note()) is not None:
+                self.log.write(note)
             if (note := self.log.note()) is not None:
-                self._console(self.terminal.write, note)
+                self.console.write(note)
         return len(text)
 
-    def _console(self, act, *args) -> None:
-        if self.gone:
-            return
-        try:
-            act(*args)
-        except (OSError, ValueError) as e:
-            self.gone = f"(the console is gone: {e}; this log goes on alone)\n"
-            if isinstance(e, BrokenPipeError):
-                # Its reader is gone for good: the descriptor writes to nowhere, so that nothing printed
-                # later (the console's own buffer flushed at exit included) fails with a traceback.
-                with contextlib.suppress(AttributeError, OSError, ValueError):
-                    nowhere = os.open(os.devnull, os.O_WRONLY)
-                    try:
-                        os.dup2(nowhere, self.terminal.fileno())
-                    finally:
-                        os.close(nowhere)
+    def _nowhere(self, e: Exception) -> None:
+        if isinstance(e, BrokenPipeError):
+            # Its reader is gone for good: the descriptor writes to nowhere, so that nothing printed
+            # later (the console's own buffer flushed at exit included) fails with a traceback.
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                nowhere = os.open(os.devnull, os.O_WRONLY)
+                try:
+                    os.dup2(nowhere, self.terminal.fileno())
+                finally:
+                    os.close(nowhere)
 
     def log_only(self, text: str) -> None:
         """What a live progress bar shows on the console, as plain lines in the log; and a line that
@@ -253,7 +249,7 @@ class _Tee:
         self.log.write(text)
 
     def flush(self) -> None:
-        self._console(self.terminal.flush)
+        self.console.flush()
         self.log.flush()
 
     def __getattr__(self, name):   # isatty, fileno, encoding, ... of the console stream
@@ -266,7 +262,7 @@ def console_log(path: Path):
     (appended): rank 0's console of a run is its folder's train.log. An error (any exception), Ctrl-C or
     SIGTERM that ends the run is written there too (the caller prints it to the console). A log that
     cannot be written (no room) ends nothing: the console goes on alone, with a note."""
-    log = _Log(files.open_append(path))
+    log = _Sink(files.open_append(path), "(train.log cannot be written: {}; the console goes on alone)\n")
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
     try:
