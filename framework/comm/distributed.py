@@ -188,12 +188,10 @@ def _launcher_int(name: str, text: str) -> int:
         raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
 
 
-def check_env_ints(numbered_here: bool = False) -> None:
+def check_env_ints() -> None:
     """One line for a launcher variable that is set but not an integer (``LAUNCH_INTS``), or for rank
     variables that disagree with each other (a rank outside its world; Slurm tasks that share one RANK):
-    such a run would wait out dist.timeout_s at the rendezvous and end in torch's traceback.
-    ``numbered_here``: a rank our own launcher (dist.nproc) numbered, whose Slurm variables are its
-    batch step's, not its own."""
+    such a run would wait out dist.timeout_s at the rendezvous and end in torch's traceback."""
     for name in LAUNCH_INTS:
         env_int(name, 0)
     env = os.environ
@@ -210,7 +208,7 @@ def check_env_ints(numbered_here: bool = False) -> None:
     # srun starting the ranks itself (a task per rank): a RANK exported once for the whole step is every
     # task's, and the tasks would all claim it. (torchrun under srun numbers its ranks itself.)
     key = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
-    if not numbered_here and env.get("RANK") and env.get("SLURM_PROCID") and "TORCHELASTIC_RUN_ID" not in env \
+    if env.get("RANK") and env.get("SLURM_PROCID") and "TORCHELASTIC_RUN_ID" not in env \
             and env_int(key, 0) == env_int("WORLD_SIZE", 1) > 1 and env["RANK"] != env["SLURM_PROCID"]:
         raise ConfigError(f"RANK={env['RANK']} but SLURM_PROCID={env['SLURM_PROCID']} in a step of {env[key]} tasks: "
                           f"RANK must be set per task (unset RANK or export it per task: RANK=$SLURM_PROCID), or "
@@ -265,7 +263,7 @@ def check_env(store_path: str | None = None) -> None:
     group. A group this process joined already needs neither."""
     if tdist.is_initialized():
         return
-    check_env_ints(numbered_here=store_path is not None)
+    check_env_ints()
     env = os.environ
     world = env_int("WORLD_SIZE", 1)
     if world > 1:

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from framework.precision import Policy, PrecisionState
+from framework.precision import PrecisionState
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,3 @@ def _rebuild(tree: Any, params: Sequence[torch.Tensor], per: Callable, scalar: C
         items = [_rebuild(v, params, per, scalar, f"{path}.{k}" if path else str(k)) for k, v in zip(keys, tree)]
         return tuple(items) if type(tree) is tuple else type(tree)(*items)
     return scalar(path, tree)
-
-
-def dynamic_loss_scale(policy: Policy) -> bool:
-    return policy.scaler is not None and policy.scaler.loss_scale == 0

@@ -40,7 +40,7 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from framework.core.files import write_atomic
+from framework.core.files import open_nofollow, write_atomic
 from framework.core.paths import cache_dir, csrc_dir
 
 NAME = "framework_cpu_optim"
@@ -201,7 +201,7 @@ def _exclusive(directory: Path) -> Iterator[None]:
     directory.parent.mkdir(parents=True, exist_ok=True)
     flock = directory.parent / f"{directory.name}.flock"
     try:
-        handle = open(flock, "a+")
+        handle = os.fdopen(open_nofollow(flock, os.O_RDWR | os.O_CREAT | os.O_APPEND, mode=0o666), "a+")
     except PermissionError as exc:   # e.g. a cache another user built, without a usable build of these sources
         raise BuildUnavailable(f"no usable build in {directory}, and this user cannot build there ({flock}: "
                                f"{exc.strerror}); have the cache's owner run `python -m framework.ops build`, "

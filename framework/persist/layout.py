@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 
 from framework.core.errors import FrameworkError
-from framework.engine.state import FORMAT, TrainState, dynamic_loss_scale, optimizer_leaves, with_scalars
+from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_scalars
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
 from framework.core.utils import few
@@ -145,7 +145,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
         params.setdefault(p.name, {"shape": p.shape, "fragments": []})["fragments"].append(
             {"range": (h.lo, h.hi), "master": views.pop("master"), "optim": views})
     return {"format": FORMAT, "rank": rank, "world": world, "step": state.step, "data": state.data,
-            "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(policy),
+            "precision": asdict(state.precision), "dynamic_loss_scale": policy.dynamic,
             "rng": [host_copy(t) for t in state.rng],
             "optimizer": {"per_element": sorted(per), "scalars": {p: host_copy(v) for p, v in scalars.items()}},
             "params": params, **({} if whole is None else {"whole": {k: host_copy(t) for k, t in whole.items()}})}
@@ -246,7 +246,7 @@ def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tenso
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]
     precision = PrecisionState(**saved["precision"])
-    if not (saved["dynamic_loss_scale"] and dynamic_loss_scale(policy)):
+    if not (saved["dynamic_loss_scale"] and policy.dynamic):
         precision = policy.continued(precision)
     return replace(state, step=saved["step"], data=saved["data"], precision=precision, rng=rng,
                    opt_state=with_scalars(state.opt_state, state.params, scalars))

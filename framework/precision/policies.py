@@ -50,6 +50,11 @@ class Policy:
     # default, as DeepSpeed's BF16 optimizer does (the trade-off: BF16Config.grad_accum_dtype).
     grad_accum_dtype: torch.dtype = torch.float32
 
+    @property
+    def dynamic(self) -> bool:
+        """Dynamic loss scaling (fp16 without a static ``loss_scale``)."""
+        return self.scaler is not None and self.scaler.loss_scale == 0
+
     def init_state(self) -> PrecisionState:
         if self.scaler is None:
             return PrecisionState()
@@ -63,9 +68,8 @@ class Policy:
         a full loss_scale_window of clean steps from here, as in a fresh run (not at the next multiple of
         the window in the saved step count)."""
         fresh = self.init_state()
-        dynamic = self.scaler is not None and self.scaler.loss_scale == 0
         return replace(fresh, cur_iter=saved.cur_iter, skipped_steps=saved.skipped_steps,
-                       last_overflow_iter=saved.cur_iter - 1 if dynamic else fresh.last_overflow_iter)
+                       last_overflow_iter=saved.cur_iter - 1 if self.dynamic else fresh.last_overflow_iter)
 
 
 # The precision names as dtypes; ``python -m framework.export --dtype`` takes the same names.

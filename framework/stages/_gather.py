@@ -525,21 +525,27 @@ class Gatherer:
         unit.held += 1
         return started
 
-    def unhold(self, unit: Unit, started: bool, collective: bool = True) -> None:
+    def unhold(self, unit: Unit, started: bool, written: bool = False) -> None:
+        """``written``: the block's exit wrote new values into the shards (framework.gathered's modifier_rank)."""
         unit.held -= 1
         if started and not unit.held and unit.active == 0 and not unit.in_backward:
             self.release(unit)
-        elif unit is self.persistent and not unit.held and collective:
-            # Always gathered, so no block's exit releases it: gathered again from the shards (collective, as
-            # the block is), so that edits without modifier_rank are discarded here too, not used by the next
-            # pass and then lost at the step, and those with it leave every rank the broadcast values.
-            self.release(unit)
-            self.gather_now(unit)
-        elif unit is self.persistent and not unit.held:   # an error on this rank: no collective, its values put back
-            for g, value in zip(unit.groups, self.entered):
-                g.full.copy_(value)
-        if unit is self.persistent and not unit.held:
+        elif unit is self.persistent and not unit.held:
+            # Always gathered, so no block's exit releases it: edits without modifier_rank (or left by an error)
+            # are discarded here too, not used by the next pass and then lost at the step. Its values on entry
+            # are put back locally (no collective: after an error the peers may be elsewhere); written shards
+            # are gathered again (collective, as the block's exit is), leaving every rank the broadcast values.
+            if written:
+                self.regather(unit)
+            else:
+                for g, value in zip(unit.groups, self.entered):
+                    g.full.copy_(value)
             self.entered = []
+
+    def regather(self, unit: Unit) -> None:
+        """``unit`` gathered again from its shards (collective): its gathered copy is stale."""
+        self.release(unit)
+        self.gather_now(unit)
 
     def check_not_held(self) -> None:
         """The backward pass and the step would reduce and update what a framework.gathered block

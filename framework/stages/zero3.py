@@ -193,8 +193,7 @@ class Zero3Stage(PartitionedStage):
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
-            self.gatherer.release(persistent)
-            self.gatherer.gather_now(persistent)
+            self.gatherer.regather(persistent)
 
     def memory(self, opt_state) -> Footprint:
         fp, persistent = Footprint(), self.gatherer.persistent
@@ -273,7 +272,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise
     finally:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
-            unit.gatherer.unhold(unit, started, collective=not failed)
+            unit.gatherer.unhold(unit, started, written=modifier_rank is not None and not failed)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):

@@ -177,7 +177,8 @@ def test_rank_variables_that_agree_pass(monkeypatch):
 
 def test_local_ranks_started_inside_a_slurm_batch_step_pass(monkeypatch):
     """dist.nproc=2 in an sbatch --ntasks=2 script: the launcher numbers its ranks itself and each inherits the
-    batch step's SLURM_PROCID=0, which is no per-task RANK to compare with."""
+    batch step's SLURM_PROCID=0, which is no per-task RANK to compare with (rank_env drops it)."""
+    from framework.cli.launch import rank_env
     from framework.comm.distributed import check_env
 
     for key in ("SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
@@ -185,6 +186,8 @@ def test_local_ranks_started_inside_a_slurm_batch_step_pass(monkeypatch):
     for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
                        "LOCAL_WORLD_SIZE": "2", "RANK": "1"}.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")   # (monkeypatch puts each back as it was after the test)
+    rank_env(1, 2)
     check_env(store_path="rendezvous-file")
 
 

@@ -20,7 +20,7 @@ from framework.core import files
 from framework.core.errors import CheckpointError, FrameworkError, TrainingError
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
-from framework.engine.state import FORMAT as STATE_FORMAT, dynamic_loss_scale, optimizer_leaves
+from framework.engine.state import FORMAT as STATE_FORMAT, optimizer_leaves
 from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import stepfolders
@@ -95,7 +95,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     json_scalars = {p: {"tensor": v.tolist(), "dtype": dtype_name(v.dtype)} if isinstance(v, torch.Tensor) else v
                     for p, v in host_scalars.items()}
     train = {"step": state.step, "data": state.data, "scheduler_position": state.applied_steps,
-             "precision": asdict(state.precision), "dynamic_loss_scale": dynamic_loss_scale(c.policy),
+             "precision": asdict(state.precision), "dynamic_loss_scale": c.policy.dynamic,
              "optimizer": {"per_element": sorted(per), "scalars": json_scalars, "keys": keys}}
     if (arch := architecture(c.module)) is not None:   # model=hf: what its config file resolved to
         train["model_config"] = arch
