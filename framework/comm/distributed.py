@@ -84,9 +84,9 @@ class Dist:
         while True:
             lost, stalled = [], []
             for r, pid in local:
-                if not _alive(pid):
+                if (state := _state(pid)) == "gone":
                     lost.append(r)
-                elif (state := _state(pid)) in _STALLED:
+                elif state in _STALLED:
                     stalled.append(f"rank {r} stalled (pid {pid} {_STALLED[state]})")
             if lost or stalled or not local or time.monotonic() >= deadline:
                 break
@@ -141,30 +141,22 @@ def parse_stat(text: str) -> tuple[str, int]:
     return fields[0], int(fields[6])
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return parse_stat(f.read())
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _state(pid: int) -> str | None:
-    """The kernel's one-letter state of process ``pid`` (Linux /proc), None if unknown or gone."""
-    stat = _stat(pid)
-    return stat[0] if stat is not None else None
-
-
-def _alive(pid: int) -> bool:
+def _state(pid: int) -> str:
+    """"gone", else the kernel's one-letter state of process ``pid`` (Linux /proc; "" where unknown)."""
     try:
         os.kill(pid, 0)
+        ours = True
     except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    stat = _stat(pid)
+        return "gone"
+    except PermissionError:   # another user's process: alive, whatever its state
+        ours = False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, flags = parse_stat(f.read())
+    except (OSError, IndexError, ValueError):
+        return ""
     # A zombie (exited, not yet reaped by its parent) or a process inside exit counts as gone.
-    return stat is None or (stat[0] != "Z" and not stat[1] & _PF_EXITING)
+    return "gone" if ours and (state == "Z" or flags & _PF_EXITING) else state
 
 
 # The launchers' integer variables (torchrun's, Slurm's): ``check_env_ints`` reads each before any
@@ -173,7 +165,7 @@ LAUNCH_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NT
                "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int | None) -> int | None:
     """The environment variable ``name`` as an integer (``default``: unset or empty); one line for any
     other value."""
     text = os.environ.get(name, "")
@@ -186,6 +178,17 @@ def _launcher_int(name: str, text: str) -> int:
     except ValueError:
         how = "srun" if name.startswith("SLURM_") else "torchrun"
         raise ConfigError(f"{name}={text!r} is not an integer; unset it or launch with {how}") from None
+
+
+def _tasks_key() -> str:
+    """The variable with the Slurm step's task count (an interactive step, salloc, has only the allocation's)."""
+    return "SLURM_STEP_NUM_TASKS" if os.environ.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+
+
+def _slurm_task_is(rank: str | None, world: str | None) -> bool:
+    """Whether srun started this process itself as task ``rank`` of a step of ``world`` tasks."""
+    env = os.environ
+    return None not in (rank, world) and env.get("SLURM_PROCID") == rank and env.get(_tasks_key()) == world
 
 
 def check_env_ints() -> None:
@@ -207,7 +210,7 @@ def check_env_ints() -> None:
                               f"(torchrun does) or unset them")
     # srun starting the ranks itself (a task per rank): a RANK exported once for the whole step is every
     # task's, and the tasks would all claim it. (torchrun under srun numbers its ranks itself.)
-    key = "SLURM_STEP_NUM_TASKS" if env.get("SLURM_STEP_NUM_TASKS") else "SLURM_NTASKS"
+    key = _tasks_key()
     if env.get("RANK") and env.get("SLURM_PROCID") and "TORCHELASTIC_RUN_ID" not in env \
             and env_int(key, 0) == env_int("WORLD_SIZE", 1) > 1 and env["RANK"] != env["SLURM_PROCID"]:
         raise ConfigError(f"RANK={env['RANK']} but SLURM_PROCID={env['SLURM_PROCID']} in a step of {env[key]} tasks: "
@@ -228,33 +231,28 @@ def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
     """(this rank's index on its host, ranks on its host) as the launcher says, None where it does not:
     LOCAL_RANK / LOCAL_WORLD_SIZE (torchrun, our spawner), else Slurm's for an srun task that is this
     rank (SLURM_PROCID = the rank, the step's task count = the world size)."""
-    env = os.environ
-    local = ("LOCAL_RANK", env.get("LOCAL_RANK"))
-    local_world = ("LOCAL_WORLD_SIZE", env.get("LOCAL_WORLD_SIZE"))
-    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
-    if env.get("SLURM_PROCID") == str(rank) and tasks == str(world):
-        local = local if local[1] else ("SLURM_LOCALID", env.get("SLURM_LOCALID"))
-        local_world = local_world if local_world[1] else _slurm_tasks_here()
-    return tuple(_launcher_int(*named) if named[1] else None for named in (local, local_world))
+    index, count = env_int("LOCAL_RANK", None), env_int("LOCAL_WORLD_SIZE", None)
+    if _slurm_task_is(str(rank), str(world)):
+        count = _slurm_tasks_here() if count is None else count
+        index = env_int("SLURM_LOCALID", None) if index is None else index
+    return index, count
 
 
-def _slurm_tasks_here() -> tuple[str, str | None]:
-    """(the variable, this node's task count) from Slurm's per-node list ("4(x2),3": 4 on each of the first
-    two nodes); None where it does not say."""
+def _slurm_tasks_here() -> int | None:
+    """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes);
+    None where it does not say."""
     env = os.environ
     name = next((k for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-                 if env.get(k)), "SLURM_TASKS_PER_NODE")
-    spec = env.get(name)
-    if not spec:
-        return name, None
+                 if env.get(k)), None)
+    if name is None:
+        return None
     counts = []
-    for part in spec.split(","):
+    for part in env[name].split(","):
         n, _, times = part.partition("(x")
         counts += [n] * _launcher_int(name, times.rstrip(")") or "1")
     node = env_int("SLURM_NODEID", 0)
-    if node < len(counts):
-        return name, counts[node]
-    return name, (counts[0] if len(set(counts)) == 1 else None)
+    here = counts[node] if node < len(counts) else counts[0] if len(set(counts)) == 1 else None
+    return _launcher_int(name, here) if here else None
 
 
 def check_env(store_path: str | None = None) -> None:
@@ -271,8 +269,7 @@ def check_env(store_path: str | None = None) -> None:
         if missing := [k for k in needed if not env.get(k)]:
             raise ConfigError(f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
                               f"not: launch with torchrun (or dist.nproc=N for local ranks), or unset WORLD_SIZE")
-    # The step's own task count: an interactive step (salloc) keeps the allocation's SLURM_NTASKS.
-    key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+    key = _tasks_key()
     tasks = env_int(key, 1)
     if "WORLD_SIZE" not in env and tasks > 1 and "SLURM_STEP_ID" in env:
         raise ConfigError(f"{key}={tasks}: srun started {tasks} tasks, but nothing made them one group (each "
@@ -285,9 +282,8 @@ def bound_per_task(local_world: int, gpus: int) -> bool:
     sets CUDA_VISIBLE_DEVICES per task), so that it sees fewer GPUs than its host has ranks although each
     rank has one. Ranks that share GPUs (torchrun: one CUDA_VISIBLE_DEVICES for all) are not."""
     env = os.environ
-    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
-    return (bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world and env.get("SLURM_PROCID") is not None
-            and env.get("SLURM_PROCID") == env.get("RANK") and tasks is not None and tasks == env.get("WORLD_SIZE"))
+    return bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world \
+        and _slurm_task_is(env.get("RANK"), env.get("WORLD_SIZE"))
 
 
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
