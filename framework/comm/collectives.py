@@ -30,11 +30,8 @@ class Pending:
 
     @staticmethod
     def of(items: Iterable["Pending"]) -> "Pending":
-        out = Pending()
-        for p in items:
-            out.works += p.works
-            out.after += p.after
-        return out
+        items = list(items)
+        return Pending([w for p in items for w in p.works], [fn for p in items for fn in p.after])
 
 
 def owner_slices(start: int, end: int, shard: int) -> list[tuple[int, int, int]]:
@@ -84,10 +81,8 @@ class Collectives:
 
     def reduce_to_owners(self, buf: Tensor, start: int, shard: int, what: str) -> Pending:
         """``buf`` mirrors flat range [start, start + len) of a buffer partitioned in ``shard``s: after
-        ``wait``, the part of ``buf`` inside this rank's partition holds the sum across ranks."""
-        raise NotImplementedError
-
-    def _reduce_each_owner(self, buf: Tensor, start: int, shard: int, what: str) -> Pending:
+        ``wait``, the part of ``buf`` inside this rank's partition holds the sum across ranks. Here: a
+        reduce to each owner, the backends' path for a buffer they have no faster one for."""
         return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
                         for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])
 
@@ -152,7 +147,7 @@ class Gloo(Collectives):
     def reduce_to_owners(self, buf, start, shard, what):
         if self.world == 2:  # the all-reduce halves of reduce_scatter, whatever the alignment
             return self.reduce_scatter(list(buf.chunk(2)), what)
-        return self._reduce_each_owner(buf, start, shard, what)
+        return super().reduce_to_owners(buf, start, shard, what)
 
 
 class Nccl(Collectives):
@@ -186,14 +181,11 @@ class Nccl(Collectives):
     def reduce_to_owners(self, buf, start, shard, what):
         if start == 0 and buf.numel() == self.world * shard:   # aligned
             return self._reduce_scatter_in_place(buf, what)
-        return self._reduce_each_owner(buf, start, shard, what)
+        return super().reduce_to_owners(buf, start, shard, what)
 
 
 def collectives_for(dist, ops=tdist) -> Collectives:
-    if dist.world == 1:
-        return Local(dist, ops)
-    if dist.backend == "nccl":
-        return Nccl(dist, ops)
-    if dist.backend == "gloo":
-        return Gloo(dist, ops)
-    raise ValueError(f"no collectives for backend {dist.backend!r} (gloo and nccl are supported)")
+    kind = Local if dist.world == 1 else {"nccl": Nccl, "gloo": Gloo}.get(dist.backend)
+    if kind is None:
+        raise ValueError(f"no collectives for backend {dist.backend!r} (gloo and nccl are supported)")
+    return kind(dist, ops)
