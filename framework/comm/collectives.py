@@ -160,14 +160,12 @@ class Nccl(Collectives):
         return Pending([self._go(what, self.ops.all_gather_into_tensor, full, mine)])
 
     def reduce_scatter(self, chunks, what):
+        c, n = chunks[0], chunks[0].numel()
         if adjacent(chunks):   # one aligned buffer: reduce-scatter a view of it
-            c = chunks[0]
-            return self._reduce_scatter_in_place(c.as_strided((c.numel() * len(chunks),), (1,), c.storage_offset()),
-                                                 what)
+            return self._reduce_scatter_in_place(c.as_strided((n * len(chunks),), (1,), c.storage_offset()), what)
         # Stripes of a larger buffer: gather them into one aligned staging buffer (one copy kernel),
         # reduce-scatter it in place, and copy this rank's sum back once the collective is done.
         staging = torch.cat(chunks)
-        n = chunks[0].numel()
         p = self._reduce_scatter_in_place(staging, what)
         p.after.append(lambda: chunks[self.rank].copy_(staging[self.rank * n:(self.rank + 1) * n]))
         return p

@@ -82,12 +82,9 @@ class Dist:
         local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank]
         deadline = time.monotonic() + (_SETTLE_S if settle_s is None else settle_s)
         while True:
-            lost, stalled = [], []
-            for r, pid in local:
-                if (state := _state(pid)) == "gone":
-                    lost.append(r)
-                elif state in _STALLED:
-                    stalled.append(f"rank {r} stalled (pid {pid} {_STALLED[state]})")
+            states = [(r, pid, _state(pid)) for r, pid in local]
+            lost = [r for r, _, s in states if s == "gone"]
+            stalled = [f"rank {r} stalled (pid {pid} {_STALLED[s]})" for r, pid, s in states if s in _STALLED]
             if lost or stalled or not local or time.monotonic() >= deadline:
                 break
             time.sleep(0.02)
@@ -142,7 +139,7 @@ def parse_stat(text: str) -> tuple[str, int]:
 
 
 def _state(pid: int) -> str:
-    """"gone", else the kernel's one-letter state of process ``pid`` (Linux /proc; "" where unknown)."""
+    """The kernel's one-letter state of process ``pid`` (Linux /proc; "" where unknown), or "gone"."""
     try:
         os.kill(pid, 0)
         ours = True
@@ -157,12 +154,6 @@ def _state(pid: int) -> str:
         return ""
     # A zombie (exited, not yet reaped by its parent) or a process inside exit counts as gone.
     return "gone" if ours and (state == "Z" or flags & _PF_EXITING) else state
-
-
-# The launchers' integer variables (torchrun's, Slurm's): ``check_env_ints`` reads each before any
-# run folder is made.
-LAUNCH_INTS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
-               "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
 
 
 def env_int(name: str, default: int | None) -> int | None:
@@ -192,10 +183,11 @@ def _slurm_task_is(rank: str | None, world: str | None) -> bool:
 
 
 def check_env_ints() -> None:
-    """One line for a launcher variable that is set but not an integer (``LAUNCH_INTS``), or for rank
+    """One line for a launcher variable (torchrun's, Slurm's) that is set but not an integer, or for rank
     variables that disagree with each other (a rank outside its world; Slurm tasks that share one RANK):
     such a run would wait out dist.timeout_s at the rendezvous and end in torch's traceback."""
-    for name in LAUNCH_INTS:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
+                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
         env_int(name, 0)
     env = os.environ
     for idx, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
@@ -206,8 +198,7 @@ def check_env_ints() -> None:
             raise ConfigError(f"{size}={n}: a launch has at least 1 rank; unset {size} or launch with torchrun")
         if env.get(idx) and not 0 <= (i := env_int(idx, 0)) < n:
             raise ConfigError(f"{idx}={i} is not a rank of {f'{size}={n}' if env.get(size) else f'{size} unset (1)'} "
-                              f"(0 to {n - 1}); set both per rank "
-                              f"(torchrun does) or unset them")
+                              f"(0 to {n - 1}); set both per rank (torchrun does) or unset them")
     # srun starting the ranks itself (a task per rank): a RANK exported once for the whole step is every
     # task's, and the tasks would all claim it. (torchrun under srun numbers its ranks itself.)
     key = _tasks_key()
@@ -282,8 +273,8 @@ def bound_per_task(local_world: int, gpus: int) -> bool:
     sets CUDA_VISIBLE_DEVICES per task), so that it sees fewer GPUs than its host has ranks although each
     rank has one. Ranks that share GPUs (torchrun: one CUDA_VISIBLE_DEVICES for all) are not."""
     env = os.environ
-    return bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world \
-        and _slurm_task_is(env.get("RANK"), env.get("WORLD_SIZE"))
+    return bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world and _slurm_task_is(env.get("RANK"),
+                                                                                              env.get("WORLD_SIZE"))
 
 
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
