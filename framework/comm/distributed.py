@@ -300,12 +300,11 @@ def resolve_backend(backend: str, local_world: int | None = None) -> str:
 
 def backend_notice(backend: str, local_world: int) -> str | None:
     """One line when ``auto`` falls back to gloo on the CPU although there is a GPU (else None)."""
-    gpus = gpu_count()
-    if backend == "auto" and gpus and local_world > gpus and not bound_per_task(local_world, gpus):
-        return (f"dist.backend=auto: {local_world} ranks on this host but {gpus} GPU{'s' if gpus != 1 else ''}: "
-                f"training on the CPU over gloo (NCCL needs one GPU per rank); use at most {gpus} "
-                f"rank{'s' if gpus != 1 else ''} per host to train on the GPU{'s' if gpus != 1 else ''}")
-    return None
+    if backend != "auto" or not (gpus := gpu_count()) or resolve_backend("auto", local_world) == "nccl":
+        return None
+    s = "s" if gpus != 1 else ""
+    return (f"dist.backend=auto: {local_world} ranks on this host but {gpus} GPU{s}: training on the CPU over "
+            f"gloo (NCCL needs one GPU per rank); use at most {gpus} rank{s} per host to train on the GPU{s}")
 
 
 def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.device:

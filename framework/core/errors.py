@@ -55,9 +55,8 @@ class DistributedError(FrameworkError):
 
 
 class SwapIOError(FrameworkError):
-    """A swap file read or write failed (short count, EIO, ENOSPC, checksum mismatch).
-
-    Names the file, the byte offset and the tensor, so every rank can report which piece was lost."""
+    """A swap file read or write failed (short count, EIO, ENOSPC, checksum mismatch): names the file,
+    the byte offset and the tensor, so every rank can report which piece was lost."""
 
     def __init__(self, message: str, *, path: str = "", offset: int = -1, what: str = "",
                  errno: int | None = None):

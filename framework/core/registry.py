@@ -1,11 +1,11 @@
 """Component registries: one conf/ group = one registry = one folder of code.
 
 A registered component is a public module (no leading underscore, not base.py) in the group's package
-that defines ``COMPONENT = Component(config=<dataclass>, build=<callable>)``; its registry
-name is the module's file name, which is also the YAML file name in ``conf/<group>/``.
-A module may instead define ``COMPONENTS = {name: Component, ...}`` for several (the model
-sizes, the warm-up schedules, the precisions, zero1 and zero2). Discovery is explicit and read-only: nothing registers
-itself by mutating a global table at import time.
+that defines ``COMPONENT = Component(config=<dataclass>, build=<callable>)``; its registry name is the
+module's file name, which is also the YAML file name in ``conf/<group>/``. A module may instead define
+``COMPONENTS = {name: Component, ...}`` for several (the model sizes, the warm-up schedules, the
+precisions, zero1 and zero2). Discovery is explicit and read-only: nothing registers itself by mutating
+a global table at import time.
 """
 from __future__ import annotations
 
@@ -35,12 +35,11 @@ GROUPS: Mapping[str, str] = MappingProxyType({
 @dataclass(frozen=True)
 class Component:
     """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
-    ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage
-    and the other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor
-    against ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto``
-    values resolved; ``notes(node)``, where given,
-    returns the notices its values call for (printed once at start-up). Each component knows its
-    own rules, and the configuration layer needs no import of any component."""
+    ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage and the
+    other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor against
+    ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto`` values resolved;
+    ``notes(node)``, where given, returns the notices its values call for (printed once at start-up).
+    Each component knows its own rules, and the configuration layer needs no import of any component."""
 
     config: type
     build: Callable[..., Any]
