@@ -92,9 +92,7 @@ class Dist:
         return "; ".join(parts + stalled) or "a peer rank died or stalled"
 
     def all_reduce(self, t: torch.Tensor, op=tdist.ReduceOp.SUM, what: str = "all_reduce", async_op=False):
-        if self.world == 1:
-            return None
-        return self._issue(what, tdist.all_reduce, t, op=op, async_op=async_op)
+        return None if self.world == 1 else self._issue(what, tdist.all_reduce, t, op=op, async_op=async_op)
 
     def wait(self, works, what: str) -> None:
         """Wait for async collectives (None entries are the no-ops of world size 1)."""
@@ -268,15 +266,6 @@ def check_env(store_path: str | None = None) -> None:
                           f"(recipes/cluster/sbatch_torchrun.sh) or Hydra's submitit launcher, or srun --ntasks=1")
 
 
-def bound_per_task(local_world: int, gpus: int) -> bool:
-    """Whether this rank is a Slurm task bound to GPUs of its own (srun --gpus-per-task, --gpu-bind: Slurm
-    sets CUDA_VISIBLE_DEVICES per task), so that it sees fewer GPUs than its host has ranks although each
-    rank has one. Ranks that share GPUs (torchrun: one CUDA_VISIBLE_DEVICES for all) are not."""
-    env = os.environ
-    return bool(env.get("CUDA_VISIBLE_DEVICES")) and 0 < gpus < local_world and _slurm_task_is(env.get("RANK"),
-                                                                                              env.get("WORLD_SIZE"))
-
-
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
     """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host.
     NCCL refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank (one
@@ -285,7 +274,11 @@ def resolve_backend(backend: str, local_world: int | None = None) -> str:
         raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
     local = local_world_size() if local_world is None else local_world
     gpus = gpu_count()
-    if bound_per_task(local, gpus):
+    env = os.environ
+    # A Slurm task bound to GPUs of its own (srun --gpus-per-task, --gpu-bind: Slurm sets CUDA_VISIBLE_DEVICES
+    # per task) sees fewer GPUs than its host has ranks although each rank has one; ranks that share GPUs
+    # (torchrun: one CUDA_VISIBLE_DEVICES for all) do not.
+    if env.get("CUDA_VISIBLE_DEVICES") and 0 < gpus < local and _slurm_task_is(env.get("RANK"), env.get("WORLD_SIZE")):
         local = 1   # a rank per task, each with its own GPU(s)
     if backend == "auto":
         return "nccl" if gpus and local <= gpus else "gloo"
