@@ -461,7 +461,6 @@ def agree(dist, fn: Callable[[], object], what: str):
                                   what=what)
     if mine is not None:
         raise mine
-    failed = [e for e in errs if e]
-    if failed:
+    if failed := [e for e in errs if e]:
         raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
     return result

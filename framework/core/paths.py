@@ -10,10 +10,8 @@ REPO_ROOT = PACKAGE_DIR.parent
 
 def _find(top_level: str, packaged: str) -> Path:
     candidate = REPO_ROOT / top_level
-    if candidate.is_dir():
-        return candidate
     # A regular (non-editable) install maps conf/ -> framework/_conf and csrc/ -> framework/_csrc.
-    return PACKAGE_DIR / packaged
+    return candidate if candidate.is_dir() else PACKAGE_DIR / packaged
 
 
 def conf_dir() -> Path:
