@@ -24,25 +24,20 @@ from framework.persist.layout import StateLayout
 from framework.persist.tensorfiles import (create_files, finish_files, output_dir, overflowed, plan_files, remove_tmp,
                                            warn_overflow, writing)
 
-PREFIX = "model."
-WHOLE = ("frozen.", "buffer.")
-
-
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
     ``checkpoint.resume=auto`` picks it (said when ``latest`` names another: a save that failed to update it);
     else what its ``latest`` points at (a symbolic link, or a file holding the step folder's name)."""
     path = Path(checkpoint)
-    if not (path / ".metadata").is_file():
-        found = stepfolders.scan(path)[0]
-        if found:
-            latest = path / "latest"   # (a link to the step folder, as allowed above: named by its target)
-            named = (Path(os.readlink(latest)).name if latest.is_symlink()
-                     else latest.read_text().strip() if latest.is_file() else None)
-            if named != found[0].name:
-                print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
-                      f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
-            return found[0]
+    found = [] if (path / ".metadata").is_file() else stepfolders.scan(path)[0]
+    if found:
+        latest = path / "latest"   # (a link to the step folder, as allowed above: named by its target)
+        named = (Path(os.readlink(latest)).name if latest.is_symlink()
+                 else latest.read_text().strip() if latest.is_file() else None)
+        if named != found[0].name:
+            print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
+                  f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
+        return found[0]
     return _resolve(path, set())
 
 
@@ -77,10 +72,10 @@ class Checkpoint:
         self.metadata = glue().read_metadata(d / ".metadata")
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)
-        for prefix in (PREFIX, *WHOLE):
+        for prefix in ("model.", "frozen.", "buffer."):
             found = StateLayout.in_checkpoint(self.metadata, prefix).params
-            if prefix == PREFIX and not found:
-                raise ConfigError(f"export: {d} holds no '{PREFIX}<name>' tensors")
+            if prefix == "model." and not found:
+                raise ConfigError(f"export: {d} holds no 'model.<name>' tensors")
             self.params.update(found)
             self.keys.update(dict.fromkeys(found, prefix))
 

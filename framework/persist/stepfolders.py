@@ -105,9 +105,8 @@ def read_json(path: Path, what: str) -> Any:
 
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): "
-                              "not a checkpoint")
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): not a checkpoint")
     body = read_json(path, "the manifest")
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")

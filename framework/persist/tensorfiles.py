@@ -240,8 +240,7 @@ def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str)
     replace (and delete the shards of) a model already there."""
     allowed = [t for t in _ST_NAMES if t.is_floating_point]
     if dtype is not None and dtype not in allowed:
-        raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of "
-                          f"{', '.join(str(t) for t in allowed)}")
+        raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
     if not os.fspath(out_dir).strip():
         raise ConfigError(f"{what}: the output folder is empty ({os.fspath(out_dir)!r}); name a folder")
     return Path(out_dir)
@@ -328,8 +327,8 @@ def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = 
 
 @contextlib.contextmanager
 def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
-    """Run the block with an OSError turned into ``write_error``'s one line (so it names the folder, and a read
-    error elsewhere is never taken for a write error)."""
+    """Around writes (a read error is never taken for a write error): an OSError as one line naming the folder,
+    with the room the files need on a full disk."""
     try:
         yield
     except OSError as e:

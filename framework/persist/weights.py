@@ -148,8 +148,7 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     with torch.no_grad():   # whole tensors every rank holds (buffers, frozen parameters outside the layout)
         for t in tgts:
             if t.tensor is not None and t.name in chosen:
-                values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
-                t.tensor.copy_(values.view(t.tensor.shape))
+                t.tensor.copy_(src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype).view(t.tensor.shape))
 
 
 def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
@@ -257,6 +256,4 @@ def save_on_model_save(engine, out_dir) -> list[Path] | None:
     ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
     default group: call it from the training thread."""
     c = engine.components
-    if not c.stage.weights_on_save():
-        return None
-    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype)
+    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype) if c.stage.weights_on_save() else None
