@@ -35,8 +35,7 @@ from framework.core.utils import dtype_name, few
 
 @dataclass(frozen=True)
 class Target:
-    """One tensor of the model as the files name it: a parameter (tied ones once, under every
-    name it is registered under) or a persistent buffer."""
+    """One tensor of the model as the files name it: a parameter (tied ones once) or a persistent buffer."""
 
     name: str                    # the first name in module order: what save_weights writes
     aliases: tuple[str, ...]     # every name it is registered under (name first)
@@ -65,9 +64,8 @@ def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor], list[Target]]:
-    """Every rank's holdings of the master pieces (collective), the master pieces of the ``mapped`` state, and the
-    model's tensors in module order: parameters (those in the layout are held in the master pieces), then
-    persistent buffers."""
+    """Every rank's holdings of the ``mapped`` state's master pieces (collective), those pieces, and the model's
+    tensors as the files name them, in module order: parameters, then persistent buffers."""
     c = engine.components
     layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
                             gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
@@ -179,7 +177,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         buffers = set(persistent_buffers(engine.components.module))
         jobs += [(entries[t.name], 0, t.tensor.detach().reshape(-1)) for i, t in enumerate(tgts)
                  if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
-        jobs.sort(key=lambda j: (j[0].file, j[0].offset + j[1]))   # each file front to back
+        jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
         def write() -> int:
             fds: dict[str, int] = {}
