@@ -21,30 +21,23 @@ from framework.core.errors import ConfigError
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (check_dtype, create_files, finish_files, narrower, output_dir, overflowed,
-                                           plan_files, remove_tmp, warn_overflow, writing)
-
-PREFIX = "model."
-WHOLE = ("frozen.", "buffer.")
-
+from framework.persist.tensorfiles import (create_files, finish_files, output_dir, overflowed, plan_files, remove_tmp,
+                                           warn_overflow, writing)
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
     ``checkpoint.resume=auto`` picks it (said when ``latest`` names another: a save that failed to update it);
     else what its ``latest`` points at (a symbolic link, or a file holding the step folder's name)."""
     path = Path(checkpoint)
-    if not (path / ".metadata").is_file():
-        found = stepfolders.scan(path)[0]
-        if found:
-            latest = path / "latest"
-            if latest.is_symlink():   # (a link to the step folder, as allowed above: named by its target)
-                named = Path(os.readlink(latest)).name
-            else:
-                named = latest.read_text().strip() if latest.is_file() else None
-            if named != found[0].name:
-                print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
-                      f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
-            return found[0]
+    found = [] if (path / ".metadata").is_file() else stepfolders.scan(path)[0]
+    if found:
+        latest = path / "latest"   # (a link to the step folder, as allowed above: named by its target)
+        named = (Path(os.readlink(latest)).name if latest.is_symlink()
+                 else latest.read_text().strip() if latest.is_file() else None)
+        if named != found[0].name:
+            print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
+                  f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
+        return found[0]
     return _resolve(path, set())
 
 
@@ -73,17 +66,16 @@ class Checkpoint:
     a damaged file, or the manifest deleted, is one CheckpointError naming it, never exported weights."""
 
     def __init__(self, checkpoint):
-        self.step_dir = resolve(checkpoint)
-        d = self.step_dir
+        d = self.step_dir = resolve(checkpoint)
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
             verify(d)
         self.metadata = glue().read_metadata(d / ".metadata")
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)
-        for prefix in (PREFIX, *WHOLE):
+        for prefix in ("model.", "frozen.", "buffer."):
             found = StateLayout.in_checkpoint(self.metadata, prefix).params
-            if prefix == PREFIX and not found:
-                raise ConfigError(f"export: {d} holds no '{PREFIX}<name>' tensors")
+            if prefix == "model." and not found:
+                raise ConfigError(f"export: {d} holds no 'model.<name>' tensors")
             self.params.update(found)
             self.keys.update(dict.fromkeys(found, prefix))
 
@@ -96,8 +88,7 @@ class Checkpoint:
 
 def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
     """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
-    out_dir = output_dir(out_dir, "export")
-    check_dtype(dtype, "export")
+    out_dir = output_dir(out_dir, dtype, "export")
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
@@ -112,8 +103,8 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
                 for e in plan.entries:
                     value = ckpt.read([e.name])[e.name].reshape(-1)
                     out = value.to(e.dtype).contiguous()
-                    if narrower(value.dtype, e.dtype):
-                        over += int(overflowed(value, out))   # (host tensors, read from the files)
+                    if (n := overflowed(value, out)) is not None:
+                        over += int(n)   # (host tensors, read from the files)
                     with written():
                         files.write_at(fd, out, e.offset)
                     del value, out

@@ -153,8 +153,7 @@ def state_dict(state: TrainState, specs: Sequence[PieceSpec], *, policy: Policy,
 
 def check_format(saved_format: Any, caller: str) -> None:
     if saved_format != FORMAT:
-        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version "
-                             f"reads format {FORMAT}")
+        raise FrameworkError(f"{caller}: saved state of format {saved_format!r}, this version reads format {FORMAT}")
 
 
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,

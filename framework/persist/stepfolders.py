@@ -105,9 +105,8 @@ def read_json(path: Path, what: str) -> Any:
 
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): "
-                              "not a checkpoint")
+    if not os.path.lexists(path):
+        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): not a checkpoint")
     body = read_json(path, "the manifest")
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")
@@ -273,15 +272,13 @@ def restore(root: Path, aside_only: bool = False) -> list[Path]:
     done = []
     for p in sorted(root.iterdir()):
         m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)
-        final = root / m.group(1) if m else None
-        if final is None or os.path.lexists(final) or p.is_symlink() or not p.is_dir():
+        if not m or os.path.lexists(final := root / m.group(1)) or p.is_symlink() or not p.is_dir():
             continue
         if aside_only and not (root / f"{final.name}.old").is_dir():
             continue
-        if m.group(2) == "old" and (root / f"{final.name}.tmp" / MANIFEST).is_file() \
-                and not (root / f"{final.name}.tmp").is_symlink():
-            continue   # (the new one is complete: it goes in below)
-        if m.group(2) == "tmp" and not (p / MANIFEST).is_file():
+        tmp = root / f"{final.name}.tmp"
+        complete = (tmp / MANIFEST).is_file() and not tmp.is_symlink()
+        if complete != (m.group(2) == "tmp"):   # the new folder when complete, else the one moved aside
             continue
         os.replace(p, final)
         files.fsync_dir(root)

@@ -234,20 +234,16 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
     return plans
 
 
-def output_dir(out_dir: str | os.PathLike, what: str) -> Path:
-    """``out_dir`` as a Path; an empty name is refused: Path("") is the current directory, where the
-    save would replace (and delete the shards of) a model already there."""
+def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str) -> Path:
+    """``out_dir`` as a Path, once ``dtype`` (to write the floating tensors as) is one safetensors has (float8 and
+    the like are not written). An empty name is refused: Path("") is the current directory, where the save would
+    replace (and delete the shards of) a model already there."""
+    allowed = [t for t in _ST_NAMES if t.is_floating_point]
+    if dtype is not None and dtype not in allowed:
+        raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
     if not os.fspath(out_dir).strip():
         raise ConfigError(f"{what}: the output folder is empty ({os.fspath(out_dir)!r}); name a folder")
     return Path(out_dir)
-
-
-def check_dtype(dtype: torch.dtype | None, what: str) -> None:
-    """A dtype to write the floating tensors as: one safetensors has (float8 and the like are not written)."""
-    allowed = [t for t in _ST_NAMES if t.is_floating_point]
-    if dtype is not None and dtype not in allowed:
-        raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of "
-                          f"{', '.join(str(t) for t in allowed)}")
 
 
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -311,15 +307,14 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
     return paths
 
 
-def narrower(src: torch.dtype, out: torch.dtype) -> bool:
-    """Whether finite ``src`` values can overflow to inf as ``out``: float32 to float16, not to bfloat16 (the same
-    exponent range: only values within rounding of float32's largest would)."""
-    return src.is_floating_point and out.is_floating_point and torch.finfo(out).max < torch.finfo(src).max / 2
-
-
-def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device."""
-    return (torch.isinf(out) & torch.isfinite(src)).sum()
+def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device; None
+    where none can be: float32 to float16 can overflow, not to bfloat16 (the same exponent range: only values within
+    rounding of float32's largest would)."""
+    a, b = src.dtype, out.dtype
+    if a.is_floating_point and b.is_floating_point and torch.finfo(b).max < torch.finfo(a).max / 2:
+        return (torch.isinf(out) & torch.isfinite(src)).sum()
+    return None
 
 
 def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = True) -> None:
@@ -332,8 +327,8 @@ def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = 
 
 @contextlib.contextmanager
 def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
-    """Run the block with an OSError turned into ``write_error``'s one line (so it names the folder, and a read
-    error elsewhere is never taken for a write error)."""
+    """Around writes (a read error is never taken for a write error): an OSError as one line naming the folder,
+    with the room the files need on a full disk."""
     try:
         yield
     except OSError as e:

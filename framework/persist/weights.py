@@ -27,38 +27,21 @@ from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, check_dtype, create_files,
-                                           finish_files, narrower, open_weights, output_dir, overflowed, plan_files,
-                                           remove_tmp, warn_overflow, writing)
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
+                                           open_weights, output_dir, overflowed, plan_files, remove_tmp, warn_overflow,
+                                           writing)
 from framework.core.utils import dtype_name, few
 
 
 @dataclass(frozen=True)
 class Target:
-    """One tensor of the model as the files name it: a parameter (tied ones once, under every
-    name it is registered under) or a persistent buffer."""
+    """One tensor of the model as the files name it: a parameter (tied ones once) or a persistent buffer."""
 
     name: str                    # the first name in module order: what save_weights writes
     aliases: tuple[str, ...]     # every name it is registered under (name first)
     shape: tuple[int, ...]       # global shape (a zero3 parameter's logical shape)
     dtype: torch.dtype           # the values' dtype as trained (master dtype for staged parameters)
     tensor: torch.Tensor | None  # a whole tensor every rank holds (buffers, unstaged parameters); else None
-
-
-def targets(module: nn.Module, layout: StateLayout, masters: list[torch.Tensor]) -> list[Target]:
-    """The model's tensors in module order: parameters (those in ``layout``, a gathered one, are
-    held in the master pieces ``masters``) then persistent buffers."""
-    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
-    for n, p in module.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), (p, []))[1].append(n)
-    out = []
-    trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
-    for p, aliases in params.values():
-        staged = layout.params.get(aliases[0])   # None: a frozen parameter outside the layout, whole on every rank
-        out.append(Target(aliases[0], tuple(aliases), staged.shape, trained, None) if staged is not None
-                   else Target(aliases[0], tuple(aliases), tuple(p.shape), p.dtype, p))
-    out += [Target(n, (n,), tuple(buf.shape), buf.dtype, buf) for n, buf in persistent_buffers(module).items()]
-    return out
 
 
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -80,13 +63,22 @@ def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
 
-def _holdings(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor], list[Target]]:
-    """Every rank's holdings of the master pieces (collective), the master pieces of the ``mapped`` state and
-    the model's ``targets``."""
+def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor], list[Target]]:
+    """Every rank's holdings of the ``mapped`` state's master pieces (collective), those pieces, and the model's
+    tensors as the files name them, in module order: parameters, then persistent buffers."""
     c = engine.components
     layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
                             gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
-    return layout, list(mapped.params), targets(c.module, layout, list(mapped.params))
+    masters = list(mapped.params)
+    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for n, p in c.module.named_parameters(remove_duplicate=False):
+        params.setdefault(id(p), (p, []))[1].append(n)
+    trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
+    # a parameter outside the layout (a frozen one) is whole on every rank
+    tgts = [Target(a[0], tuple(a), layout.params[a[0]].shape, trained, None) if a[0] in layout.params
+            else Target(a[0], tuple(a), tuple(p.shape), p.dtype, p) for p, a in params.values()]
+    tgts += [Target(n, (n,), tuple(b.shape), b.dtype, b) for n, b in persistent_buffers(c.module).items()]
+    return layout, masters, tgts
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
@@ -99,26 +91,25 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
-        layout, masters, tgts = _holdings(engine, mapped, "weights")
+        layout, masters, tgts = _targets(engine, mapped, "weights")
         if not isinstance(source, WeightsSource):   # a checkpoint's model_16bit/: against its manifest
             agree(c.dist, lambda: check_weights16(source) if c.dist.is_main else None, "load_weights: manifest")
 
         def load() -> None:   # a source given open stays open
             with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
-                names = {a for t in tgts for a in t.aliases}
-                # a transformers model takes the checkpoint keys its own from_pretrained would map
-                keys = checkpoint_names(c.module, src.meta, names) if is_hf_model(c.module) else None
-                _load(src, strict, layout, masters, tgts, fmap, keys)
+                _load(src, strict, layout, masters, tgts, fmap, c.module)
 
         agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
 def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],
-          fmap, keys: dict[str, str | None] | None = None) -> None:
-    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written. ``keys``:
-    source key -> the model name it loads into (None: ignored); by default each key names itself."""
-    keys = {k: k for k in src.meta} if keys is None else keys
+          fmap, module: nn.Module) -> None:
+    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written."""
+    names = {a for t in tgts for a in t.aliases}
+    # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
+    # own from_pretrained would map; other models, each key itself
+    keys = checkpoint_names(module, src.meta, names) if is_hf_model(module) else {k: k for k in src.meta}
     by_name = {n: k for k, n in keys.items() if n is not None}   # model name -> source key
     chosen: dict[str, str] = {}        # target name -> source key
     missing, mismatched = [], []
@@ -139,7 +130,6 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
                 raise ConfigError(f"load_weights: {src.where} holds different values under {key} and {k}, which this "
                                   f"model ties into one parameter; set tie_word_embeddings=false in its config.json "
                                   f"(a transformers model) to train them apart, or keep one of them in the file")
-    names = {a for t in tgts for a in t.aliases}
     unexpected = sorted(k for k, n in keys.items() if n is not None and n not in names)
     problems = [f"{what} {len(names)}: {few(names, 20, str)}" for what, names in
                 (("missing", missing if strict else []), ("unexpected", unexpected if strict else []),
@@ -156,8 +146,7 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     with torch.no_grad():   # whole tensors every rank holds (buffers, frozen parameters outside the layout)
         for t in tgts:
             if t.tensor is not None and t.name in chosen:
-                values = src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype)
-                t.tensor.copy_(values.view(t.tensor.shape))
+                t.tensor.copy_(src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype).view(t.tensor.shape))
 
 
 def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
@@ -175,56 +164,52 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype; a
     16-bit dtype gives the working parameters bit for bit). Collective; returns the written paths."""
     dist = engine.components.dist
-    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-        raise ConfigError(f"save_weights: dtype={dtype!r} must be a floating torch dtype (torch.bfloat16, ...)")
-    check_dtype(dtype, "save_weights")
-    out_dir = output_dir(out_dir, "save_weights")
+    out_dir = output_dir(out_dir, dtype, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
         mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
-        layout, masters, tgts = _holdings(engine, mapped, "save_weights")
+        layout, masters, tgts = _targets(engine, mapped, "save_weights")
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}
-        jobs = []   # (file name, file offset, source view, output dtype) of what this rank writes
-        for p, h, a, b in layout.share():
-            e = entries[p.name]
-            jobs.append((e.file, e.offset + a * e.dtype.itemsize, h.of(masters[h.piece].view(-1), a, b), e.dtype))
+        # (entry, first element, source view) of what this rank writes
+        jobs = [(entries[p.name], a, h.of(masters[h.piece].view(-1), a, b)) for p, h, a, b in layout.share()]
         # Whole on every rank: frozen parameters (the same everywhere) spread over the ranks; buffers
         # (BatchNorm's statistics differ per rank) all from rank 0, as the checkpoint keeps them.
         buffers = set(persistent_buffers(engine.components.module))
-        for i, t in enumerate(tgts):
-            if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank:
-                e = entries[t.name]
-                jobs.append((e.file, e.offset, t.tensor.detach().reshape(-1), e.dtype))
-        jobs.sort(key=lambda j: (j[0], j[1]))   # each file front to back
+        jobs += [(entries[t.name], 0, t.tensor.detach().reshape(-1)) for i, t in enumerate(tgts)
+                 if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
+        jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
         def write() -> int:
             fds: dict[str, int] = {}
             over: dict[torch.device, torch.Tensor] = {}   # values that became inf, counted where they lie
-            for fname, offset, view, out_dtype in jobs:
-                if fname not in fds:
-                    fds[fname] = files.open_nofollow(out_dir / (fname + ".tmp"), os.O_WRONLY)
-                    stack.callback(os.close, fds[fname])
+            for e, at, view in jobs:
+                if e.file not in fds:
+                    fds[e.file] = files.open_nofollow(out_dir / (e.file + ".tmp"), os.O_WRONLY)
+                    stack.callback(os.close, fds[e.file])
                 for s in range(0, view.numel(), WRITE_CHUNK):
-                    chunk = view[s:s + WRITE_CHUNK].to(out_dtype)   # convert where the values are, then move
-                    if narrower(view.dtype, out_dtype):
-                        n = overflowed(view[s:s + WRITE_CHUNK], chunk)
-                        over[n.device] = over[n.device] + n if n.device in over else n
-                    files.write_at(fds[fname], chunk.to("cpu").contiguous(), offset + s * out_dtype.itemsize)
+                    part = view[s:s + WRITE_CHUNK]
+                    chunk = part.to(e.dtype)   # convert where the values are, then move
+                    if (n := overflowed(part, chunk)) is not None:
+                        over[n.device] = over.get(n.device, 0) + n
+                    files.write_at(fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
                     if fmap is not None:   # a mapped swap file's pages leave the process as they are written
-                        fmap.release(view[s:s + WRITE_CHUNK])
+                        fmap.release(part)
             for fd in fds.values():
                 os.fsync(fd)
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
             return sum(int(n) for n in over.values())   # (one sync per device, after the writes)
 
-        def on_main(fn):
-            return (lambda: fn(out_dir, plans)) if dist.is_main else (lambda: None)
+        def agreed(what: str, fn):   # an OSError as one line naming out_dir, in every rank's message
+            def run():
+                with writing(out_dir, plans, "save_weights"):
+                    return fn()
+            return agree(dist, run, f"save_weights: {what}")
 
         try:
-            agree(dist, reported(on_main(create_files), out_dir, plans), "save_weights: create files")
-            mine = agree(dist, reported(write, out_dir, plans), "save_weights: write")
-            agree(dist, reported(on_main(finish_files), out_dir, plans), "save_weights: finish files")
+            agreed("create files", lambda: create_files(out_dir, plans) if dist.is_main else None)
+            mine = agreed("write", write)
+            agreed("finish files", lambda: finish_files(out_dir, plans) if dist.is_main else None)
         except BaseException:
             if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
                 remove_tmp(out_dir)
@@ -232,14 +217,6 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     warn_overflow(sum(dist.all_gather_object(mine, what="save_weights: overflow count")), dtype,
                   "save_weights", dist.is_main)
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
-
-
-def reported(fn, out_dir: Path, plans):
-    """``fn`` with an OSError turned into one line naming ``out_dir`` (so every rank's message names it)."""
-    def run():
-        with writing(out_dir, plans, "save_weights"):
-            return fn()
-    return run
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
@@ -277,6 +254,4 @@ def save_on_model_save(engine, out_dir) -> list[Path] | None:
     ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
     default group: call it from the training thread."""
     c = engine.components
-    if not c.stage.weights_on_save():
-        return None
-    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype)
+    return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype) if c.stage.weights_on_save() else None
