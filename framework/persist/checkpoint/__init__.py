@@ -253,8 +253,7 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 def restore(root: Path) -> None:
     """Before looking for checkpoints in ``root``: put back a committed step that a save killed inside its commit
-    had moved aside to ``step-<N>.old`` (from there, or from the complete ``step-<N>.tmp`` replacing it:
-    ``stepfolders.restore``, one line each), which the next save would do only after the resume had gone back a
+    had moved aside (``stepfolders.restore``), which the next save would do only after the resume had gone back a
     save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
     if not root.is_dir() or root.is_symlink():
         return
