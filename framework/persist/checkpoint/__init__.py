@@ -110,8 +110,7 @@ class Checkpointer:
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
-        every = self.cfg.every
-        if every and (state.step % every == 0 or last):
+        if self.cfg.every and (state.step % self.cfg.every == 0 or last):
             if metrics is not None and metrics.get("nonfinite"):
                 self._say(f"not saving step {state.step}: its loss or gradient norm was not finite "
                           f"(train.on_nonfinite=warn); the previous checkpoints are kept")

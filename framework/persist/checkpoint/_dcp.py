@@ -38,8 +38,7 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
     if not shape:
         return [((), ())]
     inner = math.prod(shape[1:])
-    a, ra = divmod(lo, inner)
-    b, rb = divmod(hi, inner)
+    (a, ra), (b, rb) = divmod(lo, inner), divmod(hi, inner)
 
     def row(i: int, x: int, y: int):
         return [((i, *o), (1, *s)) for o, s in boxes(shape[1:], x, y)]
