@@ -18,7 +18,8 @@ from pathlib import Path
 
 from framework.core.units import size
 
-FULL = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)   # no room: the disk, a file size limit, a quota
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)           # no room on the file system: the disk, a quota
+FULL = (*DISK_FULL, errno.EFBIG)                   # no room: also a file size limit
 
 @dataclass(frozen=True)
 class Claim:
@@ -41,6 +42,15 @@ def free_bytes(folder: str | os.PathLike) -> int:
     """Bytes an unprivileged writer may use on the file system of ``folder`` (``nearest_existing``)."""
     st = os.statvfs(nearest_existing(Path(folder)))
     return st.f_bavail * st.f_frsize
+
+
+def free_note(folder: str | os.PathLike, fmt: str = "{} free", unknown: str = "") -> str:
+    """``fmt`` filled with the free space on ``folder``'s file system, for a "no room" line; ``unknown`` where the
+    file system cannot be asked."""
+    try:
+        return fmt.format(size(free_bytes(folder)))
+    except OSError:
+        return unknown
 
 
 def available_ram() -> int | None:

@@ -219,6 +219,18 @@ def test_room_is_summed_over_the_ranks_sharing_a_file_system(tmp_path):
     assert Claim.of(tmp_path / "not" / "yet", 5).free > 0   # a folder about to be made: its parent's room
 
 
+def test_free_note_says_the_free_space_or_what_is_given_where_it_cannot_be_asked(tmp_path, monkeypatch):
+    from framework.core import room
+    note = room.free_note(tmp_path / "not" / "yet", "; {} free")   # a folder about to be made: its parent's room
+    assert note.startswith("; ") and note.endswith(" bytes) free"), note
+
+    def fail(path):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(room.os, "statvfs", fail)
+    assert room.free_note(tmp_path) == "" and room.free_note(tmp_path, unknown="free space unknown") == \
+        "free space unknown"
+
+
 # --- a stalled rank is named ----------------------------------------------------------------------
 
 def test_a_stopped_or_dead_peer_is_named():

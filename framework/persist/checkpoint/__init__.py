@@ -48,14 +48,13 @@ class Checkpointer:
         """``run_dir``, ``job``: see ``checkpoint_root``. ``on_point``: ``save``'s (fault tests)."""
         self.cfg, self.config, self.seed, self.engine = cfg.checkpoint, cfg.to_dict(), cfg.seed, engine
         self.root = checkpoint_root(cfg, run_dir, job)
-        self.on_nonfinite = cfg.train.on_nonfinite
+        self.on_nonfinite, self.on_point = cfg.train.on_nonfinite, on_point
         self.group = Group(engine.components.dist, self.cfg.timeout_s)
         self.rank = self.group.rank
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint") \
             if self.cfg.async_ else None
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
-        self.on_point = on_point
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
 
     def _say(self, msg: str) -> None:
@@ -64,27 +63,16 @@ class Checkpointer:
 
     def resume(self, state):
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
-        resume = self.cfg.resume
-        if resume == "off":   # rank 0 looks, every rank raises if it refuses
-            note = agree_load(self.group, "checkpoint.resume=off",
-                              lambda: fresh_start(self.root, self.cfg.every) if self.rank == 0 else None)
-            if note:
-                self._say(note)
-            return state
+        resume, every = self.cfg.resume, self.cfg.every
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
-        what = f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
-
-        def look():
-            found = candidates(resume, self.root)
-            elsewhere(found[0], self.root, resume, self.cfg.every)
-            return found
-
-        mine = agree_load(self.group, what, lambda: look() if self.rank == 0 else None)
+        what = "checkpoint.resume=off" if resume == "off" else \
+            f"looking for checkpoint.resume={resume} in {self.root} (another checkpoint.dir starts afresh)"
+        mine = agree_load(self.group, what, lambda: choose(resume, self.root, every) if self.rank == 0 else None)
         folders, notes = self.group.all_gather(mine, "resume choice")[0]
         for note in notes:   # never passed over silently
             self._say(note)
         if not folders:
-            if resume == "auto" and self.cfg.every:
+            if resume == "auto" and every:
                 self._say(f"resume=auto: no checkpoint in {self.root}; starting from step 0")
             return state
         errors, spent = [], ""   # SPENT once a read began (it may have written into the state)
@@ -122,8 +110,7 @@ class Checkpointer:
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
-        every = self.cfg.every
-        if every and (state.step % every == 0 or last):
+        if self.cfg.every and (state.step % self.cfg.every == 0 or last):
             if metrics is not None and metrics.get("nonfinite"):
                 self._say(f"not saving step {state.step}: its loss or gradient norm was not finite "
                           f"(train.on_nonfinite=warn); the previous checkpoints are kept")
@@ -170,11 +157,8 @@ _RUN_TREES = ("outputs", "multirun")
 def find_latest(root: Path) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
     folders one to three levels under the run trees; None if there is none."""
-    cwd = Path.cwd()
-    roots = {root}
-    for tree in _RUN_TREES:
-        for depth in ("*", "*/*", "*/*/*"):
-            roots.update(p for p in (cwd / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())
+    roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
+                     for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())}
     newest = [found[0] for found, _ in map(stepfolders.scan, roots) if found]
     return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
@@ -191,10 +175,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         except OSError as e:
             raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
                               "a writable folder, or checkpoint.every=0 to save nothing") from None
-    if c.resume == "off":
-        fresh_start(root, c.every)
-        return cfg
-    folders, notes = candidates(c.resume, root)
+    folders, notes = choose(c.resume, root, c.every)
     if c.resume == "latest":   # resolved once, here, so that every rank loads the same
         if not folders:
             print(f"checkpoint: {notes[0]}", flush=True)
@@ -202,9 +183,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         # That run's checkpoint folder, not its newest step folder alone: a damaged newest one falls
         # back to the one before it, as resume=auto does.
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(c, resume=str(folders[0].parent)))
-    if not folders:
+    if not folders:   # (resume=off too)
         return cfg
-    elsewhere(folders, root, c.resume, c.every)
     folder = folders[0]   # the one every rank reads first
     try:
         body = stepfolders.read_json(folder / stepfolders.TRAIN_STATE, "the train state")
@@ -255,7 +235,7 @@ def shared(dist, root: Path) -> None:
 
 
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
-    """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``elsewhere``): a ConfigError if this
+    """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``choose``): a ConfigError if this
     run would save into a folder that holds committed checkpoints (same-step saves and rotation would lose the
     earlier run); else the note to print, if any."""
     restore(root)
@@ -270,17 +250,9 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
     return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
 
 
-def elsewhere(folders: list[Path], root: Path, resume: str, every: int) -> None:
-    """A resume from checkpoints outside ``root`` (``folders``: the candidates) into a run that saves in ``root``:
-    ``fresh_start``'s refusal where ``root`` holds committed checkpoints, as for ``checkpoint.resume=off``."""
-    if folders and every and folders[0].resolve().parent != root.resolve():
-        fresh_start(root, every, resume)
-
-
 def restore(root: Path) -> None:
     """Before looking for checkpoints in ``root``: put back a committed step that a save killed inside its commit
-    had moved aside to ``step-<N>.old`` (from there, or from the complete ``step-<N>.tmp`` replacing it:
-    ``stepfolders.restore``, one line each), which the next save would do only after the resume had gone back a
+    had moved aside (``stepfolders.restore``), which the next save would do only after the resume had gone back a
     save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
     if not root.is_dir() or root.is_symlink():
         return
@@ -289,6 +261,18 @@ def restore(root: Path) -> None:
     except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
+
+
+def choose(resume: str, root: Path, every: int) -> tuple[list[Path], list[str]]:
+    """``candidates``, or none and ``fresh_start``'s note for ``checkpoint.resume=off``; refused as for ``off`` where
+    this run resumes from another folder than ``root``, which holds committed checkpoints its saves would overwrite."""
+    if resume == "off":
+        note = fresh_start(root, every)
+        return [], [note] if note else []
+    folders, notes = candidates(resume, root)
+    if folders and every and folders[0].resolve().parent != root.resolve():
+        fresh_start(root, every, resume)
+    return folders, notes
 
 
 def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:

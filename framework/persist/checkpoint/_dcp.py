@@ -38,8 +38,7 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
     if not shape:
         return [((), ())]
     inner = math.prod(shape[1:])
-    a, ra = divmod(lo, inner)
-    b, rb = divmod(hi, inner)
+    (a, ra), (b, rb) = divmod(lo, inner), divmod(hi, inner)
 
     def row(i: int, x: int, y: int):
         return [((i, *o), (1, *s)) for o, s in boxes(shape[1:], x, y)]
@@ -93,9 +92,9 @@ class Boxes:
         return self.chunks[index.offset]
 
 
-def _lookup(state_dict: dict, index: MetadataIndex):
+def _lookup(state_dict: dict, index: MetadataIndex, default: Callable[[MetadataIndex], Any]):
     obj = state_dict[index.fqn]
-    return obj.__get_tensor_shard__(index) if isinstance(obj, Boxes) else None
+    return obj.__get_tensor_shard__(index) if isinstance(obj, Boxes) else default(index)
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -108,8 +107,7 @@ class SavePlanner(DefaultSavePlanner):
         self.release, self._last = release, None
 
     def lookup_object(self, index: MetadataIndex) -> Any:
-        found = _lookup(self.state_dict, index)
-        return super().lookup_object(index) if found is None else found
+        return _lookup(self.state_dict, index, super().lookup_object)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         data = super().resolve_data(write_item)
@@ -132,13 +130,10 @@ class LoadPlanner(DefaultLoadPlanner):
         # The default one maps the values through a walk that drops objects it does not know
         # (``Boxes``); targets here are already flat and materialised.
         self.original_state_dict = self.state_dict = state_dict
-        self.mappings = {}
-        self.metadata = metadata
-        self.is_coordinator = is_coordinator
+        self.mappings, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        found = _lookup(self.state_dict, index)
-        return super().lookup_tensor(index) if found is None else found
+        return _lookup(self.state_dict, index, super().lookup_tensor)
 
     def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
         super().commit_tensor(read_item, tensor)
@@ -192,11 +187,10 @@ class SafeReader(FileSystemReader):
         self._metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        metadata = self._metadata
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
 
 
 @contextlib.contextmanager

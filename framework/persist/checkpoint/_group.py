@@ -3,7 +3,6 @@ of outcomes that ends every rank with the same line."""
 from __future__ import annotations
 
 import contextlib
-import errno
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch.distributed as tdist
 
 from framework.comm.distributed import agree
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError
-from framework.core.room import free_bytes
+from framework.core.room import DISK_FULL, free_note
 from framework.core.units import size
 
 
@@ -101,15 +100,11 @@ def agree_load(group: Group, what: str, fn):
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
     """One line for a failed write: a full disk names the folder, the free and the needed bytes
-    (torch's zip writer reports ENOSPC as "unexpected pos", DCP wraps it per rank)."""
-    chain = glue().causes(e)
-    full = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in chain) or any(
-        "unexpected pos" in str(c) or "No space left" in str(c) for c in chain)
-    if full:
-        try:
-            free = f"{size(free_bytes(tmp.parent))} free"
-        except OSError:
-            free = "free space unknown"
-        return (f"the file system of {tmp.parent} is full ({free}; the checkpoint needs about {size(need)}): "
-                f"free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk")
+    (torch's zip writer reports ENOSPC as "unexpected pos", DCP wraps it per rank). EFBIG (a file
+    size limit) keeps DCP's own line: more free space or another disk would not help."""
+    if any(isinstance(c, OSError) and c.errno in DISK_FULL or "unexpected pos" in str(c) or "No space left" in str(c)
+           for c in glue().causes(e)):
+        return (f"the file system of {tmp.parent} is full ({free_note(tmp.parent, unknown='free space unknown')}; "
+                f"the checkpoint needs about {size(need)}): free space, lower checkpoint.keep_last or set "
+                "checkpoint.dir to a larger disk")
     return glue().describe(e)

@@ -38,22 +38,19 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
     reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused).
     ``recorded``: the HF model config the train state holds (``architecture``), compared with this model's
     ``current`` one where both are known (the check before the ranks has no model yet)."""
-    free = _MODEL_FREE
+    free, whose = _MODEL_FREE, ""
     if mine["model"].get("name") == "hf":
         free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
-    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in free]
-    if diffs:
-        what = ", ".join(f"model.{k} {get_key(saved['model'], k)!r} vs {get_key(mine['model'], k)!r}"
-                         for k in diffs[:4])
-        raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({what}; saved vs "
-                          f"this run){OTHER_RUN}")
-    if isinstance(recorded, dict) and current is not None:
+    diffs = [k for k in changed(saved.get("model", {}), mine["model"]) if k not in free][:4]
+    diffs = [(f"model.{k}", get_key(saved["model"], k), get_key(mine["model"], k)) for k in diffs]
+    if not diffs and isinstance(recorded, dict) and current is not None:
         # Keys of both only: another transformers version may add a key with its default.
-        keys = sorted(k for k in set(recorded) & set(current) if recorded[k] != current[k])
-        if keys:
-            what = ", ".join(f"{k} {recorded[k]!r} vs {current[k]!r}" for k in keys[:4])
-            raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model (its config: {what}; "
-                              f"saved vs this run){OTHER_RUN}")
+        whose = "its config: "
+        diffs = [(k, recorded[k], current[k]) for k in sorted(set(recorded) & set(current)) if recorded[k] != current[k]]
+    if diffs:
+        what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
+        raise ConfigError(f"checkpoint.resume={resume}: {folder} was saved by another model ({whose}{what}; saved vs "
+                          f"this run){OTHER_RUN}")
     same_optimizer(folder, saved, mine, resume)
 
 
