@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
+from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm
 from framework.engine.update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
-from framework.stages._flat import Layout, PieceSpec, piece_spec
+from framework.stages._flat import Layout, PieceSpec, piece_spec, whole_memory
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,7 @@ class BaseStage:
     - ``publish(master)``: copy updated master values into the working parameters the module computes with;
     - ``piece_specs()``: what each master piece holds by parameter name (the layout behind ``TrainState.params``);
     - ``zero_grads()``;
-    - ``memory(opt_state)``: this rank's model states and persistent buffers (``opt_state``: the optimizer
-      state of the master pieces) by item and by where they live (framework.core.footprint).
+    - ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
     """
 
     module: nn.Module
@@ -84,6 +84,14 @@ class BaseStage:
             return None
         # host sync: consolidation, between steps
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
+
+    def memory(self, opt_state) -> Footprint:
+        """This rank's model states and persistent buffers (``opt_state``: the optimizer state of the master
+        pieces) by item and by where they live; frozen parameters and buffers are whole on every rank."""
+        fp = Footprint()
+        self._memory(fp, opt_state)
+        whole_memory(fp, self.module, self.policy.param_dtype)
+        return fp
 
 
 class PartitionedStage(BaseStage):

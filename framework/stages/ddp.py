@@ -15,7 +15,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import PieceSpec, bind_groups, piece_spec, whole_memory
+from framework.stages._flat import PieceSpec, bind_groups, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
@@ -77,14 +77,11 @@ class DDPStage(BaseStage):
     def piece_specs(self) -> list[PieceSpec]:   # one piece per group: the whole flat buffer
         return [piece_spec(layout, 0, layout.padded) for layout in self.layouts]
 
-    def memory(self, opt_state) -> Footprint:
-        fp = Footprint()
+    def _memory(self, fp: Footprint, opt_state) -> None:
         fp.add("params", device=tensor_bytes(self.flats))
         self.flat_grads.memory(fp)
         fp.add("master_params", device=tensor_bytes(m for m, f in zip(self.master, self.flats) if m is not f))
         fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
-        whole_memory(fp, self.module, self.policy.param_dtype)
-        return fp
 
 
 COMPONENT = Component(config=DDPConfig, build=DDPStage)

@@ -6,6 +6,7 @@ memory can be built.
 """
 from __future__ import annotations
 
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -18,8 +19,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import (bind_frozen, initial_values, make_layout, replace_parameter, unit_groups,
-                                    whole_memory)
+from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.stages._grads import backward_or_reset
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
@@ -182,21 +182,21 @@ class Zero3Stage(PartitionedStage):
         return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def zero_grads(self) -> None:
-        if self.grad_swap:
-            for g in self.groups:
-                g.part_grad = g.part_grad.new_empty(0)
-            self.offload.clear_grads()
-            return
         for g in self.groups:
-            g.grad().zero_()
+            if self.grad_swap:
+                g.part_grad = g.part_grad.new_empty(0)
+            else:
+                g.grad().zero_()
+        if self.grad_swap:
+            self.offload.clear_grads()
 
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
             self.gatherer.regather(persistent)
 
-    def memory(self, opt_state) -> Footprint:
-        fp, persistent = Footprint(), self.gatherer.persistent
+    def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
+        persistent = self.gatherer.persistent
         self.offload.shards.memory(fp, [g.shard for g in self.groups])
         # (allocated at a group's first reduction; with the owned gradients in the swap file a
         # partition exists only while it is reduced)
@@ -204,8 +204,6 @@ class Zero3Stage(PartitionedStage):
         self.offload.memory(fp, opt_state)
         if persistent is not None:
             fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
-        whole_memory(fp, self.module, self.policy.param_dtype)   # frozen ones whole: not in any unit
-        return fp
 
     def stats(self) -> dict:
         return self.gatherer.stats()
@@ -239,7 +237,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
-    held, failed = [], False
+    held, written = [], False
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
@@ -267,12 +265,10 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)
-    except BaseException:
-        failed = True
-        raise
+            written = True
     finally:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
-            unit.gatherer.unhold(unit, started, written=modifier_rank is not None and not failed)
+            unit.gatherer.unhold(unit, started, written=written)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
@@ -290,16 +286,14 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
     found = None
-    tb = error.__traceback__
-    while tb is not None:   # innermost last
-        owner = tb.tb_frame.f_locals.get("self")
+    for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
+        owner = frame.f_locals.get("self")
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
-        if isinstance(owner, nn.Module) and tb.tb_frame.f_code is getattr(type(owner).forward, "__code__", None):
+        if isinstance(owner, nn.Module) and frame.f_code is getattr(type(owner).forward, "__code__", None):
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
                 found = (type(owner).__name__, idle[0].unit_name)
-        tb = tb.tb_next
     if found is None:
         return None
     cls, unit = found
