@@ -1,9 +1,7 @@
-"""Gradient buckets and the gradient bookkeeping that ddp, zero1 and zero2 share.
-
-Buckets are planned once from the expected gradient order (reverse registration) and launched in
-plan order (``Arrivals``); for the ZeRO stages they lie on partition boundaries, each one
-collective. ``FlatGrads`` (ddp, zero1) holds the gradients in flat buffers and reduces them.
-"""
+"""Gradient buckets and the gradient bookkeeping that ddp, zero1 and zero2 share: buckets are planned
+once from the expected gradient order (reverse registration; for the ZeRO stages on partition boundaries,
+each one collective) and launched in plan order (``Arrivals``); ``FlatGrads`` (ddp, zero1) holds the
+gradients in flat buffers and reduces them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,17 +42,15 @@ class Bucket:
         return [(self.start + k * self.stride, self.end + k * self.stride) for k in range(self.count)]
 
     @property
-    def contiguous(self) -> bool:
-        """The ranges are one flat range [start, start + numel)."""
+    def contiguous(self) -> bool:   # the ranges are one flat range [start, start + numel)
         return self.count == 1 or self.end - self.start == self.stride
 
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
     """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in
-    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages.
-
-    Each partition's open bucket grows downwards through its group's flat buffer; a parameter larger
+    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages. Each
+    partition's open bucket grows downwards through its group's flat buffer; a parameter larger
     than the room left is split, so no bucket exceeds ``cap`` (default ``bucket_size``) elements or
     crosses a partition boundary (one reduce). A group buffer that fits in ``bucket_size`` is one
     striped bucket (one reduce-scatter), closed with the group's last gradient.

@@ -1,9 +1,6 @@
 """The stage interface: how parameters, gradients and optimizer inputs are laid out and moved.
 
-``train_step`` never asks which stage it drives; stages never know which optimizer runs. The bases:
-``BaseStage`` (defaults; ddp, zero1 and zero2 keep working parameters whole on every rank) and
-``PartitionedStage`` (zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a
-padded flat layout and the master pieces the offload target, the stage's listener, cut it into).
+``train_step`` never asks which stage it drives; stages never know which optimizer runs.
 """
 from __future__ import annotations
 
@@ -95,9 +92,11 @@ class BaseStage:
 
 
 class PartitionedStage(BaseStage):
-    """Subclasses supply ``_finish_grads()`` (complete the step's reduction after its last backward),
-    ``_partition_grads()`` (each group's reduced gradient partition on the device, once finished; read
-    only) and ``publish_finish()`` (after every piece is published, make the working parameters current)."""
+    """zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a padded flat layout and
+    the master pieces the offload target (the stage's listener) cuts it into. Subclasses supply
+    ``_finish_grads()`` (complete the step's reduction after its last backward), ``_partition_grads()``
+    (each group's reduced gradient partition on the device, once finished; read only) and
+    ``publish_finish()`` (after every piece is published, make the working parameters current)."""
 
     def __init__(self, cfg, dist: Dist, offload: Placement, chunk: int | None):
         """``chunk``: the longest master piece the offload target may cut (None: one per partition)."""

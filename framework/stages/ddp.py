@@ -1,8 +1,5 @@
-"""ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced.
-
-Gradients live in one flat buffer per group, so the all-reduce works on contiguous buckets launched
-from the gradient hooks during backward, in the same order on every rank (see _grads.py).
-"""
+"""ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced in
+contiguous buckets of one flat buffer per group, launched from the gradient hooks (see _grads.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,8 +54,7 @@ class DDPStage(BaseStage):
         self.reduced = [g.to(m.dtype) for g, m in zip(summed, self.master)]
         return self.reduced
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Over the master-dtype gradients (rounded as the update reads them); replicated, so local = global."""
+    def grad_sq_norm(self) -> torch.Tensor:   # of the master-dtype gradients the update reads; local = global
         return sq_norm(self.reduced, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:

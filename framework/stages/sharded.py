@@ -1,9 +1,8 @@
 """zero1 and zero2: replicated working parameters, partitioned master and optimizer state.
 
-Rank r owns elements [r * shard, (r + 1) * shard) of each group's flat buffer; after the optimizer
-step every rank's updated partition is gathered back into the working buffers. zero1 accumulates
-gradients in full flat buffers, as ddp, and reduces them on the last micro batch; zero2 reduces
-every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
+After the optimizer step every rank's updated partition is gathered back into the working buffers.
+zero1 accumulates gradients in full flat buffers, as ddp, and reduces them on the last micro batch;
+zero2 reduces every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand.
 
-A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters
-are materialised one at a time keeping only the local shard, so a model larger than one rank's
-memory can be built.
+A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters are
+materialised one at a time keeping only the local shard, so a model larger than one rank can be built.
 """
 from __future__ import annotations
 
@@ -109,13 +108,12 @@ class Zero3Stage(PartitionedStage):
             # Every rank takes rank 0's values, as the other stages do: a meta one's too, since a model's
             # init may draw from each rank's own seed (GPT.init_seed, HFInit's torch.initial_seed()).
             self.dist.broadcast(values, what=f"initial values of {pname!r}")
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            a = min(slot.numel, max(0, lo - slot.offset))   # this rank's elements of it: [a, b), maybe empty
+            b = max(a, min(slot.numel, hi - slot.offset))
             if a < b:
-                shard[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])
+                shard[slot.offset + a - lo:slot.offset + b - lo].copy_(values[a:b])
             sp = ShardedParameter(torch.empty(0, dtype=policy.param_dtype, device=device), p.requires_grad)
-            sp.logical_shape, sp.unit_name = p.shape, unit_name
-            start = min(slot.numel, max(0, lo - slot.offset))
-            sp.shard_range = (start, max(start, min(slot.numel, hi - slot.offset)))
+            sp.logical_shape, sp.unit_name, sp.shard_range = p.shape, unit_name, (a, b)
             sp.zero3_names = names_of[id(p)]   # every name it is registered under
             replace_parameter(module, p, sp)
             params.append(sp)
