@@ -149,25 +149,20 @@ def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:
 
 def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:
     """Every frozen parameter whole on every rank, as torch DDP and DeepSpeed's ZeRO-1/2 keep them (zero3
-    too, where DeepSpeed would partition them): rank 0's values, in ``whole_dtype``; no gradient, master or
-    optimizer state. Then the buffers take rank 0's values too: every stage calls this once."""
+    too, where DeepSpeed would partition them): rank 0's values, in the working ``dtype`` when floating; no
+    gradient, master or optimizer state. Then the buffers take rank 0's values too: every stage calls this once."""
     for name, p in [(n, p) for n, p in module.named_parameters() if not p.requires_grad]:
-        v = initial_values(init, name, p, dist.device).to(whole_dtype(p, dtype)).contiguous()
+        v = initial_values(init, name, p, dist.device).to(dtype if p.is_floating_point() else p.dtype).contiguous()
         dist.broadcast(v, what=f"initial values of frozen {name!r}")
         _bind(module, p, v)
     broadcast_buffers(module, dist)
-
-
-def whole_dtype(p: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """The dtype a frozen parameter is kept in: the working ``dtype`` when floating, else its own."""
-    return dtype if p.is_floating_point() else p.dtype
 
 
 def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
     """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params" (as
     ``bind_frozen`` keeps them) and "buffers", each distinct one once; items with no bytes are left out.
     The stages report their bound module, the estimator a meta one (as ``bind_frozen`` will keep it)."""
-    frozen = sum(p.numel() * (whole_dtype(p, dtype).itemsize if p.is_meta else p.element_size())
+    frozen = sum(p.numel() * ((dtype if p.is_floating_point() else p.dtype).itemsize if p.is_meta else p.element_size())
                  for p in module.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     for name, nbytes in (("frozen_params", frozen), ("buffers", buffers)):
@@ -234,21 +229,16 @@ def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int
     """Saved ranges covering [lo, hi), as ``(index, a, b)`` tiling it in order: [a, b) from
     ``ranges[index]``. Of overlapping ranges the one reaching furthest is taken (few copies);
     ``LookupError`` names the first element range that no saved range holds."""
-    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
     out: list[tuple[int, int, int]] = []
-    pos, j, best = lo, 0, None
+    pos = lo
     while pos < hi:
-        while j < len(order) and ranges[order[j]][0] <= pos:
-            i = order[j]
-            if best is None or ranges[i][1] > ranges[best][1]:
-                best = i
-            j += 1
-        if best is None or ranges[best][1] <= pos:
-            nxt = ranges[order[j]][0] if j < len(order) else hi
+        live = [i for i, (a, b) in enumerate(ranges) if a <= pos < b]
+        if not live:
+            nxt = min((a for a, _ in ranges if a > pos), default=hi)
             raise LookupError(f"elements [{pos}, {min(nxt, hi)}) are in no saved fragment")
-        b = min(hi, ranges[best][1])
-        out.append((best, pos, b))
-        pos = b
+        best = max(live, key=lambda i: (ranges[i][1], -ranges[i][0], -i))   # ties: the earliest start, then index
+        out.append((best, pos, min(hi, ranges[best][1])))
+        pos = out[-1][2]
     return out
 
 

@@ -1,9 +1,7 @@
-"""Gradient buckets and the gradient bookkeeping that ddp, zero1 and zero2 share.
-
-Buckets are planned once from the expected gradient order (reverse registration) and launched in
-plan order (``Arrivals``); for the ZeRO stages they lie on partition boundaries, each one
-collective. ``FlatGrads`` (ddp, zero1) holds the gradients in flat buffers and reduces them.
-"""
+"""Gradient buckets and the gradient bookkeeping that ddp, zero1 and zero2 share: buckets are planned
+once from the expected gradient order (reverse registration; for the ZeRO stages on partition boundaries,
+each one collective) and launched in plan order (``Arrivals``); ``FlatGrads`` (ddp, zero1) holds the
+gradients in flat buffers and reduces them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,17 +42,15 @@ class Bucket:
         return [(self.start + k * self.stride, self.end + k * self.stride) for k in range(self.count)]
 
     @property
-    def contiguous(self) -> bool:
-        """The ranges are one flat range [start, start + numel)."""
+    def contiguous(self) -> bool:   # the ranges are one flat range [start, start + numel)
         return self.count == 1 or self.end - self.start == self.stride
 
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
     """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in
-    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages.
-
-    Each partition's open bucket grows downwards through its group's flat buffer; a parameter larger
+    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages. Each
+    partition's open bucket grows downwards through its group's flat buffer; a parameter larger
     than the room left is split, so no bucket exceeds ``cap`` (default ``bucket_size``) elements or
     crosses a partition boundary (one reduce). A group buffer that fits in ``bucket_size`` is one
     striped bucket (one reduce-scatter), closed with the group's last gradient.
@@ -72,8 +68,8 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
     for i, (pid, g, offset, numel) in enumerate(order):
         if g in whole:
             if i == last[g]:
-                pids = tuple(p for p, gg, _, _ in order if gg == g)
-                out.append(Bucket(g, 0, shards[g], pids, stride=shards[g], count=world))
+                out.append(Bucket(g, 0, shards[g], tuple(p for p, gg, _, _ in order if gg == g), stride=shards[g],
+                                  count=world))
             continue
         top = offset + numel
         while top > offset:
@@ -114,13 +110,11 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
     return out
 
 
-IN_FLIGHT = 2   # zero2's bucket buffers in flight: launching a third first completes the oldest
-
-
 def bucket_buffers(buckets: list[Bucket], overlap: bool, contiguous: bool) -> tuple[int, int]:
-    """(how many, elements each) of the buffers zero2 copies gradients into (none without
-    ``contiguous``); without ``overlap`` each bucket completes before the next is filled: one does."""
-    return (min(IN_FLIGHT if overlap else 1, len(buckets)) if contiguous else 0), max(b.numel for b in buckets)
+    """(how many, elements each) of the buffers zero2 copies gradients into (none without ``contiguous``):
+    two in flight (launching a third first completes the oldest); without ``overlap`` each bucket completes
+    before the next is filled: one."""
+    return (min(2 if overlap else 1, len(buckets)) if contiguous else 0), max(b.numel for b in buckets)
 
 
 def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, int, int]]:
@@ -146,32 +140,27 @@ def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard:
 
 def own_parts(b: Bucket, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(flat start, flat end, offset in the bucket's buffer) of each part of ``b`` inside [lo, hi)."""
-    out, base = [], 0
-    for start, end in b.ranges:
-        own = own_overlap(start, end, lo, hi)
-        if own is not None:
-            out.append((own[0], own[1], base + own[0] - start))
-        base += end - start
+    out = []
+    for k, (start, end) in enumerate(b.ranges):   # the ranges lie end to end in the buffer
+        if (own := own_overlap(start, end, lo, hi)) is not None:
+            out.append((*own, k * (b.end - b.start) + own[0] - start))
     return out
 
 
-def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:
-    """The part of flat range [start, end) inside partition [lo, hi), or None."""
+def own_overlap(start: int, end: int, lo: int, hi: int) -> tuple[int, int] | None:   # [start, end) in [lo, hi)
     a, b = max(start, lo), min(end, hi)
     return (a, b) if a < b else None
 
 
 def check_no_grads(entries: list[Entry], stage: str) -> None:
     """Raise if a parameter has a gradient before train_step's backward (and clear them all)."""
-    stray = [name for p, name in entries if p.grad is not None]
-    if not stray:
-        return
-    for p, _ in entries:
-        p.grad = None
-    raise TrainingError(
-        f"{stage}: {few(stray, 4)} already had a gradient when train_step started its backward pass: loss_fn ran a "
-        f"backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "
-        f"loss_fn must only return the loss; train_step runs the backward pass")
+    if stray := [name for p, name in entries if p.grad is not None]:
+        for p, _ in entries:
+            p.grad = None
+        raise TrainingError(
+            f"{stage}: {few(stray, 4)} already had a gradient when train_step started its backward pass: loss_fn "
+            f"ran a backward pass itself (loss.backward() or torch.autograd.backward, e.g. with create_graph=True). "
+            f"loss_fn must only return the loss; train_step runs the backward pass")
 
 
 def late_gradient(who: str, reduced: str) -> TrainingError:
@@ -283,13 +272,11 @@ class FlatGrads:
         b = self.launcher.buckets[i]
         ranges = [(b.start, b.start + b.numel)] if b.contiguous else b.ranges
         finals = [self._final(b.group, lo, hi) for lo, hi in ranges]
-        n = 1
-        if finals[0].dtype == self.reduce_dtype:
-            wire, buf = finals, None   # reduced in place in the gradient buffer
-        else:
+        n, buf, wire = 1, None, finals   # in the wire dtype already: reduced in place in the gradient buffer
+        if finals[0].dtype != self.reduce_dtype:
             buf = torch.empty(b.numel, dtype=self.reduce_dtype, device=finals[0].device)
             wire = list(buf.chunk(len(finals)))
-            n = self.micro + 1 if self.scaled and self.micro else 1
+            n = self.micro + 1 if self.scaled else 1
             for dst, v in zip(wire, finals):
                 if n > 1:   # in the wide dtype, before the cast (the accumulator is overwritten after the reduce)
                     v.div_(n)
@@ -343,21 +330,16 @@ class Arrivals:
             for pid in b.params:
                 self.owners.setdefault(pid, []).append(i)
         self.armed = False
-        self.seen = [False] * len(names)
+        self.seen: list[bool] = []     # per parameter, whether it arrived in the armed pass
         self.pending: list[int] = []   # per bucket, its parameters yet to arrive
         self.next = len(buckets)  # the next bucket to launch (buckets before it went out); none armed
-
-    def _launch(self) -> None:
-        self.next += 1
-        self.run(self.next - 1)
 
     def attach(self, params: list[nn.Parameter], acc: Accelerator) -> list:
         return [p.register_post_accumulate_grad_hook(acc.hook(lambda _p, i=i: self.ready(i),
                                                               f"the {self.stage} gradient hook"))
                 for i, p in enumerate(params)]
 
-    def arm(self) -> None:
-        """Buckets launch as their gradients arrive until ``disarm``."""
+    def arm(self) -> None:   # buckets launch as their gradients arrive until disarm()
         self.armed = True
         self.seen = [False] * len(self.names)
         self.pending = [len(b.params) for b in self.buckets]
@@ -380,10 +362,11 @@ class Arrivals:
         self.seen[pid] = True
         for i in self.owners.get(pid, ()):   # none for a parameter of 0 elements: no bucket holds it
             self.pending[i] -= 1
-        while self.next < len(self.buckets) and self.pending[self.next] == 0:
-            self._launch()
+        self.flush(arrived=True)
 
-    def flush(self) -> None:
-        """Launch every bucket not yet launched (their parameters got no gradient, or nothing was armed)."""
-        while self.next < len(self.buckets):
-            self._launch()
+    def flush(self, arrived: bool = False) -> None:
+        """Launch every bucket not yet launched (their parameters got no gradient, or nothing was armed);
+        ``arrived``: only up to the first one still waiting for a gradient."""
+        while self.next < len(self.buckets) and not (arrived and self.pending[self.next]):
+            self.next += 1
+            self.run(self.next - 1)

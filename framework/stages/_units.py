@@ -127,20 +127,15 @@ def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:
     whoever holds it reads them), which goes with its parent, and everything inside a module that reads
     its children's weights itself (``_READS_CHILDREN``), which goes with that module."""
     by: dict[int, nn.Module] = {}
-    whole: set[int] = set()   # inside a _READS_CHILDREN module: its descendants go with it too
-    stack: list[tuple[nn.Module, nn.Module | None]] = [(module, None)]
-    while stack:   # pre-order, as named_modules (a shared module goes where it is first met)
-        m, parent = stack.pop()
-        if id(m) in by:
-            continue
-        if parent is None:
-            by[id(m)] = m
-        elif id(parent) in whole or isinstance(parent, _READS_CHILDREN):
-            by[id(m)] = by[id(parent)]
-            whole.add(id(m))
-        elif type(m).forward is nn.Module.forward:   # containers too: their children are judged on their own
-            by[id(m)] = by[id(parent)]
-        else:
-            by[id(m)] = m
-        stack.extend((c, m) for c in reversed(list(m.children())))
+
+    def visit(m: nn.Module, parent: nn.Module | None, whole: bool) -> None:   # whole: in a _READS_CHILDREN one
+        if id(m) in by:   # pre-order, as named_modules (a shared module goes where it is first met)
+            return
+        # (containers go with their parent too: their children are judged on their own)
+        own = parent is None or not whole and type(m).forward is not nn.Module.forward
+        by[id(m)] = m if own else by[id(parent)]
+        for c in m.children():
+            visit(c, m, whole or isinstance(m, _READS_CHILDREN))
+
+    visit(module, None, False)
     return by

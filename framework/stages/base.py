@@ -1,9 +1,6 @@
 """The stage interface: how parameters, gradients and optimizer inputs are laid out and moved.
 
-``train_step`` never asks which stage it drives; stages never know which optimizer runs. The bases:
-``BaseStage`` (defaults; ddp, zero1 and zero2 keep working parameters whole on every rank) and
-``PartitionedStage`` (zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a
-padded flat layout and the master pieces the offload target, the stage's listener, cut it into).
+``train_step`` never asks which stage it drives; stages never know which optimizer runs.
 """
 from __future__ import annotations
 
@@ -15,11 +12,12 @@ import torch
 from torch import nn
 
 from framework.comm.distributed import Dist
+from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm
 from framework.engine.update import PlainUpdate, Update
 from framework.offload.base import Piece, Placement
 from framework.optimizers import GradientTransformation
-from framework.stages._flat import Layout, PieceSpec, piece_spec
+from framework.stages._flat import Layout, PieceSpec, piece_spec, whole_memory
 
 
 @dataclass(frozen=True)
@@ -41,8 +39,7 @@ class BaseStage:
     - ``publish(master)``: copy updated master values into the working parameters the module computes with;
     - ``piece_specs()``: what each master piece holds by parameter name (the layout behind ``TrainState.params``);
     - ``zero_grads()``;
-    - ``memory(opt_state)``: this rank's model states and persistent buffers (``opt_state``: the optimizer
-      state of the master pieces) by item and by where they live (framework.core.footprint).
+    - ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
     """
 
     module: nn.Module
@@ -85,11 +82,21 @@ class BaseStage:
         # host sync: consolidation, between steps
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
+    def memory(self, opt_state) -> Footprint:
+        """This rank's model states and persistent buffers (``opt_state``: the optimizer state of the master
+        pieces) by item and by where they live; frozen parameters and buffers are whole on every rank."""
+        fp = Footprint()
+        self._memory(fp, opt_state)
+        whole_memory(fp, self.module, self.policy.param_dtype)
+        return fp
+
 
 class PartitionedStage(BaseStage):
-    """Subclasses supply ``_finish_grads()`` (complete the step's reduction after its last backward),
-    ``_partition_grads()`` (each group's reduced gradient partition on the device, once finished; read
-    only) and ``publish_finish()`` (after every piece is published, make the working parameters current)."""
+    """zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a padded flat layout and
+    the master pieces the offload target (the stage's listener) cuts it into. Subclasses supply
+    ``_finish_grads()`` (complete the step's reduction after its last backward), ``_partition_grads()``
+    (each group's reduced gradient partition on the device, once finished; read only) and
+    ``publish_finish()`` (after every piece is published, make the working parameters current)."""
 
     def __init__(self, cfg, dist: Dist, offload: Placement, chunk: int | None):
         """``chunk``: the longest master piece the offload target may cut (None: one per partition)."""

@@ -1,8 +1,5 @@
-"""ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced.
-
-Gradients live in one flat buffer per group, so the all-reduce works on contiguous buckets launched
-from the gradient hooks during backward, in the same order on every rank (see _grads.py).
-"""
+"""ddp: replicated data parallelism. Every rank holds everything; gradients are all-reduced in
+contiguous buckets of one flat buffer per group, launched from the gradient hooks (see _grads.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +12,7 @@ from framework.core.errors import ConfigError
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.engine.materialize import initializer
-from framework.stages._flat import PieceSpec, bind_groups, piece_spec, whole_memory
+from framework.stages._flat import PieceSpec, bind_groups, piece_spec
 from framework.stages._grads import FlatGrads, expected_order, plan_buckets
 from framework.core.footprint import Footprint
 from framework.core.utils import sq_norm, tensor_bytes, tensors_in
@@ -57,8 +54,7 @@ class DDPStage(BaseStage):
         self.reduced = [g.to(m.dtype) for g, m in zip(summed, self.master)]
         return self.reduced
 
-    def grad_sq_norm(self) -> torch.Tensor:
-        """Over the master-dtype gradients (rounded as the update reads them); replicated, so local = global."""
+    def grad_sq_norm(self) -> torch.Tensor:   # of the master-dtype gradients the update reads; local = global
         return sq_norm(self.reduced, self.dist.device)
 
     def nonfinite_names(self, grads: list[torch.Tensor]) -> list[str]:
@@ -77,14 +73,11 @@ class DDPStage(BaseStage):
     def piece_specs(self) -> list[PieceSpec]:   # one piece per group: the whole flat buffer
         return [piece_spec(layout, 0, layout.padded) for layout in self.layouts]
 
-    def memory(self, opt_state) -> Footprint:
-        fp = Footprint()
+    def _memory(self, fp: Footprint, opt_state) -> None:
         fp.add("params", device=tensor_bytes(self.flats))
         self.flat_grads.memory(fp)
         fp.add("master_params", device=tensor_bytes(m for m, f in zip(self.master, self.flats) if m is not f))
         fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
-        whole_memory(fp, self.module, self.policy.param_dtype)
-        return fp
 
 
 COMPONENT = Component(config=DDPConfig, build=DDPStage)

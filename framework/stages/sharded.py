@@ -1,9 +1,8 @@
 """zero1 and zero2: replicated working parameters, partitioned master and optimizer state.
 
-Rank r owns elements [r * shard, (r + 1) * shard) of each group's flat buffer; after the optimizer
-step every rank's updated partition is gathered back into the working buffers. zero1 accumulates
-gradients in full flat buffers, as ddp, and reduces them on the last micro batch; zero2 reduces
-every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
+After the optimizer step every rank's updated partition is gathered back into the working buffers.
+zero1 accumulates gradients in full flat buffers, as ddp, and reduces them on the last micro batch;
+zero2 reduces every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from framework.core.utils import tensor_bytes
 from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_groups, whole_memory
+from framework.stages._flat import bind_groups
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
                                      expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
                                      reduce_to_owners)
@@ -80,13 +79,10 @@ class ShardedStage(PartitionedStage):
             comm.wait(comm.all_gather_into(flat, layout.shard, "parameter all-gather", self.cfg.allgather_bucket_size),
                       "parameter all-gather")
 
-    def memory(self, opt_state) -> Footprint:
-        fp = Footprint()
+    def _memory(self, fp: Footprint, opt_state) -> None:
         fp.add("params", device=tensor_bytes(self.flats))
         self.offload.memory(fp, opt_state)
         self._grad_memory(fp)
-        whole_memory(fp, self.module, self.policy.param_dtype)
-        return fp
 
 
 def round_robin(named: list, world: int) -> list:
@@ -195,23 +191,22 @@ class Zero2Stage(ShardedStage):
 
     def _pieces(self, b):
         """(flat lo, flat hi, gradient values or None, offset in the buffer) of each piece in ``b``."""
-        base = 0
-        for start, end in b.ranges:
+        for k, (start, end) in enumerate(b.ranges):   # the ranges lie end to end in the buffer
             for pid in b.params:
                 slot = self.slots[pid][1]
                 lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
                 if lo < hi:
                     g = self.params[pid].grad
                     yield lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset], \
-                        base + lo - start
-            base += end - start
+                        k * (b.end - b.start) + lo - start
 
-    def _complete(self, item) -> None:
+    def _complete(self, item, add: bool = True) -> None:
+        """Wait for a launched bucket; add this rank's sums into its partition (if ``add``); reuse its buffer."""
         b, pending, pieces, buf = item
         self.dist.comm.wait(pending, "gradient reduction")
         lo, hi = self.bounds[b.group]
         real = min(hi, self.layouts[b.group].numel)   # a whole-buffer bucket's padding: zeros, never reported
-        for start, t in pieces:   # (flat start, values) of each reduced range
+        for start, t in pieces if add else ():   # (flat start, values) of each reduced range
             if (own := own_overlap(start, start + t.numel(), lo, real)) is None:   # this rank's sums
                 continue
             a, z = own
@@ -241,10 +236,8 @@ class Zero2Stage(ShardedStage):
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
         self.abandoned = None if wait else in_flight
-        for _b, pending, _pieces, buf in in_flight if wait else ():
-            self.dist.comm.wait(pending, "gradient reduction")
-            if buf is not None:
-                self.free.append(buf._base if buf._base is not None else buf)
+        for item in in_flight if wait else ():
+            self._complete(item, add=False)
         for p in self.params:
             p.grad = None
 

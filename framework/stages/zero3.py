@@ -1,11 +1,11 @@
 """zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand.
 
-A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters
-are materialised one at a time keeping only the local shard, so a model larger than one rank's
-memory can be built.
+A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters are
+materialised one at a time keeping only the local shard, so a model larger than one rank can be built.
 """
 from __future__ import annotations
 
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -18,8 +18,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import (bind_frozen, initial_values, make_layout, replace_parameter, unit_groups,
-                                    whole_memory)
+from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
 from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
 from framework.stages._grads import backward_or_reset
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
@@ -109,13 +108,12 @@ class Zero3Stage(PartitionedStage):
             # Every rank takes rank 0's values, as the other stages do: a meta one's too, since a model's
             # init may draw from each rank's own seed (GPT.init_seed, HFInit's torch.initial_seed()).
             self.dist.broadcast(values, what=f"initial values of {pname!r}")
-            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+            a = min(slot.numel, max(0, lo - slot.offset))   # this rank's elements of it: [a, b), maybe empty
+            b = max(a, min(slot.numel, hi - slot.offset))
             if a < b:
-                shard[a - lo:b - lo].copy_(values[a - slot.offset:b - slot.offset])
+                shard[slot.offset + a - lo:slot.offset + b - lo].copy_(values[a:b])
             sp = ShardedParameter(torch.empty(0, dtype=policy.param_dtype, device=device), p.requires_grad)
-            sp.logical_shape, sp.unit_name = p.shape, unit_name
-            start = min(slot.numel, max(0, lo - slot.offset))
-            sp.shard_range = (start, max(start, min(slot.numel, hi - slot.offset)))
+            sp.logical_shape, sp.unit_name, sp.shard_range = p.shape, unit_name, (a, b)
             sp.zero3_names = names_of[id(p)]   # every name it is registered under
             replace_parameter(module, p, sp)
             params.append(sp)
@@ -182,21 +180,21 @@ class Zero3Stage(PartitionedStage):
         return [g.part_grad if self.grad_swap else g.grad() for g in self.groups]   # swapped: not resident
 
     def zero_grads(self) -> None:
-        if self.grad_swap:
-            for g in self.groups:
-                g.part_grad = g.part_grad.new_empty(0)
-            self.offload.clear_grads()
-            return
         for g in self.groups:
-            g.grad().zero_()
+            if self.grad_swap:
+                g.part_grad = g.part_grad.new_empty(0)
+            else:
+                g.grad().zero_()
+        if self.grad_swap:
+            self.offload.clear_grads()
 
     def publish_finish(self) -> None:
         persistent = self.gatherer.persistent
         if persistent is not None:  # its gathered copy is stale after the step
             self.gatherer.regather(persistent)
 
-    def memory(self, opt_state) -> Footprint:
-        fp, persistent = Footprint(), self.gatherer.persistent
+    def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
+        persistent = self.gatherer.persistent
         self.offload.shards.memory(fp, [g.shard for g in self.groups])
         # (allocated at a group's first reduction; with the owned gradients in the swap file a
         # partition exists only while it is reduced)
@@ -204,8 +202,6 @@ class Zero3Stage(PartitionedStage):
         self.offload.memory(fp, opt_state)
         if persistent is not None:
             fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
-        whole_memory(fp, self.module, self.policy.param_dtype)   # frozen ones whole: not in any unit
-        return fp
 
     def stats(self) -> dict:
         return self.gatherer.stats()
@@ -239,7 +235,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
-    held, failed = [], False
+    held, written = [], False
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u)))
@@ -267,12 +263,10 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)
-    except BaseException:
-        failed = True
-        raise
+            written = True
     finally:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
-            unit.gatherer.unhold(unit, started, written=modifier_rank is not None and not failed)
+            unit.gatherer.unhold(unit, started, written=written)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
@@ -290,16 +284,14 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
     found = None
-    tb = error.__traceback__
-    while tb is not None:   # innermost last
-        owner = tb.tb_frame.f_locals.get("self")
+    for frame, _ in traceback.walk_tb(error.__traceback__):   # innermost last
+        owner = frame.f_locals.get("self")
         # Its own forward running (not a hook before it: a failed gather is its own error) on empty shards.
-        if isinstance(owner, nn.Module) and tb.tb_frame.f_code is getattr(type(owner).forward, "__code__", None):
+        if isinstance(owner, nn.Module) and frame.f_code is getattr(type(owner).forward, "__code__", None):
             idle = [p for p in owner.parameters(recurse=False)
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
                 found = (type(owner).__name__, idle[0].unit_name)
-        tb = tb.tb_next
     if found is None:
         return None
     cls, unit = found
