@@ -51,8 +51,8 @@ class Engine(contextlib.AbstractContextManager):
         self._half_applied: int | None = None   # the step whose update did not finish, if any
         # (weakly: the engine holds the step function, so a strong reference back would be a cycle, and a
         # dropped engine would keep its optimizer state and its module's ownership until the GC runs)
-        mark = weakref.WeakMethod(self._applying)
-        self._train_step = build_train_step(components, applying=lambda step: mark()(step))
+        me = weakref.ref(self)
+        self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
         self.config = config   # the config it was built from
 
@@ -62,8 +62,7 @@ class Engine(contextlib.AbstractContextManager):
 
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
-        self._check_open()
-        self._check_current(state, "train_step")
+        self._check_open(state, "train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -82,17 +81,11 @@ class Engine(contextlib.AbstractContextManager):
                                  f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
                                  f"in place since: pass the state train_step returned (engine.state)")
 
-    def _applying(self, step: int) -> None:
-        self._half_applied = step
-
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
         not a ``Batch``), averaged over ranks (no grad)."""
-        self._check_open()
-        self._check_current(state, "eval_step")
-        if isinstance(batches, Batch):
-            raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
-        batches = list(batches)   # any iterable: a generator is read once, and its length counted
+        self._check_open(state, "eval_step")
+        batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if not batches:   # before the collective: every rank stops here alike
             raise DataError("eval_step: no batches; pass a list of at least one batch")
         if any(isinstance(b, Batch) for b in batches):
@@ -112,11 +105,12 @@ class Engine(contextlib.AbstractContextManager):
         c.dist.all_reduce(total, what="validation loss all-reduce")
         return total.item() / (len(batches) * c.dist.world)
 
-    def _check_open(self) -> None:
+    def _check_open(self, state: TrainState, what: str) -> None:
         if self.closed:
             raise FrameworkError("this engine is closed (engine.close() or its with block ended); "
                                  "build a new one with framework.initialize")
         self._check_whole()
+        self._check_current(state, what)
 
     def _check_whole(self) -> None:
         if self._half_applied is not None:
@@ -329,8 +323,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 def hidden_size_of(module: nn.Module) -> int | None:
     """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    places = [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]
-    for holder, name in places:
+    for holder, name in [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]:
         value = getattr(getattr(module, holder, None), name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -45,7 +45,7 @@ class Components:
     grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
 
-def build_train_step(c: Components, applying: Callable[[int], None] | None = None
+def build_train_step(c: Components, applying: Callable[[int], None]
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """``applying(step)`` is called when the optimizer update of ``step`` first changes the state in
     place beyond what ``abort`` undoes (``Update.apply`` says when): an exception from then on (Ctrl-C
@@ -60,12 +60,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
         # The step draws (dropout, ...) from the state's generators; the caller's are put back after,
         # also on error, so the caller's own draws between steps go on as if no step ran. (A CUDA
         # generator's state is a host value: saving and setting it syncs nothing.)
-        caller = capture_rng(c.dist.device)
-        restore_rng(state.rng, c.dist.device)
-        try:
+        with torch.random.fork_rng([c.dist.device] if c.dist.device.type == "cuda" else [], device_type="cuda"):
+            restore_rng(state.rng, c.dist.device)
             return _step(state, batch)
-        finally:
-            restore_rng(caller, c.dist.device)
 
     def _step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         scale = state.precision.cur_scale
@@ -104,12 +101,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
             opt_state = state.opt_state
             precision = next_scale(c.policy.scaler, state.precision, overflow,
                                    culprits=lambda: c.stage.nonfinite_names(grads))
-            if not overflow:
-                coef = 1.0 / scale
-                if c.grad_clip > 0 and norm > c.grad_clip:
-                    coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr,
-                                           applying=None if applying is None else partial(applying, state.step + 1))
+            if not overflow:   # (clipped as torch.nn.utils.clip_grad_norm_ does)
+                coef = 1.0 / scale * (c.grad_clip / (norm + 1e-6) if 0 < c.grad_clip < norm else 1.0)
+                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr, partial(applying, state.step + 1))
         except BaseException:
             # A step that failed before the update leaves no trace: optimizer state as it was, no
             # gradients kept (one that failed in it is half-applied: ``applying`` told the caller).
@@ -119,10 +113,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
         c.stage.zero_grads()
         metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,
                    "skipped": overflow, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
-        new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
-                      rng=capture_rng(c.dist.device),
-                      data=batch.position if batch.position is not None else state.data + 1)
-        return new, metrics
+        return replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
+                       rng=capture_rng(c.dist.device),
+                       data=batch.position if batch.position is not None else state.data + 1), metrics
 
     return train_step
 

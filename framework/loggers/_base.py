@@ -95,12 +95,9 @@ class RunRecord:
         finally:
             if self._metrics is not None:
                 metrics, self._metrics = self._metrics, None
-                if self._full:   # the failed write's error ends the run, not a second one of the same kind
-                    with contextlib.suppress(OSError):
-                        metrics.close()
-                else:
-                    with self._room("metrics.jsonl"):
-                        metrics.close()
+                # (after a write found no room, that write's error ends the run, not a second one of its kind)
+                with contextlib.suppress(OSError) if self._full else self._room("metrics.jsonl"):
+                    metrics.close()
 
     @contextlib.contextmanager
     def _room(self, name: str):
@@ -178,10 +175,10 @@ def _step(line: str) -> float:
 class _Sink:
     """A stream (train.log, or the console) whose failing write (no room on the disk, a file size limit, a
     console that is gone) ends it, not the run: what failed becomes a note, given once (``note``) for the
-    other stream to carry; ``on_fail`` gets the error."""
+    other stream to carry."""
 
-    def __init__(self, stream, says: str, on_fail=None):
-        self.stream, self.says, self.on_fail = stream, says, on_fail
+    def __init__(self, stream, says: str):
+        self.stream, self.says = stream, says
         self.gone: bool | str = False   # once gone: the note, until given (True)
 
     def do(self, act, *args) -> None:
@@ -191,8 +188,16 @@ class _Sink:
             act(*args)
         except (OSError, ValueError) as e:
             self.gone = self.says.format(e)
-            if self.on_fail is not None:
-                self.on_fail(e)
+            if isinstance(e, BrokenPipeError):
+                # Its reader (of the console: ``| head``) is gone for good: the descriptor writes to nowhere,
+                # so that nothing printed later (the console's own buffer flushed at exit included) fails
+                # with a traceback.
+                with contextlib.suppress(AttributeError, OSError, ValueError):
+                    nowhere = os.open(os.devnull, os.O_WRONLY)
+                    try:
+                        os.dup2(nowhere, self.stream.fileno())
+                    finally:
+                        os.close(nowhere)
 
     def write(self, text: str) -> None:
         self.do(self.stream.write, text)
@@ -220,7 +225,7 @@ class _Tee:
 
     def __init__(self, terminal, log: _Sink):
         self.terminal, self.log = terminal, log
-        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n", self._nowhere)
+        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n")
 
     def write(self, text: str) -> int:
         self.console.write(text)
@@ -231,17 +236,6 @@ class _Tee:
             if (note := self.log.note()) is not None:
                 self.console.write(note)
         return len(text)
-
-    def _nowhere(self, e: Exception) -> None:
-        if isinstance(e, BrokenPipeError):
-            # Its reader is gone for good: the descriptor writes to nowhere, so that nothing printed
-            # later (the console's own buffer flushed at exit included) fails with a traceback.
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                nowhere = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(nowhere, self.terminal.fileno())
-                finally:
-                    os.close(nowhere)
 
     def log_only(self, text: str) -> None:
         """What a live progress bar shows on the console, as plain lines in the log; and a line that
