@@ -57,11 +57,8 @@ def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[di
 def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[str, Any]) -> Any:
     """``opt_state`` with its scalar leaves replaced by ``scalars`` (paths as ``optimizer_leaves``);
     per-element leaves are kept (same tensors), a tensor scalar is overwritten in place."""
-
-    def scalar(path: str, leaf: Any) -> Any:
-        return leaf.copy_(scalars[path]) if isinstance(leaf, torch.Tensor) else scalars[path]
-
-    return _rebuild(opt_state, params, lambda path, leaf: leaf, scalar)
+    return _rebuild(opt_state, params, lambda path, leaf: leaf,
+                    lambda path, leaf: leaf.copy_(scalars[path]) if isinstance(leaf, torch.Tensor) else scalars[path])
 
 
 def _rebuild(tree: Any, params: Sequence[torch.Tensor], per: Callable, scalar: Callable, path: str = "") -> Any:

@@ -21,7 +21,6 @@ from framework.core.batch import Batch
 from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
 from framework.core.utils import few
-from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
@@ -36,7 +35,6 @@ class Components:
     loss_fn: LossFn
     stage: BaseStage
     policy: Policy
-    optimizer: GradientTransformation
     schedule: Callable[[int], float]
     grad_clip: float              # 0 disables clipping
     dist: Dist

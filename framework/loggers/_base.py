@@ -31,8 +31,7 @@ class RunInfo:
 
     @property
     def job(self) -> str | None:
-        """A multirun job's name (the overrides that say which job it is), which keys its folder
-        under an explicit checkpoint.dir."""
+        """A multirun job's name, which keys its folder under an explicit checkpoint.dir."""
         return (self.key if self.key is not None else self.name) if self.group else None
 
 
@@ -46,17 +45,14 @@ class NullLogger:
 
 
 class RunRecord:
-    """Rank 0's logger: metrics.jsonl (one record per logged step of this run's history) plus an
-    atomically written summary.json, then the configured ``logger``.
+    """Rank 0's logger: metrics.jsonl (one record per logged step) plus an atomically written summary.json,
+    then the configured ``logger``.
 
-    ``start``: the step this run's record goes on from (0: a new record, also for a resume from another
-    folder's checkpoint; else the step of this folder's own checkpoint it resumed). Records of later
-    steps in the folder (an earlier run's, or steps after that checkpoint) would repeat or mix with
-    this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a new record an
-    earlier ``summary.json`` too (``summary.json.N``), so nothing is lost. That happens in ``start``,
-    once the configured logger started: a run it refuses (W&B) leaves the folder's records as they were.
-
-    No room to write them (a full disk, a file size limit, a quota) ends the run with one line."""
+    ``start``: the step this run's record goes on from (0: a new record; else the step of this folder's
+    own checkpoint it resumed). Later records in the folder would repeat or mix with this run's: the file is
+    set aside as ``metrics.jsonl.N`` first (on a new record ``summary.json`` too), so nothing is lost; only
+    once the configured logger started (a run W&B refuses leaves the folder as it was). No room to write
+    (a full disk, a file size limit, a quota) ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
@@ -210,10 +206,10 @@ class _Sink:
         with contextlib.suppress(OSError, ValueError):   # gone: what a failed write left buffered is dropped
             self.stream.close()
 
-    def note(self) -> str | None:
-        """The note that the stream is gone, once."""
+    def note(self) -> str:
+        """The note that the stream is gone, once ("" otherwise)."""
         if not isinstance(self.gone, str):
-            return None
+            return ""
         note, self.gone = self.gone, True
         return note
 
@@ -231,10 +227,8 @@ class _Tee:
         self.console.write(text)
         self.log.write(text)
         if text.endswith("\n"):   # (notes on a line of their own)
-            if (note := self.console.note()) is not None:
-                self.log.write(note)
-            if (note := self.log.note()) is not None:
-                self.console.write(note)
+            self.log.write(self.console.note())
+            self.console.write(self.log.note())
         return len(text)
 
     def log_only(self, text: str) -> None:
@@ -273,7 +267,7 @@ def console_log(path: Path):
     finally:
         sys.stdout, sys.stderr = out, err
         log.close()
-        if (note := log.note()) is not None:
+        if note := log.note():
             say(note.rstrip("\n"), err)
 
 

@@ -85,8 +85,7 @@ def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
 
 
 def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
-    """The files ``model.config`` / ``model.pretrained`` name, read when the config is checked: a missing one
-    is refused before the run folder is made."""
+    """A missing ``model.config`` / ``model.pretrained`` file is refused before the run folder is made."""
     _raw_config(cfg)
     return cfg
 
@@ -168,13 +167,11 @@ def _one_line(e: BaseException) -> str:
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
-    """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
-    keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
-    hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
-    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers, and as transformers adds
-    for every model: old per-layer ``rotary_emb.inv_freq`` and persistent ``position_ids`` buffers where the
-    model has such buffers now). ``names``: the model's tensor names. Anything else maps to itself
-    (unexpected, for a strict load to report)."""
+    """Each checkpoint key -> the model tensor name (of ``names``) it loads into, as ``from_pretrained`` maps
+    keys: ``base_model_prefix`` added or stripped where the model lacks the key (e.g. the hub's GPT-2 into a
+    causal LM); ``None`` for an unmatched key the class ignores on load (``_keys_to_ignore_on_load_unexpected``,
+    e.g. GPT-2's old ``attn.bias``, and old ``rotary_emb.inv_freq`` / ``position_ids`` buffers where the model
+    has such buffers now). Anything else maps to itself (unexpected, for a strict load to report)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
     patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
     buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
