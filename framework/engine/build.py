@@ -39,11 +39,10 @@ def component(cfg: Config, group: str):
 
 
 class Engine(contextlib.AbstractContextManager):
-    """The built components, their step functions and ``state``, the one the last ``train_step`` (or
-    ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
-    and stops the offload worker; the engine cannot step afterwards. A step interrupted (Ctrl-C) or
-    failed inside the optimizer update leaves the state half-updated: the engine then refuses to step,
-    evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces the state."""
+    """The built components, their step functions and ``state`` (the last ``train_step``'s or load's).
+    ``close()`` (or a ``with`` block's end) removes the stage's hooks and stops the offload worker, for good. A step
+    interrupted (Ctrl-C) or failed inside the optimizer update leaves the state half-updated: the engine then
+    refuses to step, evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces it."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None):
         self.components, self._state, self.config = components, state, config   # (config: the one it was built from)
@@ -240,11 +239,9 @@ def _owner(module: nn.Module) -> Engine | None:
 
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
-    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``.
-
-    Without ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a
-    DeepSpeed JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides.
-    """
+    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without
+    ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a DeepSpeed
+    JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides."""
     # Before any collective (every rank stops here alike), one line instead of a traceback from inside.
     if not isinstance(module, nn.Module):
         raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")

@@ -104,10 +104,9 @@ class RunRecord:
             if e.errno not in FULL:
                 raise
             self._full = True
-            try:
+            free = ""
+            with contextlib.suppress(OSError):
                 free = f"; {size(free_bytes(self.run_dir))} free"
-            except OSError:
-                free = ""
             raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}{free}): free space, "
                                  f"raise the file size limit (ulimit -f) or quota, or choose a run folder on a "
                                  f"larger disk") from None
@@ -188,12 +187,8 @@ class _Sink:
                 # Its reader (of the console: ``| head``) is gone for good: the descriptor writes to nowhere,
                 # so that nothing printed later (the console's own buffer flushed at exit included) fails
                 # with a traceback.
-                with contextlib.suppress(AttributeError, OSError, ValueError):
-                    nowhere = os.open(os.devnull, os.O_WRONLY)
-                    try:
-                        os.dup2(nowhere, self.stream.fileno())
-                    finally:
-                        os.close(nowhere)
+                with contextlib.suppress(AttributeError, OSError, ValueError), open(os.devnull, "wb") as nowhere:
+                    os.dup2(nowhere.fileno(), self.stream.fileno())
 
     def write(self, text: str) -> None:
         self.do(self.stream.write, text)
