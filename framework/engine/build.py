@@ -284,8 +284,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
     # parameters move to dist.device as the stage lays them out (materialised if on meta).
     # Config-only: refused before the module is touched.
-    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
-                                                 total_steps=cfg.train.steps)
+    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
     materialize_buffers(module, dist.device)
     setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
     # Until an engine owns them, an error closes the offload worker and the stage's hooks. (Sharded

@@ -48,8 +48,7 @@ FORMAT = 1   # of the name-keyed state dict (``framework.persist.layout``)
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:
     """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name): (per-element
     leaves: tensor lists aligned with ``params``, scalar leaves: everything else)."""
-    per: dict[str, list] = {}
-    scalars: dict[str, Any] = {}
+    per, scalars = {}, {}
     _rebuild(opt_state, params, per.__setitem__, scalars.__setitem__)
     return per, scalars
 

@@ -45,9 +45,8 @@ class Components:
 
 def build_train_step(c: Components, applying: Callable[[int], None]
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """``applying(step)`` is called when the optimizer update of ``step`` first changes the state in
-    place beyond what ``abort`` undoes (``Update.apply`` says when): an exception from then on (Ctrl-C
-    included) leaves it half-applied, so the caller must not step from that state again."""
+    """``applying(step)``: the update of ``step`` now changes the state beyond what ``abort`` undoes (see
+    ``framework.engine.update``); after an exception (Ctrl-C included) the caller must not step from it."""
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
