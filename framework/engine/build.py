@@ -39,22 +39,19 @@ def component(cfg: Config, group: str):
 
 
 class Engine(contextlib.AbstractContextManager):
-    """The built components, their step functions and ``state``, the one the last ``train_step`` (or
-    ``load_state_dict``) returned. ``close()`` (or leaving a ``with`` block) removes the stage's hooks
-    and stops the offload worker; the engine cannot step afterwards. A step interrupted (Ctrl-C) or
-    failed inside the optimizer update leaves the state half-updated: the engine then refuses to step,
-    evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces the state."""
+    """The built components, their step functions and ``state`` (the last ``train_step``'s or load's).
+    ``close()`` (or a ``with`` block's end) removes the stage's hooks and stops the offload worker, for good. A step
+    interrupted (Ctrl-C) or failed inside the optimizer update leaves the state half-updated: the engine then
+    refuses to step, evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces it."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None):
-        self.components = components
-        self._state = state
+        self.components, self._state, self.config = components, state, config   # (config: the one it was built from)
         self._half_applied: int | None = None   # the step whose update did not finish, if any
         # (weakly: the engine holds the step function, so a strong reference back would be a cycle, and a
         # dropped engine would keep its optimizer state and its module's ownership until the GC runs)
-        mark = weakref.WeakMethod(self._applying)
-        self._train_step = build_train_step(components, applying=lambda step: mark()(step))
+        me = weakref.ref(self)
+        self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
-        self.config = config   # the config it was built from
 
     @property
     def state(self) -> TrainState:
@@ -62,8 +59,7 @@ class Engine(contextlib.AbstractContextManager):
 
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
-        self._check_open()
-        self._check_current(state, "train_step")
+        self._check_open(state, "train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -82,17 +78,11 @@ class Engine(contextlib.AbstractContextManager):
                                  f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
                                  f"in place since: pass the state train_step returned (engine.state)")
 
-    def _applying(self, step: int) -> None:
-        self._half_applied = step
-
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
         not a ``Batch``), averaged over ranks (no grad)."""
-        self._check_open()
-        self._check_current(state, "eval_step")
-        if isinstance(batches, Batch):
-            raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
-        batches = list(batches)   # any iterable: a generator is read once, and its length counted
+        self._check_open(state, "eval_step")
+        batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if not batches:   # before the collective: every rank stops here alike
             raise DataError("eval_step: no batches; pass a list of at least one batch")
         if any(isinstance(b, Batch) for b in batches):
@@ -100,23 +90,23 @@ class Engine(contextlib.AbstractContextManager):
         c = self.components
         was_training = c.module.training
         c.module.eval()
+        total = torch.zeros(1, dtype=torch.float32, device=c.dist.device)
         try:
-            total = 0
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total = total + checked_loss(c.loss_fn(c.module, b)).float()
+                    total += checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
-        total = torch.as_tensor(total, dtype=torch.float32, device=c.dist.device).reshape(1)
         c.dist.all_reduce(total, what="validation loss all-reduce")
         return total.item() / (len(batches) * c.dist.world)
 
-    def _check_open(self) -> None:
+    def _check_open(self, state: TrainState, what: str) -> None:
         if self.closed:
             raise FrameworkError("this engine is closed (engine.close() or its with block ended); "
                                  "build a new one with framework.initialize")
         self._check_whole()
+        self._check_current(state, what)
 
     def _check_whole(self) -> None:
         if self._half_applied is not None:
@@ -195,10 +185,9 @@ class Engine(contextlib.AbstractContextManager):
         return self.finish_load(state, loaded)
 
     def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:
-        """After a load into a ``mapped_state(write=True)`` view: ``state``'s own tensors (under
-        offload=nvme the parked ones) with ``loaded``'s values and scalars (None: ``state``'s), the working
-        parameters rebuilt from the masters as after an optimizer step (the 16-bit staging copies first,
-        then the stage publishes). Collective."""
+        """After a load into a ``mapped_state(write=True)`` view: ``state``'s own tensors with ``loaded``'s
+        scalars (None: ``state``'s), the working parameters rebuilt from the masters as after an optimizer
+        step (the 16-bit staging copies first, then the stage publishes). Collective."""
         c = self.components
         if loaded is not None:
             state = replace(loaded, params=state.params,
@@ -217,8 +206,7 @@ class Engine(contextlib.AbstractContextManager):
 
     def save_pretrained(self, out_dir, dtype: torch.dtype | None = None, *,
                         max_shard_size: int | str = "5GB") -> list:
-        """``framework.persist.weights.save_pretrained``: consolidated safetensors (plus a Hugging Face
-        ``config.json``) in ``out_dir``. Collective."""
+        """``framework.persist.weights.save_pretrained`` of this engine (collective)."""
         return save_pretrained(self, out_dir, dtype=dtype, max_shard_size=max_shard_size)
 
     def _swapping(self):
@@ -227,39 +215,33 @@ class Engine(contextlib.AbstractContextManager):
         return offload if offload is not None and offload.swaps else None
 
     def memory(self, state: TrainState) -> Footprint:
-        """This rank's model states and persistent buffers: the bytes of the tensors it holds, by
-        item and by where they live (``framework.memory.predict`` predicts the same items)."""
+        """This rank's model states and persistent buffers by item and place (as ``framework.memory.predict``)."""
         self._check_current(state, "memory")
         fp = self.components.stage.memory(state.opt_state)
         self.components.update.memory(fp)
         return fp
 
 
-class _Owner:
+class _Owner(weakref.ref):
     """The open engine training a module, held weakly in an attribute of the module (no registry
     outside it); a copy or a pickle of the module is owned by nobody (its tensors are its own)."""
 
-    def __init__(self, engine: Engine | None):
-        self.ref = weakref.ref(engine) if engine is not None else None
-
     def __reduce__(self):
-        return _Owner, (None,)
+        return type(None), ()
 
 
 def _owner(module: nn.Module) -> Engine | None:
     """The open engine that trains ``module``, or None."""
     owner = getattr(module, "_framework_owner", None)
-    engine = owner.ref() if isinstance(owner, _Owner) and owner.ref is not None else None
+    engine = owner() if isinstance(owner, _Owner) else None
     return engine if engine is not None and not engine.closed else None
 
 
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
-    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``.
-
-    Without ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a
-    DeepSpeed JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides.
-    """
+    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without
+    ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a DeepSpeed
+    JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides."""
     # Before any collective (every rank stops here alike), one line instead of a traceback from inside.
     if not isinstance(module, nn.Module):
         raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -302,26 +284,21 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
     # parameters move to dist.device as the stage lays them out (materialised if on meta).
     # Config-only: refused before the module is touched.
-    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr,
-                                                 total_steps=cfg.train.steps)
+    schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
     materialize_buffers(module, dist.device)
     setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
-    update = None
-    try:
+    # Until an engine owns them, an error closes the offload worker and the stage's hooks. (Sharded
+    # parameters stay sharded: a retry on this module is refused in one line.)
+    with contextlib.ExitStack() as unowned:
+        unowned.callback(stage.close)
         decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
-        optimizer = component(cfg, "optimizer").build(cfg.optimizer, decay_mask)
-        update = stage.make_update(optimizer)
-        c = Components(module, loss_fn, stage, policy, optimizer, schedule, cfg.train.grad_clip, dist,
-                       update, on_nonfinite=cfg.train.on_nonfinite, grad_accum=cfg.train.grad_accum)
-        state = TrainState(step=0, params=tuple(setup.master), opt_state=c.update.init(list(setup.master)),
+        update = stage.make_update(component(cfg, "optimizer").build(cfg.optimizer, decay_mask))
+        unowned.callback(update.close)
+        c = Components(module, loss_fn, stage, policy, schedule, cfg.train.grad_clip, dist, update,
+                       on_nonfinite=cfg.train.on_nonfinite, grad_accum=cfg.train.grad_accum)
+        state = TrainState(step=0, params=tuple(setup.master), opt_state=update.init(list(setup.master)),
                            precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
-    except BaseException:
-        # No engine owns them: the stage's hooks and the offload worker go. (Sharded parameters stay
-        # sharded: a retry on this module is refused in one line.)
-        if update is not None:
-            update.close()
-        stage.close()
-        raise
+        unowned.pop_all()
     engine = Engine(c, state, cfg)
     module._framework_owner = _Owner(engine)
     return engine
@@ -329,8 +306,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
 
 def hidden_size_of(module: nn.Module) -> int | None:
     """The hidden size for DeepSpeed's "auto" bucket sizes (Hugging Face or our GPT), or None."""
-    places = [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]
-    for holder, name in places:
+    for holder, name in [("config", "hidden_size"), ("config", "n_embd"), ("config", "d_model"), ("cfg", "d_model")]:
         value = getattr(getattr(module, holder, None), name, None)
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -32,12 +32,11 @@ class ModuleInit:
     """A module's own ``init_parameter`` (our GPT's); without one, and for meta buffers, fails naming the fix."""
 
     def __init__(self, module: nn.Module):
-        self.own = module.init_parameter if isinstance(module, ParameterInit) else None
-        self.kind = type(module).__name__
+        self.module, self.kind = module, type(module).__name__
 
     def init_parameter(self, name: str, t: torch.Tensor) -> None:
-        if self.own is not None:
-            return self.own(name, t)
+        if isinstance(self.module, ParameterInit):
+            return self.module.init_parameter(name, t)
         raise ConfigError(f"parameter {name!r} is on the meta device but {self.kind} has no "
                           f"init_parameter(name, tensor) method to initialise it; build the model on a real "
                           f"device or add that method")

@@ -48,8 +48,7 @@ FORMAT = 1   # of the name-keyed state dict (``framework.persist.layout``)
 def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[dict[str, list], dict[str, Any]]:
     """An optimizer state's leaves by path (``'0.mu'``: chain index, then field name): (per-element
     leaves: tensor lists aligned with ``params``, scalar leaves: everything else)."""
-    per: dict[str, list] = {}
-    scalars: dict[str, Any] = {}
+    per, scalars = {}, {}
     _rebuild(opt_state, params, per.__setitem__, scalars.__setitem__)
     return per, scalars
 
@@ -57,11 +56,8 @@ def optimizer_leaves(opt_state: Any, params: Sequence[torch.Tensor]) -> tuple[di
 def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[str, Any]) -> Any:
     """``opt_state`` with its scalar leaves replaced by ``scalars`` (paths as ``optimizer_leaves``);
     per-element leaves are kept (same tensors), a tensor scalar is overwritten in place."""
-
-    def scalar(path: str, leaf: Any) -> Any:
-        return leaf.copy_(scalars[path]) if isinstance(leaf, torch.Tensor) else scalars[path]
-
-    return _rebuild(opt_state, params, lambda path, leaf: leaf, scalar)
+    return _rebuild(opt_state, params, lambda path, leaf: leaf,
+                    lambda path, leaf: leaf.copy_(scalars[path]) if isinstance(leaf, torch.Tensor) else scalars[path])
 
 
 def _rebuild(tree: Any, params: Sequence[torch.Tensor], per: Callable, scalar: Callable, path: str = "") -> Any:

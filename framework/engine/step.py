@@ -21,7 +21,6 @@ from framework.core.batch import Batch
 from framework.comm.distributed import Dist
 from framework.core.errors import DataError, TrainingError
 from framework.core.utils import few
-from framework.optimizers import GradientTransformation
 from framework.precision import Policy, next_scale
 from framework.stages.base import BaseStage
 from framework.engine.state import TrainState, capture_rng, restore_rng
@@ -36,7 +35,6 @@ class Components:
     loss_fn: LossFn
     stage: BaseStage
     policy: Policy
-    optimizer: GradientTransformation
     schedule: Callable[[int], float]
     grad_clip: float              # 0 disables clipping
     dist: Dist
@@ -45,11 +43,10 @@ class Components:
     grad_accum: int = 1           # micro batches per step (train.grad_accum): the length of every Batch
 
 
-def build_train_step(c: Components, applying: Callable[[int], None] | None = None
+def build_train_step(c: Components, applying: Callable[[int], None]
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """``applying(step)`` is called when the optimizer update of ``step`` first changes the state in
-    place beyond what ``abort`` undoes (``Update.apply`` says when): an exception from then on (Ctrl-C
-    included) leaves it half-applied, so the caller must not step from that state again."""
+    """``applying(step)``: the update of ``step`` now changes the state beyond what ``abort`` undoes (see
+    ``framework.engine.update``); after an exception (Ctrl-C included) the caller must not step from it."""
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         if not isinstance(batch, Batch):
             batch = Batch(tuple(batch))
@@ -60,12 +57,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
         # The step draws (dropout, ...) from the state's generators; the caller's are put back after,
         # also on error, so the caller's own draws between steps go on as if no step ran. (A CUDA
         # generator's state is a host value: saving and setting it syncs nothing.)
-        caller = capture_rng(c.dist.device)
-        restore_rng(state.rng, c.dist.device)
-        try:
+        with torch.random.fork_rng([c.dist.device] if c.dist.device.type == "cuda" else [], device_type="cuda"):
+            restore_rng(state.rng, c.dist.device)
             return _step(state, batch)
-        finally:
-            restore_rng(caller, c.dist.device)
 
     def _step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         scale = state.precision.cur_scale
@@ -104,12 +98,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
             opt_state = state.opt_state
             precision = next_scale(c.policy.scaler, state.precision, overflow,
                                    culprits=lambda: c.stage.nonfinite_names(grads))
-            if not overflow:
-                coef = 1.0 / scale
-                if c.grad_clip > 0 and norm > c.grad_clip:
-                    coef *= c.grad_clip / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s rule
-                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr,
-                                           applying=None if applying is None else partial(applying, state.step + 1))
+            if not overflow:   # (clipped as torch.nn.utils.clip_grad_norm_ does)
+                coef = 1.0 / scale * (c.grad_clip / (norm + 1e-6) if 0 < c.grad_clip < norm else 1.0)
+                opt_state = c.update.apply(grads, coef, opt_state, state.params, lr, partial(applying, state.step + 1))
         except BaseException:
             # A step that failed before the update leaves no trace: optimizer state as it was, no
             # gradients kept (one that failed in it is half-applied: ``applying`` told the caller).
@@ -119,10 +110,9 @@ def build_train_step(c: Components, applying: Callable[[int], None] | None = Non
         c.stage.zero_grads()
         metrics = {"loss": mean_loss, "lr": lr, "grad_norm": norm, "loss_scale": scale,
                    "skipped": overflow, **({"nonfinite": True} if nonfinite else {}), **c.stage.stats()}
-        new = replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
-                      rng=capture_rng(c.dist.device),
-                      data=batch.position if batch.position is not None else state.data + 1)
-        return new, metrics
+        return replace(state, step=state.step + 1, opt_state=opt_state, precision=precision,
+                       rng=capture_rng(c.dist.device),
+                       data=batch.position if batch.position is not None else state.data + 1), metrics
 
     return train_step
 

@@ -31,8 +31,7 @@ class RunInfo:
 
     @property
     def job(self) -> str | None:
-        """A multirun job's name (the overrides that say which job it is), which keys its folder
-        under an explicit checkpoint.dir."""
+        """A multirun job's name, which keys its folder under an explicit checkpoint.dir."""
         return (self.key if self.key is not None else self.name) if self.group else None
 
 
@@ -46,17 +45,14 @@ class NullLogger:
 
 
 class RunRecord:
-    """Rank 0's logger: metrics.jsonl (one record per logged step of this run's history) plus an
-    atomically written summary.json, then the configured ``logger``.
+    """Rank 0's logger: metrics.jsonl (one record per logged step) plus an atomically written summary.json,
+    then the configured ``logger``.
 
-    ``start``: the step this run's record goes on from (0: a new record, also for a resume from another
-    folder's checkpoint; else the step of this folder's own checkpoint it resumed). Records of later
-    steps in the folder (an earlier run's, or steps after that checkpoint) would repeat or mix with
-    this run's: the whole file is set aside as ``metrics.jsonl.N`` first, and on a new record an
-    earlier ``summary.json`` too (``summary.json.N``), so nothing is lost. That happens in ``start``,
-    once the configured logger started: a run it refuses (W&B) leaves the folder's records as they were.
-
-    No room to write them (a full disk, a file size limit, a quota) ends the run with one line."""
+    ``start``: the step this run's record goes on from (0: a new record; else the step of this folder's
+    own checkpoint it resumed). Later records in the folder would repeat or mix with this run's: the file is
+    set aside as ``metrics.jsonl.N`` first (on a new record ``summary.json`` too), so nothing is lost; only
+    once the configured logger started (a run W&B refuses leaves the folder as it was). No room to write
+    (a full disk, a file size limit, a quota) ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
@@ -95,12 +91,9 @@ class RunRecord:
         finally:
             if self._metrics is not None:
                 metrics, self._metrics = self._metrics, None
-                if self._full:   # the failed write's error ends the run, not a second one of the same kind
-                    with contextlib.suppress(OSError):
-                        metrics.close()
-                else:
-                    with self._room("metrics.jsonl"):
-                        metrics.close()
+                # (after a write found no room, that write's error ends the run, not a second one of its kind)
+                with contextlib.suppress(OSError) if self._full else self._room("metrics.jsonl"):
+                    metrics.close()
 
     @contextlib.contextmanager
     def _room(self, name: str):
@@ -111,10 +104,9 @@ class RunRecord:
             if e.errno not in FULL:
                 raise
             self._full = True
-            try:
+            free = ""
+            with contextlib.suppress(OSError):
                 free = f"; {size(free_bytes(self.run_dir))} free"
-            except OSError:
-                free = ""
             raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}{free}): free space, "
                                  f"raise the file size limit (ulimit -f) or quota, or choose a run folder on a "
                                  f"larger disk") from None
@@ -178,10 +170,10 @@ def _step(line: str) -> float:
 class _Sink:
     """A stream (train.log, or the console) whose failing write (no room on the disk, a file size limit, a
     console that is gone) ends it, not the run: what failed becomes a note, given once (``note``) for the
-    other stream to carry; ``on_fail`` gets the error."""
+    other stream to carry."""
 
-    def __init__(self, stream, says: str, on_fail=None):
-        self.stream, self.says, self.on_fail = stream, says, on_fail
+    def __init__(self, stream, says: str):
+        self.stream, self.says = stream, says
         self.gone: bool | str = False   # once gone: the note, until given (True)
 
     def do(self, act, *args) -> None:
@@ -191,8 +183,12 @@ class _Sink:
             act(*args)
         except (OSError, ValueError) as e:
             self.gone = self.says.format(e)
-            if self.on_fail is not None:
-                self.on_fail(e)
+            if isinstance(e, BrokenPipeError):
+                # Its reader (of the console: ``| head``) is gone for good: the descriptor writes to nowhere,
+                # so that nothing printed later (the console's own buffer flushed at exit included) fails
+                # with a traceback.
+                with contextlib.suppress(AttributeError, OSError, ValueError), open(os.devnull, "wb") as nowhere:
+                    os.dup2(nowhere.fileno(), self.stream.fileno())
 
     def write(self, text: str) -> None:
         self.do(self.stream.write, text)
@@ -205,10 +201,10 @@ class _Sink:
         with contextlib.suppress(OSError, ValueError):   # gone: what a failed write left buffered is dropped
             self.stream.close()
 
-    def note(self) -> str | None:
-        """The note that the stream is gone, once."""
+    def note(self) -> str:
+        """The note that the stream is gone, once ("" otherwise)."""
         if not isinstance(self.gone, str):
-            return None
+            return ""
         note, self.gone = self.gone, True
         return note
 
@@ -220,28 +216,15 @@ class _Tee:
 
     def __init__(self, terminal, log: _Sink):
         self.terminal, self.log = terminal, log
-        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n", self._nowhere)
+        self.console = _Sink(terminal, "(the console is gone: {}; this log goes on alone)\n")
 
     def write(self, text: str) -> int:
         self.console.write(text)
         self.log.write(text)
         if text.endswith("\n"):   # (notes on a line of their own)
-            if (note := self.console.note()) is not None:
-                self.log.write(note)
-            if (note := self.log.note()) is not None:
-                self.console.write(note)
+            self.log.write(self.console.note())
+            self.console.write(self.log.note())
         return len(text)
-
-    def _nowhere(self, e: Exception) -> None:
-        if isinstance(e, BrokenPipeError):
-            # Its reader is gone for good: the descriptor writes to nowhere, so that nothing printed
-            # later (the console's own buffer flushed at exit included) fails with a traceback.
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                nowhere = os.open(os.devnull, os.O_WRONLY)
-                try:
-                    os.dup2(nowhere, self.terminal.fileno())
-                finally:
-                    os.close(nowhere)
 
     def log_only(self, text: str) -> None:
         """What a live progress bar shows on the console, as plain lines in the log; and a line that
@@ -279,7 +262,7 @@ def console_log(path: Path):
     finally:
         sys.stdout, sys.stderr = out, err
         log.close()
-        if (note := log.note()) is not None:
+        if note := log.note():
             say(note.rstrip("\n"), err)
 
 

@@ -137,8 +137,7 @@ def check(cfg: WandbConfig, stage: str, nodes: Mapping[str, Any]) -> WandbConfig
     if cfg.mode is None and env and env not in MODES:
         raise ConfigError(f"the environment variable WANDB_MODE={env!r} is not one of {', '.join(MODES)}; "
                           "fix or unset it, or set logger.mode")
-    bad = sorted(set(FORBIDDEN) & set(cfg.project))
-    if bad:
+    if bad := sorted(set(FORBIDDEN) & set(cfg.project)):
         raise ConfigError(f"logger.project={cfg.project!r} has a character W&B refuses ({' '.join(bad)}); "
                           f"choose a name without any of {' '.join(FORBIDDEN)}")
     if len(cfg.project) > PROJECT_MAX:

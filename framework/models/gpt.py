@@ -39,8 +39,7 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"model.{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
-            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by "
-                              f"model.n_head ({self.n_head})")
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -56,8 +55,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         q, k, v = rearrange(self.qkv(x), "b t (three h e) -> three b h t e", three=3, h=self.n_head)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_drop(self.proj(rearrange(y, "b h t e -> b t (h e)")))
 
 
@@ -124,7 +122,7 @@ class GPT(nn.Module):
         materialising one parameter at a time gets the values of a model built whole."""
         if name.endswith(".bias"):
             t.zero_()
-        elif ".ln" in f".{name}" or name.startswith("ln_f"):
+        elif ".ln" in f".{name}":
             t.fill_(1.0)  # LayerNorm weight
         else:
             # A CPU generator whatever t's device: an accelerator's draws differ from the CPU's, and a model

@@ -85,8 +85,7 @@ def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
 
 
 def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
-    """The files ``model.config`` / ``model.pretrained`` name, read when the config is checked: a missing one
-    is refused before the run folder is made."""
+    """A missing ``model.config`` / ``model.pretrained`` file is refused before the run folder is made."""
     _raw_config(cfg)
     return cfg
 
@@ -156,12 +155,9 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
                               f"pass the model to framework.initialize, or use model.config to train one from scratch")
         if (file.parent / "generation_config.json").is_file():   # e.g. a chat model's eos ids, kept on export
             model.generation_config = transformers.GenerationConfig.from_pretrained(file.parent)
-    if cfg.activation_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None)   # (transformers 5's name; older: below)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.activation_checkpointing:   # (transformers 5 calls it activation_checkpointing, older ones gradient_)
+        what = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+        getattr(model, f"{what}_checkpointing_enable")(**{f"{what}_checkpointing_kwargs": {"use_reentrant": False}})
     return model
 
 
@@ -171,20 +167,17 @@ def _one_line(e: BaseException) -> str:
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
-    """Each checkpoint key -> the model tensor name it loads into, as transformers' ``from_pretrained`` maps
-    keys: one the model lacks under ``base_model_prefix`` added or stripped (a base model's checkpoint, e.g. the
-    hub's GPT-2, into a causal LM); ``None`` for an unmatched key the class ignores on load
-    (``_keys_to_ignore_on_load_unexpected``, e.g. GPT-2's old ``attn.bias`` buffers, and as transformers adds
-    for every model: old per-layer ``rotary_emb.inv_freq`` and persistent ``position_ids`` buffers where the
-    model has such buffers now). ``names``: the model's tensor names. Anything else maps to itself
-    (unexpected, for a strict load to report)."""
+    """Each checkpoint key -> the model tensor name (of ``names``) it loads into, as ``from_pretrained`` maps
+    keys: ``base_model_prefix`` added or stripped where the model lacks the key (e.g. the hub's GPT-2 into a
+    causal LM); ``None`` for an unmatched key the class ignores on load (``_keys_to_ignore_on_load_unexpected``,
+    e.g. GPT-2's old ``attn.bias``, and old ``rotary_emb.inv_freq`` / ``position_ids`` buffers where the model
+    has such buffers now). Anything else maps to itself (unexpected, for a strict load to report)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
     patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
     buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
-    if any(n.endswith("rotary_emb.inv_freq") for n in buffers):
-        patterns.add(r"rotary_emb\.inv_freq")
-    if any(n.endswith("position_ids") for n in buffers):
-        patterns.add(r"(^|\.)position_ids$")
+    for suffix, pattern in (("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"), ("position_ids", r"(^|\.)position_ids$")):
+        if any(n.endswith(suffix) for n in buffers):
+            patterns.add(pattern)
     ignore = re.compile("|".join(f"({p})" for p in patterns)) if patterns else None
     keys = list(keys)
     out: dict[str, str | None] = {k: k for k in keys if k in names}
@@ -245,6 +238,7 @@ class HFInit:
 
     def _init(self, name: str, t: Tensor, parameter: bool) -> None:
         path, _, key = name.rpartition(".")
+        kind = "parameter" if parameter else "buffer"
         chain = [path]   # the owner, then each ancestor up to the root ("")
         while chain[-1]:
             chain.append(chain[-1].rpartition(".")[0])
@@ -262,7 +256,6 @@ class HFInit:
                 written = slots[key]
                 _constructor_init(owner, key, written)
         except Exception as e:  # noqa: BLE001 - e.g. an init that reads a sibling tensor, still on meta here
-            kind = "parameter" if parameter else "buffer"
             raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} cannot be materialised from the meta "
                               f"device: its _init_weights failed on {type(owner).__name__} with only this tensor real "
                               f"({_one_line(e)}); build the model on a real device instead") from None
@@ -271,7 +264,6 @@ class HFInit:
         if written is not tensor:  # an init that assigned a new tensor instead of writing in place
             host.copy_(written.detach())
         if _poisoned(host):
-            kind = "parameter" if parameter else "buffer"
             raise ConfigError(f"{kind} {name!r} of {type(self.shadow).__name__} is not initialised by its "
                               f"_init_weights ({type(owner).__name__} is not covered), so it cannot be materialised "
                               f"from the meta device; build the model on a real device instead")
