@@ -35,7 +35,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
                                      zero2_rows, zero3_rows)
 from framework.cli import run_command
 from framework.config import compose
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.registry import registry
 from framework.core.units import GiB, MiB
 from framework.models.gpt import GPTConfig
@@ -56,7 +56,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         config = transformers.AutoConfig.from_pretrained(str(config_path))
     except (OSError, ValueError) as e:
         raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
-                          f"{str(e).splitlines()[0]}") from None
+                          f"{first_line(e)}") from None
     # transformers builds a model of -1 layers without a word (and fails later, in its forward)
     for conf in {id(c): c for c in (config, _text_config(config))}.values():
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
@@ -75,7 +75,7 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
                 return transformers.AutoModel.from_config(config)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError) as e:
         raise ConfigError(f"estimate: cannot build a model from {config_path}: {type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+                          f"{first_line(e)}") from None
 
 
 def resolve_model(value: str, overrides: list[str]):

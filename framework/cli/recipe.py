@@ -29,7 +29,7 @@ import yaml
 
 from framework.comm.distributed import gpu_count
 from framework.core import files
-from framework.core.errors import DataError, FrameworkError
+from framework.core.errors import DataError, FrameworkError, first_line
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.registry import closest_hint
 from framework.core.units import MiB
@@ -427,7 +427,7 @@ def _file(out: Path | None, c: dict) -> dict:
     try:
         v = get_key(json.loads(path.read_text()), c["key"])
     except ValueError as e:   # e.g. a command killed while writing it
-        return {"check": c, "passed": False, "message": f"{head}: {path.name} is malformed ({str(e).splitlines()[0]})"}
+        return {"check": c, "passed": False, "message": f"{head}: {path.name} is malformed ({first_line(e)})"}
     return {"check": c, "passed": _bound_ok(v, c), "message": f"{head}: {_num(v)}", "value": v}
 
 

@@ -25,7 +25,7 @@ from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
 from framework.core import files
-from framework.core.errors import FrameworkError
+from framework.core.errors import FrameworkError, first_line
 from framework.core.units import MiB
 
 
@@ -130,7 +130,7 @@ def _parsed(path: Path, parse):
     try:
         return parse(path.read_text())
     except (ValueError, yaml.YAMLError) as e:
-        raise FrameworkError(f"report: {path} is malformed ({str(e).splitlines()[0]}); fix or remove it") from None
+        raise FrameworkError(f"report: {path} is malformed ({first_line(e)}); fix or remove it") from None
 
 
 def _records(text: str) -> list[dict]:

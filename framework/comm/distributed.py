@@ -26,7 +26,7 @@ import torch.distributed.nn.functional  # noqa: F401  (import order matters, see
 
 from framework.comm.accelerator import Accelerator, for_device
 from framework.comm.collectives import CheckedWork, Collectives, collectives_for
-from framework.core.errors import ConfigError, DistributedError, FrameworkError
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,7 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
                                  device_id=device_id)
     except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
         text = str(e)
-        why = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+        why = first_line(e)
         if "Duplicate GPU" in text:   # NCCL's own check, at the eager init device_id asks for
             why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's "
                    f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): bind a GPU of its own to "
@@ -457,7 +457,7 @@ def agree(dist, fn: Callable[[], object], what: str):
         result = fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine = e
-    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {str(mine).splitlines()[0]}",
+    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {first_line(mine)}",
                                   what=what)
     if mine is not None:
         raise mine

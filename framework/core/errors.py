@@ -34,6 +34,12 @@ def say(line: str, out=None) -> None:
         out.log_only(text)
 
 
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message for a one-line report, or its type's name when the message is empty
+    (``raise OSError()``, a bare ``assert``)."""
+    return next(iter(str(error).strip().splitlines()), type(error).__name__)
+
+
 class FrameworkError(Exception):
     """Base class for user-facing errors: the message says what is wrong and how to fix it."""
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from framework.core import files, units
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.room import FULL, free_bytes
 from framework.core.units import MiB, size
 from framework.core.utils import dtype_name, few
@@ -123,12 +123,11 @@ def _torch_file(path: Path) -> dict[str, torch.Tensor]:
                 raise
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"load_weights: refused {path}: it is not a plain tensor state dict (loaded with "
-                          f"weights_only=True, nothing in it ran): {first}") from None
+                          f"weights_only=True, nothing in it ran): {first_line(e)}") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise ConfigError(f"load_weights: cannot read {path} as a torch state dict: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                          f"{first_line(e)}") from None
     bad = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)] if isinstance(sd, dict) else None
     if bad is None or bad:
         what = type(sd).__name__ if bad is None else f"non-tensor entries {few(bad, 20, str)}"

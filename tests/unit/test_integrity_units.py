@@ -543,3 +543,26 @@ def test_positional_io_refuses_a_strided_or_device_tensor(tmp_path):
                     call(fd, bad, 0)
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("error", [AssertionError(), OSError(), RuntimeError("\n")])
+def test_a_rank_failing_without_a_message_is_still_heard_by_its_peers(error):
+    """``agree`` sends each rank's failure to its peers before raising it: one without a message (a bare
+    ``assert``, ``raise OSError()``) raised IndexError before the exchange, and its peers waited the timeout."""
+    from framework.comm.distributed import agree
+
+    class Sent(Exception):
+        pass
+
+    class Dist:
+        rank = 1
+
+        def all_gather_object(self, obj, what):
+            raise Sent(obj)
+
+    def fail():
+        raise error
+
+    with pytest.raises(Sent) as got:
+        agree(Dist(), fail, "saving")
+    assert got.value.args[0] == f"rank 1: {type(error).__name__}"
