@@ -17,8 +17,7 @@ from pathlib import Path
 
 from framework.core import files
 from framework.core.errors import FrameworkError, Interrupted, Terminated, say
-from framework.core.room import FULL, free_bytes
-from framework.core.units import size
+from framework.core.room import FULL, free_note
 
 
 @dataclass(frozen=True)
@@ -104,10 +103,8 @@ class RunRecord:
             if e.errno not in FULL:
                 raise
             self._full = True
-            free = ""
-            with contextlib.suppress(OSError):
-                free = f"; {size(free_bytes(self.run_dir))} free"
-            raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}{free}): free space, "
+            raise FrameworkError(f"no room to write {name} in {self.run_dir} ({e.strerror or e}"
+                                 f"{free_note(self.run_dir, '; {} free')}): free space, "
                                  f"raise the file size limit (ulimit -f) or quota, or choose a run folder on a "
                                  f"larger disk") from None
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from framework.core import files
-from framework.core.errors import ConfigError
+from framework.core.errors import ConfigError, first_line
 from framework.loggers._base import Console, RunInfo
 from framework.core.registry import Component
 
@@ -109,7 +109,7 @@ def key_configured() -> bool:
     try:
         return authenticate(host=host, source="logger=wandb", prompt=False, update_session=False) is not None
     except Error as e:   # (AuthenticationError: a key of the wrong form)
-        raise ConfigError(f"logger=wandb: {str(e).strip().splitlines()[0]}; fix WANDB_API_KEY "
+        raise ConfigError(f"logger=wandb: {first_line(e)}; fix WANDB_API_KEY "
                           f"(or `wandb login`), or set logger.mode=offline") from None
 
 

@@ -19,7 +19,7 @@ import torch
 
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError, first_line
-from framework.core.room import FULL, free_bytes
+from framework.core.room import FULL, free_bytes, free_note
 from framework.core.units import MiB, size
 from framework.core.utils import dtype_name, few
 from framework.persist import stepfolders
@@ -333,12 +333,8 @@ def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
     except OSError as e:
         hint = "; choose a writable folder"
         if e.errno in FULL:   # no room: the sizes and the fix
-            try:
-                free = f", {size(free_bytes(out_dir))} free"
-            except OSError:
-                free = ""
             hint = (f"; no room on the disk or a file size limit (the files need {size(sum(p.size for p in plans))}"
-                    f"{free}): free space or choose a folder on a larger disk")
+                    f"{free_note(out_dir, ', {} free')}): free space or choose a folder on a larger disk")
         raise FrameworkError(f"{what}: cannot write {e.filename or out_dir} ({e.strerror or e}){hint}"
                              "; nothing there was replaced") from None
 
