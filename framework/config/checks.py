@@ -55,8 +55,7 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         key = key.removesuffix("_") if key.endswith("async_") else key   # as YAML spells the field

@@ -179,9 +179,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     config = validate(cfg, choices)
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
-    return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=config.notices + tuple(t.notices(strict, resolved.inert,
-                                                                             resolved.notes)))
+    notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices)
 
 
 def choice_override(group: str, name: str) -> str:
@@ -245,21 +244,14 @@ class CommandLine:
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:
     """Where each value of ``config`` came from: our defaults < YAML < the DeepSpeed file
     (``layered``) < the command line."""
-    def yaml_keys(path: Path, prefix: str) -> set[str]:
+    in_yaml = {f"{g}.name" for g in GROUPS if g != "stage"}   # train.yaml's defaults list chooses all but stage
+    for prefix, path in (("", conf_dir() / "train.yaml"),
+                         *((f"{g}.", conf_dir() / g / f"{config.choices[g]}.yaml") for g in GROUPS)):
         node = plainconf.load_yaml(path) if path.is_file() else {}
-        return set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
-
-    in_yaml = yaml_keys(conf_dir() / "train.yaml", "")
-    for g in GROUPS:
-        in_yaml |= yaml_keys(conf_dir() / g / f"{config.choices[g]}.yaml", f"{g}.")
-        if g != "stage":  # the defaults list of train.yaml chooses every group but stage
-            in_yaml.add(f"{g}.name")
+        in_yaml |= set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
     out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
-    above = {**(layered or {}), **dict.fromkeys(cli.keys, dsconfig.COMMAND_LINE)}   # only keys the config has
-    out.update({k: label for k, label in above.items() if k in out})
-    for g in cli.choices:
-        out[f"{g}.name"] = dsconfig.COMMAND_LINE
-    if cli.ds_config is not None:
-        out["ds_config"] = dsconfig.COMMAND_LINE
+    on_cli = [*cli.keys, *(f"{g}.name" for g in cli.choices), *(["ds_config"] if cli.ds_config is not None else [])]
+    above = {**(layered or {}), **dict.fromkeys(on_cli, dsconfig.COMMAND_LINE)}
+    out.update({k: label for k, label in above.items() if k in out})   # only keys the config has
     return out
 

@@ -66,8 +66,6 @@ def value(text: str) -> Any:
     """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
     strings, and [a, b] lists of those."""
     text = text.strip()
-    if text == "":
-        return ""
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
@@ -114,9 +112,7 @@ def _split(inner: str) -> list[str]:
 def load_yaml(path: Path) -> dict:
     import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
 
-    with open(path) as f:
-        node = yaml.safe_load(f)
-    return dict(node or {})
+    return dict(yaml.safe_load(path.read_text()) or {})
 
 
 def plain_composer(overrides: list[str], *, config_dir: str | None = None,
