@@ -43,8 +43,8 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                                   f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
             match = closest(key, valid)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
-            where = f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid else \
-                f"{group}={option} has no keys"
+            where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
+                     else f"{group}={option} has no keys")
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
             _check_keys(value, hints[key], f"{prefix}{key}.")
