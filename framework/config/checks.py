@@ -23,37 +23,31 @@ from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
 def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> None:
-    """``option``: the chosen name of the group ``prefix`` names (a key of another of its options
-    is told apart from a typo)."""
+    """``option``: the chosen name of the group ``prefix`` names: a key of its other options is told
+    apart from a typo, with both ways out (the option may be the default or the user's own choice;
+    stage is not in train.yaml's defaults list, so Hydra adds it with +)."""
+    group = prefix.rstrip(".")
     if not isinstance(node, Mapping):
-        raise ConfigError(f"config: {prefix.rstrip('.') or 'config'} must be a mapping, got {node!r}")
+        raise ConfigError(f"config: {group or 'config'} must be a mapping, got {node!r}")
     hints = typing.get_type_hints(schema)
     valid = [f.name for f in dataclasses.fields(schema)]
     for key, value in node.items():
         if key not in valid:
-            if option is not None:
-                _other_option(prefix.rstrip("."), option, key, value)
+            owners = [] if option is None else [n for n in registry(group).names() if n != option and key in
+                                                {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
+            if owners:
+                spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
+                choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
+                named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
+                raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
+                                  f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
             match = closest(key, valid)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
-            where = (f"valid keys under {prefix.rstrip('.') or 'the top level'}: {', '.join(valid)}" if valid
-                     else f"{prefix.rstrip('.')}={option} has no keys")
+            where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
+                     else f"{group}={option} has no keys")
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
             _check_keys(value, hints[key], f"{prefix}{key}.")
-
-
-def _other_option(group: str, option: str, key: str, value: Any) -> None:
-    """A key of other options of ``group`` than the chosen one: which options have it, and both ways
-    out (the option may be the default or the user's own choice; stage is not in train.yaml's
-    defaults list, so Hydra adds it with +)."""
-    owners = [n for n in registry(group).names() if n != option
-              and key in {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
-    if owners:
-        spelled = str(value).lower() if isinstance(value, bool) else "null" if value is None else value
-        choose = f"{'+' if group == 'stage' else ''}{group}={owners[0]}"
-        named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
-        raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
-                          f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
 
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:
@@ -61,8 +55,7 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
         key = key.removesuffix("_") if key.endswith("async_") else key   # as YAML spells the field
@@ -140,10 +133,7 @@ def _check_numbers(node: Any, prefix: str) -> None:
         value, key = getattr(node, f.name), f"{prefix}{f.name.rstrip('_')}"
         if dataclasses.is_dataclass(value):
             _check_numbers(value, f"{key}.")
-            continue
-        for v in (value if isinstance(value, (list, tuple)) else [value]):
-            if isinstance(v, bool):
-                continue
+        for v in (value if isinstance(value, (list, tuple)) else [value]):   # (a bool is an int within range)
             if isinstance(v, float) and not math.isfinite(v):
                 raise ConfigError(f"config: {key}={v} is not a finite number; give a finite value")
             if isinstance(v, int) and not -INT_LIMIT <= v < INT_LIMIT:

@@ -104,12 +104,9 @@ def compose(overrides: list[str] | tuple[str, ...] = (), *, ds_config: str | Pat
     dist.nproc) sizes its batch triple; its "auto" bucket sizes use ``hidden_size``, or the model
     config's d_model when ``hidden_from_model``.
     """
-    if isinstance(overrides, str):   # list() below would split it into one-character overrides
-        raise ConfigError(f"config: overrides must be a list of strings, not the string {overrides!r}; "
-                          f"pass [{overrides!r}]")
     if config_dir is not None or config_name != "train":
         composer = functools.partial(standalone_composer, config_dir=config_dir, config_name=config_name)
-    return compose_layers(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size,
+    return compose_layers(overrides, ds_config=ds_config, world=world, hidden_size=hidden_size,
                           hidden_from_model=hidden_from_model, composer=composer)[1]
 
 
@@ -120,6 +117,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if isinstance(overrides, str):   # (a str would be taken for a list of one-character overrides)
         raise ConfigError(f"config: overrides must be a list of strings, not the string {overrides!r}; "
                           f"pass [{overrides!r}]")
+    overrides = list(overrides)
     if world is not None and world < 1:
         raise ConfigError(f"config: world={world}: the number of ranks must be >= 1")
     cli = CommandLine.parse(overrides)
@@ -145,19 +143,17 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     errors = list(t.errors)
     if strict and t.unknown:
         errors.append("keys DeepSpeed does not know (ds_config_strict=true): " + ", ".join(t.unknown))
+    if len(errors) == 1:
+        raise ConfigError(f"ds_config: {errors[0]}")
     if errors:
-        if len(errors) == 1:
-            raise ConfigError(f"ds_config: {errors[0]}")
-        raise ConfigError("ds_config: " + f"{len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
+        raise ConfigError(f"ds_config: {len(errors)} problems:\n" + "\n".join(f"  - {e}" for e in errors))
     base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
-        env_world = env_int("WORLD_SIZE", 1)
-        world = env_world if env_world > 1 else base.dist.nproc
+        world = env_world if (env_world := env_int("WORLD_SIZE", 1)) > 1 else base.dist.nproc
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
-    warmup = None
-    stated = t.settings.get("scheduler.warmup_num_steps")
+    warmup, stated = None, t.settings.get("scheduler.warmup_num_steps")
     if stated is not None and stated.source == dsconfig.DS_FILE and "scheduler.warmup_num_steps" not in cli.keys:
         # Hugging Face's warm-up steps: those of the scheduler the run itself chooses (YAML, command
         # line), not the default of the file's scheduler group.
@@ -171,31 +167,26 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # The DeepSpeed layer goes under the command line: its values are set on the composed tree
     # wherever the command line did not set (or delete) the key, as ++key=value before the
     # command line's overrides would.
-    cfg = _set_keys(cfg, {k: v for k, v in resolved.values.items() if k not in cli.keys | cli.deleted})
+    for key, value in resolved.values.items():
+        if key in cli.keys | cli.deleted:
+            continue
+        if isinstance(cfg, dict):   # the plain composer's tree
+            plainconf.set_key(cfg, plainconf.Override("++", key, value))
+        else:   # what Hydra does for ++key=value
+            from omegaconf import OmegaConf
+
+            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
     config = validate(cfg, choices)
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
-    return cfg, dataclasses.replace(config, ds_config=label, sources=sources,
-                                    notices=config.notices + tuple(t.notices(strict, resolved.inert,
-                                                                             resolved.notes)))
+    notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices)
 
 
 def choice_override(group: str, name: str) -> str:
     """The override choosing ``name`` for ``group`` (a DeepSpeed file's choice): ``+stage=`` as no
     defaults list of ours chooses a stage."""
     return f"{'+' if group == 'stage' else ''}{group}={name}"
-
-
-def _set_keys(cfg: Any, values: Mapping[str, Any]) -> Any:
-    if isinstance(cfg, dict):   # the plain composer's tree
-        for key, value in values.items():
-            plainconf.set_key(cfg, plainconf.Override("++", key, value))
-        return cfg
-    from omegaconf import OmegaConf
-
-    for key, value in values.items():   # what Hydra does for ++key=value
-        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
-    return cfg
 
 
 @dataclass(frozen=True)
@@ -253,21 +244,14 @@ class CommandLine:
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:
     """Where each value of ``config`` came from: our defaults < YAML < the DeepSpeed file
     (``layered``) < the command line."""
-    def yaml_keys(path: Path, prefix: str) -> set[str]:
+    in_yaml = {f"{g}.name" for g in GROUPS if g != "stage"}   # train.yaml's defaults list chooses all but stage
+    for prefix, path in (("", conf_dir() / "train.yaml"),
+                         *((f"{g}.", conf_dir() / g / f"{config.choices[g]}.yaml") for g in GROUPS)):
         node = plainconf.load_yaml(path) if path.is_file() else {}
-        return set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
-
-    in_yaml = yaml_keys(conf_dir() / "train.yaml", "")
-    for g in GROUPS:
-        in_yaml |= yaml_keys(conf_dir() / g / f"{config.choices[g]}.yaml", f"{g}.")
-        if g != "stage":  # the defaults list of train.yaml chooses every group but stage
-            in_yaml.add(f"{g}.name")
+        in_yaml |= set(flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")}, prefix))
     out = {k: dsconfig.YAML if k in in_yaml else dsconfig.DEFAULT for k in flat(config.to_dict())}
-    above = {**(layered or {}), **dict.fromkeys(cli.keys, dsconfig.COMMAND_LINE)}   # only keys the config has
-    out.update({k: label for k, label in above.items() if k in out})
-    for g in cli.choices:
-        out[f"{g}.name"] = dsconfig.COMMAND_LINE
-    if cli.ds_config is not None:
-        out["ds_config"] = dsconfig.COMMAND_LINE
+    on_cli = [*cli.keys, *(f"{g}.name" for g in cli.choices), *(["ds_config"] if cli.ds_config is not None else [])]
+    above = {**(layered or {}), **dict.fromkeys(on_cli, dsconfig.COMMAND_LINE)}
+    out.update({k: label for k, label in above.items() if k in out})   # only keys the config has
     return out
 

@@ -25,17 +25,17 @@ class Override:
 
 def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
-    prefix = "~" if line.startswith("~") else "++" if line.startswith("++") else "+" if line.startswith("+") else ""
-    body = line[len(prefix):]
-    key, eq, text = body.partition("=")
+    prefix = next((p for p in ("~", "++", "+") if line.startswith(p)), "")
+    key, eq, text = line[len(prefix):].partition("=")
     key = key.strip()
     if not key or (not eq and prefix != "~"):
         raise ConfigError(f"config: cannot parse override {line!r}; expected key=value")
-    brace, sweep = _scan(text)
-    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or sweep:
+    # an unquoted '{'; a comma outside quotes and brackets (a sweep)
+    marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
+    if any(c in text for c in ("${", "choice(", "range(", "glob(")) or "," in marks:
         raise ConfigError(f"config: override {line!r} uses Hydra syntax that needs Hydra (interpolation or "
                           f"sweep); install hydra-core or give a plain value")
-    if brace:
+    if "{" in marks:
         raise ConfigError(f"config: override {line!r} gives a mapping ({{...}}), which needs Hydra; install "
                           f"hydra-core or set its keys one by one ({key}.NAME=VALUE)")
     return Override(prefix, key, value(text) if eq else None)
@@ -62,18 +62,10 @@ def _walk(text: str) -> Iterator[tuple[str, bool, int]]:
         yield c, plain, depth
 
 
-def _scan(text: str) -> tuple[bool, bool]:
-    """(an unquoted '{', a comma outside quotes and brackets: a sweep) in ``text``."""
-    marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
-    return "{" in marks, "," in marks
-
-
 def value(text: str) -> Any:
     """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
     strings, and [a, b] lists of those."""
     text = text.strip()
-    if text == "":
-        return ""
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
@@ -120,9 +112,7 @@ def _split(inner: str) -> list[str]:
 def load_yaml(path: Path) -> dict:
     import yaml  # PyYAML: transformers needs it too, so it is there wherever torch's stack is
 
-    with open(path) as f:
-        node = yaml.safe_load(f)
-    return dict(node or {})
+    return dict(yaml.safe_load(path.read_text()) or {})
 
 
 def plain_composer(overrides: list[str], *, config_dir: str | None = None,
@@ -136,16 +126,11 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
     primary = load_yaml(conf / "train.yaml")
     defaults = primary.pop("defaults", [])
     primary.pop("hydra", None)
-    choices: dict[str, str] = {}
-    for entry in defaults:
-        if isinstance(entry, Mapping):
-            (group, name), = entry.items()
-            if str(group).startswith("override hydra/"):   # Hydra's own settings (its log file)
-                continue
-            choices[str(group)] = str(name)
+    # (override hydra/...: Hydra's own settings, its log file)
+    choices = {str(group): str(name) for entry in defaults if isinstance(entry, Mapping)
+               for group, name in entry.items() if not str(group).startswith("override hydra/")}
     parsed = [parse(o) for o in overrides]
-    is_choice = [o.key in GROUPS for o in parsed]
-    for o in [o for o, choice in zip(parsed, is_choice) if choice]:
+    for o in [o for o in parsed if o.key in GROUPS]:
         if o.prefix == "~":   # the group's choice dropped, as Hydra drops it from the defaults list
             line = o.key if o.value is None else f"{o.key}={o.value}"
             if o.key not in choices or (o.value is not None and choices[o.key] != str(o.value)):
@@ -169,8 +154,8 @@ def plain_composer(overrides: list[str], *, config_dir: str | None = None,
             raise ConfigError(f"config: no {path}")
         tree[group] = load_yaml(path)
     _merge(tree, primary)
-    for o, choice in zip(parsed, is_choice):
-        if not choice and o.key.split(".")[0] != "hydra":
+    for o in parsed:
+        if o.key not in GROUPS and o.key.split(".")[0] != "hydra":
             set_key(tree, o)
     return tree, {g: n for g, n in choices.items() if g in GROUPS}
 
@@ -190,13 +175,12 @@ def set_key(tree: dict, o: Override) -> None:
     *path, last = o.key.split(".")
     node = tree
     for part in path:
-        nxt = node.get(part)
-        if not isinstance(nxt, dict):
-            if o.prefix == "~":
+        if not isinstance(node.get(part), dict):
+            if o.prefix == "~":   # (refused below)
                 node = {}
                 break
-            nxt = node[part] = {}
-        node = nxt
+            node[part] = {}
+        node = node[part]
     if o.prefix == "~":
         if last not in node:
             raise ConfigError(f"config: Could not delete from config. '{o.key}' does not exist."
@@ -259,12 +243,10 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
         inner = args[0] if args else Any
         return [_convert(x, inner, f"{key}[{i}]") for i, x in enumerate(v)]
     if hint is bool:
-        if isinstance(v, bool):
-            return v
+        if isinstance(v, int) and v in (0, 1):   # bool too
+            return bool(v)
         if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "on", "off"):
             return v.lower() in ("true", "yes", "on")
-        if isinstance(v, int) and v in (0, 1):
-            return bool(v)
     elif hint in (int, float):
         # an int where a float is expected widens; a float where an int is expected is refused
         numeric = (int, float) if hint is float else (int,)

@@ -74,13 +74,10 @@ class Config(RootSchema):
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""
-        out = {"seed": self.seed, "train": dataclasses.asdict(self.train), "dist": dataclasses.asdict(self.dist),
-               # YAML spells the schema's async_ (a Python keyword) async
-               "checkpoint": {k.rstrip("_"): v for k, v in dataclasses.asdict(self.checkpoint).items()},
-               "ds_config": self.ds_config, "ds_config_strict": self.ds_config_strict}
-        for g in GROUPS:
-            out[g] = {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))}
-        return out
+        out = {k: getattr(self, k) for k in ROOT_KEYS}
+        for k in ("train", "dist", "checkpoint"):   # YAML spells the schema's async_ (a Python keyword) async
+            out[k] = {f.rstrip("_"): v for f, v in dataclasses.asdict(out[k]).items()}
+        return out | {g: {"name": self.choices[g], **dataclasses.asdict(getattr(self, g))} for g in GROUPS}
 
 
 def flat(tree: Mapping, prefix: str = "") -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Mapping
 
@@ -33,7 +34,7 @@ def load(source: str | Path | Mapping) -> dict:
         text = str(source)   # the padding restored: Hydra's override grammar takes no bare '='
         try:   # duplicate keys refused as in a file (json keeps the last one silently)
             data = json.loads(base64.urlsafe_b64decode(text + "=" * (-len(text) % 4)).decode(),
-                              object_pairs_hook=_no_duplicates("the base64-encoded config"))
+                              object_pairs_hook=partial(_no_duplicates, "the base64-encoded config"))
         except ConfigError:
             raise
         except ValueError:   # binascii.Error, UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -42,7 +43,7 @@ def load(source: str | Path | Mapping) -> dict:
             return data
         raise ConfigError(f"ds_config: no such file: {path}")
     try:
-        data = json.loads(path.read_text(), object_pairs_hook=_no_duplicates(str(path)))
+        data = json.loads(path.read_text(), object_pairs_hook=partial(_no_duplicates, str(path)))
     except json.JSONDecodeError as e:
         raise ConfigError(f"ds_config: {path}: line {e.lineno} column {e.colno}: {e.msg} "
                           f"(strict JSON: no comments or trailing commas)") from None
@@ -56,14 +57,12 @@ def load(source: str | Path | Mapping) -> dict:
     return data
 
 
-def _no_duplicates(where: str):
-    """A json object_pairs_hook refusing a key given twice in one object."""
-    def hook(pairs: list) -> dict:
-        if len(out := dict(pairs)) < len(pairs):
-            key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
-            raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
-        return out
-    return hook
+def _no_duplicates(where: str, pairs: list) -> dict:
+    """A json object_pairs_hook (``where`` bound) refusing a key given twice in one object."""
+    if len(out := dict(pairs)) < len(pairs):
+        key = next(k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i]))
+        raise ConfigError(f"ds_config: {where}: key {key!r} appears twice in one object")
+    return out
 
 
 __all__ = ["AUTO", "COMMAND_LINE", "DEFAULT", "DS_FILE", "YAML", "RunFacts", "load", "resolve", "translate"]

@@ -143,11 +143,10 @@ OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
                      "fp32_optimizer_states": (True, "optimizer states below fp32 are not implemented"),
                      "maximize": (False, "maximize is not implemented"),
                      "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
+WARMUP_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"}
 SCHEDULERS = {
-    "warmuplr": ("warmup_lr", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
-                               "warmup_type": "log"}),
-    "warmupdecaylr": ("warmup_decay_lr", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000,
-                                          "warmup_type": "log", "total_num_steps": None}),
+    "warmuplr": ("warmup_lr", WARMUP_DEFAULTS),
+    "warmupdecaylr": ("warmup_decay_lr", {**WARMUP_DEFAULTS, "total_num_steps": None}),
     "warmupcosinelr": ("warmup_cosine_lr", {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
                                             "cos_min_ratio": 0.0001, "warmup_type": "log", "total_num_steps": None}),
 }

@@ -152,9 +152,9 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         notes.append("the command line overrides the file: " + "; ".join(overridden))
     if leftover:
         mismatches.append("\"auto\" left over: " + ", ".join(leftover))
+    if len(mismatches) == 1:
+        raise ConfigError(f"ds_config: {mismatches[0]}")
     if mismatches:
-        if len(mismatches) == 1:
-            raise ConfigError(f"ds_config: {mismatches[0]}")
         raise ConfigError("ds_config: the file does not match the run's config:\n" +
                           "\n".join(f"  - {m}" for m in mismatches))
     return Resolved(values, sources, inert, notes)
