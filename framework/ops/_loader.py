@@ -90,20 +90,6 @@ def kernels_enabled() -> bool:
     return _on("FRAMEWORK_OPS")
 
 
-def settings() -> tuple[str | None, int | None]:
-    """FRAMEWORK_OPS_ISA (lower case) and FRAMEWORK_OPS_PREFETCH, None where unset or auto;
-    raises BuildUnavailable naming the variable and what it allows."""
-    isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
-    if isa not in ("", "auto") + ISAS:
-        raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
-                               f"{', '.join(ISAS)} (any case); fix or unset it")
-    text = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
-    if text not in ("", "auto") and not text.isdigit():
-        raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
-                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
-    return isa if isa in ISAS else None, int(text) if text.isdigit() else None
-
-
 def _import(directory: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")   # an extension loader
     module = importlib.util.module_from_spec(spec)
@@ -255,7 +241,14 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
     ``force``: compiled again in any case; ``retry``: compiled also over a recorded failure (an
     explicit build request: the failure may have been transient). Raises BuildUnavailable with the reason when neither
     works, or when FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH has a value they do not allow."""
-    isa, prefetch = settings()
+    isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
+    if isa not in ("", "auto") + ISAS:
+        raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
+                               f"{', '.join(ISAS)} (any case); fix or unset it")
+    prefetch = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
+    if prefetch not in ("", "auto") and not prefetch.isdigit():
+        raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
+                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
     directory = build_dir()
     module = None
     if _finished(directory) and not force:
@@ -270,10 +263,10 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
             raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
                                    "run `python -m framework.ops build`")
         module = _compile(directory, force, retry)
-    if isa is not None:   # a cap: never above what this CPU has
+    if isa in ISAS:   # a cap: never above what this CPU has
         module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
-    if prefetch is not None:
-        module.set_prefetch(prefetch)
+    if prefetch.isdigit():
+        module.set_prefetch(int(prefetch))
     return module
 
 
