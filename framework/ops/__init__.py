@@ -4,9 +4,6 @@ Importing builds nothing: the first call that needs the extension compiles it (a
 ``_loader``) or imports it; where that fails, ONE warning says why and the optimizers keep their
 transforms. ``python -m framework.ops [status|build]`` reports, or builds ahead of time.
 
-A failed build is recorded (``_loader``); an explicit build (``build()``, ``python -m framework.ops build``)
-compiles again over the record, since the failure may have been transient (a full disk, say).
-
 ``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
 counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``
 (bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
@@ -54,8 +51,8 @@ def unavailable_reason() -> str | None:
 
 def build(force: bool = True) -> ModuleType:
     """Compile now, also over a finished build (which may be damaged); ``force=False``: import a
-    finished build, compiling only where there is none (also over a recorded failure). Raises
-    BuildUnavailable with the reason."""
+    finished build, compiling only where there is none. Compiles also over a recorded failure, since
+    that may have been transient (a full disk, say). Raises BuildUnavailable with the reason."""
     return _loader.load(build=True, force=force, retry=True)
 
 

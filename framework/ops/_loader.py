@@ -151,14 +151,6 @@ def _tools_on_path() -> Iterator[None]:
             os.environ["PATH"] = before
 
 
-def _compiler_key() -> str:
-    """Which compiler a build here would run: CXX, what it resolves to and PATH (with the build's tools
-    on it: call within ``_tools_on_path``). A recorded failure holds only for the same key."""
-    compiler = os.environ.get("CXX", "c++")
-    return hashlib.sha256("\0".join([compiler, str(shutil.which(compiler)),
-                                      os.environ.get("PATH", "")]).encode()).hexdigest()
-
-
 def _recorded_failure(directory: Path, key: str) -> None:
     """Raise BuildUnavailable with the reason of a failed build of these sources by this compiler."""
     try:
@@ -200,7 +192,10 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
     from torch.utils import cpp_extension
 
     with _tools_on_path():
-        key = _compiler_key()
+        # A recorded failure holds only for the same compiler (as it resolves, with the build's tools on PATH).
+        compiler = os.environ.get("CXX", "c++")
+        key = "\0".join([compiler, str(shutil.which(compiler)), os.environ.get("PATH", "")])
+        key = hashlib.sha256(key.encode()).hexdigest()
         if not force and not retry:
             _recorded_failure(directory, key)   # no lock needed to read it: written atomically
         with _exclusive(directory):
@@ -226,11 +221,9 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
                 lines = str(exc).splitlines() or [type(exc).__name__]
                 first = next((line.strip() for line in lines if "error:" in line), lines[0])
                 reason = f"the build failed ({first[:300]}); full log in {log}"
-                # Recorded, so that the processes waiting for this lock and later runs with this compiler do
-                # not each compile again (a slow failing compile per rank would outlast the launch's timeout).
+                # Recorded: a slow failing compile per waiting rank would outlast the launch's timeout.
                 write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
                 raise BuildUnavailable(reason) from exc
-            # Readable per the umask, as the extension is: others may use this build.
             built = f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n"
             write_atomic(directory / "BUILT", built.encode(), shared=True)
             return module
