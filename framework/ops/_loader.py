@@ -61,9 +61,7 @@ class BuildUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 
-class Status(NamedTuple):
-    module: ModuleType | None
-    reason: str | None  # why module is None
+Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | None)])   # reason: why module is None
 
 
 def cache_root() -> Path:
