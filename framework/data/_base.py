@@ -55,11 +55,6 @@ def rank_rows(*, micro_batch: int, grad_accum: int, rank: int, world: int) -> Te
     return ((steps * world + rank) * micro_batch + torch.arange(micro_batch, device="cpu")).flatten()
 
 
-def xy(seqs: Tensor) -> tuple[Tensor, Tensor]:
-    """Sequences [N, T + 1] -> inputs and next-token targets, both [N, T]."""
-    return seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
-
-
 def resolve_path(path: str, *, key: str) -> Path:
     """A data file: absolute, or relative to the working directory, else to the repo root."""
     p = Path(path).expanduser()
@@ -92,10 +87,8 @@ class DataSource:
         if position < 0:
             raise ValueError(f"data position must be >= 0, got {position}")
         rows = rank_rows(micro_batch=micro_batch, grad_accum=grad_accum, rank=rank, world=world)
-        seqs = self._draw("train", micro_batch * grad_accum * world, seeded(TRAIN_STREAM, self.seed, position), rows)
-        x, y = xy(seqs)
-        micro = tuple((x[i:i + micro_batch], y[i:i + micro_batch]) for i in range(0, seqs.shape[0], micro_batch))
-        return Batch(micro=micro, position=position + 1)
+        micro = self._micro("train", seeded(TRAIN_STREAM, self.seed, position), rows, world, micro_batch)
+        return Batch(micro=tuple(micro), position=position + 1)
 
     def val_batches(self, n: int, *, batch: int, rank: int, world: int,
                     grad_accum: int = 1) -> list[tuple[Tensor, Tensor]]:
@@ -106,11 +99,16 @@ class DataSource:
         # Independent of the run seed (so val losses compare across seeds) and of n (batch j
         # is the same whether 4 or 40 are asked for).
         rows = rank_rows(micro_batch=batch, grad_accum=grad_accum, rank=rank, world=world)
-        out = []
-        for j in range(n):
-            x, y = xy(self._draw("val", batch * grad_accum * world, seeded(VAL_STREAM, *self.val_key, j), rows))
-            out += [(x[i:i + batch], y[i:i + batch]) for i in range(0, x.shape[0], batch)]
-        return out
+        return [m for j in range(n)
+                for m in self._micro("val", seeded(VAL_STREAM, *self.val_key, j), rows, world, batch)]
+
+    def _micro(self, split: str, gen: torch.Generator, rows: Tensor, world: int,
+               size: int) -> list[tuple[Tensor, Tensor]]:
+        """This rank's ``rows`` of a global batch of ``len(rows) * world`` sequences, as micro batches of
+        ``size`` (inputs, next-token targets)."""
+        seqs = self._draw(split, len(rows) * world, gen, rows)
+        x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
+        return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
 
 
 class CropSource(DataSource):

@@ -85,9 +85,7 @@ def prepare_chars(source: str, out: Path) -> dict:
     try:
         files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
         files.write_atomic(out, tokens)   # never through a planted link
-        # Then the file just written, by its identity: a reader whose file still has it skips the checksum
-        # (a stop before this leaves the metadata without it, and the reader hashes).
-        meta["tokens_stat"] = tokens_stat(out)
+        meta["tokens_stat"] = tokens_stat(out)   # (a stop before this leaves it out: the reader hashes)
         files.write_atomic(meta_path(out), (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode())
     except OSError as e:   # the name it gives is the temporary file's, relative to the folder
         raise DataError(f"--out {out}: cannot write it in {out.parent} ({e.strerror}); give a token file in a "

@@ -4,11 +4,6 @@ Importing builds nothing: the first call that needs the extension compiles it (a
 ``_loader``) or imports it; where that fails, ONE warning says why and the optimizers keep their
 transforms. ``python -m framework.ops [status|build]`` reports, or builds ahead of time.
 
-A failed build is recorded (per compiler) and later processes fall back at once with its reason, not
-compiling again; an explicit build (``build()``, ``python -m framework.ops build``, also with
-``--if-needed`` as ``make test`` runs it) compiles again over the record, since the failure may have
-been transient (an out-of-memory compiler, a full disk, headers installed since).
-
 ``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
 counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``
 (bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
@@ -51,15 +46,13 @@ def unavailable_reason() -> str | None:
     """Why ``cpu_optim`` is None (the failed build's or import's own reason, or OFF); None where the
     kernels are available. Builds on the first call as ``cpu_optim`` does (``status`` never builds, so
     its reason after a failed build is only that building is off)."""
-    if not _loader.kernels_enabled():
-        return OFF
-    return _loader.status().reason
+    return _loader.status().reason if _loader.kernels_enabled() else OFF
 
 
 def build(force: bool = True) -> ModuleType:
     """Compile now, also over a finished build (which may be damaged); ``force=False``: import a
-    finished build, compiling only where there is none (also over a recorded failure). Raises
-    BuildUnavailable with the reason."""
+    finished build, compiling only where there is none. Compiles also over a recorded failure, since
+    that may have been transient (a full disk, say). Raises BuildUnavailable with the reason."""
     return _loader.load(build=True, force=force, retry=True)
 
 
@@ -69,24 +62,17 @@ def _cpu(tensors: Iterable[Tensor], dtypes: tuple) -> bool:
 
 def usable(*tensor_lists: Sequence[Tensor], out16: Sequence[Tensor] | None = None) -> bool:
     """Whether the kernels can run on these tensors (checked before any build is triggered)."""
-    if not _loader.kernels_enabled() or not all(_cpu(ts, (torch.float32,)) for ts in tensor_lists):
-        return False
-    if out16 is not None and not _cpu(out16, (torch.bfloat16, torch.float16)):
-        return False
-    return available()
-
-
-def _kernel() -> ModuleType:
-    module = cpu_optim()
-    if module is None:
-        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {unavailable_reason()}")
-    return module
+    return (_loader.kernels_enabled() and all(_cpu(ts, (torch.float32,)) for ts in tensor_lists)
+            and (out16 is None or _cpu(out16, (torch.bfloat16, torch.float16))) and available())
 
 
 def _run(kernel: str, tensors: tuple, out16: Sequence[Tensor] | None, scalars: tuple,
          decay_mask: Sequence[bool] | None, strict: bool) -> bool:
+    module = cpu_optim()
+    if module is None:
+        raise BuildUnavailable(f"C++ CPU optimizer kernels unavailable: {unavailable_reason()}")
     mask = [] if decay_mask is None else [bool(m) for m in decay_mask]   # empty: decay every tensor
-    return getattr(_kernel(), kernel)(*map(list, tensors), list(out16 or []), *scalars, mask, bool(strict))
+    return getattr(module, kernel)(*map(list, tensors), list(out16 or []), *scalars, mask, bool(strict))
 
 
 def adam_step(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],

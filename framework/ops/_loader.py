@@ -61,9 +61,7 @@ class BuildUnavailable(RuntimeError):
     """The kernels cannot be built or loaded here; the message says why."""
 
 
-class Status(NamedTuple):
-    module: ModuleType | None
-    reason: str | None  # why module is None
+Status = NamedTuple("Status", [("module", ModuleType | None), ("reason", str | None)])   # reason: why module is None
 
 
 def cache_root() -> Path:
@@ -88,29 +86,6 @@ def _on(var: str) -> bool:
 
 def kernels_enabled() -> bool:
     return _on("FRAMEWORK_OPS")
-
-
-def settings() -> tuple[str | None, int | None]:
-    """FRAMEWORK_OPS_ISA (lower case) and FRAMEWORK_OPS_PREFETCH, None where unset or auto;
-    raises BuildUnavailable naming the variable and what it allows."""
-    isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
-    if isa not in ("", "auto") + ISAS:
-        raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
-                               f"{', '.join(ISAS)} (any case); fix or unset it")
-    text = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
-    if text not in ("", "auto") and not text.isdigit():
-        raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
-                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
-    return isa if isa in ISAS else None, int(text) if text.isdigit() else None
-
-
-def _configure(module: ModuleType, isa: str | None, prefetch: int | None) -> ModuleType:
-    """Apply the environment's settings (validated by ``settings``) to a loaded module."""
-    if isa is not None:   # a cap: never above what this CPU has
-        module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
-    if prefetch is not None:
-        module.set_prefetch(prefetch)
-    return module
 
 
 def _import(directory: Path) -> ModuleType:
@@ -143,9 +118,8 @@ def _finished(directory: Path) -> bool:
 def _discard(directory: Path) -> None:
     """Remove a build's outputs (and a recorded failure) so that the next build compiles and links
     everything again (ninja would keep an output newer than its inputs, however damaged)."""
-    (directory / "BUILT").unlink(missing_ok=True)
-    (directory / "FAILED").unlink(missing_ok=True)
-    for name in (f"{NAME}.so", ".ninja_log", ".ninja_deps", *(p.name for p in directory.glob("*.o"))):
+    for name in ("BUILT", "FAILED", f"{NAME}.so", ".ninja_log", ".ninja_deps",
+                 *(p.name for p in directory.glob("*.o"))):
         (directory / name).unlink(missing_ok=True)   # unlinked, not rewritten: a process that has it mapped keeps it
 
 
@@ -175,14 +149,6 @@ def _tools_on_path() -> Iterator[None]:
             os.environ["PATH"] = before
 
 
-def _compiler_key() -> str:
-    """Which compiler a build here would run: CXX, what it resolves to and PATH (with the build's tools
-    on it: call within ``_tools_on_path``). A recorded failure holds only for the same key."""
-    compiler = os.environ.get("CXX", "c++")
-    return hashlib.sha256("\0".join([compiler, str(shutil.which(compiler)),
-                                      os.environ.get("PATH", "")]).encode()).hexdigest()
-
-
 def _recorded_failure(directory: Path, key: str) -> None:
     """Raise BuildUnavailable with the reason of a failed build of these sources by this compiler."""
     try:
@@ -206,7 +172,7 @@ def _exclusive(directory: Path) -> Iterator[None]:
         raise BuildUnavailable(f"no usable build in {directory}, and this user cannot build there ({flock}: "
                                f"{exc.strerror}); have the cache's owner run `python -m framework.ops build`, "
                                "or set FRAMEWORK_OPS_CACHE to a folder of yours") from None
-    with handle:
+    with handle:   # closing it releases the lock (the descriptor is not inherited by the build's children)
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -217,54 +183,48 @@ def _exclusive(directory: Path) -> Iterator[None]:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.2)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def _compile(directory: Path, force: bool = False, retry: bool = False) -> ModuleType:
+    from torch.utils import cpp_extension
+
     with _tools_on_path():
-        key = _compiler_key()
+        # A recorded failure holds only for the same compiler (as it resolves, with the build's tools on PATH).
+        compiler = os.environ.get("CXX", "c++")
+        key = "\0".join([compiler, str(shutil.which(compiler)), os.environ.get("PATH", "")])
+        key = hashlib.sha256(key.encode()).hexdigest()
         if not force and not retry:
             _recorded_failure(directory, key)   # no lock needed to read it: written atomically
         with _exclusive(directory):
-            return _compile_locked(directory, force, key, retry)
-
-
-def _compile_locked(directory: Path, force: bool, key: str, retry: bool = False) -> ModuleType:
-    from torch.utils import cpp_extension
-
-    if not force:
-        if _finished(directory):  # another process built it while we waited
-            with contextlib.suppress(ImportError):
-                return _import(directory)
-        if not retry:
-            _recorded_failure(directory, key)   # or failed to
-    directory.mkdir(parents=True, exist_ok=True)
-    _discard(directory)
-    stale = directory / "lock"  # torch's baton; nobody else builds here while we hold the flock
-    if stale.exists():
-        stale.unlink()
-    root = csrc_dir()
-    try:
-        module = cpp_extension.load(
-            name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
-            extra_include_paths=[str(root / "include")], build_directory=str(directory),
-            with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
-    except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
-        log = directory / "build_error.log"
-        log.write_text(str(exc))
-        lines = str(exc).splitlines() or [type(exc).__name__]
-        first = next((line.strip() for line in lines if "error:" in line), lines[0])
-        reason = f"the build failed ({first[:300]}); full log in {log}"
-        # Recorded, so that the processes waiting for this lock and later runs with this compiler do
-        # not each compile again (a slow failing compile per rank would outlast the launch's timeout).
-        write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
-        raise BuildUnavailable(reason) from exc
-    write_atomic(directory / "BUILT", f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n".encode(),
-                 shared=True)   # readable per the umask, as the extension is: others may use this build
-    return module
+            if not force:
+                if _finished(directory):  # another process built it while we waited
+                    with contextlib.suppress(ImportError):
+                        return _import(directory)
+                if not retry:
+                    _recorded_failure(directory, key)   # or failed to
+            directory.mkdir(parents=True, exist_ok=True)
+            _discard(directory)
+            # torch's baton: stale, as nobody else builds here while we hold the flock
+            (directory / "lock").unlink(missing_ok=True)
+            root = csrc_dir()
+            try:
+                module = cpp_extension.load(
+                    name=NAME, sources=[str(root / s) for s in SOURCES], extra_cflags=list(CFLAGS),
+                    extra_include_paths=[str(root / "include")], build_directory=str(directory),
+                    with_cuda=False, verbose=os.environ.get("FRAMEWORK_OPS_VERBOSE", "") == "1")
+            except Exception as exc:  # compiler errors arrive as RuntimeError with the full log
+                log = directory / "build_error.log"
+                log.write_text(str(exc))
+                lines = str(exc).splitlines() or [type(exc).__name__]
+                first = next((line.strip() for line in lines if "error:" in line), lines[0])
+                reason = f"the build failed ({first[:300]}); full log in {log}"
+                # Recorded: a slow failing compile per waiting rank would outlast the launch's timeout.
+                write_atomic(directory / "FAILED", f"{key}\n{reason}\n".encode(), shared=True)
+                raise BuildUnavailable(reason) from exc
+            built = f"{torch.__version__}\n{_fingerprint(directory / f'{NAME}.so')}\n"
+            write_atomic(directory / "BUILT", built.encode(), shared=True)
+            return module
 
 
 def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
@@ -272,19 +232,33 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
     ``force``: compiled again in any case; ``retry``: compiled also over a recorded failure (an
     explicit build request: the failure may have been transient). Raises BuildUnavailable with the reason when neither
     works, or when FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH has a value they do not allow."""
-    isa, prefetch = settings()
+    isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
+    if isa not in ("", "auto") + ISAS:
+        raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
+                               f"{', '.join(ISAS)} (any case); fix or unset it")
+    prefetch = os.environ.get("FRAMEWORK_OPS_PREFETCH", "").strip().lower()
+    if prefetch not in ("", "auto") and not prefetch.isdigit():
+        raise BuildUnavailable(f"FRAMEWORK_OPS_PREFETCH={os.environ['FRAMEWORK_OPS_PREFETCH']!r} is not auto or a "
+                               "number of floats >= 0 (0: no software prefetch); fix or unset it")
     directory = build_dir()
+    module = None
     if _finished(directory) and not force:
         try:
-            return _configure(_import(directory), isa, prefetch)
+            module = _import(directory)
         except ImportError as exc:
             if not build:
                 raise BuildUnavailable(f"cannot import the build in {directory}: {exc}") from exc
             # rebuilt from scratch below, under the lock
-    if not build:
-        raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
-                               "run `python -m framework.ops build`")
-    return _configure(_compile(directory, force, retry), isa, prefetch)
+    if module is None:
+        if not build:
+            raise BuildUnavailable("not built yet and building is off (FRAMEWORK_OPS_BUILD=0); "
+                                   "run `python -m framework.ops build`")
+        module = _compile(directory, force, retry)
+    if isa in ISAS:   # a cap: never above what this CPU has
+        module.set_isa(ISAS[min(ISAS.index(isa), ISAS.index(module.detected_isa()))])
+    if prefetch.isdigit():
+        module.set_prefetch(int(prefetch))
+    return module
 
 
 def attempt(build: bool) -> Status:

@@ -73,7 +73,6 @@ def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:
         return [t if i in grads else t.reshape(-1)[:0] for i, t in enumerate(ts)]
 
-    sub = _zip_map(n, only, state)
     new = step(tx, [grads[i] if i in grads else params[i].reshape(-1)[:0] for i in range(n)],
-               sub, only(params), lr, None if out16 is None else only(out16))
+               _zip_map(n, only, state), only(params), lr, None if out16 is None else only(out16))
     return merge_scalars(state, new, n)

@@ -147,28 +147,12 @@ def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] 
 
 # --- the transforms --------------------------------------------------------------------------
 
-class EmptyState(NamedTuple):
-    """State of a stateless transform."""
-
-
-class ScaleByAdamState(NamedTuple):
-    count: int
-    mu: list[Tensor]
-    nu: list[Tensor]
-
-
-class ScaleByLionState(NamedTuple):
-    mu: list[Tensor]
-
-
-class TraceState(NamedTuple):
-    count: int
-    trace: list[Tensor]
-
-
-class ScaleByRssState(NamedTuple):
-    count: int
-    sum_of_squares: list[Tensor]
+# The transforms' states; their field names are the keys their tensors are saved under.
+EmptyState = NamedTuple("EmptyState", [])   # a stateless transform's
+ScaleByAdamState = NamedTuple("ScaleByAdamState", [("count", int), ("mu", list[Tensor]), ("nu", list[Tensor])])
+ScaleByLionState = NamedTuple("ScaleByLionState", [("mu", list[Tensor])])
+TraceState = NamedTuple("TraceState", [("count", int), ("trace", list[Tensor])])
+ScaleByRssState = NamedTuple("ScaleByRssState", [("count", int), ("sum_of_squares", list[Tensor])])
 
 
 def _chunks(*tensors: Tensor) -> Iterator[tuple[Tensor, ...]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -23,12 +23,13 @@ class AdamConfig:
     bias_correction: bool = True
 
 
-def torch_fused(cfg: AdamConfig, decoupled: bool) -> Callable:
-    """torch's fused Adam(W) kernel over the flat groups, in place."""
+def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) -> GradientTransformation:
+    check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), nonneg=("eps",))
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
-    def fused(grads: list[Tensor], adam: ScaleByAdamState, params: Sequence[Tensor], lr: float,
-              mask: list[bool]) -> None:
+    def torch_fused(grads: list[Tensor], adam: ScaleByAdamState, params: Sequence[Tensor], lr: float,
+                    mask: list[bool]) -> None:
+        """torch's fused Adam(W) kernel over the flat groups, in place."""
         for decayed in (True, False):
             idx = [i for i, m in enumerate(mask) if m == decayed]
             if not idx:
@@ -40,16 +41,11 @@ def torch_fused(cfg: AdamConfig, decoupled: bool) -> Callable:
                    [adam.nu[i] for i in idx], [], steps, lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
                    weight_decay=cfg.weight_decay if decayed else 0.0, eps=cfg.eps, amsgrad=False, maximize=False)
 
-    return fused
-
-
-def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) -> GradientTransformation:
-    check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), nonneg=("eps",))
     hyper = dict(beta1=cfg.beta1, beta2=cfg.beta2, eps=cfg.eps, decoupled=decoupled, bias_correction=cfg.bias_correction)
     # torch's fused kernel (the CUDA path) always corrects bias.
     return optimizer(cfg, decay_mask, scale_by_adam(cfg.beta1, cfg.beta2, cfg.eps, cfg.bias_correction),
                      decoupled=decoupled, kernel="adam_step", hyper=hyper,
-                     cuda=torch_fused(cfg, decoupled) if cfg.bias_correction else None)
+                     cuda=torch_fused if cfg.bias_correction else None)
 
 
 COMPONENT = Component(config=AdamConfig, build=build)

@@ -137,19 +137,15 @@ class FP16Config(ScalerConfig):
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
 
 
-def _policy(name: str, cfg, reduce: torch.dtype | None = None, scaler: ScalerConfig | None = None) -> Policy:
-    """Precision ``name`` (fp32 master weights; gradients reduced in ``name`` unless ``reduce``) with
-    ``precision.grad_accum_dtype``: fp32, or the working dtype itself."""
+def _policy(name: str, cfg, scaler: ScalerConfig | None = None) -> Policy:
+    """Precision ``name`` (fp32 master weights; gradients reduced in ``name``, or in fp32 with bf16's
+    ``reduce_fp32``) with ``precision.grad_accum_dtype``: fp32, or the working dtype itself."""
     allowed = sorted({"fp32", name})
     if cfg.grad_accum_dtype not in allowed:
         raise ConfigError(f"precision.grad_accum_dtype={cfg.grad_accum_dtype!r} is not valid with precision={name}; "
                           f"use {' or '.join(allowed)}")
-    return Policy(name, DTYPES[name], reduce or DTYPES[name], torch.float32, scaler,
-                  grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
-
-
-def bf16(cfg: BF16Config) -> Policy:
-    return _policy("bf16", cfg, reduce=torch.float32 if cfg.reduce_fp32 else None)
+    reduce = torch.float32 if getattr(cfg, "reduce_fp32", False) else DTYPES[name]
+    return Policy(name, DTYPES[name], reduce, torch.float32, scaler, grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
 
 
 def fp16(cfg: FP16Config) -> Policy:
@@ -178,4 +174,5 @@ def fp16(cfg: FP16Config) -> Policy:
 
 
 COMPONENTS = {"fp32": Component(config=FP32Config, build=partial(_policy, "fp32")),
-              "bf16": Component(config=BF16Config, build=bf16), "fp16": Component(config=FP16Config, build=fp16)}
+              "bf16": Component(config=BF16Config, build=partial(_policy, "bf16")),
+              "fp16": Component(config=FP16Config, build=fp16)}

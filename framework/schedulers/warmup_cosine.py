@@ -23,17 +23,16 @@ class WarmupCosineConfig:
 def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
     if not cfg.warmup_steps >= 0:
         raise ConfigError(f"scheduler.warmup_steps must be >= 0, got {cfg.warmup_steps}")
-    min_lr = floor(cfg, base_lr)
+    min_lr = base_lr / 10 if cfg.min_lr is None else cfg.min_lr
     if not (math.isfinite(min_lr) and 0 <= min_lr <= base_lr):
         raise ConfigError(f"scheduler.min_lr must be in [0, optimizer.lr={base_lr}], got {min_lr}; "
                           f"set scheduler.min_lr <= optimizer.lr or scheduler=constant")
     if cfg.decay_steps is not None and not cfg.decay_steps > cfg.warmup_steps:
         raise ConfigError(f"scheduler.decay_steps must be > warmup_steps={cfg.warmup_steps}, "
                           f"got {cfg.decay_steps}")
-    warmup = cfg.warmup_steps
     # A run shorter than its warm-up (decay_steps defaults to the run length) has no cosine
     # phase; nanoGPT would divide by zero at step == warmup == decay, here that step is min_lr.
-    decay = total_steps if cfg.decay_steps is None else cfg.decay_steps
+    warmup, decay = cfg.warmup_steps, total_steps if cfg.decay_steps is None else cfg.decay_steps
 
     def lr_at(step: int) -> float:
         if step < warmup:
@@ -44,10 +43,6 @@ def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable
         return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (base_lr - min_lr)
 
     return lr_at
-
-
-def floor(cfg: WarmupCosineConfig, base_lr: float) -> float:
-    return base_lr / 10 if cfg.min_lr is None else cfg.min_lr
 
 
 def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> WarmupCosineConfig:

@@ -86,10 +86,8 @@ def build(cfg: WarmupLRConfig, base_lr: float, total_steps: int,
 
 
 def build_decay(cfg: WarmupDecayLRConfig, base_lr: float, total_steps: int) -> Callable[[int], float]:
-    def decay(step: int, num_steps: int) -> float:
-        return max(0.0, (total - step) / max(1, total - num_steps))
-
-    lr_at = build(cfg, base_lr, total_steps, after=decay)   # checks the warm-up fields first
+    lr_at = build(cfg, base_lr, total_steps,   # checks the warm-up fields first
+                  after=lambda step, num_steps: max(0.0, (total - step) / max(1, total - num_steps)))
     total = run_total(cfg.total_num_steps, total_steps)
     return lr_at
 
