@@ -45,8 +45,11 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
     raw = host_arena(nbytes, pin=pin, acc=acc, align=align)
-    if align == HUGE:
-        _advise_huge(raw.data_ptr(), nbytes)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)   # advisory: ignored where THP is off or unsupported
+    if align == HUGE and advice is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(raw.data_ptr(), nbytes // HUGE * HUGE, advice)
     return raw[:nbytes].view(dtype)
 
 
@@ -62,16 +65,6 @@ def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
     return raw[(-raw.data_ptr()) % align:] if align else raw   # (host allocations are 64-byte aligned: whole elements)
 
 
-def _advise_huge(address: int, nbytes: int) -> None:
-    """Ask for transparent huge pages (advisory: ignored where THP is off or unsupported)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(address, nbytes // HUGE * HUGE, advice)
-
-
 def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
     """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
     ``align`` boundary, page-locked with ``cudaHostRegister`` when ``pin``. For a larger alignment the
@@ -82,9 +75,8 @@ def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> 
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
     mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.c_char.from_buffer(mm)
-    shift = (-ctypes.addressof(start)) % align
-    del start   # (a view of the mapping: the one below is the only one kept)
+    # (a temporary view of the mapping, dropped at once: the one below is the only one kept)
+    shift = -ctypes.addressof(ctypes.c_char.from_buffer(mm)) % align
     pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm, shift)   # a subclass: weak-referenceable
     t = torch.frombuffer(pages, dtype=torch.uint8)
     if pin:
@@ -93,16 +85,9 @@ def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> 
         err = cudart.cudaHostRegister(ptr, size, 0)
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
-        weakref.finalize(pages, _unregister, cudart, ptr, mm)
+        # ``mm`` (an argument, so still mapped) goes after the unregister
+        weakref.finalize(pages, lambda mm: cudart.cudaHostUnregister(ptr), mm)
     return t
-
-
-def _unregister(cudart, ptr: int, mm: mmap.mmap) -> None:
-    cudart.cudaHostUnregister(ptr)   # ``mm`` (an argument, so still mapped) goes after this
-
-
-def _bounce(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, nbytes)   # page-aligned (O_DIRECT), anonymous: committed when touched
 
 
 def _memory(address: int, nbytes: int):
@@ -123,8 +108,7 @@ CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory)
 class IOHandle:
     """One read or write in flight, done when all its pieces are."""
 
-    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int,
-                 engine: "AsyncIO | None" = None):
+    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int, engine: "AsyncIO"):
         self.op, self.file, self.what = op, file, what
         self._tensor = tensor       # its memory must outlive the IO
         self._left = pieces
@@ -141,35 +125,26 @@ class IOHandle:
     def exception(self) -> SwapIOError | None:
         """Wait, then return the request's error (None if it succeeded) instead of raising it."""
         while not self._done.wait(POLL_S):
-            engine = self._engine
-            if engine is not None and not engine._alive():   # nobody left to finish it: never wait forever
-                self._abandon(engine._broken or SwapIOError(
+            if not self._engine._alive():   # nobody left to finish it: never wait forever
+                self._piece_done(self._engine._broken or SwapIOError(
                     f"swap {self.op} of {self.what!r} on {self.file.path}: the IO engine's threads have "
-                    "stopped", path=str(self.file.path), offset=-1, what=self.what))
+                    "stopped", path=str(self.file.path), offset=-1, what=self.what), abandon=True)
         return self._error
 
     def wait(self) -> None:
         if self.exception() is not None:
             raise self._error
 
-    def _piece_done(self, error: SwapIOError | None) -> None:
+    def _piece_done(self, error: SwapIOError | None, abandon: bool = False) -> None:
+        """A piece finished; ``abandon``: fail the request now (no thread is left to do its remaining pieces)."""
         with self._lock:
             if self._error is None:   # the first failure is the request's
                 self._error = error
-            self._left -= 1
+            self._left = 0 if abandon else self._left - 1
             last = self._left == 0
         if last:
             self._tensor = None
             self._done.set()
-
-    def _abandon(self, error: SwapIOError) -> None:
-        """Fail the request now (no thread is left to do its remaining pieces)."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
-            self._left = 0
-        self._tensor = None
-        self._done.set()
 
 
 class AsyncIO:
@@ -177,8 +152,7 @@ class AsyncIO:
 
     def __init__(self, block_size: int = MiB, queue_depth: int = 8, intra_op_parallelism: int = 1,
                  direct: bool = True, *, checksum: str = "sum64", bounce=None):
-        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO (default: an
-        anonymous mmap, committed when touched); a seam for tests."""
+        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO; a seam for tests."""
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
         if queue_depth < 1 or intra_op_parallelism < 1:
@@ -196,7 +170,8 @@ class AsyncIO:
         bounces: list[mmap.mmap] = []
         try:
             for _ in range(count):
-                bounces.append((bounce or _bounce)(nbytes))
+                # (default: page-aligned (O_DIRECT), anonymous: committed when touched)
+                bounces.append(bounce(nbytes) if bounce else mmap.mmap(-1, nbytes))
         except OSError as e:
             for b in bounces:
                 b.close()
@@ -210,10 +185,8 @@ class AsyncIO:
                 t.start()
                 started.append(t)
         except RuntimeError as e:   # "can't start new thread": a thread or memory limit
-            for _ in started:
-                self._work.put(None)
-            for t in started:
-                t.join()
+            self._threads = started
+            self.close()
             for b in bounces[len(started):]:
                 b.close()
             raise ConfigError(f"offload.aio.queue_depth={queue_depth} x offload.aio.intra_op_parallelism="
@@ -242,7 +215,7 @@ class AsyncIO:
         bounds = self._bounds(offset, nbytes)
         handle = IOHandle(op, file, what, t, len(bounds), self)
         if self._broken is not None:
-            handle._abandon(self._broken)
+            handle._piece_done(self._broken, abandon=True)
             return handle
         for lo, hi in bounds:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
@@ -251,12 +224,8 @@ class AsyncIO:
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
         """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
         is always cut the same way (checksums are kept per piece)."""
-        bounds, lo = [], offset
-        while lo < offset + nbytes:
-            hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
-            bounds.append((lo, hi))
-            lo = hi
-        return bounds
+        edges = [offset, *range((offset // self.block_size + 1) * self.block_size, offset + nbytes, self.block_size)]
+        return list(zip(edges, [*edges[1:], offset + nbytes])) if nbytes else []
 
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
         """``data`` (uint8) was written at ``offset`` around the engine (through a memory map): record
@@ -356,13 +325,10 @@ class AsyncIO:
 
     def _move(self, handle: IOHandle, fd: int, direct: bool, offset: int, address: int, nbytes: int,
               bounce_addr: int) -> None:
-        if direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
-            self._bounced(handle, fd, offset, address, nbytes, bounce_addr)
-        else:   # buffered IO takes any offset, length and address
-            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
-
-    def _bounced(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
-        """O_DIRECT IO of an unaligned range through the aligned bounce buffer."""
+        """One piece's IO: O_DIRECT IO of an unaligned range goes through the aligned bounce buffer."""
+        if not (direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN)):
+            # buffered IO takes any offset, length and address
+            return self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
         lo = offset // ALIGN * ALIGN
         hi = -(-(offset + nbytes) // ALIGN) * ALIGN
         span = _memory(bounce_addr, hi - lo)

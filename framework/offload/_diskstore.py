@@ -63,6 +63,12 @@ class _Slot:
     stamp: int = 0                             # when it was last made resident (eviction order)
     readers: Event | None = None               # streams still copying from it
 
+    def synced(self) -> None:
+        """Wait for the streams' last copy that read this slot, only (a sync point)."""
+        if self.readers is not None:
+            self.readers.synchronize()
+            self.readers = None
+
 
 class DiskStore:
     """A swap file plus a pool of ``buffer_count`` slots, each as large as the largest piece.
@@ -163,9 +169,8 @@ class DiskStore:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
             raise
-        if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
-            slot.readers.synchronize()
-            slot.readers = None
+        if host_writes:
+            slot.synced()
         with self.cond:
             slot.state = "resident"
             self.clock += 1
@@ -177,12 +182,11 @@ class DiskStore:
         needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
             slot = self.where.get(key)
-            if slot is None:
+            # not resident: acquired but never stepped (an aborted step), unchanged
+            if slot is None or slot.state not in ("resident", "failed"):
                 return
             if slot.state == "failed":
                 self._free(slot)
-                return
-            if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
             if readers is not None:   # (else an earlier reader of the same piece still counts)
                 slot.readers = readers
@@ -209,9 +213,7 @@ class DiskStore:
                 slot = self.writing[0]
             self._finish_writes(slot)
         for slot in self.slots:
-            if slot.readers is not None:
-                slot.readers.synchronize()
-                slot.readers = None
+            slot.synced()
 
     def close(self) -> None:
         try:
@@ -284,11 +286,11 @@ class DiskStore:
             self.settle()
         swapped = self.entries[key].swapped
         n = swapped[-1].nbytes
-        if own is not None:
-            return len(swapped) - 1, n, own[:padded(n)]
-        if self.bounce is None or self.bounce.numel() < padded(n):
-            self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
-        return len(swapped) - 1, n, self.bounce[:padded(n)]
+        if own is None:
+            if self.bounce is None or self.bounce.numel() < padded(n):
+                self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
+            own = self.bounce
+        return len(swapped) - 1, n, own[:padded(n)]
 
     def settle(self) -> None:
         """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy
@@ -380,9 +382,7 @@ class DiskStore:
         """``slot`` (free, or clean: its piece needs no write) for a new piece."""
         if slot.state == "clean":
             self._free(slot)
-        if slot.readers is not None:   # sync point: the copy back of the piece it held, only
-            slot.readers.synchronize()
-            slot.readers = None
+        slot.synced()   # the copy back of the piece it held
         return slot
 
     def _read(self, key: int, slot: _Slot) -> None:
