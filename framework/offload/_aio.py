@@ -14,8 +14,10 @@ confined to a word and zeroed, stale or misplaced blocks, not words swapped amon
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import queue
@@ -67,11 +69,10 @@ def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
 
 def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
     """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
-    ``align`` boundary, page-locked with ``cudaHostRegister`` when ``pin``. For a larger alignment the
-    mapping spans ``align`` more bytes of address space, but the tensor's storage, and what is
-    registered, is the aligned range only: the pages around it are never touched, so never committed.
-    The finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered
-    before it is unmapped (the mmap's own finalizers would run after its munmap)."""
+    ``align`` boundary (the storage and what is registered are the aligned range only: the pages around
+    it are never touched, so never committed), page-locked with ``cudaHostRegister`` when ``pin``. The
+    finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered before
+    it is unmapped (the mmap's own finalizers would run after its munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
     mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -194,14 +195,8 @@ class AsyncIO:
                               "(DeepSpeed's defaults are 8 x 1)") from None
         self._threads = started
 
-    def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
-        return self._submit("read", file, offset, dst, what)
-
-    def pwrite(self, file: SwapFile, offset: int, src: torch.Tensor, what: str) -> IOHandle:
-        """Start writing ``src`` at ``offset`` of ``file``; ``src`` must not change until done."""
-        return self._submit("write", file, offset, src, what)
-
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
+        """Start reading into ``t`` or writing it (it must not change until done) at ``offset`` of ``file``."""
         if self._threads is None:
             raise ValueError("AsyncIO is closed")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -220,6 +215,9 @@ class AsyncIO:
         for lo, hi in bounds:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
+
+    pread = functools.partialmethod(_submit, "read")     # (file, offset, dst, what)
+    pwrite = functools.partialmethod(_submit, "write")   # (file, offset, src, what)
 
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
         """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
@@ -251,8 +249,7 @@ class AsyncIO:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _alive(self) -> bool:
-        """Whether a thread is left to finish the queued requests."""
+    def _alive(self) -> bool:   # a thread is left to finish the queued requests
         threads = self._threads
         return threads is not None and any(t.is_alive() for t in threads)
 
@@ -287,19 +284,14 @@ class AsyncIO:
             self._broken = SwapIOError(f"the swap IO thread {threading.current_thread().name} stopped "
                                        f"({type(cause).__name__}: {cause}); the swap IO in flight failed",
                                        path="", offset=-1, what="")
-        if job is not None:
-            job[0]._piece_done(self._broken)
-        stops = 0   # the other threads' stop signals stay queued for them
-        while True:
-            try:
-                job = self._work.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                stops += 1
-            else:
-                job[0]._piece_done(self._broken)
-        for _ in range(stops):
+        queued = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                queued.append(self._work.get_nowait())
+        for failed in (job, *queued):
+            if failed is not None:
+                failed[0]._piece_done(self._broken)
+        for _ in range(queued.count(None)):   # the other threads' stop signals stay queued for them
             self._work.put(None)
 
     def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:

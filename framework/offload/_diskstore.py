@@ -6,7 +6,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from itertools import accumulate
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -94,14 +94,14 @@ class DiskStore:
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
         self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
-        self.clock = 0
+        self.clock = itertools.count(1)   # ``_Slot.stamp``s
         self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors and park them (``park=False``: until ``create`` writes them)."""
         tensors = (*swapped, *scratch)
-        offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
+        offsets = list(itertools.accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
         if self.entries and not self.learn_order:
             self.follow[next(reversed(self.entries))] = key
         self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
@@ -145,16 +145,12 @@ class DiskStore:
                 slot.state = "reading"
             elif slot.state == "clean":     # still resident from an earlier use, unchanged since
                 slot.state = "reading"
-            if self.learn_order:
-                if self.last is not None and self.last != key:
-                    self.follow[self.last] = key
-                self.last = key
-            if self.read_ahead:
-                nxt = self.follow.get(key)
-                if nxt is not None and nxt not in self.where:
-                    free = self._free_slot(block=False)
-                    if free is not None:
-                        self._read(nxt, free)
+            if self.learn_order and self.last not in (None, key):
+                self.follow[self.last] = key
+            self.last = key
+            nxt = self.follow.get(key) if self.read_ahead else None
+            if nxt is not None and nxt not in self.where and (free := self._free_slot(block=False)) is not None:
+                self._read(nxt, free)
         return key
 
     def wait(self, key: int, host_writes: bool = True) -> None:
@@ -172,9 +168,7 @@ class DiskStore:
         if host_writes:
             slot.synced()
         with self.cond:
-            slot.state = "resident"
-            self.clock += 1
-            slot.stamp = self.clock
+            slot.state, slot.stamp = "resident", next(self.clock)
             self._point(key, slot)
 
     def release(self, key: int, readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
