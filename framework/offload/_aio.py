@@ -320,28 +320,26 @@ class AsyncIO:
         """One piece's IO: O_DIRECT IO of an unaligned range goes through the aligned bounce buffer."""
         if not (direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN)):
             # buffered IO takes any offset, length and address
-            return self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
+            return self._io(handle, fd, offset, address, nbytes)
         lo = offset // ALIGN * ALIGN
         hi = -(-(offset + nbytes) // ALIGN) * ALIGN
-        span = _memory(bounce_addr, hi - lo)
         if handle.op == "read":
-            self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+            self._io(handle, fd, lo, bounce_addr, hi - lo, report=(offset, nbytes))
             ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
             return
         # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are
         # padded to 4 KiB, so only writes inside one extent could race here; the store never issues them)
         if offset > lo:
-            self._io(handle, fd, lo, _memory(bounce_addr, ALIGN), ALIGN, report=(offset, nbytes), op="read")
+            self._io(handle, fd, lo, bounce_addr, ALIGN, report=(offset, nbytes), op="read")
         if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):
-            self._io(handle, fd, hi - ALIGN, _memory(bounce_addr + hi - ALIGN - lo, ALIGN), ALIGN,
-                     report=(offset, nbytes), op="read")
+            self._io(handle, fd, hi - ALIGN, bounce_addr + hi - ALIGN - lo, ALIGN, report=(offset, nbytes), op="read")
         ctypes.memmove(bounce_addr + offset - lo, address, nbytes)
-        self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+        self._io(handle, fd, lo, bounce_addr, hi - lo, report=(offset, nbytes))
 
-    def _io(self, handle: IOHandle, fd: int, offset: int, memory, nbytes: int, *, report=None,
+    def _io(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, *, report=None,
             op: str | None = None) -> None:
-        """One system call; anything but the full byte count fails the request."""
-        sys = handle.file.syscalls
+        """One system call over ``nbytes`` at ``address``; anything but the full byte count fails the request."""
+        sys, memory = handle.file.syscalls, _memory(address, nbytes)
         read = (op or handle.op) == "read"
         got = sys.preadv(fd, [memory], offset) if read else sys.pwritev(fd, [memory], offset)
         if got != nbytes:
@@ -388,9 +386,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
 
 def verify_map(fmap, what: str = "") -> None:
     """``verify_extent`` for every extent of the mapped file, if any."""
-    if fmap is None:
-        return
-    for name in fmap.file.extents:
+    for name in fmap.file.extents if fmap is not None else ():
         verify_extent(fmap, name, f"extent {name!r}{f' ({what})' if what else ''}")
 
 
