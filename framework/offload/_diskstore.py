@@ -3,10 +3,10 @@ pieces are read into before the host uses them and written back from after (``_s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections import deque
-import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
