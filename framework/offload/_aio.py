@@ -14,8 +14,10 @@ confined to a word and zeroed, stale or misplaced blocks, not words swapped amon
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import queue
@@ -45,8 +47,11 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
     nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
     raw = host_arena(nbytes, pin=pin, acc=acc, align=align)
-    if align == HUGE:
-        _advise_huge(raw.data_ptr(), nbytes)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)   # advisory: ignored where THP is off or unsupported
+    if align == HUGE and advice is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(raw.data_ptr(), nbytes // HUGE * HUGE, advice)
     return raw[:nbytes].view(dtype)
 
 
@@ -62,29 +67,17 @@ def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
     return raw[(-raw.data_ptr()) % align:] if align else raw   # (host allocations are 64-byte aligned: whole elements)
 
 
-def _advise_huge(address: int, nbytes: int) -> None:
-    """Ask for transparent huge pages (advisory: ignored where THP is off or unsupported)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.madvise(address, nbytes // HUGE * HUGE, advice)
-
-
 def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
     """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
-    ``align`` boundary, page-locked with ``cudaHostRegister`` when ``pin``. For a larger alignment the
-    mapping spans ``align`` more bytes of address space, but the tensor's storage, and what is
-    registered, is the aligned range only: the pages around it are never touched, so never committed.
-    The finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered
-    before it is unmapped (the mmap's own finalizers would run after its munmap)."""
+    ``align`` boundary (the storage and what is registered are the aligned range only: the pages around
+    it are never touched, so never committed), page-locked with ``cudaHostRegister`` when ``pin``. The
+    finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered before
+    it is unmapped (the mmap's own finalizers would run after its munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
     mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.c_char.from_buffer(mm)
-    shift = (-ctypes.addressof(start)) % align
-    del start   # (a view of the mapping: the one below is the only one kept)
+    # (a temporary view of the mapping, dropped at once: the one below is the only one kept)
+    shift = -ctypes.addressof(ctypes.c_char.from_buffer(mm)) % align
     pages = type("_Pages", (ctypes.c_char * size,), {}).from_buffer(mm, shift)   # a subclass: weak-referenceable
     t = torch.frombuffer(pages, dtype=torch.uint8)
     if pin:
@@ -93,16 +86,9 @@ def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> 
         err = cudart.cudaHostRegister(ptr, size, 0)
         if err != cudart.cudaError.success:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed: {err}")
-        weakref.finalize(pages, _unregister, cudart, ptr, mm)
+        # ``mm`` (an argument, so still mapped) goes after the unregister
+        weakref.finalize(pages, lambda mm: cudart.cudaHostUnregister(ptr), mm)
     return t
-
-
-def _unregister(cudart, ptr: int, mm: mmap.mmap) -> None:
-    cudart.cudaHostUnregister(ptr)   # ``mm`` (an argument, so still mapped) goes after this
-
-
-def _bounce(nbytes: int) -> mmap.mmap:
-    return mmap.mmap(-1, nbytes)   # page-aligned (O_DIRECT), anonymous: committed when touched
 
 
 def _memory(address: int, nbytes: int):
@@ -123,8 +109,7 @@ CHECKSUMS = {"sum64": _sum64, "crc32": lambda memory, nbytes: zlib.crc32(memory)
 class IOHandle:
     """One read or write in flight, done when all its pieces are."""
 
-    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int,
-                 engine: "AsyncIO | None" = None):
+    def __init__(self, op: str, file: SwapFile, what: str, tensor: torch.Tensor, pieces: int, engine: "AsyncIO"):
         self.op, self.file, self.what = op, file, what
         self._tensor = tensor       # its memory must outlive the IO
         self._left = pieces
@@ -141,35 +126,26 @@ class IOHandle:
     def exception(self) -> SwapIOError | None:
         """Wait, then return the request's error (None if it succeeded) instead of raising it."""
         while not self._done.wait(POLL_S):
-            engine = self._engine
-            if engine is not None and not engine._alive():   # nobody left to finish it: never wait forever
-                self._abandon(engine._broken or SwapIOError(
+            if not self._engine._alive():   # nobody left to finish it: never wait forever
+                self._piece_done(self._engine._broken or SwapIOError(
                     f"swap {self.op} of {self.what!r} on {self.file.path}: the IO engine's threads have "
-                    "stopped", path=str(self.file.path), offset=-1, what=self.what))
+                    "stopped", path=str(self.file.path), offset=-1, what=self.what), abandon=True)
         return self._error
 
     def wait(self) -> None:
         if self.exception() is not None:
             raise self._error
 
-    def _piece_done(self, error: SwapIOError | None) -> None:
+    def _piece_done(self, error: SwapIOError | None, abandon: bool = False) -> None:
+        """A piece finished; ``abandon``: fail the request now (no thread is left to do its remaining pieces)."""
         with self._lock:
             if self._error is None:   # the first failure is the request's
                 self._error = error
-            self._left -= 1
+            self._left = 0 if abandon else self._left - 1
             last = self._left == 0
         if last:
             self._tensor = None
             self._done.set()
-
-    def _abandon(self, error: SwapIOError) -> None:
-        """Fail the request now (no thread is left to do its remaining pieces)."""
-        with self._lock:
-            if self._error is None:
-                self._error = error
-            self._left = 0
-        self._tensor = None
-        self._done.set()
 
 
 class AsyncIO:
@@ -177,8 +153,7 @@ class AsyncIO:
 
     def __init__(self, block_size: int = MiB, queue_depth: int = 8, intra_op_parallelism: int = 1,
                  direct: bool = True, *, checksum: str = "sum64", bounce=None):
-        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO (default: an
-        anonymous mmap, committed when touched); a seam for tests."""
+        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO; a seam for tests."""
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
         if queue_depth < 1 or intra_op_parallelism < 1:
@@ -196,7 +171,8 @@ class AsyncIO:
         bounces: list[mmap.mmap] = []
         try:
             for _ in range(count):
-                bounces.append((bounce or _bounce)(nbytes))
+                # (default: page-aligned (O_DIRECT), anonymous: committed when touched)
+                bounces.append(bounce(nbytes) if bounce else mmap.mmap(-1, nbytes))
         except OSError as e:
             for b in bounces:
                 b.close()
@@ -210,10 +186,8 @@ class AsyncIO:
                 t.start()
                 started.append(t)
         except RuntimeError as e:   # "can't start new thread": a thread or memory limit
-            for _ in started:
-                self._work.put(None)
-            for t in started:
-                t.join()
+            self._threads = started
+            self.close()
             for b in bounces[len(started):]:
                 b.close()
             raise ConfigError(f"offload.aio.queue_depth={queue_depth} x offload.aio.intra_op_parallelism="
@@ -221,14 +195,8 @@ class AsyncIO:
                               "(DeepSpeed's defaults are 8 x 1)") from None
         self._threads = started
 
-    def pread(self, file: SwapFile, offset: int, dst: torch.Tensor, what: str) -> IOHandle:
-        return self._submit("read", file, offset, dst, what)
-
-    def pwrite(self, file: SwapFile, offset: int, src: torch.Tensor, what: str) -> IOHandle:
-        """Start writing ``src`` at ``offset`` of ``file``; ``src`` must not change until done."""
-        return self._submit("write", file, offset, src, what)
-
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
+        """Start reading into ``t`` or writing it (it must not change until done) at ``offset`` of ``file``."""
         if self._threads is None:
             raise ValueError("AsyncIO is closed")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -242,21 +210,20 @@ class AsyncIO:
         bounds = self._bounds(offset, nbytes)
         handle = IOHandle(op, file, what, t, len(bounds), self)
         if self._broken is not None:
-            handle._abandon(self._broken)
+            handle._piece_done(self._broken, abandon=True)
             return handle
         for lo, hi in bounds:
             self._work.put((handle, lo, address + (lo - offset), hi - lo))
         return handle
 
+    pread = functools.partialmethod(_submit, "read")     # (file, offset, dst, what)
+    pwrite = functools.partialmethod(_submit, "write")   # (file, offset, src, what)
+
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
         """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
         is always cut the same way (checksums are kept per piece)."""
-        bounds, lo = [], offset
-        while lo < offset + nbytes:
-            hi = min((lo // self.block_size + 1) * self.block_size, offset + nbytes)
-            bounds.append((lo, hi))
-            lo = hi
-        return bounds
+        edges = [offset, *range((offset // self.block_size + 1) * self.block_size, offset + nbytes, self.block_size)]
+        return list(zip(edges, [*edges[1:], offset + nbytes])) if nbytes else []
 
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
         """``data`` (uint8) was written at ``offset`` around the engine (through a memory map): record
@@ -282,8 +249,7 @@ class AsyncIO:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _alive(self) -> bool:
-        """Whether a thread is left to finish the queued requests."""
+    def _alive(self) -> bool:   # a thread is left to finish the queued requests
         threads = self._threads
         return threads is not None and any(t.is_alive() for t in threads)
 
@@ -318,19 +284,14 @@ class AsyncIO:
             self._broken = SwapIOError(f"the swap IO thread {threading.current_thread().name} stopped "
                                        f"({type(cause).__name__}: {cause}); the swap IO in flight failed",
                                        path="", offset=-1, what="")
-        if job is not None:
-            job[0]._piece_done(self._broken)
-        stops = 0   # the other threads' stop signals stay queued for them
-        while True:
-            try:
-                job = self._work.get_nowait()
-            except queue.Empty:
-                break
-            if job is None:
-                stops += 1
-            else:
-                job[0]._piece_done(self._broken)
-        for _ in range(stops):
+        queued = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                queued.append(self._work.get_nowait())
+        for failed in (job, *queued):
+            if failed is not None:
+                failed[0]._piece_done(self._broken)
+        for _ in range(queued.count(None)):   # the other threads' stop signals stay queued for them
             self._work.put(None)
 
     def _piece(self, handle: IOHandle, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
@@ -356,34 +317,29 @@ class AsyncIO:
 
     def _move(self, handle: IOHandle, fd: int, direct: bool, offset: int, address: int, nbytes: int,
               bounce_addr: int) -> None:
-        if direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN):
-            self._bounced(handle, fd, offset, address, nbytes, bounce_addr)
-        else:   # buffered IO takes any offset, length and address
-            self._io(handle, fd, offset, _memory(address, nbytes), nbytes)
-
-    def _bounced(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, bounce_addr: int) -> None:
-        """O_DIRECT IO of an unaligned range through the aligned bounce buffer."""
+        """One piece's IO: O_DIRECT IO of an unaligned range goes through the aligned bounce buffer."""
+        if not (direct and (offset % ALIGN or nbytes % ALIGN or address % ALIGN)):
+            # buffered IO takes any offset, length and address
+            return self._io(handle, fd, offset, address, nbytes)
         lo = offset // ALIGN * ALIGN
         hi = -(-(offset + nbytes) // ALIGN) * ALIGN
-        span = _memory(bounce_addr, hi - lo)
         if handle.op == "read":
-            self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+            self._io(handle, fd, lo, bounce_addr, hi - lo, report=(offset, nbytes))
             ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
             return
         # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are
         # padded to 4 KiB, so only writes inside one extent could race here; the store never issues them)
         if offset > lo:
-            self._io(handle, fd, lo, _memory(bounce_addr, ALIGN), ALIGN, report=(offset, nbytes), op="read")
+            self._io(handle, fd, lo, bounce_addr, ALIGN, report=(offset, nbytes), op="read")
         if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):
-            self._io(handle, fd, hi - ALIGN, _memory(bounce_addr + hi - ALIGN - lo, ALIGN), ALIGN,
-                     report=(offset, nbytes), op="read")
+            self._io(handle, fd, hi - ALIGN, bounce_addr + hi - ALIGN - lo, ALIGN, report=(offset, nbytes), op="read")
         ctypes.memmove(bounce_addr + offset - lo, address, nbytes)
-        self._io(handle, fd, lo, span, hi - lo, report=(offset, nbytes))
+        self._io(handle, fd, lo, bounce_addr, hi - lo, report=(offset, nbytes))
 
-    def _io(self, handle: IOHandle, fd: int, offset: int, memory, nbytes: int, *, report=None,
+    def _io(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, *, report=None,
             op: str | None = None) -> None:
-        """One system call; anything but the full byte count fails the request."""
-        sys = handle.file.syscalls
+        """One system call over ``nbytes`` at ``address``; anything but the full byte count fails the request."""
+        sys, memory = handle.file.syscalls, _memory(address, nbytes)
         read = (op or handle.op) == "read"
         got = sys.preadv(fd, [memory], offset) if read else sys.pwritev(fd, [memory], offset)
         if got != nbytes:
@@ -430,9 +386,7 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
 
 def verify_map(fmap, what: str = "") -> None:
     """``verify_extent`` for every extent of the mapped file, if any."""
-    if fmap is None:
-        return
-    for name in fmap.file.extents:
+    for name in fmap.file.extents if fmap is not None else ():
         verify_extent(fmap, name, f"extent {name!r}{f' ({what})' if what else ''}")
 
 

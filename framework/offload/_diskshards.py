@@ -20,7 +20,6 @@ from framework.offload.base import Piece
 from framework.offload.cpu import HostShards
 
 
-
 class DiskShards(HostShards):
     """zero3 parameter shards in their swap file (module docstring)."""
 
@@ -186,10 +185,10 @@ class DiskShards(HostShards):
         self.store.wait(self.held[1])
         return shard
 
-    def flush(self) -> None:
+    def flush(self, dirty: bool = True) -> None:
         held, self.held = self.held, None
         if held is not None:
-            self.store.release(held[1], None, dirty=True)
+            self.store.release(held[1], None, dirty=dirty)
 
     def read_errors(self) -> None:
         if self.swapped:
@@ -207,9 +206,7 @@ class DiskShards(HostShards):
         """Raises a read failure no agreement saw (a gather's zeros were used unchecked), once closed."""
         self.closed = True
         self._close_spill()
-        if self.held is not None:   # (a step that failed between a copy back and ``flush``)
-            self.store.release(self.held[1], None, dirty=False)
-            self.held = None
+        self.flush(dirty=False)   # (a step that failed between a copy back and ``flush``)
         self.store.close()
         error, self.read_error = self.read_error, None
         if error is not None:

@@ -3,10 +3,10 @@ pieces are read into before the host uses them and written back from after (``_s
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections import deque
-from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -63,6 +63,12 @@ class _Slot:
     stamp: int = 0                             # when it was last made resident (eviction order)
     readers: Event | None = None               # streams still copying from it
 
+    def synced(self) -> None:
+        """Wait for the streams' last copy that read this slot, only (a sync point)."""
+        if self.readers is not None:
+            self.readers.synchronize()
+            self.readers = None
+
 
 class DiskStore:
     """A swap file plus a pool of ``buffer_count`` slots, each as large as the largest piece.
@@ -88,14 +94,14 @@ class DiskStore:
         self.bytes_read = self.bytes_written = 0
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
         self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
-        self.clock = 0
+        self.clock = itertools.count(1)   # ``_Slot.stamp``s
         self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
         """Register piece ``key``'s tensors and park them (``park=False``: until ``create`` writes them)."""
         tensors = (*swapped, *scratch)
-        offsets = list(accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
+        offsets = list(itertools.accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
         if self.entries and not self.learn_order:
             self.follow[next(reversed(self.entries))] = key
         self.entries[key] = _Entry(list(swapped), list(scratch), readonly, offsets)
@@ -139,16 +145,12 @@ class DiskStore:
                 slot.state = "reading"
             elif slot.state == "clean":     # still resident from an earlier use, unchanged since
                 slot.state = "reading"
-            if self.learn_order:
-                if self.last is not None and self.last != key:
-                    self.follow[self.last] = key
-                self.last = key
-            if self.read_ahead:
-                nxt = self.follow.get(key)
-                if nxt is not None and nxt not in self.where:
-                    free = self._free_slot(block=False)
-                    if free is not None:
-                        self._read(nxt, free)
+            if self.learn_order and self.last not in (None, key):
+                self.follow[self.last] = key
+            self.last = key
+            nxt = self.follow.get(key) if self.read_ahead else None
+            if nxt is not None and nxt not in self.where and (free := self._free_slot(block=False)) is not None:
+                self._read(nxt, free)
         return key
 
     def wait(self, key: int, host_writes: bool = True) -> None:
@@ -163,13 +165,10 @@ class DiskStore:
             with self.cond:     # nothing valid in the slot: free it, never write it back
                 slot.state = "failed"
             raise
-        if slot.readers is not None and host_writes:   # sync point: the last copy that read this piece, only
-            slot.readers.synchronize()
-            slot.readers = None
+        if host_writes:
+            slot.synced()
         with self.cond:
-            slot.state = "resident"
-            self.clock += 1
-            slot.stamp = self.clock
+            slot.state, slot.stamp = "resident", next(self.clock)
             self._point(key, slot)
 
     def release(self, key: int, readers: Event | None, dirty: bool = True, readonly_too: bool = False) -> None:
@@ -177,12 +176,11 @@ class DiskStore:
         needed, and is never written back. ``readonly_too``: the read-only tail is written too."""
         with self.cond:
             slot = self.where.get(key)
-            if slot is None:
+            # not resident: acquired but never stepped (an aborted step), unchanged
+            if slot is None or slot.state not in ("resident", "failed"):
                 return
             if slot.state == "failed":
                 self._free(slot)
-                return
-            if slot.state != "resident":   # acquired but never stepped (an aborted step): unchanged
                 return
             if readers is not None:   # (else an earlier reader of the same piece still counts)
                 slot.readers = readers
@@ -209,9 +207,7 @@ class DiskStore:
                 slot = self.writing[0]
             self._finish_writes(slot)
         for slot in self.slots:
-            if slot.readers is not None:
-                slot.readers.synchronize()
-                slot.readers = None
+            slot.synced()
 
     def close(self) -> None:
         try:
@@ -284,11 +280,11 @@ class DiskStore:
             self.settle()
         swapped = self.entries[key].swapped
         n = swapped[-1].nbytes
-        if own is not None:
-            return len(swapped) - 1, n, own[:padded(n)]
-        if self.bounce is None or self.bounce.numel() < padded(n):
-            self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
-        return len(swapped) - 1, n, self.bounce[:padded(n)]
+        if own is None:
+            if self.bounce is None or self.bounce.numel() < padded(n):
+                self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
+            own = self.bounce
+        return len(swapped) - 1, n, own[:padded(n)]
 
     def settle(self) -> None:
         """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy
@@ -380,9 +376,7 @@ class DiskStore:
         """``slot`` (free, or clean: its piece needs no write) for a new piece."""
         if slot.state == "clean":
             self._free(slot)
-        if slot.readers is not None:   # sync point: the copy back of the piece it held, only
-            slot.readers.synchronize()
-            slot.readers = None
+        slot.synced()   # the copy back of the piece it held
         return slot
 
     def _read(self, key: int, slot: _Slot) -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections import deque
+from collections import Counter, deque
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -47,18 +48,15 @@ class HostStore:
         self.acc, self.pin = acc, pin
         self.readers: dict[int, Event] = {}
         self._reserved: deque = deque()   # (buffer, numel, dtype) sliced by ``reserve``, not yet handed out
-        self._pinned = [0]                # bytes of the live arenas (their finalizers subtract)
+        self._pinned = Counter()          # bytes of the live arenas (their finalizers subtract)
 
     def reserve(self, sizes: Sequence[tuple[int, torch.dtype]]) -> None:
         """One arena for the pinned buffers ``allocate`` will ask for next, (numel, dtype) in order."""
         if not self.pin or not sizes:
             return
-        offsets, total = [], 0
-        for numel, dtype in sizes:
-            total = -(-total // 64) * 64
-            offsets.append(total)
-            total += numel * dtype.itemsize
-        arena = self._arena(total)
+        nbytes = [numel * dtype.itemsize for numel, dtype in sizes]
+        offsets = list(accumulate((-(-n // 64) * 64 for n in nbytes[:-1]), initial=0))   # 64-byte aligned
+        arena = self._arena(offsets[-1] + nbytes[-1])
         self._reserved = deque((arena[o:o + n * dt.itemsize].view(dt), n, dt) for o, (n, dt) in zip(offsets, sizes))
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -72,16 +70,13 @@ class HostStore:
     def _arena(self, nbytes: int) -> torch.Tensor:
         arena = host_arena(nbytes, pin=True, acc=self.acc)
         size = arena.untyped_storage().nbytes()   # what is really allocated (CUDA: whole pages)
-        self._pinned[0] += size
-
-        def freed(pinned=self._pinned, size=size):
-            pinned[0] -= size
-        weakref.finalize(arena.untyped_storage(), freed).atexit = False
+        self._pinned["bytes"] += size
+        weakref.finalize(arena.untyped_storage(), self._pinned.subtract, {"bytes": size}).atexit = False
         return arena[:nbytes]
 
     def pinned_bytes(self) -> int:
         """Bytes of pinned host memory this store holds now, as allocated (not as requested)."""
-        return self._pinned[0]
+        return self._pinned["bytes"]
 
     def acquire(self, key: int) -> int:
         return key

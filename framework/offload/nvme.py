@@ -54,11 +54,10 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     if cfg.overlap_step and cfg.optimizer == "nvme":
         raise ConfigError("config: offload.overlap_step=true needs whole optimizer pieces in host memory "
                           "(speculation keeps undo copies); use offload.optimizer=cpu or overlap_step=false")
-    for key in ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size"):
-        if getattr(cfg, key) < 1:
-            raise ConfigError(f"config: offload.{key} must be >= 1, got {getattr(cfg, key)}")
-    if cfg.max_in_cpu < 0:
-        raise ConfigError(f"config: offload.max_in_cpu must be >= 0, got {cfg.max_in_cpu}")
+    for key in ("sub_group_size", "buffer_count", "param_buffer_count", "param_buffer_size", "max_in_cpu"):
+        least = 0 if key == "max_in_cpu" else 1
+        if getattr(cfg, key) < least:
+            raise ConfigError(f"config: offload.{key} must be >= {least}, got {getattr(cfg, key)}")
     default = NVMeOffloadConfig()   # a tier that is off: its keys would do nothing
     for tier, on, keys in (("params", params, ("param_buffer_count", "param_buffer_size", "max_in_cpu")),
                            ("optimizer", cfg.optimizer, ("sub_group_size", "buffer_count", "pipeline_read",
