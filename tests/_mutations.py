@@ -209,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              r"used by stream 'offload d2h' at .*in copy_grad was freed at .*in copy_grad", TemporaryCopySource),
     Mutation("sync-in-hook", ("+stage=zero2", "stage.reduce_bucket_size=1500"), HostSync,
              r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
-             r"framework/stages/_grads\.py:\d+ in _launch", patch=_sync_in_zero2_hook),
+             r"framework/stages/_grads\.py:\d+ in flush", patch=_sync_in_zero2_hook),
     Mutation("unbound-thread", ZERO2_OFFLOAD, DeviceMismatch,
              r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),
     Mutation("unwaited-d2h-source", ZERO2_SPECULATIVE, OrderError,

@@ -105,8 +105,13 @@ def read_json(path: Path, what: str) -> Any:
 
 def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
-    if not os.path.lexists(path):
-        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): not a checkpoint")
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder}: no {MANIFEST} (deleted, or an interrupted save): "
+                              "not a checkpoint") from None
+    except OSError:
+        pass   # (read_json names it unreadable, with the system's reason)
     body = read_json(path, "the manifest")
     if not isinstance(body, dict) or body.get("format") != FORMAT or not isinstance(body.get("files"), dict):
         raise CheckpointError(f"checkpoint {folder}: {path} is not a format-{FORMAT} manifest")

@@ -566,3 +566,20 @@ def test_a_rank_failing_without_a_message_is_still_heard_by_its_peers(error):
     with pytest.raises(Sent) as got:
         agree(Dist(), fail, "saving")
     assert got.value.args[0] == f"rank 1: {type(error).__name__}"
+
+
+def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):
+    """Only a manifest that does not exist is "no manifest.json (deleted, or an interrupted save)"; one that
+    cannot be read (a folder without search permission) is named unreadable, with the system's reason."""
+    from framework.core import files
+    from framework.persist import stepfolders
+
+    stepfolders.write_manifest(tmp_path, {})
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / stepfolders.MANIFEST))
+
+    monkeypatch.setattr(os, "lstat", denied)
+    monkeypatch.setattr(files, "open_nofollow", denied)
+    with pytest.raises(CheckpointError, match="unreadable as the manifest .*Permission denied"):
+        stepfolders.read_manifest(tmp_path)
