@@ -337,8 +337,7 @@ class Gatherer:
         unit.to(UnitState.GATHERED)
 
     @staticmethod
-    def _point(g: UnitGroup) -> None:
-        """Each parameter of ``g`` a view of its slice of the gathered buffer."""
+    def _point(g: UnitGroup) -> None:   # each parameter a view of its slice of the gathered buffer
         for p, slot in zip(g.params, g.layout.slots):
             p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
