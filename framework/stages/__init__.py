@@ -6,7 +6,7 @@ from framework.stages._flat import (ALIGN, ParameterInit, PieceSpec, check_shape
                                     param_groups, unit_groups, whole_memory)
 from framework.stages._units import UnitPlan, plan_units
 from framework.stages._grads import bucket_buffers
-from framework.stages._gather import zero3_sharded
+from framework.stages._shards import zero3_sharded
 
 __all__ = ["ALIGN", "ParameterInit", "PieceSpec", "UnitPlan", "bucket_buffers", "check_shape", "cover", "make_layout",
            "param_count", "param_groups", "plan_units", "unit_groups", "whole_memory",

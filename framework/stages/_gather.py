@@ -8,10 +8,8 @@ steps prefetch along that trace, and every rank checks that the others used the 
 """
 from __future__ import annotations
 
-import enum
 import logging
 import zlib
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -19,102 +17,12 @@ from torch import nn
 
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
-from framework.core.errors import DistributedError, FrameworkError, TrainingError
+from framework.core.errors import DistributedError, TrainingError
 from framework.core.utils import tensors_in
-from framework.stages._flat import Layout
 from framework.stages._grads import late_gradient, reduce_to_owners
+from framework.stages._shards import Unit, UnitGroup, UnitState
 
 log = logging.getLogger("framework.zero3")
-
-
-class UnitState(enum.Enum):
-    SHARDED = "sharded"
-    GATHERING = "gathering"
-    GATHERED = "gathered"
-
-
-NEXT = {UnitState.SHARDED: UnitState.GATHERING, UnitState.GATHERING: UnitState.GATHERED,
-        UnitState.GATHERED: UnitState.SHARDED}
-
-
-class ShardedParameter(nn.Parameter):
-    """Empty between uses; inside its unit's forward/backward or ``framework.gathered`` a view of
-    the gathered full tensor. Saving it is an error."""
-
-    logical_shape: torch.Size
-    unit_name: str
-    shard_range: tuple[int, int]   # this rank's elements of the parameter, [start, end) (may be empty)
-
-    def __repr__(self) -> str:
-        state = "gathered" if self.numel() == self.logical_shape.numel() else "sharded"
-        a, b = self.shard_range
-        return (f"ShardedParameter(shape={tuple(self.logical_shape)}, dtype={self.dtype}, unit={self.unit_name!r}, "
-                f"{state}, this rank holds elements [{a}, {b}) of {self.logical_shape.numel()})")
-
-    def __reduce_ex__(self, proto):
-        raise FrameworkError(f"cannot save a ZeRO-3 sharded parameter (shape {tuple(self.logical_shape)}, unit "
-                             f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
-
-
-def zero3_sharded(module: nn.Module) -> bool:
-    """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards once its engine
-    is closed or its build failed: another engine cannot be built on them)."""
-    return any(isinstance(p, ShardedParameter) for p in module.parameters())
-
-
-@dataclass
-class UnitGroup:
-    kind: str                        # 'decay' | 'no_decay'
-    index: int                       # its position in the stage's groups (and partitions)
-    layout: Layout
-    params: list[ShardedParameter]
-    shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
-    part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
-    # The gathered buffer: allocated at the first gather and kept for the unit's life; its storage
-    # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
-    full: torch.Tensor | None = None
-    pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
-    # Where a non-resident partition comes from (gradients in the swap file); None: zeros, kept.
-    load_grad: Callable[[], torch.Tensor] | None = None
-
-    def grad(self) -> torch.Tensor:
-        """The gradient partition, allocated on first use (construction holds only the shards)."""
-        if self.part_grad.numel() != self.shard.numel():
-            self.part_grad = self.load_grad() if self.load_grad is not None else torch.zeros(
-                self.shard.numel(), dtype=self.part_grad.dtype, device=self.part_grad.device)
-        return self.part_grad
-
-
-@dataclass
-class Unit:
-    uid: int
-    name: str
-    groups: list[UnitGroup]
-    state: UnitState = UnitState.SHARDED
-    works: list = field(default_factory=list)      # in-flight gather collectives
-    # Parameters whose gradient arrived in this backward pass: per-parameter flags rather than a
-    # count of hook calls, since under reentrant checkpointing a weight can arrive twice.
-    arrived: set = field(default_factory=set)
-    reduced: bool = False                           # reduced (and released) in this backward pass
-    in_backward: bool = False                       # gathered for this backward, not yet reduced
-    active: int = 0                                 # forwards of this unit currently running
-    # framework.gathered blocks holding it: the hooks release it only when none does, so a forward
-    # inside the block (or a nested block) leaves it gathered for the holder that gathered it.
-    held: int = 0
-    gatherer: "Gatherer | None" = None
-
-    @property
-    def numel(self) -> int:
-        return sum(g.layout.padded for g in self.groups)
-
-    @property
-    def params(self) -> list[ShardedParameter]:
-        return [p for g in self.groups for p in g.params]
-
-    def to(self, new: UnitState) -> None:
-        if new is not NEXT[self.state]:
-            raise FrameworkError(f"zero3 unit {self.name!r}: illegal transition {self.state.value} -> {new.value}")
-        self.state = new
 
 
 class Gatherer:
@@ -321,8 +229,7 @@ class Gatherer:
         """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for reuse) that,
         with the trace abandoned or the pass over, may never come; one still gathering is waited for first."""
         for unit in self.units:
-            if unit is not keep and unit.state is not UnitState.SHARDED and unit.active == 0 \
-                    and not unit.held and not unit.in_backward:
+            if unit is not keep and unit.state is not UnitState.SHARDED and unit.idle:
                 self.release(unit)
 
     def _demand(self, unit: Unit, phase: str) -> None:
@@ -388,8 +295,7 @@ class Gatherer:
         for unit in self.units:
             if self.live + need <= self.max_live:
                 return
-            if unit is not exclude and unit.state is UnitState.GATHERED and not unit.in_backward \
-                    and unit.active == 0 and not unit.held:
+            if unit is not exclude and unit.state is UnitState.GATHERED and unit.idle:
                 self.release(unit)
 
     def _in_place(self, g: UnitGroup) -> bool:
@@ -431,8 +337,7 @@ class Gatherer:
         unit.to(UnitState.GATHERED)
 
     @staticmethod
-    def _point(g: UnitGroup) -> None:
-        """Each parameter of ``g`` a view of its slice of the gathered buffer."""
+    def _point(g: UnitGroup) -> None:   # each parameter a view of its slice of the gathered buffer
         for p, slot in zip(g.params, g.layout.slots):
             p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
@@ -528,7 +433,7 @@ class Gatherer:
     def unhold(self, unit: Unit, started: bool, written: bool = False) -> None:
         """``written``: the block's exit wrote new values into the shards (framework.gathered's modifier_rank)."""
         unit.held -= 1
-        if started and not unit.held and unit.active == 0 and not unit.in_backward:
+        if started and unit.idle:
             self.release(unit)
         elif unit is self.persistent and not unit.held:
             # Always gathered, so no block's exit releases it: edits without modifier_rank (or left by an error)

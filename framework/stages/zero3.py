@@ -19,7 +19,8 @@ from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
-from framework.stages._gather import Gatherer, ShardedParameter, Unit, UnitGroup
+from framework.stages._gather import Gatherer
+from framework.stages._shards import ShardedParameter, Unit, UnitGroup
 from framework.stages._grads import backward_or_reset
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
