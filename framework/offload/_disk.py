@@ -312,11 +312,10 @@ class DiskPlacement(NVMePlacement):
         is read back only on a later micro batch of its step, so only for ``grad_accum`` > 1."""
         if self.host_fraction == 1.0:
             self.grad_swap, self.grad_dtype, self.read_back = True, accum_dtype, grad_accum > 1
-            self.written: set[int] = set()            # groups whose extents hold this step's sums
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
             self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
-            self.writes: dict[int, Future] = {}       # group -> its latest write
+            self.writes: dict[int, Future] = {}       # group -> its latest write (its extents hold this step's sums)
             # A write or read back that failed in a backward hook (one rank only): agreed on after backward
             self.grad_error: BaseException | None = None
             self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
@@ -334,7 +333,7 @@ class DiskPlacement(NVMePlacement):
         issued ahead by ``save_grad``) only; the copy to the device is queued on the H2D stream from a
         pinned buffer, and the current stream waits for it by an event."""
         acc, numel = self.acc, self.partitions[group].numel()
-        if group not in self.written:
+        if group not in self.writes:
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
         if not self.read_back:   # (one micro batch a step: each group is reduced once, as its final sum)
             raise FrameworkError(f"internal error: zero3's swapped gradient partition {group} was reduced twice "
@@ -385,7 +384,7 @@ class DiskPlacement(NVMePlacement):
         """Start reading back ``group`` (the one reduced next, last time), unless a read ahead is still
         unused (the order changed: it waits for its group's reduction or the end of backward, as the hook
         must not wait for it) or there is nothing to read (never written, or final this step)."""
-        if self.read_back and group is not None and not self.reads and group in self.written \
+        if self.read_back and group is not None and not self.reads and group in self.writes \
                 and group not in self.norms:
             self.reads[group] = self._read_back(group)
 
@@ -408,7 +407,6 @@ class DiskPlacement(NVMePlacement):
             self.grad_error = self.grad_error or e
         self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))
         self.writes[group] = self.pending[-1]
-        self.written.add(group)
         if self.last is not None:
             self.follow[self.last] = group
         self.last = group
@@ -461,7 +459,7 @@ class DiskPlacement(NVMePlacement):
             f.exception()
         self._drop_reads()
         self.grad_error = None
-        for done in (self.pending, self.writes, self.written, self.norms):
+        for done in (self.pending, self.writes, self.norms):
             done.clear()
 
     def close(self) -> None:

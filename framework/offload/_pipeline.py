@@ -98,20 +98,16 @@ class PiecePipeline:
         """Every piece's gradient (host pieces: their host buffer, its copy queued if not yet)."""
         out = []
         for info in self.info:
-            if info.tier is Tier.DISK and self.target.grad_swap:
-                # In the swap file beside the tile, resident once the step acquires it: nothing to copy.
-                if info.index not in self.grad_copies:
-                    self.grad_copies[info.index] = _done(recorded(self.acc))
-                out.append(info.grad)
-                continue
-            g = parts[info.group][info.start:info.end]
-            if info.tier is not Tier.DEVICE:
-                if info.index not in self.grad_copies:
-                    if info.index not in self.final:  # final on the current stream since backward ended
-                        self.acc.use(writes=[g])
-                    self.grad_copies[info.index] = _done(self.target.copy_grad(info, g))
-                g = info.grad
-            out.append(g if g.dtype == info.master.dtype else g.to(info.master.dtype))
+            k, g = info.index, parts[info.group][info.start:info.end]
+            # A swapped gradient is in the swap file beside the tile, resident once the step acquires it:
+            # nothing to copy, nor to convert.
+            swapped = info.tier is Tier.DISK and self.target.grad_swap
+            if info.tier is not Tier.DEVICE and k not in self.grad_copies:
+                if not swapped and k not in self.final:  # final on the current stream since backward ended
+                    self.acc.use(writes=[g])
+                self.grad_copies[k] = _done(recorded(self.acc) if swapped else self.target.copy_grad(info, g))
+            g = g if info.tier is Tier.DEVICE else info.grad
+            out.append(g if swapped else g.to(info.master.dtype))
         return out
 
     def _acquire(self, k: int) -> None:
@@ -138,8 +134,7 @@ class PiecePipeline:
         pc = self.info[k]
         self._acquire(k)
         self.grad_copies[k].result().synchronize()   # sync point: this piece's gradient copy only
-        if grad.dtype != pc.master.dtype:   # a swapped gradient in a 16-bit accumulation dtype, resident now
-            grad = grad.to(pc.master.dtype)
+        grad = grad.to(pc.master.dtype)   # (a swapped gradient in a 16-bit accumulation dtype, resident now)
         staging = [] if pc.staging is None else [pc.staging]
         self.acc.on_host(grad, pc.master, *staging, what="host step operands")
         self.acc.host_use(reads=[grad, pc.master], writes=[grad, pc.master, *staging])
@@ -183,8 +178,7 @@ class PiecePipeline:
 
     def abort(self) -> None:
         """The step failed after ``arm``: leave the optimizer as it was."""
-        self._wait()
-        if self.ctx is not None:
+        if self.ctx is not None:   # (only then were jobs submitted: the copies are waited for below)
             self._settle(exact=False)
         for copy in self.grad_copies.values():  # the host may read the gradients now (overflow names)
             if copy.exception() is None:
@@ -218,10 +212,9 @@ class PiecePipeline:
                 getattr(store, "resume", lambda: None)()
             for k in done:  # copy back while the worker steps the rest
                 self._publish(k, after, copies)
-            rest = [k for k in range(len(self.info)) if k not in done]
             jobs = [(k, self.pool.submit(self._step, k, grads[k], coef, opt_state, params, lr))
-                    for k in rest if k in self.host]
-            device_rest = [k for k in rest if k not in self.host]
+                    for k in sorted(self.host - done)]   # (only host pieces are speculated)
+            device_rest = [k for k in range(len(self.info)) if k not in self.host]
             if device_rest:  # (offload.ratio < 1) stepped here, on the compute stream, meanwhile
                 if coef != 1.0:
                     torch._foreach_mul_([grads[k] for k in device_rest], coef)

@@ -121,12 +121,11 @@ class SwapFile:
         (name -> bytes, in order). ConfigError: another layout, or in use; SwapIOError: no room."""
         syscalls = syscalls or Syscalls()
         path = Path(path)
-        itemsize = dtype.itemsize
         table, size = {}, 0
         for name, nbytes in extents.items():
-            if nbytes < 0 or nbytes % itemsize:
+            if nbytes < 0 or nbytes % dtype.itemsize:
                 raise ValueError(f"extent {name!r}: {nbytes} bytes is not a whole number of {dtype} elements")
-            table[name] = Extent(size, int(nbytes), int(nbytes) // itemsize)
+            table[name] = Extent(size, int(nbytes), int(nbytes) // dtype.itemsize)
             size += padded(int(nbytes))
         meta = {"format": FORMAT, "layout_hash": str(layout_hash), "world_size": int(world_size),
                 "rank": int(rank), "dtype": dtype_name(dtype), "size": size,
@@ -335,12 +334,10 @@ def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
     means its process is gone); (files removed, bytes freed). Links are never followed."""
     count = freed = 0
     try:
-        names = sorted(os.listdir(folder))
+        names = sorted(n for n in os.listdir(folder) if n.startswith("rank") and n.endswith(".swap"))
     except (FileNotFoundError, NotADirectoryError):
         return 0, 0
     for name in names:
-        if not (name.startswith("rank") and name.endswith(".swap")):
-            continue
         path = Path(folder) / name
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)

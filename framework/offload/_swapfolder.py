@@ -90,7 +90,6 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
         raise ConfigError("offload buffers too small: " + "; ".join(problems))
 
 
-
 def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
     """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
     rank = dist.rank if dist is not None else 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -29,14 +29,6 @@ from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
 from framework.offload._store import HostStore, Tier, recorded
 from framework.optimizers import group_state
-
-
-class GradListener(Protocol):
-    """What hears of the final gradient ranges once ``make_update`` built it (``_pipeline.PiecePipeline``)."""
-
-    def ready(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None: ...
-
-    def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,10 +106,13 @@ class Shards:
         """End of setup: the shards go to their swap file, if they have one."""
 
     def memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
-        fp.add("params", device=tensor_bytes(shards))
+        fp.add("params", **{"host" if self.params_on_host else "device": tensor_bytes(shards)})
 
     def predict(self, fp: Footprint, sizes: Sequence[int], itemsize: int) -> None:
         """Move the estimator's ``params`` item (counted on the device) to where ``memory`` finds them."""
+        if self.params_on_host:
+            device, host = fp.items["params"]
+            fp.items["params"] = (0, device + host)
 
     def close(self) -> None:
         pass
@@ -140,7 +135,7 @@ class Placement:
         self.acc: Accelerator | None = None
         self.infos: list[Piece] = []   # every piece, in master order
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
-        self.listener: GradListener | None = None   # hears from the stage once ``make_update`` built it
+        self.listener = None   # the ``_pipeline.PiecePipeline`` hearing from the stage once ``make_update`` built it
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -178,10 +173,8 @@ class Placement:
         real = n if real is None else real
         cut = self.ranges(n, chunk)
         pieces = self._off_device(own, master_dtype, [(a, b) for a, b, tier in cut if tier is not Tier.DEVICE])
-        for a, b, tier in cut:
-            if tier is Tier.DEVICE:  # kept with the working values; fp32 training updates them in place
-                rest = own[a:b]
-                pieces.append(Piece(a, b, rest if rest.dtype == master_dtype else rest.to(master_dtype), None))
+        # kept with the working values (``to`` returns them as they are): fp32 training updates them in place
+        pieces += [Piece(a, b, own[a:b].to(master_dtype), None) for a, b, tier in cut if tier is Tier.DEVICE]
         pieces = [replace(p, index=len(self.infos) + i, group=group, real=max(0, min(p.end, real) - p.start),
                           partition=own) for i, p in enumerate(pieces)]
         self.infos += pieces
@@ -353,8 +346,7 @@ class Placement:
                 store.release(p.index, None)
 
     def make_update(self, tx, gather: Callable[[], None]):
-        """The piece pipeline, listening to the stage from now on (None: no host pieces; every piece
-        is on the device, the only tier here)."""
+        """The piece pipeline, listening to the stage from now on (None: no host pieces, as here)."""
         return None
 
     def agree_io_error(self, error: BaseException | None, what: str) -> None:

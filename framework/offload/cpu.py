@@ -14,8 +14,6 @@ import torch
 
 from framework.comm.accelerator import Accelerator, Event
 from framework.core.errors import ConfigError
-from framework.core.footprint import Footprint
-from framework.core.utils import tensor_bytes
 from framework.core.registry import Component
 from framework.offload._pipeline import PiecePipeline
 from framework.offload._store import Tier, recorded
@@ -87,25 +85,15 @@ class HostShards(Shards):
         return recorded(acc)
 
     def write(self, shard: torch.Tensor, values: torch.Tensor) -> None:
-        self._settle(shard)
+        """A host copy, once the copy that last read ``shard`` (if any) is done."""
+        done = self.reads.pop(shard.untyped_storage().data_ptr(), None)
+        if done is not None:
+            done.synchronize()
         self.p.acc.copy(shard, values)
-
-    def memory(self, fp: Footprint, shards) -> None:
-        fp.add("params", host=tensor_bytes(shards))
-
-    def predict(self, fp: Footprint, sizes, itemsize: int) -> None:
-        device, host = fp.items["params"]
-        fp.items["params"] = (0, device + host)
 
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event | None) -> Event | None:
         self.write(dst, src)   # a host copy, once its loads are done
         return None
-
-    def _settle(self, shard: torch.Tensor) -> None:
-        """The host is about to write a host shard: wait for the copy that last read it (if any)."""
-        done = self.reads.pop(shard.untyped_storage().data_ptr(), None)
-        if done is not None:
-            done.synchronize()
 
 
 @dataclass(kw_only=True)
