@@ -172,7 +172,7 @@ def _exclusive(directory: Path) -> Iterator[None]:
         raise BuildUnavailable(f"no usable build in {directory}, and this user cannot build there ({flock}: "
                                f"{exc.strerror}); have the cache's owner run `python -m framework.ops build`, "
                                "or set FRAMEWORK_OPS_CACHE to a folder of yours") from None
-    with handle:   # closing it releases the lock (the descriptor is not inherited by the build's children)
+    with handle:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
         while True:
             try:
@@ -183,12 +183,13 @@ def _exclusive(directory: Path) -> Iterator[None]:
                     raise BuildUnavailable(f"another process has been building in {directory} for "
                                            f"over {LOCK_TIMEOUT_S:.0f} s") from None
                 time.sleep(0.2)
-        yield
+        try:
+            yield
+        finally:   # (not left to the close: a child forked meanwhile would hold the lock while it lives)
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _compile(directory: Path, force: bool = False, retry: bool = False) -> ModuleType:
-    from torch.utils import cpp_extension
-
     with _tools_on_path():
         # A recorded failure holds only for the same compiler (as it resolves, with the build's tools on PATH).
         compiler = os.environ.get("CXX", "c++")
@@ -197,6 +198,8 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
         if not force and not retry:
             _recorded_failure(directory, key)   # no lock needed to read it: written atomically
         with _exclusive(directory):
+            from torch.utils import cpp_extension   # (not before a recorded failure: it imports setuptools)
+
             if not force:
                 if _finished(directory):  # another process built it while we waited
                     with contextlib.suppress(ImportError):

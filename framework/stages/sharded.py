@@ -232,12 +232,15 @@ class Zero2Stage(ShardedStage):
 
     def _abort_backward(self, wait: bool) -> None:
         """As ``FlatGrads.abort_backward`` (not added into the partitions), their buffers reused (unless not
-        ``wait``: never reused); gradients of buckets that never launched are discarded."""
+        ``wait``: kept for the collectives that may still write them, new ones made for the next pass);
+        gradients of buckets that never launched are discarded."""
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
         self.abandoned = None if wait else in_flight
         for item in in_flight if wait else ():
             self._complete(item, add=False)
+        self.free += [torch.empty_like(buf._base if buf._base is not None else buf)
+                      for *_, buf in (() if wait else in_flight) if buf is not None]
         for p in self.params:
             p.grad = None
 

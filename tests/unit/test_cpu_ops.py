@@ -902,3 +902,26 @@ def test_framework_ops_0_turns_the_kernels_off(monkeypatch):
     assert not ops.usable(t, t)
     monkeypatch.delenv("FRAMEWORK_OPS")
     assert ops.usable(t, t) == ops.available()
+
+
+def test_the_build_lock_is_free_once_its_holder_leaves_even_with_a_forked_child(tmp_path):
+    """A flock belongs to the open file, which a child forked during the build shares: the holder unlocks it
+    on leaving (closing its copy alone left the lock held while the child lived, and waiting ranks polled
+    for up to LOCK_TIMEOUT_S before falling back)."""
+    import fcntl
+    import time
+
+    d = tmp_path / "build"
+    with _loader._exclusive(d):
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(2)
+            os._exit(0)
+    try:
+        lock = os.open(d.parent / "build.flock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)   # raises BlockingIOError while held
+        finally:
+            os.close(lock)
+    finally:
+        os.waitpid(pid, 0)

@@ -478,3 +478,56 @@ def test_a_step_reads_the_device_once():
         _, metrics = engine.train_step(engine.state, batch)
     assert len(reads) == 1 and metrics["grad_norm"] > 0.5, reads
     engine.close()
+
+
+class _Interrupt(torch.autograd.Function):
+    """Identity whose backward raises KeyboardInterrupt while ``armed``: Ctrl-C in the middle of a backward
+    pass, after the buckets of the layers above it went out."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Interrupt.armed:
+            raise KeyboardInterrupt
+        return g
+
+
+def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass_with_buckets_in_flight():
+    """Ctrl-C during zero2's backward (overlap_comm: bucket buffers in flight) leaves those buffers with
+    their collectives; the next pass gets new ones (it raised IndexError on an empty queue at every later
+    step) and trains exactly as an engine that never saw the interrupted step."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(6))
+
+        def forward(self, x):
+            x = _Interrupt.apply(self.layers[0](x))
+            for layer in self.layers[1:]:
+                x = torch.tanh(layer(x))
+            return x.sum()
+
+    cfg = framework.compose(["+stage=zero2", "stage.reduce_bucket_size=40", "stage.overlap_comm=true",
+                             "optimizer=adamw", "scheduler=constant", "logger=none"])
+    batch = framework.Batch((torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),))
+    losses = []
+    for interrupt in (False, True):
+        torch.manual_seed(0)
+        with framework.initialize(Net(), lambda m, mb: m(mb[0]), cfg) as engine:
+            state, _ = engine.train_step(engine.state, batch)   # (the first pass learns the gradient order)
+            if interrupt:
+                _Interrupt.armed = True
+                try:
+                    with pytest.raises(KeyboardInterrupt):
+                        engine.train_step(state, batch)
+                finally:
+                    _Interrupt.armed = False
+            losses.append([])
+            for _ in range(3):
+                state, m = engine.train_step(state, batch)
+                losses[-1].append(m["loss"])
+    assert losses[0] == losses[1]
