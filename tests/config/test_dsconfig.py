@@ -358,7 +358,7 @@ def test_mismatches_listed_together():
 
 def test_what_hugging_face_runs_as_written_runs_here_with_a_note():
     """DeepSpeed's activation-checkpointing section (for models that call deepspeed.checkpointing),
-    fp16.auto_cast and an "auto" 16-bit save flag run, each with one note; real mistakes (a batch
+    and an "auto" 16-bit save flag run, each with one note (fp16.auto_cast casts float inputs); real mistakes (a batch
     triple that does not add up, a typo, a schedule of another length than the run) stay errors."""
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "fp16": {"enabled": True, "auto_cast": True},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": "auto"}},
@@ -369,7 +369,8 @@ def test_what_hugging_face_runs_as_written_runs_here_with_a_note():
     assert cfg.stage.stage3_gather_16bit_weights_on_model_save is False
     assert cfg.sources["stage.stage3_gather_16bit_weights_on_model_save"] == "auto"
     notes = "\n".join(cfg.notices)
-    for key in ("fp16.auto_cast", "activation_checkpointing.partition_activations",
+    assert cfg.precision.auto_cast is True   # fp16.auto_cast: floating inputs cast to fp16
+    for key in ("activation_checkpointing.partition_activations",
                 "activation_checkpointing.cpu_checkpointing"):
         assert key in notes, notes
     assert all("\n" not in n for n in cfg.notices)

@@ -360,11 +360,8 @@ def precision(tr: Translation, top: dict) -> None:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
-        for key, kind in FP16_SCALER.items():
+        for key, kind in {**FP16_SCALER, "auto_cast": "bool"}.items():   # -> precision.KEY of an fp16 run
             tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
-        if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
-            tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
-                                             "precision=fp16 computes in fp16 already")
         key = "fp16_master_weights_and_grads"
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
