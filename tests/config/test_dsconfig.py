@@ -764,3 +764,26 @@ def test_warmup_max_lr_mismatch_says_how_to_fix_it():
     assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])
     del ds["optimizer"]
     assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])
+
+
+def test_a_recipe_whose_defaults_choose_the_stage_takes_a_file_that_agrees(tmp_path):
+    # The file's stage is not added a second time (Hydra refuses a group chosen twice); one that
+    # disagrees with the recipe is a mismatch naming both, as with a command-line choice.
+    (tmp_path / "my.yaml").write_text("defaults:\n  - train\n  - stage: zero3\n  - _self_\n")
+    kw = {"config_dir": str(tmp_path), "config_name": "my"}
+    cfg = framework.compose([], ds_config={"zero_optimization": {"stage": 3}}, **kw)
+    assert cfg.choices["stage"] == "zero3" and cfg.sources["stage.name"] == dsconfig.YAML   # (not passed to Hydra)
+    assert ("stage=zero3 in the run's config (its defaults list), but zero_optimization.stage in the file means "
+            "stage=zero2") in error_of({"zero_optimization": {"stage": 2}}, **kw)
+
+
+@pytest.mark.parametrize("value,strict", [("true", True), ("yes", True), ("on", True), ("off", False)])
+def test_ds_config_strict_counts_a_ds_config_argument_and_reads_as_validate_does(value, strict, tmp_path):
+    ds = {"zero_optimization": {"stage": 2}}
+    assert framework.compose([f"ds_config_strict={value}"], ds_config=ds).ds_config_strict is strict
+    (path := tmp_path / "ds.json").write_text(json.dumps({**ds, "my_custom_key": 1}))
+    given = [f"ds_config={path}", f"ds_config_strict={value}"]
+    if strict:
+        assert "keys DeepSpeed does not know (ds_config_strict=true): my_custom_key" in error_of(None, given)
+    else:
+        assert "my_custom_key" in "".join(framework.compose(given).notices)
