@@ -787,3 +787,21 @@ def test_ds_config_strict_counts_a_ds_config_argument_and_reads_as_validate_does
         assert "keys DeepSpeed does not know (ds_config_strict=true): my_custom_key" in error_of(None, given)
     else:
         assert "my_custom_key" in "".join(framework.compose(given).notices)
+
+
+def test_a_dict_config_with_python_typed_values_is_read_as_json_would_hold_it(tmp_path):
+    # A Path, a numpy scalar, a tuple, an OmegaConf node; any other object is one error naming its key.
+    np = pytest.importorskip("numpy")
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": tmp_path},
+                                "offload_param": {"device": "nvme", "nvme_path": tmp_path}},
+          "train_micro_batch_size_per_gpu": np.int64(4), "gradient_clipping": np.float32(0.5),
+          "optimizer": {"type": "AdamW", "params": {"betas": (0.9, np.float64(0.95))}}}
+    cfg = framework.compose([], ds_config=ds)
+    assert (cfg.offload.nvme_path, cfg.train.micro_batch, cfg.train.grad_clip, cfg.optimizer.beta2) == (
+        str(tmp_path), 4, 0.5, 0.95)
+    omegaconf = pytest.importorskip("omegaconf")
+    assert framework.compose([], ds_config=omegaconf.OmegaConf.create(
+        {"train_micro_batch_size_per_gpu": 4})).train.micro_batch == 4
+    assert error_of({"zero_optimization": {"stage": torch.tensor(2)}}) == (
+        "ds_config: zero_optimization.stage: a value of type Tensor is not a JSON value; give a string, number, "
+        "boolean, null, list or dict")
