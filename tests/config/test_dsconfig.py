@@ -410,7 +410,13 @@ def test_offload_sections_and_mismatched_pin_memory():
     assert "differ" in error_of(bad)
     # the optimizer section's ratio: taken at stage 2; with parameters in host memory, refused
     partial = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
-    assert framework.compose([], ds_config=partial).offload.ratio == 0.5
+    cfg = framework.compose([], ds_config=partial)
+    assert cfg.offload.ratio == 0.5
+    # no pin_memory in the sections: DeepSpeed's default (false), not our YAML's (true)
+    assert cfg.offload.pin_memory is False and cfg.sources["offload.pin_memory"] == "DeepSpeed default"
+    assert framework.compose(["offload.pin_memory=true"], ds_config=partial).offload.pin_memory is True
+    assert framework.compose(["offload=cpu"], ds_config={"zero_optimization": {"stage": 2}}).offload.pin_memory \
+        is True   # (no offload section: the run's own offload, as it is)
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)

@@ -304,6 +304,8 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         elif values:
             tr.set(f"offload.{key}", *next(iter(values.items()))[::-1])
     if od != "none":
+        elif key == "pin_memory" and target != "none":   # DeepSpeed's default (its offload sections'), not ours
+            tr.set("offload.pin_memory", False, f"{Z}offload_optimizer.pin_memory", DS_DEFAULT)
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
