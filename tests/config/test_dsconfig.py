@@ -645,6 +645,17 @@ def test_base64_config_and_torch_adam_weight_decay():
     cfg = framework.compose([], ds_config={"optimizer": {"type": "Adam", "params": {"torch_adam": True,
                                                                                   "adam_w_mode": False}}})
     assert cfg.optimizer.weight_decay == 0.0   # torch.optim.Adam's default
+    # a boolean as other DeepSpeed booleans are here (1 would mean true to DeepSpeed, 0.0 decay to a bool check)
+    for bad in (1, "true"):
+        assert f"optimizer.params.torch_adam must be true or false, got {json.dumps(bad)}" in error_of(
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": bad}}})
+
+
+def test_an_integer_beyond_range_for_a_number_key_is_one_line():
+    assert error_of({"gradient_clipping": 10 ** 400}) == ("ds_config: gradient_clipping (25 digits or more) is out of "
+                                                          "range (integers must lie within +-2^63)")
+    assert "gradient_clipping=9223372036854775808 is out of range" in error_of({"gradient_clipping": 2 ** 63})
+    assert framework.compose([], ds_config={"gradient_clipping": 1e20}).train.grad_clip == 1e20   # (a float: as it is)
 
 
 @pytest.mark.parametrize("kind", ["WarmupLR", "WarmupCosineLR"])
