@@ -63,6 +63,12 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
         raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
 
 
+def root_value(key: str, value: Any) -> Any:
+    """``value`` of the top-level ``key`` as ``validate`` types it (a bad one: its one-line error)."""
+    one = dataclasses.make_dataclass("One", [(key, typing.get_type_hints(RootSchema)[key])])   # (no other field)
+    return getattr(_typed({key: value}, one, ""), key)
+
+
 def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     """Check a composed config against the schemas; return the typed, frozen Config."""
     raw = copy.deepcopy(dict(cfg)) if OmegaConf is None else (

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from framework.comm.distributed import env_int
 from framework.config import dsconfig, plainconf
-from framework.config.checks import validate
+from framework.config.checks import root_value, validate
 from framework.config.schema import Config, flat
 from framework.core.errors import ConfigError
 from framework.core.paths import conf_dir
@@ -137,9 +137,26 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
     # the file's group choices unless the command line makes its own (a mismatch, see resolve);
     # the file's errors wait for it only to read ds_config_strict from the YAML.
-    choice_overrides = [choice_override(g, n) for g, n in t.choices.items() if g not in cli.choices]
+    mine = {g: n for g, n in t.choices.items() if g not in cli.choices}
+    if "stage" in mine:   # a defaults list (a recipe's) may choose the stage: the file must agree, as the
+        own = own or composer(list(cli.forced))   # command line must, and adds no second choice (Hydra refuses it)
+        if (run_stage := own[1].get("stage")) not in (None, mine["stage"]):
+            raise ConfigError(f"ds_config: stage={run_stage} in the run's config (its defaults list), but "
+                              f"{t.choice_keys['stage']} in the file means stage={mine['stage']}; make them agree")
+        if run_stage is not None:
+            del mine["stage"]
+    choice_overrides = [choice_override(g, n) for g, n in mine.items()]
     cfg, choices = composer(choice_overrides + list(cli.forced))
-    strict = cli.strict if cli.strict is not None else bool(cfg["ds_config_strict"])
+    label = str(source) if isinstance(source, (str, Path)) else "<dict>"
+    if ds_config is not None:   # the argument, in the tree as a file named there is (ds_config_strict needs one)
+        if isinstance(cfg, dict):
+            cfg["ds_config"] = label
+        else:
+            from omegaconf import OmegaConf
+
+            OmegaConf.update(cfg, "ds_config", label, force_add=True)
+    # (read as validate reads it: ds_config_strict=yes is true, "off" false)
+    strict = root_value("ds_config_strict", cli.strict if cli.strict is not None else cfg["ds_config_strict"])
     errors = list(t.errors)
     if strict and t.unknown:
         errors.append("keys DeepSpeed does not know (ds_config_strict=true): " + ", ".join(t.unknown))
@@ -177,8 +194,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
 
             OmegaConf.update(cfg, key, value, merge=True, force_add=True)
     config = validate(cfg, choices)
-    label = str(source) if isinstance(source, (str, Path)) else "<dict>"
-    sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE for g in t.choices}, **resolved.sources})
+    sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
+                                          for g in t.choices}, **resolved.sources})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices)
 
@@ -195,7 +212,7 @@ class CommandLine:
     keys: frozenset[str]
     choices: Mapping[str, str]
     ds_config: str | None
-    strict: bool | None       # None: not on the command line (the YAML's ds_config_strict holds)
+    strict: Any               # as given (root_value reads it); None: not on the command line (the YAML's holds)
     named: frozenset[str]     # groups whose choice is one name (not a sweep or a list)
     deleted: frozenset[str]   # keys deleted (~key)
     # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra rejects an
@@ -234,7 +251,7 @@ class CommandLine:
             elif key == "ds_config":
                 ds_config = None if value is None else str(value)
             elif key == "ds_config_strict":
-                strict = value in (True, "true", "True")
+                strict = value
             else:
                 keys.add(key)
         return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted),

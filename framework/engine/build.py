@@ -94,7 +94,7 @@ class Engine(contextlib.AbstractContextManager):
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total += checked_loss(c.loss_fn(c.module, b)).float()
+                    total += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from functools import partial
+from typing import Any, Mapping
 
 import torch
 
@@ -49,6 +50,21 @@ class Policy:
     # Micro-batch gradients (param_dtype, from each backward) are summed in this dtype: fp32 by
     # default, as DeepSpeed's BF16 optimizer does (the trade-off: BF16Config.grad_accum_dtype).
     grad_accum_dtype: torch.dtype = torch.float32
+    auto_cast: bool = False      # fp16's auto_cast: floating inputs cast to param_dtype (cast_inputs)
+
+    def cast_inputs(self, micro: Any) -> Any:
+        """``micro`` with its floating tensors (in tuples, lists and dicts, as DeepSpeed's fp16
+        auto_cast walks a forward's inputs) in ``param_dtype`` where ``auto_cast``; else as it is."""
+        if not self.auto_cast:
+            return micro
+        if isinstance(micro, torch.Tensor):
+            return micro.to(self.param_dtype) if micro.is_floating_point() else micro
+        if isinstance(micro, Mapping):
+            return {k: self.cast_inputs(v) for k, v in micro.items()}
+        if isinstance(micro, (tuple, list)):
+            items = [self.cast_inputs(v) for v in micro]
+            return type(micro)(*items) if hasattr(micro, "_fields") else type(micro)(items)
+        return micro
 
     @property
     def dynamic(self) -> bool:
@@ -135,6 +151,9 @@ class FP16Config(ScalerConfig):
     """fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
 
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
+    # DeepSpeed's fp16.auto_cast: each micro batch's floating tensors cast to fp16 before loss_fn
+    # (float inputs meet fp16 weights); integer tensors (token ids) stay as they are.
+    auto_cast: bool = False
 
 
 def _policy(name: str, cfg, scaler: ScalerConfig | None = None) -> Policy:
@@ -170,7 +189,8 @@ def fp16(cfg: FP16Config) -> Policy:
         raise ConfigError(f"precision.{unused[0]}={getattr(cfg, unused[0])} has no effect with a static "
                           f"precision.loss_scale={cfg.loss_scale:g} (only the dynamic scaler, loss_scale=0, uses it); "
                           f"remove it or set precision.loss_scale=0")
-    return _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
+    policy = _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
+    return replace(policy, auto_cast=cfg.auto_cast)
 
 
 COMPONENTS = {"fp32": Component(config=FP32Config, build=partial(_policy, "fp32")),

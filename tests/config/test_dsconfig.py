@@ -358,7 +358,7 @@ def test_mismatches_listed_together():
 
 def test_what_hugging_face_runs_as_written_runs_here_with_a_note():
     """DeepSpeed's activation-checkpointing section (for models that call deepspeed.checkpointing),
-    fp16.auto_cast and an "auto" 16-bit save flag run, each with one note; real mistakes (a batch
+    and an "auto" 16-bit save flag run, each with one note (fp16.auto_cast casts float inputs); real mistakes (a batch
     triple that does not add up, a typo, a schedule of another length than the run) stay errors."""
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "fp16": {"enabled": True, "auto_cast": True},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-4, "total_num_steps": "auto"}},
@@ -369,7 +369,8 @@ def test_what_hugging_face_runs_as_written_runs_here_with_a_note():
     assert cfg.stage.stage3_gather_16bit_weights_on_model_save is False
     assert cfg.sources["stage.stage3_gather_16bit_weights_on_model_save"] == "auto"
     notes = "\n".join(cfg.notices)
-    for key in ("fp16.auto_cast", "activation_checkpointing.partition_activations",
+    assert cfg.precision.auto_cast is True   # fp16.auto_cast: floating inputs cast to fp16
+    for key in ("activation_checkpointing.partition_activations",
                 "activation_checkpointing.cpu_checkpointing"):
         assert key in notes, notes
     assert all("\n" not in n for n in cfg.notices)
@@ -409,7 +410,13 @@ def test_offload_sections_and_mismatched_pin_memory():
     assert "differ" in error_of(bad)
     # the optimizer section's ratio: taken at stage 2; with parameters in host memory, refused
     partial = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
-    assert framework.compose([], ds_config=partial).offload.ratio == 0.5
+    cfg = framework.compose([], ds_config=partial)
+    assert cfg.offload.ratio == 0.5
+    # no pin_memory in the sections: DeepSpeed's default (false), not our YAML's (true)
+    assert cfg.offload.pin_memory is False and cfg.sources["offload.pin_memory"] == "DeepSpeed default"
+    assert framework.compose(["offload.pin_memory=true"], ds_config=partial).offload.pin_memory is True
+    assert framework.compose(["offload=cpu"], ds_config={"zero_optimization": {"stage": 2}}).offload.pin_memory \
+        is True   # (no offload section: the run's own offload, as it is)
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_optimizer"]["ratio"] = 0.5
     assert "offload.ratio<1 keeps part of each partition's step on the device" in error_of(bad)
@@ -638,6 +645,17 @@ def test_base64_config_and_torch_adam_weight_decay():
     cfg = framework.compose([], ds_config={"optimizer": {"type": "Adam", "params": {"torch_adam": True,
                                                                                   "adam_w_mode": False}}})
     assert cfg.optimizer.weight_decay == 0.0   # torch.optim.Adam's default
+    # a boolean as other DeepSpeed booleans are here (1 would mean true to DeepSpeed, 0.0 decay to a bool check)
+    for bad in (1, "true"):
+        assert f"optimizer.params.torch_adam must be true or false, got {json.dumps(bad)}" in error_of(
+            {"optimizer": {"type": "AdamW", "params": {"torch_adam": bad}}})
+
+
+def test_an_integer_beyond_range_for_a_number_key_is_one_line():
+    assert error_of({"gradient_clipping": 10 ** 400}) == ("ds_config: gradient_clipping (25 digits or more) is out of "
+                                                          "range (integers must lie within +-2^63)")
+    assert "gradient_clipping=9223372036854775808 is out of range" in error_of({"gradient_clipping": 2 ** 63})
+    assert framework.compose([], ds_config={"gradient_clipping": 1e20}).train.grad_clip == 1e20   # (a float: as it is)
 
 
 @pytest.mark.parametrize("kind", ["WarmupLR", "WarmupCosineLR"])
@@ -763,3 +781,44 @@ def test_warmup_max_lr_mismatch_says_how_to_fix_it():
     assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])
     del ds["optimizer"]
     assert "(give \"auto\" or give optimizer.lr=0.001)" in error_of(ds, ["optimizer.lr=1e-4"])
+
+
+def test_a_recipe_whose_defaults_choose_the_stage_takes_a_file_that_agrees(tmp_path):
+    # The file's stage is not added a second time (Hydra refuses a group chosen twice); one that
+    # disagrees with the recipe is a mismatch naming both, as with a command-line choice.
+    (tmp_path / "my.yaml").write_text("defaults:\n  - train\n  - stage: zero3\n  - _self_\n")
+    kw = {"config_dir": str(tmp_path), "config_name": "my"}
+    cfg = framework.compose([], ds_config={"zero_optimization": {"stage": 3}}, **kw)
+    assert cfg.choices["stage"] == "zero3" and cfg.sources["stage.name"] == dsconfig.YAML   # (not passed to Hydra)
+    assert ("stage=zero3 in the run's config (its defaults list), but zero_optimization.stage in the file means "
+            "stage=zero2") in error_of({"zero_optimization": {"stage": 2}}, **kw)
+
+
+@pytest.mark.parametrize("value,strict", [("true", True), ("yes", True), ("on", True), ("off", False)])
+def test_ds_config_strict_counts_a_ds_config_argument_and_reads_as_validate_does(value, strict, tmp_path):
+    ds = {"zero_optimization": {"stage": 2}}
+    assert framework.compose([f"ds_config_strict={value}"], ds_config=ds).ds_config_strict is strict
+    (path := tmp_path / "ds.json").write_text(json.dumps({**ds, "my_custom_key": 1}))
+    given = [f"ds_config={path}", f"ds_config_strict={value}"]
+    if strict:
+        assert "keys DeepSpeed does not know (ds_config_strict=true): my_custom_key" in error_of(None, given)
+    else:
+        assert "my_custom_key" in "".join(framework.compose(given).notices)
+
+
+def test_a_dict_config_with_python_typed_values_is_read_as_json_would_hold_it(tmp_path):
+    # A Path, a numpy scalar, a tuple, an OmegaConf node; any other object is one error naming its key.
+    np = pytest.importorskip("numpy")
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": tmp_path},
+                                "offload_param": {"device": "nvme", "nvme_path": tmp_path}},
+          "train_micro_batch_size_per_gpu": np.int64(4), "gradient_clipping": np.float32(0.5),
+          "optimizer": {"type": "AdamW", "params": {"betas": (0.9, np.float64(0.95))}}}
+    cfg = framework.compose([], ds_config=ds)
+    assert (cfg.offload.nvme_path, cfg.train.micro_batch, cfg.train.grad_clip, cfg.optimizer.beta2) == (
+        str(tmp_path), 4, 0.5, 0.95)
+    omegaconf = pytest.importorskip("omegaconf")
+    assert framework.compose([], ds_config=omegaconf.OmegaConf.create(
+        {"train_micro_batch_size_per_gpu": 4})).train.micro_batch == 4
+    assert error_of({"zero_optimization": {"stage": torch.tensor(2)}}) == (
+        "ds_config: zero_optimization.stage: a value of type Tensor is not a JSON value; give a string, number, "
+        "boolean, null, list or dict")

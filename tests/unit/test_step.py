@@ -1,5 +1,6 @@
 """train_step on one process equals a plain PyTorch loop (same init, batches, torch AdamW, clipping)."""
 import copy
+import math
 import dataclasses
 
 import pytest
@@ -260,6 +261,27 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     assert engine.components.module.training
     state, _ = engine.train_step(state, Batch(((x, y),) * 4))
     assert state.step == 1
+
+
+def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
+    # DeepSpeed's fp16.auto_cast (precision.auto_cast): float inputs meet fp16 weights; token ids stay
+    # integers; a static loss scale beside it is no reason to drop it.
+    ds = {"fp16": {"enabled": True, "auto_cast": True, "loss_scale": 128}, "train_micro_batch_size_per_gpu": 2,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    torch.manual_seed(0)
+    with framework.initialize(TwoLayer(), mse, ds_config=ds, overrides=["scheduler=constant"]) as engine:
+        assert engine.config.precision.auto_cast and engine.config.sources["precision.auto_cast"] == "DeepSpeed file"
+        x, y = torch.randn(2, 5), torch.randn(2, 1)
+        state, m = engine.train_step(engine.state, Batch(((x, y),)))
+        assert math.isfinite(m["loss"]) and math.isfinite(engine.eval_step(state, [(x, y)]))
+        ids = torch.arange(3)
+        cast = engine.components.policy.cast_inputs({"x": [x], "ids": ids, "n": 1})
+        assert cast["x"][0].dtype == torch.float16 and cast["ids"] is ids and cast["n"] == 1
+    ds["fp16"].pop("auto_cast")   # without it float inputs fail in the model, as under DeepSpeed
+    with framework.initialize(TwoLayer(), mse, ds_config=ds, overrides=["scheduler=constant"]) as engine:
+        assert engine.components.policy.cast_inputs(x) is x
+        with pytest.raises(RuntimeError, match="dtype"):
+            engine.train_step(engine.state, Batch(((x, y),)))
 
 
 class WithFrozen(nn.Module):

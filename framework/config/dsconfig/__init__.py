@@ -25,8 +25,8 @@ from framework.config.dsconfig._translate import translate
 
 def load(source: str | Path | Mapping) -> dict:
     """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping (copied)."""
-    if isinstance(source, Mapping):
-        return json.loads(json.dumps(source))  # a deep, plain copy; non-JSON values fail here
+    if isinstance(source, Mapping):   # (an OmegaConf DictConfig too)
+        return _plain(source, "")   # a deep, plain copy
     path = Path(source)
     # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
     # error, for a name too long for a path (a real config in base64 is)
@@ -55,6 +55,27 @@ def load(source: str | Path | Mapping) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def _plain(value, key: str):
+    """``value`` as JSON would hold it: a Path as its string, a numpy scalar as its Python number, an
+    OmegaConf node as its container; anything else is one error naming the key."""
+    if type(value).__name__ in ("DictConfig", "ListConfig"):   # (omegaconf imported only for such a value)
+        from omegaconf import OmegaConf
+
+        value = OmegaConf.to_container(value, resolve=True)
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Path):
+        return str(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise ConfigError(f"ds_config: {key}: a value of type {type(value).__name__} is not a JSON value; give a "
+                      f"string, number, boolean, null, list or dict")
 
 
 def _no_duplicates(where: str, pairs: list) -> dict:

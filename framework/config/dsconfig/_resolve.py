@@ -64,7 +64,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         static = fp16_keys.get("loss_scale")
         if static is not None and isinstance(static.value, (int, float)) and static.value > 0:
             # a static scale: the dynamic scaler's keys change nothing (their defaults pass as they are)
-            unused = [k for k, s in fp16_keys.items() if k != "loss_scale" and s.value != SCALER_DEFAULTS[k]]
+            unused = [k for k, s in fp16_keys.items() if k in SCALER_DEFAULTS and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
     if (comm := settings.pop("_comm_dtype", None)) is not None:

@@ -120,10 +120,11 @@ class Translation:
             # Python's json reads NaN and Infinity (and 1e309 as inf): a NaN limit disables the
             # comparison it feeds (gradient_clipping: NaN would never clip).
             self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
+        elif number and (kind == "int" or kind == "float" and isinstance(value, int)) and abs(value) >= 2 ** 63:
+            shown = f"={json.dumps(value)}" if abs(value) < 2 ** 80 else " (25 digits or more)"   # (not 400 of them)
+            self.error(f"{ds_key}{shown} is out of range (integers must lie within +-2^63)")
         elif kind == "int" and number and (isinstance(value, int) or value.is_integer()):
-            if -2 ** 63 <= value < 2 ** 63:
-                return int(value)
-            self.error(f"{ds_key}={json.dumps(value)} is out of range (integers must lie within +-2^63)")
+            return int(value)
         elif {"float": number, "bool": isinstance(value, bool), "str": isinstance(value, str)}.get(kind):
             return float(value) if kind == "float" else value
         else:
@@ -303,6 +304,8 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
                      f"one value applies to both here")
         elif values:
             tr.set(f"offload.{key}", *next(iter(values.items()))[::-1])
+        elif key == "pin_memory" and target != "none":   # DeepSpeed's default (its offload sections'), not ours
+            tr.set("offload.pin_memory", False, f"{Z}offload_optimizer.pin_memory", DS_DEFAULT)
     if od != "none":
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
@@ -360,11 +363,8 @@ def precision(tr: Translation, top: dict) -> None:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
     fp16, bf16 = secs.get("fp16"), secs.get("bf16")
     if fp16 is not None:
-        for key, kind in FP16_SCALER.items():
+        for key, kind in {**FP16_SCALER, "auto_cast": "bool"}.items():   # -> precision.KEY of an fp16 run
             tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
-        if "auto_cast" in fp16 and tr.typed(fp16["auto_cast"], "bool", "fp16.auto_cast"):
-            tr.inert_key("fp16.auto_cast", "casts floating inputs to fp16; the inputs here are token ids and "
-                                             "precision=fp16 computes in fp16 already")
         key = "fp16_master_weights_and_grads"
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
@@ -415,8 +415,8 @@ def optimizer(tr: Translation, node: Any) -> None:
         mode = tr.typed(params.get("adam_w_mode", True), "bool", "optimizer.params.adam_w_mode")
         name = "adamw" if low == "adamw" or mode is not False else "adam"
     tr.choose("optimizer", name, "optimizer.type")
-    if name == "adamw" and params.get("torch_adam") is True:   # DeepSpeed builds torch.optim.AdamW
-        defaults = {**defaults, "weight_decay": 0.01}
+    if tr.typed(params.get("torch_adam", False), "bool", "optimizer.params.torch_adam") and name == "adamw":
+        defaults = {**defaults, "weight_decay": 0.01}   # DeepSpeed builds torch.optim.AdamW
     # DeepSpeed passes all parameters in one group: biases and norm weights decay too.
     tr.set("optimizer.decay_1d", True, "optimizer.params", DS_DEFAULT)
     for key, default in defaults.items():
