@@ -208,7 +208,7 @@ def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
     for shard in ("20KB", "5GB"):
         capsys.readouterr()
         with file_size_limit(4000):
-            assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard]) == 1
+            assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard, "--overwrite"]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: export: cannot write {out} (") and "no room" in err and err.count("\n") == 1, err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -230,6 +230,68 @@ def test_a_read_error_naming_no_file_is_a_read_error(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.startswith(f"error: export: cannot read {tmp_path / 'ckpt'} (Input/output error)"), err
     assert err.count("\n") == 1 and not list((tmp_path / "out").glob("*.tmp")), err
+    # The folders the failed export made are removed again (empty); one that was there stays.
+    assert not (tmp_path / "out").exists()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "new" / "out")]) == 1
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "there")]) == 1
+    assert (tmp_path / "there").is_dir() and not os.listdir(tmp_path / "there")
+
+
+def test_a_missing_checkpoint_says_so_and_lists_the_steps(tmp_path, capsys):
+    from framework.persist import stepfolders
+
+    _checkpoint(tmp_path)
+    step = tmp_path / "ckpt" / "step-3"
+    stepfolders.write_manifest(step, {n: stepfolders.file_entry(step, n) for n in stepfolders.files_of(step)}, step=3)
+    capsys.readouterr()
+    for where, want in ((tmp_path / "ckpt" / "step-99", f"error: export: {tmp_path / 'ckpt' / 'step-99'} does not "
+                                                        f"exist; the committed checkpoints in {tmp_path / 'ckpt'}: step-3\n"),
+                        (tmp_path / "nothing", f"error: export: {tmp_path / 'nothing'} does not exist\n")):
+        assert main([str(where), "--to", str(tmp_path / "out")]) == 1
+        assert capsys.readouterr().err == want
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_models_files_is_refused(tmp_path, capsys):
+    """An export never deletes another model's shards silently nor leaves a config.json that does not match: a
+    --to holding weights or a config.json is one line naming a file and the ways out; --overwrite replaces the
+    weights (the config.json stays, said), other weights (that it would not replace) are refused even then."""
+    sd = _checkpoint(tmp_path)
+    out = tmp_path / "llama"
+    out.mkdir()
+    theirs = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b",
+              "model.safetensors.index.json": "{}", "config.json": '{"model_type": "llama"}'}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: export: {out} already holds model-00001-of-00002.safetensors, model-00002-of-00002.safetensors "
+                   f"and 2 more: choose an empty folder, or give --overwrite to replace the weights there (its config.json "
+                   f"stays as it is: export writes only the weights)\n"), err
+    assert {p.name: p.read_text() for p in out.iterdir()} == theirs
+    (out / "config.json").unlink()
+    (out / "model.safetensors.index.json").unlink()
+    (out / "pytorch_model.bin").write_text("c")
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: export: {out} holds pytorch_model.bin: weights the export would leave beside its own; "
+                   f"choose an empty folder (or remove them)\n"), err
+    (out / "pytorch_model.bin").unlink()
+    (out / "config.json").write_text("{}")
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 0
+    assert f"warning: export: {out / 'config.json'} stays as it is" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert all(torch.equal(v, sd[k]) for k, v in _read(out).items())
+    # A config.json alone is refused too (it would not describe the export); so is an earlier export's folder.
+    (out / "model.safetensors").unlink()
+    for held in ("config.json", "model.safetensors"):
+        assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+        assert f"already holds {held}: choose an empty folder, or give --overwrite" in capsys.readouterr().err
+        (out / "config.json").unlink(missing_ok=True)
+        assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 0
 
 
 def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
