@@ -77,6 +77,11 @@ class Checkpoint:
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
             verify(d)
         self.metadata = glue().read_metadata(d / ".metadata")
+        # {alias: name} of the tied parameters, saved once (our saves record them since they do)
+        state = d / stepfolders.TRAIN_STATE
+        body = stepfolders.read_json(state, "train state") if state.is_file() else {}
+        tied = body.get("tied") if isinstance(body, dict) else None
+        self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)
         for prefix in ("model.", "frozen.", "buffer."):
@@ -193,6 +198,9 @@ def _trim() -> None:
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated fp32 weights ``{name: tensor}`` (DeepSpeed's
-    ``get_fp32_state_dict_from_zero_checkpoint``): the whole model in memory, where ``export`` streams."""
+    ``get_fp32_state_dict_from_zero_checkpoint``): the whole model in memory, where ``export`` streams. A tied
+    parameter is there under each of its names (one tensor), as the model's ``state_dict`` has it, where the
+    checkpoint records them (``train_state.json``'s ``tied``; the files, as ``export`` writes, hold it once)."""
     ckpt = Checkpoint(checkpoint)
-    return {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
+    sd = {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
+    return {**sd, **{alias: sd[name] for alias, name in ckpt.tied.items() if name in sd and alias not in sd}}

@@ -363,3 +363,45 @@ def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
     (ckpt / "latest").symlink_to("step-2")
     assert resolve(ckpt) == ckpt / "step-3"
     assert "holds step-3, its newest committed checkpoint, but its latest names step-2" in capsys.readouterr().err
+
+
+class _Tied(torch.nn.Module):
+    """An output projection sharing the embedding's matrix under its own name (as Hugging Face ties
+    lm_head.weight to the input embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x)))
+
+
+def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
+    """A checkpoint our save wrote records a tied parameter's other names: the fp32 state dict has it under
+    each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain model loads it
+    with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
+    import framework
+    from framework.engine.step import Batch
+    from framework.persist.checkpoint import Checkpointer
+
+    cfg = framework.compose(["logger=none", "+stage=zero2", "train.steps=1"])
+    torch.manual_seed(0)
+    module = _Tied()
+    with framework.initialize(module, lambda m, b: (m(b[0]) - b[1]).square().mean(), cfg) as engine:
+        x = torch.randn(8, 4)
+        state, _ = engine.train_step(engine.state, Batch(((x, x.flip(1)),)))
+        ckpt = Checkpointer(cfg, engine, run_dir=tmp_path)
+        ckpt.save(state)
+        ckpt.close()
+        trained = {n: t.detach().clone() for n, t in (engine.consolidated_state_dict() or {}).items()}
+    step = next((tmp_path / "checkpoints").glob("step-*"))
+    sd = get_fp32_state_dict_from_checkpoint(step)
+    assert set(sd) == {"emb.weight", "emb.bias", "head.weight"} and sd["head.weight"] is sd["emb.weight"]
+    plain = _Tied()
+    plain.load_state_dict(sd, strict=True)
+    assert torch.equal(plain.head.weight, trained["emb.weight"])
+    assert main([str(step), "--to", str(tmp_path / "out")]) == 0
+    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias"}
