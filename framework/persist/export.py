@@ -107,6 +107,8 @@ def check_output(out_dir: Path, overwrite: bool = False) -> None:
     """Refuse, in one line, an output folder holding another model's files: weights (an earlier export's own file
     names are replaced with ``overwrite``, any other weights never: they would stay beside the export), or a
     ``config.json``, which export does not write (with ``overwrite`` it stays as it is, said in a warning)."""
+    if stepfolders.committed_step(out_dir) is not None:   # (refused as such by create_files)
+        return
     try:
         names = sorted(p.name for p in out_dir.iterdir())
     except OSError:   # (made, or refused as not writable, by create_files)

@@ -298,13 +298,15 @@ def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
     _checkpoint(tmp_path)
     step = tmp_path / "other" / "step-7"
     (step / "model_16bit").mkdir(parents=True)
+    (step / "model_16bit" / "model.safetensors").write_text("its 16-bit weights")   # (refused as in a step)
     (step / "manifest.json").write_text("{}")
     for where in (step, step / "model_16bit"):
         assert main([str(tmp_path / "ckpt"), "--to", str(where)]) == 1
         err = capsys.readouterr().err
         assert err == f"error: export: {where} is in the committed checkpoint {step}: writing there would make it " \
                       f"differ from its manifest.json; choose a folder outside the checkpoint\n", err
-    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
+    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"]
+    assert os.listdir(step / "model_16bit") == ["model.safetensors"]
 
 
 def test_an_empty_to_is_refused_not_the_current_directory(tmp_path, capsys, monkeypatch):
