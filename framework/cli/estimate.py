@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
 from framework.engine.build import component
 from framework.memory.model import build_vocab, nvme_pools, predict, state_bytes
@@ -36,7 +38,7 @@ from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, form
 from framework.cli import run_command
 from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError, first_line
-from framework.core.registry import registry
+from framework.core.registry import closest_hint, registry
 from framework.core.units import GiB, MiB
 from framework.models.gpt import GPTConfig
 
@@ -86,30 +88,71 @@ def resolve_model(value: str, overrides: list[str]):
     yaml = path.suffix in (".yaml", ".yml")
     if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
+    model_keys = [o for o in overrides if o.split("=")[0].lstrip("+~").split(".")[0] == "model"]
     if hf:   # our stages, precision, batch and offload keys around it
+        for o in model_keys:
+            # The config.json is built as the file states it: a model.* key (our GPT configs' keys)
+            # would change nothing, so it is refused, not ignored.
+            if o.split("=")[0].lstrip("+~") == "model.activation_checkpointing":
+                # (the trace on meta cannot run transformers' checkpointing, as for model=hf model.config=...)
+                raise ConfigError(f"estimate: {o} does not apply to model={value} (its activations are traced "
+                                  f"on the meta device, where transformers' checkpointing cannot run); drop it")
+            hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
+                "; edit the config.json to change the model"
+            raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
+                              f"as the file states it; model.* keys set our GPT models){hint}")
         module = hf_model_from_config(path)
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         hidden = getattr(_text_config(module.config), "hidden_size", None)
         cfg = compose(overrides, hidden_size=hidden if isinstance(hidden, int) else None, hidden_from_model=False)
-        if cfg.model.activation_checkpointing:
-            # The config.json is built as it is; the trace on meta cannot run transformers' checkpointing
-            # (as for model=hf model.config=...), so the key would change nothing: refused, not ignored.
-            raise ConfigError(f"estimate: model.activation_checkpointing=true does not apply to model={value} (its "
-                              f"activations are traced on the meta device, where transformers' checkpointing cannot "
-                              f"run); predict it with model.activation_checkpointing=false")
         return module, cfg, True, "model"
-    if yaml:
-        try:   # a GPT model config in a YAML file (as conf/model/*.yaml)
-            model = GPTConfig(**OmegaConf.to_container(OmegaConf.load(path), resolve=True))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"estimate: {path} is not a model config: {e}") from None
-        cfg = dataclasses.replace(compose(overrides), model=model)
+    if yaml:   # a GPT model config in a YAML file (as conf/model/*.yaml), then the model.* overrides
+        model = _yaml_model(path, model_keys)
+        rest = [o for o in overrides if o not in model_keys]
+        cfg = dataclasses.replace(compose(rest, hidden_size=model.d_model, hidden_from_model=False), model=model)
     else:
         cfg = compose([f"model={value}", *overrides])
     vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):
         return component(cfg, "model").build(cfg.model, vocab_size=vocab), cfg, False, source
+
+
+def _yaml_model(path: Path, model_keys: list[str]) -> GPTConfig:
+    """The GPT config a YAML file states, typed by its schema as a preset is, with the ``model.*``
+    overrides applied over it (as over a preset's YAML)."""
+    fields = [f.name for f in dataclasses.fields(GPTConfig)]
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(GPTConfig), OmegaConf.load(path))
+    except YAMLError as e:
+        raise ConfigError(f"estimate: {path} is not YAML: {' '.join(str(e).split())}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"estimate: {path} is not a GPT model config: {_omega_error(e)}") from None
+    for o in model_keys:
+        key, _, text = o.partition("=")
+        name = key.lstrip("+~").removeprefix("model.")
+        if name not in fields:
+            hint = closest_hint(f"model.{name}", [f"model.{f}" for f in fields])
+            raise ConfigError(f"config: unknown key 'model.{name}'{hint}; valid keys under "
+                              f"model: {', '.join(fields)}")
+        try:
+            if key.startswith("~"):   # back to the schema's default (or missing)
+                node = OmegaConf.merge(OmegaConf.structured(GPTConfig),
+                                       {k: v for k, v in OmegaConf.to_container(node).items() if k != name})
+            else:
+                OmegaConf.update(node, name, OmegaConf.from_dotlist([f"v={text}"])["v"], merge=False)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config: {_omega_error(e)}") from None
+    try:
+        return OmegaConf.to_object(node)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config: {_omega_error(e)} (model={path})") from None
+
+
+def _omega_error(e: OmegaConfBaseException) -> str:
+    """``model.key: message`` of an OmegaConf error on the model's node, on one line."""
+    key = getattr(e, "full_key", None) or ""
+    return f"model.{key}: {str(e).splitlines()[0]}" if key else str(e).splitlines()[0]
 
 
 def _text_config(conf):

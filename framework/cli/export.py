@@ -2,8 +2,11 @@
 
     python -m framework.export outputs/.../checkpoints/step-100 --to exported/
     python -m framework.export outputs/.../checkpoints --to exported/ --dtype bf16 --max-shard-size 2GB
+    python -m framework.export outputs/.../checkpoints --to exported/ --overwrite   # replace an earlier export
 
-CHECKPOINT is a checkpoint step folder or the checkpoint directory (its ``latest`` is followed); what the
+CHECKPOINT is a checkpoint step folder or the checkpoint directory (its ``latest`` is followed). An output folder
+holding weights or a config.json (which export does not write) is refused: choose an empty one, or ``--overwrite``
+to replace an earlier export's files there. What the
 output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framework.persist.export``.
 """
 from __future__ import annotations
@@ -22,9 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--to", required=True, dest="out", help="output folder")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--max-shard-size", default="5GB", help="bytes per output file: 5GB, 500MB, 2GiB, ...")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model*.safetensors (and index) already in --to; without it a --to holding "
+                        "weights or a config.json is refused (a config.json there is kept as it is)")
     args = p.parse_args(argv)
     try:
-        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size)
+        paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
+                       overwrite=args.overwrite)
     except FrameworkError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -18,11 +19,12 @@ import torch
 
 from framework.core import files
 from framework.core.errors import ConfigError
+from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (create_files, finish_files, output_dir, overflowed, plan_files, remove_tmp,
-                                           warn_overflow, writing)
+from framework.persist.tensorfiles import (create_files, finish_files, is_output, output_dir, overflowed, plan_files,
+                                           remove_tmp, warn_overflow, writing)
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
@@ -57,6 +59,11 @@ def _resolve(path: Path, seen: set[Path]) -> Path:
         return _resolve(target, seen)
     if latest.is_file():
         return _resolve(path / latest.read_text().strip(), seen)
+    if not os.path.lexists(path):   # (a mistyped step: the steps there are the fix)
+        steps = stepfolders.scan(path.parent)[0]
+        there = (f"; the committed checkpoints in {path.parent}: {few((p.name for p in steps), show=str)}" if steps
+                 else "")
+        raise ConfigError(f"export: {path} does not exist{there}")
     raise ConfigError(f"export: {path} is not a checkpoint (no .metadata, no 'latest' pointing at a step folder)")
 
 
@@ -70,6 +77,11 @@ class Checkpoint:
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
             verify(d)
         self.metadata = glue().read_metadata(d / ".metadata")
+        # {alias: name} of the tied parameters, saved once (our saves record them since they do)
+        state = d / stepfolders.TRAIN_STATE
+        body = stepfolders.read_json(state, "train state") if state.is_file() else {}
+        tied = body.get("tied") if isinstance(body, dict) else None
+        self.tied = {a: n for a, n in tied.items() if isinstance(n, str)} if isinstance(tied, dict) else {}
         self.params, self.keys = {}, {}   # name -> its DCP key's prefix
         # the masters, then frozen parameters and buffers (in checkpoints written since they are)
         for prefix in ("model.", "frozen.", "buffer."):
@@ -86,14 +98,57 @@ class Checkpoint:
         return sd
 
 
-def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths."""
+# Another model's weights (safetensors, or torch files as Hugging Face names them): left beside an export, a
+# loader could take them for part of it.
+_WEIGHTS = re.compile(r".*\.safetensors(\.index\.json)?|pytorch_model.*\.bin(\.index\.json)?")
+
+
+def check_output(out_dir: Path, overwrite: bool = False) -> None:
+    """Refuse, in one line, an output folder holding another model's files: weights (an earlier export's own file
+    names are replaced with ``overwrite``, any other weights never: they would stay beside the export), or a
+    ``config.json``, which export does not write (with ``overwrite`` it stays as it is, said in a warning)."""
+    if stepfolders.committed_step(out_dir) is not None:   # (refused as such by create_files)
+        return
+    try:
+        names = sorted(p.name for p in out_dir.iterdir())
+    except OSError:   # (made, or refused as not writable, by create_files)
+        return
+    ours = [n for n in names if is_output(n)]
+    other = [n for n in names if _WEIGHTS.fullmatch(n) and not is_output(n)]
+    config = "config.json" in names
+    if other:
+        raise ConfigError(f"export: {out_dir} holds {few(other, show=str)}: weights the export would leave beside its "
+                          f"own; choose an empty folder (or remove them)")
+    if (ours or config) and not overwrite:
+        stays = " (its config.json stays as it is: export writes only the weights)" if config else ""
+        held = [*ours, "config.json"] if config else ours
+        raise ConfigError(f"export: {out_dir} already holds {few(held, 2, str)}: "
+                          f"choose an empty folder, or give --overwrite to replace the weights there{stays}")
+    if config:
+        print(f"warning: export: {out_dir / 'config.json'} stays as it is (export writes only the weights); check "
+              f"that it describes the exported model", file=sys.stderr, flush=True)
+
+
+def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB",
+           overwrite: bool = False) -> list[Path]:
+    """Write the checkpoint's weights as consolidated safetensors (``dtype``: default as stored); the paths. An
+    output folder holding weights or a config.json is refused (``check_output``); ``overwrite`` replaces the
+    weights an earlier export there wrote (they stay whole if this one fails)."""
     out_dir = output_dir(out_dir, dtype, "export")
+    check_output(out_dir, overwrite)
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
-    with written():
-        create_files(out_dir, plans, "export")
+    made = out_dir   # the outermost folder this export makes (None: --to exists), removed again if it fails
+    while not os.path.lexists(made.parent) and made.parent != made:
+        made = made.parent
+    made = None if os.path.lexists(made) else made
+    try:
+        with written():
+            create_files(out_dir, plans, "export")
+    except BaseException:
+        _remove_made(out_dir, made)
+        raise
     over = 0   # finite values that became inf (fp32 to fp16)
     try:
         for plan in plans:
@@ -115,9 +170,23 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
             paths = finish_files(out_dir, plans)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
         remove_tmp(out_dir)
+        _remove_made(out_dir, made)
         raise
     warn_overflow(over, dtype, "export")
     return paths
+
+
+def _remove_made(out_dir: Path, made: Path | None) -> None:
+    """Remove the folders up to ``made`` that a failed export created, each only while empty."""
+    if made is None:
+        return
+    for folder in (out_dir, *out_dir.parents):
+        try:
+            folder.rmdir()   # (only an empty folder; a link is not followed)
+        except OSError:
+            return
+        if folder == made:
+            return
 
 
 def _trim() -> None:
@@ -131,6 +200,9 @@ def _trim() -> None:
 
 def get_fp32_state_dict_from_checkpoint(checkpoint) -> dict[str, torch.Tensor]:
     """The checkpoint's consolidated fp32 weights ``{name: tensor}`` (DeepSpeed's
-    ``get_fp32_state_dict_from_zero_checkpoint``): the whole model in memory, where ``export`` streams."""
+    ``get_fp32_state_dict_from_zero_checkpoint``): the whole model in memory, where ``export`` streams. A tied
+    parameter is there under each of its names (one tensor), as the model's ``state_dict`` has it, where the
+    checkpoint records them (``train_state.json``'s ``tied``; the files, as ``export`` writes, hold it once)."""
     ckpt = Checkpoint(checkpoint)
-    return {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
+    sd = {n: t.float() if t.is_floating_point() else t for n, t in ckpt.read(list(ckpt.params)).items()}
+    return {**sd, **{alias: sd[name] for alias, name in ckpt.tied.items() if name in sd and alias not in sd}}

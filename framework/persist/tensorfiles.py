@@ -248,6 +248,12 @@ def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str)
 _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
+def is_output(name: str) -> bool:
+    """Whether ``name`` is one of the files a save writes in its folder, and replaces or removes there: the
+    ``model.safetensors`` or ``model-<i>-of-<n>.safetensors`` files and their index."""
+    return name == INDEX or _OUTPUT.fullmatch(name) is not None
+
+
 def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:
     """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
     fill). Refused (``what`` names the caller): a folder in a committed checkpoint step (its manifest would no

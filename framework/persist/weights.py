@@ -55,6 +55,15 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` for each parameter registered under several names (a tied embedding and output
+    projection): its later names in module order, each with the first, under which it is saved once."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {alias: found[0] for found in names.values() for alias in found[1:]}
+
+
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (parameters
     with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers; each

@@ -2,6 +2,7 @@
 per-rank prediction against memory the OS measures (not the framework's ledger)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -290,10 +291,37 @@ def test_model_yaml_path(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == count_params(PRESETS["gpt-nano"])   # the YAML's own vocab_size (no data= given)
     assert out["prediction"]["items"]["params"]["device"] > 0
+    # model.* overrides apply over the file, as over a preset's YAML (not to a default model thrown away)
+    assert main([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.n_layer=8", "model.context=128",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["params"] == count_params(dataclasses.replace(PRESETS["gpt-nano"], n_layer=8, context=128))
+    assert "context=128" in main_text([f"model={ROOT / 'conf' / 'model' / 'gpt-nano.yaml'}", "model.context=128"],
+                                      capsys)
+
+
+def main_text(args, capsys) -> str:
+    assert main(args) == 0
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,override,needle", [
+    ("n_layer: 2.5", [], "is not a GPT model config: model.n_layer: Value '2.5' of type 'float' could not be "
+                         "converted to Integer"),
+    ("n_layer: 2\nfoo: 1", [], "is not a GPT model config: model.foo: Key 'foo' not in 'GPTConfig'"),
+    ("n_layer: 2", ["model.n_layer=2.5"], "config: model.n_layer: Value '2.5' of type 'float'"),
+    ("n_layer: 2", ["model.n_lyer=3"], "unknown key 'model.n_lyer' (did you mean 'model.n_layer'?)"),
+    ("n_layer: 2", ["model.n_head=3"], "model.d_model (128) must be divisible by model.n_head (3)"),
+])
+def test_model_yaml_bad_values_are_one_line(tmp_path, capsys, text, override, needle):
+    path = tmp_path / "m.yaml"
+    path.write_text("vocab_size: 65\ncontext: 64\nn_head: 4\nd_model: 128\nbias: false\n" + text + "\n")
+    assert main([f"model={path}", *override]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
 
 
 def dataclasses_replace_vocab(cfg, vocab):
-    import dataclasses
     return dataclasses.replace(cfg, vocab_size=vocab)   # the default data source's vocabulary (synthetic: 64)
 
 
@@ -335,6 +363,12 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
     assert main([f"model={tmp_path}", "context=8", "model.activation_checkpointing=true"]) == 2
     err = capsys.readouterr().err
     assert "model.activation_checkpointing=true does not apply to model=" in err and err.count("\n") == 1, err
+    # Any model.* key: the config.json is built as it states (context= is its sequence length)
+    for key, needle in (("model.context=8", "set its sequence length with context=N"),
+                        ("model.n_layer=40", "edit the config.json to change the model")):
+        assert main([f"model={tmp_path}", key]) == 2
+        err = capsys.readouterr().err
+        assert f"estimate: {key} does not apply to model=" in err and needle in err and err.count("\n") == 1, err
 
 
 def test_preset_counts_with_its_own_vocabulary(capsys):

@@ -208,7 +208,7 @@ def test_a_failed_export_keeps_the_earlier_one_and_names_to(tmp_path, capsys):
     for shard in ("20KB", "5GB"):
         capsys.readouterr()
         with file_size_limit(4000):
-            assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard]) == 1
+            assert main([str(tmp_path / "ckpt"), "--to", str(out), "--max-shard-size", shard, "--overwrite"]) == 1
         err = capsys.readouterr().err
         assert err.startswith(f"error: export: cannot write {out} (") and "no room" in err and err.count("\n") == 1, err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -230,19 +230,83 @@ def test_a_read_error_naming_no_file_is_a_read_error(tmp_path, capsys, monkeypat
     err = capsys.readouterr().err
     assert err.startswith(f"error: export: cannot read {tmp_path / 'ckpt'} (Input/output error)"), err
     assert err.count("\n") == 1 and not list((tmp_path / "out").glob("*.tmp")), err
+    # The folders the failed export made are removed again (empty); one that was there stays.
+    assert not (tmp_path / "out").exists()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "new" / "out")]) == 1
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "there")]) == 1
+    assert (tmp_path / "there").is_dir() and not os.listdir(tmp_path / "there")
+
+
+def test_a_missing_checkpoint_says_so_and_lists_the_steps(tmp_path, capsys):
+    from framework.persist import stepfolders
+
+    _checkpoint(tmp_path)
+    step = tmp_path / "ckpt" / "step-3"
+    stepfolders.write_manifest(step, {n: stepfolders.file_entry(step, n) for n in stepfolders.files_of(step)}, step=3)
+    capsys.readouterr()
+    for where, want in ((tmp_path / "ckpt" / "step-99", f"error: export: {tmp_path / 'ckpt' / 'step-99'} does not "
+                                                        f"exist; the committed checkpoints in {tmp_path / 'ckpt'}: step-3\n"),
+                        (tmp_path / "nothing", f"error: export: {tmp_path / 'nothing'} does not exist\n")):
+        assert main([str(where), "--to", str(tmp_path / "out")]) == 1
+        assert capsys.readouterr().err == want
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_holding_another_models_files_is_refused(tmp_path, capsys):
+    """An export never deletes another model's shards silently nor leaves a config.json that does not match: a
+    --to holding weights or a config.json is one line naming a file and the ways out; --overwrite replaces the
+    weights (the config.json stays, said), other weights (that it would not replace) are refused even then."""
+    sd = _checkpoint(tmp_path)
+    out = tmp_path / "llama"
+    out.mkdir()
+    theirs = {"model-00001-of-00002.safetensors": "a", "model-00002-of-00002.safetensors": "b",
+              "model.safetensors.index.json": "{}", "config.json": '{"model_type": "llama"}'}
+    for name, text in theirs.items():
+        (out / name).write_text(text)
+    capsys.readouterr()
+    assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: export: {out} already holds model-00001-of-00002.safetensors, model-00002-of-00002.safetensors "
+                   f"and 2 more: choose an empty folder, or give --overwrite to replace the weights there (its config.json "
+                   f"stays as it is: export writes only the weights)\n"), err
+    assert {p.name: p.read_text() for p in out.iterdir()} == theirs
+    (out / "config.json").unlink()
+    (out / "model.safetensors.index.json").unlink()
+    (out / "pytorch_model.bin").write_text("c")
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert err == (f"error: export: {out} holds pytorch_model.bin: weights the export would leave beside its own; "
+                   f"choose an empty folder (or remove them)\n"), err
+    (out / "pytorch_model.bin").unlink()
+    (out / "config.json").write_text("{}")
+    assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 0
+    assert f"warning: export: {out / 'config.json'} stays as it is" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert all(torch.equal(v, sd[k]) for k, v in _read(out).items())
+    # A config.json alone is refused too (it would not describe the export); so is an earlier export's folder.
+    (out / "model.safetensors").unlink()
+    for held in ("config.json", "model.safetensors"):
+        assert main([str(tmp_path / "ckpt"), "--to", str(out)]) == 1
+        assert f"already holds {held}: choose an empty folder, or give --overwrite" in capsys.readouterr().err
+        (out / "config.json").unlink(missing_ok=True)
+        assert main([str(tmp_path / "ckpt"), "--to", str(out), "--overwrite"]) == 0
 
 
 def test_export_into_a_committed_checkpoint_step_is_refused(tmp_path, capsys):
     _checkpoint(tmp_path)
     step = tmp_path / "other" / "step-7"
     (step / "model_16bit").mkdir(parents=True)
+    (step / "model_16bit" / "model.safetensors").write_text("its 16-bit weights")   # (refused as in a step)
     (step / "manifest.json").write_text("{}")
     for where in (step, step / "model_16bit"):
         assert main([str(tmp_path / "ckpt"), "--to", str(where)]) == 1
         err = capsys.readouterr().err
         assert err == f"error: export: {where} is in the committed checkpoint {step}: writing there would make it " \
                       f"differ from its manifest.json; choose a folder outside the checkpoint\n", err
-    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"] and not os.listdir(step / "model_16bit")
+    assert sorted(os.listdir(step)) == ["manifest.json", "model_16bit"]
+    assert os.listdir(step / "model_16bit") == ["model.safetensors"]
 
 
 def test_an_empty_to_is_refused_not_the_current_directory(tmp_path, capsys, monkeypatch):
@@ -301,3 +365,45 @@ def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
     (ckpt / "latest").symlink_to("step-2")
     assert resolve(ckpt) == ckpt / "step-3"
     assert "holds step-3, its newest committed checkpoint, but its latest names step-2" in capsys.readouterr().err
+
+
+class _Tied(torch.nn.Module):
+    """An output projection sharing the embedding's matrix under its own name (as Hugging Face ties
+    lm_head.weight to the input embedding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.emb(x)))
+
+
+def test_fp32_state_dict_names_a_tied_parameter_under_each_name(tmp_path):
+    """A checkpoint our save wrote records a tied parameter's other names: the fp32 state dict has it under
+    each (one tensor, as DeepSpeed's get_fp32_state_dict_from_zero_checkpoint), and the plain model loads it
+    with strict=True; the exported files hold it once (safetensors refuses shared tensors)."""
+    import framework
+    from framework.engine.step import Batch
+    from framework.persist.checkpoint import Checkpointer
+
+    cfg = framework.compose(["logger=none", "+stage=zero2", "train.steps=1"])
+    torch.manual_seed(0)
+    module = _Tied()
+    with framework.initialize(module, lambda m, b: (m(b[0]) - b[1]).square().mean(), cfg) as engine:
+        x = torch.randn(8, 4)
+        state, _ = engine.train_step(engine.state, Batch(((x, x.flip(1)),)))
+        ckpt = Checkpointer(cfg, engine, run_dir=tmp_path)
+        ckpt.save(state)
+        ckpt.close()
+        trained = {n: t.detach().clone() for n, t in (engine.consolidated_state_dict() or {}).items()}
+    step = next((tmp_path / "checkpoints").glob("step-*"))
+    sd = get_fp32_state_dict_from_checkpoint(step)
+    assert set(sd) == {"emb.weight", "emb.bias", "head.weight"} and sd["head.weight"] is sd["emb.weight"]
+    plain = _Tied()
+    plain.load_state_dict(sd, strict=True)
+    assert torch.equal(plain.head.weight, trained["emb.weight"])
+    assert main([str(step), "--to", str(tmp_path / "out")]) == 0
+    assert set(_read(tmp_path / "out")) == {"emb.weight", "emb.bias"}

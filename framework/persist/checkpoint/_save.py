@@ -28,7 +28,7 @@ from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, flat_pieces, host_copy
-from framework.persist.weights import save_on_model_save, whole_tensors
+from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
 _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer", "sum_of_squares": "sum",
@@ -99,6 +99,8 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
              "optimizer": {"per_element": sorted(per), "scalars": json_scalars, "keys": keys}}
     if (arch := architecture(c.module)) is not None:   # model=hf: what its config file resolved to
         train["model_config"] = arch
+    if tied := tied_names(c.module):   # saved once: the other names, for get_fp32_state_dict_from_checkpoint
+        train["tied"] = tied
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
