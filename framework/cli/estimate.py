@@ -76,8 +76,8 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
             except ValueError:
                 return transformers.AutoModel.from_config(config)
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RuntimeError) as e:
-        raise ConfigError(f"estimate: cannot build a model from {config_path}: {type(e).__name__}: "
-                          f"{first_line(e)}") from None
+        why = type(e).__name__ if str(e).strip() == "" else f"{type(e).__name__}: {first_line(e)}"
+        raise ConfigError(f"estimate: cannot build a model from {config_path}: {why}") from None
 
 
 def resolve_model(value: str, overrides: list[str]):
