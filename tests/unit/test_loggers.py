@@ -392,3 +392,14 @@ def test_a_console_that_is_gone_ends_nothing_and_the_log_goes_on(tmp_path, monke
     log = (tmp_path / "train.log").read_text()
     assert [line for line in log.splitlines() if line.startswith("step")] == [f"step {i} | loss 4.1647" for i in range(3)]
     assert log.count("the console is gone") == 1, log
+
+
+def test_the_done_line_says_how_many_steps_were_skipped():
+    """A run whose steps were skipped (fp16 overflow at a static scale too high, or train.on_nonfinite=warn)
+    says so in its last line: a train loss alone read as if every step had trained."""
+    from framework.loggers._base import summary_line
+
+    summary = {"steps": 6, "train_loss": 3.17, "train_loss_steps": 2, "val_loss": 3.2, "tokens_per_s": 10.0}
+    assert "skipped" not in summary_line({**summary, "skipped_steps": 0})
+    assert "done: 6 steps | train loss 3.1700 (mean of last 2 steps) | 6 of them skipped, updating nothing | val " \
+           "loss 3.2000" in summary_line({**summary, "skipped_steps": 6})
