@@ -822,3 +822,18 @@ def test_a_dict_config_with_python_typed_values_is_read_as_json_would_hold_it(tm
     assert error_of({"zero_optimization": {"stage": torch.tensor(2)}}) == (
         "ds_config: zero_optimization.stage: a value of type Tensor is not a JSON value; give a string, number, "
         "boolean, null, list or dict")
+
+
+@pytest.mark.parametrize("kind,peak", [("WarmupLR", 3e-4), ("WarmupDecayLR", 0.001)])
+def test_warmup_max_lr_left_out_follows_deepspeed(kind, peak):
+    # DeepSpeed (0.17.2 on): WarmupLR without warmup_max_lr warms up to the optimizer's lr;
+    # WarmupDecayLR keeps its 0.001.
+    from framework.engine.build import component
+
+    params = {"warmup_num_steps": 10, "warmup_type": "linear", "total_num_steps": 20}
+    params = {k: v for k, v in params.items() if kind == "WarmupDecayLR" or k != "total_num_steps"}
+    ds = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+          "scheduler": {"type": kind, "params": params}}
+    cfg = framework.compose(["train.steps=20"], ds_config=ds, world=1)
+    lr_at = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=20)
+    assert max(lr_at(s) for s in range(20)) == pytest.approx(peak)

@@ -143,12 +143,17 @@ OPTIMIZER_REFUSED = {"amsgrad": (False, "AMSGrad is not implemented"),
                      "fp32_optimizer_states": (True, "optimizer states below fp32 are not implemented"),
                      "maximize": (False, "maximize is not implemented"),
                      "max_grad_norm": (None, "DeepSpeed rejects it too: use the top-level gradient_clipping")}
+# DeepSpeed scheduler type (lower case) -> (our scheduler, its DeepSpeed defaults; REQUIRED: no default).
+# DeepSpeed's WarmupLR warms up to the optimizer's lr when warmup_max_lr is left out (since 0.17.2;
+# None here, as in our YAML); WarmupDecayLR keeps 0.001.
+REQUIRED = object()
 WARMUP_DEFAULTS = {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"}
 SCHEDULERS = {
-    "warmuplr": ("warmup_lr", WARMUP_DEFAULTS),
-    "warmupdecaylr": ("warmup_decay_lr", {**WARMUP_DEFAULTS, "total_num_steps": None}),
+    "warmuplr": ("warmup_lr", {**WARMUP_DEFAULTS, "warmup_max_lr": None}),
+    "warmupdecaylr": ("warmup_decay_lr", {**WARMUP_DEFAULTS, "total_num_steps": REQUIRED}),
     "warmupcosinelr": ("warmup_cosine_lr", {"warmup_min_ratio": 0.0, "warmup_num_steps": 1000,
-                                            "cos_min_ratio": 0.0001, "warmup_type": "log", "total_num_steps": None}),
+                                            "cos_min_ratio": 0.0001, "warmup_type": "log",
+                                            "total_num_steps": REQUIRED}),
 }
 # As DeepSpeed spells them; those not in SCHEDULERS are not implemented.
 SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "warmupcosinelr": "WarmupCosineLR",

@@ -13,7 +13,7 @@ from framework.config.dsconfig._keys import (ACT_KEYS, AIO_KEYS, AS_HERE, ALIASE
                                              OFFLOAD_OPTIMIZER_KEYS, OFFLOAD_PARAM_KEYS, OPTIMIZER_INERT,
                                              OPTIMIZER_REFUSED, OPTIMIZERS, SCHEDULER_NAMES, SCHEDULERS, STAGE3_KEYS,
                                              STAGES, TORCH_COMPILE_KEYS, ZERO_FEATURES, ZERO_KEYS, ZERO_PERF,
-                                             ZERO_STAGE, close, switched_off)
+                                             ZERO_STAGE, REQUIRED, close, switched_off)
 
 Z = "zero_optimization."
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
@@ -455,7 +455,7 @@ def scheduler(tr: Translation, node: Any) -> None:
     for key, default in defaults.items():
         ds_key = f"scheduler.params.{key}"
         kind = {"warmup_num_steps": "int", "total_num_steps": "int", "warmup_type": "str"}.get(key, "float")
-        if key not in params and default is None:
+        if key not in params and default is REQUIRED:
             tr.error(f"{ds_key} is required by {SCHEDULER_NAMES[low]} (give a number, or \"auto\": train.steps)")
         elif key not in params:
             tr.set(f"scheduler.{key}", default, ds_key, DS_DEFAULT)
