@@ -174,7 +174,8 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
         raise RecipeError(f"recipe {recipe.name} has no prepare step (its data needs none)")
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
-    rest = [o for o in overrides if _key(o) != "data.path"]
+    # (data.path without "=FILE", or deleted with ~, names no text either)
+    rest = [o for o in overrides if _key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]
     if rest:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")

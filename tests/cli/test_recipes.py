@@ -220,6 +220,14 @@ def test_prepare_writes_only_a_new_file_or_its_own_earlier_output(tmp_path, caps
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.parametrize("given", [["data.path"], ["~data.path"], ["data.path="], ["seed=1"]])
+def test_prepare_takes_only_data_path_with_a_file(given, tmp_path, capsys):
+    assert recipes.main(["shakespeare_char_cpu", "prepare", *given, "--out", str(tmp_path / "t.bin")]) == 2
+    err = capsys.readouterr().err
+    assert "prepare takes only data.path=FILE" in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
+
 def test_shakespeare_char_cpu_quick(shakespeare_tokens, tmp_path):
     """The twin: ddp on 1 rank and zero3 on 2 ranks at the same global batch reach the same
     validation loss on the prepared data."""
