@@ -20,6 +20,8 @@ from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
 
 WARMUP_TYPES = ("log", "linear")
+NUM_STEPS_BELOW_ONE = ("scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got {}; give 1 or more "
+                       "(scheduler=constant has no warm-up)")
 
 
 @dataclass(kw_only=True)
@@ -49,8 +51,8 @@ def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
     if kind not in WARMUP_TYPES:
         raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
                           f"got {kind!r}")
-    if not num_steps >= 0:   # 0 or 1 (no warm-up) as DeepSpeed takes them: raised to 2 below
-        raise ConfigError(f"scheduler.warmup_num_steps must be >= 0, got {num_steps}")
+    if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 below
+        raise ConfigError(NUM_STEPS_BELOW_ONE.format(num_steps))
     num_steps = max(2, num_steps)
     if kind == "log":
         return num_steps, lambda step: math.log(step + 1) / math.log(num_steps)
@@ -111,10 +113,12 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
 
 
 def check(node, stage: str, nodes: Mapping[str, Any]):
-    """warmup_type with the composed config's other checks (before a run folder is made)."""
+    """warmup_type and warmup_num_steps with the composed config's other checks (before a run folder is made)."""
     if node.warmup_type not in WARMUP_TYPES:
         raise ConfigError(f"config: scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
                           f"{node.warmup_type!r}{closest_hint(node.warmup_type, WARMUP_TYPES)}")
+    if not node.warmup_num_steps >= 1:
+        raise ConfigError("config: " + NUM_STEPS_BELOW_ONE.format(node.warmup_num_steps))
     return node
 
 

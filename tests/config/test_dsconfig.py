@@ -659,19 +659,22 @@ def test_an_integer_beyond_range_for_a_number_key_is_one_line():
 
 
 @pytest.mark.parametrize("kind", ["WarmupLR", "WarmupCosineLR"])
-def test_a_warmup_of_zero_steps_runs_as_deepspeed_runs_it(kind):
-    """DeepSpeed raises a warm-up below 2 steps to 2: 0 (no warm-up) runs so, as 2 does."""
+def test_a_warmup_of_one_step_runs_as_deepspeed_runs_it(kind):
+    """DeepSpeed raises a warm-up below 2 steps to 2: 1 runs so, as 2 does; 0 it refuses (0.19.3 on), as here."""
     from framework.core.registry import registry
 
+    def ds(steps):
+        return {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                "scheduler": {"type": kind, "params": {"warmup_num_steps": steps,
+                                                       **({"total_num_steps": 6} if kind == "WarmupCosineLR" else {})}}}
+
     lrs = []
-    for steps in (0, 2):
-        cfg = framework.compose(["train.steps=6"], ds_config={
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-            "scheduler": {"type": kind, "params": {"warmup_num_steps": steps,
-                                                   **({"total_num_steps": 6} if kind == "WarmupCosineLR" else {})}}})
+    for steps in (1, 2):
+        cfg = framework.compose(["train.steps=6"], ds_config=ds(steps))
         lr_at = registry("scheduler").get(cfg.choices["scheduler"]).build(cfg.scheduler, 1e-3, 6)
         lrs.append([lr_at(step) for step in range(6)])
     assert lrs[0] == lrs[1]
+    assert "scheduler.warmup_num_steps must be >= 1" in error_of(ds(0), ["train.steps=6"])
 
 
 @pytest.mark.parametrize("key", ["reduce_bucket_size", "allgather_bucket_size"])

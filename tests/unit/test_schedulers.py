@@ -198,3 +198,25 @@ def test_warmup_cosine_min_lr_is_checked_with_the_config(overrides, says):
     with pytest.raises(ConfigError) as info:
         compose(overrides)
     assert str(info.value) == says
+
+
+@pytest.mark.parametrize("name", ["warmup_lr", "warmup_decay_lr", "warmup_cosine_lr"])
+def test_warmup_num_steps_below_one_is_refused(name):
+    # DeepSpeed (0.19.3 on) refuses 0 too; before, 0 ran two updates at lr 0.
+    from framework.config import compose
+
+    component = registry("scheduler").get(name)
+    with pytest.raises(ConfigError, match="warmup_num_steps must be >= 1") as info:
+        component.build(dataclasses.replace(component.config(), warmup_num_steps=0), 1e-3, 100)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError, match="^config: scheduler.warmup_num_steps must be >= 1") as info:
+        compose([f"scheduler={name}", "scheduler.warmup_num_steps=0"])
+    assert "\n" not in str(info.value)
+    ds = {"scheduler": {"type": {"warmup_lr": "WarmupLR", "warmup_decay_lr": "WarmupDecayLR",
+                                 "warmup_cosine_lr": "WarmupCosineLR"}[name],
+                        "params": {"warmup_num_steps": 0, "total_num_steps": 300}}}
+    if name == "warmup_lr":
+        del ds["scheduler"]["params"]["total_num_steps"]
+    with pytest.raises(ConfigError, match="warmup_num_steps must be >= 1") as info:
+        compose([], ds_config=ds)
+    assert "\n" not in str(info.value)
