@@ -175,9 +175,12 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         # Hugging Face's warm-up steps: those of the scheduler the run itself chooses (YAML, command
         # line), not the default of the file's scheduler group.
         own_cfg, own_choices = own or composer(list(cli.forced))
-        node = own_cfg["scheduler"]
+        node, name = own_cfg["scheduler"], own_choices.get("scheduler")
+        # The file's must match only where the run chooses the file's scheduler and its YAML sets the
+        # warm-up (not the scheduler's own default: one the YAML states equal to it yields to the file).
+        default = {f.name: f.default for f in dataclasses.fields(registry("scheduler").get(name).config)}
         warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0),
-                  own_choices.get("scheduler") == t.choices.get("scheduler"))
+                  name == t.choices.get("scheduler") and node.get("warmup_num_steps") != default["warmup_num_steps"])
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
     resolved = dsconfig.resolve(t, facts)

@@ -535,15 +535,25 @@ def test_auto_warmup_comes_from_the_runs_own_warmup(tmp_path):
     assert cfg.scheduler.warmup_num_steps == 1 and cfg.choices["scheduler"] == "warmup_lr"
 
 
-def test_explicit_total_and_warmup_steps_must_match_the_run():
+def test_explicit_total_and_warmup_steps_must_match_the_run(tmp_path):
     ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}}}
+    # Choosing the file's own scheduler on the command line states no warm-up: the group's
+    # default (1000) yields to the file's 10, as it does without the choice.
     msg = error_of(ds, ["train.steps=50", "scheduler=warmup_decay_lr"])
-    assert "does not match" in msg and msg.count("\n  - ") == 2, msg
-    assert "scheduler.params.total_num_steps=100 but train.steps=50" in msg, msg
-    assert "scheduler.params.warmup_num_steps=10 but the run's scheduler.warmup_num_steps is 1000" in msg, msg
-    cfg = framework.compose(["train.steps=100", "scheduler=warmup_decay_lr", "scheduler.warmup_num_steps=10"],
-                            ds_config=ds)
+    assert msg == "ds_config: scheduler.params.total_num_steps=100 but train.steps=50 (give \"auto\" or " \
+        "train.steps=100)", msg
+    for choice in ([], ["scheduler=warmup_decay_lr"]):
+        cfg = framework.compose(["train.steps=100", *choice], ds_config=ds)
+        assert (cfg.scheduler.warmup_num_steps, cfg.scheduler.total_num_steps) == (10, 100)
+    # A warm-up the YAML sets for the file's scheduler must match.
+    folder = _folder(tmp_path, ds, "train:\n  steps: 100\nscheduler:\n  warmup_num_steps: 50\n")
+    (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace(
+        "  - train\n", "  - train\n  - override scheduler: warmup_decay_lr\n"))
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps=10 but the run's "
+                                          "scheduler.warmup_num_steps is 50"):
+        framework.compose([], config_dir=folder, config_name="mine")
+    cfg = framework.compose(["scheduler.warmup_num_steps=10"], config_dir=folder, config_name="mine")
     assert (cfg.scheduler.warmup_num_steps, cfg.scheduler.total_num_steps) == (10, 100)
 
 

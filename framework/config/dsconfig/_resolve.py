@@ -21,7 +21,8 @@ class RunFacts:
     cli_keys: frozenset[str]            # keys the command line sets
     cli_choices: Mapping[str, str]      # groups the command line chooses
     # The run's own warm-up steps (0: its scheduler has none) and whether the run itself chose the
-    # file's scheduler (then a stated warmup_num_steps must match); None: not needed.
+    # file's scheduler and its YAML sets that warm-up (then a stated warmup_num_steps must match);
+    # None: not needed.
     warmup: tuple[int, bool] | None = None
 
 
