@@ -111,7 +111,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
         if component.notes is not None:
-            notes += component.notes(nodes[group])
+            notes += component.notes(nodes[group], root)
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
 
 

@@ -38,13 +38,14 @@ class Component:
     ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage and the
     other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor against
     ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto`` values resolved;
-    ``notes(node)``, where given, returns the notices its values call for (printed once at start-up).
+    ``notes(node, run)``, where given, returns the notices its values call for (printed once at start-up;
+    ``run``: the config's top-level settings, such as ``run.train.steps`` for a warm-up longer than the run).
     Each component knows its own rules, and the configuration layer needs no import of any component."""
 
     config: type
     build: Callable[..., Any]
     check: Callable[[Any, str, Mapping[str, Any]], Any] | None = field(default=None, kw_only=True)
-    notes: Callable[[Any], list[str]] | None = field(default=None, kw_only=True)
+    notes: Callable[[Any, Any], list[str]] | None = field(default=None, kw_only=True)
 
 
 @dataclass(frozen=True)

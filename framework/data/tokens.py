@@ -122,7 +122,7 @@ DEFAULT_VOCAB = 50304
 _TEXT_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
 
 
-def _notes(cfg: TokensConfig) -> list[str]:
+def _notes(cfg: TokensConfig, run) -> list[str]:
     """A data.vocab_size above the file's own vocabulary: valid (unused ids), but worth a word; a
     file without metadata read with the default vocabulary, or one that looks like text: the
     assumption said once."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.core.registry import Component
+from framework.schedulers.warmup_lr import long_warmup_notes
 
 
 @dataclass(kw_only=True)
@@ -55,4 +56,8 @@ def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> War
     return node
 
 
-COMPONENT = Component(config=WarmupCosineConfig, build=build, check=check)
+def notes(node: WarmupCosineConfig, run) -> list[str]:
+    return long_warmup_notes("warmup_steps", node.warmup_steps, run.train.steps)
+
+
+COMPONENT = Component(config=WarmupCosineConfig, build=build, check=check, notes=notes)

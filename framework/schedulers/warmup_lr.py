@@ -112,6 +112,16 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
     return deepspeed_order(lr_at, 0.0)
 
 
+def long_warmup_notes(key: str, warm: int, steps: int) -> list[str]:
+    """The note for a warm-up longer than the run (every scheduler with a warm-up says it in these words)."""
+    return [f"note: the scheduler's warm-up ({key}={warm}) is longer than the run (train.steps={steps}): the lr "
+            f"never reaches its peak"] if warm > steps else []
+
+
+def notes(node, run) -> list[str]:
+    return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps)
+
+
 def check(node, stage: str, nodes: Mapping[str, Any]):
     """warmup_type and warmup_num_steps with the composed config's other checks (before a run folder is made)."""
     if node.warmup_type not in WARMUP_TYPES:
@@ -122,6 +132,7 @@ def check(node, stage: str, nodes: Mapping[str, Any]):
     return node
 
 
-COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check),
-              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check),
-              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine, check=check)}
+COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check, notes=notes),
+              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check, notes=notes),
+              "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine, check=check,
+                                            notes=notes)}

@@ -273,7 +273,7 @@ def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Zero
     return node
 
 
-def _zero1_notes(node: ZeroConfig) -> list[str]:
+def _zero1_notes(node: ZeroConfig, run) -> list[str]:
     return ["note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are reduced and "
             "copied to the host after backward, by every rank at once (DeepSpeed uses it to spread those copies "
             "across ranks)"] if node.round_robin_gradients else []

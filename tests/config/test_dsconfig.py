@@ -55,9 +55,10 @@ def test_hf_guide_config_trains(tmp_path, name, stage, params_on_host):
     assert src["train.steps"] == "command line" and src["seed"] == "YAML" and src["dist.timeout_s"] == "YAML"
     assert src["optimizer.decay_1d"] == "DeepSpeed default"
     notes = [n for n in saved["ds_config_notices"] if n.startswith("note:")]
-    assert len(notes) == 2 and "steps_per_print" in notes[0] and "fp16.loss_scale_window (the run is fp32)" in notes[0]
-    # "auto" warm-up: the run's own (warmup_cosine's 100 steps), longer than this 3-step run
-    assert "warm-up (warmup_num_steps=100) is longer than the run (train.steps=3)" in notes[1], notes
+    (inert,), (warm,) = [n for n in notes if "steps_per_print" in n], [n for n in notes if "warm-up" in n]
+    assert len(notes) == 2 and "fp16.loss_scale_window (the run is fp32)" in inert, notes
+    # "auto" warm-up: the run's own (warmup_cosine's 100 steps), longer than this 3-step run (said once)
+    assert "warm-up (warmup_num_steps=100) is longer than the run (train.steps=3)" in warm, notes
 
 
 def test_hf_guide_nvme_config_maps():

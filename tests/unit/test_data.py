@@ -248,7 +248,7 @@ def test_tokens_vocab_from_the_meta_json_prepare_writes(tmp_path):
             TokensSource(TokensConfig(path=str(tmp_path / "tokens.bin")), seed=0, context=4)
         cfg = TokensConfig(path=str(tmp_path / "tokens.bin"), vocab_size=300)
         assert TokensSource(cfg, seed=0, context=4).vocab_size == 300
-        assert COMPONENT.notes(cfg) == [f"note: {tmp_path / 'meta.json'} gives vocab_size {bad!r}, not in "
+        assert COMPONENT.notes(cfg, None) == [f"note: {tmp_path / 'meta.json'} gives vocab_size {bad!r}, not in "
                                         "[1, 65536]: ignored, data.vocab_size=300 is used"]
 
 

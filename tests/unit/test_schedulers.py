@@ -220,3 +220,19 @@ def test_warmup_num_steps_below_one_is_refused(name):
     with pytest.raises(ConfigError, match="warmup_num_steps must be >= 1") as info:
         compose([], ds_config=ds)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["train.steps=20"], "warm-up (warmup_steps=100) is longer than the run (train.steps=20)"),
+    (["scheduler=warmup_lr"], "warm-up (warmup_num_steps=1000) is longer than the run (train.steps=300)"),
+    (["scheduler=warmup_cosine_lr", "train.steps=999"], "(warmup_num_steps=1000) is longer"),
+    (["train.steps=100"], None),
+    (["scheduler=warmup_decay_lr", "train.steps=1000"], None),
+    (["scheduler=constant", "train.steps=1"], None),
+])
+def test_a_warmup_longer_than_the_run_is_noted(overrides, says):
+    from framework.config import compose
+
+    notes = [n for n in compose(overrides).notices if "warm-up" in n]
+    assert notes == ([] if says is None else [notes[0]]) and all(n.startswith("note: ") for n in notes), notes
+    assert says is None or (says in notes[0] and "\n" not in notes[0]), notes

@@ -142,11 +142,6 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
         elif chosen and s.source == DS_FILE and s.value != own:
             mismatches.append(f"scheduler.params.warmup_num_steps={s.value} but the run's scheduler.warmup_num_steps "
                               f"is {own} (give \"auto\" or scheduler.warmup_num_steps={s.value})")
-    if s is not None and run.cli_choices.get("scheduler", t.choices["scheduler"]) == t.choices["scheduler"]:
-        warm = final("scheduler.warmup_num_steps")
-        if warm > steps:
-            notes.append(f"the scheduler's warm-up (warmup_num_steps={warm}) is longer than the run "
-                         f"(train.steps={steps}): the lr never reaches its peak")
 
     _batch(t.batch, run, final, values, sources, mismatches, overridden)
     if overridden:
