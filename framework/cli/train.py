@@ -6,7 +6,7 @@
     torchrun --nproc-per-node 2 -m framework.train             # ranks made by torchrun
     python -m framework.train -m optimizer=adamw,lion          # a Hydra multirun sweep
     python -m framework.train ds_config=ds.json train.steps=50 # a DeepSpeed config, then overrides
-    python -m framework.train ds_config=ds.json --cfg job      # print the resolved config
+    python -m framework.train ds_config=ds.json --cfg job      # print the resolved config (its groups on top)
     python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
 Every job's config is composed and checked once, before any run folder or process exists; Hydra
@@ -187,8 +187,10 @@ def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, p
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package: str | None) -> None:
     """``--cfg job [--package KEY]``: the composed config (or its KEY section), with a DeepSpeed
-    config's values in it (named on the command line or in the YAML)."""
-    cfg, _ = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
+    config's values in it (named on the command line or in the YAML). The whole config starts with the
+    chosen groups as a comment line (``# stage=zero2 offload=cpu ...``): the sections hold no names (those
+    are Hydra's choices, in the section it drops), and a comment keeps the output YAML."""
+    cfg, config = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg)
     node.pop("hydra", None)   # Hydra's section (--cfg hydra): only a running Hydra resolves it (hydra.job.num)
     if resolve:
@@ -202,7 +204,12 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
         if node is absent:
             raise ConfigError(f"--package {package}: the config has no such key")
         node = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
-    print(OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{'null' if node is None else node}\n", end="")
+    top = ""   # (a section or a value asked for alone is printed alone: a script may read it)
+    if not package:
+        order = ("stage", "offload", "precision", *(g for g in GROUPS if g not in ("stage", "offload", "precision")))
+        top = "# " + " ".join(f"{g}={config.choices[g]}" for g in order) + "\n"
+    print(top + (OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{'null' if node is None else node}\n"),
+          end="")
 
 
 # Hydra writes its record of a job (config.yaml, hydra.yaml, overrides.yaml in hydra.output_subdir) into

@@ -35,6 +35,9 @@ def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
     assert shown["stage"]["stage3_prefetch_bucket_size"] == int(0.9 * 64 * 64)
     assert shown["stage"]["stage3_param_persistence_threshold"] == 640
     assert shown["optimizer"]["decay_1d"] is True and shown["train"]["grad_clip"] == 1.0
+    # the chosen groups (the DeepSpeed file's too), which the sections do not name, as a comment line on top
+    top = p.stdout.splitlines()[0]
+    assert top.startswith("# stage=zero3 offload=cpu ") and " optimizer=adamw " in top and " scheduler=" in top, top
     assert not (tmp_path / "run").exists()
     # a DeepSpeed config named in the user's own YAML is shown resolved too
     (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25}))

@@ -387,9 +387,11 @@ class _Gather:
         return self.everyone
 
 
-def _agreed(outcomes):
-    """What ``agree_load`` raises on each rank when rank r's ``fn`` raises ``outcomes[r]`` (None: succeeds)."""
+def _agreed(outcomes, agree=None):
+    """What ``agree_load`` (or ``agree``) raises on each rank when rank r's ``fn`` raises ``outcomes[r]`` (None:
+    succeeds)."""
     from framework.persist.checkpoint._group import agree_load
+    agree_load = agree or agree_load
 
     def fn(e):
         def run():
@@ -405,7 +407,7 @@ def _agreed(outcomes):
         sent.append(got.value.args[0])
     raised = []
     for r, e in enumerate(outcomes):
-        with pytest.raises(Exception) as got:
+        with pytest.raises(BaseException) as got:
             agree_load(_Gather(r, len(outcomes), sent), "reading", fn(e))
         raised.append(got.value)
     return raised
@@ -426,6 +428,65 @@ def test_after_a_failed_read_every_rank_takes_the_same_path(outcomes, falls_back
     assert all(isinstance(e, FrameworkError) for e in raised), raised
     assert [isinstance(e, CheckpointError) for e in raised] == [falls_back] * len(raised), raised
     assert [isinstance(e, ConfigError) for e in raised] == [config] * len(raised), raised
+
+
+def _dcp_stopped(stop):
+    """A CheckpointException as DCP raises it on every rank when rank 1's reader or writer raised ``stop``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    return CheckpointException("read", {1: (stop, [])})
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), SystemExit(143)])
+def test_an_interrupt_inside_a_checkpoint_read_or_write_stops_every_rank(tmp_path, stop, save):
+    """Ctrl-C or SIGTERM while DCP reads or writes (it wraps whatever its reader or writer raised, these too)
+    is neither a damaged checkpoint (no fallback to an older one) nor a failed save: every rank raises the
+    interrupt (the loop's one line, 130/143), whatever the others' own outcome."""
+    from framework.persist.checkpoint._group import agree_save
+    tmp = tmp_path / "step-2.tmp"
+    raised = _agreed([_dcp_stopped(stop), CheckpointError("damaged"), None],
+                     (lambda group, what, fn: agree_save(group, what, fn, tmp)) if save else None)
+    assert [type(e) for e in raised] == [type(stop)] * 3, raised
+    assert all(getattr(e, "code", None) == getattr(stop, "code", None) for e in raised), raised
+
+
+class _OneRank:
+    rank, world = 0, 1
+
+    def all_gather(self, obj, what):
+        return [obj]
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, lambda: SystemExit(143)])
+def test_an_interrupt_while_dcp_writes_or_reads_a_checkpoint_is_raised_as_such(tmp_path, stop):
+    """Ctrl-C (or SIGTERM's SystemExit) inside DCP's writer: the save's unfinished folder is removed and the
+    interrupt is raised, not a CheckpointError ("saving step-2 failed": exit 1, a sweep going on); inside its
+    reader: the interrupt, not a CheckpointError (resume=auto would fall back to an older checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+    from framework.persist.checkpoint._group import agree_load, agree_save, glue
+
+    class Writer(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise stop()
+
+    class Reader(dcp.FileSystemReader):
+        def read_data(self, plan, planner):
+            raise stop()
+
+    kind = type(stop())
+    tmp = tmp_path / "step-2.tmp"
+    tmp.mkdir()
+    with glue().single_process_quiet(), pytest.raises(BaseException) as got:
+        agree_save(_OneRank(), "writing the files",
+                   lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Writer(tmp), no_dist=True), tmp)
+    assert type(got.value) is kind and getattr(got.value, "code", None) == getattr(stop(), "code", None), got.value
+    assert not tmp.exists()
+    with glue().single_process_quiet():
+        dcp.save({"w": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(tmp_path / "step-1"), no_dist=True)
+        with pytest.raises(BaseException) as got:
+            agree_load(_OneRank(), "reading", lambda: dcp.load({"w": torch.zeros(4)}, no_dist=True,
+                                                               storage_reader=Reader(tmp_path / "step-1")))
+    assert type(got.value) is kind and getattr(got.value, "code", None) == getattr(stop(), "code", None), got.value
 
 
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):

@@ -55,40 +55,49 @@ class Group:
 def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
     """``fn()`` on every rank, outcomes exchanged (a barrier too); every rank's result. When it failed anywhere,
     rank 0 removes the unfinished ``tmp`` folder (``cleanup``) and every rank raises one CheckpointError naming
-    the rank and the cause. ``need``: the checkpoint's bytes, for the message of a full disk."""
-    result, problem = None, None
+    the rank and the cause, or, where a rank was interrupted (``_stop``), that interrupt: the run stops as on a
+    Ctrl-C or SIGTERM anywhere else. ``need``: the checkpoint's bytes, for the message of a full disk."""
+    result, problem, stop = None, None, None
     try:
         result = fn()
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        # DCP raises on every rank what failed on some: named after the ranks that failed
-        ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
-        problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
-    everyone = group.all_gather((result, problem), what)
-    problems = list(dict.fromkeys(p for _, p in everyone if p))
+        if (stop := _stop(e)) is None:
+            # DCP raises on every rank what failed on some: named after the ranks that failed
+            ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
+            problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
+    everyone = group.all_gather((result, problem, stop), what)
+    problems = list(dict.fromkeys(p for _, p, _ in everyone if p))
+    stops = [s for _, _, s in everyone if s is not None]
+    if (problems or stops) and cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if stops:
+        raise stop or stops[0]
     if problems:
-        if cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
-            shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
                               + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "")
                               + "; the previous checkpoints are kept")
-    return [r for r, _ in everyone]
+    return [r for r, _, _ in everyone]
 
 
 def agree_load(group: Group, what: str, fn):
     """``fn()`` on every rank, outcomes exchanged before anyone goes on: every rank raises one kind,
     so all take the same path (ConfigError: the checkpoint is another run's, no fallback;
     CheckpointError: damaged, fall back; any other FrameworkError, e.g. a swap file's IO: the run
-    stops); a rank whose own error is of that kind raises it, the others the first of that kind."""
-    result, problem = None, None
+    stops; an interrupt (``_stop``) wins over all: the run stops as on Ctrl-C or SIGTERM, no fallback);
+    a rank whose own error is of that kind raises it, the others the first of that kind."""
+    result, problem, stop = None, None, None
     try:
         result = fn()
     except FrameworkError as e:
         problem = (next(k for k in (ConfigError, CheckpointError, FrameworkError) if isinstance(e, k)), str(e))
-        mine = e
+        mine, stop = e, _stop(e)
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
         problem = (CheckpointError, f"{what}: {glue().describe(e)}")
-        mine = CheckpointError(problem[1])
-    problems = [p for p in group.all_gather(problem, what) if p]
+        mine, stop = CheckpointError(problem[1]), _stop(e)
+    everyone = group.all_gather((problem, stop), what)
+    if stops := [s for _, s in everyone if s is not None]:
+        raise stop or stops[0]
+    problems = [p for p, _ in everyone if p]
     if not problems:
         return result
     # One kind on every rank, failed or not: a refusal that stops the run wins over damage (fall back).
@@ -96,6 +105,21 @@ def agree_load(group: Group, what: str, fn):
     if problem is not None and problem[0] is kind:
         raise mine
     raise kind(next(text for k, text in problems if k is kind)) from (mine if problem is not None else None)
+
+
+def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
+    """The Ctrl-C (KeyboardInterrupt) or SIGTERM (``launch.signals_unwind``'s SystemExit) behind ``e``, as a
+    plain one of its kind (one that pickles for the exchange), else None. DCP catches whatever its writer or
+    reader raised, these too, and raises on every rank one CheckpointException holding each rank's failure:
+    read as a failed save or a damaged checkpoint, a Ctrl-C would be reported as an error (a sweep going on)
+    and a resume would fall back to an older checkpoint and train on. A bare interrupt raised in ``fn`` is
+    not caught: it leaves at once, as anywhere else (its peers get the signal too)."""
+    for c in glue().causes(e):
+        if isinstance(c, KeyboardInterrupt):
+            return KeyboardInterrupt()
+        if isinstance(c, SystemExit):
+            return SystemExit(c.code)
+    return None
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
