@@ -273,9 +273,20 @@ class FileMap:
 
     def __init__(self, file: SwapFile, fd: int, write: bool):
         self.file, self.write = file, write
+        # A file shortened behind the engine's back (mmap refuses a length past the end, and a page past
+        # it would be SIGBUS on touch): the swapped state is lost, said as the training path's short read says it.
+        found = os.fstat(fd).st_size
+        if found < file.size:
+            raise SwapIOError(f"swap file {file.path}: short file: {found} of {file.size} bytes (truncated outside "
+                              "this run?); its swapped state is lost: resume from the last checkpoint",
+                              path=str(file.path), offset=found, what="the whole file")
         # ACCESS_COPY (MAP_PRIVATE): writable tensors that never write the file; only read here.
         try:
             self._mm = mmap.mmap(fd, file.size, access=mmap.ACCESS_WRITE if write else mmap.ACCESS_COPY)
+        except ValueError as e:   # shortened between the check and the map
+            raise SwapIOError(f"swap file {file.path}: cannot map {file.size} bytes ({e}; truncated outside this "
+                              "run?); its swapped state is lost: resume from the last checkpoint",
+                              path=str(file.path), offset=0, what="the whole file") from None
         except OSError as e:   # a file system without mmap support, or no address space left
             raise SwapIOError(f"swap file {file.path}: cannot map it into memory to save or load a checkpoint "
                               f"({os.strerror(e.errno) if e.errno else e}); put offload.nvme_path on a local "

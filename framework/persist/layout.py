@@ -201,6 +201,15 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             if t.shape != whole[k].shape:
                 raise FrameworkError(f"load_state_dict: {k!r} has shape {tuple(t.shape)} in the saved state but "
                                      f"{tuple(whole[k].shape)} in this model")
+    # Every fragment of every rank, on every rank (the same verdict everywhere, nothing to agree on): a diverged
+    # state is refused as a checkpoint resume refuses it, before anything is written.
+    bad = nonfinite_items([(f"{name} ({'master' if key is None else key})", f["master"] if key is None else f["optim"][key])
+                           for sd in saved for name, entry in sd["params"].items() for f in entry["fragments"]
+                           for key in [None, *sorted(f["optim"])]])
+    bad += nonfinite_items(list((kept or {}).items()), nan_only=("buffer.",))
+    if bad:
+        raise FrameworkError(f"load_state_dict: non-finite values (NaN or inf) in {few(bad)} of the saved state: not "
+                             f"a state to train from; load one saved before training diverged")
     plans: list[list] = [[] for _ in specs]  # per piece: (holding, fragments, cover) of each holding
     for p, h in StateLayout.of(specs, rank=rank, world=world).mine():
         if p.name not in index:
@@ -234,6 +243,41 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     # resumes its own generators; otherwise (no rank to match) all take rank 0's.
     mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
     return with_saved_scalars(state, first, mine["rng"], saved_opt["scalars"], policy)
+
+
+def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: tuple[str, ...] = ()) -> list[str]:
+    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity (min and max propagate
+    both: one small reduction per tensor where it lives, one sync per device); ``release(t)`` after each. Names
+    starting with one of ``nan_only`` are flagged for a NaN only: a buffer may hold an infinity by design (an
+    additive mask), while a NaN is what a diverged forward writes into running statistics."""
+    by_device: dict[torch.device, list] = {}
+    for n, t in items:
+        if t.numel() > 0 and t.is_floating_point():
+            by_device.setdefault(t.device, []).append((n, t))
+    bad = set()
+    for pairs in by_device.values():
+        flags = []
+        for n, t in pairs:
+            mm = _min_max(t)
+            flags.append(~torch.isnan(mm).any() if n.startswith(nan_only) else torch.isfinite(mm).all())
+            if release is not None:
+                release(t)
+        ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
+        bad.update(n for (n, _), good in zip(pairs, ok) if not good)
+    return sorted(bad)
+
+
+_CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
+
+
+def _min_max(t: torch.Tensor) -> torch.Tensor:
+    """[min, max] of ``t`` (NaN if any element is NaN); float8 dtypes, which have no aminmax kernel, upcast a chunk
+    at a time (a bounded temporary, not a float32 copy of the whole tensor)."""
+    if t.element_size() > 1:
+        return torch.stack(t.aminmax())
+    flat = t.reshape(-1)
+    parts = torch.stack([torch.stack(flat[i:i + _CHUNK].float().aminmax()) for i in range(0, flat.numel(), _CHUNK)])
+    return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
 
 
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,

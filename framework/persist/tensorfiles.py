@@ -322,6 +322,23 @@ def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
+    """Whether ``src`` holds a NaN or an infinity (``nan_only``: a NaN; a buffer may hold an infinity by design, an
+    additive mask): a flag on its device, from its min and max, which propagate both (no temporary of ``src``'s
+    size: a save's memory stays its chunks); None where there is nothing to flag."""
+    if not src.is_floating_point() or not src.numel():
+        return None
+    mm = torch.stack((src if src.element_size() > 1 else src.float()).aminmax())   # (float8: no aminmax kernel)
+    return torch.isnan(mm).any() if nan_only else ~torch.isfinite(mm).all()
+
+
+def warn_nonfinite(names: Sequence[str], what: str, say: bool = True) -> None:
+    """One warning line naming the tensors written with NaN or inf values."""
+    if names and say:
+        print(f"warning: {what}: NaN or inf values in {few(sorted(names))} were written as they are: the weights "
+              f"hold a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr, flush=True)
+
+
 def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = True) -> None:
     """One warning line when ``count`` values overflowed in the conversion to ``dtype``."""
     if count and say:

@@ -28,8 +28,8 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           open_weights, output_dir, overflowed, plan_files, remove_tmp, warn_overflow,
-                                           writing)
+                                           nonfinite, open_weights, output_dir, overflowed, plan_files, remove_tmp,
+                                           warn_nonfinite, warn_overflow, writing)
 from framework.core.utils import dtype_name, few
 
 
@@ -188,9 +188,10 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
-        def write() -> int:
+        def write() -> tuple[int, list[str]]:
             fds: dict[str, int] = {}
             over: dict[torch.device, torch.Tensor] = {}   # values that became inf, counted where they lie
+            bad: dict[torch.device, list] = {}   # (name, flag): NaN or inf values written, flagged where they lie
             for e, at, view in jobs:
                 if e.file not in fds:
                     fds[e.file] = files.open_nofollow(out_dir / (e.file + ".tmp"), os.O_WRONLY)
@@ -200,6 +201,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                     chunk = part.to(e.dtype)   # convert where the values are, then move
                     if (n := overflowed(part, chunk)) is not None:
                         over[n.device] = over.get(n.device, 0) + n
+                    if (n := nonfinite(part, e.name in buffers)) is not None:
+                        bad.setdefault(n.device, []).append((e.name, n))
                     files.write_at(fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
                     if fmap is not None:   # a mapped swap file's pages leave the process as they are written
                         fmap.release(part)
@@ -207,7 +210,14 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                 os.fsync(fd)
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
-            return sum(int(n) for n in over.values())   # (one sync per device, after the writes)
+            overflow, nonfinite_names = 0, set()
+            for device in {*over, *bad}:   # (one sync per device, after the writes)
+                named = bad.get(device, [])
+                got = torch.stack([torch.as_tensor(over.get(device, 0), device=device),
+                                   *(flag.long() for _, flag in named)]).tolist()
+                overflow += got[0]
+                nonfinite_names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
+            return overflow, sorted(nonfinite_names)
 
         def agreed(what: str, fn):   # an OSError as one line naming out_dir, in every rank's message
             def run():
@@ -223,8 +233,9 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
             if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
                 remove_tmp(out_dir)
             raise
-    warn_overflow(sum(dist.all_gather_object(mine, what="save_weights: overflow count")), dtype,
-                  "save_weights", dist.is_main)
+    everyone = dist.all_gather_object(mine, what="save_weights: overflow count, non-finite names")
+    warn_overflow(sum(over for over, _ in everyone), dtype, "save_weights", dist.is_main)
+    warn_nonfinite(sorted({n for _, names in everyone for n in names}), "save_weights", dist.is_main)
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 

@@ -205,6 +205,20 @@ def test_a_mapped_extent_is_verified_byte_for_byte_or_refused(tmp_path):
             verify_map(f.map(write=False))
 
 
+def test_a_truncated_swap_file_is_a_swap_error_not_a_mapping_crash(tmp_path):
+    """A swap file shortened outside the run (mmap refuses a length past the end) is one SwapIOError naming the
+    file and its size against the expected one, as the training path's short read is."""
+    from framework.offload._swapfile import SwapFile
+
+    with SwapFile.create(tmp_path / "s.swap", {"a": 8192, "b": 4096}, layout_hash="h", world_size=1, rank=0,
+                         dtype=torch.float32) as f:
+        os.truncate(f.path, 8192)
+        for write in (False, True):
+            with pytest.raises(SwapIOError, match=rf"swap file {f.path}: short file: 8192 of 12288 bytes") as e:
+                f.map(write=write)
+            assert e.value.path == str(f.path)
+
+
 # --- room summed per file system ------------------------------------------------------------------
 
 def test_room_is_summed_over_the_ranks_sharing_a_file_system(tmp_path):

@@ -3,6 +3,7 @@
 The distributed round trips (every stage, world 1/2/4, offload) are in tests/dist/test_layout.py;
 here the arithmetic is checked element by element on plain tensors.
 """
+import copy
 import functools
 import random
 from dataclasses import replace
@@ -243,6 +244,15 @@ def test_errors_are_one_line_and_leave_the_state_alone():
     with pytest.raises(FrameworkError, match=r"saved optimizer state has \['0.mu'\] but this optimizer's has "
                                              r"\['0.count', '0.mu', '0.nu'\]"):
         _unchanged_after(lambda: load(lion), state)
+    def spoiled(name: str, key: str | None, value: float) -> list[dict]:   # a diverged value, as a resume refuses it
+        out = copy.deepcopy(saved)
+        f = next(sd["params"][name]["fragments"][0] for sd in out if name in sd["params"])
+        (f["master"] if key is None else f["optim"][key])[0] = value
+        return out
+    with pytest.raises(FrameworkError, match=r"non-finite values \(NaN or inf\) in 'b \(master\)' of the saved state"):
+        _unchanged_after(lambda: load(spoiled("b", None, float("nan"))), state)
+    with pytest.raises(FrameworkError, match=r"non-finite values \(NaN or inf\) in 'e \(0.nu\)' of the saved state"):
+        _unchanged_after(lambda: load(spoiled("e", "0.nu", float("inf"))), state)
     with pytest.raises(FrameworkError, match="different steps"):
         load([saved[0], {**saved[1], "step": 3}])
     with pytest.raises(FrameworkError, match="no saved state"):

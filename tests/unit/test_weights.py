@@ -338,3 +338,15 @@ def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("warning: save_weights: 2 finite value(s) beyond the float16 range"), err
     assert load_file(tmp_path / "fp16" / "model.safetensors")[name].view(-1)[:3].isinf().tolist() == [True, True, False]
+    # NaN and inf in the masters (a diverged run): written as they are, with one warning naming the tensors,
+    # from the overflow's scan (fp16: an inf is not counted again as an overflow)
+    other = next(k for k, v in sd.items() if k != name and v.is_floating_point() and v.numel() >= 2)
+    sd[other].view(-1)[:2] = torch.tensor([float("nan"), float("-inf")])
+    load_weights(engine, WeightsSource("test", sd))
+    for dtype in (None, torch.float16):
+        capsys.readouterr()
+        save_weights(engine, tmp_path / "nan", dtype=dtype)
+        err = [line for line in capsys.readouterr().err.splitlines() if "NaN" in line]
+        assert err == [f"warning: save_weights: NaN or inf values in {other!r} were written as they are: the "
+                       "weights hold a diverged state (save from a checkpoint before it to get usable ones)"], err
+        assert load_file(tmp_path / "nan" / "model.safetensors")[other].view(-1)[:2].isfinite().tolist() == [False] * 2
