@@ -274,6 +274,12 @@ def test_loss_scale_carries_over_only_between_dynamic_scalers():
                                                      skipped_steps=3))):
         (s, sp), = make_state(2, 64)[:1]
         assert load_state_dict(s, sp, saved, policy=policy, names=SHAPES, world=2).precision == expected, policy.name
+    # a minimum raised since the save holds from the first step on (the scale stayed below it, and the next
+    # overflows stopped the run "at min_loss_scale" the scale never came down to)
+    raised = replace(FP16, scaler=replace(FP16.scaler, min_loss_scale=1024.0))
+    (s, sp), = make_state(2, 64)[:1]
+    assert load_state_dict(s, sp, saved, policy=raised, names=SHAPES, world=2).precision == replace(
+        fp16_state, cur_scale=1024.0)
     # and from fp32 into fp16: the scaler starts where a new fp16 run would (its first growth a full window on)
     (s, sp), = make_state(1, None)
     got = load_state_dict(s, sp, saved_by(make_state(1, None, seed=0)), policy=FP16, names=SHAPES).precision

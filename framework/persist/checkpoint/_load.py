@@ -17,8 +17,9 @@ from framework.models.hf import architecture
 from framework.persist import stepfolders
 from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._save import dcp_key, dcp_values, nonfinite_items
-from framework.persist.layout import StateLayout, check_aligned, check_format, flat_pieces, with_saved_scalars
+from framework.persist.checkpoint._save import dcp_key, dcp_values
+from framework.persist.layout import (StateLayout, check_aligned, check_format, flat_pieces, nonfinite_items,
+                                      with_saved_scalars)
 from framework.persist.weights import whole_tensors
 from framework.core.utils import few
 

@@ -27,7 +27,7 @@ from framework.persist import stepfolders
 from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
-from framework.persist.layout import StateLayout, flat_pieces, host_copy
+from framework.persist.layout import StateLayout, flat_pieces, host_copy, nonfinite_items
 from framework.persist.weights import save_on_model_save, tied_names, whole_tensors
 
 # torch.optim's names for the per-element and scalar state of our transforms (the DCP keys).
@@ -103,41 +103,6 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
         train["tied"] = tied
     return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
-
-
-def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: tuple[str, ...] = ()) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity (min and max propagate
-    both: one small reduction per tensor where it lives, one sync per device); ``release(t)`` after each. Names
-    starting with one of ``nan_only`` are flagged for a NaN only: a buffer may hold an infinity by design (an
-    additive mask), while a NaN is what a diverged forward writes into running statistics."""
-    by_device: dict[torch.device, list] = {}
-    for n, t in items:
-        if t.numel() > 0 and t.is_floating_point():
-            by_device.setdefault(t.device, []).append((n, t))
-    bad = set()
-    for pairs in by_device.values():
-        flags = []
-        for n, t in pairs:
-            mm = _min_max(t)
-            flags.append(~torch.isnan(mm).any() if n.startswith(nan_only) else torch.isfinite(mm).all())
-            if release is not None:
-                release(t)
-        ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
-        bad.update(n for (n, _), good in zip(pairs, ok) if not good)
-    return sorted(bad)
-
-
-_CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
-
-
-def _min_max(t: torch.Tensor) -> torch.Tensor:
-    """[min, max] of ``t`` (NaN if any element is NaN); float8 dtypes, which have no aminmax kernel, upcast a chunk
-    at a time (a bounded temporary, not a float32 copy of the whole tensor)."""
-    if t.element_size() > 1:
-        return torch.stack(t.aminmax())
-    flat = t.reshape(-1)
-    parts = torch.stack([torch.stack(flat[i:i + _CHUNK].float().aminmax()) for i in range(0, flat.numel(), _CHUNK)])
-    return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
 
 
 def save(ckpt, state):
