@@ -311,6 +311,8 @@ class FlatGrads:
         for g in self.grads + (self.acc if self.micro else []):
             g.zero_()
         self.micro = 0
+        if self.work:   # a step cut short in finish: its reductions must not be read into the next one's sums
+            self.abort_backward(wait=False)
 
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))

@@ -150,7 +150,8 @@ class Zero2Stage(ShardedStage):
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.named], "zero2")
         self.unowned = [pid for pid in range(len(self.params)) if pid not in self.launcher.owners]   # 0 elements
         n, size = bucket_buffers(buckets, self.cfg.overlap_comm, self.cfg.contiguous_gradients)
-        self.free = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
+        self.buffers = [torch.empty(size, dtype=self.policy.reduce_dtype, device=self.dist.device) for _ in range(n)]
+        self.free = list(self.buffers)
         self.buffer_elems = n * size
         self.in_flight: deque = deque()
         self.abandoned: deque | None = None   # those of an interrupted pass, not waited for
@@ -220,27 +221,32 @@ class Zero2Stage(ShardedStage):
         self.sync = sync
         check_no_grads(self.named, "zero2")  # .grad are freed per bucket: any here came from loss_fn
         self.launcher.arm()
-        try:
-            backward_or_reset(lambda: (loss / self.dist.world).backward(), self._abort_backward, "zero2")
-        finally:
-            self.launcher.disarm()
-        self.launcher.flush()  # buckets of parameters that got no gradient
-        while self.in_flight:
-            self._complete(self.in_flight.popleft())
+
+        def backward():
+            try:
+                (loss / self.dist.world).backward()
+            finally:
+                self.launcher.disarm()
+            self.launcher.flush()  # buckets of parameters that got no gradient
+            while self.in_flight:
+                self._complete(self.in_flight.popleft())
+
+        backward_or_reset(backward, self._abort_backward, "zero2")   # (a pass cut short in its last reductions too)
         for pid in self.unowned:   # no bucket frees these
             self.params[pid].grad = None
 
     def _abort_backward(self, wait: bool) -> None:
-        """As ``FlatGrads.abort_backward`` (not added into the partitions), their buffers reused (unless not
-        ``wait``: kept for the collectives that may still write them, new ones made for the next pass);
-        gradients of buckets that never launched are discarded."""
+        """As ``FlatGrads.abort_backward`` (not added into the partitions); gradients of buckets that never
+        launched are discarded. Every bucket buffer is free again (one cut off between the pool and the queue
+        too), except, unless ``wait``, those of the collectives left running: kept with them, new ones instead."""
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
         self.abandoned = None if wait else in_flight
         for item in in_flight if wait else ():
             self._complete(item, add=False)
-        self.free += [torch.empty_like(buf._base if buf._base is not None else buf)
-                      for *_, buf in (() if wait else in_flight) if buf is not None]
+        held = {id(buf._base if buf._base is not None else buf) for *_, buf in self.abandoned or () if buf is not None}
+        self.buffers = [torch.empty_like(b) if id(b) in held else b for b in self.buffers]
+        self.free = list(self.buffers)
         for p in self.params:
             p.grad = None
 

@@ -496,10 +496,16 @@ class _Interrupt(torch.autograd.Function):
         return g
 
 
-def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass_with_buckets_in_flight():
-    """Ctrl-C during zero2's backward (overlap_comm: bucket buffers in flight) leaves those buffers with
-    their collectives; the next pass gets new ones (it raised IndexError on an empty queue at every later
-    step) and trains exactly as an engine that never saw the interrupted step."""
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("where", ["autograd", "third reduction", "next-to-last reduction"])
+def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass(overlap, where, monkeypatch):
+    """Ctrl-C anywhere in zero2's backward pass (in autograd with buckets in flight, or inside a bucket's
+    reduction, its buffer between the pool and the queue) leaves the stage as between passes: buffers of
+    collectives left running stay with them and the pass gets new ones (every later step raised IndexError on
+    an empty queue), and reductions it left undone are never added to a later step (they were, silently).
+    The engine then trains exactly as one that never saw the interrupted step."""
+    from framework.stages import sharded
+
     class Net(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -511,23 +517,38 @@ def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass_with_buckets_in_flight(
                 x = torch.tanh(layer(x))
             return x.sum()
 
-    cfg = framework.compose(["+stage=zero2", "stage.reduce_bucket_size=40", "stage.overlap_comm=true",
+    real, calls, stop = sharded.own_overlap, [], [0]
+
+    def counted(*args):   # a bucket's reduction result, as it is added into the partition
+        calls.append(1)
+        if len(calls) == stop[0]:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(sharded, "own_overlap", counted)
+    cfg = framework.compose(["+stage=zero2", "stage.reduce_bucket_size=40", f"stage.overlap_comm={overlap}",
                              "optimizer=adamw", "scheduler=constant", "logger=none"])
     batch = framework.Batch((torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),))
-    losses = []
-    for interrupt in (False, True):
+
+    def run(interrupt_at: int | None) -> tuple[list[float], int]:
+        """Five steps' losses, with a step before the third interrupted at reduction ``interrupt_at`` (0: in
+        autograd); and how many reductions a step makes."""
         torch.manual_seed(0)
+        losses = []
         with framework.initialize(Net(), lambda m, mb: m(mb[0]), cfg) as engine:
-            state, _ = engine.train_step(engine.state, batch)   # (the first pass learns the gradient order)
-            if interrupt:
-                _Interrupt.armed = True
-                try:
-                    with pytest.raises(KeyboardInterrupt):
+            state = engine.state
+            for k in range(5):
+                if k == 2 and interrupt_at is not None:
+                    calls.clear()
+                    stop[0] = interrupt_at
+                    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+                        patch.setattr(_Interrupt, "armed", interrupt_at == 0)
                         engine.train_step(state, batch)
-                finally:
-                    _Interrupt.armed = False
-            losses.append([])
-            for _ in range(3):
+                    stop[0] = 0
+                calls.clear()
                 state, m = engine.train_step(state, batch)
-                losses[-1].append(m["loss"])
-    assert losses[0] == losses[1]
+                losses.append(m["loss"])
+        return losses, len(calls)
+
+    clean, per_step = run(None)
+    assert run({"autograd": 0, "third reduction": 3, "next-to-last reduction": per_step - 1}[where])[0] == clean
