@@ -79,27 +79,30 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
 
     def eval_step(self, state: TrainState, batches: list) -> float:
-        """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
-        not a ``Batch``), averaged over ranks (no grad)."""
+        """Mean loss over every rank's batches (each rank its share of fixed batches, each what ``loss_fn``
+        takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too), no grad."""
         self._check_open(state, "eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
-        if not batches:   # before the collective: every rank stops here alike
-            raise DataError("eval_step: no batches; pass a list of at least one batch")
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
         was_training = c.module.training
         c.module.eval()
-        total = torch.zeros(1, dtype=torch.float32, device=c.dist.device)
+        # [loss sum, batch count]: one all-reduce of both, so that ranks with different numbers of batches
+        # (an uneven last share, or none) give every rank the same mean over all of them
+        total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
+                    total[0] += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
         c.dist.all_reduce(total, what="validation loss all-reduce")
-        return total.item() / (len(batches) * c.dist.world)
+        loss_sum, count = total.tolist()   # host sync: the result is a Python number
+        if not count:   # after the collective: every rank stops here alike
+            raise DataError("eval_step: no batches on any rank; pass a list of at least one batch")
+        return loss_sum / count
 
     def _check_open(self, state: TrainState, what: str) -> None:
         if self.closed:
