@@ -131,9 +131,14 @@ class Engine(contextlib.AbstractContextManager):
         self.close()
 
     def consolidated_state_dict(self) -> dict | None:
-        """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
+        """Full working-dtype weights under every parameter name and rank 0's persistent buffers, under the
+        names ``module.state_dict()`` gives them: what ``load_state_dict`` of a fresh module takes; on rank 0,
+        None elsewhere (collective)."""
         self._check_whole()   # (the half-updated weights are never handed out to be saved)
-        return self.components.stage.consolidated_state_dict()
+        out = self.components.stage.consolidated_state_dict()
+        if out is not None:
+            out.update(_buffer_copies(self.components.module))
+        return out
 
     def state_dict(self, state: TrainState) -> dict:
         """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``);
@@ -223,6 +228,19 @@ class Engine(contextlib.AbstractContextManager):
         fp = self.components.stage.memory(state.opt_state)
         self.components.update.memory(fp)
         return fp
+
+
+def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Host copies of the module's persistent buffers under every name ``module.state_dict()`` gives them
+    (a buffer shared by several modules copied once)."""
+    out, copies = {}, {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                if id(buf) not in copies:   # host sync: consolidation, between steps
+                    copies[id(buf)] = buf.detach().to("cpu", copy=True)
+                out[f"{path}.{name}" if path else name] = copies[id(buf)]
+    return out
 
 
 class _Owner(weakref.ref):

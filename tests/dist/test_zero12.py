@@ -218,6 +218,10 @@ def test_frozen_parameters_and_buffers_take_rank_0s_values(pools):
             assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), stage
         state = out[0][stage][2]
         assert state.keys() == ref_state.keys(), stage
+        # parameters and persistent buffers, under state_dict's names: a fresh module takes it strictly
+        fresh = _WithBuffers()
+        assert state.keys() == fresh.state_dict().keys(), stage
+        fresh.load_state_dict(state)
         for n in state:
             torch.testing.assert_close(state[n], ref_state[n], rtol=FP32_RTOL, atol=1e-7, msg=f"{stage}: {n}")
 
