@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import weakref
@@ -21,7 +22,7 @@ from torch import nn
 from framework.config import Config, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError
-from framework.comm.distributed import Dist, agree, connect, rank_and_world
+from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
@@ -296,7 +297,14 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                       hidden_from_model=False)
         if (dist is None or dist.is_main) and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
-    dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
+    if dist is None:
+        joined = torch.distributed.is_initialized()
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+        if not joined and torch.distributed.is_initialized():
+            # The group made here is left at exit, as the CLI does: a gloo group alive at interpreter
+            # shutdown may abort the process ("terminate called without an active exception"). Not at
+            # close(): a later engine of this process reuses it (re-creating it hangs under torchrun).
+            atexit.register(disconnect)
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
