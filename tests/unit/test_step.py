@@ -259,8 +259,14 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     with pytest.raises(RuntimeError):   # a loss_fn that raises (wrong width) leaves the module training
         engine.eval_step(state, [(x, y), (x[:, :3], y)])
     assert engine.components.module.training
+    with pytest.raises(framework.DataError, match="^train_step: a batch is an iterable of micro batches .* got int$"):
+        engine.train_step(state, Batch(4))
     state, _ = engine.train_step(state, Batch(((x, y),) * 4))
     assert state.step == 1
+    # Batch(any iterable): a generator or a list of micro batches is one step too
+    state, _ = engine.train_step(state, Batch((x, y) for _ in range(4)))
+    state, _ = engine.train_step(state, Batch([(x, y)] * 4, position=7))
+    assert state.step == 3 and state.data == 7
 
 
 def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
