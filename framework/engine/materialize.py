@@ -1,12 +1,13 @@
 """Building a model without materialising it, and materialising it one tensor at a time.
 
     with framework.zero_init():                          # parameters and buffers on the meta device
-        model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg), or any module)
+        model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg): a module with init_parameter)
     engine = framework.initialize(model, loss_fn, cfg)   # under zero3: only this rank's shards exist
 
 Our counterpart of ``deepspeed.zero.Init``, with nothing patched: each parameter is initialised
 whole, one at a time, by the model's own initialiser (its ``init_parameter``, or for a Hugging Face
-model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept.
+model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept. A module with
+neither is refused by ``initialize`` in one line naming its first meta parameter.
 """
 from __future__ import annotations
 
