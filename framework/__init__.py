@@ -7,9 +7,11 @@
         for batch in my_batches:                # batch: a list of grad_accum micro batches
             state, metrics = engine.train_step(state, batch)
 
-A model built inside ``with framework.zero_init():`` (any module, e.g. a Hugging Face
-``PreTrainedModel``) stays on the meta device until ``initialize`` materialises it, under zero3
-one parameter at a time into this rank's shard.
+A model built inside ``with framework.zero_init():`` stays on the meta device until ``initialize``
+materialises it, under zero3 one parameter at a time into this rank's shard: a Hugging Face
+``PreTrainedModel`` (its own ``_init_weights``), or a module with an ``init_parameter(name, tensor)``
+method (as our GPT); ``initialize`` refuses any other module built there in one line (build it on a
+real device).
 
 The command line (``python -m framework.train``) composes the same components with Hydra.
 """

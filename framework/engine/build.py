@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import sys
 import weakref
@@ -21,7 +22,7 @@ from torch import nn
 from framework.config import Config, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError
-from framework.comm.distributed import Dist, agree, connect, rank_and_world
+from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
@@ -79,27 +80,30 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
 
     def eval_step(self, state: TrainState, batches: list) -> float:
-        """Mean loss over this rank's share of fixed batches (each what ``loss_fn`` takes: a micro batch,
-        not a ``Batch``), averaged over ranks (no grad)."""
+        """Mean loss over every rank's batches (each rank its share of fixed batches, each what ``loss_fn``
+        takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too), no grad."""
         self._check_open(state, "eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
-        if not batches:   # before the collective: every rank stops here alike
-            raise DataError("eval_step: no batches; pass a list of at least one batch")
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
         was_training = c.module.training
         c.module.eval()
-        total = torch.zeros(1, dtype=torch.float32, device=c.dist.device)
+        # [loss sum, batch count]: one all-reduce of both, so that ranks with different numbers of batches
+        # (an uneven last share, or none) give every rank the same mean over all of them
+        total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
+                    total[0] += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
         c.dist.all_reduce(total, what="validation loss all-reduce")
-        return total.item() / (len(batches) * c.dist.world)
+        loss_sum, count = total.tolist()   # host sync: the result is a Python number
+        if not count:   # after the collective: every rank stops here alike
+            raise DataError("eval_step: no batches on any rank; pass a list of at least one batch")
+        return loss_sum / count
 
     def _check_open(self, state: TrainState, what: str) -> None:
         if self.closed:
@@ -128,9 +132,14 @@ class Engine(contextlib.AbstractContextManager):
         self.close()
 
     def consolidated_state_dict(self) -> dict | None:
-        """Full working-dtype weights under every parameter name, on rank 0 (collective)."""
+        """Full working-dtype weights under every parameter name and rank 0's persistent buffers, under the
+        names ``module.state_dict()`` gives them: what ``load_state_dict`` of a fresh module takes; on rank 0,
+        None elsewhere (collective)."""
         self._check_whole()   # (the half-updated weights are never handed out to be saved)
-        return self.components.stage.consolidated_state_dict()
+        out = self.components.stage.consolidated_state_dict()
+        if out is not None:
+            out.update(_buffer_copies(self.components.module))
+        return out
 
     def state_dict(self, state: TrainState) -> dict:
         """This rank's state as host fragments keyed by parameter name (``framework.persist.layout``);
@@ -222,6 +231,19 @@ class Engine(contextlib.AbstractContextManager):
         return fp
 
 
+def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Host copies of the module's persistent buffers under every name ``module.state_dict()`` gives them
+    (a buffer shared by several modules copied once)."""
+    out, copies = {}, {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, buf in sub._buffers.items():
+            if buf is not None and name not in sub._non_persistent_buffers_set:
+                if id(buf) not in copies:   # host sync: consolidation, between steps
+                    copies[id(buf)] = buf.detach().to("cpu", copy=True)
+                out[f"{path}.{name}" if path else name] = copies[id(buf)]
+    return out
+
+
 class _Owner(weakref.ref):
     """The open engine training a module, held weakly in an attribute of the module (no registry
     outside it); a copy or a pickle of the module is owned by nobody (its tensors are its own)."""
@@ -275,7 +297,14 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                       hidden_from_model=False)
         if (dist is None or dist.is_main) and cfg.notices:
             print("\n".join(cfg.notices), file=sys.stderr, flush=True)
-    dist = dist or connect(cfg.dist.backend, cfg.dist.timeout_s)
+    if dist is None:
+        joined = torch.distributed.is_initialized()
+        dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
+        if not joined and torch.distributed.is_initialized():
+            # The group made here is left at exit, as the CLI does: a gloo group alive at interpreter
+            # shutdown may abort the process ("terminate called without an active exception"). Not at
+            # close(): a later engine of this process reuses it (re-creating it hangs under torchrun).
+            atexit.register(disconnect)
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
@@ -285,7 +314,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
     # parameters move to dist.device as the stage lays them out (materialised if on meta).
     # Config-only: refused before the module is touched.
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
-    materialize_buffers(module, dist.device)
+    materialize_buffers(module, dist.device, policy.param_dtype)
     setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
     # Until an engine owns them, an error closes the offload worker and the stage's hooks. (Sharded
     # parameters stay sharded: a retry on this module is refused in one line.)

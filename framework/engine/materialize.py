@@ -1,12 +1,13 @@
 """Building a model without materialising it, and materialising it one tensor at a time.
 
     with framework.zero_init():                          # parameters and buffers on the meta device
-        model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg), or any module)
+        model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg): a module with init_parameter)
     engine = framework.initialize(model, loss_fn, cfg)   # under zero3: only this rank's shards exist
 
 Our counterpart of ``deepspeed.zero.Init``, with nothing patched: each parameter is initialised
 whole, one at a time, by the model's own initialiser (its ``init_parameter``, or for a Hugging Face
-model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept.
+model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept. A module with
+neither is refused by ``initialize`` in one line naming its first meta parameter.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from framework.core.errors import ConfigError
-from framework.stages import ParameterInit
+from framework.stages import ParameterInit, buffer_dtypes
 
 
 @contextmanager
@@ -57,9 +58,12 @@ def initializer(module: nn.Module):
     return ModuleInit(module)
 
 
-def materialize_buffers(module: nn.Module, device: torch.device) -> None:
-    """Every buffer, whole, on ``device``; a meta one is first initialised by the model's initialiser."""
+def materialize_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Every buffer, whole, on ``device``, in the dtype ``buffer_dtypes`` keeps it in given the working
+    ``dtype`` (before the stage casts the parameters); a meta one is first initialised by the model's
+    initialiser, in its own dtype."""
     init = initializer(module) if any(b.is_meta for b in module.buffers()) else None
+    kept = buffer_dtypes(module, dtype)
     done: dict[int, torch.Tensor] = {}   # a buffer registered under several names stays one tensor
     for name, buf in list(module.named_buffers(remove_duplicate=False)):
         path, _, key = name.rpartition(".")
@@ -67,7 +71,8 @@ def materialize_buffers(module: nn.Module, device: torch.device) -> None:
             if buf.is_meta:
                 value = torch.empty(buf.shape, dtype=buf.dtype, device=device)
                 init.init_buffer(name, value)
+                value = value.to(kept[id(buf)])
             else:
-                value = buf.to(device)
+                value = buf.to(device, kept[id(buf)])
             done[id(buf)] = value
         module.get_submodule(path)._buffers[key] = done[id(buf)]

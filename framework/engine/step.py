@@ -48,8 +48,13 @@ def build_train_step(c: Components, applying: Callable[[int], None]
     """``applying(step)``: the update of ``step`` now changes the state beyond what ``abort`` undoes (see
     ``framework.engine.update``); after an exception (Ctrl-C included) the caller must not step from it."""
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
-        if not isinstance(batch, Batch):
-            batch = Batch(tuple(batch))
+        micro, position = (batch.micro, batch.position) if isinstance(batch, Batch) else (batch, None)
+        if not isinstance(batch, Batch) or not isinstance(micro, tuple):   # any iterable (a generator: read once)
+            try:
+                batch = Batch(tuple(micro), position)
+            except TypeError:
+                raise DataError(f"train_step: a batch is an iterable of micro batches (Batch(((x, y),)) for one "
+                                f"(x, y) micro batch), got {type(micro).__name__}") from None
         if len(batch.micro) != c.grad_accum:   # before any collective: every rank stops here alike
             raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
                             f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "

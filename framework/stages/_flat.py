@@ -158,13 +158,30 @@ def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: Paramet
     broadcast_buffers(module, dist)
 
 
+def buffer_dtypes(module: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
+    """The dtype each distinct buffer (by id) is kept in, the working ``dtype`` given: a floating buffer of a
+    module whose own parameters include one of its dtype follows them into the working dtype (BatchNorm's
+    running statistics beside its weight and bias: torch's kernels want them alike, and DeepSpeed casts the
+    whole module), any other keeps its own (a rotary embedding's ``inv_freq`` in a module without
+    parameters, an integer count). Idempotent: on a module whose buffers were cast so, each keeps its dtype."""
+    out: dict[int, torch.dtype] = {}
+    for sub in module.modules():
+        own = {p.dtype for p in sub.parameters(recurse=False) if p.is_floating_point()}
+        for b in sub.buffers(recurse=False):
+            cast = b.is_floating_point() and b.dtype in own
+            if cast or id(b) not in out:   # (a buffer shared with such a module follows it)
+                out[id(b)] = dtype if cast else b.dtype
+    return out
+
+
 def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
     """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params" (as
-    ``bind_frozen`` keeps them) and "buffers", each distinct one once; items with no bytes are left out.
-    The stages report their bound module, the estimator a meta one (as ``bind_frozen`` will keep it)."""
+    ``bind_frozen`` keeps them) and "buffers" (as ``buffer_dtypes`` keeps them), each distinct one once;
+    items with no bytes are left out. The stages report their bound module, the estimator a meta one."""
     frozen = sum(p.numel() * ((dtype if p.is_floating_point() else p.dtype).itemsize if p.is_meta else p.element_size())
                  for p in module.parameters() if not p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    kept = buffer_dtypes(module, dtype)
+    buffers = sum(b.numel() * kept[id(b)].itemsize for b in module.buffers())
     for name, nbytes in (("frozen_params", frozen), ("buffers", buffers)):
         if nbytes:
             fp.add(name, device=nbytes)

@@ -271,8 +271,10 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
-    raise FrameworkError("state_dict() of a ZeRO-3 module may hold empty sharded parameters: use "
-                         "engine.consolidated_state_dict() (or framework.gathered) instead")
+    # (also inside framework.gathered: its values would be views of gather buffers that are reused later)
+    raise FrameworkError("state_dict() of a ZeRO-3 module may hold empty sharded parameters (refused inside "
+                         "framework.gathered too): use engine.consolidated_state_dict(), or copy (clone) the "
+                         "parameters you need inside framework.gathered(...)")
 
 
 COMPONENT = Component(config=Zero3Config, build=Zero3Stage)

@@ -9,7 +9,7 @@ stage x offload x precision on one rank, the settings that change the layout (pa
 parameter offload, speculation, accumulation, small tiles and buckets), and the sharded
 compositions on two ranks (zero3 on NVMe and zero2 on the host in every precision). Cases marked
 ``FROZEN`` add what every stage keeps whole on every rank: frozen parameters (in the working dtype
-when floating) and buffers (their own dtype).
+when floating) and buffers (their own dtype, or the working one beside parameters of theirs).
 """
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def _freeze(module: nn.Module) -> nn.Module:
     module.register_buffer("scale", scale)
     module.ln_f.register_buffer("scale_alias", scale)
     module.register_buffer("counts", torch.zeros(11, dtype=torch.int32), persistent=False)
+    module.ln_f.register_buffer("stats", torch.ones(13))   # beside float32 parameters: kept in the working dtype
     return module
 
 

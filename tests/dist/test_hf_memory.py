@@ -61,7 +61,7 @@ def _construct(dist, path):
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=component(cfg, "offload").build(cfg.offload))
     policy = component(cfg, "precision").build(cfg.precision)
     before = _reset_peak()
-    materialize_buffers(model, dist.device)
+    materialize_buffers(model, dist.device, policy.param_dtype)
     stage.setup(model, policy)      # the construction: one tensor at a time, this rank's shard kept
     grown = _peak() - before
     shard = sum(g.shard.numel() * g.shard.element_size() for g in stage.groups)

@@ -116,3 +116,33 @@ def test_an_interrupted_backward_does_not_wait_for_reductions_a_peer_never_joins
         pool.close(kill=True)
     for rank, r in enumerate(results):
         assert r is not None and r[0] < 15 and r[1] is None, (rank, r)
+
+
+_EXITING = """
+import atexit, torch, torch.distributed, framework
+from framework import Batch
+# atexit runs last in, first out: this one runs after any handler initialize registers
+atexit.register(lambda: print("group at exit:", torch.distributed.is_initialized(), flush=True))
+m = torch.nn.Linear(8, 8)
+loss_fn = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])
+with framework.initialize(m, loss_fn, framework.compose(["+stage=zero2", "scheduler=constant"])) as e:
+    e.train_step(e.state, Batch(((torch.randn(4, 8), torch.randn(4, 8)),)))
+"""
+
+
+def test_a_group_initialize_made_is_left_at_exit():
+    # As torchrun starts a user's script: initialize makes the group, and nothing else ever leaves it.
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", _EXITING], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert "group at exit: False" in out, out

@@ -218,6 +218,10 @@ def test_frozen_parameters_and_buffers_take_rank_0s_values(pools):
             assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), stage
         state = out[0][stage][2]
         assert state.keys() == ref_state.keys(), stage
+        # parameters and persistent buffers, under state_dict's names: a fresh module takes it strictly
+        fresh = _WithBuffers()
+        assert state.keys() == fresh.state_dict().keys(), stage
+        fresh.load_state_dict(state)
         for n in state:
             torch.testing.assert_close(state[n], ref_state[n], rtol=FP32_RTOL, atol=1e-7, msg=f"{stage}: {n}")
 
@@ -323,3 +327,23 @@ def test_the_overflow_error_names_each_ranks_parameters_exactly(pools):
         every = sorted({n for rank in out for n in rank[stage][0]})
         assert all(rank[stage][1] == every for rank in out), (stage, out)
         assert set(out[1][stage][0]) - set(out[0][stage][0]), (stage, out)   # rank 1 adds names of its own
+
+
+# --- eval_step with uneven shares ------------------------------------------------------------------------------
+
+def _eval_uneven(dist):
+    """Rank r evaluates batches whose loss is (r + 1)^2, 1 + 3r of them, then none on rank 0."""
+    model = nn.Linear(8, 8, bias=False)
+    nn.init.zeros_(model.weight)
+    loss_fn = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    batch = (torch.zeros(4, 8), torch.full((4, 8), float(dist.rank + 1)))
+    with framework.initialize(model, loss_fn, framework.compose(["+stage=zero2", "scheduler=constant"]), dist) as e:
+        return (e.eval_step(e.state, [batch] * (1 + 3 * dist.rank)),
+                e.eval_step(e.state, [batch] * (0 if dist.rank == 0 else 2)))
+
+
+def test_eval_step_mean_is_over_every_ranks_batches(pools):
+    # The mean over all batches, the same on every rank, whatever each rank's share (none too).
+    out = pools(2).run(_eval_uneven, timeout=120)
+    assert out[0] == out[1]
+    assert out[0] == (pytest.approx((1 * 1 + 4 * 4) / 5, rel=1e-6), pytest.approx(4.0, rel=1e-6))

@@ -105,6 +105,20 @@ def test_close_stops_the_worker_and_removes_hooks(overrides):
         x = torch.randint(0, 24, (2, 16))
         with framework.gathered(module.parameters()):   # the module's own use after close (docs/library.md)
             assert torch.isfinite(gpt_loss(module, (x, x)))
+            with pytest.raises(framework.FrameworkError, match=r"refused inside framework.gathered too\): use "
+                                                               r"engine.consolidated_state_dict\(\), or copy"):
+                module.state_dict()   # (its values would be views of reused gather buffers)
+
+
+def test_zero_init_takes_a_module_with_an_initialiser_and_refuses_a_plain_one_in_one_line():
+    # As framework's docstring says: not any module; a plain one built on meta names the fix.
+    assert "refuses any other module" in " ".join(framework.__doc__.split())
+    with framework.zero_init():
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(framework.ConfigError, match=r"^parameter '0.weight' is on the meta device but Sequential has "
+                                                    r"no init_parameter\(name, tensor\) method .* build the model on "
+                                                    r"a real device"):
+        framework.initialize(plain, lambda m, b: m(b).sum(), framework.compose(["+stage=zero3"]))
 
 
 def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_one_line():

@@ -259,8 +259,14 @@ def test_batch_of_another_length_than_grad_accum_or_empty_is_refused_before_any_
     with pytest.raises(RuntimeError):   # a loss_fn that raises (wrong width) leaves the module training
         engine.eval_step(state, [(x, y), (x[:, :3], y)])
     assert engine.components.module.training
+    with pytest.raises(framework.DataError, match="^train_step: a batch is an iterable of micro batches .* got int$"):
+        engine.train_step(state, Batch(4))
     state, _ = engine.train_step(state, Batch(((x, y),) * 4))
     assert state.step == 1
+    # Batch(any iterable): a generator or a list of micro batches is one step too
+    state, _ = engine.train_step(state, Batch((x, y) for _ in range(4)))
+    state, _ = engine.train_step(state, Batch([(x, y)] * 4, position=7))
+    assert state.step == 3 and state.data == 7
 
 
 def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
@@ -342,6 +348,50 @@ def test_frozen_parameters_stay_whole_are_cast_and_materialised(stage, tmp_path)
         model.init_parameter("f.weight", expect)
         assert model.f.weight.device.type == "cpu" and torch.equal(model.f.weight, expect)
         engine.train_step(engine.state, Batch(((x, y),)))
+
+
+class _Norm(nn.Module):
+    """BatchNorm, and a floating buffer in a module without parameters (as a rotary embedding's inv_freq)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.rot = nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Module()
+        self.rot.register_buffer("inv_freq", torch.linspace(0.5, 1, 6))
+
+    def forward(self, x):
+        return self.bn(self.lin(x.to(self.lin.weight.dtype))) * self.rot.inv_freq.to(x.dtype)
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_batch_norm_trains_in_16_bit_and_its_buffers_load_across_precisions(stage, tmp_path):
+    # BatchNorm's running statistics follow its weight into the working dtype (else torch's kernel refuses
+    # the mix); a buffer of a module without parameters keeps its own. A 16-bit run's state and weights
+    # load into a float32 engine, and its consolidated state dict into a plain module.
+    def loss(m, mb):
+        return (m(mb[0]).float() - mb[1]).square().mean()
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    for precision in ("bf16", "fp16"):
+        model = _Norm()
+        cfg = framework.compose([f"+stage={stage}", f"precision={precision}", "scheduler=constant"])
+        with framework.initialize(model, loss, cfg) as engine:
+            state, m = engine.train_step(engine.state, Batch(((x, y),)))
+            assert math.isfinite(m["loss"])
+            assert model.bn.running_mean.dtype == model.bn.running_var.dtype == engine.components.policy.param_dtype
+            assert model.bn.num_batches_tracked.item() == 1 and model.rot.inv_freq.dtype == torch.float32
+            saved = engine.state_dict(state)
+            framework.save_weights(engine, tmp_path / precision)
+            full = engine.consolidated_state_dict()
+        _Norm().load_state_dict(full)
+        model32 = _Norm()
+        with framework.initialize(model32, loss, framework.compose([f"+stage={stage}", "scheduler=constant"])) as e32:
+            assert model32.bn.running_mean.dtype == torch.float32
+            e32.load_state_dict(e32.state, [saved])
+            assert torch.equal(model32.bn.running_var, full["bn.running_var"].float())
+            model32.bn.running_var.zero_()
+            framework.load_weights(e32, tmp_path / precision)
+            assert torch.equal(model32.bn.running_var, full["bn.running_var"].float())
 
 
 class Dropped(nn.Module):
