@@ -45,8 +45,9 @@ class Engine(contextlib.AbstractContextManager):
     interrupted (Ctrl-C) or failed inside the optimizer update leaves the state half-updated: the engine then
     refuses to step, evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces it."""
 
-    def __init__(self, components: Components, state: TrainState, config: Config | None = None):
+    def __init__(self, components: Components, state: TrainState, config: Config | None = None, hooks=()):
         self.components, self._state, self.config = components, state, config   # (config: the one it was built from)
+        self._hooks = list(hooks)   # its own on the module (fp16 auto_cast's), removed by close
         self._half_applied: int | None = None   # the step whose update did not finish, if any
         # (weakly: the engine holds the step function, so a strong reference back would be a cycle, and a
         # dropped engine would keep its optimizer state and its module's ownership until the GC runs)
@@ -95,7 +96,7 @@ class Engine(contextlib.AbstractContextManager):
         try:
             for b in batches:
                 with torch.no_grad(), c.stage.forward_pass(train=False):
-                    total[0] += checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(b))).float()
+                    total[0] += checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
@@ -127,6 +128,8 @@ class Engine(contextlib.AbstractContextManager):
                 self.components.update.close()   # the offload worker thread, if any
             finally:   # (a swap read failure it raises leaves no hook behind)
                 self.components.stage.close()    # hooks on the module
+                for hook in self._hooks:
+                    hook.remove()
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -323,12 +326,14 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         decay_mask = [kind == "decay" or cfg.optimizer.decay_1d for kind in setup.kinds]
         update = stage.make_update(component(cfg, "optimizer").build(cfg.optimizer, decay_mask))
         unowned.callback(update.close)
+        hooks = [module.register_forward_pre_hook(policy.cast_forward, with_kwargs=True)] if policy.auto_cast else []
+        unowned.callback(lambda: [h.remove() for h in hooks])
         c = Components(module, loss_fn, stage, policy, schedule, cfg.train.grad_clip, dist, update,
                        on_nonfinite=cfg.train.on_nonfinite, grad_accum=cfg.train.grad_accum)
         state = TrainState(step=0, params=tuple(setup.master), opt_state=update.init(list(setup.master)),
                            precision=policy.init_state(), rng=capture_rng(dist.device), data=position)
         unowned.pop_all()
-    engine = Engine(c, state, cfg)
+    engine = Engine(c, state, cfg, hooks)
     module._framework_owner = _Owner(engine)
     return engine
 

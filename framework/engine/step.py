@@ -76,7 +76,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             loss_sum = torch.zeros((), dtype=torch.float32, device=c.dist.device)
             for k, micro in enumerate(batch.micro):
                 with c.stage.forward_pass(train=True):
-                    loss = checked_loss(c.loss_fn(c.module, c.policy.cast_inputs(micro)), train=True)
+                    loss = checked_loss(c.loss_fn(c.module, micro), train=True)
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
                     c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()

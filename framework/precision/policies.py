@@ -50,7 +50,12 @@ class Policy:
     # Micro-batch gradients (param_dtype, from each backward) are summed in this dtype: fp32 by
     # default, as DeepSpeed's BF16 optimizer does (the trade-off: BF16Config.grad_accum_dtype).
     grad_accum_dtype: torch.dtype = torch.float32
-    auto_cast: bool = False      # fp16's auto_cast: floating inputs cast to param_dtype (cast_inputs)
+    auto_cast: bool = False      # fp16's auto_cast: the module's floating inputs cast to param_dtype
+
+    def cast_forward(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A forward pre-hook on the trained module under ``auto_cast``: what its forward is called with, cast
+        (DeepSpeed casts what its engine's forward is called with; a loss's targets stay as they are)."""
+        return self.cast_inputs(args), self.cast_inputs(kwargs)
 
     def cast_inputs(self, micro: Any) -> Any:
         """``micro`` with its floating tensors (in tuples, lists and dicts, as DeepSpeed's fp16
@@ -151,7 +156,7 @@ class FP16Config(ScalerConfig):
     """fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
 
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
-    # DeepSpeed's fp16.auto_cast: each micro batch's floating tensors cast to fp16 before loss_fn
+    # DeepSpeed's fp16.auto_cast: the module's floating inputs cast to fp16 as its forward is called
     # (float inputs meet fp16 weights); integer tensors (token ids) stay as they are.
     auto_cast: bool = False
 

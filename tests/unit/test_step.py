@@ -274,11 +274,18 @@ def test_fp16_auto_cast_casts_the_floating_tensors_of_each_micro_batch():
     # integers; a static loss scale beside it is no reason to drop it.
     ds = {"fp16": {"enabled": True, "auto_cast": True, "loss_scale": 128}, "train_micro_batch_size_per_gpu": 2,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    targets = []
+
+    def mse_seen(module, micro):   # the forward's inputs are cast, the targets beside it are not (as DeepSpeed)
+        targets.append(micro[1].dtype)
+        return mse(module, micro)
+
     torch.manual_seed(0)
-    with framework.initialize(TwoLayer(), mse, ds_config=ds, overrides=["scheduler=constant"]) as engine:
+    with framework.initialize(TwoLayer(), mse_seen, ds_config=ds, overrides=["scheduler=constant"]) as engine:
         assert engine.config.precision.auto_cast and engine.config.sources["precision.auto_cast"] == "DeepSpeed file"
         x, y = torch.randn(2, 5), torch.randn(2, 1)
         state, m = engine.train_step(engine.state, Batch(((x, y),)))
+        assert targets == [torch.float32]
         assert math.isfinite(m["loss"]) and math.isfinite(engine.eval_step(state, [(x, y)]))
         ids = torch.arange(3)
         cast = engine.components.policy.cast_inputs({"x": [x], "ids": ids, "n": 1})
