@@ -339,7 +339,8 @@ def summary_line(s: dict) -> str:
     line = (f"done: {s['steps']} steps | "
             + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
             + (f" (mean of last {window} steps)" if window else "")
-            + (f" | {skipped} of them skipped, updating nothing" if (skipped := s.get("skipped_steps")) else "")
+            + (f" | {skipped} of the {s['steps']} steps skipped, updating nothing"
+               if (skipped := s.get("skipped_steps")) else "")
             + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
     floor = s.get("data", {}).get("entropy_floor")
     if floor is not None and s["val_loss"] is not None:

@@ -139,7 +139,9 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     ckpt = Checkpoint(checkpoint)
     plans = plan_files([(n, p.shape, p.dtype) for n, p in ckpt.params.items()], max_shard_size, dtype)
     written = partial(writing, out_dir, plans, "export")   # (an OSError outside these blocks is a checkpoint read)
-    made = out_dir   # the outermost folder this export makes (None: --to exists), removed again if it fails
+    # The outermost folder this export makes (None: --to exists), removed again if it fails; from the path as
+    # the kernel resolves its "..", so that a folder of the user's named through one is never taken for it.
+    made = target = Path(os.path.abspath(out_dir))
     while not os.path.lexists(made.parent) and made.parent != made:
         made = made.parent
     made = None if os.path.lexists(made) else made
@@ -147,7 +149,7 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
         with written():
             create_files(out_dir, plans, "export")
     except BaseException:
-        _remove_made(out_dir, made)
+        _remove_made(target, made)
         raise
     over = 0   # finite values that became inf (fp32 to fp16)
     try:
@@ -170,7 +172,7 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
             paths = finish_files(out_dir, plans)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)
         remove_tmp(out_dir)
-        _remove_made(out_dir, made)
+        _remove_made(target, made)
         raise
     warn_overflow(over, dtype, "export")
     return paths

@@ -237,6 +237,8 @@ def test_a_read_error_naming_no_file_is_a_read_error(tmp_path, capsys, monkeypat
     (tmp_path / "there").mkdir()
     assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "there")]) == 1
     assert (tmp_path / "there").is_dir() and not os.listdir(tmp_path / "there")
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "not-made" / ".." / "there")]) == 1
+    assert (tmp_path / "there").is_dir()   # (the user's, named through ".."; "not-made" the kernel made stays)
 
 
 def test_a_missing_checkpoint_says_so_and_lists_the_steps(tmp_path, capsys):

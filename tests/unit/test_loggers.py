@@ -401,5 +401,5 @@ def test_the_done_line_says_how_many_steps_were_skipped():
 
     summary = {"steps": 6, "train_loss": 3.17, "train_loss_steps": 2, "val_loss": 3.2, "tokens_per_s": 10.0}
     assert "skipped" not in summary_line({**summary, "skipped_steps": 0})
-    assert "done: 6 steps | train loss 3.1700 (mean of last 2 steps) | 6 of them skipped, updating nothing | val " \
-           "loss 3.2000" in summary_line({**summary, "skipped_steps": 6})
+    assert "done: 6 steps | train loss 3.1700 (mean of last 2 steps) | 6 of the 6 steps skipped, updating nothing | " \
+           "val loss 3.2000" in summary_line({**summary, "skipped_steps": 6})
