@@ -808,6 +808,20 @@ def test_a_recipe_whose_defaults_choose_the_stage_takes_a_file_that_agrees(tmp_p
             "stage=zero2") in error_of({"zero_optimization": {"stage": 2}}, **kw)
 
 
+def test_a_key_deleted_in_a_group_the_file_chooses_composes(tmp_path):
+    # The run's own config (read for its stage and warm-up before the file's choices join it) is
+    # composed without the deletions: without the file's offload=cpu there is no offload.pin_memory.
+    for name in ("real/dsexamples_megatron_ds_zero2_cpu_offload_config.json", "hf_zero2_cpu_offload.json"):
+        for deleted in ("~offload.pin_memory", "~stage.overlap_comm"):
+            cfg = framework.compose([deleted], ds_config=str(DS / name), world=2)
+            assert (cfg.choices["stage"], cfg.choices["offload"]) == ("zero2", "cpu"), (name, deleted)
+    # A file the run's YAML names; without one the deletion still applies (and still must name a key).
+    folder = _folder(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert framework.compose(["~offload.pin_memory"], config_dir=folder, config_name="mine").choices["offload"] == "cpu"
+    assert framework.compose(["~train.grad_clip"]).train.grad_clip is not None
+    assert "'offload.pin_memory' does not exist" in error_of(None, ["~offload.pin_memory"])
+
+
 @pytest.mark.parametrize("value,strict", [("true", True), ("yes", True), ("on", True), ("off", False)])
 def test_ds_config_strict_counts_a_ds_config_argument_and_reads_as_validate_does(value, strict, tmp_path):
     ds = {"zero_optimization": {"stage": 2}}
