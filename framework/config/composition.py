@@ -183,10 +183,13 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
         own_cfg, own_choices = own or composer(list(cli.kept))
         node, name = own_cfg["scheduler"], own_choices.get("scheduler")
         # The file's must match only where the run chooses the file's scheduler and its YAML sets the
-        # warm-up (not the scheduler's own default: one the YAML states equal to it yields to the file).
-        default = {f.name: f.default for f in dataclasses.fields(registry("scheduler").get(name).config)}
-        warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0),
-                  name == t.choices.get("scheduler") and node.get("warmup_num_steps") != default["warmup_num_steps"])
+        # warm-up, not the scheduler group's own file: known by composing the run's config without the
+        # group (~scheduler), whatever value either gives (a YAML's equal to the group's still counts).
+        set_by_yaml = False
+        if name == t.choices.get("scheduler") and stated.value != dsconfig.AUTO:
+            kept = [*cli.kept, *([] if "scheduler" in cli.deleted else ["~scheduler"])]
+            set_by_yaml = "warmup_num_steps" in (composer(kept)[0].get("scheduler") or {})
+        warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0), set_by_yaml)
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
     resolved = dsconfig.resolve(t, facts)

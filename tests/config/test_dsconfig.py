@@ -556,6 +556,18 @@ def test_explicit_total_and_warmup_steps_must_match_the_run(tmp_path):
         framework.compose([], config_dir=folder, config_name="mine")
     cfg = framework.compose(["scheduler.warmup_num_steps=10"], config_dir=folder, config_name="mine")
     assert (cfg.scheduler.warmup_num_steps, cfg.scheduler.total_num_steps) == (10, 100)
+    # Set by the YAML even where it states the group's own value (warmup_lr's 1000); without it, the file's holds.
+    def warmup_lr_recipe(body: str = "") -> str:
+        folder = _folder(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 500}}}, body)
+        (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace(
+            "  - train\n", "  - train\n  - override scheduler: warmup_lr\n"))
+        return folder
+
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps=500 but the run's "
+                                          "scheduler.warmup_num_steps is 1000"):
+        framework.compose([], config_dir=warmup_lr_recipe("scheduler:\n  warmup_num_steps: 1000\n"), config_name="mine")
+    folder = warmup_lr_recipe()
+    assert framework.compose([], config_dir=folder, config_name="mine").scheduler.warmup_num_steps == 500
 
 
 UNKNOWN_IN_VALIDATED = [
