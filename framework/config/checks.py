@@ -7,7 +7,7 @@ import copy
 import dataclasses
 import math
 import typing
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any, Mapping
 
 try:
@@ -105,13 +105,14 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         raise ConfigError("config: checkpoint.async=true has no effect with offload=nvme (a swapped state is saved "
                           "from its swap files on the training thread: a background save would need a host copy of "
                           "all of it); remove checkpoint.async")
-    notes = []
     for group in GROUPS:
         component = registry(group).get(chosen[group])
         if component.check is not None:
             nodes[group] = component.check(nodes[group], chosen["stage"], MappingProxyType(nodes))
-        if component.notes is not None:
-            notes += component.notes(nodes[group], root)
+    # (after every check: a note may read another group's resolved node, a warm-up's the optimizer's lr)
+    run = SimpleNamespace(**vars(root), **nodes)
+    notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
+             for note in component.notes(nodes[group], run)]
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
 
 

@@ -126,11 +126,16 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
-    own = None   # the run's config composed without the DeepSpeed file's group choices
+    # The run's own config, without the DeepSpeed file's group choices, read only for its defaults' choices,
+    # ds_config and scheduler: composed without the command line's ~key deletions of values, which may
+    # name a key of a group only the file chooses (~offload.pin_memory with a file that offloads).
+    own = None
     if source is None:
-        own = composer(list(cli.forced))
+        own = composer(list(cli.kept))
         config = validate(*own)
         if config.ds_config is None:
+            if cli.kept != cli.forced:
+                config = validate(*(own := composer(list(cli.forced))))
             return own[0], dataclasses.replace(config, sources=provenance(config, cli))
         source = config.ds_config   # named in a YAML config
     t = dsconfig.translate(dsconfig.load(source))
@@ -139,7 +144,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # the file's errors wait for it only to read ds_config_strict from the YAML.
     mine = {g: n for g, n in t.choices.items() if g not in cli.choices}
     if "stage" in mine:   # a defaults list (a recipe's) may choose the stage: the file must agree, as the
-        own = own or composer(list(cli.forced))   # command line must, and adds no second choice (Hydra refuses it)
+        own = own or composer(list(cli.kept))   # command line must, and adds no second choice (Hydra refuses it)
         if (run_stage := own[1].get("stage")) not in (None, mine["stage"]):
             raise ConfigError(f"ds_config: stage={run_stage} in the run's config (its defaults list), but "
                               f"{t.choice_keys['stage']} in the file means stage={mine['stage']}; make them agree")
@@ -171,16 +176,20 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
     warmup, stated = None, t.settings.get("scheduler.warmup_num_steps")
-    if stated is not None and stated.source == dsconfig.DS_FILE and "scheduler.warmup_num_steps" not in cli.keys:
+    if (stated is not None and stated.source == dsconfig.DS_FILE
+            and "scheduler.warmup_num_steps" not in cli.keys | cli.deleted):
         # Hugging Face's warm-up steps: those of the scheduler the run itself chooses (YAML, command
         # line), not the default of the file's scheduler group.
-        own_cfg, own_choices = own or composer(list(cli.forced))
+        own_cfg, own_choices = own or composer(list(cli.kept))
         node, name = own_cfg["scheduler"], own_choices.get("scheduler")
         # The file's must match only where the run chooses the file's scheduler and its YAML sets the
-        # warm-up (not the scheduler's own default: one the YAML states equal to it yields to the file).
-        default = {f.name: f.default for f in dataclasses.fields(registry("scheduler").get(name).config)}
-        warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0),
-                  name == t.choices.get("scheduler") and node.get("warmup_num_steps") != default["warmup_num_steps"])
+        # warm-up, not the scheduler group's own file: known by composing the run's config without the
+        # group (~scheduler), whatever value either gives (a YAML's equal to the group's still counts).
+        set_by_yaml = False
+        if name == t.choices.get("scheduler") and stated.value != dsconfig.AUTO:
+            kept = [*cli.kept, *([] if "scheduler" in cli.deleted else ["~scheduler"])]
+            set_by_yaml = "warmup_num_steps" in (composer(kept)[0].get("scheduler") or {})
+        warmup = (int(node.get("warmup_num_steps", node.get("warmup_steps")) or 0), set_by_yaml)
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
     resolved = dsconfig.resolve(t, facts)
@@ -222,6 +231,7 @@ class CommandLine:
     # unknown key with a multi-line message and no suggestion; forced in, ``validate`` rejects it
     # with one line naming the closest valid key. (The plain composer sets every key it is given.)
     forced: tuple[str, ...]
+    kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group stays)
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
@@ -230,10 +240,12 @@ class CommandLine:
                       for o in parse_overrides(overrides)]
         else:
             parsed = [(o.key, o.prefix == "~", o.value, False) for o in map(plainconf.parse, overrides)]
-        keys, choices, ds_config, strict, named, deleted, forced = set(), {}, None, None, set(), set(), []
+        keys, choices, ds_config, strict, named, deleted, forced, kept = set(), {}, None, None, set(), set(), [], []
         for line, (key, delete, value, plain) in zip(overrides, parsed):
             group = key.split("@")[0]
             forced.append("++" + line if plain and group not in GROUPS and not key.startswith("hydra") else line)
+            if not (delete and group not in GROUPS and not key.startswith("hydra")):
+                kept.append(forced[-1])
             if key.startswith("hydra"):
                 continue
             if delete:
@@ -258,7 +270,7 @@ class CommandLine:
             else:
                 keys.add(key)
         return CommandLine(frozenset(keys), choices, ds_config, strict, frozenset(named), frozenset(deleted),
-                           tuple(forced))
+                           tuple(forced), tuple(kept))
 
 
 def provenance(config: Config, cli: CommandLine, layered: Mapping[str, str] | None = None) -> dict[str, str]:

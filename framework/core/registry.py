@@ -38,8 +38,9 @@ class Component:
     ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage and the
     other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor against
     ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto`` values resolved;
-    ``notes(node, run)``, where given, returns the notices its values call for (printed once at start-up;
-    ``run``: the config's top-level settings, such as ``run.train.steps`` for a warm-up longer than the run).
+    ``notes(node, run)`` (two arguments), where given, returns the notices its values call for (printed once
+    at start-up; ``run``: the config's top-level settings and every group's checked node, such as
+    ``run.train.steps`` and ``run.optimizer.lr`` for a run that ends before its warm-up reaches its peak).
     Each component knows its own rules, and the configuration layer needs no import of any component."""
 
     config: type

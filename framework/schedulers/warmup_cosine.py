@@ -5,6 +5,7 @@ a run or a DeepSpeed file sets; a stated min_lr above the lr is refused when the
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -57,7 +58,8 @@ def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> War
 
 
 def notes(node: WarmupCosineConfig, run) -> list[str]:
-    return long_warmup_notes("warmup_steps", node.warmup_steps, run.train.steps)
+    return long_warmup_notes("warmup_steps", node.warmup_steps, run.train.steps,
+                             functools.partial(build, node, run.optimizer.lr))
 
 
 COMPONENT = Component(config=WarmupCosineConfig, build=build, check=check, notes=notes)

@@ -12,6 +12,7 @@ steps the schedule after each applied update, so update ``k >= 1`` uses the form
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -112,14 +113,27 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
     return deepspeed_order(lr_at, 0.0)
 
 
-def long_warmup_notes(key: str, warm: int, steps: int) -> list[str]:
-    """The note for a warm-up longer than the run (every scheduler with a warm-up says it in these words)."""
-    return [f"note: the scheduler's warm-up ({key}={warm}) is longer than the run (train.steps={steps}): the lr "
-            f"never reaches its peak"] if warm > steps else []
+def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int], Callable[[int], float]]) -> list[str]:
+    """The note for a run whose lr never reaches its warm-up's peak (every scheduler with a warm-up says it
+    in these words). ``schedule(total_steps)`` is the scheduler's own lr-of-update function for a run that
+    long; the peak is the highest lr around the warm-up's end (DeepSpeed's schedules lag the updates by one
+    and raise a warm-up of 1 to 2; a linear WarmupCosineLR warm-up stops short of the optimizer's lr) in a
+    run long enough to pass it, against the highest this run reaches there."""
+    if steps > warm + 2:   # the run passes the warm-up's end
+        return []
+    peak = max(map(schedule(warm + 3), range(max(0, warm - 1), warm + 3)))
+    run = schedule(steps)
+    if not max(map(run, range(max(0, min(warm - 1, steps - 1)), steps))) < peak:
+        return []
+    how = "is longer than" if warm > steps else "takes all of"
+    return [f"note: the scheduler's warm-up ({key}={warm}) {how} the run (train.steps={steps}): the lr never "
+            f"reaches its peak"]
 
 
-def notes(node, run) -> list[str]:
-    return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps)
+def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[str]:
+    """A component's ``notes`` (bound to its ``build``: the lr it notes is its own schedule's)."""
+    return long_warmup_notes("warmup_num_steps", node.warmup_num_steps, run.train.steps,
+                             functools.partial(build_at, node, run.optimizer.lr))
 
 
 def check(node, stage: str, nodes: Mapping[str, Any]):
@@ -132,7 +146,9 @@ def check(node, stage: str, nodes: Mapping[str, Any]):
     return node
 
 
-COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check, notes=notes),
-              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check, notes=notes),
+COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check,
+                                     notes=functools.partial(notes, build)),
+              "warmup_decay_lr": Component(config=WarmupDecayLRConfig, build=build_decay, check=check,
+                                           notes=functools.partial(notes, build_decay)),
               "warmup_cosine_lr": Component(config=WarmupCosineLRConfig, build=build_cosine, check=check,
-                                            notes=notes)}
+                                            notes=functools.partial(notes, build_cosine))}

@@ -556,6 +556,18 @@ def test_explicit_total_and_warmup_steps_must_match_the_run(tmp_path):
         framework.compose([], config_dir=folder, config_name="mine")
     cfg = framework.compose(["scheduler.warmup_num_steps=10"], config_dir=folder, config_name="mine")
     assert (cfg.scheduler.warmup_num_steps, cfg.scheduler.total_num_steps) == (10, 100)
+    # Set by the YAML even where it states the group's own value (warmup_lr's 1000); without it, the file's holds.
+    def warmup_lr_recipe(body: str = "") -> str:
+        folder = _folder(tmp_path, {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 500}}}, body)
+        (tmp_path / "mine.yaml").write_text((tmp_path / "mine.yaml").read_text().replace(
+            "  - train\n", "  - train\n  - override scheduler: warmup_lr\n"))
+        return folder
+
+    with pytest.raises(ConfigError, match="scheduler.params.warmup_num_steps=500 but the run's "
+                                          "scheduler.warmup_num_steps is 1000"):
+        framework.compose([], config_dir=warmup_lr_recipe("scheduler:\n  warmup_num_steps: 1000\n"), config_name="mine")
+    folder = warmup_lr_recipe()
+    assert framework.compose([], config_dir=folder, config_name="mine").scheduler.warmup_num_steps == 500
 
 
 UNKNOWN_IN_VALIDATED = [
@@ -806,6 +818,20 @@ def test_a_recipe_whose_defaults_choose_the_stage_takes_a_file_that_agrees(tmp_p
     assert cfg.choices["stage"] == "zero3" and cfg.sources["stage.name"] == dsconfig.YAML   # (not passed to Hydra)
     assert ("stage=zero3 in the run's config (its defaults list), but zero_optimization.stage in the file means "
             "stage=zero2") in error_of({"zero_optimization": {"stage": 2}}, **kw)
+
+
+def test_a_key_deleted_in_a_group_the_file_chooses_composes(tmp_path):
+    # The run's own config (read for its stage and warm-up before the file's choices join it) is
+    # composed without the deletions: without the file's offload=cpu there is no offload.pin_memory.
+    for name in ("real/dsexamples_megatron_ds_zero2_cpu_offload_config.json", "hf_zero2_cpu_offload.json"):
+        for deleted in ("~offload.pin_memory", "~stage.overlap_comm"):
+            cfg = framework.compose([deleted], ds_config=str(DS / name), world=2)
+            assert (cfg.choices["stage"], cfg.choices["offload"]) == ("zero2", "cpu"), (name, deleted)
+    # A file the run's YAML names; without one the deletion still applies (and still must name a key).
+    folder = _folder(tmp_path, {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert framework.compose(["~offload.pin_memory"], config_dir=folder, config_name="mine").choices["offload"] == "cpu"
+    assert framework.compose(["~train.grad_clip"]).train.grad_clip is not None
+    assert "'offload.pin_memory' does not exist" in error_of(None, ["~offload.pin_memory"])
 
 
 @pytest.mark.parametrize("value,strict", [("true", True), ("yes", True), ("on", True), ("off", False)])

@@ -226,8 +226,30 @@ def test_warmup_num_steps_below_one_is_refused(name):
     (["train.steps=20"], "warm-up (warmup_steps=100) is longer than the run (train.steps=20)"),
     (["scheduler=warmup_lr"], "warm-up (warmup_num_steps=1000) is longer than the run (train.steps=300)"),
     (["scheduler=warmup_cosine_lr", "train.steps=999"], "(warmup_num_steps=1000) is longer"),
-    (["train.steps=100"], None),
-    (["scheduler=warmup_decay_lr", "train.steps=1000"], None),
+    # A run as long as the warm-up ends below the peak too (its last update is still warming up, as
+    # DeepSpeed's schedules lag an update); one update more reaches it, except a linear WarmupCosineLR's.
+    (["train.steps=100"], "warm-up (warmup_steps=100) takes all of the run (train.steps=100)"),
+    (["train.steps=101"], None),
+    (["scheduler=warmup_decay_lr", "train.steps=1000"], "(warmup_num_steps=1000) takes all of the run"),
+    (["scheduler=warmup_decay_lr", "train.steps=1001"], None),
+    # A linear warm-up's gamma reaches 1 one update later than a log one's (update 11 of 12 here); a
+    # WarmupCosineLR's then decays: its peak is its last warm-up update's.
+    (["scheduler=warmup_lr", "scheduler.warmup_num_steps=10", "scheduler.warmup_type=linear", "train.steps=11"],
+     "takes all of the run"),
+    (["scheduler=warmup_lr", "scheduler.warmup_num_steps=10", "scheduler.warmup_type=linear", "train.steps=12"],
+     None),
+    (["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=10", "scheduler.warmup_type=linear",
+      "train.steps=10"], "takes all of the run"),
+    (["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=10", "scheduler.warmup_type=linear",
+      "train.steps=11"], None),
+    (["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=10", "train.steps=10"], "takes all of the run"),
+    (["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=10", "train.steps=11"], None),
+    (["scheduler=warmup_lr", "scheduler.warmup_num_steps=1", "scheduler.warmup_type=linear", "train.steps=3"],
+     "takes all of the run"),   # (DeepSpeed warms up over 2)
+    (["scheduler=warmup_cosine_lr", "scheduler.warmup_num_steps=10", "scheduler.warmup_type=linear",
+      "train.steps=12"], None),   # (reaches its peak, then decays)
+    (["scheduler=warmup_lr", "scheduler.warmup_max_lr=1e-4", "scheduler.warmup_min_lr=1e-4", "train.steps=3"],
+     None),   # (no rise to miss)
     (["scheduler=constant", "train.steps=1"], None),
 ])
 def test_a_warmup_longer_than_the_run_is_noted(overrides, says):
