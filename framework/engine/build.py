@@ -82,7 +82,8 @@ class Engine(contextlib.AbstractContextManager):
 
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over every rank's batches (each rank its share of fixed batches, each what ``loss_fn``
-        takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too), no grad."""
+        takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too, except under zero3,
+        where every forward gathers with the other ranks), no grad."""
         self._check_open(state, "eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):

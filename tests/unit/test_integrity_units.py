@@ -503,6 +503,26 @@ def test_an_interrupt_while_dcp_writes_or_reads_a_checkpoint_is_raised_as_such(t
     assert type(got.value) is kind and getattr(got.value, "code", None) == getattr(stop(), "code", None), got.value
 
 
+def test_a_save_failing_while_an_interrupt_is_handled_is_a_save_failure(tmp_path):
+    """A save made in ``except KeyboardInterrupt:`` (save on Ctrl-C) that fails for its own reason (a full disk)
+    reports that reason: the interrupt being handled is every such error's ``__context__``, not its cause."""
+    import torch.distributed.checkpoint as dcp
+    from framework.persist.checkpoint._group import agree_save, glue
+
+    class Full(dcp.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError(28, "No space left on device")
+
+    tmp = tmp_path / "step-2.tmp"
+    tmp.mkdir()
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        with glue().single_process_quiet(), pytest.raises(CheckpointError, match="is full"):
+            agree_save(_OneRank(), "writing the files",
+                       lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Full(tmp), no_dist=True), tmp)
+
+
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
     """An edited manifest whose file entry is not {bytes, sha256} is one CheckpointError naming the
     manifest (it used to be a KeyError on the rank that read it, its peers left waiting)."""

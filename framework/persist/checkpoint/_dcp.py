@@ -252,8 +252,9 @@ def describe(e: BaseException) -> str:
     return f"{type(first).__name__}{where}: {text[:400]}"
 
 
-def causes(e: BaseException) -> list[BaseException]:
-    """``e``, the per-rank failures DCP wrapped in it and their chained causes."""
+def causes(e: BaseException, implicit: bool = True) -> list[BaseException]:
+    """``e``, the per-rank failures DCP wrapped in it and their chained causes (``implicit``: also the
+    exceptions being handled when each was raised, ``__context__``)."""
     out, todo = [], [e]
     while todo:
         c = todo.pop()
@@ -262,5 +263,5 @@ def causes(e: BaseException) -> list[BaseException]:
         out.append(c)
         if isinstance(c, CheckpointException):
             todo += [pair[0] for pair in c.failures.values()]
-        todo += [c.__cause__, c.__context__]
+        todo += [c.__cause__, c.__context__ if implicit else None]
     return out

@@ -113,8 +113,10 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
     reader raised, these too, and raises on every rank one CheckpointException holding each rank's failure:
     read as a failed save or a damaged checkpoint, a Ctrl-C would be reported as an error (a sweep going on)
     and a resume would fall back to an older checkpoint and train on. A bare interrupt raised in ``fn`` is
-    not caught: it leaves at once, as anywhere else (its peers get the signal too)."""
-    for c in glue().causes(e):
+    not caught: it leaves at once, as anywhere else (its peers get the signal too). Not the interrupt being
+    handled when the save started (a save in ``except KeyboardInterrupt:``): any error inside has it as its
+    ``__context__``, and a full disk would be reported as a Ctrl-C."""
+    for c in glue().causes(e, implicit=False):
         if isinstance(c, KeyboardInterrupt):
             return KeyboardInterrupt()
         if isinstance(c, SystemExit):
