@@ -83,12 +83,15 @@ class Engine(contextlib.AbstractContextManager):
     def eval_step(self, state: TrainState, batches: list) -> float:
         """Mean loss over every rank's batches (each rank its share of fixed batches, each what ``loss_fn``
         takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too, except under zero3,
-        where every forward gathers with the other ranks), no grad."""
+        where every forward gathers with the other ranks: refused there in one line), no grad."""
         self._check_open(state, "eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
         c = self.components
+        if c.stage.forward_gathers and len(counts := set(c.dist.all_gather_object(len(batches), "batch counts"))) > 1:
+            raise DataError(f"eval_step: the ranks passed different numbers of batches ({sorted(counts)}); under zero3 "
+                            f"every forward gathers with every rank: give each rank the same number")
         was_training = c.module.training
         c.module.eval()
         # [loss sum, batch count]: one all-reduce of both, so that ranks with different numbers of batches

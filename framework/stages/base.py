@@ -45,6 +45,7 @@ class BaseStage:
     module: nn.Module
     dist: Dist
     hook_handles: list   # removed by close()
+    forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:

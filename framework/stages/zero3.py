@@ -51,6 +51,8 @@ class Zero3Config:
 class Zero3Stage(PartitionedStage):
     """The partitions are the unit groups' shards, gathered per unit by the ``Gatherer``."""
 
+    forward_gathers = True
+
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
         for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
                     "stage3_param_persistence_threshold"):
