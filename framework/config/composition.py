@@ -154,12 +154,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     cfg, choices = composer(choice_overrides + list(cli.forced))
     label = str(source) if isinstance(source, (str, Path)) else "<dict>"
     if ds_config is not None:   # the argument, in the tree as a file named there is (ds_config_strict needs one)
-        if isinstance(cfg, dict):
-            cfg["ds_config"] = label
-        else:
-            from omegaconf import OmegaConf
-
-            OmegaConf.update(cfg, "ds_config", label, force_add=True)
+        _set_key(cfg, "ds_config", label)
     # (read as validate reads it: ds_config_strict=yes is true, "off" false)
     strict = root_value("ds_config_strict", cli.strict if cli.strict is not None else cfg["ds_config_strict"])
     errors = list(t.errors)
@@ -197,19 +192,23 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     # wherever the command line did not set (or delete) the key, as ++key=value before the
     # command line's overrides would.
     for key, value in resolved.values.items():
-        if key in cli.keys | cli.deleted:
-            continue
-        if isinstance(cfg, dict):   # the plain composer's tree
-            plainconf.set_key(cfg, plainconf.Override("++", key, value))
-        else:   # what Hydra does for ++key=value
-            from omegaconf import OmegaConf
-
-            OmegaConf.update(cfg, key, value, merge=True, force_add=True)
+        if key not in cli.keys | cli.deleted:
+            _set_key(cfg, key, value)
     config = validate(cfg, choices)
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices}, **resolved.sources})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
     return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices)
+
+
+def _set_key(cfg: Any, key: str, value: Any) -> None:
+    """``++key=value`` on a composed tree: the plain composer's dict or Hydra's."""
+    if isinstance(cfg, dict):
+        plainconf.set_key(cfg, plainconf.Override("++", key, value))
+    else:
+        from omegaconf import OmegaConf
+
+        OmegaConf.update(cfg, key, value, merge=True, force_add=True)
 
 
 def choice_override(group: str, name: str) -> str:

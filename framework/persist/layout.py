@@ -17,6 +17,7 @@ from framework.engine.state import FORMAT, TrainState, optimizer_leaves, with_sc
 from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
 from framework.core.utils import few
+from framework.persist.tensorfiles import nonfinite
 
 
 @dataclass(frozen=True)
@@ -258,26 +259,12 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_onl
     for pairs in by_device.values():
         flags = []
         for n, t in pairs:
-            mm = _min_max(t)
-            flags.append(~torch.isnan(mm).any() if n.startswith(nan_only) else torch.isfinite(mm).all())
+            flags.append(nonfinite(t, nan_only=n.startswith(nan_only)))
             if release is not None:
                 release(t)
-        ok = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
-        bad.update(n for (n, _), good in zip(pairs, ok) if not good)
+        flagged = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load
+        bad.update(n for (n, _), nonfinite_ in zip(pairs, flagged) if nonfinite_)
     return sorted(bad)
-
-
-_CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
-
-
-def _min_max(t: torch.Tensor) -> torch.Tensor:
-    """[min, max] of ``t`` (NaN if any element is NaN); float8 dtypes, which have no aminmax kernel, upcast a chunk
-    at a time (a bounded temporary, not a float32 copy of the whole tensor)."""
-    if t.element_size() > 1:
-        return torch.stack(t.aminmax())
-    flat = t.reshape(-1)
-    parts = torch.stack([torch.stack(flat[i:i + _CHUNK].float().aminmax()) for i in range(0, flat.numel(), _CHUNK)])
-    return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
 
 
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,

@@ -328,8 +328,21 @@ def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
     size: a save's memory stays its chunks); None where there is nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None
-    mm = torch.stack((src if src.element_size() > 1 else src.float()).aminmax())   # (float8: no aminmax kernel)
+    mm = _min_max(src)
     return torch.isnan(mm).any() if nan_only else ~torch.isfinite(mm).all()
+
+
+_CHUNK = 1 << 22   # elements upcast at a time where a dtype has no min/max kernel
+
+
+def _min_max(t: torch.Tensor) -> torch.Tensor:
+    """[min, max] of ``t`` (NaN if any element is NaN); float8 dtypes, which have no aminmax kernel, upcast a chunk
+    at a time (a bounded temporary, not a float32 copy of the whole tensor)."""
+    if t.element_size() > 1:
+        return torch.stack(t.aminmax())
+    flat = t.reshape(-1)
+    parts = torch.stack([torch.stack(flat[i:i + _CHUNK].float().aminmax()) for i in range(0, flat.numel(), _CHUNK)])
+    return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
 
 
 def warn_nonfinite(names: Sequence[str], what: str, say: bool = True) -> None:

@@ -53,8 +53,8 @@ def test_optimizer_keys_use_torch_names_and_stay_unique():
 
 def test_the_finiteness_check_takes_float8_and_flags_only_nan_where_asked(monkeypatch):
     """float8 tensors (no aminmax kernel) are checked a chunk at a time; ``nan_only`` names pass an infinity."""
-    from framework.persist import layout
-    monkeypatch.setattr(layout, "_CHUNK", 3)   # several chunks, the last one short
+    from framework.persist import tensorfiles
+    monkeypatch.setattr(tensorfiles, "_CHUNK", 3)   # several chunks, the last one short
     f8 = torch.zeros(10, dtype=torch.float8_e4m3fn)
     nan8 = f8.clone()
     nan8[7] = float("nan")
