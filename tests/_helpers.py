@@ -121,3 +121,19 @@ def file_size_limit(nbytes: int):
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, handler)
+
+
+@contextlib.contextmanager
+def no_collection():
+    """Garbage collection runs before and not inside: live pinned bytes measured inside change only by
+    what the code inside allocates and frees (a collection that frees an earlier engine's buffers, held
+    in a reference cycle, would look like the step freed them)."""
+    import gc
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
