@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import signal
 import sys
@@ -47,6 +48,9 @@ def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None]
 
 def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None,
            on_ready: Callable[[Path], None] | None) -> dict:
+    # An earlier job of this process (a sweep's) left its engine in reference cycles (stage <-> placement,
+    # zero3's units <-> parameters): free its device and pinned buffers before this job measures and allocates.
+    gc.collect()
     rss_start = reset_peak_memory(dist.device)  # this job's peak, not an earlier multirun job's
     if cfg.choices["offload"] == "nvme" and cfg.offload.nvme_path is None:   # swap files in the run directory
         cfg = replace(cfg, offload=replace(cfg.offload, nvme_path=str(run.run_dir / "nvme")))

@@ -146,3 +146,32 @@ def test_a_group_initialize_made_is_left_at_exit():
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out
         assert "group at exit: False" in out, out
+
+
+def test_a_jobs_buffers_are_freed_before_the_next_job_of_the_process_starts(tmp_path):
+    """A sweep runs its jobs in one process: the previous job's engine, which sits in reference cycles
+    once closed, is gone (its device and pinned buffers with it) when the next job starts, whenever
+    Python's own collection would have run."""
+    import gc
+    import weakref
+
+    from framework.cli.loop import train
+    from framework.comm.distributed import connect
+    from framework.loggers import RunInfo
+    from framework.stages.base import BaseStage
+    from tests._helpers import tiny_config
+
+    dist = connect("gloo")
+    cfg = tiny_config("+stage=zero2", "offload=cpu", "train.steps=1", "train.eval_every=0")
+    gc.collect()
+    gc.disable()
+    try:
+        train(cfg, RunInfo(tmp_path / "a", None, None), dist)
+        left = [weakref.ref(o) for o in gc.get_objects() if issubclass(type(o), BaseStage)]
+        assert left, "the first job's stage was freed without a collection: the one before each job may go"
+        alive: list = []
+        train(cfg, RunInfo(tmp_path / "b", None, None), dist,
+              on_ready=lambda _: alive.extend(r for r in left if r() is not None))
+    finally:
+        gc.enable()
+    assert not alive, "the first job's stage (and its buffers) outlived the start of the next job"
