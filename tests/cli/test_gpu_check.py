@@ -125,6 +125,30 @@ def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_
     assert [r["value"] for r in rows] == ["skipped (time budget)"] * len(gpu_check.TIMING_DRY), rows
 
 
+def test_gpu_check_timing_run_cut_short_by_the_budget_is_not_a_failure(monkeypatch, tmp_path):
+    """A timing run stopped by the budget's end is not checked, not failed; on the GPU no 1.4 B run
+    starts with under a minute left; a GPU run past its own limit (a hang) still fails."""
+    from bench import gpu_check
+
+    def run(cmd, timeout, **kw):
+        seen.append(timeout)
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    seen = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    monkeypatch.setattr(gpu_check, "TIMING_DRY", ("fsdp2",))
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 40))
+    rows = gpu_check.check_timing(True, tmp_path)
+    assert len(seen) == 1 and [(r["ok"], r["value"].split(" (")[0]) for r in rows] == [(None, "stopped: time budget")], rows
+    seen.clear()
+    rows = gpu_check.check_timing(False, tmp_path)   # 30 s left: no GPU run starts
+    assert not seen and {r["value"] for r in rows} == {"skipped (time budget)"}, rows
+    monkeypatch.setattr(gpu_check, "TIMING", ("plain",))
+    monkeypatch.setattr(gpu_check, "TIMING_RUN_CAP_S", 1)
+    monkeypatch.setenv("GPU_CHECK_DEADLINE", repr(time.time() + 100))
+    rows = gpu_check.check_timing(False, tmp_path)
+    assert seen == [1] and rows[0]["ok"] is False and rows[0]["value"] == "timed out after 1 s (a run's limit)", rows
+
+
 def test_a_check_log_planted_as_a_link_is_refused_not_followed(tmp_path):
     from bench.gpu_check import _new_log
 
