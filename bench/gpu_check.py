@@ -28,7 +28,9 @@ Writes DIR/gpu_check.md (one Markdown table), DIR/gpu_check.json and DIR/gpu_che
 check's log and records), rewritten after every check: three files (the checks' own files go to
 ``--logs``, default DIR/logs; the device tool returns at most 8 files, so give it a folder outside DIR).
 Standard output ends with a short summary (failed rows in full, the rest as counts per check) and the
-verdict. Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
+verdict: PASSED (exit 0), FAILED (a row failed; exit 1) or INCOMPLETE (nothing failed, but a check was
+left out by the time budget or limit, or a run without --dry-run found no GPU; exit 3; --skip is
+neutral). Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
 stops the run, the table is still written, with the interrupted check's row.
 ``--dry-run`` runs each check on the CPU (gloo, FRAMEWORK_ACCELERATOR=check, tiny sizes); the test
 suite runs it without Hydra, OmegaConf and W&B, as the GPU image has none.
@@ -509,6 +511,23 @@ class _Stopped(BaseException):
     """SIGTERM (gpu_check.sh's hard time limit, or a person) while a check runs."""
 
 
+EXIT = {"PASSED": 0, "FAILED": 1, "INCOMPLETE": 3}
+
+
+def _verdict(info: dict, rows: list[dict]) -> tuple[str, list[str]]:
+    """FAILED where a row failed; else INCOMPLETE where the run did not check what it should (a check
+    the time budget or the time limit left out or that was not reached yet, a GPU run without a GPU),
+    else PASSED. A check left out by --skip was asked for: neutral. Also what was not checked."""
+    seen = {r["check"] for r in rows}
+    cut = [r["check"] for r in rows if r["item"] == "check" and r["ok"] is None and r["value"] != "skipped (--skip)"]
+    why = [f"{', '.join(cut)} not run (time budget or limit)"] if cut else []
+    if [c for c in ORDER if c not in seen]:
+        why.append(f"{', '.join(c for c in ORDER if c not in seen)} not reached")
+    if not info["dry_run"] and not info.get("gpus"):
+        why.append("no GPU")
+    return ("FAILED" if any(r["ok"] is False for r in rows) else "INCOMPLETE" if why else "PASSED"), why
+
+
 def _table(rows: list[dict]) -> str:
     mark = {True: "ok", False: "FAIL", None: "-"}
     lines = ["| check | item | ok | value | expected / anchor | note |", "|---|---|---|---|---|---|"]
@@ -539,9 +558,10 @@ def _summary(out: Path, info: dict, rows: list[dict], most: int = 30) -> str:
         lines.append(f"| {name} | {counts[0]} | {counts[1]} | {counts[2]}{f' ({lone})' if lone else ''} | "
                      f"{info['per_check_s'].get(name, '-')} |")
     failed, checked = len(fails), sum(r["ok"] is not None for r in rows)
-    lines += ["", f"gpu_check: {'FAILED' if failed else 'PASSED'}: {failed} failed of {checked} checked rows"
+    verdict, why = _verdict(info, rows)
+    lines += ["", f"gpu_check: {verdict}: {failed} failed of {checked} checked rows"
               f"{' (dry run)' if info['dry_run'] else ''}; {info['machine']}; {info['seconds']:.0f} s"
-              f"{'; ' + info['stopped'] if info.get('stopped') else ''}",
+              f"{'; ' + info['stopped'] if info.get('stopped') else ''}{'; not checked: ' + '; '.join(why) if why else ''}",
               f"gpu_check: full table {out / 'gpu_check.md'}; rows {out / 'gpu_check.json'}; "
               f"with every log {out / 'gpu_check.tgz'}"]
     return "\n".join(lines)
@@ -568,12 +588,14 @@ def _bundle(out: Path, logs: Path) -> None:
 
 def write(out: Path, info: dict, rows: list[dict], logs: Path | None = None) -> None:
     failed = sum(r["ok"] is False for r in rows)
-    head = (f"# GPU check{' (dry run on the CPU)' if info['dry_run'] else ''}\n\n{info['machine']}; "
+    verdict, why = _verdict(info, rows)   # (while the run goes on: INCOMPLETE, the checks not reached yet)
+    head = (f"# GPU check{' (dry run on the CPU)' if info['dry_run'] else ''}: {verdict}\n\n{info['machine']}; "
             f"{info['started']}; {info['seconds']:.0f} s; {failed} failed of {sum(r['ok'] is not None for r in rows)}"
-            f" checked rows\n\n")
+            f" checked rows{'; not checked: ' + '; '.join(why) if why else ''}\n\n")
     unrun = "\n\nNot verifiable on one GPU:\n" + "\n".join(f"- {u}" for u in info["unrun"]) if info["unrun"] else ""
     (out / "gpu_check.md").write_text(head + _table(rows) + unrun + "\n")
-    (out / "gpu_check.json").write_text(json.dumps({**info, "failed": failed, "rows": rows}, indent=1))
+    (out / "gpu_check.json").write_text(json.dumps({**info, "verdict": verdict, "not_checked": why, "failed": failed,
+                                                      "rows": rows}, indent=1))
     if logs is not None:
         _bundle(out, logs)
 
@@ -621,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = (f"{torch.cuda.get_device_name(0)} x{gpus}" if gpus else "no GPU") + \
         f"; {os.cpu_count()} host cores; torch {torch.__version__}; python {platform.python_version()}"
     info = {"dry_run": args.dry_run, "machine": machine, "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "seconds": 0.0, "budget_s": budget, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
+            "seconds": 0.0, "budget_s": budget, "gpus": gpus, "unrun": UNRUN_ONE_GPU if gpus < 2 else [], "per_check_s": {}}
     rows: list[dict] = []
     for name in ORDER:
         left = budget - (time.monotonic() - start)
@@ -650,7 +672,7 @@ def main(argv: list[str] | None = None) -> int:
         info["seconds"] = time.monotonic() - start
         write(out, info, rows, logs)
     print(_summary(out, info, rows), flush=True)
-    return 1 if any(r["ok"] is False for r in rows) else 0
+    return EXIT[_verdict(info, rows)[0]]
 
 
 if __name__ == "__main__":

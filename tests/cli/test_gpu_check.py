@@ -278,6 +278,37 @@ def test_gpu_check_budget_is_clamped_below_the_scripts_hard_limit(tmp_path):
     assert json.loads((tmp_path / "gpu_check.json").read_text())["budget_s"] == 455
 
 
+def test_gpu_check_that_checked_nothing_is_incomplete_not_passed(tmp_path):
+    """Checks left out by the time budget, or a GPU run on a machine without one: INCOMPLETE, exit 3
+    (not PASSED with nothing checked); the table and rows say so too."""
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra")}
+    p = subprocess.run(["bash", "bench/gpu_check.sh", "--out", str(tmp_path), "--budget", "5", "--skip", "timing"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stdout + p.stderr
+    verdict = p.stdout.splitlines()[-2]
+    assert verdict.startswith("gpu_check: INCOMPLETE: 0 failed of 0 checked rows"), p.stdout
+    assert "environment, kernels, equivalence, memory, sync not run (time budget or limit)" in verdict, verdict
+    assert "no GPU" in verdict, verdict
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["verdict"] == "INCOMPLETE" and report["failed"] == 0, report
+    assert (tmp_path / "gpu_check.md").read_text().startswith("# GPU check: INCOMPLETE")
+
+
+def test_gpu_check_verdict_only_an_explicit_skip_is_neutral():
+    from bench.gpu_check import ORDER, _verdict, row
+
+    dry, gpu = {"dry_run": True, "gpus": 0}, {"dry_run": False, "gpus": 1}
+    skipped = [row(c, "check", None, "skipped (--skip)") for c in ORDER]
+    assert _verdict(dry, skipped) == ("PASSED", [])
+    assert _verdict(gpu, skipped) == ("PASSED", [])
+    assert _verdict({"dry_run": False, "gpus": 0}, skipped) == ("INCOMPLETE", ["no GPU"])
+    # (the table written while the run goes on: the checks after it not reached yet)
+    assert _verdict(gpu, skipped[:4]) == ("INCOMPLETE", ["sync, timing not reached"])
+    stopped = [*skipped[:2], row("equivalence", "check", False, "stopped by the time limit (SIGTERM)"),
+               *(row(c, "check", None, "not run (stopped by the time limit)") for c in ORDER[3:])]
+    assert _verdict(gpu, stopped)[0] == "FAILED"
+
+
 def test_gpu_check_sync_watches_the_thread_that_runs_backward():
     """On CUDA the hooks run on autograd's device thread, not the caller's: the sync check is told that
     thread from inside the graph (a hook on the loss), once per backward, between its start and end."""
