@@ -488,16 +488,22 @@ def _run_child(name: str, dry: bool, out: Path, limit: float) -> list[dict]:
     log = out / f"{name}.log"
     with _new_log(log) as f:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        ended = False
         try:
-            p.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
-            _end_group(p, term=True)
-            partial = _equivalence_rows(out / "equivalence.jsonl") if name == "equivalence" else []
-            return [*partial, row(name, "check", False, f"timed out after {limit:.0f} s", "", _tail(log))]
-        except BaseException:   # the driver itself stopped (SIGTERM from gpu_check.sh's timeout, Ctrl-C)
-            _end_group(p, term=True)
-            raise
-        _end_group(p, term=False)   # what it left behind (a timed-out pytest's ranks)
+            try:
+                p.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                _end_group(p, term=True)
+                ended = True
+                partial = _equivalence_rows(out / "equivalence.jsonl") if name == "equivalence" else []
+                return [*partial, row(name, "check", False, f"timed out after {limit:.0f} s", "", _tail(log))]
+            _end_group(p, term=False)   # what it left behind (a timed-out pytest's ranks)
+            ended = True
+        finally:
+            # The driver itself stopped (SIGTERM from gpu_check.sh's timeout, Ctrl-C), also while it was
+            # ending the group above: the group still goes, SIGKILL included.
+            if not ended:
+                _end_group(p, term=True)
     done = out / f"{name}.json"
     if done.exists():
         return json.loads(done.read_text())

@@ -115,6 +115,49 @@ def test_gpu_check_timeout_ends_the_check_and_all_it_started(tmp_path, monkeypat
     assert launched + LIMIT_S <= float((tmp_path / "deadline").read_text()) <= time.time() + LIMIT_S
 
 
+def test_gpu_check_stopped_while_ending_a_timed_out_check_still_kills_its_group(tmp_path, monkeypatch):
+    """SIGTERM to the driver (gpu_check.sh's hard limit) while it ends a timed-out check's group, after
+    that group's SIGTERM and before its SIGKILL: the stop goes on up, and the group still gets SIGKILL
+    (here a grandchild that ignores SIGTERM)."""
+    import signal
+
+    import pytest
+
+    from bench import gpu_check
+
+    fake = tmp_path / "fake_python"
+    fake.write_text(FAKE_CHECK.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(gpu_check.sys, "executable", str(fake))
+    monkeypatch.setattr(gpu_check, "GRACE_S", 1)
+    end_group, calls = gpu_check._end_group, []
+
+    def stopped_inside(p, term):
+        calls.append(term)
+        if len(calls) > 1:
+            return end_group(p, term)
+        end = time.monotonic() + 60   # the fake check's grandchild has started
+        while not (tmp_path / "pids").exists() and time.monotonic() < end and p.poll() is None:
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGTERM)
+        raise gpu_check._Stopped   # what the driver's SIGTERM handler raises, here
+    monkeypatch.setattr(gpu_check, "_end_group", stopped_inside)
+    with pytest.raises(gpu_check._Stopped):
+        gpu_check._run_child("equivalence", True, tmp_path, 0.5)
+    grandchild = int((tmp_path / "pids").read_text())
+    try:
+        pgid = os.getpgid(grandchild)
+    except ProcessLookupError:
+        pgid = None
+    try:
+        assert pgid is None or str(grandchild) not in _group_alive(pgid), "the check's grandchild is still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            if pgid is not None and pgid != os.getpgrp():
+                os.killpg(pgid, 9)
+    assert calls == [True, True], calls
+
+
 def test_gpu_check_timing_keeps_to_the_deadline_the_driver_set(monkeypatch, tmp_path):
     """The timing check starts no run that the driver's deadline (absolute, set before the check's
     process started) leaves too little time for."""
