@@ -32,7 +32,7 @@ from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
-                                       local_world_size, resolve_backend)
+                                       local_world_size, resolve_backend, slurm_tasks_here)
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated, say
 from framework.loggers import RunInfo
@@ -279,8 +279,9 @@ def slurm_task_env() -> dict[str, str]:
     from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
 
     t = TorchDistributedEnvironment()
+    # (submitit's own local world is the tasks over the nodes, rounded down: wrong where nodes differ)
     return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
-            "LOCAL_WORLD_SIZE": str(t.local_world_size), "MASTER_ADDR": t.master_addr,
+            "LOCAL_WORLD_SIZE": str(slurm_tasks_here() or t.local_world_size), "MASTER_ADDR": t.master_addr,
             "MASTER_PORT": str(t.master_port)}
 
 

@@ -116,6 +116,21 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_task_env() == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                                 "MASTER_ADDR": "gpu03", "MASTER_PORT": "29611"}
+    # Nodes with unequal task counts (10 tasks on 4 nodes): each node's own count, as Slurm lists it
+    from framework.comm.distributed import check_env_ints
+
+    for procid, localid, node, here in (("2", "2", "0", "3"), ("9", "1", "3", "2")):
+        for key, value in {"SLURM_NTASKS": "10", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]",
+                           "SLURM_TASKS_PER_NODE": "3(x2),2(x2)", "SLURM_PROCID": procid, "SLURM_LOCALID": localid,
+                           "SLURM_NODEID": node}.items():
+            monkeypatch.setenv(key, value)
+        env = slurm_task_env()
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (procid, localid, "10", here)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        check_env_ints()
+        for key in env:
+            monkeypatch.delenv(key)
 
 
 @pytest.mark.parametrize("env,says", [
