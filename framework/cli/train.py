@@ -431,6 +431,16 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     return job
 
 
+def _launcher_world(cfg: DictConfig) -> int | None:
+    """The ranks of each job Hydra's submitit launcher runs on Slurm (nodes x tasks_per_node, a task per rank:
+    ``launch.slurm_task_env``); None for another launcher, or a job of one task (dist.nproc's ranks)."""
+    launcher = OmegaConf.select(cfg, "hydra.launcher")
+    if launcher is None or not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
+        return None
+    world = int(launcher.get("nodes", 1)) * int(launcher.get("tasks_per_node", 1))
+    return world if world > 1 else None
+
+
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
@@ -439,6 +449,11 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
             cfg, config = compose_layers(overrides, composer=functools.partial(standalone_composer, **primary))
+            if (folder == "hydra.sweep.dir" and (world := _launcher_world(cfg)) is not None
+                    and config.batch_world not in (None, world)):
+                # the job's tasks are its ranks: a DeepSpeed file's batch is divided over them
+                cfg, config = compose_layers(overrides, world=world,
+                                             composer=functools.partial(standalone_composer, **primary))
             configs[_key(overrides)] = config
             composed.append((overrides, cfg, config))
             # The file's group choices go to Hydra's run too: those all the jobs share.

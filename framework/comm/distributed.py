@@ -222,12 +222,12 @@ def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
     rank (SLURM_PROCID = the rank, the step's task count = the world size)."""
     index, count = env_int("LOCAL_RANK", None), env_int("LOCAL_WORLD_SIZE", None)
     if _slurm_task_is(str(rank), str(world)):
-        count = _slurm_tasks_here() if count is None else count
+        count = slurm_tasks_here() if count is None else count
         index = env_int("SLURM_LOCALID", None) if index is None else index
     return index, count
 
 
-def _slurm_tasks_here() -> int | None:
+def slurm_tasks_here() -> int | None:
     """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes);
     None where it does not say."""
     env = os.environ

@@ -198,7 +198,9 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     sources = provenance(config, cli, {**{f"{g}.name": dsconfig.DS_FILE if g in mine else dsconfig.YAML
                                           for g in t.choices}, **resolved.sources})
     notices = config.notices + tuple(t.notices(strict, resolved.inert, resolved.notes))
-    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices)
+    batch_world = world if isinstance(t.batch.get("train_batch_size"), int) else None
+    return cfg, dataclasses.replace(config, ds_config=label, sources=sources, notices=notices,
+                                    batch_world=batch_world)
 
 
 def _set_key(cfg: Any, key: str, value: Any) -> None:

@@ -71,6 +71,9 @@ class Config(RootSchema):
     # DeepSpeed default, auto, command line.
     sources: Mapping[str, str] = field(default_factory=dict)
     notices: tuple[str, ...] = ()    # the DeepSpeed config's and the components' notes, printed once at start-up
+    # The world size a DeepSpeed file's train_batch_size was divided over (None: no such batch); a
+    # launch with another world size is refused (its global batch would not be the file's).
+    batch_world: int | None = None
 
     def to_dict(self) -> dict:
         """Plain, resolved config (for logging and summary files)."""

@@ -116,6 +116,21 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         monkeypatch.setenv(key, value)
     assert slurm_task_env() == {"RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8",
                                 "MASTER_ADDR": "gpu03", "MASTER_PORT": "29611"}
+    # Nodes with unequal task counts (10 tasks on 4 nodes): each node's own count, as Slurm lists it
+    from framework.comm.distributed import check_env_ints
+
+    for procid, localid, node, here in (("2", "2", "0", "3"), ("9", "1", "3", "2")):
+        for key, value in {"SLURM_NTASKS": "10", "SLURM_JOB_NUM_NODES": "4", "SLURM_JOB_NODELIST": "gpu[01-04]",
+                           "SLURM_TASKS_PER_NODE": "3(x2),2(x2)", "SLURM_PROCID": procid, "SLURM_LOCALID": localid,
+                           "SLURM_NODEID": node}.items():
+            monkeypatch.setenv(key, value)
+        env = slurm_task_env()
+        assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (procid, localid, "10", here)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        check_env_ints()
+        for key in env:
+            monkeypatch.delenv(key)
 
 
 @pytest.mark.parametrize("env,says", [
@@ -487,3 +502,67 @@ def test_a_sigterm_inside_the_first_close_still_closes_the_engine_and_the_logger
     with pytest.raises(SystemExit) as e:
         launch(cfg, RunInfo(tmp_path / "run", None, None), on_point=fail)
     assert e.value.code == 143 and closed == ["checkpointer", "engine", "logger"], closed
+
+
+DS_BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
+
+
+def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(monkeypatch, tmp_path):
+    """A DeepSpeed file's train_batch_size is divided over the world size known at composition: a Slurm task
+    of Hydra's submitit launcher composed before its rank variables were set (1 rank) would run 2 ranks with
+    twice the file's global batch. One line instead; a file without a batch, or one composed for the run's
+    world, passes."""
+    from framework.cli.launch import check_batch_world, launch
+    from framework.core.errors import ConfigError
+    from framework.loggers import RunInfo
+
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "SUBMITIT_EXECUTOR", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = compose(["train.steps=1", "logger=none"], ds_config=DS_BATCH)
+    assert (cfg.batch_world, cfg.train.grad_accum) == (1, 4)
+    if _installed("submitit"):   # two tasks of one node, as submitit starts them (this is task 1)
+        for key, value in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4243", "SLURM_NTASKS": "2",
+                           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0", "SLURM_PROCID": "1", "SLURM_LOCALID": "1",
+                           "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
+                           "SLURM_TASKS_PER_NODE": "2"}.items():
+            monkeypatch.setenv(key, value)
+        with pytest.raises(ConfigError) as e:
+            launch(cfg, RunInfo(tmp_path / "run", None, None))
+        assert ("train_batch_size=8 was divided over 1 rank(s) when the config was composed, but this run has 2 "
+                "(a global batch of 16)" in str(e.value) and "\n" not in str(e.value)), str(e.value)
+        assert not (tmp_path / "run").exists()
+        for key in ("SUBMITIT_EXECUTOR", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "WORLD_SIZE",
+                    "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            monkeypatch.delenv(key, raising=False)
+    with pytest.raises(ConfigError, match="divided over 1 rank"):   # local ranks other than composed for
+        check_batch_world(compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH, world=1))
+    check_batch_world(cfg)
+    two = compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH)
+    assert (two.batch_world, two.train.grad_accum) == (2, 2)
+    check_batch_world(two)
+    no_batch = compose(["train.steps=1", "dist.nproc=2"], ds_config={"gradient_clipping": 0.5}, world=1)
+    assert no_batch.batch_world is None
+    check_batch_world(no_batch)
+
+
+@needs_submitit
+def test_a_sweep_on_the_submitit_launcher_divides_a_deepspeed_batch_over_its_tasks(monkeypatch, tmp_path):
+    """The jobs are composed on the submitting host, where no rank variable says the world: the launcher's
+    nodes x tasks_per_node (each task a rank) is the world a DeepSpeed file's batch is divided over."""
+    import sys
+
+    from framework.cli import train
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}')
+    for key in ("WORLD_SIZE", "RANK", "SUBMITIT_EXECUTOR"):
+        monkeypatch.delenv(key, raising=False)
+    seen = []
+    monkeypatch.setattr(train, "_app", lambda configs, *args: seen.append(configs) or (lambda: None))
+    monkeypatch.setattr(sys, "argv", ["train", "-m", "--config-dir", str(CLUSTER), "--config-name", "config",
+                                      f"ds_config={ds}", "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=4",
+                                      f"hydra.sweep.dir={tmp_path / 'multirun'}"])
+    train.main()
+    (config,), = (list(c.values()) for c in seen)
+    assert (config.batch_world, config.train.micro_batch, config.train.grad_accum) == (4, 2, 4)
