@@ -88,9 +88,12 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             # The logged loss is the mean over the global batch (ranks hold equal shares); known
             # before the update, so a non-finite one is never stepped on.
             c.dist.all_reduce(loss_sum, what="loss all-reduce")
-            # Both read in one wait (float64 holds the fp32 loss exactly: the same numbers as two reads).
-            both = torch.stack([sq_norm.double(), loss_sum.to(sq_norm.device, torch.float64)])
-            sq, total = both.tolist()   # host sync: once a step, decides clip/skip and logs the loss
+            # Both read in one wait (float64 holds the fp32 loss exactly: the same numbers as two reads),
+            # and the stage's flags with them (small integers, exact in float64).
+            flags = [f.to(sq_norm.device, torch.float64) for f in c.stage.step_flags()]
+            both = torch.stack([sq_norm.double(), loss_sum.to(sq_norm.device, torch.float64), *flags])
+            sq, total, *flags = both.tolist()   # host sync: once a step, decides clip/skip and logs the loss
+            c.stage.check_flags(flags)   # (it may raise: nothing of this step is applied yet)
             norm = math.sqrt(sq) / scale
             mean_loss = total / (n * c.dist.world)
             overflow = not (math.isfinite(norm) and math.isfinite(mean_loss))

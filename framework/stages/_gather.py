@@ -358,12 +358,18 @@ class Gatherer:
         if unit is not self.persistent:
             self.live -= unit.numel
 
-    def order_check(self) -> None:
-        """Raise if ranks used units in different orders since the last call (collective; one host sync a step)."""
+    def order_flags(self) -> list[torch.Tensor]:
+        """One device value per pass checked since the last ``order_check``: 0 where every rank used the units
+        in the same order (max h == min h). No host sync: the step reads them with its own one read."""
+        self.dist.wait([work for work, _, _ in self.order_checks], "zero3 order check")
+        return [t.sum() for _, t, _ in self.order_checks]
+
+    def order_check(self, flags: list[float]) -> None:
+        """Raise if ranks used units in different orders since the last call (``flags``: ``order_flags``' values,
+        the same on every rank: all of them raise; collective then)."""
         checks, self.order_checks = self.order_checks, []
-        for work, t, record in checks:
-            self.dist.wait([work], "zero3 order check")
-            if int(t.sum()) == 0:   # host sync: once a step, before the optimizer step (max h == min h)
+        for (_, _, record), flag in zip(checks, flags, strict=True):
+            if flag == 0:
                 continue
             records = self.dist.all_gather_object(record, what="zero3 gather-order records")
             at = next(i for i in range(max(map(len, records)) + 1)

@@ -64,6 +64,15 @@ class BaseStage:
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
 
+    def step_flags(self) -> list[torch.Tensor]:
+        """0-dim device values (integers) ``train_step`` reads with its one host read, after ``reduce_grads``;
+        their values, the same on every rank, go to ``check_flags`` before anything is updated."""
+        return []
+
+    def check_flags(self, values: list[float]) -> None:
+        """Raise (on every rank alike) if ``step_flags``' values say the step must not be applied: zero3's
+        check that every rank used its modules in the same order."""
+
     def read_errors(self) -> None:
         """Collective where gathers read shards from a swap file (zero3, offload.params=nvme): every rank
         raises SwapIOError if some rank's read failed since the last check (that rank gathered zeros)."""

@@ -174,8 +174,13 @@ class Zero3Stage(PartitionedStage):
         if final and real:
             self.offload.grads_final(g.index, 0, real, g.grad())
 
+    def step_flags(self) -> list[torch.Tensor]:
+        return self.gatherer.order_flags()
+
+    def check_flags(self, values: list[float]) -> None:
+        self.gatherer.order_check(values)  # before anything is stepped with gradients of mismatched units
+
     def _finish_grads(self) -> None:
-        self.gatherer.order_check()  # before anything is stepped with gradients of mismatched units
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
             self.offload.finish_grads()
 

@@ -668,3 +668,32 @@ def test_an_hf_model_is_compared_by_its_config_not_the_files_path(tmp_path, caps
     out = capsys.readouterr().out
     assert f"resumed from {root / 'step-2'} (step 2" in out and "differs in model.config, model.context, train" in out, out
     assert (root / f"step-{N}").is_dir()
+
+
+@pytest.mark.parametrize("saved_on, run_on", [("cpu", "cuda"), ("cuda", "cpu")])
+def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(tmp_path, capsys, monkeypatch,
+                                                                              saved_on, run_on):
+    """Same world size, other device: the generator states given to train_step have the shape this run's
+    device needs (a CPU run saves no CUDA state; a CUDA run's is of no use on the CPU), the CPU's as saved,
+    and one line says so. (No CUDA here: the CUDA generator state is a stand-in tensor.)"""
+    from types import SimpleNamespace
+
+    from framework.persist.checkpoint import _load, _rng
+
+    fake_cuda = torch.arange(16, dtype=torch.uint8)   # what torch.cuda.get_rng_state would give
+    real = _rng.derive
+
+    def derive(seed, step, rank, device):   # (the real one creates a CUDA generator for a CUDA device)
+        states, host = real(seed, step, rank, torch.device("cpu"))
+        return (states + (fake_cuda,) if device.type == "cuda" else states), host
+
+    monkeypatch.setattr(_rng, "derive", derive)
+    cpu = torch.Generator().manual_seed(3).get_state()
+    (tmp_path / "rng-0.json").write_text(json.dumps(_rng.capture((cpu, fake_cuda + 1) if saved_on == "cuda" else (cpu,))))
+    c = SimpleNamespace(dist=SimpleNamespace(rank=0, world=1, device=torch.device(run_on, 0)))
+    states, host = _load._rng_of(c, tmp_path, {"world": 1, "step": 2}, seed=5)
+    assert torch.equal(states[0], cpu) and "python" in host
+    assert len(states) == (2 if run_on == "cuda" else 1) and (run_on == "cpu" or torch.equal(states[1], fake_cuda))
+    out = capsys.readouterr().out
+    assert out.count("was saved on another kind of device") == 1, out
+    assert ("derived from (seed, step, rank)" if run_on == "cuda" else "dropped") in out, out

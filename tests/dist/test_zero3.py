@@ -221,6 +221,47 @@ def test_divergent_module_order_fails_with_names(pools):
     assert all("rank 0 at 'a'" in o and "rank 1 at 'b'" in o for o in out), out
 
 
+def _host_reads(dist):
+    """Where framework code read a device value on the host (a wait for the device queue on CUDA) in each
+    train_step, with the module-order check on: two passes a step, world 2."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = []
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "numpy", "cpu", "nonzero", "__bool__", "__int__",
+                                                 "__float__", "__index__"):
+                f = sys._getframe(1)
+                while f is not None and "/site-packages/torch/" in f.f_code.co_filename:
+                    f = f.f_back   # (torch's own Python wrappers)
+                if f is not None and "/framework/" in f.f_code.co_filename:
+                    reads.append(f"{f.f_code.co_filename.rsplit('/framework/', 1)[1]}:{f.f_code.co_name}")
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_config("+stage=zero3", "precision=bf16", "train.grad_accum=2", "stage.check_order=true")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    state, out = engine.state, []
+    for _ in range(2):
+        batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
+                                 rank=dist.rank, world=dist.world)
+        reads.clear()
+        with Reads():
+            state, _ = engine.train_step(state, batch)
+        out.append(list(reads))
+    engine.close()
+    return out
+
+
+def test_a_zero3_step_with_the_order_check_reads_the_device_once(pools):
+    """The module-order check's result comes to the host with the step's one read (gradient norm and loss)."""
+    for steps in pools(2).run(_host_reads, timeout=120):
+        assert steps == [["engine/step.py:_step"]] * 2, steps
+
+
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096

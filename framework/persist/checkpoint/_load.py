@@ -207,15 +207,31 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
 
 
 def _rng_of(c, folder: Path, body: dict, seed: int):
-    """(torch, host) generator states: each rank its own under the same world size, otherwise re-derived."""
-    rank = c.dist.rank
+    """(torch, host) generator states: each rank its own under the same world size, otherwise re-derived.
+    Saved on another kind of device (a CPU run's checkpoint resumed on CUDA, or the reverse), the CPU's
+    and the host's are kept and the device generator's is derived (or dropped): the tuple is always the
+    one ``capture_rng`` gives on this run's device."""
+    rank, device = c.dist.rank, c.dist.device
+    derived = _rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:
-        return _rng.derive(seed, body["step"], rank, c.dist.device)
+        return derived
     saved = stepfolders.read_json(folder / f"rng-{rank}.json", "random generator states")
     try:
-        return _rng.torch_states(saved), saved
+        states = _rng.torch_states(saved)
+        if not states:
+            raise ValueError("not even the CPU generator's")
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint {folder}: rng-{rank}.json holds no valid generator states ({e})") from None
+    want = derived[0]
+    if len(states) != len(want):
+        if rank == 0:
+            print(f"checkpoint: {folder} was saved on another kind of device; " + (
+                f"its {len(states) - 1} device generator state(s) per rank are dropped (this run is on the {device.type})"
+                if len(states) > len(want) else
+                f"this run's {device.type} generator is derived from (seed, step, rank), so its draws (dropout) are "
+                f"not those of an uninterrupted run") + "; the CPU generators resume as saved", flush=True)
+        states = states[:1] + want[1:]
+    return states, saved
 
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
