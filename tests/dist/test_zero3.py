@@ -579,6 +579,67 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
 
 
+class _PosTable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(6, 8) * 0.3)
+
+    def forward(self, n):
+        return self.pos[:n]   # a view of its own parameter: of the unit's gather buffer under zero3
+
+
+class _WithPositions(nn.Module):
+    """The position rows are read by the parent after their module's forward returned, and again by
+    the parent's backward (the product saves them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.p, self.a, self.b = _PosTable(), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        pe = self.p(x.shape[0])
+        return self.b(torch.tanh(self.a(x)) * pe + pe)
+
+
+def _positions(dist):
+    cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0",
+                             "stage.stage3_max_reuse_distance=0", "stage.stage3_prefetch_bucket_size=0"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _WithPositions()
+    torch.manual_seed(0)
+    engine = framework.initialize(_WithPositions(), loss_fn, cfg, dist)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(3)
+    state, losses, ref_losses = engine.state, [], []
+    for _ in range(3):
+        xs = torch.randn(dist.world, 5, 8, generator=g)
+        state, m = engine.train_step(state, Batch(((xs[dist.rank], xs[dist.rank, :, :3].cos()),)))
+        losses.append(m["loss"])
+        assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
+        ref_loss = sum(loss_fn(ref, (x, x[:, :3].cos())) for x in xs) / dist.world
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    val = engine.eval_step(state, [(xs[dist.rank], xs[dist.rank, :, :3].sin())])
+    assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
+    with torch.no_grad():
+        ref_val = sum(loss_fn(ref, (x, x[:, :3].sin())).item() for x in xs) / dist.world   # (over the ranks)
+    return losses, ref_losses, val, ref_val, _full_params(engine), flat_params(ref)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world):
+    # Its unit stays gathered until its backward: released, the parent would read freed memory.
+    for losses, ref_losses, val, ref_val, params, ref_params in (
+            [_positions(_local())] if world == 1 else pools(2).run(_positions, timeout=120)):
+        assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
+        assert val == pytest.approx(ref_val, rel=FP32_RTOL)
+        torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
 # --- the gatherer's bookkeeping across steps (world size 1: the hooks and the ledger are the same at any size) ---
 
 def _peaks(checkpointing):
