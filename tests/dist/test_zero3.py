@@ -704,6 +704,31 @@ def test_loss_fn_calling_submodules_or_the_root_twice_is_one_followed_pass(caplo
     assert len(g.traces[True]) >= uses
 
 
+def _penalty(m, mb):   # a weight penalty on a sharded parameter, read in loss_fn
+    return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.b.weight.pow(2).sum()
+
+
+def _tied_head(m, mb):   # an output head tied to a's weight, applied in loss_fn
+    return nn.functional.mse_loss((m(mb[0]) @ m.b.weight)[:, :3], mb[1])
+
+
+def _gathered_penalty(m, mb):
+    with framework.gathered([m.b.weight]):
+        penalty = m.b.weight.pow(2).sum()
+    return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * penalty
+
+
+@pytest.mark.parametrize("loss_fn, name", [(_penalty, "b.weight"), (_tied_head, "b.weight"),
+                                           (_gathered_penalty, "b.weight")])
+def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
+    # Empty shards outside their module's forward: named, with the fix, not a raw autograd error; and a
+    # framework.gathered block in loss_fn would release it before its gradient arrives.
+    _, engine, g = _linear_units(loss_fn)
+    with pytest.raises(framework.FrameworkError, match=f"'{name}'.*(outside its module's forward|with grad enabled)"):
+        engine.train_step(engine.state, Batch((_micro(0),)))
+    assert all(u.state.value == "sharded" for u in g.units)
+
+
 def test_failed_forward_leaves_no_unit_gathered():
     # A loss_fn that raises inside a unit's forward (an out-of-memory error, say): its units are
     # released and the cut-short pass is not the trace the next steps follow; eval_step alike.
