@@ -19,7 +19,8 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
+from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
+                                    unit_groups)
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardedParameter, Unit, UnitGroup
 from framework.stages._grads import backward_or_reset
@@ -65,6 +66,7 @@ class Zero3Stage(PartitionedStage):
         self.gatherer: Gatherer | None = None
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
+        refuse_sparse_grads(module, "zero3")
         self.module, self.policy = module, policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
         plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,

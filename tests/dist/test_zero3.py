@@ -944,3 +944,42 @@ def test_unit_whose_parameters_get_no_gradient_is_warned_about_once(caplog):
     assert len(lines) == 1 and "unit '0'" in lines[0] and "2 of its parameters" in lines[0], lines
     assert "0.fixed.weight, 0.fixed.bias" in lines[0], lines
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
+
+
+class _SparseEmbedding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.a = nn.Embedding(10, 3, sparse=True), nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.a(x) + self.emb((x[:, 0].abs() * 3).long() % 10)
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_sparse_embedding_trains_under_ddp_and_zero1_and_is_refused_by_zero2_and_zero3(stage):
+    # zero2's buckets and zero3's units copy each gradient into a flat dense buffer: a sparse one cannot.
+    cfg = framework.compose([f"+stage={stage}", "optimizer=sgd", "optimizer.lr=0.1", "scheduler=constant",
+                             "train.grad_clip=0"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _SparseEmbedding()
+    torch.manual_seed(0)
+    model = _SparseEmbedding()
+    if stage in ("zero2", "zero3"):
+        with pytest.raises(framework.FrameworkError, match=f"^{stage}: module 'emb' \\(Embedding\\) has sparse=True.*"
+                                                           f"set sparse=False"):
+            framework.initialize(model, loss_fn, cfg, _local())
+        return
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    state = engine.state
+    for i in range(2):
+        mb = _micro(i)
+        state, m = engine.train_step(state, Batch((mb,)))
+        loss = loss_fn(ref, mb)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        assert m["loss"] == pytest.approx(loss.item(), rel=FP32_RTOL)
+    torch.testing.assert_close(flat_params(model), flat_params(ref), rtol=FP32_RTOL, atol=1e-7)
+    engine.close()
