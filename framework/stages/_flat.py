@@ -65,6 +65,17 @@ class Layout:
         return [name for (name, _), ok in zip(hits, finite.tolist()) if not ok]
 
 
+def refuse_sparse_grads(module: nn.Module, stage: str) -> None:
+    """zero2's buckets and zero3's units copy each gradient into a flat dense buffer, which a sparse one
+    (nn.Embedding/nn.EmbeddingBag with sparse=True) cannot go into: refused before any collective."""
+    for name, sub in module.named_modules():
+        if getattr(sub, "sparse", False) is True and isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) \
+                and sub.weight.requires_grad:
+            raise FrameworkError(f"{stage}: module {name or '<root>'!r} ({type(sub).__name__}) has sparse=True, and "
+                                 f"{stage}'s flat gradient buffers cannot take sparse gradients: set sparse=False "
+                                 f"(ddp and zero1 accumulate them into a dense buffer)")
+
+
 def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
     slots, offset = [], 0
     for name, p in named:

@@ -101,7 +101,12 @@ class Gatherer:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
         unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
-        if unit.active == 0 and not unit.held and not self._keep(unit):
+        # An output sharing the gathered buffer's bytes (a parameter, or a view of one) would read freed
+        # memory after a release. Storage identity only (no host sync), the same on every rank for one model.
+        buffers = {g.full.untyped_storage().data_ptr() for g in unit.groups if g.full is not None} - {0}
+        if buffers and any(t.untyped_storage().data_ptr() in buffers for t in tensors_in(out)):
+            unit.exported = True
+        if unit.active == 0 and not unit.held and not unit.exported and not self._keep(unit):
             self.release(unit)
         if unannounced:
             raise TrainingError(
@@ -218,6 +223,8 @@ class Gatherer:
     def end_pass(self) -> None:
         """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
         self._end_pass()
+        for unit in self.units:   # the pass's outputs are consumed: no view of a buffer is read any more
+            unit.exported = False
         self._release_idle()
 
     def _end_pass(self) -> None:
@@ -345,6 +352,7 @@ class Gatherer:
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)
+        unit.exported = False
         for g in unit.groups:
             for p in g.params:
                 p.data = self.empty

@@ -87,6 +87,10 @@ class Unit:
     # framework.gathered blocks holding it: the hooks release it only when none does, so a forward
     # inside the block (or a nested block) leaves it gathered for the holder that gathered it.
     held: int = 0
+    # Its forward returned a view of its gathered buffer (a slice of a position table, say): the caller
+    # reads those bytes after the forward and its backward may too, so it stays gathered until its own
+    # backward (or the pass's end) releases it.
+    exported: bool = False
     gatherer: Any = None   # its _gather.Gatherer (set by it)
 
     @property
@@ -99,8 +103,9 @@ class Unit:
 
     @property
     def idle(self) -> bool:
-        """No forward of it running, no framework.gathered block holding it, no backward waiting for it."""
-        return self.active == 0 and not self.held and not self.in_backward
+        """No forward of it running, no framework.gathered block holding it, no backward waiting for it, no
+        output of it reading its gathered buffer."""
+        return self.active == 0 and not self.held and not self.in_backward and not self.exported
 
     def to(self, new: UnitState) -> None:
         if new is not NEXT[self.state]:

@@ -22,7 +22,7 @@ from framework.core.utils import tensor_bytes
 from framework.engine.materialize import initializer
 from framework.offload.base import Placement
 from framework.precision import Policy
-from framework.stages._flat import bind_groups
+from framework.stages._flat import bind_groups, refuse_sparse_grads
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
                                      expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
                                      reduce_to_owners)
@@ -128,6 +128,10 @@ class Zero2Stage(ShardedStage):
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
         return round_robin(named, world) if cfg.round_robin_gradients else named
+
+    def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
+        refuse_sparse_grads(module, "zero2")
+        return super().setup(module, policy, grad_accum=grad_accum)
 
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:

@@ -5,6 +5,7 @@ materialised one at a time keeping only the local shard, so a model larger than 
 """
 from __future__ import annotations
 
+import linecache
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.engine.materialize import initializer
 from framework.precision import Policy
 from framework.core.registry import Component
-from framework.stages._flat import bind_frozen, initial_values, make_layout, replace_parameter, unit_groups
+from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
+                                    unit_groups)
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardedParameter, Unit, UnitGroup
 from framework.stages._grads import backward_or_reset
@@ -64,6 +66,7 @@ class Zero3Stage(PartitionedStage):
         self.gatherer: Gatherer | None = None
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
+        refuse_sparse_grads(module, "zero3")
         self.module, self.policy = module, policy
         self._init = initializer(module)   # materialises meta parameters, one at a time
         plans, persistent_named = plan_units(module, self.cfg.gather_unit, self.cfg.split_root,
@@ -159,6 +162,11 @@ class Zero3Stage(PartitionedStage):
             scaled.register_hook(self.dist.acc.hook(lambda _grad: self.gatherer.begin_backward(), "zero3's loss hook"))
         try:   # hooks gather, reduce and release per unit
             backward_or_reset(scaled.backward, self.gatherer.abort_backward, "zero3")
+        except Exception as e:
+            read = None if isinstance(e, FrameworkError) else _read_while_sharded(scaled)
+            if read is not None:
+                raise FrameworkError(_read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
+            raise
         finally:
             self.gatherer.final = None
 
@@ -239,6 +247,14 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     block leave the parameters gathered; a train_step inside it is refused (TrainingError)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
+    for p in sharded:   # (before any collective: every rank of the pass is at the same point)
+        g = p.zero3_unit.gatherer
+        if g.driven and g.mode and torch.is_grad_enabled():
+            raise FrameworkError(
+                f"zero3: framework.gathered({p.zero3_names[0]!r}) inside train_step's loss_fn with grad enabled: "
+                f"the block releases it on exit, before the backward pass needs it and its gradient arrives; "
+                f"read it in its own module's forward (call that module, or compute the term inside a module's "
+                f"forward), or enter the block under torch.no_grad() for a value that is not trained")
     if modifier_rank is not None and len(sharded) != len(params):
         raise FrameworkError("framework.gathered(modifier_rank=...) needs ZeRO-3 sharded parameters")
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
@@ -287,6 +303,56 @@ def _refuse_state_dict(module, prefix, keep_vars):
 COMPONENT = Component(config=Zero3Config, build=Zero3Stage)
 
 
+def _read_hint(name: str, error: str) -> str:
+    return (f"zero3: loss_fn read parameter {name!r} outside its module's forward, where it is an empty shard "
+            f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
+            f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
+            f"forward")
+
+
+def _read_while_sharded(loss: torch.Tensor) -> str | None:
+    """The name of a sharded parameter that an operation of ``loss``'s graph read while it was empty (the
+    operation saved a zero-size input or size), or None. Walks the graph: on the error path only."""
+    seen, todo = set(), [loss.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            p = getattr(child, "variable", None)
+            if isinstance(p, ShardedParameter) and p.logical_shape.numel() and _saved_empty(node):
+                return p.zero3_names[0]
+            todo.append(child)
+    return None
+
+
+def _saved_empty(node) -> bool:
+    for attr in dir(node):
+        if attr.startswith("_saved_"):
+            try:
+                v = getattr(node, attr)
+            except RuntimeError:   # freed by the backward that ran it
+                continue
+            if (isinstance(v, torch.Tensor) and v.numel() == 0) or (isinstance(v, tuple) and tuple(v) == (0,)):
+                return True
+    return False
+
+
+def _read_in_line(error: BaseException) -> str | None:
+    """A sharded parameter, empty at the error, that the failing line reads through a module it names
+    (``h @ m.wte.weight.T`` in loss_fn): its name, or None."""
+    found = None
+    for frame, lineno in traceback.walk_tb(error.__traceback__):   # innermost last
+        line = linecache.getline(frame.f_code.co_filename, lineno)
+        for var, owner in frame.f_locals.items():
+            if isinstance(owner, nn.Module) and f"{var}." in line:
+                for name, p in owner.named_parameters():
+                    if isinstance(p, ShardedParameter) and p.shape != p.logical_shape and f"{var}.{name}" in line:
+                        found = p.zero3_names[0]
+    return found
+
+
 def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     """For an error raised inside a module whose own parameters were still empty shards (a submodule of a
     gather unit called directly: only the unit's own forward gathers them), one line naming the fix; else
@@ -302,10 +368,11 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
                     if isinstance(p, ShardedParameter) and p.shape != p.logical_shape]
             if idle:
                 found = (type(owner).__name__, idle[0].unit_name)
-    if found is None:
-        return None
-    cls, unit = found
     first = str(error).splitlines()[0] if str(error) else ""
+    if found is None:
+        read = _read_in_line(error)
+        return None if read is None else _read_hint(read, f"{type(error).__name__}: {first}")
+    cls, unit = found
     head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({type(error).__name__}: {first}): "
     if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
         return head + (f"it is part of gather unit {unit!r}, gathered only when that unit's own forward runs; "
