@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ORDER = ("environment", "kernels", "equivalence", "memory", "sync", "timing")
 # Seconds a check may take at most on one H200, and the least it needs to be worth starting.
 CAP = {"environment": 60, "kernels": 120, "equivalence": 240, "memory": 120, "sync": 90, "timing": 300}
-FLOOR = {"environment": 10, "kernels": 20, "equivalence": 60, "memory": 30, "sync": 20, "timing": 60}
+FLOOR = {"environment": 10, "kernels": 20, "equivalence": 60, "memory": 30, "sync": 20, "timing": 90}
 # Most telling first (the budget may end the list): offload against the offload peers, then no offload.
 TIMING = ("plain", "zero2-offload", "zero2-offload-overlap", "fsdp2-offload", "deepspeed-zero2-offload", "zero3",
           "fsdp2", "zero3-offload", "zero2")
@@ -526,6 +526,9 @@ def _verdict(info: dict, rows: list[dict]) -> tuple[str, list[str]]:
     else PASSED. A check left out by --skip was asked for: neutral. Also what was not checked."""
     seen = {r["check"] for r in rows}
     cut = [r["check"] for r in rows if r["item"] == "check" and r["ok"] is None and r["value"] != "skipped (--skip)"]
+    timing = [r for r in rows if r["check"] == "timing" and r["item"] != "check"]
+    if timing and not any(r["ok"] for r in timing) and any("time budget" in r["value"] for r in timing):
+        cut.append("timing")   # every system skipped or stopped by the budget: nothing was timed
     why = [f"{', '.join(cut)} not run (time budget or limit)"] if cut else []
     if [c for c in ORDER if c not in seen]:
         why.append(f"{', '.join(c for c in ORDER if c not in seen)} not reached")

@@ -14,4 +14,4 @@ export PATH="$(dirname "$(command -v "$PY")"):$PATH"
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled
 # The hard limit: --budget is clamped below it, and its SIGTERM still leaves the table written.
 export GPU_CHECK_HARD_LIMIT_S=480
-exec timeout --kill-after=10 "$GPU_CHECK_HARD_LIMIT_S" "$PY" -m bench.gpu_check "$@"
+exec timeout --preserve-status --kill-after=10 "$GPU_CHECK_HARD_LIMIT_S" "$PY" -m bench.gpu_check "$@"

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
-from framework.config import Config
+from framework.config import Config, check_batch_world
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend, slurm_tasks_here)
 from framework.core import files
@@ -48,7 +48,8 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     was refused in; picklable, for a spawned rank 0)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
-    check_batch_world(cfg)
+    world = env_int("WORLD_SIZE", 1)   # (as composition counts it)
+    check_batch_world(cfg, world if world > 1 else cfg.dist.nproc)
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
@@ -283,22 +284,6 @@ def slurm_task_env() -> dict[str, str]:
     return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
             "LOCAL_WORLD_SIZE": str(slurm_tasks_here() or t.local_world_size), "MASTER_ADDR": t.master_addr,
             "MASTER_PORT": str(t.master_port)}
-
-
-def check_batch_world(cfg: Config) -> None:
-    """One line for a DeepSpeed file's train_batch_size that composition divided over another world size
-    than the run has: its global batch would silently not be the file's (a config composed before the
-    launcher's world was known, e.g. in a Slurm task before its rank variables were set)."""
-    world = env_int("WORLD_SIZE", 1)
-    world = world if world > 1 else cfg.dist.nproc
-    if cfg.batch_world is None or cfg.batch_world == world:
-        return
-    per_rank = cfg.train.micro_batch * cfg.train.grad_accum
-    raise ConfigError(f"ds_config: its train_batch_size={per_rank * cfg.batch_world} was divided over "
-                      f"{cfg.batch_world} rank(s) when the config was composed, but this run has {world} (a global "
-                      f"batch of {per_rank * world}); compose it for {world} ranks (under torchrun, or Hydra's "
-                      f"submitit launcher with -m, the world is known then), or give the file "
-                      f"train_micro_batch_size_per_gpu and gradient_accumulation_steps instead of train_batch_size")
 
 
 RDZV_PREFIX = "framework-rdzv-"

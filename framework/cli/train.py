@@ -441,19 +441,28 @@ def _launcher_world(cfg: DictConfig) -> int | None:
     return world if world > 1 else None
 
 
+def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
+    """The ranks of each job of a sweep on Hydra's submitit launcher (its tasks; one launcher serves the whole
+    sweep): a DeepSpeed file's batch is divided over them (at one rank, a file naming all three batch keys
+    would be refused). None otherwise."""
+    if folder != "hydra.sweep.dir":
+        return None
+    try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)
+        return _launcher_world(composer(list(overrides))[0])
+    except FrameworkError:
+        return None   # compose_layers says what is wrong, in its own words
+
+
 def main(on_point: Callable[[str], None] | None = None) -> None:
     """``on_point``: called at the loop's points on every rank (``loop.train``; fault tests)."""
     try:
         check_env_ints()   # a malformed launcher variable: one line, before any run folder
         jobs, primary, folder, fixed = _jobs(sys.argv[1:])
         configs, subdir, base, composed, chosen, exclude = {}, None, None, [], None, []
+        composer = functools.partial(standalone_composer, **primary)
+        world = _sweep_world(jobs[0], folder, composer) if jobs else None
         for overrides in jobs or []:   # fail fast, before any run directory or process exists
-            cfg, config = compose_layers(overrides, composer=functools.partial(standalone_composer, **primary))
-            if (folder == "hydra.sweep.dir" and (world := _launcher_world(cfg)) is not None
-                    and config.batch_world not in (None, world)):
-                # the job's tasks are its ranks: a DeepSpeed file's batch is divided over them
-                cfg, config = compose_layers(overrides, world=world,
-                                             composer=functools.partial(standalone_composer, **primary))
+            cfg, config = compose_layers(overrides, world=world, composer=composer)
             configs[_key(overrides)] = config
             composed.append((overrides, cfg, config))
             # The file's group choices go to Hydra's run too: those all the jobs share.

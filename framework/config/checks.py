@@ -180,3 +180,19 @@ def check_compatible(stage: str, offload: str) -> None:
     if offload not in COMPATIBLE.get(stage, ()):
         combos = "; ".join(f"stage {s} with offload {'|'.join(o)}" for s, o in COMPATIBLE.items())
         raise ConfigError(f"config: offload={offload} is not supported with stage={stage}; valid: {combos}")
+
+
+def check_batch_world(cfg: Config, world: int) -> None:
+    """One line for a DeepSpeed file's train_batch_size that composition divided over another world size
+    than the run has (``world``): its global batch would silently not be the file's (a config composed
+    before the launcher's world was known: in a Slurm task before its rank variables were set, or in a
+    script's parent process before it spawned its ranks)."""
+    if cfg.batch_world is None or cfg.batch_world == world:
+        return
+    per_rank = cfg.train.micro_batch * cfg.train.grad_accum
+    raise ConfigError(f"ds_config: its train_batch_size={per_rank * cfg.batch_world} was divided over "
+                      f"{cfg.batch_world} rank(s) when the config was composed, but this run has {world} (a global "
+                      f"batch of {per_rank * world}); compose it for {world} ranks (framework.compose(..., "
+                      f"world={world}); under torchrun, or Hydra's submitit launcher with -m, the world is known "
+                      f"then), or give the file train_micro_batch_size_per_gpu and gradient_accumulation_steps "
+                      f"instead of train_batch_size")

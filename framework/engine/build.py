@@ -19,7 +19,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from torch import nn
 
-from framework.config import Config, compose
+from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError, FrameworkError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
@@ -312,6 +312,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             # shutdown may abort the process ("terminate called without an active exception"). Not at
             # close(): a later engine of this process reuses it (re-creating it hangs under torchrun).
             atexit.register(disconnect)
+    check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)

@@ -512,7 +512,8 @@ def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(m
     of Hydra's submitit launcher composed before its rank variables were set (1 rank) would run 2 ranks with
     twice the file's global batch. One line instead; a file without a batch, or one composed for the run's
     world, passes."""
-    from framework.cli.launch import check_batch_world, launch
+    from framework.cli.launch import launch
+    from framework.config import check_batch_world
     from framework.core.errors import ConfigError
     from framework.loggers import RunInfo
 
@@ -536,14 +537,23 @@ def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(m
                     "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             monkeypatch.delenv(key, raising=False)
     with pytest.raises(ConfigError, match="divided over 1 rank"):   # local ranks other than composed for
-        check_batch_world(compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH, world=1))
-    check_batch_world(cfg)
+        check_batch_world(compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH, world=1), 2)
+    check_batch_world(cfg, 1)
     two = compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH)
     assert (two.batch_world, two.train.grad_accum) == (2, 2)
-    check_batch_world(two)
+    check_batch_world(two, 2)
     no_batch = compose(["train.steps=1", "dist.nproc=2"], ds_config={"gradient_clipping": 0.5}, world=1)
     assert no_batch.batch_world is None
-    check_batch_world(no_batch)
+    check_batch_world(no_batch, 2)
+    # the library's path: a config composed in a parent for another world than the group's
+    import framework
+    from framework.comm.distributed import connect
+    from framework.models.gpt import gpt_loss
+    from tests._helpers import TINY, build_gpt, tiny_config
+    module, _ = build_gpt(tiny_config())
+    with pytest.raises(ConfigError, match="divided over 2 rank.*this run has 1"):
+        framework.initialize(module, gpt_loss, compose([*TINY, "train.steps=1"], ds_config=DS_BATCH, world=2),
+                             connect("gloo"))
 
 
 @needs_submitit
@@ -554,15 +564,19 @@ def test_a_sweep_on_the_submitit_launcher_divides_a_deepspeed_batch_over_its_tas
 
     from framework.cli import train
 
-    ds = tmp_path / "ds.json"
-    ds.write_text('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}')
     for key in ("WORLD_SIZE", "RANK", "SUBMITIT_EXECUTOR"):
         monkeypatch.delenv(key, raising=False)
-    seen = []
-    monkeypatch.setattr(train, "_app", lambda configs, *args: seen.append(configs) or (lambda: None))
-    monkeypatch.setattr(sys, "argv", ["train", "-m", "--config-dir", str(CLUSTER), "--config-name", "config",
-                                      f"ds_config={ds}", "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=4",
-                                      f"hydra.sweep.dir={tmp_path / 'multirun'}"])
-    train.main()
-    (config,), = (list(c.values()) for c in seen)
-    assert (config.batch_world, config.train.micro_batch, config.train.grad_accum) == (4, 2, 4)
+    # (a file naming all three keys is consistent only for 4 ranks: at 1 it would be refused)
+    for i, text in enumerate(('{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}',
+                              '{"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2, '
+                              '"gradient_accumulation_steps": 4}')):
+        ds = tmp_path / f"ds{i}.json"
+        ds.write_text(text)
+        seen = []
+        monkeypatch.setattr(train, "_app", lambda configs, *args: seen.append(configs) or (lambda: None))
+        monkeypatch.setattr(sys, "argv", ["train", "-m", "--config-dir", str(CLUSTER), "--config-name", "config",
+                                          f"ds_config={ds}", "hydra.launcher.nodes=1", "hydra.launcher.tasks_per_node=4",
+                                          f"hydra.sweep.dir={tmp_path / 'multirun'}"])
+        train.main()
+        (config,), = (list(c.values()) for c in seen)
+        assert (config.batch_world, config.train.micro_batch, config.train.grad_accum) == (4, 2, 4), text

@@ -324,7 +324,8 @@ def test_gpu_check_budget_is_clamped_below_the_scripts_hard_limit(tmp_path):
 def test_gpu_check_that_checked_nothing_is_incomplete_not_passed(tmp_path):
     """Checks left out by the time budget, or a GPU run on a machine without one: INCOMPLETE, exit 3
     (not PASSED with nothing checked); the table and rows say so too."""
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra")}
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "tests" / "without_hydra"),
+           "CUDA_VISIBLE_DEVICES": ""}   # (no GPU, also where there is one)
     p = subprocess.run(["bash", "bench/gpu_check.sh", "--out", str(tmp_path), "--budget", "5", "--skip", "timing"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 3, p.stdout + p.stderr
@@ -350,6 +351,11 @@ def test_gpu_check_verdict_only_an_explicit_skip_is_neutral():
     stopped = [*skipped[:2], row("equivalence", "check", False, "stopped by the time limit (SIGTERM)"),
                *(row(c, "check", None, "not run (stopped by the time limit)") for c in ORDER[3:])]
     assert _verdict(gpu, stopped)[0] == "FAILED"
+    # every timing run skipped or stopped by the budget: nothing was timed
+    checked = [row(c, "check", True, "ok") for c in ORDER[:-1]]
+    cut = [row("timing", "zero2", None, "skipped (time budget)"), row("timing", "zero3", None, "stopped: time budget")]
+    assert _verdict(gpu, [*checked, *cut]) == ("INCOMPLETE", ["timing not run (time budget or limit)"])
+    assert _verdict(gpu, [*checked, row("timing", "plain", True, "1.0 s/step"), *cut]) == ("PASSED", [])
 
 
 def test_gpu_check_sync_watches_the_thread_that_runs_backward():
