@@ -158,3 +158,20 @@ def peak_rss() -> int:
     of exited threads and of the process this one was forked from, which no reset clears)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@contextlib.contextmanager
+def env_set(**values: str):
+    """Environment variables set while inside, their previous values (or absence) back after: for code
+    that runs on a pool rank, a process that serves later tests (no monkeypatch there)."""
+    import os
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
