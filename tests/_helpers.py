@@ -137,3 +137,41 @@ def no_collection():
     finally:
         if enabled:
             gc.enable()
+
+
+def reset_peak_rss() -> int:
+    """Collect garbage, give freed heap back to the OS (``malloc_trim``) and reset the kernel's peak
+    resident set to the current one (``clear_refs`` 5); return that baseline in bytes. A long-lived
+    process (a pool rank that ran earlier tests) holds freed heap and an old peak that would otherwise
+    show up as growth, or hide it."""
+    import ctypes
+    import gc
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """Peak resident set since the last reset, in bytes (VmHWM; getrusage's ru_maxrss also keeps the peak
+    of exited threads and of the process this one was forked from, which no reset clears)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+@contextlib.contextmanager
+def env_set(**values: str):
+    """Environment variables set while inside, their previous values (or absence) back after: for code
+    that runs on a pool rank, a process that serves later tests (no monkeypatch there)."""
+    import os
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

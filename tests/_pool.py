@@ -2,13 +2,16 @@
 
 Spawning ranks and forming a group costs seconds on this machine, so distributed tests share
 one pool per world size for the whole session. Every call has a deadline: a hang fails the
-test (and the pool is torn down) instead of blocking the suite.
+test (and the pool is torn down) instead of blocking the suite. Starting the ranks (spawn, imports,
+the group) has its own deadline, waited for before the first call's own starts: a call's timeout is
+the time of its function only, whichever test happens to start the pool.
 """
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -24,6 +27,7 @@ def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", 
     torch.set_num_threads(1)
     dist = connect(backend, timeout_s=60, store_path=store, device=device)
     conn = conn_list[rank]
+    conn.send(("ready", None))
     while True:
         msg = conn.recv()
         if msg is None:
@@ -38,10 +42,12 @@ def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", 
 
 class RankPool:
     """``backend``/``device``: as ``framework.comm.distributed.connect`` takes them (the GPU tests use
-    NCCL, or gloo with CUDA tensors on one GPU)."""
+    NCCL, or gloo with CUDA tensors on one GPU). ``start_timeout``: seconds the ranks may take to
+    start and join the group (a loaded 2-core machine needs tens of seconds for 4 ranks)."""
 
-    def __init__(self, world: int, backend: str = "gloo", device: str = "auto"):
+    def __init__(self, world: int, backend: str = "gloo", device: str = "auto", start_timeout: float = 300):
         self.world = world
+        self._start_timeout, self._ready = start_timeout, False
         self._dir = tempfile.mkdtemp(prefix="framework-pool-")
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(world)]
@@ -52,6 +58,8 @@ class RankPool:
 
     def run(self, fn, *args, timeout: float = 120, **kwargs) -> list:
         """Run ``fn(dist, *args, **kwargs)`` on every rank; return the per-rank results."""
+        if not self._ready:
+            self._wait_ready()
         for c in self._conns:
             c.send((fn, args, kwargs))
         out = []
@@ -65,6 +73,22 @@ class RankPool:
                 raise RuntimeError(f"rank {rank} failed in {fn.__name__}:\n{value}")
             out.append(value)
         return out
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self._start_timeout
+        for rank, c in enumerate(self._conns):
+            while True:
+                try:
+                    if c.poll(1.0) and c.recv() == ("ready", None):
+                        break
+                except EOFError:   # the rank is gone
+                    pass
+                exited = [p.exitcode for p in self._ctx.processes]
+                if any(e is not None for e in exited) or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    raise RuntimeError(f"rank {rank} did not start and join the group (exit codes {exited}, None: "
+                                       f"still running; start timeout {self._start_timeout}s)")
+        self._ready = True
 
     def close(self, kill: bool = False) -> None:
         if self._ctx is None:

@@ -63,20 +63,23 @@ def _launch(root: Path, work: Path, fault=None, delay: float = 0.0, timeout_s: f
     work.mkdir(parents=True, exist_ok=True)
     procs = [ctx.Process(target=_worker, args=(r, 2, str(work / "store"), str(root), str(work), timeout_s))
              for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline, at = time.monotonic() + limit, None
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if at is None and (root / "latest").exists():
-            at = time.monotonic() + delay
-        if fault is not None and at is not None and time.monotonic() >= at:
-            fault(procs)
-            fault = None
-        time.sleep(0.005)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join()
+    try:   # whatever goes wrong here (the fault itself included), no rank outlives the trial
+        for p in procs:
+            p.start()
+        deadline, at = time.monotonic() + limit, None
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if at is None and (root / "latest").exists():
+                at = time.monotonic() + delay
+            if fault is not None and at is not None and time.monotonic() >= at:
+                fault(procs)
+                fault = None
+            time.sleep(0.005)
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                if p.is_alive():
+                    p.kill()
+                p.join()
     results = [torch.load(work / f"result-{r}.pt") if (work / f"result-{r}.pt").exists() else None for r in range(2)]
     return [p.exitcode for p in procs], results
 
@@ -129,27 +132,39 @@ def _fault(kind: str, rng: random.Random, root: Path):
         elif kind == "swap":
             rank = rng.randrange(2)
             path = Path(f"{root}-nvme{rank}") / f"rank{rank:05d}.optim.swap"
-            if path.exists():
-                with open(path, "r+b") as f:
-                    size = os.path.getsize(path)
-                    f.seek(rng.randrange(max(1, size - (1 << 20))) // 4096 * 4096)
-                    f.write(os.urandom(min(1 << 20, size)))
+            with contextlib.suppress(FileNotFoundError), open(path, "r+b") as f:   # gone at the run's end: no fault
+                size = os.fstat(f.fileno()).st_size
+                f.seek(rng.randrange(max(1, size - (1 << 20))) // 4096 * 4096)
+                f.write(os.urandom(min(1 << 20, size)))
         elif kind == "checkpoint":
-            folders = stepfolders.scan(root)[0]
-            if folders:
-                folder = rng.choice(folders)
-                files = sorted(p for p in folder.iterdir() if p.is_file())
-                victim = rng.choice(files)
-                how = rng.choice(["flip", "truncate", "delete"])
-                if how == "delete":
-                    victim.unlink(missing_ok=True)
-                elif victim.exists():
-                    data = bytearray(victim.read_bytes())
-                    if how == "truncate":
-                        data = data[:len(data) // 2]
-                    elif data:
-                        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-                    victim.write_bytes(bytes(data))
+            # The run prunes old checkpoints (keep_last=2) meanwhile: a folder or file picked here may
+            # be gone a moment later. Pick again from a fresh scan then; a damaged file is changed in
+            # place, never written anew (that would put a file back into a folder being deleted).
+            how = rng.choice(["flip", "truncate", "delete"])
+            for _ in range(20):
+                try:
+                    folders = stepfolders.scan(root)[0]
+                    if not folders:
+                        return
+                    files = sorted(p for p in rng.choice(folders).iterdir() if p.is_file())
+                    if not files:
+                        continue
+                    victim = rng.choice(files)
+                    if how == "delete":
+                        victim.unlink()
+                    elif how == "truncate":
+                        os.truncate(victim, victim.stat().st_size // 2)
+                    else:
+                        with open(victim, "r+b") as f:
+                            size = os.fstat(f.fileno()).st_size
+                            if size:
+                                f.seek(rng.randrange(size))
+                                byte = f.read(1)[0] ^ (1 << rng.randrange(8))
+                                f.seek(-1, os.SEEK_CUR)
+                                f.write(bytes([byte]))
+                    return
+                except OSError:   # gone meanwhile (or the folder with it)
+                    continue
         elif kind == "fill":
             with open(root.parent / "filler", "wb") as f:
                 try:

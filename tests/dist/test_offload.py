@@ -10,7 +10,7 @@ import torch
 
 import framework
 from framework.models.gpt import gpt_loss
-from tests._helpers import OverflowAt, build_gpt, tiny_config
+from tests._helpers import OverflowAt, build_gpt, env_set, tiny_config
 
 ODD = ["model.d_model=33", "model.n_head=3", "train.steps=8", "train.micro_batch=2", "train.grad_accum=2",
        "train.grad_clip=0.05"]
@@ -37,11 +37,8 @@ def _train(dist, overrides):
 
 
 def _without_kernels(fn, *args):
-    os.environ["FRAMEWORK_OPS"] = "0"
-    try:
+    with env_set(FRAMEWORK_OPS="0"):
         return fn(*args)
-    finally:
-        del os.environ["FRAMEWORK_OPS"]
 
 
 def _pair(dist, stage, offload, extra):

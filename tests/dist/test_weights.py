@@ -21,7 +21,7 @@ import framework
 from framework.models.gpt import gpt_loss
 from framework.persist.tensorfiles import open_weights
 from framework.persist.weights import load_weights, save_weights
-from tests._helpers import build_gpt, tiny_config
+from tests._helpers import build_gpt, env_set, tiny_config
 from tests.dist.test_layout import assemble
 
 ROWS = 8
@@ -169,7 +169,11 @@ def _hf_loss(module, micro):
 
 
 def _hf_case(dist, out_dir, tied_file):
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    with env_set(HF_HUB_OFFLINE="1"):
+        return _hf_round_trip(dist, out_dir, tied_file)
+
+
+def _hf_round_trip(dist, out_dir, tied_file):
     cfg = tiny_config("+stage=zero3", "stage.gather_unit=[GPT2Block]", "stage.stage3_param_persistence_threshold=0")
     engine = framework.initialize(_hf_model(), _hf_loss, cfg, dist)
     g = torch.Generator().manual_seed(dist.rank)
@@ -201,10 +205,10 @@ def _hf_case(dist, out_dir, tied_file):
     return trained, [str(p) for p in paths], reloaded, via_alias, refused
 
 
-def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path):
+def test_save_pretrained_round_trip_and_tied_names(pools, tmp_path, monkeypatch):
     """GPT-2 (tied lm_head / wte) under zero3 on 2 ranks: save_pretrained -> from_pretrained bitwise;
     load_weights takes the tied matrix under either name."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM
     ref = _hf_model()
     sd = {k: v.clone() * 1.5 for k, v in ref.state_dict().items() if k != "transformer.wte.weight"}

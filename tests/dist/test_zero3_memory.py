@@ -218,10 +218,17 @@ def test_world1_zero3_holds_what_ddp_holds():
     with torch.device("meta"):
         model = component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size)
     mib = _param_bytes(model) / 2**20
-    ddp, z3 = _memrun(WORLD1), _memrun(["+stage=zero3", *WORLD1])
-    peak = {k: (m["peak"] - m["base"]) / 2**20 for k, m in (("ddp", ddp), ("zero3", z3))}
-    steady = {k: (m["steady"] - m["base"]) / 2**20 for k, m in (("ddp", ddp), ("zero3", z3))}
-    assert peak["zero3"] <= peak["ddp"] + 0.3 * mib, (peak, mib)
-    # A second copy would be +1.0x the parameter bytes; the margin absorbs allocator noise (measured
-    # +0.10x once on a loaded machine, where 0.1x was the bound).
-    assert steady["zero3"] <= steady["ddp"] + 0.25 * mib, (steady, mib)
+    # A second copy would be +1.0x the parameter bytes over ddp; the margins absorb allocator noise
+    # (measured on a loaded machine: peak +0.08..0.17x, steady +0.10x once where 0.1x was the bound).
+    # A pair measured on a busy machine may land above: up to 3 pairs, the best one counts.
+    def ok(excess):
+        return excess[0] <= 0.3 and excess[1] <= 0.25
+
+    pairs = []
+    while len(pairs) < 3 and not any(ok(e) for e in pairs):
+        ddp, z3 = _memrun(WORLD1), _memrun(["+stage=zero3", *WORLD1])
+        pairs.append(tuple(((z3[k] - z3["base"]) - (ddp[k] - ddp["base"])) / 2**20 / mib for k in ("peak", "steady")))
+    best = min(pairs, key=lambda e: (not ok(e), e[0]))
+    shown = ", ".join(f"peak {p:+.2f}x steady {s:+.2f}x" for p, s in pairs)
+    assert best[0] <= 0.3, f"zero3 over ddp, in parameter bytes ({mib:.0f} MiB): {shown}"
+    assert best[1] <= 0.25, f"zero3 over ddp, in parameter bytes ({mib:.0f} MiB): {shown}"
