@@ -52,7 +52,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
-            cfg = preflight(cfg, run.run_dir, run.job)
+            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir)
             restart_notice(cfg, run)
             if on_owned is not None:
                 on_owned(run.run_dir)

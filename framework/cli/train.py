@@ -399,7 +399,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
-                      if multirun else None)
+                      if multirun else None,
+                      sweep_dir=Path(hc.sweep.dir) if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)

@@ -237,6 +237,26 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     assert f"resumed from {older / 'step-6'} (step 6" in again.stdout, again.stdout
 
 
+def test_resume_latest_in_a_sweep_never_takes_another_jobs_checkpoint(forkrun, tmp_path):
+    """checkpoint.resume=latest in a multirun: job 1 does not resume job 0's checkpoint (the newest one, just
+    written, under multirun/) and report its numbers; a relaunch into the same sweep folder resumes each
+    job's own."""
+    base = [o for o in SHORT if not o.startswith("train.steps=")]
+    sweep = tmp_path / "multirun" / "s"
+    for steps in (2, 3):
+        p = forkrun.run("framework.train", ["-m", "optimizer.lr=1e-3,3e-4", *base, f"train.steps={steps}",
+                                            "checkpoint.every=2", "checkpoint.resume=latest", "hydra.sweep.dir=multirun/s"],
+                        cwd=tmp_path, env=ENV)
+        assert p.returncode == 0, p.stderr
+        resumed = [line for line in p.stdout.splitlines() if "resumed from" in line]
+        if steps == 2:
+            assert not resumed, p.stdout
+        else:
+            assert [str(sweep / str(i) / "checkpoints" / "step-2") in line for i, line in enumerate(resumed)] == [True] * 2, resumed
+    assert [json.loads((sweep / str(i) / "summary.json").read_text())["config"]["optimizer"]["lr"] for i in (0, 1)] \
+        == [1e-3, 3e-4]
+
+
 def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     (tmp_path / "t.txt").write_text("some text to train on, " * 20)
     p = cli(forkrun, tmp_path, "-m", "data=text", "data.path=missing.txt,t.txt", *SHORT)
