@@ -25,6 +25,7 @@ import math
 import os
 import shutil
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -42,7 +43,7 @@ from framework.config import (GROUPS, Config, app_composer, choice_override, com
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, say
+from framework.core.errors import ConfigError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
@@ -420,6 +421,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             say(f"error: {e}")   # (under torchrun every rank prints its line)
             if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
                 sys.exit(1)   # (another launcher reports the job's exit)
+            failed.append(f"job {hc.job.num} ({run.run_dir})")
+            return math.nan
+        except Exception as e:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
+            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
+                raise
+            # Its traceback now (train.log has it too where the loop had started), then its one line; the sweep
+            # goes on and counts it (Hydra would go on silently and end with the traceback of the first).
+            traceback.print_exception(e)
+            say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound

@@ -268,6 +268,22 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
 
 
+def test_a_job_failing_on_another_exception_does_not_end_the_sweep(forkrun, tmp_path):
+    """A RuntimeError (a bug, the allocator's) in job 0 of a sweep: its traceback and one line right away,
+    job 1 runs, and the sweep's count of failed jobs at the end (Hydra ended with the traceback instead)."""
+    base = [o for o in SHORT if not o.startswith("train.steps=")]
+    p = forkrun.run("tests._fault_train", ["-m", "train.steps=2,3", *base, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": f"step:1@0,raise,once={tmp_path / 'fired'}"})
+    assert p.returncode == 1, p.stderr
+    assert (tmp_path / "sweep" / "1" / "summary.json").is_file()   # the job after the failed one ran
+    job0 = f"job 0 ({tmp_path / 'sweep' / '0'})"
+    lines = [line for line in error_lines(p) if line.startswith("error: ")]
+    assert lines == [f"error: {job0} failed: RuntimeError: FRAMEWORK_FAULT: rank 0 raises at step:1",
+                     f"error: 1 job(s) of the sweep failed (their errors are above): {job0}"], p.stderr
+    assert p.stderr.index("Traceback") < p.stderr.index(lines[0])
+    assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()   # kept with the job's run
+
+
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
     """A full disk under metrics.jsonl (here a 5 KiB file size limit, RLIMIT_FSIZE, which job 0's record
     outgrows and job 1's does not): one line for job 0, then job 1, then the sweep's count of failed jobs.
