@@ -23,6 +23,7 @@ import functools
 import itertools
 import math
 import os
+import re
 import shutil
 import sys
 import traceback
@@ -35,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
@@ -135,7 +136,8 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
     or write in (it would fail with a traceback once it tries); else its nearest folder that exists."""
     try:
         folder = Path(str(OmegaConf.select(cfg, key)))
-    except OmegaConfBaseException:   # an interpolation only a running Hydra resolves: Hydra's to check
+    except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
+        check_missing_key(cfg, key, e)
         return None
     base = nearest_existing(folder)
     if not base.is_dir():
@@ -146,6 +148,27 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
         raise ConfigError(f"{key}={folder}: {base} is not writable; fix its permissions or set {key} "
                           "to a writable folder") from None
     return base
+
+
+def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
+    """One line for a folder key (hydra.run.dir, hydra.sweep.dir, hydra.sweep.subdir) interpolating a key that
+    is not in the config (Hydra would fail on it with a traceback), naming the spelling of a group's choice
+    (``${optimizer.name}``: the choice is Hydra's, ``${hydra:runtime.choices.optimizer}``)."""
+    if error is None:
+        try:
+            OmegaConf.select(cfg, key)
+            return
+        except OmegaConfBaseException as e:
+            error = e
+    found = re.match(r"Interpolation key '([^']+)' not found", str(error))
+    if not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra":
+        return   # (Hydra's own keys are filled in by a running Hydra)
+    missing, group = found[1], found[1].split(".")[0]
+    parent, _, last = key.rpartition(".")
+    raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[last]
+    hint = (f"; for the chosen {group} write ${{hydra:runtime.choices.{group}}}"
+            if group in GROUPS and missing in (group, f"{group}.name") else "")
+    raise ConfigError(f"{key}={raw}: the config has no key {missing}{hint}")
 
 
 def check_no_chdir(cfg: DictConfig) -> None:
@@ -457,6 +480,8 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             chosen = mine if chosen is None else {g: n for g, n in chosen.items() if mine.get(g) == n}
             exclude = OmegaConf.to_container(OmegaConf.select(cfg, OVERRIDE_DIRNAME_EXCLUDE) or OmegaConf.create([]))
             base = check_folder(cfg, folder)
+            if folder == "hydra.sweep.dir":
+                check_missing_key(cfg, "hydra.sweep.subdir")
             check_no_chdir(cfg)
             subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:
