@@ -102,8 +102,8 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     names of the config group (conf/ and the primary config's folder), which Hydra's parser cannot
     list without its config loader."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
-        if any(x.startswith("hydra/sweeper=") for x in overrides):
-            return []   # that sweeper samples; its jobs are composed in the job
+        if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
+            return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
         raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
                           "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
                           "(a,b,c) or use range(...)")
