@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config
+from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend)
 from framework.core import files
@@ -216,10 +217,11 @@ def own_run_folder(run: RunInfo) -> int:
 def check_launch_env(cfg: Config) -> None:
     """One line, before anything connects or spawns, for a launch environment that cannot work: those
     ``connect`` refuses (``check_env``: a leftover WORLD_SIZE, Slurm tasks that nothing made into one
-    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules."""
+    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules (1 too, where it was set: a key that
+    is accepted does something)."""
     check_env()
     world = env_int("WORLD_SIZE", 1)
-    if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
+    if world > 1 and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
 
