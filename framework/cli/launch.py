@@ -72,6 +72,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             if dirs[0] != dirs[dist.rank] and run.run_dir.is_dir() and (
                     {p.name for p in run.run_dir.iterdir()} <= {".hydra", "train.log"}):
                 shutil.rmtree(run.run_dir, ignore_errors=True)
+                _remove_stray_sweep(run.sweep_dir, Path(dirs[0]))
             run = replace(run, run_dir=Path(dirs[0]))
             # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
             # "latest" once; every rank stops with its error, or trains the config it resolved.
@@ -212,6 +213,19 @@ def own_run_folder(run: RunInfo) -> int:
         print(f"note: {run.run_dir}'s file system cannot lock {RUN_LOCK} ({os.strerror(e.errno)}): a second run "
               f"into this folder is not detected", file=sys.stderr, flush=True)
     return fd
+
+
+def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
+    """A multirun's sweep folder that this rank's ${now} named apart from rank 0's (its job's folder removed
+    already): removed where it holds nothing but the multirun.yaml Hydra wrote there for this rank."""
+    if sweep_dir is None or sweep_dir.resolve() in rank0_run.resolve().parents:
+        return
+    try:
+        if [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]:
+            (sweep_dir / "multirun.yaml").unlink()
+        sweep_dir.rmdir()   # (only if empty: anything else there is kept)
+    except OSError:
+        return
 
 
 def check_launch_env(cfg: Config) -> None:

@@ -389,15 +389,18 @@ def test_two_local_ranks(forkrun, tmp_path):
 
 
 def test_torchrun_multirun_reuses_group(tmp_path):
+    """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
+    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
-                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
                        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     for i in (0, 1):
-        summary = json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())
+        summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
         assert summary["world"] == 2
+    assert not (tmp_path / "1" / "sweep").exists()
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
