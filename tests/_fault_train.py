@@ -6,7 +6,7 @@ be handed a callback (tests/dist/test_checkpoint_faults.py):
 ``FRAMEWORK_FAULT=<point>@<rank>[,stop][,once=<marker file>]`` ends rank ``rank`` with
 ``os._exit(17)`` (as a kill would, no cleanup) when it reaches ``point`` (``step:<N>``: after train
 step N; ``save-<N>:<point>``: a point of the save of step N); with ``stop`` it sends itself SIGSTOP
-instead (a stalled rank). With ``once`` it fires only if the marker file does not exist yet, and
+instead (a stalled rank), with ``raise`` it raises a RuntimeError (a bug, the allocator's error). With ``once`` it fires only if the marker file does not exist yet, and
 creates it. In-process tests call ``fault`` themselves.
 """
 import os
@@ -19,6 +19,7 @@ def fault(point: str, rank: int) -> None:
     if not spec:
         return
     where, _, once = spec.partition(",once=")
+    where, raises = where.removesuffix(",raise"), where.endswith(",raise")
     where, stop = where.removesuffix(",stop"), where.endswith(",stop")
     if where != f"{point}@{rank}":
         return
@@ -27,6 +28,8 @@ def fault(point: str, rank: int) -> None:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         except FileExistsError:
             return
+    if raises:
+        raise RuntimeError(f"FRAMEWORK_FAULT: rank {rank} raises at {point}")
     print(f"FRAMEWORK_FAULT: rank {rank} {'stops' if stop else 'exits'} at {point}", file=sys.stderr, flush=True)
     if stop:
         os.kill(os.getpid(), signal.SIGSTOP)

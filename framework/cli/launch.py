@@ -31,6 +31,7 @@ import torch.multiprocessing as mp
 from framework.persist import stepfolders
 from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config, check_batch_world
+from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend, slurm_tasks_here)
 from framework.core import files
@@ -54,7 +55,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
-            cfg = preflight(cfg, run.run_dir, run.job)
+            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir)
             restart_notice(cfg, run)
             if on_owned is not None:
                 on_owned(run.run_dir)
@@ -73,6 +74,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             if dirs[0] != dirs[dist.rank] and run.run_dir.is_dir() and (
                     {p.name for p in run.run_dir.iterdir()} <= {".hydra", "train.log"}):
                 shutil.rmtree(run.run_dir, ignore_errors=True)
+                _remove_stray_sweep(run.sweep_dir, Path(dirs[0]))
             run = replace(run, run_dir=Path(dirs[0]))
             # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
             # "latest" once; every rank stops with its error, or trains the config it resolved.
@@ -215,13 +217,27 @@ def own_run_folder(run: RunInfo) -> int:
     return fd
 
 
+def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
+    """A multirun's sweep folder that this rank's ${now} named apart from rank 0's (its job's folder removed
+    already): removed where it holds nothing but the multirun.yaml Hydra wrote there for this rank."""
+    if sweep_dir is None or sweep_dir.resolve() in rank0_run.resolve().parents:
+        return
+    try:
+        if [p.name for p in sweep_dir.iterdir()] == ["multirun.yaml"]:
+            (sweep_dir / "multirun.yaml").unlink()
+        sweep_dir.rmdir()   # (only if empty: anything else there is kept)
+    except OSError:
+        return
+
+
 def check_launch_env(cfg: Config) -> None:
     """One line, before anything connects or spawns, for a launch environment that cannot work: those
     ``connect`` refuses (``check_env``: a leftover WORLD_SIZE, Slurm tasks that nothing made into one
-    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules."""
+    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules (1 too, where it was set: a key that
+    is accepted does something)."""
     check_env()
     world = env_int("WORLD_SIZE", 1)
-    if world > 1 and cfg.dist.nproc > 1 and cfg.dist.nproc != world:
+    if world > 1 and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
         raise ConfigError(f"dist.nproc={cfg.dist.nproc} differs from WORLD_SIZE={world} set by the launcher "
                           f"(torchrun), which makes the ranks; drop dist.nproc or launch {cfg.dist.nproc} ranks")
 

@@ -23,8 +23,10 @@ import functools
 import itertools
 import math
 import os
+import re
 import shutil
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -34,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
@@ -42,7 +44,7 @@ from framework.config import (GROUPS, Config, app_composer, choice_override, com
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, say
+from framework.core.errors import ConfigError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
@@ -100,8 +102,8 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     names of the config group (conf/ and the primary config's folder), which Hydra's parser cannot
     list without its config loader."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
-        if any(x.startswith("hydra/sweeper=") for x in overrides):
-            return []   # that sweeper samples; its jobs are composed in the job
+        if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
+            return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
         raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
                           "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
                           "(a,b,c) or use range(...)")
@@ -134,7 +136,8 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
     or write in (it would fail with a traceback once it tries); else its nearest folder that exists."""
     try:
         folder = Path(str(OmegaConf.select(cfg, key)))
-    except OmegaConfBaseException:   # an interpolation only a running Hydra resolves: Hydra's to check
+    except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
+        check_missing_key(cfg, key, e)
         return None
     base = nearest_existing(folder)
     if not base.is_dir():
@@ -145,6 +148,27 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
         raise ConfigError(f"{key}={folder}: {base} is not writable; fix its permissions or set {key} "
                           "to a writable folder") from None
     return base
+
+
+def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
+    """One line for a folder key (hydra.run.dir, hydra.sweep.dir, hydra.sweep.subdir) interpolating a key that
+    is not in the config (Hydra would fail on it with a traceback), naming the spelling of a group's choice
+    (``${optimizer.name}``: the choice is Hydra's, ``${hydra:runtime.choices.optimizer}``)."""
+    if error is None:
+        try:
+            OmegaConf.select(cfg, key)
+            return
+        except OmegaConfBaseException as e:
+            error = e
+    found = re.match(r"Interpolation key '([^']+)' not found", str(error))
+    if not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra":
+        return   # (Hydra's own keys are filled in by a running Hydra)
+    missing, group = found[1], found[1].split(".")[0]
+    parent, _, last = key.rpartition(".")
+    raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[last]
+    hint = (f"; for the chosen {group} write ${{hydra:runtime.choices.{group}}}"
+            if group in GROUPS and missing in (group, f"{group}.name") else "")
+    raise ConfigError(f"{key}={raw}: the config has no key {missing}{hint}")
 
 
 def check_no_chdir(cfg: DictConfig) -> None:
@@ -399,7 +423,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
                       name=(hc.job.override_dirname or f"job{hc.job.num}") if multirun else None,
                       key=_checkpoint_key(config, job_key(overrides, swept), hc.job.override_dirname)
-                      if multirun else None)
+                      if multirun else None,
+                      sweep_dir=Path(hc.sweep.dir) if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
@@ -419,6 +444,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             say(f"error: {e}")   # (under torchrun every rank prints its line)
             if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
                 sys.exit(1)   # (another launcher reports the job's exit)
+            failed.append(f"job {hc.job.num} ({run.run_dir})")
+            return math.nan
+        except Exception as e:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
+            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
+                raise
+            # Its traceback now (train.log has it too where the loop had started), then its one line; the sweep
+            # goes on and counts it (Hydra would go on silently and end with the traceback of the first).
+            traceback.print_exception(e)
+            say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
@@ -470,6 +504,8 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
             chosen = mine if chosen is None else {g: n for g, n in chosen.items() if mine.get(g) == n}
             exclude = OmegaConf.to_container(OmegaConf.select(cfg, OVERRIDE_DIRNAME_EXCLUDE) or OmegaConf.create([]))
             base = check_folder(cfg, folder)
+            if folder == "hydra.sweep.dir":
+                check_missing_key(cfg, "hydra.sweep.subdir")
             check_no_chdir(cfg)
             subdir = OmegaConf.select(cfg, "hydra.output_subdir")
         for overrides, cfg, config in composed:

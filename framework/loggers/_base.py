@@ -27,6 +27,7 @@ class RunInfo:
     name: str | None      # W&B run name: the job's overrides or number
     key: str | None = None   # a multirun job's checkpoint folder name (None: ``name``)
     resumed: bool = False    # resumed from a checkpoint in run_dir: its W&B run (id in run_dir) goes on
+    sweep_dir: Path | None = None   # a multirun job's sweep folder: resume=latest passes over its other jobs'
 
     @property
     def job(self) -> str | None:

@@ -70,6 +70,7 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
     (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
+    (["-m", "optimizer.lr=interval(0.1,0.2)", "hydra/sweeper=basic"], "needs a sweeper that samples"),
     # a sweep of no job: refused (Hydra would run none and exit 0)
     (["-m", "optimizer=glob(adm*)"], "glob() selects none of the optimizer names (adagrad, adam, adamw, lion, sgd)"),
     (["-m", "optimizer.lr=range(1,1)"], "optimizer.lr=range(1,1): the sweep has no value (range(start, stop[, step])"),
@@ -237,6 +238,26 @@ def test_multirun_two_optimizers(forkrun, tmp_path):
     assert f"resumed from {older / 'step-6'} (step 6" in again.stdout, again.stdout
 
 
+def test_resume_latest_in_a_sweep_never_takes_another_jobs_checkpoint(forkrun, tmp_path):
+    """checkpoint.resume=latest in a multirun: job 1 does not resume job 0's checkpoint (the newest one, just
+    written, under multirun/) and report its numbers; a relaunch into the same sweep folder resumes each
+    job's own."""
+    base = [o for o in SHORT if not o.startswith("train.steps=")]
+    sweep = tmp_path / "multirun" / "s"
+    for steps in (2, 3):
+        p = forkrun.run("framework.train", ["-m", "optimizer.lr=1e-3,3e-4", *base, f"train.steps={steps}",
+                                            "checkpoint.every=2", "checkpoint.resume=latest", "hydra.sweep.dir=multirun/s"],
+                        cwd=tmp_path, env=ENV)
+        assert p.returncode == 0, p.stderr
+        resumed = [line for line in p.stdout.splitlines() if "resumed from" in line]
+        if steps == 2:
+            assert not resumed, p.stdout
+        else:
+            assert [str(sweep / str(i) / "checkpoints" / "step-2") in line for i, line in enumerate(resumed)] == [True] * 2, resumed
+    assert [json.loads((sweep / str(i) / "summary.json").read_text())["config"]["optimizer"]["lr"] for i in (0, 1)] \
+        == [1e-3, 3e-4]
+
+
 def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     (tmp_path / "t.txt").write_text("some text to train on, " * 20)
     p = cli(forkrun, tmp_path, "-m", "data=text", "data.path=missing.txt,t.txt", *SHORT)
@@ -246,6 +267,22 @@ def test_a_failing_job_does_not_end_the_sweep(forkrun, tmp_path):
     lines = error_lines(p)
     assert len(lines) == 2 and "missing.txt" in lines[0], p.stderr
     assert lines[1] == f"error: 1 job(s) of the sweep failed (their errors are above): job 0 ({tmp_path / 'sweep' / '0'})", lines
+
+
+def test_a_job_failing_on_another_exception_does_not_end_the_sweep(forkrun, tmp_path):
+    """A RuntimeError (a bug, the allocator's) in job 0 of a sweep: its traceback and one line right away,
+    job 1 runs, and the sweep's count of failed jobs at the end (Hydra ended with the traceback instead)."""
+    base = [o for o in SHORT if not o.startswith("train.steps=")]
+    p = forkrun.run("tests._fault_train", ["-m", "train.steps=2,3", *base, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": f"step:1@0,raise,once={tmp_path / 'fired'}"})
+    assert p.returncode == 1, p.stderr
+    assert (tmp_path / "sweep" / "1" / "summary.json").is_file()   # the job after the failed one ran
+    job0 = f"job 0 ({tmp_path / 'sweep' / '0'})"
+    lines = [line for line in error_lines(p) if line.startswith("error: ")]
+    assert lines == [f"error: {job0} failed: RuntimeError: FRAMEWORK_FAULT: rank 0 raises at step:1",
+                     f"error: 1 job(s) of the sweep failed (their errors are above): {job0}"], p.stderr
+    assert p.stderr.index("Traceback") < p.stderr.index(lines[0])
+    assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()   # kept with the job's run
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
@@ -352,15 +389,18 @@ def test_two_local_ranks(forkrun, tmp_path):
 
 
 def test_torchrun_multirun_reuses_group(tmp_path):
+    """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
+    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
-                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                        "optimizer=adamw,sgd", *SHORT, f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
                        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     for i in (0, 1):
-        summary = json.loads((tmp_path / "sweep" / str(i) / "summary.json").read_text())
+        summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
         assert summary["world"] == 2
+    assert not (tmp_path / "1" / "sweep").exists()
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):

@@ -137,6 +137,8 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not"),
     ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "NPROC": "4"},
      "dist.nproc=4 differs from WORLD_SIZE=2"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},   # (set: dist.nproc=1)
+     "dist.nproc=1 differs from WORLD_SIZE=2"),
     ({"SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}, "SLURM_NTASKS=4"),
     ({"SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM_STEP_NUM_TASKS=2"),
     ({"WORLD_SIZE": "2x"}, "WORLD_SIZE='2x' is not an integer; unset it or launch with torchrun"),

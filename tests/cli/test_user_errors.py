@@ -69,6 +69,21 @@ def test_run_folder_that_is_a_file_from_the_command_line(forkrun, tmp_path):
         f"error: hydra.run.dir={tmp_path / 'afile'}: {tmp_path / 'afile'} is not a folder; set hydra.run.dir to a folder"]
 
 
+def test_a_folder_key_interpolating_a_missing_key_is_one_line(forkrun, tmp_path):
+    """${optimizer.name} in the run folder (the choice is Hydra's: ${hydra:runtime.choices.optimizer}) or the
+    sweep's subfolder: one line naming the key and the spelling that works, not Hydra's traceback."""
+    hint = "; for the chosen optimizer write ${hydra:runtime.choices.optimizer}"
+    for args, key, value in ((["hydra.run.dir=r/${optimizer.name}"], "hydra.run.dir", "r/${optimizer.name}"),
+                             (["-m", "hydra.sweep.subdir=${optimizer.name}", "hydra.sweep.dir=s"], "hydra.sweep.subdir",
+                              "${optimizer.name}"),
+                             (["-m", "hydra.sweep.dir=s/${model.nope}"], "hydra.sweep.dir", "s/${model.nope}")):
+        p = forkrun.run("framework.train", [*args, "train.steps=2"], cwd=tmp_path)
+        missing = "model.nope" if "nope" in value else "optimizer.name"
+        assert p.returncode == 2 and p.stderr.splitlines() == [
+            f"error: {key}={value}: the config has no key {missing}{hint if 'optimizer' in missing else ''}"], p.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_hydra_job_chdir_is_refused(forkrun, tmp_path):
     """Relative paths (checkpoint.resume, data, outputs/ for resume=latest) are the launch directory's:
     a job moved into its run folder would resume nothing, quietly."""

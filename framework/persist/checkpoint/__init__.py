@@ -154,18 +154,24 @@ def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
 _RUN_TREES = ("outputs", "multirun")
 
 
-def find_latest(root: Path) -> Path | None:
+def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
-    folders one to three levels under the run trees; None if there is none."""
+    folders one to three levels under the run trees; None if there is none. A multirun job's
+    (``sweep_dir``: its sweep's folder) passes over those of the sweep's other jobs there: the job
+    before it, just finished, would always be the newest (a relaunch into the same sweep folder
+    finds each job's own in ``root``)."""
+    skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
-                     for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink())}
+                     for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
+                     and (skip is None or skip not in p.resolve().parents))}
     newest = [found[0] for found, _ in map(stepfolders.scan, roots) if found]
     return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
 
-def preflight(cfg, run_dir: Path | None, job: str | None = None):
+def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every rank loads the
-    same); a checkpoint of another model or optimizer is refused on one line, a damaged one left to the ranks."""
+    same; a multirun job's, ``sweep_dir``, never to another job's of its sweep folder: ``find_latest``); a
+    checkpoint of another model or optimizer is refused on one line, a damaged one left to the ranks."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
@@ -175,7 +181,7 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None):
         except OSError as e:
             raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
                               "a writable folder, or checkpoint.every=0 to save nothing") from None
-    folders, notes = choose(c.resume, root, c.every)
+    folders, notes = choose(c.resume, root, c.every, sweep_dir)
     if c.resume == "latest":   # resolved once, here, so that every rank loads the same
         if not folders:
             print(f"checkpoint: {notes[0]}", flush=True)
@@ -263,19 +269,19 @@ def restore(root: Path) -> None:
               "looking at the committed ones only", flush=True)
 
 
-def choose(resume: str, root: Path, every: int) -> tuple[list[Path], list[str]]:
+def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
     """``candidates``, or none and ``fresh_start``'s note for ``checkpoint.resume=off``; refused as for ``off`` where
     this run resumes from another folder than ``root``, which holds committed checkpoints its saves would overwrite."""
     if resume == "off":
         note = fresh_start(root, every)
         return [], [note] if note else []
-    folders, notes = candidates(resume, root)
+    folders, notes = candidates(resume, root, sweep_dir)
     if folders and every and folders[0].resolve().parent != root.resolve():
         fresh_start(root, every, resume)
     return folders, notes
 
 
-def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
+def candidates(resume: str, root: Path, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
     """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: the run folder of the newest checkpoint,
     ``find_latest``; or a path: a step folder or a folder of them), best first, and one line per ``step-<N>``
     folder passed over (or saying that ``latest`` found none)."""
@@ -283,10 +289,11 @@ def candidates(resume: str, root: Path) -> tuple[list[Path], list[str]]:
         restore(root)
         return stepfolders.scan(root)
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
-        folder = find_latest(root)
+        folder = find_latest(root, sweep_dir)
         if folder is None:
+            others = "" if sweep_dir is None else f" (those of the sweep's other jobs in {sweep_dir} passed over)"
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
-                        f"{', '.join(t + '/' for t in _RUN_TREES)}; starting from step 0"]
+                        f"{', '.join(t + '/' for t in _RUN_TREES)}{others}; starting from step 0"]
         return stepfolders.scan(folder.parent)   # that run's folder: a damaged newest one falls back, as auto does
     path = Path(resume).expanduser()
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
