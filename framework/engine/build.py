@@ -21,7 +21,7 @@ from torch import nn
 
 from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
-from framework.core.errors import ConfigError, DataError, FrameworkError
+from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
@@ -54,6 +54,10 @@ class Engine(contextlib.AbstractContextManager):
         me = weakref.ref(self)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
+        # The stage lays out the trainable parameters once, at setup: a requires_grad changed after it would be
+        # ignored (a frozen one still stepped on its zero gradient, an unfrozen one never trained). Python bools,
+        # compared before each step: one pass over a list, no tensor touched.
+        self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
 
     @property
     def state(self) -> TrainState:
@@ -62,6 +66,7 @@ class Engine(contextlib.AbstractContextManager):
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
+        self._check_trainable("train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -117,6 +122,19 @@ class Engine(contextlib.AbstractContextManager):
         self._check_whole()
         self._check_current(state, what)
 
+    def _check_trainable(self, what: str) -> None:
+        """Refuse a trainable set other than the one the stage was set up with (before anything changes)."""
+        changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
+        if changed:
+            frozen = [name for name, was in changed if was]
+            unfrozen = [name for name, was in changed if not was]
+            parts = ([f"{len(frozen)} frozen ({few(frozen, 3, str)})"] if frozen else []) + \
+                    ([f"{len(unfrozen)} unfrozen ({few(unfrozen, 3, str)})"] if unfrozen else [])
+            raise TrainingError(f"{what}: requires_grad of {len(changed)} parameter{'s' if len(changed) != 1 else ''} "
+                                f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
+                                f"that required grad when it was built: set requires_grad before framework.initialize "
+                                f"(or set it back); to change what trains, build a new engine (close this one first)")
+
     def _check_whole(self) -> None:
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
@@ -169,6 +187,7 @@ class Engine(contextlib.AbstractContextManager):
         def usable() -> None:
             if not write:   # a half-updated or stale state is never saved (a load replaces it: allowed)
                 self._check_whole()
+                self._check_trainable("state_dict or checkpoint save")
                 self._check_current(state, "state_dict or checkpoint save")
             if offload is not None and self.closed:
                 raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
@@ -194,6 +213,7 @@ class Engine(contextlib.AbstractContextManager):
         """Load ``saved`` (every rank's ``state_dict`` of a run of any layout) into ``state``'s tensors in
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
+        self._check_trainable("load_state_dict")
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
