@@ -29,7 +29,7 @@ from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import Components, LossFn, build_train_step, checked_loss
 from framework.core.footprint import Footprint
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 from framework.stages import zero3_sharded
@@ -334,6 +334,15 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             atexit.register(disconnect)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
+    # Every trainable parameter is cast to the working dtype (laid out in flat buffers of it); fp32 ones under
+    # bf16/fp16 are the ordinary case, any other dtype (float64, a 16-bit one in an fp32 run) is said once.
+    cast = [(n, p.dtype) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()
+            and p.dtype not in (policy.param_dtype, torch.float32)]
+    if cast and dist.is_main:
+        names = few(cast, 5, lambda x: f"{x[0]} {dtype_name(x[1])}")
+        print(f"note: initialize: trainable parameters of another dtype ({names}) are cast to precision={policy.name}'s "
+              f"working dtype {dtype_name(policy.param_dtype)} and train in it (forward sees them in it)",
+              file=sys.stderr, flush=True)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)

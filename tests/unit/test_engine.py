@@ -594,3 +594,25 @@ def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_cha
             layer.requires_grad_(not flag)   # set back: training goes on
         state, _ = engine.train_step(state, batch)
         assert state.step == 2
+
+
+def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(capsys):
+    """A float64 (or, in an fp32 run, 16-bit) trainable parameter trains in the working dtype: said once, not
+    left to a Float/Double mismatch deep in forward; an fp32 model under bf16 is the ordinary case (no note)."""
+    def make():
+        module = torch.nn.Linear(3, 2)
+        module.hi = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+        module.lo = torch.nn.Parameter(torch.randn(2, dtype=torch.bfloat16))
+        module.kept = torch.nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
+        return module
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    for precision, note in [("fp32", "(hi float64, lo bfloat16) are cast to precision=fp32's working dtype float32 "
+                                     "and train in it"),
+                            ("bf16", "(hi float64) are cast to precision=bf16's working dtype bfloat16")]:
+        with framework.initialize(make(), loss, tiny_config(f"precision={precision}")) as engine:
+            assert engine.components.module.hi.dtype == engine.components.policy.param_dtype
+        err = capsys.readouterr().err
+        assert f"note: initialize: trainable parameters of another dtype {note}" in err and err.count("note: initialize:") == 1
+    with framework.initialize(torch.nn.Linear(3, 2), loss, tiny_config("precision=bf16")):
+        pass
+    assert "note: initialize" not in capsys.readouterr().err
