@@ -21,7 +21,7 @@ from torch import nn
 
 from framework.config import Config, check_batch_world, compose
 from framework.core.batch import Batch
-from framework.core.errors import ConfigError, DataError, FrameworkError
+from framework.core.errors import ConfigError, DataError, FrameworkError, TrainingError
 from framework.comm.distributed import Dist, agree, connect, disconnect, rank_and_world
 from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
@@ -29,7 +29,7 @@ from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
 from framework.engine.step import Components, LossFn, build_train_step, checked_loss
 from framework.core.footprint import Footprint
-from framework.core.utils import few
+from framework.core.utils import dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
 from framework.persist.weights import save_pretrained, whole_tensors
 from framework.stages import zero3_sharded
@@ -54,6 +54,10 @@ class Engine(contextlib.AbstractContextManager):
         me = weakref.ref(self)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
+        # The stage lays out the trainable parameters once, at setup: a requires_grad changed after it would be
+        # ignored (a frozen one still stepped on its zero gradient, an unfrozen one never trained). Python bools,
+        # compared before each step: one pass over a list, no tensor touched.
+        self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
 
     @property
     def state(self) -> TrainState:
@@ -62,6 +66,7 @@ class Engine(contextlib.AbstractContextManager):
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
+        self._check_trainable("train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -117,6 +122,19 @@ class Engine(contextlib.AbstractContextManager):
         self._check_whole()
         self._check_current(state, what)
 
+    def _check_trainable(self, what: str) -> None:
+        """Refuse a trainable set other than the one the stage was set up with (before anything changes)."""
+        changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
+        if changed:
+            frozen = [name for name, was in changed if was]
+            unfrozen = [name for name, was in changed if not was]
+            parts = ([f"{len(frozen)} frozen ({few(frozen, 3, str)})"] if frozen else []) + \
+                    ([f"{len(unfrozen)} unfrozen ({few(unfrozen, 3, str)})"] if unfrozen else [])
+            raise TrainingError(f"{what}: requires_grad of {len(changed)} parameter{'s' if len(changed) != 1 else ''} "
+                                f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
+                                f"that required grad when it was built: set requires_grad before framework.initialize "
+                                f"(or set it back); to change what trains, build a new engine (close this one first)")
+
     def _check_whole(self) -> None:
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
@@ -169,6 +187,7 @@ class Engine(contextlib.AbstractContextManager):
         def usable() -> None:
             if not write:   # a half-updated or stale state is never saved (a load replaces it: allowed)
                 self._check_whole()
+                self._check_trainable("state_dict or checkpoint save")
                 self._check_current(state, "state_dict or checkpoint save")
             if offload is not None and self.closed:
                 raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
@@ -194,6 +213,7 @@ class Engine(contextlib.AbstractContextManager):
         """Load ``saved`` (every rank's ``state_dict`` of a run of any layout) into ``state``'s tensors in
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
+        self._check_trainable("load_state_dict")
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,
@@ -314,6 +334,15 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             atexit.register(disconnect)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
+    # Every trainable parameter is cast to the working dtype (laid out in flat buffers of it); fp32 ones under
+    # bf16/fp16 are the ordinary case, any other dtype (float64, a 16-bit one in an fp32 run) is said once.
+    cast = [(n, p.dtype) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()
+            and p.dtype not in (policy.param_dtype, torch.float32)]
+    if cast and dist.is_main:
+        names = few(cast, 5, lambda x: f"{x[0]} {dtype_name(x[1])}")
+        print(f"note: initialize: trainable parameters of another dtype ({names}) are cast to precision={policy.name}'s "
+              f"working dtype {dtype_name(policy.param_dtype)} and train in it (forward sees them in it)",
+              file=sys.stderr, flush=True)
     # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)

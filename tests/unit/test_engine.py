@@ -566,3 +566,53 @@ def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass(overlap, where, monkeyp
 
     clean, per_step = run(None)
     assert run({"autograd": 0, "third reduction": 3, "next-to-last reduction": per_step - 1}[where])[0] == clean
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
+def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage):
+    """The stage lays out the trainable set once: a layer frozen later was still stepped (its zero gradient,
+    AdamW's moments and weight decay), one unfrozen later never trained and kept its .grad growing."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    module[2].requires_grad_(False)   # frozen at initialize
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    x = torch.randn(8, 5)
+    batch = framework.Batch(((x, x[:, :3]),))
+    with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+        state, _ = engine.train_step(engine.state, batch)
+        for layer, flag, needle in [(module[0].weight, False, r"1 parameter changed after initialize: 1 frozen \(0\.weight\)"),
+                                    (module[2], True, r"2 parameters changed after initialize: 2 unfrozen \(2\.weight, 2\.bias\)")]:
+            layer.requires_grad_(flag)
+            before = [p.detach().clone() for p in engine.state.params]
+            with pytest.raises(framework.TrainingError, match=r"^train_step: requires_grad of " + needle +
+                               r"; .*set requires_grad before framework\.initialize"):
+                engine.train_step(state, batch)
+            with pytest.raises(framework.TrainingError, match=r"^state_dict or checkpoint save: requires_grad of "):
+                engine.state_dict(state)
+            assert engine.state is state and all(torch.equal(a, b) for a, b in zip(before, state.params))
+            assert all(p.grad is None for p in module.parameters())   # no forward, no backward ran
+            layer.requires_grad_(not flag)   # set back: training goes on
+        state, _ = engine.train_step(state, batch)
+        assert state.step == 2
+
+
+def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(capsys):
+    """A float64 (or, in an fp32 run, 16-bit) trainable parameter trains in the working dtype: said once, not
+    left to a Float/Double mismatch deep in forward; an fp32 model under bf16 is the ordinary case (no note)."""
+    def make():
+        module = torch.nn.Linear(3, 2)
+        module.hi = torch.nn.Parameter(torch.randn(2, dtype=torch.float64))
+        module.lo = torch.nn.Parameter(torch.randn(2, dtype=torch.bfloat16))
+        module.kept = torch.nn.Parameter(torch.randn(2, dtype=torch.float64), requires_grad=False)
+        return module
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    for precision, note in [("fp32", "(hi float64, lo bfloat16) are cast to precision=fp32's working dtype float32 "
+                                     "and train in it"),
+                            ("bf16", "(hi float64) are cast to precision=bf16's working dtype bfloat16")]:
+        with framework.initialize(make(), loss, tiny_config(f"precision={precision}")) as engine:
+            assert engine.components.module.hi.dtype == engine.components.policy.param_dtype
+        err = capsys.readouterr().err
+        assert f"note: initialize: trainable parameters of another dtype {note}" in err and err.count("note: initialize:") == 1
+    with framework.initialize(torch.nn.Linear(3, 2), loss, tiny_config("precision=bf16")):
+        pass
+    assert "note: initialize" not in capsys.readouterr().err
