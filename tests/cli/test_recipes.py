@@ -580,6 +580,29 @@ def test_checks_refuse_keys_they_would_ignore():
     assert recipes.evaluate(jobs, {"checks": [{"metric": "steps", "equals": 2, "tol": 0}]})
 
 
+def _capacity():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("capacity", ROOT / "recipes" / "capacity" / "capacity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("given, says", [(["train.steps=2"], "does not read train.steps; use --steps"),
+                                         (["train.eval_every=1"], "does not read train.eval_every"),
+                                         (["+checkpoint.every=1"], "does not read checkpoint.every"),
+                                         (["dist.nproc=2"], "does not read dist.nproc"),
+                                         (["train.stepz=2"], "unknown key 'train.stepz'"),
+                                         (["--steps", "0"], "--steps must be at least 1")])
+def test_capacity_refuses_bad_input_in_one_line_before_the_disk_test(given, says, tmp_path, capsys):
+    """An override the script composes but never reads (it trains --steps steps), a misspelled key or
+    no steps: one line, exit 2, before the disk bandwidth test (which writes 4 GiB on a full run)."""
+    nvme = tmp_path / "nv"
+    assert _capacity().main(["gpt", "--nvme", str(nvme), "--quick", *given]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert not nvme.exists()
+
 
 def test_before_and_after_commands_take_the_jobs_config():
     """hf_gpt2_zero3's estimate describes the job that trains: --quick's micro batch 2 and a user's
