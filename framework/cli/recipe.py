@@ -39,6 +39,7 @@ from framework.config.schema import get_key
 
 RECIPES_DIR = REPO_ROOT / "recipes"
 ACTIONS = ("run", "prepare", "check")
+JOB_DIRS = "run*-job*"   # the job folders of a recipe's run in its output folder (hydra.sweep.subdir)
 _SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after", "requires"}
 _REQUIRES = {"cuda"}   # what the full run needs of the machine (the quick twin runs anywhere)
 _BOUNDS = {"min", "max", "equals", "tol"}
@@ -95,10 +96,20 @@ def validate_checks(want: dict) -> None:
             raise RecipeError(f"file check {c} has no 'key' (the value to read in the file)")
         if kind in ("metric", "file") and not set(c) & {"min", "max", "equals"}:
             raise RecipeError(f"{kind} check {c} has no bound: give min, max or equals (with tol)")
+        if "tol" in c and "equals" not in c:   # (tol widens only equals)
+            raise RecipeError(f"{kind} check {c}: 'tol' without 'equals' bounds nothing; give equals with it, "
+                              f"or drop it")
         if kind == "memory_scaling":   # ddp's formula saves nothing: only max_change bounds it (_memory)
             need = ["max_change"] if c["memory_scaling"] == "ddp" else ["min_ratio", "max_ratio"]
             if not set(c) & set(need):
                 raise RecipeError(f"memory_scaling check {c} has no bound: give {' or '.join(need)}")
+            unread = ["min_ratio", "max_ratio"] if c["memory_scaling"] == "ddp" else ["max_change"]
+            if used := [k for k in unread if k in c]:
+                raise RecipeError(f"memory_scaling check {c}: {used[0]!r} is not read for {c['memory_scaling']} "
+                                  f"(its bound: {' or '.join(need)}); drop it")
+        for lo, hi in (("min", "max"), ("min_ratio", "max_ratio")):
+            if all(isinstance(c.get(k), (int, float)) for k in (lo, hi)) and c[lo] > c[hi]:
+                raise RecipeError(f"{kind} check {c}: {lo} {c[lo]} is above {hi} {c[hi]} (no value passes)")
 
 
 def find(name: str) -> Recipe:
@@ -206,15 +217,21 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
     if out.is_dir() and (any(out.glob("run*-job*")) or (out / "checks.json").exists()):
         raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
                           f"pass a new folder with --out, or re-check it with `check {out}`")
+    # The recipe places its jobs (hydra.sweep.dir={out}, subdir run<i>-job<n>, which finish reads).
+    if placed := next((o for o in overrides if _key(o) in ("hydra.sweep.dir", "hydra.sweep.subdir")), None):
+        raise RecipeError(f"{placed}: a recipe writes its jobs into --out DIR (as run<i>-job<n>); use --out DIR "
+                          f"instead of {_key(placed)}")
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
     _check_data(recipe, runs)
+    cfg_fill = _config_fill(recipe, runs[0])   # (a {cfg.KEY} naming no key: refused before the folder is made)
     try:
         files.make_dirs(out)
     except OSError as e:   # e.g. --out names a file
         raise RecipeError(f"cannot make the output folder {out} ({e.strerror}); pass a new folder with --out") from None
     t0 = time.perf_counter()
-    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else ""}
+    fill = {"python": sys.executable, "out": str(out), "recipe": str(recipe.dir), "quick": "--quick" if quick else "",
+            **cfg_fill}
     jobs = [(f"run{i}", f"run {i + 1}/{len(runs)}: {' '.join(r) or '(no overrides)'}",
              [sys.executable, "-m", "framework.train", "-m", "--config-dir", str(recipe.dir), "--config-name", "config",
               *r, f"hydra.sweep.dir={out}", f"hydra.sweep.subdir=run{i}-job${{hydra.job.num}}"])
@@ -251,22 +268,49 @@ def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
                             f"with {hint}")
 
 
-def _checked_section(out: Path, quick: bool | None) -> bool:
-    """Whether ``check DIR`` checks against the quick section: the run's own (its checks.json), so a
-    re-check never replaces the verdict of one section with the other's."""
+def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
+    """``{cfg.KEY}`` in a before/after command: KEY's value in the first job's config (overrides,
+    --quick's and the user's, included), so e.g. an estimate describes the job that trains."""
+    wanted = {m for cmd in (*(recipe.spec.get("before") or []), *(recipe.spec.get("after") or []))
+              for a in cmd for m in re.findall(r"(?<!\$)\{(cfg\.[\w.]+)\}", str(a))}
+    if not wanted:
+        return {}
+    cfg, fill = compose_jobs(recipe, run0)[0], {}
+    for key in sorted(wanted):
+        node = cfg
+        for part in key.split(".")[1:]:
+            if not hasattr(node, part):
+                raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: {{{key}}} names no key of the job's config")
+            node = getattr(node, part)
+        fill[key] = json.dumps(node) if isinstance(node, (bool, type(None))) else str(node)
+    return fill
+
+
+def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool, float | None]:
+    """What ``check DIR`` re-checks against: the quick section or the full one, the run's own (its
+    checks.json), so a re-check never replaces the verdict of one section with the other's, nor one
+    recipe's with another's; and the run's own elapsed_s, kept."""
     try:
-        ran = json.loads((out / "checks.json").read_text()).get("quick")
-    except (OSError, ValueError, AttributeError):
-        ran = None
+        before = json.loads((out / "checks.json").read_text())
+    except (OSError, ValueError):
+        before = {}
+    before = before if isinstance(before, dict) else {}
+    name = before.get("recipe")
+    if isinstance(name, str) and name != recipe.name:
+        raise RecipeError(f"{out} holds a run of recipe {name} (its checks.json), not of {recipe.name}; "
+                          f"check it with `python -m framework.recipe {name} check {out}`")
+    ran = before.get("quick")
     if isinstance(ran, bool) and quick is not None and quick != ran:
         raise RecipeError(f"{out} holds a {'quick' if ran else 'full'} run (its checks.json); check it "
                           f"{'with' if ran else 'without'} --quick")
-    return ran if isinstance(ran, bool) else bool(quick)
+    took = before.get("elapsed_s")
+    took = took if isinstance(took, (int, float)) and not isinstance(took, bool) else None
+    return (ran if isinstance(ran, bool) else bool(quick)), took
 
 
 def _fill(arg, fill: dict) -> str:
     # Not str.format: overrides may hold Hydra's ${...} interpolations, left as they are.
-    return re.sub(r"\{(\w+)\}", lambda m: fill.get(m[1], m[0]), str(arg))
+    return re.sub(r"(?<!\$)\{([\w.]+)\}", lambda m: fill.get(m[1], m[0]), str(arg))
 
 
 def _commands(recipe: Recipe, when: str, fill: dict) -> list[tuple[str, str, list[str]]]:
@@ -293,7 +337,8 @@ def _run_logged(cmd: list[str], log: Path, stream) -> None:
 def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = None, stream=None) -> dict:
     """Report, extra plots and checks of a finished (or re-checked) output folder."""
     stream = stream or sys.stdout
-    res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}")
+    # Only this run's own job folders (run() names them): not an earlier run's below --out.
+    res = report.write_report(out, title=f"{recipe.name}{' (quick)' if quick else ''}", pattern=JOB_DIRS)
     jobs = res["jobs"]
     want = recipe.checks(quick)
     results = evaluate(jobs, want, out)
@@ -492,7 +537,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RecipeError(f"check takes one folder (check DIR), not also {' '.join(args[1:])}; overrides "
                                   f"belong to a run, and each folder is checked on its own")
             out = Path(args[0])
-            verdict = finish(recipe, out, quick=_checked_section(out, a.quick))
+            quick, took = _checked_section(recipe, out, a.quick)
+            verdict = finish(recipe, out, quick=quick, elapsed_s=took)
         else:
             out = a.out or Path("outputs") / "recipes" / recipe.name / (time.strftime("%Y-%m-%d_%H-%M-%S")
                                                                        + ("-quick" if a.quick else ""))

@@ -58,14 +58,20 @@ class Job:
         return (self.summary or {}).get("peak_memory_per_rank") or []
 
 
-def load_jobs(root: Path) -> list[Job]:
-    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides."""
+def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
+    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides;
+    with ``pattern`` (a glob), only the job folders directly in ``root`` it names (one run's own, not
+    an earlier run's in a folder below)."""
     root = Path(root)
     if not root.is_dir():
         raise FrameworkError(f"report: {root} is not a folder; pass a Hydra multirun folder "
                              f"(e.g. multirun/<date>/<time>)")
-    dirs = {p.parent for p in root.rglob("summary.json")} | {p.parent.parent for p in root.rglob(".hydra/overrides.yaml")
-                                                             if p.parent.parent != root}
+    if pattern is not None:
+        dirs = {d for d in root.glob(pattern) if (d / "summary.json").is_file()
+                or (d / ".hydra" / "overrides.yaml").is_file()}
+    else:
+        dirs = {p.parent for p in root.rglob("summary.json")} | {
+            p.parent.parent for p in root.rglob(".hydra/overrides.yaml") if p.parent.parent != root}
     jobs = []
     for d in sorted(dirs, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
         overrides = [str(o) for o in _parsed(d / ".hydra" / "overrides.yaml", yaml.safe_load) or []]
@@ -252,7 +258,7 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
     lines = sum(w.count("\n") + 1 for w in wrapped)
     fig, (a, b) = _figure((10, max(2.8, 0.2 * lines + 0.3 * len(done) + 1.6)), 2, sharey=True)
     y = list(range(len(done)))
-    a.barh(y, [j.summary.get("tokens_per_s", 0) for j in done], color="C0")
+    a.barh(y, [j.summary.get("tokens_per_s") or 0 for j in done], color="C0")   # (null: not measured)
     a.set_xlabel("tokens/s")
     a.set_yticks(y, wrapped, fontsize=7)
     a.invert_yaxis()
@@ -346,10 +352,11 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
     return _save(fig, path)
 
 
-def write_report(root: Path, out: Path | None = None, *, title: str | None = None) -> dict:
-    """Write report.md, loss.png and throughput_memory.png; return their paths and the jobs."""
+def write_report(root: Path, out: Path | None = None, *, title: str | None = None, pattern: str | None = None) -> dict:
+    """Write report.md, loss.png and throughput_memory.png of the jobs ``load_jobs(root, pattern)``;
+    return their paths and the jobs."""
     root, out = Path(root), Path(out if out is not None else root)
-    jobs = load_jobs(root)   # first: a wrong folder is refused before anything is made
+    jobs = load_jobs(root, pattern)   # first: a wrong folder is refused before anything is made
     _figure((1, 1))   # and a missing matplotlib
     try:
         files.make_dirs(out)

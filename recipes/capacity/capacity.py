@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from framework.core.errors import FrameworkError
+
 HERE = Path(__file__).resolve().parent
 MODELS = {   # kind -> overrides (full run, quick twin)
     "gpt": (["model.n_layer=36", "model.d_model=3072", "model.n_head=24", "model.context=64"],
@@ -49,6 +51,13 @@ COMMON = ["+stage=zero3", "offload=nvme", "precision=bf16", "train.micro_batch=1
           "offload.sub_group_size=10000000", "offload.buffer_count=4", "offload.pipeline_read=true",
           "offload.pipeline_write=true", "offload.param_buffer_count=3",
           "offload.param_buffer_size=200000000"]
+# Config keys this script composes but never reads (it trains --steps steps in one process, evaluates
+# its own held-out batch after each, prints every step, saves nothing): an override of one is refused,
+# naming what to use instead.
+UNREAD = {"train.steps": "use --steps N", "train.eval_batches": "use --eval-batch N (sequences of the held-out batch)",
+          "train.eval_every": "the held-out batch is evaluated after every step (--eval-batch 0: never)",
+          "train.log_every": "every step is printed", "dist": "it runs one process",
+          "checkpoint": "it saves no checkpoint", "logger": "it prints one JSON line (and writes it to --out FILE)"}
 
 
 def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:
@@ -100,7 +109,26 @@ def ram_total() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def main() -> None:
+def unread(overrides: list[str]) -> str | None:
+    """The message refusing the first override of a key the script does not read (None: all are read)."""
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        hit = next((k for k in UNREAD if key == k or key.startswith(k + ".")), None)
+        if hit is not None:
+            return f"{o}: capacity.py does not read {key}; {UNREAD[hit]}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(argv)
+    except FrameworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--nvme", required=True, help="folder on the disk to swap to")
@@ -111,9 +139,14 @@ def main() -> None:
                          "(one 64-token sequence per step is noisy; 0: none; default: gpt 2, llama 8)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("overrides", nargs="*", help="more config overrides")
-    args = ap.parse_intermixed_args()
+    args = ap.parse_intermixed_args(argv)
     if args.eval_batch is None:
         args.eval_batch = EVAL_BATCH[args.model]
+    if args.steps < 1 or args.eval_batch < 0:
+        raise FrameworkError(f"--steps must be at least 1 (got {args.steps}) and --eval-batch at least 0 "
+                             f"(got {args.eval_batch})")
+    if msg := unread(args.overrides):
+        raise FrameworkError(msg)
     import torch
 
     import framework
@@ -121,12 +154,13 @@ def main() -> None:
     from framework.comm.distributed import connect
 
     torch.set_num_threads(os.cpu_count() or 1)
-    os.makedirs(args.nvme, exist_ok=True)
-    bw_write, bw_read = disk_bandwidth(args.nvme, (64 << 20) if args.quick else (4 << 30))
     kind = "hf" if args.model == "llama" else "gpt-nano"
     model = MODELS[args.model][1 if args.quick else 0]
+    # Composed (and so checked) before the disk test, which writes 4 GiB on a full run.
     cfg = framework.compose([f"model={kind}", *COMMON, *model, f"train.steps={args.steps}",
                              f"offload.nvme_path={os.path.join(args.nvme, 'swap')}", *args.overrides])
+    os.makedirs(args.nvme, exist_ok=True)
+    bw_write, bw_read = disk_bandwidth(args.nvme, (64 << 20) if args.quick else (4 << 30))
     dist = connect("gloo")
     torch.manual_seed(cfg.seed)   # the same initial weights on every run
     data = component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context)

@@ -507,3 +507,113 @@ def test_check_keeps_the_section_of_the_run(equivalence, tmp_path, capsys):
     for extra in (["train.steps=20"], [str(out), "x=1"]):   # would be ignored: refused, the verdict untouched
         _one_line_error(capsys, ["zero_equivalence", "check", str(out), *extra], f"not also {' '.join(extra)}")
     assert json.loads((out / "checks.json").read_text()) == {**verdict, "quick": False}
+
+
+def _crafted_job(d: Path, stage: str = "ddp", **summary) -> None:
+    """A finished job folder as a run writes it (summary.json, metrics.jsonl), small and made up."""
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"steps": 2, "val_loss": 2.0, "tokens_per_s": 10.0, "world": 1,
+                                                "config": {"stage": {"name": stage}}, **summary}))
+    (d / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.0, "val_loss": 2.0}\n')
+
+
+def test_check_refuses_another_recipes_folder_and_keeps_elapsed(tmp_path, capsys):
+    """check DIR under another recipe's name would overwrite the folder's verdict and report with
+    that recipe's (failing) checks: one line, nothing written; a re-check keeps the run's elapsed_s."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "q1"
+    _crafted_job(out / "run0-job0")
+    before = {"recipe": "zero_equivalence", "quick": True, "passed": True, "elapsed_s": 12.5}
+    (out / "checks.json").write_text(json.dumps(before))
+    _one_line_error(capsys, ["memory_scaling", "check", str(out)], "holds a run of recipe zero_equivalence")
+    assert json.loads((out / "checks.json").read_text()) == before and not (out / "report.md").exists()
+    assert recipes.main(["zero_equivalence", "check", str(out)]) == 1   # (its made-up job fails the checks)
+    after = json.loads((out / "checks.json").read_text())
+    assert after["recipe"] == "zero_equivalence" and after["quick"] is True and after["elapsed_s"] == 12.5
+
+
+def test_finish_reads_only_its_own_job_folders(tmp_path):
+    """An --out holding an earlier run one level down (outputs/recipes/NAME, the parent of the
+    timestamped runs, or .): the report and the checks count only this run's run*-job* folders."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "zero_equivalence"
+    _crafted_job(out / "2026-01-01_00-00-00" / "run0-job0", "zero3")
+    _crafted_job(out / "2026-01-01_00-00-00" / "run1-job0", "zero2")
+    _crafted_job(out / "run0-job0")
+    verdict = recipes.finish(recipes.find("zero_equivalence"), out, quick=True, stream=io.StringIO())
+    assert verdict["checks"][0]["finished"] == 1, verdict["checks"][0]
+    md = (out / "report.md").read_text()
+    assert [r.split("|")[1].strip() for r in md.splitlines() if r.startswith("| run")] == ["run0-job0"], md
+    assert len(report.load_jobs(out)) == 3   # (python -m framework.report DIR still reads every depth)
+
+
+def test_report_plots_a_job_without_tokens_per_s(tmp_path, capsys):
+    """summary.json's tokens_per_s null (the validator takes it): a '-' in the table and no bar, not a traceback."""
+    pytest.importorskip("matplotlib")
+    _crafted_job(tmp_path / "0", tokens_per_s=None)
+    report.main([str(tmp_path)])
+    assert (tmp_path / "throughput_memory.png").read_bytes()[:8] == PNG
+    assert "| 2.0000 | - |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["hydra.sweep.dir=elsewhere", "hydra.sweep.subdir=x${hydra.job.num}"])
+def test_run_refuses_hydra_sweep_overrides(given, tmp_path, capsys):
+    """The recipe places its jobs in --out as run<i>-job<n> (finish reads those): a user's
+    hydra.sweep.* would be dropped or hide the jobs; refused in one line naming --out."""
+    out = tmp_path / "out"
+    _one_line_error(capsys, ["zero_equivalence", "--quick", "--out", str(out), given], "use --out DIR")
+    assert not out.exists()
+
+
+def test_checks_refuse_keys_they_would_ignore():
+    """A key a check does not read is refused (recipes/README.md): tol without equals, a ratio bound
+    on ddp's memory check, max_change on a partitioning stage's, and bounds no value can meet."""
+    jobs = [_curve_job("ddp", [3.0, 2.0])]
+    for check, says in (({"metric": "val_loss", "max": 1.0, "tol": 0.1}, "'tol' without 'equals'"),
+                        ({"file": "r.json", "key": "x", "min": 1, "tol": 0.1}, "'tol' without 'equals'"),
+                        ({"memory_scaling": "ddp", "max_change": 0.05, "min_ratio": 0.8}, "'min_ratio' is not read"),
+                        ({"memory_scaling": "zero1", "min_ratio": 0.8, "max_change": 0.05}, "'max_change' is not read"),
+                        ({"metric": "val_loss", "min": 2.0, "max": 1.0}, "min 2.0 is above max 1.0"),
+                        ({"memory_scaling": "zero3", "min_ratio": 1.2, "max_ratio": 0.8}, "min_ratio 1.2 is above")):
+        with pytest.raises(recipes.RecipeError, match=says):
+            recipes.evaluate(jobs, {"checks": [check]})
+    assert recipes.evaluate(jobs, {"checks": [{"metric": "steps", "equals": 2, "tol": 0}]})
+
+
+def _capacity():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("capacity", ROOT / "recipes" / "capacity" / "capacity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("given, says", [(["train.steps=2"], "does not read train.steps; use --steps"),
+                                         (["train.eval_every=1"], "does not read train.eval_every"),
+                                         (["+checkpoint.every=1"], "does not read checkpoint.every"),
+                                         (["dist.nproc=2"], "does not read dist.nproc"),
+                                         (["train.stepz=2"], "unknown key 'train.stepz'"),
+                                         (["--steps", "0"], "--steps must be at least 1")])
+def test_capacity_refuses_bad_input_in_one_line_before_the_disk_test(given, says, tmp_path, capsys):
+    """An override the script composes but never reads (it trains --steps steps), a misspelled key or
+    no steps: one line, exit 2, before the disk bandwidth test (which writes 4 GiB on a full run)."""
+    nvme = tmp_path / "nv"
+    assert _capacity().main(["gpt", "--nvme", str(nvme), "--quick", *given]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
+    assert not nvme.exists()
+
+
+def test_before_and_after_commands_take_the_jobs_config():
+    """hf_gpt2_zero3's estimate describes the job that trains: --quick's micro batch 2 and a user's
+    override reach it through {cfg.KEY}, not recipe.yaml's hard-coded 8; a key the config lacks is refused."""
+    r = recipes.find("hf_gpt2_zero3")
+    run0 = [recipes._fill(o, {"recipe": str(r.dir)}) for o in recipes.merge_overrides(r.runs(True)[0], ["model.context=32"])]
+    fill = recipes._config_fill(r, run0)
+    (_, _, estimate), = recipes._commands(r, "before", fill)
+    assert "train.micro_batch=2" in estimate and "context=32" in estimate and "dist.nproc=2" in estimate, estimate
+    bad = recipes.Recipe(r.name, r.dir, {**r.spec, "after": [["echo", "{cfg.train.stepz}", "${hydra.job.num}"]]},
+                         r.expected)
+    with pytest.raises(recipes.RecipeError, match=r"\{cfg.train.stepz\} names no key"):
+        recipes._config_fill(bad, run0)
+    assert recipes._fill("${hydra.job.num}-{out}", {"out": "o", "hydra.job.num": "x"}) == "${hydra.job.num}-o"
