@@ -197,9 +197,30 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields."""
+    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields. A
+    mixture-of-experts model that returns its router's load-balancing loss (``output_router_logits``: Mixtral,
+    Qwen-MoE, OLMoE, ...) adds it times ``router_aux_loss_coef``, as transformers' own loss does."""
     x, y = batch
-    return next_token_loss(model(input_ids=x, use_cache=False).logits, y)
+    out = model(input_ids=x, use_cache=False)
+    loss = next_token_loss(out.logits, y)
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        loss = loss + _router_aux_loss_coef(model) * aux.to(loss.device)
+    return loss
+
+
+def _router_aux_loss_coef(model: nn.Module) -> float:
+    """The weight transformers gives a model's ``aux_loss`` in its loss: the model's ``router_aux_loss_coef``
+    (copied from its config), else its config's or its text config's (multimodal MoE models read that one)."""
+    coef = getattr(model, "router_aux_loss_coef", None)
+    config = getattr(model, "config", None)
+    for conf in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
+        if coef is None and conf is not None:
+            coef = getattr(conf, "router_aux_loss_coef", None)
+    if coef is None:
+        raise ConfigError(f"{type(model).__name__} returns a router aux_loss but states no router_aux_loss_coef; "
+                          f"set router_aux_loss_coef in its config.json (or output_router_logits=false)")
+    return float(coef)
 
 
 def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:

@@ -373,3 +373,39 @@ def test_old_rotary_inv_freq_and_position_ids_keys_are_ignored_as_from_pretraine
     with_ids = nn.Module()
     with_ids.register_buffer("position_ids", torch.arange(4), persistent=False)
     assert checkpoint_names(with_ids, [key], set())[key] is None
+
+
+MIXTRAL = dict(model_type="mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=96, max_position_embeddings=32, num_local_experts=4,
+               num_experts_per_tok=2, router_aux_loss_coef=0.5, output_router_logits=True)
+
+
+def test_moe_loss_adds_the_router_load_balancing_loss_as_transformers_does(tmp_path):
+    """A Mixtral with output_router_logits trains on cross-entropy + router_aux_loss_coef * aux_loss
+    (transformers' own loss), under zero3 too; without output_router_logits, on the cross-entropy alone."""
+    from framework.models._base import next_token_loss
+
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    cfg = hf_cfg(tmp_path / "config.json")
+    model, data = build(cfg, meta=False)
+    x, _ = data.train_batch(0, micro_batch=3, grad_accum=1, rank=0, world=1).micro[0]
+    # transformers shifts labels=x itself and ignores the last position: y is x shifted, its last target ignored
+    y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+    theirs = model(input_ids=x, labels=x)
+    assert theirs.aux_loss.item() > 0
+    ours = causal_lm_loss(model, (x, y))
+    assert ours.item() == pytest.approx(theirs.loss.item(), rel=1e-6)
+    plain = next_token_loss(model(input_ids=x).logits, y)
+    assert ours.item() == pytest.approx(plain.item() + 0.5 * theirs.aux_loss.item(), rel=1e-6)
+    batch = data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
+    expected = causal_lm_loss(model, batch.micro[0]).item()
+    zcfg = hf_cfg(tmp_path / "config.json", "+stage=zero3")
+    zmodel, _ = build(zcfg)
+    with framework.initialize(zmodel, component(zcfg, "model").loss, zcfg) as engine:
+        _, m = engine.train_step(engine.state, batch)
+    assert m["loss"] == pytest.approx(expected, rel=1e-5)
+
+    model.config.output_router_logits = False
+    out = model(input_ids=x)
+    assert getattr(out, "aux_loss", None) is None
+    assert causal_lm_loss(model, (x, y)).item() == pytest.approx(next_token_loss(out.logits, y).item(), rel=1e-6)
