@@ -258,6 +258,10 @@ def test_save_pretrained_writes_the_config_of_a_subclass_of_a_transformers_model
     (dict(model_type="ctrl", n_embd=32, n_layer=2, n_head=4, dff=64, vocab_size=96, n_positions=64,
           activation_checkpointing=True),
      "model.activation_checkpointing=true is not supported by CTRLLMHeadModel"),
+    # Custom model code: one short line (not transformers' list of every model type it knows)
+    (dict(model_type="mymodel", hidden_size=32, auto_map={"AutoConfig": "configuration_my.MyConfig",
+                                                          "AutoModelForCausalLM": "modeling_my.MyLM"}),
+     "has model_type 'mymodel', which transformers"),
 ])
 def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
     import json
@@ -270,6 +274,9 @@ def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    if raw["model_type"] == "mymodel":
+        assert "names custom model code (auto_map); custom model code is not supported" in str(e.value)
+        assert len(str(e.value)) < 300, str(e.value)
     if raw["model_type"] == "gpt_neo":   # eager builds
         cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
                                  "model.attn_implementation=eager"])
