@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import registry
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -89,6 +90,19 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     """A missing ``model.config`` / ``model.pretrained`` file is refused before the run folder is made."""
     _raw_config(cfg)
     return cfg
+
+
+def notes(cfg: HFConfig, run: Any) -> list[str]:
+    """A config.json naming a dtype (``dtype``, or ``torch_dtype`` before transformers 5: most hub configs say
+    bfloat16) other than the precision's working dtype: the model trains in the precision's, so say so."""
+    key, file, raw = _raw_config(cfg)
+    stated = raw.get("dtype", raw.get("torch_dtype"))
+    want = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
+    ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
+    if want is None or ours is None or want == ours:
+        return []
+    return [f"note: {key}: {file} says dtype {stated}; training in {ours} (precision={ours}); set precision={want} "
+            f"to match"]
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
@@ -378,4 +392,4 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size, trace_loss=trace_loss, check=check)
+                           hidden_size=hidden_size, trace_loss=trace_loss, check=check, notes=notes)

@@ -416,3 +416,18 @@ def test_moe_loss_adds_the_router_load_balancing_loss_as_transformers_does(tmp_p
     out = model(input_ids=x)
     assert getattr(out, "aux_loss", None) is None
     assert causal_lm_loss(model, (x, y)).item() == pytest.approx(next_token_loss(out.logits, y).item(), rel=1e-6)
+
+
+def test_a_config_dtype_other_than_the_precisions_is_a_note(tmp_path):
+    """Most hub configs say bfloat16; the model trains in the precision's dtype, and a note says so."""
+    for key, stated, precision, note in (("dtype", "bfloat16", "fp32", "set precision=bf16 to match"),
+                                         ("torch_dtype", "float16", "bf16", "set precision=fp16 to match"),
+                                         ("dtype", "bfloat16", "bf16", None), ("dtype", "float32", "fp32", None),
+                                         (None, None, "fp32", None)):
+        path = write_config("llama", tmp_path, **({key: stated} if key else {}))
+        notices = [n for n in hf_cfg(path, f"precision={precision}").notices if "config.json says" in n]
+        if note is None:
+            assert notices == [], notices
+        else:
+            assert notices == [f"note: model.config: {path} says dtype {stated}; training in {precision} "
+                               f"(precision={precision}); {note}"]
