@@ -256,12 +256,12 @@ def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 def _router_aux_loss_coef(model: nn.Module) -> float:
     """The weight transformers gives a model's ``aux_loss`` in its loss: the model's ``router_aux_loss_coef``
-    (copied from its config), else its config's or its text config's (multimodal MoE models read that one)."""
-    coef = getattr(model, "router_aux_loss_coef", None)
+    (copied from its config; JetMoe's ``aux_loss_coef``), else its config's or its text config's (multimodal
+    MoE models read that one)."""
     config = getattr(model, "config", None)
-    for conf in (config, config.get_text_config() if hasattr(config, "get_text_config") else None):
-        if coef is None and conf is not None:
-            coef = getattr(conf, "router_aux_loss_coef", None)
+    owners = (model, config, config.get_text_config() if hasattr(config, "get_text_config") else None)
+    coef = next((getattr(o, name) for name in ("router_aux_loss_coef", "aux_loss_coef") for o in owners
+                 if o is not None and getattr(o, name, None) is not None), None)
     if coef is None:
         raise ConfigError(f"{type(model).__name__} returns a router aux_loss but states no router_aux_loss_coef; "
                           f"set router_aux_loss_coef in its config.json (or output_router_logits=false)")

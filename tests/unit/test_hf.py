@@ -431,3 +431,16 @@ def test_a_config_dtype_other_than_the_precisions_is_a_note(tmp_path):
         else:
             assert notices == [f"note: model.config: {path} says dtype {stated}; training in {precision} "
                                f"(precision={precision}); {note}"]
+
+
+def test_jetmoe_router_loss_takes_its_aux_loss_coef():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("jetmoe", hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+                                  intermediate_size=64, vocab_size=96, max_position_embeddings=32, num_local_experts=4,
+                                  num_experts_per_tok=2, output_router_logits=True, aux_loss_coef=0.3)
+    model = AutoModelForCausalLM.from_config(config)
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    theirs = model(input_ids=x, labels=x).loss
+    y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+    assert causal_lm_loss(model, (x, y)).item() == pytest.approx(theirs.item(), rel=1e-6)
