@@ -32,6 +32,8 @@ from yaml import YAMLError
 
 from framework.engine.build import component
 from framework.memory.model import build_vocab, nvme_pools, predict, state_bytes
+from framework.models.hf import causal_lm_class as hf_causal_lm_class
+from framework.models.hf import load_config as hf_load_config
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
@@ -53,20 +55,18 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         import transformers
     except ImportError:
         raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
-    config_path = path / "config.json" if path.is_dir() else path
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(config_path))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"estimate: cannot read {config_path} as a Hugging Face config: "
-                          f"{first_line(e)}") from None
+    # Read as model=hf reads it (custom model code refused in one line, never a prompt to run it).
+    config_path, config = hf_load_config(path, key="estimate: model")
     # transformers builds a model of -1 layers without a word (and fails later, in its forward)
     for conf in {id(c): c for c in (config, _text_config(config))}.values():
         for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(conf, key, None)
             if isinstance(value, int) and value < 1:
                 raise ConfigError(f"estimate: {config_path}: {key}={value} must be >= 1")
+    # The class training builds (model=hf: AutoModelForCausalLM's), whatever "architectures" names (a config
+    # saved from AutoModel says LlamaModel: no LM head); another model (e.g. multimodal) for the tables alone.
     archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
+    cls = getattr(transformers, archs[0], None) if archs and hf_causal_lm_class(config) is None else None
     try:
         with torch.device("meta"):
             if cls is not None:

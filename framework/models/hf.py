@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError
+from framework.core.registry import registry
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
 
@@ -63,9 +64,10 @@ def architecture(module: nn.Module) -> dict | None:
     return json.loads(json.dumps(body, sort_keys=True, default=str))
 
 
-def _raw_config(cfg: HFConfig) -> tuple[str, Path, dict]:
-    """(key, file, contents) of the config.json named by ``model.config`` or ``model.pretrained``."""
-    key, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)
+def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]:
+    """(key, file, contents) of the config.json named by ``model.config`` or ``model.pretrained`` (or ``key``)."""
+    own, where = ("model.pretrained", cfg.pretrained) if cfg.pretrained is not None else ("model.config", cfg.config)
+    key = key or own
     path = Path(where).expanduser()
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
@@ -90,19 +92,66 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     return cfg
 
 
+def notes(cfg: HFConfig, run: Any) -> list[str]:
+    """A config.json naming a dtype (``dtype``, or ``torch_dtype`` before transformers 5: most hub configs say
+    bfloat16) other than the precision's working dtype: the model trains in the precision's, so say so."""
+    key, file, raw = _raw_config(cfg)
+    stated = raw.get("dtype", raw.get("torch_dtype"))
+    want = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
+    ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
+    if want is None or ours is None or want == ours:
+        return []
+    return [f"note: {key}: {file} says dtype {stated}; training in {ours} (precision={ours}); set precision={want} "
+            f"to match"]
+
+
 def hidden_size(cfg: HFConfig) -> int | None:
     """The model's hidden size from its config.json (nothing built); a file that leaves it out gets
     transformers' default for its model_type, as ``build`` would (offline: nothing is downloaded)."""
-    raw = _raw_config(cfg)[2]
+    key, file, raw = _raw_config(cfg)
     value = next((raw[k] for k in ("hidden_size", "n_embd", "d_model") if k in raw), None)
     if value is None:
         try:
-            import transformers
-            config = transformers.AutoConfig.for_model(raw.pop("model_type"), **raw)
+            config = _transformers_config(key, file, raw)
         except Exception:  # noqa: BLE001 - build() says what is wrong
             return None
         value = getattr(config, "hidden_size", None)
     return value if isinstance(value, int) else None
+
+
+def load_config(path: str | Path, key: str = "model.config") -> tuple[Path, Any]:
+    """(file, transformers config) of a ``config.json`` or a folder holding one, read as ``build`` reads it
+    (offline, no custom code: never a prompt); ``key`` names the path in its errors."""
+    _, file, raw = _raw_config(HFConfig(config=str(path)), key)
+    return file, _transformers_config(key, file, raw)
+
+
+def causal_lm_class(config: Any) -> type | None:
+    """The class ``build`` makes of a transformers config (``AutoModelForCausalLM``'s for its type), or None
+    when transformers has no causal LM for it."""
+    import transformers
+
+    mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
+    return mapping[type(config)] if type(config) in mapping else None
+
+
+def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
+    """The transformers config of a config.json's contents; a model_type transformers does not know
+    (custom model code, ``auto_map``) is one line, before transformers is asked (it would list every type
+    it knows, or offer to download and run the code)."""
+    import transformers
+
+    raw = dict(raw)
+    model_type = raw.pop("model_type")
+    if not isinstance(model_type, str) or model_type not in transformers.CONFIG_MAPPING:
+        code = " and names custom model code (auto_map)" if "auto_map" in raw else ""
+        raise ConfigError(f"{key}: {file} has model_type {model_type!r}, which transformers {transformers.__version__} "
+                          f"does not know{code}; custom model code is not supported: build the model yourself "
+                          f"and pass it to framework.initialize")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **raw)
+    except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
+        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
 
 
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
@@ -113,11 +162,7 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except ImportError:
         raise ConfigError("model=hf needs the hf extra: pip install -e '.[hf]' (transformers, safetensors)") from None
     key, file, raw = _raw_config(cfg)
-    model_type = raw.pop("model_type")
-    try:
-        config = transformers.AutoConfig.for_model(model_type, **raw)
-    except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
-        raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
+    config = _transformers_config(key, file, raw)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise ConfigError(f"the data has {vocab_size} token ids but the model's vocabulary has {config.vocab_size} "
                           f"(vocab_size in {cfg.pretrained or cfg.config}); use data whose tokenizer fits the model "
@@ -126,10 +171,10 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     if limit is not None and cfg.context > limit:
         raise ConfigError(f"model.context={cfg.context} exceeds the model's max_position_embeddings ({limit}); "
                           f"set model.context <= {limit}")
-    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise ConfigError(f"{key}: model_type {model_type} is not a causal language model (transformers has no "
-                          f"AutoModelForCausalLM class for it); model=hf trains causal LMs only")
-    cls = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    cls = causal_lm_class(config)
+    if cls is None:
+        raise ConfigError(f"{key}: model_type {config.model_type} is not a causal language model (transformers has "
+                          f"no AutoModelForCausalLM class for it); model=hf trains causal LMs only")
     if cfg.attn_implementation == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         raise ConfigError(f"model.attn_implementation=sdpa is not supported by {cls.__name__}; "
                           f"set model.attn_implementation=eager")
@@ -197,9 +242,30 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields."""
+    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields. A
+    mixture-of-experts model that returns its router's load-balancing loss (``output_router_logits``: Mixtral,
+    Qwen-MoE, OLMoE, ...) adds it times ``router_aux_loss_coef``, as transformers' own loss does."""
     x, y = batch
-    return next_token_loss(model(input_ids=x, use_cache=False).logits, y)
+    out = model(input_ids=x, use_cache=False)
+    loss = next_token_loss(out.logits, y)
+    aux = getattr(out, "aux_loss", None)
+    if aux is not None:
+        loss = loss + _router_aux_loss_coef(model) * aux.to(loss.device)
+    return loss
+
+
+def _router_aux_loss_coef(model: nn.Module) -> float:
+    """The weight transformers gives a model's ``aux_loss`` in its loss: the model's ``router_aux_loss_coef``
+    (copied from its config; JetMoe's ``aux_loss_coef``), else its config's or its text config's (multimodal
+    MoE models read that one)."""
+    config = getattr(model, "config", None)
+    owners = (model, config, config.get_text_config() if hasattr(config, "get_text_config") else None)
+    coef = next((getattr(o, name) for name in ("router_aux_loss_coef", "aux_loss_coef") for o in owners
+                 if o is not None and getattr(o, name, None) is not None), None)
+    if coef is None:
+        raise ConfigError(f"{type(model).__name__} returns a router aux_loss but states no router_aux_loss_coef; "
+                          f"set router_aux_loss_coef in its config.json (or output_router_logits=false)")
+    return float(coef)
 
 
 def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
@@ -326,4 +392,4 @@ def declared_layers(module: nn.Module) -> list[str]:
 
 
 COMPONENT = ModelComponent(config=HFConfig, build=build, loss=causal_lm_loss, weights=lambda cfg: cfg.pretrained,
-                           hidden_size=hidden_size, trace_loss=trace_loss, check=check)
+                           hidden_size=hidden_size, trace_loss=trace_loss, check=check, notes=notes)

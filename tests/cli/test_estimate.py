@@ -211,6 +211,27 @@ def test_values_past_a_float_and_an_unbuildable_config_are_one_line(tmp_path, mo
         assert err.startswith("error: estimate:") and needle in err, err
 
 
+def test_hf_config_is_sized_as_training_builds_it(tmp_path, monkeypatch, capsys):
+    """The class model=hf trains (AutoModelForCausalLM's), whatever "architectures" names: a config saved
+    from AutoModel (LlamaModel) still gets its LM head counted. Custom model code is one line, no prompt."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    raw = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 16,
+           "tie_word_embeddings": False, "architectures": ["LlamaModel"]}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with torch.device("meta"):
+        lm = transformers.LlamaForCausalLM(transformers.LlamaConfig(**raw))
+    assert main([f"model={tmp_path / 'config.json'}", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["params"] == count_module(lm).params == 2 * 32_000 + 9_280 + 32   # with the head
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mymodel", "hidden_size": 32, "auto_map": {
+        "AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyLM"}}))
+    assert main([f"model={tmp_path / 'config.json'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: estimate: model:") and err.count("\n") == 1, err
+    assert "names custom model code (auto_map); custom model code is not supported" in err and "[y/N]" not in err
+
+
 # --- the prediction against the OS -----------------------------------------------------------
 
 MEASURED = [  # (overrides, world): three stages, with and without offload and checkpointing

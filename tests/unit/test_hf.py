@@ -258,6 +258,10 @@ def test_save_pretrained_writes_the_config_of_a_subclass_of_a_transformers_model
     (dict(model_type="ctrl", n_embd=32, n_layer=2, n_head=4, dff=64, vocab_size=96, n_positions=64,
           activation_checkpointing=True),
      "model.activation_checkpointing=true is not supported by CTRLLMHeadModel"),
+    # Custom model code: one short line (not transformers' list of every model type it knows)
+    (dict(model_type="mymodel", hidden_size=32, auto_map={"AutoConfig": "configuration_my.MyConfig",
+                                                          "AutoModelForCausalLM": "modeling_my.MyLM"}),
+     "has model_type 'mymodel', which transformers"),
 ])
 def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
     import json
@@ -270,6 +274,9 @@ def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
         with framework.zero_init():
             component(cfg, "model").build(cfg.model)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    if raw["model_type"] == "mymodel":
+        assert "names custom model code (auto_map); custom model code is not supported" in str(e.value)
+        assert len(str(e.value)) < 300, str(e.value)
     if raw["model_type"] == "gpt_neo":   # eager builds
         cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
                                  "model.attn_implementation=eager"])
@@ -373,3 +380,67 @@ def test_old_rotary_inv_freq_and_position_ids_keys_are_ignored_as_from_pretraine
     with_ids = nn.Module()
     with_ids.register_buffer("position_ids", torch.arange(4), persistent=False)
     assert checkpoint_names(with_ids, [key], set())[key] is None
+
+
+MIXTRAL = dict(model_type="mixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=96, max_position_embeddings=32, num_local_experts=4,
+               num_experts_per_tok=2, router_aux_loss_coef=0.5, output_router_logits=True)
+
+
+def test_moe_loss_adds_the_router_load_balancing_loss_as_transformers_does(tmp_path):
+    """A Mixtral with output_router_logits trains on cross-entropy + router_aux_loss_coef * aux_loss
+    (transformers' own loss), under zero3 too; without output_router_logits, on the cross-entropy alone."""
+    from framework.models._base import next_token_loss
+
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    cfg = hf_cfg(tmp_path / "config.json")
+    model, data = build(cfg, meta=False)
+    x, _ = data.train_batch(0, micro_batch=3, grad_accum=1, rank=0, world=1).micro[0]
+    # transformers shifts labels=x itself and ignores the last position: y is x shifted, its last target ignored
+    y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+    theirs = model(input_ids=x, labels=x)
+    assert theirs.aux_loss.item() > 0
+    ours = causal_lm_loss(model, (x, y))
+    assert ours.item() == pytest.approx(theirs.loss.item(), rel=1e-6)
+    plain = next_token_loss(model(input_ids=x).logits, y)
+    assert ours.item() == pytest.approx(plain.item() + 0.5 * theirs.aux_loss.item(), rel=1e-6)
+    batch = data.train_batch(0, micro_batch=2, grad_accum=1, rank=0, world=1)
+    expected = causal_lm_loss(model, batch.micro[0]).item()
+    zcfg = hf_cfg(tmp_path / "config.json", "+stage=zero3")
+    zmodel, _ = build(zcfg)
+    with framework.initialize(zmodel, component(zcfg, "model").loss, zcfg) as engine:
+        _, m = engine.train_step(engine.state, batch)
+    assert m["loss"] == pytest.approx(expected, rel=1e-5)
+
+    model.config.output_router_logits = False
+    out = model(input_ids=x)
+    assert getattr(out, "aux_loss", None) is None
+    assert causal_lm_loss(model, (x, y)).item() == pytest.approx(next_token_loss(out.logits, y).item(), rel=1e-6)
+
+
+def test_a_config_dtype_other_than_the_precisions_is_a_note(tmp_path):
+    """Most hub configs say bfloat16; the model trains in the precision's dtype, and a note says so."""
+    for key, stated, precision, note in (("dtype", "bfloat16", "fp32", "set precision=bf16 to match"),
+                                         ("torch_dtype", "float16", "bf16", "set precision=fp16 to match"),
+                                         ("dtype", "bfloat16", "bf16", None), ("dtype", "float32", "fp32", None),
+                                         (None, None, "fp32", None)):
+        path = write_config("llama", tmp_path, **({key: stated} if key else {}))
+        notices = [n for n in hf_cfg(path, f"precision={precision}").notices if "config.json says" in n]
+        if note is None:
+            assert notices == [], notices
+        else:
+            assert notices == [f"note: model.config: {path} says dtype {stated}; training in {precision} "
+                               f"(precision={precision}); {note}"]
+
+
+def test_jetmoe_router_loss_takes_its_aux_loss_coef():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("jetmoe", hidden_size=32, num_hidden_layers=1, num_key_value_heads=2, kv_channels=8,
+                                  intermediate_size=64, vocab_size=96, max_position_embeddings=32, num_local_experts=4,
+                                  num_experts_per_tok=2, output_router_logits=True, aux_loss_coef=0.3)
+    model = AutoModelForCausalLM.from_config(config)
+    x = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    theirs = model(input_ids=x, labels=x).loss
+    y = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], dim=1)
+    assert causal_lm_loss(model, (x, y)).item() == pytest.approx(theirs.item(), rel=1e-6)
