@@ -106,15 +106,20 @@ class CPUOffloadConfig:
     overlap_step: bool = False
 
 
+def check_ratio(ratio: float) -> None:
+    if not 0.0 <= ratio <= 1.0:
+        raise ConfigError(f"config: offload.ratio must be in [0, 1], got {ratio}")
+
+
 def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> HostPlacement:
-    if not 0.0 <= cfg.ratio <= 1.0:
-        raise ConfigError(f"offload.ratio must be in [0, 1], got {cfg.ratio}")
+    check_ratio(cfg.ratio)   # (a config built without framework.config's checks)
     return HostPlacement(cfg.ratio, cfg.pin_memory, HostShards() if cfg.params == "cpu" else Shards(),
                          overlap_step=cfg.overlap_step, accelerator=accelerator)
 
 
 def check(node: CPUOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> CPUOffloadConfig:
     """``offload.params`` against the stage (the configuration's check for this target)."""
+    check_ratio(node.ratio)
     if node.params not in ("none", "cpu"):
         hint = {"nvme": " (parameter shards on disk: offload=nvme)",
                 "True": " (the former offload.params=true is offload.params=cpu)",

@@ -169,6 +169,9 @@ def test_nvme_schema_resolves_params_auto_per_stage():
      "which zero3 parameter shards in host memory (offload.params=cpu) cannot share"),
     (["+stage=zero2", "offload=cpu", "offload.ratio=0", "offload.overlap_step=true"],
      "offload.overlap_step=true has no effect with offload.ratio=0"),
+    # refused by the config, before the CLI makes a run folder (not when the engine is built)
+    (["+stage=zero2", "offload=cpu", "offload.ratio=1.5"], "config: offload.ratio must be in [0, 1], got 1.5"),
+    (["+stage=zero2", "offload=cpu", "offload.ratio=-0.5"], "offload.ratio must be in [0, 1], got -0.5"),
     # keys of a tier that is off would do nothing
     (["+stage=zero2", "offload=nvme", "offload.param_buffer_size=1"],
      "offload.param_buffer_size has no effect unless offload.params=nvme; remove it"),
