@@ -9,6 +9,7 @@ the host step.
 """
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left, bisect_right
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_all
 from typing import Any, Callable, Sequence
@@ -45,6 +46,9 @@ class PiecePipeline:
             ops.cpu_optim()  # load (or build) them here, not racing from two threads later
         # The worker queues copies and pins memory: on this rank's device, not the thread default (GPU 0).
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step", initializer=self.acc.bind_thread)
+        # An engine dropped unclosed: its worker thread ends once this pipeline is collected (the
+        # thread holds no reference to it, nor do finished jobs; ``close`` still waits for it).
+        weakref.finalize(self, self.pool.shutdown, wait=False, cancel_futures=True)
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
         self.kept = self.rolled_back = 0   # speculatively stepped pieces, over the run

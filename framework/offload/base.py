@@ -135,7 +135,8 @@ class Placement:
         self.acc: Accelerator | None = None
         self.infos: list[Piece] = []   # every piece, in master order
         self.partitions: list[torch.Tensor] = []   # the working partition of each group
-        self.listener = None   # the ``_pipeline.PiecePipeline`` hearing from the stage once ``make_update`` built it
+        # A weak reference to the ``_pipeline.PiecePipeline`` hearing from the stage once ``make_update`` built it
+        self.listener: Callable[[], Any] | None = None
         if accelerator is not None:
             self.bind(accelerator)
 
@@ -255,14 +256,17 @@ class Placement:
         return grads
 
     def grads_final(self, group: int, lo: int, hi: int, grad: torch.Tensor) -> None:
-        if self.listener is not None:
-            self.listener.ready(group, lo, hi, grad)
+        if (listener := self._listener()) is not None:
+            listener.ready(group, lo, hi, grad)
 
     def grads(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Gradient pieces aligned with ``pieces()`` (master dtype); host pieces have a pipeline."""
-        if self.listener is not None:
-            return self.listener.grads(parts)
+        if (listener := self._listener()) is not None:
+            return listener.grads(parts)
         return [parts[i.group][i.start:i.end].to(i.master.dtype) for i in self.infos]
+
+    def _listener(self):
+        return self.listener() if self.listener is not None else None
 
     def copy_grad(self, info: Piece, src: torch.Tensor, produced: Event | None = None) -> Event:
         """Queue ``src`` -> the piece's host gradient buffer on the D2H stream; its event: the host may read it."""

@@ -6,6 +6,7 @@ shards in pinned host memory between gathers (``HostShards``).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -31,10 +32,18 @@ class HostPlacement(Placement):
         super().__init__(shards, accelerator)
 
     def make_update(self, tx, gather: Callable[[], None]) -> PiecePipeline | None:
-        if all(i.tier is Tier.DEVICE for i in self.infos):   # (host_fraction 0)
+        if all(i.tier is Tier.DEVICE for i in self.infos):
+            if self.host_fraction > 0 and self.partitions:   # a ratio too small for every partition
+                n = max(p.numel() for p in self.partitions)   # (the same on every rank: all raise, before a step)
+                raise ConfigError(f"config: offload.ratio={self.host_fraction:g} moves no element of any partition off "
+                                  f"the device (the largest has {n} elements), so nothing would be offloaded; set "
+                                  f"offload.ratio>={1 / n:.3g} (1/{n}), or offload.ratio=0 to step on the device")
             return None
-        self.listener = PiecePipeline(tx, self, gather)
-        return self.listener
+        pipeline = PiecePipeline(tx, self, gather)
+        # Held weakly: the stage's gradient hooks keep this placement alive through autograd, a
+        # cycle gc cannot see, while the pipeline (and its worker thread) goes with its owner.
+        self.listener = weakref.ref(pipeline)
+        return pipeline
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
         """Each piece's gradient buffer, master and 16-bit staging: one pinned arena."""

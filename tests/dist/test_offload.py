@@ -94,6 +94,44 @@ def test_parameter_offload_needs_zero3():
         framework.compose(["offload=cpu"])
 
 
+@pytest.mark.parametrize("offload", [["offload=cpu", "offload.overlap_step=true"], ["offload=nvme"]])
+def test_a_ratio_too_small_to_offload_anything_is_refused(offload, tmp_path):
+    """offload.ratio>0 that rounds to no host element in every partition would train as offload=none
+    (and drop overlap_step) without a word: refused, naming the smallest ratio that offloads."""
+    cfg = tiny_config(*ODD, "+stage=zero2", *offload, "offload.ratio=1e-9",
+                      *([f"offload.nvme_path={tmp_path}"] if "offload=nvme" in offload else []))
+    module, _ = build_gpt(cfg)
+    with pytest.raises(framework.ConfigError, match=r"offload.ratio=1e-09 moves no element of any partition off "
+                       r"the device .*; set offload.ratio>=\S+ \(1/\d+\)") as e:
+        framework.initialize(module, gpt_loss, cfg, _local())
+    assert "\n" not in str(e.value)
+
+
+def test_an_engine_dropped_unclosed_ends_its_host_step_thread():
+    """The host-step worker goes with the engine, closed or not (the stage's gradient hooks keep the
+    offload placement alive through autograd, beyond gc's reach: it must not keep the pipeline)."""
+    import gc
+    import threading
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("host-step")]
+
+    before = set(workers())
+    cfg = tiny_config(*ODD, "+stage=zero2", "offload=cpu")
+    module, data = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, _local())
+    state = engine.state
+    batch = data.train_batch(state.data, micro_batch=2, grad_accum=2, rank=0, world=1)
+    state, _ = engine.train_step(state, batch)
+    started = [t for t in workers() if t not in before]
+    assert started
+    del engine, state, batch, module, data
+    gc.collect()
+    for t in started:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in started), "an unclosed engine's host-step thread outlived it"
+
+
 def _train_overlap(dist, overrides, inf_at=None):
     """offload=cpu training; returns (losses, full params, skipped flags, pieces kept, rolled back)."""
     cfg = tiny_config(*ODD, "offload=cpu", *overrides)
