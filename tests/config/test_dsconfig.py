@@ -409,10 +409,14 @@ def test_offload_sections_and_mismatched_pin_memory():
     bad = copy.deepcopy(ds)
     bad["zero_optimization"]["offload_param"]["pin_memory"] = True
     assert "differ" in error_of(bad)
-    # the optimizer section's ratio: taken at stage 2; with parameters in host memory, refused
-    partial = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    # the optimizer section's ratio: taken at stage 3; below it a note (DeepSpeed reads it under stage 3 only);
+    # with parameters in host memory, refused
+    partial = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}}
+    assert framework.compose([], ds_config=partial).offload.ratio == 0.5
+    partial["zero_optimization"]["stage"] = 2
     cfg = framework.compose([], ds_config=partial)
-    assert cfg.offload.ratio == 0.5
+    assert cfg.offload.ratio == 1.0 and any("offload_optimizer.ratio" in n and "stage 3" in n for n in cfg.notices), \
+        cfg.notices
     # no pin_memory in the sections: DeepSpeed's default (false), not our YAML's (true)
     assert cfg.offload.pin_memory is False and cfg.sources["offload.pin_memory"] == "DeepSpeed default"
     assert framework.compose(["offload.pin_memory=true"], ds_config=partial).offload.pin_memory is True

@@ -310,13 +310,15 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-        # (DeepSpeed key, our offload key, kind); all but ratio size the NVMe buffers of their section.
-        for key, ours, kind in (("ratio", "ratio", "float"), ("buffer_count", "buffer_count", "int"),
+        # DeepSpeed reads ratio (partial offload) under stage 3 only: below it the whole step is offloaded
+        tr.put(o, "ratio", "float", "offload.ratio", f"{Z}offload_optimizer.", stage == 3,
+               "partial offload is a stage 3 feature of DeepSpeed, which ignores it below: the whole step is offloaded")
+        # (DeepSpeed key, our offload key, kind): they size the NVMe buffers of their section.
+        for key, ours, kind in (("buffer_count", "buffer_count", "int"),
                                 ("pipeline_read", "pipeline_read", "bool"),
                                 ("pipeline_write", "pipeline_write", "bool"),
                                 ("pipeline", "pipeline_read", "bool"), ("pipeline", "pipeline_write", "bool")):
-            tr.put(o, key, kind, f"offload.{ours}", f"{Z}offload_optimizer.", od == "nvme" or key == "ratio",
-                   "device cpu: NVMe buffers")
+            tr.put(o, key, kind, f"offload.{ours}", f"{Z}offload_optimizer.", od == "nvme", "device cpu: NVMe buffers")
         tr.inert_keys(o, dict.fromkeys(("fast_init", "cpuadam_cores_perc"),
                                        "a speed knob of DeepSpeed's CPU optimizer"), f"{Z}offload_optimizer.")
         if "super_offload" in o and o["super_offload"] is not False:
