@@ -530,13 +530,17 @@ def test_a_deepspeed_batch_divided_over_another_world_than_the_runs_is_refused(m
                            "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_NUM_NODES": "1",
                            "SLURM_TASKS_PER_NODE": "2"}.items():
             monkeypatch.setenv(key, value)
-        with pytest.raises(ConfigError) as e:
-            launch(cfg, RunInfo(tmp_path / "run", None, None))
+        saved = dict(os.environ)
+        try:   # (launch sets the rank variables of the Slurm task in this process's environment)
+            with pytest.raises(ConfigError) as e:
+                launch(cfg, RunInfo(tmp_path / "run", None, None))
+        finally:   # put back as it was: monkeypatch would restore what launch set (a later in-process
+            os.environ.clear()   # launch would wait for a rendezvous of 2 ranks)
+            os.environ.update(saved)
         assert ("train_batch_size=8 was divided over 1 rank(s) when the config was composed, but this run has 2 "
                 "(a global batch of 16)" in str(e.value) and "\n" not in str(e.value)), str(e.value)
         assert not (tmp_path / "run").exists()
-        for key in ("SUBMITIT_EXECUTOR", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID", "WORLD_SIZE",
-                    "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        for key in ("SUBMITIT_EXECUTOR", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_ID"):
             monkeypatch.delenv(key, raising=False)
     with pytest.raises(ConfigError, match="divided over 1 rank"):   # local ranks other than composed for
         check_batch_world(compose(["train.steps=1", "dist.nproc=2"], ds_config=DS_BATCH, world=1), 2)
