@@ -145,6 +145,9 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     returning (the state, its train state). Both collective. A damaged or non-finite checkpoint is a
     CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this run's config dict and
     ``checkpoint.resume``), one of another model or optimizer a ConfigError. Only ``read`` writes into ``state``."""
+    # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
+    # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
+    agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
     manifest = verify(folder, group)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
