@@ -66,7 +66,7 @@ class Engine(contextlib.AbstractContextManager):
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
-        self._check_trainable("train_step")
+        self.check_trainable("train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -122,8 +122,10 @@ class Engine(contextlib.AbstractContextManager):
         self._check_whole()
         self._check_current(state, what)
 
-    def _check_trainable(self, what: str) -> None:
-        """Refuse a trainable set other than the one the stage was set up with (before anything changes)."""
+    def check_trainable(self, what: str) -> None:
+        """TrainingError (its message begins with ``what``) when a parameter's requires_grad differs from what it
+        was when the engine was built: the stage trains that set, and a state saved or loaded by the current
+        flags would put the changed parameters where the stage's layout does not hold them."""
         changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
         if changed:
             frozen = [name for name, was in changed if was]
@@ -175,19 +177,22 @@ class Engine(contextlib.AbstractContextManager):
                               world=c.dist.world, whole=whole_tensors(c.module) if c.dist.is_main else None)
 
     @contextlib.contextmanager
-    def mapped_state(self, state: TrainState, write: bool = False, *,
-                     agreed: str | None = None) -> Iterator[tuple[TrainState, Any]]:
+    def mapped_state(self, state: TrainState, write: bool = False, *, agreed: str | None = None,
+                     same_trainable: bool = True) -> Iterator[tuple[TrainState, Any]]:
         """(``state`` with every piece a tensor inside the block, the mapped swap file or None): under
         offload=nvme views of the mapped file, no host copy; with ``write`` what is stored into them is
         the file's on exit (also after an error). Only between steps. ``agreed`` (collective callers):
         the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
-        every rank at once instead of leaving them in the caller's next collective."""
+        every rank at once instead of leaving them in the caller's next collective. A read (not ``write``) is
+        refused after a requires_grad change (``check_trainable``) unless ``same_trainable`` is False: a caller
+        that picks the tensors by the stage's layout, not by the flags (``save_weights``)."""
         offload = self._swapping()
 
         def usable() -> None:
             if not write:   # a half-updated or stale state is never saved (a load replaces it: allowed)
                 self._check_whole()
-                self._check_trainable("state_dict or checkpoint save")
+                if same_trainable:
+                    self.check_trainable("state_dict or checkpoint save")
                 self._check_current(state, "state_dict or checkpoint save")
             if offload is not None and self.closed:
                 raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
@@ -213,7 +218,7 @@ class Engine(contextlib.AbstractContextManager):
         """Load ``saved`` (every rank's ``state_dict`` of a run of any layout) into ``state``'s tensors in
         place and return the state to continue from. Collective, with the same ``saved`` on every rank."""
         c = self.components
-        self._check_trainable("load_state_dict")
+        self.check_trainable("load_state_dict")
         names = [n for n, p in c.module.named_parameters() if p.requires_grad]  # what the stage trains
         with self.mapped_state(state, write=True, agreed="load_state_dict: swap file map") as (mapped, _):
             loaded = load_state_dict(mapped, c.stage.piece_specs(), saved, policy=c.policy, names=names,

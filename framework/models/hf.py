@@ -56,12 +56,24 @@ def is_hf_model(module: nn.Module) -> bool:
 
 def architecture(module: nn.Module) -> dict | None:
     """An HF model's resolved config (``config.to_dict()`` as JSON gives it back) without the keys that say
-    nothing of the model (the transformers version, private ones such as the path it was read from); None for
-    another model. A checkpoint records it: a resume compares what the model is, not where its file lies."""
+    nothing of the model (``without_dtype``: the transformers version, private ones such as the path it was read
+    from, the dtype); None for another model. A checkpoint records it: a resume compares what the model is, not where its file lies."""
     if not is_hf_model(module):
         return None
-    body = {k: v for k, v in module.config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
-    return json.loads(json.dumps(body, sort_keys=True, default=str))
+    return without_dtype(module.config.to_dict())
+
+
+def without_dtype(config: dict) -> dict:
+    """A config dict (``to_dict()``, or one a checkpoint recorded) as JSON gives it back, without the transformers
+    version, private keys and the dtype, at any depth (sub-configs hold them too). The dtype says nothing of the
+    model: it trains in the precision's, and ``build`` makes it in fp32 (an older build recorded the file's)."""
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items()
+                    if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")}
+        return [strip(v) for v in node] if isinstance(node, list) else node
+
+    return strip(json.loads(json.dumps(config, sort_keys=True, default=str)))
 
 
 def _raw_config(cfg: HFConfig, key: str | None = None) -> tuple[str, Path, dict]:
@@ -93,16 +105,17 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
 
 
 def notes(cfg: HFConfig, run: Any) -> list[str]:
-    """A config.json naming a dtype (``dtype``, or ``torch_dtype`` before transformers 5: most hub configs say
-    bfloat16) other than the precision's working dtype: the model trains in the precision's, so say so."""
+    """A config.json naming a 16-bit dtype (``dtype``, or ``torch_dtype`` before transformers 5: most hub configs
+    say bfloat16) in an fp32 run: the model trains in fp32 (``build`` makes it in fp32 whatever the file says), so
+    say so. A 16-bit precision is mixed precision with fp32 masters whatever the file names: no note."""
     key, file, raw = _raw_config(cfg)
     stated = raw.get("dtype", raw.get("torch_dtype"))
-    want = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
+    want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
     ours = next((name for name, c in registry("precision").entries.items() if type(run.precision) is c.config), None)
-    if want is None or ours is None or want == ours:
+    if want is None or ours != "fp32":
         return []
-    return [f"note: {key}: {file} says dtype {stated}; training in {ours} (precision={ours}); set precision={want} "
-            f"to match"]
+    return [f"note: {key}: {file} says dtype {stated}; training in fp32 (precision=fp32); set precision={want} "
+            f"to train in 16-bit"]
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
@@ -182,7 +195,11 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
                           f"no gradient checkpointing for it); set model.activation_checkpointing=false")
     try:
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation)
+        # In fp32 whatever config.json names (transformers 5 builds in its dtype, most hub files say bfloat16): the
+        # precision casts the trainable parameters to its working dtype and keeps fp32 masters, initialised
+        # from these values, so they start unrounded (``notes`` says when the file's dtype is not trained in).
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation,
+                                                              dtype=torch.float32)
     except FrameworkError:
         raise
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)

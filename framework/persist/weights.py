@@ -175,7 +175,10 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
-        mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check"))
+        # (``_targets`` picks the tensors by the stage's layout, not by requires_grad: a module frozen after training,
+        # as before sampling, still saves the trained weights)
+        mapped, fmap = stack.enter_context(engine.mapped_state(engine.state, agreed="save_weights: swap file check",
+                                                               same_trainable=False))
         layout, masters, tgts = _targets(engine, mapped, "save_weights")
         plans = plan_files([(t.name, t.shape, t.dtype) for t in tgts], max_shard_size, dtype)
         entries = {e.name: e for plan in plans for e in plan.entries}

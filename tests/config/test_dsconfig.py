@@ -417,6 +417,12 @@ def test_offload_sections_and_mismatched_pin_memory():
     cfg = framework.compose([], ds_config=partial)
     assert cfg.offload.ratio == 1.0 and any("offload_optimizer.ratio" in n and "stage 3" in n for n in cfg.notices), \
         cfg.notices
+    # out of range: refused at every stage, as DeepSpeed's config model does (not a note below stage 3)
+    for stage, ratio in [(1, 1.5), (2, -0.1), (3, 2)]:
+        out = copy.deepcopy(partial)
+        out["zero_optimization"].update(stage=stage, offload_optimizer={"device": "cpu", "ratio": ratio})
+        assert f"zero_optimization.offload_optimizer.ratio must be in [0, 1] (the fraction of the optimizer step " \
+               f"offloaded), got {ratio}" in error_of(out)
     # no pin_memory in the sections: DeepSpeed's default (false), not our YAML's (true)
     assert cfg.offload.pin_memory is False and cfg.sources["offload.pin_memory"] == "DeepSpeed default"
     assert framework.compose(["offload.pin_memory=true"], ds_config=partial).offload.pin_memory is True

@@ -569,17 +569,25 @@ def test_zero2_trains_on_after_ctrl_c_in_a_backward_pass(overlap, where, monkeyp
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
-def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage):
+def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_changes_anything(stage, tmp_path):
     """The stage lays out the trainable set once: a layer frozen later was still stepped (its zero gradient,
-    AdamW's moments and weight decay), one unfrozen later never trained and kept its .grad growing."""
+    AdamW's moments and weight decay), one unfrozen later never trained and kept its .grad growing. A resume
+    read the trainable set from the flags (one unfrozen later was left at its initial values and called
+    resumed, one frozen later made the good checkpoint "damaged"); save_weights, which picks the tensors by the
+    stage's layout, writes the trained weights (a module frozen after training, as before sampling)."""
+    from safetensors.torch import load_file
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
     module[2].requires_grad_(False)   # frozen at initialize
     loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     x = torch.randn(8, 5)
     batch = framework.Batch(((x, x[:, :3]),))
-    with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+    cfg = tiny_config(f"+stage={stage}", "scheduler=constant")
+    with framework.initialize(module, loss, cfg) as engine:
         state, _ = engine.train_step(engine.state, batch)
+        ckpt = Checkpointer(cfg, engine, run_dir=tmp_path)
+        ckpt.save(state)
+        ckpt.close()
         for layer, flag, needle in [(module[0].weight, False, r"1 parameter changed after initialize: 1 frozen \(0\.weight\)"),
                                     (module[2], True, r"2 parameters changed after initialize: 2 unfrozen \(2\.weight, 2\.bias\)")]:
             layer.requires_grad_(flag)
@@ -589,9 +597,16 @@ def test_a_requires_grad_changed_after_initialize_is_refused_before_the_step_cha
                 engine.train_step(state, batch)
             with pytest.raises(framework.TrainingError, match=r"^state_dict or checkpoint save: requires_grad of "):
                 engine.state_dict(state)
+            with pytest.raises(framework.TrainingError, match=r"^checkpoint resume: requires_grad of " + needle):
+                Checkpointer(cfg, engine, run_dir=tmp_path).resume(state)
+            saved = load_file(framework.save_weights(engine, tmp_path / f"w{flag}")[0])
+            assert saved.keys() == (whole := engine.consolidated_state_dict()).keys()
+            assert all(torch.equal(saved[k], whole[k]) for k in whole)
             assert engine.state is state and all(torch.equal(a, b) for a, b in zip(before, state.params))
             assert all(p.grad is None for p in module.parameters())   # no forward, no backward ran
             layer.requires_grad_(not flag)   # set back: training goes on
+        state = Checkpointer(cfg, engine, run_dir=tmp_path).resume(state)   # flags as at initialize: resumed
+        assert state.step == 1
         state, _ = engine.train_step(state, batch)
         assert state.step == 2
 

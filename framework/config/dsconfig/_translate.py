@@ -310,9 +310,16 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
-        # DeepSpeed reads ratio (partial offload) under stage 3 only: below it the whole step is offloaded
-        tr.put(o, "ratio", "float", "offload.ratio", f"{Z}offload_optimizer.", stage == 3,
-               "partial offload is a stage 3 feature of DeepSpeed, which ignores it below: the whole step is offloaded")
+        # DeepSpeed reads ratio (partial offload) under stage 3 only: below it the whole step is offloaded. Its
+        # config model checks the range at every stage, so a value outside it is refused here at every stage too.
+        r = o.get("ratio")
+        if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and not 0 <= r <= 1:
+            tr.error(f"{Z}offload_optimizer.ratio must be in [0, 1] (the fraction of the optimizer step offloaded), "
+                     f"got {json.dumps(r)}")
+        else:
+            tr.put(o, "ratio", "float", "offload.ratio", f"{Z}offload_optimizer.", stage == 3,
+                   "partial offload is a stage 3 feature of DeepSpeed, which ignores it below: the whole step is "
+                   "offloaded")
         # (DeepSpeed key, our offload key, kind): they size the NVMe buffers of their section.
         for key, ours, kind in (("buffer_count", "buffer_count", "int"),
                                 ("pipeline_read", "pipeline_read", "bool"),

@@ -13,7 +13,7 @@ import torch
 from framework.config.schema import get_key
 from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
 from framework.engine.state import optimizer_leaves
-from framework.models.hf import architecture
+from framework.models.hf import architecture, without_dtype
 from framework.persist import stepfolders
 from framework.persist.checkpoint import _rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -47,6 +47,7 @@ def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, 
     if not diffs and isinstance(recorded, dict) and current is not None:
         # Keys of both only: another transformers version may add a key with its default.
         whose = "its config: "
+        recorded = without_dtype(recorded)   # (as ``architecture`` gives ``current``: one recorded by an older build)
         diffs = [(k, recorded[k], current[k]) for k in sorted(set(recorded) & set(current)) if recorded[k] != current[k]]
     if diffs:
         what = ", ".join(f"{k} {a!r} vs {b!r}" for k, a, b in diffs[:4])
@@ -145,6 +146,9 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     returning (the state, its train state). Both collective. A damaged or non-finite checkpoint is a
     CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this run's config dict and
     ``checkpoint.resume``), one of another model or optimizer a ConfigError. Only ``read`` writes into ``state``."""
+    # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
+    # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
+    agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
     manifest = verify(folder, group)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
