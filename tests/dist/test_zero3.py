@@ -1,5 +1,6 @@
 """zero3 on 1, 2 and 4 gloo ranks: equivalence with ddp, prefetch, memory limits, construction."""
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -630,9 +631,13 @@ class _PosTable(nn.Module):
     def __init__(self):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(6, 8) * 0.3)
+        self.whole, self.copy = False, False
 
     def forward(self, n):
-        return self.pos[:n]   # a view of its own parameter: of the unit's gather buffer under zero3
+        if self.whole:   # the parameter itself
+            return self.pos
+        # a view of its own parameter: of the unit's gather buffer under zero3 (or a new tensor: data-dependent)
+        return self.pos[:n] * 1.0 if self.copy else self.pos[:n]
 
 
 class _WithPositions(nn.Module):
@@ -644,19 +649,21 @@ class _WithPositions(nn.Module):
         self.p, self.a, self.b = _PosTable(), nn.Linear(8, 8), nn.Linear(8, 3)
 
     def forward(self, x):
-        pe = self.p(x.shape[0])
+        pe = self.p(x.shape[0])[:x.shape[0]]
         return self.b(torch.tanh(self.a(x)) * pe + pe)
 
 
-def _positions(dist):
+def _positions(dist, whole=False):
     cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
-                             "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0", "dist.timeout_s=30",
                              "stage.stage3_max_reuse_distance=0", "stage.stage3_prefetch_bucket_size=0"])
     loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     torch.manual_seed(0)
     ref = _WithPositions()
     torch.manual_seed(0)
-    engine = framework.initialize(_WithPositions(), loss_fn, cfg, dist)
+    model = _WithPositions()
+    model.p.whole = ref.p.whole = whole
+    engine = framework.initialize(model, loss_fn, cfg, dist)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     state, losses, ref_losses = engine.state, [], []
@@ -674,14 +681,38 @@ def _positions(dist):
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
     with torch.no_grad():
         ref_val = sum(loss_fn(ref, (x, x[:, :3].sin())).item() for x in xs) / dist.world   # (over the ranks)
-    return losses, ref_losses, val, ref_val, _full_params(engine), flat_params(ref)
+    params = _full_params(engine)
+    # The parameter returned itself: its hook went on a view of it, not on the parameter for good.
+    assert not model.p.pos._backward_hooks
+    units = engine.components.stage.gatherer.units
+    # A forward outside the steps (sampling, say) releases the unit as any other: its output keeps the gathered
+    # bytes (given to it, freed when it dies), so no gathered copy outlives the pass to be read stale later.
+    with torch.no_grad():
+        rows = model.p(3)
+    assert all(u.state.value == "sharded" for u in units)
+    torch.testing.assert_close(rows[:3], ref.p.pos[:3], rtol=FP32_RTOL, atol=1e-7)
+    if dist.world > 1:   # (world 1: the view is of the shard itself)
+        alive = weakref.ref(rows.untyped_storage())
+        del rows
+        assert alive() is None
+    # Edits inside framework.gathered without modifier_rank are discarded, a forward inside the block too.
+    with framework.gathered(list(model.p.parameters())), torch.no_grad():
+        model(xs[dist.rank])
+        model.p.pos.zero_()
+    assert engine.eval_step(state, [(xs[dist.rank], xs[dist.rank, :, :3].sin())]) == val
+    # Whether an output is a view may differ between ranks (data-dependent): the same units are gathered.
+    model.p.copy = dist.rank == 1
+    state, m = engine.train_step(state, Batch(((xs[dist.rank], xs[dist.rank, :, :3].cos()),)))
+    assert all(u.state.value == "sharded" for u in units)
+    return losses, ref_losses, val, ref_val, params, flat_params(ref)
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("world", [1, 2])
-def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world):
-    # Its unit stays gathered until its backward: released, the parent would read freed memory.
+def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world, whole):
+    # The unit's release gives its gather buffer to the view: freed, the parent would read freed memory.
     for losses, ref_losses, val, ref_val, params, ref_params in (
-            [_positions(_local())] if world == 1 else pools(2).run(_positions, timeout=120)):
+            [_positions(_local(), whole)] if world == 1 else pools(2).run(_positions, whole, timeout=120)):
         assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
         assert val == pytest.approx(ref_val, rel=FP32_RTOL)
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
