@@ -627,6 +627,16 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
 class _PosTable(nn.Module):
     def __init__(self):
         super().__init__()
@@ -805,6 +815,39 @@ def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     with pytest.raises(framework.FrameworkError, match=f"'{name}'.*(outside its module's forward|with grad enabled)"):
         engine.train_step(engine.state, Batch((_micro(0),)))
     assert all(u.state.value == "sharded" for u in g.units)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+class _Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x):
+        return x @ self.w   # saves the gathered weight for its backward
+
+
+def test_an_error_in_backward_is_raised_as_it_is():
+    # Not blamed on a parameter read in loss_fn: after the abort what autograd saved of a gathered parameter is
+    # empty, which is no read of an empty shard; only autograd's complaint about a zero size is.
+    cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
+                             "scheduler=constant"])
+    model = nn.Sequential(nn.Linear(7, 8), _Proj(), nn.Linear(8, 3))
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m[2](_FailingBackward.apply(m[1](m[0](mb[0])))), mb[1])  # noqa: E731
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    with pytest.raises(RuntimeError, match="^CUDA out of memory") as raised:
+        engine.train_step(engine.state, Batch((_micro(0),)))
+    assert not isinstance(raised.value, framework.FrameworkError)
+    assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
 
 
 def test_failed_forward_leaves_no_unit_gathered():
