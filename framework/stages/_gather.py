@@ -145,6 +145,15 @@ class Gatherer:
             self._demand(unit, "backward")
 
     def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
+        if p.grad.is_sparse:   # (metadata only) e.g. F.embedding(..., sparse=True) in a module of its own
+            raise TrainingError(f"zero3: parameter {p.zero3_names[0]!r} got a sparse gradient, which its unit's flat "
+                                f"gradient buffer cannot take: use sparse=False")
+        if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
+            raise TrainingError(
+                f"zero3: loss_fn read parameter {p.zero3_names[0]!r} outside its module's forward, where it is an "
+                f"empty shard (its gradient has {p.grad.numel()} elements): a parameter is gathered only while its "
+                f"own module's forward (or backward) runs; call that module in loss_fn, or compute the term (a weight "
+                f"penalty, a tied output head) inside a module's forward")
         if unit is self.persistent:
             return  # reduced once at the end of backward
         if id(p) in unit.arrived:

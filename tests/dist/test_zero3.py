@@ -806,8 +806,13 @@ def _gathered_penalty(m, mb):
     return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * penalty
 
 
+def _uncalled_penalty(m, mb):   # a penalty on a module this pass does not call (odd steps skip extra)
+    m.step = 1
+    return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.extra.weight.pow(2).sum()
+
+
 @pytest.mark.parametrize("loss_fn, name", [(_penalty, "b.weight"), (_tied_head, "b.weight"),
-                                           (_gathered_penalty, "b.weight")])
+                                           (_gathered_penalty, "b.weight"), (_uncalled_penalty, "extra.weight")])
 def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     # Empty shards outside their module's forward: named, with the fix, not a raw autograd error; and a
     # framework.gathered block in loss_fn would release it before its gradient arrives.
@@ -848,6 +853,25 @@ def test_an_error_in_backward_is_raised_as_it_is():
         engine.train_step(engine.state, Batch((_micro(0),)))
     assert not isinstance(raised.value, framework.FrameworkError)
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
+
+
+class _Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.table, sparse=True)   # no nn.Embedding to refuse up front
+
+
+def test_a_sparse_gradient_is_refused_in_one_line():
+    cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
+                             "scheduler=constant"])
+    model = nn.ModuleDict({"t": _Lookup(), "a": nn.Linear(7, 3)})
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m["a"](mb[0]) + m["t"](torch.arange(4)), mb[1])  # noqa: E731
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    with pytest.raises(framework.FrameworkError, match="'t.table' got a sparse gradient.*sparse=False"):
+        engine.train_step(engine.state, Batch((_micro(0),)))
 
 
 def test_failed_forward_leaves_no_unit_gathered():
