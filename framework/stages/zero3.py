@@ -319,8 +319,9 @@ def _empty_size_error(error: BaseException) -> bool:
     if not isinstance(error, RuntimeError) or isinstance(error, FrameworkError):
         return False
     first = str(error).splitlines()[0] if str(error) else ""
-    return bool(re.search(r"invalid gradient.*\[0\]", first)
-                or (re.search(r"size|shape", first) and re.search(r"\(0\)|\[0\]|\b0x\d|\dx0\b", first)))
+    return (re.search(r"invalid gradient.*\[0\]", first) is not None
+            or (re.search(r"size|shape", first) is not None
+                and re.search(r"\(0\)|\[0\]|\b0x\d|\dx0\b", first) is not None))
 
 
 def _read_while_sharded(loss: torch.Tensor) -> str | None:
