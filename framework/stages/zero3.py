@@ -252,7 +252,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
-        if g.driven and g.mode and torch.is_grad_enabled():
+        # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)
+        if g.driven and g.mode and torch.is_grad_enabled() and p.zero3_unit is not g.persistent:
             raise FrameworkError(
                 f"zero3: framework.gathered({p.zero3_names[0]!r}) inside train_step's loss_fn with grad enabled: "
                 f"the block releases it on exit, before the backward pass needs it and its gradient arrives; "

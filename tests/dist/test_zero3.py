@@ -855,6 +855,27 @@ def test_an_error_in_backward_is_raised_as_it_is():
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
 
 
+def test_gathered_on_an_always_gathered_parameter_in_loss_fn_trains():
+    # b.bias (3 elements) stays gathered (threshold 10): a block on it in loss_fn releases nothing, so it is
+    # not refused, and trains as the same penalty read without the block.
+    def read(m, mb):
+        return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.b.bias.pow(2).sum()
+
+    def in_block(m, mb):
+        with framework.gathered(m.b.bias):
+            penalty = m.b.bias.pow(2).sum()
+        return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * penalty
+
+    params = []
+    for loss_fn in (read, in_block):
+        _, engine, _ = _linear_units(loss_fn, stage3_param_persistence_threshold=10)
+        state = engine.state
+        for i in range(2):
+            state, _ = engine.train_step(state, Batch((_micro(i),)))
+        params.append(_full_params(engine))
+    torch.testing.assert_close(params[1], params[0], rtol=0, atol=0)
+
+
 class _Lookup(nn.Module):
     def __init__(self):
         super().__init__()
