@@ -21,7 +21,7 @@ from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import DistributedError, TrainingError
 from framework.core.utils import tensors_in
-from framework.stages._grads import late_gradient, reduce_to_owners
+from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
 from framework.stages._shards import Unit, UnitGroup, UnitState
 
 log = logging.getLogger("framework.zero3")
@@ -145,9 +145,8 @@ class Gatherer:
             self._demand(unit, "backward")
 
     def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
-        if p.grad.is_sparse:   # (metadata only) e.g. F.embedding(..., sparse=True) in a module of its own
-            raise TrainingError(f"zero3: parameter {p.zero3_names[0]!r} got a sparse gradient, which its unit's flat "
-                                f"gradient buffer cannot take: use sparse=False")
+        if p.grad.is_sparse:   # (metadata only)
+            raise sparse_gradient("zero3", p.zero3_names[0])
         if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
             raise TrainingError(
                 f"zero3: loss_fn read parameter {p.zero3_names[0]!r} outside its module's forward, where it is an "
