@@ -3,11 +3,13 @@
 A unit (``_units.plan_units``: a ``gather_unit`` module, the root, or the persistent small parameters)
 is gathered with one collective per parameter group into ONE buffer per group, kept for the unit's life;
 release resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and
-see the refilled values when gathered again. The first step records the order of unit uses; later
+see the refilled values when gathered again (unless an output of the forward shares it: see ``UnitGroup.lent``). The first step records the order of unit uses; later
 steps prefetch along that trace, and every rank checks that the others used the same order.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import zlib
 from typing import Callable, Iterator
@@ -19,7 +21,7 @@ from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import DistributedError, TrainingError
 from framework.core.utils import tensors_in
-from framework.stages._grads import late_gradient, reduce_to_owners
+from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
 from framework.stages._shards import Unit, UnitGroup, UnitState
 
 log = logging.getLogger("framework.zero3")
@@ -92,27 +94,34 @@ class Gatherer:
             # gathered through it as in_backward, released when reduced or at the end of backward.
             unit.active += 1
 
-    def _post_forward(self, unit: Unit, out) -> None:
+    def _post_forward(self, unit: Unit, out):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
-            return
+            return None
         unit.active -= 1
-        hooked = [t for t in tensors_in(out) if t.requires_grad] if torch.is_grad_enabled() else []
+        own = {id(p) for p in unit.params}
+        if any(id(t) in own for t in tensors_in(out)):
+            # The parameter itself returned: a view of it instead, since the release empties the parameter (the
+            # view keeps the gathered values, below) and a hook on it would stay on the leaf for good.
+            out = _replace(out, lambda t: t.view_as(t) if id(t) in own else t)
+        hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
         unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
-        # An output sharing the gathered buffer's bytes (a parameter, or a view of one) would read freed
-        # memory after a release. Storage identity only (no host sync), the same on every rank for one model.
-        buffers = {g.full.untyped_storage().data_ptr() for g in unit.groups if g.full is not None} - {0}
-        if buffers and any(t.untyped_storage().data_ptr() in buffers for t in tensors_in(out)):
-            unit.exported = True
-        if unit.active == 0 and not unit.held and not unit.exported and not self._keep(unit):
+        # An output sharing a gathered buffer's bytes (a view of a parameter) would read freed memory after the
+        # release: that buffer is given to it at the release. Storage identity only (no host sync).
+        outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
+        for g in unit.groups:
+            if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
+                g.lent = True
+        if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
         if unannounced:
             raise TrainingError(
                 f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
                 f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
                 f"or dataclass, or call it under torch.no_grad() where it is not trained")
+        return out
 
     def begin_backward(self) -> None:
         """A backward pass starts (at the first unit output's gradient, or the loss's: so a pass in which no
@@ -136,6 +145,14 @@ class Gatherer:
             self._demand(unit, "backward")
 
     def _grad_ready(self, unit: Unit, p: torch.Tensor) -> None:
+        if p.grad.is_sparse:   # (metadata only)
+            raise sparse_gradient("zero3", p.zero3_names[0])
+        if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
+            raise TrainingError(
+                f"zero3: loss_fn read parameter {p.zero3_names[0]!r} outside its module's forward, where it is an "
+                f"empty shard (its gradient has {p.grad.numel()} elements): a parameter is gathered only while its "
+                f"own module's forward (or backward) runs; call that module in loss_fn, or compute the term (a weight "
+                f"penalty, a tied output head) inside a module's forward")
         if unit is self.persistent:
             return  # reduced once at the end of backward
         if id(p) in unit.arrived:
@@ -223,8 +240,6 @@ class Gatherer:
     def end_pass(self) -> None:
         """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
         self._end_pass()
-        for unit in self.units:   # the pass's outputs are consumed: no view of a buffer is read any more
-            unit.exported = False
         self._release_idle()
 
     def _end_pass(self) -> None:
@@ -352,13 +367,14 @@ class Gatherer:
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)
-        unit.exported = False
         for g in unit.groups:
             for p in g.params:
                 p.data = self.empty
             if g.full is g.shard:   # gathered in place: the shard keeps its values
                 continue
-            if g.full.untyped_storage().resizable():
+            if g.lent:   # an output of the forward reads these bytes: they are its now (freed with it)
+                g.full, g.lent = None, False
+            elif g.full.untyped_storage().resizable():
                 # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
                 g.full.untyped_storage().resize_(0)
             else:   # shared with a NumPy array (.numpy() inside framework.gathered), which keeps these bytes
@@ -482,3 +498,23 @@ class Gatherer:
         rate = self.hits / self.demands if self.demands else 0.0
         self.hits = self.demands = 0
         return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
+
+
+def _replace(obj, fn):
+    """``obj`` (a module's output) with each tensor ``t`` in it replaced by ``fn(t)`` (containers as in
+    ``tensors_in``; a dataclass instance is copied)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _replace(v, fn)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a NamedTuple
+        return type(obj)(*(_replace(v, fn) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_replace(v, fn) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            if hasattr(obj, f.name):
+                object.__setattr__(new, f.name, _replace(getattr(obj, f.name), fn))
+        return new
+    return obj

@@ -170,6 +170,13 @@ def late_gradient(who: str, reduced: str) -> TrainingError:
                          f"use torch.utils.checkpoint with use_reentrant=False")
 
 
+def sparse_gradient(stage: str, name: str) -> TrainingError:
+    """A sparse gradient (``F.embedding(..., sparse=True)``, no nn.Embedding that setup could refuse) met a flat
+    dense buffer, which cannot take it."""
+    return TrainingError(f"{stage}: parameter {name!r} got a sparse gradient, and {stage}'s flat gradient buffers cannot "
+                         f"take sparse gradients: use sparse=False (ddp and zero1 accumulate them into a dense buffer)")
+
+
 def backward_or_reset(backward: Callable[[], None], reset: Callable[[bool], None], what: str) -> None:
     """Run a stage's ``backward``; if it raises, ``reset(wait)`` puts the stage back as between passes, so
     that the next step starts clean. ``wait``: whether the reductions the pass launched are waited for, on

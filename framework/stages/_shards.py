@@ -59,6 +59,10 @@ class UnitGroup:
     # The gathered buffer: allocated at the first gather and kept for the unit's life; its storage
     # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
     full: torch.Tensor | None = None
+    # An output of the unit's forward shares ``full``'s bytes (a view of a parameter, say): the release gives the
+    # buffer to that view instead of freeing its bytes (it is freed when the view dies) and the next gather takes a
+    # new one. A local memory decision only: every rank gathers and releases the same units either way.
+    lent: bool = False
     pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
     # Where a non-resident partition comes from (gradients in the swap file); None: zeros, kept.
     load_grad: Callable[[], torch.Tensor] | None = None
@@ -87,10 +91,6 @@ class Unit:
     # framework.gathered blocks holding it: the hooks release it only when none does, so a forward
     # inside the block (or a nested block) leaves it gathered for the holder that gathered it.
     held: int = 0
-    # Its forward returned a view of its gathered buffer (a slice of a position table, say): the caller
-    # reads those bytes after the forward and its backward may too, so it stays gathered until its own
-    # backward (or the pass's end) releases it.
-    exported: bool = False
     gatherer: Any = None   # its _gather.Gatherer (set by it)
 
     @property
@@ -103,9 +103,8 @@ class Unit:
 
     @property
     def idle(self) -> bool:
-        """No forward of it running, no framework.gathered block holding it, no backward waiting for it, no
-        output of it reading its gathered buffer."""
-        return self.active == 0 and not self.held and not self.in_backward and not self.exported
+        """No forward of it running, no framework.gathered block holding it, no backward waiting for it."""
+        return self.active == 0 and not self.held and not self.in_backward
 
     def to(self, new: UnitState) -> None:
         if new is not NEXT[self.state]:

@@ -25,7 +25,7 @@ from framework.precision import Policy
 from framework.stages._flat import bind_groups, refuse_sparse_grads
 from framework.stages._grads import (Arrivals, Bucket, FlatGrads, backward_or_reset, bucket_buffers, check_no_grads,
                                      expected_order, own_overlap, plan_buckets, plan_stripes, reduce_bucket,
-                                     reduce_to_owners)
+                                     reduce_to_owners, sparse_gradient)
 from framework.stages.base import PartitionedStage, Setup
 
 
@@ -202,6 +202,8 @@ class Zero2Stage(ShardedStage):
                 lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
                 if lo < hi:
                     g = self.params[pid].grad
+                    if g is not None and g.is_sparse:   # (metadata only)
+                        raise sparse_gradient("zero2", self.named[pid][1])
                     yield lo, hi, None if g is None else g.reshape(-1)[lo - slot.offset:hi - slot.offset], \
                         k * (b.end - b.start) + lo - start
 

@@ -6,6 +6,7 @@ materialised one at a time keeping only the local shard, so a model larger than 
 from __future__ import annotations
 
 import linecache
+import re
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -163,7 +164,9 @@ class Zero3Stage(PartitionedStage):
         try:   # hooks gather, reduce and release per unit
             backward_or_reset(scaled.backward, self.gatherer.abort_backward, "zero3")
         except Exception as e:
-            read = None if isinstance(e, FrameworkError) else _read_while_sharded(scaled)
+            # Only autograd's own complaint about a zero-size value is a read of an empty shard: any other error
+            # (out of memory, a custom Function's) is raised as it is, though the abort left saved parameters empty.
+            read = _read_while_sharded(scaled) if _empty_size_error(e) else None
             if read is not None:
                 raise FrameworkError(_read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
             raise
@@ -249,7 +252,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
         g = p.zero3_unit.gatherer
-        if g.driven and g.mode and torch.is_grad_enabled():
+        # (an always-gathered parameter is not released at the block's exit: its gradient arrives as usual)
+        if g.driven and g.mode and torch.is_grad_enabled() and p.zero3_unit is not g.persistent:
             raise FrameworkError(
                 f"zero3: framework.gathered({p.zero3_names[0]!r}) inside train_step's loss_fn with grad enabled: "
                 f"the block releases it on exit, before the backward pass needs it and its gradient arrives; "
@@ -308,6 +312,17 @@ def _read_hint(name: str, error: str) -> str:
             f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
             f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
             f"forward")
+
+
+def _empty_size_error(error: BaseException) -> bool:
+    """Whether ``error`` is autograd's or a kernel's shape error naming a zero size (a gradient of shape [0],
+    a size mismatch with a 0): what a backward through an empty shard raises."""
+    if not isinstance(error, RuntimeError) or isinstance(error, FrameworkError):
+        return False
+    first = str(error).splitlines()[0] if str(error) else ""
+    return (re.search(r"invalid gradient.*\[0\]", first) is not None
+            or (re.search(r"size|shape", first) is not None
+                and re.search(r"\(0\)|\[0\]|\b0x\d|\dx0\b", first) is not None))
 
 
 def _read_while_sharded(loss: torch.Tensor) -> str | None:

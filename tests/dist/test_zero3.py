@@ -1,5 +1,7 @@
 """zero3 on 1, 2 and 4 gloo ranks: equivalence with ddp, prefetch, memory limits, construction."""
 import dataclasses
+import time
+import weakref
 
 import pytest
 import torch
@@ -626,13 +628,27 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
 
 
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
 class _PosTable(nn.Module):
     def __init__(self):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(6, 8) * 0.3)
+        self.whole, self.copy = False, False
 
     def forward(self, n):
-        return self.pos[:n]   # a view of its own parameter: of the unit's gather buffer under zero3
+        if self.whole:   # the parameter itself
+            return self.pos
+        # a view of its own parameter: of the unit's gather buffer under zero3 (or a new tensor: data-dependent)
+        return self.pos[:n] * 1.0 if self.copy else self.pos[:n]
 
 
 class _WithPositions(nn.Module):
@@ -644,19 +660,21 @@ class _WithPositions(nn.Module):
         self.p, self.a, self.b = _PosTable(), nn.Linear(8, 8), nn.Linear(8, 3)
 
     def forward(self, x):
-        pe = self.p(x.shape[0])
+        pe = self.p(x.shape[0])[:x.shape[0]]
         return self.b(torch.tanh(self.a(x)) * pe + pe)
 
 
-def _positions(dist):
+def _positions(dist, whole=False):
     cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
-                             "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0",
+                             "optimizer.lr=0.1", "scheduler=constant", "train.grad_clip=0", "dist.timeout_s=30",
                              "stage.stage3_max_reuse_distance=0", "stage.stage3_prefetch_bucket_size=0"])
     loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     torch.manual_seed(0)
     ref = _WithPositions()
     torch.manual_seed(0)
-    engine = framework.initialize(_WithPositions(), loss_fn, cfg, dist)
+    model = _WithPositions()
+    model.p.whole = ref.p.whole = whole
+    engine = framework.initialize(model, loss_fn, cfg, dist)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(3)
     state, losses, ref_losses = engine.state, [], []
@@ -674,14 +692,41 @@ def _positions(dist):
     assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
     with torch.no_grad():
         ref_val = sum(loss_fn(ref, (x, x[:, :3].sin())).item() for x in xs) / dist.world   # (over the ranks)
-    return losses, ref_losses, val, ref_val, _full_params(engine), flat_params(ref)
+    params = _full_params(engine)
+    # The parameter returned itself: its hook went on a view of it, not on the parameter for good.
+    assert not model.p.pos._backward_hooks
+    units = engine.components.stage.gatherer.units
+    # A forward outside the steps (sampling, say) releases the unit as any other: its output keeps the gathered
+    # bytes (given to it, freed when it dies), so no gathered copy outlives the pass to be read stale later.
+    with torch.no_grad():
+        rows = model.p(3)
+    assert all(u.state.value == "sharded" for u in units)
+    torch.testing.assert_close(rows[:3], ref.p.pos[:3], rtol=FP32_RTOL, atol=1e-7)
+    if dist.world > 1:   # (world 1: the view is of the shard itself)
+        alive = weakref.ref(rows.untyped_storage())
+        del rows
+        deadline = time.monotonic() + 10   # (gloo's worker thread drops the gather's work, which refers to it, soon after)
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert alive() is None
+    # Edits inside framework.gathered without modifier_rank are discarded, a forward inside the block too.
+    with framework.gathered(list(model.p.parameters())), torch.no_grad():
+        model(xs[dist.rank])
+        model.p.pos.zero_()
+    assert engine.eval_step(state, [(xs[dist.rank], xs[dist.rank, :, :3].sin())]) == val
+    # Whether an output is a view may differ between ranks (data-dependent): the same units are gathered.
+    model.p.copy = dist.rank == 1
+    state, m = engine.train_step(state, Batch(((xs[dist.rank], xs[dist.rank, :, :3].cos()),)))
+    assert all(u.state.value == "sharded" for u in units)
+    return losses, ref_losses, val, ref_val, params, flat_params(ref)
 
 
+@pytest.mark.parametrize("whole", [False, True])
 @pytest.mark.parametrize("world", [1, 2])
-def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world):
-    # Its unit stays gathered until its backward: released, the parent would read freed memory.
+def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world, whole):
+    # The unit's release gives its gather buffer to the view: freed, the parent would read freed memory.
     for losses, ref_losses, val, ref_val, params, ref_params in (
-            [_positions(_local())] if world == 1 else pools(2).run(_positions, timeout=120)):
+            [_positions(_local(), whole)] if world == 1 else pools(2).run(_positions, whole, timeout=120)):
         assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
         assert val == pytest.approx(ref_val, rel=FP32_RTOL)
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
@@ -765,8 +810,13 @@ def _gathered_penalty(m, mb):
     return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * penalty
 
 
+def _uncalled_penalty(m, mb):   # a penalty on a module this pass does not call (odd steps skip extra)
+    m.step = 1
+    return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.extra.weight.pow(2).sum()
+
+
 @pytest.mark.parametrize("loss_fn, name", [(_penalty, "b.weight"), (_tied_head, "b.weight"),
-                                           (_gathered_penalty, "b.weight")])
+                                           (_gathered_penalty, "b.weight"), (_uncalled_penalty, "extra.weight")])
 def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     # Empty shards outside their module's forward: named, with the fix, not a raw autograd error; and a
     # framework.gathered block in loss_fn would release it before its gradient arrives.
@@ -774,6 +824,80 @@ def test_parameter_read_in_loss_fn_is_refused_in_one_line(loss_fn, name):
     with pytest.raises(framework.FrameworkError, match=f"'{name}'.*(outside its module's forward|with grad enabled)"):
         engine.train_step(engine.state, Batch((_micro(0),)))
     assert all(u.state.value == "sharded" for u in g.units)
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+
+class _Proj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) * 0.1)
+
+    def forward(self, x):
+        return x @ self.w   # saves the gathered weight for its backward
+
+
+def test_an_error_in_backward_is_raised_as_it_is():
+    # Not blamed on a parameter read in loss_fn: after the abort what autograd saved of a gathered parameter is
+    # empty, which is no read of an empty shard; only autograd's complaint about a zero size is.
+    cfg = framework.compose(["+stage=zero3", "stage.stage3_param_persistence_threshold=0", "optimizer=sgd",
+                             "scheduler=constant"])
+    model = nn.Sequential(nn.Linear(7, 8), _Proj(), nn.Linear(8, 3))
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m[2](_FailingBackward.apply(m[1](m[0](mb[0])))), mb[1])  # noqa: E731
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    with pytest.raises(RuntimeError, match="^CUDA out of memory") as raised:
+        engine.train_step(engine.state, Batch((_micro(0),)))
+    assert not isinstance(raised.value, framework.FrameworkError)
+    assert all(u.state.value == "sharded" for u in engine.components.stage.gatherer.units)
+
+
+def test_gathered_on_an_always_gathered_parameter_in_loss_fn_trains():
+    # b.bias (3 elements) stays gathered (threshold 10): a block on it in loss_fn releases nothing, so it is
+    # not refused, and trains as the same penalty read without the block.
+    def read(m, mb):
+        return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * m.b.bias.pow(2).sum()
+
+    def in_block(m, mb):
+        with framework.gathered(m.b.bias):
+            penalty = m.b.bias.pow(2).sum()
+        return nn.functional.mse_loss(m(mb[0]), mb[1]) + 0.1 * penalty
+
+    params = []
+    for loss_fn in (read, in_block):
+        _, engine, _ = _linear_units(loss_fn, stage3_param_persistence_threshold=10)
+        state = engine.state
+        for i in range(2):
+            state, _ = engine.train_step(state, Batch((_micro(i),)))
+        params.append(_full_params(engine))
+    torch.testing.assert_close(params[1], params[0], rtol=0, atol=0)
+
+
+class _Lookup(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.table, sparse=True)   # no nn.Embedding to refuse up front
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_a_sparse_gradient_is_refused_in_one_line(stage):
+    cfg = framework.compose([f"+stage={stage}", "optimizer=sgd", "scheduler=constant",
+                             *(["stage.stage3_param_persistence_threshold=0"] if stage == "zero3" else [])])
+    model = nn.ModuleDict({"t": _Lookup(), "a": nn.Linear(7, 3)})
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m["a"](mb[0]) + m["t"](torch.arange(4)), mb[1])  # noqa: E731
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    with pytest.raises(framework.FrameworkError, match=f"{stage}: parameter 't.table' got a sparse gradient.*sparse=False"):
+        engine.train_step(engine.state, Batch((_micro(0),)))
 
 
 def test_failed_forward_leaves_no_unit_gathered():
