@@ -505,8 +505,11 @@ def _replace(obj, fn):
     ``tensors_in``; a dataclass instance is copied)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _replace(v, fn)) for k, v in obj.items())
+    if isinstance(obj, dict):   # a copy keeps what its type's constructor may not take (a defaultdict's factory)
+        new = copy.copy(obj)
+        for k, v in obj.items():
+            new[k] = _replace(v, fn)
+        return new
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a NamedTuple
         return type(obj)(*(_replace(v, fn) for v in obj))
     if isinstance(obj, (tuple, list)):
