@@ -3,7 +3,7 @@
 Measured, not added up: each rank returns unused heap to the OS (``malloc_trim``), resets its
 peak resident set (``/proc/self/clear_refs``), notes its current RSS, runs the step and reads
 the peak back (the high-water mark behind ``getrusage``, see ``_peak``); a load, which maps the
-files, counts anonymous memory alone (``_AnonPeak``). The model (a Llama, ~136 MiB of fp32 weights) is several times
+files, counts anonymous memory alone (``bench.nvme_checkpoint._Peak``). The model (a Llama, ~136 MiB of fp32 weights) is several times
 the limit each rank must stay under: its shard (a quarter), the largest gather unit (one decoder
 layer) and a fixed slack for the allocator and Python objects.
 """
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import framework
+from bench.nvme_checkpoint import _Peak
 from tests._hf import build, hf_cfg, write_config
 
 BIG = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=20, num_attention_heads=6,
@@ -45,37 +46,6 @@ def _peak() -> int:
     which a reset cannot clear (gloo and transformers start and end threads)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024   # kB
-
-
-class _AnonPeak:
-    """Peak anonymous resident memory (``RssAnon``: heap and tensors) over a block, above its value at the
-    start (after a collection and ``malloc_trim``), sampled every millisecond. For reads of mapped files:
-    their pages count in the resident set too, as page cache, by as many at a time as the kernel maps
-    around a fault, which depends on the host (fault-around, large folios, huge pages on tmpfs)."""
-
-    def __enter__(self) -> "_AnonPeak":
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.base = self.peak = _anon()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, _anon())
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _anon())
-        self.grown = self.peak - self.base
-
-
-def _anon() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) * 1024   # kB
 
 
 def _sizes(model) -> tuple[int, int]:
@@ -132,9 +102,9 @@ def _load(dist, path, folder):
     engine = framework.initialize(model, component(cfg, "model").loss, cfg, dist)
     shard = sum(g.shard.numel() * g.shard.element_size() for g in engine.components.stage.groups)
     reads = sum(len(spec.spans) for spec in engine.components.stage.piece_specs())   # ranges this rank reads
-    with _AnonPeak() as anon:
+    with _Peak() as peak:   # anonymous memory: mapped file pages are page cache, mapped as the host chooses
         load_weights(engine, folder)    # sliced reads: this rank's ranges only
-    grown = anon.grown
+    grown = peak.result()["anon_bytes"]
     name = "model.layers.3.mlp.up_proj.weight"
     p = dict(model.named_parameters())[name]
     with framework.gathered([p]):

@@ -628,18 +628,6 @@ def test_parameters_read_by_a_parent_module_are_gathered_with_it(pools):
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    message = "CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_FailingBackward.message)
-
-
 class _PosTable(nn.Module):
     def __init__(self):
         super().__init__()
