@@ -678,7 +678,8 @@ def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(
     and one line says so. (No CUDA here: the CUDA generator state is a stand-in tensor.)"""
     from types import SimpleNamespace
 
-    from framework.persist.checkpoint import _load, _rng
+    from framework.persist import rng as _rng
+    from framework.persist.checkpoint import _load
 
     fake_cuda = torch.arange(16, dtype=torch.uint8)   # what torch.cuda.get_rng_state would give
     real = _rng.derive

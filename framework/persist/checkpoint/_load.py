@@ -15,7 +15,7 @@ from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
 from framework.engine.state import optimizer_leaves
 from framework.models.hf import architecture, without_dtype
 from framework.persist import stepfolders
-from framework.persist.checkpoint import _rng
+from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values
 from framework.persist.layout import (StateLayout, check_aligned, check_format, flat_pieces, nonfinite_items,
@@ -206,7 +206,7 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         for k, values in read_whole.items():
             whole[k].copy_(values)
     state = engine.finish_load(state, loaded)
-    _rng.restore_host(host_rng)
+    rng.restore_host(host_rng)
     return state, body
 
 
@@ -216,12 +216,12 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     and the host's are kept and the device generator's is derived (or dropped): the tuple is always the
     one ``capture_rng`` gives on this run's device."""
     rank, device = c.dist.rank, c.dist.device
-    derived = _rng.derive(seed, body["step"], rank, device)
+    derived = rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:
         return derived
     saved = stepfolders.read_json(folder / f"rng-{rank}.json", "random generator states")
     try:
-        states = _rng.torch_states(saved)
+        states = rng.torch_states(saved)
         if not states:
             raise ValueError("not even the CPU generator's")
     except (KeyError, TypeError, ValueError) as e:
