@@ -81,34 +81,41 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def verify(folder: Path, group: Group | None = None) -> dict:
+def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
-    raises the same CheckpointError naming the bad files."""
+    raises the same CheckpointError naming the bad files. With ``resume`` (a resume never reads the zero3 16-bit
+    weights copy in ``model_16bit/``), damage there is one line on rank 0, not a refusal of the checkpoint."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
+    copy16 = f"{stepfolders.WEIGHTS16}/"
     try:
         manifest = stepfolders.read_manifest(folder)
         entries = manifest["files"]
-        problems = [p for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
+        problems = [(n, p) for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
         if rank == 0:   # a file the manifest leaves out would be read unchecked
             # (manifests that predate the 16-bit weights subfolder list none of its files: a resume never reads
             # them, and check_weights16 refuses them to a weights load)
-            sub = any(n.startswith(f"{stepfolders.WEIGHTS16}/") for n in entries)
+            sub = any(n.startswith(copy16) for n in entries)
             unlisted = sorted(set(stepfolders.files_of(folder)) - set(entries))
-            problems += [f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
-                         "the manifest was edited, or the file added since)"
-                         for n in unlisted if stepfolders.a_save_writes(n)
-                         and (sub or not n.startswith(f"{stepfolders.WEIGHTS16}/"))]
+            problems += [(n, f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
+                             "the manifest was edited, or the file added since)")
+                         for n in unlisted if stepfolders.a_save_writes(n) and (sub or not n.startswith(copy16))]
             # (a name no save writes is never read: an editor's swap file or a user's notes are no damage)
             if other := [n for n in unlisted if not stepfolders.a_save_writes(n)]:
                 print(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored", flush=True)
     except (CheckpointError, UnsafePathError, OSError) as e:
-        problems = [str(e)]
+        problems = [("", str(e))]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
-        problems = [f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
+        problems = [("", f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})")]
     everyone = [problems] if group is None else group.all_gather(problems, "checksum verification")
-    bad = sorted({p for part in everyone for p in part})
+    found = {pair for part in everyone for pair in part}
+    unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
+    bad = sorted(p for n, p in found if n not in unread)
     if bad:
         raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
+    if unread and rank == 0:
+        print(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({few(unread)} "
+              "fail the manifest check): resuming anyway, as a resume does not read it (later saves write their own "
+              "copy); load no weights from it", flush=True)
     return manifest
 
 
@@ -149,7 +156,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
-    manifest = verify(folder, group)
+    manifest = verify(folder, group, resume=True)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
