@@ -81,6 +81,22 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
+    """What the resume line says when the global batch (micro_batch x grad_accum x world) of the saving run
+    (``saved``: its config dict) differs from this run's; None when it is the same or not recorded. A world
+    size is not a config difference a resume lists (``_UNLISTED``), so this is where a changed one shows."""
+    def rows(cfg: dict, world: int):
+        train = cfg.get("train") if isinstance(cfg, dict) else None
+        micro, accum = (train.get("micro_batch"), train.get("grad_accum")) if isinstance(train, dict) else (None, None)
+        return micro * accum * world if isinstance(micro, int) and isinstance(accum, int) else None
+
+    before, now = rows(saved, saved_world), rows(mine, world)
+    if before is None or now is None or before == now:
+        return None
+    return (f"global batch {before} -> {now} rows (micro_batch x grad_accum x world); set train.micro_batch or "
+            "train.grad_accum to keep it")
+
+
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
     raises the same CheckpointError naming the bad files. With ``resume`` (a resume never reads the zero3 16-bit
