@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import keyword
 import math
 import typing
 from types import MappingProxyType, SimpleNamespace
@@ -22,6 +23,24 @@ from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
+def _spelled(schema: type) -> dict[str, str]:
+    """{key as YAML spells it: the schema's field name}: a field named after a Python keyword carries a
+    trailing _ (``async_``), which is no key of the config (YAML writes ``async``)."""
+    names = [f.name for f in dataclasses.fields(schema)]
+    return {(n[:-1] if n.endswith("_") and keyword.iskeyword(n[:-1]) else n): n for n in names}
+
+
+def _as_fields(node: Mapping, schema: type) -> dict:
+    """``node`` (checked by ``_check_keys``) with its keys as the schema's field names, at every level."""
+    hints, fields = typing.get_type_hints(schema), _spelled(schema)
+    out = {}
+    for key, value in node.items():
+        name = fields[key]
+        out[name] = _as_fields(value, hints[name]) if dataclasses.is_dataclass(hints[name]) and \
+            isinstance(value, Mapping) else value
+    return out
+
+
 def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> None:
     """``option``: the chosen name of the group ``prefix`` names: a key of its other options is told
     apart from a typo, with both ways out (the option may be the default or the user's own choice;
@@ -29,8 +48,8 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
     group = prefix.rstrip(".")
     if not isinstance(node, Mapping):
         raise ConfigError(f"config: {group or 'config'} must be a mapping, got {node!r}")
-    hints = typing.get_type_hints(schema)
-    valid = [f.name for f in dataclasses.fields(schema)]
+    hints, fields = typing.get_type_hints(schema), _spelled(schema)
+    valid = list(fields)
     for key, value in node.items():
         if key not in valid:
             owners = [] if option is None else [n for n in registry(group).names() if n != option and key in
@@ -46,12 +65,13 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
             where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
                      else f"{group}={option} has no keys")
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
-        if dataclasses.is_dataclass(hints[key]) and isinstance(value, Mapping):
-            _check_keys(value, hints[key], f"{prefix}{key}.")
+        if dataclasses.is_dataclass(hints[fields[key]]) and isinstance(value, Mapping):
+            _check_keys(value, hints[fields[key]], f"{prefix}{key}.")
 
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:
     _check_keys(node, schema, prefix, option)
+    node = _as_fields(node, schema)
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
@@ -85,9 +105,6 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
         if key not in roots:
             raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
                               f"valid top-level keys: {', '.join(roots)}")
-    ckpt = raw.get("checkpoint")
-    if isinstance(ckpt, Mapping) and "async" in ckpt:   # the schema's field is async_ (a Python keyword)
-        raw["checkpoint"] = {("async_" if k == "async" else k): v for k, v in ckpt.items()}
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
     for group in GROUPS:

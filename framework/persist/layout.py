@@ -18,6 +18,7 @@ from framework.precision import Policy, PrecisionState
 from framework.stages import PieceSpec, check_shape, cover
 from framework.core.utils import few
 from framework.persist.tensorfiles import nonfinite
+from framework.persist.rng import derive
 
 
 @dataclass(frozen=True)
@@ -159,11 +160,14 @@ def check_format(saved_format: Any, caller: str) -> None:
 
 def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequence[dict], *, policy: Policy,
                     names: Iterable[str], rank: int = 0, world: int = 1,
-                    whole: Mapping[str, torch.Tensor] | None = None) -> TrainState:
+                    whole: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
+                    device: torch.device | None = None) -> TrainState:
     """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
     tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
     parameter of the model; ``whole``: its buffers and frozen parameters, given the saved ones (a
-    state dict without them leaves them). Everything is checked before anything is written (``FrameworkError``)."""
+    state dict without them leaves them). Everything is checked before anything is written (``FrameworkError``).
+    Saved by another number of ranks, each rank's generators are derived from (``seed``, step, rank) on ``device``,
+    as a checkpoint resume derives them."""
     check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
@@ -241,9 +245,17 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         for k, t in (kept or {}).items():
             whole[k].copy_(t)
     # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
-    # resumes its own generators; otherwise (no rank to match) all take rank 0's.
-    mine = next((sd for sd in saved if sd["rank"] == rank), first) if len(saved) == world else first
-    return with_saved_scalars(state, first, mine["rng"], saved_opt["scalars"], policy)
+    # resumes its own generators; otherwise (no rank to match) each derives its own, as a resume does
+    # (one saved rank's on every rank would draw the same dropout masks on every rank).
+    if len(saved) == world:
+        rng = next((sd for sd in saved if sd["rank"] == rank), first)["rng"]
+    else:
+        rng = derive(seed, first["step"], rank, device if device is not None else torch.device("cpu"))[0]
+        if rank == 0:
+            print(f"load_state_dict: saved by {len(saved)} rank(s), loaded by {world}: each rank's random generators "
+                  f"are derived from (seed, step, rank), so its draws (dropout) are not those of an uninterrupted "
+                  f"run", flush=True)
+    return with_saved_scalars(state, first, rng, saved_opt["scalars"], policy)
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: tuple[str, ...] = ()) -> list[str]:

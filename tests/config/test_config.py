@@ -99,6 +99,10 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer=true"], "unknown optimizer 'true'"), (["data=1.5"], "unknown data '1.5'"),
     (["optimizer=[adamw]"], "optimizer=[adamw]: a config group takes one name, not a list; give optimizer=NAME"),
     (["+stage=[zero1]"], "a config group takes one name, not a list; give +stage=NAME"),
+    # keys as YAML spells them: the schema's field async_ (a Python keyword) is checkpoint.async
+    (["checkpoint.foo=1"], "unknown key 'checkpoint.foo'; valid keys under checkpoint: dir, every, keep_last, resume, "
+                           "async, timeout_s"),
+    (["checkpoint.async_=true"], "unknown key 'checkpoint.async_' (did you mean 'checkpoint.async'?)"),
 ])
 def test_bad_config_is_one_clear_line(overrides, needle):
     with pytest.raises(ConfigError) as e:

@@ -272,9 +272,12 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     with pytest.raises(ConfigError, match=refused):
         _train(dist, [], str(tmp_path), resume=str(other), steps=0)
     _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(other), steps=0)   # no saves: nothing to lose
-    losses, _, first, _ = _train(dist, [], str(tmp_path), resume="auto", steps=N)
+    losses, _, first, _ = _train(dist, ["train.micro_batch=4"], str(tmp_path), resume="auto", steps=N)
     assert first[:2] == (K, K) and len(losses) == N - K
-    assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
+    assert "; global batch 8 -> 4 rows (micro_batch x grad_accum x world); set train.micro_batch or train.grad_accum " \
+           "to keep it" in out, out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
 
@@ -614,6 +617,16 @@ def test_buffers_of_another_shape_are_refused_and_older_checkpoints_keep_the_mod
            in capsys.readouterr().out
 
 
+def test_a_resume_at_another_world_size_says_the_global_batch():
+    """The world size is no config difference a resume lists, but it changes the global batch: said."""
+    from framework.persist.checkpoint._load import batch_change
+    saved = tiny_config("train.micro_batch=4", "train.grad_accum=2").to_dict()
+    assert batch_change(saved, 2, saved, 1) == ("global batch 16 -> 8 rows (micro_batch x grad_accum x world); set "
+                                                "train.micro_batch or train.grad_accum to keep it")
+    assert batch_change(saved, 2, tiny_config("train.micro_batch=8", "train.grad_accum=2").to_dict(), 1) is None
+    assert batch_change(saved, 2, saved, 2) is None
+
+
 def test_a_resume_lists_no_difference_in_where_files_lie():
     """offload.nvme_path defaults to the run folder, so it is another path at every relaunch into a
     new folder; like checkpoint.*, where files lie changes no number and is not listed as a difference."""
@@ -678,7 +691,8 @@ def test_a_checkpoint_saved_on_another_kind_of_device_resumes_its_cpu_generator(
     and one line says so. (No CUDA here: the CUDA generator state is a stand-in tensor.)"""
     from types import SimpleNamespace
 
-    from framework.persist.checkpoint import _load, _rng
+    from framework.persist import rng as _rng
+    from framework.persist.checkpoint import _load
 
     fake_cuda = torch.arange(16, dtype=torch.uint8)   # what torch.cuda.get_rng_state would give
     real = _rng.derive

@@ -10,6 +10,8 @@ plain model (safetensors file, sharded folder with an index, or a torch state di
 * after one step, save_weights (sharded: small max_shard_size) gives files that the plain model
   loads with load_state_dict(strict=True), bitwise equal to the gathered working parameters.
 """
+import contextlib
+import io
 import json
 import os
 
@@ -393,6 +395,24 @@ def _checkpointed(dist, ckpt_dir):
     return out
 
 
+def _resumed(dist, step):
+    """(the step resumed from ``step``, what this rank printed)."""
+    from framework.persist.checkpoint import Checkpointer
+    cfg = tiny_config("+stage=zero3", "precision=bf16", "stage.stage3_gather_16bit_weights_on_model_save=true",
+                      "stage.stage3_param_persistence_threshold=0", f"checkpoint.resume={step}", "checkpoint.every=0",
+                      f"train.micro_batch={ROWS // dist.world}")
+    module, _ = build_gpt(cfg)
+    engine = framework.initialize(module, gpt_loss, cfg, dist)
+    ckpt, out = Checkpointer(cfg, engine), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            state = ckpt.resume(engine.state)
+    finally:
+        ckpt.close()
+        engine.close()
+    return state.step, out.getvalue()
+
+
 def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
     """zero3, bf16, 2 ranks, checkpoints at steps 2 and 4: each step folder holds model_16bit/ (the
     working bf16 parameters, bitwise); python -m framework.export of the checkpoint gives the fp32
@@ -433,3 +453,8 @@ def test_checkpoint_writes_16bit_weights_and_exports(pools, tmp_path):
     with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
         verify(step)
     assert main([str(step), "--to", str(tmp_path / "refused")]) == 1
+    # a resume does not read model_16bit/: it resumes from the intact checkpoint, saying the copy is damaged
+    for rank, (step_at, said) in enumerate(pools(2).run(_resumed, str(step), timeout=240)):
+        assert step_at == 4
+        assert ("(the 16-bit weights copy) is damaged ('model_16bit/model.safetensors' fail the manifest check): "
+                "resuming anyway" in said) == (rank == 0), said

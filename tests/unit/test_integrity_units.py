@@ -592,6 +592,12 @@ def test_the_manifest_covers_the_16bit_weights_subfolder(tmp_path):
     weights.write_bytes(b"weightz")
     with pytest.raises(CheckpointError, match=f"is damaged: {weights} does not match its sha256"):
         verify(folder)
+    verify(folder, resume=True)   # a resume does not read the copy (the line it prints: tests/dist/test_weights.py)
+    (folder / "a.distcp").write_bytes(b"shart")   # ... but it reads the DCP files
+    with pytest.raises(CheckpointError, match=f"is damaged: {folder / 'a.distcp'} does not match its sha256 "
+                                              r"checksum in the manifest \(altered or corrupted\)$"):
+        verify(folder, resume=True)
+    (folder / "a.distcp").write_bytes(b"shard")
     # an older checkpoint's manifest: the top-level files only
     (folder / stepfolders.MANIFEST).unlink()
     stepfolders.write_manifest(folder, {"a.distcp": entries["a.distcp"]})

@@ -30,7 +30,7 @@ from framework.core.registry import closest_hint
 from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
-from framework.persist.checkpoint._load import changed, load, same_run, verify
+from framework.persist.checkpoint._load import batch_change, changed, load, same_run, verify
 from framework.persist.checkpoint._save import save
 
 __all__ = ["Checkpointer", "CheckpointError", "checkpoint_root", "glue", "preflight", "shared", "verify"]
@@ -101,8 +101,10 @@ class Checkpointer:
                 how = "same layout"
             self.resumed_from = Path(folder)
             diff = changed(body["config"], self.config)
+            batch = batch_change(body["config"], body["world"], self.config, self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
-                      + (f"; config differs in {few(diff, 8, show=str)}" if diff else ""))
+                      + (f"; config differs in {few(diff, 8, show=str)}" if diff else "")
+                      + (f"; {batch}" if batch else ""))
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
                               f"finite (the folders are kept; set checkpoint.dir to another folder to start afresh): "

@@ -15,7 +15,7 @@ from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
 from framework.engine.state import optimizer_leaves
 from framework.models.hf import architecture, without_dtype
 from framework.persist import stepfolders
-from framework.persist.checkpoint import _rng
+from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._save import dcp_key, dcp_values
 from framework.persist.layout import (StateLayout, check_aligned, check_format, flat_pieces, nonfinite_items,
@@ -81,34 +81,57 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def verify(folder: Path, group: Group | None = None) -> dict:
+def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
+    """What the resume line says when the global batch (micro_batch x grad_accum x world) of the saving run
+    (``saved``: its config dict) differs from this run's; None when it is the same or not recorded. A world
+    size is not a config difference a resume lists (``_UNLISTED``), so this is where a changed one shows."""
+    def rows(cfg: dict, world: int):
+        train = cfg.get("train") if isinstance(cfg, dict) else None
+        micro, accum = (train.get("micro_batch"), train.get("grad_accum")) if isinstance(train, dict) else (None, None)
+        return micro * accum * world if isinstance(micro, int) and isinstance(accum, int) else None
+
+    before, now = rows(saved, saved_world), rows(mine, world)
+    if before is None or now is None or before == now:
+        return None
+    return (f"global batch {before} -> {now} rows (micro_batch x grad_accum x world); set train.micro_batch or "
+            "train.grad_accum to keep it")
+
+
+def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
-    raises the same CheckpointError naming the bad files."""
+    raises the same CheckpointError naming the bad files. With ``resume`` (a resume never reads the zero3 16-bit
+    weights copy in ``model_16bit/``), damage there is one line on rank 0, not a refusal of the checkpoint."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
+    copy16 = f"{stepfolders.WEIGHTS16}/"
     try:
         manifest = stepfolders.read_manifest(folder)
         entries = manifest["files"]
-        problems = [p for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
+        problems = [(n, p) for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
         if rank == 0:   # a file the manifest leaves out would be read unchecked
             # (manifests that predate the 16-bit weights subfolder list none of its files: a resume never reads
             # them, and check_weights16 refuses them to a weights load)
-            sub = any(n.startswith(f"{stepfolders.WEIGHTS16}/") for n in entries)
+            sub = any(n.startswith(copy16) for n in entries)
             unlisted = sorted(set(stepfolders.files_of(folder)) - set(entries))
-            problems += [f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
-                         "the manifest was edited, or the file added since)"
-                         for n in unlisted if stepfolders.a_save_writes(n)
-                         and (sub or not n.startswith(f"{stepfolders.WEIGHTS16}/"))]
+            problems += [(n, f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
+                             "the manifest was edited, or the file added since)")
+                         for n in unlisted if stepfolders.a_save_writes(n) and (sub or not n.startswith(copy16))]
             # (a name no save writes is never read: an editor's swap file or a user's notes are no damage)
             if other := [n for n in unlisted if not stepfolders.a_save_writes(n)]:
                 print(f"checkpoint: {folder} holds {few(other)}, which no save writes: ignored", flush=True)
     except (CheckpointError, UnsafePathError, OSError) as e:
-        problems = [str(e)]
+        problems = [("", str(e))]
     except (KeyError, TypeError, ValueError) as e:   # an edited manifest entry: refused on every rank like a bad file
-        problems = [f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})"]
+        problems = [("", f"{folder / stepfolders.MANIFEST} has a malformed file entry ({type(e).__name__}: {e})")]
     everyone = [problems] if group is None else group.all_gather(problems, "checksum verification")
-    bad = sorted({p for part in everyone for p in part})
+    found = {pair for part in everyone for pair in part}
+    unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
+    bad = sorted(p for n, p in found if n not in unread)
     if bad:
         raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
+    if unread and rank == 0:
+        print(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({few(unread)} "
+              "fail the manifest check): resuming anyway, as a resume does not read it (later saves write their own "
+              "copy); load no weights from it", flush=True)
     return manifest
 
 
@@ -149,7 +172,7 @@ def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[di
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
-    manifest = verify(folder, group)
+    manifest = verify(folder, group, resume=True)
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     specs = c.stage.piece_specs()
@@ -206,7 +229,7 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         for k, values in read_whole.items():
             whole[k].copy_(values)
     state = engine.finish_load(state, loaded)
-    _rng.restore_host(host_rng)
+    rng.restore_host(host_rng)
     return state, body
 
 
@@ -216,12 +239,12 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
     and the host's are kept and the device generator's is derived (or dropped): the tuple is always the
     one ``capture_rng`` gives on this run's device."""
     rank, device = c.dist.rank, c.dist.device
-    derived = _rng.derive(seed, body["step"], rank, device)
+    derived = rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:
         return derived
     saved = stepfolders.read_json(folder / f"rng-{rank}.json", "random generator states")
     try:
-        states = _rng.torch_states(saved)
+        states = rng.torch_states(saved)
         if not states:
             raise ValueError("not even the CPU generator's")
     except (KeyError, TypeError, ValueError) as e:

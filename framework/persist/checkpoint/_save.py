@@ -24,7 +24,7 @@ from framework.engine.state import FORMAT as STATE_FORMAT, optimizer_leaves
 from framework.models.hf import architecture
 from framework.offload import verify_map
 from framework.persist import stepfolders
-from framework.persist.checkpoint import _rng
+from framework.persist import rng
 from framework.persist.checkpoint._group import Group, agree_save, glue
 from framework.core.utils import dtype_name, few, tensor_bytes
 from framework.persist.layout import StateLayout, flat_pieces, host_copy, nonfinite_items
@@ -101,7 +101,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
         train["model_config"] = arch
     if tied := tied_names(c.module):   # saved once: the other names, for get_fp32_state_dict_from_checkpoint
         train["tied"] = tied
-    return {"dcp": out, "layout": layout.saved(), "train": train, "rng": _rng.capture(state.rng), "step": state.step,
+    return {"dcp": out, "layout": layout.saved(), "train": train, "rng": rng.capture(state.rng), "step": state.step,
             "nonfinite": nonfinite, "bytes": nbytes, "release": release if zero_copy else None}
 
 
