@@ -453,6 +453,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             # goes on and counts it (Hydra would go on silently and end with the traceback of the first).
             traceback.print_exception(e)
             say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
+            if not _alone_in_sweep():
+                sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
@@ -463,6 +465,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 say(line)
             raise
     return job
+
+
+def _alone_in_sweep() -> bool:
+    """Whether this process may go on with a sweep's next job after an unexpected error in one: not where an
+    external launcher (torchrun, srun) made it one rank of several, each running the sweep. That error may be
+    this rank's alone, and going on alone it would wait in the next job's collectives for peers still in the
+    failed job's (until dist.timeout_s, then both jobs fail); it exits instead, and the launcher ends the group.
+    (A framework error is every rank's; dist.nproc's ranks are this process's children, which it stops.)"""
+    return env_int("WORLD_SIZE", 1) <= 1
 
 
 def _launcher_world(cfg: DictConfig) -> int | None:
