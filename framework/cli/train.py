@@ -104,8 +104,10 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     if o.value_type == ValueType.INTERVAL_SWEEP:
         if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
+        chosen = ("hydra/sweeper=basic enumerates values, it does not sample them" if any(
+            x.lstrip("+").startswith("hydra/sweeper=") for x in overrides) else "none is chosen")
         raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
-                          "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
+                          f"Optuna or Ax sweeper plugin, hydra/sweeper=...), and {chosen}; list the values "
                           "(a,b,c) or use range(...)")
     if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
         values = list(o.sweep_string_iterator())

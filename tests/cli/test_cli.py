@@ -70,7 +70,8 @@ def test_the_val_loss_does_not_depend_on_the_micro_batch_split(forkrun, tmp_path
     (["model=gpt-nono"], "unknown model 'gpt-nono' (did you mean 'gpt-nano'?)"),
     (["logger=wandb", "logger.project=my/proj"], "logger.project='my/proj' has a character W&B refuses"),
     (["-m", "optimizer.lr=interval(0.1,0.2)"], "needs a sweeper that samples"),
-    (["-m", "optimizer.lr=interval(0.1,0.2)", "hydra/sweeper=basic"], "needs a sweeper that samples"),
+    (["-m", "optimizer.lr=interval(0.1,0.2)", "hydra/sweeper=basic"],
+     "and hydra/sweeper=basic enumerates values, it does not sample them"),
     # a sweep of no job: refused (Hydra would run none and exit 0)
     (["-m", "optimizer=glob(adm*)"], "glob() selects none of the optimizer names (adagrad, adam, adamw, lion, sgd)"),
     (["-m", "optimizer.lr=range(1,1)"], "optimizer.lr=range(1,1): the sweep has no value (range(start, stop[, step])"),
