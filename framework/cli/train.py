@@ -36,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
@@ -154,20 +154,26 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
 
 def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
     """One line for a folder key (hydra.run.dir, hydra.sweep.dir, hydra.sweep.subdir) interpolating a key that
-    is not in the config (Hydra would fail on it with a traceback), naming the spelling of a group's choice
-    (``${optimizer.name}``: the choice is Hydra's, ``${hydra:runtime.choices.optimizer}``)."""
+    is not in the config, or an environment variable that is not set (Hydra would fail on either with a
+    traceback), naming the spelling of a group's choice (``${optimizer.name}``: the choice is Hydra's,
+    ``${hydra:runtime.choices.optimizer}``)."""
     if error is None:
         try:
             OmegaConf.select(cfg, key)
             return
         except OmegaConfBaseException as e:
             error = e
+    unset = (re.search(r"Environment variable '([^']+)' not found", str(error))   # ${oc.env:VAR}, VAR unset
+             if isinstance(error, InterpolationResolutionError) else None)
     found = re.match(r"Interpolation key '([^']+)' not found", str(error))
-    if not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra":
+    if not unset and (not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra"):
         return   # (Hydra's own keys are filled in by a running Hydra)
-    missing, group = found[1], found[1].split(".")[0]
     parent, _, last = key.rpartition(".")
     raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[last]
+    if unset:
+        raise ConfigError(f"{key}={raw}: the environment variable {unset[1]} is not set; set it, or give "
+                          f"it a default: ${{oc.env:{unset[1]},DEFAULT}}")
+    missing, group = found[1], found[1].split(".")[0]
     hint = (f"; for the chosen {group} write ${{hydra:runtime.choices.{group}}}"
             if group in GROUPS and missing in (group, f"{group}.name") else "")
     raise ConfigError(f"{key}={raw}: the config has no key {missing}{hint}")
