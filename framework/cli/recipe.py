@@ -275,14 +275,19 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
               for a in cmd for m in re.findall(r"(?<!\$)\{(cfg\.[\w.]+)\}", str(a))}
     if not wanted:
         return {}
-    cfg, fill = compose_jobs(recipe, run0)[0], {}
+    # The config as its YAML spells it (optimizer.name, checkpoint.async), so a placeholder takes
+    # the keys an override takes, and only values: a group, a list or a method is no command argument.
+    tree, fill = compose_jobs(recipe, run0)[0].to_dict(), {}
     for key in sorted(wanted):
-        node = cfg
-        for part in key.split(".")[1:]:
-            if not hasattr(node, part):
-                raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: {{{key}}} names no key of the job's config")
-            node = getattr(node, part)
-        fill[key] = json.dumps(node) if isinstance(node, (bool, type(None))) else str(node)
+        parent, _, leaf = key.partition(".")[2].rpartition(".")
+        node = get_key(tree, parent) if parent else tree
+        if not isinstance(node, dict) or leaf not in node:
+            raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: {{{key}}} names no key of the job's config")
+        value = node[leaf]
+        if isinstance(value, (dict, list, tuple)):
+            raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: {{{key}}} is a section or a list of the job's "
+                              f"config, not one value; name a key with one value, e.g. {{cfg.train.micro_batch}}")
+        fill[key] = json.dumps(value) if isinstance(value, (bool, type(None))) else str(value)
     return fill
 
 

@@ -36,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.types import ValueType
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
@@ -104,8 +104,10 @@ def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     if o.value_type == ValueType.INTERVAL_SWEEP:
         if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
+        chosen = ("hydra/sweeper=basic enumerates values, it does not sample them" if any(
+            x.lstrip("+").startswith("hydra/sweeper=") for x in overrides) else "none is chosen")
         raise ConfigError(f"config: {o.input_line}: interval() needs a sweeper that samples values (Hydra's "
-                          "Optuna or Ax sweeper plugin, hydra/sweeper=...), and none is chosen; list the values "
+                          f"Optuna or Ax sweeper plugin, hydra/sweeper=...), and {chosen}; list the values "
                           "(a,b,c) or use range(...)")
     if o.value_type != ValueType.GLOB_CHOICE_SWEEP:
         values = list(o.sweep_string_iterator())
@@ -152,20 +154,26 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
 
 def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
     """One line for a folder key (hydra.run.dir, hydra.sweep.dir, hydra.sweep.subdir) interpolating a key that
-    is not in the config (Hydra would fail on it with a traceback), naming the spelling of a group's choice
-    (``${optimizer.name}``: the choice is Hydra's, ``${hydra:runtime.choices.optimizer}``)."""
+    is not in the config, or an environment variable that is not set (Hydra would fail on either with a
+    traceback), naming the spelling of a group's choice (``${optimizer.name}``: the choice is Hydra's,
+    ``${hydra:runtime.choices.optimizer}``)."""
     if error is None:
         try:
             OmegaConf.select(cfg, key)
             return
         except OmegaConfBaseException as e:
             error = e
+    unset = (re.search(r"Environment variable '([^']+)' not found", str(error))   # ${oc.env:VAR}, VAR unset
+             if isinstance(error, InterpolationResolutionError) else None)
     found = re.match(r"Interpolation key '([^']+)' not found", str(error))
-    if not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra":
+    if not unset and (not isinstance(error, InterpolationKeyError) or not found or found[1].split(".")[0] == "hydra"):
         return   # (Hydra's own keys are filled in by a running Hydra)
-    missing, group = found[1], found[1].split(".")[0]
     parent, _, last = key.rpartition(".")
     raw = OmegaConf.to_container(OmegaConf.select(cfg, parent), resolve=False)[last]
+    if unset:
+        raise ConfigError(f"{key}={raw}: the environment variable {unset[1]} is not set; set it, or give "
+                          f"it a default: ${{oc.env:{unset[1]},DEFAULT}}")
+    missing, group = found[1], found[1].split(".")[0]
     hint = (f"; for the chosen {group} write ${{hydra:runtime.choices.{group}}}"
             if group in GROUPS and missing in (group, f"{group}.name") else "")
     raise ConfigError(f"{key}={raw}: the config has no key {missing}{hint}")
@@ -453,6 +461,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
             # goes on and counts it (Hydra would go on silently and end with the traceback of the first).
             traceback.print_exception(e)
             say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
+            if not _alone_in_sweep():
+                sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
@@ -463,6 +473,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 say(line)
             raise
     return job
+
+
+def _alone_in_sweep() -> bool:
+    """Whether this process may go on with a sweep's next job after an unexpected error in one: not where an
+    external launcher (torchrun, srun) made it one rank of several, each running the sweep. That error may be
+    this rank's alone, and going on alone it would wait in the next job's collectives for peers still in the
+    failed job's (until dist.timeout_s, then both jobs fail); it exits instead, and the launcher ends the group.
+    (A framework error is every rank's; dist.nproc's ranks are this process's children, which it stops.)"""
+    return env_int("WORLD_SIZE", 1) <= 1
 
 
 def _launcher_world(cfg: DictConfig) -> int | None:

@@ -616,4 +616,13 @@ def test_before_and_after_commands_take_the_jobs_config():
                          r.expected)
     with pytest.raises(recipes.RecipeError, match=r"\{cfg.train.stepz\} names no key"):
         recipes._config_fill(bad, run0)
+    # Keys as the YAML spells them (a group's choice, async), and values only: not a section, an
+    # attribute that is no key, or a method.
+    real = ["{cfg.optimizer.name}", "{cfg.stage.name}", "{cfg.checkpoint.async}"]
+    ok = recipes.Recipe(r.name, r.dir, {**r.spec, "after": [["echo", *real]]}, r.expected)
+    assert [recipes._config_fill(ok, run0)[k[1:-1]] for k in real] == ["adamw", "zero3", "false"]
+    for key, why in [("cfg.model", "not one value"), ("cfg.choices", "names no key"), ("cfg.to_dict", "names no key")]:
+        bad = recipes.Recipe(r.name, r.dir, {**r.spec, "after": [["echo", "{" + key + "}"]]}, r.expected)
+        with pytest.raises(recipes.RecipeError, match=why):
+            recipes._config_fill(bad, run0)
     assert recipes._fill("${hydra.job.num}-{out}", {"out": "o", "hydra.job.num": "x"}) == "${hydra.job.num}-o"

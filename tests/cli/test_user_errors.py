@@ -84,6 +84,20 @@ def test_a_folder_key_interpolating_a_missing_key_is_one_line(forkrun, tmp_path)
     assert not list(tmp_path.iterdir())
 
 
+def test_a_folder_key_interpolating_an_unset_environment_variable_is_one_line(forkrun, tmp_path):
+    """${oc.env:VAR} in a run or sweep folder with VAR unset: one line naming the key and the variable,
+    not OmegaConf's traceback."""
+    assert "NOPE_VAR_X" not in os.environ
+    for args, key, value in ((["hydra.run.dir=r/${oc.env:NOPE_VAR_X}"], "hydra.run.dir", "r/${oc.env:NOPE_VAR_X}"),
+                             (["-m", "hydra.sweep.subdir=${oc.env:NOPE_VAR_X}", "hydra.sweep.dir=s"],
+                              "hydra.sweep.subdir", "${oc.env:NOPE_VAR_X}")):
+        p = forkrun.run("framework.train", [*args, "train.steps=2"], cwd=tmp_path)
+        assert p.returncode == 2 and p.stderr.splitlines() == [
+            f"error: {key}={value}: the environment variable NOPE_VAR_X is not set; set it, or give it a "
+            "default: ${oc.env:NOPE_VAR_X,DEFAULT}"], p.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_hydra_job_chdir_is_refused(forkrun, tmp_path):
     """Relative paths (checkpoint.resume, data, outputs/ for resume=latest) are the launch directory's:
     a job moved into its run folder would resume nothing, quietly."""
