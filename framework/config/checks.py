@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import keyword
 import math
 import typing
 from types import MappingProxyType, SimpleNamespace
@@ -24,10 +23,8 @@ from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
 def _spelled(schema: type) -> dict[str, str]:
-    """{key as YAML spells it: the schema's field name}: a field named after a Python keyword carries a
-    trailing _ (``async_``), which is no key of the config (YAML writes ``async``)."""
-    names = [f.name for f in dataclasses.fields(schema)]
-    return {(n[:-1] if n.endswith("_") and keyword.iskeyword(n[:-1]) else n): n for n in names}
+    """{key as YAML spells it: the schema's field name} (``plainconf.yaml_name``)."""
+    return {plainconf.yaml_name(f.name): f.name for f in dataclasses.fields(schema)}
 
 
 def _as_fields(node: Mapping, schema: type) -> dict:

@@ -6,6 +6,7 @@ same ``validate``. Interpolations, ``--config-dir`` and sweeps are errors saying
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import re
 import types
 import typing
@@ -207,13 +208,19 @@ def _flat_keys(node: Mapping, prefix: str = ""):
             yield from _flat_keys(v, f"{prefix}{k}.")
 
 
+def yaml_name(field: str) -> str:
+    """A schema field's key as YAML spells it: a field named after a Python keyword carries a trailing _
+    (``async_``), which is no key of the config (YAML writes ``async``)."""
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
+
+
 def typed(node: Mapping, schema: type, prefix: str) -> Any:
     """``schema`` (a dataclass) built from ``node``: defaults for absent keys, values converted to
     the annotated types as OmegaConf converts them, one-line errors otherwise."""
     hints = typing.get_type_hints(schema)
     kwargs = {}
     for f in dataclasses.fields(schema):
-        key = f"{prefix}{f.name}"
+        key = f"{prefix}{yaml_name(f.name)}"
         if f.name in node:
             kwargs[f.name] = _convert(node[f.name], hints[f.name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:

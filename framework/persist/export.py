@@ -75,7 +75,7 @@ class Checkpoint:
     def __init__(self, checkpoint):
         d = self.step_dir = resolve(checkpoint)
         if any(os.path.lexists(d / n) for n in ("manifest.json", "train_state.json")) or any(d.glob("rng-*.json")):
-            verify(d)
+            verify(d, resume=True)   # (as a resume, export never reads the zero3 16-bit copy: damage there is a line)
         self.metadata = glue().read_metadata(d / ".metadata")
         # {alias: name} of the tied parameters, saved once (our saves record them since they do)
         state = d / stepfolders.TRAIN_STATE

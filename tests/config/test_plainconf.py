@@ -148,3 +148,12 @@ def test_plus_and_delete_overrides_as_hydra(overrides, says):
     else:
         assert isinstance(hydra, str) and isinstance(plain, str), (hydra, plain)
         assert says is None or says in plain, plain
+
+
+def test_a_keyword_field_is_named_as_yaml_spells_it():
+    # (the schema's async_ is checkpoint.async in every message, with Hydra or without it)
+    from framework.config.schema import CheckpointConfig
+
+    with pytest.raises(ConfigError, match=r"^config: checkpoint\.async: field 'checkpoint\.async' is not Optional$"):
+        typed({"async_": None}, CheckpointConfig, "checkpoint.")
+    assert typed({"async_": True}, CheckpointConfig, "checkpoint.").async_ is True

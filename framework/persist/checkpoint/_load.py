@@ -99,8 +99,8 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
     """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
-    raises the same CheckpointError naming the bad files. With ``resume`` (a resume never reads the zero3 16-bit
-    weights copy in ``model_16bit/``), damage there is one line on rank 0, not a refusal of the checkpoint."""
+    raises the same CheckpointError naming the bad files. With ``resume`` (a resume, or an export, never reads the
+    zero3 16-bit weights copy in ``model_16bit/``), damage there is one line on rank 0, not a refusal."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     copy16 = f"{stepfolders.WEIGHTS16}/"
     try:
@@ -130,8 +130,8 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
         raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
     if unread and rank == 0:
         print(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({few(unread)} "
-              "fail the manifest check): resuming anyway, as a resume does not read it (later saves write their own "
-              "copy); load no weights from it", flush=True)
+              "fail the manifest check): going on, as resumes and exports do not read it (later saves write their "
+              "own copy); load no weights from it", flush=True)
     return manifest
 
 
