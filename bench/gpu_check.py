@@ -31,7 +31,7 @@ Standard output ends with a short summary (failed rows in full, the rest as coun
 verdict: PASSED (exit 0), FAILED (a row failed; exit 1) or INCOMPLETE (nothing failed, but a check was
 left out by the time budget or limit, or a run without --dry-run found no GPU; exit 3; --skip is
 neutral). Under gpu_check.sh the budget is clamped to its hard time limit less a margin; when that limit
-stops the run, the table is still written, with the interrupted check's row.
+stops the run, the table is still written, with the interrupted check's row (a failure: FAILED).
 ``--dry-run`` runs each check on the CPU (gloo, FRAMEWORK_ACCELERATOR=check, tiny sizes); the test
 suite runs it without Hydra, OmegaConf and W&B, as the GPU image has none.
 """

@@ -57,7 +57,8 @@ COMMON = ["+stage=zero3", "offload=nvme", "precision=bf16", "train.micro_batch=1
 UNREAD = {"train.steps": "use --steps N", "train.eval_batches": "use --eval-batch N (sequences of the held-out batch)",
           "train.eval_every": "the held-out batch is evaluated after every step (--eval-batch 0: never)",
           "train.log_every": "every step is printed", "dist": "it runs one process",
-          "checkpoint": "it saves no checkpoint", "logger": "it prints one JSON line (and writes it to --out FILE)"}
+          "checkpoint": "it saves no checkpoint", "logger": "it prints one JSON line (and writes it to --out FILE)",
+          "hydra": "it writes no run folder (its result goes to --out FILE)"}
 
 
 def disk_bandwidth(folder: str, nbytes: int) -> tuple[float, float]:

@@ -592,6 +592,7 @@ def _capacity():
                                          (["train.eval_every=1"], "does not read train.eval_every"),
                                          (["+checkpoint.every=1"], "does not read checkpoint.every"),
                                          (["dist.nproc=2"], "does not read dist.nproc"),
+                                         (["hydra.run.dir=/tmp/x"], "does not read hydra.run.dir; it writes no run"),
                                          (["train.stepz=2"], "unknown key 'train.stepz'"),
                                          (["--steps", "0"], "--steps must be at least 1")])
 def test_capacity_refuses_bad_input_in_one_line_before_the_disk_test(given, says, tmp_path, capsys):
