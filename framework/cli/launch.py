@@ -33,7 +33,7 @@ from framework.persist.checkpoint import checkpoint_root, preflight, shared
 from framework.config import Config, check_batch_world
 from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
-                                       local_world_size, resolve_backend, slurm_tasks_here)
+                                       local_world_size, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated, say
 from framework.loggers import RunInfo
@@ -49,8 +49,7 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     was refused in; picklable, for a spawned rank 0)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
-    world = env_int("WORLD_SIZE", 1)   # (as composition counts it)
-    check_batch_world(cfg, world if world > 1 else cfg.dist.nproc)
+    check_batch_world(cfg, run_world(cfg.dist.nproc))
     # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:

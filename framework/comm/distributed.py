@@ -161,6 +161,13 @@ def env_int(name: str, default: int | None) -> int | None:
     return default if not text else _launcher_int(name, text)
 
 
+def run_world(nproc: int) -> int:
+    """The ranks a run has: an external launcher's WORLD_SIZE (torchrun, a Slurm task) above 1, else ``nproc``
+    (dist.nproc's spawned ranks)."""
+    world = env_int("WORLD_SIZE", 1)
+    return world if world > 1 else nproc
+
+
 def _launcher_int(name: str, text: str) -> int:
     try:
         return int(text)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from framework.comm.distributed import env_int
+from framework.comm.distributed import run_world
 from framework.config import dsconfig, plainconf
 from framework.config.checks import root_value, validate
 from framework.config.schema import Config, flat
@@ -167,7 +167,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     base = validate(cfg, choices)
     values = flat(base.to_dict())
     if world is None:
-        world = env_world if (env_world := env_int("WORLD_SIZE", 1)) > 1 else base.dist.nproc
+        world = run_world(base.dist.nproc)
     if hidden_from_model and hidden_size is None:   # from the model's config (e.g. a HF config.json)
         hidden_size = registry("model").get(base.choices["model"]).hidden_size(base.model)
     warmup, stated = None, t.settings.get("scheduler.warmup_num_steps")
