@@ -276,7 +276,7 @@ def test_unsupported_model_is_one_clear_line(tmp_path, raw, needle):
     assert needle in str(e.value) and "\n" not in str(e.value)
     if raw["model_type"] == "mymodel":
         assert "names custom model code (auto_map); custom model code is not supported" in str(e.value)
-        assert len(str(e.value)) < 300, str(e.value)
+        assert len(str(e.value).replace(str(tmp_path), "")) < 250, str(e.value)   # (not the 12 KB list of types)
     if raw["model_type"] == "gpt_neo":   # eager builds
         cfg = framework.compose(["model=hf", f"model.config={tmp_path}", "model.context=16",
                                  "model.attn_implementation=eager"])

@@ -212,9 +212,12 @@ def test_replicated_saves_load_and_rng_follows_the_rank():
     loaded = load_state_dict(s1, sp1, saved, policy=FP32, names=SHAPES, rank=1, world=2)
     check_reference(loaded, sp1)
     assert torch.equal(loaded.rng[0], torch.zeros(3, dtype=torch.uint8))
-    # another world size: no rank to match, everyone takes rank 0's generators
+    # another world size: no rank to match, each derives its own from (seed, step, rank), as a resume does
+    from framework.persist.rng import derive
     (s,  sp), = make_state(1, None)
-    assert torch.equal(load_state_dict(s, sp, saved, policy=FP32, names=SHAPES).rng[0], saved[0]["rng"][0])
+    got = load_state_dict(s, sp, saved, policy=FP32, names=SHAPES, seed=5).rng[0]
+    assert torch.equal(got, derive(5, saved[0]["step"], 0, torch.device("cpu"))[0][0])
+    assert not torch.equal(got, saved[0]["rng"][0])
 
 
 def _unchanged_after(fn, state):
