@@ -4,10 +4,10 @@
     p = comm.all_gather_into(full, shard, "zero3 gather of 'h.0'")   # async; this rank's slice in place
     comm.wait(p, "zero3 gather of 'h.0'")
 
-Every operation is asynchronous and returns a ``Pending``; ``wait`` completes it, naming what it
-waits for. ``shard`` is one rank's partition length; a buffer is *aligned* when it is ``world``
-equal chunks, chunk r belonging to rank r. On gloo the tensor collectives are slow (0.57-0.75 GB/s
-against 0.95 for all_reduce on a 2-core CPU), so Gloo keeps its measured paths.
+Every operation is asynchronous and returns a ``Pending``; ``wait`` completes it, naming what it waits
+for. ``shard`` is one rank's partition length; an *aligned* buffer is ``world`` equal chunks, chunk r
+rank r's. On gloo the tensor collectives are slow (0.57-0.75 GB/s against 0.95 for all_reduce on a
+2-core CPU), so Gloo keeps its measured paths.
 """
 from __future__ import annotations
 
@@ -80,17 +80,15 @@ class Collectives:
         raise NotImplementedError
 
     def reduce_to_owners(self, buf: Tensor, start: int, shard: int, what: str) -> Pending:
-        """``buf`` mirrors flat range [start, start + len) of a buffer partitioned in ``shard``s: after
-        ``wait``, the part of ``buf`` inside this rank's partition holds the sum across ranks. Here: a
-        reduce to each owner, the backends' path for a buffer they have no faster one for."""
+        """``buf`` mirrors flat range [start, start + len) of a buffer partitioned in ``shard``s: after ``wait``,
+        its part in this rank's partition holds the sum across ranks. Here a reduce to each owner (the fallback)."""
         return Pending([self._go(what, self.ops.reduce, buf[lo - start:hi - start], dst=r, op=SUM)
                         for r, lo, hi in owner_slices(start, start + buf.numel(), shard)])
 
 
 class Local(Collectives):
-    """World size 1: every collective is a no-op (the one rank's values are already the result).
-    The checking accelerator still sees each one as issued and waited for, so a world-1 run
-    checks the stream order that more ranks need."""
+    """World size 1: every collective is a no-op, yet the checking accelerator sees each issued and waited
+    for, so a world-1 run checks the stream order that more ranks need."""
 
     def _none(self, what: str, *tensors: Tensor) -> Pending:
         token = self.dist.acc.collective(tensors, what)
@@ -113,8 +111,7 @@ class Local(Collectives):
 
 
 class CheckedWork:
-    """A collective's work under the checking accelerator (None: a world-1 no-op): ``wait`` also
-    orders the current stream after the collective."""
+    """A collective's work (None: a world-1 no-op) whose ``wait`` also orders the checked current stream after it."""
 
     def __init__(self, work, token, acc):
         self.work, self.token, self.acc = work, token, acc

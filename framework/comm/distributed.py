@@ -75,9 +75,8 @@ class Dist:
 
     def who_failed(self, settle_s: float | None = None) -> str:
         """The ranks on this host to blame for a failed collective: process gone (or exiting), stopped or
-        blocked in the kernel (a slow peer is not named). A peer that crashed may still be tearing down when
-        its closed sockets fail this rank's collective: when nobody is named yet, its end is waited for up
-        to ``settle_s`` (default ``_SETTLE_S``; this is the error path only)."""
+        blocked in the kernel (a slow peer is not named). A crashed peer may still be exiting when its closed
+        sockets fail our collective: while nobody is named, wait up to ``settle_s`` (default ``_SETTLE_S``)."""
         host = socket.gethostname()
         local = [(r, pid) for r, (h, pid) in enumerate(self.peers) if h == host and r != self.rank]
         deadline = time.monotonic() + (_SETTLE_S if settle_s is None else settle_s)
@@ -102,7 +101,7 @@ class Dist:
 
     def all_gather_object(self, obj, what: str = "all_gather_object", group=None,
                           limit: tuple[float, str] | None = None) -> list:
-        """``group``, ``limit``: a process group of its own and its (timeout, key), as ``_run``'s."""
+        """``group``, ``limit``: another process group and its (timeout, key), as ``_run``'s."""
         if self.world == 1:
             return [obj]
         out = [None] * self.world
@@ -155,8 +154,7 @@ def _state(pid: int) -> str:
 
 
 def env_int(name: str, default: int | None) -> int | None:
-    """The environment variable ``name`` as an integer (``default``: unset or empty); one line for any
-    other value."""
+    """The environment variable ``name`` as an integer (``default`` if unset or empty); one line otherwise."""
     text = os.environ.get(name, "")
     return default if not text else _launcher_int(name, text)
 
@@ -183,20 +181,19 @@ def _tasks_key() -> str:
 
 def _slurm_task_is(rank: str | None, world: str | None) -> bool:
     """Whether srun started this process itself as task ``rank`` of a step of ``world`` tasks."""
-    env = os.environ
-    return None not in (rank, world) and env.get("SLURM_PROCID") == rank and env.get(_tasks_key()) == world
+    return None not in (rank, world) and os.environ.get("SLURM_PROCID") == rank \
+        and os.environ.get(_tasks_key()) == world
 
 
 def check_env_ints() -> None:
-    """One line for a launcher variable (torchrun's, Slurm's) that is set but not an integer, or for rank
-    variables that disagree with each other (a rank outside its world; Slurm tasks that share one RANK):
-    such a run would wait out dist.timeout_s at the rendezvous and end in torch's traceback."""
+    """One line for a launcher variable (torchrun's, Slurm's) that is not an integer, or rank variables that
+    disagree (a rank outside its world; Slurm tasks sharing one RANK): else the rendezvous times out."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS",
                  "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID"):
         env_int(name, 0)
     env = os.environ
     for idx, size in (("RANK", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_WORLD_SIZE")):
-        if idx == "LOCAL_RANK" and not env.get(size):   # (a LOCAL_RANK alone names a GPU, nothing to check)
+        if idx == "LOCAL_RANK" and not env.get(size):   # a LOCAL_RANK alone names a GPU: nothing to check
             continue
         n = env_int(size, 1)
         if n < 1:
@@ -204,8 +201,8 @@ def check_env_ints() -> None:
         if env.get(idx) and not 0 <= (i := env_int(idx, 0)) < n:
             raise ConfigError(f"{idx}={i} is not a rank of {f'{size}={n}' if env.get(size) else f'{size} unset (1)'} "
                               f"(0 to {n - 1}); set both per rank (torchrun does) or unset them")
-    # srun starting the ranks itself (a task per rank): a RANK exported once for the whole step is every
-    # task's, and the tasks would all claim it. (torchrun under srun numbers its ranks itself.)
+    # srun starting a task per rank: a RANK exported once for the step is every task's (torchrun under
+    # srun numbers its ranks itself).
     key = _tasks_key()
     if env.get("RANK") and env.get("SLURM_PROCID") and "TORCHELASTIC_RUN_ID" not in env \
             and env_int(key, 0) == env_int("WORLD_SIZE", 1) > 1 and env["RANK"] != env["SLURM_PROCID"]:
@@ -224,9 +221,8 @@ def local_world_size() -> int:
 
 
 def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
-    """(this rank's index on its host, ranks on its host) as the launcher says, None where it does not:
-    LOCAL_RANK / LOCAL_WORLD_SIZE (torchrun, our spawner), else Slurm's for an srun task that is this
-    rank (SLURM_PROCID = the rank, the step's task count = the world size)."""
+    """(this rank's index on its host, ranks on its host), None where the launcher does not say: LOCAL_RANK /
+    LOCAL_WORLD_SIZE (torchrun, our spawner), else Slurm's for an srun task that is this rank."""
     index, count = env_int("LOCAL_RANK", None), env_int("LOCAL_WORLD_SIZE", None)
     if _slurm_task_is(str(rank), str(world)):
         count = slurm_tasks_here() if count is None else count
@@ -235,15 +231,13 @@ def local_ranks(rank: int, world: int) -> tuple[int | None, int | None]:
 
 
 def slurm_tasks_here() -> int | None:
-    """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes);
-    None where it does not say."""
-    env = os.environ
+    """This node's task count from Slurm's per-node list ("4(x2),3": 4 on each of the first two nodes), or None."""
     name = next((k for k in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-                 if env.get(k)), None)
+                 if os.environ.get(k)), None)
     if name is None:
         return None
     counts = []
-    for part in env[name].split(","):
+    for part in os.environ[name].split(","):
         n, _, times = part.partition("(x")
         counts += [n] * _launcher_int(name, times.rstrip(")") or "1")
     node = env_int("SLURM_NODEID", 0)
@@ -252,9 +246,8 @@ def slurm_tasks_here() -> int | None:
 
 
 def check_env(store_path: str | None = None) -> None:
-    """One line, before anything connects, for a launch environment that cannot work: a leftover
-    WORLD_SIZE without the rest of torchrun's variables, or Slurm tasks that nothing made into one
-    group. A group this process joined already needs neither."""
+    """One line, before connecting, for a launch environment that cannot work: a leftover WORLD_SIZE
+    without the rest of torchrun's variables, or Slurm tasks nothing made into one group."""
     if tdist.is_initialized():
         return
     check_env_ints()
@@ -274,19 +267,17 @@ def check_env(store_path: str | None = None) -> None:
 
 
 def resolve_backend(backend: str, local_world: int | None = None) -> str:
-    """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host.
-    NCCL refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank (one
-    seen by each rank, for Slurm tasks bound to GPUs of their own)."""
+    """gloo or nccl for ``backend`` (auto | gloo | nccl) with ``local_world`` ranks on this host. NCCL
+    refuses two ranks on one GPU, so ``auto`` is NCCL only when there is a GPU per rank."""
     if backend not in ("auto", "gloo", "nccl"):
         raise ConfigError(f"dist.backend={backend!r} is not one of auto, gloo, nccl")
     local = local_world_size() if local_world is None else local_world
     gpus = gpu_count()
     env = os.environ
-    # A Slurm task bound to GPUs of its own (srun --gpus-per-task, --gpu-bind: Slurm sets CUDA_VISIBLE_DEVICES
-    # per task) sees fewer GPUs than its host has ranks although each rank has one; ranks that share GPUs
-    # (torchrun: one CUDA_VISIBLE_DEVICES for all) do not.
+    # A Slurm task bound to GPUs of its own (srun --gpus-per-task: CUDA_VISIBLE_DEVICES per task) sees fewer
+    # GPUs than its host has ranks although each rank has one; ranks sharing one CUDA_VISIBLE_DEVICES do not.
     if env.get("CUDA_VISIBLE_DEVICES") and 0 < gpus < local and _slurm_task_is(env.get("RANK"), env.get("WORLD_SIZE")):
-        local = 1   # a rank per task, each with its own GPU(s)
+        local = 1
     if backend == "auto":
         return "nccl" if gpus and local <= gpus else "gloo"
     if backend == "nccl" and not gpus:
@@ -308,26 +299,25 @@ def backend_notice(backend: str, local_world: int) -> str | None:
 
 
 def pick_device(backend: str, local_rank: int, device: str = "auto") -> torch.device:
-    """The compute device of a rank: ``auto`` is cuda:LOCAL_RANK on NCCL (LOCAL_RANK % GPUs where the
-    rank sees fewer: a Slurm task bound to GPUs of its own) and the CPU on gloo; ``cuda`` puts a gloo
-    rank on GPU LOCAL_RANK % GPUs (ranks may share one: tests and checks)."""
+    """A rank's compute device: ``auto`` is cuda:LOCAL_RANK on NCCL (modulo the GPUs a Slurm task sees)
+    and the CPU on gloo; ``cuda`` puts a gloo rank on GPU LOCAL_RANK % GPUs (ranks may share one)."""
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"device={device!r} is not one of auto, cpu, cuda")
+    gpus = gpu_count()
     if backend == "nccl":
         if device == "cpu":
             raise ConfigError("the nccl backend needs CUDA tensors; use gloo for a CPU device")
-        gpus = gpu_count()
         return torch.device("cuda", local_rank % gpus if 0 < gpus <= local_rank else local_rank)
     if device == "cuda":
-        if not gpu_count():
+        if not gpus:
             raise ConfigError("device=cuda needs a GPU; none is visible")
-        return torch.device("cuda", local_rank % gpu_count())
+        return torch.device("cuda", local_rank % gpus)
     return torch.device("cpu")
 
 
 def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the group this process joined, else of the environment (RANK, WORLD_SIZE;
-    none: a single process). An environment that disagrees with the joined group is refused."""
+    """(rank, world size) of the joined group (an environment disagreeing with it is refused), else of
+    RANK and WORLD_SIZE (unset: a single process)."""
     if not tdist.is_initialized():
         return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
     group = tdist.get_rank(), tdist.get_world_size()
@@ -341,21 +331,17 @@ def rank_and_world() -> tuple[int, int]:
 
 def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | None = None,
             device: str = "auto") -> Dist:
-    """Join the process group the environment describes (torchrun's or our spawner's RANK,
-    WORLD_SIZE, ...; none: a single process), or the one this process already joined (the caller's
-    own ``init_process_group``, with any backend spec torch takes: the part of it that carries this
-    rank's tensors is used; ``timeout_s`` is set on it too, so that every message names the limit that
-    applies; a CUDA device the caller made current is kept). The group is made once per process and
-    reused by later jobs of a multirun: re-creating it hangs under torchrun. ``store_path``:
-    rendezvous through a FileStore there instead of MASTER_ADDR/MASTER_PORT."""
+    """Join the process group the environment describes (RANK, WORLD_SIZE, ...; none: a single process), or
+    reuse the one this process joined (the caller's, any backend spec: the part carrying this rank's tensors
+    is used, ``timeout_s`` set on it, a current CUDA device kept; a multirun's later jobs reuse it, as
+    re-creating it hangs under torchrun). ``store_path``: a FileStore rendezvous instead of MASTER_ADDR/PORT."""
     check_env(store_path)
     rank, world = rank_and_world()
     joined = tdist.is_initialized()
     gpus = gpu_count()
     local, local_world = local_ranks(rank, world)
     mine = _current_cuda_device() if joined else None   # the caller's choice, for the group they made
-    # A group the caller made with gloo alone trains on the CPU: no GPU to pick.
-    # (asked as if one rank per GPU: a group that has nccl answers nccl, one of gloo alone gloo)
+    # A group the caller made with gloo alone trains on the CPU (asked as if one rank per GPU).
     on_cpu = joined and device != "cuda" and joined_backend(backend, device, 1) == "gloo"
     if world > 1 and gpus and device != "cpu" and (backend != "gloo" or device == "cuda") and not on_cpu \
             and (local_world is None or (local is None and mine is None)) and world > gpus:
@@ -372,10 +358,9 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
     if world == 1:
         return Dist(rank, world, local, dev, None, timeout_s)
     if name == "nccl" and not faulthandler.is_enabled():
-        # NCCL's watchdog ends a rank whose collective timed out with SIGABRT: print where each
-        # thread was (which collective the main thread waited behind) before the process goes.
+        # NCCL's watchdog ends a timed-out rank with SIGABRT: print which collective each thread waited in.
         faulthandler.enable(all_threads=True)
-    if joined:   # made with its own timeout (the caller's, or an earlier job's of a multirun)
+    if joined:   # made with another timeout (the caller's, or an earlier job's of a multirun)
         tdist.group.WORLD.set_timeout(timedelta(seconds=timeout_s))
     else:
         _join(name, rank, world, timeout_s, store_path, dev if name == "nccl" else None)
@@ -386,21 +371,19 @@ def connect(backend: str = "auto", timeout_s: float = 300.0, store_path: str | N
 
 def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str | None,
           device_id: torch.device | None) -> None:
-    """init_process_group, through a FileStore at ``store_path`` (else MASTER_ADDR:MASTER_PORT); a
-    rendezvous that fails (the port taken, a peer that never joins) is one line naming where and how long."""
+    """init_process_group via a FileStore at ``store_path`` (else MASTER_ADDR:MASTER_PORT); a failed
+    rendezvous (the port taken, a peer that never joins) is one line naming where and how long."""
     timeout = timedelta(seconds=timeout_s)
     where = f"FileStore {store_path}" if store_path else \
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} (MASTER_ADDR:MASTER_PORT)"
     try:
-        store = None
-        if store_path:
-            store = tdist.FileStore(store_path, world)
+        store = tdist.FileStore(store_path, world) if store_path else None
+        if store is not None:
             store.set_timeout(timeout)   # (its own default is 300 s, whatever the group's timeout)
         tdist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout,
                                  device_id=device_id)
     except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
-        text = str(e)
-        why = first_line(e)
+        text, why = str(e), first_line(e)
         if "Duplicate GPU" in text:   # NCCL's own check, at the eager init device_id asks for
             why = (f"two ranks on one GPU (NCCL: Duplicate GPU detected; this rank's "
                    f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}): bind a GPU of its own to "
@@ -414,9 +397,8 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
 
 
 def device_index(local: int | None, mine: int | None, gpus: int) -> int | None:
-    """The GPU of a rank whose launcher says ``local`` (LOCAL_RANK; None: unknown) and whose caller made
-    ``mine`` current for the group it made (None: not): the caller's wins, unless it is CUDA's default
-    (0) while LOCAL_RANK names another visible GPU (CUDA touched before set_device)."""
+    """A rank's GPU from LOCAL_RANK ``local`` and the one its caller made current, ``mine`` (None: unknown):
+    the caller's wins, unless it is CUDA's default 0 while LOCAL_RANK names another visible GPU."""
     return mine if mine is not None and (mine != 0 or local is None or local >= gpus) else local
 
 
@@ -427,9 +409,8 @@ def _current_cuda_device() -> int | None:
 
 def joined_backend(backend: str, device: str = "auto", local_world: int = 1,
                    spec: str | None = None) -> str:
-    """gloo or nccl: the backend of the group this process joined (``spec``, as get_backend_config gives
-    it: "cpu:gloo,cuda:nccl", torch's default) that carries this rank's tensors; ``auto`` prefers
-    what ``resolve_backend`` would pick. A group without one the framework can use is refused."""
+    """gloo or nccl: the backend of the joined group (``spec`` as get_backend_config gives it, e.g.
+    "cpu:gloo,cuda:nccl") that carries this rank's tensors; ``auto`` prefers ``resolve_backend``'s pick."""
     spec = tdist.get_backend_config() if spec is None else spec
     per = dict(part.rpartition(":")[::2] for part in spec.replace(" ", "").split(","))
     usable = []
@@ -456,9 +437,8 @@ def disconnect() -> None:
 
 
 def agree(dist, fn: Callable[[], object], what: str):
-    """``fn()`` on every rank, outcomes exchanged with ``dist.all_gather_object`` under ``what`` (a
-    ``Dist`` or the checkpoint's group; a barrier too): a rank that failed raises its own error, the
-    others one naming it, instead of waiting on a peer that will never come to the next collective."""
+    """``fn()`` on every rank, outcomes exchanged under ``what`` (``dist``: a ``Dist`` or the checkpoint's group):
+    a failed rank raises its error, the others one naming it, rather than wait in the next collective."""
     mine: BaseException | None = None
     try:
         result = fn()

@@ -5,11 +5,9 @@ import sys
 
 
 def say(line: str, out=None) -> None:
-    """Print one line on ``out`` (default stderr; ``sys.stdout`` for a progress line) in a single write. Ranks
-    share their launcher's streams, and ``print`` writes the text and its newline apart (always so when
-    PYTHONUNBUFFERED is set): two ranks interrupted together printed "rank 1: ...rank 0: ..." on one line.
-    A stream that also keeps a log (``log_only``: rank 0's console, which train.log copies) gets the line
-    there too. Never raises for a console that is gone (stderr closed: stdout, as ``print``; a closed pipe)."""
+    """Print one line on ``out`` (default stderr) in a single write: ranks share their launcher's streams, and
+    ``print`` writes text and newline apart, so two ranks' lines could merge. A stream keeping a log
+    (``log_only``: rank 0's console) gets the line there too. Never raises for a console that is gone."""
     out = sys.stderr if out is None else out
     out = sys.stdout if out is None else out
     if out is None:
@@ -35,8 +33,7 @@ def say(line: str, out=None) -> None:
 
 
 def first_line(error: BaseException) -> str:
-    """The first line of ``error``'s message for a one-line report, or its type's name when the message is empty
-    (``raise OSError()``, a bare ``assert``)."""
+    """The first line of ``error``'s message, or its type's name when the message is empty (a bare ``assert``)."""
     return next(iter(str(error).strip().splitlines()), type(error).__name__)
 
 
@@ -61,8 +58,7 @@ class DistributedError(FrameworkError):
 
 
 class SwapIOError(FrameworkError):
-    """A swap file read or write failed (short count, EIO, ENOSPC, checksum mismatch): names the file,
-    the byte offset and the tensor, so every rank can report which piece was lost."""
+    """A swap file read or write failed (short count, EIO, ENOSPC, checksum): names the file, offset and tensor."""
 
     def __init__(self, message: str, *, path: str = "", offset: int = -1, what: str = "",
                  errno: int | None = None):
@@ -86,8 +82,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Terminated(SystemExit):
-    """SIGTERM while training (kill, a Slurm time limit or pre-emption): the run exits with 128 + the
-    signal's number, as a process the signal ended, and the CLI prints ``line`` (as for Ctrl-C)."""
+    """SIGTERM while training (kill, a Slurm time limit): exit 128 + the signal's number, and the CLI prints ``line``."""
 
     def __init__(self, step: int, code: int):
         super().__init__(code)

@@ -6,11 +6,9 @@
     fd = open_nofollow(folder / "x", os.O_RDONLY)  # an existing file, never through a link
     write_at(fd, values, offset)                   # a host tensor's bytes at a byte offset (read_into: back)
 
-A folder the framework writes into may be writable by others (a shared scratch disk), where a
-symbolic link planted under a name the framework writes would make a plain ``open`` overwrite
-its target: every open here refuses a link in the final component (``UnsafePathError``, one line
-naming it). The folder the user gave may itself be a link; only what the framework creates
-inside it is guarded.
+In a folder others may write to (a shared scratch disk) a planted link would make a plain ``open``
+overwrite its target: every open here refuses a link in the final component (``UnsafePathError``).
+The folder the user gave may itself be a link.
 """
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ def open_nofollow(path: os.PathLike | str, flags: int, *, dir_fd: int | None = N
 
 
 def create_new(path: os.PathLike | str, *, dir_fd: int | None = None, shared: bool = False) -> int:
-    """A new owner-only file (``O_CREAT | O_EXCL``; ``shared``: the umask's mode, as other tools write
-    records colleagues read); a link in its place is refused by name."""
+    """A new owner-only file (``O_CREAT | O_EXCL``; ``shared``: the umask's mode, for records colleagues read)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     fd = open_nofollow(path, flags, dir_fd=dir_fd, mode=0o666 if shared else PRIVATE_FILE)
     if not shared:
@@ -90,9 +87,8 @@ def fsync_dir(path: os.PathLike | str) -> None:
 
 
 def write_atomic(path: os.PathLike | str, data: bytes, *, shared: bool = False) -> None:
-    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` is written and fsynced,
-    renamed over it relative to one descriptor of the folder (both names stay in that folder), and the
-    folder fsynced, so the rename survives a crash. ``shared``: see ``create_new``."""
+    """A reader sees the old file or the new one, never a part: ``<name>.tmp`` written and fsynced, renamed
+    over it through one descriptor of the folder, and the folder fsynced (the rename survives a crash)."""
     path = Path(path)
     tmp = f"{path.name}.tmp"
     dfd = os.open(path.parent, _DIR)
@@ -120,10 +116,8 @@ def open_append(path: os.PathLike | str):
 
 
 def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
-    """Create the folder ``path`` owner-only (0700). An existing folder keeps its mode (it may be the
-    user's own); a link in its place is refused unless it is a folder the user gave (``exist_ok`` and
-    it points at a folder: callers that create names of their own pass ``exist_ok=False`` or check
-    with ``refuse_links``)."""
+    """Create the folder ``path`` owner-only (0700); an existing one keeps its mode. A link in its place is
+    refused unless ``exist_ok`` and it points at a folder (the user's: framework-made names pass False)."""
     try:
         os.mkdir(path, PRIVATE_DIR)
     except FileExistsError:
@@ -138,8 +132,7 @@ def make_dir(path: os.PathLike | str, *, exist_ok: bool = True) -> None:
 
 
 def make_dirs(path: os.PathLike | str) -> None:
-    """``mkdir -p`` whose every folder made is 0700 (``Path.mkdir(parents=True)`` makes the
-    parents with the umask's mode)."""
+    """``mkdir -p`` making every folder 0700 (``Path.mkdir(parents=True)`` gives parents the umask's mode)."""
     path = Path(path)
     if not os.path.isdir(path):
         if path.parent != path:
@@ -148,16 +141,14 @@ def make_dirs(path: os.PathLike | str) -> None:
 
 
 def probe_writable(folder: os.PathLike | str) -> None:
-    """Create and remove a file in ``folder`` (an OSError if that fails): what a write will meet
-    (ACLs, a root-squashed NFS export), where ``os.access`` answers from permission bits and ids."""
+    """Create and remove a file in ``folder`` (OSError on failure): ``os.access`` misses ACLs and root-squashed NFS."""
     fd, probe = tempfile.mkstemp(prefix=".probe-", dir=folder)
     os.close(fd)
     os.unlink(probe)
 
 
 def _bytes_of(t: torch.Tensor, what: str) -> memoryview:
-    """The bytes of host tensor ``t``, refused unless contiguous (a reshape of a strided tensor would
-    read or write a hidden copy)."""
+    """The bytes of host tensor ``t``, refused unless contiguous (else a reshape would use a hidden copy)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError(f"{what}: needs a contiguous host tensor, got {t.device} "
                          f"{'contiguous' if t.is_contiguous() else 'strided'}")
@@ -165,8 +156,7 @@ def _bytes_of(t: torch.Tensor, what: str) -> memoryview:
 
 
 def write_at(fd: int, values: torch.Tensor, offset: int) -> None:
-    """The bytes of ``values`` -> ``fd`` at ``offset`` (a positioned write may write fewer bytes
-    than asked: repeated until all are written)."""
+    """The bytes of ``values`` -> ``fd`` at ``offset`` (pwrite repeated until all are written)."""
     view = _bytes_of(values, "write_at")
     while len(view):
         n = os.pwrite(fd, view, offset)

@@ -8,18 +8,18 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]   # framework/ (this file is f
 REPO_ROOT = PACKAGE_DIR.parent
 
 
-def _find(top_level: str, packaged: str) -> Path:
+def _find(top_level: str) -> Path:
     candidate = REPO_ROOT / top_level
     # A regular (non-editable) install maps conf/ -> framework/_conf and csrc/ -> framework/_csrc.
-    return candidate if candidate.is_dir() else PACKAGE_DIR / packaged
+    return candidate if candidate.is_dir() else PACKAGE_DIR / f"_{top_level}"
 
 
 def conf_dir() -> Path:
-    return _find("conf", "_conf")
+    return _find("conf")
 
 
 def csrc_dir() -> Path:
-    return _find("csrc", "_csrc")
+    return _find("csrc")
 
 
 def cache_dir() -> Path:

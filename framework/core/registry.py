@@ -1,11 +1,9 @@
 """Component registries: one conf/ group = one registry = one folder of code.
 
-A registered component is a public module (no leading underscore, not base.py) in the group's package
-that defines ``COMPONENT = Component(config=<dataclass>, build=<callable>)``; its registry name is the
-module's file name, which is also the YAML file name in ``conf/<group>/``. A module may instead define
-``COMPONENTS = {name: Component, ...}`` for several (the model sizes, the warm-up schedules, the
-precisions, zero1 and zero2). Discovery is explicit and read-only: nothing registers itself by mutating
-a global table at import time.
+A component is a public module (no leading underscore, not base.py) of the group's package defining
+``COMPONENT = Component(config=<dataclass>, build=<callable>)``, named by its file name (also the YAML
+file name in ``conf/<group>/``); or ``COMPONENTS = {name: Component, ...}`` for several (the model
+sizes, zero1 and zero2). Discovery is read-only: nothing registers itself at import time.
 """
 from __future__ import annotations
 
@@ -35,13 +33,10 @@ GROUPS: Mapping[str, str] = MappingProxyType({
 @dataclass(frozen=True)
 class Component:
     """A buildable thing: ``config`` is the typed schema of its YAML node, ``build`` makes it.
-    ``check(node, stage, nodes)``, where given, validates the typed node against the chosen stage and the
-    other groups' typed nodes (``nodes``: group -> node, read-only; a schedule's floor against
-    ``nodes["optimizer"].lr``), one line per error, and returns it with its ``auto`` values resolved;
-    ``notes(node, run)`` (two arguments), where given, returns the notices its values call for (printed once
-    at start-up; ``run``: the config's top-level settings and every group's checked node, such as
-    ``run.train.steps`` and ``run.optimizer.lr`` for a run that ends before its warm-up reaches its peak).
-    Each component knows its own rules, and the configuration layer needs no import of any component."""
+    ``check(node, stage, nodes)`` validates the node against the chosen stage and the other groups' nodes
+    (``nodes``: group -> node, read-only), one line per error, and returns it with ``auto`` values resolved;
+    ``notes(node, run)`` returns the notices its values call for (``run``: the top-level settings and every
+    group's checked node, e.g. ``run.train.steps``). So the configuration layer imports no component."""
 
     config: type
     build: Callable[..., Any]
@@ -65,8 +60,7 @@ class Registry:
 
 
 def closest(name: str, valid, cutoff: float = 0.5) -> str | None:
-    """The valid name closest to a mistyped one (None: nothing close enough); every "did you
-    mean" in the package comes from here."""
+    """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here."""
     match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=cutoff)
     return match[0] if match else None
 

@@ -4,9 +4,8 @@
     everyone = all_gather(mine)                         # the caller's collective
     for short in shortfalls(everyone): ...              # same answer on every rank
 
-Ranks of one host often write into one folder: each rank's need may fit where their sum does not,
-and the first failed write takes the others down with a bare "Connection closed by peer". Summing
-the claims per file system, every rank refuses at once with the same line.
+Ranks of one host often write into one folder, where each need may fit but not their sum: summed per
+file system, every rank refuses at once with the same line (not a peer's bare "Connection closed").
 """
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def free_bytes(folder: str | os.PathLike) -> int:
 
 
 def free_note(folder: str | os.PathLike, fmt: str = "{} free", unknown: str = "") -> str:
-    """``fmt`` filled with the free space on ``folder``'s file system, for a "no room" line; ``unknown`` where the
-    file system cannot be asked."""
+    """``fmt`` filled with the free space on ``folder``'s file system (``unknown`` where it cannot be asked)."""
     try:
         return fmt.format(size(free_bytes(folder)))
     except OSError:

@@ -8,8 +8,7 @@ import torch
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor inside nested tuples, lists, dicts, NamedTuples and dataclass instances (a module's
-    output, e.g. Hugging Face's ModelOutput)."""
+    """Every tensor inside nested tuples, lists, dicts and dataclass instances (Hugging Face's ModelOutput)."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
@@ -46,13 +45,11 @@ SQ_NORM_ROW = 256
 def sq_norm(tensors, device: torch.device) -> torch.Tensor:
     """Sum of squares of every element, as a float64 scalar on ``device``. No host sync.
 
-    Per tensor, never per fixed chunk of the list, so that the result does not depend on how a
-    partition is cut into pieces. On an accelerator one ``torch._foreach_norm`` covers every tensor
-    (a dot per 65536 elements made 43k launches, 89 ms, for 1.4 B params). On the CPU one fp32 norm
-    loses digits with length, so each tensor is reduced in rows of ``SQ_NORM_ROW`` elements and the
-    row norms summed in float64: on 10 M elements rows of 256 erred by 3.7e-8 in 1.7 ms, one fp32
-    vector_norm by 1.3e-3, float64 by 3e-14 in 23 ms (Xeon, one thread). tests/unit/test_step.py
-    derives a bound for any order of the additions. 16-bit tensors are widened a block at a time.
+    Per tensor, never per fixed chunk, so the result does not depend on how a partition is cut into pieces.
+    On an accelerator one ``torch._foreach_norm`` covers every tensor (a dot per 65536 elements made 43k
+    launches, 89 ms, for 1.4 B params). On the CPU one fp32 norm loses digits with length, so rows of
+    ``SQ_NORM_ROW`` elements are reduced and their norms summed in float64: on 10 M elements rows of 256
+    erred by 3.7e-8 in 1.7 ms, one fp32 vector_norm by 1.3e-3, float64 by 3e-14 in 23 ms (Xeon, one thread).
     """
     flat = [t.reshape(-1) for t in tensors if t.numel()]
     parts = [_host_sq_norm(t) for t in flat if t.device.type == "cpu"]
@@ -63,8 +60,7 @@ def sq_norm(tensors, device: torch.device) -> torch.Tensor:
 
 
 def sq_norm_part(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The term ``sq_norm`` adds for tensor ``t`` (non-empty), on ``device``: the squared norms of
-    partitions taken one at a time and stacked in order sum exactly as ``sq_norm`` of the list."""
+    """The term ``sq_norm`` adds for non-empty ``t``, on ``device`` (stacked in order, they sum as ``sq_norm``)."""
     t = t.reshape(-1)
     part = _host_sq_norm(t) if t.device.type == "cpu" else _device_sq_norms([t])[0]
     return part if part.device == torch.device(device) else part.to(device, non_blocking=True)

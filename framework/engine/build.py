@@ -40,23 +40,19 @@ def component(cfg: Config, group: str):
 
 
 class Engine(contextlib.AbstractContextManager):
-    """The built components, their step functions and ``state`` (the last ``train_step``'s or load's).
-    ``close()`` (or a ``with`` block's end) removes the stage's hooks and stops the offload worker, for good. A step
-    interrupted (Ctrl-C) or failed inside the optimizer update leaves the state half-updated: the engine then
-    refuses to step, evaluate or save until a full ``load_state_dict`` (or checkpoint resume) replaces it."""
+    """The built components, their step function and ``state`` (the last ``train_step``'s or load's). ``close()``
+    (or the ``with`` block's end) removes the hooks and stops the offload worker. A step interrupted inside the
+    optimizer update leaves the state half-updated: stepping, evaluating and saving are refused until a load."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None, hooks=()):
         self.components, self._state, self.config = components, state, config   # (config: the one it was built from)
         self._hooks = list(hooks)   # its own on the module (fp16 auto_cast's), removed by close
         self._half_applied: int | None = None   # the step whose update did not finish, if any
-        # (weakly: the engine holds the step function, so a strong reference back would be a cycle, and a
-        # dropped engine would keep its optimizer state and its module's ownership until the GC runs)
-        me = weakref.ref(self)
+        me = weakref.ref(self)   # (a strong one would be a cycle: a dropped engine kept alive until the GC runs)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
-        # The stage lays out the trainable parameters once, at setup: a requires_grad changed after it would be
-        # ignored (a frozen one still stepped on its zero gradient, an unfrozen one never trained). Python bools,
-        # compared before each step: one pass over a list, no tensor touched.
+        # The stage lays out the trainable parameters once, at setup: a requires_grad changed later would be
+        # ignored (a frozen one still stepped, an unfrozen one never trained). Python bools: no tensor touched.
         self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
 
     @property
@@ -73,9 +69,8 @@ class Engine(contextlib.AbstractContextManager):
         return state, metrics
 
     def _check_current(self, state: TrainState, what: str) -> None:
-        """Refuse a state superseded by a later train_step or load: its tensors are updated in place, so an
-        older state's step, optimizer and loss-scale counters no longer match them (the same state with
-        other scalars, e.g. the CLI's RNG, is the current one)."""
+        """Refuse a state superseded by a later train_step or load: its tensors were updated in place, so its
+        counters no longer match them (the same step and params with other scalars, e.g. RNG, is current)."""
         cur = self._state
         if not isinstance(state, TrainState):
             raise FrameworkError(f"{what}: state must be a TrainState, got {type(state).__name__}; pass the state "
@@ -86,9 +81,8 @@ class Engine(contextlib.AbstractContextManager):
                                  f"in place since: pass the state train_step returned (engine.state)")
 
     def eval_step(self, state: TrainState, batches: list) -> float:
-        """Mean loss over every rank's batches (each rank its share of fixed batches, each what ``loss_fn``
-        takes: a micro batch, not a ``Batch``; ranks may pass different numbers, none too, except under zero3,
-        where every forward gathers with the other ranks: refused there in one line), no grad."""
+        """Mean loss, without grad, over every rank's batches (micro batches as ``loss_fn`` takes them, not
+        ``Batch``es); ranks may pass different numbers, none too, except under zero3 (forwards gather)."""
         self._check_open(state, "eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
@@ -123,15 +117,13 @@ class Engine(contextlib.AbstractContextManager):
         self._check_current(state, what)
 
     def check_trainable(self, what: str) -> None:
-        """TrainingError (its message begins with ``what``) when a parameter's requires_grad differs from what it
-        was when the engine was built: the stage trains that set, and a state saved or loaded by the current
-        flags would put the changed parameters where the stage's layout does not hold them."""
+        """TrainingError (beginning with ``what``) when a requires_grad differs from what it was at build: the
+        stage trains that set, and the current flags would save or load parameters where its layout has none."""
         changed = [(name, was) for name, p, was in self._trainable if p.requires_grad != was]
         if changed:
-            frozen = [name for name, was in changed if was]
-            unfrozen = [name for name, was in changed if not was]
-            parts = ([f"{len(frozen)} frozen ({few(frozen, 3, str)})"] if frozen else []) + \
-                    ([f"{len(unfrozen)} unfrozen ({few(unfrozen, 3, str)})"] if unfrozen else [])
+            parts = [f"{len(names)} {kind} ({few(names, 3, str)})" for kind, names in
+                     (("frozen", [n for n, was in changed if was]), ("unfrozen", [n for n, was in changed if not was]))
+                     if names]
             raise TrainingError(f"{what}: requires_grad of {len(changed)} parameter{'s' if len(changed) != 1 else ''} "
                                 f"changed after initialize: {' and '.join(parts)}; the engine trains the parameters "
                                 f"that required grad when it was built: set requires_grad before framework.initialize "
@@ -159,9 +151,8 @@ class Engine(contextlib.AbstractContextManager):
         self.close()
 
     def consolidated_state_dict(self) -> dict | None:
-        """Full working-dtype weights under every parameter name and rank 0's persistent buffers, under the
-        names ``module.state_dict()`` gives them: what ``load_state_dict`` of a fresh module takes; on rank 0,
-        None elsewhere (collective)."""
+        """On rank 0 (None elsewhere; collective): full working-dtype weights and persistent buffers under the
+        names ``module.state_dict()`` gives them, what a fresh module's ``load_state_dict`` takes."""
         self._check_whole()   # (the half-updated weights are never handed out to be saved)
         out = self.components.stage.consolidated_state_dict()
         if out is not None:
@@ -179,13 +170,11 @@ class Engine(contextlib.AbstractContextManager):
     @contextlib.contextmanager
     def mapped_state(self, state: TrainState, write: bool = False, *, agreed: str | None = None,
                      same_trainable: bool = True) -> Iterator[tuple[TrainState, Any]]:
-        """(``state`` with every piece a tensor inside the block, the mapped swap file or None): under
-        offload=nvme views of the mapped file, no host copy; with ``write`` what is stored into them is
-        the file's on exit (also after an error). Only between steps. ``agreed`` (collective callers):
-        the mapping is agreed on under that name, so a rank that cannot map (or check) its file stops
-        every rank at once instead of leaving them in the caller's next collective. A read (not ``write``) is
-        refused after a requires_grad change (``check_trainable``) unless ``same_trainable`` is False: a caller
-        that picks the tensors by the stage's layout, not by the flags (``save_weights``)."""
+        """(``state`` with every piece a tensor, the mapped swap file or None), between steps: under offload=nvme
+        views of the mapped file; with ``write`` what is stored into them is the file's on exit (errors too).
+        ``agreed``: the mapping is agreed on under that name (collective), so a rank that cannot map its file
+        stops every rank. A read is refused after a requires_grad change unless ``same_trainable`` is False
+        (``save_weights`` picks tensors by the stage's layout, not by the flags)."""
         offload = self._swapping()
 
         def usable() -> None:
@@ -227,9 +216,8 @@ class Engine(contextlib.AbstractContextManager):
         return self.finish_load(state, loaded)
 
     def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:
-        """After a load into a ``mapped_state(write=True)`` view: ``state``'s own tensors with ``loaded``'s
-        scalars (None: ``state``'s), the working parameters rebuilt from the masters as after an optimizer
-        step (the 16-bit staging copies first, then the stage publishes). Collective."""
+        """After a load into a ``mapped_state(write=True)`` view: ``state``'s tensors with ``loaded``'s scalars
+        (None: its own), and the working parameters published from the masters as after a step. Collective."""
         c = self.components
         if loaded is not None:
             state = replace(loaded, params=state.params,
@@ -265,8 +253,7 @@ class Engine(contextlib.AbstractContextManager):
 
 
 def _buffer_copies(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Host copies of the module's persistent buffers under every name ``module.state_dict()`` gives them
-    (a buffer shared by several modules copied once)."""
+    """Host copies of the persistent buffers under every name ``module.state_dict()`` gives them (a shared one once)."""
     out, copies = {}, {}
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, buf in sub._buffers.items():
@@ -294,10 +281,10 @@ def _owner(module: nn.Module) -> Engine | None:
 
 def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, dist: Dist | None = None,
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
-    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without
-    ``dist`` the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a DeepSpeed
-    JSON path or dict) with ``overrides`` composes one: our defaults < it < the overrides."""
-    # Before any collective (every rank stops here alike), one line instead of a traceback from inside.
+    """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without ``dist``
+    the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a DeepSpeed JSON path or
+    dict) with ``overrides`` composes one: our defaults < it < the overrides."""
+    # Before any collective (every rank stops alike): one line instead of a traceback from inside.
     if not isinstance(module, nn.Module):
         raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")
     if not callable(loss_fn):
@@ -308,7 +295,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                           f"framework.compose([...overrides]) (or pass ds_config=/overrides=)")
     if cfg is not None and (ds_config is not None or overrides):
         raise ConfigError("initialize: pass either cfg or ds_config/overrides, not both")
-    if zero3_sharded(module):   # (before any collective: every rank stops here)
+    if zero3_sharded(module):
         raise FrameworkError("initialize: this module was sharded by a zero3 engine (its parameters are empty "
                              "shards, also after close() or a failed initialize); build a fresh module (or load "
                              "its weights into one: engine.consolidated_state_dict() before closing)")
@@ -316,7 +303,7 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         # rebind them, and the first would go on stepping buffers the module no longer reads
         raise FrameworkError("initialize: this module is trained by another open engine; close that one first "
                              "(engine.close() or end its with block), or build a fresh module")
-    if not any(p.requires_grad for p in module.parameters()):   # before any collective: every rank stops here
+    if not any(p.requires_grad for p in module.parameters()):
         raise FrameworkError("initialize: the module has no parameters with requires_grad=True: nothing to "
                              "train; unfreeze at least one (p.requires_grad_(True))")
     complex_ = [n for n, p in module.named_parameters() if p.requires_grad and p.is_complex()]
@@ -334,14 +321,13 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         joined = torch.distributed.is_initialized()
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
         if not joined and torch.distributed.is_initialized():
-            # The group made here is left at exit, as the CLI does: a gloo group alive at interpreter
-            # shutdown may abort the process ("terminate called without an active exception"). Not at
-            # close(): a later engine of this process reuses it (re-creating it hangs under torchrun).
+            # Left at exit (a gloo group alive at interpreter shutdown may abort the process), not at close():
+            # a later engine of this process reuses it (re-creating it hangs under torchrun).
             atexit.register(disconnect)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
-    # Every trainable parameter is cast to the working dtype (laid out in flat buffers of it); fp32 ones under
-    # bf16/fp16 are the ordinary case, any other dtype (float64, a 16-bit one in an fp32 run) is said once.
+    # Trainable parameters are cast to the working dtype: fp32 ones under bf16/fp16 are the ordinary case,
+    # any other dtype (float64, a 16-bit one in an fp32 run) is said once.
     cast = [(n, p.dtype) for n, p in module.named_parameters() if p.requires_grad and p.is_floating_point()
             and p.dtype not in (policy.param_dtype, torch.float32)]
     if cast and dist.is_main:
@@ -349,14 +335,12 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         print(f"note: initialize: trainable parameters of another dtype ({names}) are cast to precision={policy.name}'s "
               f"working dtype {dtype_name(policy.param_dtype)} and train in it (forward sees them in it)",
               file=sys.stderr, flush=True)
-    # Every device, stream and event decision of the offload path goes through the accelerator.
     offload = component(cfg, "offload").build(cfg.offload, accelerator=dist.acc)
     offload.connect(dist)
     stage = component(cfg, "stage").build(cfg.stage, dist=dist, offload=offload)
-    # Buffers whole on every rank (a meta buffer is initialised by the model's initialiser first);
-    # parameters move to dist.device as the stage lays them out (materialised if on meta).
-    # Config-only: refused before the module is touched.
+    # (config-only: refused before the module is touched)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=cfg.optimizer.lr, total_steps=cfg.train.steps)
+    # Buffers whole on every rank; parameters move to dist.device as the stage lays them out.
     materialize_buffers(module, dist.device, policy.param_dtype)
     setup = stage.setup(module, policy, grad_accum=cfg.train.grad_accum)
     # Until an engine owns them, an error closes the offload worker and the stage's hooks. (Sharded

@@ -4,10 +4,9 @@
         model = AutoModelForCausalLM.from_config(config)  # (or GPT(cfg): a module with init_parameter)
     engine = framework.initialize(model, loss_fn, cfg)   # under zero3: only this rank's shards exist
 
-Our counterpart of ``deepspeed.zero.Init``, with nothing patched: each parameter is initialised
-whole, one at a time, by the model's own initialiser (its ``init_parameter``, or for a Hugging Face
-model ``framework.models.hf.HFInit``), and under zero3 only this rank's part is kept. A module with
-neither is refused by ``initialize`` in one line naming its first meta parameter.
+Our ``deepspeed.zero.Init``, with nothing patched: each parameter is initialised whole, one at a time,
+by the model's ``init_parameter`` (a Hugging Face model's: ``framework.models.hf.HFInit``), and under
+zero3 only this rank's part is kept. A module with neither is refused in one line.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from framework.stages import ParameterInit, buffer_dtypes
 
 @contextmanager
 def zero_init() -> Iterator[None]:
-    """Models built inside this block live on the meta device until ``framework.initialize``
-    materialises them (under zero3: this rank's shards only, one parameter at a time)."""
+    """Models built inside this block live on the meta device until ``framework.initialize`` materialises them."""
     with torch.device("meta"):
         yield
 
@@ -48,8 +46,7 @@ class ModuleInit:
 
 
 def initializer(module: nn.Module):
-    """What materialises ``module``'s meta tensors (``init_parameter``, ``init_buffer``); cheap when
-    nothing is on meta."""
+    """What materialises ``module``'s meta tensors (``init_parameter``, ``init_buffer``)."""
     from framework.models.hf import HFInit, is_hf_model
 
     if not isinstance(module, ParameterInit) and is_hf_model(module) and any(
@@ -59,9 +56,8 @@ def initializer(module: nn.Module):
 
 
 def materialize_buffers(module: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Every buffer, whole, on ``device``, in the dtype ``buffer_dtypes`` keeps it in given the working
-    ``dtype`` (before the stage casts the parameters); a meta one is first initialised by the model's
-    initialiser, in its own dtype."""
+    """Every buffer, whole, on ``device`` in the dtype ``buffer_dtypes`` gives it for working ``dtype`` (a meta
+    one initialised first, in its own dtype)."""
     init = initializer(module) if any(b.is_meta for b in module.buffers()) else None
     kept = buffer_dtypes(module, dtype)
     done: dict[int, torch.Tensor] = {}   # a buffer registered under several names stays one tensor

@@ -14,10 +14,8 @@ from framework.precision import PrecisionState
 @dataclass(frozen=True)
 class TrainState:
     step: int                        # train_step calls so far (optimizer steps, skipped ones included)
-    # Master parameters as the stage lays them out (flat, per group/partition) and the optimizer
-    # transformation's state. Under offload.optimizer=nvme the pieces kept in the swap file are
-    # placeholders here between steps (zero strides, reading as zeros, writes lost): read or change
-    # them through ``engine.state_dict(state)`` / ``engine.load_state_dict``.
+    # Master parameters as the stage lays them out and the optimizer state. Under offload=nvme the pieces
+    # in the swap file are placeholders between steps (reading zeros, writes lost): use engine.state_dict.
     params: tuple[torch.Tensor, ...]
     opt_state: Any
     precision: PrecisionState        # loss scale and skipped-step bookkeeping
@@ -61,9 +59,8 @@ def with_scalars(opt_state: Any, params: Sequence[torch.Tensor], scalars: dict[s
 
 
 def _rebuild(tree: Any, params: Sequence[torch.Tensor], per: Callable, scalar: Callable, path: str = "") -> Any:
-    """``tree`` rebuilt with ``per(path, leaf)`` for each per-element leaf (a tensor list aligned with
-    ``params``) and ``scalar(path, leaf)`` for every other leaf. A NamedTuple (every optimizer state)
-    is keyed by field name, a plain tuple (a chain) by index."""
+    """``tree`` with ``per(path, leaf)`` for each tensor list aligned with ``params`` and ``scalar(path, leaf)``
+    for every other leaf; a NamedTuple is keyed by field name, a plain tuple (a chain) by index."""
     if isinstance(tree, list) and len(tree) == len(params) and all(
             isinstance(t, torch.Tensor) and t.numel() == p.numel() for t, p in zip(tree, params)):
         return per(path, tree)

@@ -59,9 +59,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             raise DataError(f"train_step: the batch has {len(batch.micro)} micro batches but train.grad_accum="
                             f"{c.grad_accum}: a Batch is train.grad_accum micro batches, each one loss_fn call "
                             f"(one (x, y) micro batch is Batch(((x, y),)))")
-        # The step draws (dropout, ...) from the state's generators; the caller's are put back after,
-        # also on error, so the caller's own draws between steps go on as if no step ran. (A CUDA
-        # generator's state is a host value: saving and setting it syncs nothing.)
+        # The step draws (dropout, ...) from the state's generators; the caller's are put back after, also
+        # on error. (A CUDA generator's state is a host value: saving and setting it syncs nothing.)
         with torch.random.fork_rng([c.dist.device] if c.dist.device.type == "cuda" else [], device_type="cuda"):
             restore_rng(state.rng, c.dist.device)
             return _step(state, batch)
@@ -82,14 +81,12 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                 loss_sum += loss.detach().float()
             c.update.drain()
             grads = c.stage.reduce_grads()
-            # One global norm serves clipping and overflow detection: inf/nan propagate through
-            # it, so every rank reaches the same skip decision.
+            # One global norm serves clipping and overflow detection: inf/nan propagate through it, so
+            # every rank reaches the same skip decision.
             sq_norm = c.stage.grad_sq_norm()
-            # The logged loss is the mean over the global batch (ranks hold equal shares); known
-            # before the update, so a non-finite one is never stepped on.
+            # The mean loss over the global batch, known before the update: a non-finite one is never stepped on.
             c.dist.all_reduce(loss_sum, what="loss all-reduce")
-            # Both read in one wait (float64 holds the fp32 loss exactly: the same numbers as two reads),
-            # and the stage's flags with them (small integers, exact in float64).
+            # Read in one wait with the stage's flags (float64 holds the fp32 loss and small integers exactly).
             flags = [f.to(sq_norm.device, torch.float64) for f in c.stage.step_flags()]
             both = torch.stack([sq_norm.double(), loss_sum.to(sq_norm.device, torch.float64), *flags])
             sq, total, *flags = both.tolist()   # host sync: once a step, decides clip/skip and logs the loss
@@ -110,8 +107,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                 coef = 1.0 / scale * (c.grad_clip / (norm + 1e-6) if 0 < c.grad_clip < norm else 1.0)
                 opt_state = c.update.apply(grads, coef, opt_state, state.params, lr, partial(applying, state.step + 1))
         except BaseException:
-            # A step that failed before the update leaves no trace: optimizer state as it was, no
-            # gradients kept (one that failed in it is half-applied: ``applying`` told the caller).
+            # A step that failed before the update leaves no trace (one that failed in it is half-applied:
+            # ``applying`` told the caller).
             c.update.abort()
             c.stage.zero_grads()
             raise
@@ -126,8 +123,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
 
 
 def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:
-    """``loss`` if it is what loss_fn must return, a 0-dim floating tensor (``train``: one that requires
-    grad); else one line (shape and dtype only: no host sync)."""
+    """``loss`` if it is a 0-dim floating tensor (``train``: requiring grad), else one line (no host sync)."""
     if isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point():
         if train and not loss.requires_grad:
             raise TrainingError("loss_fn returned a loss that does not require grad (detached, computed under "
@@ -140,8 +136,7 @@ def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:
 
 
 def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[str], skipped: int) -> None:
-    """``names``: the parameters with non-finite gradients (``stage.nonfinite_names``, a collective on
-    a partitioned stage: every rank computes them); ``skipped``: the steps skipped so far, this one too."""
+    """``names``: parameters with non-finite gradients; ``skipped``: the steps skipped so far, this one too."""
     what = (f"step {step}: the loss is {loss:g} and the global gradient norm {norm:g} (non-finite; non-finite "
             f"gradients in: {few(names, 8, str) or 'none'})")
     if c.on_nonfinite != "warn":

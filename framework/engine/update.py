@@ -1,10 +1,8 @@
 """The Update: how a train step turns reduced gradients into published parameters.
 
-``train_step`` calls ``arm``, ``drain`` after the backward passes, then ``apply`` (scale, step,
-publish) or ``skip``; ``abort`` if anything raised, so a failed step leaves the optimizer as it was.
-``apply`` calls its ``applying`` just before it first changes the state in place in a way ``abort``
-cannot undo: an exception from then on leaves the state half-applied.
-``offload._pipeline`` is a pipelined one that must give ``PlainUpdate``'s results.
+``train_step`` calls ``arm``, ``drain`` after the backward passes, then ``apply`` (scale, step, publish)
+or ``skip``; ``abort`` if anything raised. ``apply`` calls ``applying`` just before its first change that
+``abort`` cannot undo. ``offload._pipeline`` is a pipelined one that must give ``PlainUpdate``'s results.
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What every accelerator offers (``Accelerator``, ``Event``; a method an implementation leaves
-out does nothing: no pinned bytes for ``pinned_stats``), the errors the checks raise, and the
-unchecked accelerators: CUDA and the plain CPU."""
+"""What every accelerator offers (``Accelerator``, ``Event``: a method an implementation leaves out does
+nothing), the errors the checks raise, and the unchecked accelerators: CUDA and the plain CPU."""
 from __future__ import annotations
 
 import contextlib
@@ -84,8 +83,7 @@ class Accelerator(Protocol):
         return contextlib.nullcontext()
 
     def hook(self, fn: Callable, where: str) -> Callable:
-        """``fn`` for registration as a module, tensor or autograd hook (checked: no host syncs in it;
-        autograd runs hooks outside the caller's ``hot`` region)."""
+        """``fn`` to register as a hook, checked as ``hot`` (autograd runs hooks outside the caller's region)."""
         return fn
 
     def pinned_stats(self) -> dict[str, int]:
@@ -162,8 +160,7 @@ class CudaAccelerator(Accelerator):
         all_cpu(tensors, what)
 
     def pinned_stats(self) -> dict[str, int]:
-        """As torch's caching host allocator reports them: blocks handed out and blocks held (both
-        at their power-of-two size; zeros where this torch reports nothing)."""
+        """Torch's caching host allocator's blocks handed out and held (zeros where this torch reports none)."""
         stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
         return {"requested": int(stats.get("active_bytes.current", 0)),
                 "reserved": int(stats.get("allocated_bytes.current", 0))}
@@ -174,7 +171,7 @@ class _NoStream:
         self.name = name
 
 
-class _NoEvent(Event):
+class _NoEvent(Event):   # (the protocol's methods do nothing)
     def query(self) -> bool:
         return True
 

@@ -100,8 +100,7 @@ def _ours(filename: str) -> bool:
 
 
 def _place() -> str:
-    """Where the framework code calling into the checker is: up to 5 framework frames,
-    innermost first ("framework/offload/base.py:512 in copy_grad <- ...")."""
+    """The framework code calling the checker, up to 5 frames innermost first ("framework/x.py:5 in f <- ...")."""
     f, out = sys._getframe(1), []
     while f is not None and len(out) < 5:
         name = f.f_code.co_filename
@@ -236,8 +235,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
         return t
 
     def _pin(self, t: Tensor) -> None:
-        """Account a pinned buffer as CUDA's caching host allocator would: rounded up to a power of
-        two, taken from a cached free block of that size when there is one, cached when freed."""
+        """Account a pinned buffer as CUDA's caching host allocator does: a power-of-two block, reused when freed."""
         nbytes = t.untyped_storage().nbytes()
         size = 1 << max(0, nbytes - 1).bit_length()
         self._pinned["requested"] += nbytes
@@ -268,7 +266,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
     def on_device(self, *tensors: Tensor, what: str) -> None:
         with self._lock:
-            for t in tensors:
+            for t in tensors:   # (per tensor: the first misplaced one is named)
                 all_cpu([t], what)
                 self._placed([t], what, host=False)
 
@@ -316,8 +314,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
             self._pending()
             self._access(self._host, reads, writes, "host code")
 
-    def _issuing_stream(self) -> Clocked:
-        """The stream a collective is issued on: the current one."""
+    def _issuing_stream(self) -> Clocked:   # (a mutation issues from another)
         return self._queue(None)
 
     def collective(self, tensors: Sequence[Tensor], what: str):
@@ -344,8 +341,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
     @staticmethod
     def _keeper(t: Tensor, table: dict, key: int) -> weakref.ref:
-        """A weak reference to ``t``'s storage (alive as long as any tensor viewing it, whether or not
-        torch calls it a view: ``view(dtype)`` of a byte arena is not); its entry in ``table`` goes when it does."""
+        """A weak reference to ``t``'s storage (alive while any tensor views it, ``view(dtype)`` of a byte arena
+        too); its entry in ``table`` goes when it does."""
         def forget(ref, table=table, key=key):
             if table.get(key, (None,))[0] is ref:
                 table.pop(key, None)
@@ -380,8 +377,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
             log.append((lo, hi, s, s.pos, write, place))
 
     def _watch_free(self, t: Tensor, key: int, log: list) -> None:
-        """When ``t``'s device storage is freed, check that no stream may still use it (the caching
-        allocator would hand its bytes to the next compute allocation)."""
+        """When ``t``'s device storage is freed, check that no stream may still use it (the caching allocator
+        hands its bytes to the next compute allocation)."""
         def freed(acc=weakref.ref(self), key=key, log=log):
             me = acc()
             if me is None:
@@ -403,8 +400,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
 
 
 def _owns(ref: weakref.ref, address: int) -> bool:
-    """Whether the storage behind ``ref`` is alive and still at ``address`` (a
-    storage resized to zero and refilled, as zero3's gather buffers are, may move)."""
+    """Whether the storage behind ``ref`` is alive and still at ``address`` (one resized to zero and refilled,
+    as zero3's gather buffers are, may move)."""
     s = ref()
     return s is not None and s.nbytes() > 0 and s.data_ptr() == address
 
