@@ -93,8 +93,7 @@ class Engine(contextlib.AbstractContextManager):
                             f"every forward gathers with every rank: give each rank the same number")
         was_training = c.module.training
         c.module.eval()
-        # [loss sum, batch count]: one all-reduce of both, so that ranks with different numbers of batches
-        # (an uneven last share, or none) give every rank the same mean over all of them
+        # [loss sum, batch count], all-reduced together: ranks with different numbers of batches agree on the mean
         total = torch.tensor([0.0, len(batches)], dtype=torch.float32, device=c.dist.device)
         try:
             for b in batches:
