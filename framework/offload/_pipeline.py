@@ -121,8 +121,7 @@ class PiecePipeline:
         if k not in self.undo:   # (only the host touches them: not pinned)
             self.undo[k] = [self.acc.empty_host(t.shape, t.dtype, pinned=False) for t in saved]
         self.acc.host_use(reads=saved, writes=self.undo[k])
-        for dst, t in zip(self.undo[k], saved):
-            dst.copy_(t)
+        torch._foreach_copy_(self.undo[k], saved)
         self.undone.add(k)
         return self._step(k, pc.grad, 1.0 / scale, opt_state, params, lr)
 
@@ -163,8 +162,7 @@ class PiecePipeline:
         for k in self.undone:
             saved = [self.info[k].master, *group_state(opt_state, len(params), k)]
             self.acc.host_use(reads=self.undo[k], writes=saved)
-            for dst, t in zip(saved, self.undo[k]):
-                dst.copy_(t)
+            torch._foreach_copy_(saved, self.undo[k])
         for k in jobs:   # its host gradient may be scaled: the original again, from the device
             self.grad_copies[k] = _done(self.target.copy_grad(self.info[k], self.sources[k]))
         self.rolled_back += len(self.undone)
