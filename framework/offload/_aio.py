@@ -3,14 +3,13 @@ return a handle at once; its ``wait()`` raises a ``SwapIOError`` naming the file
 (a short count, an OS error or a checksum mismatch).
 
 Requests are cut at the file's ``block_size`` boundaries; ``queue_depth * intra_op_parallelism``
-threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL; a synchronous call
-per piece needs a thread per piece in flight). Measured within a few percent of fio with O_DIRECT and
-libaio (``python -m bench.nvme_io``).
+threads move the pieces with ``os.preadv`` / ``os.pwritev`` (they release the GIL). Measured within a
+few percent of fio with O_DIRECT and libaio (``python -m bench.nvme_io``).
 
 Checksums are taken per piece by the thread that writes it and compared by the one that reads it.
 ``sum64`` (default): the 64-bit word sum, about 3x cheaper than CRC-32 here; it catches any change
-confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves
-(not how disks fail). ``crc32``: stronger, slower; ``none``: off.
+confined to a word and zeroed, stale or misplaced blocks, not words swapped among themselves (not
+how disks fail). ``crc32``: stronger, slower; ``none``: off.
 """
 from __future__ import annotations
 
@@ -33,8 +32,8 @@ from framework.core.units import MiB, size as _size
 from framework.offload._swapfile import ALIGN, SwapFile, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
-# Sane bounds for the ``aio`` keys (DeepSpeed's tuning sweeps go up to 1 MiB blocks and 128 x 8 requests
-# in flight): each thread keeps a bounce buffer of ``block_size``, and threads are not free.
+# Bounds for the ``aio`` keys (DeepSpeed's sweeps go up to 1 MiB blocks and 128 x 8 requests in flight):
+# each thread keeps a bounce buffer of ``block_size``.
 MAX_BLOCK_SIZE = 64 * MiB
 MAX_THREADS = 1024
 POLL_S = 1.0     # how often a wait checks that the engine still has a thread to finish it
@@ -42,8 +41,7 @@ POLL_S = 1.0     # how often a wait checks that the engine still has a thread to
 
 def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Tensor:
     """An uninitialised host tensor of ``numel`` elements in a ``host_arena``, starting on a 4 KiB
-    boundary (2 MiB from 2 MiB on, advised onto transparent huge pages: O_DIRECT reads measured
-    1.3 -> 2.1 GB/s here); pages are committed when first written."""
+    boundary (2 MiB from 2 MiB on, advised onto transparent huge pages: O_DIRECT reads 1.3 -> 2.1 GB/s)."""
     nbytes = int(numel) * dtype.itemsize
     align = HUGE if nbytes >= HUGE else ALIGN
     raw = host_arena(nbytes, pin=pin, acc=acc, align=align)
@@ -58,8 +56,7 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
 def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
     """``nbytes`` of host memory (uint8) as one allocation, starting on an ``align`` boundary if given. On
     CUDA an anonymous mmap, registered with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
-    would round it up to a power of two and keep it); on the CPU accelerators ``acc.empty_host``, so the
-    checking one knows it."""
+    would round it up to a power of two and keep it); elsewhere ``acc.empty_host`` (the checking one knows it)."""
     if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
         return _mapped(max(int(nbytes), 1), pin, align=align or mmap.PAGESIZE)
     # (what the extra ``align`` bytes span is never touched, so never committed)
@@ -69,10 +66,9 @@ def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
 
 def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
     """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
-    ``align`` boundary (the storage and what is registered are the aligned range only: the pages around
-    it are never touched, so never committed), page-locked with ``cudaHostRegister`` when ``pin``. The
-    finalizer of the ctypes view the storage holds keeps the mmap, so the memory is unregistered before
-    it is unmapped (the mmap's own finalizers would run after its munmap)."""
+    ``align`` boundary (the pages around it are never touched, so never committed), page-locked with
+    ``cudaHostRegister`` when ``pin``. The finalizer of the ctypes view the storage holds keeps the mmap,
+    so the memory is unregistered before it is unmapped (the mmap's own finalizers run after munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
     mm = mmap.mmap(-1, size + extra, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -153,7 +149,7 @@ class AsyncIO:
 
     def __init__(self, block_size: int = MiB, queue_depth: int = 8, intra_op_parallelism: int = 1,
                  direct: bool = True, *, checksum: str = "sum64", bounce=None):
-        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO; a seam for tests."""
+        """``bounce(nbytes)``: a page-aligned buffer for a thread's unaligned O_DIRECT IO (a test seam)."""
         if block_size < ALIGN or block_size % ALIGN:
             raise ValueError(f"aio.block_size={block_size} must be a positive multiple of {ALIGN}")
         if queue_depth < 1 or intra_op_parallelism < 1:
@@ -165,7 +161,6 @@ class AsyncIO:
         self._kind = (block_size, checksum)   # whose checksums a piece is verified against
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._broken: SwapIOError | None = None   # set when a thread died: every request fails from then on
-        self._threads: list[threading.Thread] | None = None
         count, nbytes = queue_depth * intra_op_parallelism, block_size + 2 * ALIGN
         # on the caller's thread: a buffer that cannot be had is one error here, never a dead thread
         bounces: list[mmap.mmap] = []
@@ -179,21 +174,19 @@ class AsyncIO:
             raise ConfigError(f"offload.aio.block_size={block_size}: cannot allocate the IO threads' bounce "
                               f"buffers ({count} x {_size(nbytes)}: {os.strerror(e.errno) if e.errno else e}); "
                               f"lower offload.aio.block_size (DeepSpeed's default is {MiB})") from None
-        started: list[threading.Thread] = []
+        self._threads: list[threading.Thread] | None = []   # (None: closed)
         try:
             for i, b in enumerate(bounces):
                 t = threading.Thread(target=self._worker, args=(b,), name=f"framework-aio-{i}", daemon=True)
                 t.start()
-                started.append(t)
+                self._threads.append(t)
         except RuntimeError as e:   # "can't start new thread": a thread or memory limit
-            self._threads = started
-            self.close()
-            for b in bounces[len(started):]:
+            for b in bounces[len(self._threads):]:
                 b.close()
+            self.close()
             raise ConfigError(f"offload.aio.queue_depth={queue_depth} x offload.aio.intra_op_parallelism="
                               f"{intra_op_parallelism}: cannot start {count} IO threads ({e}); lower them "
                               "(DeepSpeed's defaults are 8 x 1)") from None
-        self._threads = started
 
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
         """Start reading into ``t`` or writing it (it must not change until done) at ``offset`` of ``file``."""
@@ -220,14 +213,13 @@ class AsyncIO:
     pwrite = functools.partialmethod(_submit, "write")   # (file, offset, src, what)
 
     def _bounds(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
-        """The pieces of [offset, offset + nbytes), cut at the file's block boundaries so that a range
-        is always cut the same way (checksums are kept per piece)."""
+        """The pieces of [offset, offset + nbytes), cut at the file's block boundaries (a range is always
+        cut the same way: checksums are kept per piece)."""
         edges = [offset, *range((offset // self.block_size + 1) * self.block_size, offset + nbytes, self.block_size)]
         return list(zip(edges, [*edges[1:], offset + nbytes])) if nbytes else []
 
     def rehash(self, file: SwapFile, offset: int, data: torch.Tensor) -> None:
-        """``data`` (uint8) was written at ``offset`` around the engine (through a memory map): record
-        its checksums as if the engine had written it."""
+        """``data`` (uint8) was written at ``offset`` through a memory map: its checksums recorded."""
         base = data.data_ptr()
         for lo, hi in self._bounds(offset, data.numel()):
             value = None if self._hash is None else self._hash(_memory(base + lo - offset, hi - lo), hi - lo)
@@ -327,8 +319,8 @@ class AsyncIO:
             self._io(handle, fd, lo, bounce_addr, hi - lo, report=(offset, nbytes))
             ctypes.memmove(address, bounce_addr + offset - lo, nbytes)
             return
-        # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are
-        # padded to 4 KiB, so only writes inside one extent could race here; the store never issues them)
+        # write: keep the bytes of the first and last 4 KiB blocks that are not ours (extents are padded
+        # to 4 KiB: only writes inside one extent could race here, and the store never issues them)
         if offset > lo:
             self._io(handle, fd, lo, bounce_addr, ALIGN, report=(offset, nbytes), op="read")
         if offset + nbytes < hi and (hi - ALIGN > lo or offset == lo):
@@ -357,8 +349,8 @@ class AsyncIO:
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
-    """Check extent ``name`` of ``fmap`` against the engine's checksums before a checkpoint takes it:
-    a mismatch, or a byte without one, is a SwapIOError naming the file, offset and tensor."""
+    """Check extent ``name`` of ``fmap`` against the engine's checksums before a checkpoint takes it: a
+    mismatch, or a byte without one, is a SwapIOError naming the file, offset and tensor."""
     file = fmap.file
     extent = file.extents[name]
     lo, hi = extent.offset, extent.offset + padded(extent.nbytes)

@@ -1,8 +1,6 @@
-"""offload=nvme's placements: the swap folder (``_swapfolder``), opening swap files, agreeing on swap
-IO errors across ranks, and removing the files. ``NVMePlacement`` alone is ``optimizer: cpu`` (host
-pieces); ``DiskPlacement`` keeps optimizer tiles (and, every piece on the host, zero3's owned gradients)
-in a swap file, resident in a ``DiskStore``'s pinned pool as zero3's shards are.
-"""
+"""offload=nvme's placements: ``NVMePlacement`` (``optimizer: cpu``: host pieces) opens, agrees on and
+removes the swap files; ``DiskPlacement`` keeps the optimizer tiles (and zero3's owned gradients) in
+one, resident in a ``DiskStore``'s pinned pool while stepped."""
 from __future__ import annotations
 
 import ctypes
@@ -26,7 +24,7 @@ from framework.core.utils import sq_norm_part
 from framework.offload._aio import AsyncIO
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
-from framework.offload._store import Tier, recorded
+from framework.offload._store import Tier, copy_on, recorded
 from framework.offload._swapfile import remove_stale, swap_path
 from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
 from framework.offload.base import Piece, Shards
@@ -35,25 +33,23 @@ from framework.optimizers import group_state, init_groups, merge_groups, replace
 
 
 class NVMePlacement(HostPlacement):
-    """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery (module docstring)."""
+    """offload=nvme: host pieces (``optimizer: cpu``), and the swap files' machinery."""
 
     swaps = True
 
     def __init__(self, spec: NVMeOffloadConfig, shards: Shards, accelerator: Accelerator | None = None):
         self.spec = spec
-        self._cleaned = False             # stale swap files looked for (``clean_stale``)
+        self._cleaned = self._fs_checked = False   # (stale files removed, swap folder looked at: once)
         self._made = MadeOnDisk()
-        # Runs once: at ``close``, or when this placement is collected unclosed, or at interpreter exit
-        # (an engine never closed, a script ended by an uncaught error): nothing it made is left behind.
+        # Runs once: at ``close``, when collected unclosed or at interpreter exit: nothing is left behind.
         self._remove_made = weakref.finalize(self, self._made.remove)
-        self._fs_checked = False          # the swap folder's file system looked at (``check_fs``)
         super().__init__(spec.ratio, spec.pin_memory, shards, spec.overlap_step, accelerator)
 
     def bind(self, acc: Accelerator) -> None:
-        # glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the
-        # default threshold rises to 32 MiB, and resident memory would creep with the model's size)
+        # glibc: mmap blocks of 1 MiB or more, so freeing one returns it to the kernel at once (the default
+        # threshold rises to 32 MiB, and resident memory would creep with the model's size)
         with suppress(OSError, AttributeError):   # (no C library that has it)
-            ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>), in the process's C library
+            ctypes.CDLL(None).mallopt(-3, MiB)   # M_MMAP_THRESHOLD (<malloc.h>)
         super().bind(acc)
 
     def init_opt_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
@@ -80,7 +76,7 @@ class NVMePlacement(HostPlacement):
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """One line on every rank if a disk (its ranks summed) cannot hold the least any optimizer needs, or
-        a host the pools (none may go on into a collective a refused one never joins); exact at init."""
+        a host the pools; exact at init."""
         if not numel:
             return
         spec = self.spec
@@ -113,22 +109,15 @@ class NVMePlacement(HostPlacement):
                 "close or exit)", sys.stdout)
         return self._made.tmpdir
 
-    def check_fs(self) -> None:
-        """One warning line when the swap folder is on a file system kept in host memory: the swap files
-        would take RAM (shared memory, not counted in the process's resident set), not disk."""
-        if self._fs_checked:
-            return
-        self._fs_checked = True
-        fs = memory_fs(self.folder())
-        if fs is not None:
-            say(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
-                "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk")
-
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
         ``create`` each (key, fill) of ``fills``: a rank that cannot stops every rank."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
-        self.check_fs()
+        if not self._fs_checked and (fs := memory_fs(self.folder())) is not None:
+            # the swap files would take RAM (shared memory, not in the process's resident set), not disk
+            say(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
+                "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk")
+        self._fs_checked = True
         if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
             self._made.folder = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
         failed, aio = None, self.spec.aio
@@ -150,8 +139,8 @@ class NVMePlacement(HostPlacement):
         self.agree_io_error(failed, what)
 
     def agree_io_error(self, error: BaseException | None, what: str) -> None:
-        """Every rank raises if some rank's swap IO failed (none is left waiting in a collective):
-        swap IO (the optimizer tiles, zero3's shards read for the copy back) may fail on one rank only."""
+        """Every rank raises if some rank's swap IO failed (it may fail on one rank only): none is left
+        waiting in a collective."""
         failed = error is not None
         if self.dist is not None and self.dist.world > 1:
             flag = torch.full((1,), 1.0 if failed else 0.0, device=self.dist.device)   # no pageable copy
@@ -174,17 +163,13 @@ class DiskPlacement(NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK).
 
-    zero3's owned gradients, when every piece is on the host (``swap_grads``): each tile's swap entry
-    ends with its range of the owned gradient partition (``DiskStore``'s read-only tail, read with the
-    tile). A unit group's reduction is added into a transient partition (zeros, or read back: the same
-    additions in the same dtype as in memory), written on a thread of its own (at most two queued) and
-    dropped; on the last micro batch its squared norm is kept, so clipping and the step are bitwise
-    those of in-memory partitions. A partition read back is read by a second thread into one of two
-    pinned buffers, ahead of its reduction where the order of the last ones says which comes next,
-    and copied to the device on the H2D stream (the backward hook waits for that read only, never for
-    the device). Host memory: up to three partitions, two pinned ones and two bounce buffers. With one
-    micro batch a step (``swap_grads``' ``grad_accum``) nothing is read back: no pinned buffers, no
-    reader thread, no second bounce buffer."""
+    zero3's owned gradients, when every piece is on the host (``swap_grads``), end each tile's entry
+    (``DiskStore``'s read-only tail, read with the tile). A unit group's reduction is added into a
+    transient partition (zeros, or read back: the same additions as in memory), written on a thread
+    of its own and dropped; on the last micro batch its squared norm is kept, so clipping and the step
+    are bitwise those of in-memory partitions. With more than one micro batch a step, a second thread
+    reads partitions back into one of two pinned buffers, ahead of the reduction the last order says
+    comes next; the backward hook waits for that read only, never for the device."""
 
     tier = Tier.DISK
     grad_dtype: torch.dtype | None = None    # the gradients' accumulation dtype, while swapped
@@ -203,7 +188,7 @@ class DiskPlacement(NVMePlacement):
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
-        """Each tile's master, state and swapped gradient in the file, and its 16-bit staging too in a slot."""
+        """Each tile's master, state and swapped gradient in the file, its 16-bit staging too in a slot."""
         grad = [self.grad_dtype.itemsize] if self.grad_swap else []
         tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
                   [working.itemsize * (b - a)] if working != master else [], len(grad))
@@ -220,8 +205,7 @@ class DiskPlacement(NVMePlacement):
         return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
 
     def read_back_bytes(self, bounce: int, sizes: Iterable[int] | None = None) -> int:
-        """The swapped gradients' read-back buffers (``_init_state``): two pinned landings as large as
-        the largest partition and the reader thread's ``bounce``-byte buffer."""
+        """The read-back buffers: two pinned landings of the largest partition and a ``bounce``-byte one."""
         return 2 * self._largest(sizes) * self.grad_dtype.itemsize + bounce
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
@@ -242,8 +226,7 @@ class DiskPlacement(NVMePlacement):
         return pieces
 
     def _init_state(self, tx, params: Sequence[torch.Tensor]) -> Any:
-        """``tx.init(params)``, each disk piece's state made and swapped out one at a time (host memory
-        holds at most a slot's worth)."""
+        """``tx.init(params)``, each disk piece's state made and swapped out one at a time."""
         store: DiskStore = self.stores[Tier.DISK]
         disk, n = [i for i in self.infos if i.tier is Tier.DISK], len(params)
         rest = {i.index for i in self.infos if i.tier is not Tier.DISK}
@@ -276,8 +259,7 @@ class DiskPlacement(NVMePlacement):
                         ((info.index, partial(fill, info)) for info in disk),
                         "writing the initial state to the swap files")
         if self.read_back:
-            # The read-back buffers, made at setup (once the pre-flight counted them): a page-locked
-            # allocation in the backward hook would wait for the device (cudaHostAlloc synchronizes).
+            # made at setup: a page-locked allocation in a backward hook would wait for the device
             self.landings = [(self.acc.empty_host(self._largest(), self.grad_dtype), None) for _ in range(2)]
             self.free = [1, 0]
             self.read_bounce = store.new_bounce()
@@ -285,8 +267,7 @@ class DiskPlacement(NVMePlacement):
 
     def _preflight(self, store: DiskStore) -> None:
         """Room on the disk, a writable folder and host memory for the pool: one line otherwise."""
-        # never more slots than tiles (with the default sub_group_size a partition is one tile)
-        slot, slots, total, bounce = store.layout(self.spec.buffer_count)
+        slot, slots, total, bounce = store.layout(self.spec.buffer_count)   # (never more slots than tiles)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
         reads = self.read_back_bytes(bounce) if self.read_back else 0
@@ -306,7 +287,6 @@ class DiskPlacement(NVMePlacement):
         self.stores[Tier.DISK].unmapped(fmap)
 
     # zero3's owned gradients in the swap file (class docstring)
-
     def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:
         """With every piece stepped by the host the owned gradients live beside their tiles; a partition
         is read back only on a later micro batch of its step, so only for ``grad_accum`` > 1."""
@@ -316,22 +296,18 @@ class DiskPlacement(NVMePlacement):
             self.grad_pieces: dict[int, list] = {}    # group -> its disk Pieces, in order
             self.pending: deque[Future] = deque()     # queued partition writes, oldest first
             self.writes: dict[int, Future] = {}       # group -> its latest write (its extents hold this step's sums)
-            # A write or read back that failed in a backward hook (one rank only): agreed on after backward
-            self.grad_error: BaseException | None = None
+            self.grad_error: BaseException | None = None   # failed in a backward hook: agreed on after it
             self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
             self.follow: dict[int, int] = {}          # group -> the group reduced after it last time
             self.last: int | None = None              # the group saved last
             self.landings: list[tuple[torch.Tensor, Any]] = []   # two pinned buffers and their last copy's event
             self.free: list[int] = []                 # landings no read holds
             self.read_bounce: torch.Tensor | None = None   # the reader thread's ``read_extent`` buffer
-            # (the three are made at setup, ``_init_state``, if ``read_back``; their bytes: ``read_back_bytes``)
         return self.grad_swap
 
     def load_grad(self, group: int) -> torch.Tensor:
-        """Group ``group``'s partition so far this step, on the device: zeros, or its extents read back.
-        Called in the backward hook: the host waits for the read (IO on the reader thread, usually
-        issued ahead by ``save_grad``) only; the copy to the device is queued on the H2D stream from a
-        pinned buffer, and the current stream waits for it by an event."""
+        """Group ``group``'s partition so far this step, on the device: zeros, or its extents read back
+        (the backward hook waits for the reader thread's read only; the copy goes on the H2D stream)."""
         acc, numel = self.acc, self.partitions[group].numel()
         if group not in self.writes:
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
@@ -348,11 +324,7 @@ class DiskPlacement(NVMePlacement):
             self.grad_error = self.grad_error or e   # (zeros: backward goes on on every rank)
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
         buf = torch.empty(numel, dtype=self.grad_dtype, device=acc.device)
-        fresh = recorded(acc)   # buf's memory: after the current stream's earlier uses of it
-        with acc.stream(self.h2d_stream):
-            fresh.wait()
-            acc.copy(buf, host, non_blocking=True)
-            copied = recorded(acc)
+        copied = copy_on(acc, self.h2d_stream, buf, host)   # (after the current stream's uses of buf's memory)
         copied.wait()
         self.landings[k] = (self.landings[k][0], copied)   # reused once this copy is done
         self.free.append(k)
@@ -382,8 +354,7 @@ class DiskPlacement(NVMePlacement):
 
     def _read_ahead(self, group: int | None) -> None:
         """Start reading back ``group`` (the one reduced next, last time), unless a read ahead is still
-        unused (the order changed: it waits for its group's reduction or the end of backward, as the hook
-        must not wait for it) or there is nothing to read (never written, or final this step)."""
+        unused (the hook must not wait for it) or there is nothing to read."""
         if self.read_back and group is not None and not self.reads and group in self.writes \
                 and group not in self.norms:
             self.reads[group] = self._read_back(group)
@@ -425,8 +396,8 @@ class DiskPlacement(NVMePlacement):
             self.pending.popleft().result()
 
     def finish_grads(self) -> None:
-        """After backward: every partition's extents hold this step's gradient and its norm is known; a
-        gradient write or read back that failed on any rank raises SwapIOError on every rank."""
+        """After backward: every partition's extents hold this step's gradient and its norm is known (a
+        failure on any rank raises on every rank)."""
         try:
             self._wait_writes()
             for group, part in enumerate(self.partitions):

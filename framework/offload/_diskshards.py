@@ -35,8 +35,7 @@ class DiskShards(HostShards):
 
     def bind(self, placement: NVMePlacement) -> None:
         super().bind(placement)
-        # Read ahead in the order the shards were loaded last time (zero3's gather order); the
-        # slot count is settled at pre-flight (``max_in_cpu``).
+        # read ahead in zero3's gather order of last time; the slot count is settled at pre-flight
         self.store = DiskStore(placement.acc, pin=placement.pin, buffer_count=self.spec.param_buffer_count,
                                read_ahead=True, write_behind=True, name="parameter", learn_order=True)
 
@@ -52,8 +51,8 @@ class DiskShards(HostShards):
         return shard
 
     def filled(self, shard: torch.Tensor) -> None:
-        """Appended to an unlinked temporary file (it never outlives its process) and its memory
-        released, so nothing model-sized is resident during construction."""
+        """Appended to an unlinked temporary file and its memory released: nothing model-sized is
+        resident during construction."""
         if id(shard) not in self.keys:
             return
         if self.spill is None:
@@ -78,8 +77,7 @@ class DiskShards(HostShards):
         return out
 
     def swap_out(self) -> None:
-        """Before the optimizer's file: the spill is consumed and closed first (never both on disk),
-        and the masters' initial values are read back from this file."""
+        """Before the optimizer's file (the spill is closed first: never both on disk)."""
         store = self.store
         self.p.write_swap(store, "params", self._preflight,
                           ((key, self._filler(store.entries[key].swapped[0])) for key in list(store.entries)),
@@ -113,17 +111,14 @@ class DiskShards(HostShards):
         preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
                   spec.param_buffer_count, itemsize=size, create=True)
         store.buffer_count = slots
-        if store.buffer_count == 1 < len(store.entries):
-            # A slot is reused only once its last copy to the device has finished (polled, see
-            # ``DiskStore._free_slot``): with one slot every shard load waits for the previous one.
+        if store.buffer_count == 1 < len(store.entries):   # (a slot is reused once its copies are done)
             print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "
                   f"previous shard's copy to the device; allow at least the units prefetched + 1 slots "
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
         """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
-        pinned memory idles), no more than max_in_cpu lets be resident at once; none: refused (the
-        pre-flight and the estimate alike)."""
+        pinned memory idles), as many as max_in_cpu lets be resident at once; none: refused."""
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "
@@ -149,9 +144,7 @@ class DiskShards(HostShards):
         try:
             self.store.wait(handle, host_writes=False)   # (only copied from: no wait for earlier copies)
             copied = self._copy_in(dst, shard)   # its slot is reused after the copy
-        except SwapIOError as e:
-            # Raised on every rank at the next agreement (``read_errors``): this rank still takes
-            # part in the gather, with zeros, so no peer waits in it forever.
+        except SwapIOError as e:   # raised on every rank at ``read_errors``: the gather goes on, with zeros
             self.read_error, copied = self.read_error or e, None
             dst.zero_()
         self.store.release(handle, copied, dirty=False)
@@ -175,8 +168,8 @@ class DiskShards(HostShards):
         return None
 
     def _hold(self, group: int) -> torch.Tensor:
-        """Group ``group``'s shard, kept resident across the copies back of its pieces and written back
-        once (a write per piece rewrote the whole shard each time: 22 bytes per parameter a step, not 2)."""
+        """Group ``group``'s shard, resident across the copies back of its pieces and written back once
+        (not once per piece, each rewriting the whole shard)."""
         shard = self.p.partitions[group]
         if self.held is not None and self.held[0] == group:
             return shard

@@ -8,6 +8,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Sequence
 
 import torch
@@ -20,7 +21,7 @@ from framework.offload._swapfile import SwapFile, padded
 def pool_layout(entries: Sequence[tuple[Sequence[int], Sequence[int], int]], buffer_count: int
                 ) -> tuple[int, int, int, int]:
     """(slot bytes, slots, file bytes, bounce bytes) of a store holding ``entries``: (swapped bytes,
-    scratch bytes, how many swapped ones, last, are read-only), for the store and the predictions alike."""
+    scratch bytes, how many swapped ones, last, are read-only); the store and the predictions use it."""
     slot = max((sum(padded(n) for n in (*swapped, *scratch)) for swapped, scratch, _ in entries), default=0)
     bounce = max((padded(n) for swapped, _, ro in entries for n in swapped[len(swapped) - ro:]), default=0)
     return slot, min(buffer_count, len(entries)), sum(padded(n) for sw, _, _ in entries for n in sw), bounce
@@ -39,14 +40,14 @@ def park_tensor(t: torch.Tensor) -> None:
 
 @dataclass
 class _Entry:
-    """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only
-    need room while it is resident (``scratch``: e.g. the 16-bit staging buffer). The tensor objects
-    are stable (the state holds them): they view its slot while it is resident, else are parked."""
+    """A disk piece: tensors whose bytes live in the swap file (``swapped``) and tensors that only need
+    room while it is resident (``scratch``: the 16-bit staging). The tensor objects are stable (the
+    state holds them): they view its slot while it is resident, else are parked."""
 
     swapped: list[torch.Tensor]
     scratch: list[torch.Tensor]
-    # The last ``readonly`` swapped tensors are never written back by a release (the owned
-    # gradient: written by ``write_extent`` during backward, read with the piece by the step).
+    # the last ``readonly`` swapped tensors are never written back by a release (the owned gradient:
+    # written by ``write_extent`` during backward, read with the piece by the step)
     readonly: int = 0
     offsets: list[int] = field(default_factory=list)   # byte offset of each tensor within a slot
 
@@ -55,9 +56,9 @@ class _Entry:
 class _Slot:
     buffer: torch.Tensor        # uint8 view of the pool, page-aligned
     key: int | None = None      # the piece it holds
-    # free | reading (reads in flight, or taken back with its writes) | resident (pointed at, in use)
-    # | clean (resident, unchanged: evicted without a write) | writing | draining (a thread waits for
-    # its writes) | failed (a read failed: freed on release, never written)
+    # free | reading (reads in flight, or taken back with its writes) | resident (in use) | clean
+    # (resident, unchanged: evicted without a write) | writing | draining (a thread waits for its
+    # writes) | failed (a read failed: freed on release, never written)
     state: str = "free"
     io: list = field(default_factory=list)     # IO handles in flight (reads or writes)
     stamp: int = 0                             # when it was last made resident (eviction order)
@@ -72,18 +73,17 @@ class _Slot:
 
 class DiskStore:
     """A swap file plus a pool of ``buffer_count`` slots, each as large as the largest piece.
-    ``acquire(k)`` queues piece k's reads (with ``read_ahead`` also the next piece's); ``wait``
-    points k's tensors at the slot once they landed; ``release`` queues the writes (with
-    ``write_behind`` they drain while the next piece steps). A slot is reused only after its writes
-    finished and the streams stopped reading it. ``acquire`` / ``wait`` run on the host-step worker,
-    ``release`` on the main thread: a condition variable guards the slot table."""
+    ``acquire(k)`` queues piece k's reads (with ``read_ahead`` also the next piece's); ``wait`` points
+    k's tensors at the slot once they landed; ``release`` queues the writes (with ``write_behind`` they
+    drain while the next piece steps). A slot is reused only once its writes finished and no stream
+    reads it. Several threads call in: a condition variable guards the slot table."""
 
     def __init__(self, acc: Accelerator, *, pin: bool, buffer_count: int, read_ahead: bool, write_behind: bool,
                  name: str, learn_order: bool = False):
         self.acc, self.pin, self.buffer_count = acc, pin, buffer_count
         self.read_ahead, self.write_behind, self.name = read_ahead, write_behind, name
-        # The read-ahead reads ``follow[k]`` after k: the order pieces were added (the optimizer's tile
-        # order), or with ``learn_order`` that of the previous acquires (zero3's recorded gather order).
+        # The read-ahead reads ``follow[k]`` after k: the order pieces were added (the optimizer's tiles),
+        # or with ``learn_order`` that of the previous acquires (zero3's gather order).
         self.learn_order, self.follow, self.last = learn_order, {}, None
         self.entries: dict[int, _Entry] = {}
         self.slots: list[_Slot] = []
@@ -95,7 +95,7 @@ class DiskStore:
         self.interrupted = False   # the step failed: a worker waiting for a slot gives up
         self.bounce: torch.Tensor | None = None   # ``write_extent`` / ``read_extent``'s aligned buffer
         self.clock = itertools.count(1)   # ``_Slot.stamp``s
-        self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks: IO share of a step)
+        self.wait_s = 0.0   # seconds callers spent blocked on this store's IO (benchmarks)
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
@@ -154,8 +154,7 @@ class DiskStore:
         return key
 
     def wait(self, key: int, host_writes: bool = True) -> None:
-        """``host_writes=False``: the host only reads the piece (zero3 loads a shard from it), so copies
-        still reading it from an earlier use need not be waited for."""
+        """``host_writes=False``: the host only reads the piece, so copies still reading it need not end."""
         with self.cond:
             slot = self.where[key]
             pending, slot.io = slot.io, []
@@ -190,9 +189,7 @@ class DiskStore:
                 return
             e = self.entries[key]
             slot.state = "writing"
-            bufs = [self._view(slot, e, j) for j in range(len(e.swapped) - (0 if readonly_too else e.readonly))]
-            slot.io = [self._extent_io(self.io.pwrite, key, j, b) for j, b in enumerate(bufs)]
-            self.bytes_written += sum(b.numel() for b in bufs)
+            self.bytes_written += self._start_io(slot, len(e.swapped) - (0 if readonly_too else e.readonly), read=False)
             self.writing.append(slot)
             self.cond.notify_all()
         if not self.write_behind:
@@ -235,12 +232,9 @@ class DiskStore:
     def create(self, key: int, fill=None) -> None:
         """Setup: piece ``key`` made resident unread, ``fill()``-ed (default: its unparked values), written."""
         if fill is None:
-            e = self.entries[key]
-            old = [t.detach() for t in e.swapped]   # aliases keeping the original memory until copied
-
-            def fill():
-                for t, o in zip(e.swapped, old):
-                    t.copy_(o)
+            swapped = self.entries[key].swapped
+            old = [t.detach() for t in swapped]   # aliases keeping the original memory until copied
+            fill = partial(torch._foreach_copy_, swapped, old)   # (once the slot is pointed at)
         with self.cond:
             slot = self._free_slot(block=True)
             slot.key, slot.state = key, "resident"
@@ -252,8 +246,8 @@ class DiskStore:
     # --- one tensor of a piece, around the slots (owned gradients during backward) ---------------
 
     def write_extent(self, key: int, src: torch.Tensor) -> None:
-        """``src`` (host) -> piece ``key``'s read-only tail in the swap file, waited for, through the bounce
-        buffer (padded, as the slot reads it back, so the checksums are kept over the same pieces)."""
+        """``src`` (host) -> piece ``key``'s read-only tail, waited for, through the bounce buffer
+        (padded as the slot reads it, so the checksums cover the same pieces)."""
         j, n, buf = self._bounce(key)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
@@ -275,8 +269,8 @@ class DiskStore:
 
     def _bounce(self, key: int, own: torch.Tensor | None = None) -> tuple[int, int, torch.Tensor]:
         """(index, bytes, padded bounce buffer: ``own`` or the store's) of piece ``key``'s last tensor,
-        once no slot holds it."""
-        if key in self.where:   # a slot still holds it (written behind, read ahead): settle every slot
+        once no slot holds it (written behind, read ahead: every slot is settled)."""
+        if key in self.where:
             self.settle()
         swapped = self.entries[key].swapped
         n = swapped[-1].nbytes
@@ -287,8 +281,7 @@ class DiskStore:
         return len(swapped) - 1, n, own[:padded(n)]
 
     def settle(self) -> None:
-        """Between steps: every IO landed and no slot holds a piece, so the swap file is the only copy
-        of the state (before it is read or changed around the engine, through ``mapped``)."""
+        """Between steps: every IO landed and no slot holds a piece: the swap file is the only copy."""
         self.flush()
         with self.cond:
             busy = [s.key for s in self.slots if s.state in ("resident", "writing", "draining")]
@@ -306,9 +299,9 @@ class DiskStore:
                     self._free(s)
 
     def mapped(self, write: bool) -> tuple[object | None, dict[int, list[torch.Tensor]]]:
-        """(map, views): the settled swap file mapped and, per piece, its swapped tensors as views of
-        it; (None, {}) without a swap file. Read-only: every extent is checked against the engine's
-        checksums, so a damaged file never reaches a checkpoint. Writable: ``unmapped`` it when done."""
+        """(map, views): the settled swap file mapped and, per piece, its swapped tensors as views of it
+        ((None, {}) without one). Read-only: every extent is checked against the engine's checksums, so
+        a damaged file never reaches a checkpoint. Writable: ``unmapped`` it when done."""
         if self.file is None or not self.entries or not self.file.size:
             return None, {}
         self.settle()
@@ -326,8 +319,7 @@ class DiskStore:
         return fmap, views
 
     def unmapped(self, fmap) -> None:
-        """After writing through ``mapped(write=True)``'s views: the pages go to the file and the
-        engine's checksums are recomputed from them."""
+        """After writing through ``mapped(write=True)``'s views: synced, the checksums recomputed."""
         if fmap is None:
             return
         fmap.sync()
@@ -344,9 +336,8 @@ class DiskStore:
     # --- internals (called with the condition held unless said otherwise) --------------------
 
     def _free_slot(self, block: bool) -> _Slot | None:
-        """A slot to read into. Slots whose last copy to the device still runs are taken only when
-        nothing else is (polled: inside zero3's hooks a wait would stall the host until the device
-        caught up), and without ``block`` not at all."""
+        """A slot to read into. One whose last copy to the device still runs is taken only when nothing
+        else is (polled: in zero3's hooks a wait would stall the host), and without ``block`` never."""
         while True:
             free = [slot for slot in self.slots if slot.state == "free"]
             clean = sorted((slot for slot in self.slots if slot.state == "clean"), key=lambda sl: sl.stamp)
@@ -380,13 +371,19 @@ class DiskStore:
         return slot
 
     def _read(self, key: int, slot: _Slot) -> None:
-        e = self.entries[key]
         slot.key, slot.state = key, "reading"
         self.where[key] = slot
-        bufs = [self._view(slot, e, j) for j in range(len(e.swapped))]
-        self.acc.host_use(writes=bufs)   # the reads land there
-        slot.io = [self._extent_io(self.io.pread, key, j, b) for j, b in enumerate(bufs)]
-        self.bytes_read += sum(b.numel() for b in bufs)
+        self.bytes_read += self._start_io(slot, len(self.entries[key].swapped), read=True)
+
+    def _start_io(self, slot: _Slot, count: int, read: bool) -> int:
+        """Reads or writes of ``slot``'s first ``count`` swapped tensors queued; their bytes."""
+        e = self.entries[slot.key]
+        bufs = [self._view(slot, e, j) for j in range(count)]
+        if read:
+            self.acc.host_use(writes=bufs)   # the reads land there
+        start = self.io.pread if read else self.io.pwrite
+        slot.io = [self._extent_io(start, slot.key, j, b) for j, b in enumerate(bufs)]
+        return sum(b.numel() for b in bufs)
 
     def _extent_io(self, start, key: int, j: int, buf: torch.Tensor):
         """``start`` (``io.pread`` or ``io.pwrite``) of ``buf`` at piece ``key``'s tensor ``j``."""

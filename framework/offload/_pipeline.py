@@ -1,11 +1,9 @@
 """The piece pipeline of CPU offload: gradient copy (D2H stream, queued by a worker thread once the
 stage reports a piece final) -> host step -> copy back (H2D stream), per piece, ordered by events,
 never by a device-wide synchronize. With ``offload.overlap_step`` a piece is stepped speculatively
-during backward: kept when the step is neither clipped nor skipped (the same element-wise arithmetic,
-``optimizers._subset``), else rolled back from undo copies; not tried after a clipped or skipped step
-(it would most likely be wasted again). The disk tier reads and writes tiles behind the same store
-calls; swap IO can fail on one rank only, so the ranks agree on failure after backward and after
-the host step.
+during backward: kept when the step is neither clipped nor skipped (the same element-wise arithmetic),
+else rolled back from undo copies; not tried after a clipped or skipped step. The disk tier swaps
+tiles behind the same store calls; the ranks agree on swap IO failure after backward and the step.
 """
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ class PiecePipeline:
         self.acc = target.acc
         self.info = target.pieces()           # in the optimizer's order
         self.host = {i.index for i in self.info if i.tier is not Tier.DEVICE}   # host memory or disk
-        # Per group, its host pieces by start (they tile the partition's host part in order), so
-        # a reported range finds its pieces by bisection: ``ready`` runs in backward hooks.
+        # per group, its host pieces by start: ``ready`` (in backward hooks) finds them by bisection
         self.by_group: dict[int, tuple[list[int], list[int]]] = {}
         for k in sorted(self.host):
             starts, ks = self.by_group.setdefault(self.info[k].group, ([], []))
@@ -46,8 +43,7 @@ class PiecePipeline:
             ops.cpu_optim()  # load (or build) them here, not racing from two threads later
         # The worker queues copies and pins memory: on this rank's device, not the thread default (GPU 0).
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-step", initializer=self.acc.bind_thread)
-        # An engine dropped unclosed: its worker thread ends once this pipeline is collected (the
-        # thread holds no reference to it, nor do finished jobs; ``close`` still waits for it).
+        # an engine dropped unclosed: the worker ends once this pipeline is collected (it holds no reference)
         weakref.finalize(self, self.pool.shutdown, wait=False, cancel_futures=True)
         self.undo: dict[int, list[Tensor]] = {}
         self.speculate = True   # cleared after a clipped or skipped step
@@ -58,11 +54,9 @@ class PiecePipeline:
 
     def _new_step(self, scale: float, ctx: tuple | None) -> None:
         self.scale, self.ctx = scale, ctx   # ctx: (opt_state, params, lr, scale) while speculating
-        # This step's host gradient copies, by piece: the queued copy's event, once queued.
-        self.grad_copies: dict[int, Future] = {}
+        self.grad_copies: dict[int, Future] = {}   # this step's host gradient copies: the copy's event
         self.final: set[int] = set()              # pieces the stage reported final this step
-        # The device range each speculated piece's gradient was copied from (valid until the stage
-        # zeroes its gradients after the step): copied again only if the speculation is rolled back.
+        # the device range each speculated piece's gradient came from: copied again if rolled back
         self.sources: dict[int, Tensor] = {}
         self.jobs: dict[int, Future] = {}
         self.undone: set[int] = set()   # pieces whose undo copies were taken this step
@@ -90,8 +84,7 @@ class PiecePipeline:
             if self.covered[k] != info.real:  # each element is reported once a step
                 continue
             self.final.add(k)
-            # Recorded here, on the stage's stream; the worker queues the copy behind it (on the CPU
-            # the copy itself moves off this thread, overlapping backward as it would on a device).
+            # recorded here, on the stage's stream; the worker queues the copy behind it
             self.grad_copies[k] = self.pool.submit(self.target.copy_grad, info, grad[info.start:info.end],
                                                    recorded(self.acc))
             if self.ctx is not None:
@@ -103,8 +96,7 @@ class PiecePipeline:
         out = []
         for info in self.info:
             k, g = info.index, parts[info.group][info.start:info.end]
-            # A swapped gradient is in the swap file beside the tile, resident once the step acquires it:
-            # nothing to copy, nor to convert.
+            # a swapped gradient is beside the tile, resident once the step acquires it: nothing to copy
             swapped = info.tier is Tier.DISK and self.target.grad_swap
             if info.tier is not Tier.DEVICE and k not in self.grad_copies:
                 if not swapped and k not in self.final:  # final on the current stream since backward ended
@@ -129,8 +121,7 @@ class PiecePipeline:
         if k not in self.undo:   # (only the host touches them: not pinned)
             self.undo[k] = [self.acc.empty_host(t.shape, t.dtype, pinned=False) for t in saved]
         self.acc.host_use(reads=saved, writes=self.undo[k])
-        for dst, t in zip(self.undo[k], saved):
-            dst.copy_(t)
+        torch._foreach_copy_(self.undo[k], saved)
         self.undone.add(k)
         return self._step(k, pc.grad, 1.0 / scale, opt_state, params, lr)
 
@@ -151,8 +142,7 @@ class PiecePipeline:
             job.exception()  # wait only; result() raises in _settle or drain
 
     def drain(self) -> None:
-        """Wait for the worker. A speculative piece's gradient is copied again only if rolled back
-        (``_settle``): a second copy nothing waits for would race the next backward."""
+        """Wait for the worker (a speculative piece's gradient is copied again only if rolled back)."""
         self._wait()
         for copy in self.grad_copies.values():
             copy.result()   # a failed copy raises here
@@ -172,8 +162,7 @@ class PiecePipeline:
         for k in self.undone:
             saved = [self.info[k].master, *group_state(opt_state, len(params), k)]
             self.acc.host_use(reads=self.undo[k], writes=saved)
-            for dst, t in zip(saved, self.undo[k]):
-                dst.copy_(t)
+            torch._foreach_copy_(saved, self.undo[k])
         for k in jobs:   # its host gradient may be scaled: the original again, from the device
             self.grad_copies[k] = _done(self.target.copy_grad(self.info[k], self.sources[k]))
         self.rolled_back += len(self.undone)
@@ -206,8 +195,7 @@ class PiecePipeline:
         jobs, new_state, failed, finished = [], None, None, False
         try:   # every failure below (a speculative job, a copy back's shard read) is agreed on after it
             done, new_state = self._settle(exact=clean) if self.ctx is not None else (set(), None)
-            # Until here abort restores the undo copies (a speculative job that failed, Ctrl-C while
-            # waiting); from here on the pieces are stepped and published in place, for good.
+            # until here abort restores the undo copies; from here on the pieces are stepped for good
             if applying is not None:
                 applying()
             self.ctx, self.speculate = None, clean

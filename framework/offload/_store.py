@@ -1,9 +1,8 @@
 """Tiered stores: where a master piece's buffers live, and when the host step may use them.
 
-A piece (``base.Piece``: master, gradient, 16-bit staging and optimizer state of a range of an
-owned partition) lives on the DEVICE (stepped in place: no store), the HOST (pinned when the device
-is CUDA) or the DISK (a swap file, read into a pool of pinned slots: ``_diskstore.DiskStore``). The
-piece pipeline asks the store of its tier for it around each host step:
+A piece (``base.Piece``) lives on the DEVICE (stepped in place: no store), the HOST (pinned when the
+device is CUDA) or the DISK (a swap file read into a pool of pinned slots: ``_diskstore.DiskStore``).
+The piece pipeline asks the store of its tier for it around each host step:
 
     store.acquire(k)                start making piece k usable by the host (may queue a read)
     store.wait(k)                   block until it is (the last copy back is done, the read landed)
@@ -30,6 +29,17 @@ def recorded(acc: Accelerator) -> Event:
     ev = acc.event()
     ev.record()
     return ev
+
+
+def copy_on(acc: Accelerator, stream, dst: torch.Tensor, src: torch.Tensor, after: Event | None = None,
+            non_blocking: bool = True) -> Event:
+    """``src`` -> ``dst`` queued on ``stream`` behind ``after`` (default: the current stream's work so
+    far); the copy's event."""
+    after = recorded(acc) if after is None else after
+    with acc.stream(stream):
+        after.wait()
+        acc.copy(dst, src, non_blocking=non_blocking)
+        return recorded(acc)
 
 
 class Tier(enum.Enum):

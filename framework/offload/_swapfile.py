@@ -1,13 +1,12 @@
 """Swap files of the NVMe offload: one preallocated file per rank and kind (``swap_path``), with a
-manifest beside it; ``SwapFile.create(...)`` as a context manager deletes both on leaving, also on error.
-A swap file never removed (its engine dropped unclosed, the interpreter exiting, also after an
-uncaught error) is deleted by a finalizer when it is collected or at exit.
+manifest beside it, deleted at ``remove`` (or leaving ``with SwapFile.create(...)``), else by a
+finalizer when collected or at exit.
 
 Extents (name -> bytes) lie one after another, each padded to 4 KiB (O_DIRECT moves whole blocks);
 ``posix_fallocate`` reserves the size, so a full disk fails at creation, not mid-run. The file is
-owner-only and ``flock``-ed while open (a second run on the same folder is refused). The manifest
-records the layout; a file of another layout is refused, one of the same layout taken over (its
-contents are not trusted: the IO engine's checksums, kept in memory, start empty).
+owner-only and ``flock``-ed while open (a second run on the same folder is refused). A file of
+another layout (the manifest says) is refused, one of the same layout taken over (its contents
+untrusted: the IO engine's checksums, kept in memory, start empty).
 """
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ class DirectIOFallback(RuntimeWarning):
 
 class Syscalls:
     """The system calls the engine makes on swap files: a seam where tests inject faults (EIO, ENOSPC,
-    short counts, EINVAL for O_DIRECT) without a broken disk and without patching anything."""
+    short counts, EINVAL for O_DIRECT)."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags, mode)
@@ -76,8 +75,8 @@ class Extent:
 
 
 class _Held:
-    """A swap file's descriptors, and its paths while they name this run's files: apart from the
-    ``SwapFile``, so that its finalizer (which must not refer to it) can let them go."""
+    """A swap file's descriptors and what its paths named: apart from the ``SwapFile``, so that its
+    finalizer (which must not refer to it) can let them go."""
 
     def __init__(self, path: Path, fd: int):
         self.path = path
@@ -105,8 +104,7 @@ class SwapFile:
                  syscalls: Syscalls):
         self.path, self.size, self.meta, self.syscalls, self.extents = path, size, meta, syscalls, extents
         self._held = _Held(path, fd)
-        # Runs once: at ``remove``, or when this object is collected unremoved, or at interpreter exit
-        # (an engine never closed, a script ended by an uncaught error): no swap file outlives its run.
+        # Runs once: at ``remove``, when collected unremoved or at interpreter exit.
         self.removal = weakref.finalize(self, self._held.release)
         self._direct_refused: OSError | None = None
         self._lock = threading.Lock()
@@ -221,7 +219,7 @@ class SwapFile:
 
     def record(self, kind: tuple[int, str] | None, offset: int, nbytes: int, value: int | None) -> None:
         """[offset, offset + nbytes) now holds bytes with checksum ``value`` (None: none), written by an
-        engine of ``kind`` (block size, checksum name), whose pieces never straddle one of its blocks."""
+        engine of ``kind`` (block size, checksum name) as one piece within one of its blocks."""
         with self._lock:
             for (grid, _), table in self._sums.items():   # what overlaps is stale, whoever wrote it
                 for block in range(offset // grid, (offset + max(nbytes, 1) - 1) // grid + 1):
@@ -267,14 +265,13 @@ class SwapFile:
 
 class FileMap:
     """A swap file mapped into this process: its extents as host tensors over the page cache, so a
-    checkpoint reads (or a load writes) the swapped state where it lies. Tensors made here keep the
-    mapping alive. O_DIRECT bypasses the cached pages: map only after the engine's writes landed
-    (``DiskStore.flush``) and ``sync()`` after writing through the map, before the engine reads."""
+    checkpoint reads (or a load writes) the swapped state where it lies. O_DIRECT bypasses the cached
+    pages: map only once the engine's writes landed, and ``sync()`` before the engine reads again."""
 
     def __init__(self, file: SwapFile, fd: int, write: bool):
         self.file, self.write = file, write
-        # A file shortened behind the engine's back (mmap refuses a length past the end, and a page past
-        # it would be SIGBUS on touch): the swapped state is lost, said as the training path's short read says it.
+        # A file shortened behind the engine's back (mmap refuses a length past the end, a page past it
+        # would be SIGBUS on touch): the swapped state is lost.
         found = os.fstat(fd).st_size
         if found < file.size:
             raise SwapIOError(f"swap file {file.path}: short file: {found} of {file.size} bytes (truncated outside "
@@ -312,8 +309,8 @@ class FileMap:
         return self._bytes[e.offset:e.offset + padded(e.nbytes)]
 
     def own(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A tensor over ``t``'s bytes whose storage is exactly those bytes (so a writer that clones
-        views of larger storages writes it as it is); None unless ``t`` is a contiguous view of this map."""
+        """A tensor over ``t``'s bytes whose storage is exactly those bytes (a writer that clones views of
+        larger storages writes it as it is); None unless ``t`` is a contiguous view of this map."""
         offset = t.data_ptr() - self._start
         nbytes = t.numel() * t.element_size()
         if not t.is_contiguous() or t.device.type != "cpu" or offset < 0 or offset + nbytes > self.file.size:
@@ -323,9 +320,8 @@ class FileMap:
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def release(self, t: torch.Tensor) -> None:
-        """Drop this process's mapping of the pages under ``t``, so a pass over the swapped state keeps
-        a bounded resident set; the pages stay in the file (or the page cache, still to be synced)
-        and the next touch maps them again."""
+        """Drop this process's mapping of the pages under ``t`` (a pass over the swapped state keeps a
+        bounded resident set); they stay in the file or page cache, mapped again when touched."""
         lo = t.data_ptr() - self._start
         if t.device.type != "cpu" or not t.numel() or not 0 <= lo < self.file.size:
             return   # not a view of this map

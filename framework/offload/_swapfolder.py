@@ -1,7 +1,5 @@
-"""The NVMe offload's swap folder: where the swap files go without ``offload.nvme_path``, whether its
-file system keeps files in host memory, the pre-flight (a writable folder with room for every rank's
-swap files) that all ranks agree on before any file is made, and what a placement made there.
-"""
+"""The NVMe offload's swap folder: its default, whether it keeps files in host memory, the pre-flight
+every rank agrees on before any file is made, and what a placement made there."""
 from __future__ import annotations
 
 import ctypes
@@ -26,8 +24,7 @@ MEMORY_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 
 def memory_fs(path: str | os.PathLike) -> str | None:
     """The type of the file system holding ``path`` (or its nearest existing parent) when it keeps its
-    files in host memory (tmpfs, ramfs: /dev/shm, often /tmp); None otherwise or where unknown.
-    (``os.statvfs`` does not say the type.)"""
+    files in host memory (tmpfs, ramfs); None otherwise or where unknown (``os.statvfs`` does not say)."""
     if not sys.platform.startswith("linux"):
         return None
     p = Path(path).absolute()
@@ -43,8 +40,8 @@ def memory_fs(path: str | os.PathLike) -> str | None:
 
 
 def temp_root() -> str:
-    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (kept on disk by
-    convention) when the temporary folder is in memory (a tmpfs /tmp) and /var/tmp is not."""
+    """Where swap files go without ``nvme_path``: the temporary folder, or /var/tmp (on disk by convention)
+    when the temporary folder is in memory and /var/tmp is not."""
     tmp = tempfile.gettempdir()
     if memory_fs(tmp) and os.access("/var/tmp", os.W_OK | os.X_OK) and not memory_fs("/var/tmp"):
         return "/var/tmp"
@@ -100,8 +97,8 @@ def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Call
 
 def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
     """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
-    system: every rank raises the same one-line ConfigError, so none dies alone while the others wait.
-    True: a rank sharing the file system found ``folder`` missing (the last to close removes it once empty)."""
+    system: every rank raises the same one-line ConfigError (none dies alone). True: a rank sharing the
+    file system found ``folder`` missing (removed at close once empty)."""
     rank = dist.rank if dist is not None else 0
     claim = mine = None
     try:
@@ -133,8 +130,8 @@ def _allocated(path) -> int:
 
 
 class MadeOnDisk:
-    """What a placement made on disk: its private temporary folder, the swap folder pre-flight made (removed
-    once empty), its swap files' removals (run first). Apart, so the placement's finalizer may remove them."""
+    """What a placement made on disk (its temporary folder, the swap folder, its swap files' removals):
+    apart, so the placement's finalizer may remove them."""
 
     def __init__(self):
         self.tmpdir: str | None = None

@@ -1,20 +1,16 @@
 """The offload target: where a rank's master partition, optimizer state and zero3 parameter shards
 live, and how they move. A stage talks to it only through these calls:
 
-* setup: ``place`` cuts each owned partition into master pieces (``ranges``: the first
-  ``host_fraction`` off the device, in ``chunk``-element pieces); zero3 also gets its shards here
-  (``shard_buffer``). ``predict`` says from sizes alone what ``memory`` will measure (``framework.memory``).
-* backward: ``grads_final(g, lo, hi, grad)`` says range [lo, hi) of partition g's reduced gradient
-  is final, on the thread and stream that produced it, each element at most once a step;
-  ``grads(parts)`` then returns every piece's gradient.
-* update: ``make_update`` returns the piece pipeline (``_pipeline.py``, built by ``cpu.HostPlacement``)
-  when there are host pieces;
+* setup: ``place`` cuts each owned partition into master pieces (``ranges``); zero3 gets its shards
+  from ``shard_buffer``. ``predict`` says from sizes alone what ``memory`` will measure.
+* backward: ``grads_final(g, lo, hi, grad)``: range [lo, hi) of partition g's reduced gradient is
+  final (each element at most once a step); ``grads(parts)`` then returns every piece's gradient.
+* update: ``make_update`` returns the piece pipeline (``_pipeline.py``) when there are host pieces;
   otherwise None: the stage steps itself and calls ``publish()``.
 
-Tiers (``conf/offload``) override only what differs: ``Placement`` (offload=none, device),
-``cpu.HostPlacement`` (tier HOST), ``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (tier DISK).
-Where zero3's shards live is a second choice: ``Shards``, ``cpu.HostShards`` or ``_diskshards.DiskShards``,
-which zero3 and its gatherer call directly (``placement.shards``) to load, fill and measure them.
+Tiers override only what differs: ``Placement`` (offload=none), ``cpu.HostPlacement`` (HOST),
+``_disk.NVMePlacement`` and ``_disk.DiskPlacement`` (DISK). zero3's shards live in ``Shards``,
+``cpu.HostShards`` or ``_diskshards.DiskShards``, which zero3 calls directly (``placement.shards``).
 """
 from __future__ import annotations
 
@@ -27,7 +23,7 @@ import torch
 from framework.comm.accelerator import Accelerator, Event, for_device
 from framework.core.footprint import Footprint
 from framework.core.utils import tensor_bytes
-from framework.offload._store import HostStore, Tier, recorded
+from framework.offload._store import HostStore, Tier, copy_on, recorded
 from framework.optimizers import group_state
 
 
@@ -89,12 +85,8 @@ class Shards:
 
     def copy_back(self, info: Piece, dst: torch.Tensor, src: torch.Tensor, after: Event) -> Event | None:
         """``src`` -> ``dst`` on the H2D stream after ``after``; the copy's event (None: none queued)."""
-        acc = self.p.acc
-        acc.on_device(dst, what="copy back destination")
-        with acc.stream(self.p.h2d_stream):
-            after.wait()
-            acc.copy(dst, src, non_blocking=self.p.pin)
-            return recorded(acc)
+        self.p.acc.on_device(dst, what="copy back destination")
+        return copy_on(self.p.acc, self.p.h2d_stream, dst, src, after, non_blocking=self.p.pin)
 
     def flush(self) -> None:
         """Every copy back of the step was queued."""
@@ -270,14 +262,9 @@ class Placement:
 
     def copy_grad(self, info: Piece, src: torch.Tensor, produced: Event | None = None) -> Event:
         """Queue ``src`` -> the piece's host gradient buffer on the D2H stream; its event: the host may read it."""
-        acc = self.acc
-        acc.on_device(src, what="gradient copy source")
-        acc.on_host(info.grad, what="gradient copy destination")
-        produced = recorded(acc) if produced is None else produced
-        with acc.stream(self.d2h_stream):
-            produced.wait()
-            acc.copy(info.grad, src, non_blocking=self.pin)
-            return recorded(acc)
+        self.acc.on_device(src, what="gradient copy source")
+        self.acc.on_host(info.grad, what="gradient copy destination")
+        return copy_on(self.acc, self.d2h_stream, info.grad, src, produced, non_blocking=self.pin)
 
     def working_used(self) -> Event:
         """After the compute stream's last use of the working partitions: copies back wait on it."""

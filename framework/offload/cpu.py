@@ -1,8 +1,6 @@
-"""cpu: DeepSpeed's offload_optimizer (and, for zero3, offload_param) to host memory.
-
-The master and optimizer state of the first ``ratio`` of every partition live in (pinned) host
-memory and are stepped there (``offload._pipeline``); ``params: cpu`` keeps zero3's parameter
-shards in pinned host memory between gathers (``HostShards``).
+"""cpu: DeepSpeed's offload_optimizer (and, for zero3, offload_param) to host memory: the master and
+optimizer state of the first ``ratio`` of every partition live in (pinned) host memory, stepped there
+(``offload._pipeline``); ``params: cpu`` keeps zero3's shards there between gathers (``HostShards``).
 """
 from __future__ import annotations
 
@@ -40,8 +38,7 @@ class HostPlacement(Placement):
                                   f"offload.ratio>={1 / n:.3g} (1/{n}), or offload.ratio=0 to step on the device")
             return None
         pipeline = PiecePipeline(tx, self, gather)
-        # Held weakly: the stage's gradient hooks keep this placement alive through autograd, a
-        # cycle gc cannot see, while the pipeline (and its worker thread) goes with its owner.
+        # held weakly: autograd's hooks keep this placement alive, while the pipeline goes with its owner
         self.listener = weakref.ref(pipeline)
         return pipeline
 
@@ -60,8 +57,8 @@ class HostPlacement(Placement):
 
 
 class HostShards(Shards):
-    """zero3 parameter shards in pinned host memory (``offload.params=cpu``): loaded for a gather
-    on the H2D stream, written by host copies once the loads that read them are done."""
+    """zero3 parameter shards in pinned host memory (``offload.params=cpu``): loaded on the H2D stream,
+    written by host copies once the loads that read them are done."""
 
     params_on_host = True
 
@@ -73,8 +70,8 @@ class HostShards(Shards):
 
     @contextmanager
     def loading(self):
-        """The load and its gather go on the H2D stream behind the current stream's work so far, so a
-        prefetch hides both; the current stream waits only where it consumes the unit."""
+        """The load and its gather go on the H2D stream (a prefetch hides both); the current stream waits
+        only where it consumes the unit."""
         acc, waits = self.p.acc, []
         fresh = recorded(acc)
         with acc.stream(self.p.h2d_stream):
@@ -110,14 +107,21 @@ class CPUOffloadConfig:
     params: str = "none"        # zero3 parameter shards: none (device) | cpu (host memory between gathers)
     ratio: float = 1.0          # fraction of each partition whose optimizer step runs on the host
     pin_memory: bool = True     # page-locked host buffers (CUDA; without them copies cannot be asynchronous)
-    # Also start each piece's host step during backward, speculatively (identical results), for host
-    # memory for undo copies of those pieces (master + optimizer state: 12 bytes/param with Adam).
+    # also start each piece's host step during backward, speculatively (identical results), for undo
+    # copies of those pieces in host memory (master + optimizer state: 12 bytes/param with Adam)
     overlap_step: bool = False
 
 
 def check_ratio(ratio: float) -> None:
     if not 0.0 <= ratio <= 1.0:
         raise ConfigError(f"config: offload.ratio must be in [0, 1], got {ratio}")
+
+
+def check_zero3(params: str, stage: str) -> None:
+    """Parameter shards off the device (``params`` not none) are zero3's."""
+    if params != "none" and stage != "zero3":
+        raise ConfigError(f"config: offload.params={params} (parameter offload) needs +stage=zero3, got "
+                          f"stage={stage}; use offload.params=none or +stage=zero3")
 
 
 def build(cfg: CPUOffloadConfig, accelerator: Accelerator | None = None) -> HostPlacement:
@@ -135,9 +139,7 @@ def check(node: CPUOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> CPUOf
                 "False": " (the former offload.params=false is offload.params=none)"}.get(str(node.params), "")
         raise ConfigError(f"config: offload.params must be none or cpu with offload=cpu, got "
                           f"{node.params!r}{hint}")
-    if node.params == "cpu" and stage != "zero3":
-        raise ConfigError(f"config: offload.params=cpu (parameter offload) needs +stage=zero3, got "
-                          f"stage={stage}; use offload.params=none or +stage=zero3")
+    check_zero3(node.params, stage)
     if node.params == "cpu" and node.ratio < 1.0:   # the device pieces would be stepped on host slices
         raise ConfigError("config: offload.ratio<1 keeps part of each partition's step on the device, which zero3 "
                           "parameter shards in host memory (offload.params=cpu) cannot share; use offload.ratio=1 "

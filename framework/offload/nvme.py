@@ -1,10 +1,9 @@
 """nvme: ZeRO-Infinity. DeepSpeed's offload_optimizer / offload_param with device nvme.
 
-The fp32 master partition and the optimizer state (``optimizer: nvme``) and, under zero3, the
-16-bit parameter shards (``params: nvme``) live in swap files under ``nvme_path``; the host holds
-only pools of pinned, page-aligned buffers. The disk is one more tier of the offload store
-(``offload._diskstore.DiskStore``), so the stages have no NVMe code path. Keys mirror DeepSpeed's;
-``params: auto`` (nvme under zero3, none otherwise) is resolved by ``framework.config``.
+The fp32 master partition and the optimizer state (``optimizer: nvme``) and, under zero3, the 16-bit
+parameter shards (``params: nvme``) live in swap files under ``nvme_path``; the host holds only pools of
+pinned, page-aligned buffers. The disk is one more tier of the offload store (``_diskstore.DiskStore``),
+so the stages have no NVMe code path. ``params: auto`` (nvme under zero3, else none) is resolved here.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from framework.offload._diskshards import DiskShards
 from framework.offload._nvmespec import NVMeOffloadConfig
 from framework.offload._swapfile import ALIGN
 from framework.offload.base import Shards
-from framework.offload.cpu import HostShards
+from framework.offload.cpu import HostShards, check_ratio, check_zero3
 
 
 def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVMeOffloadConfig:
@@ -34,13 +33,9 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     if cfg.params not in ("none", "cpu", "nvme", "auto"):
         raise ConfigError(f"config: offload.params must be none, cpu, nvme or auto, got {cfg.params!r}")
     params = cfg.params if cfg.params != "auto" else ("nvme" if stage == "zero3" else "none")
-    if params != "none" and stage != "zero3":
-        raise ConfigError(f"config: offload.params={params} (parameter offload) needs +stage=zero3, got "
-                          f"stage={stage}; use offload.params=none or +stage=zero3")
-    if not 0.0 <= cfg.ratio <= 1.0:
-        raise ConfigError(f"config: offload.ratio must be in [0, 1], got {cfg.ratio}")
-    # offload.ratio=0 steps every partition on the device: no optimizer tile is ever swapped (nor are
-    # the tile keys used); with offload.params=nvme the ratio check below refuses it
+    check_zero3(params, stage)
+    check_ratio(cfg.ratio)
+    # offload.ratio=0: no optimizer tile is ever swapped (with offload.params=nvme refused below)
     if cfg.optimizer == "nvme" and cfg.ratio == 0 and params != "nvme":
         raise ConfigError(f"config: offload=nvme with offload.ratio=0 (every optimizer step on the device) and "
                           f"offload.params={params} puts nothing on NVMe; set offload.ratio>0, or use offload=none")
