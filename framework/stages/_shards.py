@@ -42,6 +42,14 @@ class ShardedParameter(nn.Parameter):
                              f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
 
 
+def read_hint(name: str, error: str) -> str:
+    """The fix for a parameter read where it is an empty shard (``error``: what showed it)."""
+    return (f"zero3: loss_fn read parameter {name!r} outside its module's forward, where it is an empty shard "
+            f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
+            f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
+            f"forward")
+
+
 def zero3_sharded(module: nn.Module) -> bool:
     """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards once its engine
     is closed or its build failed: another engine cannot be built on them)."""
