@@ -86,8 +86,7 @@ class Gatherer:
             unit.in_backward = True
         self._demand(unit, "forward")
         if not self.in_backward:
-            # A recomputation inside backward is not counted: torch's early stop may skip its output hook;
-            # the unit stays gathered as in_backward, released when reduced or at the end of backward.
+            # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
 
     def _post_forward(self, unit: Unit, out):
@@ -96,16 +95,14 @@ class Gatherer:
         unit.active -= 1
         own = {id(p) for p in unit.params}
         if any(id(t) in own for t in tensors_in(out)):
-            # A parameter itself returned: a view of it instead (the release empties the parameter, and a
-            # hook on the leaf would stay for good).
+            # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
             out = _replace(out, lambda t: t.view_as(t) if id(t) in own else t)
         hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
         unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
-        # An output sharing a gathered buffer's bytes (a view of a parameter) is given that buffer at the
-        # release. Storage identity only (no host sync).
+        # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
         outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
         for g in unit.groups:
             if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
@@ -171,9 +168,8 @@ class Gatherer:
         self._complete_reductions()
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
-            # The pass's record compared across ranks (different units would combine unrelated buffers or
-            # hang): an async all-reduce of its hash. Filled on the device: torch.tensor([h, -h], device=cuda)
-            # would copy from pageable memory, blocking the host after every backward pass.
+            # The pass's record compared across ranks by an async all-reduce of its hash, filled on the device
+            # (torch.tensor([h, -h], device=cuda) would copy from pageable memory, blocking the host).
             h = zlib.crc32(repr(self.recording).encode())
             t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
             t[1].fill_(-h)
@@ -466,8 +462,7 @@ class Gatherer:
 
     def check_not_held(self) -> None:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""
-        held = [u.name for u in self.all_units if u.held]
-        if held:
+        if held := [u.name for u in self.all_units if u.held]:
             # This pass's backward will not run: no trace to follow, no units to keep for it.
             self.recording, self.driven = None, False
             self._release_idle()
