@@ -1,9 +1,8 @@
 """Flat-buffer layout: parameters of one group laid end to end, padded, and partitioned.
 
-One contiguous buffer per group (module parameters are views into it) makes communication one
-call per bucket and optimizer kernels one call per group. How many master pieces a layout is cut
-into depends on world size, stage, offload ratio and bucket sizes; a ``PieceSpec`` says what one
-holds by parameter name, so saved state re-slices into any other layout.
+One contiguous buffer per group (parameters are views into it) makes communication one call per bucket
+and optimizer kernels one call per group. A ``PieceSpec`` says what a master piece holds by parameter
+name, so saved state re-slices into any other layout (world size, stage, offload, bucket sizes).
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ from framework.core.errors import FrameworkError
 from framework.core.footprint import Footprint
 
 
-# Pad every flat buffer to a multiple of this many elements per rank: 128 elements keeps
-# each rank's partition 256-byte aligned for 16-bit dtypes and 512-byte for fp32 (NCCL and
-# vectorised CPU kernels both prefer aligned starts).
+# Pad every flat buffer to a multiple of this many elements per rank: partitions start 256-byte aligned
+# for 16-bit dtypes, 512-byte for fp32 (NCCL and vectorised kernels prefer aligned starts).
 ALIGN = 128
 
 
@@ -49,16 +47,14 @@ class Layout:
         return rank * self.shard, (rank + 1) * self.shard
 
     def nonfinite_names(self, values: torch.Tensor, start: int = 0) -> list[str]:
-        """The parameters with a non-finite element among ``values``, the flat buffer's elements from
-        ``start`` on, in layout order; padding holds none. One reduction per parameter slot and one host
-        read: no per-element index tensors, so a gradient full of NaN costs no more than a finite one."""
+        """The parameters with a non-finite element among ``values`` (the buffer's elements from ``start``
+        on), in layout order. One reduction per slot and one host read, however many elements are NaN."""
         end = start + values.numel()
         hits = [(s.name, values[max(s.offset, start) - start:min(s.offset + s.numel, end) - start])
                 for s in self.slots if s.numel and s.offset < end and s.offset + s.numel > start]
         if not hits:
             return []
-        # min and max read the slot in place (no temporary the size of a parameter) and are both
-        # finite exactly when every element is: NaN propagates to both, an infinity is one of them
+        # min and max read the slot in place and are both finite exactly when every element is
         extremes = torch.stack([torch.stack(torch.aminmax(v)) for _, v in hits])
         finite = torch.isfinite(extremes).all(dim=1)
         # host sync: slow path, only to name the parameters in an error message
@@ -66,8 +62,7 @@ class Layout:
 
 
 def refuse_sparse_grads(module: nn.Module, stage: str) -> None:
-    """zero2's buckets and zero3's units copy each gradient into a flat dense buffer, which a sparse one
-    (nn.Embedding/nn.EmbeddingBag with sparse=True) cannot go into: refused before any collective."""
+    """zero2 and zero3 copy each gradient into a dense flat buffer: refuse sparse embeddings before any collective."""
     for name, sub in module.named_modules():
         if getattr(sub, "sparse", False) is True and isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) \
                 and sub.weight.requires_grad:
@@ -86,8 +81,7 @@ def make_layout(named: list[tuple[str, nn.Parameter]], world: int) -> Layout:
 
 
 def param_groups(module: nn.Module) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
-    """Trainable parameters in ``unit_groups``; tied ones appear once (the optimizer's weight-decay
-    mask follows the returned kinds)."""
+    """Trainable parameters in ``unit_groups`` (tied ones once)."""
     return unit_groups([(name, p) for name, p in module.named_parameters() if p.requires_grad])
 
 
@@ -99,8 +93,7 @@ def unit_groups(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, list[t
 
 
 def param_count(module: nn.Module) -> int:
-    """Elements of the module's distinct parameters at their logical size: a ZeRO-3 parameter
-    (empty between uses) counts its full shape, as in every report (summary, logs)."""
+    """Elements of the module's distinct parameters, a ZeRO-3 one (empty between uses) at its full shape."""
     return sum(getattr(p, "logical_shape", p.shape).numel() for p in module.parameters())
 
 
@@ -113,8 +106,8 @@ class ParameterInit(Protocol):
 
 def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torch.device,
                    scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """Parameter ``name``'s initial values (its own dtype) on ``device``; a meta one is initialised by
-    ``init``, one at a time, into ``scratch`` when given (so repeated temporaries cannot fragment the heap)."""
+    """Parameter ``name``'s initial values (its own dtype) on ``device``; a meta one is initialised by ``init``,
+    into ``scratch`` when given (so repeated temporaries cannot fragment the heap)."""
     if not p.is_meta:
         return p.detach().to(device)
     full = (torch.empty(p.shape, dtype=p.dtype, device=device) if scratch is None
@@ -126,10 +119,9 @@ def initial_values(init: ParameterInit, name: str, p: torch.Tensor, device: torc
 
 def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, init: ParameterInit,
                 order=lambda named: named) -> tuple[list[str], list[Layout], list[torch.Tensor], list]:
-    """Make each trainable parameter a view into a new flat buffer per ``param_groups`` group, laid
-    out for ``world`` ranks in ``order(named)``, holding rank 0's initial values on every rank. Returns the
-    kinds, layouts and buffers per group, and (parameter, (group, slot)) group by group, each in registration
-    order: backward runs in its reverse, so buckets are planned from it."""
+    """Make each trainable parameter a view into a new flat buffer per ``param_groups`` group, laid out for
+    ``world`` ranks in ``order(named)``, with rank 0's initial values. Returns the kinds, layouts and buffers
+    per group, and (parameter, (group, slot)) in registration order (buckets are planned from it)."""
     groups = param_groups(module)
     layouts, flats, entries = [], [], []
     for g, (_, named) in enumerate(groups):
@@ -150,8 +142,7 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
 
 
 def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:
-    """``p`` holding ``v``: a meta one (whose .data cannot move to a real device) replaced by a new
-    Parameter everywhere it is registered."""
+    """``p`` holding ``v``; a meta one (whose .data cannot move) replaced by a new Parameter everywhere."""
     if not p.is_meta:
         p.data = v
         return p
@@ -159,9 +150,8 @@ def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:
 
 
 def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:
-    """Every frozen parameter whole on every rank, as torch DDP and DeepSpeed's ZeRO-1/2 keep them (zero3
-    too, where DeepSpeed would partition them): rank 0's values, in the working ``dtype`` when floating; no
-    gradient, master or optimizer state. Then the buffers take rank 0's values too: every stage calls this once."""
+    """Every frozen parameter whole on every rank (zero3 too) with rank 0's values, in the working ``dtype``
+    when floating; no gradient, master or optimizer state. Then the buffers take rank 0's values too."""
     for name, p in [(n, p) for n, p in module.named_parameters() if not p.requires_grad]:
         v = initial_values(init, name, p, dist.device).to(dtype if p.is_floating_point() else p.dtype).contiguous()
         dist.broadcast(v, what=f"initial values of frozen {name!r}")
@@ -170,11 +160,9 @@ def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: Paramet
 
 
 def buffer_dtypes(module: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtype]:
-    """The dtype each distinct buffer (by id) is kept in, the working ``dtype`` given: a floating buffer of a
-    module whose own parameters include one of its dtype follows them into the working dtype (BatchNorm's
-    running statistics beside its weight and bias: torch's kernels want them alike, and DeepSpeed casts the
-    whole module), any other keeps its own (a rotary embedding's ``inv_freq`` in a module without
-    parameters, an integer count). Idempotent: on a module whose buffers were cast so, each keeps its dtype."""
+    """The dtype each distinct buffer (by id) is kept in: a floating buffer of a module with own parameters of
+    its dtype follows them into the working ``dtype`` (BatchNorm's running statistics); any other keeps its
+    own (a rotary ``inv_freq``, an integer count). Idempotent."""
     out: dict[int, torch.dtype] = {}
     for sub in module.modules():
         own = {p.dtype for p in sub.parameters(recurse=False) if p.is_floating_point()}
@@ -186,9 +174,8 @@ def buffer_dtypes(module: nn.Module, dtype: torch.dtype) -> dict[int, torch.dtyp
 
 
 def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
-    """Add to ``fp`` what every stage keeps whole on every rank, on the compute device: "frozen_params" (as
-    ``bind_frozen`` keeps them) and "buffers" (as ``buffer_dtypes`` keeps them), each distinct one once;
-    items with no bytes are left out. The stages report their bound module, the estimator a meta one."""
+    """Add to ``fp`` what every stage keeps whole on every rank: "frozen_params" (as ``bind_frozen``) and
+    "buffers" (as ``buffer_dtypes``), each distinct one once; items with no bytes are left out."""
     frozen = sum(p.numel() * ((dtype if p.is_floating_point() else p.dtype).itemsize if p.is_meta else p.element_size())
                  for p in module.parameters() if not p.requires_grad)
     kept = buffer_dtypes(module, dtype)
@@ -199,10 +186,8 @@ def whole_memory(fp: Footprint, module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def broadcast_buffers(module: nn.Module, dist: Dist) -> None:
-    """Every buffer (persistent or not, integer ones too) takes rank 0's values, as torch DDP and DeepSpeed
-    do at construction: a buffer initialised per rank (a random projection, another seed) would otherwise
-    train differently on each rank, silently. The engine has put them whole on ``dist.device`` already
-    (a meta one initialised); a buffer registered under several names is one tensor, sent once."""
+    """Every buffer takes rank 0's values, as torch DDP and DeepSpeed do (one initialised per rank would train
+    differently on each, silently); one registered under several names is sent once."""
     if dist.world == 1:
         return
     dense: dict[int, torch.Tensor] = {}   # NCCL sends contiguous memory only: a view (an expanded one
@@ -254,9 +239,8 @@ def piece_spec(layout: Layout, start: int, end: int) -> PieceSpec:
 
 
 def cover(lo: int, hi: int, ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Saved ranges covering [lo, hi), as ``(index, a, b)`` tiling it in order: [a, b) from
-    ``ranges[index]``. Of overlapping ranges the one reaching furthest is taken (few copies);
-    ``LookupError`` names the first element range that no saved range holds."""
+    """Saved ranges covering [lo, hi), as ``(index, a, b)`` tiling it in order, the one reaching furthest
+    first (few copies); ``LookupError`` names the first element range no saved range holds."""
     out: list[tuple[int, int, int]] = []
     pos = lo
     while pos < hi:

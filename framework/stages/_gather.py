@@ -1,10 +1,9 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-A unit (``_units.plan_units``: a ``gather_unit`` module, the root, or the persistent small parameters)
-is gathered with one collective per parameter group into ONE buffer per group, kept for the unit's life;
-release resizes its storage to zero bytes, so autograd's saved views hold no bytes while released and
-see the refilled values when gathered again (unless an output of the forward shares it: see ``UnitGroup.lent``). The first step records the order of unit uses; later
-steps prefetch along that trace, and every rank checks that the others used the same order.
+A unit (``_units.plan_units``) is gathered with one collective per parameter group into one buffer per
+group, kept for the unit's life; release resizes its storage to zero bytes, so autograd's saved views hold
+no bytes while released and see the refilled values when gathered again (see ``UnitGroup.lent``). Each
+pass records the order of unit uses; the next prefetches along it, and ranks check they used the same.
 """
 from __future__ import annotations
 
@@ -22,15 +21,14 @@ from framework.comm.distributed import Dist
 from framework.core.errors import DistributedError, TrainingError
 from framework.core.utils import tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
-from framework.stages._shards import Unit, UnitGroup, UnitState
+from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
 
 log = logging.getLogger("framework.zero3")
 
 
 class Gatherer:
-    """Runs the unit lifecycle for one model; the zero3 stage owns one. ``cfg``: the stage's (``Zero3Config``).
-    ``on_reduced(g, final)``: called right after a reduction of group ``g`` was added into ``g.grad()``, at
-    most once per group and backward pass."""
+    """Runs the unit lifecycle for one model (``cfg``: a ``Zero3Config``). ``on_reduced(g, final)``: called
+    once a reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, offload,
                  on_reduced: Callable[[UnitGroup, bool], None]):
@@ -66,8 +64,8 @@ class Gatherer:
                 p.zero3_unit = unit
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
-        """``modules``: each unit's modules, whose forward hooks gather it; every parameter of every
-        unit (the persistent one too) also gets a gradient hook that reports it ready for reduction."""
+        """``modules``: each unit's modules, whose forward hooks gather it; every parameter (the persistent
+        unit's too) gets a gradient hook that reports it ready for reduction."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
@@ -84,14 +82,11 @@ class Gatherer:
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
             self.begin_pass(torch.is_grad_enabled(), driven=False)
         if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
-            # Recomputed inside backward by reentrant checkpointing, whose first forward ran without
-            # grad (so no output hook announced this unit's backward): its gradients follow now.
+            # Recomputed by reentrant checkpointing, whose first forward ran without grad: gradients follow.
             unit.in_backward = True
         self._demand(unit, "forward")
         if not self.in_backward:
-            # A forward recomputed inside backward (activation checkpointing) is not counted: torch's
-            # early stop (on by default) cuts it short, so its output hook never runs; the unit stays
-            # gathered through it as in_backward, released when reduced or at the end of backward.
+            # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
 
     def _post_forward(self, unit: Unit, out):
@@ -100,16 +95,14 @@ class Gatherer:
         unit.active -= 1
         own = {id(p) for p in unit.params}
         if any(id(t) in own for t in tensors_in(out)):
-            # The parameter itself returned: a view of it instead, since the release empties the parameter (the
-            # view keeps the gathered values, below) and a hook on it would stay on the leaf for good.
+            # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
             out = _replace(out, lambda t: t.view_as(t) if id(t) in own else t)
         hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
         unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
-        # An output sharing a gathered buffer's bytes (a view of a parameter) would read freed memory after the
-        # release: that buffer is given to it at the release. Storage identity only (no host sync).
+        # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
         outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
         for g in unit.groups:
             if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
@@ -124,8 +117,8 @@ class Gatherer:
         return out
 
     def begin_backward(self) -> None:
-        """A backward pass starts (at the first unit output's gradient, or the loss's: so a pass in which no
-        unit's forward ran, e.g. of persistent parameters only, still reduces them); queues its end once."""
+        """A backward pass starts (at the first unit output's gradient, or the loss's, so persistent parameters
+        are reduced even if no unit ran); queues its end once."""
         if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
@@ -148,11 +141,7 @@ class Gatherer:
         if p.grad.is_sparse:   # (metadata only)
             raise sparse_gradient("zero3", p.zero3_names[0])
         if p.grad.numel() != p.logical_shape.numel():   # (metadata only: no host sync)
-            raise TrainingError(
-                f"zero3: loss_fn read parameter {p.zero3_names[0]!r} outside its module's forward, where it is an "
-                f"empty shard (its gradient has {p.grad.numel()} elements): a parameter is gathered only while its "
-                f"own module's forward (or backward) runs; call that module in loss_fn, or compute the term (a weight "
-                f"penalty, a tied output head) inside a module's forward")
+            raise TrainingError(read_hint(p.zero3_names[0], f"its gradient has {p.grad.numel()} elements"))
         if unit is self.persistent:
             return  # reduced once at the end of backward
         if id(p) in unit.arrived:
@@ -179,10 +168,8 @@ class Gatherer:
         self._complete_reductions()
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
-            # The pass's record compared across ranks (else ranks that used different units would combine
-            # unrelated buffers or hang): an asynchronous all-reduce of its hash, no host sync in this callback.
-            # Filled on the device: torch.tensor([h, -h], device=cuda) would be a host-to-device copy from
-            # pageable memory, which blocks the host after every backward pass.
+            # The pass's record compared across ranks by an async all-reduce of its hash, filled on the device
+            # (torch.tensor([h, -h], device=cuda) would copy from pageable memory, blocking the host).
             h = zlib.crc32(repr(self.recording).encode())
             t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
             t[1].fill_(-h)
@@ -191,7 +178,7 @@ class Gatherer:
         self._end_pass()
 
     def _warn_partial(self, unit: Unit) -> None:
-        """Once a run: a unit that waits for a gradient that never comes stays gathered through the whole backward."""
+        """Once a run: a unit waiting for a gradient that never comes stays gathered through the backward."""
         missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
         if not missing:   # (the root's unit without parameters of its own)
             return
@@ -203,9 +190,7 @@ class Gatherer:
                     unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
-        """A backward pass the stage drove was cut short (its end never ran): reductions in flight are waited
-        for (unless not ``wait``: then kept referenced, their buffers alive) and dropped (the caller zeroes the
-        step's partitions); then ``abort_pass``."""
+        """As ``FlatGrads.abort_backward`` for the reductions in flight; then ``abort_pass``."""
         reductions, self.reductions = self.reductions, []
         self.abandoned = None if wait else reductions   # (their buffers must outlive the collectives)
         for _g, _buf, works in reductions if wait else ():
@@ -213,8 +198,8 @@ class Gatherer:
         self.abort_pass(wait)
 
     def abort_pass(self, wait: bool) -> None:
-        """A pass cut short (loss_fn or its backward raised): no unit counted as running, its units released
-        (not one still gathering unless ``wait``), no gradient of it kept, and not a trace to follow."""
+        """A pass cut short: no unit running, its units released (not one still gathering unless ``wait``), no
+        gradient kept, no trace to follow."""
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -226,10 +211,9 @@ class Gatherer:
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
-        """The stage starts one loss_fn call (``grad_mode``: train_step's, ended by its backward; else
-        eval_step's, ended by ``end_pass``): one pass whichever modules it calls (submodules of the root, or the
-        root twice), recorded, followed and checked across ranks as a whole. (Not ``driven``: a root forward
-        outside train_step and eval_step starts its own pass.)"""
+        """One loss_fn call starts (``grad_mode``: train_step's, ended by its backward; else eval_step's, ended
+        by ``end_pass``): one pass whichever modules it calls, recorded, followed and checked as a whole. (Not
+        ``driven``: a root forward outside train_step and eval_step.)"""
         if driven:
             for unit in self.units:
                 unit.active = 0   # no forward runs between loss_fn calls
@@ -248,8 +232,7 @@ class Gatherer:
         self.recording, self.driven = None, False
 
     def _release_idle(self, keep: Unit | None = None) -> None:
-        """Release the units (but ``keep``) gathered only ahead of a use (prefetched, or kept for reuse) that,
-        with the trace abandoned or the pass over, may never come; one still gathering is waited for first."""
+        """Release the idle units (but ``keep``): gathered ahead of a use that may now never come."""
         for unit in self.units:
             if unit is not keep and unit.state is not UnitState.SHARDED and unit.idle:
                 self.release(unit)
@@ -303,8 +286,8 @@ class Gatherer:
                 self._start_gather(unit)
 
     def _keep(self, unit: Unit) -> bool:
-        """Whether the elements of other units used before ``unit`` is used again (per the trace) are
-        within the reuse distance, or so few that the prefetch would gather it straight back."""
+        """Whether the other units used before ``unit``'s next use (per the trace) are within the reuse
+        distance, or so few that the prefetch would gather it straight back."""
         near, between = max(self.reuse, self.prefetch - unit.numel), 0
         for u in self._upcoming():
             if u is unit:
@@ -321,14 +304,13 @@ class Gatherer:
                 self.release(unit)
 
     def _in_place(self, g: UnitGroup) -> bool:
-        """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working
-        dtype), so a world-1 run holds no second copy of the model for the hooks' gathers."""
+        """Whether ``g``'s shard can serve as its gathered buffer (world size 1, on the device, working dtype)."""
         return (self.dist.world == 1 and not self.offload.shards.params_on_host and g.shard.device == self.dist.device
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """The hooks' gathers use an ``_in_place`` group's shard; ``gather_now``'s a buffer of its own at every
-        world size, so that edits inside framework.gathered without ``modifier_rank`` are discarded at world 1 too."""
+        """``in_place``: the hooks' gathers use an ``_in_place`` group's shard; ``gather_now`` a buffer of its
+        own, so edits inside framework.gathered without modifier_rank are discarded at world size 1 too."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         for g in unit.groups:
             if in_place and self._in_place(g):
@@ -383,14 +365,14 @@ class Gatherer:
             self.live -= unit.numel
 
     def order_flags(self) -> list[torch.Tensor]:
-        """One device value per pass checked since the last ``order_check``: 0 where every rank used the units
-        in the same order (max h == min h). No host sync: the step reads them with its own one read."""
+        """One device value per pass since the last ``order_check``: 0 where every rank used the same order
+        (max h == min h). No host sync: the step reads them with its one read."""
         self.dist.wait([work for work, _, _ in self.order_checks], "zero3 order check")
         return [t.sum() for _, t, _ in self.order_checks]
 
     def order_check(self, flags: list[float]) -> None:
-        """Raise if ranks used units in different orders since the last call (``flags``: ``order_flags``' values,
-        the same on every rank: all of them raise; collective then)."""
+        """Raise (on every rank: collective then) if ranks used units in different orders (``flags``:
+        ``order_flags``' values)."""
         checks, self.order_checks = self.order_checks, []
         for (_, _, record), flag in zip(checks, flags, strict=True):
             if flag == 0:
@@ -409,8 +391,7 @@ class Gatherer:
         unit.in_backward, unit.reduced = False, True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
-                # Each gradient added into the partition directly, with no zeroed group buffer: the same sums
-                # element by element (rounded to the reduce dtype, added in the accumulation dtype).
+                # Added into the partition directly, no group buffer: the same sums element by element.
                 self._complete_reductions()   # earlier groups' reductions first: on_reduced keeps its order
                 part = g.grad()
                 for p, slot in zip(g.params, g.layout.slots):
@@ -445,16 +426,14 @@ class Gatherer:
         return sharded
 
     def hold(self, unit: Unit) -> bool:
-        """Gather ``unit`` and keep it gathered until ``unhold`` (framework.gathered); True if this
-        call gathered it, and so is the holder that releases it."""
+        """Gather ``unit`` and keep it until ``unhold`` (framework.gathered); True if this call gathered it."""
         started = self.gather_now(unit)
         if unit is self.persistent and not unit.held:   # (small by the threshold) for an exit by an error
             self.entered = [g.full.clone() for g in unit.groups]
         for g in unit.groups:
             if g.full is g.shard:
-                # Gathered in place by the hooks (world size 1, a block entered inside the unit's forward): the
-                # block and the rest of that forward use a copy, as at any other world size, so that edits without
-                # modifier_rank are discarded at release, not written into the shard; the hooks' stay copy-free.
+                # Gathered in place by the hooks (world size 1, inside the unit's forward): the block uses a
+                # copy, so edits without modifier_rank are discarded at release, not written into the shard.
                 g.full = g.shard.clone()
                 self._point(g)
         unit.held += 1
@@ -466,10 +445,9 @@ class Gatherer:
         if started and unit.idle:
             self.release(unit)
         elif unit is self.persistent and not unit.held:
-            # Always gathered, so no block's exit releases it: edits without modifier_rank (or left by an error)
-            # are discarded here too, not used by the next pass and then lost at the step. Its values on entry
-            # are put back locally (no collective: after an error the peers may be elsewhere); written shards
-            # are gathered again (collective, as the block's exit is), leaving every rank the broadcast values.
+            # Always gathered, never released: edits without modifier_rank (or left by an error) are discarded
+            # by putting its entry values back locally (no collective: after an error the peers may be
+            # elsewhere); written shards are gathered again (collective, as the block's exit is).
             if written:
                 self.regather(unit)
             else:
@@ -483,11 +461,9 @@ class Gatherer:
         self.gather_now(unit)
 
     def check_not_held(self) -> None:
-        """The backward pass and the step would reduce and update what a framework.gathered block
-        still holds (and its exit with modifier_rank would write the old values back over the step)."""
-        held = [u.name for u in self.all_units if u.held]
-        if held:
-            # This pass's forward ran, its backward will not: not a trace to follow, nor units to keep for it.
+        """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""
+        if held := [u.name for u in self.all_units if u.held]:
+            # This pass's backward will not run: no trace to follow, no units to keep for it.
             self.recording, self.driven = None, False
             self._release_idle()
             raise TrainingError(f"zero3: train_step inside framework.gathered (which holds unit {held[0]!r}"
@@ -501,8 +477,7 @@ class Gatherer:
 
 
 def _replace(obj, fn):
-    """``obj`` (a module's output) with each tensor ``t`` in it replaced by ``fn(t)`` (containers as in
-    ``tensors_in``; a dataclass instance is copied)."""
+    """``obj`` (a module's output) with each tensor ``t`` replaced by ``fn(t)`` (containers as ``tensors_in``)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, dict):   # a copy keeps what its type's constructor may not take (a defaultdict's factory)

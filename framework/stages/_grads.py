@@ -1,7 +1,6 @@
-"""Gradient buckets and the gradient bookkeeping that ddp, zero1 and zero2 share: buckets are planned
-once from the expected gradient order (reverse registration; for the ZeRO stages on partition boundaries,
-each one collective) and launched in plan order (``Arrivals``); ``FlatGrads`` (ddp, zero1) holds the
-gradients in flat buffers and reduces them."""
+"""Gradient buckets shared by ddp, zero1 and zero2: planned once from the expected gradient order (reverse
+registration; for the ZeRO stages on partition boundaries), launched in plan order (``Arrivals``);
+``FlatGrads`` (ddp, zero1) holds the gradients in flat buffers and reduces them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,9 +21,8 @@ Entry = tuple[nn.Parameter, str]   # a parameter and its name
 
 @dataclass(frozen=True)
 class Bucket:
-    """Flat ranges ``[start + k * stride, end + k * stride)`` for k < count of one group's buffer.
-    count == world, stride == the partition length: a *striped* bucket, the same range of every
-    partition, whose wire buffer (the ranges end to end) is exactly one reduce-scatter."""
+    """Flat ranges ``[start + k * stride, end + k * stride)`` for k < count of one group's buffer; count ==
+    world, stride == the partition length: a *striped* bucket, exactly one reduce-scatter on the wire."""
 
     group: int
     start: int        # first range [start, end) of the group's buffer
@@ -48,13 +46,11 @@ class Bucket:
 
 def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
                  shards: dict[int, int] | None = None, world: int = 1, cap: int | None = None) -> list[Bucket]:
-    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in
-    expected gradient order; ``shards``: group -> partition length, for the ZeRO stages. Each
-    partition's open bucket grows downwards through its group's flat buffer; a parameter larger
-    than the room left is split, so no bucket exceeds ``cap`` (default ``bucket_size``) elements or
-    crosses a partition boundary (one reduce). A group buffer that fits in ``bucket_size`` is one
-    striped bucket (one reduce-scatter), closed with the group's last gradient.
-    """
+    """Contiguous buckets in the order they close. ``order``: (param id, group, offset, numel) in expected
+    gradient order; ``shards``: group -> partition length (ZeRO stages). Each partition's open bucket grows
+    downwards through its group's buffer, splitting parameters, so no bucket exceeds ``cap`` (default
+    ``bucket_size``) or crosses a partition boundary. A group that fits in ``bucket_size`` is one striped
+    bucket, closed with the group's last gradient."""
     shards, cap = shards or {}, cap or bucket_size
     whole = {g for g, s in shards.items() if s * world <= bucket_size}
     last = {g: i for i, (_, g, _, _) in enumerate(order) if g in whole}   # where each whole group closes
@@ -91,11 +87,9 @@ def plan_buckets(order: list[tuple[int, int, int, int]], bucket_size: int,
 
 def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shards: dict[int, int],
                  world: int) -> list[Bucket]:
-    """Striped buckets, for gradients all present when reduction starts (zero1 without overlap_comm):
-    a group that fits in one bucket is one bucket, else stripes of ``bucket_size // world`` elements
-    (ALIGN-rounded when that large, at least 1) from the partitions' ends downwards. Not for
-    reduction during backward: every stripe would wait for partition 0's gradients, which come last.
-    """
+    """Striped buckets for gradients all present when reduction starts (zero1 without overlap_comm): a group
+    that fits is one bucket, else stripes of ``bucket_size // world`` elements (ALIGN-rounded when that large,
+    at least 1) from the partitions' ends down. (During backward every stripe would wait for partition 0.)"""
     out = []
     for g, shard in sorted(shards.items()):
         mine = [(pid, off, n) for pid, gg, off, n in order if gg == g]
@@ -111,9 +105,8 @@ def plan_stripes(order: list[tuple[int, int, int, int]], bucket_size: int, shard
 
 
 def bucket_buffers(buckets: list[Bucket], overlap: bool, contiguous: bool) -> tuple[int, int]:
-    """(how many, elements each) of the buffers zero2 copies gradients into (none without ``contiguous``):
-    two in flight (launching a third first completes the oldest); without ``overlap`` each bucket completes
-    before the next is filled: one."""
+    """(how many, elements each) of zero2's bucket buffers (none without ``contiguous``): two in flight with
+    ``overlap`` (a third launch completes the oldest), else one."""
     return (min(2 if overlap else 1, len(buckets)) if contiguous else 0), max(b.numel for b in buckets)
 
 
@@ -124,15 +117,15 @@ def expected_order(entries: list[tuple[int, object]]) -> list[tuple[int, int, in
 
 def reduce_to_owners(comm: Collectives, buf: torch.Tensor, start: int, shard: int, reduce_scatter: bool,
                      what: str) -> Pending:
-    """Sum ``buf`` (flat range [start, start + len)) so each rank gets the sums of its own partition's
-    part (reduce_scatter=False: DeepSpeed's all-reduce fallback, every rank gets it all)."""
+    """Sum ``buf`` (flat range [start, start + len)) so each rank gets its own partition's part
+    (reduce_scatter=False: DeepSpeed's all-reduce fallback, every rank gets it all)."""
     return comm.reduce_to_owners(buf, start, shard, what) if reduce_scatter else comm.all_reduce(buf, what)
 
 
 def reduce_bucket(comm: Collectives, wire: list[torch.Tensor], b: Bucket, shard: int, reduce_scatter: bool,
                   what: str) -> Pending:
-    """Reduce bucket ``b`` to its owners. ``wire``: its values, one tensor if contiguous, else one per
-    range (chunk r is rank r's); each rank's sums are then in ``own_parts``."""
+    """Reduce bucket ``b`` to its owners. ``wire``: its values, one tensor if contiguous, else one per range
+    (chunk r is rank r's)."""
     if len(wire) == 1:
         return reduce_to_owners(comm, wire[0], b.start, shard, reduce_scatter, what)
     return comm.reduce_scatter(wire, what) if reduce_scatter else Pending.of(comm.all_reduce(t, what) for t in wire)
@@ -171,17 +164,15 @@ def late_gradient(who: str, reduced: str) -> TrainingError:
 
 
 def sparse_gradient(stage: str, name: str) -> TrainingError:
-    """A sparse gradient (``F.embedding(..., sparse=True)``, no nn.Embedding that setup could refuse) met a flat
-    dense buffer, which cannot take it."""
+    """A sparse gradient (``F.embedding(..., sparse=True)``, which setup cannot see) met a dense flat buffer."""
     return TrainingError(f"{stage}: parameter {name!r} got a sparse gradient, and {stage}'s flat gradient buffers cannot "
                          f"take sparse gradients: use sparse=False (ddp and zero1 accumulate them into a dense buffer)")
 
 
 def backward_or_reset(backward: Callable[[], None], reset: Callable[[bool], None], what: str) -> None:
-    """Run a stage's ``backward``; if it raises, ``reset(wait)`` puts the stage back as between passes, so
-    that the next step starts clean. ``wait``: whether the reductions the pass launched are waited for, on
-    an error (ranks fail at the same point of a pass as a rule), not on Ctrl-C or SIGTERM (the process is
-    leaving, and a peer interrupted at another point may never join them). The pass's error is raised."""
+    """Run a stage's ``backward``; if it raises, ``reset(wait)`` puts the stage back as between passes and
+    the error is raised. ``wait`` for the launched reductions on an error (ranks fail at the same point as a
+    rule), not on Ctrl-C or SIGTERM (a peer interrupted elsewhere may never join them)."""
     try:
         backward()
     except BaseException as e:
@@ -195,20 +186,15 @@ def backward_or_reset(backward: Callable[[], None], reset: Callable[[bool], None
 
 
 class FlatGrads:
-    """ddp's and zero1's gradients and their reduction: buckets go out from the hooks during the
-    step's last backward (``overlap``) or after it, each to its owners (``bounds``: this rank's
-    [lo, hi) per group; ddp: the whole buffer, all-reduced).
+    """ddp's and zero1's gradients: buckets go to their owners (``bounds``: this rank's [lo, hi) per group;
+    ddp: the whole buffer, all-reduced) from the hooks of the step's last backward (``overlap``) or after it.
 
-    .grad are views into one flat buffer per group, bound only while train_step's backward runs, so
-    ``module.zero_grad()`` in ``loss_fn`` touches nothing of ours and a backward that ran inside
-    ``loss_fn`` (or replaced a .grad) is an error, not a silent zero. With a wider
-    ``precision.grad_accum_dtype`` every micro batch but the last is added into an accumulator; the
-    last one range by range as it is reduced (``_final``).
-
-    Under loss scaling (fp16) a wider sum goes on the narrower wire divided by the number of micro
-    batches and is multiplied back after the reduce: the wire then carries one micro batch's
-    magnitude, as zero2 and zero3 send each micro batch, so every stage overflows at the same
-    loss scale (a power-of-two count divides and multiplies back exactly)."""
+    .grad are views into one flat buffer per group, bound only during train_step's backward, so
+    ``module.zero_grad()`` in loss_fn touches nothing and a backward inside loss_fn is an error, not a silent
+    zero. With a wider grad_accum_dtype earlier micro batches go into an accumulator, the last one is added
+    range by range as it is reduced (``_final``). Under loss scaling that wider sum goes on the wire divided
+    by the micro batch count and is multiplied back (exact for powers of two), so the wire carries one micro
+    batch's magnitude, as under zero2 and zero3, and every stage overflows at the same loss scale."""
 
     def __init__(self, entries: list, flats: list[torch.Tensor], layouts: list, bounds: list[tuple[int, int]],
                  buckets: list[Bucket], dist, policy, *, reduce_scatter: bool, overlap: bool, stage: str, what: str):
@@ -258,8 +244,8 @@ class FlatGrads:
             self.micro += 1
 
     def abort_backward(self, wait: bool) -> None:
-        """A backward pass cut short: reductions it launched are waited for (they write into the buffers, which
-        the caller zeroes next; unless not ``wait``: then kept referenced, their buffers alive) and dropped."""
+        """A pass cut short: its reductions are waited for (unless not ``wait``: then kept referenced, their
+        buffers alive) and dropped; the caller zeroes the buffers next."""
         self.launcher.reset()
         work, self.work = self.work, []
         self.abandoned = None if wait else work   # (their wire buffers must outlive the collectives)
@@ -267,8 +253,7 @@ class FlatGrads:
             self.dist.comm.wait(pending, self.what)
 
     def _final(self, g: int, start: int, end: int) -> torch.Tensor:
-        """Range [start, end) of group ``g`` summed over the step's micro batches; call once per range
-        after the last backward produced it (it adds that micro batch)."""
+        """Range [start, end) of group ``g`` summed over the step's micro batches (adds the last one: call once)."""
         if not self.micro:
             return self.grads[g][start:end]
         out = self.acc[g][start:end]
@@ -327,10 +312,9 @@ class FlatGrads:
 
 
 class Arrivals:
-    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order (so every rank
-    issues the same collectives in the same order), once every parameter of the bucket arrived.
-    A per-parameter arrival flag, not a count of hook calls: under reentrant checkpointing a weight
-    can arrive twice, and a second arrival after its bucket was reduced would be lost, so it raises."""
+    """Calls ``launch(bucket index)`` once per armed backward, strictly in bucket order (every rank issues the
+    same collectives), once all the bucket's parameters arrived. Arrival is a per-parameter flag: under
+    reentrant checkpointing a weight can arrive twice, and an arrival after its bucket went out raises."""
 
     def __init__(self, buckets: list[Bucket], launch: Callable[[int], None], names: list[str], stage: str):
         self.buckets, self.run, self.names, self.stage = buckets, launch, names, stage
@@ -374,8 +358,7 @@ class Arrivals:
         self.flush(arrived=True)
 
     def flush(self, arrived: bool = False) -> None:
-        """Launch every bucket not yet launched (their parameters got no gradient, or nothing was armed);
-        ``arrived``: only up to the first one still waiting for a gradient."""
+        """Launch the buckets not yet launched; ``arrived``: only up to the first one still waiting."""
         while self.next < len(self.buckets) and not (arrived and self.pending[self.next]):
             self.next += 1
             self.run(self.next - 1)

@@ -42,9 +42,17 @@ class ShardedParameter(nn.Parameter):
                              f"{self.unit_name!r}): use engine.consolidated_state_dict() or framework.gathered()")
 
 
+def read_hint(name: str, error: str) -> str:
+    """The fix for a parameter read where it is an empty shard (``error``: what showed it)."""
+    return (f"zero3: loss_fn read parameter {name!r} outside its module's forward, where it is an empty shard "
+            f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
+            f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
+            f"forward")
+
+
 def zero3_sharded(module: nn.Module) -> bool:
-    """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards once its engine
-    is closed or its build failed: another engine cannot be built on them)."""
+    """Whether a zero3 stage sharded ``module``'s parameters (they stay empty shards after its engine: no
+    other engine can be built on them)."""
     return any(isinstance(p, ShardedParameter) for p in module.parameters())
 
 
@@ -56,12 +64,11 @@ class UnitGroup:
     params: list[ShardedParameter]
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
     part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
-    # The gathered buffer: allocated at the first gather and kept for the unit's life; its storage
-    # holds layout.padded elements while the unit is gathering/gathered and zero bytes otherwise.
+    # The gathered buffer, kept for the unit's life: its storage holds layout.padded elements while the
+    # unit is gathering/gathered and zero bytes otherwise.
     full: torch.Tensor | None = None
-    # An output of the unit's forward shares ``full``'s bytes (a view of a parameter, say): the release gives the
-    # buffer to that view instead of freeing its bytes (it is freed when the view dies) and the next gather takes a
-    # new one. A local memory decision only: every rank gathers and releases the same units either way.
+    # An output of the unit's forward shares ``full``'s bytes (a view of a parameter): the release leaves the
+    # buffer to it and the next gather takes a new one (a local memory decision: no collective changes).
     lent: bool = False
     pieces: list = field(default_factory=list)  # master pieces of the shard (see offload.base.Piece)
     # Where a non-resident partition comes from (gradients in the swap file); None: zeros, kept.
@@ -82,14 +89,12 @@ class Unit:
     groups: list[UnitGroup]
     state: UnitState = UnitState.SHARDED
     works: list = field(default_factory=list)      # in-flight gather collectives
-    # Parameters whose gradient arrived in this backward pass: per-parameter flags rather than a
-    # count of hook calls, since under reentrant checkpointing a weight can arrive twice.
+    # Parameters whose gradient arrived in this backward pass (reentrant checkpointing may send one twice).
     arrived: set = field(default_factory=set)
     reduced: bool = False                           # reduced (and released) in this backward pass
     in_backward: bool = False                       # gathered for this backward, not yet reduced
     active: int = 0                                 # forwards of this unit currently running
-    # framework.gathered blocks holding it: the hooks release it only when none does, so a forward
-    # inside the block (or a nested block) leaves it gathered for the holder that gathered it.
+    # framework.gathered blocks holding it: the hooks release it only when none does.
     held: int = 0
     gatherer: Any = None   # its _gather.Gatherer (set by it)
 

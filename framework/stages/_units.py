@@ -1,5 +1,5 @@
-"""zero3's gather units: which parameters each unit gathers and which stay gathered, for the stage
-(``_gather``) and the memory model (``framework.memory.model``) alike, so the two cannot disagree."""
+"""zero3's gather units: which parameters each unit gathers and which stay gathered, for the stage and the
+memory model alike, so the two cannot disagree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +11,7 @@ from framework.core.registry import closest_hint
 from framework.models.hf import declared_layers
 
 Named = list[tuple[str, nn.Parameter]]
-# Our GPT's layer: by default a unit where present; a model without it (a Hugging Face model, whose own
-# layers are units, or a module given to framework.initialize) simply has none. Other names must match.
+# Our GPT's layer: a unit by default where present (a model without it has none); other names must match.
 DEFAULT_GATHER_UNIT = ("Block",)
 # Modules whose own forward reads their children's weights directly, not through the children's forwards
 # (MultiheadAttention passes out_proj.weight to a functional call): a child's hooks would never gather them.
@@ -28,9 +27,9 @@ class UnitPlan:
 
 def plan_units(module: nn.Module, gather_unit, split_root: bool,
                persistence_threshold: int) -> tuple[list[UnitPlan], Named]:
-    """The gather units (the root first, kept even when empty: its hooks open and close every pass)
-    and the parameters that stay gathered: the small ones, then those shared in a way no unit covers.
-    Frozen parameters are in neither: they stay whole on every rank (``_flat.bind_frozen``)."""
+    """The gather units (the root first, even when empty: its hooks open and close every pass) and the
+    parameters that stay gathered: the small ones, then those shared in a way no unit covers. Frozen
+    parameters are in neither (whole on every rank)."""
     unit_modules, owner = _assign_units(module, gather_unit, split_root)
     all_named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     units, persistent = [], []
@@ -44,11 +43,10 @@ def plan_units(module: nn.Module, gather_unit, split_root: bool,
 
 
 def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[list[tuple[str, list[nn.Module]]], dict[int, int]]:
-    """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared
-    in a way no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with
-    ``split_root`` also every module with parameters of its own, merged where they share one (tied weights).
-    A module's own parameters here include those of the modules its forward gathers for (``_gathered_by``).
-    """
+    """The unit candidates as (name, modules) and per parameter id its candidate's index (-1: shared in a way
+    no one unit covers). 0 is the root, then each outermost ``gather_unit`` module; with ``split_root`` also
+    every module with parameters of its own (with those it gathers for, ``_gathered_by``), merged where they
+    share one (tied weights)."""
     by = _gathered_by(module)
     owns = {id(by[id(m)]) for m in module.modules() if any(True for _ in m.parameters(recurse=False))}
     present = {type(m).__name__ for m in module.modules()}
@@ -106,7 +104,7 @@ def _assign_units(module: nn.Module, gather_unit, split_root: bool) -> tuple[lis
 
 
 def _check_named_unit(module: nn.Module, name: str, by: dict[int, nn.Module]) -> None:
-    """Refuse a ``gather_unit`` class name that would gather nothing (so a typo'd intent is not silently ignored)."""
+    """Refuse a ``gather_unit`` class name that would gather nothing."""
     subs = [m for m in module.modules() if type(m).__name__ == name and m is not module]
     if not subs:
         raise ConfigError(f"stage.gather_unit: {name} is the root module, always a unit: to gather the whole model "
@@ -122,10 +120,9 @@ def _check_named_unit(module: nn.Module, name: str, by: dict[int, nn.Module]) ->
 
 
 def _gathered_by(module: nn.Module) -> dict[int, nn.Module]:
-    """Per module id, the module whose forward hooks must gather its own parameters: itself, except
-    for a module with no forward of its own (``nn.ParameterList``, ``nn.ParameterDict``: never called,
-    whoever holds it reads them), which goes with its parent, and everything inside a module that reads
-    its children's weights itself (``_READS_CHILDREN``), which goes with that module."""
+    """Per module id, the module whose forward hooks must gather its own parameters: itself, except a module
+    with no forward of its own (``nn.ParameterList``: its parent reads them) and everything inside a
+    ``_READS_CHILDREN`` module, which go with that parent."""
     by: dict[int, nn.Module] = {}
 
     def visit(m: nn.Module, parent: nn.Module | None, whole: bool) -> None:   # whole: in a _READS_CHILDREN one

@@ -27,19 +27,17 @@ class Setup:
 
 
 class BaseStage:
-    """The stage interface ``train_step`` drives, with defaults for working parameters whole on every
-    rank (zero3 and the partitioned stages override what differs). Each stage also provides:
+    """The stage interface ``train_step`` drives, with defaults for working parameters whole on every rank.
+    Each stage also provides:
 
-    - ``setup(module, policy, *, grad_accum) -> Setup``: take ownership of the module's parameters (flatten,
-      shard, bind views); ``grad_accum``: the micro batches of every step (train.grad_accum);
-    - ``backward(loss, *, sync)``: backpropagate one micro batch; ``sync`` marks the accumulation boundary;
-    - ``reduce_grads()``: finish gradient reduction; the gradients aligned with ``Setup.master`` (master dtype);
-    - ``grad_sq_norm()``: global squared L2 norm of those gradients (non-finite if any element is);
+    - ``setup(module, policy, *, grad_accum) -> Setup``: own the module's parameters (flatten, shard, bind);
+    - ``backward(loss, *, sync)``: one micro batch; ``sync`` marks the accumulation boundary;
+    - ``reduce_grads()``: finish the reduction; the gradients aligned with ``Setup.master`` (master dtype);
+    - ``grad_sq_norm()``: their global squared L2 norm (non-finite if any element is);
     - ``nonfinite_names(grads)``: parameters with non-finite gradients on any rank (slow path, for errors);
-    - ``publish(master)``: copy updated master values into the working parameters the module computes with;
-    - ``piece_specs()``: what each master piece holds by parameter name (the layout behind ``TrainState.params``);
-    - ``zero_grads()``;
-    - ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
+    - ``publish(master)``: copy updated master values into the working parameters;
+    - ``piece_specs()``: what each master piece holds by parameter name (behind ``TrainState.params``);
+    - ``zero_grads()``; ``_memory(fp, opt_state)``: add its model states to ``memory``'s footprint.
     """
 
     module: nn.Module
@@ -57,25 +55,24 @@ class BaseStage:
 
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:
-        """Around one loss_fn call of train_step (``train``: its backward follows) or of eval_step. zero3
-        makes it one pass of its gather trace, and puts its units back if loss_fn raises."""
+        """Around one loss_fn call of train_step (``train``: its backward follows) or of eval_step (zero3's
+        gather pass)."""
         yield
 
     def make_update(self, tx: GradientTransformation) -> Update:
         return PlainUpdate(tx, self)
 
     def step_flags(self) -> list[torch.Tensor]:
-        """0-dim device values (integers) ``train_step`` reads with its one host read, after ``reduce_grads``;
-        their values, the same on every rank, go to ``check_flags`` before anything is updated."""
+        """0-dim device integers ``train_step`` reads with its one host read after ``reduce_grads``; their
+        values, the same on every rank, go to ``check_flags`` before anything is updated."""
         return []
 
     def check_flags(self, values: list[float]) -> None:
-        """Raise (on every rank alike) if ``step_flags``' values say the step must not be applied: zero3's
-        check that every rank used its modules in the same order."""
+        """Raise (on every rank alike) if ``step_flags``' values say the step must not be applied."""
 
     def read_errors(self) -> None:
-        """Collective where gathers read shards from a swap file (zero3, offload.params=nvme): every rank
-        raises SwapIOError if some rank's read failed since the last check (that rank gathered zeros)."""
+        """zero3 with offload.params=nvme (collective): every rank raises SwapIOError if some rank's shard read
+        failed since the last check (that rank gathered zeros)."""
 
     def out16(self) -> list[torch.Tensor] | None:
         """Where the optimizer step also writes the updated values in the working dtype, or None."""
@@ -93,8 +90,8 @@ class BaseStage:
         return {n: p.detach().to("cpu", copy=True) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
     def memory(self, opt_state) -> Footprint:
-        """This rank's model states and persistent buffers (``opt_state``: the optimizer state of the master
-        pieces) by item and by where they live; frozen parameters and buffers are whole on every rank."""
+        """This rank's model states and buffers by item and by where they live (``opt_state``: the optimizer
+        state of the master pieces)."""
         fp = Footprint()
         self._memory(fp, opt_state)
         whole_memory(fp, self.module, self.policy.param_dtype)
@@ -103,10 +100,9 @@ class BaseStage:
 
 class PartitionedStage(BaseStage):
     """zero1, zero2, zero3: each rank owns, per group, its partition [lo, hi) of a padded flat layout and
-    the master pieces the offload target (the stage's listener) cuts it into. Subclasses supply
-    ``_finish_grads()`` (complete the step's reduction after its last backward), ``_partition_grads()``
-    (each group's reduced gradient partition on the device, once finished; read only) and
-    ``publish_finish()`` (after every piece is published, make the working parameters current)."""
+    the master pieces the offload target cuts it into. Subclasses supply ``_finish_grads()`` (after the
+    step's last backward), ``_partition_grads()`` (each group's reduced partition on the device, read
+    only) and ``publish_finish()`` (make the working parameters current after the pieces are published)."""
 
     def __init__(self, cfg, dist: Dist, offload: Placement, chunk: int | None):
         """``chunk``: the longest master piece the offload target may cut (None: one per partition)."""
@@ -144,9 +140,8 @@ class PartitionedStage(BaseStage):
         return self.offload.grads(self._partition_grads())
 
     def grad_sq_norm(self) -> torch.Tensor:
-        # Over the reduced partitions, not the pieces: how a partition is cut must not change the
-        # rounding of the norm, so offload and overlap settings give identical steps. (Swapped out:
-        # the offload target kept each partition's as it wrote it.)
+        # Over the partitions, not the pieces, so how they are cut (offload, overlap) cannot change the
+        # norm's rounding. (Swapped out: the offload target kept each partition's as it wrote it.)
         local = (self.offload.grad_sq_norm_local() if self.grad_swap
                  else sq_norm(self._partition_grads(), self.dist.device))
         # Partitions are disjoint: the global squared norm is the sum over ranks.

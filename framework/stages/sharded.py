@@ -1,9 +1,6 @@
-"""zero1 and zero2: replicated working parameters, partitioned master and optimizer state.
-
-After the optimizer step every rank's updated partition is gathered back into the working buffers.
-zero1 accumulates gradients in full flat buffers, as ddp, and reduces them on the last micro batch;
-zero2 reduces every micro batch's buckets during backward into partitioned gradients, as DeepSpeed's stage 2.
-"""
+"""zero1 and zero2: replicated working parameters, partitioned master and optimizer state, gathered back
+into the working buffers after each step. zero1 accumulates gradients in full flat buffers, as ddp, and
+reduces them on the last micro batch; zero2 reduces every micro batch into partitioned gradients."""
 from __future__ import annotations
 
 from collections import deque
@@ -45,7 +42,7 @@ class ZeroConfig:
 
 class ShardedStage(PartitionedStage):
     """Base of zero1/zero2; subclasses own the gradient path: ``_setup_grads(entries)`` ((param, (group,
-    slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s."""
+    slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s methods."""
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
         if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
@@ -86,16 +83,14 @@ class ShardedStage(PartitionedStage):
 
 
 def round_robin(named: list, world: int) -> list:
-    """DeepSpeed's round-robin order: parameters adjacent in registration (and backward) order lie
-    in different ranks' partitions of the flat buffer."""
+    """DeepSpeed's round-robin order: parameters adjacent in backward order lie in different partitions."""
     return [x for r in range(world) for x in named[r::world]]
 
 
 class Zero1Stage(ShardedStage):
     def _setup_grads(self, entries: list) -> None:
-        # contiguous_gradients is inherent here: autograd accumulates straight into the flat buffer.
-        # Reduced during backward: buckets in gradient order on partition boundaries. Reduced after
-        # it: every gradient is present, so stripes (one reduce-scatter per bucket on NCCL).
+        # Autograd accumulates straight into the flat buffer (contiguous_gradients inherently). During
+        # backward: buckets in gradient order; after it every gradient is present, so stripes.
         plan = plan_buckets if self.cfg.overlap_comm else plan_stripes
         buckets = plan(expected_order([e[1] for e in entries]), self.cfg.reduce_bucket_size,
                        {g: layout.shard for g, layout in enumerate(self.layouts)}, self.dist.world)
@@ -121,9 +116,8 @@ class Zero1Stage(ShardedStage):
 
 
 class Zero2Stage(ShardedStage):
-    """Once a bucket's gradients arrived they are copied into a reusable bucket buffer
-    (``contiguous_gradients``), their .grad freed, and the buffer reduced to its owners, who add their
-    share into their partition."""
+    """A bucket's gradients, once arrived, are copied into a reusable buffer (``contiguous_gradients``), their
+    .grad freed, and the buffer reduced to its owners, who add their share into their partition."""
 
     @staticmethod
     def layout_order(cfg: ZeroConfig, named: list, world: int) -> list:
@@ -135,10 +129,8 @@ class Zero2Stage(ShardedStage):
 
     @staticmethod
     def plan(cfg: ZeroConfig, slots: list, shards: dict[int, int], world: int) -> list[Bucket]:
-        """The buckets from each parameter's (group, slot) in registration order (``framework.memory``
-        plans them too). A round-robin layout's partitions each fill buckets of at most ``bucket_size //
-        world`` elements (the waiting gradients stay within one ``bucket_size``), so owners take turns
-        while backward runs."""
+        """The buckets from each parameter's (group, slot) in registration order (the memory model's too).
+        Round-robin: buckets of at most ``bucket_size // world`` per partition, so owners take turns."""
         size = cfg.reduce_bucket_size
         cap = max(1, size // world) if cfg.round_robin_gradients else None
         return plan_buckets(expected_order(slots), size, shards, world, cap)
@@ -170,7 +162,8 @@ class Zero2Stage(ShardedStage):
         if self.cfg.contiguous_gradients:
             while not self.free:  # bound the buffers in flight
                 self._complete(self.in_flight.popleft())
-            buf = self.free.pop()[:b.numel]
+            base = self.free.pop()
+            buf = base[:b.numel]
             for lo, hi, part, off in self._pieces(b):
                 dst = buf[off:off + hi - lo]
                 dst.copy_(part) if part is not None else dst.zero_()
@@ -182,7 +175,7 @@ class Zero2Stage(ShardedStage):
             pieces = [(start, t) for (start, _), t in zip(b.ranges, chunks)]
             pending = reduce_bucket(comm, wire, b, shard, rs, what)
         else:  # reduce each gradient piece where it lies (no bucket buffer)
-            buf = None
+            base = None
             pieces = [(lo, part.to(self.policy.reduce_dtype) if part is not None
                        else torch.zeros(hi - lo, dtype=self.policy.reduce_dtype, device=self.dist.device))
                       for lo, hi, part, _ in self._pieces(b)]
@@ -190,7 +183,7 @@ class Zero2Stage(ShardedStage):
         for pid in b.params:  # a parameter's .grad goes with the last bucket that reads it
             if self.launcher.owners[pid][-1] == i:
                 self.params[pid].grad = None
-        self.in_flight.append((b, pending, pieces, buf))
+        self.in_flight.append((b, pending, pieces, base))
         if not self.cfg.overlap_comm:
             self._complete(self.in_flight.popleft())
 
@@ -209,7 +202,7 @@ class Zero2Stage(ShardedStage):
 
     def _complete(self, item, add: bool = True) -> None:
         """Wait for a launched bucket; add this rank's sums into its partition (if ``add``); reuse its buffer."""
-        b, pending, pieces, buf = item
+        b, pending, pieces, base = item
         self.dist.comm.wait(pending, "gradient reduction")
         lo, hi = self.bounds[b.group]
         real = min(hi, self.layouts[b.group].numel)   # a whole-buffer bucket's padding: zeros, never reported
@@ -220,8 +213,8 @@ class Zero2Stage(ShardedStage):
             self.part[b.group][a - lo:z - lo] += t[a - start:z - start]
             if self.sync:  # tell the listener (the offload target)
                 self.offload.grads_final(b.group, a - lo, z - lo, self.part[b.group])
-        if buf is not None:
-            self.free.append(buf._base if buf._base is not None else buf)
+        if base is not None:
+            self.free.append(base)
 
     def backward(self, loss: torch.Tensor, *, sync: bool) -> None:
         self.sync = sync
@@ -242,15 +235,14 @@ class Zero2Stage(ShardedStage):
             self.params[pid].grad = None
 
     def _abort_backward(self, wait: bool) -> None:
-        """As ``FlatGrads.abort_backward`` (not added into the partitions); gradients of buckets that never
-        launched are discarded. Every bucket buffer is free again (one cut off between the pool and the queue
-        too), except, unless ``wait``, those of the collectives left running: kept with them, new ones instead."""
+        """As ``FlatGrads.abort_backward``, nothing added into the partitions. Every bucket buffer is free again,
+        except, unless ``wait``, those of collectives left running: kept with them, replaced by new ones."""
         self.launcher.reset()
         in_flight, self.in_flight = self.in_flight, deque()
         self.abandoned = None if wait else in_flight
         for item in in_flight if wait else ():
             self._complete(item, add=False)
-        held = {id(buf._base if buf._base is not None else buf) for *_, buf in self.abandoned or () if buf is not None}
+        held = {id(base) for *_, base in self.abandoned or ()}
         self.buffers = [torch.empty_like(b) if id(b) in held else b for b in self.buffers]
         self.free = list(self.buffers)
         for p in self.params:
@@ -271,9 +263,8 @@ class Zero2Stage(ShardedStage):
         fp.add("bucket_buffers", device=self.buffer_elems * self.policy.reduce_dtype.itemsize)
 
 
-# DeepSpeed keys that zero1 accepts (so that configs port over) but whose other value would do
-# nothing here: refused, naming the fix, rather than silently ignored; or, where a DeepSpeed config
-# sets them for a reason zero1 already meets, one note saying why.
+# DeepSpeed keys zero1 accepts (configs port over) whose other value would do nothing: refused, naming the
+# fix, or, where zero1 already meets the reason a config sets them, one note.
 def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
     if not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "

@@ -1,8 +1,6 @@
-"""zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand.
-
-A rank stores only its shard of each unit group's flat buffer (see _gather.py). Meta parameters are
-materialised one at a time keeping only the local shard, so a model larger than one rank can be built.
-"""
+"""zero3: parameters, gradients and optimizer state all partitioned; gathered per unit on demand (_gather.py).
+Meta parameters are materialised one at a time keeping only the local shard, so a model larger than one
+rank can be built."""
 from __future__ import annotations
 
 import linecache
@@ -23,7 +21,7 @@ from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
                                     unit_groups)
 from framework.stages._gather import Gatherer
-from framework.stages._shards import ShardedParameter, Unit, UnitGroup
+from framework.stages._shards import ShardedParameter, Unit, UnitGroup, read_hint
 from framework.stages._grads import backward_or_reset
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
@@ -44,9 +42,8 @@ class Zero3Config:
     stage3_param_persistence_threshold: int = 100_000    # parameters smaller than this stay gathered
     stage3_gather_16bit_weights_on_model_save: bool = False
     gather_unit: list[str] = field(default_factory=lambda: list(DEFAULT_GATHER_UNIT))   # module class names
-    # Every other module that registers parameters itself (embeddings, final norm, output head)
-    # is a unit of its own, so the root's parameters are not gathered through the whole forward.
-    # A module whose weights its parent reads directly (outside the module's forward) needs false.
+    # Every other module with parameters of its own (embeddings, final norm, head) is a unit of its own, so
+    # the root's are not gathered through the whole forward (false: a parent reads a child's weights itself).
     split_root: bool = True
     check_order: bool = True   # each backward pass checks that all ranks used the same units in order
 
@@ -77,8 +74,7 @@ class Zero3Stage(PartitionedStage):
             names_of.setdefault(id(p), []).append(name)
         bind_frozen(module, policy.param_dtype, self.dist, self._init)   # whole on every rank, as under zero2
         all_named = list(module.named_parameters())  # before any parameter is replaced
-        # Owned gradients in the optimizer's swap file (offload=nvme): see offload/_disk.py (DiskPlacement);
-        # read back from it on a later micro batch of a step only (buffers for that: grad_accum > 1).
+        # Owned gradients in the optimizer's swap file (offload=nvme), read back on a step's later micro batches.
         self.grad_swap = self.offload.swap_grads(policy.grad_accum_dtype, grad_accum)
         self.offload.expect(sum(p.numel() for _, p in all_named if p.requires_grad) // self.dist.world,
                             policy.param_dtype)
@@ -112,8 +108,7 @@ class Zero3Stage(PartitionedStage):
         for (pname, p), slot in zip(named, layout.slots):
             scratch = self._scratch if p.is_meta and p.dtype == torch.float32 else None
             values = initial_values(self._init, pname, p, device, scratch).to(policy.param_dtype).reshape(-1)
-            # Every rank takes rank 0's values, as the other stages do: a meta one's too, since a model's
-            # init may draw from each rank's own seed (GPT.init_seed, HFInit's torch.initial_seed()).
+            # Rank 0's values everywhere, as the other stages: a model's init may draw from each rank's seed.
             self.dist.broadcast(values, what=f"initial values of {pname!r}")
             a = min(slot.numel, max(0, lo - slot.offset))   # this rank's elements of it: [a, b), maybe empty
             b = max(a, min(slot.numel, hi - slot.offset))
@@ -164,18 +159,17 @@ class Zero3Stage(PartitionedStage):
         try:   # hooks gather, reduce and release per unit
             backward_or_reset(scaled.backward, self.gatherer.abort_backward, "zero3")
         except Exception as e:
-            # Only autograd's own complaint about a zero-size value is a read of an empty shard: any other error
-            # (out of memory, a custom Function's) is raised as it is, though the abort left saved parameters empty.
+            # Only autograd's complaint about a zero-size gradient is a read of an empty shard; any other error
+            # is raised as it is, though the abort left saved parameters empty.
             read = _read_while_sharded(scaled) if _empty_size_error(e) else None
             if read is not None:
-                raise FrameworkError(_read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
+                raise FrameworkError(read_hint(read, f"{type(e).__name__}: {str(e).splitlines()[0]}")) from e
             raise
         finally:
             self.gatherer.final = None
 
     def _reduced(self, g: UnitGroup, final: bool) -> None:
-        """On the last micro batch (``final``) tell the listener (the offload target), which can start
-        copying the partition to the host while backward goes on."""
+        """On the last micro batch tell the offload target, which can copy the partition while backward goes on."""
         if self.grad_swap:   # to the swap file; the partition is not kept
             self.offload.save_grad(g.index, g.part_grad, final=final)
             g.part_grad = g.part_grad.new_empty(0)
@@ -215,8 +209,7 @@ class Zero3Stage(PartitionedStage):
     def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
         persistent = self.gatherer.persistent
         self.offload.shards.memory(fp, [g.shard for g in self.groups])
-        # (allocated at a group's first reduction; with the owned gradients in the swap file a
-        # partition exists only while it is reduced)
+        # (allocated at a group's first reduction; swapped out: only while it is reduced)
         fp.add("grads", device=tensor_bytes(g.part_grad for g in self.groups))
         self.offload.memory(fp, opt_state)
         if persistent is not None:
@@ -245,9 +238,8 @@ class Zero3Stage(PartitionedStage):
 @contextmanager
 def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     """The full values of ``params`` on every rank inside the block (collective), like DeepSpeed's
-    GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit and
-    re-partitioned into every shard and master copy (ZeRO-3 parameters only). Forwards inside the
-    block leave the parameters gathered; a train_step inside it is refused (TrainingError)."""
+    GatheredParameters: with ``modifier_rank`` that rank's values are broadcast on exit into every shard
+    and master copy (ZeRO-3 parameters only). A train_step inside the block is refused."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     sharded = [p for p in params if isinstance(p, ShardedParameter)]
     for p in sharded:   # (before any collective: every rank of the pass is at the same point)
@@ -280,8 +272,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                 for g in unit.groups:
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    # Only the parameters asked for, and of those only the elements the block changed: the
-                    # rest of the unit keeps its shard and its (wider) master values.
+                    # Only the elements of the parameters asked for that the block changed: the rest
+                    # keeps its shard and (wider) master values.
                     asked = torch.zeros(hi - lo, dtype=torch.bool, device=g.full.device)
                     for p, slot in zip(g.params, g.layout.slots):
                         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
@@ -307,17 +299,9 @@ def _refuse_state_dict(module, prefix, keep_vars):
 COMPONENT = Component(config=Zero3Config, build=Zero3Stage)
 
 
-def _read_hint(name: str, error: str) -> str:
-    return (f"zero3: loss_fn read parameter {name!r} outside its module's forward, where it is an empty shard "
-            f"({error}): a parameter is gathered only while its own module's forward (or backward) runs; call "
-            f"that module in loss_fn, or compute the term (a weight penalty, a tied output head) inside a module's "
-            f"forward")
-
-
 def _empty_size_error(error: BaseException) -> bool:
-    """Whether ``error`` is autograd's own check of a gradient of shape [0] ("returned an invalid gradient ...
-    got [0]"): what a backward through a parameter read while it was an empty shard raises. A kernel's size
-    mismatch naming a 0 is not taken: once the abort released every unit, any saved parameter looks empty."""
+    """Whether ``error`` is autograd's check of a gradient of shape [0] ("invalid gradient ... got [0]"), what a
+    backward through a parameter read as an empty shard raises (not a kernel's size mismatch naming a 0)."""
     if not isinstance(error, RuntimeError) or isinstance(error, FrameworkError):
         return False
     first = str(error).splitlines()[0] if str(error) else ""
@@ -325,8 +309,8 @@ def _empty_size_error(error: BaseException) -> bool:
 
 
 def _read_while_sharded(loss: torch.Tensor) -> str | None:
-    """The name of a sharded parameter that an operation of ``loss``'s graph read while it was empty (the
-    operation saved a zero-size input or size), or None. Walks the graph: on the error path only."""
+    """The name of a sharded parameter an operation of ``loss``'s graph read while empty (it saved a zero-size
+    input or size), or None. Error path only."""
     seen, todo = set(), [loss.grad_fn]
     while todo:
         node = todo.pop()
@@ -368,9 +352,8 @@ def _read_in_line(error: BaseException) -> str | None:
 
 
 def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
-    """For an error raised inside a module whose own parameters were still empty shards (a submodule of a
-    gather unit called directly: only the unit's own forward gathers them), one line naming the fix; else
-    None. Read from the traceback, on the error path only (no hook on every submodule)."""
+    """For an error raised inside a module whose own parameters were empty shards (a part of a gather unit
+    called directly), one line naming the fix; else None. Read from the traceback (error path only)."""
     if not isinstance(error, Exception) or isinstance(error, FrameworkError):
         return None
     found = None
@@ -385,7 +368,7 @@ def _ungathered_call(error: BaseException, split_root: bool) -> str | None:
     first = str(error).splitlines()[0] if str(error) else ""
     if found is None:
         read = _read_in_line(error)
-        return None if read is None else _read_hint(read, f"{type(error).__name__}: {first}")
+        return None if read is None else read_hint(read, f"{type(error).__name__}: {first}")
     cls, unit = found
     head = f"zero3: loss_fn called a module ({cls}) whose parameters were not gathered ({type(error).__name__}: {first}): "
     if unit != "<root>":   # (outermost units win: naming the part's class as a unit too changes nothing)
