@@ -190,13 +190,14 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
             tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
         return
     tr.choose("stage", STAGES[stage], Z + "stage")
-    # Deprecated spellings -> the current keys.
-    old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
-    if old in z and new in z and z[old] != z[new]:
-        tr.error(f"{Z}{old} and {Z}{new} are the same key with different values ({json.dumps(z[old])} and "
-                 f"{json.dumps(z[new])}); keep one")
-    if old in z:
-        z.setdefault(new, z.pop(old))
+    # Deprecated and unprefixed spellings -> the keys read below.
+    for short, long in (("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
+                        *((k, f"stage3_{k}") for k in STAGE3_KEYS)):
+        if short in z and long in z and z[short] != z[long]:
+            tr.error(f"{Z}{short} and {Z}{long} are the same key with different values ({json.dumps(z[short])} "
+                     f"and {json.dumps(z[long])}); keep one")
+        if short in z:
+            z[long] = z.pop(short)
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if switch in z and tr.typed(z.pop(switch), "bool", Z + switch) and z.get(section) is None:
             z[section] = {"device": "cpu"}
@@ -205,13 +206,6 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         for sec in (z.get("offload_optimizer"), z.get("offload_param")):
             if isinstance(sec, dict):
                 sec.setdefault("pin_memory", pin)
-    for k in STAGE3_KEYS:
-        long = f"stage3_{k}"
-        if k in z and long in z and z[k] != z[long]:
-            tr.error(f"{Z}{k} and {Z}{long} are the same key with different values ({json.dumps(z[k])} "
-                     f"and {json.dumps(z[long])}); keep one")
-        if k in z:
-            z[long] = z.pop(k)
     zero_stage_keys(tr, z, STAGES[stage])
     offload(tr, z, aio, stage)
     for key, off, what in ZERO_FEATURES:
@@ -374,16 +368,14 @@ def precision(tr: Translation, top: dict) -> None:
     if fp16 is not None:
         for key, kind in {**FP16_SCALER, "auto_cast": "bool"}.items():   # -> precision.KEY of an fp16 run
             tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
-        key = "fp16_master_weights_and_grads"
-        if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
-            tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
         tr.inert_keys(bf16, dict.fromkeys(("immediate_grad_update", "check_grad_overflow"),
                                           "the bf16 step here is always the same"), "bf16.", kind="bool")
-        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
-            if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
-                tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
-                         f"fp32); remove it")
+    for sec, key, what in ((fp16, "fp16_master_weights_and_grads", "master weights and gradients"),
+                           *((bf16, k, "master weights and optimizer state")
+                             for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"))):
+        if sec is not None and key in sec and tr.typed(sec[key], "bool", f"{key[:4]}.{key}"):
+            tr.error(f"{key[:4]}.{key}=true is not implemented here ({what} are fp32); remove it")
     if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
         tr.put(top, "communication_data_type", "str", "_comm_dtype", "")
     if "data_types" in top:
