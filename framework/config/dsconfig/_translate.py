@@ -53,9 +53,8 @@ class Translation:
 
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
                 strict: bool = False) -> dict:
-        """The section's keys after alias and typo checks (unknown keys dropped). ``strict``: a
-        section DeepSpeed validates (pydantic extra="forbid", or optimizer/scheduler kwargs), where
-        DeepSpeed refuses an unknown key, so it is an error here too; elsewhere it is a warning."""
+        """The section's keys after alias and typo checks (unknown keys dropped). ``strict``: DeepSpeed refuses
+        an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs), so it is an error here too."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
@@ -148,8 +147,7 @@ def translate(ds: dict) -> Translation:
         if key in top:
             tr.inert_or_error(switched_off(top[key], key), key, f"'{key}': {what} is not implemented here; remove it")
     if isinstance(on := top.get("zero_optimization"), bool):
-        # DeepSpeed's deprecated form: true is stage 1 (whose allgather bucket the top-level
-        # allgather_size sizes), false stage 0.
+        # DeepSpeed's deprecated form: true is stage 1 (allgather_size sizes its allgather bucket), false stage 0
         tr.warnings.append(f"'zero_optimization': {json.dumps(on)} is deprecated; use "
                            f"'zero_optimization': {{\"stage\": {int(on)}}}")
         top["zero_optimization"] = {"stage": int(on)}
@@ -274,7 +272,6 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
     if target != "none" and od == "none":
         tr.error(f"{Z}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
-
     for sec, name, dev in sections:
         if dev == "none":
             tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
@@ -493,9 +490,10 @@ def compile_section(tr: Translation, node: Any) -> None:
     if tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile"):
         tr.error("compile.deepcompile=true: DeepCompile is not implemented here; remove it or give false")
         return
+    old = "torch.compile settings of DeepSpeed before 0.16, which 0.19 rejects; the model is not compiled here " \
+          "(a speed difference only)"
     for key in c:
-        tr.inert_key(f"compile.{key}", "false" if key == "deepcompile" else "DeepCompile is off"
-                     if key not in TORCH_COMPILE_KEYS else "torch.compile settings of DeepSpeed before 0.16, which "
-                     "0.19 rejects; the model is not compiled here (a speed difference only)")
+        tr.inert_key(f"compile.{key}", "false" if key == "deepcompile" else old if key in TORCH_COMPILE_KEYS
+                     else "DeepCompile is off")
     if not c:
         tr.inert_key("compile", "empty")
