@@ -62,7 +62,7 @@ def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) 
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
-        key = key.removesuffix("_") if key.endswith("async_") else key   # as YAML spells the field
+        key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
 

@@ -53,8 +53,8 @@ class Translation:
 
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
                 strict: bool = False) -> dict:
-        """The section's keys after alias and typo checks (unknown keys dropped). ``strict``: DeepSpeed refuses
-        an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs), so it is an error here too."""
+        """The section's keys after alias and typo checks (unknown keys dropped); ``strict``: DeepSpeed
+        refuses an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs): an error here too."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
@@ -116,8 +116,7 @@ class Translation:
         if value == AUTO:
             self.error(f"{ds_key} is \"auto\" but no rule fills it here; give a value")
         elif isinstance(value, float) and not math.isfinite(value) and kind in ("int", "float"):
-            # Python's json reads NaN and Infinity (and 1e309 as inf): a NaN limit disables the
-            # comparison it feeds (gradient_clipping: NaN would never clip).
+            # json reads NaN, Infinity and 1e309 (inf): a NaN limit disables its comparison (never clips)
             self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
         elif number and (kind == "int" or kind == "float" and isinstance(value, int)) and abs(value) >= 2 ** 63:
             shown = f"={json.dumps(value)}" if abs(value) < 2 ** 80 else " (25 digits or more)"   # (not 400 of them)
@@ -220,8 +219,8 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
-    # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
-    # take the keys without the stage3_ prefix, zero3 those with it and two more.
+    # Where each key lands per stage (absent: inert with it): zero1 and zero2 take the keys without the
+    # stage3_ prefix, zero3 those with it and two more.
     zero3 = name == "zero3"
     targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
         k: k for k in ZERO_STAGE
@@ -356,8 +355,7 @@ def precision(tr: Translation, top: dict) -> None:
     if (chosen := next((n for n in ("fp16", "bf16") if on.get(n) is True), None)) is not None:
         tr.choose("precision", chosen, f"{chosen}.enabled")
     elif AUTO in on.values():
-        # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
-        # section that says false (not absent) contradicts a run in that precision.
+        # Hugging Face phase 1: "enabled" follows the run's precision (resolve: a stated false contradicts it)
         tr.set("_precision_auto", {n: on.get(n) for n in ("fp16", "bf16")}, "fp16.enabled / bf16.enabled")
     elif secs:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
@@ -365,14 +363,16 @@ def precision(tr: Translation, top: dict) -> None:
     if fp16 is not None:
         for key, kind in {**FP16_SCALER, "auto_cast": "bool"}.items():   # -> precision.KEY of an fp16 run
             tr.put(fp16, key, kind, f"_fp16.{key}", "fp16.", on["fp16"] is not False, "fp16 is not enabled")
+        key = "fp16_master_weights_and_grads"
+        if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
+            tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
         tr.inert_keys(bf16, dict.fromkeys(("immediate_grad_update", "check_grad_overflow"),
                                           "the bf16 step here is always the same"), "bf16.", kind="bool")
-    for sec, key, what in ((fp16, "fp16_master_weights_and_grads", "master weights and gradients"),
-                           *((bf16, k, "master weights and optimizer state")
-                             for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states"))):
-        if sec is not None and key in sec and tr.typed(sec[key], "bool", f"{key[:4]}.{key}"):
-            tr.error(f"{key[:4]}.{key}=true is not implemented here ({what} are fp32); remove it")
+        for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
+            if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
+                tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
+                         f"fp32); remove it")
     if top.get("communication_data_type") is not None:   # (DeepSpeed reads null as not given)
         tr.put(top, "communication_data_type", "str", "_comm_dtype", "")
     if "data_types" in top:
