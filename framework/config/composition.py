@@ -237,8 +237,9 @@ class CommandLine:
         keys, choices, ds_config, strict, named, deleted, forced, kept = set(), {}, None, None, set(), set(), [], []
         for line, (key, delete, value, plain) in zip(overrides, parsed):
             group = key.split("@")[0]
-            forced.append("++" + line if plain and group not in GROUPS and not key.startswith("hydra") else line)
-            if not (delete and group not in GROUPS and not key.startswith("hydra")):
+            of_value = group not in GROUPS and not key.startswith("hydra")   # (not a group's choice, not Hydra's)
+            forced.append("++" + line if plain and of_value else line)
+            if not (delete and of_value):
                 kept.append(forced[-1])
             if key.startswith("hydra"):
                 continue
