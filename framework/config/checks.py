@@ -22,33 +22,19 @@ from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
-def _spelled(schema: type) -> dict[str, str]:
-    """{key as YAML spells it: the schema's field name} (``plainconf.yaml_name``)."""
-    return {plainconf.yaml_name(f.name): f.name for f in dataclasses.fields(schema)}
-
-
-def _as_fields(node: Mapping, schema: type) -> dict:
-    """``node`` (checked by ``_check_keys``) with its keys as the schema's field names, at every level."""
-    hints, fields = typing.get_type_hints(schema), _spelled(schema)
-    out = {}
-    for key, value in node.items():
-        name = fields[key]
-        out[name] = _as_fields(value, hints[name]) if dataclasses.is_dataclass(hints[name]) and \
-            isinstance(value, Mapping) else value
-    return out
-
-
-def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> None:
-    """``option``: the chosen name of the group ``prefix`` names: a key of its other options is told
-    apart from a typo, with both ways out (the option may be the default or the user's own choice;
-    stage is not in train.yaml's defaults list, so Hydra adds it with +)."""
+def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> dict:
+    """``node`` with its keys as the schema's field names (``async`` is ``async_``), at every level; an
+    unknown key is one line. ``option``: the chosen name of the group ``prefix`` names: a key of its other
+    options is told apart from a typo, with both ways out (stage is not in train.yaml's defaults list,
+    so Hydra adds it with +)."""
     group = prefix.rstrip(".")
     if not isinstance(node, Mapping):
         raise ConfigError(f"config: {group or 'config'} must be a mapping, got {node!r}")
-    hints, fields = typing.get_type_hints(schema), _spelled(schema)
-    valid = list(fields)
+    hints = typing.get_type_hints(schema)
+    fields = {plainconf.yaml_name(f.name): f.name for f in dataclasses.fields(schema)}
+    valid, out = list(fields), {}
     for key, value in node.items():
-        if key not in valid:
+        if key not in fields:
             owners = [] if option is None else [n for n in registry(group).names() if n != option and key in
                                                 {f.name for f in dataclasses.fields(registry(group).get(n).config)}]
             if owners:
@@ -62,20 +48,21 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
             where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
                      else f"{group}={option} has no keys")
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
-        if dataclasses.is_dataclass(hints[fields[key]]) and isinstance(value, Mapping):
-            _check_keys(value, hints[fields[key]], f"{prefix}{key}.")
+        sub = hints[name := fields[key]]
+        out[name] = _check_keys(value, sub, f"{prefix}{key}.") if dataclasses.is_dataclass(sub) and \
+            isinstance(value, Mapping) else value
+    return out
 
 
 def _typed(node: Mapping, schema: type, prefix: str, option: str | None = None) -> Any:
-    _check_keys(node, schema, prefix, option)
-    node = _as_fields(node, schema)
+    node = _check_keys(node, schema, prefix, option)
     if OmegaConf is None:
         return plainconf.typed(node, schema, prefix)
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or ""
-        key = key.removesuffix("_") if key.endswith("async_") else key   # as YAML spells the field
+        key = ".".join(map(plainconf.yaml_name, key.split(".")))   # as YAML spells the field
         msg = str(e).splitlines()[0]
         raise ConfigError(f"config: {prefix}{key}: {msg}" if key else f"config: {prefix.rstrip('.')}: {msg}") from None
 
@@ -197,10 +184,8 @@ def check_compatible(stage: str, offload: str) -> None:
 
 
 def check_batch_world(cfg: Config, world: int) -> None:
-    """One line for a DeepSpeed file's train_batch_size that composition divided over another world size
-    than the run has (``world``): its global batch would silently not be the file's (a config composed
-    before the launcher's world was known: in a Slurm task before its rank variables were set, or in a
-    script's parent process before it spawned its ranks)."""
+    """One line for a DeepSpeed file's train_batch_size divided over another world size than the run has
+    (composed before the launcher's world was known): its global batch would silently not be the file's."""
     if cfg.batch_world is None or cfg.batch_world == world:
         return
     per_rank = cfg.train.micro_batch * cfg.train.grad_accum

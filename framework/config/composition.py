@@ -126,9 +126,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     if ds_config is not None and cli.ds_config is not None:
         raise ConfigError("config: a DeepSpeed config given twice (ds_config= argument and override); give one")
     source = ds_config if ds_config is not None else cli.ds_config
-    # The run's own config, without the DeepSpeed file's group choices, read only for its defaults' choices,
-    # ds_config and scheduler: composed without the command line's ~key deletions of values, which may
-    # name a key of a group only the file chooses (~offload.pin_memory with a file that offloads).
+    # The run's own config (no file's group choices), read for its choices, ds_config and scheduler only:
+    # composed without ~key deletions of values, which may name a key only the file's choices have.
     own = None
     if source is None:
         own = composer(list(cli.kept))
@@ -139,9 +138,8 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
             return own[0], dataclasses.replace(config, sources=provenance(config, cli))
         source = config.ds_config   # named in a YAML config
     t = dsconfig.translate(dsconfig.load(source))
-    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with
-    # the file's group choices unless the command line makes its own (a mismatch, see resolve);
-    # the file's errors wait for it only to read ds_config_strict from the YAML.
+    # The run's config without the DeepSpeed values (Hugging Face's "training arguments"), with the file's
+    # group choices unless the command line makes its own (a mismatch, see resolve).
     mine = {g: n for g, n in t.choices.items() if g not in cli.choices}
     if "stage" in mine:   # a defaults list (a recipe's) may choose the stage: the file must agree, as the
         own = own or composer(list(cli.kept))   # command line must, and adds no second choice (Hydra refuses it)
@@ -173,13 +171,11 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     warmup, stated = None, t.settings.get("scheduler.warmup_num_steps")
     if (stated is not None and stated.source == dsconfig.DS_FILE
             and "scheduler.warmup_num_steps" not in cli.keys | cli.deleted):
-        # Hugging Face's warm-up steps: those of the scheduler the run itself chooses (YAML, command
-        # line), not the default of the file's scheduler group.
+        # Hugging Face's warm-up steps: those of the scheduler the run itself chooses. The file's must match
+        # only where that is the file's scheduler and the run's YAML (not the group's own file) sets them:
+        # known by composing without the group (~scheduler).
         own_cfg, own_choices = own or composer(list(cli.kept))
         node, name = own_cfg["scheduler"], own_choices.get("scheduler")
-        # The file's must match only where the run chooses the file's scheduler and its YAML sets the
-        # warm-up, not the scheduler group's own file: known by composing the run's config without the
-        # group (~scheduler), whatever value either gives (a YAML's equal to the group's still counts).
         set_by_yaml = False
         if name == t.choices.get("scheduler") and stated.value != dsconfig.AUTO:
             kept = [*cli.kept, *([] if "scheduler" in cli.deleted else ["~scheduler"])]
@@ -188,9 +184,7 @@ def compose_layers(overrides: list[str], *, ds_config: str | Path | Mapping | No
     facts = dsconfig.RunFacts(world=world, hidden_size=hidden_size, value=values.__getitem__,
                               cli_keys=frozenset(cli.keys), cli_choices=dict(cli.choices), warmup=warmup)
     resolved = dsconfig.resolve(t, facts)
-    # The DeepSpeed layer goes under the command line: its values are set on the composed tree
-    # wherever the command line did not set (or delete) the key, as ++key=value before the
-    # command line's overrides would.
+    # The DeepSpeed layer goes under the command line: set wherever the command line does not set or delete.
     for key, value in resolved.values.items():
         if key not in cli.keys | cli.deleted:
             _set_key(cfg, key, value)
@@ -228,9 +222,8 @@ class CommandLine:
     strict: Any               # as given (root_value reads it); None: not on the command line (the YAML's holds)
     named: frozenset[str]     # groups whose choice is one name (not a sweep or a list)
     deleted: frozenset[str]   # keys deleted (~key)
-    # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra rejects an
-    # unknown key with a multi-line message and no suggestion; forced in, ``validate`` rejects it
-    # with one line naming the closest valid key. (The plain composer sets every key it is given.)
+    # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra's refusal of an unknown
+    # key spans lines and names no suggestion; forced in, ``validate`` refuses it in one line naming the closest.
     forced: tuple[str, ...]
     kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group stays)
 
@@ -244,8 +237,9 @@ class CommandLine:
         keys, choices, ds_config, strict, named, deleted, forced, kept = set(), {}, None, None, set(), set(), [], []
         for line, (key, delete, value, plain) in zip(overrides, parsed):
             group = key.split("@")[0]
-            forced.append("++" + line if plain and group not in GROUPS and not key.startswith("hydra") else line)
-            if not (delete and group not in GROUPS and not key.startswith("hydra")):
+            of_value = group not in GROUPS and not key.startswith("hydra")   # (not a group's choice, not Hydra's)
+            forced.append("++" + line if plain and of_value else line)
+            if not (delete and of_value):
                 kept.append(forced[-1])
             if key.startswith("hydra"):
                 continue
@@ -255,9 +249,7 @@ class CommandLine:
                 if isinstance(value, list):
                     raise ConfigError(f"config: {line}: a config group takes one name, not a list; "
                                       f"give {line.partition('=')[0]}=NAME")
-                if value is None or isinstance(value, (bool, int, float)):
-                    # Read as a number, boolean or null: named as typed, the registry refuses it
-                    # naming the closest option (Hydra would stop with a traceback).
+                if value is None or isinstance(value, (bool, int, float)):   # (Hydra: a traceback)
                     value = line.partition("=")[2].strip()
                     registry(group).get(value)
                     raise ConfigError(f"config: {line}: quote the name ({key}='{value}')")

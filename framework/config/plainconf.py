@@ -170,9 +170,7 @@ def _merge(dst: dict, src: Mapping) -> None:
 
 
 def set_key(tree: dict, o: Override) -> None:
-    """``o`` applied to ``tree`` as Hydra applies it to the composed config, with Hydra's refusals:
-    ``+key`` of a key that is there, ``~key`` of one that is not (naming the closest) or whose value
-    is not the one given."""
+    """``o`` applied to ``tree`` as Hydra applies it to the composed config, with Hydra's refusals."""
     *path, last = o.key.split(".")
     node = tree
     for part in path:
@@ -215,8 +213,7 @@ def yaml_name(field: str) -> str:
 
 
 def typed(node: Mapping, schema: type, prefix: str) -> Any:
-    """``schema`` (a dataclass) built from ``node``: defaults for absent keys, values converted to
-    the annotated types as OmegaConf converts them, one-line errors otherwise."""
+    """``schema`` (a dataclass) built from ``node`` as OmegaConf builds it; one-line errors."""
     hints = typing.get_type_hints(schema)
     kwargs = {}
     for f in dataclasses.fields(schema):

@@ -31,20 +31,16 @@ INERT_TOP = {
                     "the gradient average is the same up to rounding"),
     "disable_allgather": "a legacy flag",
     **dict.fromkeys(("monitor_config", "tensorboard", "wandb"), "DeepSpeed's monitors (use logger=wandb)"),
-    "csv_monitor": "DeepSpeed's monitors (metrics.jsonl is written)",
-    "comet": "DeepSpeed's monitors (use logger=wandb)",
+    "csv_monitor": "DeepSpeed's monitors (metrics.jsonl is written)", "comet": "DeepSpeed's monitors (use logger=wandb)",
     **dict.fromkeys(("comms_logger", "comms_config"), "DeepSpeed's communication logger"),
-    "flops_profiler": "DeepSpeed's profiler",
-    "timers": "DeepSpeed's timers",
-    "checkpoint": "DeepSpeed's checkpoint format",
+    "flops_profiler": "DeepSpeed's profiler", "timers": "DeepSpeed's timers", "checkpoint": "DeepSpeed's checkpoint format",
     "dataloader_drop_last": "DeepSpeed's data loader (the data component batches)",
     "seq_parallel_communication_data_type": "sequence parallelism is not used",
     "use_data_before_expert_parallelism": "expert parallelism is not used",
     "graph_harvesting": "a CUDA-graph option of DeepSpeed's engine",
     "disable_python_gc": "when Python's garbage collector runs",
     "vocabulary_size": "DeepSpeed's own use of the vocabulary size (the model config sets ours)",
-    "log_level": "DeepSpeed's log verbosity",
-    "_comment": "a comment",
+    "log_level": "DeepSpeed's log verbosity", "_comment": "a comment",
 }
 # DeepSpeed features not implemented here: an error unless the value switches them off.
 FEATURES = {

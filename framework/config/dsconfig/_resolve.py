@@ -13,16 +13,14 @@ from framework.config.dsconfig._translate import Setting, Translation
 
 @dataclass(frozen=True)
 class RunFacts:
-    """What the run's config (defaults, YAML, command line; no DeepSpeed layer) says: the
-    "training arguments" of Hugging Face's rules."""
+    """The run's config without the DeepSpeed layer: the "training arguments" of Hugging Face's rules."""
     world: int
     hidden_size: int | None             # None: unknown (a user model without a config)
     value: Callable[[str], Any]         # dotted key -> the run config's value
     cli_keys: frozenset[str]            # keys the command line sets
     cli_choices: Mapping[str, str]      # groups the command line chooses
-    # The run's own warm-up steps (0: its scheduler has none) and whether the run itself chose the
-    # file's scheduler and its YAML sets that warm-up (then a stated warmup_num_steps must match);
-    # None: not needed.
+    # (the run's own warm-up steps, whether its YAML sets them for the file's scheduler: then a stated
+    # warmup_num_steps must match); None: not needed
     warmup: tuple[int, bool] | None = None
 
 
@@ -79,8 +77,7 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             mismatches.append(f"communication_data_type={comm.value} with precision={precision}: only {precision}"
                               f"{' or fp32' if precision == 'bf16' else ''} is implemented")
 
-    if (d := settings.pop("_dtype.grad_accum_dtype", None)) is not None:
-        # precision.grad_accum_dtype: fp32, or the working dtype itself (precision.policies)
+    if (d := settings.pop("_dtype.grad_accum_dtype", None)) is not None:   # fp32 or the working dtype
         allowed = list(dict.fromkeys(("fp32", precision)))
         if DTYPES[d.value] in allowed:
             settings["precision.grad_accum_dtype"] = Setting(DTYPES[d.value], d.ds_key, d.source)

@@ -53,9 +53,8 @@ class Translation:
 
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
                 strict: bool = False) -> dict:
-        """The section's keys after alias and typo checks (unknown keys dropped). ``strict``: a
-        section DeepSpeed validates (pydantic extra="forbid", or optimizer/scheduler kwargs), where
-        DeepSpeed refuses an unknown key, so it is an error here too; elsewhere it is a warning."""
+        """The section's keys after alias and typo checks (unknown keys dropped); ``strict``: DeepSpeed
+        refuses an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs): an error here too."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
@@ -117,8 +116,7 @@ class Translation:
         if value == AUTO:
             self.error(f"{ds_key} is \"auto\" but no rule fills it here; give a value")
         elif isinstance(value, float) and not math.isfinite(value) and kind in ("int", "float"):
-            # Python's json reads NaN and Infinity (and 1e309 as inf): a NaN limit disables the
-            # comparison it feeds (gradient_clipping: NaN would never clip).
+            # json reads NaN, Infinity and 1e309 (inf): a NaN limit disables its comparison (never clips)
             self.error(f"{ds_key} must be a finite number, got {json.dumps(value)}")
         elif number and (kind == "int" or kind == "float" and isinstance(value, int)) and abs(value) >= 2 ** 63:
             shown = f"={json.dumps(value)}" if abs(value) < 2 ** 80 else " (25 digits or more)"   # (not 400 of them)
@@ -148,8 +146,7 @@ def translate(ds: dict) -> Translation:
         if key in top:
             tr.inert_or_error(switched_off(top[key], key), key, f"'{key}': {what} is not implemented here; remove it")
     if isinstance(on := top.get("zero_optimization"), bool):
-        # DeepSpeed's deprecated form: true is stage 1 (whose allgather bucket the top-level
-        # allgather_size sizes), false stage 0.
+        # DeepSpeed's deprecated form: true is stage 1 (allgather_size sizes its allgather bucket), false stage 0
         tr.warnings.append(f"'zero_optimization': {json.dumps(on)} is deprecated; use "
                            f"'zero_optimization': {{\"stage\": {int(on)}}}")
         top["zero_optimization"] = {"stage": int(on)}
@@ -190,13 +187,14 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
             tr.error(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage}")
         return
     tr.choose("stage", STAGES[stage], Z + "stage")
-    # Deprecated spellings -> the current keys.
-    old, new = "stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"
-    if old in z and new in z and z[old] != z[new]:
-        tr.error(f"{Z}{old} and {Z}{new} are the same key with different values ({json.dumps(z[old])} and "
-                 f"{json.dumps(z[new])}); keep one")
-    if old in z:
-        z.setdefault(new, z.pop(old))
+    # Deprecated and unprefixed spellings -> the keys read below.
+    for short, long in (("stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"),
+                        *((k, f"stage3_{k}") for k in STAGE3_KEYS)):
+        if short in z and long in z and z[short] != z[long]:
+            tr.error(f"{Z}{short} and {Z}{long} are the same key with different values ({json.dumps(z[short])} "
+                     f"and {json.dumps(z[long])}); keep one")
+        if short in z:
+            z[long] = z.pop(short)
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if switch in z and tr.typed(z.pop(switch), "bool", Z + switch) and z.get(section) is None:
             z[section] = {"device": "cpu"}
@@ -205,13 +203,6 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         for sec in (z.get("offload_optimizer"), z.get("offload_param")):
             if isinstance(sec, dict):
                 sec.setdefault("pin_memory", pin)
-    for k in STAGE3_KEYS:
-        long = f"stage3_{k}"
-        if k in z and long in z and z[k] != z[long]:
-            tr.error(f"{Z}{k} and {Z}{long} are the same key with different values ({json.dumps(z[k])} "
-                     f"and {json.dumps(z[long])}); keep one")
-        if k in z:
-            z[long] = z.pop(k)
     zero_stage_keys(tr, z, STAGES[stage])
     offload(tr, z, aio, stage)
     for key, off, what in ZERO_FEATURES:
@@ -228,8 +219,8 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
 
 
 def zero_stage_keys(tr: Translation, z: dict, name: str) -> None:
-    # Where each key lands per stage; absent: accepted, changes nothing with this stage. zero1 and zero2
-    # take the keys without the stage3_ prefix, zero3 those with it and two more.
+    # Where each key lands per stage (absent: inert with it): zero1 and zero2 take the keys without the
+    # stage3_ prefix, zero3 those with it and two more.
     zero3 = name == "zero3"
     targets = {"reduce_bucket_size": "bucket_size", "overlap_comm": "overlap_comm"} if name == "ddp" else {
         k: k for k in ZERO_STAGE
@@ -280,7 +271,6 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
     if target != "none" and od == "none":
         tr.error(f"{Z}offload_param.device={target} without offload_optimizer is not implemented here; add "
                  f"\"offload_optimizer\": {{\"device\": \"cpu\"}}" + (" (or nvme)" if target == "nvme" else ""))
-
     for sec, name, dev in sections:
         if dev == "none":
             tr.inert_keys(sec, {k: "device none" for k in sec if k != "device"}, f"{Z}{name}.")
@@ -365,8 +355,7 @@ def precision(tr: Translation, top: dict) -> None:
     if (chosen := next((n for n in ("fp16", "bf16") if on.get(n) is True), None)) is not None:
         tr.choose("precision", chosen, f"{chosen}.enabled")
     elif AUTO in on.values():
-        # Hugging Face phase 1: "enabled" follows the run's precision (resolve() decides); a
-        # section that says false (not absent) contradicts a run in that precision.
+        # Hugging Face phase 1: "enabled" follows the run's precision (resolve: a stated false contradicts it)
         tr.set("_precision_auto", {n: on.get(n) for n in ("fp16", "bf16")}, "fp16.enabled / bf16.enabled")
     elif secs:
         tr.choose("precision", "fp32", "fp16.enabled / bf16.enabled")
@@ -501,9 +490,10 @@ def compile_section(tr: Translation, node: Any) -> None:
     if tr.typed(c.get("deepcompile", False), "bool", "compile.deepcompile"):
         tr.error("compile.deepcompile=true: DeepCompile is not implemented here; remove it or give false")
         return
+    old = "torch.compile settings of DeepSpeed before 0.16, which 0.19 rejects; the model is not compiled here " \
+          "(a speed difference only)"
     for key in c:
-        tr.inert_key(f"compile.{key}", "false" if key == "deepcompile" else "DeepCompile is off"
-                     if key not in TORCH_COMPILE_KEYS else "torch.compile settings of DeepSpeed before 0.16, which "
-                     "0.19 rejects; the model is not compiled here (a speed difference only)")
+        tr.inert_key(f"compile.{key}", "false" if key == "deepcompile" else old if key in TORCH_COMPILE_KEYS
+                     else "DeepCompile is off")
     if not c:
         tr.inert_key("compile", "empty")
