@@ -17,13 +17,12 @@ from pathlib import Path
 
 import torch
 
-from framework.core import files
 from framework.core.errors import ConfigError
 from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint import glue, verify
 from framework.persist.layout import StateLayout
-from framework.persist.tensorfiles import (create_files, finish_files, is_output, output_dir, overflowed, plan_files,
+from framework.persist.tensorfiles import (Writer, create_files, finish_files, is_output, output_dir, plan_files,
                                            remove_tmp, warn_overflow, writing)
 
 def resolve(checkpoint) -> Path:
@@ -151,23 +150,16 @@ def export(checkpoint, out_dir, *, dtype: torch.dtype | None = None, max_shard_s
     except BaseException:
         _remove_made(target, made)
         raise
-    over = 0   # finite values that became inf (fp32 to fp16)
     try:
-        for plan in plans:
+        with Writer(out_dir, check=False) as writer:
+            for e in (e for plan in plans for e in plan.entries):
+                value = ckpt.read([e.name])[e.name].reshape(-1)
+                with written():
+                    writer.write(e, 0, value)
+                del value
+                _trim()   # (the tensor is freed once written)
             with written():
-                fd = files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_WRONLY)
-            try:
-                for e in plan.entries:
-                    value = ckpt.read([e.name])[e.name].reshape(-1)
-                    out = value.to(e.dtype).contiguous()
-                    if (n := overflowed(value, out)) is not None:
-                        over += int(n)   # (host tensors, read from the files)
-                    with written():
-                        files.write_at(fd, out, e.offset)
-                    del value, out
-                    _trim()   # (the tensor is freed once written)
-            finally:
-                os.close(fd)
+                over = writer.finish()[0]   # finite values that became inf (fp32 to fp16)
         with written():
             paths = finish_files(out_dir, plans)
     except BaseException:   # an earlier export there stays whole (finish_files replaces it last)

@@ -37,12 +37,10 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
-    name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
-    (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
-    handed out, so tests can check a rank read only its ranges. A safetensors value is read with a positioned read
-    of exactly its bytes (a flat range of a row-major tensor is one byte range), never through a map of the file: a
-    map's touched pages would stay resident until the file is closed, so a model larger than memory would not load."""
+    """Tensors by name (``meta``: name -> (shape, dtype), a dtype this loader does not read kept as its name), read
+    by flat element range from ``tensors`` or the safetensors files ``paths`` (an index's: ``weight_map`` names each
+    one's file); ``bytes_read``: the bytes handed out. A range is one positioned read of its bytes, never a map: a
+    map's touched pages stay resident, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -249,17 +247,14 @@ _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 def is_output(name: str) -> bool:
-    """Whether ``name`` is one of the files a save writes in its folder, and replaces or removes there: the
-    ``model.safetensors`` or ``model-<i>-of-<n>.safetensors`` files and their index."""
+    """Whether ``name`` is a file a save writes, replaces or removes: ``model[-<i>-of-<n>].safetensors``, the index."""
     return name == INDEX or _OUTPUT.fullmatch(name) is not None
 
 
 def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:
-    """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
-    fill). Refused (``what`` names the caller): a folder in a committed checkpoint step (its manifest would no
-    longer match), and, as an OSError ENOSPC, a file system without room for the files. An earlier save's
-    outputs there stay until ``finish_files`` renames the new ones in: a failed save loses nothing; on any
-    error the ``.tmp`` files made are removed."""
+    """Each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers fill);
+    an earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, and
+    (OSError ENOSPC) a file system without room. On any error the ``.tmp`` files made are removed."""
     step = stepfolders.committed_step(out_dir)
     if step is not None:
         raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
@@ -310,6 +305,51 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
             old.unlink()   # a link is removed, never followed
     files.fsync_dir(out_dir)
     return paths
+
+
+class Writer(contextlib.AbstractContextManager):
+    """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
+    elements at a time where they lie; overflows counted and (``check``) NaN or inf flagged on their devices, read
+    once in ``finish``. ``release(part)``: after each chunk (a mapped swap file's pages leave as written)."""
+
+    def __init__(self, out_dir: Path, check: bool = True, release=None):
+        self.out_dir, self.check, self.release = out_dir, check, release
+        self._fds: dict[str, int] = {}
+        self._over: dict[torch.device, torch.Tensor] = {}
+        self._bad: dict[torch.device, list] = {}   # (name, flag)
+
+    def write(self, e: Entry, at: int, values: torch.Tensor, nan_only: bool = False) -> None:
+        """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: flag a NaN only (``nonfinite``)."""
+        if e.file not in self._fds:
+            self._fds[e.file] = files.open_nofollow(self.out_dir / (e.file + ".tmp"), os.O_WRONLY)
+        for s in range(0, values.numel(), WRITE_CHUNK):
+            part = values[s:s + WRITE_CHUNK]
+            chunk = part.to(e.dtype)   # convert where the values are, then move
+            if (n := overflowed(part, chunk)) is not None:
+                self._over[n.device] = self._over.get(n.device, 0) + n
+            if self.check and (n := nonfinite(part, nan_only)) is not None:
+                self._bad.setdefault(n.device, []).append((e.name, n))
+            files.write_at(self._fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
+            if self.release is not None:
+                self.release(part)
+
+    def finish(self) -> tuple[int, list[str]]:
+        """Flush the files; the values that overflowed, and the names of the tensors written with NaN or inf."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+        overflow, names = 0, set()
+        for device in {*self._over, *self._bad}:
+            named = self._bad.get(device, [])
+            got = torch.stack([torch.as_tensor(self._over.get(device, 0), device=device),
+                               *(flag.long() for _, flag in named)]).tolist()
+            overflow += got[0]
+            names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
+        return overflow, sorted(names)
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
