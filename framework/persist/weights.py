@@ -4,9 +4,8 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Each rank reads only the ranges its master pieces hold (``framework.persist.layout``). A save lays
-out the safetensors files on rank 0, then every rank writes its share at its byte offsets, so no
-rank assembles a whole tensor; the price is that every rank must see ``out_dir``, as for checkpoints.
+Each rank reads only the ranges its master pieces hold (``layout``). A save lays out the files on rank 0, then
+every rank writes its share at its byte offsets (no rank assembles a tensor): every rank must see ``out_dir``.
 """
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, Writer, create_files, finish_files,
-                                           open_weights, output_dir, plan_files, remove_tmp, warn_nonfinite,
-                                           warn_overflow, writing)
+                                           open_weights, output_dir, plan_files, remove_tmp, warn_written)
 from framework.core.utils import dtype_name, few
 
 
@@ -188,7 +186,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
-        writer = stack.enter_context(Writer(out_dir, release=fmap.release if fmap is not None else None))
+        writer = stack.enter_context(Writer(out_dir, plans, "save_weights",
+                                            release=fmap.release if fmap is not None else None))
 
         def write() -> tuple[int, list[str]]:
             for e, at, view in jobs:
@@ -198,23 +197,18 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
             verify_map(fmap, "checked again after the export read it")
             return result
 
-        def agreed(what: str, fn):   # an OSError as one line naming out_dir, in every rank's message
-            def run():
-                with writing(out_dir, plans, "save_weights"):
-                    return fn()
-            return agree(dist, run, f"save_weights: {what}")
-
         try:
-            agreed("create files", lambda: create_files(out_dir, plans) if dist.is_main else None)
-            mine = agreed("write", write)
-            agreed("finish files", lambda: finish_files(out_dir, plans) if dist.is_main else None)
+            agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
+            mine = agree(dist, write, "save_weights: write")
+            agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
         except BaseException:
             if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
                 remove_tmp(out_dir)
             raise
     everyone = dist.all_gather_object(mine, what="save_weights: overflow count, non-finite names")
-    warn_overflow(sum(over for over, _ in everyone), dtype, "save_weights", dist.is_main)
-    warn_nonfinite(sorted({n for _, names in everyone for n in names}), "save_weights", dist.is_main)
+    if dist.is_main:
+        warn_written(sum(over for over, _ in everyone), {n for _, names in everyone for n in names}, dtype,
+                     "save_weights")
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
