@@ -91,12 +91,9 @@ class Checkpointer:
             except FrameworkError as e:
                 e.args = (f"{e}{spent}", *e.args[1:])
                 raise
-            if body["world"] != self.group.world:
-                how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
-            elif body["stage"] != self.config["stage"]["name"]:
-                how = f"resharded from stage {body['stage']}"
-            else:
-                how = "same layout"
+            how = (f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
+                   if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
+                   if body["stage"] != self.config["stage"]["name"] else "same layout")
             self.resumed_from = Path(folder)
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
@@ -258,7 +255,6 @@ def restore(root: Path) -> None:
     except OSError as e:   # e.g. a folder this user may only read: resumed from what is there, said
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
-
 
 def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
     """``candidates``, or for ``off`` none and ``fresh_start``'s note; resuming from another folder than ``root``
