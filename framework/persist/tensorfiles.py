@@ -232,9 +232,8 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str) -> Path:
-    """``out_dir`` as a Path, once ``dtype`` (to write the floating tensors as) is one safetensors has (float8 and
-    the like are not written). An empty name is refused: Path("") is the current directory, where the save would
-    replace (and delete the shards of) a model already there."""
+    """``out_dir`` as a Path, once ``dtype`` (for the floating tensors) is one safetensors has. An empty name is
+    refused: Path("") is the current directory, where the save would replace a model already there."""
     allowed = [t for t in _ST_NAMES if t.is_floating_point]
     if dtype is not None and dtype not in allowed:
         raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
@@ -264,8 +263,8 @@ def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
         remove_tmp(out_dir)   # an interrupted save's
         need, free = sum(p.size for p in plans), free_bytes(out_dir)
         if need > free:
-            raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has {size(free)} free",
-                          str(out_dir))
+            raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has "
+                                        f"{size(free)} free", str(out_dir))
         try:
             for plan in plans:
                 with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
@@ -357,9 +356,8 @@ class Writer(contextlib.AbstractContextManager):
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device; None
-    where none can be: float32 to float16 can overflow, not to bfloat16 (the same exponent range: only values within
-    rounding of float32's largest would)."""
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion), a count on their device; None
+    where none can be (float32 to float16 can overflow, to bfloat16 not: the same exponent range)."""
     a, b = src.dtype, out.dtype
     if a.is_floating_point and b.is_floating_point and torch.finfo(b).max < torch.finfo(a).max / 2:
         return (torch.isinf(out) & torch.isfinite(src)).sum()
@@ -367,9 +365,8 @@ def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
-    """Whether ``src`` holds a NaN or an infinity (``nan_only``: a NaN; a buffer may hold an infinity by design, an
-    additive mask): a flag on its device, from its min and max, which propagate both (no temporary of ``src``'s
-    size: a save's memory stays its chunks); None where there is nothing to flag."""
+    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer may hold inf by design, a mask),
+    from its min and max (no temporary of ``src``'s size); None where there is nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None
     mm = _min_max(src)

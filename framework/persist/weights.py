@@ -66,9 +66,8 @@ def tied_names(module: nn.Module) -> dict[str, str]:
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (parameters
-    with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers; each
-    rank's own: BatchNorm counts the rank's batches, and a checkpoint keeps rank 0's)."""
+    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (requires_grad=False: no
+    stage shards them) and ``buffer.<name>`` (persistent; each rank's own, a checkpoint keeps rank 0's)."""
     return {**{f"frozen.{n}": p for n, p in module.named_parameters() if not p.requires_grad},
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
@@ -214,8 +213,8 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> list[Path]:
-    """``save_weights`` plus a Hugging Face model's ``config.json`` (and generation config), so
-    ``from_pretrained(out_dir)`` loads it. Collective."""
+    """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
+    Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
     module, dist = engine.components.module, engine.components.dist
     config = getattr(module, "config", None)
@@ -243,8 +242,7 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
-    """``save_pretrained`` of the working-dtype weights into ``out_dir`` when
-    ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
-    default group: call it from the training thread."""
+    """``save_pretrained`` of the working-dtype weights when ``stage.stage3_gather_16bit_weights_on_model_save``
+    (DeepSpeed's key) is set. Collective on the default group: call it from the training thread."""
     c = engine.components
     return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype) if c.stage.weights_on_save() else None

@@ -80,8 +80,7 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
     """What the resume line says when the global batch (micro_batch x grad_accum x world) of the saving run
-    (``saved``: its config dict) differs from this run's; None when it is the same or not recorded. A world
-    size is not a config difference a resume lists (``_UNLISTED``), so this is where a changed one shows."""
+    differs from this run's (where a changed world size shows: ``_UNLISTED``); else None."""
     def rows(cfg: dict, world: int):
         train = cfg.get("train") if isinstance(cfg, dict) else None
         micro, accum = (train.get("micro_batch"), train.get("grad_accum")) if isinstance(train, dict) else (None, None)

@@ -59,9 +59,9 @@ def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
 
 
 def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of the (mapped: ``fmap``, or None) ``state`` as DCP values, with what the
-    save records (collective). Each box is a host copy owning exactly its bytes, taken now, so DCP's writer
-    (which clones views of larger storages) makes no second copy; ``zero_copy``: swap file boxes from its pages."""
+    """This rank's ``StateLayout.share`` of ``state`` as DCP values, with what the save records (collective). Each
+    box is a host copy of exactly its bytes (DCP's writer clones views of larger storages: no second copy);
+    ``zero_copy``: a mapped swap file's (``fmap``) boxes from its pages."""
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
