@@ -1,8 +1,8 @@
 """The name-keyed view of a training state, and the state dict built on it.
 
-``StateLayout`` turns a stage's ``piece_specs()`` into a view keyed by parameter name: its global
-shape, and which rank holds which range of its flattened elements in which piece. The state dict,
-checkpoints, weights and export all go through it, so state moves between any two layouts.
+``StateLayout`` turns a stage's ``piece_specs()`` into, per parameter name, its global shape and which rank holds
+which range of its flattened elements in which piece. The state dict, checkpoints, weights and export all go
+through it, so state moves between any two layouts.
 """
 from __future__ import annotations
 
@@ -80,10 +80,9 @@ class StateLayout:
         return [(p, h) for p in self.params.values() for h in p.holdings if h.rank == self.rank]
 
     def share(self) -> list[tuple[Param, Holding, int, int]]:
-        """This rank's part of writing every parameter once: (parameter, holding, lo, hi), elements
-        [lo, hi) from that holding. Over the ranks the parts tile each parameter exactly once (a
-        checkpoint load fills every element); elements several ranks hold (replicated stages) are
-        spread over them, parameter i starting with rank ``i % world``. Needs a gathered layout."""
+        """This rank's part of writing every parameter once: (parameter, holding, lo, hi). Over the ranks the parts
+        tile each parameter exactly once; replicated elements are spread, parameter i starting with rank
+        ``i % world``. Needs a gathered layout."""
         out = []
         for i, p in enumerate(self.params.values()):
             order = sorted(p.holdings, key=lambda h: (h.rank - i) % self.world)
@@ -95,8 +94,7 @@ class StateLayout:
         return out
 
     def saved(self) -> dict:
-        """As train_state.json keeps it: each parameter's shape, per rank the flat ranges it held. Needs a gathered
-        layout."""
+        """As train_state.json keeps it: each parameter's shape, per rank the flat ranges it held (gathered layout)."""
         ranges = [{} for _ in range(self.world)]
         for p in self.params.values():
             for h in p.holdings:
@@ -162,12 +160,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
                     names: Iterable[str], rank: int = 0, world: int = 1,
                     whole: Mapping[str, torch.Tensor] | None = None, seed: int = 0,
                     device: torch.device | None = None) -> TrainState:
-    """Copy the fragments of ``saved`` (the state dicts of every rank of the saving run) into the
-    tensors of ``state`` (in place) and return it with the saved scalars. ``names``: every trained
-    parameter of the model; ``whole``: its buffers and frozen parameters, given the saved ones (a
-    state dict without them leaves them). Everything is checked before anything is written (``FrameworkError``).
-    Saved by another number of ranks, each rank's generators are derived from (``seed``, step, rank) on ``device``,
-    as a checkpoint resume derives them."""
+    """Copy the fragments of ``saved`` (every saving rank's state dict) into ``state``'s tensors and return it with
+    the saved scalars; all checked first (``FrameworkError``). ``names``: every trained parameter; ``whole``: the
+    buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
+    from (``seed``, step, rank) on ``device``, as a resume derives them."""
     check_aligned(specs, state.params)
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
@@ -206,8 +202,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
             if t.shape != whole[k].shape:
                 raise FrameworkError(f"load_state_dict: {k!r} has shape {tuple(t.shape)} in the saved state but "
                                      f"{tuple(whole[k].shape)} in this model")
-    # Every fragment of every rank, on every rank (the same verdict everywhere, nothing to agree on): a diverged
-    # state is refused as a checkpoint resume refuses it, before anything is written.
+    # Every rank checks every fragment (one verdict everywhere, nothing to agree on), before anything is written.
     bad = nonfinite_items([(f"{name} ({'master' if key is None else key})", f["master"] if key is None else f["optim"][key])
                            for sd in saved for name, entry in sd["params"].items() for f in entry["fragments"]
                            for key in [None, *sorted(f["optim"])]])
@@ -244,9 +239,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     with torch.no_grad():
         for k, t in (kept or {}).items():
             whole[k].copy_(t)
-    # Scalars are the same on every rank, except the RNG: a rank of a run of the same world size
-    # resumes its own generators; otherwise (no rank to match) each derives its own, as a resume does
-    # (one saved rank's on every rank would draw the same dropout masks on every rank).
+    # The RNG: a rank of a run of the same world size resumes its own generators; otherwise each derives its own,
+    # as a resume does (one saved rank's on every rank would draw the same dropout masks everywhere).
     if len(saved) == world:
         rng = next((sd for sd in saved if sd["rank"] == rank), first)["rng"]
     else:
@@ -259,10 +253,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
 
 
 def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: tuple[str, ...] = ()) -> list[str]:
-    """The names among ``items`` ((name, tensor)) whose tensor holds a NaN or an infinity (min and max propagate
-    both: one small reduction per tensor where it lives, one sync per device); ``release(t)`` after each. Names
-    starting with one of ``nan_only`` are flagged for a NaN only: a buffer may hold an infinity by design (an
-    additive mask), while a NaN is what a diverged forward writes into running statistics."""
+    """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device);
+    ``release(t)`` after each. Names starting with ``nan_only`` are flagged for a NaN only (``nonfinite``)."""
     by_device: dict[torch.device, list] = {}
     for n, t in items:
         if t.numel() > 0 and t.is_floating_point():
@@ -281,9 +273,8 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_onl
 
 def with_saved_scalars(state: TrainState, saved: dict, rng: Sequence[torch.Tensor], scalars: dict,
                        policy: Policy) -> TrainState:
-    """``state`` with the step, data position and loss scale of ``saved`` (a state dict or a train state), the
-    generators ``rng`` and the optimizer ``scalars``. The loss scale carries over only between two runs with
-    dynamic loss scaling (fp16); otherwise ``policy``'s initial scale, with the saved step bookkeeping (``Policy.continued``)."""
+    """``state`` with the step, data position and loss scale of ``saved`` (a state dict or train state), ``rng`` and
+    the optimizer ``scalars``. The loss scale carries over only between two dynamic-scaling runs (``Policy.continued``)."""
     rng = tuple(rng)
     if len(rng) != len(state.rng):  # saved with another device type: its CPU generator only
         rng = rng[:1] + state.rng[1:]

@@ -38,9 +38,8 @@ def torch_states(saved: dict) -> tuple[torch.Tensor, ...]:
 
 
 def derive(seed: int, step: int, rank: int, device: torch.device) -> tuple[tuple[torch.Tensor, ...], dict]:
-    """Generators for a rank that has no saved state of its own (the world size changed):
-    seeded from (seed, step, rank), so a resumed run is reproducible, but it does not draw
-    the numbers an uninterrupted run would have (those streams were per rank)."""
+    """Generators for a rank without saved ones (the world size changed), seeded from (seed, step, rank):
+    reproducible, but not the numbers an uninterrupted run would draw."""
     gen = seeded(RNG_STREAM, seed, step, rank)
     h = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
     states = [torch.Generator().manual_seed(h).get_state()]

@@ -6,11 +6,9 @@
     <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
 
-A save writes every rank's files into ``step-N.tmp/``, then rank 0 writes ``manifest.json`` last
-(size and sha256 of every file, and ``verified``: the state was checked before it was written),
-renames the folder to ``step-N/`` (the commit point) and points ``latest`` at it. Older folders are
-deleted only after that, through ``step-N.del``, never the newest verified one: a kill at any moment
-leaves every committed folder intact. Files and folders are owner-only, never opened through links.
+Rank 0 writes ``manifest.json`` last (size and sha256 of every file), then renames ``step-N.tmp`` to
+``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill at any
+moment leaves every committed folder intact. Files are owner-only, never opened through links.
 """
 from __future__ import annotations
 
@@ -52,9 +50,8 @@ _SAVED = re.compile(r"(.+\.distcp|\.metadata|rng-\d+\.json|" + re.escape(TRAIN_S
 
 
 def a_save_writes(name: str) -> bool:
-    """Whether ``name`` (as ``files_of`` gives it) is one a save may write: DCP's files, the rank's generator
-    states, the train state, the 16-bit weights. Others (an editor's swap file, .DS_Store, a user's notes) are
-    no part of a checkpoint, and their presence is no damage."""
+    """Whether ``name`` (as ``files_of`` gives it) is one a save may write; others (an editor's swap file, a
+    user's notes) are no part of a checkpoint, and no damage."""
     return _SAVED.fullmatch(name) is not None
 
 
@@ -72,8 +69,7 @@ def _open(folder: Path, name: str) -> int:
 
 
 def file_entry(folder: Path, name: str, *, own: bool = True) -> dict:
-    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP's writer creates a
-    save's files with the umask's mode)."""
+    """The manifest's entry of a file: its size and sha256; ``own``: made owner-only too (DCP uses the umask)."""
     with os.fdopen(_open(folder, name), "rb") as f:
         if own:
             os.fchmod(f.fileno(), 0o600)
@@ -140,8 +136,8 @@ def check_file(folder: Path, name: str, want: dict) -> str | None:
 
 
 def check_weights16(path: Path) -> None:
-    """When ``path`` is (in) a committed step folder's ``model_16bit/``, a CheckpointError naming its files that
-    differ from that step's manifest (safetensors carry no checksum). Elsewhere: nothing."""
+    """Where ``path`` is (in) a committed step's ``model_16bit/``: a CheckpointError naming its files that differ
+    from the step's manifest (safetensors carry no checksum)."""
     sub = Path(path).absolute()
     sub = sub if sub.name == WEIGHTS16 else sub.parent
     step = sub.parent
@@ -166,11 +162,10 @@ def committed_step(path: Path) -> Path | None:
 
 
 def scan(root: Path) -> tuple[list[Path], list[str]]:
-    """The committed ``step-<N>`` folders under ``root`` (those holding a manifest), newest commit first (``seq``,
-    then the step: a run rewound to an older step goes on from its own newest save, not from the abandoned higher
-    steps beside it), and one note per ``step-<N>`` that is not one, so none is dropped silently. A manifest there
-    that does not parse is damage, not an uncommitted folder: that folder is listed last (its commit order is
-    unknown), so a resume tries it (and fails, naming the damage) rather than starting afresh over it."""
+    """The committed ``step-<N>`` folders under ``root`` (holding a manifest), newest commit first (``seq``, then
+    the step: a rewound run goes on from its own newest save), and a note for each ``step-<N>`` that is not one.
+    One whose manifest does not parse is damage, listed last: a resume tries it (and fails, naming the damage)
+    rather than starting afresh over it."""
     found, notes = _committed(root)
     return [p for p, _ in found], notes
 
@@ -214,9 +209,8 @@ def step_of(folder: Path) -> int:
 
 
 def commit(tmp: Path, final: Path, on_point) -> str | None:
-    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first, deleted after), then point ``latest``
-    at it. Rank 0 only. ``on_point(name)``: for fault tests. After the rename (the commit point) a failure is no
-    failed save: what went wrong is returned, to be said as a warning."""
+    """Rename ``step-N.tmp`` to ``step-N`` (an older one moved aside first), then point ``latest`` at it. Rank 0
+    only; ``on_point(name)``: for fault tests. A failure after the rename (the commit point) is returned, to warn."""
     root = final.parent
     files.refuse_links(final, root / f"{final.name}.old", root / f"{LATEST}.tmp")
     aside = None
@@ -240,8 +234,7 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
 
 def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
     """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
-    newest verified one nor one whose manifest cannot be read (its state is unknown: a newer framework's, or
-    unreadable for now); those of later steps (another run's, in the same dir) are left alone."""
+    newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone."""
     if keep_last <= 0:
         return []
     chain = [(p, m) for p, m in _committed(root)[0] if step_of(p) <= step_of(newest)]
@@ -258,8 +251,7 @@ def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:
-    """Remove the folders of interrupted saves and deletions except ``keep`` (links: a save refuses them by name),
-    after ``restore``."""
+    """After ``restore``: remove the folders of interrupted saves and deletions but ``keep`` (never a link)."""
     if root.is_dir():
         restore(root)
         for p in root.iterdir():
@@ -269,11 +261,9 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
 
 
 def restore(root: Path, aside_only: bool = False) -> list[Path]:
-    """Put back a committed step that a save interrupted inside ``commit`` left without its ``step-<N>`` folder:
-    a complete ``step-<N>.tmp`` (its manifest written, the last file of a save) becomes ``step-<N>``, else the
-    ``step-<N>.old`` moved aside goes back. One line for each; the folders restored. ``aside_only``: only where a
-    committed folder was moved aside (a ``step-<N>.old`` is there; a resume: a first save of a step that never
-    reached its rename stays uncommitted)."""
+    """Put back a step a save interrupted inside ``commit`` left without its ``step-<N>`` folder: a complete
+    ``step-<N>.tmp`` (its manifest written) becomes it, else the ``step-<N>.old`` moved aside goes back; the folders
+    restored, each said. ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
     done = []
     for p in sorted(root.iterdir()):
         m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)

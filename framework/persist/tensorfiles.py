@@ -37,12 +37,10 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 class WeightsSource(contextlib.AbstractContextManager):
-    """Tensors by name (``meta``: name -> (shape, dtype); a safetensors dtype this loader does not read stays its
-    name), read by flat element range from ``tensors`` ({name: tensor}) or from the safetensors files ``paths``
-    (one, or the shards of an index: ``weight_map`` says which holds each name). ``bytes_read`` counts the bytes
-    handed out, so tests can check a rank read only its ranges. A safetensors value is read with a positioned read
-    of exactly its bytes (a flat range of a row-major tensor is one byte range), never through a map of the file: a
-    map's touched pages would stay resident until the file is closed, so a model larger than memory would not load."""
+    """Tensors by name (``meta``: name -> (shape, dtype), a dtype this loader does not read kept as its name), read
+    by flat element range from ``tensors`` or the safetensors files ``paths`` (an index's: ``weight_map`` names each
+    one's file); ``bytes_read``: the bytes handed out. A range is one positioned read of its bytes, never a map: a
+    map's touched pages stay resident, so a model larger than memory would not load."""
 
     def __init__(self, where: str, tensors: dict[str, torch.Tensor] | None = None, paths: Sequence[Path] = (),
                  weight_map: dict[str, Path] | None = None):
@@ -234,9 +232,8 @@ def plan_files(tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]], max_
 
 
 def output_dir(out_dir: str | os.PathLike, dtype: torch.dtype | None, what: str) -> Path:
-    """``out_dir`` as a Path, once ``dtype`` (to write the floating tensors as) is one safetensors has (float8 and
-    the like are not written). An empty name is refused: Path("") is the current directory, where the save would
-    replace (and delete the shards of) a model already there."""
+    """``out_dir`` as a Path, once ``dtype`` (for the floating tensors) is one safetensors has. An empty name is
+    refused: Path("") is the current directory, where the save would replace a model already there."""
     allowed = [t for t in _ST_NAMES if t.is_floating_point]
     if dtype is not None and dtype not in allowed:
         raise ConfigError(f"{what}: dtype={dtype} cannot be written; use one of {', '.join(str(t) for t in allowed)}")
@@ -249,35 +246,33 @@ _OUTPUT = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 
 
 def is_output(name: str) -> bool:
-    """Whether ``name`` is one of the files a save writes in its folder, and replaces or removes there: the
-    ``model.safetensors`` or ``model-<i>-of-<n>.safetensors`` files and their index."""
+    """Whether ``name`` is a file a save writes, replaces or removes: ``model[-<i>-of-<n>].safetensors``, the index."""
     return name == INDEX or _OUTPUT.fullmatch(name) is not None
 
 
 def create_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> None:
-    """Create each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers
-    fill). Refused (``what`` names the caller): a folder in a committed checkpoint step (its manifest would no
-    longer match), and, as an OSError ENOSPC, a file system without room for the files. An earlier save's
-    outputs there stay until ``finish_files`` renames the new ones in: a failed save loses nothing; on any
-    error the ``.tmp`` files made are removed."""
-    step = stepfolders.committed_step(out_dir)
-    if step is not None:
-        raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
-                          f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
-    files.make_dirs(out_dir)
-    remove_tmp(out_dir)   # an interrupted save's
-    need, free = sum(p.size for p in plans), free_bytes(out_dir)
-    if need > free:
-        raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has {size(free)} free",
-                      str(out_dir))
-    try:
-        for plan in plans:
-            with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
-                f.write(plan.header)
-                f.truncate(plan.size)
-    except BaseException:
-        remove_tmp(out_dir)
-        raise
+    """Each planned file as ``<name>.tmp`` at its final size with its header (the data a hole the writers fill);
+    an earlier save's outputs stay until ``finish_files``. Refused: a folder in a committed checkpoint step, and
+    (OSError ENOSPC) a file system without room. On any error the ``.tmp`` files made are removed."""
+    with _writing(out_dir, plans, what):
+        step = stepfolders.committed_step(out_dir)
+        if step is not None:
+            raise ConfigError(f"{what}: {out_dir} is in the committed checkpoint {step}: writing there would make it "
+                              f"differ from its {stepfolders.MANIFEST}; choose a folder outside the checkpoint")
+        files.make_dirs(out_dir)
+        remove_tmp(out_dir)   # an interrupted save's
+        need, free = sum(p.size for p in plans), free_bytes(out_dir)
+        if need > free:
+            raise OSError(errno.ENOSPC, f"no room: the files need {size(need)} but the file system has "
+                                        f"{size(free)} free", str(out_dir))
+        try:
+            for plan in plans:
+                with os.fdopen(files.create_new(out_dir / (plan.name + ".tmp")), "wb") as f:
+                    f.write(plan.header)
+                    f.truncate(plan.size)
+        except BaseException:
+            remove_tmp(out_dir)
+            raise
 
 
 def remove_tmp(out_dir: Path) -> None:
@@ -288,34 +283,81 @@ def remove_tmp(out_dir: Path) -> None:
                 old.unlink(missing_ok=True)
 
 
-def finish_files(out_dir: Path, plans: Sequence[FilePlan]) -> list[Path]:
+def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_weights") -> list[Path]:
     """Flush and rename the ``.tmp`` files, write the index when there are several files, then remove the
     outputs of an earlier save there that this one did not replace (its other shards, its index)."""
-    for plan in plans:
-        with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_RDWR), "rb") as f:
-            os.fsync(f)
-    # (an error before here leaves the earlier save whole; the renames cannot run out of room)
-    if len(plans) > 1:
-        index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
-                 "weight_map": {e.name: p.name for p in plans for e in p.entries}}
-        files.write_atomic(out_dir / (INDEX + ".new"), (json.dumps(index, indent=2) + "\n").encode())
-    paths = [out_dir / plan.name for plan in plans]
-    for plan in plans:
-        os.replace(out_dir / (plan.name + ".tmp"), out_dir / plan.name)
-    if len(plans) > 1:
-        os.replace(out_dir / (INDEX + ".new"), out_dir / INDEX)
-        paths.append(out_dir / INDEX)
-    for old in out_dir.iterdir():
-        if (old.name == INDEX and len(plans) == 1) or (_OUTPUT.fullmatch(old.name) and old not in paths):
-            old.unlink()   # a link is removed, never followed
-    files.fsync_dir(out_dir)
-    return paths
+    with _writing(out_dir, plans, what):
+        for plan in plans:
+            with os.fdopen(files.open_nofollow(out_dir / (plan.name + ".tmp"), os.O_RDWR), "rb") as f:
+                os.fsync(f)
+        # (an error before here leaves the earlier save whole; the renames cannot run out of room)
+        if len(plans) > 1:
+            index = {"metadata": {"total_size": sum(e.nbytes for p in plans for e in p.entries)},
+                     "weight_map": {e.name: p.name for p in plans for e in p.entries}}
+            files.write_atomic(out_dir / (INDEX + ".new"), (json.dumps(index, indent=2) + "\n").encode())
+        paths = [out_dir / plan.name for plan in plans]
+        for plan in plans:
+            os.replace(out_dir / (plan.name + ".tmp"), out_dir / plan.name)
+        if len(plans) > 1:
+            os.replace(out_dir / (INDEX + ".new"), out_dir / INDEX)
+            paths.append(out_dir / INDEX)
+        for old in out_dir.iterdir():
+            if (old.name == INDEX and len(plans) == 1) or (_OUTPUT.fullmatch(old.name) and old not in paths):
+                old.unlink()   # a link is removed, never followed
+        files.fsync_dir(out_dir)
+        return paths
+
+
+class Writer(contextlib.AbstractContextManager):
+    """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
+    elements at a time where they lie; overflows counted and (``check``) NaN or inf flagged on their devices, read
+    once in ``finish``. ``release(part)``: after each chunk (a mapped swap file's pages leave as written)."""
+
+    def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
+        self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release
+        self._fds: dict[str, int] = {}
+        self._over: dict[torch.device, torch.Tensor] = {}
+        self._bad: dict[torch.device, list] = {}   # (name, flag)
+
+    def write(self, e: Entry, at: int, values: torch.Tensor, nan_only: bool = False) -> None:
+        """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: flag a NaN only (``nonfinite``)."""
+        with _writing(self.out_dir, self.plans, self.what):
+            if e.file not in self._fds:
+                self._fds[e.file] = files.open_nofollow(self.out_dir / (e.file + ".tmp"), os.O_WRONLY)
+            for s in range(0, values.numel(), WRITE_CHUNK):
+                part = values[s:s + WRITE_CHUNK]
+                chunk = part.to(e.dtype)   # convert where the values are, then move
+                if (n := overflowed(part, chunk)) is not None:
+                    self._over[n.device] = self._over.get(n.device, 0) + n
+                if self.check and (n := nonfinite(part, nan_only)) is not None:
+                    self._bad.setdefault(n.device, []).append((e.name, n))
+                files.write_at(self._fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
+                if self.release is not None:
+                    self.release(part)
+
+    def finish(self) -> tuple[int, list[str]]:
+        """Flush the files; the values that overflowed, and the names of the tensors written with NaN or inf."""
+        with _writing(self.out_dir, self.plans, self.what):
+            for fd in self._fds.values():
+                os.fsync(fd)
+        overflow, names = 0, set()
+        for device in {*self._over, *self._bad}:
+            named = self._bad.get(device, [])
+            got = torch.stack([torch.as_tensor(self._over.get(device, 0), device=device),
+                               *(flag.long() for _, flag in named)]).tolist()
+            overflow += got[0]
+            names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
+        return overflow, sorted(names)
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
-    """How many finite values of ``src`` are infinite in ``out`` (its conversion): a count on their device; None
-    where none can be: float32 to float16 can overflow, not to bfloat16 (the same exponent range: only values within
-    rounding of float32's largest would)."""
+    """How many finite values of ``src`` are infinite in ``out`` (its conversion), a count on their device; None
+    where none can be (float32 to float16 can overflow, to bfloat16 not: the same exponent range)."""
     a, b = src.dtype, out.dtype
     if a.is_floating_point and b.is_floating_point and torch.finfo(b).max < torch.finfo(a).max / 2:
         return (torch.isinf(out) & torch.isfinite(src)).sum()
@@ -323,9 +365,8 @@ def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
-    """Whether ``src`` holds a NaN or an infinity (``nan_only``: a NaN; a buffer may hold an infinity by design, an
-    additive mask): a flag on its device, from its min and max, which propagate both (no temporary of ``src``'s
-    size: a save's memory stays its chunks); None where there is nothing to flag."""
+    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer may hold inf by design, a mask),
+    from its min and max (no temporary of ``src``'s size); None where there is nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None
     mm = _min_max(src)
@@ -345,25 +386,23 @@ def _min_max(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([parts[:, 0].min(), parts[:, 1].max()])
 
 
-def warn_nonfinite(names: Sequence[str], what: str, say: bool = True) -> None:
-    """One warning line naming the tensors written with NaN or inf values."""
-    if names and say:
-        print(f"warning: {what}: NaN or inf values in {few(sorted(names))} were written as they are: the weights "
-              f"hold a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr, flush=True)
-
-
-def warn_overflow(count: int, dtype: torch.dtype | None, what: str, say: bool = True) -> None:
-    """One warning line when ``count`` values overflowed in the conversion to ``dtype``."""
-    if count and say:
-        print(f"warning: {what}: {count} finite value(s) beyond the {dtype_name(dtype)} range (largest "
+def warn_written(overflow: int, nonfinite_names: Sequence[str], dtype: torch.dtype | None, what: str) -> None:
+    """A warning line for the values that overflowed in the conversion to ``dtype``, one for the tensors written
+    with NaN or inf (``Writer.finish``'s counts)."""
+    if overflow:
+        print(f"warning: {what}: {overflow} finite value(s) beyond the {dtype_name(dtype)} range (largest "
               f"{torch.finfo(dtype).max:g}) were written as inf; save as bf16 or fp32 to keep them",
               file=sys.stderr, flush=True)
+    if nonfinite_names:
+        print(f"warning: {what}: NaN or inf values in {few(sorted(nonfinite_names))} were written as they are: the "
+              f"weights hold a diverged state (save from a checkpoint before it to get usable ones)", file=sys.stderr,
+              flush=True)
 
 
 @contextlib.contextmanager
-def writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
-    """Around writes (a read error is never taken for a write error): an OSError as one line naming the folder,
-    with the room the files need on a full disk."""
+def _writing(out_dir: Path, plans: Sequence[FilePlan], what: str):
+    """Around writes (never reads: a read error is no write error): an OSError as one line naming the folder
+    (``what``: the caller), with the room the files need on a full disk."""
     try:
         yield
     except OSError as e:

@@ -4,16 +4,14 @@
     framework.save_weights(engine, "out/", dtype=torch.bfloat16, max_shard_size="2GB")
     engine.save_pretrained("out/")                            # + config.json for a Hugging Face model
 
-Each rank reads only the ranges its master pieces hold (``framework.persist.layout``). A save lays
-out the safetensors files on rank 0, then every rank writes its share at its byte offsets, so no
-rank assembles a whole tensor; the price is that every rank must see ``out_dir``, as for checkpoints.
+Each rank reads only the ranges its master pieces hold (``layout``). A save lays out the files on rank 0, then
+every rank writes its share at its byte offsets (no rank assembles a tensor): every rank must see ``out_dir``.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,9 +25,8 @@ from framework.models.hf import checkpoint_names, is_hf_model
 from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
-from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, create_files, finish_files,
-                                           nonfinite, open_weights, output_dir, overflowed, plan_files, remove_tmp,
-                                           warn_nonfinite, warn_overflow, writing)
+from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, Writer, create_files, finish_files,
+                                           open_weights, output_dir, plan_files, remove_tmp, warn_written)
 from framework.core.utils import dtype_name, few
 
 
@@ -55,19 +52,22 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def tied_names(module: nn.Module) -> dict[str, str]:
-    """``{alias: name}`` for each parameter registered under several names (a tied embedding and output
-    projection): its later names in module order, each with the first, under which it is saved once."""
-    names: dict[int, list[str]] = {}
+def _named_once(module: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
+    """Each parameter once, with every name it is registered under (several: tied), in module order."""
+    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(n)
-    return {alias: found[0] for found in names.values() for alias in found[1:]}
+        params.setdefault(id(p), (p, []))[1].append(n)
+    return list(params.values())
+
+
+def tied_names(module: nn.Module) -> dict[str, str]:
+    """``{alias: name}`` of the tied parameters: each later name with the first, under which it is saved once."""
+    return {alias: names[0] for _, names in _named_once(module) for alias in names[1:]}
 
 
 def whole_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (parameters
-    with requires_grad=False, which no stage shards) and ``buffer.<name>`` (persistent buffers; each
-    rank's own: BatchNorm counts the rank's batches, and a checkpoint keeps rank 0's)."""
+    """The module's tensors every rank holds whole, by checkpoint key: ``frozen.<name>`` (requires_grad=False: no
+    stage shards them) and ``buffer.<name>`` (persistent; each rank's own, a checkpoint keeps rank 0's)."""
     return {**{f"frozen.{n}": p for n, p in module.named_parameters() if not p.requires_grad},
             **{f"buffer.{n}": b for n, b in persistent_buffers(module).items()}}
 
@@ -79,24 +79,19 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
                             gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
     masters = list(mapped.params)
-    params: dict[int, tuple[nn.Parameter, list[str]]] = {}
-    for n, p in c.module.named_parameters(remove_duplicate=False):
-        params.setdefault(id(p), (p, []))[1].append(n)
     trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
     # a parameter outside the layout (a frozen one) is whole on every rank
     tgts = [Target(a[0], tuple(a), layout.params[a[0]].shape, trained, None) if a[0] in layout.params
-            else Target(a[0], tuple(a), tuple(p.shape), p.dtype, p) for p, a in params.values()]
+            else Target(a[0], tuple(a), tuple(p.shape), p.dtype, p) for p, a in _named_once(c.module)]
     tgts += [Target(n, (n,), tuple(b.shape), b.dtype, b) for n, b in persistent_buffers(c.module).items()]
     return layout, masters, tgts
 
 
 def load_weights(engine, source, *, strict: bool = True) -> None:
-    """Load consolidated weights into ``engine``'s model: masters, working parameters (zero3 shards)
-    and buffers. Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; tied
-    parameters take any one of their names; values are converted to each target's dtype (of the same
-    kind). Missing and unexpected names (only with ``strict``), shape and dtype-kind mismatches are
-    reported in one ``ConfigError`` before anything is written; a checkpoint's ``model_16bit/``
-    that differs from the step's manifest, in a ``CheckpointError``. The optimizer state is left as it is."""
+    """Load consolidated weights into ``engine``'s model (masters, zero3 shards, buffers; not the optimizer
+    state). Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; a tied parameter takes
+    any of its names; values are converted to each target's dtype. Missing and unexpected names (``strict``),
+    shape and dtype-kind mismatches: one ``ConfigError`` before anything is written."""
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
@@ -168,10 +163,9 @@ def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
 
 def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  max_shard_size: int | str = "5GB") -> list[Path]:
-    """Write the model's weights to ``out_dir`` as consolidated safetensors (sharded, with an index,
-    beyond ``max_shard_size``) under the module's names (tied weights once), with the persistent
-    buffers. Values come from the masters, converted to ``dtype`` (default: the master dtype; a
-    16-bit dtype gives the working parameters bit for bit). Collective; returns the written paths."""
+    """The model's weights and persistent buffers as consolidated safetensors in ``out_dir`` (tied weights once;
+    an index beyond ``max_shard_size``), from the masters as ``dtype`` (default: the master dtype; a 16-bit one
+    gives the working parameters bit for bit). Collective; returns the written paths."""
     dist = engine.components.dist
     out_dir = output_dir(out_dir, dtype, "save_weights")
     with contextlib.ExitStack() as stack:   # offload=nvme: read from the mapped swap file, checked
@@ -191,61 +185,36 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
                  if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
+        writer = stack.enter_context(Writer(out_dir, plans, "save_weights",
+                                            release=fmap.release if fmap is not None else None))
+
         def write() -> tuple[int, list[str]]:
-            fds: dict[str, int] = {}
-            over: dict[torch.device, torch.Tensor] = {}   # values that became inf, counted where they lie
-            bad: dict[torch.device, list] = {}   # (name, flag): NaN or inf values written, flagged where they lie
             for e, at, view in jobs:
-                if e.file not in fds:
-                    fds[e.file] = files.open_nofollow(out_dir / (e.file + ".tmp"), os.O_WRONLY)
-                    stack.callback(os.close, fds[e.file])
-                for s in range(0, view.numel(), WRITE_CHUNK):
-                    part = view[s:s + WRITE_CHUNK]
-                    chunk = part.to(e.dtype)   # convert where the values are, then move
-                    if (n := overflowed(part, chunk)) is not None:
-                        over[n.device] = over.get(n.device, 0) + n
-                    if (n := nonfinite(part, e.name in buffers)) is not None:
-                        bad.setdefault(n.device, []).append((e.name, n))
-                    files.write_at(fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
-                    if fmap is not None:   # a mapped swap file's pages leave the process as they are written
-                        fmap.release(part)
-            for fd in fds.values():
-                os.fsync(fd)
+                writer.write(e, at, view, nan_only=e.name in buffers)
+            result = writer.finish()
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")
-            overflow, nonfinite_names = 0, set()
-            for device in {*over, *bad}:   # (one sync per device, after the writes)
-                named = bad.get(device, [])
-                got = torch.stack([torch.as_tensor(over.get(device, 0), device=device),
-                                   *(flag.long() for _, flag in named)]).tolist()
-                overflow += got[0]
-                nonfinite_names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
-            return overflow, sorted(nonfinite_names)
-
-        def agreed(what: str, fn):   # an OSError as one line naming out_dir, in every rank's message
-            def run():
-                with writing(out_dir, plans, "save_weights"):
-                    return fn()
-            return agree(dist, run, f"save_weights: {what}")
+            return result
 
         try:
-            agreed("create files", lambda: create_files(out_dir, plans) if dist.is_main else None)
-            mine = agreed("write", write)
-            agreed("finish files", lambda: finish_files(out_dir, plans) if dist.is_main else None)
+            agree(dist, lambda: create_files(out_dir, plans) if dist.is_main else None, "save_weights: create files")
+            mine = agree(dist, write, "save_weights: write")
+            agree(dist, lambda: finish_files(out_dir, plans) if dist.is_main else None, "save_weights: finish files")
         except BaseException:
             if dist.is_main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
                 remove_tmp(out_dir)
             raise
     everyone = dist.all_gather_object(mine, what="save_weights: overflow count, non-finite names")
-    warn_overflow(sum(over for over, _ in everyone), dtype, "save_weights", dist.is_main)
-    warn_nonfinite(sorted({n for _, names in everyone for n in names}), "save_weights", dist.is_main)
+    if dist.is_main:
+        warn_written(sum(over for over, _ in everyone), {n for _, names in everyone for n in names}, dtype,
+                     "save_weights")
     return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
 def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
                     max_shard_size: int | str = "5GB") -> list[Path]:
-    """``save_weights`` plus a Hugging Face model's ``config.json`` (and generation config), so
-    ``from_pretrained(out_dir)`` loads it. Collective."""
+    """``save_weights`` plus a Hugging Face model's config (and generation config), for ``from_pretrained``.
+    Collective."""
     paths = save_weights(engine, out_dir, dtype=dtype, max_shard_size=max_shard_size)
     module, dist = engine.components.module, engine.components.dist
     config = getattr(module, "config", None)
@@ -273,8 +242,7 @@ def save_pretrained(engine, out_dir, *, dtype: torch.dtype | None = None,
 
 
 def save_on_model_save(engine, out_dir) -> list[Path] | None:
-    """``save_pretrained`` of the working-dtype weights into ``out_dir`` when
-    ``stage.stage3_gather_16bit_weights_on_model_save`` (DeepSpeed's key) is set. Collective on the
-    default group: call it from the training thread."""
+    """``save_pretrained`` of the working-dtype weights when ``stage.stage3_gather_16bit_weights_on_model_save``
+    (DeepSpeed's key) is set. Collective on the default group: call it from the training thread."""
     c = engine.components
     return save_pretrained(engine, out_dir, dtype=c.policy.param_dtype) if c.stage.weights_on_save() else None

@@ -5,12 +5,10 @@
     ...  ckpt.maybe_save(state, metrics=m)  ...  # every checkpoint.every steps (and the last)
     ckpt.close()                                 # waits for an async save; collective
 
-A step folder holds DCP's files ("model.<name>" fp32 masters, "optim.<state>.<name>" moments,
-"optim.<scalar>", rank 0's persistent buffers and frozen parameters "buffer.<name>", "frozen.<name>"),
-train_state.json, rng-<rank>.json and manifest.json (the commit protocol: ``stepfolders``). Each rank
-writes its share of the name-keyed state (``layout``) and reads its own holdings by name, so world size,
-stage and offload may change between save and load. Every phase ends in an exchange of outcomes, so
-one rank's failure ends every rank with the same line.
+A step folder holds DCP's files ("model.<name>" masters, "optim.<state>.<name>", "optim.<scalar>", rank 0's
+"buffer.<name>" and "frozen.<name>"), train_state.json, rng-<rank>.json and manifest.json (``stepfolders``).
+Each rank writes its share of the name-keyed state (``layout``) and reads its holdings by name, so world size,
+stage and offload may change between save and load. Every phase ends in an exchange of outcomes.
 """
 from __future__ import annotations
 
@@ -93,12 +91,9 @@ class Checkpointer:
             except FrameworkError as e:
                 e.args = (f"{e}{spent}", *e.args[1:])
                 raise
-            if body["world"] != self.group.world:
-                how = f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
-            elif body["stage"] != self.config["stage"]["name"]:
-                how = f"resharded from stage {body['stage']}"
-            else:
-                how = "same layout"
+            how = (f"resharded from {body['world']} rank(s), stage {body['stage']}; RNG re-derived"
+                   if body["world"] != self.group.world else f"resharded from stage {body['stage']}"
+                   if body["stage"] != self.config["stage"]["name"] else "same layout")
             self.resumed_from = Path(folder)
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
@@ -139,9 +134,8 @@ class Checkpointer:
 
 
 def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
-    """``checkpoint.dir``, else ``checkpoints/`` in the run folder (a run never meets another run's checkpoints
-    unless pointed at them), else in the working directory. Under an explicit ``checkpoint.dir`` each multirun
-    job (``job``: its overrides) gets ``<dir>/<job>``, so jobs of one sweep never resume from each other's."""
+    """``checkpoint.dir`` (a multirun job, ``job``: its overrides, gets ``<dir>/<job>``, so jobs of a sweep never
+    resume from each other's), else ``checkpoints/`` in the run folder, else in the working directory."""
     c = cfg.checkpoint
     if c.dir is None:
         return (Path(run_dir) if run_dir is not None else Path.cwd()).resolve() / "checkpoints"
@@ -157,11 +151,8 @@ _RUN_TREES = ("outputs", "multirun")
 
 
 def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
-    """The newest committed checkpoint (by commit time) in ``root`` and in the ``checkpoints``
-    folders one to three levels under the run trees; None if there is none. A multirun job's
-    (``sweep_dir``: its sweep's folder) passes over those of the sweep's other jobs there: the job
-    before it, just finished, would always be the newest (a relaunch into the same sweep folder
-    finds each job's own in ``root``)."""
+    """The newest committed checkpoint (by commit time) in ``root`` and the ``checkpoints`` folders one to three
+    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs'."""
     skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
                      for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
@@ -171,9 +162,8 @@ def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
 
 
 def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None):
-    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (every rank loads the
-    same; a multirun job's, ``sweep_dir``, never to another job's of its sweep folder: ``find_latest``); a
-    checkpoint of another model or optimizer is refused on one line, a damaged one left to the ranks."""
+    """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (``find_latest``: every
+    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
@@ -204,11 +194,9 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
 
 
 def shared(dist, root: Path) -> None:
-    """Before training, with more than one rank (collective on ``dist``): a ConfigError on every rank unless every
-    rank sees ``root`` as the folder rank 0 sees. A node-local folder (/tmp, or a path that is another disk on each
-    node) would have each node's ranks write their shards into their own copy of a step folder: saves reported
-    done that no resume can read. Rank 0 writes a file of a random name and content there (created new, removed
-    after: one small file's round trip), every rank reads it back."""
+    """Before training (collective): a ConfigError on every rank unless every rank sees in ``root`` the file of a
+    random name and content rank 0 writes there. On a node-local folder each node would write its own copy of a
+    step folder: saves reported done that no resume can read."""
     if dist.world == 1:
         return
     token, problem, wrote = secrets.token_hex(16), None, False
@@ -243,9 +231,8 @@ def shared(dist, root: Path) -> None:
 
 
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
-    """``checkpoint.resume=off`` (or a checkpoint elsewhere: ``resume``, see ``choose``): a ConfigError if this
-    run would save into a folder that holds committed checkpoints (same-step saves and rotation would lose the
-    earlier run); else the note to print, if any."""
+    """``checkpoint.resume=off`` (or one elsewhere: ``choose``): a ConfigError if this run would save into a folder
+    holding committed checkpoints (its saves would overwrite or rotate them); else the note to print, if any."""
     restore(root)
     existing = stepfolders.scan(root)[0]
     if not existing:
@@ -259,9 +246,8 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
 
 
 def restore(root: Path) -> None:
-    """Before looking for checkpoints in ``root``: put back a committed step that a save killed inside its commit
-    had moved aside (``stepfolders.restore``), which the next save would do only after the resume had gone back a
-    save interval (or to step 0). Rank 0 (or the check before the ranks) only."""
+    """Before looking in ``root``: put back a committed step a save killed inside its commit moved aside
+    (``stepfolders.restore``), or the resume would go back a save interval. Rank 0 only."""
     if not root.is_dir() or root.is_symlink():
         return
     try:
@@ -270,10 +256,9 @@ def restore(root: Path) -> None:
         print(f"checkpoint: cannot restore an interrupted save's step folder in {root} ({e.strerror or e}); "
               "looking at the committed ones only", flush=True)
 
-
 def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
-    """``candidates``, or none and ``fresh_start``'s note for ``checkpoint.resume=off``; refused as for ``off`` where
-    this run resumes from another folder than ``root``, which holds committed checkpoints its saves would overwrite."""
+    """``candidates``, or for ``off`` none and ``fresh_start``'s note; resuming from another folder than ``root``
+    is refused as ``off`` is where ``root`` holds committed checkpoints."""
     if resume == "off":
         note = fresh_start(root, every)
         return [], [note] if note else []
@@ -284,9 +269,8 @@ def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -
 
 
 def candidates(resume: str, root: Path, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
-    """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: the run folder of the newest checkpoint,
-    ``find_latest``; or a path: a step folder or a folder of them), best first, and one line per ``step-<N>``
-    folder passed over (or saying that ``latest`` found none)."""
+    """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: ``find_latest``'s run folder; a step
+    folder or a folder of them), best first, and a line for each ``step-<N>`` passed over (or none found)."""
     if resume == "auto":
         restore(root)
         return stepfolders.scan(root)

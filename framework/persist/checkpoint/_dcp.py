@@ -1,11 +1,9 @@
 """torch.distributed.checkpoint glue: flat fragments as rectangular chunks, a reader that never
 unpickles code, and DCP's errors unpacked into one line.
 
-ZeRO's master pieces are ranges of *flattened* parameters, which DCP's types cannot hold (a
-``DTensor`` shard is one even block per rank along a dimension). A flat range of a row-major tensor
-is a short list of contiguous rectangular boxes, each written as one chunk of the parameter's global
-shape: ordinary DCP files that ``dcp.load`` reads into any sharding. ``Boxes`` implements the hooks
-DCP's planners call on a checkpointable value (the protocol ``DTensor`` uses).
+ZeRO's master pieces are ranges of *flattened* parameters, which a ``DTensor`` shard cannot hold. A flat
+range of a row-major tensor is a few contiguous rectangular boxes, each one chunk of the parameter's global
+shape: ordinary DCP files. ``Boxes`` implements the hooks DCP's planners call (the protocol ``DTensor`` uses).
 """
 from __future__ import annotations
 
@@ -57,9 +55,8 @@ def boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...],
 
 
 class Boxes:
-    """One parameter's global shape and this rank's boxes of it, views of the flat tensors ``pieces``
-    (((lo, hi), flat): a range of the flattened parameter) that DCP reads from or writes into;
-    ``take(box)``: the tensor to use for a box instead of its view."""
+    """A parameter's global shape and this rank's boxes of it: views of ``pieces`` (((lo, hi), flat): a range of
+    the flattened parameter) that DCP reads or writes; ``take(box)``: the tensor to use instead of a view."""
 
     def __init__(self, shape: Sequence[int], pieces: Sequence[tuple[tuple[int, int], torch.Tensor]],
                  take: Callable[[torch.Tensor], torch.Tensor] | None = None):
@@ -98,9 +95,8 @@ def _lookup(state_dict: dict, index: MetadataIndex, default: Callable[[MetadataI
 
 
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner (deduplicates replicated plain tensors across ranks), routing the chunks of
-    ``Boxes`` to their views. ``release(t)``: called with each value once the writer asked for the next one (a
-    mapped swap file's pages leave the process as they are written)."""
+    """DCP's default save planner, routing ``Boxes``' chunks to their views; ``release(t)``: each value once the
+    writer asked for the next (a mapped swap file's pages leave the process as written)."""
 
     def __init__(self, release: Callable[[torch.Tensor], None] | None = None) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -127,8 +123,7 @@ class LoadPlanner(DefaultLoadPlanner):
         self.release = release
 
     def set_up_planner(self, state_dict: dict, metadata: Any = None, is_coordinator: bool = False) -> None:
-        # The default one maps the values through a walk that drops objects it does not know
-        # (``Boxes``); targets here are already flat and materialised.
+        # (the default one maps the values through a walk that drops ``Boxes``; ours are flat already)
         self.original_state_dict = self.state_dict = state_dict
         self.mappings, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
 
@@ -145,10 +140,8 @@ class LoadPlanner(DefaultLoadPlanner):
                              f"(only tensors are loaded from a checkpoint)")
 
 
-# --- metadata without code execution ---------------------------------------------------------
-# DCP writes its global metadata (.metadata) with pickle and reads it back with pickle.load,
-# which runs whatever a crafted file asks for. Our reader unpickles it with an allow-list of
-# the plain data classes DCP's metadata is made of; anything else is refused.
+# --- metadata without code execution: DCP pickles .metadata, and pickle.load runs what a crafted file asks
+# for; ours unpickles it with an allow-list of the plain data classes DCP's metadata is made of.
 _ALLOWED = {
     ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
     ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
@@ -196,8 +189,7 @@ class SafeReader(FileSystemReader):
 @contextlib.contextmanager
 def single_process_quiet():
     """Without DCP's "torch.distributed is disabled" warning: no_dist is what a one-rank save or load asks for.
-    (catch_warnings swaps the process-wide filter list: on an async save's thread it may also hide, for that
-    moment, a warning of the same text elsewhere.)"""
+    (The filter list is process-wide: on an async save's thread it may hide that warning elsewhere meanwhile.)"""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
@@ -205,8 +197,8 @@ def single_process_quiet():
 
 def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor], None] | None = None,
          **kwargs: Any) -> None:
-    """DCP's load of ``targets`` (``Boxes`` or whole tensors by key) from ``folder``; ``kwargs``: the process
-    group or ``no_dist``. A failure is one CheckpointError (a record torch refuses to unpickle named)."""
+    """DCP's load of ``targets`` (``Boxes`` or tensors by key) from ``folder``; ``kwargs``: the group or ``no_dist``.
+    A failure is one CheckpointError (naming a record torch refuses to unpickle)."""
     try:
         with single_process_quiet():
             dcp.load(targets, storage_reader=SafeReader(folder, metadata), planner=LoadPlanner(release), **kwargs)
@@ -223,8 +215,8 @@ def read(folder: Path, metadata, targets: dict, release: Callable[[torch.Tensor]
 
 
 def _unpicklable(folder, metadata) -> str | None:
-    """The first tensor record of a DCP folder that ``torch.load(weights_only=True)`` refuses, named
-    by file, key and offset; None if every record loads (DCP reports the refusal without saying where)."""
+    """The first record of a DCP folder ``torch.load(weights_only=True)`` refuses (DCP does not say which), named by
+    file, key and offset; None if every record loads."""
     storage = getattr(metadata, "storage_data", None) or {}
     for index, info in sorted(storage.items(), key=lambda kv: (str(kv[1].relative_path), kv[1].offset)):
         if getattr(info, "transform_descriptors", None):
@@ -253,8 +245,7 @@ def describe(e: BaseException) -> str:
 
 
 def causes(e: BaseException, implicit: bool = True) -> list[BaseException]:
-    """``e``, the per-rank failures DCP wrapped in it and their chained causes (``implicit``: also the
-    exceptions being handled when each was raised, ``__context__``)."""
+    """``e``, the per-rank failures DCP wrapped in it and their causes (``implicit``: their ``__context__`` too)."""
     out, todo = [], [e]
     while todo:
         c = todo.pop()

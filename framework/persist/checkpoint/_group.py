@@ -17,16 +17,14 @@ from framework.core.units import size
 
 
 def glue():
-    """Our glue to torch.distributed.checkpoint (``_dcp``), imported on first use: importing DCP
-    costs most of a second (DTensor, sympy), which every process would pay, checkpointing or not."""
+    """``_dcp``, imported on first use: importing DCP costs most of a second (DTensor, sympy)."""
     from framework.persist.checkpoint import _dcp
     return _dcp
 
 
 class Group:
-    """Collectives of the checkpoint code: their own gloo group with a long timeout, so a save
-    in a background thread never shares a group with training (concurrent collectives on one
-    group can deadlock) and a slow file system does not trip ``dist.timeout_s``."""
+    """The checkpoint's collectives on their own gloo group: a background save never shares a group with training
+    (concurrent collectives on one group can deadlock), and its timeout is ``checkpoint.timeout_s``."""
 
     def __init__(self, dist, timeout_s: float):
         self.rank, self.world, self.timeout_s, self.dist = dist.rank, dist.world, timeout_s, dist
@@ -53,10 +51,9 @@ class Group:
 
 
 def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, need: int = 0) -> list:
-    """``fn()`` on every rank, outcomes exchanged (a barrier too); every rank's result. When it failed anywhere,
-    rank 0 removes the unfinished ``tmp`` folder (``cleanup``) and every rank raises one CheckpointError naming
-    the rank and the cause, or, where a rank was interrupted (``_stop``), that interrupt: the run stops as on a
-    Ctrl-C or SIGTERM anywhere else. ``need``: the checkpoint's bytes, for the message of a full disk."""
+    """``fn()`` on every rank, outcomes exchanged; every rank's result. A failure anywhere: rank 0 removes ``tmp``
+    (``cleanup``) and every rank raises one CheckpointError naming the rank and cause, or the interrupt (``_stop``)
+    where a rank was interrupted. ``need``: the checkpoint's bytes, for a full disk's message."""
     result, problem, stop = None, None, None
     try:
         result = fn()
@@ -80,11 +77,9 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
 
 
 def agree_load(group: Group, what: str, fn):
-    """``fn()`` on every rank, outcomes exchanged before anyone goes on: every rank raises one kind,
-    so all take the same path (ConfigError: the checkpoint is another run's, no fallback;
-    CheckpointError: damaged, fall back; any other FrameworkError, e.g. a swap file's IO: the run
-    stops; an interrupt (``_stop``) wins over all: the run stops as on Ctrl-C or SIGTERM, no fallback);
-    a rank whose own error is of that kind raises it, the others the first of that kind."""
+    """``fn()`` on every rank, outcomes exchanged: every rank raises one kind, so all take one path (ConfigError:
+    another run's, no fallback; CheckpointError: damaged, fall back; another FrameworkError: stop; an interrupt,
+    ``_stop``, wins over all); a rank whose own error is of that kind raises it, the others the first one."""
     result, problem, stop = None, None, None
     try:
         result = fn()
@@ -108,14 +103,10 @@ def agree_load(group: Group, what: str, fn):
 
 
 def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
-    """The Ctrl-C (KeyboardInterrupt) or SIGTERM (``launch.signals_unwind``'s SystemExit) behind ``e``, as a
-    plain one of its kind (one that pickles for the exchange), else None. DCP catches whatever its writer or
-    reader raised, these too, and raises on every rank one CheckpointException holding each rank's failure:
-    read as a failed save or a damaged checkpoint, a Ctrl-C would be reported as an error (a sweep going on)
-    and a resume would fall back to an older checkpoint and train on. A bare interrupt raised in ``fn`` is
-    not caught: it leaves at once, as anywhere else (its peers get the signal too). Not the interrupt being
-    handled when the save started (a save in ``except KeyboardInterrupt:``): any error inside has it as its
-    ``__context__``, and a full disk would be reported as a Ctrl-C."""
+    """The Ctrl-C (KeyboardInterrupt) or SIGTERM (SystemExit) that DCP wrapped in ``e``, as a plain one of its
+    kind (it pickles for the exchange), else None: read as a failed save or damage, a Ctrl-C would let a sweep go
+    on or a resume fall back. Causes only, not ``__context__``: a save inside ``except KeyboardInterrupt:`` would
+    report a full disk as a Ctrl-C."""
     for c in glue().causes(e, implicit=False):
         if isinstance(c, KeyboardInterrupt):
             return KeyboardInterrupt()
@@ -125,9 +116,8 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
 
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
-    """One line for a failed write: a full disk names the folder, the free and the needed bytes
-    (torch's zip writer reports ENOSPC as "unexpected pos", DCP wraps it per rank). EFBIG (a file
-    size limit) keeps DCP's own line: more free space or another disk would not help."""
+    """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") names the folder, the
+    free and needed bytes; EFBIG (a file size limit) keeps DCP's line: more room would not help."""
     if any(isinstance(c, OSError) and c.errno in DISK_FULL or "unexpected pos" in str(c) or "No space left" in str(c)
            for c in glue().causes(e)):
         return (f"the file system of {tmp.parent} is full ({free_note(tmp.parent, unknown='free space unknown')}; "

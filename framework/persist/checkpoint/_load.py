@@ -1,6 +1,5 @@
-"""Reading a checkpoint: files and train state against the manifest, the DCP files against this
-model, then this rank's holdings read by DCP straight into the state's pieces (a mapped swap
-file where they lie there) and checked finite before the state is handed on."""
+"""Reading a checkpoint: files and train state against the manifest, the DCP files against this model, then
+this rank's holdings read by DCP straight into the state's pieces, checked finite before the state goes on."""
 from __future__ import annotations
 
 import contextlib
@@ -34,11 +33,9 @@ _HF_RECORDED_FREE = {"config"}
 
 
 def same_run(folder: Path, saved: dict, mine: dict, resume: str, recorded=None, current: dict | None = None) -> None:
-    """ConfigError unless ``saved`` (the config ``folder`` was saved with) has the model and optimizer
-    of ``mine`` (this run's): checked before the ranks start and again for each folder a resume
-    reads, a fallback's too (a checkpoint of another model whose shapes happen to fit is still refused).
-    ``recorded``: the HF model config the train state holds (``architecture``), compared with this model's
-    ``current`` one where both are known (the check before the ranks has no model yet)."""
+    """ConfigError unless ``saved`` (``folder``'s config) has the model and optimizer of ``mine`` (this run's), for
+    each folder a resume reads (another model whose shapes happen to fit is still refused). ``recorded``: the HF
+    model config the train state holds, compared with this model's ``current`` one where both are known."""
     free, whose = _MODEL_FREE, ""
     if mine["model"].get("name") == "hf":
         free = free | _HF_FREE | (_HF_RECORDED_FREE if isinstance(recorded, dict) else set())
@@ -83,8 +80,7 @@ def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
 
 def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str | None:
     """What the resume line says when the global batch (micro_batch x grad_accum x world) of the saving run
-    (``saved``: its config dict) differs from this run's; None when it is the same or not recorded. A world
-    size is not a config difference a resume lists (``_UNLISTED``), so this is where a changed one shows."""
+    differs from this run's (where a changed world size shows: ``_UNLISTED``); else None."""
     def rows(cfg: dict, world: int):
         train = cfg.get("train") if isinstance(cfg, dict) else None
         micro, accum = (train.get("micro_batch"), train.get("grad_accum")) if isinstance(train, dict) else (None, None)
@@ -98,9 +94,8 @@ def batch_change(saved: dict, saved_world: int, mine: dict, world: int) -> str |
 
 
 def verify(folder: Path, group: Group | None = None, resume: bool = False) -> dict:
-    """The manifest, every file checked against it (each rank a share; without ``group`` all here): every rank
-    raises the same CheckpointError naming the bad files. With ``resume`` (a resume, or an export, never reads the
-    zero3 16-bit weights copy in ``model_16bit/``), damage there is one line on rank 0, not a refusal."""
+    """The manifest, every file checked against it (each rank a share): every rank raises one CheckpointError
+    naming the bad files. ``resume`` (or an export: neither reads ``model_16bit/``): damage there is a line."""
     rank, world = (0, 1) if group is None else (group.rank, group.world)
     copy16 = f"{stepfolders.WEIGHTS16}/"
     try:
@@ -108,8 +103,7 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
         entries = manifest["files"]
         problems = [(n, p) for n in sorted(entries)[rank::world] if (p := stepfolders.check_file(folder, n, entries[n]))]
         if rank == 0:   # a file the manifest leaves out would be read unchecked
-            # (manifests that predate the 16-bit weights subfolder list none of its files: a resume never reads
-            # them, and check_weights16 refuses them to a weights load)
+            # (older manifests list no model_16bit/ files: never read by a resume, refused by check_weights16)
             sub = any(n.startswith(copy16) for n in entries)
             unlisted = sorted(set(stepfolders.files_of(folder)) - set(entries))
             problems += [(n, f"{folder / n} is not in {stepfolders.MANIFEST} (a save lists every file it writes: "
@@ -165,10 +159,9 @@ def _train_state(folder: Path, manifest: dict) -> dict:
 
 
 def load(engine, state, folder: Path, *, group: Group, seed: int, same: tuple[dict, str] | None = None):
-    """Check ``folder`` against this engine's layout and return ``read``: its call loads it into ``state``,
-    returning (the state, its train state). Both collective. A damaged or non-finite checkpoint is a
-    CheckpointError on every rank (``resume=auto`` falls back); with ``same`` (this run's config dict and
-    ``checkpoint.resume``), one of another model or optimizer a ConfigError. Only ``read`` writes into ``state``."""
+    """Check ``folder`` against this engine and return ``read``, which loads it into ``state`` and returns (state,
+    train state); both collective, only ``read`` writes. Damage: CheckpointError on every rank (auto falls back);
+    with ``same`` (this run's config dict, ``checkpoint.resume``), another model or optimizer: ConfigError."""
     # Before anything is read: the checks below and the read take the trainable set from requires_grad, which a
     # change after initialize makes disagree with the stage's layout (a parameter left unread, or called missing).
     agree_load(group, "requires_grad check", lambda: engine.check_trainable("checkpoint resume"))
@@ -200,9 +193,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
     with contextlib.ExitStack() as stack:   # offload=nvme: the new layout's swap files, mapped writable
         mapped, fmap = group.enter(stack, engine.mapped_state(state, write=True), "swap file mapping")
         pieces = flat_pieces(mapped.params, optimizer_leaves(mapped.opt_state, mapped.params)[0])
-        # DCP reads every holding straight into its piece (a swapped one into the mapped file). A
-        # read that fails or is not finite leaves a state nobody trains from: every rank raises,
-        # and resume either stops or falls back to a checkpoint that overwrites every holding.
+        # DCP reads every holding straight into its piece (a swapped one into the mapped file): a read that fails
+        # or is not finite raises on every rank, and resume stops or falls back to one that overwrites every holding.
         release = fmap.release if fmap is not None else None   # pages leave as they are filled
         targets = dcp_values([(p, h, h.lo, h.hi) for p, h in layout.mine()], pieces, body["optimizer"]["keys"])
         # read into host tensors, into the module once every rank read its share (a refused load leaves it)
@@ -234,10 +226,8 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
 
 
 def _rng_of(c, folder: Path, body: dict, seed: int):
-    """(torch, host) generator states: each rank its own under the same world size, otherwise re-derived.
-    Saved on another kind of device (a CPU run's checkpoint resumed on CUDA, or the reverse), the CPU's
-    and the host's are kept and the device generator's is derived (or dropped): the tuple is always the
-    one ``capture_rng`` gives on this run's device."""
+    """(torch, host) generator states: each rank its own under the same world size, else re-derived. Saved on
+    another kind of device, the CPU's and host's are kept, the device generator's derived (or dropped)."""
     rank, device = c.dist.rank, c.dist.device
     derived = rng.derive(seed, body["step"], rank, device)
     if body["world"] != c.dist.world:
@@ -263,9 +253,8 @@ def _rng_of(c, folder: Path, body: dict, seed: int):
 
 def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scalars: dict,
           whole: dict[str, torch.Tensor]) -> None:
-    """ConfigError when the checkpoint is of another model or optimizer (no fallback: the user chooses);
-    CheckpointError when its files lack what its train state names. ``whole``: the buffers and frozen
-    parameters by key (a checkpoint without any was saved before they were)."""
+    """ConfigError for another model or optimizer (no fallback); CheckpointError when the files lack what the train
+    state names. ``whole``: the buffers and frozen parameters by key."""
     opt = body["optimizer"]
     if set(per) != set(opt["per_element"]) or set(scalars) != set(opt["scalars"]):
         raise ConfigError(f"checkpoint {folder} holds the optimizer state "
@@ -290,9 +279,8 @@ def _fits(c, folder: Path, body: dict, md, layout: StateLayout, per: dict, scala
 
 
 def _same_trainable(folder: Path, trainable: list[str], saved: dict, keys, whole: dict) -> None:
-    """ConfigError naming the parameters frozen when saved and trainable now, or the other way round: the
-    same model, which a resume cannot continue (the frozen ones have no optimizer state, the others no
-    whole copy), so the message says so rather than calling them missing. ``keys``: the checkpoint's."""
+    """ConfigError naming the parameters frozen when saved and trainable now, or the reverse (a resume cannot
+    continue them), rather than calling them missing. ``keys``: the checkpoint's."""
     were = sorted(n for n in set(trainable) - set(saved) if f"frozen.{n}" in keys)
     now = sorted(n for n in set(saved) - set(trainable) if f"frozen.{n}" in whole)
     if were or now:

@@ -59,9 +59,9 @@ def dcp_values(parts, flats, keys: dict[str, str], take=None) -> dict:
 
 
 def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
-    """This rank's ``StateLayout.share`` of the (mapped: ``fmap``, or None) ``state`` as DCP values, with what the
-    save records (collective). Each box is a host copy owning exactly its bytes, taken now, so DCP's writer
-    (which clones views of larger storages) makes no second copy; ``zero_copy``: swap file boxes from its pages."""
+    """This rank's ``StateLayout.share`` of ``state`` as DCP values, with what the save records (collective). Each
+    box is a host copy of exactly its bytes (DCP's writer clones views of larger storages: no second copy);
+    ``zero_copy``: a mapped swap file's (``fmap``) boxes from its pages."""
     c = engine.components
     per, scalars = optimizer_leaves(state.opt_state, state.params)
     flats = flat_pieces(state.params, per)
@@ -106,17 +106,14 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
 
 
 def save(ckpt, state):
-    """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective; ``ckpt``: the ``Checkpointer``).
-    The host copy of this rank's state is taken before returning; with ``ckpt.pool`` the files are
-    written there and its future is returned (None otherwise). ``ckpt.on_point(point)`` is called at
-    ``save-<N>:after-shard`` (every rank), ``:before-manifest``, ``:before-rename`` and
-    ``:before-latest`` (rank 0), for fault tests."""
+    """Save ``state`` as ``<ckpt.root>/step-<state.step>`` (collective), its host copy taken before returning;
+    with ``ckpt.pool`` the files are written there (its future returned). ``ckpt.on_point``: at ``save-<N>:``
+    ``after-shard`` (every rank), ``before-manifest``, ``before-rename``, ``before-latest`` (rank 0): fault tests."""
     engine, group, root, background = ckpt.engine, ckpt.group, ckpt.root, ckpt.pool
     staged16 = None
     if engine.components.stage.weights_on_save():
-        # stage3_gather_16bit_weights_on_model_save: written now on the training thread (collective
-        # on the default group) into a staging folder that ``_write`` moves into the step folder as
-        # model_16bit/, so they are committed, pruned and found with the step.
+        # stage3_gather_16bit_weights_on_model_save: written now (collective on the default group) into a folder
+        # ``_write`` moves into the step folder as model_16bit/: committed, pruned and found with the step.
         if group.rank == 0:
             files.make_dirs(root)
         staged16 = root / f"step-{state.step}.model_16bit"
@@ -130,8 +127,7 @@ def save(ckpt, state):
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
         if fmap is not None:
-            # A swapped state is written from the swap file's pages, page range by page range, on
-            # this thread: a background save would need a host copy of all of it (model-sized).
+            # written from the swap file's pages on this thread: a background save would need a model-sized copy
             background = None
         snap = snapshot(engine, mapped, fmap, group, zero_copy=background is None)
         # Fixed at submit: a background write keeps the settings of the save that made it.
@@ -149,8 +145,8 @@ def save(ckpt, state):
 
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
-    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save. Non-finite state
-    is a TrainingError unless the swap file changed under it (``recheck`` fails), too little room a CheckpointError."""
+    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save. Non-finite state is
+    a TrainingError (unless ``recheck``: the swap file changed under it), too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
@@ -257,11 +253,9 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
 
 
 def unseen(tmp: Path, entries: dict[str, dict], world: int) -> None:
-    """Before rank 0 writes ``tmp``'s manifest (``verified``): a CheckpointError unless ``tmp`` as rank 0 sees it
-    holds every file the ranks hashed (``entries``) and every rank's ``rng-<rank>.json``, and no file a save writes
-    that they left out. Each rank hashes its share of its own listing of ``tmp``: where ``checkpoint.dir`` is another
-    folder on another node (a node-local /tmp), each node's shards land in its own copy, and the manifest would
-    vouch for files the folder renamed here does not hold."""
+    """A CheckpointError unless ``tmp`` as rank 0 sees it holds exactly the files the ranks hashed (``entries``) and
+    every ``rng-<rank>.json``: on a node-local ``checkpoint.dir`` each node writes its own copy, and the manifest
+    would vouch for files this folder does not hold."""
     names = set(stepfolders.files_of(tmp))
     missing = sorted({*entries, *(f"rng-{r}.json" for r in range(world))} - names)
     extra = sorted(n for n in names - set(entries) if stepfolders.a_save_writes(n))
