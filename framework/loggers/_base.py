@@ -282,7 +282,6 @@ def _hms(s: float) -> str:
 class Console:
     """A live progress bar on a terminal; plain log lines otherwise."""
 
-
     def __init__(self, live: bool | None = None):
         self.live = sys.stdout.isatty() if live is None else live
         self._progress = self._task = None

@@ -54,10 +54,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transforms left to right; the state is the tuple of the inner states."""
 
     def update(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float) -> tuple[list[Tensor], tuple]:
-        if len(state) != len(transforms):
-            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)}")
         new_state = []
-        for transform, inner in zip(transforms, state):
+        for transform, inner in zip(transforms, state, strict=True):
+
             grads, inner = transform.update(grads, inner, params, lr)
             new_state.append(inner)
         return grads, tuple(new_state)
@@ -91,13 +90,11 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
         keep = [i for i, p in enumerate(params) if p.numel()]
         if not keep:
             return new_state
-        lists = inner[1:] if counted else inner
-        decays = mask
-        if len(keep) < len(params):
-            params, grads, decays = [params[i] for i in keep], [grads[i] for i in keep], [mask[i] for i in keep]
-            lists = tuple([ts[i] for i in keep] for ts in lists)
-            out16 = None if out16 is None else [out16[i] for i in keep]
-            inner = inner._replace(**dict(zip(inner._fields[1 if counted else 0:], lists)))
+        params, grads, decays = ([xs[i] for i in keep] for xs in (params, grads, mask))
+        out16 = None if out16 is None else [out16[i] for i in keep]
+        lists = tuple([ts[i] for i in keep] for ts in (inner[1:] if counted else inner))
+        inner = inner._replace(**dict(zip(inner._fields[1 if counted else 0:], lists)))
+
         # The first param only (CUDA tensors never trigger a build): the kernel checks every tensor itself
         # and declines (``strict=False``), cheaper than a check per tensor here.
         usable = ops.usable(params[:1])

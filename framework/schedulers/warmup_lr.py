@@ -17,8 +17,6 @@ from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
 
 WARMUP_TYPES = ("log", "linear")
-NUM_STEPS_BELOW_ONE = ("scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got {}; give 1 or more "
-                       "(scheduler=constant has no warm-up)")
 
 
 @dataclass(kw_only=True)
@@ -43,13 +41,18 @@ class WarmupCosineLRConfig:
     total_num_steps: int | None = None    # None: the run's number of optimizer steps
 
 
+def _check_warmup(num_steps: int, kind: str, prefix: str = "") -> None:
+    if kind not in WARMUP_TYPES:
+        raise ConfigError(f"{prefix}scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
+                          f"{kind!r}{closest_hint(kind, WARMUP_TYPES)}")
+    if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 by ``warmup``
+        raise ConfigError(f"{prefix}scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got "
+                          f"{num_steps}; give 1 or more (scheduler=constant has no warm-up)")
+
+
 def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
     """The warm-up's checked length (at least 2) and its ``gamma(step)`` in [0, 1) before it ends."""
-    if kind not in WARMUP_TYPES:
-        raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
-                          f"got {kind!r}")
-    if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 below
-        raise ConfigError(NUM_STEPS_BELOW_ONE.format(num_steps))
+    _check_warmup(num_steps, kind)
     num_steps = max(2, num_steps)
     if kind == "log":
         return num_steps, lambda step: math.log(step + 1) / math.log(num_steps)
@@ -131,12 +134,9 @@ def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[st
 
 def check(node, stage: str, nodes: Mapping[str, Any]):
     """warmup_type and warmup_num_steps with the composed config's other checks (before a run folder is made)."""
-    if node.warmup_type not in WARMUP_TYPES:
-        raise ConfigError(f"config: scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
-                          f"{node.warmup_type!r}{closest_hint(node.warmup_type, WARMUP_TYPES)}")
-    if not node.warmup_num_steps >= 1:
-        raise ConfigError("config: " + NUM_STEPS_BELOW_ONE.format(node.warmup_num_steps))
+    _check_warmup(node.warmup_num_steps, node.warmup_type, prefix="config: ")
     return node
+
 
 
 COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check,
