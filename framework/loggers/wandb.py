@@ -9,7 +9,8 @@ from typing import Any, Mapping
 
 from framework.core import files
 from framework.core.errors import ConfigError, first_line
-from framework.loggers._base import Console, RunInfo
+from framework.loggers._base import RunInfo
+from framework.loggers.console import Console
 from framework.core.registry import Component
 
 RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues

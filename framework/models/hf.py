@@ -359,7 +359,6 @@ def _poisoned(t: Tensor) -> bool:
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
     """Materialise a meta model whole with the values a stage gives it (seed: ``torch.initial_seed()``)."""
-
     init = HFInit(model, torch.initial_seed() if seed is None else seed)
     done: dict[int, Tensor] = {}   # a tensor registered under several names (tied weights) stays one
     for parameter, named in ((True, model.named_parameters(remove_duplicate=False)),
