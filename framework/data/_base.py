@@ -1,14 +1,9 @@
-"""The data-source base class and the batch layout shared by every source.
+"""The data-source base class and the batch layout every source shares.
 
-Data is a pure function of a position: the global batch at ``position`` is drawn from a generator
-seeded by ``(seed, position)`` alone, so a restarted run sees exactly the batches it would have
-seen, whatever the number of ranks or the micro-batch split.
-
-Layout. The global batch has ``micro_batch * grad_accum * world`` rows, viewed as
-``[grad_accum, world, micro_batch]``: accumulation step k of rank r holds global rows
-``(k * world + r) * micro_batch + i``. So in each accumulation step the ranks' micro batches in
-rank order are the rows one rank with ``world * micro_batch`` would see at that step (one
-contiguous block per rank would keep only the union over the whole step).
+The global batch at ``position`` is drawn from a generator seeded by ``(seed, position)`` alone: a restarted
+run sees the same batches whatever the ranks or micro-batch split. Its ``micro_batch * grad_accum * world``
+rows are viewed as ``[grad_accum, world, micro_batch]``, so each accumulation step's micro batches, in rank
+order, are the rows one rank with ``world * micro_batch`` would see at that step.
 """
 from __future__ import annotations
 
@@ -22,9 +17,7 @@ from framework.core.batch import Batch
 from framework.core.errors import ConfigError, DataError
 from framework.core.paths import REPO_ROOT
 
-# Independent random streams: training batches, held-out batches, and anything else a
-# source needs (e.g. the synthetic chain itself).
-TRAIN_STREAM, VAL_STREAM, CHAIN_STREAM = 0, 1, 2
+TRAIN_STREAM, VAL_STREAM, CHAIN_STREAM = 0, 1, 2   # independent random streams
 _MASK64 = (1 << 64) - 1
 
 
@@ -68,9 +61,8 @@ def resolve_path(path: str, *, key: str) -> Path:
 
 
 class DataSource:
-    """``train_batch`` and ``val_batches`` of a source whose ``_draw(split, n, gen, rows)`` returns the
-    ``rows`` of a batch of ``n`` sequences of ``context + 1`` tokens drawn from ``gen``; ``describe()``
-    returns what the run's summary says about it."""
+    """Batches of a source whose ``_draw(split, n, gen, rows)`` returns the ``rows`` of ``n`` sequences of
+    ``context + 1`` tokens drawn from ``gen``; ``describe()`` is what the run's summary says of it."""
 
     vocab_size: int
     seed: int
@@ -92,29 +84,24 @@ class DataSource:
 
     def val_batches(self, n: int, *, batch: int, rank: int, world: int,
                     grad_accum: int = 1) -> list[tuple[Tensor, Tensor]]:
-        """This rank's micro batches (``batch`` rows each) of ``n`` held-out global batches of
-        ``batch * grad_accum * world`` rows, split as train's are: batch after batch, ``grad_accum``
-        each. So the held-out rows (and, in equal chunks, the mean loss) depend on the global batch
-        only, not on how it is split into micro batches and ranks."""
-        # Independent of the run seed (so val losses compare across seeds) and of n (batch j
-        # is the same whether 4 or 40 are asked for).
+        """This rank's micro batches (``batch`` rows each) of ``n`` held-out global batches, split as train's:
+        the held-out rows depend on the global batch only. Independent of the run seed and of ``n``."""
         rows = rank_rows(micro_batch=batch, grad_accum=grad_accum, rank=rank, world=world)
         return [m for j in range(n)
                 for m in self._micro("val", seeded(VAL_STREAM, *self.val_key, j), rows, world, batch)]
 
     def _micro(self, split: str, gen: torch.Generator, rows: Tensor, world: int,
                size: int) -> list[tuple[Tensor, Tensor]]:
-        """This rank's ``rows`` of a global batch of ``len(rows) * world`` sequences, as micro batches of
-        ``size`` (inputs, next-token targets)."""
+        """This rank's ``rows`` of a global batch, as (inputs, next-token targets) micro batches of ``size``."""
         seqs = self._draw(split, len(rows) * world, gen, rows)
         x, y = seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()
         return [(x[i:i + size], y[i:i + size]) for i in range(0, len(x), size)]
 
 
 class CropSource(DataSource):
-    """Random crops of ``context + 1`` tokens from flat 1-D integer arrays ``train`` and ``val`` (in
-    memory or a memmap: a crop is one fancy index, so a memmap reads only the pages a batch needs)
-    of the ``kind`` source read from ``path``."""
+    """Random crops of ``context + 1`` tokens from flat integer arrays ``train`` and ``val`` (a memmap reads
+    only the pages a batch needs)."""
+
 
     def __init__(self, *, train: np.ndarray, val: np.ndarray, vocab_size: int, seed: int,
                  context: int, kind: str, path: Path) -> None:

@@ -1,12 +1,8 @@
 """Synthetic data: a random first-order Markov chain with a known optimal loss.
 
-The chain is fixed by ``chain_seed`` (not the run seed: every run trains on the same task): each
-row of the transition matrix P is drawn from Dirichlet(concentration) (smaller: peakier, more
-predictable). Sequences start from the stationary distribution pi, so every position is stationary.
-
-The floor: by the Markov property the best predictor of x[t+1] given x[0..t] is P[x[t]]; with
-x[t] ~ pi at every t, each prediction's expected optimal loss (and so their mean, for any context
-length) is the entropy rate H = -sum_i pi_i sum_j P_ij log P_ij nats/token.
+``chain_seed`` (not the run seed) fixes the chain; each row of its transition matrix P is drawn from
+Dirichlet(concentration). Sequences start from the stationary distribution pi, so the best prediction's
+expected loss at every position is the entropy rate H = -sum_i pi_i sum_j P_ij log P_ij nats/token.
 """
 from __future__ import annotations
 
@@ -28,18 +24,15 @@ MAX_VOCAB = 4096
 @dataclass(kw_only=True)
 class SyntheticConfig:
     vocab_size: int = 64
-    # Dirichlet alpha of each transition row. 0.05 over 64 symbols (chain_seed 0) gives a
-    # floor of H = 1.902 nats against 4.04 for a context-free model and log 64 = 4.16 for a
-    # uniform guess. gpt-nano with the default recipe (AdamW 1e-3, batch 16 x 64, 1200 steps)
-    # ends ~0.035 nats above it; at 0.1 (H = 2.41) the gap was ~0.05.
+    # Dirichlet alpha of each row: 0.05 over 64 symbols gives H = 1.902 nats (context-free: 4.04, uniform:
+    # 4.16); gpt-nano's default recipe ends ~0.035 nats above it.
     concentration: float = 0.05
     chain_seed: int = 0     # which chain; independent of the run seed
 
     def __post_init__(self) -> None:
         if self.vocab_size < 2:
             raise ConfigError(f"data.vocab_size must be >= 2, got {self.vocab_size}")
-        # The chain is dense: about 48 V^2 bytes of float64 tables plus an O(V^3) solve (0.8 GB and
-        # ~15 s on 2 cores at 4096, measured; 50304 would need ~120 GB). Every use here is <= 2048.
+        # The chain is dense: ~48 V^2 bytes and an O(V^3) solve (0.8 GB and ~15 s at 4096).
         if self.vocab_size > MAX_VOCAB:
             raise ConfigError(f"data.vocab_size must be <= {MAX_VOCAB} for synthetic data, got {self.vocab_size} "
                               f"(its transition matrix is dense: ~48 V^2 bytes); use data=tokens for a larger vocabulary")
@@ -48,10 +41,8 @@ class SyntheticConfig:
 
 
 def stationary(p: np.ndarray, a: np.ndarray, cfg: SyntheticConfig) -> np.ndarray:
-    """pi of ``pi P = pi``, or a ConfigError where a small concentration rounds enough transitions to 0
-    that the chain splits into parts that never reach each other: no unique pi (a singular system, or a
-    solve whose answer is not stationary), so no floor. No bound on concentration alone rules that out
-    (it depends on vocab_size and chain_seed too), hence the check of the answer."""
+    """pi of ``pi P = pi``, or a ConfigError where a small concentration splits the chain into parts that never
+    reach each other (no unique pi, so no floor): the answer is checked."""
     try:
         pi = np.linalg.solve(a, np.eye(len(p))[-1])
     except np.linalg.LinAlgError:
@@ -72,8 +63,7 @@ class SyntheticSource(DataSource):
         v = cfg.vocab_size
         rng = np.random.default_rng([CHAIN_STREAM, cfg.chain_seed])
         p = rng.dirichlet(np.full(v, cfg.concentration), size=v)            # float64 [V, V]
-        # Stationary distribution: solve pi (P - I) = 0 with sum(pi) = 1 (one equation of the
-        # singular system replaced by the normalisation).
+        # Solve pi (P - I) = 0 with one equation replaced by sum(pi) = 1.
         a = p.T - np.eye(v)
         a[-1] = 1.0
         pi = stationary(p, a, cfg)
@@ -89,8 +79,8 @@ class SyntheticSource(DataSource):
         self._pi_cdf[-1] = 1.0
 
     def _draw(self, split: str, n: int, gen: torch.Generator, rows: Tensor) -> Tensor:
-        # Every rank draws the whole batch's uniforms (cheap) and simulates only its rows,
-        # vectorised over them: each token is the inverse CDF of a uniform.
+        # Every rank draws the whole batch's uniforms and simulates its rows: each token an inverse CDF.
+
         u = torch.rand(n, self.context + 1, generator=gen, dtype=torch.float64, device="cpu")[rows]
         seqs = torch.empty(u.shape, dtype=torch.int64, device="cpu")
         state = torch.searchsorted(self._pi_cdf, u[:, 0].contiguous(), right=True)

@@ -1,8 +1,6 @@
-"""Character-level text: the vocabulary is the sorted set of characters of the whole file; the
-first 90% of the characters (``int(0.9 * n)``) are the training split, the rest held out, and
-batches are random crops (``_base.CropSource``). ``prepare_chars`` writes the same encoding once
-as a uint16 token file for ``data=tokens`` (nanoGPT's format) plus its ``<stem>.meta.json`` with the
-vocabulary; its ``val_fraction`` of 0.1 gives exactly this module's split."""
+"""Character-level text: the vocabulary is the sorted set of the file's characters, the first
+``int(0.9 * n)`` are the training split. ``prepare_chars`` writes the same encoding as a uint16 token file
+for ``data=tokens`` plus its ``<stem>.meta.json`` (``val_fraction`` 0.1 gives the same split)."""
 from __future__ import annotations
 
 import hashlib
@@ -29,8 +27,7 @@ class TextConfig:
 
 
 def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
-    """The UTF-8 file ``source`` (data.path rules) -> (its path, int32 ids, vocabulary, length of the
-    training split): a character's id is its rank in the sorted set of the file's distinct characters."""
+    """The UTF-8 file ``source`` -> (its path, int32 ids, vocabulary, length of the training split)."""
     path = resolve_path(source, key="data.path")
     try:
         text = path.read_text(encoding="utf-8")
@@ -49,11 +46,10 @@ def encode_file(source: str) -> tuple[Path, np.ndarray, str, int]:
 
 
 def prepare_chars(source: str, out: Path) -> dict:
-    """Encode the text file ``source`` (data.path rules) into ``out`` (uint16 token ids, the whole
-    file in order) and its ``<stem>.meta.json`` (each written atomically, the metadata first, with the
-    tokens' checksum that the reader checks: a pair left half-written is refused, not read; then again
-    with the token file's size, modification time and inode, which spare the reader the checksum); return the
-    metadata. ``out`` must be new or this function's own earlier output: nothing else is overwritten."""
+    """Encode the text file ``source`` into ``out`` (uint16 ids) and its ``<stem>.meta.json``; return the
+    metadata. Each is written atomically, the metadata first with the tokens' checksum (a half-written pair is
+    refused), then again with the token file's stat (sparing the reader the checksum). ``out`` must be new or
+    this function's own earlier output."""
     path, ids, chars, split = encode_file(source)
     if len(chars) > 1 << 16:
         raise DataError(f"{path} has {len(chars)} distinct characters, more than uint16 token ids hold")
@@ -64,8 +60,8 @@ def prepare_chars(source: str, out: Path) -> dict:
             raise DataError(f"--out {out} is the text file being encoded (data.path); write the tokens to "
                             f"another file")
         _, old = read_meta(out)
-        # A metadata file naming it with the tokens' checksum: written by prepare (perhaps one that was
-        # stopped before the tokens, so the size need not match).
+        # Metadata naming it with a checksum: prepare's (perhaps stopped before the tokens: any size).
+
         ours = old.get("tokens") == out.name and isinstance(old.get("tokens_sha256"), str)
         if not ours and (not isinstance(old.get("train_tokens"), int) or not isinstance(old.get("val_tokens"), int)
                          or out.stat().st_size != 2 * (old["train_tokens"] + old["val_tokens"])):

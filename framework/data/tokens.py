@@ -1,9 +1,5 @@
-"""Pre-tokenised data: a flat little-endian uint16 ``.bin`` of token ids (nanoGPT's format).
-
-The file is memory-mapped, never loaded: each batch reads only its crops, so it scales to
-files larger than RAM. The last ``val_fraction`` of the tokens is the held-out split.
-``<stem>.meta.json`` beside it (``recipe prepare`` writes one per token file) gives its vocabulary.
-"""
+"""Pre-tokenised data: a flat little-endian uint16 ``.bin`` of token ids (nanoGPT's format), memory-mapped;
+the last ``val_fraction`` is held out. ``<stem>.meta.json`` beside it (``recipe prepare``'s) gives its vocabulary."""
 from __future__ import annotations
 
 import hashlib
@@ -68,18 +64,14 @@ def meta_path(path: Path) -> Path:
 
 
 def tokens_stat(path: Path) -> list[int]:
-    """The token file's identity as prepare records it: size, modification time (ns) and inode. Any
-    write changes the time, a replacement the inode."""
+    """The token file's identity as prepare records it: size, modification time (ns) and inode."""
     st = path.stat()
     return [st.st_size, st.st_mtime_ns, st.st_ino]
 
 
 def check_pair(path: Path, data: np.ndarray) -> None:
-    """The token file against the ``<stem>.meta.json`` prepare wrote for it (one naming it): its token
-    count and checksum. The two are renamed into place one after the other, so a prepare stopped
-    between them leaves one file new and the other old; such a pair is refused, not read. The checksum
-    (a read of the whole file, on every rank) only where the file is not the one prepare recorded
-    (``tokens_stat``): a stopped prepare, a copy, a file changed by hand."""
+    """Refuse a token file whose count or checksum is not that of the ``<stem>.meta.json`` naming it (a prepare
+    stopped between the two renames); the checksum is read only where ``tokens_stat`` differs."""
     meta, found = read_meta(path)
     if found.get("tokens") != path.name:
         return
@@ -92,9 +84,8 @@ def check_pair(path: Path, data: np.ndarray) -> None:
 
 
 def read_meta(path: Path) -> tuple[Path, dict]:
-    """The metadata of the token file ``path`` and where it is: its own ``<stem>.meta.json``, else a
-    folder-wide ``meta.json`` (written by earlier versions, or by hand) unless that names another
-    token file; ``(meta_path(path), {})`` when there is none."""
+    """(where, contents) of the token file's metadata: its ``<stem>.meta.json``, else a folder-wide ``meta.json``
+    not naming another file; ``(meta_path(path), {})`` when there is none."""
     for meta in (meta_path(path), path.parent / "meta.json"):
         try:
             found = json.loads(meta.read_text())
@@ -106,8 +97,7 @@ def read_meta(path: Path) -> tuple[Path, dict]:
 
 
 def _meta_vocab(path: Path) -> tuple[Path, object, bool, object]:
-    """Where the token file's metadata is, the vocabulary size it gives (None: none or not valid),
-    whether there is any, and the size it gives when that is not valid (a uint16 file's: in [1, 65536])."""
+    """(where the metadata is, its valid vocab_size or None, whether there is any, its invalid vocab_size or None)."""
     meta, found = read_meta(path)
     vocab = found.get("vocab_size")
     if vocab is not None and (not isinstance(vocab, int) or isinstance(vocab, bool) or not 1 <= vocab <= 1 << 16):
@@ -117,15 +107,14 @@ def _meta_vocab(path: Path) -> tuple[Path, object, bool, object]:
 
 # conf/data/tokens.yaml's data.vocab_size (GPT-2's 50257 padded): what a file without metadata is read with.
 DEFAULT_VOCAB = 50304
-# Bytes of text: printable ASCII and whitespace. A uint16 token file has high bytes below 0x20 for
-# every id under 8192, so its first bytes are hardly ever all of these.
+# Printable ASCII and whitespace: a uint16 token file's high bytes are below 0x20 for ids under 8192.
 _TEXT_BYTES = frozenset(range(0x20, 0x7F)) | {0x09, 0x0A, 0x0D}
 
 
 def _notes(cfg: TokensConfig, run) -> list[str]:
-    """A data.vocab_size above the file's own vocabulary: valid (unused ids), but worth a word; a
-    file without metadata read with the default vocabulary, or one that looks like text: the
-    assumption said once."""
+    """A word on a data.vocab_size above the file's own, or on a file without metadata (or one that looks like
+    text) read with an assumed vocabulary."""
+
     try:
         path = resolve_path(cfg.path, key="data.path")
         meta, own, found, bad = _meta_vocab(path)

@@ -1,8 +1,5 @@
-"""The logger interface (``NullLogger``), the run record (metrics.jsonl, summary.json) and console output.
-
-Only rank 0 logs. Every run directory gets metrics.jsonl and summary.json whatever logger is
-chosen; loggers add a console view and/or an external service.
-"""
+"""The logger interface (``NullLogger``), the run record (metrics.jsonl and summary.json, written whatever
+logger is chosen) and the console's copy in train.log (``console_log``). Only rank 0 logs."""
 from __future__ import annotations
 
 import contextlib
@@ -45,14 +42,11 @@ class NullLogger:
 
 
 class RunRecord:
-    """Rank 0's logger: metrics.jsonl (one record per logged step) plus an atomically written summary.json,
-    then the configured ``logger``.
+    """Rank 0's logger: metrics.jsonl plus an atomic summary.json, then the configured ``logger``.
 
-    ``start``: the step this run's record goes on from (0: a new record; else the step of this folder's
-    own checkpoint it resumed). Later records in the folder would repeat or mix with this run's: the file is
-    set aside as ``metrics.jsonl.N`` first (on a new record ``summary.json`` too), so nothing is lost; only
-    once the configured logger started (a run W&B refuses leaves the folder as it was). No room to write
-    (a full disk, a file size limit, a quota) ends the run with one line."""
+    ``start``: the step this record goes on from (0: new; else the resumed checkpoint's). Later records
+    would mix with this run's: once the logger started, the file is set aside as ``metrics.jsonl.N``
+    (a new record's ``summary.json`` too), nothing lost. No room to write ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
@@ -75,8 +69,7 @@ class RunRecord:
     def finish(self, summary: dict) -> None:
         kept = _summary(self.run_dir) if summary["steps_run"] == 0 else None
         if kept is not None and kept.get("steps") == summary["steps"]:
-            # A re-run that trained nothing (its checkpoint was at train.steps): the summary of the
-            # run that trained those steps holds their train loss, throughput and memory.
+            # A re-run that trained nothing: the summary of the run that trained those steps is the one to keep.
             print(f"summary.json of step {summary['steps']} kept (no step left to train; val loss of the loaded "
                   f"state {summary['val_loss']:.4f})", flush=True)
             summary = kept
@@ -111,8 +104,7 @@ class RunRecord:
 
 
 def _json(obj, **kw) -> str:
-    """JSON that strict readers parse: a NaN or infinite float (a skipped fp16 step's loss, a diverged
-    run's) is written as null, not as the bare NaN/Infinity Python's json would write."""
+    """JSON that strict readers parse: a non-finite float is null, not Python's bare NaN/Infinity."""
     return json.dumps(_finite_or_none(obj), allow_nan=False, **kw)
 
 
@@ -166,9 +158,8 @@ def _step(line: str) -> float:
 
 
 class _Sink:
-    """A stream (train.log, or the console) whose failing write (no room on the disk, a file size limit, a
-    console that is gone) ends it, not the run: what failed becomes a note, given once (``note``) for the
-    other stream to carry."""
+    """A stream (train.log or the console) whose failing write ends it, not the run: the failure becomes a
+    note, given once (``note``) for the other stream to carry."""
 
     def __init__(self, stream, says: str):
         self.stream, self.says = stream, says
@@ -182,9 +173,8 @@ class _Sink:
         except (OSError, ValueError) as e:
             self.gone = self.says.format(e)
             if isinstance(e, BrokenPipeError):
-                # Its reader (of the console: ``| head``) is gone for good: the descriptor writes to nowhere,
-                # so that nothing printed later (the console's own buffer flushed at exit included) fails
-                # with a traceback.
+                # Its reader (``| head``) is gone for good: write to nowhere, so that nothing printed later
+                # (the buffer flushed at exit included) fails with a traceback.
                 with contextlib.suppress(AttributeError, OSError, ValueError), open(os.devnull, "wb") as nowhere:
                     os.dup2(nowhere.fileno(), self.stream.fileno())
 
@@ -208,9 +198,8 @@ class _Sink:
 
 
 class _Tee:
-    """A text stream that writes to ``terminal`` (the console) and to ``log`` (train.log). A console that
-    is gone (``| head``: a closed pipe) ends the run no more than it ends its log: noted there once, the
-    log goes on alone; and a log that cannot be written is noted once on the console."""
+    """A text stream writing to ``terminal`` (the console) and ``log`` (train.log); either one failing is noted
+    once on the other, which goes on alone."""
 
     def __init__(self, terminal, log: _Sink):
         self.terminal, self.log = terminal, log
@@ -225,8 +214,7 @@ class _Tee:
         return len(text)
 
     def log_only(self, text: str) -> None:
-        """What a live progress bar shows on the console, as plain lines in the log; and a line that
-        ``say`` wrote to the console's descriptor itself (in one write)."""
+        """A line for the log only: what a live bar shows, or what ``say`` wrote to the console itself."""
         self.log.write(text)
 
     def flush(self) -> None:
@@ -239,10 +227,8 @@ class _Tee:
 
 @contextlib.contextmanager
 def console_log(path: Path):
-    """Within the block, what this process prints (stdout and stderr) also goes to ``path``
-    (appended): rank 0's console of a run is its folder's train.log. An error (any exception), Ctrl-C or
-    SIGTERM that ends the run is written there too (the caller prints it to the console). A log that
-    cannot be written (no room) ends nothing: the console goes on alone, with a note."""
+    """Within the block, stdout and stderr also go to ``path`` (appended: rank 0's train.log), and so does the
+    error, Ctrl-C or SIGTERM that ends the run. A log that cannot be written ends nothing (a note says so)."""
     log = _Sink(files.open_append(path), "(train.log cannot be written: {}; the console goes on alone)\n")
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
@@ -275,80 +261,3 @@ def run_header(cfg, run: RunInfo, world: int, backend: str | None, device, check
             f"optimizer {ch['optimizer']} | scheduler {ch['scheduler']} | {t.steps} steps",
             f"writes: metrics {run.run_dir / 'metrics.jsonl'} (every {t.log_every} steps) | summary "
             f"{run.run_dir / 'summary.json'} | checkpoints {saves}; resume {c.resume}"]
-
-
-def fmt_record(r: dict) -> str:
-    if "val_loss" in r:
-        return f"step {r['step']:>6} | val loss {r['val_loss']:.4f}"
-    return " | ".join([f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
-                       f"{r['tokens_per_s']:,.0f} tok/s",
-                       *([f"skipped {r['skipped_steps']}"] if r.get("skipped_steps") else []),
-                       *([f"eta {_hms(r['eta_s'])}"] if "eta_s" in r else [])])
-
-
-def _hms(s: float) -> str:
-    if not math.isfinite(s):
-        return "?"
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
-
-
-class Console:
-    """A live progress bar on a terminal; plain log lines when stdout is not one
-    (a redrawn bar in a log file becomes one unreadable line)."""
-
-    def __init__(self, live: bool | None = None):
-        self.live = sys.stdout.isatty() if live is None else live
-        self._progress = self._task = None
-
-    def start(self, config: dict, total_steps: int) -> None:
-        if self.live:
-            from rich.console import Console as RichConsole
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            # The bar is drawn on the terminal only; train.log gets its records as plain lines.
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
-                                      console=RichConsole(file=getattr(sys.stdout, "terminal", sys.stdout)))
-            self._task = self._progress.add_task("train", total=total_steps, status="")
-            self._progress.start()
-
-    def log(self, record: dict) -> None:
-        if self._progress is not None:
-            if "loss" in record:
-                status = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s"
-                self._progress.update(self._task, completed=record["step"], status=status)
-            else:
-                self._progress.console.print(fmt_record(record))
-            if hasattr(sys.stdout, "log_only"):   # train.log gets the records the bar shows
-                sys.stdout.log_only(fmt_record(record) + "\n")
-        else:
-            print(fmt_record(record), flush=True)
-
-    def finish(self, summary: dict) -> None:
-        self.close()
-        print(summary_line(summary), flush=True)
-
-    def close(self) -> None:
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
-
-
-def summary_line(s: dict) -> str:
-    window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
-    loss = s["train_loss"]
-    line = (f"done: {s['steps']} steps | "
-            + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
-            + (f" (mean of last {window} steps)" if window else "")
-            + (f" | {skipped} of the {s['steps']} steps skipped, updating nothing"
-               if (skipped := s.get("skipped_steps")) else "")
-            + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
-    floor = s.get("data", {}).get("entropy_floor")
-    if floor is not None and s["val_loss"] is not None:
-        line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
-    return line
-
-
-def _nan(v):
-    """A kept summary.json's null (a non-finite value when written) as the NaN it was."""
-    return math.nan if v is None else v

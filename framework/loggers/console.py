@@ -1,9 +1,87 @@
 """console: progress bar on a terminal, plain periodic lines otherwise; none: no console output and
 no service (metrics.jsonl and summary.json are still written). Rank 0 only."""
+import math
+import sys
 from dataclasses import dataclass
 
-from framework.loggers._base import Console, NullLogger
+from framework.loggers._base import NullLogger
 from framework.core.registry import Component
+
+
+def fmt_record(r: dict) -> str:
+    if "val_loss" in r:
+        return f"step {r['step']:>6} | val loss {r['val_loss']:.4f}"
+    return " | ".join([f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}",
+                       f"{r['tokens_per_s']:,.0f} tok/s",
+                       *([f"skipped {r['skipped_steps']}"] if r.get("skipped_steps") else []),
+                       *([f"eta {_hms(r['eta_s'])}"] if "eta_s" in r else [])])
+
+
+def _hms(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class Console:
+    """A live progress bar on a terminal; plain log lines otherwise."""
+
+    def __init__(self, live: bool | None = None):
+        self.live = sys.stdout.isatty() if live is None else live
+        self._progress = self._task = None
+
+    def start(self, config: dict, total_steps: int) -> None:
+        if self.live:
+            from rich.console import Console as RichConsole
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            # The bar is drawn on the terminal only; train.log gets its records as plain lines.
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                      console=RichConsole(file=getattr(sys.stdout, "terminal", sys.stdout)))
+            self._task = self._progress.add_task("train", total=total_steps, status="")
+            self._progress.start()
+
+    def log(self, record: dict) -> None:
+        if self._progress is not None:
+            if "loss" in record:
+                status = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s"
+                self._progress.update(self._task, completed=record["step"], status=status)
+            else:
+                self._progress.console.print(fmt_record(record))
+            if hasattr(sys.stdout, "log_only"):   # train.log gets the records the bar shows
+                sys.stdout.log_only(fmt_record(record) + "\n")
+        else:
+            print(fmt_record(record), flush=True)
+
+    def finish(self, summary: dict) -> None:
+        self.close()
+        print(summary_line(summary), flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+def summary_line(s: dict) -> str:
+    window = s.get("train_loss_steps")   # absent from a summary an older version wrote (a kept one)
+    loss = s["train_loss"]
+    line = (f"done: {s['steps']} steps | "
+            + (f"train loss {loss:.4f}" if loss is not None else "no step trained")
+            + (f" (mean of last {window} steps)" if window else "")
+            + (f" | {skipped} of the {s['steps']} steps skipped, updating nothing"
+               if (skipped := s.get("skipped_steps")) else "")
+            + f" | val loss {_nan(s['val_loss']):.4f} | {_nan(s['tokens_per_s']):,.0f} tok/s")
+    floor = s.get("data", {}).get("entropy_floor")
+    if floor is not None and s["val_loss"] is not None:
+        line += f" | entropy floor {floor:.4f} (val - floor = {s['val_loss'] - floor:+.4f} nats)"
+    return line
+
+
+def _nan(v):
+    """A kept summary.json's null (a non-finite value when written) as the NaN it was."""
+    return math.nan if v is None else v
 
 
 @dataclass(kw_only=True)

@@ -1,9 +1,5 @@
-"""wandb: Weights & Biases (offline unless configured otherwise) plus the console view.
-
-The mode comes from ``logger.mode``, then the WANDB_MODE environment variable, then
-"offline": a ``mode=`` argument in code would silently beat WANDB_MODE. wandb is imported
-lazily (1-2.5 s) and only on rank 0.
-"""
+"""wandb: Weights & Biases plus the console view. The mode is ``logger.mode``, else $WANDB_MODE, else
+offline. wandb is imported lazily (1-2.5 s), on rank 0 only."""
 from __future__ import annotations
 
 import importlib.util
@@ -13,7 +9,8 @@ from typing import Any, Mapping
 
 from framework.core import files
 from framework.core.errors import ConfigError, first_line
-from framework.loggers._base import Console, RunInfo
+from framework.loggers._base import RunInfo
+from framework.loggers.console import Console
 from framework.core.registry import Component
 
 RUN_ID = "wandb-run-id"   # in the run folder: the W&B run a resume from the folder's checkpoints continues
@@ -94,9 +91,8 @@ def mode(cfg: WandbConfig) -> str:
 
 
 def key_configured() -> bool:
-    """Whether W&B finds credentials here (WANDB_API_KEY, an identity token file, .netrc, its settings
-    file), as wandb.init would, without prompting and without asking the server. A key W&B refuses
-    by its form is a ConfigError."""
+    """Whether W&B finds credentials here, as wandb.init would, without prompting or asking the server. A key
+    W&B refuses by its form is a ConfigError."""
     from wandb.errors import Error
 
     try:   # wandb's own look-up: private, and only in recent versions (pyproject takes wandb>=0.19.9)
@@ -114,8 +110,8 @@ def key_configured() -> bool:
 
 
 def _key_in_environment_or_netrc() -> bool:
-    """Where every wandb version looks for a key: WANDB_API_KEY, an identity token file, or the .netrc
-    entry `wandb login` writes for the server's host."""
+    """Where every wandb version looks: WANDB_API_KEY, an identity token file, or .netrc for the server's host."""
+
     import netrc
     from urllib.parse import urlsplit
 

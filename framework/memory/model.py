@@ -1,9 +1,6 @@
-"""The per-rank prediction: for one of our composed configs, the bytes each rank will hold, laid out
-as the stages lay them out (flat groups padded to world x 128 elements, bucket plans, zero3's gather
-units from ``stages.plan_units``), plus activations traced on the meta device, the zero3 live window
-and a stated allocator slack. ``tests/cli/test_estimate.py`` checks it against the resident memory
-the OS reports for real runs. DeepSpeed's tables and the NVMe rows are in ``tables``.
-"""
+"""The per-rank prediction for one composed config: model states laid out as the stages lay them out
+(padded flat groups, bucket plans, zero3's gather units), activations traced on the meta device, the
+zero3 live window and a stated allocator slack. ``tests/cli/test_estimate.py`` checks it against real runs."""
 from __future__ import annotations
 
 import contextlib
@@ -31,10 +28,8 @@ from framework.stages.sharded import ShardedStage, Zero2Stage
 # --- activations, traced on the meta device ---------------------------------------------------
 
 class _LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storages alive during a traced pass, and their peak. Every op output's
-    storage is counted when it first appears and uncounted when it is freed (a weak reference on
-    the storage), so the trace follows autograd's lifetimes: saved tensors until their backward,
-    gradients of activations while they flow, recomputation under checkpointing."""
+    """Bytes of tensor storages alive during a traced pass, and their peak: each op output's storage is
+    counted when it appears and uncounted when freed (a weak reference), following autograd's lifetimes."""
 
     def __init__(self, preexisting: list[torch.Tensor]):
         super().__init__()
@@ -58,10 +53,9 @@ class _LiveBytes(TorchDispatchMode):
 
 
 class _FusedAttentionKernel(torch.autograd.Function):
-    """The memory of CUDA's fused attention (the flash and memory-efficient kernels that
-    ``scaled_dot_product_attention`` picks there): forward saves the output and one fp32 log-sum-exp
-    per query row, backward makes the input gradients and an fp32 accumulator of the query's
-    shape. No sequence x sequence matrix exists, unlike the math path that the meta device runs."""
+    """The memory of CUDA's fused attention (flash / memory-efficient): forward saves the output and an fp32
+    log-sum-exp per query row, backward an fp32 accumulator of the query's shape; no sequence x sequence
+    matrix, unlike the math path the meta device runs."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -95,11 +89,9 @@ class ActivationTrace:
 
 def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = False,
                       fused_attention: bool = False) -> ActivationTrace:
-    """Run ``loss_fn(module, batch)`` and its backward on the meta device (``module`` and ``batch`` are
-    there) and follow live bytes. Parameter gradients are dropped as soon as they are accumulated (the
-    stages own them: model states or buckets), unless ``keep_grads``: then they live to the end of backward
-    (zero2 when one bucket holds a whole group). ``fused_attention``: attention as CUDA's fused kernels
-    hold it (the meta device, like the CPU's math path, keeps the attention matrices)."""
+    """Live bytes of ``loss_fn(module, batch)`` and its backward on the meta device. Parameter gradients are
+    dropped once accumulated (the stages count them), unless ``keep_grads`` (zero2 when one bucket holds a
+    whole group). ``fused_attention``: attention as CUDA's fused kernels hold it."""
     params = list(module.parameters())
     handles = [] if keep_grads else [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
                                      for p in params if p.requires_grad]
@@ -129,31 +121,25 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
 
 # --- per-rank prediction for one of our configs --------------------------------------------
 
-# Stated allocator slack: memory the allocator holds beyond live tensors. On the CPU (glibc) freed
-# activation blocks stay mapped and repeated sizes fragment the heap; the CUDA caching allocator
-# rounds blocks and keeps freed ones cached. 10% of the transient (activation-phase) bytes,
-# calibrated against measured peaks (tests/cli/test_estimate.py), plus a fixed 64 MiB on CUDA
-# for the cuBLAS/cuDNN workspaces and the context's own allocations.
+# Allocator slack beyond live tensors (glibc keeps freed blocks mapped and fragments; CUDA's caching
+# allocator rounds and caches): 10% of the transient bytes, calibrated against measured peaks, plus
+# 64 MiB on CUDA for the cuBLAS/cuDNN workspaces and the context.
 SLACK_FRACTION = 0.10
 CUDA_FIXED_SLACK = 64 * MiB
 
 
 @dataclass
 class Prediction(Footprint):
-    """Bytes per rank: the footprint a built engine reports (``Engine.memory``, same items), plus
-    the transients of a step and the allocator's slack."""
+    """Bytes per rank: the footprint a built engine reports (``Engine.memory``), plus a step's transients and slack."""
 
     world: int
     params: int                      # P at logical size
     transient: dict[str, int] = field(default_factory=dict)          # fwd/bwd-phase peaks (device)
     lazy: set[str] = field(default_factory=set)   # items whose bytes appear at the first step, not at setup
     notes: list[str] = field(default_factory=list)
-    # Host allocator slack. offload=nvme sets glibc's mmap threshold to 1 MiB (offload/_disk.py): every
-    # block of 1 MiB or more is a mapping of its own, returned when freed, so the large transients leave
-    # nothing behind (measured on the capacity runs: BENCHMARKS.md, "Capacity").
+    # Host slack: none under offload=nvme, whose 1 MiB mmap threshold (offload/_disk.py) returns large blocks.
     host_slack_fraction: float = SLACK_FRACTION
-    # The activations' peak traced with CUDA's fused attention (``device_peak(cuda=True)``); the
-    # "activations" transient is the math path's, which the CPU runs.
+    # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's math path.
     cuda_activations: int | None = None
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
@@ -199,8 +185,7 @@ class Prediction(Footprint):
 
 
 def _opt_bytes_per_element(cfg) -> list[int]:
-    """Bytes per fp32 master element of each optimizer-state tensor (Adam: [4, 4]), from the
-    optimizer's own init on meta (scalars such as step counts are not per element)."""
+    """Bytes per fp32 master element of each optimizer-state tensor (Adam: [4, 4]), from its init on meta."""
     tx = component(cfg, "optimizer").build(cfg.optimizer, [True])
     probe = torch.empty(1024, dtype=torch.float32, device="meta")
     return [t.numel() * t.element_size() // 1024 for t in tensors_in(tx.init([probe])) if t.numel() >= 1024]
@@ -220,9 +205,8 @@ def data_vocab(cfg) -> int | None:
 
 
 def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
-    """(the ``vocab_size`` to build the model with, where it comes from) for ``estimate``/``plan``: the
-    data's vocabulary (as training builds it) when ``overrides`` choose the data (``data=`` or a
-    ``data.`` key), else the model config's own, so a preset counts at the size its YAML states."""
+    """(``vocab_size`` to build the model with, its source): the data's when ``overrides`` choose the data
+    (``data=`` or a ``data.`` key), else None: the model config's own, so a preset counts as its YAML states."""
     chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
     if chosen and (vocab := data_vocab(cfg)) is not None:
         return vocab, f"data={cfg.choices['data']}"
@@ -232,10 +216,9 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
             device: str | None = None) -> Prediction:
-    """Per-rank memory of training ``cfg`` (a composed ``framework.config.Config``) on ``world`` ranks.
-    ``module``: a model already built on the meta device, traced with ``loss_fn(module, (x, y))`` at
-    ``context``; ``traces``: a dict to reuse activation traces in (the planner's sweep). ``device``:
-    "cpu" or "cuda" traces the activations only as that device runs attention; by default both."""
+    """Per-rank memory of training ``cfg`` on ``world`` ranks. ``module``: a model built on meta, traced
+    with ``loss_fn(module, (x, y))`` at ``context``; ``traces``: reused activation traces (the planner's
+    sweep); ``device``: trace attention only as "cpu" or "cuda" runs it (default: both)."""
     world = world or cfg.dist.nproc
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
@@ -245,9 +228,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         with torch.device("meta"):
             module = model.build(cfg.model, vocab_size=data_vocab(cfg))
     stage = cfg.choices["stage"]
-    # The offload tier, built without an accelerator (nothing allocated): it cuts each partition
-    # into pieces and says what each piece holds, as it does for the engine.
-    placement = component(cfg, "offload").build(cfg.offload)
+    placement = component(cfg, "offload").build(cfg.offload)   # no accelerator: it only cuts and sizes pieces
     keep_grads = False
     w, acc, red = policy.param_dtype.itemsize, policy.grad_accum_dtype.itemsize, policy.reduce_dtype.itemsize
     groups = [named for _, named in param_groups(module)]
@@ -261,8 +242,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
     cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
 
-    def full_grads(n: int) -> None:
-        """ddp and zero1: whole gradients, and an accumulator when it has another dtype."""
+    def full_grads(n: int) -> None:   # ddp and zero1: whole gradients, plus an accumulator of another dtype
         pred.add("grads", device=w * n)
         if cfg.train.grad_accum > 1 and acc != w:
             pred.add("grad_accumulator", device=acc * n)
@@ -290,10 +270,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             n_buf, biggest = bucket_buffers(buckets, cfg.stage.overlap_comm, cfg.stage.contiguous_gradients)
             pred.add("bucket_buffers", device=red * n_buf * biggest)
             pred.lazy.add("bucket_buffers")   # torch.empty: pages appear when the first bucket is filled
-            # Parameter .grad tensors live until their bucket is copied out: when one bucket holds a
-            # whole group, until the end of backward (traced with the activations); else about the
-            # buckets in flight plus the ones filling: one, or with round robin one per partition
-            # (neighbouring gradients go to different ranks' buckets).
+            # Parameter .grad tensors live until their bucket is copied out: to the end of backward when one
+            # bucket holds a whole group (traced); else the buckets in flight plus those filling (round
+            # robin: one per partition).
             keep_grads = any(pd <= cfg.stage.reduce_bucket_size for pd in padded)
             if not keep_grads:
                 filling = world if cfg.stage.round_robin_gradients else 1
@@ -316,10 +295,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     def traced(fused: bool) -> ActivationTrace:
         k = (*key, fused)
         if k not in traces:
-            # Activation checkpointing recomputes each block in backward outside the tracing mode, so
-            # the recomputed attention is the math path's: the CUDA peak counts it that way too (one
-            # block's attention matrices too many at most: the forward keeps only block inputs). A
-            # model that checkpoints on its own says so by the recomputation's mismatch.
+            # Checkpointing recomputes blocks outside the tracing mode, so with it the CUDA peak counts the
+            # math path's attention too (one block's matrices too many at most); a model that checkpoints
+            # on its own shows as the recomputation's mismatch (CheckpointError).
             try:
                 traces[k] = traced(False) if fused and ckpt else trace_activations(
                     module, loss_fn, (x, x), keep_grads=keep_grads, fused_attention=fused)
@@ -339,9 +317,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
 
 
 def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footprint:
-    """What zero3 + offload=nvme (``offload.params=params``; ``keys``: other ``offload=nvme`` keys) holds
-    per rank for ``module`` on ``world`` ranks, as the prediction sizes it: for the estimate's ZeRO-Infinity
-    rows of any composed config (``cfg``'s own stage and offload keys where it chose them, else defaults)."""
+    """Per-rank pools of zero3 + offload=nvme (``offload.params=params``, other ``keys``) for the estimate's
+    ZeRO-Infinity rows of any config (its own stage and offload keys where it chose them, else defaults)."""
     def chosen(group: str, name: str):
         return getattr(cfg, group) if cfg.choices[group] == name else registry(group).get(name).config()
 
@@ -357,17 +334,12 @@ def nvme_pools(cfg, module: nn.Module, world: int, params: str, **keys) -> Footp
 
 
 def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) -> list[int]:
-    """zero3: shards of every unit group; persistent small parameters gathered; the live window.
-    Returns the shards' lengths."""
+    """zero3: shards of every unit group, persistent parameters gathered, the live window; returns the shards."""
     s = cfg.stage
     w, red, acc = policy.param_dtype.itemsize, policy.reduce_dtype.itemsize, policy.grad_accum_dtype.itemsize
-    # The units and groups zero3 itself lays out (stages.plan_units: gather_unit classes, a Hugging
-    # Face model's declared layers, split_root, the persistence threshold, shared parameters).
     plans, persistent = plan_units(module, s.gather_unit, s.split_root, s.stage3_param_persistence_threshold)
     shards = []
-    # Owned gradients in the optimizer's swap file, as zero3 asks the offload tier (read back, with
-    # buffers of their own, only with more than one micro batch a step).
-    swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)
+    swap_grads = placement.swap_grads(policy.grad_accum_dtype, cfg.train.grad_accum)   # owned grads in the swap file
 
     def group(named, gathered: bool) -> int:
         layout = make_layout(named, world)
@@ -387,24 +359,20 @@ def _zero3(cfg, module, policy, world, pred: Prediction, placement, cut: tuple) 
         group(named, True)
     pred.lazy.add("grads")   # each gradient partition is allocated at its first reduction
     placement.shards.predict(pred, shards, w)   # where the tier keeps the shards (offload.params)
-    # Gathered units: with max_live and the reuse distance at DeepSpeed's defaults (1e9 elements) a
-    # model under a billion parameters stays gathered from its forward into its backward; the live
-    # window is capped by max_live plus the unit in use. At world size 1 with the shards on the device
-    # the hooks gather in place (the shard is the whole buffer: _gather.Gatherer._in_place).
+    # Gathered units stay live up to max_live plus the unit in use (DeepSpeed's 1e9 defaults keep a model
+    # under a billion parameters gathered from forward into backward); world 1 with device shards gathers in place.
     biggest = max(sizes, default=0)
     in_place = world == 1 and not placement.shards.params_on_host
     window = 0 if in_place else min(sum(sizes), s.stage3_max_live_parameters + biggest)
     pred.transient["zero3_live_window"] = w * window
-    # Backward: the unit's full .grad tensors until it is reduced, and the reduction. At world size 1
-    # each gradient is added into the partition (one parameter's gradient in the reduce dtype at a
-    # time); otherwise a zeroed buffer per group, up to two rounds per unit group with overlap_comm.
+    # Backward: the unit's full .grad tensors until reduced, and the reduction (world 1: one parameter's
+    # gradient in the reduce dtype at a time; else a buffer per group, more rounds with overlap_comm).
     largest_param = max((p.numel() for plan in plans for _, p in plan.named), default=0)
     reduce = (red * largest_param if red != w else 0) if world == 1 else red * biggest * (3 if s.overlap_comm else 1)
     pred.transient["zero3_reduce"] = w * biggest + reduce
     if swap_grads:
-        # The partition being reduced, and the previous unit's, whose write to the swap file overlaps
-        # this unit's backward (measured: one or two at the peak; three at most, when the disk falls
-        # behind backward: the writer's back-pressure).
+        # The partition being reduced and the previous unit's, still being written (a third when the disk lags).
+
         pred.transient["zero3_grad_partitions"] = 2 * acc * max(shards, default=0)
         pred.notes.append("zero3 + offload=nvme: two gradient partitions in flight (a third when the disk is "
                           "slower than backward)")

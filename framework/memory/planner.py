@@ -1,9 +1,6 @@
-"""The planner's model: for a composed config, every stage x offload x micro-batch x activation-checkpointing
-candidate with the memory a rank would hold (``framework.memory.model.predict``) and the seconds an optimizer
-step would take (a roofline over the bandwidths ``framework.memory.probe`` measured), fitting candidates
-first, fastest first. The command is ``python -m framework.plan`` (``framework/cli/plan.py``); its help says
-how candidates are chosen, when one fits and what the roofline counts.
-"""
+"""The planner: every stage x offload x micro-batch x checkpointing candidate of a config with its per-rank
+memory (``model.predict``) and step time (a roofline over ``probe``'s bandwidths), fitting ones first,
+fastest first. ``python -m framework.plan --help`` says what each counts."""
 from __future__ import annotations
 
 import os
@@ -82,7 +79,7 @@ def detect(own: dict[str, str], disk: str | os.PathLike | None = None) -> Hardwa
 
 
 def parse_bytes(text: str) -> int:
-    """``80G`` = ``80GiB`` (2^30), ``80GB`` (10^9: ``framework.core.units``), ``512M``, ``2T``, or plain bytes."""
+    """``80G`` = ``80GiB`` (2^30), ``80GB`` (10^9), ``512M``, ``2T``, or plain bytes."""
     try:
         return units.parse_size(text, bare=1024)
     except ValueError:
@@ -92,8 +89,7 @@ def parse_bytes(text: str) -> int:
 # --- the roofline --------------------------------------------------------------------------------
 
 def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> dict[str, float]:
-    """Seconds per optimizer step on one rank, by phase (what each counts: ``python -m framework.plan
-    --help``)."""
+    """Seconds per optimizer step on one rank, by phase."""
     m = cfg.model
     policy = component(cfg, "precision").build(cfg.precision)
     n, w, red = hw.ranks, policy.param_dtype.itemsize, policy.reduce_dtype.itemsize
@@ -187,10 +183,8 @@ class Planned:
 
 
 def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, str], object]:
-    """One composed config per stage and offload of ``cands`` (``base`` plus the candidate's choices), or,
-    for one that does not compose (a given key that stage refuses, as ``offload.overlap_step=true`` with
-    zero1) or an offload target that cannot be built here, its error (listed, never run). When no setup
-    composes, the first one's error is raised (for ``plan``'s command line: before anything is probed)."""
+    """One composed config per stage and offload of ``cands``, or its error where it does not compose or its
+    offload cannot be built here (listed, never run); when none composes, the first error is raised."""
     composed: dict[tuple[str, str], object] = {}
     refused: list[ConfigError] = []
     for cand in cands:
@@ -215,9 +209,9 @@ def compose_setups(base: list[str], cands: list[Candidate]) -> dict[tuple[str, s
 
 def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
          composed: dict[tuple[str, str], object] | None = None) -> list[Planned]:
-    """Every candidate with its predicted time and memory, fitting ones first, fastest first.
-    ``base``: the overrides of the candidates' configs (each candidate adds its own choices);
-    ``composed``: ``compose_setups``' configs of these candidates, where composed already."""
+    """Every candidate with its predicted time and memory, fitting ones first, fastest first. ``base``: the
+    overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already."""
+
     vocab, cuda = build_vocab(cfg, base)[0], hw.gpu_mem is not None
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []

@@ -1,9 +1,6 @@
-"""Bandwidth probe for the planner: the machine's throughputs (matmul, copies, host optimizer step,
-disk, the train step's fixed costs, all-reduce), each measured in a few tenths of a second, once per
-machine and disk, cached as ``$XDG_CACHE_HOME/framework/probe-<host>-<device>-t<threads>-fs<disk>.json``
-(``~/.cache`` by default; ``<disk>``: the file system the disk test ran on);
-``python -m framework.plan --reprobe`` measures again.
-"""
+"""Bandwidth probe for the planner: matmul, copies, host optimizer step, disk, the train step's fixed costs,
+all-reduce; measured once per machine and disk, cached as ``<cache>/probe-<host>-<device>-t<threads>-fs<disk>.json``
+(``python -m framework.plan --reprobe`` measures again)."""
 from __future__ import annotations
 
 import contextlib
@@ -27,8 +24,7 @@ VERSION = 4
 
 
 def cache_path(device: torch.device, disk_dir: Path) -> Path:
-    """The cache of ``device``'s probe with its disk test on ``disk_dir``'s file system (another disk,
-    another bandwidth: measured again)."""
+    """The cache of ``device``'s probe with its disk test on ``disk_dir``'s file system."""
     name = device.type if device.type != "cuda" else torch.cuda.get_device_name(device).replace(" ", "_")
     fs = os.stat(disk_dir).st_dev
     return cache_dir() / f"probe-{socket.gethostname()}-{name}-t{torch.get_num_threads()}-fs{fs:x}.json"
@@ -98,10 +94,8 @@ def rss_peak() -> int:
 
 
 def _micro_overhead(device: torch.device) -> tuple[float, float, float]:
-    """(per step, per micro step, per layer and micro step) seconds of our train_step on a model that
-    does almost no arithmetic (a GPT of width 32 on 8 tokens, ddp, one rank): the framework's and
-    autograd's fixed costs, which dominate small micro batches. Fitted from 1 and 3 layers, 1 and 3
-    micro batches per step."""
+    """(per step, per micro step, per layer and micro step) seconds of train_step on a GPT that does almost
+    no arithmetic: the fixed costs, fitted from 1 and 3 layers by 1 and 3 micro batches."""
     from framework.engine.build import initialize
     from framework.config import compose
     from framework.comm.distributed import Dist
@@ -200,8 +194,9 @@ def _collective() -> float:
 
 
 def load(device: torch.device, disk_dir: Path, collectives: bool, reprobe: bool = False) -> dict:
-    """The cached probe for this machine, device and ``disk_dir`` (an existing folder: the disk test
-    writes a temporary file there), measured now when missing (or ``reprobe``)."""
+    """The cached probe for this machine, device and ``disk_dir`` (the disk test writes there), measured
+    now when missing or ``reprobe``."""
+
     path = cache_path(device, disk_dir)
     if not reprobe and path.exists():
         with contextlib.suppress(ValueError):   # an unreadable cache is measured again

@@ -1,11 +1,7 @@
-"""DeepSpeed's model-state estimators (exact) and the ZeRO-Infinity rows, from two counts of a model:
-P (distinct parameters at their logical shape, so a meta or ZeRO-3 sharded model counts right) and L
-(the most parameters one module registers itself). ``zero2_rows``/``zero3_rows`` are DeepSpeed's
-``estimate_zero{2,3}_model_states_mem_needs`` (model states only; the 1.5 buffer factor on host memory)
-with its integer rounding, so the printed GiB agree to the last digit; ``nvme_rows`` adds what those
-tables leave out (disk bytes and the pinned pools the ``offload=nvme`` keys size: a model's as the engine
-sizes them, a parameter count's an upper bound).
-"""
+"""DeepSpeed's model-state estimators from P (distinct parameters at logical shape) and L (most parameters
+one module registers itself): ``zero2_rows``/``zero3_rows`` are ``estimate_zero{2,3}_model_states_mem_needs``
+with its integer rounding, so the printed GiB agree to the last digit; ``nvme_rows`` adds ZeRO-Infinity's
+disk bytes and pinned pools, which those tables leave out."""
 from __future__ import annotations
 
 import math
@@ -44,9 +40,7 @@ class Counts:
 
 
 def count_module(module: nn.Module) -> Counts:
-    """P and L of ``module``. Parameters are deduplicated by identity (``parameters()`` yields a
-    tied tensor once); DeepSpeed keys them by ``data_ptr()``, which is 0 for every tensor on the meta
-    device and collapses the count (as DeepSpeed's estimator source does)."""
+    """P and L of ``module``, parameters deduplicated by identity (DeepSpeed's ``data_ptr()`` is 0 on meta)."""
     def numel(params) -> int:   # at the logical shape (a ZeRO-3 shard's full size)
         return sum(getattr(p, "logical_shape", p.shape).numel() for p in params)
     return Counts(numel(module.parameters()),
@@ -76,9 +70,8 @@ def zero2_rows(params: float, gpus_per_node: int = 1, nodes: int = 1,
 
 def zero3_rows(params: float, largest_layer: float, gpus_per_node: int = 1, nodes: int = 1,
                factor: float = BUFFER_FACTOR) -> list[Row]:
-    """DeepSpeed's ZeRO-3 estimate, rows in its order. Products are taken in its order, left to right:
-    ``P * 18 * (1 / nodes)`` and ``P * (18 * (1 / nodes))`` differ in the last bit for 3, 5 or 7 nodes,
-    and int() truncates that to a byte."""
+    """DeepSpeed's ZeRO-3 estimate, rows and products in its order (``P * 18 * (1 / nodes)`` and
+    ``P * (18 * (1 / nodes))`` differ in the last bit for 3, 5 or 7 nodes, which int() keeps)."""
     t, per_node = gpus_per_node * nodes, 1 / nodes
     layer = 4 * largest_layer   # the largest layer gathered: 16-bit params and grads
     rows = []
@@ -110,21 +103,15 @@ class NVMeKeys:
 def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: int = 1,
               keys: NVMeKeys = NVMeKeys(), optimizer_bytes: int = 8, param_bytes: int = 2,
               pools: tuple[int, int, int] | None = None) -> list[Row]:
-    """Per-node disk bytes and host pools of ZeRO-Infinity, for zero3 (our model, not DeepSpeed's:
-    no fudge factor; every term is named).
+    """Per-node disk bytes and host pools of ZeRO-Infinity for zero3 (our model, every term named).
 
-    Optimizer on NVMe: each rank's fp32 master + optimizer state (4 + ``optimizer_bytes`` per
-    element) and its fp32 gradient partition (4 more, swapped beside each tile: offload/_disk.py)
-    live on disk. ``pools``: a model's host bytes per rank for parameters on NVMe, CPU, GPU
-    (``framework.memory.model.nvme_pools``: the engine's pools, sized by its tiles and shards). Without
-    it (a parameter count alone) an upper bound: ``buffer_count`` tiles of min(sub_group_size,
-    partition) elements (zero3 cuts a tile per unit group, none larger) of master + state + gradient +
-    working-precision staging, one tile's gradient bounce buffer, and with parameters on NVMe
-    ``param_buffer_count`` slots of min(param_buffer_size, partition) elements (a slot holds the largest
-    shard, which the engine refuses above param_buffer_size); on the CPU: the shards in host memory.
-    ``param_bytes``: the working precision (2: 16-bit, as DeepSpeed assumes). GPU as DeepSpeed's
-    zero_init rows: the largest layer gathered (params and grads), plus the shard when parameters stay on
-    the GPU."""
+    On disk per rank: fp32 master + optimizer state (4 + ``optimizer_bytes`` per element) and the fp32
+    gradient partition. ``pools``: a model's host bytes per rank for parameters on NVMe, CPU, GPU
+    (``model.nvme_pools``); without it an upper bound: ``buffer_count`` tiles of min(sub_group_size,
+    partition) elements of master + state + gradient + staging, one tile's gradient bounce buffer, and
+    ``param_buffer_count`` slots of min(param_buffer_size, partition) with parameters on NVMe (on the CPU:
+    the shards). ``param_bytes``: the working precision. GPU as DeepSpeed's zero_init rows: the largest
+    layer gathered (params and grads), plus the shard when parameters stay there."""
     t = gpus_per_node * nodes
     part = -(-params // t)   # elements of one rank's partition
     state = 4 + optimizer_bytes
@@ -143,8 +130,8 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
 
 
 def format_rows(rows: list[Row]) -> str:
-    """DeepSpeed's layout: ``per CPU | per GPU | Options`` (NVMe rows add ``NVMe/node``), GiB (2^30 bytes)
-    with two decimals."""
+    """DeepSpeed's layout, ``per CPU | per GPU | Options`` (NVMe rows add ``NVMe/node``), in GiB."""
+
     nvme = bool(rows) and rows[0].disk is not None
     lines = ["  per CPU  |  per GPU |" + ("  NVMe/node |" if nvme else "") + "   Options"]
     lines += [f" {r.cpu / GiB:7.2f}GiB | {r.gpu / GiB:6.2f}GiB | " + (f"{r.disk / GiB:7.2f}GiB | " if nvme else "")

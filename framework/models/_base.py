@@ -15,15 +15,13 @@ from framework.core.registry import Component
 @dataclass(frozen=True)
 class ModelComponent(Component):
     loss: Callable[[nn.Module, Any], Tensor]     # loss_fn(module, micro_batch) -> scalar
-    # A weights source (file or folder, framework.persist.weights.load_weights) loaded after the stage set
-    # the model up, or None: the model keeps its own initialisation.
+    # Weights (file or folder) loaded after the stage set the model up; None: its own initialisation.
     weights: Callable[[Any], str | None] = lambda cfg: None
-    # The model's hidden size, read from its config without building it (DeepSpeed's "auto"
-    # bucket sizes are computed from it), or None when unknown.
+    # The hidden size from the config, nothing built (DeepSpeed's "auto" bucket sizes); None: unknown.
     hidden_size: Callable[[Any], int | None] = lambda cfg: None
-    # The loss the memory prediction traces on the meta device, where ``loss`` cannot run there (a
-    # value read in the forward); None: ``loss``. Same activations as ``loss``.
+    # The loss the memory prediction traces on meta where ``loss`` cannot run there; None: ``loss``.
     trace_loss: Callable[[nn.Module, Any], Tensor] | None = None
+
 
 
 def name_seed(seed: int, name: str) -> int:

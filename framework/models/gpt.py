@@ -1,9 +1,6 @@
-"""A GPT in the nanoGPT mould, written with einops: pre-LayerNorm blocks, causal attention through
-``scaled_dot_product_attention``, learned position embeddings, a 4x GELU MLP, optional biases,
-dropout and weight tying (``Embedding``'s ``unembed``). Each layer is a ``Block``: the unit ZeRO-3 gathers
-and releases and activation checkpointing wraps. The presets share one schema; their values live
-in ``conf/model/<name>.yaml``, read into ``PRESETS``.
-"""
+"""A nanoGPT-style GPT with einops: pre-LN ``Block``s (the unit ZeRO-3 gathers and checkpointing wraps), causal
+``scaled_dot_product_attention``, learned positions, a 4x GELU MLP, optional biases, dropout and weight tying.
+The presets' values live in ``conf/model/<name>.yaml``, read into ``PRESETS``."""
 from __future__ import annotations
 
 import dataclasses
@@ -86,11 +83,9 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Embedding):
-    """``nn.Embedding`` that is also the tied output projection (``wte(x, unembed=True)``): one tensor
-    under one name, which nothing that swaps or shards parameters can untie, used only inside its own
-    forward, where ZeRO-3's hooks see every use. No random init on the meta device
-    (``GPT.init_parameter`` writes every value later; meta ``normal_`` imports ``torch._dynamo``,
-    over a second per rank); real tensors keep torch's init, so the global random stream is unchanged."""
+    """``nn.Embedding`` that is also the tied output projection (``wte(x, unembed=True)``): one tensor under one
+    name, used only in its own forward, where ZeRO-3's hooks see every use. No init on meta
+    (``GPT.init_parameter`` writes it later; meta ``normal_`` imports ``torch._dynamo``, over a second)."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -117,19 +112,17 @@ class GPT(nn.Module):
                     self.init_parameter(name, p)
 
     def init_parameter(self, name: str, t: Tensor) -> None:
-        """nanoGPT's init of parameter ``name`` written into ``t``, from a generator seeded by
-        (torch.initial_seed(), name): independent of the order of initialisation, so a ZeRO-3 stage
-        materialising one parameter at a time gets the values of a model built whole."""
+        """nanoGPT's init of parameter ``name`` into ``t``, from a generator seeded by (initial seed, name): a
+        stage materialising one parameter at a time gets the values of a model built whole."""
         if name.endswith(".bias"):
             t.zero_()
         elif ".ln" in f".{name}":
             t.fill_(1.0)  # LayerNorm weight
         else:
-            # A CPU generator whatever t's device: an accelerator's draws differ from the CPU's, and a model
-            # materialised on the device must equal one built on the host.
+            # A CPU generator whatever t's device: the device's draws differ, and the values must not.
             gen = torch.Generator().manual_seed(name_seed(self.init_seed, name))
-            # Residual projections are scaled by 1/sqrt(2 * n_layer) so the residual stream's
-            # variance does not grow with depth (two residual adds per layer), as in GPT-2.
+            # GPT-2 scales residual projections by 1/sqrt(2 * n_layer): the stream's variance stays flat.
+
             residual = name.endswith(("attn.proj.weight", "mlp.proj.weight"))
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02
             host = t if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype, device="cpu")

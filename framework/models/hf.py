@@ -3,11 +3,9 @@
     python -m framework.train model=hf model.config=path/to/config.json +stage=zero3 dist.nproc=2
     python -m framework.train model=hf model.pretrained=path/to/save_pretrained_folder +stage=zero3
 
-``model.config`` builds a model from scratch from a ``config.json`` (or a folder holding one);
-``model.pretrained`` builds it from the folder's config and, once the stage has partitioned it,
-loads the folder's weights (``framework.persist.weights.load_weights``). Nothing is downloaded.
-Models are built on the meta device and materialised by the stage through ``HFInit``.
-Transformers is an optional extra (``pip install .[hf]``), imported only to build an HF model.
+``model.config``: a new model from a ``config.json`` (or its folder); ``model.pretrained``: the folder's config,
+then its weights loaded once the stage has partitioned it. Nothing is downloaded. Models are built on meta and
+materialised by the stage through ``HFInit``. Transformers is an optional extra (``pip install .[hf]``).
 """
 from __future__ import annotations
 
@@ -55,18 +53,16 @@ def is_hf_model(module: nn.Module) -> bool:
 
 
 def architecture(module: nn.Module) -> dict | None:
-    """An HF model's resolved config (``config.to_dict()`` as JSON gives it back) without the keys that say
-    nothing of the model (``without_dtype``: the transformers version, private ones such as the path it was read
-    from, the dtype); None for another model. A checkpoint records it: a resume compares what the model is, not where its file lies."""
+    """An HF model's resolved config, ``without_dtype``, that a checkpoint records (a resume compares what the
+    model is, not where its file lies); None for another model."""
     if not is_hf_model(module):
         return None
     return without_dtype(module.config.to_dict())
 
 
 def without_dtype(config: dict) -> dict:
-    """A config dict (``to_dict()``, or one a checkpoint recorded) as JSON gives it back, without the transformers
-    version, private keys and the dtype, at any depth (sub-configs hold them too). The dtype says nothing of the
-    model: it trains in the precision's, and ``build`` makes it in fp32 (an older build recorded the file's)."""
+    """A config dict as JSON gives it back, without the transformers version, private keys and the dtype at any
+    depth: it trains in the precision's dtype, and ``build`` makes it in fp32."""
     def strip(node: Any) -> Any:
         if isinstance(node, dict):
             return {k: strip(v) for k, v in node.items()
@@ -105,9 +101,7 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
 
 
 def notes(cfg: HFConfig, run: Any) -> list[str]:
-    """A config.json naming a 16-bit dtype (``dtype``, or ``torch_dtype`` before transformers 5: most hub configs
-    say bfloat16) in an fp32 run: the model trains in fp32 (``build`` makes it in fp32 whatever the file says), so
-    say so. A 16-bit precision is mixed precision with fp32 masters whatever the file names: no note."""
+    """A config.json naming a 16-bit dtype (most hub configs say bfloat16) in an fp32 run: say it trains in fp32."""
     key, file, raw = _raw_config(cfg)
     stated = raw.get("dtype", raw.get("torch_dtype"))
     want = {"bfloat16": "bf16", "float16": "fp16"}.get(str(stated).removeprefix("torch."))
@@ -119,8 +113,7 @@ def notes(cfg: HFConfig, run: Any) -> list[str]:
 
 
 def hidden_size(cfg: HFConfig) -> int | None:
-    """The model's hidden size from its config.json (nothing built); a file that leaves it out gets
-    transformers' default for its model_type, as ``build`` would (offline: nothing is downloaded)."""
+    """The hidden size from config.json (nothing built), else transformers' default for its model_type."""
     key, file, raw = _raw_config(cfg)
     value = next((raw[k] for k in ("hidden_size", "n_embd", "d_model") if k in raw), None)
     if value is None:
@@ -133,15 +126,14 @@ def hidden_size(cfg: HFConfig) -> int | None:
 
 
 def load_config(path: str | Path, key: str = "model.config") -> tuple[Path, Any]:
-    """(file, transformers config) of a ``config.json`` or a folder holding one, read as ``build`` reads it
-    (offline, no custom code: never a prompt); ``key`` names the path in its errors."""
+    """(file, transformers config) of a ``config.json`` or its folder, read as ``build`` reads it; ``key`` names
+    the path in errors."""
     _, file, raw = _raw_config(HFConfig(config=str(path)), key)
     return file, _transformers_config(key, file, raw)
 
 
 def causal_lm_class(config: Any) -> type | None:
-    """The class ``build`` makes of a transformers config (``AutoModelForCausalLM``'s for its type), or None
-    when transformers has no causal LM for it."""
+    """``AutoModelForCausalLM``'s class for a transformers config, or None."""
     import transformers
 
     mapping = transformers.MODEL_FOR_CAUSAL_LM_MAPPING
@@ -149,9 +141,8 @@ def causal_lm_class(config: Any) -> type | None:
 
 
 def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
-    """The transformers config of a config.json's contents; a model_type transformers does not know
-    (custom model code, ``auto_map``) is one line, before transformers is asked (it would list every type
-    it knows, or offer to download and run the code)."""
+    """The transformers config of a config.json's contents; an unknown model_type (custom code) is refused
+    before transformers is asked (it would list every type, or offer to download and run the code)."""
     import transformers
 
     raw = dict(raw)
@@ -168,8 +159,7 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
 
 
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
-    """An ``AutoModelForCausalLM`` from local files, on the current default device (meta under the loop);
-    ``vocab_size`` (the data source's) must fit the model's vocabulary."""
+    """An ``AutoModelForCausalLM`` from local files on the default device; ``vocab_size`` (the data's) must fit."""
     try:
         import transformers
     except ImportError:
@@ -195,9 +185,8 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
         raise ConfigError(f"model.activation_checkpointing=true is not supported by {cls.__name__} (transformers has "
                           f"no gradient checkpointing for it); set model.activation_checkpointing=false")
     try:
-        # In fp32 whatever config.json names (transformers 5 builds in its dtype, most hub files say bfloat16): the
-        # precision casts the trainable parameters to its working dtype and keeps fp32 masters, initialised
-        # from these values, so they start unrounded (``notes`` says when the file's dtype is not trained in).
+        # In fp32 whatever config.json names: the precision casts to its working dtype and keeps fp32 masters,
+        # which so start unrounded.
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=cfg.attn_implementation,
                                                               dtype=torch.float32)
     except FrameworkError:
@@ -205,9 +194,8 @@ def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:
     except Exception as e:  # noqa: BLE001 - a config the model's constructor rejects (asserts, shape errors)
         raise ConfigError(f"{key}: {cls.__name__} cannot be built from {file}: {_one_line(e)}") from None
     if cfg.pretrained is not None:
-        # Our loader reads tensors under the model's own parameter names only: refuse checkpoints
-        # whose keys transformers renames or fuses on load (e.g. Mixtral's experts), looked up as
-        # transformers does (by class name, then model_type, for the model and its sub-models).
+        # Our loader reads tensors under the model's own names only: refuse checkpoints whose keys
+        # transformers renames or fuses on load (e.g. Mixtral's experts).
         from transformers.conversion_mapping import get_model_conversion_mapping
 
         if get_model_conversion_mapping(model, add_legacy=False):
@@ -229,11 +217,10 @@ def _one_line(e: BaseException) -> str:
 
 
 def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[str]) -> dict[str, str | None]:
-    """Each checkpoint key -> the model tensor name (of ``names``) it loads into, as ``from_pretrained`` maps
-    keys: ``base_model_prefix`` added or stripped where the model lacks the key (e.g. the hub's GPT-2 into a
-    causal LM); ``None`` for an unmatched key the class ignores on load (``_keys_to_ignore_on_load_unexpected``,
-    e.g. GPT-2's old ``attn.bias``, and old ``rotary_emb.inv_freq`` / ``position_ids`` buffers where the model
-    has such buffers now). Anything else maps to itself (unexpected, for a strict load to report)."""
+    """Each checkpoint key -> the tensor name (of ``names``) it loads into, as ``from_pretrained`` maps keys:
+    ``base_model_prefix`` added or stripped where needed; ``None`` for a key the class ignores on load
+    (``_keys_to_ignore_on_load_unexpected``, old ``rotary_emb.inv_freq`` / ``position_ids`` buffers); any other
+    maps to itself (for a strict load to report)."""
     prefix = getattr(module, "base_model_prefix", "") or ""
     patterns = set(getattr(module, "_keys_to_ignore_on_load_unexpected", None) or ())
     buffers = [n for n, _ in module.named_buffers()]   # non-persistent ones too, as transformers looks
@@ -259,9 +246,8 @@ def checkpoint_names(module: nn.Module, keys: Iterable[str], names: Collection[s
 
 
 def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """``gpt_loss`` for an HF causal LM: ``y`` is ``x`` shifted by one, as every data source yields. A
-    mixture-of-experts model that returns its router's load-balancing loss (``output_router_logits``: Mixtral,
-    Qwen-MoE, OLMoE, ...) adds it times ``router_aux_loss_coef``, as transformers' own loss does."""
+    """``gpt_loss`` for an HF causal LM; a mixture-of-experts model's router ``aux_loss`` is added times
+    ``router_aux_loss_coef``, as transformers' own loss does."""
     x, y = batch
     out = model(input_ids=x, use_cache=False)
     loss = next_token_loss(out.logits, y)
@@ -272,9 +258,8 @@ def causal_lm_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 
 def _router_aux_loss_coef(model: nn.Module) -> float:
-    """The weight transformers gives a model's ``aux_loss`` in its loss: the model's ``router_aux_loss_coef``
-    (copied from its config; JetMoe's ``aux_loss_coef``), else its config's or its text config's (multimodal
-    MoE models read that one)."""
+    """The weight of ``aux_loss``: ``router_aux_loss_coef`` (JetMoe: ``aux_loss_coef``) of the model, its config
+    or its text config."""
     config = getattr(model, "config", None)
     owners = (model, config, config.get_text_config() if hasattr(config, "get_text_config") else None)
     coef = next((getattr(o, name) for name in ("router_aux_loss_coef", "aux_loss_coef") for o in owners
@@ -286,9 +271,8 @@ def _router_aux_loss_coef(model: nn.Module) -> float:
 
 
 def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
-    """The model's own loss (labels shifted inside it), for the memory prediction's trace on the
-    meta device: with ``use_cache=False``, as ``causal_lm_loss`` calls it, transformers' packed-sequence
-    check reads a tensor's value, which a meta tensor does not have; the activations are the same."""
+    """The model's own loss, for the trace on meta (``causal_lm_loss``'s ``use_cache=False`` makes transformers'
+    packed-sequence check read a value); the activations are the same."""
     x, y = batch
     return model(input_ids=x, labels=y).loss
 
@@ -297,22 +281,14 @@ def trace_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
 
 
 class HFInit:
-    """Initialises any one parameter or buffer of an HF model built on the meta device with the
-    model's own ``_init_weights`` (or, for a module it leaves to its constructor, that constructor's
-    scheme: ``_constructor_init``), the rest of the model staying unmaterialised.
-
-    Transformers calls ``_init_weights`` on a module and then on each of its ancestors (GPT-2 scales
-    its residual projections from the parent); that chain runs on a meta copy of the model (the
-    shadow) in which only this one tensor is real. Each tensor draws from the CPU generator seeded
-    by (seed, name): independent of the order of materialisation and of the world size, so
-    ``materialize`` gives the same values (not those of transformers' eager construction).
-    """
+    """Initialises any one tensor of an HF model built on meta with the model's own ``_init_weights`` (run on
+    the module, then each ancestor, as transformers does) on a meta copy (the shadow) in which only that
+    tensor is real. Each draws from the CPU generator seeded by (seed, name): independent of the order of
+    materialisation and the world size (``materialize`` gives the same values)."""
 
     def __init__(self, model: nn.Module, seed: int):
         self.seed = seed
-        # All meta (no bytes): kept apart from the model so that tensors a stage has already
-        # replaced (sharded, empty) are never seen by an init function.
-        self.shadow = copy.deepcopy(model)
+        self.shadow = copy.deepcopy(model)   # all meta: init functions never see a stage's shards
         self.modules = dict(self.shadow.named_modules(remove_duplicate=False))
         pretrained = sys.modules["transformers"].PreTrainedModel
         self.init_of: dict[str, nn.Module] = {}   # module path -> the PreTrainedModel whose _init_weights applies
@@ -358,10 +334,8 @@ class HFInit:
 
 
 def _constructor_init(module: nn.Module, key: str, t: Tensor) -> None:
-    """Write the values ``module``'s own constructor gives its tensor ``key`` if the model's
-    ``_init_weights`` left ``t`` unwritten: eager construction keeps those, the meta device never wrote
-    them. Transformers' ``Conv1D`` draws its weight from N(0, 0.02) and zeroes its bias in ``__init__``;
-    OpenAI GPT relies on that (GPT-2's ``_init_weights`` covers Conv1D itself)."""
+    """The constructor's values where ``_init_weights`` left ``t`` unwritten: transformers' ``Conv1D`` draws
+    N(0, 0.02) and zeroes its bias in ``__init__``, which OpenAI GPT relies on."""
     from transformers.pytorch_utils import Conv1D
 
     if isinstance(module, Conv1D) and _poisoned(t):
@@ -377,16 +351,14 @@ def _poison(t: Tensor) -> None:
 
 
 def _poisoned(t: Tensor) -> bool:
-    # Reductions, not elementwise masks: no temporary as large as the tensor (a NaN left in it
-    # makes the sum NaN).
+    # Reductions: no temporary as large as the tensor (a NaN left makes the sum NaN).
     if t.is_floating_point():
         return bool(t.sum().isnan())
     return t.dtype != torch.bool and t.numel() > 0 and int(t.min()) == torch.iinfo(t.dtype).min
 
 
 def materialize(model: nn.Module, device: torch.device | str = "cpu", seed: int | None = None) -> nn.Module:
-    """Materialise a model built on the meta device, whole, with the values a stage gives it
-    (same seed: ``torch.initial_seed()`` by default). For plain (unpartitioned) use and tests."""
+    """Materialise a meta model whole with the values a stage gives it (seed: ``torch.initial_seed()``)."""
     init = HFInit(model, torch.initial_seed() if seed is None else seed)
     done: dict[int, Tensor] = {}   # a tensor registered under several names (tied weights) stays one
     for parameter, named in ((True, model.named_parameters(remove_duplicate=False)),

@@ -1,16 +1,11 @@
-"""C++ CPU optimizer kernels (csrc/cpu_optim), built on first use, with a pure-PyTorch fallback.
+"""C++ CPU optimizer kernels (csrc/cpu_optim), built on first use (``_loader``), with a pure-PyTorch fallback.
 
-Importing builds nothing: the first call that needs the extension compiles it (about 30 s, cached:
-``_loader``) or imports it; where that fails, ONE warning says why and the optimizers keep their
-transforms. ``python -m framework.ops [status|build]`` reports, or builds ahead of time.
-
-``adam_step``, ``lion_step``, ``adagrad_step``: one in-place step (torch.optim semantics; ``step``
-counts this step, from 1) over equal-length lists of contiguous CPU fp32 tensors, ``out16``
-(bf16/fp16 copies) written in the same pass, ``decay_mask`` None: all decayed. A tensor that does
-not fit raises TypeError/ValueError naming it (with ``strict=False``: returns False, nothing
-changed); unbuilt kernels raise BuildUnavailable. ``usable`` checks tensors before any build
-(always False under FRAMEWORK_OPS=0, read on every call: then ``cpu_optim`` is None and nothing is
-built or imported).
+Where the build or import fails, ONE warning says why and the optimizers keep their transforms;
+``python -m framework.ops [status|build]`` reports, or builds ahead of time. Each kernel is one in-place
+step (torch.optim semantics; ``step`` counts from 1) over equal-length lists of contiguous CPU fp32
+tensors, writing ``out16`` (bf16/fp16 copies) in the same pass; ``decay_mask`` None decays all. A tensor
+that does not fit raises TypeError/ValueError naming it (``strict=False``: returns False, nothing
+changed). Under FRAMEWORK_OPS=0 (read on every call) nothing is built or imported.
 """
 from __future__ import annotations
 
@@ -33,8 +28,7 @@ OFF = "off (FRAMEWORK_OPS=0)"
 
 
 def cpu_optim() -> ModuleType | None:
-    """The extension (built or imported on the first call), or None after one warning; None
-    without a build or a warning under FRAMEWORK_OPS=0."""
+    """The extension (built or imported on the first call), or None (after one warning unless FRAMEWORK_OPS=0)."""
     return _loader.status().module if _loader.kernels_enabled() else None
 
 
@@ -43,16 +37,13 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why ``cpu_optim`` is None (the failed build's or import's own reason, or OFF); None where the
-    kernels are available. Builds on the first call as ``cpu_optim`` does (``status`` never builds, so
-    its reason after a failed build is only that building is off)."""
+    """Why ``cpu_optim`` is None (the failed build's or import's reason, or OFF); builds as ``cpu_optim`` does."""
     return _loader.status().reason if _loader.kernels_enabled() else OFF
 
 
 def build(force: bool = True) -> ModuleType:
-    """Compile now, also over a finished build (which may be damaged); ``force=False``: import a
-    finished build, compiling only where there is none. Compiles also over a recorded failure, since
-    that may have been transient (a full disk, say). Raises BuildUnavailable with the reason."""
+    """Compile now, also over a finished build and a recorded failure (perhaps transient: a full disk);
+    ``force=False``: import a finished build where there is one. Raises BuildUnavailable with the reason."""
     return _loader.load(build=True, force=force, retry=True)
 
 
@@ -102,12 +93,11 @@ def adagrad_step(params: Sequence[Tensor], grads: Sequence[Tensor], state_sums: 
 
 
 def status() -> dict[str, Any]:
-    """What ``python -m framework.ops`` prints. Imports a finished build but never compiles."""
+    """What ``python -m framework.ops`` prints; never fails, imports a finished build but never compiles."""
     try:
         where = str(_loader.build_dir())
     except OSError:   # unreadable sources: load says why
         where = "-"
-    # A status report must not fail; under FRAMEWORK_OPS=0 it says the kernels are off.
     module, reason = _loader.attempt(build=False) if _loader.kernels_enabled() else (None, OFF)
     capability = torch.backends.cpu.get_cpu_capability()
     detected = module.detected_isa() if module is not None else {

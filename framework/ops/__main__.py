@@ -1,11 +1,9 @@
 """``python -m framework.ops [status|build]``: report on, or build ahead of time, the C++ kernels.
 
-``status`` (the default) never compiles; it exits 0 whether or not the kernels are built (the
-optimizers fall back to their transforms). ``build`` compiles them now (about 30 s the first time)
-and exits 1 with the reason if that fails; ``build --if-needed`` only where no finished build is
-there, also over a failure an earlier build recorded (``make test`` runs it first, so that no test pays
-for the first build within its time limit).
+``status`` (the default) never compiles and exits 0. ``build`` compiles now (about 30 s) and exits 1 with the
+reason if that fails; ``build --if-needed`` only where there is no finished build (``make test`` runs it first).
 """
+
 from __future__ import annotations
 
 import argparse

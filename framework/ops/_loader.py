@@ -1,15 +1,10 @@
 """Build-on-first-use of the C++ CPU optimizer kernels (csrc/cpu_optim), with a safe fallback.
 
-``torch.utils.cpp_extension.load`` compiles into a cache folder keyed by the torch and Python
-versions and a hash of the sources and flags; a ``BUILT`` file marks a finished build, then
-imported directly (no compiler or ninja needed) once the extension's size and sha256, recorded in
-``BUILT``, match: a truncated or damaged file is rebuilt, never mapped. ``BUILT`` is readable per
-the umask, as the extension is, so that others can use a build in a shared cache. Builds are
-serialised across processes with an ``flock`` (taken only when a build is needed) that the kernel
-drops if a builder dies, so a ``lock`` file torch left behind is stale. A failed build leaves
-``FAILED`` (the reason, keyed by the compiler: ``CXX`` and ``PATH`` as the build uses them): a
-process that waited for it, and later runs with the same compiler, fall back at once with that reason
-instead of compiling again; ``python -m framework.ops build`` clears it and retries.
+``torch.utils.cpp_extension.load`` compiles into a cache folder keyed by torch, Python, sources and flags.
+``BUILT`` marks a finished build, imported directly once the extension's recorded size and sha256 match (a
+damaged file is rebuilt, never mapped). Builds are serialised with an ``flock`` the kernel drops if a builder
+dies. A failed build leaves ``FAILED`` (keyed by ``CXX`` and ``PATH``): later runs with the same compiler fall
+back at once with its reason; ``python -m framework.ops build`` retries.
 
 Environment:
     FRAMEWORK_OPS=0             do not use the kernels at all (the pure-PyTorch path runs)
@@ -46,12 +41,9 @@ from framework.core.paths import cache_dir, csrc_dir
 NAME = "framework_cpu_optim"
 SOURCES = ("cpu_optim/cpu_optim.cpp",)
 HEADERS = ("include/framework_ops/simd.h", "include/framework_ops/optim_kernels.h")
-# -ffp-contract=off: the kernels choose their fused multiply-adds themselves (see simd.h);
-# -fvisibility=hidden: only the module's init function is exported (no PLT calls between kernels);
-# -fopenmp (compile only): with torch's OpenMP backend, at::parallel_for is an inline
-# `#pragma omp parallel` that runs serially without it. Not linked: the GOMP symbols bind to the
-# OpenMP runtime torch has already loaded, so torch.set_num_threads applies and no second runtime
-# (with its own thread pool) comes in.
+# -ffp-contract=off: the kernels choose their fused multiply-adds (simd.h); -fvisibility=hidden: no PLT calls
+# between kernels; -fopenmp, compiled but not linked: at::parallel_for's inline `omp parallel` binds to the
+# OpenMP runtime torch loaded, so torch.set_num_threads applies.
 CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden", "-fopenmp")
 LOCK_TIMEOUT_S = 1800.0  # waiting for another process's build
 ISAS = ("scalar", "avx2", "avx512")  # as the kernels name them, weakest first
@@ -102,8 +94,7 @@ def _fingerprint(path: Path) -> str:
 
 
 def _finished(directory: Path) -> bool:
-    """A complete build: BUILT names the extension's size and sha256 and the file has them (a
-    truncated file mapped by the import would crash the process with SIGBUS)."""
+    """BUILT records the extension's size and sha256 and the file has them (a truncated one would SIGBUS)."""
     try:
         recorded = (directory / "BUILT").read_text().splitlines()
         return len(recorded) >= 2 and recorded[1] == _fingerprint(directory / f"{NAME}.so")
@@ -116,8 +107,7 @@ def _finished(directory: Path) -> bool:
 
 
 def _discard(directory: Path) -> None:
-    """Remove a build's outputs (and a recorded failure) so that the next build compiles and links
-    everything again (ninja would keep an output newer than its inputs, however damaged)."""
+    """Remove a build's outputs and recorded failure: ninja would keep a damaged output newer than its inputs."""
     for name in ("BUILT", "FAILED", f"{NAME}.so", ".ninja_log", ".ninja_deps",
                  *(p.name for p in directory.glob("*.o"))):
         (directory / name).unlink(missing_ok=True)   # unlinked, not rewritten: a process that has it mapped keeps it
@@ -125,8 +115,7 @@ def _discard(directory: Path) -> None:
 
 @contextmanager
 def _tools_on_path() -> Iterator[None]:
-    """Put the interpreter's bin folder (a venv's ninja) on PATH for the build, and PATH back as it was
-    after it (the process's later subprocesses see the user's PATH); fail clearly without a compiler."""
+    """The interpreter's bin folder (a venv's ninja) on PATH during the build; fail clearly without a compiler."""
     dirs = [os.path.dirname(sys.executable)]
     with contextlib.suppress(ImportError, AttributeError):
         import ninja  # the PyPI package ships the binary
@@ -231,10 +220,9 @@ def _compile(directory: Path, force: bool = False, retry: bool = False) -> Modul
 
 
 def load(build: bool = True, force: bool = False, retry: bool = False) -> ModuleType:
-    """The extension module: a finished build is imported, otherwise (if ``build``) compiled;
-    ``force``: compiled again in any case; ``retry``: compiled also over a recorded failure (an
-    explicit build request: the failure may have been transient). Raises BuildUnavailable with the reason when neither
-    works, or when FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH has a value they do not allow."""
+    """The extension: a finished build imported, else (``build``) compiled; ``force``: compiled in any case;
+    ``retry``: also over a recorded failure. Raises BuildUnavailable with the reason (a bad
+    FRAMEWORK_OPS_ISA or FRAMEWORK_OPS_PREFETCH too)."""
     isa = os.environ.get("FRAMEWORK_OPS_ISA", "").strip().lower()
     if isa not in ("", "auto") + ISAS:
         raise BuildUnavailable(f"FRAMEWORK_OPS_ISA={os.environ['FRAMEWORK_OPS_ISA']!r} is not one of auto, "
@@ -265,7 +253,7 @@ def load(build: bool = True, force: bool = False, retry: bool = False) -> Module
 
 
 def attempt(build: bool) -> Status:
-    """``load``, with a failure as its reason instead of an exception."""
+    """``load``, with a failure as its reason."""
     try:
         return Status(load(build=build), None)
     except Exception as exc:  # noqa: BLE001 - any failure means "fall back", never a crash
@@ -274,8 +262,8 @@ def attempt(build: bool) -> Status:
 
 @functools.cache
 def status() -> Status:
-    """Load (building on first use unless FRAMEWORK_OPS_BUILD=0) once per process. Never raises: when
-    the kernels are unavailable it warns ONCE with the reason (the optimizers keep their transforms)."""
+    """``load`` once per process (building unless FRAMEWORK_OPS_BUILD=0); never raises, warns ONCE with the reason."""
+
     found = attempt(build=_on("FRAMEWORK_OPS_BUILD"))
     if found.module is None:
         warnings.warn(f"framework.ops: C++ CPU optimizer kernels unavailable ({found.reason}); "

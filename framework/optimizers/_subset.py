@@ -1,10 +1,6 @@
-"""One optimizer step over some of the groups: the building block of pipelined host steps.
-
-A subset is stepped by passing the full list of groups (the weight-decay mask is aligned with
-it) with every other group replaced by an empty slice, which kernels and transforms skip. State
-tensors are updated in place, so the steps of disjoint subsets land in the one full state; only
-scalar leaves (step counts) come from the returned state, advanced once from the same old state.
-"""
+"""One optimizer step over some of the groups (pipelined host steps): every other group is passed as an empty
+slice, which kernels and transforms skip. State tensors update in place, so disjoint subsets land in one
+state; only scalar leaves (step counts) come from the returned state."""
 from __future__ import annotations
 
 import itertools
@@ -17,9 +13,8 @@ from framework.optimizers._transforms import GradientTransformation, step
 
 def _zip_map(n: int, on_groups: Callable[..., Any], *states: Any,
              on_scalars: Callable[..., Any] = lambda *leaves: leaves[0]) -> Any:
-    """States of one layout walked together: ``on_groups(*lists)`` at each per-group tensor list
-    (``n`` tensors), ``on_scalars(*leaves)`` (default: the first's) at every other leaf, the tuples
-    (named or not) rebuilt."""
+    """States of one layout walked together: ``on_groups(*lists)`` at each list of ``n`` tensors,
+    ``on_scalars(*leaves)`` (default: the first's) at other leaves, tuples rebuilt."""
     first = states[0]
     if isinstance(first, list) and len(first) == n and all(isinstance(t, Tensor) for t in first):
         return on_groups(*states)
@@ -65,9 +60,9 @@ def group_state(state: Any, n: int, i: int) -> list[Tensor]:
 
 def step_groups(tx: GradientTransformation, grads: Mapping[int, Tensor], state: Any,
                 params: Sequence[Tensor], lr: float, out16: Sequence[Tensor] | None = None) -> Any:
-    """``step`` on the groups in ``grads`` (group index -> gradient) only, in place; returns
-    the full new state (its step counts advanced once, as by a step over all groups).
-    ``out16``: as for ``step``, one per group (all groups, like ``params``)."""
+    """``step`` on the groups in ``grads`` (index -> gradient) only, in place; returns the full new state
+    (step counts advanced once). ``out16``: as for ``step``, one per group."""
+
     n = len(params)
 
     def only(ts: Sequence[Tensor]) -> list[Tensor]:

@@ -1,12 +1,9 @@
-"""Functional, optax-style gradient transformations over lists of flat fp32 tensors.
-
-An optimizer is a ``GradientTransformation``: ``init(params) -> state`` and
+"""Functional, optax-style gradient transformations over lists of flat fp32 tensors: ``init(params) -> state``,
 ``update(grads, state, params, lr) -> (updates, new_state)``, then ``apply_updates`` (``p += u``).
-A group may hold 100M+ elements, so everything works in place: updates are written into the
-grads' storage, state tensors are updated in place and shared by the returned state (a state
-passed to ``update`` must not be used again), and where one more buffer is needed (Lion,
-Adagrad) it is a bounded chunked scratch buffer. Step counts are python ints: no device sync.
-Every registered optimizer is built by ``optimizer``.
+
+Groups may hold 100M+ elements, so everything is in place: updates overwrite the grads, state tensors are
+shared by the returned state (a state passed to ``update`` is not used again), and a needed temporary is a
+bounded chunked scratch buffer. Step counts are python ints: no device sync.
 """
 from __future__ import annotations
 
@@ -19,24 +16,21 @@ from torch import Tensor
 from framework import ops
 from framework.core.errors import ConfigError
 
-# Elements per chunk for the transforms that need a temporary: caps the scratch buffer at
-# 16 MiB (fp32) whatever the group size, and keeps per-chunk launch overhead negligible.
-_CHUNK = 1 << 22
+_CHUNK = 1 << 22   # elements per chunk of a temporary: 16 MiB of fp32 scratch, negligible launch overhead
 
 
 class GradientTransformation(NamedTuple):
     init: Callable[[Sequence[Tensor]], Any]
     update: Callable[[list[Tensor], Any, Sequence[Tensor], float], tuple[list[Tensor], Any]]
-    # Optional fast path: ``fused(grads, state, params, lr, out16) -> state`` does what ``step`` does
-    # (tested), or returns None, nothing changed, where it cannot take the tensors. One kernel pass
-    # over memory instead of ~10 foreach passes: the optimizer step is memory-bound.
+    # Optional fast path doing what ``step`` does (``fused(grads, state, params, lr, out16) -> state``), or
+    # None, nothing changed, where it cannot take the tensors: one pass over memory instead of ~10.
     fused: Callable[..., Any] | None = None
 
 
 def step(tx: GradientTransformation, grads: list[Tensor], state: Any, params: Sequence[Tensor],
          lr: float, out16: Sequence[Tensor] | None = None) -> Any:
-    """Apply one optimizer step in place on ``params``; return the new state. With ``out16``
-    (bf16/fp16 tensors, one per group, same numel) also write the updated params' 16-bit copy."""
+    """One optimizer step in place on ``params``; returns the new state. ``out16`` (one 16-bit tensor per
+    group): also write the updated params' copy there."""
     new_state = None if tx.fused is None else tx.fused(grads, state, params, lr, out16)
     if new_state is None:
         updates, new_state = tx.update(grads, state, params, lr)
@@ -60,10 +54,9 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Compose transforms left to right; the state is the tuple of the inner states."""
 
     def update(grads: list[Tensor], state: tuple, params: Sequence[Tensor], lr: float) -> tuple[list[Tensor], tuple]:
-        if len(state) != len(transforms):
-            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)}")
         new_state = []
-        for transform, inner in zip(transforms, state):
+        for transform, inner in zip(transforms, state, strict=True):
+
             grads, inner = transform.update(grads, inner, params, lr)
             new_state.append(inner)
         return grads, tuple(new_state)
@@ -74,12 +67,10 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
 def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransformation | None, *, decoupled: bool,
               kernel: str | None = None, hyper: dict[str, Any] | None = None,
               cuda: Callable | None = None) -> GradientTransformation:
-    """The chain ``decay, direction, -lr`` (L2 regularisation, as torch) or, ``decoupled``,
-    ``direction, decay, -lr``, decaying the groups whose ``decay_mask`` entry is True (False: 1-D
-    params) or all with ``cfg.decay_1d``. Its fast path: the C++ kernel ``ops.<kernel>`` (``hyper``:
-    its hyperparameters; faster in every case timed, bench/cpu_adam.py), else ``cuda(grads,
-    direction_state, params, lr, mask)`` (torch's fused kernel, ~4x the foreach transforms on
-    contiguous tensors), else the transforms. Each path keeps the transforms' state, so a run may switch paths."""
+    """The chain ``decay, direction, -lr`` (L2, as torch) or, ``decoupled``, ``direction, decay, -lr``, decaying
+    groups whose ``decay_mask`` is True (False: 1-D params) or all with ``cfg.decay_1d``. Fast paths: the C++
+    kernel ``ops.<kernel>`` (``hyper``: its hyperparameters), else ``cuda(grads, direction_state, params, lr,
+    mask)`` (torch's fused kernel), else the transforms; all keep the transforms' state."""
     mask = [bool(decayed) or cfg.decay_1d for decayed in decay_mask]
     decay = add_decayed_weights(cfg.weight_decay, mask)
     inner = [] if direction is None else [direction]
@@ -94,34 +85,25 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
         counted = "count" in inner._fields   # Lion keeps no step count
         step = {"step": inner.count + 1} if counted else {}
         new_state = state[:index] + (inner._replace(count=inner.count + 1),) + state[index + 1:] if counted else state
-        # Empty groups have nothing to step: a subset step (``step_groups``) passes the others as
-        # empty slices, which may live on another device (a device piece beside host pieces). Left
-        # in, they would make the kernel decline the host pieces and hand torch's fused kernel a list
-        # of mixed devices, so they are dropped here (the state is updated in place either way).
+        # A subset step (``step_groups``) passes the other groups as empty slices, perhaps on another device:
+        # dropped, else the kernel would decline the host pieces and torch's get a mixed-device list.
         keep = [i for i, p in enumerate(params) if p.numel()]
         if not keep:
             return new_state
-        lists = inner[1:] if counted else inner
-        decays = mask
-        if len(keep) < len(params):
-            params, grads, decays = [params[i] for i in keep], [grads[i] for i in keep], [mask[i] for i in keep]
-            lists = tuple([ts[i] for i in keep] for ts in lists)
-            out16 = None if out16 is None else [out16[i] for i in keep]
-            inner = inner._replace(**dict(zip(inner._fields[1 if counted else 0:], lists)))
-        # Python looks at the first param only (so that CUDA tensors never trigger a build and
-        # FRAMEWORK_OPS=0 applies); the kernel checks every tensor itself and declines
-        # (``strict=False``, nothing changed) where one does not fit: a per-tensor check here cost
-        # ~1 us per tensor and list, 0.1-0.5 ms per step over 100 groups.
+        params, grads, decays = ([xs[i] for i in keep] for xs in (params, grads, mask))
+        out16 = None if out16 is None else [out16[i] for i in keep]
+        lists = tuple([ts[i] for i in keep] for ts in (inner[1:] if counted else inner))
+        inner = inner._replace(**dict(zip(inner._fields[1 if counted else 0:], lists)))
+
+        # The first param only (CUDA tensors never trigger a build): the kernel checks every tensor itself
+        # and declines (``strict=False``), cheaper than a check per tensor here.
         usable = ops.usable(params[:1])
-        # The 16-bit copy is written in the kernel's pass when it is on the host (offload); a copy
-        # that lives elsewhere (e.g. on the device) is written after the step.
+        # A 16-bit copy on the host is written in the kernel's pass; one elsewhere after the step.
         in_pass = out16 if usable and out16 and ops.usable(out16=out16[:1]) else None
         if not (usable and getattr(ops, kernel)(
                 params, grads, *lists, weight_decay=cfg.weight_decay,
                 decay_mask=decays, out16=in_pass, strict=False, lr=lr, **step, **(hyper or {}))):
-            # torch's fused kernels assume contiguous tensors (on CPU, a strided param comes out
-            # wrong: tests/unit/test_cpu_ops.py) on one device (CUDA refuses a mixed list); the
-            # others take the transforms.
+            # torch's fused kernels want contiguous tensors (a strided CPU param comes out wrong) on one device.
             device = params[0].device
             if cuda is None or not all(
                     p.device == device and device.type in ("cuda", "cpu") and p.is_contiguous() and g.is_contiguous()
@@ -193,8 +175,7 @@ def scale_by_adam(b1: float, b2: float, eps: float, bias_correction: bool = True
 
 
 def add_decayed_weights(weight_decay: float, mask: Sequence[bool]) -> GradientTransformation:
-    """``u += weight_decay * p`` for the groups whose mask entry is True: L2 regularisation before the
-    direction (Adam, SGD, Adagrad), decoupled decay ``p -= lr * wd * p`` after it (AdamW, Lion)."""
+    """``u += weight_decay * p`` where the mask is True: L2 before the direction, decoupled decay after it."""
 
     def update(grads: list[Tensor], state: EmptyState, params: Sequence[Tensor], lr: float):
         for u, p, decayed in zip(grads, params, mask, strict=True):
@@ -226,8 +207,7 @@ def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
 
     def update(grads: list[Tensor], state: ScaleByLionState, params: Sequence[Tensor], lr: float):
         for g, m in zip(grads, state.mu):
-            # Both outputs (u into g, new m into m) read both old g and old m, so one of
-            # them must go through a temporary: chunked to bound its size.
+            # Both outputs read old g and old m: one goes through a (chunked) temporary.
             for tmp, g_c, m_c in _chunks(g, m):
                 torch.mul(m_c, b1, out=tmp).add_(g_c, alpha=1 - b1)
                 m_c.mul_(b2).add_(g_c, alpha=1 - b2)
@@ -238,9 +218,8 @@ def scale_by_lion(b1: float, b2: float) -> GradientTransformation:
 
 
 def trace(momentum: float, dampening: float, nesterov: bool) -> GradientTransformation:
-    """SGD momentum as torch.optim.SGD: ``buf = g`` on the first step (no dampening),
-    then ``buf = momentum*buf + (1-dampening)*g``; the update is ``buf``, or with
-    Nesterov ``g + momentum*buf``."""
+    """SGD momentum as torch.optim.SGD: ``buf = g`` first, then ``momentum*buf + (1-dampening)*g``; the update
+    is ``buf``, or with Nesterov ``g + momentum*buf``."""
 
     def update(grads: list[Tensor], state: TraceState, params: Sequence[Tensor], lr: float):
         if state.count == 0:
@@ -259,8 +238,8 @@ def trace(momentum: float, dampening: float, nesterov: bool) -> GradientTransfor
 
 
 def scale_by_rss(initial_accumulator_value: float, eps: float, lr_decay: float) -> GradientTransformation:
-    """Adagrad as torch.optim.Adagrad: ``s += g*g``; ``u = g / (sqrt(s) + eps)``; torch's step-size
-    decay ``lr / (1 + (step-1)*lr_decay)`` divides the update, so ``scale_by_lr`` stays ``-lr``."""
+    """Adagrad as torch.optim.Adagrad: ``s += g*g``; ``u = g / (sqrt(s) + eps) / (1 + (step-1)*lr_decay)``."""
+
 
     def init(params: Sequence[Tensor]) -> ScaleByRssState:
         return ScaleByRssState(0, [torch.full_like(p, initial_accumulator_value) for p in params])

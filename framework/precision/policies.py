@@ -1,9 +1,5 @@
-"""The precisions (conf/precision: fp32, bf16, fp16), their policy and the dynamic loss scaler.
-
-A policy says which dtype each kind of tensor has; stages take it as input and never decide
-dtypes themselves. The loss-scale state is an immutable value updated by ``next_scale`` (DeepSpeed's
-rule as a pure function).
-"""
+"""The precisions (conf/precision: fp32, bf16, fp16): a policy says which dtype each kind of tensor has
+(stages never decide dtypes); the loss-scale state is a value ``next_scale`` updates (DeepSpeed's rule)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -47,19 +43,16 @@ class Policy:
     reduce_dtype: torch.dtype    # gradients on the wire
     master_dtype: torch.dtype    # what the optimizer updates
     scaler: ScalerConfig | None  # None: no loss scaling (the scale stays 1)
-    # Micro-batch gradients (param_dtype, from each backward) are summed in this dtype: fp32 by
-    # default, as DeepSpeed's BF16 optimizer does (the trade-off: BF16Config.grad_accum_dtype).
+    # Micro-batch gradients are summed in this dtype (fp32 by default, as DeepSpeed's BF16 optimizer).
     grad_accum_dtype: torch.dtype = torch.float32
     auto_cast: bool = False      # fp16's auto_cast: the module's floating inputs cast to param_dtype
 
     def cast_forward(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """A forward pre-hook on the trained module under ``auto_cast``: what its forward is called with, cast
-        (DeepSpeed casts what its engine's forward is called with; a loss's targets stay as they are)."""
+        """A forward pre-hook under ``auto_cast``: the forward's arguments cast (a loss's targets are not)."""
         return self.cast_inputs(args), self.cast_inputs(kwargs)
 
     def cast_inputs(self, micro: Any) -> Any:
-        """``micro`` with its floating tensors (in tuples, lists and dicts, as DeepSpeed's fp16
-        auto_cast walks a forward's inputs) in ``param_dtype`` where ``auto_cast``; else as it is."""
+        """``micro`` with its floating tensors (in tuples, lists, dicts) in ``param_dtype`` under ``auto_cast``."""
         if not self.auto_cast:
             return micro
         if isinstance(micro, torch.Tensor):
@@ -84,10 +77,8 @@ class Policy:
         return PrecisionState(cur_scale=scale, cur_hysteresis=s.hysteresis)
 
     def continued(self, saved: PrecisionState) -> PrecisionState:
-        """The initial scale for a run resumed from a state saved without dynamic loss scaling (another
-        precision, or a static scale), keeping the saved step and skip counts: the scale first grows after
-        a full loss_scale_window of clean steps from here, as in a fresh run (not at the next multiple of
-        the window in the saved step count)."""
+        """The initial scale for a run resumed from a state saved without dynamic scaling, keeping the saved
+        step and skip counts; the scale first grows a full loss_scale_window of clean steps from here."""
         fresh = self.init_state()
         return replace(fresh, cur_iter=saved.cur_iter, skipped_steps=saved.skipped_steps,
                        last_overflow_iter=saved.cur_iter - 1 if self.dynamic else fresh.last_overflow_iter)
@@ -99,12 +90,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                culprits=lambda: []) -> PrecisionState:
-    """One step of DeepSpeed's dynamic loss scaler (its DynamicLossScaler: the rule is written out below).
-
-    Steps with non-finite gradients are always skipped (also for fp32/bf16, where the scale
-    stays 1): ``skipped_steps`` counts them. ``culprits`` lazily names the parameters whose
-    gradients overflowed, for the error raised at the minimum scale.
-    """
+    """One step of DeepSpeed's DynamicLossScaler. Steps with non-finite gradients are always skipped (the
+    scale stays 1 for fp32/bf16) and counted; ``culprits`` lazily names the overflowing parameters."""
     if cfg is None or cfg.loss_scale > 0:  # no scaling or a static scale: only count skips
         return replace(st, cur_iter=st.cur_iter + 1, skipped_steps=st.skipped_steps + overflow)
     scale, hyst = st.cur_scale, st.cur_hysteresis
@@ -142,12 +129,8 @@ class FP32Config:
 class BF16Config:
     """bf16: bf16 parameters, compute and gradient communication; fp32 master weights and optimizer."""
 
-    # Reducing in fp32 costs twice the bytes on the wire but avoids bf16 summation error
-    # across many ranks (a common surprise with bf16 accumulation).
-    reduce_fp32: bool = False
-    # Micro-batch gradients are summed in fp32 (bf16 sums lose digits with train.grad_accum);
-    # bf16 saves that memory (4 bytes per parameter under ddp/zero1 when grad_accum > 1,
-    # 2 per owned element under zero2/zero3).
+    reduce_fp32: bool = False   # twice the bytes on the wire, no bf16 summation error across many ranks
+    # Micro-batch gradients summed in fp32 (bf16 sums lose digits); bf16 saves that memory.
     grad_accum_dtype: str = "fp32"
 
 
@@ -156,14 +139,12 @@ class FP16Config(ScalerConfig):
     """fp16 with DeepSpeed's dynamic loss scaling; fp32 master weights and optimizer."""
 
     grad_accum_dtype: str = "fp32"   # micro-batch gradients summed in fp32 (or fp16, see BF16Config)
-    # DeepSpeed's fp16.auto_cast: the module's floating inputs cast to fp16 as its forward is called
-    # (float inputs meet fp16 weights); integer tensors (token ids) stay as they are.
-    auto_cast: bool = False
+    auto_cast: bool = False   # DeepSpeed's fp16.auto_cast: the forward's floating inputs cast to fp16
 
 
 def _policy(name: str, cfg, scaler: ScalerConfig | None = None) -> Policy:
-    """Precision ``name`` (fp32 master weights; gradients reduced in ``name``, or in fp32 with bf16's
-    ``reduce_fp32``) with ``precision.grad_accum_dtype``: fp32, or the working dtype itself."""
+    """Precision ``name``: fp32 masters, gradients reduced in ``name`` (or fp32: ``reduce_fp32``)."""
+
     allowed = sorted({"fp32", name})
     if cfg.grad_accum_dtype not in allowed:
         raise ConfigError(f"precision.grad_accum_dtype={cfg.grad_accum_dtype!r} is not valid with precision={name}; "

@@ -1,8 +1,5 @@
-"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr at decay_steps, then min_lr.
-
-min_lr defaults to a tenth of the optimizer's lr (nanoGPT's rule of thumb), so that it follows the lr
-a run or a DeepSpeed file sets; a stated min_lr above the lr is refused when the config is checked.
-"""
+"""nanoGPT's schedule: linear warm-up, cosine decay to min_lr (default: the optimizer's lr / 10) at
+decay_steps, then min_lr."""
 from __future__ import annotations
 
 import functools
@@ -48,8 +45,8 @@ def build(cfg: WarmupCosineConfig, base_lr: float, total_steps: int) -> Callable
 
 
 def check(node: WarmupCosineConfig, stage: str, nodes: Mapping[str, Any]) -> WarmupCosineConfig:
-    """A stated min_lr against the optimizer's lr, before a run folder is made (a floor above the
-    lr would make the cosine rise, not decay)."""
+    """A stated min_lr above the optimizer's lr (the cosine would rise) is refused before a run folder is made."""
+
     lr = nodes["optimizer"].lr
     if node.min_lr is not None and not 0 <= node.min_lr <= lr:
         raise ConfigError(f"config: scheduler.min_lr={node.min_lr} must be in [0, optimizer.lr={lr}]; set "

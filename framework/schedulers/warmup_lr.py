@@ -1,14 +1,10 @@
 """DeepSpeed's warm-up schedules: WarmupLR (warm up, then hold), WarmupDecayLR (then linear decay to
-warmup_min_lr at total_num_steps) and WarmupCosineLR (then a cosine to cos_min_ratio, held once the
-decay window ends; unlike nanoGPT's ``warmup_cosine`` both ends are ratios of the optimizer's lr).
-The warm-up's ``gamma`` is ``log(step + 1) / log(warmup_num_steps)`` ("log") or ``step / warmup_num_steps``
-("linear"); like DeepSpeed, warmup_num_steps is raised to at least 2 (a log warm-up over one step would
-divide by log(1) = 0).
+warmup_min_lr at total_num_steps), WarmupCosineLR (then a cosine to cos_min_ratio; both ends are ratios of
+the optimizer's lr). The warm-up's ``gamma`` is ``log(step + 1) / log(n)`` or ``step / n``, with
+n = warmup_num_steps raised to at least 2 as DeepSpeed does.
 
-The formulas are DeepSpeed's at its ``last_batch_iteration``, which lags the updates by one: its
-constructor sets the lr for the first update (warmup_min_lr; 0 for WarmupCosineLR) and its engine
-steps the schedule after each applied update, so update ``k >= 1`` uses the formula at ``k - 1``
-(``deepspeed_order``). The first two updates of a warm-up from warmup_min_lr both use it.
+DeepSpeed's constructor sets the first update's lr and its engine steps the schedule after each update, so
+update ``k >= 1`` uses the formula at ``k - 1`` (``deepspeed_order``).
 """
 from __future__ import annotations
 
@@ -21,8 +17,6 @@ from framework.core.errors import ConfigError
 from framework.core.registry import Component, closest_hint
 
 WARMUP_TYPES = ("log", "linear")
-NUM_STEPS_BELOW_ONE = ("scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got {}; give 1 or more "
-                       "(scheduler=constant has no warm-up)")
 
 
 @dataclass(kw_only=True)
@@ -47,13 +41,18 @@ class WarmupCosineLRConfig:
     total_num_steps: int | None = None    # None: the run's number of optimizer steps
 
 
+def _check_warmup(num_steps: int, kind: str, prefix: str = "") -> None:
+    if kind not in WARMUP_TYPES:
+        raise ConfigError(f"{prefix}scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
+                          f"{kind!r}{closest_hint(kind, WARMUP_TYPES)}")
+    if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 by ``warmup``
+        raise ConfigError(f"{prefix}scheduler.warmup_num_steps must be >= 1 (DeepSpeed refuses 0 too), got "
+                          f"{num_steps}; give 1 or more (scheduler=constant has no warm-up)")
+
+
 def warmup(num_steps: int, kind: str) -> tuple[int, Callable[[int], float]]:
     """The warm-up's checked length (at least 2) and its ``gamma(step)`` in [0, 1) before it ends."""
-    if kind not in WARMUP_TYPES:
-        raise ConfigError(f"scheduler.warmup_type must be one of {', '.join(WARMUP_TYPES)}, "
-                          f"got {kind!r}")
-    if not num_steps >= 1:   # as DeepSpeed (0.19.3 on) refuses it; 1 is raised to 2 below
-        raise ConfigError(NUM_STEPS_BELOW_ONE.format(num_steps))
+    _check_warmup(num_steps, kind)
     num_steps = max(2, num_steps)
     if kind == "log":
         return num_steps, lambda step: math.log(step + 1) / math.log(num_steps)
@@ -68,8 +67,7 @@ def run_total(total_num_steps: int | None, total_steps: int) -> int:
 
 
 def deepspeed_order(formula: Callable[[int], float], first: float) -> Callable[[int], float]:
-    """The lr of applied update ``step`` as DeepSpeed's engine sets it: ``first`` (what the schedule's
-    constructor sets), then ``formula(step - 1)``."""
+    """The lr of applied update ``step`` as DeepSpeed's engine sets it: ``first``, then ``formula(step - 1)``."""
     return lambda step: first if step == 0 else formula(step - 1)
 
 
@@ -114,11 +112,9 @@ def build_cosine(cfg: WarmupCosineLRConfig, base_lr: float, total_steps: int) ->
 
 
 def long_warmup_notes(key: str, warm: int, steps: int, schedule: Callable[[int], Callable[[int], float]]) -> list[str]:
-    """The note for a run whose lr never reaches its warm-up's peak (every scheduler with a warm-up says it
-    in these words). ``schedule(total_steps)`` is the scheduler's own lr-of-update function for a run that
-    long; the peak is the highest lr around the warm-up's end (DeepSpeed's schedules lag the updates by one
-    and raise a warm-up of 1 to 2; a linear WarmupCosineLR warm-up stops short of the optimizer's lr) in a
-    run long enough to pass it, against the highest this run reaches there."""
+    """The note for a run whose lr never reaches its warm-up's peak: the highest lr around the warm-up's end
+    of a run long enough to pass it, against this run's. ``schedule(total_steps)``: the lr-of-update function."""
+
     if steps > warm + 2:   # the run passes the warm-up's end
         return []
     peak = max(map(schedule(warm + 3), range(max(0, warm - 1), warm + 3)))
@@ -138,12 +134,9 @@ def notes(build_at: Callable[..., Callable[[int], float]], node, run) -> list[st
 
 def check(node, stage: str, nodes: Mapping[str, Any]):
     """warmup_type and warmup_num_steps with the composed config's other checks (before a run folder is made)."""
-    if node.warmup_type not in WARMUP_TYPES:
-        raise ConfigError(f"config: scheduler.warmup_type must be {' or '.join(WARMUP_TYPES)}, got "
-                          f"{node.warmup_type!r}{closest_hint(node.warmup_type, WARMUP_TYPES)}")
-    if not node.warmup_num_steps >= 1:
-        raise ConfigError("config: " + NUM_STEPS_BELOW_ONE.format(node.warmup_num_steps))
+    _check_warmup(node.warmup_num_steps, node.warmup_type, prefix="config: ")
     return node
+
 
 
 COMPONENTS = {"warmup_lr": Component(config=WarmupLRConfig, build=build, check=check,

@@ -95,7 +95,7 @@ def test_an_error_that_ends_the_run_is_in_train_log(tmp_path):
 def test_non_finite_values_are_written_as_null(tmp_path):
     """A diverged run's NaN val loss is null in summary.json (strict JSON readers refuse a bare NaN);
     a kept summary with a null val loss still makes its console line."""
-    from framework.loggers._base import summary_line
+    from framework.loggers.console import summary_line
 
     nan, inf = float("nan"), float("inf")
     record = _started(RunRecord(tmp_path))
@@ -397,7 +397,7 @@ def test_a_console_that_is_gone_ends_nothing_and_the_log_goes_on(tmp_path, monke
 def test_the_done_line_says_how_many_steps_were_skipped():
     """A run whose steps were skipped (fp16 overflow at a static scale too high, or train.on_nonfinite=warn)
     says so in its last line: a train loss alone read as if every step had trained."""
-    from framework.loggers._base import summary_line
+    from framework.loggers.console import summary_line
 
     summary = {"steps": 6, "train_loss": 3.17, "train_loss_steps": 2, "val_loss": 3.2, "tokens_per_s": 10.0}
     assert "skipped" not in summary_line({**summary, "skipped_steps": 0})
