@@ -118,13 +118,19 @@ def optimizer(cfg: Any, decay_mask: Sequence[bool], direction: GradientTransform
     return tx._replace(fused=fused)
 
 
-def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = ()) -> None:
-    """One-line ConfigErrors: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``nonneg`` >= 0."""
+def check(name: str, cfg: Any, betas: Sequence[str] = (), nonneg: Sequence[str] = (),
+          positive: Sequence[str] = ()) -> Any:
+    """``cfg``, or a one-line ConfigError: lr and weight_decay finite and >= 0, ``betas`` in [0, 1), ``nonneg``
+    >= 0, ``positive`` (an eps added to a denominator that is 0 where a gradient and its state are) > 0."""
     for keys, rule, ok in ((("lr", "weight_decay"), ">= 0", lambda v: math.isfinite(v) and v >= 0),
-                           (betas, "in [0, 1)", lambda v: 0 <= v < 1), (nonneg, ">= 0", lambda v: v >= 0)):
+                           (betas, "in [0, 1)", lambda v: 0 <= v < 1), (nonneg, ">= 0", lambda v: v >= 0),
+                           (positive, "> 0", lambda v: v > 0)):
         for key in keys:
-            if not ok(getattr(cfg, key)):
-                raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {getattr(cfg, key)}")
+            if not ok(value := getattr(cfg, key)):
+                why = (" (an eps of 0 makes the update 0/0 = NaN wherever a gradient and its running state are 0, as in "
+                       "the flat buffers' padding); give a small positive value such as 1e-8" if key in positive else "")
+                raise ConfigError(f"optimizer.{key} must be {rule} for {name}, got {value}{why}")
+    return cfg
 
 
 # --- the transforms --------------------------------------------------------------------------

@@ -18,11 +18,18 @@ class AdagradConfig:
     decay_1d: bool = False  # also decay 1-D params (biases, norm weights)
 
 
+def check_config(cfg: AdagradConfig, *_) -> AdagradConfig:
+    """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr. eps
+    may be 0 only with a positive initial_accumulator_value: the sum of squares is never 0 then."""
+    return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value", "eps"),
+                 positive=("eps",) if cfg.initial_accumulator_value == 0 else ())
+
+
 def build(cfg: AdagradConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
-    check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value", "eps"))
+    check_config(cfg)
     # No CUDA kernel: off the CPU kernel's tensors, the transforms run.
     return optimizer(cfg, decay_mask, scale_by_rss(cfg.initial_accumulator_value, cfg.eps, cfg.lr_decay),
                      decoupled=False, kernel="adagrad_step", hyper=dict(lr_decay=cfg.lr_decay, eps=cfg.eps))
 
 
-COMPONENT = Component(config=AdagradConfig, build=build)
+COMPONENT = Component(config=AdagradConfig, build=build, check=check_config)

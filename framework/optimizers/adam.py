@@ -23,8 +23,13 @@ class AdamConfig:
     bias_correction: bool = True
 
 
+def check_config(cfg: AdamConfig, *_, decoupled: bool = False) -> AdamConfig:
+    """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr."""
+    return check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), positive=("eps",))
+
+
 def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) -> GradientTransformation:
-    check("adamw" if decoupled else "adam", cfg, betas=("beta1", "beta2"), nonneg=("eps",))
+    check_config(cfg, decoupled=decoupled)
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
 
     def torch_fused(grads: list[Tensor], adam: ScaleByAdamState, params: Sequence[Tensor], lr: float,
@@ -48,4 +53,4 @@ def build(cfg: AdamConfig, decay_mask: Sequence[bool], decoupled: bool = False) 
                      cuda=torch_fused if cfg.bias_correction else None)
 
 
-COMPONENT = Component(config=AdamConfig, build=build)
+COMPONENT = Component(config=AdamConfig, build=build, check=check_config)

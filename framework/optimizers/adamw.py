@@ -14,4 +14,4 @@ class AdamWConfig(adam.AdamConfig):
 
 
 build = partial(adam.build, decoupled=True)
-COMPONENT = Component(config=AdamWConfig, build=build)
+COMPONENT = Component(config=AdamWConfig, build=build, check=partial(adam.check_config, decoupled=True))

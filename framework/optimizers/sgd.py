@@ -19,7 +19,8 @@ class SGDConfig:
     decay_1d: bool = False  # also decay 1-D params (biases, norm weights)
 
 
-def build(cfg: SGDConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
+def check_config(cfg: SGDConfig, *_) -> SGDConfig:
+    """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr."""
     check("sgd", cfg, nonneg=("momentum",))
     if cfg.nesterov and not (cfg.momentum > 0 and cfg.dampening == 0):
         raise ConfigError("optimizer.nesterov needs momentum > 0 and dampening == 0 for sgd, got "
@@ -27,9 +28,14 @@ def build(cfg: SGDConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
     if cfg.momentum == 0 and cfg.dampening != 0:   # (torch ignores it silently)
         raise ConfigError(f"optimizer.dampening has no effect with momentum=0 for sgd, got dampening={cfg.dampening};"
                           " set optimizer.momentum or drop optimizer.dampening")
+    return cfg
+
+
+def build(cfg: SGDConfig, decay_mask: Sequence[bool]) -> GradientTransformation:
+    check_config(cfg)
     # torch keeps no momentum buffer at all when momentum is 0
     direction = trace(cfg.momentum, cfg.dampening, cfg.nesterov) if cfg.momentum != 0 else None
     return optimizer(cfg, decay_mask, direction, decoupled=False)
 
 
-COMPONENT = Component(config=SGDConfig, build=build)
+COMPONENT = Component(config=SGDConfig, build=build, check=check_config)

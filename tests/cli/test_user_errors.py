@@ -273,6 +273,10 @@ def test_a_key_of_a_group_option_not_chosen(override, says, monkeypatch):
     (["optimizer.lr=5e-5", "scheduler.min_lr=1e-4"],
      "config: scheduler.min_lr=0.0001 must be in [0, optimizer.lr=5e-05]; set scheduler.min_lr <= optimizer.lr or "
      "scheduler=constant (min_lr: null is lr / 10)"),
+    (["optimizer.lr=-1"], "optimizer.lr must be >= 0 for adamw, got -1.0"),   # not the scheduler's min_lr
+    (["optimizer.eps=0"], "optimizer.eps must be > 0 for adamw, got 0.0 (an eps of 0 makes the update 0/0 = NaN wherever a "
+     "gradient and its running state are 0, as in the flat buffers' padding); give a small positive value such as "
+     "1e-8"),
     # a Hub name is not on disk (nothing is downloaded): refused with the config, not after the header
     (["model=hf", "model.config=gpt2"], "model.config=gpt2: no such file (a Hub name? nothing is downloaded; give a "
      "local folder: a config.json or a folder holding one)"),

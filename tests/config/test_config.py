@@ -93,6 +93,11 @@ def test_every_yaml_composes_and_builds(group, name, tmp_path):
     (["optimizer=adamww"], "adamw"),
     (["+stage=zero5"], "zero5"),
     (["train.steps=0"], "train.steps must be >= 1"),
+    # the optimizer's own values, checked before the scheduler's (which read the lr) and before a run folder
+    (["optimizer.lr=-1", "train.steps=200"], "optimizer.lr must be >= 0 for adamw, got -1.0"),
+    (["optimizer.lr=-1", "train.steps=2", "scheduler=warmup_lr"], "optimizer.lr must be >= 0 for adamw, got -1.0"),
+    (["optimizer=adam", "optimizer.eps=0"], "optimizer.eps must be > 0 for adam, got 0.0 (an eps of 0 makes the update 0/0"),
+    (["optimizer=lion", "optimizer.beta1=1"], "optimizer.beta1 must be in [0, 1) for lion, got 1.0"),
     # a group choice read as a number, boolean or null is a name the registry does not know
     (["precision=16"], "unknown precision '16' (did you mean 'fp16'?)"),
     (["optimizer=null"], "unknown optimizer 'null'"), (["+stage=null"], "unknown stage 'null'"),

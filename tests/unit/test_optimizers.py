@@ -197,6 +197,9 @@ def test_chain_state_is_tuple_of_inner_states():
     (adamw, {"beta2": -0.1}),
     (adamw, {"lr": -1e-3}),
     (adamw, {"eps": -1.0}),
+    (adamw, {"eps": 0.0}),   # 0/0 where a gradient and its moments are 0 (the flat buffers' padding)
+    (adam, {"eps": 0.0}),
+    (adagrad, {"eps": 0.0}),
     (adam, {"weight_decay": -0.1}),
     (adam, {"beta1": float("nan")}),
     (sgd, {"nesterov": True}),
@@ -212,6 +215,14 @@ def test_bad_config_raises_one_line_config_error(module, overrides):
     with pytest.raises(ConfigError) as info:
         module.COMPONENT.build(cfg, MASK)
     assert "\n" not in str(info.value)
+    with pytest.raises(ConfigError) as again:   # the component's check, at compose time
+        module.COMPONENT.check(cfg, "ddp", {})
+    assert str(again.value) == str(info.value)
+
+
+def test_adagrad_eps_0_is_allowed_with_a_positive_initial_accumulator():
+    cfg = adagrad.AdagradConfig(eps=0.0, initial_accumulator_value=0.1)
+    assert adagrad.COMPONENT.check(cfg, "ddp", {}) is cfg and adagrad.build(cfg, MASK) is not None
 
 
 # adamw.yaml carries nanoGPT's baby-GPT settings instead of torch's defaults.
