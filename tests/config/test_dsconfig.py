@@ -501,6 +501,35 @@ def test_bf16_communication_dtype_and_grad_accum_dtype():
     assert cfg.choices["precision"] == "bf16" and cfg.sources["precision.reduce_fp32"] != "DeepSpeed file"
 
 
+def test_bf16_check_grad_overflow_skips_a_nonfinite_step_as_deepspeed():
+    # DeepSpeed skips the step (train.on_nonfinite=warn); the command line still wins, with a note
+    def compose(bf16, *overrides):
+        return framework.compose(list(overrides), ds_config={"bf16": bf16})
+
+    cfg = compose({"enabled": True, "check_grad_overflow": True})
+    assert cfg.train.on_nonfinite == "warn" and cfg.sources["train.on_nonfinite"] == dsconfig.DS_FILE
+    assert not any("check_grad_overflow" in n for n in cfg.notices), cfg.notices
+    cfg = compose({"enabled": "auto", "check_grad_overflow": True}, "precision=bf16")
+    assert cfg.train.on_nonfinite == "warn"
+    cfg = compose({"enabled": True, "check_grad_overflow": True}, "train.on_nonfinite=stop")
+    assert cfg.train.on_nonfinite == "stop" and cfg.sources["train.on_nonfinite"] == dsconfig.COMMAND_LINE
+    assert any("bf16.check_grad_overflow=true in the file, train.on_nonfinite=stop on the command line" in n
+               for n in cfg.notices), cfg.notices
+    # false (DeepSpeed would apply the step) and a run that is not bf16: the run's train.on_nonfinite, with a note
+    for bf16, why in (({"enabled": True, "check_grad_overflow": False}, "false: train.on_nonfinite decides"),
+                      ({"enabled": False, "check_grad_overflow": True}, "bf16 is not enabled"),
+                      ({"enabled": "auto", "check_grad_overflow": True}, "(the run is fp32)")):
+        cfg = compose(bf16)
+        assert cfg.train.on_nonfinite == "stop", bf16
+        assert any(n.startswith("note:") and "bf16.check_grad_overflow" in n and why in n for n in cfg.notices), (
+            bf16, cfg.notices)
+
+
+def test_an_adam_eps_of_0_from_a_file_is_one_line():
+    msg = error_of({"optimizer": {"type": "AdamW", "params": {"eps": 0}}})
+    assert msg.startswith("optimizer.eps must be > 0 for adamw, got 0.0 (an eps of 0 makes the update 0/0") and "\n" not in msg
+
+
 # --- defects found in review (round 9) ----------------------------------------------------------
 
 def _folder(tmp_path, ds: dict, body: str = "") -> str:

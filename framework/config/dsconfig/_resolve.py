@@ -66,6 +66,11 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             unused = [k for k, s in fp16_keys.items() if k in SCALER_DEFAULTS and s.value != SCALER_DEFAULTS[k]]
             inert += [f"{fp16_keys.pop(k).ds_key} (loss_scale {static.value:g} is static)" for k in unused]
         settings.update({f"precision.{k}": s for k, s in fp16_keys.items()})
+    for key in [k for k in settings if k.startswith("_bf16.")]:   # bf16's keys of a bf16 run
+        if precision == "bf16":
+            settings[key.removeprefix("_bf16.")] = settings.pop(key)
+        else:
+            inert.append(f"{settings.pop(key).ds_key} (the run is {precision})")
     if (comm := settings.pop("_comm_dtype", None)) is not None:
         value = comm.value.lower()   # as DeepSpeed reads it ("FP32" is fp32)
         if value not in ("fp16", "bf16", "fp32"):
@@ -109,7 +114,8 @@ def resolve(t: Translation, run: RunFacts) -> Resolved:
             sources[key] = AUTO_FILLED                          # (else the run's own value stays)
         elif key in run.cli_keys:                                   # the command line wins
             if s.source == DS_FILE and run.value(key) != s.value:
-                overridden.append(f"{s.ds_key}={_show(s.value)} in the file, {key}={_show(run.value(key))} "
+                stated = s.ds_key if "=" in s.ds_key else f"{s.ds_key}={_show(s.value)}"   # (a mapped value's own)
+                overridden.append(f"{stated} in the file, {key}={_show(run.value(key))} "
                                   f"on the command line")
         else:
             values[key], sources[key] = s.value, s.source

@@ -367,8 +367,16 @@ def precision(tr: Translation, top: dict) -> None:
         if key in fp16 and tr.typed(fp16[key], "bool", f"fp16.{key}"):
             tr.error(f"fp16.{key}=true is not implemented here (master weights and gradients are fp32); remove it")
     if bf16 is not None:
-        tr.inert_keys(bf16, dict.fromkeys(("immediate_grad_update", "check_grad_overflow"),
-                                          "the bf16 step here is always the same"), "bf16.", kind="bool")
+        tr.inert_keys(bf16, {"immediate_grad_update": "the bf16 step here is always the same"}, "bf16.", kind="bool")
+        # true: DeepSpeed skips a step whose gradients are not finite, as train.on_nonfinite=warn does (of a bf16
+        # run: resolve); false: it applies that step, here train.on_nonfinite (stop by default) decides.
+        key = "check_grad_overflow"
+        if key in bf16 and (v := tr.typed(bf16[key], "bool", f"bf16.{key}")) is not None:
+            if v and on["bf16"] is not False:
+                tr.set("_bf16.train.on_nonfinite", "warn", f"bf16.{key}=true")
+            else:
+                tr.inert_key(f"bf16.{key}", "false: train.on_nonfinite decides, stop by default" if not v
+                             else "bf16 is not enabled")
         for key in ("bf16_master_weights_and_grads", "bf16_optimizer_states"):
             if key in bf16 and tr.typed(bf16[key], "bool", f"bf16.{key}"):
                 tr.error(f"bf16.{key}=true is not implemented here (master weights and optimizer state are "
