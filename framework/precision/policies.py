@@ -143,7 +143,9 @@ class BF16Config:
     """bf16: bf16 parameters, compute and gradient communication; fp32 master weights and optimizer."""
 
     # Reducing in fp32 costs twice the bytes on the wire but avoids bf16 summation error
-    # across many ranks (a common surprise with bf16 accumulation).
+    # across many ranks (a common surprise with bf16 accumulation). Every stage's optimizer reads
+    # the fp32 sums: under ddp/zero1 without grad_accum they land in an fp32 buffer (4 bytes per
+    # owned element; with grad_accum > 1 the fp32 accumulator holds them).
     reduce_fp32: bool = False
     # Micro-batch gradients are summed in fp32 (bf16 sums lose digits with train.grad_accum);
     # bf16 saves that memory (4 bytes per parameter under ddp/zero1 when grad_accum > 1,
