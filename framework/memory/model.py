@@ -242,16 +242,20 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None
     cut = (chunk, policy.param_dtype, policy.master_dtype, _opt_bytes_per_element(cfg))   # the tier's arguments
 
-    def full_grads(n: int) -> None:   # ddp and zero1: whole gradients, plus an accumulator of another dtype
+    def full_grads(n: int, owned: int) -> None:
+        """ddp and zero1: whole gradients, and an accumulator when it has another dtype; without one, a wider
+        wire's sums land in that dtype over this rank's ``owned`` elements (``FlatGrads.owned``)."""
         pred.add("grads", device=w * n)
-        if cfg.train.grad_accum > 1 and acc != w:
+        if acc != w and cfg.train.grad_accum > 1:
             pred.add("grad_accumulator", device=acc * n)
-            pred.lazy.add("grad_accumulator")
+        elif acc != w and red != w and world > 1:
+            pred.add("grad_accumulator", device=acc * owned)
+        pred.lazy.add("grad_accumulator")   # made by the first step
 
     if stage == "ddp":   # (its own master and state on the device: the device tier's bytes)
         shards = [sum(padded)]
         pred.add("params", device=w * sum(padded))
-        full_grads(sum(padded))
+        full_grads(sum(padded), sum(padded))
         pred.lazy |= placement.predict(pred, shards, *cut)
         if red != w:   # a wire copy per bucket in flight
             pred.transient["reduce_wire"] = red * min(cfg.stage.bucket_size, max(padded)) * 2
@@ -260,7 +264,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         pred.add("params", device=w * sum(padded))
         pred.lazy |= placement.predict(pred, shards, *cut)
         if stage == "zero1":
-            full_grads(sum(padded))
+            full_grads(sum(padded), sum(shards))
         else:
             pred.add("grads", device=acc * sum(shards))
             # The bucket plan the stage makes, from its slots in registration order.

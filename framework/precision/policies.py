@@ -129,7 +129,9 @@ class FP32Config:
 class BF16Config:
     """bf16: bf16 parameters, compute and gradient communication; fp32 master weights and optimizer."""
 
-    reduce_fp32: bool = False   # twice the bytes on the wire, no bf16 summation error across many ranks
+    # twice the bytes on the wire, no bf16 summation error across many ranks; every stage's optimizer reads the
+    # fp32 sums (ddp/zero1 without grad_accum: an fp32 buffer of 4 bytes per owned element)
+    reduce_fp32: bool = False
     # Micro-batch gradients summed in fp32 (bf16 sums lose digits); bf16 saves that memory.
     grad_accum_dtype: str = "fp32"
 

@@ -192,7 +192,9 @@ class FlatGrads:
     .grad are views into one flat buffer per group, bound only during train_step's backward, so
     ``module.zero_grad()`` in loss_fn touches nothing and a backward inside loss_fn is an error, not a silent
     zero. With a wider grad_accum_dtype earlier micro batches go into an accumulator, the last one is added
-    range by range as it is reduced (``_final``). Under loss scaling that wider sum goes on the wire divided
+    range by range as it is reduced (``_final``). A wire wider than the gradients, with no accumulator in the
+    step, lands this rank's sums in a buffer of the accumulator's dtype (``owned``), so the update reads the
+    wire's sums as under zero2 and zero3. Under loss scaling that wider sum goes on the wire divided
     by the micro batch count and is multiplied back (exact for powers of two), so the wire carries one micro
     batch's magnitude, as under zero2 and zero3, and every stage overflows at the same loss scale."""
 
@@ -209,6 +211,10 @@ class FlatGrads:
         self.scaled = policy.scaler is not None   # gradients are scaled up to the edge of the wire's range
         self.acc: list[torch.Tensor] | None = None   # the wider sums, once a step has accumulated
         self.micro = 0   # how many earlier micro batches of this step acc holds
+        # where the sums of a wire wider than the gradients land when acc holds none (``owned``)
+        w = self.grads[0].dtype
+        self.widen = dist.world > 1 and self.reduce_dtype != w and self.accum_dtype != w
+        self.landing: list[torch.Tensor] | None = None
         self.work: list = []   # (bucket, pending, wire buffer or None, micro batches divided out) of launched buckets
         self.abandoned: list | None = None   # those of an interrupted pass, not waited for
         self.launcher = Arrivals(buckets, self._launch, [n for _, n in self.entries], stage)
@@ -278,26 +284,34 @@ class FlatGrads:
         self.work.append((b, pending, buf, n))
 
     def finish(self) -> list[torch.Tensor]:
-        """Complete the step's reduction; per group, the buffer the summed gradients live in."""
-        summed = self.summed()
+        """Complete the step's reduction; per group, this rank's range of the summed gradients (``owned``)."""
+        owned = self.owned()
         if self.dist.world > 1:
             self.launcher.flush()  # buckets whose parameters got no gradient, or no overlap
             for b, pending, buf, n in self.work:
                 self.dist.comm.wait(pending, self.what)
                 if buf is not None:  # reduced in the wire dtype: this rank's sums back into its partition
+                    base = self.bounds[b.group][0]
                     for lo, hi, off in own_parts(b, *self.bounds[b.group]):
-                        own = summed[b.group][lo:hi].copy_(buf[off:off + hi - lo])
+                        own = owned[b.group][lo - base:hi - base].copy_(buf[off:off + hi - lo])
                         if n > 1:   # in the wide dtype: exact (an fp16 value times a small integer)
                             own.mul_(n)
             self.work = []
         else:   # every range is final at once: there is nothing to reduce
             for g, grad in enumerate(self.grads):
                 self._final(g, 0, grad.numel())
-        return summed
+        return owned
 
-    def summed(self) -> list[torch.Tensor]:
-        """Per group, the buffer ``_final`` ranges live in."""
-        return self.acc if self.micro else self.grads
+    def owned(self) -> list[torch.Tensor]:
+        """Per group, this rank's range of the step's sums: where ``_final`` ranges live, or (``widen``, no
+        accumulator) a buffer of the accumulator's dtype, made at the first step (zeros: the ranges between
+        parameters, in no bucket, stay zero)."""
+        if self.micro or not self.widen:
+            return [s[lo:hi] for s, (lo, hi) in zip(self.acc if self.micro else self.grads, self.bounds)]
+        if self.landing is None:
+            self.landing = [torch.zeros(hi - lo, dtype=self.accum_dtype, device=g.device)
+                            for g, (lo, hi) in zip(self.grads, self.bounds)]
+        return self.landing
 
     def zero(self) -> None:
         for g in self.grads + (self.acc if self.micro else []):
@@ -308,7 +322,7 @@ class FlatGrads:
 
     def memory(self, fp: Footprint) -> None:
         fp.add("grads", device=tensor_bytes(self.grads))
-        fp.add("grad_accumulator", device=tensor_bytes(self.acc or []))
+        fp.add("grad_accumulator", device=tensor_bytes((self.acc or []) + (self.landing or [])))
 
 
 class Arrivals:

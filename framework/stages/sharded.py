@@ -106,7 +106,7 @@ class Zero1Stage(ShardedStage):
         self.flat_grads.finish()
 
     def _partition_grads(self) -> list[torch.Tensor]:
-        return [g[lo:hi] for g, (lo, hi) in zip(self.flat_grads.summed(), self.bounds)]
+        return self.flat_grads.owned()
 
     def zero_grads(self) -> None:
         self.flat_grads.zero()

@@ -56,6 +56,8 @@ TWO_RANKS = [(f"+stage={s}", f"offload={o}", "precision=bf16")
 # the other precisions where a rank's share differs most: swapped and host-stepped partitions
 TWO_RANKS += [("+stage=zero3", "offload=nvme", f"precision={p}") for p in ("fp32", "fp16")]
 TWO_RANKS += [("+stage=zero2", "offload=cpu", f"precision={p}") for p in ("fp32", "fp16")]
+# a wider wire with no accumulator: the fp32 sums land in a buffer of their own (ddp: all, zero1: its partition)
+TWO_RANKS += [(f"+stage={s}", "precision=bf16", "precision.reduce_fp32=true") for s in ("ddp", "zero1")]
 TWO_RANKS += [("+stage=ddp",), ("+stage=zero3", "offload=nvme", "offload.sub_group_size=300"),
               # round-robin buckets hold one partition's share each (a plain plan's would be twice as large)
               ("+stage=zero2", "stage.round_robin_gradients=true", "stage.reduce_bucket_size=3000",

@@ -96,6 +96,27 @@ def test_low_precision_close_to_ddp(pools, precision):
             assert a == pytest.approx(b, rel=loss_rtol), f"{precision} {stage} step {i}: loss {a} vs ddp {b}"
 
 
+# bf16 reduced in fp32 without accumulation: every stage's optimizer reads the wire's fp32 sums (ddp and
+# zero1 land them in an fp32 buffer, zero2 adds them into its fp32 partition), so on two ranks (a sum of
+# two has one order) they are bitwise equal; reduced in bf16, the sums are rounded to bf16 first.
+WIRE = ["precision=bf16", "train.grad_clip=0", "train.steps=4"]
+
+
+def _wire_widths(dist):
+    out = _compare(dist, [*WIRE, "precision.reduce_fp32=true"])
+    out["ddp bf16-wire"] = _train(dist, "ddp", WIRE)
+    return out
+
+
+def test_bf16_with_fp32_wire_is_the_same_on_every_stage(pools):
+    for rank, res in enumerate(pools(2).run(_wire_widths, timeout=240)):
+        losses, params = res["zero2"][:2]
+        for stage in ("ddp", "zero1"):
+            assert res[stage][0] == losses, f"rank {rank} {stage} losses {res[stage][0]} vs zero2 {losses}"
+            assert torch.equal(res[stage][1], params), f"rank {rank} {stage} params differ from zero2's"
+        assert not torch.equal(res["ddp bf16-wire"][1], params), "precision.reduce_fp32 changed nothing"
+
+
 def test_fp16_overflow_skips_same_step_on_every_rank(pools):
     out = pools(2).run(_compare, ["precision=fp16", "train.steps=6"], ("zero1", "zero2"), 3, timeout=240)
     for stage in ("zero1", "zero2"):
