@@ -1,7 +1,4 @@
-"""Consolidate a training checkpoint into safetensors (the command is framework/cli/export.py).
-
-    python -m framework.export outputs/.../checkpoints/step-100 --to exported/
-"""
+"""``python -m framework.export``: a checkpoint as safetensors (see framework/cli/export.py, --help)."""
 from framework.cli.export import main
 
 if __name__ == "__main__":

@@ -1,9 +1,4 @@
-"""Run a recipe and check it against its expected numbers (the command is framework/cli/recipe.py;
-``--help`` for the rest).
-
-    python -m framework.recipe --list
-    python -m framework.recipe shakespeare_char_cpu --quick
-"""
+"""``python -m framework.recipe``: run a recipe and check its numbers (see framework/cli/recipe.py, --help)."""
 from framework.cli.recipe import main
 
 if __name__ == "__main__":

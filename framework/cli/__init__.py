@@ -6,8 +6,19 @@ import sys
 from typing import Callable
 
 from framework.config import GROUPS, ROOT_KEYS
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
+
+
+def fail(error: object, code: int) -> int:
+    """Print ``error`` as one ``error:`` line on stderr; return the exit status ``code``."""
+    say(f"error: {error}")
+    return code
+
+
+def override_key(override: str) -> str:
+    """An override's key without its ``+``/``++``/``~`` prefix."""
+    return override.partition("=")[0].lstrip("+~")
 
 
 def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: dict,
@@ -54,6 +65,5 @@ def run_command(doc: str, argv: list[str] | None, tool: str, own_keys, flags: di
                                       f"config (conf/train.yaml: {', '.join((*ROOT_KEYS, *GROUPS))})")
         body(own, overrides, flags)
     except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)
     return 0

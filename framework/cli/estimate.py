@@ -7,15 +7,11 @@
     python -m framework.estimate model=gpt-mini +stage=zero2 offload=cpu precision=bf16 \\
         train.micro_batch=8 model.activation_checkpointing=true dist.nproc=2           # + per-rank prediction
 
-Counts accept ``2.78e9``, ``2783M``, ``32K``, ``1.4B``. A model is built on the meta device (no memory)
-and counted by parameter identity at logical shapes. The two DeepSpeed tables reproduce
-``estimate_zero2_model_states_mem_needs_all_cold`` / ``..._zero3_...`` (and their ``_all_live`` forms
-for a model) to the printed digit: model states only, "per CPU" is per node. Our additions follow:
-ZeRO-Infinity rows (disk and pinned pools, keys of ``offload=nvme``) and, for one of our models, the
-bytes each rank will hold for the composed config (any ``key=value`` this command does not know is a
-Hydra override of ``conf/train.yaml``; ``+stage=`` picks the stage, ``ds_config=ds.json`` layers a
-DeepSpeed config). A Hugging Face model gets the same prediction with its own loss (``context=`` sets
-the sequence length; default its maximum position). ``--json`` prints everything as JSON.
+Counts accept ``2.78e9``, ``2783M``, ``32K``, ``1.4B``. A model is built on the meta device (no memory). The
+two DeepSpeed tables (model states only; "per CPU" is per node) match DeepSpeed's to the printed digit; ours
+follow: ZeRO-Infinity rows (the ``offload=nvme`` keys) and, for a model, the bytes each rank will hold for the
+composed config (any other ``key=value`` is a Hydra override of ``conf/train.yaml``; ``context=`` sets a
+Hugging Face model's sequence length). ``--json`` prints everything as JSON. More in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ from framework.models.hf import load_config as hf_load_config
 from framework.models.hf import trace_loss as hf_trace_loss
 from framework.memory.tables import (BUFFER_FACTOR, NVMeKeys, count_module, format_rows, nvme_rows, parse_count,
                                      zero2_rows, zero3_rows)
-from framework.cli import run_command
+from framework.cli import override_key, run_command
 from framework.config import compose
 from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.registry import closest_hint, registry
@@ -88,13 +84,10 @@ def resolve_model(value: str, overrides: list[str]):
     yaml = path.suffix in (".yaml", ".yml")
     if (hf or yaml) and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
-    model_keys = [o for o in overrides if o.split("=")[0].lstrip("+~").split(".")[0] == "model"]
+    model_keys = [o for o in overrides if override_key(o).split(".")[0] == "model"]
     if hf:   # our stages, precision, batch and offload keys around it
-        for o in model_keys:
-            # The config.json is built as the file states it: a model.* key (our GPT configs' keys)
-            # would change nothing, so it is refused, not ignored.
-            if o.split("=")[0].lstrip("+~") == "model.activation_checkpointing":
-                # (the trace on meta cannot run transformers' checkpointing, as for model=hf model.config=...)
+        for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
+            if override_key(o) == "model.activation_checkpointing":
                 raise ConfigError(f"estimate: {o} does not apply to model={value} (its activations are traced "
                                   f"on the meta device, where transformers' checkpointing cannot run); drop it")
             hint = "; set its sequence length with context=N" if ".context" in o.split("=")[0] else \
@@ -192,7 +185,7 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if "model" in own:
         if "params" in own or "largest_layer" in own:
             raise ConfigError("estimate: give model=... or params=/largest_layer=, not both")
-        nproc = [o for o in overrides if o.split("=")[0].lstrip("+~") == "dist.nproc"]
+        nproc = [o for o in overrides if override_key(o) == "dist.nproc"]
         if nproc and ("gpus_per_node" in own or "nodes" in own) and nproc[-1].split("=", 1)[-1] != str(gpus * nodes):
             raise ConfigError(f"estimate: {nproc[-1]} conflicts with gpus_per_node=/nodes= (a world of {gpus * nodes}); "
                               "give one of them")

@@ -12,8 +12,8 @@ output holds, and ``get_fp32_state_dict_from_checkpoint`` for Python: ``framewor
 from __future__ import annotations
 
 import argparse
-import sys
 
+from framework.cli import fail
 from framework.core.errors import FrameworkError
 from framework.persist.export import export
 from framework.precision import DTYPES
@@ -33,12 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         paths = export(args.checkpoint, args.out, dtype=DTYPES[args.dtype], max_shard_size=args.max_shard_size,
                        overwrite=args.overwrite)
     except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        return fail(e, 1)
     except OSError as e:   # (export names every write error itself: this is a read of the checkpoint)
-        print(f"error: export: cannot read {e.filename or args.checkpoint} ({e.strerror or e}); check the "
-              "checkpoint's files and their permissions", file=sys.stderr)
-        return 1
+        return fail(f"export: cannot read {e.filename or args.checkpoint} ({e.strerror or e}); check the "
+                    "checkpoint's files and their permissions", 1)
     for path in paths:
         print(path)
     return 0

@@ -42,11 +42,9 @@ from framework.cli.loop import train
 
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None,
            on_owned: Callable[[Path], None] | None = None, on_ready: Callable[[Path], None] | None = None) -> dict:
-    """Train and return rank 0's summary; ``on_point`` goes to every rank's loop (fault tests);
-    ``on_owned(run folder)`` is called once, where the run folder's lock is held and the checks before
-    any rank passed; ``on_ready`` goes to rank 0's loop (``train``: called once the run's checks passed;
-    the CLI writes Hydra's record of the run then, never over a live run's or that of a run the new one
-    was refused in; picklable, for a spawned rank 0)."""
+    """Train and return rank 0's summary. ``on_point`` goes to every rank's loop (fault tests);
+    ``on_owned(run folder)`` is called once the run folder's lock is held and the pre-rank checks passed;
+    ``on_ready`` goes to rank 0's loop (picklable, for a spawned rank 0)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     check_batch_world(cfg, run_world(cfg.dist.nproc))
@@ -96,22 +94,15 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
 
 @contextlib.contextmanager
 def signals_unwind(rank: bool = False) -> Iterator[None]:
-    """SIGTERM (kill, a Slurm time limit or pre-emption) raises SystemExit(143) in this (main) thread,
-    as Ctrl-C raises KeyboardInterrupt, so the run unwinds and closes what it opened (swap files) as
-    after an error. Later SIGTERMs are ignored: they must not cut that cleanup short (Slurm signals
-    every process, and the launcher passes it on to its ranks). A ``rank`` takes ``INTERRUPT`` (the
-    launcher's Ctrl-C, passed on) as Ctrl-C unless it is interrupted already: Ctrl-C in a terminal reaches
-    the whole process group, and the launcher's copy must not cut the cleanup short, however late it is
-    run (a long C call delays every handler); every SIGINT raises, so a second Ctrl-C does. A rank starts
-    with SIGINT ignored (``_spawn``: a Ctrl-C while it imports would print a traceback) and gets its
-    handler here. The previous handlers come back after; a rank ignores SIGINT and ``INTERRUPT`` from then
-    on (it is ending, and a Ctrl-C passed on just then must neither print a traceback nor kill it).
+    """SIGTERM raises SystemExit(143) in the main thread, as Ctrl-C raises KeyboardInterrupt, so the run
+    unwinds and closes what it opened (swap files); later SIGTERMs are ignored so they cannot cut that
+    cleanup short. A ``rank`` takes ``INTERRUPT`` (the launcher's copy of a Ctrl-C the whole process group
+    got) as Ctrl-C only if not interrupted already; every SIGINT raises. Afterwards the previous handlers
+    come back, and a rank ignores SIGINT and ``INTERRUPT`` (it is ending).
 
-    Either exception raised while the main thread runs a finalizer (a weakref callback) would be
-    printed with a traceback and dropped by Python, the run going on: the signal is sent again from
-    another thread, to land once the main thread has left the callback. Leaving waits for a signal
-    being sent again (its exception raised there), so it never lands under the previous handlers
-    (SIGTERM's default ends the process without any cleanup)."""
+    An exception raised inside a finalizer would be printed and dropped by Python: the signal is then sent
+    again from another thread to land after the callback, and leaving waits for such re-sends so none lands
+    under the previous handlers (SIGTERM's default ends the process without cleanup)."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
@@ -184,8 +175,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
 
 
 def terminated_line(e: SystemExit) -> str | None:
-    """The one line for a run that a SIGTERM ended (``signals_unwind``'s SystemExit; with the step where
-    the loop was), None for any other exit."""
+    """The one line for a run a SIGTERM ended (``signals_unwind``'s SystemExit), None for any other exit."""
     if isinstance(e, Terminated):
         return e.line
     return "terminated (SIGTERM)" if e.code == 128 + signal.SIGTERM else None
@@ -195,9 +185,8 @@ RUN_LOCK = "run.lock"
 
 
 def own_run_folder(run: RunInfo) -> int:
-    """A descriptor holding an exclusive lock on the run folder's run.lock for as long as it stays
-    open (the kernel drops it when the process dies, however it dies): two runs started in the same
-    second (the default folder is named by the time) would mix their records and checkpoints."""
+    """A descriptor holding an exclusive lock on the run folder's run.lock while open (the kernel drops it
+    when the process dies): two runs started in the same second would share the time-named folder."""
     files.make_dirs(run.run_dir)
     fd = files.open_nofollow(run.run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT)
     try:
@@ -217,8 +206,7 @@ def own_run_folder(run: RunInfo) -> int:
 
 
 def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
-    """A multirun's sweep folder that this rank's ${now} named apart from rank 0's (its job's folder removed
-    already): removed where it holds nothing but the multirun.yaml Hydra wrote there for this rank."""
+    """Remove a sweep folder this rank's ${now} named apart from rank 0's, if it holds only multirun.yaml."""
     if sweep_dir is None or sweep_dir.resolve() in rank0_run.resolve().parents:
         return
     try:
@@ -230,10 +218,8 @@ def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
 
 
 def check_launch_env(cfg: Config) -> None:
-    """One line, before anything connects or spawns, for a launch environment that cannot work: those
-    ``connect`` refuses (``check_env``: a leftover WORLD_SIZE, Slurm tasks that nothing made into one
-    group), and a dist.nproc that an external launcher's WORLD_SIZE overrules (1 too, where it was set: a key that
-    is accepted does something)."""
+    """One line, before anything connects or spawns, for a launch environment ``connect`` refuses, or a
+    dist.nproc (1 too, where given) that an external launcher's WORLD_SIZE overrules."""
     check_env()
     world = env_int("WORLD_SIZE", 1)
     if world > 1 and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
@@ -242,8 +228,7 @@ def check_launch_env(cfg: Config) -> None:
 
 
 def restart_notice(cfg: Config, run: RunInfo) -> None:
-    """One line where a torchrun restart (a rank failed, torchrun started them all again) finds nothing to
-    resume: each attempt composes the run folder anew, so a folder named by ${now} is a new one."""
+    """One line where a torchrun restart finds nothing to resume (a ${now} run folder is new each attempt)."""
     restarts = env_int("TORCHELASTIC_RESTART_COUNT", 0)
     if restarts < 1 or cfg.checkpoint.resume != "auto" or not cfg.checkpoint.every:
         return
@@ -260,8 +245,8 @@ def _notice(cfg: Config, local_world: int, main: bool) -> None:
 
 
 def cap_threads(local_world: int) -> None:
-    """Give this rank its share of the host's cores for torch's threads (the host optimizer step of
-    offload runs there, with CUDA too); never raises a lower limit (OMP_NUM_THREADS, torchrun's 1)."""
+    """Give this rank its share of the host's cores for torch's threads (offload's host optimizer step);
+    never raises a lower limit (OMP_NUM_THREADS, torchrun's 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cores // max(1, local_world))
     if torch.get_num_threads() > share:
@@ -286,9 +271,8 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a Slurm task that Hydra's submitit launcher
-    started (one task per rank); empty where WORLD_SIZE is set already, outside submitit, or for
-    a single task."""
+    """The rank variables torchrun would set, for a Slurm task (one per rank) Hydra's submitit launcher
+    started; empty where WORLD_SIZE is set already, outside submitit, or for a single task."""
     env = os.environ
     if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or env_int("SLURM_NTASKS", 1) <= 1:
         return {}
@@ -320,10 +304,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     log = logging.getLogger(mp.ProcessContext.__module__)
     log.addFilter(_no_terminating_line)
     try:
-        # The ranks start with SIGINT ignored (inherited through exec; Python keeps it so): a Ctrl-C to the
-        # whole group while they import torch would print a traceback each. Until they are ready (their
-        # handlers installed) the launcher ends them with SIGTERM. (Starting takes milliseconds: a Ctrl-C to
-        # the launcher alone just then is lost.)
+        # The ranks start with SIGINT ignored (a Ctrl-C to the group while they import torch would print a
+        # traceback each); until their handlers are installed the launcher ends them with SIGTERM.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             ranks = mp.start_processes(_worker, args=(cfg, run, store_dir, on_point, on_ready), nprocs=cfg.dist.nproc,
@@ -352,19 +334,14 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
 
 
 def _no_terminating_line(record: logging.LogRecord) -> bool:
-    """Drops torch's "Terminating process N via signal SIGTERM" warning: stopping the other ranks once
-    one failed is said in the launcher's own line (its warning that SIGKILL was needed stays)."""
+    """Drops torch's "Terminating process N via signal SIGTERM" warning: the launcher's own line says it."""
     return not str(record.msg).startswith("Terminating process")
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
-    """Pass the launcher's signal on to the ranks (one sent to the launcher alone, a ``kill`` or a Slurm
-    time limit, would not reach them; Ctrl-C in a terminal reaches them already: it goes on as
-    ``INTERRUPT``, which a rank acting on that Ctrl-C ignores) and wait for them to end, each removing its
-    files and saying how it stopped; after Ctrl-C those still running after ``STOP_GRACE_S`` get SIGTERM.
-    A rank not ``ready`` (still starting, its handlers not installed) gets SIGTERM, which ends it silently.
-    Ctrl-C again while waiting cuts that short: SIGTERM at once, SIGKILL ``KILL_AFTER_S`` later; so does
-    a SIGTERM, which is raised after; no rank is left running."""
+    """Pass the launcher's signal on to the ranks (a Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet
+    ``ready``) and wait for them to clean up; after Ctrl-C, SIGTERM to those left after ``STOP_GRACE_S``.
+    Ctrl-C or SIGTERM while waiting: SIGTERM at once, SIGKILL ``KILL_AFTER_S`` later; no rank is left running."""
     for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
@@ -381,10 +358,8 @@ def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: 
 
 
 def _join(ranks: list, timeout_s: float | None) -> bool:
-    """Wait for the ranks to end, ``timeout_s`` at most (None: as long as they take); False on Ctrl-C.
-    Anything else raised while waiting (SIGTERM's SystemExit) is raised once they ended: SIGTERM to them,
-    SIGKILL to those left ``KILL_AFTER_S`` later (at once on any signal raising meanwhile: leaving, the
-    launcher leaves no rank running)."""
+    """Wait for the ranks to end, ``timeout_s`` at most (None: no limit); False on Ctrl-C. Anything else
+    raised while waiting (SIGTERM's SystemExit) is re-raised once they ended (SIGTERM, then SIGKILL)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for p in ranks:
@@ -415,8 +390,7 @@ def _ready_path(store_dir: str, rank: int) -> str:
 
 
 def _hold(path: str, create: bool = False) -> int:
-    """A descriptor holding a shared lock on ``path`` (the rendezvous folder's lock file) for as
-    long as it stays open; the kernel drops it when the process dies, however it dies."""
+    """A descriptor holding a shared lock on ``path`` while open (the kernel drops it when the process dies)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     fcntl.flock(fd, fcntl.LOCK_SH)
@@ -460,9 +434,8 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
 
 
 def rank_env(rank: int, nproc: int) -> None:
-    """This process's launch variables as rank ``rank`` of the ``nproc`` local ranks this launcher made. They
-    are no Slurm tasks: in a batch step every rank inherits task 0's SLURM_PROCID and the step's task count,
-    which would make rank 0 alone look like a task bound to a GPU of its own (another backend than its peers)."""
+    """This process's launch variables as local rank ``rank`` of ``nproc``; the inherited Slurm task variables
+    (task 0's, in a batch step) are dropped: they would make rank 0 alone look like a Slurm task."""
     for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         os.environ.pop(key, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))

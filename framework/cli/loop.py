@@ -32,11 +32,9 @@ from framework.persist.weights import load_weights, save_on_model_save
 
 def train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None] | None = None,
           on_ready: Callable[[Path], None] | None = None) -> dict:
-    """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and its
-    console goes to the run folder's train.log too. ``on_point(point)`` (fault tests) is called
-    after each train step (``step:<N>``) and at the points of each save (``Checkpointer``'s).
-    ``on_ready(run folder)`` is called on rank 0 once the checks that can refuse the run passed
-    (the model is built, any checkpoint resumed, the logger started), before the first step."""
+    """Train the configured model; rank 0 logs, writes metrics.jsonl and summary.json, and copies its console
+    to the run folder's train.log. ``on_point(point)`` (fault tests) is called after each step (``step:<N>``)
+    and at each save's points; ``on_ready(run folder)`` on rank 0 once the checks that can refuse the run passed."""
     if not dist.is_main:
         return _train(cfg, run, dist, on_point, None)
     files.make_dirs(run.run_dir)
@@ -88,10 +86,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                   f"trained; set train.steps above {state.step} to train on from it, or give this run another "
                   f"checkpoint.dir (or run folder) to start afresh", flush=True)
         if dist.is_main:
-            # A resume from this run's own checkpoints (in its folder, or its checkpoint.dir elsewhere)
-            # continues its W&B run and its metrics.jsonl (from the step resumed); any other start, from
-            # another folder's checkpoint too, is a new run here: the folder's records (of another
-            # history) are set aside, its summary.json too.
+            # A resume from this run's own checkpoints continues its W&B run and metrics.jsonl; any other
+            # start is a new run here: the folder's records (of another history) are set aside.
             mine = ckpt.resumed_from is not None and bool(
                 {run.run_dir.resolve(), ckpt.root.resolve()} & set(ckpt.resumed_from.resolve().parents))
             logger = RunRecord(run.run_dir, component(cfg, "logger").build(cfg.logger, run=replace(run, resumed=mine)),
@@ -148,8 +144,7 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
         }
         if cfg.notices:
             summary["ds_config_notices"] = list(cfg.notices)
-        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors, each rank writing
-        # its own ranges (collective; nothing when the key is off).
+        # stage3_gather_16bit_weights_on_model_save: consolidated safetensors (collective; nothing when off)
         if save_on_model_save(engine, run.run_dir / "model_16bit") is not None:
             summary["exported"] = "model_16bit"
         logger.finish(summary)
@@ -165,9 +160,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
 
 
 def train_loss(losses: list[float], window: int) -> dict:
-    """The summary's train loss: the mean of the last ``window`` finite losses (a step skipped for a
-    non-finite loss, under train.on_nonfinite=warn, trained nothing and would make it NaN) and over how
-    many steps; None where no step trained."""
+    """The summary's train loss: the mean of the last ``window`` finite losses (a step skipped for a non-finite
+    loss trained nothing), and over how many steps; None where no step trained."""
     last = [x for x in losses if math.isfinite(x)][-window:]
     return {"train_loss": fmean(last) if last else None, "train_loss_steps": len(last)}
 
@@ -187,10 +181,8 @@ def close_all(*closes: Callable[[], None]) -> None:
 
 
 def reset_peak_memory(device: torch.device) -> int:
-    """Start a new measurement window; return the resident set size now (bytes).
-
-    A multirun's jobs share one process at world 1: the resident set's high-water mark is reset so
-    that it does not carry an earlier job's peak (``rss_peak``)."""
+    """Start a new measurement window (the resident set's high-water mark too: a multirun's jobs share one
+    process); return the resident set size now (bytes)."""
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     if device.type == "cuda":
@@ -199,9 +191,8 @@ def reset_peak_memory(device: torch.device) -> int:
 
 
 def peak_memory(device: torch.device, rss_start: int) -> dict[str, int]:
-    """Measured peak memory since ``reset_peak_memory``: resident set (VmHWM) and, on CUDA, the
-    caching allocator's peaks; ``rss_start_bytes`` (interpreter, torch, libraries) subtracted from
-    the peak is what the job itself added."""
+    """Peak memory since ``reset_peak_memory``: resident set (VmHWM), the resident set at the start (the job
+    added the difference) and, on CUDA, the caching allocator's peaks."""
     out = {"peak_rss_bytes": rss_peak(), "rss_start_bytes": rss_start}
     if device.type == "cuda":
         out["peak_device_allocated_bytes"] = torch.cuda.max_memory_allocated(device)

@@ -6,27 +6,17 @@
     python -m framework.plan model=gpt-mini --verify 3                  # run the top 3, compare
     python -m framework.plan ... --reprobe                              # measure the bandwidths again
 
-The global batch is the composed config's (``train.micro_batch x train.grad_accum x ranks``); each
-candidate splits it into micro batches (``micro_batches=1,2,4`` restricts the sizes tried; also
-``stages=``, ``offloads=``, ``checkpointing=true,false``; ``+stage=``, ``offload=`` or a ``ds_config=``
-file's choice restricts the stage or offload the same way, and the given one's keys, as in
-``offload=cpu offload.ratio=0.5``, go to each of its candidates; ``model.activation_checkpointing=`` restricts
-the search as ``checkpointing=`` does, and a ``ds_config=`` file that fixes the micro batch or accumulation
-(not "auto") restricts it to the file's, as ``micro_batches=`` does). Sizes: ``80G`` = ``80GiB`` (2^30 bytes
-each), ``80GB`` (10^9), or bytes. Memory per rank comes from ``framework.estimate``'s prediction
-(activations traced on the meta device); a candidate fits when its device peak fits ``gpu_mem`` (on a
-CPU-only machine: its whole peak, plus the resident set of a process with torch loaded as the probe
-measured it, fits ``cpu_mem`` over all ranks) and its host memory fits ``cpu_mem``. Step time is a roofline over bandwidths measured once by a
-short probe (``framework.memory.probe``; cached in the user cache dir): compute at the measured matmul
-rate plus the measured fixed cost of each micro step, gradient and parameter collectives at the
-measured all-reduce bandwidth, the optimizer step at the measured host (or device memory) rate,
-host<->device copies, disk. The probe measures this machine: ``gpu_mem=`` on a host without CUDA
-checks memory against those GPUs, but the times (and so the order) are this CPU's (a note says so).
-Ties keep the Hugging Face DeepSpeed guide's order (ZeRO-1 > 2 > 2+offload > 3 > 3+offload
-optimizer > 3+offload params; no checkpointing before checkpointing; larger micro batches first).
-``--json`` adds the plan (or, with ``--verify``, the comparison) as one JSON line.
-``--verify K`` runs the top K for a few steps as one Hydra multirun (``+plan=cN`` configs written to a
-temporary search path) and prints predicted against measured step time and peak memory.
+Each candidate splits the composed config's global batch (``train.micro_batch x train.grad_accum x ranks``)
+into micro batches. ``micro_batches=1,2,4``, ``stages=``, ``offloads=`` and ``checkpointing=true,false``
+restrict the search; so do a stage or offload chosen on the command line or by a ``ds_config=`` file (the
+chosen one's keys, as in ``offload=cpu offload.ratio=0.5``, go to each of its candidates),
+``model.activation_checkpointing=``, and a file's fixed micro batch or accumulation (not "auto"). Sizes:
+``80G`` = ``80GiB`` (2^30 bytes each), ``80GB`` (10^9), or bytes. Memory per rank is ``framework.estimate``'s
+prediction; step time is a roofline over bandwidths a short probe measures once on this machine (cached; on
+a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times are this CPU's). Ties keep
+the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with ``--verify``, the comparison) as
+one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6) as one Hydra multirun and prints
+predicted against measured step time and peak memory. More in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -39,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from framework.cli import run_command
+from framework.cli import override_key, run_command
 from framework.cli.report import load_jobs
 from framework.config import compose
 from framework.config.dsconfig import DS_FILE
@@ -59,13 +49,11 @@ CANDIDATE_KEYS = ("train.micro_batch", "train.grad_accum", "model.activation_che
 
 def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardware, steps: int,
            from_file: frozenset[str] = frozenset(), pinned: frozenset[str] = frozenset()) -> list[dict]:
-    """``from_file``: the groups (stage, offload) the DeepSpeed file of ``base_overrides`` chooses (the plan
-    is restricted to its choice); the jobs' plan files leave them to it. ``pinned``: the batch keys the file
-    fixes (every candidate has their planned value): a command-line value of one stays in the jobs, as without
-    it the file's would replace the candidate's."""
+    """``from_file``: the groups (stage, offload) the DeepSpeed file chooses, left to it in the jobs' plan files.
+    ``pinned``: the batch keys the file fixes, whose command-line values stay in the jobs."""
     top = [p for p in planned if p.fits][:k]
-    base_overrides = [o for o in base_overrides if (_key(o) not in CANDIDATE_KEYS or _key(o) in pinned)
-                      and _key(o) != "dist.nproc"]   # (the jobs' is hw.ranks, given last)
+    base_overrides = [o for o in base_overrides if (override_key(o) not in CANDIDATE_KEYS or override_key(o) in pinned)
+                      and override_key(o) != "dist.nproc"]   # (the jobs' is hw.ranks, given last)
     if not top:
         raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
@@ -142,10 +130,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
                           "rank")
-    cands = candidates(cfg, hw, own)   # a bad micro_batches=, stages=, offloads= or checkpointing= fails before the probe
-    setups = compose_setups(base, cands)   # so does a given key that every candidate's setup refuses
-    if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them at start-up (once the
-        print("\n".join(cfg.notices), file=sys.stderr, flush=True)   # arguments passed: a bad one is one line)
+    # before the probe: a bad micro_batches=, stages=, offloads= or checkpointing=, or a key every setup refuses
+    setups = compose_setups(base, candidates(cfg, hw, own))
+    if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them (after the checks)
+        print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe, setups)
     vocab, source = build_vocab(cfg, base)
@@ -180,25 +168,19 @@ def _setup(batch: dict) -> str:
             f"{' with' if batch['checkpointing'] else ' without'} activation checkpointing")
 
 
-def _key(override: str) -> str:
-    return override.partition("=")[0].lstrip("+~")
-
-
 def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
                     notes: list[str]) -> tuple[dict, list[str], frozenset[str]]:
-    """``overrides``: the composed config's. A DeepSpeed file that fixes train_micro_batch_size_per_gpu or gradient_accumulation_steps (or
-    train_batch_size alone, from which DeepSpeed derives both) sets them under everything but the command
-    line, so a candidate's own values would not run: the search keeps the composed micro batch (which, with
-    the global batch, fixes the accumulation too), with a note. "auto" leaves the search free. Returns the
-    keys fixed this way (``verify``'s ``pinned``)."""
+    """A DeepSpeed file fixing the micro batch or accumulation (not "auto") sets them under everything but the
+    command line, so the search keeps the composed micro batch, with a note; returns the keys fixed this way
+    (``verify``'s ``pinned``). ``overrides``: the composed config's."""
     keys = ("train.micro_batch", "train.grad_accum")
     if cfg.ds_config is None:
         return own, notes, frozenset()
     job = cfg   # what a verify job composes: without the command line's batch keys (the candidate's own)
-    given = {_key(o) for o in overrides} & set(keys)
+    given = {override_key(o) for o in overrides} & set(keys)
     if given:
         try:
-            job = compose([o for o in overrides if _key(o) not in CANDIDATE_KEYS])
+            job = compose([o for o in overrides if override_key(o) not in CANDIDATE_KEYS])
         except ConfigError:   # the file's batch does not compose without them: they are what runs
             job = None
     pinned = frozenset(given if job is None else {k for k in keys if job.sources.get(k) == DS_FILE})
@@ -216,19 +198,16 @@ def _restrict_batch(own: dict[str, str], overrides: list[str], cfg,
 
 
 def _disk_dir(cfg, base: list[str]) -> Path:
-    """Where offload=nvme would swap, for its free bytes and the probe's disk test: the nearest existing
-    folder of ``offload.nvme_path`` when given (on the command line or by a DeepSpeed file), else the
-    working directory (the run directory's file system, where the swap files go by default)."""
+    """Where offload=nvme would swap (its free bytes, the probe's disk test): the nearest existing folder of
+    ``offload.nvme_path`` when given, else the working directory."""
     given = [o.partition("=")[2].strip() for o in base if o.partition("=")[0].lstrip("+") == "offload.nvme_path"]
     path = given[-1] if given else getattr(cfg.offload, "nvme_path", None)
     return Path(os.getcwd()) if path in (None, "", "null") else nearest_existing(Path(path).expanduser().absolute())
 
 
 def _given_setup(overrides: list[str]) -> tuple[list[str], list[str], dict[str, str]]:
-    """The overrides without a stage or offload choice (each candidate makes its own) or a key of a chosen
-    one (``offload.ratio=`` with ``offload=cpu``: the config plan composes first has the default stage and
-    offload, which may lack it), those keys (every candidate of that choice gets them), and the choices
-    ({"stage": ..., "offload": none|cpu|cpu+params|nvme}; ``offload=cpu offload.params=cpu``: cpu+params)."""
+    """(the overrides without a stage or offload choice or a key of a chosen one, each candidate's own; those keys,
+    which every candidate of that choice gets; the choices, {"stage": ..., "offload": none|cpu|cpu+params|nvme})."""
     raw = [o.partition("=")[0] for o in overrides]
     chosen = {k.lstrip("+") for k in raw if k.lstrip("+") in ("stage", "offload")}
     given, keys, rest = {}, [], []
@@ -255,10 +234,8 @@ def _chosen(cfg, group: str) -> str:
 
 def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
               overrides: list[str]) -> tuple[dict[str, str], list[str]]:
-    """A stage or offload chosen on the command line or by the DeepSpeed file (which refuses any other), and
-    ``model.activation_checkpointing=`` on the command line, restrict the search as ``stages=`` / ``offloads=``
-    / ``checkpointing=`` do (each candidate sets them itself), with a note saying so; a stage or offload chosen
-    on the command line that the file refuses is the composition's line (``base``: the candidates' overrides)."""
+    """A stage or offload chosen on the command line or by the DeepSpeed file, and ``model.activation_checkpointing=``
+    on the command line, restrict the search as ``stages=`` / ``offloads=`` / ``checkpointing=`` do, with a note."""
     own, chosen = dict(own), []
 
     def pin(where: str, group: str, key: str, value: str) -> tuple[str, str]:
@@ -285,7 +262,8 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
         if value is not None:
             chosen.append(pin(where, group, key, value))
     notes = [note(chosen)] if chosen else []
-    ckpt = [o.partition("=")[2].strip().lower() for o in overrides if _key(o) == "model.activation_checkpointing"]
+    ckpt = [o.partition("=")[2].strip().lower() for o in overrides
+            if override_key(o) == "model.activation_checkpointing"]
     if ckpt and ckpt[-1] in ("true", "false"):   # a bad value is the composition's line
         notes.append(note([pin("the command line", "model.activation_checkpointing", "checkpointing", ckpt[-1])]))
     return own, notes

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import subprocess
@@ -29,12 +28,11 @@ import yaml
 
 from framework.comm.distributed import gpu_count
 from framework.core import files
-from framework.core.errors import DataError, FrameworkError, first_line
+from framework.core.errors import DataError, FrameworkError
 from framework.core.paths import PACKAGE_DIR, REPO_ROOT
 from framework.core.registry import closest_hint
-from framework.core.units import MiB
-from framework.cli import report
-from framework.cli.report import matches, measured_memory, zero_model_state_bytes
+from framework.cli import fail, override_key, report
+from framework.cli.checks import RecipeError, evaluate, validate_checks
 from framework.config.schema import get_key
 
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -42,17 +40,6 @@ ACTIONS = ("run", "prepare", "check")
 JOB_DIRS = "run*-job*"   # the job folders of a recipe's run in its output folder (hydra.sweep.subdir)
 _SPEC_KEYS = {"description", "runs", "quick", "prepare", "plots", "before", "after", "requires"}
 _REQUIRES = {"cuda"}   # what the full run needs of the machine (the quick twin runs anywhere)
-_BOUNDS = {"min", "max", "equals", "tol"}
-# Each kind of check (named by its first key) and every key it reads: a misspelled bound would
-# otherwise be ignored and the check pass whatever the numbers.
-_CHECK_KEYS = {"metric": {"metric", "where"} | _BOUNDS,
-               "curves_match": {"curves_match", "reference", "atol", "rtol"},
-               "memory_scaling": {"memory_scaling", "worlds", "min_ratio", "max_ratio", "max_change"},
-               "file": {"file", "key"} | _BOUNDS}
-
-
-class RecipeError(FrameworkError):
-    """A recipe is malformed, one of its runs failed, or its result is off the expected numbers."""
 
 
 @dataclass(frozen=True)
@@ -76,40 +63,6 @@ class Recipe:
         except RecipeError as e:
             raise RecipeError(f"{self.dir / 'expected.json'}, section '{key}': {e}") from None
         return self.expected[key]
-
-
-def validate_checks(want: dict) -> None:
-    """Refuse a section of expected.json with an unknown key, check kind or check key, or a bound-less check."""
-    if extra := sorted(set(want) - {"jobs", "checks"}):
-        raise RecipeError(f"unknown key {extra[0]!r}{closest_hint(extra[0], ['jobs', 'checks'])}; valid: checks, jobs")
-    if not isinstance(want.get("checks", []), list):
-        raise RecipeError("'checks' must be a list of checks")
-    for c in want.get("checks", []):
-        kind = next((k for k in _CHECK_KEYS if k in c), None) if isinstance(c, dict) else None
-        if kind is None:
-            raise RecipeError(f"unknown check {c}; use metric, curves_match, memory_scaling or file "
-                              f"(recipes/README.md)")
-        if extra := sorted(set(c) - _CHECK_KEYS[kind]):
-            raise RecipeError(f"{kind} check {c}: unknown key {extra[0]!r}{closest_hint(extra[0], _CHECK_KEYS[kind])}"
-                              f"; valid: {', '.join(sorted(_CHECK_KEYS[kind]))}")
-        if kind == "file" and "key" not in c:
-            raise RecipeError(f"file check {c} has no 'key' (the value to read in the file)")
-        if kind in ("metric", "file") and not set(c) & {"min", "max", "equals"}:
-            raise RecipeError(f"{kind} check {c} has no bound: give min, max or equals (with tol)")
-        if "tol" in c and "equals" not in c:   # (tol widens only equals)
-            raise RecipeError(f"{kind} check {c}: 'tol' without 'equals' bounds nothing; give equals with it, "
-                              f"or drop it")
-        if kind == "memory_scaling":   # ddp's formula saves nothing: only max_change bounds it (_memory)
-            need = ["max_change"] if c["memory_scaling"] == "ddp" else ["min_ratio", "max_ratio"]
-            if not set(c) & set(need):
-                raise RecipeError(f"memory_scaling check {c} has no bound: give {' or '.join(need)}")
-            unread = ["min_ratio", "max_ratio"] if c["memory_scaling"] == "ddp" else ["max_change"]
-            if used := [k for k in unread if k in c]:
-                raise RecipeError(f"memory_scaling check {c}: {used[0]!r} is not read for {c['memory_scaling']} "
-                                  f"(its bound: {' or '.join(need)}); drop it")
-        for lo, hi in (("min", "max"), ("min_ratio", "max_ratio")):
-            if all(isinstance(c.get(k), (int, float)) for k in (lo, hi)) and c[lo] > c[hi]:
-                raise RecipeError(f"{kind} check {c}: {lo} {c[lo]} is above {hi} {c[hi]} (no value passes)")
 
 
 def find(name: str) -> Recipe:
@@ -156,16 +109,12 @@ def available() -> list[str]:
     return sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.yaml"))
 
 
-def _key(override: str) -> str:
-    return override.split("=", 1)[0].lstrip("+~")
-
-
 def merge_overrides(*groups: list[str]) -> list[str]:
     """Concatenate override lists; a later override of the same key replaces an earlier one
     (Hydra itself refuses two values for one key)."""
     flat = [o for group in groups for o in group]
-    last = {_key(o): i for i, o in enumerate(flat)}
-    return [o for i, o in enumerate(flat) if last[_key(o)] == i]
+    last = {override_key(o): i for i, o in enumerate(flat)}
+    return [o for i, o in enumerate(flat) if last[override_key(o)] == i]
 
 
 def compose_jobs(recipe: Recipe, overrides: list[str]):
@@ -186,7 +135,7 @@ def prepare(recipe: Recipe, overrides: list[str], out: Path | None = None) -> di
     if spec.get("kind") != "chars":
         raise RecipeError(f"{recipe.dir / 'recipe.yaml'}: prepare.kind must be 'chars', got {spec.get('kind')!r}")
     # (data.path without "=FILE", or deleted with ~, names no text either)
-    rest = [o for o in overrides if _key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]
+    rest = [o for o in overrides if override_key(o) != "data.path" or o.startswith("~") or not o.partition("=")[2]]
     if rest:
         raise RecipeError(f"prepare takes only data.path=FILE (the text to encode), got {' '.join(rest)}")
     source = overrides[-1].split("=", 1)[1] if overrides else spec.get("source")
@@ -212,15 +161,14 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
         # (on the CPU its full run would go on for hours and then fail the GPU's expected numbers)
         raise RecipeError(f"recipe {recipe.name} needs a CUDA GPU (its recipe.yaml: requires: cuda) and torch sees "
                           f"none here; run it on a machine with one, or its CPU twin with --quick")
-    # A second run into a folder holding a run's results would resume or overwrite its jobs (and
-    # count the leftovers of a larger one): refused, nothing deleted; ``check DIR`` re-checks it.
-    if out.is_dir() and (any(out.glob("run*-job*")) or (out / "checks.json").exists()):
+    # A second run into a folder holding a run's results would resume or overwrite its jobs: refused.
+    if out.is_dir() and (any(out.glob(JOB_DIRS)) or (out / "checks.json").exists()):
         raise RecipeError(f"--out {out} already holds a recipe's results (run*-job* folders or checks.json); "
                           f"pass a new folder with --out, or re-check it with `check {out}`")
     # The recipe places its jobs (hydra.sweep.dir={out}, subdir run<i>-job<n>, which finish reads).
-    if placed := next((o for o in overrides if _key(o) in ("hydra.sweep.dir", "hydra.sweep.subdir")), None):
+    if placed := next((o for o in overrides if override_key(o) in ("hydra.sweep.dir", "hydra.sweep.subdir")), None):
         raise RecipeError(f"{placed}: a recipe writes its jobs into --out DIR (as run<i>-job<n>); use --out DIR "
-                          f"instead of {_key(placed)}")
+                          f"instead of {override_key(placed)}")
     # {recipe} in an override is the recipe's folder (its own files, wherever it is run from).
     runs = [[_fill(o, {"recipe": str(recipe.dir)}) for o in merge_overrides(r, overrides)] for r in recipe.runs(quick)]
     _check_data(recipe, runs)
@@ -243,8 +191,8 @@ def run(recipe: Recipe, *, quick: bool, overrides: list[str], out: Path, stream=
 
 
 def _check_data(recipe: Recipe, runs: list[list[str]]) -> None:
-    """Every job's data file is there and built from the reference text (its ``<stem>.meta.json``, written
-    by prepare, against expected.json's ``data``): one from another text would train for nothing, then fail."""
+    """Every job's data file is there and was built (its prepare-written ``<stem>.meta.json``) from the text
+    expected.json's ``data`` names: one from another text would train for nothing, then fail."""
     from framework.data import resolve_path
     from framework.data.tokens import read_meta
 
@@ -275,9 +223,7 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
               for a in cmd for m in re.findall(r"(?<!\$)\{(cfg\.[\w.]+)\}", str(a))}
     if not wanted:
         return {}
-    # The config as its YAML spells it (optimizer.name, checkpoint.async), so a placeholder takes
-    # the keys an override takes, and only values: a group, a list or a method is no command argument.
-    tree, fill = compose_jobs(recipe, run0)[0].to_dict(), {}
+    tree, fill = compose_jobs(recipe, run0)[0].to_dict(), {}   # keys as an override spells them
     for key in sorted(wanted):
         parent, _, leaf = key.partition(".")[2].rpartition(".")
         node = get_key(tree, parent) if parent else tree
@@ -292,9 +238,8 @@ def _config_fill(recipe: Recipe, run0: list[str]) -> dict:
 
 
 def _checked_section(recipe: Recipe, out: Path, quick: bool | None) -> tuple[bool, float | None]:
-    """What ``check DIR`` re-checks against: the quick section or the full one, the run's own (its
-    checks.json), so a re-check never replaces the verdict of one section with the other's, nor one
-    recipe's with another's; and the run's own elapsed_s, kept."""
+    """The section (quick or full) ``check DIR`` re-checks, and the run's elapsed_s: the run's own (its
+    checks.json), so a re-check never replaces one section's or recipe's verdict with another's."""
     try:
         before = json.loads((out / "checks.json").read_text())
     except (OSError, ValueError):
@@ -368,147 +313,6 @@ def finish(recipe: Recipe, out: Path, *, quick: bool, elapsed_s: float | None = 
     return verdict
 
 
-def evaluate(jobs, want: dict, out: Path | None = None) -> list[dict]:
-    """Each check's verdict with the numbers behind it (the kinds of check: recipes/README.md)."""
-    validate_checks(want)
-    results = []
-    done = [j for j in jobs if j.summary is not None]
-    failed = [j for j in jobs if j.summary is None]
-    n = want.get("jobs")
-    if n is not None or failed:
-        ok = not failed and (n is None or len(done) == n)
-        msg = f"jobs finished: {len(done)}" + (f" (expected {n})" if n is not None else "")
-        if failed:
-            msg += f"; without summary.json: {', '.join(j.dir.name for j in failed)}"
-        results.append({"check": "jobs", "passed": ok, "message": msg, "finished": len(done), "expected": n})
-    kinds = {"metric": _metric, "curves_match": _curves, "memory_scaling": _memory,
-             "file": lambda _, c: _file(out, c)}
-    for c in want.get("checks", []):
-        results.append(kinds[next(k for k in kinds if k in c)](done, c))
-    return results
-
-
-def _metric(jobs, c: dict) -> dict:
-    key, where = c["metric"], c.get("where") or {}
-    rows = [(j, _value(j, key)) for j in jobs if matches(j, where)]
-    head = f"{key} {_bound(c)}" + (f" where {where}" if where else "")
-    if not rows:
-        return {"check": c, "passed": False, "message": f"{head}: no job matches"}
-    bad = "; ".join(f"{j.label} has {_num(v)}" for j, v in rows if not _bound_ok(v, c))
-    values = ", ".join(f"{j.label}: {_num(v)}" for j, v in rows)
-    return {"check": c, "passed": not bad, "message": f"{head}: {bad or values}",
-            "values": {j.label: v for j, v in rows}}
-
-
-def _value(job, key: str):
-    if key.startswith(("min:", "drop:")):
-        kind, name = key.split(":", 1)
-        vals = [v for v in job.curve(name)[1] if isinstance(v, (int, float)) and not math.isnan(v)]
-        if not vals:
-            return None
-        # drop: how far the curve fell below its first logged value (0 for a model that learns nothing)
-        return min(vals) if kind == "min" else vals[0] - min(vals)
-    return get_key(job.summary, key)
-
-
-def _num(v) -> str:
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
-
-
-def _curves(jobs, c: dict) -> dict:
-    key, ref_where = c["curves_match"], c.get("reference") or {}
-    atol, rtol = float(c.get("atol", 0.0)), float(c.get("rtol", 0.0))
-    refs = [j for j in jobs if matches(j, ref_where)]
-    if len(refs) != 1:
-        return {"check": c, "passed": False,
-                "message": f"{key} curves: {len(refs)} jobs match the reference {ref_where} (need exactly 1)"}
-    ref = refs[0]
-    rsteps, rvals = ref.curve(key)
-    worst, failures = {}, []
-    for j in (j for j in jobs if j is not ref):
-        steps, vals = j.curve(key)
-        rows = list(zip(steps, vals, rvals))
-        # NaN compares false with every tolerance: a non-finite value on either side is a failure.
-        bad = [(s, a, b) for s, a, b in rows if not (_finite(a) and _finite(b))]
-        if steps != rsteps or not steps:
-            failures.append(f"{j.label} logged {key} at steps {steps[:5]}... vs the reference's {rsteps[:5]}...")
-        elif bad:
-            s0, a0, b0 = bad[0]
-            who, v = (j.label, a0) if _finite(b0) else (f"the reference ({ref.label})", b0)
-            failures.append(f"{who} logged {key} {v} at step {s0} ({j.label}: {a0}, reference: {b0})")
-        else:
-            d, s, a, b = max((abs(a - b), s, a, b) for s, a, b in rows)
-            worst[j.label] = d
-            over = [(s, a, b) for s, a, b in rows if abs(a - b) > atol + rtol * abs(b)]
-            if over:
-                s0, a0, b0 = over[0]
-                failures.append(f"{j.label} first differs at step {s0}: {a0:.8f} vs {b0:.8f} "
-                                f"(|diff| {abs(a0 - b0):.2e}; largest {d:.2e} at step {s})")
-    tol = f"atol {atol:g}" + (f" + rtol {rtol:g}" if rtol else "")
-    head = f"{key} curves equal the reference ({ref.label}) at {len(rsteps)} steps within {tol}"
-    tail = "; ".join(failures) if failures else f"largest |diff| {max(worst.values(), default=0.0):.2e}"
-    return {"check": c, "passed": not failures, "message": f"{head}: {tail}", "max_abs_diff": worst}
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _bound(c: dict) -> str:
-    """Every bound ``_bound_ok`` enforces, so a failing check says which one it failed."""
-    parts = [f"{op} {c[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in c]
-    if "equals" in c:
-        parts.append(f"== {c['equals']}" + (f" ± {c['tol']}" if c.get("tol") else ""))
-    return " and ".join(parts)
-
-
-def _bound_ok(v, c: dict) -> bool:
-    """``v`` within the check's ``min``/``max``/``equals`` (± ``tol``); flags and strings only equal."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return "equals" in c and v == c["equals"]
-    return (not math.isnan(v) and c.get("min", -math.inf) <= v <= c.get("max", math.inf)
-            and ("equals" not in c or abs(v - c["equals"]) <= c.get("tol", 0)))
-
-
-def _file(out: Path | None, c: dict) -> dict:
-    path = Path(out or ".") / c["file"]
-    head = f"{c['file']}: {c['key']} {_bound(c)}"
-    if not path.is_file():
-        return {"check": c, "passed": False, "message": f"{head}: {path} was not written"}
-    try:
-        v = get_key(json.loads(path.read_text()), c["key"])
-    except ValueError as e:   # e.g. a command killed while writing it
-        return {"check": c, "passed": False, "message": f"{head}: {path.name} is malformed ({first_line(e)})"}
-    return {"check": c, "passed": _bound_ok(v, c), "message": f"{head}: {_num(v)}", "value": v}
-
-
-def _memory(jobs, c: dict) -> dict:
-    """What a stage saves per rank from the smallest to the largest world size, measured, against
-    what the ZeRO formula says it saves (the constant part of a rank's memory cancels out)."""
-    stage = c["memory_scaling"]
-    sel = sorted((j for j in jobs if matches(j, {"stage": stage})
-                  and ("worlds" not in c or j.summary["world"] in c["worlds"])), key=lambda j: j.summary["world"])
-    if len({j.summary["world"] for j in sel}) < 2:
-        return {"check": c, "passed": False, "message": f"{stage} memory scaling: need jobs at 2 world sizes, "
-                                                        f"got {[j.summary['world'] for j in sel]}"}
-    lo, hi = sel[0], sel[-1]
-    wl, wh = lo.summary["world"], hi.summary["world"]
-    prec = lo.summary["config"]["precision"]["name"]
-    saved = (measured_memory(lo) - measured_memory(hi)) / MiB
-    f_saved = (zero_model_state_bytes(stage, lo.summary["params"], wl, prec)
-               - zero_model_state_bytes(stage, hi.summary["params"], wh, prec)) / MiB
-    head = (f"{stage}: per-rank memory saved from world {wl} to {wh}: measured {saved:,.0f} MiB, "
-            f"ZeRO formula {f_saved:,.0f} MiB")
-    if f_saved <= 0:   # replicated: nothing to save; the measured change must stay small
-        limit = float(c["max_change"]) * measured_memory(lo) / MiB
-        return {"check": c, "passed": abs(saved) <= limit, "saved_mib": saved,
-                "message": f"{head}; |change| at most {limit:,.0f} MiB ({c['max_change']} of world {wl}'s)"}
-    ratio = saved / f_saved
-    lo_r, hi_r = float(c.get("min_ratio", 0.0)), float(c.get("max_ratio", math.inf))
-    return {"check": c, "passed": lo_r <= ratio <= hi_r, "ratio": ratio, "saved_mib": saved,
-            "message": f"{head}; measured/formula {ratio:.2f}, expected in [{lo_r}, {hi_r}]"}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m framework.recipe", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -550,5 +354,4 @@ def main(argv: list[str] | None = None) -> int:
             verdict = run(recipe, quick=bool(a.quick), overrides=args, out=out)
         return 0 if verdict["passed"] else 1
     except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return fail(e, 2)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from framework.cli import fail
 from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
@@ -59,9 +60,8 @@ class Job:
 
 
 def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
-    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides;
-    with ``pattern`` (a glob), only the job folders directly in ``root`` it names (one run's own, not
-    an earlier run's in a folder below)."""
+    """Every job under ``root``, in natural path order, labelled by its distinguishing overrides; with
+    ``pattern`` (a glob), only the job folders directly in ``root`` it names."""
     root = Path(root)
     if not root.is_dir():
         raise FrameworkError(f"report: {root} is not a folder; pass a Hydra multirun folder "
@@ -109,10 +109,8 @@ def _same(text: str, value) -> bool:
 
 
 def summary_overrides(summary: dict, hydra_overrides: list[str]) -> list[str]:
-    """The overrides of the run that wrote ``summary``: the keys its ``config_sources`` has from the
-    command line, with their values from its ``config``. Hydra rewrites ``.hydra/overrides.yaml``
-    when a later run starts in the same folder, even one whose checks then fail, so the folder's
-    overrides are used (as they were spelled) only where they say the same."""
+    """The overrides of the run that wrote ``summary`` (its command-line keys, with their values): Hydra rewrites
+    .hydra/overrides.yaml when a later run starts in the folder, so those are used only where they agree."""
     cfg, sources = summary.get("config", {}), summary.get("config_sources", {})
 
     def value(key):
@@ -273,11 +271,8 @@ def plot_throughput_memory(jobs: list[Job], path: Path) -> Path:
 
 
 def zero_model_state_bytes(stage: str, params: int, world: int, precision: str = "fp32") -> float:
-    """The ZeRO paper's model-state bytes per rank (params, gradients, optimizer state with Adam).
-
-    Mixed precision: 2 (16-bit params) + 2 (16-bit grads) + K = 12 (fp32 master, m, v) bytes per
-    parameter; pure fp32: 4 + 4 + K = 8 (m, v; no separate master). zero1 divides the optimizer
-    share by the world size, zero2 also the gradients, zero3 everything; ddp divides nothing."""
+    """The ZeRO paper's model-state bytes per rank with Adam: 2 + 2 + 12 bytes per parameter in mixed precision,
+    4 + 4 + 8 in fp32; zero1 divides the optimizer share by the world size, zero2 also gradients, zero3 all."""
     p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
     n = world
     per_param = {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n, "zero3": (p + g + k) / n}
@@ -294,8 +289,8 @@ def matches(job, where: dict) -> bool:
 
 
 def plot_deviation(jobs: list[Job], key: str, reference: dict, path: Path) -> Path:
-    """All jobs' ``key`` curves on one chart, and beside it each job's distance from the
-    reference job (the one whose config matches ``reference``, e.g. {"stage": "ddp"})."""
+    """All jobs' ``key`` curves, and beside them each job's distance from the reference job (whose config
+    matches ``reference``, e.g. {"stage": "ddp"})."""
     done = [j for j in jobs if j.records]
     ref = next((j for j in done if matches(j, reference)), None)
     rs, rv = ref.curve(key) if ref is not None else (None, None)
@@ -323,8 +318,8 @@ def measured_memory(j: Job) -> int:
 
 
 def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
-    """Per-rank memory (``measured_memory``) against world size for each stage next to the ZeRO
-    formula (left), and what each world size saves over the smallest, both ways (right)."""
+    """Per-rank memory (``measured_memory``) against world size per stage, next to the ZeRO formula (left),
+    and what each world size saves over the smallest (right)."""
     by_stage: dict[str, list[Job]] = {}
     for j in jobs:
         if j.summary is not None:
@@ -353,8 +348,7 @@ def plot_memory_scaling(jobs: list[Job], path: Path) -> Path:
 
 
 def write_report(root: Path, out: Path | None = None, *, title: str | None = None, pattern: str | None = None) -> dict:
-    """Write report.md, loss.png and throughput_memory.png of the jobs ``load_jobs(root, pattern)``;
-    return their paths and the jobs."""
+    """Write report.md, loss.png and throughput_memory.png of ``load_jobs(root, pattern)``; return the paths and jobs."""
     root, out = Path(root), Path(out if out is not None else root)
     jobs = load_jobs(root, pattern)   # first: a wrong folder is refused before anything is made
     _figure((1, 1))   # and a missing matplotlib
@@ -389,7 +383,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         res = write_report(args.multirun_dir, args.out, title=args.title)
     except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(fail(e, 1))
     print(res["table"], end="")
     print(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}")

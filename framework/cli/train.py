@@ -9,11 +9,9 @@
     python -m framework.train ds_config=ds.json --cfg job      # print the resolved config (its groups on top)
     python -m framework.train --config-dir recipes/shakespeare_char_cpu --config-name config   # a recipe's config
 
-Every job's config is composed and checked once, before any run folder or process exists; Hydra
-then makes the run folder and the job (and the ranks it spawns) receives that config. Hydra's record
-of the job (.hydra/) is written by the job once it holds the run folder and the run's checks passed,
-and a job refused before it trained removes the folders made for it: a refused run leaves the file
-system as it found it (an earlier run's record in its folder too).
+Every job's config is composed and checked once, before any run folder or process exists. Hydra's record
+of the job (.hydra/) is written once the run's checks passed, and a job refused before it trained removes
+the folders made for it: a refused run leaves the file system as it found it.
 """
 from __future__ import annotations
 
@@ -38,6 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from framework.cli import fail
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
 from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
@@ -50,8 +49,7 @@ from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
 from framework.persist.checkpoint import checkpoint_root
 
-# Hydra's command-line flags (hydra.main parses and acts on them); read here only to know which
-# jobs a command line describes.
+# Hydra's own command-line flags: read here only to know which jobs a command line describes.
 SWITCHES = (("--help", "-h"), ("--hydra-help",), ("--version",), ("--resolve",), ("--run", "-r"),
             ("--multirun", "-m"), ("--shell-completion", "-sc"))
 VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--config-name", "-cn"),
@@ -59,11 +57,9 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
 
 
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
-    """Each job's overrides (a multirun expands its sweeps as Hydra's basic sweeper does; None for
-    Hydra's info flags and for a command line Hydra will refuse), the primary config they apply
-    to (``--config-dir``/``--config-name``, e.g. a recipe's), the key of the folder Hydra makes and
-    the keys the command line fixes (one value for every job: any other key a job's overrides hold
-    is swept, by the command line or by a sweeper, from its own params or sampling)."""
+    """Each job's overrides (a multirun's sweeps expanded as Hydra's basic sweeper does; None for Hydra's info
+    flags and a command line Hydra will refuse), the primary config (``--config-dir``/``--config-name``), the
+    key of the folder Hydra makes, and the keys the command line fixes (any other key of a job is swept)."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
     for names in SWITCHES:
@@ -99,8 +95,7 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
     """The values of a sweep override as Hydra's basic sweeper enumerates them; ``glob`` against the
-    names of the config group (conf/ and the primary config's folder), which Hydra's parser cannot
-    list without its config loader."""
+    config group's names (conf/ and the primary config's folder), which Hydra's parser cannot list."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
         if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
@@ -134,8 +129,8 @@ def _key(overrides: list[str]) -> tuple[str, ...]:
 
 
 def check_folder(cfg: DictConfig, key: str) -> Path | None:
-    """One line for a run folder (``key``: hydra.run.dir or hydra.sweep.dir) that Hydra could not make
-    or write in (it would fail with a traceback once it tries); else its nearest folder that exists."""
+    """One line for a run folder (``key``: hydra.run.dir or hydra.sweep.dir) Hydra could not make or write in
+    (it would fail with a traceback); else its nearest existing folder."""
     try:
         folder = Path(str(OmegaConf.select(cfg, key)))
     except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
@@ -153,10 +148,8 @@ def check_folder(cfg: DictConfig, key: str) -> Path | None:
 
 
 def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None) -> None:
-    """One line for a folder key (hydra.run.dir, hydra.sweep.dir, hydra.sweep.subdir) interpolating a key that
-    is not in the config, or an environment variable that is not set (Hydra would fail on either with a
-    traceback), naming the spelling of a group's choice (``${optimizer.name}``: the choice is Hydra's,
-    ``${hydra:runtime.choices.optimizer}``)."""
+    """One line for a folder key interpolating a key the config lacks or an unset environment variable (Hydra
+    would fail with a traceback), naming ``${hydra:runtime.choices.GROUP}`` for a group's choice."""
     if error is None:
         try:
             OmegaConf.select(cfg, key)
@@ -180,10 +173,8 @@ def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None)
 
 
 def check_no_chdir(cfg: DictConfig) -> None:
-    """hydra.job.chdir=true is refused: every relative path the framework takes (data files,
-    checkpoint.dir and .resume, offload.nvme_path, the outputs/ and multirun/ that resume=latest
-    searches) is the launch directory's, and the job writes into its run folder by name, so moving
-    into the run folder would only make those paths point elsewhere in the job than when checked."""
+    """hydra.job.chdir=true is refused: relative paths are the launch directory's, and the job writes into
+    its run folder by name."""
     try:
         chdir = OmegaConf.select(cfg, "hydra.job.chdir")
     except OmegaConfBaseException:
@@ -195,11 +186,8 @@ def check_no_chdir(cfg: DictConfig) -> None:
 
 
 def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, passed: Mapping[str, str]) -> None:
-    """Hydra's run composes the command line again, as given, with the DeepSpeed file's group choices
-    that every job shares (``passed``), where a plain ``GROUP.KEY=V`` (which ``compose`` forces in)
-    fails unless its group is chosen there, with advice that does not help (``+GROUP.KEY``): one line
-    naming the fix instead for a stage key (no stage is chosen by default), where a sweep's files choose
-    the stage differently, or none is chosen on the command line or in the primary config's defaults."""
+    """Hydra's run composes the command line again with the group choices all DeepSpeed files share (``passed``),
+    where ``stage.KEY=V`` without a chosen stage fails with unhelpful advice: one line naming the fix instead."""
     parsed = parse_overrides(overrides)
     given = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
     for o in parsed:
@@ -218,10 +206,8 @@ def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, p
 
 
 def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package: str | None) -> None:
-    """``--cfg job [--package KEY]``: the composed config (or its KEY section), with a DeepSpeed
-    config's values in it (named on the command line or in the YAML). The whole config starts with the
-    chosen groups as a comment line (``# stage=zero2 offload=cpu ...``): the sections hold no names (those
-    are Hydra's choices, in the section it drops), and a comment keeps the output YAML."""
+    """``--cfg job [--package KEY]``: the composed config (or its KEY section) with a DeepSpeed config's values;
+    the whole config starts with a comment naming the chosen groups (``# stage=zero2 offload=cpu ...``)."""
     cfg, config = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
     node = OmegaConf.to_container(cfg)
     node.pop("hydra", None)   # Hydra's section (--cfg hydra): only a running Hydra resolves it (hydra.job.num)
@@ -236,30 +222,25 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
         if node is absent:
             raise ConfigError(f"--package {package}: the config has no such key")
         node = OmegaConf.to_container(node) if OmegaConf.is_config(node) else node
-    top = ""   # (a section or a value asked for alone is printed alone: a script may read it)
-    if not package:
-        order = ("stage", "offload", "precision", *(g for g in GROUPS if g not in ("stage", "offload", "precision")))
-        top = "# " + " ".join(f"{g}={config.choices[g]}" for g in order) + "\n"
+    order = ("stage", "offload", "precision", *(g for g in GROUPS if g not in ("stage", "offload", "precision")))
+    # (a section or a value asked for alone is printed alone: a script may read it)
+    top = "" if package else "# " + " ".join(f"{g}={config.choices[g]}" for g in order) + "\n"
     print(top + (OmegaConf.to_yaml(node) if isinstance(node, (dict, list)) else f"{'null' if node is None else node}\n"),
           end="")
 
 
-# Hydra writes its record of a job (config.yaml, hydra.yaml, overrides.yaml in hydra.output_subdir) into
-# the run folder before the job runs: over the record of the live run there that the job then refuses,
-# into a folder of a job refused a moment later. So Hydra is told to write none, and the job writes it
-# (``_record``) once it holds the folder and its checks passed (those of the training loop too: over
-# an earlier run's record in the folder otherwise).
+# Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
+# or into a folder the job is refused a moment later: so it writes none, and the job writes it (``_record``)
+# once it holds the folder and its checks passed.
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 
 
 @dataclass(frozen=True)
 class Passed:
-    """What the run adds to the command line Hydra composes, and leaves out of Hydra's record of it
-    (which says what was given): the DeepSpeed file's group choices (``task``: Hydra composes the
-    command line without the file, where a key of the file's optimizer would be unknown), kept out of
-    ``hydra.job.override_dirname`` by an ``exclude_keys`` override (``hydra``, with ``NO_RECORD``;
-    ``exclude_keys``: the value given, None where the run sets none)."""
+    """What the run adds to Hydra's command line and leaves out of Hydra's record of it: the DeepSpeed file's
+    group choices (``task``), kept out of override_dirname by an ``exclude_keys`` override (``hydra``, with
+    ``NO_RECORD``; ``exclude_keys``: the value given, None where the run sets none)."""
     task: tuple[str, ...] = ()
     hydra: tuple[str, ...] = ()
     exclude_keys: list | None = None
@@ -273,14 +254,12 @@ class Passed:
                       (f"{OVERRIDE_DIRNAME_EXCLUDE}=[{keys}]", NO_RECORD), list(exclude_keys))
 
     def given(self, task: list[str]) -> list[str]:
-        """``task`` (a job's overrides) as given."""
         return [o for o in task if o not in self.task]
 
 
 def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
-    """Hydra's record of the job, as Hydra writes it (hydra.yaml with the user's output_subdir and
-    overrides, not ``passed``): a function writing it in a folder's ``subdir`` (picklable: a spawned
-    rank 0 calls it); None where output_subdir is null."""
+    """A picklable function writing Hydra's record of the job (as given, without ``passed``) into a folder's
+    ``subdir``; None where output_subdir is null."""
     if subdir is None:
         return None
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
@@ -310,8 +289,7 @@ def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig
 
 
 def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
-    """The sweep's multirun.yaml (Hydra's launcher wrote it before the jobs) as without ``passed``;
-    each job of the sweep writes the same."""
+    """Rewrite the sweep's multirun.yaml without ``passed`` (each job writes the same)."""
     path = sweep_dir / "multirun.yaml"
     try:
         cfg = OmegaConf.load(path)
@@ -322,18 +300,15 @@ def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
 
 
 def _made(folder: Path, base: Path | None) -> list[Path]:
-    """The folders Hydra made for this job, deepest first: ``folder`` and those above it below
-    ``base``; none where ``folder`` holds anything (it was there before)."""
+    """The folders Hydra made for this job below ``base``, deepest first; none where ``folder`` holds anything."""
     if base is None or base not in folder.parents or any(folder.iterdir()):
         return []
     return [folder, *(p for p in folder.parents if base in p.parents)]
 
 
 def _remove_made(made: list[Path], subdir: str | None, owned: bool) -> None:
-    """Remove the folders made for a job that was refused before it trained (rank 0's). One it held
-    (``owned``: it took the run lock) goes only under that lock again, and only while it holds nothing
-    but what the job wrote (Hydra's record, train.log, run.lock): another run that started into the same
-    folder and holds its lock keeps it. One it never held goes only if empty (rmdir: atomic)."""
+    """Remove the folders made for a job refused before it trained (rank 0's). One it ``owned`` goes only under
+    its lock again and while it holds only what the job wrote; one it never held only if empty."""
     if not made or env_int("RANK", 0) != 0:
         return
     if owned:
@@ -365,26 +340,23 @@ def _remove_made(made: list[Path], subdir: str | None, owned: bool) -> None:
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
 
-# Keys that say how long, how visibly or where a job runs, not which job it is: left out of the name of
-# its folder under an explicit checkpoint.dir (unless the sweep varies them), so that a relaunch with
-# more train.steps or on more ranks resumes the job.
+# Keys that say how long, how visibly or where a job runs, not which job it is: left out of its folder's name
+# under an explicit checkpoint.dir (unless swept), so a relaunch with more train.steps resumes the job.
 NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_every", "train.eval_batches", "logger",
                 "dist.nproc", "dist.timeout_s")
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
-    """A multirun job's name under an explicit checkpoint.dir: its overrides (sorted, as Hydra's
-    override_dirname) less the ``NOT_IDENTITY`` ones that the sweep does not vary; ``job`` when none
-    is left (a folder of its own all the same, not checkpoint.dir itself, where a plain run saves)."""
+    """A multirun job's name under an explicit checkpoint.dir: its sorted overrides less the ``NOT_IDENTITY``
+    ones the sweep does not vary; ``job`` when none is left."""
     kept = [o.input_line for o in parse_overrides(overrides) if o.key_or_group in swept
             or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
     return ",".join(sorted(kept)) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
-    """``key``, or ``older`` (the job's name as earlier versions made it: all its overrides, so found
-    for the same command line only) where only the folder of that name exists under checkpoint.dir
-    (said in one line)."""
+    """``key``, or ``older`` (all its overrides, as earlier versions named the job) where only that folder exists
+    under checkpoint.dir (said in one line)."""
     if config.checkpoint.dir is None or older == key:
         return key
     new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
@@ -396,9 +368,8 @@ def _checkpoint_key(config: Config, key: str, older: str) -> str:
 
 
 def sweep_group(job_name: str, sweep_dir: str) -> str:
-    """The W&B group of a sweep's runs: the job's name and the sweep folder, relative to the working
-    folder where it is inside it (else its last two parts), '/' as '_': the default folder's date and
-    time both (multirun/<date>/<time>), so that sweeps of another day are another group."""
+    """The W&B group of a sweep's runs: the job's name and the sweep folder (relative to the working folder, else
+    its last two parts: multirun/<date>/<time>), '/' as '_'."""
     folder = os.path.abspath(sweep_dir)
     rel = os.path.relpath(folder, os.getcwd())
     parts = Path(rel).parts if not rel.startswith("..") else Path(folder).parts[-2:]
@@ -407,13 +378,9 @@ def sweep_group(job_name: str, sweep_dir: str) -> str:
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
          fixed: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
-    """The Hydra app (run folder, sweeps, launchers) running each job with its composed config;
-    a launcher that runs jobs elsewhere (submitit) pickles the configs along with the function.
-    ``subdir``: the hydra.output_subdir the job records Hydra's files in; ``base``: the nearest folder
-    of the run folder that existed before Hydra made it; ``passed``: what the run added to the command
-    line; ``fixed``: the keys the command line fixes (``_jobs``). A job of a multirun run in this process
-    (Hydra's basic launcher) that fails is added to ``failed`` and the sweep goes on (a SystemExit would
-    end it: Hydra catches only Exception)."""
+    """The Hydra app running each job with its composed config (pickled along by a remote launcher).
+    ``base``: the run folder's nearest existing folder before Hydra; ``fixed``: as ``_jobs``. A failed job of a
+    multirun on Hydra's basic launcher is added to ``failed`` and the sweep goes on."""
     folders: dict[Path, int] = {}   # each run folder's job number
 
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
@@ -436,7 +403,6 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         made, owned = _made(run.run_dir, base), []
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
-
         try:
             # A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
             # that job's records and report them as its own.
@@ -447,22 +413,21 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                                   "exclude no swept key)")
             val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
-        except FrameworkError as e:
-            _remove_made(made, subdir, bool(owned))
-            say(f"error: {e}")   # (under torchrun every rank prints its line)
-            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
-                sys.exit(1)   # (another launcher reports the job's exit)
-            failed.append(f"job {hc.job.num} ({run.run_dir})")
-            return math.nan
-        except Exception as e:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
-            if not multirun or hc.launcher._target_ != BASIC_LAUNCHER:
-                raise
-            # Its traceback now (train.log has it too where the loop had started), then its one line; the sweep
-            # goes on and counts it (Hydra would go on silently and end with the traceback of the first).
-            traceback.print_exception(e)
-            say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
-            if not _alone_in_sweep():
-                sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
+        except Exception as e:
+            basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER
+            if isinstance(e, FrameworkError):
+                _remove_made(made, subdir, bool(owned))
+                say(f"error: {e}")   # (under torchrun every rank prints its line)
+                if not basic_sweep:
+                    sys.exit(1)   # (another launcher reports the job's exit)
+            else:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
+                if not basic_sweep:
+                    raise
+                # its traceback and one line now; the sweep goes on and counts it (Hydra would go on silently)
+                traceback.print_exception(e)
+                say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
+                if not _alone_in_sweep():
+                    sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
@@ -476,34 +441,24 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 
 def _alone_in_sweep() -> bool:
-    """Whether this process may go on with a sweep's next job after an unexpected error in one: not where an
-    external launcher (torchrun, srun) made it one rank of several, each running the sweep. That error may be
-    this rank's alone, and going on alone it would wait in the next job's collectives for peers still in the
-    failed job's (until dist.timeout_s, then both jobs fail); it exits instead, and the launcher ends the group.
-    (A framework error is every rank's; dist.nproc's ranks are this process's children, which it stops.)"""
+    """Whether this process may go on with a sweep's next job after an unexpected error: not as one rank of an
+    external launcher's group, whose peers would wait for it in the next job's collectives."""
     return env_int("WORLD_SIZE", 1) <= 1
 
 
-def _launcher_world(cfg: DictConfig) -> int | None:
-    """The ranks of each job Hydra's submitit launcher runs on Slurm (nodes x tasks_per_node, a task per rank:
-    ``launch.slurm_task_env``); None for another launcher, or a job of one task (dist.nproc's ranks)."""
-    launcher = OmegaConf.select(cfg, "hydra.launcher")
+def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
+    """The ranks of each job of a sweep on Hydra's submitit Slurm launcher (nodes x tasks_per_node), over
+    which a DeepSpeed file's batch is divided; None for another launcher or one task."""
+    if folder != "hydra.sweep.dir":
+        return None
+    try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)
+        launcher = OmegaConf.select(composer(list(overrides))[0], "hydra.launcher")
+    except FrameworkError:
+        return None   # compose_layers says what is wrong, in its own words
     if launcher is None or not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
         return None
     world = int(launcher.get("nodes", 1)) * int(launcher.get("tasks_per_node", 1))
     return world if world > 1 else None
-
-
-def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
-    """The ranks of each job of a sweep on Hydra's submitit launcher (its tasks; one launcher serves the whole
-    sweep): a DeepSpeed file's batch is divided over them (at one rank, a file naming all three batch keys
-    would be refused). None otherwise."""
-    if folder != "hydra.sweep.dir":
-        return None
-    try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)
-        return _launcher_world(composer(list(overrides))[0])
-    except FrameworkError:
-        return None   # compose_layers says what is wrong, in its own words
 
 
 def main(on_point: Callable[[str], None] | None = None) -> None:
@@ -530,8 +485,7 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         for overrides, cfg, config in composed:
             check_groups_chosen(overrides, cfg, config, chosen or {})
     except FrameworkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(fail(e, 2))
     failed: list[str] = []
     argv = list(sys.argv)
     # (none for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
@@ -542,6 +496,4 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     finally:
         sys.argv[:] = argv
     if failed:
-        print(f"error: {len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}",
-              file=sys.stderr)
-        sys.exit(1)
+        sys.exit(fail(f"{len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}", 1))
