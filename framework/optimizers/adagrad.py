@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from framework.optimizers._transforms import GradientTransformation, check, optimizer, scale_by_rss
 from framework.core.registry import Component
 
@@ -20,9 +22,11 @@ class AdagradConfig:
 
 def check_config(cfg: AdagradConfig, *_) -> AdagradConfig:
     """Build's check, and the component's: at compose time, before the scheduler's, which reads the lr. eps
-    may be 0 only with a positive initial_accumulator_value: the sum of squares is never 0 then."""
-    return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value", "eps"),
-                 positive=("eps",) if cfg.initial_accumulator_value == 0 else ())
+    may be 0 only with an initial_accumulator_value positive in fp32 (the state's dtype): the sum of squares is
+    never 0 then."""
+    if torch.tensor(cfg.initial_accumulator_value, dtype=torch.float32) == 0:   # (1e-50 is 0 there)
+        return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value"), positive=("eps",))
+    return check("adagrad", cfg, nonneg=("lr_decay", "initial_accumulator_value", "eps"))
 
 
 def build(cfg: AdagradConfig, decay_mask: Sequence[bool]) -> GradientTransformation:

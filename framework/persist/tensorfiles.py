@@ -310,20 +310,21 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
 
 class Writer(contextlib.AbstractContextManager):
     """Values into the ``.tmp`` files ``create_files`` made, at their entries' offsets, converted ``WRITE_CHUNK``
-    elements at a time where they lie; overflows counted and (``check``) NaN or inf flagged on their devices, read
+    elements at a time where they lie, one file open at a time; overflows counted and (``check``) NaN or inf flagged on their devices, read
     once in ``finish``. ``release(part)``: after each chunk (a mapped swap file's pages leave as written)."""
 
     def __init__(self, out_dir: Path, plans: Sequence[FilePlan], what: str, check: bool = True, release=None):
         self.out_dir, self.plans, self.what, self.check, self.release = out_dir, plans, what, check, release
-        self._fds: dict[str, int] = {}
+        self._open: tuple[str, int] | None = None   # (file, descriptor): one at a time, whatever the file count
         self._over: dict[torch.device, torch.Tensor] = {}
         self._bad: dict[torch.device, list] = {}   # (name, flag)
 
     def write(self, e: Entry, at: int, values: torch.Tensor, nan_only: bool = False) -> None:
         """Flat ``values`` as elements [at, at + len) of ``e``; ``nan_only``: flag a NaN only (``nonfinite``)."""
         with _writing(self.out_dir, self.plans, self.what):
-            if e.file not in self._fds:
-                self._fds[e.file] = files.open_nofollow(self.out_dir / (e.file + ".tmp"), os.O_WRONLY)
+            if self._open is None or self._open[0] != e.file:
+                self._close()
+                self._open = (e.file, files.open_nofollow(self.out_dir / (e.file + ".tmp"), os.O_WRONLY))
             for s in range(0, values.numel(), WRITE_CHUNK):
                 part = values[s:s + WRITE_CHUNK]
                 chunk = part.to(e.dtype)   # convert where the values are, then move
@@ -331,15 +332,14 @@ class Writer(contextlib.AbstractContextManager):
                     self._over[n.device] = self._over.get(n.device, 0) + n
                 if self.check and (n := nonfinite(part, nan_only)) is not None:
                     self._bad.setdefault(n.device, []).append((e.name, n))
-                files.write_at(self._fds[e.file], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
+                files.write_at(self._open[1], chunk.to("cpu").contiguous(), e.offset + (at + s) * e.dtype.itemsize)
                 if self.release is not None:
                     self.release(part)
 
     def finish(self) -> tuple[int, list[str]]:
         """Flush the files; the values that overflowed, and the names of the tensors written with NaN or inf."""
         with _writing(self.out_dir, self.plans, self.what):
-            for fd in self._fds.values():
-                os.fsync(fd)
+            self._close()
         overflow, names = 0, set()
         for device in {*self._over, *self._bad}:
             named = self._bad.get(device, [])
@@ -349,10 +349,19 @@ class Writer(contextlib.AbstractContextManager):
             names.update(name for (name, _), flagged in zip(named, got[1:]) if flagged)
         return overflow, sorted(names)
 
+    def _close(self) -> None:
+        """fsync and close the open file (an error still closes it)."""
+        if self._open is not None:
+            fd, self._open = self._open[1], None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
     def __exit__(self, *exc) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        if self._open is not None:   # (after an error: closed, not synced; the .tmp files are removed)
+            os.close(self._open[1])
+            self._open = None
 
 
 def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:

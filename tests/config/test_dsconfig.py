@@ -835,6 +835,10 @@ def test_both_spellings_of_the_16bit_save_flag_must_agree():
            in msg and "same key with different values" in msg and "keep one" in msg, msg
     z["stage3_gather_16bit_weights_on_model_save"] = True
     assert framework.compose([], ds_config={"zero_optimization": z}).stage.stage3_gather_16bit_weights_on_model_save
+    # a bad value of the old spelling beside the current one: the conflict alone, not an error of the current key
+    z["stage3_gather_fp16_weights_on_model_save"] = "yes"
+    msg = error_of({"zero_optimization": z})
+    assert "same key with different values" in msg and "must be true or false" not in msg, msg
 
 
 def test_warmup_max_lr_mismatch_says_how_to_fix_it():

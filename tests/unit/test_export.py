@@ -61,6 +61,22 @@ def test_export_loads_into_the_plain_model(tmp_path, capsys):
     assert fp32.keys() == sd.keys() and all(torch.equal(fp32[k], v) for k, v in sd.items())
 
 
+def test_export_keeps_one_output_file_open_at_a_time(tmp_path, monkeypatch):
+    """Many shards (a large model, a small --max-shard-size) under the descriptor limit: one file open at once."""
+    from framework.core import files
+    _checkpoint(tmp_path)
+    most, write_at = [0], files.write_at
+
+    def counting(fd, *a, **k):   # the .tmp outputs open while a value is written
+        tmp = [n for n in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{n}").endswith(".tmp")]
+        most[0] = max(most[0], len(tmp))
+        return write_at(fd, *a, **k)
+
+    monkeypatch.setattr(files, "write_at", counting)
+    assert main([str(tmp_path / "ckpt"), "--to", str(tmp_path / "out"), "--max-shard-size", "1KB"]) == 0
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) > 5 and most[0] == 1, most
+
+
 def test_export_errors_are_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--to", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err.strip()

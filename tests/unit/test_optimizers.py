@@ -223,6 +223,10 @@ def test_bad_config_raises_one_line_config_error(module, overrides):
 def test_adagrad_eps_0_is_allowed_with_a_positive_initial_accumulator():
     cfg = adagrad.AdagradConfig(eps=0.0, initial_accumulator_value=0.1)
     assert adagrad.COMPONENT.check(cfg, "ddp", {}) is cfg and adagrad.build(cfg, MASK) is not None
+    # an accumulator that is 0 in fp32 (the state's dtype) is 0: eps must be positive, and the line says so once
+    for value, eps in ((1e-50, 0.0), (0.0, -1.0)):
+        with pytest.raises(ConfigError, match=r"optimizer.eps must be > 0 for adagrad"):
+            adagrad.COMPONENT.check(adagrad.AdagradConfig(eps=eps, initial_accumulator_value=value), "ddp", {})
 
 
 # adamw.yaml carries nanoGPT's baby-GPT settings instead of torch's defaults.

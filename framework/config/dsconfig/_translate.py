@@ -194,7 +194,7 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
             tr.error(f"{Z}{short} and {Z}{long} are the same key with different values ({json.dumps(z[short])} "
                      f"and {json.dumps(z[long])}); keep one")
         if short in z:
-            z[long] = z.pop(short)
+            z.setdefault(long, z.pop(short))   # (on a conflict the current key's value stays: one error)
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
         if switch in z and tr.typed(z.pop(switch), "bool", Z + switch) and z.get(section) is None:
             z[section] = {"device": "cpu"}
