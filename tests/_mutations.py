@@ -190,18 +190,22 @@ class Mutation:
 MUTATIONS: tuple[Mutation, ...] = (
     Mutation("missing-h2d-wait", ZERO2_OFFLOAD, OrderError,
              r"compute on stream 'compute' reads .* at framework/offload/base\.py:\d+ in working_ready.*"
-             r"stream 'offload h2d' wrote at framework/offload/base\.py:\d+ in copy_back",
+             r"stream 'offload h2d' wrote at framework/offload/_store\.py:\d+ in copy_on <- "
+             r"framework/offload/base\.py:\d+ in copy_back",
              partial(ForgetsWaits, drop_wait=("h2d",))),
     Mutation("unwaited-side-gather", ZERO3_HOST_SHARDS, OrderError,
              r"compute on stream 'compute' reads .* at framework/stages/_gather\.py:\d+ in _finish_gather.*"
              r"stream 'collectives' wrote at .* in _start_gather", ComputeIgnoresSideStreams),
     Mutation("pinned-reuse", ZERO2_NVME, OrderError,
-             r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _read.*"
-             r"stream 'offload h2d' read at framework/offload/base\.py:\d+ in copy_back",
+             r"host code on the host writes .* at framework/offload/_diskstore\.py:\d+ in _start_io <- "
+             r"framework/offload/_diskstore\.py:\d+ in _read.*"
+             r"stream 'offload h2d' read at framework/offload/_store\.py:\d+ in copy_on <- "
+             r"framework/offload/base\.py:\d+ in copy_back",
              partial(ForgetsWaits, drop_sync=("h2d",))),
     Mutation("unsynced-d2h", ZERO2_OFFLOAD, OrderError,
              r"host code on the host reads .* at framework/offload/_pipeline\.py:\d+ in _step.*"
-             r"stream 'offload d2h' wrote at framework/offload/base\.py:\d+ in copy_grad",
+             r"stream 'offload d2h' wrote at framework/offload/_store\.py:\d+ in copy_on <- "
+             r"framework/offload/base\.py:\d+ in copy_grad",
              partial(ForgetsWaits, drop_sync=("d2h",))),
     Mutation("collective-side-stream", ZERO3_HOST_SHARDS, OrderError,
              r"collective .* on stream 'collectives' (reads|writes) .* in _start_gather", CollectivesOnSideStream),
@@ -211,9 +215,11 @@ MUTATIONS: tuple[Mutation, ...] = (
              r"host sync \(__bool__ .* inside the zero2 gradient hook, at .* in _launch_checking_partition <- "
              r"framework/stages/_grads\.py:\d+ in flush", patch=_sync_in_zero2_hook),
     Mutation("unbound-thread", ZERO2_OFFLOAD, DeviceMismatch,
-             r"thread 'host-step_0' .* at framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),
+             r"thread 'host-step_0' .* at framework/offload/_store\.py:\d+ in copy_on <- "
+             r"framework/offload/base\.py:\d+ in copy_grad", UnboundThreads),
     Mutation("unwaited-d2h-source", ZERO2_SPECULATIVE, OrderError,
              r"compute on stream 'compute' writes .* in ready .* stream 'offload d2h' read at "
+             r"framework/offload/_store\.py:\d+ in copy_on <- "
              r"framework/offload/base\.py:\d+ in copy_grad <- framework/offload/_pipeline\.py:\d+ in grads",
              patch=_copy_speculated_twice),
     Mutation("collective-on-host", ZERO3_HOST_SHARDS, DeviceMismatch,

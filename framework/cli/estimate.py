@@ -2,7 +2,7 @@
 
     python -m framework.estimate params=2851M largest_layer=32M gpus_per_node=8      # DeepSpeed's all_cold
     python -m framework.estimate model=gpt2-medium gpus_per_node=8 nodes=2             # our preset (all_live)
-    python -m framework.estimate model=path/to/config.json +stage=zero3 \
+    python -m framework.estimate model=path/to/config.json +stage=zero3 \\
         'stage.gather_unit=[GPT2Block]' context=512 train.micro_batch=4               # a Hugging Face config
     python -m framework.estimate model=gpt-mini +stage=zero2 offload=cpu precision=bf16 \\
         train.micro_batch=8 model.activation_checkpointing=true dist.nproc=2           # + per-rank prediction

@@ -23,7 +23,7 @@ def say(line: str, out=None) -> None:
             out.write(text)   # (one call: a log it keeps gets the line too)
             out.flush()
             return
-        data = text.encode(errors="replace")
+        data = text.encode(getattr(out, "encoding", None) or "utf-8", errors="replace")   # (as print would)
         while data:   # (one write unless the stream takes less)
             data = data[os.write(fd, data):]
     except (OSError, ValueError):   # the reader is gone (a closed pipe): the line has nowhere to go there

@@ -246,11 +246,9 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
         """ddp and zero1: whole gradients, and an accumulator when it has another dtype; without one, a wider
         wire's sums land in that dtype over this rank's ``owned`` elements (``FlatGrads.owned``)."""
         pred.add("grads", device=w * n)
-        if acc != w and cfg.train.grad_accum > 1:
-            pred.add("grad_accumulator", device=acc * n)
-        elif acc != w and red != w and world > 1:
-            pred.add("grad_accumulator", device=acc * owned)
-        pred.lazy.add("grad_accumulator")   # made by the first step
+        if acc != w and (cfg.train.grad_accum > 1 or red != w and world > 1):
+            pred.add("grad_accumulator", device=acc * (n if cfg.train.grad_accum > 1 else owned))
+            pred.lazy.add("grad_accumulator")   # made by the first step
 
     if stage == "ddp":   # (its own master and state on the device: the device tier's bytes)
         shards = [sum(padded)]

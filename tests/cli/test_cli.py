@@ -655,6 +655,11 @@ def test_a_ranks_line_goes_out_in_one_write(tmp_path, monkeypatch):
             say("nvme: rank 0 swaps 4096 bytes", sys.stdout)
             assert writes == [(out.fileno(), b"nvme: rank 0 swaps 4096 bytes\n")]
     assert (tmp_path / "train.log").read_text() == "nvme: rank 0 swaps 4096 bytes\n"
+    writes.clear()
+    with open(tmp_path / "latin", "w", encoding="latin-1") as err:   # in the stream's encoding, as print's
+        monkeypatch.setattr(sys, "stderr", err)
+        say("error: report: /tmp/caf\u00e9 is not a folder")
+        assert writes == [(err.fileno(), "error: report: /tmp/caf\u00e9 is not a folder\n".encode("latin-1"))]
 
 
 def test_a_line_for_a_console_that_is_gone_raises_nothing(tmp_path, monkeypatch, capsys):

@@ -250,6 +250,7 @@ def test_prediction_matches_measured_memory(overrides, world):
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     pred = predict(compose(overrides), world)
+    assert pred.lazy <= set(pred.items), pred.lazy   # (only items the engine has appear at the first step)
     for rank, m in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
         built, peak = m["built"] - m["base"], m["peak"] - m["base"]
         # Model states: the resident-set increment of building the engine (the process baseline,

@@ -1,6 +1,7 @@
 """Engine lifetime: engine.state follows train_step; close() (or a with block) stops our worker
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
+import dataclasses
 import copy
 import gc
 import threading
@@ -131,11 +132,13 @@ def test_a_failed_initialize_leaves_no_hooks_and_a_zero3_module_is_refused_in_on
     with pytest.raises(framework.ConfigError, match="warmup_steps"):
         framework.initialize(module, loss, framework.compose(["+stage=zero3", "scheduler.warmup_steps=-1"]))
     assert all(type(p) is torch.nn.Parameter and p.numel() for p in module.parameters())
-    # A failure after the stage's setup (the optimizer's build) removes the stage's hooks; the parameters
-    # stay empty shards, and a retry (or a second engine on an open one's module) is refused in one line.
+    # A failure after the stage's setup (the optimizer's build: a value compose would refuse, set after it)
+    # removes the stage's hooks; the parameters stay empty shards, and a retry (or a second engine on an open
+    # one's module) is refused in one line.
+    cfg = framework.compose(["+stage=zero3", "optimizer=sgd"])
+    cfg = dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, nesterov=True, momentum=0.0))
     with pytest.raises(framework.ConfigError, match="nesterov"):
-        framework.initialize(module, loss, framework.compose(
-            ["+stage=zero3", "optimizer=sgd", "optimizer.nesterov=true", "optimizer.momentum=0"]))
+        framework.initialize(module, loss, cfg)
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in module.modules())
     assert all(not p._post_accumulate_grad_hooks for p in module.parameters())
     for cfg in (["+stage=zero3"], []):
