@@ -82,16 +82,16 @@ def test_curve_check_fails_on_a_perturbed_job(equivalence, tmp_path):
     assert "FAIL" in log.getvalue()
 
 
-def test_report_of_a_multirun(equivalence, tmp_path):
+def test_report_of_a_multirun(equivalence, tmp_path, forkrun):
     """python -m framework.report on a real sweep folder: one row per job with its own overrides,
-    measured memory, PNG plots; a job without summary.json is listed, not dropped."""
+    measured memory, PNG plots; a job without summary.json is listed, not dropped. (The command
+    forked from the suite's fork server, tests/cli/_forkrun.py, as the README test runs it.)"""
     sweep = tmp_path / "sweep"
     shutil.copytree(equivalence["out"], sweep)
     broken = sweep / "run9-job0" / ".hydra"
     broken.mkdir(parents=True)
     (broken / "overrides.yaml").write_text("- +stage=zero1\n- offload=cpu\n")
-    p = subprocess.run([sys.executable, "-m", "framework.report", str(sweep), "--out", str(tmp_path / "rep")],
-                       capture_output=True, text=True, timeout=120)
+    p = forkrun.run("framework.report", [str(sweep), "--out", str(tmp_path / "rep")], cwd=tmp_path, timeout=120)
     assert p.returncode == 0, p.stderr
     md = (tmp_path / "rep" / "report.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| run")]
@@ -107,8 +107,7 @@ def test_report_of_a_multirun(equivalence, tmp_path):
         assert all(r["rss_start_bytes"] <= r["peak_rss_bytes"] for r in j.summary["peak_memory_per_rank"])
     for png in ("loss.png", "throughput_memory.png"):
         assert (tmp_path / "rep" / png).read_bytes()[:8] == PNG
-    p = subprocess.run([sys.executable, "-m", "framework.report", str(tmp_path / "nothing")],
-                       capture_output=True, text=True, timeout=60)
+    p = forkrun.run("framework.report", [str(tmp_path / "nothing")], cwd=tmp_path, timeout=60)
     assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1 and "multirun" in p.stderr
 
 
@@ -292,9 +291,8 @@ def test_zero_formula():
     assert f("ddp", 10, 8, "bf16") == 160
 
 
-def test_cli_unknown_recipe_one_line(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "framework.recipe", "no_such_recipe"], capture_output=True,
-                       text=True, timeout=60, cwd=tmp_path)
+def test_cli_unknown_recipe_one_line(tmp_path, forkrun):
+    p = forkrun.run("framework.recipe", ["no_such_recipe"], cwd=tmp_path, timeout=60)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "shakespeare_char_cpu" in p.stderr
 
@@ -328,7 +326,7 @@ def test_memory_scaling_check_against_the_formula():
     assert "from world 2 to 4" in res[0]["message"] and res[0]["ratio"] == pytest.approx(1.0)
 
 
-def test_hf_gpt2_zero3_quick(tmp_path):
+def test_hf_gpt2_zero3_quick(tmp_path, capsys):
     """The guide's scenario end to end (estimate, ZeRO-3 + CPU offload JSON with "auto", train,
     export, from_pretrained, generate); needs the optional ``hf`` extra."""
     pytest.importorskip("transformers")
@@ -340,9 +338,10 @@ def test_hf_gpt2_zero3_quick(tmp_path):
     # A job whose validation loss was not finite (null in summary.json): a failing check, not a traceback.
     summary = next(out.glob("run*-job*/summary.json"))
     summary.write_text(json.dumps({**json.loads(summary.read_text()), "val_loss": None}))
-    p = subprocess.run([sys.executable, str(ROOT / "recipes" / "hf_gpt2_zero3" / "reload_generate.py"), str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0 and "vs the job's not finite" in p.stdout, p.stderr[-3000:]
+    # (the script's main in this process: the recipe ran it as a command above)
+    capsys.readouterr()
+    _script(ROOT / "recipes" / "hf_gpt2_zero3" / "reload_generate.py").main(out)
+    assert "vs the job's not finite" in capsys.readouterr().out
     check = {"file": "reload.json", "key": "val_loss_abs_diff", "max": 1e-4}
     assert not recipes.evaluate([], {"checks": [check]}, out=out)[0]["passed"]
 
@@ -580,12 +579,17 @@ def test_checks_refuse_keys_they_would_ignore():
     assert recipes.evaluate(jobs, {"checks": [{"metric": "steps", "equals": 2, "tol": 0}]})
 
 
-def _capacity():
+def _script(path: Path):
+    """A recipe's script as a module (its ``if __name__ == "__main__"`` part not run)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("capacity", ROOT / "recipes" / "capacity" / "capacity.py")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _capacity():
+    return _script(ROOT / "recipes" / "capacity" / "capacity.py")
 
 
 @pytest.mark.parametrize("given, says", [(["train.steps=2"], "does not read train.steps; use --steps"),

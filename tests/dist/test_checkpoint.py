@@ -40,13 +40,15 @@ def _cfg(world, overrides, root, extra=()):
 
 
 def test_saving_does_not_change_the_run(pools, tmp_path):
-    """A run that saves (asynchronously, offload on) trains exactly like one that never saves."""
+    """A run that saves (asynchronously, offload on) trains exactly like one that never saves; it is
+    also test_resume_is_bitwise's "zero2 bf16 offload async" case (resumed from its step K, bitwise)."""
     over = ["+stage=zero2", "offload=cpu", "precision=bf16"]
     saving = pools(2).run(_train, [*over, "checkpoint.async=true"], str(tmp_path / "a"), timeout=240)
     plain = pools(2).run(_train, [*over, "checkpoint.every=0"], str(tmp_path / "b"), timeout=240)
     assert [r[0] for r in saving] == [r[0] for r in plain]
     _same_state([r[1] for r in saving], [r[1] for r in plain], "saving vs plain")
     assert (tmp_path / "a" / f"step-{N}").is_dir() and not (tmp_path / "b").exists()
+    _resumed_equals(pools, saving, EXACT_MORE["zero2 bf16 offload async"], tmp_path / "a", "zero2 bf16 offload async")
 
 
 def _train(dist, overrides, root, *, resume="off", seed=None, steps=N, overflow_at=None):
@@ -90,15 +92,15 @@ def _on(pools, world, fn, *args, **kw):
 slow = pytest.mark.skipif(os.environ.get("FRAMEWORK_SLOW_TESTS") != "1", reason="set FRAMEWORK_SLOW_TESTS=1")
 
 # Every stage with offload none, cpu and nvme, fp32 and bf16, gradient accumulation, an async save.
-# The suite runs the first ten (each stage x offload x precision value at least once; zero3 + nvme
-# is tests/dist/test_nvme.py::test_checkpointer_resume_of_an_nvme_run_is_bitwise);
-# FRAMEWORK_SLOW_TESTS=1 runs the full cross product.
+# The suite runs EXACT (each stage x offload x precision value at least once; zero3 + nvme is
+# tests/dist/test_nvme.py::test_checkpointer_resume_of_an_nvme_run_is_bitwise, and the async save's
+# case, zero2 bf16 offload async, is resumed by test_saving_does_not_change_the_run from the run it
+# already made); FRAMEWORK_SLOW_TESTS=1 runs the full cross product.
 EXACT = {
     "ddp fp32 accum2": ["train.grad_accum=2"],
     "zero1 bf16 offload accum2": ["+stage=zero1", "precision=bf16", "offload=cpu", "train.grad_accum=2"],
     "zero1 fp32": ["+stage=zero1"],
     "zero2 fp32 offload accum2": ["+stage=zero2", "offload=cpu", "train.grad_accum=2"],
-    "zero2 bf16 offload async": ["+stage=zero2", "precision=bf16", "offload=cpu", "checkpoint.async=true"],
     "zero3 fp32 accum2": ["+stage=zero3", ZERO3_SHARDED, "train.grad_accum=2"],
     "zero3 bf16 offload params": ["+stage=zero3", "precision=bf16", "offload=cpu", "offload.params=cpu"],
     "zero3 fp32 offload ratio": ["+stage=zero3", "offload=cpu", "offload.ratio=0.5"],
@@ -106,6 +108,7 @@ EXACT = {
     "zero2 bf16 nvme": ["+stage=zero2", "precision=bf16", *NVME],
 }
 EXACT_MORE = {
+    "zero2 bf16 offload async": ["+stage=zero2", "precision=bf16", "offload=cpu", "checkpoint.async=true"],
     "ddp bf16": ["precision=bf16"],
     "zero1 fp32 offload": ["+stage=zero1", "offload=cpu"],
     "zero1 bf16": ["+stage=zero1", "precision=bf16"],
@@ -132,9 +135,13 @@ def _same_state(a: list[dict], b: list[dict], what: str) -> None:
 def test_resume_is_bitwise(pools, tmp_path, case):
     over = {**EXACT, **EXACT_MORE}[case]
     a = pools(2).run(_train, over, str(tmp_path), timeout=240)
-    assert (tmp_path / f"step-{K}" / "manifest.json").is_file()
-    b = pools(2).run(_train, over, str(tmp_path / f"step-{K}"), resume=str(tmp_path / f"step-{K}"), seed=99,
-                     timeout=240)
+    _resumed_equals(pools, a, over, tmp_path, case)
+
+
+def _resumed_equals(pools, a, over, root, case):
+    """A fresh engine (other initial values) resumed from ``a``'s step K in ``root`` trains on to N exactly as ``a``."""
+    assert (root / f"step-{K}" / "manifest.json").is_file()
+    b = pools(2).run(_train, over, str(root / f"step-{K}"), resume=str(root / f"step-{K}"), seed=99, timeout=240)
     for rank in range(2):
         assert b[rank][2][:2] == (K, K)
         assert b[rank][0] == a[rank][0][K:], f"{case} rank {rank}: losses {b[rank][0]} vs {a[rank][0][K:]}"
