@@ -5,7 +5,6 @@ import contextlib
 import gc
 import math
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -78,8 +77,6 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
     losses, evals = [], []
     ckpt = Checkpointer(cfg, engine, job=run.job, run_dir=run.run_dir, on_point=on_point)  # collective
     try:
-        if dist.is_main and cfg.notices:
-            print("\n".join(cfg.notices), file=sys.stderr, flush=True)
         state = ckpt.resume(state)
         if state.step > t.steps and dist.is_main:
             print(f"checkpoint: the checkpoint's step {state.step} is already past train.steps={t.steps}: nothing is "

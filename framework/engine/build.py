@@ -282,7 +282,8 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
                position: int = 0, *, ds_config: str | Mapping | None = None, overrides: Sequence[str] = ()) -> Engine:
     """Shard ``module`` with the configured stage; ``loss_fn(module, micro_batch) -> scalar``. Without ``dist``
     the environment's process group is joined. Instead of ``cfg``, ``ds_config`` (a DeepSpeed JSON path or
-    dict) with ``overrides`` composes one: our defaults < it < the overrides."""
+    dict) with ``overrides`` composes one: our defaults < it < the overrides. The main rank prints the config's
+    warnings and notes (``cfg.notices``) on stderr."""
     # Before any collective (every rank stops alike): one line instead of a traceback from inside.
     if not isinstance(module, nn.Module):
         raise ConfigError(f"initialize: module must be a torch.nn.Module, got {type(module).__name__}")
@@ -314,8 +315,6 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
         world = dist.world if dist is not None else rank_and_world()[1]
         cfg = compose(list(overrides), ds_config=ds_config, world=world, hidden_size=hidden_size_of(module),
                       hidden_from_model=False)
-        if (dist is None or dist.is_main) and cfg.notices:
-            print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     if dist is None:
         joined = torch.distributed.is_initialized()
         dist = connect(cfg.dist.backend, cfg.dist.timeout_s)
@@ -323,6 +322,14 @@ def initialize(module: nn.Module, loss_fn: LossFn, cfg: Config | None = None, di
             # Left at exit (a gloo group alive at interpreter shutdown may abort the process), not at close():
             # a later engine of this process reuses it (re-creating it hangs under torchrun).
             atexit.register(disconnect)
+    if dist.is_main:   # the config's warnings and notes, however it was composed (the command line's too)
+        notices = list(cfg.notices)
+        if cfg.dist.nproc > 1 and cfg.dist.nproc != dist.world:   # (the command line spawns that many ranks)
+            notices.append(f"note: initialize: dist.nproc={cfg.dist.nproc} is read by the command line only; this "
+                           f"engine joined a world of {dist.world} rank(s): launch the ranks yourself (torchrun "
+                           f"--nproc-per-node {cfg.dist.nproc}) or drop dist.nproc")
+        if notices:
+            print("\n".join(notices), file=sys.stderr, flush=True)
     check_batch_world(cfg, dist.world)   # (every rank alike, before any collective of the engine)
     policy = component(cfg, "precision").build(cfg.precision)
     # Trainable parameters are cast to the working dtype: fp32 ones under bf16/fp16 are the ordinary case,

@@ -634,3 +634,23 @@ def test_initialize_notes_trainable_parameters_cast_to_another_dtype_on_rank_0(c
     with framework.initialize(torch.nn.Linear(3, 2), loss, tiny_config("precision=bf16")):
         pass
     assert "note: initialize" not in capsys.readouterr().err
+
+
+def test_initialize_prints_the_notices_of_a_config_composed_before_it(capsys):
+    """``framework.compose`` then ``initialize(module, loss_fn, cfg)`` (the documented flow) says the config's
+    warnings and notes once, as ``initialize(ds_config=...)`` does; so does a dist.nproc it cannot act on."""
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}, "my_unknown_top_key": 3}
+    loss = lambda m, mb: m(mb[0]).sum()   # noqa: E731
+    cfg = framework.compose(["train.steps=3", "dist.nproc=2"], ds_config=ds)
+    capsys.readouterr()
+    with framework.initialize(torch.nn.Linear(3, 2), loss, cfg):
+        pass
+    err = capsys.readouterr().err
+    assert err.count("keys DeepSpeed does not know, ignored") == 1 and "my_unknown_top_key" in err, err
+    assert err.count("warm-up (warmup_steps=100) is longer than the run") == 1, err
+    assert err.count("note: initialize: dist.nproc=2 is read by the command line only; this engine joined a world "
+                     "of 1 rank(s)") == 1, err
+    with framework.initialize(torch.nn.Linear(3, 2), loss, ds_config=ds, overrides=["train.steps=3"]):
+        pass
+    err = capsys.readouterr().err
+    assert err.count("my_unknown_top_key") == 1 and "dist.nproc" not in err, err
