@@ -232,22 +232,27 @@ def commit(tmp: Path, final: Path, on_point) -> str | None:
     return None
 
 
-def prune(root: Path, newest: Path, keep_last: int) -> list[Path]:
+def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Path]]:
     """Delete committed folders older than ``newest`` beyond the ``keep_last`` newest (0 keeps all), never the
-    newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone."""
+    newest verified one nor one whose manifest cannot be read; later steps (another run's) are left alone.
+    Returns the folders deleted and the ``step-N.del`` folders a deletion could not empty (a file held open,
+    no permission): those are no checkpoint any more, and the next save tries again."""
     if keep_last <= 0:
-        return []
+        return [], []
     chain = [(p, m) for p, m in _committed(root)[0] if step_of(p) <= step_of(newest)]
     good = next((p for p, m in chain if m is not None and m.get("verified") is True), None)
     older = [(p, m) for p, m in chain if step_of(p) < step_of(newest)]
     gone = [p for p, m in older[keep_last - 1:] if p != good and m is not None]
+    left = []
     for p in gone:
         # Renamed first: a kill halfway leaves a step-N.del folder, never a half checkpoint.
         doomed = p.with_name(p.name + ".del")
         _remove_tree(doomed)
         os.replace(p, doomed)
         _remove_tree(doomed)
-    return gone
+        if os.path.lexists(doomed):
+            left.append(doomed)
+    return [p for p in gone if p.with_name(p.name + ".del") not in left], left
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:

@@ -124,8 +124,8 @@ def test_rotation_never_deletes_the_newest_verified_checkpoint(tmp_path):
         folder.mkdir()
         body = {"format": 1, "files": {}, **({"verified": True} if verified else {})}
         (folder / stepfolders.MANIFEST).write_text(json.dumps(body))
-    gone = stepfolders.prune(tmp_path, tmp_path / "step-3", keep_last=1)
-    assert [p.name for p in gone] == ["step-2"]
+    gone, left = stepfolders.prune(tmp_path, tmp_path / "step-3", keep_last=1)
+    assert [p.name for p in gone] == ["step-2"] and left == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1", "step-3"]
 
 
@@ -138,9 +138,29 @@ def test_rotation_never_deletes_a_checkpoint_whose_manifest_it_cannot_read(tmp_p
         folder = tmp_path / f"step-{step}"
         folder.mkdir()
         (folder / stepfolders.MANIFEST).write_text(json.dumps({"format": fmt, "files": {}, "verified": True}))
-    gone = stepfolders.prune(tmp_path, tmp_path / "step-4", keep_last=1)
-    assert [p.name for p in gone] == ["step-3", "step-1"]
+    gone, left = stepfolders.prune(tmp_path, tmp_path / "step-4", keep_last=1)
+    assert [p.name for p in gone] == ["step-3", "step-1"] and left == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-4"]
+
+
+def test_rotation_says_which_folder_it_could_not_delete(tmp_path, monkeypatch):
+    """A deletion that leaves files behind (one held open on a network file system, no permission) leaves
+    ``step-1.del``: prune names it as left, not as deleted, and the next save's clean-up tries again."""
+    import shutil
+
+    from framework.persist import stepfolders
+
+    for step in (1, 2):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / stepfolders.MANIFEST).write_text(
+            json.dumps({"format": 1, "files": {}, "verified": True}))
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(shutil, "rmtree", lambda p, **kw: None if Path(p).name == "step-1.del" else rmtree(p, **kw))
+    gone, left = stepfolders.prune(tmp_path, tmp_path / "step-2", keep_last=1)
+    assert gone == [] and [p.name for p in left] == ["step-1.del"]
+    monkeypatch.undo()
+    stepfolders.remove_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
 
 
 @pytest.mark.parametrize("complete", [True, False])
