@@ -43,7 +43,7 @@ from framework.config import (GROUPS, Config, app_composer, choice_override, com
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, first_line, say
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, say
 from framework.core.paths import conf_dir
 from framework.core.room import nearest_existing
 from framework.loggers import RunInfo
@@ -426,8 +426,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 # its traceback and one line now; the sweep goes on and counts it (Hydra would go on silently)
                 traceback.print_exception(e)
                 say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
-                if not _alone_in_sweep():
-                    sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
+            if not _sweep_goes_on(e):
+                sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             failed.append(f"job {hc.job.num} ({run.run_dir})")
             return math.nan
         except KeyboardInterrupt as e:   # Ctrl-C: the run cleaned up as it unwound
@@ -440,10 +440,12 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
     return job
 
 
-def _alone_in_sweep() -> bool:
-    """Whether this process may go on with a sweep's next job after an unexpected error: not as one rank of an
-    external launcher's group, whose peers would wait for it in the next job's collectives."""
-    return env_int("WORLD_SIZE", 1) <= 1
+def _sweep_goes_on(e: Exception) -> bool:
+    """Whether this process may go on with a sweep's next job after its job failed on ``e``: always alone; as one
+    rank of an external launcher's group, not after an unexpected error (it may be this rank's alone: its peers
+    would wait for it in the next job's collectives) nor after a DistributedError (a peer is gone or a collective
+    timed out: the group is unusable, and the next job's collectives would fail or wait too)."""
+    return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and not isinstance(e, DistributedError))
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:

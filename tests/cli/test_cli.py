@@ -3,6 +3,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -287,18 +288,21 @@ def test_a_job_failing_on_another_exception_does_not_end_the_sweep(forkrun, tmp_
     assert "Traceback" in (tmp_path / "sweep" / "0" / "train.log").read_text()   # kept with the job's run
 
 
-def test_a_rank_of_an_external_launchers_group_ends_on_an_unexpected_error_in_a_sweep(monkeypatch):
+def test_a_rank_of_an_external_launchers_group_ends_the_sweep_on_an_unexpected_error_or_a_broken_group(monkeypatch):
     """Under torchrun (WORLD_SIZE > 1: each rank runs the sweep in its own process) a rank's RuntimeError
     ends that rank instead of taking it alone to the next job, whose collectives would wait for its
-    peers still in the failed job's; a single process (dist.nproc's launcher too) goes on."""
+    peers still in the failed job's; so does a DistributedError (a peer gone, a collective timed out: the
+    group is unusable). A single process (dist.nproc's launcher too) goes on, as after a ConfigError."""
+    from framework import ConfigError, DistributedError
     from framework.cli import train
 
+    errors = [RuntimeError("bug"), DistributedError("rank 0/2: all_reduce failed"), ConfigError("bad")]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert train._alone_in_sweep()
+    assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert train._alone_in_sweep()
+    assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert not train._alone_in_sweep()
+    assert [train._sweep_goes_on(e) for e in errors] == [False, False, True]
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
@@ -424,20 +428,40 @@ def test_torchrun_multirun_reuses_group(tmp_path):
 
 
 def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
-    """Rank 1 alone raises a RuntimeError in job 0 of a sweep under torchrun: it exits with its line and
-    torchrun stops rank 0, instead of rank 1 going on to job 1 alone (Hydra catches a re-raised error and
-    goes on) while rank 0 waits in job 0's all-reduce until dist.timeout_s, and both fail job 1 (the unit test
-    of the decision cannot see Hydra's side). Seconds; the old behaviour took dist.timeout_s per job."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "FRAMEWORK_FAULT": "step:1@1,raise"}
+    """Rank 1 alone raises a RuntimeError in job 0 of a sweep under torchrun: it exits with its line, and rank 0,
+    whose collective fails on the lost peer, exits with its own, instead of either going on to job 1 alone (Hydra
+    catches a re-raised error and goes on; a job's DistributedError was counted and the sweep went on) to fail
+    it too, or wait in its collectives until dist.timeout_s (the unit test of the decision cannot see Hydra's
+    side). The ranks are started as torchrun starts them but without its monitor, which stops rank 0 when it
+    sees rank 1's exit before rank 0 sees the broken group: rank 0 always meets it here."""
     base = [o for o in SHORT if not o.startswith("train.steps=")]
-    p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "tests._fault_train", "-m",
-                        "train.steps=2,3", *base, "dist.timeout_s=30", f"hydra.sweep.dir={tmp_path}/${{oc.env:RANK}}/sweep"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
-    assert p.returncode != 0, p.stderr[-3000:]
-    assert "failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:1" in p.stderr, p.stderr[-3000:]
-    assert "job(s) of the sweep failed" not in p.stderr, p.stderr[-3000:]   # no rank got to the sweep's end
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "FRAMEWORK_FAULT": "step:1@1,raise"}
+    for attempt in range(2):
+        # A free port now may be taken by another process before rank 0 listens on it: once, take another.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+        procs = [subprocess.Popen([sys.executable, "-m", "tests._fault_train", "-m", "train.steps=2,3", *base,
+                                   "dist.timeout_s=30", f"hydra.sweep.dir={tmp_path}/{attempt}/{r}/sweep"],
+                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp_path,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for r in range(2)]
+        try:
+            errs = [p.communicate(timeout=240)[1] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        if attempt == 0 and procs[0].returncode != 0 and "address already in use" in errs[0].lower():
+            continue
+        break
+    assert [p.returncode for p in procs] == [1, 1], errs
+    assert "failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:1" in errs[1], errs[1][-3000:]
+    ended = [line for line in errs[0].splitlines() if line.startswith("error: ")]   # its collective's line alone
+    assert len(ended) == 1 and ended[0].startswith("error: rank 0/2: "), errs[0][-3000:]
+    assert not any("job(s) of the sweep failed" in e for e in errs), errs   # no rank got to the sweep's end
 
 
 def test_wandb_offline_multirun_groups_runs(forkrun, tmp_path):
