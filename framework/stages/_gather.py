@@ -71,8 +71,8 @@ class Gatherer:
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
                     hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
-                self.hook_handles.append(module.register_forward_hook(
-                    hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
+                self.hook_handles.append(module.register_forward_hook(hook(
+                    lambda _m, _a, out, u=unit: self._post_forward(u, out, is_root=_m is root), "zero3's forward hook")))
         for unit in self.all_units:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
@@ -89,7 +89,7 @@ class Gatherer:
             # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
 
-    def _post_forward(self, unit: Unit, out):
+    def _post_forward(self, unit: Unit, out, is_root: bool):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
@@ -109,6 +109,8 @@ class Gatherer:
                 g.lent = True
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
+        if is_root and not self.driven:   # a forward outside the steps returned: no backward or use follows
+            self.end_pass()
         if unannounced:
             raise TrainingError(
                 f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
@@ -213,23 +215,24 @@ class Gatherer:
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
         """One loss_fn call starts (``grad_mode``: train_step's, ended by its backward; else eval_step's, ended
         by ``end_pass``): one pass whichever modules it calls, recorded, followed and checked as a whole. (Not
-        ``driven``: a root forward outside train_step and eval_step.)"""
-        if driven:
-            for unit in self.units:
-                unit.active = 0   # no forward runs between loss_fn calls
+        ``driven``: a root forward outside train_step and eval_step, followed but not recorded: the steps'
+        traces are what the next steps follow.)"""
+        for unit in self.units:
+            unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         self._end_pass()
-        self.mode, self.recording, self.driven = grad_mode, [], driven
+        self.mode, self.recording, self.driven = grad_mode, [] if driven else None, driven
         self.cursor = 0 if grad_mode in self.traces else None
 
     def end_pass(self) -> None:
-        """An eval_step's loss_fn call returned: units gathered ahead of a use that did not come are released."""
+        """An eval_step's loss_fn call (or a root forward outside the steps) returned: units gathered ahead of a
+        use that did not come are released."""
         self._end_pass()
         self._release_idle()
 
     def _end_pass(self) -> None:
         if self.recording:
             self.traces[self.mode] = self.recording
-        self.recording, self.driven = None, False
+        self.recording, self.cursor, self.driven = None, None, False
 
     def _release_idle(self, keep: Unit | None = None) -> None:
         """Release the idle units (but ``keep``): gathered ahead of a use that may now never come."""
@@ -427,6 +430,8 @@ class Gatherer:
 
     def hold(self, unit: Unit) -> bool:
         """Gather ``unit`` and keep it until ``unhold`` (framework.gathered); True if this call gathered it."""
+        if unit is not self.persistent and unit.state is not UnitState.SHARDED and unit.idle:
+            self.release(unit)   # kept for a later use: gathered by the block, so released (its edits discarded) at exit
         started = self.gather_now(unit)
         if unit is self.persistent and not unit.held:   # (small by the threshold) for an exit by an error
             self.entered = [g.full.clone() for g in unit.groups]
@@ -444,21 +449,34 @@ class Gatherer:
         unit.held -= 1
         if started and unit.idle:
             self.release(unit)
-        elif unit is self.persistent and not unit.held:
+        elif unit is self.persistent:
             # Always gathered, never released: edits without modifier_rank (or left by an error) are discarded
-            # by putting its entry values back locally (no collective: after an error the peers may be
-            # elsewhere); written shards are gathered again (collective, as the block's exit is).
+            # by putting its entry values back locally at the outermost exit (no collective: after an error the
+            # peers may be elsewhere); written shards are gathered again (collective, as the block's exit is),
+            # and an outer block's exit then puts back these values.
             if written:
                 self.regather(unit)
-            else:
+            elif not unit.held:
                 for g, value in zip(unit.groups, self.entered):
                     g.full.copy_(value)
-            self.entered = []
+            if not unit.held:
+                self.entered = []
+
+    def refresh(self) -> None:
+        """The shards changed (an optimizer step, a load): the persistent unit and units a framework.gathered
+        block holds are gathered again (collective), other units released."""
+        for unit in self.all_units:
+            if unit is self.persistent or unit.held:
+                self.regather(unit)
+            elif unit.state is not UnitState.SHARDED:
+                self.release(unit)
 
     def regather(self, unit: Unit) -> None:
         """``unit`` gathered again from its shards (collective): its gathered copy is stale."""
         self.release(unit)
         self.gather_now(unit)
+        if unit is self.persistent and unit.held:   # what the outermost framework.gathered exit puts back
+            self.entered = [g.full.clone() for g in unit.groups]
 
     def check_not_held(self) -> None:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""

@@ -202,9 +202,7 @@ class Zero3Stage(PartitionedStage):
             self.offload.clear_grads()
 
     def publish_finish(self) -> None:
-        persistent = self.gatherer.persistent
-        if persistent is not None:  # its gathered copy is stale after the step
-            self.gatherer.regather(persistent)
+        self.gatherer.refresh()   # gathered copies are stale after the step or load
 
     def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
         persistent = self.gatherer.persistent

@@ -1,4 +1,5 @@
 """zero3 on 1, 2 and 4 gloo ranks: equivalence with ddp, prefetch, memory limits, construction."""
+import copy
 import dataclasses
 import time
 import weakref
@@ -1054,6 +1055,81 @@ def test_gathered_discards_edits_of_persistent_parameters(pools, world):
         assert edited[2], "the edit outlived its block"
         assert edited[0] == plain[0]   # the next forward
         torch.testing.assert_close(edited[1], plain[1], rtol=0, atol=0)   # and the step
+
+
+def _outside_forward(dist):
+    """Forwards of the model outside train_step and eval_step (grad enabled, no backward), each followed by
+    what must see the shards: an edit inside framework.gathered without modifier_rank, a step, a load (inside
+    a block that holds a unit)."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                             "stage.stage3_max_reuse_distance=0", "optimizer=sgd", "optimizer.lr=0.5",
+                             "scheduler=constant"])
+    torch.manual_seed(0)
+    model = Sometimes()
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+    g = engine.components.stage.gatherer
+    state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
+    state, m = engine.train_step(state, Batch((_micro(1),)))
+    saved, val, trace = engine.state_dict(state), engine.eval_step(state, [_micro(9)]), list(g.traces[True])
+    with framework.gathered([model.a.weight]):
+        weight = model.a.weight.detach().clone()
+    model(_micro(2)[0])
+    left = [u.name for u in g.units if u.state.value != "sharded"]
+    with framework.gathered(list(model.parameters())), torch.no_grad():
+        for p in model.parameters():
+            p.zero_()   # discarded on exit
+    edited, kept = engine.eval_step(state, [_micro(9)]), g.traces[True] == trace
+    g.stats()   # (the counts since the last step's)
+    _, after = engine.train_step(state, Batch((_micro(1),)))   # follows the steps' trace, not the forward's
+    model(_micro(2)[0])
+    with framework.gathered([model.a.weight]):   # held: gathered again by the load
+        state = engine.load_state_dict(state, dist.all_gather_object(saved, what="saved states"))
+        reread = torch.equal(model.a.weight, weight)
+    loaded = engine.eval_step(state, [_micro(9)])
+    return dict(left=left, trace=kept, edited=edited == val, loaded=loaded == val, reread=reread,
+                rates=(m["prefetch_hit_rate"], after["prefetch_hit_rate"]))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_forward_outside_the_steps_leaves_no_unit_gathered(pools, world):
+    # Nothing ends such a forward's pass but its return: its units are released there, so a later block's
+    # edits are discarded and a load is what the next eval sees; its order is not the trace steps follow.
+    for out in [_outside_forward(_local())] if world == 1 else pools(2).run(_outside_forward, timeout=120):
+        # (hits: all uses but the root's first)
+        assert out == dict(left=[], trace=True, edited=True, loaded=True, reread=True, rates=(0.875, 0.875))
+
+
+def _nested_edit(dist):
+    """A framework.gathered(modifier_rank=...) edit of always-gathered parameters inside a read-only block."""
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "optimizer.lr=0.0",
+                             "scheduler=constant", "stage.stage3_param_persistence_threshold=10"])   # the biases
+    torch.manual_seed(0)
+    model = Sometimes()
+    ref = copy.deepcopy(model)
+    engine = framework.initialize(model, lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]), cfg, dist)
+    with framework.gathered([model.b.bias, model.a.bias, model.b.weight]):
+        with framework.gathered([model.b.bias, model.b.weight], modifier_rank=dist.world - 1):
+            if dist.rank == dist.world - 1:
+                with torch.no_grad():
+                    model.b.bias.fill_(2.0)
+                    model.b.weight.mul_(3.0)
+        with torch.no_grad():
+            model.a.bias.fill_(5.0)   # discarded on exit
+        inner = bool(torch.all(model.b.bias == 2.0))
+    with torch.no_grad():
+        ref.b.bias.fill_(2.0)
+        ref.b.weight.mul_(3.0)
+        want = nn.functional.mse_loss(ref(_micro(1)[0]), _micro(1)[1]).item()
+    val = engine.eval_step(engine.state, [_micro(1)])
+    _, m = engine.train_step(engine.state, Batch((_micro(1),)))
+    return inner, val, m["loss"], want
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_edit_inside_nested_gathered_blocks_is_kept(pools, world):
+    # The outer read-only block's exit discards its own edits, not the inner block's written values.
+    for inner, val, loss, want in [_nested_edit(_local())] if world == 1 else pools(2).run(_nested_edit, timeout=120):
+        assert (inner, val, loss) == (True, pytest.approx(want, rel=FP32_RTOL), pytest.approx(want, rel=FP32_RTOL))
 
 
 def test_an_error_inside_gathered_leaves_it_without_a_collective():
