@@ -28,13 +28,15 @@ class Claim:
     free: int            # bytes an unprivileged writer may use there now
     need: int            # bytes this rank will write
     folder: str
-    missing: bool = False   # the folder does not exist yet (the writer will make it)
+    missing: str | None = None   # the top-most folder of its path that does not exist yet (the writer makes it)
 
     @staticmethod
     def of(folder: str | os.PathLike, need: int, rank: int = 0) -> "Claim":
-        probe = nearest_existing(Path(folder))
+        path = Path(folder).absolute()
+        probe = nearest_existing(path)
+        missing = str(probe / path.relative_to(probe).parts[0]) if probe != path else None
         return Claim(rank, socket.gethostname(), os.stat(probe).st_dev, free_bytes(probe), int(need), str(folder),
-                     probe != Path(folder).absolute())
+                     missing)
 
 
 def free_bytes(folder: str | os.PathLike) -> int:

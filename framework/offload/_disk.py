@@ -89,9 +89,8 @@ class NVMePlacement(HostPlacement):
         # optimizer=cpu keeps its state in host memory (as offload=cpu does): no optimizer tile pool
         pools = spec.buffer_count * min(spec.sub_group_size, numel) * fp32 \
             + min(spec.param_buffer_count * spec.param_buffer_size, spec.max_in_cpu, numel) * size
-        if agree_room(self.dist, spec.nvme_path or temp_root(), need,
-                      partial(self.check_ram, pools, "at least "), verb="need at least") and spec.nvme_path:
-            self._made.folder = spec.nvme_path
+        agree_room(self.dist, spec.nvme_path or temp_root(), need, partial(self.check_ram, pools, "at least "),
+                   verb="need at least", made=self._made if spec.nvme_path else None)
 
     def check_ram(self, pools: int, bound: str) -> None:
         available = available_ram()
@@ -118,8 +117,9 @@ class NVMePlacement(HostPlacement):
             say(f"warning: offload.nvme_path={self.folder()} is on {fs}, which keeps files in host memory: the "
                 "swap files will take RAM, not disk; set offload.nvme_path to a folder on a disk")
         self._fs_checked = True
-        if agree_swap_room(self.dist, self.folder(), stores, check) and self.spec.nvme_path is not None:
-            self._made.folder = self.spec.nvme_path   # made by pre-flight (the run directory's nvme/): removed at close
+        # what pre-flight makes (the run directory's nvme/, or offload.nvme_path's missing folders): removed at close
+        agree_swap_room(self.dist, self.folder(), stores, check,
+                        made=self._made if self.spec.nvme_path is not None else None)
         failed, aio = None, self.spec.aio
         try:
             rank, world = (self.dist.rank, self.dist.world) if self.dist is not None else (0, 1)
@@ -140,14 +140,17 @@ class NVMePlacement(HostPlacement):
 
     def agree_io_error(self, error: BaseException | None, what: str) -> None:
         """Every rank raises if some rank's swap IO failed (it may fail on one rank only): none is left
-        waiting in a collective."""
-        failed = error is not None
+        waiting in a collective. The flag says what failed: 1 setting a swap file up (a ConfigError: in use,
+        another layout), 2 its IO."""
+        failed = 0 if error is None else 1 if isinstance(error, ConfigError) else 2
         if self.dist is not None and self.dist.world > 1:
-            flag = torch.full((1,), 1.0 if failed else 0.0, device=self.dist.device)   # no pageable copy
+            flag = torch.full((1,), failed, dtype=torch.float32, device=self.dist.device)   # no pageable copy
             self.dist.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, what=f"swap IO error flag ({what})")
-            failed = flag.item() != 0.0   # host sync: once a step with swap files, every rank must agree
+            failed = int(flag.item())   # host sync: once a step with swap files, every rank must agree
         if error is not None:
             raise error
+        if failed == 1:
+            raise ConfigError("another rank failed to set up its swap file (its error says why); this rank stops too")
         if failed:
             raise SwapIOError(f"another rank failed while {what} (its error names the file, offset and tensor); "
                               f"this rank stops too")

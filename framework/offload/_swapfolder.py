@@ -87,18 +87,21 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
         raise ConfigError("offload buffers too small: " + "; ".join(problems))
 
 
-def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None]) -> bool:
+def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None],
+                    made: MadeOnDisk | None = None) -> None:
     """``agree_room`` on the room the swap files of ``stores`` (kind -> ``DiskStore`` or None) still need."""
     rank = dist.rank if dist is not None else 0
-    return agree_room(dist, folder, lambda: sum(
+    agree_room(dist, folder, lambda: sum(
         max(0, reserved_bytes(s.extents()) - _allocated(swap_path(folder, rank, k)))
-        for k, s in stores.items() if s is not None), check)
+        for k, s in stores.items() if s is not None), check, made=made)
 
 
-def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need") -> bool:
+def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], None], verb: str = "need",
+               made: MadeOnDisk | None = None) -> None:
     """``check()`` on this rank, and the bytes ``need()`` in ``folder`` summed over the ranks sharing its file
-    system: every rank raises the same one-line ConfigError (none dies alone). True: a rank sharing the
-    file system found ``folder`` missing (removed at close once empty)."""
+    system: every rank raises the same one-line ConfigError (none dies alone). Before any raises, ``made``
+    notes the folders a rank sharing the file system found missing (``check()`` may make them): removed at
+    close once empty, also after a refusal."""
     rank = dist.rank if dist is not None else 0
     claim = mine = None
     try:
@@ -109,6 +112,10 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
     error = None if mine is None else f"rank {rank}: {mine}"
     everyone = [(claim, error)] if dist is None or dist.world == 1 else \
         dist.all_gather_object((claim, error), what="nvme pre-flight")
+    tops = [c.missing for c, _ in everyone if c is not None and c.missing and claim is not None
+            and (c.host, c.device) == (claim.host, claim.device)]
+    if made is not None and tops:
+        made.made(folder, min(tops, key=len))   # (a rank may look after another made some)
     shorts = shortfalls([c for c, _ in everyone if c is not None])
     if shorts:
         raise ConfigError(f"offload.nvme_path={shorts[0].describe('the swap files', verb)}; free space or point "
@@ -118,7 +125,6 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
     errors = [e for _, e in everyone if e]
     if errors:
         raise ConfigError(f"the nvme pre-flight failed on another rank: {errors[0]}")
-    return any(c.missing for c, _ in everyone if c is not None and (c.host, c.device) == (claim.host, claim.device))
 
 
 def _allocated(path) -> int:
@@ -135,16 +141,24 @@ class MadeOnDisk:
 
     def __init__(self):
         self.tmpdir: str | None = None
-        self.folder: str | None = None   # the swap folder, when a rank of this run made it
+        self.folders: list[Path] = []   # the swap folder and its parents a rank of this run made, deepest first
         self.files: list[weakref.finalize] = []
+
+    def made(self, folder: str | os.PathLike, top: str) -> None:
+        """``folder`` and its parents up to ``top`` did not exist before this run."""
+        path, top = Path(folder).absolute(), Path(top)
+        self.folders = [path]
+        if top in path.parents:
+            self.folders += path.parents[:path.parents.index(top) + 1]
 
     def remove(self) -> None:
         for removal in self.files:   # (each runs once: one already run does nothing)
             removal()
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
-        if self.folder is not None:
-            with suppress(OSError):
-                Path(self.folder).rmdir()   # only if empty: never what another run keeps there
-        self.tmpdir = self.folder = None
+        with suppress(OSError):
+            for folder in self.folders:
+                folder.rmdir()   # only if empty: never what another run keeps there
+        self.tmpdir = None
+        self.folders = []
         self.files.clear()

@@ -235,7 +235,7 @@ class _PeerMade:
         import dataclasses
 
         claim, error = obj
-        return [(dataclasses.replace(claim, rank=0, missing=True), None), obj]
+        return [(dataclasses.replace(claim, rank=0, missing=claim.folder), None), obj]
 
 
 def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
@@ -252,3 +252,71 @@ def test_every_rank_removes_the_swap_folder_a_peer_made_once_empty(tmp_path):
         placement.close()
         assert folder.exists() is not peer_made
     folder.rmdir()
+
+
+def test_a_refused_preflight_removes_the_folders_it_made(tmp_path):
+    """Pre-flight makes offload.nvme_path, parents too, before it can refuse (here: no room): the refusal
+    leaves the tree as it found it; a run that goes on removes them at close, a folder it found kept."""
+    from framework.core.errors import ConfigError
+    from framework.offload._swapfolder import preflight
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    folder = tmp_path / "not" / "yet" / "nvme"
+
+    def write_swap(need):
+        placement = build(resolve(NVMeOffloadConfig(nvme_path=str(folder)), "zero2", {}),
+                          for_device(torch.device("cpu")))
+        placement.connect(_PeerFailed(0))   # (two ranks that found the same folders missing)
+        placement.expect(1024, torch.bfloat16)
+        store = DiskStore(for_device(torch.device("cpu")), pin=False, buffer_count=1, read_ahead=False,
+                          write_behind=False, name="test")
+        store.add(0, [torch.ones(1000)], [], park=False)
+        try:
+            placement.write_swap(store, "optim", lambda: preflight(folder, need, create=True), [(0, None)], "testing")
+            assert (folder / "rank00000.optim.swap").exists()
+        finally:
+            store.close()
+            placement.close()
+
+    with pytest.raises(ConfigError, match="free space"):
+        write_swap(1 << 60)
+    assert list(tmp_path.iterdir()) == []
+    write_swap(1)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "not").mkdir()
+    with pytest.raises(ConfigError, match="free space"):
+        write_swap(1 << 60)
+    assert [p.name for p in tmp_path.iterdir()] == ["not"] and not any((tmp_path / "not").iterdir())
+
+
+class _PeerFailed(_TwoRanks):
+    """Rank 0 of two, whose peer's swap file failed with the flag ``peer`` (the MAX all-reduce of the flags)."""
+
+    def __init__(self, peer):
+        self.peer, self.sent = peer, None
+
+    def all_reduce(self, flag, op, what):
+        self.sent = flag.item()
+        flag.clamp_(min=self.peer)
+
+
+def test_a_peer_names_the_kind_of_swap_failure(tmp_path):
+    """A rank whose swap file is in use (a ConfigError) is not reported by its peers as an IO error."""
+    from framework.core.errors import ConfigError, SwapIOError
+    from framework.offload.nvme import NVMeOffloadConfig, build, resolve
+
+    placement = build(resolve(NVMeOffloadConfig(nvme_path=str(tmp_path)), "zero2", {}), for_device(torch.device("cpu")))
+    what = "writing the parameter shards to their swap file"
+    for error, sent in ((ConfigError("swap file x is in use by another process"), 1), (OSError("EIO"), 2)):
+        placement.connect(dist := _PeerFailed(0))
+        with pytest.raises(type(error)):
+            placement.agree_io_error(error, what)
+        assert dist.sent == sent
+    placement.connect(_PeerFailed(1))
+    with pytest.raises(ConfigError) as e:
+        placement.agree_io_error(None, what)
+    assert str(e.value) == "another rank failed to set up its swap file (its error says why); this rank stops too"
+    placement.connect(_PeerFailed(2))
+    with pytest.raises(SwapIOError, match=f"another rank failed while {what} \\(its error names the file"):
+        placement.agree_io_error(None, what)
+    placement.close()
