@@ -161,9 +161,12 @@ def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
     return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
 
-def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None):
+def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None,
+              own: Callable[[Path], None] | None = None):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (``find_latest``: every
-    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks."""
+    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks.
+    ``own(folder)``: called for a run that saves, once the folder it saves into is made and writable and before
+    anything in it is read (the CLI locks it there)."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
@@ -173,6 +176,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         except OSError as e:
             raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
                               "a writable folder, or checkpoint.every=0 to save nothing") from None
+        if own is not None:
+            own(root)
     folders, notes = choose(c.resume, root, c.every, sweep_dir)
     if c.resume == "latest":   # resolved once, here, so that every rank loads the same
         if not folders:
