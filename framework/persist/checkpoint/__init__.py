@@ -25,7 +25,6 @@ from typing import Callable
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
-from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import batch_change, changed, load, same_run, verify
@@ -98,7 +97,7 @@ class Checkpointer:
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
-                      + (f"; config differs in {few(diff, 8, show=str)}" if diff else "")
+                      + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {batch}" if batch else ""))
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
