@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -48,11 +49,13 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     check_batch_world(cfg, run_world(cfg.dist.nproc))
-    # SIGTERM unwinds the run; the run folder's lock (rank 0 / the launcher) is held until the run ends
+    # SIGTERM unwinds the run; the locks on the run folder and the checkpoint folder (rank 0 / the launcher) are
+    # held until the run (a multirun's job) ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
-            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir)
+            cfg = preflight(cfg, run.run_dir, run.job, run.sweep_dir,
+                            own=lambda root: held.callback(os.close, own_checkpoint_dir(root)))
             restart_notice(cfg, run)
             if on_owned is not None:
                 on_owned(run.run_dir)
@@ -182,26 +185,47 @@ def terminated_line(e: SystemExit) -> str | None:
 
 
 RUN_LOCK = "run.lock"
+CHECKPOINT_LOCK = ".lock"   # (not a step-<N> name: scans, pruning and clean-up of a checkpoint folder pass it over)
 
 
 def own_run_folder(run: RunInfo) -> int:
-    """A descriptor holding an exclusive lock on the run folder's run.lock while open (the kernel drops it
-    when the process dies): two runs started in the same second would share the time-named folder."""
+    """A descriptor holding an exclusive lock on the run folder's run.lock while open: two runs started in the
+    same second would share the time-named folder."""
     files.make_dirs(run.run_dir)
-    fd = files.open_nofollow(run.run_dir / RUN_LOCK, os.O_RDWR | os.O_CREAT)
+    key = "hydra.sweep.dir" if run.group else "hydra.run.dir"
+    return _own(run.run_dir / RUN_LOCK, lambda holder: f"run folder {run.run_dir} is in use by another run (it holds "
+                f"{RUN_LOCK}); give this run a folder of its own: {key}=PATH", "a second run into this folder")
+
+
+def own_checkpoint_dir(root: Path) -> int:
+    """A descriptor holding an exclusive lock on ``root``'s ``CHECKPOINT_LOCK`` while open, for a run that saves
+    there (made if missing): two runs saving into one folder would overwrite, rotate and delete each other's steps.
+    Reading a checkpoint (a resume from another run's folder, export) takes no lock."""
+    files.make_dirs(root)
+    return _own(root / CHECKPOINT_LOCK, lambda holder: f"checkpoint.dir {root} is in use by another run{holder}: "
+                "wait for it to end or set checkpoint.dir to another folder", "a second run saving into this folder")
+
+
+def _own(lock: Path, busy: Callable[[str], str], undetected: str) -> int:
+    """A descriptor holding an exclusive ``flock`` on ``lock`` (made; this process's id written in it) while open
+    (the kernel drops it when the process dies); a FrameworkError ``busy(" (pid N on host H)")`` where another
+    process holds it; where the file system cannot lock, the descriptor and a note."""
+    fd = files.open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip()
         os.close(fd)
-        key = "hydra.sweep.dir" if run.group else "hydra.run.dir"
-        raise FrameworkError(f"run folder {run.run_dir} is in use by another run (it holds {RUN_LOCK}); "
-                             f"give this run a folder of its own: {key}=PATH") from None
+        raise FrameworkError(busy(f" ({holder})" if holder.isprintable() and holder else "")) from None
     except OSError as e:   # a file system without flock (Lustre without -o flock, NFS without lockd): run unlocked
         if e.errno not in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
             os.close(fd)
             raise
-        print(f"note: {run.run_dir}'s file system cannot lock {RUN_LOCK} ({os.strerror(e.errno)}): a second run "
-              f"into this folder is not detected", file=sys.stderr, flush=True)
+        print(f"note: {lock.parent}'s file system cannot lock {lock.name} ({os.strerror(e.errno)}): {undetected} "
+              f"is not detected", file=sys.stderr, flush=True)
+        return fd
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
     return fd
 
 

@@ -5,6 +5,7 @@
                           (+ model_16bit/: zero3's 16-bit weights, when saved with the step)
     <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
     <dir>/latest          a text file naming the newest committed folder ("step-<N>")
+    <dir>/.lock           locked by the one run saving here (the CLI's; no step folder: passed over here)
 
 Rank 0 writes ``manifest.json`` last (size and sha256 of every file), then renames ``step-N.tmp`` to
 ``step-N`` (the commit point); older folders go only after that, through ``step-N.del``: a kill at any

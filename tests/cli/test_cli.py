@@ -386,6 +386,24 @@ def test_a_second_run_into_a_live_runs_folder_is_refused(forkrun, tmp_path):
     assert {q.name: q.read_text() for q in (run / ".hydra").iterdir()} == record
 
 
+def test_a_second_run_saving_into_a_live_runs_checkpoint_dir_is_refused(forkrun, tmp_path):
+    """Before it trains, and before it reads or writes anything there (the live run's step folders untouched)."""
+    from framework.cli.launch import own_checkpoint_dir
+
+    ckpt = tmp_path / "shared"
+    fd = own_checkpoint_dir(ckpt)   # a live run saving there
+    (ckpt / "step-4.tmp").mkdir()   # its save being written
+    try:
+        p = cli(forkrun, tmp_path, *SHORT, "checkpoint.every=1", f"checkpoint.dir={ckpt}")
+    finally:
+        os.close(fd)
+    assert p.returncode == 1 and "loss" not in p.stdout
+    lines = error_lines(p)
+    assert len(lines) == 1 and f"checkpoint.dir {ckpt} is in use by another run (pid {os.getpid()}" in lines[0], \
+        p.stderr
+    assert {q.name for q in ckpt.iterdir()} == {".lock", "step-4.tmp"}
+
+
 def test_a_run_refused_in_training_keeps_an_earlier_runs_record(forkrun, tmp_path):
     """Refused by a check of the training loop (after it took the run folder) in an earlier run's
     folder: that run's record of its config (.hydra/) is as it was."""

@@ -279,10 +279,15 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     with pytest.raises(ConfigError, match=refused):
         _train(dist, [], str(tmp_path), resume=str(other), steps=0)
     _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(other), steps=0)   # no saves: nothing to lose
-    losses, _, first, _ = _train(dist, ["train.micro_batch=4"], str(tmp_path), resume="auto", steps=N)
+    # Every difference is listed, however many (a changed group, logger here, as one entry)
+    more = ["logger=console", "model.dropout=0.2", "optimizer.beta1=0.8", "optimizer.beta2=0.98", "optimizer.eps=1e-7",
+            "optimizer.weight_decay=0.2", "scheduler.min_lr=0", "scheduler.warmup_steps=3"]
+    losses, _, first, _ = _train(dist, ["train.micro_batch=4", *more], str(tmp_path), resume="auto", steps=N)
     assert first[:2] == (K, K) and len(losses) == N - K
     out = capsys.readouterr().out
     assert f"resumed from {tmp_path / f'step-{K}'} (step {K}" in out, out
+    assert ("; config differs in logger none->console, model.dropout, optimizer.beta1, optimizer.beta2, optimizer.eps, "
+            "optimizer.weight_decay, scheduler.min_lr, scheduler.warmup_steps, train.micro_batch;") in out, out
     assert "; global batch 8 -> 4 rows (micro_batch x grad_accum x world); set train.micro_batch or train.grad_accum " \
            "to keep it" in out, out
     assert not (tmp_path / f"step-{N}.tmp").exists()   # removed by the next save
@@ -643,6 +648,9 @@ def test_a_resume_lists_no_difference_in_where_files_lie():
     mine = tiny_config("+stage=zero2", "offload=nvme", "offload.nvme_path=/runs/b/nvme", "checkpoint.dir=/ck/b").to_dict()
     assert changed(saved, mine) == []
     assert changed(saved, {**mine, "seed": mine["seed"] + 1}) == ["seed"]
+    # A group chosen anew is one entry, not its keys (which would crowd out the others)
+    assert changed(saved, tiny_config("+stage=zero2", "offload=cpu", "optimizer.lr=5e-3").to_dict()) == \
+        ["offload nvme->cpu", "optimizer.lr"]
 
 
 def _hf_train(dist, path, root, *over, steps=K):

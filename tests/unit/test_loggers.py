@@ -128,6 +128,31 @@ def test_one_live_run_per_folder(tmp_path):
     os.close(own_run_folder(RunInfo(tmp_path / "run", group=None, name=None)))   # free again
 
 
+def test_one_live_saving_run_per_checkpoint_folder(tmp_path):
+    """Two runs saving into one checkpoint.dir would overwrite, rotate and delete each other's steps: the second is
+    refused, naming the holder. The lock file is no step folder (scans, pruning and clean-up pass it over), and a
+    checkpoint folder that is the run folder itself takes both locks."""
+    from framework.cli.launch import CHECKPOINT_LOCK, own_checkpoint_dir, own_run_folder
+    from framework.persist import stepfolders
+
+    root = tmp_path / "ckpt"
+    fd = own_checkpoint_dir(root)
+    try:
+        with pytest.raises(FrameworkError, match=rf"checkpoint\.dir {root} is in use by another run \(pid {os.getpid()} "
+                                                 r"on host .+\): wait for it .* set checkpoint\.dir to another folder"):
+            own_checkpoint_dir(root)
+        stepfolders.remove_stale(root)
+        assert stepfolders.scan(root) == ([], []) and (root / CHECKPOINT_LOCK).is_file()
+    finally:
+        os.close(fd)
+    os.close(own_checkpoint_dir(root))   # free again
+    run = own_run_folder(RunInfo(tmp_path / "run", group=None, name=None))
+    try:
+        os.close(own_checkpoint_dir(tmp_path / "run"))
+    finally:
+        os.close(run)
+
+
 def test_a_file_system_without_flock_runs_unlocked_with_a_note(tmp_path, monkeypatch, capsys):
     """Lustre without -o flock answers ENOSYS, NFS without lockd ENOLCK: the run goes on (a note says
     a second run is not detected there) instead of every run stopping on a traceback."""

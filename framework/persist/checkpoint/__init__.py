@@ -25,7 +25,6 @@ from typing import Callable
 from framework.core import files
 from framework.core.errors import CheckpointError, ConfigError, FrameworkError, say
 from framework.core.registry import closest_hint
-from framework.core.utils import few
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
 from framework.persist.checkpoint._load import batch_change, changed, load, same_run, verify
@@ -98,7 +97,7 @@ class Checkpointer:
             diff = changed(body["config"], self.config)
             batch = batch_change(body["config"], body["world"], self.config, self.group.world)
             self._say(f"resumed from {folder} (step {body['step']}, data position {body['data']}; {how})"
-                      + (f"; config differs in {few(diff, 8, show=str)}" if diff else "")
+                      + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {batch}" if batch else ""))
             return state
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
@@ -161,9 +160,12 @@ def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
     return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
 
-def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None):
+def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path | None = None,
+              own: Callable[[Path], None] | None = None):
     """Before any rank starts: ``cfg`` with ``checkpoint.resume=latest`` resolved to a path (``find_latest``: every
-    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks."""
+    rank loads the same); another model's or optimizer's checkpoint refused on one line, damage left to the ranks.
+    ``own(folder)``: called for a run that saves, once the folder it saves into is made and writable and before
+    anything in it is read (the CLI locks it there)."""
     c = cfg.checkpoint
     root = checkpoint_root(cfg, run_dir, job)
     if c.every:   # an unwritable folder is found now, not at the first save (hours later): made as a save would
@@ -173,6 +175,8 @@ def preflight(cfg, run_dir: Path | None, job: str | None = None, sweep_dir: Path
         except OSError as e:
             raise ConfigError(f"checkpoint folder {root} is not writable ({e.strerror or e}); set checkpoint.dir to "
                               "a writable folder, or checkpoint.every=0 to save nothing") from None
+        if own is not None:
+            own(root)
     folders, notes = choose(c.resume, root, c.every, sweep_dir)
     if c.resume == "latest":   # resolved once, here, so that every rank loads the same
         if not folders:

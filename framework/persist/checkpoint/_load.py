@@ -67,11 +67,14 @@ _UNLISTED = {"dist.nproc", "offload.nvme_path"}
 
 
 def changed(a: dict, b: dict, prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside)."""
+    """The dotted keys whose values differ between two config dicts (checkpoint.* and ``_UNLISTED`` aside); a group
+    chosen anew is one entry, ``offload none->cpu``, whatever keys the two choices have."""
     out = []
     for k in sorted(set(a) | set(b)):
         x, y = a.get(k), b.get(k)
-        if isinstance(x, dict) and isinstance(y, dict):
+        if isinstance(x, dict) and isinstance(y, dict) and x.get("name") != y.get("name"):
+            out.append(f"{prefix}{k} {x.get('name')}->{y.get('name')}")
+        elif isinstance(x, dict) and isinstance(y, dict):
             out += changed(x, y, f"{prefix}{k}.")
         elif x != y and not (prefix == "checkpoint." or f"{prefix}{k}" in _UNLISTED):
             out.append(f"{prefix}{k}")
