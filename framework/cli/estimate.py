@@ -79,13 +79,17 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
 def resolve_model(value: str, overrides: list[str]):
     """(module on meta, composed Config, whether it is a Hugging Face model, where its vocabulary comes
     from: ``memory.model.build_vocab``) for ``model=value``."""
-    path = Path(value)
-    hf = path.suffix == ".json" or (path.is_dir() and (path / "config.json").exists())
+    path, models = Path(value), registry("model")
     yaml = path.suffix in (".yaml", ".yml")
-    if (hf or yaml) and not path.exists():
+    # Not one of conf/'s models, a path (or a Hub name, org/model) is a Hugging Face config.json: one that is not
+    # there is refused in training's words (nothing is downloaded).
+    hf = path.suffix == ".json" or (path / "config.json").is_file() or \
+        not (yaml or value in models.names()) and ("/" in value or path.exists())
+    if yaml and not path.exists():
         raise ConfigError(f"estimate: model={value}: no such file")
     model_keys = [o for o in overrides if override_key(o).split(".")[0] == "model"]
     if hf:   # our stages, precision, batch and offload keys around it
+        module = hf_model_from_config(path)
         for o in model_keys:   # a model.* key would change nothing in the config.json: refused, not ignored
             if override_key(o) == "model.activation_checkpointing":
                 raise ConfigError(f"estimate: {o} does not apply to model={value} (its activations are traced "
@@ -94,7 +98,6 @@ def resolve_model(value: str, overrides: list[str]):
                 "; edit the config.json to change the model"
             raise ConfigError(f"estimate: {o} does not apply to model={value} (a Hugging Face config.json is built "
                               f"as the file states it; model.* keys set our GPT models){hint}")
-        module = hf_model_from_config(path)
         # A DeepSpeed file's "auto" sizes (10*h, 0.9*h*h, h*h) take this model's hidden size, as under
         # model=hf model.config=...; not the composed default model's (None: the file's "auto" is refused).
         hidden = getattr(_text_config(module.config), "hidden_size", None)
@@ -105,6 +108,11 @@ def resolve_model(value: str, overrides: list[str]):
         rest = [o for o in overrides if o not in model_keys]
         cfg = dataclasses.replace(compose(rest, hidden_size=model.d_model, hidden_from_model=False), model=model)
     else:
+        try:
+            models.get(value)
+        except ConfigError as e:
+            raise ConfigError(f"{e}; a Hub name? nothing is downloaded; give a local config.json or a folder "
+                              f"holding one") from None
         cfg = compose([f"model={value}", *overrides])
     vocab, source = build_vocab(cfg, overrides)
     with torch.device("meta"):

@@ -1,4 +1,5 @@
-"""Where conf/ and csrc/ are (the source tree's top level, or inside an installed package), and the cache."""
+"""Where conf/ and csrc/ are (the source tree's top level, or inside an installed package), the cache, and
+which file of a ``save_pretrained`` folder holds its weights."""
 from __future__ import annotations
 
 import os
@@ -25,3 +26,15 @@ def csrc_dir() -> Path:
 def cache_dir() -> Path:
     """``$XDG_CACHE_HOME/framework`` (``~/.cache/framework``): compiled kernels, the bandwidth probe."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "framework"
+
+
+# A save_pretrained folder's weight files, in the order a loader looks for them (the last one is found
+# only to be refused: torch .bin shards are not read sharded).
+WEIGHTS_INDEX = "model.safetensors.index.json"
+WEIGHTS_SINGLE = "model.safetensors"
+WEIGHT_FILES = (WEIGHTS_INDEX, WEIGHTS_SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def weights_file(folder: Path) -> Path | None:
+    """The first of ``WEIGHT_FILES`` in ``folder``, or None."""
+    return next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)

@@ -19,13 +19,14 @@ import torch
 
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError, first_line
+from framework.core.paths import WEIGHT_FILES, weights_file
+from framework.core.paths import WEIGHTS_INDEX as INDEX
+from framework.core.paths import WEIGHTS_SINGLE as SINGLE
 from framework.core.room import FULL, free_bytes, free_note
 from framework.core.units import MiB, size
 from framework.core.utils import dtype_name, few
 from framework.persist import stepfolders
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # Elements converted and written per call: bounds the memory a save needs beyond the model states.
 WRITE_CHUNK = 4 * MiB
 
@@ -139,10 +140,9 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
     folder holding it, or ``model.safetensors``, or ``pytorch_model.bin``), or a torch state-dict file."""
     path = Path(source)
     if path.is_dir():
-        for name in (INDEX, SINGLE, "pytorch_model.bin", "pytorch_model.bin.index.json"):   # (the last: refused)
-            if (path / name).is_file():
-                return open_weights(path / name)
-        raise ConfigError(f"load_weights: {path} holds none of {INDEX}, {SINGLE}, pytorch_model.bin")
+        if (found := weights_file(path)) is None:
+            raise ConfigError(f"load_weights: {path} holds none of {', '.join(WEIGHT_FILES[:3])}")
+        return open_weights(found)
     if not path.is_file():
         raise ConfigError(f"load_weights: {path} does not exist")
     if path.name.endswith(".index.json"):

@@ -362,6 +362,9 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["params=1e9", "buffer_count=2"], "estimate: buffer_count= needs largest_layer="),
     (["params=1e9", "largest_layer=1e6", "context=8"], "estimate: context= needs model="),
     (["model=gpt-mini", "context=99999"], "for model=gpt-mini use model.context=N"),
+    (["model=gpt2"], "config: unknown model 'gpt2' (did you mean 'gpt-1b'?); available: gpt-1b, gpt-mini, gpt-nano, "
+                     "gpt2-medium, gpt2-small, hf; a Hub name? nothing is downloaded; give a local config.json or a "
+                     "folder holding one"),
 ])
 def test_bad_arguments_are_one_line(capsys, args, needle):
     """Each value estimate cannot use is refused with one line (nothing rounded, dropped or defaulted);
@@ -391,6 +394,15 @@ def test_hf_context_is_checked_like_training(tmp_path, capsys, monkeypatch):
         assert main([f"model={tmp_path}", key]) == 2
         err = capsys.readouterr().err
         assert f"estimate: {key} does not apply to model=" in err and needle in err and err.count("\n") == 1, err
+
+
+def test_a_hub_name_or_a_folder_without_config_json_is_refused_as_training_refuses_it(tmp_path, capsys):
+    """Not a conf/ model: a path, or an org/model Hub name, is read as a local config.json (nothing downloaded)."""
+    pytest.importorskip("transformers")
+    for value in ("openai-community/gpt2", str(tmp_path)):
+        assert main([f"model={value}"]) == 2
+        assert capsys.readouterr().err == (f"error: estimate: model={value}: no such file (a Hub name? nothing is "
+                                           f"downloaded; give a local folder: a config.json or a folder holding one)\n")
 
 
 def test_preset_counts_with_its_own_vocabulary(capsys):

@@ -609,14 +609,20 @@ def test_capacity_refuses_bad_input_in_one_line_before_the_disk_test(given, says
     assert not nvme.exists()
 
 
-def test_before_and_after_commands_take_the_jobs_config():
+def test_before_and_after_commands_take_the_jobs_config(tmp_path):
     """hf_gpt2_zero3's estimate describes the job that trains: --quick's micro batch 2 and a user's
-    override reach it through {cfg.KEY}, not recipe.yaml's hard-coded 8; a key the config lacks is refused."""
+    overrides (its model and DeepSpeed JSON included) reach it through {cfg.KEY}, not recipe.yaml's
+    hard-coded values; a key the config lacks is refused."""
     r = recipes.find("hf_gpt2_zero3")
-    run0 = [recipes._fill(o, {"recipe": str(r.dir)}) for o in recipes.merge_overrides(r.runs(True)[0], ["model.context=32"])]
+    model, ds = tmp_path / "config.json", tmp_path / "ds.json"
+    shutil.copy(r.dir / "gpt2_config.json", model)
+    shutil.copy(r.dir / "ds_config.json", ds)
+    run0 = [recipes._fill(o, {"recipe": str(r.dir)}) for o in recipes.merge_overrides(
+        r.runs(True)[0], ["model.context=32", f"model.config={model}", f"ds_config={ds}"])]
     fill = recipes._config_fill(r, run0)
     (_, _, estimate), = recipes._commands(r, "before", fill)
     assert "train.micro_batch=2" in estimate and "context=32" in estimate and "dist.nproc=2" in estimate, estimate
+    assert f"model={model}" in estimate and f"ds_config={ds}" in estimate, estimate
     bad = recipes.Recipe(r.name, r.dir, {**r.spec, "after": [["echo", "{cfg.train.stepz}", "${hydra.job.num}"]]},
                          r.expected)
     with pytest.raises(recipes.RecipeError, match=r"\{cfg.train.stepz\} names no key"):

@@ -175,6 +175,14 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
         component(cfg, "model").build(dataclasses.replace(cfg.model, config=str(tmp_path / "nope.json")))
     folder = tmp_path / "mixtral"
     write_config("llama", folder, model_type="mixtral", num_local_experts=2, num_experts_per_tok=1)
+    # A folder with a config.json but no weights: refused when the config is checked, not on each rank's load.
+    with pytest.raises(ConfigError) as e:
+        framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
+    assert str(e.value) == (f"model.pretrained={folder}: the folder holds no weights (none of "
+                            f"model.safetensors.index.json, model.safetensors, pytorch_model.bin); give a "
+                            f"save_pretrained folder with its weights, or model.config={folder} to train a new "
+                            f"model from its config.json")
+    (folder / "model.safetensors").touch()   # (never read: build refuses first)
     cfg = framework.compose(["model=hf", f"model.pretrained={folder}", "model.context=16"])
     with pytest.raises(ConfigError, match="mixtral checkpoints need key conversions on load"):
         with framework.zero_init():
@@ -182,6 +190,7 @@ def test_missing_paths_and_conversions_fail_before_any_download(tmp_path):
     # Mappings keyed by class name are found too (GPTNeoXForCausalLM renames embed_out to lm_head).
     neox = tmp_path / "neox"
     write_config("llama", neox, model_type="gpt_neox", num_attention_heads=4)
+    (neox / "pytorch_model.bin").touch()
     cfg = framework.compose(["model=hf", f"model.pretrained={neox}", "model.context=16"])
     with pytest.raises(ConfigError, match="gpt_neox checkpoints need key conversions on load"):
         with framework.zero_init():
@@ -289,6 +298,7 @@ def test_pretrained_folder_generation_config_reaches_the_model(tmp_path):
 
     write_config("llama", tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7], "max_new_tokens": 5}))
+    (tmp_path / "model.safetensors").touch()   # (build reads no weights)
     cfg = framework.compose(["model=hf", f"model.pretrained={tmp_path}", "model.context=16"])
     with framework.zero_init():
         model = component(cfg, "model").build(cfg.model)
