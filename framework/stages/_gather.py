@@ -48,8 +48,10 @@ class Gatherer:
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
-        self.entered: list[torch.Tensor] = []   # the persistent unit's values as a framework.gathered block began
+        # Per unit that the outermost framework.gathered block's exit puts back (``hold``): its values at entry.
+        self.entered: dict[int, list[torch.Tensor]] = {}
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
+        self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
         self.abandoned: list | None = None    # those of an interrupted pass, not waited for
@@ -71,8 +73,11 @@ class Gatherer:
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
                     hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
-                self.hook_handles.append(module.register_forward_hook(hook(
-                    lambda _m, _a, out, u=unit: self._post_forward(u, out, is_root=_m is root), "zero3's forward hook")))
+                self.hook_handles.append(module.register_forward_hook(
+                    hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
+        # After the root unit's own forward hook, and also when the root's forward raises.
+        self.hook_handles.append(root.register_forward_hook(
+            hook(lambda _m, _a, _out: self._root_returned(), "zero3's root forward hook"), always_call=True))
         for unit in self.all_units:
             for p in unit.params:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
@@ -80,7 +85,9 @@ class Gatherer:
 
     def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
-            self.begin_pass(torch.is_grad_enabled(), driven=False)
+            if not self.roots:   # (a root forward inside it is part of its pass)
+                self.begin_pass(torch.is_grad_enabled(), driven=False)
+            self.roots += 1
         if self.in_backward and not unit.in_backward and torch.is_grad_enabled():
             # Recomputed by reentrant checkpointing, whose first forward ran without grad: gradients follow.
             unit.in_backward = True
@@ -89,7 +96,7 @@ class Gatherer:
             # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
 
-    def _post_forward(self, unit: Unit, out, is_root: bool):
+    def _post_forward(self, unit: Unit, out):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
@@ -109,14 +116,23 @@ class Gatherer:
                 g.lent = True
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
-        if is_root and not self.driven:   # a forward outside the steps returned: no backward or use follows
-            self.end_pass()
         if unannounced:
             raise TrainingError(
                 f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
                 f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
                 f"or dataclass, or call it under torch.no_grad() where it is not trained")
         return out
+
+    def _root_returned(self) -> None:
+        """The root's forward returned or raised: the outermost one outside the steps ends its pass (no backward
+        or use follows), releasing its units, those of forwards an error cut short too."""
+        if self.driven or not self.roots:
+            return
+        self.roots -= 1
+        if not self.roots:
+            for unit in self.units:
+                unit.active = 0   # (a forward that raised did not count itself out)
+            self.end_pass()
 
     def begin_backward(self) -> None:
         """A backward pass starts (at the first unit output's gradient, or the loss's, so persistent parameters
@@ -210,6 +226,7 @@ class Gatherer:
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
         self.in_backward = self.driven = False
+        self.roots = 0
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
@@ -430,13 +447,15 @@ class Gatherer:
 
     def hold(self, unit: Unit) -> bool:
         """Gather ``unit`` and keep it until ``unhold`` (framework.gathered); True if this call gathered it."""
-        if unit is not self.persistent and unit.state is not UnitState.SHARDED and unit.idle:
-            self.release(unit)   # kept for a later use: gathered by the block, so released (its edits discarded) at exit
+        # Always gathered, or kept gathered for a later use (the coming backward, say): not released at the
+        # block's exit, which puts back the values it saw instead (a copy: edits without modifier_rank are
+        # discarded, no gather again).
+        restore = not unit.held and (unit is self.persistent or (unit.state is not UnitState.SHARDED and unit.idle))
         started = self.gather_now(unit)
-        if unit is self.persistent and not unit.held:   # (small by the threshold) for an exit by an error
-            self.entered = [g.full.clone() for g in unit.groups]
+        if restore:
+            self.entered[id(unit)] = [g.full.clone() for g in unit.groups]
         for g in unit.groups:
-            if g.full is g.shard:
+            if g.full is g.shard and id(unit) not in self.entered:
                 # Gathered in place by the hooks (world size 1, inside the unit's forward): the block uses a
                 # copy, so edits without modifier_rank are discarded at release, not written into the shard.
                 g.full = g.shard.clone()
@@ -449,18 +468,18 @@ class Gatherer:
         unit.held -= 1
         if started and unit.idle:
             self.release(unit)
-        elif unit is self.persistent:
-            # Always gathered, never released: edits without modifier_rank (or left by an error) are discarded
-            # by putting its entry values back locally at the outermost exit (no collective: after an error the
-            # peers may be elsewhere); written shards are gathered again (collective, as the block's exit is),
-            # and an outer block's exit then puts back these values.
+        elif id(unit) in self.entered:
+            # Edits without modifier_rank (or left by an error) are discarded by putting its entry values back
+            # locally at the outermost exit (no collective: after an error the peers may be elsewhere); written
+            # shards are gathered again (collective, as the block's exit is), and an outer block's exit then
+            # puts back these values.
             if written:
                 self.regather(unit)
             elif not unit.held:
-                for g, value in zip(unit.groups, self.entered):
+                for g, value in zip(unit.groups, self.entered[id(unit)]):
                     g.full.copy_(value)
             if not unit.held:
-                self.entered = []
+                del self.entered[id(unit)]
 
     def refresh(self) -> None:
         """The shards changed (an optimizer step, a load): the persistent unit and units a framework.gathered
@@ -475,8 +494,8 @@ class Gatherer:
         """``unit`` gathered again from its shards (collective): its gathered copy is stale."""
         self.release(unit)
         self.gather_now(unit)
-        if unit is self.persistent and unit.held:   # what the outermost framework.gathered exit puts back
-            self.entered = [g.full.clone() for g in unit.groups]
+        if id(unit) in self.entered:   # what the outermost framework.gathered exit puts back
+            self.entered[id(unit)] = [g.full.clone() for g in unit.groups]
 
     def check_not_held(self) -> None:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""

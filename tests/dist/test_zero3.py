@@ -1099,6 +1099,71 @@ def test_a_forward_outside_the_steps_leaves_no_unit_gathered(pools, world):
         assert out == dict(left=[], trace=True, edited=True, loaded=True, reread=True, rates=(0.875, 0.875))
 
 
+def test_nested_or_raising_forwards_outside_the_steps_leave_no_unit_gathered():
+    # A root forward inside one (a hook's, say) is part of its pass; one that raises still ends its pass,
+    # so a later block's edits are discarded.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
+    val, x = engine.eval_step(state, [_micro(9)]), _micro(1)[0]
+    with torch.no_grad():
+        want, inner = model(x), []
+
+        def nested(m, args):
+            if not inner:
+                inner.append(None)
+                inner.append(m(args[0][:2]))
+        hook = model.register_forward_pre_hook(nested)
+        got = model(x)
+        hook.remove()
+    assert torch.equal(got, want) and torch.allclose(inner[1], want[:2], rtol=FP32_RTOL, atol=1e-7)
+    assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+    hook = model.b.register_forward_pre_hook(lambda _m, _a: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    with pytest.raises(RuntimeError, match="out of memory"), torch.no_grad():
+        model(x)
+    hook.remove()
+    assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
+    with framework.gathered(list(model.parameters())), torch.no_grad():
+        for p in model.parameters():
+            p.zero_()   # discarded on exit
+    assert engine.eval_step(state, [_micro(9)]) == val
+
+
+def _block_in_loss_fn(dist):
+    """A framework.gathered block under no_grad in train_step's loss_fn, after the forward, on units kept
+    gathered for the backward: per block (none, read-only, an edit without modifier_rank) the hit rates
+    and the trained parameters."""
+    out = []
+    for block in (None, "read", "edit"):
+        def loss_fn(m, mb, block=block):
+            y = m(mb[0])
+            if block:
+                with torch.no_grad(), framework.gathered([m.b.weight, m.a.weight]):
+                    if block == "edit":   # (.data: autograd refuses an in-place edit of a weight its backward reads)
+                        m.b.weight.data.add_(1.0)
+            return nn.functional.mse_loss(y, mb[1])
+        cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "scheduler=constant",
+                                 "stage.stage3_param_persistence_threshold=0"])
+        torch.manual_seed(0)
+        engine = framework.initialize(Sometimes(), loss_fn, cfg, dist)
+        state, rates = engine.state, []
+        for i in range(3):
+            state, m = engine.train_step(state, Batch((_micro(i),)))
+            rates.append(m["prefetch_hit_rate"])
+        out.append((rates, _full_params(engine)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_block_in_loss_fn_on_kept_units_gathers_nothing_again(pools, world):
+    # The block puts back the values it saw at exit (its edits discarded, the backward sees the forward's)
+    # rather than releasing the units the backward uses next: the same gathers as without it.
+    for (rates, params), *others in [_block_in_loss_fn(_local())] if world == 1 else pools(2).run(_block_in_loss_fn,
+                                                                                                  timeout=120):
+        assert rates[1] > 0.8, rates
+        for other_rates, other_params in others:
+            assert other_rates == rates and torch.equal(other_params, params), (other_rates, rates)
+
+
 def _nested_edit(dist):
     """A framework.gathered(modifier_rank=...) edit of always-gathered parameters inside a read-only block."""
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "optimizer=sgd", "optimizer.lr=0.0",
