@@ -210,7 +210,11 @@ def _own(lock: Path, busy: Callable[[str], str], undetected: str) -> int:
     """A descriptor holding an exclusive ``flock`` on ``lock`` (made; this process's id written in it) while open
     (the kernel drops it when the process dies); a FrameworkError ``busy(" (pid N on host H)")`` where another
     process holds it; where the file system cannot lock, the descriptor and a note."""
-    fd = files.open_nofollow(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fd = files.open_nofollow(lock, os.O_RDWR | os.O_CREAT)
+    except OSError as e:   # a folder in its place, another user's lock file
+        raise ConfigError(f"cannot open {lock} to lock its folder ({e.strerror or e}): remove it, or give this run "
+                          "another folder") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -151,6 +151,10 @@ def test_one_live_saving_run_per_checkpoint_folder(tmp_path):
         os.close(own_checkpoint_dir(tmp_path / "run"))
     finally:
         os.close(run)
+    (tmp_path / "other" / CHECKPOINT_LOCK).mkdir(parents=True)   # unopenable (another user's lock file alike)
+    with pytest.raises(ConfigError, match=rf"cannot open {tmp_path / 'other' / CHECKPOINT_LOCK} to lock its folder "
+                                          r"\(Is a directory\): remove it, or give this run another folder"):
+        own_checkpoint_dir(tmp_path / "other")
 
 
 def test_a_file_system_without_flock_runs_unlocked_with_a_note(tmp_path, monkeypatch, capsys):
