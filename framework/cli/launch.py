@@ -336,8 +336,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         # traceback each); until their handlers are installed the launcher ends them with SIGTERM.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            ranks = mp.start_processes(_worker, args=(cfg, run, store_dir, on_point, on_ready), nprocs=cfg.dist.nproc,
-                                       join=False, start_method="spawn")
+            ranks = mp.start_processes(_worker, args=(cfg, run, store_dir, on_point, on_ready, os.getpid()),
+                                       nprocs=cfg.dist.nproc, join=False, start_method="spawn")
         finally:
             signal.signal(signal.SIGINT, interrupt)
         try:
@@ -368,17 +368,16 @@ def _no_terminating_line(record: logging.LogRecord) -> bool:
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
     """Pass the launcher's signal on to the ranks (a Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet
-    ``ready``) and wait for them to clean up; after Ctrl-C, SIGTERM to those left after ``STOP_GRACE_S``.
-    Ctrl-C or SIGTERM while waiting: SIGTERM at once, SIGKILL ``KILL_AFTER_S`` later; no rank is left running."""
+    ``ready``) and wait ``STOP_GRACE_S`` for them to clean up; then SIGTERM, and SIGKILL ``KILL_AFTER_S`` later
+    (a rank waiting in C++ runs no handler). Ctrl-C or SIGTERM while waiting: SIGTERM at once, SIGKILL
+    ``KILL_AFTER_S`` later; no rank is left running."""
     for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
                 os.kill(p.pid, signal.SIGTERM if signum != signal.SIGINT or not ready(rank) else INTERRUPT)
-    patient = _join(ranks, STOP_GRACE_S if signum == signal.SIGINT else 0.0)
+    _join(ranks, STOP_GRACE_S)
     for p in ranks:
-        p.terminate()   # (nothing for a rank that ended)
-    if patient and _join(ranks, None):
-        return
+        p.terminate()   # (nothing for a rank that ended; one ending on SIGTERM already ignores it)
     _join(ranks, KILL_AFTER_S)   # (Ctrl-C once more: SIGKILL at once)
     for p in ranks:
         p.kill()
@@ -470,8 +469,22 @@ def rank_env(rank: int, nproc: int) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def _die_with(launcher: int) -> None:
+    """End this rank once its ``launcher`` (its parent) is gone, as the launcher's Ctrl-C would: killed with -9 it
+    cannot stop its ranks, and the SIGINT torch sends then is ignored by a rank still starting. SIGKILL after the
+    launcher's own grace, for a rank waiting in C++ (where no handler runs)."""
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        os.kill(os.getpid(), INTERRUPT)
+        time.sleep(STOP_GRACE_S + KILL_AFTER_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="framework-launcher-watch", daemon=True).start()
+
+
 def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Callable[[str], None] | None,
-            on_ready: Callable[[Path], None] | None) -> None:
+            on_ready: Callable[[Path], None] | None, launcher: int) -> None:
+    _die_with(launcher)
     rank_env(rank, cfg.dist.nproc)
     cap_threads(cfg.dist.nproc)   # ranks share the host's cores, with CUDA too (the host optimizer step)
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder

@@ -380,6 +380,7 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
         store = tdist.FileStore(store_path, world) if store_path else None
         if store is not None:
             store.set_timeout(timeout)   # (its own default is 300 s, whatever the group's timeout)
+            _arrive(store, rank, world, timeout_s)
         tdist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timeout,
                                  device_id=device_id)
     except (RuntimeError, ValueError) as e:   # torch's DistNetworkError and DistStoreError are RuntimeErrors
@@ -394,6 +395,18 @@ def _join(backend: str, rank: int, world: int, timeout_s: float, store_path: str
             why = (f"not every rank joined within dist.timeout_s={timeout_s:g}s (a rank that never started, "
                    f"or another host's MASTER_ADDR/MASTER_PORT): {why}")
         raise DistributedError(f"rank {rank}/{world}: rendezvous at {where} failed: {why}") from e
+
+
+def _arrive(store, rank: int, world: int, timeout_s: float) -> None:
+    """Wait until every rank reached ``store``, in short sleeps: a signal's handler (Ctrl-C, SIGTERM) runs
+    meanwhile, where init_process_group's own wait for a peer that never joins, in C++, defers it ``timeout_s``."""
+    store.set(f"framework/arrived/{rank}", "")
+    keys = [f"framework/arrived/{r}" for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout_s:g}s waiting for the other ranks")
+        time.sleep(0.05)
 
 
 def device_index(local: int | None, mine: int | None, gpus: int) -> int | None:

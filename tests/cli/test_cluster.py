@@ -451,6 +451,67 @@ def test_a_sigterm_while_the_ranks_clean_up_ends_them_and_is_raised(monkeypatch)
             p.kill()
 
 
+@pytest.mark.parametrize("first", ["SIGINT", "SIGTERM"])
+def test_ranks_that_ignore_the_signal_are_killed_after_the_grace(monkeypatch, first):
+    """A rank waiting in C++ (a rendezvous) runs no handler: after ``STOP_GRACE_S`` SIGTERM, after
+    ``KILL_AFTER_S`` more SIGKILL; the launcher never waits for it without a limit."""
+    import signal
+    import time
+
+    from framework.cli import launch
+
+    monkeypatch.setattr(launch, "STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(launch, "KILL_AFTER_S", 0.5)
+    ranks, reads = _stand_ins(stubborn=True)
+    try:
+        start = time.monotonic()
+        launch._stop(ranks, getattr(signal, first))
+        assert time.monotonic() - start < 20 and [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
+        assert [_signals(r) for r in reads] == [[launch.INTERRUPT if first == "SIGINT" else signal.SIGTERM,
+                                                 signal.SIGTERM]] * 2
+    finally:
+        for p in ranks:
+            p.kill()
+
+
+def _orphan(w: int, launcher: int) -> None:
+    """A rank whose launcher dies: notes ``INTERRUPT`` and ignores it, as a rank waiting in C++ would."""
+    import signal
+    import time
+
+    from framework.cli import launch
+
+    launch.STOP_GRACE_S, launch.KILL_AFTER_S = 0.2, 0.2
+    signal.signal(launch.INTERRUPT, lambda signum, frame: os.write(w, bytes([signum])))
+    launch._die_with(launcher)
+    time.sleep(30)
+
+
+def _launcher(w: int) -> None:
+    import multiprocessing
+
+    multiprocessing.get_context("fork").Process(target=_orphan, args=(w, os.getpid())).start()
+    os._exit(0)   # (as if killed: nothing stops the rank)
+
+
+def test_a_rank_whose_launcher_died_is_interrupted_then_killed():
+    """A launcher killed with -9 cannot stop its ranks: each gets ``INTERRUPT`` (a Ctrl-C), and SIGKILL after the
+    grace where it does not end (waiting in C++); none trains on without the run folder's lock."""
+    import multiprocessing
+    import time
+
+    from framework.cli import launch
+
+    ctx = multiprocessing.get_context("fork")
+    r, w = os.pipe()
+    start = time.monotonic()
+    launcher = ctx.Process(target=_launcher, args=(w,))
+    launcher.start()
+    os.close(w)
+    launcher.join(30)
+    assert _signals(r) == [launch.INTERRUPT] and time.monotonic() - start < 20   # (EOF: the rank ended)
+
+
 def test_ctrl_c_goes_on_only_to_ranks_whose_handlers_are_installed():
     """A rank still starting (importing torch) would print a KeyboardInterrupt traceback: it gets SIGTERM,
     whose default ends it silently."""

@@ -212,7 +212,9 @@ def test_nccls_duplicate_gpu_is_one_line_naming_the_binding(monkeypatch):
 def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
     """The port taken by another job, or a peer that never joins (the FileStore of dist.nproc waits
     dist.timeout_s, not its own 300 s): DistributedError naming where and how long, no traceback."""
+    import signal
     import socket
+    import threading
     import time
     for k in RANK_VARS:
         monkeypatch.delenv(k, raising=False)
@@ -231,3 +233,9 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
                                                  r"dist.timeout_s=1s") as e:
         d.connect("gloo", 1.0, store_path=str(tmp_path / "store"))
     assert time.monotonic() - start < 60 and "\n" not in str(e.value) and not d.tdist.is_initialized()
+    # Ctrl-C while waiting for that peer: raised at once (a wait in C++ would defer it dist.timeout_s)
+    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        d.connect("gloo", 30.0, store_path=str(tmp_path / "store2"))
+    assert time.monotonic() - start < 10 and not d.tdist.is_initialized()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from framework import ConfigError, compose
-from framework.core.errors import CheckpointError, FrameworkError, SwapIOError, UnsafePathError
+from framework.core.errors import CheckpointError, DistributedError, FrameworkError, SwapIOError, UnsafePathError
 from framework.core.files import create_new, make_dir, make_dirs, open_append, read_into, write_at, write_atomic
 from framework.core.room import Claim, shortfalls
 
@@ -482,6 +482,29 @@ def test_an_interrupt_inside_a_checkpoint_read_or_write_stops_every_rank(tmp_pat
                      (lambda group, what, fn: agree_save(group, what, fn, tmp)) if save else None)
     assert [type(e) for e in raised] == [type(stop)] * 3, raised
     assert all(getattr(e, "code", None) == getattr(stop, "code", None) for e in raised), raised
+
+
+@pytest.mark.parametrize("save", [False, True])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt(), SystemExit(143)])
+def test_an_exchange_failed_by_an_interrupted_peer_raises_this_ranks_own_interrupt(tmp_path, stop, save):
+    """A peer interrupted inside the outcomes' exchange fails it here (DistributedError): this rank's own
+    interrupt is raised, not a false "a peer rank died or stalled"."""
+    from framework.persist.checkpoint._group import agree_load, agree_save
+
+    class Failing(_OneRank):
+        def all_gather(self, obj, what):
+            raise DistributedError(f"{what} failed after waiting up to 1800s (a peer rank died or stalled)")
+
+    def fn():
+        raise _dcp_stopped(stop)
+
+    tmp = tmp_path / "step-2.tmp"
+    with pytest.raises(BaseException) as got:
+        agree_save(Failing(), "writing the files", fn, tmp) if save else agree_load(Failing(), "reading", fn)
+    assert type(got.value) is type(stop) and getattr(got.value, "code", None) == getattr(stop, "code", None)
+    with pytest.raises(DistributedError):   # (nothing to stop for: the peer's failure is named)
+        agree_save(Failing(), "writing the files", lambda: None, tmp) if save else \
+            agree_load(Failing(), "reading", lambda: None)
 
 
 class _OneRank:

@@ -11,7 +11,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from framework.comm.distributed import agree
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError
+from framework.core.errors import CheckpointError, ConfigError, DistributedError, FrameworkError
 from framework.core.room import DISK_FULL, free_note
 from framework.core.units import size
 
@@ -62,7 +62,7 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
             # DCP raises on every rank what failed on some: named after the ranks that failed
             ranks = sorted(e.failures) if isinstance(e, glue().CheckpointException) and e.failures else [group.rank]
             problem = f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {_write_error(e, tmp, need)}"
-    everyone = group.all_gather((result, problem, stop), what)
+    everyone = _exchange(group, (result, problem, stop), stop, what)
     problems = list(dict.fromkeys(p for _, p, _ in everyone if p))
     stops = [s for _, _, s in everyone if s is not None]
     if (problems or stops) and cleanup and group.rank == 0 and not tmp.is_symlink():   # (a planted link is only named)
@@ -89,7 +89,7 @@ def agree_load(group: Group, what: str, fn):
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
         problem = (CheckpointError, f"{what}: {glue().describe(e)}")
         mine, stop = CheckpointError(problem[1]), _stop(e)
-    everyone = group.all_gather((problem, stop), what)
+    everyone = _exchange(group, (problem, stop), stop, what)
     if stops := [s for _, s in everyone if s is not None]:
         raise stop or stops[0]
     problems = [p for p, _ in everyone if p]
@@ -100,6 +100,17 @@ def agree_load(group: Group, what: str, fn):
     if problem is not None and problem[0] is kind:
         raise mine
     raise kind(next(text for k, text in problems if k is kind)) from (mine if problem is not None else None)
+
+
+def _exchange(group: Group, outcome: tuple, stop: BaseException | None, what: str) -> list:
+    """Every rank's ``outcome``; where the exchange fails (a peer interrupted inside it), this rank's own
+    ``stop`` is raised rather than a dead or stalled peer: the whole group got the Ctrl-C or SIGTERM."""
+    try:
+        return group.all_gather(outcome, what)
+    except DistributedError:
+        if stop is not None:
+            raise stop from None
+        raise
 
 
 def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
