@@ -42,14 +42,18 @@ class Gatherer:
         self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
         self.reuse = cfg.stage3_max_reuse_distance        # keep a unit whose next use is this close
         self.empty = torch.empty(0, dtype=self.param_dtype, device=dist.device)
-        self.traces: dict[bool, list[tuple[str, int]]] = {}   # grad mode -> recorded (phase, uid) order
+        # Recorded (phase, uid) orders: per grad mode the steps' (True: train_step's, False: eval_step's); per
+        # ("outside", grad mode) that of root forwards outside the steps, followed while the steps' is missing.
+        self.traces: dict[bool | tuple[str, bool], list[tuple[str, int]]] = {}
+        self.key: bool | tuple[str, bool] = True   # the open pass's trace
         self.recording: list[tuple[str, int]] | None = None
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
-        # Per unit that the outermost framework.gathered block's exit puts back (``hold``): its values at entry.
-        self.entered: dict[int, list[torch.Tensor]] = {}
+        # Per unit that the outermost framework.gathered block's exit puts back (``hold``): the entry values of
+        # the parameters the blocks asked for (by parameter id).
+        self.entered: dict[int, dict[int, torch.Tensor]] = {}
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
         self.in_backward = False
@@ -232,13 +236,16 @@ class Gatherer:
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
         """One loss_fn call starts (``grad_mode``: train_step's, ended by its backward; else eval_step's, ended
         by ``end_pass``): one pass whichever modules it calls, recorded, followed and checked as a whole. (Not
-        ``driven``: a root forward outside train_step and eval_step, followed but not recorded: the steps'
-        traces are what the next steps follow.)"""
+        ``driven``: a root forward outside train_step and eval_step (generation, say) follows the steps' trace of
+        its grad mode and records nothing, as that trace is what the next steps follow; without one it records
+        and follows a trace of its own.)"""
         for unit in self.units:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         self._end_pass()
-        self.mode, self.recording, self.driven = grad_mode, [] if driven else None, driven
-        self.cursor = 0 if grad_mode in self.traces else None
+        own = not driven and grad_mode not in self.traces
+        self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven
+        self.recording = [] if driven or own else None
+        self.cursor = 0 if self.key in self.traces else None
 
     def end_pass(self) -> None:
         """An eval_step's loss_fn call (or a root forward outside the steps) returned: units gathered ahead of a
@@ -248,7 +255,7 @@ class Gatherer:
 
     def _end_pass(self) -> None:
         if self.recording:
-            self.traces[self.mode] = self.recording
+            self.traces[self.key] = self.recording
         self.recording, self.cursor, self.driven = None, None, False
 
     def _release_idle(self, keep: Unit | None = None) -> None:
@@ -262,7 +269,7 @@ class Gatherer:
         if self.recording is not None:
             self.recording.append(event)
         if self.cursor is not None:   # (set only in a mode with a recorded trace)
-            trace = self.traces[self.mode]
+            trace = self.traces[self.key]
             if self.cursor < len(trace) and trace[self.cursor] == event:
                 self.cursor += 1
             else:
@@ -288,7 +295,7 @@ class Gatherer:
         """The units the followed trace uses next, each once (none when not following one)."""
         if self.cursor is None:
             return
-        trace, seen = self.traces[self.mode], set()   # (lazy: the prefetch takes the next few only, not the rest)
+        trace, seen = self.traces[self.key], set()   # (lazy: the prefetch takes the next few only, not the rest)
         for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
             uid = trace[i][1]
             if uid not in seen:
@@ -445,21 +452,28 @@ class Gatherer:
         self._finish_gather(unit)
         return sharded
 
-    def hold(self, unit: Unit) -> bool:
-        """Gather ``unit`` and keep it until ``unhold`` (framework.gathered); True if this call gathered it."""
-        # Always gathered, or kept gathered for a later use (the coming backward, say): not released at the
-        # block's exit, which puts back the values it saw instead (a copy: edits without modifier_rank are
-        # discarded, no gather again).
-        restore = not unit.held and (unit is self.persistent or (unit.state is not UnitState.SHARDED and unit.idle))
+    def hold(self, unit: Unit, params: list[torch.Tensor]) -> bool:
+        """Gather ``unit`` and keep it until ``unhold`` (framework.gathered asking for ``params``, some of its);
+        True if this call gathered it."""
+        # Gathered at the outermost block's entry (kept for a later use, in use by its forward, always
+        # gathered): not released at that block's exit, which puts back the values of the parameters asked for
+        # instead (a copy: edits without modifier_rank are discarded, no gather again).
+        restore = not unit.held and unit.state is not UnitState.SHARDED
         started = self.gather_now(unit)
-        if restore:
-            self.entered[id(unit)] = [g.full.clone() for g in unit.groups]
+        saved = self.entered.setdefault(id(unit), {}) if restore or id(unit) in self.entered else None
+        asked = {id(p) for p in params}
         for g in unit.groups:
-            if g.full is g.shard and id(unit) not in self.entered:
-                # Gathered in place by the hooks (world size 1, inside the unit's forward): the block uses a
-                # copy, so edits without modifier_rank are discarded at release, not written into the shard.
+            if not any(id(p) in asked for p in g.params):
+                continue
+            if g.full is g.shard:
+                # Gathered in place by the hooks (world size 1): the blocks use a copy, so edits without
+                # modifier_rank never reach the shard; the outermost exit points the unit at the shard again.
                 g.full = g.shard.clone()
                 self._point(g)
+            elif saved is not None:
+                for p, slot in zip(g.params, g.layout.slots):
+                    if id(p) in asked and id(p) not in saved:
+                        saved[id(p)] = g.full[slot.offset:slot.offset + slot.numel].clone()
         unit.held += 1
         return started
 
@@ -469,17 +483,22 @@ class Gatherer:
         if started and unit.idle:
             self.release(unit)
         elif id(unit) in self.entered:
-            # Edits without modifier_rank (or left by an error) are discarded by putting its entry values back
+            # Edits without modifier_rank (or left by an error) are discarded by putting the entry values back
             # locally at the outermost exit (no collective: after an error the peers may be elsewhere); written
             # shards are gathered again (collective, as the block's exit is), and an outer block's exit then
             # puts back these values.
             if written:
                 self.regather(unit)
-            elif not unit.held:
-                for g, value in zip(unit.groups, self.entered[id(unit)]):
-                    g.full.copy_(value)
             if not unit.held:
-                del self.entered[id(unit)]
+                saved = self.entered.pop(id(unit))
+                for g in unit.groups:
+                    if self._in_place(g) and unit is not self.persistent:   # as the hooks gathered it
+                        g.full = g.shard
+                        self._point(g)
+                    elif not written:
+                        for p in g.params:
+                            if id(p) in saved:
+                                p.data.copy_(saved[id(p)].view_as(p))
 
     def refresh(self) -> None:
         """The shards changed (an optimizer step, a load): the persistent unit and units a framework.gathered
@@ -495,7 +514,20 @@ class Gatherer:
         self.release(unit)
         self.gather_now(unit)
         if id(unit) in self.entered:   # what the outermost framework.gathered exit puts back
-            self.entered[id(unit)] = [g.full.clone() for g in unit.groups]
+            saved = self.entered[id(unit)]
+            for p in unit.params:
+                if id(p) in saved:
+                    saved[id(p)] = p.detach().reshape(-1).clone()
+
+    def shard_values(self, g: UnitGroup) -> torch.Tensor:
+        """This rank's partition of ``g`` as its shard holds it now, on the device (framework.gathered's
+        modifier_rank exit compares the block's values with it)."""
+        lo, hi = g.layout.partition(self.dist.rank)
+        out = torch.empty(hi - lo, dtype=self.param_dtype, device=self.dist.device)
+        with self.offload.shards.loading() as waits:
+            self.offload.shards.load(out, g.shard)
+        self.dist.comm.wait(Pending(after=waits), "zero3 shard read")
+        return out
 
     def check_not_held(self) -> None:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""

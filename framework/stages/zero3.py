@@ -256,28 +256,28 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     held, written = [], False
     try:
         for u in units:
-            held.append((u, u.gatherer.hold(u)))
+            held.append((u, u.gatherer.hold(u, sharded)))
         # A shard read that failed on some rank gave it zeros: every rank raises before the block sees them.
         for gatherer in {id(u.gatherer): u.gatherer for u in units}.values():
             gatherer.offload.shards.read_errors()
-        # this rank's partition as it was (the shard's values), to see what changed
-        before = {id(g): g.full[slice(*g.layout.partition(u.gatherer.dist.rank))].clone()
-                  for u in units for g in u.groups} if modifier_rank is not None else {}
         yield
         if modifier_rank is not None:
             wanted = {id(p) for p in sharded}
             for unit in units:
                 for g in unit.groups:
+                    if not any(id(p) in wanted for p in g.params):
+                        continue
                     unit.gatherer.dist.broadcast(g.full, src=modifier_rank, what="framework.gathered broadcast")
                     lo, hi = g.layout.partition(unit.gatherer.dist.rank)
-                    # Only the elements of the parameters asked for that the block changed: the rest
-                    # keeps its shard and (wider) master values.
+                    # Only the elements of the parameters asked for that differ from what the shard holds now
+                    # (after a load inside the block too): the rest keeps its shard and (wider) master values,
+                    # and an outer block's edit without modifier_rank stays discarded.
                     asked = torch.zeros(hi - lo, dtype=torch.bool, device=g.full.device)
                     for p, slot in zip(g.params, g.layout.slots):
                         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                         if id(p) in wanted and a < b:
                             asked[a - lo:b - lo] = True
-                    old = before[id(g)]
+                    old = unit.gatherer.shard_values(g)
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)

@@ -376,8 +376,8 @@ def test_world1_gathers_in_place_and_gathered_still_discards_edits():
     assert torch.all(seen[-1][1] == 0.5)
     hook.remove()
 
-    # Inside the unit's own forward, gathered in place on the shard: the edit serves the rest of that
-    # forward, as at any world size, and is discarded on exit all the same.
+    # Inside the unit's own forward, gathered in place on the shard: the edit is discarded at the block's
+    # exit, so the rest of that forward reads the shard's values, as at any world size.
     def edit(m, _a):
         with framework.gathered([m.fc.weight]), torch.no_grad():
             m.fc.weight.fill_(0.75)
@@ -386,7 +386,7 @@ def test_world1_gathers_in_place_and_gathered_still_discards_edits():
     hook = module.blocks[0].mlp.register_forward_pre_hook(edit)
     engine.eval_step(state, data.val_batches(1, batch=2, rank=0, world=1))
     hook.remove()
-    assert torch.all(seen[-1] == 0.75)
+    assert torch.all(seen[-1] == 0.5)
     with framework.gathered([w]):
         assert torch.all(w == 0.5)
     assert all(u.state.value == "sharded" for u in g.units) and w.numel() == 0
@@ -1099,6 +1099,26 @@ def test_a_forward_outside_the_steps_leaves_no_unit_gathered(pools, world):
         assert out == dict(left=[], trace=True, edited=True, loaded=True, reread=True, rates=(0.875, 0.875))
 
 
+def test_forwards_outside_the_steps_without_a_trace_follow_their_own():
+    # A generation loop with no eval_step before it: the no-grad root forwards record and follow a trace
+    # of their own (the steps' traces untouched), so each after the first is prefetched.
+    model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
+    state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
+    train, rates = list(g.traces[True]), []
+    g.stats()
+    with torch.no_grad():
+        for i in range(3):
+            model(_micro(i)[0])
+            rates.append(g.stats()["prefetch_hit_rate"])
+    assert rates[0] == 0 and rates[1] == rates[2] > 0, rates
+    assert g.traces[True] == train and False not in g.traces
+    assert all(u.state.value == "sharded" for u in g.units) and g.live == 0
+    val, _ = engine.eval_step(state, [_micro(9)]), g.stats()
+    with torch.no_grad():   # then eval_step's trace is the one followed
+        model(_micro(1)[0])
+    assert g.stats()["prefetch_hit_rate"] == rates[1] and engine.eval_step(state, [_micro(9)]) == val
+
+
 def test_nested_or_raising_forwards_outside_the_steps_leave_no_unit_gathered():
     # A root forward inside one (a hook's, say) is part of its pass; one that raises still ends its pass,
     # so a later block's edits are discarded.
@@ -1195,6 +1215,50 @@ def test_an_edit_inside_nested_gathered_blocks_is_kept(pools, world):
     # The outer read-only block's exit discards its own edits, not the inner block's written values.
     for inner, val, loss, want in [_nested_edit(_local())] if world == 1 else pools(2).run(_nested_edit, timeout=120):
         assert (inner, val, loss) == (True, pytest.approx(want, rel=FP32_RTOL), pytest.approx(want, rel=FP32_RTOL))
+
+
+def _modifier_exits(dist):
+    """framework.gathered(modifier_rank=0) blocks whose exits must keep what the shards hold: a load inside one
+    (fp32, and bf16 over fp32 masters), and an outer read-only block's edit of another parameter of the unit."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[Linear]", "stage.stage3_param_persistence_threshold=0",
+                                 f"precision={precision}", "optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant"])
+        torch.manual_seed(0)
+        model = Sometimes()
+        engine = framework.initialize(
+            model, lambda m, mb: nn.functional.mse_loss(m(mb[0].to(m.a.weight.dtype)).float(), mb[1]), cfg, dist)
+        masters, state = engine.components.stage.master, engine.state
+        for i in range(2):
+            state, _ = engine.train_step(state, Batch((_micro(i),)))
+        saved = dist.all_gather_object(engine.state_dict(state), what="saved states")
+        want = [m.detach().clone() for m in masters]
+        state, _ = engine.train_step(state, Batch((_micro(2),)))
+        state = engine.load_state_dict(state, saved)
+        plain = _full_params(engine)
+        state, _ = engine.train_step(state, Batch((_micro(3),)))
+        with framework.gathered([model.a.weight], modifier_rank=0):
+            state = engine.load_state_dict(state, saved)
+        out[precision] = (all(torch.equal(m, w) for m, w in zip(masters, want)), torch.equal(_full_params(engine), plain))
+    with framework.gathered([model.b.bias]):
+        bias = model.b.bias.detach().clone()
+    with torch.no_grad(), framework.gathered([model.b.weight, model.b.bias]):
+        weight = model.b.weight.detach().clone()
+        model.b.bias.add_(100.0)   # without modifier_rank: discarded
+        with framework.gathered([model.b.weight], modifier_rank=0):
+            if dist.rank == 0:
+                model.b.weight.mul_(2.0)
+    with framework.gathered([model.b.weight, model.b.bias]):
+        out["outer"] = (torch.equal(model.b.bias, bias), torch.equal(model.b.weight, 2 * weight))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_gathered_with_modifier_rank_keeps_loads_and_discards_outer_edits(pools, world):
+    # The exit writes what the block changed against what the shards hold now: a load inside the block
+    # equals a plain load exactly, and an outer block's edit without modifier_rank is still discarded.
+    for out in [_modifier_exits(_local())] if world == 1 else pools(2).run(_modifier_exits, timeout=120):
+        assert out == {"fp32": (True, True), "bf16": (True, True), "outer": (True, True)}
 
 
 def test_an_error_inside_gathered_leaves_it_without_a_collective():
