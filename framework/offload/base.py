@@ -27,6 +27,9 @@ from framework.offload._store import HostStore, Tier, copy_on, recorded
 from framework.optimizers import group_state
 
 
+PIECE_ALIGN = 128   # elements: pieces of a (so aligned) partition start 256-byte aligned for 16-bit dtypes
+
+
 @dataclass(frozen=True, eq=False)
 class Piece:
     """One master piece: a range of an owned partition, its buffers and where it is stepped."""
@@ -119,7 +122,7 @@ class Placement:
     grad_swap = False     # zero3's owned gradients live in the optimizer's swap file (``_disk``)
     swaps = False         # some state lives in swap files (offload=nvme)
     tier = Tier.DEVICE    # where the pieces off the device live
-    tile: int | None = None   # the longest piece off the device (None: as long as ``chunk``)
+    tile: int | None = None   # no piece off the device is longer (None: only ``chunk`` bounds them)
 
     def __init__(self, shards: Shards | None = None, accelerator: Accelerator | None = None):
         self.shards = shards if shards is not None else Shards()
@@ -155,7 +158,13 @@ class Placement:
         """(start, end, tier) of the pieces ``place`` cuts a partition of ``n`` elements into."""
         k = round(self.host_fraction * n)
         step = max(1, min(chunk or k, self.tile or k))
-        cut = [(a, min(a + step, k), self.tier) for a in range(0, k, step)]
+        # As few pieces as ``step`` allows, all of one length within PIECE_ALIGN (a pool slot holds the
+        # longest piece: a short remainder piece would leave slots that never fill), cut on PIECE_ALIGN
+        # multiples where that keeps every piece within ``step``.
+        count = max(1, -(-k // step))
+        unit = PIECE_ALIGN if -(-k // (count * PIECE_ALIGN)) * PIECE_ALIGN <= step else 1
+        ends = [min(k, -(-k // unit) * i // count * unit) for i in range(count + 1)]
+        cut = [(a, b, self.tier) for a, b in zip(ends, ends[1:]) if a < b]   # (none when k is 0)
         return cut + [(k, n, Tier.DEVICE)] if k < n else cut
 
     def place(self, own: torch.Tensor, master_dtype: torch.dtype, chunk: int | None = None,

@@ -63,7 +63,7 @@ class ShardedStage(PartitionedStage):
 
     @staticmethod
     def piece_size(cfg: ZeroConfig, world: int) -> int:
-        """Host pieces as large as one rank's share of a bucket: the unit of the overlapped host step."""
+        """Host pieces at most one rank's share of a bucket: the unit of the overlapped host step."""
         return -(-cfg.reduce_bucket_size // world)
 
     @staticmethod

@@ -8,6 +8,7 @@ from framework import compose
 from framework.comm.accelerator import CheckingCpuAccelerator
 from framework.engine.build import component
 from framework.offload._store import Tier
+from framework.offload.base import PIECE_ALIGN
 from framework.offload.cpu import HostPlacement
 from framework.optimizers import step
 
@@ -63,6 +64,24 @@ def test_pipeline_driven_by_events_equals_the_plain_step(speculative, ratio):
         # the undo copies are touched by the host only: pageable, not pinned
         assert update.undo and all(not acc._host_entry(t)[1] for ts in update.undo.values() for t in ts)
     update.close()
+
+
+@pytest.mark.parametrize("n,chunk,tile", [(16_777_216, None, 10_000_000), (13_333_335, 10_000_000, None),
+                                           (1000, 300, None), (5000, 4096, 1000), (129, None, 128)])
+def test_a_partition_is_cut_into_nearly_equal_pieces(n, chunk, tile):
+    # A pool slot holds the longest piece: a 12.6 M-element host part cut 10 M + 2.6 M would leave the
+    # slots that only ever receive the short pieces mostly empty. As few pieces as chunk and tile allow,
+    # none longer, all of one length within PIECE_ALIGN, then the device's part.
+    target = HostPlacement(host_fraction=0.75, pin=False, accelerator=CheckingCpuAccelerator())
+    target.tile = tile
+    cut = target.ranges(n, chunk)
+    k = round(0.75 * n)
+    step = min(chunk or k, tile or k)
+    assert cut[-1] == (k, n, Tier.DEVICE) and cut[0][0] == 0
+    assert all(b == a for (_, b, _), (a, _, _) in zip(cut, cut[1:]))
+    lengths = [b - a for a, b, tier in cut[:-1] if tier is Tier.HOST]
+    assert len(lengths) == len(cut) - 1 == -(-k // step)
+    assert max(lengths) <= step and max(lengths) - min(lengths) <= PIECE_ALIGN, lengths
 
 
 def test_host_buffers_are_slices_of_one_pinned_arena_per_partition():
