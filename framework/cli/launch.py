@@ -1,9 +1,8 @@
 """Run a validated config on 1 process, on dist.nproc spawned local ranks, or under torchrun.
 
-Spawned ranks rendezvous through a FileStore in a private temp folder (``framework-rdzv-*``; gloo
-on the loopback interface, so nothing listens on a network address). Under torchrun the environment
-describes the group, created once per process and reused by every job of a multirun (re-creating
-it per job hangs under torchrun).
+Spawned ranks rendezvous through a FileStore in a private temp folder (gloo on loopback: nothing listens on
+the network). Under torchrun the group is created once per process and reused by every job of a multirun
+(re-creating it per job hangs).
 """
 from __future__ import annotations
 
@@ -43,14 +42,12 @@ from framework.cli.loop import train
 
 def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = None,
            on_owned: Callable[[Path], None] | None = None, on_ready: Callable[[Path], None] | None = None) -> dict:
-    """Train and return rank 0's summary. ``on_point`` goes to every rank's loop (fault tests);
-    ``on_owned(run folder)`` is called once the run folder's lock is held and the pre-rank checks passed;
-    ``on_ready`` goes to rank 0's loop (picklable, for a spawned rank 0)."""
+    """Train and return rank 0's summary. ``on_point``: every rank's loop (fault tests); ``on_owned(run folder)``:
+    once its lock is held and the checks passed; ``on_ready``: rank 0's loop (picklable)."""
     os.environ.update(slurm_task_env())
     check_launch_env(cfg)
     check_batch_world(cfg, run_world(cfg.dist.nproc))
-    # SIGTERM unwinds the run; the locks on the run folder and the checkpoint folder (rank 0 / the launcher) are
-    # held until the run (a multirun's job) ends
+    # SIGTERM unwinds the run; the run and checkpoint folders' locks are held until the run (a multirun's job) ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
             held.callback(os.close, own_run_folder(run))
@@ -68,24 +65,21 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
             _notice(cfg, local_world_size(), dist.is_main)
             if not already:
                 atexit.register(disconnect)
-            # Each rank may resolve ${now:...} differently: rank 0's folder, this rank's removed where it
-            # holds only what Hydra wrote for this rank.
+            # Ranks may resolve ${now:...} differently: rank 0's folder; this rank's removed if only Hydra wrote there.
             dirs = dist.all_gather_object(str(run.run_dir), what="run directory agreement")
             if dirs[0] != dirs[dist.rank] and run.run_dir.is_dir() and (
                     {p.name for p in run.run_dir.iterdir()} <= {".hydra", "train.log"}):
                 shutil.rmtree(run.run_dir, ignore_errors=True)
                 _remove_stray_sweep(run.sweep_dir, Path(dirs[0]))
             run = replace(run, run_dir=Path(dirs[0]))
-            # Rank 0 takes the folder, checks (checkpoints live where every rank sees them) and resolves
-            # "latest" once; every rank stops with its error, or trains the config it resolved.
+            # Rank 0 takes the folder, checks and resolves "latest" once; every rank stops with its error or trains it.
             mine = agree(dist, lambda: own_and_preflight(cfg, run) if dist.is_main else None,
                          "the checkpoint pre-flight")
             cfg = dist.all_gather_object(mine, what="the checkpoint pre-flight")[0]
             if cfg.checkpoint.every:   # ranks on other nodes may see another folder at the same path
                 shared(dist, checkpoint_root(cfg, run.run_dir, run.job))
             return train(cfg, run, dist, on_point, on_ready if dist.is_main else None)
-        # A checkpoint of another model is refused here, before any rank starts; "latest" is resolved
-        # once so that every rank loads the same folder.
+        # Another model's checkpoint is refused before any rank starts; "latest" is resolved once for every rank.
         cfg = own_and_preflight(cfg, run)
         if cfg.dist.nproc == 1:
             return train(cfg, run, connect(cfg.dist.backend, cfg.dist.timeout_s), on_point, on_ready)
@@ -97,15 +91,11 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
 
 @contextlib.contextmanager
 def signals_unwind(rank: bool = False) -> Iterator[None]:
-    """SIGTERM raises SystemExit(143) in the main thread, as Ctrl-C raises KeyboardInterrupt, so the run
-    unwinds and closes what it opened (swap files); later SIGTERMs are ignored so they cannot cut that
-    cleanup short. A ``rank`` takes ``INTERRUPT`` (the launcher's copy of a Ctrl-C the whole process group
-    got) as Ctrl-C only if not interrupted already; every SIGINT raises. Afterwards the previous handlers
-    come back, and a rank ignores SIGINT and ``INTERRUPT`` (it is ending).
-
-    An exception raised inside a finalizer would be printed and dropped by Python: the signal is then sent
-    again from another thread to land after the callback, and leaving waits for such re-sends so none lands
-    under the previous handlers (SIGTERM's default ends the process without cleanup)."""
+    """SIGTERM raises SystemExit(143) in the main thread (later ones ignored), as Ctrl-C raises KeyboardInterrupt,
+    so the run unwinds and closes what it opened. A ``rank`` takes ``INTERRUPT`` (the launcher's copy of a group's
+    Ctrl-C) as Ctrl-C unless interrupted already; afterwards it ignores SIGINT and ``INTERRUPT`` (it is ending).
+    Python drops an exception raised in a finalizer: the signal is then sent again from another thread, and
+    leaving waits for such re-sends (under the previous handlers SIGTERM would end the process uncleaned)."""
     if threading.current_thread() is not threading.main_thread():   # (library use: only there may it be set)
         yield
         return
@@ -158,8 +148,7 @@ def signals_unwind(rank: bool = False) -> Iterator[None]:
     try:
         yield
     finally:
-        # Wait (a second at most each) until every signal sent again is sent: its handler runs here, and the
-        # first exception one raises (SystemExit, KeyboardInterrupt) is raised once all are.
+        # Wait (1 s at most each) for every re-send: its handler runs here; the first exception is raised once all are.
         raised = None
         try:
             for sent in resent:
@@ -189,8 +178,7 @@ CHECKPOINT_LOCK = ".lock"   # (not a step-<N> name: scans, pruning and clean-up 
 
 
 def own_run_folder(run: RunInfo) -> int:
-    """A descriptor holding an exclusive lock on the run folder's run.lock while open: two runs started in the
-    same second would share the time-named folder."""
+    """A descriptor locking the run folder's run.lock while open: two runs started in one second share its name."""
     files.make_dirs(run.run_dir)
     key = "hydra.sweep.dir" if run.group else "hydra.run.dir"
     return _own(run.run_dir / RUN_LOCK, lambda holder: f"run folder {run.run_dir} is in use by another run (it holds "
@@ -198,18 +186,16 @@ def own_run_folder(run: RunInfo) -> int:
 
 
 def own_checkpoint_dir(root: Path) -> int:
-    """A descriptor holding an exclusive lock on ``root``'s ``CHECKPOINT_LOCK`` while open, for a run that saves
-    there (made if missing): two runs saving into one folder would overwrite, rotate and delete each other's steps.
-    Reading a checkpoint (a resume from another run's folder, export) takes no lock."""
+    """A descriptor holding an exclusive lock on ``root``'s ``CHECKPOINT_LOCK`` (made if missing) while open: two
+    runs saving into one folder would overwrite each other's steps. Reading a checkpoint takes no lock."""
     files.make_dirs(root)
     return _own(root / CHECKPOINT_LOCK, lambda holder: f"checkpoint.dir {root} is in use by another run{holder}: "
                 "wait for it to end or set checkpoint.dir to another folder", "a second run saving into this folder")
 
 
 def _own(lock: Path, busy: Callable[[str], str], undetected: str) -> int:
-    """A descriptor holding an exclusive ``flock`` on ``lock`` (made; this process's id written in it) while open
-    (the kernel drops it when the process dies); a FrameworkError ``busy(" (pid N on host H)")`` where another
-    process holds it; where the file system cannot lock, the descriptor and a note."""
+    """A descriptor holding an exclusive ``flock`` on ``lock`` (this process's id written in it) while open;
+    FrameworkError ``busy(" (pid N on host H)")`` where another holds it; a note where locks are unsupported."""
     try:
         fd = files.open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     except OSError as e:   # a folder in its place, another user's lock file
@@ -246,8 +232,7 @@ def _remove_stray_sweep(sweep_dir: Path | None, rank0_run: Path) -> None:
 
 
 def check_launch_env(cfg: Config) -> None:
-    """One line, before anything connects or spawns, for a launch environment ``connect`` refuses, or a
-    dist.nproc (1 too, where given) that an external launcher's WORLD_SIZE overrules."""
+    """One line, before anything connects, for a launch environment ``connect`` refuses or an overruled dist.nproc."""
     check_env()
     world = env_int("WORLD_SIZE", 1)
     if world > 1 and (cfg.dist.nproc > 1 or cfg.sources.get("dist.nproc") == COMMAND_LINE) and cfg.dist.nproc != world:
@@ -273,8 +258,7 @@ def _notice(cfg: Config, local_world: int, main: bool) -> None:
 
 
 def cap_threads(local_world: int) -> None:
-    """Give this rank its share of the host's cores for torch's threads (offload's host optimizer step);
-    never raises a lower limit (OMP_NUM_THREADS, torchrun's 1)."""
+    """Give this rank its share of the host's cores for torch's threads; never raises a lower limit (torchrun's 1)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     share = max(1, cores // max(1, local_world))
     if torch.get_num_threads() > share:
@@ -299,8 +283,7 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a Slurm task (one per rank) Hydra's submitit launcher
-    started; empty where WORLD_SIZE is set already, outside submitit, or for a single task."""
+    """The rank variables torchrun would set, for a Slurm task (one per rank) Hydra's submitit launcher started."""
     env = os.environ
     if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or env_int("SLURM_NTASKS", 1) <= 1:
         return {}
@@ -322,8 +305,8 @@ INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C
 YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
-# The launcher and every rank hold a shared lock on the rendezvous folder's owner.lock while they
-# live, so the next launch removes the folders of runs killed with -9 and never a live run's.
+# The launcher and every rank hold a shared lock on owner.lock while they live: the next launch removes the
+# rendezvous folders of runs killed with -9, never a live run's.
 def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
            on_ready: Callable[[Path], None] | None = None) -> dict:
     remove_dead_rendezvous(tempfile.gettempdir())
@@ -332,8 +315,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     log = logging.getLogger(mp.ProcessContext.__module__)
     log.addFilter(_no_terminating_line)
     try:
-        # The ranks start with SIGINT ignored (a Ctrl-C to the group while they import torch would print a
-        # traceback each); until their handlers are installed the launcher ends them with SIGTERM.
+        # Ranks start with SIGINT ignored (a Ctrl-C during their imports: a traceback each); until ready, SIGTERM.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             ranks = mp.start_processes(_worker, args=(cfg, run, store_dir, on_point, on_ready, os.getpid()),
@@ -367,10 +349,9 @@ def _no_terminating_line(record: logging.LogRecord) -> bool:
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
-    """Pass the launcher's signal on to the ranks (a Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet
-    ``ready``) and wait ``STOP_GRACE_S`` for them to clean up; then SIGTERM, and SIGKILL ``KILL_AFTER_S`` later
-    (a rank waiting in C++ runs no handler). Ctrl-C or SIGTERM while waiting: SIGTERM at once, SIGKILL
-    ``KILL_AFTER_S`` later; no rank is left running."""
+    """Pass the launcher's signal on (a Ctrl-C as ``INTERRUPT``; SIGTERM to a rank not yet ``ready``), wait
+    ``STOP_GRACE_S``, then SIGTERM, and SIGKILL ``KILL_AFTER_S`` later (a rank in C++ runs no handler); a Ctrl-C or
+    SIGTERM meanwhile skips ahead. No rank is left running."""
     for rank, p in enumerate(ranks):
         if p.is_alive():
             with contextlib.suppress(ProcessLookupError):   # (ended meanwhile)
@@ -385,8 +366,7 @@ def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: 
 
 
 def _join(ranks: list, timeout_s: float | None) -> bool:
-    """Wait for the ranks to end, ``timeout_s`` at most (None: no limit); False on Ctrl-C. Anything else
-    raised while waiting (SIGTERM's SystemExit) is re-raised once they ended (SIGTERM, then SIGKILL)."""
+    """Wait ``timeout_s`` (None: no limit) for the ranks to end; False on Ctrl-C; else re-raised once they ended."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         for p in ranks:
@@ -425,8 +405,7 @@ def _hold(path: str, create: bool = False) -> int:
 
 
 def remove_dead_rendezvous(tmp: str) -> list[str]:
-    """Remove (and return) this user's ``framework-rdzv-*`` folders in ``tmp`` that no live process
-    holds; folders without a lock file go once older than an hour."""
+    """Remove (and return) this user's rendezvous folders in ``tmp`` no live process holds (unlocked: after an hour)."""
     gone = []
     try:
         entries = list(os.scandir(tmp))
@@ -461,8 +440,8 @@ def remove_dead_rendezvous(tmp: str) -> list[str]:
 
 
 def rank_env(rank: int, nproc: int) -> None:
-    """This process's launch variables as local rank ``rank`` of ``nproc``; the inherited Slurm task variables
-    (task 0's, in a batch step) are dropped: they would make rank 0 alone look like a Slurm task."""
+    """This process's launch variables as local rank ``rank`` of ``nproc``, without the inherited Slurm task ones
+    (task 0's in a batch step: rank 0 alone would look like a Slurm task)."""
     for key in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"):
         os.environ.pop(key, None)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
@@ -470,9 +449,8 @@ def rank_env(rank: int, nproc: int) -> None:
 
 
 def _die_with(launcher: int) -> None:
-    """End this rank once its ``launcher`` (its parent) is gone, as the launcher's Ctrl-C would: killed with -9 it
-    cannot stop its ranks, and the SIGINT torch sends then is ignored by a rank still starting. SIGKILL after the
-    launcher's own grace, for a rank waiting in C++ (where no handler runs)."""
+    """End this rank as a Ctrl-C would once its ``launcher`` (parent) is gone (killed with -9 it cannot stop its
+    ranks); SIGKILL after the launcher's own grace, for a rank waiting in C++."""
     def watch() -> None:
         while os.getppid() == launcher:
             time.sleep(1.0)

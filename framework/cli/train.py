@@ -57,9 +57,8 @@ VALUED = (("--cfg", "-c"), ("--package", "-p"), ("--config-path", "-cp"), ("--co
 
 
 def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset[str]]:
-    """Each job's overrides (a multirun's sweeps expanded as Hydra's basic sweeper does; None for Hydra's info
-    flags and a command line Hydra will refuse), the primary config (``--config-dir``/``--config-name``), the
-    key of the folder Hydra makes, and the keys the command line fixes (any other key of a job is swept)."""
+    """Each job's overrides (sweeps expanded as Hydra's basic sweeper does; None for info flags and a line Hydra
+    refuses), the primary config, the key of the folder Hydra makes, and the keys the command line fixes."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("overrides", nargs="*")
     for names in SWITCHES:
@@ -94,8 +93,8 @@ def _jobs(argv: list[str]) -> tuple[list[list[str]] | None, dict, str, frozenset
 
 
 def _sweep(o, primary: dict, overrides: list[str]) -> list[str]:
-    """The values of a sweep override as Hydra's basic sweeper enumerates them; ``glob`` against the
-    config group's names (conf/ and the primary config's folder), which Hydra's parser cannot list."""
+    """A sweep override's values as Hydra's basic sweeper enumerates them (``glob``'s from conf/ and the primary
+    config's folder, which Hydra's parser cannot list)."""
     if o.value_type == ValueType.INTERVAL_SWEEP:
         if any(x.lstrip("+").startswith("hydra/sweeper=") and x.partition("=")[2] != "basic" for x in overrides):
             return []   # that sweeper samples; its jobs are composed in the job (Hydra's basic one enumerates)
@@ -129,8 +128,7 @@ def _key(overrides: list[str]) -> tuple[str, ...]:
 
 
 def check_folder(cfg: DictConfig, key: str) -> Path | None:
-    """One line for a run folder (``key``: hydra.run.dir or hydra.sweep.dir) Hydra could not make or write in
-    (it would fail with a traceback); else its nearest existing folder."""
+    """One line for a run folder ``key`` Hydra cannot make or write in (a traceback), else its nearest existing one."""
     try:
         folder = Path(str(OmegaConf.select(cfg, key)))
     except OmegaConfBaseException as e:   # an interpolation only a running Hydra resolves: Hydra's to check
@@ -173,8 +171,7 @@ def check_missing_key(cfg: DictConfig, key: str, error: Exception | None = None)
 
 
 def check_no_chdir(cfg: DictConfig) -> None:
-    """hydra.job.chdir=true is refused: relative paths are the launch directory's, and the job writes into
-    its run folder by name."""
+    """hydra.job.chdir=true is refused: relative paths are the launch directory's; the job names its run folder."""
     try:
         chdir = OmegaConf.select(cfg, "hydra.job.chdir")
     except OmegaConfBaseException:
@@ -192,8 +189,7 @@ def check_groups_chosen(overrides: list[str], cfg: DictConfig, config: Config, p
     given = {o.key_or_group for o in parsed if o.key_or_group in GROUPS}
     for o in parsed:
         group = o.key_or_group.split(".")[0]
-        # Another group has a default in the config Hydra composes, where the key may well be (optimizer.lr
-        # in adamw, when a sweep's files choose optimizers differently): Hydra's to judge, as before.
+        # Another group has a default in Hydra's config, where the key may well be (optimizer.lr): Hydra's to judge.
         if (group != "stage" or group == o.key_or_group or group in given or group in passed
                 or o.is_add() or o.is_force_add() or o.is_delete()):
             continue
@@ -238,9 +234,8 @@ OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
 
 @dataclass(frozen=True)
 class Passed:
-    """What the run adds to Hydra's command line and leaves out of Hydra's record of it: the DeepSpeed file's
-    group choices (``task``), kept out of override_dirname by an ``exclude_keys`` override (``hydra``, with
-    ``NO_RECORD``; ``exclude_keys``: the value given, None where the run sets none)."""
+    """What the run adds to Hydra's command line and leaves out of its record: the DeepSpeed file's group choices
+    (``task``), kept out of override_dirname by ``hydra``'s overrides (``exclude_keys``: the value given, or None)."""
     task: tuple[str, ...] = ()
     hydra: tuple[str, ...] = ()
     exclude_keys: list | None = None
@@ -258,8 +253,7 @@ class Passed:
 
 
 def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
-    """A picklable function writing Hydra's record of the job (as given, without ``passed``) into a folder's
-    ``subdir``; None where output_subdir is null."""
+    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None."""
     if subdir is None:
         return None
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
@@ -275,8 +269,7 @@ def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
 
 
 def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
-    """``cfg`` (with Hydra's config under ``hydra``) with the user's output_subdir and override_dirname
-    exclude_keys, and without what the run ``passed`` to Hydra."""
+    """``cfg`` (Hydra's under ``hydra``) with the user's output_subdir and exclude_keys, without what was ``passed``."""
     given = OmegaConf.to_container(cfg.hydra.overrides.hydra)   # as given: interpolations unresolved
     for line in passed.hydra:
         if line in given:
@@ -347,16 +340,14 @@ NOT_IDENTITY = ("checkpoint", "train.steps", "train.log_every", "train.eval_ever
 
 
 def job_key(overrides: list[str], swept: frozenset[str] = frozenset()) -> str:
-    """A multirun job's name under an explicit checkpoint.dir: its sorted overrides less the ``NOT_IDENTITY``
-    ones the sweep does not vary; ``job`` when none is left."""
+    """A sweep job's name under checkpoint.dir: its sorted overrides but unswept ``NOT_IDENTITY`` ones, or ``job``."""
     kept = [o.input_line for o in parse_overrides(overrides) if o.key_or_group in swept
             or not any(o.key_or_group == k or o.key_or_group.startswith(f"{k}.") for k in NOT_IDENTITY)]
     return ",".join(sorted(kept)) or "job"
 
 
 def _checkpoint_key(config: Config, key: str, older: str) -> str:
-    """``key``, or ``older`` (all its overrides, as earlier versions named the job) where only that folder exists
-    under checkpoint.dir (said in one line)."""
+    """``key``, or ``older`` (all its overrides, as earlier versions named the job) where only that folder exists."""
     if config.checkpoint.dir is None or older == key:
         return key
     new, old = checkpoint_root(config, None, key), checkpoint_root(config, None, older)
@@ -378,9 +369,8 @@ def sweep_group(job_name: str, sweep_dir: str) -> str:
 
 def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None] | None, failed: list[str],
          fixed: frozenset[str], subdir: str | None, base: Path | None, passed: Passed) -> Callable[[], None]:
-    """The Hydra app running each job with its composed config (pickled along by a remote launcher).
-    ``base``: the run folder's nearest existing folder before Hydra; ``fixed``: as ``_jobs``. A failed job of a
-    multirun on Hydra's basic launcher is added to ``failed`` and the sweep goes on."""
+    """The Hydra app running each job with its composed config (``base``, ``fixed``: as ``check_folder``, ``_jobs``);
+    a failed job of a sweep on Hydra's basic launcher is added to ``failed`` and the sweep goes on."""
     folders: dict[Path, int] = {}   # each run folder's job number
 
     @hydra.main(config_path=str(conf_dir()), config_name="train", version_base="1.3")
@@ -391,8 +381,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         if config is None:   # a job another sweeper made up: composed here, from its overrides
             config = compose(overrides, composer=app_composer)
         multirun = hc.mode == RunMode.MULTIRUN
-        # The keys the job's overrides hold that the command line does not fix are swept (on the command
-        # line or by the sweeper: a config's hydra.sweeper.params, a sampling sweeper): they tell the jobs apart.
+        # Keys the command line does not fix are swept (there or by the sweeper): they tell the jobs apart.
         swept = frozenset(o.key_or_group for o in parse_overrides(overrides)) - fixed
         run = RunInfo(Path(hc.runtime.output_dir),
                       group=sweep_group(hc.job.name, hc.sweep.dir) if multirun else None,
@@ -404,8 +393,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         if multirun:
             _record_sweep(Path(hc.sweep.dir), subdir, passed)
         try:
-            # A job whose run folder an earlier job of this sweep had is refused: it would resume or set aside
-            # that job's records and report them as its own.
+            # A job given an earlier job's run folder is refused: it would take that job's records for its own.
             if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
                 raise ConfigError(f"run folder {run.run_dir}: job {hc.job.num} of this sweep would share it with job "
                                   f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
@@ -443,10 +431,9 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 
 def _sweep_goes_on(e: Exception) -> bool:
-    """Whether this process may go on with a sweep's next job after its job failed on ``e``: always alone; as one
-    rank of an external launcher's group, not after an unexpected error (it may be this rank's alone: its peers
-    would wait for it in the next job's collectives) nor after a DistributedError (a peer is gone or a collective
-    timed out: the group is unusable, and the next job's collectives would fail or wait too)."""
+    """Whether this process may go on with a sweep's next job after failing on ``e``: always alone; as a rank of an
+    external group, not after an unexpected error (perhaps this rank's alone: its peers would wait for it) nor a
+    DistributedError (the group is unusable)."""
     return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and not isinstance(e, DistributedError))
 
 
