@@ -1,16 +1,12 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-A unit (``_units.plan_units``) is gathered with one collective per parameter group into one buffer per
-group, kept for the unit's life; release resizes its storage to zero bytes, so autograd's saved views hold
-no bytes while released and see the refilled values when gathered again (see ``UnitGroup.lent``). Each
-pass records the order of unit uses; the next prefetches along it, and ranks check they used the same.
+A unit is gathered with one collective per parameter group into one buffer per group, kept for its life;
+release resizes the storage to zero bytes, so autograd's saved views see the refilled values when gathered
+again. Each pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree).
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 import logging
-import zlib
 from typing import Callable, Iterator
 
 import torch
@@ -18,10 +14,12 @@ from torch import nn
 
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
-from framework.core.errors import DistributedError, TrainingError
+from framework.core.errors import TrainingError
 from framework.core.utils import tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
+from framework.stages._outputs import replace_tensors
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
+from framework.stages._trace import check_orders, order_check_flags, start_order_check, warn_order_changed
 
 log = logging.getLogger("framework.zero3")
 
@@ -42,8 +40,7 @@ class Gatherer:
         self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
         self.reuse = cfg.stage3_max_reuse_distance        # keep a unit whose next use is this close
         self.empty = torch.empty(0, dtype=self.param_dtype, device=dist.device)
-        # Recorded (phase, uid) orders: per grad mode the steps' (True: train_step's, False: eval_step's); per
-        # ("outside", grad mode) that of root forwards outside the steps, followed while the steps' is missing.
+        # (phase, uid) use orders: per grad mode the steps'; per ("outside", grad mode) root forwards' outside them.
         self.traces: dict[bool | tuple[str, bool], list[tuple[str, int]]] = {}
         self.key: bool | tuple[str, bool] = True   # the open pass's trace
         self.recording: list[tuple[str, int]] | None = None
@@ -51,8 +48,7 @@ class Gatherer:
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
-        # Per unit that the outermost framework.gathered block's exit puts back (``hold``): the entry values of
-        # the parameters the blocks asked for (by parameter id).
+        # Per unit held (``hold``): the asked parameters' entry values (by id) the outermost exit puts back.
         self.entered: dict[int, dict[int, torch.Tensor]] = {}
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
@@ -70,8 +66,7 @@ class Gatherer:
                 p.zero3_unit = unit
 
     def attach(self, root: nn.Module, modules: list[list[nn.Module]]) -> None:
-        """``modules``: each unit's modules, whose forward hooks gather it; every parameter (the persistent
-        unit's too) gets a gradient hook that reports it ready for reduction."""
+        """``modules``: each unit's modules, whose forward hooks gather it; every parameter gets a gradient hook."""
         hook = self.dist.acc.hook   # (checked on the CPU: no host syncs inside)
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
@@ -107,7 +102,7 @@ class Gatherer:
         own = {id(p) for p in unit.params}
         if any(id(t) in own for t in tensors_in(out)):
             # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
-            out = _replace(out, lambda t: t.view_as(t) if id(t) in own else t)
+            out = replace_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
         hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
@@ -128,8 +123,7 @@ class Gatherer:
         return out
 
     def _root_returned(self) -> None:
-        """The root's forward returned or raised: the outermost one outside the steps ends its pass (no backward
-        or use follows), releasing its units, those of forwards an error cut short too."""
+        """The root's forward returned or raised: the outermost one outside the steps ends its pass."""
         if self.driven or not self.roots:
             return
         self.roots -= 1
@@ -139,8 +133,7 @@ class Gatherer:
             self.end_pass()
 
     def begin_backward(self) -> None:
-        """A backward pass starts (at the first unit output's gradient, or the loss's, so persistent parameters
-        are reduced even if no unit ran); queues its end once."""
+        """A backward pass starts (at the first unit output's gradient, or the loss's); queues its end once."""
         if self.final is None:   # outside the stage's backward
             raise TrainingError(
                 "zero3: a backward pass ran outside train_step's (loss_fn called loss.backward(), "
@@ -190,13 +183,7 @@ class Gatherer:
         self._complete_reductions()
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
-            # The pass's record compared across ranks by an async all-reduce of its hash, filled on the device
-            # (torch.tensor([h, -h], device=cuda) would copy from pageable memory, blocking the host).
-            h = zlib.crc32(repr(self.recording).encode())
-            t = torch.full((2,), h, dtype=torch.int64, device=self.dist.device)
-            t[1].fill_(-h)
-            work = self.dist.all_reduce(t, op=torch.distributed.ReduceOp.MAX, what="zero3 order check", async_op=True)
-            self.order_checks.append((work, t, list(self.recording)))
+            self.order_checks.append(start_order_check(self.dist, self.recording))
         self._end_pass()
 
     def _warn_partial(self, unit: Unit) -> None:
@@ -220,8 +207,7 @@ class Gatherer:
         self.abort_pass(wait)
 
     def abort_pass(self, wait: bool) -> None:
-        """A pass cut short: no unit running, its units released (not one still gathering unless ``wait``), no
-        gradient kept, no trace to follow."""
+        """A pass cut short: its units released (not one still gathering unless ``wait``), no gradient kept."""
         for unit in self.all_units:
             for p in unit.params:
                 p.grad = None
@@ -229,16 +215,13 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
-        self.in_backward = self.driven = False
-        self.roots = 0
+        self.in_backward, self.driven, self.roots = False, False, 0
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
-        """One loss_fn call starts (``grad_mode``: train_step's, ended by its backward; else eval_step's, ended
-        by ``end_pass``): one pass whichever modules it calls, recorded, followed and checked as a whole. (Not
-        ``driven``: a root forward outside train_step and eval_step (generation, say) follows the steps' trace of
-        its grad mode and records nothing, as that trace is what the next steps follow; without one it records
-        and follows a trace of its own.)"""
+        """One loss_fn call starts (``grad_mode``: train_step's, else eval_step's): one pass recorded, followed
+        and checked as a whole. Not ``driven`` (a root forward outside the steps): it follows the steps' trace
+        without recording (the next steps follow it); without one it records and follows a trace of its own."""
         for unit in self.units:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         self._end_pass()
@@ -248,8 +231,7 @@ class Gatherer:
         self.cursor = 0 if self.key in self.traces else None
 
     def end_pass(self) -> None:
-        """An eval_step's loss_fn call (or a root forward outside the steps) returned: units gathered ahead of a
-        use that did not come are released."""
+        """An eval_step's loss_fn call (or a root forward outside the steps) returned: idle units released."""
         self._end_pass()
         self._release_idle()
 
@@ -273,13 +255,8 @@ class Gatherer:
             if self.cursor < len(trace) and trace[self.cursor] == event:
                 self.cursor += 1
             else:
-                expected = (f"{trace[self.cursor][0]} of {self.units[trace[self.cursor][1]].name!r}"
-                            if self.cursor < len(trace) else "the end of the pass")
                 if self.dist.is_main:   # once a run: control flow that changes every step would log every step
-                    (log.debug if self.order_warned else log.warning)(
-                        "zero3: module order changed at use %d (expected %s, got %s of %r); prefetch off until the "
-                        "new order is recorded%s", self.cursor, expected, phase, unit.name,
-                        "" if self.order_warned else " (later changes are logged at debug level)")
+                    warn_order_changed(trace, self.cursor, self.units, phase, unit, self.order_warned)
                     self.order_warned = True
                 self.cursor = None
                 self._release_idle(keep=unit)
@@ -313,8 +290,7 @@ class Gatherer:
                 self._start_gather(unit)
 
     def _keep(self, unit: Unit) -> bool:
-        """Whether the other units used before ``unit``'s next use (per the trace) are within the reuse
-        distance, or so few that the prefetch would gather it straight back."""
+        """Whether the units used before ``unit``'s next use are within the reuse distance (or the prefetch's)."""
         near, between = max(self.reuse, self.prefetch - unit.numel), 0
         for u in self._upcoming():
             if u is unit:
@@ -336,8 +312,7 @@ class Gatherer:
                 and g.shard.dtype == self.param_dtype and g.shard.numel() == g.layout.padded)
 
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
-        """``in_place``: the hooks' gathers use an ``_in_place`` group's shard; ``gather_now`` a buffer of its
-        own, so edits inside framework.gathered without modifier_rank are discarded at world size 1 too."""
+        """``in_place``: the hooks use an ``_in_place`` group's shard; ``gather_now`` a copy (edits discarded)."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
         for g in unit.groups:
             if in_place and self._in_place(g):
@@ -392,26 +367,13 @@ class Gatherer:
             self.live -= unit.numel
 
     def order_flags(self) -> list[torch.Tensor]:
-        """One device value per pass since the last ``order_check``: 0 where every rank used the same order
-        (max h == min h). No host sync: the step reads them with its one read."""
-        self.dist.wait([work for work, _, _ in self.order_checks], "zero3 order check")
-        return [t.sum() for _, t, _ in self.order_checks]
+        """One device value per pass since the last ``order_check`` (no host sync: the step reads them)."""
+        return order_check_flags(self.dist, self.order_checks)
 
     def order_check(self, flags: list[float]) -> None:
-        """Raise (on every rank: collective then) if ranks used units in different orders (``flags``:
-        ``order_flags``' values)."""
+        """Raise if ranks used units in different orders (``flags``: ``order_flags``' values)."""
         checks, self.order_checks = self.order_checks, []
-        for (_, _, record), flag in zip(checks, flags, strict=True):
-            if flag == 0:
-                continue
-            records = self.dist.all_gather_object(record, what="zero3 gather-order records")
-            at = next(i for i in range(max(map(len, records)) + 1)
-                      if len({tuple(r[i]) if i < len(r) else None for r in records}) > 1)
-            seen = ", ".join(f"rank {r} at " + (f"{self.units[rec[at][1]].name!r} ({rec[at][0]})"
-                                                 if at < len(rec) else "the end of the pass")
-                             for r, rec in enumerate(records))
-            raise DistributedError(f"zero3: ranks used different modules at use {at} of a pass "
-                                   f"(data-dependent control flow?): {seen}")
+        check_orders(self.dist, self.units, checks, flags)
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -453,11 +415,8 @@ class Gatherer:
         return sharded
 
     def hold(self, unit: Unit, params: list[torch.Tensor]) -> bool:
-        """Gather ``unit`` and keep it until ``unhold`` (framework.gathered asking for ``params``, some of its);
-        True if this call gathered it."""
-        # Gathered at the outermost block's entry (kept for a later use, in use by its forward, always
-        # gathered): not released at that block's exit, which puts back the values of the parameters asked for
-        # instead (a copy: edits without modifier_rank are discarded, no gather again).
+        """Gather ``unit`` and keep it until ``unhold`` (framework.gathered asking for ``params``); True if this
+        call gathered it. Gathered already: the outermost exit puts back the asked values instead of releasing."""
         restore = not unit.held and unit.state is not UnitState.SHARDED
         started = self.gather_now(unit)
         saved = self.entered.setdefault(id(unit), {}) if restore or id(unit) in self.entered else None
@@ -466,8 +425,7 @@ class Gatherer:
             if not any(id(p) in asked for p in g.params):
                 continue
             if g.full is g.shard:
-                # Gathered in place by the hooks (world size 1): the blocks use a copy, so edits without
-                # modifier_rank never reach the shard; the outermost exit points the unit at the shard again.
+                # Gathered in place by the hooks: the blocks edit a copy; the outermost exit points back at the shard.
                 g.full = g.shard.clone()
                 self._point(g)
             elif saved is not None:
@@ -483,10 +441,8 @@ class Gatherer:
         if started and unit.idle:
             self.release(unit)
         elif id(unit) in self.entered:
-            # Edits without modifier_rank (or left by an error) are discarded by putting the entry values back
-            # locally at the outermost exit (no collective: after an error the peers may be elsewhere); written
-            # shards are gathered again (collective, as the block's exit is), and an outer block's exit then
-            # puts back these values.
+            # Unwritten edits are discarded locally at the outermost exit (after an error the peers may be
+            # elsewhere); written shards are gathered again (collective, as the block's exit is).
             if written:
                 self.regather(unit)
             if not unit.held:
@@ -501,8 +457,7 @@ class Gatherer:
                                 p.data.copy_(saved[id(p)].view_as(p))
 
     def refresh(self) -> None:
-        """The shards changed (an optimizer step, a load): the persistent unit and units a framework.gathered
-        block holds are gathered again (collective), other units released."""
+        """The shards changed (a step, a load): persistent and held units gathered again, others released."""
         for unit in self.all_units:
             if unit is self.persistent or unit.held:
                 self.regather(unit)
@@ -520,8 +475,7 @@ class Gatherer:
                     saved[id(p)] = p.detach().reshape(-1).clone()
 
     def shard_values(self, g: UnitGroup) -> torch.Tensor:
-        """This rank's partition of ``g`` as its shard holds it now, on the device (framework.gathered's
-        modifier_rank exit compares the block's values with it)."""
+        """This rank's partition of ``g`` as its shard holds it now, on the device (for modifier_rank exits)."""
         lo, hi = g.layout.partition(self.dist.rank)
         out = torch.empty(hi - lo, dtype=self.param_dtype, device=self.dist.device)
         with self.offload.shards.loading() as waits:
@@ -543,25 +497,3 @@ class Gatherer:
         rate = self.hits / self.demands if self.demands else 0.0
         self.hits = self.demands = 0
         return {"prefetch_hit_rate": rate, "peak_gathered_elements": self.peak_live}
-
-
-def _replace(obj, fn):
-    """``obj`` (a module's output) with each tensor ``t`` replaced by ``fn(t)`` (containers as ``tensors_in``)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):   # a copy keeps what its type's constructor may not take (a defaultdict's factory)
-        new = copy.copy(obj)
-        for k, v in obj.items():
-            new[k] = _replace(v, fn)
-        return new
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):   # a NamedTuple
-        return type(obj)(*(_replace(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_replace(v, fn) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        new = copy.copy(obj)
-        for f in dataclasses.fields(obj):
-            if hasattr(obj, f.name):
-                object.__setattr__(new, f.name, _replace(getattr(obj, f.name), fn))
-        return new
-    return obj
