@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from framework.core.errors import ConfigError, FrameworkError
-from framework.core.paths import WEIGHT_FILES, weights_file
+from framework.core.paths import WEIGHTS_READ, weights_file
 from framework.core.registry import registry
 from framework.models._base import ModelComponent, name_seed, next_token_loss
 
@@ -101,7 +101,7 @@ def check(cfg: HFConfig, stage: str, nodes: Mapping[str, Any]) -> HFConfig:
     _raw_config(cfg)
     if cfg.pretrained is not None and weights_file(Path(cfg.pretrained).expanduser()) is None:
         raise ConfigError(f"model.pretrained={cfg.pretrained}: the folder holds no weights (none of "
-                          f"{', '.join(WEIGHT_FILES[:3])}); give a save_pretrained folder with its weights, or "
+                          f"{WEIGHTS_READ}); give a save_pretrained folder with its weights, or "
                           f"model.config={cfg.pretrained} to train a new model from its config.json")
     return cfg
 

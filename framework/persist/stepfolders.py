@@ -243,9 +243,8 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
     chain = [(p, m) for p, m in _committed(root)[0] if step_of(p) <= step_of(newest)]
     good = next((p for p, m in chain if m is not None and m.get("verified") is True), None)
     older = [(p, m) for p, m in chain if step_of(p) < step_of(newest)]
-    gone = [p for p, m in older[keep_last - 1:] if p != good and m is not None]
-    left = []
-    for p in gone:
+    gone, left = [], []
+    for p in (p for p, m in older[keep_last - 1:] if p != good and m is not None):
         # Renamed first: a kill halfway leaves a step-N.del folder, never a half checkpoint.
         doomed = p.with_name(p.name + ".del")
         _remove_tree(doomed)
@@ -253,7 +252,9 @@ def prune(root: Path, newest: Path, keep_last: int) -> tuple[list[Path], list[Pa
         _remove_tree(doomed)
         if os.path.lexists(doomed):
             left.append(doomed)
-    return [p for p in gone if p.with_name(p.name + ".del") not in left], left
+        else:
+            gone.append(p)
+    return gone, left
 
 
 def remove_stale(root: Path, keep: Path | None = None) -> None:

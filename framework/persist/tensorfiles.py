@@ -19,9 +19,7 @@ import torch
 
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError, first_line
-from framework.core.paths import WEIGHT_FILES, weights_file
-from framework.core.paths import WEIGHTS_INDEX as INDEX
-from framework.core.paths import WEIGHTS_SINGLE as SINGLE
+from framework.core.paths import WEIGHTS_INDEX as INDEX, WEIGHTS_READ, WEIGHTS_SINGLE as SINGLE, weights_file
 from framework.core.room import FULL, free_bytes, free_note
 from framework.core.units import MiB, size
 from framework.core.utils import dtype_name, few
@@ -141,7 +139,7 @@ def open_weights(source: str | os.PathLike) -> WeightsSource:
     path = Path(source)
     if path.is_dir():
         if (found := weights_file(path)) is None:
-            raise ConfigError(f"load_weights: {path} holds none of {', '.join(WEIGHT_FILES[:3])}")
+            raise ConfigError(f"load_weights: {path} holds none of {WEIGHTS_READ}")
         return open_weights(found)
     if not path.is_file():
         raise ConfigError(f"load_weights: {path} does not exist")
