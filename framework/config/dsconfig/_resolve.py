@@ -8,7 +8,7 @@ from typing import Any, Callable, Mapping
 
 from framework.core.errors import ConfigError
 from framework.config.dsconfig._keys import AUTO, AUTO_FILLED, DS_FILE, DTYPES, SCALER_DEFAULTS
-from framework.config.dsconfig._translate import Setting, Translation
+from framework.config.dsconfig._record import Setting, Translation
 
 
 @dataclass(frozen=True)
