@@ -75,6 +75,9 @@ class Engine(contextlib.AbstractContextManager):
         if not isinstance(state, TrainState):
             raise FrameworkError(f"{what}: state must be a TrainState, got {type(state).__name__}; pass the state "
                                  f"train_step returned (engine.state)")
+        if state.params is not cur.params and not any(p is q for p, q in zip(state.params, cur.params)):
+            raise FrameworkError(f"{what}: this state belongs to another engine (none of its tensors is this "
+                                 f"engine's): pass this engine's state (engine.state, or what its train_step returned)")
         if state is not cur and (state.step != cur.step or state.params is not cur.params):
             raise FrameworkError(f"{what}: this state (step {state.step}) is not the one the last train_step, "
                                  f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "

@@ -165,6 +165,8 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
     from (``seed``, step, rank) on ``device``, as a resume derives them."""
     check_aligned(specs, state.params)
+    if isinstance(saved, Mapping):   # (one rank's state dict: its keys would be read as the ranks' dicts)
+        raise FrameworkError("load_state_dict: pass every rank's state dicts as a list: [sd] for a run of one rank")
     if not saved:
         raise FrameworkError("load_state_dict: no saved state given (pass the state dicts of every rank)")
     first = saved[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +93,11 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     state). Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; a tied parameter takes
     any of its names; values are converted to each target's dtype. Missing and unexpected names (``strict``),
     shape and dtype-kind mismatches: one ``ConfigError`` before anything is written."""
+    if not isinstance(source, (str, os.PathLike, WeightsSource)):
+        raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
+                          f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
+                          f"initialize (module.load_state_dict), engine.state_dict's into engine.load_state_dict(state, "
+                          f"[sd])")
     c = engine.components
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):

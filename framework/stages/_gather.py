@@ -314,19 +314,29 @@ class Gatherer:
     def _start_gather(self, unit: Unit, in_place: bool = True) -> None:
         """``in_place``: the hooks use an ``_in_place`` group's shard; ``gather_now`` a copy (edits discarded)."""
         unit.to(UnitState.GATHERING)   # (its works are empty: the last gather's finish cleared them)
-        for g in unit.groups:
-            if in_place and self._in_place(g):
-                g.full = g.shard   # no copy, no collective (world size 1)
-                continue
-            if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
-                g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
-            else:   # its bytes again (released: zero bytes); the gather fills them
-                g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
-            with self.offload.shards.loading() as waits:   # host shards: copy and gather off the compute stream
-                self.offload.shards.load(g.full[slice(*g.layout.partition(self.dist.rank))], g.shard)
-                unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
-                                                                 f"zero3 gather of {unit.name!r}"))
-            unit.works.append(Pending(after=waits))
+        try:
+            for g in unit.groups:
+                if in_place and self._in_place(g):
+                    g.full = g.shard   # no copy, no collective (world size 1)
+                    continue
+                if g.full is None or g.full is g.shard:   # first gather, or the last one was in place
+                    g.full = torch.empty(g.layout.padded, dtype=self.param_dtype, device=self.dist.device)
+                else:   # its bytes again (released: zero bytes); the gather fills them
+                    g.full.untyped_storage().resize_(g.layout.padded * g.full.element_size())
+                with self.offload.shards.loading() as waits:   # host shards: copy and gather off the compute stream
+                    self.offload.shards.load(g.full[slice(*g.layout.partition(self.dist.rank))], g.shard)
+                    unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
+                                                                     f"zero3 gather of {unit.name!r}"))
+                unit.works.append(Pending(after=waits))
+        except BaseException:
+            # A gather that failed (a refused shard read) leaves the unit sharded: a later gather starts over
+            # instead of finishing this one into buffers never filled. The collectives started write into them.
+            works, unit.works, unit.state = unit.works, [], UnitState.SHARDED
+            self.dist.comm.wait(works, f"zero3 gather of {unit.name!r}")
+            for g in unit.groups:
+                if g.full is not None and g.full is not g.shard:
+                    g.full.untyped_storage().resize_(0)
+            raise
         if unit is not self.persistent:
             self.live += unit.numel
             self.peak_live = max(self.peak_live, self.live)

@@ -311,15 +311,17 @@ def test_after_close_the_state_is_saved_from_host_memory_and_refused_in_one_line
 
 def test_after_close_zero3_shards_on_nvme_are_refused_not_read_as_zeros(tmp_path):
     """The module's swapped parameter shards are gone with the swap file: a gathered forward after close is
-    one line, never a forward on the zero placeholders."""
+    one line (each try), never a forward on the zero placeholders or on unfilled gather buffers."""
     cfg = tiny_config("train.micro_batch=2", "+stage=zero3", "stage.stage3_param_persistence_threshold=0",
                       "offload=nvme", "offload.params=nvme", f"offload.nvme_path={tmp_path}/swap")
     module, data = build_gpt(cfg)
     with framework.initialize(module, gpt_loss, cfg) as engine:
         engine.train_step(engine.state, _batch(data, engine.state))
-    with pytest.raises(framework.FrameworkError, match=r"^this engine is closed and its zero3 parameter swap file"):
-        with framework.gathered(module.parameters()):
-            pass
+    # (every time: a refused gather leaves nothing half done for the next one to finish on unfilled buffers)
+    for use in (engine.consolidated_state_dict, lambda: framework.gathered(module.parameters()).__enter__()) * 2:
+        with pytest.raises(framework.FrameworkError, match=r"^this engine is closed and its zero3 parameter swap "
+                                                           r"file"):
+            use()
 
 
 OFFLOAD = ["+stage=zero2", "offload=cpu", "stage.reduce_bucket_size=1500", "offload.overlap_step=true",
@@ -410,6 +412,35 @@ def test_eval_step_takes_any_iterable_of_micro_batches():
             engine.eval_step(engine.state, iter([]))
         with pytest.raises(framework.FrameworkError, match="^eval_step: state must be a TrainState, got NoneType"):
             engine.eval_step(None, micro)
+
+
+def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
+    """Another engine's state, one rank's state dict where a list goes, a dict where load_weights takes a
+    path, a save through a closed Checkpointer: each one line that says what to pass instead, nothing written."""
+    module = torch.nn.Linear(3, 1)
+    micro = (torch.randn(2, 3), torch.randn(2, 1))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(module, loss, tiny_config()) as engine, \
+            framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as other:
+        state, _ = engine.train_step(engine.state, framework.Batch((micro,)))
+        with pytest.raises(framework.FrameworkError, match=r"^train_step: this state belongs to another engine .*"
+                                                           r"pass this engine's state \(engine\.state"):
+            other.train_step(state, framework.Batch((micro,)))
+        saved = engine.state_dict(state)
+        with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: pass every rank's state dicts as "
+                                                           r"a list: \[sd\]"):
+            engine.load_state_dict(state, saved)
+        with pytest.raises(framework.ConfigError, match=r"^load_weights: source must be a path \(a weights file or "
+                                                        r"folder\), got dict; .*module\.load_state_dict"):
+            framework.load_weights(engine, engine.consolidated_state_dict())
+        ckpt = Checkpointer(tiny_config(), engine, run_dir=tmp_path)
+        ckpt.close()
+        for use in (lambda: ckpt.save(state), lambda: ckpt.resume(state)):
+            with pytest.raises(framework.FrameworkError, match=r"^checkpoint (save|resume): this Checkpointer is "
+                                                               r"closed \(ckpt\.close\(\)\)"):
+                use()
+        assert not list(tmp_path.rglob("step-*"))
+        assert engine.state is state and other.state.step == 0
 
 
 class _Blk(torch.nn.Module):

@@ -53,6 +53,7 @@ class Checkpointer:
         self._pending: concurrent.futures.Future | None = None
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
+        self.closed = False   # close() ended its group (and async pool): no save or resume after it
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
@@ -60,6 +61,7 @@ class Checkpointer:
 
     def resume(self, state):
         """The state loaded from the checkpoint ``checkpoint.resume`` selects, or ``state`` (saying why). Collective."""
+        self._check_open("resume")
         resume, every = self.cfg.resume, self.cfg.every
         # Rank 0 looks, every rank gets its answer (or its error: no rank is left waiting).
         what = "checkpoint.resume=off" if resume == "off" else \
@@ -114,6 +116,7 @@ class Checkpointer:
             self.save(state)
 
     def save(self, state) -> None:
+        self._check_open("save")
         self.wait()
         self._pending = save(self, state)
 
@@ -123,7 +126,13 @@ class Checkpointer:
             pending, self._pending = self._pending, None
             pending.result()
 
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise FrameworkError(f"checkpoint {what}: this Checkpointer is closed (ckpt.close()); save and resume "
+                                 f"before closing it, or make a new Checkpointer(cfg, engine, ...)")
+
     def close(self) -> None:
+        self.closed = True
         try:
             self.wait()
         finally:
