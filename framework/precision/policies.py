@@ -90,8 +90,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def next_scale(cfg: ScalerConfig | None, st: PrecisionState, overflow: bool,
                culprits=lambda: []) -> PrecisionState:
-    """One step of DeepSpeed's DynamicLossScaler. Steps with non-finite gradients are always skipped (the
-    scale stays 1 for fp32/bf16) and counted; ``culprits`` lazily names the overflowing parameters."""
+    """One step of DeepSpeed's dynamic loss scaling: its hysteresis, and the scale doubling after
+    ``loss_scale_window`` + 1 clean steps since the last overflow, as its fp16 optimizer counts them (its ZeRO
+    scaler, ``DynamicLossScaler``, doubles one step sooner). Steps with non-finite gradients are always skipped
+    (the scale stays 1 for fp32/bf16) and counted; ``culprits`` lazily names the overflowing parameters."""
     if cfg is None or cfg.loss_scale > 0:  # no scaling or a static scale: only count skips
         return replace(st, cur_iter=st.cur_iter + 1, skipped_steps=st.skipped_steps + overflow)
     scale, hyst = st.cur_scale, st.cur_hysteresis
