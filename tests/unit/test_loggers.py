@@ -51,14 +51,18 @@ def test_a_resume_drops_the_records_after_its_step(tmp_path):
     assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [2, 4, 6]   # step 6 once: this run's
     assert _records(tmp_path / "metrics.jsonl")[-1]["loss"] == 9.0
     assert (tmp_path / "metrics.jsonl.1").read_text() == old
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6   # replaced when this run ends
+    # The summary of step 6 went with the history it ends: a run interrupted now has none of another history.
+    assert json.loads((tmp_path / "summary.json.1").read_text())["steps"] == 6
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
     _started(RunRecord(tmp_path, start=2)).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.0}\n'
-    assert not (tmp_path / "metrics.jsonl.1").exists()
+    assert (tmp_path / "summary.json").read_text() == '{"steps": 2}'   # of this history's step
+    assert not (tmp_path / "metrics.jsonl.1").exists() and not (tmp_path / "summary.json.1").exists()
 
 
 def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, capsys):
