@@ -198,6 +198,8 @@ def worker(args: argparse.Namespace) -> None:
             import deepspeed
 
             notes.append(f"DeepSpeed {deepspeed.__version__} (DeepSpeedCPUAdam, adamw_mode=True)")
+    if not systems:
+        sys.exit(f"no system left to time ({'; '.join(notes) or 'none asked'}); choose from {', '.join(SYSTEMS)}")
     if any(s.startswith("ours") for s in systems):
         from framework import ops
 

@@ -135,6 +135,8 @@ def _child(spec: dict) -> dict:
 
 def measure(model: str, offload: list[str], vocab: int, steps: int = 1, folder: str | None = None) -> dict:
     """One configuration in a fresh process (see the module docstring); returns its numbers."""
+    if folder is not None:   # --dir: created when missing, as bench.nvme_io does
+        os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nvme-ckpt-", dir=folder) as tmp:
         spec = {"model": model, "offload": offload, "vocab": vocab, "steps": steps, "dir": tmp}
         env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}

@@ -51,6 +51,8 @@ def finish(name: str, run_dir: Path, proc) -> dict:
 
 def compare(model: str = "gpt2-small", vocab: int = 50304, sub_group_size: int | None = None,
             folder: str | None = None, serial: bool = False) -> dict:
+    if folder is not None:   # --dir: created when missing, as bench.nvme_io does
+        os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="nvme-memory-", dir=folder) as tmp:
         tmp = Path(tmp)
         # Both at once (each process's own peak RSS is what counts; on a quiet machine run them apart

@@ -26,7 +26,7 @@ from framework.config.dsconfig import COMMAND_LINE
 from framework.config.schema import get_key
 from framework.core.registry import GROUPS
 from framework.core import files
-from framework.core.errors import FrameworkError, first_line
+from framework.core.errors import FrameworkError, first_line, say
 from framework.core.units import MiB
 
 
@@ -206,7 +206,7 @@ def markdown_table(jobs: list[Job], root: Path) -> str:
             cells = [name, ov, str(s.get("steps", "-")), _fmt(s.get("train_loss"), ".4f"),
                      _fmt(s.get("val_loss"), ".4f"), _fmt(s.get("tokens_per_s"), ",.0f"),
                      *(_fmt(None if v is None else v / MiB, ",.0f") for v in mib)]
-        rows.append("| " + " | ".join(cells) + " |")
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")   # (a | in an override: escaped)
     return "\n".join(rows) + "\n"
 
 
@@ -384,5 +384,6 @@ def main(argv: list[str] | None = None) -> None:
         res = write_report(args.multirun_dir, args.out, title=args.title)
     except FrameworkError as e:
         sys.exit(fail(e, 1))
-    print(res["table"], end="")
-    print(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}")
+    # (say: a reader that left, as ``| head`` does, ends nothing: the report is written)
+    say(res["table"].rstrip("\n"), sys.stdout)
+    say(f"wrote {res['report']} and {', '.join(str(p) for p in res['plots'])}", sys.stdout)

@@ -46,7 +46,7 @@ class RunRecord:
 
     ``start``: the step this record goes on from (0: new; else the resumed checkpoint's). Later records
     would mix with this run's: once the logger started, the file is set aside as ``metrics.jsonl.N``
-    (a new record's ``summary.json`` too), nothing lost. No room to write ends the run with one line."""
+    (``summary.json`` too, a new record's or one of a later step), nothing lost. No room to write ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
@@ -136,7 +136,10 @@ def _set_aside(run_dir: Path, start: int) -> None:
         lines = []
     keep = [line for line in lines if line.endswith("\n") and _step(line) <= start]   # (a line cut short: aside)
     summary = run_dir / "summary.json"
-    aside = [p for p in (path if len(keep) < len(lines) else None, summary if start == 0 else None)
+    # A summary of a step past ``start`` ends another history (a resume from an earlier checkpoint): aside too.
+    steps = (_summary(run_dir) or {}).get("steps") if start else None
+    aside = [p for p in (path if len(keep) < len(lines) else None,
+                         summary if start == 0 or (isinstance(steps, (int, float)) and steps > start) else None)
              if p is not None and p.is_file()]
     if not aside:
         return

@@ -41,6 +41,10 @@ class WandbLogger:
 
         run_id = self._run_id() if self.run_info.resumed else None
         try:
+            # The mode process-wide too, not only for this run: W&B's own usage telemetry reads it there, and
+            # would go online (to W&B's servers) from an offline run. (Each job sets it; a job after an online
+            # one in the same process, as in a sweep mixing modes, may still send that telemetry.)
+            wandb.setup(settings=wandb.Settings(mode=mode(self.cfg)))
             self.run = wandb.init(project=self.cfg.project, entity=self.cfg.entity, mode=mode(self.cfg),
                                   group=self.run_info.group, name=self.run_info.name, tags=list(self.cfg.tags),
                                   dir=str(self.run_info.run_dir), config=config, reinit="finish_previous",

@@ -733,6 +733,42 @@ def test_a_line_for_a_console_that_is_gone_raises_nothing(tmp_path, monkeypatch,
             gone.close()
 
 
+def _sweep_with_a_bar_in_an_override(root: Path) -> None:
+    for i in (0, 1):
+        (root / str(i) / ".hydra").mkdir(parents=True)
+        (root / str(i) / ".hydra" / "overrides.yaml").write_text(f"- optimizer.lr=0.00{i + 1}\n- data.path=/d/a|b{i}.txt\n")
+        (root / str(i) / "summary.json").write_text('{"steps": 6, "train_loss": 4.1, "val_loss": 4.2}')
+        (root / str(i) / "metrics.jsonl").write_text('{"step": 2, "loss": 4.1}\n{"step": 6, "val_loss": 4.2}\n')
+
+
+def test_a_bar_in_an_override_keeps_the_reports_columns(tmp_path):
+    """``data.path=/d/a|b.txt``: the | is escaped in its cell (as GitHub's tables take it), not a column's end."""
+    import re
+
+    from framework.cli import report
+
+    _sweep_with_a_bar_in_an_override(tmp_path)
+    rows = report.markdown_table(report.load_jobs(tmp_path), tmp_path).splitlines()
+    assert len({len(re.split(r"(?<!\\)\|", row)) for row in rows}) == 1, rows
+    assert "`data.path=/d/a\\|b0.txt`" in rows[2], rows
+
+
+def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
+    """``python -m framework.report DIR | head``: the reader gone, the report is written all the same and
+    nothing fails, at exit either (nothing left pending for the stream's last flush)."""
+    from framework.cli import report
+
+    _sweep_with_a_bar_in_an_override(tmp_path)
+    r, w = os.pipe()
+    os.close(r)   # the reader is gone
+    with open(w, "w") as gone:
+        monkeypatch.setattr(sys, "stdout", gone)
+        report.main([str(tmp_path)])
+        monkeypatch.undo()
+        gone.close()
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
+
+
 def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the

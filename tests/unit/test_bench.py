@@ -54,7 +54,7 @@ def test_checkpoint_bench_runs_tiny(tmp_path):
     assert r["bytes_ours"] > 0 and r["bytes_torch"] > 0
 
 
-def test_nvme_memory_gpt2_small_one_gb_below_cpu():
+def test_nvme_memory_gpt2_small_one_gb_below_cpu(tmp_path):
     """The NVMe memory claim, measured: gpt2-small (124 M parameters), zero2, one rank,
     ``offload=nvme`` with its defaults peaks (ru_maxrss of each run's own process) at least 1 GB below
     ``offload=cpu``, with the same loss and no swap file left behind. The fp32 master + Adam moments
@@ -62,13 +62,13 @@ def test_nvme_memory_gpt2_small_one_gb_below_cpu():
     once, about 30-40 s."""
     from bench.nvme_memory import compare
 
-    r = compare("gpt2-small")
+    r = compare("gpt2-small", folder=str(tmp_path / "swap"))   # (a --dir not there yet: created)
     assert r["nvme"]["train_loss"] == r["cpu"]["train_loss"]
     assert r["drop_bytes"] >= 1e9, r
     assert r["nvme"]["run_dir_left"] == r["cpu"]["run_dir_left"], r   # the nvme folder went with its files
 
 
-def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
+def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file(tmp_path):
     """NVMe checkpoints, measured as the OS sees it (bench.nvme_checkpoint's quick twin): gpt-mini
     (10.8 M parameters, 129 MB of fp32 masters + Adam moments), zero2, one rank, fresh processes. A
     sync save and a resume under offload=nvme go through the memory-mapped swap file: their peak
@@ -80,7 +80,7 @@ def test_nvme_checkpoint_saves_and_loads_from_the_mapped_swap_file():
     0.07x (save) and 0.13x (load), cpu 1.07x and 0.07x. About 10 s."""
     from bench.nvme_checkpoint import compare
 
-    r = compare("gpt-mini", vocab=256)
+    r = compare("gpt-mini", vocab=256, folder=str(tmp_path / "swap"))   # (a --dir not there yet: created)
     state = r["nvme"]["state_bytes"]
     assert r["nvme"]["loss"] == r["cpu"]["loss"] and r["nvme"]["resumed_step"] == r["cpu"]["resumed_step"] == 1
     # the swap files were in the folder the bench was given (its --dir), not under a run directory
@@ -102,6 +102,24 @@ def test_phases_refuses_a_system_it_does_not_know(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--systems", "zero2,fsdp2"])
     assert e.value.code == 2 and "unknown system(s) fsdp2; choose from" in capsys.readouterr().err
+
+
+def test_cpu_adam_with_no_system_left_says_why(monkeypatch):
+    """``bench.cpu_adam --systems deepspeed`` where DeepSpeed cannot run: one line saying why, before measuring
+    anything (it divided by the number of systems, none)."""
+    import torch
+
+    from bench import cpu_adam
+
+    monkeypatch.setattr(cpu_adam, "_deepspeed_status", lambda: "`import deepspeed` failed (not installed)")
+    threads = torch.get_num_threads()   # (the worker sets its own count: this process's is put back)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cpu_adam.main(["--worker", "--systems", "deepspeed", "--threads", "1", "--sizes", "1e5"])
+    finally:
+        torch.set_num_threads(threads)
+    assert str(e.value.code).startswith("no system left to time (DeepSpeedCPUAdam skipped: `import deepspeed` "
+                                        "failed (not installed)); choose from ours, "), e.value.code
 
 
 def test_phases_builds_torch_ddp_as_stages_does(monkeypatch):

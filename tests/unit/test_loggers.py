@@ -51,14 +51,18 @@ def test_a_resume_drops_the_records_after_its_step(tmp_path):
     assert [r["step"] for r in _records(tmp_path / "metrics.jsonl")] == [2, 4, 6]   # step 6 once: this run's
     assert _records(tmp_path / "metrics.jsonl")[-1]["loss"] == 9.0
     assert (tmp_path / "metrics.jsonl.1").read_text() == old
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 6   # replaced when this run ends
+    # The summary of step 6 went with the history it ends: a run interrupted now has none of another history.
+    assert json.loads((tmp_path / "summary.json.1").read_text())["steps"] == 6
+    assert not (tmp_path / "summary.json").exists()
 
 
 def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
     _started(RunRecord(tmp_path, start=2)).close()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 2, "loss": 1.0}\n'
-    assert not (tmp_path / "metrics.jsonl.1").exists()
+    assert (tmp_path / "summary.json").read_text() == '{"steps": 2}'   # of this history's step
+    assert not (tmp_path / "metrics.jsonl.1").exists() and not (tmp_path / "summary.json.1").exists()
 
 
 def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, capsys):
@@ -397,6 +401,45 @@ def test_a_run_resumed_from_its_own_folder_continues_its_wandb_run(monkeypatch, 
         logger.close()
         assert (info.run_dir / RUN_ID).read_text() == ids[-1]
     assert ids[1] == ids[0] and ids[2] != ids[0], ids
+
+
+def test_an_offline_wandb_run_reaches_no_network(tmp_path):
+    """Offline (the default, with no WANDB_MODE): nothing goes to the network, W&B's own usage telemetry included
+    (it reads W&B's process-wide mode, not the run's). In a child process whose every name look-up or connection
+    beyond this machine is refused and said on stderr (an audit hook cannot be taken out of pytest's process)."""
+    import subprocess
+    from pathlib import Path
+
+    script = f"""
+import os, socket, sys
+from pathlib import Path
+
+LOCAL = ("localhost", "127.0.0.1", "::1", None)
+
+def refuse(event, args):
+    host = args[0] if event == "socket.getaddrinfo" else (
+        args[1][0] if event == "socket.connect" and args[0].family != socket.AF_UNIX else None)
+    if host not in LOCAL:
+        os.write(2, f"network: {{event}} {{host}}\\n".encode())
+        raise OSError(f"no network here ({{host}})")
+
+sys.addaudithook(refuse)
+from framework.loggers import RunInfo
+from framework.loggers.wandb import WandbConfig, WandbLogger
+
+logger = WandbLogger(WandbConfig(live=False), run=RunInfo(Path({str(tmp_path)!r}), None, None))
+logger.start({{}}, 2)
+for step in (1, 2):
+    logger.log({{"step": step, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0}})
+logger.finish({{"steps": 2, "train_loss": 1.0, "val_loss": 1.0, "tokens_per_s": 1.0}})
+logger.close()
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                           env={**env, "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
+                                "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert child.returncode == 0 and "network:" not in child.stderr, child.stderr[-3000:]
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")), child.stderr[-3000:]
 
 
 def test_a_console_that_is_gone_ends_nothing_and_the_log_goes_on(tmp_path, monkeypatch):
