@@ -192,6 +192,9 @@ MISPLACED = [
     ({"optimizer": {"type": "AdamW", "my_knob": 1}}, "optimizer: unknown key my_knob"),   # DeepSpeed reads only
     ({"scheduler": {"type": "WarmupLR", "my_knob": 1}}, "scheduler: unknown key my_knob"),   # type and params
     ({"optimizer": {}}, "optimizer.type is missing; give one of Adam, AdamW"),
+    # fp16's loss-scaler keys under bf16 are to be removed, not moved: bf16 has no loss scale
+    ({"bf16": {"enabled": True, "loss_scale": 0}}, "bf16: unknown key loss_scale (DeepSpeed rejects unknown keys "
+                                                   "in bf16); remove it"),
 ]
 
 
