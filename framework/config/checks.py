@@ -127,13 +127,13 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
 
 
 def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
-    """The "did you mean" of an unknown top-level key: a section (a mapping given) or, for a value, the key
-    of that name anywhere (``steps=5``: train.steps), the run's chosen components' keys included."""
+    """The "did you mean" of an unknown top-level key: a top-level key or group (a mapping given: only those)
+    or the key of that name anywhere (``steps=5``: train.steps), the run's chosen components' keys included."""
+    by_leaf = {k: k for k in [*ROOT_KEYS, *GROUPS]}
     if isinstance(value, Mapping):
-        return closest_hint(key, list(ROOT_KEYS) + list(GROUPS))
+        return closest_hint(key, by_leaf)
     schemas = [("", RootSchema), *((f"{g}.", registry(g).get(n).config) for g in GROUPS
                                    if (n := choices.get(g) or (DEFAULT_STAGE if g == "stage" else None)))]
-    by_leaf: dict[str, str] = {}
     while schemas:
         prefix, schema = schemas.pop(0)
         for f in dataclasses.fields(schema):

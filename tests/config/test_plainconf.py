@@ -48,6 +48,8 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["steps=5"], "unknown key 'steps' (did you mean 'train.steps'?)"),
     (["lr=1e-3"], "unknown key 'lr' (did you mean 'optimizer.lr'?)"),
     (["trian.steps=5"], "unknown key 'trian' (did you mean 'train'?)"),
+    (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),   # (a value: a group's name too)
+    (["sead=3"], "unknown key 'sead' (did you mean 'seed'?)"),
     (["train.batch_size=4"], "unknown key 'train.batch_size' (did you mean 'train.micro_batch'?)"),
     (["model.n_embd=256"], "unknown key 'model.n_embd' (did you mean 'model.d_model'?)"),
     (["model.hidden_size=256"], "unknown key 'model.hidden_size' (did you mean 'model.d_model'?)"),
