@@ -22,6 +22,15 @@ from framework.core.errors import ConfigError
 from framework.core.registry import GROUPS, closest, closest_hint, registry
 
 
+# Other tools' names for our keys (lower case), which no spelling distance finds: a "did you mean" names ours.
+KEY_ALIASES = {"batch_size": "micro_batch", "micro_batch_size": "micro_batch", "max_steps": "steps",
+               "num_steps": "steps", "gradient_accumulation_steps": "grad_accum", "max_grad_norm": "grad_clip",
+               "n_embd": "d_model", "hidden_size": "d_model", "n_layers": "n_layer", "num_layers": "n_layer",
+               "num_hidden_layers": "n_layer", "n_heads": "n_head", "num_heads": "n_head",
+               "num_attention_heads": "n_head", "block_size": "context", "seq_len": "context",
+               "max_seq_len": "context", "learning_rate": "lr"}
+
+
 def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> dict:
     """``node`` with its keys as the schema's field names (``async`` is ``async_``), at every level; an
     unknown key is one line. ``option``: the chosen name of the group ``prefix`` names: a key of its other
@@ -43,14 +52,14 @@ def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None)
                 named = ", ".join(f"{group}={n}" for n in owners[:4]) + (", ..." if len(owners) > 4 else "")
                 raise ConfigError(f"config: {group}.{key} is a key of {named}, not of {group}={option} (chosen); "
                                   f"choose such an option ({choose} {group}.{key}={spelled}) or drop {group}.{key}")
-            match = closest(key, valid)
+            match = closest(key, valid, aliases=KEY_ALIASES)
             hint = f" (did you mean '{prefix}{match}'?)" if match else ""
             where = (f"valid keys under {group or 'the top level'}: {', '.join(valid)}" if valid
                      else f"{group}={option} has no keys")
             raise ConfigError(f"config: unknown key '{prefix}{key}'{hint}; {where}")
         sub = hints[name := fields[key]]
         out[name] = _check_keys(value, sub, f"{prefix}{key}.") if dataclasses.is_dataclass(sub) and \
-            isinstance(value, Mapping) else value
+            isinstance(value, Mapping) else plainconf.number(value, sub, f"{prefix}{key}")
     return out
 
 
@@ -87,7 +96,7 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     roots = list(ROOT_KEYS) + list(GROUPS)
     for key in raw:
         if key not in roots:
-            raise ConfigError(f"config: unknown key '{key}'{closest_hint(key, roots)}; "
+            raise ConfigError(f"config: unknown key '{key}'{_root_hint(key, raw[key], choices)}; "
                               f"valid top-level keys: {', '.join(roots)}")
     root = _typed({k: raw[k] for k in ROOT_KEYS if k in raw}, RootSchema, "")
     chosen, nodes = {}, {}
@@ -115,6 +124,26 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
     notes = [note for group in GROUPS if (component := registry(group).get(chosen[group])).notes is not None
              for note in component.notes(nodes[group], run)]
     return Config(**vars(root), choices=chosen, notices=tuple(notes), **nodes)
+
+
+def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
+    """The "did you mean" of an unknown top-level key: a top-level key or group (a mapping given: only those)
+    or the key of that name anywhere (``steps=5``: train.steps), the run's chosen components' keys included."""
+    by_leaf = {k: k for k in [*ROOT_KEYS, *GROUPS]}
+    if isinstance(value, Mapping):
+        return closest_hint(key, by_leaf)
+    schemas = [("", RootSchema), *((f"{g}.", registry(g).get(n).config) for g in GROUPS
+                                   if (n := choices.get(g) or (DEFAULT_STAGE if g == "stage" else None)))]
+    while schemas:
+        prefix, schema = schemas.pop(0)
+        for f in dataclasses.fields(schema):
+            name = plainconf.yaml_name(f.name)
+            if dataclasses.is_dataclass(sub := typing.get_type_hints(schema)[f.name]):
+                schemas.append((f"{prefix}{name}.", sub))
+            else:
+                by_leaf.setdefault(name, prefix + name)
+    match = closest(key, by_leaf, aliases=KEY_ALIASES)
+    return f" (did you mean '{by_leaf[match]}'?)" if match else ""
 
 
 def _refuse_hydra_resolver(node: Any, prefix: str) -> None:

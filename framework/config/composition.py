@@ -225,7 +225,7 @@ class CommandLine:
     # The overrides with plain ``key=value`` of non-group keys as ``++key=value``: Hydra's refusal of an unknown
     # key spans lines and names no suggestion; forced in, ``validate`` refuses it in one line naming the closest.
     forced: tuple[str, ...]
-    kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group stays)
+    kept: tuple[str, ...]     # forced less its deletions of values (~group.key; a group's ~group and ~ds_config stay)
 
     @staticmethod
     def parse(overrides: list[str]) -> "CommandLine":
@@ -239,12 +239,13 @@ class CommandLine:
             group = key.split("@")[0]
             of_value = group not in GROUPS and not key.startswith("hydra")   # (not a group's choice, not Hydra's)
             forced.append("++" + line if plain and of_value else line)
-            if not (delete and of_value):
+            if not (delete and of_value) or key == "ds_config":   # (~ds_config: no file, as ds_config=null)
                 kept.append(forced[-1])
             if key.startswith("hydra"):
                 continue
             if delete:
                 deleted.add(key)
+                ds_config = None if key == "ds_config" else ds_config
             elif group in GROUPS:
                 if isinstance(value, list):
                     raise ConfigError(f"config: {line}: a config group takes one name, not a list; "

@@ -225,6 +225,15 @@ def typed(node: Mapping, schema: type, prefix: str) -> Any:
     return schema(**kwargs)
 
 
+def number(v: Any, hint: Any, key: str) -> Any:
+    """A number given for a bool or int field (``X | None`` too) typed as here, before either composer's typing
+    (OmegaConf takes any integer for true, and refuses 5e8, a float in Hydra's grammar, for an integer)."""
+    base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    if base in (bool, int) and isinstance(v, (int, float)) and not isinstance(v, bool):
+        return _convert(v, base, key)
+    return v
+
+
 def _convert(v: Any, hint: Any, key: str) -> Any:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
@@ -252,10 +261,11 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
         if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "on", "off"):
             return v.lower() in ("true", "yes", "on")
     elif hint in (int, float):
-        # an int where a float is expected widens; a float where an int is expected is refused
-        numeric = (int, float) if hint is float else (int,)
-        if isinstance(v, numeric) and not isinstance(v, bool):
+        # an int where a float is expected widens; a float where an int is expected only when integral (5e8)
+        if isinstance(v, int) and not isinstance(v, bool) or hint is float and isinstance(v, float):
             return hint(v)
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
         if isinstance(v, str):
             try:
                 return hint(v)

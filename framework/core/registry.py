@@ -59,9 +59,13 @@ class Registry:
         return self.entries[name]
 
 
-def closest(name: str, valid, cutoff: float = 0.5) -> str | None:
-    """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here."""
-    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=cutoff)
+def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | None = None) -> str | None:
+    """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here.
+    ``aliases``: other tools' names (lower case) for valid ones, which no spelling distance finds."""
+    valid = [str(v) for v in valid]
+    if (alias := (aliases or {}).get(str(name).lower())) in valid:
+        return alias
+    match = difflib.get_close_matches(str(name), valid, n=1, cutoff=cutoff)
     return match[0] if match else None
 
 

@@ -128,6 +128,8 @@ TYPOS = [
     (("micro_batch_size",), 2, "did you mean 'train_micro_batch_size_per_gpu'"),
     (("optimizer", "params", "epsilon"), 1e-6, "did you mean 'optimizer.params.eps'"),
     (("fp16", "initial_loss_scale"), 12, "did you mean 'fp16.initial_scale_power'"),
+    (("optimizer", "params", "learning_rate"), 1e-4, "did you mean 'optimizer.params.lr'"),
+    (("optimizer", "name"), "AdamW", "did you mean 'optimizer.type'"),
 ]
 
 
@@ -165,6 +167,67 @@ def test_a_file_without_a_scheduler_keeps_the_runs_schedule_under_its_lr():
     assert cfg.choices["scheduler"] == "warmup_cosine" and cfg.optimizer.lr == 2e-5
     assert warmup_cosine.build(cfg.scheduler, cfg.optimizer.lr, 2)(200) == pytest.approx(2e-6)  # after the warm-up
     assert framework.compose(["scheduler=constant"], ds_config=ds).choices["scheduler"] == "constant"
+
+
+MISPLACED = [
+    ({"offload_optimizer": {"device": "cpu"}, "zero_optimization": {"stage": 2}},
+     "'offload_optimizer' belongs under zero_optimization; move it there"),
+    ({"optimizer": {"type": "AdamW", "lr": 3e-5}}, "'optimizer.lr' belongs under optimizer.params"),
+    ({"scheduler": {"type": "WarmupLR", "warmup_num_steps": 5}},
+     "'scheduler.warmup_num_steps' belongs under scheduler.params"),
+    ({"stage": 2}, "'stage' belongs under zero_optimization"),
+    ({"overlap_comm": True}, "'overlap_comm' belongs under zero_optimization"),
+    ({"reduce_bucket_size": 5}, "'reduce_bucket_size' belongs under zero_optimization"),
+    ({"sub_group_size": 5}, "'sub_group_size' belongs under zero_optimization"),
+    ({"loss_scale": 0}, "'loss_scale' belongs under fp16"),
+    ({"lr": 1e-3}, "'lr' belongs under optimizer.params"),
+    ({"weight_decay": 0.1}, "'weight_decay' belongs under optimizer.params"),
+    ({"nvme_path": "/x"}, "'nvme_path' belongs under zero_optimization.offload_optimizer or under "
+                          "zero_optimization.offload_param"),
+    ({"zero_optimization": {"stage": 2, "gradient_clipping": 1.0}},
+     "'zero_optimization.gradient_clipping' belongs at the top level"),
+    ({"zero_optimization": {"stage": 2, "device": "cpu"}}, "'zero_optimization.device' belongs under"),
+    ({"optimizer": {"type": "AdamW", "params": {"warmup_num_steps": 5}}},
+     "'optimizer.params.warmup_num_steps' belongs under scheduler.params"),
+    ({"optimizer": {"type": "AdamW", "my_knob": 1}}, "optimizer: unknown key my_knob"),   # DeepSpeed reads only
+    ({"scheduler": {"type": "WarmupLR", "my_knob": 1}}, "scheduler: unknown key my_knob"),   # type and params
+    ({"optimizer": {}}, "optimizer.type is missing; give one of Adam, AdamW"),
+    # fp16's loss-scaler keys under bf16 are to be removed, not moved: bf16 has no loss scale
+    ({"bf16": {"enabled": True, "loss_scale": 0}}, "bf16: unknown key loss_scale (DeepSpeed rejects unknown keys "
+                                                   "in bf16); remove it"),
+]
+
+
+@pytest.mark.parametrize("ds,needle", MISPLACED, ids=[json.dumps(d) for d, _ in MISPLACED])
+def test_a_key_of_another_section_is_an_error_naming_where_it_belongs(ds, needle):
+    # DeepSpeed ignores it there (or refuses it): the run would silently go without it
+    msg = error_of(ds)
+    assert msg == f"ds_config: {msg.removeprefix('ds_config: ')}" and needle in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("z,needle,agreeing", [
+    ({"cpu_offload": True, "offload_optimizer": {"device": "none"}}, "cpu_offload and zero_optimization."
+     "offload_optimizer.device are the same key with different values (true: device cpu, and \"none\")",
+     {"device": "cpu"}),
+    ({"cpu_offload": True, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}, "(true: device cpu, and "
+     "\"nvme\")", {"device": "cpu"}),
+    ({"cpu_offload": False, "offload_optimizer": {"device": "cpu"}}, "(false: device none, and \"cpu\")",
+     {"device": "none"}),
+    ({"cpu_offload_use_pin_memory": True, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
+     "cpu_offload_use_pin_memory and zero_optimization.offload_optimizer.pin_memory are the same key with "
+     "different values (true and false)", {"device": "cpu", "pin_memory": True}),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "pipeline": False, "pipeline_read": True}},
+     "offload_optimizer.pipeline and zero_optimization.offload_optimizer.pipeline_read are the same key with "
+     "different values (false and true)", {"device": "nvme", "nvme_path": "/tmp", "pipeline": True,
+                                           "pipeline_read": True}),
+    ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "pipeline": True, "pipeline_write": False}},
+     "pipeline_write are the same key with different values (true and false)",
+     {"device": "nvme", "nvme_path": "/tmp", "pipeline": False, "pipeline_write": False}),
+])
+def test_a_deprecated_key_beside_its_new_key_with_another_value_is_an_error(z, needle, agreeing):
+    msg = error_of({"zero_optimization": {"stage": 2, **z}})
+    assert needle in msg and "\n" not in msg, msg
+    framework.compose([], ds_config={"zero_optimization": {"stage": 2, **z, "offload_optimizer": agreeing}})
 
 
 @pytest.mark.parametrize("ds,new", [
@@ -226,6 +289,10 @@ def test_broken_json_names_line_and_column(tmp_path):
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
     assert "appears twice" in error_of(path)
     assert "no such file" in error_of(tmp_path / "missing.json")
+    assert error_of("") == "ds_config: an empty path; give a DeepSpeed JSON file (or null for none)"
+    for text, got in (("null", "null"), ("[1]", "an array")):
+        path.write_text(text)
+        assert error_of(path) == f"ds_config: {path}: the top level must be a JSON object, got {got}"
 
 
 def test_every_problem_in_one_block():
@@ -556,6 +623,10 @@ def test_ds_config_and_strict_set_in_yaml_are_honoured(tmp_path):
     other.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
     cfg = framework.compose([f"ds_config={other}", "ds_config_strict=false"], config_dir=folder, config_name="mine")
     assert cfg.choices["stage"] == "zero1"
+    # ~ds_config drops the YAML's file, as ds_config=null does
+    for drop in ("~ds_config", "ds_config=null"):
+        cfg = framework.compose([drop, "ds_config_strict=false"], config_dir=folder, config_name="mine")
+        assert (cfg.ds_config, cfg.choices["stage"]) == (None, "ddp"), drop
 
 
 def test_auto_warmup_comes_from_the_runs_own_warmup(tmp_path):
@@ -902,6 +973,8 @@ def test_a_dict_config_with_python_typed_values_is_read_as_json_would_hold_it(tm
     omegaconf = pytest.importorskip("omegaconf")
     assert framework.compose([], ds_config=omegaconf.OmegaConf.create(
         {"train_micro_batch_size_per_gpu": 4})).train.micro_batch == 4
+    assert error_of(omegaconf.OmegaConf.create({"zero_optimization": {"stage": "${nowhere}"}})) == (
+        "ds_config: zero_optimization.stage: Interpolation key 'nowhere' not found")
     assert error_of({"zero_optimization": {"stage": torch.tensor(2)}}) == (
         "ds_config: zero_optimization.stage: a value of type Tensor is not a JSON value; give a string, number, "
         "boolean, null, list or dict")

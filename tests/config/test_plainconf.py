@@ -42,7 +42,17 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["stage=zero3"], "use +stage=zero3"),
     (["+stage=zero5"], "unknown stage 'zero5' (did you mean 'zero3'?)"),
     (["train.steps=abc"], "train.steps: Value 'abc'"),
-    (["train.steps=1e3"], "train.steps: Value '1000.0'"),
+    (["train.steps=1.5"], "train.steps: Value '1.5' of type 'float' could not be converted to Int"),
+    (["optimizer.decay_1d=2"], "optimizer.decay_1d: Value '2' of type 'int' could not be converted to Bool"),
+    (["model.tie_weights=5"], "model.tie_weights: Value '5' of type 'int' could not be converted to Bool"),
+    (["steps=5"], "unknown key 'steps' (did you mean 'train.steps'?)"),
+    (["lr=1e-3"], "unknown key 'lr' (did you mean 'optimizer.lr'?)"),
+    (["trian.steps=5"], "unknown key 'trian' (did you mean 'train'?)"),
+    (["modle=gpt-mini"], "unknown key 'modle' (did you mean 'model'?)"),   # (a value: a group's name too)
+    (["sead=3"], "unknown key 'sead' (did you mean 'seed'?)"),
+    (["train.batch_size=4"], "unknown key 'train.batch_size' (did you mean 'train.micro_batch'?)"),
+    (["model.n_embd=256"], "unknown key 'model.n_embd' (did you mean 'model.d_model'?)"),
+    (["model.hidden_size=256"], "unknown key 'model.hidden_size' (did you mean 'model.d_model'?)"),
     (["train.steps=${seed}"], "needs Hydra"),
     (["train.steps=1,2"], "needs Hydra"),
     (["train={steps:5}"], "override 'train={steps:5}' gives a mapping ({...}), which needs Hydra"),
@@ -53,6 +63,13 @@ def test_plain_errors_are_one_line(overrides, message, typing):
     typing()
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(*plain_composer(overrides))
+
+
+def test_integral_floats_are_integers(typing):
+    typing()   # (Hydra's grammar reads 5e8 as a float)
+    cfg = validate(*plain_composer(["+stage=zero2", "stage.reduce_bucket_size=5e8", "train.steps=1e3"]))
+    assert (cfg.train.steps, cfg.stage.reduce_bucket_size) == (1000, 500_000_000)
+    assert type(cfg.train.steps) is int and type(cfg.stage.reduce_bucket_size) is int
 
 
 def test_values_read_as_hydra_reads_them():

@@ -27,6 +27,8 @@ def load(source: str | Path | Mapping) -> dict:
     """The config as a dict: a JSON file (duplicate keys refused), base64-encoded JSON or a mapping (copied)."""
     if isinstance(source, Mapping):   # (an OmegaConf DictConfig too)
         return _plain(source, "")   # a deep, plain copy
+    if not str(source).strip():
+        raise ConfigError("ds_config: an empty path; give a DeepSpeed JSON file (or null for none)")
     path = Path(source)
     # DeepSpeed's third form: the JSON base64-encoded (as launchers pass it); isfile is False, not an
     # error, for a name too long for a path (a real config in base64 is)
@@ -53,7 +55,8 @@ def load(source: str | Path | Mapping) -> dict:
         raise ConfigError(f"ds_config: cannot read {path} ({e.strerror}); fix its permissions or set "
                           "ds_config to a readable file") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {type(data).__name__}")
+        got = "an array" if isinstance(data, list) else json.dumps(data)[:40]
+        raise ConfigError(f"ds_config: {path}: the top level must be a JSON object, got {got}")
     return data
 
 
@@ -62,8 +65,13 @@ def _plain(value, key: str):
     OmegaConf node as its container; anything else is one error naming the key."""
     if type(value).__name__ in ("DictConfig", "ListConfig"):   # (omegaconf imported only for such a value)
         from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
 
-        value = OmegaConf.to_container(value, resolve=True)
+        try:
+            value = OmegaConf.to_container(value, resolve=True)
+        except OmegaConfBaseException as e:   # (an interpolation that does not resolve)
+            where = ".".join(k for k in (key, getattr(e, "full_key", None)) if k) or "the config"
+            raise ConfigError(f"ds_config: {where}: {' '.join(str(e).splitlines()[0].split())}") from None
     if isinstance(value, Mapping):
         return {str(k): _plain(v, f"{key}.{k}" if key else str(k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -158,8 +158,43 @@ SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "wa
 
 # Names people give these keys (other frameworks' spellings) that no spelling distance finds.
 MISNAMES = {"zero": "zero_optimization", "grad_clip": "gradient_clipping", "clip_grad": "gradient_clipping",
-            "epsilon": "eps", "initial_loss_scale": "initial_scale_power",
+            "epsilon": "eps", "initial_loss_scale": "initial_scale_power", "learning_rate": "lr", "name": "type",
             "micro_batch_size": "train_micro_batch_size_per_gpu"}
+
+
+def _places() -> dict[str, tuple[str, ...]]:
+    """Each key DeepSpeed knows -> the sections that hold it ("": the top level): a key found in another
+    section than its own was misplaced (DeepSpeed would ignore it there, or refuse it)."""
+    sections = {
+        "": (*MAPPED_TOP, *INERT_TOP, *AS_HERE, *FEATURES, *ALIASES_TOP),
+        "zero_optimization": (*ZERO_KEYS, *STAGE3_KEYS, *(f"stage3_{k}" for k in STAGE3_KEYS), *ALIASES_ZERO),
+        "zero_optimization.offload_optimizer": OFFLOAD_OPTIMIZER_KEYS,
+        "zero_optimization.offload_param": OFFLOAD_PARAM_KEYS,
+        "optimizer": ("type", "params"),
+        "optimizer.params": (*(k for d in OPTIMIZERS.values() for k in d), "adam_w_mode", *OPTIMIZER_INERT,
+                             *OPTIMIZER_REFUSED),
+        "scheduler": ("type", "params"),
+        "scheduler.params": (*(k for _, d in SCHEDULERS.values() for k in d), "last_batch_iteration"),
+        "fp16": FP16_KEYS, "bf16": BF16_KEYS, "aio": (*AIO_KEYS, "thread_count"),
+    }
+    out: dict[str, tuple[str, ...]] = {}
+    for section, keys in sections.items():
+        for key in dict.fromkeys(keys):
+            out[key] = (*out.get(key, ()), section)
+    return out
+
+
+PLACES = _places()
+
+
+def misplaced(key: str, path: str) -> str | None:
+    """Where ``key``, unknown in section ``path``, belongs when another section holds it: "under X" (or
+    "at the top level")."""
+    # (fp16's loss-scaler keys in bf16 stay unknown keys there, to be removed: bf16 has no loss scale)
+    where = [p for p in PLACES.get(key, ()) if p != path and {p, path} != {"fp16", "bf16"}]
+    if not where:
+        return None
+    return " or ".join(f"under {p}" if p else "at the top level" for p in where)
 
 
 def close(key: str, valid) -> str | None:
@@ -168,8 +203,7 @@ def close(key: str, valid) -> str | None:
     # stricter than for our own keys: DeepSpeed's sections hold many short, similar names; the
     # same words in another order (comm_overlap for overlap_comm) count as close too.
     valid, low, words = list(valid), key.lower(), sorted(key.split("_"))
-    return (next((v for v in valid if v.lower() == low), None)
-            or (MISNAMES[low] if MISNAMES.get(low) in valid else None) or closest(key, valid, cutoff=0.75)
+    return (next((v for v in valid if v.lower() == low), None) or closest(key, valid, 0.75, MISNAMES)
             or next((v for v in valid if sorted(v.split("_")) == words), None))
 
 

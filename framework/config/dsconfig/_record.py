@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import AUTO, DS_FILE, close
+from framework.config.dsconfig._keys import AUTO, DS_FILE, close, misplaced
 
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
@@ -46,8 +46,10 @@ class Translation:
 
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
                 strict: bool = False) -> dict:
-        """The section's keys after alias and typo checks (unknown keys dropped); ``strict``: DeepSpeed
-        refuses an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs): an error here too."""
+        """The section's keys after alias, typo and placement checks (unknown keys dropped; a key of another
+        section is an error: DeepSpeed would ignore it here and the run would go without it); ``strict``:
+        DeepSpeed refuses an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs): an error
+        here too."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
@@ -57,6 +59,8 @@ class Translation:
                 self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
             if key in known or key in aliases:
                 out[key] = value
+            elif (where := misplaced(key, path)) is not None:
+                self.error(f"'{pre}{key}' belongs {where}; move it there")
             elif (near := close(key, [*known, *aliases])) is not None:
                 self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
             elif strict:

@@ -90,13 +90,19 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
         if short in z:
             z.setdefault(long, z.pop(short))   # (on a conflict the current key's value stays: one error)
     for switch, section in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
-        if switch in z and tr.typed(z.pop(switch), "bool", Z + switch) and z.get(section) is None:
+        on = tr.typed(z.pop(switch), "bool", Z + switch) if switch in z else None
+        device = z[section].get("device", "none") if isinstance(z.get(section), dict) else None
+        if on is not None and device not in (None, "cpu" if on else "none"):
+            tr.error(f"{Z}{switch} and {Z}{section}.device are the same key with different values "
+                     f"({json.dumps(on)}: device {'cpu' if on else 'none'}, and {json.dumps(device)}); keep {section}")
+        elif on and z.get(section) is None:
             z[section] = {"device": "cpu"}
     if "cpu_offload_use_pin_memory" in z:
         pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", Z + "cpu_offload_use_pin_memory")
-        for sec in (z.get("offload_optimizer"), z.get("offload_param")):
-            if isinstance(sec, dict):
-                sec.setdefault("pin_memory", pin)
+        for name in ("offload_optimizer", "offload_param"):
+            if isinstance(sec := z.get(name), dict) and pin is not None and sec.setdefault("pin_memory", pin) != pin:
+                tr.error(f"{Z}cpu_offload_use_pin_memory and {Z}{name}.pin_memory are the same key with different "
+                         f"values ({json.dumps(pin)} and {json.dumps(sec['pin_memory'])}); keep {name}.pin_memory")
     zero_stage_keys(tr, z, STAGES[stage])
     offload(tr, z, aio, stage)
     for key, off, what in ZERO_FEATURES:
@@ -194,6 +200,9 @@ def offload(tr: Translation, z: dict, aio: Any, stage: int) -> None:
         if "pipeline" in o:  # DeepSpeed's older spelling of both pipeline flags
             tr.warnings.append(f"'{Z}offload_optimizer.pipeline' is deprecated; use pipeline_read and "
                                f"pipeline_write")
+            for key in (k for k in ("pipeline_read", "pipeline_write") if k in o and o[k] != o["pipeline"]):
+                tr.error(f"{Z}offload_optimizer.pipeline and {Z}offload_optimizer.{key} are the same key with "
+                         f"different values ({json.dumps(o['pipeline'])} and {json.dumps(o[key])}); keep {key}")
         # DeepSpeed reads ratio (partial offload) under stage 3 only: below it the whole step is offloaded. Its
         # config model checks the range at every stage, so a value outside it is refused here at every stage too.
         r = o.get("ratio")
@@ -294,7 +303,7 @@ def precision(tr: Translation, top: dict) -> None:
 
 
 def optimizer(tr: Translation, node: Any) -> None:
-    o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"))
+    o = tr.section(node, "optimizer", ("type", "params", "legacy_fusion"), strict=True)
     tr.inert_keys(o, {"legacy_fusion": "selects a kernel"}, "optimizer.")
     low = _type(tr, o, "optimizer", OPTIMIZERS, NOT_IMPLEMENTED_OPTIMIZERS,
                 {k: k for k in [*OPTIMIZERS, *NOT_IMPLEMENTED_OPTIMIZERS]}, "Adam, AdamW, Adagrad, Lion or SGD")
@@ -338,7 +347,7 @@ def optimizer(tr: Translation, node: Any) -> None:
 
 
 def scheduler(tr: Translation, node: Any) -> None:
-    s = tr.section(node, "scheduler", ("type", "params"))
+    s = tr.section(node, "scheduler", ("type", "params"), strict=True)
     low = _type(tr, s, "scheduler", SCHEDULERS, {k: v for k, v in SCHEDULER_NAMES.items() if k not in SCHEDULERS},
                 SCHEDULER_NAMES, "WarmupLR, WarmupDecayLR or WarmupCosineLR")
     if low is None:
@@ -367,9 +376,11 @@ def _type(tr: Translation, node: dict, section: str, have: Mapping, missing: Map
           spelled: Mapping[str, str], use: str) -> str | None:
     """The section's ``type``, lower case, when we have it; else None, with an error naming what is
     not implemented, or the closest type we have (``spelled``: lower case -> as DeepSpeed writes it)."""
-    kind = tr.typed(node.get("type"), "str", f"{section}.type")
+    kind = tr.typed(node["type"], "str", f"{section}.type") if "type" in node else None
     low = kind.lower() if kind is not None else None
-    if low in missing:
+    if "type" not in node:
+        tr.error(f"{section}.type is missing; give one of {use}")
+    elif low in missing:
         tr.error(f"{section}.type {kind}: {missing[low]} is not implemented here; use {use}")
     elif kind is not None and low not in have:
         near = close(low, spelled)
