@@ -222,6 +222,10 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     else:
         raise ConfigError("estimate: give params=N [largest_layer=N] or model=NAME|config.json|model.yaml")
     given = {k: getattr(cfg.offload, k) for k in NVME_KEYS} if cfg and cfg.choices["offload"] == "nvme" else {}
+    if own_nvme := [k for k in NVME_KEYS if k in own and given]:   # one value for the tables and the prediction
+        k = own_nvme[0]
+        raise ConfigError(f"estimate: {k}={own[k]} with offload=nvme: the config's offload.{k} sizes both the "
+                          f"tables and the per-rank prediction; give offload.{k}={own[k]} instead")
     # Without offload=nvme in the config the tables assume our default sub_group_size (10^7, which
     # bounds the host tiles), and show DeepSpeed's (10^9) beside it.
     ours = {"sub_group_size": registry("offload").get("nvme").config.sub_group_size}
@@ -280,7 +284,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
                                   f"({limit}); set context <= {limit}")
         text += ["", f"model {Path(own['model'])}"] if hf else [""]
         try:
-            pred = predict(cfg, gpus * nodes, module=module, loss_fn=hf_trace_loss if hf else None, context=context)
+            # (ours built by predict at the vocabulary training builds: the data's, not the model's own)
+            pred = predict(cfg, gpus * nodes, module=module if hf else None, loss_fn=hf_trace_loss if hf else None,
+                           context=context)
         except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
             if not hf or isinstance(e, FrameworkError):
                 raise

@@ -37,8 +37,10 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.room import nearest_existing
 from framework.core.units import GB, GiB, MiB
 from framework.memory import probe as _probe
-from framework.memory.model import build_vocab
-from framework.memory.planner import Candidate, Hardware, Planned, candidates, compose_setups, detect, plan
+from framework.memory.model import data_vocab
+from framework.memory.planner import (Candidate, Hardware, Planned, candidates, compose_setups, detect,
+                                      micro_batches, plan)
+from framework.memory.tables import parse_count
 
 OWN_KEYS = ("model", "gpu_mem", "cpu_mem", "nvme", "ranks", "micro_batches", "stages", "offloads",
             "checkpointing", "steps")
@@ -118,6 +120,10 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     cfg = compose([f"model={own['model']}", *overrides])
     base = [f"model={own['model']}", *overrides, *keys]   # each candidate's, with its stage and offload
     disk = _disk_dir(cfg, base)
+    if any(override_key(o) == "dist.nproc" for o in overrides):   # the ranks to plan for, as ranks= gives them
+        if "ranks" in own and parse_count(own["ranks"], "ranks") != cfg.dist.nproc:
+            raise ConfigError(f"plan: dist.nproc={cfg.dist.nproc} and ranks={own['ranks']} differ; give one of them")
+        own = {**own, "ranks": str(cfg.dist.nproc)}
     hw = detect(own, disk)
     # composed for the planned ranks, as each verify job is: a DeepSpeed file's train_batch_size fixes the
     # accumulation per rank count
@@ -126,20 +132,19 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     cfg = compose(ranked)
     own, notes = _restrict(own, given, cfg, base, overrides)
     own, notes, pinned = _restrict_batch(own, ranked, cfg, notes)
+    notes = [*notes, *micro_batches(cfg, hw, own)[1]]   # (a bad micro_batches= is its line, before the probe)
     if cfg.choices["model"] == "hf":   # before the probe
         raise ConfigError("plan: Hugging Face models (model=hf) are not planned: its step-time model reads our GPT's "
                           "keys (model.d_model, n_layer); python -m framework.estimate predicts their memory per "
                           "rank")
     # before the probe: a bad micro_batches=, stages=, offloads= or checkpointing=, or a key every setup refuses
     setups = compose_setups(base, candidates(cfg, hw, own))
+    vocab = f"vocab {data_vocab(cfg)} (from data={cfg.choices['data']})"   # (data that is not here: its line now)
     if cfg.notices:   # the DeepSpeed file's warnings and notes, as training prints them (after the checks)
         print("\n".join(cfg.notices), file=sys.stderr, flush=True)
     probe = _probe.load(hw.device, disk, collectives=hw.ranks > 1, reprobe=flags["reprobe"])
     planned = plan(cfg, base, hw, own, probe, setups)
-    vocab, source = build_vocab(cfg, base)
-    vocab = vocab or getattr(cfg.model, "vocab_size", None)
-    print(_describe(hw, probe, cfg, planned, flags["top"],
-                    f"vocab {vocab} (from {source})" if vocab else "the model's own vocabulary", notes))
+    print(_describe(hw, probe, cfg, planned, flags["top"], vocab, notes))
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))

@@ -196,21 +196,25 @@ def state_bytes(cfg) -> tuple[int, int]:
     return component(cfg, "precision").build(cfg.precision).param_dtype.itemsize, sum(_opt_bytes_per_element(cfg))
 
 
-def data_vocab(cfg) -> int | None:
-    """The configured data set's vocabulary, or None (the model's own) when it cannot be built here."""
+def data_vocab(cfg) -> int:
+    """The vocabulary training builds the model with: the configured data set's (it overrides the model's);
+    where the data cannot be built here, its config's ``vocab_size`` when that states one, else refused."""
     try:
         return component(cfg, "data").build(cfg.data, seed=cfg.seed, context=cfg.model.context).vocab_size
-    except FrameworkError:   # e.g. a data file that is not there: the model's own vocabulary
-        return None
+    except FrameworkError as e:   # e.g. a data file that is not here
+        if (stated := getattr(cfg.data, "vocab_size", None)) is not None:
+            return stated
+        hint = "; or set data.vocab_size=N" if hasattr(cfg.data, "vocab_size") else ""
+        raise ConfigError(f"memory prediction: the model is built at data={cfg.choices['data']}'s vocabulary, "
+                          f"which needs its data here: {e}{hint}") from None
 
 
 def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
-    """(``vocab_size`` to build the model with, its source): the data's when ``overrides`` choose the data
-    (``data=`` or a ``data.`` key), else None: the model config's own, so a preset counts as its YAML states."""
+    """(``vocab_size`` to count the model with in the model-state tables, its source): the data's when
+    ``overrides`` choose the data (``data=`` or a ``data.`` key), else None: the model config's own, so a
+    preset counts as its YAML states. (A per-rank prediction is always at ``data_vocab``'s, as training builds.)"""
     chosen = any(o.split("=")[0].lstrip("+~").split(".")[0] == "data" for o in overrides)
-    if chosen and (vocab := data_vocab(cfg)) is not None:
-        return vocab, f"data={cfg.choices['data']}"
-    return None, "model"
+    return (data_vocab(cfg), f"data={cfg.choices['data']}") if chosen else (None, "model")
 
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
@@ -224,9 +228,11 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
     own_loss, loss_fn = loss_fn is None, loss_fn or model.trace_loss or model.loss
     policy = component(cfg, "precision").build(cfg.precision)
-    if module is None:
+    notes = []
+    if module is None:   # as training builds it: at the data's vocabulary
         with torch.device("meta"):
-            module = model.build(cfg.model, vocab_size=data_vocab(cfg))
+            module = model.build(cfg.model, vocab_size=(vocab := data_vocab(cfg)))
+        notes.append(f"model built at vocab {vocab} (from data={cfg.choices['data']}), as training builds it")
     stage = cfg.choices["stage"]
     placement = component(cfg, "offload").build(cfg.offload)   # no accelerator: it only cuts and sizes pieces
     keep_grads = False
@@ -236,7 +242,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     layouts = [make_layout(Zero2Stage.layout_order(cfg.stage, named, world) if stage == "zero2" else named,
                            1 if stage == "ddp" else world) for named in groups]
     padded = [lay.padded for lay in layouts]
-    pred = Prediction(world, count_module(module).params,
+    pred = Prediction(world, count_module(module).params, notes=notes,
                       host_slack_fraction=0.0 if cfg.choices["offload"] == "nvme" else SLACK_FRACTION)
     # The longest piece the stage lets the tier cut (zero3: one per unit group already).
     chunk = ShardedStage.piece_size(cfg.stage, world) if stage in ("zero1", "zero2") else None

@@ -10,7 +10,7 @@ import torch
 
 from framework.config import COMPATIBLE, compose
 from framework.engine.build import component
-from framework.memory.model import build_vocab, predict
+from framework.memory.model import data_vocab, predict
 from framework.memory.tables import parse_count
 from framework.core.errors import ConfigError, FrameworkError
 from framework.core.registry import closest_hint
@@ -133,17 +133,28 @@ def step_time(cfg, cand: Candidate, hw: Hardware, probe: dict, params: int) -> d
 
 # --- candidates ----------------------------------------------------------------------------------
 
-def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
+def micro_batches(cfg, hw: Hardware, own: dict[str, str]) -> tuple[list[int], list[str]]:
+    """(the micro batch sizes to try: those of ``micro_batches=`` that divide the per-rank batch, else the
+    powers of two that do; a note naming the given sizes left out, if any)."""
     global_batch = cfg.train.micro_batch * cfg.train.grad_accum * hw.ranks
     per_rank = global_batch // hw.ranks
     micro = [parse_count(x, "micro_batches") for x in own["micro_batches"].split(",")] if "micro_batches" in own else \
         [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= per_rank]
     if "micro_batches" in own and min(micro) < 1:
         raise ConfigError(f"plan: micro_batches={own['micro_batches']}: each size must be >= 1")
-    micro = [b for b in micro if per_rank % b == 0]
-    if not micro:
+    kept = [b for b in micro if per_rank % b == 0]
+    if not kept:
         raise ConfigError(f"plan: no micro batch divides the per-rank batch {per_rank} "
                           f"(global batch {global_batch} over {hw.ranks} ranks)")
+    dropped = [b for b in micro if b not in kept]
+    return kept, [f"note: micro_batches {', '.join(map(str, dropped))} left out: they do not divide the per-rank "
+                  f"batch {per_rank} (train.micro_batch x train.grad_accum, global batch {global_batch} over "
+                  f"{hw.ranks} rank(s))"] if dropped and "micro_batches" in own else []
+
+
+def candidates(cfg, hw: Hardware, own: dict[str, str]) -> list[Candidate]:
+    micro = micro_batches(cfg, hw, own)[0]
+    per_rank = cfg.train.micro_batch * cfg.train.grad_accum
     stages = _choices(own, "stages", list(COMPATIBLE))
     wanted = _choices(own, "offloads", sorted({o for offs in COMPATIBLE.values() for o in offs} | {"cpu+params"}))
     ckpts = [x == "true" for x in _choices(own, "checkpointing", ["false", "true"])]
@@ -212,7 +223,7 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     """Every candidate with its predicted time and memory, fitting ones first, fastest first. ``base``: the
     overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already."""
 
-    vocab, cuda = build_vocab(cfg, base)[0], hw.gpu_mem is not None
+    vocab, cuda = data_vocab(cfg), hw.gpu_mem is not None   # the vocabulary training builds the model at
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
     cands = candidates(cfg, hw, own)

@@ -381,6 +381,17 @@ def dataclasses_replace_vocab(cfg, vocab):
     (["params=1e9", "buffer_count=2"], "estimate: buffer_count= needs largest_layer="),
     (["params=1e9", "largest_layer=1e6", "context=8"], "estimate: context= needs model="),
     (["model=gpt-mini", "context=99999"], "for model=gpt-mini use model.context=N"),
+    # the prediction is of the model training builds: at the data's vocabulary, never silently the model's
+    (["model=gpt-mini", "data=text", "data.path=/nonexistent.txt"],
+     "memory prediction: the model is built at data=text's vocabulary, which needs its data here: data file "
+     "'/nonexistent.txt' not found"),
+    (["model=gpt-mini", "data=tokens", "data.path=/nonexistent.bin", "data.vocab_size=null"],
+     "data file '/nonexistent.bin' not found (looked at /nonexistent.bin); point data.path at an existing file, e.g. "
+     "data.path=/abs/path/to/file; or set data.vocab_size=N"),
+    # one sub_group_size for the NVMe rows and the per-rank prediction under them
+    (["model=gpt-nano", "+stage=zero3", "offload=nvme", "sub_group_size=100000"],
+     "estimate: sub_group_size=100000 with offload=nvme: the config's offload.sub_group_size sizes both the tables "
+     "and the per-rank prediction; give offload.sub_group_size=100000 instead"),
     (["model=gpt2"], "config: unknown model 'gpt2' (did you mean 'gpt-1b'?); available: gpt-1b, gpt-mini, gpt-nano, "
                      "gpt2-medium, gpt2-small, hf; a Hub name? nothing is downloaded; give a local config.json or a "
                      "folder holding one"),
@@ -425,18 +436,27 @@ def test_a_hub_name_or_a_folder_without_config_json_is_refused_as_training_refus
 
 
 def test_preset_counts_with_its_own_vocabulary(capsys):
-    """Without data= on the command line a preset is counted at its config's vocab_size (as its YAML
-    states); data= (or a data.* key) counts it at the data's vocabulary, as training builds it."""
+    """Without data= on the command line a preset's tables count it at its config's vocab_size (as its YAML
+    states); data= (or a data.* key) counts it at the data's vocabulary. The per-rank prediction is always
+    of the model training builds for the same overrides: at the (default) data's vocabulary."""
     assert main(["model=gpt2-medium", "gpus_per_node=8", "nodes=2"]) == 0
     out = capsys.readouterr().out
     assert "model with 354M total params, 51M largest layer params; vocab 50304 (from model)" in out, out
     assert main(["model=gpt-mini", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == count_params(PRESETS["gpt-mini"]) and out["vocab"] == {"size": 256, "from": "model"}
+    at_64 = count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 64))
+    assert out["prediction"]["params"] == at_64, out["prediction"]["notes"]
+    assert "model built at vocab 64 (from data=synthetic), as training builds it" in out["prediction"]["notes"]
     assert main(["model=gpt-mini", "data=synthetic", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["params"] == count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 64))
+    assert out["params"] == out["prediction"]["params"] == at_64
     assert out["vocab"] == {"size": 64, "from": "data=synthetic"}
+    # data that is not here: the vocabulary its config states (data=tokens' data.vocab_size), as training builds it
+    assert main(["model=gpt-mini", "data=tokens", "data.path=/nonexistent.bin", "+stage=zero2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    at_50304 = count_params(dataclasses_replace_vocab(PRESETS["gpt-mini"], 50304))
+    assert out["vocab"] == {"size": 50304, "from": "data=tokens"} and out["prediction"]["params"] == at_50304
 
 
 def test_zero3_rows_multiply_in_deepspeeds_order():

@@ -266,6 +266,9 @@ def test_steps_is_checked_and_needs_verify(capsys):
 
 @pytest.mark.parametrize("args,needle", [
     (["ranks=1", "micro_batches=0,3"], "plan: micro_batches=0,3: each size must be >= 1"),
+    (["ranks=3", "dist.nproc=2"], "plan: dist.nproc=2 and ranks=3 differ; give one of them"),
+    (["data=text", "data.path=/nonexistent.txt"],   # never silently the model's vocabulary
+     "memory prediction: the model is built at data=text's vocabulary, which needs its data here"),
     (["offloads=cpu,nvmee"], "plan: offloads: unknown value 'nvmee' (did you mean 'nvme'?)"),
     (["stages=zero2,zero4"], "plan: stages: unknown value 'zero4' (did you mean 'zero3'?)"),
     (["checkpointing=maybe"], "plan: checkpointing: unknown value 'maybe'"),
@@ -318,17 +321,34 @@ def _quiet_probe(monkeypatch):
 SMALL = ["model=gpt-mini", "micro_batches=16", "stages=ddp", "checkpointing=false"]
 
 
-def test_plan_counts_the_model_vocabulary_unless_data_is_given(capsys, monkeypatch):
+def test_plan_counts_the_vocabulary_training_builds(capsys, monkeypatch):
+    """With or without data= on the command line, each setup is the model training builds: at the (default)
+    data's vocabulary, which overrides the model config's."""
     cli = _quiet_probe(monkeypatch)
     assert cli.main([*SMALL, "ranks=1"]) == 0
-    assert "vocab 256 (from model)" in capsys.readouterr().out
-    assert cli.main([*SMALL, "ranks=1", "data=synthetic"]) == 0
     assert "vocab 64 (from data=synthetic)" in capsys.readouterr().out
+    assert cli.main([*SMALL, "ranks=1", "data=synthetic", "data.vocab_size=256"]) == 0
+    assert "vocab 256 (from data=synthetic)" in capsys.readouterr().out
     hw = Hardware(torch.device("cuda", 0), 2 ** 36, 2 ** 36, 2 ** 40, 1)
     own = {"micro_batches": "8", "stages": "ddp", "checkpointing": "false"}
     model = plan(compose(BASE), BASE, hw, own, PROBE)[0]
     data = plan(compose([*BASE, "data=synthetic"]), [*BASE, "data=synthetic"], hw, own, PROBE)[0]
-    assert model.device_peak > data.device_peak   # 256 x 384 embedding against 64 x 384
+    wide = plan(compose([*BASE, "data.vocab_size=256"]), [*BASE, "data.vocab_size=256"], hw, own, PROBE)[0]
+    assert model.device_peak == data.device_peak < wide.device_peak   # 64 x 384 embedding against 256 x 384
+
+
+def test_dist_nproc_gives_the_ranks_and_dropped_micro_batches_are_said(capsys, monkeypatch):
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-nano", "dist.nproc=2", "micro_batches=3,16,64", "stages=ddp", "offloads=none",
+                     "checkpointing=false", "--json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("hardware: 2 rank(s),"), out
+    assert "note: micro_batches 3, 64 left out: they do not divide the per-rank batch 16 (train.micro_batch x " \
+           "train.grad_accum, global batch 32 over 2 rank(s))" in out, out
+    assert [c["micro_batch"] for c in json.loads(out[-1])] == [16]
+    assert cli.main(["model=gpt-nano", "dist.nproc=2", "ranks=2", "micro_batches=16", "stages=ddp",
+                     "checkpointing=false"]) == 0
+    assert "note: micro_batches" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("args,stages,offloads", [
