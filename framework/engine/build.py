@@ -54,6 +54,7 @@ class Engine(contextlib.AbstractContextManager):
         # The stage lays out the trainable parameters once, at setup: a requires_grad changed later would be
         # ignored (a frozen one still stepped, an unfrozen one never trained). Python bools: no tensor touched.
         self._trainable = [(name, p, p.requires_grad) for name, p in components.module.named_parameters()]
+        components.stage.watch()   # (its version counters: an in-place edit of the weights is refused, ``check_unedited``)
 
     @property
     def state(self) -> TrainState:
@@ -63,6 +64,7 @@ class Engine(contextlib.AbstractContextManager):
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
         self.check_trainable("train_step")
+        self.check_unedited("train_step")
         state, metrics = self._train_step(state, batch)
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
@@ -87,6 +89,7 @@ class Engine(contextlib.AbstractContextManager):
         """Mean loss, without grad, over every rank's batches (micro batches as ``loss_fn`` takes them, not
         ``Batch``es); ranks may pass different numbers, none too, except under zero3 (forwards gather)."""
         self._check_open(state, "eval_step")
+        self.check_unedited("eval_step")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")
@@ -131,6 +134,19 @@ class Engine(contextlib.AbstractContextManager):
                                 f"that required grad when it was built: set requires_grad before framework.initialize "
                                 f"(or set it back); to change what trains, build a new engine (close this one first)")
 
+    def check_unedited(self, what: str) -> None:
+        """TrainingError (beginning with ``what``) when trainable weights were written in place since initialize or
+        the last load (``module.load_state_dict``, say): the next step would overwrite them from the masters, or
+        keep them, depending on precision and offload; a save would not hold them."""
+        edited = self.components.stage.edited()
+        if edited:
+            raise TrainingError(f"{what}: the weights of {len(edited)} trainable parameter{'s' if len(edited) != 1 else ''} "
+                                f"({few(edited, 3, str)}) were changed in place after framework.initialize (e.g. "
+                                f"module.load_state_dict), which the engine's master copies do not see: load weights "
+                                f"before framework.initialize, or into the engine with framework.load_weights(engine, "
+                                f"path) or engine.load_state_dict (under zero3 also framework.gathered(params, "
+                                f"modifier_rank=0))")
+
     def _check_whole(self) -> None:
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
@@ -156,6 +172,7 @@ class Engine(contextlib.AbstractContextManager):
         """On rank 0 (None elsewhere; collective): full working-dtype weights and persistent buffers under the
         names ``module.state_dict()`` gives them, what a fresh module's ``load_state_dict`` takes."""
         self._check_whole()   # (the half-updated weights are never handed out to be saved)
+        self.check_unedited("consolidated_state_dict")
         out = self.components.stage.consolidated_state_dict()
         if out is not None:
             out.update(_buffer_copies(self.components.module))
@@ -184,6 +201,7 @@ class Engine(contextlib.AbstractContextManager):
                 self._check_whole()
                 if same_trainable:
                     self.check_trainable("state_dict or checkpoint save")
+                self.check_unedited("state_dict, save_weights or checkpoint save")
                 self._check_current(state, "state_dict or checkpoint save")
             if offload is not None and self.closed:
                 raise FrameworkError("this engine is closed and its swap files (offload=nvme) are gone: call "
@@ -231,6 +249,7 @@ class Engine(contextlib.AbstractContextManager):
             copy_16bit([o for i, o in enumerate(out16) if i not in skip],
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
+        c.stage.watch()   # the working weights are the loaded ones again
         self._state = state
         if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
             self._half_applied = None

@@ -47,6 +47,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                      ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """``applying(step)``: the update of ``step`` now changes the state beyond what ``abort`` undoes (see
     ``framework.engine.update``); after an exception (Ctrl-C included) the caller must not step from it."""
+    warned = False   # about a float16 loss under loss scaling: once per engine
+
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
         micro, position = (batch.micro, batch.position) if isinstance(batch, Batch) else (batch, None)
         if not isinstance(batch, Batch) or not isinstance(micro, tuple):   # any iterable (a generator: read once)
@@ -66,6 +68,7 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             return _step(state, batch)
 
     def _step(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+        nonlocal warned
         scale = state.precision.cur_scale
         n = len(batch.micro)
         lr = c.schedule(state.applied_steps)
@@ -76,6 +79,8 @@ def build_train_step(c: Components, applying: Callable[[int], None]
             for k, micro in enumerate(batch.micro):
                 with c.stage.forward_pass(train=True):
                     loss = checked_loss(c.loss_fn(c.module, micro), train=True)
+                if loss.dtype == torch.float16 and c.policy.scaler is not None and not warned:   # (metadata)
+                    warned = _warn_fp16_loss(c, scale, n)
                 with c.dist.acc.hot("the backward pass (its hooks)"):   # no host syncs (checked on the CPU)
                     c.stage.backward(loss * (scale / n), sync=k == n - 1)
                 loss_sum += loss.detach().float()
@@ -133,6 +138,17 @@ def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:
     got = (f"a tensor of shape {list(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
            else f"a value of type {type(loss).__name__}")
     raise TrainingError(f"loss_fn must return the loss as a 0-dim floating tensor (e.g. reduce it with .mean()), got {got}")
+
+
+def _warn_fp16_loss(c: Components, scale: float, n: int) -> bool:
+    """Say once that a float16 loss makes the skipped steps depend on the world size and grad_accum."""
+    if c.dist.rank == 0:
+        print(f"warning: train_step: loss_fn returned a float16 loss: its backward starts from the gradient loss "
+              f"scale / (micro batches x ranks) ({scale:g}/{n * c.dist.world} now) in float16, and every step where "
+              f"that exceeds 65504 overflows and is skipped, so the skipped steps depend on the world size and "
+              f"train.grad_accum; compute the loss in float32 (e.g. F.cross_entropy(logits.float(), y))",
+              file=sys.stderr, flush=True)
+    return True
 
 
 def _nonfinite(c: Components, step: int, loss: float, norm: float, names: list[str], skipped: int) -> None:

@@ -142,11 +142,13 @@ def bind_groups(module: nn.Module, world: int, dtype: torch.dtype, dist: Dist, i
 
 
 def _bind(module: nn.Module, p: nn.Parameter, v: torch.Tensor) -> nn.Parameter:
-    """``p`` holding ``v``; a meta one (whose .data cannot move) replaced by a new Parameter everywhere."""
+    """``p`` holding ``v``; a meta one (whose .data cannot move) replaced by a new Parameter everywhere. Either way
+    the parameter keeps a version counter of its own, which the stage's writes into ``v``'s buffer leave alone
+    (``BaseStage.watch``)."""
     if not p.is_meta:
         p.data = v
         return p
-    return replace_parameter(module, p, nn.Parameter(v, requires_grad=p.requires_grad))
+    return replace_parameter(module, p, nn.Parameter(v.data, requires_grad=p.requires_grad))
 
 
 def bind_frozen(module: nn.Module, dtype: torch.dtype, dist: Dist, init: ParameterInit) -> None:

@@ -26,11 +26,13 @@ log = logging.getLogger("framework.zero3")
 
 class Gatherer:
     """Runs the unit lifecycle for one model (``cfg``: a ``Zero3Config``). ``on_reduced(g, final)``: called
-    once a reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
+    once a reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass.
+    ``watch(params)``: the stage's ``BaseStage.watch``."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, offload,
-                 on_reduced: Callable[[UnitGroup, bool], None]):
+                 on_reduced: Callable[[UnitGroup, bool], None], watch: Callable[[list], None]):
         self.dist, self.units, self.persistent, self.cfg = dist, units, persistent, cfg
+        self.watch = watch   # the stage's: framework.gathered's exit settled its parameters' in-place edits
         self.all_units = [*units, *([persistent] if persistent else [])]
         self.max_reductions = 2 * max(len(u.groups) for u in units)   # launched reductions before completing
         self.on_reduced = on_reduced

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ class BaseStage:
     dist: Dist
     hook_handles: list   # removed by close()
     forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
+    watched: tuple = ()       # (name, parameter, version counter) of each trainable one (``watch``)
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -52,6 +53,20 @@ class BaseStage:
 
     def stats(self) -> dict:   # stage metrics for the last step (e.g. zero3's prefetch hit rate)
         return {}
+
+    def watch(self, params: Iterable[torch.Tensor] | None = None) -> None:
+        """Take the trainable parameters' version counters as they are now (``params``: only theirs): the stages
+        write working values through their flat buffers and shards, never through the parameters, so a counter
+        that moves later is an in-place edit (``edited``), which the next publish from the masters would undo."""
+        if params is None:
+            self.watched = tuple((n, p, p._version) for n, p in self.module.named_parameters() if p.requires_grad)
+        else:
+            ids = {id(p) for p in params}
+            self.watched = tuple((n, p, p._version if id(p) in ids else v) for n, p, v in self.watched)
+
+    def edited(self) -> list[str]:
+        """The trainable parameters written in place since ``watch`` (Python ints compared: no tensor read)."""
+        return [n for n, p, v in self.watched if p._version != v]
 
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:

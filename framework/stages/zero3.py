@@ -86,7 +86,8 @@ class Zero3Stage(PartitionedStage):
         persistent = self._make_unit(module, len(units), "<persistent>", persistent_named, names_of) \
             if persistent_named else None
         self._scratch = self._init = None
-        self.gatherer = Gatherer(self.dist, units, persistent, self.cfg, policy, self.offload, self._reduced)
+        self.gatherer = Gatherer(self.dist, units, persistent, self.cfg, policy, self.offload, self._reduced,
+                                 self.watch)
         if persistent is not None:
             self.gatherer.gather_now(persistent)  # stays gathered
         self.gatherer.attach(module, [plan.modules for plan in plans])
@@ -204,6 +205,9 @@ class Zero3Stage(PartitionedStage):
     def publish_finish(self) -> None:
         self.gatherer.refresh()   # gathered copies are stale after the step or load
 
+    def edited(self) -> list[str]:   # (an edit inside a framework.gathered block is settled at its exit)
+        return [n for n, p, v in self.watched if p._version != v and not p.zero3_unit.held]
+
     def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
         persistent = self.gatherer.persistent
         self.offload.shards.memory(fp, [g.shard for g in self.groups])
@@ -285,6 +289,8 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     finally:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
             unit.gatherer.unhold(unit, started, written=written)
+        for gatherer in {id(u.gatherer): u.gatherer for u, _ in held}.values():   # edits written or discarded
+            gatherer.watch(sharded)
 
 
 def _refuse_state_dict(module, prefix, keep_vars):

@@ -378,3 +378,49 @@ def test_eval_step_mean_is_over_every_ranks_batches(pools):
     assert out[0][:2] == (pytest.approx((1 * 1 + 4 * 4) / 5, rel=1e-6), pytest.approx(4.0, rel=1e-6))
     assert out[0][2] == out[1][2] == ("eval_step: the ranks passed different numbers of batches ([1, 2]); under "
                                       "zero3 every forward gathers with every rank: give each rank the same number")
+
+
+# --- weights edited in place after initialize --------------------------------------------------------------------
+
+def _edited_in_place(dist, folder):
+    """module.load_state_dict after initialize: the next publish would overwrite it from the masters (16-bit
+    working weights, offloaded masters) or keep it (fp32 masters that are the weights): refused alike."""
+    out = {}
+    for stage, offload, precision in [("ddp", "none", "fp32"), ("zero1", "cpu", "fp32"), ("zero2", "none", "bf16"),
+                                      ("zero3", "none", "bf16")]:   # (zero3: this model's parameters stay whole)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0].to(dtype)).float(), mb[1])   # noqa: E731
+        cfg = framework.compose([f"+stage={stage}", f"offload={offload}", f"precision={precision}", "logger=none",
+                                 "scheduler=constant", "optimizer.lr=1e-6"])
+        micro = (torch.randn(4, 8), torch.randn(4, 4))
+        halves = {k: torch.full(v.shape, 0.5) for k, v in nn.Sequential(nn.Linear(8, 16), nn.Tanh(),
+                                                                          nn.Linear(16, 4)).state_dict().items()}
+        with framework.initialize(model, loss_fn, cfg, dist) as engine:
+            model.load_state_dict(halves)
+            refused = []
+            for call in (lambda: engine.train_step(engine.state, Batch((micro,))),
+                         lambda: engine.eval_step(engine.state, [micro]), lambda: engine.state_dict(engine.state)):
+                try:
+                    call()
+                except framework.TrainingError as e:
+                    refused.append(str(e))
+            torch.save(halves, path := f"{folder}/halves{dist.rank}.pt")
+            framework.load_weights(engine, path)   # the way in: the masters take them too
+            engine.train_step(engine.state, Batch((micro,)))
+            with framework.gathered(list(model.parameters())):
+                off = max((p.float() - 0.5).abs().max().item() for p in model.parameters())
+        out[stage] = refused, engine.state.step, off
+    return out
+
+
+def test_weights_changed_in_place_after_initialize_are_refused_in_every_composition(pools, tmp_path):
+    for stage, (refused, step, off) in pools(2).run(_edited_in_place, str(tmp_path), timeout=180)[0].items():
+        assert len(refused) == 3, (stage, refused)
+        assert refused[0].startswith("train_step: the weights of 4 trainable parameters (0.weight, 0.bias, 2.weight "
+                                     "and 1 more) were changed in place after framework.initialize (e.g. "
+                                     "module.load_state_dict)"), refused[0]
+        assert "framework.load_weights(engine, path)" in refused[0]
+        assert refused[1].startswith("eval_step: ") and refused[2].startswith("state_dict, save_weights or checkpoint")
+        assert step == 1 and off < 1e-3, (stage, step, off)   # one step at lr 1e-6 after load_weights

@@ -471,3 +471,23 @@ def test_a_loss_fn_returning_anything_but_a_0_dim_floating_tensor_is_refused_in_
         state, m = engine.train_step(engine.state, Batch(((x, y),)))   # nothing of the refused steps is left
         assert state.step == 1 and m["loss"] == pytest.approx(ref_loss.item(), rel=RTOL)
         assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_a_float16_loss_under_loss_scaling_is_warned_about_once(capsys):
+    """Its backward starts from loss scale / (micro batches x ranks) in float16: 65536 at world size 1
+    overflows, 32768 at world size 2 does not, so which steps are skipped would silently depend on the world."""
+    batch = Batch(((torch.randn(4, 5), 0.01 * torch.randn(4, 1)),))
+    said = []
+    for upcast in (False, True):
+        torch.manual_seed(0)
+        cfg = framework.compose(["precision=fp16", "scheduler=constant", "logger=none", "train.micro_batch=4"])
+
+        def loss_fn(m, mb, upcast=upcast):
+            out, y = m(mb[0].half()), mb[1].half()
+            return nn.functional.mse_loss(out.float(), y.float()) if upcast else nn.functional.mse_loss(out, y)
+        with framework.initialize(TwoLayer(), loss_fn, cfg) as engine:
+            state, metrics = engine.train_step(engine.state, batch)
+            assert metrics["skipped"] != upcast   # 65536 overflows the float16 loss's gradient
+            engine.train_step(state, batch)
+        said.append(capsys.readouterr().err.count("warning: train_step: loss_fn returned a float16 loss"))
+    assert said == [1, 0]
