@@ -19,7 +19,7 @@ from framework.core.utils import tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
 from framework.stages._outputs import replace_tensors
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
-from framework.stages._trace import check_orders, order_check_flags, start_order_check, warn_order_changed
+from framework.stages._trace import start_order_check, warn_order_changed
 
 log = logging.getLogger("framework.zero3")
 
@@ -330,9 +330,8 @@ class Gatherer:
                     unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
                                                                      f"zero3 gather of {unit.name!r}"))
                 unit.works.append(Pending(after=waits))
-        except BaseException:
-            # A gather that failed (a refused shard read) leaves the unit sharded: a later gather starts over
-            # instead of finishing this one into buffers never filled. The collectives started write into them.
+        except Exception:   # (a refused shard read) sharded again, not finished later into unfilled buffers;
+            # Ctrl-C and SIGTERM are not waited for: the pass's abort leaves a gathering unit as it is.
             works, unit.works, unit.state = unit.works, [], UnitState.SHARDED
             self.dist.comm.wait(works, f"zero3 gather of {unit.name!r}")
             for g in unit.groups:
@@ -377,15 +376,6 @@ class Gatherer:
                 g.full = None   # the next gather takes a buffer of its own
         if unit is not self.persistent:
             self.live -= unit.numel
-
-    def order_flags(self) -> list[torch.Tensor]:
-        """One device value per pass since the last ``order_check`` (no host sync: the step reads them)."""
-        return order_check_flags(self.dist, self.order_checks)
-
-    def order_check(self, flags: list[float]) -> None:
-        """Raise if ranks used units in different orders (``flags``: ``order_flags``' values)."""
-        checks, self.order_checks = self.order_checks, []
-        check_orders(self.dist, self.units, checks, flags)
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
@@ -485,15 +475,6 @@ class Gatherer:
             for p in unit.params:
                 if id(p) in saved:
                     saved[id(p)] = p.detach().reshape(-1).clone()
-
-    def shard_values(self, g: UnitGroup) -> torch.Tensor:
-        """This rank's partition of ``g`` as its shard holds it now, on the device (for modifier_rank exits)."""
-        lo, hi = g.layout.partition(self.dist.rank)
-        out = torch.empty(hi - lo, dtype=self.param_dtype, device=self.dist.device)
-        with self.offload.shards.loading() as waits:
-            self.offload.shards.load(out, g.shard)
-        self.dist.comm.wait(Pending(after=waits), "zero3 shard read")
-        return out
 
     def check_not_held(self) -> None:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""

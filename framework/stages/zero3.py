@@ -20,9 +20,11 @@ from framework.precision import Policy
 from framework.core.registry import Component
 from framework.stages._flat import (bind_frozen, initial_values, make_layout, refuse_sparse_grads, replace_parameter,
                                     unit_groups)
+from framework.comm.collectives import Pending
 from framework.stages._gather import Gatherer
 from framework.stages._shards import ShardedParameter, Unit, UnitGroup, read_hint
 from framework.stages._grads import backward_or_reset
+from framework.stages._trace import check_orders, order_check_flags
 from framework.stages._units import DEFAULT_GATHER_UNIT, plan_units
 from framework.offload.base import Placement
 from framework.stages.base import PartitionedStage, Setup
@@ -180,11 +182,12 @@ class Zero3Stage(PartitionedStage):
         if final and real:
             self.offload.grads_final(g.index, 0, real, g.grad())
 
-    def step_flags(self) -> list[torch.Tensor]:
-        return self.gatherer.order_flags()
+    def step_flags(self) -> list[torch.Tensor]:   # one device value per pass since the last check (no host sync)
+        return order_check_flags(self.dist, self.gatherer.order_checks)
 
-    def check_flags(self, values: list[float]) -> None:
-        self.gatherer.order_check(values)  # before anything is stepped with gradients of mismatched units
+    def check_flags(self, values: list[float]) -> None:   # before anything is stepped with mismatched gradients
+        checks, self.gatherer.order_checks = self.gatherer.order_checks, []
+        check_orders(self.dist, self.gatherer.units, checks, values)
 
     def _finish_grads(self) -> None:
         if self.grad_swap:   # on disk: the pipeline reads each with its tile
@@ -281,7 +284,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
                         a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
                         if id(p) in wanted and a < b:
                             asked[a - lo:b - lo] = True
-                    old = unit.gatherer.shard_values(g)
+                    old = _shard_values(unit.gatherer, g)
                     changed = asked & (g.full[lo:hi] != old)
                     unit.gatherer.offload.write_partition(g.pieces, g.shard, torch.where(changed, g.full[lo:hi], old),
                                                           changed)
@@ -291,6 +294,16 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
             unit.gatherer.unhold(unit, started, written=written)
         for gatherer in {id(u.gatherer): u.gatherer for u, _ in held}.values():   # edits written or discarded
             gatherer.watch(sharded)
+
+
+def _shard_values(gatherer: Gatherer, g: UnitGroup) -> torch.Tensor:
+    """This rank's partition of ``g`` as its shard holds it now, on the device (for modifier_rank exits)."""
+    lo, hi = g.layout.partition(gatherer.dist.rank)
+    out = torch.empty(hi - lo, dtype=gatherer.param_dtype, device=gatherer.dist.device)
+    with gatherer.offload.shards.loading() as waits:
+        gatherer.offload.shards.load(out, g.shard)
+    gatherer.dist.comm.wait(Pending(after=waits), "zero3 shard read")
+    return out
 
 
 def _refuse_state_dict(module, prefix, keep_vars):
