@@ -70,9 +70,10 @@ class Engine(contextlib.AbstractContextManager):
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
         return state, metrics
 
-    def _check_current(self, state: TrainState, what: str) -> None:
-        """Refuse a state superseded by a later train_step or load: its tensors were updated in place, so its
-        counters no longer match them (the same step and params with other scalars, e.g. RNG, is current)."""
+    def _check_current(self, state: TrainState, what: str, superseded_ok: bool = False) -> None:
+        """Refuse another engine's state, and one superseded by a later train_step or load (unless
+        ``superseded_ok``: a load replaces it): its tensors were updated in place, so its counters no longer
+        match them (the same step and params with other scalars, e.g. RNG, is current)."""
         cur = self._state
         if not isinstance(state, TrainState):
             raise FrameworkError(f"{what}: state must be a TrainState, got {type(state).__name__}; pass the state "
@@ -80,7 +81,7 @@ class Engine(contextlib.AbstractContextManager):
         if state.params is not cur.params and not any(p is q for p, q in zip(state.params, cur.params)):
             raise FrameworkError(f"{what}: this state belongs to another engine (none of its tensors is this "
                                  f"engine's): pass this engine's state (engine.state, or what its train_step returned)")
-        if state is not cur and (state.step != cur.step or state.params is not cur.params):
+        if not superseded_ok and state is not cur and (state.step != cur.step or state.params is not cur.params):
             raise FrameworkError(f"{what}: this state (step {state.step}) is not the one the last train_step, "
                                  f"load_state_dict or resume returned (step {cur.step}); its tensors were updated "
                                  f"in place since: pass the state train_step returned (engine.state)")
@@ -195,6 +196,8 @@ class Engine(contextlib.AbstractContextManager):
         stops every rank. A read is refused after a requires_grad change unless ``same_trainable`` is False
         (``save_weights`` picks tensors by the stage's layout, not by the flags)."""
         offload = self._swapping()
+        if write:   # (another engine's state: the same on every rank, no agreement needed)
+            self._check_current(state, "load_state_dict or resume", superseded_ok=True)
 
         def usable() -> None:
             if not write:   # a half-updated or stale state is never saved (a load replaces it: allowed)

@@ -1,6 +1,7 @@
 """Engine lifetime: engine.state follows train_step; close() (or a with block) stops our worker
 thread and removes every hook the stage registered; offload runs on the checking accelerator
 catch a missing event and a host buffer allocated in device memory."""
+import contextlib
 import dataclasses
 import copy
 import gc
@@ -427,6 +428,13 @@ def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
                                                            r"pass this engine's state \(engine\.state"):
             other.train_step(state, framework.Batch((micro,)))
         saved = engine.state_dict(state)
+        with pytest.raises(framework.FrameworkError, match=r"^load_state_dict or resume: this state belongs to "
+                                                           r"another engine"):   # (it took the other's tensors)
+            other.load_state_dict(state, [saved])
+        with contextlib.closing(Checkpointer(tiny_config(), engine, run_dir=tmp_path / "own")) as own:
+            own.save(state)
+        with pytest.raises(framework.FrameworkError, match=r"^load_state_dict or resume: this state belongs"):
+            Checkpointer(tiny_config(), other, run_dir=tmp_path / "own").resume(state)
         with pytest.raises(framework.FrameworkError, match=r"^load_state_dict: pass every rank's state dicts as "
                                                            r"a list: \[sd\]"):
             engine.load_state_dict(state, saved)
@@ -439,8 +447,8 @@ def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
             with pytest.raises(framework.FrameworkError, match=r"^checkpoint (save|resume): this Checkpointer is "
                                                                r"closed \(ckpt\.close\(\)\)"):
                 use()
-        assert not list(tmp_path.rglob("step-*"))
-        assert engine.state is state and other.state.step == 0
+        assert [p.parent.name for p in tmp_path.rglob("step-*")] == ["checkpoints"]   # the one saved above
+        assert engine.state is state and other.state.step == 0 and other.state.params[0] is not state.params[0]
 
 
 class _Blk(torch.nn.Module):
