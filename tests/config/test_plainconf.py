@@ -21,6 +21,9 @@ CASES = [
     ["+stage=zero3", "stage.gather_unit=[Block,Linear]", "dist.backend=gloo", "checkpoint.async=true",
      "checkpoint.every=5", "model.dropout=0.1", "~model.bias", "model.bias=false", "seed=7"],
     ["logger=wandb", "logger.tags=[a,'b c']", "logger.entity=null", "precision=fp16", "precision.loss_scale=128"],
+    # booleans spelled as OmegaConf spells them, or a string of 0/1
+    ["+stage=zero2", "stage.overlap_comm=y", "stage.contiguous_gradients=N", "model.bias='0'",
+     "model.tie_weights='1'"],
 ]
 
 
@@ -45,6 +48,8 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train.steps=1.5"], "train.steps: Value '1.5' of type 'float' could not be converted to Int"),
     (["optimizer.decay_1d=2"], "optimizer.decay_1d: Value '2' of type 'int' could not be converted to Bool"),
     (["model.tie_weights=5"], "model.tie_weights: Value '5' of type 'int' could not be converted to Bool"),
+    *(([f"model.tie_weights={v}"], f"model.tie_weights: Value '{v.strip(chr(39))}' of type 'str' could not be "
+                                   "converted to Bool") for v in ("'2'", "'-1'")),   # (OmegaConf: true)
     (["steps=5"], "unknown key 'steps' (did you mean 'train.steps'?)"),
     (["lr=1e-3"], "unknown key 'lr' (did you mean 'optimizer.lr'?)"),
     (["trian.steps=5"], "unknown key 'trian' (did you mean 'train'?)"),
