@@ -28,7 +28,10 @@ KEY_ALIASES = {"batch_size": "micro_batch", "micro_batch_size": "micro_batch", "
                "n_embd": "d_model", "hidden_size": "d_model", "n_layers": "n_layer", "num_layers": "n_layer",
                "num_hidden_layers": "n_layer", "n_heads": "n_head", "num_heads": "n_head",
                "num_attention_heads": "n_head", "block_size": "context", "seq_len": "context",
-               "max_seq_len": "context", "learning_rate": "lr"}
+               "max_seq_len": "context", "learning_rate": "lr", "per_device_train_batch_size": "micro_batch",
+               "save_steps": "every", "logging_steps": "log_every", "eval_steps": "eval_every", "world_size": "nproc",
+               "adam_epsilon": "eps", "adam_beta1": "beta1", "adam_beta2": "beta2",
+               "gradient_checkpointing": "activation_checkpointing"}
 
 
 def _check_keys(node: Any, schema: type, prefix: str, option: str | None = None) -> dict:
@@ -127,11 +130,14 @@ def validate(cfg: DictConfig | Mapping, choices: Mapping[str, str]) -> Config:
 
 
 def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
-    """The "did you mean" of an unknown top-level key: a top-level key or group (a mapping given: only those)
-    or the key of that name anywhere (``steps=5``: train.steps), the run's chosen components' keys included."""
-    by_leaf = {k: k for k in [*ROOT_KEYS, *GROUPS]}
+    """The "did you mean" of an unknown top-level key: the key of that name (or another tool's name for it,
+    ``max_steps``) anywhere (``steps=5``: train.steps), the run's chosen components' keys included, else a
+    top-level key or group close to it (a mapping given: only those). Leaves match by name only: a
+    hundred of them hold many similar names (``save_steps`` is not train.steps)."""
+    roots = [*ROOT_KEYS, *GROUPS]
     if isinstance(value, Mapping):
-        return closest_hint(key, by_leaf)
+        return closest_hint(key, roots)
+    by_leaf = {}
     schemas = [("", RootSchema), *((f"{g}.", registry(g).get(n).config) for g in GROUPS
                                    if (n := choices.get(g) or (DEFAULT_STAGE if g == "stage" else None)))]
     while schemas:
@@ -142,8 +148,8 @@ def _root_hint(key: str, value: Any, choices: Mapping[str, str]) -> str:
                 schemas.append((f"{prefix}{name}.", sub))
             else:
                 by_leaf.setdefault(name, prefix + name)
-    match = closest(key, by_leaf, aliases=KEY_ALIASES)
-    return f" (did you mean '{by_leaf[match]}'?)" if match else ""
+    match = closest(key, by_leaf, 1.0, KEY_ALIASES)
+    return f" (did you mean '{by_leaf[match]}'?)" if match else closest_hint(key, roots)
 
 
 def _refuse_hydra_resolver(node: Any, prefix: str) -> None:

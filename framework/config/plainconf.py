@@ -227,10 +227,17 @@ def typed(node: Mapping, schema: type, prefix: str) -> Any:
 
 def number(v: Any, hint: Any, key: str) -> Any:
     """A number given for a bool or int field (``X | None`` too) typed as here, before either composer's typing
-    (OmegaConf takes any integer for true, and refuses 5e8, a float in Hydra's grammar, for an integer)."""
+    (OmegaConf takes any integer, or a string of one ('2'), for true, and refuses 5e8, a float in Hydra's grammar,
+    for an integer)."""
     base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     if base in (bool, int) and isinstance(v, (int, float)) and not isinstance(v, bool):
         return _convert(v, base, key)
+    if base is bool and isinstance(v, str):
+        try:
+            n = int(v)
+        except ValueError:
+            return v
+        return _convert(n if n in (0, 1) else v, base, key)
     return v
 
 
@@ -258,8 +265,8 @@ def _convert(v: Any, hint: Any, key: str) -> Any:
     if hint is bool:
         if isinstance(v, int) and v in (0, 1):   # bool too
             return bool(v)
-        if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "on", "off"):
-            return v.lower() in ("true", "yes", "on")
+        if isinstance(v, str) and v.lower() in ("true", "false", "yes", "no", "y", "n", "on", "off"):   # OmegaConf's
+            return v.lower() in ("true", "yes", "y", "on")
     elif hint in (int, float):
         # an int where a float is expected widens; a float where an int is expected only when integral (5e8)
         if isinstance(v, int) and not isinstance(v, bool) or hint is float and isinstance(v, float):

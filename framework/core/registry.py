@@ -63,6 +63,8 @@ def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | 
     """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here.
     ``aliases``: other tools' names (lower case) for valid ones, which no spelling distance finds."""
     valid = [str(v) for v in valid]
+    if str(name) in valid:   # (before the aliases: a key of that very name beats another tool's meaning)
+        return str(name)
     if (alias := (aliases or {}).get(str(name).lower())) in valid:
         return alias
     match = difflib.get_close_matches(str(name), valid, n=1, cutoff=cutoff)

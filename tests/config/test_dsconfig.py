@@ -189,8 +189,11 @@ MISPLACED = [
     ({"zero_optimization": {"stage": 2, "device": "cpu"}}, "'zero_optimization.device' belongs under"),
     ({"optimizer": {"type": "AdamW", "params": {"warmup_num_steps": 5}}},
      "'optimizer.params.warmup_num_steps' belongs under scheduler.params"),
-    ({"optimizer": {"type": "AdamW", "my_knob": 1}}, "optimizer: unknown key my_knob"),   # DeepSpeed reads only
-    ({"scheduler": {"type": "WarmupLR", "my_knob": 1}}, "scheduler: unknown key my_knob"),   # type and params
+    # DeepSpeed reads only type and params there, and ignores the rest: refused, as a key must do something
+    ({"optimizer": {"type": "AdamW", "my_knob": 1}}, "optimizer: unknown key my_knob (DeepSpeed ignores it here); "
+                                                     "remove it"),
+    ({"scheduler": {"type": "WarmupLR", "params": {}, "comment": "x"}}, "scheduler: unknown key comment (DeepSpeed "
+                                                                        "ignores it here); remove it"),
     ({"optimizer": {}}, "optimizer.type is missing; give one of Adam, AdamW"),
     # fp16's loss-scaler keys under bf16 are to be removed, not moved: bf16 has no loss scale
     ({"bf16": {"enabled": True, "loss_scale": 0}}, "bf16: unknown key loss_scale (DeepSpeed rejects unknown keys "
@@ -213,9 +216,6 @@ def test_a_key_of_another_section_is_an_error_naming_where_it_belongs(ds, needle
      "\"nvme\")", {"device": "cpu"}),
     ({"cpu_offload": False, "offload_optimizer": {"device": "cpu"}}, "(false: device none, and \"cpu\")",
      {"device": "none"}),
-    ({"cpu_offload_use_pin_memory": True, "offload_optimizer": {"device": "cpu", "pin_memory": False}},
-     "cpu_offload_use_pin_memory and zero_optimization.offload_optimizer.pin_memory are the same key with "
-     "different values (true and false)", {"device": "cpu", "pin_memory": True}),
     ({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp", "pipeline": False, "pipeline_read": True}},
      "offload_optimizer.pipeline and zero_optimization.offload_optimizer.pipeline_read are the same key with "
      "different values (false and true)", {"device": "nvme", "nvme_path": "/tmp", "pipeline": True,
@@ -233,6 +233,10 @@ def test_a_deprecated_key_beside_its_new_key_with_another_value_is_an_error(z, n
 @pytest.mark.parametrize("ds,new", [
     ({"bfloat16": {"enabled": True}}, "'bf16'"),
     ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "'offload_optimizer'"),
+    # DeepSpeed no longer applies it (only warns): the section's pin_memory, or DeepSpeed's default false
+    *(({"zero_optimization": {"stage": 2, "cpu_offload_use_pin_memory": True, "offload_optimizer": sec}},
+       "ignored, as by DeepSpeed; use 'offload_optimizer.pin_memory'")
+      for sec in ({"device": "cpu", "pin_memory": False}, {"device": "cpu"}, {"device": "none", "pin_memory": False})),
     ({"zero_optimization": {"stage": 3, "stage3_gather_fp16_weights_on_model_save": True}},
      "'stage3_gather_16bit_weights_on_model_save'"),
 ])
@@ -241,6 +245,9 @@ def test_deprecated_alias_accepted_with_a_warning(ds, new):
     assert any("deprecated" in n and new in n for n in cfg.notices), cfg.notices
     if "bfloat16" in ds:
         assert cfg.choices["precision"] == "bf16"
+    elif "cpu_offload_use_pin_memory" in ds["zero_optimization"]:
+        offload = ds["zero_optimization"]["offload_optimizer"]["device"]
+        assert cfg.choices["offload"] == offload and (offload == "none" or cfg.offload.pin_memory is False)
     elif ds["zero_optimization"]["stage"] == 2:
         assert cfg.choices["offload"] == "cpu"
     else:
@@ -721,6 +728,14 @@ DS019 = [
     ({"optimizer": {"type": "AdamW", "params": {"fp32_optimizer_states": False}}}, "error", "fp32_optimizer_states"),
     ({"managed_gradient_accumulation": True}, None, "managed_gradient_accumulation"),
     ({"managed_gradient_accumulation": False}, "error", "managed_gradient_accumulation=false is not supported"),
+    # keys starting with "_" are comments, in every section
+    *(({section: {**body, "_comment": "x"}}, None, f"{section}._comment (a comment)") for section, body in (
+        ("activation_checkpointing", {"partition_activations": False}), ("aio", {}), ("data_types", {}),
+        ("optimizer", {"type": "AdamW"}), ("scheduler", {"type": "WarmupLR"}), ("fp16", {"enabled": False}),
+        ("zero_optimization", {"stage": 2}), ("compile", {}))),
+    ({"optimizer": {"type": "AdamW", "params": {"_lr": "x"}}}, None, "optimizer.params._lr (a comment)"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "_why": "x"}}}, None,
+     "zero_optimization.offload_optimizer._why (a comment)"),
 ]
 
 

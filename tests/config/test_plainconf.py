@@ -21,6 +21,9 @@ CASES = [
     ["+stage=zero3", "stage.gather_unit=[Block,Linear]", "dist.backend=gloo", "checkpoint.async=true",
      "checkpoint.every=5", "model.dropout=0.1", "~model.bias", "model.bias=false", "seed=7"],
     ["logger=wandb", "logger.tags=[a,'b c']", "logger.entity=null", "precision=fp16", "precision.loss_scale=128"],
+    # booleans spelled as OmegaConf spells them, or a string of 0/1
+    ["+stage=zero2", "stage.overlap_comm=y", "stage.contiguous_gradients=N", "model.bias='0'",
+     "model.tie_weights='1'"],
 ]
 
 
@@ -45,6 +48,8 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train.steps=1.5"], "train.steps: Value '1.5' of type 'float' could not be converted to Int"),
     (["optimizer.decay_1d=2"], "optimizer.decay_1d: Value '2' of type 'int' could not be converted to Bool"),
     (["model.tie_weights=5"], "model.tie_weights: Value '5' of type 'int' could not be converted to Bool"),
+    *(([f"model.tie_weights={v}"], f"model.tie_weights: Value '{v.strip(chr(39))}' of type 'str' could not be "
+                                   "converted to Bool") for v in ("'2'", "'-1'")),   # (OmegaConf: true)
     (["steps=5"], "unknown key 'steps' (did you mean 'train.steps'?)"),
     (["lr=1e-3"], "unknown key 'lr' (did you mean 'optimizer.lr'?)"),
     (["trian.steps=5"], "unknown key 'trian' (did you mean 'train'?)"),
@@ -53,6 +58,17 @@ def test_the_plain_composer_gives_what_hydra_gives(overrides, typing):
     (["train.batch_size=4"], "unknown key 'train.batch_size' (did you mean 'train.micro_batch'?)"),
     (["model.n_embd=256"], "unknown key 'model.n_embd' (did you mean 'model.d_model'?)"),
     (["model.hidden_size=256"], "unknown key 'model.hidden_size' (did you mean 'model.d_model'?)"),
+    # a top-level key names a key anywhere by its name or another tool's name for it, never by a near spelling
+    *(([key], f"unknown key '{key.split('=')[0]}' (did you mean '{ours}'?)") for key, ours in (
+        ("save_steps=10", "checkpoint.every"), ("per_device_train_batch_size=8", "train.micro_batch"),
+        ("eval_steps=5", "train.eval_every"), ("logging_steps=5", "train.log_every"), ("world_size=2", "dist.nproc"),
+        ("max_steps=5", "train.steps"), ("gradient_accumulation_steps=2", "train.grad_accum"),
+        ("learning_rate=1e-3", "optimizer.lr"), ("adam_epsilon=1e-8", "optimizer.eps"),
+        ("gradient_checkpointing=true", "model.activation_checkpointing"))),
+    (["+stage=zero2", "offload=nvme", "block_size=1024"], "'block_size' (did you mean 'offload.aio.block_size'?)"),
+    *((overrides, f"unknown key '{overrides[-1].split('=')[0]}'; valid top-level keys") for overrides in (
+        ["device=cpu"], ["report_to=wandb"], ["run_name=x"], ["name=x"], ["model=hf", "hidden_size=64"],
+        ["model=hf", "report_to=x"], ["model=hf", "run_name=x"], ["model=hf", "name=x"])),
     (["train.steps=${seed}"], "needs Hydra"),
     (["train.steps=1,2"], "needs Hydra"),
     (["train={steps:5}"], "override 'train={steps:5}' gives a mapping ({...}), which needs Hydra"),

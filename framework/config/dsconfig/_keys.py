@@ -40,7 +40,7 @@ INERT_TOP = {
     "graph_harvesting": "a CUDA-graph option of DeepSpeed's engine",
     "disable_python_gc": "when Python's garbage collector runs",
     "vocabulary_size": "DeepSpeed's own use of the vocabulary size (the model config sets ours)",
-    "log_level": "DeepSpeed's log verbosity", "_comment": "a comment",
+    "log_level": "DeepSpeed's log verbosity",
 }
 # DeepSpeed features not implemented here: an error unless the value switches them off.
 FEATURES = {
@@ -98,9 +98,9 @@ ZERO_FEATURES = (("zenflow", None, "ZenFlow"), ("legacy_stage1", False, "legacy 
 # Stage-3 keys, which DeepSpeed accepts with and without the "stage3_" prefix.
 STAGE3_KEYS = tuple(k.removeprefix("stage3_") for k in (*ZERO_STAGE, *ZERO_PERF) if k.startswith("stage3_"))
 ZERO_KEYS = ("stage", "offload_param", "offload_optimizer", "sub_group_size", "leaf_module",
+             "cpu_offload_use_pin_memory",   # deprecated, and ignored by DeepSpeed (a warning)
              *(k for k in (*ZERO_STAGE, *ZERO_PERF) if not k.startswith("stage3_")), *(f[0] for f in ZERO_FEATURES))
 ALIASES_ZERO = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
-                "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory / offload_param.pin_memory",
                 "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save"}
 OFFLOAD_OPTIMIZER_KEYS = ("device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read", "pipeline_write",
                           "fast_init", "ratio", "super_offload", "cpuadam_cores_perc", "pipeline")

@@ -47,14 +47,17 @@ class Translation:
     def section(self, node: Any, path: str, known, aliases: Mapping[str, str] | None = None,
                 strict: bool = False) -> dict:
         """The section's keys after alias, typo and placement checks (unknown keys dropped; a key of another
-        section is an error: DeepSpeed would ignore it here and the run would go without it); ``strict``:
-        DeepSpeed refuses an unknown key there (pydantic extra="forbid", optimizer/scheduler kwargs): an error
-        here too."""
+        section is an error: DeepSpeed would ignore it here and the run would go without it; keys starting with
+        "_" are comments); ``strict``: an unknown key there is an error (DeepSpeed refuses it too: pydantic
+        extra="forbid", optimizer/scheduler kwargs; or, directly under optimizer/scheduler, ignores it)."""
         if not isinstance(node, dict):
             self.error(f"{path} must be a JSON object, got {json.dumps(node)}")
             return {}
         out, aliases, pre, refused = {}, aliases or {}, f"{path}." if path else "", []
         for key, value in node.items():
+            if key.startswith("_"):   # a comment ("_comment"), in any section
+                self.inert_key(pre + key, "a comment")
+                continue
             if key in aliases:
                 self.warnings.append(f"'{pre}{key}' is deprecated; use '{aliases[key]}'")
             if key in known or key in aliases:
@@ -68,9 +71,12 @@ class Translation:
             else:
                 self.unknown.append(pre + key)
         if refused:
-            many = len(refused) > 1
-            self.error(f"{path}: unknown key{'s' if many else ''} {', '.join(refused)} (DeepSpeed rejects unknown "
-                       f"keys in {path}); remove {'them' if many else 'it'}")
+            many, it = len(refused) > 1, "them" if len(refused) > 1 else "it"
+            # optimizer and scheduler: DeepSpeed reads only type and params and ignores the rest; refused
+            # here all the same, as a key that is accepted must do something
+            why = (f"DeepSpeed ignores {it} here" if path in ("optimizer", "scheduler")
+                   else f"DeepSpeed rejects unknown keys in {path}")
+            self.error(f"{path}: unknown key{'s' if many else ''} {', '.join(refused)} ({why}); remove {it}")
         return out
 
     def set(self, key: str, value: Any, ds_key: str, source: str = DS_FILE, rule: str = "") -> None:

@@ -97,12 +97,10 @@ def zero(tr: Translation, node: Any, aio: Any) -> None:
                      f"({json.dumps(on)}: device {'cpu' if on else 'none'}, and {json.dumps(device)}); keep {section}")
         elif on and z.get(section) is None:
             z[section] = {"device": "cpu"}
-    if "cpu_offload_use_pin_memory" in z:
-        pin = tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", Z + "cpu_offload_use_pin_memory")
-        for name in ("offload_optimizer", "offload_param"):
-            if isinstance(sec := z.get(name), dict) and pin is not None and sec.setdefault("pin_memory", pin) != pin:
-                tr.error(f"{Z}cpu_offload_use_pin_memory and {Z}{name}.pin_memory are the same key with different "
-                         f"values ({json.dumps(pin)} and {json.dumps(sec['pin_memory'])}); keep {name}.pin_memory")
+    if "cpu_offload_use_pin_memory" in z:   # DeepSpeed warns and reads only the sections' pin_memory
+        tr.typed(z.pop("cpu_offload_use_pin_memory"), "bool", Z + "cpu_offload_use_pin_memory")
+        tr.warnings.append(f"'{Z}cpu_offload_use_pin_memory' is deprecated and ignored, as by DeepSpeed; use "
+                           f"'offload_optimizer.pin_memory' / 'offload_param.pin_memory'")
     zero_stage_keys(tr, z, STAGES[stage])
     offload(tr, z, aio, stage)
     for key, off, what in ZERO_FEATURES:
