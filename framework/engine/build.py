@@ -65,7 +65,10 @@ class Engine(contextlib.AbstractContextManager):
         self._check_open(state, "train_step")
         self.check_trainable("train_step")
         self.check_unedited("train_step")
-        state, metrics = self._train_step(state, batch)
+        try:
+            state, metrics = self._train_step(state, batch)
+        finally:
+            self.components.stage.settle()
         self._state = state
         self._half_applied = None   # (set once the update began: an exception before here keeps it)
         return state, metrics
@@ -108,6 +111,7 @@ class Engine(contextlib.AbstractContextManager):
                     total[0] += checked_loss(c.loss_fn(c.module, b)).float()
         finally:   # a loss_fn that raises leaves dropout and batch norm as they were
             c.module.train(was_training)
+            c.stage.settle()
         c.stage.read_errors()   # a failed shard read gave zeros: every rank raises, none reports that loss
         c.dist.all_reduce(total, what="validation loss all-reduce")
         loss_sum, count = total.tolist()   # host sync: the result is a Python number
@@ -142,8 +146,8 @@ class Engine(contextlib.AbstractContextManager):
         edited = self.components.stage.edited()
         if edited:
             raise TrainingError(f"{what}: the weights of {len(edited)} trainable parameter{'s' if len(edited) != 1 else ''} "
-                                f"({few(edited, 3, str)}) were changed in place after framework.initialize (e.g. "
-                                f"module.load_state_dict), which the engine's master copies do not see: load weights "
+                                f"({few(edited, 3, str)}) were changed in place (or replaced) after framework.initialize "
+                                f"(e.g. module.load_state_dict), which the engine's master copies do not see: load weights "
                                 f"before framework.initialize, or into the engine with framework.load_weights(engine, "
                                 f"path) or engine.load_state_dict (under zero3 also framework.gathered(params, "
                                 f"modifier_rank=0))")

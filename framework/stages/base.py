@@ -44,7 +44,7 @@ class BaseStage:
     dist: Dist
     hook_handles: list   # removed by close()
     forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
-    watched: tuple = ()       # (name, parameter, version counter) of each trainable one (``watch``)
+    watched: tuple = ()   # (name, parameter, version counter, owner module, attribute) per trainable one
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -54,19 +54,36 @@ class BaseStage:
     def stats(self) -> dict:   # stage metrics for the last step (e.g. zero3's prefetch hit rate)
         return {}
 
-    def watch(self, params: Iterable[torch.Tensor] | None = None) -> None:
-        """Take the trainable parameters' version counters as they are now (``params``: only theirs): the stages
-        write working values through their flat buffers and shards, never through the parameters, so a counter
-        that moves later is an in-place edit (``edited``), which the next publish from the masters would undo."""
+    def watch(self, params: Iterable[torch.Tensor] | None = None, entry: dict[int, int] | None = None) -> None:
+        """Take the trainable parameters' version counters as they are now (``params``: only theirs; ``entry``:
+        their counters when a block began, so one edited before it stays edited): the stages write working values
+        through their flat buffers and shards, never through the parameters, so a counter that moves later is an
+        in-place edit (``edited``), which the next publish from the masters would undo."""
         if params is None:
-            self.watched = tuple((n, p, p._version) for n, p in self.module.named_parameters() if p.requires_grad)
-        else:
-            ids = {id(p) for p in params}
-            self.watched = tuple((n, p, p._version if id(p) in ids else v) for n, p, v in self.watched)
+            owners: dict = {}   # the module and attribute named_parameters names each parameter by (tied: first)
+            for m in self.module.modules():
+                for a, p in m._parameters.items():
+                    owners.setdefault(id(p), (m, a))
+            self.watched = tuple((n, p, p._version, *owners[id(p)])
+                                 for n, p in self.module.named_parameters() if p.requires_grad)
+            return
+        ids = {id(p) for p in params}
+        self.watched = tuple((n, p, p._version if id(p) in ids and (entry is None or entry.get(id(p)) == v) else v,
+                              m, a) for n, p, v, m, a in self.watched)
+
+    def settle(self) -> None:
+        """After a step: edits its forwards made (``nn.Embedding(max_norm=...)`` renormalises in place) are no
+        user's edit."""
+        self.watched = tuple((n, p, p._version, m, a) for n, p, _, m, a in self.watched)
 
     def edited(self) -> list[str]:
-        """The trainable parameters written in place since ``watch`` (Python ints compared: no tensor read)."""
-        return [n for n, p, v in self.watched if p._version != v]
+        """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,
+        assign=True)``), since ``watch`` (Python ints and identities compared: no tensor read)."""
+        return [n for n, p, v, m, a in self.watched
+                if (p._version != v or m._parameters.get(a) is not p) and not self.in_edit(p)]
+
+    def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
+        return False
 
     @contextmanager
     def forward_pass(self, train: bool) -> Iterator[None]:

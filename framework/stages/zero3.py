@@ -208,8 +208,8 @@ class Zero3Stage(PartitionedStage):
     def publish_finish(self) -> None:
         self.gatherer.refresh()   # gathered copies are stale after the step or load
 
-    def edited(self) -> list[str]:   # (an edit inside a framework.gathered block is settled at its exit)
-        return [n for n, p, v in self.watched if p._version != v and not p.zero3_unit.held]
+    def in_edit(self, p: torch.Tensor) -> bool:   # a framework.gathered block settles it at its exit
+        return bool(p.zero3_unit.held)
 
     def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
         persistent = self.gatherer.persistent
@@ -261,6 +261,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
     units = list({id(p.zero3_unit): p.zero3_unit for p in sharded}.values())
     # Held: forwards inside the block (and nested blocks) leave the units gathered; a train_step is refused.
     held, written = [], False
+    entry = {id(p): p._version for p in sharded}   # (an edit made before the block stays an edit after it)
     try:
         for u in units:
             held.append((u, u.gatherer.hold(u, sharded)))
@@ -293,7 +294,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
             unit.gatherer.unhold(unit, started, written=written)
         for gatherer in {id(u.gatherer): u.gatherer for u, _ in held}.values():   # edits written or discarded
-            gatherer.watch(sharded)
+            gatherer.watch(sharded, entry)
 
 
 def _shard_values(gatherer: Gatherer, g: UnitGroup) -> torch.Tensor:

@@ -419,7 +419,7 @@ def test_weights_changed_in_place_after_initialize_are_refused_in_every_composit
     for stage, (refused, step, off) in pools(2).run(_edited_in_place, str(tmp_path), timeout=180)[0].items():
         assert len(refused) == 3, (stage, refused)
         assert refused[0].startswith("train_step: the weights of 4 trainable parameters (0.weight, 0.bias, 2.weight "
-                                     "and 1 more) were changed in place after framework.initialize (e.g. "
+                                     "and 1 more) were changed in place (or replaced) after framework.initialize (e.g. "
                                      "module.load_state_dict)"), refused[0]
         assert "framework.load_weights(engine, path)" in refused[0]
         assert refused[1].startswith("eval_step: ") and refused[2].startswith("state_dict, save_weights or checkpoint")

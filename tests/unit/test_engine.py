@@ -693,3 +693,45 @@ def test_initialize_prints_the_notices_of_a_config_composed_before_it(capsys):
         pass
     err = capsys.readouterr().err
     assert err.count("my_unknown_top_key") == 1 and "dist.nproc" not in err, err
+
+
+class _Renorm(torch.nn.Module):   # its forward rescales embedding rows in place (max_norm)
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = torch.nn.Embedding(20, 8, max_norm=1.0), torch.nn.Linear(8, 20)
+
+    def forward(self, x):
+        return self.out(self.emb(x))
+
+
+def _renorm_loss(m, mb):
+    return torch.nn.functional.cross_entropy(m(mb[0]).float().reshape(-1, 20), mb[1].reshape(-1))
+
+
+@pytest.mark.parametrize("stage", ["ddp", "zero3"])
+def test_weight_edits_are_told_from_a_forwards_own_and_survive_no_gathered_block(stage):
+    """A forward's own in-place edit (Embedding max_norm) trains; a load with assign=True (new Parameter objects)
+    is refused; under zero3 an edit made before a framework.gathered block stays refused after it."""
+    x = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(0))
+    cfg = tiny_config(f"+stage={stage}", "scheduler=constant")
+    with framework.initialize(_Renorm(), _renorm_loss, cfg) as engine:
+        state = engine.state
+        for _ in range(3):
+            state, _ = engine.train_step(state, framework.Batch(((x, x),)))
+        engine.eval_step(state, [(x, x)])
+        engine.eval_step(state, [(x, x)])
+    module = _Renorm()
+    with framework.initialize(module, _renorm_loss, cfg) as engine:
+        if stage == "zero3":
+            with torch.no_grad():
+                module.out.bias.fill_(0.5)
+            with framework.gathered([module.out.bias]):
+                pass
+            with pytest.raises(framework.TrainingError, match=r"^eval_step: the weights of 1 trainable parameter "
+                                                              r"\(out\.bias\) were changed in place"):
+                engine.eval_step(engine.state, [(x, x)])
+            return
+        module.load_state_dict({k: v.clone() for k, v in module.state_dict().items()}, assign=True)
+        with pytest.raises(framework.TrainingError, match=r"^train_step: the weights of 3 trainable parameters .*"
+                                                          r"changed in place \(or replaced\)"):
+            engine.train_step(engine.state, framework.Batch(((x, x),)))
