@@ -18,10 +18,11 @@ def _train(dist, overrides):
     return losses, [m["grad_norm"] for m in metrics], flat_params(engine.components.module)
 
 
+WARMUP = "scheduler.warmup_steps=2"   # (the lr peaks within the run)
 CASES = [
-    ["train.grad_clip=1.0"],
-    ["train.grad_accum=3", "train.grad_clip=0.05", "stage.bucket_size=500"],   # many buckets, clipping active
-    ["stage.overlap_comm=false"],
+    ["train.grad_clip=1.0", WARMUP],
+    ["train.grad_accum=3", "train.grad_clip=0.05", "stage.bucket_size=500", WARMUP],   # many buckets, clipping active
+    ["stage.overlap_comm=false", WARMUP],
     # Plain SGD at a constant lr, no clipping: a wrong gradient scale shows in the parameters (AdamW
     # and clipping cancel a constant factor).
     ["optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0", "train.grad_accum=2"],

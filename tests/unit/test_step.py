@@ -17,8 +17,8 @@ RTOL = 1e-6  # fp32, relative, per step
 
 
 @pytest.mark.parametrize("extra", [
-    [],                                                  # clipping at 1.0, warmup_cosine schedule
-    ["train.grad_accum=3", "train.grad_clip=0.05"],      # accumulation, clipping always active
+    ["scheduler.warmup_steps=2"],                        # clipping at 1.0, warmup_cosine past its peak
+    ["train.grad_accum=3", "train.grad_clip=0.05", "scheduler.warmup_steps=2"],   # accumulation, clipping always active
     ["optimizer.decay_1d=true", "scheduler=constant"],
     # Plain SGD at a constant lr, no clipping: the update is the gradient times the lr, so a wrong
     # gradient scale shows in the parameters (AdamW and clipping cancel a constant factor).
