@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import torch
 
@@ -36,8 +37,9 @@ def build_gpt(cfg, seed: int | None = None):
     return component(cfg, "model").build(cfg.model, vocab_size=data.vocab_size), data
 
 
-def run_engine(cfg, dist=None, steps: int | None = None):
-    """Train with our engine; return (per-step losses, engine, final state)."""
+def run_engine(cfg, dist=None, steps: int | None = None, metrics: list | None = None):
+    """Train with our engine; return (per-step losses, engine, final state). ``metrics``: each step's are
+    appended to it."""
     module, data = build_gpt(cfg)
     engine = initialize(module, gpt_loss, cfg, dist)
     state, losses = engine.state, []
@@ -47,6 +49,8 @@ def run_engine(cfg, dist=None, steps: int | None = None):
                                  grad_accum=cfg.train.grad_accum, rank=rank, world=world)
         state, m = engine.train_step(state, batch)
         losses.append(m["loss"])
+        if metrics is not None:
+            metrics.append(m)
     return losses, engine, state
 
 
@@ -54,28 +58,32 @@ def flat_params(module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
 
 
-def reference_losses(cfg, steps: int | None = None):
-    """A plain PyTorch loop: same init and batches, torch.optim.AdamW, clip_grad_norm_."""
+def reference_losses(cfg, steps: int | None = None, norms: list | None = None):
+    """A plain PyTorch loop: same init and batches, torch.optim.AdamW (or SGD), clip_grad_norm_."""
     module, data = build_gpt(cfg)
     ref = copy.deepcopy(module)
     no_decay = cfg.optimizer.weight_decay if cfg.optimizer.decay_1d else 0.0
     losses = plain_loop(cfg, ref, data, gpt_loss, steps=steps or cfg.train.steps,
-                        micro_batch=cfg.train.micro_batch, no_decay_weight_decay=no_decay)
+                        micro_batch=cfg.train.micro_batch, no_decay_weight_decay=no_decay, norms=norms)
     return losses, ref
 
 
 def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
-               no_decay_weight_decay: float = 0.0, device=None) -> list[float]:
-    """Train ``model`` in place on one process: torch AdamW (1-D tensors with
+               no_decay_weight_decay: float = 0.0, device=None, norms: list | None = None) -> list[float]:
+    """Train ``model`` in place on one process: torch AdamW, or SGD for ``optimizer=sgd`` (1-D tensors with
     ``no_decay_weight_decay``), clip_grad_norm_, our schedule; the mean loss of each step.
-    ``device``: where the batches go (the model is already there)."""
+    ``device``: where the batches go (the model is already there); ``norms``: each step's gradient
+    norm before clipping (clip_grad_norm_'s) is appended to it."""
     from framework.core.utils import to_device
 
     o, t = cfg.optimizer, cfg.train
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": no_decay_weight_decay}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": no_decay_weight_decay}]
+    if cfg.choices["optimizer"] == "sgd":
+        opt = torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, dampening=o.dampening, nesterov=o.nesterov)
+    else:
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
     schedule = component(cfg, "scheduler").build(cfg.scheduler, base_lr=o.lr, total_steps=t.steps)
     losses = []
     for step in range(steps):
@@ -85,8 +93,10 @@ def plain_loop(cfg, model, data, loss_fn, *, steps: int, micro_batch: int,
             loss = loss_fn(model, micro if device is None else to_device(micro, device))
             (loss / len(batch.micro)).backward()
             total += loss.item()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        if t.grad_clip > 0 or norms is not None:   # (a max norm of inf scales by exactly 1)
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip if t.grad_clip > 0 else math.inf)
+            if norms is not None:
+                norms.append(norm.item())
         for g in opt.param_groups:
             g["lr"] = schedule(step)
         opt.step()

@@ -55,15 +55,16 @@ def build(cfg, meta: bool = True):
     return (model if meta else materialize(model)), data
 
 
-def plain_losses(cfg, world: int):
+def plain_losses(cfg, world: int, norms: list | None = None):
     """The plain model trained by a plain PyTorch loop on one process over the same global batches:
-    torch AdamW (no decay on 1-D tensors), clip_grad_norm_, our schedule."""
+    torch AdamW or SGD (no decay on 1-D tensors), clip_grad_norm_, our schedule; ``norms``: each
+    step's gradient norm before clipping is appended to it."""
     from framework.models.hf import causal_lm_loss
     from tests._helpers import plain_loop
 
     model, data = build(cfg, meta=False)
     losses = plain_loop(cfg, model, data, causal_lm_loss, steps=cfg.train.steps,
-                        micro_batch=cfg.train.micro_batch * world)
+                        micro_batch=cfg.train.micro_batch * world, norms=norms)
     return losses, model
 
 

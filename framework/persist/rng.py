@@ -41,7 +41,7 @@ def derive(seed: int, step: int, rank: int, device: torch.device) -> tuple[tuple
     """Generators for a rank without saved ones (the world size changed), seeded from (seed, step, rank):
     reproducible, but not the numbers an uninterrupted run would draw."""
     gen = seeded(RNG_STREAM, seed, step, rank)
-    h = int(torch.randint(0, 2 ** 62, (1,), generator=gen))
+    h = int(torch.randint(0, 2 ** 62, (1,), generator=gen, device="cpu"))
     states = [torch.Generator().manual_seed(h).get_state()]
     if device.type == "cuda":
         states.append(torch.Generator(device).manual_seed(h).get_state())

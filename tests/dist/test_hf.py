@@ -2,7 +2,9 @@
 
 * ddp, zero1, zero2, zero3 and zero3 with CPU offload, all built on the meta device through
   ``model=hf``, match the plain model trained by a plain PyTorch loop on one process, step by
-  step (fp32: losses to 1e-6 relative, final parameters to 1e-6 relative / 1e-7 absolute).
+  step (fp32: losses and gradient norms to 1e-6 relative, final parameters to 1e-6 relative /
+  1e-7 absolute); with AdamW and clipping, and (gpt2) with plain SGD at a constant lr, unclipped,
+  where a wrong gradient scale shows in the parameters.
 * Greedy ``generate`` under zero3 (forward passes with gathers, no backward, HF's KV cache)
   gives the plain model's tokens; a partitioned parameter's repr names its full shape and shard.
 * Pretrained folders (``model.pretrained``) and ``engine.save_pretrained`` round trips: these use
@@ -30,39 +32,46 @@ STAGES = {
     "zero3-checkpointing": ["+stage=zero3", *ZERO3, "model.activation_checkpointing=true"],
 }
 TRAIN = ["train.steps=3", "train.grad_accum=2", "train.grad_clip=0.5"]
+SGD = [*TRAIN, "optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0"]
 needs_weights = pytest.mark.skipif(importlib.util.find_spec("framework.persist.weights") is None,
                                    reason="needs framework.persist.weights (contract C, branch weights)")
 
 
-def _train_all(dist, path):
+def _train_all(dist, path, train):
     out = {}
     for name, overrides in STAGES.items():
-        cfg = hf_cfg(path, *TRAIN, *overrides)
+        cfg = hf_cfg(path, *train, *overrides)
         model, data = build(cfg)
         from framework.engine.build import component
         torch.manual_seed(cfg.seed + dist.rank)   # a seed per rank: every stage materialises rank 0's values
         engine = framework.initialize(model, component(cfg, "model").loss, cfg, dist)
-        state, losses = engine.state, []
+        state, losses, norms = engine.state, [], []
         for _ in range(cfg.train.steps):
             batch = data.train_batch(state.data, micro_batch=cfg.train.micro_batch, grad_accum=cfg.train.grad_accum,
                                      rank=dist.rank, world=dist.world)
             state, m = engine.train_step(state, batch)
             losses.append(m["loss"])
-        out[name] = (losses, gathered_params(model))
+            norms.append(m["grad_norm"])
+        out[name] = (losses, norms, gathered_params(model))
         engine.close()
     return out
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_every_stage_matches_plain_loop(pools, tmp_path, arch):
+@pytest.mark.parametrize("arch,train", [("gpt2", TRAIN), ("llama", TRAIN), ("gpt2", SGD)],
+                         ids=["gpt2", "llama", "gpt2-sgd"])
+def test_every_stage_matches_plain_loop(pools, tmp_path, arch, train):
     path = write_config(arch, tmp_path)
-    results = pools(2).run(_train_all, path, timeout=240)
-    ref_losses, ref_model = plain_losses(hf_cfg(path, *TRAIN), world=2)
+    results = pools(2).run(_train_all, path, train, timeout=240)
+    ref_norms = []
+    ref_losses, ref_model = plain_losses(hf_cfg(path, *train), world=2, norms=ref_norms)
     ref = dict(ref_model.named_parameters())
     for rank, res in enumerate(results):
-        for stage, (losses, params) in res.items():
-            for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        for stage, (losses, norms, params) in res.items():
+            for i, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
                 assert a == pytest.approx(b, rel=RTOL), f"{arch} {stage} rank {rank} step {i}: {a} vs plain {b}"
+            for i, (a, b) in enumerate(zip(norms, ref_norms, strict=True)):
+                assert a == pytest.approx(b, rel=RTOL), \
+                    f"{arch} {stage} rank {rank} step {i}: grad norm {a} vs plain {b}"
             assert params.keys() == ref.keys()
             for n, p in params.items():
                 torch.testing.assert_close(p, ref[n].detach(), rtol=RTOL, atol=1e-7,

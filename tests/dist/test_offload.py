@@ -1,4 +1,4 @@
-"""offload=cpu equals the same stage without offload (1e-6 per step) on 1 and 2 ranks, with the
+"""offload=cpu equals the same stage without offload (1e-6 per step) on 1 and 2 ranks (some cases on 4), with the
 host step run by the C++ kernels and by the pure-PyTorch fallback (FRAMEWORK_OPS=0); each offload
 run is compared with a plain run that uses the same kernels. The C++ kernel and torch's fused
 AdamW round differently in the last bit, and under bf16 one such bit can flip a working weight's
@@ -67,8 +67,13 @@ def _local():
     return connect("gloo")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("stage,offload,extra", CASES)
+# Also on 4 ranks, where gloo reduces to each owner (2 ranks all-reduce): the bucketed zero2 and the
+# host-sharded zero3 cases.
+RUNS = [(world, *case) for case in CASES for world in (1, 2)] + [(4, *CASES[1]), (4, *CASES[3])]
+
+
+@pytest.mark.parametrize("world,stage,offload,extra", RUNS,
+                         ids=[" ".join([stage, *offload, *extra, f"world={world}"]) for world, stage, offload, extra in RUNS])
 def test_offload_equals_no_offload(pools, world, stage, offload, extra):
     results = [_pair(_local(), stage, offload, extra)] if world == 1 else \
         pools(world).run(_pair, stage, offload, extra, timeout=240)

@@ -6,12 +6,18 @@ On CUDA each of these makes the host wait for the device queue: ``.item()``, ``.
 result size or value the host needs (``nonzero``, ``unique``, ``masked_select``, ``argwhere``,
 ``torch.equal``, ``allclose``), ``synchronize()`` on torch, a device or a stream,
 ``.to("cpu")`` in any spelling, a blocking ``copy_`` to or from host memory, and
-``torch.tensor(..., device=...)`` (a copy from pageable memory that blocks the host). A
+``torch.tensor(..., device=<not cpu>)`` (a copy from pageable memory that blocks the host). A
 deliberate one is marked with a ``# host sync: <why>`` comment on its line or the line above;
 event waits (``event.synchronize()``) are the sanctioned host waits and are not listed.
 The CPU check mode catches syncs at run time inside hooks; this catches them everywhere in the
 hot modules, in code paths no test reaches too. Not caught: formatting a tensor (``f"{t}"``) and
 syncs whose tensor the names do not reveal (a copy into a host buffer not called host/cpu/pinned).
+
+Placement, over all of framework/: every torch factory call (``torch.empty``, ``zeros``, ``tensor``...)
+names its ``device=``: without it the tensor lands on the host, which the CPU suite cannot tell from
+device memory (the checking accelerator takes everything but ``empty_host`` buffers for device memory).
+A deliberate host tensor says so: ``device="cpu"``, a host device variable, or a ``# host: <why>``
+comment on its line. ``*_like`` and ``new_*`` calls inherit their source's device and are not read.
 """
 import ast
 import io
@@ -95,7 +101,7 @@ def _what(node: ast.Call) -> str | None:
             (any(_is_cpu(a) for a in node.args) or any(k.arg == "device" and _is_cpu(k.value) for k in node.keywords)):
         return '.to("cpu")'
     if isinstance(fn, ast.Attribute) and ast.unparse(fn) in ("torch.tensor", "torch.as_tensor") and \
-            any(k.arg == "device" for k in node.keywords):
+            any(k.arg == "device" and not _is_cpu(k.value) for k in node.keywords):
         return "torch.tensor(..., device=...)"
     if isinstance(fn, ast.Attribute) and fn.attr == "copy_" and node.args and \
             not any(k.arg == "non_blocking" for k in node.keywords) and (_hostish(fn.value) or _hostish(node.args[0])):
@@ -118,6 +124,49 @@ def _unmarked(source: str, path: str = "") -> list[tuple[int, str]]:
     found += [(node, what) for node in ast.walk(tree) if isinstance(node, ast.Call) and (what := _what(node))]
     return sorted({(node.lineno, what) for node, what in found if node.lineno not in known
                    and not marked & set(range(node.lineno, (node.end_lineno or node.lineno) + 1))})
+
+
+FACTORIES = {"empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "linspace", "logspace",
+             "eye", "rand", "randn", "randint", "randperm", "normal", "empty_strided", "scalar_tensor"}
+HOST_MARK = "# host:"
+
+
+def _no_device(source: str) -> list[int]:
+    """Lines of torch factory calls without ``device=`` and without a ``# host:`` mark."""
+    marked = {tok.start[0] for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+              if tok.type == tokenize.COMMENT and tok.string.startswith(HOST_MARK)}
+    return sorted({node.lineno for node in ast.walk(ast.parse(source))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and ast.unparse(node.func.value) == "torch" and node.func.attr in FACTORIES
+                   and not any(k.arg == "device" for k in node.keywords)
+                   and not marked & set(range(node.lineno, (node.end_lineno or node.lineno) + 1))})
+
+
+def test_every_tensor_factory_names_its_device():
+    problems = [f"{path.relative_to(ROOT)}:{line}" for path in sorted((ROOT / "framework").rglob("*.py"))
+                for line in _no_device(path.read_text())]
+    assert not problems, ("torch factory calls without device= (on CUDA the tensor would land on the host, which "
+                          "the CPU suite cannot see): pass the compute device, or device=\"cpu\" / a host device "
+                          "for a deliberate host tensor, or mark the line '# host: <why>':\n  " + "\n  ".join(problems))
+
+
+def test_the_device_lint_sees_each_factory_and_honours_the_mark():
+    source = "\n".join([
+        "def f(n, dev, t):",
+        "    a = torch.empty(n, dtype=torch.float32)",           # 2
+        "    b = torch.zeros(n)",                                # 3
+        "    c = torch.tensor([1, 2])",                          # 4
+        "    d = torch.arange(",                                 # 5
+        "        n)",
+        "    e = torch.empty(n, device=dev)",
+        "    f = torch.zeros(n, device='cpu')",
+        "    g = torch.empty_like(t)",
+        "    h = t.new_empty(n)",
+        "    i = torch.tensor([1.0])   # host: compared on the host at config time",
+        "    j = torch.randint(0, 9, (1,), generator=gen)",     # 12
+        "    k = torch.full((n,), 1.0, dtype=t.dtype, device=t.device)",
+    ])
+    assert _no_device(source) == [2, 3, 4, 5, 12]
 
 
 def _files() -> list[Path]:
@@ -175,6 +224,7 @@ def test_the_lint_sees_each_kind_and_honours_the_mark():
         "    u.copy_(t)",
         "    copy.result().synchronize()",
         "    ok = not (math.isfinite(x) and math.isfinite(y))",
+        "    n = torch.tensor([1, 2], device='cpu')",
     ])
     assert [line for line, _ in _unmarked(source)] == [2, 3, 4, 6, 7, 8, 9, 10, 11, *range(17, 32)]
     assert all(p.exists() for p in _files()) and len(_files()) > 10

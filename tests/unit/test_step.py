@@ -17,16 +17,22 @@ RTOL = 1e-6  # fp32, relative, per step
 
 
 @pytest.mark.parametrize("extra", [
-    [],                                                  # clipping at 1.0, warmup_cosine schedule
-    ["train.grad_accum=3", "train.grad_clip=0.05"],      # accumulation, clipping always active
+    ["scheduler.warmup_steps=2"],                        # clipping at 1.0, warmup_cosine past its peak
+    ["train.grad_accum=3", "train.grad_clip=0.05", "scheduler.warmup_steps=2"],   # accumulation, clipping always active
     ["optimizer.decay_1d=true", "scheduler=constant"],
+    # Plain SGD at a constant lr, no clipping: the update is the gradient times the lr, so a wrong
+    # gradient scale shows in the parameters (AdamW and clipping cancel a constant factor).
+    ["optimizer=sgd", "optimizer.lr=0.5", "scheduler=constant", "train.grad_clip=0", "train.grad_accum=3"],
 ])
 def test_matches_plain_pytorch(extra):
     cfg = tiny_config(*extra)
-    ours, engine, state = run_engine(cfg)
-    ref, ref_module = reference_losses(cfg)
+    metrics, ref_norms = [], []
+    ours, engine, state = run_engine(cfg, metrics=metrics)
+    ref, ref_module = reference_losses(cfg, norms=ref_norms)
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert a == pytest.approx(b, rel=RTOL), f"step {i}: {a} vs {b} (rel tol {RTOL})"
+    for i, (m, b) in enumerate(zip(metrics, ref_norms, strict=True)):   # before clipping, as clip_grad_norm_'s
+        assert m["grad_norm"] == pytest.approx(b, rel=RTOL), f"step {i} grad norm: {m['grad_norm']} vs {b}"
     torch.testing.assert_close(flat_params(engine.components.module), flat_params(ref_module),
                                rtol=1e-5, atol=1e-6)
     assert state.step == cfg.train.steps and state.data == cfg.train.steps

@@ -79,7 +79,7 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
     out: dict[str, Any] = dcp_values(layout.share(), flats, keys, take)
     host_scalars = {p: host_copy(v) for p, v in scalars.items()}
     for path, value in host_scalars.items():  # the same on every rank: DCP writes it once
-        out[f"optim.{keys[path]}"] = torch.as_tensor(value).clone()
+        out[f"optim.{keys[path]}"] = torch.as_tensor(value, device="cpu").clone()
     if group.rank == 0:   # buffers and frozen parameters, whole on every rank: rank 0's, written once
         whole = {k: host_copy(t) for k, t in whole_tensors(c.module).items()}
         out.update(whole)
