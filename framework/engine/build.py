@@ -256,7 +256,7 @@ class Engine(contextlib.AbstractContextManager):
             copy_16bit([o for i, o in enumerate(out16) if i not in skip],
                        [p for i, p in enumerate(state.params) if i not in skip])
         c.stage.publish(list(state.params))
-        c.stage.watch()   # the working weights are the loaded ones again
+        c.stage.settle(rebind=True)   # the working weights are the loaded ones again
         self._state = state
         if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
             self._half_applied = None

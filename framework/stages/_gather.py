@@ -57,6 +57,7 @@ class Gatherer:
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
         self.abandoned: list | None = None    # those of an interrupted pass, not waited for
+        self.dropped_gather: tuple | None = None   # (works, buffers) of a gather cut by Ctrl-C, not waited for
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
@@ -330,13 +331,17 @@ class Gatherer:
                     unit.works.append(self.dist.comm.all_gather_into(g.full, g.layout.shard,
                                                                      f"zero3 gather of {unit.name!r}"))
                 unit.works.append(Pending(after=waits))
-        except Exception:   # (a refused shard read) sharded again, not finished later into unfilled buffers;
-            # Ctrl-C and SIGTERM are not waited for: the pass's abort leaves a gathering unit as it is.
+        except BaseException as e:   # sharded again: a later gather starts over, never finishes into unfilled buffers
             works, unit.works, unit.state = unit.works, [], UnitState.SHARDED
-            self.dist.comm.wait(works, f"zero3 gather of {unit.name!r}")
-            for g in unit.groups:
-                if g.full is not None and g.full is not g.shard:
+            started = [g for g in unit.groups if g.full is not None and g.full is not g.shard]
+            if isinstance(e, Exception):   # (a refused shard read) the collectives started fill the buffers first
+                self.dist.comm.wait(works, f"zero3 gather of {unit.name!r}")
+                for g in started:
                     g.full.untyped_storage().resize_(0)
+            else:   # Ctrl-C, SIGTERM: not waited for (a peer may never join); the buffers outlive the collectives
+                self.dropped_gather = (works, [g.full for g in started])
+                for g in started:
+                    g.full = None
             raise
         if unit is not self.persistent:
             self.live += unit.numel

@@ -44,7 +44,7 @@ class BaseStage:
     dist: Dist
     hook_handles: list   # removed by close()
     forward_gathers = False   # whether each forward runs collectives with every rank (zero3's gathers)
-    watched: tuple = ()   # (name, parameter, version counter, owner module, attribute) per trainable one
+    watched: tuple = ()   # (name, parameter, version counter, its (module, attribute) owners) per trainable one
 
     def close(self) -> None:   # remove the hooks this stage registered on the module
         for h in self.hook_handles:
@@ -60,27 +60,33 @@ class BaseStage:
         through their flat buffers and shards, never through the parameters, so a counter that moves later is an
         in-place edit (``edited``), which the next publish from the masters would undo."""
         if params is None:
-            owners: dict = {}   # the module and attribute named_parameters names each parameter by (tied: first)
+            owners: dict = {}   # every module attribute that holds each parameter (tied ones: several)
             for m in self.module.modules():
                 for a, p in m._parameters.items():
-                    owners.setdefault(id(p), (m, a))
-            self.watched = tuple((n, p, p._version, *owners[id(p)])
+                    owners.setdefault(id(p), []).append((m, a))
+            self.watched = tuple((n, p, p._version, tuple(owners[id(p)]))
                                  for n, p in self.module.named_parameters() if p.requires_grad)
             return
         ids = {id(p) for p in params}
         self.watched = tuple((n, p, p._version if id(p) in ids and (entry is None or entry.get(id(p)) == v) else v,
-                              m, a) for n, p, v, m, a in self.watched)
+                              owners) for n, p, v, owners in self.watched)
 
-    def settle(self) -> None:
+    def settle(self, rebind: bool = False) -> None:
         """After a step: edits its forwards made (``nn.Embedding(max_norm=...)`` renormalises in place) are no
-        user's edit."""
-        self.watched = tuple((n, p, p._version, m, a) for n, p, _, m, a in self.watched)
+        user's edit (but those of a parameter inside an open block). After a load (``rebind``): parameters replaced
+        on the module (``load_state_dict(..., assign=True)``) are the stage's again, which hold the loaded values."""
+        if rebind:
+            for _, p, _, owners in self.watched:
+                for m, a in owners:
+                    m._parameters[a] = p
+        self.watched = tuple((n, p, v if self.in_edit(p) else p._version, owners)
+                             for n, p, v, owners in self.watched)
 
     def edited(self) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,
         assign=True)``), since ``watch`` (Python ints and identities compared: no tensor read)."""
-        return [n for n, p, v, m, a in self.watched
-                if (p._version != v or m._parameters.get(a) is not p) and not self.in_edit(p)]
+        return [n for n, p, v, owners in self.watched
+                if (p._version != v or any(m._parameters.get(a) is not p for m, a in owners)) and not self.in_edit(p)]
 
     def in_edit(self, p: torch.Tensor) -> bool:   # whether a block that settles p's edits at its exit is open
         return False

@@ -209,7 +209,7 @@ class Zero3Stage(PartitionedStage):
         self.gatherer.refresh()   # gathered copies are stale after the step or load
 
     def in_edit(self, p: torch.Tensor) -> bool:   # a framework.gathered block settles it at its exit
-        return bool(p.zero3_unit.held)
+        return p.zero3_unit.held > 0
 
     def _memory(self, fp: Footprint, opt_state) -> None:   # (frozen parameters: whole, in no unit)
         persistent = self.gatherer.persistent
@@ -294,7 +294,7 @@ def gathered(params, modifier_rank: int | None = None) -> Iterator[None]:
         for unit, started in held:   # (after an error on this rank, no collective: its peers may be elsewhere)
             unit.gatherer.unhold(unit, started, written=written)
         for gatherer in {id(u.gatherer): u.gatherer for u, _ in held}.values():   # edits written or discarded
-            gatherer.watch(sharded, entry)
+            gatherer.watch(sharded, entry if modifier_rank is None else None)   # (written: what it wrote)
 
 
 def _shard_values(gatherer: Gatherer, g: UnitGroup) -> torch.Tensor:

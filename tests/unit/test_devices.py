@@ -233,9 +233,14 @@ def test_a_rendezvous_that_fails_is_one_line(monkeypatch, tmp_path):
                                                  r"dist.timeout_s=1s") as e:
         d.connect("gloo", 1.0, store_path=str(tmp_path / "store"))
     assert time.monotonic() - start < 60 and "\n" not in str(e.value) and not d.tdist.is_initialized()
-    # Ctrl-C while waiting for that peer: raised at once (a wait in C++ would defer it dist.timeout_s)
-    threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        d.connect("gloo", 30.0, store_path=str(tmp_path / "store2"))
+    # Ctrl-C while waiting for that peer: raised at once (a wait in C++ would defer it dist.timeout_s).
+    # (Python's own SIGINT handler, whatever an earlier test in this worker left installed)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            d.connect("gloo", 30.0, store_path=str(tmp_path / "store2"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10 and not d.tdist.is_initialized()

@@ -735,3 +735,67 @@ def test_weight_edits_are_told_from_a_forwards_own_and_survive_no_gathered_block
         with pytest.raises(framework.TrainingError, match=r"^train_step: the weights of 3 trainable parameters .*"
                                                           r"changed in place \(or replaced\)"):
             engine.train_step(engine.state, framework.Batch(((x, x),)))
+
+
+def test_a_ctrl_c_inside_a_zero3_gather_leaves_training_as_if_it_never_ran():
+    """Ctrl-C at any shard load of a step (host shards, 4 units): the unit cut mid-gather is sharded again, its
+    buffers left to the collectives, and the steps after it equal the steps of a run never interrupted."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.tanh(layer(x))
+            return x.sum()
+
+    cfg = tiny_config("+stage=zero3", "offload=cpu", "offload.params=cpu", "scheduler=constant",
+                      "stage.stage3_param_persistence_threshold=0")
+    batch = framework.Batch((torch.randn(8, 16, generator=torch.Generator().manual_seed(1)),))
+    runs = []
+    for cut in (0, 2, 3, 5):
+        torch.manual_seed(0)
+        with framework.initialize(Net(), lambda m, mb: m(mb[0]), cfg) as engine:
+            shards, calls = engine.components.stage.offload.shards, []
+            real = shards.load
+
+            def load(*a, cut=cut, calls=calls, real=real):
+                calls.append(1)
+                if len(calls) == cut:
+                    raise KeyboardInterrupt
+                return real(*a)
+            state, losses = engine.state, []
+            state, _ = engine.train_step(state, batch)
+            if cut:
+                shards.load = load
+                with pytest.raises(KeyboardInterrupt):
+                    engine.train_step(state, batch)
+                shards.load = real
+            for _ in range(2):
+                state, metrics = engine.train_step(state, batch)
+                losses.append(metrics["loss"])
+            runs.append(losses)
+    assert runs[1:] == [runs[0]] * 3, runs
+
+
+def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
+    """load_state_dict(..., assign=True) put new Parameter objects on the module (refused); a load into the
+    engine puts the engine's back, so the steps after it train the module again."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    torch.save({k: v.clone() for k, v in module.state_dict().items()}, tmp_path / "w.pt")
+    micro = (torch.randn(4, 8), torch.randn(4, 1))
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    for stage in ("ddp", "zero3"):
+        with framework.initialize(module, loss, tiny_config(f"+stage={stage}", "scheduler=constant")) as engine:
+            module.load_state_dict(torch.load(tmp_path / "w.pt"), assign=True)
+            with pytest.raises(framework.TrainingError, match=r"changed in place \(or replaced\)"):
+                engine.train_step(engine.state, framework.Batch((micro,)))
+            framework.load_weights(engine, tmp_path / "w.pt")
+            with framework.gathered(list(module.parameters())):
+                before = module[0].weight.detach().clone()
+            engine.train_step(engine.state, framework.Batch((micro,)))
+            with framework.gathered(list(module.parameters())):
+                assert not torch.equal(before, module[0].weight.detach()), stage
+        module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
