@@ -99,6 +99,7 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
                           f"initialize (module.load_state_dict), engine.state_dict's into engine.load_state_dict(state, "
                           f"[sd])")
     c = engine.components
+    c.stage.rebind()   # (parameters replaced on the module, ``assign=True``: the load's targets are the stage's)
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
     with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
         layout, masters, tgts = _targets(engine, mapped, "weights")

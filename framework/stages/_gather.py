@@ -26,8 +26,7 @@ log = logging.getLogger("framework.zero3")
 
 class Gatherer:
     """Runs the unit lifecycle for one model (``cfg``: a ``Zero3Config``). ``on_reduced(g, final)``: called
-    once a reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass.
-    ``watch(params)``: the stage's ``BaseStage.watch``."""
+    once a reduction of group ``g`` was added into ``g.grad()``, at most once per group and backward pass."""
 
     def __init__(self, dist: Dist, units: list[Unit], persistent: Unit | None, cfg, policy, offload,
                  on_reduced: Callable[[UnitGroup, bool], None], watch: Callable[[list], None]):
@@ -50,14 +49,13 @@ class Gatherer:
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
-        # Per unit held (``hold``): the asked parameters' entry values (by id) the outermost exit puts back.
-        self.entered: dict[int, dict[int, torch.Tensor]] = {}
+        self.entered: dict[int, dict[int, torch.Tensor]] = {}   # per held unit: the values its outermost exit puts back
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
         self.in_backward = False
         self.reductions: list = []            # in-flight gradient reductions
         self.abandoned: list | None = None    # those of an interrupted pass, not waited for
-        self.dropped_gather: tuple | None = None   # (works, buffers) of a gather cut by Ctrl-C, not waited for
+        self.dropped_gather: list = []   # (works, buffers) of each gather cut by Ctrl-C: not waited for, kept
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
@@ -227,6 +225,8 @@ class Gatherer:
         without recording (the next steps follow it); without one it records and follows a trace of its own."""
         for unit in self.units:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
+        if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
+            self.gather_now(self.persistent)
         self._end_pass()
         own = not driven and grad_mode not in self.traces
         self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven
@@ -339,7 +339,7 @@ class Gatherer:
                 for g in started:
                     g.full.untyped_storage().resize_(0)
             else:   # Ctrl-C, SIGTERM: not waited for (a peer may never join); the buffers outlive the collectives
-                self.dropped_gather = (works, [g.full for g in started])
+                self.dropped_gather.append((works, [g.full for g in started]))
                 for g in started:
                     g.full = None
             raise
@@ -364,6 +364,8 @@ class Gatherer:
             p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def release(self, unit: Unit) -> None:
+        if unit.state is UnitState.SHARDED:   # (a gather cut by Ctrl-C left it so: a regather starts over)
+            return
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)

@@ -76,11 +76,15 @@ class BaseStage:
         user's edit (but those of a parameter inside an open block). After a load (``rebind``): parameters replaced
         on the module (``load_state_dict(..., assign=True)``) are the stage's again, which hold the loaded values."""
         if rebind:
-            for _, p, _, owners in self.watched:
-                for m, a in owners:
-                    m._parameters[a] = p
+            self.rebind()
         self.watched = tuple((n, p, v if self.in_edit(p) else p._version, owners)
                              for n, p, v, owners in self.watched)
+
+    def rebind(self) -> None:
+        """The stage's parameters back on every module attribute that held them (a load's targets)."""
+        for _, p, _, owners in self.watched:
+            for m, a in owners:
+                m._parameters[a] = p
 
     def edited(self) -> list[str]:
         """The trainable parameters written in place, or replaced on their module (``load_state_dict(...,

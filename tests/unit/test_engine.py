@@ -777,6 +777,31 @@ def test_a_ctrl_c_inside_a_zero3_gather_leaves_training_as_if_it_never_ran():
                 losses.append(metrics["loss"])
             runs.append(losses)
     assert runs[1:] == [runs[0]] * 3, runs
+    # A Ctrl-C while a load regathers the persistent unit (biases under the threshold): the next load and the
+    # next step gather it again (the unit was left sharded: its release once raised "sharded -> sharded").
+    cfg = tiny_config("+stage=zero3", "offload=cpu", "offload.params=cpu", "scheduler=constant",
+                      "stage.stage3_param_persistence_threshold=20")
+    for reload in (True, False):
+        torch.manual_seed(0)
+        with framework.initialize(Net(), lambda m, mb: m(mb[0]), cfg) as engine:
+            state, _ = engine.train_step(engine.state, batch)
+            saved, gatherer = engine.state_dict(state), engine.components.stage.gatherer
+            real_refresh = gatherer.refresh
+
+            def cut(real_refresh=real_refresh, shards=engine.components.stage.offload.shards):
+                real, shards.load = shards.load, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt)
+                try:
+                    real_refresh()
+                finally:
+                    shards.load = real
+            gatherer.refresh = cut
+            with pytest.raises(KeyboardInterrupt):
+                engine.load_state_dict(state, [saved])
+            del gatherer.refresh
+            if reload:
+                engine.load_state_dict(engine.state, [saved])
+            state, metrics = engine.train_step(engine.state, batch)
+            assert metrics["loss"] == runs[0][0], (reload, metrics["loss"], runs[0])
 
 
 def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back(tmp_path):
@@ -799,3 +824,14 @@ def test_a_load_after_parameters_were_replaced_gives_the_module_the_engines_back
             with framework.gathered(list(module.parameters())):
                 assert not torch.equal(before, module[0].weight.detach()), stage
         module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    # Tied weights: assign=True unties them; load_weights (strict) loads by the engine's names and ties them again.
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(0))
+    tied_loss = lambda m, mb: torch.nn.functional.cross_entropy(m(mb[0]).reshape(-1, 10), mb[0].reshape(-1))  # noqa: E731
+    with framework.initialize(tied, tied_loss, tiny_config("scheduler=constant")) as engine:
+        framework.save_weights(engine, tmp_path / "tied")
+        tied.load_state_dict({k: v.clone() for k, v in tied.state_dict().items()}, assign=True)
+        framework.load_weights(engine, tmp_path / "tied")
+        assert tied[1].weight is tied[0].weight
+        engine.train_step(engine.state, framework.Batch(((tokens,),)))
