@@ -54,9 +54,9 @@ def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool, acc) -> torch.Te
 
 
 def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
-    """``nbytes`` of host memory (uint8) as one allocation, starting on an ``align`` boundary if given. On
-    CUDA an anonymous mmap, registered with ``cudaHostRegister`` when ``pin`` (torch's pinned allocator
-    would round it up to a power of two and keep it); elsewhere ``acc.empty_host`` (the checking one knows it)."""
+    """``nbytes`` of host memory (uint8) in one allocation, ``align``-ed if given. On CUDA an anonymous mmap
+    (torch's pinned allocator would round it up to a power of two and keep it); else ``acc.empty_host``
+    (the checking accelerator knows it)."""
     if acc.device.type == "cuda":   # the mapping aligns it: no bytes beyond the tensor's are pinned or held
         return _mapped(max(int(nbytes), 1), pin, align=align or mmap.PAGESIZE)
     # (what the extra ``align`` bytes span is never touched, so never committed)
@@ -65,9 +65,8 @@ def host_arena(nbytes: int, *, pin: bool, acc, align: int = 0) -> torch.Tensor:
 
 
 def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> torch.Tensor:
-    """Anonymous mmap memory as a uint8 tensor of ``nbytes`` rounded up to whole pages, starting on an
-    ``align`` boundary (the pages around it are never touched, so never committed), page-locked with
-    ``cudaHostRegister`` when ``pin``. The finalizer of the ctypes view the storage holds keeps the mmap,
+    """Anonymous mmap memory: a uint8 tensor of ``nbytes`` in whole pages from an ``align`` boundary,
+    ``cudaHostRegister``-ed when ``pin``. The finalizer of the ctypes view the storage holds keeps the mmap,
     so the memory is unregistered before it is unmapped (the mmap's own finalizers run after munmap)."""
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     extra = max(align - mmap.PAGESIZE, 0)   # (the mapping starts on a page)
@@ -87,8 +86,7 @@ def _mapped(nbytes: int, pin: bool, cudart=None, align: int = mmap.PAGESIZE) -> 
     return t
 
 
-def _memory(address: int, nbytes: int):
-    """A writable buffer over memory the caller keeps alive."""
+def _memory(address: int, nbytes: int):   # (memory the caller keeps alive)
     return (ctypes.c_char * nbytes).from_address(address)
 
 
@@ -189,7 +187,7 @@ class AsyncIO:
                               "(DeepSpeed's defaults are 8 x 1)") from None
 
     def _submit(self, op: str, file: SwapFile, offset: int, t: torch.Tensor, what: str) -> IOHandle:
-        """Start reading into ``t`` or writing it (it must not change until done) at ``offset`` of ``file``."""
+        """Start reading into ``t`` or writing it (unchanged until done) at ``offset`` of ``file``."""
         if self._threads is None:
             raise ValueError("AsyncIO is closed")
         if t.device.type != "cpu" or not t.is_contiguous():
@@ -330,7 +328,7 @@ class AsyncIO:
 
     def _io(self, handle: IOHandle, fd: int, offset: int, address: int, nbytes: int, *, report=None,
             op: str | None = None) -> None:
-        """One system call over ``nbytes`` at ``address``; anything but the full byte count fails the request."""
+        """One system call; anything but the full byte count fails the request."""
         sys, memory = handle.file.syscalls, _memory(address, nbytes)
         read = (op or handle.op) == "read"
         got = sys.preadv(fd, [memory], offset) if read else sys.pwritev(fd, [memory], offset)
@@ -349,8 +347,8 @@ class AsyncIO:
 
 
 def verify_extent(fmap, name: str, what: str = "") -> None:
-    """Check extent ``name`` of ``fmap`` against the engine's checksums before a checkpoint takes it: a
-    mismatch, or a byte without one, is a SwapIOError naming the file, offset and tensor."""
+    """Extent ``name`` of ``fmap`` against the engine's checksums before a checkpoint takes it: a mismatch,
+    or a byte without one, is a SwapIOError naming the file, offset and tensor."""
     file = fmap.file
     extent = file.extents[name]
     lo, hi = extent.offset, extent.offset + padded(extent.nbytes)
@@ -377,7 +375,6 @@ def verify_extent(fmap, name: str, what: str = "") -> None:
 
 
 def verify_map(fmap, what: str = "") -> None:
-    """``verify_extent`` for every extent of the mapped file, if any."""
     for name in fmap.file.extents if fmap is not None else ():
         verify_extent(fmap, name, f"extent {name!r}{f' ({what})' if what else ''}")
 

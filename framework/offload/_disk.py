@@ -76,7 +76,7 @@ class NVMePlacement(HostPlacement):
 
     def expect(self, numel: int, param_dtype: torch.dtype) -> None:
         """One line on every rank if a disk (its ranks summed) cannot hold the least any optimizer needs, or
-        a host the pools; exact at init."""
+        a host the pools (exact at init)."""
         if not numel:
             return
         spec = self.spec
@@ -110,7 +110,7 @@ class NVMePlacement(HostPlacement):
 
     def write_swap(self, store: DiskStore, kind: str, check: Callable[[], None], fills: Iterable, what: str) -> None:
         """Once every rank agreed there is room (and ``check()`` passed), open ``store``'s swap file and
-        ``create`` each (key, fill) of ``fills``: a rank that cannot stops every rank."""
+        ``create`` each (key, fill): a rank that cannot stops every rank."""
         stores = {"optim": self.stores.get(Tier.DISK), "params": self.shards.store}
         if not self._fs_checked and (fs := memory_fs(self.folder())) is not None:
             # the swap files would take RAM (shared memory, not in the process's resident set), not disk
@@ -139,9 +139,8 @@ class NVMePlacement(HostPlacement):
         self.agree_io_error(failed, what)
 
     def agree_io_error(self, error: BaseException | None, what: str) -> None:
-        """Every rank raises if some rank's swap IO failed (it may fail on one rank only): none is left
-        waiting in a collective. The flag says what failed: 1 setting a swap file up (a ConfigError: in use,
-        another layout), 2 its IO."""
+        """Every rank raises if some rank's swap IO failed: none is left waiting in a collective. The flag:
+        1 setting a swap file up failed (a ConfigError: in use, another layout), 2 its IO."""
         failed = 0 if error is None else 1 if isinstance(error, ConfigError) else 2
         if self.dist is not None and self.dist.world > 1:
             flag = torch.full((1,), failed, dtype=torch.float32, device=self.dist.device)   # no pageable copy
@@ -166,13 +165,11 @@ class DiskPlacement(NVMePlacement):
     """offload=nvme, ``optimizer: nvme``: the first ``host_fraction`` of each partition in tiles of at
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK).
 
-    zero3's owned gradients, when every piece is on the host (``swap_grads``), end each tile's entry
-    (``DiskStore``'s read-only tail, read with the tile). A unit group's reduction is added into a
-    transient partition (zeros, or read back: the same additions as in memory), written on a thread
-    of its own and dropped; on the last micro batch its squared norm is kept, so clipping and the step
-    are bitwise those of in-memory partitions. With more than one micro batch a step, a second thread
-    reads partitions back into one of two pinned buffers, ahead of the reduction the last order says
-    comes next; the backward hook waits for that read only, never for the device."""
+    zero3's owned gradients (``swap_grads``) end each tile's entry (the store's read-only tail). A
+    reduction is added into a transient partition (zeros, or read back), written on a thread of its
+    own and dropped; its squared norm is kept on the last micro batch, so clipping and the step are
+    bitwise those of in-memory partitions. With several micro batches a second thread reads the
+    partition reduced next (last step's order) into one of two pinned buffers ahead of its hook."""
 
     tier = Tier.DISK
     grad_dtype: torch.dtype | None = None    # the gradients' accumulation dtype, while swapped
@@ -191,7 +188,7 @@ class DiskPlacement(NVMePlacement):
 
     def predict_pool(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                      master: torch.dtype, state: Sequence[int]) -> None:
-        """Each tile's master, state and swapped gradient in the file, its 16-bit staging too in a slot."""
+        """Each tile's master, state and swapped gradient in the file; in a slot its 16-bit staging too."""
         grad = [self.grad_dtype.itemsize] if self.grad_swap else []
         tiles = [([w * (b - a) for w in (master.itemsize, *state, *grad)],
                   [working.itemsize * (b - a)] if working != master else [], len(grad))
@@ -208,7 +205,7 @@ class DiskPlacement(NVMePlacement):
         return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
 
     def read_back_bytes(self, bounce: int, sizes: Iterable[int] | None = None) -> int:
-        """The read-back buffers: two pinned landings of the largest partition and a ``bounce``-byte one."""
+        """Two pinned landings of the largest partition and a ``bounce``-byte buffer."""
         return 2 * self._largest(sizes) * self.grad_dtype.itemsize + bounce
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
@@ -291,8 +288,7 @@ class DiskPlacement(NVMePlacement):
 
     # zero3's owned gradients in the swap file (class docstring)
     def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:
-        """With every piece stepped by the host the owned gradients live beside their tiles; a partition
-        is read back only on a later micro batch of its step, so only for ``grad_accum`` > 1."""
+        """With every piece stepped by the host; a partition is read back only with ``grad_accum`` > 1."""
         if self.host_fraction == 1.0:
             self.grad_swap, self.grad_dtype, self.read_back = True, accum_dtype, grad_accum > 1
             self.norms: dict[int, torch.Tensor] = {}  # group -> squared norm of its final partition
@@ -309,8 +305,8 @@ class DiskPlacement(NVMePlacement):
         return self.grad_swap
 
     def load_grad(self, group: int) -> torch.Tensor:
-        """Group ``group``'s partition so far this step, on the device: zeros, or its extents read back
-        (the backward hook waits for the reader thread's read only; the copy goes on the H2D stream)."""
+        """Group ``group``'s partition so far this step, on the device: zeros, or its extents read back (the
+        hook waits for the reader thread only; the copy goes on the H2D stream)."""
         acc, numel = self.acc, self.partitions[group].numel()
         if group not in self.writes:
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
@@ -334,7 +330,7 @@ class DiskPlacement(NVMePlacement):
         return buf
 
     def _read_back(self, group: int) -> tuple[Future, int]:
-        """Queue group ``group``'s extents -> a free pinned buffer on the reader thread, after its latest write."""
+        """Queue group ``group``'s extents -> a free pinned buffer (reader thread), after its latest write."""
         k = self.free.pop()   # (two: one read ahead, one read in the hook)
         landing, copied = self.landings[k]
         return self.reader.submit(self._read_grads, group, self.writes.get(group), landing, copied), k
@@ -356,8 +352,8 @@ class DiskPlacement(NVMePlacement):
         return host
 
     def _read_ahead(self, group: int | None) -> None:
-        """Start reading back ``group`` (the one reduced next, last time), unless a read ahead is still
-        unused (the hook must not wait for it) or there is nothing to read."""
+        """Start reading back ``group``, unless a read ahead is still unused (a hook must not wait for it)
+        or there is nothing to read."""
         if self.read_back and group is not None and not self.reads and group in self.writes \
                 and group not in self.norms:
             self.reads[group] = self._read_back(group)
@@ -393,8 +389,7 @@ class DiskPlacement(NVMePlacement):
         for info in self.grad_pieces.get(group, ()):
             self.stores[Tier.DISK].write_extent(info.index, host[info.start:info.end])
 
-    def _wait_writes(self, keep: int = 0) -> None:
-        """Until at most ``keep`` writes are queued (raises the first failure)."""
+    def _wait_writes(self, keep: int = 0) -> None:   # (raises the first failure)
         while len(self.pending) > keep:
             self.pending.popleft().result()
 
@@ -419,7 +414,7 @@ class DiskPlacement(NVMePlacement):
         return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64, device=self.acc.device)
 
     def readable_grads(self, grads: Sequence[torch.Tensor]) -> Iterable[torch.Tensor]:
-        """Swapped: each piece's gradient read from disk into a host buffer, one at a time (the overflow report)."""
+        """Swapped: each piece's gradient read into a host buffer, one at a time (the overflow report)."""
         if not self.grad_swap:
             return grads
         self._wait_writes()
@@ -429,7 +424,7 @@ class DiskPlacement(NVMePlacement):
 
     def clear_grads(self) -> None:
         """A new step: the extents' contents are stale."""
-        for f in self.pending:   # (after a failed step: a write still queued must not land later)
+        for f in self.pending:   # (after a failed step: a queued write must not land later)
             f.exception()
         self._drop_reads()
         self.grad_error = None

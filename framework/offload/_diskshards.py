@@ -40,8 +40,7 @@ class DiskShards(HostShards):
                                read_ahead=True, write_behind=True, name="parameter", learn_order=True)
 
     @property
-    def swapped(self) -> bool:
-        """From the end of setup on; until then the shards are in host memory."""
+    def swapped(self) -> bool:   # from the end of setup on; until then the shards are in host memory
         return self.store.file is not None
 
     def buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -51,8 +50,7 @@ class DiskShards(HostShards):
         return shard
 
     def filled(self, shard: torch.Tensor) -> None:
-        """Appended to an unlinked temporary file and its memory released: nothing model-sized is
-        resident during construction."""
+        """Appended to an unlinked temporary file, its memory released: nothing model-sized stays resident."""
         if id(shard) not in self.keys:
             return
         if self.spill is None:
@@ -65,7 +63,7 @@ class DiskShards(HostShards):
         park_tensor(shard)
 
     def initial_values(self, own: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Read back from the parameter swap file (``swap_out`` just wrote the shard there)."""
+        """Read back from the parameter swap file (``swap_out`` just wrote it there)."""
         key = self.keys.get(id(own))
         if key is None:   # not swapped: the shard holds its values (the others: after ``swap_out``)
             return own[lo:hi]
@@ -84,8 +82,7 @@ class DiskShards(HostShards):
                           "writing the parameter shards to their swap file")
         self._close_spill()
 
-    def _filler(self, shard: torch.Tensor):
-        """``DiskStore.create``'s fill for a shard: from the spill (None: its own values)."""
+    def _filler(self, shard: torch.Tensor):   # ``DiskStore.create``'s fill: from the spill (None: its own values)
         at = self.spilled.get(id(shard))
         if at is None:
             return None
@@ -117,8 +114,8 @@ class DiskShards(HostShards):
                   f"(offload.param_buffer_count, offload.max_in_cpu >= that many x {largest} elements)", flush=True)
 
     def slots(self, largest: int) -> int:
-        """Pool slots as large as the largest shard (``largest`` elements; not param_buffer_size: no
-        pinned memory idles), as many as max_in_cpu lets be resident at once; none: refused."""
+        """Pool slots of the largest shard's size (not param_buffer_size: no pinned memory idles), as many
+        as max_in_cpu lets be resident at once; none: refused."""
         slots = min(self.spec.param_buffer_count, self.spec.max_in_cpu // max(largest, 1))
         if slots < 1:
             raise ConfigError(f"offload buffers too small: offload.max_in_cpu={self.spec.max_in_cpu} is smaller "
@@ -168,8 +165,7 @@ class DiskShards(HostShards):
         return None
 
     def _hold(self, group: int) -> torch.Tensor:
-        """Group ``group``'s shard, resident across the copies back of its pieces and written back once
-        (not once per piece, each rewriting the whole shard)."""
+        """Group ``group``'s shard, resident across its pieces' copies back and written back once (not per piece)."""
         shard = self.p.partitions[group]
         if self.held is not None and self.held[0] == group:
             return shard
@@ -188,8 +184,7 @@ class DiskShards(HostShards):
             error, self.read_error = self.read_error, None
             self.p.agree_io_error(error, "reading zero3 parameter shards")
 
-    def _check_open(self, shard: torch.Tensor) -> None:
-        """A gather after ``close`` would read the parked placeholder (zeros) silently: one line instead."""
+    def _check_open(self, shard: torch.Tensor) -> None:   # after close a gather would read zeros silently
         if self.closed and id(shard) in self.keys:
             raise FrameworkError("this engine is closed and its zero3 parameter swap file (offload.params=nvme) is "
                                  "gone: run or save the module inside framework.gathered before engine.close() "

@@ -99,7 +99,7 @@ class DiskStore:
 
     def add(self, key: int, swapped: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor] = (),
             park: bool = True, readonly: int = 0) -> None:
-        """Register piece ``key``'s tensors and park them (``park=False``: until ``create`` writes them)."""
+        """Register piece ``key``'s tensors and park them (``park=False``: ``create`` does)."""
         tensors = (*swapped, *scratch)
         offsets = list(itertools.accumulate((padded(t.nbytes) for t in tensors), initial=0))[:-1]
         if self.entries and not self.learn_order:
@@ -109,12 +109,11 @@ class DiskStore:
             for t in tensors:
                 park_tensor(t)
 
-    def extents(self) -> dict[str, int]:
-        """Swap file extents (padded bytes), one per swapped tensor."""
+    def extents(self) -> dict[str, int]:   # padded bytes, one per swapped tensor
         return {f"{k}.{j}": padded(t.nbytes) for k, e in self.entries.items() for j, t in enumerate(e.swapped)}
 
     def layout(self, buffer_count: int | None = None) -> tuple[int, int, int, int]:
-        """``pool_layout`` of the entries, with ``buffer_count`` slots (default: this store's)."""
+        """``pool_layout`` of the entries (default ``buffer_count``: this store's)."""
         sizes = [([t.nbytes for t in e.swapped], [t.nbytes for t in e.scratch], e.readonly)
                  for e in self.entries.values()]
         return pool_layout(sizes, self.buffer_count if buffer_count is None else buffer_count)
@@ -263,9 +262,9 @@ class DiskStore:
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
         return dst
 
-    def new_bounce(self) -> torch.Tensor:
+    def new_bounce(self, least: int = 0) -> torch.Tensor:
         """An aligned buffer as large as any piece's last swapped tensor (``read_extent``'s ``bounce``)."""
-        return aligned_empty(self.layout()[3], torch.uint8, pin=False, acc=self.acc)
+        return aligned_empty(max(self.layout()[3], least), torch.uint8, pin=False, acc=self.acc)
 
     def _bounce(self, key: int, own: torch.Tensor | None = None) -> tuple[int, int, torch.Tensor]:
         """(index, bytes, padded bounce buffer: ``own`` or the store's) of piece ``key``'s last tensor,
@@ -276,12 +275,12 @@ class DiskStore:
         n = swapped[-1].nbytes
         if own is None:
             if self.bounce is None or self.bounce.numel() < padded(n):
-                self.bounce = aligned_empty(max(self.layout()[3], padded(n)), torch.uint8, pin=False, acc=self.acc)
+                self.bounce = self.new_bounce(padded(n))
             own = self.bounce
         return len(swapped) - 1, n, own[:padded(n)]
 
     def settle(self) -> None:
-        """Between steps: every IO landed and no slot holds a piece: the swap file is the only copy."""
+        """Between steps: every IO landed and no slot holds a piece (the swap file is the only copy)."""
         self.flush()
         with self.cond:
             busy = [s.key for s in self.slots if s.state in ("resident", "writing", "draining")]
@@ -329,7 +328,7 @@ class DiskStore:
             fmap.release(data)
 
     def memory(self, fp, pool: str, file: str) -> None:
-        """The pool (host memory: the slots and the bounce buffer) and the swap file, into footprint ``fp``."""
+        """The pool (slots and bounce buffer) and the swap file, into footprint ``fp``."""
         fp.add(pool, host=self.buffer_count * self.layout()[0] + (0 if self.bounce is None else self.bounce.numel()))
         fp.add_disk(file, sum(self.extents().values()))
 
@@ -364,8 +363,7 @@ class DiskStore:
             self.wait_s += time.perf_counter() - t
 
     def _evict(self, slot: _Slot) -> _Slot:
-        """``slot`` (free, or clean: its piece needs no write) for a new piece."""
-        if slot.state == "clean":
+        if slot.state == "clean":   # its piece needs no write
             self._free(slot)
         slot.synced()   # the copy back of the piece it held
         return slot
@@ -378,19 +376,18 @@ class DiskStore:
     def _start_io(self, slot: _Slot, count: int, read: bool) -> int:
         """Reads or writes of ``slot``'s first ``count`` swapped tensors queued; their bytes."""
         e = self.entries[slot.key]
-        bufs = [self._view(slot, e, j) for j in range(count)]
+        bufs = [slot.buffer[e.offsets[j]:e.offsets[j] + padded(e.swapped[j].nbytes)] for j in range(count)]
         if read:
             self.acc.host_use(writes=bufs)   # the reads land there
         start = self.io.pread if read else self.io.pwrite
         slot.io = [self._extent_io(start, slot.key, j, b) for j, b in enumerate(bufs)]
         return sum(b.numel() for b in bufs)
 
-    def _extent_io(self, start, key: int, j: int, buf: torch.Tensor):
-        """``start`` (``io.pread`` or ``io.pwrite``) of ``buf`` at piece ``key``'s tensor ``j``."""
+    def _extent_io(self, start, key: int, j: int, buf: torch.Tensor):   # start: io.pread or io.pwrite
         return start(self.file, self.file.extent(f"{key}.{j}")[0], buf, what=f"{self.name} piece {key} tensor {j}")
 
     def _wait_io(self, handles) -> None:
-        """Wait for ``handles`` (called without the condition held), counted in ``wait_s``."""
+        """(without the condition held) Counted in ``wait_s``."""
         t = time.perf_counter()
         try:
             for h in handles:
@@ -399,7 +396,7 @@ class DiskStore:
             self.wait_s += time.perf_counter() - t
 
     def _finish_writes(self, slot: _Slot) -> None:
-        """Wait for ``slot``'s writes and free it (called without the condition held)."""
+        """(without the condition held) Wait for ``slot``'s writes and free it."""
         with self.cond:
             if slot.state != "writing":
                 while slot.state == "draining":   # another thread waits for them
@@ -421,9 +418,6 @@ class DiskStore:
         self.where.pop(slot.key, None)
         slot.key, slot.state, slot.io = None, "free", []
         self.cond.notify_all()
-
-    def _view(self, slot: _Slot, e: _Entry, j: int) -> torch.Tensor:
-        return slot.buffer[e.offsets[j]:e.offsets[j] + padded(e.swapped[j].nbytes)]
 
     def _point(self, key: int, slot: _Slot) -> None:
         e = self.entries[key]

@@ -1,9 +1,9 @@
 """The piece pipeline of CPU offload: gradient copy (D2H stream, queued by a worker thread once the
 stage reports a piece final) -> host step -> copy back (H2D stream), per piece, ordered by events,
 never by a device-wide synchronize. With ``offload.overlap_step`` a piece is stepped speculatively
-during backward: kept when the step is neither clipped nor skipped (the same element-wise arithmetic),
-else rolled back from undo copies; not tried after a clipped or skipped step. The disk tier swaps
-tiles behind the same store calls; the ranks agree on swap IO failure after backward and the step.
+during backward: kept when the step is neither clipped nor skipped, else rolled back from undo copies
+(and not tried on the next step). The disk tier swaps tiles behind the same store calls; the ranks
+agree on swap IO failure after backward and the step.
 """
 from __future__ import annotations
 

@@ -51,8 +51,7 @@ class DirectIOFallback(RuntimeWarning):
 
 
 class Syscalls:
-    """The system calls the engine makes on swap files: a seam where tests inject faults (EIO, ENOSPC,
-    short counts, EINVAL for O_DIRECT)."""
+    """The engine's system calls on swap files: a seam where tests inject faults (EIO, ENOSPC, short counts, EINVAL)."""
 
     def open(self, path: str, flags: int, mode: int = 0o600) -> int:
         return os.open(path, flags, mode)
@@ -75,8 +74,7 @@ class Extent:
 
 
 class _Held:
-    """A swap file's descriptors and what its paths named: apart from the ``SwapFile``, so that its
-    finalizer (which must not refer to it) can let them go."""
+    """A swap file's descriptors and what its paths named: apart, so that its finalizer may let them go."""
 
     def __init__(self, path: Path, fd: int):
         self.path = path
@@ -86,8 +84,8 @@ class _Held:
         self.manifest: os.stat_result | None = None   # of the manifest this run wrote
 
     def release(self) -> None:
-        """Close the descriptors; delete the file and its manifest while their paths still name this
-        run's (deleted under a live run, a path may hold another run's file by now)."""
+        """Close the descriptors; delete the file and its manifest if their paths still name this run's
+        (deleted under a live run, a path may name another run's file by now)."""
         fds, self.fd, self.direct = (self.direct, self.fd), None, None
         for fd in fds:
             if fd is not None:
@@ -179,8 +177,8 @@ class SwapFile:
         return next((name for name, e in self.extents.items() if e.offset <= offset < e.offset + e.nbytes), None)
 
     def descriptor(self, direct: bool) -> tuple[int, OSError | None]:
-        """(fd, refusal): the O_DIRECT descriptor when ``direct`` and the file system accepts it;
-        otherwise the buffered one, with the error that refused O_DIRECT (None if not asked for)."""
+        """(fd, refusal): the O_DIRECT descriptor when asked for and accepted, else the buffered one with
+        the error that refused O_DIRECT (None if not asked for)."""
         with self._lock:
             self._open()
             if direct and self._held.direct is None and self._direct_refused is None:
@@ -196,8 +194,7 @@ class SwapFile:
             return self._held.fd, self._direct_refused if direct else None
 
     def refuse_direct(self, error: OSError) -> int:
-        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): the
-        buffered descriptor, from now on."""
+        """O_DIRECT IO failed with EINVAL (overlay file systems accept the open, not the IO): buffered from now on."""
         with self._lock:
             if self._held.direct is not None:
                 os.close(self._held.direct)
@@ -235,7 +232,7 @@ class SwapFile:
             return next((value for o, n, value in pieces if (o, n) == (offset, nbytes)), None)
 
     def checksums(self, name: str) -> list[tuple[int, int, int, str]]:
-        """The (offset, bytes, checksum, checksum name) pieces recorded inside extent ``name``, in file order."""
+        """(offset, bytes, checksum, checksum name) recorded inside extent ``name``, in file order."""
         e = self.extents[name]
         with self._lock:
             found = [(*p, kind[1]) for kind, table in self._sums.items() for pieces in table.values()
@@ -252,7 +249,7 @@ class SwapFile:
         self._held.manifest = os.lstat(manifest)
 
     def remove(self) -> None:
-        """Close the file and delete it and its manifest (idempotent; ``_Held.release``)."""
+        """Close the file and delete it and its manifest (idempotent)."""
         with self._lock:
             self.removal()   # (once: later calls, and the finalizer, do nothing)
 
@@ -298,7 +295,7 @@ class FileMap:
         return self._bytes[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
     def prefetch(self, name: str) -> None:
-        """Start reading extent ``name`` into the page cache, so touching it does not fault page by page."""
+        """Start reading extent ``name`` into the page cache (touching it then does not fault page by page)."""
         e = self.file.extents[name]
         if e.nbytes:
             self._mm.madvise(mmap.MADV_WILLNEED, e.offset, padded(e.nbytes))
@@ -320,8 +317,7 @@ class FileMap:
         return torch.frombuffer(self._mm, dtype=t.dtype, count=t.numel(), offset=offset).view(t.shape)
 
     def release(self, t: torch.Tensor) -> None:
-        """Drop this process's mapping of the pages under ``t`` (a pass over the swapped state keeps a
-        bounded resident set); they stay in the file or page cache, mapped again when touched."""
+        """Drop this process's mapping of the pages under ``t`` (a pass keeps a bounded resident set)."""
         lo = t.data_ptr() - self._start
         if t.device.type != "cpu" or not t.numel() or not 0 <= lo < self.file.size:
             return   # not a view of this map
@@ -337,8 +333,8 @@ class FileMap:
 
 
 def remove_stale(folder: str | os.PathLike) -> tuple[int, int]:
-    """Remove the swap files (and manifests) in ``folder`` no live process holds (a lock granted here
-    means its process is gone); (files removed, bytes freed). Links are never followed."""
+    """Remove the swap files (and manifests) in ``folder`` no live process holds (their ``flock``); (files
+    removed, bytes freed). Links are never followed."""
     count = freed = 0
     try:
         names = sorted(n for n in os.listdir(folder) if n.startswith("rank") and n.endswith(".swap"))
@@ -371,7 +367,6 @@ def _manifest_path(path: Path) -> Path:
 
 
 def _unlink_if(path: Path, mine: os.stat_result | None) -> None:
-    """Delete ``path`` if it is still the file ``mine`` describes."""
     if _names(path, mine):
         path.unlink(missing_ok=True)
 
@@ -399,7 +394,6 @@ def _in_use(path: Path) -> ConfigError:
 
 
 def _refuse_if_held(path: Path) -> None:
-    """ConfigError if a live process holds the swap file at ``path`` (its ``flock``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:   # a link, gone meanwhile, unreadable: the checks that follow say so

@@ -128,7 +128,7 @@ def agree_room(dist, folder: str, need: Callable[[], int], check: Callable[[], N
 
 
 def _allocated(path) -> int:
-    """Bytes already reserved by an existing swap file (taken over: its space is not needed again)."""
+    """Bytes an existing swap file reserved (taken over: not needed again)."""
     try:
         return os.lstat(path).st_blocks * 512
     except (FileNotFoundError, NotADirectoryError):   # none yet, or a folder that is not one: check() says so

@@ -50,8 +50,7 @@ class Piece:
 
     @property
     def working(self) -> torch.Tensor:
-        """Where its updated values go: its range of the working partition. A view made on use: a
-        view kept here would keep a zero3 shard's memory alive after it moved to the swap file."""
+        """Its range of the working partition; made on use: a kept view would pin a swapped shard's memory."""
         return self.partition[self.start:self.end]
 
 
@@ -75,8 +74,7 @@ class Shards:
 
     @contextmanager
     def loading(self):
-        """Around ``load`` and the gather reading it; yields the waits the current stream makes before
-        it consumes the unit (filled on leaving)."""
+        """Around ``load`` and its gather; yields the waits the current stream makes before it consumes the unit."""
         yield []   # on the current stream: nothing to wait for
 
     def load(self, dst: torch.Tensor, shard: torch.Tensor) -> None:
@@ -98,13 +96,13 @@ class Shards:
         """After backward: every rank raises if some rank's shard read failed."""
 
     def swap_out(self) -> None:
-        """End of setup: the shards go to their swap file, if they have one."""
+        """End of setup: the shards go to their swap file, if any."""
 
     def memory(self, fp: Footprint, shards: Sequence[torch.Tensor]) -> None:
         fp.add("params", **{"host" if self.params_on_host else "device": tensor_bytes(shards)})
 
     def predict(self, fp: Footprint, sizes: Sequence[int], itemsize: int) -> None:
-        """Move the estimator's ``params`` item (counted on the device) to where ``memory`` finds them."""
+        """Move the estimator's ``params`` item (on the device) to where ``memory`` finds them."""
         if self.params_on_host:
             device, host = fp.items["params"]
             fp.items["params"] = (0, device + host)
@@ -158,9 +156,8 @@ class Placement:
         """(start, end, tier) of the pieces ``place`` cuts a partition of ``n`` elements into."""
         k = round(self.host_fraction * n)
         step = max(1, min(chunk or k, self.tile or k))
-        # As few pieces as ``step`` allows, all of one length within PIECE_ALIGN (a pool slot holds the
-        # longest piece: a short remainder piece would leave slots that never fill), cut on PIECE_ALIGN
-        # multiples where that keeps every piece within ``step``.
+        # As few pieces as ``step`` allows, of one length within PIECE_ALIGN (a pool slot holds the longest:
+        # a short remainder would leave slots never filled), cut on PIECE_ALIGN multiples where that fits.
         count = max(1, -(-k // step))
         unit = PIECE_ALIGN if -(-k // (count * PIECE_ALIGN)) * PIECE_ALIGN <= step else 1
         ends = [min(k, -(-k // unit) * i // count * unit) for i in range(count + 1)]
@@ -184,8 +181,7 @@ class Placement:
         return pieces
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
-        """The pieces of ranges ``cut`` of ``own``, stepped off the device (none here)."""
-        return []
+        return []   # the pieces of ranges ``cut`` of ``own``, stepped off the device: none here
 
     def pieces(self) -> list[Piece]:
         return list(self.infos)
@@ -217,8 +213,8 @@ class Placement:
 
     def predict(self, fp: Footprint, sizes: Sequence[int], chunk: int | None, working: torch.dtype,
                 master: torch.dtype, state: Sequence[int]) -> set[str]:
-        """What ``memory`` (and the pipeline's) will report, from the sizes alone (``state``: optimizer
-        bytes per element, per state tensor); returns the items that appear at the first step, not at setup."""
+        """What ``memory`` (and the pipeline's) will report, from sizes (``state``: optimizer bytes per
+        element, per state tensor); returns the items that appear at the first step, not at setup."""
         m, k, lazy = master.itemsize, sum(state), set()
         for n in sizes:
             for a, b, tier in self.ranges(n, chunk):
@@ -247,9 +243,8 @@ class Placement:
         """``predict``'s swap file and pool for the disk pieces (none here)."""
 
     def swap_grads(self, accum_dtype: torch.dtype, grad_accum: int) -> bool:
-        """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it
-        calls ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``); ``grad_accum``:
-        the micro batches of a step (train.grad_accum), which say whether a partition is ever read back."""
+        """zero3: whether its owned gradient partitions live in the optimizer's swap file (then it calls
+        ``load_grad``, ``save_grad``, ``finish_grads`` and ``grad_sq_norm_local``)."""
         return False
 
     def readable_grads(self, grads: Sequence[torch.Tensor]):
@@ -330,9 +325,8 @@ class Placement:
 
     def write_partition(self, pieces: Sequence[Piece], shard: torch.Tensor, values: torch.Tensor,
                         changed: torch.Tensor) -> None:
-        """``values`` -> ``shard``, and where ``changed`` (a bool mask over the partition) the pieces' masters
-        (framework.gathered's modifications; blocking): a master the block did not change keeps its
-        wider values, not ``values``' rounding of them."""
+        """``values`` -> ``shard`` and, where ``changed`` (a bool mask), the pieces' masters (framework.gathered's
+        edits; blocking): an unchanged master keeps its wider values, not ``values``' rounding of them."""
         self.shards.write(shard, values)
         store = self.stores.get(Tier.DISK)
         for p in pieces:

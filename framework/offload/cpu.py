@@ -43,7 +43,7 @@ class HostPlacement(Placement):
         return pipeline
 
     def _off_device(self, own: torch.Tensor, master_dtype: torch.dtype, cut: list[tuple[int, int]]) -> list[Piece]:
-        """Each piece's gradient buffer, master and 16-bit staging: one pinned arena."""
+        """Each piece's gradient buffer, master and 16-bit staging: one pinned arena for the partition."""
         host, staged = self.stores[Tier.HOST], own.dtype != master_dtype
         host.reserve([(b - a, dt) for a, b in cut for dt in (master_dtype, master_dtype, *([own.dtype] if staged else []))])
         pieces = []
@@ -70,8 +70,7 @@ class HostShards(Shards):
 
     @contextmanager
     def loading(self):
-        """The load and its gather go on the H2D stream (a prefetch hides both); the current stream waits
-        only where it consumes the unit."""
+        """The load and its gather go on the H2D stream (a prefetch hides both)."""
         acc, waits = self.p.acc, []
         fresh = recorded(acc)
         with acc.stream(self.p.h2d_stream):

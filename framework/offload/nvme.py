@@ -84,14 +84,12 @@ def resolve(cfg: NVMeOffloadConfig, stage: str, nodes: Mapping[str, Any]) -> NVM
     return replace(cfg, params=params)
 
 
-def _refuse_empty_path(cfg: NVMeOffloadConfig) -> None:
-    """An empty folder name would put the swap files in the working directory, named nowhere."""
+def _refuse_empty_path(cfg: NVMeOffloadConfig) -> None:   # else the swap files go, unnamed, to the working directory
     if cfg.nvme_path is not None and not cfg.nvme_path.strip():
         raise ConfigError("config: offload.nvme_path is empty: give a folder, or leave it unset for <run dir>/nvme")
 
 
 def build(cfg: NVMeOffloadConfig, accelerator: Accelerator | None = None) -> NVMePlacement:
-    """``cfg`` as ``framework.config`` resolved it (``params`` is never auto here)."""
     if cfg.params == "auto":
         raise ConfigError("offload.params=auto is resolved against the stage by framework.config; "
                           "build from framework.compose(...), or set offload.params to none, cpu or nvme")
