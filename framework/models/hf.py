@@ -159,9 +159,16 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
                           f"does not know{code}; custom model code is not supported: build the model yourself "
                           f"and pass it to framework.initialize")
     try:
-        return transformers.AutoConfig.for_model(model_type, **raw)
+        config = transformers.AutoConfig.for_model(model_type, **raw)
     except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
         raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
+    # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would train.
+    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value < 1:
+            field = config.attribute_map.get(name, name)
+            raise ConfigError(f"{key}: {file} sets {field}={value}; it must be >= 1")
+    return config
 
 
 def build(cfg: HFConfig, vocab_size: int | None = None) -> nn.Module:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from framework.data import synthetic
 
@@ -32,14 +32,6 @@ def main(out: Path) -> None:
         shutil.copytree(export, hf, dirs_exist_ok=True)
         if not (hf / "config.json").is_file():   # weights only: add the model's config (save_pretrained's other half)
             shutil.copy(Path(cfg["model"]["config"]), hf / "config.json")
-    elif export.with_suffix(".pt").is_file():     # a consolidated state dict: export it with save_pretrained
-        state = torch.load(export.with_suffix(".pt"), weights_only=True)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg["model"]["config"]))
-        prefix = next((k[: -len(n)] for k in state for n in model.state_dict() if k.endswith(n) and k != n), "")
-        missing, unexpected = model.load_state_dict({k[len(prefix):]: v for k, v in state.items()}, strict=False)
-        if unexpected or any(not m.endswith("lm_head.weight") for m in missing):   # the head is tied to wte
-            raise SystemExit(f"{export}.pt does not match the model: missing {missing}, unexpected {unexpected}")
-        model.save_pretrained(hf)
     else:
         raise SystemExit(f"{job} holds no saved weights: set stage3_gather_16bit_weights_on_model_save in "
                          f"ds_config.json")
