@@ -566,6 +566,26 @@ def test_a_save_failing_while_an_interrupt_is_handled_is_a_save_failure(tmp_path
                        lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Full(tmp), no_dist=True), tmp)
 
 
+def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
+    """EFBIG (``ulimit -f``) while DCP writes: torch's zip writer reports it as "unexpected pos", as it does a
+    full disk, with the EFBIG underneath; the line names the limit, not free space the disk has."""
+    import torch.distributed.checkpoint as dcp
+    from framework.persist.checkpoint._group import agree_save, glue
+    from tests._helpers import file_size_limit
+
+    tmp = tmp_path / "step-2.tmp"
+    tmp.mkdir()
+    with glue().single_process_quiet(), pytest.raises(CheckpointError) as got, file_size_limit(64 << 10):
+        agree_save(_OneRank(), "writing the files", lambda: dcp.save(
+            {"w": torch.ones(1 << 16), "b": [torch.ones(2)]}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True),
+            tmp, need=300 << 10)
+    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: a file size limit "
+                              f"stopped the writes in {tmp_path} (the checkpoint needs about 0.29 MiB (307200 bytes)):"
+                              f" raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that "
+                              f"takes larger files; the previous checkpoints are kept"), got.value
+    assert not tmp.exists()
+
+
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):
     """An edited manifest whose file entry is not {bytes, sha256} is one CheckpointError naming the
     manifest (it used to be a KeyError on the rank that read it, its peers left waiting)."""
