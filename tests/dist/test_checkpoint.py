@@ -296,7 +296,9 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
 
 def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys):
     """A save of a step already there killed inside its commit leaves step-N moved to step-N.old (and maybe a
-    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier."""
+    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier. A run
+    that only reads the folder (another run's, whose commit may be under way) renames nothing: it reads step-N
+    where it lies."""
     from framework.persist.checkpoint import preflight
     dist = _local()
     _train(dist, [], str(tmp_path), steps=N)
@@ -311,9 +313,11 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
     assert first[:2] == (N, N)
     assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
     final.rename(tmp_path / f"step-{N}.old")   # and so is the step folder itself, named as the resume
-    _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(final), steps=N)
-    assert first[:2] == (N, N)
-    assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
+    for resume in (final, tmp_path):   # read by a run that saves nothing: as it lies
+        _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(resume), steps=N)
+        assert first[:2] == (N, N)
+        assert f"resumed from {tmp_path / f'step-{N}.old'} (step {N}" in capsys.readouterr().out
+        assert not final.exists() and (tmp_path / f"step-{N}.old").is_dir()
 
 
 def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):

@@ -167,7 +167,8 @@ def test_rotation_says_which_folder_it_could_not_delete(tmp_path, monkeypatch):
 def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, complete):
     """Killed while saving a step again, between moving step-4 aside (step-4.old) and renaming step-4.tmp in: the
     next save's clean-up puts step-4 back (the new one when its manifest was written, else the old one) before
-    it removes what is left, with one line saying so; ``latest`` names a folder that exists."""
+    it removes what is left, with one line saying so; ``latest`` names a folder that exists. A reader's scan
+    finds the same one where it lies."""
     from framework.persist import stepfolders
     for name, body in (("step-4.old", "old"), ("step-4.tmp", "new")):
         (tmp_path / name).mkdir()
@@ -177,6 +178,10 @@ def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, c
     (tmp_path / "step-4.old" / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
     (tmp_path / "step-2.del").mkdir()
     (tmp_path / "latest").write_text("step-4")
+    # a reader (another run's folder, whose commit may be under way) finds step-4 where it lies, renaming nothing
+    before = sorted(os.listdir(tmp_path))
+    assert stepfolders.scan(tmp_path, around=True)[0] == [tmp_path / ("step-4.tmp" if complete else "step-4.old")]
+    assert stepfolders.scan(tmp_path)[0] == [] and sorted(os.listdir(tmp_path)) == before
     stepfolders.remove_stale(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
     assert (tmp_path / "step-4" / "x").read_text() == ("new" if complete else "old")
