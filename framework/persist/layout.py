@@ -208,7 +208,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     bad = nonfinite_items([(f"{name} ({'master' if key is None else key})", f["master"] if key is None else f["optim"][key])
                            for sd in saved for name, entry in sd["params"].items() for f in entry["fragments"]
                            for key in [None, *sorted(f["optim"])]])
-    bad += nonfinite_items(list((kept or {}).items()), nan_only=("buffer.",))
+    bad += nonfinite_items(list((kept or {}).items()), nan_only=True)
     if bad:
         raise FrameworkError(f"load_state_dict: non-finite values (NaN or inf) in {few(bad)} of the saved state: not "
                              f"a state to train from; load one saved before training diverged")
@@ -254,9 +254,10 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     return with_saved_scalars(state, first, rng, saved_opt["scalars"], policy)
 
 
-def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: tuple[str, ...] = ()) -> list[str]:
+def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_only: bool = False) -> list[str]:
     """The names among ``items`` ((name, tensor)) whose tensor holds NaN or inf (one sync per device);
-    ``release(t)`` after each. Names starting with ``nan_only`` are flagged for a NaN only (``nonfinite``)."""
+    ``release(t)`` after each. ``nan_only``: flagged for a NaN only, as the buffers and frozen parameters are
+    (``nonfinite``)."""
     by_device: dict[torch.device, list] = {}
     for n, t in items:
         if t.numel() > 0 and t.is_floating_point():
@@ -265,7 +266,7 @@ def nonfinite_items(items: list[tuple[str, torch.Tensor]], release=None, nan_onl
     for pairs in by_device.values():
         flags = []
         for n, t in pairs:
-            flags.append(nonfinite(t, nan_only=n.startswith(nan_only)))
+            flags.append(nonfinite(t, nan_only))
             if release is not None:
                 release(t)
         flagged = torch.stack(flags).cpu().tolist()   # sync point: once per device, per save or load

@@ -1,6 +1,7 @@
 """The on-disk protocol of a checkpoint folder: atomic commit, manifest, checksums, pruning.
 
-    <dir>/step-<N>.tmp/   being written (ignored by every reader, removed by the next save)
+    <dir>/step-<N>.tmp/   being written (removed by the next save; read only in place of a step-<N> that its
+                          commit moved aside to step-<N>.old: ``interrupted``)
     <dir>/step-<N>/       committed: DCP files + train_state.json + rng-<rank>.json + manifest.json
                           (+ model_16bit/: zero3's 16-bit weights, when saved with the step)
     <dir>/step-<N>.del/   being deleted by rotation (removed by the next save)
@@ -162,22 +163,24 @@ def committed_step(path: Path) -> Path | None:
     return None
 
 
-def scan(root: Path) -> tuple[list[Path], list[str]]:
+def scan(root: Path, around: bool = False) -> tuple[list[Path], list[str]]:
     """The committed ``step-<N>`` folders under ``root`` (holding a manifest), newest commit first (``seq``, then
     the step: a rewound run goes on from its own newest save), and a note for each ``step-<N>`` that is not one.
     One whose manifest does not parse is damage, listed last: a resume tries it (and fails, naming the damage)
-    rather than starting afresh over it."""
-    found, notes = _committed(root)
+    rather than starting afresh over it. ``around``: a step a save's commit left without its folder (``interrupted``,
+    as a resume restores) is listed where it lies, for a reader that may rename nothing there."""
+    found, notes = _committed(root, around)
     return [p for p, _ in found], notes
 
 
-def _committed(root: Path) -> tuple[list[tuple[Path, dict | None]], list[str]]:
+def _committed(root: Path, around: bool = False) -> tuple[list[tuple[Path, dict | None]], list[str]]:
     """``scan``'s folders, each with its manifest (None: it does not parse), and its notes; one read each."""
     if not root.is_dir():
         return [], []
     out, notes = [], []
-    for p in root.iterdir():
-        m = _STEP.match(p.name)
+    aside = [(p, final.name) for p, final in interrupted(root, aside_only=True)] if around else []
+    for p, name in [*((p, p.name) for p in root.iterdir()), *aside]:
+        m = _STEP.match(name)
         if m and p.is_symlink():
             notes.append(f"{p} is a symbolic link, not a checkpoint this run wrote; ignored")
         elif m and p.is_dir():
@@ -267,12 +270,12 @@ def remove_stale(root: Path, keep: Path | None = None) -> None:
                 _remove_tree(p)
 
 
-def restore(root: Path, aside_only: bool = False) -> list[Path]:
-    """Put back a step a save interrupted inside ``commit`` left without its ``step-<N>`` folder: a complete
-    ``step-<N>.tmp`` (its manifest written) becomes it, else the ``step-<N>.old`` moved aside goes back; the folders
-    restored, each said. ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
-    done = []
-    for p in sorted(root.iterdir()):
+def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]:
+    """(folder, ``step-<N>``) for each step a save interrupted inside ``commit`` (or one under way there) left
+    without its ``step-<N>`` folder: a complete ``step-<N>.tmp`` (its manifest written) holds it, else the
+    ``step-<N>.old`` moved aside. ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
+    out = []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)
         if not m or os.path.lexists(final := root / m.group(1)) or p.is_symlink() or not p.is_dir():
             continue
@@ -280,12 +283,20 @@ def restore(root: Path, aside_only: bool = False) -> list[Path]:
             continue
         tmp = root / f"{final.name}.tmp"
         complete = (tmp / MANIFEST).is_file() and not tmp.is_symlink()
-        if complete != (m.group(2) == "tmp"):   # the new folder when complete, else the one moved aside
-            continue
+        if complete == (m.group(2) == "tmp"):   # the new folder when complete, else the one moved aside
+            out.append((p, final))
+    return out
+
+
+def restore(root: Path, aside_only: bool = False) -> list[Path]:
+    """Put back each ``interrupted`` step: its folder renamed to ``step-<N>``; the folders restored, each said. Only
+    in a folder this run saves into: elsewhere a live run's commit may be under way (``scan(around=True)``)."""
+    done = []
+    for p, final in interrupted(root, aside_only):
         os.replace(p, final)
         files.fsync_dir(root)
         print(f"checkpoint: {final} was missing after an interrupted save: restored it from {p.name}"
-              + (" (complete: its manifest was written)" if m.group(2) == "tmp" else " (the copy moved aside)"),
+              + (" (complete: its manifest was written)" if p.suffix == ".tmp" else " (the copy moved aside)"),
               flush=True)
         done.append(final)
     return done

@@ -372,7 +372,8 @@ def overflowed(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
 
 
 def nonfinite(src: torch.Tensor, nan_only: bool = False) -> torch.Tensor | None:
-    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer may hold inf by design, a mask),
+    """A flag on its device: ``src`` holds NaN or inf (``nan_only``: NaN; a buffer or frozen parameter
+    may hold inf by design, an additive mask),
     from its min and max (no temporary of ``src``'s size); None where there is nothing to flag."""
     if not src.is_floating_point() or not src.numel():
         return None

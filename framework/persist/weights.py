@@ -27,7 +27,8 @@ from framework.offload import verify_map
 from framework.persist.layout import StateLayout
 from framework.persist.stepfolders import check_weights16
 from framework.persist.tensorfiles import (INDEX, WRITE_CHUNK, WeightsSource, Writer, create_files, finish_files,
-                                           open_weights, output_dir, plan_files, remove_tmp, warn_written)
+                                           nonfinite, open_weights, output_dir, plan_files, remove_tmp,
+                                           warn_written)
 from framework.core.utils import dtype_name, few
 
 
@@ -92,7 +93,8 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     """Load consolidated weights into ``engine``'s model (masters, zero3 shards, buffers; not the optimizer
     state). Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; a tied parameter takes
     any of its names; values are converted to each target's dtype. Missing and unexpected names (``strict``),
-    shape and dtype-kind mismatches: one ``ConfigError`` before anything is written."""
+    shape and dtype-kind mismatches: one ``ConfigError`` before anything is written; a tensor holding NaN or inf
+    (buffers and frozen parameters: NaN) one as it is read."""
     if not isinstance(source, (str, os.PathLike, WeightsSource)):
         raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
@@ -148,16 +150,26 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))
+
+    def read(key: str, lo: int, hi: int, nan_only: bool = False) -> torch.Tensor:
+        """The file's values, refused where a diverged run left NaN or inf (host tensors: no device sync)."""
+        values = src.read(key, lo, hi)
+        if (bad := nonfinite(values, nan_only)) is not None and bad:
+            raise ConfigError(f"load_weights: non-finite values (NaN or inf) in {key!r} of {src.where}: not weights "
+                              f"to train from; load ones saved before training diverged")
+        return values
+
     for p, h in layout.mine():   # masters: only the ranges this rank's pieces hold
         if p.name in chosen:   # (strict=False: an absent one keeps its values)
             into = h.of(masters[h.piece].view(-1))
-            into.copy_(src.read(chosen[p.name], h.lo, h.hi).to(into.dtype))
+            into.copy_(read(chosen[p.name], h.lo, h.hi).to(into.dtype))
             if fmap is not None:
                 fmap.release(into)
     with torch.no_grad():   # whole tensors every rank holds (buffers, frozen parameters outside the layout)
-        for t in tgts:
+        for t in tgts:   # (an inf in one may be by design, an additive mask: a NaN only is refused)
             if t.tensor is not None and t.name in chosen:
-                t.tensor.copy_(src.read(chosen[t.name], 0, t.tensor.numel()).to(t.tensor.dtype).view(t.tensor.shape))
+                values = read(chosen[t.name], 0, t.tensor.numel(), nan_only=True)
+                t.tensor.copy_(values.to(t.tensor.dtype).view(t.tensor.shape))
 
 
 def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
@@ -188,8 +200,9 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
         # Whole on every rank: frozen parameters (the same everywhere) spread over the ranks; buffers
         # (BatchNorm's statistics differ per rank) all from rank 0, as the checkpoint keeps them.
         buffers = set(persistent_buffers(engine.components.module))
+        whole = {t.name for t in tgts if t.tensor is not None}   # checked for a NaN only: an inf may be a mask
         jobs += [(entries[t.name], 0, t.tensor.detach().reshape(-1)) for i, t in enumerate(tgts)
-                 if t.tensor is not None and (0 if t.name in buffers else i % dist.world) == dist.rank]
+                 if t.name in whole and (0 if t.name in buffers else i % dist.world) == dist.rank]
         jobs.sort(key=lambda j: (j[0].file, j[0].offset, j[1]))   # each file front to back
 
         writer = stack.enter_context(Writer(out_dir, plans, "save_weights",
@@ -197,7 +210,7 @@ def save_weights(engine, out_dir, *, dtype: torch.dtype | None = None,
 
         def write() -> tuple[int, list[str]]:
             for e, at, view in jobs:
-                writer.write(e, at, view, nan_only=e.name in buffers)
+                writer.write(e, at, view, nan_only=e.name in whole)
             result = writer.finish()
             # what was read from the mapped pages is what was checked: the extents again after the write
             verify_map(fmap, "checked again after the export read it")

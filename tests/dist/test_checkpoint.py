@@ -296,7 +296,9 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
 
 def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys):
     """A save of a step already there killed inside its commit leaves step-N moved to step-N.old (and maybe a
-    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier."""
+    complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier. A run
+    that only reads the folder (another run's, whose commit may be under way) renames nothing: it reads step-N
+    where it lies."""
     from framework.persist.checkpoint import preflight
     dist = _local()
     _train(dist, [], str(tmp_path), steps=N)
@@ -311,9 +313,11 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
     assert first[:2] == (N, N)
     assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
     final.rename(tmp_path / f"step-{N}.old")   # and so is the step folder itself, named as the resume
-    _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(final), steps=N)
-    assert first[:2] == (N, N)
-    assert "restored it from step-4.old (the copy moved aside)" in capsys.readouterr().out
+    for resume in (final, tmp_path):   # read by a run that saves nothing: as it lies
+        _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(resume), steps=N)
+        assert first[:2] == (N, N)
+        assert f"resumed from {tmp_path / f'step-{N}.old'} (step {N}" in capsys.readouterr().out
+        assert not final.exists() and (tmp_path / f"step-{N}.old").is_dir()
 
 
 def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
@@ -525,7 +529,7 @@ def test_resume_restores_buffers_and_frozen_parameters(pools, tmp_path, world, o
 
 
 def _poison(what):
-    """``_norm_train``'s ``after``: at step N, a NaN running variance, an infinite frozen weight or loss scale."""
+    """``_norm_train``'s ``after``: at step N, a NaN running variance or frozen weight, an infinite loss scale."""
     def after(module, state):
         if state.step != N:
             return state
@@ -533,15 +537,15 @@ def _poison(what):
             if what == "buffer":
                 module.norm.running_var.fill_(float("nan"))
             elif what == "frozen":
-                module.f.weight[0, 0] = float("inf")
+                module.f.weight[0, 0] = float("nan")
         return replace(state, precision=replace(state.precision, cur_scale=float("inf"))) if what == "scale" else state
     return after
 
 
 def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_nor_resumed(tmp_path, capsys,
                                                                                          monkeypatch):
-    """A NaN in BatchNorm's running statistics (a NaN forward under train.on_nonfinite=warn), an infinite frozen
-    weight or a non-finite loss scale stops the save as a non-finite master does (warn: not saved); a checkpoint
+    """A NaN in BatchNorm's running statistics (a NaN forward under train.on_nonfinite=warn) or a frozen
+    weight, or a non-finite loss scale stops the save as a non-finite master does (warn: not saved); a checkpoint
     holding such buffers is damaged: resume=auto falls back to the one before it."""
     from framework.core.errors import TrainingError
     from framework.persist.checkpoint import _save
@@ -558,7 +562,7 @@ def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_
     assert f"warning: checkpoint: not saving step {N}: the state holds non-finite values (NaN or inf) in rank 0: " \
            "'buffer.norm.running_var' (train.on_nonfinite=warn)" in capsys.readouterr().err
     # saved by a save that did not check them: refused at the load, the older checkpoint resumed
-    monkeypatch.setattr(_save, "nonfinite_items", lambda items, release=None, nan_only=(): [])
+    monkeypatch.setattr(_save, "nonfinite_items", lambda items, release=None, nan_only=False: [])
     _norm_train(dist, [], str(tmp_path / "old"), after=_poison("buffer"))
     monkeypatch.undo()
     capsys.readouterr()
@@ -569,20 +573,23 @@ def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_
 
 
 class _Masked(_Norm):
-    """An additive causal mask: -inf in a float buffer by design."""
+    """An additive causal mask: -inf by design, in a float buffer and in a frozen parameter."""
     def __init__(self, freeze: bool):
         super().__init__(freeze)
         self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+        self.fmask = torch.nn.Parameter(torch.full((4, 4), float("-inf")).triu(1), requires_grad=False)
 
 
-def test_a_buffer_infinite_by_design_is_saved_and_resumed(tmp_path):
-    """Only a NaN marks a buffer as diverged: an infinity in one can be by design (an additive mask)."""
+def test_a_buffer_or_frozen_parameter_infinite_by_design_is_saved_and_resumed(tmp_path):
+    """Only a NaN marks a buffer or frozen parameter as diverged: an infinity in one can be by design (an
+    additive mask)."""
     dist = _local()
     losses, values = _norm_train(dist, [], str(tmp_path), model=_Masked)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{K}", f"step-{N}"]
     again, resumed = _norm_train(dist, [], str(tmp_path / "b"), resume=str(tmp_path / f"step-{K}"), seed=99,
                                  model=_Masked)
     assert again == losses[K:] and torch.equal(resumed["mask"], values["mask"])
+    assert torch.equal(resumed["fmask"], values["fmask"])
 
 
 class _ExtraBuffer(_Norm):

@@ -167,7 +167,8 @@ def test_rotation_says_which_folder_it_could_not_delete(tmp_path, monkeypatch):
 def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, complete):
     """Killed while saving a step again, between moving step-4 aside (step-4.old) and renaming step-4.tmp in: the
     next save's clean-up puts step-4 back (the new one when its manifest was written, else the old one) before
-    it removes what is left, with one line saying so; ``latest`` names a folder that exists."""
+    it removes what is left, with one line saying so; ``latest`` names a folder that exists. A reader's scan
+    finds the same one where it lies."""
     from framework.persist import stepfolders
     for name, body in (("step-4.old", "old"), ("step-4.tmp", "new")):
         (tmp_path / name).mkdir()
@@ -177,6 +178,10 @@ def test_a_save_killed_inside_its_commit_loses_no_checkpoint(tmp_path, capsys, c
     (tmp_path / "step-4.old" / stepfolders.MANIFEST).write_text(json.dumps({"format": 1, "files": {}}))
     (tmp_path / "step-2.del").mkdir()
     (tmp_path / "latest").write_text("step-4")
+    # a reader (another run's folder, whose commit may be under way) finds step-4 where it lies, renaming nothing
+    before = sorted(os.listdir(tmp_path))
+    assert stepfolders.scan(tmp_path, around=True)[0] == [tmp_path / ("step-4.tmp" if complete else "step-4.old")]
+    assert stepfolders.scan(tmp_path)[0] == [] and sorted(os.listdir(tmp_path)) == before
     stepfolders.remove_stale(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-4"]
     assert (tmp_path / "step-4" / "x").read_text() == ("new" if complete else "old")
@@ -564,6 +569,26 @@ def test_a_save_failing_while_an_interrupt_is_handled_is_a_save_failure(tmp_path
         with glue().single_process_quiet(), pytest.raises(CheckpointError, match="is full"):
             agree_save(_OneRank(), "writing the files",
                        lambda: dcp.save({"w": torch.ones(4)}, storage_writer=Full(tmp), no_dist=True), tmp)
+
+
+def test_a_file_size_limit_during_a_save_is_not_called_a_full_disk(tmp_path):
+    """EFBIG (``ulimit -f``) while DCP writes: torch's zip writer reports it as "unexpected pos", as it does a
+    full disk, with the EFBIG underneath; the line names the limit, not free space the disk has."""
+    import torch.distributed.checkpoint as dcp
+    from framework.persist.checkpoint._group import agree_save, glue
+    from tests._helpers import file_size_limit
+
+    tmp = tmp_path / "step-2.tmp"
+    tmp.mkdir()
+    with glue().single_process_quiet(), pytest.raises(CheckpointError) as got, file_size_limit(64 << 10):
+        agree_save(_OneRank(), "writing the files", lambda: dcp.save(
+            {"w": torch.ones(1 << 16), "b": [torch.ones(2)]}, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True),
+            tmp, need=300 << 10)
+    assert str(got.value) == (f"checkpoint: saving step-2 failed (writing the files): rank 0: a file size limit "
+                              f"stopped the writes in {tmp_path} (the checkpoint needs about 0.29 MiB (307200 bytes)):"
+                              f" raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that "
+                              f"takes larger files; the previous checkpoints are kept"), got.value
+    assert not tmp.exists()
 
 
 def test_a_malformed_manifest_entry_is_refused_on_every_rank(tmp_path):

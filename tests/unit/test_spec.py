@@ -256,6 +256,16 @@ def test_errors_are_one_line_and_leave_the_state_alone():
         _unchanged_after(lambda: load(spoiled("b", None, float("nan"))), state)
     with pytest.raises(FrameworkError, match=r"non-finite values \(NaN or inf\) in 'e \(0.nu\)' of the saved state"):
         _unchanged_after(lambda: load(spoiled("e", "0.nu", float("inf"))), state)
+    # buffers and frozen parameters: an infinity may be by design (an additive mask), a NaN is refused
+    mask = torch.full((3, 3), float("-inf")).triu(1)
+    whole = {"frozen.mask": torch.zeros(3, 3), "buffer.mask": torch.zeros(3, 3)}
+    load_state_dict(state, specs, [{**sd, "whole": {k: mask for k in whole}} for sd in saved], policy=FP32,
+                    names=SHAPES, whole=whole)
+    assert all(torch.equal(t, mask) for t in whole.values())
+    for key in whole:
+        nan = [{**sd, "whole": {**{k: mask for k in whole}, key: torch.full((3, 3), float("nan"))}} for sd in saved]
+        with pytest.raises(FrameworkError, match=fr"non-finite values \(NaN or inf\) in '{key}' of the saved state"):
+            load_state_dict(state, specs, nan, policy=FP32, names=SHAPES, whole=whole)
     with pytest.raises(FrameworkError, match="different steps"):
         load([saved[0], {**saved[1], "step": 3}])
     with pytest.raises(FrameworkError, match="no saved state"):

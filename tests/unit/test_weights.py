@@ -194,7 +194,7 @@ class _WithBuffers(torch.nn.Module):
 
 
 @pytest.mark.parametrize("stage", ["ddp", "zero1", "zero2", "zero3"])
-def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage):
+def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage, capsys):
     from safetensors.torch import load_file, save_file
     torch.manual_seed(0)
     cfg = framework.compose(["logger=none", *([] if stage == "ddp" else [f"+stage={stage}"])])
@@ -214,6 +214,20 @@ def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage):
     save_weights(engine, tmp_path / "out")
     out = load_file(tmp_path / "out" / "model.safetensors")
     assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())
+    # an inf in a buffer or frozen parameter may be by design (an additive mask): loaded and saved without a
+    # word; a NaN there is refused, as in a trained parameter
+    whole = ["scale"] if stage == "zero3" else ["scale", "frozen.weight"]
+    for k in whole:
+        sd[k].view(-1)[0] = float("-inf")
+    save_file(sd, tmp_path / "inf.safetensors")
+    load_weights(engine, tmp_path / "inf.safetensors")
+    assert module.scale[0] == float("-inf")
+    save_weights(engine, tmp_path / "inf")
+    assert "NaN" not in capsys.readouterr().err
+    for k in [*whole, "lin.weight"]:
+        save_file({**sd, k: torch.full_like(sd[k], float("nan"))}, tmp_path / "nan.safetensors")
+        with pytest.raises(ConfigError, match=fr"^load_weights: non-finite values \(NaN or inf\) in '{k}' of "):
+            load_weights(engine, tmp_path / "nan.safetensors")
 
 
 def test_weights_inside_a_checkpoint_are_checked_against_its_manifest(tmp_path):
@@ -323,7 +337,8 @@ def test_a_dtype_safetensors_cannot_hold_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
+def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys, monkeypatch):
+    from framework.persist import weights
     from framework.persist.tensorfiles import WeightsSource
     from safetensors.torch import load_file
     engine = _engine("+stage=zero2")
@@ -342,7 +357,12 @@ def test_values_beyond_float16_are_counted_in_one_warning(tmp_path, capsys):
     # from the overflow's scan (fp16: an inf is not counted again as an overflow)
     other = next(k for k, v in sd.items() if k != name and v.is_floating_point() and v.numel() >= 2)
     sd[other].view(-1)[:2] = torch.tensor([float("nan"), float("-inf")])
+    with pytest.raises(ConfigError, match=fr"^load_weights: non-finite values \(NaN or inf\) in '{other}' of test: "
+                                          r"not weights to train from; load ones saved before training diverged$"):
+        load_weights(engine, WeightsSource("test", sd))   # (as load_state_dict refuses them)
+    monkeypatch.setattr(weights, "nonfinite", lambda values, nan_only=False: None)   # a load that did not check
     load_weights(engine, WeightsSource("test", sd))
+    monkeypatch.undo()
     for dtype in (None, torch.float16):
         capsys.readouterr()
         save_weights(engine, tmp_path / "nan", dtype=dtype)

@@ -246,8 +246,7 @@ def shared(dist, root: Path) -> None:
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
     """``checkpoint.resume=off`` (or one elsewhere: ``choose``): a ConfigError if this run would save into a folder
     holding committed checkpoints (its saves would overwrite or rotate them); else the note to print, if any."""
-    restore(root)
-    existing = stepfolders.scan(root)[0]
+    existing = _scan(root, owned=bool(every))[0]
     if not existing:
         return None
     what = f"{root} holds {len(existing)} checkpoint(s), newest {existing[0].name}"
@@ -258,9 +257,18 @@ def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:
     return f"resume=off: starting from step 0 although {what}; set checkpoint.resume=auto to continue from it"
 
 
+def _scan(root: Path, owned: bool) -> tuple[list[Path], list[str]]:
+    """``stepfolders.scan`` of ``root``, a step a save's commit moved aside counted (or the resume would go back a
+    save interval): put back first where this run ``owned`` the folder (saves there: the CLI holds its lock), else
+    read where it lies: another run's commit may be under way there, and a reader renames nothing. Rank 0 only."""
+    if owned:
+        restore(root)
+    return stepfolders.scan(root, around=not owned)
+
+
 def restore(root: Path) -> None:
-    """Before looking in ``root``: put back a committed step a save killed inside its commit moved aside
-    (``stepfolders.restore``), or the resume would go back a save interval. Rank 0 only."""
+    """Put back a committed step a save killed inside its commit moved aside (``stepfolders.restore``), in a folder
+    this run saves into. Rank 0 only."""
     if not root.is_dir() or root.is_symlink():
         return
     try:
@@ -275,33 +283,41 @@ def choose(resume: str, root: Path, every: int, sweep_dir: Path | None = None) -
     if resume == "off":
         note = fresh_start(root, every)
         return [], [note] if note else []
-    folders, notes = candidates(resume, root, sweep_dir)
+    folders, notes = candidates(resume, root, sweep_dir, owned=root if every else None)
     if folders and every and folders[0].resolve().parent != root.resolve():
         fresh_start(root, every, resume)
     return folders, notes
 
 
-def candidates(resume: str, root: Path, sweep_dir: Path | None = None) -> tuple[list[Path], list[str]]:
+def candidates(resume: str, root: Path, sweep_dir: Path | None = None,
+               owned: Path | None = None) -> tuple[list[Path], list[str]]:
     """Candidate folders for ``checkpoint.resume`` (``auto``; ``latest``: ``find_latest``'s run folder; a step
-    folder or a folder of them), best first, and a line for each ``step-<N>`` passed over (or none found)."""
+    folder or a folder of them), best first, and a line for each ``step-<N>`` passed over (or none found).
+    ``owned``: the folder this run saves into, the one where an interrupted commit is put back (``_scan``)."""
+    def mine(folder: Path) -> bool:
+        return owned is not None and folder.resolve() == owned.resolve()
+
     if resume == "auto":
-        restore(root)
-        return stepfolders.scan(root)
+        return _scan(root, mine(root))
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
         folder = find_latest(root, sweep_dir)
         if folder is None:
             others = "" if sweep_dir is None else f" (those of the sweep's other jobs in {sweep_dir} passed over)"
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
                         f"{', '.join(t + '/' for t in _RUN_TREES)}{others}; starting from step 0"]
-        return stepfolders.scan(folder.parent)   # that run's folder: a damaged newest one falls back, as auto does
+        return _scan(folder.parent, mine(folder.parent))   # that run's folder: a damaged newest one falls back
     path = Path(resume).expanduser()
     if not os.path.lexists(path) and stepfolders.step_of(path) >= 0:
-        restore(path.parent)   # a save of that step killed inside its commit moved it aside: put back first
+        # a save of that step killed (or under way) inside its commit moved it aside: put back, or read where it lies
+        if mine(path.parent):
+            restore(path.parent)
+        else:
+            path = next((p for p, final in stepfolders.interrupted(path.parent, aside_only=True) if final == path),
+                        path)
     if (path / stepfolders.MANIFEST).is_file() or (path / stepfolders.TRAIN_STATE).exists():
         return [path], []
     if path.is_dir():
-        restore(path)
-        found, notes = stepfolders.scan(path)
+        found, notes = _scan(path, mine(path))
         if found:
             return found, notes
     hint = "" if path.exists() else closest_hint(resume, ("auto", "off", "latest"))

@@ -3,6 +3,7 @@ of outcomes that ends every rank with the same line."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -128,9 +129,14 @@ def _stop(e: BaseException) -> KeyboardInterrupt | SystemExit | None:
 
 def _write_error(e: BaseException, tmp: Path, need: int) -> str:
     """One line for a failed write: a full disk (torch's zip writer says "unexpected pos") names the folder, the
-    free and needed bytes; EFBIG (a file size limit) keeps DCP's line: more room would not help."""
+    free and needed bytes; EFBIG, tested first (the zip writer's "unexpected pos" hides it too), a file size
+    limit: more room would not help."""
+    found = glue().causes(e)
+    if any(isinstance(c, OSError) and c.errno == errno.EFBIG for c in found):
+        return (f"a file size limit stopped the writes in {tmp.parent} (the checkpoint needs about {size(need)}): "
+                "raise the file size limit (ulimit -f) or set checkpoint.dir to a file system that takes larger files")
     if any(isinstance(c, OSError) and c.errno in DISK_FULL or "unexpected pos" in str(c) or "No space left" in str(c)
-           for c in glue().causes(e)):
+           for c in found):
         return (f"the file system of {tmp.parent} is full ({free_note(tmp.parent, unknown='free space unknown')}; "
                 f"the checkpoint needs about {size(need)}): free space, lower checkpoint.keep_last or set "
                 "checkpoint.dir to a larger disk")

@@ -210,7 +210,7 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
         def read():
             glue().read(folder, md, {**targets, **read_whole}, release, **group.dcp_kwargs())
             bad = nonfinite_items([(k, t) for k, b in targets.items() for t in b.tensors()], release)
-            bad += nonfinite_items(list(read_whole.items()), nan_only=("buffer.",))   # (host tensors: no device sync)
+            bad += nonfinite_items(list(read_whole.items()), nan_only=True)   # (host tensors: no device sync)
             if bad:
                 raise CheckpointError(f"checkpoint {folder}: non-finite values (NaN or inf) in {few(bad)} "
                                       f"(rank {group.rank}'s share): not a state to train from")

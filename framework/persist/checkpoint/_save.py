@@ -84,8 +84,9 @@ def snapshot(engine, state, fmap, group: Group, zero_copy: bool) -> dict:
         whole = {k: host_copy(t) for k, t in whole_tensors(c.module).items()}
         out.update(whole)
         # Checked on their host copies (no device sync): a NaN forward under train.on_nonfinite=warn leaves
-        # NaN in BatchNorm's running statistics, which a resume would load into every rank.
-        nonfinite = sorted({*nonfinite, *nonfinite_items(list(whole.items()), nan_only=("buffer.",))})
+        # NaN in BatchNorm's running statistics, which a resume would load into every rank. An inf may be by
+        # design (an additive mask): only a NaN is refused.
+        nonfinite = sorted({*nonfinite, *nonfinite_items(list(whole.items()), nan_only=True)})
         scale = state.precision.cur_scale   # (a float, the same on every rank; a load refuses a bad one)
         if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
             nonfinite.append(f"precision.cur_scale ({scale!r})")
