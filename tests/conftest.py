@@ -48,3 +48,15 @@ def _one_thread():
     # only oversubscribe the cores.
     import torch
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_kept():
+    # A test that changes SIGINT's handler and leaves it so (ignored, as a rank's signal block leaves it, or
+    # Python's own where the suite was started in the background with SIGINT ignored) makes a later Ctrl-C
+    # test in the same worker pass or fail by the order the files ran in: the test that leaks it fails.
+    import signal
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    assert after is before, f"this test left SIGINT's handler {after!r} (it was {before!r})"
