@@ -6,6 +6,11 @@ import pytest
 # The CPU runs of the suite check what CUDA would need (framework.comm.accelerator): host/device
 # placement and stream order of every copy of the offload path. Set before any rank is spawned.
 os.environ.setdefault("FRAMEWORK_ACCELERATOR", "check")
+# One torch thread in every process the suite starts (the fork server of tests/cli/_forkrun.py, a recipe's
+# jobs, fresh `python -m framework.*` runs), as in this one (_one_thread below): torch reads this when it is
+# imported, not later. With a thread per core beside the other pytest worker, OpenMP's spinning threads
+# burnt several times the CPU time (a 4-job README sweep: 18 s of CPU instead of 5 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests._pool import RankPool
 
