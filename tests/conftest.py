@@ -6,6 +6,11 @@ import pytest
 # The CPU runs of the suite check what CUDA would need (framework.comm.accelerator): host/device
 # placement and stream order of every copy of the offload path. Set before any rank is spawned.
 os.environ.setdefault("FRAMEWORK_ACCELERATOR", "check")
+# One torch thread in every process the suite starts (the fork server of tests/cli/_forkrun.py, a recipe's
+# jobs, fresh `python -m framework.*` runs), as in this one (_one_thread below): torch reads this when it is
+# imported, not later. With a thread per core beside the other pytest worker, OpenMP's spinning threads
+# burnt several times the CPU time (a 4-job README sweep: 18 s of CPU instead of 5 s).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests._pool import RankPool
 
@@ -48,3 +53,15 @@ def _one_thread():
     # only oversubscribe the cores.
     import torch
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _sigint_kept():
+    # A test that changes SIGINT's handler and leaves it so (ignored, as a rank's signal block leaves it, or
+    # Python's own where the suite was started in the background with SIGINT ignored) makes a later Ctrl-C
+    # test in the same worker pass or fail by the order the files ran in: the test that leaks it fails.
+    import signal
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    assert after is before, f"this test left SIGINT's handler {after!r} (it was {before!r})"

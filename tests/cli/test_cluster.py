@@ -325,7 +325,7 @@ def test_a_rank_takes_the_same_ctrl_c_once_and_a_second_one_again():
 
     from framework.cli import launch
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # as _spawn starts a rank
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)   # as _spawn starts a rank
     try:
         with signals_unwind(rank=True):
             with pytest.raises(KeyboardInterrupt):
@@ -339,7 +339,7 @@ def test_a_rank_takes_the_same_ctrl_c_once_and_a_second_one_again():
             signal.raise_signal(launch.INTERRUPT)
         assert signal.getsignal(signal.SIGINT) is signal.getsignal(launch.INTERRUPT) is signal.SIG_IGN
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, before)
         signal.signal(signal.SIGUSR1, signal.SIG_DFL)
 
 
@@ -356,9 +356,14 @@ def test_ranks_start_with_sigint_ignored_and_the_launcher_keeps_its_handler(monk
         raise RuntimeError("started")
 
     monkeypatch.setattr(launch.mp, "start_processes", start_processes)
-    with pytest.raises(RuntimeError, match="started"):
-        launch._spawn(SimpleNamespace(dist=SimpleNamespace(nproc=2)), None, None)
-    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # as a terminal's Python has it (a test run in the background starts with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(RuntimeError, match="started"):
+            launch._spawn(SimpleNamespace(dist=SimpleNamespace(nproc=2)), None, None)
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _stand_in_rank(w: int, stubborn: bool, started) -> None:
@@ -413,6 +418,8 @@ def test_a_second_ctrl_c_while_the_ranks_clean_up_ends_them(monkeypatch):
 
     monkeypatch.setattr(launch, "KILL_AFTER_S", 0.5, raising=False)
     ranks, reads = _stand_ins(stubborn=True)
+    # as a terminal's Python has it (a test run in the background starts with SIGINT ignored)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
         start = time.monotonic()
@@ -424,6 +431,7 @@ def test_a_second_ctrl_c_while_the_ranks_clean_up_ends_them(monkeypatch):
         assert [p.exitcode for p in ranks] == [-signal.SIGKILL] * 2
         assert [_signals(r) for r in reads] == [[launch.INTERRUPT, signal.SIGTERM]] * 2
     finally:
+        signal.signal(signal.SIGINT, before)
         for p in ranks:
             p.kill()
 
