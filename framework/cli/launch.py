@@ -35,7 +35,7 @@ from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, Terminated, say
+from framework.core.errors import ConfigError, FrameworkError, Terminated, on_every_rank, say
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -45,8 +45,11 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     """Train and return rank 0's summary. ``on_point``: every rank's loop (fault tests); ``on_owned(run folder)``:
     once its lock is held and the checks passed; ``on_ready``: rank 0's loop (picklable)."""
     os.environ.update(slurm_task_env())
-    check_launch_env(cfg)
-    check_batch_world(cfg, run_world(cfg.dist.nproc))
+    try:   # (the same config and launcher variables on every rank: all raise alike)
+        check_launch_env(cfg)
+        check_batch_world(cfg, run_world(cfg.dist.nproc))
+    except FrameworkError as e:
+        raise on_every_rank(e)
     # SIGTERM unwinds the run; the run and checkpoint folders' locks are held until the run (a multirun's job) ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:

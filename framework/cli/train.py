@@ -432,9 +432,11 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 def _sweep_goes_on(e: Exception) -> bool:
     """Whether this process may go on with a sweep's next job after failing on ``e``: always alone; as a rank of an
-    external group, not after an unexpected error (perhaps this rank's alone: its peers would wait for it) nor a
-    DistributedError (the group is unusable)."""
-    return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and not isinstance(e, DistributedError))
+    external group, only after a FrameworkError every rank raised alike (``every_rank``: an outcome the ranks
+    exchanged), not one perhaps this rank's alone (its peers, still in the failed job, would pair their collectives
+    with the next job's) nor a DistributedError (the group is unusable)."""
+    return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and e.every_rank
+                                             and not isinstance(e, DistributedError))
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:

@@ -294,17 +294,20 @@ def test_a_rank_of_an_external_launchers_group_ends_the_sweep_on_an_unexpected_e
     """Under torchrun (WORLD_SIZE > 1: each rank runs the sweep in its own process) a rank's RuntimeError
     ends that rank instead of taking it alone to the next job, whose collectives would wait for its
     peers still in the failed job's; so does a DistributedError (a peer gone, a collective timed out: the
-    group is unusable). A single process (dist.nproc's launcher too) goes on, as after a ConfigError."""
+    group is unusable), and a FrameworkError not every rank raised alike (rank 0's full disk under
+    metrics.jsonl). A single process (dist.nproc's launcher too) goes on, as after a ConfigError."""
     from framework import ConfigError, DistributedError
     from framework.cli import train
+    from framework.core.errors import on_every_rank
 
-    errors = [RuntimeError("bug"), DistributedError("rank 0/2: all_reduce failed"), ConfigError("bad")]
+    errors = [RuntimeError("bug"), on_every_rank(DistributedError("rank 0/2: all_reduce failed")), ConfigError("bad"),
+              on_every_rank(ConfigError("run folder in use"))]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert [train._sweep_goes_on(e) for e in errors] == [False, False, True]
+    assert [train._sweep_goes_on(e) for e in errors] == [False, False, False, True]
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
