@@ -334,16 +334,30 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-        raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
-                                          cfg.dist.timeout_s)) from None
-    except mp.ProcessRaisedException as e:
-        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+        raise _ended(run, FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
+                                                      cfg.dist.timeout_s))) from None
+    except mp.ProcessRaisedException as e:   # (a rank's FrameworkError exits 1: this is a bug's, with its traceback)
+        trace = str(e).partition("terminated with the following error:\n")[2].rstrip() or str(e).strip()
+        say(trace)
+        raise _ended(run, FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
+                                         f"{trace.splitlines()[-1]}"), trace) from None
     finally:
         log.removeFilter(_no_terminating_line)
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:
+    """``error``, its line (after the rank's ``trace``) appended to the run's train.log, whose last line rank 0
+    wrote before the launcher stopped it ("terminated (SIGTERM)"); none where rank 0 never started one."""
+    try:
+        fd = files.open_nofollow(run.run_dir / "train.log", os.O_WRONLY | os.O_APPEND)
+    except (OSError, FrameworkError):   # (none, or a link in its place: rank 0 refused it)
+        return error
+    with contextlib.suppress(OSError), os.fdopen(fd, "a") as log:
+        log.write((f"{trace}\n" if trace else "") + f"error: {error}\n")
+    return error
 
 
 def _no_terminating_line(record: logging.LogRecord) -> bool:
