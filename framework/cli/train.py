@@ -25,7 +25,7 @@ import re
 import shutil
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -230,6 +230,7 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 # once it holds the folder and its checks passed.
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
+QUIET = "hydra/hydra_logging=disabled"
 
 
 @dataclass(frozen=True)
@@ -483,6 +484,8 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     argv = list(sys.argv)
     # (none for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
+    if configs and env_int("RANK", 0) != 0:   # Hydra's own lines ("Launching 2 jobs locally"): rank 0's alone
+        passed = replace(passed, hydra=(*passed.hydra, QUIET))
     sys.argv += [*passed.task, *passed.hydra]
     try:
         _app(configs, on_point, failed, fixed, subdir, base, passed)()

@@ -437,7 +437,8 @@ def test_two_local_ranks(forkrun, tmp_path):
 
 def test_torchrun_multirun_reuses_group(tmp_path):
     """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
-    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there)."""
+    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there).
+    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
@@ -448,6 +449,10 @@ def test_torchrun_multirun_reuses_group(tmp_path):
         summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
         assert summary["world"] == 2
     assert not (tmp_path / "1" / "sweep").exists()
+    said = p.stdout + p.stderr
+    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=sgd") == 1, said[-3000:]
+    record = (tmp_path / "0" / "sweep" / "multirun.yaml").read_text()
+    assert "hydra_logging=disabled" not in record and "hydra/hydra_logging: default" in record, record
 
 
 def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
