@@ -286,17 +286,21 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a Slurm task (one per rank) Hydra's submitit launcher started."""
+    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started: a Slurm
+    task, or one of its local executor's (tasks_per_node on this host)."""
     env = os.environ
-    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or env_int("SLURM_NTASKS", 1) <= 1:
+    executor = env.get("SUBMITIT_EXECUTOR")
+    tasks = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}.get(executor)
+    if "WORLD_SIZE" in env or tasks is None or env_int(tasks, 1) <= 1:
         return {}
     from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
 
     t = TorchDistributedEnvironment()
-    # (submitit's own local world is the tasks over the nodes, rounded down: wrong where nodes differ)
+    # (submitit's own local world is the tasks over the nodes, rounded down: wrong where Slurm's nodes differ)
+    here = slurm_tasks_here() if executor == "slurm" else None
     return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
-            "LOCAL_WORLD_SIZE": str(slurm_tasks_here() or t.local_world_size), "MASTER_ADDR": t.master_addr,
-            "MASTER_PORT": str(t.master_port)}
+            "LOCAL_WORLD_SIZE": str(here or t.local_world_size),
+            "MASTER_ADDR": t.master_addr if executor == "slurm" else "127.0.0.1", "MASTER_PORT": str(t.master_port)}
 
 
 RDZV_PREFIX = "framework-rdzv-"

@@ -441,15 +441,16 @@ def _sweep_goes_on(e: Exception) -> bool:
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
-    """The ranks of each job of a sweep on Hydra's submitit Slurm launcher (nodes x tasks_per_node), over
-    which a DeepSpeed file's batch is divided; None for another launcher or one task."""
+    """The ranks of each job of a sweep on Hydra's submitit launcher (Slurm's or the local one: nodes x
+    tasks_per_node), over which a DeepSpeed file's batch is divided; None for another launcher or one task."""
     if folder != "hydra.sweep.dir":
         return None
     try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)
         launcher = OmegaConf.select(composer(list(overrides))[0], "hydra.launcher")
     except FrameworkError:
         return None   # compose_layers says what is wrong, in its own words
-    if launcher is None or not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
+    if launcher is None or not str(launcher.get("_target_", "")).endswith(
+            ("submitit_launcher.SlurmLauncher", "submitit_launcher.LocalLauncher")):
         return None
     world = int(launcher.get("nodes", 1)) * int(launcher.get("tasks_per_node", 1))
     return world if world > 1 else None
