@@ -35,7 +35,7 @@ from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, Terminated, say
+from framework.core.errors import ConfigError, FrameworkError, Terminated, on_every_rank, say
 from framework.loggers import RunInfo
 from framework.cli.loop import train
 
@@ -45,8 +45,11 @@ def launch(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None = N
     """Train and return rank 0's summary. ``on_point``: every rank's loop (fault tests); ``on_owned(run folder)``:
     once its lock is held and the checks passed; ``on_ready``: rank 0's loop (picklable)."""
     os.environ.update(slurm_task_env())
-    check_launch_env(cfg)
-    check_batch_world(cfg, run_world(cfg.dist.nproc))
+    try:   # (the same config and launcher variables on every rank: all raise alike)
+        check_launch_env(cfg)
+        check_batch_world(cfg, run_world(cfg.dist.nproc))
+    except FrameworkError as e:
+        raise on_every_rank(e)
     # SIGTERM unwinds the run; the run and checkpoint folders' locks are held until the run (a multirun's job) ends
     with signals_unwind(), contextlib.ExitStack() as held:
         def own_and_preflight(cfg: Config, run: RunInfo) -> Config:
@@ -283,17 +286,21 @@ def exit_message(rank: int, nproc: int, code: int, backend: str | None, timeout_
 
 
 def slurm_task_env() -> dict[str, str]:
-    """The rank variables torchrun would set, for a Slurm task (one per rank) Hydra's submitit launcher started."""
+    """The rank variables torchrun would set, for a task (one per rank) Hydra's submitit launcher started: a Slurm
+    task, or one of its local executor's (tasks_per_node on this host)."""
     env = os.environ
-    if "WORLD_SIZE" in env or env.get("SUBMITIT_EXECUTOR") != "slurm" or env_int("SLURM_NTASKS", 1) <= 1:
+    executor = env.get("SUBMITIT_EXECUTOR")
+    tasks = {"slurm": "SLURM_NTASKS", "local": "SUBMITIT_LOCAL_NTASKS"}.get(executor)
+    if "WORLD_SIZE" in env or tasks is None or env_int(tasks, 1) <= 1:
         return {}
     from submitit.helpers import TorchDistributedEnvironment  # present: submitit started this task
 
     t = TorchDistributedEnvironment()
-    # (submitit's own local world is the tasks over the nodes, rounded down: wrong where nodes differ)
+    # (submitit's own local world is the tasks over the nodes, rounded down: wrong where Slurm's nodes differ)
+    here = slurm_tasks_here() if executor == "slurm" else None
     return {"RANK": str(t.rank), "LOCAL_RANK": str(t.local_rank), "WORLD_SIZE": str(t.world_size),
-            "LOCAL_WORLD_SIZE": str(slurm_tasks_here() or t.local_world_size), "MASTER_ADDR": t.master_addr,
-            "MASTER_PORT": str(t.master_port)}
+            "LOCAL_WORLD_SIZE": str(here or t.local_world_size),
+            "MASTER_ADDR": t.master_addr if executor == "slurm" else "127.0.0.1", "MASTER_PORT": str(t.master_port)}
 
 
 RDZV_PREFIX = "framework-rdzv-"
@@ -331,16 +338,30 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
             raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-        raise FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
-                                          cfg.dist.timeout_s)) from None
-    except mp.ProcessRaisedException as e:
-        raise FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
-                             f"{str(e).strip().splitlines()[-1]}") from None
+        raise _ended(run, FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
+                                                      cfg.dist.timeout_s))) from None
+    except mp.ProcessRaisedException as e:   # (a rank's FrameworkError exits 1: this is a bug's, with its traceback)
+        trace = str(e).partition("terminated with the following error:\n")[2].rstrip() or str(e).strip()
+        say(trace)
+        raise _ended(run, FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
+                                         f"{trace.splitlines()[-1]}"), trace) from None
     finally:
         log.removeFilter(_no_terminating_line)
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:
+    """``error``, its line (after the rank's ``trace``) appended to the run's train.log, whose last line rank 0
+    wrote before the launcher stopped it ("terminated (SIGTERM)"); none where rank 0 never started one."""
+    try:
+        fd = files.open_nofollow(run.run_dir / "train.log", os.O_WRONLY | os.O_APPEND)
+    except (OSError, FrameworkError):   # (none, or a link in its place: rank 0 refused it)
+        return error
+    with contextlib.suppress(OSError), os.fdopen(fd, "a") as log:
+        log.write((f"{trace}\n" if trace else "") + f"error: {error}\n")
+    return error
 
 
 def _no_terminating_line(record: logging.LogRecord) -> bool:

@@ -25,7 +25,7 @@ import re
 import shutil
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -230,6 +230,7 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
 # once it holds the folder and its checks passed.
 NO_RECORD = "hydra.output_subdir=null"
 OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
+QUIET = "hydra/hydra_logging=disabled"
 
 
 @dataclass(frozen=True)
@@ -432,21 +433,24 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
 
 def _sweep_goes_on(e: Exception) -> bool:
     """Whether this process may go on with a sweep's next job after failing on ``e``: always alone; as a rank of an
-    external group, not after an unexpected error (perhaps this rank's alone: its peers would wait for it) nor a
-    DistributedError (the group is unusable)."""
-    return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and not isinstance(e, DistributedError))
+    external group, only after a FrameworkError every rank raised alike (``every_rank``: an outcome the ranks
+    exchanged), not one perhaps this rank's alone (its peers, still in the failed job, would pair their collectives
+    with the next job's) nor a DistributedError (the group is unusable)."""
+    return env_int("WORLD_SIZE", 1) <= 1 or (isinstance(e, FrameworkError) and e.every_rank
+                                             and not isinstance(e, DistributedError))
 
 
 def _sweep_world(overrides: list[str], folder: str, composer) -> int | None:
-    """The ranks of each job of a sweep on Hydra's submitit Slurm launcher (nodes x tasks_per_node), over
-    which a DeepSpeed file's batch is divided; None for another launcher or one task."""
+    """The ranks of each job of a sweep on Hydra's submitit launcher (Slurm's or the local one: nodes x
+    tasks_per_node), over which a DeepSpeed file's batch is divided; None for another launcher or one task."""
     if folder != "hydra.sweep.dir":
         return None
     try:   # (the launcher's choice is in the tree alone: it never depends on the DeepSpeed file)
         launcher = OmegaConf.select(composer(list(overrides))[0], "hydra.launcher")
     except FrameworkError:
         return None   # compose_layers says what is wrong, in its own words
-    if launcher is None or not str(launcher.get("_target_", "")).endswith("submitit_launcher.SlurmLauncher"):
+    if launcher is None or not str(launcher.get("_target_", "")).endswith(
+            ("submitit_launcher.SlurmLauncher", "submitit_launcher.LocalLauncher")):
         return None
     world = int(launcher.get("nodes", 1)) * int(launcher.get("tasks_per_node", 1))
     return world if world > 1 else None
@@ -481,6 +485,8 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
     argv = list(sys.argv)
     # (none for Hydra's info flags, --cfg hydra shows the config as given, nor a sampling sweeper's jobs)
     passed = Passed.make(chosen or {}, exclude) if configs else Passed()
+    if configs and env_int("RANK", 0) != 0:   # Hydra's own lines ("Launching 2 jobs locally"): rank 0's alone
+        passed = replace(passed, hydra=(*passed.hydra, QUIET))
     sys.argv += [*passed.task, *passed.hydra]
     try:
         _app(configs, on_point, failed, fixed, subdir, base, passed)()

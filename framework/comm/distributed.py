@@ -26,7 +26,7 @@ import torch.distributed.nn.functional  # noqa: F401  (import order matters, see
 
 from framework.comm.accelerator import Accelerator, for_device
 from framework.comm.collectives import CheckedWork, Collectives, collectives_for
-from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, first_line, on_every_rank
 
 
 @dataclass(frozen=True)
@@ -457,10 +457,13 @@ def agree(dist, fn: Callable[[], object], what: str):
         result = fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers have heard of it
         mine = e
-    errs = dist.all_gather_object(None if mine is None else f"rank {dist.rank}: {first_line(mine)}",
-                                  what=what)
+    # (each failure: its line, and whether a sweep's ranks may all go on after it)
+    errs = dist.all_gather_object(None if mine is None else (f"rank {dist.rank}: {first_line(mine)}", isinstance(
+        mine, FrameworkError) and not isinstance(mine, DistributedError)), what=what)
+    failed = [e for e in errs if e]
+    every = all(ok for _, ok in failed)
     if mine is not None:
-        raise mine
-    if failed := [e for e in errs if e]:
-        raise FrameworkError(f"{what} failed on another rank: {failed[0]}")
+        raise on_every_rank(mine, every)
+    if failed:
+        raise on_every_rank(FrameworkError(f"{what} failed on another rank: {failed[0][0]}"), every)
     return result

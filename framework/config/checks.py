@@ -166,6 +166,7 @@ def _refuse_hydra_resolver(node: Any, prefix: str) -> None:
 
 
 INT_LIMIT = 2 ** 63   # every integer key ends up in a C long or int64 tensor somewhere
+MAX_TIMEOUT_S = 1e9   # timedelta ends near 8.6e13 s; torch takes a timeout as int64 milliseconds
 
 
 def _check_numbers(node: Any, prefix: str) -> None:
@@ -201,6 +202,8 @@ def _check_values(root: RootSchema) -> None:
     for key, value in (("dist.timeout_s", d.timeout_s), ("checkpoint.timeout_s", c.timeout_s)):
         if value <= 0:
             raise ConfigError(f"config: {key} must be > 0, got {value:g}")
+        if value > MAX_TIMEOUT_S:   # a larger one overflows the timeout torch is given
+            raise ConfigError(f"config: {key} must be at most {MAX_TIMEOUT_S:g} s (about 31 years), got {value:g}")
     if not c.resume.strip() or (c.dir is not None and not c.dir.strip()):
         raise ConfigError("config: checkpoint.resume must be auto, off, latest or a path, and checkpoint.dir a path "
                           "(or null: checkpoints/ in the run folder)")

@@ -38,7 +38,17 @@ def first_line(error: BaseException) -> str:
 
 
 class FrameworkError(Exception):
-    """Base class for user-facing errors: the message says what is wrong and how to fix it."""
+    """Base class for user-facing errors: the message says what is wrong and how to fix it. ``every_rank``: raised
+    alike on every rank of the group (an outcome the ranks exchanged), so that all may go on to a sweep's next job."""
+
+    every_rank = False
+
+
+def on_every_rank(error: BaseException, every: bool = True) -> BaseException:
+    """``error``, marked as raised on every rank (``every``) where it is a FrameworkError."""
+    if every and isinstance(error, FrameworkError):
+        error.every_rank = True
+    return error
 
 
 class ConfigError(FrameworkError, ValueError):

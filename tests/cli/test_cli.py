@@ -294,17 +294,20 @@ def test_a_rank_of_an_external_launchers_group_ends_the_sweep_on_an_unexpected_e
     """Under torchrun (WORLD_SIZE > 1: each rank runs the sweep in its own process) a rank's RuntimeError
     ends that rank instead of taking it alone to the next job, whose collectives would wait for its
     peers still in the failed job's; so does a DistributedError (a peer gone, a collective timed out: the
-    group is unusable). A single process (dist.nproc's launcher too) goes on, as after a ConfigError."""
+    group is unusable), and a FrameworkError not every rank raised alike (rank 0's full disk under
+    metrics.jsonl). A single process (dist.nproc's launcher too) goes on, as after a ConfigError."""
     from framework import ConfigError, DistributedError
     from framework.cli import train
+    from framework.core.errors import on_every_rank
 
-    errors = [RuntimeError("bug"), DistributedError("rank 0/2: all_reduce failed"), ConfigError("bad")]
+    errors = [RuntimeError("bug"), on_every_rank(DistributedError("rank 0/2: all_reduce failed")), ConfigError("bad"),
+              on_every_rank(ConfigError("run folder in use"))]
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert [train._sweep_goes_on(e) for e in errors] == [False, False, True]
+    assert [train._sweep_goes_on(e) for e in errors] == [False, False, False, True]
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
@@ -434,7 +437,8 @@ def test_two_local_ranks(forkrun, tmp_path):
 
 def test_torchrun_multirun_reuses_group(tmp_path):
     """Each rank names the sweep folder itself (here by its RANK, as ${now} may differ): rank 0's is the
-    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there)."""
+    sweep's, and another rank's is removed (its jobs' folders, and the multirun.yaml Hydra wrote there).
+    Hydra's own lines ("Launching 2 jobs locally", "#0 : ...") are rank 0's alone."""
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     p = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "framework.train", "-m",
@@ -445,6 +449,10 @@ def test_torchrun_multirun_reuses_group(tmp_path):
         summary = json.loads((tmp_path / "0" / "sweep" / str(i) / "summary.json").read_text())
         assert summary["world"] == 2
     assert not (tmp_path / "1" / "sweep").exists()
+    said = p.stdout + p.stderr
+    assert said.count("Launching 2 jobs locally") == 1 and said.count("#1 : optimizer=sgd") == 1, said[-3000:]
+    record = (tmp_path / "0" / "sweep" / "multirun.yaml").read_text()
+    assert "hydra_logging=disabled" not in record and "hydra/hydra_logging: default" in record, record
 
 
 def test_torchrun_one_ranks_unexpected_error_ends_the_sweep(tmp_path):
@@ -769,12 +777,23 @@ def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
 
 
-def test_a_rank_that_died_silently_is_named_without_claiming_an_error_above(forkrun, tmp_path):
+@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise"])
+def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_run(forkrun, tmp_path, fault):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the
-    others is not printed."""
+    others is not printed. A rank's bug: its traceback, then the launcher's line. Either way train.log
+    (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed."""
     p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
-                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": "step:2@1"})
+                    cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": fault})
     assert p.returncode == 1, p.stderr
-    assert "rank 1 of 2 exited with code 17 (anything it printed is above); the other ranks were stopped" in p.stderr
-    assert "Terminating process" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert "Terminating process" not in p.stderr, p.stderr
+    log = (tmp_path / "run" / "train.log").read_text()
+    if fault == "step:2@1":
+        line = "error: rank 1 of 2 exited with code 17 (anything it printed is above); the other ranks were stopped"
+        assert line in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert log.endswith(f"\n{line}\n"), log[-2000:]   # (after rank 0's own end: its stop, or its peer lost)
+        return
+    line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:2"
+    trace = p.stderr[p.stderr.rindex("Traceback (most recent call last):"):p.stderr.index(line)]
+    assert 'in fault\n    raise RuntimeError(f"FRAMEWORK_FAULT: ' in trace, p.stderr[-3000:]
+    assert log.endswith(f"{trace}{line}\n"), log[-3000:]

@@ -131,6 +131,24 @@ def test_slurm_tasks_map_to_rank_variables(monkeypatch):
         check_env_ints()
         for key in env:
             monkeypatch.delenv(key)
+    # The local executor's tasks (hydra/launcher=submitit_local hydra.launcher.tasks_per_node=2), on this host:
+    # each trained alone into one run folder before (the leftover Slurm variables above are not its own)
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "local")
+    for key, value in {"SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_GLOBALID": "1",
+                       "SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1",
+                       "SUBMITIT_LOCAL_JOB_ID": "4242", "MASTER_PORT": "29611"}.items():
+        monkeypatch.setenv(key, value)
+    assert slurm_task_env() == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    # ... over whose ranks a DeepSpeed file's batch is divided, as over Slurm's
+    import functools
+
+    from framework.cli import train
+    from framework.config import standalone_composer
+
+    composer = functools.partial(standalone_composer, config_dir=None, config_name="train")
+    assert [train._sweep_world([f"hydra/launcher=submitit_{where}", "hydra.launcher.tasks_per_node=2"],
+                               "hydra.sweep.dir", composer) for where in ("local", "slurm")] == [2, 2]
 
 
 @pytest.mark.parametrize("env,says", [

@@ -79,6 +79,9 @@ def test_checkpoint_config_keys():
     for key, message in (("dist.nproc=0", "dist.nproc must be >= 1, got 0"),
                          ("train.grad_clip=-1", "train.grad_clip must be >= 0, got -1"),
                          ("checkpoint.timeout_s=0", "checkpoint.timeout_s must be > 0, got 0"),
+                         ("checkpoint.timeout_s=1e14",   # (timedelta would overflow, on every rank)
+                          r"checkpoint.timeout_s must be at most 1e\+09 s \(about 31 years\), got 1e\+14"),
+                         ("dist.timeout_s=1e10", r"dist.timeout_s must be at most 1e\+09 s"),
                          ("ds_config_strict=true", "ds_config_strict=true does nothing without a DeepSpeed file")):
         with pytest.raises(ConfigError, match=message):   # the one key that is wrong, not a list of rules
             tiny_config(key)

@@ -425,6 +425,8 @@ class _Gather:
             raise _Sent(obj)
         return self.everyone
 
+    all_gather_object = all_gather   # (a ``Dist`` for ``agree``)
+
 
 def _agreed(outcomes, agree=None):
     """What ``agree_load`` (or ``agree``) raises on each rank when rank r's ``fn`` raises ``outcomes[r]`` (None:
@@ -467,6 +469,25 @@ def test_after_a_failed_read_every_rank_takes_the_same_path(outcomes, falls_back
     assert all(isinstance(e, FrameworkError) for e in raised), raised
     assert [isinstance(e, CheckpointError) for e in raised] == [falls_back] * len(raised), raised
     assert [isinstance(e, ConfigError) for e in raised] == [config] * len(raised), raised
+
+
+@pytest.mark.parametrize("how,outcomes,every", [
+    ("agree", [None, ConfigError("run folder in use")], True),
+    ("agree", [RuntimeError("bug"), None], False),   # (rank 0's own: the others' FrameworkError is not marked either)
+    ("agree", [DistributedError("gone"), ConfigError("refused")], False),
+    ("load", [ConfigError("another model"), CheckpointError("damaged"), None], True),
+    ("load", [None, SwapIOError("swap read failed")], False),   # (a FrameworkError: perhaps a DistributedError)
+    ("save", [CheckpointError("disk full"), None], True),
+])
+def test_an_agreed_outcome_marks_every_ranks_error_alike(tmp_path, how, outcomes, every):
+    """Under torchrun a sweep's ranks go on to the next job together only after a FrameworkError every rank
+    raised alike (``every_rank``): the outcomes ``agree``, ``agree_load`` and ``agree_save`` exchanged; marked on
+    every rank or on none, so no rank goes on alone while its peers end the sweep."""
+    from framework.comm.distributed import agree
+    from framework.persist.checkpoint._group import agree_save
+    raised = _agreed(outcomes, {"agree": lambda group, what, fn: agree(group, fn, what), "load": None,
+                                "save": lambda group, what, fn: agree_save(group, what, fn, tmp_path / "s.tmp")}[how])
+    assert [getattr(e, "every_rank", False) for e in raised] == [every] * len(outcomes), raised
 
 
 def _dcp_stopped(stop):
@@ -734,7 +755,7 @@ def test_a_rank_failing_without_a_message_is_still_heard_by_its_peers(error):
 
     with pytest.raises(Sent) as got:
         agree(Dist(), fail, "saving")
-    assert got.value.args[0] == f"rank 1: {type(error).__name__}"
+    assert got.value.args[0] == (f"rank 1: {type(error).__name__}", False)
 
 
 def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from typing import Any
 import torch.distributed as tdist
 
 from framework.comm.distributed import agree
-from framework.core.errors import CheckpointError, ConfigError, DistributedError, FrameworkError
+from framework.core.errors import CheckpointError, ConfigError, DistributedError, FrameworkError, on_every_rank
 from framework.core.room import DISK_FULL, free_note
 from framework.core.units import size
 
@@ -71,9 +71,9 @@ def agree_save(group: Group, what: str, fn, tmp: Path, *, cleanup: bool = True, 
     if stops:
         raise stop or stops[0]
     if problems:
-        raise CheckpointError(f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
-                              + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "")
-                              + "; the previous checkpoints are kept")
+        raise on_every_rank(CheckpointError(
+            f"checkpoint: saving {tmp.name.removesuffix('.tmp')} failed ({what}): {problems[0]}"
+            + (f" (and {len(problems) - 1} more rank(s))" if len(problems) > 1 else "") + "; the previous checkpoints are kept"))
     return [r for r, _, _ in everyone]
 
 
@@ -98,9 +98,11 @@ def agree_load(group: Group, what: str, fn):
         return result
     # One kind on every rank, failed or not: a refusal that stops the run wins over damage (fall back).
     kind = next(k for k in (ConfigError, FrameworkError, CheckpointError) if any(p[0] is k for p in problems))
+    every = kind is not FrameworkError   # (that kind may be a DistributedError on some rank: the group is unusable)
     if problem is not None and problem[0] is kind:
-        raise mine
-    raise kind(next(text for k, text in problems if k is kind)) from (mine if problem is not None else None)
+        raise on_every_rank(mine, every)
+    raise on_every_rank(kind(next(text for k, text in problems if k is kind)), every) from (
+        mine if problem is not None else None)
 
 
 def _exchange(group: Group, outcome: tuple, stop: BaseException | None, what: str) -> list:
