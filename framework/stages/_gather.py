@@ -59,6 +59,7 @@ class Gatherer:
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
+        self.input_hooks: list = []   # this pass's hooks on unit inputs' gradients (``_hook_inputs``)
         self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_end_backward``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
@@ -72,7 +73,8 @@ class Gatherer:
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
-                    hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
+                    hook(lambda _m, a, kw, u=unit: self._pre_forward(u, _m is root, a, kw), "zero3's pre-forward hook"),
+                    with_kwargs=True))
                 self.hook_handles.append(module.register_forward_hook(
                     hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
         # After the root unit's own forward hook, and also when the root's forward raises.
@@ -83,7 +85,7 @@ class Gatherer:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
                     hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
 
-    def _pre_forward(self, unit: Unit, is_root: bool) -> None:
+    def _pre_forward(self, unit: Unit, is_root: bool, args: tuple, kwargs: dict):
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
             if not self.roots:   # (a root forward inside it is part of its pass)
                 self.begin_pass(torch.is_grad_enabled(), driven=False)
@@ -95,6 +97,48 @@ class Gatherer:
         if not self.in_backward:
             # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
+        # A recomputation's inputs are hooked only where the forward's were not (reentrant checkpointing, whose
+        # forward ran without grad): a non-reentrant one's graph is never run backward, its hooks would never fire.
+        if torch.is_grad_enabled() and not (self.in_backward and unit.hooked_inputs):
+            if not self.in_backward:
+                unit.hooked_inputs = True
+            return self._hook_inputs(unit, args, kwargs)
+        return None
+
+    def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Hook the gradients of the forward's inputs: once all have come, no backward node of it is left to read
+        the unit's parameters. A tensor argument is hooked through an alias of its own, so the hook runs as soon
+        as the forward's own uses are through, before the hooks on the tensor itself (the previous unit's, which
+        gathers it); a tensor inside a container is hooked itself (the container is the caller's)."""
+        def hooked(t: torch.Tensor, alias: bool) -> torch.Tensor:
+            if not t.requires_grad:
+                return t
+            if alias and not t.is_leaf:   # (a leaf, a parameter passed in say, stays itself)
+                t = t.view_as(t)
+            token = len(self.input_hooks)   # (unique within the pass: the list is emptied with the tokens)
+            unit.awaiting.add(token)
+            self.input_hooks.append(t.register_hook(self.dist.acc.hook(
+                lambda _g: self._inputs_done(unit, token), "zero3's input-gradient hook")))
+            return t
+
+        for t in tensors_in([v for v in (*args, *kwargs.values()) if not isinstance(v, torch.Tensor)]):
+            hooked(t, alias=False)
+        return (tuple(hooked(v, True) if isinstance(v, torch.Tensor) else v for v in args),
+                {k: hooked(v, True) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    def _inputs_done(self, unit: Unit, token: int) -> None:
+        """One of its forward inputs' gradients came: a reduced unit with none left to come is released."""
+        unit.awaiting.discard(token)   # (a leaf's hook may run in a reentrant recomputation's backward and again)
+        if not unit.awaiting and unit.reduced and unit.state is not UnitState.SHARDED:
+            self.release(unit)
+
+    def _drop_input_hooks(self) -> None:
+        """The pass's input-gradient hooks removed (one on a leaf, a parameter passed in, would stay for good)."""
+        for h in self.input_hooks:
+            h.remove()
+        self.input_hooks = []
+        for unit in self.units:
+            unit.awaiting, unit.hooked_inputs = set(), False
 
     def _post_forward(self, unit: Unit, out):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
@@ -168,12 +212,16 @@ class Gatherer:
         # (counted per group: ``unit.params`` builds a list, once per gradient would be quadratic)
         if unit.in_backward and len(unit.arrived) == sum(len(g.params) for g in unit.groups):
             self._reduce(unit)
-            self.release(unit)
+            # Else released by the last hook on its inputs' gradients: the autograd engine accumulates a
+            # gradient once it is ready, while a node of the unit's backward may still read the parameters
+            # without producing a gradient for them (``p.detach()``).
+            if not unit.awaiting:
+                self.release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
-            if unit.in_backward:  # some parameters got no gradient in this pass
+            if unit.in_backward and not unit.reduced:  # some parameters got no gradient in this pass
                 if not self.partial_warned and self.dist.is_main:
                     self._warn_partial(unit)
                 self._reduce(unit)
@@ -182,6 +230,7 @@ class Gatherer:
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
+        self._drop_input_hooks()
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
             self.order_checks.append(start_order_check(self.dist, self.recording))
@@ -216,6 +265,7 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
+        self._drop_input_hooks()
         self.in_backward, self.driven, self.roots = False, False, 0
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
@@ -227,6 +277,7 @@ class Gatherer:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
             self.gather_now(self.persistent)
+        self._drop_input_hooks()   # (a forward's without a backward: one outside the steps, a failed pass)
         self._end_pass()
         own = not driven and grad_mode not in self.traces
         self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven
@@ -364,6 +415,7 @@ class Gatherer:
             p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def release(self, unit: Unit) -> None:
+        unit.in_backward = False
         if unit.state is UnitState.SHARDED:   # (a gather cut by Ctrl-C left it so: a regather starts over)
             return
         if unit.state is UnitState.GATHERING:
@@ -386,7 +438,7 @@ class Gatherer:
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
-        unit.in_backward, unit.reduced = False, True
+        unit.reduced = True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
                 # Added into the partition directly, no group buffer: the same sums element by element.

@@ -91,8 +91,12 @@ class Unit:
     works: list = field(default_factory=list)      # in-flight gather collectives
     # Parameters whose gradient arrived in this backward pass (reentrant checkpointing may send one twice).
     arrived: set = field(default_factory=set)
-    reduced: bool = False                           # reduced (and released) in this backward pass
-    in_backward: bool = False                       # gathered for this backward, not yet reduced
+    reduced: bool = False                           # its gradients went to their owners in this backward pass
+    in_backward: bool = False                       # gathered for this backward pass, not yet released by it
+    # Tokens of the hooks on this pass's forward inputs whose gradients have not come yet: a backward node of
+    # the forward may still read the parameters without producing a gradient for them (``p.detach()``).
+    awaiting: set = field(default_factory=set)
+    hooked_inputs: bool = False                     # a forward of this pass (not a recomputation) hooked its inputs
     active: int = 0                                 # forwards of this unit currently running
     # framework.gathered blocks holding it: the hooks release it only when none does.
     held: int = 0

@@ -7,6 +7,7 @@ import weakref
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import framework
 from framework import Batch
@@ -721,6 +722,69 @@ def test_module_returning_a_view_of_its_parameter_trains_like_torch(pools, world
         assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
         assert val == pytest.approx(ref_val, rel=FP32_RTOL)
         torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
+class _DetachedRead(nn.Module):
+    """A weight also read through ``.detach()`` before its trained use: that read's backward node (to ``x``)
+    needs its values but gives it no gradient, and autograd runs it after the unit's last gradient came."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(16, 16) / 4), nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return (torch.tanh(x * self.v.detach()) @ self.w) * self.v
+
+
+class _WithDetachedRead(nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.inp, self.odd, self.out = nn.Linear(8, 16), _DetachedRead(), nn.Linear(16, 1)
+        self.reentrant = reentrant   # None: no activation checkpointing
+
+    def forward(self, x):
+        h = self.inp(x)
+        h = self.odd(h) if self.reentrant is None else checkpoint(self.odd, h, use_reentrant=self.reentrant)
+        return self.out(h)
+
+
+def _detached_read(dist):
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_DetachedRead]", "optimizer=sgd",
+                             "stage.stage3_param_persistence_threshold=0", "optimizer.lr=0.1", "scheduler=constant",
+                             "train.grad_clip=0", "dist.timeout_s=30"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    out = {}
+    for reentrant in (None, True, False):
+        torch.manual_seed(0)
+        ref = _WithDetachedRead(reentrant)
+        torch.manual_seed(0)
+        engine = framework.initialize(_WithDetachedRead(reentrant), loss_fn, cfg, dist)
+        opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        state, losses, ref_losses = engine.state, [], []
+        for _ in range(3):
+            xs = torch.randn(dist.world, 4, 8, generator=g)
+            state, m = engine.train_step(state, Batch(((xs[dist.rank], xs[dist.rank, :, :1].sin()),)))
+            losses.append(m["loss"])
+            ref_loss = sum(loss_fn(ref, (x, x[:, :1].sin())) for x in xs) / dist.world
+            ref_loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ref_losses.append(ref_loss.item())
+        gatherer = engine.components.stage.gatherer
+        assert all(u.state.value == "sharded" and not u.awaiting for u in gatherer.units) and not gatherer.input_hooks
+        out[reentrant] = losses, ref_losses, _full_params(engine), flat_params(ref)
+        engine.close()
+    return out
+
+
+def test_parameter_also_read_detached_in_its_unit_trains_like_torch(pools):
+    # Released at its last gradient, the unit's buffer (which the detached view shares) would be empty for
+    # the node still to run: a crash at world size 2 (world 1 gathers in place, into the shard itself).
+    for res in pools(2).run(_detached_read, timeout=120):
+        for reentrant, (losses, ref_losses, params, ref_params) in res.items():
+            assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), reentrant
+            torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
 
 
 # --- the gatherer's bookkeeping across steps (world size 1: the hooks and the ledger are the same at any size) ---
