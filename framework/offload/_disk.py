@@ -217,8 +217,9 @@ class DiskPlacement(NVMePlacement):
         return self.staging_bytes(sizes) + bounce
 
     def _partition_buffers(self) -> list[torch.Tensor]:
-        """Two host buffers of the largest partition in arenas, as the pools (pinned when they are)."""
-        return [aligned_empty(self._largest(), self.grad_dtype, pin=self.pin, acc=self.acc) for _ in range(2)]
+        """Two pinned host buffers of the largest partition in arenas, as the pools. Pinned whatever
+        ``pin_memory`` says: the hooks copy to and from them, and a pageable copy would wait for the device."""
+        return [aligned_empty(self._largest(), self.grad_dtype, pin=True, acc=self.acc) for _ in range(2)]
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
@@ -285,8 +286,8 @@ class DiskPlacement(NVMePlacement):
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)   # (never more slots than tiles)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
-        reads = (self.read_back_bytes(bounce) if self.read_back else 0) + (self.staging_bytes() if self.grad_swap else 0)
-        self.check_ram(store.buffer_count * slot + bounce + reads, "")
+        grads = (self.staging_bytes() if self.grad_swap else 0) + (self.read_back_bytes(bounce) if self.read_back else 0)
+        self.check_ram(store.buffer_count * slot + bounce + grads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
@@ -339,8 +340,7 @@ class DiskPlacement(NVMePlacement):
             self.grad_error = self.grad_error or e   # (zeros: backward goes on on every rank)
             return torch.zeros(numel, dtype=self.grad_dtype, device=acc.device)
         buf = torch.empty(numel, dtype=self.grad_dtype, device=acc.device)
-        # (after the current stream's uses of buf's memory)
-        copied = copy_on(acc, self.h2d_stream, buf, host, non_blocking=self.pin)
+        copied = copy_on(acc, self.h2d_stream, buf, host)   # (after the current stream's uses of buf's memory)
         copied.wait()
         self.landings[k] = (self.landings[k][0], copied)   # reused once this copy is done
         self.free.append(k)
@@ -394,7 +394,7 @@ class DiskPlacement(NVMePlacement):
         # At most the previous write is pending now: the other staging buffer is free
         host = self.staging[0][:buf.numel()]
         self.staging.rotate(-1)
-        copied = copy_on(self.acc, self.d2h_stream, host, buf, non_blocking=self.pin)   # after the reduction
+        copied = copy_on(self.acc, self.d2h_stream, host, buf)   # after the reduction
         self.acc.record_stream(buf, self.d2h_stream)   # (the caller drops it: the copy may still read it)
         self.pending.append(self.writer.submit(self._write_grads, group, host, copied))
         self.writes[group] = self.pending[-1]

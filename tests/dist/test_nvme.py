@@ -611,12 +611,13 @@ class _NoBlockingH2DInHooks(CheckingCpuAccelerator):
             yield
 
 
-def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a_host_sync(tmp_path):
+@pytest.mark.parametrize("pin", ["true", "false"])
+def test_zero3_gradients_read_back_from_the_swap_file_reach_the_device_without_a_host_sync(tmp_path, pin):
     """zero3's swapped gradient partitions, read back on every micro batch after the first: the backward
-    hook waits for the read (IO) only; the copy to the device is queued (pinned, on the H2D stream) and
-    the compute stream waits for it by an event, which the checker verifies."""
+    hook waits for the read (IO) only; the copies to and from the device are queued (pinned, on the H2D
+    and D2H streams, even with offload.pin_memory=false) and ordered by events, which the checker verifies."""
     cfg = tiny_config(*BASE, "+stage=zero3", *NVME, "offload.params=none", f"offload.nvme_path={tmp_path}",
-                      "stage.stage3_param_persistence_threshold=0")
+                      "stage.stage3_param_persistence_threshold=0", f"offload.pin_memory={pin}")
     module, data = build_gpt(cfg)
     acc = _NoBlockingH2DInHooks()
     with framework.initialize(module, gpt_loss, cfg, Dist(0, 1, 0, torch.device("cpu"), None, 60.0,
