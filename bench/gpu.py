@@ -201,7 +201,7 @@ def _ours_step(cfg, device):
     box = {"state": engine.state}
 
     def step(batch):
-        box["state"], m = engine.train_step(box["state"], [batch])
+        box["state"], m = engine.train_step(box["state"], [batch] * cfg.train.grad_accum)   # (one, unless set)
         return m["loss"]
 
     def instrument():

@@ -69,7 +69,9 @@ MEMORY = {"ddp": [], "zero1": ["+stage=zero1"], "zero2": ["+stage=zero2"], "zero
           "zero2+cpu": ["+stage=zero2", "offload=cpu"], "zero3+cpu params": ["+stage=zero3", "offload=cpu",
                                                                              "offload.params=cpu"]}
 SYNC = {"zero2+cpu": ["+stage=zero2", "offload=cpu", "stage.overlap_comm=true"],
-        "zero3+cpu params": ["+stage=zero3", "offload=cpu", "offload.params=cpu"], "zero3": ["+stage=zero3"]}
+        "zero3+cpu params": ["+stage=zero3", "offload=cpu", "offload.params=cpu"], "zero3": ["+stage=zero3"],
+        # owned gradients in the swap file, read back by the second micro batch's hooks
+        "zero3+nvme accum": ["+stage=zero3", "offload=nvme", "train.grad_accum=2"]}
 # What one GPU cannot show, whatever the results above say.
 UNRUN_ONE_GPU = [
     "NCCL collectives between ranks (framework.comm.collectives.Nccl: reduce_scatter_tensor, all_gather_into_tensor, "

@@ -4,9 +4,10 @@ A built engine reports one (``Engine.memory``: the bytes of the tensors it holds
 predicts one (``framework.memory.predict``) with the same item names, so the two compare item by
 item. Items: params, frozen_params, grads, grad_accumulator, master_params, optimizer_state,
 host_grad_buffers, host_staging, overlap_undo, bucket_buffers, gathered_persistent, buffers (the
-module's), nvme_optimizer_pool, nvme_grad_read_back (zero3's swapped gradients read back; only with
-train.grad_accum > 1), nvme_param_pool. ``device`` is the compute device and ``host`` host memory (on a
-CPU run both are the same memory, told apart by role); ``disk`` holds the swap files' bytes under offload=nvme.
+module's), nvme_optimizer_pool, nvme_grad_staging (zero3's swapped gradients on their way to the swap
+file), nvme_grad_read_back (read back; only with train.grad_accum > 1), nvme_param_pool. ``device`` is
+the compute device and ``host`` host memory (on a CPU run both are the same memory, told apart by role);
+``disk`` holds the swap files' bytes under offload=nvme.
 """
 from __future__ import annotations
 

@@ -144,7 +144,7 @@ class Prediction(Footprint):
 
     MODEL_STATES = ("params", "frozen_params", "grads", "grad_accumulator", "master_params", "optimizer_state",
                     "host_grad_buffers", "host_staging", "overlap_undo", "nvme_optimizer_pool",
-                    "nvme_grad_read_back", "nvme_param_pool")
+                    "nvme_grad_staging", "nvme_grad_read_back", "nvme_param_pool")
 
     @property
     def model_states(self) -> int:

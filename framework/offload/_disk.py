@@ -21,10 +21,10 @@ from framework.core.footprint import Footprint
 from framework.core.room import available_ram
 from framework.core.units import GiB, MiB
 from framework.core.utils import sq_norm_part
-from framework.offload._aio import AsyncIO
+from framework.offload._aio import AsyncIO, aligned_empty
 from framework.offload._diskstore import DiskStore, parked, pool_layout
 from framework.offload._nvmespec import NVMeOffloadConfig
-from framework.offload._store import Tier, copy_on, recorded
+from framework.offload._store import Tier, copy_on
 from framework.offload._swapfile import remove_stale, swap_path
 from framework.offload._swapfolder import MadeOnDisk, agree_room, agree_swap_room, memory_fs, preflight, temp_root
 from framework.offload.base import Piece, Shards
@@ -166,10 +166,12 @@ class DiskPlacement(NVMePlacement):
     most ``sub_group_size`` elements in the optimizer's swap file (tier DISK).
 
     zero3's owned gradients (``swap_grads``) end each tile's entry (the store's read-only tail). A
-    reduction is added into a transient partition (zeros, or read back), written on a thread of its
-    own and dropped; its squared norm is kept on the last micro batch, so clipping and the step are
-    bitwise those of in-memory partitions. With several micro batches a second thread reads the
-    partition reduced next (last step's order) into one of two pinned buffers ahead of its hook."""
+    reduction is added into a transient partition (zeros, or read back), copied on the D2H stream into
+    one of two pinned staging buffers, written from there on a thread of its own and dropped; its squared
+    norm is kept on the last micro batch, so clipping and the step are bitwise those of in-memory
+    partitions. With several micro batches a second thread reads the partition reduced next (last step's
+    order) into one of two pinned landings ahead of its hook; a read takes the landing freed longest ago,
+    so it waits for the copy to the device queued a hook earlier, not the one just queued."""
 
     tier = Tier.DISK
     grad_dtype: torch.dtype | None = None    # the gradients' accumulation dtype, while swapped
@@ -197,6 +199,8 @@ class DiskPlacement(NVMePlacement):
             slot, slots, nbytes, bounce = pool_layout(tiles, self.spec.buffer_count)
             fp.add("nvme_optimizer_pool", host=slots * slot + bounce)
             fp.add_disk("optimizer", nbytes)
+            if self.grad_swap:
+                fp.add("nvme_grad_staging", host=self.staging_bytes(sizes))
             if self.read_back:
                 fp.add("nvme_grad_read_back", host=self.read_back_bytes(bounce, sizes))
 
@@ -204,12 +208,23 @@ class DiskPlacement(NVMePlacement):
         """Elements of the largest partition (of ``sizes``, else of those placed): a read-back landing's."""
         return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
 
+    def staging_bytes(self, sizes: Iterable[int] | None = None) -> int:
+        """Two pinned buffers of the largest partition (the staging buffers, or the landings)."""
+        return 2 * self._largest(sizes) * self.grad_dtype.itemsize
+
     def read_back_bytes(self, bounce: int, sizes: Iterable[int] | None = None) -> int:
         """Two pinned landings of the largest partition and a ``bounce``-byte buffer."""
-        return 2 * self._largest(sizes) * self.grad_dtype.itemsize + bounce
+        return self.staging_bytes(sizes) + bounce
+
+    def _partition_buffers(self) -> list[torch.Tensor]:
+        """Two pinned host buffers of the largest partition in arenas, as the pools. Pinned whatever
+        ``pin_memory`` says: the hooks copy to and from them, and a pageable copy would wait for the device."""
+        return [aligned_empty(self._largest(), self.grad_dtype, pin=True, acc=self.acc) for _ in range(2)]
 
     def memory(self, fp: Footprint, opt_state: Any) -> None:
         super().memory(fp, opt_state)
+        if self.grad_swap:
+            fp.add("nvme_grad_staging", host=sum(t.nbytes for t in self.staging))
         if self.read_back:
             bounce = self.read_bounce.nbytes if self.read_bounce is not None else 0
             fp.add("nvme_grad_read_back", host=sum(t.nbytes for t, _ in self.landings) + bounce)
@@ -241,6 +256,7 @@ class DiskPlacement(NVMePlacement):
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         if self.grad_swap:   # the threads that write the partitions and (``read_back``) read them back
+            self.staging = deque(self._partition_buffers())   # (made at setup: not page-locked in a hook)
             thread = partial(ThreadPoolExecutor, max_workers=1, initializer=self.acc.bind_thread)
             self.writer = thread(thread_name_prefix="grad-swap")
             self.reader = thread(thread_name_prefix="grad-read") if self.read_back else None
@@ -260,8 +276,8 @@ class DiskPlacement(NVMePlacement):
                         "writing the initial state to the swap files")
         if self.read_back:
             # made at setup: a page-locked allocation in a backward hook would wait for the device
-            self.landings = [(self.acc.empty_host(self._largest(), self.grad_dtype), None) for _ in range(2)]
-            self.free = [1, 0]
+            self.landings = [(t, None) for t in self._partition_buffers()]
+            self.free = deque([0, 1])
             self.read_bounce = store.new_bounce()
         return full
 
@@ -270,8 +286,8 @@ class DiskPlacement(NVMePlacement):
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)   # (never more slots than tiles)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
-        reads = self.read_back_bytes(bounce) if self.read_back else 0
-        self.check_ram(store.buffer_count * slot + bounce + reads, "")
+        grads = (self.staging_bytes() if self.grad_swap else 0) + (self.read_back_bytes(bounce) if self.read_back else 0)
+        self.check_ram(store.buffer_count * slot + bounce + grads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool
                      ) -> tuple[list[torch.Tensor], Any, Any]:
@@ -299,8 +315,9 @@ class DiskPlacement(NVMePlacement):
             self.reads: dict[int, tuple[Future, int]] = {}   # group -> its read back (future, landing index)
             self.follow: dict[int, int] = {}          # group -> the group reduced after it last time
             self.last: int | None = None              # the group saved last
+            self.staging: deque[torch.Tensor] = deque()   # two pinned buffers the partitions are copied into
             self.landings: list[tuple[torch.Tensor, Any]] = []   # two pinned buffers and their last copy's event
-            self.free: list[int] = []                 # landings no read holds
+            self.free: deque[int] = deque()           # landings no read holds, freed longest ago first
             self.read_bounce: torch.Tensor | None = None   # the reader thread's ``read_extent`` buffer
         return self.grad_swap
 
@@ -331,7 +348,7 @@ class DiskPlacement(NVMePlacement):
 
     def _read_back(self, group: int) -> tuple[Future, int]:
         """Queue group ``group``'s extents -> a free pinned buffer (reader thread), after its latest write."""
-        k = self.free.pop()   # (two: one read ahead, one read in the hook)
+        k = self.free.popleft()   # (two: one read ahead, one read in the hook; not the one just copied from)
         landing, copied = self.landings[k]
         return self.reader.submit(self._read_grads, group, self.writes.get(group), landing, copied), k
 
@@ -370,22 +387,25 @@ class DiskPlacement(NVMePlacement):
         if final:
             self.norms[group] = sq_norm_part(buf, self.acc.device)   # on the device, no host sync
         self.acc.use(writes=[buf])   # the reduction added into it on this stream (after its copy from the host)
-        produced = recorded(self.acc)
         try:
             self._wait_writes(keep=1)   # back-pressure: the oldest write finishes first
         except Exception as e:   # noqa: BLE001 - raised on every rank once backward ends (``finish_grads``)
             self.grad_error = self.grad_error or e
-        self.pending.append(self.writer.submit(self._write_grads, group, buf, produced))
+        # At most the previous write is pending now: the other staging buffer is free
+        host = self.staging[0][:buf.numel()]
+        self.staging.rotate(-1)
+        copied = copy_on(self.acc, self.d2h_stream, host, buf)   # after the reduction
+        self.acc.record_stream(buf, self.d2h_stream)   # (the caller drops it: the copy may still read it)
+        self.pending.append(self.writer.submit(self._write_grads, group, host, copied))
         self.writes[group] = self.pending[-1]
         if self.last is not None:
             self.follow[self.last] = group
         self.last = group
         self._read_ahead(self.follow.get(group))   # the group reduced next, as last time
 
-    def _write_grads(self, group: int, buf: torch.Tensor, produced) -> None:
-        """(the writer thread) ``buf`` -> the group's extents, once the stream that added it is done."""
-        produced.synchronize()   # sync point: this reduction only, off the backward thread
-        host = buf if buf.device.type == "cpu" else buf.to("cpu")   # host sync: writer thread, after the event
+    def _write_grads(self, group: int, host: torch.Tensor, copied) -> None:
+        """(the writer thread) ``host`` -> the group's extents, once its copy from the device is done."""
+        copied.synchronize()   # sync point: this partition's copy only, off the backward thread
         for info in self.grad_pieces.get(group, ()):
             self.stores[Tier.DISK].write_extent(info.index, host[info.start:info.end])
 
@@ -419,7 +439,7 @@ class DiskPlacement(NVMePlacement):
             return grads
         self._wait_writes()
         store = self.stores[Tier.DISK]
-        return (store.read_extent(i.index, torch.empty(i.end - i.start, dtype=self.grad_dtype, device="cpu"))
+        return (store.read_extent(i.index, self.acc.empty_host(i.end - i.start, self.grad_dtype, pinned=False))
                 for i in self.infos)
 
     def clear_grads(self) -> None:

@@ -247,6 +247,8 @@ class DiskStore:
     def write_extent(self, key: int, src: torch.Tensor) -> None:
         """``src`` (host) -> piece ``key``'s read-only tail, waited for, through the bounce buffer
         (padded as the slot reads it, so the checksums cover the same pieces)."""
+        self.acc.on_host(src, what="a swapped extent's source")   # (device memory: a copy outside the streams)
+        self.acc.host_use(reads=[src])
         j, n, buf = self._bounce(key)
         buf[:n].copy_(src.reshape(-1).view(torch.uint8))
         buf[n:].zero_()
@@ -256,9 +258,11 @@ class DiskStore:
     def read_extent(self, key: int, dst: torch.Tensor, bounce: torch.Tensor | None = None) -> torch.Tensor:
         """Piece ``key``'s last swapped tensor from the swap file -> ``dst`` (host, contiguous), waited for.
         ``bounce``: the caller's own (``new_bounce``), for a thread reading while another writes."""
+        self.acc.on_host(dst, what="a swapped extent's destination")
         j, n, buf = self._bounce(key, bounce)
         self._wait_io([self._extent_io(self.io.pread, key, j, buf)])
         self.bytes_read += buf.numel()
+        self.acc.host_use(writes=[dst])
         dst.reshape(-1).view(torch.uint8).copy_(buf[:n])
         return dst
 
