@@ -42,12 +42,14 @@ def component(cfg: Config, group: str):
 class Engine(contextlib.AbstractContextManager):
     """The built components, their step function and ``state`` (the last ``train_step``'s or load's). ``close()``
     (or the ``with`` block's end) removes the hooks and stops the offload worker. A step interrupted inside the
-    optimizer update leaves the state half-updated: stepping, evaluating and saving are refused until a load."""
+    optimizer update leaves the state half-updated, a ``load_weights`` that fails while writing leaves the weights
+    partly loaded: stepping, evaluating and saving are refused until a load."""
 
     def __init__(self, components: Components, state: TrainState, config: Config | None = None, hooks=()):
         self.components, self._state, self.config = components, state, config   # (config: the one it was built from)
         self._hooks = list(hooks)   # its own on the module (fp16 auto_cast's), removed by close
         self._half_applied: int | None = None   # the step whose update did not finish, if any
+        self._loading: str | None = None   # the load writing into the state (``start_load``) until ``finish_load``
         me = weakref.ref(self)   # (a strong one would be a cycle: a dropped engine kept alive until the GC runs)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
@@ -153,6 +155,10 @@ class Engine(contextlib.AbstractContextManager):
                                 f"modifier_rank=0))")
 
     def _check_whole(self) -> None:
+        if self._loading is not None:
+            raise FrameworkError(f"{self._loading} did not finish, which left the weights partly loaded: load good "
+                                 f"weights again (framework.load_weights, engine.load_state_dict or resume) or close "
+                                 f"this engine and build a new one")
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
                                  f"half-applied: load a checkpoint into this engine (engine.load_state_dict, or "
@@ -242,6 +248,11 @@ class Engine(contextlib.AbstractContextManager):
                                      seed=self.config.seed if self.config is not None else 0, device=c.dist.device)
         return self.finish_load(state, loaded)
 
+    def start_load(self, what: str) -> None:
+        """Before a load (``what``) begins writing into the state in place: until its ``finish_load``, stepping,
+        evaluating and saving are refused (one that fails half-way leaves the weights partly the source's)."""
+        self._loading = what
+
     def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:
         """After a load into a ``mapped_state(write=True)`` view: ``state``'s tensors with ``loaded``'s scalars
         (None: its own), and the working parameters published from the masters as after a step. Collective."""
@@ -258,6 +269,7 @@ class Engine(contextlib.AbstractContextManager):
         c.stage.publish(list(state.params))
         c.stage.settle(rebind=True)   # the working weights are the loaded ones again
         self._state = state
+        self._loading = None
         if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
             self._half_applied = None
         return state

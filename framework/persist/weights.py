@@ -94,7 +94,8 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     state). Collective. ``source``: a path (``open_weights``) or an open ``WeightsSource``; a tied parameter takes
     any of its names; values are converted to each target's dtype. Missing and unexpected names (``strict``),
     shape and dtype-kind mismatches: one ``ConfigError`` before anything is written; a tensor holding NaN or inf
-    (buffers and frozen parameters: NaN) one as it is read."""
+    (buffers and frozen parameters: NaN) one as it is read, after which the engine refuses to step or save until
+    a load finishes (its weights are partly the file's)."""
     if not isinstance(source, (str, os.PathLike, WeightsSource)):
         raise ConfigError(f"load_weights: source must be a path (a weights file or folder), got "
                           f"{type(source).__name__}; a {{name: tensor}} dict in memory goes into the module before "
@@ -103,22 +104,27 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
     c = engine.components
     c.stage.rebind()   # (parameters replaced on the module, ``assign=True``: the load's targets are the stage's)
     # offload=nvme: the swapped masters are written where they lie, in the mapped swap file
-    with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap):
+    with engine.mapped_state(engine.state, write=True, agreed="load_weights: swap file map") as (mapped, fmap), \
+            contextlib.ExitStack() as stack:
         layout, masters, tgts = _targets(engine, mapped, "weights")
         if not isinstance(source, WeightsSource):   # a checkpoint's model_16bit/: against its manifest
             agree(c.dist, lambda: check_weights16(source) if c.dist.is_main else None, "load_weights: manifest")
 
-        def load() -> None:   # a source given open stays open
-            with contextlib.nullcontext(source) if isinstance(source, WeightsSource) else open_weights(source) as src:
-                _load(src, strict, layout, masters, tgts, fmap, c.module)
+        def check() -> tuple[WeightsSource, dict[str, str]]:   # a source given open stays open
+            src = source if isinstance(source, WeightsSource) else stack.enter_context(open_weights(source))
+            return src, _chosen(src, strict, tgts, c.module)
 
-        agree(c.dist, load, "load_weights")   # a rank that cannot read its ranges stops every rank
+        src, chosen = agree(c.dist, check, "load_weights")
+        # From the first write on, a failure (a rank that cannot read its ranges, non-finite values) leaves the
+        # weights partly the file's: the engine refuses to step or save until a load finishes.
+        engine.start_load("load_weights")
+        agree(c.dist, lambda: _load(src, chosen, layout, masters, tgts, fmap), "load_weights")
     engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
 
 
-def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[torch.Tensor], tgts: list[Target],
-          fmap, module: nn.Module) -> None:
-    """``fmap``: the mapped swap file or None; its pages leave the process range by range as written."""
+def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Module) -> dict[str, str]:
+    """``{target name: source key}`` of what ``src`` loads into ``tgts``; a ``ConfigError`` for whatever does not
+    fit, before anything is written."""
     names = {a for t in tgts for a in t.aliases}
     # source key -> the model name it loads into (None: ignored): a transformers model takes the checkpoint keys its
     # own from_pretrained would map; other models, each key itself
@@ -150,7 +156,13 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
     if problems:
         raise ConfigError(f"load_weights: {src.where} does not fit this model: " + "; ".join(problems)
                           + ("" if strict or not mismatched else " (strict=False skips only missing/unexpected)"))
+    return chosen
 
+
+def _load(src: WeightsSource, chosen: dict[str, str], layout: StateLayout, masters: list[torch.Tensor],
+          tgts: list[Target], fmap) -> None:
+    """``chosen``'s values into the masters and whole tensors. ``fmap``: the mapped swap file or None; its pages
+    leave the process range by range as written."""
     def read(key: str, lo: int, hi: int, nan_only: bool = False) -> torch.Tensor:
         """The file's values, refused where a diverged run left NaN or inf (host tensors: no device sync)."""
         values = src.read(key, lo, hi)
@@ -173,10 +185,12 @@ def _load(src: WeightsSource, strict: bool, layout: StateLayout, masters: list[t
 
 
 def _same_values(src: WeightsSource, a: str, b: str, t: Target) -> bool:
-    """Whether the file's tensors ``a`` and ``b`` load the same values into ``t`` (read chunk by chunk)."""
+    """Whether the file's tensors ``a`` and ``b`` load the same values into ``t`` (read chunk by chunk; a NaN
+    equals a NaN: the read refuses it, naming it, rather than calling the copies different)."""
     n = math.prod(t.shape)
     step = WRITE_CHUNK // 4
-    return all(torch.equal(src.read(a, s, min(s + step, n)).to(t.dtype), src.read(b, s, min(s + step, n)).to(t.dtype))
+    return all(torch.allclose(src.read(a, s, min(s + step, n)).to(t.dtype), src.read(b, s, min(s + step, n)).to(t.dtype),
+                              rtol=0, atol=0, equal_nan=True)
                for s in range(0, n, step))
 
 

@@ -198,8 +198,7 @@ def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage, capsys):
     from safetensors.torch import load_file, save_file
     torch.manual_seed(0)
     cfg = framework.compose(["logger=none", *([] if stage == "ddp" else [f"+stage={stage}"])])
-    # zero3 does not take frozen parameters (its gather hooks need gradients): buffers only there.
-    module = _WithBuffers(freeze=stage != "zero3")
+    module = _WithBuffers()   # (every stage holds a frozen parameter whole on each rank, zero3 too)
     engine = framework.initialize(module, lambda m, b: m(b).square().mean(), cfg, connect("gloo"))
     g = torch.Generator().manual_seed(3)
     sd = {k: torch.randn(v.shape, generator=g) for k, v in _WithBuffers().state_dict().items()}
@@ -216,7 +215,7 @@ def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage, capsys):
     assert out.keys() == sd.keys() and all(torch.equal(out[k], v) for k, v in sd.items())
     # an inf in a buffer or frozen parameter may be by design (an additive mask): loaded and saved without a
     # word; a NaN there is refused, as in a trained parameter
-    whole = ["scale"] if stage == "zero3" else ["scale", "frozen.weight"]
+    whole = ["scale", "frozen.weight"]
     for k in whole:
         sd[k].view(-1)[0] = float("-inf")
     save_file(sd, tmp_path / "inf.safetensors")
@@ -228,6 +227,46 @@ def test_buffers_and_frozen_parameters_load_and_save(tmp_path, stage, capsys):
         save_file({**sd, k: torch.full_like(sd[k], float("nan"))}, tmp_path / "nan.safetensors")
         with pytest.raises(ConfigError, match=fr"^load_weights: non-finite values \(NaN or inf\) in '{k}' of "):
             load_weights(engine, tmp_path / "nan.safetensors")
+        # what was read before the NaN is in the weights (zero3 / 16-bit: in the masters, not the working copies):
+        # stepping and saving are refused until a load finishes
+        for refused in (lambda: engine.state_dict(engine.state), lambda: engine.eval_step(engine.state, [torch.ones(8)]),
+                        lambda: save_weights(engine, tmp_path / "half")):
+            with pytest.raises(framework.FrameworkError, match="^load_weights did not finish, which left the weights "
+                                                               "partly loaded: load good weights again"):
+                refused()
+        load_weights(engine, tmp_path / "inf.safetensors")
+        engine.state_dict(engine.state)
+    # a load refused before anything is written (a missing name) leaves the engine as it was
+    save_file({k: v for k, v in sd.items() if k != "scale"}, tmp_path / "short.safetensors")
+    with pytest.raises(ConfigError, match="does not fit this model: missing 1: scale"):
+        load_weights(engine, tmp_path / "short.safetensors")
+    engine.eval_step(engine.state, [torch.ones(8)])
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_tied_copies_must_hold_the_same_values(tmp_path):
+    from safetensors.torch import save_file
+    engine = framework.initialize(_Tied(), lambda m, b: m(b).square().mean(), framework.compose(["logger=none"]),
+                                  connect("gloo"))
+    w = torch.randn(10, 4)
+    save_file({"emb.weight": w, "head.weight": w + 1}, tmp_path / "apart.safetensors")
+    with pytest.raises(ConfigError, match="holds different values under emb.weight and head.weight, which this "
+                                          "model ties into one parameter"):
+        load_weights(engine, tmp_path / "apart.safetensors")
+    w[0, 0] = float("nan")   # the same NaN in both copies: not weights to train from, not a different tie
+    save_file({"emb.weight": w, "head.weight": w.clone()}, tmp_path / "nan.safetensors")
+    with pytest.raises(ConfigError, match=r"^load_weights: non-finite values \(NaN or inf\) in 'emb.weight'"):
+        load_weights(engine, tmp_path / "nan.safetensors")
 
 
 def test_weights_inside_a_checkpoint_are_checked_against_its_manifest(tmp_path):
