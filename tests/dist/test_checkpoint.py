@@ -460,7 +460,7 @@ def test_a_checkpoint_of_another_model_is_an_error_not_a_fallback(tmp_path):
 
 class _Norm(torch.nn.Module):
     """Persistent buffers that training changes (BatchNorm's running statistics and step count), a
-    frozen layer (outside every stage's layout; zero3 takes none) and a non-persistent buffer."""
+    frozen layer (outside every stage's layout: whole on every rank, zero3 too) and a non-persistent buffer."""
 
     def __init__(self, freeze: bool):
         super().__init__()

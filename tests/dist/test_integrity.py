@@ -295,6 +295,7 @@ def test_a_full_disk_during_a_save_names_the_folder_and_keeps_the_previous(pools
         assert r["error"].startswith("CheckpointError: checkpoint: saving step-3 failed (writing the files): "
                                      f"rank 1: the file system of {root} is full ("), r["error"]
         assert "the checkpoint needs about" in r["error"] and "previous checkpoints are kept" in r["error"]
+        assert "more rank" not in r["error"], r["error"]   # one cause, one number on every rank: said once
     assert _steps(root) == [1, 2] and not (root / "step-3.tmp").exists()
 
 

@@ -146,7 +146,8 @@ def save(ckpt, state):
 
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
-    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save. Non-finite state is
+    """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save (``snap["need"]``:
+    the bytes all ranks will write). Non-finite state is
     a TrainingError (unless ``recheck``: the swap file changed under it), too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
@@ -180,6 +181,7 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
             s.describe("the checkpoint files") for s in shorts)
             + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
               "(the previous checkpoints are kept)")
+    snap["need"] = sum(c.need for _, c, _ in everyone)   # every rank's files: one number on every rank
     return True
 
 
@@ -190,7 +192,7 @@ def _write(ckpt, snap: dict, staged16: Path | None, recheck=None) -> None:
     group, root, config = ckpt.group, ckpt.root, ckpt.config
     step, rank = snap["step"], group.rank
     tmp, final = root / f"step-{step}.tmp", root / f"step-{step}"
-    need = snap["bytes"] * group.world
+    need = snap["need"]
     meta = {"stage": config.get("stage", {}).get("name"), "offload": config.get("offload", {}).get("name"),
             "precision_policy": config.get("precision", {}).get("name"),
             "config_hash": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]}
