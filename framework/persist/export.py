@@ -23,16 +23,18 @@ from framework.persist.tensorfiles import (Writer, create_files, finish_files, i
 
 def resolve(checkpoint) -> Path:
     """The DCP step folder of ``checkpoint``: itself; in a folder of our committed step folders the newest, as
-    ``checkpoint.resume=auto`` picks it (said when ``latest`` names another: a save that failed to update it);
+    ``checkpoint.resume=auto`` picks it (one a save's commit moved aside read where it lies; said when ``latest``
+    names another: a save that failed to update it);
     else what its ``latest`` points at (a symbolic link, or a file holding the step folder's name)."""
     path, seen = Path(checkpoint), set()
-    found = [] if (path / ".metadata").is_file() else stepfolders.scan(path)[0]
+    found = [] if (path / ".metadata").is_file() else stepfolders.scan(path, around=True)[0]   # (renames nothing)
     if found:
         latest = path / "latest"   # (a link to the step folder, as allowed above: named by its target)
         named = (Path(os.readlink(latest)).name if latest.is_symlink()
                  else latest.read_text().strip() if latest.is_file() else None)
-        if named != found[0].name:
-            print(f"warning: export: {path} holds {found[0].name}, its newest committed checkpoint, but its latest "
+        step = found[0].name.split(".")[0]   # (step-N.tmp or .old: step-N, its commit under way or interrupted)
+        if named != step:
+            print(f"warning: export: {path} holds {step}, its newest committed checkpoint, but its latest "
                   f"names {named or 'nothing'}; exporting {found[0].name}", file=sys.stderr, flush=True)
         return found[0]
     while not (path / ".metadata").is_file():

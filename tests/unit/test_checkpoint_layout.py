@@ -119,6 +119,15 @@ def test_resume_latest_in_a_library_loop_is_the_newest_checkpoint(tmp_path, monk
         os.utime(folder / stepfolders.MANIFEST, (1e9 + len(made), 1e9 + len(made)))   # the run folder's is newer
         made.append(folder)
     assert candidates("latest", tmp_path / "ckpt") == ([made[1]], [])
+    # a newer save of step 2 killed (or under way) inside its commit, step-2 moved aside: another run's folder is
+    # read where it lies, renaming nothing; the run's own is put back first
+    run = made[1].parent
+    os.replace(made[1], run / "step-2.old")
+    (run / "step-2.tmp").mkdir()
+    os.utime(run / "step-2.old" / stepfolders.MANIFEST, (2e9, 2e9))
+    assert candidates("latest", tmp_path / "ckpt") == ([run / "step-2.old"], [])
+    assert sorted(os.listdir(run)) == ["step-2.old", "step-2.tmp"]
+    assert candidates("latest", tmp_path / "ckpt", owned=run) == ([made[1]], []) and made[1].is_dir()
 
 
 def test_an_hf_checkpoint_without_its_recorded_config_is_compared_by_path():

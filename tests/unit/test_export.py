@@ -383,6 +383,14 @@ def test_a_latest_link_to_the_newest_step_is_no_warning(tmp_path, capsys):
     (ckpt / "latest").symlink_to("step-2")
     assert resolve(ckpt) == ckpt / "step-3"
     assert "holds step-3, its newest committed checkpoint, but its latest names step-2" in capsys.readouterr().err
+    # step 4 saved again, its commit under way (or killed) after moving the committed step-4 aside: read there
+    (ckpt / "step-4.old").mkdir()
+    (ckpt / "step-4.old" / "manifest.json").write_text(json.dumps({"format": 1, "files": {}, "seq": 4}))
+    (ckpt / "step-4.tmp").mkdir()   # (no manifest yet: the new save is not complete)
+    (ckpt / "latest").unlink()
+    (ckpt / "latest").symlink_to("step-4")
+    assert resolve(ckpt) == ckpt / "step-4.old" and capsys.readouterr().err == ""
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-2", "step-3", "step-4.old", "step-4.tmp"]
 
 
 class _Tied(torch.nn.Module):

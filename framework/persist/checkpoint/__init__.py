@@ -158,14 +158,16 @@ def checkpoint_root(cfg, run_dir: Path | None, job: str | None = None) -> Path:
 _RUN_TREES = ("outputs", "multirun")
 
 
-def find_latest(root: Path, sweep_dir: Path | None = None) -> Path | None:
+def find_latest(root: Path, sweep_dir: Path | None = None, owned: Path | None = None) -> Path | None:
     """The newest committed checkpoint (by commit time) in ``root`` and the ``checkpoints`` folders one to three
-    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs'."""
+    levels under the run trees, or None; a multirun job passes over its sweep's (``sweep_dir``) other jobs'. A step
+    a save's commit moved aside counts (``_scan``: put back in ``owned``, the folder this run saves into)."""
     skip = Path(sweep_dir).resolve() if sweep_dir is not None else None
     roots = {root, *(p for tree in _RUN_TREES for depth in ("*", "*/*", "*/*/*")
                      for p in (Path.cwd() / tree).glob(f"{depth}/checkpoints") if p.is_dir() and not p.is_symlink()
                      and (skip is None or skip not in p.resolve().parents))}
-    newest = [found[0] for found, _ in map(stepfolders.scan, roots) if found]
+    owned = owned.resolve() if owned is not None else None
+    newest = [found[0] for found, _ in (_scan(r, r.resolve() == owned) for r in roots) if found]
     return max(newest, key=lambda p: (p / stepfolders.MANIFEST).stat().st_mtime, default=None)
 
 
@@ -300,7 +302,7 @@ def candidates(resume: str, root: Path, sweep_dir: Path | None = None,
     if resume == "auto":
         return _scan(root, mine(root))
     if resume == "latest":   # (the CLI resolved it to a path before the ranks started; a library loop comes here)
-        folder = find_latest(root, sweep_dir)
+        folder = find_latest(root, sweep_dir, owned)
         if folder is None:
             others = "" if sweep_dir is None else f" (those of the sweep's other jobs in {sweep_dir} passed over)"
             return [], [f"resume=latest: no checkpoint in {root} or in the run folders under "
