@@ -294,7 +294,7 @@ def test_resume_off_says_checkpoints_exist_refuses_to_overwrite_them_and_incompl
     assert (tmp_path / f"step-{N}" / "manifest.json").is_file()
 
 
-def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys):
+def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_looks(tmp_path, capsys, monkeypatch):
     """A save of a step already there killed inside its commit leaves step-N moved to step-N.old (and maybe a
     complete step-N.tmp): the resume restores step-N and goes on from it, not from a save interval earlier. A run
     that only reads the folder (another run's, whose commit may be under way) renames nothing: it reads step-N
@@ -318,6 +318,21 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
         assert first[:2] == (N, N)
         assert f"resumed from {tmp_path / f'step-{N}.old'} (step {N}" in capsys.readouterr().out
         assert not final.exists() and (tmp_path / f"step-{N}.old").is_dir()
+    # that run's commit puts step-N back between the reader's choice and its read: read there, no damage said
+    from framework.persist import checkpoint
+    chosen = checkpoint.choose
+
+    def racing(*args, **kwargs):
+        out = chosen(*args, **kwargs)
+        (tmp_path / f"step-{N}.old").rename(final)
+        return out
+
+    monkeypatch.setattr(checkpoint, "choose", racing)
+    for resume in (final, tmp_path):
+        _, _, first, _ = _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(resume), steps=N)
+        out = capsys.readouterr().out
+        assert first[:2] == (N, N) and f"resumed from {final} (step {N}" in out and "damaged" not in out, out
+        final.rename(tmp_path / f"step-{N}.old")
 
 
 def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):

@@ -81,6 +81,9 @@ class Checkpointer:
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
+                if self._committed_since(folder):   # read where it lay: the step is in step-N now, tried next
+                    folders.insert(i + 1, folder.with_name(folder.name.split(".")[0]))   # (the loop goes on there)
+                    continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     raise CheckpointError(f"{e}{spent}") from None
                 errors.append(str(e))
@@ -105,6 +108,13 @@ class Checkpointer:
         raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
                               f"finite (the folders are kept; set checkpoint.dir to another folder to start afresh): "
                               + " | ".join(errors) + spent)
+
+    def _committed_since(self, folder: Path) -> bool:
+        """Whether ``folder`` is a step another run's commit had under way (``step-N.tmp`` or ``.old``, read where it
+        lay) and that commit has put ``step-N`` in place since: a read that lost that race is no damage. Rank 0
+        looks (collective)."""
+        final = folder.with_name(folder.name.split(".")[0])
+        return final != folder and self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
