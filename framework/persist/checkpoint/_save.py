@@ -147,8 +147,8 @@ def save(ckpt, state):
 
 def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     """Every rank's verdict on the state (finite) and the room for it, exchanged; True to save (``snap["need"]``:
-    the bytes all ranks will write). Non-finite state is
-    a TrainingError (unless ``recheck``: the swap file changed under it), too little room a CheckpointError."""
+    the bytes all ranks will write). Non-finite state is a TrainingError (unless ``recheck``: the swap file changed
+    under it), too little room a CheckpointError."""
     step, group, root = snap["step"], ckpt.group, ckpt.root
     problem, claim = None, None
     try:
