@@ -409,12 +409,15 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                 say(f"error: {e}")   # (under torchrun every rank prints its line)
                 if not basic_sweep:
                     sys.exit(1)   # (another launcher reports the job's exit)
-            else:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
-                if not basic_sweep:
+            else:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a sweep
+                if not multirun:
                     raise
-                # its traceback and one line now; the sweep goes on and counts it (Hydra would go on silently)
+                # its traceback and one line now: a basic sweep goes on and counts it (Hydra would go on silently);
+                # another launcher keeps it in the job's result, which Hydra's submitit one reads for task 0 alone
                 traceback.print_exception(e)
                 say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
+                if not basic_sweep:
+                    raise
             if not _sweep_goes_on(e):
                 sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             # (a job refused before it trained left no folder: named by its swept overrides)
