@@ -777,12 +777,13 @@ def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
 
 
-@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise"])
+@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise", "step:2@0,raise"])
 def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_run(forkrun, tmp_path, fault):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the
     others is not printed. A rank's bug: its traceback, then the launcher's line. Either way train.log
-    (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed."""
+    (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed;
+    rank 0's own bug is there once (its console wrote it)."""
     p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
                     cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": fault})
     assert p.returncode == 1, p.stderr
@@ -793,7 +794,9 @@ def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_ru
         assert line in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert log.endswith(f"\n{line}\n"), log[-2000:]   # (after rank 0's own end: its stop, or its peer lost)
         return
-    line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:2"
+    rank = fault[fault.index("@") + 1]
+    line = f"error: rank {rank} of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank {rank} raises at step:2"
     trace = p.stderr[p.stderr.rindex("Traceback (most recent call last):"):p.stderr.index(line)]
     assert 'in fault\n    raise RuntimeError(f"FRAMEWORK_FAULT: ' in trace, p.stderr[-3000:]
-    assert log.endswith(f"{trace}{line}\n"), log[-3000:]
+    assert log.endswith(f"{trace}{line}\n" if rank == "1" else f"\n{line}\n"), log[-3000:]
+    assert log.count("Traceback (most recent call last):") == 1, log[-6000:]
