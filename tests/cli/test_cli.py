@@ -119,9 +119,11 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     assert p.returncode == 1 and [q.name for q in (tmp_path / "outputs").iterdir()] == ["mine"]
 
 
-def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path):
+def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkeypatch):
     """Two runs started into the same new folder both found it empty: the refused one removes it only
-    under its lock (a live run holding it keeps it), and one that never held it only if it is empty."""
+    under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
+    Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
+    an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
     from framework.cli.launch import own_run_folder
     from framework.cli.train import _remove_made
     from framework.loggers import RunInfo
@@ -138,6 +140,12 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path):
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
     _remove_made([run, run.parent], ".hydra", False)   # never held, still empty: removed
+    assert not (tmp_path / "outputs").exists()
+    run.mkdir(parents=True)
+    monkeypatch.setenv("RANK", "1")
+    _remove_made([run, run.parent], ".hydra", False)
+    assert run.is_dir()
+    _remove_made([run, run.parent], ".hydra", False, alike=True)
     assert not (tmp_path / "outputs").exists()
 
 
@@ -308,6 +316,23 @@ def test_a_rank_of_an_external_launchers_group_ends_the_sweep_on_an_unexpected_e
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert [train._sweep_goes_on(e) for e in errors] == [False, False, False, True]
+
+
+def test_the_ranks_of_a_torchrun_sweep_end_it_with_rank_0s_count_alone(monkeypatch, capsys):
+    """Each rank of a torchrun sweep prints its line for a failed job, but the count at the end is rank 0's
+    alone (the ranks went on together, after the same failures): the others exit 1 without a word."""
+    from framework.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["framework.train", "-m", "train.steps=2"])
+    monkeypatch.setattr(train, "_app", lambda configs, on_point, failed, *a: lambda: failed.append("job 0 (x)"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as got:
+            train.main()
+        assert got.value.code == 1
+        assert capsys.readouterr().err.splitlines() == ["error: 1 job(s) of the sweep failed (their errors are above): "
+                                                        "job 0 (x)"] * (rank == "0")
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
