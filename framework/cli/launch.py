@@ -344,7 +344,8 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         trace = str(e).partition("terminated with the following error:\n")[2].rstrip() or str(e).strip()
         say(trace)
         raise _ended(run, FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
-                                         f"{trace.splitlines()[-1]}"), trace) from None
+                                         f"{trace.splitlines()[-1]}"),
+                     trace if e.error_index else "") from None   # (rank 0's console wrote its own to train.log)
     finally:
         log.removeFilter(_no_terminating_line)
         shutil.rmtree(store_dir, ignore_errors=True)

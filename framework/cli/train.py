@@ -300,10 +300,11 @@ def _made(folder: Path, base: Path | None) -> list[Path]:
     return [folder, *(p for p in folder.parents if base in p.parents)]
 
 
-def _remove_made(made: list[Path], subdir: str | None, owned: bool) -> None:
-    """Remove the folders made for a job refused before it trained (rank 0's). One it ``owned`` goes only under
-    its lock again and while it holds only what the job wrote; one it never held only if empty."""
-    if not made or env_int("RANK", 0) != 0:
+def _remove_made(made: list[Path], subdir: str | None, owned: bool, alike: bool = False) -> None:
+    """Remove the folders made for a job refused before it trained (rank 0's; every rank's where the error was
+    raised ``alike``: another rank's Hydra may make the folder again after rank 0 removed it). One it ``owned``
+    goes only under its lock again and while it holds only what the job wrote; one it never held only if empty."""
+    if not made or (env_int("RANK", 0) != 0 and not alike):   # (rank 0 may still be writing into it)
         return
     if owned:
         try:
@@ -405,16 +406,19 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
         except Exception as e:
             basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER
             if isinstance(e, FrameworkError):
-                _remove_made(made, subdir, bool(owned))
+                _remove_made(made, subdir, bool(owned), e.every_rank)
                 say(f"error: {e}")   # (under torchrun every rank prints its line)
                 if not basic_sweep:
                     sys.exit(1)   # (another launcher reports the job's exit)
-            else:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a basic sweep
-                if not basic_sweep:
+            else:   # a bug, the allocator's RuntimeError, ...: Hydra's to report, but in a sweep
+                if not multirun:
                     raise
-                # its traceback and one line now; the sweep goes on and counts it (Hydra would go on silently)
+                # its traceback and one line now: a basic sweep goes on and counts it (Hydra would go on silently);
+                # another launcher keeps it in the job's result, which Hydra's submitit one reads for task 0 alone
                 traceback.print_exception(e)
                 say(f"error: job {hc.job.num} ({run.run_dir}) failed: {type(e).__name__}: {first_line(e)}")
+                if not basic_sweep:
+                    raise
             if not _sweep_goes_on(e):
                 sys.exit(1)   # (a re-raised error Hydra would catch, and go on with the next job)
             # (a job refused before it trained left no folder: named by its swept overrides)
@@ -492,5 +496,6 @@ def main(on_point: Callable[[str], None] | None = None) -> None:
         _app(configs, on_point, failed, fixed, subdir, base, passed)()
     finally:
         sys.argv[:] = argv
-    if failed:
-        sys.exit(fail(f"{len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}", 1))
+    if failed:   # (the ranks of a torchrun sweep failed the same jobs: rank 0 says it for all)
+        sys.exit(fail(f"{len(failed)} job(s) of the sweep failed (their errors are above): {', '.join(failed)}", 1)
+                 if env_int("RANK", 0) == 0 else 1)

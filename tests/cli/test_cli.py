@@ -119,9 +119,11 @@ def test_a_refused_run_removes_the_folders_made_for_it(forkrun, tmp_path):
     assert p.returncode == 1 and [q.name for q in (tmp_path / "outputs").iterdir()] == ["mine"]
 
 
-def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path):
+def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path, monkeypatch):
     """Two runs started into the same new folder both found it empty: the refused one removes it only
-    under its lock (a live run holding it keeps it), and one that never held it only if it is empty."""
+    under its lock (a live run holding it keeps it), and one that never held it only if it is empty.
+    Another rank of a torchrun sweep (whose Hydra may make the folder again after rank 0 removed it) removes
+    an empty one too, after an error every rank raised alike (not one rank 0 may still be writing into)."""
     from framework.cli.launch import own_run_folder
     from framework.cli.train import _remove_made
     from framework.loggers import RunInfo
@@ -138,6 +140,12 @@ def test_a_refused_run_never_removes_a_folder_another_run_holds(tmp_path):
     assert not (tmp_path / "outputs").exists()
     run.mkdir(parents=True)
     _remove_made([run, run.parent], ".hydra", False)   # never held, still empty: removed
+    assert not (tmp_path / "outputs").exists()
+    run.mkdir(parents=True)
+    monkeypatch.setenv("RANK", "1")
+    _remove_made([run, run.parent], ".hydra", False)
+    assert run.is_dir()
+    _remove_made([run, run.parent], ".hydra", False, alike=True)
     assert not (tmp_path / "outputs").exists()
 
 
@@ -308,6 +316,23 @@ def test_a_rank_of_an_external_launchers_group_ends_the_sweep_on_an_unexpected_e
     assert all(train._sweep_goes_on(e) for e in errors)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert [train._sweep_goes_on(e) for e in errors] == [False, False, False, True]
+
+
+def test_the_ranks_of_a_torchrun_sweep_end_it_with_rank_0s_count_alone(monkeypatch, capsys):
+    """Each rank of a torchrun sweep prints its line for a failed job, but the count at the end is rank 0's
+    alone (the ranks went on together, after the same failures): the others exit 1 without a word."""
+    from framework.cli import train
+
+    monkeypatch.setattr(sys, "argv", ["framework.train", "-m", "train.steps=2"])
+    monkeypatch.setattr(train, "_app", lambda configs, on_point, failed, *a: lambda: failed.append("job 0 (x)"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as got:
+            train.main()
+        assert got.value.code == 1
+        assert capsys.readouterr().err.splitlines() == ["error: 1 job(s) of the sweep failed (their errors are above): "
+                                                        "job 0 (x)"] * (rank == "0")
 
 
 def test_a_job_without_room_for_its_records_fails_on_one_line_and_the_sweep_goes_on(tmp_path):
@@ -777,12 +802,13 @@ def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
 
 
-@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise"])
+@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise", "step:2@0,raise"])
 def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_run(forkrun, tmp_path, fault):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the
     others is not printed. A rank's bug: its traceback, then the launcher's line. Either way train.log
-    (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed."""
+    (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed;
+    rank 0's own bug is there once (its console wrote it)."""
     p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
                     cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": fault})
     assert p.returncode == 1, p.stderr
@@ -793,7 +819,9 @@ def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_ru
         assert line in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert log.endswith(f"\n{line}\n"), log[-2000:]   # (after rank 0's own end: its stop, or its peer lost)
         return
-    line = "error: rank 1 of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank 1 raises at step:2"
+    rank = fault[fault.index("@") + 1]
+    line = f"error: rank {rank} of 2 failed: RuntimeError: FRAMEWORK_FAULT: rank {rank} raises at step:2"
     trace = p.stderr[p.stderr.rindex("Traceback (most recent call last):"):p.stderr.index(line)]
     assert 'in fault\n    raise RuntimeError(f"FRAMEWORK_FAULT: ' in trace, p.stderr[-3000:]
-    assert log.endswith(f"{trace}{line}\n"), log[-3000:]
+    assert log.endswith(f"{trace}{line}\n" if rank == "1" else f"\n{line}\n"), log[-3000:]
+    assert log.count("Traceback (most recent call last):") == 1, log[-6000:]

@@ -673,3 +673,18 @@ def test_a_sweep_on_the_submitit_launcher_divides_a_deepspeed_batch_over_its_tas
         train.main()
         (config,), = (list(c.values()) for c in seen)
         assert (config.batch_world, config.train.micro_batch, config.train.grad_accum) == (4, 2, 4), text
+
+
+@needs_submitit
+def test_a_bug_in_a_task_of_the_submitit_launcher_is_printed_in_that_tasks_own_log(forkrun, tmp_path):
+    """Hydra's submitit launcher keeps a job's exception in the task's result and reads task 0's alone: each
+    task prints its traceback and its one line to its own error log (under Slurm, rank 1's too) before that."""
+    p = forkrun.run("tests._fault_train", [
+        "-m", "hydra/launcher=submitit_local", "train.steps=2", "train.eval_every=0", "train.eval_batches=1",
+        "model.n_layer=1", "model.d_model=32", "model.n_head=2", "model.context=16",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
+        env={"WANDB_MODE": "offline", "FRAMEWORK_FAULT": "step:1@0,raise"})
+    assert p.returncode == 1 and "FRAMEWORK_FAULT: rank 0 raises at step:1" in p.stderr, p.stderr[-3000:]
+    log = "".join(f.read_text() for f in (tmp_path / "sweep").rglob("*_0_log.err"))
+    line = f"error: job 0 ({tmp_path / 'sweep' / '0'}) failed: RuntimeError: FRAMEWORK_FAULT: rank 0 raises at step:1"
+    assert line in log.splitlines() and log.index("Traceback") < log.index(line), log[-3000:]

@@ -476,7 +476,8 @@ def test_after_a_failed_read_every_rank_takes_the_same_path(outcomes, falls_back
     ("agree", [RuntimeError("bug"), None], False),   # (rank 0's own: the others' FrameworkError is not marked either)
     ("agree", [DistributedError("gone"), ConfigError("refused")], False),
     ("load", [ConfigError("another model"), CheckpointError("damaged"), None], True),
-    ("load", [None, SwapIOError("swap read failed")], False),   # (a FrameworkError: perhaps a DistributedError)
+    ("load", [None, SwapIOError("swap read failed")], True),
+    ("load", [ConfigError("another model"), DistributedError("rank 1/2: all_gather timed out")], False),
     ("save", [CheckpointError("disk full"), None], True),
 ])
 def test_an_agreed_outcome_marks_every_ranks_error_alike(tmp_path, how, outcomes, every):
@@ -538,6 +539,55 @@ class _OneRank:
 
     def all_gather(self, obj, what):
         return [obj]
+
+
+@pytest.mark.parametrize("case", ["no room", "cannot inspect", "non-finite", "damaged", "folder"])
+def test_a_checkpoint_refused_from_exchanged_outcomes_is_marked_as_every_ranks(tmp_path, monkeypatch, case):
+    """A save refused before it wrote (no room, a folder it cannot inspect, non-finite state), a damaged
+    checkpoint or a checkpoint.dir rank 0 cannot write is decided from outcomes every rank holds: each rank raises it alike (``every_rank``), so that a
+    torchrun sweep's ranks go on to the next job together."""
+    import types
+    from framework.persist import checkpoint, stepfolders
+    from framework.persist.checkpoint import _save
+    from framework.persist.checkpoint._load import verify
+
+    if case == "folder":   # rank 0 could not write checkpoint.dir: rank 1 hears it
+        dist = types.SimpleNamespace(rank=1, world=2, all_gather_object=lambda obj, what: [("t", "not writable")])
+        with pytest.raises(ConfigError, match="not writable") as got:
+            checkpoint.shared(dist, tmp_path)
+    elif case == "damaged":
+        (tmp_path / stepfolders.MANIFEST).write_text(json.dumps({"format": stepfolders.FORMAT, "files": {"a": {}}}))
+        with pytest.raises(CheckpointError, match="is damaged") as got:
+            verify(tmp_path, _OneRank())
+    else:
+        if case == "cannot inspect":
+            monkeypatch.setattr(_save.Claim, "of", lambda *a: (_ for _ in ()).throw(OSError(13, "denied")))
+        ckpt = types.SimpleNamespace(group=_OneRank(), root=tmp_path, on_nonfinite="error")
+        snap = {"step": 2, "bytes": 1 << 62 if case == "no room" else 1, "nonfinite": ["w"] if case == "non-finite"
+                else []}
+        with pytest.raises(FrameworkError, match="not saving step 2") as got:
+            _save._agree_to_save(ckpt, snap, None, lambda: None)
+    assert got.value.every_rank, got.value
+
+
+@pytest.mark.parametrize("resume", ["PATH", "auto"])
+def test_a_resume_refused_after_agreed_damage_keeps_the_mark(tmp_path, monkeypatch, resume):
+    """``resume=PATH`` damaged, or ``resume=auto`` with every checkpoint damaged: the error that ends the resume
+    replaces the agreed ones, and is marked as raised on every rank as they were."""
+    import types
+    import framework.persist.checkpoint as checkpoint
+    from framework.core.errors import on_every_rank
+
+    folders = [tmp_path / "step-2"] if resume == "PATH" else [tmp_path / "step-2", tmp_path / "step-1"]
+    monkeypatch.setattr(checkpoint, "choose", lambda *a: (folders, []))
+    monkeypatch.setattr(checkpoint, "load", lambda *a, **k: (_ for _ in ()).throw(
+        on_every_rank(CheckpointError("checkpoint step-2 is damaged"))))
+    ckpt = object.__new__(checkpoint.Checkpointer)
+    ckpt.cfg, ckpt.closed = types.SimpleNamespace(resume=str(folders[0]) if resume == "PATH" else "auto", every=1), False
+    ckpt.group, ckpt.rank, ckpt.root, ckpt.engine, ckpt.seed, ckpt.config = _OneRank(), 0, tmp_path, None, 0, {}
+    with pytest.raises(CheckpointError, match="is damaged") as got:
+        ckpt.resume(None)
+    assert got.value.every_rank, got.value
 
 
 @pytest.mark.parametrize("stop", [KeyboardInterrupt, lambda: SystemExit(143)])

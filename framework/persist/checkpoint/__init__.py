@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from framework.core import files
-from framework.core.errors import CheckpointError, ConfigError, FrameworkError, say
+from framework.core.errors import CheckpointError, ConfigError, FrameworkError, on_every_rank, say
 from framework.core.registry import closest_hint
 from framework.persist import stepfolders
 from framework.persist.checkpoint._group import Group, agree_load, glue
@@ -85,7 +85,7 @@ class Checkpointer:
                     folders.insert(i + 1, folder.with_name(folder.name.split(".")[0]))   # (the loop goes on there)
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
-                    raise CheckpointError(f"{e}{spent}") from None
+                    raise on_every_rank(CheckpointError(f"{e}{spent}"), e.every_rank) from None
                 errors.append(str(e))
                 # Every rank says it, before any training: no rank goes on from a state the others refused.
                 then = (f"falling back to the previous checkpoint, {folders[i + 1]}" if i + 1 < len(folders)
@@ -105,9 +105,9 @@ class Checkpointer:
                       + (f"; config differs in {', '.join(diff)}" if diff else "")
                       + (f"; {batch}" if batch else ""))
             return state
-        raise CheckpointError(f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not "
-                              f"finite (the folders are kept; set checkpoint.dir to another folder to start afresh): "
-                              + " | ".join(errors) + spent)
+        raise on_every_rank(CheckpointError(   # (each fallback came after an agreed one: so does this)
+            f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not finite (the folders are "
+            f"kept; set checkpoint.dir to another folder to start afresh): " + " | ".join(errors) + spent))
 
     def _committed_since(self, folder: Path) -> bool:
         """Whether ``folder`` is a step another run's commit had under way (``step-N.tmp`` or ``.old``, read where it
@@ -236,7 +236,7 @@ def shared(dist, root: Path) -> None:
     try:
         token, problem = dist.all_gather_object((token, problem), what="the checkpoint folder check")[0]
         if problem:
-            raise ConfigError(problem)
+            raise on_every_rank(ConfigError(problem))   # (rank 0's, given to all)
         probe = root / f".shared-{token}"
         try:   # (a random name: no file system has a cached answer for it)
             seen = probe.read_bytes() == token.encode()
@@ -250,9 +250,9 @@ def shared(dist, root: Path) -> None:
     if blind:
         r, host = blind[0]
         more = f" (and {len(blind) - 1} more rank(s))" if len(blind) > 1 else ""
-        raise ConfigError(f"checkpoint.dir {root} is not one folder every rank sees (rank {r} on host {host} does not "
-                          f"see the files rank 0 on host {views[0][1]} writes there{more}): put it on a shared file "
-                          "system")
+        raise on_every_rank(ConfigError(   # (every rank has every view)
+            f"checkpoint.dir {root} is not one folder every rank sees (rank {r} on host {host} does not see the files "
+            f"rank 0 on host {views[0][1]} writes there{more}): put it on a shared file system"))
 
 
 def fresh_start(root: Path, every: int, resume: str = "off") -> str | None:

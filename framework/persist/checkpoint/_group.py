@@ -84,11 +84,12 @@ def agree_load(group: Group, what: str, fn):
     result, problem, stop = None, None, None
     try:
         result = fn()
-    except FrameworkError as e:
-        problem = (next(k for k in (ConfigError, CheckpointError, FrameworkError) if isinstance(e, k)), str(e))
+    except FrameworkError as e:   # (and whether it is the group's: then no rank's error is marked)
+        problem = (next(k for k in (ConfigError, CheckpointError, FrameworkError) if isinstance(e, k)), str(e),
+                   isinstance(e, DistributedError))
         mine, stop = e, _stop(e)
     except (Exception, glue().CheckpointException) as e:   # noqa: BLE001 - DCP's exception is a BaseException
-        problem = (CheckpointError, f"{what}: {glue().describe(e)}")
+        problem = (CheckpointError, f"{what}: {glue().describe(e)}", False)
         mine, stop = CheckpointError(problem[1]), _stop(e)
     everyone = _exchange(group, (problem, stop), stop, what)
     if stops := [s for _, s in everyone if s is not None]:
@@ -98,10 +99,10 @@ def agree_load(group: Group, what: str, fn):
         return result
     # One kind on every rank, failed or not: a refusal that stops the run wins over damage (fall back).
     kind = next(k for k in (ConfigError, FrameworkError, CheckpointError) if any(p[0] is k for p in problems))
-    every = kind is not FrameworkError   # (that kind may be a DistributedError on some rank: the group is unusable)
+    every = not any(group_failed for _, _, group_failed in problems)   # (a DistributedError: the group is unusable)
     if problem is not None and problem[0] is kind:
         raise on_every_rank(mine, every)
-    raise on_every_rank(kind(next(text for k, text in problems if k is kind)), every) from (
+    raise on_every_rank(kind(next(text for k, text, _ in problems if k is kind)), every) from (
         mine if problem is not None else None)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from framework.config.schema import get_key
-from framework.core.errors import CheckpointError, ConfigError, UnsafePathError
+from framework.core.errors import CheckpointError, ConfigError, UnsafePathError, on_every_rank
 from framework.engine.state import optimizer_leaves
 from framework.models.hf import architecture, without_dtype
 from framework.persist import stepfolders
@@ -124,7 +124,7 @@ def verify(folder: Path, group: Group | None = None, resume: bool = False) -> di
     unread = sorted(n for n, _ in found if resume and n.startswith(copy16))
     bad = sorted(p for n, p in found if n not in unread)
     if bad:
-        raise CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad))
+        raise on_every_rank(CheckpointError(f"checkpoint {folder} is damaged: " + "; ".join(bad)))   # (all found it)
     if unread and rank == 0:
         print(f"checkpoint: {folder / stepfolders.WEIGHTS16} (the 16-bit weights copy) is damaged ({few(unread)} "
               "fail the manifest check): going on, as resumes and exports do not read it (later saves write their "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from framework.core import files
-from framework.core.errors import CheckpointError, FrameworkError, TrainingError
+from framework.core.errors import CheckpointError, FrameworkError, TrainingError, on_every_rank
 from framework.core.room import Claim, shortfalls
 from framework.core.units import MiB
 from framework.engine.state import FORMAT as STATE_FORMAT, optimizer_leaves
@@ -123,8 +123,8 @@ def save(ckpt, state):
         except FrameworkError as e:
             if group.rank == 0:
                 shutil.rmtree(staged16, ignore_errors=True)
-            raise CheckpointError(f"checkpoint: not saving step {state.step}: {e}; the previous checkpoints "
-                                  "are kept") from None
+            raise on_every_rank(CheckpointError(f"checkpoint: not saving step {state.step}: {e}; the previous "
+                                                "checkpoints are kept"), e.every_rank) from None
     with contextlib.ExitStack() as stack:   # offload=nvme: the swap file, mapped and checked
         mapped, fmap = group.enter(stack, engine.mapped_state(state), "swap file check")
         if fmap is not None:
@@ -167,20 +167,23 @@ def _agree_to_save(ckpt, snap: dict, staged16: Path | None, recheck) -> bool:
     shorts = shortfalls([c for _, c, _ in everyone if c is not None]) if not problems else []
     if (refused or problems or shorts) and group.rank == 0 and staged16 is not None:
         shutil.rmtree(staged16, ignore_errors=True)
+    # (each verdict below is drawn from the exchanged outcomes alone: every rank raises it alike)
     if problems:
-        raise CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}; the previous checkpoints are kept")
+        raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: {problems[0]}; the previous "
+                                            "checkpoints are kept"))
     if refused and ckpt.on_nonfinite == "warn":
         if group.rank == 0:
             print(f"warning: {refused} (train.on_nonfinite=warn)", file=sys.stderr, flush=True)
         return False
     if refused:
-        raise TrainingError(f"{refused}; stopping (the previous checkpoints are kept). Lower the learning rate or "
-                            f"check the data; train.on_nonfinite=warn keeps training without saving such state")
+        raise on_every_rank(TrainingError(
+            f"{refused}; stopping (the previous checkpoints are kept). Lower the learning rate or check the data; "
+            "train.on_nonfinite=warn keeps training without saving such state"))
     if shorts:
-        raise CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
+        raise on_every_rank(CheckpointError(f"checkpoint: not saving step {step}: " + "; ".join(
             s.describe("the checkpoint files") for s in shorts)
             + "; free space, lower checkpoint.keep_last or set checkpoint.dir to a larger disk "
-              "(the previous checkpoints are kept)")
+              "(the previous checkpoints are kept)"))
     snap["need"] = sum(c.need for _, c, _ in everyone)   # every rank's files: one number on every rank
     return True
 
