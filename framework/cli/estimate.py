@@ -53,12 +53,6 @@ def hf_model_from_config(path: Path) -> torch.nn.Module:
         raise ConfigError("estimate: a config.json needs transformers (pip install '.[hf]')") from None
     # Read as model=hf reads it (custom model code refused in one line, never a prompt to run it).
     config_path, config = hf_load_config(path, key="estimate: model")
-    # transformers builds a model of -1 layers without a word (and fails later, in its forward)
-    for conf in {id(c): c for c in (config, _text_config(config))}.values():
-        for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
-            value = getattr(conf, key, None)
-            if isinstance(value, int) and value < 1:
-                raise ConfigError(f"estimate: {config_path}: {key}={value} must be >= 1")
     # The class training builds (model=hf: AutoModelForCausalLM's), whatever "architectures" names (a config
     # saved from AutoModel says LlamaModel: no LM head); another model (e.g. multimodal) for the tables alone.
     archs = getattr(config, "architectures", None) or []
@@ -256,7 +250,9 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
         return nvme_rows(params, largest, gpus, nodes, keys, **widths, **pools)
 
     sized = ("the engine's pools for this model" if module is not None else
-             "upper bounds without a model's structure: every tile and parameter slot at its largest")
+             "without a model's structure: every tile and parameter slot at its largest, but not the two "
+             "pinned buffers that gradient partitions are copied through on their way to disk (model= counts "
+             "them)")
     if largest is not None:
         table("zero3", "DeepSpeed ZeRO-3 (estimate_zero3_model_states_mem_needs; model states only, sub_group_size "
                        "does not enter):", zero3_rows(params, largest, gpus, nodes, factor))

@@ -107,10 +107,12 @@ def nvme_rows(params: int, largest_layer: int, gpus_per_node: int = 1, nodes: in
 
     On disk per rank: fp32 master + optimizer state (4 + ``optimizer_bytes`` per element) and the fp32
     gradient partition. ``pools``: a model's host bytes per rank for parameters on NVMe, CPU, GPU
-    (``model.nvme_pools``); without it an upper bound: ``buffer_count`` tiles of min(sub_group_size,
+    (``model.nvme_pools``); without it ``buffer_count`` tiles of min(sub_group_size,
     partition) elements of master + state + gradient + staging, one tile's gradient bounce buffer, and
     ``param_buffer_count`` slots of min(param_buffer_size, partition) with parameters on NVMe (on the CPU:
-    the shards). ``param_bytes``: the working precision. GPU as DeepSpeed's zero_init rows: the largest
+    the shards), but not the two pinned buffers gradient partitions are copied through on their way to disk
+    (each of the largest group's partition: the model's grouping decides it). ``param_bytes``: the working
+    precision. GPU as DeepSpeed's zero_init rows: the largest
     layer gathered (params and grads), plus the shard when parameters stay there."""
     t = gpus_per_node * nodes
     part = -(-params // t)   # elements of one rank's partition

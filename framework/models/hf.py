@@ -162,12 +162,14 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
         config = transformers.AutoConfig.for_model(model_type, **raw)
     except Exception as e:  # noqa: BLE001 - the config classes raise their own types (strict dataclass validators)
         raise ConfigError(f"{key}: {file} is not a valid {model_type} config: {_one_line(e)}") from None
-    # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would train.
-    for name in ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value < 1:
-            field = config.attribute_map.get(name, name)
-            raise ConfigError(f"{key}: {file} sets {field}={value}; it must be >= 1")
+    # transformers accepts a layer count below 1 (range() of it is empty): a model of embeddings only would
+    # train. (A multimodal config keeps its text model's sizes in text_config.)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for conf in {id(c): c for c in (config, text)}.values():
+        for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
+            value = getattr(conf, name, None)
+            if isinstance(value, int) and value < 1:
+                raise ConfigError(f"{key}: {file}: {name}={value} must be >= 1")
     return config
 
 

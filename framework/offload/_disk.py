@@ -256,7 +256,6 @@ class DiskPlacement(NVMePlacement):
                       [info.staging] if info.staging is not None else [], readonly=len(grad))
         full = merge_groups(states, owner)
         if self.grad_swap:   # the threads that write the partitions and (``read_back``) read them back
-            self.staging = deque(self._partition_buffers())   # (made at setup: not page-locked in a hook)
             thread = partial(ThreadPoolExecutor, max_workers=1, initializer=self.acc.bind_thread)
             self.writer = thread(thread_name_prefix="grad-swap")
             self.reader = thread(thread_name_prefix="grad-read") if self.read_back else None
@@ -274,8 +273,11 @@ class DiskPlacement(NVMePlacement):
         self.write_swap(store, "optim", lambda: self._preflight(store),
                         ((info.index, partial(fill, info)) for info in disk),
                         "writing the initial state to the swap files")
+        # Made at setup (a page-locked allocation in a backward hook would wait for the device), after the
+        # pre-flight, which counts them: memory pinned before it would be counted twice.
+        if self.grad_swap:
+            self.staging = deque(self._partition_buffers())
         if self.read_back:
-            # made at setup: a page-locked allocation in a backward hook would wait for the device
             self.landings = [(t, None) for t in self._partition_buffers()]
             self.free = deque([0, 1])
             self.read_bounce = store.new_bounce()

@@ -655,11 +655,13 @@ def test_zero3_read_back_buffers_exist_only_with_accumulation(tmp_path, monkeypa
     from framework.offload._disk import DiskPlacement
 
     checked = []   # the pre-flight's host-memory bound (bytes), per engine built
+    early = []     # staging buffers and landings that exist at that check (none may)
     real = DiskPlacement.check_ram
 
     def check_ram(self, pools, bound):
         if bound == "":   # (the exact check, once the pool's layout is known)
             checked.append(pools)
+            early.append(len(self.staging) + len(self.landings))   # pinned before it: counted twice
         return real(self, pools, bound)
     monkeypatch.setattr(DiskPlacement, "check_ram", check_ram)
     dist, out = _local(), {}
@@ -684,6 +686,7 @@ def test_zero3_read_back_buffers_exist_only_with_accumulation(tmp_path, monkeypa
                 full = torch.cat([p.detach().reshape(-1).float() for p in module.parameters()])
         out[accum, offload[0]] = pinned, items, reader, losses, full
     (pinned1, items1, reader1, losses1, full1), (pinned2, items2, reader2, *_) = out[1, "offload=nvme"], out[2, "offload=nvme"]
+    assert early == [0, 0], early
     assert "nvme_grad_read_back" not in items1 and reader1 is None, items1
     read_back = items2["nvme_grad_read_back"][1]   # two pinned partitions and an unpinned bounce buffer
     assert reader2 is not None
