@@ -37,6 +37,7 @@ from framework.comm.distributed import (agree, backend_notice, check_env, connec
 from framework.core import files
 from framework.core.errors import ConfigError, FrameworkError, Terminated, on_every_rank, say
 from framework.loggers import RunInfo
+from framework.cli._rendezvous import LOCK, PREFIX, hold, ready_path, remove_dead
 from framework.cli.loop import train
 
 
@@ -303,22 +304,16 @@ def slurm_task_env() -> dict[str, str]:
             "MASTER_ADDR": t.master_addr if executor == "slurm" else "127.0.0.1", "MASTER_PORT": str(t.master_port)}
 
 
-RDZV_PREFIX = "framework-rdzv-"
-RDZV_LOCK = "owner.lock"
-UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
 KILL_AFTER_S = 5       # after a second Ctrl-C: the ranks' time to end on SIGTERM before SIGKILL
 INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C unless it is interrupted already
-YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
 
 
-# The launcher and every rank hold a shared lock on owner.lock while they live: the next launch removes the
-# rendezvous folders of runs killed with -9, never a live run's.
 def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
            on_ready: Callable[[Path], None] | None = None) -> dict:
-    remove_dead_rendezvous(tempfile.gettempdir())
-    store_dir = tempfile.mkdtemp(prefix=RDZV_PREFIX)
-    lock = _hold(os.path.join(store_dir, RDZV_LOCK), create=True)
+    remove_dead(tempfile.gettempdir())
+    store_dir = tempfile.mkdtemp(prefix=PREFIX)
+    lock = hold(os.path.join(store_dir, LOCK), create=True)
     log = logging.getLogger(mp.ProcessContext.__module__)
     log.addFilter(_no_terminating_line)
     try:
@@ -334,7 +329,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
                 pass
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
-                  lambda rank: os.path.exists(_ready_path(store_dir, rank)))
+                  lambda rank: os.path.exists(ready_path(store_dir, rank)))
             raise
     except mp.ProcessExitedException as e:
         backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
@@ -413,54 +408,6 @@ def _join(ranks: list, timeout_s: float | None) -> bool:
     return True
 
 
-def _ready_path(store_dir: str, rank: int) -> str:
-    """Made by a rank once its signal handlers are installed (``_stop`` may send it SIGINT then)."""
-    return os.path.join(store_dir, f"ready-{rank}")
-
-
-def _hold(path: str, create: bool = False) -> int:
-    """A descriptor holding a shared lock on ``path`` while open (the kernel drops it when the process dies)."""
-    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
-    fd = os.open(path, flags, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
-def remove_dead_rendezvous(tmp: str) -> list[str]:
-    """Remove (and return) this user's rendezvous folders in ``tmp`` no live process holds (unlocked: after an hour)."""
-    gone = []
-    try:
-        entries = list(os.scandir(tmp))
-    except OSError:
-        return gone
-    for entry in entries:
-        if not entry.name.startswith(RDZV_PREFIX) or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:   # removed meanwhile by another launch's clean-up
-            continue
-        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
-            continue   # another user's, or a launch that may not hold its lock yet
-        try:
-            fd = os.open(os.path.join(entry.path, RDZV_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            if time.time() - st.st_mtime <= UNLOCKED_AGE_S:
-                continue
-        except OSError:
-            continue
-        else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
-            except BlockingIOError:
-                continue   # a live run
-            finally:
-                os.close(fd)
-        shutil.rmtree(entry.path, ignore_errors=True)
-        gone.append(entry.path)
-    return gone
-
-
 def rank_env(rank: int, nproc: int) -> None:
     """This process's launch variables as local rank ``rank`` of ``nproc``, without the inherited Slurm task ones
     (task 0's in a batch step: rank 0 alone would look like a Slurm task)."""
@@ -488,11 +435,11 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
     rank_env(rank, cfg.dist.nproc)
     cap_threads(cfg.dist.nproc)   # ranks share the host's cores, with CUDA too (the host optimizer step)
     # held until this process ends (however): the launcher's cleanup never removes a live run's folder
-    lock = _hold(os.path.join(store_dir, RDZV_LOCK))  # noqa: F841
+    lock = hold(os.path.join(store_dir, LOCK))  # noqa: F841
     try:
         with signals_unwind(rank=True):
             with contextlib.suppress(OSError):   # (without it the launcher ends this rank with SIGTERM)
-                os.close(os.open(_ready_path(store_dir, rank),
+                os.close(os.open(ready_path(store_dir, rank),
                                  os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
             dist = connect(cfg.dist.backend, cfg.dist.timeout_s, store_path=os.path.join(store_dir, "store"))
             train(cfg, run, dist, on_point, on_ready if rank == 0 else None)

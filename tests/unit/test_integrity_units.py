@@ -326,7 +326,7 @@ def test_proc_stat_is_read_past_the_command_name():
 # --- rendezvous folders of dead runs --------------------------------------------------------------
 
 def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path):
-    from framework.cli.launch import RDZV_LOCK, RDZV_PREFIX, remove_dead_rendezvous
+    from framework.cli._rendezvous import LOCK as RDZV_LOCK, PREFIX as RDZV_PREFIX, remove_dead
 
     old = time.time() - 7200
 
@@ -350,7 +350,7 @@ def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path
     try:
         assert holder.stdout.readline().strip() == "held"
         os.utime(live, (old, old))
-        gone = remove_dead_rendezvous(str(tmp_path))
+        gone = remove_dead(str(tmp_path))
     finally:
         holder.kill()
         holder.wait()
@@ -361,20 +361,20 @@ def test_rendezvous_folders_of_dead_runs_are_removed_and_live_ones_kept(tmp_path
 def test_a_rendezvous_folder_removed_meanwhile_is_skipped(tmp_path, monkeypatch):
     """Another launch's clean-up removes a folder between the listing and its stat: skipped, the
     others still handled (it used to end the launch with an UnboundLocalError)."""
-    import framework.cli.launch as launch
+    import framework.cli._rendezvous as rdzv
 
     old = time.time() - 7200
-    folders = [tmp_path / f"{launch.RDZV_PREFIX}{name}" for name in ("a-vanished", "b-dead")]
+    folders = [tmp_path / f"{rdzv.PREFIX}{name}" for name in ("a-vanished", "b-dead")]
     for d in folders:
         d.mkdir()
-        (d / launch.RDZV_LOCK).write_text("")
+        (d / rdzv.LOCK).write_text("")
         os.utime(d, (old, old))
     listed = sorted(os.scandir(tmp_path), key=lambda e: e.name)
-    (folders[0] / launch.RDZV_LOCK).unlink()
+    (folders[0] / rdzv.LOCK).unlink()
     folders[0].rmdir()
     scandir = os.scandir
     monkeypatch.setattr(os, "scandir", lambda where: iter(listed) if where == str(tmp_path) else scandir(where))
-    assert launch.remove_dead_rendezvous(str(tmp_path)) == [str(folders[1])]
+    assert rdzv.remove_dead(str(tmp_path)) == [str(folders[1])]
 
 
 # --- numbers in configs ---------------------------------------------------------------------------

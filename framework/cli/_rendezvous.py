@@ -1,0 +1,64 @@
+"""The private folders spawned ranks rendezvous in (a FileStore in the temp folder), and their clean-up.
+
+The launcher and every rank hold a shared lock on owner.lock while they live: the next launch removes the
+folders of runs killed with -9, never a live run's.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+
+PREFIX = "framework-rdzv-"
+LOCK = "owner.lock"
+UNLOCKED_AGE_S = 3600   # a folder without a lock file: removed once this old
+YOUNG_S = 60            # between making a folder and locking it a launch holds no lock yet
+
+
+def ready_path(store_dir: str, rank: int) -> str:
+    """Made by a rank once its signal handlers are installed (``_stop`` may send it SIGINT then)."""
+    return os.path.join(store_dir, f"ready-{rank}")
+
+
+def hold(path: str, create: bool = False) -> int:
+    """A descriptor holding a shared lock on ``path`` while open (the kernel drops it when the process dies)."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
+    fd = os.open(path, flags, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def remove_dead(tmp: str) -> list[str]:
+    """Remove (and return) this user's rendezvous folders in ``tmp`` no live process holds (unlocked: after an hour)."""
+    gone = []
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return gone
+    for entry in entries:
+        if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:   # removed meanwhile by another launch's clean-up
+            continue
+        if st.st_uid != os.geteuid() or time.time() - st.st_mtime < YOUNG_S:
+            continue   # another user's, or a launch that may not hold its lock yet
+        try:
+            fd = os.open(os.path.join(entry.path, LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if time.time() - st.st_mtime <= UNLOCKED_AGE_S:
+                continue
+        except OSError:
+            continue
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # granted only when nobody holds it: a dead run
+            except BlockingIOError:
+                continue   # a live run
+            finally:
+                os.close(fd)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        gone.append(entry.path)
+    return gone
