@@ -6,7 +6,6 @@ again. Each pass records the order of unit uses; the next prefetches along it (`
 """
 from __future__ import annotations
 
-import logging
 from typing import Callable, Iterator
 
 import torch
@@ -15,13 +14,11 @@ from torch import nn
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import TrainingError
-from framework.core.utils import tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
-from framework.stages._outputs import replace_tensors
+from framework.stages._inputs import InputHooks
+from framework.stages._outputs import announce_backward, unannounced
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
 from framework.stages._trace import start_order_check, warn_order_changed
-
-log = logging.getLogger("framework.zero3")
 
 
 class Gatherer:
@@ -48,7 +45,6 @@ class Gatherer:
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
-        self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
         self.entered: dict[int, dict[int, torch.Tensor]] = {}   # per held unit: the values its outermost exit puts back
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
@@ -59,7 +55,7 @@ class Gatherer:
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
-        self.input_hooks: list = []   # this pass's hooks on unit inputs' gradients (``_hook_inputs``)
+        self.inputs = InputHooks(dist.acc.hook, self._inputs_done)   # this pass's hooks on units' input gradients
         self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_end_backward``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
@@ -102,69 +98,25 @@ class Gatherer:
         if torch.is_grad_enabled() and not (self.in_backward and unit.hooked_inputs):
             if not self.in_backward:
                 unit.hooked_inputs = True
-            return self._hook_inputs(unit, args, kwargs)
+            return self.inputs.hook(unit, args, kwargs)
         return None
 
-    def _hook_inputs(self, unit: Unit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Hook the gradients of the forward's inputs: once all have come, no backward node of it is left to read
-        the unit's parameters. A tensor argument is hooked through an alias of its own, so the hook runs as soon
-        as the forward's own uses are through, before the hooks on the tensor itself (the previous unit's, which
-        gathers it); a tensor inside a container is hooked itself (the container is the caller's)."""
-        def hooked(t: torch.Tensor, alias: bool) -> torch.Tensor:
-            if not t.requires_grad:
-                return t
-            if alias and not t.is_leaf:   # (a leaf, a parameter passed in say, stays itself)
-                t = t.view_as(t)
-            token = len(self.input_hooks)   # (unique within the pass: the list is emptied with the tokens)
-            unit.awaiting.add(token)
-            self.input_hooks.append(t.register_hook(self.dist.acc.hook(
-                lambda _g: self._inputs_done(unit, token), "zero3's input-gradient hook")))
-            return t
-
-        for t in tensors_in([v for v in (*args, *kwargs.values()) if not isinstance(v, torch.Tensor)]):
-            hooked(t, alias=False)
-        return (tuple(hooked(v, True) if isinstance(v, torch.Tensor) else v for v in args),
-                {k: hooked(v, True) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
-
-    def _inputs_done(self, unit: Unit, token: int) -> None:
-        """One of its forward inputs' gradients came: a reduced unit with none left to come is released."""
-        unit.awaiting.discard(token)   # (a leaf's hook may run in a reentrant recomputation's backward and again)
-        if not unit.awaiting and unit.reduced and unit.state is not UnitState.SHARDED:
+    def _inputs_done(self, unit: Unit) -> None:
+        """Its forward inputs' gradients came: reduced, no node of its backward is left to read its parameters."""
+        if unit.reduced and unit.state is not UnitState.SHARDED:
             self.release(unit)
 
-    def _drop_input_hooks(self) -> None:
-        """The pass's input-gradient hooks removed (one on a leaf, a parameter passed in, would stay for good)."""
-        for h in self.input_hooks:
-            h.remove()
-        self.input_hooks = []
-        for unit in self.units:
-            unit.awaiting, unit.hooked_inputs = set(), False
-
     def _post_forward(self, unit: Unit, out):
+        self.inputs.forward_done(unit)
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
-        own = {id(p) for p in unit.params}
-        if any(id(t) in own for t in tensors_in(out)):
-            # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
-            out = replace_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
-        hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
-        for t in hooked:
-            t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
-        # Its backward would find its parameters released (a raw size mismatch deep in autograd).
-        unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
-        # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
-        outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
-        for g in unit.groups:
-            if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
-                g.lent = True
+        out, announced = announce_backward(unit, out, self.dist.acc.hook(
+            lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
-        if unannounced:
-            raise TrainingError(
-                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
-                f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
-                f"or dataclass, or call it under torch.no_grad() where it is not trained")
+        if not announced:
+            raise unannounced(unit, out)
         return out
 
     def _root_returned(self) -> None:
@@ -221,32 +173,23 @@ class Gatherer:
     def _end_backward(self) -> None:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
+            if unit.reduced and unit.awaiting and unit.state is not UnitState.SHARDED \
+                    and not self.inputs.warned and self.dist.is_main:
+                self.inputs.warn_stalled(unit)
             if unit.in_backward and not unit.reduced:  # some parameters got no gradient in this pass
-                if not self.partial_warned and self.dist.is_main:
-                    self._warn_partial(unit)
+                if not self.inputs.partial_warned and self.dist.is_main:
+                    self.inputs.warn_partial(unit)
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
                 self.release(unit)
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
-        self._drop_input_hooks()
+        self.inputs.drop(self.units)
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
             self.order_checks.append(start_order_check(self.dist, self.recording))
         self._end_pass()
-
-    def _warn_partial(self, unit: Unit) -> None:
-        """Once a run: a unit waiting for a gradient that never comes stays gathered through the backward."""
-        missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
-        if not missing:   # (the root's unit without parameters of its own)
-            return
-        self.partial_warned = True
-        log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
-                    "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
-                    "the end of its own backward could not be told. Parameters a pass does not train (run under "
-                    "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
-                    unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
         """As ``FlatGrads.abort_backward`` for the reductions in flight; then ``abort_pass``."""
@@ -265,7 +208,7 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
-        self._drop_input_hooks()
+        self.inputs.drop(self.units)
         self.in_backward, self.driven, self.roots = False, False, 0
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
@@ -277,7 +220,7 @@ class Gatherer:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
             self.gather_now(self.persistent)
-        self._drop_input_hooks()   # (a forward's without a backward: one outside the steps, a failed pass)
+        self.inputs.drop(self.units)   # (a forward's without a backward: one outside the steps, a failed pass)
         self._end_pass()
         own = not driven and grad_mode not in self.traces
         self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven

@@ -96,6 +96,7 @@ class Unit:
     # Tokens of the hooks on this pass's forward inputs whose gradients have not come yet: a backward node of
     # the forward may still read the parameters without producing a gradient for them (``p.detach()``).
     awaiting: set = field(default_factory=set)
+    aliases: list = field(default_factory=list)     # (token, alias, its gradient node) per input of a running forward
     hooked_inputs: bool = False                     # a forward of this pass (not a recomputation) hooked its inputs
     active: int = 0                                 # forwards of this unit currently running
     # framework.gathered blocks holding it: the hooks release it only when none does.

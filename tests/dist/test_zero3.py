@@ -772,7 +772,7 @@ def _detached_read(dist):
             opt.zero_grad()
             ref_losses.append(ref_loss.item())
         gatherer = engine.components.stage.gatherer
-        assert all(u.state.value == "sharded" and not u.awaiting for u in gatherer.units) and not gatherer.input_hooks
+        assert all(u.state.value == "sharded" and not u.awaiting for u in gatherer.units) and not gatherer.inputs.handles
         out[reentrant] = losses, ref_losses, _full_params(engine), flat_params(ref)
         engine.close()
     return out
@@ -785,6 +785,136 @@ def test_parameter_also_read_detached_in_its_unit_trains_like_torch(pools):
         for reentrant, (losses, ref_losses, params, ref_params) in res.items():
             assert losses == pytest.approx(ref_losses, rel=FP32_RTOL), reentrant
             torch.testing.assert_close(params, ref_params, rtol=FP32_RTOL, atol=1e-7)
+
+
+class _Block(nn.Module):
+    """Reads ``e`` beside ``h`` (in a tuple, a dict or on its own), or ``h`` modified in place first."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.l = kind, nn.Linear(16, 16)
+
+    def forward(self, h, e=None):
+        if self.kind == "tuple":
+            h, e = h
+        elif self.kind == "inplace":
+            h, e = h.mul_(0.9), 1.0
+        elif self.kind == "dict":
+            e = e["e"]
+        elif self.kind == "unused":   # its gradient never comes from here
+            e = e.detach()
+        out = h + torch.tanh(self.l(h * e))
+        return (out, e) if self.kind == "tuple" else out
+
+
+class _Blocks(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.kind, self.inp, self.out = kind, nn.Linear(8, 16), nn.Linear(16, 1)
+        self.blocks = nn.ModuleList(_Block(kind) for _ in range(4))
+        self.p = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        h = self.inp(x)
+        e = h * 0.5   # read by every block
+        for b in self.blocks:
+            if self.kind == "tuple":
+                h = b((h, e))[0]
+            elif self.kind == "inplace":
+                h = b(h)
+            else:
+                h = b(h, {"leaf": self.p, "dict": {"e": e}, "unused": h * 1.0}.get(self.kind, e))
+        return self.out(h)
+
+
+def _shared_inputs(kind):
+    numel = 16 * 16 + 16
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_Block]", "optimizer=sgd", "scheduler=constant",
+                             "stage.stage3_param_persistence_threshold=0", f"stage.stage3_max_live_parameters={numel}",
+                             "stage.stage3_max_reuse_distance=0", "stage.stage3_prefetch_bucket_size=0",
+                             "optimizer.lr=0.1", "train.grad_clip=0"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _Blocks(kind)
+    torch.manual_seed(0)
+    engine = framework.initialize(_Blocks(kind), loss_fn, cfg, _local())
+    opt, state, peaks, losses, ref_losses = torch.optim.SGD(ref.parameters(), lr=0.1), engine.state, [], [], []
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        state, m = engine.train_step(state, Batch(((x, x[:, :1].sin()),)))
+        peaks.append(m["peak_gathered_elements"])
+        losses.append(m["loss"])
+        ref_loss = loss_fn(ref, (x, x[:, :1].sin()))
+        ref_loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    gatherer = engine.components.stage.gatherer
+    assert all(u.state.value == "sharded" and not u.awaiting for u in gatherer.units) and not gatherer.inputs.handles
+    engine.close()
+    return peaks, losses, ref_losses
+
+
+@pytest.mark.parametrize("kind", ["leaf", "dict", "tuple", "inplace"])
+def test_unit_inputs_shared_with_later_units_do_not_keep_it_gathered(kind):
+    # Each input is waited for through an alias of its own: a tensor every block reads (a shared parameter, one
+    # in a dict or a tuple) would otherwise keep each block gathered until the last block's backward used it, and
+    # an input modified in place first would never announce its gradient.
+    peaks, losses, ref_losses = _shared_inputs(kind)
+    assert peaks == _shared_inputs("plain")[0]
+    assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
+
+
+def test_unit_input_whose_gradient_never_comes_is_warned_about_once(caplog):
+    with caplog.at_level("WARNING", logger="framework.zero3"):
+        peaks, losses, ref_losses = _shared_inputs("unused")
+    lines = [r.getMessage() for r in caplog.records if "tensor arguments never came" in r.getMessage()]
+    assert len(lines) == 1 and "unit 'blocks.0'" in lines[0] and "x.detach()" in lines[0], lines
+    assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l, self.same = nn.Linear(8, 8), []
+
+    def forward(self, q, k, v, adj=None):
+        self.same.append(q is k is v)   # (torch's MultiheadAttention takes its fast path on it)
+        return self.l(q) + (k if adj is None else torch.sparse.mm(adj, v))
+
+
+class _Graph(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.edge_w = nn.Parameter(torch.ones(12))
+        self.idx = torch.randint(0, 6, (2, 12), generator=torch.Generator().manual_seed(0))
+        self.a, self.b, self.out = _Attention(), _Attention(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        adj = torch.sparse_coo_tensor(self.idx, self.edge_w * 1.0, (6, 6), check_invariants=False)   # (no view_as)
+        h = self.a(x, x, x)
+        return self.out(self.b(h, h, h, adj=adj))
+
+
+def test_unit_arguments_keep_their_identity_and_sparse_ones_train():
+    cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_Attention]", "optimizer=sgd", "scheduler=constant",
+                             "stage.stage3_param_persistence_threshold=0", "optimizer.lr=0.1", "train.grad_clip=0"])
+    loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    torch.manual_seed(0)
+    ref = _Graph()
+    torch.manual_seed(0)
+    model = _Graph()
+    engine = framework.initialize(model, loss_fn, cfg, _local())
+    x, y = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)), torch.randn(6, 1)
+    state, m = engine.train_step(engine.state, Batch(((x, y),)))
+    assert m["loss"] == pytest.approx(loss_fn(ref, (x, y)).item(), rel=FP32_RTOL)
+    assert model.a.same == model.b.same == [True]
+    # A forward outside the steps hooks its units' inputs; close() removes what no backward came to take.
+    model(x.requires_grad_())
+    gatherer = engine.components.stage.gatherer
+    assert gatherer.inputs.handles
+    engine.close()
+    assert not gatherer.inputs.handles and not any(u.awaiting for u in gatherer.units)
 
 
 # --- the gatherer's bookkeeping across steps (world size 1: the hooks and the ledger are the same at any size) ---
