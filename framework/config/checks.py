@@ -203,7 +203,7 @@ def _check_values(root: RootSchema) -> None:
         if value <= 0:
             raise ConfigError(f"config: {key} must be > 0, got {value:g}")
         if value > MAX_TIMEOUT_S:   # a larger one overflows the timeout torch is given
-            raise ConfigError(f"config: {key} must be at most {MAX_TIMEOUT_S:g} s (about 31 years), got {value:.10g}")
+            raise ConfigError(f"config: {key} must be at most {MAX_TIMEOUT_S:g} s (about 31 years), got {value:.17g}")
     if not c.resume.strip() or (c.dir is not None and not c.dir.strip()):
         raise ConfigError("config: checkpoint.resume must be auto, off, latest or a path, and checkpoint.dir a path "
                           "(or null: checkpoints/ in the run folder)")

@@ -169,7 +169,9 @@ def _transformers_config(key: str, file: Path, raw: Mapping[str, Any]) -> Any:
         for name in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size"):
             value = getattr(conf, name, None)
             if isinstance(value, int) and value < 1:
-                raise ConfigError(f"{key}: {file}: {name}={value} must be >= 1")
+                raw = conf.attribute_map.get(name, name)   # the file's own name for it (GPT-2: n_layer)
+                raise ConfigError(f"{key}: {file}: {name}={value} must be >= 1"
+                                  + (f" ({raw} in the file)" if raw != name else ""))
     return config
 
 

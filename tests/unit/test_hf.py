@@ -266,7 +266,7 @@ def test_save_pretrained_writes_the_config_of_a_subclass_of_a_transformers_model
      "LlamaForCausalLM cannot be built from"),
     # Accepted by transformers, which would build a model of embeddings only
     (dict(model_type="gpt2", n_layer=-1, n_head=4, n_embd=32, vocab_size=96, n_positions=32),
-     "config.json: num_hidden_layers=-1 must be >= 1"),
+     "config.json: num_hidden_layers=-1 must be >= 1 (n_layer in the file)"),
     (dict(model_type="ctrl", n_embd=32, n_layer=2, n_head=4, dff=64, vocab_size=96, n_positions=64,
           activation_checkpointing=True),
      "model.activation_checkpointing=true is not supported by CTRLLMHeadModel"),
