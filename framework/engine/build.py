@@ -50,6 +50,7 @@ class Engine(contextlib.AbstractContextManager):
         self._hooks = list(hooks)   # its own on the module (fp16 auto_cast's), removed by close
         self._half_applied: int | None = None   # the step whose update did not finish, if any
         self._loading: str | None = None   # the load writing into the state (``start_load``) until ``finish_load``
+        self._before: str | None = None    # the mark that load replaced (an earlier one that failed)
         me = weakref.ref(self)   # (a strong one would be a cycle: a dropped engine kept alive until the GC runs)
         self._train_step = build_train_step(components, applying=lambda step: setattr(me(), "_half_applied", step))
         self.closed = False
@@ -157,8 +158,9 @@ class Engine(contextlib.AbstractContextManager):
     def _check_whole(self) -> None:
         if self._loading is not None:
             raise FrameworkError(f"{self._loading} did not finish, which left the weights partly loaded: load good "
-                                 f"weights again (framework.load_weights, engine.load_state_dict or resume) or close "
-                                 f"this engine and build a new one")
+                                 f"weights again (framework.load_weights, engine.load_state_dict or resume), or close "
+                                 f"this engine and build a new one from a freshly built model (this one's parameters "
+                                 f"and buffers hold the partial load too)")
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
                                  f"half-applied: load a checkpoint into this engine (engine.load_state_dict, or "
@@ -251,11 +253,13 @@ class Engine(contextlib.AbstractContextManager):
     def start_load(self, what: str) -> None:
         """Before a load (``what``) begins writing into the state in place: until its ``finish_load``, stepping,
         evaluating and saving are refused (one that fails half-way leaves the weights partly the source's)."""
-        self._loading = what
+        self._before, self._loading = self._loading, what
 
-    def finish_load(self, state: TrainState, loaded: TrainState | None = None) -> TrainState:
+    def finish_load(self, state: TrainState, loaded: TrainState | None = None, *, every: bool = True) -> TrainState:
         """After a load into a ``mapped_state(write=True)`` view: ``state``'s tensors with ``loaded``'s scalars
-        (None: its own), and the working parameters published from the masters as after a step. Collective."""
+        (None: its own), and the working parameters published from the masters as after a step. ``every``: False
+        for a load that left some weights as they were (``load_weights(strict=False)``), which keeps the mark of
+        an earlier load that failed. Collective."""
         c = self.components
         if loaded is not None:
             state = replace(loaded, params=state.params,
@@ -269,7 +273,7 @@ class Engine(contextlib.AbstractContextManager):
         c.stage.publish(list(state.params))
         c.stage.settle(rebind=True)   # the working weights are the loaded ones again
         self._state = state
-        self._loading = None
+        self._loading = None if every or loaded is not None else self._before
         if loaded is not None:   # every master, moment and scalar replaced: a half-applied step is gone
             self._half_applied = None
         return state

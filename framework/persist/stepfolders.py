@@ -32,6 +32,7 @@ LATEST = "latest"
 WEIGHTS16 = "model_16bit"   # the one subfolder: its files are in the manifest as "model_16bit/<name>"
 FORMAT = 1
 _STEP = re.compile(r"^step-(\d+)$")
+_AROUND = re.compile(r"(step-\d+)\.(tmp|old)")   # a step a commit has under way (``interrupted``)
 _LEFTOVER = (".tmp", ".old", ".del", f".{WEIGHTS16}")
 
 
@@ -207,6 +208,12 @@ def next_seq(root: Path) -> int:
     return 1 + max((seq(m) for _, m in _committed(root)[0] if m is not None), default=0)
 
 
+def held_for(folder: Path) -> Path | None:
+    """The ``step-<N>`` that a ``step-<N>.tmp`` or ``step-<N>.old`` folder holds the step of, else None."""
+    m = _AROUND.fullmatch(folder.name)
+    return folder.with_name(m.group(1)) if m else None
+
+
 def step_of(folder: Path) -> int:
     m = _STEP.match(folder.name)
     return int(m.group(1)) if m else -1
@@ -276,7 +283,7 @@ def interrupted(root: Path, aside_only: bool = False) -> list[tuple[Path, Path]]
     ``step-<N>.old`` moved aside. ``aside_only``: only where a ``step-<N>.old`` is there (a resume)."""
     out = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
-        m = re.fullmatch(r"(step-\d+)\.(tmp|old)", p.name)
+        m = _AROUND.fullmatch(p.name)
         if not m or os.path.lexists(final := root / m.group(1)) or p.is_symlink() or not p.is_dir():
             continue
         if aside_only and not (root / f"{final.name}.old").is_dir():

@@ -119,7 +119,9 @@ def load_weights(engine, source, *, strict: bool = True) -> None:
         # weights partly the file's: the engine refuses to step or save until a load finishes.
         engine.start_load("load_weights")
         agree(c.dist, lambda: _load(src, chosen, layout, masters, tgts, fmap), "load_weights")
-    engine.finish_load(engine.state)   # collective: zero1/2 gather the partitions, zero3 refreshes its shards
+    # (collective: zero1/2 gather the partitions, zero3 refreshes its shards) a strict=False load of only some
+    # tensors leaves an earlier failed load's mark: the others may still be that load's
+    engine.finish_load(engine.state, every=len(chosen) == len(tgts))
 
 
 def _chosen(src: WeightsSource, strict: bool, tgts: list[Target], module: nn.Module) -> dict[str, str]:

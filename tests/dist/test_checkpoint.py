@@ -333,6 +333,12 @@ def test_a_step_a_save_left_aside_in_its_commit_is_put_back_before_a_resume_look
         out = capsys.readouterr().out
         assert first[:2] == (N, N) and f"resumed from {final} (step {N}" in out and "damaged" not in out, out
         final.rename(tmp_path / f"step-{N}.old")
+    # only a step-N.tmp / step-N.old is read again from step-N: a copy named otherwise that is damaged is damage
+    shutil.copytree(tmp_path / f"step-{N}.old", tmp_path / "mine")
+    shutil.copytree(tmp_path / f"step-{N}.old", tmp_path / "mine.bak")
+    (tmp_path / "mine.bak" / "train_state.json").write_text("{")
+    with pytest.raises(CheckpointError, match="mine.bak/train_state.json"):
+        _train(dist, ["checkpoint.every=0"], str(tmp_path), resume=str(tmp_path / "mine.bak"), steps=N)
 
 
 def test_a_file_the_manifest_leaves_out_is_damage_not_read_unchecked(tmp_path):
@@ -581,10 +587,34 @@ def test_non_finite_buffers_frozen_parameters_and_loss_scales_are_neither_saved_
     _norm_train(dist, [], str(tmp_path / "old"), after=_poison("buffer"))
     monkeypatch.undo()
     capsys.readouterr()
+    shutil.copytree(tmp_path / "old" / f"step-{N}", tmp_path / "nan" / f"step-{N}")
     losses, _ = _norm_train(dist, [], str(tmp_path / "old"), resume="auto", steps=N)
     assert len(losses) == N - K
     assert "non-finite values (NaN or inf) in 'buffer.norm.running_var' (rank 0's share): not a state to train " \
            f"from; falling back to the previous checkpoint, {tmp_path / 'old' / f'step-{K}'}" in capsys.readouterr().out
+    # resumed into one engine: refused before anything is read (another optimizer), it goes on; refused after a
+    # read began (the one folder asked for), it refuses to step, evaluate or save until a resume that reads whole
+    def resume(folder, *over):
+        cfg = framework.compose(["logger=none", "optimizer=adamw", "checkpoint.every=0", *over,
+                                 f"checkpoint.resume={folder}"])
+        ckpt = Checkpointer(cfg, engine)
+        try:
+            return ckpt.resume(engine.state)
+        finally:
+            ckpt.close()
+
+    with framework.initialize(_Norm(True), _norm_loss, framework.compose(["logger=none", "optimizer=adamw"]),
+                              dist) as engine:
+        with pytest.raises(ConfigError, match="was saved with optimizer=adamw, this run uses optimizer=sgd"):
+            resume(tmp_path / "old" / f"step-{K}", "optimizer=sgd")
+        engine.state_dict(engine.state)
+        with pytest.raises(CheckpointError, match="not a state to train from; the state given to resume may be "
+                                                  "partly overwritten"):
+            resume(tmp_path / "nan" / f"step-{N}")
+        with pytest.raises(framework.FrameworkError, match="^checkpoint resume did not finish, which left the "
+                                                           "weights partly loaded"):
+            engine.state_dict(engine.state)
+        engine.state_dict(resume(tmp_path / "old" / f"step-{K}"))
 
 
 class _Masked(_Norm):

@@ -81,8 +81,9 @@ class Checkpointer:
                 spent = SPENT
                 state, body = read()
             except CheckpointError as e:
-                if self._committed_since(folder):   # read where it lay: the step is in step-N now, tried next
-                    folders.insert(i + 1, folder.with_name(folder.name.split(".")[0]))   # (the loop goes on there)
+                final = stepfolders.held_for(folder)
+                if final is not None and self._committed_since(final):   # read where it lay: in step-N now
+                    folders.insert(i + 1, final)   # (tried next: the loop goes on there)
                     continue
                 if resume != "auto" and len(folders) == 1:   # the one folder asked for: no other choice
                     raise on_every_rank(CheckpointError(f"{e}{spent}"), e.every_rank) from None
@@ -109,12 +110,11 @@ class Checkpointer:
             f"resume={resume}: every checkpoint in {folders[0].parent} is damaged or not finite (the folders are "
             f"kept; set checkpoint.dir to another folder to start afresh): " + " | ".join(errors) + spent))
 
-    def _committed_since(self, folder: Path) -> bool:
-        """Whether ``folder`` is a step another run's commit had under way (``step-N.tmp`` or ``.old``, read where it
-        lay) and that commit has put ``step-N`` in place since: a read that lost that race is no damage. Rank 0
-        looks (collective)."""
-        final = folder.with_name(folder.name.split(".")[0])
-        return final != folder and self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
+    def _committed_since(self, final: Path) -> bool:
+        """Whether the commit of the step read where it lay (``step-N.tmp`` or ``.old``, another run's commit under
+        way) has put ``final`` (``step-N``) in place since: a read that lost that race is no damage. Rank 0 looks
+        (collective)."""
+        return self.group.all_gather(self.rank == 0 and final.is_dir(), "resume: step moved in")[0]
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""

@@ -219,6 +219,9 @@ def _read(engine, state, folder: Path, body: dict, md, layout: StateLayout, whol
                        if isinstance(v, dict) and "tensor" in v else v for p, v in body["optimizer"]["scalars"].items()}
             return with_saved_scalars(mapped, body, torch_rng, scalars, c.policy), host_rng
 
+        # From here a failure leaves the state partly the folder's: the engine refuses to step, evaluate or save
+        # until a load finishes (a fallback to an older checkpoint that reads whole does).
+        engine.start_load("checkpoint resume")
         loaded, host_rng = agree_load(group, f"reading {folder}", read)
     with torch.no_grad():
         for k, values in read_whole.items():
