@@ -164,7 +164,8 @@ class Engine(contextlib.AbstractContextManager):
         if self._half_applied is not None:
             raise FrameworkError(f"step {self._half_applied} was interrupted during the optimizer update, which is "
                                  f"half-applied: load a checkpoint into this engine (engine.load_state_dict, or "
-                                 f"resume) or close it and build a new engine")
+                                 f"resume), or close it and build a new engine from a freshly built model (this one's parameters "
+                                 f"may hold the half-applied update)")
 
     def close(self) -> None:
         if not self.closed:
