@@ -1,11 +1,12 @@
 """ZeRO-3's parameter lifecycle: gather units, their state machine, hooks, trace and prefetch.
 
-A unit is gathered with one collective per parameter group into one buffer per group, kept for its life;
-release resizes the storage to zero bytes, so autograd's saved views see the refilled values when gathered
-again. Each pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree).
+A unit is gathered with one collective per parameter group into one buffer per group; a release before its
+backward resizes the storage to zero bytes, so autograd's saved views see the values gathered again for it. Each
+pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree).
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, Iterator
 
 import torch
@@ -14,11 +15,13 @@ from torch import nn
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import TrainingError
+from framework.core.utils import tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
-from framework.stages._inputs import InputHooks
-from framework.stages._outputs import announce_backward, unannounced
+from framework.stages._outputs import replace_tensors
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
 from framework.stages._trace import start_order_check, warn_order_changed
+
+log = logging.getLogger("framework.zero3")
 
 
 class Gatherer:
@@ -45,6 +48,7 @@ class Gatherer:
         self.cursor: int | None = None        # position in the trace being followed; None: on demand
         self.mode = True
         self.order_warned = False   # the module order changed in a pass: warned once
+        self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
         self.entered: dict[int, dict[int, torch.Tensor]] = {}   # per held unit: the values its outermost exit puts back
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
         self.roots = 0   # root forwards running outside train_step and eval_step (one nested in another too)
@@ -55,7 +59,6 @@ class Gatherer:
         self.live = self.peak_live = 0        # gathered (or gathering) elements, persistent excluded
         self.demands = self.hits = 0
         self.hook_handles: list = []
-        self.inputs = InputHooks(dist.acc.hook, self._inputs_done)   # this pass's hooks on units' input gradients
         self.order_checks: list = []   # (work, tensor, pass record) per backward pass (``_end_backward``)
         self.final: bool | None = None   # set by the stage's backward: whether the step's last; None outside it
         for unit in self.all_units:
@@ -69,10 +72,9 @@ class Gatherer:
         for unit, subs in zip(self.units, modules, strict=True):
             for module in subs:
                 self.hook_handles.append(module.register_forward_pre_hook(
-                    hook(lambda _m, a, kw, u=unit: self._pre_forward(u, _m is root, a, kw), "zero3's pre-forward hook"),
-                    with_kwargs=True))
+                    hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
                 self.hook_handles.append(module.register_forward_hook(
-                    hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
+                    hook(lambda _m, args, out, u=unit: self._post_forward(u, args, out), "zero3's forward hook")))
         # After the root unit's own forward hook, and also when the root's forward raises.
         self.hook_handles.append(root.register_forward_hook(
             hook(lambda _m, _a, _out: self._root_returned(), "zero3's root forward hook"), always_call=True))
@@ -81,7 +83,7 @@ class Gatherer:
                 self.hook_handles.append(p.register_post_accumulate_grad_hook(
                     hook(lambda p, u=unit: self._grad_ready(u, p), "zero3's gradient hook")))
 
-    def _pre_forward(self, unit: Unit, is_root: bool, args: tuple, kwargs: dict):
+    def _pre_forward(self, unit: Unit, is_root: bool) -> None:
         if is_root and not self.in_backward and not self.driven:   # a forward outside train_step and eval_step
             if not self.roots:   # (a root forward inside it is part of its pass)
                 self.begin_pass(torch.is_grad_enabled(), driven=False)
@@ -93,30 +95,35 @@ class Gatherer:
         if not self.in_backward:
             # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
-        # A recomputation's inputs are hooked only where the forward's were not (reentrant checkpointing, whose
-        # forward ran without grad): a non-reentrant one's graph is never run backward, its hooks would never fire.
-        if torch.is_grad_enabled() and not (self.in_backward and unit.hooked_inputs):
-            if not self.in_backward:
-                unit.hooked_inputs = True
-            return self.inputs.hook(unit, args, kwargs)
-        return None
 
-    def _inputs_done(self, unit: Unit) -> None:
-        """Its forward inputs' gradients came: reduced, no node of its backward is left to read its parameters."""
-        if unit.reduced and unit.state is not UnitState.SHARDED:
-            self.release(unit)
-
-    def _post_forward(self, unit: Unit, out):
-        self.inputs.forward_done(unit)
+    def _post_forward(self, unit: Unit, args: tuple, out):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
-        out, announced = announce_backward(unit, out, self.dist.acc.hook(
-            lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
+        own = {id(p) for p in unit.params}
+        if any(id(t) in own for t in tensors_in(out)):
+            # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
+            out = replace_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
+        grads = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
+        # (An input handed back gets its gradient after every later reader's: late, and it would gather us again.)
+        passed = {id(t) for t in tensors_in(args)}
+        hooked = [t for t in grads if id(t) not in passed] or grads
+        for t in hooked:
+            t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
+        # Its backward would find its parameters released (a raw size mismatch deep in autograd).
+        unannounced = torch.is_grad_enabled() and not hooked and any(p.requires_grad for p in unit.params)
+        # An output sharing a gathered buffer's bytes is given that buffer at the release (no host sync).
+        outputs = {t.untyped_storage().data_ptr() for t in tensors_in(out)}
+        for g in unit.groups:
+            if g.full is not None and g.full is not g.shard and g.full.untyped_storage().data_ptr() in outputs:
+                g.lent = True
         if unit.active == 0 and not unit.held and not self._keep(unit):
             self.release(unit)
-        if not announced:
-            raise unannounced(unit, out)
+        if unannounced:
+            raise TrainingError(
+                f"zero3: gather unit {unit.name!r} returned a {type(out).__name__} in which no tensor requires "
+                f"grad, so its backward cannot be announced: return its tensors in a tensor, tuple, list, dict "
+                f"or dataclass, or call it under torch.no_grad() where it is not trained")
         return out
 
     def _root_returned(self) -> None:
@@ -164,32 +171,36 @@ class Gatherer:
         # (counted per group: ``unit.params`` builds a list, once per gradient would be quadratic)
         if unit.in_backward and len(unit.arrived) == sum(len(g.params) for g in unit.groups):
             self._reduce(unit)
-            # Else released by the last hook on its inputs' gradients: the autograd engine accumulates a
-            # gradient once it is ready, while a node of the unit's backward may still read the parameters
-            # without producing a gradient for them (``p.detach()``).
-            if not unit.awaiting:
-                self.release(unit)
+            self.release(unit)
 
     def _end_backward(self) -> None:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
-            if unit.reduced and unit.awaiting and unit.state is not UnitState.SHARDED \
-                    and not self.inputs.warned and self.dist.is_main:
-                self.inputs.warn_stalled(unit)
-            if unit.in_backward and not unit.reduced:  # some parameters got no gradient in this pass
-                if not self.inputs.partial_warned and self.dist.is_main:
-                    self.inputs.warn_partial(unit)
+            if unit.in_backward:  # some parameters got no gradient in this pass
+                if not self.partial_warned and self.dist.is_main:
+                    self._warn_partial(unit)
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
                 self.release(unit)
         if self.persistent is not None:
             self._reduce(self.persistent)
         self._complete_reductions()
-        self.inputs.drop(self.units)
         self.in_backward = False
         if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
             self.order_checks.append(start_order_check(self.dist, self.recording))
         self._end_pass()
+
+    def _warn_partial(self, unit: Unit) -> None:
+        """Once a run: a unit waiting for a gradient that never comes stays gathered through the backward."""
+        missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
+        if not missing:   # (the root's unit without parameters of its own)
+            return
+        self.partial_warned = True
+        log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
+                    "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
+                    "the end of its own backward could not be told. Parameters a pass does not train (run under "
+                    "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
+                    unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
         """As ``FlatGrads.abort_backward`` for the reductions in flight; then ``abort_pass``."""
@@ -208,7 +219,6 @@ class Gatherer:
             if unit is not self.persistent and unit.state is not UnitState.SHARDED and not unit.held \
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
-        self.inputs.drop(self.units)
         self.in_backward, self.driven, self.roots = False, False, 0
         self.recording = self.cursor = None   # a pass cut short is no trace to follow
 
@@ -220,7 +230,6 @@ class Gatherer:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
             self.gather_now(self.persistent)
-        self.inputs.drop(self.units)   # (a forward's without a backward: one outside the steps, a failed pass)
         self._end_pass()
         own = not driven and grad_mode not in self.traces
         self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven
@@ -358,30 +367,29 @@ class Gatherer:
             p.data = g.full[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
     def release(self, unit: Unit) -> None:
-        unit.in_backward = False
         if unit.state is UnitState.SHARDED:   # (a gather cut by Ctrl-C left it so: a regather starts over)
             return
         if unit.state is UnitState.GATHERING:
             self._finish_gather(unit)
         unit.to(UnitState.SHARDED)
+        done = unit.reduced and self.in_backward   # (a node still to run may read it, saved as ``w.detach()``)
         for g in unit.groups:
             for p in g.params:
                 p.data = self.empty
             if g.full is g.shard:   # gathered in place: the shard keeps its values
                 continue
-            if g.lent:   # an output of the forward reads these bytes: they are its now (freed with it)
+            if g.lent or done or not g.full.untyped_storage().resizable():
+                # Left to what still reads the bytes, freed with it: autograd's views (done), an output of the
+                # forward (lent), a NumPy array (.numpy() in framework.gathered). The next gather takes a new buffer.
                 g.full, g.lent = None, False
-            elif g.full.untyped_storage().resizable():
-                # Views kept by autograd share this storage: they keep the tensor objects, not the bytes.
+            else:   # views kept by autograd share this storage: they keep the tensor objects, not the bytes
                 g.full.untyped_storage().resize_(0)
-            else:   # shared with a NumPy array (.numpy() inside framework.gathered), which keeps these bytes
-                g.full = None   # the next gather takes a buffer of its own
         if unit is not self.persistent:
             self.live -= unit.numel
 
     def _reduce(self, unit: Unit) -> None:
         """Reduce the unit's gradients to their owners (+= into each rank's partition)."""
-        unit.reduced = True
+        unit.in_backward, unit.reduced = False, True
         for g in unit.groups:
             if self.dist.world == 1 and all(p.grad is not None for p in g.params):
                 # Added into the partition directly, no group buffer: the same sums element by element.
@@ -445,8 +453,8 @@ class Gatherer:
         if started and unit.idle:
             self.release(unit)
         elif id(unit) in self.entered:
-            # Unwritten edits are discarded locally at the outermost exit (after an error the peers may be
-            # elsewhere); written shards are gathered again (collective, as the block's exit is).
+            # At the outermost exit unwritten edits go locally (peers may be elsewhere after an error); written
+            # shards are gathered again (collective, as the block's exit is).
             if written:
                 self.regather(unit)
             if not unit.held:

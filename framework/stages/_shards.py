@@ -64,8 +64,8 @@ class UnitGroup:
     params: list[ShardedParameter]
     shard: torch.Tensor              # this rank's partition of the working (param dtype) buffer
     part_grad: torch.Tensor          # this rank's partition of the reduced gradients (empty until first used)
-    # The gathered buffer, kept for the unit's life: its storage holds layout.padded elements while the
-    # unit is gathering/gathered and zero bytes otherwise.
+    # The gathered buffer: its storage holds layout.padded elements while the unit is gathering/gathered and
+    # zero bytes otherwise; a release after the unit's backward leaves it to autograd's views (a new one next).
     full: torch.Tensor | None = None
     # An output of the unit's forward shares ``full``'s bytes (a view of a parameter): the release leaves the
     # buffer to it and the next gather takes a new one (a local memory decision: no collective changes).
@@ -91,13 +91,8 @@ class Unit:
     works: list = field(default_factory=list)      # in-flight gather collectives
     # Parameters whose gradient arrived in this backward pass (reentrant checkpointing may send one twice).
     arrived: set = field(default_factory=set)
-    reduced: bool = False                           # its gradients went to their owners in this backward pass
-    in_backward: bool = False                       # gathered for this backward pass, not yet released by it
-    # Tokens of the hooks on this pass's forward inputs whose gradients have not come yet: a backward node of
-    # the forward may still read the parameters without producing a gradient for them (``p.detach()``).
-    awaiting: set = field(default_factory=set)
-    aliases: list = field(default_factory=list)     # (token, alias, its gradient node) per input of a running forward
-    hooked_inputs: bool = False                     # a forward of this pass (not a recomputation) hooked its inputs
+    reduced: bool = False                           # reduced (and released) in this backward pass
+    in_backward: bool = False                       # gathered for this backward, not yet reduced
     active: int = 0                                 # forwards of this unit currently running
     # framework.gathered blocks holding it: the hooks release it only when none does.
     held: int = 0

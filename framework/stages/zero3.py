@@ -220,11 +220,6 @@ class Zero3Stage(PartitionedStage):
         if persistent is not None:
             fp.add("gathered_persistent", device=tensor_bytes(g.full for g in persistent.groups))
 
-    def close(self) -> None:   # also the hooks a forward outside the steps left on its units' inputs
-        super().close()
-        if self.gatherer is not None:
-            self.gatherer.inputs.drop(self.gatherer.units)
-
     def stats(self) -> dict:
         return self.gatherer.stats()
 
