@@ -74,7 +74,7 @@ class Gatherer:
                 self.hook_handles.append(module.register_forward_pre_hook(
                     hook(lambda _m, _a, u=unit: self._pre_forward(u, is_root=_m is root), "zero3's pre-forward hook")))
                 self.hook_handles.append(module.register_forward_hook(
-                    hook(lambda _m, args, out, u=unit: self._post_forward(u, args, out), "zero3's forward hook")))
+                    hook(lambda _m, _a, out, u=unit: self._post_forward(u, out), "zero3's forward hook")))
         # After the root unit's own forward hook, and also when the root's forward raises.
         self.hook_handles.append(root.register_forward_hook(
             hook(lambda _m, _a, _out: self._root_returned(), "zero3's root forward hook"), always_call=True))
@@ -96,7 +96,7 @@ class Gatherer:
             # (A recomputation inside backward is not: torch's early stop may skip its output hook.)
             unit.active += 1
 
-    def _post_forward(self, unit: Unit, args: tuple, out):
+    def _post_forward(self, unit: Unit, out):
         if self.in_backward:  # activation-checkpoint recomputation: still needed for backward
             return None
         unit.active -= 1
@@ -104,10 +104,7 @@ class Gatherer:
         if any(id(t) in own for t in tensors_in(out)):
             # A parameter returned: a view instead (the release empties it; a hook on a leaf stays for good).
             out = replace_tensors(out, lambda t: t.view_as(t) if id(t) in own else t)
-        grads = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
-        # (An input handed back gets its gradient after every later reader's: late, and it would gather us again.)
-        passed = {id(t) for t in tensors_in(args)}
-        hooked = [t for t in grads if id(t) not in passed] or grads
+        hooked = [t for t in tensors_in(out) if t.requires_grad and not t.is_leaf] if torch.is_grad_enabled() else []
         for t in hooked:
             t.register_hook(self.dist.acc.hook(lambda _g, u=unit: self._pre_backward(u), "zero3's pre-backward hook"))
         # Its backward would find its parameters released (a raw size mismatch deep in autograd).
@@ -152,7 +149,10 @@ class Gatherer:
 
     def _pre_backward(self, unit: Unit) -> None:
         self.begin_backward()
-        if not unit.in_backward:
+        # Reduced already: done with in this pass. (An output's gradient can come after the unit's own: an input
+        # it handed back that later units read too, or a call reading its weights only as ``w.detach()``, whose
+        # nodes hold the bytes they read.)
+        if not unit.in_backward and not unit.reduced:
             unit.in_backward = True
             self._demand(unit, "backward")
 
@@ -176,7 +176,7 @@ class Gatherer:
     def _end_backward(self) -> None:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
-            if unit.in_backward:  # some parameters got no gradient in this pass
+            if unit.in_backward and not unit.reduced:  # some parameters got no gradient in this pass
                 if not self.partial_warned and self.dist.is_main:
                     self._warn_partial(unit)
                 self._reduce(unit)

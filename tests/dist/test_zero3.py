@@ -807,7 +807,7 @@ class _Block(nn.Module):
         elif self.kind == "dict":
             e = e["e"]
         out = h + torch.tanh(self.l(h * e))
-        return (out, e) if self.kind == "tuple" else out
+        return (out, e) if self.kind in ("tuple", "kw") else out
 
 
 class _Blocks(nn.Module):
@@ -825,17 +825,19 @@ class _Blocks(nn.Module):
                 h = b((h, e))[0]
             elif self.kind == "inplace":
                 h = b(h)
+            elif self.kind == "kw":   # handed back as in "tuple", given by keyword
+                h = b(h, e=e)[0]
             else:
                 h = b(h, {"leaf": self.p, "dict": {"e": e}}.get(self.kind, e))
         return self.out(h)
 
 
-def _shared_inputs(kind):
+def _shared_inputs(kind, *offload):
     numel = 16 * 16 + 16
     cfg = framework.compose(["+stage=zero3", "stage.gather_unit=[_Block]", "optimizer=sgd", "scheduler=constant",
                              "stage.stage3_param_persistence_threshold=0", f"stage.stage3_max_live_parameters={numel}",
                              "stage.stage3_max_reuse_distance=0", "stage.stage3_prefetch_bucket_size=0",
-                             "optimizer.lr=0.1", "train.grad_clip=0"])
+                             "optimizer.lr=0.1", "train.grad_clip=0", *offload])
     loss_fn = lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
     torch.manual_seed(0)
     ref = _Blocks(kind)
@@ -857,14 +859,19 @@ def _shared_inputs(kind):
     return peaks, losses, ref_losses
 
 
-@pytest.mark.parametrize("kind", ["leaf", "dict", "tuple", "inplace"])
-def test_unit_inputs_shared_with_later_units_do_not_keep_it_gathered(kind):
+@pytest.mark.parametrize("kind", ["leaf", "dict", "tuple", "kw", "inplace"])
+def test_unit_inputs_shared_with_later_units_do_not_keep_it_gathered(kind, tmp_path):
     # Released at its last gradient: a unit waiting for its inputs' gradients instead would stay gathered
     # until the last block's backward used a tensor every block reads (a shared parameter, one in a dict or a
-    # tuple), or to the end of the backward for an input modified in place.
+    # tuple), or to the end of the backward for an input modified in place. An input handed back ("tuple",
+    # "kw") gets its gradient after the unit was reduced: gathered again then, it was reduced twice (with
+    # gradients swapped to NVMe, written once a step, an internal error).
     peaks, losses, ref_losses = _shared_inputs(kind)
     assert peaks == _shared_inputs("plain")[0]
     assert losses == pytest.approx(ref_losses, rel=FP32_RTOL)
+    if kind == "kw":
+        _, nvme_losses, _ = _shared_inputs(kind, "offload=nvme", f"offload.nvme_path={tmp_path}")
+        assert nvme_losses == pytest.approx(ref_losses, rel=FP32_RTOL)
 
 
 class _Attention(nn.Module):
