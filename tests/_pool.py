@@ -26,6 +26,9 @@ def _serve(rank: int, world: int, store: str, conn_list, backend: str = "gloo", 
 
     torch.set_num_threads(1)
     dist = connect(backend, timeout_s=60, store_path=store, device=device)
+    import gc
+    gc.collect()
+    gc.freeze()   # the imports' objects: later full collections skip them (tests/conftest.py, _one_thread)
     conn = conn_list[rank]
     conn.send(("ready", None))
     while True:
@@ -47,7 +50,7 @@ class RankPool:
 
     def __init__(self, world: int, backend: str = "gloo", device: str = "auto", start_timeout: float = 300):
         self.world = world
-        self._start_timeout, self._ready = start_timeout, False
+        self._start_timeout, self._ready, self._stopping = start_timeout, False, False
         self._dir = tempfile.mkdtemp(prefix="framework-pool-")
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(world)]
@@ -90,12 +93,19 @@ class RankPool:
                                        f"still running; start timeout {self._start_timeout}s)")
         self._ready = True
 
+    def stop(self) -> None:
+        """Ask every rank to leave its group and exit, without waiting (``close`` waits): pools stopped
+        together wind down at once."""
+        if self._ctx is not None and not self._stopping:
+            self._stopping = True
+            for c in self._conns:
+                c.send(None)
+
     def close(self, kill: bool = False) -> None:
         if self._ctx is None:
             return
         if not kill:
-            for c in self._conns:
-                c.send(None)
+            self.stop()
             self._ctx.join(timeout=30)
         for p in self._ctx.processes:
             if p.is_alive():

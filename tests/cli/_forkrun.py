@@ -64,6 +64,9 @@ def main() -> None:
     import framework.report  # noqa: F401
     import framework.train  # noqa: F401
     import framework.export  # noqa: F401  (as above)
+    import gc
+    gc.collect()
+    gc.freeze()   # the imports' objects: the children's full collections skip them (tests/conftest.py, _one_thread)
 
     for line in sys.stdin:
         req = json.loads(line)
