@@ -25,7 +25,7 @@ import re
 import shutil
 import sys
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -37,9 +37,10 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from framework.cli import fail
+from framework.cli._hydra import OVERRIDE_DIRNAME_EXCLUDE, QUIET, Passed, record_job, record_sweep
 from framework.cli.launch import RUN_LOCK, launch, terminated_line
 from framework.comm.distributed import check_env_ints, env_int
-from framework.config import (GROUPS, Config, app_composer, choice_override, compose, compose_layers, parse_overrides,
+from framework.config import (GROUPS, Config, app_composer, compose, compose_layers, parse_overrides,
                               standalone_composer)
 from framework.config.dsconfig import DS_FILE
 from framework.core import files
@@ -225,74 +226,6 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
           end="")
 
 
-# Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
-# or into a folder the job is refused a moment later: so it writes none, and the job writes it (``_record``)
-# once it holds the folder and its checks passed.
-NO_RECORD = "hydra.output_subdir=null"
-OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
-QUIET = "hydra/hydra_logging=disabled"
-
-
-@dataclass(frozen=True)
-class Passed:
-    """What the run adds to Hydra's command line and leaves out of its record: the DeepSpeed file's group choices
-    (``task``), kept out of override_dirname by ``hydra``'s overrides (``exclude_keys``: the value given, or None)."""
-    task: tuple[str, ...] = ()
-    hydra: tuple[str, ...] = ()
-    exclude_keys: list | None = None
-
-    @staticmethod
-    def make(chosen: Mapping[str, str], exclude_keys: list) -> "Passed":
-        if not chosen:
-            return Passed(hydra=(NO_RECORD,))
-        keys = ",".join(f"'{k}'" for k in [*exclude_keys, *chosen])
-        return Passed(tuple(choice_override(g, n) for g, n in chosen.items()),
-                      (f"{OVERRIDE_DIRNAME_EXCLUDE}=[{keys}]", NO_RECORD), list(exclude_keys))
-
-    def given(self, task: list[str]) -> list[str]:
-        return [o for o in task if o not in self.task]
-
-
-def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
-    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None."""
-    if subdir is None:
-        return None
-    hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
-    records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
-    return functools.partial(_write_record, subdir, {name: OmegaConf.to_yaml(node).encode() for name, node in records})
-
-
-def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
-    out = folder / subdir
-    out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
-    for name, data in records.items():
-        files.write_atomic(out / name, data, shared=True)
-
-
-def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
-    """``cfg`` (Hydra's under ``hydra``) with the user's output_subdir and exclude_keys, without what was ``passed``."""
-    given = OmegaConf.to_container(cfg.hydra.overrides.hydra)   # as given: interpolations unresolved
-    for line in passed.hydra:
-        if line in given:
-            del given[len(given) - 1 - given[::-1].index(line)]   # ours: the last one
-    cfg.hydra.overrides.hydra, cfg.hydra.output_subdir = given, subdir
-    cfg.hydra.overrides.task = passed.given(OmegaConf.to_container(cfg.hydra.overrides.task))
-    if passed.exclude_keys is not None:
-        cfg.hydra.job.config.override_dirname.exclude_keys = passed.exclude_keys
-    return cfg
-
-
-def _record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
-    """Rewrite the sweep's multirun.yaml without ``passed`` (each job writes the same)."""
-    path = sweep_dir / "multirun.yaml"
-    try:
-        cfg = OmegaConf.load(path)
-    except FileNotFoundError:   # (a launcher that writes none)
-        return
-    if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
-        files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)).encode(), shared=True)
-
-
 def _made(folder: Path, base: Path | None) -> list[Path]:
     """The folders Hydra made for this job below ``base``, deepest first; none where ``folder`` holds anything."""
     if base is None or base not in folder.parents or any(folder.iterdir()):
@@ -393,7 +326,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                       sweep_dir=Path(hc.sweep.dir) if multirun else None)
         made, owned = _made(run.run_dir, base), []
         if multirun:
-            _record_sweep(Path(hc.sweep.dir), subdir, passed)
+            record_sweep(Path(hc.sweep.dir), subdir, passed)
         try:
             # A job given an earlier job's run folder is refused: it would take that job's records for its own.
             if multirun and (earlier := folders.setdefault(run.run_dir.resolve(), hc.job.num)) != hc.job.num:
@@ -401,7 +334,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                                   f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
                                   "one folder per job, e.g. its default ${hydra.job.num} (and, with override_dirname, "
                                   "exclude no swept key)")
-            val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
+            val = launch(config, run, on_point, owned.append, record_job(task, hc, subdir, passed))["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except Exception as e:
             basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER

@@ -2,12 +2,10 @@
 
 A unit is gathered with one collective per parameter group into one buffer per group; a release before its
 backward resizes the storage to zero bytes, so autograd's saved views see the values gathered again for it. Each
-pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree).
-"""
+pass records the order of unit uses; the next prefetches along it (``_trace`` checks ranks agree)."""
 from __future__ import annotations
 
-import logging
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -15,13 +13,11 @@ from torch import nn
 from framework.comm.collectives import Pending
 from framework.comm.distributed import Dist
 from framework.core.errors import TrainingError
-from framework.core.utils import tensors_in
+from framework.core.utils import few, tensors_in
 from framework.stages._grads import late_gradient, reduce_to_owners, sparse_gradient
 from framework.stages._outputs import replace_tensors
 from framework.stages._shards import Unit, UnitGroup, UnitState, read_hint
-from framework.stages._trace import start_order_check, warn_order_changed
-
-log = logging.getLogger("framework.zero3")
+from framework.stages._trace import Trace, start_order_check, warn_partial
 
 
 class Gatherer:
@@ -41,13 +37,8 @@ class Gatherer:
         self.max_live = cfg.stage3_max_live_parameters    # gathered elements kept at most (plus the unit in use)
         self.reuse = cfg.stage3_max_reuse_distance        # keep a unit whose next use is this close
         self.empty = torch.empty(0, dtype=self.param_dtype, device=dist.device)
-        # (phase, uid) use orders: per grad mode the steps'; per ("outside", grad mode) root forwards' outside them.
-        self.traces: dict[bool | tuple[str, bool], list[tuple[str, int]]] = {}
-        self.key: bool | tuple[str, bool] = True   # the open pass's trace
-        self.recording: list[tuple[str, int]] | None = None
-        self.cursor: int | None = None        # position in the trace being followed; None: on demand
-        self.mode = True
-        self.order_warned = False   # the module order changed in a pass: warned once
+        self.trace = Trace(units, dist.is_main)
+        self.mode = True   # the open pass's grad mode
         self.partial_warned = False   # a unit's backward ended without all its gradients: warned once
         self.entered: dict[int, dict[int, torch.Tensor]] = {}   # per held unit: the values its outermost exit puts back
         self.driven = False   # the open pass was begun by the stage (``begin_pass``), not by a root forward
@@ -177,8 +168,10 @@ class Gatherer:
         for unit in self.units:
             unit.active = 0   # no forward runs across the end of a backward pass
             if unit.in_backward and not unit.reduced:  # some parameters got no gradient in this pass
-                if not self.partial_warned and self.dist.is_main:
-                    self._warn_partial(unit)
+                if not self.partial_warned and self.dist.is_main and (  # once a run (none: the root's empty unit)
+                        missing := [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]):
+                    self.partial_warned = True
+                    warn_partial(unit.name, missing)
                 self._reduce(unit)
             if unit.state is not UnitState.SHARDED:
                 self.release(unit)
@@ -186,21 +179,9 @@ class Gatherer:
             self._reduce(self.persistent)
         self._complete_reductions()
         self.in_backward = False
-        if self.cfg.check_order and self.recording is not None and self.dist.world > 1:
-            self.order_checks.append(start_order_check(self.dist, self.recording))
+        if self.cfg.check_order and self.trace.recording is not None and self.dist.world > 1:
+            self.order_checks.append(start_order_check(self.dist, self.trace.recording))
         self._end_pass()
-
-    def _warn_partial(self, unit: Unit) -> None:
-        """Once a run: a unit waiting for a gradient that never comes stays gathered through the backward."""
-        missing = [p.zero3_names[0] for p in unit.params if id(p) not in unit.arrived]
-        if not missing:   # (the root's unit without parameters of its own)
-            return
-        self.partial_warned = True
-        log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
-                    "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
-                    "the end of its own backward could not be told. Parameters a pass does not train (run under "
-                    "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
-                    unit.name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
     def abort_backward(self, wait: bool) -> None:
         """As ``FlatGrads.abort_backward`` for the reductions in flight; then ``abort_pass``."""
@@ -220,21 +201,17 @@ class Gatherer:
                     and (wait or unit.state is not UnitState.GATHERING):   # (finishing a gather waits for it)
                 self.release(unit)
         self.in_backward, self.driven, self.roots = False, False, 0
-        self.recording = self.cursor = None   # a pass cut short is no trace to follow
+        self.trace.recording = self.trace.cursor = None   # a pass cut short is no trace to follow
 
     def begin_pass(self, grad_mode: bool, driven: bool = True) -> None:
         """One loss_fn call starts (``grad_mode``: train_step's, else eval_step's): one pass recorded, followed
-        and checked as a whole. Not ``driven`` (a root forward outside the steps): it follows the steps' trace
-        without recording (the next steps follow it); without one it records and follows a trace of its own."""
+        and checked as a whole (``driven``: by the stage, not by a root forward outside the steps)."""
         for unit in self.units:
             unit.active = 0   # no forward runs between loss_fn calls, or across a root forward's start
         if self.persistent is not None and self.persistent.state is UnitState.SHARDED:   # (a Ctrl-C cut its regather)
             self.gather_now(self.persistent)
-        self._end_pass()
-        own = not driven and grad_mode not in self.traces
-        self.mode, self.key, self.driven = grad_mode, ("outside", grad_mode) if own else grad_mode, driven
-        self.recording = [] if driven or own else None
-        self.cursor = 0 if self.key in self.traces else None
+        self.trace.begin(grad_mode, driven)
+        self.mode, self.driven = grad_mode, driven
 
     def end_pass(self) -> None:
         """An eval_step's loss_fn call (or a root forward outside the steps) returned: idle units released."""
@@ -242,9 +219,8 @@ class Gatherer:
         self._release_idle()
 
     def _end_pass(self) -> None:
-        if self.recording:
-            self.traces[self.key] = self.recording
-        self.recording, self.cursor, self.driven = None, None, False
+        self.trace.end()
+        self.driven = False
 
     def _release_idle(self, keep: Unit | None = None) -> None:
         """Release the idle units (but ``keep``): gathered ahead of a use that may now never come."""
@@ -253,19 +229,8 @@ class Gatherer:
                 self.release(unit)
 
     def _demand(self, unit: Unit, phase: str) -> None:
-        event = (phase, unit.uid)
-        if self.recording is not None:
-            self.recording.append(event)
-        if self.cursor is not None:   # (set only in a mode with a recorded trace)
-            trace = self.traces[self.key]
-            if self.cursor < len(trace) and trace[self.cursor] == event:
-                self.cursor += 1
-            else:
-                if self.dist.is_main:   # once a run: control flow that changes every step would log every step
-                    warn_order_changed(trace, self.cursor, self.units, phase, unit, self.order_warned)
-                    self.order_warned = True
-                self.cursor = None
-                self._release_idle(keep=unit)
+        if not self.trace.use(phase, unit):
+            self._release_idle(keep=unit)
         self.demands += 1
         self.hits += unit.state is not UnitState.SHARDED
         if unit.state is UnitState.SHARDED:
@@ -274,21 +239,10 @@ class Gatherer:
         self._finish_gather(unit)
         self._prefetch()
 
-    def _upcoming(self) -> Iterator[Unit]:
-        """The units the followed trace uses next, each once (none when not following one)."""
-        if self.cursor is None:
-            return
-        trace, seen = self.traces[self.key], set()   # (lazy: the prefetch takes the next few only, not the rest)
-        for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
-            uid = trace[i][1]
-            if uid not in seen:
-                seen.add(uid)
-                yield self.units[uid]
-
     def _prefetch(self) -> None:
         """Start gathers for the next units within ``prefetch`` elements (each counted once) and ``max_live``."""
         budget = self.prefetch
-        for unit in self._upcoming():
+        for unit in self.trace.upcoming():
             budget -= unit.numel
             if budget < 0 or (unit.state is UnitState.SHARDED and self.live + unit.numel > self.max_live):
                 break
@@ -298,7 +252,7 @@ class Gatherer:
     def _keep(self, unit: Unit) -> bool:
         """Whether the units used before ``unit``'s next use are within the reuse distance (or the prefetch's)."""
         near, between = max(self.reuse, self.prefetch - unit.numel), 0
-        for u in self._upcoming():
+        for u in self.trace.upcoming():
             if u is unit:
                 return between <= near and self.live <= self.max_live
             between += u.numel
@@ -490,11 +444,10 @@ class Gatherer:
         """Refuse a backward while a framework.gathered block holds units (its exit could overwrite the step)."""
         if held := [u.name for u in self.all_units if u.held]:
             # This pass's backward will not run: no trace to follow, no units to keep for it.
-            self.recording, self.driven = None, False
+            self.trace.recording, self.driven = None, False
             self._release_idle()
-            raise TrainingError(f"zero3: train_step inside framework.gathered (which holds unit {held[0]!r}"
-                                f"{f' and {len(held) - 1} more' if len(held) > 1 else ''}): leave the with block "
-                                f"before training; a forward alone is fine inside it")
+            raise TrainingError(f"zero3: train_step inside framework.gathered (which holds unit {few(held, 1)}): "
+                                f"leave the with block before training; a forward alone is fine inside it")
 
     def stats(self) -> dict:
         rate = self.hits / self.demands if self.demands else 0.0

@@ -1,9 +1,10 @@
-"""ZeRO-3's trace bookkeeping: a change of the followed order logged; each backward pass's record of unit
-uses compared across ranks, without a host sync until the step's one read of the flags."""
+"""ZeRO-3's trace of unit uses: recorded and followed per pass (a change of order logged); each backward
+pass's record compared across ranks, without a host sync until the step's one read of the flags."""
 from __future__ import annotations
 
 import logging
 import zlib
+from typing import Iterator
 
 import torch
 
@@ -13,16 +14,74 @@ from framework.core.errors import DistributedError
 log = logging.getLogger("framework.zero3")
 
 
-def warn_order_changed(trace: list[tuple[str, int]], cursor: int, units: list, phase: str, unit,
-                       warned: bool) -> None:
-    """The followed ``trace`` expected another use at ``cursor`` than ``phase`` of ``unit``; after the first
-    warning (``warned``) logged at debug level."""
-    expected = (f"{trace[cursor][0]} of {units[trace[cursor][1]].name!r}"
-                if cursor < len(trace) else "the end of the pass")
-    (log.debug if warned else log.warning)(
-        "zero3: module order changed at use %d (expected %s, got %s of %r); prefetch off until the "
-        "new order is recorded%s", cursor, expected, phase, unit.name,
-        "" if warned else " (later changes are logged at debug level)")
+class Trace:
+    """The order of a pass's unit uses, ``(phase, uid)``: recorded, and followed by the next pass of its kind
+    (``upcoming``) until a use departs from it. Kinds: per grad mode the steps' passes; per ("outside", grad
+    mode) the root forwards outside them, while the steps have recorded none of that mode."""
+
+    def __init__(self, units: list, is_main: bool):
+        self.units, self.is_main = units, is_main
+        self.traces: dict[bool | tuple[str, bool], list[tuple[str, int]]] = {}
+        self.key: bool | tuple[str, bool] = True   # the open pass's kind
+        self.recording: list[tuple[str, int]] | None = None
+        self.cursor: int | None = None   # position in the trace being followed; None: on demand
+        self.warned = False   # the module order changed in a pass: warned once
+
+    def begin(self, grad_mode: bool, driven: bool) -> None:
+        """Not ``driven`` (a root forward outside the steps): it follows the steps' trace without recording (the
+        next steps follow it); without one it records and follows a trace of its own."""
+        self.end()
+        own = not driven and grad_mode not in self.traces
+        self.key = ("outside", grad_mode) if own else grad_mode
+        self.recording = [] if driven or own else None
+        self.cursor = 0 if self.key in self.traces else None
+
+    def end(self) -> None:
+        if self.recording:
+            self.traces[self.key] = self.recording
+        self.recording = self.cursor = None
+
+    def use(self, phase: str, unit) -> bool:
+        """Record ``phase`` of ``unit``; False where the followed trace expected another use (followed no more)."""
+        event = (phase, unit.uid)
+        if self.recording is not None:
+            self.recording.append(event)
+        if self.cursor is None:   # (set only in a mode with a recorded trace)
+            return True
+        trace = self.traces[self.key]
+        if self.cursor < len(trace) and trace[self.cursor] == event:
+            self.cursor += 1
+            return True
+        if self.is_main:   # once a run: control flow that changes every step would log every step
+            expected = (f"{trace[self.cursor][0]} of {self.units[trace[self.cursor][1]].name!r}"
+                        if self.cursor < len(trace) else "the end of the pass")
+            (log.debug if self.warned else log.warning)(
+                "zero3: module order changed at use %d (expected %s, got %s of %r); prefetch off until the "
+                "new order is recorded%s", self.cursor, expected, phase, unit.name,
+                "" if self.warned else " (later changes are logged at debug level)")
+            self.warned = True
+        self.cursor = None
+        return False
+
+    def upcoming(self) -> Iterator:
+        """The units the followed trace uses next, each once (none when not following one)."""
+        if self.cursor is None:
+            return
+        trace, seen = self.traces[self.key], set()   # (lazy: the prefetch takes the next few only, not the rest)
+        for i in range(self.cursor, len(trace)):   # (no slice: a copy of the rest of the trace per call)
+            uid = trace[i][1]
+            if uid not in seen:
+                seen.add(uid)
+                yield self.units[uid]
+
+
+def warn_partial(name: str, missing: list[str]) -> None:
+    """Unit ``name`` waited through the backward for the gradients of ``missing``, which never came."""
+    log.warning("zero3: unit %r stayed gathered until the end of the backward pass (beyond "
+                "stage3_max_live_parameters): %d of its parameters got no gradient (%s%s; counted as zero), so "
+                "the end of its own backward could not be told. Parameters a pass does not train (run under "
+                "torch.no_grad, an unused expert) are best in a unit of their own. Warned once a run.",
+                name, len(missing), ", ".join(missing[:3]), ", ..." if len(missing) > 3 else "")
 
 
 def start_order_check(dist: Dist, recording: list[tuple[str, int]]) -> tuple:

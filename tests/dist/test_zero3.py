@@ -164,7 +164,7 @@ def _trace(dist):
         order.clear()
         batch = data.train_batch(state.data, micro_batch=2, grad_accum=1, rank=0, world=1)
         state, m = engine.train_step(state, batch)
-    return order, dict(g.traces)[True], m["prefetch_hit_rate"]
+    return order, dict(g.trace.traces)[True], m["prefetch_hit_rate"]
 
 
 def test_trace_gives_expected_prefetch_order():
@@ -974,7 +974,7 @@ def test_loss_fn_calling_submodules_or_the_root_twice_is_one_followed_pass(caplo
     assert not [r for r in caplog.records if "module order changed" in r.getMessage()]
     assert rates[0] < 0.5 and rates[1] == rates[2] > 0.8, rates
     uses = 2 * 3 * (2 if loss_fn is _twice else 1)   # forward and backward of a, extra, b per call
-    assert len(g.traces[True]) >= uses
+    assert len(g.trace.traces[True]) >= uses
 
 
 def _penalty(m, mb):   # a weight penalty on a sharded parameter, read in loss_fn
@@ -1112,7 +1112,7 @@ def test_failed_forward_leaves_no_unit_gathered():
     with pytest.raises(RuntimeError):
         engine.eval_step(state, [_micro(9)])
     assert all(u.state.value == "sharded" and u.active == 0 for u in g.units) and g.live == 0
-    assert len(g.traces[True]) == 8 and peaks[1] == peaks[2], (g.traces, peaks)   # root, a, extra, b: forward, backward
+    assert len(g.trace.traces[True]) == 8 and peaks[1] == peaks[2], (g.trace.traces, peaks)   # root, a, extra, b: forward, backward
 
 
 def test_eval_in_another_order_leaves_no_prefetched_unit_gathered():
@@ -1260,7 +1260,7 @@ def _outside_forward(dist):
     g = engine.components.stage.gatherer
     state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
     state, m = engine.train_step(state, Batch((_micro(1),)))
-    saved, val, trace = engine.state_dict(state), engine.eval_step(state, [_micro(9)]), list(g.traces[True])
+    saved, val, trace = engine.state_dict(state), engine.eval_step(state, [_micro(9)]), list(g.trace.traces[True])
     with framework.gathered([model.a.weight]):
         weight = model.a.weight.detach().clone()
     model(_micro(2)[0])
@@ -1268,7 +1268,7 @@ def _outside_forward(dist):
     with framework.gathered(list(model.parameters())), torch.no_grad():
         for p in model.parameters():
             p.zero_()   # discarded on exit
-    edited, kept = engine.eval_step(state, [_micro(9)]), g.traces[True] == trace
+    edited, kept = engine.eval_step(state, [_micro(9)]), g.trace.traces[True] == trace
     g.stats()   # (the counts since the last step's)
     _, after = engine.train_step(state, Batch((_micro(1),)))   # follows the steps' trace, not the forward's
     model(_micro(2)[0])
@@ -1294,14 +1294,14 @@ def test_forwards_outside_the_steps_without_a_trace_follow_their_own():
     # of their own (the steps' traces untouched), so each after the first is prefetched.
     model, engine, g = _linear_units(lambda m, mb: nn.functional.mse_loss(m(mb[0]), mb[1]))
     state, _ = engine.train_step(engine.state, Batch((_micro(0),)))
-    train, rates = list(g.traces[True]), []
+    train, rates = list(g.trace.traces[True]), []
     g.stats()
     with torch.no_grad():
         for i in range(3):
             model(_micro(i)[0])
             rates.append(g.stats()["prefetch_hit_rate"])
     assert rates[0] == 0 and rates[1] == rates[2] > 0, rates
-    assert g.traces[True] == train and False not in g.traces
+    assert g.trace.traces[True] == train and False not in g.trace.traces
     assert all(u.state.value == "sharded" for u in g.units) and g.live == 0
     val, _ = engine.eval_step(state, [_micro(9)]), g.stats()
     with torch.no_grad():   # then eval_step's trace is the one followed

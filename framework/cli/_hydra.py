@@ -1,0 +1,80 @@
+"""Hydra's record of a job (hydra.output_subdir, .hydra/), which the job writes itself once its checks passed, and
+what the CLI adds to Hydra's command line but leaves out of that record."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from framework.config import choice_override
+from framework.core import files
+
+# Hydra would write its record of a job (hydra.output_subdir) before the job runs, over a live run's record
+# or into a folder the job is refused a moment later: so it writes none, and the job writes it (``record_job``)
+# once it holds the folder and its checks passed.
+NO_RECORD = "hydra.output_subdir=null"
+OVERRIDE_DIRNAME_EXCLUDE = "hydra.job.config.override_dirname.exclude_keys"
+QUIET = "hydra/hydra_logging=disabled"
+
+
+@dataclass(frozen=True)
+class Passed:
+    """What the run adds to Hydra's command line and leaves out of its record: the DeepSpeed file's group choices
+    (``task``), kept out of override_dirname by ``hydra``'s overrides (``exclude_keys``: the value given, or None)."""
+    task: tuple[str, ...] = ()
+    hydra: tuple[str, ...] = ()
+    exclude_keys: list | None = None
+
+    @staticmethod
+    def make(chosen: Mapping[str, str], exclude_keys: list) -> "Passed":
+        if not chosen:
+            return Passed(hydra=(NO_RECORD,))
+        keys = ",".join(f"'{k}'" for k in [*exclude_keys, *chosen])
+        return Passed(tuple(choice_override(g, n) for g, n in chosen.items()),
+                      (f"{OVERRIDE_DIRNAME_EXCLUDE}=[{keys}]", NO_RECORD), list(exclude_keys))
+
+    def given(self, task: list[str]) -> list[str]:
+        return [o for o in task if o not in self.task]
+
+
+def record_job(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
+    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None."""
+    if subdir is None:
+        return None
+    hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
+    records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
+    return functools.partial(_write_record, subdir, {name: OmegaConf.to_yaml(node).encode() for name, node in records})
+
+
+def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
+    out = folder / subdir
+    out.mkdir(parents=True, exist_ok=True)   # with the umask's modes, as Hydra makes them (colleagues read them)
+    for name, data in records.items():
+        files.write_atomic(out / name, data, shared=True)
+
+
+def _as_given(cfg: DictConfig, subdir: str | None, passed: Passed) -> DictConfig:
+    """``cfg`` (Hydra's under ``hydra``) with the user's output_subdir and exclude_keys, without what was ``passed``."""
+    given = OmegaConf.to_container(cfg.hydra.overrides.hydra)   # as given: interpolations unresolved
+    for line in passed.hydra:
+        if line in given:
+            del given[len(given) - 1 - given[::-1].index(line)]   # ours: the last one
+    cfg.hydra.overrides.hydra, cfg.hydra.output_subdir = given, subdir
+    cfg.hydra.overrides.task = passed.given(OmegaConf.to_container(cfg.hydra.overrides.task))
+    if passed.exclude_keys is not None:
+        cfg.hydra.job.config.override_dirname.exclude_keys = passed.exclude_keys
+    return cfg
+
+
+def record_sweep(sweep_dir: Path, subdir: str | None, passed: Passed) -> None:
+    """Rewrite the sweep's multirun.yaml without ``passed`` (each job writes the same)."""
+    path = sweep_dir / "multirun.yaml"
+    try:
+        cfg = OmegaConf.load(path)
+    except FileNotFoundError:   # (a launcher that writes none)
+        return
+    if NO_RECORD in OmegaConf.to_container(cfg.hydra.overrides.hydra):
+        files.write_atomic(path, OmegaConf.to_yaml(_as_given(cfg, subdir, passed)).encode(), shared=True)
