@@ -284,10 +284,11 @@ def report(own: dict[str, str], overrides: list[str], flags: dict) -> None:
             pred = predict(cfg, gpus * nodes, module=module if hf else None, loss_fn=hf_trace_loss if hf else None,
                            context=context)
         except Exception as e:   # noqa: BLE001 (a Hugging Face forward on meta fails in its own ways)
-            if not hf or isinstance(e, FrameworkError):
+            failed = e.__cause__ if isinstance(e, FrameworkError) else e   # (predict's one line on a failed trace)
+            if not hf or failed is None or isinstance(failed, FrameworkError):
                 raise
             # e.g. a multimodal model, whose forward needs more than input_ids and labels: the tables stand
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            why = f"{type(failed).__name__}: {str(failed).splitlines()[0] if str(failed) else ''}"
             out.update(prediction=None, prediction_error=f"no per-rank prediction: the model's forward(input_ids, "
                        f"labels) cannot be traced on the meta device ({why}); the tables above still hold")
             text.append(out["prediction_error"])

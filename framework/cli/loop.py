@@ -115,7 +115,8 @@ def _train(cfg: Config, run: RunInfo, dist: Dist, on_point: Callable[[str], None
                 evals.append(engine.eval_step(state, val))
                 eval_s += time.perf_counter() - t_eval
                 logger.log({"step": state.step, "val_loss": evals[-1]})
-            ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
+            if cfg.checkpoint.every:   # (else the run's header said none are saved)
+                ckpt.maybe_save(state, last=state.step == t.steps, metrics=m)
         if state.step == first:   # resumed at train.steps: the loaded state's numbers, not NaN
             evals.append(engine.eval_step(state, val))
         ckpt.wait()

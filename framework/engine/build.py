@@ -27,7 +27,7 @@ from framework.engine.materialize import materialize_buffers
 from framework.core.registry import registry
 from framework.optimizers import copy_16bit, merge_scalars
 from framework.engine.state import TrainState, capture_rng
-from framework.engine.step import Components, LossFn, build_train_step, checked_loss
+from framework.engine.step import Components, LossFn, build_train_step, checked_loss, one_micro_batch
 from framework.core.footprint import Footprint
 from framework.core.utils import dtype_name, few
 from framework.persist.layout import load_state_dict, state_dict
@@ -63,6 +63,11 @@ class Engine(contextlib.AbstractContextManager):
     def state(self) -> TrainState:
         return self._state
 
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters and its forward are: micro batches go here (``loss_fn`` or before)."""
+        return self.components.dist.device
+
     def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict]:
         """``state, metrics = engine.train_step(state, batch)``; also remembered as ``engine.state``."""
         self._check_open(state, "train_step")
@@ -97,6 +102,9 @@ class Engine(contextlib.AbstractContextManager):
         ``Batch``es); ranks may pass different numbers, none too, except under zero3 (forwards gather)."""
         self._check_open(state, "eval_step")
         self.check_unedited("eval_step")
+        if (bare := one_micro_batch(batches, kinds=(tuple,))) is not None:   # (a list of tensors: tensor micro batches)
+            raise DataError(f"eval_step: batches is one micro batch ({bare}), not micro batches: pass a list of "
+                            f"them ([(x, y)] for one)")
         batches = [batches] if isinstance(batches, Batch) else list(batches)   # a generator: read once, counted
         if any(isinstance(b, Batch) for b in batches):
             raise DataError("eval_step: pass a list of micro batches (each what loss_fn takes), not Batch objects")

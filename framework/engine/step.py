@@ -12,7 +12,7 @@ import math
 import sys
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -50,6 +50,10 @@ def build_train_step(c: Components, applying: Callable[[int], None]
     warned = False   # about a float16 loss under loss scaling: once per engine
 
     def train_step(state: TrainState, batch: Batch | Sequence) -> tuple[TrainState, dict]:
+        if (bare := one_micro_batch(batch)) is not None:   # iterated, each of its tensors or keys would be a micro batch
+            raise DataError(f"train_step: the batch is one micro batch ({bare}), not an iterable of micro batches: "
+                            f"pass Batch(((x, y),)) for one (x, y) micro batch (Batch((x1, x2)) when each tensor "
+                            f"is a micro batch)")
         micro, position = (batch.micro, batch.position) if isinstance(batch, Batch) else (batch, None)
         if not isinstance(batch, Batch) or not isinstance(micro, tuple):   # any iterable (a generator: read once)
             try:
@@ -125,6 +129,16 @@ def build_train_step(c: Components, applying: Callable[[int], None]
                        data=batch.position if batch.position is not None else state.data + 1), metrics
 
     return train_step
+
+
+def one_micro_batch(batch: Any, kinds: tuple[type, ...] = (tuple, list)) -> str | None:
+    """What ``batch`` is when it looks like one micro batch where micro batches go (a dict, or one of ``kinds``
+    holding two or more tensors only), else None."""
+    if isinstance(batch, Mapping):
+        return "a dict"
+    if isinstance(batch, kinds) and len(batch) > 1 and all(isinstance(t, torch.Tensor) for t in batch):
+        return f"a {type(batch).__name__} of {len(batch)} tensors"
+    return None
 
 
 def checked_loss(loss: Any, train: bool = False) -> torch.Tensor:

@@ -19,7 +19,7 @@ from framework.core.errors import ConfigError, FrameworkError
 from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
-from framework.core.utils import tensors_in
+from framework.core.utils import dtype_name, tensors_in, to_device
 from framework.engine.build import component
 from framework.memory.tables import count_module
 from framework.stages import bucket_buffers, make_layout, param_groups, plan_units, unit_groups, whole_memory
@@ -219,10 +219,12 @@ def build_vocab(cfg, overrides: list[str]) -> tuple[int | None, str]:
 
 def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             traces: dict | None = None, loss_fn=None, context: int | None = None,
-            device: str | None = None) -> Prediction:
+            device: str | None = None, batch=None) -> Prediction:
     """Per-rank memory of training ``cfg`` on ``world`` ranks. ``module``: a model built on meta, traced
-    with ``loss_fn(module, (x, y))`` at ``context``; ``traces``: reused activation traces (the planner's
-    sweep); ``device``: trace attention only as "cpu" or "cuda" runs it (default: both)."""
+    with ``loss_fn(module, batch)``: ``batch`` is one micro batch as ``loss_fn`` takes it (its tensors are
+    moved to meta), by default token ids ``(x, x)`` of ``[train.micro_batch, context]``; ``traces``: reused
+    activation traces (the planner's sweep); ``device``: trace attention only as "cpu" or "cuda" runs it
+    (default: both)."""
     world = world or cfg.dist.nproc
     model = component(cfg, "model")
     # By default the configured model's loss, as training computes it (and its checkpointing key in force).
@@ -295,9 +297,15 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     # Activations of one micro batch, traced on meta in the working dtype.
     ctx = context or cfg.model.context
     module = module.to(policy.param_dtype).train()
-    x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
+    if batch is None:
+        x = torch.zeros(cfg.train.micro_batch, ctx, dtype=torch.long, device="meta")
+        batch, shown = (x, x), f"micro_batch={cfg.train.micro_batch}, context={ctx}"
+        fed = f"token ids (x, x) of [train.micro_batch, model.context] = [{cfg.train.micro_batch}, {ctx}]"
+    else:
+        batch = to_device(batch, torch.device("meta"))
+        shown = fed = "batch " + ", ".join(f"{list(t.shape)} {dtype_name(t.dtype)}" for t in tensors_in(batch))
     ckpt = bool(getattr(cfg.model, "activation_checkpointing", False))
-    key = (cfg.train.micro_batch, ctx, ckpt, keep_grads, policy.param_dtype)
+    key = (tuple((t.shape, t.dtype) for t in tensors_in(batch)), ckpt, keep_grads, policy.param_dtype)
     traces = {} if traces is None else traces
 
     def traced(fused: bool) -> ActivationTrace:
@@ -308,16 +316,24 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             # on its own shows as the recomputation's mismatch (CheckpointError).
             try:
                 traces[k] = traced(False) if fused and ckpt else trace_activations(
-                    module, loss_fn, (x, x), keep_grads=keep_grads, fused_attention=fused)
+                    module, loss_fn, batch, keep_grads=keep_grads, fused_attention=fused)
             except CheckpointError:
                 traces[k] = traced(False)
+            except FrameworkError:
+                raise
+            except Exception as e:   # a model that does not take this input: say what was fed (the cause kept:
+                # its traceback points into the model)
+                raise ConfigError(f"memory prediction: tracing the activations with loss_fn(module, batch) on the "
+                                  f"meta device failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+                                  f"; the trace fed {fed}: give predict(..., batch=) one micro batch as your loss_fn takes "
+                                  f"it (and loss_fn=)") from e
         return traces[k]
 
     tr = traced(fused=device == "cuda")
     fused = traced(True) if device != "cpu" else None
     pred.transient["activations"] = tr.peak
     pred.cuda_activations = fused.peak if fused else None
-    pred.notes.append(f"activations traced on meta: micro_batch={cfg.train.micro_batch}, context={ctx}, "
+    pred.notes.append(f"activations traced on meta: {shown}, "
                       f"checkpointing={ckpt if own_loss else 'as the model is built'}, "
                       f"{tr.saved / MiB:.1f} MiB saved after forward, {tr.peak / MiB:.1f} MiB peak"
                       + (f" ({fused.peak / MiB:.1f} MiB with CUDA's fused attention)" if device is None else ""))

@@ -16,6 +16,7 @@ from framework.memory.model import predict
 from framework.core.units import GiB
 from framework.memory.tables import NVMeKeys, count_module, nvme_rows, parse_count, zero2_rows, zero3_rows
 from framework.config import compose
+from framework.core.errors import ConfigError
 from framework.cli.estimate import main
 from framework.models.gpt import GPT, PRESETS
 from tests._helpers import count_params
@@ -317,6 +318,24 @@ def test_cuda_peak_traces_attention_as_the_fused_kernels_hold_it():
     p = preds[512]   # the CUDA peak: without the score matrices and their slack, with CUDA's fixed 64 MiB
     assert p.device_peak(cuda=True) - p.device_peak(cuda=False) == pytest.approx(
         -1.1 * scores[512] + (64 << 20), abs=1 << 20)
+
+
+def test_a_users_module_is_traced_with_the_batch_given():
+    # Not a token model: the default (x, x) of token ids cannot feed it, which is one line saying what was fed
+    # and how to give a micro batch; with one, its activations grow with its rows.
+    cfg = compose(["+stage=zero2", "train.micro_batch=2", "logger=none"])
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+
+    def loss_fn(module, micro):
+        x, y = micro
+        return torch.nn.functional.mse_loss(module(x), y)
+
+    with pytest.raises(ConfigError, match=r"fed token ids \(x, x\) of .* = \[2, \d+\]: give predict\(\.\.\., batch=\)"):
+        predict(cfg, 1, module=m, loss_fn=loss_fn)
+    acts = [predict(cfg, 1, module=m, loss_fn=loss_fn, batch=(torch.zeros(n, 8), torch.zeros(n, 1)))
+            .transient["activations"] for n in (512, 1024)]
+    assert acts[0] >= 512 * 256 * 4 and acts[1] == pytest.approx(2 * acts[0], rel=0.1), acts
 
 
 def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):

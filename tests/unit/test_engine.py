@@ -457,6 +457,21 @@ def test_the_state_api_refuses_a_misplaced_argument_in_one_line(tmp_path):
         assert engine.state is state and other.state.step == 0 and other.state.params[0] is not state.params[0]
 
 
+def test_a_checkpointer_that_saves_nothing_says_so_once(tmp_path, capsys):
+    # compose's checkpoint.every=0: the library loop's maybe_save would save nothing, silently
+    loss = lambda m, mb: torch.nn.functional.mse_loss(m(mb[0]), mb[1])   # noqa: E731
+    with framework.initialize(torch.nn.Linear(3, 1), loss, tiny_config()) as engine:
+        with contextlib.closing(Checkpointer(tiny_config(), engine, run_dir=tmp_path)) as ckpt:
+            ckpt.maybe_save(engine.state)
+            ckpt.maybe_save(engine.state, last=True)
+        assert capsys.readouterr().out.splitlines() == [
+            "checkpoint: none saved (checkpoint.every=0): maybe_save saves nothing; set checkpoint.every=N to save "
+            "every N steps and at last=True, or call ckpt.save(state)"]
+        with contextlib.closing(Checkpointer(tiny_config("checkpoint.every=5"), engine, run_dir=tmp_path)) as ckpt:
+            ckpt.maybe_save(engine.state, last=True)
+    assert [p.name for p in tmp_path.rglob("step-*")] == ["step-0"] and "none saved" not in capsys.readouterr().out
+
+
 class _Blk(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -54,6 +54,7 @@ class Checkpointer:
         self.writer = None   # DCP's storage writer, None: FileSystemWriter (tests put one that fails on purpose here)
         self.resumed_from: Path | None = None   # the checkpoint folder ``resume`` loaded
         self.closed = False   # close() ended its group (and async pool): no save or resume after it
+        self._said_none = False   # that checkpoint.every=0 saves nothing (maybe_save, once)
 
     def _say(self, msg: str) -> None:
         if self.rank == 0:
@@ -118,6 +119,10 @@ class Checkpointer:
 
     def maybe_save(self, state, last: bool = False, metrics: dict | None = None) -> None:
         """Every ``checkpoint.every`` steps and at the ``last``, unless the step's ``metrics`` were not finite."""
+        if not self.cfg.every and not self._said_none:   # (compose's default): said once, not passed over silently
+            self._said_none = True
+            self._say("none saved (checkpoint.every=0): maybe_save saves nothing; set checkpoint.every=N to save "
+                      "every N steps and at last=True, or call ckpt.save(state)")
         if self.cfg.every and (state.step % self.cfg.every == 0 or last):
             if metrics is not None and metrics.get("nonfinite"):
                 self._say(f"not saving step {state.step}: its loss or gradient norm was not finite "
