@@ -88,11 +88,16 @@ def _device_sq_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
-    """Move every tensor inside nested tuples, lists and dicts (no copy when already there)."""
+    """Move every tensor inside nested tuples (named ones too), lists, dicts and dataclass instances (no copy when
+    already there)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device, non_blocking=True)
     if isinstance(obj, dict):
         return {k: to_device(v, device) for k, v in obj.items()}
     if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(v, device) for v in obj)
+        items = [to_device(v, device) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj

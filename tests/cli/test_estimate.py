@@ -336,6 +336,22 @@ def test_a_users_module_is_traced_with_the_batch_given():
     acts = [predict(cfg, 1, module=m, loss_fn=loss_fn, batch=(torch.zeros(n, 8), torch.zeros(n, 1)))
             .transient["activations"] for n in (512, 1024)]
     assert acts[0] >= 512 * 256 * 4 and acts[1] == pytest.approx(2 * acts[0], rel=0.1), acts
+    # a named tuple or a dataclass micro batch, as train_step takes them: moved to the meta device alike
+    import collections
+    import dataclasses
+
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @dataclasses.dataclass(frozen=True)
+    class Rows:
+        x: torch.Tensor
+        y: torch.Tensor
+
+        def __iter__(self):
+            return iter((self.x, self.y))
+
+    for batch in (Pair(torch.zeros(512, 8), torch.zeros(512, 1)), Rows(torch.zeros(512, 8), torch.zeros(512, 1))):
+        assert predict(cfg, 1, module=m, loss_fn=loss_fn, batch=batch).transient["activations"] == acts[0], batch
 
 
 def test_a_model_the_meta_trace_cannot_run_is_one_line(capsys):
