@@ -21,6 +21,11 @@ def ready_path(store_dir: str, rank: int) -> str:
     return os.path.join(store_dir, f"ready-{rank}")
 
 
+def peer_lost_path(store_dir: str, rank: int) -> str:
+    """Made by a rank whose error was a lost peer (a DistributedError): the launcher names another's first."""
+    return os.path.join(store_dir, f"peer-lost-{rank}")
+
+
 def hold(path: str, create: bool = False) -> int:
     """A descriptor holding a shared lock on ``path`` while open (the kernel drops it when the process dies)."""
     flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)

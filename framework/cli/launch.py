@@ -12,8 +12,8 @@ import contextlib
 import errno
 import fcntl
 import json
-import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from dataclasses import replace
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -35,9 +36,9 @@ from framework.config.dsconfig import COMMAND_LINE
 from framework.comm.distributed import (agree, backend_notice, check_env, connect, disconnect, env_int,
                                        local_world_size, resolve_backend, run_world, slurm_tasks_here)
 from framework.core import files
-from framework.core.errors import ConfigError, FrameworkError, Terminated, on_every_rank, say
+from framework.core.errors import ConfigError, DistributedError, FrameworkError, Terminated, on_every_rank, say
 from framework.loggers import RunInfo
-from framework.cli._rendezvous import LOCK, PREFIX, hold, ready_path, remove_dead
+from framework.cli._rendezvous import LOCK, PREFIX, hold, peer_lost_path, ready_path, remove_dead
 from framework.cli.loop import train
 
 
@@ -307,6 +308,7 @@ def slurm_task_env() -> dict[str, str]:
 STOP_GRACE_S = 30      # after Ctrl-C: the ranks' own time to clean up before they get SIGTERM
 KILL_AFTER_S = 5       # after a second Ctrl-C: the ranks' time to end on SIGTERM before SIGKILL
 INTERRUPT = signal.SIGUSR1   # the launcher's Ctrl-C passed on to a rank: Ctrl-C unless it is interrupted already
+REPORT_GRACE_S = 5     # after a rank failed: the others' time to end with their own error before they are stopped
 
 
 def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
@@ -314,8 +316,6 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     remove_dead(tempfile.gettempdir())
     store_dir = tempfile.mkdtemp(prefix=PREFIX)
     lock = hold(os.path.join(store_dir, LOCK), create=True)
-    log = logging.getLogger(mp.ProcessContext.__module__)
-    log.addFilter(_no_terminating_line)
     try:
         # Ranks start with SIGINT ignored (a Ctrl-C during their imports: a traceback each); until ready, SIGTERM.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -325,24 +325,23 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
         finally:
             signal.signal(signal.SIGINT, interrupt)
         try:
-            while not ranks.join():
-                pass
+            failed = _failed(ranks.processes, store_dir)
         except (KeyboardInterrupt, SystemExit) as e:   # Ctrl-C, SIGTERM: the ranks clean up before we leave
             _stop(ranks.processes, signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
             raise
-    except mp.ProcessExitedException as e:
-        backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-        raise _ended(run, FrameworkError(exit_message(e.error_index, cfg.dist.nproc, e.exit_code, backend,
-                                                      cfg.dist.timeout_s))) from None
-    except mp.ProcessRaisedException as e:   # (a rank's FrameworkError exits 1: this is a bug's, with its traceback)
-        trace = str(e).partition("terminated with the following error:\n")[2].rstrip() or str(e).strip()
-        say(trace)
-        raise _ended(run, FrameworkError(f"rank {e.error_index} of {cfg.dist.nproc} failed: "
-                                         f"{trace.splitlines()[-1]}"),
-                     trace if e.error_index else "") from None   # (rank 0's console wrote its own to train.log)
+        if failed is not None:
+            code, error_file = ranks.processes[failed].exitcode, ranks.error_files[failed]
+            if not os.path.isfile(error_file):   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
+                backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
+                raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, code, backend,
+                                                              cfg.dist.timeout_s)))
+            with open(error_file, "rb") as f:   # (torch's spawn pickles the rank's traceback there)
+                trace = pickle.load(f).rstrip()
+            say(trace)
+            raise _ended(run, FrameworkError(f"rank {failed} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
+                         trace if failed else "")   # (rank 0's console wrote its own to train.log)
     finally:
-        log.removeFilter(_no_terminating_line)
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
@@ -360,9 +359,23 @@ def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkErr
     return error
 
 
-def _no_terminating_line(record: logging.LogRecord) -> bool:
-    """Drops torch's "Terminating process N via signal SIGTERM" warning: the launcher's own line says it."""
-    return not str(record.msg).startswith("Terminating process")
+def _failed(ranks: list, store_dir: str) -> int | None:
+    """Wait for the ranks to end; None when all finished. Once one failed, the others have ``REPORT_GRACE_S`` to
+    end with their own error (a rank that failed first may be one whose peer went silent, one slow to exit), then
+    are stopped; the rank to name is the first that failed, unless its error was a lost peer and another's was not."""
+    pending = {p.sentinel: rank for rank, p in enumerate(ranks)}
+    failed, deadline = [], None
+    while pending and (ready := wait(list(pending), None if deadline is None
+                                     else max(0.0, deadline - time.monotonic()))):
+        for rank in sorted(pending.pop(s) for s in ready):
+            ranks[rank].join()
+            if ranks[rank].exitcode != 0:
+                failed.append(rank)
+                deadline = deadline or time.monotonic() + REPORT_GRACE_S
+    if not failed:
+        return None
+    _stop(ranks, signal.SIGTERM)
+    return min(failed, key=lambda rank: os.path.exists(peer_lost_path(store_dir, rank)))   # (the first of the best)
 
 
 def _stop(ranks: list, signum: int, ready: Callable[[int], bool] = lambda rank: True) -> None:
@@ -447,6 +460,9 @@ def _worker(rank: int, cfg: Config, run: RunInfo, store_dir: str, on_point: Call
             dist.barrier("shutdown barrier")
     except FrameworkError as e:
         say(f"error: rank {rank}: {e}")
+        if isinstance(e, DistributedError):   # (the launcher names another rank's error first)
+            with contextlib.suppress(OSError):
+                os.close(os.open(peer_lost_path(store_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
         sys.exit(1)
     except KeyboardInterrupt as e:   # (torch's wrapper would exit 0, as if the rank had finished)
         say(f"rank {rank}: {str(e) or 'interrupted'}")

@@ -4,8 +4,9 @@
     python -m framework.report multirun/2026-12-01/10-00-00 --out docs/  # or somewhere else
 
 Every job folder under the given one (any depth) with a ``summary.json`` or Hydra's overrides is a
-row (one without a summary failed or is running); ``loss.png`` and ``throughput_memory.png`` plot
-the losses, tokens/s and measured peak memory. Needs matplotlib (``pip install 'framework[report]'``).
+row (one without a summary failed or is running), and so is the given folder itself when it is one
+run's (Hydra's overrides, no job below); ``loss.png`` and ``throughput_memory.png`` plot the losses,
+tokens/s and measured peak memory. Needs matplotlib (``pip install 'framework[report]'``).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
     else:
         dirs = {p.parent for p in root.rglob("summary.json")} | {
             p.parent.parent for p in root.rglob(".hydra/overrides.yaml") if p.parent.parent != root}
+        if not dirs and (root / ".hydra" / "overrides.yaml").is_file():   # one run's folder, running or failed
+            dirs = {root}
     jobs = []
     for d in sorted(dirs, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]):
         overrides = [str(o) for o in _parsed(d / ".hydra" / "overrides.yaml", yaml.safe_load) or []]
@@ -79,6 +82,9 @@ def load_jobs(root: Path, pattern: str | None = None) -> list[Job]:
         if summary is not None and "config_sources" in summary:
             overrides = summary_overrides(summary, overrides)
         jobs.append(Job(d, overrides, summary, _parsed(d / "metrics.jsonl", _records) or []))
+    if not jobs and pattern is not None:
+        raise FrameworkError(f"report: no job folder named {pattern} in {root} (one with a summary.json or "
+                             f".hydra/overrides.yaml); only those are read here: pass the folder that holds them")
     if not jobs:
         raise FrameworkError(f"report: no job under {root} (no summary.json or .hydra/overrides.yaml); "
                              f"pass the folder a multirun wrote (hydra.sweep.dir)")

@@ -46,7 +46,8 @@ class RunRecord:
 
     ``start``: the step this record goes on from (0: new; else the resumed checkpoint's). Later records
     would mix with this run's: once the logger started, the file is set aside as ``metrics.jsonl.N``
-    (``summary.json`` too, a new record's or one of a later step), nothing lost. No room to write ends the run with one line."""
+    (``summary.json`` too, a new record's or one of a later step), and so is a damaged one, nothing lost.
+    No room to write ends the run with one line."""
 
     def __init__(self, run_dir: Path, logger: NullLogger | None = None, start: int = 0):
         files.make_dirs(run_dir)
@@ -119,11 +120,13 @@ def _finite_or_none(obj):
 
 
 def _summary(run_dir: Path) -> dict | None:
+    """summary.json; None when there is none or it is damaged (not an object, or its steps not a number)."""
     try:
         with os.fdopen(files.open_nofollow(run_dir / "summary.json", os.O_RDONLY)) as f:
-            return json.load(f)
+            summary = json.load(f)
     except (OSError, ValueError):
         return None
+    return summary if isinstance(summary, dict) and _number(summary.get("steps")) else None
 
 
 def _set_aside(run_dir: Path, start: int) -> None:
@@ -136,10 +139,11 @@ def _set_aside(run_dir: Path, start: int) -> None:
         lines = []
     keep = [line for line in lines if line.endswith("\n") and _step(line) <= start]   # (a line cut short: aside)
     summary = run_dir / "summary.json"
-    # A summary of a step past ``start`` ends another history (a resume from an earlier checkpoint): aside too.
-    steps = (_summary(run_dir) or {}).get("steps") if start else None
+    # A summary of a step past ``start`` ends another history (a resume from an earlier checkpoint): aside too,
+    # as is a damaged one.
+    steps = (_summary(run_dir) or {}).get("steps", math.inf) if start else None
     aside = [p for p in (path if len(keep) < len(lines) else None,
-                         summary if start == 0 or (isinstance(steps, (int, float)) and steps > start) else None)
+                         summary if start == 0 or steps > start else None)
              if p is not None and p.is_file()]
     if not aside:
         return
@@ -154,10 +158,16 @@ def _set_aside(run_dir: Path, start: int) -> None:
 
 
 def _step(line: str) -> float:
+    """A record's step; a damaged record's (no number there) is past every start."""
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line)["step"]
     except (ValueError, KeyError, TypeError):
         return math.inf
+    return step if _number(step) else math.inf
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 class _Sink:

@@ -804,21 +804,25 @@ def test_a_report_whose_reader_left_ends_quietly(tmp_path, monkeypatch):
     assert (tmp_path / "report.md").is_file() and (tmp_path / "loss.png").is_file()
 
 
-@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise", "step:2@0,raise"])
+@pytest.mark.parametrize("fault", ["step:2@1", "step:2@1,raise", "step:2@0,raise", "step:2@0,fail"])
 def test_a_spawned_rank_that_died_is_named_and_train_log_keeps_what_ended_the_run(forkrun, tmp_path, fault):
     """A rank gone without a word (os._exit, as a kill or a crash in native code): the launcher's line
     does not point at an error above that is not there, and torch's own line about stopping the
     others is not printed. A rank's bug: its traceback, then the launcher's line. Either way train.log
     (rank 0's console, which ended with the stop the launcher sent it) ends with what the console showed;
-    rank 0's own bug is there once (its console wrote it)."""
+    rank 0's own bug is there once (its console wrote it). A rank's error slow to exit (W&B's teardown) is
+    named, not the peer that exited first on losing it."""
     p = forkrun.run("tests._fault_train", [*SHORT, "dist.nproc=2", "train.steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
                     cwd=tmp_path, env={**ENV, "FRAMEWORK_FAULT": fault})
     assert p.returncode == 1, p.stderr
     assert "Terminating process" not in p.stderr, p.stderr
     log = (tmp_path / "run" / "train.log").read_text()
-    if fault == "step:2@1":
-        line = "error: rank 1 of 2 exited with code 17 (anything it printed is above); the other ranks were stopped"
+    if fault in ("step:2@1", "step:2@0,fail"):
+        rank, code = ("1", 17) if fault == "step:2@1" else ("0", 1)
+        line = f"error: rank {rank} of 2 exited with code {code} (anything it printed is above); the other ranks were "
+        line += "stopped"
         assert line in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert code == 17 or "error: rank 0: FRAMEWORK_FAULT: rank 0 fails at step:2\n" in p.stderr, p.stderr
         assert log.endswith(f"\n{line}\n"), log[-2000:]   # (after rank 0's own end: its stop, or its peer lost)
         return
     rank = fault[fault.index("@") + 1]

@@ -554,6 +554,20 @@ def test_finish_reads_only_its_own_job_folders(tmp_path):
     assert len(report.load_jobs(out)) == 3   # (python -m framework.report DIR still reads every depth)
 
 
+def test_report_of_one_unfinished_run_and_check_of_a_plain_sweep(tmp_path, capsys):
+    """A single run's folder without summary.json (running, or failed) is its one row, not "no job";
+    check DIR of a plain sweep (jobs 0/, 1/) says it reads only run*-job* folders."""
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- train.steps=2\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    [job] = report.load_jobs(run)
+    assert (job.dir, job.summary, job.overrides, len(job.records)) == (run, None, ["train.steps=2"], 1)
+    _crafted_job(tmp_path / "sweep" / "0")
+    _crafted_job(tmp_path / "sweep" / "1")
+    _one_line_error(capsys, ["zero_equivalence", "check", str(tmp_path / "sweep")], "no job folder named run*-job*")
+
+
 def test_report_plots_a_job_without_tokens_per_s(tmp_path, capsys):
     """summary.json's tokens_per_s null (the validator takes it): a '-' in the table and no bar, not a traceback."""
     pytest.importorskip("matplotlib")

@@ -65,6 +65,21 @@ def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path)
     assert not (tmp_path / "metrics.jsonl.1").exists() and not (tmp_path / "summary.json.1").exists()
 
 
+@pytest.mark.parametrize("start", [0, 4])
+@pytest.mark.parametrize("name, damaged", [("metrics.jsonl", '{"step": null}\n'), ("metrics.jsonl", '{"step": "3"}\n'),
+                                           ("metrics.jsonl", '{"step": true}\n'), ("summary.json", "[1]"),
+                                           ("summary.json", '{"steps": "2"}')])
+def test_a_damaged_record_is_set_aside_not_a_traceback(tmp_path, capsys, name, damaged, start):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
+    (tmp_path / name).write_text(damaged if name == "summary.json" else '{"step": 2, "loss": 1.0}\n' + damaged)
+    record = _started(RunRecord(tmp_path, start=start))
+    record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.5})
+    record.close()
+    assert (tmp_path / f"{name}.1").read_text().endswith(damaged)   # nothing lost
+    assert f"{name} " in capsys.readouterr().out and json.loads((tmp_path / "summary.json").read_text())["steps"] == 4
+
+
 def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, capsys):
     """Re-running a finished run (resumed at train.steps) never replaces its summary with NaN."""
     _earlier_run(tmp_path, steps=(2,))
