@@ -205,6 +205,8 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
     """``--cfg job [--package KEY]``: the composed config (or its KEY section) with a DeepSpeed config's values;
     the whole config starts with a comment naming the chosen groups (``# stage=zero2 offload=cpu ...``)."""
     cfg, config = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
+    if config.notices:   # as a run prints them (stderr: stdout stays the YAML a script may read)
+        print("\n".join(config.notices), file=sys.stderr, flush=True)
     node = OmegaConf.to_container(cfg)
     node.pop("hydra", None)   # Hydra's section (--cfg hydra): only a running Hydra resolves it (hydra.job.num)
     if resolve:
