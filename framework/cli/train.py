@@ -255,13 +255,18 @@ class Passed:
         return [o for o in task if o not in self.task]
 
 
-def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
-    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None."""
+def _record(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed,
+            ds_config: str | None = None) -> Callable[[Path], None] | None:
+    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None.
+    Hydra's config.yaml lacks a DeepSpeed file's layer: with one, a first comment line says where the run's is."""
     if subdir is None:
         return None
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
     records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
-    return functools.partial(_write_record, subdir, {name: OmegaConf.to_yaml(node).encode() for name, node in records})
+    head = {"config.yaml": f"# Hydra's YAML layer, without the DeepSpeed file's values ({ds_config}): the run's "
+                           f"config is summary.json's \"config\" (or --cfg job)\n"} if ds_config else {}
+    return functools.partial(_write_record, subdir, {name: (head.get(name, "") + OmegaConf.to_yaml(node)).encode()
+                                                     for name, node in records})
 
 
 def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:
@@ -403,7 +408,7 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                                   f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
                                   "one folder per job, e.g. its default ${hydra.job.num} (and, with override_dirname, "
                                   "exclude no swept key)")
-            val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed))["val_loss"]
+            val = launch(config, run, on_point, owned.append, _record(task, hc, subdir, passed, config.ds_config))["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except Exception as e:
             basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER

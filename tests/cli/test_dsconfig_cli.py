@@ -87,6 +87,10 @@ def test_command_line_sets_keys_of_the_groups_the_file_chooses(forkrun, tmp_path
     assert summary["config_sources"]["optimizer.name"] == "DeepSpeed file"
     record = tmp_path / "run" / ".hydra"
     assert yaml.safe_load((record / "overrides.yaml").read_text())[:2] == [f"ds_config={sgd}", "optimizer.momentum=0.5"]
+    # Hydra's config.yaml is its YAML layer (lr 1e-3, not the file's 0.1): its first line says where the run's is
+    layer = (record / "config.yaml").read_text()
+    assert layer.startswith("# Hydra's YAML layer") and "summary.json's \"config\"" in layer.splitlines()[0]
+    assert yaml.safe_load(layer)["optimizer"]["lr"] != summary["config"]["optimizer"]["lr"] == 0.1
     assert not any(o.startswith("optimizer=") for o in yaml.safe_load((record / "overrides.yaml").read_text()))
     hydra_cfg = yaml.safe_load((record / "hydra.yaml").read_text())["hydra"]
     assert hydra_cfg["runtime"]["choices"]["optimizer"] == "sgd"
