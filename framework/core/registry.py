@@ -68,7 +68,8 @@ def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | 
         return name
     if (alias := (aliases or {}).get(name.lower())) in valid:
         return alias
-    # Spelling distance is case-sensitive: AdamW is adamw and WarmupCosineLR warmup_cosine_lr, whatever is near.
+    # Another case or CamelCase names the one meant before any spelling distance (AdamW: adamw, not adam;
+    # WarmupCosineLR: warmup_cosine_lr, not warmup_cosine).
     folded = {v.lower(): v for v in valid}
     snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
     if (same := folded.get(name.lower()) or folded.get(snake)) is not None:

@@ -146,7 +146,7 @@ class FP16Config(ScalerConfig):
     auto_cast: bool = False   # DeepSpeed's fp16.auto_cast: the forward's floating inputs cast to fp16
 
 
-def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = None):
+def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = None) -> Any:
     """Precision ``name``'s node, refused before a run starts where a key is out of range (the build relies on it)."""
     allowed = sorted({"fp32", name})
     if cfg.grad_accum_dtype not in allowed:
