@@ -40,13 +40,18 @@ class Passed:
         return [o for o in task if o not in self.task]
 
 
-def record_job(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed) -> Callable[[Path], None] | None:
-    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None."""
+def record_job(task: DictConfig, hc: DictConfig, subdir: str | None, passed: Passed,
+               ds_config: str | None = None) -> Callable[[Path], None] | None:
+    """A picklable function writing Hydra's record of the job (as given) into a folder's ``subdir``, or None.
+    Hydra's config.yaml lacks a DeepSpeed file's layer: with one, a first comment line says where the run's is."""
     if subdir is None:
         return None
     hydra_cfg = _as_given(OmegaConf.create({"hydra": OmegaConf.to_container(hc)}), subdir, passed)
     records = (("config.yaml", task), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task))
-    return functools.partial(_write_record, subdir, {name: OmegaConf.to_yaml(node).encode() for name, node in records})
+    head = {"config.yaml": f"# Hydra's YAML layer, without the DeepSpeed file's values ({ds_config}): the run's "
+                           f"config is summary.json's \"config\" (or --cfg job)\n"} if ds_config else {}
+    return functools.partial(_write_record, subdir, {name: (head.get(name, "") + OmegaConf.to_yaml(node)).encode()
+                                                     for name, node in records})
 
 
 def _write_record(subdir: str, records: dict[str, bytes], folder: Path) -> None:

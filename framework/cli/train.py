@@ -206,6 +206,8 @@ def _print_resolved(overrides: list[str], resolve: bool, primary: dict, package:
     """``--cfg job [--package KEY]``: the composed config (or its KEY section) with a DeepSpeed config's values;
     the whole config starts with a comment naming the chosen groups (``# stage=zero2 offload=cpu ...``)."""
     cfg, config = compose_layers(list(overrides), composer=functools.partial(standalone_composer, **primary))
+    if config.notices:   # as a run prints them (stderr: stdout stays the YAML a script may read)
+        print("\n".join(config.notices), file=sys.stderr, flush=True)
     node = OmegaConf.to_container(cfg)
     node.pop("hydra", None)   # Hydra's section (--cfg hydra): only a running Hydra resolves it (hydra.job.num)
     if resolve:
@@ -334,7 +336,8 @@ def _app(configs: dict[tuple[str, ...], Config], on_point: Callable[[str], None]
                                   f"{earlier} (resuming or setting aside that job's run); make hydra.sweep.subdir name "
                                   "one folder per job, e.g. its default ${hydra.job.num} (and, with override_dirname, "
                                   "exclude no swept key)")
-            val = launch(config, run, on_point, owned.append, record_job(task, hc, subdir, passed))["val_loss"]
+            val = launch(config, run, on_point, owned.append, record_job(task, hc, subdir, passed, config.ds_config)
+                         )["val_loss"]
             return math.nan if val is None else val   # (summary.json, read back from ranks, has NaN as null)
         except Exception as e:
             basic_sweep = multirun and hc.launcher._target_ == BASIC_LAUNCHER

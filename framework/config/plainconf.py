@@ -1,7 +1,8 @@
 """Composing and typing configs without Hydra or OmegaConf (a GPU image with only torch's stack;
 the command line itself needs Hydra): the same conf/ files and override spellings that library
 code uses (``group=name``, ``+stage=name``, ``key.path=value``, ``++key=value``, ``~key``), then the
-same ``validate``. Interpolations, ``--config-dir`` and sweeps are errors saying they need Hydra.
+same ``validate``. Interpolations, ``--config-dir`` and sweeps are errors saying they need Hydra; a value
+Hydra's grammar takes only quoted (``~/ckpt``, ``a;b``) is refused as there, so a command works on both or neither.
 """
 from __future__ import annotations
 
@@ -28,9 +29,10 @@ def parse(line: str) -> Override:
     """One override in Hydra's spelling (the subset above)."""
     prefix = next((p for p in ("~", "++", "+") if line.startswith(p)), "")
     key, eq, text = line[len(prefix):].partition("=")
-    key = key.strip()
     if not key or (not eq and prefix != "~"):
         raise ConfigError(f"config: cannot parse override {line!r}; expected key=value")
+    if key != "".join(key.split()):   # (as Hydra's grammar)
+        raise ConfigError(f"config: cannot parse override {line!r}: a key holds no spaces; remove them")
     # an unquoted '{'; a comma outside quotes and brackets (a sweep)
     marks = {c for c, plain, depth in _walk(text) if plain and (c == "{" or c == "," and depth == 0)}
     if any(c in text for c in ("${", "choice(", "range(", "glob(")) or "," in marks:
@@ -66,7 +68,12 @@ def _walk(text: str) -> Iterator[tuple[str, bool, int]]:
 def value(text: str) -> Any:
     """A value as Hydra reads it: null, booleans, numbers (1e9 is a float), quoted or plain
     strings, and [a, b] lists of those."""
-    text = text.strip()
+    tokens = _TOKEN.findall(text)   # (an escaped space at either end stays: a\  is 'a ')
+    while tokens and tokens[0] in (" ", "\t"):
+        tokens.pop(0)
+    while tokens and tokens[-1] in (" ", "\t"):
+        tokens.pop()
+    text = "".join(tokens)
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1].replace("\\" + text[0], text[0]).replace("\\\\", "\\")
     if text.startswith("[") and text.endswith("]"):
@@ -77,7 +84,11 @@ def value(text: str) -> Any:
         return [value(x) for x in items]
     if not text.isascii():   # as Hydra's grammar: 12 in other scripts' digits is no number, nor a plain string
         raise ConfigError(f"config: the value {text!r} has characters other than ASCII; quote it ('{text}')")
-    text = _UNESCAPE.sub(r"\1", text)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
+    if bad := next((t for t in tokens if len(t) == 1 and not (t.isalnum() or t in _UNQUOTED)), None):
+        quote = '"' if "'" in text else "'"
+        raise ConfigError(f"config: the value {text!r} has a character ({bad!r}) that an override value holds only "
+                          f"quoted; quote it ({quote}{text}{quote})")
+    text = "".join(t[-1] for t in tokens)   # Hydra's escapes in an unquoted value: a\ b is 'a b'
     constants = {"null": None, "true": True, "false": False}
     if text.lower() in constants:
         return constants[text.lower()]
@@ -95,7 +106,10 @@ _DIGITS = r"[0-9](?:_?[0-9])*"
 _POINT = rf"(?:{_UINT}\.|(?:{_UINT})?\.{_DIGITS})"
 _INT = re.compile(rf"[+-]?{_UINT}")
 _FLOAT = re.compile(rf"[+-]?(?:(?:{_UINT}|{_POINT})[eE][+-]?{_DIGITS}|{_POINT}|[Ii][Nn][Ff]|[Nn][Aa][Nn])")
-_UNESCAPE = re.compile(r"\\([\\()\[\]{}:=, \t])")
+# Hydra's unquoted values: letters, digits, these characters and its escapes (\ before one of \()[]{}:=, and
+# space or tab); anything else (~ # ; & ' ( = ...) is a parse error there unless the value is quoted.
+_UNQUOTED = "_-/\\+.$%*@?|: \t"
+_TOKEN = re.compile(r"\\[\\()\[\]{}:=, \t]|.", re.S)
 
 
 def _split(inner: str) -> list[str]:

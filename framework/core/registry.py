@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import pkgutil
+import re
 from dataclasses import dataclass, field
 from functools import cache
 from types import MappingProxyType
@@ -62,13 +63,19 @@ class Registry:
 def closest(name: str, valid, cutoff: float = 0.5, aliases: Mapping[str, str] | None = None) -> str | None:
     """The valid name closest to a mistyped one (None: nothing close): every "did you mean" comes from here.
     ``aliases``: other tools' names (lower case) for valid ones, which no spelling distance finds."""
-    valid = [str(v) for v in valid]
-    if str(name) in valid:   # (before the aliases: a key of that very name beats another tool's meaning)
-        return str(name)
-    if (alias := (aliases or {}).get(str(name).lower())) in valid:
+    valid, name = [str(v) for v in valid], str(name)
+    if name in valid:   # (before the aliases: a key of that very name beats another tool's meaning)
+        return name
+    if (alias := (aliases or {}).get(name.lower())) in valid:
         return alias
-    match = difflib.get_close_matches(str(name), valid, n=1, cutoff=cutoff)
-    return match[0] if match else None
+    # Another case or CamelCase names the one meant before any spelling distance (AdamW: adamw, not adam;
+    # WarmupCosineLR: warmup_cosine_lr, not warmup_cosine).
+    folded = {v.lower(): v for v in valid}
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+    if (same := folded.get(name.lower()) or folded.get(snake)) is not None:
+        return same
+    match = difflib.get_close_matches(name.lower(), folded, n=1, cutoff=cutoff)
+    return folded[match[0]] if match else None
 
 
 def closest_hint(name: str, valid) -> str:

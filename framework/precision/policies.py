@@ -146,18 +146,14 @@ class FP16Config(ScalerConfig):
     auto_cast: bool = False   # DeepSpeed's fp16.auto_cast: the forward's floating inputs cast to fp16
 
 
-def _policy(name: str, cfg, scaler: ScalerConfig | None = None) -> Policy:
-    """Precision ``name``: fp32 masters, gradients reduced in ``name`` (or fp32: ``reduce_fp32``)."""
-
+def check(name: str, cfg, stage: str = "", nodes: Mapping[str, Any] | None = None) -> Any:
+    """Precision ``name``'s node, refused before a run starts where a key is out of range (the build relies on it)."""
     allowed = sorted({"fp32", name})
     if cfg.grad_accum_dtype not in allowed:
         raise ConfigError(f"precision.grad_accum_dtype={cfg.grad_accum_dtype!r} is not valid with precision={name}; "
                           f"use {' or '.join(allowed)}")
-    reduce = torch.float32 if getattr(cfg, "reduce_fp32", False) else DTYPES[name]
-    return Policy(name, DTYPES[name], reduce, torch.float32, scaler, grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
-
-
-def fp16(cfg: FP16Config) -> Policy:
+    if name != "fp16":
+        return cfg
     for key, value, bad, rule in (("loss_scale", cfg.loss_scale, cfg.loss_scale < 0, ">= 0 (0: dynamic)"),
                                   ("min_loss_scale", cfg.min_loss_scale, cfg.min_loss_scale <= 0, "> 0"),
                                   ("hysteresis", cfg.hysteresis, cfg.hysteresis < 1, ">= 1"),
@@ -179,10 +175,21 @@ def fp16(cfg: FP16Config) -> Policy:
         raise ConfigError(f"precision.{unused[0]}={getattr(cfg, unused[0])} has no effect with a static "
                           f"precision.loss_scale={cfg.loss_scale:g} (only the dynamic scaler, loss_scale=0, uses it); "
                           f"remove it or set precision.loss_scale=0")
+    return cfg
+
+
+def _policy(name: str, cfg, scaler: ScalerConfig | None = None) -> Policy:
+    """Precision ``name`` (``cfg`` checked by ``check``): fp32 masters, gradients reduced in ``name`` (or fp32:
+    ``reduce_fp32``)."""
+    reduce = torch.float32 if getattr(cfg, "reduce_fp32", False) else DTYPES[name]
+    return Policy(name, DTYPES[name], reduce, torch.float32, scaler, grad_accum_dtype=DTYPES[cfg.grad_accum_dtype])
+
+
+def fp16(cfg: FP16Config) -> Policy:
     policy = _policy("fp16", cfg, scaler=ScalerConfig(**{f.name: getattr(cfg, f.name) for f in fields(ScalerConfig)}))
     return replace(policy, auto_cast=cfg.auto_cast)
 
 
-COMPONENTS = {"fp32": Component(config=FP32Config, build=partial(_policy, "fp32")),
-              "bf16": Component(config=BF16Config, build=partial(_policy, "bf16")),
-              "fp16": Component(config=FP16Config, build=fp16)}
+COMPONENTS = {"fp32": Component(config=FP32Config, build=partial(_policy, "fp32"), check=partial(check, "fp32")),
+              "bf16": Component(config=BF16Config, build=partial(_policy, "bf16"), check=partial(check, "bf16")),
+              "fp16": Component(config=FP16Config, build=fp16, check=partial(check, "fp16"))}

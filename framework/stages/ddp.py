@@ -3,6 +3,7 @@ contiguous buckets of one flat buffer per group, launched from the gradient hook
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -28,8 +29,6 @@ class DDPConfig:
 class DDPStage(BaseStage):
     def __init__(self, cfg: DDPConfig, dist: Dist, offload=None):
         # (replicated training has no partition to offload: the compatibility table allows only none)
-        if cfg.bucket_size < 1:
-            raise ConfigError("stage.bucket_size must be >= 1 element")
         self.cfg, self.dist = cfg, dist
         self.reduced: list[torch.Tensor] = []   # what reduce_grads returned, until zero_grads
         self.hook_handles: list = []
@@ -80,4 +79,10 @@ class DDPStage(BaseStage):
         fp.add("optimizer_state", device=tensor_bytes(tensors_in(opt_state)))
 
 
-COMPONENT = Component(config=DDPConfig, build=DDPStage)
+def check(node: DDPConfig, stage: str, nodes: Mapping[str, Any]) -> DDPConfig:
+    if node.bucket_size < 1:
+        raise ConfigError("stage.bucket_size must be >= 1 element")
+    return node
+
+
+COMPONENT = Component(config=DDPConfig, build=DDPStage, check=check)

@@ -45,8 +45,6 @@ class ShardedStage(PartitionedStage):
     slot)) in registration order), ``_grad_memory(fp)`` and ``PartitionedStage``'s methods."""
 
     def __init__(self, cfg: ZeroConfig, dist: Dist, offload: Placement):
-        if cfg.reduce_bucket_size < 1 or cfg.allgather_bucket_size < 1:
-            raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
         super().__init__(cfg, dist, offload, chunk=self.piece_size(cfg, dist.world))
 
     def setup(self, module: nn.Module, policy: Policy, *, grad_accum: int = 1) -> Setup:
@@ -266,6 +264,7 @@ class Zero2Stage(ShardedStage):
 # DeepSpeed keys zero1 accepts (configs port over) whose other value would do nothing: refused, naming the
 # fix, or, where zero1 already meets the reason a config sets them, one note.
 def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
+    _check_buckets(node, stage, nodes)
     if not node.contiguous_gradients:
         raise ConfigError("config: stage.contiguous_gradients=false has no effect with stage=zero1 (its gradients "
                           "always accumulate in one contiguous flat buffer); remove it, or use +stage=zero2")
@@ -276,6 +275,12 @@ def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Zero
     return node
 
 
+def _check_buckets(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
+    if node.reduce_bucket_size < 1 or node.allgather_bucket_size < 1:
+        raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
+    return node
+
+
 def _zero1_notes(node: ZeroConfig, run) -> list[str]:
     return ["note: stage.round_robin_gradients=true changes nothing with zero1: its gradients are reduced and "
             "copied to the host after backward, by every rank at once (DeepSpeed uses it to spread those copies "
@@ -283,4 +288,4 @@ def _zero1_notes(node: ZeroConfig, run) -> list[str]:
 
 
 COMPONENTS = {"zero1": Component(config=ZeroConfig, build=Zero1Stage, check=_check_zero1, notes=_zero1_notes),
-              "zero2": Component(config=ZeroConfig, build=Zero2Stage)}
+              "zero2": Component(config=ZeroConfig, build=Zero2Stage, check=_check_buckets)}

@@ -8,7 +8,7 @@ import re
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -56,10 +56,6 @@ class Zero3Stage(PartitionedStage):
     forward_gathers = True
 
     def __init__(self, cfg: Zero3Config, dist: Dist, offload: Placement):
-        for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
-                    "stage3_param_persistence_threshold"):
-            if getattr(cfg, key) < 0:
-                raise ConfigError(f"stage.{key} must be >= 0")
         # One piece per unit group already: the pipeline's unit (no chunking).
         super().__init__(cfg, dist, offload, chunk=None)
         self.groups: list[UnitGroup] = []
@@ -314,7 +310,15 @@ def _refuse_state_dict(module, prefix, keep_vars):
                          "parameters you need inside framework.gathered(...)")
 
 
-COMPONENT = Component(config=Zero3Config, build=Zero3Stage)
+def check(node: Zero3Config, stage: str, nodes: Mapping[str, Any]) -> Zero3Config:
+    for key in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters", "stage3_max_reuse_distance",
+                "stage3_param_persistence_threshold"):
+        if getattr(node, key) < 0:
+            raise ConfigError(f"stage.{key} must be >= 0")
+    return node
+
+
+COMPONENT = Component(config=Zero3Config, build=Zero3Stage, check=check)
 
 
 def _empty_size_error(error: BaseException) -> bool:

@@ -40,10 +40,12 @@ def test_cfg_job_shows_the_resolved_config(forkrun, tmp_path):
     assert top.startswith("# stage=zero3 offload=cpu ") and " optimizer=adamw " in top and " scheduler=" in top, top
     assert not (tmp_path / "run").exists()
     # a DeepSpeed config named in the user's own YAML is shown resolved too
-    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25}))
+    (tmp_path / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_clipping": 0.25,
+                                                  "my_knob": 1}))
     (tmp_path / "mine.yaml").write_text(f"defaults:\n  - train\n  - _self_\nds_config: {tmp_path / 'ds.json'}\n")
     p = cli(forkrun, tmp_path, "--cfg", "job", "--config-dir", str(tmp_path), "--config-name", "mine")
     assert p.returncode == 0, p.stderr
+    assert "does not know" in p.stderr and "my_knob" in p.stderr and "my_knob" not in p.stdout   # as a run warns
     shown = yaml.safe_load(p.stdout)
     assert "reduce_scatter" in shown["stage"] and shown["train"]["grad_clip"] == 0.25   # the file's zero2
     # --package shows one section, as Hydra's own --cfg job --package does
@@ -85,6 +87,10 @@ def test_command_line_sets_keys_of_the_groups_the_file_chooses(forkrun, tmp_path
     assert summary["config_sources"]["optimizer.name"] == "DeepSpeed file"
     record = tmp_path / "run" / ".hydra"
     assert yaml.safe_load((record / "overrides.yaml").read_text())[:2] == [f"ds_config={sgd}", "optimizer.momentum=0.5"]
+    # Hydra's config.yaml is its YAML layer (lr 1e-3, not the file's 0.1): its first line says where the run's is
+    layer = (record / "config.yaml").read_text()
+    assert layer.startswith("# Hydra's YAML layer") and "summary.json's \"config\"" in layer.splitlines()[0]
+    assert yaml.safe_load(layer)["optimizer"]["lr"] != summary["config"]["optimizer"]["lr"] == 0.1
     assert not any(o.startswith("optimizer=") for o in yaml.safe_load((record / "overrides.yaml").read_text()))
     hydra_cfg = yaml.safe_load((record / "hydra.yaml").read_text())["hydra"]
     assert hydra_cfg["runtime"]["choices"]["optimizer"] == "sgd"

@@ -204,10 +204,10 @@ def test_a_stage_key_without_a_stage():
 
 
 def test_a_stage_key_without_a_stage_from_the_command_line(forkrun, tmp_path):
-    p = forkrun.run("framework.train", ["stage.bucket_size=-5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+    p = forkrun.run("framework.train", ["stage.bucket_size=5", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.splitlines() == [
-        "error: config: stage.bucket_size=-5 sets a key of the stage, which the command line does not choose; "
-        "choose it first: +stage=ddp stage.bucket_size=-5"]
+        "error: config: stage.bucket_size=5 sets a key of the stage, which the command line does not choose; "
+        "choose it first: +stage=ddp stage.bucket_size=5"]
     assert not (tmp_path / "run").exists()
 
 

@@ -231,6 +231,16 @@ def test_a_wrong_group_name_is_one_line_with_the_closest(group):
     assert ", ".join(registry(group).names()) in msg
 
 
+@pytest.mark.parametrize("override,name", [
+    ("optimizer=AdamW", "adamw"), ("optimizer=SGD", "sgd"), ("precision=BF16", "bf16"), ("offload=CPU", "cpu"),
+    ("scheduler=WarmupCosineLR", "warmup_cosine_lr"), ("+stage=Zero3", "zero3")])
+def test_a_group_name_in_another_case_is_refused_naming_ours(override, name):
+    """Other tools' spellings (torch's class names, upper case): still an error, naming the one meant (a
+    case-sensitive spelling distance names adam for AdamW, fp16 for BF16, or nothing)."""
+    with pytest.raises(ConfigError, match=f"\\(did you mean '{name}'\\?\\)"):
+        compose([override])
+
+
 @pytest.mark.parametrize("override,key", [
     ("checkpoint.dir=${hydra:runtime.output_dir}/ck", "checkpoint.dir"),
     ("logger.tags=[a,'${hydra:job.name}']", "logger.tags[1]"),

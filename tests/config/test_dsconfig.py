@@ -130,6 +130,18 @@ TYPOS = [
     (("fp16", "initial_loss_scale"), 12, "did you mean 'fp16.initial_scale_power'"),
     (("optimizer", "params", "learning_rate"), 1e-4, "did you mean 'optimizer.params.lr'"),
     (("optimizer", "name"), "AdamW", "did you mean 'optimizer.type'"),
+    (("clip_grad_norm",), 0.5, "did you mean 'gradient_clipping'"),
+    (("aio", "queue_size"), 8, "did you mean 'aio.queue_depth'"),
+    # a top-level key meant as a section (DeepSpeed ignores it: the run would go without the section)
+    (("zero_optim",), {"stage": 3}, "did you mean 'zero_optimization'"),
+    (("optim",), {"type": "AdamW"}, "did you mean 'optimizer'"),
+    (("sched",), {"type": "WarmupLR"}, "did you mean 'scheduler'"),
+    (("zero_stage",), 3, "did you mean 'zero_optimization.stage'"),
+    (("bf16_enabled",), True, "did you mean 'bf16.enabled'"),
+    (("fp16_enabled",), True, "did you mean 'fp16.enabled'"),
+    (("my_zero",), {"stage": 3, "overlap_comm": True}, "did you mean 'zero_optimization'"),
+    (("my_opt",), {"type": "Adam", "params": {"lr": 1e-4}}, "did you mean 'optimizer'"),
+    (("my_sched",), {"type": "WarmupLR", "params": {}}, "did you mean 'scheduler'"),
 ]
 
 
@@ -148,10 +160,11 @@ def test_typo_at_every_level_names_the_key(path, value, needle):
 
 def test_unknown_key_far_from_any_is_one_warning_or_an_error_when_strict():
     # (top level and aio: DeepSpeed ignores such keys there; where it rejects them, so does this)
-    ds = {"aio": {"my_private_knob": 3}, "totally_custom": {"x": 1}}
+    # (an object whose keys are those of several sections names none of them: "enabled" is fp16's and bf16's)
+    ds = {"aio": {"my_private_knob": 3}, "totally_custom": {"x": 1}, "my_feature": {"enabled": True}}
     cfg = framework.compose([], ds_config=ds)
     warnings = [n for n in cfg.notices if "does not know" in n]
-    assert len(warnings) == 1 and "totally_custom" in warnings[0] and "aio.my_private_knob" in warnings[0]
+    assert len(warnings) == 1 and all(k in warnings[0] for k in ("totally_custom", "aio.my_private_knob", "my_feature"))
     msg = error_of(ds, ["ds_config_strict=true"])
     assert "totally_custom" in msg and "my_private_knob" in msg
 

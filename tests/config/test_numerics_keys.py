@@ -34,7 +34,21 @@ def test_grad_accum_dtype_reaches_the_policy(precision, value, dtype):
 
 @pytest.mark.parametrize("precision,value", [("fp32", "bf16"), ("bf16", "fp16"), ("fp16", "bf16"), ("bf16", "fp64")])
 def test_grad_accum_dtype_other_values_are_refused(precision, value):
-    cfg = compose([f"precision={precision}", f"precision.grad_accum_dtype={value}"])
     with pytest.raises(ConfigError, match=rf"precision\.grad_accum_dtype='{value}' is not valid with "
                                           rf"precision={precision}; use "):
-        component(cfg, "precision").build(cfg.precision)
+        compose([f"precision={precision}", f"precision.grad_accum_dtype={value}"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["precision=fp16", "precision.hysteresis=0"], r"precision\.hysteresis must be >= 1, got 0"),
+    (["precision=fp16", "precision.loss_scale_window=0"], r"precision\.loss_scale_window must be >= 1"),
+    (["precision=fp16", "precision.initial_scale_power=128"], r"precision\.initial_scale_power must be in \[0, 127\]"),
+    (["precision=fp16", "precision.loss_scale=128", "precision.hysteresis=3"], r"precision\.hysteresis=3 has no effect"),
+    (["+stage=ddp", "stage.bucket_size=0"], r"stage\.bucket_size must be >= 1 element"),
+    (["+stage=zero1", "stage.allgather_bucket_size=0"], r"stage\.reduce_bucket_size and stage\.allgather_bucket_size"),
+    (["+stage=zero2", "stage.reduce_bucket_size=0"], r"stage\.reduce_bucket_size and stage\.allgather_bucket_size"),
+    (["+stage=zero3", "stage.stage3_prefetch_bucket_size=-1"], r"stage\.stage3_prefetch_bucket_size must be >= 0")])
+def test_out_of_range_stage_and_precision_keys_are_refused_when_composed(overrides, message):
+    """Checked with the config (before a run, or a sweep's first job, starts), not only when the engine is built."""
+    with pytest.raises(ConfigError, match=message):
+        compose(overrides)

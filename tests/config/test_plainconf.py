@@ -24,6 +24,8 @@ CASES = [
     # booleans spelled as OmegaConf spells them, or a string of 0/1
     ["+stage=zero2", "stage.overlap_comm=y", "stage.contiguous_gradients=N", "model.bias='0'",
      "model.tie_weights='1'"],
+    # spaces around a value dropped, escaped ones kept; escapes and the characters Hydra takes unquoted
+    ["train.steps=5\\ ", "checkpoint.dir= C:/x-1_+.$%*@?|\\=\\(y\\)\\ "],
 ]
 
 
@@ -79,6 +81,17 @@ def test_plain_errors_are_one_line(overrides, message, typing):
     typing()
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate(*plain_composer(overrides))
+
+
+@pytest.mark.parametrize("override", ["checkpoint.dir=~/ckpt", "checkpoint.dir=a=b", "checkpoint.dir=a#b",
+                                      "checkpoint.dir=a;b", "checkpoint.dir=a&b", "checkpoint.dir=a'b",
+                                      "checkpoint.dir=(a)", "checkpoint.dir=a(b)", "logger.tags=[a;b]",
+                                      " train.micro_batch=4", "train.micro_batch =4"])
+def test_what_hydra_cannot_parse_is_refused_without_it(override):
+    with pytest.raises(ConfigError, match="cannot parse override"):
+        compose([override])
+    with pytest.raises(ConfigError, match=r"holds only quoted; quote it \(|a key holds no spaces"):
+        plain_composer([override])
 
 
 def test_integral_floats_are_integers(typing):

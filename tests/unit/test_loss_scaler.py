@@ -73,32 +73,32 @@ def test_static_and_no_scaler_only_count_skips():
 
 def test_fp16_keys_name_the_wrong_one_and_a_static_scale_refuses_the_dynamic_keys():
     from framework.core.errors import ConfigError
-    from framework.precision.policies import FP16Config, fp16
+    from framework.precision.policies import FP16Config, check, fp16
     with pytest.raises(ConfigError, match=r"precision.hysteresis=5 has no effect with a static precision.loss_scale=128"):
-        fp16(FP16Config(loss_scale=128.0, hysteresis=5))
+        check("fp16", FP16Config(loss_scale=128.0, hysteresis=5))
     with pytest.raises(ConfigError, match=r"precision.loss_scale must be >= 0 \(0: dynamic\), got -1"):
-        fp16(FP16Config(loss_scale=-1.0))
+        check("fp16", FP16Config(loss_scale=-1.0))
     with pytest.raises(ConfigError, match=r"precision.min_loss_scale must be > 0, got 0"):
-        fp16(FP16Config(min_loss_scale=0.0))
+        check("fp16", FP16Config(min_loss_scale=0.0))
     assert fp16(FP16Config(loss_scale=128.0)).scaler.loss_scale == 128.0
 
 
 def test_fp16_refuses_a_min_scale_above_the_initial_scale():
     from framework.core.errors import ConfigError
-    from framework.precision.policies import FP16Config, fp16
+    from framework.precision.policies import FP16Config, check, fp16
     with pytest.raises(ConfigError, match=r"precision.min_loss_scale=64 is above the initial scale "
                                           r"2\*\*precision.initial_scale_power=4"):
-        fp16(FP16Config(initial_scale_power=2, min_loss_scale=64.0))
+        check("fp16", FP16Config(initial_scale_power=2, min_loss_scale=64.0))
     assert fp16(FP16Config(initial_scale_power=6, min_loss_scale=64.0)).scaler.min_loss_scale == 64.0   # equal: fine
 
 
 def test_fp16_refuses_a_static_scale_beyond_fp16():
     # A static 65536 (2**16, DeepSpeed's default initial dynamic scale) is a usual choice: accepted.
     from framework.core.errors import ConfigError
-    from framework.precision.policies import FP16Config, fp16
+    from framework.precision.policies import FP16Config, check, fp16
     for bad in (1e30, 2.0 ** 33, float("inf"), float("nan")):
         with pytest.raises(ConfigError, match=r"precision.loss_scale=\S+ is above 2\*\*32"):
-            fp16(FP16Config(loss_scale=bad))
+            check("fp16", FP16Config(loss_scale=bad))
     assert fp16(FP16Config(loss_scale=65536.0)).scaler.loss_scale == 65536.0
     assert fp16(FP16Config(loss_scale=32768.0)).scaler.loss_scale == 32768.0
 

@@ -159,7 +159,8 @@ SCHEDULER_NAMES = {"warmuplr": "WarmupLR", "warmupdecaylr": "WarmupDecayLR", "wa
 # Names people give these keys (other frameworks' spellings) that no spelling distance finds.
 MISNAMES = {"zero": "zero_optimization", "grad_clip": "gradient_clipping", "clip_grad": "gradient_clipping",
             "epsilon": "eps", "initial_loss_scale": "initial_scale_power", "learning_rate": "lr", "name": "type",
-            "micro_batch_size": "train_micro_batch_size_per_gpu"}
+            "micro_batch_size": "train_micro_batch_size_per_gpu", "clip_grad_norm": "gradient_clipping",
+            "queue_size": "queue_depth"}
 
 
 def _places() -> dict[str, tuple[str, ...]]:
@@ -205,6 +206,29 @@ def close(key: str, valid) -> str | None:
     valid, low, words = list(valid), key.lower(), sorted(key.split("_"))
     return (next((v for v in valid if v.lower() == low), None) or closest(key, valid, 0.75, MISNAMES)
             or next((v for v in valid if sorted(v.split("_")) == words), None))
+
+
+def section_meant(key: str, value: Any) -> str | None:
+    """The section an unknown top-level key was meant to be (DeepSpeed ignores such a key: the section would
+    silently be left out), or one of its keys: the section's name with that key (zero_stage: zero_optimization.stage,
+    bf16_enabled), its name cut short or extended (zero_optim, sched, optimizers), an object holding only that
+    section's keys ({"stage": 3}; an optimizer's or a scheduler's by its type), or a name close to it."""
+    sections = sorted({p for places in PLACES.values() for p in places if p and "." not in p} |
+                      {"activation_checkpointing", "compile"})
+    for i in (i for i, c in enumerate(key) if c == "_"):
+        head, rest = key[:i], key[i + 1:]
+        if len(head) >= 3 and (s := next((s for s in sections if s.startswith(head) and s in PLACES.get(rest, ())),
+                                         None)):
+            return f"{s}.{rest}"
+    named = [s for s in sections if len(key) >= 3 and (s.startswith(key) or key.startswith(s))]
+    if not named and isinstance(value, dict) and (keys := [k for k in value if not str(k).startswith("_")]):
+        named = [s for s in sections if all(s in PLACES.get(k, ()) for k in keys)]
+        kind = str(value.get("type", "")).lower()
+        if {"optimizer", "scheduler"} <= set(named) and kind in (*OPTIMIZERS, *NOT_IMPLEMENTED_OPTIMIZERS):
+            named.remove("scheduler")
+        elif {"optimizer", "scheduler"} <= set(named) and kind in SCHEDULER_NAMES:
+            named.remove("optimizer")
+    return named[0] if len(named) == 1 else closest(key, sections, 0.6)
 
 
 def switched_off(value: Any, key: str) -> bool:

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from framework.config.dsconfig._keys import AUTO, DS_FILE, close, misplaced
+from framework.config.dsconfig._keys import AUTO, DS_FILE, close, misplaced, section_meant
 
 KINDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
@@ -66,6 +66,9 @@ class Translation:
                 self.error(f"'{pre}{key}' belongs {where}; move it there")
             elif (near := close(key, [*known, *aliases])) is not None:
                 self.error(f"unknown key '{pre}{key}' (did you mean '{pre}{near}'?)")
+            elif not path and (meant := section_meant(key, value)) is not None:
+                self.error(f"unknown key '{key}' (did you mean '{meant}'?): DeepSpeed ignores an unknown top-level "
+                           f"key, so the run would go without it")
             elif strict:
                 refused.append(key)
             else:
