@@ -313,7 +313,10 @@ def format_prediction(cfg, pred, context: int | None = None) -> str:
     lines.append(f"  {'model states':24s} {mib(pred.model_states):>14s}")
     lines += [f"  {name + ' (NVMe)':24s} {'':>14s} {'':>14s} {mib(b):>14s}" for name, b in pred.disk.items()]
     lines += [f"  {name + ' (peak)':24s} {mib(b):>14s}" for name, b in pred.transient.items()]
-    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient bytes, stated)")
+    recompute = (f" + {pred.recompute_slack_fraction:.0%} of the activations under checkpointing"
+                 if pred.recompute_slack_fraction else "")
+    lines.append(f"  {'allocator slack':24s} {mib(pred.slack):>14s}   ({pred.host_slack_fraction:.0%} of the transient "
+                 f"bytes{recompute}, stated)")
     lines.append(f"  {'peak':24s} {mib(pred.peak):>14s}   ({pred.peak / GiB:.2f} GiB; device only: "
                  f"{pred.device_peak(cuda=True) / GiB:.2f} GiB on CUDA)")
     lines += [f"  note: {n}" for n in pred.notes]

@@ -16,7 +16,9 @@ prediction; step time is a roofline over bandwidths a short probe measures once 
 a host without CUDA, ``gpu_mem=`` checks memory against those GPUs, but the times are this CPU's). Ties keep
 the Hugging Face DeepSpeed guide's order. ``--json`` adds the plan (or, with ``--verify``, the comparison) as
 one JSON line. ``--verify K`` runs the top K for ``steps=`` steps (default 6) as one Hydra multirun and prints
-predicted against measured step time and peak memory. More in docs/estimate.md.
+predicted against measured step time and peak memory. The host column is the node's: every rank's process
+and, with more than one rank, the launcher's. When no setup fits, one line names the closest and what it needs
+(exit code 2). More in docs/estimate.md.
 """
 from __future__ import annotations
 
@@ -56,8 +58,6 @@ def verify(planned: list[Planned], k: int, base_overrides: list[str], hw: Hardwa
     top = [p for p in planned if p.fits][:k]
     base_overrides = [o for o in base_overrides if (override_key(o) not in CANDIDATE_KEYS or override_key(o) in pinned)
                       and override_key(o) != "dist.nproc"]   # (the jobs' is hw.ranks, given last)
-    if not top:
-        raise ConfigError("plan --verify: no setup fits; nothing to run (the table above says why not)")
     with tempfile.TemporaryDirectory(prefix="framework-plan-") as d:
         group = Path(d) / "search" / "plan"
         group.mkdir(parents=True)
@@ -148,6 +148,8 @@ def _run(own: dict[str, str], overrides: list[str], flags: dict) -> None:
     if flags["json"] and not flags["verify"]:
         print(json.dumps([{**dataclasses.asdict(p.cand), "time": p.time, "device_peak": p.device_peak,
                            "host": p.host, "fits": p.fits, "why": p.why} for p in planned]))
+    if not any(p.fits for p in planned):
+        raise ConfigError(_none_fits(planned))
     if flags["verify"]:
         rows = verify(planned, flags["verify"], base, hw, int(steps),
                       frozenset(g for g in ("stage", "offload") if cfg.sources.get(f"{g}.name") == DS_FILE), pinned)
@@ -274,6 +276,16 @@ def _restrict(own: dict[str, str], given: dict[str, str], cfg, base: list[str],
     return own, notes
 
 
+def _none_fits(planned: list[Planned]) -> str:
+    """The line for a plan where no setup fits: the one closest to fitting and what it needs."""
+    built = [p for p in planned if not p.why.startswith("unavailable: ")]
+    if not built:
+        return f"plan: no setup fits: none can be built here ({planned[0].why})"
+    p = min(built, key=lambda p: p.over)
+    return (f"plan: no setup fits; the closest, {' '.join(p.cand.label().split())}, needs {p.why} (give more "
+            f"memory with gpu_mem=, cpu_mem= or nvme=, or choose a smaller model, micro batch or context)")
+
+
 def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, vocab: str,
               notes: list[str] = ()) -> str:
     gpu = f"{hw.gpu_mem / GiB:.1f} GiB per GPU" if hw.gpu_mem else "no GPU (the host is the device)"
@@ -289,8 +301,11 @@ def _describe(hw: Hardware, probe: dict, cfg, planned: list[Planned], top: int, 
              *(["note: no CUDA here: step times are measured on this host's CPU, so they rank these setups "
                 "as CPU runs, not on the GPUs gpu_mem= describes (memory fit is for those GPUs)"]
                if hw.gpu_mem is not None and hw.device.type == "cpu" else []),
-             "", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host':>9s}"]
+             ]
     fitting = [p for p in planned if p.fits]
+    if not fitting:   # (the error line says what the closest setup needs)
+        return "\n".join(lines)
+    lines += ["", f"  #  {'setup':52s} {'s/step':>8s} {'peak/rank':>11s}  {'host/node':>9s}"]
     lines += [f"{i + 1:3d}  {p.cand.label():52s} {p.time['total']:8.3f} {p.device_peak / GiB:9.2f}Gi "
               f"{p.host / GiB:8.2f}Gi" for i, p in enumerate(fitting[:top])]
     lines.append(f"({len(fitting)} of {len(planned)} setups fit"

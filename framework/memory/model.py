@@ -126,6 +126,12 @@ def trace_activations(module: nn.Module, loss_fn, batch, keep_grads: bool = Fals
 # 64 MiB on CUDA for the cuBLAS/cuDNN workspaces and the context.
 SLACK_FRACTION = 0.10
 CUDA_FIXED_SLACK = 64 * MiB
+# On the host, activation checkpointing leaves glibc's heap more fragmented: each block recomputed in
+# backward is allocated among the gradients made there. Measured with tests/cli/_memrun.py on a 2-core CPU
+# machine (gpt-nano and gpt-mini, ddp/zero2/zero3, context 128-512, micro batch 4-16), the resident peak
+# rose above the live bytes by 0.35-0.8 x the activations' peak more; with 0.6 the prediction was 0.91-1.15
+# x those peaks (offload=nvme's, with none, 1.2 x).
+RECOMPUTE_SLACK_FRACTION = 0.6
 
 
 @dataclass
@@ -139,6 +145,7 @@ class Prediction(Footprint):
     notes: list[str] = field(default_factory=list)
     # Host slack: none under offload=nvme, whose 1 MiB mmap threshold (offload/_disk.py) returns large blocks.
     host_slack_fraction: float = SLACK_FRACTION
+    recompute_slack_fraction: float = 0.0   # of the activations, on the host (RECOMPUTE_SLACK_FRACTION)
     # The activations' peak with CUDA's fused attention; the "activations" transient is the CPU's math path.
     cuda_activations: int | None = None
 
@@ -158,7 +165,8 @@ class Prediction(Footprint):
     @property
     def slack(self) -> int:
         """On a CPU run, where the transients are host memory."""
-        return int(self.host_slack_fraction * sum(self.transient.values()))
+        return int(self.host_slack_fraction * sum(self.transient.values())
+                   + self.recompute_slack_fraction * self.transient.get("activations", 0))
 
     @property
     def peak(self) -> int:
@@ -332,6 +340,8 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
     tr = traced(fused=device == "cuda")
     fused = traced(True) if device != "cpu" else None
     pred.transient["activations"] = tr.peak
+    if ckpt and pred.host_slack_fraction:   # (none under offload=nvme, whose heap returns large blocks)
+        pred.recompute_slack_fraction = RECOMPUTE_SLACK_FRACTION
     pred.cuda_activations = fused.peak if fused else None
     pred.notes.append(f"activations traced on meta: {shown}, "
                       f"checkpointing={ckpt if own_loss else 'as the model is built'}, "

@@ -17,6 +17,16 @@ from framework.core.registry import closest_hint
 from framework.core.room import available_ram, free_bytes
 from framework.core import units
 
+# Host memory besides the tensors: each rank is a Python process with torch and the framework loaded
+# (the probe's own resident set, ``process_rss_bytes``). More than one local rank are spawned by the
+# launcher, whose process stays loaded while they train (counted as one more such process), beside
+# multiprocessing's resource tracker.
+TRACKER_BYTES = 16 * units.MiB
+# Each rank's CUDA context and libraries (cuBLAS, cuDNN) in host memory, where the probe ran without CUDA
+# (with ``gpu_mem=`` on a CPU host): an allowance, not measured here; the probe on a GPU machine measures
+# them in its own resident set.
+CUDA_HOST_BYTES = units.GiB
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -185,8 +195,9 @@ class Planned:
     cand: Candidate
     time: dict[str, float]
     device_peak: int
-    host: int
+    host: int       # the node's host memory: every rank's process and, with more than one, the launcher's
     why: str = ""   # what does not fit (empty: the candidate fits)
+    over: float = 0.0   # the largest of its needs over what is given (device, host, disk): > 1 does not fit
 
     @property
     def fits(self) -> bool:
@@ -224,6 +235,9 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     overrides each candidate adds its choices to; ``composed``: ``compose_setups``' result, if made already."""
 
     vocab, cuda = data_vocab(cfg), hw.gpu_mem is not None   # the vocabulary training builds the model at
+    process = probe.get("process_rss_bytes", 0)
+    rank_base = process + (CUDA_HOST_BYTES if cuda and hw.device.type != "cuda" else 0)
+    launcher = process + TRACKER_BYTES if hw.ranks > 1 else 0
     traces: dict = {}   # activation traces shared by candidates with the same micro batch and checkpointing
     out = []
     cands = candidates(cfg, hw, own)
@@ -231,26 +245,21 @@ def plan(cfg, base: list[str], hw: Hardware, own: dict[str, str], probe: dict,
     for cand in cands:
         c = composed[(cand.stage, cand.offload)]
         if isinstance(c, FrameworkError):
-            out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}"))
+            out.append(Planned(cand, {"total": float("inf")}, 0, 0, f"unavailable: {c}", float("inf")))
             continue
         ccfg = replace(c, train=replace(c.train, micro_batch=cand.micro_batch, grad_accum=cand.grad_accum),
                        model=replace(c.model, activation_checkpointing=cand.checkpointing))
         with torch.device("meta"):
             module = component(ccfg, "model").build(ccfg.model, vocab_size=vocab)
         pred = predict(ccfg, hw.ranks, module=module, traces=traces, device="cuda" if cuda else "cpu")
-        # On a CPU-only machine each rank is also a process with torch loaded (measured by the probe).
-        device_peak = pred.device_peak(cuda) if cuda else pred.peak + probe.get("process_rss_bytes", 0)
-        host = pred.host_total() * (hw.ranks if cuda else 1)
-        why = ""
-        if cuda and device_peak > hw.gpu_mem:
-            why = f"device {device_peak / units.GiB:.1f} > {hw.gpu_mem / units.GiB:.1f} GiB"
-        elif not cuda and device_peak * hw.ranks > hw.cpu_mem:
-            why = f"host {device_peak * hw.ranks / units.GiB:.2f} > {hw.cpu_mem / units.GiB:.2f} GiB"
-        elif host > hw.cpu_mem:
-            why = f"host {host / units.GiB:.1f} > {hw.cpu_mem / units.GiB:.1f} GiB"
-        elif sum(pred.disk.values()) * hw.ranks > hw.nvme:
-            why = f"disk {sum(pred.disk.values()) * hw.ranks / units.GiB:.1f} > {hw.nvme / units.GiB:.1f} GiB"
-        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why))
+        # On a CPU-only machine the host is the device: a rank's peak is all of its process.
+        device_peak = pred.device_peak(cuda) if cuda else pred.peak + rank_base
+        host = (pred.host_total() + rank_base if cuda else device_peak) * hw.ranks + launcher
+        needs = {**({"device": (device_peak, hw.gpu_mem)} if cuda else {}), "host": (host, hw.cpu_mem),
+                 "disk": (sum(pred.disk.values()) * hw.ranks, hw.nvme)}
+        over = max(n / limit if limit else float("inf") if n else 0.0 for n, limit in needs.values())
+        why = ", ".join(f"{k} {units.size(n)} > {units.size(limit)}" for k, (n, limit) in needs.items() if n > limit)
+        out.append(Planned(cand, step_time(ccfg, cand, hw, probe, pred.params), device_peak, host, why, over))
     out.sort(key=lambda p: (not p.fits, p.time["total"], p.cand.guide_rank, p.cand.checkpointing,
                             -p.cand.micro_batch))
     return out

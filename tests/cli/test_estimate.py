@@ -240,6 +240,8 @@ MEASURED = [  # (overrides, world): three stages, with and without offload and c
     (["model=gpt-mini", "train.micro_batch=8"], 1),
     (["model=gpt-mini", "+stage=zero2", "offload=cpu", "precision=bf16", "train.micro_batch=4"], 1),
     (["model=gpt-mini", "+stage=zero3", "train.micro_batch=4", "model.activation_checkpointing=true"], 2),
+    # recomputation fragments the heap most where the activations dominate (a small model, a long context)
+    (["model=gpt-nano", "model.context=256", "train.micro_batch=16", "model.activation_checkpointing=true"], 1),
 ]
 
 
@@ -253,7 +255,7 @@ def _measured(overrides: list[str], world: int) -> list[dict]:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("overrides,world", MEASURED, ids=["ddp", "zero2-offload-bf16", "zero3-ckpt"])
+@pytest.mark.parametrize("overrides,world", MEASURED, ids=["ddp", "zero2-offload-bf16", "zero3-ckpt", "ddp-ckpt"])
 def test_prediction_matches_measured_memory(overrides, world):
     overrides = [*overrides, "logger=none", f"dist.nproc={world}"]
     measured = _measured(overrides, world)
@@ -264,8 +266,10 @@ def test_prediction_matches_measured_memory(overrides, world):
         # Model states: the resident-set increment of building the engine (the process baseline,
         # already warmed up by a tiny run of the same configuration, subtracted).
         assert abs(pred.at_setup - built) <= 0.10 * built, (rank, pred.at_setup / 2**20, built / 2**20)
-        # Peak: the peak resident set over two steps, minus the same baseline.
-        assert abs(pred.peak - peak) <= 0.20 * peak, (rank, pred.peak / 2**20, peak / 2**20)
+        # Peak: the peak resident set over two steps, minus the same baseline; the planner's fit needs it
+        # not low (5% for the noise of a shared machine).
+        assert abs(pred.peak - peak) <= 0.20 * peak and pred.peak >= 0.95 * peak, \
+            (rank, pred.peak / 2**20, peak / 2**20)
 
 
 def test_nvme_prediction_bounds_measured_memory(tmp_path):

@@ -447,7 +447,7 @@ def test_verify_refuses_when_nothing_fits_and_reports_failure_as_text(capsys, mo
     monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: pytest.fail("ran"))
     assert cli.main([*SMALL, "ranks=1", "cpu_mem=1M", "--verify", "1"]) == 2
     err = capsys.readouterr().err
-    assert "plan --verify: no setup fits; nothing to run" in err and err.count("\n") == 1, err
+    assert "plan: no setup fits; the closest, ddp none micro 16" in err and err.count("\n") == 1, err
     monkeypatch.setattr(cli.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
         a, 1, "", "Traceback ...\nhydra.errors.ConfigCompositionException: boom\n"))
     assert cli.main([*SMALL, "ranks=1", "--verify", "1"]) == 2
@@ -466,3 +466,38 @@ def test_the_ds_configs_notices_are_printed_once(capsys, monkeypatch, tmp_path):
     err = capsys.readouterr().err
     assert err.count("keys DeepSpeed does not know, ignored") == 1 and "qqq_unheard_of" in err, err
     assert err.count("accepted, change nothing here: steps_per_print") == 1, err
+
+
+def test_the_host_holds_every_ranks_process_and_the_launcher():
+    """On the host: each rank's process (the probe's resident set, plus a CUDA context's allowance where the
+    probe ran without CUDA) and, for spawned ranks, the launcher's process and multiprocessing's tracker."""
+    from framework.memory.planner import CUDA_HOST_BYTES, TRACKER_BYTES
+
+    cfg, own = compose(BASE), {"micro_batches": "8", "stages": "ddp", "checkpointing": "false", "offloads": "none"}
+    probe = {**PROBE, "process_rss_bytes": 300 * 2 ** 20}
+    one, = plan(cfg, BASE, Hardware(torch.device("cpu"), None, 2 ** 40, 2 ** 40, 1), own, probe)
+    two, = plan(cfg, BASE, Hardware(torch.device("cpu"), None, 2 ** 40, 2 ** 40, 2), own, probe)
+    assert one.host == one.device_peak and two.host == 2 * two.device_peak + 300 * 2 ** 20 + TRACKER_BYTES
+    # the ranks' peaks fit, the launcher does not
+    tight, = plan(cfg, BASE, Hardware(torch.device("cpu"), None, two.host - 1, 2 ** 40, 2), own, probe)
+    assert 2 * tight.device_peak < two.host - 1 and not tight.fits and tight.why.startswith("host "), tight.why
+    for device, context in ((torch.device("cpu"), CUDA_HOST_BYTES), (torch.device("cuda", 0), 0)):
+        gpu, = plan(cfg, BASE, Hardware(device, 2 ** 36, 2 ** 40, 2 ** 40, 2), own, probe)
+        # (ddp without offload holds no tensor on the host)
+        assert gpu.host == 2 * (300 * 2 ** 20 + context) + 300 * 2 ** 20 + TRACKER_BYTES, (device, gpu.host)
+
+
+def test_when_nothing_fits_the_closest_setup_is_one_line(capsys, monkeypatch):
+    """Nothing fits: exit 2 with one line naming the setup closest to fitting and its needs in readable units."""
+    cli = _quiet_probe(monkeypatch)
+    assert cli.main(["model=gpt-mini", "cpu_mem=10M", "nvme=1T", "ranks=1", "--json"]) == 2
+    out, err = capsys.readouterr()
+    rows = json.loads(out.strip().splitlines()[-1])
+    best = min(rows, key=lambda r: r["host"])
+    label = f"{best['stage']} {best['offload']} micro {best['micro_batch']} x accum {best['grad_accum']} ckpt " \
+            f"{'yes' if best['checkpointing'] else 'no'}"
+    assert err.startswith(f"error: plan: no setup fits; the closest, {label}, needs host ") and \
+        err.count("\n") == 1, (label, err)
+    assert " MiB (10485760 bytes) (give more memory" in err and "setup" not in out.split("\n")[-2], err
+    assert cli.main(["model=gpt-nano", "gpu_mem=80G", "cpu_mem=2M", "ranks=1"]) == 2   # every rank's process
+    assert "> 2.00 MiB (2097152 bytes)" in capsys.readouterr().err
