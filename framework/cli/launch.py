@@ -316,6 +316,7 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
     remove_dead(tempfile.gettempdir())
     store_dir = tempfile.mkdtemp(prefix=PREFIX)
     lock = hold(os.path.join(store_dir, LOCK), create=True)
+    ranks = None
     try:
         # Ranks start with SIGINT ignored (a Ctrl-C during their imports: a traceback each); until ready, SIGTERM.
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -331,20 +332,32 @@ def _spawn(cfg: Config, run: RunInfo, on_point: Callable[[str], None] | None,
                   lambda rank: os.path.exists(ready_path(store_dir, rank)))
             raise
         if failed is not None:
-            code, error_file = ranks.processes[failed].exitcode, ranks.error_files[failed]
-            if not os.path.isfile(error_file):   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
+            trace = _traceback(ranks.error_files[failed])
+            if not trace:   # (a rank's FrameworkError exits 1, a bug's leaves its traceback)
                 backend = resolve_backend(cfg.dist.backend, cfg.dist.nproc)
-                raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, code, backend,
-                                                              cfg.dist.timeout_s)))
-            with open(error_file, "rb") as f:   # (torch's spawn pickles the rank's traceback there)
-                trace = pickle.load(f).rstrip()
+                raise _ended(run, FrameworkError(exit_message(failed, cfg.dist.nproc, ranks.processes[failed].exitcode,
+                                                              backend, cfg.dist.timeout_s)))
             say(trace)
             raise _ended(run, FrameworkError(f"rank {failed} of {cfg.dist.nproc} failed: {trace.splitlines()[-1]}"),
                          trace if failed else "")   # (rank 0's console wrote its own to train.log)
     finally:
+        for path in ranks.error_files if ranks is not None else ():   # (torch leaves them in the temporary folder)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
         shutil.rmtree(store_dir, ignore_errors=True)
         os.close(lock)
     return json.loads((run.run_dir / "summary.json").read_text())
+
+
+def _traceback(error_file: str) -> str | None:
+    """The traceback torch's spawn pickled for a rank that raised; None when there is none or it is unreadable
+    (not written: the rank exited on its own; cut short: a full temporary folder)."""
+    try:
+        with open(error_file, "rb") as f:
+            trace = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    return trace.rstrip() if isinstance(trace, str) else None
 
 
 def _ended(run: RunInfo, error: FrameworkError, trace: str = "") -> FrameworkError:

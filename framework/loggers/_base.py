@@ -69,7 +69,7 @@ class RunRecord:
 
     def finish(self, summary: dict) -> None:
         kept = _summary(self.run_dir) if summary["steps_run"] == 0 else None
-        if kept is not None and kept.get("steps") == summary["steps"]:
+        if kept is not None and kept.get("steps") == summary["steps"] and {"train_loss", "val_loss", "tokens_per_s"} <= set(kept):
             # A re-run that trained nothing: the summary of the run that trained those steps is the one to keep.
             print(f"summary.json of step {summary['steps']} kept (no step left to train; val loss of the loaded "
                   f"state {summary['val_loss']:.4f})", flush=True)
@@ -120,13 +120,18 @@ def _finite_or_none(obj):
 
 
 def _summary(run_dir: Path) -> dict | None:
-    """summary.json; None when there is none or it is damaged (not an object, or its steps not a number)."""
+    """summary.json; None when there is none or it is damaged (not an object, or a number the run's last line reads
+    from a kept one is not a number or null: steps, the losses, tokens/s, the entropy floor)."""
     try:
         with os.fdopen(files.open_nofollow(run_dir / "summary.json", os.O_RDONLY)) as f:
             summary = json.load(f)
     except (OSError, ValueError):
         return None
-    return summary if isinstance(summary, dict) and _number(summary.get("steps")) else None
+    if not (isinstance(summary, dict) and _number(summary.get("steps")) and isinstance(summary.get("data", {}), dict)):
+        return None
+    read = [summary.get(k) for k in ("train_loss", "val_loss", "tokens_per_s")] + [
+        summary.get("data", {}).get("entropy_floor")]
+    return summary if all(v is None or _number(v) for v in read) else None
 
 
 def _set_aside(run_dir: Path, start: int) -> None:

@@ -688,3 +688,17 @@ def test_a_bug_in_a_task_of_the_submitit_launcher_is_printed_in_that_tasks_own_l
     log = "".join(f.read_text() for f in (tmp_path / "sweep").rglob("*_0_log.err"))
     line = f"error: job 0 ({tmp_path / 'sweep' / '0'}) failed: RuntimeError: FRAMEWORK_FAULT: rank 0 raises at step:1"
     assert line in log.splitlines() and log.index("Traceback") < log.index(line), log[-3000:]
+
+
+def test_a_ranks_error_file_that_is_missing_empty_or_odd_gives_no_traceback(tmp_path):
+    """torch's spawn pickles a raising rank's traceback to a file; one never written (the rank exited on its own),
+    cut short (a full temporary folder) or holding something else leaves the launcher's exit-code line, not a crash."""
+    import pickle
+
+    from framework.cli.launch import _traceback
+
+    (tmp_path / "ok").write_bytes(pickle.dumps("Traceback ...\nRuntimeError: boom\n"))
+    (tmp_path / "empty").write_bytes(b"")
+    (tmp_path / "odd").write_bytes(pickle.dumps(17))
+    assert _traceback(str(tmp_path / "ok")) == "Traceback ...\nRuntimeError: boom"
+    assert [_traceback(str(tmp_path / n)) for n in ("missing", "empty", "odd")] == [None, None, None]

@@ -24,7 +24,8 @@ def _earlier_run(folder, steps=(2, 4, 6)):
     folder.mkdir(exist_ok=True)
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in steps] + ['{"step": 6, "val_lo']   # cut short
     (folder / "metrics.jsonl").write_text("\n".join(lines))
-    (folder / "summary.json").write_text(json.dumps({"steps": steps[-1], "train_loss": 0.5, "val_loss": 0.6}))
+    (folder / "summary.json").write_text(json.dumps({"steps": steps[-1], "train_loss": 0.5, "val_loss": 0.6,
+                                                              "tokens_per_s": 100.0}))
 
 
 def test_a_fresh_start_sets_the_earlier_runs_records_aside(tmp_path):
@@ -68,7 +69,8 @@ def test_a_resume_with_nothing_after_its_step_leaves_the_records_alone(tmp_path)
 @pytest.mark.parametrize("start", [0, 4])
 @pytest.mark.parametrize("name, damaged", [("metrics.jsonl", '{"step": null}\n'), ("metrics.jsonl", '{"step": "3"}\n'),
                                            ("metrics.jsonl", '{"step": true}\n'), ("summary.json", "[1]"),
-                                           ("summary.json", '{"steps": "2"}')])
+                                           ("summary.json", '{"steps": "2"}'),
+                                           ("summary.json", '{"steps": 4, "train_loss": "0.5"}')])
 def test_a_damaged_record_is_set_aside_not_a_traceback(tmp_path, capsys, name, damaged, start):
     (tmp_path / "metrics.jsonl").write_text('{"step": 2, "loss": 1.0}\n')
     (tmp_path / "summary.json").write_text('{"steps": 2}')
@@ -89,6 +91,12 @@ def test_a_run_that_trained_no_step_keeps_the_summary_of_that_step(tmp_path, cap
     record.close()
     assert (tmp_path / "summary.json").read_text() == before
     assert "summary.json of step 2 kept" in capsys.readouterr().out
+    # one of that step whose numbers are missing is written over, not printed with a KeyError
+    (tmp_path / "summary.json").write_text('{"steps": 2}')
+    record = _started(RunRecord(tmp_path, start=2))
+    record.finish({"steps": 2, "steps_run": 0, "train_loss": None, "val_loss": 0.6, "tokens_per_s": None})
+    record.close()
+    assert json.loads((tmp_path / "summary.json").read_text())["val_loss"] == 0.6
     # Another step's summary (or none): this one is written.
     record = _started(RunRecord(tmp_path, start=4))
     record.finish({"steps": 4, "steps_run": 0, "train_loss": None, "val_loss": 0.5})
