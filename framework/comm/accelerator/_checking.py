@@ -24,7 +24,6 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -119,13 +118,16 @@ def _place() -> str:
 
 
 class _Watch(TorchFunctionMode):
-    """Every torch call of a thread in check mode: one whose tensor inputs are all host buffers makes host memory
-    (as on CUDA, where its output lands beside its inputs). With ``where`` (``CheckingCpuAccelerator.hot``), a
-    framework frame reading device memory on the host fails too. One per thread serves every accelerator."""
+    """Torch calls in check mode: one whose tensor inputs are all host buffers makes host memory (as on CUDA, where
+    an op's output lands beside its operands); in a ``hot`` region (``CheckingCpuAccelerator.hot``: the accelerator
+    and the region's name), a framework frame reading device memory on the host fails too. A ``lasting`` one, at
+    the bottom of a thread's stack, serves every accelerator and the hot regions entered over it (one mode less
+    to go through for every call)."""
 
-    def __init__(self, accs: Sequence["CheckingCpuAccelerator"], where: str | None = None):
+    def __init__(self, accs: Sequence["CheckingCpuAccelerator"], hot: tuple | None = None, lasting: bool = False):
         super().__init__()
-        self.accs, self.where = [weakref.ref(a) for a in accs], where   # (a WeakSet is slow to iterate)
+        self.accs = [weakref.ref(a) for a in accs]   # (a WeakSet is slow to iterate)
+        self.hot, self.lasting = hot, lasting
 
     def add(self, acc: "CheckingCpuAccelerator") -> None:
         if not any(r() is acc for r in self.accs):
@@ -136,29 +138,35 @@ class _Watch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.where is not None:
-            for acc in (r() for r in self.accs):
-                if acc is not None:
-                    self._no_sync(acc, getattr(func, "__name__", ""), args, kwargs)
+        if self.hot is not None:
+            _no_sync(*self.hot, getattr(func, "__name__", ""), args, kwargs)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) or isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+            first = args[0] if args else None
+            if isinstance(first, (list, tuple)) and first:   # (``cat``, the ``_foreach`` ops)
+                first = first[0]
+            key = _storage(first) if isinstance(first, Tensor) else None
             for ref in self.accs:
                 acc = ref()
-                if acc is not None and acc._host_buffers:
+                # (the common case, told cheaply: a first operand in device memory)
+                if acc is not None and acc._host_buffers and (key is None or key in acc._host_buffers):
                     acc._derived(func, args, kwargs, out)
         return out
 
-    def _no_sync(self, acc: "CheckingCpuAccelerator", name: str, args, kwargs) -> None:
-        t = _synced(acc, name, args, kwargs)
-        if t is None:
-            return
-        caller = sys._getframe(2)
-        while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
-            caller = caller.f_back
-        if caller is not None and _ours(caller.f_code.co_filename):
-            raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
-                           f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
-                           f"move it out of the hook, or keep the value on the device")
+
+
+def _no_sync(acc: "CheckingCpuAccelerator", where: str, name: str, args, kwargs) -> None:
+    """Raises ``HostSync`` where framework code makes the host wait for device memory."""
+    t = _synced(acc, name, args, kwargs)
+    if t is None:
+        return
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
+        caller = caller.f_back
+    if caller is not None and _ours(caller.f_code.co_filename):
+        raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
+                       f"{where}, at {_place()}: on CUDA the host stalls until the device catches up; "
+                       f"move it out of the hook, or keep the value on the device")
 
 
 def _synced(acc: "CheckingCpuAccelerator", name: str, args, kwargs) -> Tensor | None:
@@ -265,14 +273,14 @@ class CheckingCpuAccelerator(CpuAccelerator):
         else at a later checked call."""
         depth = torch._C._len_torch_function_stack()
         watch = torch._C._get_function_stack_at(0) if depth else None
-        if not isinstance(watch, _Watch) or watch.where is not None:
+        if not (isinstance(watch, _Watch) and watch.lasting):
             if depth or not self._host_buffers:
                 return
-            watch = _Watch(())
+            watch = _Watch((), lasting=True)
             watch.__enter__()
         if self._host_buffers:
             watch.add(self)
-        elif depth == 1 and not watch.busy():
+        elif depth == 1 and watch.hot is None and not watch.busy():
             watch.__exit__(None, None, None)
 
     def record_stream(self, t: Tensor, stream) -> None:
@@ -326,11 +334,6 @@ class CheckingCpuAccelerator(CpuAccelerator):
     def _derived(self, func, args, kwargs, out) -> None:
         """``out`` of a torch call is host memory (pageable, as a CUDA tensor op makes it) where the call's tensor
         inputs all are and it names no device (on the CPU, the device and the host are both "cpu")."""
-        first = args[0] if args else None
-        if isinstance(first, (list, tuple)) and first:   # (``cat``, the ``_foreach`` ops)
-            first = first[0]
-        if isinstance(first, Tensor) and _storage(first) not in self._host_buffers:
-            return   # the common case, told cheaply: an operand in device memory
         if kwargs.get("out") is not None or "device" in kwargs \
                 or getattr(func, "__name__", "") == "to" and any(isinstance(a, (str, torch.device)) for a in args[1:]):
             return
@@ -439,8 +442,19 @@ class CheckingCpuAccelerator(CpuAccelerator):
             self._entry("wait for a collective")
             self._queue(None).merge(token)
 
-    def hot(self, where: str) -> contextlib.AbstractContextManager:
-        return _Watch((self,), where)
+    @contextmanager
+    def hot(self, where: str) -> Iterator[None]:
+        depth = torch._C._len_torch_function_stack()
+        watch = torch._C._get_function_stack_at(0) if depth == 1 else None
+        if not (isinstance(watch, _Watch) and watch.lasting):   # (in hooks: backward runs with no modes)
+            with _Watch((self,), hot=(self, where)):
+                yield
+            return
+        before, watch.hot = watch.hot, (self, where)
+        try:
+            yield
+        finally:
+            watch.hot = before
 
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):
