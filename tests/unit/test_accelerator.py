@@ -295,7 +295,7 @@ def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
 
 def test_what_torch_makes_of_host_buffers_alone_is_host_memory(acc):
     """On CUDA an op's output lands beside its operands: derivatives of host buffers are (pageable) host memory,
-    in the thread that made the buffers, in bound threads and in hooks."""
+    in the threads that made host buffers and in hooks."""
     from concurrent.futures import ThreadPoolExecutor
     host, dev = acc.empty_host(8, torch.float32), torch.zeros(8)
     made = [host.clone(), host.to(torch.bfloat16), host * 2, torch.empty_like(host), torch.zeros_like(host),
@@ -303,7 +303,7 @@ def test_what_torch_makes_of_host_buffers_alone_is_host_memory(acc):
 
     def bound():
         acc.bind_thread()
-        return host.clone()
+        return acc.empty_host(4, torch.float32) * 2
     with ThreadPoolExecutor(1) as pool:
         made.append(pool.submit(bound).result())
     x = torch.ones(3, requires_grad=True)

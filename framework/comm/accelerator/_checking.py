@@ -3,7 +3,7 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
 
 - placement: host buffers are those ``empty_host`` made and what torch calls whose tensor inputs are all
   host buffers make of them (``host.clone()``, ``torch.zeros_like(host)``: pageable; not calls naming a
-  device), all else is device memory; one where the other is expected (``on_device``/``on_host``,
+  device; in the threads that made host buffers, and in hot regions), all else is device memory; one where the other is expected (``on_device``/``on_host``,
   compute in ``use``, a collective), or a ``non_blocking`` copy with a pageable host side:
   ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
@@ -145,11 +145,11 @@ class _Watch(TorchFunctionMode):
             first = args[0] if args else None
             if isinstance(first, (list, tuple)) and first:   # (``cat``, the ``_foreach`` ops)
                 first = first[0]
-            key = _storage(first) if isinstance(first, Tensor) else None
+            key = _storage(first) if isinstance(first, Tensor) else None   # (none: a factory, device memory)
             for ref in self.accs:
                 acc = ref()
                 # (the common case, told cheaply: a first operand in device memory)
-                if acc is not None and acc._host_buffers and (key is None or key in acc._host_buffers):
+                if acc is not None and key in acc._host_buffers:
                     acc._derived(func, args, kwargs, out)
         return out
 
@@ -264,17 +264,17 @@ class CheckingCpuAccelerator(CpuAccelerator):
     def bind_thread(self) -> None:
         with self._lock:
             self._bound.add(threading.get_ident())
-            self._watch_thread()
 
-    def _watch_thread(self) -> None:
-        """While host buffers exist, what this thread's torch calls make of them is host memory too (``_Watch``).
-        One mode at the bottom of the thread's stack serves every accelerator; it is pushed, and popped once no
-        host buffer is left, only where the stack is otherwise empty (modes pop in the order they were pushed):
-        else at a later checked call."""
+    def _watch_thread(self, start: bool = False) -> None:
+        """In a thread that made host buffers (``start``), while host buffers exist, what its torch calls make of
+        them is host memory too (``_Watch``). Threads that only compute on host buffers (a bound host-step
+        thread) are not watched: a mode costs every torch call microseconds. One mode at the bottom of the
+        thread's stack serves every accelerator; it is pushed, and popped once no host buffer is left, only
+        where the stack is otherwise empty (modes pop in the order they were pushed): else at a later call."""
         depth = torch._C._len_torch_function_stack()
         watch = torch._C._get_function_stack_at(0) if depth else None
         if not (isinstance(watch, _Watch) and watch.lasting):
-            if depth or not self._host_buffers:
+            if depth or not (start and self._host_buffers):
                 return
             watch = _Watch((), lasting=True)
             watch.__enter__()
@@ -323,7 +323,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
                     self._entry("pin host memory")
                     self._pin(t)
                 self._add_host(t, pinned)
-                self._watch_thread()
+                self._watch_thread(start=True)
         return t
 
     def _add_host(self, t: Tensor, pinned: bool) -> None:
@@ -334,10 +334,10 @@ class CheckingCpuAccelerator(CpuAccelerator):
     def _derived(self, func, args, kwargs, out) -> None:
         """``out`` of a torch call is host memory (pageable, as a CUDA tensor op makes it) where the call's tensor
         inputs all are and it names no device (on the CPU, the device and the host are both "cpu")."""
-        if kwargs.get("out") is not None or "device" in kwargs \
-                or getattr(func, "__name__", "") == "to" and any(isinstance(a, (str, torch.device)) for a in args[1:]):
-            return
         outs = (out,) if isinstance(out, Tensor) else out
+        if _storage(outs[0]) in self._host_buffers or kwargs.get("out") is not None or "device" in kwargs \
+                or getattr(func, "__name__", "") == "to" and any(isinstance(a, (str, torch.device)) for a in args[1:]):
+            return   # (a view or an in-place result: host memory already)
         ins = _tensors(args, kwargs)
         if not ins or not all(self._is_host(t) for t in ins):   # (a factory without device=: device memory)
             return
