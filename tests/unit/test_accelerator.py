@@ -291,3 +291,75 @@ def test_a_blocking_device_to_host_copy_in_a_hook_is_a_host_sync(acc):
         ns["queued"]()
         ns["to_device"]()
     ns["interface"]()   # outside a hook: fine
+
+
+def test_what_torch_makes_of_host_buffers_alone_is_host_memory(acc):
+    """On CUDA an op's output lands beside its operands: derivatives of host buffers are (pageable) host memory,
+    in the threads that made host buffers and in hooks."""
+    from concurrent.futures import ThreadPoolExecutor
+    host, dev = acc.empty_host(8, torch.float32), torch.zeros(8)
+    made = [host.clone(), host.to(torch.bfloat16), host * 2, torch.empty_like(host), torch.zeros_like(host),
+            host[2:] + 0, torch.cat([host, host]), *torch._foreach_mul([host], 2), host.new_zeros(3)]
+
+    def bound():
+        acc.bind_thread()
+        return acc.empty_host(4, torch.float32) * 2
+    with ThreadPoolExecutor(1) as pool:
+        made.append(pool.submit(bound).result())
+    x = torch.ones(3, requires_grad=True)
+    x.register_post_accumulate_grad_hook(acc.hook(lambda p: made.append(host.clone()), "a hook"))
+    (x * 2).sum().backward()
+    for t in made:
+        acc.on_host(t, what="x")
+        with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+            acc.collective([t], "x")
+    with pytest.raises(DeviceMismatch, match="expected device memory, got a host buffer"):
+        acc.use(reads=[host + 0], writes=[dev])
+    with pytest.raises(DeviceMismatch, match="needs a pinned host buffer"):
+        acc.copy(dev, host.clone(), non_blocking=True)
+    # device memory: with a device operand, on a named device (on the CPU the host's too), from no tensor
+    acc.on_device(host + dev, torch.empty_like(host, device="cpu"), host.to("cpu", torch.float64),
+                  torch.ones(3, device="cpu"), what="x")
+
+
+def test_the_watch_on_torch_calls_goes_with_the_host_buffers():
+    import gc
+    gc.collect()
+    acc = CheckingCpuAccelerator()
+    acc.use()                                         # (drops what an earlier test's buffers left)
+    assert torch._C._len_torch_function_stack() == 0
+    host = acc.empty_host(4, torch.float32)
+    assert torch._C._len_torch_function_stack() == 1 and acc._is_host(host * 2)
+    del host
+    acc.use()
+    assert torch._C._len_torch_function_stack() == 0  # the next checked call: no more cost per torch call
+
+
+def test_every_kind_of_host_sync_in_a_hook_is_caught(acc):
+    import os
+
+    import numpy as np
+
+    import framework
+    from framework.comm.accelerator import HostSync
+    host = acc.empty_host(4, torch.float32)
+    syncs = {"is_nonzero": "torch.is_nonzero(t.sum())", "unique_consecutive": "t.unique_consecutive()",
+             "__getitem__": "t[t > 0]", "where": "torch.where(t > 0)", "bincount": "t.long().bincount()",
+             "repeat_interleave": "t.repeat_interleave(t.long())", "to": "t.to(host)",
+             "__setitem__": "host.__setitem__(slice(None), t)", "cat": "torch.cat([t], out=host)",
+             "__array__": "np.asarray(t)", "__format__": "f'{t}'", "as_tensor": "torch.as_tensor(t, device='cpu')"}
+    fine = ["t[t.long() - 1]", "t.repeat_interleave(2)", "t.repeat_interleave(t.long(), output_size=10)",
+            "torch.where(t > 0, t, 0)", "host.copy_(t, non_blocking=True)", "t.__setitem__(slice(None), host)",
+            "host.__setitem__(slice(None), host * 2)", "torch.cat([t], out=torch.empty(4, device='cpu'))",
+            "f'{t.shape}'", "host.clone().sum().item()", "t.to(t)"]
+    path = os.path.join(os.path.dirname(framework.__file__), "stages", "hook.py")
+    for name, expr in [*syncs.items(), *((None, e) for e in fine)]:
+        ns = {"torch": torch, "np": np}
+        exec(compile(f"def f(t, host):\n    return {expr}\n", path, "exec"), ns)
+        t = torch.arange(4.0) + 1
+        with acc.hot("a hook"):
+            if name is None:
+                ns["f"](t, host)
+            else:
+                with pytest.raises(HostSync, match=rf"host sync \({name} of a .* device tensor\) inside a hook"):
+                    ns["f"](t, host)
