@@ -81,7 +81,7 @@ class DDPStage(BaseStage):
 
 def check(node: DDPConfig, stage: str, nodes: Mapping[str, Any]) -> DDPConfig:
     if node.bucket_size < 1:
-        raise ConfigError("stage.bucket_size must be >= 1 element")
+        raise ConfigError(f"stage.bucket_size must be >= 1 element, got {node.bucket_size}")
     return node
 
 

@@ -276,8 +276,9 @@ def _check_zero1(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> Zero
 
 
 def _check_buckets(node: ZeroConfig, stage: str, nodes: Mapping[str, Any]) -> ZeroConfig:
-    if node.reduce_bucket_size < 1 or node.allgather_bucket_size < 1:
-        raise ConfigError("stage.reduce_bucket_size and stage.allgather_bucket_size must be >= 1 element")
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        if getattr(node, key) < 1:
+            raise ConfigError(f"stage.{key} must be >= 1 element, got {getattr(node, key)}")
     return node
 
 

@@ -161,10 +161,13 @@ def test_typo_at_every_level_names_the_key(path, value, needle):
 def test_unknown_key_far_from_any_is_one_warning_or_an_error_when_strict():
     # (top level and aio: DeepSpeed ignores such keys there; where it rejects them, so does this)
     # (an object whose keys are those of several sections names none of them: "enabled" is fp16's and bf16's)
-    ds = {"aio": {"my_private_knob": 3}, "totally_custom": {"x": 1}, "my_feature": {"enabled": True}}
+    # (a key merely like a short section's name is not taken for it: compute is not compile, scaler not scheduler)
+    ds = {"aio": {"my_private_knob": 3}, "totally_custom": {"x": 1}, "my_feature": {"enabled": True}, "compute": 1,
+          "api": 2, "scaler": 3, "optimal": 4, "quantization_config": {}}
     cfg = framework.compose([], ds_config=ds)
     warnings = [n for n in cfg.notices if "does not know" in n]
-    assert len(warnings) == 1 and all(k in warnings[0] for k in ("totally_custom", "aio.my_private_knob", "my_feature"))
+    assert len(warnings) == 1 and all(k in warnings[0] for k in ("totally_custom", "aio.my_private_knob", "my_feature",
+                                                                 "compute", "scaler", "quantization_config"))
     msg = error_of(ds, ["ds_config_strict=true"])
     assert "totally_custom" in msg and "my_private_knob" in msg
 

@@ -212,7 +212,7 @@ def section_meant(key: str, value: Any) -> str | None:
     """The section an unknown top-level key was meant to be (DeepSpeed ignores such a key: the section would
     silently be left out), or one of its keys: the section's name with that key (zero_stage: zero_optimization.stage,
     bf16_enabled), its name cut short or extended (zero_optim, sched, optimizers), an object holding only that
-    section's keys ({"stage": 3}; an optimizer's or a scheduler's by its type), or a name close to it."""
+    section's keys ({"stage": 3}; an optimizer's or a scheduler's by its type), or a misspelt long name."""
     sections = sorted({p for places in PLACES.values() for p in places if p and "." not in p} |
                       {"activation_checkpointing", "compile"})
     for i in (i for i, c in enumerate(key) if c == "_"):
@@ -228,7 +228,8 @@ def section_meant(key: str, value: Any) -> str | None:
             named.remove("scheduler")
         elif {"optimizer", "scheduler"} <= set(named) and kind in SCHEDULER_NAMES:
             named.remove("optimizer")
-    return named[0] if len(named) == 1 else closest(key, sections, 0.6)
+    # a misspelling of a long name (zero_optimisation); not a mere likeness to a short one (compute: compile)
+    return named[0] if len(named) == 1 else closest(key, [s for s in sections if len(s) > 8], 0.8)
 
 
 def switched_off(value: Any, key: str) -> bool:
