@@ -145,7 +145,7 @@ class _Watch(TorchFunctionMode):
             first = args[0] if args else None
             if isinstance(first, (list, tuple)) and first:   # (``cat``, the ``_foreach`` ops)
                 first = first[0]
-            key = _host_key(first)   # (none: a factory, or a tensor no host buffer can be: device memory)
+            key = _storage(first) if isinstance(first, Tensor) else None   # (none: a factory, device memory)
             for ref in self.accs:
                 acc = ref()
                 # (the common case, told cheaply: a first operand in device memory)
@@ -531,17 +531,6 @@ def _owns(ref: weakref.ref, address: int) -> bool:
 
 def _storage(t: Tensor) -> int:
     return t.untyped_storage().data_ptr()
-
-
-def _host_key(t: object) -> int | None:
-    """``_storage(t)`` of a strided tensor with a storage; None for anything else (not a tensor, a sparse one, one
-    whose storage is not there to read, as code outside the framework under the watch may make)."""
-    if not isinstance(t, Tensor) or t.layout != torch.strided:
-        return None
-    try:
-        return _storage(t)
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _span(t: Tensor) -> tuple[int, int]:
