@@ -19,7 +19,6 @@ calls. Add a mutation here for every new class of GPU bug the checker learns to 
 | unbound-thread | a worker thread that never set its device | the host-step thread's bind_thread is a no-op | the worker's first device work |
 | pageable-async | a non_blocking copy from pageable host memory | host buffers are allocated unpinned | the copy |
 | collective-on-host | a collective on host memory (NCCL takes device memory only) | zero3 gathers through a pinned host staging buffer | the gather's collective |
-| collective-on-host-copy | a collective on what torch made of host memory alone (``host.clone()``: host memory too) | zero3 gathers through a clone of a pinned host buffer | the gather's collective |
 | unwaited-d2h-source | a device buffer overwritten by compute while a device-to-host copy may still read it | speculated pieces' gradients copied a second time, waited for by nobody | the next backward's write of the gradient |
 """
 from __future__ import annotations
@@ -163,14 +162,13 @@ def _sync_in_zero2_hook(setattr_: Callable) -> None:
     setattr_(Zero2Stage, "_launch", _launch_checking_partition)
 
 
-def _gather_through_host(setattr_: Callable, copy: bool = False) -> None:
+def _gather_through_host(setattr_: Callable) -> None:
     from framework.comm.collectives import Local
 
     gather = Local.all_gather_into
 
     def all_gather_via_host(self, full, shard, what, chunk=None):
         staging = self.dist.acc.empty_host(full.shape, full.dtype)   # the bug: the collective's buffer is host memory
-        staging = staging.clone() if copy else staging                # (a copy of it made by torch: host memory too)
         staging.copy_(full)
         pending = gather(self, staging, shard, what, chunk)
         pending.after.append(lambda: full.copy_(staging))
@@ -227,9 +225,6 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("collective-on-host", ZERO3_HOST_SHARDS, DeviceMismatch,
              r"collective .zero3 gather of .* \(NCCL takes device memory only\): expected device memory, got a "
              r"host buffer .* in _start_gather", patch=_gather_through_host),
-    Mutation("collective-on-host-copy", ZERO3_HOST_SHARDS, DeviceMismatch,
-             r"collective .zero3 gather of .* \(NCCL takes device memory only\): expected device memory, got a "
-             r"host buffer .* in _start_gather", patch=partial(_gather_through_host, copy=True)),
     Mutation("pageable-async", ZERO2_OFFLOAD, DeviceMismatch, r"needs a pinned host buffer .* in copy_grad",
              PageableHostBuffers),
 )

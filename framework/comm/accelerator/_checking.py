@@ -1,11 +1,9 @@
 """The checking CPU accelerator: the CPU as the plain one runs it, raising where CUDA would go wrong
 and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves each check):
 
-- placement: host buffers are those ``empty_host`` made and what torch calls whose tensor inputs are all
-  host buffers make of them (``host.clone()``, ``torch.zeros_like(host)``: pageable; not calls naming a
-  device; in the threads that made host buffers, and in hot regions), all else is device memory; one where the other is expected (``on_device``/``on_host``,
-  compute in ``use``, a collective), or a ``non_blocking`` copy with a pageable host side:
-  ``DeviceMismatch``;
+- placement: host buffers are those ``empty_host`` made, all else is device memory; one where the
+  other is expected (``on_device``/``on_host``, compute in ``use``, a collective), or a ``non_blocking``
+  copy with a pageable host side: ``DeviceMismatch``;
 - stream order (vector clocks, ``Clocked``): each access through the interface (``copy``, ``use``,
   ``host_use``, a collective) is logged per byte range of its storage; one conflicting with an
   earlier access by another stream (or the host: all its threads count as one, ordering between them
@@ -17,13 +15,12 @@ and a CPU run would not notice (a mutation in ``tests/_mutations.py`` proves eac
   (no event, no ``record_stream``) is reported at the next checked call;
 - per-thread devices: a thread other than the creator must ``bind_thread`` before device work;
 - host syncs: in ``hot(...)`` and hooks wrapped by ``hook(...)``, framework code (not model code)
-  reading device memory on the host (``item``, a boolean-mask index, ``bincount``, formatting it...), or
-  copying it into a host buffer blocking (``copy_``, ``host[...] = t``, ``out=host``, ``.to(host)``),
-  raises ``HostSync``;
+  reading device memory on the host, or copying it into a host buffer blocking, raises ``HostSync``;
 - pinned memory as CUDA's caching host allocator holds it (``pinned_stats``).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -89,16 +86,12 @@ class CheckingEvent:
         return True
 
 
-# Tensor methods and torch functions that make the host wait for device memory (their first tensor's).
+# Tensor methods and torch functions that make the host wait for device memory.
 _SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
-                    "argwhere", "masked_select", "unique", "unique_consecutive", "equal", "allclose", "is_nonzero",
-                    "bincount", "__array__", "__format__", "__repr__"})
+                    "argwhere", "masked_select", "unique", "equal", "allclose"})
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep   # this package: framework/comm/accelerator/
 _PACKAGE = os.path.dirname(os.path.dirname(_HERE[:-1])) + os.sep   # framework/, above comm/
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
-# The checker's own reads of tensors skip the thread's modes (``_Watch``): not framework work, and each call
-# through a mode costs microseconds.
-_quiet = torch._C.DisableTorchFunction
 
 
 def _ours(filename: str) -> bool:
@@ -117,109 +110,42 @@ def _place() -> str:
     return " <- ".join(out) or "outside the framework"
 
 
-class _Watch(TorchFunctionMode):
-    """Torch calls in check mode: one whose tensor inputs are all host buffers makes host memory (as on CUDA, where
-    an op's output lands beside its operands); in a ``hot`` region (``CheckingCpuAccelerator.hot``: the accelerator
-    and the region's name), a framework frame reading device memory on the host fails too. A ``lasting`` one, at
-    the bottom of a thread's stack, serves every accelerator and the hot regions entered over it (one mode less
-    to go through for every call)."""
+class _NoHostSync(TorchFunctionMode):
+    """Inside ``CheckingCpuAccelerator.hot``: a framework frame reading device memory on the host fails."""
 
-    def __init__(self, accs: Sequence["CheckingCpuAccelerator"], hot: tuple | None = None, lasting: bool = False):
+    def __init__(self, acc: "CheckingCpuAccelerator", where: str):
         super().__init__()
-        self.accs = [weakref.ref(a) for a in accs]   # (a WeakSet is slow to iterate)
-        self.hot, self.lasting = hot, lasting
-
-    def add(self, acc: "CheckingCpuAccelerator") -> None:
-        if not any(r() is acc for r in self.accs):
-            self.accs = [r for r in self.accs if r() is not None] + [weakref.ref(acc)]
-
-    def busy(self) -> bool:
-        return any(acc is not None and acc._host_buffers for acc in (r() for r in self.accs))
+        self.acc, self.where = acc, where
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.hot is not None:
-            _no_sync(*self.hot, getattr(func, "__name__", ""), args, kwargs)
-        out = func(*args, **kwargs)
-        if isinstance(out, Tensor) or isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-            first = args[0] if args else None
-            if isinstance(first, (list, tuple)) and first:   # (``cat``, the ``_foreach`` ops)
-                first = first[0]
-            key = _storage(first) if isinstance(first, Tensor) else None   # (none: a factory, device memory)
-            for ref in self.accs:
-                acc = ref()
-                # (the common case, told cheaply: a first operand in device memory)
-                if acc is not None and key in acc._host_buffers:
-                    acc._derived(func, args, kwargs, out)
-        return out
+        name = getattr(func, "__name__", "")
+        if (name in _SYNCS or (name == "to" and _to_host(args, kwargs))) and args \
+                and isinstance(args[0], Tensor) and not self.acc._is_host(args[0]) \
+                or name == "copy_" and self._blocking_d2h(args, kwargs):
+            caller = sys._getframe(1)
+            while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
+                caller = caller.f_back
+            if caller is not None and _ours(caller.f_code.co_filename):
+                t = args[1] if name == "copy_" else args[0]
+                raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
+                               f"{self.where}, at {_place()}: on CUDA the host stalls until the device catches up; "
+                               f"move it out of the hook, or keep the value on the device")
+        return func(*args, **kwargs)
+
+    def _blocking_d2h(self, args, kwargs) -> bool:
+        """A blocking copy of device memory into a host buffer (``host.copy_(dev)``): it waits for the device."""
+        non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+        return len(args) > 1 and not non_blocking and isinstance(args[1], Tensor) and args[1].numel() > 0 \
+            and self.acc._is_host(args[0]) and not self.acc._is_host(args[1])
 
 
-
-def _no_sync(acc: "CheckingCpuAccelerator", where: str, name: str, args, kwargs) -> None:
-    """Raises ``HostSync`` where framework code makes the host wait for device memory."""
-    t = _synced(acc, name, args, kwargs)
-    if t is None:
-        return
-    caller = sys._getframe(1)
-    while caller is not None and caller.f_code.co_filename.startswith((_TORCH, _HERE)):
-        caller = caller.f_back
-    if caller is not None and _ours(caller.f_code.co_filename):
-        raise HostSync(f"host sync ({name} of a {tuple(t.shape)} {t.dtype} device tensor) inside "
-                       f"{where}, at {_place()}: on CUDA the host stalls until the device catches up; "
-                       f"move it out of the hook, or keep the value on the device")
-
-
-def _synced(acc: "CheckingCpuAccelerator", name: str, args, kwargs) -> Tensor | None:
-    """The device tensor that ``name(*args, **kwargs)`` makes the host wait for, if any."""
-    first = args[0] if args else None
-    if name in _SYNCS or name in ("to", "as_tensor") and _to_host(acc, args, kwargs) \
-            or name == "where" and len(args) == 1 and not kwargs:
-        t = first
-    elif name == "__getitem__" and len(args) > 1:   # a boolean mask: the result's size is its count of True
-        t = next((i for i in (args[1] if isinstance(args[1], (tuple, list)) else (args[1],))
-                  if isinstance(i, Tensor) and i.dtype == torch.bool), None)
-    elif name == "repeat_interleave" and kwargs.get("output_size") is None:   # the size is the repeats' sum
-        t = kwargs.get("repeats", args[1] if len(args) > 1 else first)
-    elif name in ("copy_", "__setitem__") or kwargs.get("out") is not None:
-        return _copied_to_host(acc, name, args, kwargs)
-    else:
-        return None
-    return t if isinstance(t, Tensor) and not acc._is_host(t) else None
-
-
-def _copied_to_host(acc: "CheckingCpuAccelerator", name: str, args, kwargs) -> Tensor | None:
-    """The device tensor a blocking copy into a host buffer waits for (``host.copy_(dev)``, ``host[:] = dev``,
-    ``torch.cat([dev], out=host)``); an asynchronous one (``non_blocking``) is ordered by an event later."""
-    if name == "copy_":
-        dst, srcs = args[0], args[1:2] if not kwargs.get("non_blocking", args[2] if len(args) > 2 else False) else ()
-    elif name == "__setitem__":
-        dst, srcs = args[0], args[2:3]
-    else:
-        dst, srcs = kwargs["out"], _tensors(args, kwargs)
-    if not all(acc._is_host(d) for d in (dst if isinstance(dst, (tuple, list)) else (dst,))):
-        return None
-    return next((t for t in srcs if isinstance(t, Tensor) and t.numel() and not acc._is_host(t)), None)
-
-
-def _to_host(acc: "CheckingCpuAccelerator", args, kwargs) -> bool:
-    target = kwargs.get("device", kwargs.get("other", args[1] if len(args) > 1 else None))
-    if isinstance(target, Tensor):   # ``.to(host_buffer)``
-        return acc._is_host(target)
+def _to_host(args, kwargs) -> bool:
+    target = kwargs.get("device", args[1] if len(args) > 1 else None)
     try:
         return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
     except (RuntimeError, TypeError):
         return False
-
-
-def _tensors(args, kwargs) -> list[Tensor]:
-    """The tensor operands of a torch call (in lists too, as ``cat`` and the ``_foreach`` ops take them)."""
-    out = []
-    for a in (*args, *(v for k, v in kwargs.items() if k != "out")):
-        if isinstance(a, Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += [x for x in a if isinstance(x, Tensor)]
-    return out
 
 
 class CheckingCpuAccelerator(CpuAccelerator):
@@ -265,27 +191,9 @@ class CheckingCpuAccelerator(CpuAccelerator):
         with self._lock:
             self._bound.add(threading.get_ident())
 
-    def _watch_thread(self, start: bool = False) -> None:
-        """In a thread that made host buffers (``start``), while host buffers exist, what its torch calls make of
-        them is host memory too (``_Watch``). Threads that only compute on host buffers (a bound host-step
-        thread) are not watched: a mode costs every torch call microseconds. One mode at the bottom of the
-        thread's stack serves every accelerator; it is pushed, and popped once no host buffer is left, only
-        where the stack is otherwise empty (modes pop in the order they were pushed): else at a later call."""
-        depth = torch._C._len_torch_function_stack()
-        watch = torch._C._get_function_stack_at(0) if depth else None
-        if not (isinstance(watch, _Watch) and watch.lasting):
-            if depth or not (start and self._host_buffers):
-                return
-            watch = _Watch((), lasting=True)
-            watch.__enter__()
-        if self._host_buffers:
-            watch.add(self)
-        elif depth == 1 and watch.hot is None and not watch.busy():
-            watch.__exit__(None, None, None)
-
     def record_stream(self, t: Tensor, stream) -> None:
-        with self._lock, _quiet():
-            if t.numel():
+        if t.numel():
+            with self._lock:
                 self._recorded.setdefault(_storage(t), set()).add(stream)
 
     def _queue(self, stream) -> Clocked:
@@ -302,7 +210,6 @@ class CheckingCpuAccelerator(CpuAccelerator):
     def _entry(self, what: str) -> None:
         """Every checked call that queues device work: earlier findings, then the thread's device."""
         self._pending()
-        self._watch_thread()
         if threading.get_ident() not in self._bound:
             raise DeviceMismatch(
                 f"thread {threading.current_thread().name!r} tries to {what} without having set its device, "
@@ -316,35 +223,16 @@ class CheckingCpuAccelerator(CpuAccelerator):
     # memory
 
     def empty_host(self, shape, dtype: torch.dtype, pinned: bool = True) -> Tensor:
-        with self._lock, _quiet():
-            t = torch.empty(shape, dtype=dtype, device="cpu")
-            if t.numel():
+        t = torch.empty(shape, dtype=dtype, device="cpu")
+        if t.numel():
+            with self._lock:
                 if pinned:
                     self._entry("pin host memory")
                     self._pin(t)
-                self._add_host(t, pinned)
-                self._watch_thread(start=True)
+                key = _storage(t)
+                self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
+                self._accesses.pop(key, None)   # a new buffer at a reused address
         return t
-
-    def _add_host(self, t: Tensor, pinned: bool) -> None:
-        key = _storage(t)
-        self._host_buffers[key] = (self._keeper(t, self._host_buffers, key), pinned)
-        self._accesses.pop(key, None)   # a new buffer at a reused address
-
-    def _derived(self, func, args, kwargs, out) -> None:
-        """``out`` of a torch call is host memory (pageable, as a CUDA tensor op makes it) where the call's tensor
-        inputs all are and it names no device (on the CPU, the device and the host are both "cpu")."""
-        outs = (out,) if isinstance(out, Tensor) else out
-        if _storage(outs[0]) in self._host_buffers or kwargs.get("out") is not None or "device" in kwargs \
-                or getattr(func, "__name__", "") == "to" and any(isinstance(a, (str, torch.device)) for a in args[1:]):
-            return   # (a view or an in-place result: host memory already)
-        ins = _tensors(args, kwargs)
-        if not ins or not all(self._is_host(t) for t in ins):   # (a factory without device=: device memory)
-            return
-        with self._lock:
-            for t in outs:
-                if isinstance(t, Tensor) and t.numel() and not self._is_host(t):
-                    self._add_host(t, pinned=False)
 
     def _pin(self, t: Tensor) -> None:
         """Account a pinned buffer as CUDA's caching host allocator does: a power-of-two block, reused when freed."""
@@ -377,13 +265,13 @@ class CheckingCpuAccelerator(CpuAccelerator):
         return self._host_entry(t) is not None
 
     def on_device(self, *tensors: Tensor, what: str) -> None:
-        with self._lock, _quiet():
+        with self._lock:
             for t in tensors:   # (per tensor: the first misplaced one is named)
                 all_cpu([t], what)
                 self._placed([t], what, host=False)
 
     def on_host(self, *tensors: Tensor, what: str) -> None:
-        with self._lock, _quiet():
+        with self._lock:
             self._placed(tensors, what, host=True)
 
     def _placed(self, tensors: Sequence[Tensor], what: str, host: bool) -> None:
@@ -395,7 +283,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
     # accesses
 
     def copy(self, dst: Tensor, src: Tensor, non_blocking: bool = False) -> None:
-        with self._lock, _quiet():
+        with self._lock:
             dst_host, src_host = self._is_host(dst), self._is_host(src)
             if dst_host and src_host:   # host memory to host memory: the host does it
                 self._pending()
@@ -416,13 +304,13 @@ class CheckingCpuAccelerator(CpuAccelerator):
         dst.copy_(src, non_blocking=non_blocking)   # (inside ``hot``, a blocking device-to-host copy is a sync)
 
     def use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        with self._lock, _quiet():
+        with self._lock:
             self._entry("queue compute")
             self._placed([*reads, *writes], "compute on the device", host=False)
             self._access(self._queue(None), reads, writes, "compute")
 
     def host_use(self, reads: Sequence[Tensor] = (), writes: Sequence[Tensor] = ()) -> None:
-        with self._lock, _quiet():
+        with self._lock:
             self._pending()
             self._access(self._host, reads, writes, "host code")
 
@@ -430,7 +318,7 @@ class CheckingCpuAccelerator(CpuAccelerator):
         return self._queue(None)
 
     def collective(self, tensors: Sequence[Tensor], what: str):
-        with self._lock, _quiet():
+        with self._lock:
             self._entry("issue a collective")
             self._placed(tensors, f"collective {what!r} (NCCL takes device memory only)", host=False)
             self._collectives.merge(self._issuing_stream().clock())   # NCCL waits for the current stream
@@ -442,19 +330,8 @@ class CheckingCpuAccelerator(CpuAccelerator):
             self._entry("wait for a collective")
             self._queue(None).merge(token)
 
-    @contextmanager
-    def hot(self, where: str) -> Iterator[None]:
-        depth = torch._C._len_torch_function_stack()
-        watch = torch._C._get_function_stack_at(0) if depth == 1 else None
-        if not (isinstance(watch, _Watch) and watch.lasting):   # (in hooks: backward runs with no modes)
-            with _Watch((self,), hot=(self, where)):
-                yield
-            return
-        before, watch.hot = watch.hot, (self, where)
-        try:
-            yield
-        finally:
-            watch.hot = before
+    def hot(self, where: str) -> contextlib.AbstractContextManager:
+        return _NoHostSync(self, where)
 
     def hook(self, fn: Callable, where: str) -> Callable:
         def checked(*args, **kwargs):
