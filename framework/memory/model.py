@@ -15,7 +15,7 @@ from torch.utils.checkpoint import CheckpointError
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from framework.core.errors import ConfigError, FrameworkError
+from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.footprint import Footprint
 from framework.core.registry import registry
 from framework.core.units import MiB
@@ -332,7 +332,7 @@ def predict(cfg, world: int | None = None, module: nn.Module | None = None,
             except Exception as e:   # a model that does not take this input: say what was fed (the cause kept:
                 # its traceback points into the model)
                 raise ConfigError(f"memory prediction: tracing the activations with loss_fn(module, batch) on the "
-                                  f"meta device failed ({type(e).__name__}: {(str(e).splitlines() or [''])[0]})"
+                                  f"meta device failed ({type(e).__name__}: {first_line(e)})"
                                   f"; the trace fed {fed}: give predict(..., batch=) one micro batch as your loss_fn takes "
                                   f"it (and loss_fn=)") from e
         return traces[k]
