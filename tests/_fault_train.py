@@ -35,7 +35,7 @@ def fault(point: str, rank: int) -> None:
     if fails:
         from framework.core.errors import FrameworkError
 
-        atexit.register(time.sleep, 3.0)
+        atexit.register(time.sleep, 1.5)   # (its peer exits at once: well inside the launcher's 5 s, even loaded)
         raise FrameworkError(f"FRAMEWORK_FAULT: rank {rank} fails at {point}")
     if raises:
         raise RuntimeError(f"FRAMEWORK_FAULT: rank {rank} raises at {point}")
