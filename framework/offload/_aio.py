@@ -18,7 +18,6 @@ import ctypes
 import errno
 import functools
 import mmap
-import os
 import queue
 import threading
 import weakref
@@ -29,7 +28,7 @@ import torch
 
 from framework.core.errors import ConfigError, SwapIOError
 from framework.core.units import MiB, size as _size
-from framework.offload._swapfile import ALIGN, SwapFile, padded
+from framework.offload._swapfile import ALIGN, SwapFile, os_reason, padded
 
 HUGE = 2 << 20   # transparent huge page size on x86-64 and most arm64 kernels
 # Bounds for the ``aio`` keys (DeepSpeed's sweeps go up to 1 MiB blocks and 128 x 8 requests in flight):
@@ -170,7 +169,7 @@ class AsyncIO:
             for b in bounces:
                 b.close()
             raise ConfigError(f"offload.aio.block_size={block_size}: cannot allocate the IO threads' bounce "
-                              f"buffers ({count} x {_size(nbytes)}: {os.strerror(e.errno) if e.errno else e}); "
+                              f"buffers ({count} x {_size(nbytes)}: {os_reason(e)}); "
                               f"lower offload.aio.block_size (DeepSpeed's default is {MiB})") from None
         self._threads: list[threading.Thread] | None = []   # (None: closed)
         try:
@@ -257,7 +256,7 @@ class AsyncIO:
                     except SwapIOError as e:
                         error = e
                     except OSError as e:
-                        error = self._error(handle, offset, nbytes, os.strerror(e.errno) if e.errno else str(e), e.errno)
+                        error = self._error(handle, offset, nbytes, os_reason(e), e.errno)
                     except Exception as e:  # noqa: BLE001 - reported through the handle, never lost in a thread
                         error = self._error(handle, offset, nbytes, f"{type(e).__name__}: {e}", None)
                 handle._piece_done(error)

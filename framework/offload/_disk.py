@@ -202,19 +202,15 @@ class DiskPlacement(NVMePlacement):
             if self.grad_swap:
                 fp.add("nvme_grad_staging", host=self.staging_bytes(sizes))
             if self.read_back:
-                fp.add("nvme_grad_read_back", host=self.read_back_bytes(bounce, sizes))
+                fp.add("nvme_grad_read_back", host=self.staging_bytes(sizes) + bounce)   # landings, bounce buffer
 
     def _largest(self, sizes: Iterable[int] | None = None) -> int:
         """Elements of the largest partition (of ``sizes``, else of those placed): a read-back landing's."""
         return max(sizes if sizes is not None else (p.numel() for p in self.partitions), default=0)
 
     def staging_bytes(self, sizes: Iterable[int] | None = None) -> int:
-        """Two pinned buffers of the largest partition (the staging buffers, or the landings)."""
+        """Two pinned buffers of the largest partition (the staging buffers, or the read-back landings)."""
         return 2 * self._largest(sizes) * self.grad_dtype.itemsize
-
-    def read_back_bytes(self, bounce: int, sizes: Iterable[int] | None = None) -> int:
-        """Two pinned landings of the largest partition and a ``bounce``-byte buffer."""
-        return self.staging_bytes(sizes) + bounce
 
     def _partition_buffers(self) -> list[torch.Tensor]:
         """Two pinned host buffers of the largest partition in arenas, as the pools. Pinned whatever
@@ -288,7 +284,9 @@ class DiskPlacement(NVMePlacement):
         slot, slots, total, bounce = store.layout(self.spec.buffer_count)   # (never more slots than tiles)
         store.buffer_count = slots
         preflight(self.folder(), total, create=True)   # (no buffer check: a slot holds any tile)
-        grads = (self.staging_bytes() if self.grad_swap else 0) + (self.read_back_bytes(bounce) if self.read_back else 0)
+        grads = self.staging_bytes() if self.grad_swap else 0
+        if self.read_back:   # as many landings and a bounce buffer
+            grads += self.staging_bytes() + bounce
         self.check_ram(store.buffer_count * slot + bounce + grads, "")
 
     def mapped_state(self, params: Sequence[torch.Tensor], opt_state: Any, *, write: bool

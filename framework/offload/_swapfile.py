@@ -38,6 +38,11 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+def os_reason(e: OSError) -> str:
+    """An OS error's reason for a one-line message: the errno's text, else what it says."""
+    return os.strerror(e.errno) if e.errno else str(e)
+
+
 def reserved_bytes(extents: Mapping[str, int]) -> int:
     return sum(padded(int(n)) for n in extents.values())
 
@@ -146,9 +151,8 @@ class SwapFile:
                         if size:
                             syscalls.fallocate(fd, 0, size)
                     except OSError as e:
-                        raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, "
-                                          f"all extents): {os.strerror(e.errno) if e.errno else e}; free space "
-                                          "or point offload.nvme_path at a larger disk",
+                        raise SwapIOError(f"cannot reserve {size} bytes for swap file {path} (offset 0, all extents): "
+                                          f"{os_reason(e)}; free space or point offload.nvme_path at a larger disk",
                                           path=str(path), offset=0, what="all extents", errno=e.errno) from e
                     f = cls(path, table, size, meta, fd, syscalls)
                     break
@@ -283,9 +287,8 @@ class FileMap:
                               path=str(file.path), offset=0, what="the whole file") from None
         except OSError as e:   # a file system without mmap support, or no address space left
             raise SwapIOError(f"swap file {file.path}: cannot map it into memory to save or load a checkpoint "
-                              f"({os.strerror(e.errno) if e.errno else e}); put offload.nvme_path on a local "
-                              "file system (ext4, xfs)", path=str(file.path), offset=0, what="the whole file",
-                              errno=e.errno) from e
+                              f"({os_reason(e)}); put offload.nvme_path on a local file system (ext4, xfs)",
+                              path=str(file.path), offset=0, what="the whole file", errno=e.errno) from e
         self._mm.madvise(mmap.MADV_SEQUENTIAL)   # read in order: aggressive read-ahead, pages dropped behind
         self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._start = self._bytes.data_ptr()

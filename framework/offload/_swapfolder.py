@@ -49,12 +49,10 @@ def temp_root() -> str:
 
 
 def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
-              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1,
-              size_key: str = "offload.param_buffer_size", count_key: str = "offload.param_buffer_count",
-              create: bool = False) -> None:
+              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1, create: bool = False) -> None:
     """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` buffers of ``buffer_bytes`` hold the
-    largest tile (``itemsize``: bytes per element of ``size_key`` / ``count_key``, for the message)."""
+    ``total_bytes``, and ``buffer_count >= min_buffer_count`` zero3 parameter buffers of ``buffer_bytes``
+    hold the largest tile (``itemsize``: bytes per element, for the message)."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():
@@ -79,10 +77,11 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     problems = []
     if buffer_bytes < largest_tile_bytes:
         need = -(-largest_tile_bytes // itemsize)
-        problems.append(f"{size_key}={buffer_bytes // itemsize} is smaller than the largest tile "
-                        f"({need} elements): set {size_key} >= {need}")
+        problems.append(f"offload.param_buffer_size={buffer_bytes // itemsize} is smaller than the largest tile "
+                        f"({need} elements): set offload.param_buffer_size >= {need}")
     if buffer_count < min_buffer_count:
-        problems.append(f"{count_key}={buffer_count} is too few: set {count_key} >= {min_buffer_count}")
+        problems.append(f"offload.param_buffer_count={buffer_count} is too few: set offload.param_buffer_count "
+                        f">= {min_buffer_count}")
     if problems:
         raise ConfigError("offload buffers too small: " + "; ".join(problems))
 

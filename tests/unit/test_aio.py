@@ -350,8 +350,7 @@ def test_preflight_one_line_errors(tmp_path):
         args = dict(path=tmp_path, total_bytes=1 << 20, largest_tile_bytes=4000, buffer_bytes=4096, buffer_count=2)
         args.update(change)
         with pytest.raises(ConfigError, match=words) as info:
-            preflight(**args, min_buffer_count=2, itemsize=4, size_key="offload.param_buffer_size",
-                      count_key="offload.param_buffer_count")
+            preflight(**args, min_buffer_count=2, itemsize=4)
         assert "\n" not in str(info.value)
     made = tmp_path / "run" / "nvme"
     preflight(made, 1, 1, 1, 1, create=True)
