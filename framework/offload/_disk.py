@@ -368,13 +368,6 @@ class DiskPlacement(NVMePlacement):
             store.read_extent(info.index, host[info.start:info.end], self.read_bounce)
         return host
 
-    def _read_ahead(self, group: int | None) -> None:
-        """Start reading back ``group``, unless a read ahead is still unused (a hook must not wait for it)
-        or there is nothing to read."""
-        if self.read_back and group is not None and not self.reads and group in self.writes \
-                and group not in self.norms:
-            self.reads[group] = self._read_back(group)
-
     def _drop_reads(self) -> None:
         """(outside the hooks) Reads ahead no reduction took, waited for: their buffers are free again."""
         for future, k in self.reads.values():
@@ -401,7 +394,11 @@ class DiskPlacement(NVMePlacement):
         if self.last is not None:
             self.follow[self.last] = group
         self.last = group
-        self._read_ahead(self.follow.get(group))   # the group reduced next, as last time
+        # read back the group reduced next last time, unless a read ahead is still unused (a hook must not
+        # wait for it) or there is nothing to read
+        nxt = self.follow.get(group)
+        if self.read_back and not self.reads and nxt in self.writes and nxt not in self.norms:
+            self.reads[nxt] = self._read_back(nxt)
 
     def _write_grads(self, group: int, host: torch.Tensor, copied) -> None:
         """(the writer thread) ``host`` -> the group's extents, once its copy from the device is done."""
