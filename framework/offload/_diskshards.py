@@ -105,8 +105,7 @@ class DiskShards(HostShards):
         size = next(iter(store.entries.values())).swapped[0].element_size()
         largest = max(e.swapped[0].numel() for e in store.entries.values())
         _, slots, total, _ = store.layout(self.slots(largest))
-        preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size,
-                  spec.param_buffer_count, itemsize=size, create=True)
+        preflight(self.p.folder(), total, largest * size, spec.param_buffer_size * size, itemsize=size, create=True)
         store.buffer_count = slots
         if store.buffer_count == 1 < len(store.entries):   # (a slot is reused once its copies are done)
             print(f"nvme: the zero3 parameter pool has 1 slot, so each shard load waits (in a hook) for the "

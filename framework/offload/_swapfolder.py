@@ -48,11 +48,11 @@ def temp_root() -> str:
     return tmp
 
 
-def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0,
-              buffer_count: int = 1, *, min_buffer_count: int = 1, itemsize: int = 1, create: bool = False) -> None:
+def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int = 0, buffer_bytes: int = 0, *,
+              itemsize: int = 1, create: bool = False) -> None:
     """One-line ConfigErrors unless ``path`` exists (``create``: made), is writable with room for
-    ``total_bytes``, and ``buffer_count >= min_buffer_count`` zero3 parameter buffers of ``buffer_bytes``
-    hold the largest tile (``itemsize``: bytes per element, for the message)."""
+    ``total_bytes``, and a zero3 parameter buffer of ``buffer_bytes`` holds the largest tile (``itemsize``:
+    bytes per element, for the message)."""
     path = Path(path)
     where = f"offload.nvme_path={path}"
     if not path.exists():
@@ -74,16 +74,10 @@ def preflight(path: str | os.PathLike, total_bytes: int, largest_tile_bytes: int
     if free < total_bytes:
         raise ConfigError(f"{where}: the swap files need {_size(total_bytes)} but its file system has "
                           f"{_size(free)} free; free space or point offload.nvme_path at a larger disk")
-    problems = []
     if buffer_bytes < largest_tile_bytes:
         need = -(-largest_tile_bytes // itemsize)
-        problems.append(f"offload.param_buffer_size={buffer_bytes // itemsize} is smaller than the largest tile "
-                        f"({need} elements): set offload.param_buffer_size >= {need}")
-    if buffer_count < min_buffer_count:
-        problems.append(f"offload.param_buffer_count={buffer_count} is too few: set offload.param_buffer_count "
-                        f">= {min_buffer_count}")
-    if problems:
-        raise ConfigError("offload buffers too small: " + "; ".join(problems))
+        raise ConfigError(f"offload buffers too small: offload.param_buffer_size={buffer_bytes // itemsize} is "
+                          f"smaller than the largest tile ({need} elements): set offload.param_buffer_size >= {need}")
 
 
 def agree_swap_room(dist, folder: str, stores: Mapping[str, object], check: Callable[[], None],
