@@ -78,8 +78,7 @@ def _targets(engine, mapped, what: str) -> tuple[StateLayout, list[torch.Tensor]
     """Every rank's holdings of the ``mapped`` state's master pieces (collective), those pieces, and the model's
     tensors as the files name them, in module order: parameters, then persistent buffers."""
     c = engine.components
-    layout = StateLayout.of(c.stage.piece_specs(), rank=c.dist.rank, world=c.dist.world,
-                            gather=lambda mine: c.dist.all_gather_object(mine, what=f"{what}: layout gather"))
+    layout = StateLayout.of(c.stage.piece_specs(), dist=c.dist, what=f"{what}: layout gather")
     masters = list(mapped.params)
     trained = masters[0].dtype if masters else torch.float32   # no pieces on this rank: the default
     # a parameter outside the layout (a frozen one) is whole on every rank
