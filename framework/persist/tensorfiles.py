@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from framework.comm.distributed import agree
 from framework.core import files, units
 from framework.core.errors import ConfigError, FrameworkError, first_line
 from framework.core.paths import WEIGHTS_INDEX as INDEX, WEIGHTS_READ, WEIGHTS_SINGLE as SINGLE, weights_file
@@ -304,6 +305,37 @@ def finish_files(out_dir: Path, plans: Sequence[FilePlan], what: str = "save_wei
                 old.unlink()   # a link is removed, never followed
         files.fsync_dir(out_dir)
         return paths
+
+
+def save_files(out_dir: Path, plans: Sequence[FilePlan], what: str, write, dtype: torch.dtype | None, *,
+               dist=None, **writer_options) -> list[Path]:
+    """The files ``plans`` lays out, filled by ``write(writer)`` (a ``Writer``): ``create_files``, the writes,
+    ``finish_files``, then the warnings on what was written; the paths. With ``dist`` every rank writes its share,
+    rank 0 creates and finishes the files, each phase agreed (every rank raises alike). On any failure the
+    ``.tmp`` files are removed: an earlier save there stays whole."""
+    main = dist is None or dist.is_main
+
+    def phase(fn, name: str):
+        return fn() if dist is None else agree(dist, fn, f"{what}: {name}")
+
+    def fill() -> tuple[int, list[str]]:
+        with Writer(out_dir, plans, what, **writer_options) as writer:
+            write(writer)
+            return writer.finish()
+
+    try:
+        phase(lambda: create_files(out_dir, plans, what) if main else None, "create files")
+        counts = phase(fill, "write")
+        phase(lambda: finish_files(out_dir, plans, what) if main else None, "finish files")
+    except BaseException:
+        if main:   # (every rank is past its writes: ``agree`` exchanged the outcomes)
+            remove_tmp(out_dir)
+        raise
+    everyone = [counts] if dist is None else dist.all_gather_object(
+        counts, what=f"{what}: overflow count, non-finite names")
+    if main:
+        warn_written(sum(n for n, _ in everyone), {n for _, names in everyone for n in names}, dtype, what)
+    return [out_dir / p.name for p in plans] + ([out_dir / INDEX] if len(plans) > 1 else [])
 
 
 class Writer(contextlib.AbstractContextManager):
