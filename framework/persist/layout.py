@@ -164,6 +164,7 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
     the saved scalars; all checked first (``FrameworkError``). ``names``: every trained parameter; ``whole``: the
     buffers and frozen parameters to fill. Saved by another number of ranks, each rank's generators are derived
     from (``seed``, step, rank) on ``device``, as a resume derives them."""
+    flats, per, scalars = pieces(state, specs)
     if isinstance(saved, Mapping):   # (one rank's state dict: its keys would be read as the ranks' dicts)
         raise FrameworkError("load_state_dict: pass every rank's state dicts as a list: [sd] for a run of one rank")
     if not saved:
@@ -174,7 +175,6 @@ def load_state_dict(state: TrainState, specs: Sequence[PieceSpec], saved: Sequen
         if (sd["step"], sd["data"]) != (first["step"], first["data"]):
             raise FrameworkError(f"load_state_dict: the saved states are from different steps "
                                  f"({first['step']} on rank {first['rank']}, {sd['step']} on rank {sd['rank']})")
-    flats, per, scalars = pieces(state, specs)
     saved_opt = first["optimizer"]
     if set(saved_opt["per_element"]) != set(per) or set(saved_opt["scalars"]) != set(scalars):
         raise FrameworkError(f"load_state_dict: the saved optimizer state has "
